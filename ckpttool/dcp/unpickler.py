@@ -1,0 +1,353 @@
+"""Allow-list unpickling of DCP ``.metadata`` and of small ``torch.save`` payloads.
+
+torch's ``FileSystemReader.read_metadata`` runs plain ``pickle.load`` on
+``.metadata``: any global the file names is imported and may be called. This
+module never does that. :class:`MetadataUnpickler` resolves exactly the globals
+torch 2.x writes into ``.metadata`` (DESIGN.md section 6) to light stand-ins
+defined here, so reading metadata neither executes foreign code nor imports
+torch; any other global raises :class:`~ckpttool.errors.UnsafePickleError`
+naming it. The stand-in objects are then validated field by field and converted
+to the frozen dataclasses of :mod:`ckpttool.dcp.model`.
+
+:class:`PrimitiveUnpickler` reads ``data.pkl`` of a ``torch.save`` archive that
+holds only plain Python values (floats, ints, strings, lists, tuples, dicts) —
+what DCP stores for param-group hyperparameters — again without importing torch.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+from ..errors import MetadataError, UnsafePickleError
+from .model import (
+    DTYPE_ITEMSIZE,
+    BytesMeta,
+    CheckpointMetadata,
+    ChunkMeta,
+    DType,
+    StorageInfo,
+    TensorMeta,
+)
+
+__all__ = ["load_metadata", "parse_metadata_bytes", "PrimitiveUnpickler", "MetadataUnpickler"]
+
+MAX_NDIM = 64
+MAX_DIM_SIZE = 2**62
+
+
+# --------------------------------------------------------------------------- stand-ins
+class _Record:
+    """Attribute bag that a pickled dataclass is rebuilt into (NEWOBJ + BUILD)."""
+
+    __slots__ = ("__dict__",)
+    _kind = "record"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__["_args"] = args
+        self.__dict__.update(kwargs)
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            # (dict_state, slots_state) form
+            state = {**(state[0] or {}), **state[1]}
+        self.__dict__["_state"] = state
+        if isinstance(state, dict):
+            for k, v in state.items():
+                if isinstance(k, str):
+                    self.__dict__[k] = v
+
+
+def _kind(name: str) -> type[_Record]:
+    return type(name, (_Record,), {"__slots__": (), "_kind": name})
+
+
+_Metadata = _kind("Metadata")
+_TensorStorageMetadata = _kind("TensorStorageMetadata")
+_TensorProperties = _kind("TensorProperties")
+_ChunkStorageMetadata = _kind("ChunkStorageMetadata")
+_BytesStorageMetadata = _kind("BytesStorageMetadata")
+_MetadataIndex = _kind("MetadataIndex")
+_StorageMeta = _kind("StorageMeta")
+_StorageInfoRec = _kind("_StorageInfo")
+
+
+class _DTypeStandIn(str):
+    """A torch dtype global such as ``torch.bfloat16``, kept by name."""
+
+
+class _Layout(str):
+    pass
+
+
+def _get_layout(name: Any) -> _Layout:
+    # torch.serialization._get_layout('torch.strided'): only a layout name is accepted.
+    if not isinstance(name, str) or not name.startswith("torch.") or len(name) > 64:
+        raise UnsafePickleError(
+            f"torch.serialization._get_layout called with {name!r}, expected a layout name like 'torch.strided'"
+        )
+    return _Layout(name)
+
+
+def _size(*args: Any) -> tuple[Any, ...]:
+    # torch.Size((d0, d1, ...)) — REDUCE(torch.Size, (tuple,)).
+    if len(args) == 0:
+        return ()
+    if len(args) != 1 or not isinstance(args[0], (tuple, list)):
+        raise UnsafePickleError(f"torch.Size called with {args!r:.80}, expected one tuple of ints")
+    return tuple(args[0])
+
+
+def _mem_format(value: Any = 0) -> int:
+    return value if isinstance(value, int) else -1
+
+
+def _path(*parts: Any) -> str:
+    if not all(isinstance(p, str) for p in parts):
+        raise UnsafePickleError("pathlib path built from non-string parts")
+    return os.path.join(*parts) if parts else ""
+
+
+_DCP = "torch.distributed.checkpoint.metadata"
+_SHARD_MD = "torch.distributed._shard.sharded_tensor.metadata"
+_SHARD_MD2 = "torch.distributed._shard.metadata"
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    (_DCP, "Metadata"): _Metadata,
+    (_DCP, "TensorStorageMetadata"): _TensorStorageMetadata,
+    (_DCP, "TensorProperties"): _TensorProperties,
+    (_SHARD_MD, "TensorProperties"): _TensorProperties,  # torch < 2.2
+    (_DCP, "ChunkStorageMetadata"): _ChunkStorageMetadata,
+    (_DCP, "BytesStorageMetadata"): _BytesStorageMetadata,
+    (_DCP, "MetadataIndex"): _MetadataIndex,
+    (_DCP, "StorageMeta"): _StorageMeta,
+    (_DCP, "_MEM_FORMAT_ENCODING"): _mem_format,
+    (_SHARD_MD, "MEM_FORMAT_ENCODING"): _mem_format,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfoRec,
+    ("torch", "Size"): _size,
+    ("torch.serialization", "_get_layout"): _get_layout,
+    ("pathlib", "PosixPath"): _path,
+    ("pathlib", "WindowsPath"): _path,
+    ("pathlib", "PurePosixPath"): _path,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("collections", "OrderedDict"): dict,
+}
+for _name in DTYPE_ITEMSIZE:
+    _ALLOWED[("torch", _name)] = _DTypeStandIn(_name)
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickler that resolves only the globals torch writes into ``.metadata``.
+
+    Raises:
+        UnsafePickleError: on any other global or on a persistent id.
+    """
+
+    def __init__(self, file: Any, *, source: str = ".metadata") -> None:
+        super().__init__(file)
+        self._source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _ALLOWED[(module, name)]
+        except (KeyError, TypeError):
+            raise UnsafePickleError(
+                f"{self._source}: refused to load pickle global {module}.{name} (not on the allow-list)",
+                path=self._source,
+            ) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafePickleError(f"{self._source}: refused pickle persistent id", path=self._source)
+
+
+class PrimitiveUnpickler(pickle.Unpickler):
+    """Unpickler for plain Python values only (no globals at all).
+
+    ``OrderedDict`` is the one global allowed (as ``dict``), since param-group
+    dicts sometimes are one.
+
+    Raises:
+        UnsafePickleError: on any global or persistent id.
+    """
+
+    def __init__(self, file: Any, *, source: str = "<bytes>") -> None:
+        super().__init__(file)
+        self._source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        raise UnsafePickleError(
+            f"{self._source}: pickle names global {module}.{name}", path=self._source
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafePickleError(f"{self._source}: pickle holds a tensor storage", path=self._source)
+
+
+# --------------------------------------------------------------------------- validation
+def _bad(source: str, what: str) -> MetadataError:
+    return MetadataError(f"{source}: {what}", path=source)
+
+
+def _shape(value: Any, source: str, key: str, what: str) -> tuple[int, ...]:
+    if not isinstance(value, tuple) or len(value) > MAX_NDIM:
+        raise _bad(source, f"entry {key!r}: {what} is not a shape tuple ({type(value).__name__})")
+    for d in value:
+        if type(d) is not int or d < 0 or d > MAX_DIM_SIZE:
+            raise _bad(source, f"entry {key!r}: {what} {value!r:.80} holds {d!r:.40}, not a size >= 0")
+    return value
+
+
+def _convert_tensor(key: str, rec: Any, source: str) -> TensorMeta:
+    props = getattr(rec, "properties", None)
+    dtype = getattr(props, "dtype", None) if props is not None else None
+    if not isinstance(props, _TensorProperties):
+        # torch's TensorProperties pickles a __getstate__ tuple (dtype, layout, ...)
+        raise _bad(source, f"entry {key!r}: properties are not TensorProperties")
+    state = props.__dict__.get("_state")
+    if dtype is None and isinstance(state, tuple) and state:
+        dtype = state[0]
+    if not isinstance(dtype, _DTypeStandIn):
+        raise _bad(source, f"entry {key!r}: dtype {dtype!r:.60} is not a torch dtype")
+    size = _shape(getattr(rec, "size", None), source, key, "size")
+    chunks_raw = getattr(rec, "chunks", None)
+    if not isinstance(chunks_raw, list):
+        raise _bad(source, f"entry {key!r}: chunks is not a list")
+    chunks = []
+    for c in chunks_raw:
+        if not isinstance(c, _ChunkStorageMetadata):
+            raise _bad(source, f"entry {key!r}: chunk is {type(c).__name__}, not ChunkStorageMetadata")
+        offsets = _shape(getattr(c, "offsets", None), source, key, "chunk offsets")
+        sizes = _shape(getattr(c, "sizes", None), source, key, "chunk sizes")
+        if len(offsets) != len(size) or len(sizes) != len(size):
+            raise _bad(source, f"entry {key!r}: chunk rank {len(sizes)} differs from tensor rank {len(size)}")
+        if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
+            raise _bad(source, f"entry {key!r}: chunk at {offsets} size {sizes} lies outside tensor {size}")
+        chunks.append(ChunkMeta(offsets, sizes))
+    return TensorMeta(DType(str(dtype)), size, tuple(chunks))
+
+
+def _convert_storage(raw: Any, source: str) -> dict[tuple[str, tuple[int, ...] | None], StorageInfo]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise _bad(source, f"storage_data is {type(raw).__name__}, not a dict")
+    out: dict[tuple[str, tuple[int, ...] | None], StorageInfo] = {}
+    for idx, info in raw.items():
+        if not isinstance(idx, _MetadataIndex) or not isinstance(info, _StorageInfoRec):
+            raise _bad(source, "storage_data holds entries that are not MetadataIndex -> _StorageInfo")
+        fqn = getattr(idx, "fqn", None)
+        offset = getattr(idx, "offset", None)
+        if not isinstance(fqn, str):
+            raise _bad(source, f"storage_data key has fqn {fqn!r:.60}, not a string")
+        if offset is not None:
+            offset = _shape(offset, source, fqn, "storage offset")
+        rel = getattr(info, "relative_path", None)
+        off = getattr(info, "offset", None)
+        length = getattr(info, "length", None)
+        tds = getattr(info, "transform_descriptors", None)
+        if not isinstance(rel, str) or type(off) is not int or type(length) is not int:
+            raise _bad(source, f"storage entry for {fqn!r}: relative_path/offset/length have wrong types")
+        if off < 0 or length < 0:
+            raise _bad(source, f"storage entry for {fqn!r}: negative offset {off} or length {length}")
+        if tds is None:
+            tds = ()
+        if not isinstance(tds, (list, tuple)) or not all(isinstance(t, str) for t in tds):
+            raise _bad(source, f"storage entry for {fqn!r}: transform_descriptors is not a list of strings")
+        out[(fqn, offset)] = StorageInfo(rel, off, length, tuple(tds))
+    return out
+
+
+def _convert(obj: Any, source: str) -> CheckpointMetadata:
+    if not isinstance(obj, _Metadata):
+        raise _bad(source, f"holds a {type(obj).__name__}, not a DCP Metadata object")
+    sdm = getattr(obj, "state_dict_metadata", None)
+    if not isinstance(sdm, dict):
+        raise _bad(source, "state_dict_metadata is missing or not a dict")
+    entries: dict[str, TensorMeta | BytesMeta] = {}
+    for key, rec in sdm.items():
+        if not isinstance(key, str):
+            raise _bad(source, f"state_dict_metadata has a key {key!r:.60} that is not a string")
+        if isinstance(rec, _BytesStorageMetadata):
+            entries[key] = BytesMeta()
+        elif isinstance(rec, _TensorStorageMetadata):
+            entries[key] = _convert_tensor(key, rec, source)
+        else:
+            raise _bad(source, f"entry {key!r} is {type(rec).__name__}, not tensor or bytes metadata")
+    planner = getattr(obj, "planner_data", None)
+    planner_data: dict[str, tuple[Any, ...]] = {}
+    if isinstance(planner, dict):
+        for k, v in planner.items():
+            if isinstance(k, str) and isinstance(v, (tuple, list)):
+                planner_data[k] = tuple(v)
+    storage = _convert_storage(getattr(obj, "storage_data", None), source)
+    version = getattr(obj, "version", None)
+    smeta = getattr(obj, "storage_meta", None)
+    ckpt_id = save_id = None
+    if isinstance(smeta, _StorageMeta):
+        cid = getattr(smeta, "checkpoint_id", None)
+        ckpt_id = cid if isinstance(cid, str) else None
+        sid = getattr(smeta, "save_id", None)
+        save_id = sid if isinstance(sid, str) else None
+    return CheckpointMetadata(
+        entries=entries,
+        storage=storage,
+        planner_data=planner_data,
+        version=version if isinstance(version, str) else None,
+        checkpoint_id=ckpt_id,
+        save_id=save_id,
+    )
+
+
+def parse_metadata_bytes(data: bytes, source: str = ".metadata") -> CheckpointMetadata:
+    """Parse the bytes of a ``.metadata`` file safely.
+
+    Args:
+        data: the file content.
+        source: the file name used in error messages.
+
+    Returns:
+        The validated :class:`CheckpointMetadata`.
+
+    Raises:
+        UnsafePickleError: the pickle names a global outside the allow-list.
+        MetadataError: empty, truncated, garbage, or not a DCP ``Metadata``.
+    """
+    if not data:
+        raise MetadataError(f"{source} is empty", path=source)
+    try:
+        obj = MetadataUnpickler(io.BytesIO(data), source=source).load()
+    except UnsafePickleError:
+        raise
+    except MetadataError:
+        raise
+    except RecursionError as e:
+        raise _bad(source, "pickle nests too deeply") from e
+    except MemoryError as e:
+        raise _bad(source, "pickle needs more memory than available") from e
+    except Exception as e:  # noqa: BLE001 - any unpickling failure of untrusted bytes
+        raise MetadataError(
+            f"{source} is not a readable pickle ({type(e).__name__}: {str(e)[:80]})", path=source
+        ) from e
+    return _convert(obj, source)
+
+
+def load_metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
+    """Read and validate a ``.metadata`` file (see :func:`parse_metadata_bytes`).
+
+    Raises:
+        MetadataError: the file cannot be read, or its content is invalid.
+        UnsafePickleError: the pickle names a global outside the allow-list.
+    """
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise MetadataError(f"cannot read {p}: {e.strerror}", path=p) from e
+    return parse_metadata_bytes(data, str(p))
+

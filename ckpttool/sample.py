@@ -1,0 +1,271 @@
+"""A small but real sample checkpoint: a tiny MoE causal LM saved with ``dcp.save``.
+
+The model uses Hugging Face Qwen3-MoE parameter names (transformers v5 fused
+experts): ``model.layers.N.mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and
+``...experts.down_proj`` ``[E, H, I]``, plus a persistent router buffer
+``mlp.gate.e_score_correction_bias`` ``[E]`` (DeepSeek-V3 style) so that lost
+buffers can be demonstrated. It is trained for a few AdamW steps on random
+tokens and saved the way VeOmni-style trainers do::
+
+    dcp.save({"model": model_sd, "optimizer": optim_sd, "layout": json_record}, checkpoint_id=DIR)
+
+plus ``extra_state/extra_state_rank_0.pt`` (``torch.save`` of step / scheduler /
+RNG state) and ``model_assets/config.json`` (an HF config for ``export --model-assets``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SampleConfig", "TinyMoEForCausalLM", "write_sample", "layout_record_for"]
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    """Sizes of the sample model (H hidden, I expert intermediate, E experts)."""
+
+    vocab_size: int = 128
+    hidden_size: int = 32
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 8
+    moe_intermediate_size: int = 16
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+
+    def hf_config(self) -> dict[str, Any]:
+        """A Qwen3-MoE style ``config.json`` dict for these sizes."""
+        cfg = asdict(self)
+        cfg.update(
+            architectures=["Qwen3MoeForCausalLM"],
+            model_type="qwen3_moe",
+            intermediate_size=4 * self.hidden_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            max_position_embeddings=256,
+            torch_dtype="float32",
+        )
+        return cfg
+
+
+def _build_model_class() -> type:
+    import torch
+    from torch import nn
+
+    class RMSNorm(nn.Module):
+        def __init__(self, dim: int, eps: float) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(dim))
+            self.eps = eps
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+    class Attention(nn.Module):
+        def __init__(self, c: SampleConfig) -> None:
+            super().__init__()
+            self.c = c
+            h, d = c.hidden_size, c.head_dim
+            self.q_proj = nn.Linear(h, c.num_attention_heads * d, bias=False)
+            self.k_proj = nn.Linear(h, c.num_key_value_heads * d, bias=False)
+            self.v_proj = nn.Linear(h, c.num_key_value_heads * d, bias=False)
+            self.o_proj = nn.Linear(c.num_attention_heads * d, h, bias=False)
+            self.q_norm = RMSNorm(d, c.rms_norm_eps)
+            self.k_norm = RMSNorm(d, c.rms_norm_eps)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, _ = x.shape
+            c = self.c
+            q = self.q_norm(self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim)).transpose(1, 2)
+            k = self.k_norm(self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim)).transpose(1, 2)
+            v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+            rep = c.num_attention_heads // c.num_key_value_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+    class Router(nn.Module):
+        def __init__(self, c: SampleConfig) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(c.num_experts, c.hidden_size) * 0.02)
+            self.register_buffer("e_score_correction_bias", torch.zeros(c.num_experts), persistent=True)
+
+    class Experts(nn.Module):
+        """Fused experts: gate_up_proj ``[E, 2I, H]``, down_proj ``[E, H, I]``."""
+
+        def __init__(self, c: SampleConfig) -> None:
+            super().__init__()
+            e, i, h = c.num_experts, c.moe_intermediate_size, c.hidden_size
+            self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h) * 0.02)
+            self.down_proj = nn.Parameter(torch.randn(e, h, i) * 0.02)
+
+    class SparseMoE(nn.Module):
+        def __init__(self, c: SampleConfig) -> None:
+            super().__init__()
+            self.c = c
+            self.gate = Router(c)
+            self.experts = Experts(c)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            c = self.c
+            logits = x @ self.gate.weight.t()
+            probs = torch.softmax(logits.float(), dim=-1)
+            top_w, top_i = torch.topk(probs + self.gate.e_score_correction_bias, c.num_experts_per_tok, dim=-1)
+            top_w = torch.gather(probs, -1, top_i)
+            top_w = (top_w / top_w.sum(-1, keepdim=True)).to(x.dtype)
+            weights = torch.zeros_like(probs, dtype=x.dtype).scatter(-1, top_i, top_w)  # [..., E]
+            gu = torch.einsum("bth,eih->btei", x, self.experts.gate_up_proj)  # [B,T,E,2I]
+            g, u = gu.chunk(2, dim=-1)
+            y = torch.einsum("btei,ehi->bteh", torch.nn.functional.silu(g) * u, self.experts.down_proj)
+            return (y * weights.unsqueeze(-1)).sum(2)
+
+    class Layer(nn.Module):
+        def __init__(self, c: SampleConfig) -> None:
+            super().__init__()
+            self.self_attn = Attention(c)
+            self.mlp = SparseMoE(c)
+            self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + self.self_attn(self.input_layernorm(x))
+            return x + self.mlp(self.post_attention_layernorm(x))
+
+    class Backbone(nn.Module):
+        def __init__(self, c: SampleConfig) -> None:
+            super().__init__()
+            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+            self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_hidden_layers))
+            self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    class TinyMoEForCausalLM(nn.Module):
+        """Tiny MoE causal LM with Qwen3-MoE parameter names."""
+
+        def __init__(self, c: SampleConfig) -> None:
+            super().__init__()
+            self.config = c
+            self.model = Backbone(c)
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            x = self.model.embed_tokens(input_ids)
+            for layer in self.model.layers:
+                x = layer(x)
+            return self.lm_head(self.model.norm(x))
+
+        def loss(self, input_ids: torch.Tensor) -> torch.Tensor:
+            logits = self(input_ids[:, :-1])
+            return torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), input_ids[:, 1:].reshape(-1)
+            )
+
+    return TinyMoEForCausalLM
+
+
+_MODEL_CLASS: type | None = None
+
+
+def TinyMoEForCausalLM(config: SampleConfig | None = None) -> Any:  # noqa: N802 - factory named like the class
+    """Build the tiny MoE model (``torch.nn.Module``) for ``config``."""
+    global _MODEL_CLASS
+    if _MODEL_CLASS is None:
+        _MODEL_CLASS = _build_model_class()
+    return _MODEL_CLASS(config or SampleConfig())
+
+
+def layout_record_for(
+    config: SampleConfig,
+    *,
+    ep_size: int = 1,
+    ep_fsdp_size: int = 1,
+    optimizer: dict[str, Any] | None = None,
+    global_step: int = 0,
+    version: int = 2,
+    fsdp_dim: int = 0,
+) -> dict[str, Any]:
+    """Layout record (DESIGN.md section 3) for the sample model's fused expert tensors."""
+    extra = {}
+    for n in range(config.num_hidden_layers):
+        for name in ("gate_up_proj", "down_proj"):
+            extra[f"model.model.layers.{n}.mlp.experts.{name}"] = {
+                "ep_dim": 0, "fsdp_dim": fsdp_dim, "num_experts": config.num_experts,
+            }
+    return {
+        "format": "ckpttool.layout",
+        "version": version,
+        "parallel": {
+            "ep_size": ep_size, "ep_fsdp_size": ep_fsdp_size, "ep_replicate_size": 1,
+            "dp_shard_size": ep_size * ep_fsdp_size, "tp_size": 1,
+        },
+        "extra_parallel": extra,
+        "optimizer": optimizer or {"type": "adamw"},
+        "global_step": global_step,
+    }
+
+
+def write_sample(path: str | os.PathLike[str], *, steps: int = 3, seed: int = 0,
+                 config: SampleConfig | None = None) -> Path:
+    """Train the tiny MoE for ``steps`` AdamW steps and save it as a DCP checkpoint.
+
+    Args:
+        path: target directory; must not exist or be empty.
+        steps: optimizer steps before the save.
+        seed: RNG seed (the output is deterministic for a given seed and torch).
+        config: model sizes.
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        OutputError: ``path`` exists and is not empty.
+    """
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from .errors import OutputError
+
+    out = Path(path)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise OutputError(f"{out} exists and is not empty", path=out, hint="choose a new directory")
+    c = config or SampleConfig()
+    torch.manual_seed(seed)
+    model = TinyMoEForCausalLM(c)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.linspace(-0.01, 0.01, c.num_experts))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
+    gen = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        ids = torch.randint(0, c.vocab_size, (2, 16), generator=gen)
+        optim.zero_grad(set_to_none=True)
+        model.loss(ids).backward()
+        optim.step()
+        sched.step()
+    model_sd, optim_sd = get_state_dict(model, optim)
+    record = layout_record_for(c, optimizer={"type": "adamw"}, global_step=steps)
+    out.mkdir(parents=True, exist_ok=True)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model_sd, "optimizer": optim_sd, "layout": json.dumps(record)}, checkpoint_id=str(out))
+    extra = out / "extra_state"
+    extra.mkdir()
+    torch.save(
+        {"global_step": steps, "lr_scheduler": sched.state_dict(), "torch_rng_state": torch.get_rng_state()},
+        extra / "extra_state_rank_0.pt",
+    )
+    assets = out / "model_assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps(c.hf_config(), indent=2) + "\n")
+    return out
