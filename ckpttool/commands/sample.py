@@ -1,0 +1,28 @@
+"""``ckpttool sample DIR``: write a small real checkpoint to try every command on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ._options import command_boundary
+
+
+@command_boundary
+def sample_command(
+    directory: Annotated[Path, typer.Argument(help="Where to write the sample checkpoint (must not exist or be empty).")],
+    steps: Annotated[int, typer.Option("--steps", min=0, help="AdamW steps before the save.")] = 3,
+    seed: Annotated[int, typer.Option("--seed", help="RNG seed.")] = 0,
+) -> None:
+    """Write a tiny MoE causal LM checkpoint (HF Qwen3-MoE names, fused experts, layout record)."""
+    from ..sample import write_sample
+
+    out = write_sample(directory, steps=steps, seed=seed)
+    typer.echo(f"wrote sample checkpoint to {out}", err=True)
+    typer.echo(f"try: ckpttool inspect {out}", err=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("sample")(sample_command)

@@ -1,0 +1,129 @@
+"""Human output: rich tables on stdout, readable without colour (``NO_COLOR`` honoured).
+
+Library code never prints; commands call these functions with result objects.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["stdout_console", "stderr_console", "human_bytes", "table", "render_overview"]
+
+
+def stdout_console() -> Console:
+    width = None if sys.stdout.isatty() else 200
+    return Console(file=sys.stdout, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, width=width)
+
+
+def stderr_console() -> Console:
+    return Console(file=sys.stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False)
+
+
+def human_bytes(n: int | float | None) -> str:
+    """``1536`` -> ``'1.5 KiB'`` (binary units)."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover
+
+
+def table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
+    t = Table(title=title, title_justify="left", show_lines=False, expand=False)
+    for c in columns:
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        t.add_row(*("-" if v is None else str(v) for v in r))
+    return t
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, list):
+        return "(" + ", ".join(_fmt(x) for x in v) + ")"
+    return "-" if v is None else str(v)
+
+
+def render_overview(ov: dict[str, Any], *, max_rows: int = 200) -> None:
+    """Print ``inspect``'s overview as tables."""
+    con = stdout_console()
+    s = ov["summary"]
+    con.print(f"checkpoint  {ov['path']}")
+    con.print(f"dcp version {ov['dcp_version'] or '-'}")
+    con.print(
+        f"files       {s['files']} data files from ranks {s['ranks'] or '-'}, {human_bytes(s['bytes_on_disk'])} on disk"
+    )
+    con.print(
+        f"tensors     {s['tensor_count']} ({s['model_tensor_count']} model, {s['numel_model']:,} model elements), "
+        f"{s['byte_item_count']} byte items"
+    )
+    by_cat = ", ".join(f"{k} {human_bytes(v)}" for k, v in s["bytes_by_category"].items())
+    by_dtype = ", ".join(f"{k} {human_bytes(v)}" for k, v in s["bytes_by_dtype"].items())
+    con.print(f"bytes       {by_cat}")
+    con.print(f"by dtype    {by_dtype}")
+
+    if "tree" in ov:
+        con.print(table("model tree", ["prefix", "tensors", "numel", "bytes"],
+                        [[r["prefix"], r["tensors"], f"{r['numel']:,}", human_bytes(r["nbytes"])] for r in ov["tree"]]))
+    else:
+        rows = []
+        for t in ov["model"][:max_rows]:
+            notes = []
+            if t["uneven"]:
+                notes.append("uneven")
+            if t["zero_size_chunks"]:
+                notes.append(f"{t['zero_size_chunks']} zero-size")
+            rows.append([t["key"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"], f"{t['numel']:,}",
+                         t["chunks"], ",".join(map(str, t["ranks"])) or "-", " ".join(notes)])
+        con.print(table("model tensors", ["key", "shape", "dtype", "numel", "chunks", "ranks", "notes"], rows))
+        if len(ov["model"]) > max_rows:
+            con.print(f"... {len(ov['model']) - max_rows} more (use --filter, --depth or --json)")
+
+    o = ov["optimizer"]
+    con.print(
+        f"optimizer   flavor {o['flavor'] or '-'}; state for {o['params_with_state']}/{o['params_total']} params; "
+        f"implied type {o['implied_type'] or '-'}; declared type {o['declared_type'] or '-'}"
+    )
+    if o["fields"]:
+        con.print(table("optimizer state fields", ["field", "dtypes (params)"],
+                        [[f, ", ".join(f"{d} ({n})" for d, n in c.items())] for f, c in o["fields"].items()]))
+    if o["param_groups"]:
+        rows = []
+        for g in o["param_groups"]:
+            state = "yes" if g["has_state"] else "no state (never stepped)"
+            rows.append([g["id"], g["params"], _fmt(g["lr"]), _fmt(g["weight_decay"]), _fmt(g["betas"]),
+                         _fmt(g["eps"]), _fmt(g["initial_lr"]), state, ",".join(g["missing"]) or "-"])
+        con.print(table("param groups", ["group", "params", "lr", "weight_decay", "betas", "eps", "initial_lr",
+                                         "state", "missing"], rows))
+    if o["orphan_state"]:
+        con.print(f"state for fqns not in the model: {', '.join(o['orphan_state'][:10])}")
+
+    lay = ov["layout"]
+    if lay is not None:
+        con.print(
+            f"layout      version {lay['version']} ({lay['layout']}, {lay['source']}), parallel {lay['parallel']}, "
+            f"{len(lay['extra_parallel'])} EP tensors, global_step {lay['global_step']}"
+        )
+        if "geometry" in lay:
+            con.print(table("EP geometry", list(lay["geometry"][0].keys()) if lay["geometry"] else [],
+                            [list(r.values()) for r in lay["geometry"]]))
+    elif ov["layout_error"] is not None:
+        con.print(f"layout      error: [{ov['layout_error']['code']}] {ov['layout_error']['message']}")
+    else:
+        con.print("layout      none (unversioned)")
+    for e in ov["extra_state"]:
+        con.print(f"extra state {e['path']} ({human_bytes(e['size'])}, rank {e['rank']}): {e['status']}"
+                  + (f", keys {', '.join(e.get('keys', []))}" if e.get("keys") else ""))
+    if ov["byte_items"]:
+        con.print(table("byte items", ["key", "bytes"], [[b["key"], b["bytes"]] for b in ov["byte_items"][:max_rows]]))
+    if ov["other_keys"]:
+        con.print(f"other keys  {', '.join(ov['other_keys'][:20])}")
