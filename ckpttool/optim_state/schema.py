@@ -121,7 +121,7 @@ def expected_state_dtypes(
         type_name: one of ``adamw | full_fp32_adamw | master_fp32_adamw | cpu_offload_adamw``.
         cfg: the optimizer configuration, either the constructor keywords
             (``moment_dtype``; ``resident_moment_dtype``, ``cpu_moment_dtype``,
-            ``cpu_offload_param_patterns``) or the layout record's ``optimizer`` object
+            ``cpu_offload_param_patterns``, ``cpu_offload``) or the layout record's ``optimizer`` object
             (``moment_dtypes: {"resident": ..., "cpu": ...}``, ``offload_patterns``).
             Dtypes as ``torch.dtype`` or names. ``None`` means defaults.
         param_dtype: dtype of the model parameter (matters for ``adamw`` only).
@@ -160,7 +160,7 @@ def expected_state_dtypes(
                 hint="pass fqn= so the offload patterns can decide",
             )
         else:
-            offloaded = any(re.search(p, fqn) for p in _offload_patterns(cfg))
+            offloaded = bool(cfg.get("cpu_offload", True)) and any(re.search(p, fqn) for p in _offload_patterns(cfg))
             mdt = cpu if offloaded else resident
         return {"step": f32, "master_weight": f32, "exp_avg": mdt, "exp_avg_sq": mdt}
     raise UsageError(

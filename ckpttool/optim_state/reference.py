@@ -1,0 +1,123 @@
+"""Independent reference AdamW step, for tests and ``ckpttool replay-step``.
+
+Two implementations that share no code with the optimizers in this package:
+
+- :func:`reference_adamw_step` writes the formula out (Loshchilov & Hutter 2019,
+  "Decoupled Weight Decay Regularization", Algorithm 2, in torch's convention where the
+  decay term is scaled by the learning rate: ``torch/optim/adamw.py``)::
+
+      t      = step + 1
+      theta  = theta * (1 - lr * weight_decay)
+      m      = beta1 * m + (1 - beta1) * g
+      v      = beta2 * v + (1 - beta2) * g**2
+      m_hat  = m / (1 - beta1**t)
+      v_hat  = v / (1 - beta2**t)
+      theta  = theta - lr * m_hat / (sqrt(v_hat) + eps)
+
+  (the paper's ``eta_t * lambda`` is torch's ``lr * weight_decay``.)
+- :func:`reference_adamw_step_torch` runs one ``torch.optim.AdamW`` step (for-loop
+  implementation) on clones.
+
+Both take the state as tensors, compute in ``dtype`` (float64 by default, or float32),
+never mutate their inputs, and return new tensors in ``dtype``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["reference_adamw_step", "reference_adamw_step_torch"]
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"reference dtype must be float32 or float64, got {dtype}")
+
+
+def reference_adamw_step(
+    master_fp32: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: float,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """One AdamW step from the formula, on widened clones.
+
+    Args:
+        master_fp32: weights before the step, any shape ``S`` (float32 master, or any float dtype).
+        grad: gradient, shape ``S`` (any float dtype).
+        exp_avg: first moment before the step, shape ``S`` (any float dtype, e.g. bf16 as saved).
+        exp_avg_sq: second moment before the step, shape ``S``.
+        step: steps taken before this one (the saved ``step`` value; a 0-d tensor is accepted).
+        lr: learning rate.
+        betas: ``(beta1, beta2)``.
+        eps: denominator term.
+        weight_decay: decoupled weight decay coefficient (scaled by ``lr``, as in torch).
+        dtype: compute and result dtype, ``torch.float64`` (default) or ``torch.float32``.
+
+    Returns:
+        ``(new_master, new_exp_avg, new_exp_avg_sq, new_step)``: three new tensors of shape
+        ``S`` and dtype ``dtype`` on the input's device, and ``step + 1`` as a float.
+
+    Raises:
+        ValueError: shapes differ or ``dtype`` is not float32/float64.
+    """
+    _check_dtype(dtype)
+    if not (master_fp32.shape == grad.shape == exp_avg.shape == exp_avg_sq.shape):
+        raise ValueError(
+            f"shape mismatch: master {list(master_fp32.shape)}, grad {list(grad.shape)}, "
+            f"exp_avg {list(exp_avg.shape)}, exp_avg_sq {list(exp_avg_sq.shape)}"
+        )
+    beta1, beta2 = float(betas[0]), float(betas[1])
+    t = float(step) + 1.0
+    theta = master_fp32.detach().to(dtype=dtype, copy=True)
+    g = grad.detach().to(dtype=dtype, copy=True)
+    m = exp_avg.detach().to(dtype=dtype, copy=True)
+    v = exp_avg_sq.detach().to(dtype=dtype, copy=True)
+    theta = theta * (1.0 - lr * weight_decay)
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    m_hat = m / (1.0 - beta1**t)
+    v_hat = v / (1.0 - beta2**t)
+    theta = theta - lr * m_hat / (torch.sqrt(v_hat) + eps)
+    return theta, m, v, t
+
+
+def reference_adamw_step_torch(
+    master_fp32: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: float,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """One ``torch.optim.AdamW`` step (``foreach=False``, ``fused=False``) on widened clones.
+
+    Same arguments, returns and errors as :func:`reference_adamw_step`.
+    """
+    _check_dtype(dtype)
+    if not (master_fp32.shape == grad.shape == exp_avg.shape == exp_avg_sq.shape):
+        raise ValueError("shape mismatch between master, grad and moments")
+    p = torch.nn.Parameter(master_fp32.detach().to(dtype=dtype, copy=True))
+    p.grad = grad.detach().to(dtype=dtype, copy=True)
+    opt = torch.optim.AdamW(
+        [p], lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps, weight_decay=weight_decay,
+        foreach=False, fused=False,
+    )
+    opt.state[p] = {
+        "step": torch.tensor(float(step), dtype=torch.float32),
+        "exp_avg": exp_avg.detach().to(dtype=dtype, copy=True),
+        "exp_avg_sq": exp_avg_sq.detach().to(dtype=dtype, copy=True),
+    }
+    opt.step()
+    state = opt.state[p]
+    return p.detach(), state["exp_avg"], state["exp_avg_sq"], float(state["step"].item())
