@@ -62,8 +62,9 @@ def _plain(value: Any) -> Any:
 
 def _optimizer_section(cat: Catalog, filt: str | None) -> dict[str, Any]:
     grouped = {p for g in cat.param_groups for p in g.params}
-    nested_known = cat.optimizer_flavor == "nested" and bool(grouped)
-    # With nested groups the `params` lists name the real parameters; the rest are buffers.
+    nested_known = bool(grouped)
+    # Param groups name the real parameters (nested: `params` lists; flattened: one group per
+    # parameter); model tensors in no group are buffers.
     params = [
         f for f in cat.param_fqns
         if match_filter(f"model.{f}", filt) and (not nested_known or f in grouped or f in cat.optimizer_state)

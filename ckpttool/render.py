@@ -124,6 +124,11 @@ def render_overview(ov: dict[str, Any], *, max_rows: int = 200) -> None:
         con.print(f"extra state {e['path']} ({human_bytes(e['size'])}, rank {e['rank']}): {e['status']}"
                   + (f", keys {', '.join(e.get('keys', []))}" if e.get("keys") else ""))
     if ov["byte_items"]:
-        con.print(table("byte items", ["key", "bytes"], [[b["key"], b["bytes"]] for b in ov["byte_items"][:max_rows]]))
+        pg = [b for b in ov["byte_items"] if b["key"].startswith("optimizer.param_groups.")]
+        rest = [b for b in ov["byte_items"] if not b["key"].startswith("optimizer.param_groups.")]
+        if pg:
+            con.print(f"byte items  {len(pg)} param-group items ({human_bytes(sum(b['bytes'] for b in pg))})")
+        if rest:
+            con.print(table("byte items", ["key", "bytes"], [[b["key"], b["bytes"]] for b in rest[:max_rows]]))
     if ov["other_keys"]:
         con.print(f"other keys  {', '.join(ov['other_keys'][:20])}")

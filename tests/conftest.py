@@ -1,0 +1,55 @@
+"""Session-cached real DCP fixtures (built once, shared by xdist workers).
+
+Fixture checkpoints are read-only by convention: a test that damages one works on
+``copy_checkpoint(fixture, tmp_path / "x")``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures import builders
+from tests.fixtures.cache import cached_build
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+@pytest.fixture(scope="session")
+def fixture_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    env = os.environ.get("CKPTTOOL_FIXTURE_CACHE")
+    if env:
+        return Path(env)
+    # Shared across xdist workers: the parent of the per-worker base temp.
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if base.name.startswith("popen-gw") else base
+    return root / "ckpttool-fixtures"
+
+
+@pytest.fixture(scope="session")
+def dense_ckpt(fixture_root: Path) -> Path:
+    """Fixture (a): dense BF16 LM + AdamW, nested flavor, persistent buffer."""
+    return cached_build(fixture_root, "dense", builders.build_dense)
+
+
+@pytest.fixture(scope="session")
+def multi_optim_ckpt(fixture_root: Path) -> Path:
+    """Fixture (b): flattened multi-optimizer, never-stepped leaf with LR 0.0025."""
+    return cached_build(fixture_root, "multi_optim", builders.build_multi_optim)
+
+
+@pytest.fixture(scope="session")
+def fsdp_ckpt(fixture_root: Path) -> Path:
+    """Fixture (c): 4-rank FSDP2 save with uneven and zero-size chunks."""
+    return cached_build(fixture_root, "fsdp", builders.build_fsdp)
+
+
+@pytest.fixture(scope="session")
+def sample_ckpt(fixture_root: Path) -> Path:
+    """The `ckpttool sample` checkpoint."""
+    from ckpttool.sample import write_sample
+
+    return cached_build(fixture_root, "sample", write_sample)
