@@ -1,0 +1,116 @@
+"""Optimizer step time and effective bandwidth: ckpttool variants vs torch.optim.AdamW.
+
+Usage::
+
+    python bench/bench_optim.py                      # 256M elements on the CPU
+    python bench/bench_optim.py --numel 67108864     # shrink
+    python bench/bench_optim.py --device cuda        # on a GPU (cpu_offload_adamw stages via pinned memory)
+
+Every variant steps the same parameters and gradients (``--tensors`` equal tensors,
+``--param-dtype`` float32 or bfloat16). Reported per variant: median step time over
+``--steps`` timed steps after ``--warmup`` untimed ones (the first creates the state), and
+effective bandwidth = bytes of parameter + gradient + all optimizer state tensors, divided
+by the step time (each byte counted once, although a step reads most of them more than once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ckpttool.optim_state import CPUOffloadAdamW, FullFP32AdamW, MasterFP32AdamW  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+
+
+def _variants(device: torch.device, chunk_size: int) -> dict[str, Callable[[list], torch.optim.Optimizer]]:
+    hyper = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    out: dict[str, Callable[[list], torch.optim.Optimizer]] = {
+        "torch AdamW foreach": lambda ps: torch.optim.AdamW(ps, foreach=True, **hyper),
+        "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, fused=True, **hyper),
+        "torch AdamW for-loop": lambda ps: torch.optim.AdamW(ps, foreach=False, **hyper),
+        "full_fp32_adamw": lambda ps: FullFP32AdamW(ps, **hyper),
+        "master_fp32_adamw (bf16 m/v)": lambda ps: MasterFP32AdamW(ps, moment_dtype=torch.bfloat16, **hyper),
+        "cpu_offload_adamw (all offloaded)": lambda ps: CPUOffloadAdamW(
+            [(f"p{i}", p) for i, p in enumerate(ps)], cpu_offload_param_patterns=["."], chunk_size=chunk_size, **hyper
+        ),
+    }
+    return out
+
+
+def run(numel: int, tensors: int, device: torch.device, param_dtype: torch.dtype, steps: int, warmup: int,
+        chunk_size: int, only: list[str] | None) -> list[tuple[str, float, float, int]]:
+    """Returns ``[(variant, median step seconds, GB/s, bytes touched)]``; skipped variants get NaN."""
+    per = numel // tensors
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(per, generator=gen).to(param_dtype).to(device)) for _ in range(tensors)]
+    grads = [(torch.randn(per, generator=gen) * 1e-3).to(param_dtype).to(device) for _ in range(tensors)]
+    rows = []
+    for name, make in _variants(device, chunk_size).items():
+        if only and not any(o in name for o in only):
+            continue
+        try:
+            opt = make(params)
+        except (RuntimeError, ValueError) as e:  # e.g. fused unsupported for this device/dtype
+            rows.append((name, float("nan"), float("nan"), 0))
+            print(f"# {name}: skipped ({e})", file=sys.stderr)
+            continue
+        for p, g in zip(params, grads):
+            p.grad = g
+        times = []
+        for i in range(warmup + steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            opt.step()
+            _sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        touched = sum(p.numel() * p.element_size() * 2 for p in params) + _state_bytes(opt)  # param + grad + state
+        med = statistics.median(times)
+        rows.append((name, med, touched / med / 1e9, touched))
+        del opt
+        gc.collect()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=int, default=256 * 2**20, help="total parameter elements (default 256M)")
+    ap.add_argument("--tensors", type=int, default=8, help="split into this many equal tensors (default 8)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, npu, ... (default cpu)")
+    ap.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--chunk-size", type=int, default=1 << 22, help="cpu_offload_adamw chunk elements")
+    ap.add_argument("--only", nargs="*", help="substrings of variant names to run")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.param_dtype)
+    rows = run(args.numel, args.tensors, device, dtype, args.steps, args.warmup, args.chunk_size, args.only)
+    base = next((r[1] for r in rows if r[0] == "torch AdamW foreach"), float("nan"))
+    print(f"numel={args.numel} tensors={args.tensors} device={device} param_dtype={args.param_dtype} "
+          f"threads={torch.get_num_threads()} torch={torch.__version__}")
+    print(f"{'variant':36s} {'step ms':>10s} {'GB/s':>8s} {'GiB touched':>12s} {'vs foreach':>11s}")
+    for name, sec, gbs, touched in rows:
+        print(f"{name:36s} {sec * 1e3:10.1f} {gbs:8.2f} {touched / 2**30:12.2f} {sec / base:10.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

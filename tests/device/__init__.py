@@ -1,0 +1,1 @@
+"""Tests that need an accelerator (cuda/npu); each module skips cleanly without one."""
