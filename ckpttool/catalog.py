@@ -80,11 +80,12 @@ class TensorEntry:
     @property
     def uneven(self) -> bool:
         """Chunks of different sizes (e.g. dim 0 not divisible by the world size)."""
-        return len({c.sizes for c in self.chunks}) > 1
+        chunks = self.chunks
+        return len(chunks) > 1 and any(c.sizes != chunks[0].sizes for c in chunks)
 
     @property
     def zero_size_chunks(self) -> int:
-        return sum(1 for c in self.chunks if c.numel == 0)
+        return sum(1 for c in self.chunks if 0 in c.sizes)
 
 
 @dataclass
@@ -190,14 +191,21 @@ class Catalog:
         return None
 
 
+_RANK_CACHE: dict[str, int | None] = {}
+
+
+def _rank(relative_path: str) -> int | None:
+    r = _RANK_CACHE.get(relative_path, -1)
+    if r == -1:
+        r = _RANK_CACHE[relative_path] = rank_of_file(relative_path)
+    return r
+
+
 def _entry(key: str, meta: TensorMeta, md_storage: Any) -> TensorEntry:
-    files = []
-    for c in meta.chunks:
-        info = md_storage.get((key, c.offsets))
-        if info is not None:
-            files.append(info.relative_path)
-    ufiles = tuple(sorted(set(files)))
-    ranks = tuple(sorted({r for r in (rank_of_file(f) for f in ufiles) if r is not None}))
+    get = md_storage.get
+    files = {info.relative_path for c in meta.chunks if (info := get((key, c.offsets))) is not None}
+    ufiles = tuple(sorted(files))
+    ranks = tuple(sorted({r for r in map(_rank, ufiles) if r is not None}))
     return TensorEntry(key, meta.size, meta.dtype.name, meta.numel, meta.nbytes, meta.chunks, ranks, ufiles)
 
 

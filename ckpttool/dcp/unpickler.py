@@ -41,38 +41,38 @@ MAX_DIM_SIZE = 2**62
 
 # --------------------------------------------------------------------------- stand-ins
 class _Record:
-    """Attribute bag that a pickled dataclass is rebuilt into (NEWOBJ + BUILD)."""
+    """Attribute bag that a pickled dataclass is rebuilt into (NEWOBJ + BUILD).
 
-    __slots__ = ("__dict__",)
+    No ``__setstate__``: pickle's C BUILD fills ``__dict__`` from the dict state,
+    which keeps unpickling 10^5-entry metadata fast.
+    """
+
     _kind = "record"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.__dict__["_args"] = args
-        self.__dict__.update(kwargs)
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
-            # (dict_state, slots_state) form
-            state = {**(state[0] or {}), **state[1]}
-        self.__dict__["_state"] = state
-        if isinstance(state, dict):
-            for k, v in state.items():
-                if isinstance(k, str):
-                    self.__dict__[k] = v
 
 
 def _kind(name: str) -> type[_Record]:
-    return type(name, (_Record,), {"__slots__": (), "_kind": name})
+    return type(name, (_Record,), {"_kind": name})
 
 
 _Metadata = _kind("Metadata")
 _TensorStorageMetadata = _kind("TensorStorageMetadata")
-_TensorProperties = _kind("TensorProperties")
 _ChunkStorageMetadata = _kind("ChunkStorageMetadata")
 _BytesStorageMetadata = _kind("BytesStorageMetadata")
 _MetadataIndex = _kind("MetadataIndex")
 _StorageMeta = _kind("StorageMeta")
 _StorageInfoRec = _kind("_StorageInfo")
+
+
+class _TensorProperties(_Record):
+    """torch's TensorProperties pickles a ``__getstate__`` tuple ``(dtype, layout, ...)``."""
+
+    _kind = "TensorProperties"
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and state:
+            self.__dict__["dtype"] = state[0]
+        elif isinstance(state, dict):
+            self.__dict__.update((k, v) for k, v in state.items() if isinstance(k, str))
 
 
 class _DTypeStandIn(str):
@@ -194,42 +194,55 @@ def _bad(source: str, what: str) -> MetadataError:
     return MetadataError(f"{source}: {what}", path=source)
 
 
+_VALID_SHAPES: dict[tuple[int, ...], bool] = {}
+
+
 def _shape(value: Any, source: str, key: str, what: str) -> tuple[int, ...]:
+    # Validated shapes are cached by value (tuples of ints hash fast); most chunks repeat a few shapes.
+    # Only tuples made purely of in-range ints are ever cached, so a hit is always valid.
+    _ok = _VALID_SHAPES
+    if type(value) is tuple and value in _ok:
+        return value
     if not isinstance(value, tuple) or len(value) > MAX_NDIM:
         raise _bad(source, f"entry {key!r}: {what} is not a shape tuple ({type(value).__name__})")
     for d in value:
         if type(d) is not int or d < 0 or d > MAX_DIM_SIZE:
             raise _bad(source, f"entry {key!r}: {what} {value!r:.80} holds {d!r:.40}, not a size >= 0")
+    if len(_ok) < 65536:
+        _ok[value] = True
     return value
 
 
-def _convert_tensor(key: str, rec: Any, source: str) -> TensorMeta:
-    props = getattr(rec, "properties", None)
-    dtype = getattr(props, "dtype", None) if props is not None else None
+def _convert_tensor(key: str, rec: Any, source: str, dtypes: dict[str, DType]) -> TensorMeta:
+    d = rec.__dict__
+    props = d.get("properties")
     if not isinstance(props, _TensorProperties):
-        # torch's TensorProperties pickles a __getstate__ tuple (dtype, layout, ...)
         raise _bad(source, f"entry {key!r}: properties are not TensorProperties")
-    state = props.__dict__.get("_state")
-    if dtype is None and isinstance(state, tuple) and state:
-        dtype = state[0]
-    if not isinstance(dtype, _DTypeStandIn):
+    dtype = props.__dict__.get("dtype")
+    if type(dtype) is not _DTypeStandIn:
         raise _bad(source, f"entry {key!r}: dtype {dtype!r:.60} is not a torch dtype")
-    size = _shape(getattr(rec, "size", None), source, key, "size")
-    chunks_raw = getattr(rec, "chunks", None)
-    if not isinstance(chunks_raw, list):
+    size = _shape(d.get("size"), source, key, "size")
+    chunks_raw = d.get("chunks")
+    if type(chunks_raw) is not list:
         raise _bad(source, f"entry {key!r}: chunks is not a list")
+    ndim = len(size)
     chunks = []
     for c in chunks_raw:
-        if not isinstance(c, _ChunkStorageMetadata):
+        if type(c) is not _ChunkStorageMetadata:
             raise _bad(source, f"entry {key!r}: chunk is {type(c).__name__}, not ChunkStorageMetadata")
-        offsets = _shape(getattr(c, "offsets", None), source, key, "chunk offsets")
-        sizes = _shape(getattr(c, "sizes", None), source, key, "chunk sizes")
-        if len(offsets) != len(size) or len(sizes) != len(size):
-            raise _bad(source, f"entry {key!r}: chunk rank {len(sizes)} differs from tensor rank {len(size)}")
-        if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
-            raise _bad(source, f"entry {key!r}: chunk at {offsets} size {sizes} lies outside tensor {size}")
+        cd = c.__dict__
+        offsets = _shape(cd.get("offsets"), source, key, "chunk offsets")
+        sizes = _shape(cd.get("sizes"), source, key, "chunk sizes")
+        if len(offsets) != ndim or len(sizes) != ndim:
+            raise _bad(source, f"entry {key!r}: chunk rank {len(sizes)} differs from tensor rank {ndim}")
+        for o, sz, dim in zip(offsets, sizes, size):
+            if o + sz > dim:
+                raise _bad(source, f"entry {key!r}: chunk at {offsets} size {sizes} lies outside tensor {size}")
         chunks.append(ChunkMeta(offsets, sizes))
-    return TensorMeta(DType(str(dtype)), size, tuple(chunks))
+    dt = dtypes.get(dtype)
+    if dt is None:
+        dt = dtypes[dtype] = DType(str(dtype))
+    return TensorMeta(dt, size, tuple(chunks))
 
 
 def _convert_storage(raw: Any, source: str) -> dict[tuple[str, tuple[int, ...] | None], StorageInfo]:
@@ -239,27 +252,31 @@ def _convert_storage(raw: Any, source: str) -> dict[tuple[str, tuple[int, ...] |
         raise _bad(source, f"storage_data is {type(raw).__name__}, not a dict")
     out: dict[tuple[str, tuple[int, ...] | None], StorageInfo] = {}
     for idx, info in raw.items():
-        if not isinstance(idx, _MetadataIndex) or not isinstance(info, _StorageInfoRec):
+        if type(idx) is not _MetadataIndex or type(info) is not _StorageInfoRec:
             raise _bad(source, "storage_data holds entries that are not MetadataIndex -> _StorageInfo")
-        fqn = getattr(idx, "fqn", None)
-        offset = getattr(idx, "offset", None)
-        if not isinstance(fqn, str):
+        idd = idx.__dict__
+        fqn = idd.get("fqn")
+        offset = idd.get("offset")
+        if type(fqn) is not str:
             raise _bad(source, f"storage_data key has fqn {fqn!r:.60}, not a string")
         if offset is not None:
             offset = _shape(offset, source, fqn, "storage offset")
-        rel = getattr(info, "relative_path", None)
-        off = getattr(info, "offset", None)
-        length = getattr(info, "length", None)
-        tds = getattr(info, "transform_descriptors", None)
-        if not isinstance(rel, str) or type(off) is not int or type(length) is not int:
+        ind = info.__dict__
+        rel = ind.get("relative_path")
+        off = ind.get("offset")
+        length = ind.get("length")
+        tds = ind.get("transform_descriptors")
+        if type(rel) is not str or type(off) is not int or type(length) is not int:
             raise _bad(source, f"storage entry for {fqn!r}: relative_path/offset/length have wrong types")
         if off < 0 or length < 0:
             raise _bad(source, f"storage entry for {fqn!r}: negative offset {off} or length {length}")
         if tds is None:
             tds = ()
-        if not isinstance(tds, (list, tuple)) or not all(isinstance(t, str) for t in tds):
+        elif not isinstance(tds, (list, tuple)) or not all(isinstance(t, str) for t in tds):
             raise _bad(source, f"storage entry for {fqn!r}: transform_descriptors is not a list of strings")
-        out[(fqn, offset)] = StorageInfo(rel, off, length, tuple(tds))
+        else:
+            tds = tuple(tds)
+        out[(fqn, offset)] = StorageInfo(rel, off, length, tds)
     return out
 
 
@@ -270,13 +287,15 @@ def _convert(obj: Any, source: str) -> CheckpointMetadata:
     if not isinstance(sdm, dict):
         raise _bad(source, "state_dict_metadata is missing or not a dict")
     entries: dict[str, TensorMeta | BytesMeta] = {}
+    dtypes: dict[str, DType] = {}
+    bytes_meta = BytesMeta()
     for key, rec in sdm.items():
         if not isinstance(key, str):
             raise _bad(source, f"state_dict_metadata has a key {key!r:.60} that is not a string")
-        if isinstance(rec, _BytesStorageMetadata):
-            entries[key] = BytesMeta()
-        elif isinstance(rec, _TensorStorageMetadata):
-            entries[key] = _convert_tensor(key, rec, source)
+        if type(rec) is _TensorStorageMetadata:
+            entries[key] = _convert_tensor(key, rec, source, dtypes)
+        elif type(rec) is _BytesStorageMetadata:
+            entries[key] = bytes_meta
         else:
             raise _bad(source, f"entry {key!r} is {type(rec).__name__}, not tensor or bytes metadata")
     planner = getattr(obj, "planner_data", None)

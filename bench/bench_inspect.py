@@ -1,0 +1,192 @@
+"""Benchmark: `ckpttool inspect --json` vs torch's own metadata read on a 100,000-entry checkpoint.
+
+Builds (once, cached under --workdir) a DCP checkpoint with N tensor entries
+"written as if by 8 ranks": a quarter of the tensors are sharded along dim 0
+over all 8 ranks (8 chunks each), the rest are written whole by one rank
+(round-robin), plus nested param-group byte items. ``.metadata`` is pickled
+from torch's real ``Metadata`` dataclasses exactly as ``dcp.save`` does, and
+every chunk is a real ``torch.save`` archive at its recorded offset.
+
+Prints, in one run:
+  * wall time of ``ckpttool inspect --json DIR`` (a fresh process, as a user runs it);
+  * wall time of a fresh process doing ``FileSystemReader(DIR).read_metadata()``
+    and listing the keys (torch's bare metadata read, no checks, no report);
+  * in-process times of both without interpreter/import start-up;
+  * bytes read from ``.distcp`` files by inspect, split into byte-item bytes and
+    tensor-chunk bytes (must be 0), by tracing ``os.preadv``.
+
+Usage: python bench/bench_inspect.py [--entries 100000] [--ranks 8] [--workdir /tmp/ckpttool-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def make_many_entries_checkpoint(path: str | os.PathLike[str], n_entries: int = 100_000, ranks: int = 8) -> Path:
+    """Write a DCP checkpoint with ``n_entries`` tensor entries as if saved by ``ranks`` ranks.
+
+    Keys follow the schema: ``model.model.layers.{i}.block{j}.weight`` (BF16, shape ``[8*ranks, 16]``
+    when sharded, ``[4, 16]`` otherwise) and ``optimizer.param_groups.0.{lr,betas,eps,weight_decay,params}``.
+
+    Returns:
+        The checkpoint directory.
+    """
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    templates: dict[tuple, bytes] = {}
+
+    def archive(shape: tuple[int, ...]) -> bytes:
+        blob = templates.get(shape)
+        if blob is None:
+            buf = io.BytesIO()
+            torch.save(torch.ones(shape, dtype=torch.bfloat16), buf)
+            blob = templates[shape] = buf.getvalue()
+        return blob
+
+    files = [open(out / f"__{r}_0.distcp", "wb") for r in range(ranks)]
+    sdm: dict = {}
+    storage: dict = {}
+    planner: dict = {}
+    props = TensorProperties(dtype=torch.bfloat16)
+    keys = []
+    for i in range(n_entries):
+        key = f"model.model.layers.{i // 8}.block{i % 8}.weight"
+        keys.append(key[len("model."):])
+        sharded = i % 4 == 0
+        size = torch.Size([8 * ranks, 16]) if sharded else torch.Size([4, 16])
+        chunks = []
+        writers = range(ranks) if sharded else [i % ranks]
+        for r in writers:
+            offsets = torch.Size([8 * r, 0]) if sharded else torch.Size([0, 0])
+            sizes = torch.Size([8, 16]) if sharded else size
+            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
+            f = files[r]
+            blob = archive(tuple(sizes))
+            storage[MetadataIndex(key, offsets)] = _StorageInfo(f"__{r}_0.distcp", f.tell(), len(blob))
+            f.write(blob)
+        sdm[key] = TensorStorageMetadata(properties=props, size=size, chunks=chunks)
+        planner[key] = ("model", key[len("model."):])
+    for hyper, value in (("lr", 1e-4), ("betas", (0.9, 0.95)), ("eps", 1e-8), ("weight_decay", 0.1), ("params", keys)):
+        key = f"optimizer.param_groups.0.{hyper}"
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        blob = buf.getvalue()
+        f = files[0]
+        storage[MetadataIndex(key)] = _StorageInfo("__0_0.distcp", f.tell(), len(blob))
+        f.write(blob)
+        sdm[key] = BytesStorageMetadata()
+        planner[key] = ("optimizer", "param_groups", 0, hyper)
+    for f in files:
+        f.close()
+    md = Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage, version="1.0.0")
+    with open(out / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    return out
+
+
+TORCH_READ = """
+import sys, time
+t0 = time.perf_counter()
+from torch.distributed.checkpoint import FileSystemReader
+t1 = time.perf_counter()
+md = FileSystemReader(sys.argv[1]).read_metadata()
+keys = sorted(md.state_dict_metadata)
+t2 = time.perf_counter()
+print(f"{t1 - t0:.3f} {t2 - t1:.3f} {len(keys)}")
+"""
+
+CKPTTOOL_READ = """
+import sys, time, os
+t0 = time.perf_counter()
+from ckpttool.overview import build_overview
+t1 = time.perf_counter()
+ranges = []
+_preadv = os.preadv
+def traced(fd, buffers, offset, *a):
+    n = _preadv(fd, buffers, offset, *a)
+    ranges.append((os.readlink(f"/proc/self/fd/{fd}"), offset, n))
+    return n
+os.preadv = traced
+ov = build_overview(sys.argv[1])
+t2 = time.perf_counter()
+import json
+json.dumps(ov)
+t3 = time.perf_counter()
+os.preadv = _preadv
+from ckpttool.dcp import CheckpointDir
+cd = CheckpointDir(sys.argv[1])
+tensor_ranges = {}
+for (fqn, off), info in cd.metadata.storage.items():
+    if off is not None:
+        tensor_ranges.setdefault(os.path.realpath(os.path.join(sys.argv[1], info.relative_path)), []).append((info.offset, info.offset + info.length))
+tensor_bytes = 0
+for path, off, n in ranges:
+    for lo, hi in tensor_ranges.get(path, ()):
+        tensor_bytes += max(0, min(hi, off + n) - max(lo, off))
+total = sum(n for _, _, n in ranges if n > 0)
+print(f"{t1 - t0:.3f} {t2 - t1:.3f} {t3 - t2:.3f} {total} {tensor_bytes} {'torch' in sys.modules}")
+"""
+
+
+def _run(cmd: list[str]) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return time.perf_counter() - t0, res.stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--entries", type=int, default=100_000)
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--workdir", default="/tmp/ckpttool-bench")
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    ckpt = Path(args.workdir) / f"many-{args.entries}-{args.ranks}"
+    if not (ckpt / ".metadata").exists():
+        t0 = time.perf_counter()
+        make_many_entries_checkpoint(ckpt, args.entries, args.ranks)
+        print(f"built {ckpt} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    md_size = (ckpt / ".metadata").stat().st_size
+    data_size = sum(p.stat().st_size for p in ckpt.glob("*.distcp"))
+    cli = [sys.executable, "-c", "from ckpttool.cli import main; main()"]
+    # Warm the page cache once.
+    _run(cli + ["inspect", "--json", str(ckpt)])
+    best_cli = min(_run(cli + ["inspect", "--json", str(ckpt)])[0] for _ in range(args.repeat))
+    torch_runs = [_run([sys.executable, "-c", TORCH_READ, str(ckpt)]) for _ in range(args.repeat)]
+    best_torch = min(t for t, _ in torch_runs)
+    torch_import, torch_read, nkeys = torch_runs[0][1].split()
+    ck = _run([sys.executable, "-c", CKPTTOOL_READ, str(ckpt)])[1].split()
+    ck_import, ck_overview, ck_json, read_total, read_tensor, torch_loaded = ck
+    print(f"checkpoint: {args.entries} tensor entries + 5 byte items, {args.ranks} ranks, "
+          f".metadata {md_size / 2**20:.1f} MiB, data {data_size / 2**20:.1f} MiB")
+    print(f"{'':44s} {'wall s':>8s}")
+    print(f"{'ckpttool inspect --json (fresh process)':44s} {best_cli:8.2f}")
+    print(f"{'torch read_metadata + keys (fresh process)':44s} {best_torch:8.2f}")
+    print(f"{'ratio ckpttool / torch':44s} {best_cli / best_torch:8.2f}   (target <= 2.0, and < 3 s)")
+    print(f"in-process: ckpttool import {ck_import} s, overview {ck_overview} s, json {ck_json} s; "
+          f"torch import {torch_import} s, read_metadata+keys {torch_read} s ({nkeys} keys)")
+    print(f"bytes read from .distcp by inspect: {int(read_total)} total, {int(read_tensor)} inside tensor chunks "
+          f"(must be 0); torch imported by inspect: {torch_loaded}")
+
+
+if __name__ == "__main__":
+    main()
