@@ -1,0 +1,301 @@
+"""``ckpttool reshard``'s library function: rewrite EP tensors between layout versions / mesh sizes.
+
+:func:`reshard` resolves the source layout (record, sidecar or declaration), plans
+the output from metadata (:mod:`.plan`), and streams it into a temporary directory
+beside ``dst`` that is renamed into place when complete (DESIGN.md section 5):
+
+- output chunks that are exactly a source chunk are copied as archives, verbatim
+  (after checking that the archive holds a tensor of the recorded dtype and shape);
+- other EP chunks are assembled tensor by tensor: every source chunk is read once,
+  straight into the output chunk where it lands whole (``os.preadv``), and written
+  with ``torch.save``. Peak memory: one tensor's rewritten chunks plus one source chunk;
+- byte items pass through; the ``layout`` item is replaced by the new record
+  (version 2 for ``--to canonical``, 1 for ``--to legacy``), which also names the
+  source in ``converted_from``;
+- other files beside the checkpoint (``extra_state/``, ``model_assets/``, ...) are
+  copied; a stale sidecar ``layout.json`` is not (the record is embedded).
+
+The source checkpoint is only read.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import zipfile
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..catalog import build_catalog
+from ..dcp.archive import FileWindow, parse_tensor_archive
+from ..dcp.reader import DATA_FILE_RE, METADATA_NAME, CheckpointReader
+from ..errors import ChunkError, UnsafePickleError
+from ..output import AtomicOutputDir
+from .declare import LayoutDeclaration, resolve_layout
+from .plan import ReshardPlan, TensorPlan, plan_reshard
+from .record import SIDECAR_NAME
+from .writer import DCPWriter
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ReshardResult", "reshard", "execute_plan"]
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass
+class ReshardResult:
+    """What :func:`reshard` did (``ckpttool reshard --json``, schema ``ckpttool.reshard/1``).
+
+    Attributes:
+        source, target: directories.
+        from_version, from_source: source layout version (``None`` unversioned) and where it came from.
+        from_ep_size, from_ep_fsdp_size: source sizes (``None`` when unknown).
+        to_version, ep_size, ep_fsdp_size: target layout and mesh sizes; world = ``ep_size * ep_fsdp_size``.
+        ep_tensors: EP parameters; permuted: keys whose expert order changed (parameters and state).
+        optimizer_tensors: optimizer state tensors of EP parameters rewritten with them.
+        passthrough_tensors, byte_items: copied unchanged.
+        chunks_copied, chunks_rewritten: output chunks copied as archives / assembled and re-saved.
+        files: output data files (relative path, bytes).
+        bytes_written, seconds: totals.
+    """
+
+    source: str
+    target: str
+    from_version: int | None
+    from_source: str
+    from_ep_size: int | None
+    from_ep_fsdp_size: int | None
+    to_version: int
+    ep_size: int
+    ep_fsdp_size: int
+    ep_tensors: int
+    permuted: list[str]
+    optimizer_tensors: int
+    passthrough_tensors: int
+    byte_items: int
+    chunks_copied: int = 0
+    chunks_rewritten: int = 0
+    files: list[dict[str, Any]] = field(default_factory=list)
+    extra_files: list[str] = field(default_factory=list)
+    bytes_written: int = 0
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["schema"] = "ckpttool.reshard/1"
+        d["to_layout"] = "canonical" if self.to_version == 2 else "legacy"
+        return d
+
+
+class _Sources:
+    """Read-only descriptors of the source data files (for verbatim archive copies)."""
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        self.reader = reader
+        self._fds: dict[str, int] = {}
+
+    def fd(self, relative_path: str) -> int:
+        fd = self._fds.get(relative_path)
+        if fd is None:
+            fd = os.open(self.reader.resolve(relative_path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            self._fds[relative_path] = fd
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _check_archive(sources: _Sources, key: str, chunk: Any, dtype: str, info: Any) -> None:
+    """Refuse a stored archive that does not hold a tensor of the recorded dtype and shape."""
+    if info.transform_descriptors:
+        return  # copied with its transforms; torch decodes them on load
+    where = f"{sources.reader.path / info.relative_path}: {key!r} chunk at {chunk.offsets}"
+    try:
+        rec = parse_tensor_archive(FileWindow(sources.fd(info.relative_path), info.offset, info.length))
+    except UnsafePickleError as e:
+        raise ChunkError(f"{where}: {e.message}", path=info.relative_path, fqn=key) from e
+    except (zipfile.BadZipFile, KeyError, ValueError, OSError, EOFError) as e:
+        raise ChunkError(f"{where}: stored archive is corrupt ({type(e).__name__}: {str(e)[:80]})",
+                         path=info.relative_path, fqn=key) from e
+    if rec is not None and (rec.dtype != dtype or rec.size != chunk.sizes):
+        raise ChunkError(f"{where}: stored tensor is {rec.dtype}{list(rec.size)}, metadata says {dtype}{list(chunk.sizes)}",
+                         path=info.relative_path, fqn=key)
+
+
+def _box(t: torch.Tensor, start: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    for d, (o, s) in enumerate(zip(start, sizes)):
+        if o != 0 or s != t.shape[d]:
+            t = t.narrow(d, o, s)
+    return t
+
+
+def _write_tensor(tp: TensorPlan, reader: CheckpointReader, sources: _Sources, writer: DCPWriter,
+                  planner_path: Any, counts: dict[str, int]) -> None:
+    import torch
+
+    writer.declare_tensor(tp.key, tp.dtype, tp.shape, planner_path)
+    dtype = tp.dtype.to_torch()
+    buffers: dict[int, torch.Tensor] = {}
+    by_source: dict[Any, list[tuple[int, Any]]] = defaultdict(list)
+    for i, oc in enumerate(tp.chunks):
+        if oc.raw_source is not None:
+            continue
+        buffers[i] = torch.empty(oc.chunk.sizes, dtype=dtype)
+        for piece in oc.pieces:
+            by_source[piece.src_chunk].append((i, piece))
+    if by_source:
+        reader.check_allocation(tp.key, reader.tensor_meta(tp.key))
+    for src_chunk, uses in by_source.items():
+        if len(uses) == 1:
+            i, piece = uses[0]
+            view = _box(buffers[i], piece.dst_start, piece.sizes)
+            if piece.sizes == src_chunk.sizes and view.is_contiguous():
+                reader.read_chunk(tp.key, src_chunk, out=view)  # straight into place, one read
+                continue
+        whole = reader.read_chunk(tp.key, src_chunk)
+        for i, piece in uses:
+            _box(buffers[i], piece.dst_start, piece.sizes).copy_(_box(whole, piece.src_start, piece.sizes))
+        del whole
+    for i, oc in enumerate(tp.chunks):
+        raw = oc.raw_source
+        if raw is not None:
+            info = reader.storage_info(tp.key, raw)
+            _check_archive(sources, tp.key, raw, tp.dtype.name, info)
+            writer.copy_archive(tp.key, oc.chunk, oc.rank, sources.fd(info.relative_path), info)
+            counts["copied"] += 1
+        else:
+            buf = buffers.pop(i)
+            writer.write_chunk(tp.key, oc.chunk, oc.rank, buf)
+            counts["rewritten"] += 1
+
+
+def execute_plan(plan: ReshardPlan, reader: CheckpointReader, out_dir: Path, checkpoint_id: Path,
+                 progress: ProgressFn | None = None) -> tuple[DCPWriter, dict[str, int]]:
+    """Write the planned checkpoint into ``out_dir`` (data files + ``.metadata``).
+
+    Args:
+        plan: from :func:`~ckpttool.layouts.plan.plan_reshard`.
+        reader: reader of ``plan.source``.
+        out_dir: an empty directory.
+        checkpoint_id: the final path, recorded in the metadata.
+        progress: called with ``(bytes done, bytes total)`` after each tensor.
+
+    Returns:
+        The finished writer (byte counts) and ``{"copied": n, "rewritten": n}`` chunk counts.
+    """
+    sources = _Sources(reader)
+    counts = {"copied": 0, "rewritten": 0}
+    total = sum(t.dtype.itemsize * _numel(t.shape) for t in plan.tensors)
+    done = 0
+    try:
+        with DCPWriter(out_dir, checkpoint_id) as writer:
+            writer.ensure_files(range(plan.world))
+            for tp in plan.tensors:
+                _write_tensor(tp, reader, sources, writer, plan.planner_data.get(tp.key), counts)
+                done += tp.dtype.itemsize * _numel(tp.shape)
+                if progress is not None:
+                    progress(done, total)
+            for bp in plan.byte_items:
+                path = plan.planner_data.get(bp.key)
+                if bp.value is None:
+                    info = reader.storage_info(bp.key)
+                    writer.copy_bytes_item(bp.key, bp.rank, sources.fd(info.relative_path), info, path)
+                else:
+                    writer.write_object(bp.key, bp.rank, bp.value, path)
+            writer.finish()
+    finally:
+        sources.close()
+    return writer, counts
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _copy_extra_files(src: Path, dst: Path) -> list[str]:
+    """Copy files beside the checkpoint (not ``.metadata``, data files or the sidecar); symlinks are skipped."""
+    copied = []
+    for entry in sorted(os.scandir(src), key=lambda e: e.name):
+        if entry.name in (METADATA_NAME, SIDECAR_NAME) or DATA_FILE_RE.match(entry.name) or entry.is_symlink():
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.copytree(entry.path, dst / entry.name, symlinks=True,
+                            ignore=lambda d, names: [n for n in names if os.path.islink(os.path.join(d, n))])
+        elif entry.is_file(follow_symlinks=False):
+            shutil.copy2(entry.path, dst / entry.name)
+        else:
+            continue
+        copied.append(entry.name)
+    return copied
+
+
+def reshard(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    to: str,
+    target_ep_size: int | None = None,
+    target_ep_fsdp_size: int | None = None,
+    with_optimizer: bool = False,
+    declaration: LayoutDeclaration | None = None,
+    overwrite: bool = False,
+    trust_pickle: bool = False,
+    progress: ProgressFn | None = None,
+) -> ReshardResult:
+    """Write a new DCP checkpoint whose EP tensors are in the ``to`` layout for the target mesh.
+
+    Args:
+        src: source checkpoint directory (only read).
+        dst: output directory (must not exist or be empty, unless ``overwrite``).
+        to: ``"canonical"`` (version 2) or ``"legacy"`` (version 1).
+        target_ep_size, target_ep_fsdp_size: target ``P``/``F`` (default: the source's).
+        with_optimizer: permute optimizer state of EP parameters too (required when there is some).
+        declaration: source layout declared on the command line, if any.
+        overwrite: replace a non-empty ``dst`` once the new output is complete.
+        trust_pickle: allow ``weights_only=False`` for byte items that need it.
+        progress: optional ``(bytes done, bytes total)`` callback.
+
+    Returns:
+        A :class:`ReshardResult`.
+
+    Raises:
+        UsageError, LayoutError, ReshardError, ChunkError: see
+            :func:`~ckpttool.layouts.plan.plan_reshard`; OutputError: bad target.
+    """
+    t0 = time.perf_counter()
+    src_p, dst_p = Path(src), Path(dst)
+    with CheckpointReader(src_p, trust_pickle=trust_pickle) as reader:
+        cat = build_catalog(reader)
+        layout = resolve_layout(cat, reader, declaration)
+        plan = plan_reshard(cat, reader, layout, to=to, target_ep_size=target_ep_size,
+                            target_ep_fsdp_size=target_ep_fsdp_size, with_optimizer=with_optimizer)
+        with AtomicOutputDir(dst_p, overwrite=overwrite, source=src_p) as tmp:
+            writer, counts = execute_plan(plan, reader, tmp, dst_p.resolve(), progress)
+            extra = _copy_extra_files(src_p, tmp)
+            files = [{"path": DCPWriter.file_name(r), "bytes": (tmp / DCPWriter.file_name(r)).stat().st_size}
+                     for r in range(plan.world)]
+    kinds = defaultdict(int)
+    for t in plan.tensors:
+        kinds[t.kind] += 1
+    return ReshardResult(
+        source=str(src_p), target=str(dst_p),
+        from_version=layout.version, from_source=layout.source,
+        from_ep_size=layout.ep_size, from_ep_fsdp_size=layout.ep_fsdp_size,
+        to_version=plan.to_version, ep_size=plan.ep_size, ep_fsdp_size=plan.ep_fsdp_size,
+        ep_tensors=kinds["ep"], permuted=plan.permuted_keys, optimizer_tensors=kinds["ep_state"],
+        passthrough_tensors=kinds["passthrough"], byte_items=len(plan.byte_items),
+        chunks_copied=counts["copied"], chunks_rewritten=counts["rewritten"],
+        files=files, extra_files=extra, bytes_written=writer.bytes_written,
+        seconds=round(time.perf_counter() - t0, 3),
+    )
