@@ -8,7 +8,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+from collections.abc import Iterator
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -176,6 +179,24 @@ def build_overview(
     Raises:
         CkptError: unreadable or unsafe checkpoint (metadata, byte items, paths).
     """
+    with _gc_paused():
+        return _build_overview(path, filter_glob, depth, sort, trust_pickle)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC while building ~10^6 acyclic objects (it would rescan them repeatedly)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _build_overview(path: str | os.PathLike[str], filter_glob: str | None, depth: int | None, sort: str,
+                    trust_pickle: bool) -> dict[str, Any]:
     reader = CheckpointReader(path, trust_pickle=trust_pickle)
     try:
         cat = build_catalog(reader)
