@@ -16,6 +16,7 @@ what DCP stores for param-group hyperparameters — again without importing torc
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import pickle
@@ -339,8 +340,20 @@ def parse_metadata_bytes(data: bytes, source: str = ".metadata") -> CheckpointMe
     """
     if not data:
         raise MetadataError(f"{source} is empty", path=source)
+    # Unpickling and converting a 10^6-entry file allocates ~10^7 acyclic objects; the cyclic
+    # GC would rescan them over and over (25 s -> 13 s for 10^6 entries with it paused).
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
-        obj = MetadataUnpickler(io.BytesIO(data), source=source).load()
+        return _convert(_unpickle(data, source), source)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _unpickle(data: bytes, source: str) -> Any:
+    try:
+        return MetadataUnpickler(io.BytesIO(data), source=source).load()
     except UnsafePickleError:
         raise
     except MetadataError:
@@ -353,7 +366,6 @@ def parse_metadata_bytes(data: bytes, source: str = ".metadata") -> CheckpointMe
         raise MetadataError(
             f"{source} is not a readable pickle ({type(e).__name__}: {str(e)[:80]})", path=source
         ) from e
-    return _convert(obj, source)
 
 
 def load_metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
