@@ -14,7 +14,7 @@ Offloaded update, per parameter, in chunks of ``chunk_size`` elements (last chun
    chunk ``i`` is updated (two slots by default). CPU parameter: the chunk is a view of
    the gradient (the *direct path*; same loop, no copy).
 2. the CPU updates master and moments of the chunk in FP32 (same op sequence as the
-   foreach path, so results are bitwise identical to it).
+   resident path, so on the CPU results are bitwise identical to it).
 3. ``master_chunk.to(param.dtype)`` (round to nearest even) is written into a pinned
    staging buffer and copied host->device into the parameter, non-blocking (CPU
    parameter: copied in place).
