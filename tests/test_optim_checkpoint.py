@@ -235,6 +235,47 @@ def test_cold_resume_in_new_process_is_bitwise_equal_to_uninterrupted_step(tmp_p
     assert "optimizer.param_groups.0.lr" in nested and "optimizer.param_groups.1.params" in nested
 
 
+# ---------------------------------------------------------------- torch's flattened flavor
+@pytest.mark.parametrize("kind", ["full", "master", "offload"])
+def test_single_optimizer_flattened_flavor_through_torch_get_and_set(tmp_path, kind):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def make(model: nn.Module) -> Any:
+        used = named(model, "embed") + named(model, "head") + named(model, "experts")
+        if kind == "full":
+            return FullFP32AdamW([p for _, p in used], lr=0.01)
+        if kind == "master":
+            return MasterFP32AdamW([p for _, p in used], lr=0.01)
+        return CPUOffloadAdamW(used, lr=0.01, cpu_offload_param_patterns=["experts"], chunk_size=50)
+
+    model = Toy(torch.bfloat16)
+    opt = make(model)
+    for s in range(2):
+        train_step(model, opt, s, torch.bfloat16)
+    osd = get_optimizer_state_dict(model, opt, options=flat)
+    assert "state.experts.w_in.master_weight" in osd and "param_groups.head.bias.lr" in osd
+    dcp.save({"model": get_model_state_dict(model), "optimizer": osd}, checkpoint_id=str(tmp_path))
+
+    fresh_model = Toy(torch.bfloat16)
+    fresh = make(fresh_model)
+    sd = {"model": get_model_state_dict(fresh_model), "optimizer": get_optimizer_state_dict(fresh_model, fresh, options=flat)}
+    dcp.load(sd, checkpoint_id=str(tmp_path), planner=CheckedLoadPlanner())
+    set_model_state_dict(fresh_model, sd["model"])
+    set_optimizer_state_dict(fresh_model, fresh, sd["optimizer"], options=flat)
+    train_step(model, opt, 2, torch.bfloat16)
+    train_step(fresh_model, fresh, 2, torch.bfloat16)
+    assert_bitwise(snapshot(fresh_model, fresh), snapshot(model, opt))
+
+
 # ---------------------------------------------------------------- empty leaf, same process
 def test_multi_optimizer_empty_leaf_keeps_scheduled_lr_and_gets_no_state(tmp_path):
     model = Toy()
