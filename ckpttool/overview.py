@@ -23,7 +23,6 @@ from .catalog import (
     build_catalog,
     group_by_prefix,
     implied_optimizer_type,
-    load_layout,
     load_param_groups,
     match_filter,
 )
@@ -163,6 +162,7 @@ def build_overview(
     depth: int | None = None,
     sort: str = "name",
     trust_pickle: bool = False,
+    declaration: Any = None,
 ) -> dict[str, Any]:
     """Metadata-only overview of a checkpoint (``ckpttool inspect``).
 
@@ -172,15 +172,18 @@ def build_overview(
         depth: also aggregate model tensors by their first ``depth`` key components.
         sort: ``name`` (file order) or ``size`` (largest first) for tensor lists.
         trust_pickle: allow ``weights_only=False`` for byte items / extra state.
+        declaration: a :class:`~ckpttool.layouts.declare.LayoutDeclaration` from
+            ``--source-layout/--ep-size/--ep-fsdp-size``, or ``None``.
 
     Returns:
         A JSON-ready dict, schema ``ckpttool.inspect/1`` (``docs/inspect.md``).
 
     Raises:
         CkptError: unreadable or unsafe checkpoint (metadata, byte items, paths).
+        LayoutError: the declaration contradicts the record or the chunk geometry (E404).
     """
     with _gc_paused():
-        return _build_overview(path, filter_glob, depth, sort, trust_pickle)
+        return _build_overview(path, filter_glob, depth, sort, trust_pickle, declaration)
 
 
 @contextlib.contextmanager
@@ -196,14 +199,20 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _build_overview(path: str | os.PathLike[str], filter_glob: str | None, depth: int | None, sort: str,
-                    trust_pickle: bool) -> dict[str, Any]:
+                    trust_pickle: bool, declaration: Any = None) -> dict[str, Any]:
+    from .layouts.declare import resolve_layout
+    from .layouts.geometry import ep_geometry
+
     reader = CheckpointReader(path, trust_pickle=trust_pickle)
     try:
         cat = build_catalog(reader)
         layout_error = None
+        resolved = None
         try:
-            load_layout(cat, reader)
+            resolved = resolve_layout(cat, reader, declaration)
         except CkptError as e:
+            if declaration is not None:
+                raise  # a contradicting declaration is the user's error, not a finding
             layout_error = e.to_dict()
         load_param_groups(cat, reader)
     finally:
@@ -232,6 +241,24 @@ def _build_overview(path: str | os.PathLike[str], filter_glob: str | None, depth
             "optimizer": rec.optimizer,
             "global_step": rec.global_step,
         }
+    if resolved is not None and (resolved.record is None and resolved.ep_tensors):
+        # Unversioned or declared: EP tensors detected by name (docs/layouts.md).
+        layout = {
+            "version": resolved.version,
+            "layout": resolved.layout_name or "unversioned",
+            "source": resolved.source,
+            "parallel": {"ep_size": resolved.ep_size, "ep_fsdp_size": resolved.ep_fsdp_size}
+            if resolved.ep_size is not None else {},
+            "extra_parallel": {
+                k: {"ep_dim": s.ep_dim, "fsdp_dim": s.fsdp_dim, "num_experts": s.num_experts}
+                for k, s in resolved.ep_tensors.items()
+            },
+            "optimizer": {},
+            "global_step": None,
+        }
+    if layout is not None and resolved is not None:
+        layout["ambiguous"] = resolved.ambiguous
+        layout["geometry"] = [g.to_json() for g in ep_geometry(cat, resolved)]
     overview: dict[str, Any] = {
         "schema": SCHEMA,
         "path": str(Path(path)),

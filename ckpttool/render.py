@@ -116,6 +116,10 @@ def render_overview(ov: dict[str, Any], *, max_rows: int = 200) -> None:
         if "geometry" in lay:
             con.print(table("EP geometry", list(lay["geometry"][0].keys()) if lay["geometry"] else [],
                             [list(r.values()) for r in lay["geometry"]]))
+        if lay.get("ambiguous"):
+            con.print(f"ambiguous   {len(lay['ambiguous'])} EP tensors have EP and FSDP on the expert dim and no layout "
+                      "record: the expert order is unknown; declare it with --source-layout legacy|canonical "
+                      "--ep-size P --ep-fsdp-size F, or record it with `ckpttool stamp`")
     elif ov["layout_error"] is not None:
         con.print(f"layout      error: [{ov['layout_error']['code']}] {ov['layout_error']['message']}")
     else:
