@@ -1,0 +1,157 @@
+"""``ckpttool export DIR OUT``: Hugging Face safetensors (sharded + index) or a PEFT LoRA adapter."""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from ._options import (
+    CheckpointArg,
+    EpFsdpSizeOpt,
+    EpSizeOpt,
+    FilterOpt,
+    JsonOpt,
+    OverwriteOpt,
+    SourceLayoutOpt,
+    TrustPickleOpt,
+    command_boundary,
+    emit_json,
+)
+
+if TYPE_CHECKING:
+    from ..export import ExportResult
+
+
+class ExportFormat(str, Enum):
+    hf = "hf"
+    lora = "lora"
+
+
+class SaveDtype(str, Enum):
+    preserve = "preserve"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class Weights(str, Enum):
+    params = "params"
+    master = "master"
+
+
+class Experts(str, Enum):
+    fused = "fused"
+    per_expert = "per-expert"
+
+
+@command_boundary
+def export_command(
+    checkpoint: CheckpointArg,
+    out: Annotated[Path, typer.Argument(help="Output directory (written beside itself, renamed when complete).",
+                                        show_default=False)],
+    fmt: Annotated[ExportFormat, typer.Option("--format", help="hf: model*.safetensors + index; lora: PEFT adapter.")] = ExportFormat.hf,
+    save_dtype: Annotated[SaveDtype, typer.Option(
+        "--save-dtype", help="preserve: each tensor in its stored dtype, bit-exact; else cast floating tensors only.")] = SaveDtype.preserve,
+    weights: Annotated[Weights, typer.Option(
+        "--weights", help="params: stored parameters; master: FP32 optimizer master_weight where present.")] = Weights.params,
+    shard_size: Annotated[str, typer.Option("--shard-size", help="Max bytes per file: 5GB (10^9), 2GiB, or bytes.")] = "5GB",
+    experts: Annotated[Experts, typer.Option(
+        "--experts", help="fused: experts.gate_up_proj [E,2I,H] as stored (transformers v5); per-expert: experts.{j}.*_proj.weight.")] = Experts.fused,
+    rules: Annotated[Path | None, typer.Option("--rules", help="YAML key/expert rules merged over the packaged defaults (docs/export.md).")] = None,
+    model_assets: Annotated[Path | None, typer.Option(
+        "--model-assets", help="Directory with config.json / tokenizer files to copy (config drives tied embeddings and num_experts).")] = None,
+    filter_glob: FilterOpt = None,
+    workers: Annotated[int, typer.Option("--workers", min=1, help="Reader threads.")] = 4,
+    overwrite: OverwriteOpt = False,
+    json_output: JsonOpt = False,
+    source_layout: SourceLayoutOpt = None,
+    ep_size: EpSizeOpt = None,
+    ep_fsdp_size: EpFsdpSizeOpt = None,
+    adapter_config: Annotated[Path | None, typer.Option(
+        "--adapter-config", help="LoRA: adapter_config.json to write (default: --model-assets' or inferred).")] = None,
+    lora_alpha: Annotated[float | None, typer.Option("--lora-alpha", help="LoRA: lora_alpha when no adapter config is given.")] = None,
+    trust_pickle: TrustPickleOpt = False,
+) -> None:
+    """Export model weights as Hugging Face safetensors or a LoRA adapter (streaming, bit-exact by default)."""
+    from ..export import ExportOptions, export_checkpoint
+    from ..layouts.declare import LayoutDeclaration
+
+    declaration = LayoutDeclaration.from_options(source_layout, ep_size, ep_fsdp_size)
+    alpha: float | int | None = lora_alpha
+    if alpha is not None and float(alpha).is_integer():
+        alpha = int(alpha)
+    options = ExportOptions(
+        fmt=fmt.value, save_dtype=save_dtype.value, weights=weights.value, shard_size=shard_size,
+        experts=experts.value, rules=rules, model_assets=model_assets, filter_glob=filter_glob,
+        workers=workers, overwrite=overwrite, declaration=declaration, adapter_config=adapter_config,
+        lora_alpha=alpha, trust_pickle=trust_pickle,
+    )
+    show_progress = not json_output and sys.stderr.isatty()
+    if show_progress:
+        result = _with_progress(lambda cb: export_checkpoint(checkpoint, out, options, progress=cb))
+    else:
+        result = export_checkpoint(checkpoint, out, options)
+    for w in result.warnings:
+        sys.stderr.write(f"warning: {w}\n")
+    if json_output:
+        emit_json(result.to_dict())
+    else:
+        _render(result)
+
+
+def _with_progress(run: Any) -> ExportResult:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from ..render import stderr_console
+
+    with Progress(TextColumn("export"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                  console=stderr_console(), transient=True) as bar:
+        job = bar.add_task("export", total=None)
+
+        def cb(done: int, total: int) -> None:
+            bar.update(job, completed=done, total=total)
+
+        return run(cb)
+
+
+def _render(r: ExportResult) -> None:
+    from ..render import human_bytes, stdout_console, table
+
+    con = stdout_console()
+    con.print(f"exported {r.tensors} tensors, {human_bytes(r.bytes)} in {len(r.files)} file(s) to {r.output} "
+              f"({r.seconds:.2f} s, {r.gb_per_s:.2f} GB/s)")
+    con.print(table("files", ["file", "tensors", "bytes"], [[f["name"], f["tensors"], human_bytes(f["bytes"])] for f in r.files]))
+    con.print(f"save dtype  {r.save_dtype}" + (f"; casts: {_counts(r.casts)}" if r.casts else "; no casts"))
+    if r.narrowing_casts:
+        con.print(f"narrowing casts (precision or range lost): {_counts(r.narrowing_casts)}")
+    params = r.origins.get("params", [])
+    master = r.origins.get("master", [])
+    if r.weights == "master":
+        con.print(f"weights     {len(master)} from FP32 master_weight, {len(params)} from stored parameters (no master)"
+                  + (f": {', '.join(params[:5])}{' ...' if len(params) > 5 else ''}" if params else ""))
+    if r.experts == "per-expert" or r.layout.get("unpermuted"):
+        un = r.layout.get("unpermuted") or []
+        con.print(f"experts     {r.experts}" + (f"; {len(un)} tensor(s) un-permuted from the legacy EP layout" if un else ""))
+    if r.tied_embeddings:
+        msg = {
+            "omitted": "tied: lm_head omitted (bitwise equal to the embedding)",
+            "absent": "tied: the checkpoint has no lm_head",
+            "embedding-not-exported": "tied: embedding not exported, lm_head written",
+        }.get(r.tied_embeddings, r.tied_embeddings)
+        con.print(f"embeddings  {msg}")
+    if r.skipped:
+        con.print("not exported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()))
+    if r.assets:
+        con.print(f"assets      {', '.join(r.assets)}")
+
+
+def _counts(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} x{v}" for k, v in d.items())
+
+
+def register(app: typer.Typer) -> None:
+    app.command("export")(export_command)
