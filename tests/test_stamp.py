@@ -1,0 +1,114 @@
+"""`ckpttool stamp`: sidecar layout.json after checking the declaration against the chunk geometry."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ckpttool.cli import app
+from ckpttool.dcp import CheckpointReader
+from ckpttool.layouts.record import parse_layout_record
+from tests.fixtures.cache import copy_checkpoint
+from tests.fixtures.moe_ep import ep_suite, true_state  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.slow
+runner = CliRunner()
+LEGACY = ["--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "2"]
+
+
+def snapshot(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in path.iterdir() if p.is_file() and p.name != "layout.json"}
+
+
+@pytest.fixture
+def legacy_copy(ep_suite: Path, tmp_path: Path) -> Path:
+    return copy_checkpoint(ep_suite / "legacy", tmp_path / "legacy")
+
+
+def test_stamp_writes_a_valid_sidecar_and_nothing_else(legacy_copy: Path) -> None:
+    before = snapshot(legacy_copy)
+    res = runner.invoke(app, ["stamp", str(legacy_copy), *LEGACY])
+    assert res.exit_code == 0, res.stderr
+    assert res.stderr == ""
+    assert res.stdout.startswith(f"wrote {legacy_copy / 'layout.json'}: layout version 1 (legacy), ep_size 2")
+    assert "4 EP tensors (4 with EP and FSDP on the expert dim)" in res.stdout
+    rec = parse_layout_record((legacy_copy / "layout.json").read_text())
+    assert (rec.version, rec.ep_size, rec.ep_fsdp_size) == (1, 2, 2)
+    assert set(rec.extra_parallel) == {f"model.model.layers.{n}.mlp.experts.{w}" for n in range(2) for w in ("gate_up_proj", "down_proj")}
+    assert all((s.ep_dim, s.fsdp_dim, s.num_experts) == (0, 0, 8) for s in rec.extra_parallel.values())
+    assert rec.optimizer == {"type": "full_fp32_adamw"} and rec.raw["stamped"] is True
+    assert snapshot(legacy_copy) == before  # the checkpoint itself is untouched
+    assert sorted(p.name for p in legacy_copy.iterdir() if p.name.startswith(".")) == [".metadata"]  # no temp files
+
+
+def test_stamped_checkpoint_is_resolved_and_reshards_without_declaration(legacy_copy: Path, tmp_path: Path) -> None:
+    assert runner.invoke(app, ["stamp", str(legacy_copy), *LEGACY]).exit_code == 0
+    ov = json.loads(runner.invoke(app, ["inspect", "--json", str(legacy_copy)]).stdout)
+    assert ov["layout"]["version"] == 1 and ov["layout"]["source"] == "sidecar" and ov["layout"]["ambiguous"] == []
+    assert all(g["problems"] == [] for g in ov["layout"]["geometry"])
+    res = runner.invoke(app, ["reshard", str(legacy_copy), str(tmp_path / "out"), "--to", "canonical", "--with-optimizer"])
+    assert res.exit_code == 0, res.stderr
+    key = "model.model.layers.1.mlp.experts.gate_up_proj"
+    with CheckpointReader(tmp_path / "out") as r:
+        assert torch.equal(r.read_tensor(key), true_state(8)[key])
+    assert not (tmp_path / "out" / "layout.json").exists()  # the record is embedded in the output
+
+
+def test_stamp_twice_is_a_no_op_and_cannot_contradict_itself(legacy_copy: Path) -> None:
+    assert runner.invoke(app, ["stamp", str(legacy_copy), *LEGACY]).exit_code == 0
+    text = (legacy_copy / "layout.json").read_text()
+    again = runner.invoke(app, ["stamp", str(legacy_copy), *LEGACY])
+    assert again.exit_code == 0 and again.stdout.startswith("already recorded, nothing written:")
+    other = runner.invoke(app, ["stamp", str(legacy_copy), "--source-layout", "canonical", "--ep-size", "2",
+                                "--ep-fsdp-size", "2"])
+    assert other.exit_code == 2 and other.stdout == ""
+    assert "error: [E404]" in other.stderr and "layout canonical vs recorded legacy" in other.stderr
+    assert (legacy_copy / "layout.json").read_text() == text
+
+
+def test_stamp_refuses_a_declaration_contradicting_the_geometry(legacy_copy: Path) -> None:
+    res = runner.invoke(app, ["stamp", str(legacy_copy), "--source-layout", "legacy", "--ep-size", "4",
+                              "--ep-fsdp-size", "2"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.startswith("error: [E404] model.model.layers.0.mlp.experts.gate_up_proj: the declared layout")
+    assert not (legacy_copy / "layout.json").exists()
+
+
+def test_stamp_refuses_to_contradict_an_embedded_record(ep_suite: Path, tmp_path: Path) -> None:
+    ck = copy_checkpoint(ep_suite / "p4f1", tmp_path / "p")
+    res = runner.invoke(app, ["stamp", str(ck), "--source-layout", "canonical", "--ep-size", "4", "--ep-fsdp-size", "1"])
+    assert res.exit_code == 2 and "error: [E404]" in res.stderr and not (ck / "layout.json").exists()
+    res = runner.invoke(app, ["stamp", str(ck), "--source-layout", "legacy", "--ep-size", "4", "--ep-fsdp-size", "1",
+                              "--json"])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["schema"] == "ckpttool.stamp/1" and doc["written"] is False and doc["record"]["version"] == 1
+    assert not (ck / "layout.json").exists()
+
+
+def test_stamp_needs_all_three_options(legacy_copy: Path) -> None:
+    res = runner.invoke(app, ["stamp", str(legacy_copy), "--source-layout", "legacy", "--ep-size", "2"])
+    assert res.exit_code == 2 and "--ep-fsdp-size" in res.stderr and not (legacy_copy / "layout.json").exists()
+
+
+def test_stamp_json_reports_the_record(legacy_copy: Path) -> None:
+    res = runner.invoke(app, ["stamp", str(legacy_copy), *LEGACY, "--json"])
+    assert res.exit_code == 0 and res.stderr == ""
+    doc = json.loads(res.stdout)
+    assert doc["written"] is True and doc["ep_tensors"] == 4 and doc["same_dim"] == 4
+    assert doc["record"] == json.loads((legacy_copy / "layout.json").read_text())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ckpttool.commands.validate") is None,
+                    reason="`ckpttool validate` is not in this tree yet (issue: validate)")
+def test_validate_strict_fails_on_ambiguous_and_passes_after_stamp(legacy_copy: Path) -> None:
+    res = runner.invoke(app, ["validate", "--strict", str(legacy_copy)])
+    assert res.exit_code == 1, (res.stdout, res.stderr)
+    assert runner.invoke(app, ["stamp", str(legacy_copy), *LEGACY]).exit_code == 0
+    res = runner.invoke(app, ["validate", "--strict", str(legacy_copy)])
+    assert res.exit_code == 0, (res.stdout, res.stderr)
