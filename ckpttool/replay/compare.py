@@ -1,0 +1,97 @@
+"""Element-wise comparison of replayed values with the reference, with dtype-aware tolerance.
+
+For a field stored in dtype ``D`` whose arithmetic ran in dtype ``A``, an element passes when::
+
+    |actual - ref| <= atol + rtol_eff * scale
+    scale    = |ref_0| + sum_k |ref_k - ref_{k-1}|      (start value plus the path of the K steps)
+    rtol_eff = max(rtol, 2 * eps(D), 4 * eps(A))
+
+``eps`` is the machine epsilon (``torch.finfo(dtype).eps``: 2**-23 float32, 2**-7
+bfloat16, 2**-10 float16). ``scale`` bounds the operands of every step's update, so a
+rounding error of a few ulp in them is accepted even when the result cancels to ~0
+(``exp_avg`` lerps towards a gradient of the other sign). With FP32 storage and FP32
+arithmetic the user's ``rtol``/``atol`` decide; a BF16 moment may differ by its own
+rounding (2 ulp), and ``torch.optim.AdamW`` on BF16 parameters computes in BF16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FieldError", "compare_field", "effective_rtol", "count_unequal"]
+
+_EPS = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
+
+
+def effective_rtol(rtol: float, stored: str, arithmetic: str) -> float:
+    """``max(rtol, 2 * eps(stored), 4 * eps(arithmetic))`` (see module docstring)."""
+    return max(rtol, 2 * _EPS.get(stored, 0.0), 4 * _EPS.get(arithmetic, 0.0))
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """How far one replayed field is from the reference.
+
+    Attributes:
+        max_abs: ``max |actual - ref|``.
+        max_rel: ``max |actual - ref| / |ref|`` over elements with ``ref != 0`` (0 when none).
+        ratio: ``max |actual - ref| / allowed``; the field passes when ``ratio <= 1``.
+        bad: elements beyond tolerance.
+        rtol: the effective relative tolerance used.
+    """
+
+    max_abs: float
+    max_rel: float
+    ratio: float
+    bad: int
+    rtol: float
+
+    @property
+    def ok(self) -> bool:
+        return self.bad == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_abs": self.max_abs, "max_rel": self.max_rel, "ratio": self.ratio, "bad": self.bad, "rtol": self.rtol}
+
+
+def compare_field(
+    actual: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor, *, rtol: float, atol: float,
+    stored: str, arithmetic: str,
+) -> FieldError:
+    """Compare ``actual`` (any float dtype, CPU) with ``ref`` (reference dtype, CPU).
+
+    Args:
+        actual: replayed values, the field's shape.
+        ref: reference values, same shape (float64 or float32).
+        scale: ``|ref_0| + sum |ref_k - ref_{k-1}|``, same shape and dtype as ``ref``.
+        rtol, atol: user tolerance (``--tolerance``).
+        stored: dtype name ``actual`` is stored in.
+        arithmetic: dtype name the optimizer computed in.
+
+    Returns:
+        The :class:`FieldError`.
+    """
+    import torch
+
+    r = effective_rtol(rtol, stored, arithmetic)
+    if actual.numel() == 0:
+        return FieldError(0.0, 0.0, 0.0, 0, r)
+    diff = actual.to(ref.dtype).sub_(ref).abs_()
+    allowed = scale.mul(r).add_(atol)
+    nonfinite = ~torch.isfinite(diff)
+    bad = int((diff > allowed).sum().item()) + int(nonfinite.sum().item())
+    max_abs = float(diff.max().item())
+    ratio = float(diff.div_(allowed.clamp_min_(torch.finfo(ref.dtype).tiny)).max().item())
+    diff = actual.to(ref.dtype).sub_(ref).abs_()
+    nz = ref != 0
+    max_rel = float(diff[nz].div_(ref[nz].abs()).max().item()) if bool(nz.any()) else 0.0
+    return FieldError(max_abs, max_rel, ratio, bad, r)
+
+
+def count_unequal(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements where ``a`` and ``b`` differ bitwise-in-value (both the same dtype; NaN counts as unequal)."""
+    return int((a != b).sum().item())
