@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SampleConfig", "TinyMoEForCausalLM", "write_sample", "layout_record_for"]
+__all__ = ["SampleConfig", "TinyMoEForCausalLM", "write_sample", "layout_record_for", "SAMPLE_OPTIMIZERS",
+           "sample_optimizer_record"]
 
 
 @dataclass(frozen=True)
@@ -211,8 +212,41 @@ def layout_record_for(
     }
 
 
+#: ``write_sample(optimizer=...)`` choices: torch AdamW on FP32 parameters (the default), or a
+#: ckpttool FP32-master optimizer on BF16 parameters (experts offloaded for cpu_offload_adamw).
+SAMPLE_OPTIMIZERS = ("adamw", "full_fp32_adamw", "master_fp32_adamw", "cpu_offload_adamw")
+
+
+def sample_optimizer_record(optimizer: str) -> dict[str, Any]:
+    """The layout record's ``optimizer`` object for a :data:`SAMPLE_OPTIMIZERS` choice."""
+    if optimizer == "adamw":
+        return {"type": "adamw"}
+    moments = {"full_fp32_adamw": {"resident": "float32"}, "master_fp32_adamw": {"resident": "bfloat16"},
+               "cpu_offload_adamw": {"resident": "float32", "cpu": "float32"}}[optimizer]
+    out: dict[str, Any] = {"type": optimizer, "master_dtype": "float32", "step_dtype": "float32", "moment_dtypes": moments}
+    if optimizer == "cpu_offload_adamw":
+        out["offload_patterns"] = ["experts"]
+    return out
+
+
+def _sample_optimizer(model: Any, optimizer: str) -> Any:
+    hyper = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    if optimizer == "adamw":
+        import torch
+
+        return torch.optim.AdamW(model.parameters(), **hyper)
+    from .optim_state.factory import build_optimizer
+
+    cfg: dict[str, Any] = {}
+    if optimizer == "master_fp32_adamw":
+        cfg["moment_dtype"] = "bfloat16"
+    if optimizer == "cpu_offload_adamw":
+        cfg["cpu_offload_param_patterns"] = ["experts"]
+    return build_optimizer(optimizer, list(model.named_parameters()), **hyper, **cfg)
+
+
 def write_sample(path: str | os.PathLike[str], *, steps: int = 3, seed: int = 0,
-                 config: SampleConfig | None = None) -> Path:
+                 config: SampleConfig | None = None, optimizer: str = "adamw") -> Path:
     """Train the tiny MoE for ``steps`` AdamW steps and save it as a DCP checkpoint.
 
     Args:
@@ -220,19 +254,26 @@ def write_sample(path: str | os.PathLike[str], *, steps: int = 3, seed: int = 0,
         steps: optimizer steps before the save.
         seed: RNG seed (the output is deterministic for a given seed and torch).
         config: model sizes.
+        optimizer: ``adamw`` (default: ``torch.optim.AdamW``, FP32 parameters) or a ckpttool
+            FP32-master type (``full_fp32_adamw``, ``master_fp32_adamw`` with BF16 moments,
+            ``cpu_offload_adamw`` offloading ``experts``) with BF16 parameters; the layout
+            record's ``optimizer`` object describes it.
 
     Returns:
         The checkpoint directory.
 
     Raises:
         OutputError: ``path`` exists and is not empty.
+        UsageError: unknown ``optimizer``.
     """
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from .errors import OutputError
+    from .errors import OutputError, UsageError
 
+    if optimizer not in SAMPLE_OPTIMIZERS:
+        raise UsageError(f"unknown sample optimizer {optimizer!r}", hint=f"use one of {', '.join(SAMPLE_OPTIMIZERS)}")
     out = Path(path)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise OutputError(f"{out} exists and is not empty", path=out, hint="choose a new directory")
@@ -242,7 +283,9 @@ def write_sample(path: str | os.PathLike[str], *, steps: int = 3, seed: int = 0,
     with torch.no_grad():
         for layer in model.model.layers:
             layer.mlp.gate.e_score_correction_bias.copy_(torch.linspace(-0.01, 0.01, c.num_experts))
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    if optimizer != "adamw":
+        model.to(torch.bfloat16)
+    optim = _sample_optimizer(model, optimizer)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
     gen = torch.Generator().manual_seed(seed + 1)
     for _ in range(steps):
@@ -252,7 +295,7 @@ def write_sample(path: str | os.PathLike[str], *, steps: int = 3, seed: int = 0,
         optim.step()
         sched.step()
     model_sd, optim_sd = get_state_dict(model, optim)
-    record = layout_record_for(c, optimizer={"type": "adamw"}, global_step=steps)
+    record = layout_record_for(c, optimizer=sample_optimizer_record(optimizer), global_step=steps)
     out.mkdir(parents=True, exist_ok=True)
     import warnings
 
