@@ -6,6 +6,15 @@ For a field stored in dtype ``D`` whose arithmetic ran in dtype ``A``, an elemen
     scale    = |ref_0| + sum_k |ref_k - ref_{k-1}|      (start value plus the path of the K steps)
     rtol_eff = max(rtol, 2 * eps(D), 4 * eps(A))
 
+With K > 1 steps and BF16 moments, one step's moment may round to the other neighbour
+than the reference's (FP32 vs FP64 arithmetic), which shifts every later update of the
+master by up to ``eps(moment dtype)`` of its size; the master's allowance therefore adds
+``2 * eps(moment dtype) * sum_{k>=2} |ref_k - ref_{k-1}|`` (the path after the first step).
+
+A value stored between steps in a low-precision dtype (the BF16 parameter of
+``torch.optim.AdamW``, which has no master) is rounded once per step by the optimizer and by
+the reference, each possibly to the other neighbour: ``2 * (K - 1) * eps(D) * |ref|`` more.
+
 ``eps`` is the machine epsilon (``torch.finfo(dtype).eps``: 2**-23 float32, 2**-7
 bfloat16, 2**-10 float16). ``scale`` bounds the operands of every step's update, so a
 rounding error of a few ulp in them is accepted even when the result cancels to ~0
@@ -22,9 +31,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FieldError", "compare_field", "effective_rtol", "count_unequal"]
+__all__ = ["FieldError", "compare_field", "effective_rtol", "count_unequal", "machine_eps"]
 
 _EPS = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
+
+
+def machine_eps(dtype: str) -> float:
+    """Machine epsilon of a dtype name (0 for unknown names)."""
+    return _EPS.get(dtype, 0.0)
 
 
 def effective_rtol(rtol: float, stored: str, arithmetic: str) -> float:
@@ -60,7 +74,8 @@ class FieldError:
 
 def compare_field(
     actual: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor, *, rtol: float, atol: float,
-    stored: str, arithmetic: str,
+    stored: str, arithmetic: str, late_path: torch.Tensor | None = None, late_rtol: float = 0.0,
+    carry_rtol: float = 0.0,
 ) -> FieldError:
     """Compare ``actual`` (any float dtype, CPU) with ``ref`` (reference dtype, CPU).
 
@@ -71,6 +86,9 @@ def compare_field(
         rtol, atol: user tolerance (``--tolerance``).
         stored: dtype name ``actual`` is stored in.
         arithmetic: dtype name the optimizer computed in.
+        late_path: ``sum_{k>=2} |ref_k - ref_{k-1}|`` (K > 1), or ``None``.
+        late_rtol: relative allowance on ``late_path`` (``2 * eps(moment dtype)`` for the master).
+        carry_rtol: relative allowance on ``|ref|`` for per-step storage rounding (``2 * (K - 1) * eps(D)``).
 
     Returns:
         The :class:`FieldError`.
@@ -82,6 +100,10 @@ def compare_field(
         return FieldError(0.0, 0.0, 0.0, 0, r)
     diff = actual.to(ref.dtype).sub_(ref).abs_()
     allowed = scale.mul(r).add_(atol)
+    if late_path is not None and late_rtol > 0:
+        allowed.add_(late_path, alpha=late_rtol)
+    if carry_rtol > 0:
+        allowed.add_(ref.abs(), alpha=carry_rtol)
     nonfinite = ~torch.isfinite(diff)
     bad = int((diff > allowed).sum().item()) + int(nonfinite.sum().item())
     max_abs = float(diff.max().item())

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..catalog import build_catalog, load_param_groups
 from ..errors import UsageError
-from .compare import FieldError, compare_field, count_unequal
+from .compare import FieldError, compare_field, count_unequal, machine_eps
 from .plan import ITEMSIZE, ParamPlan, make_batches, plan_replay
 
 __all__ = ["ParamResult", "ReplayResult", "replay_step", "resolve_device", "DEVICE_CHOICES"]
@@ -468,7 +468,10 @@ def _replay_batch(
                 mdt = getattr(torch, p.moment_dtype)
                 m, v = m.to(mdt).to(ref_dtype), v.to(mdt).to(ref_dtype)
             for name, new in (("theta", theta), ("m", m), ("v", v)):
-                rs[f"scale_{name}"].add_((new - rs[name]).abs_())
+                delta = (new - rs[name]).abs_()
+                rs[f"scale_{name}"].add_(delta)
+                if name == "theta" and k > 0:
+                    rs["late_theta"] = delta if rs.get("late_theta") is None else rs["late_theta"].add_(delta)
                 rs[name] = new
             rs["step"] = new_step
             timing["reference_seconds"] += time.perf_counter() - t1
@@ -499,7 +502,7 @@ def _replay_batch(
             for f in ("master_weight", "exp_avg", "exp_avg_sq", "step"):
                 if f in st:
                     r.placement[f] = str(st[f].device)
-            _compare_param(m, r, param.detach(), st, ref[m.fqn], dev=dev, rtol=rtol, atol=atol)
+            _compare_param(m, r, param.detach(), st, ref[m.fqn], dev=dev, rtol=rtol, atol=atol, steps=steps)
             if on_param is not None:
                 cpu = {"param": param.detach().cpu()}
                 for f in ("master_weight", "exp_avg", "exp_avg_sq", "step"):
@@ -520,7 +523,7 @@ def _bytes_per_step(p: ParamPlan) -> int:
 
 def _compare_param(
     p: ParamPlan, r: ParamResult, param: Any, st: dict[str, Any], rs: dict[str, Any], *, dev: Any,
-    rtol: float, atol: float,
+    rtol: float, atol: float, steps: int,
 ) -> None:
     """Fill ``r`` with the checks of one parameter after the replay."""
     import torch
@@ -535,8 +538,11 @@ def _compare_param(
         r.problems.append(f"step is {r.step_after} after the replay, expected {r.expected_step:g} (saved + steps)")
     if has_master:
         master = st["master_weight"].detach().cpu()
-        r.fields["master_weight"] = compare_field(master, rs["theta"], rs["scale_theta"], rtol=rtol, atol=atol,
-                                                  stored="float32", arithmetic="float32")
+        r.fields["master_weight"] = compare_field(
+            master, rs["theta"], rs["scale_theta"], rtol=rtol, atol=atol, stored="float32", arithmetic="float32",
+            late_path=rs.get("late_theta"), late_rtol=2 * machine_eps(p.moment_dtype),
+            carry_rtol=2 * (steps - 1) * machine_eps("float32"),
+        )
         r.writeback_unequal = count_unequal(param_cpu, master.to(pt))
         if r.writeback_unequal:
             r.problems.append(
@@ -545,9 +551,12 @@ def _compare_param(
         r.param_vs_reference_unequal = count_unequal(param_cpu, rs["theta"].to(pt))
     for f, key in (("exp_avg", "m"), ("exp_avg_sq", "v")):
         r.fields[f] = compare_field(st[f].detach().cpu(), rs[key], rs[f"scale_{key}"], rtol=rtol, atol=atol,
-                                    stored=p.moment_dtype, arithmetic=arith)
+                                    stored=p.moment_dtype, arithmetic=arith,
+                                    carry_rtol=2 * (steps - 1) * machine_eps(p.moment_dtype))
     r.fields["param"] = compare_field(param_cpu, rs["theta"], rs["scale_theta"], rtol=rtol, atol=atol,
-                                      stored=p.dtype, arithmetic=arith)
+                                      stored=p.dtype, arithmetic=arith, late_path=rs.get("late_theta"),
+                                      late_rtol=2 * machine_eps(p.moment_dtype),
+                                      carry_rtol=2 * (steps - 1) * machine_eps("float32" if has_master else p.dtype))
     for f, err in r.fields.items():
         if not err.ok:
             r.problems.append(
