@@ -12,16 +12,37 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["stdout_console", "stderr_console", "human_bytes", "table", "render_overview"]
+__all__ = ["safe_text", "stdout_console", "stderr_console", "human_bytes", "table", "render_overview"]
+
+
+# Control characters (C0, DEL, C1) and bidi overrides, as they may appear in checkpoint keys and paths:
+# printed raw they would drive the terminal (ANSI escapes) or reorder text (U+202E).
+# Newline and tab stay: rich lays them out, and renderers print multi-line text on purpose.
+_UNSAFE_CHARS = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), *range(0x7F, 0xA0)) if c not in (0x09, 0x0A)}
+_UNSAFE_CHARS.update({c: f"\\u{c:04x}" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))})
+
+
+def safe_text(text: str) -> str:
+    """``text`` with control characters and bidi overrides escaped (``\\x1b``), surrogates as ``\\udcff``."""
+    text = text.translate(_UNSAFE_CHARS)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8") if not text.isascii() else text
+
+
+class _SafeConsole(Console):
+    """A rich Console for untrusted strings: no markup (``[/]`` in a key is text) and no raw control characters."""
+
+    def render_str(self, text: str, **kwargs: Any) -> Any:  # type: ignore[override]
+        return super().render_str(safe_text(text), **kwargs)
 
 
 def stdout_console() -> Console:
     width = None if sys.stdout.isatty() else 200
-    return Console(file=sys.stdout, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, width=width)
+    return _SafeConsole(file=sys.stdout, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, markup=False,
+                        width=width)
 
 
 def stderr_console() -> Console:
-    return Console(file=sys.stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False)
+    return _SafeConsole(file=sys.stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, markup=False)
 
 
 def human_bytes(n: int | float | None) -> str:
