@@ -388,6 +388,57 @@ class CheckpointReader(CheckpointDir):
             return out
         return t
 
+    def read_chunk_into(self, fqn: str, chunk: ChunkMeta, dest: Any) -> bool:
+        """Read one chunk's raw bytes into a contiguous byte buffer, without importing torch.
+
+        The fast path of :meth:`read_chunk` (DESIGN.md section 7) for callers that
+        own a byte buffer (e.g. a mapped output file): the archive is validated
+        against the metadata (dtype, shape, contiguous storage holding exactly the
+        chunk) and its storage record is read straight into ``dest``.
+
+        Args:
+            fqn: flattened key.
+            chunk: one of ``tensor_meta(fqn).chunks``.
+            dest: writable buffer of exactly ``chunk.numel * itemsize`` bytes (C order).
+
+        Returns:
+            ``True`` when read; ``False`` when nothing was read because the chunk needs
+            :meth:`read_chunk` (stream transform, strided or shared storage, unusual archive).
+
+        Raises:
+            DataFileError, PathEscapeError, ChunkError: as :meth:`read_chunk`.
+        """
+        meta = self.tensor_meta(fqn)
+        info = self.storage_info(fqn, chunk)
+        if info.transform_descriptors:
+            return False
+        where = f"{self.path / info.relative_path}: {fqn!r} chunk at {chunk.offsets}"
+        try:
+            record = parse_tensor_archive(self._window(info))
+        except UnsafePickleError as e:
+            raise ChunkError(f"{where}: {e.message}", path=info.relative_path, fqn=fqn) from e
+        except (zipfile.BadZipFile, KeyError, ValueError, OSError, EOFError) as e:
+            raise ChunkError(
+                f"{where}: stored archive is corrupt ({type(e).__name__}: {str(e)[:80]})",
+                path=info.relative_path, fqn=fqn,
+            ) from e
+        if record is None:
+            return False
+        if record.dtype != meta.dtype.name or record.size != chunk.sizes:
+            raise ChunkError(
+                f"{where}: stored tensor is {record.dtype}{list(record.size)}, metadata says "
+                f"{meta.dtype}{list(chunk.sizes)}",
+                path=info.relative_path, fqn=fqn,
+            )
+        if not (record.storage_offset == 0 and record.stride == _contiguous_stride(record.size)
+                and record.storage_numel == chunk.numel):
+            return False
+        mv = memoryview(dest).cast("B")
+        assert len(mv) == chunk.numel * meta.dtype.itemsize, "dest must hold exactly the chunk"
+        if chunk.numel:
+            self._pread_into(info, record.data_offset, mv, fqn)
+        return True
+
     def _torch_load_chunk(self, info: StorageInfo, fqn: str, where: str) -> torch.Tensor:
         import torch
 
