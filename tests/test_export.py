@@ -144,14 +144,24 @@ def test_fsdp_chunks_are_each_read_once(fsdp_ckpt: Path, tmp_path: Path) -> None
             super().__init__(*a, **kw)
             self.calls: dict[tuple[str, tuple[int, ...]], int] = {}
 
-        def read_chunk(self, fqn, chunk, out=None):  # type: ignore[no-untyped-def]
+        def _count(self, fqn: str, chunk: Any) -> None:
             key = (fqn, chunk.offsets)
             self.calls[key] = self.calls.get(key, 0) + 1
+
+        def read_chunk(self, fqn, chunk, out=None):  # type: ignore[no-untyped-def]
+            self._count(fqn, chunk)
             return super().read_chunk(fqn, chunk, out=out)
+
+        def read_chunk_into(self, fqn, chunk, dest):  # type: ignore[no-untyped-def]
+            done = super().read_chunk_into(fqn, chunk, dest)
+            if done:  # False: nothing read, the caller falls back to read_chunk
+                self._count(fqn, chunk)
+            return done
 
     reader = CountingReader(fsdp_ckpt)
     with reader:
         export_checkpoint(fsdp_ckpt, tmp_path / "o", ExportOptions(workers=3), reader=reader)
+        export_checkpoint(fsdp_ckpt, tmp_path / "o32", ExportOptions(workers=3, save_dtype="float32"), reader=reader)
     expected = {
         (k, c.offsets)
         for k, m in reader.metadata.entries.items()
@@ -159,7 +169,7 @@ def test_fsdp_chunks_are_each_read_once(fsdp_ckpt: Path, tmp_path: Path) -> None
         for c in m.chunks if c.numel > 0
     }
     assert set(reader.calls) == expected
-    assert set(reader.calls.values()) == {1}
+    assert set(reader.calls.values()) == {2}  # once per export: the direct (torch-free) and the cast path
     # the fixture does have uneven and zero-size chunks from several ranks
     odd = reader.metadata.entries["model.model.layers.0.odd"]
     assert any(c.numel == 0 for c in odd.chunks) and len({c.sizes for c in odd.chunks}) > 1

@@ -65,7 +65,7 @@ def export_command(
     model_assets: Annotated[Path | None, typer.Option(
         "--model-assets", help="Directory with config.json / tokenizer files to copy (config drives tied embeddings and num_experts).")] = None,
     filter_glob: FilterOpt = None,
-    workers: Annotated[int, typer.Option("--workers", min=1, help="Reader threads.")] = 4,
+    workers: Annotated[int | None, typer.Option("--workers", min=1, help="Reader threads [default: min(8, CPUs)].")] = None,
     overwrite: OverwriteOpt = False,
     json_output: JsonOpt = False,
     source_layout: SourceLayoutOpt = None,

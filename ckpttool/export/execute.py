@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..catalog import Catalog, build_catalog
-from ..dcp.model import ChunkMeta, TensorMeta
+from ..dcp.model import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
 from ..dcp.reader import CheckpointReader, tiling_problem
 from ..errors import ChunkError, ExportError, UsageError
 from ..layouts.declare import LayoutDeclaration, ResolvedLayout, resolve_layout
@@ -66,7 +66,7 @@ class ExportOptions:
         rules: a YAML rules file merged over the packaged defaults.
         model_assets: directory with ``config.json`` / tokenizer files to copy (and read).
         filter_glob: only keys matching this glob (checkpoint key with or without ``model.``, or output key).
-        workers: reader threads.
+        workers: reader threads (``None``: ``min(8, CPU count)``).
         overwrite: replace an existing non-empty ``OUT``.
         declaration: ``--source-layout/--ep-size/--ep-fsdp-size``.
         adapter_config: ``--adapter-config FILE`` (LoRA).
@@ -82,7 +82,7 @@ class ExportOptions:
     rules: Path | None = None
     model_assets: Path | None = None
     filter_glob: str | None = None
-    workers: int = 4
+    workers: int | None = None
     overwrite: bool = False
     declaration: LayoutDeclaration | None = None
     adapter_config: Path | None = None
@@ -204,6 +204,24 @@ def _dedup_chunks(reader: CheckpointReader, key: str) -> tuple[TensorMeta, list[
     return meta, [c for c in chunks if c.numel > 0]
 
 
+def _contiguous_span(chunk: ChunkMeta, size: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(first element, element count)`` of a chunk's region in the C-ordered global tensor, if contiguous.
+
+    Contiguous when every dim after the last partial one is whole and every dim before it has size 1
+    (e.g. FSDP's ``Shard(0)`` row blocks).
+    """
+    ndim = len(size)
+    partial = [d for d in range(ndim) if chunk.offsets[d] != 0 or chunk.sizes[d] != size[d]]
+    last = partial[-1] if partial else -1
+    if any(chunk.sizes[d] != 1 for d in range(last)):
+        return None
+    start, stride = 0, 1
+    for d in reversed(range(ndim)):
+        start += chunk.offsets[d] * stride
+        stride *= size[d]
+    return start, chunk.numel
+
+
 def _narrow(t: torch.Tensor, chunk: ChunkMeta, size: tuple[int, ...]) -> torch.Tensor:
     view = t
     for d, (o, s) in enumerate(zip(chunk.offsets, chunk.sizes)):
@@ -242,8 +260,17 @@ class _Executor:
         self.remaining: dict[int, int] = {}
 
     # -- worker side ---------------------------------------------------------------------------
-    def _read_chunk(self, key: str, chunk: ChunkMeta, dest: torch.Tensor, size: tuple[int, ...]) -> None:
-        self.reader.read_chunk(key, chunk, out=_narrow(dest, chunk, size))
+    def _read_chunk(self, task: SourceTask, chunk: ChunkMeta, size: tuple[int, ...]) -> None:
+        """Read one chunk of a direct task into its place in the output file."""
+        writer = self.writers[task.shard]
+        name = task.pieces[0].name
+        span = _contiguous_span(chunk, size)
+        if span is not None:
+            itemsize = DTYPE_ITEMSIZE[task.selected.source.dtype]
+            dest = writer.raw(name)[span[0] * itemsize:(span[0] + span[1]) * itemsize]
+            if self.reader.read_chunk_into(task.source_key, chunk, dest):
+                return
+        self.reader.read_chunk(task.source_key, chunk, out=_narrow(writer.view(name), chunk, size))
 
     def _transform(self, task: SourceTask, chunks: list[ChunkMeta], meta: TensorMeta) -> None:
         import torch
@@ -304,12 +331,10 @@ class _Executor:
                 meta, chunks = _dedup_chunks(self.reader, key)
                 if task.direct:
                     self.remaining[idx] = max(len(chunks), 1)
-                    dest = self.writers[task.shard].view(task.pieces[0].name)
                     if not chunks:
                         self.pending[pool.submit(lambda: None)] = (idx, 0)
                     for c in chunks:
-                        self._submit(pool, idx, 0, self._read_chunk, key, c, dest, meta.size)
-                    del dest
+                        self._submit(pool, idx, 0, self._read_chunk, task, c, meta.size)
                 else:
                     self.remaining[idx] = 1
                     self._submit(pool, idx, meta.nbytes, self._transform, task, chunks, meta)
@@ -379,7 +404,7 @@ def export_checkpoint(
         raise UsageError(f"--save-dtype {opts.save_dtype!r} is not one of {', '.join(SAVE_DTYPES)}")
     if opts.weights not in ("params", "master"):
         raise UsageError(f"--weights {opts.weights!r} is not one of params, master")
-    if opts.workers < 1:
+    if opts.workers is not None and opts.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {opts.workers}")
     shard_size = parse_size(opts.shard_size)
     rules = load_rules(opts.rules)
@@ -462,7 +487,8 @@ def _export(
         try:
             for name, entries in zip(plan.files, plan.entries):
                 writers.append(ShardWriter(tmp / name, entries))
-            _Executor(reader, plan, writers, opts.workers, progress).run()
+            workers = opts.workers if opts.workers is not None else min(8, os.cpu_count() or 1)
+            _Executor(reader, plan, writers, workers, progress).run()
             if tied == "omitted":
                 assert embed is not None and lm_head is not None
                 _check_tied(reader, plan, writers, embed, lm_head)

@@ -173,6 +173,18 @@ class ShardWriter:
             if fd >= 0:
                 os.close(fd)
         self._buffer: torch.Tensor | None = None
+        self._raw: memoryview | None = None
+
+    def raw(self, name: str) -> memoryview:
+        """Writable bytes of ``name`` in the file (torch-free)."""
+        e = self.entries[name]
+        if e.nbytes == 0:
+            return memoryview(bytearray(0))
+        if self._raw is None:
+            assert self._map is not None
+            self._raw = memoryview(self._map)
+        start = self.data_start + e.begin
+        return self._raw[start:start + e.nbytes]
 
     def view(self, name: str) -> torch.Tensor:
         """Writable tensor over ``name``'s bytes in the file (its dtype and shape)."""
@@ -215,6 +227,7 @@ class ShardWriter:
     def close(self) -> None:
         """Unmap the file (every view must be gone). Idempotent."""
         self._buffer = None
+        self._raw = None
         if self._map is not None:
             m, self._map = self._map, None
             try:
