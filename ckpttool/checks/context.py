@@ -35,17 +35,19 @@ __all__ = ["Context", "build_context", "load_config", "config_value", "GROUP_ITE
 #: Param-group items the rules read (``params``: nested flavor membership).
 GROUP_ITEMS = (*HYPERPARAMETERS, "initial_lr", "params")
 
-# Last key components of persistent buffers common in HF / torch models.
-_BUFFER_NAMES = frozenset({
-    "inv_freq", "e_score_correction_bias", "running_mean", "running_var", "num_batches_tracked",
-    "position_ids", "token_type_ids", "causal_mask", "mask", "bias_mask", "original_inv_freq",
-})
 # Last key components that name parameters (nn.Linear/Embedding/Norm, fused experts).
 _PARAM_NAMES = frozenset({
     "weight", "bias", "gate_up_proj", "down_proj", "gate_proj", "up_proj", "w1", "w2", "w3",
     "gate_up_proj_bias", "down_proj_bias",
 })
 _INDEX_RE = re.compile(r"\.\d+\.")
+_LAYER_RE = re.compile(r"^(.*?\.\d+)\.")
+
+
+def _layer_of(fqn: str) -> str | None:
+    """The key prefix up to the first numeric component (``model.layers.3``), or ``None``."""
+    m = _LAYER_RE.match(fqn)
+    return m.group(1) if m else None
 
 
 def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -117,7 +119,11 @@ class Context:
     deep_result: DeepResult | None = None
     workers: int | None = None
     _file_errors: dict[str, CkptError | None] = field(default_factory=dict)
-    _params: dict[str, bool | None] | None = None
+    _params: dict[str, bool] | None = None
+    _optimized: set[str] = field(default_factory=set)
+    _patterns: set[str] = field(default_factory=set)
+    _layers: set[str] = field(default_factory=set)
+    _modules: set[str] = field(default_factory=set)
 
     # ------------------------------------------------------------------ storage helpers
     def file_error(self, relative_path: str) -> CkptError | None:
@@ -152,39 +158,40 @@ class Context:
         assert self.cat is not None
         return self.cat.group_of(fqn)
 
-    def param_kind(self, fqn: str) -> bool | None:
-        """Is the model tensor ``fqn`` a parameter (``True``), a buffer (``False``) or unknown (``None``)?
+    def lost_hyperparameters(self, fqn: str) -> bool:
+        """Is there evidence that ``fqn`` is an optimized parameter although it has no state and no group?
 
-        A tensor with optimizer state or in a param group is a parameter. Otherwise it is a
-        parameter when a tensor of the same name pattern in another layer/expert is one, or
-        when its last name component names a parameter (``weight``, ``bias``, fused expert
-        weights); a buffer when that component names a common persistent buffer
-        (``inv_freq``, ``e_score_correction_bias``, ...); else unknown.
+        A model tensor outside every param group is normally frozen or a buffer. It counts as
+        an optimized parameter that lost its hyperparameters when either
+
+        - the tensor of the same name in another layer/expert is optimized *and* some tensor
+          of its own layer is optimized (so the layer is not frozen), or
+        - its name is a parameter name (``weight``, ``bias``, fused expert weights) and
+          another tensor of the same module is optimized.
+
+        Frozen layers/modules, LoRA base weights and buffers (``inv_freq``,
+        ``e_score_correction_bias``, 0-d scales) give no such evidence.
         """
         assert self.cat is not None
         if self._params is None:
-            known: dict[str, bool | None] = {}
             grouped = {p for g in self.cat.param_groups for p in g.params}
             grouped |= {str(g.group_id) for g in self.cat.param_groups if g.flavor == "flattened"}
-            pattern_is_param: set[str] = set()
-            for f in self.cat.param_fqns:
-                if f in grouped or (f in self.cat.optimizer_state and self.cat.optimizer_state[f].fields):
-                    known[f] = True
-                    pattern_is_param.add(_INDEX_RE.sub(".#.", f))
-            for f in self.cat.param_fqns:
-                if f in known:
-                    continue
-                last = f.rsplit(".", 1)[-1]
-                if _INDEX_RE.sub(".#.", f) in pattern_is_param:
-                    known[f] = True
-                elif last in _BUFFER_NAMES:
-                    known[f] = False
-                elif last in _PARAM_NAMES:
-                    known[f] = True
-                else:
-                    known[f] = None
-            self._params = known
-        return self._params.get(fqn)
+            optimized = {f for f in self.cat.param_fqns
+                         if f in grouped or (f in self.cat.optimizer_state and self.cat.optimizer_state[f].fields)}
+            self._optimized = optimized
+            self._patterns = {_INDEX_RE.sub(".#.", f) for f in optimized}
+            self._layers = {_layer_of(f) for f in optimized} - {None}
+            self._modules = {f.rpartition(".")[0] for f in optimized}
+            self._params = {}
+        if fqn in self._optimized:
+            return False
+        hit = self._params.get(fqn)
+        if hit is None:
+            layer = _layer_of(fqn)
+            by_pattern = (_INDEX_RE.sub(".#.", fqn) in self._patterns and layer is not None and layer in self._layers)
+            by_module = fqn.rsplit(".", 1)[-1] in _PARAM_NAMES and fqn.rpartition(".")[0] in self._modules
+            hit = self._params[fqn] = by_pattern or by_module
+        return bool(hit)
 
     def group_sets(self) -> list[tuple[str, list[str]]]:
         """Parameters that share one param group, as ``(label, fqns)``.

@@ -61,7 +61,8 @@ def partial_state(ctx: Context) -> Iterator[tuple[str, str]]:
 
 
 @rule("O002", "no-state-no-hyperparameters", Severity.error,
-      "a parameter has no optimizer state and no saved param-group hyperparameters",
+      "a parameter has no optimizer state and no saved param-group hyperparameters (while the rest of its "
+      "module/layer is optimized: frozen modules and buffers do not count)",
       "save the param-group hyperparameters of never-stepped parameters too (flattened flavor: "
       "optimizer.param_groups.<fqn>.lr, ...); otherwise their LR silently resets on resume")
 def no_state_no_hyperparameters(ctx: Context) -> Iterator[tuple[str, str]]:
@@ -74,7 +75,7 @@ def no_state_no_hyperparameters(ctx: Context) -> Iterator[tuple[str, str]]:
             continue
         if ctx.group_of(fqn) is not None:
             continue
-        if ctx.param_kind(fqn):
+        if ctx.lost_hyperparameters(fqn):
             yield fqn, (f"{fqn}: parameter has no optimizer state and no param-group hyperparameters "
                         "(its lr/weight_decay would reset to the optimizer defaults on resume)")
 
@@ -117,6 +118,7 @@ def state_dtype_policy(ctx: Context) -> Iterator[tuple[str, str]]:
     declared, cfg = _declared(ctx)
     if declared is not None and declared not in OPTIMIZER_TYPES:
         return  # O008
+    any_master = any("master_weight" in fields for _, fields, _ in _states(ctx))
     for fqn, fields, param in _states(ctx):
         if set(fields) - set(STATE_FIELDS) or any(f not in fields for f in _CORE):
             continue  # O008 / O001
@@ -151,8 +153,8 @@ def state_dtype_policy(ctx: Context) -> Iterator[tuple[str, str]]:
         ]
         extra = [k for k in dts if k not in want]
         bad += [f"{k} present but {source} has none" for k in extra]
-        missing = [k for k in want if k not in dts and k != "step"]
-        bad += [f"{k} missing" for k in missing if k == "master_weight"]
+        if "master_weight" in want and "master_weight" not in dts and not any_master:
+            bad.append("master_weight missing (no parameter has one)")  # partial coverage: O006
         if bad:
             yield fqn, f"{fqn}: {'; '.join(bad)} ({source})"
 

@@ -94,7 +94,7 @@ class ValidationResult:
 
 
 def _skip_reason(r: Rule, ctx: Context) -> str | None:
-    if ctx.cat is None and not r.fatal:
+    if ctx.cat is None and r.code != "S001":
         return ".metadata is unusable"
     if "deep" in r.needs and not ctx.deep:
         return "needs --deep"
