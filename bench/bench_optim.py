@@ -9,8 +9,10 @@ Usage::
 Every variant steps the same parameters and gradients (``--tensors`` equal tensors,
 ``--param-dtype`` float32 or bfloat16); all optimizers stay alive (memory: parameters and
 gradients once plus every variant's state) and timed steps are interleaved round-robin.
-Reported per variant: median and minimum step time over ``--steps`` timed steps after
-``--warmup`` untimed ones (the first creates the state), and effective bandwidth = bytes of
+Reported per variant: median and minimum wall time and median process CPU time of a step
+over ``--steps`` timed steps after ``--warmup`` untimed ones (the first creates the state;
+CPU time is the steadier figure on a shared machine, with ``--threads 1`` it is the work
+itself), and effective bandwidth = bytes of
 parameter + gradient + all optimizer state tensors divided by the median step time (each
 byte counted once, although a step reads most of them more than once).
 """
@@ -56,8 +58,8 @@ def _variants(device: torch.device, chunk_size: int) -> dict[str, Callable[[list
 
 
 def run(numel: int, tensors: int, device: torch.device, param_dtype: torch.dtype, steps: int, warmup: int,
-        chunk_size: int, only: list[str] | None) -> list[tuple[str, float, float, float, int]]:
-    """Returns ``[(variant, median s, min s, GB/s at median, bytes touched)]``; skipped variants get NaN.
+        chunk_size: int, only: list[str] | None) -> list[tuple[str, float, float, float, float, int]]:
+    """Returns ``[(variant, median s, min s, median CPU s, GB/s at median, bytes touched)]``; skipped get NaN.
 
     All optimizers are built over the same parameters and stay alive; timed steps are
     interleaved round-robin (variant A, B, C, A, B, C, ...) so that load from other
@@ -80,23 +82,25 @@ def run(numel: int, tensors: int, device: torch.device, param_dtype: torch.dtype
             print(f"# {name}: skipped ({e})", file=sys.stderr)
             opts.pop(name, None)
     times: dict[str, list[float]] = {name: [] for name in opts}
+    cpu_times: dict[str, list[float]] = {name: [] for name in opts}
     for _ in range(steps):
         for name, opt in opts.items():
             _sync(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             opt.step()
             _sync(device)
             times[name].append(time.perf_counter() - t0)
+            cpu_times[name].append(time.process_time() - c0)
     rows = []
     grad_param = sum(p.numel() * p.element_size() * 2 for p in params)
     for name in _variants(device, chunk_size):
         if name not in opts:
             if not only or any(o in name for o in only):
-                rows.append((name, float("nan"), float("nan"), float("nan"), 0))
+                rows.append((name, float("nan"), float("nan"), float("nan"), float("nan"), 0))
             continue
         touched = grad_param + _state_bytes(opts[name])  # param + grad + state
         med = statistics.median(times[name])
-        rows.append((name, med, min(times[name]), touched / med / 1e9, touched))
+        rows.append((name, med, min(times[name]), statistics.median(cpu_times[name]), touched / med / 1e9, touched))
     return rows
 
 
@@ -110,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--chunk-size", type=int, default=1 << 22, help="cpu_offload_adamw chunk elements")
     ap.add_argument("--only", nargs="*", help="substrings of variant names to run")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = getattr(torch, args.param_dtype)
     rows = run(args.numel, args.tensors, device, dtype, args.steps, args.warmup, args.chunk_size, args.only)
@@ -118,11 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     base_min = next((r[2] for r in rows if r[0] == "torch AdamW foreach"), float("nan"))
     print(f"numel={args.numel} tensors={args.tensors} device={device} param_dtype={args.param_dtype} "
           f"steps={args.steps} threads={torch.get_num_threads()} torch={torch.__version__}")
-    print(f"{'variant':36s} {'median ms':>10s} {'min ms':>9s} {'GB/s':>8s} {'GiB touched':>12s} "
-          f"{'vs foreach (median)':>20s} {'(min)':>7s}")
-    for name, sec, best, gbs, touched in rows:
-        print(f"{name:36s} {sec * 1e3:10.1f} {best * 1e3:9.1f} {gbs:8.2f} {touched / 2**30:12.2f} "
-              f"{sec / base:19.2f}x {best / base_min:6.2f}x")
+    base_cpu = next((r[3] for r in rows if r[0] == "torch AdamW foreach"), float("nan"))
+    print(f"{'variant':36s} {'median ms':>10s} {'min ms':>9s} {'cpu ms':>9s} {'GB/s':>8s} {'GiB touched':>12s} "
+          f"{'vs foreach: median':>19s} {'min':>6s} {'cpu':>6s}")
+    for name, sec, best, cpu, gbs, touched in rows:
+        print(f"{name:36s} {sec * 1e3:10.1f} {best * 1e3:9.1f} {cpu * 1e3:9.1f} {gbs:8.2f} {touched / 2**30:12.2f} "
+              f"{sec / base:18.2f}x {best / base_min:5.2f}x {cpu / base_cpu:5.2f}x")
     return 0
 
 

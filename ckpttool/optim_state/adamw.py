@@ -21,9 +21,8 @@ Contract (DESIGN.md section 1, ``docs/optim_state.md``):
       param    = master.to(param.dtype)            # round to nearest even
 
   Moments held in BF16 are widened to FP32 for the step, the update uses the FP32
-  values, and the new moments are stored rounded to nearest even. On an accelerator
-  the ops run as ``torch._foreach_*`` over a param group's tensors; on the CPU per
-  tensor in cache-sized slices (elementwise ops: bitwise the same result).
+  values, and the new moments are stored rounded to nearest even. Resident parameters
+  update with ``torch._foreach_*`` ops over a param group's tensors per device.
 - ``load_state_dict`` checks every saved field's presence, dtype and shape against
   this optimizer's configuration *before* anything is cast or moved, and raises
   :class:`~ckpttool.errors.OptimStateError` naming the parameter and field.
@@ -180,48 +179,6 @@ def adamw_chunk_(
         exp_avg_sq.copy_(v)
 
 
-def _adamw_cpu_chunked_(
-    masters: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    params: list[torch.Tensor],
-    *,
-    chunk: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """:func:`_adamw_foreach_` plus the parameter write-back, for CPU tensors, in cache-sized slices.
-
-    On the CPU ``torch._foreach_*`` ops loop over tensors anyway; walking each tensor in
-    slices of ``chunk`` elements keeps the slice in cache across the ~10 elementwise ops
-    and keeps temporaries small, and gives bitwise the same result (every op is elementwise).
-    """
-    torch._foreach_add_(steps, 1.0)
-    for master, grad, exp_avg, exp_avg_sq, step, param in zip(masters, grads, exp_avgs, exp_avg_sqs, steps, params):
-        s = step.item()
-        step_size = (lr / (1 - beta1**s)) * -1
-        bias_correction2_sqrt = (1 - beta2**s) ** 0.5
-        m_flat, g_flat = master.view(-1), grad.reshape(-1)
-        a_flat, b_flat = exp_avg.view(-1), exp_avg_sq.view(-1)
-        p_flat = param.view(-1) if param.is_contiguous() else None
-        for a in range(0, m_flat.numel(), chunk):
-            b = a + chunk
-            adamw_chunk_(
-                m_flat[a:b], g_flat[a:b], a_flat[a:b], b_flat[a:b],
-                lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                step_size=step_size, bias_correction2_sqrt=bias_correction2_sqrt,
-            )
-            if p_flat is not None:
-                p_flat[a:b].copy_(m_flat[a:b])
-        if p_flat is None:
-            param.copy_(master)
-
-
 class MasterAdamWBase(torch.optim.Optimizer):
     """Common machinery of the FP32-master AdamW variants (not used directly).
 
@@ -242,9 +199,6 @@ class MasterAdamWBase(torch.optim.Optimizer):
     """
 
     type_name: ClassVar[str] = ""
-    #: Elements per slice on the CPU path (cache-sized; the arithmetic is elementwise, so slicing
-    #: changes no result bit).
-    cpu_chunk_size: ClassVar[int] = 1 << 18
 
     def __init__(
         self,
@@ -366,12 +320,9 @@ class MasterAdamWBase(torch.optim.Optimizer):
             bucket[3].append(_local(state["exp_avg_sq"]))
             bucket[4].append(state["step"])
             bucket[5].append(_local(p))
-        for (device, _), (masters, grads, exp_avgs, exp_avg_sqs, steps, params) in buckets.items():
-            if device.type == "cpu":
-                _adamw_cpu_chunked_(masters, grads, exp_avgs, exp_avg_sqs, steps, params, chunk=self.cpu_chunk_size, **hyper)
-            else:
-                _adamw_foreach_(masters, grads, exp_avgs, exp_avg_sqs, steps, **hyper)
-                torch._foreach_copy_(params, masters)
+        for masters, grads, exp_avgs, exp_avg_sqs, steps, params in buckets.values():
+            _adamw_foreach_(masters, grads, exp_avgs, exp_avg_sqs, steps, **hyper)
+            torch._foreach_copy_(params, masters)
         if offloaded:
             self._step_offloaded(offloaded, hyper)
 
