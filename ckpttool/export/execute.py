@@ -245,7 +245,7 @@ class _Executor:
     """Runs a plan's tasks on a thread pool; bookkeeping happens in the calling thread only."""
 
     def __init__(self, reader: CheckpointReader, plan: ExportPlan, writers: list[ShardWriter], workers: int,
-                 progress: ProgressFn | None) -> None:
+                 progress: ProgressFn | None, chunks: list[tuple[TensorMeta, list[ChunkMeta]]]) -> None:
         self.reader = reader
         self.plan = plan
         self.writers = writers
@@ -258,6 +258,7 @@ class _Executor:
         self.temp_inflight = 0
         self.pending: dict[Future[None], tuple[int, int]] = {}  # future -> (task index, temp bytes)
         self.remaining: dict[int, int] = {}
+        self.chunks = chunks
 
     # -- worker side ---------------------------------------------------------------------------
     def _read_chunk(self, task: SourceTask, chunk: ChunkMeta, size: tuple[int, ...]) -> None:
@@ -327,8 +328,7 @@ class _Executor:
         pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ckpttool-export")
         try:
             for idx, task in enumerate(self.plan.tasks):
-                key = task.source_key
-                meta, chunks = _dedup_chunks(self.reader, key)
+                meta, chunks = self.chunks[idx]
                 if task.direct:
                     self.remaining[idx] = max(len(chunks), 1)
                     if not chunks:
@@ -480,6 +480,8 @@ def _export(
     if opts.fmt == "lora":
         adapter = adapter_config(plan, cat, given=given_adapter, lora_alpha=opts.lora_alpha, model_config=model_config)
     assets = _asset_files(Path(opts.model_assets), opts.fmt) if opts.model_assets is not None else []
+    # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
+    chunks = [_dedup_chunks(reader, t.source_key) for t in plan.tasks]
 
     files_info: list[dict[str, Any]] = []
     with AtomicOutputDir(out, overwrite=opts.overwrite, source=checkpoint) as tmp:
@@ -488,7 +490,7 @@ def _export(
             for name, entries in zip(plan.files, plan.entries):
                 writers.append(ShardWriter(tmp / name, entries))
             workers = opts.workers if opts.workers is not None else min(8, os.cpu_count() or 1)
-            _Executor(reader, plan, writers, workers, progress).run()
+            _Executor(reader, plan, writers, workers, progress, chunks).run()
             if tied == "omitted":
                 assert embed is not None and lm_head is not None
                 _check_tied(reader, plan, writers, embed, lm_head)

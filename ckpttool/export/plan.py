@@ -225,7 +225,6 @@ def select_sources(
                 skipped.setdefault("not a LoRA adapter tensor", []).append(key)
                 continue
             out_key, adapter = hit
-            adapter_names[out_key] = adapter
         else:
             out, matched, warn = rules.map_key(key)
             if not matched:
@@ -240,6 +239,8 @@ def select_sources(
         if _filtered(key, out_key, filter_glob):
             skipped.setdefault("excluded by --filter", []).append(key)
             continue
+        if fmt == "lora":
+            adapter_names[out_key] = adapter
         source, origin = entry, "params"
         if weights == "master":
             ps = cat.optimizer_state.get(key[len(MODEL_PREFIX):])
