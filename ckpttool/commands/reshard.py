@@ -57,6 +57,7 @@ def reshard_command(
     ep_size: EpSizeOpt = None,
     ep_fsdp_size: EpFsdpSizeOpt = None,
     overwrite: OverwriteOpt = False,
+    fsync: Annotated[bool, typer.Option("--fsync/--no-fsync", help="fsync the output files before moving the directory into place (survives a power loss).")] = True,
     json_output: JsonOpt = False,
     trust_pickle: TrustPickleOpt = False,
 ) -> None:
@@ -75,7 +76,7 @@ def reshard_command(
             bar.start()
         res = reshard(source, target, to=to.value, target_ep_size=target_ep_size,
                       target_ep_fsdp_size=target_ep_fsdp_size, with_optimizer=with_optimizer,
-                      declaration=decl, overwrite=overwrite, trust_pickle=trust_pickle, progress=update)
+                      declaration=decl, overwrite=overwrite, trust_pickle=trust_pickle, progress=update, fsync=fsync)
     finally:
         if bar is not None:
             bar.stop()

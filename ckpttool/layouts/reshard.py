@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 import zipfile
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..catalog import build_catalog
-from ..dcp.archive import FileWindow, parse_tensor_archive
+from ..dcp.archive import FileWindow, TensorRecord, parse_tensor_archive
+from ..dcp.model import DTYPE_ITEMSIZE
 from ..dcp.reader import DATA_FILE_RE, METADATA_NAME, CheckpointReader
 from ..errors import ChunkError, UnsafePickleError
 from ..output import AtomicOutputDir
@@ -113,10 +116,14 @@ class _Sources:
         self._fds.clear()
 
 
-def _check_archive(sources: _Sources, key: str, chunk: Any, dtype: str, info: Any) -> None:
-    """Refuse a stored archive that does not hold a tensor of the recorded dtype and shape."""
+def _check_archive(sources: _Sources, key: str, chunk: Any, dtype: str, info: Any) -> TensorRecord | None:
+    """Refuse a stored archive that does not hold a tensor of the recorded dtype and shape.
+
+    Returns:
+        Where its storage lies (``None``: transformed or unusual archive, not parsed here).
+    """
     if info.transform_descriptors:
-        return  # copied with its transforms; torch decodes them on load
+        return None  # copied with its transforms; torch decodes them on load
     where = f"{sources.reader.path / info.relative_path}: {key!r} chunk at {chunk.offsets}"
     try:
         rec = parse_tensor_archive(FileWindow(sources.fd(info.relative_path), info.offset, info.length))
@@ -128,6 +135,65 @@ def _check_archive(sources: _Sources, key: str, chunk: Any, dtype: str, info: An
     if rec is not None and (rec.dtype != dtype or rec.size != chunk.sizes):
         raise ChunkError(f"{where}: stored tensor is {rec.dtype}{list(rec.size)}, metadata says {dtype}{list(chunk.sizes)}",
                          path=info.relative_path, fqn=key)
+    if rec is not None and rec.data_offset + rec.storage_numel * DTYPE_ITEMSIZE[dtype] > info.length:
+        raise ChunkError(f"{where}: storage record reaches past the archive", path=info.relative_path, fqn=key)
+    return rec
+
+
+def _contiguous_range(shape: tuple[int, ...], start: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(element offset, count)`` of a box inside a row-major tensor of ``shape`` when the box is one run."""
+    ndim = len(shape)
+    k = 0
+    while k < ndim and sizes[k] == 1:
+        k += 1
+    if any(start[d] != 0 or sizes[d] != shape[d] for d in range(k + 1, ndim)):
+        return None
+    offset, stride = 0, 1
+    for d in reversed(range(ndim)):
+        offset += start[d] * stride
+        stride *= shape[d]
+    count = 1
+    for s in sizes:
+        count *= s
+    return offset, count
+
+
+def _stream_segments(tp: TensorPlan, oc: Any, reader: CheckpointReader, sources: _Sources,
+                     records: dict[Any, Any]) -> list[tuple[int, int, int]] | None:
+    """Byte segments of the source files whose concatenation is output chunk ``oc`` (``None``: not that simple)."""
+    item = tp.dtype.itemsize
+    runs = []
+    for piece in oc.pieces:
+        src = piece.src_chunk
+        if src not in records:
+            info = reader.storage_info(tp.key, src)
+            rec = _check_archive(sources, tp.key, src, tp.dtype.name, info)
+            ok = (rec is not None and rec.storage_offset == 0 and rec.storage_numel == src.numel
+                  and _contiguous_range(src.sizes, (0,) * len(src.sizes), src.sizes) is not None
+                  and rec.stride == _row_major(src.sizes))
+            records[src] = (sources.fd(info.relative_path), info.offset + rec.data_offset) if ok and rec else None
+        where = records[src]
+        s_run = _contiguous_range(src.sizes, piece.src_start, piece.sizes)
+        d_run = _contiguous_range(oc.chunk.sizes, piece.dst_start, piece.sizes)
+        if where is None or s_run is None or d_run is None:
+            return None
+        runs.append((d_run[0], d_run[1], where[0], where[1] + s_run[0] * item))
+    runs.sort()
+    pos, segments = 0, []
+    for d_off, count, fd, byte_off in runs:
+        if d_off != pos:
+            return None
+        segments.append((fd, byte_off, count * item))
+        pos += count
+    return segments if pos == oc.chunk.numel else None
+
+
+def _row_major(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(sizes):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
 
 
 def _box(t: torch.Tensor, start: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
@@ -137,22 +203,61 @@ def _box(t: torch.Tensor, start: tuple[int, ...], sizes: tuple[int, ...]) -> tor
     return t
 
 
-def _write_tensor(tp: TensorPlan, reader: CheckpointReader, sources: _Sources, writer: DCPWriter,
-                  planner_path: Any, counts: dict[str, int]) -> None:
+@dataclass
+class _Job:
+    """One output chunk to write in the parallel phase: a verbatim copy or a streamed archive."""
+
+    key: str
+    chunk: Any
+    dtype: Any
+    nbytes: int
+    copy: tuple[int, Any] | None = None  # (source fd, StorageInfo)
+    segments: list[tuple[int, int, int]] | None = None
+
+
+def _plan_jobs(tp: TensorPlan, reader: CheckpointReader, sources: _Sources,
+               jobs: dict[int, list[_Job]]) -> list[int]:
+    """Queue the chunks of ``tp`` that need no tensor; return the indices of those that do."""
+    records: dict[Any, Any] = {}
+    fallback = []
+    nbytes_of = tp.dtype.itemsize
+    for i, oc in enumerate(tp.chunks):
+        raw = oc.raw_source
+        if raw is not None:
+            info = reader.storage_info(tp.key, raw)
+            _check_archive(sources, tp.key, raw, tp.dtype.name, info)
+            jobs[oc.rank].append(_Job(tp.key, oc.chunk, tp.dtype, oc.chunk.numel * nbytes_of,
+                                      copy=(sources.fd(info.relative_path), info)))
+            continue
+        segments = _stream_segments(tp, oc, reader, sources, records)
+        if segments is not None:  # contiguous pieces: bytes go file to file, no tensor needed
+            jobs[oc.rank].append(_Job(tp.key, oc.chunk, tp.dtype, oc.chunk.numel * nbytes_of, segments=segments))
+        else:
+            fallback.append(i)
+    return fallback
+
+
+def _run_jobs(rank: int, jobs: list[_Job], writer: DCPWriter, tick: Callable[[int, bool], None]) -> None:
+    for job in jobs:
+        if job.copy is not None:
+            writer.copy_archive(job.key, job.chunk, rank, job.copy[0], job.copy[1])
+        else:
+            assert job.segments is not None
+            writer.stream_tensor_archive(job.key, job.chunk, rank, job.dtype, job.segments)
+        tick(job.nbytes, job.copy is not None)
+    writer.sync(rank)
+
+
+def _write_reassembled(tp: TensorPlan, indices: list[int], reader: CheckpointReader, writer: DCPWriter) -> None:
+    """Chunks whose pieces are not byte runs (e.g. FSDP on another dim, new sizes): assemble with torch."""
     import torch
 
-    writer.declare_tensor(tp.key, tp.dtype, tp.shape, planner_path)
-    dtype = tp.dtype.to_torch()
-    buffers: dict[int, torch.Tensor] = {}
+    buffers = {i: torch.empty(tp.chunks[i].chunk.sizes, dtype=tp.dtype.to_torch()) for i in indices}
     by_source: dict[Any, list[tuple[int, Any]]] = defaultdict(list)
-    for i, oc in enumerate(tp.chunks):
-        if oc.raw_source is not None:
-            continue
-        buffers[i] = torch.empty(oc.chunk.sizes, dtype=dtype)
-        for piece in oc.pieces:
+    for i in indices:
+        for piece in tp.chunks[i].pieces:
             by_source[piece.src_chunk].append((i, piece))
-    if by_source:
-        reader.check_allocation(tp.key, reader.tensor_meta(tp.key))
+    reader.check_allocation(tp.key, reader.tensor_meta(tp.key))
     for src_chunk, uses in by_source.items():
         if len(uses) == 1:
             i, piece = uses[0]
@@ -164,29 +269,30 @@ def _write_tensor(tp: TensorPlan, reader: CheckpointReader, sources: _Sources, w
         for i, piece in uses:
             _box(buffers[i], piece.dst_start, piece.sizes).copy_(_box(whole, piece.src_start, piece.sizes))
         del whole
-    for i, oc in enumerate(tp.chunks):
-        raw = oc.raw_source
-        if raw is not None:
-            info = reader.storage_info(tp.key, raw)
-            _check_archive(sources, tp.key, raw, tp.dtype.name, info)
-            writer.copy_archive(tp.key, oc.chunk, oc.rank, sources.fd(info.relative_path), info)
-            counts["copied"] += 1
-        else:
-            buf = buffers.pop(i)
-            writer.write_chunk(tp.key, oc.chunk, oc.rank, buf)
-            counts["rewritten"] += 1
+    for i in indices:
+        oc = tp.chunks[i]
+        writer.write_chunk(tp.key, oc.chunk, oc.rank, buffers.pop(i))
 
 
 def execute_plan(plan: ReshardPlan, reader: CheckpointReader, out_dir: Path, checkpoint_id: Path,
-                 progress: ProgressFn | None = None) -> tuple[DCPWriter, dict[str, int]]:
+                 progress: ProgressFn | None = None, *, threads: int | None = None,
+                 fsync: bool = True) -> tuple[DCPWriter, dict[str, int]]:
     """Write the planned checkpoint into ``out_dir`` (data files + ``.metadata``).
+
+    Output chunks that are a whole source chunk (copied verbatim) or a concatenation of
+    contiguous source byte runs (streamed into a new archive) are written by one worker
+    thread per target file, in parallel (the copies run in the kernel and release the GIL);
+    the remaining chunks are assembled with torch, tensor by tensor. Each data file is
+    ``fsync``ed before ``.metadata`` is written.
 
     Args:
         plan: from :func:`~ckpttool.layouts.plan.plan_reshard`.
         reader: reader of ``plan.source``.
         out_dir: an empty directory.
         checkpoint_id: the final path, recorded in the metadata.
-        progress: called with ``(bytes done, bytes total)`` after each tensor.
+        progress: called with ``(bytes done, bytes total)`` (from worker threads).
+        threads: worker threads (default: CPU count, at most the number of target files).
+        fsync: ``fsync`` the output files (see :class:`~ckpttool.layouts.writer.DCPWriter`).
 
     Returns:
         The finished writer (byte counts) and ``{"copied": n, "rewritten": n}`` chunk counts.
@@ -194,15 +300,36 @@ def execute_plan(plan: ReshardPlan, reader: CheckpointReader, out_dir: Path, che
     sources = _Sources(reader)
     counts = {"copied": 0, "rewritten": 0}
     total = sum(t.dtype.itemsize * _numel(t.shape) for t in plan.tensors)
-    done = 0
+    state = {"done": 0}
+    lock = threading.Lock()
+
+    def tick(nbytes: int, copied: bool) -> None:
+        with lock:
+            state["done"] += nbytes
+            counts["copied" if copied else "rewritten"] += 1
+            if progress is not None:
+                progress(state["done"], total)
+
     try:
-        with DCPWriter(out_dir, checkpoint_id) as writer:
+        with DCPWriter(out_dir, checkpoint_id, fsync=fsync) as writer:
             writer.ensure_files(range(plan.world))
+            jobs: dict[int, list[_Job]] = {r: [] for r in range(plan.world)}
+            fallback: list[tuple[TensorPlan, list[int]]] = []
             for tp in plan.tensors:
-                _write_tensor(tp, reader, sources, writer, plan.planner_data.get(tp.key), counts)
-                done += tp.dtype.itemsize * _numel(tp.shape)
-                if progress is not None:
-                    progress(done, total)
+                writer.declare_tensor(tp.key, tp.dtype, tp.shape, plan.planner_data.get(tp.key))
+                rest = _plan_jobs(tp, reader, sources, jobs)
+                if rest:
+                    fallback.append((tp, rest))
+            workers = max(1, min(threads or os.cpu_count() or 1, plan.world))
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-reshard") as pool:
+                futures = [pool.submit(_run_jobs, r, jobs[r], writer, tick) for r in range(plan.world)]
+                for fut in futures:
+                    fut.result()
+            for tp, indices in fallback:
+                _write_reassembled(tp, indices, reader, writer)
+                tick(sum(tp.chunks[i].chunk.numel for i in indices) * tp.dtype.itemsize, False)
+                with lock:
+                    counts["rewritten"] += len(indices) - 1
             for bp in plan.byte_items:
                 path = plan.planner_data.get(bp.key)
                 if bp.value is None:
@@ -252,6 +379,7 @@ def reshard(
     overwrite: bool = False,
     trust_pickle: bool = False,
     progress: ProgressFn | None = None,
+    fsync: bool = True,
 ) -> ReshardResult:
     """Write a new DCP checkpoint whose EP tensors are in the ``to`` layout for the target mesh.
 
@@ -265,6 +393,8 @@ def reshard(
         overwrite: replace a non-empty ``dst`` once the new output is complete.
         trust_pickle: allow ``weights_only=False`` for byte items that need it.
         progress: optional ``(bytes done, bytes total)`` callback.
+        fsync: ``fsync`` the output files before renaming the directory into place (default);
+            ``False`` is as durable as ``cp -r`` (the page cache decides when data reaches disk).
 
     Returns:
         A :class:`ReshardResult`.
@@ -281,7 +411,7 @@ def reshard(
         plan = plan_reshard(cat, reader, layout, to=to, target_ep_size=target_ep_size,
                             target_ep_fsdp_size=target_ep_fsdp_size, with_optimizer=with_optimizer)
         with AtomicOutputDir(dst_p, overwrite=overwrite, source=src_p) as tmp:
-            writer, counts = execute_plan(plan, reader, tmp, dst_p.resolve(), progress)
+            writer, counts = execute_plan(plan, reader, tmp, dst_p.resolve(), progress, fsync=fsync)
             extra = _copy_extra_files(src_p, tmp)
             files = [{"path": DCPWriter.file_name(r), "bytes": (tmp / DCPWriter.file_name(r)).stat().st_size}
                      for r in range(plan.world)]
