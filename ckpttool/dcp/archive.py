@@ -95,6 +95,8 @@ class _TensorPickle(pickle.Unpickler):
             return ("storage_type", STORAGE_DTYPES[name])
         if (module, name) == ("collections", "OrderedDict"):
             return dict
+        if (module, name) in _V3_GLOBALS:
+            raise _NotV2Archive(name)  # float8/uint16 etc.: torch.load(weights_only=True) reads those
         raise UnsafePickleError(f"tensor archive names pickle global {module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
@@ -105,6 +107,13 @@ class _TensorPickle(pickle.Unpickler):
         ):
             return ("storage", pid[1][1], pid[2], pid[4])
         raise UnsafePickleError("tensor archive holds an unexpected persistent id")
+
+
+_V3_GLOBALS = {("torch._utils", "_rebuild_tensor_v3"), ("torch.storage", "UntypedStorage")}
+
+
+class _NotV2Archive(Exception):
+    """The archive uses torch's newer tensor encoding (``_rebuild_tensor_v3`` + ``UntypedStorage``)."""
 
 
 def _rebuild_spec(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> tuple:
@@ -167,6 +176,8 @@ def parse_tensor_archive(window: FileWindow) -> TensorRecord | None:
         return None
     try:
         spec = _TensorPickle(io.BytesIO(zf.read(pkl))).load()
+    except _NotV2Archive:
+        return None
     except UnsafePickleError:
         raise
     except Exception as e:  # noqa: BLE001 - corrupt pickle inside an untrusted archive

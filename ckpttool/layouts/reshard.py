@@ -41,7 +41,7 @@ from ..output import AtomicOutputDir
 from .declare import LayoutDeclaration, resolve_layout
 from .plan import ReshardPlan, TensorPlan, plan_reshard
 from .record import SIDECAR_NAME
-from .writer import DCPWriter
+from .writer import DCPWriter, can_stream
 
 if TYPE_CHECKING:
     import torch
@@ -162,6 +162,8 @@ def _stream_segments(tp: TensorPlan, oc: Any, reader: CheckpointReader, sources:
                      records: dict[Any, Any]) -> list[tuple[int, int, int]] | None:
     """Byte segments of the source files whose concatenation is output chunk ``oc`` (``None``: not that simple)."""
     item = tp.dtype.itemsize
+    if not can_stream(tp.dtype):
+        return None
     runs = []
     for piece in oc.pieces:
         src = piece.src_chunk

@@ -33,7 +33,8 @@ from ..errors import OutputError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DCPWriter", "WrittenItem", "DCP_VERSION", "torch_save_bytes"]
+__all__ = ["DCPWriter", "WrittenItem", "DCP_VERSION", "can_stream", "tensor_data_pkl", "torch_save_bytes",
+           "write_tensor_archive"]
 
 DCP_VERSION = "1.0.0"  # torch/distributed/checkpoint/filesystem.py CURRENT_DCP_VERSION
 _COPY_STEP = 1 << 30
@@ -401,8 +402,17 @@ class _ArchiveWindow(io.RawIOBase):
         self._f.flush()
 
 
-# dtype name -> typed storage class torch.save names in data.pkl (inverse of dcp/archive.py STORAGE_DTYPES)
-_STORAGE_CLASS = {v: k for k, v in STORAGE_DTYPES.items()}
+# dtype name -> typed storage class that torch.save names in data.pkl (``_rebuild_tensor_v2``). Newer dtypes
+# (float8, uint16/32/64) are saved as ``_rebuild_tensor_v3`` + ``UntypedStorage``; those chunks are
+# written by torch.save itself (see ``can_stream``).
+_V2_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+              "complex128", "complex64")
+_STORAGE_CLASS = {v: k for k, v in STORAGE_DTYPES.items() if v in _V2_DTYPES}
+
+
+def can_stream(dtype: DType) -> bool:
+    """Whether :func:`write_tensor_archive` writes archives of this dtype (torch's v2 tensor encoding)."""
+    return dtype.name in _STORAGE_CLASS
 _ALIGN = 64  # torch.serialization: record data aligned to 64 bytes within the archive
 
 
