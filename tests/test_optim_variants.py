@@ -343,6 +343,8 @@ def test_load_state_dict_rejects_missing_field_shape_and_other_type():
     sd["state"][0]["master_weight"] = sd["state"][0]["master_weight"][:-1]
     with pytest.raises(OptimStateError, match=re.escape("shape [256]")):
         build("full", make_params(torch.bfloat16)).load_state_dict(sd)
+    with pytest.raises(OptimStateError, match="'state' and 'param_groups'"):
+        build("full", make_params(torch.bfloat16)).load_state_dict({"state": {}})
     sd = opt.state_dict()
     sd["param_groups"] = sd["param_groups"][:1]
     with pytest.raises(OptimStateError, match="param group"):

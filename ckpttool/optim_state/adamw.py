@@ -348,6 +348,11 @@ class MasterAdamWBase(torch.optim.Optimizer):
             OptimStateError: unknown parameter key, missing or extra field, wrong dtype or
                 shape, group count/size mismatch.
         """
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+            raise OptimStateError(
+                "an optimizer state dict needs the keys 'state' and 'param_groups'",
+                hint="pass what optimizer.state_dict() returns (see docs/optim_state.md)",
+            )
         saved_groups = list(state_dict["param_groups"])
         groups = self.param_groups
         if len(saved_groups) != len(groups):
