@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FieldError", "compare_field", "effective_rtol", "count_unequal", "machine_eps"]
 
+_CHUNK = 1 << 22
 _EPS = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
 
 
@@ -96,21 +97,32 @@ def compare_field(
     import torch
 
     r = effective_rtol(rtol, stored, arithmetic)
-    if actual.numel() == 0:
+    n = actual.numel()
+    if n == 0:
         return FieldError(0.0, 0.0, 0.0, 0, r)
-    diff = actual.to(ref.dtype).sub_(ref).abs_()
-    allowed = scale.mul(r).add_(atol)
-    if late_path is not None and late_rtol > 0:
-        allowed.add_(late_path, alpha=late_rtol)
-    if carry_rtol > 0:
-        allowed.add_(ref.abs(), alpha=carry_rtol)
-    nonfinite = ~torch.isfinite(diff)
-    bad = int((diff > allowed).sum().item()) + int(nonfinite.sum().item())
-    max_abs = float(diff.max().item())
-    ratio = float(diff.div_(allowed.clamp_min_(torch.finfo(ref.dtype).tiny)).max().item())
-    diff = actual.to(ref.dtype).sub_(ref).abs_()
-    nz = ref != 0
-    max_rel = float(diff[nz].div_(ref[nz].abs()).max().item()) if bool(nz.any()) else 0.0
+    a, rf, sc = actual.reshape(-1), ref.reshape(-1), scale.reshape(-1)
+    lp = late_path.reshape(-1) if late_path is not None and late_rtol > 0 else None
+    tiny = torch.finfo(ref.dtype).tiny
+    max_abs = max_rel = ratio = 0.0
+    bad = 0
+    for lo in range(0, n, _CHUNK):  # bounded temporaries: a few chunk-sized reference-dtype tensors
+        hi = min(lo + _CHUNK, n)
+        r_chunk = rf[lo:hi]
+        d = a[lo:hi].to(ref.dtype).sub_(r_chunk).abs_()
+        allowed = sc[lo:hi].mul(r).add_(atol)
+        if lp is not None:
+            allowed.add_(lp[lo:hi], alpha=late_rtol)
+        r_abs = r_chunk.abs()
+        if carry_rtol > 0:
+            allowed.add_(r_abs, alpha=carry_rtol)
+        bad += int((~(d <= allowed)).sum().item())  # NaN compares false: counted as bad
+        m = float(d.max().item())
+        max_abs = max(max_abs, m if m == m else float("inf"))
+        q = float(d.div(allowed.clamp_min_(tiny)).max().item())
+        ratio = max(ratio, q if q == q else float("inf"))
+        rel = d.div_(r_abs).masked_fill_(r_abs == 0, 0.0)
+        q = float(rel.max().item())
+        max_rel = max(max_rel, q if q == q else float("inf"))
     return FieldError(max_abs, max_rel, ratio, bad, r)
 
 
