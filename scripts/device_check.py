@@ -152,12 +152,13 @@ def main() -> int:
 
     rc, out, _ = run(py("import torch; from ckpttool.optim_state.device import accelerator_type; "
                         "t = accelerator_type(); print(torch.__version__, t or 'none', "
-                        "torch.cuda.get_device_name() if t == 'cuda' else '-')"),
+                        "torch.cuda.get_device_name() if t == 'cuda' else '-', sep='|')"),
                      timeout=min(60, budget.left()), log=logs / "env.log", env=env)
     if rc != 0:
         print(f"FAIL: cannot import torch/ckpttool:\n{out[-2000:]}")
         return 1
-    torch_version, acc, name = out.split()[-3:] if len(out.split()) >= 3 else ("?", "none", "-")
+    fields = out.strip().splitlines()[-1].split("|") if out.strip() else []
+    torch_version, acc, name = fields if len(fields) == 3 else ("?", "none", "-")
     device = args.device or (acc if acc != "none" else "cpu")
     summary.update(torch=torch_version, accelerator=acc, device_name=name, device=device)
     print(f"torch {torch_version}; accelerator {acc} ({name}); checks run on --device {device}", flush=True)
