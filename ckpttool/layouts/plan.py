@@ -27,6 +27,7 @@ and byte items keep their chunks and go to the file of ``source rank % world``.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from dataclasses import dataclass, field
@@ -214,8 +215,34 @@ def _target_boxes(spec: EPTensorSpec, shape: tuple[int, ...], version: int, p: i
     return out
 
 
+class _ChunkIndex:
+    """Source chunks grouped by their interval along the expert dim, for range lookups."""
+
+    def __init__(self, chunks: list[ChunkMeta], ep_dim: int) -> None:
+        groups: dict[tuple[int, int], list[ChunkMeta]] = {}
+        for c in chunks:
+            groups.setdefault((c.offsets[ep_dim], c.offsets[ep_dim] + c.sizes[ep_dim]), []).append(c)
+        self.intervals = sorted(groups)
+        self.groups = groups
+        self.starts = [lo for lo, _ in self.intervals]
+        self.disjoint = all(a[1] <= b[0] for a, b in zip(self.intervals, self.intervals[1:]))
+        self.all = chunks
+
+    def overlapping(self, lo: int, hi: int) -> list[ChunkMeta]:
+        """Chunks whose expert-dim interval meets ``[lo, hi)`` (all chunks when intervals overlap)."""
+        if not self.disjoint:
+            return self.all
+        i = max(0, bisect.bisect_right(self.starts, lo) - 1)
+        out: list[ChunkMeta] = []
+        while i < len(self.intervals) and self.intervals[i][0] < hi:
+            if self.intervals[i][1] > lo:
+                out.extend(self.groups[self.intervals[i]])
+            i += 1
+        return out
+
+
 def _pieces(box_offs: tuple[int, ...], box_sizes: tuple[int, ...], ep_dim: int,
-            runs: list[tuple[int, int, int]], src_chunks: list[ChunkMeta]) -> tuple[Piece, ...]:
+            runs: list[tuple[int, int, int]], index: _ChunkIndex) -> tuple[Piece, ...]:
     if math.prod(box_sizes) == 0:
         return ()
     ndim = len(box_offs)
@@ -229,7 +256,7 @@ def _pieces(box_offs: tuple[int, ...], box_sizes: tuple[int, ...], ep_dim: int,
         s_lo = [box_offs[d] for d in range(ndim)]
         s_hi = [box_offs[d] + box_sizes[d] for d in range(ndim)]
         s_lo[ep_dim], s_hi[ep_dim] = a + shift, b + shift
-        for c in src_chunks:
+        for c in index.overlapping(s_lo[ep_dim], s_hi[ep_dim]):
             o_lo = [max(s_lo[d], c.offsets[d]) for d in range(ndim)]
             o_hi = [min(s_hi[d], c.offsets[d] + c.sizes[d]) for d in range(ndim)]
             if any(o_hi[d] <= o_lo[d] for d in range(ndim)):
@@ -461,10 +488,10 @@ def _plan_ep_tensor(key: str, meta: TensorMeta, layout: ResolvedLayout, spec: EP
         bt, tgt_true_of = 1, [0]
     runs = row_runs(n, bs, src_true_pos, bt, tgt_true_of)
     permuted = any(t != s for t, s, _ in runs)
-    src_chunks = [c for c in meta.chunks if c.numel]
+    index = _ChunkIndex([c for c in meta.chunks if c.numel], spec.ep_dim)
     chunks = []
     for rank, offs, sizes in _target_boxes(spec, meta.size, to_version, p2, f2):
-        pieces = _pieces(offs, sizes, spec.ep_dim, runs, src_chunks)
+        pieces = _pieces(offs, sizes, spec.ep_dim, runs, index)
         assert sum(pc.numel for pc in pieces) == math.prod(sizes), (key, offs, sizes)
         chunks.append(OutChunk(ChunkMeta(offs, sizes), rank, pieces))
     return TensorPlan(key, meta.dtype, meta.size, kind, permuted, tuple(chunks))
