@@ -16,6 +16,7 @@ several threads.
 
 from __future__ import annotations
 
+import errno
 import io
 import math
 import os
@@ -388,22 +389,11 @@ class CheckpointReader(CheckpointDir):
             return out
         return t
 
-    def read_chunk_into(self, fqn: str, chunk: ChunkMeta, dest: Any) -> bool:
-        """Read one chunk's raw bytes into a contiguous byte buffer, without importing torch.
+    def _raw_record(self, fqn: str, chunk: ChunkMeta) -> tuple[StorageInfo, int, int] | None:
+        """Validated location of a chunk's raw C-order bytes: ``(info, offset in the record, nbytes)``.
 
-        The fast path of :meth:`read_chunk` (DESIGN.md section 7) for callers that
-        own a byte buffer (e.g. a mapped output file): the archive is validated
-        against the metadata (dtype, shape, contiguous storage holding exactly the
-        chunk) and its storage record is read straight into ``dest``.
-
-        Args:
-            fqn: flattened key.
-            chunk: one of ``tensor_meta(fqn).chunks``.
-            dest: writable buffer of exactly ``chunk.numel * itemsize`` bytes (C order).
-
-        Returns:
-            ``True`` when read; ``False`` when nothing was read because the chunk needs
-            :meth:`read_chunk` (stream transform, strided or shared storage, unusual archive).
+        ``None`` when the chunk needs :meth:`read_chunk` (stream transform, strided or
+        shared storage, an archive the fast path does not understand).
 
         Raises:
             DataFileError, PathEscapeError, ChunkError: as :meth:`read_chunk`.
@@ -411,7 +401,7 @@ class CheckpointReader(CheckpointDir):
         meta = self.tensor_meta(fqn)
         info = self.storage_info(fqn, chunk)
         if info.transform_descriptors:
-            return False
+            return None
         where = f"{self.path / info.relative_path}: {fqn!r} chunk at {chunk.offsets}"
         try:
             record = parse_tensor_archive(self._window(info))
@@ -423,7 +413,7 @@ class CheckpointReader(CheckpointDir):
                 path=info.relative_path, fqn=fqn,
             ) from e
         if record is None:
-            return False
+            return None
         if record.dtype != meta.dtype.name or record.size != chunk.sizes:
             raise ChunkError(
                 f"{where}: stored tensor is {record.dtype}{list(record.size)}, metadata says "
@@ -432,11 +422,59 @@ class CheckpointReader(CheckpointDir):
             )
         if not (record.storage_offset == 0 and record.stride == _contiguous_stride(record.size)
                 and record.storage_numel == chunk.numel):
+            return None
+        return info, record.data_offset, chunk.numel * meta.dtype.itemsize
+
+    def copy_chunk_to_file(self, fqn: str, chunk: ChunkMeta, out_fd: int, out_offset: int) -> bool:
+        """Copy one chunk's raw bytes into another file, in the kernel when possible (torch-free).
+
+        The fast path of :meth:`read_chunk` (DESIGN.md section 7) for a caller that
+        writes the bytes to a file as they are: the chunk's archive is validated against
+        the metadata (dtype, shape, contiguous storage holding exactly the chunk) and
+        its raw storage record goes from the data
+        file to ``out_fd`` at ``out_offset`` with ``os.copy_file_range`` (no copy through
+        user space, as ``cp`` does), or ``pread``/``pwrite`` through a bounce buffer
+        where the kernel cannot (another filesystem, old kernel).
+
+        Returns:
+            ``True`` when copied; ``False`` when nothing was copied because the chunk
+            needs :meth:`read_chunk`.
+
+        Raises:
+            DataFileError, PathEscapeError, ChunkError: as :meth:`read_chunk`.
+            OSError: writing ``out_fd`` failed (e.g. ``ENOSPC``).
+        """
+        found = self._raw_record(fqn, chunk)
+        if found is None:
             return False
-        mv = memoryview(dest).cast("B")
-        assert len(mv) == chunk.numel * meta.dtype.itemsize, "dest must hold exactly the chunk"
-        if chunk.numel:
-            self._pread_into(info, record.data_offset, mv, fqn)
+        info, data_offset, nbytes = found
+        src_fd = self._fd(info.relative_path)
+        src = info.offset + data_offset
+        pos = 0
+        kernel = hasattr(os, "copy_file_range")
+        while pos < nbytes:
+            if kernel:
+                try:
+                    got = os.copy_file_range(src_fd, out_fd, nbytes - pos, src + pos, out_offset + pos)
+                except OSError as e:
+                    if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF):
+                        raise
+                    kernel = False
+                    continue
+            else:
+                buf = bytearray(min(nbytes - pos, 8 << 20))
+                got = os.preadv(src_fd, [buf], src + pos)
+                if got > 0:
+                    mv = memoryview(buf)[:got]
+                    done = 0
+                    while done < got:
+                        done += os.pwrite(out_fd, mv[done:], out_offset + pos + done)
+            if got <= 0:
+                raise DataFileError(
+                    f"{self.path / info.relative_path}: short read of {fqn!r}", path=info.relative_path, fqn=fqn
+                )
+            pos += got
+        self.bytes_read += nbytes
         return True
 
     def _torch_load_chunk(self, info: StorageInfo, fqn: str, where: str) -> torch.Tensor:
