@@ -152,8 +152,8 @@ def test_fsdp_chunks_are_each_read_once(fsdp_ckpt: Path, tmp_path: Path) -> None
             self._count(fqn, chunk)
             return super().read_chunk(fqn, chunk, out=out)
 
-        def read_chunk_into(self, fqn, chunk, dest):  # type: ignore[no-untyped-def]
-            done = super().read_chunk_into(fqn, chunk, dest)
+        def copy_chunk_to_file(self, fqn, chunk, out_fd, out_offset):  # type: ignore[no-untyped-def]
+            done = super().copy_chunk_to_file(fqn, chunk, out_fd, out_offset)
             if done:  # False: nothing read, the caller falls back to read_chunk
                 self._count(fqn, chunk)
             return done
@@ -499,3 +499,23 @@ def test_source_never_modified_on_failure(dense_ckpt: Path, tmp_path: Path) -> N
     assert {p.name: p.read_bytes() for p in ck.iterdir() if p.is_file()} == snapshot
     shutil.rmtree(tmp_path / "o2")
     assert os.listdir(tmp_path) == ["ck"]
+
+
+def test_bounce_copy_when_the_kernel_cannot_copy_between_files(fsdp_ckpt: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """copy_file_range refusing (EXDEV: output on another filesystem) falls back to pread/pwrite."""
+    import errno
+
+    calls = []
+
+    def refuse(*args: Any) -> int:
+        calls.append(args)
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    export_checkpoint(fsdp_ckpt, tmp_path / "o", ExportOptions(workers=2))
+    assert calls
+    got, _ = read_export(tmp_path / "o")
+    for k, t in torch_load(fsdp_ckpt).items():
+        if k.startswith("model."):
+            assert bitwise_equal(got[hf_key(k)], t), k

@@ -1,15 +1,17 @@
 """``export_checkpoint``: DCP checkpoint -> Hugging Face safetensors (sharded + index) or a PEFT LoRA adapter.
 
 Flow: catalog (metadata) -> layout (record / sidecar / declaration) -> selection and
-plan (pure, :mod:`ckpttool.export.plan`) -> output files created at their final
-size in a temporary directory beside ``OUT`` -> every source tensor read once, its
-chunks straight into the mapped output file (or through one temporary tensor when
-it is cast, split per expert or un-permuted) by a thread pool -> index, assets,
+plan (pure, :mod:`ckpttool.export.plan`) -> every source's chunks checked (tiling,
+stored sizes) -> output files created at their final size in a temporary directory
+beside ``OUT`` -> every source tensor read once by a thread pool -> index, assets,
 rename into place (:class:`~ckpttool.output.AtomicOutputDir`).
 
-Memory: the chunks in flight, plus temporaries bounded by ``max(largest transformed
-tensor, 256 MiB)``; finished tensors' pages are dropped from the process as they
-complete (see :mod:`ckpttool.export.safetensors_io`).
+A tensor written as stored is copied chunk by chunk from the ``.distcp`` files to
+its place in the output with ``copy_file_range`` (in the kernel, like ``cp``;
+torch is not imported). A tensor that is cast, split per expert, un-permuted, or
+whose chunks are not contiguous row blocks is assembled in one temporary tensor
+and written with ``pwrite``, cast 16 MiB at a time. Memory: temporaries in flight,
+bounded by ``max(largest such tensor, 256 MiB)``.
 """
 
 from __future__ import annotations
@@ -230,6 +232,26 @@ def _narrow(t: torch.Tensor, chunk: ChunkMeta, size: tuple[int, ...]) -> torch.T
     return view
 
 
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a tensor (C order), without a copy when it is contiguous."""
+    import torch
+
+    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _write_tensor(writer: ShardWriter, name: str, t: torch.Tensor, dtype: torch.dtype, at: int = 0) -> None:
+    """Write ``t`` cast to ``dtype`` at byte ``at`` of output tensor ``name``, casting 16 MiB at a time."""
+    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+    if flat.dtype == dtype:
+        writer.write(name, _tensor_bytes(flat), at)
+        return
+    out_item = DTYPE_ITEMSIZE[str(dtype).removeprefix("torch.")]
+    step = max(1, (16 << 20) // max(out_item, flat.element_size()))
+    for i in range(0, flat.numel(), step):
+        writer.write(name, _tensor_bytes(flat[i:i + step].to(dtype)), at + i * out_item)
+
+
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     import torch
 
@@ -261,41 +283,38 @@ class _Executor:
         self.chunks = chunks
 
     # -- worker side ---------------------------------------------------------------------------
-    def _read_chunk(self, task: SourceTask, chunk: ChunkMeta, size: tuple[int, ...]) -> None:
-        """Read one chunk of a direct task into its place in the output file."""
+    def _copy_chunk(self, task: SourceTask, chunk: ChunkMeta, size: tuple[int, ...]) -> None:
+        """Copy one stored chunk of a direct task to its place in the output file (torch-free when possible)."""
         writer = self.writers[task.shard]
         name = task.pieces[0].name
         span = _contiguous_span(chunk, size)
-        if span is not None:
-            itemsize = DTYPE_ITEMSIZE[task.selected.source.dtype]
-            dest = writer.raw(name)[span[0] * itemsize:(span[0] + span[1]) * itemsize]
-            if self.reader.read_chunk_into(task.source_key, chunk, dest):
-                return
-        self.reader.read_chunk(task.source_key, chunk, out=_narrow(writer.view(name), chunk, size))
+        assert span is not None, "direct tasks have contiguous chunks"
+        at = span[0] * DTYPE_ITEMSIZE[task.selected.source.dtype]
+        if not self.reader.copy_chunk_to_file(task.source_key, chunk, writer.fd, writer.offset(name) + at):
+            writer.write(name, _tensor_bytes(self.reader.read_chunk(task.source_key, chunk)), at)
 
     def _transform(self, task: SourceTask, chunks: list[ChunkMeta], meta: TensorMeta) -> None:
+        """Assemble a source in one temporary tensor, then write its pieces (cast / split / un-permuted)."""
         import torch
 
-        src = task.selected.source
         temp = torch.empty(meta.size, dtype=meta.dtype.to_torch())
         for c in chunks:
-            self.reader.read_chunk(src.key, c, out=_narrow(temp, c, meta.size))
+            self.reader.read_chunk(task.source_key, c, out=_narrow(temp, c, meta.size))
         writer = self.writers[task.shard]
         order = task.expert_order
         for piece in task.pieces:
-            dest = writer.view(piece.name)
+            dtype = getattr(torch, piece.dtype)
             if piece.expert is None:
                 if order is None:
-                    dest.copy_(temp)
+                    _write_tensor(writer, piece.name, temp, dtype)
                 else:
+                    slab_bytes = temp[0].numel() * DTYPE_ITEMSIZE[piece.dtype]
                     for j, stored in enumerate(order):
-                        dest[j].copy_(temp[stored])
+                        _write_tensor(writer, piece.name, temp[stored], dtype, at=j * slab_bytes)
             else:
                 slab = temp[order[piece.expert] if order is not None else piece.expert]
                 a = slab.shape[0] // piece.nparts
-                dest.copy_(slab[piece.part * a:(piece.part + 1) * a])
-        del temp
-        writer.release(*(p.name for p in task.pieces))
+                _write_tensor(writer, piece.name, slab[piece.part * a:(piece.part + 1) * a], dtype)
 
     # -- calling-thread side ---------------------------------------------------------------------
     def _collect(self, block: bool) -> None:
@@ -309,8 +328,6 @@ class _Executor:
             self.remaining[idx] -= 1
             if self.remaining[idx] == 0:
                 task = self.plan.tasks[idx]
-                if task.direct:
-                    self.writers[task.shard].release(task.pieces[0].name)
                 self.done += task.out_nbytes
                 if self.progress is not None:
                     self.progress(self.done, self.total)
@@ -329,12 +346,12 @@ class _Executor:
         try:
             for idx, task in enumerate(self.plan.tasks):
                 meta, chunks = self.chunks[idx]
-                if task.direct:
+                if task.direct and all(_contiguous_span(c, meta.size) is not None for c in chunks):
                     self.remaining[idx] = max(len(chunks), 1)
                     if not chunks:
                         self.pending[pool.submit(lambda: None)] = (idx, 0)
                     for c in chunks:
-                        self._submit(pool, idx, 0, self._read_chunk, task, c, meta.size)
+                        self._submit(pool, idx, 0, self._copy_chunk, task, c, meta.size)
                 else:
                     self.remaining[idx] = 1
                     self._submit(pool, idx, meta.nbytes, self._transform, task, chunks, meta)
@@ -545,7 +562,10 @@ def _check_tied(reader: CheckpointReader, plan: ExportPlan, writers: list[ShardW
     head = _read_whole(reader, lm_head.source.key)
     task = next(t for t in plan.tasks if t.selected is embed)
     if task.direct:
-        emb = writers[task.shard].view(task.pieces[0].name)
+        import torch
+
+        emb = torch.empty(task.pieces[0].shape, dtype=getattr(torch, task.pieces[0].dtype))
+        writers[task.shard].read(task.pieces[0].name, _tensor_bytes(emb))
     else:
         emb = _read_whole(reader, embed.source.key)
     equal = _bitwise_equal(head, emb)

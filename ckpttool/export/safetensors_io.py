@@ -1,4 +1,4 @@
-"""Streaming safetensors writer: header first, then tensors written in place through ``mmap``.
+"""Streaming safetensors writer: header first, then every tensor written in place at its offset.
 
 Format (https://github.com/huggingface/safetensors, "Format" section): an 8-byte
 little-endian header length ``N``, ``N`` bytes of UTF-8 JSON
@@ -8,33 +8,25 @@ padded with spaces to a multiple of 8, then the raw little-endian tensor bytes;
 region without gaps.
 
 Because every shape and dtype is known from the checkpoint metadata, the whole
-header is written before any data. The file is then extended to its final size
-with ``posix_fallocate`` (so a full disk fails before any tensor is read, never
-as a ``SIGBUS`` on a mapped page) and mapped ``MAP_SHARED``: the DCP reader
-fills each tensor's slice of the mapping in place (one copy, from the source
-page cache to the destination page cache), and the slice's pages are dropped
-from the process (``MADV_DONTNEED``; the data stays in the page cache) once the
-tensor is complete, so the resident set holds the tensors in flight, not the
-shard. Like ``safetensors.torch.save_file``, tensors are ordered by decreasing
-element size so every tensor starts aligned to its element size.
+header is written before any data, and the file is extended to its final size
+with ``posix_fallocate`` (a full disk fails before any tensor is read). Tensors
+are then written at their offsets in any order and from several threads:
+stored bytes by the reader with ``copy_file_range`` (in-kernel, nothing passes
+through this process), transformed tensors with ``pwrite``. Like
+``safetensors.torch.save_file``, tensors are ordered by decreasing element size
+so every tensor starts aligned to its element size.
 """
 
 from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 from ..dcp.model import DTYPE_ITEMSIZE
 from ..errors import ExportError, OutputError
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -131,7 +123,7 @@ def build_header(entries: list[HeaderEntry], metadata: dict[str, str] | None = N
 
 
 class ShardWriter:
-    """One output safetensors file, pre-sized and mapped for in-place writes.
+    """One output safetensors file, header written and pre-sized, open for positional writes.
 
     Args:
         path: the file to create (must not exist).
@@ -147,92 +139,53 @@ class ShardWriter:
         prefix, placed = build_header(entries, metadata)
         self.path = path
         self.entries = {e.name: e for e in placed}
-        self.order = [e.name for e in placed]
         self.data_start = len(prefix)
         self.size = self.data_start + (placed[-1].end if placed else 0)
-        self.data_bytes = self.size - self.data_start
-        fd = -1
+        self.fd = -1
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-            os.pwrite(fd, prefix, 0)
-            if self.data_bytes:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+            self._pwrite_all(memoryview(prefix), 0)
+            if self.size > self.data_start:
                 try:
-                    os.posix_fallocate(fd, 0, self.size)
+                    os.posix_fallocate(self.fd, 0, self.size)
                 except OSError as e:
                     if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # filesystem without fallocate
                         raise
-                    os.ftruncate(fd, self.size)
-                self._map: mmap.mmap | None = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED,
-                                                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            else:
-                self._map = None
+                    os.ftruncate(self.fd, self.size)
         except OSError as e:
+            self.close()
             raise OutputError(f"{path}: cannot create output file of {self.size} bytes ({e.strerror})",
                               path=path, hint="free disk space or choose another output location") from e
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        self._buffer: torch.Tensor | None = None
-        self._raw: memoryview | None = None
 
-    def raw(self, name: str) -> memoryview:
-        """Writable bytes of ``name`` in the file (torch-free)."""
+    def offset(self, name: str) -> int:
+        """Absolute file offset of ``name``'s first byte."""
+        return self.data_start + self.entries[name].begin
+
+    def write(self, name: str, data: memoryview, at: int = 0) -> None:
+        """Write ``data`` at byte ``at`` of tensor ``name`` (thread-safe: positional write)."""
         e = self.entries[name]
-        if e.nbytes == 0:
-            return memoryview(bytearray(0))
-        if self._raw is None:
-            assert self._map is not None
-            self._raw = memoryview(self._map)
-        start = self.data_start + e.begin
-        return self._raw[start:start + e.nbytes]
+        assert at + len(data) <= e.nbytes, f"{name}: write past the tensor's end"
+        self._pwrite_all(data, self.data_start + e.begin + at)
 
-    def view(self, name: str) -> torch.Tensor:
-        """Writable tensor over ``name``'s bytes in the file (its dtype and shape)."""
-        import torch
-
+    def read(self, name: str, dest: memoryview) -> None:
+        """Read tensor ``name``'s bytes back into ``dest`` (exactly its size)."""
         e = self.entries[name]
-        dtype = getattr(torch, e.dtype)
-        if e.nbytes == 0:
-            return torch.empty(e.shape, dtype=dtype)
-        if self._buffer is None:
-            assert self._map is not None
-            self._buffer = torch.frombuffer(self._map, dtype=torch.uint8)
-        start = self.data_start + e.begin
-        return self._buffer[start:start + e.nbytes].view(dtype).view(e.shape)
+        assert len(dest) == e.nbytes
+        pos = 0
+        while pos < e.nbytes:
+            got = os.preadv(self.fd, [dest[pos:]], self.data_start + e.begin + pos)
+            if got <= 0:
+                raise OutputError(f"{self.path}: short read of {name!r} from the output", path=self.path)
+            pos += got
 
-    def release(self, *names: str) -> None:
-        """Drop the pages of finished tensors from this process (the data stays in the page cache).
-
-        Adjacent tensors are merged into one range; only whole pages inside the
-        ranges are dropped, and ranges under 1 MiB are left alone (not worth a syscall).
-        """
-        if self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        spans = sorted((self.entries[n].begin, self.entries[n].end) for n in names)
-        merged: list[list[int]] = []
-        for lo, hi in spans:
-            if merged and lo <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        page = mmap.PAGESIZE
-        for lo, hi in merged:
-            if hi - lo < (1 << 20):
-                continue
-            a = -(-(self.data_start + lo) // page) * page
-            b = (self.data_start + hi) // page * page
-            if b > a:
-                self._map.madvise(mmap.MADV_DONTNEED, a, b - a)
+    def _pwrite_all(self, data: memoryview, offset: int) -> None:
+        mv = data.cast("B") if data.format != "B" else data
+        pos = 0
+        while pos < len(mv):
+            pos += os.pwrite(self.fd, mv[pos:], offset + pos)
 
     def close(self) -> None:
-        """Unmap the file (every view must be gone). Idempotent."""
-        self._buffer = None
-        self._raw = None
-        if self._map is not None:
-            m, self._map = self._map, None
-            try:
-                m.close()
-            except BufferError:
-                # A view is still referenced (an exception traceback holds it); the
-                # mapping is unmapped when that last reference goes away.
-                pass
+        """Close the file. Idempotent."""
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
