@@ -414,3 +414,15 @@ def test_library_call_matches_cli(dense_ckpt: Path) -> None:
     assert res.exit_code == 0 and res.to_json()["schema"] == "ckpttool.validate/1"
     assert {s.rule.code for s in res.rules if s.status == "skipped"} == {
         c for c, r in RULES.items() if r.needs - set()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("special", [float("nan"), -float("nan"), float("inf"), -float("inf"), -0.0, -2.5, 0.0])
+def test_deep_bit_pattern_summary_matches_torch(dtype: torch.dtype, special: float) -> None:
+    from ckpttool.checks.deep import _summarise
+
+    t = torch.rand(3001, generator=torch.Generator().manual_seed(3)).to(dtype)
+    t[1234] = special
+    st = _summarise("optimizer.state.w.exp_avg_sq", t, str(dtype).removeprefix("torch."), True, False)
+    assert st.nonfinite == int((~torch.isfinite(t)).sum())
+    assert st.negative == int((t < 0).sum())

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..catalog import HYPERPARAMETERS, Catalog, ParamGroup, build_catalog
+from ..dcp.model import TensorMeta
 from ..dcp.reader import CheckpointReader, load_saved_object
 from ..errors import CkptError, DataFileError, MetadataError, PathEscapeError, UsageError
 from .reference import Reference
@@ -120,6 +121,8 @@ class Context:
     workers: int | None = None
     _file_errors: dict[str, CkptError | None] = field(default_factory=dict)
     _params: dict[str, bool] | None = None
+    _group_index: dict[str, ParamGroup] | None = None
+    _storage_items: list[tuple[str, Any, Any]] | None = None
     _optimized: set[str] = field(default_factory=set)
     _patterns: set[str] = field(default_factory=set)
     _layers: set[str] = field(default_factory=set)
@@ -156,7 +159,29 @@ class Context:
     def group_of(self, fqn: str) -> ParamGroup | None:
         """Param group holding ``fqn`` (nested: its ``params`` list; flattened: its own group)."""
         assert self.cat is not None
-        return self.cat.group_of(fqn)
+        if self._group_index is None:
+            index: dict[str, ParamGroup] = {}
+            for g in self.cat.param_groups:
+                if g.flavor == "flattened":
+                    index.setdefault(str(g.group_id), g)
+                for p in g.params:
+                    index.setdefault(p, g)
+            self._group_index = index
+        return self._group_index.get(fqn)
+
+    def storage_items(self) -> list[tuple[str, Any, Any]]:
+        """``(key, chunk or None, StorageInfo or None)`` of every non-empty chunk and byte item (cached)."""
+        if self._storage_items is None:
+            assert self.reader is not None
+            md = self.reader.metadata
+            items: list[tuple[str, Any, Any]] = []
+            for key, meta in md.entries.items():
+                if isinstance(meta, TensorMeta):
+                    items.extend((key, c, md.storage.get((key, c.offsets))) for c in meta.chunks if c.numel)
+                else:
+                    items.append((key, None, md.storage.get((key, None))))
+            self._storage_items = items
+        return self._storage_items
 
     def lost_hyperparameters(self, fqn: str) -> bool:
         """Is there evidence that ``fqn`` is an optimized parameter although it has no state and no group?

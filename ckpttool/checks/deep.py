@@ -44,6 +44,44 @@ __all__ = ["TensorStats", "PairStats", "DeepResult", "run_deep"]
 _AMINMAX_DTYPES = {"bfloat16", "float16", "float32", "float64"}
 
 
+def _bit_tables() -> tuple[dict[str, Any], dict[Any, Any]]:
+    import numpy as np
+    import torch
+
+    bits = {
+        "bfloat16": (torch.int16, 0x7F80, 1 << 15),
+        "float16": (torch.int16, 0x7C00, 1 << 15),
+        "float32": (torch.int32, 0x7F800000, 1 << 31),
+        "float64": (torch.int64, 0x7FF0000000000000, 1 << 63),
+    }
+    unsigned = {torch.int16: np.uint16, torch.int32: np.uint32, torch.int64: np.uint64}
+    return bits, unsigned
+
+
+class _Lazy(dict):  # type: ignore[type-arg]
+    """Tables that need torch/numpy, built on first use (the module imports without torch)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self._index = index
+
+    def _fill(self) -> None:
+        if not super().__len__():
+            self.update(_bit_tables()[self._index])
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self._fill()
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self._fill()
+        return super().__getitem__(key)
+
+
+_BITS = _Lazy(0)
+_UNSIGNED = _Lazy(1)
+
+
 @dataclass
 class TensorStats:
     """Summary of one tensor's values.
@@ -137,6 +175,24 @@ def _summarise(key: str, t: torch.Tensor, dtype: str, need_negative: bool, keep_
             st.negative = int((t < 0).sum())
         return st
     flat = t.reshape(-1)
+    bits = _BITS.get(dtype)
+    if bits is not None and flat.is_contiguous():
+        # IEEE bit patterns (numpy reductions, vectorised and GIL-free): with the sign bit clear a
+        # value is non-finite iff its pattern as a signed int is >= the all-ones exponent; with the
+        # sign bit set iff its pattern as an unsigned int is >= sign|exponent; it is negative
+        # (not -0.0) iff the unsigned pattern is > sign.
+        signed_t, exp_all, sign = bits
+        arr = flat.view(signed_t).numpy()
+        smax = int(arr.max())
+        umax = int(arr.view(_UNSIGNED[signed_t]).max())
+        if smax >= exp_all or umax >= sign | exp_all:
+            st.nonfinite = int((~torch.isfinite(flat)).sum())
+        if need_negative and umax > sign:
+            neg = flat < 0
+            st.negative = int(neg.sum())
+            if st.negative:
+                st.min = float(flat[neg].min())
+        return st
     if dtype in _AMINMAX_DTYPES:
         mn, mx = torch.aminmax(flat)
         lo, hi = float(mn), float(mx)
@@ -151,8 +207,7 @@ def _summarise(key: str, t: torch.Tensor, dtype: str, need_negative: bool, keep_
             lo, hi = min(lo, a), max(hi, b)
     st.min, st.max = lo, hi
     if not (math.isfinite(lo) and math.isfinite(hi)):
-        st.nonfinite = int((~torch.isfinite(flat)).sum()) if dtype in _AMINMAX_DTYPES else int(
-            (~torch.isfinite(flat.float())).sum())
+        st.nonfinite = int((~torch.isfinite(flat.float())).sum())
     if need_negative and (math.isnan(lo) or lo < 0):
         st.negative = int((flat < 0).sum())
     return st
@@ -180,9 +235,86 @@ def _compare(pair: PairStats, a: torch.Tensor, b: torch.Tensor) -> None:
             pair.max_diff = max(pair.max_diff, float(d.max()))
 
 
+_SLICE = 1 << 20  # bytes summarised per step: stays in the CPU cache like `cat`'s buffer
+
+
+def _stream_chunk(ctx: Context, key: str, meta: TensorMeta, chunk: ChunkMeta, buf: torch.Tensor,
+                  fds: dict[str, int]) -> tuple[TensorStats, int] | None:
+    """Summarise one chunk by reading its raw storage record in cache-sized slices.
+
+    The ``torch.save`` archive is validated against the metadata first (dtype, shape,
+    contiguity, byte length) exactly as ``CheckpointReader.read_chunk`` does; anything
+    unusual returns ``None`` so that the caller falls back to ``read_chunk``.
+
+    Returns:
+        ``(stats, bytes read)`` or ``None``.
+
+    Raises:
+        CkptError: the archive is corrupt or disagrees with the metadata.
+    """
+    import zipfile
+
+    from ..dcp.archive import FileWindow, parse_tensor_archive
+    from ..errors import ChunkError, UnsafePickleError
+
+    assert ctx.reader is not None
+    info = ctx.reader.storage_info(key, chunk)
+    if info.transform_descriptors:
+        return None
+    fd = fds.get(info.relative_path)
+    if fd is None:
+        fd = fds[info.relative_path] = os.open(ctx.reader.resolve(info.relative_path), os.O_RDONLY)
+    where = f"{ctx.path / info.relative_path}: {key!r} chunk at {chunk.offsets}"
+    try:
+        rec = parse_tensor_archive(FileWindow(fd, info.offset, info.length))
+    except UnsafePickleError as e:
+        raise ChunkError(f"{where}: {e.message}", path=info.relative_path, fqn=key) from e
+    except (zipfile.BadZipFile, KeyError, ValueError, OSError, EOFError) as e:
+        raise ChunkError(f"{where}: stored archive is corrupt ({type(e).__name__}: {str(e)[:80]})",
+                         path=info.relative_path, fqn=key) from e
+    if rec is None:
+        return None
+    if rec.dtype != meta.dtype.name or rec.size != chunk.sizes:
+        raise ChunkError(f"{where}: stored tensor is {rec.dtype}{list(rec.size)}, metadata says "
+                         f"{meta.dtype}{list(chunk.sizes)}", path=info.relative_path, fqn=key)
+    item = meta.dtype.itemsize
+    nbytes = chunk.numel * item
+    contiguous = rec.storage_offset == 0 and rec.storage_numel == chunk.numel
+    if not contiguous or rec.data_offset + nbytes > info.length or nbytes == 0:
+        return None
+    dt = meta.dtype.to_torch()
+    st = TensorStats(key, meta.dtype.name)
+    step = _SLICE - _SLICE % item
+    start = info.offset + rec.data_offset
+    mv = memoryview(buf.numpy())
+    pos = 0
+    while pos < nbytes:
+        n = min(step, nbytes - pos)
+        got = 0
+        while got < n:
+            r = os.preadv(fd, [mv[got:n]], start + pos + got)
+            if r <= 0:
+                raise ChunkError(f"{where}: short read", path=info.relative_path, fqn=key)
+            got += r
+        part = buf[:n].view(dt)
+        st.add(_summarise(key, part, meta.dtype.name, key.endswith(".exp_avg_sq"), _is_step(key) and pos == 0))
+        pos += n
+    st.dtype = meta.dtype.name
+    return st, nbytes
+
+
 class _Buffers(threading.local):
     def __init__(self) -> None:
         self.bufs: list[Any] = []
+        self.fds: dict[str, int] = {}
+        self.slice: Any = None
+
+    def slice_buffer(self) -> torch.Tensor:
+        import torch
+
+        if self.slice is None:
+            self.slice = torch.empty(_SLICE, dtype=torch.uint8)
+        return self.slice
 
     def view(self, slot: int, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> torch.Tensor:
         import torch
@@ -315,9 +447,32 @@ def run_deep(ctx: Context, workers: int | None = None,
     partial: dict[str, TensorStats] = {}
     failed: set[str] = set()
     done, total = [0], sum(it.nbytes for it in items)
+    streamed_bytes = [0]
+    all_fds: list[dict[str, int]] = []
 
     def work(it: _Item) -> None:
         tensors: dict[str, torch.Tensor] = {}
+        if len(it.keys) == 1 and it.chunk is not None:
+            k = it.keys[0]
+            try:
+                streamed = _stream_chunk(ctx, k, metas[k], it.chunk, bufs.slice_buffer(), bufs.fds)
+            except CkptError as e:
+                with lock:
+                    res.read_errors.setdefault(k, e)
+                    failed.add(k)
+                return
+            if streamed is not None:
+                st, nb = streamed
+                with lock:
+                    streamed_bytes[0] += nb
+                    if k in partial:
+                        partial[k].add(st)
+                    else:
+                        partial[k] = st
+                    if progress is not None:
+                        done[0] += it.nbytes
+                        progress(done[0], total)
+                return
         try:
             for slot, k in enumerate(it.keys):
                 meta = metas[k]
@@ -362,6 +517,7 @@ def run_deep(ctx: Context, workers: int | None = None,
     errors: list[BaseException] = []
 
     def loop() -> None:
+        all_fds.append(bufs.fds)
         try:
             while True:
                 it = q.get_nowait()
@@ -381,6 +537,9 @@ def run_deep(ctx: Context, workers: int | None = None,
             t.join()
     finally:
         torch.set_num_threads(prev_threads)
+        for fds in all_fds:
+            for fd in fds.values():
+                os.close(fd)
     if errors:
         raise errors[0]
     for k, st in partial.items():
@@ -405,6 +564,6 @@ def run_deep(ctx: Context, workers: int | None = None,
             continue
         if _is_step(key):
             res.byte_values[key] = value
-    res.bytes_read = reader.bytes_read - start_bytes
+    res.bytes_read = reader.bytes_read - start_bytes + streamed_bytes[0]
     res.seconds = time.perf_counter() - t0
     return res

@@ -7,6 +7,7 @@ unreadable or unsafe, 1 when findings fail the run (errors; warnings too with
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import dataclass, field
@@ -143,9 +144,25 @@ def validate(
         UsageError: bad invocation (not a directory, unknown rule code, unreadable --config/--against,
             inconsistent layout declaration).
     """
+    t0 = time.perf_counter()
+    # Rules allocate many small objects and no cycles: pause the cyclic GC (about halves the
+    # time on 10^5-entry checkpoints, as for inspect).
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _validate(path, t0, strict, deep, select, ignore, config, against, source_layout, ep_size,
+                         ep_fsdp_size, trust_pickle, workers, progress)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _validate(path: str | os.PathLike[str], t0: float, strict: bool, deep: bool, select: list[str] | None,
+              ignore: list[str] | None, config: Any, against: Any, source_layout: str | None, ep_size: int | None,
+              ep_fsdp_size: int | None, trust_pickle: bool, workers: int | None,
+              progress: Callable[[int, int], None] | None) -> ValidationResult:
     from ..layouts.declare import LayoutDeclaration
 
-    t0 = time.perf_counter()
     rules = select_rules(select, ignore)
     decl = LayoutDeclaration.from_options(source_layout, ep_size, ep_fsdp_size)
     cfg = config if isinstance(config, dict) or config is None else load_config(config)

@@ -20,18 +20,9 @@ from .base import Finding, RULES, Severity, rule
 from .context import Context
 
 
-def _storage_items(ctx: Context) -> Iterator[tuple[str, Any, Any]]:
-    """``(key, chunk or None, storage info or None)`` for every chunk and byte item."""
-    assert ctx.reader is not None
-    md = ctx.reader.metadata
-    for key, meta in md.entries.items():
-        if isinstance(meta, TensorMeta):
-            for c in meta.chunks:
-                if c.numel == 0:
-                    continue
-                yield key, c, md.storage_for(key, c)
-        else:
-            yield key, None, md.storage_for(key)
+def _storage_items(ctx: Context) -> list[tuple[str, Any, Any]]:
+    """``(key, chunk or None, storage info or None)`` for every non-empty chunk and byte item."""
+    return ctx.storage_items()
 
 
 @rule("S001", "metadata-unreadable", Severity.error,

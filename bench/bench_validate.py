@@ -1,0 +1,138 @@
+"""Benchmark: ``ckpttool validate`` metadata rules on 100,000 entries, and ``--deep`` vs ``cat``.
+
+Prints, in one run, ckpttool's figure beside its baseline:
+
+1. Metadata rules (``validate --strict``, no ``--deep``) on a 100,000-entry checkpoint
+   written "as if by 8 ranks" (``bench_inspect.make_many_entries_checkpoint``): wall time
+   of a fresh ``ckpttool validate --strict --json`` process and of the in-process library
+   call, beside a fresh process doing torch's bare ``FileSystemReader.read_metadata()``
+   (no checks at all). Target: under 3 s.
+2. ``validate --strict --deep`` on a ~3 GiB BF16 checkpoint saved by ``dcp.save`` (8 data
+   files), warm page cache, beside ``cat`` of the same data files to ``/dev/null``: read
+   throughput of both. Target: at least 60% of ``cat``'s throughput.
+
+Usage: python bench/bench_validate.py [--entries 100000] [--deep-gib 3] [--workdir /tmp/ckpttool-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+
+def _many_entries(workdir: Path, n: int, ranks: int = 8) -> Path:
+    try:
+        from bench_inspect import make_many_entries_checkpoint
+    except ImportError:  # pragma: no cover - bench_inspect is in the repository
+        raise SystemExit("bench/bench_inspect.py (make_many_entries_checkpoint) is required")
+    path = workdir / f"many-{n}-{ranks}"
+    if not (path / ".metadata").is_file():
+        print(f"building {n}-entry checkpoint in {path} ...", file=sys.stderr)
+        make_many_entries_checkpoint(path, n_entries=n, ranks=ranks)
+    return path
+
+
+def _big(workdir: Path, gib: float) -> Path:
+    """A ~``gib`` GiB BF16 checkpoint: 64 MiB tensors (some with NaN-free random data), 8 files."""
+    path = workdir / f"deep-{gib:g}gib"
+    if (path / ".metadata").is_file():
+        return path
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    print(f"building {gib:g} GiB checkpoint in {path} ...", file=sys.stderr)
+    n = max(1, round(gib * 1024 / 64))
+    g = torch.Generator().manual_seed(0)
+    base = (torch.randn(32 * 1024 * 1024, generator=g) * 0.02).to(torch.bfloat16)
+    sd = {f"model.layers.{i}.mlp.weight": base.roll(i * 997).view(4096, 8192) for i in range(n)}
+    tmp = workdir / f".deep-{gib:g}gib.tmp"
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    dcp.save({"model": sd}, storage_writer=dcp.FileSystemWriter(str(tmp), thread_count=8))
+    os.rename(tmp, path)
+    return path
+
+
+def _fresh(cmd: list[str]) -> tuple[float, subprocess.CompletedProcess[str]]:
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    return time.perf_counter() - t0, p
+
+
+TORCH_READ = (
+    "import sys\nfrom torch.distributed.checkpoint import FileSystemReader\n"
+    "md = FileSystemReader(sys.argv[1]).read_metadata()\nprint(len(md.state_dict_metadata))\n"
+)
+
+
+def bench_metadata(path: Path, repeat: int) -> None:
+    from ckpttool.checks import validate
+
+    cli = min(_fresh(["ckpttool", "validate", str(path), "--strict", "--json"])[0] for _ in range(repeat))
+    t_in = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        res = validate(path, strict=True)
+        t_in.append(time.perf_counter() - t0)
+    assert res.exit_code == 0, [f.message for f in res.findings[:3]]
+    base = min(_fresh([sys.executable, "-c", TORCH_READ, str(path)])[0] for _ in range(repeat))
+    ran = sum(1 for s in res.rules if s.status != "skipped")
+    print(f"metadata rules, {path.name}: {ran} rules, {len(res.findings)} findings")
+    print(f"  ckpttool validate --strict (fresh process)   {cli:7.2f} s   (target < 3 s)")
+    print(f"  ckpttool validate() in process               {min(t_in):7.2f} s")
+    print(f"  baseline: torch read_metadata (fresh proc.)  {base:7.2f} s   (reads .metadata only, checks nothing)")
+
+
+def bench_deep(path: Path, repeat: int, workers: int | None) -> None:
+    from ckpttool.checks import validate
+
+    files = sorted(str(p) for p in path.glob("*.distcp"))
+    total = sum(os.path.getsize(f) for f in files)
+    subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
+    t_cat = min(_fresh(["sh", "-c", 'cat "$@" > /dev/null', "cat", *files])[0] for _ in range(repeat))
+    t_in, res = [], None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        res = validate(path, strict=True, deep=True, workers=workers)
+        t_in.append(time.perf_counter() - t0)
+    assert res is not None and res.exit_code == 0, [f.message for f in res.findings[:3]]
+    t_cli = min(_fresh(["ckpttool", "validate", str(path), "--strict", "--deep", "--json"])[0] for _ in range(repeat))
+    gib = total / 2**30
+    print(f"--deep, {path.name}: {gib:.2f} GiB in {len(files)} files, read {res.bytes_read / 2**30:.2f} GiB "
+          f"with {workers or 'default'} workers, warm cache")
+    print(f"  ckpttool validate --strict --deep (in proc.) {min(t_in):7.2f} s  {gib / min(t_in):6.2f} GiB/s  "
+          f"({gib / min(t_in) / (gib / t_cat):.0%} of cat, target >= 60%)")
+    print(f"  ckpttool validate --strict --deep (fresh)    {t_cli:7.2f} s  {gib / t_cli:6.2f} GiB/s  "
+          f"({gib / t_cli / (gib / t_cat):.0%} of cat)")
+    print(f"  baseline: cat files > /dev/null              {t_cat:7.2f} s  {gib / t_cat:6.2f} GiB/s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--entries", type=int, default=100_000)
+    ap.add_argument("--deep-gib", type=float, default=3.0)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/ckpttool-bench"))
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--skip-metadata", action="store_true")
+    ap.add_argument("--skip-deep", action="store_true")
+    a = ap.parse_args()
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    print(f"machine: {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
+    if not a.skip_metadata:
+        bench_metadata(_many_entries(a.workdir, a.entries), a.repeat)
+    if not a.skip_deep:
+        bench_deep(_big(a.workdir, a.deep_gib), a.repeat, a.workers)
+
+
+if __name__ == "__main__":
+    main()
