@@ -32,7 +32,7 @@ from typing import Any
 
 from .dcp.model import BytesMeta, ChunkMeta, TensorMeta
 from .dcp.reader import DATA_FILE_RE, CheckpointDir, rank_of_file
-from .errors import CkptError, LayoutError
+from .errors import CkptError, LayoutError, OptimStateError
 from .layouts.record import LAYOUT_KEY, SIDECAR_NAME, LayoutRecord, parse_layout_record
 
 __all__ = [
@@ -401,23 +401,23 @@ def load_layout(cat: Catalog, reader: Any) -> LayoutRecord | None:
 
 
 def implied_optimizer_type(fields: dict[str, str]) -> str | None:
-    """Optimizer type implied by a parameter's state fields and their dtypes (DESIGN.md section 1).
+    """Optimizer type implied by a parameter's state fields and dtypes, or ``None`` if no type fits.
+
+    A lenient wrapper of :func:`ckpttool.optim_state.schema.infer_optimizer_type` (the
+    decision table of DESIGN.md section 1, torch-free) for overviews: a field set that
+    no ckpttool optimizer writes (BF16 ``step``, mixed moment dtypes, ...) gives ``None``
+    instead of an error. ``cpu_offload_adamw`` stores the same fields as
+    ``full_fp32_adamw``; only the layout record tells them apart.
 
     Args:
         fields: field name -> dtype name.
-
-    Returns:
-        ``adamw``, ``full_fp32_adamw``, ``master_fp32_adamw`` or ``None`` when unrecognised.
-        ``cpu_offload_adamw`` stores the same fields as ``full_fp32_adamw`` (offload is
-        placement, not state) and is only known from the layout record.
     """
-    if not {"exp_avg", "exp_avg_sq"} <= set(fields):
+    from .optim_state.schema import infer_optimizer_type
+
+    try:
+        return infer_optimizer_type(fields)
+    except OptimStateError:
         return None
-    if "master_weight" not in fields:
-        return "adamw"
-    if fields["exp_avg"] == "float32" and fields["exp_avg_sq"] == "float32":
-        return "full_fp32_adamw"
-    return "master_fp32_adamw"
 
 
 def match_filter(key: str, pattern: str | None) -> bool:
