@@ -177,7 +177,7 @@ class Context:
             items: list[tuple[str, Any, Any]] = []
             for key, meta in md.entries.items():
                 if isinstance(meta, TensorMeta):
-                    items.extend((key, c, md.storage.get((key, c.offsets))) for c in meta.chunks if c.numel)
+                    items.extend((key, c, md.storage.get((key, c.offsets))) for c in meta.chunks if 0 not in c.sizes)
                 else:
                     items.append((key, None, md.storage.get((key, None))))
             self._storage_items = items

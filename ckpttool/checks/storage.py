@@ -100,19 +100,22 @@ def chunks_do_not_tile(ctx: Context) -> Iterator[tuple[str, str]]:
       "the metadata declares impossible sizes; the checkpoint is damaged", error_code="E303")
 def chunk_larger_than_record(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.reader is not None
-    md = ctx.reader.metadata
-    for key, meta in md.entries.items():
-        if not isinstance(meta, TensorMeta):
+    entries = ctx.reader.metadata.entries
+    numel: dict[tuple[int, ...], int] = {}  # many chunks share their sizes
+    reported: set[str] = set()
+    for key, c, info in ctx.storage_items():
+        if c is None or info is None or info.transform_descriptors or key in reported:
             continue
-        for c in meta.chunks:
-            info = md.storage_for(key, c)
-            if c.numel == 0 or info is None or info.transform_descriptors:
-                continue
-            need = c.numel * meta.dtype.itemsize
-            if need > info.length:
-                yield key, (f"{key}: chunk at {list(c.offsets)} declares {list(c.sizes)} x {meta.dtype} = {need} bytes "
-                            f"but its record in {info.relative_path} has {info.length}")
-                break
+        n = numel.get(c.sizes)
+        if n is None:
+            n = numel[c.sizes] = c.numel
+        meta = entries[key]
+        assert isinstance(meta, TensorMeta)
+        need = n * meta.dtype.itemsize
+        if need > info.length:
+            reported.add(key)
+            yield key, (f"{key}: chunk at {list(c.offsets)} declares {list(c.sizes)} x {meta.dtype} = {need} bytes "
+                        f"but its record in {info.relative_path} has {info.length}")
 
 
 @rule("S008", "storage-entry-missing", Severity.error,
