@@ -13,14 +13,20 @@ Anything unusual (big-endian, compressed record, unknown storage type) returns
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
+import struct
 import zipfile
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import UnsafePickleError
+
+_T = TypeVar("_T")
 
 __all__ = ["FileWindow", "TensorRecord", "parse_tensor_archive", "read_archive_pickle"]
 
@@ -120,6 +126,25 @@ def _rebuild_spec(storage: Any, storage_offset: Any, size: Any, stride: Any, *re
     return ("tensor", storage, storage_offset, size, stride)
 
 
+# What zipfile raises on damaged archives besides BadZipFile: NotImplementedError (a corrupt header
+# that claims a multi-disk archive or an unknown compression), RuntimeError (an "encrypted" flag),
+# struct.error / OverflowError (absurd header fields), zlib.error (corrupt deflate data).
+_ZIP_DAMAGE = (NotImplementedError, RuntimeError, struct.error, OverflowError, zlib.error)
+
+
+def _as_bad_zip(func: Callable[..., _T]) -> Callable[..., _T]:
+    """Re-raise zipfile's other damage exceptions as :class:`zipfile.BadZipFile` (one type for callers)."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> _T:
+        try:
+            return func(*args, **kwargs)
+        except _ZIP_DAMAGE as e:
+            raise zipfile.BadZipFile(f"damaged archive ({type(e).__name__}: {str(e)[:80]})") from e
+
+    return wrapper
+
+
 def _zip(window: FileWindow) -> zipfile.ZipFile:
     return zipfile.ZipFile(window, "r")
 
@@ -142,6 +167,7 @@ def _data_start(window: FileWindow, info: zipfile.ZipInfo) -> int:
     return info.header_offset + 30 + name_len + extra_len
 
 
+@_as_bad_zip
 def read_archive_pickle(window: FileWindow) -> bytes:
     """Return ``data.pkl`` of the archive in ``window``.
 
@@ -155,6 +181,7 @@ def read_archive_pickle(window: FileWindow) -> bytes:
     return zf.read(info)
 
 
+@_as_bad_zip
 def parse_tensor_archive(window: FileWindow) -> TensorRecord | None:
     """Locate the tensor in a single-tensor ``torch.save`` archive.
 
