@@ -53,6 +53,11 @@ def lora_ckpt(fixture_root: Path) -> Path:
     return cached_build(fixture_root, "export_lora", hf_models.build_lora)
 
 
+@pytest.fixture(scope="session")
+def lora_partial_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_lora_partial", hf_models.build_lora_partial)
+
+
 def export(src: Path, out: Path, *args: str) -> dict:
     res = runner.invoke(app, ["export", str(src), str(out), "--model-assets", str(src / "model_assets"), "--json", *args])
     assert res.exit_code == 0, res.stderr
@@ -245,3 +250,22 @@ def test_lora_needs_alpha_or_adapter_config(lora_ckpt: Path, tmp_path: Path) -> 
 def test_lora_format_without_adapters_is_refused(llama_ckpt: Path, tmp_path: Path) -> None:
     res = runner.invoke(app, ["export", str(llama_ckpt), str(tmp_path / "o"), "--format", "lora", "--lora-alpha", "8"])
     assert res.exit_code == 2 and res.stderr.startswith("error: [E601]") and "LoRA adapter tensors" in res.stderr
+
+
+def test_lora_config_inferred_for_partial_adapters(lora_partial_ckpt: Path, tmp_path: Path) -> None:
+    """Adapters on layer 0 only, v_proj at rank 2: exact module paths and rank_pattern are inferred."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path / "adapter"
+    export(lora_partial_ckpt, out, "--format", "lora", "--lora-alpha", str(hf_models.LORA_ALPHA))
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["r"] in (hf_models.LORA_R, 2)
+    assert cfg["target_modules"] == "^(?:model\\.layers\\.0\\.self_attn\\.q_proj|model\\.layers\\.0\\.self_attn\\.v_proj)$"
+    other = 2 if cfg["r"] == hf_models.LORA_R else hf_models.LORA_R
+    assert list(cfg["rank_pattern"].values()) == [other]
+    base = load_hf(lora_partial_ckpt / "base", LlamaForCausalLM)
+    model = PeftModel.from_pretrained(base, out)
+    assert_same_logits(model, lora_partial_ckpt)
+    adapted = {n for n, _ in model.named_modules() if n.endswith(("q_proj", "v_proj")) and hasattr(_, "lora_A")}
+    assert all(".layers.0." in n for n in adapted) and len(adapted) == 2

@@ -331,9 +331,7 @@ def build_plan(
                     f"{s.model_key}: expert dim 0 has {e} experts but the model config says num_experts={num_experts}",
                     fqn=s.model_key, hint="pass the --model-assets of the model this checkpoint was trained as",
                 )
-            if order is not None and len(order) != e:
-                raise ExportError(f"{s.model_key}: expert order has {len(order)} entries for {e} experts",
-                                  fqn=s.model_key)  # pragma: no cover - guarded by experts.expert_orders
+            assert order is None or len(order) == e, "expert_orders gives one entry per expert"
         if experts == "per-expert" and rule is not None:
             if len(src.shape) != 3:
                 raise ExportError(

@@ -244,6 +244,9 @@ def _check_template(pattern: re.Pattern[str], to: str, where: str) -> None:
         if num and int(num) > pattern.groups:
             raise UsageError(f"{where}: template {to!r} uses group {num} but 'match' has {pattern.groups}",
                              hint="fix the rules file")
+        if name and name.isdigit() and int(name) > pattern.groups:
+            raise UsageError(f"{where}: template {to!r} uses group {name} but 'match' has {pattern.groups}",
+                             hint="fix the rules file")
         if name and not name.isdigit() and name not in pattern.groupindex:
             raise UsageError(f"{where}: template {to!r} uses unknown group {name!r}", hint="fix the rules file")
 
