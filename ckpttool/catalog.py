@@ -155,6 +155,8 @@ class Catalog:
     ranks: tuple[int, ...]
     layout: LayoutRecord | None = None
     layout_error: CkptError | None = None
+    _group_index: dict[str, ParamGroup] | None = field(default=None, repr=False, compare=False)
+    _group_index_size: int = field(default=-1, repr=False, compare=False)
 
     @property
     def param_fqns(self) -> list[str]:
@@ -184,11 +186,19 @@ class Catalog:
         return sorted(list(self.other_tensors) + others)
 
     def group_of(self, fqn: str) -> ParamGroup | None:
-        """The param group a parameter belongs to (needs :func:`load_param_groups` for nested)."""
-        for g in self.param_groups:
-            if g.group_id == fqn or fqn in g.params:
-                return g
-        return None
+        """The param group a parameter belongs to (needs :func:`load_param_groups` for nested).
+
+        O(1) after the first call: an fqn -> group index is built lazily and rebuilt when
+        the number of listed params changes (e.g. after :func:`load_param_groups`).
+        """
+        size = sum(len(g.params) for g in self.param_groups)
+        if self._group_index is None or self._group_index_size != size:
+            index: dict[str, ParamGroup] = {}
+            for g in self.param_groups:
+                for p in g.params:
+                    index.setdefault(p, g)
+            self._group_index, self._group_index_size = index, size
+        return self._group_index.get(fqn)
 
 
 _RANK_CACHE: dict[str, int | None] = {}
