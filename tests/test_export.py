@@ -132,6 +132,7 @@ def test_preserve_round_trip_is_bitwise(name: str, request: pytest.FixtureReques
         assert bitwise_equal(got[hf_key(k)], ref[k]), k
     assert not any(k.startswith("optimizer") for k in got), "non-model keys are never exported"
     assert summary["tensors"] == len(model_keys) and summary["casts"] == {}
+    assert summary["bytes_read"] == summary["bytes"]  # preserve: every stored byte read exactly once
     assert summary["bytes"] == index["metadata"]["total_size"]
     assert (out / "model.safetensors").is_file() and summary["files"][0]["name"] == "model.safetensors"
     assert {p.name: p.stat().st_mtime_ns for p in src.iterdir()} == before, "the source is never touched"

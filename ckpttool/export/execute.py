@@ -281,6 +281,7 @@ class _Executor:
         self.pending: dict[Future[None], tuple[int, int]] = {}  # future -> (task index, temp bytes)
         self.remaining: dict[int, int] = {}
         self.chunks = chunks
+        self.bytes_read = 0  # source bytes of finished tasks (counted here, in the calling thread)
 
     # -- worker side ---------------------------------------------------------------------------
     def _copy_chunk(self, task: SourceTask, chunk: ChunkMeta, size: tuple[int, ...]) -> None:
@@ -328,6 +329,8 @@ class _Executor:
             self.remaining[idx] -= 1
             if self.remaining[idx] == 0:
                 task = self.plan.tasks[idx]
+                meta, chunks = self.chunks[idx]
+                self.bytes_read += sum(c.numel for c in chunks) * meta.dtype.itemsize
                 self.done += task.out_nbytes
                 if self.progress is not None:
                     self.progress(self.done, self.total)
@@ -507,10 +510,12 @@ def _export(
             for name, entries in zip(plan.files, plan.entries):
                 writers.append(ShardWriter(tmp / name, entries))
             workers = opts.workers if opts.workers is not None else min(8, os.cpu_count() or 1)
-            _Executor(reader, plan, writers, workers, progress, chunks).run()
+            executor = _Executor(reader, plan, writers, workers, progress, chunks)
+            executor.run()
+            bytes_read = executor.bytes_read
             if tied == "omitted":
                 assert embed is not None and lm_head is not None
-                _check_tied(reader, plan, writers, embed, lm_head)
+                bytes_read += _check_tied(reader, plan, writers, embed, lm_head)
         finally:
             for w in writers:
                 w.close()
@@ -531,7 +536,7 @@ def _export(
         files=files_info,
         tensors=plan.num_tensors,
         bytes=plan.total_bytes,
-        bytes_read=reader.bytes_read,
+        bytes_read=bytes_read,
         seconds=seconds,
         save_dtype=opts.save_dtype,
         weights=opts.weights,
@@ -550,16 +555,20 @@ def _export(
 
 
 def _check_tied(reader: CheckpointReader, plan: ExportPlan, writers: list[ShardWriter],
-                embed: Selected, lm_head: Selected) -> None:
+                embed: Selected, lm_head: Selected) -> int:
     """Refuse a tied export whose lm_head differs from the embedding (compared bitwise, as stored).
 
     The lm_head source is read once here; the embedding is compared as written when it
     was copied bit-exact, else read again from the checkpoint.
 
+    Returns:
+        Bytes read from the checkpoint.
+
     Raises:
         ExportError: shapes, dtypes or bytes differ.
     """
     head = _read_whole(reader, lm_head.source.key)
+    read = lm_head.source.nbytes
     task = next(t for t in plan.tasks if t.selected is embed)
     if task.direct:
         import torch
@@ -568,6 +577,7 @@ def _check_tied(reader: CheckpointReader, plan: ExportPlan, writers: list[ShardW
         writers[task.shard].read(task.pieces[0].name, _tensor_bytes(emb))
     else:
         emb = _read_whole(reader, embed.source.key)
+        read += embed.source.nbytes
     equal = _bitwise_equal(head, emb)
     del emb
     if not equal:
@@ -577,3 +587,4 @@ def _check_tied(reader: CheckpointReader, plan: ExportPlan, writers: list[ShardW
             hint="set tie_word_embeddings to false in the --model-assets config.json to export both, "
                  "or use the config the model was trained with",
         )
+    return read
