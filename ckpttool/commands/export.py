@@ -96,7 +96,7 @@ def export_command(
     else:
         result = export_checkpoint(checkpoint, out, options)
     for w in result.warnings:
-        sys.stderr.write(f"warning: {w}\n")
+        sys.stderr.write(f"warning: {_printable(w)}\n")
     if json_output:
         emit_json(result.to_dict())
     else:
@@ -122,31 +122,37 @@ def _render(r: ExportResult) -> None:
     from ..render import human_bytes, stdout_console, table
 
     con = stdout_console()
-    con.print(f"exported {r.tensors} tensors, {human_bytes(r.bytes)} in {len(r.files)} file(s) to {r.output} "
-              f"({r.seconds:.2f} s, {r.gb_per_s:.2f} GB/s)")
+    con.print(f"exported {r.tensors} tensors, {human_bytes(r.bytes)} in {len(r.files)} file(s) to {_printable(r.output)} "
+              f"({r.seconds:.2f} s, {r.gb_per_s:.2f} GB/s)", markup=False)
     con.print(table("files", ["file", "tensors", "bytes"], [[f["name"], f["tensors"], human_bytes(f["bytes"])] for f in r.files]))
-    con.print(f"save dtype  {r.save_dtype}" + (f"; casts: {_counts(r.casts)}" if r.casts else "; no casts"))
+    con.print(f"save dtype  {r.save_dtype}" + (f"; casts: {_counts(r.casts)}" if r.casts else "; no casts"), markup=False)
     if r.narrowing_casts:
-        con.print(f"narrowing casts (precision or range lost): {_counts(r.narrowing_casts)}")
+        con.print(f"narrowing casts (precision or range lost): {_counts(r.narrowing_casts)}", markup=False)
     params = r.origins.get("params", [])
     master = r.origins.get("master", [])
     if r.weights == "master":
         con.print(f"weights     {len(master)} from FP32 master_weight, {len(params)} from stored parameters (no master)"
-                  + (f": {', '.join(params[:5])}{' ...' if len(params) > 5 else ''}" if params else ""))
+                  + (f": {', '.join(_printable(p) for p in params[:5])}{' ...' if len(params) > 5 else ''}" if params else ""),
+                  markup=False)
     if r.experts == "per-expert" or r.layout.get("unpermuted"):
         un = r.layout.get("unpermuted") or []
-        con.print(f"experts     {r.experts}" + (f"; {len(un)} tensor(s) un-permuted from the legacy EP layout" if un else ""))
+        con.print(f"experts     {r.experts}" + (f"; {len(un)} tensor(s) un-permuted from the legacy EP layout" if un else ""), markup=False)
     if r.tied_embeddings:
         msg = {
             "omitted": "tied: lm_head omitted (bitwise equal to the embedding)",
             "absent": "tied: the checkpoint has no lm_head",
             "embedding-not-exported": "tied: embedding not exported, lm_head written",
         }.get(r.tied_embeddings, r.tied_embeddings)
-        con.print(f"embeddings  {msg}")
+        con.print(f"embeddings  {msg}", markup=False)
     if r.skipped:
-        con.print("not exported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()))
+        con.print("not exported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()), markup=False)
     if r.assets:
-        con.print(f"assets      {', '.join(r.assets)}")
+        con.print(f"assets      {', '.join(_printable(a) for a in r.assets)}", markup=False)
+
+
+def _printable(text: str) -> str:
+    """``text`` with control and other non-printable characters escaped (keys come from the checkpoint)."""
+    return text if text.isprintable() else ascii(text)[1:-1]
 
 
 def _counts(d: dict[str, int]) -> str:

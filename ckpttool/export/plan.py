@@ -378,6 +378,13 @@ def build_plan(
     names_seen: set[str] = set()
     for (s, pieces, order), k in zip(units, shard_of):
         for p in pieces:
+            try:
+                p.name.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ExportError(
+                    f"{s.model_key!a}: output key {p.name!a} is not valid UTF-8 text (safetensors stores names as UTF-8 JSON)",
+                    fqn=s.model_key, hint="leave it out with --filter or rename it with a --rules entry",
+                ) from None
             if p.name in names_seen:
                 raise ExportError(f"{s.model_key}: output key {p.name!r} is produced twice", fqn=s.model_key,
                                   hint="fix the key/experts rules (--rules) so every output key is unique")
