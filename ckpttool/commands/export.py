@@ -95,8 +95,10 @@ def export_command(
         result = _with_progress(lambda cb: export_checkpoint(checkpoint, out, options, progress=cb))
     else:
         result = export_checkpoint(checkpoint, out, options)
+    from ..render import safe_text
+
     for w in result.warnings:
-        sys.stderr.write(f"warning: {_printable(w)}\n")
+        sys.stderr.write(f"warning: {safe_text(w)}\n")
     if json_output:
         emit_json(result.to_dict())
     else:
@@ -119,10 +121,11 @@ def _with_progress(run: Any) -> ExportResult:
 
 
 def _render(r: ExportResult) -> None:
+    """Human summary on stdout (the console escapes control characters and never interprets markup)."""
     from ..render import human_bytes, stdout_console, table
 
     con = stdout_console()
-    con.print(f"exported {r.tensors} tensors, {human_bytes(r.bytes)} in {len(r.files)} file(s) to {_printable(r.output)} "
+    con.print(f"exported {r.tensors} tensors, {human_bytes(r.bytes)} in {len(r.files)} file(s) to {r.output} "
               f"({r.seconds:.2f} s, {r.gb_per_s:.2f} GB/s)", markup=False)
     con.print(table("files", ["file", "tensors", "bytes"], [[f["name"], f["tensors"], human_bytes(f["bytes"])] for f in r.files]))
     con.print(f"save dtype  {r.save_dtype}" + (f"; casts: {_counts(r.casts)}" if r.casts else "; no casts"), markup=False)
@@ -132,7 +135,7 @@ def _render(r: ExportResult) -> None:
     master = r.origins.get("master", [])
     if r.weights == "master":
         con.print(f"weights     {len(master)} from FP32 master_weight, {len(params)} from stored parameters (no master)"
-                  + (f": {', '.join(_printable(p) for p in params[:5])}{' ...' if len(params) > 5 else ''}" if params else ""),
+                  + (f": {', '.join(params[:5])}{' ...' if len(params) > 5 else ''}" if params else ""),
                   markup=False)
     if r.experts == "per-expert" or r.layout.get("unpermuted"):
         un = r.layout.get("unpermuted") or []
@@ -147,12 +150,7 @@ def _render(r: ExportResult) -> None:
     if r.skipped:
         con.print("not exported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()), markup=False)
     if r.assets:
-        con.print(f"assets      {', '.join(_printable(a) for a in r.assets)}", markup=False)
-
-
-def _printable(text: str) -> str:
-    """``text`` with control and other non-printable characters escaped (keys come from the checkpoint)."""
-    return text if text.isprintable() else ascii(text)[1:-1]
+        con.print(f"assets      {', '.join(r.assets)}", markup=False)
 
 
 def _counts(d: dict[str, int]) -> str:
