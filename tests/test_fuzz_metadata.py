@@ -248,3 +248,21 @@ def test_mutated_data_file_bytes(data: st.DataObject, base: dict[str, Any],
     start, length = data.draw(st.sampled_from([*spans, (0, len(raw))]))
     edits = [(op, start + pos % max(1, length), blob) for op, pos, blob in data.draw(byte_edits(length))]
     exercise(mutant_dir(tmp_path_factory, base, base["metadata"], apply_bytes(raw, edits)))
+
+
+@pytest.mark.parametrize("dims", [(32.0,), (True,), (32,), ("32",)], ids=["float", "bool", "int-control", "str"])
+def test_shape_dims_must_be_ints_even_after_a_cache_hit(dims: tuple[Any, ...], base: dict[str, Any]) -> None:
+    """(32.0,) == (32,) with equal hashes: a shape cache keyed by value must not let floats/bools through."""
+    from ckpttool.dcp import parse_metadata_bytes
+    from ckpttool.errors import MetadataError
+
+    parse_metadata_bytes(base["metadata"])  # the real shapes, (32,) among them, are now known-valid
+    md = copy.deepcopy(base["md"])
+    tsm = md.state_dict_metadata[hostile.NORM_KEY]
+    tsm.size = dims if dims[0] is not True else (1,)
+    tsm.chunks[0].sizes = dims
+    if all(type(d) is int for d in dims):  # not `dims == (32,)`: (32.0,) == (32,) is exactly the trap
+        assert parse_metadata_bytes(pickle.dumps(md)).entries[hostile.NORM_KEY].size == (32,)
+        return
+    with pytest.raises(MetadataError, match="not a size"):
+        parse_metadata_bytes(pickle.dumps(md))

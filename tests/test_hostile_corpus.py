@@ -132,7 +132,7 @@ def test_corpus_entries_differ_from_the_base_in_the_stated_way(tmp_path: Path, s
 
 
 # CPU seconds, not wall (other jobs share the 2 cores here): measured ~25 s; torch alone needs ~24 s
-# to import and unpickle the same .metadata (bench/bench_hostile.py).
+# to import torch.distributed.checkpoint and pickle.load the same .metadata (docs/security.md).
 MILLION_INSPECT_CPU_BUDGET_S = 60.0
 
 

@@ -202,7 +202,8 @@ def _shape(value: Any, source: str, key: str, what: str) -> tuple[int, ...]:
     # Validated shapes are cached by value (tuples of ints hash fast); most chunks repeat a few shapes.
     # Only tuples made purely of in-range ints are ever cached, so a hit is always valid.
     _ok = _VALID_SHAPES
-    if type(value) is tuple and value in _ok:
+    # (32.0,) and (True,) compare and hash equal to (32,) and (1,): a hit must also hold only ints.
+    if type(value) is tuple and value in _ok and all(type(d) is int for d in value):
         return value
     if not isinstance(value, tuple) or len(value) > MAX_NDIM:
         raise _bad(source, f"entry {key!r}: {what} is not a shape tuple ({type(value).__name__})")
