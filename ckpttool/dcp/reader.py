@@ -283,7 +283,8 @@ class CheckpointReader(CheckpointDir):
                     f"{self.path / info.relative_path}: short read of {fqn!r}", path=info.relative_path, fqn=fqn
                 )
             pos += got
-        self.bytes_read += n
+        with self._lock:
+            self.bytes_read += n
 
     def raw_bytes(self, fqn: str, chunk: ChunkMeta | None = None) -> bytes:
         """The stored bytes of a chunk/byte item, decoded through its transforms."""
@@ -474,7 +475,8 @@ class CheckpointReader(CheckpointDir):
                     f"{self.path / info.relative_path}: short read of {fqn!r}", path=info.relative_path, fqn=fqn
                 )
             pos += got
-        self.bytes_read += nbytes
+        with self._lock:
+            self.bytes_read += nbytes
         return True
 
     def _torch_load_chunk(self, info: StorageInfo, fqn: str, where: str) -> torch.Tensor:
