@@ -36,13 +36,7 @@ def _root(
 
 def _register() -> None:
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"ckpttool.commands.{name}")
-        except ModuleNotFoundError as e:  # TODO(before release): every command module exists; drop this
-            if e.name == f"ckpttool.commands.{name}":
-                continue
-            raise
-        module.register(app)
+        importlib.import_module(f"ckpttool.commands.{name}").register(app)
 
 
 _register()

@@ -32,7 +32,11 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
     "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
     "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1,
+    "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
+    # bit-packed, quantized and sub-byte shell dtypes (itemsize as torch reports it)
+    "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
+    "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1,
+    **{f"int{n}": 1 for n in range(1, 8)}, **{f"uint{n}": 1 for n in range(1, 8)},
 }
 _FLOATING = {
     "float64", "float32", "float16", "bfloat16",

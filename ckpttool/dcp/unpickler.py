@@ -20,6 +20,7 @@ import gc
 import io
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from .model import (
 __all__ = ["load_metadata", "parse_metadata_bytes", "PrimitiveUnpickler", "MetadataUnpickler"]
 
 MAX_NDIM = 64
+_DTYPE_LIKE = re.compile(r"^(?:u?int\d+|float\d+(?:_[a-z0-9]+)*|bfloat\d+|complex\d+|q?u?int\d+x\d+|bits\w+)$")
 MAX_DIM_SIZE = 2**62
 
 
@@ -156,6 +158,12 @@ class MetadataUnpickler(pickle.Unpickler):
         try:
             return _ALLOWED[(module, name)]
         except (KeyError, TypeError):
+            if module == "torch" and isinstance(name, str) and _DTYPE_LIKE.match(name):
+                # Refused all the same (never resolved), but named for what it most likely is.
+                raise MetadataError(
+                    f"{self._source}: tensor dtype torch.{name} is not supported by this ckpttool",
+                    path=self._source, hint="upgrade ckpttool, or re-save the tensors in a supported dtype",
+                ) from None
             raise UnsafePickleError(
                 f"{self._source}: refused to load pickle global {module}.{name} (not on the allow-list)",
                 path=self._source,
