@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 
-def make_many_entries_checkpoint(path: str | os.PathLike[str], n_entries: int = 100_000, ranks: int = 8) -> Path:
+def make_many_entries_checkpoint(path: str | os.PathLike[str], n_entries: int = 100_000, ranks: int = 8,
+                                 sharded_every: int = 4) -> Path:
     """Write a DCP checkpoint with ``n_entries`` tensor entries as if saved by ``ranks`` ranks.
 
     Keys follow the schema: ``model.model.layers.{i}.block{j}.weight`` (BF16, shape ``[8*ranks, 16]``
@@ -71,7 +72,7 @@ def make_many_entries_checkpoint(path: str | os.PathLike[str], n_entries: int = 
     for i in range(n_entries):
         key = f"model.model.layers.{i // 8}.block{i % 8}.weight"
         keys.append(key[len("model."):])
-        sharded = i % 4 == 0
+        sharded = sharded_every > 0 and i % sharded_every == 0
         size = torch.Size([8 * ranks, 16]) if sharded else torch.Size([4, 16])
         chunks = []
         writers = range(ranks) if sharded else [i % ranks]
@@ -159,11 +160,14 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--workdir", default="/tmp/ckpttool-bench")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--sharded-every", type=int, default=4,
+                    help="every k-th tensor is sharded over all ranks (8 chunks); 0: every tensor has one chunk")
     args = ap.parse_args()
-    ckpt = Path(args.workdir) / f"many-{args.entries}-{args.ranks}"
+    ckpt = Path(args.workdir) / f"many-{args.entries}-{args.ranks}" if args.sharded_every == 4 else \
+        Path(args.workdir) / f"many-{args.entries}-{args.ranks}-s{args.sharded_every}"
     if not (ckpt / ".metadata").exists():
         t0 = time.perf_counter()
-        make_many_entries_checkpoint(ckpt, args.entries, args.ranks)
+        make_many_entries_checkpoint(ckpt, args.entries, args.ranks, args.sharded_every)
         print(f"built {ckpt} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     md_size = (ckpt / ".metadata").stat().st_size
     data_size = sum(p.stat().st_size for p in ckpt.glob("*.distcp"))
@@ -176,7 +180,9 @@ def main() -> None:
     torch_import, torch_read, nkeys = torch_runs[0][1].split()
     ck = _run([sys.executable, "-c", CKPTTOOL_READ, str(ckpt)])[1].split()
     ck_import, ck_overview, ck_json, read_total, read_tensor, torch_loaded = ck
-    print(f"checkpoint: {args.entries} tensor entries + 5 byte items, {args.ranks} ranks, "
+    nchunks = sum(len(v.chunks) for v in __import__("ckpttool.dcp", fromlist=["x"]).CheckpointDir(ckpt).metadata.entries.values()
+                  if hasattr(v, "chunks"))
+    print(f"checkpoint: {args.entries} tensor entries ({nchunks} chunks) + 5 byte items, {args.ranks} ranks, "
           f".metadata {md_size / 2**20:.1f} MiB, data {data_size / 2**20:.1f} MiB")
     print(f"{'':44s} {'wall s':>8s}")
     print(f"{'ckpttool inspect --json (fresh process)':44s} {best_cli:8.2f}")

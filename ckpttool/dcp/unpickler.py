@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import io
+import operator
 import os
 import pickle
 import re
@@ -95,13 +96,22 @@ def _get_layout(name: Any) -> _Layout:
     return _Layout(name)
 
 
+class _Dims(tuple):  # type: ignore[type-arg]
+    """A ``torch.Size`` stand-in whose items are known to be plain ``int`` (coerced by ``operator.index``)."""
+
+    __slots__ = ()
+
+
 def _size(*args: Any) -> tuple[Any, ...]:
     # torch.Size((d0, d1, ...)) — REDUCE(torch.Size, (tuple,)).
     if len(args) == 0:
-        return ()
+        return _Dims()
     if len(args) != 1 or not isinstance(args[0], (tuple, list)):
         raise UnsafePickleError(f"torch.Size called with {args!r:.80}, expected one tuple of ints")
-    return tuple(args[0])
+    try:
+        return _Dims(map(operator.index, args[0]))  # C loop: floats/str raise, bools become ints
+    except TypeError:
+        raise MetadataError(f"torch.Size holds non-integers: {args[0]!r:.80}") from None
 
 
 def _mem_format(value: Any = 0) -> int:
@@ -210,8 +220,9 @@ def _shape(value: Any, source: str, key: str, what: str) -> tuple[int, ...]:
     # Validated shapes are cached by value (tuples of ints hash fast); most chunks repeat a few shapes.
     # Only tuples made purely of in-range ints are ever cached, so a hit is always valid.
     _ok = _VALID_SHAPES
-    # (32.0,) and (True,) compare and hash equal to (32,) and (1,): a hit must also hold only ints.
-    if type(value) is tuple and value in _ok and all(type(d) is int for d in value):
+    # (32.0,) and (True,) compare and hash equal to (32,) and (1,): only a _Dims (all plain ints
+    # by construction) may take the cached path; other tuples are checked item by item.
+    if type(value) is _Dims and value in _ok:
         return value
     if not isinstance(value, tuple) or len(value) > MAX_NDIM:
         raise _bad(source, f"entry {key!r}: {what} is not a shape tuple ({type(value).__name__})")
