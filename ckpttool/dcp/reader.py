@@ -41,7 +41,7 @@ from ..errors import (
     UnsafePickleError,
     UsageError,
 )
-from .archive import FileWindow, parse_tensor_archive, read_archive_pickle
+from .archive import FileWindow, TensorRecord, parse_tensor_archive, read_archive_pickle
 from .model import BytesMeta, CheckpointMetadata, ChunkMeta, StorageInfo, TensorMeta
 from .unpickler import PrimitiveUnpickler, load_metadata
 
@@ -347,24 +347,8 @@ class CheckpointReader(CheckpointDir):
         if dtype is None:
             raise ChunkError(f"{self.path}: {fqn!r} has dtype {meta.dtype} unknown to this torch", fqn=fqn)
         where = f"{self.path / info.relative_path}: {fqn!r} chunk at {chunk.offsets}"
-        record = None
-        if not info.transform_descriptors:
-            try:
-                record = parse_tensor_archive(self._window(info))
-            except UnsafePickleError as e:
-                raise ChunkError(f"{where}: {e.message}", path=info.relative_path, fqn=fqn) from e
-            except (zipfile.BadZipFile, KeyError, ValueError, OSError, EOFError) as e:
-                raise ChunkError(
-                    f"{where}: stored archive is corrupt ({type(e).__name__}: {str(e)[:80]})",
-                    path=info.relative_path, fqn=fqn,
-                ) from e
+        record = self._validated_record(fqn, chunk, meta, info, where)
         if record is not None:
-            if record.dtype != meta.dtype.name or record.size != chunk.sizes:
-                raise ChunkError(
-                    f"{where}: stored tensor is {record.dtype}{list(record.size)}, metadata says "
-                    f"{meta.dtype}{list(chunk.sizes)}",
-                    path=info.relative_path, fqn=fqn,
-                )
             contiguous = record.storage_offset == 0 and record.stride == _contiguous_stride(record.size)
             if contiguous and record.storage_numel == chunk.numel:
                 dest = out if out is not None and out.is_contiguous() else torch.empty(chunk.sizes, dtype=dtype)
@@ -390,6 +374,36 @@ class CheckpointReader(CheckpointDir):
             return out
         return t
 
+    def _validated_record(self, fqn: str, chunk: ChunkMeta, meta: TensorMeta, info: StorageInfo,
+                          where: str) -> TensorRecord | None:
+        """Parse a chunk's archive and check it against the metadata (dtype and shape).
+
+        Returns:
+            The record, or ``None`` for a chunk the fast path cannot map (stream
+            transform, an archive format it does not understand).
+
+        Raises:
+            ChunkError: corrupt archive, unsafe ``data.pkl``, or dtype/shape disagreeing with the metadata.
+        """
+        if info.transform_descriptors:
+            return None
+        try:
+            record = parse_tensor_archive(self._window(info))
+        except UnsafePickleError as e:
+            raise ChunkError(f"{where}: {e.message}", path=info.relative_path, fqn=fqn) from e
+        except (zipfile.BadZipFile, KeyError, ValueError, OSError, EOFError) as e:
+            raise ChunkError(
+                f"{where}: stored archive is corrupt ({type(e).__name__}: {str(e)[:80]})",
+                path=info.relative_path, fqn=fqn,
+            ) from e
+        if record is not None and (record.dtype != meta.dtype.name or record.size != chunk.sizes):
+            raise ChunkError(
+                f"{where}: stored tensor is {record.dtype}{list(record.size)}, metadata says "
+                f"{meta.dtype}{list(chunk.sizes)}",
+                path=info.relative_path, fqn=fqn,
+            )
+        return record
+
     def _raw_record(self, fqn: str, chunk: ChunkMeta) -> tuple[StorageInfo, int, int] | None:
         """Validated location of a chunk's raw C-order bytes: ``(info, offset in the record, nbytes)``.
 
@@ -401,26 +415,10 @@ class CheckpointReader(CheckpointDir):
         """
         meta = self.tensor_meta(fqn)
         info = self.storage_info(fqn, chunk)
-        if info.transform_descriptors:
-            return None
         where = f"{self.path / info.relative_path}: {fqn!r} chunk at {chunk.offsets}"
-        try:
-            record = parse_tensor_archive(self._window(info))
-        except UnsafePickleError as e:
-            raise ChunkError(f"{where}: {e.message}", path=info.relative_path, fqn=fqn) from e
-        except (zipfile.BadZipFile, KeyError, ValueError, OSError, EOFError) as e:
-            raise ChunkError(
-                f"{where}: stored archive is corrupt ({type(e).__name__}: {str(e)[:80]})",
-                path=info.relative_path, fqn=fqn,
-            ) from e
+        record = self._validated_record(fqn, chunk, meta, info, where)
         if record is None:
             return None
-        if record.dtype != meta.dtype.name or record.size != chunk.sizes:
-            raise ChunkError(
-                f"{where}: stored tensor is {record.dtype}{list(record.size)}, metadata says "
-                f"{meta.dtype}{list(chunk.sizes)}",
-                path=info.relative_path, fqn=fqn,
-            )
         if not (record.storage_offset == 0 and record.stride == _contiguous_stride(record.size)
                 and record.storage_numel == chunk.numel):
             return None
