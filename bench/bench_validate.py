@@ -28,15 +28,16 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 
-def _many_entries(workdir: Path, n: int, ranks: int = 8) -> Path:
+def _many_entries(workdir: Path, n: int, ranks: int = 8, sharded_every: int = 4) -> Path:
     try:
         from bench_inspect import make_many_entries_checkpoint
     except ImportError:  # pragma: no cover - bench_inspect is in the repository
         raise SystemExit("bench/bench_inspect.py (make_many_entries_checkpoint) is required")
-    path = workdir / f"many-{n}-{ranks}"
+    # Same cache names as bench_inspect.py.
+    path = workdir / (f"many-{n}-{ranks}" if sharded_every == 4 else f"many-{n}-{ranks}-s{sharded_every}")
     if not (path / ".metadata").is_file():
         print(f"building {n}-entry checkpoint in {path} ...", file=sys.stderr)
-        make_many_entries_checkpoint(path, n_entries=n, ranks=ranks)
+        make_many_entries_checkpoint(path, n_entries=n, ranks=ranks, sharded_every=sharded_every)
     return path
 
 
@@ -124,12 +125,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--skip-metadata", action="store_true")
+    ap.add_argument("--sharded-every", type=int, default=4,
+                    help="as bench_inspect.py: every k-th tensor sharded over 8 ranks; 0: one chunk per tensor")
     ap.add_argument("--skip-deep", action="store_true")
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
     print(f"machine: {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}")
     if not a.skip_metadata:
-        bench_metadata(_many_entries(a.workdir, a.entries), a.repeat)
+        bench_metadata(_many_entries(a.workdir, a.entries, sharded_every=a.sharded_every), a.repeat)
     if not a.skip_deep:
         bench_deep(_big(a.workdir, a.deep_gib), a.repeat, a.workers)
 
