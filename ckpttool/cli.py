@@ -10,14 +10,55 @@ import importlib
 import logging
 import os
 import sys
+from typing import Any
 
 import typer
+from typer.core import TyperGroup
+
+from .commands._options import print_error
+from .errors import UsageError
 
 __all__ = ["app", "main"]
 
 COMMANDS = ("inspect", "validate", "export", "reshard", "stamp", "replay_step", "sample")
 
+# typer vendors click (typer._click); reach its exception classes through public names only.
+_CLICK_USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+_CLICK_EXCEPTION = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+class CkptGroup(TyperGroup):
+    """The root command group: usage errors follow ckpttool's error contract.
+
+    Click prints its own ``Usage: ... Error: ...`` block for a bad option; ckpttool
+    prints ``error: [E100] <click's message>`` and ``hint: see `ckpttool CMD --help```
+    on stderr and exits 2, like every other bad invocation (DESIGN.md section 4).
+    Bare ``ckpttool`` prints the help and exits 0.
+    """
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+            code = rv if isinstance(rv, int) else 0
+        except _CLICK_EXCEPTION as e:
+            ctx = getattr(e, "ctx", None)
+            if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
+                sys.stdout.write(ctx.get_help() + "\n")
+                code = 0
+            else:
+                where = ctx.command_path if ctx is not None else "ckpttool"
+                print_error(UsageError(e.format_message(), hint=f"see `{where} --help`"))
+                code = 2 if isinstance(e, _CLICK_USAGE_ERROR) else e.exit_code
+        except typer.Abort:
+            sys.stderr.write("error: interrupted\n")
+            code = 130
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
 app = typer.Typer(
+    cls=CkptGroup,
     name="ckpttool",
     help="Inspect, validate, export, reshard and replay PyTorch Distributed Checkpoints (FSDP2 / expert parallel).",
     no_args_is_help=True,

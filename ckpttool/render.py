@@ -34,6 +34,11 @@ class _SafeConsole(Console):
     def render_str(self, text: str, **kwargs: Any) -> Any:  # type: ignore[override]
         return super().render_str(safe_text(text), **kwargs)
 
+    def on_broken_pipe(self) -> None:
+        # rich's default raises SystemExit(1) ("findings" in our exit codes); let the command
+        # boundary treat a closed pipe (`ckpttool inspect DIR | head -1`) as a normal stop.
+        raise BrokenPipeError()
+
 
 def stdout_console() -> Console:
     width = None if sys.stdout.isatty() else 200

@@ -131,3 +131,42 @@ def test_trust_pickle_option_reads_extra_state(tmp_path: Path, dense_ckpt: Path)
     assert res.exit_code == 0
     (extra,) = json.loads(res.stdout)["extra_state"]
     assert extra["status"] == "ok" and extra["global_step"] == 7
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["inspect", "--bogus", "X"], "No such option: --bogus"),
+        (["inspect", "X", "--depth", "0"], "--depth"),
+        (["inspect", "X", "--sort", "foo"], "--sort"),
+        (["inspect"], "Missing argument"),
+        (["frob"], "No such command 'frob'"),
+    ],
+    ids=["unknown-option", "bad-depth", "bad-choice", "missing-arg", "unknown-command"],
+)
+def test_usage_errors_follow_the_error_contract(argv: list[str], needle: str) -> None:
+    res = runner.invoke(app, argv)
+    assert_clean_failure(res, "E100", needle)
+    assert "--help" in res.stderr.splitlines()[1]
+
+
+def test_no_arguments_prints_help() -> None:
+    res = runner.invoke(app, [])
+    assert res.exit_code == 0 and "Commands" in res.stdout
+
+
+@pytest.mark.parametrize("argv", [["inspect"], ["inspect", "--json"], ["validate", "--strict"]])
+def test_closed_stdout_is_not_a_failure(argv: list[str], sample_ckpt: Path) -> None:
+    """`ckpttool inspect DIR | head -1`: the reader going away is a normal stop (exit 0), not 1."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from ckpttool.cli import main; main()", *argv, str(sample_ckpt)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first write
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "error" not in err

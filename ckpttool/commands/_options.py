@@ -100,6 +100,9 @@ def command_boundary(func: F) -> F:
             sys.stderr.write("error: interrupted\n")
             raise typer.Exit(130) from None
         except BrokenPipeError:
+            # The reader of stdout went away (`| head -1`): stop quietly with 0. Point stdout at
+            # /dev/null so the interpreter's final flush does not fail again.
+            _silence_stdout()
             raise typer.Exit(0) from None
         except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
             if os.environ.get("CKPTTOOL_DEBUG"):
@@ -110,6 +113,15 @@ def command_boundary(func: F) -> F:
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real fd (e.g. a test runner's buffer)
+        pass
 
 
 def emit_json(obj: Any) -> None:
