@@ -1,12 +1,20 @@
 """Atomic output directories (DESIGN.md section 5).
 
-Every command that writes a directory (``export``, ``reshard``) writes into a
+Every command that writes a directory (``export``, ``reshard``, ``sample``) writes into a
 temporary sibling ``.<name>.ckpttool-tmp-<pid>-<token>`` and renames it into
 place only when complete, so an interrupted or failed run never leaves output
-that looks complete. An existing non-empty target is refused unless
-``overwrite=True``, and then replaced only after the new output is complete.
-SIGTERM is turned into an exception while the directory is open so the
-temporary directory is removed; a temporary directory left by a killed
+that looks complete. The target is made absolute first (``os.path.abspath``: ``.``
+and relative paths work, a symlink as the final component is not followed).
+
+An existing non-empty target is refused unless ``overwrite=True``; even then only a
+directory that looks like a previous ckpttool/model output (it holds ``.metadata``,
+``*.safetensors``, ``model.safetensors.index.json`` or ``adapter_config.json``, and no
+``.git`` anywhere below it) is replaced, and only after the new output is complete:
+the old directory is renamed aside, the new one renamed into place (SIGINT/SIGTERM
+blocked between the two renames), the old one restored if the second rename fails and
+deleted only once the new output is in place. Any failure while committing removes
+the temporary directory. SIGTERM is turned into an exception while the directory is
+open so the temporary directory is removed; a temporary directory left by a killed
 (SIGKILL) run is removed by the next run that targets the same path.
 
 Example::
@@ -18,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -27,14 +36,17 @@ import shutil
 import signal
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import OutputError
 
-__all__ = ["AtomicOutputDir", "Terminated", "check_output_target", "atomic_write_text"]
+__all__ = ["AtomicOutputDir", "Terminated", "check_output_target", "atomic_write_text", "looks_like_output"]
 
 log = logging.getLogger(__name__)
 _TMP_RE = re.compile(r"^\.(?P<name>.+)\.ckpttool-tmp-(?P<pid>\d+)-[0-9a-f]+$")
+_OUTPUT_MARKERS = (".metadata", "model.safetensors.index.json", "adapter_config.json")
+_BLOCKED = {signal.SIGINT, signal.SIGTERM}
+_NOT_AN_OUTPUT_HINT = "choose an empty or new output directory"
 
 
 class Terminated(BaseException):
@@ -51,12 +63,46 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _absolute(path: str | os.PathLike[str]) -> Path:
+    """Absolute, normalized ``path`` without resolving a symlink in its final component."""
+    return Path(os.path.abspath(os.fspath(path)))
+
+
+def _has_git(root: Path) -> bool:
+    for _dirpath, dirnames, filenames in os.walk(root):
+        if ".git" in dirnames or ".git" in filenames:
+            return True
+    return False
+
+
+def looks_like_output(target: Path) -> bool:
+    """True if ``target`` looks like a previous checkpoint/model output that ``--overwrite`` may replace.
+
+    It must hold ``.metadata``, ``model.safetensors.index.json``, ``adapter_config.json`` or a
+    ``*.safetensors`` file at its top level, and no ``.git`` anywhere below it.
+    """
+    try:
+        names = os.listdir(target)
+    except OSError:
+        return False
+    if not any(n in _OUTPUT_MARKERS or n.endswith(".safetensors") for n in names):
+        return False
+    return not _has_git(target)
+
+
 def check_output_target(target: Path, *, overwrite: bool, source: Path | None = None) -> None:
     """Refuse a target that exists non-empty (without ``overwrite``) or overlaps the source.
 
+    With ``overwrite`` a non-empty target is accepted only if :func:`looks_like_output`.
+
     Raises:
-        OutputError: target is a file, non-empty without overwrite, or inside/equal to ``source``.
+        OutputError: target is a file, non-empty without overwrite, non-empty and not a previous
+            output, or inside/equal to ``source``.
     """
+    target = _absolute(target)
+    if target.name == "":
+        raise OutputError(f"{target}: cannot write there (not a directory name)", path=target,
+                          hint="choose a new or empty output directory")
     t = target.resolve()
     if source is not None:
         s = source.resolve()
@@ -67,30 +113,76 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
             )
     if target.exists() or target.is_symlink():
         if not target.is_dir() or target.is_symlink():
-            raise OutputError(f"{target} exists and is not a directory", path=target)
-        if any(target.iterdir()) and not overwrite:
+            raise OutputError(f"{target} exists and is not a directory", path=target,
+                              hint="choose a new or empty output directory")
+        try:
+            non_empty = any(target.iterdir())
+        except OSError as e:
+            raise OutputError(f"{target}: cannot write there ({e.strerror})", path=target,
+                              hint="choose a writable output location") from e
+        if non_empty and not overwrite:
             raise OutputError(f"{target} exists and is not empty", path=target,
                               hint="choose another output directory or pass --overwrite")
+        if non_empty and not looks_like_output(target):
+            raise OutputError(
+                f"{target} exists and does not look like a previous checkpoint or model output "
+                "(no .metadata, *.safetensors, model.safetensors.index.json or adapter_config.json, or it holds .git); "
+                "--overwrite will not replace it",
+                path=target, hint=_NOT_AN_OUTPUT_HINT,
+            )
+
+
+def _pending_stop_signal() -> bool:
+    try:
+        return bool(signal.sigpending() & _BLOCKED)
+    except (AttributeError, OSError):
+        return False
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked() -> Iterator[None]:
+    """Block SIGINT/SIGTERM for the body (delivered on exit). A signal already pending on entry is
+    delivered first, so the body does not start when the user already asked to stop."""
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    if _pending_stop_signal():
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)  # its handler raises here
+        signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)  # a handler that did not raise: carry on
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _same_dir(a: str, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 class AtomicOutputDir:
     """Context manager yielding a temporary directory that becomes ``target`` on success.
 
     Args:
-        target: final output directory.
-        overwrite: replace an existing non-empty ``target`` (after success only).
+        target: final output directory (made absolute first; ``.`` works).
+        overwrite: replace an existing non-empty ``target`` that looks like a previous output
+            (after success only).
         source: the source checkpoint; the target may not overlap it.
 
     Raises:
         OutputError: on entry, see :func:`check_output_target`; on exit, when the
-            rename fails.
+            rename fails (the temporary directory is removed, an existing target kept).
     """
 
     def __init__(self, target: str | os.PathLike[str], *, overwrite: bool = False,
                  source: str | os.PathLike[str] | None = None) -> None:
-        self.target = Path(target)
+        self.target = _absolute(target)
         self.overwrite = overwrite
-        self.source = Path(source) if source is not None else None
+        self.source = _absolute(source) if source is not None else None
         self.tmp: Path | None = None
         self._old_handler: Any = None
 
@@ -111,7 +203,12 @@ class AtomicOutputDir:
         try:
             parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise OutputError(f"{parent}: cannot create output parent ({e.strerror})", path=parent) from e
+            why = e.strerror or str(e)
+            if isinstance(e, (FileExistsError, NotADirectoryError)):
+                blocker = next((a for a in (parent, *parent.parents) if a.exists() or a.is_symlink()), parent)
+                why = f"{blocker} is not a directory"
+            raise OutputError(f"{self.target}: cannot write there ({why})", path=self.target,
+                              hint="choose a writable output location") from e
         self._clean_stale()
         tmp = parent / f".{self.target.name}.ckpttool-tmp-{os.getpid()}-{secrets.token_hex(4)}"
         try:
@@ -143,30 +240,65 @@ class AtomicOutputDir:
                     raise OutputError(f"{self.target}: write failed ({exc.strerror}); no output was left",
                                       path=self.target, hint="free disk space or choose another location") from exc
                 return
-            self._commit()
+            try:
+                self._commit()
+            except Terminated:
+                raise KeyboardInterrupt() from None
         finally:
             self._restore_signal()
 
     def _commit(self) -> None:
+        """Rename the finished temporary directory into place; on any failure remove it."""
         assert self.tmp is not None
-        target = self.target
-        backup = None
+        tmp, target = self.tmp, self.target
+        backup: Path | None = None
+        placed = False
+        was_cwd = _same_dir(".", target)
         try:
-            if target.exists():
-                check_output_target(target, overwrite=self.overwrite, source=self.source)
+            replace = self.overwrite and (target.exists() or target.is_symlink())
+            if replace:
+                # Re-check: the target may have changed while the output was written.
+                check_output_target(target, overwrite=True, source=self.source)
+                replace = any(target.iterdir())
+            if not replace:
+                # An absent or empty target: one atomic rename; a target that became non-empty
+                # meanwhile (a concurrent run) fails with ENOTEMPTY/EEXIST.
+                with _stop_signals_blocked():
+                    os.rename(tmp, target)
+                    placed = True
+            else:
                 backup = target.parent / f".{target.name}.ckpttool-old-{secrets.token_hex(4)}"
-                os.rename(target, backup)
-            os.rename(self.tmp, target)
-        except OSError as e:
-            if backup is not None and not target.exists():
-                os.rename(backup, target)
-                backup = None
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            raise OutputError(f"{target}: cannot move the finished output into place ({e.strerror})",
-                              path=target) from e
+                with _stop_signals_blocked():
+                    os.rename(target, backup)
+                    try:
+                        os.rename(tmp, target)
+                    except OSError:
+                        if not (target.exists() or target.is_symlink()):
+                            try:
+                                os.rename(backup, target)
+                                backup = None
+                            except OSError:
+                                log.error("the previous output was left at %s", backup)
+                                backup = None  # never delete the only copy
+                        raise
+                    placed = True
+        except BaseException as e:
+            if not placed:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError):
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise OutputError(f"{target} exists and is not empty (written by another run meanwhile?)",
+                                      path=target, hint="choose another output directory or pass --overwrite") from e
+                raise OutputError(f"{target}: cannot move the finished output into place ({e.strerror})",
+                                  path=target, hint="choose another output directory") from e
+            raise
         finally:
-            if backup is not None:
-                shutil.rmtree(backup, ignore_errors=True)
+            if placed:
+                if backup is not None:
+                    shutil.rmtree(backup, ignore_errors=True)
+                if was_cwd:
+                    with contextlib.suppress(OSError):
+                        os.chdir(target)  # the old directory is gone: follow the new output
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

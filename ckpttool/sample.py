@@ -245,14 +245,47 @@ def _sample_optimizer(model: Any, optimizer: str) -> Any:
     return build_optimizer(optimizer, list(model.named_parameters()), **hyper, **cfg)
 
 
+#: ``write_sample(seed=...)`` range: what ``torch.manual_seed`` and the data generator accept.
+SEED_LIMIT = 2**63
+
+
+class _FinalPathWriter:  # built lazily: a torch FileSystemWriter that records the final path
+    cls: type | None = None
+
+    @classmethod
+    def make(cls, directory: Path, final: Path) -> Any:
+        if cls.cls is None:
+            from torch.distributed.checkpoint import FileSystemWriter
+
+            class Writer(FileSystemWriter):  # type: ignore[misc, valid-type]
+                """Writes into the temporary directory; ``storage_meta.checkpoint_id`` is the final path."""
+
+                def __init__(self, path: Path, final_path: Path) -> None:
+                    super().__init__(path)
+                    self._final_path = final_path
+
+                def storage_meta(self) -> Any:
+                    meta = super().storage_meta()
+                    if meta is not None:
+                        meta.checkpoint_id = self._final_path
+                    return meta
+
+            cls.cls = Writer
+        return cls.cls(directory, final)
+
+
 def write_sample(path: str | os.PathLike[str], *, steps: int = 3, seed: int = 0,
                  config: SampleConfig | None = None, optimizer: str = "adamw") -> Path:
     """Train the tiny MoE for ``steps`` AdamW steps and save it as a DCP checkpoint.
 
+    Everything (``dcp.save``, ``extra_state/``, ``model_assets/``) is written into a temporary
+    sibling directory renamed into place when complete
+    (:class:`~ckpttool.output.AtomicOutputDir`): a failed or interrupted run leaves nothing.
+
     Args:
         path: target directory; must not exist or be empty.
         steps: optimizer steps before the save.
-        seed: RNG seed (the output is deterministic for a given seed and torch).
+        seed: RNG seed in ``[0, 2**63)`` (the output is deterministic for a given seed and torch).
         config: model sizes.
         optimizer: ``adamw`` (default: ``torch.optim.AdamW``, FP32 parameters) or a ckpttool
             FP32-master type (``full_fp32_adamw``, ``master_fp32_adamw`` with BF16 moments,
@@ -260,24 +293,34 @@ def write_sample(path: str | os.PathLike[str], *, steps: int = 3, seed: int = 0,
             record's ``optimizer`` object describes it.
 
     Returns:
-        The checkpoint directory.
+        The checkpoint directory (as given).
 
     Raises:
-        OutputError: ``path`` exists and is not empty.
-        UsageError: unknown ``optimizer``.
+        OutputError: ``path`` exists and is not empty, or cannot be written.
+        UsageError: unknown ``optimizer``, ``seed`` out of range.
     """
+    from .errors import UsageError
+    from .output import AtomicOutputDir
+
+    if optimizer not in SAMPLE_OPTIMIZERS:
+        raise UsageError(f"unknown sample optimizer {optimizer!r}", hint=f"use one of {', '.join(SAMPLE_OPTIMIZERS)}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise UsageError(f"seed {seed!r} is out of range", hint=f"use an integer seed from 0 to {SEED_LIMIT - 1}")
+    out = Path(path)
+    with AtomicOutputDir(out) as tmp:
+        _train_and_save(tmp, Path(os.path.abspath(out)), steps=steps, seed=seed,
+                        config=config or SampleConfig(), optimizer=optimizer)
+    return out
+
+
+def _train_and_save(tmp: Path, final: Path, *, steps: int, seed: int, config: SampleConfig, optimizer: str) -> None:
+    import warnings
+
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from .errors import OutputError, UsageError
-
-    if optimizer not in SAMPLE_OPTIMIZERS:
-        raise UsageError(f"unknown sample optimizer {optimizer!r}", hint=f"use one of {', '.join(SAMPLE_OPTIMIZERS)}")
-    out = Path(path)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise OutputError(f"{out} exists and is not empty", path=out, hint="choose a new directory")
-    c = config or SampleConfig()
+    c = config
     torch.manual_seed(seed)
     model = TinyMoEForCausalLM(c)
     with torch.no_grad():
@@ -296,19 +339,16 @@ def write_sample(path: str | os.PathLike[str], *, steps: int = 3, seed: int = 0,
         sched.step()
     model_sd, optim_sd = get_state_dict(model, optim)
     record = layout_record_for(c, optimizer=sample_optimizer_record(optimizer), global_step=steps)
-    out.mkdir(parents=True, exist_ok=True)
-    import warnings
-
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": model_sd, "optimizer": optim_sd, "layout": json.dumps(record)}, checkpoint_id=str(out))
-    extra = out / "extra_state"
+        dcp.save({"model": model_sd, "optimizer": optim_sd, "layout": json.dumps(record)},
+                 storage_writer=_FinalPathWriter.make(tmp, final))
+    extra = tmp / "extra_state"
     extra.mkdir()
     torch.save(
         {"global_step": steps, "lr_scheduler": sched.state_dict(), "torch_rng_state": torch.get_rng_state()},
         extra / "extra_state_rank_0.pt",
     )
-    assets = out / "model_assets"
+    assets = tmp / "model_assets"
     assets.mkdir()
     (assets / "config.json").write_text(json.dumps(c.hf_config(), indent=2) + "\n")
-    return out

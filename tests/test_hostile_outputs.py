@@ -74,6 +74,7 @@ def existing_out(out: Path) -> dict[str, str]:
     """Make ``out`` an existing, non-empty output directory; return its digest."""
     out.mkdir(parents=True)
     (out / "OLD_OUTPUT.txt").write_text("the previous, complete output\n")
+    (out / "model.safetensors").write_bytes(b"old weights")  # looks like an output: --overwrite may replace it
     return tree_digest(out)
 
 
