@@ -331,6 +331,33 @@ def test_bad_options_exit_2_with_one_line(full_fx: Path, args: list[str], messag
     assert_no_traceback(res)
 
 
+@pytest.mark.parametrize(
+    "tol, needle",
+    [
+        ("inf,inf", "both numbers must be finite"),
+        ("1e-5,inf", "both numbers must be finite"),
+        ("nan,1e-8", "both numbers must be finite"),
+        ("-1e-5,1e-8", "both numbers must be >= 0"),
+        ("1e-5,-0.5", "both numbers must be >= 0"),
+    ],
+)
+def test_non_finite_or_negative_tolerance_is_refused(full_fx: Path, tol: str, needle: str) -> None:
+    res = run(full_fx / "ckpt", "--device", "cpu", "--tolerance", tol)
+    assert res.exit_code == 2 and res.stdout == ""
+    lines = res.stderr.splitlines()
+    assert lines[0].startswith(f"error: [E100] --tolerance '{tol}': {needle}"), res.stderr
+    assert lines[1].startswith("hint: ") and "--tolerance 1e-5,1e-8" in lines[1]
+    assert_no_traceback(res)
+
+
+def test_library_refuses_an_infinite_tolerance(full_fx: Path) -> None:
+    from ckpttool.errors import UsageError
+    from ckpttool.replay.run import replay_step
+
+    with pytest.raises(UsageError, match="finite"):
+        replay_step(full_fx / "ckpt", device="cpu", tolerance=(float("inf"), 0.0))
+
+
 def test_missing_accelerator_is_a_usage_error(full_fx: Path) -> None:
     from ckpttool.optim_state.device import accelerator_type
 

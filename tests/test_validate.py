@@ -137,6 +137,45 @@ def test_never_stepped_leaf_with_hyperparameters_is_clean(multi_optim_ckpt: Path
     assert p002 and "lr 0.0025" in p002[0]["message"]
 
 
+def build_initial_lr(out: Path) -> None:
+    """Two param groups carrying initial_lr: group 0 not moved by the scheduler (lr == initial_lr), group 1 moved."""
+    import torch.distributed.checkpoint as dcp
+
+    msd = {"model.a.weight": torch.ones(4, 4), "model.b.weight": torch.ones(4, 4)}
+    state = {k: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(4, 4), "exp_avg_sq": torch.zeros(4, 4)} for k in msd}
+    base = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+    osd = {"state": state, "param_groups": [
+        {"params": ["model.a.weight"], "lr": 1e-3, "initial_lr": 1e-3, **base},
+        {"params": ["model.b.weight"], "lr": 2.5e-4, "initial_lr": 1e-3, **base}]}
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(out))
+
+
+def test_P002_reports_only_groups_whose_lr_differs_from_initial_lr(tmp_path: Path) -> None:
+    build_initial_lr(tmp_path / "ck")
+    rc, doc, err = run(tmp_path / "ck", "--strict")
+    assert rc == 0 and err == "" and doc["counts"] == {"error": 0, "warning": 0, "info": 1}, doc["findings"]
+    (f,) = doc["findings"]
+    assert f["code"] == "P002" and f["severity"] == "info" and not f["fails"]
+    assert f["key"] == "optimizer.param_groups.1" and f["message"] == "param group 1: initial_lr 0.001, lr 0.00025"
+    # the human output names only the moved group
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "ck")])
+    assert res.exit_code == 0 and "param group 0" not in res.stdout and "param group 1" in res.stdout
+
+
+def test_P002_silent_when_the_scheduler_has_not_moved_the_lr(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    msd = {"model.a.weight": torch.ones(4, 4)}
+    osd = {"state": {"model.a.weight": {"step": torch.tensor(1.0), "exp_avg": torch.zeros(4, 4),
+                                         "exp_avg_sq": torch.zeros(4, 4)}},
+           "param_groups": [{"params": ["model.a.weight"], "lr": 1e-3, "initial_lr": 1e-3, "betas": (0.9, 0.95),
+                             "eps": 1e-8, "weight_decay": 0.0}]}
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "ck")])
+    assert res.exit_code == 0 and res.stderr == ""
+    assert "initial_lr" not in res.stdout and res.stdout.splitlines()[-1].startswith("OK: 0 error(s), 0 warning(s), 0 info")
+
+
 # ------------------------------------------------------------------------------------------ storage
 def test_S001_garbage_metadata_exits_2(dense_ckpt: Path, copy_of) -> None:
     ck = copy_of(dense_ckpt)

@@ -124,3 +124,18 @@ def test_source_checkpoint_is_not_modified(broken: Path) -> None:
     runner.invoke(app, ["validate", str(broken), "--deep", "--strict"])
     after = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in broken.iterdir()}
     assert before == after
+
+
+@pytest.mark.parametrize("where", ["dir", "missing_parent"])
+def test_unwritable_junit_path_gets_a_validate_hint(broken: Path, tmp_path: Path, where: str) -> None:
+    target = tmp_path if where == "dir" else tmp_path / "no" / "such" / "r.xml"
+    res = runner.invoke(app, ["validate", str(broken), "--junit", str(target)])
+    assert res.exit_code == 2 and res.stdout == ""  # refused before any checking: no report on stdout
+    err = res.stderr.splitlines()
+    assert len(err) == 2, res.stderr
+    if where == "dir":
+        assert err[0] == f"error: [E600] --junit {target}: is a directory, not a file"
+    else:
+        assert err[0] == f"error: [E600] --junit {target}: directory {target.parent} does not exist"
+    assert err[1].startswith("hint: ") and "--junit takes the path of a file" in err[1]
+    assert "--overwrite" not in res.stderr  # validate has no such option

@@ -251,14 +251,35 @@ def group_missing_hyperparameter(ctx: Context) -> Iterator[tuple[str, str]]:
                 f"param group {g.group_id}: missing {', '.join(missing)} (has {', '.join(sorted(g.keys)) or 'nothing'})")
 
 
+def _same_lr(a: object, b: object) -> bool:
+    """``lr == initial_lr`` for numbers and 0-d tensors (a scheduler that has not moved the LR yet)."""
+    def num(v: object) -> float | None:
+        if isinstance(v, bool):
+            return None
+        if isinstance(v, (int, float)):
+            return float(v)
+        try:  # a 0-d tensor LR (torch allows Tensor lr)
+            if getattr(v, "numel", lambda: 0)() == 1:
+                return float(v.item())  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - anything else is compared by repr
+            return None
+        return None
+
+    x, y = num(a), num(b)
+    if x is not None and y is not None:
+        return x == y
+    return repr(a) == repr(b)
+
+
 @rule("P002", "scheduler-initial-lr", Severity.info,
-      "a param group carries initial_lr (an LR scheduler set it): the saved lr is the scheduled one",
+      "a param group's saved lr differs from its initial_lr (an LR scheduler moved it): the saved lr is the "
+      "scheduled one",
       "resume the scheduler from its saved state too, or the LR jumps back to initial_lr")
 def scheduler_initial_lr(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.cat is not None
     seen: dict[tuple[str, str], list[str]] = defaultdict(list)
     for g in ctx.cat.param_groups:
-        if "initial_lr" in g.values:
+        if "initial_lr" in g.values and not _same_lr(g.values.get("initial_lr"), g.values.get("lr")):
             seen[(repr(g.values.get("initial_lr")), repr(g.values.get("lr")))].append(str(g.group_id))
     for (ilr, lr), ids in seen.items():
         more = f" and {len(ids) - 1} more" if len(ids) > 1 else ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from enum import Enum
@@ -69,16 +70,32 @@ def parse_tolerance(text: str) -> tuple[float, float]:
     """``"1e-5,1e-8"`` -> ``(rtol, atol)``.
 
     Raises:
-        UsageError: not two non-negative numbers.
+        UsageError: not two finite non-negative numbers (``inf``/``nan`` would make the check pass always).
     """
     parts = text.split(",")
     try:
         rtol, atol = (float(x) for x in parts)
     except ValueError as e:
         raise UsageError(f"--tolerance {text!r} is not 'rtol,atol'", hint="e.g. --tolerance 1e-5,1e-8") from e
-    if not (rtol >= 0 and atol >= 0):
-        raise UsageError(f"--tolerance {text!r}: both numbers must be >= 0")
+    check_tolerance(rtol, atol, text)
     return rtol, atol
+
+
+def check_tolerance(rtol: float, atol: float, text: str | None = None) -> None:
+    """Refuse tolerances that are negative or not finite (an infinite tolerance can never fail).
+
+    Raises:
+        UsageError (E100).
+    """
+    shown = repr(text) if text is not None else f"{rtol},{atol}"
+    if not (math.isfinite(rtol) and math.isfinite(atol)):
+        raise UsageError(f"--tolerance {shown}: both numbers must be finite (an infinite or NaN tolerance "
+                         "accepts any result, so the check could never fail)",
+                         hint="give finite values, e.g. --tolerance 1e-5,1e-8 (widen them, e.g. 1e-3,1e-6, "
+                              "for a looser check)")
+    if not (rtol >= 0 and atol >= 0):
+        raise UsageError(f"--tolerance {shown}: both numbers must be >= 0",
+                         hint="rtol and atol are non-negative bounds, e.g. --tolerance 1e-5,1e-8")
 
 
 @command_boundary

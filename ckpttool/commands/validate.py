@@ -90,6 +90,26 @@ def _list_rules(json_output: bool) -> None:
                                   for r in rows]))
 
 
+_JUNIT_HINT = ("--junit takes the path of a file in an existing, writable directory "
+               "(an existing file is replaced), e.g. --junit reports/validate.xml")
+
+
+def _check_junit_path(junit: Path) -> None:
+    """Refuse a ``--junit`` path that cannot be written before any checking is done.
+
+    Raises:
+        OutputError (E600): a directory, or a file whose parent directory does not exist.
+    """
+    from ..errors import OutputError
+
+    if junit.is_dir():
+        raise OutputError(f"--junit {junit}: is a directory, not a file", path=junit, hint=_JUNIT_HINT)
+    parent = junit.parent
+    if not parent.is_dir():
+        raise OutputError(f"--junit {junit}: directory {parent} does not exist", path=junit,
+                          hint=f"create {parent} first, or {_JUNIT_HINT}")
+
+
 @command_boundary
 def validate_command(
     checkpoint: CheckpointArg = None,  # type: ignore[assignment]
@@ -118,6 +138,8 @@ def validate_command(
         raise UsageError("missing CHECKPOINT argument", hint="ckpttool validate DIR [--strict] [--deep]")
     from ..checks import junit_xml, validate
 
+    if junit is not None:
+        _check_junit_path(junit)
     bar, update = _progress(deep and not json_output and sys.stderr.isatty())
     try:
         if bar is not None:
@@ -131,9 +153,14 @@ def validate_command(
         if bar is not None:
             bar.stop()
     if junit is not None:
+        from ..errors import OutputError
         from ..output import atomic_write_text
 
-        atomic_write_text(junit, junit_xml(res))
+        try:
+            atomic_write_text(junit, junit_xml(res))
+        except OutputError as e:
+            e.hint = _JUNIT_HINT
+            raise
     if json_output:
         emit_json(res.to_json())
     else:

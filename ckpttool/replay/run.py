@@ -24,6 +24,7 @@ Nothing is written; the checkpoint is only read.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -284,8 +285,9 @@ def replay_step(
     if steps < 1:
         raise UsageError(f"--steps must be >= 1, got {steps}", code="E100")
     rtol, atol = tolerance
-    if not (rtol >= 0 and atol >= 0):
-        raise UsageError(f"--tolerance {rtol},{atol}: both must be >= 0", code="E100")
+    if not (math.isfinite(rtol) and math.isfinite(atol) and rtol >= 0 and atol >= 0):
+        raise UsageError(f"--tolerance {rtol},{atol}: both must be finite and >= 0 (an infinite tolerance "
+                         "could never fail)", code="E100", hint="e.g. --tolerance 1e-5,1e-8")
     if reference_dtype not in _REF_DTYPES:
         raise UsageError(f"reference dtype must be float64 or float32, got {reference_dtype!r}", code="E100")
     if chunk_size is not None and chunk_size <= 0:
