@@ -27,7 +27,7 @@ from .catalog import (
     match_filter,
 )
 from .dcp.reader import CheckpointReader, load_saved_object
-from .errors import CkptError, TrustRequiredError
+from .errors import CkptError, TrustRequiredError, UsageError
 
 __all__ = ["SCHEMA", "build_overview"]
 
@@ -223,6 +223,15 @@ def _build_overview(path: str | os.PathLike[str], filter_glob: str | None, depth
         bytes_by_dtype[t.dtype] += t.nbytes
     state_bytes = sum(t.nbytes for ps in cat.optimizer_state.values() for t in ps.fields.values() if t)
     model_rows = [t for t in cat.model.values() if match_filter(t.key, filter_glob)]
+    if filter_glob and not model_rows and not any(match_filter(k, filter_glob) for k in cat.tensors):
+        raise UsageError(f"--filter {filter_glob!r} matches no key of {path}",
+                         hint="globs match keys with or without the 'model.' prefix, e.g. 'model.layers.0.*'")
+    # Bytes each data file must hold: the end of its last record (metadata only; no data read).
+    needed: dict[str, int] = {}
+    for info in reader.metadata.storage.values():
+        end = info.offset + info.length
+        if end > needed.get(info.relative_path, 0):
+            needed[info.relative_path] = end
     if sort == "size":
         model_rows.sort(key=lambda t: (-t.nbytes, t.key))
     other_rows = [t for t in cat.other_tensors.values() if match_filter(t.key, filter_glob)]
@@ -279,7 +288,10 @@ def _build_overview(path: str | os.PathLike[str], filter_glob: str | None, depth
             },
         },
         "files": [
-            {"path": f.relative_path, "size": f.size, "rank": f.rank, "referenced": f.referenced}
+            {"path": f.relative_path, "size": f.size, "rank": f.rank, "referenced": f.referenced,
+             "needed": needed.get(f.relative_path, 0),
+             "status": ("missing" if f.size is None else "short" if f.size < needed.get(f.relative_path, 0)
+                        else "ok" if f.referenced else "unreferenced")}
             for f in cat.data_files
         ],
         "model": [_tensor_json(t) for t in model_rows],

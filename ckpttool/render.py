@@ -88,6 +88,14 @@ def render_overview(ov: dict[str, Any], *, max_rows: int = 200) -> None:
     con.print(
         f"files       {s['files']} data files from ranks {s['ranks'] or '-'}, {human_bytes(s['bytes_on_disk'])} on disk"
     )
+    bad = [f for f in ov["files"] if f.get("status", "ok") != "ok"]
+    if bad:
+        for f in bad:
+            what = {"missing": "is missing",
+                    "short": f"is shorter than its records need ({f['size']} < {f['needed']} bytes; truncated?)",
+                    "unreferenced": "is not referenced by .metadata"}[f["status"]]
+            sys.stderr.write(safe_text(f"warning: data file {f['path']} {what}") + "\n")
+        sys.stderr.write("warning: run `ckpttool validate --strict` for the full list of problems\n")
     con.print(
         f"tensors     {s['tensor_count']} ({s['model_tensor_count']} model, {s['numel_model']:,} model elements), "
         f"{s['byte_item_count']} byte items"

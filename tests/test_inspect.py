@@ -158,3 +158,28 @@ def test_inspect_reads_no_tensor_data(sample_ckpt: Path, monkeypatch: pytest.Mon
     assert reads
     for off, n in reads:
         assert not any(lo < off + n and off < hi for lo, hi in tensor_ranges), (off, n)
+
+
+def test_short_and_unreferenced_data_files_are_flagged(tmp_path: Path, dense_ckpt: Path) -> None:
+    import shutil
+
+    ck = shutil.copytree(dense_ckpt, tmp_path / "ck")
+    data = ck / "__0_0.distcp"
+    size = data.stat().st_size
+    with open(data, "r+b") as f:  # cut into the last tensor record (byte items lie first)
+        f.truncate(size - 100)
+    (ck / "__7_0.distcp").write_bytes(b"stray")
+    res = runner.invoke(app, ["inspect", str(ck)])
+    assert res.exit_code == 0
+    assert f"warning: data file __0_0.distcp is shorter than its records need ({size - 100} < {size} bytes" in res.stderr
+    assert "warning: data file __7_0.distcp is not referenced by .metadata" in res.stderr
+    assert "ckpttool validate --strict" in res.stderr
+    ov = inspect_json(ck)  # --json stays clean: the status is in the data
+    status = {f["path"]: (f["status"], f["needed"]) for f in ov["files"]}
+    assert status == {"__0_0.distcp": ("short", size), "__7_0.distcp": ("unreferenced", 0)}
+
+
+def test_filter_matching_nothing_is_an_error(dense_ckpt: Path) -> None:
+    res = runner.invoke(app, ["inspect", str(dense_ckpt), "--filter", "nomatch*"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.startswith("error: [E100] --filter 'nomatch*' matches no key")
