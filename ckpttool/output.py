@@ -132,25 +132,18 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
             )
 
 
-def _pending_stop_signal() -> bool:
-    try:
-        return bool(signal.sigpending() & _BLOCKED)
-    except (AttributeError, OSError):
-        return False
-
-
 @contextlib.contextmanager
 def _stop_signals_blocked() -> Iterator[None]:
-    """Block SIGINT/SIGTERM for the body (delivered on exit). A signal already pending on entry is
-    delivered first, so the body does not start when the user already asked to stop."""
+    """Block SIGINT/SIGTERM for the body; one that arrived meanwhile is delivered (its handler runs) on exit.
+
+    A signal that arrived before is handled on entry: ``signal.pthread_sigmask`` runs pending
+    Python handlers before returning, so the body does not start when the user already asked to stop.
+    """
     try:
         old = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
     except (AttributeError, OSError, ValueError):
         yield
         return
-    if _pending_stop_signal():
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)  # its handler raises here
-        signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)  # a handler that did not raise: carry on
     try:
         yield
     finally:
