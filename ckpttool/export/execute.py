@@ -123,6 +123,7 @@ class ExportResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "schema": "ckpttool.export/1",
             "output": self.output,
             "format": self.format,
             "files": self.files,

@@ -155,6 +155,7 @@ class ReplayResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "schema": "ckpttool.replay/1",
             "checkpoint": self.path, "device": self.device,
             "optimizer": {"type": self.optimizer_type, "reason": self.optimizer_reason, "config": self.optimizer_config},
             "steps": self.steps, "grads": self.grads,
