@@ -348,10 +348,15 @@ def test_existing_output_is_refused_without_overwrite(dense_ckpt: Path, tmp_path
     (out / "keep.txt").write_text("x")
     assert_clean_failure(export_cli(str(dense_ckpt), str(out)), "E600", "not empty")
     assert (out / "keep.txt").read_text() == "x"
-    res = export_cli(str(dense_ckpt), str(out), "--overwrite")
+    # --overwrite replaces only what looks like an earlier output, never an unrelated directory.
+    assert_clean_failure(export_cli(str(dense_ckpt), str(out), "--overwrite"), "E600", "does not look like")
+    assert (out / "keep.txt").read_text() == "x"
+    assert export_cli(str(dense_ckpt), str(tmp_path / "prev")).exit_code == 0
+    (tmp_path / "prev" / "keep.txt").write_text("x")
+    res = export_cli(str(dense_ckpt), str(tmp_path / "prev"), "--overwrite")
     assert res.exit_code == 0, res.stderr
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
-    no_leftovers(tmp_path, "o")
+    assert not (tmp_path / "prev" / "keep.txt").exists() and (tmp_path / "prev" / "model.safetensors").is_file()
+    no_leftovers(tmp_path, "prev")
 
 
 def test_output_inside_the_source_is_refused(tmp_path: Path, dense_ckpt: Path) -> None:
