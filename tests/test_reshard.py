@@ -82,7 +82,8 @@ def test_cli_legacy_to_canonical_is_bitwise_the_true_model(ep_suite: Path, tmp_p
         rec = json.loads(r.read_object("layout"))
         assert r.read_object("optimizer.param_groups.0.lr") == LR
     assert rec["version"] == 2 and rec["parallel"]["ep_size"] == 2 and rec["parallel"]["ep_fsdp_size"] == 2
-    assert rec["converted_from"] == {"version": 1, "ep_size": 2, "ep_fsdp_size": 2, "layout_source": "declared"}
+    assert rec["converted_from"] == {"version": 1, "ep_size": 2, "ep_fsdp_size": 2, "layout_source": "declared",
+                                     "world": 4, "origin_world": 4}
     assert sorted(p.name for p in out.iterdir()) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
 
 
@@ -247,6 +248,14 @@ def test_existing_output_needs_overwrite_and_source_is_untouched(ep_suite: Path,
     before = {p.name: p.stat().st_mtime_ns for p in (ep_suite / "p4f1").iterdir()}
     res = cli(ep_suite / "p4f1", out, "--to", "canonical")
     assert res.exit_code == 2 and "error: [E600]" in res.stderr and (out / "keep.txt").exists()
+    # --overwrite replaces only what looks like a previous output, never an unrelated directory
+    res = cli(ep_suite / "p4f1", out, "--to", "canonical", "--overwrite")
+    assert res.exit_code == 2 and "error: [E600]" in res.stderr and "does not look like a previous" in res.stderr
+    assert (out / "keep.txt").exists()
+    assert cli(ep_suite / "p4f1", out, "--to", "canonical", "--overwrite").exit_code == 2
+    (out / "keep.txt").unlink()
+    assert cli(ep_suite / "p4f1", out, "--to", "canonical").exit_code == 0  # empty: no --overwrite needed
+    (out / "keep.txt").write_text("x")  # now a previous reshard output with an extra file
     res = cli(ep_suite / "p4f1", out, "--to", "canonical", "--overwrite")
     assert res.exit_code == 0, res.stderr
     assert not (out / "keep.txt").exists() and (out / ".metadata").is_file()
@@ -267,3 +276,80 @@ def test_damaged_chunk_archive_is_refused_without_output(ep_suite: Path, tmp_pat
     res = cli(ck, tmp_path / "o", "--to", "canonical")
     assert res.exit_code == 2 and "error: [E301]" in res.stderr and "down_proj" in res.stderr
     assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------ extra_state/ and a mesh of another size
+EXTRA_WARNING = (
+    "warning: extra_state/ copied unchanged from the source mesh of 1 rank(s) (files for rank(s) [0]); the target "
+    "mesh has 2 rank(s): target rank(s) [1] have no extra_state file and resume with fresh scheduler/step/RNG "
+    "state. Per-rank extra state cannot be converted; restore scheduler/step/RNG state for the new mesh yourself\n"
+)
+
+
+def validate_json(path: Path) -> tuple[int, dict, str]:
+    res = runner.invoke(app, ["validate", "--strict", "--json", str(path)])
+    return res.exit_code, json.loads(res.stdout), res.stderr
+
+
+def test_reshard_to_another_ep_size_warns_about_extra_state_and_passes_validate_strict(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    assert sorted(p.name for p in (sample_ckpt / "extra_state").iterdir()) == ["extra_state_rank_0.pt"]
+    out = tmp_path / "o"
+    res = cli(sample_ckpt, out, "--to", "legacy", "--target-ep-size", "2", "--target-ep-fsdp-size", "1",
+              "--with-optimizer")
+    assert res.exit_code == 0, res.stderr
+    assert res.stderr == EXTRA_WARNING
+    assert "also copied extra_state, model_assets" in res.stdout and "warning" not in res.stdout
+    assert sorted(p.name for p in (out / "extra_state").iterdir()) == ["extra_state_rank_0.pt"]  # unchanged
+    with CheckpointReader(out) as r:
+        cf = json.loads(r.read_object("layout"))["converted_from"]
+    assert cf["world"] == 1 and cf["origin_world"] == 1
+    # the output passes the CI setting: S007 is info, saying why
+    rc, doc, err = validate_json(out)
+    assert rc == 0 and doc["ok"] and err == "", doc["findings"]
+    (s007,) = [f for f in doc["findings"] if f["code"] == "S007"]
+    assert s007["severity"] == "info" and not s007["fails"]
+    assert "converted by `ckpttool reshard` from a mesh of 1 rank(s) to one of 2 rank(s)" in s007["message"]
+    assert "copied unchanged from the source" in s007["message"]
+    human = runner.invoke(app, ["validate", "--strict", str(out)])
+    assert human.exit_code == 0 and human.stderr == ""
+    assert human.stdout.splitlines()[-1].startswith("OK: 0 error(s), 0 warning(s)")
+
+
+def test_reshard_json_lists_the_warning_and_keeps_stdout_pure(sample_ckpt: Path, tmp_path: Path) -> None:
+    res = cli(sample_ckpt, tmp_path / "o", "--to", "canonical", "--target-ep-size", "2", "--target-ep-fsdp-size", "1",
+              "--with-optimizer", "--json")
+    assert res.exit_code == 0 and res.stderr == EXTRA_WARNING
+    doc = json.loads(res.stdout)
+    assert doc["warnings"] == [EXTRA_WARNING[len("warning: "):-1]]
+
+
+def test_same_mesh_reshard_has_no_warning_and_chains_keep_the_origin(sample_ckpt: Path, tmp_path: Path) -> None:
+    same = cli(sample_ckpt, tmp_path / "same", "--to", "legacy", "--with-optimizer")
+    assert same.exit_code == 0 and same.stderr == ""
+    assert validate_json(tmp_path / "same")[0] == 0
+    # 1 -> 2 -> 2 ranks: the second output still carries the 1-rank extra_state/ and still passes --strict
+    assert cli(sample_ckpt, tmp_path / "a", "--to", "canonical", "--target-ep-size", "2", "--target-ep-fsdp-size", "1",
+               "--with-optimizer").exit_code == 0
+    b = cli(tmp_path / "a", tmp_path / "b", "--to", "legacy", "--with-optimizer")
+    assert b.exit_code == 0 and b.stderr == EXTRA_WARNING
+    with CheckpointReader(tmp_path / "b") as r:
+        cf = json.loads(r.read_object("layout"))["converted_from"]
+    assert cf["world"] == 2 and cf["origin_world"] == 1
+    rc, doc, _ = validate_json(tmp_path / "b")
+    assert rc == 0 and [f["severity"] for f in doc["findings"] if f["code"] == "S007"] == ["info"]
+
+
+def test_S007_still_warns_when_a_same_mesh_output_lost_a_file(sample_ckpt: Path, tmp_path: Path) -> None:
+    assert cli(sample_ckpt, tmp_path / "a", "--to", "canonical", "--target-ep-size", "2", "--target-ep-fsdp-size", "1",
+               "--with-optimizer").exit_code == 0
+    b = tmp_path / "b"
+    assert cli(tmp_path / "a", b, "--to", "canonical", "--target-ep-size", "1", "--target-ep-fsdp-size", "1",
+               "--with-optimizer").exit_code == 0
+    # back on the 1-rank mesh that wrote extra_state/: a missing file is a damaged copy again
+    (b / "extra_state" / "extra_state_rank_0.pt").rename(b / "extra_state" / "extra_state_rank_3.pt")
+    rc, doc, _ = validate_json(b)
+    assert rc == 1
+    (s007,) = [f for f in doc["findings"] if f["code"] == "S007"]
+    assert s007["severity"] == "warning" and s007["fails"] and "reshard" not in s007["message"]

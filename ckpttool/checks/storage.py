@@ -9,6 +9,7 @@ saved data also saved its ``extra_state`` file (when the trainer writes them).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -174,15 +175,54 @@ def unreferenced_data_file(ctx: Context) -> Iterator[tuple[str, str]]:
 @rule("S007", "extra-state-ranks-missing", Severity.warning,
       "extra_state/ holds per-rank files but some rank that wrote data files has none",
       "copy the missing extra_state files; resuming those ranks would lose scheduler/step/RNG state")
-def extra_state_ranks_missing(ctx: Context) -> Iterator[tuple[str, str]]:
+def extra_state_ranks_missing(ctx: Context) -> Iterator[tuple[str, str] | Finding]:
     assert ctx.cat is not None
     if not ctx.cat.extra_state:
         return
     have = {f.rank for f in ctx.cat.extra_state if f.rank is not None}
     missing = [r for r in ctx.cat.ranks if r not in have]
-    if missing:
-        yield "extra_state", (f"extra_state: no file for writing rank(s) {missing[:16]} "
-                              f"(ranks {list(ctx.cat.ranks)[:16]} wrote data, extra_state has {sorted(have)[:16]})")
+    if not missing:
+        return
+    msg = (f"extra_state: no file for writing rank(s) {missing[:16]} "
+           f"(ranks {list(ctx.cat.ranks)[:16]} wrote data, extra_state has {sorted(have)[:16]})")
+    src = _resharded_from_other_mesh(ctx)
+    if src is None:
+        yield "extra_state", msg
+        return
+    # `ckpttool reshard` copied extra_state/ unchanged from a mesh of another size: per-rank state cannot be
+    # made up for the new ranks, and reshard said so when it wrote the checkpoint. Not a damaged save.
+    yield dataclasses.replace(
+        RULES["S007"].make(
+            "extra_state",
+            f"{msg}; expected: the checkpoint was converted by `ckpttool reshard` from a mesh of {src} to one of "
+            f"{len(ctx.cat.ranks)} rank(s), and extra_state/ was copied unchanged from the source",
+            "ranks without a file resume with fresh scheduler/step/RNG state; restore that state for the new "
+            "mesh if the job needs it",
+        ),
+        severity=Severity.info,
+    )
+
+
+def _resharded_from_other_mesh(ctx: Context) -> str | None:
+    """``"N rank(s)"`` when the layout record says reshard converted this checkpoint from a mesh of another size.
+
+    The size is that of the mesh that wrote the per-rank files (``converted_from.origin_world``, kept
+    through repeated reshards), else ``world``, else ``ep_size * ep_fsdp_size``.
+    """
+    layout = ctx.layout
+    if layout is None or layout.record is None:
+        return None
+    cf = layout.record.raw.get("converted_from")
+    if not isinstance(cf, dict):
+        return None
+    world = cf.get("origin_world") if type(cf.get("origin_world")) is int else cf.get("world")
+    if type(world) is not int:
+        p, f = cf.get("ep_size"), cf.get("ep_fsdp_size")
+        world = p * f if type(p) is int and type(f) is int else None
+    if world is None:
+        return "unknown size"
+    assert ctx.cat is not None
+    return None if world == len(ctx.cat.ranks) else f"{world} rank(s)"
 
 
 @rule("S011", "byte-item-unreadable", Severity.error,

@@ -82,6 +82,7 @@ def reshard_command(
             bar.stop()
     if json_output:
         emit_json(res.to_json())
+        _warn(res.warnings)
         return
     from ..render import human_bytes
 
@@ -98,6 +99,14 @@ def reshard_command(
     typer.echo(f"wrote   {human_bytes(res.bytes_written)} in {res.seconds:.2f} s "
                f"({res.chunks_copied} chunks copied verbatim, {res.chunks_rewritten} reassembled)"
                + (f"; also copied {', '.join(res.extra_files)}" if res.extra_files else ""))
+    _warn(res.warnings)
+
+
+def _warn(warnings: list[str]) -> None:
+    """Warnings on stderr (DESIGN.md section 4), after the summary; they do not change the exit code."""
+    for w in warnings:
+        sys.stderr.write(f"warning: {w}\n")
+    sys.stderr.flush()
 
 
 def register(app: typer.Typer) -> None:

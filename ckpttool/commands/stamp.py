@@ -36,9 +36,14 @@ def stamp_command(
         return
     rec = res.record
     name = "canonical" if rec["version"] == 2 else "legacy"
-    what = "wrote" if res.written else "already recorded, nothing written:"
+    if res.written:
+        what = f"wrote {res.path}"
+    elif res.recorded_in == "embedded":
+        what = f"already recorded in the checkpoint's embedded layout item, nothing written: {res.path}"
+    else:
+        what = f"already recorded in {res.path}, nothing written"
     typer.echo(
-        f"{what} {res.path}: layout version {rec['version']} ({name}), ep_size {rec['parallel'].get('ep_size', 1)}, "
+        f"{what}: layout version {rec['version']} ({name}), ep_size {rec['parallel'].get('ep_size', 1)}, "
         f"ep_fsdp_size {rec['parallel'].get('ep_fsdp_size', 1)}, {res.ep_tensors} EP tensors "
         f"({res.same_dim} with EP and FSDP on the expert dim)"
     )

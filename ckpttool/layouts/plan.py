@@ -461,6 +461,10 @@ def plan_reshard(
     converted_from = {
         "version": layout.version, "ep_size": layout.ep_size, "ep_fsdp_size": layout.ep_fsdp_size,
         "layout_source": layout.source,
+        # ranks that wrote the source's data files, and of the mesh that wrote the per-rank files beside
+        # the checkpoint (extra_state/), which reshard copies unchanged (validate's S007 reads these)
+        "world": len(cat.ranks),
+        "origin_world": origin_world(cat, layout),
     }
     plan.record = make_record(
         to_version, p2, f2, layout.ep_tensors, base=src_rec,
@@ -470,6 +474,20 @@ def plan_reshard(
     plan.byte_items.append(BytesPlan(LAYOUT_KEY, 0, json.dumps(plan.record, sort_keys=True)))
     plan.planner_data[LAYOUT_KEY] = (LAYOUT_KEY,)
     return plan
+
+
+def origin_world(cat: Catalog, layout: ResolvedLayout) -> int:
+    """Ranks of the mesh that wrote the per-rank files beside the checkpoint (``extra_state/``).
+
+    The source's writing ranks, or, when the source is itself a reshard output, the
+    ``origin_world`` (else ``world``) its record names: reshard copies those files unchanged.
+    """
+    cf = layout.record.raw.get("converted_from") if layout.record is not None else None
+    if isinstance(cf, dict):
+        for k in ("origin_world", "world"):
+            if type(cf.get(k)) is int and cf[k] >= 1:
+                return int(cf[k])
+    return len(cat.ranks)
 
 
 def _plan_ep_tensor(key: str, meta: TensorMeta, layout: ResolvedLayout, spec: EPTensorSpec, model_key: str,

@@ -39,7 +39,7 @@ from ..dcp.reader import DATA_FILE_RE, METADATA_NAME, CheckpointReader
 from ..errors import ChunkError, UnsafePickleError
 from ..output import AtomicOutputDir
 from .declare import LayoutDeclaration, resolve_layout
-from .plan import ReshardPlan, TensorPlan, plan_reshard
+from .plan import ReshardPlan, TensorPlan, origin_world, plan_reshard
 from .record import SIDECAR_NAME
 from .writer import DCPWriter, can_stream
 
@@ -65,7 +65,10 @@ class ReshardResult:
         passthrough_tensors, byte_items: copied unchanged.
         chunks_copied, chunks_rewritten: output chunks copied as archives / assembled and re-saved.
         files: output data files (relative path, bytes).
+        extra_files: files/directories beside the checkpoint copied unchanged (``extra_state``, ...).
         bytes_written, seconds: totals.
+        warnings: things the output cannot fix, one line each (e.g. per-rank ``extra_state`` files
+            copied from a source mesh of another size).
     """
 
     source: str
@@ -88,6 +91,7 @@ class ReshardResult:
     extra_files: list[str] = field(default_factory=list)
     bytes_written: int = 0
     seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -420,6 +424,7 @@ def reshard(
     kinds = defaultdict(int)
     for t in plan.tensors:
         kinds[t.kind] += 1
+    warnings = _extra_state_warnings(cat, extra, origin_world(cat, layout), plan.world)
     return ReshardResult(
         source=str(src_p), target=str(dst_p),
         from_version=layout.version, from_source=layout.source,
@@ -429,5 +434,35 @@ def reshard(
         passthrough_tensors=kinds["passthrough"], byte_items=len(plan.byte_items),
         chunks_copied=counts["copied"], chunks_rewritten=counts["rewritten"],
         files=files, extra_files=extra, bytes_written=writer.bytes_written,
-        seconds=round(time.perf_counter() - t0, 3),
+        seconds=round(time.perf_counter() - t0, 3), warnings=warnings,
     )
+
+
+def _extra_state_warnings(cat: Any, extra: list[str], src_world: int, world: int) -> list[str]:
+    """Per-rank ``extra_state`` files cannot be fabricated for a mesh of another size: say what was done.
+
+    ``src_world``: ranks of the mesh that wrote the files (:func:`~.plan.origin_world`); ``world``: target ranks.
+    """
+    if "extra_state" not in extra:
+        return []
+    have = sorted({f.rank for f in cat.extra_state if f.rank is not None})
+    if not have or src_world == world:
+        return []
+    missing = [r for r in range(world) if r not in have]
+    unused = [r for r in have if r >= world]
+    what = []
+    if missing:
+        what.append(f"target rank(s) {_ranks(missing)} have no extra_state file and resume with fresh "
+                    "scheduler/step/RNG state")
+    if unused:
+        what.append(f"the files of source rank(s) {_ranks(unused)} belong to no target rank")
+    return [
+        f"extra_state/ copied unchanged from the source mesh of {src_world} rank(s) (files for rank(s) "
+        f"{_ranks(have)}); the target mesh has {world} rank(s)"
+        + (f": {'; '.join(what)}" if what else "")
+        + ". Per-rank extra state cannot be converted; restore scheduler/step/RNG state for the new mesh yourself"
+    ]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return str(ranks[:16])[:-1] + ", ...]" if len(ranks) > 16 else str(ranks)
