@@ -269,10 +269,12 @@ class AtomicOutputDir:
                         if not (target.exists() or target.is_symlink()):
                             try:
                                 os.rename(backup, target)
-                                backup = None
                             except OSError:
                                 log.error("the previous output was left at %s", backup)
-                                backup = None  # never delete the only copy
+                            backup = None  # restored, or the only copy left: never delete it
+                        else:  # a concurrent run put its complete output in place: the old one is superseded
+                            shutil.rmtree(backup, ignore_errors=True)
+                            backup = None
                         raise
                     placed = True
         except BaseException as e:
