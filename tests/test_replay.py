@@ -16,6 +16,7 @@ from ckpttool.replay.compare import compare_field
 from ckpttool.replay.grads import grad_seed_for, seeded_grad
 from tests.fixtures import builders
 from tests.fixtures.cache import cached_build
+from tests.fixtures.moe_ep import ep_suite  # noqa: F401 - fixture
 from tests.fixtures.replay import TRAIN_STEPS, VARIANTS, builder, load_recorded, resave
 
 runner = CliRunner()
@@ -121,6 +122,15 @@ def test_fsdp_checkpoint_with_uneven_and_zero_size_chunks_replays(fsdp_ckpt: Pat
     assert got["model.layers.0.odd"]["param"].shape == (3, 16)
     assert any("not replayed" in n for n in result.notes)  # the 0-d buffers
 
+
+
+@pytest.mark.slow
+def test_declared_legacy_same_dim_layout_replays_with_0d_steps(ep_suite: Path) -> None:
+    # the 0-d `step` of an expert parameter passes through the expert reordering
+    res = run(ep_suite / "legacy", "--device", "cpu", "--source-layout", "legacy", "--ep-size", "2",
+              "--ep-fsdp-size", "2")
+    assert res.exit_code == 0, res.stderr
+    assert "result      OK: 8 of 8 parameter(s) match the reference step" in res.stdout
 
 # ------------------------------------------------------------------ never-stepped leaf
 def test_never_stepped_leaf_replays_from_fresh_state_with_the_scheduled_lr(multi_optim_ckpt: Path) -> None:

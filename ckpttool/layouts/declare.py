@@ -204,6 +204,8 @@ class ResolvedLayout:
         Raises:
             LayoutError (E405/E406): ambiguous key, or a shape that does not split into ``P*F`` slabs.
         """
+        if tensor.dim() == 0:
+            return tensor  # a parameter's 0-d `step` is not sharded by expert
         perm = self.canonical_perm(key)
         if perm is None:
             return tensor
