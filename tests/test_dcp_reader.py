@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 import sys
@@ -10,8 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckpttool.dcp import CheckpointDir, CheckpointReader, parse_metadata_bytes, tiling_problem
+from ckpttool.dcp.copy import BOUNCE_BYTES, copy_range
 from ckpttool.dcp.model import ChunkMeta, DType, TensorMeta
 from ckpttool.errors import AllocationError, ChunkError, DataFileError, MetadataError, TransformError, UnsafePickleError
 
@@ -234,3 +238,42 @@ def test_checkpoint_dir_is_torch_free_view(dense_ckpt: Path) -> None:
     cd = CheckpointDir(dense_ckpt)
     assert cd.data_files() == ["__0_0.distcp"]
     assert cd.metadata.version == "1.0.0"
+
+
+@settings(max_examples=40, deadline=None)
+@given(src_offset=st.integers(0, 5000), dst_offset=st.integers(0, 5000),
+       length=st.sampled_from([0, 1, 4095, BOUNCE_BYTES - 1, BOUNCE_BYTES, BOUNCE_BYTES + 1, 2 * BOUNCE_BYTES + 777]))
+def test_copy_range_equals_slicing(tmp_path_factory: pytest.TempPathFactory, src_offset: int, dst_offset: int,
+                                   length: int) -> None:
+    """Any offsets and lengths across bounce-buffer boundaries; neither file position moves."""
+    d = tmp_path_factory.mktemp("copy")
+    data = os.urandom(src_offset + length + 13)
+    (d / "src").write_bytes(data)
+    (d / "dst").write_bytes(b"\xee" * 100)
+    with open(d / "src", "rb") as src, open(d / "dst", "r+b") as dst:
+        copy_range(src.fileno(), dst.fileno(), src_offset, dst_offset, length)
+        assert src.tell() == 0 and dst.tell() == 0
+    out = (d / "dst").read_bytes()
+    assert out[dst_offset:dst_offset + length] == data[src_offset:src_offset + length]
+    assert out[:min(dst_offset, 100)] == b"\xee" * min(dst_offset, 100)  # bytes before the range untouched
+
+
+def test_copy_range_short_source_raises_eof(tmp_path: Path) -> None:
+    (tmp_path / "src").write_bytes(b"x" * 10)
+    with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", "wb") as dst:
+        with pytest.raises(EOFError, match="10 bytes short"):
+            copy_range(src.fileno(), dst.fileno(), 0, 0, 20)
+
+
+def test_copy_chunk_of_a_file_truncated_while_open_is_refused(tmp_path: Path, fsdp_ckpt: Path) -> None:
+    """The size check passed at open; the file shrank afterwards (another job rewrote it): E300/E301, not a crash."""
+    ck = tmp_path / "ck"
+    shutil.copytree(fsdp_ckpt, ck)
+    key = "model.model.layers.0.odd"
+    with CheckpointReader(ck) as r, open(tmp_path / "out", "wb") as out:
+        chunk = next(c for c in r.tensor_meta(key).chunks if c.numel)
+        info = r.storage_info(key, chunk)
+        assert r.copy_chunk_to_file(key, chunk, out.fileno(), 0)
+        os.truncate(ck / info.relative_path, info.offset + info.length - 8)
+        with pytest.raises((DataFileError, ChunkError), match="__0_0.distcp"):
+            r.copy_chunk_to_file(key, chunk, out.fileno(), 0)

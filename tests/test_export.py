@@ -505,23 +505,3 @@ def test_source_never_modified_on_failure(dense_ckpt: Path, tmp_path: Path) -> N
     assert {p.name: p.read_bytes() for p in ck.iterdir() if p.is_file()} == snapshot
     shutil.rmtree(tmp_path / "o2")
     assert os.listdir(tmp_path) == ["ck"]
-
-
-def test_bounce_copy_when_the_kernel_cannot_copy_between_files(fsdp_ckpt: Path, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """copy_file_range refusing (EXDEV: output on another filesystem) falls back to pread/pwrite."""
-    import errno
-
-    calls = []
-
-    def refuse(*args: Any) -> int:
-        calls.append(args)
-        raise OSError(errno.EXDEV, "Invalid cross-device link")
-
-    monkeypatch.setattr(os, "copy_file_range", refuse)
-    export_checkpoint(fsdp_ckpt, tmp_path / "o", ExportOptions(workers=2))
-    assert calls
-    got, _ = read_export(tmp_path / "o")
-    for k, t in torch_load(fsdp_ckpt).items():
-        if k.startswith("model."):
-            assert bitwise_equal(got[hf_key(k)], t), k

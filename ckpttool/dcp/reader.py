@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .copy import copy_range
 from ..errors import (
     AllocationError,
     ChunkError,
@@ -425,15 +426,14 @@ class CheckpointReader(CheckpointDir):
         return info, record.data_offset, chunk.numel * meta.dtype.itemsize
 
     def copy_chunk_to_file(self, fqn: str, chunk: ChunkMeta, out_fd: int, out_offset: int) -> bool:
-        """Copy one chunk's raw bytes into another file, in the kernel when possible (torch-free).
+        """Copy one chunk's raw bytes into another file (torch-free).
 
         The fast path of :meth:`read_chunk` (DESIGN.md section 7) for a caller that
         writes the bytes to a file as they are: the chunk's archive is validated against
         the metadata (dtype, shape, contiguous storage holding exactly the chunk) and
         its raw storage record goes from the data
-        file to ``out_fd`` at ``out_offset`` with ``os.copy_file_range`` (no copy through
-        user space, as ``cp`` does), or ``pread``/``pwrite`` through a bounce buffer
-        where the kernel cannot (another filesystem, old kernel).
+        file to ``out_fd`` at ``out_offset`` through a cache-sized bounce buffer
+        (:func:`ckpttool.dcp.copy.copy_range`, faster here than ``copy_file_range``).
 
         Returns:
             ``True`` when copied; ``False`` when nothing was copied because the chunk
@@ -447,32 +447,12 @@ class CheckpointReader(CheckpointDir):
         if found is None:
             return False
         info, data_offset, nbytes = found
-        src_fd = self._fd(info.relative_path)
-        src = info.offset + data_offset
-        pos = 0
-        kernel = hasattr(os, "copy_file_range")
-        while pos < nbytes:
-            if kernel:
-                try:
-                    got = os.copy_file_range(src_fd, out_fd, nbytes - pos, src + pos, out_offset + pos)
-                except OSError as e:
-                    if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF):
-                        raise
-                    kernel = False
-                    continue
-            else:
-                buf = bytearray(min(nbytes - pos, 8 << 20))
-                got = os.preadv(src_fd, [buf], src + pos)
-                if got > 0:
-                    mv = memoryview(buf)[:got]
-                    done = 0
-                    while done < got:
-                        done += os.pwrite(out_fd, mv[done:], out_offset + pos + done)
-            if got <= 0:
-                raise DataFileError(
-                    f"{self.path / info.relative_path}: short read of {fqn!r}", path=info.relative_path, fqn=fqn
-                )
-            pos += got
+        try:
+            copy_range(self._fd(info.relative_path), out_fd, info.offset + data_offset, out_offset, nbytes)
+        except EOFError:
+            raise DataFileError(
+                f"{self.path / info.relative_path}: short read of {fqn!r}", path=info.relative_path, fqn=fqn
+            ) from None
         with self._lock:
             self.bytes_read += nbytes
         return True

@@ -7,8 +7,9 @@ beside ``OUT`` -> every source tensor read once by a thread pool -> index, asset
 rename into place (:class:`~ckpttool.output.AtomicOutputDir`).
 
 A tensor written as stored is copied chunk by chunk from the ``.distcp`` files to
-its place in the output with ``copy_file_range`` (in the kernel, like ``cp``;
-torch is not imported). A tensor that is cast, split per expert, un-permuted, or
+its place in the output through a 1 MiB bounce buffer
+(:func:`ckpttool.dcp.copy.copy_range`; faster than ``cp``'s ``copy_file_range`` for
+DCP's page-misaligned chunks; torch is not imported). A tensor that is cast, split per expert, un-permuted, or
 whose chunks are not contiguous row blocks is assembled in one temporary tensor
 and written with ``pwrite``, cast 16 MiB at a time. Memory: temporaries in flight,
 bounded by ``max(largest such tensor, 256 MiB)``.

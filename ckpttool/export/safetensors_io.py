@@ -11,8 +11,8 @@ Because every shape and dtype is known from the checkpoint metadata, the whole
 header is written before any data, and the file is extended to its final size
 with ``posix_fallocate`` (a full disk fails before any tensor is read). Tensors
 are then written at their offsets in any order and from several threads:
-stored bytes by the reader with ``copy_file_range`` (in-kernel, nothing passes
-through this process), transformed tensors with ``pwrite``. Like
+stored bytes by the reader (:func:`ckpttool.dcp.copy.copy_range`: ``preadv`` /
+``pwrite`` through a 1 MiB buffer, no decode), transformed tensors with ``pwrite``. Like
 ``safetensors.torch.save_file``, tensors are ordered by decreasing element size
 so every tensor starts aligned to its element size.
 """

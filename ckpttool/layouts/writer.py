@@ -8,7 +8,7 @@ every tensor chunk and byte item is a complete ``torch.save`` archive at
 ``MetadataIndex(fqn, offsets)`` to ``_StorageInfo(relative_path, offset, length)``.
 
 :class:`DCPWriter` appends items to one file per rank. A chunk that already exists
-as an archive in a source checkpoint is copied verbatim (``os.copy_file_range``,
+as an archive in a source checkpoint is copied verbatim (:func:`~ckpttool.dcp.copy.copy_range`,
 no decode: bitwise the same archive); a new chunk is written with ``torch.save``.
 It writes into a directory the caller owns (an :class:`~ckpttool.output.AtomicOutputDir`
 temporary directory), so a failed run leaves nothing that looks complete.
@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..dcp.archive import STORAGE_DTYPES
+from ..dcp.copy import copy_range
 from ..dcp.model import ChunkMeta, DType, StorageInfo
-from ..errors import OutputError
+from ..errors import DataFileError, OutputError
 
 if TYPE_CHECKING:
     import torch
@@ -37,8 +38,7 @@ __all__ = ["DCPWriter", "WrittenItem", "DCP_VERSION", "can_stream", "tensor_data
            "write_tensor_archive"]
 
 DCP_VERSION = "1.0.0"  # torch/distributed/checkpoint/filesystem.py CURRENT_DCP_VERSION
-_COPY_STEP = 1 << 30
-_STREAM_BUFFER = 16 << 20
+_STREAM_BUFFER = 1 << 20
 
 
 @dataclass
@@ -162,7 +162,11 @@ class DCPWriter:
         f = self._file(rank)
         f.flush()
         start = f.tell()
-        _copy_range(src_fd, f.fileno(), info.offset, start, info.length)
+        try:
+            copy_range(src_fd, f.fileno(), info.offset, start, info.length)
+        except EOFError as e:
+            raise DataFileError(f"{info.relative_path}: short read of {key!r} ({e}); the source changed while "
+                                "being read", path=info.relative_path, fqn=key) from None
         f.seek(start + info.length)
         self._count(info.length, info.length)
         if chunk is None:
@@ -554,28 +558,3 @@ def torch_save_bytes(obj: Any) -> bytes:
         z.writestr("archive/version", b"3\n")
         z.writestr("archive/.data/serialization_id", str(uuid.uuid4().int).zfill(40)[:40].encode())
     return buf.getvalue()
-
-
-def _copy_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, length: int) -> None:
-    """Copy ``length`` bytes from ``src_offset`` of ``src_fd`` to ``dst_offset`` of ``dst_fd`` (positions untouched)."""
-    done = 0
-    use_cfr = hasattr(os, "copy_file_range")
-    while done < length:
-        n = min(_COPY_STEP, length - done)
-        got = 0
-        if use_cfr:
-            try:
-                got = os.copy_file_range(src_fd, dst_fd, n, src_offset + done, dst_offset + done)
-            except OSError:
-                use_cfr = False  # cross-device on old kernels, special files: plain copy below
-                got = 0
-        if got <= 0:
-            data = os.pread(src_fd, n, src_offset + done)
-            if not data:
-                raise OSError(f"short read at offset {src_offset + done}")
-            view = memoryview(data)
-            pos = 0
-            while pos < len(view):
-                pos += os.pwrite(dst_fd, view[pos:], dst_offset + done + pos)
-            got = len(data)
-        done += got

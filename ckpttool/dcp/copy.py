@@ -1,0 +1,66 @@
+"""Copy a byte range from one file to another: the verbatim-copy primitive of export and reshard.
+
+``copy_range`` moves bytes through a small per-thread bounce buffer with
+``os.preadv`` / ``os.pwrite``. It is deliberately not ``os.copy_file_range``
+(what ``cp`` uses): on ext4 without reflinks the kernel copies through a pipe
+page by page, and a DCP chunk's offset in its ``.distcp`` file never has the
+same page phase as its offset in the output (torch's archives start at
+arbitrary byte offsets), so every destination page is assembled from two
+partial writes. Measured on the 2-core development machine, 450 MiB, page
+cache warm, destination pre-allocated (``bench/bench_export.py`` for the full
+picture):
+
+=====================================  ==========  ===========
+method                                 1 thread    2 threads
+=====================================  ==========  ===========
+``copy_file_range``, page-misaligned   3.0 GB/s    3.4 GB/s
+``copy_file_range``, page-aligned      4.3 GB/s    5.0 GB/s
+``preadv``+``pwrite``, 1 MiB buffer    5.0 GB/s    8.3 GB/s
+=====================================  ==========  ===========
+
+The buffer is 1 MiB so that it stays in the CPU cache between the read and the
+write; larger buffers were slower (8 MiB: 4.6 / 7.2 GB/s). Neither file
+position is used or moved, so threads may share descriptors.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+__all__ = ["BOUNCE_BYTES", "copy_range"]
+
+BOUNCE_BYTES = 1 << 20
+_local = threading.local()
+
+
+def _bounce() -> memoryview:
+    buf: memoryview | None = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = memoryview(bytearray(BOUNCE_BYTES))
+    return buf
+
+
+def copy_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, length: int) -> None:
+    """Copy ``length`` bytes at ``src_offset`` of ``src_fd`` to ``dst_offset`` of ``dst_fd``.
+
+    Args:
+        src_fd, dst_fd: open descriptors (read / write); their file positions are untouched.
+        src_offset, dst_offset, length: in bytes.
+
+    Raises:
+        EOFError: the source ends before ``length`` bytes were read (a truncated file);
+            callers turn it into their own error naming the file and key.
+        OSError: reading or writing failed (``ENOSPC``, ``EIO``, ...).
+    """
+    buf = _bounce()
+    done = 0
+    while done < length:
+        want = min(BOUNCE_BYTES, length - done)
+        got = os.preadv(src_fd, [buf[:want]], src_offset + done)
+        if got <= 0:
+            raise EOFError(f"source ends at offset {src_offset + done}, {length - done} bytes short")
+        written = 0
+        while written < got:
+            written += os.pwrite(dst_fd, buf[written:got], dst_offset + done + written)
+        done += got
