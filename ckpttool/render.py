@@ -5,12 +5,14 @@ Library code never prints; commands call these functions with result objects.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
+if TYPE_CHECKING:  # rich costs ~15 ms to import: only commands that print tables pay for it
+    from rich.console import Console
+    from rich.table import Table
 
 __all__ = ["safe_text", "stdout_console", "stderr_console", "human_bytes", "table", "render_overview"]
 
@@ -28,26 +30,33 @@ def safe_text(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8") if not text.isascii() else text
 
 
-class _SafeConsole(Console):
-    """A rich Console for untrusted strings: no markup (``[/]`` in a key is text) and no raw control characters."""
+@functools.cache
+def _safe_console_class() -> type[Console]:
+    from rich.console import Console
 
-    def render_str(self, text: str, **kwargs: Any) -> Any:  # type: ignore[override]
-        return super().render_str(safe_text(text), **kwargs)
+    class _SafeConsole(Console):
+        """A rich Console for untrusted strings: no markup (``[/]`` in a key is text) and no raw control characters."""
 
-    def on_broken_pipe(self) -> None:
-        # rich's default raises SystemExit(1) ("findings" in our exit codes); let the command
-        # boundary treat a closed pipe (`ckpttool inspect DIR | head -1`) as a normal stop.
-        raise BrokenPipeError()
+        def render_str(self, text: str, **kwargs: Any) -> Any:  # type: ignore[override]
+            return super().render_str(safe_text(text), **kwargs)
+
+        def on_broken_pipe(self) -> None:
+            # rich's default raises SystemExit(1) ("findings" in our exit codes); let the command
+            # boundary treat a closed pipe (`ckpttool inspect DIR | head -1`) as a normal stop.
+            raise BrokenPipeError()
+
+    return _SafeConsole
 
 
 def stdout_console() -> Console:
     width = None if sys.stdout.isatty() else 200
-    return _SafeConsole(file=sys.stdout, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, markup=False,
-                        width=width)
+    return _safe_console_class()(file=sys.stdout, no_color=bool(os.environ.get("NO_COLOR")), highlight=False,
+                                 markup=False, width=width)
 
 
 def stderr_console() -> Console:
-    return _SafeConsole(file=sys.stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, markup=False)
+    return _safe_console_class()(file=sys.stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False,
+                                 markup=False)
 
 
 def human_bytes(n: int | float | None) -> str:
@@ -63,6 +72,8 @@ def human_bytes(n: int | float | None) -> str:
 
 
 def table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
+    from rich.table import Table
+
     t = Table(title=title, title_justify="left", show_lines=False, expand=False)
     for c in columns:
         t.add_column(c, overflow="fold")
