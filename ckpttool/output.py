@@ -31,7 +31,6 @@ import errno
 import logging
 import os
 import re
-import secrets
 import shutil
 import signal
 from pathlib import Path
@@ -177,7 +176,10 @@ class AtomicOutputDir:
         self.overwrite = overwrite
         self.source = _absolute(source) if source is not None else None
         self.tmp: Path | None = None
-        self._old_handler: Any = None
+        self._old_handlers: dict[int, Any] = {}
+        # Set by the handlers: an exception raised in a signal handler is lost when it lands
+        # in a finalizer (``ZipFile.__del__``), so the commit checks this flag as well.
+        self._interrupted = False
 
     def _clean_stale(self) -> None:
         parent = self.target.parent
@@ -187,7 +189,10 @@ class AtomicOutputDir:
                 log.info("removing stale temporary output %s", p)
                 shutil.rmtree(p, ignore_errors=True)
 
-    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._interrupted = True
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt()
         raise Terminated()
 
     def __enter__(self) -> Path:
@@ -203,7 +208,7 @@ class AtomicOutputDir:
             raise OutputError(f"{self.target}: cannot write there ({why})", path=self.target,
                               hint="choose a writable output location") from e
         self._clean_stale()
-        tmp = parent / f".{self.target.name}.ckpttool-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp = parent / f".{self.target.name}.ckpttool-tmp-{os.getpid()}-{os.urandom(4).hex()}"
         try:
             tmp.mkdir()
         except OSError as e:
@@ -211,15 +216,17 @@ class AtomicOutputDir:
                               hint="choose a writable output location") from e
         self.tmp = tmp
         try:
-            self._old_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._old_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # leave an embedding app's own
+                self._old_handlers[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_signal)
         except ValueError:  # not the main thread
-            self._old_handler = None
+            pass
         return tmp
 
     def _restore_signal(self) -> None:
-        if self._old_handler is not None:
-            signal.signal(signal.SIGTERM, self._old_handler)
-            self._old_handler = None
+        for signum, handler in self._old_handlers.items():
+            signal.signal(signum, handler)
+        self._old_handlers.clear()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -234,6 +241,9 @@ class AtomicOutputDir:
                                       path=self.target, hint="free disk space or choose another location") from exc
                 return
             try:
+                if self._interrupted:  # the handler's exception was swallowed: stop here all the same
+                    shutil.rmtree(self.tmp, ignore_errors=True)
+                    raise Terminated()
                 self._commit()
             except Terminated:
                 raise KeyboardInterrupt() from None
@@ -260,7 +270,7 @@ class AtomicOutputDir:
                     os.rename(tmp, target)
                     placed = True
             else:
-                backup = target.parent / f".{target.name}.ckpttool-old-{secrets.token_hex(4)}"
+                backup = target.parent / f".{target.name}.ckpttool-old-{os.urandom(4).hex()}"
                 with _stop_signals_blocked():
                     os.rename(target, backup)
                     try:
@@ -303,7 +313,7 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
         OutputError: the directory is not writable.
     """
     p = Path(path)
-    tmp = p.parent / f".{p.name}.ckpttool-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = p.parent / f".{p.name}.ckpttool-tmp-{os.getpid()}-{os.urandom(4).hex()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)

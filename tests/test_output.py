@@ -221,3 +221,28 @@ def test_overwrite_commit_never_loses_both(mode: str, tmp_path: Path) -> None:
         # The signal waits until the new output is in place, then stops the run.
         assert res.returncode == 130 and "error: interrupted" in res.stderr, (res.returncode, res.stderr)
         assert sorted(os.listdir(out)) == ["model.safetensors"] and (out / "model.safetensors").read_text() == "new"
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_signal_swallowed_by_a_finalizer_still_stops_the_commit(signum: str, tmp_path: Path) -> None:
+    """The handler's exception is lost when it fires inside ``__del__`` (seen with ``ZipFile.__del__``
+    during a SIGTERM'd reshard): the output must not be committed all the same."""
+    import signal as sig
+
+    from ckpttool.output import AtomicOutputDir
+
+    class KilledInFinalizer:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), getattr(sig, signum))
+            for _ in range(10_000):  # the handler runs here; Python prints "Exception ignored in ..."
+                pass
+
+    before = sig.getsignal(sig.SIGTERM), sig.getsignal(sig.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with AtomicOutputDir(tmp_path / "out") as d:
+            (d / "model.safetensors").write_bytes(b"x")
+            KilledInFinalizer()  # collected at once
+            (d / "model.safetensors.index.json").write_text("{}")  # the work went on to the end
+    assert os.listdir(tmp_path) == []
+    assert (sig.getsignal(sig.SIGTERM), sig.getsignal(sig.SIGINT)) == before
