@@ -136,7 +136,7 @@ def test_trust_pickle_option_reads_extra_state(tmp_path: Path, dense_ckpt: Path)
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["inspect", "--bogus", "X"], "No such option: --bogus"),
+        (["inspect", "--bogus", "X"], "--bogus"),
         (["inspect", "X", "--depth", "0"], "--depth"),
         (["inspect", "X", "--sort", "foo"], "--sort"),
         (["inspect"], "Missing argument"),
