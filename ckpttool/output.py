@@ -11,10 +11,11 @@ directory that looks like a previous ckpttool/model output (it holds ``.metadata
 ``*.safetensors``, ``model.safetensors.index.json`` or ``adapter_config.json``, and no
 ``.git`` anywhere below it) is replaced, and only after the new output is complete:
 the old directory is renamed aside, the new one renamed into place (SIGINT/SIGTERM
-blocked between the two renames), the old one restored if the second rename fails and
+deferred between the two renames), the old one restored if the second rename fails and
 deleted only once the new output is in place. Any failure while committing removes
 the temporary directory. SIGTERM is turned into an exception while the directory is
-open so the temporary directory is removed; a temporary directory left by a killed
+open so the temporary directory is removed (a second SIGINT/SIGTERM during that removal
+waits for it, see :func:`signals_deferred`); a temporary directory left by a killed
 (SIGKILL) run is removed by the next run that targets the same path.
 
 Example::
@@ -33,23 +34,29 @@ import os
 import re
 import shutil
 import signal
+import threading
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, Iterator
 
 from .errors import OutputError
 
-__all__ = ["AtomicOutputDir", "Terminated", "check_output_target", "atomic_write_text", "looks_like_output"]
+__all__ = ["AtomicOutputDir", "Terminated", "check_output_target", "atomic_write_text", "looks_like_output",
+           "signals_deferred"]
 
 log = logging.getLogger(__name__)
 _TMP_RE = re.compile(r"^\.(?P<name>.+)\.ckpttool-tmp-(?P<pid>\d+)-[0-9a-f]+$")
 _OUTPUT_MARKERS = (".metadata", "model.safetensors.index.json", "adapter_config.json")
-_BLOCKED = {signal.SIGINT, signal.SIGTERM}
+_defer_depth = 0  # signals_deferred() nesting (main thread only)
+_deferred_signal: int | None = None
 _NOT_AN_OUTPUT_HINT = "choose an empty or new output directory"
 
 
-class Terminated(BaseException):
-    """Raised in the main thread on SIGTERM while an output directory is open."""
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread on SIGTERM while an output directory is open.
+
+    A ``KeyboardInterrupt``, so every layer that handles Ctrl-C (exit 130) handles it too.
+    """
 
 
 def _pid_alive(pid: int) -> bool:
@@ -132,21 +139,38 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
 
 
 @contextlib.contextmanager
-def _stop_signals_blocked() -> Iterator[None]:
-    """Block SIGINT/SIGTERM for the body; one that arrived meanwhile is delivered (its handler runs) on exit.
+def signals_deferred() -> Iterator[None]:
+    """Defer SIGINT/SIGTERM for the body; one that arrived meanwhile is raised on exit.
 
-    A signal that arrived before is handled on entry: ``signal.pthread_sigmask`` runs pending
-    Python handlers before returning, so the body does not start when the user already asked to stop.
+    For the steps that must not be cut short: the final renames, removing a temporary
+    directory or a superseded output, waiting for worker threads before their files are
+    closed. Deferral is done by :class:`AtomicOutputDir`'s handlers (they record the signal
+    instead of raising while a body runs), not with ``pthread_sigmask``: a signal sent to
+    the process is delivered to any thread that does not block it (a worker, a library's
+    I/O thread) and Python then runs its handler in the main thread all the same. Outside
+    an :class:`AtomicOutputDir`, or off the main thread, this defers nothing.
+
+    Raises:
+        KeyboardInterrupt: (or :class:`Terminated`) on exit, for a deferred signal.
     """
-    try:
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCKED)
-    except (AttributeError, OSError, ValueError):
+    global _defer_depth, _deferred_signal
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _defer_depth += 1
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        _defer_depth -= 1
+        if _defer_depth == 0 and _deferred_signal is not None:
+            signum, _deferred_signal = _deferred_signal, None
+            _raise_for(signum)
+
+
+def _raise_for(signum: int) -> None:
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt()
+    raise Terminated()
 
 
 def _same_dir(a: str, b: Path) -> bool:
@@ -190,10 +214,12 @@ class AtomicOutputDir:
                 shutil.rmtree(p, ignore_errors=True)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        global _deferred_signal
         self._interrupted = True
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt()
-        raise Terminated()
+        if _defer_depth:
+            _deferred_signal = signum
+            return
+        _raise_for(signum)
 
     def __enter__(self) -> Path:
         check_output_target(self.target, overwrite=self.overwrite, source=self.source)
@@ -224,29 +250,37 @@ class AtomicOutputDir:
         return tmp
 
     def _restore_signal(self) -> None:
-        for signum, handler in self._old_handlers.items():
-            signal.signal(signum, handler)
-        self._old_handlers.clear()
+        # Deferred: a signal arriving midway would leave a handler of this (finished) object installed.
+        with signals_deferred():
+            for signum, handler in self._old_handlers.items():
+                signal.signal(signum, handler)
+            self._old_handlers.clear()
+
+    def _remove_tmp(self) -> None:
+        assert self.tmp is not None
+        with signals_deferred():  # a second Ctrl-C must not cut the cleanup short (a leftover temp dir)
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        assert self.tmp is not None
         try:
             if exc_type is not None:
-                shutil.rmtree(self.tmp, ignore_errors=True)
-                if exc_type is Terminated:
+                self._remove_tmp()
+                if issubclass(exc_type, KeyboardInterrupt):
                     raise KeyboardInterrupt() from None
                 if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EDQUOT):
                     raise OutputError(f"{self.target}: write failed ({exc.strerror}); no output was left",
                                       path=self.target, hint="free disk space or choose another location") from exc
+                if isinstance(exc, shutil.Error):  # copytree: a list of (src, dst, why) without an errno
+                    why = next((str(w) for *_, w in exc.args[0] if w), str(exc)) if exc.args and isinstance(
+                        exc.args[0], list) else str(exc)
+                    raise OutputError(f"{self.target}: write failed ({why[:200]}); no output was left",
+                                      path=self.target, hint="free disk space or choose another location") from exc
                 return
-            try:
-                if self._interrupted:  # the handler's exception was swallowed: stop here all the same
-                    shutil.rmtree(self.tmp, ignore_errors=True)
-                    raise Terminated()
-                self._commit()
-            except Terminated:
-                raise KeyboardInterrupt() from None
+            if self._interrupted:  # the handler's exception was swallowed: stop here all the same
+                self._remove_tmp()
+                raise KeyboardInterrupt()
+            self._commit()
         finally:
             self._restore_signal()
 
@@ -266,12 +300,12 @@ class AtomicOutputDir:
             if not replace:
                 # An absent or empty target: one atomic rename; a target that became non-empty
                 # meanwhile (a concurrent run) fails with ENOTEMPTY/EEXIST.
-                with _stop_signals_blocked():
+                with signals_deferred():
                     os.rename(tmp, target)
                     placed = True
             else:
                 backup = target.parent / f".{target.name}.ckpttool-old-{os.urandom(4).hex()}"
-                with _stop_signals_blocked():
+                with signals_deferred():
                     os.rename(target, backup)
                     try:
                         os.rename(tmp, target)
@@ -300,7 +334,8 @@ class AtomicOutputDir:
         finally:
             if placed:
                 if backup is not None:
-                    shutil.rmtree(backup, ignore_errors=True)
+                    with signals_deferred():  # interrupted, it would leak a whole previous output
+                        shutil.rmtree(backup, ignore_errors=True)
                 if was_cwd:
                     with contextlib.suppress(OSError):
                         os.chdir(target)  # the old directory is gone: follow the new output

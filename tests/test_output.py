@@ -246,3 +246,32 @@ def test_a_signal_swallowed_by_a_finalizer_still_stops_the_commit(signum: str, t
             (d / "model.safetensors.index.json").write_text("{}")  # the work went on to the end
     assert os.listdir(tmp_path) == []
     assert (sig.getsignal(sig.SIGTERM), sig.getsignal(sig.SIGINT)) == before
+
+
+def test_a_second_signal_during_cleanup_still_removes_everything(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C, then SIGTERM while the temporary directory is being removed: exit path is KeyboardInterrupt
+    (exit 130 in the CLI), no temporary directory left, the previous handlers back."""
+    import shutil
+    import signal as sig
+
+    from ckpttool import output
+    from ckpttool.output import AtomicOutputDir
+
+    real_rmtree = shutil.rmtree
+
+    def rmtree_interrupted(path: object, *args: object, **kwargs: object) -> None:
+        os.kill(os.getpid(), sig.SIGTERM)  # arrives while the cleanup runs
+        for _ in range(10_000):  # an unblocked handler would run here and cut the cleanup short
+            pass
+        real_rmtree(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(output.shutil, "rmtree", rmtree_interrupted)
+    before = sig.getsignal(sig.SIGTERM), sig.getsignal(sig.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with AtomicOutputDir(tmp_path / "out") as d:
+            for i in range(50):
+                (d / f"f{i}").write_bytes(b"x")
+            raise KeyboardInterrupt  # the first Ctrl-C
+    assert os.listdir(tmp_path) == []
+    assert (sig.getsignal(sig.SIGTERM), sig.getsignal(sig.SIGINT)) == before

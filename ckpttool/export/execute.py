@@ -33,7 +33,7 @@ from ..dcp.model import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
 from ..dcp.reader import CheckpointReader, tiling_problem
 from ..errors import ChunkError, ExportError, UsageError
 from ..layouts.declare import LayoutDeclaration, ResolvedLayout, resolve_layout
-from ..output import AtomicOutputDir
+from ..output import AtomicOutputDir, signals_deferred
 from .experts import expert_orders
 from .lora import adapter_config, read_adapter_config
 from .plan import SAVE_DTYPES, ExportPlan, Selected, SourceTask, build_plan, config_flag, parse_size, select_sources
@@ -366,7 +366,9 @@ class _Executor:
         finally:
             for fut in self.pending:
                 fut.cancel()
-            pool.shutdown(wait=True, cancel_futures=True)
+            # Deferred: a second Ctrl-C must not close the output files under a running copy.
+            with signals_deferred():
+                pool.shutdown(wait=True, cancel_futures=True)
             self.pending.clear()
 
 
