@@ -353,3 +353,56 @@ def test_S007_still_warns_when_a_same_mesh_output_lost_a_file(sample_ckpt: Path,
     assert rc == 1
     (s007,) = [f for f in doc["findings"] if f["code"] == "S007"]
     assert s007["severity"] == "warning" and s007["fails"] and "reshard" not in s007["message"]
+
+
+def test_ctrl_c_stops_the_copy_within_a_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGINT while the workers copy: they stop at the next chunk instead of finishing the whole checkpoint
+    (a scheduler's SIGTERM grace period is short), and nothing is left behind."""
+    import os
+    import signal
+
+    import torch.distributed.checkpoint as dcp
+
+    from ckpttool.layouts import writer as writer_mod
+
+    src = tmp_path / "ck"
+    dcp.save({"model": {f"model.layers.{i}.w": torch.full((64, 64), float(i)) for i in range(64)}},
+             checkpoint_id=str(src), no_dist=True)
+    calls: list[int] = []
+    real = writer_mod.DCPWriter.copy_archive
+
+    def copy_then_interrupt(self: writer_mod.DCPWriter, *args: object) -> None:
+        real(self, *args)
+        calls.append(1)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C after the first chunk
+
+    monkeypatch.setattr(writer_mod.DCPWriter, "copy_archive", copy_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        reshard(src, tmp_path / "out", to="canonical", declaration=LayoutDeclaration.from_options("canonical", 1, 1),
+                fsync=False)
+    assert len(calls) <= 3, f"{len(calls)} of 64 chunks copied after Ctrl-C"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_out_of_space_while_copying_model_assets_is_e600(sample_ckpt: Path, tmp_path: Path) -> None:
+    """copytree reports a failed file as shutil.Error (no errno): still E600 with the cause, not E999."""
+    import resource
+    import shutil
+    import subprocess
+
+    src = tmp_path / "ck"
+    shutil.copytree(sample_ckpt, src)
+    (src / "model_assets" / "tokenizer.json").write_bytes(b"t" * (3 << 20))
+    limit = 2 << 20  # the data files (< 1 MiB) fit, the asset does not
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    res = subprocess.run([shutil.which("ckpttool") or "ckpttool", "reshard", str(src), str(tmp_path / "out"),
+                          "--to", "legacy", "--with-optimizer"], capture_output=True, text=True, preexec_fn=cap,
+                         timeout=300)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith("error: [E600]") and "File too large" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]

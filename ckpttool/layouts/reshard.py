@@ -37,7 +37,7 @@ from ..dcp.archive import FileWindow, TensorRecord, parse_tensor_archive
 from ..dcp.model import DTYPE_ITEMSIZE
 from ..dcp.reader import DATA_FILE_RE, METADATA_NAME, CheckpointReader
 from ..errors import ChunkError, UnsafePickleError
-from ..output import AtomicOutputDir
+from ..output import AtomicOutputDir, signals_deferred
 from .declare import LayoutDeclaration, resolve_layout
 from .plan import ReshardPlan, TensorPlan, origin_world, plan_reshard
 from .record import SIDECAR_NAME
@@ -243,8 +243,11 @@ def _plan_jobs(tp: TensorPlan, reader: CheckpointReader, sources: _Sources,
     return fallback
 
 
-def _run_jobs(rank: int, jobs: list[_Job], writer: DCPWriter, tick: Callable[[int, bool], None]) -> None:
+def _run_jobs(rank: int, jobs: list[_Job], writer: DCPWriter, tick: Callable[[int, bool], None],
+              stop: threading.Event) -> None:
     for job in jobs:
+        if stop.is_set():  # interrupted, or another worker failed: the output is abandoned
+            return
         if job.copy is not None:
             writer.copy_archive(job.key, job.chunk, rank, job.copy[0], job.copy[1])
         else:
@@ -327,10 +330,19 @@ def execute_plan(plan: ReshardPlan, reader: CheckpointReader, out_dir: Path, che
                 if rest:
                     fallback.append((tp, rest))
             workers = max(1, min(threads or os.cpu_count() or 1, plan.world))
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-reshard") as pool:
-                futures = [pool.submit(_run_jobs, r, jobs[r], writer, tick) for r in range(plan.world)]
+            stop = threading.Event()
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-reshard")
+            try:
+                futures = [pool.submit(_run_jobs, r, jobs[r], writer, tick, stop) for r in range(plan.world)]
                 for fut in futures:
                     fut.result()
+            except BaseException:
+                stop.set()  # Ctrl-C / SIGTERM stop within one chunk, not at the end of the copy
+                raise
+            finally:
+                # Deferred: a second Ctrl-C must not close the writer's files under a running worker.
+                with signals_deferred():
+                    pool.shutdown(wait=True, cancel_futures=True)
             for tp, indices in fallback:
                 _write_reassembled(tp, indices, reader, writer)
                 tick(sum(tp.chunks[i].chunk.numel for i in indices) * tp.dtype.itemsize, False)

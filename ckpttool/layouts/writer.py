@@ -166,7 +166,8 @@ class DCPWriter:
             copy_range(src_fd, f.fileno(), info.offset, start, info.length)
         except EOFError as e:
             raise DataFileError(f"{info.relative_path}: short read of {key!r} ({e}); the source changed while "
-                                "being read", path=info.relative_path, fqn=key) from None
+                                "being read", path=info.relative_path, fqn=key,
+                                hint="rerun when no job is writing the source checkpoint") from None
         f.seek(start + info.length)
         self._count(info.length, info.length)
         if chunk is None:
