@@ -318,7 +318,10 @@ def _train_and_save(tmp: Path, final: Path, *, steps: int, seed: int, config: Sa
 
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from .errors import OutputError
 
     c = config
     torch.manual_seed(seed)
@@ -341,8 +344,15 @@ def _train_and_save(tmp: Path, final: Path, *, steps: int, seed: int, config: Sa
     record = layout_record_for(c, optimizer=sample_optimizer_record(optimizer), global_step=steps)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": model_sd, "optimizer": optim_sd, "layout": json.dumps(record)},
-                 storage_writer=_FinalPathWriter.make(tmp, final))
+        try:
+            dcp.save({"model": model_sd, "optimizer": optim_sd, "layout": json.dumps(record)},
+                     storage_writer=_FinalPathWriter.make(tmp, final))
+        except CheckpointException as e:  # a BaseException; what failed inside it is a write
+            cause = next((exc for exc, _ in e.failures.values()), e)
+            if isinstance(cause, OSError):
+                raise cause from None  # ENOSPC, EFBIG, EACCES: AtomicOutputDir words it (E600)
+            raise OutputError(f"{final}: writing the sample checkpoint failed ({' '.join(str(cause).split())[:160]})",
+                              path=final, hint="check free disk space and the file size limit there") from None
     extra = tmp / "extra_state"
     extra.mkdir()
     torch.save(
