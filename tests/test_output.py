@@ -275,3 +275,33 @@ def test_a_second_signal_during_cleanup_still_removes_everything(tmp_path: Path,
             raise KeyboardInterrupt  # the first Ctrl-C
     assert os.listdir(tmp_path) == []
     assert (sig.getsignal(sig.SIGTERM), sig.getsignal(sig.SIGINT)) == before
+
+
+def test_a_signal_while_the_superseded_output_is_removed_does_not_leak_it(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """--overwrite: SIGINT while the previous output (renamed aside) is deleted. The new output is in place,
+    the old copy is gone all the same, and the interruption is still reported (exit 130 in the CLI)."""
+    import shutil
+    import signal as sig
+
+    from ckpttool import output
+    from ckpttool.output import AtomicOutputDir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"old")
+    real_rmtree = shutil.rmtree
+
+    def rmtree_interrupted(path: object, *args: object, **kwargs: object) -> None:
+        if ".ckpttool-old-" in str(path):
+            os.kill(os.getpid(), sig.SIGINT)
+            for _ in range(10_000):
+                pass
+        real_rmtree(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(output.shutil, "rmtree", rmtree_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with AtomicOutputDir(out, overwrite=True) as d:
+            (d / "model.safetensors").write_bytes(b"new")
+    assert os.listdir(tmp_path) == ["out"]
+    assert (out / "model.safetensors").read_bytes() == b"new"
