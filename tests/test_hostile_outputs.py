@@ -133,6 +133,7 @@ def assert_write_failed(res: subprocess.CompletedProcess[str], out: Path, old: d
     lines = res.stderr.strip().splitlines()
     assert lines and lines[0].startswith("error: [E600]"), res.stderr[-2000:]
     assert "Traceback" not in res.stderr
+    assert ".ckpttool-tmp-" not in res.stderr, "the message names the internal temporary directory"
     assert tmp_siblings(out) == []
     if old is None:
         assert not out.exists()

@@ -512,7 +512,7 @@ def _export(
         writers: list[ShardWriter] = []
         try:
             for name, entries in zip(plan.files, plan.entries):
-                writers.append(ShardWriter(tmp / name, entries))
+                writers.append(ShardWriter(tmp / name, entries, display=Path(os.path.abspath(out)) / name))
             workers = opts.workers if opts.workers is not None else min(8, os.cpu_count() or 1)
             executor = _Executor(reader, plan, writers, workers, progress, chunks)
             executor.run()

@@ -129,13 +129,15 @@ class ShardWriter:
         path: the file to create (must not exist).
         entries: its tensors (see :func:`build_header`).
         metadata: ``__metadata__`` (default ``{"format": "pt"}``).
+        display: the path named in errors (the file's final place, not the temporary directory).
 
     Raises:
         OutputError: the file cannot be created or the disk has no room for it.
         ExportError: see :func:`build_header`.
     """
 
-    def __init__(self, path: Path, entries: list[HeaderEntry], metadata: dict[str, str] | None = None) -> None:
+    def __init__(self, path: Path, entries: list[HeaderEntry], metadata: dict[str, str] | None = None, *,
+                 display: Path | None = None) -> None:
         prefix, placed = build_header(entries, metadata)
         self.path = path
         self.entries = {e.name: e for e in placed}
@@ -154,8 +156,9 @@ class ShardWriter:
                     os.ftruncate(self.fd, self.size)
         except OSError as e:
             self.close()
-            raise OutputError(f"{path}: cannot create output file of {self.size} bytes ({e.strerror})",
-                              path=path, hint="free disk space or choose another output location") from e
+            shown = display or path
+            raise OutputError(f"{shown}: cannot create output file of {self.size} bytes ({e.strerror})",
+                              path=shown, hint="free disk space or choose another output location") from e
 
     def offset(self, name: str) -> int:
         """Absolute file offset of ``name``'s first byte."""
