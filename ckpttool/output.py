@@ -274,6 +274,7 @@ class AtomicOutputDir:
                 if isinstance(exc, shutil.Error):  # copytree: a list of (src, dst, why) without an errno
                     why = next((str(w) for *_, w in exc.args[0] if w), str(exc)) if exc.args and isinstance(
                         exc.args[0], list) else str(exc)
+                    why = why.replace(str(self.tmp), str(self.target))  # name the place the user knows
                     raise OutputError(f"{self.target}: write failed ({why[:200]}); no output was left",
                                       path=self.target, hint="free disk space or choose another location") from exc
                 return
@@ -323,7 +324,7 @@ class AtomicOutputDir:
                     placed = True
         except BaseException as e:
             if not placed:
-                shutil.rmtree(tmp, ignore_errors=True)
+                self._remove_tmp()  # deferred: a second signal must not cut it short
             if isinstance(e, OSError):
                 if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
                     raise OutputError(f"{target} exists and is not empty (written by another run meanwhile?)",

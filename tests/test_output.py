@@ -305,3 +305,40 @@ def test_a_signal_while_the_superseded_output_is_removed_does_not_leak_it(tmp_pa
             (d / "model.safetensors").write_bytes(b"new")
     assert os.listdir(tmp_path) == ["out"]
     assert (out / "model.safetensors").read_bytes() == b"new"
+
+
+def test_a_second_signal_while_a_failed_commit_cleans_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--overwrite: the first SIGINT lands in the commit's re-check of the old output, the second while the
+    temporary directory is removed: the removal still completes, the old output is untouched."""
+    import shutil
+    import signal as sig
+
+    from ckpttool import output
+    from ckpttool.output import AtomicOutputDir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"old")
+    real_check, real_rmtree = output.check_output_target, shutil.rmtree
+
+    def check_interrupted(*args: object, **kwargs: object) -> None:
+        real_check(*args, **kwargs)  # type: ignore[arg-type]
+        if kwargs.get("overwrite"):
+            os.kill(os.getpid(), sig.SIGINT)  # the first Ctrl-C, during the re-check
+            for _ in range(10_000):
+                pass
+
+    def rmtree_interrupted(path: object, *args: object, **kwargs: object) -> None:
+        os.kill(os.getpid(), sig.SIGINT)  # the second one, during the cleanup
+        for _ in range(10_000):
+            pass
+        real_rmtree(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    with pytest.raises(KeyboardInterrupt):
+        with AtomicOutputDir(out, overwrite=True) as d:
+            for i in range(50):
+                (d / f"f{i}").write_bytes(b"new")
+            monkeypatch.setattr(output, "check_output_target", check_interrupted)
+            monkeypatch.setattr(output.shutil, "rmtree", rmtree_interrupted)
+    assert os.listdir(tmp_path) == ["out"]
+    assert os.listdir(out) == ["model.safetensors"] and (out / "model.safetensors").read_bytes() == b"old"

@@ -360,6 +360,7 @@ def test_ctrl_c_stops_the_copy_within_a_chunk(tmp_path: Path, monkeypatch: pytes
     (a scheduler's SIGTERM grace period is short), and nothing is left behind."""
     import os
     import signal
+    import time
 
     import torch.distributed.checkpoint as dcp
 
@@ -376,12 +377,13 @@ def test_ctrl_c_stops_the_copy_within_a_chunk(tmp_path: Path, monkeypatch: pytes
         calls.append(1)
         if len(calls) == 1:
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C after the first chunk
+            time.sleep(0.5)  # the main thread handles it meanwhile (tiny chunks: the rest would take < 1 ms)
 
     monkeypatch.setattr(writer_mod.DCPWriter, "copy_archive", copy_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         reshard(src, tmp_path / "out", to="canonical", declaration=LayoutDeclaration.from_options("canonical", 1, 1),
                 fsync=False)
-    assert len(calls) <= 3, f"{len(calls)} of 64 chunks copied after Ctrl-C"
+    assert len(calls) == 1, f"{len(calls)} of 64 chunks copied after Ctrl-C"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
@@ -404,5 +406,6 @@ def test_out_of_space_while_copying_model_assets_is_e600(sample_ckpt: Path, tmp_
                          timeout=300)
     assert res.returncode == 2, res.stderr
     assert res.stderr.startswith("error: [E600]") and "File too large" in res.stderr, res.stderr
+    assert ".ckpttool-tmp-" not in res.stderr and str(tmp_path / "out") in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
