@@ -261,6 +261,16 @@ class AtomicOutputDir:
         with signals_deferred():  # a second Ctrl-C must not cut the cleanup short (a leftover temp dir)
             shutil.rmtree(self.tmp, ignore_errors=True)
 
+    def _write_failure(self, exc: BaseException | None) -> str | None:
+        """Why writing failed, when ``exc`` is a failed write (disk full, file too large, read-only, ...)."""
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EDQUOT):
+            return exc.strerror or str(exc)
+        if isinstance(exc, shutil.Error):  # copytree: a list of (src, dst, why) and no errno
+            errors = exc.args[0] if exc.args and isinstance(exc.args[0], list) else []
+            why = next((str(e[-1]) for e in errors if e), str(exc))
+            return why.replace(str(self.tmp), str(self.target))  # name the place the user knows
+        return None
+
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         try:
@@ -268,13 +278,8 @@ class AtomicOutputDir:
                 self._remove_tmp()
                 if issubclass(exc_type, KeyboardInterrupt):
                     raise KeyboardInterrupt() from None
-                if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EDQUOT):
-                    raise OutputError(f"{self.target}: write failed ({exc.strerror}); no output was left",
-                                      path=self.target, hint="free disk space or choose another location") from exc
-                if isinstance(exc, shutil.Error):  # copytree: a list of (src, dst, why) without an errno
-                    why = next((str(w) for *_, w in exc.args[0] if w), str(exc)) if exc.args and isinstance(
-                        exc.args[0], list) else str(exc)
-                    why = why.replace(str(self.tmp), str(self.target))  # name the place the user knows
+                why = self._write_failure(exc)
+                if why is not None:
                     raise OutputError(f"{self.target}: write failed ({why[:200]}); no output was left",
                                       path=self.target, hint="free disk space or choose another location") from exc
                 return

@@ -28,13 +28,14 @@ from __future__ import annotations
 import os
 import threading
 
-__all__ = ["BOUNCE_BYTES", "copy_range"]
+__all__ = ["BOUNCE_BYTES", "bounce_buffer", "copy_range"]
 
 BOUNCE_BYTES = 1 << 20
 _local = threading.local()
 
 
-def _bounce() -> memoryview:
+def bounce_buffer() -> memoryview:
+    """This thread's reusable ``BOUNCE_BYTES`` buffer (for any read-then-write loop, as :func:`copy_range`)."""
     buf: memoryview | None = getattr(_local, "buf", None)
     if buf is None:
         buf = _local.buf = memoryview(bytearray(BOUNCE_BYTES))
@@ -53,7 +54,7 @@ def copy_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, lengt
             callers turn it into their own error naming the file and key.
         OSError: reading or writing failed (``ENOSPC``, ``EIO``, ...).
     """
-    buf = _bounce()
+    buf = bounce_buffer()
     done = 0
     while done < length:
         want = min(BOUNCE_BYTES, length - done)

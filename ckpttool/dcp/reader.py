@@ -16,7 +16,6 @@ several threads.
 
 from __future__ import annotations
 
-import errno
 import io
 import math
 import os
@@ -28,7 +27,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .copy import copy_range
 from ..errors import (
     AllocationError,
     ChunkError,
@@ -42,6 +40,7 @@ from ..errors import (
     UnsafePickleError,
     UsageError,
 )
+from .copy import copy_range
 from .archive import FileWindow, TensorRecord, parse_tensor_archive, read_archive_pickle
 from .model import BytesMeta, CheckpointMetadata, ChunkMeta, StorageInfo, TensorMeta
 from .unpickler import PrimitiveUnpickler, load_metadata

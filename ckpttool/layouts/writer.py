@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..dcp.archive import STORAGE_DTYPES
-from ..dcp.copy import copy_range
+from ..dcp.copy import bounce_buffer, copy_range
 from ..dcp.model import ChunkMeta, DType, StorageInfo
 from ..errors import DataFileError, OutputError
 
@@ -38,7 +38,6 @@ __all__ = ["DCPWriter", "WrittenItem", "DCP_VERSION", "can_stream", "tensor_data
            "write_tensor_archive"]
 
 DCP_VERSION = "1.0.0"  # torch/distributed/checkpoint/filesystem.py CURRENT_DCP_VERSION
-_STREAM_BUFFER = 1 << 20
 
 
 @dataclass
@@ -73,7 +72,6 @@ class DCPWriter:
         self._planner: dict[str, tuple[Any, ...]] = {}
         self.bytes_written = 0
         self.bytes_copied = 0
-        self._local = threading.local()
         self._lock = threading.Lock()
         self._dirty: set[int] = set()
 
@@ -189,16 +187,10 @@ class DCPWriter:
         """
         f = self._file(rank)
         start = f.tell()
-        write_tensor_archive(f, dtype, chunk.sizes, segments, self._buffer())
+        write_tensor_archive(f, dtype, chunk.sizes, segments, bounce_buffer())
         end = f.tell()
         self._count(end - start)
         self._record_chunk(key, chunk, rank, start, end - start)
-
-    def _buffer(self) -> memoryview:
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = self._local.buf = memoryview(bytearray(_STREAM_BUFFER))
-        return buf
 
     def _count(self, written: int, copied: int = 0) -> None:
         with self._lock:
