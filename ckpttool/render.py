@@ -5,16 +5,18 @@ Library code never prints; commands call these functions with result objects.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # rich costs ~15 ms to import: only commands that print tables pay for it
     from rich.console import Console
     from rich.table import Table
 
-__all__ = ["safe_text", "stdout_console", "stderr_console", "human_bytes", "table", "render_overview"]
+__all__ = ["safe_text", "stdout_console", "stderr_console", "byte_progress", "human_bytes", "table", "render_overview"]
 
 
 # Control characters (C0, DEL, C1) and bidi overrides, as they may appear in checkpoint keys and paths:
@@ -57,6 +59,24 @@ def stdout_console() -> Console:
 def stderr_console() -> Console:
     return _safe_console_class()(file=sys.stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False,
                                  markup=False)
+
+
+@contextlib.contextmanager
+def byte_progress(label: str, enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
+    """A transient progress bar on stderr, in bytes (``label``, bar, done/total, speed, time left).
+
+    Yields the ``(bytes done, bytes total)`` callback that the library functions take as
+    ``progress``, or ``None`` when ``enabled`` is false (``--json``, stderr not a terminal).
+    """
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress(TextColumn(label), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=stderr_console(), transient=True) as bar:
+        task = bar.add_task(label, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 def human_bytes(n: int | float | None) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -90,12 +90,10 @@ def export_command(
         workers=workers, overwrite=overwrite, declaration=declaration, adapter_config=adapter_config,
         lora_alpha=alpha, trust_pickle=trust_pickle,
     )
-    show_progress = not json_output and sys.stderr.isatty()
-    if show_progress:
-        result = _with_progress(lambda cb: export_checkpoint(checkpoint, out, options, progress=cb))
-    else:
-        result = export_checkpoint(checkpoint, out, options)
-    from ..render import safe_text
+    from ..render import byte_progress, safe_text
+
+    with byte_progress("export", not json_output and sys.stderr.isatty()) as update:
+        result = export_checkpoint(checkpoint, out, options, progress=update)
 
     for w in result.warnings:
         sys.stderr.write(f"warning: {safe_text(w)}\n")
@@ -103,21 +101,6 @@ def export_command(
         emit_json(result.to_dict())
     else:
         _render(result)
-
-
-def _with_progress(run: Any) -> ExportResult:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-
-    from ..render import stderr_console
-
-    with Progress(TextColumn("export"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-                  console=stderr_console(), transient=True) as bar:
-        job = bar.add_task("export", total=None)
-
-        def cb(done: int, total: int) -> None:
-            bar.update(job, completed=done, total=total)
-
-        return run(cb)
 
 
 def _render(r: ExportResult) -> None:

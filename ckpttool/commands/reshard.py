@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -25,24 +25,6 @@ from ._options import (
 class TargetLayout(str, Enum):
     canonical = "canonical"
     legacy = "legacy"
-
-
-def _progress(enabled: bool) -> tuple[Any, Any]:
-    """A rich progress bar on stderr (``None`` callback when disabled)."""
-    if not enabled:
-        return None, None
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-    from ..render import stderr_console
-
-    bar = Progress("reshard", BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
-                   console=stderr_console(), transient=True)
-    task = bar.add_task("reshard", total=None)
-
-    def update(done: int, total: int) -> None:
-        bar.update(task, completed=done, total=total)
-
-    return bar, update
 
 
 @command_boundary
@@ -68,18 +50,13 @@ def reshard_command(
     """
     from ..layouts.declare import LayoutDeclaration
     from ..layouts.reshard import reshard
+    from ..render import byte_progress
 
     decl = LayoutDeclaration.from_options(source_layout, ep_size, ep_fsdp_size)
-    bar, update = _progress(not json_output and sys.stderr.isatty())
-    try:
-        if bar is not None:
-            bar.start()
+    with byte_progress("reshard", not json_output and sys.stderr.isatty()) as update:
         res = reshard(source, target, to=to.value, target_ep_size=target_ep_size,
                       target_ep_fsdp_size=target_ep_fsdp_size, with_optimizer=with_optimizer,
                       declaration=decl, overwrite=overwrite, trust_pickle=trust_pickle, progress=update, fsync=fsync)
-    finally:
-        if bar is not None:
-            bar.stop()
     if json_output:
         emit_json(res.to_json())
         _warn(res.warnings)

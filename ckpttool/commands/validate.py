@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -26,23 +26,6 @@ from ._options import (
 
 if TYPE_CHECKING:
     from ..checks import ValidationResult
-
-
-def _progress(enabled: bool) -> tuple[Any, Any]:
-    if not enabled:
-        return None, None
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-    from ..render import stderr_console
-
-    bar = Progress("validate --deep", BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
-                   console=stderr_console(), transient=True)
-    task = bar.add_task("deep", total=None)
-
-    def update(done: int, total: int) -> None:
-        bar.update(task, completed=done, total=total)
-
-    return bar, update
 
 
 def _render(res: ValidationResult) -> None:
@@ -140,18 +123,14 @@ def validate_command(
 
     if junit is not None:
         _check_junit_path(junit)
-    bar, update = _progress(deep and not json_output and sys.stderr.isatty())
-    try:
-        if bar is not None:
-            bar.start()
+    from ..render import byte_progress
+
+    with byte_progress("validate --deep", deep and not json_output and sys.stderr.isatty()) as update:
         res = validate(
             checkpoint, strict=strict, deep=deep, select=select, ignore=ignore, config=config, against=against,
             source_layout=source_layout.value if source_layout is not None else None, ep_size=ep_size,
             ep_fsdp_size=ep_fsdp_size, trust_pickle=trust_pickle, workers=workers, progress=update,
         )
-    finally:
-        if bar is not None:
-            bar.stop()
     if junit is not None:
         from ..errors import OutputError
         from ..output import atomic_write_text
