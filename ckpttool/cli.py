@@ -83,8 +83,22 @@ def _register() -> None:
 _register()
 
 
+def _unraisable(info: Any) -> None:
+    """Errors in finalizers (``__del__``) caused by an interrupt are not printed.
+
+    The handler's exception may land in a finalizer, or cut an object's ``__init__`` short
+    so that its ``__del__`` fails later (``ZipFile`` without ``_writing``). Either way
+    ``AtomicOutputDir`` has seen the signal and acts on it (exit 130, no output).
+    """
+    output = sys.modules.get("ckpttool.output")
+    if isinstance(info.exc_value, KeyboardInterrupt) or (output is not None and output.signal_received()):
+        return
+    sys.__unraisablehook__(info)
+
+
 def main() -> None:
     """Console-script entry point."""
+    sys.unraisablehook = _unraisable
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
     logger = logging.getLogger("ckpttool")

@@ -42,13 +42,14 @@ from typing import Any, Iterator
 from .errors import OutputError
 
 __all__ = ["AtomicOutputDir", "Terminated", "check_output_target", "atomic_write_text", "looks_like_output",
-           "signals_deferred"]
+           "signal_received", "signals_deferred"]
 
 log = logging.getLogger(__name__)
 _TMP_RE = re.compile(r"^\.(?P<name>.+)\.ckpttool-tmp-(?P<pid>\d+)-[0-9a-f]+$")
 _OUTPUT_MARKERS = (".metadata", "model.safetensors.index.json", "adapter_config.json")
 _defer_depth = 0  # signals_deferred() nesting (main thread only)
 _deferred_signal: int | None = None
+_signal_received = False  # set by AtomicOutputDir's handler, never cleared: the process is stopping
 _NOT_AN_OUTPUT_HINT = "choose an empty or new output directory"
 
 
@@ -167,6 +168,11 @@ def signals_deferred() -> Iterator[None]:
             _raise_for(signum)
 
 
+def signal_received() -> bool:
+    """Whether an :class:`AtomicOutputDir` handler has seen SIGINT/SIGTERM in this process."""
+    return _signal_received
+
+
 def _raise_for(signum: int) -> None:
     if signum == signal.SIGINT:
         raise KeyboardInterrupt()
@@ -214,8 +220,8 @@ class AtomicOutputDir:
                 shutil.rmtree(p, ignore_errors=True)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        global _deferred_signal
-        self._interrupted = True
+        global _deferred_signal, _signal_received
+        self._interrupted = _signal_received = True
         if _defer_depth:
             _deferred_signal = signum
             return

@@ -174,11 +174,11 @@ def read_archive_pickle(window: FileWindow) -> bytes:
     Raises:
         zipfile.BadZipFile, KeyError, ValueError: not a ``torch.save`` archive.
     """
-    zf = _zip(window)
-    info = _member(zf, "data.pkl")
-    if info is None:
-        raise KeyError("data.pkl")
-    return zf.read(info)
+    with _zip(window) as zf:  # closed here, not by a finalizer (where a Ctrl-C exception would be lost)
+        info = _member(zf, "data.pkl")
+        if info is None:
+            raise KeyError("data.pkl")
+        return zf.read(info)
 
 
 @_as_bad_zip
@@ -194,7 +194,11 @@ def parse_tensor_archive(window: FileWindow) -> TensorRecord | None:
         zipfile.BadZipFile, KeyError, ValueError: corrupt or not a tensor archive.
         UnsafePickleError: ``data.pkl`` names a global other than a tensor rebuild.
     """
-    zf = _zip(window)
+    with _zip(window) as zf:  # closed here, not by a finalizer (where a Ctrl-C exception would be lost)
+        return _parse_tensor_zip(zf, window)
+
+
+def _parse_tensor_zip(zf: zipfile.ZipFile, window: FileWindow) -> TensorRecord | None:
     pkl = _member(zf, "data.pkl")
     if pkl is None:
         raise KeyError("data.pkl")
