@@ -126,7 +126,7 @@ def main() -> None:
     import compileall
 
     import ckpttool
-    from ckpttool.dcp import CheckpointDir
+    from ckpttool.format import CheckpointDir
 
     # as `pip install` does: start-up is measured with bytecode caches, also under PYTHONDONTWRITEBYTECODE
     compileall.compile_dir(os.path.dirname(ckpttool.__file__), quiet=1)

@@ -76,7 +76,7 @@ TORCH_READ = (
 
 
 def bench_metadata(path: Path, repeat: int) -> None:
-    from ckpttool.checks import validate
+    from ckpttool.ops.validate import validate
 
     cli = min(_fresh(["ckpttool", "validate", str(path), "--strict", "--json"])[0] for _ in range(repeat))
     t_in = []
@@ -94,7 +94,7 @@ def bench_metadata(path: Path, repeat: int) -> None:
 
 
 def bench_deep(path: Path, repeat: int, workers: int | None) -> None:
-    from ckpttool.checks import validate
+    from ckpttool.ops.validate import validate
 
     files = sorted(str(p) for p in path.glob("*.distcp"))
     total = sum(os.path.getsize(f) for f in files)

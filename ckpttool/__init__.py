@@ -3,14 +3,14 @@
 Public API (names load lazily, so ``import ckpttool`` does not import torch)::
 
     import ckpttool
-    ov = ckpttool.build_overview("ckpt/")                       # inspect
-    res = ckpttool.validate("ckpt/", strict=True)               # validate
-    out = ckpttool.export_checkpoint("ckpt/", "hf/", ckpttool.ExportOptions())
-    with ckpttool.CheckpointReader("ckpt/") as r:
-        cat = ckpttool.build_catalog(r)
-        w = r.read_tensor("model.lm_head.weight")
+    with ckpttool.open_checkpoint("ckpt/") as ckpt:                 # .metadata, catalog, layout
+        ov = ckpttool.inspect_checkpoint(ckpt)                       # inspect
+        out = ckpttool.export_checkpoint(ckpt, "hf/", ckpttool.ExportOptions())
+        w = ckpt.reader.read_tensor("model.lm_head.weight")          # reassembled from its chunks
+    res = ckpttool.validate("ckpt/", strict=True)                    # validate (damage -> findings)
 
-See DESIGN.md for the contracts and ``docs/`` for each command.
+Layers (``docs/design.md``): :mod:`ckpttool.cli` > :mod:`ckpttool.ops` >
+:mod:`ckpttool.model` | :mod:`ckpttool.optim` > :mod:`ckpttool.format` > :mod:`ckpttool.errors`.
 """
 
 from __future__ import annotations
@@ -21,19 +21,34 @@ from typing import Any
 __version__ = "0.1.0"
 
 _WHERE = {
-    "CheckpointDir": "ckpttool.dcp",
-    "CheckpointReader": "ckpttool.dcp",
-    "Catalog": "ckpttool.catalog",
-    "build_catalog": "ckpttool.catalog",
-    "build_overview": "ckpttool.overview",
-    "validate": "ckpttool.checks",
-    "ExportOptions": "ckpttool.export",
-    "export_checkpoint": "ckpttool.export",
-    "LayoutRecord": "ckpttool.layouts",
-    "LayoutDeclaration": "ckpttool.layouts",
-    "resolve_layout": "ckpttool.layouts",
-    "replay_step": "ckpttool.replay",
-    "write_sample": "ckpttool.sample",
+    "CheckpointDir": "ckpttool.format",
+    "CheckpointReader": "ckpttool.format",
+    "Catalog": "ckpttool.model",
+    "Checkpoint": "ckpttool.model",
+    "build_catalog": "ckpttool.model",
+    "open_checkpoint": "ckpttool.model",
+    "LayoutDeclaration": "ckpttool.model",
+    "ResolvedLayout": "ckpttool.model",
+    "LayoutRecord": "ckpttool.model.layout_record",
+    "InspectOptions": "ckpttool.ops.inspect",
+    "InspectResult": "ckpttool.ops.inspect",
+    "inspect_checkpoint": "ckpttool.ops.inspect",
+    "ValidateOptions": "ckpttool.ops.validate",
+    "ValidationResult": "ckpttool.ops.validate",
+    "validate": "ckpttool.ops.validate",
+    "validate_checkpoint": "ckpttool.ops.validate",
+    "ExportOptions": "ckpttool.ops.export",
+    "ExportResult": "ckpttool.ops.export",
+    "export_checkpoint": "ckpttool.ops.export",
+    "ReshardOptions": "ckpttool.ops.reshard",
+    "ReshardResult": "ckpttool.ops.reshard",
+    "reshard": "ckpttool.ops.reshard",
+    "StampResult": "ckpttool.ops.stamp",
+    "stamp": "ckpttool.ops.stamp",
+    "ReplayOptions": "ckpttool.ops.replay",
+    "ReplayResult": "ckpttool.ops.replay",
+    "replay_step": "ckpttool.ops.replay",
+    "write_sample": "ckpttool.ops.sample",
     "CkptError": "ckpttool.errors",
 }
 

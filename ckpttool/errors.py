@@ -1,13 +1,15 @@
-"""Error hierarchy of ckpttool.
+"""Error hierarchy of ckpttool: one class per error code.
 
-Every failure that a user can cause (bad invocation, unreadable or unsafe input,
-a refused output) is a :class:`CkptError` subclass carrying a stable ``code``,
-the offending ``path`` and/or ``fqn``, and a one-line ``hint``. The CLI renders
-it as two lines on stderr (``error: [CODE] message`` / ``hint: ...``) and exits
-with ``exit_code`` (DESIGN.md section 4: 2 for unusable input, 1 for a command
-that ran and found problems). Programmer errors stay ordinary exceptions.
+Every failure a user can cause (bad invocation, unreadable or unsafe input, a refused
+output) is a :class:`CkptError` subclass with a stable ``code``, the offending ``path``
+and/or ``fqn``, the library ``param`` concerned (the CLI names it by its flag) and a
+one-line ``hint``. The CLI prints it as ``error: [CODE] message`` / ``hint: ...`` on
+stderr and exits with ``exit_code``: 2 for unusable input, 1 for a command that ran and
+found problems (``docs/errors.md`` lists every code). Programmer errors stay ordinary
+exceptions.
 
-Code families (stable; documented in ``docs/errors.md``):
+Each code is raised through exactly one class, so ``grep -rn StateDtypeError`` finds every
+place that raises ``E511``. Code families:
 
 =======  ==========================================================
 E1xx     invocation and paths (not a directory, escaping path, ...)
@@ -28,6 +30,9 @@ __all__ = [
     "CkptError",
     "UsageError",
     "PathEscapeError",
+    "GradientsError",
+    "DeviceUnavailableError",
+    "MemoryBudgetError",
     "MetadataError",
     "UnsafePickleError",
     "IncompleteCheckpointError",
@@ -37,11 +42,23 @@ __all__ = [
     "AllocationError",
     "TrustRequiredError",
     "LayoutError",
+    "LayoutFormatError",
+    "LayoutVersionError",
+    "LayoutConflictError",
+    "LayoutContradictionError",
+    "AmbiguousLayoutError",
+    "LayoutSizeError",
     "OptimStateError",
+    "StateFieldsError",
+    "StateDtypeError",
+    "StateShapeError",
+    "LostStateError",
+    "HyperparameterError",
     "OutputError",
     "ExportError",
     "ReshardError",
     "ReplayMismatchError",
+    "error_class",
 ]
 
 
@@ -50,10 +67,11 @@ class CkptError(Exception):
 
     Args:
         message: one line saying what is wrong; names the file/key when known.
-        hint: one line saying how to fix it.
+        hint: one line saying how to fix it (default: the class's ``default_hint``).
         path: the file or directory concerned, if any.
         fqn: the checkpoint key concerned, if any.
-        code: overrides the class default code.
+        param: the library parameter concerned (``"filter_glob"``); the CLI replaces it by
+            the command's flag (``--filter``) in the message and the hint.
     """
 
     code: str = "E000"
@@ -67,15 +85,14 @@ class CkptError(Exception):
         hint: str | None = None,
         path: str | PathLike[str] | None = None,
         fqn: str | None = None,
-        code: str | None = None,
+        param: str | None = None,
     ) -> None:
         # Keep messages single-line whatever the caller passed in.
         self.message = " ".join(str(message).split())
         self.hint = " ".join(str(hint if hint is not None else self.default_hint).split())
         self.path = str(path) if path is not None else None
         self.fqn = fqn
-        if code is not None:
-            self.code = code
+        self.param = param
         super().__init__(self.message)
 
     def __str__(self) -> str:
@@ -93,8 +110,9 @@ class CkptError(Exception):
         }
 
 
+# --------------------------------------------------------------------------- E1xx invocation
 class UsageError(CkptError):
-    """Bad invocation: conflicting options, a path that is not a directory, ..."""
+    """Bad invocation: conflicting options, a path that is not a directory, a bad value."""
 
     code = "E100"
     default_hint = "run the command with --help"
@@ -107,6 +125,28 @@ class PathEscapeError(CkptError):
     default_hint = "the checkpoint references files outside its directory; do not trust it"
 
 
+class GradientsError(UsageError):
+    """``replay-step`` gradients file: missing, unreadable, a missing gradient, wrong shape or dtype."""
+
+    code = "E120"
+    default_hint = "pass a safetensors file of gradients keyed by parameter fqn"
+
+
+class DeviceUnavailableError(UsageError):
+    """The requested device (``cuda``, ``npu``) is not available on this machine."""
+
+    code = "E121"
+    default_hint = "use --device auto or --device cpu"
+
+
+class MemoryBudgetError(UsageError):
+    """A memory budget too small for a single unit of work."""
+
+    code = "E130"
+    default_hint = "raise --max-memory, or leave the parameter out with --filter"
+
+
+# --------------------------------------------------------------------------- E2xx .metadata
 class MetadataError(CkptError):
     """``.metadata`` missing, empty, truncated, garbage or of the wrong shape."""
 
@@ -128,6 +168,7 @@ class IncompleteCheckpointError(MetadataError):
     default_hint = "the save did not finish (crashed or async save still running); use an earlier checkpoint"
 
 
+# --------------------------------------------------------------------------- E3xx data
 class DataFileError(CkptError):
     """A data file is missing, unreadable, or shorter than the metadata says."""
 
@@ -163,20 +204,98 @@ class TrustRequiredError(CkptError):
     default_hint = "pass --trust-pickle only if you trust where this checkpoint came from"
 
 
+# --------------------------------------------------------------------------- E4xx layout
 class LayoutError(CkptError):
-    """Layout record invalid, conflicting, or an EP layout that must be declared."""
+    """Layout record malformed, or an incomplete layout declaration."""
 
     code = "E400"
     default_hint = "declare the layout with --source-layout legacy|canonical --ep-size P --ep-fsdp-size F"
 
 
+class LayoutFormatError(LayoutError):
+    """A layout record with an unknown ``format`` or an invalid ``version``."""
+
+    code = "E401"
+    default_hint = "this record was not written by ckpttool; remove or fix it"
+
+
+class LayoutVersionError(LayoutError):
+    """A layout record ``version`` newer than this ckpttool supports."""
+
+    code = "E402"
+    default_hint = "upgrade ckpttool"
+
+
+class LayoutConflictError(LayoutError):
+    """The embedded ``layout`` item and the sidecar ``layout.json`` disagree."""
+
+    code = "E403"
+    default_hint = "remove the stale layout.json (the embedded record was written with the save)"
+
+
+class LayoutContradictionError(LayoutError):
+    """A layout declaration contradicts the layout record or the chunk geometry."""
+
+    code = "E404"
+    default_hint = "check the mesh sizes of the job that saved the checkpoint (`ckpttool inspect` shows the chunks)"
+
+
+class AmbiguousLayoutError(LayoutError):
+    """An unversioned EP tensor sharded by EP and EP-FSDP on one dim: its expert order is unknown."""
+
+    code = "E405"
+    default_hint = (
+        "declare it with --source-layout legacy|canonical --ep-size P --ep-fsdp-size F "
+        "(or record it once with `ckpttool stamp`)"
+    )
+
+
+class LayoutSizeError(LayoutError):
+    """EP / EP-FSDP sizes that do not divide the expert count (or a dim) into equal blocks."""
+
+    code = "E406"
+    default_hint = "the expert count must be a multiple of ep_size * ep_fsdp_size"
+
+
+# --------------------------------------------------------------------------- E5xx optimizer state
 class OptimStateError(CkptError):
-    """Optimizer state that does not match the optimizer configuration."""
+    """Optimizer state that does not match the optimizer configuration (on restore)."""
 
     code = "E500"
     default_hint = "run `ckpttool validate --strict` on the checkpoint to see every problem"
 
 
+class StateFieldsError(OptimStateError):
+    """A parameter's saved state lacks a field its optimizer type saves, or has an unexpected one."""
+
+    code = "E510"
+
+
+class StateDtypeError(OptimStateError):
+    """A saved state field violates the dtype policy of its optimizer type."""
+
+    code = "E511"
+
+
+class StateShapeError(OptimStateError):
+    """A saved state tensor's shape differs from its parameter's."""
+
+    code = "E512"
+
+
+class LostStateError(OptimStateError):
+    """No state for a parameter whose param group (leaf) did step: the state was lost."""
+
+    code = "E513"
+
+
+class HyperparameterError(OptimStateError):
+    """Param-group hyperparameters missing or unusable (non-numeric lr, amsgrad, no groups at all)."""
+
+    code = "E514"
+
+
+# --------------------------------------------------------------------------- E6xx outputs
 class OutputError(CkptError):
     """An output target that cannot be written (exists, not writable, write failed)."""
 
@@ -198,9 +317,30 @@ class ReshardError(CkptError):
     default_hint = "see `ckpttool reshard --help`"
 
 
+# --------------------------------------------------------------------------- E7xx results
 class ReplayMismatchError(CkptError):
     """replay-step ran and found results beyond tolerance (exit 1)."""
 
     code = "E700"
     exit_code = 1
-    default_hint = "the saved optimizer state does not reproduce the next step; run `ckpttool validate --strict --deep`"
+    default_hint = (
+        "the saved optimizer state does not reproduce the next step; run `ckpttool validate --strict --deep`"
+    )
+
+
+def _all_classes() -> list[type[CkptError]]:
+    out: list[type[CkptError]] = []
+    stack: list[type[CkptError]] = [CkptError]
+    while stack:
+        cls = stack.pop()
+        out.append(cls)
+        stack.extend(cls.__subclasses__())
+    return out
+
+
+def error_class(code: str) -> type[CkptError]:
+    """The class that raises error ``code`` (``"E301"`` -> :class:`ChunkError`); :class:`CkptError` if none."""
+    for cls in _all_classes():
+        if cls.code == code and cls is not CkptError:
+            return cls
+    return CkptError

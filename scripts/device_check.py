@@ -67,8 +67,8 @@ def build_big(out: str, target_gib: float) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from ckpttool.optim_state import build_optimizer
-    from ckpttool.sample import SampleConfig, TinyMoEForCausalLM, layout_record_for, sample_optimizer_record
+    from ckpttool.optim import build_optimizer
+    from ckpttool.ops.sample import SampleConfig, TinyMoEForCausalLM, layout_record_for, sample_optimizer_record
 
     warnings.filterwarnings("ignore")
     # 14 bytes per element saved: BF16 param + FP32 master + two FP32 moments.
@@ -150,7 +150,7 @@ def main() -> int:
     summary: dict[str, Any] = {"checks": {}}
     checks = summary["checks"]
 
-    rc, out, _ = run(py("import torch; from ckpttool.optim_state.device import accelerator_type; "
+    rc, out, _ = run(py("import torch; from ckpttool.optim.device import accelerator_type; "
                         "t = accelerator_type(); print(torch.__version__, t or 'none', "
                         "torch.cuda.get_device_name() if t == 'cuda' else '-', sep='|')"),
                      timeout=min(60, budget.left()), log=logs / "env.log", env=env)

@@ -50,6 +50,6 @@ def fsdp_ckpt(fixture_root: Path) -> Path:
 @pytest.fixture(scope="session")
 def sample_ckpt(fixture_root: Path) -> Path:
     """The `ckpttool sample` checkpoint."""
-    from ckpttool.sample import write_sample
+    from ckpttool.ops.sample import write_sample
 
     return cached_build(fixture_root, "sample", write_sample)

@@ -1,0 +1,1 @@
+"""One module per ``ckpttool`` command: parse options, call one library function, render its result."""

@@ -1,0 +1,54 @@
+"""``ckpttool inspect DIR``: metadata-only overview."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated
+
+import typer
+
+from ckpttool.cli.options import (
+    CheckpointArg,
+    EpFsdpSizeOpt,
+    EpSizeOpt,
+    FilterOpt,
+    JsonOpt,
+    SourceLayoutOpt,
+    TrustPickleOpt,
+    declaration,
+)
+from ckpttool.cli.output import Output, command_boundary
+
+
+class SortKey(str, Enum):
+    name = "name"
+    size = "size"
+
+
+@command_boundary
+def inspect_command(
+    checkpoint: CheckpointArg,
+    json_output: JsonOpt = False,
+    filter_glob: FilterOpt = None,
+    depth: Annotated[
+        int | None, typer.Option("--depth", min=1, help="Group model tensors into a tree by the first N key components.")
+    ] = None,
+    sort: Annotated[SortKey, typer.Option("--sort", help="Order of tensor rows.")] = SortKey.name,
+    trust_pickle: TrustPickleOpt = False,
+    source_layout: SourceLayoutOpt = None,
+    ep_size: EpSizeOpt = None,
+    ep_fsdp_size: EpFsdpSizeOpt = None,
+) -> None:
+    """Show what a checkpoint holds, from .metadata alone (reads no tensor data)."""
+    from ckpttool.ops.inspect import InspectOptions, inspect
+
+    options = InspectOptions(filter_glob=filter_glob, depth=depth, sort=sort.value)
+    result = inspect(checkpoint, options, declaration=declaration(source_layout, ep_size, ep_fsdp_size),
+                     trust_pickle=trust_pickle)
+    from ckpttool.cli.render import render_overview
+
+    Output(json_output).result(result, render_overview)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("inspect")(inspect_command)

@@ -1,0 +1,150 @@
+"""``ckpttool validate DIR [--strict] [--deep]``: rule checks with stable codes (``docs/rules.md``).
+
+Exit codes: 0 clean; 1 findings that fail the run (errors; warnings too with
+``--strict``); 2 unreadable/unsafe input or bad invocation.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ckpttool.cli.options import (
+    CheckpointArg,
+    EpFsdpSizeOpt,
+    EpSizeOpt,
+    JsonOpt,
+    SourceLayoutOpt,
+    TrustPickleOpt,
+    declaration,
+)
+from ckpttool.cli.output import Output, command_boundary, emit_json, print_error
+
+if TYPE_CHECKING:
+    from ckpttool.ops.validate import ValidationResult
+
+
+def _render(res: ValidationResult) -> None:
+    from ckpttool.cli.render import human_bytes, stdout_console, table
+
+    con = stdout_console()
+    con.print(f"checkpoint  {res.path}")
+    for sev in ("error", "warning", "info"):
+        rows = [f for f in res.findings if f.severity.value == sev]
+        if not rows:
+            continue
+        title = {"error": "errors", "warning": "warnings" + ("" if res.strict else " (do not fail without --strict)"),
+                 "info": "info"}[sev]
+        con.print(table(f"{title} ({len(rows)})", ["code", "key", "message", "hint"],
+                        [[f.code + (f" {f.error_code}" if f.error_code else ""), f.key or "-", f.message, f.hint]
+                         for f in rows]))
+    c = res.counts
+    ran = sum(1 for s in res.rules if s.status != "skipped")
+    skipped = [s for s in res.rules if s.status == "skipped"]
+    reasons = sorted({s.reason or "" for s in skipped})
+    skip_txt = f", {len(skipped)} skipped ({'; '.join(reasons)})" if skipped else ""
+    verdict = {0: "OK", 1: "FAILED", 2: "UNREADABLE"}[res.exit_code]
+    deep = f", read {human_bytes(res.bytes_read)}" if res.deep else ""
+    con.print(
+        f"{verdict}: {c['error']} error(s), {c['warning']} warning(s), {c['info']} info; "
+        f"{ran} rule(s) run{skip_txt}{deep} in {res.seconds:.2f} s" + (" [strict]" if res.strict else "")
+    )
+
+
+def _list_rules(json_output: bool) -> None:
+    from ckpttool.ops.validate import RULES
+
+    rows = [
+        {"code": r.code, "name": r.name, "severity": r.severity.value, "family": r.family,
+         "needs": sorted(r.needs), "fatal": r.fatal, "summary": r.summary, "hint": r.hint}
+        for r in (RULES[c] for c in sorted(RULES))
+    ]
+    if json_output:
+        emit_json({"schema": "ckpttool.rules/1", "rules": rows})
+        return
+    from ckpttool.cli.render import stdout_console, table
+
+    stdout_console().print(table("rules", ["code", "name", "severity", "needs", "checks"],
+                                 [[r["code"], r["name"], r["severity"], ",".join(r["needs"]) or "-", r["summary"]]
+                                  for r in rows]))
+
+
+_JUNIT_HINT = ("--junit takes the path of a file in an existing, writable directory "
+               "(an existing file is replaced), e.g. --junit reports/validate.xml")
+
+
+def _check_junit_path(junit: Path) -> None:
+    """Refuse a ``--junit`` path that cannot be written before any checking is done.
+
+    Raises:
+        OutputError (E600): a directory, or a file whose parent directory does not exist.
+    """
+    from ckpttool.errors import OutputError
+
+    if junit.is_dir():
+        raise OutputError(f"--junit {junit}: is a directory, not a file", path=junit, hint=_JUNIT_HINT)
+    parent = junit.parent
+    if not parent.is_dir():
+        raise OutputError(f"--junit {junit}: directory {parent} does not exist", path=junit,
+                          hint=f"create {parent} first, or {_JUNIT_HINT}")
+
+
+@command_boundary
+def validate_command(
+    checkpoint: CheckpointArg = None,  # type: ignore[assignment]
+    strict: Annotated[bool, typer.Option("--strict", help="Warnings fail the run too; unknown or ambiguous things fail closed.")] = False,
+    deep: Annotated[bool, typer.Option("--deep", help="Also read every data byte once (files in parallel): non-finite values, negative exp_avg_sq, step values, master/param divergence, tied head, corrupt chunks.")] = False,
+    select: Annotated[list[str] | None, typer.Option("--select", help="Run only rules whose code starts with one of these (comma list or repeated): S, O00, D004.")] = None,
+    ignore: Annotated[list[str] | None, typer.Option("--ignore", help="Skip rules whose code starts with one of these (comma list or repeated).")] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="HF config.json of the model: layer and expert coverage, tied lm_head rules.")] = None,
+    against: Annotated[Path | None, typer.Option("--against", help="Reference model (HF directory with safetensors/index, a .safetensors file, or a JSON key list): missing/unexpected keys, shapes, dtypes.")] = None,
+    json_output: JsonOpt = False,
+    junit: Annotated[Path | None, typer.Option("--junit", help="Also write a JUnit XML report (one test case per rule) to this file.")] = None,
+    source_layout: SourceLayoutOpt = None,
+    ep_size: EpSizeOpt = None,
+    ep_fsdp_size: EpFsdpSizeOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    workers: Annotated[int | None, typer.Option("--workers", min=1, help="Reader threads for --deep (default: CPU count, 2..8).")] = None,
+    list_rules: Annotated[bool, typer.Option("--list-rules", help="List the rules (code, severity, what they check) and exit.")] = False,
+) -> None:
+    """Check a checkpoint with rules that have stable codes; exit 1 on findings that fail the run."""
+    from ckpttool.errors import UsageError, error_class
+
+    if list_rules:
+        _list_rules(json_output)
+        return
+    if checkpoint is None:
+        raise UsageError("missing CHECKPOINT argument", hint="ckpttool validate DIR [--strict] [--deep]")
+    from ckpttool.ops.validate import ValidateOptions, junit_xml, validate
+
+    if junit is not None:
+        _check_junit_path(junit)
+    from ckpttool.cli.render import byte_progress
+
+    decl = declaration(source_layout, ep_size, ep_fsdp_size)
+    options = ValidateOptions(strict=strict, deep=deep, select=tuple(select or ()), ignore=tuple(ignore or ()),
+                              config=config, against=against, workers=workers)
+    with byte_progress("validate --deep", deep and not json_output and sys.stderr.isatty()) as update:
+        res = validate(checkpoint, options, declaration=decl, trust_pickle=trust_pickle, progress=update)
+    if junit is not None:
+        from ckpttool.errors import OutputError
+        from ckpttool.format.atomic import atomic_write_text
+
+        try:
+            atomic_write_text(junit, junit_xml(res))
+        except OutputError as e:
+            e.hint = _JUNIT_HINT
+            raise
+    Output(json_output).result(res, _render)
+    fatal = res.fatal
+    if fatal is not None:
+        message = f"{fatal.key}: {fatal.message}" if fatal.key and fatal.key not in fatal.message else fatal.message
+        print_error(error_class(fatal.error_code or "")(message, hint=fatal.hint))
+    raise typer.Exit(res.exit_code)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("validate")(validate_command)

@@ -1,0 +1,147 @@
+"""Shared CLI options (one help string per concept) and the parsers of option values.
+
+Sizes and dtypes are parsed here and nowhere else:
+
+- :func:`parse_size`: ``5GB`` = 5*10^9 bytes (decimal ``KB/MB/GB/TB``, the Hugging Face
+  convention for ``--shard-size``), ``2GiB`` = 2*2^30 (binary ``KiB/MiB/GiB/TiB``), bare
+  ``K/M/G/T`` binary as in ``dd``/``ls -h``, or a plain byte count;
+- :func:`parse_dtype`: ``bfloat16``/``bf16``, ``float16``/``fp16``/``half``, ``float32``/``fp32``/``float``;
+- :func:`parse_tolerance`: ``rtol,atol``.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ckpttool.errors import UsageError
+from ckpttool.format.metadata import dtype_name
+from ckpttool.model.declaration import LayoutDeclaration
+from ckpttool.ops.replay import check_tolerance
+
+__all__ = [
+    "CheckpointArg",
+    "EpFsdpSizeOpt",
+    "EpSizeOpt",
+    "FilterOpt",
+    "JsonOpt",
+    "OverwriteOpt",
+    "SourceLayout",
+    "SourceLayoutOpt",
+    "TrustPickleOpt",
+    "declaration",
+    "parse_dtype",
+    "parse_size",
+    "parse_tolerance",
+]
+
+
+class SourceLayout(str, Enum):
+    """EP layout of the source checkpoint (``docs/layouts.md``)."""
+
+    legacy = "legacy"
+    canonical = "canonical"
+
+
+CheckpointArg = Annotated[
+    Path, typer.Argument(help="DCP checkpoint directory (holds .metadata and __R_N.distcp files).", show_default=False)
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Write machine-readable JSON to stdout (schema in docs/).")]
+FilterOpt = Annotated[
+    str | None, typer.Option("--filter", help="Only keys matching this glob (with or without the 'model.' prefix).")
+]
+TrustPickleOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-pickle",
+        help="Allow torch.load(weights_only=False) for byte items/extra_state that need it. "
+        "Runs code from the checkpoint: only for checkpoints you trust.",
+    ),
+]
+OverwriteOpt = Annotated[
+    bool,
+    typer.Option("--overwrite", help="Replace an existing non-empty output directory once the new output is complete."),
+]
+SourceLayoutOpt = Annotated[
+    SourceLayout | None,
+    typer.Option(
+        "--source-layout",
+        help="Declare the EP layout of an unversioned checkpoint: legacy (FSDP-outer/EP-inner) or canonical.",
+    ),
+]
+EpSizeOpt = Annotated[
+    int | None, typer.Option("--ep-size", min=1, help="EP size P of the saving mesh (with --source-layout).")
+]
+EpFsdpSizeOpt = Annotated[
+    int | None, typer.Option("--ep-fsdp-size", min=1, help="EP-FSDP size F of the saving mesh (with --source-layout).")
+]
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}  # fmt: skip
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(text: str | int, flag: str = "--size") -> int:
+    """Bytes of a size: ``5GB`` (10^9), ``2GiB`` (2^30), ``512M`` (2^20) or a byte count.
+
+    Raises:
+        UsageError: not a positive size (the message names ``flag``).
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE_RE.fullmatch(text)
+        unit = m.group(2).lower() if m else ""
+        if m is None or unit not in _SIZE_UNITS:
+            raise UsageError(f"{flag} {text!r} is not a size", hint="use e.g. 5GB (10^9 bytes), 2GiB, 512M or a byte count")
+        value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise UsageError(f"{flag} {text!r} must be a positive size", hint="use e.g. 5GB, 2GiB or a byte count")
+    return value
+
+
+_FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+def parse_dtype(text: str, flag: str, allowed: tuple[str, ...] = _FLOAT_DTYPES) -> str:
+    """Canonical dtype name of ``text`` (``bf16`` -> ``bfloat16``), one of ``allowed``.
+
+    Raises:
+        UsageError: not one of ``allowed`` (the message names ``flag``).
+    """
+    name = dtype_name(text) if text.strip() else ""
+    if name not in allowed:
+        raise UsageError(f"{flag} {text!r} is not one of {', '.join(allowed)}",
+                         hint="aliases: bf16, fp16/half, fp32/float, fp64/double")
+    return name
+
+
+def parse_tolerance(text: str) -> tuple[float, float]:
+    """``"1e-5,1e-8"`` -> ``(rtol, atol)``.
+
+    Raises:
+        UsageError: not two finite non-negative numbers (``inf``/``nan`` would make the check pass always).
+    """
+    parts = text.split(",")
+    try:
+        rtol, atol = (float(x) for x in parts)
+    except ValueError as e:
+        raise UsageError(f"--tolerance {text!r} is not 'rtol,atol'", hint="e.g. --tolerance 1e-5,1e-8") from e
+    check_tolerance(rtol, atol, text)
+    return rtol, atol
+
+
+def declaration(
+    source_layout: SourceLayout | str | None, ep_size: int | None, ep_fsdp_size: int | None
+) -> LayoutDeclaration | None:
+    """The layout declaration of ``--source-layout/--ep-size/--ep-fsdp-size`` (``None`` when none is given)."""
+    layout = source_layout.value if isinstance(source_layout, SourceLayout) else source_layout
+    return LayoutDeclaration.from_options(layout, ep_size, ep_fsdp_size)

@@ -1,1 +1,0 @@
-"""One thin module per CLI command; each exposes ``register(app)``."""

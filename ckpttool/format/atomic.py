@@ -1,0 +1,376 @@
+"""Atomic output directories (DESIGN.md section 5).
+
+Every command that writes a directory (``export``, ``reshard``, ``sample``) writes into a
+temporary sibling ``.<name>.ckpttool-tmp-<pid>-<token>`` and renames it into
+place only when complete, so an interrupted or failed run never leaves output
+that looks complete. The target is made absolute first (``os.path.abspath``: ``.``
+and relative paths work, a symlink as the final component is not followed).
+
+An existing non-empty target is refused unless ``overwrite=True``; even then only a
+directory that looks like a previous ckpttool/model output (it holds ``.metadata``,
+``*.safetensors``, ``model.safetensors.index.json`` or ``adapter_config.json``, and no
+``.git`` anywhere below it) is replaced, and only after the new output is complete:
+the old directory is renamed aside, the new one renamed into place (SIGINT/SIGTERM
+deferred between the two renames), the old one restored if the second rename fails and
+deleted only once the new output is in place. Any failure while committing removes
+the temporary directory. SIGTERM is turned into an exception while the directory is
+open so the temporary directory is removed (a second SIGINT/SIGTERM during that removal
+waits for it, see :func:`signals_deferred`); a temporary directory left by a killed
+(SIGKILL) run is removed by the next run that targets the same path.
+
+Example::
+
+    with AtomicOutputDir(out, overwrite=False, source=ckpt_dir) as tmp:
+        write_files(tmp)
+    # `out` now exists and is complete
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+import shutil
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+from ckpttool.errors import OutputError
+
+__all__ = ["AtomicOutputDir", "Terminated", "check_output_target", "atomic_write_text", "looks_like_output",
+           "signal_received", "signals_deferred"]
+
+log = logging.getLogger(__name__)
+_TMP_RE = re.compile(r"^\.(?P<name>.+)\.ckpttool-tmp-(?P<pid>\d+)-[0-9a-f]+$")
+_OUTPUT_MARKERS = (".metadata", "model.safetensors.index.json", "adapter_config.json")
+_defer_depth = 0  # signals_deferred() nesting (main thread only)
+_deferred_signal: int | None = None
+_signal_received = False  # set by AtomicOutputDir's handler, never cleared: the process is stopping
+_NOT_AN_OUTPUT_HINT = "choose an empty or new output directory"
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread on SIGTERM while an output directory is open.
+
+    A ``KeyboardInterrupt``, so every layer that handles Ctrl-C (exit 130) handles it too.
+    """
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _absolute(path: str | os.PathLike[str]) -> Path:
+    """Absolute, normalized ``path`` without resolving a symlink in its final component."""
+    return Path(os.path.abspath(os.fspath(path)))
+
+
+def _has_git(root: Path) -> bool:
+    for _dirpath, dirnames, filenames in os.walk(root):
+        if ".git" in dirnames or ".git" in filenames:
+            return True
+    return False
+
+
+def looks_like_output(target: Path) -> bool:
+    """True if ``target`` looks like a previous checkpoint/model output that ``--overwrite`` may replace.
+
+    It must hold ``.metadata``, ``model.safetensors.index.json``, ``adapter_config.json`` or a
+    ``*.safetensors`` file at its top level, and no ``.git`` anywhere below it.
+    """
+    try:
+        names = os.listdir(target)
+    except OSError:
+        return False
+    if not any(n in _OUTPUT_MARKERS or n.endswith(".safetensors") for n in names):
+        return False
+    return not _has_git(target)
+
+
+def check_output_target(target: Path, *, overwrite: bool, source: Path | None = None) -> None:
+    """Refuse a target that exists non-empty (without ``overwrite``) or overlaps the source.
+
+    With ``overwrite`` a non-empty target is accepted only if :func:`looks_like_output`.
+
+    Raises:
+        OutputError: target is a file, non-empty without overwrite, non-empty and not a previous
+            output, or inside/equal to ``source``.
+    """
+    target = _absolute(target)
+    if target.name == "":
+        raise OutputError(f"{target}: cannot write there (not a directory name)", path=target,
+                          hint="choose a new or empty output directory")
+    t = target.resolve()
+    if source is not None:
+        s = source.resolve()
+        if t == s or s in t.parents or t in s.parents:
+            raise OutputError(
+                f"{target}: output overlaps the source checkpoint {source}",
+                path=target, hint="write the output to a directory outside the checkpoint",
+            )
+    if target.exists() or target.is_symlink():
+        if not target.is_dir() or target.is_symlink():
+            raise OutputError(f"{target} exists and is not a directory", path=target,
+                              hint="choose a new or empty output directory")
+        try:
+            non_empty = any(target.iterdir())
+        except OSError as e:
+            raise OutputError(f"{target}: cannot write there ({e.strerror})", path=target,
+                              hint="choose a writable output location") from e
+        if non_empty and not overwrite:
+            raise OutputError(f"{target} exists and is not empty", path=target,
+                              hint="choose another output directory or pass `overwrite`")
+        if non_empty and not looks_like_output(target):
+            raise OutputError(
+                f"{target} exists and does not look like a previous checkpoint or model output "
+                "(no .metadata, *.safetensors, model.safetensors.index.json or adapter_config.json, or it holds .git); "
+                "`overwrite` will not replace it",
+                path=target, hint=_NOT_AN_OUTPUT_HINT,
+            )
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Defer SIGINT/SIGTERM for the body; one that arrived meanwhile is raised on exit.
+
+    For the steps that must not be cut short: the final renames, removing a temporary
+    directory or a superseded output, waiting for worker threads before their files are
+    closed. Deferral is done by :class:`AtomicOutputDir`'s handlers (they record the signal
+    instead of raising while a body runs), not with ``pthread_sigmask``: a signal sent to
+    the process is delivered to any thread that does not block it (a worker, a library's
+    I/O thread) and Python then runs its handler in the main thread all the same. Outside
+    an :class:`AtomicOutputDir`, or off the main thread, this defers nothing.
+
+    Raises:
+        KeyboardInterrupt: (or :class:`Terminated`) on exit, for a deferred signal.
+    """
+    global _defer_depth, _deferred_signal
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _defer_depth += 1
+    try:
+        yield
+    finally:
+        _defer_depth -= 1
+        if _defer_depth == 0 and _deferred_signal is not None:
+            signum, _deferred_signal = _deferred_signal, None
+            _raise_for(signum)
+
+
+def signal_received() -> bool:
+    """Whether an :class:`AtomicOutputDir` handler has seen SIGINT/SIGTERM in this process."""
+    return _signal_received
+
+
+def _raise_for(signum: int) -> None:
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt()
+    raise Terminated()
+
+
+def _same_dir(a: str, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+class AtomicOutputDir:
+    """Context manager yielding a temporary directory that becomes ``target`` on success.
+
+    Args:
+        target: final output directory (made absolute first; ``.`` works).
+        overwrite: replace an existing non-empty ``target`` that looks like a previous output
+            (after success only).
+        source: the source checkpoint; the target may not overlap it.
+
+    Raises:
+        OutputError: on entry, see :func:`check_output_target`; on exit, when the
+            rename fails (the temporary directory is removed, an existing target kept).
+    """
+
+    def __init__(self, target: str | os.PathLike[str], *, overwrite: bool = False,
+                 source: str | os.PathLike[str] | None = None) -> None:
+        self.target = _absolute(target)
+        self.overwrite = overwrite
+        self.source = _absolute(source) if source is not None else None
+        self.tmp: Path | None = None
+        self._old_handlers: dict[int, Any] = {}
+        # Set by the handlers: an exception raised in a signal handler is lost when it lands
+        # in a finalizer (``ZipFile.__del__``), so the commit checks this flag as well.
+        self._interrupted = False
+
+    def _clean_stale(self) -> None:
+        parent = self.target.parent
+        for p in parent.iterdir() if parent.is_dir() else ():
+            m = _TMP_RE.match(p.name)
+            if m and m.group("name") == self.target.name and not _pid_alive(int(m.group("pid"))):
+                log.info("removing stale temporary output %s", p)
+                shutil.rmtree(p, ignore_errors=True)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        global _deferred_signal, _signal_received
+        self._interrupted = _signal_received = True
+        if _defer_depth:
+            _deferred_signal = signum
+            return
+        _raise_for(signum)
+
+    def __enter__(self) -> Path:
+        check_output_target(self.target, overwrite=self.overwrite, source=self.source)
+        parent = self.target.parent
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            why = e.strerror or str(e)
+            if isinstance(e, (FileExistsError, NotADirectoryError)):
+                blocker = next((a for a in (parent, *parent.parents) if a.exists() or a.is_symlink()), parent)
+                why = f"{blocker} is not a directory"
+            raise OutputError(f"{self.target}: cannot write there ({why})", path=self.target,
+                              hint="choose a writable output location") from e
+        self._clean_stale()
+        tmp = parent / f".{self.target.name}.ckpttool-tmp-{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            tmp.mkdir()
+        except OSError as e:
+            raise OutputError(f"{parent}: cannot write there ({e.strerror})", path=parent,
+                              hint="choose a writable output location") from e
+        self.tmp = tmp
+        try:
+            self._old_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # leave an embedding app's own
+                self._old_handlers[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_signal)
+        except ValueError:  # not the main thread
+            pass
+        return tmp
+
+    def _restore_signal(self) -> None:
+        # Deferred: a signal arriving midway would leave a handler of this (finished) object installed.
+        with signals_deferred():
+            for signum, handler in self._old_handlers.items():
+                signal.signal(signum, handler)
+            self._old_handlers.clear()
+
+    def _remove_tmp(self) -> None:
+        assert self.tmp is not None
+        with signals_deferred():  # a second Ctrl-C must not cut the cleanup short (a leftover temp dir)
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _write_failure(self, exc: BaseException | None) -> str | None:
+        """Why writing failed, when ``exc`` is a failed write (disk full, file too large, read-only, ...)."""
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EDQUOT):
+            return exc.strerror or str(exc)
+        if isinstance(exc, shutil.Error):  # copytree: a list of (src, dst, why) and no errno
+            errors = exc.args[0] if exc.args and isinstance(exc.args[0], list) else []
+            why = next((str(e[-1]) for e in errors if e), str(exc))
+            return why.replace(str(self.tmp), str(self.target))  # name the place the user knows
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            if exc_type is not None:
+                self._remove_tmp()
+                if issubclass(exc_type, KeyboardInterrupt):
+                    raise KeyboardInterrupt() from None
+                why = self._write_failure(exc)
+                if why is not None:
+                    raise OutputError(f"{self.target}: write failed ({why[:200]}); no output was left",
+                                      path=self.target, hint="free disk space or choose another location") from exc
+                return
+            if self._interrupted:  # the handler's exception was swallowed: stop here all the same
+                self._remove_tmp()
+                raise KeyboardInterrupt()
+            self._commit()
+        finally:
+            self._restore_signal()
+
+    def _commit(self) -> None:
+        """Rename the finished temporary directory into place; on any failure remove it."""
+        assert self.tmp is not None
+        tmp, target = self.tmp, self.target
+        backup: Path | None = None
+        placed = False
+        was_cwd = _same_dir(".", target)
+        try:
+            replace = self.overwrite and (target.exists() or target.is_symlink())
+            if replace:
+                # Re-check: the target may have changed while the output was written.
+                check_output_target(target, overwrite=True, source=self.source)
+                replace = any(target.iterdir())
+            if not replace:
+                # An absent or empty target: one atomic rename; a target that became non-empty
+                # meanwhile (a concurrent run) fails with ENOTEMPTY/EEXIST.
+                with signals_deferred():
+                    os.rename(tmp, target)
+                    placed = True
+            else:
+                backup = target.parent / f".{target.name}.ckpttool-old-{os.urandom(4).hex()}"
+                with signals_deferred():
+                    os.rename(target, backup)
+                    try:
+                        os.rename(tmp, target)
+                    except OSError:
+                        if not (target.exists() or target.is_symlink()):
+                            try:
+                                os.rename(backup, target)
+                            except OSError:
+                                log.error("the previous output was left at %s", backup)
+                            backup = None  # restored, or the only copy left: never delete it
+                        else:  # a concurrent run put its complete output in place: the old one is superseded
+                            shutil.rmtree(backup, ignore_errors=True)
+                            backup = None
+                        raise
+                    placed = True
+        except BaseException as e:
+            if not placed:
+                self._remove_tmp()  # deferred: a second signal must not cut it short
+            if isinstance(e, OSError):
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise OutputError(f"{target} exists and is not empty (written by another run meanwhile?)",
+                                      path=target, hint="choose another output directory or pass `overwrite`") from e
+                raise OutputError(f"{target}: cannot move the finished output into place ({e.strerror})",
+                                  path=target, hint="choose another output directory") from e
+            raise
+        finally:
+            if placed:
+                if backup is not None:
+                    with signals_deferred():  # interrupted, it would leak a whole previous output
+                        shutil.rmtree(backup, ignore_errors=True)
+                if was_cwd:
+                    with contextlib.suppress(OSError):
+                        os.chdir(target)  # the old directory is gone: follow the new output
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write a small text file atomically (temp file in the same directory + ``os.replace``).
+
+    Raises:
+        OutputError: the directory is not writable.
+    """
+    p = Path(path)
+    tmp = p.parent / f".{p.name}.ckpttool-tmp-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise OutputError(f"{p}: cannot write ({e.strerror})", path=p) from e

@@ -1,0 +1,190 @@
+"""A DCP checkpoint directory: validated ``.metadata``, confined data files, shared descriptors.
+
+:class:`CheckpointDir` opens a directory, reads ``.metadata`` with the allow-list
+unpickler (:mod:`ckpttool.format.unpickler`; no torch import) and confines every
+``relative_path`` of ``storage_data`` to the directory. It keeps one read-only
+descriptor per data file, shared by every reader thread (reads are positional:
+``os.preadv``), so the reader, export, reshard and ``validate --deep`` never open a data
+file twice.
+
+File layout written by torch's ``FileSystemWriter`` (``torch/distributed/checkpoint/
+filesystem.py``): ``.metadata`` plus data files ``__{rank}_{n}.distcp``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from pathlib import Path
+
+from ckpttool.errors import (
+    DataFileError,
+    IncompleteCheckpointError,
+    MetadataError,
+    PathEscapeError,
+    UsageError,
+)
+from ckpttool.format.metadata import CheckpointMetadata, ChunkMeta, StorageInfo
+from ckpttool.format.unpickler import load_metadata
+
+__all__ = ["DATA_FILE_RE", "METADATA_NAME", "CheckpointDir", "rank_of_file"]
+
+DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+METADATA_NAME = ".metadata"
+
+
+def rank_of_file(relative_path: str) -> int | None:
+    """Writing rank encoded in a ``__{rank}_{n}.distcp`` file name, else ``None``."""
+    m = DATA_FILE_RE.match(os.path.basename(relative_path))
+    return int(m.group(1)) if m else None
+
+
+class CheckpointDir:
+    """A DCP checkpoint directory with its validated metadata (torch-free).
+
+    Args:
+        path: the checkpoint directory.
+
+    Raises:
+        UsageError: ``path`` does not exist or is not a directory.
+        IncompleteCheckpointError: data files but no ``.metadata``.
+        MetadataError / UnsafePickleError: ``.metadata`` missing or unusable.
+
+    Thread safety: :meth:`fd`, :meth:`file_size` and :meth:`storage_info` may be called
+    from several threads.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        p = Path(path)
+        if not p.exists():
+            raise UsageError(f"{p}: no such directory", path=p, hint="pass the checkpoint directory")
+        if not p.is_dir():
+            raise UsageError(
+                f"{p} is not a directory",
+                path=p,
+                hint="pass the checkpoint directory (the one holding .metadata), not a file in it",
+            )
+        self.path = p
+        self.root = p.resolve()
+        md = p / METADATA_NAME
+        if not md.is_file():
+            if any(DATA_FILE_RE.match(n) for n in os.listdir(p)):
+                raise IncompleteCheckpointError(
+                    f"{p}: has .distcp data files but no .metadata (incomplete save)", path=md
+                )
+            raise MetadataError(
+                f"{p}: no .metadata file; not a DCP checkpoint",
+                path=md,
+                hint="pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files)",
+            )
+        self.metadata: CheckpointMetadata = load_metadata(md)
+        self._resolved: dict[str, Path] = {}
+        self._sizes: dict[str, int] = {}
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Close every data file descriptor. Idempotent."""
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __enter__(self) -> CheckpointDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ files
+    def resolve(self, relative_path: str) -> Path:
+        """Absolute path of a data file, confined to the checkpoint directory.
+
+        Raises:
+            PathEscapeError: absolute, ``..`` or symlink escapes.
+        """
+        hit = self._resolved.get(relative_path)
+        if hit is not None:
+            return hit
+        if not relative_path or "\x00" in relative_path or os.path.isabs(relative_path):
+            raise PathEscapeError(
+                f"{self.path}: storage path {relative_path!r} is absolute or empty", path=relative_path
+            )
+        target = (self.root / relative_path).resolve()
+        if target != self.root and self.root not in target.parents:
+            raise PathEscapeError(
+                f"{self.path}: storage path {relative_path!r} resolves outside the checkpoint ({target})",
+                path=relative_path,
+            )
+        self._resolved[relative_path] = target
+        return target
+
+    def file_size(self, relative_path: str) -> int:
+        """Size in bytes of a data file.
+
+        Raises:
+            PathEscapeError, DataFileError: escaping, missing or not a regular file.
+        """
+        size = self._sizes.get(relative_path)
+        if size is None:
+            target = self.resolve(relative_path)
+            try:
+                st = target.stat()
+            except OSError as e:
+                raise DataFileError(
+                    f"{self.path / relative_path}: data file missing ({e.strerror})", path=relative_path
+                ) from e
+            if not target.is_file():
+                raise DataFileError(f"{self.path / relative_path}: not a regular file", path=relative_path)
+            size = st.st_size
+            self._sizes[relative_path] = size
+        return size
+
+    def fd(self, relative_path: str) -> int:
+        """A read-only descriptor of a data file, opened once and shared (use positional reads only).
+
+        Raises:
+            PathEscapeError, DataFileError: escaping, missing or unreadable file.
+        """
+        fd = self._fds.get(relative_path)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(relative_path)
+                if fd is None:
+                    target = self.resolve(relative_path)
+                    try:
+                        fd = os.open(target, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                    except OSError as e:
+                        raise DataFileError(
+                            f"{self.path / relative_path}: cannot open data file ({e.strerror})",
+                            path=relative_path,
+                        ) from e
+                    self._fds[relative_path] = fd
+        return fd
+
+    def data_files(self) -> list[str]:
+        """Relative paths referenced by ``storage_data`` (sorted, unique)."""
+        return sorted({s.relative_path for s in self.metadata.storage.values()})
+
+    def storage_info(self, fqn: str, chunk: ChunkMeta | None = None) -> StorageInfo:
+        """Storage info of a chunk (or byte item), bounds-checked against its file.
+
+        Raises:
+            MetadataError: no storage entry for it.
+            PathEscapeError, DataFileError: bad path, missing or too-short file.
+        """
+        info = self.metadata.storage_for(fqn, chunk)
+        if info is None:
+            where = f" chunk at {chunk.offsets}" if chunk is not None else ""
+            raise MetadataError(f"{self.path}: no storage entry for {fqn!r}{where}", fqn=fqn)
+        size = self.file_size(info.relative_path)
+        if info.offset + info.length > size:
+            raise DataFileError(
+                f"{self.path / info.relative_path}: {fqn!r} needs bytes [{info.offset}, "
+                f"{info.offset + info.length}) but the file has {size} (truncated?)",
+                path=info.relative_path,
+                fqn=fqn,
+            )
+        return info

@@ -1,0 +1,183 @@
+"""Typed, torch-free model of a DCP ``.metadata`` file, and dtype names.
+
+These frozen dataclasses mirror torch's ``torch/distributed/checkpoint/metadata.py``
+(``Metadata``, ``TensorStorageMetadata``, ``ChunkStorageMetadata``,
+``BytesStorageMetadata``, ``MetadataIndex``) and ``filesystem._StorageInfo``, but
+hold only validated plain values: shapes are ``tuple[int, ...]``, dtypes are
+:class:`DType` (a name, no torch import needed). The safe unpickler in
+:mod:`ckpttool.format.unpickler` produces them; nothing else in ckpttool reads the
+pickle.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from ckpttool.errors import UsageError
+
+__all__ = [
+    "dtype_name",
+    "DType",
+    "ChunkMeta",
+    "TensorMeta",
+    "BytesMeta",
+    "StorageInfo",
+    "CheckpointMetadata",
+    "DTYPE_ITEMSIZE",
+]
+
+# torch dtype name -> bytes per element (torch/_tensor_str and c10/core/ScalarType.h).
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "complex128": 16, "complex64": 8, "complex32": 4,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
+    "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
+    # bit-packed, quantized and sub-byte shell dtypes (itemsize as torch reports it)
+    "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
+    "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1,
+    **{f"int{n}": 1 for n in range(1, 8)}, **{f"uint{n}": 1 for n in range(1, 8)},
+}
+_FLOATING = {
+    "float64", "float32", "float16", "bfloat16",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class DType:
+    """A torch dtype by name (``"bfloat16"``), usable without importing torch."""
+
+    name: str
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return DTYPE_ITEMSIZE[self.name]
+
+    @property
+    def is_floating_point(self) -> bool:
+        return self.name in _FLOATING
+
+    def to_torch(self) -> Any:
+        """The ``torch.dtype`` of this name (imports torch)."""
+        import torch
+
+        return getattr(torch, self.name)
+
+    @classmethod
+    def from_torch(cls, dtype: Any) -> DType:
+        return cls(str(dtype).removeprefix("torch."))
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ChunkMeta(NamedTuple):
+    """One stored chunk of a tensor: its ``offsets`` into and ``sizes`` within the global tensor.
+
+    A ``NamedTuple`` (immutable, and cheap to build for 10^5-10^6 chunks).
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """A tensor entry: global ``size``, ``dtype`` and its stored ``chunks``."""
+
+    dtype: DType
+    size: tuple[int, ...]
+    chunks: tuple[ChunkMeta, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class BytesMeta:
+    """A byte item: a ``torch.save``'d Python object."""
+
+
+class StorageInfo(NamedTuple):
+    """Where one chunk or byte item lives: ``relative_path`` and ``[offset, offset+length)``."""
+
+    relative_path: str
+    offset: int
+    length: int
+    transform_descriptors: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CheckpointMetadata:
+    """The validated content of ``.metadata``.
+
+    Attributes:
+        entries: flattened key -> :class:`TensorMeta` or :class:`BytesMeta`, in file order.
+        storage: ``(fqn, chunk offsets or None)`` -> :class:`StorageInfo`.
+        planner_data: flattened key -> tuple path in the original nested state dict, or ``{}``.
+        version: DCP metadata version string (``"1.0.0"``) or ``None``.
+        checkpoint_id: the path the checkpoint was saved to, as a string, if recorded.
+        save_id: the save's UUID, if recorded.
+    """
+
+    entries: dict[str, TensorMeta | BytesMeta]
+    storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo]
+    planner_data: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    version: str | None = None
+    checkpoint_id: str | None = None
+    save_id: str | None = None
+
+    def storage_for(self, fqn: str, chunk: ChunkMeta | None = None) -> StorageInfo | None:
+        """Storage info of a tensor chunk (``chunk`` given) or of a byte item."""
+        return self.storage.get((fqn, chunk.offsets if chunk is not None else None))
+
+
+_DTYPE_ALIASES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "f32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+    "float64": "float64",
+    "fp64": "float64",
+    "f64": "float64",
+    "double": "float64",
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    """Canonical name (``"float32"``, ``"bfloat16"``, ...) of a dtype given as ``torch.dtype`` or string.
+
+    Args:
+        dtype: ``torch.bfloat16``, ``"torch.bfloat16"``, ``"bfloat16"`` or ``"bf16"`` (any case).
+
+    Returns:
+        The canonical name; names not in the alias table are returned without a ``torch.`` prefix.
+
+    Raises:
+        UsageError: ``dtype`` is neither a string nor a dtype-like object.
+    """
+    text = str(dtype).strip().lower()
+    if not text:
+        raise UsageError(f"empty dtype name {dtype!r}", hint="use float32 or bfloat16")
+    text = text.removeprefix("torch.")
+    return _DTYPE_ALIASES.get(text, text)

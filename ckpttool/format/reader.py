@@ -1,0 +1,334 @@
+"""Reading tensors, chunks and byte items of a DCP checkpoint (imports torch when reading tensors).
+
+:class:`CheckpointReader` reads each chunk through the chunk locator
+(:func:`ckpttool.format.locator.locate_chunk`): an archive that the locator maps is read
+straight into the destination with ``os.preadv`` (one read, no unpickling of tensor data,
+no intermediate copy); archives it does not map (stream transforms, torch's newer tensor
+encoding) are loaded with ``torch.load(weights_only=True)`` and checked against the
+metadata all the same. Nothing here ever calls ``pickle.load`` or
+``torch.load(weights_only=False)`` on checkpoint content unless the caller passes
+``trust_pickle=True``.
+
+Thread safety: reads use ``os.preadv`` on shared descriptors and are safe from several threads.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import zipfile
+from typing import TYPE_CHECKING, Any
+
+from ckpttool.errors import (
+    AllocationError,
+    ChunkError,
+    DataFileError,
+    TransformError,
+    TrustRequiredError,
+    UnsafePickleError,
+    UsageError,
+)
+from ckpttool.format.archive import read_archive_pickle
+from ckpttool.format.copy import copy_range
+from ckpttool.format.directory import CheckpointDir
+from ckpttool.format.locator import ChunkLocation, locate_chunk, tensor_meta
+from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
+from ckpttool.format.tiling import tiling_problem
+from ckpttool.format.unpickler import PrimitiveUnpickler
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CheckpointReader", "load_saved_object"]
+
+
+class CheckpointReader(CheckpointDir):
+    """Reads tensors, chunks and byte items of a checkpoint (imports torch for tensors).
+
+    Args:
+        path: the checkpoint directory.
+        trust_pickle: allow ``torch.load(weights_only=False)`` for byte items that need it.
+            Dangerous on untrusted input (runs arbitrary code).
+
+    Raises:
+        as :class:`~ckpttool.format.directory.CheckpointDir`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, trust_pickle: bool = False) -> None:
+        super().__init__(path)
+        self.trust_pickle = trust_pickle
+        self.bytes_read = 0
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    # ------------------------------------------------------------------ raw bytes
+    def pread_into(self, info: StorageInfo, start: int, buf: Any, fqn: str) -> None:
+        """Fill ``buf`` with the bytes at ``info.offset + start`` of ``info``'s data file.
+
+        Raises:
+            DataFileError: the file ends first (it changed since it was checked).
+        """
+        mv = memoryview(buf).cast("B")
+        fd = self.fd(info.relative_path)
+        pos, n = 0, len(mv)
+        while pos < n:
+            got = os.preadv(fd, [mv[pos:]], info.offset + start + pos)
+            if got <= 0:
+                raise DataFileError(
+                    f"{self.path / info.relative_path}: short read of {fqn!r}", path=info.relative_path, fqn=fqn
+                )
+            pos += got
+        self.count_read(n)
+
+    def count_read(self, nbytes: int) -> None:
+        """Add ``nbytes`` to :attr:`bytes_read` (thread-safe)."""
+        with self._lock:
+            self.bytes_read += nbytes
+
+    def raw_bytes(self, fqn: str, chunk: ChunkMeta | None = None) -> bytes:
+        """The stored bytes of a chunk/byte item, decoded through its transforms."""
+        info = self.storage_info(fqn, chunk)
+        buf = bytearray(info.length)
+        self.pread_into(info, 0, buf, fqn)
+        if not info.transform_descriptors:
+            return bytes(buf)
+        return self._untransform(info, bytes(buf), fqn)
+
+    def _untransform(self, info: StorageInfo, data: bytes, fqn: str) -> bytes:
+        try:
+            from torch.distributed.checkpoint._extension import (
+                ExtensionRegistry,
+                StreamTransformExtension,
+            )
+
+            exts = ExtensionRegistry().from_descriptor_list(list(info.transform_descriptors))
+            stream: Any = io.BytesIO(data)
+            for ex in exts:
+                if isinstance(ex, StreamTransformExtension):
+                    stream = ex.transform_from(stream)
+            return bytes(stream.read())
+        except Exception as e:
+            raise TransformError(
+                f"{self.path / info.relative_path}: {fqn!r} uses transform "
+                f"{list(info.transform_descriptors)} that cannot be decoded ({type(e).__name__}: {str(e)[:80]})",
+                path=info.relative_path,
+                fqn=fqn,
+            ) from e
+
+    # ------------------------------------------------------------------ tensors
+    def tensor_meta(self, fqn: str) -> TensorMeta:
+        """The tensor entry of ``fqn``.
+
+        Raises:
+            UsageError: ``fqn`` is not a tensor entry.
+        """
+        return tensor_meta(self, fqn)
+
+    def locate(self, fqn: str, chunk: ChunkMeta) -> ChunkLocation:
+        """The validated location of one chunk (:func:`~ckpttool.format.locator.locate_chunk`)."""
+        return locate_chunk(self, fqn, chunk)
+
+    def read_chunk(self, fqn: str, chunk: ChunkMeta, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read one stored chunk of tensor ``fqn``.
+
+        Args:
+            fqn: flattened key (``model.model.layers.0.mlp.down_proj.weight``).
+            chunk: one of ``tensor_meta(fqn).chunks``.
+            out: optional destination with shape ``chunk.sizes`` and the stored
+                dtype (may be a view of a larger tensor); filled in place.
+
+        Returns:
+            Tensor of shape ``chunk.sizes`` and the stored dtype (``out`` if given).
+
+        Raises:
+            DataFileError, PathEscapeError: file missing/short/escaping.
+            ChunkError: archive corrupt or disagreeing with the metadata.
+            TransformError: undecodable stream transform.
+        """
+        import torch
+
+        loc = self.locate(fqn, chunk)
+        meta = loc.meta
+        dtype = getattr(torch, meta.dtype.name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ChunkError(f"{self.path}: {fqn!r} has dtype {meta.dtype} unknown to this torch", fqn=fqn)
+        record = loc.record
+        if record is not None:
+            if loc.raw:
+                dest = out if out is not None and out.is_contiguous() else torch.empty(chunk.sizes, dtype=dtype)
+                if chunk.numel:
+                    self.pread_into(loc.info, record.data_offset, _byte_view(dest), fqn)
+                if out is not None and dest is not out:
+                    out.copy_(dest)
+                    return out
+                return dest
+            storage = torch.empty(record.storage_numel, dtype=dtype)
+            if record.storage_numel:
+                self.pread_into(loc.info, record.data_offset, _byte_view(storage), fqn)
+            t = storage.as_strided(record.size, record.stride, record.storage_offset)
+        else:
+            t = self._torch_load_chunk(loc)
+            if t.dtype != dtype or tuple(t.shape) != chunk.sizes:
+                raise ChunkError(
+                    f"{loc.where}: stored tensor is {t.dtype}{list(t.shape)}, metadata says "
+                    f"{meta.dtype}{list(chunk.sizes)}",
+                    path=loc.info.relative_path,
+                    fqn=fqn,
+                )
+        if out is not None:
+            out.copy_(t)
+            return out
+        return t
+
+    def copy_chunk_to_file(self, fqn: str, chunk: ChunkMeta, out_fd: int, out_offset: int) -> bool:
+        """Copy one chunk's raw bytes into another file (torch-free).
+
+        The chunk is located and checked (:meth:`locate`) and, when its record holds exactly
+        its values in C order, copied from the data file to ``out_fd`` at ``out_offset``
+        through a cache-sized bounce buffer (:func:`ckpttool.format.copy.copy_range`).
+
+        Returns:
+            ``True`` when copied; ``False`` when nothing was copied because the chunk
+            needs :meth:`read_chunk` (stream transform, strided storage, torch's newer encoding).
+
+        Raises:
+            DataFileError, PathEscapeError, ChunkError: as :meth:`read_chunk`.
+            OSError: writing ``out_fd`` failed (e.g. ``ENOSPC``).
+        """
+        loc = self.locate(fqn, chunk)
+        if not loc.raw:
+            return False
+        try:
+            copy_range(self.fd(loc.info.relative_path), out_fd, loc.data_start, out_offset, loc.nbytes)
+        except EOFError:
+            raise DataFileError(
+                f"{self.path / loc.info.relative_path}: short read of {fqn!r}", path=loc.info.relative_path, fqn=fqn
+            ) from None
+        self.count_read(loc.nbytes)
+        return True
+
+    def _torch_load_chunk(self, loc: ChunkLocation) -> torch.Tensor:
+        import torch
+
+        data = self.raw_bytes(loc.key, loc.chunk)
+        try:
+            t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ChunkError(
+                f"{loc.where}: stored archive is corrupt or unsafe ({type(e).__name__}: {str(e)[:80]})",
+                path=loc.info.relative_path,
+                fqn=loc.key,
+            ) from e
+        if not isinstance(t, torch.Tensor):
+            raise ChunkError(f"{loc.where}: stored object is {type(t).__name__}, not a tensor", fqn=loc.key)
+        return t
+
+    def read_tensor(self, fqn: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Reassemble the global tensor ``fqn`` from its chunks (each read once).
+
+        Returns:
+            Tensor with the global ``size`` and stored dtype.
+
+        Raises:
+            ChunkError: chunks leave a gap or overlap.
+            AllocationError: the declared size cannot be held by the stored bytes.
+            plus those of :meth:`read_chunk`.
+        """
+        import torch
+
+        meta = self.tensor_meta(fqn)
+        self.check_allocation(fqn, meta)
+        problem = tiling_problem(meta)
+        if problem is not None:
+            raise ChunkError(f"{self.path}: chunks of {fqn!r} do not tile the tensor ({problem})", fqn=fqn)
+        if out is None:
+            out = torch.empty(meta.size, dtype=meta.dtype.to_torch())
+        for chunk in meta.chunks:
+            if chunk.numel == 0:
+                continue
+            view = out
+            for d, (o, s) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                if o != 0 or s != meta.size[d]:
+                    view = view.narrow(d, o, s)
+            self.read_chunk(fqn, chunk, out=view)
+        return out
+
+    def check_allocation(self, fqn: str, meta: TensorMeta) -> None:
+        """Refuse sizes that the stored bytes cannot hold, before allocating.
+
+        Raises:
+            AllocationError: a chunk claims more bytes than its archive has.
+        """
+        for chunk in meta.chunks:
+            if chunk.numel == 0:
+                continue
+            info = self.storage_info(fqn, chunk)
+            need = chunk.numel * meta.dtype.itemsize
+            if need > info.length and not info.transform_descriptors:
+                raise AllocationError(
+                    f"{self.path}: {fqn!r} chunk at {chunk.offsets} claims {need} bytes "
+                    f"({math.prod(chunk.sizes)} x {meta.dtype}) but its record has {info.length}",
+                    fqn=fqn,
+                )
+        # Chunks must cover the tensor, so the global size is bounded by the chunks' bytes.
+        stored = sum(c.numel for c in meta.chunks)
+        if meta.numel > stored:
+            raise AllocationError(
+                f"{self.path}: {fqn!r} declares {meta.numel} elements but its chunks hold {stored}", fqn=fqn
+            )
+
+    # ------------------------------------------------------------------ byte items
+    def read_object(self, fqn: str) -> Any:
+        """Load a byte item (a ``torch.save``'d Python object).
+
+        Plain values (numbers, strings, lists, dicts) are read with a no-globals
+        unpickler; anything else with ``torch.load(weights_only=True)``; if that
+        refuses, only ``trust_pickle=True`` allows ``weights_only=False``.
+
+        Raises:
+            UsageError: ``fqn`` is not a byte item.
+            TrustRequiredError: needs ``--trust-pickle``.
+            ChunkError: not a readable archive.
+        """
+        meta = self.metadata.entries.get(fqn)
+        if not isinstance(meta, BytesMeta):
+            raise UsageError(f"{self.path}: {fqn!r} is not a byte item of the checkpoint", fqn=fqn)
+        data = self.raw_bytes(fqn)
+        return load_saved_object(data, f"{self.path}: byte item {fqn!r}", trust_pickle=self.trust_pickle, fqn=fqn)
+
+
+def load_saved_object(data: bytes, where: str, *, trust_pickle: bool = False, fqn: str | None = None) -> Any:
+    """Load ``torch.save`` bytes safely (see :meth:`CheckpointReader.read_object`)."""
+    try:
+        pkl = read_archive_pickle(io.BytesIO(data))
+        return PrimitiveUnpickler(io.BytesIO(pkl), source=where).load()
+    except UnsafePickleError:
+        pass  # needs torch's weights_only unpickler (tensors, ...)
+    except (zipfile.BadZipFile, KeyError, ValueError, EOFError, pickle.UnpicklingError):
+        pass  # legacy (non-zip) format or corrupt: let torch decide below
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:
+        weights_only_refusal = "weights_only" in str(e) or "Unsupported global" in str(e)
+        if not weights_only_refusal:
+            raise ChunkError(f"{where} is not a readable torch.save archive ({type(e).__name__})", fqn=fqn) from e
+        if not trust_pickle:
+            raise TrustRequiredError(
+                f"{where} holds objects that torch.load(weights_only=True) refuses", fqn=fqn
+            ) from e
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise ChunkError(f"{where} failed to load even with `trust_pickle` ({type(e).__name__})", fqn=fqn) from e
+
+
+def _byte_view(t: torch.Tensor) -> Any:
+    import torch
+
+    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy()

@@ -1,0 +1,195 @@
+"""Streaming safetensors writer: header first, then every tensor written in place at its offset.
+
+Format (https://github.com/huggingface/safetensors, "Format" section): an 8-byte
+little-endian header length ``N``, ``N`` bytes of UTF-8 JSON
+``{"__metadata__": {...}, "<name>": {"dtype": "BF16", "shape": [...], "data_offsets": [begin, end]}}``
+padded with spaces to a multiple of 8, then the raw little-endian tensor bytes;
+``data_offsets`` are relative to the end of the header and tile the data
+region without gaps.
+
+Because every shape and dtype is known from the checkpoint metadata, the whole
+header is written before any data, and the file is extended to its final size
+with ``posix_fallocate`` (a full disk fails before any tensor is read). Tensors
+are then written at their offsets in any order and from several threads:
+stored bytes by the reader (:func:`ckpttool.dcp.copy.copy_range`: ``preadv`` /
+``pwrite`` through a 1 MiB buffer, no decode), transformed tensors with ``pwrite``. Like
+``safetensors.torch.save_file``, tensors are ordered by decreasing element size
+so every tensor starts aligned to its element size.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckpttool.errors import ExportError, OutputError
+from ckpttool.format.metadata import DTYPE_ITEMSIZE
+
+__all__ = [
+    "SAFETENSORS_DTYPES",
+    "HeaderEntry",
+    "ShardWriter",
+    "build_header",
+    "is_narrowing",
+]
+
+#: torch dtype name -> safetensors dtype tag (safetensors ``Dtype`` enum, 0.4+).
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0",
+    "complex64": "C64",
+}
+
+# (exponent bits, mantissa bits) of the floating dtypes: a cast is widening when
+# the target has at least as many of both (IEEE 754 / bfloat16 / OCP FP8 formats).
+_FLOAT_BITS: dict[str, tuple[int, int]] = {
+    "float64": (11, 52), "float32": (8, 23), "bfloat16": (8, 7), "float16": (5, 10),
+    "float8_e4m3fn": (4, 3), "float8_e5m2": (5, 2), "float8_e4m3fnuz": (4, 3), "float8_e5m2fnuz": (5, 2),
+    "float8_e8m0fnu": (8, 0),
+}
+
+
+def is_narrowing(src: str, dst: str) -> bool:
+    """Whether casting floating dtype ``src`` to ``dst`` can lose range or precision.
+
+    ``bfloat16 -> float16`` loses range and ``float16 -> bfloat16`` loses
+    precision, so both are narrowing although the element size is equal.
+    """
+    if src == dst:
+        return False
+    a, b = _FLOAT_BITS.get(src), _FLOAT_BITS.get(dst)
+    if a is None or b is None:
+        return True
+    return b[0] < a[0] or b[1] < a[1]
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor of a shard: output ``name``, torch dtype name, ``shape``; ``begin``/``end`` set by :func:`build_header`."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int = 0
+    end: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_ITEMSIZE[self.dtype]
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def build_header(entries: list[HeaderEntry], metadata: dict[str, str] | None = None) -> tuple[bytes, list[HeaderEntry]]:
+    """Lay out a safetensors file.
+
+    Args:
+        entries: the tensors (any order; names unique).
+        metadata: ``__metadata__`` string map (default ``{"format": "pt"}``).
+
+    Returns:
+        ``(prefix, placed)``: the 8-byte length plus padded JSON header, and the
+        entries with ``begin``/``end`` data offsets, in file order.
+
+    Raises:
+        ExportError: a dtype that safetensors cannot store, or duplicate names.
+    """
+    placed: list[HeaderEntry] = []
+    order = sorted(range(len(entries)), key=lambda i: -DTYPE_ITEMSIZE[entries[i].dtype])
+    pos = 0
+    header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    for i in order:
+        e = entries[i]
+        tag = SAFETENSORS_DTYPES.get(e.dtype)
+        if tag is None:
+            raise ExportError(f"{e.name}: dtype {e.dtype} cannot be stored in safetensors",
+                              fqn=e.name, hint="export it with `save_dtype` float32/bfloat16 or leave it out with `filter_glob`")
+        if e.name in header:
+            raise ExportError(f"two tensors map to the output key {e.name!r}", fqn=e.name,
+                              hint="fix the key rules (`rules`) so every output key is unique")
+        p = HeaderEntry(e.name, e.dtype, e.shape, pos, pos + e.nbytes)
+        header[e.name] = {"dtype": tag, "shape": list(e.shape), "data_offsets": [p.begin, p.end]}
+        placed.append(p)
+        pos = p.end
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, placed
+
+
+class ShardWriter:
+    """One output safetensors file, header written and pre-sized, open for positional writes.
+
+    Args:
+        path: the file to create (must not exist).
+        entries: its tensors (see :func:`build_header`).
+        metadata: ``__metadata__`` (default ``{"format": "pt"}``).
+        display: the path named in errors (the file's final place, not the temporary directory).
+
+    Raises:
+        OutputError: the file cannot be created or the disk has no room for it.
+        ExportError: see :func:`build_header`.
+    """
+
+    def __init__(self, path: Path, entries: list[HeaderEntry], metadata: dict[str, str] | None = None, *,
+                 display: Path | None = None) -> None:
+        prefix, placed = build_header(entries, metadata)
+        self.path = path
+        self.entries = {e.name: e for e in placed}
+        self.data_start = len(prefix)
+        self.size = self.data_start + (placed[-1].end if placed else 0)
+        self.fd = -1
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+            self._pwrite_all(memoryview(prefix), 0)
+            if self.size > self.data_start:
+                try:
+                    os.posix_fallocate(self.fd, 0, self.size)
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # filesystem without fallocate
+                        raise
+                    os.ftruncate(self.fd, self.size)
+        except OSError as e:
+            self.close()
+            shown = display or path
+            raise OutputError(f"{shown}: cannot create output file of {self.size} bytes ({e.strerror})",
+                              path=shown, hint="free disk space or choose another output location") from e
+
+    def offset(self, name: str) -> int:
+        """Absolute file offset of ``name``'s first byte."""
+        return self.data_start + self.entries[name].begin
+
+    def write(self, name: str, data: memoryview, at: int = 0) -> None:
+        """Write ``data`` at byte ``at`` of tensor ``name`` (thread-safe: positional write)."""
+        e = self.entries[name]
+        assert at + len(data) <= e.nbytes, f"{name}: write past the tensor's end"
+        self._pwrite_all(data, self.data_start + e.begin + at)
+
+    def read(self, name: str, dest: memoryview) -> None:
+        """Read tensor ``name``'s bytes back into ``dest`` (exactly its size)."""
+        e = self.entries[name]
+        assert len(dest) == e.nbytes
+        pos = 0
+        while pos < e.nbytes:
+            got = os.preadv(self.fd, [dest[pos:]], self.data_start + e.begin + pos)
+            if got <= 0:
+                raise OutputError(f"{self.path}: short read of {name!r} from the output", path=self.path)
+            pos += got
+
+    def _pwrite_all(self, data: memoryview, offset: int) -> None:
+        mv = data.cast("B") if data.format != "B" else data
+        pos = 0
+        while pos < len(mv):
+            pos += os.pwrite(self.fd, mv[pos:], offset + pos)
+
+    def close(self) -> None:
+        """Close the file. Idempotent."""
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)

@@ -1,0 +1,551 @@
+"""Write a DCP checkpoint directory that plain ``torch.distributed.checkpoint.load`` reads.
+
+The format is the one torch's ``FileSystemWriter`` produces (``torch/distributed/
+checkpoint/filesystem.py``, torch 2.6-2.13): data files ``__{rank}_0.distcp`` in which
+every tensor chunk and byte item is a complete ``torch.save`` archive at
+``[offset, offset+length)``, and ``.metadata``, a pickled
+``torch.distributed.checkpoint.metadata.Metadata`` whose ``storage_data`` maps
+``MetadataIndex(fqn, offsets)`` to ``_StorageInfo(relative_path, offset, length)``.
+
+:class:`DCPWriter` appends items to one file per rank. A chunk that already exists
+as an archive in a source checkpoint is copied verbatim (:func:`~ckpttool.format.copy.copy_range`,
+no decode: bitwise the same archive); a new chunk is written with ``torch.save``.
+It writes into a directory the caller owns (an :class:`~ckpttool.format.atomic.AtomicOutputDir`
+temporary directory), so a failed run leaves nothing that looks complete.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import threading
+import uuid
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from ckpttool.errors import DataFileError, OutputError
+from ckpttool.format.archive import STORAGE_DTYPES
+from ckpttool.format.copy import bounce_buffer, copy_range
+from ckpttool.format.metadata import ChunkMeta, DType, StorageInfo
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DCPWriter", "WrittenItem", "DCP_VERSION", "can_stream", "tensor_data_pkl", "torch_save_bytes",
+           "write_tensor_archive"]
+
+DCP_VERSION = "1.0.0"  # torch/distributed/checkpoint/filesystem.py CURRENT_DCP_VERSION
+
+
+@dataclass
+class WrittenItem:
+    """What :meth:`DCPWriter.finish` records for one key."""
+
+    dtype: DType | None  # None: byte item
+    size: tuple[int, ...] = ()
+    chunks: list[tuple[ChunkMeta, StorageInfo]] = field(default_factory=list)
+    byte_info: StorageInfo | None = None
+
+
+class DCPWriter:
+    """Append tensor chunks and byte items to per-rank data files, then write ``.metadata``.
+
+    Args:
+        directory: an existing, empty directory (the temporary output directory).
+        checkpoint_id: the final path recorded in ``storage_meta.checkpoint_id``.
+        fsync: ``fsync`` every file before :meth:`finish` returns (as torch's
+            ``FileSystemWriter(sync_files=True)``), so a renamed output survives a power loss.
+
+    Thread safety: several threads may write concurrently as long as each target rank's
+    file is written by one thread at a time (the per-rank worker model of ``reshard``).
+    """
+
+    def __init__(self, directory: Path, checkpoint_id: Path, *, fsync: bool = True) -> None:
+        self.fsync = fsync
+        self.directory = Path(directory)
+        self.checkpoint_id = Path(checkpoint_id)
+        self._files: dict[int, BinaryIO] = {}
+        self._items: dict[str, WrittenItem] = {}
+        self._planner: dict[str, tuple[Any, ...]] = {}
+        self.bytes_written = 0
+        self._lock = threading.Lock()
+        self._dirty: set[int] = set()
+
+    # ------------------------------------------------------------------ files
+    @staticmethod
+    def file_name(rank: int) -> str:
+        return f"__{rank}_0.distcp"
+
+    def _file(self, rank: int) -> BinaryIO:
+        f = self._files.get(rank)
+        with self._lock:
+            self._dirty.add(rank)
+        if f is None:
+            path = self.directory / self.file_name(rank)
+            try:
+                f = open(path, "wb")
+            except OSError as e:
+                raise OutputError(f"{path}: cannot create ({e.strerror})", path=path) from e
+            with self._lock:
+                self._files[rank] = f
+        return f
+
+    def sync(self, rank: int) -> None:
+        """Flush and ``fsync`` the data file of ``rank`` (done before ``.metadata`` is written)."""
+        f = self._files.get(rank)
+        if f is not None:
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+            with self._lock:
+                self._dirty.discard(rank)
+
+    def ensure_files(self, ranks: range) -> None:
+        """Create (possibly empty) data files for ``ranks`` so every target rank has one."""
+        for r in ranks:
+            self._file(r)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self) -> DCPWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ items
+    def declare_tensor(self, key: str, dtype: DType, size: tuple[int, ...], planner_path: tuple[Any, ...] | None) -> None:
+        """Announce a tensor entry (global ``size``, ``dtype``) before adding its chunks."""
+        self._items[key] = WrittenItem(dtype, tuple(size))
+        if planner_path is not None:
+            self._planner[key] = tuple(planner_path)
+
+    def _record_chunk(self, key: str, chunk: ChunkMeta, rank: int, offset: int, length: int,
+                      transforms: tuple[str, ...] = ()) -> None:
+        info = StorageInfo(self.file_name(rank), offset, length, transforms)
+        with self._lock:
+            self._items[key].chunks.append((chunk, info))
+
+    def write_chunk(self, key: str, chunk: ChunkMeta, rank: int, tensor: torch.Tensor) -> None:
+        """Write ``tensor`` (shape ``chunk.sizes``, owning its storage) as a new ``torch.save`` archive."""
+        import torch
+
+        assert tuple(tensor.shape) == chunk.sizes, (key, tensor.shape, chunk.sizes)
+        if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() or not tensor.is_contiguous():
+            tensor = tensor.contiguous().clone()  # torch.save writes the whole storage
+        f = self._file(rank)
+        start = f.tell()
+        torch.save(tensor, f)
+        end = f.tell()
+        self._count(end - start)
+        self._record_chunk(key, chunk, rank, start, end - start)
+
+    def copy_archive(self, key: str, chunk: ChunkMeta | None, rank: int, src_fd: int, info: StorageInfo) -> None:
+        """Copy a stored archive (tensor chunk or byte item) verbatim from a source data file.
+
+        Args:
+            key: checkpoint key.
+            chunk: the chunk (``None`` for a byte item).
+            rank: target rank (output file).
+            src_fd: an open descriptor of the source data file.
+            info: the source storage info (``offset``/``length``; transforms are kept).
+        """
+        f = self._file(rank)
+        f.flush()
+        start = f.tell()
+        try:
+            copy_range(src_fd, f.fileno(), info.offset, start, info.length)
+        except EOFError as e:
+            raise DataFileError(f"{info.relative_path}: short read of {key!r} ({e}); the source changed while "
+                                "being read", path=info.relative_path, fqn=key,
+                                hint="rerun when no job is writing the source checkpoint") from None
+        f.seek(start + info.length)
+        self._count(info.length)
+        if chunk is None:
+            self._items[key].byte_info = StorageInfo(self.file_name(rank), start, info.length, info.transform_descriptors)
+        else:
+            self._record_chunk(key, chunk, rank, start, info.length, info.transform_descriptors)
+
+    def stream_tensor_archive(self, key: str, chunk: ChunkMeta, rank: int, dtype: DType,
+                              segments: list[tuple[int, int, int]]) -> None:
+        """Write a new ``torch.save`` archive of a contiguous chunk whose bytes are copied from source files.
+
+        Args:
+            key: checkpoint key.
+            chunk: the output chunk (its ``sizes`` give the tensor shape).
+            rank: target rank (output file).
+            dtype: element dtype.
+            segments: ``(source fd, byte offset, byte length)`` whose concatenation is the
+                chunk's row-major storage (``numel * itemsize`` bytes in all).
+        """
+        f = self._file(rank)
+        start = f.tell()
+        write_tensor_archive(f, dtype, chunk.sizes, segments, bounce_buffer())
+        end = f.tell()
+        self._count(end - start)
+        self._record_chunk(key, chunk, rank, start, end - start)
+
+    def _count(self, written: int) -> None:
+        with self._lock:
+            self.bytes_written += written
+
+    def copy_bytes_item(self, key: str, rank: int, src_fd: int, info: StorageInfo,
+                        planner_path: tuple[Any, ...] | None) -> None:
+        """Copy a byte item verbatim from the source checkpoint."""
+        self._items[key] = WrittenItem(None)
+        if planner_path is not None:
+            self._planner[key] = tuple(planner_path)
+        self.copy_archive(key, None, rank, src_fd, info)
+
+    def write_object(self, key: str, rank: int, obj: Any, planner_path: tuple[Any, ...] | None) -> None:
+        """Write a plain Python value (str, numbers, lists, dicts) as a byte item (``torch.save`` bytes, as DCP does)."""
+        self._items[key] = WrittenItem(None)
+        if planner_path is not None:
+            self._planner[key] = tuple(planner_path)
+        f = self._file(rank)
+        start = f.tell()
+        f.write(torch_save_bytes(obj))
+        end = f.tell()
+        self._count(end - start)
+        self._items[key].byte_info = StorageInfo(self.file_name(rank), start, end - start)
+
+    # ------------------------------------------------------------------ metadata
+    def finish(self) -> None:
+        """Flush the data files and write ``.metadata`` (torch's ``Metadata`` pickle, without importing torch).
+
+        Raises:
+            OutputError: a write failed.
+        """
+        for rank in sorted(self._dirty):
+            self.sync(rank)
+        self.close()
+        sd_md: dict[str, Any] = {}
+        storage: dict[Any, Any] = {}
+        for key, item in self._items.items():
+            if item.dtype is None:
+                assert item.byte_info is not None, key
+                sd_md[key] = _new("BytesStorageMetadata", None)
+                storage[_metadata_index(key, None, None)] = _storage_info(item.byte_info)
+                continue
+            chunks = []
+            for i, (c, info) in enumerate(sorted(item.chunks, key=lambda ci: ci[0].offsets)):
+                chunks.append(_new("ChunkStorageMetadata", {"offsets": _size(c.offsets), "sizes": _size(c.sizes)}))
+                storage[_metadata_index(key, c.offsets, i)] = _storage_info(info)
+            props = _new("TensorProperties", (
+                _global("torch", item.dtype.name),
+                _Call(_global("torch.serialization", "_get_layout"), ("torch.strided",)),
+                False,
+                _Call(_global(_MD, "_MEM_FORMAT_ENCODING"), (0,)),  # torch.contiguous_format
+                False,
+            ))
+            sd_md[key] = _new("TensorStorageMetadata", {"properties": props, "size": _size(item.size), "chunks": chunks})
+        md = _new("Metadata", {
+            "state_dict_metadata": sd_md,
+            "planner_data": dict(self._planner),
+            "storage_data": storage,
+            "storage_meta": _new("StorageMeta", {
+                "checkpoint_id": str(self.checkpoint_id), "save_id": uuid.uuid4().hex, "load_id": None, "modules": [],
+            }),
+            "version": DCP_VERSION,
+        })
+        path = self.directory / ".metadata"
+        try:
+            with open(path, "wb") as f:
+                _MetadataPickler(f, protocol=4).dump(md)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+        except OSError as e:
+            raise OutputError(f"{path}: cannot write ({e.strerror})", path=path) from e
+
+
+# ----------------------------------------------------------------------------------------------
+# torch-free pickling of DCP metadata and torch.save archives of plain objects.
+#
+# `.metadata` is `pickle.dump(Metadata(...))` of torch's dataclasses (protocol 4): each object
+# is `cls.__new__` + BUILD of its `__getstate__` (a dict; a tuple for TensorProperties), dtypes
+# are globals (`torch.bfloat16`), `torch.Size(t)` and enum members are REDUCE calls. Importing
+# torch to build those objects costs seconds, more than copying gigabytes, so the opcodes are
+# written here directly with the same globals; torch's `pickle.load` and ckpttool's allow-list
+# unpickler read them back (tests compare with torch's own objects).
+_MD = "torch.distributed.checkpoint.metadata"
+_FS = "torch.distributed.checkpoint.filesystem"
+_CLASS_MODULE = {
+    "Metadata": _MD, "TensorStorageMetadata": _MD, "TensorProperties": _MD, "ChunkStorageMetadata": _MD,
+    "BytesStorageMetadata": _MD, "MetadataIndex": _MD, "StorageMeta": _MD, "_StorageInfo": _FS,
+}
+
+
+class _Global:
+    """A module-level name (class, function, dtype) written as ``STACK_GLOBAL``."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+
+class _New:
+    """``cls.__new__(cls)`` then ``BUILD`` with ``state`` (omitted when ``None``)."""
+
+    __slots__ = ("cls", "state")
+
+    def __init__(self, cls: _Global, state: Any) -> None:
+        self.cls, self.state = cls, state
+
+
+class _Call:
+    """``func(*args)`` written as ``REDUCE``."""
+
+    __slots__ = ("func", "args")
+
+    def __init__(self, func: _Global, args: tuple[Any, ...]) -> None:
+        self.func, self.args = func, args
+
+
+_GLOBALS: dict[tuple[str, str], _Global] = {}
+
+
+def _global(module: str, name: str) -> _Global:
+    g = _GLOBALS.get((module, name))
+    if g is None:
+        g = _GLOBALS[(module, name)] = _Global(module, name)
+    return g
+
+
+def _new(cls_name: str, state: Any) -> _New:
+    return _New(_global(_CLASS_MODULE[cls_name], cls_name), state)
+
+
+def _size(t: tuple[int, ...]) -> _Call:
+    return _Call(_global("torch", "Size"), (tuple(int(x) for x in t),))
+
+
+def _metadata_index(fqn: str, offsets: tuple[int, ...] | None, index: int | None) -> _New:
+    return _new("MetadataIndex", {"fqn": fqn, "offset": None if offsets is None else _size(offsets), "index": index})
+
+
+def _storage_info(info: StorageInfo) -> _New:
+    state: dict[str, Any] = {"relative_path": info.relative_path, "offset": info.offset, "length": info.length}
+    if info.transform_descriptors:
+        state["transform_descriptors"] = list(info.transform_descriptors)
+    return _new("_StorageInfo", state)
+
+
+class _MetadataPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+    """Pure-Python pickler that writes :class:`_Global`/:class:`_New`/:class:`_Call` as torch objects."""
+
+    dispatch = pickle._Pickler.dispatch.copy()  # type: ignore[attr-defined]
+
+    def _save_global_ref(self, obj: _Global) -> None:
+        self.save(obj.module)
+        self.save(obj.name)
+        self.write(pickle.STACK_GLOBAL)
+        self.memoize(obj)
+
+    def _save_new(self, obj: _New) -> None:
+        self.save(obj.cls)
+        self.save(())
+        self.write(pickle.NEWOBJ)
+        self.memoize(obj)
+        if obj.state is not None:
+            self.save(obj.state)
+            self.write(pickle.BUILD)
+
+    def _save_call(self, obj: _Call) -> None:
+        self.save(obj.func)
+        self.save(obj.args)
+        self.write(pickle.REDUCE)
+        self.memoize(obj)
+
+    dispatch[_Global] = _save_global_ref
+    dispatch[_New] = _save_new
+    dispatch[_Call] = _save_call
+
+
+class _ArchiveWindow(io.RawIOBase):
+    """The output file seen from the start of one archive (zip offsets relative to it)."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        super().__init__()
+        self._f, self._base = f, f.tell()
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        return self._f.write(b)
+
+    def tell(self) -> int:
+        return self._f.tell() - self._base
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence == 0:
+            return self._f.seek(self._base + pos) - self._base
+        return self._f.seek(pos, whence) - self._base
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+# dtype name -> typed storage class that torch.save names in data.pkl (``_rebuild_tensor_v2``). Newer dtypes
+# (float8, uint16/32/64) are saved as ``_rebuild_tensor_v3`` + ``UntypedStorage``; those chunks are
+# written by torch.save itself (see ``can_stream``).
+_V2_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+              "complex128", "complex64")
+_STORAGE_CLASS = {v: k for k, v in STORAGE_DTYPES.items() if v in _V2_DTYPES}
+
+
+def can_stream(dtype: DType) -> bool:
+    """Whether :func:`write_tensor_archive` writes archives of this dtype (torch's v2 tensor encoding)."""
+    return dtype.name in _STORAGE_CLASS
+_ALIGN = 64  # torch.serialization: record data aligned to 64 bytes within the archive
+
+
+class _ProtoTwoPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+    """Protocol-2 pickler for ``data.pkl`` of a tensor archive (GLOBAL opcodes, a persistent storage id)."""
+
+    dispatch = pickle._Pickler.dispatch.copy()  # type: ignore[attr-defined]
+
+    def _save_global_ref(self, obj: _Global) -> None:
+        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+        self.memoize(obj)
+
+    def _save_call(self, obj: _Call) -> None:
+        self.save(obj.func)
+        self.save(obj.args)
+        self.write(pickle.REDUCE)
+        self.memoize(obj)
+
+    dispatch[_Global] = _save_global_ref
+    dispatch[_Call] = _save_call
+
+    def persistent_id(self, obj: Any) -> Any:
+        return obj.pid if isinstance(obj, _Pid) else None
+
+
+class _Pid:
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: tuple[Any, ...]) -> None:
+        self.pid = pid
+
+
+def tensor_data_pkl(dtype: DType, sizes: tuple[int, ...]) -> bytes:
+    """``data.pkl`` that ``torch.save`` writes for a contiguous CPU tensor with its own storage.
+
+    ``torch._utils._rebuild_tensor_v2(storage, 0, size, stride, False, OrderedDict())`` with
+    storage persistent id ``('storage', torch.<Type>Storage, '0', 'cpu', numel)``
+    (``torch/serialization.py`` ``_save.persistent_id``).
+    """
+    numel = 1
+    for s in sizes:
+        numel *= s
+    stride, acc = [], 1
+    for s in reversed(sizes):
+        stride.append(acc)
+        acc *= max(s, 1)
+    storage = _Pid(("storage", _global("torch", _STORAGE_CLASS[dtype.name]), "0", "cpu", numel))
+    rebuild = _Call(_global("torch._utils", "_rebuild_tensor_v2"), (
+        storage, 0, tuple(sizes), tuple(reversed(stride)), False, _Call(_global("collections", "OrderedDict"), ()),
+    ))
+    buf = io.BytesIO()
+    _ProtoTwoPickler(buf, protocol=2).dump(rebuild)
+    return buf.getvalue()
+
+
+def _aligned_info(zf: zipfile.ZipFile, name: str, size: int) -> zipfile.ZipInfo:
+    """A stored ZipInfo whose data starts on a 64-byte boundary of the archive (torch's alignment)."""
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_STORED
+    info.file_size = size
+    zip64 = size > zipfile.ZIP64_LIMIT
+    offset = zf.fp.tell() if zf.fp is not None else 0
+    data_at = offset + 30 + len(name.encode()) + (20 if zip64 else 0)
+    pad = (-(data_at + 4)) % _ALIGN  # a padding extra field has a 4-byte header ("FB" + length)
+    info.extra = b"FB" + pad.to_bytes(2, "little") + b"Z" * pad
+    return info
+
+
+def write_tensor_archive(f: BinaryIO, dtype: DType, sizes: tuple[int, ...], segments: list[tuple[int, int, int]],
+                         buf: memoryview) -> None:
+    """Append a ``torch.save`` archive of a tensor whose storage bytes are read from ``segments``.
+
+    Members and order as ``torch.save`` writes them; records 64-byte aligned; CRC-32 computed
+    while streaming. ``torch.load`` (``weights_only=True`` too) and ckpttool's reader read it.
+
+    Args:
+        f: output file, positioned where the archive starts.
+        dtype, sizes: the tensor.
+        segments: ``(fd, offset, length)`` read in order with ``os.preadv``.
+        buf: a reusable read buffer.
+
+    Raises:
+        OSError: a short read (the source file changed under us).
+    """
+    nbytes = sum(n for _, _, n in segments)
+    window = _ArchiveWindow(f)
+    with zipfile.ZipFile(window, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        def small(name: str, data: bytes) -> None:
+            zf.writestr(_aligned_info(zf, name, len(data)), data)
+
+        small("archive/data.pkl", tensor_data_pkl(dtype, sizes))
+        small("archive/.format_version", b"1")
+        small("archive/.storage_alignment", str(_ALIGN).encode())
+        small("archive/byteorder", b"little")
+        info = _aligned_info(zf, "archive/data/0", nbytes)
+        with zf.open(info, "w", force_zip64=nbytes > zipfile.ZIP64_LIMIT) as w:
+            for fd, offset, length in segments:
+                done = 0
+                while done < length:
+                    n = min(len(buf), length - done)
+                    got = os.preadv(fd, [buf[:n]], offset + done)
+                    if got <= 0:
+                        raise OSError(f"short read at offset {offset + done}")
+                    w.write(buf[:got])
+                    done += got
+        small("archive/version", b"3\n")
+        small("archive/.data/serialization_id", str(uuid.uuid4().int).zfill(40)[:40].encode())
+
+
+def torch_save_bytes(obj: Any) -> bytes:
+    """``torch.save(obj)`` bytes for a plain Python value (str, numbers, lists, dicts), without torch.
+
+    The archive has the members ``torch.save`` writes (``torch/serialization.py``,
+    ``_save``: ``data.pkl`` as a protocol-2 pickle, ``.format_version``,
+    ``.storage_alignment``, ``byteorder``, ``version``, ``.data/serialization_id``), stored
+    uncompressed; ``torch.load`` (also with ``weights_only=True``) reads it.
+
+    Raises:
+        TypeError: ``obj`` holds something other than plain values.
+    """
+    def check(v: Any) -> None:
+        if isinstance(v, (list, tuple)):
+            for x in v:
+                check(x)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                check(k)
+                check(x)
+        elif not (v is None or isinstance(v, (str, int, float, bool))):
+            raise TypeError(f"not a plain value: {type(v).__name__}")
+
+    check(obj)
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", pickle.dumps(obj, protocol=2))
+        z.writestr("archive/.format_version", b"1")
+        z.writestr("archive/.storage_alignment", b"64")
+        z.writestr("archive/byteorder", b"little")
+        z.writestr("archive/version", b"3\n")
+        z.writestr("archive/.data/serialization_id", str(uuid.uuid4().int).zfill(40)[:40].encode())
+    return buf.getvalue()

@@ -1,0 +1,485 @@
+"""The checkpoint catalog: a typed view of a DCP checkpoint built from metadata alone.
+
+Key schema (``docs/design.md``, "Key schema"; the torch-native ``{"model", "optimizer"}`` dict):
+
+=============================================  ===============================================
+``model.<fqn>``                                model parameter or persistent buffer
+``optimizer.state.<param_fqn>.<field>``        per-parameter optimizer state
+``optimizer.param_groups.<i>.<hyper>``         nested flavor (group index ``i``)
+``optimizer.param_groups.<param_fqn>.<hyper>`` flattened flavor (hyperparameters per parameter)
+``layout``                                     ckpttool layout record (JSON string)
+anything else                                  "other", reported, never dropped
+=============================================  ===============================================
+
+``<param_fqn>`` is the model key without its leading ``model.``. FQNs contain dots,
+so keys are split by ``planner_data`` when it holds the path, else by the longest
+matching model fqn (the inventory) — never by counting dots.
+
+:func:`build_catalog` reads nothing but ``.metadata`` (and a directory listing);
+:func:`load_param_groups` reads the small param-group byte items; neither imports torch
+unless a byte item is not a plain value.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckpttool.errors import CkptError, OptimStateError
+from ckpttool.format.directory import DATA_FILE_RE, CheckpointDir, rank_of_file
+from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
+from ckpttool.model.layout_record import LAYOUT_KEY, SIDECAR_NAME
+from ckpttool.model.optimizer import infer_optimizer_type
+
+if TYPE_CHECKING:
+    from ckpttool.format.reader import CheckpointReader
+
+__all__ = [
+    "TensorEntry",
+    "ParamState",
+    "ParamGroup",
+    "DataFile",
+    "ExtraStateFile",
+    "Catalog",
+    "build_catalog",
+    "load_param_groups",
+    "implied_optimizer_type",
+    "match_filter",
+    "group_by_prefix",
+    "MODEL_PREFIX",
+    "STATE_PREFIX",
+    "GROUPS_PREFIX",
+]
+
+MODEL_PREFIX = "model."
+STATE_PREFIX = "optimizer.state."
+GROUPS_PREFIX = "optimizer.param_groups."
+#: Param-group items whose values define a leaf (everything but membership lists).
+_MEMBERSHIP_ITEMS = ("params", "param_names")
+_EXTRA_STATE_RE = re.compile(r"(\d+)")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor of the checkpoint.
+
+    Attributes:
+        key: flattened checkpoint key (``model.model.layers.0.mlp.down_proj.weight``).
+        shape: global shape; dtype: stored dtype name; numel, nbytes: global sizes.
+        chunks: stored chunks; ranks: writing ranks (from ``__R_N.distcp`` names);
+        files: data files holding its chunks.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    numel: int
+    nbytes: int
+    chunks: tuple[ChunkMeta, ...]
+    ranks: tuple[int, ...]
+    files: tuple[str, ...]
+
+    @property
+    def uneven(self) -> bool:
+        """Chunks of different sizes (e.g. dim 0 not divisible by the world size)."""
+        chunks = self.chunks
+        return len(chunks) > 1 and any(c.sizes != chunks[0].sizes for c in chunks)
+
+    @property
+    def zero_size_chunks(self) -> int:
+        return sum(1 for c in self.chunks if 0 in c.sizes)
+
+
+@dataclass
+class ParamState:
+    """Optimizer state of one parameter: field name -> :class:`TensorEntry` (or ``None`` for a byte item)."""
+
+    fqn: str
+    fields: dict[str, TensorEntry | None] = field(default_factory=dict)
+    in_model: bool = True
+
+    @property
+    def field_dtypes(self) -> dict[str, str]:
+        """Field name -> stored dtype name (``"bytes"`` for a field saved as a byte item)."""
+        return {name: (t.dtype if t is not None else "bytes") for name, t in self.fields.items()}
+
+    @property
+    def implied_type(self) -> str | None:
+        """The optimizer type these fields imply (:func:`implied_optimizer_type`), or ``None``."""
+        return implied_optimizer_type(self.field_dtypes)
+
+
+@dataclass
+class ParamGroup:
+    """One parameter group.
+
+    Attributes:
+        group_id: group index (nested flavor) or parameter fqn (flattened flavor).
+        flavor: ``"nested"`` or ``"flattened"``.
+        keys: hyperparameter name -> checkpoint key of its byte item.
+        values: hyperparameter name -> value, filled by :func:`load_param_groups`.
+        params: parameter fqns of the group (flattened: ``[group_id]``; nested:
+            from the ``params`` item once loaded).
+    """
+
+    group_id: int | str
+    flavor: str
+    keys: dict[str, str] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    params: list[str] = field(default_factory=list)
+
+    @property
+    def leaf_values(self) -> dict[str, Any]:
+        """The loaded hyperparameter values that define its leaf (all but ``params``/``param_names``)."""
+        return {k: v for k, v in sorted(self.values.items()) if k not in _MEMBERSHIP_ITEMS}
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """A ``.distcp`` file: path relative to the checkpoint, size on disk (``None``: missing), rank."""
+
+    relative_path: str
+    size: int | None
+    rank: int | None
+    referenced: bool
+
+
+@dataclass(frozen=True)
+class ExtraStateFile:
+    """A per-rank ``extra_state/*.pt`` file (torch.save of scheduler/step/RNG state)."""
+
+    relative_path: str
+    size: int
+    rank: int | None
+
+
+@dataclass
+class Catalog:
+    """Everything known about a checkpoint from its metadata (see module docstring)."""
+
+    path: Path
+    dcp_version: str | None
+    model: dict[str, TensorEntry]
+    optimizer_state: dict[str, ParamState]
+    param_groups: list[ParamGroup]
+    optimizer_flavor: str | None
+    byte_items: dict[str, int]
+    other_tensors: dict[str, TensorEntry]
+    data_files: list[DataFile]
+    extra_state: list[ExtraStateFile]
+    has_layout_item: bool
+    has_layout_sidecar: bool
+    ranks: tuple[int, ...]
+    _group_index: dict[str, ParamGroup] | None = field(default=None, repr=False, compare=False)
+    _group_index_size: int = field(default=-1, repr=False, compare=False)
+
+    @property
+    def param_fqns(self) -> list[str]:
+        """Model keys without the ``model.`` prefix (the optimizer's fqns)."""
+        return [k[len(MODEL_PREFIX):] for k in self.model]
+
+    @property
+    def tensors(self) -> dict[str, TensorEntry]:
+        """All tensor entries: model, optimizer state fields, others."""
+        out = dict(self.model)
+        for ps in self.optimizer_state.values():
+            for t in ps.fields.values():
+                if t is not None:
+                    out[t.key] = t
+        out.update(self.other_tensors)
+        return out
+
+    @property
+    def other_keys(self) -> list[str]:
+        """Keys outside the schema (tensors and byte items)."""
+        known_bytes = {k for g in self.param_groups for k in g.keys.values()}
+        known_bytes.add(LAYOUT_KEY)
+        state_bytes = {
+            f"{STATE_PREFIX}{ps.fqn}.{f}" for ps in self.optimizer_state.values() for f, t in ps.fields.items() if t is None
+        }
+        others = [k for k in self.byte_items if k not in known_bytes and k not in state_bytes]
+        return sorted(list(self.other_tensors) + others)
+
+    def group_of(self, fqn: str) -> ParamGroup | None:
+        """The param group a parameter belongs to (nested: needs :func:`load_param_groups`).
+
+        Nested groups list their members in ``params``; a flattened group is the group of
+        the one parameter it is named after. O(1) after the first call: the fqn -> group
+        index is rebuilt when the number of listed params changes (after loading).
+        """
+        size = sum(len(g.params) for g in self.param_groups)
+        if self._group_index is None or self._group_index_size != size:
+            index: dict[str, ParamGroup] = {}
+            for g in self.param_groups:
+                for p in g.params:
+                    index.setdefault(p, g)
+            self._group_index, self._group_index_size = index, size
+        return self._group_index.get(fqn)
+
+    def leaves(self) -> list[tuple[str, ParamGroup, list[str]]]:
+        """Sets of parameters that step together, as ``(label, first group, fqns)``.
+
+        A nested param group is one leaf. In the flattened flavor (hyperparameters repeated
+        per parameter; ``torch.distributed.checkpoint.state_dict`` with
+        ``flatten_optimizer_state_dict=True``) the parameters whose loaded hyperparameter
+        values are all equal form one leaf, which is how a multi-optimizer reassembles its
+        groups. Needs :func:`load_param_groups` for the values.
+        """
+        out: list[tuple[str, ParamGroup, list[str]]] = []
+        flat: dict[str, tuple[ParamGroup, list[str]]] = {}
+        for g in self.param_groups:
+            if g.flavor == "nested":
+                out.append((f"param group {g.group_id}", g, list(g.params)))
+            else:
+                flat.setdefault(repr(g.leaf_values), (g, []))[1].append(str(g.group_id))
+        for g, fqns in flat.values():
+            v = g.values
+            out.append((f"flattened group with lr={v.get('lr')!r}, weight_decay={v.get('weight_decay')!r}", g, fqns))
+        return out
+
+    def tied_keys(self) -> tuple[str | None, str | None]:
+        """``(lm_head key, input embedding key)`` of the model (``None`` where absent)."""
+        head = next((k for k in self.model if k.endswith("lm_head.weight")), None)
+        emb = next((k for k in self.model if k.endswith("embed_tokens.weight")), None)
+        if emb is None:
+            emb = next((k for k in self.model if k.endswith(("wte.weight", "word_embeddings.weight"))), None)
+        return head, emb
+
+
+_RANK_CACHE: dict[str, int | None] = {}
+
+
+def _rank(relative_path: str) -> int | None:
+    r = _RANK_CACHE.get(relative_path, -1)
+    if r == -1:
+        r = _RANK_CACHE[relative_path] = rank_of_file(relative_path)
+    return r
+
+
+def _entry(key: str, meta: TensorMeta, md_storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo]) -> TensorEntry:
+    get = md_storage.get
+    files = {info.relative_path for c in meta.chunks if (info := get((key, c.offsets))) is not None}
+    ufiles = tuple(sorted(files))
+    ranks = tuple(sorted({r for r in map(_rank, ufiles) if r is not None}))
+    return TensorEntry(key, meta.size, meta.dtype.name, meta.numel, meta.nbytes, meta.chunks, ranks, ufiles)
+
+
+class _Inventory:
+    """Longest-match splitter of ``<param_fqn>.<rest>`` against known parameter fqns."""
+
+    def __init__(self, fqns: list[str]) -> None:
+        self._fqns = set(fqns)
+
+    def split(self, rest: str) -> tuple[str, str] | None:
+        # Try every dot position from the right: the longest fqn that is known wins.
+        pos = len(rest)
+        while True:
+            pos = rest.rfind(".", 0, pos)
+            if pos <= 0:
+                return None
+            head = rest[:pos]
+            if head in self._fqns:
+                return head, rest[pos + 1:]
+
+
+def build_catalog(ckpt: CheckpointDir | str | os.PathLike[str]) -> Catalog:
+    """Build the :class:`Catalog` of a checkpoint from ``.metadata`` and a directory listing.
+
+    Args:
+        ckpt: an opened :class:`CheckpointDir` or a path.
+
+    Raises:
+        UsageError, MetadataError, UnsafePickleError, IncompleteCheckpointError:
+            as :class:`CheckpointDir`.
+    """
+    cd = ckpt if isinstance(ckpt, CheckpointDir) else CheckpointDir(ckpt)
+    md = cd.metadata
+    storage = md.storage
+    planner = md.planner_data
+    model: dict[str, TensorEntry] = {}
+    for key, meta in md.entries.items():
+        if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorMeta):
+            model[key] = _entry(key, meta, storage)
+    inv = _Inventory([k[len(MODEL_PREFIX):] for k in model])
+
+    optimizer_state: dict[str, ParamState] = {}
+    groups: dict[Any, ParamGroup] = {}
+    flavors: set[str] = set()
+    byte_items: dict[str, int] = {}
+    other_tensors: dict[str, TensorEntry] = {}
+
+    for key, meta in md.entries.items():
+        if isinstance(meta, BytesMeta):
+            info = storage.get((key, None))
+            byte_items[key] = info.length if info is not None else 0
+        if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorMeta):
+            continue
+        path = planner.get(key)
+        if key.startswith(STATE_PREFIX):
+            split = None
+            if path and len(path) == 4 and path[:2] == ("optimizer", "state") and isinstance(path[2], str):
+                split = (path[2], str(path[3]))
+            if split is None:
+                split = inv.split(key[len(STATE_PREFIX):])
+            in_model = split is not None and f"{MODEL_PREFIX}{split[0]}" in model
+            if split is None:
+                # Not a known parameter: the field is the last component (field names hold no dots).
+                head, _, fld = key[len(STATE_PREFIX):].rpartition(".")
+                split = (head, fld)
+            fqn, fld = split
+            ps = optimizer_state.setdefault(fqn, ParamState(fqn, in_model=in_model))
+            ps.fields[fld] = _entry(key, meta, storage) if isinstance(meta, TensorMeta) else None
+            continue
+        if key.startswith(GROUPS_PREFIX):
+            rest = key[len(GROUPS_PREFIX):]
+            gid: Any = None
+            hyper = None
+            if path and len(path) == 4 and path[:2] == ("optimizer", "param_groups"):
+                gid, hyper = path[2], str(path[3])
+            else:
+                head, _, tail = rest.partition(".")
+                if head.isdigit() and tail and "." not in tail:
+                    gid, hyper = int(head), tail
+                else:
+                    split = inv.split(rest)
+                    if split is not None:
+                        gid, hyper = split
+                    else:
+                        head2, _, tail2 = rest.rpartition(".")
+                        gid, hyper = head2, tail2
+            flavor = "nested" if isinstance(gid, int) else "flattened"
+            flavors.add(flavor)
+            g = groups.get(gid)
+            if g is None:
+                g = groups[gid] = ParamGroup(gid, flavor, params=[] if flavor == "nested" else [str(gid)])
+            g.keys[hyper] = key
+            continue
+        if key == LAYOUT_KEY:
+            continue
+        if isinstance(meta, TensorMeta):
+            other_tensors[key] = _entry(key, meta, storage)
+
+    # Files on disk.
+    referenced = {s.relative_path for s in storage.values()}
+    on_disk = {}
+    try:
+        names = os.listdir(cd.path)
+    except OSError:
+        names = []
+    for name in names:
+        if DATA_FILE_RE.match(name):
+            try:
+                on_disk[name] = (cd.path / name).stat().st_size
+            except OSError:
+                on_disk[name] = None
+    data_files = []
+    for rel in sorted(referenced | set(on_disk)):
+        size = on_disk.get(rel)
+        if rel not in on_disk:
+            try:
+                size = cd.file_size(rel)
+            except CkptError:
+                size = None
+        data_files.append(DataFile(rel, size, rank_of_file(rel), rel in referenced))
+    extra: list[ExtraStateFile] = []
+    extra_dir = cd.path / "extra_state"
+    if extra_dir.is_dir() and not extra_dir.is_symlink():
+        for p in sorted(extra_dir.iterdir()):
+            if p.is_file() and not p.is_symlink():
+                m = _EXTRA_STATE_RE.findall(p.stem)
+                extra.append(ExtraStateFile(f"extra_state/{p.name}", p.stat().st_size, int(m[-1]) if m else None))
+    ranks = tuple(sorted({f.rank for f in data_files if f.rank is not None and f.referenced}))
+    flavor = None if not flavors else (flavors.pop() if len(flavors) == 1 else "mixed")
+    return Catalog(
+        path=cd.path,
+        dcp_version=md.version,
+        model=model,
+        optimizer_state=optimizer_state,
+        param_groups=sorted(groups.values(), key=lambda g: (isinstance(g.group_id, str), g.group_id)),
+        optimizer_flavor=flavor,
+        byte_items=byte_items,
+        other_tensors=other_tensors,
+        data_files=data_files,
+        extra_state=extra,
+        has_layout_item=isinstance(md.entries.get(LAYOUT_KEY), BytesMeta),
+        has_layout_sidecar=(cd.path / SIDECAR_NAME).is_file(),
+        ranks=ranks,
+    )
+
+
+def load_param_groups(cat: Catalog, reader: CheckpointReader, errors: dict[str, CkptError] | None = None) -> None:
+    """Fill ``values`` (and ``params`` for nested groups) of every param group from its byte items.
+
+    Args:
+        cat: the catalog.
+        reader: a reader of the same checkpoint.
+        errors: when given, a byte item that cannot be read safely is recorded here
+            (key -> error) and skipped; otherwise its error is raised.
+
+    Raises:
+        CkptError: a byte item cannot be read safely (only without ``errors``).
+    """
+    for g in cat.param_groups:
+        for hyper, key in g.keys.items():
+            if hyper in g.values or (hyper == "params" and g.params):
+                continue  # loaded already
+            try:
+                value = reader.read_object(key)
+            except CkptError as e:
+                if errors is None:
+                    raise
+                errors[key] = e
+                continue
+            if hyper == "params":
+                if isinstance(value, (list, tuple)):
+                    g.params = [str(v) for v in value]
+                continue
+            g.values[hyper] = value
+
+
+def implied_optimizer_type(fields: dict[str, str]) -> str | None:
+    """Optimizer type implied by a parameter's state fields and dtypes, or ``None`` if no type fits.
+
+    A lenient wrapper of :func:`ckpttool.model.optimizer.infer_optimizer_type` (torch-free)
+    for overviews: a field set that
+    no ckpttool optimizer writes (BF16 ``step``, mixed moment dtypes, ...) gives ``None``
+    instead of an error. ``cpu_offload_adamw`` stores the same fields as
+    ``full_fp32_adamw``; only the layout record tells them apart.
+
+    Args:
+        fields: field name -> dtype name.
+    """
+    try:
+        return infer_optimizer_type(fields)
+    except OptimStateError:
+        return None
+
+
+def match_filter(key: str, pattern: str | None) -> bool:
+    """``fnmatch`` of a key (with or without its ``model.`` prefix) against a glob."""
+    if not pattern:
+        return True
+    return fnmatch.fnmatchcase(key, pattern) or (
+        key.startswith(MODEL_PREFIX) and fnmatch.fnmatchcase(key[len(MODEL_PREFIX):], pattern)
+    )
+
+
+def group_by_prefix(keys: list[tuple[str, int, int]], depth: int) -> dict[str, tuple[int, int, int]]:
+    """Aggregate ``(key, numel, nbytes)`` by the first ``depth`` dotted components.
+
+    Returns:
+        prefix -> (tensor count, numel, nbytes), in first-seen order.
+    """
+    out: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for key, numel, nbytes in keys:
+        prefix = ".".join(key.split(".")[:depth])
+        agg = out[prefix]
+        agg[0] += 1
+        agg[1] += numel
+        agg[2] += nbytes
+    return {k: (v[0], v[1], v[2]) for k, v in out.items()}

@@ -1,0 +1,169 @@
+"""Optimizer state schema: which fields each optimizer type saves, with which dtypes.
+
+This module is the single source of the table in ``docs/design.md`` ("Optimizer
+state") and ``docs/optim_state.md``:
+
+=====================  =========  ===============  =====================  =====================
+type                   ``step``   ``master_weight``  ``exp_avg``          ``exp_avg_sq``
+=====================  =========  ===============  =====================  =====================
+``adamw``              f32, 0-d   (absent)         param dtype            param dtype
+``full_fp32_adamw``    f32, 0-d   f32              f32                    f32
+``master_fp32_adamw``  f32, 0-d   f32              ``moment_dtype``       ``moment_dtype``
+                                                   (bf16 default)         (bf16 default)
+``cpu_offload_adamw``  f32, 0-d   f32              resident or cpu moment dtype (f32 default)
+=====================  =========  ===============  =====================  =====================
+
+Both functions work on dtype *names* (``"float32"``) and never import torch, so
+metadata-only readers (catalog, validate) and the optimizers use the same table.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ckpttool.errors import OptimStateError, UsageError
+from ckpttool.format.metadata import DTYPE_ITEMSIZE, dtype_name
+
+__all__ = [
+    "OPTIMIZER_TYPES",
+    "STATE_FIELDS",
+    "HYPERPARAMETERS",
+    "expected_state_dtypes",
+    "infer_optimizer_type",
+]
+
+#: Type names accepted by ``build_optimizer`` and written into the layout record.
+OPTIMIZER_TYPES: tuple[str, ...] = ("adamw", "full_fp32_adamw", "master_fp32_adamw", "cpu_offload_adamw")
+
+#: Saved per-parameter fields, in save order.
+STATE_FIELDS: tuple[str, ...] = ("step", "master_weight", "exp_avg", "exp_avg_sq")
+
+#: Param-group hyperparameters every ckpttool optimizer saves (torch's AdamW saves more).
+HYPERPARAMETERS: tuple[str, ...] = ("lr", "betas", "eps", "weight_decay")
+
+
+def _name(dtype: Any) -> str:
+    name = dtype_name(dtype)
+    if name not in DTYPE_ITEMSIZE:
+        raise UsageError(f"unknown dtype {dtype!r}", hint="use float32 or bfloat16")
+    return name
+
+
+def _moment_dtype_cfg(cfg: Mapping[str, Any], *keys: str, default: str) -> Any:
+    for key in keys:
+        if key in cfg and cfg[key] is not None:
+            return cfg[key]
+    return default
+
+
+def _offload_patterns(cfg: Mapping[str, Any]) -> Sequence[str]:
+    patterns = cfg.get("cpu_offload_param_patterns", cfg.get("offload_patterns"))
+    return list(patterns or [])
+
+
+def expected_state_dtypes(
+    type_name: str,
+    cfg: Mapping[str, Any] | None,
+    param_dtype: Any,
+    *,
+    fqn: str | None = None,
+) -> dict[str, str]:
+    """Fields and dtype names one parameter's saved state has for an optimizer type and configuration.
+
+    Args:
+        type_name: one of ``adamw | full_fp32_adamw | master_fp32_adamw | cpu_offload_adamw``.
+        cfg: the optimizer configuration, either the constructor keywords
+            (``moment_dtype``; ``resident_moment_dtype``, ``cpu_moment_dtype``,
+            ``cpu_offload_param_patterns``, ``cpu_offload``) or the layout record's ``optimizer`` object
+            (``moment_dtypes: {"resident": ..., "cpu": ...}``, ``offload_patterns``).
+            Dtypes as ``torch.dtype`` or names. ``None`` means defaults.
+        param_dtype: dtype of the model parameter (matters for ``adamw`` only).
+        fqn: the parameter's fully qualified name; needed for ``cpu_offload_adamw`` only when
+            its resident and CPU moment dtypes differ (the offload patterns decide).
+
+    Returns:
+        ``{field: dtype name}`` in the order of :data:`STATE_FIELDS`; ``step`` is a 0-d
+        float32 tensor, every other field has the parameter's shape.
+
+    Raises:
+        UsageError: unknown type name or dtype, or ``fqn`` missing where it decides.
+    """
+    cfg = dict(cfg or {})
+    f32 = "float32"
+    if type_name == "adamw":
+        pdt = _name(param_dtype)
+        return {"step": f32, "exp_avg": pdt, "exp_avg_sq": pdt}
+    if type_name == "full_fp32_adamw":
+        return {"step": f32, "master_weight": f32, "exp_avg": f32, "exp_avg_sq": f32}
+    moment_dtypes = cfg.get("moment_dtypes") or {}
+    if type_name == "master_fp32_adamw":
+        mdt = _name(_moment_dtype_cfg(cfg, "moment_dtype", default=moment_dtypes.get("resident", "bfloat16")))
+        return {"step": f32, "master_weight": f32, "exp_avg": mdt, "exp_avg_sq": mdt}
+    if type_name == "cpu_offload_adamw":
+        resident = _name(_moment_dtype_cfg(cfg, "resident_moment_dtype", default=moment_dtypes.get("resident", f32)))
+        cpu = _name(_moment_dtype_cfg(cfg, "cpu_moment_dtype", default=moment_dtypes.get("cpu", f32)))
+        if resident == cpu:
+            mdt = resident
+        elif fqn is None:
+            raise UsageError(
+                f"cpu_offload_adamw moment dtype depends on the parameter (resident {resident}, cpu {cpu}) "
+                "but no fqn was given",
+                hint="pass fqn= so the offload patterns can decide",
+            )
+        else:
+            offloaded = bool(cfg.get("cpu_offload", True)) and any(re.search(p, fqn) for p in _offload_patterns(cfg))
+            mdt = cpu if offloaded else resident
+        return {"step": f32, "master_weight": f32, "exp_avg": mdt, "exp_avg_sq": mdt}
+    raise UsageError(
+        f"unknown optimizer type {type_name!r}",
+        hint=f"use one of {', '.join(OPTIMIZER_TYPES)}",
+    )
+
+
+def infer_optimizer_type(fields: Mapping[str, Any]) -> str:
+    """Name the optimizer type that saves these per-parameter fields and dtypes.
+
+    Decision table (``docs/design.md``, "Optimizer state"): only ``step``/``exp_avg``/``exp_avg_sq`` ->
+    ``adamw``; ``master_weight`` f32 with f32 moments -> ``full_fp32_adamw``;
+    ``master_weight`` f32 with bf16 moments -> ``master_fp32_adamw``.
+
+    ``cpu_offload_adamw`` saves exactly what ``full_fp32_adamw`` saves with its default f32
+    moments (offload is placement policy and is not serialized), so it can never be
+    told apart by fields; such state is reported as ``full_fp32_adamw`` (read the layout
+    record's ``optimizer.type`` for the real name). Likewise a ``cpu_offload_adamw`` run
+    with bf16 moments reads as ``master_fp32_adamw``.
+
+    Args:
+        fields: ``{field: dtype}`` for one parameter; dtypes as ``torch.dtype`` or names
+            (``"torch.float32"``, ``"bfloat16"``). Torch is not imported.
+
+    Returns:
+        ``"adamw"``, ``"full_fp32_adamw"`` or ``"master_fp32_adamw"``.
+
+    Raises:
+        OptimStateError: fields missing, unknown, or a dtype combination no ckpttool
+            optimizer writes (e.g. a BF16 ``master_weight``, moments of different dtypes).
+    """
+    names = {k: dtype_name(v) for k, v in fields.items()}
+    unknown = sorted(set(names) - set(STATE_FIELDS))
+    if unknown:
+        raise OptimStateError(f"unknown optimizer state field(s) {', '.join(unknown)}; known: {', '.join(STATE_FIELDS)}")
+    missing = [f for f in ("step", "exp_avg", "exp_avg_sq") if f not in names]
+    if missing:
+        raise OptimStateError(f"optimizer state lacks field(s) {', '.join(missing)} (have {', '.join(sorted(names))})")
+    if names["step"] != "float32":
+        raise OptimStateError(f"step is {names['step']}, every AdamW variant saves a float32 step")
+    m, v = names["exp_avg"], names["exp_avg_sq"]
+    if m != v:
+        raise OptimStateError(f"exp_avg is {m} but exp_avg_sq is {v}; no ckpttool optimizer mixes moment dtypes")
+    if "master_weight" not in names:
+        return "adamw"
+    if names["master_weight"] != "float32":
+        raise OptimStateError(f"master_weight is {names['master_weight']}; master weights are always float32")
+    if m == "float32":
+        return "full_fp32_adamw"
+    if m == "bfloat16":
+        return "master_fp32_adamw"
+    raise OptimStateError(f"moments of dtype {m} with a float32 master_weight match no optimizer type")

@@ -1,0 +1,585 @@
+"""``export_checkpoint``: DCP checkpoint -> Hugging Face safetensors (sharded + index) or a PEFT LoRA adapter.
+
+Flow: the opened checkpoint (catalog and layout) -> selection and plan (pure,
+:mod:`ckpttool.ops.export.plan`) -> every source's chunks checked (tiling,
+stored sizes) -> output files created at their final size in a temporary directory
+beside ``OUT`` -> every source tensor read once by a thread pool -> index, assets,
+rename into place (:class:`~ckpttool.format.atomic.AtomicOutputDir`).
+
+A tensor written as stored is copied chunk by chunk from the ``.distcp`` files to
+its place in the output through a 1 MiB bounce buffer
+(:func:`ckpttool.format.copy.copy_range`; faster than ``cp``'s ``copy_file_range`` for
+DCP's page-misaligned chunks; torch is not imported). A tensor that is cast, split per expert, un-permuted, or
+whose chunks are not contiguous row blocks is assembled in one temporary tensor
+and written with ``pwrite``, cast 16 MiB at a time. Memory: temporaries in flight,
+bounded by ``max(largest such tensor, 256 MiB)``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckpttool.errors import ChunkError, ExportError, UsageError
+from ckpttool.format.atomic import AtomicOutputDir, signals_deferred
+from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
+from ckpttool.format.reader import CheckpointReader
+from ckpttool.format.safetensors import ShardWriter
+from ckpttool.format.tiling import contiguous_run, tiling_problem
+from ckpttool.model.checkpoint import Checkpoint, opened
+from ckpttool.model.declaration import LayoutDeclaration
+from ckpttool.model.hfconfig import config_value, read_hf_config
+from ckpttool.ops.export.experts import expert_orders
+from ckpttool.ops.export.lora import adapter_config, read_adapter_config
+from ckpttool.ops.export.plan import (
+    SAVE_DTYPES,
+    ExportPlan,
+    Selected,
+    SourceTask,
+    build_plan,
+    select_sources,
+)
+from ckpttool.ops.export.rules import ExportRules, load_rules
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ExportOptions", "ExportResult", "export_checkpoint", "ProgressFn"]
+
+log = logging.getLogger(__name__)
+
+#: ``progress(done_bytes, total_bytes)``, called from the calling thread.
+ProgressFn = Callable[[int, int], None]
+
+_TEMP_BUDGET_FLOOR = 256 << 20
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".distcp")
+_BASE_CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """Options of :func:`export_checkpoint` (the CLI flags of ``ckpttool export``).
+
+    Attributes:
+        fmt: ``"hf"`` (``model*.safetensors`` + index) or ``"lora"`` (``adapter_model.safetensors``).
+        save_dtype: ``"preserve"`` (bit-exact stored dtype) or ``bfloat16``/``float16``/``float32``
+            (floating tensors only).
+        weights: ``"params"`` or ``"master"`` (FP32 ``master_weight`` where present).
+        shard_size: max bytes per output file (default 5*10^9, the Hugging Face ``"5GB"``).
+        experts: ``"fused"`` (``[E, 2I, H]`` as stored) or ``"per-expert"`` (HF ``experts.{j}.*`` keys).
+        rules: a YAML rules file merged over the packaged defaults.
+        model_assets: directory with ``config.json`` / tokenizer files to copy (and read).
+        filter_glob: only keys matching this glob (checkpoint key with or without ``model.``, or output key).
+        workers: reader threads (``None``: ``min(8, CPU count)``).
+        overwrite: replace an existing non-empty ``OUT``.
+        adapter_config: ``adapter_config.json`` to write (LoRA).
+        lora_alpha: LoRA ``lora_alpha`` when no adapter config is given.
+    """
+
+    fmt: str = "hf"
+    save_dtype: str = "preserve"
+    weights: str = "params"
+    shard_size: int = 5 * 10**9
+    experts: str = "fused"
+    rules: Path | None = None
+    model_assets: Path | None = None
+    filter_glob: str | None = None
+    workers: int | None = None
+    overwrite: bool = False
+    adapter_config: Path | None = None
+    lora_alpha: float | None = None
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What an export wrote (``--json``: :meth:`to_dict`, schema ``ckpttool.export/1`` in ``docs/export.md``)."""
+
+    output: str
+    format: str
+    files: list[dict[str, Any]]
+    tensors: int
+    bytes: int
+    bytes_read: int
+    seconds: float
+    save_dtype: str
+    weights: str
+    experts: str
+    casts: dict[str, int]
+    narrowing_casts: dict[str, int]
+    origins: dict[str, list[str]]
+    tied_embeddings: str | None
+    layout: dict[str, Any]
+    assets: list[str]
+    skipped: dict[str, list[str]]
+    warnings: list[str] = field(default_factory=list)
+    adapter_config: dict[str, Any] | None = None
+
+    @property
+    def gb_per_s(self) -> float:
+        """Output bytes per second, in GB/s (10^9)."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": "ckpttool.export/1",
+            "output": self.output,
+            "format": self.format,
+            "files": self.files,
+            "tensors": self.tensors,
+            "bytes": self.bytes,
+            "bytes_read": self.bytes_read,
+            "seconds": round(self.seconds, 4),
+            "gb_per_s": round(self.gb_per_s, 4),
+            "save_dtype": self.save_dtype,
+            "weights": self.weights,
+            "experts": self.experts,
+            "casts": self.casts,
+            "narrowing_casts": self.narrowing_casts,
+            "origins": {k: {"count": len(v), "keys": v} for k, v in self.origins.items()},
+            "tied_embeddings": self.tied_embeddings,
+            "layout": self.layout,
+            "assets": self.assets,
+            "skipped": {k: {"count": len(v), "keys": v} for k, v in self.skipped.items()},
+            "warnings": self.warnings,
+            "adapter_config": self.adapter_config,
+        }
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _read_model_config(assets: Path | None) -> dict[str, Any] | None:
+    if assets is None:
+        return None
+    if not assets.is_dir():
+        raise UsageError(f"{assets}: `model_assets` is not a directory", path=assets, param="model_assets",
+                         hint="pass the directory holding config.json and the tokenizer files")
+    cfg = assets / "config.json"
+    if not cfg.is_file():
+        return None
+    return read_hf_config(cfg, param="model_assets")
+
+
+def _asset_files(assets: Path, fmt: str) -> list[Path]:
+    """Top-level regular files of ``--model-assets`` to copy (no weights, no index, no adapter files)."""
+    out = []
+    for p in sorted(assets.iterdir()):
+        name = p.name
+        if not p.is_file() or name.startswith("."):
+            continue
+        if name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json") or name.startswith("adapter_"):
+            continue
+        if fmt == "lora" and name in _BASE_CONFIG_FILES:
+            continue
+        out.append(p)
+    return out
+
+
+def _dedup_chunks(reader: CheckpointReader, key: str) -> tuple[TensorMeta, list[ChunkMeta]]:
+    """Chunks of ``key`` to read: replicated chunks (same offsets and sizes) once, zero-size ones never.
+
+    Raises:
+        AllocationError: sizes the stored bytes cannot hold.
+        ChunkError: the chunks leave a gap or overlap.
+    """
+    meta = reader.tensor_meta(key)
+    reader.check_allocation(key, meta)
+    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+    chunks: list[ChunkMeta] = []
+    for c in meta.chunks:
+        ident = (c.offsets, c.sizes)
+        if ident in seen:
+            continue
+        seen.add(ident)
+        chunks.append(c)
+    problem = tiling_problem(TensorMeta(meta.dtype, meta.size, tuple(chunks)))
+    if problem is not None:
+        raise ChunkError(f"{reader.path}: chunks of {key!r} do not tile the tensor ({problem})", fqn=key)
+    return meta, [c for c in chunks if c.numel > 0]
+
+
+def _contiguous_span(chunk: ChunkMeta, size: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(first element, element count)`` of a chunk's region in the C-ordered global tensor, if contiguous."""
+    return contiguous_run(size, chunk.offsets, chunk.sizes)
+
+
+def _narrow(t: torch.Tensor, chunk: ChunkMeta, size: tuple[int, ...]) -> torch.Tensor:
+    view = t
+    for d, (o, s) in enumerate(zip(chunk.offsets, chunk.sizes)):
+        if o != 0 or s != size[d]:
+            view = view.narrow(d, o, s)
+    return view
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a tensor (C order), without a copy when it is contiguous."""
+    import torch
+
+    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _write_tensor(writer: ShardWriter, name: str, t: torch.Tensor, dtype: torch.dtype, at: int = 0) -> None:
+    """Write ``t`` cast to ``dtype`` at byte ``at`` of output tensor ``name``, casting 16 MiB at a time."""
+    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+    if flat.dtype == dtype:
+        writer.write(name, _tensor_bytes(flat), at)
+        return
+    out_item = DTYPE_ITEMSIZE[str(dtype).removeprefix("torch.")]
+    step = max(1, (16 << 20) // max(out_item, flat.element_size()))
+    for i in range(0, flat.numel(), step):
+        writer.write(name, _tensor_bytes(flat[i:i + step].to(dtype)), at + i * out_item)
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------------- executor
+
+
+class _Executor:
+    """Runs a plan's tasks on a thread pool; bookkeeping happens in the calling thread only."""
+
+    def __init__(self, reader: CheckpointReader, plan: ExportPlan, writers: list[ShardWriter], workers: int,
+                 progress: ProgressFn | None, chunks: list[tuple[TensorMeta, list[ChunkMeta]]]) -> None:
+        self.reader = reader
+        self.plan = plan
+        self.writers = writers
+        self.workers = max(1, workers)
+        self.progress = progress
+        self.total = plan.total_bytes
+        self.done = 0
+        temps = [t.selected.source.nbytes for t in plan.tasks if not t.direct]
+        self.temp_budget = max([_TEMP_BUDGET_FLOOR, *temps])
+        self.temp_inflight = 0
+        self.pending: dict[Future[None], tuple[int, int]] = {}  # future -> (task index, temp bytes)
+        self.remaining: dict[int, int] = {}
+        self.chunks = chunks
+        self.bytes_read = 0  # source bytes of finished tasks (counted here, in the calling thread)
+
+    # -- worker side ---------------------------------------------------------------------------
+    def _copy_chunk(self, task: SourceTask, chunk: ChunkMeta, size: tuple[int, ...]) -> None:
+        """Copy one stored chunk of a direct task to its place in the output file (torch-free when possible)."""
+        writer = self.writers[task.shard]
+        name = task.pieces[0].name
+        span = _contiguous_span(chunk, size)
+        assert span is not None, "direct tasks have contiguous chunks"
+        at = span[0] * DTYPE_ITEMSIZE[task.selected.source.dtype]
+        if not self.reader.copy_chunk_to_file(task.source_key, chunk, writer.fd, writer.offset(name) + at):
+            writer.write(name, _tensor_bytes(self.reader.read_chunk(task.source_key, chunk)), at)
+
+    def _transform(self, task: SourceTask, chunks: list[ChunkMeta], meta: TensorMeta) -> None:
+        """Assemble a source in one temporary tensor, then write its pieces (cast / split / un-permuted)."""
+        import torch
+
+        temp = torch.empty(meta.size, dtype=meta.dtype.to_torch())
+        for c in chunks:
+            self.reader.read_chunk(task.source_key, c, out=_narrow(temp, c, meta.size))
+        writer = self.writers[task.shard]
+        order = task.expert_order
+        for piece in task.pieces:
+            dtype = getattr(torch, piece.dtype)
+            if piece.expert is None:
+                if order is None:
+                    _write_tensor(writer, piece.name, temp, dtype)
+                else:
+                    slab_bytes = temp[0].numel() * DTYPE_ITEMSIZE[piece.dtype]
+                    for j, stored in enumerate(order):
+                        _write_tensor(writer, piece.name, temp[stored], dtype, at=j * slab_bytes)
+            else:
+                slab = temp[order[piece.expert] if order is not None else piece.expert]
+                a = slab.shape[0] // piece.nparts
+                _write_tensor(writer, piece.name, slab[piece.part * a:(piece.part + 1) * a], dtype)
+
+    # -- calling-thread side ---------------------------------------------------------------------
+    def _collect(self, block: bool) -> None:
+        if not self.pending:
+            return
+        done, _ = wait(list(self.pending), timeout=None if block else 0, return_when=FIRST_COMPLETED)
+        for fut in done:
+            idx, temp = self.pending.pop(fut)
+            fut.result()  # re-raises a worker's error here
+            self.temp_inflight -= temp
+            self.remaining[idx] -= 1
+            if self.remaining[idx] == 0:
+                task = self.plan.tasks[idx]
+                meta, chunks = self.chunks[idx]
+                self.bytes_read += sum(c.numel for c in chunks) * meta.dtype.itemsize
+                self.done += task.out_nbytes
+                if self.progress is not None:
+                    self.progress(self.done, self.total)
+
+    def _submit(self, pool: ThreadPoolExecutor, idx: int, temp: int, fn: Callable[..., None], *args: Any) -> None:
+        max_pending = self.workers * 4
+        while self.pending and (
+            len(self.pending) >= max_pending or (temp and self.temp_inflight + temp > self.temp_budget)
+        ):
+            self._collect(block=True)
+        self.temp_inflight += temp
+        self.pending[pool.submit(fn, *args)] = (idx, temp)
+
+    def run(self) -> None:
+        pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ckpttool-export")
+        try:
+            for idx, task in enumerate(self.plan.tasks):
+                meta, chunks = self.chunks[idx]
+                if task.direct and all(_contiguous_span(c, meta.size) is not None for c in chunks):
+                    self.remaining[idx] = max(len(chunks), 1)
+                    if not chunks:
+                        self.pending[pool.submit(lambda: None)] = (idx, 0)
+                    for c in chunks:
+                        self._submit(pool, idx, 0, self._copy_chunk, task, c, meta.size)
+                else:
+                    self.remaining[idx] = 1
+                    self._submit(pool, idx, meta.nbytes, self._transform, task, chunks, meta)
+                self._collect(block=False)
+            while self.pending:
+                self._collect(block=True)
+        finally:
+            for fut in self.pending:
+                fut.cancel()
+            # Deferred: a second Ctrl-C must not close the output files under a running copy.
+            with signals_deferred():
+                pool.shutdown(wait=True, cancel_futures=True)
+            self.pending.clear()
+
+
+def _read_whole(reader: CheckpointReader, key: str) -> torch.Tensor:
+    """A source tensor assembled from its (deduplicated) chunks."""
+    import torch
+
+    meta, chunks = _dedup_chunks(reader, key)
+    out = torch.empty(meta.size, dtype=meta.dtype.to_torch())
+    for c in chunks:
+        reader.read_chunk(key, c, out=_narrow(out, c, meta.size))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- main entry
+
+
+def _tied_pair(selected: list[Selected], rules: ExportRules, config: dict[str, Any] | None
+               ) -> tuple[Selected | None, Selected | None, bool]:
+    tie = config_value(config, "tie_word_embeddings") is True
+    by_out = {s.out_key: s for s in selected}
+    return by_out.get(rules.tied_embedding), by_out.get(rules.tied_lm_head), tie
+
+
+def _check_options(opts: ExportOptions) -> None:
+    if opts.fmt not in ("hf", "lora"):
+        raise UsageError(f"`fmt` {opts.fmt!r} is not one of hf, lora", param="fmt")
+    if opts.save_dtype not in SAVE_DTYPES:
+        raise UsageError(f"`save_dtype` {opts.save_dtype!r} is not one of {', '.join(SAVE_DTYPES)}", param="save_dtype")
+    if opts.weights not in ("params", "master"):
+        raise UsageError(f"`weights` {opts.weights!r} is not one of params, master", param="weights")
+    if opts.experts not in ("fused", "per-expert"):
+        raise UsageError(f"`experts` {opts.experts!r} is not one of fused, per-expert", param="experts")
+    if opts.workers is not None and opts.workers < 1:
+        raise UsageError(f"`workers` must be >= 1, got {opts.workers}", param="workers")
+    if isinstance(opts.shard_size, bool) or not isinstance(opts.shard_size, int) or opts.shard_size <= 0:
+        raise UsageError(f"`shard_size` must be a positive number of bytes, got {opts.shard_size!r}",
+                         param="shard_size", hint="e.g. 5GB (5*10^9 bytes)")
+    if opts.fmt == "lora" and opts.experts != "fused":
+        raise UsageError("`experts` per-expert applies to the hf format only", param="experts")
+
+
+def export_checkpoint(
+    checkpoint: Checkpoint | str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    options: ExportOptions | None = None,
+    *,
+    progress: ProgressFn | None = None,
+    declaration: LayoutDeclaration | None = None,
+    trust_pickle: bool = False,
+    **option_fields: Any,
+) -> ExportResult:
+    """Export a DCP checkpoint's model weights as Hugging Face safetensors or a PEFT LoRA adapter.
+
+    Args:
+        checkpoint: an opened :class:`~ckpttool.model.checkpoint.Checkpoint`, or its directory
+            (never modified).
+        out: output directory; written beside itself and renamed when complete.
+        options: see :class:`ExportOptions`; or give its fields as keywords.
+        progress: ``progress(done_bytes, total_bytes)`` callback.
+        declaration, trust_pickle: how to open ``checkpoint`` when it is a path
+            (:func:`~ckpttool.model.checkpoint.open_checkpoint`).
+
+    Returns:
+        :class:`ExportResult`.
+
+    Raises:
+        UsageError: bad options, unreadable ``rules`` / ``model_assets`` / ``adapter_config``.
+        OutputError: ``out`` exists non-empty (no ``overwrite``), overlaps the source, or cannot be written.
+        ExportError: nothing to export, missing masters, tied embeddings that differ, expert counts that
+            disagree, undecidable key mapping.
+        LayoutError: an undeclared ambiguous EP layout (E405), conflicting records (E403/E404).
+        plus the reader's errors for damaged checkpoints (E2xx/E3xx).
+    """
+    opts = options if options is not None else ExportOptions(**option_fields)
+    _check_options(opts)
+    rules = load_rules(opts.rules)
+    model_config = _read_model_config(opts.model_assets)
+    given_adapter = None
+    if opts.fmt == "lora":
+        if opts.adapter_config is not None:
+            given_adapter = read_adapter_config(Path(opts.adapter_config))
+        elif opts.model_assets is not None and (Path(opts.model_assets) / "adapter_config.json").is_file():
+            given_adapter = read_adapter_config(Path(opts.model_assets) / "adapter_config.json")
+    with opened(checkpoint, declaration=declaration, trust_pickle=trust_pickle) as ckpt:
+        return _export(ckpt, Path(out), opts, rules, model_config, given_adapter, progress)
+
+
+def _export(
+    ckpt: Checkpoint,
+    out: Path,
+    opts: ExportOptions,
+    rules: ExportRules,
+    model_config: dict[str, Any] | None,
+    given_adapter: dict[str, Any] | None,
+    progress: ProgressFn | None,
+) -> ExportResult:
+    t0 = time.perf_counter()
+    reader, cat, checkpoint = ckpt.reader, ckpt.catalog, Path(ckpt.path)
+    layout = ckpt.require_layout()
+    selected, warnings, skipped, _adapters = select_sources(
+        cat, rules, fmt=opts.fmt, weights=opts.weights, filter_glob=opts.filter_glob
+    )
+    if not selected:
+        what = "LoRA adapter tensors" if opts.fmt == "lora" else "model tensors"
+        raise ExportError(
+            f"{checkpoint}: no {what} to export" + (f" (`filter_glob` {opts.filter_glob!r} matched none)" if opts.filter_glob else ""),
+            param="filter_glob" if opts.filter_glob else None,
+            hint="check the keys with `ckpttool inspect`" + (" and the `filter_glob` glob" if opts.filter_glob else ""),
+        )
+    if opts.fmt == "lora":
+        names = sorted(set(_adapters.values()))
+        if len(names) > 1:
+            raise ExportError(f"{checkpoint}: the checkpoint holds several LoRA adapters {names}",
+                              param="filter_glob", hint="export one of them: `filter_glob` '*.<adapter name>.*'")
+        dropped = [k for k in cat.model if ".modules_to_save." in k]
+        if dropped:
+            warnings.append(f"{len(dropped)} modules_to_save tensor(s) not exported (not LoRA weights): {dropped[0]}")
+    orders = expert_orders(selected, layout)
+    num_experts = rules.num_experts_from_config(model_config) if model_config else None
+
+    embed, lm_head, tie = _tied_pair(selected, rules, model_config) if opts.fmt == "hf" else (None, None, False)
+    drop: set[str] = set()
+    tied: str | None = None
+    if tie:
+        if lm_head is None:
+            tied = "absent"
+        elif embed is not None:
+            drop.add(lm_head.out_key)
+            tied = "omitted"
+        else:
+            tied = "embedding-not-exported"
+    plan = build_plan(selected, rules, fmt=opts.fmt, save_dtype=opts.save_dtype, shard_size=opts.shard_size,
+                      experts=opts.experts, expert_orders=orders, num_experts=num_experts, drop=drop)
+    plan.warnings = warnings
+    plan.skipped = skipped
+    plan.tied = tied
+    adapter: dict[str, Any] | None = None
+    if opts.fmt == "lora":
+        adapter = adapter_config(plan, cat, given=given_adapter, lora_alpha=opts.lora_alpha, model_config=model_config)
+    assets = _asset_files(Path(opts.model_assets), opts.fmt) if opts.model_assets is not None else []
+    # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
+    chunks = [_dedup_chunks(reader, t.source_key) for t in plan.tasks]
+
+    files_info: list[dict[str, Any]] = []
+    with AtomicOutputDir(out, overwrite=opts.overwrite, source=checkpoint) as tmp:
+        writers: list[ShardWriter] = []
+        try:
+            for name, entries in zip(plan.files, plan.entries):
+                writers.append(ShardWriter(tmp / name, entries, display=Path(os.path.abspath(out)) / name))
+            workers = opts.workers if opts.workers is not None else min(8, os.cpu_count() or 1)
+            executor = _Executor(reader, plan, writers, workers, progress, chunks)
+            executor.run()
+            bytes_read = executor.bytes_read
+            if tied == "omitted":
+                assert embed is not None and lm_head is not None
+                bytes_read += _check_tied(reader, plan, writers, embed, lm_head)
+        finally:
+            for w in writers:
+                w.close()
+        for name, entries, w in zip(plan.files, plan.entries, writers):
+            files_info.append({"name": name, "bytes": w.size, "tensors": len(entries)})
+        if opts.fmt == "hf":
+            index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map()}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        else:
+            (tmp / "adapter_config.json").write_text(json.dumps(adapter, indent=2, sort_keys=True) + "\n",
+                                                     encoding="utf-8")
+        for p in assets:
+            shutil.copyfile(p, tmp / p.name)
+    seconds = time.perf_counter() - t0
+    return ExportResult(
+        output=str(out),
+        format=opts.fmt,
+        files=files_info,
+        tensors=plan.num_tensors,
+        bytes=plan.total_bytes,
+        bytes_read=bytes_read,
+        seconds=seconds,
+        save_dtype=opts.save_dtype,
+        weights=opts.weights,
+        experts=opts.experts,
+        casts=plan.casts,
+        narrowing_casts=plan.narrowing,
+        origins=plan.origins,
+        tied_embeddings=tied,
+        layout={"version": layout.version, "source": layout.source, "ep_size": layout.ep_size,
+                "ep_fsdp_size": layout.ep_fsdp_size, "unpermuted": sorted(orders)},
+        assets=[p.name for p in assets],
+        skipped=plan.skipped,
+        warnings=plan.warnings,
+        adapter_config=adapter,
+    )
+
+
+def _check_tied(reader: CheckpointReader, plan: ExportPlan, writers: list[ShardWriter],
+                embed: Selected, lm_head: Selected) -> int:
+    """Refuse a tied export whose lm_head differs from the embedding (compared bitwise, as stored).
+
+    The lm_head source is read once here; the embedding is compared as written when it
+    was copied bit-exact, else read again from the checkpoint.
+
+    Returns:
+        Bytes read from the checkpoint.
+
+    Raises:
+        ExportError: shapes, dtypes or bytes differ.
+    """
+    head = _read_whole(reader, lm_head.source.key)
+    read = lm_head.source.nbytes
+    task = next(t for t in plan.tasks if t.selected is embed)
+    if task.direct:
+        import torch
+
+        emb = torch.empty(task.pieces[0].shape, dtype=getattr(torch, task.pieces[0].dtype))
+        writers[task.shard].read(task.pieces[0].name, _tensor_bytes(emb))
+    else:
+        emb = _read_whole(reader, embed.source.key)
+        read += embed.source.nbytes
+    equal = _bitwise_equal(head, emb)
+    del emb
+    if not equal:
+        raise ExportError(
+            f"{lm_head.source.key} differs from {embed.source.key} but config.json says tie_word_embeddings: true",
+            fqn=lm_head.source.key,
+            hint="set tie_word_embeddings to false in the `model_assets` config.json to export both, "
+                 "or use the config the model was trained with",
+        )
+    return read

@@ -1,0 +1,63 @@
+"""Expert order of fused MoE tensors for export (DESIGN.md section 3).
+
+A fused expert tensor ``w_EAB`` ``[E, A, B]`` is stored in true expert order
+except in the legacy EP layout with EP and EP-FSDP sharding the same dim, where
+the ``B = P*F`` slabs along dim 0 are block-transposed. Export writes experts in
+true order, so for each such tensor it needs ``order[j]``: the stored position
+of true expert ``j``. Unversioned tensors whose order cannot be known from the
+metadata are refused (``E405``) unless ``--source-layout`` declares the layout.
+"""
+
+from __future__ import annotations
+
+from ckpttool.errors import ExportError
+from ckpttool.model.declaration import ResolvedLayout
+from ckpttool.model.permute import legacy_to_canonical_perm
+from ckpttool.ops.export.plan import Selected
+
+__all__ = ["expert_orders"]
+
+
+def expert_orders(selected: list[Selected], layout: ResolvedLayout) -> dict[str, tuple[int, ...]]:
+    """Stored position of each true expert, for the selected EP tensors that are not in true order.
+
+    Args:
+        selected: the tensors to export (their ``model_key`` is looked up in the layout;
+            a ``master_weight`` source shares its parameter's layout).
+        layout: from :func:`ckpttool.layouts.declare.resolve_layout`.
+
+    Returns:
+        model key -> ``order`` with ``order[j]`` the dim-0 index holding true expert ``j``;
+        keys already in true order are absent.
+
+    Raises:
+        LayoutError (E405): an unversioned EP tensor sharded on the expert dim by both EP
+            and EP-FSDP (legacy and canonical store different bytes) that is not declared.
+        LayoutError (E406): the expert count is not a multiple of ``ep_size * ep_fsdp_size``.
+        ExportError: the expert dim disagrees with the layout record's ``num_experts``.
+    """
+    orders: dict[str, tuple[int, ...]] = {}
+    for s in selected:
+        spec = layout.spec_for(s.model_key)
+        if spec is None:
+            continue
+        shape = s.source.shape
+        if spec.ep_dim >= len(shape) or shape[spec.ep_dim] != spec.num_experts:
+            got = shape[spec.ep_dim] if spec.ep_dim < len(shape) else "no such dim"
+            raise ExportError(
+                f"{s.source.key}: expert dim {spec.ep_dim} has {got} entries but the layout record says "
+                f"num_experts={spec.num_experts} (shape {list(shape)})",
+                fqn=s.source.key,
+                hint="the layout record does not describe this checkpoint; fix it with `ckpttool stamp` or remove it",
+            )
+        perm = layout.canonical_perm(s.model_key)  # E405 when ambiguous
+        if perm is None:
+            continue
+        if spec.ep_dim != 0:
+            raise ExportError(
+                f"{s.source.key}: legacy EP layout on expert dim {spec.ep_dim}; export un-permutes dim 0 only",
+                fqn=s.source.key, hint="convert the checkpoint with `ckpttool reshard` to the canonical layout first",
+            )
+        assert layout.ep_size is not None and layout.ep_fsdp_size is not None
+        orders[s.model_key] = tuple(legacy_to_canonical_perm(shape[0], layout.ep_size, layout.ep_fsdp_size))
+    return orders

@@ -1,0 +1,155 @@
+"""``adapter_config.json`` for ``export --format lora`` (PEFT LoRA adapters).
+
+PEFT (``peft.PeftModel.from_pretrained``) needs ``adapter_config.json`` beside
+``adapter_model.safetensors``. It is taken from ``--adapter-config FILE``, else from
+``adapter_config.json`` in ``--model-assets``, else inferred from the adapter tensors:
+
+- ``r``: dim 0 of ``lora_A.weight`` ``[r, in]`` / ``lora_embedding_A`` ``[r, vocab]``
+  (``lora_B.weight`` is ``[out, r]``); modules with another rank go to ``rank_pattern``;
+- ``target_modules``: the module names (last component) carrying adapters, or an
+  anchored regex of the exact module paths when some module of the same name has no
+  adapter (e.g. ``layers_to_transform``);
+- ``use_dora``: ``lora_magnitude_vector`` tensors present;
+- ``lora_alpha``: not recoverable from weights, so ``--lora-alpha`` is required;
+- ``task_type``: ``CAUSAL_LM`` when the ``--model-assets`` config names a ``*ForCausalLM``.
+
+Key convention (``peft.utils.save_and_load.get_peft_model_state_dict``): the saved key is
+the module key with the adapter name removed, ``base_model.model.<module>.lora_A.weight``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import ExportError, UsageError
+from ckpttool.model.catalog import Catalog
+from ckpttool.ops.export.plan import ExportPlan
+
+__all__ = ["adapter_config", "read_adapter_config"]
+
+_PEFT_PREFIX = "base_model.model."
+_A_RE = re.compile(r"^(?P<module>.+)\.(?:lora_A\.weight|lora_embedding_A)$")
+_ADAPTER_PART_RE = re.compile(r"\.(?:lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(?:\.weight)?$")
+
+
+def read_adapter_config(path: Path) -> dict[str, Any]:
+    """Load and sanity-check an adapter config JSON file.
+
+    Raises:
+        UsageError: unreadable, not a JSON object, or not a LoRA config.
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read adapter config ({e.strerror})", path=path) from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: adapter config is not valid JSON ({e})", path=path,
+                         hint="pass the adapter_config.json that PEFT wrote for this adapter") from e
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: adapter config must be a JSON object", path=path)
+    peft_type = str(data.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise UsageError(f"{path}: peft_type is {data.get('peft_type')!r}; `fmt` lora writes LoRA adapters",
+                         path=path)
+    return data
+
+
+def adapter_config(
+    plan: ExportPlan,
+    cat: Catalog,
+    *,
+    given: dict[str, Any] | None,
+    lora_alpha: float | None,
+    model_config: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The ``adapter_config.json`` content for a LoRA export.
+
+    Args:
+        plan: the LoRA export plan (output keys ``base_model.model.<module>.lora_*``).
+        cat: the catalog (base-layer keys tell which same-named modules have no adapter).
+        given: a config from ``--adapter-config`` / ``--model-assets``, used as is after a
+            rank check; ``None`` to infer one.
+        lora_alpha: ``--lora-alpha`` (overrides ``given``'s).
+        model_config: the base model's ``config.json`` (``task_type``, ``base_model_name_or_path``).
+
+    Raises:
+        ExportError: no ``lora_alpha`` anywhere, or ``given["r"]`` disagreeing with the tensors.
+    """
+    ranks: dict[str, int] = {}
+    dora = False
+    for task in plan.tasks:
+        for p in task.pieces:
+            m = _A_RE.match(p.name)
+            if m and p.shape:
+                ranks[m.group("module")] = p.shape[0]
+            if ".lora_magnitude_vector" in p.name:
+                dora = True
+    if not ranks:
+        raise ExportError(f"{cat.path}: no lora_A / lora_embedding_A tensor among the adapter keys",
+                          hint="the checkpoint has no complete LoRA adapter; check `filter_glob`")
+    common_r = Counter(ranks.values()).most_common(1)[0][0]
+    if given is not None:
+        cfg = dict(given)
+        r = cfg.get("r")
+        pattern = cfg.get("rank_pattern") or {}
+        if r is not None and not pattern and any(v != r for v in ranks.values()):
+            bad = next(k for k, v in ranks.items() if v != r)
+            raise ExportError(
+                f"adapter config says r={r} but {bad}.lora_A has rank {ranks[bad]}",
+                fqn=bad, hint="pass the adapter_config.json that belongs to this checkpoint",
+            )
+        if lora_alpha is not None:
+            cfg["lora_alpha"] = lora_alpha
+        if "lora_alpha" not in cfg:
+            raise ExportError("the adapter config has no lora_alpha", hint="pass `lora_alpha` A")
+        cfg.setdefault("peft_type", "LORA")
+        return cfg
+    if lora_alpha is None:
+        raise ExportError(
+            f"{cat.path}: lora_alpha cannot be inferred from the adapter weights",
+            hint="pass `lora_alpha` A (the LoraConfig lora_alpha used in training) or `adapter_config` FILE",
+        )
+    modules = sorted(ranks)
+    rel = [m[len(_PEFT_PREFIX):] if m.startswith(_PEFT_PREFIX) else m for m in modules]
+    names = sorted({m.rsplit(".", 1)[-1] for m in rel})
+    # Same-named modules without an adapter: ``<module>.weight`` under base_model, no base_layer.
+    targeted = set(rel)
+    untargeted = False
+    prefix = "model." + _PEFT_PREFIX
+    for key in cat.model:
+        if not key.startswith(prefix) or ".base_layer." in key or _ADAPTER_PART_RE.search(key) or ".lora_" in key:
+            continue
+        module = key[len(prefix):].rsplit(".", 1)[0]
+        if module.rsplit(".", 1)[-1] in names and module not in targeted:
+            untargeted = True
+            break
+    target: Any = names
+    if untargeted:
+        target = "^(?:" + "|".join(re.escape(m) for m in rel) + ")$"
+    rank_pattern = {r_mod: ranks[m] for m, r_mod in zip(modules, rel) if ranks[m] != common_r}
+    task_type = None
+    archs = (model_config or {}).get("architectures") or []
+    if any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs):
+        task_type = "CAUSAL_LM"
+    return {
+        "peft_type": "LORA",
+        "task_type": task_type,
+        "base_model_name_or_path": (model_config or {}).get("_name_or_path") or None,
+        "r": common_r,
+        "lora_alpha": lora_alpha,
+        "lora_dropout": 0.0,
+        "target_modules": target,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": dora,
+        "modules_to_save": None,
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": {},
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }

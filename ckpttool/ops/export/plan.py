@@ -1,0 +1,364 @@
+"""Export planning: which checkpoint tensors become which output tensors, in which dtype and file.
+
+Pure functions over the :class:`~ckpttool.model.catalog.Catalog` (metadata only; no tensor
+data is read here). The executor (:mod:`ckpttool.ops.export.execute`) reads each
+:class:`SourceTask`'s chunks once and writes its :class:`Piece` s.
+
+Shapes: a fused expert tensor ``w_EAB`` ``[E, A, B]`` split into ``n`` parts gives
+``E * n`` pieces ``[A / n, B]``: piece ``(j, p)`` is ``w_EAB[order[j], p*A/n:(p+1)*A/n, :]``
+where ``order[j]`` is the stored position of true expert ``j`` (identity except for
+legacy EP layouts, ``docs/layouts.md``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ckpttool.errors import ExportError, UsageError
+from ckpttool.format.metadata import DTYPE_ITEMSIZE
+from ckpttool.format.safetensors import HeaderEntry, is_narrowing
+from ckpttool.model.catalog import MODEL_PREFIX, Catalog, TensorEntry, match_filter
+from ckpttool.ops.export.rules import ExportRules
+
+__all__ = [
+    "SAVE_DTYPES",
+    "Selected",
+    "Piece",
+    "SourceTask",
+    "ExportPlan",
+    "select_sources",
+    "build_plan",
+    "shard_file_names",
+]
+
+SAVE_DTYPES = ("preserve", "bfloat16", "float16", "float32")
+_FLOATING = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+             "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"}
+def shard_file_names(n: int, stem: str = "model") -> list[str]:
+    """``model.safetensors`` for one shard, else ``model-0000K-of-0000N.safetensors`` (HF naming)."""
+    if n == 1:
+        return [f"{stem}.safetensors"]
+    return [f"{stem}-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+
+
+@dataclass(frozen=True)
+class Selected:
+    """A model tensor chosen for export.
+
+    Attributes:
+        model_key: the ``model.*`` checkpoint key it stands for.
+        out_key: its output key (before any expert split).
+        source: the tensor entry read (the parameter, or its ``master_weight``).
+        origin: ``"params"`` or ``"master"``.
+    """
+
+    model_key: str
+    out_key: str
+    source: TensorEntry
+    origin: str
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One output tensor cut from a source: expert ``expert`` (true order), part ``part`` of ``nparts``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    expert: int | None = None
+    part: int = 0
+    nparts: int = 1
+
+
+@dataclass(frozen=True)
+class SourceTask:
+    """Read one source tensor (each chunk once) and write its pieces into shard ``shard``.
+
+    Attributes:
+        expert_order: stored position of true expert ``j`` along dim 0, when that
+            is not the identity or when the tensor is split per expert.
+    """
+
+    selected: Selected
+    pieces: tuple[Piece, ...]
+    shard: int
+    expert_order: tuple[int, ...] | None = None
+
+    @property
+    def source_key(self) -> str:
+        return self.selected.source.key
+
+    @property
+    def direct(self) -> bool:
+        """One piece equal to the stored tensor: chunks are read straight into the output file."""
+        p = self.pieces[0]
+        return (len(self.pieces) == 1 and p.expert is None and self.expert_order is None
+                and p.dtype == self.selected.source.dtype)
+
+    @property
+    def out_nbytes(self) -> int:
+        return sum(_nbytes(p.dtype, p.shape) for p in self.pieces)
+
+
+@dataclass
+class ExportPlan:
+    """Everything the executor needs, plus what the summary reports.
+
+    Attributes:
+        tasks: in write order.
+        files: output file names; ``entries[k]`` are the tensors of ``files[k]``.
+        warnings: one line each (keys renamed by a ``warn`` rule, skipped keys, ...).
+        casts: ``"src->dst"`` -> number of tensors cast; ``narrowing``: the subset that loses precision or range.
+        origins: ``"params"``/``"master"`` -> output keys taken from there.
+        skipped: reason -> checkpoint keys not exported.
+        tied: ``None`` (untied / no config), ``"omitted"`` or ``"absent"`` (see docs/export.md).
+    """
+
+    format: str
+    tasks: list[SourceTask]
+    files: list[str]
+    entries: list[list[HeaderEntry]]
+    warnings: list[str] = field(default_factory=list)
+    casts: dict[str, int] = field(default_factory=dict)
+    narrowing: dict[str, int] = field(default_factory=dict)
+    origins: dict[str, list[str]] = field(default_factory=dict)
+    skipped: dict[str, list[str]] = field(default_factory=dict)
+    tied: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.out_nbytes for t in self.tasks)
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(t.pieces) for t in self.tasks)
+
+    def weight_map(self) -> dict[str, str]:
+        """Output key -> file name, sorted by key (``model.safetensors.index.json``)."""
+        out = {}
+        for k, ents in enumerate(self.entries):
+            for e in ents:
+                out[e.name] = self.files[k]
+        return dict(sorted(out.items()))
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    n = DTYPE_ITEMSIZE[dtype]
+    for s in shape:
+        n *= s
+    return n
+
+
+def _filtered(key: str, out_key: str, glob: str | None) -> bool:
+    return bool(glob) and not (match_filter(key, glob) or fnmatch.fnmatchcase(out_key, glob))
+
+
+def select_sources(
+    cat: Catalog,
+    rules: ExportRules,
+    *,
+    fmt: str = "hf",
+    weights: str = "params",
+    filter_glob: str | None = None,
+) -> tuple[list[Selected], list[str], dict[str, list[str]], dict[str, str]]:
+    """Choose the tensors to export and their output keys.
+
+    Args:
+        cat: the catalog.
+        rules: key rules (``hf``) / LoRA pattern (``lora``).
+        fmt: ``"hf"`` or ``"lora"``.
+        weights: ``"params"`` or ``"master"`` (the FP32 ``master_weight`` where a
+            parameter has one, like DeepSpeed's ``zero_to_fp32``).
+        filter_glob: only checkpoint keys (with or without ``model.``) or output keys matching it.
+
+    Returns:
+        ``(selected, warnings, skipped, adapter_names)``; ``adapter_names`` maps
+        LoRA output keys to their adapter name (``lora`` only).
+
+    Raises:
+        ExportError: ``--weights master`` with no master weight in the checkpoint,
+            a master whose shape differs from its parameter, or two keys mapping
+            to one output key.
+    """
+    selected: list[Selected] = []
+    warnings: list[str] = []
+    skipped: dict[str, list[str]] = {}
+    adapter_names: dict[str, str] = {}
+    renamed: list[str] = []
+    masters_found = 0
+    for key, entry in cat.model.items():
+        if fmt == "lora":
+            hit = rules.lora_output_key(key)
+            if hit is None:
+                skipped.setdefault("not a LoRA adapter tensor", []).append(key)
+                continue
+            out_key, adapter = hit
+        else:
+            out, matched, warn = rules.map_key(key)
+            if not matched:
+                skipped.setdefault("no key rule matches", []).append(key)
+                continue
+            if out is None:
+                skipped.setdefault("skipped by a key rule", []).append(key)
+                continue
+            out_key = out
+            if warn:
+                renamed.append(f"{key} -> {out_key}")
+        if _filtered(key, out_key, filter_glob):
+            skipped.setdefault("excluded by `filter_glob`", []).append(key)
+            continue
+        if fmt == "lora":
+            adapter_names[out_key] = adapter
+        source, origin = entry, "params"
+        if weights == "master":
+            ps = cat.optimizer_state.get(key[len(MODEL_PREFIX):])
+            mw = ps.fields.get("master_weight") if ps is not None else None
+            if mw is not None:
+                if mw.shape != entry.shape:
+                    raise ExportError(
+                        f"{mw.key}: master_weight shape {list(mw.shape)} differs from the parameter's {list(entry.shape)}",
+                        fqn=mw.key, hint="the optimizer state does not belong to this model; export with `weights` params",
+                    )
+                source, origin = mw, "master"
+                masters_found += 1
+        selected.append(Selected(key, out_key, source, origin))
+    if weights == "master" and masters_found == 0:
+        raise ExportError(
+            f"{cat.path}: `weights` master but no parameter has an optimizer.state.<fqn>.master_weight",
+            hint="this checkpoint's optimizer keeps no FP32 masters (e.g. torch AdamW); export with `weights` params",
+        )
+    if renamed:
+        shown = ", ".join(renamed[:5]) + (f" (+{len(renamed) - 5} more)" if len(renamed) > 5 else "")
+        warnings.append(f"{len(renamed)} key(s) outside the HF schema had 'model.' stripped: {shown}")
+    seen: dict[str, str] = {}
+    for s in selected:
+        if s.out_key in seen:
+            raise ExportError(f"{seen[s.out_key]} and {s.model_key} both map to the output key {s.out_key!r}",
+                              fqn=s.model_key, hint="fix the key rules (`rules`) so every output key is unique")
+        seen[s.out_key] = s.model_key
+    return selected, warnings, skipped, adapter_names
+
+
+def _out_dtype(src: str, save_dtype: str) -> str:
+    if save_dtype == "preserve" or src not in _FLOATING:
+        return src
+    return save_dtype
+
+
+def build_plan(
+    selected: list[Selected],
+    rules: ExportRules,
+    *,
+    fmt: str = "hf",
+    save_dtype: str = "preserve",
+    shard_size: int = 5 * 10**9,
+    experts: str = "fused",
+    expert_orders: dict[str, tuple[int, ...]] | None = None,
+    num_experts: int | None = None,
+    drop: set[str] | None = None,
+) -> ExportPlan:
+    """Turn the selection into tasks, pieces and output files.
+
+    Args:
+        selected: from :func:`select_sources`.
+        rules: for the expert split rules.
+        fmt: ``"hf"`` (sharded ``model*.safetensors``) or ``"lora"`` (``adapter_model.safetensors``).
+        save_dtype: ``preserve`` or a floating dtype applied to floating tensors only.
+        shard_size: maximum bytes per output file (a larger single source gets a file of its own).
+        experts: ``"fused"`` or ``"per-expert"``.
+        expert_orders: model key -> stored position of each true expert (legacy EP un-permutation).
+        num_experts: expected expert count (``--model-assets`` config), checked against dim 0.
+        drop: output keys to leave out (a tied ``lm_head.weight``).
+
+    Raises:
+        UsageError: unknown ``save_dtype`` / ``experts``.
+        ExportError: a fused expert tensor whose dims do not fit the split or the expert count.
+    """
+    if save_dtype not in SAVE_DTYPES:
+        raise UsageError(f"`save_dtype` {save_dtype!r} is not one of {', '.join(SAVE_DTYPES)}", param="save_dtype")
+    if experts not in ("fused", "per-expert"):
+        raise UsageError(f"`experts` {experts!r} is not one of fused, per-expert", param="experts")
+    orders = expert_orders or {}
+    drop = drop or set()
+    casts: Counter[str] = Counter()
+    narrowing: Counter[str] = Counter()
+    origins: dict[str, list[str]] = {}
+    units: list[tuple[Selected, tuple[Piece, ...], tuple[int, ...] | None]] = []
+    for s in selected:
+        if s.out_key in drop:
+            continue
+        src = s.source
+        dtype = _out_dtype(src.dtype, save_dtype)
+        order = orders.get(s.model_key)
+        rule = rules.expert_rule(s.out_key) if fmt == "hf" else None
+        pieces: tuple[Piece, ...]
+        if rule is not None and len(src.shape) == 3:
+            e = src.shape[0]
+            if num_experts is not None and e != num_experts:
+                raise ExportError(
+                    f"{s.model_key}: expert dim 0 has {e} experts but the model config says num_experts={num_experts}",
+                    fqn=s.model_key, hint="pass the `model_assets` of the model this checkpoint was trained as",
+                )
+            assert order is None or len(order) == e, "expert_orders gives one entry per expert"
+        if experts == "per-expert" and rule is not None:
+            if len(src.shape) != 3:
+                raise ExportError(
+                    f"{s.model_key}: matches the fused expert rule but has shape {list(src.shape)}, not [E, A, B]",
+                    fqn=s.model_key, hint="fix the experts rules (`rules`) or export with `experts` fused",
+                )
+            e, a, b = src.shape
+            n = len(rule.parts)
+            if a % n:
+                raise ExportError(
+                    f"{s.model_key}: dim 1 ({a}) cannot be split into {n} equal parts {list(rule.parts)}",
+                    fqn=s.model_key, hint="the tensor is not a fused gate/up projection; fix the experts rules",
+                )
+            names = rule.split_names(s.out_key, e)
+            assert names is not None
+            pieces = tuple(Piece(names[j][p], (a // n, b), dtype, j, p, n) for j in range(e) for p in range(n))
+            if order is None:
+                order = tuple(range(e))
+        else:
+            pieces = (Piece(s.out_key, src.shape, dtype),)
+        if order is not None and experts == "fused" and order == tuple(range(len(order))):
+            order = None
+        if dtype != src.dtype:
+            tag = f"{src.dtype}->{dtype}"
+            casts[tag] += len(pieces)
+            if is_narrowing(src.dtype, dtype):
+                narrowing[tag] += len(pieces)
+        origins.setdefault(s.origin, []).extend(p.name for p in pieces)
+        units.append((s, pieces, order))
+
+    # Greedy packing in source order; a source's pieces stay in one file (read once).
+    shard_of: list[int] = []
+    sizes: list[int] = []
+    for _, pieces, _ in units:
+        nbytes = sum(_nbytes(p.dtype, p.shape) for p in pieces)
+        if not sizes or (fmt != "lora" and sizes[-1] > 0 and sizes[-1] + nbytes > shard_size):
+            sizes.append(0)
+        sizes[-1] += nbytes
+        shard_of.append(len(sizes) - 1)
+    n_files = max(len(sizes), 1)
+    files = ["adapter_model.safetensors"] if fmt == "lora" else shard_file_names(n_files)
+    entries: list[list[HeaderEntry]] = [[] for _ in files]
+    tasks: list[SourceTask] = []
+    names_seen: set[str] = set()
+    for (s, pieces, order), k in zip(units, shard_of):
+        for p in pieces:
+            try:
+                p.name.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ExportError(
+                    f"{s.model_key!a}: output key {p.name!a} is not valid UTF-8 text (safetensors stores names as UTF-8 JSON)",
+                    fqn=s.model_key, hint="leave it out with `filter_glob` or rename it with a `rules` entry",
+                ) from None
+            if p.name in names_seen:
+                raise ExportError(f"{s.model_key}: output key {p.name!r} is produced twice", fqn=s.model_key,
+                                  hint="fix the key/experts rules (`rules`) so every output key is unique")
+            names_seen.add(p.name)
+            entries[k].append(HeaderEntry(p.name, p.dtype, p.shape))
+        tasks.append(SourceTask(s, pieces, k, order))
+    return ExportPlan(fmt, tasks, files, entries, casts=dict(casts), narrowing=dict(narrowing), origins=origins)

@@ -1,0 +1,299 @@
+"""Export rules: checkpoint key -> output key, tied embeddings, fused expert splits, LoRA keys.
+
+The rules are YAML (schema in ``docs/export.md``); the packaged defaults live in
+``ckpttool/export/default_rules.yaml`` and a user file given with ``--rules`` is
+merged on top of them:
+
+- ``keys``: ordered ``{match: REGEX, to: TEMPLATE | null, warn: bool}``; the user's
+  entries are tried before the defaults, the first match wins. ``to: null`` skips
+  the key. Only ``model.*`` keys reach the rules: optimizer state, param groups,
+  the layout record and other items are never exported.
+- ``tied_embeddings``, ``experts``, ``num_experts_config_keys``, ``lora``: a
+  section present in the user's file replaces the default section.
+
+Pure functions over strings; no I/O except :func:`load_rules` reading the YAML.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import UsageError
+
+__all__ = [
+    "KeyRule",
+    "ExpertRule",
+    "ExportRules",
+    "RULES_FORMAT",
+    "load_rules",
+    "parse_rules",
+]
+
+RULES_FORMAT = "ckpttool.export-rules"
+_RULES_VERSION = 1
+_SECTIONS = ("format", "version", "keys", "tied_embeddings", "experts", "num_experts_config_keys", "lora")
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    """One key mapping rule: ``re.fullmatch(match, key)`` -> ``match.expand(to)`` (``None``: skip)."""
+
+    pattern: re.Pattern[str]
+    to: str | None
+    warn: bool = False
+
+    def apply(self, key: str) -> tuple[bool, str | None]:
+        """``(matched, output key or None)`` for checkpoint key ``key``."""
+        m = self.pattern.fullmatch(key)
+        if m is None:
+            return False, None
+        return True, (None if self.to is None else m.expand(self.to))
+
+
+@dataclass(frozen=True)
+class ExpertRule:
+    """A fused expert tensor (expert dim 0) and its per-expert output keys.
+
+    Attributes:
+        pattern: regex over the output key, with named groups used by ``parts``.
+        parts: output key templates (``str.format`` with the groups and ``j``, the
+            expert index); the per-expert slab is cut along its dim 0 into
+            ``len(parts)`` equal pieces, in this order.
+    """
+
+    pattern: re.Pattern[str]
+    parts: tuple[str, ...]
+
+    def split_names(self, out_key: str, num_experts: int) -> list[list[str]] | None:
+        """Per-expert output keys ``names[j][part]``, or ``None`` when ``out_key`` does not match."""
+        m = self.pattern.fullmatch(out_key)
+        if m is None:
+            return None
+        groups = m.groupdict()
+        return [[p.format(j=j, **groups) for p in self.parts] for j in range(num_experts)]
+
+
+@dataclass(frozen=True)
+class ExportRules:
+    """Parsed export rules (see module docstring)."""
+
+    keys: tuple[KeyRule, ...]
+    tied_embedding: str
+    tied_lm_head: str
+    experts: tuple[ExpertRule, ...]
+    num_experts_config_keys: tuple[str, ...]
+    lora_pattern: re.Pattern[str]
+    sources: tuple[str, ...] = ()
+
+    def map_key(self, key: str) -> tuple[str | None, bool, bool]:
+        """Map a checkpoint key to its output key.
+
+        Returns:
+            ``(output key or None, matched, warn)``; ``matched`` is ``False`` when no
+            rule applies (the key is not exported).
+        """
+        for rule in self.keys:
+            matched, out = rule.apply(key)
+            if matched:
+                return out, True, rule.warn and out is not None
+        return None, False, False
+
+    def expert_rule(self, out_key: str) -> ExpertRule | None:
+        """The first expert rule whose pattern matches ``out_key``."""
+        for rule in self.experts:
+            if rule.pattern.fullmatch(out_key):
+                return rule
+        return None
+
+    def num_experts_from_config(self, config: dict[str, Any]) -> int | None:
+        """Routed expert count from an HF ``config.json`` dict (first known field present)."""
+        for name in self.num_experts_config_keys:
+            value = config.get(name)
+            if value is None and isinstance(config.get("text_config"), dict):
+                value = config["text_config"].get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return None
+
+    def lora_output_key(self, key: str) -> tuple[str, str] | None:
+        """``(adapter output key, adapter name)`` for a LoRA checkpoint key, else ``None``.
+
+        The adapter name component is removed the way ``peft.get_peft_model_state_dict``
+        removes it (``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``).
+        """
+        m = self.lora_pattern.fullmatch(key)
+        if m is None:
+            return None
+        inner = m.group("key")
+        start, end = m.span("adapter_name")
+        base = m.start("key")
+        out = inner[: start - base - 1] + inner[end - base:]
+        return out, m.group("adapter_name")
+
+
+def _compile(pattern: Any, where: str) -> re.Pattern[str]:
+    if not isinstance(pattern, str) or not pattern:
+        raise UsageError(f"{where}: 'match' must be a non-empty regular expression string", hint="fix the rules file")
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise UsageError(f"{where}: invalid regular expression {pattern!r} ({e})", hint="fix the rules file") from e
+
+
+def parse_rules(doc: Any, source: str) -> dict[str, Any]:
+    """Validate one rules document and return its sections (compiled).
+
+    Args:
+        doc: the YAML document (a mapping).
+        source: file name for messages.
+
+    Returns:
+        Section name -> parsed value, only for sections present in ``doc``.
+
+    Raises:
+        UsageError: wrong format/version, unknown section, bad regex or template.
+    """
+    if not isinstance(doc, dict):
+        raise UsageError(f"{source}: export rules must be a YAML mapping", hint="see docs/export.md for the schema")
+    unknown = sorted(set(doc) - set(_SECTIONS))
+    if unknown:
+        raise UsageError(f"{source}: unknown section(s) {unknown}", hint=f"known sections: {', '.join(_SECTIONS[2:])}")
+    fmt = doc.get("format", RULES_FORMAT)
+    if fmt != RULES_FORMAT:
+        raise UsageError(f"{source}: format is {fmt!r}, expected {RULES_FORMAT!r}", hint="see docs/export.md")
+    version = doc.get("version", _RULES_VERSION)
+    if version != _RULES_VERSION:
+        raise UsageError(f"{source}: rules version {version!r} is not supported (expected {_RULES_VERSION})",
+                         hint="upgrade ckpttool or fix the rules file")
+    out: dict[str, Any] = {}
+    if "keys" in doc:
+        items = doc["keys"]
+        if not isinstance(items, list):
+            raise UsageError(f"{source}: 'keys' must be a list of {{match, to}} entries", hint="see docs/export.md")
+        rules = []
+        for i, item in enumerate(items):
+            where = f"{source}: keys[{i}]"
+            if not isinstance(item, dict) or "match" not in item or "to" not in item:
+                raise UsageError(f"{where}: needs 'match' and 'to' (to: null skips the key)", hint="see docs/export.md")
+            extra = sorted(set(item) - {"match", "to", "warn"})
+            if extra:
+                raise UsageError(f"{where}: unknown field(s) {extra}", hint="fields: match, to, warn")
+            pattern = _compile(item["match"], where)
+            to = item["to"]
+            if to is not None and not isinstance(to, str):
+                raise UsageError(f"{where}: 'to' must be a string template or null", hint="see docs/export.md")
+            if to is not None:
+                _check_template(pattern, to, where)
+            rules.append(KeyRule(pattern, to, bool(item.get("warn", False))))
+        out["keys"] = tuple(rules)
+    if "tied_embeddings" in doc:
+        tied = doc["tied_embeddings"]
+        if not isinstance(tied, dict) or not isinstance(tied.get("embedding"), str) or not isinstance(tied.get("lm_head"), str):
+            raise UsageError(f"{source}: 'tied_embeddings' needs string 'embedding' and 'lm_head' output keys",
+                             hint="see docs/export.md")
+        out["tied_embeddings"] = (tied["embedding"], tied["lm_head"])
+    if "experts" in doc:
+        items = doc["experts"]
+        if not isinstance(items, list):
+            raise UsageError(f"{source}: 'experts' must be a list of {{match, parts}} entries", hint="see docs/export.md")
+        erules = []
+        for i, item in enumerate(items):
+            where = f"{source}: experts[{i}]"
+            if not isinstance(item, dict) or "match" not in item or not isinstance(item.get("parts"), list) or not item["parts"]:
+                raise UsageError(f"{where}: needs 'match' and a non-empty 'parts' list", hint="see docs/export.md")
+            pattern = _compile(item["match"], where)
+            parts = tuple(item["parts"])
+            for p in parts:
+                if not isinstance(p, str):
+                    raise UsageError(f"{where}: parts must be strings", hint="see docs/export.md")
+                try:
+                    p.format(j=0, **dict.fromkeys(pattern.groupindex, "x"))
+                except (KeyError, IndexError, ValueError) as e:
+                    raise UsageError(f"{where}: template {p!r} uses an unknown field ({e})",
+                                     hint="use {j} and the named groups of 'match'") from e
+                if "{j}" not in p:
+                    raise UsageError(f"{where}: template {p!r} lacks {{j}} (the expert index)",
+                                     hint="every per-expert key must contain {j}")
+            erules.append(ExpertRule(pattern, parts))
+        out["experts"] = tuple(erules)
+    if "num_experts_config_keys" in doc:
+        names = doc["num_experts_config_keys"]
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise UsageError(f"{source}: 'num_experts_config_keys' must be a list of strings", hint="see docs/export.md")
+        out["num_experts_config_keys"] = tuple(names)
+    if "lora" in doc:
+        lora = doc["lora"]
+        if not isinstance(lora, dict):
+            raise UsageError(f"{source}: 'lora' must be a mapping with 'match'", hint="see docs/export.md")
+        pattern = _compile(lora.get("match"), f"{source}: lora")
+        if not {"key", "adapter_name"} <= set(pattern.groupindex):
+            raise UsageError(f"{source}: lora.match needs named groups 'key' and 'adapter_name'",
+                             hint="see docs/export.md")
+        out["lora"] = pattern
+    return out
+
+
+def _check_template(pattern: re.Pattern[str], to: str, where: str) -> None:
+    """Refuse templates that reference groups the pattern does not have."""
+    for ref in re.findall(r"\\(\d+)|\\g<(\w+)>", to):
+        num, name = ref
+        if num and int(num) > pattern.groups:
+            raise UsageError(f"{where}: template {to!r} uses group {num} but 'match' has {pattern.groups}",
+                             hint="fix the rules file")
+        if name and name.isdigit() and int(name) > pattern.groups:
+            raise UsageError(f"{where}: template {to!r} uses group {name} but 'match' has {pattern.groups}",
+                             hint="fix the rules file")
+        if name and not name.isdigit() and name not in pattern.groupindex:
+            raise UsageError(f"{where}: template {to!r} uses unknown group {name!r}", hint="fix the rules file")
+
+
+def _read_yaml(text: str, source: str) -> Any:
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when available: same result, faster
+    try:
+        return yaml.load(text, Loader=loader)
+    except yaml.YAMLError as e:
+        raise UsageError(f"{source}: not valid YAML ({str(e).splitlines()[0]})", hint="fix the rules file") from e
+
+
+def load_rules(user_file: str | Path | None = None) -> ExportRules:
+    """Packaged default rules, merged with an optional user rules file.
+
+    Args:
+        user_file: a ``--rules FILE.yaml`` path or ``None``.
+
+    Returns:
+        The merged :class:`ExportRules`.
+
+    Raises:
+        UsageError: the user file is missing, not YAML or invalid.
+    """
+    default_text = resources.files("ckpttool.ops.export").joinpath("default_rules.yaml").read_text(encoding="utf-8")
+    merged = parse_rules(_read_yaml(default_text, "default_rules.yaml"), "default_rules.yaml")
+    sources = ["default_rules.yaml"]
+    if user_file is not None:
+        p = Path(user_file)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as e:
+            raise UsageError(f"{p}: cannot read rules file ({e.strerror})", path=p, hint="pass an existing YAML file") from e
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{p}: rules file is not UTF-8 text", path=p, hint="pass a YAML file") from e
+        user = parse_rules(_read_yaml(text, str(p)), str(p))
+        for section, value in user.items():
+            merged[section] = value + merged["keys"] if section == "keys" else value
+        sources.append(str(p))
+    return ExportRules(
+        keys=merged["keys"],
+        tied_embedding=merged["tied_embeddings"][0],
+        tied_lm_head=merged["tied_embeddings"][1],
+        experts=merged["experts"],
+        num_experts_config_keys=merged["num_experts_config_keys"],
+        lora_pattern=merged["lora"],
+        sources=tuple(sources),
+    )

@@ -1,0 +1,501 @@
+"""``inspect``: a metadata-only overview of a checkpoint.
+
+:func:`inspect_checkpoint` returns an :class:`InspectResult` whose :meth:`~InspectResult.to_dict`
+is the ``--json`` document (schema ``ckpttool.inspect/1``, ``docs/inspect.md``). It reads
+``.metadata``, the small param-group and layout byte items, and the ``extra_state/``
+files (``weights_only`` only) — never tensor data.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from ckpttool.errors import CkptError, TrustRequiredError, UsageError
+from ckpttool.model.catalog import Catalog, ParamGroup, TensorEntry, group_by_prefix, match_filter
+from ckpttool.model.checkpoint import Checkpoint, ExtraState, open_checkpoint
+from ckpttool.model.declaration import LayoutDeclaration
+from ckpttool.model.geometry import EPGeometry
+from ckpttool.model.layout_record import EPTensorSpec
+from ckpttool.model.optimizer import HYPERPARAMETERS
+
+__all__ = [
+    "SCHEMA",
+    "SORT_KEYS",
+    "ExtraStateRow",
+    "FileRow",
+    "GroupRow",
+    "InspectOptions",
+    "InspectResult",
+    "LayoutSummary",
+    "OptimizerSummary",
+    "Summary",
+    "TensorRow",
+    "TreeRow",
+    "inspect",
+    "inspect_checkpoint",
+]
+
+SCHEMA = "ckpttool.inspect/1"
+SORT_KEYS = ("name", "size")
+_GROUP_VALUES = (*HYPERPARAMETERS, "initial_lr")
+
+
+@dataclass(frozen=True)
+class InspectOptions:
+    """What ``inspect`` shows.
+
+    Attributes:
+        filter_glob: only tensors whose key matches (:func:`~ckpttool.model.catalog.match_filter`).
+        depth: also aggregate model tensors by their first ``depth`` key components.
+        sort: ``"name"`` (file order) or ``"size"`` (largest first) for tensor lists.
+    """
+
+    filter_glob: str | None = None
+    depth: int | None = None
+    sort: str = "name"
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    """One tensor: key, global shape, dtype, sizes, chunking and writing ranks."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    numel: int
+    nbytes: int
+    chunk_sizes: tuple[tuple[int, ...], ...]
+    ranks: tuple[int, ...]
+    uneven: bool
+    zero_size_chunks: int
+
+    @classmethod
+    def of(cls, t: TensorEntry) -> TensorRow:
+        return cls(t.key, t.shape, t.dtype, t.numel, t.nbytes, tuple(c.sizes for c in t.chunks), t.ranks,
+                   t.uneven, t.zero_size_chunks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key, "shape": list(self.shape), "dtype": self.dtype, "numel": self.numel,
+            "nbytes": self.nbytes, "chunks": len(self.chunk_sizes), "chunk_sizes": [list(c) for c in self.chunk_sizes],
+            "ranks": list(self.ranks), "uneven": self.uneven, "zero_size_chunks": self.zero_size_chunks,
+        }
+
+
+@dataclass(frozen=True)
+class FileRow:
+    """A data file: size on disk (``None``: missing), rank, bytes its records need, status."""
+
+    path: str
+    size: int | None
+    rank: int | None
+    referenced: bool
+    needed: int
+    status: str  # ok | missing | short | unreferenced
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class TreeRow:
+    """Model tensors aggregated by a key prefix (``--depth``)."""
+
+    prefix: str
+    tensors: int
+    numel: int
+    nbytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Counts and byte totals of the whole checkpoint."""
+
+    files: int
+    ranks: tuple[int, ...]
+    bytes_on_disk: int
+    tensor_count: int
+    model_tensor_count: int
+    byte_item_count: int
+    numel_model: int
+    bytes_by_dtype: dict[str, int]
+    bytes_by_category: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["ranks"] = list(self.ranks)
+        return d
+
+
+@dataclass(frozen=True)
+class GroupRow:
+    """A param group (nested, as saved) or flattened per-parameter groups aggregated by equal values."""
+
+    id: int | str
+    flavor: str
+    values: dict[str, Any]  # lr, weight_decay, betas, eps, initial_lr (JSON-safe; None when not saved)
+    params: int
+    example_params: tuple[str, ...]
+    has_state: bool
+    missing: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "flavor": self.flavor, **self.values, "params": self.params,
+                "example_params": list(self.example_params), "has_state": self.has_state,
+                "missing": list(self.missing)}
+
+
+@dataclass(frozen=True)
+class OptimizerSummary:
+    """Optimizer coverage, state fields, implied/declared type and param groups."""
+
+    flavor: str | None
+    params_total: int
+    params_with_state: int
+    fields: dict[str, dict[str, int]]
+    implied_type: str | None
+    implied_types: dict[str, int]
+    declared_type: str | None
+    param_groups: tuple[GroupRow, ...]
+    params_without_state: tuple[str, ...]
+    never_stepped_with_hyperparameters: tuple[str, ...]
+    orphan_state: tuple[str, ...]
+    buffers: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+        d["param_groups"] = [g.to_dict() for g in self.param_groups]
+        return d
+
+
+@dataclass(frozen=True)
+class LayoutSummary:
+    """The EP layout: recorded, declared, or detected by name on an unversioned checkpoint.
+
+    ``ambiguous`` and ``geometry`` are ``None`` when the layout could not be resolved.
+    """
+
+    version: int | None
+    layout: str
+    source: str
+    parallel: dict[str, int]
+    extra_parallel: dict[str, EPTensorSpec]
+    optimizer: dict[str, Any]
+    global_step: int | None
+    ambiguous: tuple[str, ...] | None = None
+    geometry: tuple[EPGeometry, ...] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "version": self.version, "layout": self.layout, "source": self.source, "parallel": self.parallel,
+            "extra_parallel": {k: {"ep_dim": s.ep_dim, "fsdp_dim": s.fsdp_dim, "num_experts": s.num_experts}
+                               for k, s in self.extra_parallel.items()},
+            "optimizer": self.optimizer, "global_step": self.global_step,
+        }
+        if self.ambiguous is not None:
+            d["ambiguous"] = list(self.ambiguous)
+        if self.geometry is not None:
+            d["geometry"] = [g.to_dict() for g in self.geometry]
+        return d
+
+
+@dataclass(frozen=True)
+class ExtraStateRow:
+    """A per-rank ``extra_state/*.pt`` file and whether it loads with ``weights_only=True``."""
+
+    path: str
+    size: int
+    rank: int | None
+    status: str  # ok | needs --trust-pickle | unreadable: ...
+    keys: tuple[str, ...] = ()
+    global_step: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"path": self.path, "size": self.size, "rank": self.rank, "status": self.status}
+        if self.status == "ok":
+            d["keys"] = list(self.keys)
+        if self.global_step is not None:
+            d["global_step"] = self.global_step
+        return d
+
+
+@dataclass(frozen=True)
+class InspectResult:
+    """Everything ``inspect`` shows (``docs/inspect.md``); :meth:`to_dict` is the ``--json`` document."""
+
+    path: str
+    dcp_version: str | None
+    summary: Summary
+    files: tuple[FileRow, ...]
+    model: tuple[TensorRow, ...]
+    optimizer: OptimizerSummary
+    layout: LayoutSummary | None
+    layout_error: CkptError | None
+    extra_state: tuple[ExtraStateRow, ...]
+    byte_items: tuple[tuple[str, int], ...]
+    other_keys: tuple[str, ...]
+    other_tensors: tuple[TensorRow, ...]
+    tree: tuple[TreeRow, ...] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document, schema ``ckpttool.inspect/1``."""
+        d: dict[str, Any] = {
+            "schema": SCHEMA,
+            "path": self.path,
+            "dcp_version": self.dcp_version,
+            "summary": self.summary.to_dict(),
+            "files": [f.to_dict() for f in self.files],
+            "model": [t.to_dict() for t in self.model],
+            "optimizer": self.optimizer.to_dict(),
+            "layout": self.layout.to_dict() if self.layout is not None else None,
+            "layout_error": self.layout_error.to_dict() if self.layout_error is not None else None,
+            "extra_state": [e.to_dict() for e in self.extra_state],
+            "byte_items": [{"key": k, "bytes": n} for k, n in self.byte_items],
+            "other_keys": list(self.other_keys),
+            "other_tensors": [t.to_dict() for t in self.other_tensors],
+        }
+        if self.tree is not None:
+            d["tree"] = [r.to_dict() for r in self.tree]
+        return d
+
+
+# ----------------------------------------------------------------------------------------------- build
+def _plain(value: Any) -> Any:
+    """JSON-safe view of a hyperparameter value (tuples -> lists, tensors -> numbers)."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, float) and value != value:
+        return None
+    return value if isinstance(value, (int, float, str, bool)) or value is None else repr(value)
+
+
+def _group_row(g: ParamGroup, gid: int | str, params: int, examples: list[str], has_state: bool) -> GroupRow:
+    return GroupRow(gid, g.flavor, {h: _plain(g.values.get(h)) for h in _GROUP_VALUES}, params, tuple(examples),
+                    has_state, tuple(sorted(h for h in HYPERPARAMETERS if h not in g.keys)))
+
+
+def _param_group_rows(cat: Catalog, filt: str | None) -> list[GroupRow]:
+    """Nested groups as they are; flattened ones aggregated by leaf (equal values) and whether they have state."""
+    def has_state(fqn: str) -> bool:
+        ps = cat.optimizer_state.get(fqn)
+        return ps is not None and bool(ps.fields)
+
+    if cat.optimizer_flavor != "flattened":
+        return [_group_row(g, g.group_id, len(g.params), g.params[:3], any(has_state(p) for p in g.params))
+                for g in cat.param_groups]
+    members: dict[tuple[str, bool], list[str]] = {}
+    first: dict[tuple[str, bool], ParamGroup] = {}
+    for g in cat.param_groups:
+        fqn = str(g.group_id)
+        if match_filter(f"model.{fqn}", filt):
+            sig = (repr(g.leaf_values), has_state(fqn))  # a leaf (Catalog.leaves), split by state
+            members.setdefault(sig, []).append(fqn)
+            first.setdefault(sig, g)
+    return [_group_row(first[sig], fqns[0], len(fqns), fqns[:3], sig[1]) for sig, fqns in members.items()]
+
+
+def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> OptimizerSummary:
+    grouped = {p for g in cat.param_groups for p in g.params}
+    nested_known = bool(grouped)
+    # Param groups name the real parameters (nested: `params` lists; flattened: one group per
+    # parameter); model tensors in no group are buffers.
+    params = [
+        f for f in cat.param_fqns
+        if match_filter(f"model.{f}", filt) and (not nested_known or f in grouped or f in cat.optimizer_state)
+    ]
+    buffers = [f for f in cat.param_fqns if nested_known and f not in grouped and f not in cat.optimizer_state]
+    with_state = [f for f in params if f in cat.optimizer_state and cat.optimizer_state[f].fields]
+    field_dtypes: dict[str, Counter[str]] = defaultdict(Counter)
+    implied: Counter[str] = Counter()
+    for fqn in with_state:
+        ps = cat.optimizer_state[fqn]
+        for name, dtype in ps.field_dtypes.items():
+            field_dtypes[name][dtype] += 1
+        implied[ps.implied_type or "unknown"] += 1
+    return OptimizerSummary(
+        flavor=cat.optimizer_flavor,
+        params_total=len(params),
+        params_with_state=len(with_state),
+        fields={k: dict(v) for k, v in sorted(field_dtypes.items())},
+        implied_type=implied.most_common(1)[0][0] if implied else None,
+        implied_types=dict(implied),
+        declared_type=declared,
+        param_groups=tuple(_param_group_rows(cat, filt)),
+        params_without_state=tuple(sorted(f for f in params if f not in with_state)),
+        never_stepped_with_hyperparameters=tuple(sorted(f for f in params if f not in with_state and f in grouped)),
+        orphan_state=tuple(sorted(f for f, ps in cat.optimizer_state.items() if not ps.in_model)),
+        buffers=tuple(buffers),
+    )
+
+
+def _extra_state_row(st: ExtraState) -> ExtraStateRow:
+    f = st.file
+    if st.error is None:
+        return ExtraStateRow(f.relative_path, f.size, f.rank, "ok", st.keys, st.global_step)
+    status = "needs --trust-pickle" if isinstance(st.error, TrustRequiredError) else f"unreadable: {st.error}"
+    return ExtraStateRow(f.relative_path, f.size, f.rank, status)
+
+
+def _layout_section(ckpt: Checkpoint) -> LayoutSummary | None:
+    cat, resolved = ckpt.catalog, ckpt.layout
+    if resolved is None:
+        return None
+    ambiguous, geometry = tuple(resolved.ambiguous), tuple(resolved.geometry(cat))
+    rec = resolved.record
+    if rec is not None:
+        return LayoutSummary(rec.version, rec.layout_name, "embedded" if cat.has_layout_item else "sidecar",
+                             rec.parallel, rec.extra_parallel, rec.optimizer, rec.global_step, ambiguous, geometry)
+    if not resolved.ep_tensors:
+        return None
+    # Unversioned or declared: EP tensors detected by name (docs/layouts.md).
+    parallel = ({"ep_size": resolved.ep_size, "ep_fsdp_size": resolved.ep_fsdp_size}
+                if resolved.ep_size is not None and resolved.ep_fsdp_size is not None else {})
+    return LayoutSummary(resolved.version, resolved.layout_name or "unversioned", resolved.source, parallel,
+                         resolved.ep_tensors, {}, None, ambiguous, geometry)
+
+
+def _needed_bytes(ckpt: Checkpoint) -> dict[str, int]:
+    """Bytes each data file must hold: the end of its last record (metadata only; no data read)."""
+    needed: dict[str, int] = {}
+    for info in ckpt.metadata.storage.values():
+        end = info.offset + info.length
+        if end > needed.get(info.relative_path, 0):
+            needed[info.relative_path] = end
+    return needed
+
+
+def _file_status(size: int | None, needed: int, referenced: bool) -> str:
+    if size is None:
+        return "missing"
+    if size < needed:
+        return "short"
+    return "ok" if referenced else "unreferenced"
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC while building ~10^6 acyclic objects (it would rescan them repeatedly)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) -> InspectResult:
+    """Metadata-only overview of an opened checkpoint (``ckpttool inspect``).
+
+    Args:
+        ckpt: the checkpoint; opened with ``record_problems=True`` an invalid layout record is
+            reported in :attr:`InspectResult.layout_error` instead of raised.
+        options: see :class:`InspectOptions`.
+
+    Returns:
+        The :class:`InspectResult` (``to_dict()``: schema ``ckpttool.inspect/1``, ``docs/inspect.md``).
+
+    Raises:
+        UsageError: ``sort`` unknown, ``filter_glob`` matching no key.
+        CkptError: an unreadable or unsafe param-group byte item.
+        LayoutError: a layout declaration that contradicts the record or the chunk geometry.
+    """
+    opts = options or InspectOptions()
+    if opts.sort not in SORT_KEYS:
+        raise UsageError(f"`sort` {opts.sort!r} is not one of {', '.join(SORT_KEYS)}", param="sort")
+    if ckpt.layout_error is not None and ckpt.declaration is not None:
+        raise ckpt.layout_error  # a contradicting declaration is the user's error, not a finding
+    with _gc_paused():
+        ckpt.param_groups()
+        if ckpt.byte_item_errors:  # inspect shows the values: an unreadable one is an error, not a finding
+            raise next(iter(ckpt.byte_item_errors.values()))
+        return _build(ckpt, opts)
+
+
+def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
+    cat, filt = ckpt.catalog, opts.filter_glob
+    tensors = cat.tensors
+    bytes_by_dtype: Counter[str] = Counter()
+    for t in tensors.values():
+        bytes_by_dtype[t.dtype] += t.nbytes
+    state_bytes = sum(t.nbytes for ps in cat.optimizer_state.values() for t in ps.fields.values() if t)
+    model_rows = [t for t in cat.model.values() if match_filter(t.key, filt)]
+    if filt and not model_rows and not any(match_filter(k, filt) for k in tensors):
+        raise UsageError(f"`filter_glob` {filt!r} matches no key of {ckpt.path}", param="filter_glob",
+                         hint="globs match keys with or without the 'model.' prefix, e.g. 'model.layers.0.*'")
+    if opts.sort == "size":
+        model_rows.sort(key=lambda t: (-t.nbytes, t.key))
+    needed = _needed_bytes(ckpt)
+    declared = None
+    if ckpt.layout is not None and ckpt.layout.record is not None:
+        declared = ckpt.layout.record.optimizer.get("type")
+    summary = Summary(
+        files=sum(1 for f in cat.data_files if f.referenced),
+        ranks=cat.ranks,
+        bytes_on_disk=sum(f.size or 0 for f in cat.data_files),
+        tensor_count=len(tensors),
+        model_tensor_count=len(cat.model),
+        byte_item_count=len(cat.byte_items),
+        numel_model=sum(t.numel for t in cat.model.values()),
+        bytes_by_dtype=dict(sorted(bytes_by_dtype.items())),
+        bytes_by_category={
+            "model": sum(t.nbytes for t in cat.model.values()),
+            "optimizer_state": state_bytes,
+            "other": sum(t.nbytes for t in cat.other_tensors.values()),
+        },
+    )
+    tree = None
+    if opts.depth:
+        agg = group_by_prefix([(t.key, t.numel, t.nbytes) for t in model_rows], opts.depth)
+        tree = tuple(TreeRow(k, n, numel, nbytes) for k, (n, numel, nbytes) in agg.items())
+    return InspectResult(
+        path=str(ckpt.path),
+        dcp_version=cat.dcp_version,
+        summary=summary,
+        files=tuple(
+            FileRow(f.relative_path, f.size, f.rank, f.referenced, needed.get(f.relative_path, 0),
+                    _file_status(f.size, needed.get(f.relative_path, 0), f.referenced))
+            for f in cat.data_files
+        ),
+        model=tuple(TensorRow.of(t) for t in model_rows),
+        optimizer=_optimizer_section(cat, filt, declared),
+        layout=_layout_section(ckpt),
+        layout_error=ckpt.layout_error,
+        extra_state=tuple(_extra_state_row(st) for st in ckpt.extra_state()),
+        byte_items=tuple(cat.byte_items.items()),
+        other_keys=tuple(cat.other_keys),
+        other_tensors=tuple(TensorRow.of(t) for t in cat.other_tensors.values() if match_filter(t.key, filt)),
+        tree=tree,
+    )
+
+
+
+def inspect(
+    path: str | os.PathLike[str],
+    options: InspectOptions | None = None,
+    *,
+    declaration: LayoutDeclaration | None = None,
+    trust_pickle: bool = False,
+) -> InspectResult:
+    """Open a checkpoint directory and inspect it (:func:`inspect_checkpoint`); an invalid layout
+    record is reported in the result, not raised.
+
+    Raises:
+        as :func:`~ckpttool.model.checkpoint.open_checkpoint` (unusable ``.metadata``) and
+        :func:`inspect_checkpoint`.
+    """
+    with open_checkpoint(path, declaration=declaration, trust_pickle=trust_pickle, record_problems=True) as ckpt:
+        return inspect_checkpoint(ckpt, options)

@@ -1,0 +1,117 @@
+"""Gradients for ``replay-step``: a safetensors file, or a documented deterministic generator.
+
+Generator (identical on every device and every run; ``docs/replay.md``)::
+
+    seed_k(fqn) = zlib.crc32(f"ckpttool.replay:{grad_seed}:{k}:{fqn}".encode("utf-8"))   # k = step index 0..K-1
+    g = torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed_k(fqn)), dtype=torch.float32)
+    grad = (g * grad_scale).to(param_dtype)        # on the CPU, then moved to the device
+
+``shape`` is the parameter's global shape in true expert order (canonical layout), so the
+same fqn gets the same gradient whatever mesh saved the checkpoint. ``zlib.crc32`` is
+stable across Python processes (unlike ``hash``), and CPU ``torch.randn`` with a seeded
+generator is deterministic for a given torch version.
+
+File: safetensors (``safetensors.torch``), one tensor per parameter keyed by its fqn
+(``model.layers.0.mlp.experts.down_proj``; a key with the checkpoint's ``model.`` prefix is
+accepted too), global shape in true expert order, any floating dtype (cast to the
+parameter dtype). The same gradient is used for every one of ``--steps`` steps.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ckpttool.errors import GradientsError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["grad_seed_for", "seeded_grad", "GradFile"]
+
+
+def grad_seed_for(fqn: str, seed: int, step_index: int = 0) -> int:
+    """The 32-bit generator seed of ``fqn``'s gradient at step ``step_index`` (see module docstring)."""
+    return zlib.crc32(f"ckpttool.replay:{seed}:{step_index}:{fqn}".encode())
+
+
+def seeded_grad(
+    fqn: str, shape: tuple[int, ...], dtype: torch.dtype, *, seed: int, scale: float, step_index: int = 0
+) -> torch.Tensor:
+    """Deterministic gradient of one parameter, on the CPU.
+
+    Args:
+        fqn: parameter fqn (optimizer naming, no ``model.`` prefix).
+        shape: global shape (true expert order).
+        dtype: parameter dtype of the result.
+        seed: ``--grad-seed``.
+        scale: ``--grad-scale`` (standard deviation of the FP32 normal sample).
+        step_index: 0 for the first replayed step, 1 for the second, ...
+
+    Returns:
+        CPU tensor of ``shape`` and ``dtype``: ``(randn_fp32 * scale).to(dtype)``.
+    """
+    import torch
+
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(grad_seed_for(fqn, seed, step_index))
+    g = torch.randn(shape, generator=gen, dtype=torch.float32)
+    g.mul_(scale)
+    return g if dtype == torch.float32 else g.to(dtype)
+
+
+class GradFile:
+    """Gradients from a safetensors file keyed by parameter fqn.
+
+    Args:
+        path: the ``.safetensors`` file.
+
+    Raises:
+        UsageError (E120): missing or unreadable file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise GradientsError(f"`grads` {self.path}: no such file", path=self.path,
+                             hint="pass a safetensors file of gradients keyed by parameter fqn")
+        try:
+            self._file = safe_open(str(self.path), framework="pt", device="cpu")
+            self._keys = set(self._file.keys())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise GradientsError(f"`grads` {self.path}: not a readable safetensors file ({str(e)[:80]})", path=self.path, hint="write it with safetensors.torch.save_file") from e
+
+    def _key(self, fqn: str) -> str | None:
+        for k in (fqn, f"model.{fqn}"):
+            if k in self._keys:
+                return k
+        return None
+
+    def has(self, fqn: str) -> bool:
+        """Whether the file holds a gradient for ``fqn``."""
+        return self._key(fqn) is not None
+
+    def get(self, fqn: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The gradient of ``fqn``, shape-checked and cast to ``dtype`` (CPU).
+
+        Raises:
+            UsageError (E120): no gradient for ``fqn``, wrong shape, or a non-floating dtype.
+        """
+        key = self._key(fqn)
+        if key is None:
+            raise GradientsError(f"`grads` {self.path} has no gradient for {fqn}", path=self.path, fqn=fqn,
+                             hint="key every selected parameter by its fqn, or narrow the selection with `select`")
+        t = self._file.get_tensor(key)
+        if tuple(t.shape) != tuple(shape):
+            raise GradientsError(
+                f"`grads` {self.path}: gradient {key} has shape {list(t.shape)}, the parameter has {list(shape)}",
+                path=self.path, fqn=fqn, hint="gradients must have the parameter's global shape (true expert order)",
+            )
+        if not t.is_floating_point():
+            raise GradientsError(f"`grads` {self.path}: gradient {key} is {t.dtype}, expected a floating dtype",
+                             path=self.path, fqn=fqn)
+        return t if t.dtype == dtype else t.to(dtype)

@@ -1,0 +1,517 @@
+"""What ``replay-step`` replays: parameters, hyperparameters, optimizer type and memory batches.
+
+Decisions only, from the catalog (metadata and the small param-group byte items); no
+tensor is read and torch is not imported here.
+
+Optimizer type (DESIGN.md section 1, ``docs/replay.md``), first that applies:
+
+1. ``--optimizer TYPE`` (overrides a layout record, which is noted);
+2. the layout record's ``optimizer.type``;
+3. the saved state fields of each parameter (:func:`ckpttool.optim_state.schema.infer_optimizer_type`);
+   with ``--offload-patterns`` an FP32-master type becomes ``cpu_offload_adamw``.
+
+The configuration (moment dtypes, offload patterns) comes from the record's ``optimizer``
+object, else from the saved dtypes. Every saved field is then checked against
+:func:`~ckpttool.optim_state.schema.expected_state_dtypes` for that type and
+configuration before anything is read (exit 2 on a violation).
+
+A parameter without state replays from fresh state (``step`` 0, zero moments, master =
+parameter) only when no parameter of its *leaf* has state. A leaf is a nested param group
+(``optimizer.param_groups.<i>``) or, in the flattened flavor, the set of parameters whose
+saved hyperparameters are all equal (how ``MultiOptimizer`` reassembles its groups).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpttool.errors import (
+    HyperparameterError,
+    LostStateError,
+    MemoryBudgetError,
+    OptimStateError,
+    StateDtypeError,
+    StateFieldsError,
+    StateShapeError,
+    UsageError,
+)
+from ckpttool.model.catalog import MODEL_PREFIX, Catalog, TensorEntry
+from ckpttool.model.layout_record import LayoutRecord
+from ckpttool.model.optimizer import OPTIMIZER_TYPES, dtype_name, expected_state_dtypes, infer_optimizer_type
+
+__all__ = [
+    "Hyper",
+    "ParamPlan",
+    "ReplayPlan",
+    "plan_replay",
+    "make_batches",
+    "bytes_per_element",
+    "ITEMSIZE",
+]
+
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+_FP32_MASTER_TYPES = ("full_fp32_adamw", "master_fp32_adamw", "cpu_offload_adamw")
+# torch.optim.AdamW switches that change the arithmetic; replay-step replays the default.
+_UNSUPPORTED_SWITCHES = ("amsgrad", "maximize")
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """Param-group hyperparameters of one parameter (as saved).
+
+    Attributes:
+        group_id: nested group index, or the leaf's first fqn (flattened flavor).
+        lr, beta1, beta2, eps, weight_decay: Python floats.
+        extra: other saved group entries (``amsgrad``, ``foreach``, ...), JSON-able.
+    """
+
+    group_id: int | str
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """Constructor keywords of every ckpttool optimizer: ``lr, betas, eps, weight_decay``."""
+        return {"lr": self.lr, "betas": (self.beta1, self.beta2), "eps": self.eps, "weight_decay": self.weight_decay}
+
+
+@dataclass
+class ParamPlan:
+    """One parameter to replay.
+
+    Attributes:
+        fqn: optimizer fqn (model key without ``model.``), e.g. ``model.layers.0.mlp.experts.down_proj``.
+        key: model key (``model.<fqn>``).
+        shape, dtype, numel: global shape, stored dtype name, element count.
+        hyper: its param group's hyperparameters.
+        optimizer_type: one of ``OPTIMIZER_TYPES``.
+        state: saved state entries by field (empty: fresh state).
+        fresh: no saved state and its leaf never stepped.
+        offloaded: ``cpu_offload_adamw`` keeps its master and moments on the CPU.
+        moment_dtype: dtype name of ``exp_avg``/``exp_avg_sq`` (saved, or what fresh state gets).
+    """
+
+    fqn: str
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    numel: int
+    hyper: Hyper
+    optimizer_type: str
+    state: dict[str, TensorEntry] = field(default_factory=dict)
+    fresh: bool = False
+    offloaded: bool = False
+    moment_dtype: str = "float32"
+
+
+@dataclass
+class ReplayPlan:
+    """The parameters to replay and why the optimizer was chosen.
+
+    Attributes:
+        params: selected parameters, in checkpoint order.
+        optimizer_type: the type, or ``"mixed"`` when inferred per parameter and they differ.
+        reason: one line saying where the type came from.
+        config: constructor keywords beyond the hyperparameters, per type
+            (``{"master_fp32_adamw": {"moment_dtype": "bfloat16"}, ...}``).
+        notes: facts worth telling the user (fresh leaves, skipped buffers, overrides).
+    """
+
+    params: list[ParamPlan]
+    optimizer_type: str
+    reason: str
+    config: dict[str, dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _float(value: Any, what: str, fqn: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise HyperparameterError(
+            f"param group of {fqn}: {what} is {value!r:.40}, expected a number",
+            fqn=fqn, hint="replay-step replays AdamW with Python-number hyperparameters",
+        )
+    out = float(value)
+    if not math.isfinite(out):
+        raise HyperparameterError(f"param group of {fqn}: {what} is {out}", fqn=fqn)
+    return out
+
+
+def _hyper(group: Any, fqn: str, group_id: int | str) -> Hyper:
+    values = group.values
+    missing = [h for h in ("lr", "betas", "eps", "weight_decay") if h not in values]
+    if missing:
+        raise HyperparameterError(
+            f"param group of {fqn} lacks {', '.join(missing)} (keys {', '.join(sorted(group.keys))})",
+            fqn=fqn,
+            hint="the checkpoint must save lr, betas, eps and weight_decay for every param group",
+        )
+    betas = values["betas"]
+    if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+        raise HyperparameterError(f"param group of {fqn}: betas is {betas!r:.40}, expected two numbers", fqn=fqn)
+    for switch in _UNSUPPORTED_SWITCHES:
+        if values.get(switch):
+            raise HyperparameterError(
+                f"param group of {fqn} was saved with {switch}=True; replay-step replays plain AdamW",
+                fqn=fqn, hint=f"replay only parameters of groups without {switch} (`select`)",
+            )
+    if values.get("decoupled_weight_decay") is False and values.get("weight_decay"):
+        raise HyperparameterError(
+            f"param group of {fqn} uses L2 weight decay (torch.optim.Adam); replay-step replays AdamW",
+            fqn=fqn, hint="replay only groups with weight_decay 0 or decoupled weight decay",
+        )
+    extra = tuple(
+        sorted((k, v) for k, v in values.items() if k not in ("lr", "betas", "eps", "weight_decay", "params", "param_names")
+               and isinstance(v, (bool, int, float, str, type(None))))
+    )
+    return Hyper(
+        group_id,
+        _float(values["lr"], "lr", fqn),
+        _float(betas[0], "betas[0]", fqn),
+        _float(betas[1], "betas[1]", fqn),
+        _float(values["eps"], "eps", fqn),
+        _float(values["weight_decay"], "weight_decay", fqn),
+        extra,
+    )
+
+
+def _saved_dtypes(state: dict[str, TensorEntry | None], fqn: str) -> dict[str, str]:
+    out = {}
+    for f, entry in state.items():
+        if entry is None:
+            raise StateDtypeError(
+                f"optimizer state {fqn}.{f} is saved as a Python object, not a tensor",
+                fqn=fqn, hint="run `ckpttool validate --strict` on the checkpoint to see every problem",
+            )
+        out[f] = entry.dtype
+    return out
+
+
+def _record_config(record_opt: dict[str, Any]) -> dict[str, Any]:
+    """The layout record's ``optimizer`` object in ``expected_state_dtypes`` form."""
+    return {k: v for k, v in record_opt.items() if k != "type"}
+
+
+def _constructor_config(type_name: str, cfg: dict[str, Any], chunk_size: int | None) -> dict[str, Any]:
+    """``build_optimizer`` keywords (beyond hyperparameters) for a type and a record-style config."""
+    moment_dtypes = cfg.get("moment_dtypes") or {}
+    if type_name == "master_fp32_adamw":
+        return {"moment_dtype": dtype_name(cfg.get("moment_dtype") or moment_dtypes.get("resident") or "bfloat16")}
+    if type_name == "cpu_offload_adamw":
+        patterns = list(cfg.get("cpu_offload_param_patterns") or cfg.get("offload_patterns") or [])
+        out: dict[str, Any] = {
+            "resident_moment_dtype": dtype_name(cfg.get("resident_moment_dtype") or moment_dtypes.get("resident") or "float32"),
+            "cpu_moment_dtype": dtype_name(cfg.get("cpu_moment_dtype") or moment_dtypes.get("cpu") or "float32"),
+            "cpu_offload": bool(patterns) and bool(cfg.get("cpu_offload", True)),
+            "cpu_offload_param_patterns": patterns or ["(?!)"],  # matches nothing: all resident
+        }
+        if chunk_size is not None:
+            out["chunk_size"] = chunk_size
+        return out
+    return {}
+
+
+def _offloaded(cfg: dict[str, Any], fqn: str) -> bool:
+    return bool(cfg.get("cpu_offload")) and any(re.search(p, fqn) for p in cfg.get("cpu_offload_param_patterns", []))
+
+
+def _moment_dtype_for(type_name: str, cfg: dict[str, Any], param_dtype: str, fqn: str) -> str:
+    if type_name == "adamw":
+        return param_dtype
+    if type_name == "full_fp32_adamw":
+        return "float32"
+    if type_name == "master_fp32_adamw":
+        return cfg["moment_dtype"]
+    return cfg["cpu_moment_dtype"] if _offloaded(cfg, fqn) else cfg["resident_moment_dtype"]
+
+
+def _check_policy(p: ParamPlan, cfg: dict[str, Any], saved: dict[str, str]) -> None:
+    """Saved fields, dtypes and shapes of ``p`` against its optimizer type (raises on a violation)."""
+    expected = {f: dtype_name(d) for f, d in expected_state_dtypes(p.optimizer_type, cfg, p.dtype, fqn=p.fqn).items()}
+    missing = [f for f in expected if f not in saved]
+    extra = [f for f in saved if f not in expected]
+    if missing or extra:
+        parts = ([f"lacks {', '.join(missing)}"] if missing else []) + ([f"has unexpected {', '.join(extra)}"] if extra else [])
+        raise StateFieldsError(
+            f"optimizer state of {p.fqn} {'; '.join(parts)} for {p.optimizer_type} "
+            f"(which saves {', '.join(expected)})",
+            fqn=p.fqn,
+            hint="the state is incomplete or was saved by another optimizer (`optimizer`); "
+                 "run `ckpttool validate --strict` to see every problem",
+        )
+    for f, want in expected.items():
+        if saved[f] != want:
+            raise StateDtypeError(
+                f"optimizer state {p.fqn}.{f} is {saved[f]} but {p.optimizer_type} saves {want} "
+                f"(dtype policy violated; the parameter is {p.dtype})",
+                fqn=p.fqn,
+                hint="run `ckpttool validate --strict` on the checkpoint; pass `optimizer` if the layout record is wrong",
+            )
+        entry = p.state[f]
+        want_shape = () if f == "step" else p.shape
+        if tuple(entry.shape) != tuple(want_shape):
+            raise StateShapeError(
+                f"optimizer state {p.fqn}.{f} has shape {list(entry.shape)}, the parameter needs {list(want_shape)}",
+                fqn=p.fqn, hint="run `ckpttool validate --strict` on the checkpoint",
+            )
+
+
+# ----------------------------------------------------------------------------- plan
+def plan_replay(
+    cat: Catalog,
+    record: LayoutRecord | None = None,
+    *,
+    select: str | None = None,
+    optimizer: str = "auto",
+    offload_patterns: Sequence[str] | None = None,
+    chunk_size: int | None = None,
+) -> ReplayPlan:
+    """Choose the parameters, hyperparameters and optimizer configuration of a replay.
+
+    Args:
+        cat: the catalog with param-group values loaded (:meth:`~ckpttool.model.checkpoint.Checkpoint.param_groups`).
+        record: the checkpoint's layout record, if any (its ``optimizer`` object and type).
+        select: ``re.search`` pattern over parameter fqns; ``None`` selects every parameter.
+        optimizer: ``auto`` or one of ``OPTIMIZER_TYPES``.
+        offload_patterns: ``cpu_offload_adamw`` patterns (override the record's ``offload_patterns``).
+        chunk_size: ``cpu_offload_adamw`` staging chunk size in elements (``None``: its default).
+
+    Returns:
+        The :class:`ReplayPlan`.
+
+    Raises:
+        UsageError: bad ``--select``/``--optimizer``/pattern, or nothing selected.
+        OptimStateError: no param groups, hyperparameters missing, a parameter without state in
+            a leaf that stepped (E513), saved fields/dtypes/shapes that violate the type (E510-E512).
+    """
+    if optimizer != "auto" and optimizer not in OPTIMIZER_TYPES:
+        raise UsageError(f"unknown optimizer {optimizer!r}", hint=f"use auto or one of {', '.join(OPTIMIZER_TYPES)}")
+    try:
+        rx = re.compile(select) if select else None
+    except re.error as e:
+        raise UsageError(f"`select` {select!r} is not a valid regular expression ({e})", hint="use Python re syntax") from e
+    for pat in offload_patterns or ():
+        try:
+            re.compile(pat)
+        except re.error as e:
+            raise UsageError(f"`offload_patterns` {pat!r} is not a valid regular expression ({e})") from e
+    if not cat.param_groups:
+        raise HyperparameterError(
+            f"{cat.path}: the checkpoint holds no optimizer param groups; nothing to replay", hint="replay-step needs a checkpoint saved with its optimizer (`ckpttool inspect` shows what it holds)",
+        )
+    notes: list[str] = []
+
+    # Group membership and leaves.
+    group_of: dict[str, Any] = {}
+    for g in cat.param_groups:
+        for fqn in g.params:
+            group_of.setdefault(fqn, g)
+    model_fqns = [k[len(MODEL_PREFIX):] for k in cat.model]
+    params_in_model = [f for f in model_fqns if f in group_of]
+    skipped = len(model_fqns) - len(params_in_model)
+    if skipped:
+        notes.append(f"{skipped} model tensor(s) in no param group (buffers, frozen parameters) are not replayed")
+    orphans = sorted(f for f in group_of if f"{MODEL_PREFIX}{f}" not in cat.model)
+    if orphans:
+        notes.append(f"{len(orphans)} param-group parameter(s) are not model tensors and are skipped, e.g. {orphans[0]}")
+    hypers = {f: _hyper(group_of[f], f, group_of[f].group_id) for f in params_in_model}
+
+    def leaf_of(fqn: str) -> Any:
+        h = hypers[fqn]
+        if cat.optimizer_flavor == "nested":
+            return ("group", h.group_id)
+        return ("hyper", h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.extra)
+
+    leaves_with_state = {leaf_of(f) for f in params_in_model if cat.optimizer_state.get(f) and cat.optimizer_state[f].fields}
+
+    selected = [f for f in params_in_model if rx is None or rx.search(f)]
+    if not params_in_model:
+        raise HyperparameterError(
+            f"{cat.path}: none of the {len(group_of)} parameter(s) of the param groups is a model tensor "
+            "of the checkpoint; nothing to replay",
+            hint="the optimizer state does not name this checkpoint's model tensors (`ckpttool inspect` "
+                 "shows both)",
+        )
+    if not selected:
+        raise UsageError(
+            f"`select` {select!r} matches none of the {len(params_in_model)} parameter(s)",
+            param="select",
+            hint="patterns are re.search over fqns such as model.layers.0.mlp.experts.down_proj",
+        )
+
+    # Optimizer type and configuration.
+    record_opt = dict(record.optimizer) if record is not None else {}
+    record_type = record_opt.get("type")
+    if record_type is not None and record_type not in OPTIMIZER_TYPES:
+        if optimizer == "auto":
+            raise HyperparameterError(
+                f"{cat.path}: layout record names optimizer type {record_type!r}, unknown to replay-step", hint=f"pass `optimizer` {'|'.join(OPTIMIZER_TYPES)}",
+            )
+        record_type = None
+    base_cfg = _record_config(record_opt) if record_type else {}
+    per_param_type: dict[str, str] = {}
+    if optimizer != "auto":
+        type_name = optimizer
+        reason = "--optimizer"
+        if record_type and record_type != optimizer:
+            notes.append(f"--optimizer {optimizer} overrides the layout record's optimizer type {record_type}")
+            base_cfg = {}
+    elif record_type:
+        type_name = record_type
+        reason = "layout record optimizer.type"
+    else:
+        inferred: dict[str, str] = {}
+        for f in selected:
+            ps = cat.optimizer_state.get(f)
+            if ps is not None and ps.fields:
+                saved = _saved_dtypes(ps.fields, f)
+                try:
+                    inferred[f] = infer_optimizer_type(saved)
+                except OptimStateError as e:
+                    raise StateDtypeError(
+                        f"optimizer state of {f}: {e.message}", fqn=f,
+                        hint="run `ckpttool validate --strict` on the checkpoint; pass `optimizer` to declare the type",
+                    ) from e
+        kinds = sorted(set(inferred.values()))
+        if offload_patterns and kinds and all(k in _FP32_MASTER_TYPES for k in kinds):
+            type_name = "cpu_offload_adamw"
+            reason = "state fields (FP32 master_weight) and --offload-patterns"
+        elif len(kinds) > 1:
+            type_name = "mixed"
+            reason = f"state fields per parameter ({', '.join(kinds)}); no layout record"
+            per_param_type = inferred
+        elif kinds:
+            type_name = kinds[0]
+            reason = "state fields" + (
+                " (cpu_offload_adamw saves the same fields as full_fp32_adamw; pass --optimizer or stamp a record to use it)"
+                if type_name == "full_fp32_adamw" else ""
+            )
+        else:
+            type_name = "adamw"
+            reason = "no state saved for the selected parameters and no layout record: torch.optim.AdamW"
+    if offload_patterns:
+        base_cfg = dict(base_cfg, offload_patterns=list(offload_patterns))
+        base_cfg.pop("cpu_offload_param_patterns", None)
+
+    # Configuration per type: record values win; else the saved dtypes decide.
+    def saved_moment(pred: Any) -> str | None:
+        for f in selected:
+            ps = cat.optimizer_state.get(f)
+            if pred(f) and ps is not None and ps.fields.get("exp_avg") is not None:
+                return ps.fields["exp_avg"].dtype  # type: ignore[union-attr]
+        return None
+
+    types_used = set(per_param_type.values()) if type_name == "mixed" else {type_name}
+    if type_name == "mixed":
+        types_used |= {"adamw"} if len(per_param_type) < len(selected) else set()
+    config: dict[str, dict[str, Any]] = {}
+    for t in types_used:
+        cfg = dict(base_cfg)
+        if t == "master_fp32_adamw" and not (cfg.get("moment_dtype") or (cfg.get("moment_dtypes") or {}).get("resident")):
+            cfg["moment_dtype"] = saved_moment(lambda f, t=t: per_param_type.get(f, t) == t) or "bfloat16"
+        if t == "cpu_offload_adamw":
+            probe = _constructor_config(t, cfg, chunk_size)
+            md = dict(cfg.get("moment_dtypes") or {})
+            if "resident" not in md and "resident_moment_dtype" not in cfg:
+                md["resident"] = saved_moment(lambda f: not _offloaded(probe, f)) or "float32"
+            if "cpu" not in md and "cpu_moment_dtype" not in cfg:
+                md["cpu"] = saved_moment(lambda f: _offloaded(probe, f)) or "float32"
+            cfg["moment_dtypes"] = md
+        config[t] = _constructor_config(t, cfg, chunk_size)
+    if "cpu_offload_adamw" in config and not config["cpu_offload_adamw"]["cpu_offload"]:
+        notes.append("cpu_offload_adamw without offload patterns (record or --offload-patterns): every parameter resident")
+
+    plans: list[ParamPlan] = []
+    fresh_leaves: set[Any] = set()
+    for f in selected:
+        entry = cat.model[f"{MODEL_PREFIX}{f}"]
+        ps = cat.optimizer_state.get(f)
+        fields = dict(ps.fields) if ps is not None else {}
+        t = per_param_type.get(f, "adamw") if type_name == "mixed" else type_name
+        cfg = config[t]
+        p = ParamPlan(f, entry.key, tuple(entry.shape), entry.dtype, entry.numel, hypers[f], t)
+        p.offloaded = t == "cpu_offload_adamw" and _offloaded(cfg, f)
+        p.moment_dtype = _moment_dtype_for(t, cfg, entry.dtype, f)
+        if fields:
+            saved = _saved_dtypes(fields, f)
+            p.state = {k: v for k, v in fields.items() if v is not None}
+            _check_policy(p, cfg, saved)
+        else:
+            leaf = leaf_of(f)
+            if leaf in leaves_with_state:
+                raise LostStateError(
+                    f"parameter {f} has no optimizer state although other parameters of its param group "
+                    f"(group {hypers[f].group_id}) have state: its leaf stepped",
+                    fqn=f,
+                    hint="the state of this parameter was lost (or it never received a gradient); "
+                         "leave it out with `select`, and run `ckpttool validate --strict`",
+                )
+            p.fresh = True
+            fresh_leaves.add(leaf)
+        if entry.dtype not in ITEMSIZE:
+            raise StateDtypeError(
+                f"parameter {f} is {entry.dtype}; replay-step replays floating-point parameters "
+                f"({', '.join(ITEMSIZE)})", fqn=f,
+            )
+        plans.append(p)
+    for leaf in sorted(fresh_leaves, key=str):
+        members = [p for p in plans if p.fresh and leaf_of(p.fqn) == leaf]
+        notes.append(
+            f"{len(members)} parameter(s) of a leaf that never stepped (e.g. {members[0].fqn}, lr "
+            f"{members[0].hyper.lr:g}) replay from fresh state: step 0, zero moments, master = parameter"
+        )
+    return ReplayPlan(plans, type_name, reason, config, notes)
+
+
+def bytes_per_element(p: ParamPlan, reference_itemsize: int = 8) -> int:
+    """Estimated peak host+device bytes per element of ``p`` while it is replayed.
+
+    Loaded parameter and state, device parameter and gradient, the gradient's FP32
+    generation buffer, and about 14 reference-dtype tensors (widened inputs, results,
+    carried state, error scales, comparison temporaries).
+    """
+    ip = ITEMSIZE.get(p.dtype, 4)
+    im = ITEMSIZE.get(p.moment_dtype, 4)
+    master = 0 if p.optimizer_type == "adamw" else 4
+    return 3 * ip + 4 + 2 * (master + 2 * im) + 14 * reference_itemsize
+
+
+def make_batches(params: list[ParamPlan], max_memory: int, reference_itemsize: int = 8) -> list[list[ParamPlan]]:
+    """Split parameters into consecutive batches whose estimated peak memory fits ``max_memory``.
+
+    Args:
+        params: the plan's parameters.
+        max_memory: bytes, > 0.
+        reference_itemsize: 8 (float64 reference) or 4 (float32).
+
+    Returns:
+        Non-empty batches, in order.
+
+    Raises:
+        UsageError (E130): one parameter alone needs more than ``max_memory``.
+    """
+    batches: list[list[ParamPlan]] = []
+    cur: list[ParamPlan] = []
+    used = 0
+    for p in params:
+        need = max(p.numel, 1) * bytes_per_element(p, reference_itemsize)
+        if need > max_memory:
+            raise MemoryBudgetError(
+                f"replaying {p.fqn} ({p.numel:,} elements) needs about {need:,} bytes, more than `max_memory` {max_memory:,}",
+                fqn=p.fqn, hint="raise `max_memory`, or leave the parameter out with `select`",
+            )
+        if cur and used + need > max_memory:
+            batches.append(cur)
+            cur, used = [], 0
+        cur.append(p)
+        used += need
+    if cur:
+        batches.append(cur)
+    return batches

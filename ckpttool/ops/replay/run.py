@@ -1,0 +1,627 @@
+"""``replay_step``: replay the next optimizer step(s) from a checkpoint and compare with a reference.
+
+Per batch of parameters (``plan.make_batches`` under ``max_memory``):
+
+1. read each parameter (stored dtype) and its saved state from the checkpoint, in true
+   expert order (``ResolvedLayout.to_canonical``); check the saved ``master_weight``
+   against the parameter (``param == master.to(param.dtype)``, bitwise);
+2. build ckpttool's optimizer (``ckpttool.optim_state.build_optimizer``) over the
+   parameters placed on the device in their stored dtype, with the saved hyperparameters,
+   and load the saved state through the optimizer's own ``load_state_dict`` (which places
+   master and moments on the CPU for offloaded parameters); parameters of a never-stepped
+   leaf start from fresh state;
+3. for each of the K steps: gradients (``grads.py``), one step of the independent
+   reference (``ckpttool.optim_state.reference.reference_adamw_step`` in float64 on the
+   CPU, from the same loaded state; between steps its state is rounded to the stored
+   dtypes, as a save would), then one timed ``optimizer.step()``;
+4. compare (``compare.py``): ``master_weight``, ``exp_avg``, ``exp_avg_sq`` and the
+   parameter against the reference, the written-back parameter against the optimizer's
+   own ``master_weight.to(param.dtype)`` (bitwise), ``step`` = saved + K, and placement.
+
+Nothing is written; the checkpoint is only read.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import DeviceUnavailableError, UsageError
+from ckpttool.model.checkpoint import Checkpoint, opened
+from ckpttool.model.declaration import LayoutDeclaration
+from ckpttool.ops.replay.compare import FieldError, compare_field, count_unequal, machine_eps
+from ckpttool.ops.replay.plan import ITEMSIZE, ParamPlan, make_batches, plan_replay
+from ckpttool.ops.tensors import to_canonical
+
+__all__ = ["DEVICE_CHOICES", "ParamResult", "ReplayOptions", "ReplayResult", "check_tolerance", "replay_step",
+           "resolve_device"]
+
+logger = logging.getLogger(__name__)
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
+_REF_DTYPES = ("float64", "float32")
+
+
+@dataclass
+class ParamResult:
+    """Replay outcome of one parameter.
+
+    Attributes:
+        fqn, shape, dtype, numel: the parameter (stored dtype name).
+        optimizer_type: the optimizer that replayed it; group_id, lr, weight_decay: its group.
+        state: ``"loaded"`` or ``"fresh"`` (never-stepped leaf).
+        offloaded: master and moments kept on the CPU (``cpu_offload_adamw``).
+        step_before, step_after, expected_step: saved ``step``, after the replay, saved + K.
+        fields: ``master_weight`` / ``exp_avg`` / ``exp_avg_sq`` / ``param`` -> :class:`FieldError`.
+        param_vs_reference_unequal: elements where the parameter differs from
+            ``reference_master.to(param dtype)`` (bitwise; FP32-master types only).
+        writeback_unequal: elements where the parameter differs from the optimizer's own
+            ``master_weight.to(param dtype)`` (must be 0; FP32-master types only).
+        sync_unequal: before the step, elements where the saved parameter differs from the
+            saved ``master_weight.to(param dtype)`` (must be 0).
+        placement: tensor -> device string after the step.
+        problems: one line per failed check (empty: the parameter passed).
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    numel: int
+    optimizer_type: str
+    group_id: int | str
+    lr: float
+    weight_decay: float
+    state: str
+    offloaded: bool
+    step_before: float
+    step_after: float | None = None
+    expected_step: float | None = None
+    fields: dict[str, FieldError] = field(default_factory=dict)
+    param_vs_reference_unequal: int | None = None
+    writeback_unequal: int | None = None
+    sync_unequal: int | None = None
+    placement: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def worst_ratio(self) -> float:
+        """Largest error/tolerance ratio over the compared fields (inf when a bitwise check failed)."""
+        if any((self.writeback_unequal, self.sync_unequal)) or (
+            self.step_after is not None and self.step_after != self.expected_step
+        ):
+            return float("inf")
+        return max((f.ratio for f in self.fields.values()), default=0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fqn": self.fqn, "shape": list(self.shape), "dtype": self.dtype, "numel": self.numel,
+            "optimizer": self.optimizer_type, "group": self.group_id, "lr": self.lr, "weight_decay": self.weight_decay,
+            "state": self.state, "offloaded": self.offloaded, "step_before": self.step_before,
+            "step_after": self.step_after, "expected_step": self.expected_step,
+            "errors": {k: v.to_dict() for k, v in self.fields.items()},
+            "param_vs_reference_unequal": self.param_vs_reference_unequal,
+            "writeback_unequal": self.writeback_unequal, "sync_unequal": self.sync_unequal,
+            "placement": self.placement, "ok": self.ok, "problems": self.problems,
+        }
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """Everything ``replay-step`` found (rendered by the command; ``to_dict`` is the ``--json`` schema).
+
+    Attributes:
+        path: checkpoint directory. device: the device the optimizer ran on.
+        optimizer_type, optimizer_reason, optimizer_config: the choice and why.
+        steps: K. grads: gradient source description. tolerance: ``(rtol, atol)``.
+        reference_dtype: ``float64`` or ``float32``.
+        params: per-parameter results, worst first.
+        notes: facts for the user (fresh leaves, overrides, layout).
+        batches: memory batches used. max_memory: the budget in bytes.
+        timing: ``step_seconds`` (inside ``optimizer.step()``, synchronized), ``state_bytes``
+            (bytes the steps read and wrote), ``effective_gbps``, offload transfer figures
+            (``d2h_bytes``, ``h2d_bytes``, ``offload_seconds``, ``d2h_gbps``, ``h2d_gbps``),
+            ``load_seconds``, ``reference_seconds``, ``total_seconds``, ``bytes_read``.
+    """
+
+    path: str
+    device: str
+    optimizer_type: str
+    optimizer_reason: str
+    optimizer_config: dict[str, dict[str, Any]]
+    steps: int
+    grads: dict[str, Any]
+    tolerance: tuple[float, float]
+    reference_dtype: str
+    params: list[ParamResult]
+    notes: list[str]
+    batches: int
+    max_memory: int
+    timing: dict[str, float]
+
+    @property
+    def ok(self) -> bool:
+        return all(p.ok for p in self.params)
+
+    @property
+    def failed(self) -> list[ParamResult]:
+        return [p for p in self.params if not p.ok]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": "ckpttool.replay/1",
+            "checkpoint": self.path, "device": self.device,
+            "optimizer": {"type": self.optimizer_type, "reason": self.optimizer_reason, "config": self.optimizer_config},
+            "steps": self.steps, "grads": self.grads,
+            "tolerance": {"rtol": self.tolerance[0], "atol": self.tolerance[1]},
+            "reference_dtype": self.reference_dtype, "ok": self.ok,
+            "params_total": len(self.params), "params_failed": len(self.failed),
+            "params": [p.to_dict() for p in self.params], "notes": self.notes,
+            "batches": self.batches, "max_memory": self.max_memory, "timing": self.timing,
+        }
+
+
+# ----------------------------------------------------------------------------- device
+def resolve_device(device: str) -> Any:
+    """The ``torch.device`` for ``--device``.
+
+    Args:
+        device: ``auto`` (the accelerator if there is one, else ``cpu``), ``cpu``, ``cuda`` or ``npu``.
+
+    Returns:
+        ``torch.device`` (with the current index for an accelerator).
+
+    Raises:
+        UsageError (E121): an accelerator type that this machine does not have.
+    """
+    import torch
+
+    from ckpttool.optim.device import accelerator_type
+
+    if device not in DEVICE_CHOICES:
+        raise DeviceUnavailableError(f"`device` {device!r} is not one of {', '.join(DEVICE_CHOICES)}")
+    if device == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers the npu accelerator)
+        except ImportError as e:
+            raise DeviceUnavailableError("`device` npu needs torch_npu, which is not installed",
+                             hint="install torch_npu, or use `device` cpu") from e
+    acc = accelerator_type()
+    if device == "auto":
+        device = acc or "cpu"
+    if device == "cpu":
+        return torch.device("cpu")
+    if acc != device:
+        raise DeviceUnavailableError(f"`device` {device}: no {device} device on this machine (accelerator: {acc or 'none'})", hint="use `device` auto or `device` cpu")
+    return torch.device(device, torch.accelerator.current_device_index())
+
+
+def _synchronize(device: Any) -> None:
+    import torch
+
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _default_max_memory() -> int:
+    """Half the available host memory (psutil when installed, else ``sysconf``), at least 256 MiB."""
+    try:
+        import psutil
+
+        avail = int(psutil.virtual_memory().available)
+    except ImportError:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            avail = 8 << 30
+    return max(avail // 2, 256 << 20)
+
+
+def check_tolerance(rtol: float, atol: float, text: str | None = None) -> None:
+    """Refuse tolerances that are negative or not finite (an infinite tolerance can never fail).
+
+    Args:
+        rtol, atol: the tolerance.
+        text: how the user wrote it (``"1e-5,1e-8"``), shown in the message; default ``rtol,atol``.
+
+    Raises:
+        UsageError (E100).
+    """
+    shown = repr(text) if text is not None else f"{rtol},{atol}"
+    if not (math.isfinite(rtol) and math.isfinite(atol)):
+        raise UsageError(
+            f"`tolerance` {shown}: both numbers must be finite (an infinite or NaN tolerance "
+            "accepts any result, so the check could never fail)",
+            param="tolerance",
+            hint="give finite values, e.g. `tolerance` 1e-5,1e-8 (widen them, e.g. 1e-3,1e-6, for a looser check)",
+        )
+    if not (rtol >= 0 and atol >= 0):
+        raise UsageError(f"`tolerance` {shown}: both numbers must be >= 0", param="tolerance",
+                         hint="rtol and atol are non-negative bounds, e.g. `tolerance` 1e-5,1e-8")
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How ``replay-step`` replays.
+
+    Attributes:
+        device: ``auto`` | ``cpu`` | ``cuda`` | ``npu``: where parameters live and resident state updates.
+        select: ``re.search`` over parameter fqns (``None``: all parameters).
+        grads: safetensors file of gradients keyed by fqn; ``None`` uses the seeded generator.
+        grad_seed, grad_scale: generator seed and scale (``grads.py``).
+        optimizer: ``auto`` or an optimizer type name (see ``plan.plan_replay``).
+        offload_patterns: ``cpu_offload_adamw`` patterns (``re.search`` over fqns).
+        chunk_size: ``cpu_offload_adamw`` staging chunk, elements.
+        steps: K >= 1 steps.
+        max_memory: peak-memory budget in bytes for one batch (default: half the available RAM).
+        tolerance: ``(rtol, atol)`` for FP32 fields (``compare.py`` widens it for BF16).
+        reference_dtype: ``float64`` (default) or ``float32``.
+    """
+
+    device: str = "auto"
+    select: str | None = None
+    grads: str | os.PathLike[str] | None = None
+    grad_seed: int = 0
+    grad_scale: float = 1e-3
+    optimizer: str = "auto"
+    offload_patterns: Sequence[str] | None = None
+    chunk_size: int | None = None
+    steps: int = 1
+    max_memory: int | None = None
+    tolerance: tuple[float, float] = (1e-5, 1e-8)
+    reference_dtype: str = "float64"
+
+    def check(self) -> None:
+        """Refuse values that cannot run (before anything is read).
+
+        Raises:
+            UsageError: a bad value, named by its parameter.
+        """
+        if self.steps < 1:
+            raise UsageError(f"`steps` must be >= 1, got {self.steps}", param="steps")
+        check_tolerance(*self.tolerance)
+        if self.reference_dtype not in _REF_DTYPES:
+            raise UsageError(f"`reference_dtype` must be float64 or float32, got {self.reference_dtype!r}",
+                             param="reference_dtype")
+        if self.chunk_size is not None and self.chunk_size <= 0:
+            raise UsageError(f"`chunk_size` must be > 0, got {self.chunk_size}", param="chunk_size")
+        if self.max_memory is not None and self.max_memory <= 0:
+            raise UsageError(f"`max_memory` must be > 0, got {self.max_memory}", param="max_memory")
+        if not self.grad_scale > 0:
+            raise UsageError(f"`grad_scale` must be > 0, got {self.grad_scale}", param="grad_scale")
+
+
+# ----------------------------------------------------------------------------- replay
+def replay_step(
+    checkpoint: Checkpoint | str | os.PathLike[str],
+    options: ReplayOptions | None = None,
+    *,
+    on_param: Callable[[str, dict[str, Any]], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    declaration: LayoutDeclaration | None = None,
+    trust_pickle: bool = False,
+    **option_fields: Any,
+) -> ReplayResult:
+    """Replay ``steps`` optimizer steps from a checkpoint and compare with an independent reference.
+
+    Args:
+        checkpoint: the opened :class:`~ckpttool.model.checkpoint.Checkpoint` (its layout declaration
+            included), or its directory; only read.
+        options: see :class:`ReplayOptions`; or give its fields as keywords (``device="cpu"``).
+        on_param: called as ``on_param(fqn, {"param", "master_weight", "exp_avg", "exp_avg_sq", "step"})``
+            with CPU tensors after each parameter's replay (true expert order; ``master_weight`` absent for adamw).
+        progress: called as ``progress(done, total)`` parameters.
+        declaration, trust_pickle: how to open ``checkpoint`` when it is a path.
+
+    Returns:
+        The :class:`ReplayResult` (``ok`` is False when any parameter is beyond tolerance).
+
+    Raises:
+        UsageError: bad options, device unavailable, unusable gradients file, memory budget too small.
+        OptimStateError: state unusable for the replay (missing fields, dtype policy, hyperparameters).
+        LayoutError: invalid/conflicting layout record or declaration; E405 for an ambiguous EP
+            tensor when gradients come from a file.
+        CkptError: unreadable or unsafe checkpoint.
+    """
+    opts = options if options is not None else ReplayOptions(**option_fields)
+    opts.check()
+    with opened(checkpoint, declaration=declaration, trust_pickle=trust_pickle) as ckpt:
+        return _replay(ckpt, opts, on_param, progress)
+
+
+def _replay(ckpt: Checkpoint, opts: ReplayOptions, on_param: Callable[[str, dict[str, Any]], None] | None,
+            progress: Callable[[int, int], None] | None) -> ReplayResult:
+    import torch
+
+    from ckpttool.ops.replay.grads import GradFile
+
+    t_start = time.perf_counter()
+    rtol, atol = opts.tolerance
+    dev = resolve_device(opts.device)
+    budget = opts.max_memory if opts.max_memory is not None else _default_max_memory()
+    reader, cat = ckpt.reader, ckpt.catalog
+    ckpt.param_groups()
+    layout = ckpt.require_layout()
+    plan = plan_replay(cat, layout.record, select=opts.select, optimizer=opts.optimizer,
+                       offload_patterns=opts.offload_patterns, chunk_size=opts.chunk_size)
+    notes = list(plan.notes)
+    grad_file = GradFile(opts.grads) if opts.grads is not None else None
+    if grad_file is not None:
+        for p in plan.params:
+            if not grad_file.has(p.fqn):
+                grad_file.get(p.fqn, p.shape, torch.float32)  # raises E120 naming the first missing fqn
+    ambiguous = set(layout.ambiguous) & {p.key for p in plan.params}
+    if ambiguous:
+        if grad_file is not None:
+            layout.require_unambiguous()
+        notes.append(
+            f"{len(ambiguous)} EP tensor(s) of unknown layout (no record, EP and EP-FSDP on one dim) replay in "
+            "stored expert order; declare --source-layout to replay in true expert order"
+        )
+    if layout.version == 1 and any(layout.is_permuted(p.key) for p in plan.params):
+        notes.append("legacy (version 1) EP tensors are replayed in true expert order (block permutation undone)")
+    ref_dtype = getattr(torch, opts.reference_dtype)
+    ref_itemsize = 8 if opts.reference_dtype == "float64" else 4
+    batches = make_batches(plan.params, budget, ref_itemsize)
+    grad_desc: dict[str, Any] = (
+        {"source": "file", "path": str(grad_file.path)} if grad_file is not None
+        else {"source": "seed", "seed": opts.grad_seed, "scale": opts.grad_scale,
+              "generator": "torch.randn(fp32, cpu Generator seeded zlib.crc32('ckpttool.replay:{seed}:{k}:{fqn}')) * scale"}
+    )
+
+    def canon(key: str, model_key: str, t: torch.Tensor) -> torch.Tensor:
+        if model_key in ambiguous:
+            return t
+        return to_canonical(layout, key, t)
+
+    timing = {"step_seconds": 0.0, "state_bytes": 0.0, "d2h_bytes": 0.0, "h2d_bytes": 0.0,
+              "offload_seconds": 0.0, "load_seconds": 0.0, "reference_seconds": 0.0}
+    results: list[ParamResult] = []
+    done = 0
+    start_read = reader.bytes_read
+    for batch in batches:
+        results.extend(_replay_batch(
+            reader, batch, dev=dev, steps=opts.steps, plan_config=plan.config, grad_file=grad_file,
+            grad_seed=opts.grad_seed, grad_scale=opts.grad_scale, rtol=rtol, atol=atol, ref_dtype=ref_dtype,
+            canon=canon, timing=timing, on_param=on_param,
+        ))
+        done += len(batch)
+        if progress is not None:
+            progress(done, len(plan.params))
+    bytes_read = reader.bytes_read - start_read
+
+    record = layout.record
+    for p in results:
+        if p.state == "loaded" and record is not None and record.global_step is not None \
+                and p.step_before != float(record.global_step):
+            notes.append(
+                f"saved step of {p.fqn} is {p.step_before:g} but the layout record's global_step is "
+                f"{record.global_step} (parameters that missed gradients on some steps count fewer)"
+            )
+            break
+    results.sort(key=lambda r: (r.ok, -r.worst_ratio, r.fqn))
+    st = timing["step_seconds"]
+    off = timing["offload_seconds"]
+    timing.update(
+        effective_gbps=(timing["state_bytes"] / st / 1e9) if st > 0 else 0.0,
+        d2h_gbps=(timing["d2h_bytes"] / off / 1e9) if off > 0 else 0.0,
+        h2d_gbps=(timing["h2d_bytes"] / off / 1e9) if off > 0 else 0.0,
+        total_seconds=time.perf_counter() - t_start,
+        bytes_read=float(bytes_read),
+    )
+    return ReplayResult(
+        path=str(Path(ckpt.path)), device=str(dev), optimizer_type=plan.optimizer_type,
+        optimizer_reason=plan.reason, optimizer_config=plan.config, steps=opts.steps, grads=grad_desc,
+        tolerance=(rtol, atol), reference_dtype=opts.reference_dtype, params=results, notes=notes,
+        batches=len(batches), max_memory=budget, timing=timing,
+    )
+
+
+def _replay_batch(
+    reader: Any, batch: list[ParamPlan], *, dev: Any, steps: int, plan_config: dict[str, dict[str, Any]],
+    grad_file: Any, grad_seed: int, grad_scale: float, rtol: float, atol: float, ref_dtype: Any,
+    canon: Callable[[str, str, Any], Any], timing: dict[str, float],
+    on_param: Callable[[str, dict[str, Any]], None] | None,
+) -> list[ParamResult]:
+    """Replay one memory batch (see the module docstring); returns its parameter results."""
+    import torch
+
+    from ckpttool.ops.replay.grads import seeded_grad
+    from ckpttool.optim.factory import build_optimizer
+    from ckpttool.optim.reference import reference_adamw_step
+
+    t0 = time.perf_counter()
+    loaded: dict[str, dict[str, torch.Tensor]] = {}
+    results: dict[str, ParamResult] = {}
+    for p in batch:
+        t = {"param": canon(p.key, p.key, reader.read_tensor(p.key))}
+        for f, entry in p.state.items():
+            t[f] = canon(entry.key, p.key, reader.read_tensor(entry.key))
+        loaded[p.fqn] = t
+        step_before = float(t["step"].item()) if "step" in t else 0.0
+        r = ParamResult(p.fqn, p.shape, p.dtype, p.numel, p.optimizer_type, p.hyper.group_id, p.hyper.lr,
+                        p.hyper.weight_decay, "fresh" if p.fresh else "loaded", p.offloaded, step_before)
+        r.expected_step = step_before + steps
+        if "master_weight" in t:
+            pt = getattr(torch, p.dtype)
+            rounded = t["master_weight"].to(pt)
+            r.sync_unequal = count_unequal(t["param"], rounded)
+            if r.sync_unequal:
+                diff = (t["param"].double() - t["master_weight"].double()).abs().max().item()
+                r.problems.append(
+                    f"master_weight out of sync with the parameter before the step: {r.sync_unequal} of {p.numel} "
+                    f"element(s) differ from master_weight.to({p.dtype}) (max |param - master| {diff:.3g})"
+                )
+        results[p.fqn] = r
+    timing["load_seconds"] += time.perf_counter() - t0
+
+    # Device parameters and one optimizer per (type, group, placement).
+    params: dict[str, torch.nn.Parameter] = {}
+    for p in batch:
+        src = loaded[p.fqn]["param"]
+        params[p.fqn] = torch.nn.Parameter(src.to(dev, copy=dev.type != "cpu"), requires_grad=True)
+    buckets: dict[tuple[Any, ...], list[ParamPlan]] = {}
+    for p in batch:
+        buckets.setdefault((p.optimizer_type, p.hyper, p.offloaded), []).append(p)
+    optimizers: list[tuple[Any, list[ParamPlan], bool]] = []
+    for (type_name, hyper, offloaded), members in buckets.items():
+        group = {"params": [(m.fqn, params[m.fqn]) for m in members], **hyper.as_kwargs()}
+        opt = build_optimizer(type_name, [group], **plan_config.get(type_name, {}))
+        saved_group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+        saved_group["params"] = list(range(len(members)))
+        state = {
+            i: {f: v for f, v in loaded[m.fqn].items() if f != "param"}
+            for i, m in enumerate(members) if not m.fresh
+        }
+        opt.load_state_dict({"state": state, "param_groups": [saved_group]})
+        optimizers.append((opt, members, offloaded and dev.type != "cpu"))
+
+    # Reference state (reference dtype, CPU) and error scales.
+    ref: dict[str, dict[str, Any]] = {}
+    for p in batch:
+        t = loaded[p.fqn]
+        theta = t["master_weight"] if "master_weight" in t else t["param"]
+        if p.fresh:
+            theta = t["param"]
+            mdt = getattr(torch, p.moment_dtype)
+            m0 = torch.zeros(p.shape, dtype=mdt)
+            v0 = torch.zeros(p.shape, dtype=mdt)
+        else:
+            m0, v0 = t["exp_avg"], t["exp_avg_sq"]
+        ref[p.fqn] = {
+            "theta": theta.to(ref_dtype, copy=True), "m": m0.to(ref_dtype, copy=True), "v": v0.to(ref_dtype, copy=True),
+            "step": float(t["step"].item()) if "step" in t else 0.0,
+        }
+        for k in ("theta", "m", "v"):
+            ref[p.fqn][f"scale_{k}"] = ref[p.fqn][k].abs()
+
+    for k in range(steps):
+        for p in batch:
+            pt = getattr(torch, p.dtype)
+            g = grad_file.get(p.fqn, p.shape, pt) if grad_file is not None else seeded_grad(
+                p.fqn, p.shape, pt, seed=grad_seed, scale=grad_scale, step_index=k)
+            params[p.fqn].grad = g.to(dev) if dev.type != "cpu" else g
+            t1 = time.perf_counter()
+            rs = ref[p.fqn]
+            h = p.hyper
+            theta, m, v, new_step = reference_adamw_step(
+                rs["theta"], g, rs["m"], rs["v"], rs["step"], h.lr, (h.beta1, h.beta2), h.eps, h.weight_decay,
+                dtype=ref_dtype,
+            )
+            if k < steps - 1:  # the optimizer stores its state in these dtypes between steps
+                theta = theta.to(torch.float32 if p.optimizer_type != "adamw" else pt).to(ref_dtype)
+                mdt = getattr(torch, p.moment_dtype)
+                m, v = m.to(mdt).to(ref_dtype), v.to(mdt).to(ref_dtype)
+            for name, new in (("theta", theta), ("m", m), ("v", v)):
+                delta = (new - rs[name]).abs_()
+                rs[f"scale_{name}"].add_(delta)
+                if name == "theta" and k > 0:
+                    rs["late_theta"] = delta if rs.get("late_theta") is None else rs["late_theta"].add_(delta)
+                rs[name] = new
+            rs["step"] = new_step
+            timing["reference_seconds"] += time.perf_counter() - t1
+        for opt, members, staged in optimizers:
+            _synchronize(dev)
+            t2 = time.perf_counter()
+            opt.step()
+            _synchronize(dev)
+            dt = time.perf_counter() - t2
+            timing["step_seconds"] += dt
+            for m in members:
+                timing["state_bytes"] += m.numel * _bytes_per_step(m)
+            if staged:
+                timing["offload_seconds"] += dt
+                for m in members:
+                    ip = ITEMSIZE[m.dtype]
+                    timing["d2h_bytes"] += m.numel * ip
+                    timing["h2d_bytes"] += m.numel * ip
+
+    # Compare.
+    out: list[ParamResult] = []
+    for opt, members, _ in optimizers:
+        for m in members:
+            r = results[m.fqn]
+            param = params[m.fqn]
+            st = opt.state.get(param, {})
+            r.placement = {"param": str(param.device)}
+            for f in ("master_weight", "exp_avg", "exp_avg_sq", "step"):
+                if f in st:
+                    r.placement[f] = str(st[f].device)
+            _compare_param(m, r, param.detach(), st, ref[m.fqn], dev=dev, rtol=rtol, atol=atol, steps=steps)
+            if on_param is not None:
+                cpu = {"param": param.detach().cpu()}
+                for f in ("master_weight", "exp_avg", "exp_avg_sq", "step"):
+                    if f in st:
+                        cpu[f] = st[f].detach().cpu()
+                on_param(m.fqn, cpu)
+            out.append(r)
+    return out
+
+
+def _bytes_per_step(p: ParamPlan) -> int:
+    """Bytes one step reads and writes per element: state read+write, gradient read, parameter write."""
+    ip, im = ITEMSIZE[p.dtype], ITEMSIZE[p.moment_dtype]
+    if p.optimizer_type == "adamw":
+        return 2 * ip + 4 * im + ip
+    return 8 + 4 * im + ip + ip
+
+
+def _compare_param(
+    p: ParamPlan, r: ParamResult, param: Any, st: dict[str, Any], rs: dict[str, Any], *, dev: Any,
+    rtol: float, atol: float, steps: int,
+) -> None:
+    """Fill ``r`` with the checks of one parameter after the replay."""
+    import torch
+
+    pt = getattr(torch, p.dtype)
+    param_cpu = param.cpu()
+    has_master = p.optimizer_type != "adamw"
+    arith = "float32" if has_master else p.dtype
+    step = st.get("step")
+    r.step_after = float(step.item()) if step is not None else None
+    if r.step_after != r.expected_step:
+        r.problems.append(f"step is {r.step_after} after the replay, expected {r.expected_step:g} (saved + steps)")
+    if has_master:
+        master = st["master_weight"].detach().cpu()
+        r.fields["master_weight"] = compare_field(
+            master, rs["theta"], rs["scale_theta"], rtol=rtol, atol=atol, stored="float32", arithmetic="float32",
+            late_path=rs.get("late_theta"), late_rtol=2 * machine_eps(p.moment_dtype),
+            carry_rtol=2 * (steps - 1) * machine_eps("float32"),
+        )
+        r.writeback_unequal = count_unequal(param_cpu, master.to(pt))
+        if r.writeback_unequal:
+            r.problems.append(
+                f"parameter differs from master_weight.to({p.dtype}) in {r.writeback_unequal} element(s) after the step"
+            )
+        r.param_vs_reference_unequal = count_unequal(param_cpu, rs["theta"].to(pt))
+    for f, key in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+        r.fields[f] = compare_field(st[f].detach().cpu(), rs[key], rs[f"scale_{key}"], rtol=rtol, atol=atol,
+                                    stored=p.moment_dtype, arithmetic=arith,
+                                    carry_rtol=2 * (steps - 1) * machine_eps(p.moment_dtype))
+    r.fields["param"] = compare_field(param_cpu, rs["theta"], rs["scale_theta"], rtol=rtol, atol=atol,
+                                      stored=p.dtype, arithmetic=arith, late_path=rs.get("late_theta"),
+                                      late_rtol=2 * machine_eps(p.moment_dtype),
+                                      carry_rtol=2 * (steps - 1) * machine_eps("float32" if has_master else p.dtype))
+    for f, err in r.fields.items():
+        if not err.ok:
+            r.problems.append(
+                f"{f}: {err.bad} element(s) beyond tolerance (max abs {err.max_abs:.3g}, max rel {err.max_rel:.3g}, "
+                f"rtol {err.rtol:.3g})"
+            )
+    # Placement: the parameter on the device; master/moments on the CPU when offloaded, else beside it.
+    want_state = "cpu" if p.offloaded else dev.type
+    if param.device.type != dev.type:
+        r.problems.append(f"parameter is on {param.device}, expected {dev.type}")
+    for f in ("master_weight", "exp_avg", "exp_avg_sq"):
+        if f in st and st[f].device.type != want_state:
+            r.problems.append(f"{f} is on {st[f].device}, expected {want_state}"
+                              + (" (offloaded)" if p.offloaded else ""))

@@ -1,0 +1,422 @@
+"""``reshard``: rewrite EP tensors between layout versions / mesh sizes.
+
+:func:`reshard` takes the opened source (its layout from record, sidecar or declaration),
+plans the output from metadata (:mod:`ckpttool.ops.reshard.plan`), and streams it into a
+temporary directory beside ``dst`` that is renamed into place when complete
+(``docs/design.md``, "Outputs"):
+
+- output chunks that are exactly a source chunk are copied as archives, verbatim
+  (after the chunk locator checked that the archive holds a tensor of the recorded dtype
+  and shape);
+- other EP chunks are assembled tensor by tensor: every source chunk is read once,
+  straight into the output chunk where it lands whole (``os.preadv``), and written
+  with ``torch.save``. Peak memory: one tensor's rewritten chunks plus one source chunk;
+- byte items pass through; the ``layout`` item is replaced by the new record
+  (version 2 for ``--to canonical``, 1 for ``--to legacy``), which also names the
+  source in ``converted_from``;
+- other files beside the checkpoint (``extra_state/``, ``model_assets/``, ...) are
+  copied; a stale sidecar ``layout.json`` is not (the record is embedded).
+
+The source checkpoint is only read.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckpttool.format.atomic import AtomicOutputDir, signals_deferred
+from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
+from ckpttool.format.metadata import ChunkMeta
+from ckpttool.format.reader import CheckpointReader
+from ckpttool.format.tiling import contiguous_run
+from ckpttool.format.writer import DCPWriter, can_stream
+from ckpttool.model.catalog import Catalog
+from ckpttool.model.checkpoint import Checkpoint, opened
+from ckpttool.model.declaration import LayoutDeclaration
+from ckpttool.model.layout_record import SIDECAR_NAME
+from ckpttool.ops.reshard.plan import ReshardPlan, TensorPlan, origin_world, plan_reshard
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ReshardOptions", "ReshardResult", "reshard", "execute_plan"]
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ReshardOptions:
+    """What ``reshard`` writes.
+
+    Attributes:
+        to: ``"canonical"`` (layout version 2) or ``"legacy"`` (version 1).
+        target_ep_size, target_ep_fsdp_size: target ``P``/``F`` (default: the source's).
+        with_optimizer: permute optimizer state of EP parameters too (required when there is some).
+        overwrite: replace a non-empty ``dst`` that looks like a previous output, once the new one is complete.
+        fsync: ``fsync`` the output files before renaming the directory into place (default);
+            ``False`` is as durable as ``cp -r`` (the page cache decides when data reaches disk).
+        threads: copy threads (default: CPU count, at most the number of target files).
+    """
+
+    to: str = "canonical"
+    target_ep_size: int | None = None
+    target_ep_fsdp_size: int | None = None
+    with_optimizer: bool = False
+    overwrite: bool = False
+    fsync: bool = True
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class ReshardResult:
+    """What :func:`reshard` did (``ckpttool reshard --json``, schema ``ckpttool.reshard/1``).
+
+    Attributes:
+        source, target: directories.
+        from_version, from_source: source layout version (``None`` unversioned) and where it came from.
+        from_ep_size, from_ep_fsdp_size: source sizes (``None`` when unknown).
+        to_version, ep_size, ep_fsdp_size: target layout and mesh sizes; world = ``ep_size * ep_fsdp_size``.
+        ep_tensors: EP parameters; permuted: keys whose expert order changed (parameters and state).
+        optimizer_tensors: optimizer state tensors of EP parameters rewritten with them.
+        passthrough_tensors, byte_items: copied unchanged.
+        chunks_copied, chunks_rewritten: output chunks copied as archives / assembled and re-saved.
+        files: output data files (relative path, bytes).
+        extra_files: files/directories beside the checkpoint copied unchanged (``extra_state``, ...).
+        bytes_written, seconds: totals.
+        warnings: things the output cannot fix, one line each (e.g. per-rank ``extra_state`` files
+            copied from a source mesh of another size).
+    """
+
+    source: str
+    target: str
+    from_version: int | None
+    from_source: str
+    from_ep_size: int | None
+    from_ep_fsdp_size: int | None
+    to_version: int
+    ep_size: int
+    ep_fsdp_size: int
+    ep_tensors: int
+    permuted: list[str]
+    optimizer_tensors: int
+    passthrough_tensors: int
+    byte_items: int
+    chunks_copied: int = 0
+    chunks_rewritten: int = 0
+    files: list[dict[str, Any]] = field(default_factory=list)
+    extra_files: list[str] = field(default_factory=list)
+    bytes_written: int = 0
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON view (``--json``), schema ``ckpttool.reshard/1``."""
+        d = dict(self.__dict__)
+        d["schema"] = "ckpttool.reshard/1"
+        d["to_layout"] = "canonical" if self.to_version == 2 else "legacy"
+        return d
+
+
+def _stream_segments(tp: TensorPlan, oc: Any, reader: CheckpointReader,
+                     records: dict[ChunkMeta, tuple[int, int] | None]) -> list[tuple[int, int, int]] | None:
+    """Byte segments of the source files whose concatenation is output chunk ``oc`` (``None``: not that simple)."""
+    item = tp.dtype.itemsize
+    if not can_stream(tp.dtype):
+        return None
+    runs = []
+    for piece in oc.pieces:
+        src = piece.src_chunk
+        if src not in records:
+            loc = reader.locate(tp.key, src)
+            records[src] = (reader.fd(loc.info.relative_path), loc.data_start) if loc.raw else None
+        where = records[src]
+        s_run = contiguous_run(src.sizes, piece.src_start, piece.sizes)
+        d_run = contiguous_run(oc.chunk.sizes, piece.dst_start, piece.sizes)
+        if where is None or s_run is None or d_run is None:
+            return None
+        runs.append((d_run[0], d_run[1], where[0], where[1] + s_run[0] * item))
+    runs.sort()
+    pos, segments = 0, []
+    for d_off, count, fd, byte_off in runs:
+        if d_off != pos:
+            return None
+        segments.append((fd, byte_off, count * item))
+        pos += count
+    return segments if pos == oc.chunk.numel else None
+
+
+def _box(t: torch.Tensor, start: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    for d, (o, s) in enumerate(zip(start, sizes)):
+        if o != 0 or s != t.shape[d]:
+            t = t.narrow(d, o, s)
+    return t
+
+
+@dataclass
+class _Job:
+    """One output chunk to write in the parallel phase: a verbatim copy or a streamed archive."""
+
+    key: str
+    chunk: Any
+    dtype: Any
+    nbytes: int
+    copy: tuple[int, Any] | None = None  # (source fd, StorageInfo)
+    segments: list[tuple[int, int, int]] | None = None
+
+
+def _plan_jobs(tp: TensorPlan, reader: CheckpointReader, jobs: dict[int, list[_Job]]) -> list[int]:
+    """Queue the chunks of ``tp`` that need no tensor; return the indices of those that do."""
+    records: dict[ChunkMeta, tuple[int, int] | None] = {}
+    fallback = []
+    nbytes_of = tp.dtype.itemsize
+    for i, oc in enumerate(tp.chunks):
+        raw = oc.raw_source
+        if raw is not None:
+            info = reader.locate(tp.key, raw).info  # the archive is checked before it is copied
+            jobs[oc.rank].append(_Job(tp.key, oc.chunk, tp.dtype, oc.chunk.numel * nbytes_of,
+                                      copy=(reader.fd(info.relative_path), info)))
+            continue
+        segments = _stream_segments(tp, oc, reader, records)
+        if segments is not None:  # contiguous pieces: bytes go file to file, no tensor needed
+            jobs[oc.rank].append(_Job(tp.key, oc.chunk, tp.dtype, oc.chunk.numel * nbytes_of, segments=segments))
+        else:
+            fallback.append(i)
+    return fallback
+
+
+def _run_jobs(rank: int, jobs: list[_Job], writer: DCPWriter, tick: Callable[[int, bool], None],
+              stop: threading.Event) -> None:
+    for job in jobs:
+        if stop.is_set():  # interrupted, or another worker failed: the output is abandoned
+            return
+        if job.copy is not None:
+            writer.copy_archive(job.key, job.chunk, rank, job.copy[0], job.copy[1])
+        else:
+            assert job.segments is not None
+            writer.stream_tensor_archive(job.key, job.chunk, rank, job.dtype, job.segments)
+        tick(job.nbytes, job.copy is not None)
+    writer.sync(rank)
+
+
+def _write_reassembled(tp: TensorPlan, indices: list[int], reader: CheckpointReader, writer: DCPWriter) -> None:
+    """Chunks whose pieces are not byte runs (e.g. FSDP on another dim, new sizes): assemble with torch."""
+    import torch
+
+    buffers = {i: torch.empty(tp.chunks[i].chunk.sizes, dtype=tp.dtype.to_torch()) for i in indices}
+    by_source: dict[Any, list[tuple[int, Any]]] = defaultdict(list)
+    for i in indices:
+        for piece in tp.chunks[i].pieces:
+            by_source[piece.src_chunk].append((i, piece))
+    reader.check_allocation(tp.key, reader.tensor_meta(tp.key))
+    for src_chunk, uses in by_source.items():
+        if len(uses) == 1:
+            i, piece = uses[0]
+            view = _box(buffers[i], piece.dst_start, piece.sizes)
+            if piece.sizes == src_chunk.sizes and view.is_contiguous():
+                reader.read_chunk(tp.key, src_chunk, out=view)  # straight into place, one read
+                continue
+        whole = reader.read_chunk(tp.key, src_chunk)
+        for i, piece in uses:
+            _box(buffers[i], piece.dst_start, piece.sizes).copy_(_box(whole, piece.src_start, piece.sizes))
+        del whole
+    for i in indices:
+        oc = tp.chunks[i]
+        writer.write_chunk(tp.key, oc.chunk, oc.rank, buffers.pop(i))
+
+
+def execute_plan(plan: ReshardPlan, reader: CheckpointReader, out_dir: Path, checkpoint_id: Path,
+                 progress: ProgressFn | None = None, *, threads: int | None = None,
+                 fsync: bool = True) -> tuple[DCPWriter, dict[str, int]]:
+    """Write the planned checkpoint into ``out_dir`` (data files + ``.metadata``).
+
+    Output chunks that are a whole source chunk (copied verbatim) or a concatenation of
+    contiguous source byte runs (streamed into a new archive) are written by one worker
+    thread per target file, in parallel (the copies run in the kernel and release the GIL);
+    the remaining chunks are assembled with torch, tensor by tensor. Each data file is
+    ``fsync``ed before ``.metadata`` is written.
+
+    Args:
+        plan: from :func:`~ckpttool.ops.reshard.plan.plan_reshard`.
+        reader: reader of ``plan.source``.
+        out_dir: an empty directory.
+        checkpoint_id: the final path, recorded in the metadata.
+        progress: called with ``(bytes done, bytes total)`` (from worker threads).
+        threads: worker threads (default: CPU count, at most the number of target files).
+        fsync: ``fsync`` the output files (see :class:`~ckpttool.format.writer.DCPWriter`).
+
+    Returns:
+        The finished writer (byte counts) and ``{"copied": n, "rewritten": n}`` chunk counts.
+    """
+    counts = {"copied": 0, "rewritten": 0}
+    total = sum(t.dtype.itemsize * _numel(t.shape) for t in plan.tensors)
+    state = {"done": 0}
+    lock = threading.Lock()
+
+    def tick(nbytes: int, copied: bool) -> None:
+        with lock:
+            state["done"] += nbytes
+            counts["copied" if copied else "rewritten"] += 1
+            if progress is not None:
+                progress(state["done"], total)
+
+    with DCPWriter(out_dir, checkpoint_id, fsync=fsync) as writer:
+        writer.ensure_files(range(plan.world))
+        jobs: dict[int, list[_Job]] = {r: [] for r in range(plan.world)}
+        fallback: list[tuple[TensorPlan, list[int]]] = []
+        for tp in plan.tensors:
+            writer.declare_tensor(tp.key, tp.dtype, tp.shape, plan.planner_data.get(tp.key))
+            rest = _plan_jobs(tp, reader, jobs)
+            if rest:
+                fallback.append((tp, rest))
+        workers = max(1, min(threads or os.cpu_count() or 1, plan.world))
+        stop = threading.Event()
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-reshard")
+        try:
+            futures = [pool.submit(_run_jobs, r, jobs[r], writer, tick, stop) for r in range(plan.world)]
+            for fut in futures:
+                fut.result()
+        except BaseException:
+            stop.set()  # Ctrl-C / SIGTERM stop within one chunk, not at the end of the copy
+            raise
+        finally:
+            # Deferred: a second Ctrl-C must not close the writer's files under a running worker.
+            with signals_deferred():
+                pool.shutdown(wait=True, cancel_futures=True)
+        for tp, indices in fallback:
+            _write_reassembled(tp, indices, reader, writer)
+            tick(sum(tp.chunks[i].chunk.numel for i in indices) * tp.dtype.itemsize, False)
+            with lock:
+                counts["rewritten"] += len(indices) - 1
+        for bp in plan.byte_items:
+            path = plan.planner_data.get(bp.key)
+            if bp.value is None:
+                info = reader.storage_info(bp.key)
+                writer.copy_bytes_item(bp.key, bp.rank, reader.fd(info.relative_path), info, path)
+            else:
+                writer.write_object(bp.key, bp.rank, bp.value, path)
+        writer.finish()
+    return writer, counts
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _copy_extra_files(src: Path, dst: Path) -> list[str]:
+    """Copy files beside the checkpoint (not ``.metadata``, data files or the sidecar); symlinks are skipped."""
+    copied = []
+    for entry in sorted(os.scandir(src), key=lambda e: e.name):
+        if entry.name in (METADATA_NAME, SIDECAR_NAME) or DATA_FILE_RE.match(entry.name) or entry.is_symlink():
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.copytree(entry.path, dst / entry.name, symlinks=True,
+                            ignore=lambda d, names: [n for n in names if os.path.islink(os.path.join(d, n))])
+        elif entry.is_file(follow_symlinks=False):
+            shutil.copy2(entry.path, dst / entry.name)
+        else:
+            continue
+        copied.append(entry.name)
+    return copied
+
+
+def reshard(
+    src: Checkpoint | str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    options: ReshardOptions | None = None,
+    *,
+    progress: ProgressFn | None = None,
+    declaration: LayoutDeclaration | None = None,
+    trust_pickle: bool = False,
+    **option_fields: Any,
+) -> ReshardResult:
+    """Write a new DCP checkpoint whose EP tensors are in the ``options.to`` layout for the target mesh.
+
+    Args:
+        src: the opened source :class:`~ckpttool.model.checkpoint.Checkpoint` (its layout declaration
+            included), or its directory; only read.
+        dst: output directory (must not exist or be empty, unless ``overwrite``).
+        options: see :class:`ReshardOptions`; or give its fields as keywords (``to="canonical"``).
+        progress: optional ``(bytes done, bytes total)`` callback.
+        declaration, trust_pickle: how to open ``src`` when it is a path.
+
+    Returns:
+        A :class:`ReshardResult`.
+
+    Raises:
+        UsageError, LayoutError, ReshardError, ChunkError: see
+            :func:`~ckpttool.ops.reshard.plan.plan_reshard`; OutputError: bad target.
+    """
+    opts = options if options is not None else ReshardOptions(**option_fields)
+    with opened(src, declaration=declaration, trust_pickle=trust_pickle) as ckpt:
+        return _reshard(ckpt, Path(dst), opts, progress)
+
+
+def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: ProgressFn | None) -> ReshardResult:
+    t0 = time.perf_counter()
+    src_p, reader, cat = Path(ckpt.path), ckpt.reader, ckpt.catalog
+    layout = ckpt.require_layout()
+    plan = plan_reshard(cat, reader, layout, to=opts.to, target_ep_size=opts.target_ep_size,
+                        target_ep_fsdp_size=opts.target_ep_fsdp_size, with_optimizer=opts.with_optimizer)
+    with AtomicOutputDir(dst_p, overwrite=opts.overwrite, source=src_p) as tmp:
+        writer, counts = execute_plan(plan, reader, tmp, dst_p.resolve(), progress, threads=opts.threads,
+                                      fsync=opts.fsync)
+        extra = _copy_extra_files(src_p, tmp)
+        files = [{"path": DCPWriter.file_name(r), "bytes": (tmp / DCPWriter.file_name(r)).stat().st_size}
+                 for r in range(plan.world)]
+    kinds: dict[str, int] = defaultdict(int)
+    for t in plan.tensors:
+        kinds[t.kind] += 1
+    warnings = _extra_state_warnings(cat, extra, origin_world(cat, layout), plan.world)
+    return ReshardResult(
+        source=str(src_p), target=str(dst_p),
+        from_version=layout.version, from_source=layout.source,
+        from_ep_size=layout.ep_size, from_ep_fsdp_size=layout.ep_fsdp_size,
+        to_version=plan.to_version, ep_size=plan.ep_size, ep_fsdp_size=plan.ep_fsdp_size,
+        ep_tensors=kinds["ep"], permuted=plan.permuted_keys, optimizer_tensors=kinds["ep_state"],
+        passthrough_tensors=kinds["passthrough"], byte_items=len(plan.byte_items),
+        chunks_copied=counts["copied"], chunks_rewritten=counts["rewritten"],
+        files=files, extra_files=extra, bytes_written=writer.bytes_written,
+        seconds=round(time.perf_counter() - t0, 3), warnings=warnings,
+    )
+
+
+def _extra_state_warnings(cat: Catalog, extra: list[str], src_world: int, world: int) -> list[str]:
+    """Per-rank ``extra_state`` files cannot be fabricated for a mesh of another size: say what was done.
+
+    ``src_world``: ranks of the mesh that wrote the files (:func:`~.plan.origin_world`); ``world``: target ranks.
+    """
+    if "extra_state" not in extra:
+        return []
+    have = sorted({f.rank for f in cat.extra_state if f.rank is not None})
+    if not have or src_world == world:
+        return []
+    missing = [r for r in range(world) if r not in have]
+    unused = [r for r in have if r >= world]
+    what = []
+    if missing:
+        what.append(f"target rank(s) {_ranks(missing)} have no extra_state file and resume with fresh "
+                    "scheduler/step/RNG state")
+    if unused:
+        what.append(f"the files of source rank(s) {_ranks(unused)} belong to no target rank")
+    return [
+        f"extra_state/ copied unchanged from the source mesh of {src_world} rank(s) (files for rank(s) "
+        f"{_ranks(have)}); the target mesh has {world} rank(s)"
+        + (f": {'; '.join(what)}" if what else "")
+        + ". Per-rank extra state cannot be converted; restore scheduler/step/RNG state for the new mesh yourself"
+    ]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return str(ranks[:16])[:-1] + ", ...]" if len(ranks) > 16 else str(ranks)

@@ -1,0 +1,518 @@
+"""Reshard planning: which bytes of the source go where in the target (pure, metadata only).
+
+A plan lists, for every tensor of the output, its chunks (one per target rank that
+holds a piece, laid out for the target mesh), and for every output chunk the
+*pieces* of source chunks that fill it. Coordinates:
+
+- *stored* rows: positions along the expert dim of the global tensor as saved;
+- *true* rows: the true expert order (what the canonical layout stores).
+
+A legacy source with EP and EP-FSDP on the expert dim stores true slab ``e*F + f``
+at position ``f*P + e`` (``docs/layouts.md``). :func:`row_runs` turns the source and
+target slab maps into runs ``(target_row, source_row, length)`` along the expert
+dim; a target chunk box is cut along those runs and intersected with the source
+chunk boxes. An output chunk that is exactly one whole source chunk needs no
+decoding: its ``torch.save`` archive is copied verbatim (:attr:`OutChunk.raw_source`).
+
+Target mesh (torch ``init_device_mesh``: ranks row-major over the mesh shape):
+
+- canonical: mesh ``(ep=P2, ep_fsdp=F2)``, rank ``e*F2 + f``;
+- legacy: mesh ``(ep_fsdp=F2, ep=P2)``, rank ``f*P2 + e``.
+
+Either way, with FSDP on the expert dim rank ``r`` writes stored slab ``r``, in file
+``__r_0.distcp``. With FSDP on another dim, rank ``(e, f)`` writes expert block ``e``,
+piece ``f`` of that dim (``torch.chunk`` rule, empty pieces allowed). Non-EP tensors
+and byte items keep their chunks and go to the file of ``source rank % world``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import ChunkError, LayoutContradictionError, LayoutSizeError, ReshardError, UsageError
+from ckpttool.format.directory import CheckpointDir, rank_of_file
+from ckpttool.format.metadata import BytesMeta, ChunkMeta, DType, TensorMeta
+from ckpttool.format.tiling import tiling_problem
+from ckpttool.model.catalog import MODEL_PREFIX, Catalog, implied_optimizer_type
+from ckpttool.model.declaration import LAYOUT_VERSIONS, ResolvedLayout
+from ckpttool.model.geometry import nested_shard_intervals, tensor_geometry
+from ckpttool.model.layout_record import LAYOUT_FORMAT, LAYOUT_KEY, EPTensorSpec, parse_layout_record
+from ckpttool.model.permute import canonical_to_legacy_perm, legacy_to_canonical_perm
+
+__all__ = [
+    "Piece",
+    "OutChunk",
+    "TensorPlan",
+    "BytesPlan",
+    "ReshardPlan",
+    "plan_reshard",
+    "row_runs",
+    "target_rank_coords",
+    "make_record",
+    "implied_optimizer",
+]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box copied from a source chunk into an output chunk.
+
+    Attributes:
+        src_chunk: the source chunk.
+        src_start: start of the box inside the source chunk (per dim).
+        dst_start: start of the box inside the output chunk (per dim).
+        sizes: extent of the box (per dim).
+    """
+
+    src_chunk: ChunkMeta
+    src_start: tuple[int, ...]
+    dst_start: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True)
+class OutChunk:
+    """One chunk of an output tensor, written by target ``rank``."""
+
+    chunk: ChunkMeta
+    rank: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def raw_source(self) -> ChunkMeta | None:
+        """The source chunk whose archive can be copied verbatim (same data, same shape), else ``None``."""
+        if len(self.pieces) != 1:
+            return None
+        p = self.pieces[0]
+        if p.sizes == p.src_chunk.sizes == self.chunk.sizes and not any(p.src_start) and not any(p.dst_start):
+            return p.src_chunk
+        return None
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """How one tensor is written.
+
+    Attributes:
+        key: checkpoint key; dtype, shape: as stored (unchanged).
+        kind: ``"ep"`` (EP parameter), ``"ep_state"`` (optimizer state of one) or ``"passthrough"``.
+        permuted: the expert order changes between source and target.
+        chunks: output chunks in writing order.
+    """
+
+    key: str
+    dtype: DType
+    shape: tuple[int, ...]
+    kind: str
+    permuted: bool
+    chunks: tuple[OutChunk, ...]
+
+
+@dataclass(frozen=True)
+class BytesPlan:
+    """A byte item: copied verbatim (``value is None``) or written anew (the layout record)."""
+
+    key: str
+    rank: int
+    value: Any = None
+
+
+@dataclass
+class ReshardPlan:
+    """Everything :func:`~ckpttool.ops.reshard.execute.reshard` writes (see module docstring)."""
+
+    source: Path
+    layout: ResolvedLayout
+    to_version: int
+    ep_size: int
+    ep_fsdp_size: int
+    world: int
+    tensors: list[TensorPlan] = field(default_factory=list)
+    byte_items: list[BytesPlan] = field(default_factory=list)
+    record: dict[str, Any] = field(default_factory=dict)
+    planner_data: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+
+    @property
+    def permuted_keys(self) -> list[str]:
+        return [t.key for t in self.tensors if t.permuted]
+
+
+def row_runs(
+    n: int, src_slabs: int, src_true_pos: list[int], tgt_slabs: int, tgt_true_of: list[int]
+) -> list[tuple[int, int, int]]:
+    """Runs ``(target_row, source_row, length)`` mapping target stored rows to source stored rows.
+
+    Args:
+        n: rows along the expert dim.
+        src_slabs: equal slabs the source permutation acts on (1: identity).
+        src_true_pos: for true slab ``i`` of the source cut, its stored position
+            (``legacy_to_canonical_perm``; ``[0]`` for identity).
+        tgt_slabs: equal slabs of the target cut (1: identity).
+        tgt_true_of: for stored target position ``j``, the true slab it holds
+            (``canonical_to_legacy_perm``; ``[0]`` for identity).
+
+    Returns:
+        Runs covering ``[0, n)`` of the target exactly once, adjacent runs merged.
+    """
+    if n == 0:
+        return []
+    ss, st = n // src_slabs, n // tgt_slabs
+    assert ss * src_slabs == n and st * tgt_slabs == n
+    runs: list[tuple[int, int, int]] = []
+    for j in range(tgt_slabs):
+        true_lo = tgt_true_of[j] * st
+        x = true_lo
+        while x < true_lo + st:
+            i, within = divmod(x, ss)
+            length = min(true_lo + st - x, ss - within)
+            t_row, s_row = j * st + (x - true_lo), src_true_pos[i] * ss + within
+            if runs and runs[-1][0] + runs[-1][2] == t_row and runs[-1][1] + runs[-1][2] == s_row:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + length)
+            else:
+                runs.append((t_row, s_row, length))
+            x += length
+    return runs
+
+
+def target_rank_coords(version: int, rank: int, ep_size: int, ep_fsdp_size: int) -> tuple[int, int]:
+    """``(e, f)`` of target ``rank`` for the canonical (2) or legacy (1) mesh order."""
+    if version == 2:
+        return divmod(rank, ep_fsdp_size)
+    f, e = divmod(rank, ep_size)
+    return e, f
+
+
+def _target_boxes(spec: EPTensorSpec, shape: tuple[int, ...], version: int, p: int, f: int
+                  ) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """``(rank, offsets, sizes)`` of every target chunk of an EP tensor (replicas once)."""
+    out = []
+    ndim = len(shape)
+    same = spec.fsdp_dim == spec.ep_dim
+    if same:
+        mesh = (p, f) if version == 2 else (f, p)
+        ivs = nested_shard_intervals(shape[spec.ep_dim], mesh)
+    for r in range(p * f):
+        e, ff = target_rank_coords(version, r, p, f)
+        offs, sizes = [0] * ndim, list(shape)
+        if same:
+            offs[spec.ep_dim], sizes[spec.ep_dim] = ivs[r]
+        else:
+            offs[spec.ep_dim], sizes[spec.ep_dim] = nested_shard_intervals(shape[spec.ep_dim], (p,))[e]
+            if spec.fsdp_dim is None:
+                if ff:
+                    continue  # replicated over EP-FSDP: DCP keeps one copy
+            else:
+                offs[spec.fsdp_dim], sizes[spec.fsdp_dim] = nested_shard_intervals(shape[spec.fsdp_dim], (f,))[ff]
+        out.append((r, tuple(offs), tuple(sizes)))
+    return out
+
+
+class _ChunkIndex:
+    """Source chunks grouped by their interval along the expert dim, for range lookups."""
+
+    def __init__(self, chunks: list[ChunkMeta], ep_dim: int) -> None:
+        groups: dict[tuple[int, int], list[ChunkMeta]] = {}
+        for c in chunks:
+            groups.setdefault((c.offsets[ep_dim], c.offsets[ep_dim] + c.sizes[ep_dim]), []).append(c)
+        self.intervals = sorted(groups)
+        self.groups = groups
+        self.starts = [lo for lo, _ in self.intervals]
+        self.disjoint = all(a[1] <= b[0] for a, b in zip(self.intervals, self.intervals[1:]))
+        self.all = chunks
+
+    def overlapping(self, lo: int, hi: int) -> list[ChunkMeta]:
+        """Chunks whose expert-dim interval meets ``[lo, hi)`` (all chunks when intervals overlap)."""
+        if not self.disjoint:
+            return self.all
+        i = max(0, bisect.bisect_right(self.starts, lo) - 1)
+        out: list[ChunkMeta] = []
+        while i < len(self.intervals) and self.intervals[i][0] < hi:
+            if self.intervals[i][1] > lo:
+                out.extend(self.groups[self.intervals[i]])
+            i += 1
+        return out
+
+
+def _pieces(box_offs: tuple[int, ...], box_sizes: tuple[int, ...], ep_dim: int,
+            runs: list[tuple[int, int, int]], index: _ChunkIndex) -> tuple[Piece, ...]:
+    if math.prod(box_sizes) == 0:
+        return ()
+    ndim = len(box_offs)
+    lo, hi = box_offs[ep_dim], box_offs[ep_dim] + box_sizes[ep_dim]
+    pieces = []
+    for t_row, s_row, length in runs:
+        a, b = max(t_row, lo), min(t_row + length, hi)
+        if a >= b:
+            continue
+        shift = s_row - t_row  # source row = target row + shift
+        s_lo = [box_offs[d] for d in range(ndim)]
+        s_hi = [box_offs[d] + box_sizes[d] for d in range(ndim)]
+        s_lo[ep_dim], s_hi[ep_dim] = a + shift, b + shift
+        for c in index.overlapping(s_lo[ep_dim], s_hi[ep_dim]):
+            o_lo = [max(s_lo[d], c.offsets[d]) for d in range(ndim)]
+            o_hi = [min(s_hi[d], c.offsets[d] + c.sizes[d]) for d in range(ndim)]
+            if any(o_hi[d] <= o_lo[d] for d in range(ndim)):
+                continue
+            dst = [o_lo[d] - box_offs[d] for d in range(ndim)]
+            dst[ep_dim] = o_lo[ep_dim] - shift - box_offs[ep_dim]
+            pieces.append(Piece(
+                c, tuple(o_lo[d] - c.offsets[d] for d in range(ndim)), tuple(dst),
+                tuple(o_hi[d] - o_lo[d] for d in range(ndim)),
+            ))
+    return tuple(pieces)
+
+
+def _source_rank(ckpt: CheckpointDir, key: str, chunk: ChunkMeta | None) -> int:
+    info = ckpt.metadata.storage_for(key, chunk)
+    r = rank_of_file(info.relative_path) if info is not None else None
+    return r or 0
+
+
+def make_record(
+    version: int,
+    ep_size: int,
+    ep_fsdp_size: int,
+    ep_tensors: dict[str, EPTensorSpec],
+    *,
+    base: dict[str, Any] | None = None,
+    optimizer: dict[str, Any] | None = None,
+    global_step: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A layout record (``docs/layouts.md``), validated by :func:`parse_layout_record`.
+
+    Args:
+        version: 2 canonical, 1 legacy.
+        ep_size, ep_fsdp_size: mesh sizes ``P``, ``F``.
+        ep_tensors: checkpoint key -> spec.
+        base: a previous record whose other ``parallel`` sizes, ``optimizer`` and
+            ``global_step`` are kept.
+        optimizer, global_step: override those of ``base``.
+        extra: additional top-level fields (e.g. ``converted_from``).
+
+    Returns:
+        The record as a JSON-ready dict.
+    """
+    base = base or {}
+    parallel = dict(base.get("parallel", {}))
+    old_world = parallel.get("ep_size", 1) * parallel.get("ep_fsdp_size", 1)
+    if "dp_shard_size" in parallel and parallel["dp_shard_size"] == old_world:
+        parallel["dp_shard_size"] = ep_size * ep_fsdp_size
+    parallel.update(ep_size=ep_size, ep_fsdp_size=ep_fsdp_size)
+    rec: dict[str, Any] = {
+        "format": LAYOUT_FORMAT,
+        "version": version,
+        "parallel": parallel,
+        "extra_parallel": {
+            k: {"ep_dim": s.ep_dim, "fsdp_dim": s.fsdp_dim, "num_experts": s.num_experts} for k, s in ep_tensors.items()
+        },
+        "optimizer": optimizer if optimizer is not None else dict(base.get("optimizer", {})),
+    }
+    step = global_step if global_step is not None else base.get("global_step")
+    if step is not None:
+        rec["global_step"] = step
+    if extra:
+        rec.update(extra)
+    parse_layout_record(rec, "new layout record")
+    return rec
+
+
+def implied_optimizer(cat: Catalog) -> dict[str, Any]:
+    """``{"type": ...}`` implied by the saved state dtypes (empty when there is no state)."""
+    kinds = set()
+    for ps in cat.optimizer_state.values():
+        kind = implied_optimizer_type({f: (t.dtype if t is not None else "bytes") for f, t in ps.fields.items()})
+        if kind:
+            kinds.add(kind)
+    return {"type": kinds.pop()} if len(kinds) == 1 else {}
+
+
+def plan_reshard(
+    cat: Catalog,
+    ckpt: CheckpointDir,
+    layout: ResolvedLayout,
+    *,
+    to: str,
+    target_ep_size: int | None = None,
+    target_ep_fsdp_size: int | None = None,
+    with_optimizer: bool = False,
+) -> ReshardPlan:
+    """Plan a reshard from metadata alone (no tensor data is read).
+
+    Args:
+        cat: catalog of the source.
+        ckpt: the source directory (its metadata names each chunk's file).
+        layout: the checkpoint's resolved layout.
+        to: ``"canonical"`` or ``"legacy"``.
+        target_ep_size, target_ep_fsdp_size: target mesh sizes (default: the source's).
+        with_optimizer: migrate optimizer state of EP parameters with them.
+
+    Returns:
+        The :class:`ReshardPlan`.
+
+    Raises:
+        UsageError: bad ``to``; target sizes missing where the source's are unknown.
+        LayoutError: ambiguous source (E405), geometry contradicting the layout (E404),
+            target sizes that do not divide the expert count (E406).
+        ReshardError: optimizer state of EP parameters without ``with_optimizer`` (E602).
+        ChunkError: source chunks that do not tile a tensor.
+    """
+    if to not in LAYOUT_VERSIONS:
+        raise UsageError(f"`to` must be canonical or legacy, got {to!r}", param="to")
+    to_version = LAYOUT_VERSIONS[to]
+    layout.require_unambiguous()
+    for geo in layout.geometry(cat):
+        if geo.problems:
+            raise LayoutContradictionError(
+                f"{geo.key}: the chunk geometry contradicts the {layout.source} layout: {geo.problems[0]}",
+                fqn=geo.key,
+                hint="the record or declaration does not describe how this checkpoint was saved; fix it before resharding",
+            )
+    if (target_ep_size is None) != (target_ep_fsdp_size is None):
+        raise UsageError("give both `target_ep_size` and `target_ep_fsdp_size`, or neither (keep the source sizes)")
+    p2 = target_ep_size if target_ep_size is not None else layout.ep_size
+    f2 = target_ep_fsdp_size if target_ep_fsdp_size is not None else layout.ep_fsdp_size
+    if p2 is None or f2 is None:
+        raise UsageError(
+            f"{cat.path}: the source EP sizes are unknown (no layout record, no declaration)",
+            hint="pass `target_ep_size` P `target_ep_fsdp_size` F, or declare the source with `source_layout`/`ep_size`/`ep_fsdp_size`",
+        )
+    for name, v in (("target_ep_size", p2), ("target_ep_fsdp_size", f2)):
+        if type(v) is not int or v < 1:
+            raise UsageError(f"`{name}` must be an integer >= 1, got {v!r}", param=name)
+    for key, spec in layout.ep_tensors.items():
+        e = spec.num_experts
+        if e % p2:
+            raise LayoutSizeError(
+                f"{key}: {e} experts do not divide over target ep_size {p2}", fqn=key,
+                hint="choose a `target_ep_size` that divides the expert count",
+            )
+        if spec.fsdp_dim == spec.ep_dim and to_version == 1 and e % (p2 * f2):
+            raise LayoutSizeError(
+                f"{key}: the legacy layout needs {e} experts to split into ep_size*ep_fsdp_size = {p2 * f2} equal slabs",
+                fqn=key, hint="choose target sizes whose product divides the expert count",
+            )
+
+    # Optimizer state of EP parameters: migrate (with_optimizer) or refuse.
+    ep_state: dict[str, str] = {}  # state key -> model key
+    for fqn, ps in cat.optimizer_state.items():
+        model_key = f"{MODEL_PREFIX}{fqn}"
+        if model_key not in layout.ep_tensors:
+            continue
+        for fld, t in ps.fields.items():
+            if t is None or not t.shape:
+                continue  # byte items and 0-d `step` are not sharded by expert
+            if t.shape != cat.model[model_key].shape:
+                raise ReshardError(
+                    f"{t.key}: shape {list(t.shape)} differs from its parameter's {list(cat.model[model_key].shape)}; "
+                    "cannot permute it like the parameter", fqn=t.key,
+                )
+            ep_state[t.key] = model_key
+    if ep_state and not with_optimizer:
+        first = next(iter(ep_state))
+        n_params = len(set(ep_state.values()))
+        raise ReshardError(
+            f"{cat.path}: the checkpoint holds optimizer state for {n_params} expert-parallel parameter(s) "
+            f"(e.g. {first}); resharding only the parameters would leave it in the old order",
+            fqn=first, hint="pass `with_optimizer` to permute the optimizer state with the parameters",
+        )
+    for skey, mkey in ep_state.items():
+        spec = layout.ep_tensors[mkey]
+        geo = tensor_geometry(cat.tensors[skey], skey, spec, version=layout.version,
+                              ep_size=layout.ep_size, ep_fsdp_size=layout.ep_fsdp_size)
+        if layout.version is not None and layout.ep_size is not None and geo.problems:
+            raise LayoutContradictionError(f"{skey}: the chunk geometry contradicts the layout: {geo.problems[0]}",
+                              fqn=skey,
+                              hint="the optimizer state is not sharded like its parameter; it cannot be migrated")
+
+    plan = ReshardPlan(ckpt.path, layout, to_version, p2, f2, p2 * f2)
+    md = ckpt.metadata
+    for key, meta in md.entries.items():
+        if key in md.planner_data:
+            plan.planner_data[key] = md.planner_data[key]
+        if isinstance(meta, BytesMeta):
+            if key != LAYOUT_KEY:
+                plan.byte_items.append(BytesPlan(key, _source_rank(ckpt, key, None) % plan.world))
+            continue
+        assert isinstance(meta, TensorMeta)
+        problem = tiling_problem(meta)
+        if problem is not None:
+            raise ChunkError(f"{ckpt.path}: chunks of {key!r} do not tile the tensor ({problem})", fqn=key)
+        model_key = key if key in layout.ep_tensors else ep_state.get(key)
+        if model_key is None:
+            chunks = tuple(
+                OutChunk(c, _source_rank(ckpt, key, c) % plan.world,
+                         (Piece(c, (0,) * len(c.sizes), (0,) * len(c.sizes), c.sizes),))
+                for c in meta.chunks
+            )
+            plan.tensors.append(TensorPlan(key, meta.dtype, meta.size, "passthrough", False, chunks))
+            continue
+        plan.tensors.append(_plan_ep_tensor(key, meta, layout, layout.ep_tensors[model_key], model_key,
+                                            to_version, p2, f2, "ep" if key == model_key else "ep_state"))
+    src_rec = layout.record.raw if layout.record is not None else None
+    converted_from = {
+        "version": layout.version, "ep_size": layout.ep_size, "ep_fsdp_size": layout.ep_fsdp_size,
+        "layout_source": layout.source,
+        # ranks that wrote the source's data files, and of the mesh that wrote the per-rank files beside
+        # the checkpoint (extra_state/), which reshard copies unchanged (validate's S007 reads these)
+        "world": len(cat.ranks),
+        "origin_world": origin_world(cat, layout),
+    }
+    plan.record = make_record(
+        to_version, p2, f2, layout.ep_tensors, base=src_rec,
+        optimizer=None if src_rec is not None else implied_optimizer(cat),
+        extra={"converted_from": converted_from},
+    )
+    plan.byte_items.append(BytesPlan(LAYOUT_KEY, 0, json.dumps(plan.record, sort_keys=True)))
+    plan.planner_data[LAYOUT_KEY] = (LAYOUT_KEY,)
+    return plan
+
+
+def origin_world(cat: Catalog, layout: ResolvedLayout) -> int:
+    """Ranks of the mesh that wrote the per-rank files beside the checkpoint (``extra_state/``).
+
+    The source's writing ranks, or, when the source is itself a reshard output, the
+    ``origin_world`` (else ``world``) its record names: reshard copies those files unchanged.
+    """
+    cf = layout.record.raw.get("converted_from") if layout.record is not None else None
+    if isinstance(cf, dict):
+        for k in ("origin_world", "world"):
+            if type(cf.get(k)) is int and cf[k] >= 1:
+                return int(cf[k])
+    return len(cat.ranks)
+
+
+def _plan_ep_tensor(key: str, meta: TensorMeta, layout: ResolvedLayout, spec: EPTensorSpec, model_key: str,
+                    to_version: int, p2: int, f2: int, kind: str) -> TensorPlan:
+    n = meta.size[spec.ep_dim]
+    if layout.is_permuted(model_key):
+        assert layout.ep_size is not None and layout.ep_fsdp_size is not None
+        bs = layout.ep_size * layout.ep_fsdp_size
+        src_true_pos = legacy_to_canonical_perm(bs, layout.ep_size, layout.ep_fsdp_size)
+    else:
+        bs, src_true_pos = 1, [0]
+    if to_version == 1 and spec.fsdp_dim == spec.ep_dim and p2 > 1 and f2 > 1:
+        bt = p2 * f2
+        tgt_true_of = canonical_to_legacy_perm(bt, p2, f2)
+    else:
+        bt, tgt_true_of = 1, [0]
+    runs = row_runs(n, bs, src_true_pos, bt, tgt_true_of)
+    permuted = any(t != s for t, s, _ in runs)
+    index = _ChunkIndex([c for c in meta.chunks if c.numel], spec.ep_dim)
+    chunks = []
+    for rank, offs, sizes in _target_boxes(spec, meta.size, to_version, p2, f2):
+        pieces = _pieces(offs, sizes, spec.ep_dim, runs, index)
+        assert sum(pc.numel for pc in pieces) == math.prod(sizes), (key, offs, sizes)
+        chunks.append(OutChunk(ChunkMeta(offs, sizes), rank, pieces))
+    return TensorPlan(key, meta.dtype, meta.size, kind, permuted, tuple(chunks))
+
+

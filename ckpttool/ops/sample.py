@@ -1,0 +1,364 @@
+"""A small but real sample checkpoint: a tiny MoE causal LM saved with ``dcp.save``.
+
+The model uses Hugging Face Qwen3-MoE parameter names (transformers v5 fused
+experts): ``model.layers.N.mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and
+``...experts.down_proj`` ``[E, H, I]``, plus a persistent router buffer
+``mlp.gate.e_score_correction_bias`` ``[E]`` (DeepSeek-V3 style) so that lost
+buffers can be demonstrated. It is trained for a few AdamW steps on random
+tokens and saved the way VeOmni-style trainers do::
+
+    dcp.save({"model": model_sd, "optimizer": optim_sd, "layout": json_record}, checkpoint_id=DIR)
+
+plus ``extra_state/extra_state_rank_0.pt`` (``torch.save`` of step / scheduler /
+RNG state) and ``model_assets/config.json`` (an HF config for ``export --model-assets``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SampleConfig", "TinyMoEForCausalLM", "write_sample", "layout_record_for", "SAMPLE_OPTIMIZERS",
+           "sample_optimizer_record"]
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    """Sizes of the sample model (H hidden, I expert intermediate, E experts)."""
+
+    vocab_size: int = 128
+    hidden_size: int = 32
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 8
+    moe_intermediate_size: int = 16
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+
+    def hf_config(self) -> dict[str, Any]:
+        """A Qwen3-MoE style ``config.json`` dict for these sizes."""
+        cfg = asdict(self)
+        cfg.update(
+            architectures=["Qwen3MoeForCausalLM"],
+            model_type="qwen3_moe",
+            intermediate_size=4 * self.hidden_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            max_position_embeddings=256,
+            torch_dtype="float32",
+        )
+        return cfg
+
+
+def _build_model_class() -> type:
+    import torch
+    from torch import nn
+
+    class RMSNorm(nn.Module):
+        def __init__(self, dim: int, eps: float) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(dim))
+            self.eps = eps
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+    class Attention(nn.Module):
+        def __init__(self, c: SampleConfig) -> None:
+            super().__init__()
+            self.c = c
+            h, d = c.hidden_size, c.head_dim
+            self.q_proj = nn.Linear(h, c.num_attention_heads * d, bias=False)
+            self.k_proj = nn.Linear(h, c.num_key_value_heads * d, bias=False)
+            self.v_proj = nn.Linear(h, c.num_key_value_heads * d, bias=False)
+            self.o_proj = nn.Linear(c.num_attention_heads * d, h, bias=False)
+            self.q_norm = RMSNorm(d, c.rms_norm_eps)
+            self.k_norm = RMSNorm(d, c.rms_norm_eps)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, _ = x.shape
+            c = self.c
+            q = self.q_norm(self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim)).transpose(1, 2)
+            k = self.k_norm(self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim)).transpose(1, 2)
+            v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+            rep = c.num_attention_heads // c.num_key_value_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+    class Router(nn.Module):
+        def __init__(self, c: SampleConfig) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(c.num_experts, c.hidden_size) * 0.02)
+            self.register_buffer("e_score_correction_bias", torch.zeros(c.num_experts), persistent=True)
+
+    class Experts(nn.Module):
+        """Fused experts: gate_up_proj ``[E, 2I, H]``, down_proj ``[E, H, I]``."""
+
+        def __init__(self, c: SampleConfig) -> None:
+            super().__init__()
+            e, i, h = c.num_experts, c.moe_intermediate_size, c.hidden_size
+            self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h) * 0.02)
+            self.down_proj = nn.Parameter(torch.randn(e, h, i) * 0.02)
+
+    class SparseMoE(nn.Module):
+        def __init__(self, c: SampleConfig) -> None:
+            super().__init__()
+            self.c = c
+            self.gate = Router(c)
+            self.experts = Experts(c)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            c = self.c
+            logits = x @ self.gate.weight.t()
+            probs = torch.softmax(logits.float(), dim=-1)
+            top_w, top_i = torch.topk(probs + self.gate.e_score_correction_bias, c.num_experts_per_tok, dim=-1)
+            top_w = torch.gather(probs, -1, top_i)
+            top_w = (top_w / top_w.sum(-1, keepdim=True)).to(x.dtype)
+            weights = torch.zeros_like(probs, dtype=x.dtype).scatter(-1, top_i, top_w)  # [..., E]
+            gu = torch.einsum("bth,eih->btei", x, self.experts.gate_up_proj)  # [B,T,E,2I]
+            g, u = gu.chunk(2, dim=-1)
+            y = torch.einsum("btei,ehi->bteh", torch.nn.functional.silu(g) * u, self.experts.down_proj)
+            return (y * weights.unsqueeze(-1)).sum(2)
+
+    class Layer(nn.Module):
+        def __init__(self, c: SampleConfig) -> None:
+            super().__init__()
+            self.self_attn = Attention(c)
+            self.mlp = SparseMoE(c)
+            self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + self.self_attn(self.input_layernorm(x))
+            return x + self.mlp(self.post_attention_layernorm(x))
+
+    class Backbone(nn.Module):
+        def __init__(self, c: SampleConfig) -> None:
+            super().__init__()
+            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+            self.layers = nn.ModuleList(Layer(c) for _ in range(c.num_hidden_layers))
+            self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    class TinyMoEForCausalLM(nn.Module):
+        """Tiny MoE causal LM with Qwen3-MoE parameter names."""
+
+        def __init__(self, c: SampleConfig) -> None:
+            super().__init__()
+            self.config = c
+            self.model = Backbone(c)
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            x = self.model.embed_tokens(input_ids)
+            for layer in self.model.layers:
+                x = layer(x)
+            return self.lm_head(self.model.norm(x))
+
+        def loss(self, input_ids: torch.Tensor) -> torch.Tensor:
+            logits = self(input_ids[:, :-1])
+            return torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), input_ids[:, 1:].reshape(-1)
+            )
+
+    return TinyMoEForCausalLM
+
+
+_MODEL_CLASS: type | None = None
+
+
+def TinyMoEForCausalLM(config: SampleConfig | None = None) -> Any:
+    """Build the tiny MoE model (``torch.nn.Module``) for ``config``."""
+    global _MODEL_CLASS
+    if _MODEL_CLASS is None:
+        _MODEL_CLASS = _build_model_class()
+    return _MODEL_CLASS(config or SampleConfig())
+
+
+def layout_record_for(
+    config: SampleConfig,
+    *,
+    ep_size: int = 1,
+    ep_fsdp_size: int = 1,
+    optimizer: dict[str, Any] | None = None,
+    global_step: int = 0,
+    version: int = 2,
+    fsdp_dim: int = 0,
+) -> dict[str, Any]:
+    """Layout record (DESIGN.md section 3) for the sample model's fused expert tensors."""
+    extra = {}
+    for n in range(config.num_hidden_layers):
+        for name in ("gate_up_proj", "down_proj"):
+            extra[f"model.model.layers.{n}.mlp.experts.{name}"] = {
+                "ep_dim": 0, "fsdp_dim": fsdp_dim, "num_experts": config.num_experts,
+            }
+    return {
+        "format": "ckpttool.layout",
+        "version": version,
+        "parallel": {
+            "ep_size": ep_size, "ep_fsdp_size": ep_fsdp_size, "ep_replicate_size": 1,
+            "dp_shard_size": ep_size * ep_fsdp_size, "tp_size": 1,
+        },
+        "extra_parallel": extra,
+        "optimizer": optimizer or {"type": "adamw"},
+        "global_step": global_step,
+    }
+
+
+#: ``write_sample(optimizer=...)`` choices: torch AdamW on FP32 parameters (the default), or a
+#: ckpttool FP32-master optimizer on BF16 parameters (experts offloaded for cpu_offload_adamw).
+SAMPLE_OPTIMIZERS = ("adamw", "full_fp32_adamw", "master_fp32_adamw", "cpu_offload_adamw")
+
+
+def sample_optimizer_record(optimizer: str) -> dict[str, Any]:
+    """The layout record's ``optimizer`` object for a :data:`SAMPLE_OPTIMIZERS` choice."""
+    if optimizer == "adamw":
+        return {"type": "adamw"}
+    moments = {"full_fp32_adamw": {"resident": "float32"}, "master_fp32_adamw": {"resident": "bfloat16"},
+               "cpu_offload_adamw": {"resident": "float32", "cpu": "float32"}}[optimizer]
+    out: dict[str, Any] = {"type": optimizer, "master_dtype": "float32", "step_dtype": "float32", "moment_dtypes": moments}
+    if optimizer == "cpu_offload_adamw":
+        out["offload_patterns"] = ["experts"]
+    return out
+
+
+def _sample_optimizer(model: Any, optimizer: str) -> Any:
+    hyper = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    if optimizer == "adamw":
+        import torch
+
+        return torch.optim.AdamW(model.parameters(), **hyper)
+    from ckpttool.optim.factory import build_optimizer
+
+    cfg: dict[str, Any] = {}
+    if optimizer == "master_fp32_adamw":
+        cfg["moment_dtype"] = "bfloat16"
+    if optimizer == "cpu_offload_adamw":
+        cfg["cpu_offload_param_patterns"] = ["experts"]
+    return build_optimizer(optimizer, list(model.named_parameters()), **hyper, **cfg)
+
+
+#: ``write_sample(seed=...)`` range: what ``torch.manual_seed`` and the data generator accept.
+SEED_LIMIT = 2**63
+
+
+class _FinalPathWriter:  # built lazily: a torch FileSystemWriter that records the final path
+    cls: type | None = None
+
+    @classmethod
+    def make(cls, directory: Path, final: Path) -> Any:
+        if cls.cls is None:
+            from torch.distributed.checkpoint import FileSystemWriter
+
+            class Writer(FileSystemWriter):  # type: ignore[misc, valid-type]
+                """Writes into the temporary directory; ``storage_meta.checkpoint_id`` is the final path."""
+
+                def __init__(self, path: Path, final_path: Path) -> None:
+                    super().__init__(path)
+                    self._final_path = final_path
+
+                def storage_meta(self) -> Any:
+                    meta = super().storage_meta()
+                    if meta is not None:
+                        meta.checkpoint_id = self._final_path
+                    return meta
+
+            cls.cls = Writer
+        return cls.cls(directory, final)
+
+
+def write_sample(path: str | os.PathLike[str], *, steps: int = 3, seed: int = 0,
+                 config: SampleConfig | None = None, optimizer: str = "adamw") -> Path:
+    """Train the tiny MoE for ``steps`` AdamW steps and save it as a DCP checkpoint.
+
+    Everything (``dcp.save``, ``extra_state/``, ``model_assets/``) is written into a temporary
+    sibling directory renamed into place when complete
+    (:class:`~ckpttool.output.AtomicOutputDir`): a failed or interrupted run leaves nothing.
+
+    Args:
+        path: target directory; must not exist or be empty.
+        steps: optimizer steps before the save.
+        seed: RNG seed in ``[0, 2**63)`` (the output is deterministic for a given seed and torch).
+        config: model sizes.
+        optimizer: ``adamw`` (default: ``torch.optim.AdamW``, FP32 parameters) or a ckpttool
+            FP32-master type (``full_fp32_adamw``, ``master_fp32_adamw`` with BF16 moments,
+            ``cpu_offload_adamw`` offloading ``experts``) with BF16 parameters; the layout
+            record's ``optimizer`` object describes it.
+
+    Returns:
+        The checkpoint directory (as given).
+
+    Raises:
+        OutputError: ``path`` exists and is not empty, or cannot be written.
+        UsageError: unknown ``optimizer``, ``seed`` out of range.
+    """
+    from ckpttool.errors import UsageError
+    from ckpttool.format.atomic import AtomicOutputDir
+
+    if optimizer not in SAMPLE_OPTIMIZERS:
+        raise UsageError(f"unknown sample optimizer {optimizer!r}", hint=f"use one of {', '.join(SAMPLE_OPTIMIZERS)}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise UsageError(f"seed {seed!r} is out of range", hint=f"use an integer seed from 0 to {SEED_LIMIT - 1}")
+    out = Path(path)
+    with AtomicOutputDir(out) as tmp:
+        _train_and_save(tmp, Path(os.path.abspath(out)), steps=steps, seed=seed,
+                        config=config or SampleConfig(), optimizer=optimizer)
+    return out
+
+
+def _train_and_save(tmp: Path, final: Path, *, steps: int, seed: int, config: SampleConfig, optimizer: str) -> None:
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ckpttool.errors import OutputError
+
+    c = config
+    torch.manual_seed(seed)
+    model = TinyMoEForCausalLM(c)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.linspace(-0.01, 0.01, c.num_experts))
+    if optimizer != "adamw":
+        model.to(torch.bfloat16)
+    optim = _sample_optimizer(model, optimizer)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
+    gen = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        ids = torch.randint(0, c.vocab_size, (2, 16), generator=gen)
+        optim.zero_grad(set_to_none=True)
+        model.loss(ids).backward()
+        optim.step()
+        sched.step()
+    model_sd, optim_sd = get_state_dict(model, optim)
+    record = layout_record_for(c, optimizer=sample_optimizer_record(optimizer), global_step=steps)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.save({"model": model_sd, "optimizer": optim_sd, "layout": json.dumps(record)},
+                     storage_writer=_FinalPathWriter.make(tmp, final))
+        except CheckpointException as e:  # a BaseException; what failed inside it is a write
+            cause = next((exc for exc, _ in e.failures.values()), e)
+            if isinstance(cause, OSError):
+                raise cause from None  # ENOSPC, EFBIG, EACCES: AtomicOutputDir words it (E600)
+            raise OutputError(f"{final}: writing the sample checkpoint failed ({' '.join(str(cause).split())[:160]})",
+                              path=final, hint="check free disk space and the file size limit there") from None
+    extra = tmp / "extra_state"
+    extra.mkdir()
+    torch.save(
+        {"global_step": steps, "lr_scheduler": sched.state_dict(), "torch_rng_state": torch.get_rng_state()},
+        extra / "extra_state_rank_0.pt",
+    )
+    assets = tmp / "model_assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps(c.hf_config(), indent=2) + "\n")

@@ -1,0 +1,199 @@
+"""``stamp``: record a declared EP layout as a sidecar ``layout.json``.
+
+For checkpoints saved without a layout record: the declaration (layout name, ``ep_size``,
+``ep_fsdp_size``) is checked against the chunk geometry of every EP tensor
+(:func:`~ckpttool.model.declaration.resolve_layout`), then written atomically
+(temp file + rename) as ``layout.json`` beside ``.metadata``. Only that file is
+added; nothing of the checkpoint itself changes.
+
+Refusals: a record (embedded, or an earlier sidecar) that the declaration
+contradicts (``E404``; a wrong sidecar must be removed by hand first), a
+declaration that contradicts the chunk geometry (``E404``), and a declaration
+that nothing in the checkpoint can verify (``E400``): no EP tensors, only empty
+ones, or EP tensors written by fewer ranks than ``ep_size * ep_fsdp_size``.
+Stamping what is already recorded is a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import CkptError, LayoutContradictionError, LayoutError, UsageError
+from ckpttool.format.atomic import atomic_write_text
+from ckpttool.model.catalog import Catalog
+from ckpttool.model.checkpoint import Checkpoint, open_checkpoint
+from ckpttool.model.declaration import LayoutDeclaration, load_layout_record
+from ckpttool.model.geometry import EPGeometry, dim_intervals
+from ckpttool.model.layout_record import SIDECAR_NAME, parse_layout_record
+from ckpttool.ops.reshard.plan import implied_optimizer, make_record
+
+__all__ = ["StampResult", "stamp"]
+
+
+@dataclass(frozen=True)
+class StampResult:
+    """Outcome of :func:`stamp` (``ckpttool stamp --json``, schema ``ckpttool.stamp/1``).
+
+    Attributes:
+        path: the sidecar path (written, or found); the checkpoint directory when the record is embedded.
+        written: ``False`` when the same record was already there (embedded or sidecar).
+        record: the record (as written, or as found).
+        ep_tensors: EP tensors it names; same_dim: those sharded by EP and FSDP on one dim.
+        recorded_in: ``"sidecar"`` (``layout.json``, written now or before) or ``"embedded"`` (the
+            ``layout`` byte item of the checkpoint).
+    """
+
+    path: str
+    written: bool
+    record: dict[str, Any]
+    ep_tensors: int
+    same_dim: int
+    recorded_in: str = "sidecar"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON view (``--json``), schema ``ckpttool.stamp/1``."""
+        return {"schema": "ckpttool.stamp/1", **self.__dict__}
+
+
+def stamp(
+    checkpoint: Checkpoint | str | os.PathLike[str],
+    declaration: LayoutDeclaration | None = None,
+    *,
+    trust_pickle: bool = False,
+) -> StampResult:
+    """Write ``layout.json`` for a declared layout after checking it against the chunk geometry.
+
+    Args:
+        checkpoint: the checkpoint directory, or a :class:`~ckpttool.model.checkpoint.Checkpoint`
+            opened with the declaration (``record_problems=True`` for stamp's own E404 hints).
+        declaration: the declared layout (all three fields set); default: the checkpoint's.
+        trust_pickle: allow ``weights_only=False`` for byte items that need it (when opening a path).
+
+    Returns:
+        A :class:`StampResult`.
+
+    Raises:
+        UsageError: no declaration.
+        LayoutError: contradiction with a record or the geometry (E404), embedded record and
+            sidecar disagreeing (E403), an invalid record (E400-E402), nothing to verify (E400).
+        OutputError: the directory is not writable.
+    """
+    if isinstance(checkpoint, Checkpoint):
+        return _stamp(checkpoint, declaration or checkpoint.declaration)
+    with open_checkpoint(checkpoint, declaration=declaration, trust_pickle=trust_pickle,
+                         record_problems=True) as ckpt:
+        return _stamp(ckpt, declaration)
+
+
+def _stamp(ckpt: Checkpoint, declaration: LayoutDeclaration | None) -> StampResult:
+    if declaration is None:
+        raise UsageError("stamp needs a layout declaration (`source_layout`, `ep_size`, `ep_fsdp_size`)",
+                         param="source_layout")
+    p, cat = Path(ckpt.path), ckpt.catalog
+    sidecar = p / SIDECAR_NAME
+    err = ckpt.layout_error
+    if isinstance(err, LayoutContradictionError):
+        err.hint = _contradiction_hint(ckpt, err, sidecar)
+    layout = ckpt.require_layout()
+    geo = layout.geometry(cat)
+    same = sum(1 for g in geo if g.same_dim)
+    if layout.record is not None:
+        # The record already says what was declared (resolve_layout refuses contradictions).
+        if layout.source == "embedded":
+            return StampResult(str(p), False, layout.record.raw, len(layout.ep_tensors), same, "embedded")
+        return StampResult(str(sidecar), False, layout.record.raw, len(layout.ep_tensors), same, "sidecar")
+    bad = [g for g in geo if g.problems]
+    if bad:  # resolve_layout checked the declaration already; a programmer error if this fires
+        raise LayoutContradictionError(f"{bad[0].key}: {bad[0].problems[0]}", fqn=bad[0].key)
+    assert declaration.version is not None and declaration.ep_size is not None and declaration.ep_fsdp_size is not None
+    _require_verifiable(p, cat, geo, declaration)
+    record = make_record(
+        declaration.version, declaration.ep_size, declaration.ep_fsdp_size, layout.ep_tensors,
+        optimizer=implied_optimizer(cat), extra={"stamped": True},
+    )
+    parse_layout_record(record, "new layout record")
+    atomic_write_text(sidecar, json.dumps(record, sort_keys=True, indent=2) + "\n")
+    return StampResult(str(sidecar), True, record, len(layout.ep_tensors), same)
+
+
+def _decl_text(decl: LayoutDeclaration) -> str:
+    return f"`source_layout` {decl.source_layout} `ep_size` {decl.ep_size} `ep_fsdp_size` {decl.ep_fsdp_size}"
+
+
+def _require_verifiable(p: Path, cat: Catalog, geo: list[EPGeometry], decl: LayoutDeclaration) -> None:
+    """Refuse a declaration that no chunk of the checkpoint can confirm (E400): stamp records only checked facts.
+
+    Raises:
+        LayoutError (E400): no EP tensors, only empty ones, or EP tensors written by fewer ranks than
+            ``ep_size * ep_fsdp_size`` (a mesh of that size saves every EP tensor from all its ranks).
+    """
+    assert decl.ep_size is not None and decl.ep_fsdp_size is not None
+    world = decl.ep_size * decl.ep_fsdp_size
+    nothing = f"{p}: nothing to stamp: {_decl_text(decl)} cannot be verified"
+    no_write = "nothing was written"
+    if not geo:
+        raise LayoutError(
+            f"{nothing}, because the checkpoint has no EP tensors (fused `...experts.<name>` model tensors with a "
+            "leading expert dim) whose chunk geometry could be checked",
+            path=p,
+            hint=f"a checkpoint without expert tensors needs no EP layout record; {no_write} "
+                 "(`ckpttool inspect` lists the model tensors)",
+        )
+    present = [g for g in geo if g.shape and any(g.shape) and all(g.shape)]
+    if not present:
+        raise LayoutError(
+            f"{nothing}, because all {len(geo)} EP tensor(s) are empty (no chunk holds any element)",
+            path=p, hint=f"{no_write}; stamp a checkpoint whose expert tensors hold data",
+        )
+    ranks = sorted({r for g in present for r in g.ranks})
+    if len(ranks) < world:
+        raise LayoutError(
+            f"{nothing}: its EP tensors were written by {len(ranks)} rank(s) {ranks[:16]}, but a mesh of ep_size "
+            f"{decl.ep_size} x ep_fsdp_size {decl.ep_fsdp_size} = {world} ranks saves every EP tensor from all "
+            f"{world} ranks, so the chunks cannot confirm the declared sizes",
+            path=p,
+            hint=f"{no_write}; declare the mesh that saved this checkpoint (its EP tensors come from "
+                 f"{len(ranks)} rank(s); `ckpttool inspect --json` shows layout.geometry)",
+        )
+
+
+def _contradiction_hint(ckpt: Checkpoint, err: LayoutError, sidecar: Path) -> str:
+    """A stamp-specific hint for E404: stamp needs the declaration, so "drop the options" does not apply."""
+    cat = ckpt.catalog
+    try:
+        rec = load_layout_record(cat, ckpt.reader)
+    except CkptError:
+        rec = None
+    if rec is not None:
+        recorded = (f"`source_layout` {rec.layout_name} `ep_size` {rec.ep_size} "
+                    f"`ep_fsdp_size` {rec.ep_fsdp_size}")
+        if cat.has_layout_item:
+            return ("the layout is recorded inside the checkpoint (byte item 'layout', written with the save) and "
+                    f"stamp cannot replace it; it needs no stamp (it says {recorded}); to store the experts in "
+                    "another layout or mesh write a new checkpoint with `ckpttool reshard`")
+        return (f"{sidecar} already records {recorded}; if that record is wrong, delete {sidecar} and stamp "
+                "again with the right declaration")
+    suggestion = _geometry_suggestion(cat, err.fqn)
+    return (f"{suggestion}check the mesh of the job that saved the checkpoint "
+            "(`ckpttool inspect --json` shows layout.geometry)")
+
+
+def _geometry_suggestion(cat: Catalog, key: str | None) -> str:
+    """What the chunks of ``key`` say about the sizes (``""`` when they say nothing useful)."""
+    entry = cat.model.get(key) if key else None
+    if entry is None or not entry.shape:
+        return ""
+    blocks = [len(dim_intervals(entry, d)) for d in range(len(entry.shape))]
+    others = [(d, b) for d, b in enumerate(blocks) if d != 0 and b > 1]
+    if others:
+        d, b = others[0]
+        return (f"the chunks of {key} split the expert dim into {blocks[0]} and dim {d} into {b} piece(s), which "
+                f"fits `ep_size` {blocks[0]} `ep_fsdp_size` {b}; ")
+    if blocks[0] > 1:
+        return (f"the chunks of {key} split the expert dim into {blocks[0]} piece(s): ep_size x ep_fsdp_size must "
+                f"be {blocks[0]} (e.g. `ep_size` {blocks[0]} `ep_fsdp_size` 1 when EP alone splits it); ")
+    return f"the chunks of {key} do not split it, which fits `ep_size` 1 `ep_fsdp_size` 1; "

@@ -1,0 +1,205 @@
+"""Rule registry, findings and severities of ``ckpttool validate``.
+
+A *rule* is one small function with a stable code (``S002``), a severity
+(error / warning / info), a one-line summary and a fix hint. It receives the
+:class:`~ckpttool.ops.validate.context.Context` of the checkpoint and yields
+``(key, message)`` pairs (or ``(key, message, hint)`` to override the hint, or a
+:class:`Finding` for full control); the runner turns them into
+:class:`Finding` objects. Codes are grouped by family (``docs/rules.md``):
+
+======  =============================================================
+``S``   storage: metadata, data files, chunks, byte items, extra_state
+``O``   optimizer state: coverage, shapes, dtype policy, masters
+``P``   param groups: hyperparameters, ``initial_lr``, ``step`` dtype
+``L``   layout record and EP layout
+``M``   model: ``--config`` (layers, experts, tied head), ``--against``
+``D``   deep (``--deep``): values read from the data files
+======  =============================================================
+
+*Fatal* rules (unreadable/unsafe input) always run and make the command exit 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Union
+
+from ckpttool.errors import UsageError
+
+if TYPE_CHECKING:
+    from ckpttool.ops.validate.context import Context
+
+__all__ = [
+    "Severity",
+    "Finding",
+    "Rule",
+    "RULES",
+    "FAMILIES",
+    "rule",
+    "select_rules",
+]
+
+
+class Severity(str, Enum):
+    """How bad a finding is. Errors always fail a run; warnings fail it with ``--strict``; infos never."""
+
+    error = "error"
+    warning = "warning"
+    info = "info"
+
+    @property
+    def rank(self) -> int:
+        return {"error": 0, "warning": 1, "info": 2}[self.value]
+
+
+FAMILIES = {
+    "S": "storage",
+    "O": "optimizer state",
+    "P": "param groups",
+    "L": "layout",
+    "M": "model",
+    "D": "deep (data)",
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem found by one rule.
+
+    Attributes:
+        code: the rule code (``S002``).
+        severity: the rule's severity.
+        key: checkpoint key, data file or group the finding is about (``None``: the checkpoint).
+        message: one line naming the key or file.
+        hint: one line saying how to fix it.
+        error_code: the :class:`~ckpttool.errors.CkptError` code of the underlying
+            failure when there is one (``E300`` for a missing file), else ``None``.
+        fatal: the input is unreadable or unsafe (exit 2).
+    """
+
+    code: str
+    severity: Severity
+    key: str | None
+    message: str
+    hint: str
+    error_code: str | None = None
+    fatal: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON view (schema ``ckpttool.validate/1``, ``docs/rules.md``)."""
+        return {
+            "code": self.code,
+            "severity": self.severity.value,
+            "key": self.key,
+            "message": self.message,
+            "hint": self.hint,
+            "error_code": self.error_code,
+            "fatal": self.fatal,
+        }
+
+
+RuleOutput = Union[tuple[Any, ...], Finding]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A registered rule.
+
+    Attributes:
+        code: stable code, family letter + 3 digits.
+        name: kebab-case name (``data-file-missing``).
+        severity: severity of its findings.
+        summary: what it checks (one line, used in ``docs/rules.md`` and JUnit).
+        hint: default fix hint of its findings.
+        needs: options it needs to run: subset of ``{"deep", "config", "against"}``.
+        fatal: findings mean unreadable/unsafe input (exit 2); always runs.
+        func: ``func(ctx) -> iterable of (key, message[, hint]) or Finding``.
+    """
+
+    code: str
+    name: str
+    severity: Severity
+    summary: str
+    hint: str
+    func: Callable[[Context], Iterable[RuleOutput]]
+    needs: frozenset[str] = field(default_factory=frozenset)
+    fatal: bool = False
+    error_code: str | None = None
+
+    @property
+    def family(self) -> str:
+        return FAMILIES[self.code[0]]
+
+    def make(self, key: str | None, message: str, hint: str | None = None, error_code: str | None = None) -> Finding:
+        """A finding of this rule (single-line message and hint)."""
+        return Finding(
+            self.code,
+            self.severity,
+            key,
+            " ".join(str(message).split()),
+            " ".join(str(hint if hint is not None else self.hint).split()),
+            error_code or self.error_code,
+            self.fatal,
+        )
+
+
+RULES: dict[str, Rule] = {}
+
+
+def rule(
+    code: str,
+    name: str,
+    severity: Severity,
+    summary: str,
+    hint: str,
+    *,
+    needs: Iterable[str] = (),
+    fatal: bool = False,
+    error_code: str | None = None,
+) -> Callable[[Callable[[Context], Iterable[RuleOutput]]], Callable[[Context], Iterable[RuleOutput]]]:
+    """Register a rule function under ``code`` (see :class:`Rule`)."""
+
+    def deco(func: Callable[[Context], Iterable[RuleOutput]]) -> Callable[[Context], Iterable[RuleOutput]]:
+        assert code not in RULES, f"duplicate rule code {code}"
+        assert code[0] in FAMILIES and len(code) == 4 and code[1:].isdigit(), code
+        RULES[code] = Rule(code, name, severity, summary, hint, func, frozenset(needs), fatal, error_code)
+        return func
+
+    return deco
+
+
+def _split_codes(values: Iterable[str] | None) -> list[str]:
+    out: list[str] = []
+    for v in values or ():
+        out.extend(p.strip().upper() for p in str(v).split(",") if p.strip())
+    return out
+
+
+def select_rules(select: Iterable[str] | None = None, ignore: Iterable[str] | None = None) -> list[Rule]:
+    """Rules chosen by ``--select``/``--ignore`` codes or code prefixes (``S``, ``O00``, ``D004``).
+
+    Like linters: a rule runs when it matches a ``select`` prefix (all rules when none is
+    given) and no ``ignore`` prefix. Fatal rules always run.
+
+    Raises:
+        UsageError: a code or prefix that matches no rule.
+    """
+    sel, ign = _split_codes(select), _split_codes(ignore)
+    for name, codes in (("select", sel), ("ignore", ign)):
+        for p in codes:
+            if not any(c.startswith(p) for c in RULES):
+                raise UsageError(
+                    f"`{name}` {p!r} matches no rule code",
+                    param=name,
+                    hint=f"codes start with one of {', '.join(FAMILIES)} "
+                    "(see docs/rules.md or `ckpttool validate --list-rules`)",
+                )
+    out = []
+    for code in sorted(RULES):
+        r = RULES[code]
+        chosen = (not sel or any(code.startswith(p) for p in sel)) and not any(code.startswith(p) for p in ign)
+        if chosen or r.fatal:
+            out.append(r)
+    return out

@@ -1,0 +1,173 @@
+"""What the rules look at: the opened checkpoint, the options, and the derived facts they share.
+
+A :class:`Context` wraps a :class:`~ckpttool.model.checkpoint.Checkpoint` opened with
+``record_problems=True`` (so an invalid layout record or an unreadable byte item is a
+recorded fact, not an exception), the ``--config`` / ``--against`` inputs, and after
+``--deep`` the values read from the data files (:mod:`ckpttool.ops.validate.deep`). Its
+helpers are caches of facts several rules need; rules are pure functions of it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ckpttool.errors import CkptError, DataFileError, PathEscapeError
+from ckpttool.format.metadata import ChunkMeta, StorageInfo, TensorMeta
+from ckpttool.model.catalog import Catalog, ParamGroup
+from ckpttool.model.checkpoint import Checkpoint
+from ckpttool.model.declaration import ResolvedLayout
+from ckpttool.ops.validate.reference import Reference
+
+if TYPE_CHECKING:
+    from ckpttool.format.reader import CheckpointReader
+    from ckpttool.ops.validate.deep import DeepResult
+
+__all__ = ["Context", "StorageItem"]
+
+#: ``(key, chunk or None for a byte item, storage entry or None when missing)``.
+StorageItem = tuple[str, ChunkMeta | None, StorageInfo | None]
+
+# Last key components that name parameters (nn.Linear/Embedding/Norm, fused experts).
+_PARAM_NAMES = frozenset({
+    "weight", "bias", "gate_up_proj", "down_proj", "gate_proj", "up_proj", "w1", "w2", "w3",
+    "gate_up_proj_bias", "down_proj_bias",
+})
+_INDEX_RE = re.compile(r"\.\d+\.")
+_LAYER_RE = re.compile(r"^(.*?\.\d+)\.")
+
+
+def _layer_of(fqn: str) -> str | None:
+    """The key prefix up to the first numeric component (``model.layers.3``), or ``None``."""
+    m = _LAYER_RE.match(fqn)
+    return m.group(1) if m else None
+
+
+@dataclass
+class Context:
+    """Everything the rules read (see module docstring).
+
+    Attributes:
+        ckpt: the checkpoint, opened with ``record_problems=True``.
+        deep, strict: command options.
+        config: HF config dict (``--config``) or ``None``.
+        reference: ``--against`` reference or ``None``.
+        deep_result: per-tensor statistics of the ``--deep`` pass.
+    """
+
+    ckpt: Checkpoint
+    deep: bool = False
+    strict: bool = False
+    config: dict[str, Any] | None = None
+    reference: Reference | None = None
+    deep_result: DeepResult | None = None
+    _file_errors: dict[str, CkptError | None] = field(default_factory=dict)
+    _params: dict[str, bool] | None = None
+    _storage_items: list[StorageItem] | None = None
+    _optimized: set[str] = field(default_factory=set)
+    _patterns: set[str] = field(default_factory=set)
+    _layers: set[str | None] = field(default_factory=set)
+    _modules: set[str] = field(default_factory=set)
+
+    # ------------------------------------------------------------------ shortcuts
+    @property
+    def cat(self) -> Catalog:
+        return self.ckpt.catalog
+
+    @property
+    def reader(self) -> CheckpointReader:
+        return self.ckpt.reader
+
+    @property
+    def layout(self) -> ResolvedLayout | None:
+        return self.ckpt.layout
+
+    @property
+    def layout_error(self) -> CkptError | None:
+        return self.ckpt.layout_error
+
+    @property
+    def byte_item_errors(self) -> dict[str, CkptError]:
+        return self.ckpt.byte_item_errors
+
+    # ------------------------------------------------------------------ storage helpers
+    def file_error(self, relative_path: str) -> CkptError | None:
+        """Why a referenced data file cannot be used (escaping path, missing), or ``None``."""
+        if relative_path not in self._file_errors:
+            err: CkptError | None = None
+            try:
+                self.reader.file_size(relative_path)
+            except (PathEscapeError, DataFileError) as e:
+                err = e
+            self._file_errors[relative_path] = err
+        return self._file_errors[relative_path]
+
+    def storage_ok(self, fqn: str, chunk: ChunkMeta | None = None) -> bool:
+        """The chunk/byte item has a storage entry inside an existing file, within its bounds."""
+        try:
+            self.reader.storage_info(fqn, chunk)
+        except CkptError:
+            return False
+        return True
+
+    def storage_items(self) -> list[StorageItem]:
+        """Every non-empty chunk and byte item with its storage entry (cached)."""
+        if self._storage_items is None:
+            md = self.reader.metadata
+            items: list[StorageItem] = []
+            for key, meta in md.entries.items():
+                if isinstance(meta, TensorMeta):
+                    items.extend((key, c, md.storage.get((key, c.offsets))) for c in meta.chunks if 0 not in c.sizes)
+                else:
+                    items.append((key, None, md.storage.get((key, None))))
+            self._storage_items = items
+        return self._storage_items
+
+    # ------------------------------------------------------------------ optimizer helpers
+    @property
+    def has_optimizer(self) -> bool:
+        return bool(self.cat.optimizer_state or self.cat.param_groups)
+
+    def group_of(self, fqn: str) -> ParamGroup | None:
+        """Param group holding ``fqn`` (:meth:`~ckpttool.model.catalog.Catalog.group_of`)."""
+        return self.cat.group_of(fqn)
+
+    def lost_hyperparameters(self, fqn: str) -> bool:
+        """Is there evidence that ``fqn`` is an optimized parameter although it has no state and no group?
+
+        A model tensor outside every param group is normally frozen or a buffer. It counts as
+        an optimized parameter that lost its hyperparameters when either
+
+        - the tensor of the same name in another layer/expert is optimized *and* some tensor
+          of its own layer is optimized (so the layer is not frozen), or
+        - its name is a parameter name (``weight``, ``bias``, fused expert weights) and
+          another tensor of the same module is optimized.
+
+        Frozen layers/modules, LoRA base weights and buffers (``inv_freq``,
+        ``e_score_correction_bias``, 0-d scales) give no such evidence.
+        """
+        if self._params is None:
+            grouped = {p for g in self.cat.param_groups for p in g.params}
+            optimized = {
+                f for f in self.cat.param_fqns
+                if f in grouped or (f in self.cat.optimizer_state and self.cat.optimizer_state[f].fields)
+            }
+            self._optimized = optimized
+            self._patterns = {_INDEX_RE.sub(".#.", f) for f in optimized}
+            self._layers = {_layer_of(f) for f in optimized} - {None}
+            self._modules = {f.rpartition(".")[0] for f in optimized}
+            self._params = {}
+        if fqn in self._optimized:
+            return False
+        hit = self._params.get(fqn)
+        if hit is None:
+            layer = _layer_of(fqn)
+            by_pattern = _INDEX_RE.sub(".#.", fqn) in self._patterns and layer is not None and layer in self._layers
+            by_module = fqn.rsplit(".", 1)[-1] in _PARAM_NAMES and fqn.rpartition(".")[0] in self._modules
+            hit = self._params[fqn] = by_pattern or by_module
+        return bool(hit)
+
+    def group_sets(self) -> list[tuple[str, list[str]]]:
+        """Parameters that share one optimizer leaf, as ``(label, fqns)`` (:meth:`Catalog.leaves`)."""
+        return [(label, fqns) for label, _, fqns in self.cat.leaves()]

@@ -1,0 +1,174 @@
+"""The ``--against`` reference of ``ckpttool validate``: expected model keys, shapes and dtypes.
+
+A reference is one of:
+
+- an HF model directory: ``model.safetensors.index.json`` (its ``weight_map`` names the
+  shards) or every ``*.safetensors`` file in it; ``config.json`` beside it gives
+  ``tie_word_embeddings``;
+- a ``.safetensors`` file;
+- a JSON file: a list of keys, ``{"keys": [...]}``, an index with ``weight_map``, or
+  ``{key: {"shape": [...], "dtype": "bfloat16"}}``.
+
+Keys are HF names (``model.layers.0.mlp.down_proj.weight``, ``lm_head.weight``): the
+checkpoint key ``model.<name>``. Only safetensors *headers* are read (format: 8-byte
+little-endian header length, then a JSON header; huggingface/safetensors ``README``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import UsageError
+
+__all__ = ["RefTensor", "Reference", "load_reference", "SAFETENSORS_DTYPES"]
+
+#: safetensors dtype tag -> torch dtype name.
+SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RefTensor:
+    """Expected shape and dtype of one key (``None``: not given by the reference)."""
+
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+
+
+@dataclass
+class Reference:
+    """Expected model tensors: HF key -> :class:`RefTensor`; ``tie_word_embeddings`` from its config."""
+
+    source: str
+    tensors: dict[str, RefTensor] = field(default_factory=dict)
+    tie_word_embeddings: bool | None = None
+
+
+def _bad(p: Path, why: str) -> UsageError:
+    return UsageError(f"`against` {p}: {why}", path=p,
+                      hint="pass an HF model directory (safetensors + index), a .safetensors file or a JSON key list")
+
+
+def _safetensors_header(p: Path) -> dict[str, RefTensor]:
+    try:
+        with open(p, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) != 8:
+                raise _bad(p, "not a safetensors file (shorter than 8 bytes)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > _MAX_HEADER:
+                raise _bad(p, f"safetensors header of {n} bytes is implausible")
+            header = json.loads(fh.read(n))
+    except OSError as e:
+        raise _bad(p, f"cannot read ({e.strerror})") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _bad(p, "safetensors header is not JSON") from e
+    if not isinstance(header, dict):
+        raise _bad(p, "safetensors header is not a JSON object")
+    out = {}
+    for k, v in header.items():
+        if k == "__metadata__" or not isinstance(v, dict):
+            continue
+        shape = v.get("shape")
+        out[str(k)] = RefTensor(
+            tuple(int(s) for s in shape) if isinstance(shape, list) else None,
+            SAFETENSORS_DTYPES.get(str(v.get("dtype")), str(v.get("dtype")).lower() if v.get("dtype") else None),
+        )
+    return out
+
+
+def _from_index(p: Path, obj: dict[str, Any]) -> dict[str, RefTensor]:
+    wm = obj.get("weight_map")
+    if not isinstance(wm, dict):
+        raise _bad(p, "index has no weight_map object")
+    out: dict[str, RefTensor] = {}
+    shards = sorted({str(s) for s in wm.values()})
+    for s in shards:
+        sp = (p.parent / s).resolve()
+        if p.parent.resolve() not in sp.parents:
+            raise _bad(p, f"weight_map names {s!r} outside the model directory")
+        if sp.is_file():
+            out.update(_safetensors_header(sp))
+    for k in wm:
+        out.setdefault(str(k), RefTensor())
+    return out
+
+
+def _from_json(p: Path) -> dict[str, RefTensor]:
+    try:
+        obj = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise _bad(p, f"cannot read ({e.strerror})") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _bad(p, f"not valid JSON ({e})") from e
+    if isinstance(obj, dict) and "weight_map" in obj:
+        return _from_index(p, obj)
+    if isinstance(obj, dict) and isinstance(obj.get("keys"), list):
+        obj = obj["keys"]
+    if isinstance(obj, list):
+        if not all(isinstance(k, str) for k in obj):
+            raise _bad(p, "key list holds non-strings")
+        return {k: RefTensor() for k in obj}
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(v, dict):
+                raise _bad(p, f"entry {k!r} is not an object with shape/dtype")
+            shape = v.get("shape")
+            out[str(k)] = RefTensor(tuple(int(s) for s in shape) if isinstance(shape, list) else None,
+                                    str(v["dtype"]).removeprefix("torch.") if v.get("dtype") else None)
+        return out
+    raise _bad(p, f"expected a list or an object, got {type(obj).__name__}")
+
+
+def _tie(config_path: Path) -> bool | None:
+    try:
+        cfg = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    v = cfg.get("tie_word_embeddings")
+    if v is None and isinstance(cfg.get("text_config"), dict):
+        v = cfg["text_config"].get("tie_word_embeddings")
+    return bool(v) if v is not None else None
+
+
+def load_reference(path: str | os.PathLike[str]) -> Reference:
+    """Load an ``--against`` reference (see module docstring).
+
+    Raises:
+        UsageError: missing, unreadable or not a reference.
+    """
+    p = Path(path)
+    if p.is_dir():
+        index = p / "model.safetensors.index.json"
+        if index.is_file():
+            tensors = _from_json(index)
+        else:
+            files = sorted(p.glob("*.safetensors"))
+            if not files:
+                raise _bad(p, "directory holds no model.safetensors.index.json and no *.safetensors")
+            tensors = {}
+            for f in files:
+                tensors.update(_safetensors_header(f))
+        tie = _tie(p / "config.json") if (p / "config.json").is_file() else None
+        return Reference(str(p), tensors, tie)
+    if not p.is_file():
+        raise _bad(p, "no such file or directory")
+    if p.suffix == ".safetensors":
+        tensors = _safetensors_header(p)
+    else:
+        tensors = _from_json(p)
+    cfg = p.parent / "config.json"
+    return Reference(str(p), tensors, _tie(cfg) if cfg.is_file() else None)

@@ -1,0 +1,311 @@
+"""Optimizer-state rules (``O``) and param-group rules (``P``).
+
+State fields and dtypes per optimizer type come from
+:mod:`ckpttool.model.optimizer`: ``adamw`` saves ``step``
+(0-d float32), ``exp_avg`` and ``exp_avg_sq`` (param dtype); the FP32-master
+variants add a float32 ``master_weight`` and keep moments as configured. The type
+is the one declared by the layout record's ``optimizer.type`` when present, else the
+one implied by the fields.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+from ckpttool.errors import CkptError
+from ckpttool.model.catalog import TensorEntry
+from ckpttool.model.optimizer import (
+    HYPERPARAMETERS,
+    OPTIMIZER_TYPES,
+    STATE_FIELDS,
+    dtype_name,
+    expected_state_dtypes,
+    infer_optimizer_type,
+)
+from ckpttool.ops.validate.base import Severity, rule
+from ckpttool.ops.validate.context import Context
+
+LOW_PRECISION = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                 "float8_e8m0fnu")
+_CORE = ("step", "exp_avg", "exp_avg_sq")
+
+
+def _states(ctx: Context) -> Iterator[tuple[str, dict[str, TensorEntry | None], TensorEntry | None]]:
+    """``(fqn, fields, model entry)`` of every parameter with state that is in the model."""
+    for fqn, ps in ctx.cat.optimizer_state.items():
+        if ps.fields and ps.in_model:
+            yield fqn, ps.fields, ctx.cat.model.get(f"model.{fqn}")
+
+
+def _membership_known(ctx: Context) -> bool:
+    """Every nested group's ``params`` list was read (else group membership is unknown)."""
+    return not any(g.flavor == "nested" and g.keys.get("params") in ctx.byte_item_errors for g in ctx.cat.param_groups)
+
+
+def _declared(ctx: Context) -> tuple[str | None, dict[str, Any]]:
+    rec = ctx.layout.record if ctx.layout is not None else None
+    if rec is None or not rec.optimizer:
+        return None, {}
+    t = rec.optimizer.get("type")
+    return (str(t) if t is not None else None), dict(rec.optimizer)
+
+
+@rule("O001", "partial-state", Severity.error,
+      "a parameter has some AdamW state fields but not all of step, exp_avg, exp_avg_sq",
+      "the save lost part of the optimizer state; use an earlier checkpoint (resuming would crash or reset moments)")
+def partial_state(ctx: Context) -> Iterator[tuple[str, str]]:
+    for fqn, fields, _ in _states(ctx):
+        if set(fields) - set(STATE_FIELDS):
+            continue  # not an AdamW family state: O008
+        missing = [f for f in _CORE if f not in fields]
+        if missing:
+            yield fqn, f"{fqn}: optimizer state lacks {', '.join(missing)} (has {', '.join(sorted(fields))})"
+
+
+@rule("O002", "no-state-no-hyperparameters", Severity.error,
+      "a parameter has no optimizer state and no saved param-group hyperparameters (while the rest of its "
+      "module/layer is optimized: frozen modules and buffers do not count)",
+      "save the param-group hyperparameters of never-stepped parameters too (flattened flavor: "
+      "optimizer.param_groups.<fqn>.lr, ...); otherwise their LR silently resets on resume")
+def no_state_no_hyperparameters(ctx: Context) -> Iterator[tuple[str, str]]:
+    if not ctx.has_optimizer or not _membership_known(ctx):
+        return
+    for fqn in ctx.cat.param_fqns:
+        ps = ctx.cat.optimizer_state.get(fqn)
+        if ps is not None and ps.fields:
+            continue
+        if ctx.group_of(fqn) is not None:
+            continue
+        if ctx.lost_hyperparameters(fqn):
+            yield fqn, (f"{fqn}: parameter has no optimizer state and no param-group hyperparameters "
+                        "(its lr/weight_decay would reset to the optimizer defaults on resume)")
+
+
+@rule("O003", "orphan-state", Severity.error,
+      "optimizer state for an fqn that is not a model tensor of the checkpoint",
+      "the optimizer state belongs to another model (renamed or removed parameters); fix the fqn mapping or re-save")
+def orphan_state(ctx: Context) -> Iterator[tuple[str, str]]:
+    for fqn, ps in ctx.cat.optimizer_state.items():
+        if not ps.in_model:
+            yield fqn, f"optimizer.state.{fqn}: {fqn!r} is not a model tensor (fields {', '.join(sorted(ps.fields))})"
+
+
+@rule("O004", "state-shape-mismatch", Severity.error,
+      "a state tensor's shape differs from its parameter's (step must be 0-d), or a field that must be a "
+      "tensor is saved as a Python object",
+      "the state belongs to a different model configuration or layout; use the matching checkpoint")
+def state_shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
+    for fqn, fields, param in _states(ctx):
+        for name, t in fields.items():
+            if name not in STATE_FIELDS:
+                continue
+            if t is None:
+                if name != "step":
+                    yield f"optimizer.state.{fqn}.{name}", f"optimizer.state.{fqn}.{name}: saved as a Python object, not a tensor"
+                continue
+            if name == "step":
+                if t.numel != 1:
+                    yield t.key, f"{t.key}: step has shape {list(t.shape)}, expected a 0-d tensor"
+            elif param is not None and t.shape != param.shape:
+                yield t.key, f"{t.key}: shape {list(t.shape)} differs from the parameter's {list(param.shape)}"
+
+
+@rule("O005", "state-dtype-policy", Severity.error,
+      "a state field's dtype violates the policy of the optimizer type declared in the layout record or implied "
+      "by the fields (master_weight and step float32; moments as declared, param dtype for plain adamw)",
+      "convert the state explicitly or fix the optimizer configuration; never let dcp.load cast it silently")
+def state_dtype_policy(ctx: Context) -> Iterator[tuple[str, str]]:
+    declared, cfg = _declared(ctx)
+    if declared is not None and declared not in OPTIMIZER_TYPES:
+        return  # O008
+    any_master = any("master_weight" in fields for _, fields, _ in _states(ctx))
+    for fqn, fields, param in _states(ctx):
+        if set(fields) - set(STATE_FIELDS) or any(f not in fields for f in _CORE):
+            continue  # O008 / O001
+        dts = {k: t.dtype for k, t in fields.items() if t is not None}
+        if "step" not in dts:
+            continue
+        check_step = dts["step"] not in LOW_PRECISION  # P003 reports low-precision steps
+        if declared is not None:
+            try:
+                want = {k: dtype_name(v) for k, v in expected_state_dtypes(
+                    declared, cfg, param.dtype if param is not None else "float32", fqn=fqn).items()}
+            except CkptError as e:
+                yield fqn, f"{fqn}: cannot derive the dtype policy of {declared!r}: {e.message}"
+                continue
+            source = f"declared type {declared}"
+        else:
+            probe = {k: ("float32" if k == "step" else v) for k, v in dts.items()}
+            try:
+                implied = infer_optimizer_type(probe)
+            except CkptError as e:
+                yield fqn, f"{fqn}: state dtypes {_fmt(dts)} match no optimizer type ({e.message})"
+                continue
+            pdt = param.dtype if param is not None else dts.get("exp_avg", "float32")
+            want = {k: dtype_name(v) for k, v in expected_state_dtypes(implied, {}, pdt, fqn=fqn).items()}
+            if implied == "master_fp32_adamw":  # moments of any dtype other than f32 are a configuration
+                want["exp_avg"] = want["exp_avg_sq"] = dts["exp_avg"]
+            source = f"implied type {implied}"
+        bad = [
+            f"{k} is {dts[k]} (expected {want[k]})"
+            for k in STATE_FIELDS
+            if k in want and k in dts and dts[k] != want[k] and (k != "step" or check_step)
+        ]
+        extra = [k for k in dts if k not in want]
+        bad += [f"{k} present but {source} has none" for k in extra]
+        if "master_weight" in want and "master_weight" not in dts and not any_master:
+            bad.append("master_weight missing (no parameter has one)")  # partial coverage: O006
+        if bad:
+            yield fqn, f"{fqn}: {'; '.join(bad)} ({source})"
+
+
+def _fmt(d: dict[str, str]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(d.items()))
+
+
+@rule("O006", "master-weight-partial", Severity.error,
+      "master_weight is present for some parameters of a param group (optimizer leaf) and absent for others",
+      "every parameter of an FP32-master optimizer has a master_weight; the save lost some: use an earlier checkpoint")
+def master_weight_partial(ctx: Context) -> Iterator[tuple[str, str]]:
+    sets = ctx.group_sets() or [("checkpoint", list(ctx.cat.optimizer_state))]
+    for label, fqns in sets:
+        with_state = [f for f in fqns if f in ctx.cat.optimizer_state and ctx.cat.optimizer_state[f].fields]
+        have = [f for f in with_state if "master_weight" in ctx.cat.optimizer_state[f].fields]
+        lack = [f for f in with_state if "master_weight" not in ctx.cat.optimizer_state[f].fields]
+        if have and lack:
+            yield lack[0], (f"{label}: {len(have)} parameter(s) have master_weight, {len(lack)} do not "
+                            f"(e.g. {lack[0]})")
+
+
+@rule("O007", "step-counters-disagree", Severity.warning,
+      "step counters of the parameters of one param group differ (read with --deep)",
+      "parameters that skipped steps (no gradient, e.g. unused experts) have fewer bias-correction steps; "
+      "check that this is expected", needs=("deep",))
+def step_counters_disagree(ctx: Context) -> Iterator[tuple[str, str]]:
+    steps = step_values(ctx)
+    for label, fqns in ctx.group_sets():
+        vals = {f: steps[f] for f in fqns if f in steps}
+        counts = Counter(vals.values())
+        if len(counts) > 1:
+            common = counts.most_common(1)[0][0]
+            odd = sorted(f for f, v in vals.items() if v != common)
+            desc = ", ".join(f"{n} at {_num(v)}" for v, n in counts.most_common(4))
+            yield odd[0], f"{label}: step counters disagree ({desc}; e.g. {odd[0]} at {_num(vals[odd[0]])})"
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if math.isfinite(v) and v == int(v) else repr(v)
+
+
+def step_values(ctx: Context) -> dict[str, float]:
+    """fqn -> saved ``step`` value (deep pass; tensors and old Python-number items)."""
+    out: dict[str, float] = {}
+    dr = ctx.deep_result
+    if dr is None:
+        return out
+    for fqn, ps in ctx.cat.optimizer_state.items():
+        t = ps.fields.get("step", "absent")
+        if t == "absent":
+            continue
+        if t is None:
+            v = dr.byte_values.get(f"optimizer.state.{fqn}.step")
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[fqn] = float(v)
+        elif isinstance(t, TensorEntry):
+            st = dr.stats.get(t.key)
+            if st is not None and len(st.values) == 1:
+                out[fqn] = st.values[0]
+    return out
+
+
+@rule("O008", "unrecognized-state", Severity.warning,
+      "optimizer state that is not an AdamW-family state ckpttool knows (unknown fields, or an unknown "
+      "optimizer.type in the layout record): its policy cannot be checked",
+      "nothing is checked for it; record the optimizer type in the layout record or check the state by hand")
+def unrecognized_state(ctx: Context) -> Iterator[tuple[str, str]]:
+    declared, _ = _declared(ctx)
+    if declared is not None and declared not in OPTIMIZER_TYPES:
+        yield "layout", f"layout record: optimizer.type {declared!r} is not one of {', '.join(OPTIMIZER_TYPES)}"
+    fields_seen: dict[str, list[str]] = defaultdict(list)
+    for fqn, fields, _ in _states(ctx):
+        for f in set(fields) - set(STATE_FIELDS):
+            fields_seen[f].append(fqn)
+    for f, fqns in sorted(fields_seen.items()):
+        yield fqns[0], f"{len(fqns)} parameter(s) have unknown state field {f!r} (e.g. {fqns[0]})"
+
+
+# ------------------------------------------------------------------------------------------ param groups
+@rule("P001", "group-missing-hyperparameter", Severity.error,
+      "a param group lacks lr, betas, eps or weight_decay",
+      "save the full param groups (torch's optimizer.state_dict() does); the optimizer would raise or silently "
+      "use its defaults on the first step after resume")
+def group_missing_hyperparameter(ctx: Context) -> Iterator[tuple[str, str]]:
+    for g in ctx.cat.param_groups:
+        missing = [h for h in HYPERPARAMETERS if h not in g.keys]
+        if missing:
+            yield f"optimizer.param_groups.{g.group_id}", (
+                f"param group {g.group_id}: missing {', '.join(missing)} (has {', '.join(sorted(g.keys)) or 'nothing'})")
+
+
+def _same_lr(a: object, b: object) -> bool:
+    """``lr == initial_lr`` for numbers and 0-d tensors (a scheduler that has not moved the LR yet)."""
+    def num(v: object) -> float | None:
+        if isinstance(v, bool):
+            return None
+        if isinstance(v, (int, float)):
+            return float(v)
+        try:  # a 0-d tensor LR (torch allows Tensor lr)
+            if getattr(v, "numel", lambda: 0)() == 1:
+                return float(v.item())  # type: ignore[attr-defined]
+        except Exception:
+            return None
+        return None
+
+    x, y = num(a), num(b)
+    if x is not None and y is not None:
+        return x == y
+    return repr(a) == repr(b)
+
+
+@rule("P002", "scheduler-initial-lr", Severity.info,
+      "a param group's saved lr differs from its initial_lr (an LR scheduler moved it): the saved lr is the "
+      "scheduled one",
+      "resume the scheduler from its saved state too, or the LR jumps back to initial_lr")
+def scheduler_initial_lr(ctx: Context) -> Iterator[tuple[str, str]]:
+    seen: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for g in ctx.cat.param_groups:
+        if "initial_lr" in g.values and not _same_lr(g.values.get("initial_lr"), g.values.get("lr")):
+            seen[(repr(g.values.get("initial_lr")), repr(g.values.get("lr")))].append(str(g.group_id))
+    for (ilr, lr), ids in seen.items():
+        more = f" and {len(ids) - 1} more" if len(ids) > 1 else ""
+        yield f"optimizer.param_groups.{ids[0]}", f"param group {ids[0]}{more}: initial_lr {ilr}, lr {lr}"
+
+
+@rule("P003", "step-low-precision", Severity.error,
+      "an optimizer step counter is stored as bfloat16/float16/float8 (it stops counting exactly past 256 in bf16)",
+      "save step as a float32 (torch's default) tensor; recover the true step from the training step counter")
+def step_low_precision(ctx: Context) -> Iterator[tuple[str, str]]:
+    bad = [(fqn, fields["step"]) for fqn, fields, _ in _states(ctx)
+           if isinstance(fields.get("step"), TensorEntry) and fields["step"].dtype in LOW_PRECISION]
+    for fqn, t in bad[:1]:
+        more = f" ({len(bad) - 1} more parameters too)" if len(bad) > 1 else ""
+        assert t is not None
+        yield t.key, f"{t.key}: step stored as {t.dtype}{more}"
+
+
+@rule("P004", "state-without-group", Severity.error,
+      "a parameter has optimizer state but belongs to no param group (no saved hyperparameters)",
+      "save the param groups with the state; on resume its hyperparameters would be the optimizer defaults")
+def state_without_group(ctx: Context) -> Iterator[tuple[str, str]]:
+    if not ctx.cat.param_groups:
+        if ctx.cat.optimizer_state:
+            yield "optimizer.param_groups", "optimizer state is saved but no param groups at all"
+        return
+    if not _membership_known(ctx):
+        return  # S011 reports why
+    for fqn, _, _ in _states(ctx):
+        if ctx.group_of(fqn) is None:
+            yield fqn, f"{fqn}: has optimizer state but is in no param group"

@@ -1,0 +1,252 @@
+"""``validate``: run the selected rules over an opened checkpoint and return a :class:`ValidationResult`.
+
+Exit status (``docs/errors.md``): 2 when a fatal finding says the input is unreadable or
+unsafe, 1 when findings fail the run (errors; warnings too with ``strict``), else 0.
+Info findings never fail a run.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import MetadataError
+from ckpttool.model.checkpoint import Checkpoint, open_checkpoint
+from ckpttool.model.declaration import LayoutDeclaration
+from ckpttool.model.hfconfig import read_hf_config
+from ckpttool.ops.validate import rules as _rules  # noqa: F401 - registers the rules
+from ckpttool.ops.validate.base import RULES, Finding, Rule, Severity, select_rules
+from ckpttool.ops.validate.context import Context
+from ckpttool.ops.validate.reference import load_reference
+
+__all__ = ["SCHEMA", "RuleStatus", "ValidateOptions", "ValidationResult", "validate", "validate_checkpoint"]
+
+SCHEMA = "ckpttool.validate/1"
+
+
+@dataclass(frozen=True)
+class ValidateOptions:
+    """What ``validate`` checks.
+
+    Attributes:
+        strict: warnings fail the run too (unknown or ambiguous things fail closed).
+        deep: also read every data byte once (files in parallel) for the ``D`` rules and others
+            marked ``--deep``.
+        select, ignore: rule codes or code prefixes (``"S"``, ``"O00"``, ``"D004"``); comma lists allowed.
+        config: HF ``config.json`` (path, or its dict) for the ``M00x`` config rules.
+        against: reference model (HF directory, ``.safetensors``, JSON key list) for ``M005..M008``.
+        workers: threads of the deep pass (``None``: ``min(8, max(2, CPU count))``).
+    """
+
+    strict: bool = False
+    deep: bool = False
+    select: Sequence[str] = ()
+    ignore: Sequence[str] = ()
+    config: str | os.PathLike[str] | dict[str, Any] | None = None
+    against: str | os.PathLike[str] | None = None
+    workers: int | None = None
+
+
+@dataclass(frozen=True)
+class RuleStatus:
+    """How one selected rule ended: ``passed``, ``failed`` (has failing findings), ``reported``
+    (non-failing findings only) or ``skipped`` (with ``reason``)."""
+
+    rule: Rule
+    status: str
+    reason: str | None = None
+    findings: tuple[Finding, ...] = ()
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    """Outcome of :func:`validate` (``--json``: :meth:`to_dict`, schema ``ckpttool.validate/1``).
+
+    Attributes:
+        path: the checkpoint; strict, deep: the options used.
+        findings: every finding, ordered by severity, code and key.
+        rules: status of every selected rule, in code order.
+        exit_code: 0 clean, 1 failing findings, 2 unreadable/unsafe input.
+        seconds: wall time; bytes_read: data bytes read (``--deep``); deep_seconds: time of the deep pass.
+    """
+
+    path: Path
+    strict: bool
+    deep: bool
+    findings: tuple[Finding, ...] = ()
+    rules: tuple[RuleStatus, ...] = ()
+    exit_code: int = 0
+    seconds: float = 0.0
+    bytes_read: int = 0
+    deep_seconds: float = 0.0
+
+    def fails(self, f: Finding) -> bool:
+        """Does this finding fail the run (errors; warnings with ``strict``)?"""
+        return _fails(f, self.strict)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        out = {s.value: 0 for s in Severity}
+        for f in self.findings:
+            out[f.severity.value] += 1
+        return out
+
+    @property
+    def failing(self) -> int:
+        return sum(1 for f in self.findings if self.fails(f))
+
+    @property
+    def fatal(self) -> Finding | None:
+        """The first finding that makes the input unusable (exit 2), if any."""
+        return next((f for f in self.findings if f.fatal), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON view, schema ``ckpttool.validate/1`` (``docs/rules.md``)."""
+        return {
+            "schema": SCHEMA,
+            "path": str(self.path),
+            "strict": self.strict,
+            "deep": self.deep,
+            "ok": self.exit_code == 0,
+            "exit_code": self.exit_code,
+            "counts": self.counts,
+            "failing": self.failing,
+            "findings": [{**f.to_dict(), "fails": self.fails(f)} for f in self.findings],
+            "rules": [
+                {"code": s.rule.code, "name": s.rule.name, "severity": s.rule.severity.value, "status": s.status,
+                 "reason": s.reason, "findings": len(s.findings)}
+                for s in self.rules
+            ],
+            "stats": {"seconds": round(self.seconds, 4), "bytes_read": self.bytes_read,
+                      "deep_seconds": round(self.deep_seconds, 4)},
+        }
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC: rules allocate many small acyclic objects (about halves 10^5-entry runs)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _fails(f: Finding, strict: bool) -> bool:
+    return f.severity is Severity.error or (strict and f.severity is Severity.warning)
+
+
+def _skip_reason(r: Rule, ctx: Context) -> str | None:
+    if "deep" in r.needs and not ctx.deep:
+        return "needs --deep"
+    if "config" in r.needs and ctx.config is None:
+        return "needs --config"
+    if "against" in r.needs and ctx.reference is None:
+        return "needs --against"
+    return None
+
+
+def _finish(path: Path, options: ValidateOptions, statuses: list[RuleStatus], t0: float,
+            bytes_read: int = 0, deep_seconds: float = 0.0) -> ValidationResult:
+    findings = sorted((f for s in statuses for f in s.findings), key=lambda f: (f.severity.rank, f.code, f.key or ""))
+    code = 2 if any(f.fatal for f in findings) else 1 if any(_fails(f, options.strict) for f in findings) else 0
+    return ValidationResult(path, options.strict, options.deep, tuple(findings), tuple(statuses), code,
+                            time.perf_counter() - t0, bytes_read, deep_seconds)
+
+
+def validate_checkpoint(
+    ckpt: Checkpoint,
+    options: ValidateOptions | None = None,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> ValidationResult:
+    """Check an opened checkpoint against the rules of ``docs/rules.md``.
+
+    Args:
+        ckpt: opened with ``record_problems=True`` (else a damaged byte item raises instead of
+            becoming a finding).
+        options: see :class:`ValidateOptions`.
+        progress: called as ``progress(bytes_done, bytes_total)`` during the deep pass.
+
+    Returns:
+        The :class:`ValidationResult` (a damaged checkpoint gives findings, not an exception).
+
+    Raises:
+        UsageError: an unknown rule code, an unreadable ``config``/``against``.
+    """
+    opts = options or ValidateOptions()
+    t0 = time.perf_counter()
+    rules = select_rules(opts.select, opts.ignore)
+    cfg = opts.config if isinstance(opts.config, dict) or opts.config is None else read_hf_config(opts.config)
+    ref = load_reference(opts.against) if opts.against is not None else None
+    with _gc_paused():
+        ckpt.param_groups()
+        ckpt.extra_state()
+        ctx = Context(ckpt, deep=opts.deep, strict=opts.strict, config=cfg, reference=ref)
+        bytes_read, deep_seconds = 0, 0.0
+        if opts.deep and any(not _skip_reason(r, ctx) and "deep" in r.needs for r in rules):
+            from ckpttool.ops.validate.deep import run_deep
+
+            ctx.deep_result = run_deep(ctx, opts.workers, progress)
+            bytes_read, deep_seconds = ctx.deep_result.bytes_read, ctx.deep_result.seconds
+        statuses: list[RuleStatus] = []
+        for r in rules:
+            reason = _skip_reason(r, ctx)
+            if reason is not None:
+                statuses.append(RuleStatus(r, "skipped", reason))
+                continue
+            found = [out if isinstance(out, Finding) else r.make(*out) for out in r.func(ctx)]
+            failing = any(_fails(f, opts.strict) for f in found)
+            statuses.append(RuleStatus(r, "failed" if failing else ("reported" if found else "passed"), None,
+                                       tuple(found)))
+    return _finish(Path(ckpt.path), opts, statuses, t0, bytes_read, deep_seconds)
+
+
+def validate(
+    path: str | os.PathLike[str],
+    options: ValidateOptions | None = None,
+    *,
+    declaration: LayoutDeclaration | None = None,
+    trust_pickle: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    **option_fields: Any,
+) -> ValidationResult:
+    """Open a checkpoint directory and validate it (:func:`validate_checkpoint`).
+
+    An unusable ``.metadata`` (missing, garbage, unsafe pickle) is the fatal finding ``S001``
+    (exit 2), not an exception.
+
+    Args:
+        path: checkpoint directory.
+        options: see :class:`ValidateOptions`; or give its fields as keywords
+            (``validate("ckpt/", strict=True, deep=True)``).
+        declaration: EP layout declaration for unversioned checkpoints.
+        trust_pickle: allow ``torch.load(weights_only=False)`` for byte items / ``extra_state``.
+        progress: called as ``progress(bytes_done, bytes_total)`` during the deep pass.
+
+    Raises:
+        UsageError: ``path`` is not a directory, an unknown rule code, unreadable ``config``/``against``.
+    """
+    opts = options if options is not None else ValidateOptions(**option_fields)
+    t0 = time.perf_counter()
+    try:
+        ckpt = open_checkpoint(path, declaration=declaration, trust_pickle=trust_pickle, record_problems=True)
+    except MetadataError as e:  # includes unsafe pickles and incomplete saves
+        rules = select_rules(opts.select, opts.ignore)
+        s001 = RULES["S001"]
+        statuses = [
+            RuleStatus(r, "failed", None, (s001.make(".metadata", e.message, e.hint or None, e.code),))
+            if r is s001 else RuleStatus(r, "skipped", ".metadata is unusable")
+            for r in rules
+        ]
+        return _finish(Path(path), opts, statuses, t0)
+    with ckpt:
+        return validate_checkpoint(ckpt, opts, progress=progress)

@@ -1,0 +1,523 @@
+"""FP32-master AdamW optimizers: ``FullFP32AdamW`` and ``MasterFP32AdamW``.
+
+Contract (DESIGN.md section 1, ``docs/optim_state.md``):
+
+- Per parameter the state holds ``step`` (0-d float32 tensor on the CPU),
+  ``master_weight`` (float32, the parameter's shape), ``exp_avg`` and ``exp_avg_sq``
+  (the configured moment dtype). For an FSDP2 parameter (a ``DTensor``) every
+  non-``step`` field is a ``DTensor`` with the parameter's mesh and placements, so DCP
+  shards it like the parameter; the arithmetic runs on the local shards.
+- The update is AdamW with decoupled weight decay (Loshchilov & Hutter 2019,
+  "Decoupled Weight Decay Regularization", Algorithm 2) in torch's convention
+  (``torch/optim/adamw.py`` -> ``torch/optim/adam.py::_multi_tensor_adam``), carried
+  out on the FP32 master with the same ``torch._foreach_*`` op sequence::
+
+      step     += 1
+      master   *= 1 - lr * weight_decay
+      exp_avg   = lerp(exp_avg, grad, 1 - beta1)
+      exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+      denom    = sqrt(exp_avg_sq) / sqrt(1 - beta2**step) + eps
+      master  += -(lr / (1 - beta1**step)) * exp_avg / denom
+      param    = master.to(param.dtype)            # round to nearest even
+
+  Moments held in BF16 are widened to FP32 for the step, the update uses the FP32
+  values, and the new moments are stored rounded to nearest even. Resident parameters
+  update with ``torch._foreach_*`` ops over a param group's tensors per device.
+- ``load_state_dict`` checks every saved field's presence, dtype and shape against
+  this optimizer's configuration *before* anything is cast or moved, and raises
+  :class:`~ckpttool.errors.OptimStateError` naming the parameter and field.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from itertools import chain
+from typing import Any, ClassVar
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ckpttool.errors import OptimStateError, UsageError
+from ckpttool.model.optimizer import dtype_name
+
+__all__ = ["FullFP32AdamW", "MasterFP32AdamW", "MasterAdamWBase"]
+
+logger = logging.getLogger(__name__)
+
+_F32 = torch.float32
+_ALLOWED_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _as_dtype(value: Any, what: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        dtype = value
+    else:
+        dtype = getattr(torch, dtype_name(value), None)
+    if dtype not in _ALLOWED_MOMENT_DTYPES:
+        raise UsageError(
+            f"{what} must be float32 or bfloat16, got {value!r}",
+            hint="set the moment dtype to float32 or bfloat16",
+        )
+    return dtype
+
+
+def _wrap_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """Wrap ``local`` as a DTensor with ``param``'s mesh and placements (identity for plain params)."""
+    if not isinstance(param, DTensor):
+        return local
+    mesh = param.device_mesh
+    if local.device.type == mesh.device_type:
+        return DTensor.from_local(
+            local, mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    # DTensor.from_local would move a CPU local tensor onto the mesh's accelerator; build the
+    # DTensor the way FSDP2's CPU offload does (torch/distributed/fsdp/_fully_shard/_fsdp_common.py).
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(
+        mesh, tuple(param.placements), tensor_meta=TensorMeta(param.shape, param.stride(), local.dtype)
+    )
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
+
+
+def _adamw_foreach_(
+    masters: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One in-place AdamW step over lists of local tensors on one device.
+
+    The op sequence is ``torch/optim/adam.py::_multi_tensor_adam`` (non-capturable,
+    decoupled weight decay), applied to the FP32 masters.
+
+    Args:
+        masters: float32 tensors, updated in place.
+        grads: gradients of the same shapes (any floating dtype; widened to float32).
+        exp_avgs, exp_avg_sqs: moments (float32 or bfloat16), updated in place.
+        steps: 0-d float32 CPU tensors, incremented in place.
+        lr, beta1, beta2, eps, weight_decay: hyperparameters (Python floats).
+    """
+    if not masters:
+        return
+    torch._foreach_add_(steps, 1.0)
+    g32 = [g if g.dtype == _F32 else g.to(_F32) for g in grads]
+    widen = exp_avgs[0].dtype != _F32
+    m32 = [m.to(_F32) for m in exp_avgs] if widen else exp_avgs
+    v32 = [v.to(_F32) for v in exp_avg_sqs] if widen else exp_avg_sqs
+    if weight_decay != 0:
+        torch._foreach_mul_(masters, 1 - lr * weight_decay)
+    torch._foreach_lerp_(m32, g32, 1 - beta1)
+    torch._foreach_mul_(v32, beta2)
+    torch._foreach_addcmul_(v32, g32, g32, 1 - beta2)
+    del g32
+    step_values = [s.item() for s in steps]
+    step_size = [(lr / (1 - beta1**s)) * -1 for s in step_values]
+    bias_correction2_sqrt = [(1 - beta2**s) ** 0.5 for s in step_values]
+    denom = torch._foreach_sqrt(v32)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(masters, m32, denom, step_size)
+    del denom
+    if widen:
+        torch._foreach_copy_(exp_avgs, m32)
+        torch._foreach_copy_(exp_avg_sqs, v32)
+
+
+def adamw_chunk_(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step_size: float,
+    bias_correction2_sqrt: float,
+) -> None:
+    """The AdamW update of :func:`_adamw_foreach_` on one 1-d chunk (step already incremented).
+
+    Args:
+        master: float32 chunk ``[n]``, updated in place.
+        grad: gradient chunk ``[n]`` (any floating dtype).
+        exp_avg, exp_avg_sq: moment chunks ``[n]`` (float32 or bfloat16), updated in place.
+        step_size: ``-(lr / (1 - beta1**step))``.
+        bias_correction2_sqrt: ``(1 - beta2**step) ** 0.5``.
+    """
+    g = grad if grad.dtype == _F32 else grad.to(_F32)
+    widen = exp_avg.dtype != _F32
+    m = exp_avg.to(_F32) if widen else exp_avg
+    v = exp_avg_sq.to(_F32) if widen else exp_avg_sq
+    if weight_decay != 0:
+        master.mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2)
+    v.addcmul_(g, g, value=1 - beta2)
+    denom = v.sqrt()
+    denom.div_(bias_correction2_sqrt)
+    denom.add_(eps)
+    master.addcdiv_(m, denom, value=step_size)
+    if widen:
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)
+
+
+class MasterAdamWBase(torch.optim.Optimizer):
+    """Common machinery of the FP32-master AdamW variants (not used directly).
+
+    Subclasses choose the moment dtype and the state placement per parameter
+    (:meth:`moment_dtype`, :meth:`offloaded`); offloaded parameters go through
+    :meth:`_step_offloaded`, which subclasses implement.
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs (e.g. ``model.named_parameters()``)
+            or param-group dicts, as for any ``torch.optim.Optimizer``.
+        lr: learning rate, >= 0. Default ``1e-3``.
+        betas: ``(beta1, beta2)``, each in ``[0, 1)``. Default ``(0.9, 0.999)``.
+        eps: added to the denominator, >= 0. Default ``1e-8``.
+        weight_decay: decoupled weight decay coefficient, >= 0. Default ``1e-2``.
+
+    Raises:
+        UsageError: a hyperparameter out of range, a tensor ``lr``.
+    """
+
+    type_name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ) -> None:
+        _check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group after checking its hyperparameters (see ``torch.optim.Optimizer``)."""
+        hyper = {k: param_group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in param_group}
+        _check_hyper(**hyper)
+        super().add_param_group(param_group)
+
+    # ----------------------------------------------------------------- policy
+    def moment_dtype(self, param: torch.Tensor) -> torch.dtype:
+        """Dtype of ``exp_avg``/``exp_avg_sq`` for ``param``."""
+        raise NotImplementedError
+
+    def offloaded(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s master and moments live in host memory and update on the CPU."""
+        return False
+
+    def state_device(self, param: torch.Tensor) -> torch.device:
+        """Device of ``param``'s ``master_weight`` and moments."""
+        return torch.device("cpu") if self.offloaded(param) else _local(param).device
+
+    def expected_state_dtypes(self, param: torch.Tensor) -> dict[str, torch.dtype]:
+        """``{field: dtype}`` this optimizer saves for ``param`` (see ``schema.expected_state_dtypes``)."""
+        mdt = self.moment_dtype(param)
+        return {"step": _F32, "master_weight": _F32, "exp_avg": mdt, "exp_avg_sq": mdt}
+
+    def param_name(self, param: torch.Tensor) -> str | None:
+        """The name given for ``param`` (``param_names`` of its group), if any."""
+        for group in self.param_groups:
+            names = group.get("param_names")
+            if names is None:
+                continue
+            for p, name in zip(group["params"], names):
+                if p is param:
+                    return str(name)
+        return None
+
+    # ------------------------------------------------------------------ state
+    def _init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        device = self.state_device(param)
+        mdt = self.moment_dtype(param)
+        local = _local(param).detach()
+        master = local.to(device=device, dtype=_F32, copy=True)
+        state = {
+            "step": torch.zeros((), dtype=_F32),
+            "master_weight": _wrap_like(param, master),
+            "exp_avg": _wrap_like(param, torch.zeros(local.shape, dtype=mdt, device=device)),
+            "exp_avg_sq": _wrap_like(param, torch.zeros(local.shape, dtype=mdt, device=device)),
+        }
+        return state
+
+    def state_template(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Freshly initialized state for ``param`` (not installed): a DCP load target.
+
+        Returns:
+            ``{"step": 0-d f32, "master_weight": f32 copy of the parameter, "exp_avg", "exp_avg_sq": zeros}``
+            with this optimizer's dtypes and placement (DTensors for DTensor parameters).
+        """
+        return self._init_state(param)
+
+    # ------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Perform one optimizer step over every parameter that has a gradient.
+
+        Args:
+            closure: optional callable re-evaluating the model and returning the loss.
+
+        Returns:
+            The closure's loss, or ``None``.
+
+        Raises:
+            UsageError: a sparse gradient.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            lr = lr.item()
+        beta1, beta2 = group["betas"]
+        hyper = {"lr": float(lr), "beta1": beta1, "beta2": beta2, "eps": group["eps"], "weight_decay": group["weight_decay"]}
+        buckets: dict[tuple[Any, ...], list[list[torch.Tensor]]] = defaultdict(lambda: [[], [], [], [], [], []])
+        offloaded: list[torch.Tensor] = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise UsageError(f"{type(self).__name__} does not support sparse gradients", hint="use dense gradients")
+            state = self.state.get(p)
+            if not state:
+                self.state[p] = state = self._init_state(p)
+            if self.offloaded(p):
+                offloaded.append(p)
+                continue
+            master = _local(state["master_weight"])
+            key = (master.device, state["exp_avg"].dtype)
+            bucket = buckets[key]
+            bucket[0].append(master)
+            bucket[1].append(_local(p.grad))
+            bucket[2].append(_local(state["exp_avg"]))
+            bucket[3].append(_local(state["exp_avg_sq"]))
+            bucket[4].append(state["step"])
+            bucket[5].append(_local(p))
+        for masters, grads, exp_avgs, exp_avg_sqs, steps, params in buckets.values():
+            _adamw_foreach_(masters, grads, exp_avgs, exp_avg_sqs, steps, **hyper)
+            torch._foreach_copy_(params, masters)
+        if offloaded:
+            self._step_offloaded(offloaded, hyper)
+
+    def _step_offloaded(self, params: list[torch.Tensor], hyper: dict[str, float]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} offloads no parameter")
+
+    # ------------------------------------------------------------- load state
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore state and hyperparameters after checking saved dtypes and shapes.
+
+        Accepts the ``torch.optim.Optimizer.state_dict()`` layout: ``state`` keyed by
+        parameter id *or* FQN, ``param_groups`` whose ``params`` list those keys in order.
+        Every field is checked against :meth:`expected_state_dtypes` (dtype) and the
+        parameter's global shape (``step`` is 0-d) before anything is cast or moved;
+        no dtype is ever converted. Tensors may be plain tensors or DTensors (a plain
+        tensor for a DTensor parameter is sliced locally to the parameter's placement).
+        A parameter absent from ``state`` (or with an empty dict) gets no state.
+
+        Args:
+            state_dict: ``{"state": {key: {field: Tensor}}, "param_groups": [...]}``.
+
+        Raises:
+            OptimStateError: unknown parameter key, missing or extra field, wrong dtype or
+                shape, group count/size mismatch.
+        """
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+            raise OptimStateError(
+                "an optimizer state dict needs the keys 'state' and 'param_groups'",
+                hint="pass what optimizer.state_dict() returns (see docs/optim_state.md)",
+            )
+        saved_groups = list(state_dict["param_groups"])
+        groups = self.param_groups
+        if len(saved_groups) != len(groups):
+            raise OptimStateError(
+                f"saved state has {len(saved_groups)} param group(s), the optimizer has {len(groups)}",
+                hint="build the optimizer with the same param groups as the run that saved the state",
+            )
+        for i, (g, sg) in enumerate(zip(groups, saved_groups)):
+            if len(g["params"]) != len(sg["params"]):
+                raise OptimStateError(
+                    f"param group {i}: saved {len(sg['params'])} parameter(s), the optimizer has {len(g['params'])}",
+                    hint="build the optimizer with the same param groups as the run that saved the state",
+                )
+        id_map = dict(zip(chain.from_iterable(sg["params"] for sg in saved_groups), chain.from_iterable(g["params"] for g in groups)))
+        placed: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        for key, fields in state_dict["state"].items():
+            if key not in id_map:
+                raise OptimStateError(f"saved state for parameter {key!r} that no param group lists", fqn=str(key))
+            if not fields:
+                continue
+            param = id_map[key]
+            self._check_saved_fields(param, str(self.param_name(param) or key), fields)
+            placed[param] = {f: self._place(param, f, v) for f, v in fields.items()}
+        super().load_state_dict({"state": {}, "param_groups": saved_groups})
+        for param, fields in placed.items():
+            self.state[param] = fields
+
+    def _check_saved_fields(self, param: torch.Tensor, name: str, fields: Mapping[str, Any]) -> None:
+        expected = self.expected_state_dtypes(param)
+        missing = [f for f in expected if f not in fields]
+        extra = [f for f in fields if f not in expected]
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"missing {', '.join(missing)}")
+            if extra:
+                parts.append(f"unexpected {', '.join(extra)}")
+            raise OptimStateError(
+                f"optimizer state of {name}: {'; '.join(parts)} for {self.type_name}",
+                fqn=name,
+                hint=f"the state was saved by another optimizer type; {self.type_name} saves {', '.join(expected)}",
+            )
+        for field, dtype in expected.items():
+            value = fields[field]
+            if not isinstance(value, torch.Tensor):
+                raise OptimStateError(
+                    f"optimizer state {name}.{field} is a {type(value).__name__}, expected a {dtype_name(dtype)} tensor",
+                    fqn=name,
+                )
+            if value.dtype != dtype:
+                raise OptimStateError(
+                    f"optimizer state {name}.{field} was saved as {dtype_name(value.dtype)} but {self.type_name} "
+                    f"is configured for {dtype_name(dtype)}; refusing to convert it",
+                    fqn=name,
+                    hint="configure the optimizer with the saved moment dtype, or convert the checkpoint explicitly",
+                )
+            shape = torch.Size([]) if field == "step" else param.shape
+            if value.shape != shape:
+                raise OptimStateError(
+                    f"optimizer state {name}.{field} has shape {list(value.shape)}, the parameter needs {list(shape)}",
+                    fqn=name,
+                    hint="the state belongs to a different model configuration",
+                )
+
+    def _place(self, param: torch.Tensor, field: str, value: torch.Tensor) -> torch.Tensor:
+        if field == "step":
+            return (value.full_tensor() if isinstance(value, DTensor) else value).detach().to("cpu")
+        device = self.state_device(param)
+        if isinstance(param, DTensor):
+            if isinstance(value, DTensor):
+                if tuple(value.placements) != tuple(param.placements):
+                    value = value.redistribute(param.device_mesh, param.placements)
+                local = value.to_local()
+            else:
+                from torch.distributed.tensor import distribute_tensor
+
+                local = distribute_tensor(
+                    value.to(param.device_mesh.device_type), param.device_mesh, param.placements, src_data_rank=None
+                ).to_local()
+            return _wrap_like(param, local.detach().to(device))
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        return value.detach().to(device)
+
+
+def _check_hyper(**hyper: Any) -> None:
+    lr = hyper.get("lr")
+    if lr is not None:
+        if isinstance(lr, torch.Tensor):
+            raise UsageError("a tensor learning rate is not supported", hint="pass lr as a Python float")
+        if not lr >= 0.0:
+            raise UsageError(f"invalid learning rate {lr}", hint="lr must be >= 0")
+    betas = hyper.get("betas")
+    if betas is not None:
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise UsageError(f"invalid betas {betas}", hint="betas must be two floats in [0, 1)")
+    eps = hyper.get("eps")
+    if eps is not None and not eps >= 0.0:
+        raise UsageError(f"invalid eps {eps}", hint="eps must be >= 0")
+    wd = hyper.get("weight_decay")
+    if wd is not None and not wd >= 0.0:
+        raise UsageError(f"invalid weight_decay {wd}", hint="weight_decay must be >= 0")
+
+
+class FullFP32AdamW(MasterAdamWBase):
+    """AdamW with an FP32 master weight and FP32 moments for parameters of any float dtype.
+
+    State per parameter: ``step`` (0-d f32, CPU), ``master_weight`` f32, ``exp_avg`` f32,
+    ``exp_avg_sq`` f32 (DTensors like the parameter under FSDP2). After each step the
+    parameter receives ``master.to(param.dtype)`` (round to nearest even).
+
+    Formula: Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization"
+    (Algorithm 2), with bias correction and weight decay exactly as ``torch.optim.AdamW``
+    (``torch/optim/adam.py::_multi_tensor_adam``); see the module docstring.
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs or param-group dicts.
+        lr: learning rate. Default ``1e-3``.
+        betas: ``(beta1, beta2)``. Default ``(0.9, 0.999)``.
+        eps: denominator term. Default ``1e-8``.
+        weight_decay: decoupled weight decay. Default ``1e-2``.
+
+    Raises:
+        UsageError: a hyperparameter out of range.
+    """
+
+    type_name = "full_fp32_adamw"
+
+    def moment_dtype(self, param: torch.Tensor) -> torch.dtype:
+        return _F32
+
+
+class MasterFP32AdamW(MasterAdamWBase):
+    """AdamW with an FP32 master weight and moments of an explicitly configured dtype.
+
+    Identical arithmetic to :class:`FullFP32AdamW` (moments are widened to FP32 for the
+    update and stored back rounded to nearest even when ``moment_dtype`` is BF16).
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs or param-group dicts.
+        lr: learning rate. Default ``1e-3``.
+        betas: ``(beta1, beta2)``. Default ``(0.9, 0.999)``.
+        eps: denominator term. Default ``1e-8``.
+        weight_decay: decoupled weight decay. Default ``1e-2``.
+        moment_dtype: ``torch.bfloat16`` (default) or ``torch.float32`` (names accepted).
+
+    Raises:
+        UsageError: a hyperparameter out of range or another moment dtype.
+    """
+
+    type_name = "master_fp32_adamw"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        moment_dtype: torch.dtype | str = torch.bfloat16,
+    ) -> None:
+        self._moment_dtype = _as_dtype(moment_dtype, "moment_dtype")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def moment_dtype(self, param: torch.Tensor) -> torch.dtype:
+        return self._moment_dtype
+

@@ -1,0 +1,196 @@
+"""Bad input to `ckpttool inspect`: one `error:` line naming the file/key, a hint, exit 2, no traceback."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch.distributed.checkpoint as dcp
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+
+runner = CliRunner()
+
+
+def _canary(path: str) -> None:
+    """Would prove code execution: creates ``path`` if ever called."""
+    Path(path).write_text("executed")
+
+
+class _CanaryPayload:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (_canary, (self.path,))
+
+
+def assert_clean_failure(res, code: str, *needles: str, exit_code: int = 2) -> None:  # type: ignore[no-untyped-def]
+    assert res.exit_code == exit_code, (res.stdout, res.stderr)
+    assert res.stdout == ""
+    lines = res.stderr.strip().splitlines()
+    assert lines[0].startswith(f"error: [{code}]"), res.stderr
+    assert len(lines) == 2 and lines[1].startswith("hint: "), res.stderr
+    assert "Traceback" not in res.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def inspect(path: Path):  # type: ignore[no-untyped-def]
+    return runner.invoke(app, ["inspect", str(path)])
+
+
+def test_not_a_directory(tmp_path: Path) -> None:
+    f = tmp_path / "file.bin"
+    f.write_bytes(b"x")
+    assert_clean_failure(inspect(f), "E100", "not a directory")
+    assert_clean_failure(inspect(tmp_path / "nope"), "E100", "no such directory")
+
+
+def test_no_metadata(tmp_path: Path) -> None:
+    assert_clean_failure(inspect(tmp_path), "E200", "no .metadata")
+
+
+def test_incomplete_save(tmp_path: Path, dense_ckpt: Path) -> None:
+    ck = shutil.copytree(dense_ckpt, tmp_path / "ck")
+    (ck / ".metadata").unlink()
+    assert_clean_failure(inspect(ck), "E202", "incomplete save")
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [(b"", "is empty"), (b"\x80\x04\x95garbage", "not a readable pickle"), (os.urandom(4096), ".metadata"),
+     (pickle.dumps({"a": 1}), "not a DCP Metadata")],
+    ids=["empty", "truncated", "random", "wrong-type"],
+)
+def test_bad_metadata(tmp_path: Path, dense_ckpt: Path, content: bytes, needle: str) -> None:
+    ck = shutil.copytree(dense_ckpt, tmp_path / "ck")
+    (ck / ".metadata").write_bytes(content)
+    res = inspect(ck)
+    assert res.exit_code == 2 and "Traceback" not in res.stderr
+    assert res.stderr.startswith("error: [E20")
+    assert needle in res.stderr.splitlines()[0]
+
+
+def test_truncated_real_metadata(tmp_path: Path, dense_ckpt: Path) -> None:
+    ck = shutil.copytree(dense_ckpt, tmp_path / "ck")
+    data = (ck / ".metadata").read_bytes()
+    (ck / ".metadata").write_bytes(data[: len(data) // 2])
+    assert_clean_failure(inspect(ck), "E200", ".metadata")
+
+
+def test_refused_pickle_global_never_runs(tmp_path: Path, dense_ckpt: Path) -> None:
+    ck = shutil.copytree(dense_ckpt, tmp_path / "ck")
+    canary = tmp_path / "canary"
+    (ck / ".metadata").write_bytes(pickle.dumps(_CanaryPayload(str(canary))))
+    assert_clean_failure(inspect(ck), "E201", "tests.cli.test_cli_errors._canary")
+    assert not canary.exists()
+
+
+def test_path_escaping_directory(tmp_path: Path, dense_ckpt: Path) -> None:
+    ck = shutil.copytree(dense_ckpt, tmp_path / "ck")
+    shutil.copy(ck / "__0_0.distcp", tmp_path / "outside.distcp")
+    md = dcp.FileSystemReader(str(ck)).read_metadata()
+    for info in md.storage_data.values():
+        info.relative_path = "../outside.distcp"
+    with open(ck / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    assert_clean_failure(inspect(ck), "E101", "../outside.distcp", "outside the checkpoint")
+
+
+def test_symlinked_data_file_escaping(tmp_path: Path, dense_ckpt: Path) -> None:
+    ck = shutil.copytree(dense_ckpt, tmp_path / "ck")
+    shutil.move(ck / "__0_0.distcp", tmp_path / "elsewhere.distcp")
+    (ck / "__0_0.distcp").symlink_to(tmp_path / "elsewhere.distcp")
+    assert_clean_failure(inspect(ck), "E101", "__0_0.distcp")
+
+
+def test_short_and_missing_data_file(tmp_path: Path, dense_ckpt: Path) -> None:
+    ck = shutil.copytree(dense_ckpt, tmp_path / "ck")
+    with open(ck / "__0_0.distcp", "r+b") as f:
+        f.truncate(100)
+    assert_clean_failure(inspect(ck), "E300", "__0_0.distcp", "truncated")
+    (ck / "__0_0.distcp").unlink()
+    assert_clean_failure(inspect(ck), "E300", "__0_0.distcp", "missing")
+
+
+def test_trust_pickle_option_reads_extra_state(tmp_path: Path, dense_ckpt: Path) -> None:
+    import fractions
+    import json
+
+    import torch
+
+    ck = shutil.copytree(dense_ckpt, tmp_path / "ck")
+    (ck / "extra_state").mkdir()
+    torch.save({"ratio": fractions.Fraction(1, 3), "global_step": 7}, ck / "extra_state" / "extra_state_rank_0.pt")
+    res = runner.invoke(app, ["inspect", "--json", "--trust-pickle", str(ck)])
+    assert res.exit_code == 0
+    (extra,) = json.loads(res.stdout)["extra_state"]
+    assert extra["status"] == "ok" and extra["global_step"] == 7
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["inspect", "--bogus", "X"], "--bogus"),
+        (["inspect", "X", "--depth", "0"], "--depth"),
+        (["inspect", "X", "--sort", "foo"], "--sort"),
+        (["inspect"], "Missing argument"),
+        (["frob"], "No such command 'frob'"),
+    ],
+    ids=["unknown-option", "bad-depth", "bad-choice", "missing-arg", "unknown-command"],
+)
+def test_usage_errors_follow_the_error_contract(argv: list[str], needle: str) -> None:
+    res = runner.invoke(app, argv)
+    assert_clean_failure(res, "E100", needle)
+    assert "--help" in res.stderr.splitlines()[1]
+
+
+def test_no_arguments_prints_help() -> None:
+    res = runner.invoke(app, [])
+    assert res.exit_code == 0 and "Commands" in res.stdout
+
+
+@pytest.mark.parametrize("argv", [["inspect"], ["inspect", "--json"], ["validate", "--strict"]])
+def test_closed_stdout_is_not_a_failure(argv: list[str], sample_ckpt: Path) -> None:
+    """`ckpttool inspect DIR | head -1`: the reader going away is a normal stop (exit 0), not 1."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from ckpttool.cli import main; main()", *argv, str(sample_ckpt)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first write
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "error" not in err
+
+
+def test_finalizer_noise_from_an_interrupt_is_not_printed(capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupt landing in ``__del__`` (Python prints "Exception ignored in ...") is handled by
+    AtomicOutputDir's flag; the CLI's unraisable hook keeps it off stderr, and only it."""
+    import sys
+
+    from ckpttool.format import atomic as output
+    from ckpttool.cli.app import _unraisable
+
+    class Raises:
+        def __init__(self, exc: BaseException) -> None:
+            self.exc = exc
+
+        def __del__(self) -> None:
+            raise self.exc
+
+    monkeypatch.setattr(sys, "unraisablehook", _unraisable)
+    Raises(KeyboardInterrupt())  # collected at once: its __del__ raises
+    assert capsys.readouterr().err == ""
+    assert not output.signal_received()
+    Raises(AttributeError("'ZipFile' object has no attribute '_writing'"))  # no signal seen: a real bug, printed
+    assert "_writing" in capsys.readouterr().err

@@ -1,0 +1,141 @@
+"""``ckpttool validate`` command line: output formats, selection, strictness, exit codes."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.ops.validate import RULES
+from ckpttool.cli.app import app
+from tests.fixtures import damage
+from tests.fixtures.cache import copy_checkpoint
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def broken(dense_ckpt: Path, tmp_path: Path) -> Path:
+    """Dense fixture with one error (P001: eps dropped) and one warning (S006: stray data file)."""
+    ck = copy_checkpoint(dense_ckpt, tmp_path / "ckpt")
+    assert damage.drop_keys(ck, lambda k: k == "optimizer.param_groups.0.eps")
+    (ck / "__5_0.distcp").write_bytes(b"stale")
+    return ck
+
+
+def test_table_output_groups_by_severity_and_ends_with_counts(broken: Path) -> None:
+    res = runner.invoke(app, ["validate", str(broken)])
+    assert res.exit_code == 1 and res.stderr == ""
+    out = res.stdout
+    assert out.index("errors (1)") < out.index("warnings (do not fail without --strict) (1)")
+    assert "P001" in out and "S006" in out and "missing eps" in out
+    assert out.splitlines()[-1].startswith("FAILED: 1 error(s), 1 warning(s), 0 info;")
+
+
+def test_json_schema_and_fail_flags(broken: Path) -> None:
+    res = runner.invoke(app, ["validate", str(broken), "--json"])
+    assert res.exit_code == 1 and res.stderr == ""
+    doc = json.loads(res.stdout)
+    assert doc["schema"] == "ckpttool.validate/1" and doc["exit_code"] == 1 and not doc["ok"]
+    assert doc["counts"] == {"error": 1, "warning": 1, "info": 0} and doc["failing"] == 1
+    by = {f["code"]: f for f in doc["findings"]}
+    assert set(by) == {"P001", "S006"}
+    assert by["P001"]["fails"] and not by["S006"]["fails"]
+    for f in doc["findings"]:
+        assert set(f) == {"code", "severity", "key", "message", "hint", "error_code", "fatal", "fails"}
+    status = {r["code"]: r["status"] for r in doc["rules"]}
+    assert status["P001"] == "failed" and status["S006"] == "reported" and status["D001"] == "skipped"
+    assert status["S002"] == "passed" and len(status) == len(RULES)
+
+
+def test_strict_turns_warnings_into_failures(dense_ckpt: Path, tmp_path: Path) -> None:
+    ck = copy_checkpoint(dense_ckpt, tmp_path / "ckpt")
+    (ck / "__5_0.distcp").write_bytes(b"stale")
+    assert runner.invoke(app, ["validate", str(ck)]).exit_code == 0
+    res = runner.invoke(app, ["validate", str(ck), "--strict"])
+    assert res.exit_code == 1 and "[strict]" in res.stdout.splitlines()[-1]
+
+
+def test_select_and_ignore_by_code_and_prefix(broken: Path) -> None:
+    def run(*opts: str) -> tuple[int, set[str], set[str]]:
+        r = runner.invoke(app, ["validate", str(broken), "--json", "--strict", *opts])
+        doc = json.loads(r.stdout)
+        return r.exit_code, {f["code"] for f in doc["findings"]}, {x["code"] for x in doc["rules"]}
+
+    rc, found, ran = run("--ignore", "P001")
+    assert (rc, found) == (1, {"S006"}) and "P001" not in ran
+    rc, found, ran = run("--ignore", "P00,S006")
+    assert (rc, found) == (0, set())
+    rc, found, ran = run("--select", "P")
+    assert (rc, found) == (1, {"P001"}) and ran == {c for c in RULES if c[0] == "P"} | {"S001", "S009"}
+    rc, found, _ = run("--select", "s00", "--select", "O")
+    assert (rc, found) == (1, {"S006"})
+
+
+def test_unknown_rule_code_is_a_usage_error(dense_ckpt: Path) -> None:
+    res = runner.invoke(app, ["validate", str(dense_ckpt), "--select", "Z9"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.startswith("error: [E100] --select 'Z9' matches no rule code")
+
+
+def test_not_a_directory_exits_2_without_traceback(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["validate", str(tmp_path / "nope"), "--json"])
+    assert res.exit_code == 2 and res.stdout == "" and "Traceback" not in res.stderr
+    assert res.stderr.startswith("error: [E100]")
+
+
+def test_junit_report_has_one_case_per_rule(broken: Path, tmp_path: Path) -> None:
+    junit = tmp_path / "report.xml"
+    res = runner.invoke(app, ["validate", str(broken), "--junit", str(junit), "--json"])
+    assert res.exit_code == 1 and json.loads(res.stdout)["exit_code"] == 1
+    root = ET.parse(junit).getroot()
+    suite = root.find("testsuite")
+    assert suite is not None
+    cases = {c.get("name").split()[0]: c for c in suite.findall("testcase")}
+    assert set(cases) == set(RULES) and suite.get("tests") == str(len(RULES))
+    assert suite.get("failures") == "1"
+    fail = cases["P001"].find("failure")
+    assert fail is not None and "missing eps" in fail.get("message")
+    assert cases["S006"].find("failure") is None and "S006" in cases["S006"].find("system-out").text
+    assert cases["D001"].find("skipped").get("message") == "needs --deep"
+    assert cases["S002"].find("failure") is None and cases["S002"].find("skipped") is None
+
+
+def test_junit_strict_marks_warnings_as_failures(broken: Path, tmp_path: Path) -> None:
+    junit = tmp_path / "r.xml"
+    runner.invoke(app, ["validate", str(broken), "--strict", "--junit", str(junit)])
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert suite.get("failures") == "2"
+
+
+def test_list_rules_json(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["validate", "--list-rules", "--json"])
+    assert res.exit_code == 0
+    rows = json.loads(res.stdout)["rules"]
+    assert [r["code"] for r in rows] == sorted(RULES)
+    assert {r["code"] for r in rows if r["fatal"]} == {"S001", "S009"}
+
+
+def test_source_checkpoint_is_not_modified(broken: Path) -> None:
+    before = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in broken.iterdir()}
+    runner.invoke(app, ["validate", str(broken), "--deep", "--strict"])
+    after = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in broken.iterdir()}
+    assert before == after
+
+
+@pytest.mark.parametrize("where", ["dir", "missing_parent"])
+def test_unwritable_junit_path_gets_a_validate_hint(broken: Path, tmp_path: Path, where: str) -> None:
+    target = tmp_path if where == "dir" else tmp_path / "no" / "such" / "r.xml"
+    res = runner.invoke(app, ["validate", str(broken), "--junit", str(target)])
+    assert res.exit_code == 2 and res.stdout == ""  # refused before any checking: no report on stdout
+    err = res.stderr.splitlines()
+    assert len(err) == 2, res.stderr
+    if where == "dir":
+        assert err[0] == f"error: [E600] --junit {target}: is a directory, not a file"
+    else:
+        assert err[0] == f"error: [E600] --junit {target}: directory {target.parent} does not exist"
+    assert err[1].startswith("hint: ") and "--junit takes the path of a file" in err[1]
+    assert "--overwrite" not in res.stderr  # validate has no such option

@@ -1,0 +1,286 @@
+"""The safe reader against torch's own `dcp.load` on real checkpoints."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckpttool.format import CheckpointDir, CheckpointReader, parse_metadata_bytes, tiling_problem
+from ckpttool.format.copy import BOUNCE_BYTES, copy_range
+from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
+from ckpttool.errors import (
+    AllocationError,
+    ChunkError,
+    DataFileError,
+    MetadataError,
+    TransformError,
+    UnsafePickleError,
+)
+
+
+def torch_load_all(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, loaded by torch's own reader (the reference)."""
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    sd = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if hasattr(v, "size")
+    }
+    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    return sd
+
+
+@pytest.mark.parametrize("name", ["dense_ckpt", "multi_optim_ckpt", "fsdp_ckpt", "sample_ckpt"])
+def test_every_tensor_equals_torch_dcp_load(name: str, request: pytest.FixtureRequest) -> None:
+    path: Path = request.getfixturevalue(name)
+    expected = torch_load_all(path)
+    with CheckpointReader(path) as r:
+        for key, ref in expected.items():
+            got = r.read_tensor(key)
+            assert got.dtype == ref.dtype and got.shape == ref.shape, key
+            assert torch.equal(got.view(torch.uint8) if got.dim() else got, ref.view(torch.uint8) if ref.dim() else ref), key
+
+
+def test_read_chunk_of_fsdp_shard(fsdp_ckpt: Path) -> None:
+    expected = torch_load_all(fsdp_ckpt)["model.model.layers.0.odd"]
+    with CheckpointReader(fsdp_ckpt) as r:
+        meta = r.tensor_meta("model.model.layers.0.odd")
+        for chunk in meta.chunks:
+            got = r.read_chunk("model.model.layers.0.odd", chunk)
+            assert tuple(got.shape) == chunk.sizes
+            assert torch.equal(got, expected[chunk.offsets[0]: chunk.offsets[0] + chunk.sizes[0]])
+
+
+def test_each_chunk_read_once(fsdp_ckpt: Path) -> None:
+    with CheckpointReader(fsdp_ckpt) as r:
+        meta = r.tensor_meta("model.model.embed_tokens.weight")
+        r.read_tensor("model.model.embed_tokens.weight")
+        assert r.bytes_read == meta.nbytes  # raw storage bytes only, no intermediate copies
+
+
+def test_byte_items_are_plain_values(dense_ckpt: Path) -> None:
+    with CheckpointReader(dense_ckpt) as r:
+        assert r.read_object("optimizer.param_groups.0.lr") == pytest.approx(1e-3)
+        assert r.read_object("optimizer.param_groups.0.betas") == (0.9, 0.95)
+        params = r.read_object("optimizer.param_groups.0.params")
+        assert "model.embed_tokens.weight" in params
+
+
+def test_metadata_parsing_does_not_import_torch(sample_ckpt: Path) -> None:
+    import subprocess
+
+    code = (
+        "import sys; from ckpttool.model.catalog import build_catalog, load_param_groups;"
+        f"from ckpttool.format import CheckpointReader; r = CheckpointReader({str(sample_ckpt)!r});"
+        "c = build_catalog(r); load_param_groups(c, r); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_zstd_transform_is_decoded(tmp_path: Path) -> None:
+    zstd = pytest.importorskip("zstandard")
+    del zstd
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    sd = {"model": {"w": torch.randn(64, 8), "b": torch.arange(5)}}
+    writer = dcp.FileSystemWriter(str(tmp_path / "z"), _extensions=[ZStandard()])
+    dcp.save(sd, storage_writer=writer)
+    with CheckpointReader(tmp_path / "z") as r:
+        info = r.storage_info("model.w", r.tensor_meta("model.w").chunks[0])
+        assert info.transform_descriptors
+        assert torch.equal(r.read_tensor("model.w"), sd["model"]["w"])
+        assert torch.equal(r.read_tensor("model.b"), sd["model"]["b"])
+
+
+def _rewrite_metadata(path: Path, mutate) -> None:  # type: ignore[no-untyped-def]
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    mutate(md)
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+
+
+def test_unknown_transform_is_refused(tmp_path: Path, dense_ckpt: Path) -> None:
+    ck = shutil.copytree(dense_ckpt, tmp_path / "ck")
+    key = "model.model.norm.weight"
+
+    def mutate(md) -> None:  # type: ignore[no-untyped-def]
+        for idx, info in md.storage_data.items():
+            if idx.fqn == key:
+                info.transform_descriptors = ["stream.rot13/1"]
+
+    _rewrite_metadata(ck, mutate)
+    with CheckpointReader(ck) as r, pytest.raises(TransformError, match="stream.rot13"):
+        r.read_tensor(key)
+
+
+def test_truncated_file_is_refused_before_reading(tmp_path: Path, dense_ckpt: Path) -> None:
+    ck = shutil.copytree(dense_ckpt, tmp_path / "ck")
+    data = ck / "__0_0.distcp"
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    with CheckpointReader(ck) as r:
+        last = max(r.metadata.storage.items(), key=lambda kv: kv[1].offset)
+        fqn = last[0][0]
+        with pytest.raises(DataFileError, match="truncated"):
+            if last[0][1] is None:
+                r.read_object(fqn)
+            else:
+                r.read_tensor(fqn)
+
+
+def test_missing_data_file(tmp_path: Path, fsdp_ckpt: Path) -> None:
+    ck = shutil.copytree(fsdp_ckpt, tmp_path / "ck")
+    (ck / "__2_0.distcp").unlink()
+    with CheckpointReader(ck) as r, pytest.raises(DataFileError, match="__2_0.distcp"):
+        r.read_tensor("model.model.embed_tokens.weight")
+
+
+def test_corrupt_archive_and_wrong_shape(tmp_path: Path, dense_ckpt: Path) -> None:
+    ck = shutil.copytree(dense_ckpt, tmp_path / "ck")
+    key = "model.model.norm.weight"
+    with CheckpointReader(ck) as r:
+        info = r.storage_info(key, r.tensor_meta(key).chunks[0])
+    with open(ck / info.relative_path, "r+b") as f:
+        f.seek(info.offset)
+        f.write(b"\x00" * 64)
+    with CheckpointReader(ck) as r, pytest.raises(ChunkError, match="corrupt"):
+        r.read_tensor(key)
+
+    ck2 = shutil.copytree(dense_ckpt, tmp_path / "ck2")
+
+    def mutate(md) -> None:  # type: ignore[no-untyped-def]
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        meta = md.state_dict_metadata[key]
+        n = meta.size[0]
+        meta.size = torch.Size([n * 2])
+        meta.chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([n])),
+                       ChunkStorageMetadata(offsets=torch.Size([n]), sizes=torch.Size([n]))]
+        info = next(v for k, v in md.storage_data.items() if k.fqn == key)
+        md.storage_data[type(next(iter(md.storage_data)))(key, torch.Size([n]))] = info
+
+    _rewrite_metadata(ck2, mutate)
+    with CheckpointReader(ck2) as r:
+        r.read_tensor(key)  # two chunks pointing at the same (valid) archive: readable
+        meta = r.tensor_meta(key)
+    # now make a chunk claim a shape the archive does not hold
+    ck3 = shutil.copytree(dense_ckpt, tmp_path / "ck3")
+
+    def mutate3(md) -> None:  # type: ignore[no-untyped-def]
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        meta = md.state_dict_metadata[key]
+        meta.chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([meta.size[0] - 1])),
+                       ChunkStorageMetadata(offsets=torch.Size([meta.size[0] - 1]), sizes=torch.Size([1]))]
+        info = next(v for k, v in md.storage_data.items() if k.fqn == key)
+        idx_t = type(next(iter(md.storage_data)))
+        md.storage_data = {k: v for k, v in md.storage_data.items() if k.fqn != key}
+        md.storage_data[idx_t(key, torch.Size([0]))] = info
+        md.storage_data[idx_t(key, torch.Size([meta.size[0] - 1]))] = info
+
+    _rewrite_metadata(ck3, mutate3)
+    with CheckpointReader(ck3) as r, pytest.raises(ChunkError, match="metadata says"):
+        r.read_tensor(key)
+    del meta
+
+
+def test_huge_declared_size_refused_before_allocation(tmp_path: Path, dense_ckpt: Path) -> None:
+    ck = shutil.copytree(dense_ckpt, tmp_path / "ck")
+    key = "model.model.norm.weight"
+
+    def mutate(md) -> None:  # type: ignore[no-untyped-def]
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        meta = md.state_dict_metadata[key]
+        meta.size = torch.Size([10**15])
+        meta.chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([10**15]))]
+        info = next(v for k, v in md.storage_data.items() if k.fqn == key)
+        idx_t = type(next(iter(md.storage_data)))
+        md.storage_data = {k: v for k, v in md.storage_data.items() if k.fqn != key}
+        md.storage_data[idx_t(key, torch.Size([0]))] = info
+
+    _rewrite_metadata(ck, mutate)
+    with CheckpointReader(ck) as r, pytest.raises(AllocationError, match="claims"):
+        r.read_tensor(key)
+
+
+def test_tiling_problems() -> None:
+    f32 = DType("float32")
+    ok = TensorMeta(f32, (4, 2), (ChunkMeta((0, 0), (2, 2)), ChunkMeta((2, 0), (2, 2)), ChunkMeta((4, 0), (0, 2))))
+    assert tiling_problem(ok) is None
+    gap = TensorMeta(f32, (4, 2), (ChunkMeta((0, 0), (2, 2)), ChunkMeta((3, 0), (1, 2))))
+    assert tiling_problem(gap).startswith("gap")
+    overlap = TensorMeta(f32, (4, 2), (ChunkMeta((0, 0), (3, 2)), ChunkMeta((2, 0), (2, 2))))
+    assert tiling_problem(overlap).startswith("overlap")
+    grid = TensorMeta(f32, (4, 4), tuple(ChunkMeta((i, j), (2, 2)) for i in (0, 2) for j in (0, 2)))
+    assert tiling_problem(grid) is None
+    grid_gap = TensorMeta(f32, (4, 4), grid.chunks[:3])
+    assert tiling_problem(grid_gap).startswith("gap")
+
+
+def test_allow_list_refuses_foreign_global_and_names_it(tmp_path: Path) -> None:
+    class Evil:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (print, ("pwned",))
+
+    with pytest.raises(UnsafePickleError, match="builtins.print"):
+        parse_metadata_bytes(pickle.dumps(Evil()))
+    with pytest.raises(MetadataError, match="not a DCP Metadata"):
+        parse_metadata_bytes(pickle.dumps([1, 2, 3]))
+    with pytest.raises(MetadataError, match="empty"):
+        parse_metadata_bytes(b"")
+
+
+def test_checkpoint_dir_is_torch_free_view(dense_ckpt: Path) -> None:
+    cd = CheckpointDir(dense_ckpt)
+    assert cd.data_files() == ["__0_0.distcp"]
+    assert cd.metadata.version == "1.0.0"
+
+
+@settings(max_examples=40, deadline=None)
+@given(src_offset=st.integers(0, 5000), dst_offset=st.integers(0, 5000),
+       length=st.sampled_from([0, 1, 4095, BOUNCE_BYTES - 1, BOUNCE_BYTES, BOUNCE_BYTES + 1, 2 * BOUNCE_BYTES + 777]))
+def test_copy_range_equals_slicing(tmp_path_factory: pytest.TempPathFactory, src_offset: int, dst_offset: int,
+                                   length: int) -> None:
+    """Any offsets and lengths across bounce-buffer boundaries; neither file position moves."""
+    d = tmp_path_factory.mktemp("copy")
+    data = os.urandom(src_offset + length + 13)
+    (d / "src").write_bytes(data)
+    (d / "dst").write_bytes(b"\xee" * 100)
+    with open(d / "src", "rb") as src, open(d / "dst", "r+b") as dst:
+        copy_range(src.fileno(), dst.fileno(), src_offset, dst_offset, length)
+        assert src.tell() == 0 and dst.tell() == 0
+    out = (d / "dst").read_bytes()
+    assert out[dst_offset:dst_offset + length] == data[src_offset:src_offset + length]
+    assert out[:min(dst_offset, 100)] == b"\xee" * min(dst_offset, 100)  # bytes before the range untouched
+
+
+def test_copy_range_short_source_raises_eof(tmp_path: Path) -> None:
+    (tmp_path / "src").write_bytes(b"x" * 10)
+    with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", "wb") as dst:
+        with pytest.raises(EOFError, match="10 bytes short"):
+            copy_range(src.fileno(), dst.fileno(), 0, 0, 20)
+
+
+def test_copy_chunk_of_a_file_truncated_while_open_is_refused(tmp_path: Path, fsdp_ckpt: Path) -> None:
+    """The size check passed at open; the file shrank afterwards (another job rewrote it): E300/E301, not a crash."""
+    ck = tmp_path / "ck"
+    shutil.copytree(fsdp_ckpt, ck)
+    key = "model.model.layers.0.odd"
+    with CheckpointReader(ck) as r, open(tmp_path / "out", "wb") as out:
+        chunk = next(c for c in r.tensor_meta(key).chunks if c.numel)
+        info = r.storage_info(key, chunk)
+        assert r.copy_chunk_to_file(key, chunk, out.fileno(), 0)
+        os.truncate(ck / info.relative_path, info.offset + info.length - 8)
+        with pytest.raises((DataFileError, ChunkError), match="__0_0.distcp"):
+            r.copy_chunk_to_file(key, chunk, out.fileno(), 0)

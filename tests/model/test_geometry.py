@@ -1,0 +1,161 @@
+"""Layout resolution (record, sidecar, declaration) and EP chunk geometry on real DTensor saves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpttool.model.catalog import build_catalog
+from ckpttool.format import CheckpointReader
+from ckpttool.errors import LayoutError
+from ckpttool.model.declaration import LayoutDeclaration, resolve_layout
+from ckpttool.model.permute import canonical_to_legacy_perm
+from ckpttool.ops.tensors import to_canonical
+from tests.fixtures.cache import copy_checkpoint
+from tests.fixtures.moe_ep import VARIANTS, ep_suite, record_for, true_state  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.slow
+
+DOWN = "model.model.layers.0.mlp.experts.down_proj"
+GATE_UP = "model.model.layers.1.mlp.experts.gate_up_proj"
+
+
+def resolved(path: Path, decl: LayoutDeclaration | None = None):
+    with CheckpointReader(path) as r:
+        cat = build_catalog(r)
+        return cat, resolve_layout(cat, r, decl)
+
+
+def test_unversioned_same_dim_fixtures_are_ambiguous(ep_suite: Path) -> None:
+    for name in ("legacy", "canonical"):
+        cat, lay = resolved(ep_suite / name)
+        assert lay.version is None and lay.source == "none" and lay.record is None
+        assert sorted(lay.ambiguous) == sorted(k for k in cat.model if ".experts." in k) and len(lay.ambiguous) == 4
+        with pytest.raises(LayoutError) as ei:
+            lay.require_unambiguous()
+        assert ei.value.code == "E405" and "--source-layout" in ei.value.hint
+        geo = {g.key: g for g in lay.geometry(cat)}
+        assert geo[DOWN].blocks_per_dim == (4, 1, 1) and geo[DOWN].same_dim and geo[DOWN].fsdp_dim == 0
+        assert geo[DOWN].ranks == (0, 1, 2, 3) and geo[DOWN].problems == () and geo[DOWN].num_experts == 8
+
+
+def test_fsdp_on_dim1_is_unambiguous_and_uneven(ep_suite: Path) -> None:
+    cat, lay = resolved(ep_suite / "legacy_dim1")
+    assert lay.version is None and lay.ambiguous == []
+    geo = {g.key: g for g in lay.geometry(cat)}
+    down = geo[DOWN]
+    assert down.fsdp_dim == 1 and not down.same_dim and down.blocks_per_dim == (2, 2, 1)
+    assert sorted({c.sizes[1] for c in cat.model[DOWN].chunks}) == [2, 3]  # H = 5 split 3/2
+    # Legacy and canonical hold identical bytes when the dims differ: no permutation either way.
+    lay2 = resolved(ep_suite / "legacy_dim1", LayoutDeclaration("legacy", 2, 2))[1]
+    assert not lay2.is_permuted(DOWN) and lay2.canonical_perm(DOWN) is None
+
+
+def test_embedded_record_p4f1_consistent_with_zero_size_chunks(ep_suite: Path) -> None:
+    cat, lay = resolved(ep_suite / "p4f1")
+    assert (lay.version, lay.source, lay.ep_size, lay.ep_fsdp_size) == (1, "embedded", 4, 1)
+    assert all(not g.problems for g in lay.geometry(cat)) and len(lay.ep_tensors) == 4
+    assert cat.model["model.model.odd"].zero_size_chunks == 1
+    assert not lay.is_permuted(DOWN)  # F = 1: legacy order is the true order
+
+
+@pytest.mark.parametrize("name", ["legacy", "canonical"])
+def test_declared_layout_gives_true_expert_order(ep_suite: Path, name: str) -> None:
+    cat, lay = resolved(ep_suite / name, LayoutDeclaration(name, 2, 2))
+    assert lay.version == {"legacy": 1, "canonical": 2}[name] and lay.source == "declared" and lay.ambiguous == []
+    true = true_state(8)
+    with CheckpointReader(ep_suite / name) as r:
+        for key in (DOWN, GATE_UP, "optimizer.state.model.layers.0.mlp.experts.down_proj.exp_avg"):
+            stored = r.read_tensor(key)
+            assert torch.equal(to_canonical(lay, key, stored), true[key])
+            assert lay.is_permuted(key) is (name == "legacy")
+        # Non-EP keys and 0-d step pass through.
+        emb = "model.model.embed_tokens.weight"
+        assert lay.spec_for(emb) is None and to_canonical(lay, emb, r.read_tensor(emb)) is not None
+        assert lay.spec_for("optimizer.state.model.layers.0.mlp.experts.down_proj.step") is not None
+
+
+def test_legacy_fixture_really_is_block_transposed(ep_suite: Path) -> None:
+    # The DESIGN.md claim, checked on torch's own save: position f*P+e holds true slab e*F+f.
+    true = true_state(8)
+    with CheckpointReader(ep_suite / "legacy") as r:
+        stored = r.read_tensor(DOWN)
+    slabs = true[DOWN].split(2)
+    assert torch.equal(stored, torch.cat([slabs[i] for i in canonical_to_legacy_perm(4, 2, 2)]))
+    assert not torch.equal(stored, true[DOWN])
+
+
+@pytest.mark.parametrize(
+    "decl,needle",
+    [
+        (LayoutDeclaration("legacy", 2, 4), "contradicts the chunk geometry"),
+        (LayoutDeclaration("legacy", 8, 1), "contradicts the chunk geometry"),
+        (LayoutDeclaration("canonical", 3, 1), "not divisible by ep_size 3"),
+    ],
+)
+def test_declaration_contradicting_geometry_is_e404(ep_suite: Path, decl: LayoutDeclaration, needle: str) -> None:
+    with pytest.raises(LayoutError) as ei:
+        resolved(ep_suite / "legacy", decl)
+    assert ei.value.code == "E404" and needle in ei.value.message and ei.value.fqn and ".experts." in ei.value.fqn
+
+
+def test_declaration_contradicting_record_is_e404(ep_suite: Path) -> None:
+    with pytest.raises(LayoutError) as ei:
+        resolved(ep_suite / "p4f1", LayoutDeclaration("canonical", 4, 1))
+    assert ei.value.code == "E404" and "layout canonical vs recorded legacy" in ei.value.message
+    with pytest.raises(LayoutError, match="`ep_size` 2 vs recorded ep_size 4"):
+        resolved(ep_suite / "p4f1", LayoutDeclaration("legacy", 2, 2))
+    # Agreeing with the record is fine.
+    assert resolved(ep_suite / "p4f1", LayoutDeclaration("legacy", 4, 1))[1].source == "embedded"
+
+
+def test_embedded_and_sidecar_disagree_is_e403(ep_suite: Path, tmp_path: Path) -> None:
+    ck = copy_checkpoint(ep_suite / "p4f1", tmp_path / "c")
+    (ck / "layout.json").write_text(json.dumps(record_for(VARIANTS["p4f1"], version=2)))
+    with pytest.raises(LayoutError) as ei:
+        resolved(ck)
+    assert ei.value.code == "E403"
+
+
+def test_record_contradicting_geometry_is_reported_per_tensor(ep_suite: Path, tmp_path: Path) -> None:
+    ck = copy_checkpoint(ep_suite / "legacy", tmp_path / "c")
+    rec = record_for(VARIANTS["legacy"])
+    rec["parallel"]["ep_fsdp_size"] = 4  # 2 x 4 = 8 slabs, the chunks show 4
+    (ck / "layout.json").write_text(json.dumps(rec))
+    cat, lay = resolved(ck)
+    assert lay.source == "sidecar" and lay.version == 1
+    geo = lay.geometry(cat)
+    assert len(geo) == 4 and all(g.problems for g in geo)
+    assert "dim 0 is split into 4 chunk interval(s)" in geo[0].problems[0]
+
+
+def test_record_naming_a_missing_key(ep_suite: Path, tmp_path: Path) -> None:
+    ck = copy_checkpoint(ep_suite / "legacy", tmp_path / "c")
+    rec = record_for(VARIANTS["legacy"])
+    rec["extra_parallel"]["model.model.layers.9.mlp.experts.down_proj"] = {"ep_dim": 0, "fsdp_dim": 0, "num_experts": 8}
+    (ck / "layout.json").write_text(json.dumps(rec))
+    cat, lay = resolved(ck)
+    missing = [g for g in lay.geometry(cat) if g.shape == ()]
+    assert [g.key for g in missing] == ["model.model.layers.9.mlp.experts.down_proj"]
+    assert missing[0].problems == ("named by the layout but not in the checkpoint",)
+
+
+@pytest.mark.parametrize(
+    "mutate,code",
+    [
+        (lambda r: r.update(format="other.layout"), "E401"),
+        (lambda r: r.update(version=3), "E402"),
+        (lambda r: r["parallel"].update(ep_size=0), "E400"),
+    ],
+)
+def test_invalid_sidecar_records(ep_suite: Path, tmp_path: Path, mutate, code: str) -> None:
+    ck = copy_checkpoint(ep_suite / "legacy", tmp_path / "c")
+    rec = record_for(VARIANTS["legacy"])
+    mutate(rec)
+    (ck / "layout.json").write_text(json.dumps(rec))
+    with pytest.raises(LayoutError) as ei:
+        resolved(ck)
+    assert ei.value.code == code

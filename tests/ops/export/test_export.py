@@ -1,0 +1,510 @@
+"""`ckpttool export` on real DCP checkpoints: round trips, dtypes, masters, experts, sharding, rules, failures.
+
+Consumers (transformers / PEFT loading the export) are in ``test_export_consumers.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.format import CheckpointReader
+from ckpttool.cli.options import parse_size
+from ckpttool.model.checkpoint import Checkpoint
+from ckpttool.ops.export import ExportOptions, export_checkpoint
+from ckpttool.ops.export.plan import shard_file_names
+from ckpttool.format.safetensors import is_narrowing
+from tests.fixtures import hf_models
+from tests.fixtures.cache import cached_build, copy_checkpoint
+
+runner = CliRunner()
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="session")
+def master_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_master", hf_models.build_master)
+
+
+@pytest.fixture(scope="session")
+def mixed_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_mixed", hf_models.build_mixed_dtypes)
+
+
+@pytest.fixture(scope="session")
+def large_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_large", hf_models.build_large)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def torch_load(path: Path, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Tensors of a checkpoint as torch's own ``dcp.load`` reads them (the independent reference)."""
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    sd = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if hasattr(v, "size") and (keys is None or k in keys)
+    }
+    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    return sd
+
+
+def hf_key(key: str) -> str:
+    """The default rules' output key of a model checkpoint key (``model.model.x`` -> ``model.x``, ...)."""
+    assert key.startswith("model.")
+    return key[len("model."):]
+
+
+def read_export(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """All tensors of an HF export (via its index) and the index itself; checks file metadata."""
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        with safe_open(str(out / name), "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            for k in f.keys():
+                assert index["weight_map"][k] == name
+                tensors[k] = f.get_tensor(k)
+    assert set(tensors) == set(index["weight_map"]), "index must list exactly the keys written"
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    return tensors, index
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def export_cli(*args: str):  # type: ignore[no-untyped-def]
+    return runner.invoke(app, ["export", *args])
+
+
+def assert_clean_failure(res, code: str, *needles: str) -> None:  # type: ignore[no-untyped-def]
+    assert res.exit_code == 2, (res.stdout, res.stderr)
+    assert res.stdout == ""
+    lines = res.stderr.strip().splitlines()
+    assert lines[-2].startswith(f"error: [{code}]"), res.stderr
+    assert lines[-1].startswith("hint: "), res.stderr
+    assert "Traceback" not in res.stderr
+    for n in needles:
+        assert n in lines[-2], (n, lines[-2])
+
+
+def no_leftovers(parent: Path, name: str) -> None:
+    stray = [p.name for p in parent.iterdir() if p.name.startswith(f".{name}.ckpttool-")]
+    assert not stray, stray
+
+
+# ------------------------------------------------------------------------------------------ round trips
+
+
+@pytest.mark.parametrize("name", ["dense_ckpt", "multi_optim_ckpt", "fsdp_ckpt", "sample_ckpt"])
+def test_preserve_round_trip_is_bitwise(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    src: Path = request.getfixturevalue(name)
+    before = {p.name: p.stat().st_mtime_ns for p in src.iterdir()}
+    out = tmp_path / "hf"
+    res = export_cli(str(src), str(out), "--json")
+    assert res.exit_code == 0, res.stderr
+    summary = json.loads(res.stdout)
+    assert "error" not in res.stderr
+    ref = torch_load(src)
+    model_keys = [k for k in ref if k.startswith("model.")]
+    got, index = read_export(out)
+    assert set(got) == {hf_key(k) for k in model_keys}
+    for k in model_keys:
+        assert bitwise_equal(got[hf_key(k)], ref[k]), k
+    assert not any(k.startswith("optimizer") for k in got), "non-model keys are never exported"
+    assert summary["tensors"] == len(model_keys) and summary["casts"] == {}
+    assert summary["bytes_read"] == summary["bytes"]  # preserve: every stored byte read exactly once
+    assert summary["bytes"] == index["metadata"]["total_size"]
+    assert (out / "model.safetensors").is_file() and summary["files"][0]["name"] == "model.safetensors"
+    assert {p.name: p.stat().st_mtime_ns for p in src.iterdir()} == before, "the source is never touched"
+    no_leftovers(tmp_path, "hf")
+
+
+def test_fsdp_chunks_are_each_read_once(fsdp_ckpt: Path, tmp_path: Path) -> None:
+    class CountingReader(CheckpointReader):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            self.calls: dict[tuple[str, tuple[int, ...]], int] = {}
+
+        def _count(self, fqn: str, chunk: Any) -> None:
+            key = (fqn, chunk.offsets)
+            self.calls[key] = self.calls.get(key, 0) + 1
+
+        def read_chunk(self, fqn, chunk, out=None):  # type: ignore[no-untyped-def]
+            self._count(fqn, chunk)
+            return super().read_chunk(fqn, chunk, out=out)
+
+        def copy_chunk_to_file(self, fqn, chunk, out_fd, out_offset):  # type: ignore[no-untyped-def]
+            done = super().copy_chunk_to_file(fqn, chunk, out_fd, out_offset)
+            if done:  # False: nothing read, the caller falls back to read_chunk
+                self._count(fqn, chunk)
+            return done
+
+    reader = CountingReader(fsdp_ckpt)
+    with Checkpoint(reader) as ckpt:
+        export_checkpoint(ckpt, tmp_path / "o", ExportOptions(workers=3))
+        export_checkpoint(ckpt, tmp_path / "o32", ExportOptions(workers=3, save_dtype="float32"))
+    expected = {
+        (k, c.offsets)
+        for k, m in reader.metadata.entries.items()
+        if k.startswith("model.") and hasattr(m, "chunks")
+        for c in m.chunks if c.numel > 0
+    }
+    assert set(reader.calls) == expected
+    assert set(reader.calls.values()) == {2}  # once per export: the direct (torch-free) and the cast path
+    # the fixture does have uneven and zero-size chunks from several ranks
+    odd = reader.metadata.entries["model.model.layers.0.odd"]
+    assert any(c.numel == 0 for c in odd.chunks) and len({c.sizes for c in odd.chunks}) > 1
+
+
+def test_sharded_output_and_index(dense_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    res = export_cli(str(dense_ckpt), str(out), "--shard-size", "4KiB", "--json")
+    assert res.exit_code == 0, res.stderr
+    summary = json.loads(res.stdout)
+    got, index = read_export(out)
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    n = len(files)
+    assert n > 2 and files == shard_file_names(n)
+    assert not (out / "model.safetensors").exists()
+    for f in summary["files"]:
+        data = f["bytes"] - 8 - int.from_bytes((out / f["name"]).read_bytes()[:8], "little")
+        assert data <= 4096 or f["tensors"] == 1, f
+    ref = torch_load(dense_ckpt)
+    for k, t in ref.items():
+        if k.startswith("model."):
+            assert bitwise_equal(got[hf_key(k)], t), k
+
+
+# ------------------------------------------------------------------------------------------ dtypes
+
+
+def test_cast_applies_to_floating_tensors_only_and_reports_narrowing(mixed_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bf16"
+    res = export_cli(str(mixed_ckpt), str(out), "--save-dtype", "bfloat16", "--json")
+    assert res.exit_code == 0, res.stderr
+    summary = json.loads(res.stdout)
+    ref = torch_load(mixed_ckpt)
+    got, _ = read_export(out)
+    for k, t in ref.items():
+        g = got[hf_key(k)]
+        if t.is_floating_point():
+            assert g.dtype == torch.bfloat16 and torch.equal(g, t.to(torch.bfloat16)), k
+        else:
+            assert bitwise_equal(g, t), k  # int64 / bool untouched
+    assert summary["casts"] == {"float32->bfloat16": 4}
+    assert summary["narrowing_casts"] == {"float32->bfloat16": 4}
+    # the key outside the HF schema is exported with a warning on stderr
+    assert "extra_head.weight" in got
+    assert "warning:" in res.stderr and "model.extra_head.weight -> extra_head.weight" in res.stderr
+
+    res = export_cli(str(mixed_ckpt), str(tmp_path / "f32"), "--save-dtype", "float32")
+    assert res.exit_code == 0, res.stderr
+    assert "bfloat16->float32 x1" in res.stdout and "narrowing" not in res.stdout
+
+
+def test_is_narrowing_table() -> None:
+    assert is_narrowing("float32", "bfloat16") and is_narrowing("float32", "float16")
+    assert is_narrowing("bfloat16", "float16") and is_narrowing("float16", "bfloat16")
+    assert not is_narrowing("bfloat16", "float32") and not is_narrowing("float16", "float32")
+    assert not is_narrowing("float32", "float32")
+
+
+@pytest.mark.parametrize("text,value", [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30),
+                                        ("4096", 4096), ("1.5gb", 1_500_000_000), ("2G", 2 * 2**30),
+                                        ("512M", 512 * 2**20), (" 8 kib ", 8192)])
+def test_parse_size(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+def test_bad_shard_size_is_a_usage_error(dense_ckpt: Path, tmp_path: Path) -> None:
+    assert_clean_failure(export_cli(str(dense_ckpt), str(tmp_path / "o"), "--shard-size", "lots"), "E100", "lots")
+
+
+# ------------------------------------------------------------------------------------------ master weights
+
+
+def test_weights_master_exports_fp32_masters(master_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "master"
+    res = export_cli(str(master_ckpt), str(out), "--weights", "master", "--json")
+    assert res.exit_code == 0, res.stderr
+    summary = json.loads(res.stdout)
+    ref = torch_load(master_ckpt)
+    got, _ = read_export(out)
+    n_master = 0
+    for k in (k for k in ref if k.startswith("model.")):
+        mkey = f"optimizer.state.{k[len('model.'):]}.master_weight"
+        g = got[hf_key(k)]
+        if mkey in ref:
+            n_master += 1
+            assert g.dtype == torch.float32 and bitwise_equal(g, ref[mkey]), k
+            assert ref[k].dtype == torch.bfloat16 and torch.equal(ref[mkey].to(torch.bfloat16), ref[k])
+        else:
+            assert bitwise_equal(g, ref[k]), k  # no master: the stored parameter
+    assert n_master > 10
+    # the masters carry precision the BF16 parameters do not
+    differs = [k for k in ref if k.startswith("model.") and f"optimizer.state.{k[6:]}.master_weight" in ref
+               and not torch.equal(got[hf_key(k)], ref[k].float())]
+    assert len(differs) == n_master
+    assert summary["origins"]["master"]["count"] == n_master
+    assert summary["origins"]["params"]["keys"] == ["model.norm.weight"]
+
+    human = export_cli(str(master_ckpt), str(tmp_path / "h"), "--weights", "master")
+    assert f"{n_master} from FP32 master_weight, 1 from stored parameters (no master): model.norm.weight" in human.stdout
+
+
+def test_weights_master_without_masters_is_an_error(dense_ckpt: Path, tmp_path: Path) -> None:
+    res = export_cli(str(dense_ckpt), str(tmp_path / "o"), "--weights", "master")
+    assert_clean_failure(res, "E601", "master_weight")
+    assert not (tmp_path / "o").exists()
+    no_leftovers(tmp_path, "o")
+
+
+# ------------------------------------------------------------------------------------------ experts
+
+
+def test_per_expert_split_matches_hand_built_layout(sample_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "pe"
+    res = export_cli(str(sample_ckpt), str(out), "--experts", "per-expert", "--model-assets",
+                     str(sample_ckpt / "model_assets"), "--json")
+    assert res.exit_code == 0, res.stderr
+    cfg = json.loads((sample_ckpt / "model_assets" / "config.json").read_text())
+    e, i, h = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
+    ref = torch_load(sample_ckpt)
+    got, _ = read_export(out)
+    expected: dict[str, torch.Tensor] = {}
+    for k, t in ref.items():
+        if not k.startswith("model."):
+            continue
+        if k.endswith(".experts.gate_up_proj"):
+            assert t.shape == (e, 2 * i, h)
+            base = hf_key(k)[: -len(".gate_up_proj")]
+            for j in range(e):
+                expected[f"{base}.{j}.gate_proj.weight"] = t[j, :i, :]
+                expected[f"{base}.{j}.up_proj.weight"] = t[j, i:, :]
+        elif k.endswith(".experts.down_proj"):
+            assert t.shape == (e, h, i)
+            base = hf_key(k)[: -len(".down_proj")]
+            for j in range(e):
+                expected[f"{base}.{j}.down_proj.weight"] = t[j]
+        else:
+            expected[hf_key(k)] = t
+    assert set(got) == set(expected)
+    for k, t in expected.items():
+        assert bitwise_equal(got[k], t.contiguous()), k
+    assert got["model.layers.0.mlp.experts.3.gate_proj.weight"].shape == (i, h)
+    assert got["model.layers.0.mlp.experts.3.down_proj.weight"].shape == (h, i)
+
+
+def test_expert_count_must_match_model_config(sample_ckpt: Path, tmp_path: Path) -> None:
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    cfg = json.loads((sample_ckpt / "model_assets" / "config.json").read_text())
+    cfg["num_experts"] = cfg["num_experts"] * 2
+    (assets / "config.json").write_text(json.dumps(cfg))
+    for mode in ("per-expert", "fused"):
+        res = export_cli(str(sample_ckpt), str(tmp_path / "o"), "--experts", mode, "--model-assets", str(assets))
+        assert_clean_failure(res, "E601", "experts.gate_up_proj", "num_experts")
+    assert not (tmp_path / "o").exists()
+
+
+def test_conflicting_layout_records_are_refused(sample_ckpt: Path, tmp_path: Path) -> None:
+    ck = copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    # the sample embeds a v2 record; a sidecar that says something else is a conflict
+    md = CheckpointReader(ck)
+    record = json.loads(md.read_object("layout"))
+    md.close()
+    for spec in record["extra_parallel"].values():
+        spec["num_experts"] = 3
+    (ck / "layout.json").write_text(json.dumps(record))
+    res = export_cli(str(ck), str(tmp_path / "o"))
+    assert_clean_failure(res, "E403")  # embedded and sidecar records disagree
+
+
+# ------------------------------------------------------------------------------------------ output safety
+
+
+def test_existing_output_is_refused_without_overwrite(dense_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert_clean_failure(export_cli(str(dense_ckpt), str(out)), "E600", "not empty")
+    assert (out / "keep.txt").read_text() == "x"
+    # --overwrite replaces only what looks like an earlier output, never an unrelated directory.
+    assert_clean_failure(export_cli(str(dense_ckpt), str(out), "--overwrite"), "E600", "does not look like")
+    assert (out / "keep.txt").read_text() == "x"
+    assert export_cli(str(dense_ckpt), str(tmp_path / "prev")).exit_code == 0
+    (tmp_path / "prev" / "keep.txt").write_text("x")
+    res = export_cli(str(dense_ckpt), str(tmp_path / "prev"), "--overwrite")
+    assert res.exit_code == 0, res.stderr
+    assert not (tmp_path / "prev" / "keep.txt").exists() and (tmp_path / "prev" / "model.safetensors").is_file()
+    no_leftovers(tmp_path, "prev")
+
+
+def test_output_inside_the_source_is_refused(tmp_path: Path, dense_ckpt: Path) -> None:
+    ck = copy_checkpoint(dense_ckpt, tmp_path / "ck")
+    assert_clean_failure(export_cli(str(ck), str(ck / "hf")), "E600", "overlaps the source")
+    assert not (ck / "hf").exists()
+
+
+def test_truncated_data_file_fails_cleanly(tmp_path: Path, dense_ckpt: Path) -> None:
+    ck = copy_checkpoint(dense_ckpt, tmp_path / "ck")
+    data = sorted(ck.glob("*.distcp"))[0]
+    with open(data, "r+b") as f:
+        f.truncate(2048)  # cuts into the model chunks (saved first)
+    res = export_cli(str(ck), str(tmp_path / "o"))
+    assert_clean_failure(res, "E300", data.name)
+    assert not (tmp_path / "o").exists()
+    no_leftovers(tmp_path, "o")
+
+
+def _wait_reading(proc: subprocess.Popen, tmp: Path, name: str, min_bytes: int) -> None:
+    """Wait until the export has created its temporary dir and read ``min_bytes`` of data."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "export finished before it could be interrupted"
+        has_tmp = any(p.name.startswith(f".{name}.ckpttool-tmp-") for p in tmp.iterdir())
+        io = Path(f"/proc/{proc.pid}/io").read_text()
+        rchar = int(next(line.split()[1] for line in io.splitlines() if line.startswith("rchar")))
+        if has_tmp and rchar >= min_bytes:
+            return
+        time.sleep(0.02)
+    raise AssertionError("export did not start")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_interrupted_export_leaves_nothing(large_ckpt: Path, tmp_path: Path, sig: signal.Signals) -> None:
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-c", "from ckpttool.cli import main; main()", "export", str(large_ckpt), str(out),
+           "--save-dtype", "float32", "--workers", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_reading(proc, tmp_path, "o", 64 << 20)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (proc.returncode, stderr)
+    assert "error: interrupted" in stderr and "Traceback" not in stderr
+    assert stdout == ""
+    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_killed_export_leaves_no_stray_temp_after_next_run(large_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-c", "from ckpttool.cli import main; main()", "export", str(large_ckpt), str(out),
+           "--save-dtype", "float32", "--workers", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_reading(proc, tmp_path, "o", 64 << 20)
+    proc.kill()
+    proc.wait(timeout=30)
+    assert not out.exists()
+    assert any(p.name.startswith(".o.ckpttool-tmp-") for p in tmp_path.iterdir())  # SIGKILL cannot clean up
+    res = export_cli(str(large_ckpt), str(out), "--filter", "model.layers.0.*")
+    assert res.exit_code == 0, res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+
+
+# ------------------------------------------------------------------------------------------ rules, filter, assets
+
+
+def test_rules_file_renames_and_skips(dense_ckpt: Path, tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(
+        "keys:\n"
+        "  - {match: '^model\\.model\\.rotary_emb\\..*$', to: null}\n"
+        "  - {match: '^model\\.lm_head\\.weight$', to: 'output.weight'}\n"
+    )
+    res = export_cli(str(dense_ckpt), str(tmp_path / "o"), "--rules", str(rules), "--json")
+    assert res.exit_code == 0, res.stderr
+    summary = json.loads(res.stdout)
+    got, _ = read_export(tmp_path / "o")
+    assert "output.weight" in got and "lm_head.weight" not in got
+    assert "model.rotary_emb.inv_freq" not in got
+    assert summary["skipped"]["skipped by a key rule"]["keys"] == ["model.model.rotary_emb.inv_freq"]
+    assert "model.layers.0.self_attn.q_proj.weight" in got  # the defaults still apply after the user's rules
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("keys: [{match: '(', to: x}]", "invalid regular expression"),
+    ("keys: [{match: 'a', to: '\\2'}]", "uses group 2"),
+    ("bogus: 1", "unknown section"),
+    ("keys: [: bad", "not valid YAML"),
+])
+def test_bad_rules_file_is_a_usage_error(dense_ckpt: Path, tmp_path: Path, text: str, needle: str) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(text)
+    assert_clean_failure(export_cli(str(dense_ckpt), str(tmp_path / "o"), "--rules", str(rules)), "E100", needle,
+                         "rules.yaml")
+
+
+def test_duplicate_output_keys_are_refused(dense_ckpt: Path, tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("keys: [{match: '^model\\.model\\.layers\\.\\d+\\.input_layernorm\\.weight$', to: 'norm.weight'}]")
+    assert_clean_failure(export_cli(str(dense_ckpt), str(tmp_path / "o"), "--rules", str(rules)), "E601",
+                         "'norm.weight'")
+
+
+def test_filter_and_model_assets(dense_ckpt: Path, tmp_path: Path) -> None:
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": False}))
+    (assets / "tokenizer.json").write_text("{}")
+    (assets / "pytorch_model.bin").write_bytes(b"old weights")
+    (assets / "sub").mkdir()
+    res = export_cli(str(dense_ckpt), str(tmp_path / "o"), "--filter", "model.layers.0.*",
+                     "--model-assets", str(assets), "--json")
+    assert res.exit_code == 0, res.stderr
+    got, _ = read_export(tmp_path / "o")
+    assert got and all(k.startswith("model.layers.0.") for k in got)
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [
+        "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json"]
+    res = export_cli(str(dense_ckpt), str(tmp_path / "none"), "--filter", "nothing.*")
+    assert_clean_failure(res, "E601", "matched none")
+
+
+def test_json_output_is_alone_on_stdout(dense_ckpt: Path, tmp_path: Path) -> None:
+    res = export_cli(str(dense_ckpt), str(tmp_path / "o"), "--json")
+    assert res.exit_code == 0
+    data = json.loads(res.stdout)
+    assert set(data) >= {"output", "files", "tensors", "bytes", "seconds", "gb_per_s", "casts", "origins"}
+    assert res.stderr == ""
+
+
+def test_library_api_without_typer(dense_ckpt: Path, tmp_path: Path) -> None:
+    seen: list[tuple[int, int]] = []
+    r = export_checkpoint(dense_ckpt, tmp_path / "o", ExportOptions(save_dtype="float32", workers=2),
+                          progress=lambda d, t: seen.append((d, t)))
+    assert r.casts == {"bfloat16->float32": r.tensors - 1}  # inv_freq is already float32
+    assert not r.narrowing_casts
+    assert seen and seen[-1][0] == seen[-1][1] == r.bytes
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+
+
+def test_source_never_modified_on_failure(dense_ckpt: Path, tmp_path: Path) -> None:
+    ck = copy_checkpoint(dense_ckpt, tmp_path / "ck")
+    snapshot = {p.name: p.read_bytes() for p in ck.iterdir() if p.is_file()}
+    export_cli(str(ck), str(tmp_path / "o"), "--weights", "master")
+    export_cli(str(ck), str(tmp_path / "o2"))
+    assert {p.name: p.read_bytes() for p in ck.iterdir() if p.is_file()} == snapshot
+    shutil.rmtree(tmp_path / "o2")
+    assert os.listdir(tmp_path) == ["ck"]

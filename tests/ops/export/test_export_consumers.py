@@ -1,0 +1,271 @@
+"""Real consumers load `ckpttool export` output: transformers `from_pretrained` and PEFT `PeftModel.from_pretrained`.
+
+Each fixture is a tiny model built from a config (no hub access), saved through a real
+``dcp.save`` under ``model.<hf key>``; the exported model's logits must equal the
+original model's (``reference.pt`` beside the checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from tests.fixtures import hf_models
+from tests.fixtures.cache import cached_build, copy_checkpoint
+
+runner = CliRunner()
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_llama", hf_models.build_llama)
+
+
+@pytest.fixture(scope="session")
+def llama_tied_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_llama_tied", hf_models.build_llama_tied)
+
+
+@pytest.fixture(scope="session")
+def llama_tied_differ_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_llama_tied_differ", hf_models.build_llama_tied_differ)
+
+
+@pytest.fixture(scope="session")
+def qwen_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_qwen_moe", hf_models.build_qwen_moe)
+
+
+@pytest.fixture(scope="session")
+def qwen_legacy_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_qwen_moe_legacy", hf_models.build_qwen_moe_legacy)
+
+
+@pytest.fixture(scope="session")
+def lora_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_lora", hf_models.build_lora)
+
+
+@pytest.fixture(scope="session")
+def lora_partial_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_lora_partial", hf_models.build_lora_partial)
+
+
+def export(src: Path, out: Path, *args: str) -> dict:
+    res = runner.invoke(app, ["export", str(src), str(out), "--model-assets", str(src / "model_assets"), "--json", *args])
+    assert res.exit_code == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def assert_same_logits(model: torch.nn.Module, src: Path) -> None:
+    ref = torch.load(src / "reference.pt", weights_only=True)
+    model.eval()
+    with torch.no_grad():
+        logits = model(ref["ids"]).logits
+    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
+
+
+def load_hf(out: Path, cls: type) -> torch.nn.Module:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    return cls.from_pretrained(out, dtype=torch.float32)
+
+
+def weight_keys(out: Path) -> set[str]:
+    return set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"])
+
+
+# ------------------------------------------------------------------------------------------ dense / tied
+
+
+def test_llama_untied_loads_with_identical_logits(llama_ckpt: Path, tmp_path: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path / "hf"
+    summary = export(llama_ckpt, out, "--shard-size", "20KB")
+    assert len(summary["files"]) > 1 and summary["tied_embeddings"] is None
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= weight_keys(out)  # untied: both written
+    assert (out / "config.json").is_file()
+    assert_same_logits(load_hf(out, LlamaForCausalLM), llama_ckpt)
+
+
+def test_llama_tied_writes_the_embedding_once(llama_tied_ckpt: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path / "hf"
+    summary = export(llama_tied_ckpt, out)
+    assert summary["tied_embeddings"] == "omitted"
+    keys = weight_keys(out)
+    assert "lm_head.weight" not in keys and "model.embed_tokens.weight" in keys
+    assert set(load_file(out / "model.safetensors")) == keys
+    model = load_hf(out, LlamaForCausalLM)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert_same_logits(model, llama_tied_ckpt)
+
+
+def test_tied_config_with_differing_lm_head_is_refused(llama_tied_differ_ckpt: Path, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["export", str(llama_tied_differ_ckpt), str(tmp_path / "o"),
+                              "--model-assets", str(llama_tied_differ_ckpt / "model_assets")])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.startswith("error: [E601] model.lm_head.weight differs from model.model.embed_tokens.weight")
+    assert "hint: " in res.stderr and "Traceback" not in res.stderr
+    assert list(tmp_path.iterdir()) == []
+    # without the tied config both tensors are written, as stored
+    res = runner.invoke(app, ["export", str(llama_tied_differ_ckpt), str(tmp_path / "o")])
+    assert res.exit_code == 0, res.stderr
+    assert {"lm_head.weight", "model.embed_tokens.weight"} <= weight_keys(tmp_path / "o")
+
+
+# ------------------------------------------------------------------------------------------ MoE
+
+
+@pytest.mark.parametrize("experts", ["fused", "per-expert"])
+def test_qwen3_moe_loads_with_identical_logits(qwen_ckpt: Path, tmp_path: Path, experts: str) -> None:
+    from transformers import Qwen3MoeForCausalLM
+
+    out = tmp_path / experts
+    export(qwen_ckpt, out, "--experts", experts)
+    keys = weight_keys(out)
+    if experts == "fused":
+        assert "model.layers.0.mlp.experts.gate_up_proj" in keys
+    else:
+        assert "model.layers.0.mlp.experts.gate_up_proj" not in keys
+        assert {f"model.layers.1.mlp.experts.{j}.{p}.weight" for j in range(hf_models.MOE_EXPERTS)
+                for p in ("gate_proj", "up_proj", "down_proj")} <= keys
+    assert_same_logits(load_hf(out, Qwen3MoeForCausalLM), qwen_ckpt)
+
+
+@pytest.mark.parametrize("experts", ["fused", "per-expert"])
+def test_unversioned_legacy_ep_checkpoint_is_refused(qwen_legacy_ckpt: Path, tmp_path: Path, experts: str) -> None:
+    res = runner.invoke(app, ["export", str(qwen_legacy_ckpt), str(tmp_path / "o"), "--experts", experts])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.startswith("error: [E405] model.model.layers.0.mlp.experts.")
+    assert "--source-layout" in res.stderr.splitlines()[1]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("experts", ["fused", "per-expert"])
+def test_declared_legacy_layout_is_unpermuted(qwen_legacy_ckpt: Path, tmp_path: Path, experts: str) -> None:
+    from transformers import Qwen3MoeForCausalLM
+
+    out = tmp_path / "hf"
+    summary = export(qwen_legacy_ckpt, out, "--experts", experts, "--source-layout", "legacy",
+                     "--ep-size", str(hf_models.MOE_P), "--ep-fsdp-size", str(hf_models.MOE_F))
+    assert len(summary["layout"]["unpermuted"]) == 4
+    assert_same_logits(load_hf(out, Qwen3MoeForCausalLM), qwen_legacy_ckpt)
+
+
+def test_declared_canonical_keeps_the_stored_order(qwen_legacy_ckpt: Path, tmp_path: Path) -> None:
+    """Declaring the wrong (canonical) layout writes the stored, block-transposed order: logits differ."""
+    from transformers import Qwen3MoeForCausalLM
+
+    out = tmp_path / "hf"
+    summary = export(qwen_legacy_ckpt, out, "--source-layout", "canonical",
+                     "--ep-size", str(hf_models.MOE_P), "--ep-fsdp-size", str(hf_models.MOE_F))
+    assert summary["layout"]["unpermuted"] == []
+    with pytest.raises(AssertionError):
+        assert_same_logits(load_hf(out, Qwen3MoeForCausalLM), qwen_legacy_ckpt)
+
+
+def test_legacy_record_in_sidecar_needs_no_declaration(qwen_legacy_ckpt: Path, tmp_path: Path) -> None:
+    from transformers import Qwen3MoeForCausalLM
+
+    ck = copy_checkpoint(qwen_legacy_ckpt, tmp_path / "ck")
+    (ck / "layout.json").write_text(json.dumps(hf_models.moe_layout_record(1, hf_models.MOE_P, hf_models.MOE_F)))
+    out = tmp_path / "hf"
+    summary = export(ck, out, "--experts", "per-expert")
+    assert summary["layout"]["version"] == 1 and summary["layout"]["source"] == "sidecar"
+    assert_same_logits(load_hf(out, Qwen3MoeForCausalLM), qwen_legacy_ckpt)
+
+
+def test_declaration_contradicting_chunk_geometry_is_refused(qwen_legacy_ckpt: Path, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["export", str(qwen_legacy_ckpt), str(tmp_path / "o"), "--source-layout", "legacy",
+                              "--ep-size", "4", "--ep-fsdp-size", "2"])
+    assert res.exit_code == 2
+    assert res.stderr.startswith("error: [E404]")
+
+
+def test_layout_record_expert_count_must_match(qwen_legacy_ckpt: Path, tmp_path: Path) -> None:
+    ck = copy_checkpoint(qwen_legacy_ckpt, tmp_path / "ck")
+    record = hf_models.moe_layout_record(1, hf_models.MOE_P, hf_models.MOE_F)
+    for spec in record["extra_parallel"].values():
+        spec["num_experts"] = 4
+    (ck / "layout.json").write_text(json.dumps(record))
+    res = runner.invoke(app, ["export", str(ck), str(tmp_path / "o"), "--experts", "per-expert"])
+    assert res.exit_code == 2 and res.stdout == ""
+    first = res.stderr.splitlines()[0]
+    assert first.startswith("error: [E601] model.model.layers.0.mlp.experts.") and "num_experts=4" in first
+    assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------ LoRA
+
+
+def test_lora_adapter_loads_in_peft_with_identical_logits(lora_ckpt: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path / "adapter"
+    summary = export(lora_ckpt, out, "--format", "lora", "--lora-alpha", str(hf_models.LORA_ALPHA))
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["r"] == hf_models.LORA_R and cfg["lora_alpha"] == hf_models.LORA_ALPHA
+    assert cfg["target_modules"] == ["q_proj", "v_proj"] and cfg["task_type"] == "CAUSAL_LM"
+    with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert keys == {f"base_model.model.model.layers.{n}.self_attn.{m}.lora_{ab}.weight"
+                    for n in range(2) for m in ("q_proj", "v_proj") for ab in ("A", "B")}
+    assert summary["tensors"] == 8
+    base = load_hf(lora_ckpt / "base", LlamaForCausalLM)
+    assert_same_logits(PeftModel.from_pretrained(base, out), lora_ckpt)
+
+
+def test_lora_needs_alpha_or_adapter_config(lora_ckpt: Path, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["export", str(lora_ckpt), str(tmp_path / "o"), "--format", "lora"])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E601]") and "--lora-alpha" in res.stderr
+    given = tmp_path / "adapter_config.json"
+    given.write_text(json.dumps({"peft_type": "LORA", "r": hf_models.LORA_R, "lora_alpha": 16,
+                                 "target_modules": ["q_proj", "v_proj"]}))
+    res = runner.invoke(app, ["export", str(lora_ckpt), str(tmp_path / "o"), "--format", "lora",
+                              "--adapter-config", str(given)])
+    assert res.exit_code == 0, res.stderr
+    assert json.loads((tmp_path / "o" / "adapter_config.json").read_text())["lora_alpha"] == 16
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16}))
+    res = runner.invoke(app, ["export", str(lora_ckpt), str(tmp_path / "o2"), "--format", "lora",
+                              "--adapter-config", str(wrong)])
+    assert res.exit_code == 2 and "r=8" in res.stderr
+
+
+def test_lora_format_without_adapters_is_refused(llama_ckpt: Path, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["export", str(llama_ckpt), str(tmp_path / "o"), "--format", "lora", "--lora-alpha", "8"])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E601]") and "LoRA adapter tensors" in res.stderr
+
+
+def test_lora_config_inferred_for_partial_adapters(lora_partial_ckpt: Path, tmp_path: Path) -> None:
+    """Adapters on layer 0 only, v_proj at rank 2: exact module paths and rank_pattern are inferred."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path / "adapter"
+    export(lora_partial_ckpt, out, "--format", "lora", "--lora-alpha", str(hf_models.LORA_ALPHA))
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["r"] in (hf_models.LORA_R, 2)
+    assert cfg["target_modules"] == "^(?:model\\.layers\\.0\\.self_attn\\.q_proj|model\\.layers\\.0\\.self_attn\\.v_proj)$"
+    other = 2 if cfg["r"] == hf_models.LORA_R else hf_models.LORA_R
+    assert list(cfg["rank_pattern"].values()) == [other]
+    base = load_hf(lora_partial_ckpt / "base", LlamaForCausalLM)
+    model = PeftModel.from_pretrained(base, out)
+    assert_same_logits(model, lora_partial_ckpt)
+    adapted = {n for n, _ in model.named_modules() if n.endswith(("q_proj", "v_proj")) and hasattr(_, "lora_A")}
+    assert all(".layers.0." in n for n in adapted) and len(adapted) == 2

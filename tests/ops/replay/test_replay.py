@@ -1,0 +1,415 @@
+"""``ckpttool replay-step`` on CPU: variants vs the uninterrupted run, never-stepped leaf, damage, options."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.ops.replay import replay_step
+from ckpttool.ops.replay.compare import compare_field
+from ckpttool.ops.replay.grads import grad_seed_for, seeded_grad
+from tests.fixtures import builders
+from tests.fixtures.cache import cached_build
+from tests.fixtures.moe_ep import ep_suite  # noqa: F401 - fixture
+from tests.fixtures.replay import TRAIN_STEPS, VARIANTS, builder, load_recorded, resave
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="session", params=VARIANTS)
+def replay_fx(request: pytest.FixtureRequest, fixture_root: Path) -> tuple[str, Path]:
+    """(variant, dir with ckpt/, grads.safetensors, next_step.safetensors)."""
+    variant = request.param
+    return variant, cached_build(fixture_root, f"replay_{variant}", builder(variant))
+
+
+@pytest.fixture(scope="session")
+def offload_fx(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "replay_cpu_offload_adamw", builder("cpu_offload_adamw"))
+
+
+@pytest.fixture(scope="session")
+def full_fx(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "replay_full_fp32_adamw", builder("full_fp32_adamw"))
+
+
+def run(*args: Any) -> Any:
+    return runner.invoke(app, ["replay-step", *map(str, args)])
+
+
+def replay_collect(path: Path, **kw: Any) -> tuple[Any, dict[str, dict[str, torch.Tensor]]]:
+    got: dict[str, dict[str, torch.Tensor]] = {}
+    result = replay_step(path, device="cpu", on_param=lambda fqn, t: got.__setitem__(fqn, t), **kw)
+    return result, got
+
+
+def assert_no_traceback(res: Any) -> None:
+    assert "Traceback" not in res.stdout and "Traceback" not in res.stderr
+
+
+# ------------------------------------------------------------------ variants vs the uninterrupted run
+@pytest.mark.parametrize("k", [1, 2])
+def test_replay_equals_the_uninterrupted_next_steps_bitwise(replay_fx: tuple[str, Path], k: int) -> None:
+    variant, root = replay_fx
+    result, got = replay_collect(root / "ckpt", grads=root / "grads.safetensors", steps=k)
+    assert result.ok, [p.problems for p in result.failed]
+    assert result.optimizer_type == variant and result.optimizer_reason == "layout record optimizer.type"
+    recorded = load_recorded(root, k)
+    assert sorted(got) == sorted(recorded)
+    for fqn, fields in recorded.items():
+        assert sorted(got[fqn]) == sorted(fields), fqn
+        for what, want in fields.items():
+            assert got[fqn][what].dtype == want.dtype, (fqn, what)
+            assert torch.equal(got[fqn][what], want), (fqn, what)
+    for p in result.params:
+        assert p.state == "loaded" and p.step_before == TRAIN_STEPS and p.step_after == TRAIN_STEPS + k
+        if variant != "adamw":
+            assert p.writeback_unequal == 0 and p.sync_unequal == 0
+
+
+def test_replay_cli_json_reports_each_variant(replay_fx: tuple[str, Path]) -> None:
+    variant, root = replay_fx
+    res = run(root / "ckpt", "--device", "cpu", "--json")
+    assert res.exit_code == 0, res.stderr
+    assert res.stderr == ""
+    d = json.loads(res.stdout)
+    assert d["ok"] is True and d["device"] == "cpu" and d["optimizer"]["type"] == variant
+    assert d["grads"]["source"] == "seed" and d["params_failed"] == 0 and d["params_total"] == 14
+    assert d["timing"]["step_seconds"] > 0 and d["timing"]["state_bytes"] > 0
+    fields = {"exp_avg", "exp_avg_sq", "param"} | ({"master_weight"} if variant != "adamw" else set())
+    for p in d["params"]:
+        assert set(p["errors"]) == fields
+        assert all(e["ratio"] <= 1 for e in p["errors"].values())
+        assert p["placement"]["param"] == "cpu"
+
+
+def test_offloaded_parameters_keep_state_on_cpu_and_resident_moments_bf16(offload_fx: Path) -> None:
+    result, got = replay_collect(offload_fx / "ckpt", grads=offload_fx / "grads.safetensors", chunk_size=64)
+    assert result.ok
+    assert result.optimizer_config["cpu_offload_adamw"]["chunk_size"] == 64
+    offloaded = {p.fqn for p in result.params if p.offloaded}
+    assert offloaded == {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+    for p in result.params:
+        assert p.placement["master_weight"] == "cpu" and p.placement["exp_avg"] == "cpu"
+        want = torch.float32 if p.fqn in offloaded else torch.bfloat16
+        assert got[p.fqn]["exp_avg"].dtype == want and got[p.fqn]["exp_avg_sq"].dtype == want
+    # chunk size changes the staging, never the result
+    recorded = load_recorded(offload_fx, 1)
+    for fqn in offloaded:
+        assert torch.equal(got[fqn]["master_weight"], recorded[fqn]["master_weight"])
+
+
+def test_human_report_names_the_optimizer_choice_and_passes(sample_ckpt: Path) -> None:
+    res = run(sample_ckpt, "--device", "cpu")
+    assert res.exit_code == 0, res.stderr
+    out = res.stdout
+    assert "optimizer   adamw (from layout record optimizer.type)" in out
+    assert "grads       seeded (seed 0, scale 0.001)" in out
+    assert "result      OK: 25 of 25 parameter(s) match the reference step" in out
+    assert "model.layers.0.mlp.experts.gate_up_proj" in out
+    assert res.stderr == ""
+
+
+def test_fsdp_checkpoint_with_uneven_and_zero_size_chunks_replays(fsdp_ckpt: Path) -> None:
+    result, got = replay_collect(fsdp_ckpt)
+    assert result.ok and result.optimizer_type == "adamw"
+    assert got["model.layers.0.odd"]["param"].shape == (3, 16)
+    assert any("not replayed" in n for n in result.notes)  # the 0-d buffers
+
+
+
+@pytest.mark.slow
+def test_declared_legacy_same_dim_layout_replays_with_0d_steps(ep_suite: Path) -> None:
+    # the 0-d `step` of an expert parameter passes through the expert reordering
+    res = run(ep_suite / "legacy", "--device", "cpu", "--source-layout", "legacy", "--ep-size", "2",
+              "--ep-fsdp-size", "2")
+    assert res.exit_code == 0, res.stderr
+    assert "result      OK: 8 of 8 parameter(s) match the reference step" in res.stdout
+
+# ------------------------------------------------------------------ never-stepped leaf
+def test_never_stepped_leaf_replays_from_fresh_state_with_the_scheduled_lr(multi_optim_ckpt: Path) -> None:
+    from ckpttool.format import CheckpointReader
+
+    res = run(multi_optim_ckpt, "--device", "cpu", "--json")
+    assert res.exit_code == 0, res.stderr
+    d = json.loads(res.stdout)
+    experts = [p for p in d["params"] if ".experts." in p["fqn"]]
+    assert len(experts) == 2
+    for p in experts:
+        assert p["state"] == "fresh" and p["lr"] == builders.MULTI_EXPERTS_LR_MOVED == 0.0025
+        assert p["step_before"] == 0 and p["step_after"] == 1
+    assert any("never stepped" in n and "lr 0.0025" in n for n in d["notes"])
+    dense = [p for p in d["params"] if ".experts." not in p["fqn"]]
+    assert dense and all(p["state"] == "loaded" and p["lr"] == builders.MULTI_DENSE_LR for p in dense)
+    # First AdamW step from fresh state moves each weight by ~lr (m_hat/sqrt(v_hat) = sign(g)); weight_decay 0.
+    result, got = replay_collect(multi_optim_ckpt, select=r"\.experts\.")
+    with CheckpointReader(multi_optim_ckpt) as r:
+        for fqn, t in got.items():
+            before = r.read_tensor(f"model.{fqn}")
+            delta = (t["param"] - before).abs()
+            assert torch.allclose(delta.max(), torch.tensor(0.0025), rtol=1e-3), fqn
+            assert delta.min() > 0.0024
+
+
+# ------------------------------------------------------------------ damaged checkpoints
+def _state_key(fqn: str, field: str) -> str:
+    return f"optimizer.state.{fqn}.{field}"
+
+
+DENSE_FQN = "model.layers.0.self_attn.q_proj.weight"
+
+
+def test_bf16_step_is_a_dtype_policy_violation(full_fx: Path, tmp_path: Path) -> None:
+    def mutate(d: dict[str, Any]) -> None:
+        d[_state_key(DENSE_FQN, "step")] = d[_state_key(DENSE_FQN, "step")].to(torch.bfloat16)
+
+    bad = resave(full_fx / "ckpt", tmp_path / "bad", mutate)
+    res = run(bad, "--device", "cpu")
+    assert res.exit_code == 2
+    assert res.stdout == ""
+    assert res.stderr.startswith(f"error: [E511] optimizer state {DENSE_FQN}.step is bfloat16 but full_fp32_adamw saves float32")
+    assert "hint: run `ckpttool validate --strict`" in res.stderr
+    assert_no_traceback(res)
+
+
+def test_bf16_moments_where_fp32_is_declared_exit_2(full_fx: Path, tmp_path: Path) -> None:
+    def mutate(d: dict[str, Any]) -> None:
+        for f in ("exp_avg", "exp_avg_sq"):
+            d[_state_key(DENSE_FQN, f)] = d[_state_key(DENSE_FQN, f)].to(torch.bfloat16)
+
+    bad = resave(full_fx / "ckpt", tmp_path / "bad", mutate)
+    res = run(bad, "--device", "cpu", "--json")
+    assert res.exit_code == 2 and res.stdout == ""
+    assert f"error: [E511] optimizer state {DENSE_FQN}.exp_avg is bfloat16 but full_fp32_adamw saves float32" in res.stderr
+    assert_no_traceback(res)
+
+
+def test_master_out_of_sync_with_bf16_param_is_a_mismatch(full_fx: Path, tmp_path: Path) -> None:
+    def mutate(d: dict[str, Any]) -> None:
+        m = d[_state_key(DENSE_FQN, "master_weight")]
+        m[0, :4] += 0.05  # far beyond one BF16 ulp of these weights
+
+    bad = resave(full_fx / "ckpt", tmp_path / "bad", mutate)
+    res = run(bad, "--device", "cpu")
+    assert res.exit_code == 1
+    assert "result      FAILED: 13 of 14 parameter(s) match the reference step" in res.stdout
+    assert res.stderr.startswith(f"error: [E700] 1 of 14 parameter(s) do not reproduce the reference step; worst {DENSE_FQN}: "
+                                 "master_weight out of sync with the parameter before the step: 4 of 1024 element(s)")
+    assert "hint: " in res.stderr
+    assert_no_traceback(res)
+    d = json.loads(run(bad, "--device", "cpu", "--json").stdout)
+    worst = d["params"][0]
+    assert worst["fqn"] == DENSE_FQN and worst["sync_unequal"] == 4 and not worst["ok"]
+
+
+def test_missing_exp_avg_sq_exit_2(offload_fx: Path, tmp_path: Path) -> None:
+    fqn = "model.layers.0.mlp.experts.down_proj"
+    bad = resave(offload_fx / "ckpt", tmp_path / "bad", lambda d: d.pop(_state_key(fqn, "exp_avg_sq")))
+    res = run(bad, "--device", "cpu")
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.startswith(f"error: [E510] optimizer state of {fqn} lacks exp_avg_sq for cpu_offload_adamw")
+    assert_no_traceback(res)
+
+
+def test_corrupt_second_moment_values_are_a_mismatch(full_fx: Path, tmp_path: Path) -> None:
+    def mutate(d: dict[str, Any]) -> None:
+        d[_state_key(DENSE_FQN, "exp_avg_sq")][1, 1] = -1.0  # sqrt of a negative second moment
+
+    bad = resave(full_fx / "ckpt", tmp_path / "bad", mutate)
+    res = run(bad, "--device", "cpu", "--select", "q_proj")
+    assert res.exit_code == 1
+    assert "error: [E700] 1 of 1 parameter(s)" in res.stderr
+    assert_no_traceback(res)
+
+
+def test_lost_state_in_a_stepped_leaf_is_not_treated_as_fresh(full_fx: Path, tmp_path: Path) -> None:
+    def mutate(d: dict[str, Any]) -> None:
+        for f in ("step", "master_weight", "exp_avg", "exp_avg_sq"):
+            d.pop(_state_key(DENSE_FQN, f))
+
+    bad = resave(full_fx / "ckpt", tmp_path / "bad", mutate)
+    res = run(bad, "--device", "cpu")
+    assert res.exit_code == 2
+    assert res.stderr.startswith(f"error: [E513] parameter {DENSE_FQN} has no optimizer state although other parameters")
+    res = run(bad, "--device", "cpu", "--select", "experts")  # leaving it out works
+    assert res.exit_code == 0, res.stderr
+
+
+# ------------------------------------------------------------------ optimizer choice
+def test_type_from_state_fields_without_a_record_and_offload_patterns(full_fx: Path, tmp_path: Path) -> None:
+    plain = resave(full_fx / "ckpt", tmp_path / "norecord", lambda d: d.pop("layout"))
+    d = json.loads(run(plain, "--device", "cpu", "--json").stdout)
+    assert d["ok"] and d["optimizer"]["type"] == "full_fp32_adamw"
+    assert d["optimizer"]["reason"].startswith("state fields")
+    res = run(plain, "--device", "cpu", "--json", "--offload-patterns", "experts", "--chunk-size", "500")
+    d = json.loads(res.stdout)
+    assert res.exit_code == 0 and d["optimizer"]["type"] == "cpu_offload_adamw"
+    assert d["optimizer"]["reason"] == "state fields (FP32 master_weight) and --offload-patterns"
+    assert {p["fqn"] for p in d["params"] if p["offloaded"]} == {
+        "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+
+
+def test_mixed_moment_dtypes_without_a_record_infer_per_parameter(offload_fx: Path, tmp_path: Path) -> None:
+    plain = resave(offload_fx / "ckpt", tmp_path / "norecord", lambda d: d.pop("layout"))
+    d = json.loads(run(plain, "--device", "cpu", "--json").stdout)
+    assert d["ok"] and d["optimizer"]["type"] == "mixed"
+    types = {p["fqn"]: p["optimizer"] for p in d["params"]}
+    assert types["model.layers.0.mlp.experts.down_proj"] == "full_fp32_adamw"
+    assert types[DENSE_FQN] == "master_fp32_adamw"
+
+
+def test_optimizer_option_overrides_the_record_and_is_checked(fixture_root: Path) -> None:
+    root = cached_build(fixture_root, "replay_master_fp32_adamw", builder("master_fp32_adamw"))
+    res = run(root / "ckpt", "--device", "cpu", "--optimizer", "full_fp32_adamw")
+    assert res.exit_code == 2
+    assert "error: [E511]" in res.stderr and "but full_fp32_adamw saves float32" in res.stderr
+    res = run(root / "ckpt", "--device", "cpu", "--optimizer", "adamw")
+    assert res.exit_code == 2 and "error: [E510]" in res.stderr and "has unexpected master_weight" in res.stderr
+
+
+# ------------------------------------------------------------------ gradients, selection, memory
+def test_seeded_generator_is_the_documented_formula() -> None:
+    fqn = "model.layers.0.mlp.experts.down_proj"
+    g = seeded_grad(fqn, (4, 8), torch.bfloat16, seed=3, scale=0.5, step_index=1)
+    gen = torch.Generator().manual_seed(grad_seed_for(fqn, 3, 1))
+    want = (torch.randn((4, 8), generator=gen, dtype=torch.float32) * 0.5).to(torch.bfloat16)
+    assert torch.equal(g, want)
+    import zlib
+
+    assert grad_seed_for(fqn, 3, 1) == zlib.crc32(f"ckpttool.replay:3:1:{fqn}".encode())
+    assert not torch.equal(g, seeded_grad(fqn, (4, 8), torch.bfloat16, seed=3, scale=0.5, step_index=0))
+
+
+def test_batches_under_max_memory_give_identical_results(full_fx: Path) -> None:
+    one, got_one = replay_collect(full_fx / "ckpt", steps=2)
+    many, got_many = replay_collect(full_fx / "ckpt", steps=2, max_memory=700_000)
+    assert one.batches == 1 and many.batches > 3 and many.ok
+    for fqn in got_one:
+        for what in got_one[fqn]:
+            assert torch.equal(got_one[fqn][what], got_many[fqn][what]), (fqn, what)
+    res = run(full_fx / "ckpt", "--device", "cpu", "--max-memory", "100KiB")
+    assert res.exit_code == 2 and "error: [E130]" in res.stderr and "more than --max-memory 102,400" in res.stderr
+
+
+def test_select_limits_the_replay(full_fx: Path) -> None:
+    d = json.loads(run(full_fx / "ckpt", "--device", "cpu", "--json", "--select", r"norm\.weight$").stdout)
+    assert d["params_total"] == 5 and all(p["fqn"].endswith("norm.weight") for p in d["params"])
+    res = run(full_fx / "ckpt", "--device", "cpu", "--select", "nothing_matches")
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E100] --select 'nothing_matches' matches none of the 14")
+
+
+def test_gradient_file_problems_exit_2(full_fx: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    grads = load_file(str(full_fx / "grads.safetensors"))
+    grads.pop(DENSE_FQN)
+    save_file(grads, str(tmp_path / "missing.safetensors"))
+    res = run(full_fx / "ckpt", "--device", "cpu", "--grads", tmp_path / "missing.safetensors")
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E120] --grads {tmp_path / 'missing.safetensors'} has no gradient for {DENSE_FQN}")
+    grads[DENSE_FQN] = torch.zeros(3, 3)
+    save_file(grads, str(tmp_path / "shape.safetensors"))
+    res = run(full_fx / "ckpt", "--device", "cpu", "--grads", tmp_path / "shape.safetensors")
+    assert res.exit_code == 2 and "has shape [3, 3], the parameter has [32, 32]" in res.stderr
+    (tmp_path / "junk.safetensors").write_bytes(b"not safetensors")
+    res = run(full_fx / "ckpt", "--device", "cpu", "--grads", tmp_path / "junk.safetensors")
+    assert res.exit_code == 2 and "not a readable safetensors file" in res.stderr
+    # keys with the checkpoint's model. prefix are accepted
+    prefixed = {f"model.{k}": v for k, v in load_file(str(full_fx / "grads.safetensors")).items()}
+    save_file(prefixed, str(tmp_path / "prefixed.safetensors"))
+    assert run(full_fx / "ckpt", "--device", "cpu", "--grads", tmp_path / "prefixed.safetensors").exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--grads", "g.safetensors", "--grad-seed", "1"], "error: [E100] --grads and --grad-seed/--grad-scale are exclusive"),
+        (["--tolerance", "1e-5"], "error: [E100] --tolerance '1e-5' is not 'rtol,atol'"),
+        (["--max-memory", "lots"], "error: [E100] --max-memory 'lots' is not a size"),
+        (["--select", "("], "error: [E100] --select '(' is not a valid regular expression"),
+    ],
+)
+def test_bad_options_exit_2_with_one_line(full_fx: Path, args: list[str], message: str) -> None:
+    res = run(full_fx / "ckpt", "--device", "cpu", *args)
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.startswith(message)
+    assert_no_traceback(res)
+
+
+@pytest.mark.parametrize(
+    "tol, needle",
+    [
+        ("inf,inf", "both numbers must be finite"),
+        ("1e-5,inf", "both numbers must be finite"),
+        ("nan,1e-8", "both numbers must be finite"),
+        ("-1e-5,1e-8", "both numbers must be >= 0"),
+        ("1e-5,-0.5", "both numbers must be >= 0"),
+    ],
+)
+def test_non_finite_or_negative_tolerance_is_refused(full_fx: Path, tol: str, needle: str) -> None:
+    res = run(full_fx / "ckpt", "--device", "cpu", "--tolerance", tol)
+    assert res.exit_code == 2 and res.stdout == ""
+    lines = res.stderr.splitlines()
+    assert lines[0].startswith(f"error: [E100] --tolerance '{tol}': {needle}"), res.stderr
+    assert lines[1].startswith("hint: ") and "--tolerance 1e-5,1e-8" in lines[1]
+    assert_no_traceback(res)
+
+
+def test_library_refuses_an_infinite_tolerance(full_fx: Path) -> None:
+    from ckpttool.errors import UsageError
+    from ckpttool.ops.replay.run import replay_step
+
+    with pytest.raises(UsageError, match="finite"):
+        replay_step(full_fx / "ckpt", device="cpu", tolerance=(float("inf"), 0.0))
+
+
+def test_missing_accelerator_is_a_usage_error(full_fx: Path) -> None:
+    from ckpttool.optim.device import accelerator_type
+
+    if accelerator_type() == "cuda":
+        pytest.skip("this machine has cuda")
+    res = run(full_fx / "ckpt", "--device", "cuda")
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E121] --device cuda: no cuda device on this machine")
+
+
+def test_not_a_checkpoint_exit_2(tmp_path: Path) -> None:
+    res = run(tmp_path, "--device", "cpu")
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E")
+    assert_no_traceback(res)
+
+
+def test_compare_field_flags_values_beyond_tolerance() -> None:
+    ref = torch.tensor([1.0, -2.0, 0.0], dtype=torch.float64)
+    scale = ref.abs() + 0.1
+    ok = compare_field(ref.float(), ref, scale, rtol=1e-5, atol=0.0, stored="float32", arithmetic="float32")
+    assert ok.ok and ok.max_abs == 0
+    off = ref.clone()
+    off[1] += 1e-3
+    bad = compare_field(off.float(), ref, scale, rtol=1e-5, atol=0.0, stored="float32", arithmetic="float32")
+    assert bad.bad == 1 and bad.ratio > 1 and bad.max_abs == pytest.approx(1e-3, rel=1e-3)
+    # one BF16 rounding of the same value is accepted for a BF16 field
+    bf = compare_field(off.to(torch.bfloat16), off, off.abs(), rtol=1e-5, atol=0.0, stored="bfloat16", arithmetic="float32")
+    assert bf.ok
+    nan = compare_field(torch.tensor([float("nan"), -2.0, 0.0]), ref, scale, rtol=1e-5, atol=0.0,
+                        stored="float32", arithmetic="float32")
+    assert nan.bad == 1
+
+
+def test_source_checkpoint_is_not_modified(full_fx: Path) -> None:
+    import hashlib
+
+    def digest() -> str:
+        h = hashlib.sha256()
+        for p in sorted((full_fx / "ckpt").rglob("*")):
+            if p.is_file():
+                h.update(p.name.encode() + p.read_bytes())
+        return h.hexdigest()
+
+    before = digest()
+    assert run(full_fx / "ckpt", "--device", "cpu", "--steps", "2").exit_code == 0
+    assert digest() == before

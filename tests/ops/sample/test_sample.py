@@ -1,0 +1,167 @@
+"""``ckpttool sample``: clean errors for unusable targets/seeds, and an atomic write (DESIGN.md section 5)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+
+runner = CliRunner()
+
+
+def sample(*args: object):  # type: ignore[no-untyped-def]
+    return runner.invoke(app, ["sample", *map(str, args), "--steps", "1"])
+
+
+def leftovers(parent: Path) -> list[str]:
+    return sorted(n for n in os.listdir(parent) if ".ckpttool-" in n)
+
+
+def assert_error(res, code: str, *needles: str) -> None:  # type: ignore[no-untyped-def]
+    assert res.exit_code == 2, (res.exit_code, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert lines[-2].startswith(f"error: [{code}]"), res.stderr
+    assert lines[-1].startswith("hint: "), res.stderr
+    assert "Traceback" not in res.stderr and "E999" not in res.stderr
+    for n in needles:
+        assert n in lines[-2], (n, lines[-2])
+
+
+def test_parent_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    for target in (tmp_path / "file" / "x", tmp_path / "file" / "x" / "y"):
+        res = sample(target)
+        assert_error(res, "E600", "cannot write there", f"{tmp_path / 'file'} is not a directory")
+    assert sorted(os.listdir(tmp_path)) == ["file"] and (tmp_path / "file").read_text() == "x"
+
+
+def test_target_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    assert_error(sample(tmp_path / "f"), "E600", "not a directory")
+    assert (tmp_path / "f").read_text() == "x" and leftovers(tmp_path) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="no /proc")
+def test_unwritable_location() -> None:
+    before = set(os.listdir("/proc"))
+    assert_error(sample("/proc/ckpttool-sample-x"), "E600", "cannot write there")
+    assert not os.path.exists("/proc/ckpttool-sample-x") and not [n for n in set(os.listdir("/proc")) - before
+                                                                   if "ckpttool" in n]
+
+
+@pytest.mark.parametrize("seed", ["99999999999999999999999", str(2**63), "-1"])
+def test_seed_out_of_range(seed: str, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["sample", str(tmp_path / "s"), "--seed", seed])
+    assert_error(res, "E100", "seed", seed)
+    assert "0 to 9223372036854775807" in res.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_largest_seed_works(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["sample", str(tmp_path / "s"), "--seed", str(2**63 - 1), "--steps", "0"])
+    assert res.exit_code == 0, res.stderr
+    assert (tmp_path / "s" / ".metadata").is_file()
+
+
+def test_existing_non_empty_refused(tmp_path: Path) -> None:
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "keep.txt").write_text("x")
+    assert_error(sample(d), "E600", "not empty")
+    assert os.listdir(d) == ["keep.txt"] and leftovers(tmp_path) == []
+
+
+def test_cwd_and_existing_empty_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = tmp_path / "d"
+    d.mkdir()
+    monkeypatch.chdir(d)
+    res = sample(".")
+    assert res.exit_code == 0, res.stderr
+    assert sorted(os.listdir(d)) == [".metadata", "__0_0.distcp", "extra_state", "model_assets"]
+    assert leftovers(tmp_path) == [] and leftovers(d) == []
+    res = runner.invoke(app, ["inspect", ".", "--json"])
+    assert res.exit_code == 0, res.stderr
+
+
+def test_write_sample_api_keeps_working(tmp_path: Path) -> None:
+    """``write_sample(p)`` into an existing empty directory, with the existing keyword arguments."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckpttool.errors import OutputError
+    from ckpttool.ops.sample import write_sample
+
+    p = tmp_path / "p"
+    p.mkdir()
+    assert write_sample(p, steps=1, optimizer="master_fp32_adamw") == p
+    assert sorted(os.listdir(p)) == [".metadata", "__0_0.distcp", "extra_state", "model_assets"]
+    assert (p / "extra_state" / "extra_state_rank_0.pt").is_file()
+    assert json.loads((p / "model_assets" / "config.json").read_text())["model_type"] == "qwen3_moe"
+    md = dcp.FileSystemReader(str(p)).read_metadata()
+    assert str(md.storage_meta.checkpoint_id) == str(p)  # the final path, not the temporary one
+    assert leftovers(tmp_path) == []
+    with pytest.raises(OutputError):
+        write_sample(p)
+
+
+def test_write_failure_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    real = torch.save
+
+    def failing_save(obj, f, *a, **kw):  # type: ignore[no-untyped-def]
+        if str(f).endswith("extra_state_rank_0.pt"):  # after dcp.save wrote a complete-looking .metadata
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, f, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    out = tmp_path / "s"
+    assert_error(sample(out), "E600", "write failed")
+    assert os.listdir(tmp_path) == []
+
+
+INTERRUPTED = r"""
+import os, signal, sys, torch
+SIG = getattr(signal, sys.argv[1])
+real = torch.save
+def save(obj, f, *a, **kw):
+    if str(f).endswith("extra_state_rank_0.pt"):
+        os.kill(os.getpid(), SIG)
+    return real(obj, f, *a, **kw)
+torch.save = save
+from ckpttool.cli import app
+sys.argv = ["ckpttool", "sample", sys.argv[2], "--steps", "1"]
+app()
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_interrupted_leaves_nothing(sig: str, tmp_path: Path) -> None:
+    out = tmp_path / "s"
+    res = subprocess.run([sys.executable, "-c", INTERRUPTED, sig, str(out)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 130, res.stderr
+    assert "error: interrupted" in res.stderr and "Traceback" not in res.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_sample_on_a_full_disk_is_e600_without_traceback(tmp_path: Path) -> None:
+    """torch's CheckpointException is a BaseException: the failure inside it (EFBIG here) is what the user sees."""
+    import resource
+    import shutil
+    import subprocess
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    res = subprocess.run([shutil.which("ckpttool") or "ckpttool", "sample", str(tmp_path / "s")], capture_output=True,
+                         text=True, preexec_fn=cap, timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.startswith("error: [E600]") and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert os.listdir(tmp_path) == []

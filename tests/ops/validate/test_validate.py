@@ -1,0 +1,467 @@
+"""``ckpttool validate``: every rule triggered by a real checkpoint damaged in one way; clean fixtures pass.
+
+Each test copies a real ``dcp.save`` fixture, damages it with one helper of
+``tests/fixtures/damage.py`` and asserts that exactly the expected rule fails
+the run, with exit codes and output streams checked through the CLI.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ckpttool.ops.validate import RULES, validate
+from ckpttool.cli.app import app
+from tests.fixtures import damage
+from tests.fixtures.cache import cached_build, copy_checkpoint
+
+runner = CliRunner()
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+MASTER_PARAMS = {
+    "model.embed_tokens.weight": (16, 8),
+    "model.layers.0.mlp.down_proj.weight": (8, 12),
+    "model.layers.1.mlp.down_proj.weight": (8, 12),
+    "model.norm.weight": (8,),
+    "lm_head.weight": (16, 8),
+}
+
+
+def build_master(out: Path) -> None:
+    """BF16 parameters with FP32 masters and BF16 moments (master_fp32_adamw), nested flavor, layout record."""
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(7)
+    msd, state = {}, {}
+    for fqn, shape in MASTER_PARAMS.items():
+        master = torch.randn(shape, generator=g) * 0.1
+        msd[fqn] = master.to(torch.bfloat16)
+        state[fqn] = {
+            "step": torch.tensor(5.0),
+            "master_weight": master,
+            "exp_avg": (torch.randn(shape, generator=g) * 1e-3).to(torch.bfloat16),
+            "exp_avg_sq": (torch.rand(shape, generator=g) * 1e-6).to(torch.bfloat16),
+        }
+    osd = {"state": state, "param_groups": [
+        {"params": list(MASTER_PARAMS), "lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}]}
+    record = {"format": "ckpttool.layout", "version": 2, "parallel": {"ep_size": 1, "ep_fsdp_size": 1},
+              "extra_parallel": {}, "optimizer": {"type": "master_fp32_adamw", "moment_dtypes": {"resident": "bfloat16"}},
+              "global_step": 5}
+    dcp.save({"model": msd, "optimizer": osd, "layout": json.dumps(record)}, checkpoint_id=str(out))
+
+
+def build_per_expert(out: Path) -> None:
+    """Per-expert MoE keys where EP rank 0 saved only its local experts 0..3 (of 8) under local names."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"model.embed_tokens.weight": torch.zeros(16, 8), "lm_head.weight": torch.zeros(16, 8)}
+    for j in range(4):
+        for proj, shape in (("gate_proj", (6, 8)), ("up_proj", (6, 8)), ("down_proj", (8, 6))):
+            sd[f"model.layers.0.mlp.experts.{j}.{proj}.weight"] = torch.zeros(shape)
+    dcp.save({"model": sd}, checkpoint_id=str(out))
+
+
+@pytest.fixture(scope="session")
+def master_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "validate_master", build_master)
+
+
+@pytest.fixture(scope="session")
+def per_expert_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "validate_per_expert", build_per_expert)
+
+
+@pytest.fixture
+def copy_of(tmp_path: Path):
+    def make(src: Path) -> Path:
+        return copy_checkpoint(src, tmp_path / "ckpt")
+
+    return make
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def run(*args: Any) -> tuple[int, dict[str, Any], str]:
+    """``ckpttool validate ARGS --json``: exit code, parsed JSON, stderr."""
+    res = runner.invoke(app, ["validate", *map(str, args), "--json"])
+    assert res.stdout.strip(), (res.exit_code, res.stderr)
+    return res.exit_code, json.loads(res.stdout), res.stderr
+
+
+def failing_codes(doc: dict[str, Any]) -> set[str]:
+    return {f["code"] for f in doc["findings"] if f["fails"]}
+
+
+def codes(doc: dict[str, Any], *severities: str) -> set[str]:
+    sev = severities or ("error", "warning")
+    return {f["code"] for f in doc["findings"] if f["severity"] in sev}
+
+
+def only(path: Path, code: str, *extra: Any, exit_code: int = 1) -> dict[str, Any]:
+    """Assert that validating ``path`` (strict) fails with exactly rule ``code``; return the JSON."""
+    rc, doc, err = run(path, "--strict", *extra)
+    assert codes(doc) == {code}, doc["findings"]
+    assert rc == exit_code == doc["exit_code"], (rc, err)
+    assert all(f["message"] and f["hint"] and "\n" not in f["message"] for f in doc["findings"])
+    return doc
+
+
+# ------------------------------------------------------------------------------------------ clean fixtures
+@pytest.mark.parametrize("name", ["dense_ckpt", "multi_optim_ckpt", "fsdp_ckpt", "sample_ckpt", "master_ckpt"])
+def test_clean_fixtures_pass_strict_deep(name: str, request: pytest.FixtureRequest) -> None:
+    path = request.getfixturevalue(name)
+    res = runner.invoke(app, ["validate", str(path), "--strict", "--deep"])
+    assert res.exit_code == 0, res.stdout
+    assert res.stdout.splitlines()[-1].startswith("OK: 0 error(s), 0 warning(s)")
+    assert res.stderr == ""
+
+
+def test_clean_sample_reports_scheduler_initial_lr_as_info(sample_ckpt: Path) -> None:
+    rc, doc, _ = run(sample_ckpt, "--strict")
+    assert rc == 0 and doc["ok"] and doc["counts"] == {"error": 0, "warning": 0, "info": 1}
+    (f,) = doc["findings"]
+    assert f["code"] == "P002" and "initial_lr 0.001" in f["message"] and not f["fails"]
+
+
+def test_never_stepped_leaf_with_hyperparameters_is_clean(multi_optim_ckpt: Path) -> None:
+    rc, doc, _ = run(multi_optim_ckpt, "--strict")
+    assert rc == 0 and codes(doc) == set()
+    p002 = [f for f in doc["findings"] if f["code"] == "P002"]
+    assert p002 and "lr 0.0025" in p002[0]["message"]
+
+
+def build_initial_lr(out: Path) -> None:
+    """Two param groups carrying initial_lr: group 0 not moved by the scheduler (lr == initial_lr), group 1 moved."""
+    import torch.distributed.checkpoint as dcp
+
+    msd = {"model.a.weight": torch.ones(4, 4), "model.b.weight": torch.ones(4, 4)}
+    state = {k: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(4, 4), "exp_avg_sq": torch.zeros(4, 4)} for k in msd}
+    base = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+    osd = {"state": state, "param_groups": [
+        {"params": ["model.a.weight"], "lr": 1e-3, "initial_lr": 1e-3, **base},
+        {"params": ["model.b.weight"], "lr": 2.5e-4, "initial_lr": 1e-3, **base}]}
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(out))
+
+
+def test_P002_reports_only_groups_whose_lr_differs_from_initial_lr(tmp_path: Path) -> None:
+    build_initial_lr(tmp_path / "ck")
+    rc, doc, err = run(tmp_path / "ck", "--strict")
+    assert rc == 0 and err == "" and doc["counts"] == {"error": 0, "warning": 0, "info": 1}, doc["findings"]
+    (f,) = doc["findings"]
+    assert f["code"] == "P002" and f["severity"] == "info" and not f["fails"]
+    assert f["key"] == "optimizer.param_groups.1" and f["message"] == "param group 1: initial_lr 0.001, lr 0.00025"
+    # the human output names only the moved group
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "ck")])
+    assert res.exit_code == 0 and "param group 0" not in res.stdout and "param group 1" in res.stdout
+
+
+def test_P002_silent_when_the_scheduler_has_not_moved_the_lr(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    msd = {"model.a.weight": torch.ones(4, 4)}
+    osd = {"state": {"model.a.weight": {"step": torch.tensor(1.0), "exp_avg": torch.zeros(4, 4),
+                                         "exp_avg_sq": torch.zeros(4, 4)}},
+           "param_groups": [{"params": ["model.a.weight"], "lr": 1e-3, "initial_lr": 1e-3, "betas": (0.9, 0.95),
+                             "eps": 1e-8, "weight_decay": 0.0}]}
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "ck")])
+    assert res.exit_code == 0 and res.stderr == ""
+    assert "initial_lr" not in res.stdout and res.stdout.splitlines()[-1].startswith("OK: 0 error(s), 0 warning(s), 0 info")
+
+
+# ------------------------------------------------------------------------------------------ storage
+def test_S001_garbage_metadata_exits_2(dense_ckpt: Path, copy_of) -> None:
+    ck = copy_of(dense_ckpt)
+    (ck / ".metadata").write_bytes(b"\x80\x04not a pickle at all")
+    rc, doc, err = run(ck)
+    assert rc == 2 and codes(doc) == {"S001"} and doc["findings"][0]["fatal"]
+    assert err.startswith("error: [E200]") and "hint:" in err
+
+
+def test_S001_unsafe_pickle_names_the_global(dense_ckpt: Path, copy_of) -> None:
+    ck = copy_of(dense_ckpt)
+    (ck / ".metadata").write_bytes(b"cos\nsystem\n(S'touch /tmp/ckpttool-pwned'\ntR.")
+    rc, doc, err = run(ck, "--deep")
+    assert rc == 2 and codes(doc) == {"S001"} and doc["findings"][0]["error_code"] == "E201"
+    assert "system" in doc["findings"][0]["message"] and "[E201]" in err
+    assert not Path("/tmp/ckpttool-pwned").exists()
+
+
+def test_S002_missing_data_file(dense_ckpt: Path, copy_of) -> None:
+    ck = copy_of(dense_ckpt)
+    damage.delete_file(ck, "__0_0.distcp")
+    doc = only(ck, "S002")
+    assert doc["findings"][0]["key"] == "__0_0.distcp" and doc["findings"][0]["error_code"] == "E300"
+
+
+def test_S003_truncated_file(fsdp_ckpt: Path, copy_of) -> None:
+    ck = copy_of(fsdp_ckpt)
+    damage.truncate(ck, "__2_0.distcp", 0.5)
+    doc = only(ck, "S003")
+    assert doc["findings"][0]["key"] == "__2_0.distcp" and "past the end" in doc["findings"][0]["message"]
+
+
+def test_S004_gap_and_overlap(fsdp_ckpt: Path, copy_of) -> None:
+    ck = copy_of(fsdp_ckpt)
+    md = damage.load_md(ck)
+    key = "model.model.layers.0.proj.weight"
+    chunks = md.state_dict_metadata[key].chunks
+    assert len(chunks) == 4
+    md.state_dict_metadata[key].chunks = chunks[:1] + chunks[2:]  # drop rank 1's rows
+    damage.save_md(ck, md)
+    doc = only(ck, "S004")
+    assert "gap" in doc["findings"][0]["message"] and doc["findings"][0]["key"] == key
+
+
+def test_S005_unknown_transform(dense_ckpt: Path, copy_of) -> None:
+    ck = copy_of(dense_ckpt)
+    damage.edit_storage(ck, "model.model.norm.weight", transform_descriptors=["rot13-unknown/1"])
+    doc = only(ck, "S005")
+    assert "rot13-unknown" in doc["findings"][0]["message"]
+
+
+def test_S006_unreferenced_file_is_a_warning(dense_ckpt: Path, copy_of) -> None:
+    ck = copy_of(dense_ckpt)
+    (ck / "__7_0.distcp").write_bytes(b"left over")
+    rc, doc, _ = run(ck)
+    assert rc == 0 and codes(doc) == {"S006"} and not failing_codes(doc)
+    only(ck, "S006")
+
+
+def test_S007_extra_state_ranks_missing(fsdp_ckpt: Path, copy_of) -> None:
+    ck = copy_of(fsdp_ckpt)
+    (ck / "extra_state").mkdir()
+    torch.save({"global_step": 2}, ck / "extra_state" / "extra_state_rank_0.pt")
+    doc = only(ck, "S007")
+    assert "[1, 2, 3]" in doc["findings"][0]["message"]
+
+
+def test_S008_storage_entry_missing(dense_ckpt: Path, copy_of) -> None:
+    ck = copy_of(dense_ckpt)
+    md = damage.load_md(ck)
+    del md.storage_data[next(i for i in md.storage_data if i.fqn == "model.model.norm.weight")]
+    damage.save_md(ck, md)
+    only(ck, "S008")
+
+
+def test_S009_escaping_path_exits_2(dense_ckpt: Path, copy_of, tmp_path: Path) -> None:
+    ck = copy_of(dense_ckpt)
+    (tmp_path / "outside").mkdir()
+    damage.edit_storage(ck, "model.model.norm.weight", relative_path="../outside/__0_0.distcp")
+    rc, doc, err = run(ck, "--deep")
+    assert rc == 2 and codes(doc) == {"S009"} and "[E101]" in err
+
+
+def test_S010_corrupt_chunk_needs_deep(dense_ckpt: Path, copy_of) -> None:
+    ck = copy_of(dense_ckpt)
+    damage.corrupt_chunk_bytes(ck, "model.model.layers.0.mlp.up_proj.weight")
+    rc, doc, _ = run(ck, "--strict")
+    assert rc == 0 and codes(doc) == set()
+    doc = only(ck, "S010", "--deep")
+    assert doc["findings"][0]["key"] == "model.model.layers.0.mlp.up_proj.weight"
+
+
+def test_S011_byte_item_needing_trust_pickle(dense_ckpt: Path, copy_of) -> None:
+    ck = copy_of(dense_ckpt)
+    damage.set_byte_item(ck, "optimizer.param_groups.0.lr", datetime.date(2020, 1, 1))
+    doc = only(ck, "S011")
+    assert "--trust-pickle" in doc["findings"][0]["hint"] and doc["findings"][0]["error_code"] == "E304"
+    rc, doc, _ = run(ck, "--strict", "--trust-pickle")
+    assert rc == 0 and codes(doc) == set()
+
+
+def test_S012_chunk_larger_than_its_record(dense_ckpt: Path, copy_of) -> None:
+    ck = copy_of(dense_ckpt)
+    damage.edit_storage(ck, "model.lm_head.weight", length=200)
+    only(ck, "S012")
+
+
+def test_S013_extra_state_refused_by_weights_only(sample_ckpt: Path, copy_of) -> None:
+    ck = copy_of(sample_ckpt)
+    torch.save({"when": datetime.date(2020, 1, 1)}, ck / "extra_state" / "extra_state_rank_0.pt")
+    doc = only(ck, "S013")
+    assert doc["findings"][0]["key"] == "extra_state/extra_state_rank_0.pt"
+
+
+# ------------------------------------------------------------------------------------------ optimizer
+Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+def test_O001_partial_state(dense_ckpt: Path, copy_of) -> None:
+    ck = copy_of(dense_ckpt)
+    assert damage.drop_keys(ck, lambda k: k == f"optimizer.state.{Q}.exp_avg_sq")
+    doc = only(ck, "O001")
+    assert doc["findings"][0]["key"] == Q and "exp_avg_sq" in doc["findings"][0]["message"]
+
+
+def test_O002_param_group_entries_deleted_for_never_stepped_param(multi_optim_ckpt: Path, copy_of) -> None:
+    ck = copy_of(multi_optim_ckpt)
+    fqn = "model.layers.0.mlp.experts.gate_up_proj"
+    assert damage.drop_keys(ck, lambda k: k.startswith(f"optimizer.param_groups.{fqn}."))
+    doc = only(ck, "O002")
+    assert doc["findings"][0]["key"] == fqn and "reset" in doc["findings"][0]["message"]
+
+
+def test_O003_state_for_unknown_fqn(dense_ckpt: Path, copy_of) -> None:
+    ck = copy_of(dense_ckpt)
+    damage.rename_key(ck, f"optimizer.state.{Q}.step", "optimizer.state.model.layers.9.q.weight.step")
+    damage.rename_key(ck, f"optimizer.state.{Q}.exp_avg", "optimizer.state.model.layers.9.q.weight.exp_avg")
+    damage.rename_key(ck, f"optimizer.state.{Q}.exp_avg_sq", "optimizer.state.model.layers.9.q.weight.exp_avg_sq")
+    doc = only(ck, "O003")
+    assert doc["findings"][0]["key"] == "model.layers.9.q.weight"
+
+
+def test_O004_state_shape_differs(dense_ckpt: Path, copy_of) -> None:
+    ck = copy_of(dense_ckpt)
+    damage.replace_single_chunk(ck, f"optimizer.state.{Q}.exp_avg", torch.zeros(16, 8, dtype=torch.bfloat16))
+    doc = only(ck, "O004")
+    assert "[16, 8]" in doc["findings"][0]["message"] and "[16, 16]" in doc["findings"][0]["message"]
+
+
+def test_O005_bf16_moment_in_fp32_adamw_state(sample_ckpt: Path, copy_of) -> None:
+    ck = copy_of(sample_ckpt)
+    fqn = "model.layers.1.mlp.experts.down_proj"
+    damage.rewrite_tensor(ck, f"optimizer.state.{fqn}.exp_avg", lambda t: t.to(torch.bfloat16))
+    doc = only(ck, "O005")
+    msg = doc["findings"][0]["message"]
+    assert "exp_avg is bfloat16 (expected float32)" in msg and "declared type adamw" in msg
+
+
+def test_O005_bf16_master_weight(master_ckpt: Path, copy_of) -> None:
+    ck = copy_of(master_ckpt)
+    damage.rewrite_tensor(ck, "optimizer.state.lm_head.weight.master_weight", lambda t: t.to(torch.bfloat16))
+    doc = only(ck, "O005")
+    assert "master_weight is bfloat16 (expected float32)" in doc["findings"][0]["message"]
+
+
+def test_O006_master_weight_missing_for_one_param(master_ckpt: Path, copy_of) -> None:
+    ck = copy_of(master_ckpt)
+    assert damage.drop_keys(ck, lambda k: k == "optimizer.state.model.norm.weight.master_weight")
+    doc = only(ck, "O006")
+    assert "4 parameter(s) have master_weight, 1 do not" in doc["findings"][0]["message"]
+
+
+def test_O007_step_counters_disagree_is_a_deep_warning(master_ckpt: Path, copy_of) -> None:
+    ck = copy_of(master_ckpt)
+    damage.rewrite_tensor(ck, "optimizer.state.model.norm.weight.step", lambda t: t - 2)
+    rc, doc, _ = run(ck, "--deep")
+    assert rc == 0 and codes(doc) == {"O007"}
+    doc = only(ck, "O007", "--deep")
+    assert "4 at 5, 1 at 3" in doc["findings"][0]["message"] and doc["findings"][0]["key"] == "model.norm.weight"
+
+
+def test_O008_unknown_state_field(dense_ckpt: Path, copy_of) -> None:
+    ck = copy_of(dense_ckpt)
+    damage.rename_key(ck, f"optimizer.state.{Q}.exp_avg_sq", f"optimizer.state.{Q}.momentum_buffer")
+    rc, doc, _ = run(ck)
+    assert rc == 0 and codes(doc) == {"O008"}
+    only(ck, "O008")
+
+
+# ------------------------------------------------------------------------------------------ param groups
+def test_P001_group_missing_eps(dense_ckpt: Path, copy_of) -> None:
+    ck = copy_of(dense_ckpt)
+    assert damage.drop_keys(ck, lambda k: k == "optimizer.param_groups.0.eps")
+    doc = only(ck, "P001")
+    assert "missing eps" in doc["findings"][0]["message"]
+
+
+def test_P003_bf16_step(dense_ckpt: Path, copy_of) -> None:
+    ck = copy_of(dense_ckpt)
+    damage.rewrite_tensor(ck, f"optimizer.state.{Q}.step", lambda t: t.to(torch.bfloat16))
+    doc = only(ck, "P003")
+    assert "bfloat16" in doc["findings"][0]["message"]
+
+
+def test_P004_param_removed_from_nested_group(dense_ckpt: Path, copy_of) -> None:
+    from ckpttool.format import CheckpointReader
+
+    ck = copy_of(dense_ckpt)
+    with CheckpointReader(ck) as r:
+        params = r.read_object("optimizer.param_groups.0.params")
+    damage.set_byte_item(ck, "optimizer.param_groups.0.params", [p for p in params if p != Q])
+    doc = only(ck, "P004")
+    assert doc["findings"][0]["key"] == Q
+
+
+# ------------------------------------------------------------------------------------------ deep
+def test_D001_nan_in_a_parameter(fsdp_ckpt: Path, copy_of) -> None:
+    ck = copy_of(fsdp_ckpt)
+
+    def nan(t: torch.Tensor) -> torch.Tensor:
+        t[2, 3] = float("nan")
+        t[1, 1] = float("inf")
+        return t
+
+    damage.rewrite_tensor(ck, "model.model.layers.1.proj.weight", nan)
+    assert codes(run(ck, "--strict")[1]) == set()
+    doc = only(ck, "D001", "--deep")
+    assert "2 of 256 values" in doc["findings"][0]["message"]
+
+
+def test_D002_negative_exp_avg_sq(dense_ckpt: Path, copy_of) -> None:
+    ck = copy_of(dense_ckpt)
+
+    def neg(t: torch.Tensor) -> torch.Tensor:
+        t[0, :3] = -1.0
+        return t
+
+    damage.rewrite_tensor(ck, f"optimizer.state.{Q}.exp_avg_sq", neg)
+    doc = only(ck, "D002", "--deep")
+    assert "3 of 256 values are negative" in doc["findings"][0]["message"]
+
+
+def test_D003_fractional_step(dense_ckpt: Path, copy_of) -> None:
+    ck = copy_of(dense_ckpt)
+    for key in [k for k in damage.load_md(ck).state_dict_metadata if k.endswith(".step")]:
+        damage.rewrite_tensor(ck, key, lambda t: t + 0.5)
+    rc, doc, _ = run(ck, "--strict", "--deep")
+    assert rc == 1 and codes(doc) == {"D003"} and all("3.5" in f["message"] for f in doc["findings"])
+
+
+def test_D004_param_desynced_from_master(master_ckpt: Path, copy_of) -> None:
+    ck = copy_of(master_ckpt)
+    key = "model.model.layers.1.mlp.down_proj.weight"
+
+    def bump(t: torch.Tensor) -> torch.Tensor:
+        t[0, :5] += 0.25
+        return t
+
+    damage.rewrite_tensor(ck, key, bump)
+    assert codes(run(ck, "--strict")[1]) == set()
+    doc = only(ck, "D004", "--deep")
+    f = doc["findings"][0]
+    assert f["key"] == key and "5 of 96 elements" in f["message"] and "max |diff| 0.25" in f["message"]
+
+
+# ------------------------------------------------------------------------------------------ rules are documented
+def test_every_rule_is_documented_in_docs_rules_md() -> None:
+    text = (Path(__file__).resolve().parents[3] / "docs" / "rules.md").read_text()
+    for code, r in RULES.items():
+        assert f"`{code}`" in text and r.name in text, code
+
+
+def test_library_call_matches_cli(dense_ckpt: Path) -> None:
+    res = validate(dense_ckpt, strict=True)
+    assert res.exit_code == 0 and res.to_dict()["schema"] == "ckpttool.validate/1"
+    assert {s.rule.code for s in res.rules if s.status == "skipped"} == {
+        c for c, r in RULES.items() if r.needs - set()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("special", [float("nan"), -float("nan"), float("inf"), -float("inf"), -0.0, -2.5, 0.0])
+def test_deep_bit_pattern_summary_matches_torch(dtype: torch.dtype, special: float) -> None:
+    from ckpttool.ops.validate.deep import _summarise
+
+    t = torch.rand(3001, generator=torch.Generator().manual_seed(3)).to(dtype)
+    t[1234] = special
+    st = _summarise("optimizer.state.w.exp_avg_sq", t, str(dtype).removeprefix("torch."), True, False)
+    assert st.nonfinite == int((~torch.isfinite(t)).sum())
+    assert st.negative == int((t < 0).sum())

@@ -1,0 +1,249 @@
+"""``ckpttool validate``: layout rules (L) on real EP saves and model rules (M) with --config / --against."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.format import CheckpointReader
+from tests.fixtures import damage
+from tests.fixtures.cache import copy_checkpoint
+from tests.fixtures.moe_ep import ep_suite  # noqa: F401 - session fixture (4-rank EP DTensor saves)
+from tests.ops.validate.test_validate import per_expert_ckpt  # noqa: F401 - session fixture
+
+runner = CliRunner()
+SAMPLE_EXPERT = "model.model.layers.0.mlp.experts.down_proj"
+
+
+def run(*args: Any) -> tuple[int, dict[str, Any]]:
+    res = runner.invoke(app, ["validate", *map(str, args), "--json"])
+    assert res.stdout.strip(), (res.exit_code, res.stderr)
+    return res.exit_code, json.loads(res.stdout)
+
+
+def codes(doc: dict[str, Any]) -> set[str]:
+    return {f["code"] for f in doc["findings"] if f["severity"] != "info"}
+
+
+def only(path: Path, code: str, *extra: Any) -> dict[str, Any]:
+    rc, doc = run(path, "--strict", *extra)
+    assert codes(doc) == {code}, doc["findings"]
+    assert rc == 1
+    return doc
+
+
+@pytest.fixture
+def ck(sample_ckpt: Path, tmp_path: Path) -> Path:
+    return copy_checkpoint(sample_ckpt, tmp_path / "ckpt")
+
+
+def sample_record(path: Path) -> dict[str, Any]:
+    with CheckpointReader(path) as r:
+        return json.loads(r.read_object("layout"))
+
+
+def write_config(path: Path, **over: Any) -> Path:
+    cfg = json.loads((path / "model_assets" / "config.json").read_text()) if (path / "model_assets").is_dir() else {}
+    cfg.update(over)
+    out = path.parent / "config.json"
+    out.write_text(json.dumps(cfg))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ layout
+def test_L001_newer_record_version(ck: Path) -> None:
+    rec = sample_record(ck)
+    rec["version"] = 3
+    damage.set_byte_item(ck, "layout", json.dumps(rec))
+    doc = only(ck, "L001")
+    assert doc["findings"][0]["error_code"] == "E402" and "upgrade" in doc["findings"][0]["hint"]
+
+
+def test_L001_unknown_format_in_sidecar(multi_optim_ckpt: Path, tmp_path: Path) -> None:
+    c = copy_checkpoint(multi_optim_ckpt, tmp_path / "c")
+    damage.drop_keys(c, lambda k: k == "layout")
+    (c / "layout.json").write_text(json.dumps({"format": "someone.else", "version": 1}))
+    doc = only(c, "L001")
+    assert doc["findings"][0]["error_code"] == "E401"
+
+
+def test_L002_sidecar_disagrees_with_embedded(ck: Path) -> None:
+    rec = sample_record(ck)
+    rec["global_step"] = 99
+    (ck / "layout.json").write_text(json.dumps(rec))
+    doc = only(ck, "L002")
+    assert doc["findings"][0]["error_code"] == "E403"
+
+
+def test_L003_unversioned_same_dim_ep_is_ambiguous(ep_suite: Path) -> None:  # noqa: F811
+    path = ep_suite / "legacy"
+    rc, doc = run(path)
+    assert rc == 0 and codes(doc) == {"L003"} and not doc["findings"][0]["fails"]
+    doc = only(path, "L003")
+    assert "--source-layout" in doc["findings"][0]["hint"] and "3 more" in doc["findings"][0]["message"]
+    rc, doc = run(path, "--strict", "--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "2")
+    assert rc == 0 and codes(doc) == set()
+    rc, doc = run(ep_suite / "legacy_dim1", "--strict")  # FSDP on dim 1: unambiguous
+    assert rc == 0 and codes(doc) == set()
+
+
+def test_L004_num_experts_disagrees_with_shape(ck: Path) -> None:
+    rec = sample_record(ck)
+    rec["extra_parallel"][SAMPLE_EXPERT]["num_experts"] = 6
+    damage.set_byte_item(ck, "layout", json.dumps(rec))
+    doc = only(ck, "L004")
+    assert doc["findings"][0]["key"] == SAMPLE_EXPERT and "num_experts is 6" in doc["findings"][0]["message"]
+
+
+def test_L005_record_ep_size_contradicts_chunks(ck: Path) -> None:
+    rec = sample_record(ck)
+    rec["parallel"]["ep_size"] = 2
+    damage.set_byte_item(ck, "layout", json.dumps(rec))
+    rc, doc = run(ck, "--strict")
+    assert rc == 1 and codes(doc) == {"L005"} and len(doc["findings"]) - 1 == 4  # 4 EP tensors (+P002 info)
+
+
+def test_L005_declaration_contradicts_geometry(ep_suite: Path) -> None:  # noqa: F811
+    doc = only(ep_suite / "legacy", "L005", "--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "1")
+    assert doc["findings"][0]["error_code"] == "E404"
+
+
+def test_layout_declaration_without_sizes_is_a_usage_error(sample_ckpt: Path) -> None:
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--source-layout", "legacy"])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E100]")
+
+
+def test_clean_ep_record_fixture(ep_suite: Path) -> None:  # noqa: F811
+    rc, doc = run(ep_suite / "p4f1", "--strict", "--deep")
+    assert rc == 0 and codes(doc) == set()
+
+
+# ------------------------------------------------------------------------------------------ --config
+def test_sample_with_its_config_is_clean(sample_ckpt: Path) -> None:
+    rc, doc = run(sample_ckpt, "--strict", "--deep", "--config", sample_ckpt / "model_assets" / "config.json")
+    assert rc == 0 and codes(doc) == set()
+
+
+def test_M001_layers_missing_stage_local(ck: Path) -> None:
+    doc = only(ck, "M001", "--config", write_config(ck, num_hidden_layers=4))
+    msg = doc["findings"][0]["message"]
+    assert "missing 2..3" in msg and "stage-local" in msg
+
+
+def test_M002_fused_experts_rows(ck: Path) -> None:
+    rc, doc = run(ck, "--strict", "--config", write_config(ck, num_experts=16))
+    assert rc == 1 and codes(doc) == {"M002"}
+    assert {f["key"] for f in doc["findings"] if f["code"] == "M002"} == {
+        f"model.model.layers.{n}.mlp.experts.{p}" for n in range(2) for p in ("gate_up_proj", "down_proj")}
+
+
+def test_M002_renumbered_local_experts(per_expert_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 1, "num_experts": 8, "vocab_size": 16}))
+    rc, doc = run(per_expert_ckpt, "--strict", "--config", cfg)
+    assert rc == 1 and codes(doc) == {"M002"}
+    assert "experts 0..3 of num_experts 8: missing 4..7" in doc["findings"][0]["message"]
+
+
+def test_M003_tied_config_but_head_differs(dense_ckpt: Path, tmp_path: Path) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 2, "vocab_size": 64, "tie_word_embeddings": True}))
+    rc, doc = run(dense_ckpt, "--strict", "--config", cfg)
+    assert rc == 0 and {r["code"]: r["status"] for r in doc["rules"]}["M003"] == "skipped"
+    doc = only(dense_ckpt, "M003", "--config", cfg, "--deep")
+    assert "differs from model.model.embed_tokens.weight in" in doc["findings"][0]["message"]
+
+
+def test_M004_untied_head_missing_and_tied_head_missing_is_fine(dense_ckpt: Path, tmp_path: Path) -> None:
+    c = copy_checkpoint(dense_ckpt, tmp_path / "c")
+    assert damage.drop_keys(c, lambda k: "lm_head" in k)
+    untied = tmp_path / "untied.json"
+    untied.write_text(json.dumps({"num_hidden_layers": 2, "vocab_size": 64, "tie_word_embeddings": False}))
+    only(c, "M004", "--config", untied)
+    tied = tmp_path / "tied.json"
+    tied.write_text(json.dumps({"num_hidden_layers": 2, "vocab_size": 64, "tie_word_embeddings": True}))
+    rc, doc = run(c, "--strict", "--deep", "--config", tied)
+    assert rc == 0 and codes(doc) == set()
+
+
+def test_bad_config_is_a_usage_error(sample_ckpt: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--config", str(bad)])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E100] --config")
+
+
+# ------------------------------------------------------------------------------------------ --against
+def reference(src: Path, out: Path, edit: Any = None, tie: bool | None = None) -> Path:
+    """An HF-style model directory (safetensors + config) from the model tensors of ``src``."""
+    from safetensors.torch import save_file
+
+    with CheckpointReader(src) as r:
+        sd = {k[len("model."):]: r.read_tensor(k) for k in r.metadata.entries if k.startswith("model.")}
+    if edit is not None:
+        edit(sd)
+    out.mkdir()
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if tie is not None:
+        (out / "config.json").write_text(json.dumps({"tie_word_embeddings": tie}))
+    return out
+
+
+def test_against_its_own_weights_is_clean(sample_ckpt: Path, tmp_path: Path) -> None:
+    rc, doc = run(sample_ckpt, "--strict", "--against", reference(sample_ckpt, tmp_path / "ref"))
+    assert rc == 0 and codes(doc) == set()
+
+
+def test_M005_lost_persistent_buffer(ck: Path, sample_ckpt: Path, tmp_path: Path) -> None:
+    key = "model.model.layers.0.mlp.gate.e_score_correction_bias"
+    assert damage.drop_keys(ck, lambda k: k == key)
+    doc = only(ck, "M005", "--against", reference(sample_ckpt, tmp_path / "ref"))
+    assert doc["findings"][0]["key"] == key
+
+
+def test_M006_M007_M008(sample_ckpt: Path, tmp_path: Path) -> None:
+    def edit(sd: dict[str, torch.Tensor]) -> None:
+        del sd["model.norm.weight"]
+        sd["model.layers.0.self_attn.q_norm.weight"] = torch.zeros(16)
+        sd["model.layers.0.self_attn.k_norm.weight"] = sd["model.layers.0.self_attn.k_norm.weight"].bfloat16()
+
+    rc, doc = run(sample_ckpt, "--against", reference(sample_ckpt, tmp_path / "ref", edit))
+    by = {f["code"]: f for f in doc["findings"] if f["code"].startswith("M")}
+    assert set(by) == {"M006", "M007", "M008"} and rc == 1
+    assert by["M006"]["key"] == "model.model.norm.weight" and by["M006"]["severity"] == "warning"
+    assert "reference [16]" in by["M007"]["message"] and "reference bfloat16" in by["M008"]["message"]
+
+
+def test_tied_head_is_not_reported_missing(dense_ckpt: Path, tmp_path: Path) -> None:
+    c = copy_checkpoint(dense_ckpt, tmp_path / "c")
+    assert damage.drop_keys(c, lambda k: "lm_head" in k)
+    rc, doc = run(c, "--strict", "--against", reference(dense_ckpt, tmp_path / "tied", tie=True))
+    assert rc == 0 and codes(doc) == set()
+    rc, doc = run(c, "--strict", "--against", reference(dense_ckpt, tmp_path / "untied", tie=False))
+    assert codes(doc) == {"M005"}
+
+
+def test_per_expert_reference_matches_fused_tensors(sample_ckpt: Path, tmp_path: Path) -> None:
+    with CheckpointReader(sample_ckpt) as r:
+        keys = {k[len("model."):]: {"shape": list(m.size), "dtype": m.dtype.name}
+                for k, m in r.metadata.entries.items() if k.startswith("model.") and ".experts." not in k}
+    for n in range(2):
+        for j in range(8):
+            p = f"model.layers.{n}.mlp.experts.{j}"
+            keys[f"{p}.gate_proj.weight"] = {"shape": [16, 32], "dtype": "float32"}
+            keys[f"{p}.up_proj.weight"] = {"shape": [16, 32], "dtype": "float32"}
+            keys[f"{p}.down_proj.weight"] = {"shape": [32, 16], "dtype": "float32"}
+    ref = tmp_path / "keys.json"
+    ref.write_text(json.dumps(keys))
+    rc, doc = run(sample_ckpt, "--strict", "--against", ref)
+    assert rc == 0 and codes(doc) == set()
+    keys["model.layers.1.mlp.experts.3.down_proj.weight"]["shape"] = [32, 8]
+    ref.write_text(json.dumps(keys))
+    rc, doc = run(sample_ckpt, "--strict", "--against", ref)
+    assert codes(doc) == {"M007"} and doc["findings"][0]["key"] == "model.model.layers.1.mlp.experts.down_proj"

@@ -1,0 +1,308 @@
+"""Outputs under failure (issue 8, item 4): interrupted or failing writes leave nothing that looks complete.
+
+For :class:`ckpttool.format.atomic.AtomicOutputDir` itself and for the commands that
+write directories (``export``, ``reshard``), each in a real subprocess:
+
+- SIGTERM / SIGINT part-way (the process is frozen with SIGSTOP while its
+  temporary directory exists, so the signal provably lands mid-way): exit 130,
+  no OUT, no temporary directory; an existing OUT (``--overwrite``) is intact;
+- SIGKILL: the temporary directory stays (nothing can run), OUT does not exist,
+  and the next run targeting the same OUT removes it;
+- a write error (``RLIMIT_FSIZE``): exit 2 with ``[E600]``, no OUT, no temporary
+  directory, an existing OUT intact;
+- a read-only target (a read-only bind mount in a private mount namespace when
+  running as root, where permission bits do not bind; ``chmod 555`` otherwise):
+  exit 2 with ``[E600]``, nothing created;
+- an existing non-empty OUT is refused without ``--overwrite`` and replaced only
+  once the new output is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TMP_PREFIX = ".{name}.ckpttool-tmp-"
+
+# A library-level writer: AtomicOutputDir around a few files, then waits (mode "wait") or overflows
+# RLIMIT_FSIZE (mode "fsize"); errors rendered like the CLI does.
+WRITER = r"""
+import sys, time
+from ckpttool.errors import CkptError
+from ckpttool.format.atomic import AtomicOutputDir
+mode, target, overwrite = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+try:
+    with AtomicOutputDir(target, overwrite=overwrite) as tmp:
+        (tmp / "part-1.bin").write_bytes(b"x" * 4096)
+        if mode == "fsize":
+            with open(tmp / "big.bin", "wb") as f:
+                f.write(b"y" * (8 << 20))
+        if mode == "wait":
+            print("READY", flush=True)
+            time.sleep(120)
+except CkptError as e:
+    sys.stderr.write(f"error: {e}\n")
+    sys.exit(e.exit_code)
+except KeyboardInterrupt:
+    sys.stderr.write("error: interrupted\n")
+    sys.exit(130)
+"""
+
+
+# --------------------------------------------------------------------------- helpers
+def tmp_siblings(out: Path) -> list[str]:
+    prefix = TMP_PREFIX.format(name=out.name)
+    return sorted(n for n in os.listdir(out.parent) if n.startswith(prefix) or ".ckpttool-old-" in n)
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha1(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def existing_out(out: Path) -> dict[str, str]:
+    """Make ``out`` an existing, non-empty output directory; return its digest."""
+    out.mkdir(parents=True)
+    (out / "OLD_OUTPUT.txt").write_text("the previous, complete output\n")
+    (out / "model.safetensors").write_bytes(b"old weights")  # looks like an output: --overwrite may replace it
+    return tree_digest(out)
+
+
+def fsize_limit(limit: int):  # type: ignore[no-untyped-def]
+    def _set() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return _set
+
+
+def run_writer(mode: str, out: Path, overwrite: bool = False, **kw) -> subprocess.Popen[str]:  # type: ignore[no-untyped-def]
+    return subprocess.Popen([sys.executable, "-c", WRITER, mode, str(out), "1" if overwrite else "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, **kw)
+
+
+def signal_midway(argv: list[str], out: Path, sig: int, attempts: int = 3) -> subprocess.CompletedProcess[str]:
+    """Run ``argv``; once its temporary output directory holds a file, freeze it, check that the output is
+    still unfinished, deliver ``sig`` and let it continue. Retries when the run finished first."""
+    for _ in range(attempts):
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        caught = False
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                busy = [t for t in tmp_siblings(out) if any(os.scandir(out.parent / t))]
+            except FileNotFoundError:  # renamed while we looked
+                busy = []
+            if busy:
+                proc.send_signal(signal.SIGSTOP)
+                caught = (out.parent / busy[0]).is_dir()  # frozen before its final rename: mid-way
+                proc.send_signal(sig)
+                proc.send_signal(signal.SIGCONT)
+                break
+            time.sleep(0.0005)
+        stdout, stderr = proc.communicate(timeout=120)
+        if caught:
+            return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+        if out.exists() and not (out / "OLD_OUTPUT.txt").exists():
+            shutil.rmtree(out)  # finished before we could interrupt it: try again
+    pytest.fail(f"could not interrupt {argv[:2]} mid-way in {attempts} attempts")
+
+
+def assert_interrupted(res: subprocess.CompletedProcess[str], out: Path, old: dict[str, str] | None) -> None:
+    assert res.returncode == 130, (res.returncode, res.stderr[-2000:])
+    assert "error: interrupted" in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert tmp_siblings(out) == [], "the temporary directory was left behind"
+    if old is None:
+        assert not out.exists(), "an interrupted run left an output directory"
+    else:
+        assert tree_digest(out) == old, "the existing output was touched by an interrupted run"
+
+
+def assert_write_failed(res: subprocess.CompletedProcess[str], out: Path, old: dict[str, str] | None) -> None:
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    lines = res.stderr.strip().splitlines()
+    assert lines and lines[0].startswith("error: [E600]"), res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    assert ".ckpttool-tmp-" not in res.stderr, "the message names the internal temporary directory"
+    assert tmp_siblings(out) == []
+    if old is None:
+        assert not out.exists()
+    else:
+        assert tree_digest(out) == old
+
+
+def readonly_runner(d: Path) -> list[str] | None:
+    """Command prefix that runs a command with ``d`` read-only (and restores ``d`` after), or None."""
+    if os.geteuid() != 0:
+        d.chmod(0o555)
+        return []
+    if shutil.which("unshare") is None:
+        return None
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True)
+    if probe.returncode != 0:
+        return None
+    script = f'mount --bind "{d}" "{d}" && mount -o remount,bind,ro "{d}" && exec "$@"'
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh"]
+
+
+# --------------------------------------------------------------------------- AtomicOutputDir
+@pytest.mark.parametrize("with_old", [False, True], ids=["new-out", "overwrite-existing"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_atomic_dir_interrupted(sig: int, with_old: bool, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    old = existing_out(out) if with_old else None
+    proc = run_writer("wait", out, overwrite=with_old)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "READY", proc.stderr.read()  # type: ignore[union-attr]
+    assert len(tmp_siblings(out)) == 1  # mid-way: the temporary directory exists
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert_interrupted(subprocess.CompletedProcess([], proc.returncode, stdout, stderr), out, old)
+
+
+def test_atomic_dir_sigkill_leftover_removed_by_next_run(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = run_writer("wait", out)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+    proc.kill()
+    proc.communicate(timeout=60)
+    left = tmp_siblings(out)
+    assert len(left) == 1 and not out.exists()  # nothing that looks complete
+    ok = run_writer("done", out)
+    _, err = ok.communicate(timeout=60)
+    assert ok.returncode == 0, err
+    assert tmp_siblings(out) == [] and (out / "part-1.bin").is_file()
+
+
+@pytest.mark.parametrize("with_old", [False, True], ids=["new-out", "overwrite-existing"])
+def test_atomic_dir_write_error(with_old: bool, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    old = existing_out(out) if with_old else None
+    proc = run_writer("fsize", out, overwrite=with_old, preexec_fn=fsize_limit(1 << 20))
+    stdout, stderr = proc.communicate(timeout=60)
+    assert_write_failed(subprocess.CompletedProcess([], proc.returncode, stdout, stderr), out, old)
+
+
+def test_atomic_dir_read_only_target(tmp_path: Path) -> None:
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    prefix = readonly_runner(parent)
+    if prefix is None:
+        pytest.skip("running as root without mount namespaces: no way to make a directory read-only")
+    out = parent / "out"
+    try:
+        res = subprocess.run([*prefix, sys.executable, "-c", WRITER, "done", str(out), "0"], capture_output=True,
+                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    finally:
+        parent.chmod(0o755)
+    assert_write_failed(res, out, None)
+    assert list(parent.iterdir()) == []
+
+
+def test_atomic_dir_existing_out_needs_overwrite(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    old = existing_out(out)
+    proc = run_writer("done", out)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and err.startswith("error: [E600]"), err
+    assert tree_digest(out) == old and tmp_siblings(out) == []
+    proc = run_writer("done", out, overwrite=True)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert sorted(tree_digest(out)) == ["part-1.bin"] and tmp_siblings(out) == []
+
+
+# --------------------------------------------------------------------------- export / reshard
+@pytest.fixture(scope="module")
+def big_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real dcp.save of 4 x 64 MiB float32 tensors: long enough to interrupt an export/reshard mid-way."""
+    code = (
+        "import sys, warnings, torch, torch.distributed.checkpoint as dcp\n"
+        "warnings.simplefilter('ignore')\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "sd = {'model': {f'model.layers.{i}.mlp.down_proj.weight': torch.randn(4096, 4096, generator=g)"
+        " for i in range(4)}}\n"
+        "dcp.save(sd, checkpoint_id=sys.argv[1])\n"
+    )
+    path = tmp_path_factory.mktemp("big") / "ckpt"
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, timeout=300)
+    return path
+
+
+def command(name: str, src: Path, out: Path, *extra: str) -> list[str]:
+    exe = shutil.which("ckpttool") or "ckpttool"
+    if name == "export":
+        return [exe, "export", str(src), str(out), "--shard-size", "32MiB", *extra]
+    return [exe, "reshard", str(src), str(out), "--to", "canonical", "--source-layout", "canonical",
+            "--ep-size", "1", "--ep-fsdp-size", "1", *extra]
+
+
+def _have(name: str) -> None:
+    from ckpttool.cli.app import app
+
+    if name not in {c.name for c in app.registered_commands}:
+        pytest.skip(f"`ckpttool {name}` is not registered yet")
+
+
+@pytest.mark.parametrize("with_old", [False, True], ids=["new-out", "overwrite-existing"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("name", ["export", "reshard"])
+def test_command_interrupted(name: str, sig: int, with_old: bool, big_ckpt: Path, tmp_path: Path) -> None:
+    _have(name)
+    src = tree_digest(big_ckpt)
+    out = tmp_path / "out"
+    old = existing_out(out) if with_old else None
+    res = signal_midway(command(name, big_ckpt, out, *(["--overwrite"] if with_old else [])), out, sig)
+    assert_interrupted(res, out, old)
+    assert tree_digest(big_ckpt) == src
+
+
+@pytest.mark.parametrize("with_old", [False, True], ids=["new-out", "overwrite-existing"])
+@pytest.mark.parametrize("name", ["export", "reshard"])
+def test_command_write_error(name: str, with_old: bool, big_ckpt: Path, tmp_path: Path) -> None:
+    _have(name)
+    out = tmp_path / "out"
+    old = existing_out(out) if with_old else None
+    res = subprocess.run(command(name, big_ckpt, out, *(["--overwrite"] if with_old else [])), capture_output=True,
+                         text=True, preexec_fn=fsize_limit(8 << 20), timeout=300)
+    assert_write_failed(res, out, old)
+
+
+@pytest.mark.parametrize("name", ["export", "reshard"])
+def test_command_read_only_target(name: str, big_ckpt: Path, tmp_path: Path) -> None:
+    _have(name)
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    prefix = readonly_runner(parent)
+    if prefix is None:
+        pytest.skip("running as root without mount namespaces: no way to make a directory read-only")
+    out = parent / "out"
+    try:
+        res = subprocess.run([*prefix, *command(name, big_ckpt, out)], capture_output=True, text=True, timeout=300)
+    finally:
+        parent.chmod(0o755)
+    assert_write_failed(res, out, None)
+    assert list(parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["export", "reshard"])
+def test_command_existing_out_replaced_only_with_overwrite(name: str, big_ckpt: Path, tmp_path: Path) -> None:
+    _have(name)
+    out = tmp_path / "out"
+    old = existing_out(out)
+    res = subprocess.run(command(name, big_ckpt, out), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and res.stderr.startswith("error: [E600]"), res.stderr[-2000:]
+    assert tree_digest(out) == old and tmp_siblings(out) == []
+    res = subprocess.run(command(name, big_ckpt, out, "--overwrite"), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert not (out / "OLD_OUTPUT.txt").exists() and tmp_siblings(out) == []
+    assert any(p.suffix in (".safetensors", ".distcp") for p in out.iterdir())
