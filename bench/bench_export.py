@@ -38,8 +38,8 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 VOCAB, HIDDEN, INTER, LAYERS, WORLD = 32000, 2048, 5632, 2, 4
 
@@ -85,14 +85,26 @@ def _rank_main(rank: int, port: int, out: str) -> None:
         lo = min(rank * rows, shape[0])
         hi = min(lo + rows, shape[0])
         local = (torch.randn((hi - lo, *shape[1:]), generator=gen) * scale).to(dtype)
-        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
-                                  stride=torch.empty(shape, device="meta").stride())
+        return DTensor.from_local(
+            local,
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=torch.empty(shape, device="meta").stride(),
+        )
 
     model, state = {}, {}
     for fqn, shape in _param_shapes().items():
         master = shard(shape, torch.float32, 0.02)
-        model[fqn] = DTensor.from_local(master.to_local().to(torch.bfloat16), mesh, [Shard(0)], run_check=False,
-                                        shape=master.shape, stride=master.stride())
+        model[fqn] = DTensor.from_local(
+            master.to_local().to(torch.bfloat16),
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=master.shape,
+            stride=master.stride(),
+        )
         state[fqn] = {
             "step": torch.tensor(100.0),
             "master_weight": master,
@@ -115,7 +127,9 @@ def generate(ckpt: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     t0 = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, __file__, "--_rank", str(r), str(port), str(ckpt)]) for r in range(WORLD)]
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "--_rank", str(r), str(port), str(ckpt)]) for r in range(WORLD)
+    ]
     if any(p.wait() != 0 for p in procs):
         shutil.rmtree(ckpt, ignore_errors=True)
         raise SystemExit("checkpoint generation failed")
@@ -175,8 +189,11 @@ def _run(cmd: list[str]) -> tuple[float, int, str]:
     measuring from this (large) Python process directly would put a floor under every
     figure; ``time`` is a small C process. Without it, ``os.wait4`` is used (floored).
     """
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
-            tempfile.NamedTemporaryFile("r", suffix=".rss") as rss_file:
+    with (
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+        tempfile.NamedTemporaryFile("r", suffix=".rss") as rss_file,
+    ):
         full = [_TIME, "-f", "%M", "-o", rss_file.name, *cmd] if _TIME else cmd
         t0 = time.perf_counter()
         proc = subprocess.Popen(full, stdout=out, stderr=err)
@@ -234,8 +251,12 @@ def main() -> None:
     ap.add_argument("--root", type=Path, default=Path("/tmp/ckpttool-bench-export"))
     ap.add_argument("--shard-size", default="256MB", help="output shard size for ckpttool and (b)")
     ap.add_argument("--workers", type=int, default=None, help="ckpttool --workers (default: its own, min(8, CPUs))")
-    ap.add_argument("--repeat", type=int, default=3, help="runs of ckpttool, (b) and (c); the fastest is reported "
-                    "((a) takes ~40 s and runs once)")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="runs of ckpttool, (b) and (c); the fastest is reported ((a) takes ~40 s and runs once)",
+    )
     args = ap.parse_args()
     import compileall
 
@@ -269,36 +290,66 @@ def main() -> None:
 
     rows: list[tuple[str, float, int]] = []
     outputs: dict[str, list[str]] = {}
-    cmd = [sys.executable, "-c", "from ckpttool.cli import main; main()", "export", str(ckpt), str(outs["ckpttool"]),
-           "--shard-size", args.shard_size, "--json"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from ckpttool.cli import main; main()",
+        "export",
+        str(ckpt),
+        str(outs["ckpttool"]),
+        "--shard-size",
+        args.shard_size,
+        "--json",
+    ]
     if args.workers:
         cmd += ["--workers", str(args.workers)]
     best("ckpttool export", lambda: cmd, outs["ckpttool"], args.repeat, prepare=False)
     model_bytes = _model_bytes(outs["ckpttool"])
     largest = max(n * 2 for n in (VOCAB * HIDDEN, INTER * HIDDEN))
 
-    best("(a) dcp_to_torch_save + save_file",
-         lambda: [sys.executable, "-c", BASELINE_A, str(ckpt), str(tmp_pt), str(outs["a"])], outs["a"], 1)
+    best(
+        "(a) dcp_to_torch_save + save_file",
+        lambda: [sys.executable, "-c", BASELINE_A, str(ckpt), str(tmp_pt), str(outs["a"])],
+        outs["a"],
+        1,
+    )
     tmp_pt.unlink(missing_ok=True)
-    best("(b) per-shard dcp.load + save_file",
-         lambda: [sys.executable, "-c", BASELINE_B, str(ckpt), str(outs["b"]), str(shard_bytes)], outs["b"], args.repeat)
-    best("(c) cp -r of the model bytes", lambda: ["cp", "-r", str(outs["ckpttool"]), str(outs["c"])], outs["c"],
-         args.repeat, prepare=False)
+    best(
+        "(b) per-shard dcp.load + save_file",
+        lambda: [sys.executable, "-c", BASELINE_B, str(ckpt), str(outs["b"]), str(shard_bytes)],
+        outs["b"],
+        args.repeat,
+    )
+    best(
+        "(c) cp -r of the model bytes",
+        lambda: ["cp", "-r", str(outs["ckpttool"]), str(outs["c"])],
+        outs["c"],
+        args.repeat,
+        prepare=False,
+    )
 
     same = _same_tensors(outs["ckpttool"], outs["b"])
-    print(f"checkpoint: {disk / 2**30:.2f} GiB on disk ({WORLD} ranks), model {model_bytes / 1e9:.3f} GB BF16; "
-          f"shard size {args.shard_size}; {os.cpu_count()} CPUs; ckpttool output == (b) output: {same}")
+    print(
+        f"checkpoint: {disk / 2**30:.2f} GiB on disk ({WORLD} ranks), model {model_bytes / 1e9:.3f} GB BF16; "
+        f"shard size {args.shard_size}; {os.cpu_count()} CPUs; ckpttool output == (b) output: {same}"
+    )
     print(f"{'approach':38s} {'seconds':>8s} {'GB/s':>7s} {'peak RSS':>10s}")
     for name, s, rss in rows:
         print(f"{name:38s} {s:8.2f} {model_bytes / s / 1e9:7.3f} {rss / 2**20:7.0f} MiB")
     inner = min(json.loads(o)["seconds"] for o in outputs["ckpttool export"])
-    print(f"ckpttool in-process (after interpreter start-up and imports): {inner:.2f} s, "
-          f"{model_bytes / inner / 1e9:.3f} GB/s")
+    print(
+        f"ckpttool in-process (after interpreter start-up and imports): {inner:.2f} s, "
+        f"{model_bytes / inner / 1e9:.3f} GB/s"
+    )
     ck, a, b, c = (r[1] for r in rows)
     budget = shard_bytes + largest + (512 << 20)
-    print(f"speed-up vs (a): {a / ck:.1f}x (target >= 2x); vs (b): {b / ck:.1f}x (target > 1x); "
-          f"throughput vs (c): {c / ck:.0%} (target >= 50%)")
-    print(f"peak RSS {rows[0][2] / 2**20:.0f} MiB vs budget shard + largest tensor + 512 MiB = {budget / 2**20:.0f} MiB")
+    print(
+        f"speed-up vs (a): {a / ck:.1f}x (target >= 2x); vs (b): {b / ck:.1f}x (target > 1x); "
+        f"throughput vs (c): {c / ck:.0%} (target >= 50%)"
+    )
+    print(
+        f"peak RSS {rows[0][2] / 2**20:.0f} MiB vs budget shard + largest tensor + 512 MiB = {budget / 2**20:.0f} MiB"
+    )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,9 @@ import time
 from pathlib import Path
 
 
-def make_many_entries_checkpoint(path: str | os.PathLike[str], n_entries: int = 100_000, ranks: int = 8,
-                                 sharded_every: int = 4) -> Path:
+def make_many_entries_checkpoint(
+    path: str | os.PathLike[str], n_entries: int = 100_000, ranks: int = 8, sharded_every: int = 4
+) -> Path:
     """Write a DCP checkpoint with ``n_entries`` tensor entries as if saved by ``ranks`` ranks.
 
     Keys follow the schema: ``model.model.layers.{i}.block{j}.weight`` (BF16, shape ``[8*ranks, 16]``
@@ -71,7 +72,7 @@ def make_many_entries_checkpoint(path: str | os.PathLike[str], n_entries: int = 
     keys = []
     for i in range(n_entries):
         key = f"model.model.layers.{i // 8}.block{i % 8}.weight"
-        keys.append(key[len("model."):])
+        keys.append(key[len("model.") :])
         sharded = sharded_every > 0 and i % sharded_every == 0
         size = torch.Size([8 * ranks, 16]) if sharded else torch.Size([4, 16])
         chunks = []
@@ -85,7 +86,7 @@ def make_many_entries_checkpoint(path: str | os.PathLike[str], n_entries: int = 
             storage[MetadataIndex(key, offsets)] = _StorageInfo(f"__{r}_0.distcp", f.tell(), len(blob))
             f.write(blob)
         sdm[key] = TensorStorageMetadata(properties=props, size=size, chunks=chunks)
-        planner[key] = ("model", key[len("model."):])
+        planner[key] = ("model", key[len("model.") :])
     for hyper, value in (("lr", 1e-4), ("betas", (0.9, 0.95)), ("eps", 1e-8), ("weight_decay", 0.1), ("params", keys)):
         key = f"optimizer.param_groups.0.{hyper}"
         buf = io.BytesIO()
@@ -160,11 +161,18 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--workdir", default="/tmp/ckpttool-bench")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--sharded-every", type=int, default=4,
-                    help="every k-th tensor is sharded over all ranks (8 chunks); 0: every tensor has one chunk")
+    ap.add_argument(
+        "--sharded-every",
+        type=int,
+        default=4,
+        help="every k-th tensor is sharded over all ranks (8 chunks); 0: every tensor has one chunk",
+    )
     args = ap.parse_args()
-    ckpt = Path(args.workdir) / f"many-{args.entries}-{args.ranks}" if args.sharded_every == 4 else \
-        Path(args.workdir) / f"many-{args.entries}-{args.ranks}-s{args.sharded_every}"
+    ckpt = (
+        Path(args.workdir) / f"many-{args.entries}-{args.ranks}"
+        if args.sharded_every == 4
+        else Path(args.workdir) / f"many-{args.entries}-{args.ranks}-s{args.sharded_every}"
+    )
     if not (ckpt / ".metadata").exists():
         t0 = time.perf_counter()
         make_many_entries_checkpoint(ckpt, args.entries, args.ranks, args.sharded_every)
@@ -180,18 +188,27 @@ def main() -> None:
     torch_import, torch_read, nkeys = torch_runs[0][1].split()
     ck = _run([sys.executable, "-c", CKPTTOOL_READ, str(ckpt)])[1].split()
     ck_import, ck_overview, ck_json, read_total, read_tensor, torch_loaded = ck
-    nchunks = sum(len(v.chunks) for v in __import__("ckpttool.dcp", fromlist=["x"]).CheckpointDir(ckpt).metadata.entries.values()
-                  if hasattr(v, "chunks"))
-    print(f"checkpoint: {args.entries} tensor entries ({nchunks} chunks) + 5 byte items, {args.ranks} ranks, "
-          f".metadata {md_size / 2**20:.1f} MiB, data {data_size / 2**20:.1f} MiB")
+    nchunks = sum(
+        len(v.chunks)
+        for v in __import__("ckpttool.dcp", fromlist=["x"]).CheckpointDir(ckpt).metadata.entries.values()
+        if hasattr(v, "chunks")
+    )
+    print(
+        f"checkpoint: {args.entries} tensor entries ({nchunks} chunks) + 5 byte items, {args.ranks} ranks, "
+        f".metadata {md_size / 2**20:.1f} MiB, data {data_size / 2**20:.1f} MiB"
+    )
     print(f"{'':44s} {'wall s':>8s}")
     print(f"{'ckpttool inspect --json (fresh process)':44s} {best_cli:8.2f}")
     print(f"{'torch read_metadata + keys (fresh process)':44s} {best_torch:8.2f}")
     print(f"{'ratio ckpttool / torch':44s} {best_cli / best_torch:8.2f}   (target <= 2.0, and < 3 s)")
-    print(f"in-process: ckpttool import {ck_import} s, overview {ck_overview} s, json {ck_json} s; "
-          f"torch import {torch_import} s, read_metadata+keys {torch_read} s ({nkeys} keys)")
-    print(f"bytes read from .distcp by inspect: {int(read_total)} total, {int(read_tensor)} inside tensor chunks "
-          f"(must be 0); torch imported by inspect: {torch_loaded}")
+    print(
+        f"in-process: ckpttool import {ck_import} s, overview {ck_overview} s, json {ck_json} s; "
+        f"torch import {torch_import} s, read_metadata+keys {torch_read} s ({nkeys} keys)"
+    )
+    print(
+        f"bytes read from .distcp by inspect: {int(read_total)} total, {int(read_tensor)} inside tensor chunks "
+        f"(must be 0); torch imported by inspect: {torch_loaded}"
+    )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+    return sum(
+        t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)
+    )
 
 
 def _variants(device: torch.device, chunk_size: int) -> dict[str, Callable[[list], torch.optim.Optimizer]]:
@@ -57,8 +59,16 @@ def _variants(device: torch.device, chunk_size: int) -> dict[str, Callable[[list
     return out
 
 
-def run(numel: int, tensors: int, device: torch.device, param_dtype: torch.dtype, steps: int, warmup: int,
-        chunk_size: int, only: list[str] | None) -> list[tuple[str, float, float, float, float, int]]:
+def run(
+    numel: int,
+    tensors: int,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    steps: int,
+    warmup: int,
+    chunk_size: int,
+    only: list[str] | None,
+) -> list[tuple[str, float, float, float, float, int]]:
     """Returns ``[(variant, median s, min s, median CPU s, GB/s at median, bytes touched)]``; skipped get NaN.
 
     All optimizers are built over the same parameters and stay alive; timed steps are
@@ -123,14 +133,20 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args.numel, args.tensors, device, dtype, args.steps, args.warmup, args.chunk_size, args.only)
     base = next((r[1] for r in rows if r[0] == "torch AdamW foreach"), float("nan"))
     base_min = next((r[2] for r in rows if r[0] == "torch AdamW foreach"), float("nan"))
-    print(f"numel={args.numel} tensors={args.tensors} device={device} param_dtype={args.param_dtype} "
-          f"steps={args.steps} threads={torch.get_num_threads()} torch={torch.__version__}")
+    print(
+        f"numel={args.numel} tensors={args.tensors} device={device} param_dtype={args.param_dtype} "
+        f"steps={args.steps} threads={torch.get_num_threads()} torch={torch.__version__}"
+    )
     base_cpu = next((r[3] for r in rows if r[0] == "torch AdamW foreach"), float("nan"))
-    print(f"{'variant':36s} {'median ms':>10s} {'min ms':>9s} {'cpu ms':>9s} {'GB/s':>8s} {'GiB touched':>12s} "
-          f"{'vs foreach: median':>19s} {'min':>6s} {'cpu':>6s}")
+    print(
+        f"{'variant':36s} {'median ms':>10s} {'min ms':>9s} {'cpu ms':>9s} {'GB/s':>8s} {'GiB touched':>12s} "
+        f"{'vs foreach: median':>19s} {'min':>6s} {'cpu':>6s}"
+    )
     for name, sec, best, cpu, gbs, touched in rows:
-        print(f"{name:36s} {sec * 1e3:10.1f} {best * 1e3:9.1f} {cpu * 1e3:9.1f} {gbs:8.2f} {touched / 2**30:12.2f} "
-              f"{sec / base:18.2f}x {best / base_min:5.2f}x {cpu / base_cpu:5.2f}x")
+        print(
+            f"{name:36s} {sec * 1e3:10.1f} {best * 1e3:9.1f} {cpu * 1e3:9.1f} {gbs:8.2f} {touched / 2**30:12.2f} "
+            f"{sec / base:18.2f}x {best / base_min:5.2f}x {cpu / base_cpu:5.2f}x"
+        )
     return 0
 
 

@@ -57,8 +57,14 @@ def _save_rank(rank: int, world: int, out: str, layers: int) -> None:
         rows = shape[1] * shape[2]
         base = torch.arange(slab * rows, dtype=torch.float32).reshape(slab, shape[1], shape[2])
         t = ((base % 251) * 1e-3 + true_slab + salt).to(dtype)
-        return DTensor.from_local(t, mesh, [Shard(0), Shard(0)], run_check=False, shape=torch.Size(shape),
-                                  stride=torch.empty(shape, device="meta").stride())
+        return DTensor.from_local(
+            t,
+            mesh,
+            [Shard(0), Shard(0)],
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=torch.empty(shape, device="meta").stride(),
+        )
 
     model, state, params = {}, {}, []
     for n in range(layers):
@@ -66,10 +72,16 @@ def _save_rank(rank: int, world: int, out: str, layers: int) -> None:
             fqn = f"model.layers.{n}.mlp.experts.{name}"
             params.append(fqn)
             model[fqn] = local(shape, torch.bfloat16, 0)
-            state[fqn] = {"step": torch.tensor(10.0), "master_weight": local(shape, torch.float32, 0),
-                          "exp_avg": local(shape, torch.float32, 1), "exp_avg_sq": local(shape, torch.float32, 2)}
-    optim = {"state": state, "param_groups": [{"params": params, "lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8,
-                                               "weight_decay": 0.1}]}
+            state[fqn] = {
+                "step": torch.tensor(10.0),
+                "master_weight": local(shape, torch.float32, 0),
+                "exp_avg": local(shape, torch.float32, 1),
+                "exp_avg_sq": local(shape, torch.float32, 2),
+            }
+    optim = {
+        "state": state,
+        "param_groups": [{"params": params, "lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}],
+    }
     dcp.save({"model": model, "optimizer": optim}, checkpoint_id=out)
 
 
@@ -133,13 +145,16 @@ def main() -> None:
 
     largest = max(m.nbytes for m in CheckpointDir(src).metadata.entries.values() if hasattr(m, "nbytes"))
     budget_rss = 2 * largest + 512 * 2**20
-    print(f"source   {src}: {size / 2**30:.2f} GiB in {len(list(src.glob('*.distcp')))} files, "
-          f"largest tensor {largest / 2**20:.0f} MiB, legacy layout ep_size {P} ep_fsdp_size {F}")
+    print(
+        f"source   {src}: {size / 2**30:.2f} GiB in {len(list(src.glob('*.distcp')))} files, "
+        f"largest tensor {largest / 2**20:.0f} MiB, legacy layout ep_size {P} ep_fsdp_size {F}"
+    )
     warm(src)
     out = args.workdir / "out"
     rows = []
 
     shutil.rmtree(out, ignore_errors=True)
+
     def best(cmd: list[str]) -> tuple[float, int, str]:
         runs = []
         for _ in range(args.repeat):
@@ -164,8 +179,18 @@ def main() -> None:
         ("reshard ... --target 4x2 (fsync)", target),
     ]
     for label, extra in cases:
-        cmd = [shutil.which("ckpttool") or "ckpttool", "reshard", str(src), str(out), "--to", "canonical",
-               "--with-optimizer", "--json", *decl, *extra]
+        cmd = [
+            shutil.which("ckpttool") or "ckpttool",
+            "reshard",
+            str(src),
+            str(out),
+            "--to",
+            "canonical",
+            "--with-optimizer",
+            "--json",
+            *decl,
+            *extra,
+        ]
         wall, rss, stdout = best(cmd)
         doc = json.loads(stdout)
         note = f"{doc['chunks_copied']} chunks copied verbatim, {doc['chunks_rewritten']} reassembled; library {doc['seconds']:.2f} s"
@@ -177,8 +202,10 @@ def main() -> None:
     for label, wall, tput, rss, note in rows:
         rss_s = f"{rss / 2**20:.0f} MiB" if rss is not None else "-"
         print(f"{label:40} {wall:8.2f} {tput / 2**30:7.2f} {tput / cp_tput:6.0%} {rss_s:>10}  {note}")
-    print(f"budget   throughput >= 50% of cp -r; peak RSS < 2 x {largest / 2**20:.0f} MiB + 512 MiB = "
-          f"{budget_rss / 2**20:.0f} MiB")
+    print(
+        f"budget   throughput >= 50% of cp -r; peak RSS < 2 x {largest / 2**20:.0f} MiB + 512 MiB = "
+        f"{budget_rss / 2**20:.0f} MiB"
+    )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def _many_entries(workdir: Path, n: int, ranks: int = 8, sharded_every: int = 4)
     try:
         from bench_inspect import make_many_entries_checkpoint
     except ImportError:  # pragma: no cover - bench_inspect is in the repository
-        raise SystemExit("bench/bench_inspect.py (make_many_entries_checkpoint) is required")
+        raise SystemExit("bench/bench_inspect.py (make_many_entries_checkpoint) is required") from None
     # Same cache names as bench_inspect.py.
     path = workdir / (f"many-{n}-{ranks}" if sharded_every == 4 else f"many-{n}-{ranks}-s{sharded_every}")
     if not (path / ".metadata").is_file():
@@ -108,12 +108,18 @@ def bench_deep(path: Path, repeat: int, workers: int | None) -> None:
     assert res is not None and res.exit_code == 0, [f.message for f in res.findings[:3]]
     t_cli = min(_fresh(["ckpttool", "validate", str(path), "--strict", "--deep", "--json"])[0] for _ in range(repeat))
     gib = total / 2**30
-    print(f"--deep, {path.name}: {gib:.2f} GiB in {len(files)} files, read {res.bytes_read / 2**30:.2f} GiB "
-          f"with {workers or 'default'} workers, warm cache")
-    print(f"  ckpttool validate --strict --deep (in proc.) {min(t_in):7.2f} s  {gib / min(t_in):6.2f} GiB/s  "
-          f"({gib / min(t_in) / (gib / t_cat):.0%} of cat, target >= 60%)")
-    print(f"  ckpttool validate --strict --deep (fresh)    {t_cli:7.2f} s  {gib / t_cli:6.2f} GiB/s  "
-          f"({gib / t_cli / (gib / t_cat):.0%} of cat)")
+    print(
+        f"--deep, {path.name}: {gib:.2f} GiB in {len(files)} files, read {res.bytes_read / 2**30:.2f} GiB "
+        f"with {workers or 'default'} workers, warm cache"
+    )
+    print(
+        f"  ckpttool validate --strict --deep (in proc.) {min(t_in):7.2f} s  {gib / min(t_in):6.2f} GiB/s  "
+        f"({gib / min(t_in) / (gib / t_cat):.0%} of cat, target >= 60%)"
+    )
+    print(
+        f"  ckpttool validate --strict --deep (fresh)    {t_cli:7.2f} s  {gib / t_cli:6.2f} GiB/s  "
+        f"({gib / t_cli / (gib / t_cat):.0%} of cat)"
+    )
     print(f"  baseline: cat files > /dev/null              {t_cat:7.2f} s  {gib / t_cat:6.2f} GiB/s")
 
 
@@ -125,8 +131,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--skip-metadata", action="store_true")
-    ap.add_argument("--sharded-every", type=int, default=4,
-                    help="as bench_inspect.py: every k-th tensor sharded over 8 ranks; 0: one chunk per tensor")
+    ap.add_argument(
+        "--sharded-every",
+        type=int,
+        default=4,
+        help="as bench_inspect.py: every k-th tensor sharded over 8 ranks; 0: one chunk per tensor",
+    )
     ap.add_argument("--skip-deep", action="store_true")
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)

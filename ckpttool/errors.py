@@ -323,9 +323,7 @@ class ReplayMismatchError(CkptError):
 
     code = "E700"
     exit_code = 1
-    default_hint = (
-        "the saved optimizer state does not reproduce the next step; run `ckpttool validate --strict --deep`"
-    )
+    default_hint = "the saved optimizer state does not reproduce the next step; run `ckpttool validate --strict --deep`"
 
 
 def _all_classes() -> list[type[CkptError]]:

@@ -46,11 +46,16 @@ def run(cmd: list[str], *, timeout: float, log: Path, env: dict[str, str]) -> tu
     """Run ``cmd`` with a timeout; stdout+stderr go to ``log``. Returns ``(rc, output, seconds)``; rc 124 on timeout."""
     t0 = time.monotonic()
     try:
-        p = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, timeout=timeout)
+        p = subprocess.run(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+        )
         rc, out = p.returncode, p.stdout
     except subprocess.TimeoutExpired as e:
-        rc, out = 124, (e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")) + f"\nTIMEOUT after {timeout:.0f}s\n"
+        rc, out = (
+            124,
+            (e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or ""))
+            + f"\nTIMEOUT after {timeout:.0f}s\n",
+        )
     log.write_text(out)
     return rc, out, time.monotonic() - t0
 
@@ -67,15 +72,23 @@ def build_big(out: str, target_gib: float) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from ckpttool.optim import build_optimizer
     from ckpttool.ops.sample import SampleConfig, TinyMoEForCausalLM, layout_record_for, sample_optimizer_record
+    from ckpttool.optim import build_optimizer
 
     warnings.filterwarnings("ignore")
     # 14 bytes per element saved: BF16 param + FP32 master + two FP32 moments.
     scale = max(target_gib, 0.05)
     inter = int(1024 * scale) // 64 * 64 or 64
-    cfg = SampleConfig(vocab_size=8192, hidden_size=1024, num_hidden_layers=2, num_attention_heads=8,
-                       num_key_value_heads=4, head_dim=128, moe_intermediate_size=inter, num_experts=8)
+    cfg = SampleConfig(
+        vocab_size=8192,
+        hidden_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=128,
+        moe_intermediate_size=inter,
+        num_experts=8,
+    )
     torch.manual_seed(0)
     with torch.device("meta"):
         meta = TinyMoEForCausalLM(cfg)
@@ -86,8 +99,14 @@ def build_big(out: str, target_gib: float) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
         for b in model.buffers():
             b.zero_()
-    opt = build_optimizer("cpu_offload_adamw", list(model.named_parameters()), lr=1e-4, betas=(0.9, 0.95),
-                          weight_decay=0.1, cpu_offload_param_patterns=["experts"])
+    opt = build_optimizer(
+        "cpu_offload_adamw",
+        list(model.named_parameters()),
+        lr=1e-4,
+        betas=(0.9, 0.95),
+        weight_decay=0.1,
+        cpu_offload_param_patterns=["experts"],
+    )
     for p in model.parameters():
         p.grad = (torch.randn(p.shape, generator=gen) * 1e-3).to(torch.bfloat16)
     opt.step()
@@ -145,15 +164,25 @@ def main() -> int:
 
         shutil.rmtree(data)
     data.mkdir(parents=True)
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               CKPTTOOL_FIXTURE_CACHE=str(data / "fixtures"), PYTHONDONTWRITEBYTECODE="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        CKPTTOOL_FIXTURE_CACHE=str(data / "fixtures"),
+        PYTHONDONTWRITEBYTECODE="1",
+    )
     summary: dict[str, Any] = {"checks": {}}
     checks = summary["checks"]
 
-    rc, out, _ = run(py("import torch; from ckpttool.optim.device import accelerator_type; "
-                        "t = accelerator_type(); print(torch.__version__, t or 'none', "
-                        "torch.cuda.get_device_name() if t == 'cuda' else '-', sep='|')"),
-                     timeout=min(60, budget.left()), log=logs / "env.log", env=env)
+    rc, out, _ = run(
+        py(
+            "import torch; from ckpttool.optim.device import accelerator_type; "
+            "t = accelerator_type(); print(torch.__version__, t or 'none', "
+            "torch.cuda.get_device_name() if t == 'cuda' else '-', sep='|')"
+        ),
+        timeout=min(60, budget.left()),
+        log=logs / "env.log",
+        env=env,
+    )
     if rc != 0:
         print(f"FAIL: cannot import torch/ckpttool:\n{out[-2000:]}")
         return 1
@@ -167,23 +196,58 @@ def main() -> int:
 
     # 1. checkpoints
     sample, sample_off, big = data / "sample", data / "sample_offload", data / "big_offload"
-    rc1, out1, t1 = run(py(CLI) + ["sample", str(sample)], timeout=min(60, budget.left()), log=logs / "sample.log", env=env)
-    rc2, out2, t2 = run(py(CLI) + ["sample", str(sample_off), "--optimizer", "cpu_offload_adamw"],
-                        timeout=min(60, budget.left()), log=logs / "sample_offload.log", env=env)
-    rc3, out3, t3 = run([sys.executable, __file__, "--build-big", str(big), "--big-gib", str(args.big_gib)],
-                        timeout=min(100, budget.left(60)), log=logs / "build_big.log", env=env)
+    rc1, out1, t1 = run(
+        py(CLI) + ["sample", str(sample)], timeout=min(60, budget.left()), log=logs / "sample.log", env=env
+    )
+    rc2, out2, t2 = run(
+        py(CLI) + ["sample", str(sample_off), "--optimizer", "cpu_offload_adamw"],
+        timeout=min(60, budget.left()),
+        log=logs / "sample_offload.log",
+        env=env,
+    )
+    rc3, out3, t3 = run(
+        [sys.executable, __file__, "--build-big", str(big), "--big-gib", str(args.big_gib)],
+        timeout=min(100, budget.left(60)),
+        log=logs / "build_big.log",
+        env=env,
+    )
     big_bytes = sum(p.stat().st_size for p in big.rglob("*") if p.is_file()) if big.exists() else 0
-    checks["build"] = {"ok": rc1 == rc2 == rc3 == 0, "sample_s": round(t1, 1), "sample_offload_s": round(t2, 1),
-                       "big_s": round(t3, 1), "big_bytes": big_bytes}
-    print(f"build: samples {t1:.1f}s/{t2:.1f}s, 1 GiB offload checkpoint {big_bytes / 2**30:.2f} GiB in {t3:.1f}s "
-          f"{'ok' if checks['build']['ok'] else 'FAILED'}", flush=True)
+    checks["build"] = {
+        "ok": rc1 == rc2 == rc3 == 0,
+        "sample_s": round(t1, 1),
+        "sample_offload_s": round(t2, 1),
+        "big_s": round(t3, 1),
+        "big_bytes": big_bytes,
+    }
+    print(
+        f"build: samples {t1:.1f}s/{t2:.1f}s, 1 GiB offload checkpoint {big_bytes / 2**30:.2f} GiB in {t3:.1f}s "
+        f"{'ok' if checks['build']['ok'] else 'FAILED'}",
+        flush=True,
+    )
 
     # 2. accelerator tests (skip themselves without one)
-    rc, out, t = run([sys.executable, "-m", "pytest", "tests/device", "tests/test_replay_device.py", "-q",
-                      "-p", "no:cacheprovider", "-x"], timeout=min(120, budget.left(70)), log=logs / "pytest.log", env=env)
+    rc, out, t = run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "tests/device",
+            "tests/test_replay_device.py",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-x",
+        ],
+        timeout=min(120, budget.left(70)),
+        log=logs / "pytest.log",
+        env=env,
+    )
     last = out.strip().splitlines()[-1] if out.strip() else ""
     checks["pytest"] = {"ok": rc == 0, "rc": rc, "seconds": round(t, 1), "last_line": last}
-    print(f"pytest tests/device tests/test_replay_device.py: {'PASS' if rc == 0 else 'FAIL'} ({last}; {t:.1f}s)", flush=True)
+    print(
+        f"pytest tests/device tests/test_replay_device.py: {'PASS' if rc == 0 else 'FAIL'} ({last}; {t:.1f}s)",
+        flush=True,
+    )
 
     # 3. replay-step on the device
     def replay(name: str, ckpt: Path, extra: list[str], timeout: float) -> None:
@@ -202,14 +266,28 @@ def main() -> int:
             print(f"replay-step {name}: FAIL rc={rc}: {out.strip()[-300:]}", flush=True)
             return
         tm = d["timing"]
-        checks[name] = {"ok": rc == 0 and d["ok"], "rc": rc, "params": d["params_total"], "failed": d["params_failed"],
-                        "optimizer": d["optimizer"]["type"], "step_s": tm["step_seconds"], "total_s": tm["total_seconds"],
-                        "effective_gbps": tm["effective_gbps"], "d2h_gbps": tm["d2h_gbps"], "h2d_gbps": tm["h2d_gbps"],
-                        "d2h_bytes": tm["d2h_bytes"], "h2d_bytes": tm["h2d_bytes"], "offload_s": tm["offload_seconds"]}
+        checks[name] = {
+            "ok": rc == 0 and d["ok"],
+            "rc": rc,
+            "params": d["params_total"],
+            "failed": d["params_failed"],
+            "optimizer": d["optimizer"]["type"],
+            "step_s": tm["step_seconds"],
+            "total_s": tm["total_seconds"],
+            "effective_gbps": tm["effective_gbps"],
+            "d2h_gbps": tm["d2h_gbps"],
+            "h2d_gbps": tm["h2d_gbps"],
+            "d2h_bytes": tm["d2h_bytes"],
+            "h2d_bytes": tm["h2d_bytes"],
+            "offload_s": tm["offload_seconds"],
+        }
         c = checks[name]
-        print(f"replay-step {name} ({c['optimizer']}, {c['params']} params): {'PASS' if c['ok'] else 'FAIL'}; "
-              f"step {c['step_s'] * 1e3:.1f} ms, state {c['effective_gbps']:.2f} GB/s; "
-              f"offload D2H {c['d2h_gbps']:.2f} GB/s H2D {c['h2d_gbps']:.2f} GB/s; wall {t:.1f}s", flush=True)
+        print(
+            f"replay-step {name} ({c['optimizer']}, {c['params']} params): {'PASS' if c['ok'] else 'FAIL'}; "
+            f"step {c['step_s'] * 1e3:.1f} ms, state {c['effective_gbps']:.2f} GB/s; "
+            f"offload D2H {c['d2h_gbps']:.2f} GB/s H2D {c['h2d_gbps']:.2f} GB/s; wall {t:.1f}s",
+            flush=True,
+        )
 
     replay("sample", sample, [], min(60, budget.left(60)))
     replay("sample_offload", sample_off, ["--chunk-size", "1000"], min(60, budget.left(50)))
@@ -217,8 +295,12 @@ def main() -> int:
 
     # 4. torch's own pinned copy bandwidth with buffers of the staging size
     if device != "cpu":
-        rc, out, _ = run([sys.executable, __file__, "--bandwidth", device], timeout=min(40, budget.left(2)),
-                         log=logs / "bandwidth.log", env=env)
+        rc, out, _ = run(
+            [sys.executable, __file__, "--bandwidth", device],
+            timeout=min(40, budget.left(2)),
+            log=logs / "bandwidth.log",
+            env=env,
+        )
         try:
             bw = json.loads(out.strip().splitlines()[-1])
         except (json.JSONDecodeError, IndexError):
@@ -226,14 +308,20 @@ def main() -> int:
         summary["torch_copy"] = bw
         big_c = checks.get("big_offload", {})
         if "h2d_chunk_gbps" in bw:
-            print(f"torch pinned copy ({CHUNK * 2 >> 20} MiB buffers): H2D {bw['h2d_chunk_gbps']:.1f} GB/s, "
-                  f"D2H {bw['d2h_chunk_gbps']:.1f} GB/s; 256 MiB: H2D {bw['h2d_256MiB_gbps']:.1f}, "
-                  f"D2H {bw['d2h_256MiB_gbps']:.1f} GB/s", flush=True)
+            print(
+                f"torch pinned copy ({CHUNK * 2 >> 20} MiB buffers): H2D {bw['h2d_chunk_gbps']:.1f} GB/s, "
+                f"D2H {bw['d2h_chunk_gbps']:.1f} GB/s; 256 MiB: H2D {bw['h2d_256MiB_gbps']:.1f}, "
+                f"D2H {bw['d2h_256MiB_gbps']:.1f} GB/s",
+                flush=True,
+            )
             if big_c.get("offload_s"):
-                print(f"replay-step 1 GiB offload achieved D2H {big_c['d2h_gbps']:.2f} GB/s "
-                      f"({100 * big_c['d2h_gbps'] / bw['d2h_chunk_gbps']:.1f}% of torch), H2D {big_c['h2d_gbps']:.2f} GB/s "
-                      f"({100 * big_c['h2d_gbps'] / bw['h2d_chunk_gbps']:.1f}% of torch) over the whole offloaded step "
-                      "(transfers overlap the CPU update)", flush=True)
+                print(
+                    f"replay-step 1 GiB offload achieved D2H {big_c['d2h_gbps']:.2f} GB/s "
+                    f"({100 * big_c['d2h_gbps'] / bw['d2h_chunk_gbps']:.1f}% of torch), H2D {big_c['h2d_gbps']:.2f} GB/s "
+                    f"({100 * big_c['h2d_gbps'] / bw['h2d_chunk_gbps']:.1f}% of torch) over the whole offloaded step "
+                    "(transfers overlap the CPU update)",
+                    flush=True,
+                )
 
     ok = all(c.get("ok") for c in checks.values())
     summary["ok"] = ok

@@ -53,3 +53,17 @@ def sample_ckpt(fixture_root: Path) -> Path:
     from ckpttool.ops.sample import write_sample
 
     return cached_build(fixture_root, "sample", write_sample)
+
+
+@pytest.fixture(scope="session")
+def ep_suite(fixture_root: Path) -> Path:
+    """Every 4-rank EP DTensor save of :data:`tests.fixtures.moe_ep.VARIANTS` (read-only: copy before damaging)."""
+    from tests.fixtures.moe_ep import build_ep_suite
+
+    return cached_build(fixture_root, "moe_ep", build_ep_suite)
+
+
+@pytest.fixture(scope="session")
+def per_expert_ckpt(fixture_root: Path) -> Path:
+    """Per-expert MoE keys where EP rank 0 saved only its local experts 0..3 (of 8) under local names."""
+    return cached_build(fixture_root, "validate_per_expert", builders.build_per_expert)

@@ -101,7 +101,9 @@ def parse_size(text: str | int, flag: str = "--size") -> int:
         m = _SIZE_RE.fullmatch(text)
         unit = m.group(2).lower() if m else ""
         if m is None or unit not in _SIZE_UNITS:
-            raise UsageError(f"{flag} {text!r} is not a size", hint="use e.g. 5GB (10^9 bytes), 2GiB, 512M or a byte count")
+            raise UsageError(
+                f"{flag} {text!r} is not a size", hint="use e.g. 5GB (10^9 bytes), 2GiB, 512M or a byte count"
+            )
         value = int(float(m.group(1)) * _SIZE_UNITS[unit])
     if value <= 0:
         raise UsageError(f"{flag} {text!r} must be a positive size", hint="use e.g. 5GB, 2GiB or a byte count")
@@ -119,8 +121,10 @@ def parse_dtype(text: str, flag: str, allowed: tuple[str, ...] = _FLOAT_DTYPES) 
     """
     name = dtype_name(text) if text.strip() else ""
     if name not in allowed:
-        raise UsageError(f"{flag} {text!r} is not one of {', '.join(allowed)}",
-                         hint="aliases: bf16, fp16/half, fp32/float, fp64/double")
+        raise UsageError(
+            f"{flag} {text!r} is not one of {', '.join(allowed)}",
+            hint="aliases: bf16, fp16/half, fp32/float, fp64/double",
+        )
     return name
 
 

@@ -56,13 +56,15 @@ def _safe_console_class() -> type[Console]:
 
 def stdout_console() -> Console:
     width = None if sys.stdout.isatty() else 200
-    return _safe_console_class()(file=sys.stdout, no_color=bool(os.environ.get("NO_COLOR")), highlight=False,
-                                 markup=False, width=width)
+    return _safe_console_class()(
+        file=sys.stdout, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, markup=False, width=width
+    )
 
 
 def stderr_console() -> Console:
-    return _safe_console_class()(file=sys.stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False,
-                                 markup=False)
+    return _safe_console_class()(
+        file=sys.stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, markup=False
+    )
 
 
 @contextlib.contextmanager
@@ -77,8 +79,15 @@ def byte_progress(label: str, enabled: bool) -> Iterator[Callable[[int, int], No
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    with Progress(TextColumn(label), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
-                  TimeRemainingColumn(), console=stderr_console(), transient=True) as bar:
+    with Progress(
+        TextColumn(label),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=stderr_console(),
+        transient=True,
+    ) as bar:
         task = bar.add_task(label, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
@@ -126,9 +135,11 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
     bad = [f for f in ov.files if f.status != "ok"]
     if bad:
         for f in bad:
-            what = {"missing": "is missing",
-                    "short": f"is shorter than its records need ({f.size} < {f.needed} bytes; truncated?)",
-                    "unreferenced": "is not referenced by .metadata"}[f.status]
+            what = {
+                "missing": "is missing",
+                "short": f"is shorter than its records need ({f.size} < {f.needed} bytes; truncated?)",
+                "unreferenced": "is not referenced by .metadata",
+            }[f.status]
             sys.stderr.write(safe_text(f"warning: data file {f.path} {what}") + "\n")
         sys.stderr.write("warning: run `ckpttool validate --strict` for the full list of problems\n")
     con.print(
@@ -141,8 +152,13 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
     con.print(f"by dtype    {by_dtype}")
 
     if ov.tree is not None:
-        con.print(table("model tree", ["prefix", "tensors", "numel", "bytes"],
-                        [[r.prefix, r.tensors, f"{r.numel:,}", human_bytes(r.nbytes)] for r in ov.tree]))
+        con.print(
+            table(
+                "model tree",
+                ["prefix", "tensors", "numel", "bytes"],
+                [[r.prefix, r.tensors, f"{r.numel:,}", human_bytes(r.nbytes)] for r in ov.tree],
+            )
+        )
     else:
         rows = []
         for t in ov.model[:max_rows]:
@@ -151,8 +167,17 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
                 notes.append("uneven")
             if t.zero_size_chunks:
                 notes.append(f"{t.zero_size_chunks} zero-size")
-            rows.append([t.key, "x".join(map(str, t.shape)) or "scalar", t.dtype, f"{t.numel:,}",
-                         len(t.chunk_sizes), ",".join(map(str, t.ranks)) or "-", " ".join(notes)])
+            rows.append(
+                [
+                    t.key,
+                    "x".join(map(str, t.shape)) or "scalar",
+                    t.dtype,
+                    f"{t.numel:,}",
+                    len(t.chunk_sizes),
+                    ",".join(map(str, t.ranks)) or "-",
+                    " ".join(notes),
+                ]
+            )
         con.print(table("model tensors", ["key", "shape", "dtype", "numel", "chunks", "ranks", "notes"], rows))
         if len(ov.model) > max_rows:
             con.print(f"... {len(ov.model) - max_rows} more (use --filter, --depth or --json)")
@@ -163,42 +188,67 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
         f"implied type {o.implied_type or '-'}; declared type {o.declared_type or '-'}"
     )
     if o.fields:
-        con.print(table("optimizer state fields", ["field", "dtypes (params)"],
-                        [[f, ", ".join(f"{d} ({n})" for d, n in c.items())] for f, c in o.fields.items()]))
+        con.print(
+            table(
+                "optimizer state fields",
+                ["field", "dtypes (params)"],
+                [[f, ", ".join(f"{d} ({n})" for d, n in c.items())] for f, c in o.fields.items()],
+            )
+        )
     if o.param_groups:
         rows = []
         for g in o.param_groups:
             v = g.values
             state = "yes" if g.has_state else "no state (never stepped)"
-            rows.append([g.id, g.params, _fmt(v["lr"]), _fmt(v["weight_decay"]), _fmt(v["betas"]),
-                         _fmt(v["eps"]), _fmt(v["initial_lr"]), state, ",".join(g.missing) or "-"])
-        con.print(table("param groups", ["group", "params", "lr", "weight_decay", "betas", "eps", "initial_lr",
-                                         "state", "missing"], rows))
+            rows.append(
+                [
+                    g.id,
+                    g.params,
+                    _fmt(v["lr"]),
+                    _fmt(v["weight_decay"]),
+                    _fmt(v["betas"]),
+                    _fmt(v["eps"]),
+                    _fmt(v["initial_lr"]),
+                    state,
+                    ",".join(g.missing) or "-",
+                ]
+            )
+        con.print(
+            table(
+                "param groups",
+                ["group", "params", "lr", "weight_decay", "betas", "eps", "initial_lr", "state", "missing"],
+                rows,
+            )
+        )
     if o.orphan_state:
         con.print(f"state for fqns not in the model: {', '.join(o.orphan_state[:10])}")
 
     lay = ov.layout
     if lay is not None:
-        parallel = {k: v for k, v in lay.parallel.items()}
         con.print(
-            f"layout      version {lay.version} ({lay.layout}, {lay.source}), parallel {parallel}, "
+            f"layout      version {lay.version} ({lay.layout}, {lay.source}), parallel {dict(lay.parallel)}, "
             f"{len(lay.extra_parallel)} EP tensors, global_step {lay.global_step}"
         )
         if lay.geometry is not None:
             rows_g = [g.to_dict() for g in lay.geometry]
-            con.print(table("EP geometry", list(rows_g[0].keys()) if rows_g else [],
-                            [list(r.values()) for r in rows_g]))
+            con.print(
+                table("EP geometry", list(rows_g[0].keys()) if rows_g else [], [list(r.values()) for r in rows_g])
+            )
         if lay.ambiguous:
-            con.print(f"ambiguous   {len(lay.ambiguous)} EP tensors have EP and FSDP on the expert dim and no layout "
-                      "record: the expert order is unknown; declare it with --source-layout legacy|canonical "
-                      "--ep-size P --ep-fsdp-size F, or record it with `ckpttool stamp`")
+            con.print(
+                f"ambiguous   {len(lay.ambiguous)} EP tensors have EP and FSDP on the expert dim and no layout "
+                "record: the expert order is unknown; declare it with --source-layout legacy|canonical "
+                "--ep-size P --ep-fsdp-size F, or record it with `ckpttool stamp`"
+            )
     elif ov.layout_error is not None:
         con.print(f"layout      error: [{ov.layout_error.code}] {ov.layout_error.message}")
     else:
         con.print("layout      none (unversioned)")
     for e in ov.extra_state:
-        con.print(f"extra state {e.path} ({human_bytes(e.size)}, rank {e.rank}): {e.status}"
-                  + (f", keys {', '.join(e.keys)}" if e.keys else ""))
+        con.print(
+            f"extra state {e.path} ({human_bytes(e.size)}, rank {e.rank}): {e.status}"
+            + (f", keys {', '.join(e.keys)}" if e.keys else "")
+        )
     if ov.byte_items:
         pg = [(k, n) for k, n in ov.byte_items if k.startswith("optimizer.param_groups.")]
         rest = [(k, n) for k, n in ov.byte_items if not k.startswith("optimizer.param_groups.")]

@@ -32,12 +32,23 @@ __all__ = ["FileWindow", "TensorRecord", "parse_tensor_archive", "read_archive_p
 
 # legacy typed-storage class names (torch/storage.py) -> dtype name
 STORAGE_DTYPES = {
-    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
-    "BoolStorage": "bool", "ComplexDoubleStorage": "complex128", "ComplexFloatStorage": "complex64",
-    "UInt16Storage": "uint16", "UInt32Storage": "uint32", "UInt64Storage": "uint64",
-    "Float8_e4m3fnStorage": "float8_e4m3fn", "Float8_e5m2Storage": "float8_e5m2",
+    "DoubleStorage": "float64",
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "ComplexDoubleStorage": "complex128",
+    "ComplexFloatStorage": "complex64",
+    "UInt16Storage": "uint16",
+    "UInt32Storage": "uint32",
+    "UInt64Storage": "uint64",
+    "Float8_e4m3fnStorage": "float8_e4m3fn",
+    "Float8_e5m2Storage": "float8_e5m2",
 }
 
 
@@ -107,9 +118,13 @@ class _TensorPickle(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         if (
-            isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-            and isinstance(pid[1], tuple) and pid[1][0] == "storage_type"
-            and isinstance(pid[2], str) and type(pid[4]) is int
+            isinstance(pid, tuple)
+            and len(pid) == 5
+            and pid[0] == "storage"
+            and isinstance(pid[1], tuple)
+            and pid[1][0] == "storage_type"
+            and isinstance(pid[2], str)
+            and type(pid[4]) is int
         ):
             return ("storage", pid[1][1], pid[2], pid[4])
         raise UnsafePickleError("tensor archive holds an unexpected persistent id")
@@ -219,9 +234,15 @@ def _parse_tensor_zip(zf: zipfile.ZipFile, window: FileWindow) -> TensorRecord |
     if not (isinstance(storage, tuple) and storage[0] == "storage"):
         raise ValueError("tensor without storage")
     _, dtype, key, storage_numel = storage
-    if not (isinstance(size, tuple) and isinstance(stride, tuple) and len(size) == len(stride)
-            and all(type(x) is int and x >= 0 for x in size + stride) and type(storage_offset) is int
-            and storage_offset >= 0 and storage_numel >= 0):
+    if not (
+        isinstance(size, tuple)
+        and isinstance(stride, tuple)
+        and len(size) == len(stride)
+        and all(type(x) is int and x >= 0 for x in size + stride)
+        and type(storage_offset) is int
+        and storage_offset >= 0
+        and storage_numel >= 0
+    ):
         raise ValueError("tensor view fields are malformed")
     rec = _member(zf, f"data/{key}")
     if rec is None:

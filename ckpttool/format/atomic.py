@@ -42,8 +42,15 @@ from typing import Any
 
 from ckpttool.errors import OutputError
 
-__all__ = ["AtomicOutputDir", "Terminated", "check_output_target", "atomic_write_text", "looks_like_output",
-           "signal_received", "signals_deferred"]
+__all__ = [
+    "AtomicOutputDir",
+    "Terminated",
+    "check_output_target",
+    "atomic_write_text",
+    "looks_like_output",
+    "signal_received",
+    "signals_deferred",
+]
 
 log = logging.getLogger(__name__)
 _TMP_RE = re.compile(r"^\.(?P<name>.+)\.ckpttool-tmp-(?P<pid>\d+)-[0-9a-f]+$")
@@ -109,34 +116,44 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
     """
     target = _absolute(target)
     if target.name == "":
-        raise OutputError(f"{target}: cannot write there (not a directory name)", path=target,
-                          hint="choose a new or empty output directory")
+        raise OutputError(
+            f"{target}: cannot write there (not a directory name)",
+            path=target,
+            hint="choose a new or empty output directory",
+        )
     t = target.resolve()
     if source is not None:
         s = source.resolve()
         if t == s or s in t.parents or t in s.parents:
             raise OutputError(
                 f"{target}: output overlaps the source checkpoint {source}",
-                path=target, hint="write the output to a directory outside the checkpoint",
+                path=target,
+                hint="write the output to a directory outside the checkpoint",
             )
     if target.exists() or target.is_symlink():
         if not target.is_dir() or target.is_symlink():
-            raise OutputError(f"{target} exists and is not a directory", path=target,
-                              hint="choose a new or empty output directory")
+            raise OutputError(
+                f"{target} exists and is not a directory", path=target, hint="choose a new or empty output directory"
+            )
         try:
             non_empty = any(target.iterdir())
         except OSError as e:
-            raise OutputError(f"{target}: cannot write there ({e.strerror})", path=target,
-                              hint="choose a writable output location") from e
+            raise OutputError(
+                f"{target}: cannot write there ({e.strerror})", path=target, hint="choose a writable output location"
+            ) from e
         if non_empty and not overwrite:
-            raise OutputError(f"{target} exists and is not empty", path=target,
-                              hint="choose another output directory or pass `overwrite`")
+            raise OutputError(
+                f"{target} exists and is not empty",
+                path=target,
+                hint="choose another output directory or pass `overwrite`",
+            )
         if non_empty and not looks_like_output(target):
             raise OutputError(
                 f"{target} exists and does not look like a previous checkpoint or model output "
                 "(no .metadata, *.safetensors, model.safetensors.index.json or adapter_config.json, or it holds .git); "
                 "`overwrite` will not replace it",
-                path=target, hint=_NOT_AN_OUTPUT_HINT,
+                path=target,
+                hint=_NOT_AN_OUTPUT_HINT,
             )
 
 
@@ -201,8 +218,9 @@ class AtomicOutputDir:
             rename fails (the temporary directory is removed, an existing target kept).
     """
 
-    def __init__(self, target: str | os.PathLike[str], *, overwrite: bool = False,
-                 source: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self, target: str | os.PathLike[str], *, overwrite: bool = False, source: str | os.PathLike[str] | None = None
+    ) -> None:
         self.target = _absolute(target)
         self.overwrite = overwrite
         self.source = _absolute(source) if source is not None else None
@@ -238,15 +256,17 @@ class AtomicOutputDir:
             if isinstance(e, (FileExistsError, NotADirectoryError)):
                 blocker = next((a for a in (parent, *parent.parents) if a.exists() or a.is_symlink()), parent)
                 why = f"{blocker} is not a directory"
-            raise OutputError(f"{self.target}: cannot write there ({why})", path=self.target,
-                              hint="choose a writable output location") from e
+            raise OutputError(
+                f"{self.target}: cannot write there ({why})", path=self.target, hint="choose a writable output location"
+            ) from e
         self._clean_stale()
         tmp = parent / f".{self.target.name}.ckpttool-tmp-{os.getpid()}-{os.urandom(4).hex()}"
         try:
             tmp.mkdir()
         except OSError as e:
-            raise OutputError(f"{parent}: cannot write there ({e.strerror})", path=parent,
-                              hint="choose a writable output location") from e
+            raise OutputError(
+                f"{parent}: cannot write there ({e.strerror})", path=parent, hint="choose a writable output location"
+            ) from e
         self.tmp = tmp
         try:
             self._old_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
@@ -270,7 +290,13 @@ class AtomicOutputDir:
 
     def _write_failure(self, exc: BaseException | None) -> str | None:
         """Why writing failed, when ``exc`` is a failed write (disk full, file too large, read-only, ...)."""
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EDQUOT):
+        if isinstance(exc, OSError) and exc.errno in (
+            errno.ENOSPC,
+            errno.EFBIG,
+            errno.EROFS,
+            errno.EACCES,
+            errno.EDQUOT,
+        ):
             return exc.strerror or str(exc)
         if isinstance(exc, shutil.Error):  # copytree: a list of (src, dst, why) and no errno
             errors = exc.args[0] if exc.args and isinstance(exc.args[0], list) else []
@@ -278,8 +304,9 @@ class AtomicOutputDir:
             return why.replace(str(self.tmp), str(self.target))  # name the place the user knows
         return None
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:
             if exc_type is not None:
                 self._remove_tmp()
@@ -287,8 +314,11 @@ class AtomicOutputDir:
                     raise KeyboardInterrupt() from None
                 why = self._write_failure(exc)
                 if why is not None:
-                    raise OutputError(f"{self.target}: write failed ({why[:200]}); no output was left",
-                                      path=self.target, hint="free disk space or choose another location") from exc
+                    raise OutputError(
+                        f"{self.target}: write failed ({why[:200]}); no output was left",
+                        path=self.target,
+                        hint="free disk space or choose another location",
+                    ) from exc
                 return
             if self._interrupted:  # the handler's exception was swallowed: stop here all the same
                 self._remove_tmp()
@@ -339,10 +369,16 @@ class AtomicOutputDir:
                 self._remove_tmp()  # deferred: a second signal must not cut it short
             if isinstance(e, OSError):
                 if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                    raise OutputError(f"{target} exists and is not empty (written by another run meanwhile?)",
-                                      path=target, hint="choose another output directory or pass `overwrite`") from e
-                raise OutputError(f"{target}: cannot move the finished output into place ({e.strerror})",
-                                  path=target, hint="choose another output directory") from e
+                    raise OutputError(
+                        f"{target} exists and is not empty (written by another run meanwhile?)",
+                        path=target,
+                        hint="choose another output directory or pass `overwrite`",
+                    ) from e
+                raise OutputError(
+                    f"{target}: cannot move the finished output into place ({e.strerror})",
+                    path=target,
+                    hint="choose another output directory",
+                ) from e
             raise
         finally:
             if placed:

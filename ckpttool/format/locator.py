@@ -146,7 +146,5 @@ def locate_chunk(ckpt: CheckpointDir, key: str, chunk: ChunkMeta) -> ChunkLocati
             fqn=key,
         )
     if record.data_offset < 0 or record.data_offset + record.storage_numel * meta.dtype.itemsize > info.length:
-        raise ChunkError(
-            f"{where}: storage record reaches past the archive", path=info.relative_path, fqn=key
-        )
+        raise ChunkError(f"{where}: storage record reaches past the archive", path=info.relative_path, fqn=key)
     return ChunkLocation(key, chunk, meta, info, record, file)

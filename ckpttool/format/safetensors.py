@@ -39,18 +39,36 @@ __all__ = [
 
 #: torch dtype name -> safetensors dtype tag (safetensors ``Dtype`` enum, 0.4+).
 SAFETENSORS_DTYPES: dict[str, str] = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
-    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0",
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e8m0fnu": "F8_E8M0",
     "complex64": "C64",
 }
 
 # (exponent bits, mantissa bits) of the floating dtypes: a cast is widening when
 # the target has at least as many of both (IEEE 754 / bfloat16 / OCP FP8 formats).
 _FLOAT_BITS: dict[str, tuple[int, int]] = {
-    "float64": (11, 52), "float32": (8, 23), "bfloat16": (8, 7), "float16": (5, 10),
-    "float8_e4m3fn": (4, 3), "float8_e5m2": (5, 2), "float8_e4m3fnuz": (4, 3), "float8_e5m2fnuz": (5, 2),
+    "float64": (11, 52),
+    "float32": (8, 23),
+    "bfloat16": (8, 7),
+    "float16": (5, 10),
+    "float8_e4m3fn": (4, 3),
+    "float8_e5m2": (5, 2),
+    "float8_e4m3fnuz": (4, 3),
+    "float8_e5m2fnuz": (5, 2),
     "float8_e8m0fnu": (8, 0),
 }
 
@@ -109,11 +127,17 @@ def build_header(entries: list[HeaderEntry], metadata: dict[str, str] | None = N
         e = entries[i]
         tag = SAFETENSORS_DTYPES.get(e.dtype)
         if tag is None:
-            raise ExportError(f"{e.name}: dtype {e.dtype} cannot be stored in safetensors",
-                              fqn=e.name, hint="export it with `save_dtype` float32/bfloat16 or leave it out with `filter_glob`")
+            raise ExportError(
+                f"{e.name}: dtype {e.dtype} cannot be stored in safetensors",
+                fqn=e.name,
+                hint="export it with `save_dtype` float32/bfloat16 or leave it out with `filter_glob`",
+            )
         if e.name in header:
-            raise ExportError(f"two tensors map to the output key {e.name!r}", fqn=e.name,
-                              hint="fix the key rules (`rules`) so every output key is unique")
+            raise ExportError(
+                f"two tensors map to the output key {e.name!r}",
+                fqn=e.name,
+                hint="fix the key rules (`rules`) so every output key is unique",
+            )
         p = HeaderEntry(e.name, e.dtype, e.shape, pos, pos + e.nbytes)
         header[e.name] = {"dtype": tag, "shape": list(e.shape), "data_offsets": [p.begin, p.end]}
         placed.append(p)
@@ -137,8 +161,14 @@ class ShardWriter:
         ExportError: see :func:`build_header`.
     """
 
-    def __init__(self, path: Path, entries: list[HeaderEntry], metadata: dict[str, str] | None = None, *,
-                 display: Path | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        entries: list[HeaderEntry],
+        metadata: dict[str, str] | None = None,
+        *,
+        display: Path | None = None,
+    ) -> None:
         prefix, placed = build_header(entries, metadata)
         self.path = path
         self.entries = {e.name: e for e in placed}
@@ -158,8 +188,11 @@ class ShardWriter:
         except OSError as e:
             self.close()
             shown = display or path
-            raise OutputError(f"{shown}: cannot create output file of {self.size} bytes ({e.strerror})",
-                              path=shown, hint="free disk space or choose another output location") from e
+            raise OutputError(
+                f"{shown}: cannot create output file of {self.size} bytes ({e.strerror})",
+                path=shown,
+                hint="free disk space or choose another output location",
+            ) from e
 
     def offset(self, name: str) -> int:
         """Absolute file offset of ``name``'s first byte."""

@@ -172,7 +172,8 @@ class MetadataUnpickler(pickle.Unpickler):
                 # Refused all the same (never resolved), but named for what it most likely is.
                 raise MetadataError(
                     f"{self._source}: tensor dtype torch.{name} is not supported by this ckpttool",
-                    path=self._source, hint="upgrade ckpttool, or re-save the tensors in a supported dtype",
+                    path=self._source,
+                    hint="upgrade ckpttool, or re-save the tensors in a supported dtype",
                 ) from None
             raise UnsafePickleError(
                 f"{self._source}: refused to load pickle global {module}.{name} (not on the allow-list)",
@@ -200,9 +201,7 @@ class PrimitiveUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("collections", "OrderedDict"):
             return dict
-        raise UnsafePickleError(
-            f"{self._source}: pickle names global {module}.{name}", path=self._source
-        )
+        raise UnsafePickleError(f"{self._source}: pickle names global {module}.{name}", path=self._source)
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafePickleError(f"{self._source}: pickle holds a tensor storage", path=self._source)
@@ -401,4 +400,3 @@ def load_metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
     except OSError as e:
         raise MetadataError(f"cannot read {p}: {e.strerror}", path=p) from e
     return parse_metadata_bytes(data, str(p))
-

@@ -34,8 +34,15 @@ from ckpttool.format.metadata import ChunkMeta, DType, StorageInfo
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DCPWriter", "WrittenItem", "DCP_VERSION", "can_stream", "tensor_data_pkl", "torch_save_bytes",
-           "write_tensor_archive"]
+__all__ = [
+    "DCPWriter",
+    "WrittenItem",
+    "DCP_VERSION",
+    "can_stream",
+    "tensor_data_pkl",
+    "torch_save_bytes",
+    "write_tensor_archive",
+]
 
 DCP_VERSION = "1.0.0"  # torch/distributed/checkpoint/filesystem.py CURRENT_DCP_VERSION
 
@@ -120,14 +127,17 @@ class DCPWriter:
         self.close()
 
     # ------------------------------------------------------------------ items
-    def declare_tensor(self, key: str, dtype: DType, size: tuple[int, ...], planner_path: tuple[Any, ...] | None) -> None:
+    def declare_tensor(
+        self, key: str, dtype: DType, size: tuple[int, ...], planner_path: tuple[Any, ...] | None
+    ) -> None:
         """Announce a tensor entry (global ``size``, ``dtype``) before adding its chunks."""
         self._items[key] = WrittenItem(dtype, tuple(size))
         if planner_path is not None:
             self._planner[key] = tuple(planner_path)
 
-    def _record_chunk(self, key: str, chunk: ChunkMeta, rank: int, offset: int, length: int,
-                      transforms: tuple[str, ...] = ()) -> None:
+    def _record_chunk(
+        self, key: str, chunk: ChunkMeta, rank: int, offset: int, length: int, transforms: tuple[str, ...] = ()
+    ) -> None:
         info = StorageInfo(self.file_name(rank), offset, length, transforms)
         with self._lock:
             self._items[key].chunks.append((chunk, info))
@@ -162,18 +172,24 @@ class DCPWriter:
         try:
             copy_range(src_fd, f.fileno(), info.offset, start, info.length)
         except EOFError as e:
-            raise DataFileError(f"{info.relative_path}: short read of {key!r} ({e}); the source changed while "
-                                "being read", path=info.relative_path, fqn=key,
-                                hint="rerun when no job is writing the source checkpoint") from None
+            raise DataFileError(
+                f"{info.relative_path}: short read of {key!r} ({e}); the source changed while being read",
+                path=info.relative_path,
+                fqn=key,
+                hint="rerun when no job is writing the source checkpoint",
+            ) from None
         f.seek(start + info.length)
         self._count(info.length)
         if chunk is None:
-            self._items[key].byte_info = StorageInfo(self.file_name(rank), start, info.length, info.transform_descriptors)
+            self._items[key].byte_info = StorageInfo(
+                self.file_name(rank), start, info.length, info.transform_descriptors
+            )
         else:
             self._record_chunk(key, chunk, rank, start, info.length, info.transform_descriptors)
 
-    def stream_tensor_archive(self, key: str, chunk: ChunkMeta, rank: int, dtype: DType,
-                              segments: list[tuple[int, int, int]]) -> None:
+    def stream_tensor_archive(
+        self, key: str, chunk: ChunkMeta, rank: int, dtype: DType, segments: list[tuple[int, int, int]]
+    ) -> None:
         """Write a new ``torch.save`` archive of a contiguous chunk whose bytes are copied from source files.
 
         Args:
@@ -195,8 +211,9 @@ class DCPWriter:
         with self._lock:
             self.bytes_written += written
 
-    def copy_bytes_item(self, key: str, rank: int, src_fd: int, info: StorageInfo,
-                        planner_path: tuple[Any, ...] | None) -> None:
+    def copy_bytes_item(
+        self, key: str, rank: int, src_fd: int, info: StorageInfo, planner_path: tuple[Any, ...] | None
+    ) -> None:
         """Copy a byte item verbatim from the source checkpoint."""
         self._items[key] = WrittenItem(None)
         if planner_path is not None:
@@ -237,23 +254,37 @@ class DCPWriter:
             for i, (c, info) in enumerate(sorted(item.chunks, key=lambda ci: ci[0].offsets)):
                 chunks.append(_new("ChunkStorageMetadata", {"offsets": _size(c.offsets), "sizes": _size(c.sizes)}))
                 storage[_metadata_index(key, c.offsets, i)] = _storage_info(info)
-            props = _new("TensorProperties", (
-                _global("torch", item.dtype.name),
-                _Call(_global("torch.serialization", "_get_layout"), ("torch.strided",)),
-                False,
-                _Call(_global(_MD, "_MEM_FORMAT_ENCODING"), (0,)),  # torch.contiguous_format
-                False,
-            ))
-            sd_md[key] = _new("TensorStorageMetadata", {"properties": props, "size": _size(item.size), "chunks": chunks})
-        md = _new("Metadata", {
-            "state_dict_metadata": sd_md,
-            "planner_data": dict(self._planner),
-            "storage_data": storage,
-            "storage_meta": _new("StorageMeta", {
-                "checkpoint_id": str(self.checkpoint_id), "save_id": uuid.uuid4().hex, "load_id": None, "modules": [],
-            }),
-            "version": DCP_VERSION,
-        })
+            props = _new(
+                "TensorProperties",
+                (
+                    _global("torch", item.dtype.name),
+                    _Call(_global("torch.serialization", "_get_layout"), ("torch.strided",)),
+                    False,
+                    _Call(_global(_MD, "_MEM_FORMAT_ENCODING"), (0,)),  # torch.contiguous_format
+                    False,
+                ),
+            )
+            sd_md[key] = _new(
+                "TensorStorageMetadata", {"properties": props, "size": _size(item.size), "chunks": chunks}
+            )
+        md = _new(
+            "Metadata",
+            {
+                "state_dict_metadata": sd_md,
+                "planner_data": dict(self._planner),
+                "storage_data": storage,
+                "storage_meta": _new(
+                    "StorageMeta",
+                    {
+                        "checkpoint_id": str(self.checkpoint_id),
+                        "save_id": uuid.uuid4().hex,
+                        "load_id": None,
+                        "modules": [],
+                    },
+                ),
+                "version": DCP_VERSION,
+            },
+        )
         path = self.directory / ".metadata"
         try:
             with open(path, "wb") as f:
@@ -277,8 +308,14 @@ class DCPWriter:
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
 _CLASS_MODULE = {
-    "Metadata": _MD, "TensorStorageMetadata": _MD, "TensorProperties": _MD, "ChunkStorageMetadata": _MD,
-    "BytesStorageMetadata": _MD, "MetadataIndex": _MD, "StorageMeta": _MD, "_StorageInfo": _FS,
+    "Metadata": _MD,
+    "TensorStorageMetadata": _MD,
+    "TensorProperties": _MD,
+    "ChunkStorageMetadata": _MD,
+    "BytesStorageMetadata": _MD,
+    "MetadataIndex": _MD,
+    "StorageMeta": _MD,
+    "_StorageInfo": _FS,
 }
 
 
@@ -400,14 +437,28 @@ class _ArchiveWindow(io.RawIOBase):
 # dtype name -> typed storage class that torch.save names in data.pkl (``_rebuild_tensor_v2``). Newer dtypes
 # (float8, uint16/32/64) are saved as ``_rebuild_tensor_v3`` + ``UntypedStorage``; those chunks are
 # written by torch.save itself (see ``can_stream``).
-_V2_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
-              "complex128", "complex64")
+_V2_DTYPES = (
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+    "complex128",
+    "complex64",
+)
 _STORAGE_CLASS = {v: k for k, v in STORAGE_DTYPES.items() if v in _V2_DTYPES}
 
 
 def can_stream(dtype: DType) -> bool:
     """Whether :func:`write_tensor_archive` writes archives of this dtype (torch's v2 tensor encoding)."""
     return dtype.name in _STORAGE_CLASS
+
+
 _ALIGN = 64  # torch.serialization: record data aligned to 64 bytes within the archive
 
 
@@ -455,9 +506,17 @@ def tensor_data_pkl(dtype: DType, sizes: tuple[int, ...]) -> bytes:
         stride.append(acc)
         acc *= max(s, 1)
     storage = _Pid(("storage", _global("torch", _STORAGE_CLASS[dtype.name]), "0", "cpu", numel))
-    rebuild = _Call(_global("torch._utils", "_rebuild_tensor_v2"), (
-        storage, 0, tuple(sizes), tuple(reversed(stride)), False, _Call(_global("collections", "OrderedDict"), ()),
-    ))
+    rebuild = _Call(
+        _global("torch._utils", "_rebuild_tensor_v2"),
+        (
+            storage,
+            0,
+            tuple(sizes),
+            tuple(reversed(stride)),
+            False,
+            _Call(_global("collections", "OrderedDict"), ()),
+        ),
+    )
     buf = io.BytesIO()
     _ProtoTwoPickler(buf, protocol=2).dump(rebuild)
     return buf.getvalue()
@@ -476,8 +535,9 @@ def _aligned_info(zf: zipfile.ZipFile, name: str, size: int) -> zipfile.ZipInfo:
     return info
 
 
-def write_tensor_archive(f: BinaryIO, dtype: DType, sizes: tuple[int, ...], segments: list[tuple[int, int, int]],
-                         buf: memoryview) -> None:
+def write_tensor_archive(
+    f: BinaryIO, dtype: DType, sizes: tuple[int, ...], segments: list[tuple[int, int, int]], buf: memoryview
+) -> None:
     """Append a ``torch.save`` archive of a tensor whose storage bytes are read from ``segments``.
 
     Members and order as ``torch.save`` writes them; records 64-byte aligned; CRC-32 computed
@@ -495,6 +555,7 @@ def write_tensor_archive(f: BinaryIO, dtype: DType, sizes: tuple[int, ...], segm
     nbytes = sum(n for _, _, n in segments)
     window = _ArchiveWindow(f)
     with zipfile.ZipFile(window, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+
         def small(name: str, data: bytes) -> None:
             zf.writestr(_aligned_info(zf, name, len(data)), data)
 
@@ -528,6 +589,7 @@ def torch_save_bytes(obj: Any) -> bytes:
     Raises:
         TypeError: ``obj`` holds something other than plain values.
     """
+
     def check(v: Any) -> None:
         if isinstance(v, (list, tuple)):
             for x in v:

@@ -181,7 +181,7 @@ class Catalog:
     @property
     def param_fqns(self) -> list[str]:
         """Model keys without the ``model.`` prefix (the optimizer's fqns)."""
-        return [k[len(MODEL_PREFIX):] for k in self.model]
+        return [k[len(MODEL_PREFIX) :] for k in self.model]
 
     @property
     def tensors(self) -> dict[str, TensorEntry]:
@@ -200,7 +200,10 @@ class Catalog:
         known_bytes = {k for g in self.param_groups for k in g.keys.values()}
         known_bytes.add(LAYOUT_KEY)
         state_bytes = {
-            f"{STATE_PREFIX}{ps.fqn}.{f}" for ps in self.optimizer_state.values() for f, t in ps.fields.items() if t is None
+            f"{STATE_PREFIX}{ps.fqn}.{f}"
+            for ps in self.optimizer_state.values()
+            for f, t in ps.fields.items()
+            if t is None
         }
         others = [k for k in self.byte_items if k not in known_bytes and k not in state_bytes]
         return sorted(list(self.other_tensors) + others)
@@ -261,7 +264,9 @@ def _rank(relative_path: str) -> int | None:
     return r
 
 
-def _entry(key: str, meta: TensorMeta, md_storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo]) -> TensorEntry:
+def _entry(
+    key: str, meta: TensorMeta, md_storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo]
+) -> TensorEntry:
     get = md_storage.get
     files = {info.relative_path for c in meta.chunks if (info := get((key, c.offsets))) is not None}
     ufiles = tuple(sorted(files))
@@ -284,7 +289,7 @@ class _Inventory:
                 return None
             head = rest[:pos]
             if head in self._fqns:
-                return head, rest[pos + 1:]
+                return head, rest[pos + 1 :]
 
 
 def build_catalog(ckpt: CheckpointDir | str | os.PathLike[str]) -> Catalog:
@@ -305,7 +310,7 @@ def build_catalog(ckpt: CheckpointDir | str | os.PathLike[str]) -> Catalog:
     for key, meta in md.entries.items():
         if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorMeta):
             model[key] = _entry(key, meta, storage)
-    inv = _Inventory([k[len(MODEL_PREFIX):] for k in model])
+    inv = _Inventory([k[len(MODEL_PREFIX) :] for k in model])
 
     optimizer_state: dict[str, ParamState] = {}
     groups: dict[Any, ParamGroup] = {}
@@ -325,18 +330,18 @@ def build_catalog(ckpt: CheckpointDir | str | os.PathLike[str]) -> Catalog:
             if path and len(path) == 4 and path[:2] == ("optimizer", "state") and isinstance(path[2], str):
                 split = (path[2], str(path[3]))
             if split is None:
-                split = inv.split(key[len(STATE_PREFIX):])
+                split = inv.split(key[len(STATE_PREFIX) :])
             in_model = split is not None and f"{MODEL_PREFIX}{split[0]}" in model
             if split is None:
                 # Not a known parameter: the field is the last component (field names hold no dots).
-                head, _, fld = key[len(STATE_PREFIX):].rpartition(".")
+                head, _, fld = key[len(STATE_PREFIX) :].rpartition(".")
                 split = (head, fld)
             fqn, fld = split
             ps = optimizer_state.setdefault(fqn, ParamState(fqn, in_model=in_model))
             ps.fields[fld] = _entry(key, meta, storage) if isinstance(meta, TensorMeta) else None
             continue
         if key.startswith(GROUPS_PREFIX):
-            rest = key[len(GROUPS_PREFIX):]
+            rest = key[len(GROUPS_PREFIX) :]
             gid: Any = None
             hyper = None
             if path and len(path) == 4 and path[:2] == ("optimizer", "param_groups"):
@@ -465,7 +470,7 @@ def match_filter(key: str, pattern: str | None) -> bool:
     if not pattern:
         return True
     return fnmatch.fnmatchcase(key, pattern) or (
-        key.startswith(MODEL_PREFIX) and fnmatch.fnmatchcase(key[len(MODEL_PREFIX):], pattern)
+        key.startswith(MODEL_PREFIX) and fnmatch.fnmatchcase(key[len(MODEL_PREFIX) :], pattern)
     )
 
 

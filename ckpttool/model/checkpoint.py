@@ -199,6 +199,7 @@ def opened(
             raise ValueError("declaration/trust_pickle apply when opening a path; this Checkpoint is open already")
         yield source
         return
-    with open_checkpoint(source, declaration=declaration, trust_pickle=trust_pickle,
-                         record_problems=record_problems) as ckpt:
+    with open_checkpoint(
+        source, declaration=declaration, trust_pickle=trust_pickle, record_problems=record_problems
+    ) as ckpt:
         yield ckpt

@@ -75,7 +75,9 @@ class LayoutDeclaration:
         return LAYOUT_VERSIONS.get(self.source_layout) if self.source_layout else None
 
     @classmethod
-    def from_options(cls, source_layout: Any, ep_size: int | None, ep_fsdp_size: int | None) -> LayoutDeclaration | None:
+    def from_options(
+        cls, source_layout: Any, ep_size: int | None, ep_fsdp_size: int | None
+    ) -> LayoutDeclaration | None:
         """Build a declaration from ``--source-layout/--ep-size/--ep-fsdp-size``.
 
         Args:
@@ -105,7 +107,9 @@ class LayoutDeclaration:
                 hint="legacy: mesh (EP-FSDP, EP); canonical: mesh (EP, EP-FSDP)",
             )
         if ep_size is None or ep_fsdp_size is None:
-            missing = " and ".join(f"`{n}`" for n, v in (("ep_size", ep_size), ("ep_fsdp_size", ep_fsdp_size)) if v is None)
+            missing = " and ".join(
+                f"`{n}`" for n, v in (("ep_size", ep_size), ("ep_fsdp_size", ep_fsdp_size)) if v is None
+            )
             raise UsageError(
                 f"`source_layout` {source_layout} needs {missing}",
                 param="source_layout",
@@ -171,7 +175,7 @@ class ResolvedLayout:
         if spec is not None:
             return spec
         if key.startswith(STATE_PREFIX):
-            head, _, fld = key[len(STATE_PREFIX):].rpartition(".")
+            head, _, fld = key[len(STATE_PREFIX) :].rpartition(".")
             model_key = f"{MODEL_PREFIX}{head}"
             if fld and model_key in self.ep_tensors:
                 return self.ep_tensors[model_key]
@@ -181,8 +185,11 @@ class ResolvedLayout:
         """The stored global tensor of ``key`` is block-transposed (legacy, EP and FSDP on one dim, F > 1, P > 1)."""
         spec = self.spec_for(key)
         return (
-            spec is not None and self.version == 1 and spec.fsdp_dim == spec.ep_dim
-            and (self.ep_size or 1) > 1 and (self.ep_fsdp_size or 1) > 1
+            spec is not None
+            and self.version == 1
+            and spec.fsdp_dim == spec.ep_dim
+            and (self.ep_size or 1) > 1
+            and (self.ep_fsdp_size or 1) > 1
         )
 
     def canonical_perm(self, key: str) -> list[int] | None:
@@ -209,8 +216,14 @@ class ResolvedLayout:
             One :class:`~ckpttool.model.geometry.EPGeometry` per key of :attr:`ep_tensors`, in order.
         """
         return [
-            tensor_geometry(cat.model.get(key) or cat.other_tensors.get(key), key, spec,
-                            version=self.version, ep_size=self.ep_size, ep_fsdp_size=self.ep_fsdp_size)
+            tensor_geometry(
+                cat.model.get(key) or cat.other_tensors.get(key),
+                key,
+                spec,
+                version=self.version,
+                ep_size=self.ep_size,
+                ep_fsdp_size=self.ep_fsdp_size,
+            )
             for key, spec in self.ep_tensors.items()
         ]
 
@@ -273,7 +286,9 @@ def load_layout_record(cat: Catalog, reader: CheckpointReader) -> LayoutRecord |
     return embedded or sidecar
 
 
-def resolve_layout(cat: Catalog, reader: CheckpointReader, declaration: LayoutDeclaration | None = None) -> ResolvedLayout:
+def resolve_layout(
+    cat: Catalog, reader: CheckpointReader, declaration: LayoutDeclaration | None = None
+) -> ResolvedLayout:
     """Reconcile the embedded record, the sidecar and a declaration into one layout.
 
     Args:
@@ -301,8 +316,14 @@ def resolve_layout(cat: Catalog, reader: CheckpointReader, declaration: LayoutDe
         return ResolvedLayout(None, "none", None, None, None, ep, None)
     ep = detect_ep_tensors(cat)
     for key, spec in ep.items():
-        geo = tensor_geometry(cat.model[key], key, spec, version=declaration.version, ep_size=declaration.ep_size,
-                              ep_fsdp_size=declaration.ep_fsdp_size)
+        geo = tensor_geometry(
+            cat.model[key],
+            key,
+            spec,
+            version=declaration.version,
+            ep_size=declaration.ep_size,
+            ep_fsdp_size=declaration.ep_fsdp_size,
+        )
         if geo.problems:
             raise LayoutContradictionError(
                 f"{key}: the declared layout ({declaration.source_layout}, ep_size {declaration.ep_size}, "
@@ -310,5 +331,6 @@ def resolve_layout(cat: Catalog, reader: CheckpointReader, declaration: LayoutDe
                 fqn=key,
                 param="source_layout",
             )
-    return ResolvedLayout(declaration.version, "declared", None, declaration.ep_size, declaration.ep_fsdp_size, ep,
-                          declaration)
+    return ResolvedLayout(
+        declaration.version, "declared", None, declaration.ep_size, declaration.ep_fsdp_size, ep, declaration
+    )

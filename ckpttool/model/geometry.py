@@ -176,8 +176,17 @@ def tensor_geometry(
         ep_size, ep_fsdp_size: recorded/declared ``P``/``F`` (``None``: unknown).
     """
     if entry is None:
-        return EPGeometry(key, (), spec.ep_dim, spec.fsdp_dim, spec.num_experts, (), (), False,
-                          ("named by the layout but not in the checkpoint",))
+        return EPGeometry(
+            key,
+            (),
+            spec.ep_dim,
+            spec.fsdp_dim,
+            spec.num_experts,
+            (),
+            (),
+            False,
+            ("named by the layout but not in the checkpoint",),
+        )
     shape = entry.shape
     ndim = len(shape)
     problems: list[str] = []
@@ -186,8 +195,9 @@ def tensor_geometry(
         if d is not None and not 0 <= d < ndim:
             problems.append(f"{name} {d} is not a dim of shape {list(shape)}")
     if problems:
-        return EPGeometry(key, shape, spec.ep_dim, spec.fsdp_dim, spec.num_experts, blocks, entry.ranks, False,
-                          tuple(problems))
+        return EPGeometry(
+            key, shape, spec.ep_dim, spec.fsdp_dim, spec.num_experts, blocks, entry.ranks, False, tuple(problems)
+        )
     same_dim = spec.fsdp_dim == spec.ep_dim
     if shape[spec.ep_dim] != spec.num_experts:
         problems.append(f"dim {spec.ep_dim} has {shape[spec.ep_dim]} entries but num_experts is {spec.num_experts}")
@@ -211,5 +221,6 @@ def tensor_geometry(
                     )
     elif spec.fsdp_dim is None and any(b > 1 for d, b in enumerate(blocks) if d != spec.ep_dim):
         problems.append("chunks split a dim other than ep_dim but the layout names no fsdp_dim")
-    return EPGeometry(key, shape, spec.ep_dim, spec.fsdp_dim, spec.num_experts, blocks, entry.ranks,
-                      same_dim, tuple(problems))
+    return EPGeometry(
+        key, shape, spec.ep_dim, spec.fsdp_dim, spec.num_experts, blocks, entry.ranks, same_dim, tuple(problems)
+    )

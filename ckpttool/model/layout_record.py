@@ -113,7 +113,9 @@ def parse_layout_record(obj: Any, source: str = "layout record") -> LayoutRecord
     if type(version) is not int or version < 1:
         raise LayoutFormatError(f"{source}: version {version!r:.40} is not a positive integer")
     if version > MAX_LAYOUT_VERSION:
-        raise LayoutVersionError(f"{source}: version {version} is newer than this ckpttool supports ({MAX_LAYOUT_VERSION})")
+        raise LayoutVersionError(
+            f"{source}: version {version} is newer than this ckpttool supports ({MAX_LAYOUT_VERSION})"
+        )
     par = obj.get("parallel", {})
     if not isinstance(par, dict):
         raise LayoutError(f"{source}: 'parallel' is not an object")

@@ -149,7 +149,9 @@ def infer_optimizer_type(fields: Mapping[str, Any]) -> str:
     names = {k: dtype_name(v) for k, v in fields.items()}
     unknown = sorted(set(names) - set(STATE_FIELDS))
     if unknown:
-        raise OptimStateError(f"unknown optimizer state field(s) {', '.join(unknown)}; known: {', '.join(STATE_FIELDS)}")
+        raise OptimStateError(
+            f"unknown optimizer state field(s) {', '.join(unknown)}; known: {', '.join(STATE_FIELDS)}"
+        )
     missing = [f for f in ("step", "exp_avg", "exp_avg_sq") if f not in names]
     if missing:
         raise OptimStateError(f"optimizer state lacks field(s) {', '.join(missing)} (have {', '.join(sorted(names))})")

@@ -77,14 +77,30 @@ class TensorRow:
 
     @classmethod
     def of(cls, t: TensorEntry) -> TensorRow:
-        return cls(t.key, t.shape, t.dtype, t.numel, t.nbytes, tuple(c.sizes for c in t.chunks), t.ranks,
-                   t.uneven, t.zero_size_chunks)
+        return cls(
+            t.key,
+            t.shape,
+            t.dtype,
+            t.numel,
+            t.nbytes,
+            tuple(c.sizes for c in t.chunks),
+            t.ranks,
+            t.uneven,
+            t.zero_size_chunks,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "key": self.key, "shape": list(self.shape), "dtype": self.dtype, "numel": self.numel,
-            "nbytes": self.nbytes, "chunks": len(self.chunk_sizes), "chunk_sizes": [list(c) for c in self.chunk_sizes],
-            "ranks": list(self.ranks), "uneven": self.uneven, "zero_size_chunks": self.zero_size_chunks,
+            "key": self.key,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "numel": self.numel,
+            "nbytes": self.nbytes,
+            "chunks": len(self.chunk_sizes),
+            "chunk_sizes": [list(c) for c in self.chunk_sizes],
+            "ranks": list(self.ranks),
+            "uneven": self.uneven,
+            "zero_size_chunks": self.zero_size_chunks,
         }
 
 
@@ -149,9 +165,15 @@ class GroupRow:
     missing: tuple[str, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "flavor": self.flavor, **self.values, "params": self.params,
-                "example_params": list(self.example_params), "has_state": self.has_state,
-                "missing": list(self.missing)}
+        return {
+            "id": self.id,
+            "flavor": self.flavor,
+            **self.values,
+            "params": self.params,
+            "example_params": list(self.example_params),
+            "has_state": self.has_state,
+            "missing": list(self.missing),
+        }
 
 
 @dataclass(frozen=True)
@@ -196,10 +218,16 @@ class LayoutSummary:
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "version": self.version, "layout": self.layout, "source": self.source, "parallel": self.parallel,
-            "extra_parallel": {k: {"ep_dim": s.ep_dim, "fsdp_dim": s.fsdp_dim, "num_experts": s.num_experts}
-                               for k, s in self.extra_parallel.items()},
-            "optimizer": self.optimizer, "global_step": self.global_step,
+            "version": self.version,
+            "layout": self.layout,
+            "source": self.source,
+            "parallel": self.parallel,
+            "extra_parallel": {
+                k: {"ep_dim": s.ep_dim, "fsdp_dim": s.fsdp_dim, "num_experts": s.num_experts}
+                for k, s in self.extra_parallel.items()
+            },
+            "optimizer": self.optimizer,
+            "global_step": self.global_step,
         }
         if self.ambiguous is not None:
             d["ambiguous"] = list(self.ambiguous)
@@ -283,19 +311,29 @@ def _plain(value: Any) -> Any:
 
 
 def _group_row(g: ParamGroup, gid: int | str, params: int, examples: list[str], has_state: bool) -> GroupRow:
-    return GroupRow(gid, g.flavor, {h: _plain(g.values.get(h)) for h in _GROUP_VALUES}, params, tuple(examples),
-                    has_state, tuple(sorted(h for h in HYPERPARAMETERS if h not in g.keys)))
+    return GroupRow(
+        gid,
+        g.flavor,
+        {h: _plain(g.values.get(h)) for h in _GROUP_VALUES},
+        params,
+        tuple(examples),
+        has_state,
+        tuple(sorted(h for h in HYPERPARAMETERS if h not in g.keys)),
+    )
 
 
 def _param_group_rows(cat: Catalog, filt: str | None) -> list[GroupRow]:
     """Nested groups as they are; flattened ones aggregated by leaf (equal values) and whether they have state."""
+
     def has_state(fqn: str) -> bool:
         ps = cat.optimizer_state.get(fqn)
         return ps is not None and bool(ps.fields)
 
     if cat.optimizer_flavor != "flattened":
-        return [_group_row(g, g.group_id, len(g.params), g.params[:3], any(has_state(p) for p in g.params))
-                for g in cat.param_groups]
+        return [
+            _group_row(g, g.group_id, len(g.params), g.params[:3], any(has_state(p) for p in g.params))
+            for g in cat.param_groups
+        ]
     members: dict[tuple[str, bool], list[str]] = {}
     first: dict[tuple[str, bool], ParamGroup] = {}
     for g in cat.param_groups:
@@ -313,7 +351,8 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
     # Param groups name the real parameters (nested: `params` lists; flattened: one group per
     # parameter); model tensors in no group are buffers.
     params = [
-        f for f in cat.param_fqns
+        f
+        for f in cat.param_fqns
         if match_filter(f"model.{f}", filt) and (not nested_known or f in grouped or f in cat.optimizer_state)
     ]
     buffers = [f for f in cat.param_fqns if nested_known and f not in grouped and f not in cat.optimizer_state]
@@ -356,15 +395,36 @@ def _layout_section(ckpt: Checkpoint) -> LayoutSummary | None:
     ambiguous, geometry = tuple(resolved.ambiguous), tuple(resolved.geometry(cat))
     rec = resolved.record
     if rec is not None:
-        return LayoutSummary(rec.version, rec.layout_name, "embedded" if cat.has_layout_item else "sidecar",
-                             rec.parallel, rec.extra_parallel, rec.optimizer, rec.global_step, ambiguous, geometry)
+        return LayoutSummary(
+            rec.version,
+            rec.layout_name,
+            "embedded" if cat.has_layout_item else "sidecar",
+            rec.parallel,
+            rec.extra_parallel,
+            rec.optimizer,
+            rec.global_step,
+            ambiguous,
+            geometry,
+        )
     if not resolved.ep_tensors:
         return None
     # Unversioned or declared: EP tensors detected by name (docs/layouts.md).
-    parallel = ({"ep_size": resolved.ep_size, "ep_fsdp_size": resolved.ep_fsdp_size}
-                if resolved.ep_size is not None and resolved.ep_fsdp_size is not None else {})
-    return LayoutSummary(resolved.version, resolved.layout_name or "unversioned", resolved.source, parallel,
-                         resolved.ep_tensors, {}, None, ambiguous, geometry)
+    parallel = (
+        {"ep_size": resolved.ep_size, "ep_fsdp_size": resolved.ep_fsdp_size}
+        if resolved.ep_size is not None and resolved.ep_fsdp_size is not None
+        else {}
+    )
+    return LayoutSummary(
+        resolved.version,
+        resolved.layout_name or "unversioned",
+        resolved.source,
+        parallel,
+        resolved.ep_tensors,
+        {},
+        None,
+        ambiguous,
+        geometry,
+    )
 
 
 def _needed_bytes(ckpt: Checkpoint) -> dict[str, int]:
@@ -434,8 +494,11 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
     state_bytes = sum(t.nbytes for ps in cat.optimizer_state.values() for t in ps.fields.values() if t)
     model_rows = [t for t in cat.model.values() if match_filter(t.key, filt)]
     if filt and not model_rows and not any(match_filter(k, filt) for k in tensors):
-        raise UsageError(f"`filter_glob` {filt!r} matches no key of {ckpt.path}", param="filter_glob",
-                         hint="globs match keys with or without the 'model.' prefix, e.g. 'model.layers.0.*'")
+        raise UsageError(
+            f"`filter_glob` {filt!r} matches no key of {ckpt.path}",
+            param="filter_glob",
+            hint="globs match keys with or without the 'model.' prefix, e.g. 'model.layers.0.*'",
+        )
     if opts.sort == "size":
         model_rows.sort(key=lambda t: (-t.nbytes, t.key))
     needed = _needed_bytes(ckpt)
@@ -466,8 +529,14 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         dcp_version=cat.dcp_version,
         summary=summary,
         files=tuple(
-            FileRow(f.relative_path, f.size, f.rank, f.referenced, needed.get(f.relative_path, 0),
-                    _file_status(f.size, needed.get(f.relative_path, 0), f.referenced))
+            FileRow(
+                f.relative_path,
+                f.size,
+                f.rank,
+                f.referenced,
+                needed.get(f.relative_path, 0),
+                _file_status(f.size, needed.get(f.relative_path, 0), f.referenced),
+            )
             for f in cat.data_files
         ),
         model=tuple(TensorRow.of(t) for t in model_rows),
@@ -480,7 +549,6 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         other_tensors=tuple(TensorRow.of(t) for t in cat.other_tensors.values() if match_filter(t.key, filt)),
         tree=tree,
     )
-
 
 
 def inspect(

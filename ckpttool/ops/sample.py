@@ -21,8 +21,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SampleConfig", "TinyMoEForCausalLM", "write_sample", "layout_record_for", "SAMPLE_OPTIMIZERS",
-           "sample_optimizer_record"]
+__all__ = [
+    "SampleConfig",
+    "TinyMoEForCausalLM",
+    "write_sample",
+    "layout_record_for",
+    "SAMPLE_OPTIMIZERS",
+    "sample_optimizer_record",
+]
 
 
 @dataclass(frozen=True)
@@ -197,14 +203,19 @@ def layout_record_for(
     for n in range(config.num_hidden_layers):
         for name in ("gate_up_proj", "down_proj"):
             extra[f"model.model.layers.{n}.mlp.experts.{name}"] = {
-                "ep_dim": 0, "fsdp_dim": fsdp_dim, "num_experts": config.num_experts,
+                "ep_dim": 0,
+                "fsdp_dim": fsdp_dim,
+                "num_experts": config.num_experts,
             }
     return {
         "format": "ckpttool.layout",
         "version": version,
         "parallel": {
-            "ep_size": ep_size, "ep_fsdp_size": ep_fsdp_size, "ep_replicate_size": 1,
-            "dp_shard_size": ep_size * ep_fsdp_size, "tp_size": 1,
+            "ep_size": ep_size,
+            "ep_fsdp_size": ep_fsdp_size,
+            "ep_replicate_size": 1,
+            "dp_shard_size": ep_size * ep_fsdp_size,
+            "tp_size": 1,
         },
         "extra_parallel": extra,
         "optimizer": optimizer or {"type": "adamw"},
@@ -221,9 +232,17 @@ def sample_optimizer_record(optimizer: str) -> dict[str, Any]:
     """The layout record's ``optimizer`` object for a :data:`SAMPLE_OPTIMIZERS` choice."""
     if optimizer == "adamw":
         return {"type": "adamw"}
-    moments = {"full_fp32_adamw": {"resident": "float32"}, "master_fp32_adamw": {"resident": "bfloat16"},
-               "cpu_offload_adamw": {"resident": "float32", "cpu": "float32"}}[optimizer]
-    out: dict[str, Any] = {"type": optimizer, "master_dtype": "float32", "step_dtype": "float32", "moment_dtypes": moments}
+    moments = {
+        "full_fp32_adamw": {"resident": "float32"},
+        "master_fp32_adamw": {"resident": "bfloat16"},
+        "cpu_offload_adamw": {"resident": "float32", "cpu": "float32"},
+    }[optimizer]
+    out: dict[str, Any] = {
+        "type": optimizer,
+        "master_dtype": "float32",
+        "step_dtype": "float32",
+        "moment_dtypes": moments,
+    }
     if optimizer == "cpu_offload_adamw":
         out["offload_patterns"] = ["experts"]
     return out
@@ -274,8 +293,14 @@ class _FinalPathWriter:  # built lazily: a torch FileSystemWriter that records t
         return cls.cls(directory, final)
 
 
-def write_sample(path: str | os.PathLike[str], *, steps: int = 3, seed: int = 0,
-                 config: SampleConfig | None = None, optimizer: str = "adamw") -> Path:
+def write_sample(
+    path: str | os.PathLike[str],
+    *,
+    steps: int = 3,
+    seed: int = 0,
+    config: SampleConfig | None = None,
+    optimizer: str = "adamw",
+) -> Path:
     """Train the tiny MoE for ``steps`` AdamW steps and save it as a DCP checkpoint.
 
     Everything (``dcp.save``, ``extra_state/``, ``model_assets/``) is written into a temporary
@@ -308,8 +333,14 @@ def write_sample(path: str | os.PathLike[str], *, steps: int = 3, seed: int = 0,
         raise UsageError(f"seed {seed!r} is out of range", hint=f"use an integer seed from 0 to {SEED_LIMIT - 1}")
     out = Path(path)
     with AtomicOutputDir(out) as tmp:
-        _train_and_save(tmp, Path(os.path.abspath(out)), steps=steps, seed=seed,
-                        config=config or SampleConfig(), optimizer=optimizer)
+        _train_and_save(
+            tmp,
+            Path(os.path.abspath(out)),
+            steps=steps,
+            seed=seed,
+            config=config or SampleConfig(),
+            optimizer=optimizer,
+        )
     return out
 
 
@@ -345,14 +376,19 @@ def _train_and_save(tmp: Path, final: Path, *, steps: int, seed: int, config: Sa
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.save({"model": model_sd, "optimizer": optim_sd, "layout": json.dumps(record)},
-                     storage_writer=_FinalPathWriter.make(tmp, final))
+            dcp.save(
+                {"model": model_sd, "optimizer": optim_sd, "layout": json.dumps(record)},
+                storage_writer=_FinalPathWriter.make(tmp, final),
+            )
         except CheckpointException as e:  # a BaseException; what failed inside it is a write
             cause = next((exc for exc, _ in e.failures.values()), e)
             if isinstance(cause, OSError):
                 raise cause from None  # ENOSPC, EFBIG, EACCES: AtomicOutputDir words it (E600)
-            raise OutputError(f"{final}: writing the sample checkpoint failed ({' '.join(str(cause).split())[:160]})",
-                              path=final, hint="check free disk space and the file size limit there") from None
+            raise OutputError(
+                f"{final}: writing the sample checkpoint failed ({' '.join(str(cause).split())[:160]})",
+                path=final,
+                hint="check free disk space and the file size limit there",
+            ) from None
     extra = tmp / "extra_state"
     extra.mkdir()
     torch.save(

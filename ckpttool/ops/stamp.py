@@ -84,15 +84,15 @@ def stamp(
     """
     if isinstance(checkpoint, Checkpoint):
         return _stamp(checkpoint, declaration or checkpoint.declaration)
-    with open_checkpoint(checkpoint, declaration=declaration, trust_pickle=trust_pickle,
-                         record_problems=True) as ckpt:
+    with open_checkpoint(checkpoint, declaration=declaration, trust_pickle=trust_pickle, record_problems=True) as ckpt:
         return _stamp(ckpt, declaration)
 
 
 def _stamp(ckpt: Checkpoint, declaration: LayoutDeclaration | None) -> StampResult:
     if declaration is None:
-        raise UsageError("stamp needs a layout declaration (`source_layout`, `ep_size`, `ep_fsdp_size`)",
-                         param="source_layout")
+        raise UsageError(
+            "stamp needs a layout declaration (`source_layout`, `ep_size`, `ep_fsdp_size`)", param="source_layout"
+        )
     p, cat = Path(ckpt.path), ckpt.catalog
     sidecar = p / SIDECAR_NAME
     err = ckpt.layout_error
@@ -112,8 +112,12 @@ def _stamp(ckpt: Checkpoint, declaration: LayoutDeclaration | None) -> StampResu
     assert declaration.version is not None and declaration.ep_size is not None and declaration.ep_fsdp_size is not None
     _require_verifiable(p, cat, geo, declaration)
     record = make_record(
-        declaration.version, declaration.ep_size, declaration.ep_fsdp_size, layout.ep_tensors,
-        optimizer=implied_optimizer(cat), extra={"stamped": True},
+        declaration.version,
+        declaration.ep_size,
+        declaration.ep_fsdp_size,
+        layout.ep_tensors,
+        optimizer=implied_optimizer(cat),
+        extra={"stamped": True},
     )
     parse_layout_record(record, "new layout record")
     atomic_write_text(sidecar, json.dumps(record, sort_keys=True, indent=2) + "\n")
@@ -141,13 +145,14 @@ def _require_verifiable(p: Path, cat: Catalog, geo: list[EPGeometry], decl: Layo
             "leading expert dim) whose chunk geometry could be checked",
             path=p,
             hint=f"a checkpoint without expert tensors needs no EP layout record; {no_write} "
-                 "(`ckpttool inspect` lists the model tensors)",
+            "(`ckpttool inspect` lists the model tensors)",
         )
     present = [g for g in geo if g.shape and any(g.shape) and all(g.shape)]
     if not present:
         raise LayoutError(
             f"{nothing}, because all {len(geo)} EP tensor(s) are empty (no chunk holds any element)",
-            path=p, hint=f"{no_write}; stamp a checkpoint whose expert tensors hold data",
+            path=p,
+            hint=f"{no_write}; stamp a checkpoint whose expert tensors hold data",
         )
     ranks = sorted({r for g in present for r in g.ranks})
     if len(ranks) < world:
@@ -157,7 +162,7 @@ def _require_verifiable(p: Path, cat: Catalog, geo: list[EPGeometry], decl: Layo
             f"{world} ranks, so the chunks cannot confirm the declared sizes",
             path=p,
             hint=f"{no_write}; declare the mesh that saved this checkpoint (its EP tensors come from "
-                 f"{len(ranks)} rank(s); `ckpttool inspect --json` shows layout.geometry)",
+            f"{len(ranks)} rank(s); `ckpttool inspect --json` shows layout.geometry)",
         )
 
 
@@ -169,17 +174,22 @@ def _contradiction_hint(ckpt: Checkpoint, err: LayoutError, sidecar: Path) -> st
     except CkptError:
         rec = None
     if rec is not None:
-        recorded = (f"`source_layout` {rec.layout_name} `ep_size` {rec.ep_size} "
-                    f"`ep_fsdp_size` {rec.ep_fsdp_size}")
+        recorded = f"`source_layout` {rec.layout_name} `ep_size` {rec.ep_size} `ep_fsdp_size` {rec.ep_fsdp_size}"
         if cat.has_layout_item:
-            return ("the layout is recorded inside the checkpoint (byte item 'layout', written with the save) and "
-                    f"stamp cannot replace it; it needs no stamp (it says {recorded}); to store the experts in "
-                    "another layout or mesh write a new checkpoint with `ckpttool reshard`")
-        return (f"{sidecar} already records {recorded}; if that record is wrong, delete {sidecar} and stamp "
-                "again with the right declaration")
+            return (
+                "the layout is recorded inside the checkpoint (byte item 'layout', written with the save) and "
+                f"stamp cannot replace it; it needs no stamp (it says {recorded}); to store the experts in "
+                "another layout or mesh write a new checkpoint with `ckpttool reshard`"
+            )
+        return (
+            f"{sidecar} already records {recorded}; if that record is wrong, delete {sidecar} and stamp "
+            "again with the right declaration"
+        )
     suggestion = _geometry_suggestion(cat, err.fqn)
-    return (f"{suggestion}check the mesh of the job that saved the checkpoint "
-            "(`ckpttool inspect --json` shows layout.geometry)")
+    return (
+        f"{suggestion}check the mesh of the job that saved the checkpoint "
+        "(`ckpttool inspect --json` shows layout.geometry)"
+    )
 
 
 def _geometry_suggestion(cat: Catalog, key: str | None) -> str:
@@ -191,9 +201,13 @@ def _geometry_suggestion(cat: Catalog, key: str | None) -> str:
     others = [(d, b) for d, b in enumerate(blocks) if d != 0 and b > 1]
     if others:
         d, b = others[0]
-        return (f"the chunks of {key} split the expert dim into {blocks[0]} and dim {d} into {b} piece(s), which "
-                f"fits `ep_size` {blocks[0]} `ep_fsdp_size` {b}; ")
+        return (
+            f"the chunks of {key} split the expert dim into {blocks[0]} and dim {d} into {b} piece(s), which "
+            f"fits `ep_size` {blocks[0]} `ep_fsdp_size` {b}; "
+        )
     if blocks[0] > 1:
-        return (f"the chunks of {key} split the expert dim into {blocks[0]} piece(s): ep_size x ep_fsdp_size must "
-                f"be {blocks[0]} (e.g. `ep_size` {blocks[0]} `ep_fsdp_size` 1 when EP alone splits it); ")
+        return (
+            f"the chunks of {key} split the expert dim into {blocks[0]} piece(s): ep_size x ep_fsdp_size must "
+            f"be {blocks[0]} (e.g. `ep_size` {blocks[0]} `ep_fsdp_size` 1 when EP alone splits it); "
+        )
     return f"the chunks of {key} do not split it, which fits `ep_size` 1 `ep_fsdp_size` 1; "

@@ -81,9 +81,7 @@ def _wrap_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     # DTensor the way FSDP2's CPU offload does (torch/distributed/fsdp/_fully_shard/_fsdp_common.py).
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-    spec = DTensorSpec(
-        mesh, tuple(param.placements), tensor_meta=TensorMeta(param.shape, param.stride(), local.dtype)
-    )
+    spec = DTensorSpec(mesh, tuple(param.placements), tensor_meta=TensorMeta(param.shape, param.stride(), local.dtype))
     return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
 
 
@@ -297,7 +295,13 @@ class MasterAdamWBase(torch.optim.Optimizer):
         if isinstance(lr, torch.Tensor):
             lr = lr.item()
         beta1, beta2 = group["betas"]
-        hyper = {"lr": float(lr), "beta1": beta1, "beta2": beta2, "eps": group["eps"], "weight_decay": group["weight_decay"]}
+        hyper = {
+            "lr": float(lr),
+            "beta1": beta1,
+            "beta2": beta2,
+            "eps": group["eps"],
+            "weight_decay": group["weight_decay"],
+        }
         buckets: dict[tuple[Any, ...], list[list[torch.Tensor]]] = defaultdict(lambda: [[], [], [], [], [], []])
         offloaded: list[torch.Tensor] = []
         for p in group["params"]:
@@ -366,7 +370,12 @@ class MasterAdamWBase(torch.optim.Optimizer):
                     f"param group {i}: saved {len(sg['params'])} parameter(s), the optimizer has {len(g['params'])}",
                     hint="build the optimizer with the same param groups as the run that saved the state",
                 )
-        id_map = dict(zip(chain.from_iterable(sg["params"] for sg in saved_groups), chain.from_iterable(g["params"] for g in groups)))
+        id_map = dict(
+            zip(
+                chain.from_iterable(sg["params"] for sg in saved_groups),
+                chain.from_iterable(g["params"] for g in groups),
+            )
+        )
         placed: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         for key, fields in state_dict["state"].items():
             if key not in id_map:
@@ -520,4 +529,3 @@ class MasterFP32AdamW(MasterAdamWBase):
 
     def moment_dtype(self, param: torch.Tensor) -> torch.dtype:
         return self._moment_dtype
-

@@ -47,4 +47,6 @@ def build_optimizer(type_name: str, params_or_groups: Iterable[Any], **cfg: Any)
     try:
         return cls(params_or_groups, **cfg)
     except TypeError as e:
-        raise UsageError(f"bad configuration for {type_name}: {e}", hint="see docs/optim_state.md for its keywords") from e
+        raise UsageError(
+            f"bad configuration for {type_name}: {e}", hint="see docs/optim_state.md for its keywords"
+        ) from e

@@ -84,7 +84,9 @@ class MultiOptimizer:
 
     def __init__(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
         if not optimizers:
-            raise UsageError("MultiOptimizer needs at least one leaf optimizer", hint='e.g. {"dense": ..., "experts": ...}')
+            raise UsageError(
+                "MultiOptimizer needs at least one leaf optimizer", hint='e.g. {"dense": ..., "experts": ...}'
+            )
         self.model = model
         self.optimizers: dict[str, torch.optim.Optimizer] = dict(optimizers)
         self._fqn = _model_fqns(model)
@@ -283,7 +285,9 @@ class MultiOptimizer:
             )
 
 
-def _state_template(opt: torch.optim.Optimizer, group: Mapping[str, Any], param: torch.Tensor) -> dict[str, torch.Tensor]:
+def _state_template(
+    opt: torch.optim.Optimizer, group: Mapping[str, Any], param: torch.Tensor
+) -> dict[str, torch.Tensor]:
     if isinstance(opt, MasterAdamWBase):
         return opt.state_template(param)
     if type(opt) in (torch.optim.AdamW, torch.optim.Adam):

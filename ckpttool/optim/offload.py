@@ -250,11 +250,7 @@ class CPUOffloadAdamW(MasterAdamWBase):
 
     def offload_plan(self) -> dict[str, bool]:
         """``{parameter name: offloaded}`` for every parameter, in param-group order."""
-        return {
-            name: self._offload[p]
-            for g in self.param_groups
-            for p, name in zip(g["params"], g["param_names"])
-        }
+        return {name: self._offload[p] for g in self.param_groups for p, name in zip(g["params"], g["param_names"])}
 
     @property
     def staging_nbytes(self) -> int:
@@ -299,7 +295,9 @@ class CPUOffloadAdamW(MasterAdamWBase):
                 if stream not in used:
                     stream.wait_for_compute()  # gradients are produced on the compute stream
                     used.append(stream)
-                chunks: _DirectChunks | _StagedChunks = _StagedChunks(self._staging, stream, grad_flat, param_flat, bounds)
+                chunks: _DirectChunks | _StagedChunks = _StagedChunks(
+                    self._staging, stream, grad_flat, param_flat, bounds
+                )
             else:
                 chunks = _DirectChunks(grad_flat, param_flat, bounds)
             self._update_chunks(self.state[p], chunks, bounds, hyper)

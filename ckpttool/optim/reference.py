@@ -110,8 +110,13 @@ def reference_adamw_step_torch(
     p = torch.nn.Parameter(master_fp32.detach().to(dtype=dtype, copy=True))
     p.grad = grad.detach().to(dtype=dtype, copy=True)
     opt = torch.optim.AdamW(
-        [p], lr=lr, betas=(float(betas[0]), float(betas[1])), eps=eps, weight_decay=weight_decay,
-        foreach=False, fused=False,
+        [p],
+        lr=lr,
+        betas=(float(betas[0]), float(betas[1])),
+        eps=eps,
+        weight_decay=weight_decay,
+        foreach=False,
+        fused=False,
     )
     opt.state[p] = {
         "step": torch.tensor(float(step), dtype=torch.float32),

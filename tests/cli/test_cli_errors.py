@@ -63,8 +63,12 @@ def test_incomplete_save(tmp_path: Path, dense_ckpt: Path) -> None:
 
 @pytest.mark.parametrize(
     "content, needle",
-    [(b"", "is empty"), (b"\x80\x04\x95garbage", "not a readable pickle"), (os.urandom(4096), ".metadata"),
-     (pickle.dumps({"a": 1}), "not a DCP Metadata")],
+    [
+        (b"", "is empty"),
+        (b"\x80\x04\x95garbage", "not a readable pickle"),
+        (os.urandom(4096), ".metadata"),
+        (pickle.dumps({"a": 1}), "not a DCP Metadata"),
+    ],
     ids=["empty", "truncated", "random", "wrong-type"],
 )
 def test_bad_metadata(tmp_path: Path, dense_ckpt: Path, content: bytes, needle: str) -> None:
@@ -163,7 +167,8 @@ def test_closed_stdout_is_not_a_failure(argv: list[str], sample_ckpt: Path) -> N
 
     proc = subprocess.Popen(
         [sys.executable, "-c", "from ckpttool.cli import main; main()", *argv, str(sample_ckpt)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()  # the reader is gone before the first write
@@ -172,14 +177,15 @@ def test_closed_stdout_is_not_a_failure(argv: list[str], sample_ckpt: Path) -> N
     assert "Traceback" not in err and "error" not in err
 
 
-def test_finalizer_noise_from_an_interrupt_is_not_printed(capsys: pytest.CaptureFixture[str],
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_finalizer_noise_from_an_interrupt_is_not_printed(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An interrupt landing in ``__del__`` (Python prints "Exception ignored in ...") is handled by
     AtomicOutputDir's flag; the CLI's unraisable hook keeps it off stderr, and only it."""
     import sys
 
-    from ckpttool.format import atomic as output
     from ckpttool.cli.app import _unraisable
+    from ckpttool.format import atomic as output
 
     class Raises:
         def __init__(self, exc: BaseException) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from ckpttool.ops.validate import RULES
 from ckpttool.cli.app import app
+from ckpttool.ops.validate import RULES
 from tests.fixtures import damage
 from tests.fixtures.cache import copy_checkpoint
 

@@ -27,8 +27,11 @@ runner = CliRunner()
 
 
 def tree(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha1(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha1(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -118,8 +121,9 @@ def test_overwrite_refuses_unrelated_directory(name: str, make, sample_ckpt: Pat
         assert (d / "src" / ".git" / "HEAD").is_file()
 
 
-@pytest.mark.parametrize("marker", [".metadata", "model-00001-of-00002.safetensors", "model.safetensors.index.json",
-                                    "adapter_config.json"])
+@pytest.mark.parametrize(
+    "marker", [".metadata", "model-00001-of-00002.safetensors", "model.safetensors.index.json", "adapter_config.json"]
+)
 def test_overwrite_replaces_previous_output(marker: str, sample_ckpt: Path, tmp_path: Path) -> None:
     d = tmp_path / "D"
     d.mkdir()
@@ -158,8 +162,16 @@ def test_concurrent_runs_leave_one_complete_output(overwrite: bool, tmp_path: Pa
         out.mkdir()
         (out / "model.safetensors").write_text("old")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-c", GATED, str(out), str(gate), "1" if overwrite else "0"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", GATED, str(out), str(gate), "1" if overwrite else "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
     for p in procs:
         assert p.stdout is not None and p.stdout.readline().strip() == "READY", p.stderr.read()  # type: ignore[union-attr]
     gate.touch()
@@ -210,8 +222,13 @@ def test_overwrite_commit_never_loses_both(mode: str, tmp_path: Path) -> None:
     (out / "model.safetensors").write_text("old")
     (out / "README.md").write_text("old")
     old = tree(out)
-    res = subprocess.run([sys.executable, "-c", SWAP, str(out), mode], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    res = subprocess.run(
+        [sys.executable, "-c", SWAP, str(out), mode],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert "Traceback" not in res.stderr, res.stderr
     assert leftovers(tmp_path) == [], leftovers(tmp_path)
     if mode == "fail":
@@ -248,8 +265,9 @@ def test_a_signal_swallowed_by_a_finalizer_still_stops_the_commit(signum: str, t
     assert (sig.getsignal(sig.SIGTERM), sig.getsignal(sig.SIGINT)) == before
 
 
-def test_a_second_signal_during_cleanup_still_removes_everything(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_second_signal_during_cleanup_still_removes_everything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Ctrl-C, then SIGTERM while the temporary directory is being removed: exit path is KeyboardInterrupt
     (exit 130 in the CLI), no temporary directory left, the previous handlers back."""
     import shutil
@@ -277,8 +295,9 @@ def test_a_second_signal_during_cleanup_still_removes_everything(tmp_path: Path,
     assert (sig.getsignal(sig.SIGTERM), sig.getsignal(sig.SIGINT)) == before
 
 
-def test_a_signal_while_the_superseded_output_is_removed_does_not_leak_it(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_signal_while_the_superseded_output_is_removed_does_not_leak_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--overwrite: SIGINT while the previous output (renamed aside) is deleted. The new output is in place,
     the old copy is gone all the same, and the interruption is still reported (exit 130 in the CLI)."""
     import shutil

@@ -33,10 +33,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from ckpttool.model.catalog import build_catalog
 from ckpttool.cli.app import app
-from ckpttool.format import BytesMeta, CheckpointReader, TensorMeta
 from ckpttool.errors import CkptError
+from ckpttool.format import BytesMeta, CheckpointReader, TensorMeta
+from ckpttool.model.catalog import build_catalog
 from ckpttool.ops.inspect import inspect
 from tests.fixtures import hostile
 
@@ -95,8 +95,9 @@ def base(tmp_path_factory: pytest.TempPathFactory, sample_ckpt: Path) -> dict[st
     }
 
 
-def mutant_dir(tmp_path_factory: pytest.TempPathFactory, base: dict[str, Any], metadata: bytes,
-               data: bytes | None = None) -> Path:
+def mutant_dir(
+    tmp_path_factory: pytest.TempPathFactory, base: dict[str, Any], metadata: bytes, data: bytes | None = None
+) -> Path:
     """A checkpoint directory with the given ``.metadata`` (and data file; default: a hard link of the real one)."""
     ck = tmp_path_factory.mktemp("mutant")
     (ck / ".metadata").write_bytes(metadata)
@@ -113,15 +114,31 @@ def mutant_dir(tmp_path_factory: pytest.TempPathFactory, base: dict[str, Any], m
 # --------------------------------------------------------------------------- structured mutations
 INTS = st.one_of(st.integers(-3, 40), st.sampled_from([-(2**63), -1, 2**31, 2**62, 2**63, 10**15]))
 ODD_VALUES = st.sampled_from([None, "float32", 1.5, True, (), [], {}, b"x", (1, "a"), [0, 0], {"a": 1}])
-PATHS = st.sampled_from(["", "../outside.distcp", "/etc/passwd", "__9_9.distcp", "a\x00b", ".", "..",
-                         "extra_state", "__0_0.distcp/..", "./__0_0.distcp", "\udcff.distcp"])
+PATHS = st.sampled_from(
+    [
+        "",
+        "../outside.distcp",
+        "/etc/passwd",
+        "__9_9.distcp",
+        "a\x00b",
+        ".",
+        "..",
+        "extra_state",
+        "__0_0.distcp/..",
+        "./__0_0.distcp",
+        "\udcff.distcp",
+    ]
+)
 
 
 def _size_like(draw: Any, n: int) -> Any:
     import torch
 
-    dims = draw(st.lists(st.one_of(INTS, st.sampled_from([1.0, 0.0, True, False, "1", None])),
-                         min_size=max(0, n - 1), max_size=n + 1))
+    dims = draw(
+        st.lists(
+            st.one_of(INTS, st.sampled_from([1.0, 0.0, True, False, "1", None])), min_size=max(0, n - 1), max_size=n + 1
+        )
+    )
     if all(type(d) is int and d >= 0 for d in dims):
         return torch.Size(dims)
     return tuple(dims)  # what a foreign writer could pickle where torch writes a torch.Size
@@ -130,11 +147,26 @@ def _size_like(draw: Any, n: int) -> Any:
 @st.composite
 def metadata_mutation(draw: Any) -> list[tuple[str, Any]]:
     """1-3 edits, each ``(kind, parameters)``, applied by :func:`apply_mutation`."""
-    kinds = ["drop_chunk", "dup_chunk", "chunk_offsets", "chunk_sizes", "size", "dtype", "storage_offset",
-             "storage_length", "relative_path", "transform", "swap_entry", "swap_chunks", "drop_storage",
-             "nonstr_key", "swap_storage", "planner", "drop_entry"]
-    return draw(st.lists(st.tuples(st.sampled_from(kinds), st.integers(0, 10**6), st.data()), min_size=1,
-                         max_size=3))
+    kinds = [
+        "drop_chunk",
+        "dup_chunk",
+        "chunk_offsets",
+        "chunk_sizes",
+        "size",
+        "dtype",
+        "storage_offset",
+        "storage_length",
+        "relative_path",
+        "transform",
+        "swap_entry",
+        "swap_chunks",
+        "drop_storage",
+        "nonstr_key",
+        "swap_storage",
+        "planner",
+        "drop_entry",
+    ]
+    return draw(st.lists(st.tuples(st.sampled_from(kinds), st.integers(0, 10**6), st.data()), min_size=1, max_size=3))
 
 
 def apply_mutation(md: Any, edits: list[tuple[str, int, Any]]) -> Any:
@@ -166,8 +198,14 @@ def apply_mutation(md: Any, edits: list[tuple[str, int, Any]]) -> Any:
         elif kind == "size" and tsm is not None:
             tsm.size = _size_like(data.draw, len(tsm.size))
         elif kind == "dtype" and tsm is not None:
-            choice = data.draw(st.one_of(st.sampled_from([torch.float16, torch.int8, torch.bool, torch.float64,
-                                                          torch.complex64, torch.uint8]), ODD_VALUES))
+            choice = data.draw(
+                st.one_of(
+                    st.sampled_from(
+                        [torch.float16, torch.int8, torch.bool, torch.float64, torch.complex64, torch.uint8]
+                    ),
+                    ODD_VALUES,
+                )
+            )
             tsm.properties.dtype = choice
         elif kind == "storage_offset" and info is not None:
             info.offset = data.draw(INTS)
@@ -176,8 +214,9 @@ def apply_mutation(md: Any, edits: list[tuple[str, int, Any]]) -> Any:
         elif kind == "relative_path" and info is not None:
             info.relative_path = data.draw(PATHS)
         elif kind == "transform" and info is not None:
-            info.transform_descriptors = data.draw(st.one_of(ODD_VALUES, st.lists(st.sampled_from(
-                ["", "zstd", "rot13-unknown", "\x00"]), max_size=2)))
+            info.transform_descriptors = data.draw(
+                st.one_of(ODD_VALUES, st.lists(st.sampled_from(["", "zstd", "rot13-unknown", "\x00"]), max_size=2))
+            )
         elif kind == "swap_entry":
             md.state_dict_metadata[key] = data.draw(st.one_of(ODD_VALUES, st.just(BytesStorageMetadata())))
         elif kind == "swap_chunks" and tsm is not None:
@@ -197,8 +236,9 @@ def apply_mutation(md: Any, edits: list[tuple[str, int, Any]]) -> Any:
 
 @FUZZ
 @given(edits=metadata_mutation())
-def test_mutated_metadata_objects(edits: list[tuple[str, int, Any]], base: dict[str, Any],
-                                  tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_mutated_metadata_objects(
+    edits: list[tuple[str, int, Any]], base: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
     md = apply_mutation(base["md"], edits)
     exercise(mutant_dir(tmp_path_factory, base, pickle.dumps(md)))
 
@@ -206,8 +246,11 @@ def test_mutated_metadata_objects(edits: list[tuple[str, int, Any]], base: dict[
 # --------------------------------------------------------------------------- byte streams
 @st.composite
 def byte_edits(draw: Any, length: int) -> list[tuple[str, int, bytes]]:
-    ops = st.tuples(st.sampled_from(["flip", "truncate", "insert", "delete", "overwrite"]),
-                    st.integers(0, max(0, length - 1)), st.binary(min_size=1, max_size=16))
+    ops = st.tuples(
+        st.sampled_from(["flip", "truncate", "insert", "delete", "overwrite"]),
+        st.integers(0, max(0, length - 1)),
+        st.binary(min_size=1, max_size=16),
+    )
     return draw(st.lists(ops, min_size=1, max_size=4))
 
 
@@ -222,28 +265,33 @@ def apply_bytes(data: bytes, edits: list[tuple[str, int, bytes]]) -> bytes:
         elif op == "insert":
             b[pos:pos] = blob
         elif op == "delete":
-            del b[pos:pos + len(blob)]
+            del b[pos : pos + len(blob)]
         elif op == "overwrite":
-            b[pos:pos + len(blob)] = blob
+            b[pos : pos + len(blob)] = blob
     return bytes(b)
 
 
 @FUZZ
 @given(data=st.data())
-def test_mutated_metadata_bytes(data: st.DataObject, base: dict[str, Any],
-                                tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_mutated_metadata_bytes(
+    data: st.DataObject, base: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
     raw = base["metadata"]
     exercise(mutant_dir(tmp_path_factory, base, apply_bytes(raw, data.draw(byte_edits(len(raw))))))
 
 
 @FUZZ
 @given(data=st.data())
-def test_mutated_data_file_bytes(data: st.DataObject, base: dict[str, Any],
-                                 tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_mutated_data_file_bytes(
+    data: st.DataObject, base: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
     # Aim at the archives of a few tensors (zip headers, data.pkl, records) as well as anywhere.
     md = base["md"]
-    spans = [(i.offset, i.length) for k, i in md.storage_data.items()
-             if k.fqn in (hostile.EXPERT_KEY, hostile.NORM_KEY, hostile.LR_KEY)]
+    spans = [
+        (i.offset, i.length)
+        for k, i in md.storage_data.items()
+        if k.fqn in (hostile.EXPERT_KEY, hostile.NORM_KEY, hostile.LR_KEY)
+    ]
     raw = base["data"]
     start, length = data.draw(st.sampled_from([*spans, (0, len(raw))]))
     edits = [(op, start + pos % max(1, length), blob) for op, pos, blob in data.draw(byte_edits(length))]
@@ -253,8 +301,8 @@ def test_mutated_data_file_bytes(data: st.DataObject, base: dict[str, Any],
 @pytest.mark.parametrize("dims", [(32.0,), (True,), (32,), ("32",)], ids=["float", "bool", "int-control", "str"])
 def test_shape_dims_must_be_ints_even_after_a_cache_hit(dims: tuple[Any, ...], base: dict[str, Any]) -> None:
     """(32.0,) == (32,) with equal hashes: a shape cache keyed by value must not let floats/bools through."""
-    from ckpttool.format import parse_metadata_bytes
     from ckpttool.errors import MetadataError
+    from ckpttool.format import parse_metadata_bytes
 
     parse_metadata_bytes(base["metadata"])  # the real shapes, (32,) among them, are now known-valid
     md = copy.deepcopy(base["md"])

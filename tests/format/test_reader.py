@@ -14,9 +14,6 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpttool.format import CheckpointDir, CheckpointReader, parse_metadata_bytes, tiling_problem
-from ckpttool.format.copy import BOUNCE_BYTES, copy_range
-from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
 from ckpttool.errors import (
     AllocationError,
     ChunkError,
@@ -25,6 +22,9 @@ from ckpttool.errors import (
     TransformError,
     UnsafePickleError,
 )
+from ckpttool.format import CheckpointDir, CheckpointReader, parse_metadata_bytes, tiling_problem
+from ckpttool.format.copy import BOUNCE_BYTES, copy_range
+from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
 
 
 def torch_load_all(path: Path) -> dict[str, torch.Tensor]:
@@ -47,7 +47,9 @@ def test_every_tensor_equals_torch_dcp_load(name: str, request: pytest.FixtureRe
         for key, ref in expected.items():
             got = r.read_tensor(key)
             assert got.dtype == ref.dtype and got.shape == ref.shape, key
-            assert torch.equal(got.view(torch.uint8) if got.dim() else got, ref.view(torch.uint8) if ref.dim() else ref), key
+            assert torch.equal(
+                got.view(torch.uint8) if got.dim() else got, ref.view(torch.uint8) if ref.dim() else ref
+            ), key
 
 
 def test_read_chunk_of_fsdp_shard(fsdp_ckpt: Path) -> None:
@@ -57,7 +59,7 @@ def test_read_chunk_of_fsdp_shard(fsdp_ckpt: Path) -> None:
         for chunk in meta.chunks:
             got = r.read_chunk("model.model.layers.0.odd", chunk)
             assert tuple(got.shape) == chunk.sizes
-            assert torch.equal(got, expected[chunk.offsets[0]: chunk.offsets[0] + chunk.sizes[0]])
+            assert torch.equal(got, expected[chunk.offsets[0] : chunk.offsets[0] + chunk.sizes[0]])
 
 
 def test_each_chunk_read_once(fsdp_ckpt: Path) -> None:
@@ -164,8 +166,10 @@ def test_corrupt_archive_and_wrong_shape(tmp_path: Path, dense_ckpt: Path) -> No
         meta = md.state_dict_metadata[key]
         n = meta.size[0]
         meta.size = torch.Size([n * 2])
-        meta.chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([n])),
-                       ChunkStorageMetadata(offsets=torch.Size([n]), sizes=torch.Size([n]))]
+        meta.chunks = [
+            ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([n])),
+            ChunkStorageMetadata(offsets=torch.Size([n]), sizes=torch.Size([n])),
+        ]
         info = next(v for k, v in md.storage_data.items() if k.fqn == key)
         md.storage_data[type(next(iter(md.storage_data)))(key, torch.Size([n]))] = info
 
@@ -180,8 +184,10 @@ def test_corrupt_archive_and_wrong_shape(tmp_path: Path, dense_ckpt: Path) -> No
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
         meta = md.state_dict_metadata[key]
-        meta.chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([meta.size[0] - 1])),
-                       ChunkStorageMetadata(offsets=torch.Size([meta.size[0] - 1]), sizes=torch.Size([1]))]
+        meta.chunks = [
+            ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([meta.size[0] - 1])),
+            ChunkStorageMetadata(offsets=torch.Size([meta.size[0] - 1]), sizes=torch.Size([1])),
+        ]
         info = next(v for k, v in md.storage_data.items() if k.fqn == key)
         idx_t = type(next(iter(md.storage_data)))
         md.storage_data = {k: v for k, v in md.storage_data.items() if k.fqn != key}
@@ -248,10 +254,14 @@ def test_checkpoint_dir_is_torch_free_view(dense_ckpt: Path) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(src_offset=st.integers(0, 5000), dst_offset=st.integers(0, 5000),
-       length=st.sampled_from([0, 1, 4095, BOUNCE_BYTES - 1, BOUNCE_BYTES, BOUNCE_BYTES + 1, 2 * BOUNCE_BYTES + 777]))
-def test_copy_range_equals_slicing(tmp_path_factory: pytest.TempPathFactory, src_offset: int, dst_offset: int,
-                                   length: int) -> None:
+@given(
+    src_offset=st.integers(0, 5000),
+    dst_offset=st.integers(0, 5000),
+    length=st.sampled_from([0, 1, 4095, BOUNCE_BYTES - 1, BOUNCE_BYTES, BOUNCE_BYTES + 1, 2 * BOUNCE_BYTES + 777]),
+)
+def test_copy_range_equals_slicing(
+    tmp_path_factory: pytest.TempPathFactory, src_offset: int, dst_offset: int, length: int
+) -> None:
     """Any offsets and lengths across bounce-buffer boundaries; neither file position moves."""
     d = tmp_path_factory.mktemp("copy")
     data = os.urandom(src_offset + length + 13)
@@ -261,8 +271,8 @@ def test_copy_range_equals_slicing(tmp_path_factory: pytest.TempPathFactory, src
         copy_range(src.fileno(), dst.fileno(), src_offset, dst_offset, length)
         assert src.tell() == 0 and dst.tell() == 0
     out = (d / "dst").read_bytes()
-    assert out[dst_offset:dst_offset + length] == data[src_offset:src_offset + length]
-    assert out[:min(dst_offset, 100)] == b"\xee" * min(dst_offset, 100)  # bytes before the range untouched
+    assert out[dst_offset : dst_offset + length] == data[src_offset : src_offset + length]
+    assert out[: min(dst_offset, 100)] == b"\xee" * min(dst_offset, 100)  # bytes before the range untouched
 
 
 def test_copy_range_short_source_raises_eof(tmp_path: Path) -> None:

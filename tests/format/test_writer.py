@@ -16,8 +16,8 @@ import torch
 
 from ckpttool.format import CheckpointReader, ChunkMeta, DType
 from ckpttool.format.reader import load_saved_object
-from ckpttool.ops.reshard.plan import row_runs
 from ckpttool.format.writer import DCPWriter, can_stream, tensor_data_pkl, torch_save_bytes, write_tensor_archive
+from ckpttool.ops.reshard.plan import row_runs
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.bool])
@@ -39,8 +39,11 @@ def test_float8_chunks_are_resharded_through_torch(tmp_path: Path) -> None:
     from ckpttool.ops.reshard.execute import reshard
 
     w = (torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6) / 8).to(torch.float8_e4m3fn)
-    dcp.save({"model": {"layers.0.mlp.experts.down_proj": w, "n": torch.ones(3, dtype=torch.uint16)}},
-             checkpoint_id=str(tmp_path / "src"), no_dist=True)
+    dcp.save(
+        {"model": {"layers.0.mlp.experts.down_proj": w, "n": torch.ones(3, dtype=torch.uint16)}},
+        checkpoint_id=str(tmp_path / "src"),
+        no_dist=True,
+    )
     res = reshard(tmp_path / "src", tmp_path / "out", to="canonical", target_ep_size=2, target_ep_fsdp_size=1)
     assert res.chunks_rewritten == 2 and res.ep_tensors == 1  # one expert tensor split over 2 EP ranks
     with CheckpointReader(tmp_path / "out") as r:
@@ -59,8 +62,13 @@ def test_streamed_archive_loads_in_torch_and_is_aligned(tmp_path: Path) -> None:
         out = io.BytesIO(b"prefix")
         out.seek(6)
         half = len(raw) // 2
-        write_tensor_archive(out, DType("bfloat16"), (5, 3, 7), [(fd, 3, half), (fd, 3 + half, len(raw) - half)],
-                             memoryview(bytearray(16)))
+        write_tensor_archive(
+            out,
+            DType("bfloat16"),
+            (5, 3, 7),
+            [(fd, 3, half), (fd, 3 + half, len(raw) - half)],
+            memoryview(bytearray(16)),
+        )
     finally:
         os.close(fd)
     data = out.getvalue()[6:]
@@ -69,10 +77,16 @@ def test_streamed_archive_loads_in_torch_and_is_aligned(tmp_path: Path) -> None:
     zf = zipfile.ZipFile(io.BytesIO(data))
     assert zf.testzip() is None  # CRC-32 of every record is right
     assert [i.filename for i in zf.infolist()] == [
-        "archive/data.pkl", "archive/.format_version", "archive/.storage_alignment", "archive/byteorder",
-        "archive/data/0", "archive/version", "archive/.data/serialization_id"]
+        "archive/data.pkl",
+        "archive/.format_version",
+        "archive/.storage_alignment",
+        "archive/byteorder",
+        "archive/data/0",
+        "archive/version",
+        "archive/.data/serialization_id",
+    ]
     rec = zf.getinfo("archive/data/0")
-    hdr = data[rec.header_offset:rec.header_offset + 30]
+    hdr = data[rec.header_offset : rec.header_offset + 30]
     start = rec.header_offset + 30 + int.from_bytes(hdr[26:28], "little") + int.from_bytes(hdr[28:30], "little")
     assert start % 64 == 0
 
@@ -134,6 +148,8 @@ def test_verbatim_reshard_never_imports_torch(tmp_path: Path) -> None:
         "with_optimizer=True); "
         "assert r.chunks_rewritten == 0, r; print('torch' in sys.modules)"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2]
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"

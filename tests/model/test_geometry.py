@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpttool.model.catalog import build_catalog
-from ckpttool.format import CheckpointReader
 from ckpttool.errors import LayoutError
+from ckpttool.format import CheckpointReader
+from ckpttool.model.catalog import build_catalog
 from ckpttool.model.declaration import LayoutDeclaration, resolve_layout
 from ckpttool.model.permute import canonical_to_legacy_perm
 from ckpttool.ops.tensors import to_canonical
 from tests.fixtures.cache import copy_checkpoint
-from tests.fixtures.moe_ep import VARIANTS, ep_suite, record_for, true_state  # noqa: F401 - fixture
+from tests.fixtures.moe_ep import VARIANTS, record_for, true_state
 
 pytestmark = pytest.mark.slow
 

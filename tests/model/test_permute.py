@@ -52,7 +52,7 @@ def test_legacy_position_f_times_p_plus_e_holds_true_slab_e_times_f_plus_f(p: in
     legacy = [true_blocks[i] for i in canonical_to_legacy_perm(n, p, f)]
     for e in range(p):
         for ff in range(f):
-            stored = legacy[(ff * p + e) * k:(ff * p + e + 1) * k]
+            stored = legacy[(ff * p + e) * k : (ff * p + e + 1) * k]
             assert stored == list(range((e * f + ff) * k, (e * f + ff + 1) * k))
             assert legacy_position_of_true_slab(e * f + ff, p, f) == ff * p + e
 

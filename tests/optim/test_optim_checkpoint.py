@@ -73,7 +73,11 @@ def build_nested(model: nn.Module) -> CPUOffloadAdamW:
         {"params": named(model, "experts"), "lr": 0.02, "weight_decay": 0.0},
     ]
     return CPUOffloadAdamW(
-        groups, betas=(0.9, 0.95), cpu_offload_param_patterns=["experts"], chunk_size=64, cpu_moment_dtype=torch.bfloat16
+        groups,
+        betas=(0.9, 0.95),
+        cpu_offload_param_patterns=["experts"],
+        chunk_size=64,
+        cpu_moment_dtype=torch.bfloat16,
     )
 
 
@@ -83,7 +87,9 @@ def build_multi(model: nn.Module, offload_chunk: int | None = None) -> tuple[Mul
     if offload_chunk is None:
         experts = MasterFP32AdamW([p for _, p in named(model, "experts")], lr=0.02)
     else:
-        experts = CPUOffloadAdamW(named(model, "experts"), lr=0.02, cpu_offload_param_patterns=["experts"], chunk_size=offload_chunk)
+        experts = CPUOffloadAdamW(
+            named(model, "experts"), lr=0.02, cpu_offload_param_patterns=["experts"], chunk_size=offload_chunk
+        )
     unused = FullFP32AdamW([p for _, p in named(model, "unused")], lr=EXPERT_LR)
     sched = torch.optim.lr_scheduler.StepLR(unused, step_size=1, gamma=0.5)
     return MultiOptimizer(model, {"dense": dense, "experts": experts, "unused": unused}), sched
@@ -91,6 +97,7 @@ def build_multi(model: nn.Module, offload_chunk: int | None = None) -> tuple[Mul
 
 def snapshot(model: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
     """Full (unsharded) copies of parameters and every state tensor, keyed by FQN."""
+
     def full(t: torch.Tensor) -> torch.Tensor:
         return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
@@ -132,7 +139,10 @@ def save_nested(model: nn.Module, opt: Any, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(path))
+    dcp.save(
+        {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)},
+        checkpoint_id=str(path),
+    )
 
 
 def load_nested(model: nn.Module, opt: Any, path: Path) -> None:
@@ -165,7 +175,10 @@ def load_multi(model: nn.Module, multi: MultiOptimizer, path: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     md = dcp.FileSystemReader(str(path)).read_metadata()
-    sd = {"model": get_model_state_dict(model), "optimizer": multi.state_dict_template(md.state_dict_metadata, prefix="optimizer.")}
+    sd = {
+        "model": get_model_state_dict(model),
+        "optimizer": multi.state_dict_template(md.state_dict_metadata, prefix="optimizer."),
+    }
     dcp.load(sd, checkpoint_id=str(path))
     set_model_state_dict(model, sd["model"])
     multi.load_state_dict(sd["optimizer"])
@@ -267,7 +280,10 @@ def test_single_optimizer_flattened_flavor_through_torch_get_and_set(tmp_path, k
 
     fresh_model = Toy(torch.bfloat16)
     fresh = make(fresh_model)
-    sd = {"model": get_model_state_dict(fresh_model), "optimizer": get_optimizer_state_dict(fresh_model, fresh, options=flat)}
+    sd = {
+        "model": get_model_state_dict(fresh_model),
+        "optimizer": get_optimizer_state_dict(fresh_model, fresh, options=flat),
+    }
     dcp.load(sd, checkpoint_id=str(tmp_path), planner=CheckedLoadPlanner())
     set_model_state_dict(fresh_model, sd["model"])
     set_optimizer_state_dict(fresh_model, fresh, sd["optimizer"], options=flat)

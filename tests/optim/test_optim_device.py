@@ -39,8 +39,11 @@ def test_offload_bf16_on_device_three_updates_match_fp32_reference():
     p = torch.nn.Parameter(start.to(dev))
     resident = torch.nn.Parameter(torch.randn(33, 3).to(torch.bfloat16).to(dev))
     opt = CPUOffloadAdamW(
-        [("layers.0.experts.w", p), ("layers.0.dense.w", resident)], cpu_offload=True,
-        cpu_offload_param_patterns=["experts"], chunk_size=CHUNK, **HYPER,
+        [("layers.0.experts.w", p), ("layers.0.dense.w", resident)],
+        cpu_offload=True,
+        cpu_offload_param_patterns=["experts"],
+        chunk_size=CHUNK,
+        **HYPER,
     )
     ref_w = start.float()
     ref_m = torch.zeros(NUMEL, dtype=torch.float64)
@@ -54,7 +57,9 @@ def test_offload_bf16_on_device_three_updates_match_fp32_reference():
         cpu_p.grad = g.clone()
         opt.step()
         cpu_opt.step()
-        ref_w, ref_m, ref_v, _ = reference_adamw_step(ref_w, g, ref_m, ref_v, s, HYPER["lr"], HYPER["betas"], HYPER["eps"], HYPER["weight_decay"])
+        ref_w, ref_m, ref_v, _ = reference_adamw_step(
+            ref_w, g, ref_m, ref_v, s, HYPER["lr"], HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]
+        )
     st = opt.state[p]
     assert p.device == dev and p.dtype == torch.bfloat16
     for field in ("master_weight", "exp_avg", "exp_avg_sq", "step"):

@@ -50,7 +50,12 @@ def build(kind: str, params, **kw):
         return MasterFP32AdamW(groups_of(params), betas=BETAS, eps=EPS, moment_dtype=torch.float32, **kw)
     if kind == "offload":
         return CPUOffloadAdamW(
-            groups_of(params, named=True), betas=BETAS, eps=EPS, cpu_offload_param_patterns=["experts"], chunk_size=64, **kw
+            groups_of(params, named=True),
+            betas=BETAS,
+            eps=EPS,
+            cpu_offload_param_patterns=["experts"],
+            chunk_size=64,
+            **kw,
         )
     raise AssertionError(kind)
 
@@ -112,7 +117,11 @@ def test_master_fp32_bf16_moments_follow_reference_with_rounded_moments():
     params = make_params(torch.bfloat16)
     opt = MasterFP32AdamW(groups_of(params), betas=BETAS, eps=EPS)  # bf16 moments by default
     ref = [
-        {"w": p.detach().float(), "m": torch.zeros(p.shape, dtype=torch.bfloat16), "v": torch.zeros(p.shape, dtype=torch.bfloat16)}
+        {
+            "w": p.detach().float(),
+            "m": torch.zeros(p.shape, dtype=torch.bfloat16),
+            "v": torch.zeros(p.shape, dtype=torch.bfloat16),
+        }
         for p in params
     ]
     hyper = [GROUP_HYPER[0]] * 2 + [GROUP_HYPER[1]] * 2
@@ -140,11 +149,21 @@ def test_offload_chunked_with_tail_is_bitwise_equal_to_unchunked(param_dtype, mo
     # 257 elements, chunk 64: four full chunks and a 1-element tail
     params = make_params(param_dtype)
     chunked = CPUOffloadAdamW(
-        groups_of(params, named=True), betas=BETAS, eps=EPS, cpu_offload_param_patterns=["experts"],
-        chunk_size=64, cpu_moment_dtype=moment_dtype, resident_moment_dtype=moment_dtype,
+        groups_of(params, named=True),
+        betas=BETAS,
+        eps=EPS,
+        cpu_offload_param_patterns=["experts"],
+        chunk_size=64,
+        cpu_moment_dtype=moment_dtype,
+        resident_moment_dtype=moment_dtype,
     )
     plan = chunked.offload_plan()
-    assert plan == {"layers.0.experts.w": True, "layers.1.dense.w": False, "layers.2.experts.w": True, "layers.3.dense.w": False}
+    assert plan == {
+        "layers.0.experts.w": True,
+        "layers.1.dense.w": False,
+        "layers.2.experts.w": True,
+        "layers.3.dense.w": False,
+    }
     other = make_params(param_dtype)
     whole = MasterFP32AdamW(groups_of(other), betas=BETAS, eps=EPS, moment_dtype=moment_dtype)
     for s in range(3):
@@ -162,8 +181,11 @@ def test_offload_chunked_with_tail_is_bitwise_equal_to_unchunked(param_dtype, mo
 def test_offload_moment_dtypes_chosen_independently():
     params = make_params(torch.bfloat16)
     opt = CPUOffloadAdamW(
-        groups_of(params, named=True), cpu_offload_param_patterns=[r"\.experts\."],
-        cpu_moment_dtype="bfloat16", resident_moment_dtype=torch.float32, chunk_size=100,
+        groups_of(params, named=True),
+        cpu_offload_param_patterns=[r"\.experts\."],
+        cpu_moment_dtype="bfloat16",
+        resident_moment_dtype=torch.float32,
+        chunk_size=100,
     )
     for p, g in zip(params, grads_for(0, params)):
         p.grad = g
@@ -175,8 +197,12 @@ def test_offload_moment_dtypes_chosen_independently():
         want = expected_state_dtypes("cpu_offload_adamw", cfg, p.dtype, fqn=name)["exp_avg"]
         assert want == dtype_name(opt.state[p]["exp_avg"].dtype)
     # cpu_offload=False keeps everything resident (resident dtype)
-    off = CPUOffloadAdamW(groups_of(params, named=True), cpu_offload_param_patterns=["experts"], cpu_offload=False,
-                          cpu_moment_dtype="bfloat16")
+    off = CPUOffloadAdamW(
+        groups_of(params, named=True),
+        cpu_offload_param_patterns=["experts"],
+        cpu_offload=False,
+        cpu_moment_dtype="bfloat16",
+    )
     assert not any(off.offload_plan().values())
 
 
@@ -359,11 +385,22 @@ def test_explicit_state_injection_for_replay():
     master = p.detach().float() + 1e-3 * torch.randn(10, generator=gen)
     m, v = torch.randn(10, generator=gen) * 1e-2, torch.rand(10, generator=gen) * 1e-4
     grad = torch.randn(10, generator=gen).to(torch.bfloat16)
-    opt = build_optimizer("full_fp32_adamw", [{"params": [("model.w", p)], "lr": 0.003, "betas": BETAS, "eps": EPS, "weight_decay": 0.05}])
-    opt.load_state_dict({
-        "state": {"model.w": {"step": torch.tensor(41.0), "master_weight": master.clone(), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}},
-        "param_groups": [{"params": ["model.w"], "lr": 0.003, "betas": BETAS, "eps": EPS, "weight_decay": 0.05}],
-    })
+    opt = build_optimizer(
+        "full_fp32_adamw", [{"params": [("model.w", p)], "lr": 0.003, "betas": BETAS, "eps": EPS, "weight_decay": 0.05}]
+    )
+    opt.load_state_dict(
+        {
+            "state": {
+                "model.w": {
+                    "step": torch.tensor(41.0),
+                    "master_weight": master.clone(),
+                    "exp_avg": m.clone(),
+                    "exp_avg_sq": v.clone(),
+                }
+            },
+            "param_groups": [{"params": ["model.w"], "lr": 0.003, "betas": BETAS, "eps": EPS, "weight_decay": 0.05}],
+        }
+    )
     p.grad = grad
     opt.step()
     w, em, ev, t = reference_adamw_step(master, grad, m, v, 41.0, 0.003, BETAS, EPS, 0.05)

@@ -24,8 +24,8 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from ckpttool.format import CheckpointDir, parse_metadata_bytes
 from ckpttool.errors import UnsafePickleError
+from ckpttool.format import CheckpointDir, parse_metadata_bytes
 from tests.fixtures import hostile
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,8 +39,9 @@ def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("kind", ["canary", "os_system", "eval"])
-def test_metadata_payload_runs_under_torch_reader_but_not_ckpttool(kind: str, tmp_path: Path,
-                                                                   sample_ckpt: Path) -> None:
+def test_metadata_payload_runs_under_torch_reader_but_not_ckpttool(
+    kind: str, tmp_path: Path, sample_ckpt: Path
+) -> None:
     live = tmp_path / "live"
     live.mkdir()
     ck = shutil.copytree(sample_ckpt, tmp_path / "ck")
@@ -49,8 +50,9 @@ def test_metadata_payload_runs_under_torch_reader_but_not_ckpttool(kind: str, tm
     # ckpttool first: refused, naming the global, nothing created.
     with pytest.raises(UnsafePickleError) as err:
         CheckpointDir(ck)
-    expected_global = {"canary": "tests.fixtures.hostile.canary", "os_system": "os.system",
-                       "eval": "builtins.eval"}[kind]
+    expected_global = {"canary": "tests.fixtures.hostile.canary", "os_system": "os.system", "eval": "builtins.eval"}[
+        kind
+    ]
     assert expected_global in err.value.message
     assert list(live.iterdir()) == []
 
@@ -64,8 +66,7 @@ def test_metadata_payload_runs_under_torch_reader_but_not_ckpttool(kind: str, tm
     assert [p.name for p in live.iterdir()] == [f"metadata-{kind}"], res.stderr[-2000:]
 
 
-def test_byte_item_and_extra_state_payloads_run_only_with_weights_only_false(tmp_path: Path,
-                                                                             sample_ckpt: Path) -> None:
+def test_byte_item_and_extra_state_payloads_run_only_with_weights_only_false(tmp_path: Path, sample_ckpt: Path) -> None:
     entries = hostile.build_corpus(tmp_path / "corpus", sample_ckpt, ("byte_item_canary", "extra_state_eval"))
     live = tmp_path / "corpus" / hostile.CANARY_DIRNAME  # where the payloads would write
     byte_ck, extra_ck = entries["byte_item_canary"].ckpt, entries["extra_state_eval"].ckpt
@@ -118,8 +119,9 @@ def test_fast_metadata_pickle_is_what_torch_unpickles(sample_ckpt: Path) -> None
 
 
 def test_corpus_entries_differ_from_the_base_in_the_stated_way(tmp_path: Path, sample_ckpt: Path) -> None:
-    entries = hostile.build_corpus(tmp_path / "c", sample_ckpt, ("path_parent", "data_file_symlink", "chunks_gap",
-                                                                "odd_keys"))
+    entries = hostile.build_corpus(
+        tmp_path / "c", sample_ckpt, ("path_parent", "data_file_symlink", "chunks_gap", "odd_keys")
+    )
     md = hostile.load_torch_metadata(entries["path_parent"].ckpt)
     paths = {i.relative_path for i in md.storage_data.values()}
     assert f"../outside/{hostile.DATA_FILE}" in paths

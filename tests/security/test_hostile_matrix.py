@@ -44,10 +44,14 @@ MATRIX: dict[str, tuple[str, Callable[[Path, Path], list[str]]]] = {
     "validate-deep": ("validate", lambda ck, out: ["validate", str(ck), "--strict", "--deep"]),
     "export": ("export", lambda ck, out: ["export", str(ck), str(out)]),
     "reshard": ("reshard", lambda ck, out: ["reshard", str(ck), str(out), "--to", "canonical"]),
-    "reshard-optim": ("reshard", lambda ck, out: ["reshard", str(ck), str(out), "--to", "canonical",
-                                                  "--with-optimizer"]),
-    "stamp": ("stamp", lambda ck, out: ["stamp", str(ck), "--source-layout", "canonical", "--ep-size", "1",
-                                        "--ep-fsdp-size", "1"]),
+    "reshard-optim": (
+        "reshard",
+        lambda ck, out: ["reshard", str(ck), str(out), "--to", "canonical", "--with-optimizer"],
+    ),
+    "stamp": (
+        "stamp",
+        lambda ck, out: ["stamp", str(ck), "--source-layout", "canonical", "--ep-size", "1", "--ep-fsdp-size", "1"],
+    ),
     "replay-step": ("replay-step", lambda ck, out: ["replay-step", str(ck), "--device", "cpu"]),
 }
 NOT_ON_CHECKPOINTS = {"sample"}  # writes a new checkpoint; takes no input checkpoint
@@ -160,8 +164,9 @@ def assert_contract(cid: str, entry: CorpusEntry, exit_code: int, stdout: str, s
 
 @pytest.mark.parametrize("entry_name", ENTRY_NAMES)
 @pytest.mark.parametrize("cid", COMMAND_IDS)
-def test_command_on_hostile_checkpoint(cid: str, entry_name: str, corpus: dict[str, CorpusEntry],
-                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_command_on_hostile_checkpoint(
+    cid: str, entry_name: str, corpus: dict[str, CorpusEntry], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     entry = corpus[entry_name]
     root = entry.ckpt.parent.parent
     canary_dir = root / CANARY_DIRNAME

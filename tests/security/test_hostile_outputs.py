@@ -66,8 +66,11 @@ def tmp_siblings(out: Path) -> list[str]:
 
 
 def tree_digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha1(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha1(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def existing_out(out: Path) -> dict[str, str]:
@@ -86,9 +89,14 @@ def fsize_limit(limit: int):  # type: ignore[no-untyped-def]
 
 
 def run_writer(mode: str, out: Path, overwrite: bool = False, **kw) -> subprocess.Popen[str]:  # type: ignore[no-untyped-def]
-    return subprocess.Popen([sys.executable, "-c", WRITER, mode, str(out), "1" if overwrite else "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-c", WRITER, mode, str(out), "1" if overwrite else "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        **kw,
+    )
 
 
 def signal_midway(argv: list[str], out: Path, sig: int, attempts: int = 3) -> subprocess.CompletedProcess[str]:
@@ -200,8 +208,13 @@ def test_atomic_dir_read_only_target(tmp_path: Path) -> None:
         pytest.skip("running as root without mount namespaces: no way to make a directory read-only")
     out = parent / "out"
     try:
-        res = subprocess.run([*prefix, sys.executable, "-c", WRITER, "done", str(out), "0"], capture_output=True,
-                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+        res = subprocess.run(
+            [*prefix, sys.executable, "-c", WRITER, "done", str(out), "0"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            timeout=60,
+        )
     finally:
         parent.chmod(0o755)
     assert_write_failed(res, out, None)
@@ -242,8 +255,21 @@ def command(name: str, src: Path, out: Path, *extra: str) -> list[str]:
     exe = shutil.which("ckpttool") or "ckpttool"
     if name == "export":
         return [exe, "export", str(src), str(out), "--shard-size", "32MiB", *extra]
-    return [exe, "reshard", str(src), str(out), "--to", "canonical", "--source-layout", "canonical",
-            "--ep-size", "1", "--ep-fsdp-size", "1", *extra]
+    return [
+        exe,
+        "reshard",
+        str(src),
+        str(out),
+        "--to",
+        "canonical",
+        "--source-layout",
+        "canonical",
+        "--ep-size",
+        "1",
+        "--ep-fsdp-size",
+        "1",
+        *extra,
+    ]
 
 
 def _have(name: str) -> None:
@@ -272,8 +298,13 @@ def test_command_write_error(name: str, with_old: bool, big_ckpt: Path, tmp_path
     _have(name)
     out = tmp_path / "out"
     old = existing_out(out) if with_old else None
-    res = subprocess.run(command(name, big_ckpt, out, *(["--overwrite"] if with_old else [])), capture_output=True,
-                         text=True, preexec_fn=fsize_limit(8 << 20), timeout=300)
+    res = subprocess.run(
+        command(name, big_ckpt, out, *(["--overwrite"] if with_old else [])),
+        capture_output=True,
+        text=True,
+        preexec_fn=fsize_limit(8 << 20),
+        timeout=300,
+    )
     assert_write_failed(res, out, old)
 
 

@@ -31,7 +31,8 @@ def inspect_command(
     json_output: JsonOpt = False,
     filter_glob: FilterOpt = None,
     depth: Annotated[
-        int | None, typer.Option("--depth", min=1, help="Group model tensors into a tree by the first N key components.")
+        int | None,
+        typer.Option("--depth", min=1, help="Group model tensors into a tree by the first N key components."),
     ] = None,
     sort: Annotated[SortKey, typer.Option("--sort", help="Order of tensor rows.")] = SortKey.name,
     trust_pickle: TrustPickleOpt = False,
@@ -43,8 +44,9 @@ def inspect_command(
     from ckpttool.ops.inspect import InspectOptions, inspect
 
     options = InspectOptions(filter_glob=filter_glob, depth=depth, sort=sort.value)
-    result = inspect(checkpoint, options, declaration=declaration(source_layout, ep_size, ep_fsdp_size),
-                     trust_pickle=trust_pickle)
+    result = inspect(
+        checkpoint, options, declaration=declaration(source_layout, ep_size, ep_fsdp_size), trust_pickle=trust_pickle
+    )
     from ckpttool.cli.render import render_overview
 
     Output(json_output).result(result, render_overview)

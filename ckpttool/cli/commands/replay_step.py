@@ -25,6 +25,7 @@ from ckpttool.errors import ReplayMismatchError, UsageError
 
 __all__ = ["register", "render_replay", "replay_step_command"]
 
+
 class DeviceChoice(str, Enum):
     auto = "auto"
     cpu = "cpu"
@@ -48,18 +49,49 @@ class ReferenceDtype(str, Enum):
 @command_boundary
 def replay_step_command(
     checkpoint: CheckpointArg,
-    device: Annotated[DeviceChoice, typer.Option("--device", help="Where the parameters live: auto (accelerator if any), cpu, cuda, npu.")] = DeviceChoice.auto,
-    select: Annotated[str | None, typer.Option("--select", help="Only parameters whose fqn matches this regex (re.search).")] = None,
-    grads: Annotated[Path | None, typer.Option("--grads", help="safetensors file of gradients keyed by parameter fqn (global shape).")] = None,
-    grad_seed: Annotated[int | None, typer.Option("--grad-seed", help="Seed of the generated gradients (default 0; see docs/replay.md).")] = None,
-    grad_scale: Annotated[float | None, typer.Option("--grad-scale", help="Std-dev of the generated gradients (default 1e-3).")] = None,
-    optimizer: Annotated[OptimizerChoice, typer.Option("--optimizer", help="Optimizer type; auto: layout record, else the state fields.")] = OptimizerChoice.auto,
-    offload_patterns: Annotated[list[str] | None, typer.Option("--offload-patterns", help="cpu_offload_adamw: regex of parameters kept on the CPU (repeatable; overrides the record).")] = None,
-    chunk_size: Annotated[int | None, typer.Option("--chunk-size", min=1, help="cpu_offload_adamw: elements per staged chunk.")] = None,
+    device: Annotated[
+        DeviceChoice,
+        typer.Option("--device", help="Where the parameters live: auto (accelerator if any), cpu, cuda, npu."),
+    ] = DeviceChoice.auto,
+    select: Annotated[
+        str | None, typer.Option("--select", help="Only parameters whose fqn matches this regex (re.search).")
+    ] = None,
+    grads: Annotated[
+        Path | None,
+        typer.Option("--grads", help="safetensors file of gradients keyed by parameter fqn (global shape)."),
+    ] = None,
+    grad_seed: Annotated[
+        int | None, typer.Option("--grad-seed", help="Seed of the generated gradients (default 0; see docs/replay.md).")
+    ] = None,
+    grad_scale: Annotated[
+        float | None, typer.Option("--grad-scale", help="Std-dev of the generated gradients (default 1e-3).")
+    ] = None,
+    optimizer: Annotated[
+        OptimizerChoice, typer.Option("--optimizer", help="Optimizer type; auto: layout record, else the state fields.")
+    ] = OptimizerChoice.auto,
+    offload_patterns: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--offload-patterns",
+            help="cpu_offload_adamw: regex of parameters kept on the CPU (repeatable; overrides the record).",
+        ),
+    ] = None,
+    chunk_size: Annotated[
+        int | None, typer.Option("--chunk-size", min=1, help="cpu_offload_adamw: elements per staged chunk.")
+    ] = None,
     steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps to replay.")] = 1,
-    max_memory: Annotated[str | None, typer.Option("--max-memory", help="Peak memory of one batch of parameters (e.g. 8GiB; default half the available RAM).")] = None,
-    tolerance: Annotated[str, typer.Option("--tolerance", help="rtol,atol for FP32 values (widened to the dtype's rounding for BF16).")] = "1e-5,1e-8",
-    reference_dtype: Annotated[ReferenceDtype, typer.Option("--reference-dtype", help="Dtype of the independent reference step.")] = ReferenceDtype.float64,
+    max_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--max-memory", help="Peak memory of one batch of parameters (e.g. 8GiB; default half the available RAM)."
+        ),
+    ] = None,
+    tolerance: Annotated[
+        str, typer.Option("--tolerance", help="rtol,atol for FP32 values (widened to the dtype's rounding for BF16).")
+    ] = "1e-5,1e-8",
+    reference_dtype: Annotated[
+        ReferenceDtype, typer.Option("--reference-dtype", help="Dtype of the independent reference step.")
+    ] = ReferenceDtype.float64,
     json_output: JsonOpt = False,
     trust_pickle: TrustPickleOpt = False,
     source_layout: SourceLayoutOpt = None,
@@ -74,13 +106,22 @@ def replay_step_command(
     from ckpttool.ops.replay import ReplayOptions, replay_step
 
     if grads is not None and (grad_seed is not None or grad_scale is not None):
-        raise UsageError("--grads and --grad-seed/--grad-scale are exclusive", hint="give a gradients file or a seed, not both")
+        raise UsageError(
+            "--grads and --grad-seed/--grad-scale are exclusive", hint="give a gradients file or a seed, not both"
+        )
     options = ReplayOptions(
-        device=device.value, select=select, grads=grads, grad_seed=0 if grad_seed is None else grad_seed,
-        grad_scale=1e-3 if grad_scale is None else grad_scale, optimizer=optimizer.value,
-        offload_patterns=offload_patterns or None, chunk_size=chunk_size, steps=steps,
+        device=device.value,
+        select=select,
+        grads=grads,
+        grad_seed=0 if grad_seed is None else grad_seed,
+        grad_scale=1e-3 if grad_scale is None else grad_scale,
+        optimizer=optimizer.value,
+        offload_patterns=offload_patterns or None,
+        chunk_size=chunk_size,
+        steps=steps,
         max_memory=parse_size(max_memory, "--max-memory") if max_memory is not None else None,
-        tolerance=parse_tolerance(tolerance), reference_dtype=reference_dtype.value,
+        tolerance=parse_tolerance(tolerance),
+        reference_dtype=reference_dtype.value,
     )
     options.check()
     decl = declaration(source_layout, ep_size, ep_fsdp_size)
@@ -93,11 +134,13 @@ def replay_step_command(
     Output(json_output).result(result, render_replay)
     if not result.ok:
         worst = result.failed[0]
-        print_error(ReplayMismatchError(
-            f"{len(result.failed)} of {len(result.params)} parameter(s) do not reproduce the reference step; "
-            f"worst {worst.fqn}: {worst.problems[0]}",
-            fqn=worst.fqn,
-        ))
+        print_error(
+            ReplayMismatchError(
+                f"{len(result.failed)} of {len(result.params)} parameter(s) do not reproduce the reference step; "
+                f"worst {worst.fqn}: {worst.problems[0]}",
+                fqn=worst.fqn,
+            )
+        )
         raise typer.Exit(ReplayMismatchError.exit_code)
 
 
@@ -115,31 +158,66 @@ def render_replay(result: Any, *, max_rows: int = 40) -> None:
     con = stdout_console()
     con.print(f"checkpoint  {result.path}")
     con.print(f"device      {result.device}")
-    cfg = "; ".join(f"{t}: " + ", ".join(f"{k}={v}" for k, v in c.items() if k != "cpu_offload_param_patterns" or c.get("cpu_offload"))
-                    for t, c in result.optimizer_config.items() if c)
+    cfg = "; ".join(
+        f"{t}: "
+        + ", ".join(f"{k}={v}" for k, v in c.items() if k != "cpu_offload_param_patterns" or c.get("cpu_offload"))
+        for t, c in result.optimizer_config.items()
+        if c
+    )
     con.print(f"optimizer   {result.optimizer_type} (from {result.optimizer_reason})" + (f"; {cfg}" if cfg else ""))
     g = result.grads
-    con.print("grads       " + (f"file {g['path']}" if g["source"] == "file" else f"seeded (seed {g['seed']}, scale {g['scale']:g})"))
+    con.print(
+        "grads       "
+        + (f"file {g['path']}" if g["source"] == "file" else f"seeded (seed {g['seed']}, scale {g['scale']:g})")
+    )
     rtol, atol = result.tolerance
-    con.print(f"replay      {result.steps} step(s) vs a {result.reference_dtype} reference; tolerance rtol {rtol:g} "
-              f"atol {atol:g} (BF16 values: 2 ulp); {result.batches} batch(es) under {human_bytes(result.max_memory)}")
+    con.print(
+        f"replay      {result.steps} step(s) vs a {result.reference_dtype} reference; tolerance rtol {rtol:g} "
+        f"atol {atol:g} (BF16 values: 2 ulp); {result.batches} batch(es) under {human_bytes(result.max_memory)}"
+    )
     for note in result.notes:
         con.print(f"note        {note}")
     rows = []
-    shown = [p for p in result.params if not p.ok] + [p for p in result.params if p.ok][: max(0, max_rows - len(result.failed))]
+    shown = [p for p in result.params if not p.ok] + [p for p in result.params if p.ok][
+        : max(0, max_rows - len(result.failed))
+    ]
     for p in shown:
         step = "-" if p.step_after is None else f"{p.step_before:g}->{p.step_after:g}"
         place = ",".join(sorted({v.split(":")[0] for k, v in p.placement.items() if k != "param"})) or "-"
-        rows.append([
-            p.fqn, p.optimizer_type, p.state + (" offload" if p.offloaded else ""), f"{p.lr:g}", step,
-            _err_cell(p.fields.get("master_weight")), _err_cell(p.fields.get("exp_avg")),
-            _err_cell(p.fields.get("exp_avg_sq")), _err_cell(p.fields.get("param")),
-            f"{p.placement.get('param', '-').split(':')[0]}/{place}",
-            "ok" if p.ok else "FAIL: " + "; ".join(p.problems),
-        ])
-    con.print(table("parameters (worst first; errors: max abs / max rel vs reference)",
-                    ["param", "optimizer", "state", "lr", "step", "master_weight", "exp_avg", "exp_avg_sq", "param",
-                     "param/state on", "result"], rows))
+        rows.append(
+            [
+                p.fqn,
+                p.optimizer_type,
+                p.state + (" offload" if p.offloaded else ""),
+                f"{p.lr:g}",
+                step,
+                _err_cell(p.fields.get("master_weight")),
+                _err_cell(p.fields.get("exp_avg")),
+                _err_cell(p.fields.get("exp_avg_sq")),
+                _err_cell(p.fields.get("param")),
+                f"{p.placement.get('param', '-').split(':')[0]}/{place}",
+                "ok" if p.ok else "FAIL: " + "; ".join(p.problems),
+            ]
+        )
+    con.print(
+        table(
+            "parameters (worst first; errors: max abs / max rel vs reference)",
+            [
+                "param",
+                "optimizer",
+                "state",
+                "lr",
+                "step",
+                "master_weight",
+                "exp_avg",
+                "exp_avg_sq",
+                "param",
+                "param/state on",
+                "result",
+            ],
+            rows,
+        )
+    )
     if len(shown) < len(result.params):
         con.print(f"... {len(result.params) - len(shown)} more parameter(s) passed (use --json for all)")
     t = result.timing
@@ -154,8 +232,10 @@ def render_replay(result: Any, *, max_rows: int = 40) -> None:
             f"({t['h2d_gbps']:.2f} GB/s) over {t['offload_seconds'] * 1e3:.1f} ms of offloaded steps"
         )
     verdict = "OK" if result.ok else "FAILED"
-    con.print(f"result      {verdict}: {len(result.params) - len(result.failed)} of {len(result.params)} parameter(s) "
-              "match the reference step")
+    con.print(
+        f"result      {verdict}: {len(result.params) - len(result.failed)} of {len(result.params)} parameter(s) "
+        "match the reference step"
+    )
 
 
 def _progress(*, enabled: bool) -> tuple[Any, Any]:
@@ -166,8 +246,14 @@ def _progress(*, enabled: bool) -> tuple[Any, Any]:
 
     from ckpttool.cli.render import stderr_console
 
-    bar = Progress(TextColumn("replaying"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=stderr_console(), transient=True)
+    bar = Progress(
+        TextColumn("replaying"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=stderr_console(),
+        transient=True,
+    )
     task = bar.add_task("replay", total=None)
     bar.start()
 

@@ -33,16 +33,44 @@ class TargetLayout(str, Enum):
 @command_boundary
 def reshard_command(
     source: CheckpointArg,
-    target: Annotated[Path, typer.Argument(help="Output directory (created; must not exist or be empty).", show_default=False)],
-    to: Annotated[TargetLayout, typer.Option("--to", help="Target EP layout: canonical (version 2) or legacy (version 1).")],
-    target_ep_size: Annotated[int | None, typer.Option("--target-ep-size", min=1, help="EP size of the job that will load the output (default: the source's).")] = None,
-    target_ep_fsdp_size: Annotated[int | None, typer.Option("--target-ep-fsdp-size", min=1, help="EP-FSDP size of the job that will load the output (default: the source's).")] = None,
-    with_optimizer: Annotated[bool, typer.Option("--with-optimizer", help="Permute the optimizer state (master_weight, exp_avg, exp_avg_sq) of EP parameters with them; required when the checkpoint has such state.")] = False,
+    target: Annotated[
+        Path, typer.Argument(help="Output directory (created; must not exist or be empty).", show_default=False)
+    ],
+    to: Annotated[
+        TargetLayout, typer.Option("--to", help="Target EP layout: canonical (version 2) or legacy (version 1).")
+    ],
+    target_ep_size: Annotated[
+        int | None,
+        typer.Option(
+            "--target-ep-size", min=1, help="EP size of the job that will load the output (default: the source's)."
+        ),
+    ] = None,
+    target_ep_fsdp_size: Annotated[
+        int | None,
+        typer.Option(
+            "--target-ep-fsdp-size",
+            min=1,
+            help="EP-FSDP size of the job that will load the output (default: the source's).",
+        ),
+    ] = None,
+    with_optimizer: Annotated[
+        bool,
+        typer.Option(
+            "--with-optimizer",
+            help="Permute the optimizer state (master_weight, exp_avg, exp_avg_sq) of EP parameters with them; required when the checkpoint has such state.",
+        ),
+    ] = False,
     source_layout: SourceLayoutOpt = None,
     ep_size: EpSizeOpt = None,
     ep_fsdp_size: EpFsdpSizeOpt = None,
     overwrite: OverwriteOpt = False,
-    fsync: Annotated[bool, typer.Option("--fsync/--no-fsync", help="fsync the output files before moving the directory into place (survives a power loss).")] = True,
+    fsync: Annotated[
+        bool,
+        typer.Option(
+            "--fsync/--no-fsync",
+            help="fsync the output files before moving the directory into place (survives a power loss).",
+        ),
+    ] = True,
     json_output: JsonOpt = False,
     trust_pickle: TrustPickleOpt = False,
 ) -> None:
@@ -56,10 +84,18 @@ def reshard_command(
     from ckpttool.ops.reshard import ReshardOptions, reshard
 
     decl = declaration(source_layout, ep_size, ep_fsdp_size)
-    options = ReshardOptions(to=to.value, target_ep_size=target_ep_size, target_ep_fsdp_size=target_ep_fsdp_size,
-                             with_optimizer=with_optimizer, overwrite=overwrite, fsync=fsync)
-    with open_checkpoint(source, declaration=decl, trust_pickle=trust_pickle) as ckpt, \
-            byte_progress("reshard", not json_output and sys.stderr.isatty()) as update:
+    options = ReshardOptions(
+        to=to.value,
+        target_ep_size=target_ep_size,
+        target_ep_fsdp_size=target_ep_fsdp_size,
+        with_optimizer=with_optimizer,
+        overwrite=overwrite,
+        fsync=fsync,
+    )
+    with (
+        open_checkpoint(source, declaration=decl, trust_pickle=trust_pickle) as ckpt,
+        byte_progress("reshard", not json_output and sys.stderr.isatty()) as update,
+    ):
         res = reshard(ckpt, target, options, progress=update)
     sink = Output(json_output)
     sink.result(res, _render)
@@ -72,17 +108,25 @@ def _render(res: ReshardResult) -> None:
 
     src_v = {None: "unversioned", 1: "legacy (version 1)", 2: "canonical (version 2)"}[res.from_version]
     to_v = "canonical (version 2)" if res.to_version == 2 else "legacy (version 1)"
-    src_sizes = f"ep_size {res.from_ep_size}, ep_fsdp_size {res.from_ep_fsdp_size}" if res.from_ep_size else "sizes unknown"
+    src_sizes = (
+        f"ep_size {res.from_ep_size}, ep_fsdp_size {res.from_ep_fsdp_size}" if res.from_ep_size else "sizes unknown"
+    )
     n_perm = len(res.permuted)
     typer.echo(f"source  {res.source}: {src_v} [{res.from_source}], {src_sizes}")
-    typer.echo(f"target  {res.target}: {to_v}, ep_size {res.ep_size}, ep_fsdp_size {res.ep_fsdp_size}, "
-               f"{len(res.files)} data files (one per target rank)")
-    typer.echo(f"tensors {res.ep_tensors} EP parameters, {res.optimizer_tensors} optimizer state tensors of them, "
-               f"{n_perm} with a new expert order; {res.passthrough_tensors} other tensors and {res.byte_items} byte "
-               "items copied unchanged")
-    typer.echo(f"wrote   {human_bytes(res.bytes_written)} in {res.seconds:.2f} s "
-               f"({res.chunks_copied} chunks copied verbatim, {res.chunks_rewritten} reassembled)"
-               + (f"; also copied {', '.join(res.extra_files)}" if res.extra_files else ""))
+    typer.echo(
+        f"target  {res.target}: {to_v}, ep_size {res.ep_size}, ep_fsdp_size {res.ep_fsdp_size}, "
+        f"{len(res.files)} data files (one per target rank)"
+    )
+    typer.echo(
+        f"tensors {res.ep_tensors} EP parameters, {res.optimizer_tensors} optimizer state tensors of them, "
+        f"{n_perm} with a new expert order; {res.passthrough_tensors} other tensors and {res.byte_items} byte "
+        "items copied unchanged"
+    )
+    typer.echo(
+        f"wrote   {human_bytes(res.bytes_written)} in {res.seconds:.2f} s "
+        f"({res.chunks_copied} chunks copied verbatim, {res.chunks_rewritten} reassembled)"
+        + (f"; also copied {', '.join(res.extra_files)}" if res.extra_files else "")
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -12,7 +12,10 @@ from ckpttool.cli.output import command_boundary
 
 @command_boundary
 def sample_command(
-    directory: Annotated[Path, typer.Argument(help="Where to write the sample checkpoint (must not exist or be empty; written atomically).")],
+    directory: Annotated[
+        Path,
+        typer.Argument(help="Where to write the sample checkpoint (must not exist or be empty; written atomically)."),
+    ],
     steps: Annotated[int, typer.Option("--steps", min=0, help="AdamW steps before the save.")] = 3,
     seed: Annotated[int, typer.Option("--seed", help="RNG seed, 0 to 2**63-1.")] = 0,
     optimizer: Annotated[

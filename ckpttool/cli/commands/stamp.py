@@ -18,7 +18,10 @@ def stamp_command(
     checkpoint: CheckpointArg,
     source_layout: Annotated[
         SourceLayout,
-        typer.Option("--source-layout", help="EP layout the checkpoint was saved with: legacy (mesh EP-FSDP, EP) or canonical (mesh EP, EP-FSDP)."),
+        typer.Option(
+            "--source-layout",
+            help="EP layout the checkpoint was saved with: legacy (mesh EP-FSDP, EP) or canonical (mesh EP, EP-FSDP).",
+        ),
     ],
     ep_size: Annotated[int, typer.Option("--ep-size", min=1, help="EP size P of the saving mesh.")],
     ep_fsdp_size: Annotated[int, typer.Option("--ep-fsdp-size", min=1, help="EP-FSDP size F of the saving mesh.")],

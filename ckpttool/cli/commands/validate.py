@@ -36,11 +36,21 @@ def _render(res: ValidationResult) -> None:
         rows = [f for f in res.findings if f.severity.value == sev]
         if not rows:
             continue
-        title = {"error": "errors", "warning": "warnings" + ("" if res.strict else " (do not fail without --strict)"),
-                 "info": "info"}[sev]
-        con.print(table(f"{title} ({len(rows)})", ["code", "key", "message", "hint"],
-                        [[f.code + (f" {f.error_code}" if f.error_code else ""), f.key or "-", f.message, f.hint]
-                         for f in rows]))
+        title = {
+            "error": "errors",
+            "warning": "warnings" + ("" if res.strict else " (do not fail without --strict)"),
+            "info": "info",
+        }[sev]
+        con.print(
+            table(
+                f"{title} ({len(rows)})",
+                ["code", "key", "message", "hint"],
+                [
+                    [f.code + (f" {f.error_code}" if f.error_code else ""), f.key or "-", f.message, f.hint]
+                    for f in rows
+                ],
+            )
+        )
     c = res.counts
     ran = sum(1 for s in res.rules if s.status != "skipped")
     skipped = [s for s in res.rules if s.status == "skipped"]
@@ -58,8 +68,16 @@ def _list_rules(json_output: bool) -> None:
     from ckpttool.ops.validate import RULES
 
     rows = [
-        {"code": r.code, "name": r.name, "severity": r.severity.value, "family": r.family,
-         "needs": sorted(r.needs), "fatal": r.fatal, "summary": r.summary, "hint": r.hint}
+        {
+            "code": r.code,
+            "name": r.name,
+            "severity": r.severity.value,
+            "family": r.family,
+            "needs": sorted(r.needs),
+            "fatal": r.fatal,
+            "summary": r.summary,
+            "hint": r.hint,
+        }
         for r in (RULES[c] for c in sorted(RULES))
     ]
     if json_output:
@@ -67,13 +85,19 @@ def _list_rules(json_output: bool) -> None:
         return
     from ckpttool.cli.render import stdout_console, table
 
-    stdout_console().print(table("rules", ["code", "name", "severity", "needs", "checks"],
-                                 [[r["code"], r["name"], r["severity"], ",".join(r["needs"]) or "-", r["summary"]]
-                                  for r in rows]))
+    stdout_console().print(
+        table(
+            "rules",
+            ["code", "name", "severity", "needs", "checks"],
+            [[r["code"], r["name"], r["severity"], ",".join(r["needs"]) or "-", r["summary"]] for r in rows],
+        )
+    )
 
 
-_JUNIT_HINT = ("--junit takes the path of a file in an existing, writable directory "
-               "(an existing file is replaced), e.g. --junit reports/validate.xml")
+_JUNIT_HINT = (
+    "--junit takes the path of a file in an existing, writable directory "
+    "(an existing file is replaced), e.g. --junit reports/validate.xml"
+)
 
 
 def _check_junit_path(junit: Path) -> None:
@@ -88,27 +112,63 @@ def _check_junit_path(junit: Path) -> None:
         raise OutputError(f"--junit {junit}: is a directory, not a file", path=junit, hint=_JUNIT_HINT)
     parent = junit.parent
     if not parent.is_dir():
-        raise OutputError(f"--junit {junit}: directory {parent} does not exist", path=junit,
-                          hint=f"create {parent} first, or {_JUNIT_HINT}")
+        raise OutputError(
+            f"--junit {junit}: directory {parent} does not exist",
+            path=junit,
+            hint=f"create {parent} first, or {_JUNIT_HINT}",
+        )
 
 
 @command_boundary
 def validate_command(
     checkpoint: CheckpointArg = None,  # type: ignore[assignment]
-    strict: Annotated[bool, typer.Option("--strict", help="Warnings fail the run too; unknown or ambiguous things fail closed.")] = False,
-    deep: Annotated[bool, typer.Option("--deep", help="Also read every data byte once (files in parallel): non-finite values, negative exp_avg_sq, step values, master/param divergence, tied head, corrupt chunks.")] = False,
-    select: Annotated[list[str] | None, typer.Option("--select", help="Run only rules whose code starts with one of these (comma list or repeated): S, O00, D004.")] = None,
-    ignore: Annotated[list[str] | None, typer.Option("--ignore", help="Skip rules whose code starts with one of these (comma list or repeated).")] = None,
-    config: Annotated[Path | None, typer.Option("--config", help="HF config.json of the model: layer and expert coverage, tied lm_head rules.")] = None,
-    against: Annotated[Path | None, typer.Option("--against", help="Reference model (HF directory with safetensors/index, a .safetensors file, or a JSON key list): missing/unexpected keys, shapes, dtypes.")] = None,
+    strict: Annotated[
+        bool, typer.Option("--strict", help="Warnings fail the run too; unknown or ambiguous things fail closed.")
+    ] = False,
+    deep: Annotated[
+        bool,
+        typer.Option(
+            "--deep",
+            help="Also read every data byte once (files in parallel): non-finite values, negative exp_avg_sq, step values, master/param divergence, tied head, corrupt chunks.",
+        ),
+    ] = False,
+    select: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--select",
+            help="Run only rules whose code starts with one of these (comma list or repeated): S, O00, D004.",
+        ),
+    ] = None,
+    ignore: Annotated[
+        list[str] | None,
+        typer.Option("--ignore", help="Skip rules whose code starts with one of these (comma list or repeated)."),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", help="HF config.json of the model: layer and expert coverage, tied lm_head rules."),
+    ] = None,
+    against: Annotated[
+        Path | None,
+        typer.Option(
+            "--against",
+            help="Reference model (HF directory with safetensors/index, a .safetensors file, or a JSON key list): missing/unexpected keys, shapes, dtypes.",
+        ),
+    ] = None,
     json_output: JsonOpt = False,
-    junit: Annotated[Path | None, typer.Option("--junit", help="Also write a JUnit XML report (one test case per rule) to this file.")] = None,
+    junit: Annotated[
+        Path | None,
+        typer.Option("--junit", help="Also write a JUnit XML report (one test case per rule) to this file."),
+    ] = None,
     source_layout: SourceLayoutOpt = None,
     ep_size: EpSizeOpt = None,
     ep_fsdp_size: EpFsdpSizeOpt = None,
     trust_pickle: TrustPickleOpt = False,
-    workers: Annotated[int | None, typer.Option("--workers", min=1, help="Reader threads for --deep (default: CPU count, 2..8).")] = None,
-    list_rules: Annotated[bool, typer.Option("--list-rules", help="List the rules (code, severity, what they check) and exit.")] = False,
+    workers: Annotated[
+        int | None, typer.Option("--workers", min=1, help="Reader threads for --deep (default: CPU count, 2..8).")
+    ] = None,
+    list_rules: Annotated[
+        bool, typer.Option("--list-rules", help="List the rules (code, severity, what they check) and exit.")
+    ] = False,
 ) -> None:
     """Check a checkpoint with rules that have stable codes; exit 1 on findings that fail the run."""
     from ckpttool.errors import UsageError, error_class
@@ -125,8 +185,15 @@ def validate_command(
     from ckpttool.cli.render import byte_progress
 
     decl = declaration(source_layout, ep_size, ep_fsdp_size)
-    options = ValidateOptions(strict=strict, deep=deep, select=tuple(select or ()), ignore=tuple(ignore or ()),
-                              config=config, against=against, workers=workers)
+    options = ValidateOptions(
+        strict=strict,
+        deep=deep,
+        select=tuple(select or ()),
+        ignore=tuple(ignore or ()),
+        config=config,
+        against=against,
+        workers=workers,
+    )
     with byte_progress("validate --deep", deep and not json_output and sys.stderr.isatty()) as update:
         res = validate(checkpoint, options, declaration=decl, trust_pickle=trust_pickle, progress=update)
     if junit is not None:

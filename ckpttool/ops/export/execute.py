@@ -160,8 +160,12 @@ def _read_model_config(assets: Path | None) -> dict[str, Any] | None:
     if assets is None:
         return None
     if not assets.is_dir():
-        raise UsageError(f"{assets}: `model_assets` is not a directory", path=assets, param="model_assets",
-                         hint="pass the directory holding config.json and the tokenizer files")
+        raise UsageError(
+            f"{assets}: `model_assets` is not a directory",
+            path=assets,
+            param="model_assets",
+            hint="pass the directory holding config.json and the tokenizer files",
+        )
     cfg = assets / "config.json"
     if not cfg.is_file():
         return None
@@ -236,7 +240,7 @@ def _write_tensor(writer: ShardWriter, name: str, t: torch.Tensor, dtype: torch.
     out_item = DTYPE_ITEMSIZE[str(dtype).removeprefix("torch.")]
     step = max(1, (16 << 20) // max(out_item, flat.element_size()))
     for i in range(0, flat.numel(), step):
-        writer.write(name, _tensor_bytes(flat[i:i + step].to(dtype)), at + i * out_item)
+        writer.write(name, _tensor_bytes(flat[i : i + step].to(dtype)), at + i * out_item)
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -253,8 +257,15 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 class _Executor:
     """Runs a plan's tasks on a thread pool; bookkeeping happens in the calling thread only."""
 
-    def __init__(self, reader: CheckpointReader, plan: ExportPlan, writers: list[ShardWriter], workers: int,
-                 progress: ProgressFn | None, chunks: list[tuple[TensorMeta, list[ChunkMeta]]]) -> None:
+    def __init__(
+        self,
+        reader: CheckpointReader,
+        plan: ExportPlan,
+        writers: list[ShardWriter],
+        workers: int,
+        progress: ProgressFn | None,
+        chunks: list[tuple[TensorMeta, list[ChunkMeta]]],
+    ) -> None:
         self.reader = reader
         self.plan = plan
         self.writers = writers
@@ -302,7 +313,7 @@ class _Executor:
             else:
                 slab = temp[order[piece.expert] if order is not None else piece.expert]
                 a = slab.shape[0] // piece.nparts
-                _write_tensor(writer, piece.name, slab[piece.part * a:(piece.part + 1) * a], dtype)
+                _write_tensor(writer, piece.name, slab[piece.part * a : (piece.part + 1) * a], dtype)
 
     # -- calling-thread side ---------------------------------------------------------------------
     def _collect(self, block: bool) -> None:
@@ -371,8 +382,9 @@ def _read_whole(reader: CheckpointReader, key: str) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- main entry
 
 
-def _tied_pair(selected: list[Selected], rules: ExportRules, config: dict[str, Any] | None
-               ) -> tuple[Selected | None, Selected | None, bool]:
+def _tied_pair(
+    selected: list[Selected], rules: ExportRules, config: dict[str, Any] | None
+) -> tuple[Selected | None, Selected | None, bool]:
     tie = config_value(config, "tie_word_embeddings") is True
     by_out = {s.out_key: s for s in selected}
     return by_out.get(rules.tied_embedding), by_out.get(rules.tied_lm_head), tie
@@ -390,8 +402,11 @@ def _check_options(opts: ExportOptions) -> None:
     if opts.workers is not None and opts.workers < 1:
         raise UsageError(f"`workers` must be >= 1, got {opts.workers}", param="workers")
     if isinstance(opts.shard_size, bool) or not isinstance(opts.shard_size, int) or opts.shard_size <= 0:
-        raise UsageError(f"`shard_size` must be a positive number of bytes, got {opts.shard_size!r}",
-                         param="shard_size", hint="e.g. 5GB (5*10^9 bytes)")
+        raise UsageError(
+            f"`shard_size` must be a positive number of bytes, got {opts.shard_size!r}",
+            param="shard_size",
+            hint="e.g. 5GB (5*10^9 bytes)",
+        )
     if opts.fmt == "lora" and opts.experts != "fused":
         raise UsageError("`experts` per-expert applies to the hf format only", param="experts")
 
@@ -460,15 +475,19 @@ def _export(
     if not selected:
         what = "LoRA adapter tensors" if opts.fmt == "lora" else "model tensors"
         raise ExportError(
-            f"{checkpoint}: no {what} to export" + (f" (`filter_glob` {opts.filter_glob!r} matched none)" if opts.filter_glob else ""),
+            f"{checkpoint}: no {what} to export"
+            + (f" (`filter_glob` {opts.filter_glob!r} matched none)" if opts.filter_glob else ""),
             param="filter_glob" if opts.filter_glob else None,
             hint="check the keys with `ckpttool inspect`" + (" and the `filter_glob` glob" if opts.filter_glob else ""),
         )
     if opts.fmt == "lora":
         names = sorted(set(_adapters.values()))
         if len(names) > 1:
-            raise ExportError(f"{checkpoint}: the checkpoint holds several LoRA adapters {names}",
-                              param="filter_glob", hint="export one of them: `filter_glob` '*.<adapter name>.*'")
+            raise ExportError(
+                f"{checkpoint}: the checkpoint holds several LoRA adapters {names}",
+                param="filter_glob",
+                hint="export one of them: `filter_glob` '*.<adapter name>.*'",
+            )
         dropped = [k for k in cat.model if ".modules_to_save." in k]
         if dropped:
             warnings.append(f"{len(dropped)} modules_to_save tensor(s) not exported (not LoRA weights): {dropped[0]}")
@@ -486,8 +505,17 @@ def _export(
             tied = "omitted"
         else:
             tied = "embedding-not-exported"
-    plan = build_plan(selected, rules, fmt=opts.fmt, save_dtype=opts.save_dtype, shard_size=opts.shard_size,
-                      experts=opts.experts, expert_orders=orders, num_experts=num_experts, drop=drop)
+    plan = build_plan(
+        selected,
+        rules,
+        fmt=opts.fmt,
+        save_dtype=opts.save_dtype,
+        shard_size=opts.shard_size,
+        experts=opts.experts,
+        expert_orders=orders,
+        num_experts=num_experts,
+        drop=drop,
+    )
     plan.warnings = warnings
     plan.skipped = skipped
     plan.tied = tied
@@ -520,8 +548,9 @@ def _export(
             index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map()}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         else:
-            (tmp / "adapter_config.json").write_text(json.dumps(adapter, indent=2, sort_keys=True) + "\n",
-                                                     encoding="utf-8")
+            (tmp / "adapter_config.json").write_text(
+                json.dumps(adapter, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+            )
         for p in assets:
             shutil.copyfile(p, tmp / p.name)
     seconds = time.perf_counter() - t0
@@ -540,8 +569,13 @@ def _export(
         narrowing_casts=plan.narrowing,
         origins=plan.origins,
         tied_embeddings=tied,
-        layout={"version": layout.version, "source": layout.source, "ep_size": layout.ep_size,
-                "ep_fsdp_size": layout.ep_fsdp_size, "unpermuted": sorted(orders)},
+        layout={
+            "version": layout.version,
+            "source": layout.source,
+            "ep_size": layout.ep_size,
+            "ep_fsdp_size": layout.ep_fsdp_size,
+            "unpermuted": sorted(orders),
+        },
         assets=[p.name for p in assets],
         skipped=plan.skipped,
         warnings=plan.warnings,
@@ -549,8 +583,9 @@ def _export(
     )
 
 
-def _check_tied(reader: CheckpointReader, plan: ExportPlan, writers: list[ShardWriter],
-                embed: Selected, lm_head: Selected) -> int:
+def _check_tied(
+    reader: CheckpointReader, plan: ExportPlan, writers: list[ShardWriter], embed: Selected, lm_head: Selected
+) -> int:
     """Refuse a tied export whose lm_head differs from the embedding (compared bitwise, as stored).
 
     The lm_head source is read once here; the embedding is compared as written when it
@@ -580,6 +615,6 @@ def _check_tied(reader: CheckpointReader, plan: ExportPlan, writers: list[ShardW
             f"{lm_head.source.key} differs from {embed.source.key} but config.json says tie_word_embeddings: true",
             fqn=lm_head.source.key,
             hint="set tie_word_embeddings to false in the `model_assets` config.json to export both, "
-                 "or use the config the model was trained with",
+            "or use the config the model was trained with",
         )
     return read

@@ -56,7 +56,8 @@ def expert_orders(selected: list[Selected], layout: ResolvedLayout) -> dict[str,
         if spec.ep_dim != 0:
             raise ExportError(
                 f"{s.source.key}: legacy EP layout on expert dim {spec.ep_dim}; export un-permutes dim 0 only",
-                fqn=s.source.key, hint="convert the checkpoint with `ckpttool reshard` to the canonical layout first",
+                fqn=s.source.key,
+                hint="convert the checkpoint with `ckpttool reshard` to the canonical layout first",
             )
         assert layout.ep_size is not None and layout.ep_fsdp_size is not None
         orders[s.model_key] = tuple(legacy_to_canonical_perm(shape[0], layout.ep_size, layout.ep_fsdp_size))

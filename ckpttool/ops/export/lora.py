@@ -33,7 +33,9 @@ __all__ = ["adapter_config", "read_adapter_config"]
 
 _PEFT_PREFIX = "base_model.model."
 _A_RE = re.compile(r"^(?P<module>.+)\.(?:lora_A\.weight|lora_embedding_A)$")
-_ADAPTER_PART_RE = re.compile(r"\.(?:lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(?:\.weight)?$")
+_ADAPTER_PART_RE = re.compile(
+    r"\.(?:lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(?:\.weight)?$"
+)
 
 
 def read_adapter_config(path: Path) -> dict[str, Any]:
@@ -47,14 +49,16 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
     except OSError as e:
         raise UsageError(f"{path}: cannot read adapter config ({e.strerror})", path=path) from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path}: adapter config is not valid JSON ({e})", path=path,
-                         hint="pass the adapter_config.json that PEFT wrote for this adapter") from e
+        raise UsageError(
+            f"{path}: adapter config is not valid JSON ({e})",
+            path=path,
+            hint="pass the adapter_config.json that PEFT wrote for this adapter",
+        ) from e
     if not isinstance(data, dict):
         raise UsageError(f"{path}: adapter config must be a JSON object", path=path)
     peft_type = str(data.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
-        raise UsageError(f"{path}: peft_type is {data.get('peft_type')!r}; `fmt` lora writes LoRA adapters",
-                         path=path)
+        raise UsageError(f"{path}: peft_type is {data.get('peft_type')!r}; `fmt` lora writes LoRA adapters", path=path)
     return data
 
 
@@ -89,8 +93,10 @@ def adapter_config(
             if ".lora_magnitude_vector" in p.name:
                 dora = True
     if not ranks:
-        raise ExportError(f"{cat.path}: no lora_A / lora_embedding_A tensor among the adapter keys",
-                          hint="the checkpoint has no complete LoRA adapter; check `filter_glob`")
+        raise ExportError(
+            f"{cat.path}: no lora_A / lora_embedding_A tensor among the adapter keys",
+            hint="the checkpoint has no complete LoRA adapter; check `filter_glob`",
+        )
     common_r = Counter(ranks.values()).most_common(1)[0][0]
     if given is not None:
         cfg = dict(given)
@@ -100,7 +106,8 @@ def adapter_config(
             bad = next(k for k, v in ranks.items() if v != r)
             raise ExportError(
                 f"adapter config says r={r} but {bad}.lora_A has rank {ranks[bad]}",
-                fqn=bad, hint="pass the adapter_config.json that belongs to this checkpoint",
+                fqn=bad,
+                hint="pass the adapter_config.json that belongs to this checkpoint",
             )
         if lora_alpha is not None:
             cfg["lora_alpha"] = lora_alpha
@@ -114,7 +121,7 @@ def adapter_config(
             hint="pass `lora_alpha` A (the LoraConfig lora_alpha used in training) or `adapter_config` FILE",
         )
     modules = sorted(ranks)
-    rel = [m[len(_PEFT_PREFIX):] if m.startswith(_PEFT_PREFIX) else m for m in modules]
+    rel = [m[len(_PEFT_PREFIX) :] if m.startswith(_PEFT_PREFIX) else m for m in modules]
     names = sorted({m.rsplit(".", 1)[-1] for m in rel})
     # Same-named modules without an adapter: ``<module>.weight`` under base_model, no base_layer.
     targeted = set(rel)
@@ -123,7 +130,7 @@ def adapter_config(
     for key in cat.model:
         if not key.startswith(prefix) or ".base_layer." in key or _ADAPTER_PART_RE.search(key) or ".lora_" in key:
             continue
-        module = key[len(prefix):].rsplit(".", 1)[0]
+        module = key[len(prefix) :].rsplit(".", 1)[0]
         if module.rsplit(".", 1)[-1] in names and module not in targeted:
             untargeted = True
             break

@@ -34,8 +34,19 @@ __all__ = [
 ]
 
 SAVE_DTYPES = ("preserve", "bfloat16", "float16", "float32")
-_FLOATING = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-             "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"}
+_FLOATING = {
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+}
+
+
 def shard_file_names(n: int, stem: str = "model") -> list[str]:
     """``model.safetensors`` for one shard, else ``model-0000K-of-0000N.safetensors`` (HF naming)."""
     if n == 1:
@@ -94,8 +105,12 @@ class SourceTask:
     def direct(self) -> bool:
         """One piece equal to the stored tensor: chunks are read straight into the output file."""
         p = self.pieces[0]
-        return (len(self.pieces) == 1 and p.expert is None and self.expert_order is None
-                and p.dtype == self.selected.source.dtype)
+        return (
+            len(self.pieces) == 1
+            and p.expert is None
+            and self.expert_order is None
+            and p.dtype == self.selected.source.dtype
+        )
 
     @property
     def out_nbytes(self) -> int:
@@ -213,13 +228,14 @@ def select_sources(
             adapter_names[out_key] = adapter
         source, origin = entry, "params"
         if weights == "master":
-            ps = cat.optimizer_state.get(key[len(MODEL_PREFIX):])
+            ps = cat.optimizer_state.get(key[len(MODEL_PREFIX) :])
             mw = ps.fields.get("master_weight") if ps is not None else None
             if mw is not None:
                 if mw.shape != entry.shape:
                     raise ExportError(
                         f"{mw.key}: master_weight shape {list(mw.shape)} differs from the parameter's {list(entry.shape)}",
-                        fqn=mw.key, hint="the optimizer state does not belong to this model; export with `weights` params",
+                        fqn=mw.key,
+                        hint="the optimizer state does not belong to this model; export with `weights` params",
                     )
                 source, origin = mw, "master"
                 masters_found += 1
@@ -235,8 +251,11 @@ def select_sources(
     seen: dict[str, str] = {}
     for s in selected:
         if s.out_key in seen:
-            raise ExportError(f"{seen[s.out_key]} and {s.model_key} both map to the output key {s.out_key!r}",
-                              fqn=s.model_key, hint="fix the key rules (`rules`) so every output key is unique")
+            raise ExportError(
+                f"{seen[s.out_key]} and {s.model_key} both map to the output key {s.out_key!r}",
+                fqn=s.model_key,
+                hint="fix the key rules (`rules`) so every output key is unique",
+            )
         seen[s.out_key] = s.model_key
     return selected, warnings, skipped, adapter_names
 
@@ -299,21 +318,24 @@ def build_plan(
             if num_experts is not None and e != num_experts:
                 raise ExportError(
                     f"{s.model_key}: expert dim 0 has {e} experts but the model config says num_experts={num_experts}",
-                    fqn=s.model_key, hint="pass the `model_assets` of the model this checkpoint was trained as",
+                    fqn=s.model_key,
+                    hint="pass the `model_assets` of the model this checkpoint was trained as",
                 )
             assert order is None or len(order) == e, "expert_orders gives one entry per expert"
         if experts == "per-expert" and rule is not None:
             if len(src.shape) != 3:
                 raise ExportError(
                     f"{s.model_key}: matches the fused expert rule but has shape {list(src.shape)}, not [E, A, B]",
-                    fqn=s.model_key, hint="fix the experts rules (`rules`) or export with `experts` fused",
+                    fqn=s.model_key,
+                    hint="fix the experts rules (`rules`) or export with `experts` fused",
                 )
             e, a, b = src.shape
             n = len(rule.parts)
             if a % n:
                 raise ExportError(
                     f"{s.model_key}: dim 1 ({a}) cannot be split into {n} equal parts {list(rule.parts)}",
-                    fqn=s.model_key, hint="the tensor is not a fused gate/up projection; fix the experts rules",
+                    fqn=s.model_key,
+                    hint="the tensor is not a fused gate/up projection; fix the experts rules",
                 )
             names = rule.split_names(s.out_key, e)
             assert names is not None
@@ -353,11 +375,15 @@ def build_plan(
             except UnicodeEncodeError:
                 raise ExportError(
                     f"{s.model_key!a}: output key {p.name!a} is not valid UTF-8 text (safetensors stores names as UTF-8 JSON)",
-                    fqn=s.model_key, hint="leave it out with `filter_glob` or rename it with a `rules` entry",
+                    fqn=s.model_key,
+                    hint="leave it out with `filter_glob` or rename it with a `rules` entry",
                 ) from None
             if p.name in names_seen:
-                raise ExportError(f"{s.model_key}: output key {p.name!r} is produced twice", fqn=s.model_key,
-                                  hint="fix the key/experts rules (`rules`) so every output key is unique")
+                raise ExportError(
+                    f"{s.model_key}: output key {p.name!r} is produced twice",
+                    fqn=s.model_key,
+                    hint="fix the key/experts rules (`rules`) so every output key is unique",
+                )
             names_seen.add(p.name)
             entries[k].append(HeaderEntry(p.name, p.dtype, p.shape))
         tasks.append(SourceTask(s, pieces, k, order))

@@ -131,7 +131,7 @@ class ExportRules:
         inner = m.group("key")
         start, end = m.span("adapter_name")
         base = m.start("key")
-        out = inner[: start - base - 1] + inner[end - base:]
+        out = inner[: start - base - 1] + inner[end - base :]
         return out, m.group("adapter_name")
 
 
@@ -167,8 +167,10 @@ def parse_rules(doc: Any, source: str) -> dict[str, Any]:
         raise UsageError(f"{source}: format is {fmt!r}, expected {RULES_FORMAT!r}", hint="see docs/export.md")
     version = doc.get("version", _RULES_VERSION)
     if version != _RULES_VERSION:
-        raise UsageError(f"{source}: rules version {version!r} is not supported (expected {_RULES_VERSION})",
-                         hint="upgrade ckpttool or fix the rules file")
+        raise UsageError(
+            f"{source}: rules version {version!r} is not supported (expected {_RULES_VERSION})",
+            hint="upgrade ckpttool or fix the rules file",
+        )
     out: dict[str, Any] = {}
     if "keys" in doc:
         items = doc["keys"]
@@ -192,18 +194,31 @@ def parse_rules(doc: Any, source: str) -> dict[str, Any]:
         out["keys"] = tuple(rules)
     if "tied_embeddings" in doc:
         tied = doc["tied_embeddings"]
-        if not isinstance(tied, dict) or not isinstance(tied.get("embedding"), str) or not isinstance(tied.get("lm_head"), str):
-            raise UsageError(f"{source}: 'tied_embeddings' needs string 'embedding' and 'lm_head' output keys",
-                             hint="see docs/export.md")
+        if (
+            not isinstance(tied, dict)
+            or not isinstance(tied.get("embedding"), str)
+            or not isinstance(tied.get("lm_head"), str)
+        ):
+            raise UsageError(
+                f"{source}: 'tied_embeddings' needs string 'embedding' and 'lm_head' output keys",
+                hint="see docs/export.md",
+            )
         out["tied_embeddings"] = (tied["embedding"], tied["lm_head"])
     if "experts" in doc:
         items = doc["experts"]
         if not isinstance(items, list):
-            raise UsageError(f"{source}: 'experts' must be a list of {{match, parts}} entries", hint="see docs/export.md")
+            raise UsageError(
+                f"{source}: 'experts' must be a list of {{match, parts}} entries", hint="see docs/export.md"
+            )
         erules = []
         for i, item in enumerate(items):
             where = f"{source}: experts[{i}]"
-            if not isinstance(item, dict) or "match" not in item or not isinstance(item.get("parts"), list) or not item["parts"]:
+            if (
+                not isinstance(item, dict)
+                or "match" not in item
+                or not isinstance(item.get("parts"), list)
+                or not item["parts"]
+            ):
                 raise UsageError(f"{where}: needs 'match' and a non-empty 'parts' list", hint="see docs/export.md")
             pattern = _compile(item["match"], where)
             parts = tuple(item["parts"])
@@ -213,17 +228,23 @@ def parse_rules(doc: Any, source: str) -> dict[str, Any]:
                 try:
                     p.format(j=0, **dict.fromkeys(pattern.groupindex, "x"))
                 except (KeyError, IndexError, ValueError) as e:
-                    raise UsageError(f"{where}: template {p!r} uses an unknown field ({e})",
-                                     hint="use {j} and the named groups of 'match'") from e
+                    raise UsageError(
+                        f"{where}: template {p!r} uses an unknown field ({e})",
+                        hint="use {j} and the named groups of 'match'",
+                    ) from e
                 if "{j}" not in p:
-                    raise UsageError(f"{where}: template {p!r} lacks {{j}} (the expert index)",
-                                     hint="every per-expert key must contain {j}")
+                    raise UsageError(
+                        f"{where}: template {p!r} lacks {{j}} (the expert index)",
+                        hint="every per-expert key must contain {j}",
+                    )
             erules.append(ExpertRule(pattern, parts))
         out["experts"] = tuple(erules)
     if "num_experts_config_keys" in doc:
         names = doc["num_experts_config_keys"]
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise UsageError(f"{source}: 'num_experts_config_keys' must be a list of strings", hint="see docs/export.md")
+            raise UsageError(
+                f"{source}: 'num_experts_config_keys' must be a list of strings", hint="see docs/export.md"
+            )
         out["num_experts_config_keys"] = tuple(names)
     if "lora" in doc:
         lora = doc["lora"]
@@ -231,8 +252,9 @@ def parse_rules(doc: Any, source: str) -> dict[str, Any]:
             raise UsageError(f"{source}: 'lora' must be a mapping with 'match'", hint="see docs/export.md")
         pattern = _compile(lora.get("match"), f"{source}: lora")
         if not {"key", "adapter_name"} <= set(pattern.groupindex):
-            raise UsageError(f"{source}: lora.match needs named groups 'key' and 'adapter_name'",
-                             hint="see docs/export.md")
+            raise UsageError(
+                f"{source}: lora.match needs named groups 'key' and 'adapter_name'", hint="see docs/export.md"
+            )
         out["lora"] = pattern
     return out
 
@@ -242,11 +264,14 @@ def _check_template(pattern: re.Pattern[str], to: str, where: str) -> None:
     for ref in re.findall(r"\\(\d+)|\\g<(\w+)>", to):
         num, name = ref
         if num and int(num) > pattern.groups:
-            raise UsageError(f"{where}: template {to!r} uses group {num} but 'match' has {pattern.groups}",
-                             hint="fix the rules file")
+            raise UsageError(
+                f"{where}: template {to!r} uses group {num} but 'match' has {pattern.groups}", hint="fix the rules file"
+            )
         if name and name.isdigit() and int(name) > pattern.groups:
-            raise UsageError(f"{where}: template {to!r} uses group {name} but 'match' has {pattern.groups}",
-                             hint="fix the rules file")
+            raise UsageError(
+                f"{where}: template {to!r} uses group {name} but 'match' has {pattern.groups}",
+                hint="fix the rules file",
+            )
         if name and not name.isdigit() and name not in pattern.groupindex:
             raise UsageError(f"{where}: template {to!r} uses unknown group {name!r}", hint="fix the rules file")
 
@@ -281,7 +306,9 @@ def load_rules(user_file: str | Path | None = None) -> ExportRules:
         try:
             text = p.read_text(encoding="utf-8")
         except OSError as e:
-            raise UsageError(f"{p}: cannot read rules file ({e.strerror})", path=p, hint="pass an existing YAML file") from e
+            raise UsageError(
+                f"{p}: cannot read rules file ({e.strerror})", path=p, hint="pass an existing YAML file"
+            ) from e
         except UnicodeDecodeError as e:
             raise UsageError(f"{p}: rules file is not UTF-8 text", path=p, hint="pass a YAML file") from e
         user = parse_rules(_read_yaml(text, str(p)), str(p))

@@ -17,5 +17,12 @@ from ckpttool.ops.replay.run import (
     resolve_device,
 )
 
-__all__ = ["DEVICE_CHOICES", "ParamResult", "ReplayOptions", "ReplayResult", "check_tolerance", "replay_step",
-           "resolve_device"]
+__all__ = [
+    "DEVICE_CHOICES",
+    "ParamResult",
+    "ReplayOptions",
+    "ReplayResult",
+    "check_tolerance",
+    "replay_step",
+    "resolve_device",
+]

@@ -70,12 +70,26 @@ class FieldError:
         return self.bad == 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"max_abs": self.max_abs, "max_rel": self.max_rel, "ratio": self.ratio, "bad": self.bad, "rtol": self.rtol}
+        return {
+            "max_abs": self.max_abs,
+            "max_rel": self.max_rel,
+            "ratio": self.ratio,
+            "bad": self.bad,
+            "rtol": self.rtol,
+        }
 
 
 def compare_field(
-    actual: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor, *, rtol: float, atol: float,
-    stored: str, arithmetic: str, late_path: torch.Tensor | None = None, late_rtol: float = 0.0,
+    actual: torch.Tensor,
+    ref: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    rtol: float,
+    atol: float,
+    stored: str,
+    arithmetic: str,
+    late_path: torch.Tensor | None = None,
+    late_rtol: float = 0.0,
     carry_rtol: float = 0.0,
 ) -> FieldError:
     """Compare ``actual`` (any float dtype, CPU) with ``ref`` (reference dtype, CPU).

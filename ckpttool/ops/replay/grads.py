@@ -77,13 +77,20 @@ class GradFile:
 
         self.path = Path(path)
         if not self.path.is_file():
-            raise GradientsError(f"`grads` {self.path}: no such file", path=self.path,
-                             hint="pass a safetensors file of gradients keyed by parameter fqn")
+            raise GradientsError(
+                f"`grads` {self.path}: no such file",
+                path=self.path,
+                hint="pass a safetensors file of gradients keyed by parameter fqn",
+            )
         try:
             self._file = safe_open(str(self.path), framework="pt", device="cpu")
             self._keys = set(self._file.keys())
         except (SafetensorError, OSError, ValueError) as e:
-            raise GradientsError(f"`grads` {self.path}: not a readable safetensors file ({str(e)[:80]})", path=self.path, hint="write it with safetensors.torch.save_file") from e
+            raise GradientsError(
+                f"`grads` {self.path}: not a readable safetensors file ({str(e)[:80]})",
+                path=self.path,
+                hint="write it with safetensors.torch.save_file",
+            ) from e
 
     def _key(self, fqn: str) -> str | None:
         for k in (fqn, f"model.{fqn}"):
@@ -103,15 +110,22 @@ class GradFile:
         """
         key = self._key(fqn)
         if key is None:
-            raise GradientsError(f"`grads` {self.path} has no gradient for {fqn}", path=self.path, fqn=fqn,
-                             hint="key every selected parameter by its fqn, or narrow the selection with `select`")
+            raise GradientsError(
+                f"`grads` {self.path} has no gradient for {fqn}",
+                path=self.path,
+                fqn=fqn,
+                hint="key every selected parameter by its fqn, or narrow the selection with `select`",
+            )
         t = self._file.get_tensor(key)
         if tuple(t.shape) != tuple(shape):
             raise GradientsError(
                 f"`grads` {self.path}: gradient {key} has shape {list(t.shape)}, the parameter has {list(shape)}",
-                path=self.path, fqn=fqn, hint="gradients must have the parameter's global shape (true expert order)",
+                path=self.path,
+                fqn=fqn,
+                hint="gradients must have the parameter's global shape (true expert order)",
             )
         if not t.is_floating_point():
-            raise GradientsError(f"`grads` {self.path}: gradient {key} is {t.dtype}, expected a floating dtype",
-                             path=self.path, fqn=fqn)
+            raise GradientsError(
+                f"`grads` {self.path}: gradient {key} is {t.dtype}, expected a floating dtype", path=self.path, fqn=fqn
+            )
         return t if t.dtype == dtype else t.to(dtype)

@@ -136,7 +136,8 @@ def _float(value: Any, what: str, fqn: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise HyperparameterError(
             f"param group of {fqn}: {what} is {value!r:.40}, expected a number",
-            fqn=fqn, hint="replay-step replays AdamW with Python-number hyperparameters",
+            fqn=fqn,
+            hint="replay-step replays AdamW with Python-number hyperparameters",
         )
     out = float(value)
     if not math.isfinite(out):
@@ -160,16 +161,22 @@ def _hyper(group: Any, fqn: str, group_id: int | str) -> Hyper:
         if values.get(switch):
             raise HyperparameterError(
                 f"param group of {fqn} was saved with {switch}=True; replay-step replays plain AdamW",
-                fqn=fqn, hint=f"replay only parameters of groups without {switch} (`select`)",
+                fqn=fqn,
+                hint=f"replay only parameters of groups without {switch} (`select`)",
             )
     if values.get("decoupled_weight_decay") is False and values.get("weight_decay"):
         raise HyperparameterError(
             f"param group of {fqn} uses L2 weight decay (torch.optim.Adam); replay-step replays AdamW",
-            fqn=fqn, hint="replay only groups with weight_decay 0 or decoupled weight decay",
+            fqn=fqn,
+            hint="replay only groups with weight_decay 0 or decoupled weight decay",
         )
     extra = tuple(
-        sorted((k, v) for k, v in values.items() if k not in ("lr", "betas", "eps", "weight_decay", "params", "param_names")
-               and isinstance(v, (bool, int, float, str, type(None))))
+        sorted(
+            (k, v)
+            for k, v in values.items()
+            if k not in ("lr", "betas", "eps", "weight_decay", "params", "param_names")
+            and isinstance(v, (bool, int, float, str, type(None)))
+        )
     )
     return Hyper(
         group_id,
@@ -188,7 +195,8 @@ def _saved_dtypes(state: dict[str, TensorEntry | None], fqn: str) -> dict[str, s
         if entry is None:
             raise StateDtypeError(
                 f"optimizer state {fqn}.{f} is saved as a Python object, not a tensor",
-                fqn=fqn, hint="run `ckpttool validate --strict` on the checkpoint to see every problem",
+                fqn=fqn,
+                hint="run `ckpttool validate --strict` on the checkpoint to see every problem",
             )
         out[f] = entry.dtype
     return out
@@ -207,7 +215,9 @@ def _constructor_config(type_name: str, cfg: dict[str, Any], chunk_size: int | N
     if type_name == "cpu_offload_adamw":
         patterns = list(cfg.get("cpu_offload_param_patterns") or cfg.get("offload_patterns") or [])
         out: dict[str, Any] = {
-            "resident_moment_dtype": dtype_name(cfg.get("resident_moment_dtype") or moment_dtypes.get("resident") or "float32"),
+            "resident_moment_dtype": dtype_name(
+                cfg.get("resident_moment_dtype") or moment_dtypes.get("resident") or "float32"
+            ),
             "cpu_moment_dtype": dtype_name(cfg.get("cpu_moment_dtype") or moment_dtypes.get("cpu") or "float32"),
             "cpu_offload": bool(patterns) and bool(cfg.get("cpu_offload", True)),
             "cpu_offload_param_patterns": patterns or ["(?!)"],  # matches nothing: all resident
@@ -238,13 +248,14 @@ def _check_policy(p: ParamPlan, cfg: dict[str, Any], saved: dict[str, str]) -> N
     missing = [f for f in expected if f not in saved]
     extra = [f for f in saved if f not in expected]
     if missing or extra:
-        parts = ([f"lacks {', '.join(missing)}"] if missing else []) + ([f"has unexpected {', '.join(extra)}"] if extra else [])
+        parts = ([f"lacks {', '.join(missing)}"] if missing else []) + (
+            [f"has unexpected {', '.join(extra)}"] if extra else []
+        )
         raise StateFieldsError(
-            f"optimizer state of {p.fqn} {'; '.join(parts)} for {p.optimizer_type} "
-            f"(which saves {', '.join(expected)})",
+            f"optimizer state of {p.fqn} {'; '.join(parts)} for {p.optimizer_type} (which saves {', '.join(expected)})",
             fqn=p.fqn,
             hint="the state is incomplete or was saved by another optimizer (`optimizer`); "
-                 "run `ckpttool validate --strict` to see every problem",
+            "run `ckpttool validate --strict` to see every problem",
         )
     for f, want in expected.items():
         if saved[f] != want:
@@ -259,7 +270,8 @@ def _check_policy(p: ParamPlan, cfg: dict[str, Any], saved: dict[str, str]) -> N
         if tuple(entry.shape) != tuple(want_shape):
             raise StateShapeError(
                 f"optimizer state {p.fqn}.{f} has shape {list(entry.shape)}, the parameter needs {list(want_shape)}",
-                fqn=p.fqn, hint="run `ckpttool validate --strict` on the checkpoint",
+                fqn=p.fqn,
+                hint="run `ckpttool validate --strict` on the checkpoint",
             )
 
 
@@ -296,7 +308,9 @@ def plan_replay(
     try:
         rx = re.compile(select) if select else None
     except re.error as e:
-        raise UsageError(f"`select` {select!r} is not a valid regular expression ({e})", hint="use Python re syntax") from e
+        raise UsageError(
+            f"`select` {select!r} is not a valid regular expression ({e})", hint="use Python re syntax"
+        ) from e
     for pat in offload_patterns or ():
         try:
             re.compile(pat)
@@ -304,7 +318,8 @@ def plan_replay(
             raise UsageError(f"`offload_patterns` {pat!r} is not a valid regular expression ({e})") from e
     if not cat.param_groups:
         raise HyperparameterError(
-            f"{cat.path}: the checkpoint holds no optimizer param groups; nothing to replay", hint="replay-step needs a checkpoint saved with its optimizer (`ckpttool inspect` shows what it holds)",
+            f"{cat.path}: the checkpoint holds no optimizer param groups; nothing to replay",
+            hint="replay-step needs a checkpoint saved with its optimizer (`ckpttool inspect` shows what it holds)",
         )
     notes: list[str] = []
 
@@ -313,14 +328,16 @@ def plan_replay(
     for g in cat.param_groups:
         for fqn in g.params:
             group_of.setdefault(fqn, g)
-    model_fqns = [k[len(MODEL_PREFIX):] for k in cat.model]
+    model_fqns = [k[len(MODEL_PREFIX) :] for k in cat.model]
     params_in_model = [f for f in model_fqns if f in group_of]
     skipped = len(model_fqns) - len(params_in_model)
     if skipped:
         notes.append(f"{skipped} model tensor(s) in no param group (buffers, frozen parameters) are not replayed")
     orphans = sorted(f for f in group_of if f"{MODEL_PREFIX}{f}" not in cat.model)
     if orphans:
-        notes.append(f"{len(orphans)} param-group parameter(s) are not model tensors and are skipped, e.g. {orphans[0]}")
+        notes.append(
+            f"{len(orphans)} param-group parameter(s) are not model tensors and are skipped, e.g. {orphans[0]}"
+        )
     hypers = {f: _hyper(group_of[f], f, group_of[f].group_id) for f in params_in_model}
 
     def leaf_of(fqn: str) -> Any:
@@ -329,15 +346,16 @@ def plan_replay(
             return ("group", h.group_id)
         return ("hyper", h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.extra)
 
-    leaves_with_state = {leaf_of(f) for f in params_in_model if cat.optimizer_state.get(f) and cat.optimizer_state[f].fields}
+    leaves_with_state = {
+        leaf_of(f) for f in params_in_model if cat.optimizer_state.get(f) and cat.optimizer_state[f].fields
+    }
 
     selected = [f for f in params_in_model if rx is None or rx.search(f)]
     if not params_in_model:
         raise HyperparameterError(
             f"{cat.path}: none of the {len(group_of)} parameter(s) of the param groups is a model tensor "
             "of the checkpoint; nothing to replay",
-            hint="the optimizer state does not name this checkpoint's model tensors (`ckpttool inspect` "
-                 "shows both)",
+            hint="the optimizer state does not name this checkpoint's model tensors (`ckpttool inspect` shows both)",
         )
     if not selected:
         raise UsageError(
@@ -352,7 +370,8 @@ def plan_replay(
     if record_type is not None and record_type not in OPTIMIZER_TYPES:
         if optimizer == "auto":
             raise HyperparameterError(
-                f"{cat.path}: layout record names optimizer type {record_type!r}, unknown to replay-step", hint=f"pass `optimizer` {'|'.join(OPTIMIZER_TYPES)}",
+                f"{cat.path}: layout record names optimizer type {record_type!r}, unknown to replay-step",
+                hint=f"pass `optimizer` {'|'.join(OPTIMIZER_TYPES)}",
             )
         record_type = None
     base_cfg = _record_config(record_opt) if record_type else {}
@@ -376,7 +395,8 @@ def plan_replay(
                     inferred[f] = infer_optimizer_type(saved)
                 except OptimStateError as e:
                     raise StateDtypeError(
-                        f"optimizer state of {f}: {e.message}", fqn=f,
+                        f"optimizer state of {f}: {e.message}",
+                        fqn=f,
                         hint="run `ckpttool validate --strict` on the checkpoint; pass `optimizer` to declare the type",
                     ) from e
         kinds = sorted(set(inferred.values()))
@@ -391,7 +411,8 @@ def plan_replay(
             type_name = kinds[0]
             reason = "state fields" + (
                 " (cpu_offload_adamw saves the same fields as full_fp32_adamw; pass --optimizer or stamp a record to use it)"
-                if type_name == "full_fp32_adamw" else ""
+                if type_name == "full_fp32_adamw"
+                else ""
             )
         else:
             type_name = "adamw"
@@ -414,19 +435,23 @@ def plan_replay(
     config: dict[str, dict[str, Any]] = {}
     for t in types_used:
         cfg = dict(base_cfg)
-        if t == "master_fp32_adamw" and not (cfg.get("moment_dtype") or (cfg.get("moment_dtypes") or {}).get("resident")):
+        if t == "master_fp32_adamw" and not (
+            cfg.get("moment_dtype") or (cfg.get("moment_dtypes") or {}).get("resident")
+        ):
             cfg["moment_dtype"] = saved_moment(lambda f, t=t: per_param_type.get(f, t) == t) or "bfloat16"
         if t == "cpu_offload_adamw":
             probe = _constructor_config(t, cfg, chunk_size)
             md = dict(cfg.get("moment_dtypes") or {})
             if "resident" not in md and "resident_moment_dtype" not in cfg:
-                md["resident"] = saved_moment(lambda f: not _offloaded(probe, f)) or "float32"
+                md["resident"] = saved_moment(lambda f, probe=probe: not _offloaded(probe, f)) or "float32"
             if "cpu" not in md and "cpu_moment_dtype" not in cfg:
-                md["cpu"] = saved_moment(lambda f: _offloaded(probe, f)) or "float32"
+                md["cpu"] = saved_moment(lambda f, probe=probe: _offloaded(probe, f)) or "float32"
             cfg["moment_dtypes"] = md
         config[t] = _constructor_config(t, cfg, chunk_size)
     if "cpu_offload_adamw" in config and not config["cpu_offload_adamw"]["cpu_offload"]:
-        notes.append("cpu_offload_adamw without offload patterns (record or --offload-patterns): every parameter resident")
+        notes.append(
+            "cpu_offload_adamw without offload patterns (record or --offload-patterns): every parameter resident"
+        )
 
     plans: list[ParamPlan] = []
     fresh_leaves: set[Any] = set()
@@ -451,14 +476,15 @@ def plan_replay(
                     f"(group {hypers[f].group_id}) have state: its leaf stepped",
                     fqn=f,
                     hint="the state of this parameter was lost (or it never received a gradient); "
-                         "leave it out with `select`, and run `ckpttool validate --strict`",
+                    "leave it out with `select`, and run `ckpttool validate --strict`",
                 )
             p.fresh = True
             fresh_leaves.add(leaf)
         if entry.dtype not in ITEMSIZE:
             raise StateDtypeError(
                 f"parameter {f} is {entry.dtype}; replay-step replays floating-point parameters "
-                f"({', '.join(ITEMSIZE)})", fqn=f,
+                f"({', '.join(ITEMSIZE)})",
+                fqn=f,
             )
         plans.append(p)
     for leaf in sorted(fresh_leaves, key=str):
@@ -505,7 +531,8 @@ def make_batches(params: list[ParamPlan], max_memory: int, reference_itemsize: i
         if need > max_memory:
             raise MemoryBudgetError(
                 f"replaying {p.fqn} ({p.numel:,} elements) needs about {need:,} bytes, more than `max_memory` {max_memory:,}",
-                fqn=p.fqn, hint="raise `max_memory`, or leave the parameter out with `select`",
+                fqn=p.fqn,
+                hint="raise `max_memory`, or leave the parameter out with `select`",
             )
         if cur and used + need > max_memory:
             batches.append(cur)

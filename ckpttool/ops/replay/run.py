@@ -39,8 +39,15 @@ from ckpttool.ops.replay.compare import FieldError, compare_field, count_unequal
 from ckpttool.ops.replay.plan import ITEMSIZE, ParamPlan, make_batches, plan_replay
 from ckpttool.ops.tensors import to_canonical
 
-__all__ = ["DEVICE_CHOICES", "ParamResult", "ReplayOptions", "ReplayResult", "check_tolerance", "replay_step",
-           "resolve_device"]
+__all__ = [
+    "DEVICE_CHOICES",
+    "ParamResult",
+    "ReplayOptions",
+    "ReplayResult",
+    "check_tolerance",
+    "replay_step",
+    "resolve_device",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -104,14 +111,26 @@ class ParamResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "fqn": self.fqn, "shape": list(self.shape), "dtype": self.dtype, "numel": self.numel,
-            "optimizer": self.optimizer_type, "group": self.group_id, "lr": self.lr, "weight_decay": self.weight_decay,
-            "state": self.state, "offloaded": self.offloaded, "step_before": self.step_before,
-            "step_after": self.step_after, "expected_step": self.expected_step,
+            "fqn": self.fqn,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "numel": self.numel,
+            "optimizer": self.optimizer_type,
+            "group": self.group_id,
+            "lr": self.lr,
+            "weight_decay": self.weight_decay,
+            "state": self.state,
+            "offloaded": self.offloaded,
+            "step_before": self.step_before,
+            "step_after": self.step_after,
+            "expected_step": self.expected_step,
             "errors": {k: v.to_dict() for k, v in self.fields.items()},
             "param_vs_reference_unequal": self.param_vs_reference_unequal,
-            "writeback_unequal": self.writeback_unequal, "sync_unequal": self.sync_unequal,
-            "placement": self.placement, "ok": self.ok, "problems": self.problems,
+            "writeback_unequal": self.writeback_unequal,
+            "sync_unequal": self.sync_unequal,
+            "placement": self.placement,
+            "ok": self.ok,
+            "problems": self.problems,
         }
 
 
@@ -159,14 +178,25 @@ class ReplayResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema": "ckpttool.replay/1",
-            "checkpoint": self.path, "device": self.device,
-            "optimizer": {"type": self.optimizer_type, "reason": self.optimizer_reason, "config": self.optimizer_config},
-            "steps": self.steps, "grads": self.grads,
+            "checkpoint": self.path,
+            "device": self.device,
+            "optimizer": {
+                "type": self.optimizer_type,
+                "reason": self.optimizer_reason,
+                "config": self.optimizer_config,
+            },
+            "steps": self.steps,
+            "grads": self.grads,
             "tolerance": {"rtol": self.tolerance[0], "atol": self.tolerance[1]},
-            "reference_dtype": self.reference_dtype, "ok": self.ok,
-            "params_total": len(self.params), "params_failed": len(self.failed),
-            "params": [p.to_dict() for p in self.params], "notes": self.notes,
-            "batches": self.batches, "max_memory": self.max_memory, "timing": self.timing,
+            "reference_dtype": self.reference_dtype,
+            "ok": self.ok,
+            "params_total": len(self.params),
+            "params_failed": len(self.failed),
+            "params": [p.to_dict() for p in self.params],
+            "notes": self.notes,
+            "batches": self.batches,
+            "max_memory": self.max_memory,
+            "timing": self.timing,
         }
 
 
@@ -193,15 +223,19 @@ def resolve_device(device: str) -> Any:
         try:
             import torch_npu  # noqa: F401  (registers the npu accelerator)
         except ImportError as e:
-            raise DeviceUnavailableError("`device` npu needs torch_npu, which is not installed",
-                             hint="install torch_npu, or use `device` cpu") from e
+            raise DeviceUnavailableError(
+                "`device` npu needs torch_npu, which is not installed", hint="install torch_npu, or use `device` cpu"
+            ) from e
     acc = accelerator_type()
     if device == "auto":
         device = acc or "cpu"
     if device == "cpu":
         return torch.device("cpu")
     if acc != device:
-        raise DeviceUnavailableError(f"`device` {device}: no {device} device on this machine (accelerator: {acc or 'none'})", hint="use `device` auto or `device` cpu")
+        raise DeviceUnavailableError(
+            f"`device` {device}: no {device} device on this machine (accelerator: {acc or 'none'})",
+            hint="use `device` auto or `device` cpu",
+        )
     return torch.device(device, torch.accelerator.current_device_index())
 
 
@@ -245,8 +279,11 @@ def check_tolerance(rtol: float, atol: float, text: str | None = None) -> None:
             hint="give finite values, e.g. `tolerance` 1e-5,1e-8 (widen them, e.g. 1e-3,1e-6, for a looser check)",
         )
     if not (rtol >= 0 and atol >= 0):
-        raise UsageError(f"`tolerance` {shown}: both numbers must be >= 0", param="tolerance",
-                         hint="rtol and atol are non-negative bounds, e.g. `tolerance` 1e-5,1e-8")
+        raise UsageError(
+            f"`tolerance` {shown}: both numbers must be >= 0",
+            param="tolerance",
+            hint="rtol and atol are non-negative bounds, e.g. `tolerance` 1e-5,1e-8",
+        )
 
 
 @dataclass(frozen=True)
@@ -290,8 +327,9 @@ class ReplayOptions:
             raise UsageError(f"`steps` must be >= 1, got {self.steps}", param="steps")
         check_tolerance(*self.tolerance)
         if self.reference_dtype not in _REF_DTYPES:
-            raise UsageError(f"`reference_dtype` must be float64 or float32, got {self.reference_dtype!r}",
-                             param="reference_dtype")
+            raise UsageError(
+                f"`reference_dtype` must be float64 or float32, got {self.reference_dtype!r}", param="reference_dtype"
+            )
         if self.chunk_size is not None and self.chunk_size <= 0:
             raise UsageError(f"`chunk_size` must be > 0, got {self.chunk_size}", param="chunk_size")
         if self.max_memory is not None and self.max_memory <= 0:
@@ -338,8 +376,12 @@ def replay_step(
         return _replay(ckpt, opts, on_param, progress)
 
 
-def _replay(ckpt: Checkpoint, opts: ReplayOptions, on_param: Callable[[str, dict[str, Any]], None] | None,
-            progress: Callable[[int, int], None] | None) -> ReplayResult:
+def _replay(
+    ckpt: Checkpoint,
+    opts: ReplayOptions,
+    on_param: Callable[[str, dict[str, Any]], None] | None,
+    progress: Callable[[int, int], None] | None,
+) -> ReplayResult:
     import torch
 
     from ckpttool.ops.replay.grads import GradFile
@@ -351,8 +393,14 @@ def _replay(ckpt: Checkpoint, opts: ReplayOptions, on_param: Callable[[str, dict
     reader, cat = ckpt.reader, ckpt.catalog
     ckpt.param_groups()
     layout = ckpt.require_layout()
-    plan = plan_replay(cat, layout.record, select=opts.select, optimizer=opts.optimizer,
-                       offload_patterns=opts.offload_patterns, chunk_size=opts.chunk_size)
+    plan = plan_replay(
+        cat,
+        layout.record,
+        select=opts.select,
+        optimizer=opts.optimizer,
+        offload_patterns=opts.offload_patterns,
+        chunk_size=opts.chunk_size,
+    )
     notes = list(plan.notes)
     grad_file = GradFile(opts.grads) if opts.grads is not None else None
     if grad_file is not None:
@@ -373,9 +421,14 @@ def _replay(ckpt: Checkpoint, opts: ReplayOptions, on_param: Callable[[str, dict
     ref_itemsize = 8 if opts.reference_dtype == "float64" else 4
     batches = make_batches(plan.params, budget, ref_itemsize)
     grad_desc: dict[str, Any] = (
-        {"source": "file", "path": str(grad_file.path)} if grad_file is not None
-        else {"source": "seed", "seed": opts.grad_seed, "scale": opts.grad_scale,
-              "generator": "torch.randn(fp32, cpu Generator seeded zlib.crc32('ckpttool.replay:{seed}:{k}:{fqn}')) * scale"}
+        {"source": "file", "path": str(grad_file.path)}
+        if grad_file is not None
+        else {
+            "source": "seed",
+            "seed": opts.grad_seed,
+            "scale": opts.grad_scale,
+            "generator": "torch.randn(fp32, cpu Generator seeded zlib.crc32('ckpttool.replay:{seed}:{k}:{fqn}')) * scale",
+        }
     )
 
     def canon(key: str, model_key: str, t: torch.Tensor) -> torch.Tensor:
@@ -383,17 +436,37 @@ def _replay(ckpt: Checkpoint, opts: ReplayOptions, on_param: Callable[[str, dict
             return t
         return to_canonical(layout, key, t)
 
-    timing = {"step_seconds": 0.0, "state_bytes": 0.0, "d2h_bytes": 0.0, "h2d_bytes": 0.0,
-              "offload_seconds": 0.0, "load_seconds": 0.0, "reference_seconds": 0.0}
+    timing = {
+        "step_seconds": 0.0,
+        "state_bytes": 0.0,
+        "d2h_bytes": 0.0,
+        "h2d_bytes": 0.0,
+        "offload_seconds": 0.0,
+        "load_seconds": 0.0,
+        "reference_seconds": 0.0,
+    }
     results: list[ParamResult] = []
     done = 0
     start_read = reader.bytes_read
     for batch in batches:
-        results.extend(_replay_batch(
-            reader, batch, dev=dev, steps=opts.steps, plan_config=plan.config, grad_file=grad_file,
-            grad_seed=opts.grad_seed, grad_scale=opts.grad_scale, rtol=rtol, atol=atol, ref_dtype=ref_dtype,
-            canon=canon, timing=timing, on_param=on_param,
-        ))
+        results.extend(
+            _replay_batch(
+                reader,
+                batch,
+                dev=dev,
+                steps=opts.steps,
+                plan_config=plan.config,
+                grad_file=grad_file,
+                grad_seed=opts.grad_seed,
+                grad_scale=opts.grad_scale,
+                rtol=rtol,
+                atol=atol,
+                ref_dtype=ref_dtype,
+                canon=canon,
+                timing=timing,
+                on_param=on_param,
+            )
+        )
         done += len(batch)
         if progress is not None:
             progress(done, len(plan.params))
@@ -401,8 +474,12 @@ def _replay(ckpt: Checkpoint, opts: ReplayOptions, on_param: Callable[[str, dict
 
     record = layout.record
     for p in results:
-        if p.state == "loaded" and record is not None and record.global_step is not None \
-                and p.step_before != float(record.global_step):
+        if (
+            p.state == "loaded"
+            and record is not None
+            and record.global_step is not None
+            and p.step_before != float(record.global_step)
+        ):
             notes.append(
                 f"saved step of {p.fqn} is {p.step_before:g} but the layout record's global_step is "
                 f"{record.global_step} (parameters that missed gradients on some steps count fewer)"
@@ -419,17 +496,38 @@ def _replay(ckpt: Checkpoint, opts: ReplayOptions, on_param: Callable[[str, dict
         bytes_read=float(bytes_read),
     )
     return ReplayResult(
-        path=str(Path(ckpt.path)), device=str(dev), optimizer_type=plan.optimizer_type,
-        optimizer_reason=plan.reason, optimizer_config=plan.config, steps=opts.steps, grads=grad_desc,
-        tolerance=(rtol, atol), reference_dtype=opts.reference_dtype, params=results, notes=notes,
-        batches=len(batches), max_memory=budget, timing=timing,
+        path=str(Path(ckpt.path)),
+        device=str(dev),
+        optimizer_type=plan.optimizer_type,
+        optimizer_reason=plan.reason,
+        optimizer_config=plan.config,
+        steps=opts.steps,
+        grads=grad_desc,
+        tolerance=(rtol, atol),
+        reference_dtype=opts.reference_dtype,
+        params=results,
+        notes=notes,
+        batches=len(batches),
+        max_memory=budget,
+        timing=timing,
     )
 
 
 def _replay_batch(
-    reader: Any, batch: list[ParamPlan], *, dev: Any, steps: int, plan_config: dict[str, dict[str, Any]],
-    grad_file: Any, grad_seed: int, grad_scale: float, rtol: float, atol: float, ref_dtype: Any,
-    canon: Callable[[str, str, Any], Any], timing: dict[str, float],
+    reader: Any,
+    batch: list[ParamPlan],
+    *,
+    dev: Any,
+    steps: int,
+    plan_config: dict[str, dict[str, Any]],
+    grad_file: Any,
+    grad_seed: int,
+    grad_scale: float,
+    rtol: float,
+    atol: float,
+    ref_dtype: Any,
+    canon: Callable[[str, str, Any], Any],
+    timing: dict[str, float],
     on_param: Callable[[str, dict[str, Any]], None] | None,
 ) -> list[ParamResult]:
     """Replay one memory batch (see the module docstring); returns its parameter results."""
@@ -448,8 +546,19 @@ def _replay_batch(
             t[f] = canon(entry.key, p.key, reader.read_tensor(entry.key))
         loaded[p.fqn] = t
         step_before = float(t["step"].item()) if "step" in t else 0.0
-        r = ParamResult(p.fqn, p.shape, p.dtype, p.numel, p.optimizer_type, p.hyper.group_id, p.hyper.lr,
-                        p.hyper.weight_decay, "fresh" if p.fresh else "loaded", p.offloaded, step_before)
+        r = ParamResult(
+            p.fqn,
+            p.shape,
+            p.dtype,
+            p.numel,
+            p.optimizer_type,
+            p.hyper.group_id,
+            p.hyper.lr,
+            p.hyper.weight_decay,
+            "fresh" if p.fresh else "loaded",
+            p.offloaded,
+            step_before,
+        )
         r.expected_step = step_before + steps
         if "master_weight" in t:
             pt = getattr(torch, p.dtype)
@@ -479,8 +588,7 @@ def _replay_batch(
         saved_group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
         saved_group["params"] = list(range(len(members)))
         state = {
-            i: {f: v for f, v in loaded[m.fqn].items() if f != "param"}
-            for i, m in enumerate(members) if not m.fresh
+            i: {f: v for f, v in loaded[m.fqn].items() if f != "param"} for i, m in enumerate(members) if not m.fresh
         }
         opt.load_state_dict({"state": state, "param_groups": [saved_group]})
         optimizers.append((opt, members, offloaded and dev.type != "cpu"))
@@ -498,7 +606,9 @@ def _replay_batch(
         else:
             m0, v0 = t["exp_avg"], t["exp_avg_sq"]
         ref[p.fqn] = {
-            "theta": theta.to(ref_dtype, copy=True), "m": m0.to(ref_dtype, copy=True), "v": v0.to(ref_dtype, copy=True),
+            "theta": theta.to(ref_dtype, copy=True),
+            "m": m0.to(ref_dtype, copy=True),
+            "v": v0.to(ref_dtype, copy=True),
             "step": float(t["step"].item()) if "step" in t else 0.0,
         }
         for k in ("theta", "m", "v"):
@@ -507,14 +617,25 @@ def _replay_batch(
     for k in range(steps):
         for p in batch:
             pt = getattr(torch, p.dtype)
-            g = grad_file.get(p.fqn, p.shape, pt) if grad_file is not None else seeded_grad(
-                p.fqn, p.shape, pt, seed=grad_seed, scale=grad_scale, step_index=k)
+            g = (
+                grad_file.get(p.fqn, p.shape, pt)
+                if grad_file is not None
+                else seeded_grad(p.fqn, p.shape, pt, seed=grad_seed, scale=grad_scale, step_index=k)
+            )
             params[p.fqn].grad = g.to(dev) if dev.type != "cpu" else g
             t1 = time.perf_counter()
             rs = ref[p.fqn]
             h = p.hyper
             theta, m, v, new_step = reference_adamw_step(
-                rs["theta"], g, rs["m"], rs["v"], rs["step"], h.lr, (h.beta1, h.beta2), h.eps, h.weight_decay,
+                rs["theta"],
+                g,
+                rs["m"],
+                rs["v"],
+                rs["step"],
+                h.lr,
+                (h.beta1, h.beta2),
+                h.eps,
+                h.weight_decay,
                 dtype=ref_dtype,
             )
             if k < steps - 1:  # the optimizer stores its state in these dtypes between steps
@@ -576,8 +697,16 @@ def _bytes_per_step(p: ParamPlan) -> int:
 
 
 def _compare_param(
-    p: ParamPlan, r: ParamResult, param: Any, st: dict[str, Any], rs: dict[str, Any], *, dev: Any,
-    rtol: float, atol: float, steps: int,
+    p: ParamPlan,
+    r: ParamResult,
+    param: Any,
+    st: dict[str, Any],
+    rs: dict[str, Any],
+    *,
+    dev: Any,
+    rtol: float,
+    atol: float,
+    steps: int,
 ) -> None:
     """Fill ``r`` with the checks of one parameter after the replay."""
     import torch
@@ -593,8 +722,15 @@ def _compare_param(
     if has_master:
         master = st["master_weight"].detach().cpu()
         r.fields["master_weight"] = compare_field(
-            master, rs["theta"], rs["scale_theta"], rtol=rtol, atol=atol, stored="float32", arithmetic="float32",
-            late_path=rs.get("late_theta"), late_rtol=2 * machine_eps(p.moment_dtype),
+            master,
+            rs["theta"],
+            rs["scale_theta"],
+            rtol=rtol,
+            atol=atol,
+            stored="float32",
+            arithmetic="float32",
+            late_path=rs.get("late_theta"),
+            late_rtol=2 * machine_eps(p.moment_dtype),
             carry_rtol=2 * (steps - 1) * machine_eps("float32"),
         )
         r.writeback_unequal = count_unequal(param_cpu, master.to(pt))
@@ -604,13 +740,28 @@ def _compare_param(
             )
         r.param_vs_reference_unequal = count_unequal(param_cpu, rs["theta"].to(pt))
     for f, key in (("exp_avg", "m"), ("exp_avg_sq", "v")):
-        r.fields[f] = compare_field(st[f].detach().cpu(), rs[key], rs[f"scale_{key}"], rtol=rtol, atol=atol,
-                                    stored=p.moment_dtype, arithmetic=arith,
-                                    carry_rtol=2 * (steps - 1) * machine_eps(p.moment_dtype))
-    r.fields["param"] = compare_field(param_cpu, rs["theta"], rs["scale_theta"], rtol=rtol, atol=atol,
-                                      stored=p.dtype, arithmetic=arith, late_path=rs.get("late_theta"),
-                                      late_rtol=2 * machine_eps(p.moment_dtype),
-                                      carry_rtol=2 * (steps - 1) * machine_eps("float32" if has_master else p.dtype))
+        r.fields[f] = compare_field(
+            st[f].detach().cpu(),
+            rs[key],
+            rs[f"scale_{key}"],
+            rtol=rtol,
+            atol=atol,
+            stored=p.moment_dtype,
+            arithmetic=arith,
+            carry_rtol=2 * (steps - 1) * machine_eps(p.moment_dtype),
+        )
+    r.fields["param"] = compare_field(
+        param_cpu,
+        rs["theta"],
+        rs["scale_theta"],
+        rtol=rtol,
+        atol=atol,
+        stored=p.dtype,
+        arithmetic=arith,
+        late_path=rs.get("late_theta"),
+        late_rtol=2 * machine_eps(p.moment_dtype),
+        carry_rtol=2 * (steps - 1) * machine_eps("float32" if has_master else p.dtype),
+    )
     for f, err in r.fields.items():
         if not err.ok:
             r.problems.append(
@@ -623,5 +774,6 @@ def _compare_param(
         r.problems.append(f"parameter is on {param.device}, expected {dev.type}")
     for f in ("master_weight", "exp_avg", "exp_avg_sq"):
         if f in st and st[f].device.type != want_state:
-            r.problems.append(f"{f} is on {st[f].device}, expected {want_state}"
-                              + (" (offloaded)" if p.offloaded else ""))
+            r.problems.append(
+                f"{f} is on {st[f].device}, expected {want_state}" + (" (offloaded)" if p.offloaded else "")
+            )

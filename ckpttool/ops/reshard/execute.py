@@ -126,8 +126,9 @@ class ReshardResult:
         return d
 
 
-def _stream_segments(tp: TensorPlan, oc: Any, reader: CheckpointReader,
-                     records: dict[ChunkMeta, tuple[int, int] | None]) -> list[tuple[int, int, int]] | None:
+def _stream_segments(
+    tp: TensorPlan, oc: Any, reader: CheckpointReader, records: dict[ChunkMeta, tuple[int, int] | None]
+) -> list[tuple[int, int, int]] | None:
     """Byte segments of the source files whose concatenation is output chunk ``oc`` (``None``: not that simple)."""
     item = tp.dtype.itemsize
     if not can_stream(tp.dtype):
@@ -182,8 +183,9 @@ def _plan_jobs(tp: TensorPlan, reader: CheckpointReader, jobs: dict[int, list[_J
         raw = oc.raw_source
         if raw is not None:
             info = reader.locate(tp.key, raw).info  # the archive is checked before it is copied
-            jobs[oc.rank].append(_Job(tp.key, oc.chunk, tp.dtype, oc.chunk.numel * nbytes_of,
-                                      copy=(reader.fd(info.relative_path), info)))
+            jobs[oc.rank].append(
+                _Job(tp.key, oc.chunk, tp.dtype, oc.chunk.numel * nbytes_of, copy=(reader.fd(info.relative_path), info))
+            )
             continue
         segments = _stream_segments(tp, oc, reader, records)
         if segments is not None:  # contiguous pieces: bytes go file to file, no tensor needed
@@ -193,8 +195,9 @@ def _plan_jobs(tp: TensorPlan, reader: CheckpointReader, jobs: dict[int, list[_J
     return fallback
 
 
-def _run_jobs(rank: int, jobs: list[_Job], writer: DCPWriter, tick: Callable[[int, bool], None],
-              stop: threading.Event) -> None:
+def _run_jobs(
+    rank: int, jobs: list[_Job], writer: DCPWriter, tick: Callable[[int, bool], None], stop: threading.Event
+) -> None:
     for job in jobs:
         if stop.is_set():  # interrupted, or another worker failed: the output is abandoned
             return
@@ -233,9 +236,16 @@ def _write_reassembled(tp: TensorPlan, indices: list[int], reader: CheckpointRea
         writer.write_chunk(tp.key, oc.chunk, oc.rank, buffers.pop(i))
 
 
-def execute_plan(plan: ReshardPlan, reader: CheckpointReader, out_dir: Path, checkpoint_id: Path,
-                 progress: ProgressFn | None = None, *, threads: int | None = None,
-                 fsync: bool = True) -> tuple[DCPWriter, dict[str, int]]:
+def execute_plan(
+    plan: ReshardPlan,
+    reader: CheckpointReader,
+    out_dir: Path,
+    checkpoint_id: Path,
+    progress: ProgressFn | None = None,
+    *,
+    threads: int | None = None,
+    fsync: bool = True,
+) -> tuple[DCPWriter, dict[str, int]]:
     """Write the planned checkpoint into ``out_dir`` (data files + ``.metadata``).
 
     Output chunks that are a whole source chunk (copied verbatim) or a concatenation of
@@ -321,8 +331,12 @@ def _copy_extra_files(src: Path, dst: Path) -> list[str]:
         if entry.name in (METADATA_NAME, SIDECAR_NAME) or DATA_FILE_RE.match(entry.name) or entry.is_symlink():
             continue
         if entry.is_dir(follow_symlinks=False):
-            shutil.copytree(entry.path, dst / entry.name, symlinks=True,
-                            ignore=lambda d, names: [n for n in names if os.path.islink(os.path.join(d, n))])
+            shutil.copytree(
+                entry.path,
+                dst / entry.name,
+                symlinks=True,
+                ignore=lambda d, names: [n for n in names if os.path.islink(os.path.join(d, n))],
+            )
         elif entry.is_file(follow_symlinks=False):
             shutil.copy2(entry.path, dst / entry.name)
         else:
@@ -367,28 +381,50 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
     t0 = time.perf_counter()
     src_p, reader, cat = Path(ckpt.path), ckpt.reader, ckpt.catalog
     layout = ckpt.require_layout()
-    plan = plan_reshard(cat, reader, layout, to=opts.to, target_ep_size=opts.target_ep_size,
-                        target_ep_fsdp_size=opts.target_ep_fsdp_size, with_optimizer=opts.with_optimizer)
+    plan = plan_reshard(
+        cat,
+        reader,
+        layout,
+        to=opts.to,
+        target_ep_size=opts.target_ep_size,
+        target_ep_fsdp_size=opts.target_ep_fsdp_size,
+        with_optimizer=opts.with_optimizer,
+    )
     with AtomicOutputDir(dst_p, overwrite=opts.overwrite, source=src_p) as tmp:
-        writer, counts = execute_plan(plan, reader, tmp, dst_p.resolve(), progress, threads=opts.threads,
-                                      fsync=opts.fsync)
+        writer, counts = execute_plan(
+            plan, reader, tmp, dst_p.resolve(), progress, threads=opts.threads, fsync=opts.fsync
+        )
         extra = _copy_extra_files(src_p, tmp)
-        files = [{"path": DCPWriter.file_name(r), "bytes": (tmp / DCPWriter.file_name(r)).stat().st_size}
-                 for r in range(plan.world)]
+        files = [
+            {"path": DCPWriter.file_name(r), "bytes": (tmp / DCPWriter.file_name(r)).stat().st_size}
+            for r in range(plan.world)
+        ]
     kinds: dict[str, int] = defaultdict(int)
     for t in plan.tensors:
         kinds[t.kind] += 1
     warnings = _extra_state_warnings(cat, extra, origin_world(cat, layout), plan.world)
     return ReshardResult(
-        source=str(src_p), target=str(dst_p),
-        from_version=layout.version, from_source=layout.source,
-        from_ep_size=layout.ep_size, from_ep_fsdp_size=layout.ep_fsdp_size,
-        to_version=plan.to_version, ep_size=plan.ep_size, ep_fsdp_size=plan.ep_fsdp_size,
-        ep_tensors=kinds["ep"], permuted=plan.permuted_keys, optimizer_tensors=kinds["ep_state"],
-        passthrough_tensors=kinds["passthrough"], byte_items=len(plan.byte_items),
-        chunks_copied=counts["copied"], chunks_rewritten=counts["rewritten"],
-        files=files, extra_files=extra, bytes_written=writer.bytes_written,
-        seconds=round(time.perf_counter() - t0, 3), warnings=warnings,
+        source=str(src_p),
+        target=str(dst_p),
+        from_version=layout.version,
+        from_source=layout.source,
+        from_ep_size=layout.ep_size,
+        from_ep_fsdp_size=layout.ep_fsdp_size,
+        to_version=plan.to_version,
+        ep_size=plan.ep_size,
+        ep_fsdp_size=plan.ep_fsdp_size,
+        ep_tensors=kinds["ep"],
+        permuted=plan.permuted_keys,
+        optimizer_tensors=kinds["ep_state"],
+        passthrough_tensors=kinds["passthrough"],
+        byte_items=len(plan.byte_items),
+        chunks_copied=counts["copied"],
+        chunks_rewritten=counts["rewritten"],
+        files=files,
+        extra_files=extra,
+        bytes_written=writer.bytes_written,
+        seconds=round(time.perf_counter() - t0, 3),
+        warnings=warnings,
     )
 
 
@@ -406,8 +442,9 @@ def _extra_state_warnings(cat: Catalog, extra: list[str], src_world: int, world:
     unused = [r for r in have if r >= world]
     what = []
     if missing:
-        what.append(f"target rank(s) {_ranks(missing)} have no extra_state file and resume with fresh "
-                    "scheduler/step/RNG state")
+        what.append(
+            f"target rank(s) {_ranks(missing)} have no extra_state file and resume with fresh scheduler/step/RNG state"
+        )
     if unused:
         what.append(f"the files of source rank(s) {_ranks(unused)} belong to no target rank")
     return [

@@ -191,8 +191,9 @@ def target_rank_coords(version: int, rank: int, ep_size: int, ep_fsdp_size: int)
     return e, f
 
 
-def _target_boxes(spec: EPTensorSpec, shape: tuple[int, ...], version: int, p: int, f: int
-                  ) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+def _target_boxes(
+    spec: EPTensorSpec, shape: tuple[int, ...], version: int, p: int, f: int
+) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
     """``(rank, offsets, sizes)`` of every target chunk of an EP tensor (replicas once)."""
     out = []
     ndim = len(shape)
@@ -242,8 +243,13 @@ class _ChunkIndex:
         return out
 
 
-def _pieces(box_offs: tuple[int, ...], box_sizes: tuple[int, ...], ep_dim: int,
-            runs: list[tuple[int, int, int]], index: _ChunkIndex) -> tuple[Piece, ...]:
+def _pieces(
+    box_offs: tuple[int, ...],
+    box_sizes: tuple[int, ...],
+    ep_dim: int,
+    runs: list[tuple[int, int, int]],
+    index: _ChunkIndex,
+) -> tuple[Piece, ...]:
     if math.prod(box_sizes) == 0:
         return ()
     ndim = len(box_offs)
@@ -264,10 +270,14 @@ def _pieces(box_offs: tuple[int, ...], box_sizes: tuple[int, ...], ep_dim: int,
                 continue
             dst = [o_lo[d] - box_offs[d] for d in range(ndim)]
             dst[ep_dim] = o_lo[ep_dim] - shift - box_offs[ep_dim]
-            pieces.append(Piece(
-                c, tuple(o_lo[d] - c.offsets[d] for d in range(ndim)), tuple(dst),
-                tuple(o_hi[d] - o_lo[d] for d in range(ndim)),
-            ))
+            pieces.append(
+                Piece(
+                    c,
+                    tuple(o_lo[d] - c.offsets[d] for d in range(ndim)),
+                    tuple(dst),
+                    tuple(o_hi[d] - o_lo[d] for d in range(ndim)),
+                )
+            )
     return tuple(pieces)
 
 
@@ -393,13 +403,15 @@ def plan_reshard(
         e = spec.num_experts
         if e % p2:
             raise LayoutSizeError(
-                f"{key}: {e} experts do not divide over target ep_size {p2}", fqn=key,
+                f"{key}: {e} experts do not divide over target ep_size {p2}",
+                fqn=key,
                 hint="choose a `target_ep_size` that divides the expert count",
             )
         if spec.fsdp_dim == spec.ep_dim and to_version == 1 and e % (p2 * f2):
             raise LayoutSizeError(
                 f"{key}: the legacy layout needs {e} experts to split into ep_size*ep_fsdp_size = {p2 * f2} equal slabs",
-                fqn=key, hint="choose target sizes whose product divides the expert count",
+                fqn=key,
+                hint="choose target sizes whose product divides the expert count",
             )
 
     # Optimizer state of EP parameters: migrate (with_optimizer) or refuse.
@@ -408,13 +420,14 @@ def plan_reshard(
         model_key = f"{MODEL_PREFIX}{fqn}"
         if model_key not in layout.ep_tensors:
             continue
-        for fld, t in ps.fields.items():
+        for t in ps.fields.values():
             if t is None or not t.shape:
                 continue  # byte items and 0-d `step` are not sharded by expert
             if t.shape != cat.model[model_key].shape:
                 raise ReshardError(
                     f"{t.key}: shape {list(t.shape)} differs from its parameter's {list(cat.model[model_key].shape)}; "
-                    "cannot permute it like the parameter", fqn=t.key,
+                    "cannot permute it like the parameter",
+                    fqn=t.key,
                 )
             ep_state[t.key] = model_key
     if ep_state and not with_optimizer:
@@ -423,16 +436,25 @@ def plan_reshard(
         raise ReshardError(
             f"{cat.path}: the checkpoint holds optimizer state for {n_params} expert-parallel parameter(s) "
             f"(e.g. {first}); resharding only the parameters would leave it in the old order",
-            fqn=first, hint="pass `with_optimizer` to permute the optimizer state with the parameters",
+            fqn=first,
+            hint="pass `with_optimizer` to permute the optimizer state with the parameters",
         )
     for skey, mkey in ep_state.items():
         spec = layout.ep_tensors[mkey]
-        geo = tensor_geometry(cat.tensors[skey], skey, spec, version=layout.version,
-                              ep_size=layout.ep_size, ep_fsdp_size=layout.ep_fsdp_size)
+        geo = tensor_geometry(
+            cat.tensors[skey],
+            skey,
+            spec,
+            version=layout.version,
+            ep_size=layout.ep_size,
+            ep_fsdp_size=layout.ep_fsdp_size,
+        )
         if layout.version is not None and layout.ep_size is not None and geo.problems:
-            raise LayoutContradictionError(f"{skey}: the chunk geometry contradicts the layout: {geo.problems[0]}",
-                              fqn=skey,
-                              hint="the optimizer state is not sharded like its parameter; it cannot be migrated")
+            raise LayoutContradictionError(
+                f"{skey}: the chunk geometry contradicts the layout: {geo.problems[0]}",
+                fqn=skey,
+                hint="the optimizer state is not sharded like its parameter; it cannot be migrated",
+            )
 
     plan = ReshardPlan(ckpt.path, layout, to_version, p2, f2, p2 * f2)
     md = ckpt.metadata
@@ -450,17 +472,33 @@ def plan_reshard(
         model_key = key if key in layout.ep_tensors else ep_state.get(key)
         if model_key is None:
             chunks = tuple(
-                OutChunk(c, _source_rank(ckpt, key, c) % plan.world,
-                         (Piece(c, (0,) * len(c.sizes), (0,) * len(c.sizes), c.sizes),))
+                OutChunk(
+                    c,
+                    _source_rank(ckpt, key, c) % plan.world,
+                    (Piece(c, (0,) * len(c.sizes), (0,) * len(c.sizes), c.sizes),),
+                )
                 for c in meta.chunks
             )
             plan.tensors.append(TensorPlan(key, meta.dtype, meta.size, "passthrough", False, chunks))
             continue
-        plan.tensors.append(_plan_ep_tensor(key, meta, layout, layout.ep_tensors[model_key], model_key,
-                                            to_version, p2, f2, "ep" if key == model_key else "ep_state"))
+        plan.tensors.append(
+            _plan_ep_tensor(
+                key,
+                meta,
+                layout,
+                layout.ep_tensors[model_key],
+                model_key,
+                to_version,
+                p2,
+                f2,
+                "ep" if key == model_key else "ep_state",
+            )
+        )
     src_rec = layout.record.raw if layout.record is not None else None
     converted_from = {
-        "version": layout.version, "ep_size": layout.ep_size, "ep_fsdp_size": layout.ep_fsdp_size,
+        "version": layout.version,
+        "ep_size": layout.ep_size,
+        "ep_fsdp_size": layout.ep_fsdp_size,
         "layout_source": layout.source,
         # ranks that wrote the source's data files, and of the mesh that wrote the per-rank files beside
         # the checkpoint (extra_state/), which reshard copies unchanged (validate's S007 reads these)
@@ -468,7 +506,11 @@ def plan_reshard(
         "origin_world": origin_world(cat, layout),
     }
     plan.record = make_record(
-        to_version, p2, f2, layout.ep_tensors, base=src_rec,
+        to_version,
+        p2,
+        f2,
+        layout.ep_tensors,
+        base=src_rec,
         optimizer=None if src_rec is not None else implied_optimizer(cat),
         extra={"converted_from": converted_from},
     )
@@ -491,8 +533,17 @@ def origin_world(cat: Catalog, layout: ResolvedLayout) -> int:
     return len(cat.ranks)
 
 
-def _plan_ep_tensor(key: str, meta: TensorMeta, layout: ResolvedLayout, spec: EPTensorSpec, model_key: str,
-                    to_version: int, p2: int, f2: int, kind: str) -> TensorPlan:
+def _plan_ep_tensor(
+    key: str,
+    meta: TensorMeta,
+    layout: ResolvedLayout,
+    spec: EPTensorSpec,
+    model_key: str,
+    to_version: int,
+    p2: int,
+    f2: int,
+    kind: str,
+) -> TensorPlan:
     n = meta.size[spec.ep_dim]
     if layout.is_permuted(model_key):
         assert layout.ep_size is not None and layout.ep_fsdp_size is not None
@@ -514,5 +565,3 @@ def _plan_ep_tensor(key: str, meta: TensorMeta, layout: ResolvedLayout, spec: EP
         assert sum(pc.numel for pc in pieces) == math.prod(sizes), (key, offs, sizes)
         chunks.append(OutChunk(ChunkMeta(offs, sizes), rank, pieces))
     return TensorPlan(key, meta.dtype, meta.size, kind, permuted, tuple(chunks))
-
-

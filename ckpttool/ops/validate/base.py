@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import UsageError
 
@@ -100,7 +100,7 @@ class Finding:
         }
 
 
-RuleOutput = Union[tuple[Any, ...], Finding]
+RuleOutput = tuple[Any, ...] | Finding
 
 
 @dataclass(frozen=True)

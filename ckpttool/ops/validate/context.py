@@ -30,10 +30,21 @@ __all__ = ["Context", "StorageItem"]
 StorageItem = tuple[str, ChunkMeta | None, StorageInfo | None]
 
 # Last key components that name parameters (nn.Linear/Embedding/Norm, fused experts).
-_PARAM_NAMES = frozenset({
-    "weight", "bias", "gate_up_proj", "down_proj", "gate_proj", "up_proj", "w1", "w2", "w3",
-    "gate_up_proj_bias", "down_proj_bias",
-})
+_PARAM_NAMES = frozenset(
+    {
+        "weight",
+        "bias",
+        "gate_up_proj",
+        "down_proj",
+        "gate_proj",
+        "up_proj",
+        "w1",
+        "w2",
+        "w3",
+        "gate_up_proj_bias",
+        "down_proj_bias",
+    }
+)
 _INDEX_RE = re.compile(r"\.\d+\.")
 _LAYER_RE = re.compile(r"^(.*?\.\d+)\.")
 
@@ -150,7 +161,8 @@ class Context:
         if self._params is None:
             grouped = {p for g in self.cat.param_groups for p in g.params}
             optimized = {
-                f for f in self.cat.param_fqns
+                f
+                for f in self.cat.param_fqns
                 if f in grouped or (f in self.cat.optimizer_state and self.cat.optimizer_state[f].fields)
             }
             self._optimized = optimized

@@ -202,7 +202,7 @@ def _summarise(key: str, t: torch.Tensor, dtype: str, need_negative: bool, keep_
     else:  # float8: no vectorised reductions; widen in slices
         lo, hi = math.inf, -math.inf
         for s in range(0, flat.numel(), 1 << 22):
-            mn, mx = torch.aminmax(flat[s:s + (1 << 22)].float())
+            mn, mx = torch.aminmax(flat[s : s + (1 << 22)].float())
             a, b = float(mn), float(mx)
             if math.isnan(a) or math.isnan(b):
                 lo = hi = math.nan
@@ -338,8 +338,9 @@ def _readable(ctx: Context, key: str, meta: TensorMeta) -> bool:
     return all(ctx.storage_ok(key, c) for c in meta.chunks if c.numel > 0)
 
 
-def run_deep(ctx: Context, workers: int | None = None,
-             progress: Callable[[int, int], None] | None = None) -> DeepResult:
+def run_deep(
+    ctx: Context, workers: int | None = None, progress: Callable[[int, int], None] | None = None
+) -> DeepResult:
     """Read every tensor chunk (and byte item) of the checkpoint once and summarise it.
 
     Args:
@@ -451,8 +452,7 @@ def run_deep(ctx: Context, workers: int | None = None,
                     failed.add(k)
             return
         local = {
-            k: _summarise(k, t, metas[k].dtype.name, k.endswith(".exp_avg_sq"), _is_step(k))
-            for k, t in tensors.items()
+            k: _summarise(k, t, metas[k].dtype.name, k.endswith(".exp_avg_sq"), _is_step(k)) for k, t in tensors.items()
         }
         with lock:
             for k, st in local.items():

@@ -33,16 +33,31 @@ def junit_xml(res: ValidationResult) -> str:
     failures = sum(1 for s in res.rules if s.status == "failed")
     skipped = sum(1 for s in res.rules if s.status == "skipped")
     suite = ET.SubElement(
-        suites, "testsuite", name=f"ckpttool.validate {res.path}", tests=str(len(res.rules)),
-        failures=str(failures), errors="0", skipped=str(skipped), time=f"{res.seconds:.3f}",
+        suites,
+        "testsuite",
+        name=f"ckpttool.validate {res.path}",
+        tests=str(len(res.rules)),
+        failures=str(failures),
+        errors="0",
+        skipped=str(skipped),
+        time=f"{res.seconds:.3f}",
     )
     props = ET.SubElement(suite, "properties")
-    for k, v in (("path", str(res.path)), ("strict", str(res.strict).lower()), ("deep", str(res.deep).lower()),
-                 ("exit_code", str(res.exit_code))):
+    for k, v in (
+        ("path", str(res.path)),
+        ("strict", str(res.strict).lower()),
+        ("deep", str(res.deep).lower()),
+        ("exit_code", str(res.exit_code)),
+    ):
         ET.SubElement(props, "property", name=k, value=v)
     for s in res.rules:
-        case = ET.SubElement(suite, "testcase", classname=f"ckpttool.validate.{s.rule.family.split()[0]}",
-                             name=f"{s.rule.code} {s.rule.name}", time="0")
+        case = ET.SubElement(
+            suite,
+            "testcase",
+            classname=f"ckpttool.validate.{s.rule.family.split()[0]}",
+            name=f"{s.rule.code} {s.rule.name}",
+            time="0",
+        )
         failing = [f for f in s.findings if res.fails(f)]
         other = [f for f in s.findings if not res.fails(f)]
         if s.status == "skipped":

@@ -29,10 +29,21 @@ __all__ = ["RefTensor", "Reference", "load_reference", "SAFETENSORS_DTYPES"]
 
 #: safetensors dtype tag -> torch dtype name.
 SAFETENSORS_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-    "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
 }
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -55,8 +66,11 @@ class Reference:
 
 
 def _bad(p: Path, why: str) -> UsageError:
-    return UsageError(f"`against` {p}: {why}", path=p,
-                      hint="pass an HF model directory (safetensors + index), a .safetensors file or a JSON key list")
+    return UsageError(
+        f"`against` {p}: {why}",
+        path=p,
+        hint="pass an HF model directory (safetensors + index), a .safetensors file or a JSON key list",
+    )
 
 
 def _safetensors_header(p: Path) -> dict[str, RefTensor]:
@@ -125,8 +139,10 @@ def _from_json(p: Path) -> dict[str, RefTensor]:
             if not isinstance(v, dict):
                 raise _bad(p, f"entry {k!r} is not an object with shape/dtype")
             shape = v.get("shape")
-            out[str(k)] = RefTensor(tuple(int(s) for s in shape) if isinstance(shape, list) else None,
-                                    str(v["dtype"]).removeprefix("torch.") if v.get("dtype") else None)
+            out[str(k)] = RefTensor(
+                tuple(int(s) for s in shape) if isinstance(shape, list) else None,
+                str(v["dtype"]).removeprefix("torch.") if v.get("dtype") else None,
+            )
         return out
     raise _bad(p, f"expected a list or an object, got {type(obj).__name__}")
 

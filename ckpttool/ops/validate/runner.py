@@ -119,12 +119,21 @@ class ValidationResult:
             "failing": self.failing,
             "findings": [{**f.to_dict(), "fails": self.fails(f)} for f in self.findings],
             "rules": [
-                {"code": s.rule.code, "name": s.rule.name, "severity": s.rule.severity.value, "status": s.status,
-                 "reason": s.reason, "findings": len(s.findings)}
+                {
+                    "code": s.rule.code,
+                    "name": s.rule.name,
+                    "severity": s.rule.severity.value,
+                    "status": s.status,
+                    "reason": s.reason,
+                    "findings": len(s.findings),
+                }
                 for s in self.rules
             ],
-            "stats": {"seconds": round(self.seconds, 4), "bytes_read": self.bytes_read,
-                      "deep_seconds": round(self.deep_seconds, 4)},
+            "stats": {
+                "seconds": round(self.seconds, 4),
+                "bytes_read": self.bytes_read,
+                "deep_seconds": round(self.deep_seconds, 4),
+            },
         }
 
 
@@ -154,12 +163,27 @@ def _skip_reason(r: Rule, ctx: Context) -> str | None:
     return None
 
 
-def _finish(path: Path, options: ValidateOptions, statuses: list[RuleStatus], t0: float,
-            bytes_read: int = 0, deep_seconds: float = 0.0) -> ValidationResult:
+def _finish(
+    path: Path,
+    options: ValidateOptions,
+    statuses: list[RuleStatus],
+    t0: float,
+    bytes_read: int = 0,
+    deep_seconds: float = 0.0,
+) -> ValidationResult:
     findings = sorted((f for s in statuses for f in s.findings), key=lambda f: (f.severity.rank, f.code, f.key or ""))
     code = 2 if any(f.fatal for f in findings) else 1 if any(_fails(f, options.strict) for f in findings) else 0
-    return ValidationResult(path, options.strict, options.deep, tuple(findings), tuple(statuses), code,
-                            time.perf_counter() - t0, bytes_read, deep_seconds)
+    return ValidationResult(
+        path,
+        options.strict,
+        options.deep,
+        tuple(findings),
+        tuple(statuses),
+        code,
+        time.perf_counter() - t0,
+        bytes_read,
+        deep_seconds,
+    )
 
 
 def validate_checkpoint(
@@ -205,8 +229,9 @@ def validate_checkpoint(
                 continue
             found = [out if isinstance(out, Finding) else r.make(*out) for out in r.func(ctx)]
             failing = any(_fails(f, opts.strict) for f in found)
-            statuses.append(RuleStatus(r, "failed" if failing else ("reported" if found else "passed"), None,
-                                       tuple(found)))
+            statuses.append(
+                RuleStatus(r, "failed" if failing else ("reported" if found else "passed"), None, tuple(found))
+            )
     return _finish(Path(ckpt.path), opts, statuses, t0, bytes_read, deep_seconds)
 
 
@@ -244,7 +269,8 @@ def validate(
         s001 = RULES["S001"]
         statuses = [
             RuleStatus(r, "failed", None, (s001.make(".metadata", e.message, e.hint or None, e.code),))
-            if r is s001 else RuleStatus(r, "skipped", ".metadata is unusable")
+            if r is s001
+            else RuleStatus(r, "skipped", ".metadata is unusable")
             for r in rules
         ]
         return _finish(Path(path), opts, statuses, t0)

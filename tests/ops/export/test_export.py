@@ -22,12 +22,12 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from ckpttool.format import CheckpointReader
 from ckpttool.cli.options import parse_size
+from ckpttool.format import CheckpointReader
+from ckpttool.format.safetensors import is_narrowing
 from ckpttool.model.checkpoint import Checkpoint
 from ckpttool.ops.export import ExportOptions, export_checkpoint
 from ckpttool.ops.export.plan import shard_file_names
-from ckpttool.format.safetensors import is_narrowing
 from tests.fixtures import hf_models
 from tests.fixtures.cache import cached_build, copy_checkpoint
 
@@ -70,7 +70,7 @@ def torch_load(path: Path, keys: list[str] | None = None) -> dict[str, torch.Ten
 def hf_key(key: str) -> str:
     """The default rules' output key of a model checkpoint key (``model.model.x`` -> ``model.x``, ...)."""
     assert key.startswith("model.")
-    return key[len("model."):]
+    return key[len("model.") :]
 
 
 def read_export(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -169,7 +169,8 @@ def test_fsdp_chunks_are_each_read_once(fsdp_ckpt: Path, tmp_path: Path) -> None
         (k, c.offsets)
         for k, m in reader.metadata.entries.items()
         if k.startswith("model.") and hasattr(m, "chunks")
-        for c in m.chunks if c.numel > 0
+        for c in m.chunks
+        if c.numel > 0
     }
     assert set(reader.calls) == expected
     assert set(reader.calls.values()) == {2}  # once per export: the direct (torch-free) and the cast path
@@ -231,9 +232,19 @@ def test_is_narrowing_table() -> None:
     assert not is_narrowing("float32", "float32")
 
 
-@pytest.mark.parametrize("text,value", [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30),
-                                        ("4096", 4096), ("1.5gb", 1_500_000_000), ("2G", 2 * 2**30),
-                                        ("512M", 512 * 2**20), (" 8 kib ", 8192)])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("5GB", 5 * 10**9),
+        ("500MB", 500 * 10**6),
+        ("2GiB", 2 * 2**30),
+        ("4096", 4096),
+        ("1.5gb", 1_500_000_000),
+        ("2G", 2 * 2**30),
+        ("512M", 512 * 2**20),
+        (" 8 kib ", 8192),
+    ],
+)
 def test_parse_size(text: str, value: int) -> None:
     assert parse_size(text) == value
 
@@ -254,7 +265,7 @@ def test_weights_master_exports_fp32_masters(master_ckpt: Path, tmp_path: Path) 
     got, _ = read_export(out)
     n_master = 0
     for k in (k for k in ref if k.startswith("model.")):
-        mkey = f"optimizer.state.{k[len('model.'):]}.master_weight"
+        mkey = f"optimizer.state.{k[len('model.') :]}.master_weight"
         g = got[hf_key(k)]
         if mkey in ref:
             n_master += 1
@@ -264,14 +275,21 @@ def test_weights_master_exports_fp32_masters(master_ckpt: Path, tmp_path: Path) 
             assert bitwise_equal(g, ref[k]), k  # no master: the stored parameter
     assert n_master > 10
     # the masters carry precision the BF16 parameters do not
-    differs = [k for k in ref if k.startswith("model.") and f"optimizer.state.{k[6:]}.master_weight" in ref
-               and not torch.equal(got[hf_key(k)], ref[k].float())]
+    differs = [
+        k
+        for k in ref
+        if k.startswith("model.")
+        and f"optimizer.state.{k[6:]}.master_weight" in ref
+        and not torch.equal(got[hf_key(k)], ref[k].float())
+    ]
     assert len(differs) == n_master
     assert summary["origins"]["master"]["count"] == n_master
     assert summary["origins"]["params"]["keys"] == ["model.norm.weight"]
 
     human = export_cli(str(master_ckpt), str(tmp_path / "h"), "--weights", "master")
-    assert f"{n_master} from FP32 master_weight, 1 from stored parameters (no master): model.norm.weight" in human.stdout
+    assert (
+        f"{n_master} from FP32 master_weight, 1 from stored parameters (no master): model.norm.weight" in human.stdout
+    )
 
 
 def test_weights_master_without_masters_is_an_error(dense_ckpt: Path, tmp_path: Path) -> None:
@@ -286,8 +304,15 @@ def test_weights_master_without_masters_is_an_error(dense_ckpt: Path, tmp_path: 
 
 def test_per_expert_split_matches_hand_built_layout(sample_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "pe"
-    res = export_cli(str(sample_ckpt), str(out), "--experts", "per-expert", "--model-assets",
-                     str(sample_ckpt / "model_assets"), "--json")
+    res = export_cli(
+        str(sample_ckpt),
+        str(out),
+        "--experts",
+        "per-expert",
+        "--model-assets",
+        str(sample_ckpt / "model_assets"),
+        "--json",
+    )
     assert res.exit_code == 0, res.stderr
     cfg = json.loads((sample_ckpt / "model_assets" / "config.json").read_text())
     e, i, h = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
@@ -396,8 +421,18 @@ def _wait_reading(proc: subprocess.Popen, tmp: Path, name: str, min_bytes: int) 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_interrupted_export_leaves_nothing(large_ckpt: Path, tmp_path: Path, sig: signal.Signals) -> None:
     out = tmp_path / "o"
-    cmd = [sys.executable, "-c", "from ckpttool.cli import main; main()", "export", str(large_ckpt), str(out),
-           "--save-dtype", "float32", "--workers", "1"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from ckpttool.cli import main; main()",
+        "export",
+        str(large_ckpt),
+        str(out),
+        "--save-dtype",
+        "float32",
+        "--workers",
+        "1",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_reading(proc, tmp_path, "o", 64 << 20)
     proc.send_signal(sig)
@@ -411,8 +446,18 @@ def test_interrupted_export_leaves_nothing(large_ckpt: Path, tmp_path: Path, sig
 
 def test_killed_export_leaves_no_stray_temp_after_next_run(large_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "o"
-    cmd = [sys.executable, "-c", "from ckpttool.cli import main; main()", "export", str(large_ckpt), str(out),
-           "--save-dtype", "float32", "--workers", "1"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from ckpttool.cli import main; main()",
+        "export",
+        str(large_ckpt),
+        str(out),
+        "--save-dtype",
+        "float32",
+        "--workers",
+        "1",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_reading(proc, tmp_path, "o", 64 << 20)
     proc.kill()
@@ -444,40 +489,52 @@ def test_rules_file_renames_and_skips(dense_ckpt: Path, tmp_path: Path) -> None:
     assert "model.layers.0.self_attn.q_proj.weight" in got  # the defaults still apply after the user's rules
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("keys: [{match: '(', to: x}]", "invalid regular expression"),
-    ("keys: [{match: 'a', to: '\\2'}]", "uses group 2"),
-    ("bogus: 1", "unknown section"),
-    ("keys: [: bad", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("keys: [{match: '(', to: x}]", "invalid regular expression"),
+        ("keys: [{match: 'a', to: '\\2'}]", "uses group 2"),
+        ("bogus: 1", "unknown section"),
+        ("keys: [: bad", "not valid YAML"),
+    ],
+)
 def test_bad_rules_file_is_a_usage_error(dense_ckpt: Path, tmp_path: Path, text: str, needle: str) -> None:
     rules = tmp_path / "rules.yaml"
     rules.write_text(text)
-    assert_clean_failure(export_cli(str(dense_ckpt), str(tmp_path / "o"), "--rules", str(rules)), "E100", needle,
-                         "rules.yaml")
+    assert_clean_failure(
+        export_cli(str(dense_ckpt), str(tmp_path / "o"), "--rules", str(rules)), "E100", needle, "rules.yaml"
+    )
 
 
 def test_duplicate_output_keys_are_refused(dense_ckpt: Path, tmp_path: Path) -> None:
     rules = tmp_path / "rules.yaml"
     rules.write_text("keys: [{match: '^model\\.model\\.layers\\.\\d+\\.input_layernorm\\.weight$', to: 'norm.weight'}]")
-    assert_clean_failure(export_cli(str(dense_ckpt), str(tmp_path / "o"), "--rules", str(rules)), "E601",
-                         "'norm.weight'")
+    assert_clean_failure(
+        export_cli(str(dense_ckpt), str(tmp_path / "o"), "--rules", str(rules)), "E601", "'norm.weight'"
+    )
 
 
 def test_filter_and_model_assets(dense_ckpt: Path, tmp_path: Path) -> None:
     assets = tmp_path / "assets"
     assets.mkdir()
-    (assets / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": False}))
+    (assets / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": False})
+    )
     (assets / "tokenizer.json").write_text("{}")
     (assets / "pytorch_model.bin").write_bytes(b"old weights")
     (assets / "sub").mkdir()
-    res = export_cli(str(dense_ckpt), str(tmp_path / "o"), "--filter", "model.layers.0.*",
-                     "--model-assets", str(assets), "--json")
+    res = export_cli(
+        str(dense_ckpt), str(tmp_path / "o"), "--filter", "model.layers.0.*", "--model-assets", str(assets), "--json"
+    )
     assert res.exit_code == 0, res.stderr
     got, _ = read_export(tmp_path / "o")
     assert got and all(k.startswith("model.layers.0.") for k in got)
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [
-        "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json"]
+        "config.json",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+    ]
     res = export_cli(str(dense_ckpt), str(tmp_path / "none"), "--filter", "nothing.*")
     assert_clean_failure(res, "E601", "matched none")
 
@@ -492,8 +549,12 @@ def test_json_output_is_alone_on_stdout(dense_ckpt: Path, tmp_path: Path) -> Non
 
 def test_library_api_without_typer(dense_ckpt: Path, tmp_path: Path) -> None:
     seen: list[tuple[int, int]] = []
-    r = export_checkpoint(dense_ckpt, tmp_path / "o", ExportOptions(save_dtype="float32", workers=2),
-                          progress=lambda d, t: seen.append((d, t)))
+    r = export_checkpoint(
+        dense_ckpt,
+        tmp_path / "o",
+        ExportOptions(save_dtype="float32", workers=2),
+        progress=lambda d, t: seen.append((d, t)),
+    )
     assert r.casts == {"bfloat16->float32": r.tensors - 1}  # inv_freq is already float32
     assert not r.narrowing_casts
     assert seen and seen[-1][0] == seen[-1][1] == r.bytes

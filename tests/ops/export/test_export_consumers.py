@@ -59,7 +59,9 @@ def lora_partial_ckpt(fixture_root: Path) -> Path:
 
 
 def export(src: Path, out: Path, *args: str) -> dict:
-    res = runner.invoke(app, ["export", str(src), str(out), "--model-assets", str(src / "model_assets"), "--json", *args])
+    res = runner.invoke(
+        app, ["export", str(src), str(out), "--model-assets", str(src / "model_assets"), "--json", *args]
+    )
     assert res.exit_code == 0, res.stderr
     return json.loads(res.stdout)
 
@@ -113,8 +115,16 @@ def test_llama_tied_writes_the_embedding_once(llama_tied_ckpt: Path, tmp_path: P
 
 
 def test_tied_config_with_differing_lm_head_is_refused(llama_tied_differ_ckpt: Path, tmp_path: Path) -> None:
-    res = runner.invoke(app, ["export", str(llama_tied_differ_ckpt), str(tmp_path / "o"),
-                              "--model-assets", str(llama_tied_differ_ckpt / "model_assets")])
+    res = runner.invoke(
+        app,
+        [
+            "export",
+            str(llama_tied_differ_ckpt),
+            str(tmp_path / "o"),
+            "--model-assets",
+            str(llama_tied_differ_ckpt / "model_assets"),
+        ],
+    )
     assert res.exit_code == 2 and res.stdout == ""
     assert res.stderr.startswith("error: [E601] model.lm_head.weight differs from model.model.embed_tokens.weight")
     assert "hint: " in res.stderr and "Traceback" not in res.stderr
@@ -139,8 +149,11 @@ def test_qwen3_moe_loads_with_identical_logits(qwen_ckpt: Path, tmp_path: Path, 
         assert "model.layers.0.mlp.experts.gate_up_proj" in keys
     else:
         assert "model.layers.0.mlp.experts.gate_up_proj" not in keys
-        assert {f"model.layers.1.mlp.experts.{j}.{p}.weight" for j in range(hf_models.MOE_EXPERTS)
-                for p in ("gate_proj", "up_proj", "down_proj")} <= keys
+        assert {
+            f"model.layers.1.mlp.experts.{j}.{p}.weight"
+            for j in range(hf_models.MOE_EXPERTS)
+            for p in ("gate_proj", "up_proj", "down_proj")
+        } <= keys
     assert_same_logits(load_hf(out, Qwen3MoeForCausalLM), qwen_ckpt)
 
 
@@ -158,8 +171,18 @@ def test_declared_legacy_layout_is_unpermuted(qwen_legacy_ckpt: Path, tmp_path: 
     from transformers import Qwen3MoeForCausalLM
 
     out = tmp_path / "hf"
-    summary = export(qwen_legacy_ckpt, out, "--experts", experts, "--source-layout", "legacy",
-                     "--ep-size", str(hf_models.MOE_P), "--ep-fsdp-size", str(hf_models.MOE_F))
+    summary = export(
+        qwen_legacy_ckpt,
+        out,
+        "--experts",
+        experts,
+        "--source-layout",
+        "legacy",
+        "--ep-size",
+        str(hf_models.MOE_P),
+        "--ep-fsdp-size",
+        str(hf_models.MOE_F),
+    )
     assert len(summary["layout"]["unpermuted"]) == 4
     assert_same_logits(load_hf(out, Qwen3MoeForCausalLM), qwen_legacy_ckpt)
 
@@ -169,8 +192,16 @@ def test_declared_canonical_keeps_the_stored_order(qwen_legacy_ckpt: Path, tmp_p
     from transformers import Qwen3MoeForCausalLM
 
     out = tmp_path / "hf"
-    summary = export(qwen_legacy_ckpt, out, "--source-layout", "canonical",
-                     "--ep-size", str(hf_models.MOE_P), "--ep-fsdp-size", str(hf_models.MOE_F))
+    summary = export(
+        qwen_legacy_ckpt,
+        out,
+        "--source-layout",
+        "canonical",
+        "--ep-size",
+        str(hf_models.MOE_P),
+        "--ep-fsdp-size",
+        str(hf_models.MOE_F),
+    )
     assert summary["layout"]["unpermuted"] == []
     with pytest.raises(AssertionError):
         assert_same_logits(load_hf(out, Qwen3MoeForCausalLM), qwen_legacy_ckpt)
@@ -188,8 +219,20 @@ def test_legacy_record_in_sidecar_needs_no_declaration(qwen_legacy_ckpt: Path, t
 
 
 def test_declaration_contradicting_chunk_geometry_is_refused(qwen_legacy_ckpt: Path, tmp_path: Path) -> None:
-    res = runner.invoke(app, ["export", str(qwen_legacy_ckpt), str(tmp_path / "o"), "--source-layout", "legacy",
-                              "--ep-size", "4", "--ep-fsdp-size", "2"])
+    res = runner.invoke(
+        app,
+        [
+            "export",
+            str(qwen_legacy_ckpt),
+            str(tmp_path / "o"),
+            "--source-layout",
+            "legacy",
+            "--ep-size",
+            "4",
+            "--ep-fsdp-size",
+            "2",
+        ],
+    )
     assert res.exit_code == 2
     assert res.stderr.startswith("error: [E404]")
 
@@ -223,8 +266,12 @@ def test_lora_adapter_loads_in_peft_with_identical_logits(lora_ckpt: Path, tmp_p
     assert cfg["target_modules"] == ["q_proj", "v_proj"] and cfg["task_type"] == "CAUSAL_LM"
     with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
         keys = set(f.keys())
-    assert keys == {f"base_model.model.model.layers.{n}.self_attn.{m}.lora_{ab}.weight"
-                    for n in range(2) for m in ("q_proj", "v_proj") for ab in ("A", "B")}
+    assert keys == {
+        f"base_model.model.model.layers.{n}.self_attn.{m}.lora_{ab}.weight"
+        for n in range(2)
+        for m in ("q_proj", "v_proj")
+        for ab in ("A", "B")
+    }
     assert summary["tensors"] == 8
     base = load_hf(lora_ckpt / "base", LlamaForCausalLM)
     assert_same_logits(PeftModel.from_pretrained(base, out), lora_ckpt)
@@ -234,16 +281,21 @@ def test_lora_needs_alpha_or_adapter_config(lora_ckpt: Path, tmp_path: Path) -> 
     res = runner.invoke(app, ["export", str(lora_ckpt), str(tmp_path / "o"), "--format", "lora"])
     assert res.exit_code == 2 and res.stderr.startswith("error: [E601]") and "--lora-alpha" in res.stderr
     given = tmp_path / "adapter_config.json"
-    given.write_text(json.dumps({"peft_type": "LORA", "r": hf_models.LORA_R, "lora_alpha": 16,
-                                 "target_modules": ["q_proj", "v_proj"]}))
-    res = runner.invoke(app, ["export", str(lora_ckpt), str(tmp_path / "o"), "--format", "lora",
-                              "--adapter-config", str(given)])
+    given.write_text(
+        json.dumps(
+            {"peft_type": "LORA", "r": hf_models.LORA_R, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+        )
+    )
+    res = runner.invoke(
+        app, ["export", str(lora_ckpt), str(tmp_path / "o"), "--format", "lora", "--adapter-config", str(given)]
+    )
     assert res.exit_code == 0, res.stderr
     assert json.loads((tmp_path / "o" / "adapter_config.json").read_text())["lora_alpha"] == 16
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16}))
-    res = runner.invoke(app, ["export", str(lora_ckpt), str(tmp_path / "o2"), "--format", "lora",
-                              "--adapter-config", str(wrong)])
+    res = runner.invoke(
+        app, ["export", str(lora_ckpt), str(tmp_path / "o2"), "--format", "lora", "--adapter-config", str(wrong)]
+    )
     assert res.exit_code == 2 and "r=8" in res.stderr
 
 
@@ -261,7 +313,9 @@ def test_lora_config_inferred_for_partial_adapters(lora_partial_ckpt: Path, tmp_
     export(lora_partial_ckpt, out, "--format", "lora", "--lora-alpha", str(hf_models.LORA_ALPHA))
     cfg = json.loads((out / "adapter_config.json").read_text())
     assert cfg["r"] in (hf_models.LORA_R, 2)
-    assert cfg["target_modules"] == "^(?:model\\.layers\\.0\\.self_attn\\.q_proj|model\\.layers\\.0\\.self_attn\\.v_proj)$"
+    assert (
+        cfg["target_modules"] == "^(?:model\\.layers\\.0\\.self_attn\\.q_proj|model\\.layers\\.0\\.self_attn\\.v_proj)$"
+    )
     other = 2 if cfg["r"] == hf_models.LORA_R else hf_models.LORA_R
     assert list(cfg["rank_pattern"].values()) == [other]
     base = load_hf(lora_partial_ckpt / "base", LlamaForCausalLM)

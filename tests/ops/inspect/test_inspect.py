@@ -26,19 +26,27 @@ def test_dense_counts_shapes_dtypes(dense_ckpt: Path) -> None:
     assert ov["schema"] == "ckpttool.inspect/1"
     model = {t["key"]: t for t in ov["model"]}
     n_layer_params = 4 + 3 + 2  # q,k,v,o + gate,up,down + 2 norms
-    assert len(model) == 1 + builders.DENSE["layers"] * n_layer_params + 1 + 1 + 1  # embed, layers, norm, lm_head, buffer
+    assert (
+        len(model) == 1 + builders.DENSE["layers"] * n_layer_params + 1 + 1 + 1
+    )  # embed, layers, norm, lm_head, buffer
     emb = model["model.model.embed_tokens.weight"]
     assert emb["shape"] == [builders.DENSE["vocab"], builders.DENSE["hidden"]]
     assert emb["dtype"] == "bfloat16" and emb["chunks"] == 1 and emb["ranks"] == [0]
     assert model["model.lm_head.weight"]["dtype"] == "bfloat16"
     assert model["model.model.rotary_emb.inv_freq"]["dtype"] == "float32"
-    assert model["model.model.layers.1.mlp.down_proj.weight"]["shape"] == [builders.DENSE["hidden"], builders.DENSE["inter"]]
+    assert model["model.model.layers.1.mlp.down_proj.weight"]["shape"] == [
+        builders.DENSE["hidden"],
+        builders.DENSE["inter"],
+    ]
     opt = ov["optimizer"]
     assert opt["flavor"] == "nested"
     assert opt["params_with_state"] == opt["params_total"] == len(model) - 1
     assert opt["buffers"] == ["model.rotary_emb.inv_freq"]
-    assert opt["fields"] == {"exp_avg": {"bfloat16": len(model) - 1}, "exp_avg_sq": {"bfloat16": len(model) - 1},
-                             "step": {"float32": len(model) - 1}}
+    assert opt["fields"] == {
+        "exp_avg": {"bfloat16": len(model) - 1},
+        "exp_avg_sq": {"bfloat16": len(model) - 1},
+        "step": {"float32": len(model) - 1},
+    }
     assert opt["implied_type"] == "adamw"
     (group,) = opt["param_groups"]
     assert group["lr"] == pytest.approx(1e-3) and group["weight_decay"] == pytest.approx(0.05)
@@ -62,7 +70,9 @@ def test_multi_optim_never_stepped_leaf_keeps_moved_lr(multi_optim_ckpt: Path) -
     assert leaf["initial_lr"] == pytest.approx(builders.MULTI_EXPERTS_LR_START)
     assert leaf["params"] == 2 and all(".experts." in p for p in leaf["example_params"])
     assert sorted(opt["never_stepped_with_hyperparameters"]) == [
-        "model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj"]
+        "model.layers.0.mlp.experts.down_proj",
+        "model.layers.0.mlp.experts.gate_up_proj",
+    ]
     dense = [g for g in opt["param_groups"] if g["has_state"]]
     assert len(dense) == 1 and dense[0]["lr"] == pytest.approx(builders.MULTI_DENSE_LR)
     assert opt["params_with_state"] == opt["params_total"] - 2
@@ -171,7 +181,9 @@ def test_short_and_unreferenced_data_files_are_flagged(tmp_path: Path, dense_ckp
     (ck / "__7_0.distcp").write_bytes(b"stray")
     res = runner.invoke(app, ["inspect", str(ck)])
     assert res.exit_code == 0
-    assert f"warning: data file __0_0.distcp is shorter than its records need ({size - 100} < {size} bytes" in res.stderr
+    assert (
+        f"warning: data file __0_0.distcp is shorter than its records need ({size - 100} < {size} bytes" in res.stderr
+    )
     assert "warning: data file __7_0.distcp is not referenced by .metadata" in res.stderr
     assert "ckpttool validate --strict" in res.stderr
     ov = inspect_json(ck)  # --json stays clean: the status is in the data

@@ -16,7 +16,6 @@ from ckpttool.ops.replay.compare import compare_field
 from ckpttool.ops.replay.grads import grad_seed_for, seeded_grad
 from tests.fixtures import builders
 from tests.fixtures.cache import cached_build
-from tests.fixtures.moe_ep import ep_suite  # noqa: F401 - fixture
 from tests.fixtures.replay import TRAIN_STEPS, VARIANTS, builder, load_recorded, resave
 
 runner = CliRunner()
@@ -123,14 +122,15 @@ def test_fsdp_checkpoint_with_uneven_and_zero_size_chunks_replays(fsdp_ckpt: Pat
     assert any("not replayed" in n for n in result.notes)  # the 0-d buffers
 
 
-
 @pytest.mark.slow
 def test_declared_legacy_same_dim_layout_replays_with_0d_steps(ep_suite: Path) -> None:
     # the 0-d `step` of an expert parameter passes through the expert reordering
-    res = run(ep_suite / "legacy", "--device", "cpu", "--source-layout", "legacy", "--ep-size", "2",
-              "--ep-fsdp-size", "2")
+    res = run(
+        ep_suite / "legacy", "--device", "cpu", "--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "2"
+    )
     assert res.exit_code == 0, res.stderr
     assert "result      OK: 8 of 8 parameter(s) match the reference step" in res.stdout
+
 
 # ------------------------------------------------------------------ never-stepped leaf
 def test_never_stepped_leaf_replays_from_fresh_state_with_the_scheduled_lr(multi_optim_ckpt: Path) -> None:
@@ -173,7 +173,9 @@ def test_bf16_step_is_a_dtype_policy_violation(full_fx: Path, tmp_path: Path) ->
     res = run(bad, "--device", "cpu")
     assert res.exit_code == 2
     assert res.stdout == ""
-    assert res.stderr.startswith(f"error: [E511] optimizer state {DENSE_FQN}.step is bfloat16 but full_fp32_adamw saves float32")
+    assert res.stderr.startswith(
+        f"error: [E511] optimizer state {DENSE_FQN}.step is bfloat16 but full_fp32_adamw saves float32"
+    )
     assert "hint: run `ckpttool validate --strict`" in res.stderr
     assert_no_traceback(res)
 
@@ -186,7 +188,9 @@ def test_bf16_moments_where_fp32_is_declared_exit_2(full_fx: Path, tmp_path: Pat
     bad = resave(full_fx / "ckpt", tmp_path / "bad", mutate)
     res = run(bad, "--device", "cpu", "--json")
     assert res.exit_code == 2 and res.stdout == ""
-    assert f"error: [E511] optimizer state {DENSE_FQN}.exp_avg is bfloat16 but full_fp32_adamw saves float32" in res.stderr
+    assert (
+        f"error: [E511] optimizer state {DENSE_FQN}.exp_avg is bfloat16 but full_fp32_adamw saves float32" in res.stderr
+    )
     assert_no_traceback(res)
 
 
@@ -199,8 +203,10 @@ def test_master_out_of_sync_with_bf16_param_is_a_mismatch(full_fx: Path, tmp_pat
     res = run(bad, "--device", "cpu")
     assert res.exit_code == 1
     assert "result      FAILED: 13 of 14 parameter(s) match the reference step" in res.stdout
-    assert res.stderr.startswith(f"error: [E700] 1 of 14 parameter(s) do not reproduce the reference step; worst {DENSE_FQN}: "
-                                 "master_weight out of sync with the parameter before the step: 4 of 1024 element(s)")
+    assert res.stderr.startswith(
+        f"error: [E700] 1 of 14 parameter(s) do not reproduce the reference step; worst {DENSE_FQN}: "
+        "master_weight out of sync with the parameter before the step: 4 of 1024 element(s)"
+    )
     assert "hint: " in res.stderr
     assert_no_traceback(res)
     d = json.loads(run(bad, "--device", "cpu", "--json").stdout)
@@ -236,7 +242,9 @@ def test_lost_state_in_a_stepped_leaf_is_not_treated_as_fresh(full_fx: Path, tmp
     bad = resave(full_fx / "ckpt", tmp_path / "bad", mutate)
     res = run(bad, "--device", "cpu")
     assert res.exit_code == 2
-    assert res.stderr.startswith(f"error: [E513] parameter {DENSE_FQN} has no optimizer state although other parameters")
+    assert res.stderr.startswith(
+        f"error: [E513] parameter {DENSE_FQN} has no optimizer state although other parameters"
+    )
     res = run(bad, "--device", "cpu", "--select", "experts")  # leaving it out works
     assert res.exit_code == 0, res.stderr
 
@@ -252,7 +260,9 @@ def test_type_from_state_fields_without_a_record_and_offload_patterns(full_fx: P
     assert res.exit_code == 0 and d["optimizer"]["type"] == "cpu_offload_adamw"
     assert d["optimizer"]["reason"] == "state fields (FP32 master_weight) and --offload-patterns"
     assert {p["fqn"] for p in d["params"] if p["offloaded"]} == {
-        "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.experts.down_proj",
+    }
 
 
 def test_mixed_moment_dtypes_without_a_record_infer_per_parameter(offload_fx: Path, tmp_path: Path) -> None:
@@ -301,7 +311,9 @@ def test_select_limits_the_replay(full_fx: Path) -> None:
     d = json.loads(run(full_fx / "ckpt", "--device", "cpu", "--json", "--select", r"norm\.weight$").stdout)
     assert d["params_total"] == 5 and all(p["fqn"].endswith("norm.weight") for p in d["params"])
     res = run(full_fx / "ckpt", "--device", "cpu", "--select", "nothing_matches")
-    assert res.exit_code == 2 and res.stderr.startswith("error: [E100] --select 'nothing_matches' matches none of the 14")
+    assert res.exit_code == 2 and res.stderr.startswith(
+        "error: [E100] --select 'nothing_matches' matches none of the 14"
+    )
 
 
 def test_gradient_file_problems_exit_2(full_fx: Path, tmp_path: Path) -> None:
@@ -311,7 +323,9 @@ def test_gradient_file_problems_exit_2(full_fx: Path, tmp_path: Path) -> None:
     grads.pop(DENSE_FQN)
     save_file(grads, str(tmp_path / "missing.safetensors"))
     res = run(full_fx / "ckpt", "--device", "cpu", "--grads", tmp_path / "missing.safetensors")
-    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E120] --grads {tmp_path / 'missing.safetensors'} has no gradient for {DENSE_FQN}")
+    assert res.exit_code == 2 and res.stderr.startswith(
+        f"error: [E120] --grads {tmp_path / 'missing.safetensors'} has no gradient for {DENSE_FQN}"
+    )
     grads[DENSE_FQN] = torch.zeros(3, 3)
     save_file(grads, str(tmp_path / "shape.safetensors"))
     res = run(full_fx / "ckpt", "--device", "cpu", "--grads", tmp_path / "shape.safetensors")
@@ -328,7 +342,10 @@ def test_gradient_file_problems_exit_2(full_fx: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--grads", "g.safetensors", "--grad-seed", "1"], "error: [E100] --grads and --grad-seed/--grad-scale are exclusive"),
+        (
+            ["--grads", "g.safetensors", "--grad-seed", "1"],
+            "error: [E100] --grads and --grad-seed/--grad-scale are exclusive",
+        ),
         (["--tolerance", "1e-5"], "error: [E100] --tolerance '1e-5' is not 'rtol,atol'"),
         (["--max-memory", "lots"], "error: [E100] --max-memory 'lots' is not a size"),
         (["--select", "("], "error: [E100] --select '(' is not a valid regular expression"),
@@ -393,10 +410,13 @@ def test_compare_field_flags_values_beyond_tolerance() -> None:
     bad = compare_field(off.float(), ref, scale, rtol=1e-5, atol=0.0, stored="float32", arithmetic="float32")
     assert bad.bad == 1 and bad.ratio > 1 and bad.max_abs == pytest.approx(1e-3, rel=1e-3)
     # one BF16 rounding of the same value is accepted for a BF16 field
-    bf = compare_field(off.to(torch.bfloat16), off, off.abs(), rtol=1e-5, atol=0.0, stored="bfloat16", arithmetic="float32")
+    bf = compare_field(
+        off.to(torch.bfloat16), off, off.abs(), rtol=1e-5, atol=0.0, stored="bfloat16", arithmetic="float32"
+    )
     assert bf.ok
-    nan = compare_field(torch.tensor([float("nan"), -2.0, 0.0]), ref, scale, rtol=1e-5, atol=0.0,
-                        stored="float32", arithmetic="float32")
+    nan = compare_field(
+        torch.tensor([float("nan"), -2.0, 0.0]), ref, scale, rtol=1e-5, atol=0.0, stored="float32", arithmetic="float32"
+    )
     assert nan.bad == 1
 
 

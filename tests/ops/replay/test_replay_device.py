@@ -16,8 +16,8 @@ import torch
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from ckpttool.optim.device import accelerator_type
 from ckpttool.ops.replay import replay_step
+from ckpttool.optim.device import accelerator_type
 from tests.fixtures.cache import cached_build
 from tests.fixtures.replay import TRAIN_STEPS, VARIANTS, builder, load_recorded
 
@@ -35,7 +35,9 @@ def fx(request: pytest.FixtureRequest, fixture_root: Path) -> tuple[str, Path]:
 
 def test_each_variant_replays_on_the_device_within_tolerance(fx: tuple[str, Path]) -> None:
     variant, root = fx
-    res = CliRunner().invoke(app, ["replay-step", str(root / "ckpt"), "--device", DEVICE_TYPE, "--json", "--steps", "2"])
+    res = CliRunner().invoke(
+        app, ["replay-step", str(root / "ckpt"), "--device", DEVICE_TYPE, "--json", "--steps", "2"]
+    )
     assert res.exit_code == 0, res.stderr
     d = json.loads(res.stdout)
     assert d["ok"] and d["optimizer"]["type"] == variant and d["device"].startswith(DEVICE_TYPE)
@@ -51,8 +53,13 @@ def test_each_variant_replays_on_the_device_within_tolerance(fx: tuple[str, Path
 def test_offloaded_parameters_match_the_uninterrupted_cpu_run_bitwise(fixture_root: Path) -> None:
     root = cached_build(fixture_root, "replay_cpu_offload_adamw", builder("cpu_offload_adamw"))
     got: dict[str, dict[str, torch.Tensor]] = {}
-    result = replay_step(root / "ckpt", device=DEVICE_TYPE, grads=root / "grads.safetensors", chunk_size=300,
-                         on_param=lambda fqn, t: got.__setitem__(fqn, t))
+    result = replay_step(
+        root / "ckpt",
+        device=DEVICE_TYPE,
+        grads=root / "grads.safetensors",
+        chunk_size=300,
+        on_param=lambda fqn, t: got.__setitem__(fqn, t),
+    )
     assert result.ok, [p.problems for p in result.failed]
     assert result.timing["offload_seconds"] > 0 and result.timing["d2h_bytes"] > 0
     recorded = load_recorded(root, 1)

@@ -15,13 +15,12 @@ from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.ops.reshard.execute import reshard
 from ckpttool.optim import FullFP32AdamW
 from tests.fixtures.distributed import run_ranks
-from tests.fixtures.moe_ep import (  # noqa: F401 - ep_suite is a fixture
+from tests.fixtures.moe_ep import (
     BETAS,
     EPS,
     LR,
     WD,
     _bits,
-    ep_suite,
     is_ep,
     load_and_check_rank,
     param_shapes,
@@ -51,11 +50,19 @@ def outputs(ep_suite: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
         "p": root / "p4f1_to_canonical",
     }
     reshard(ep_suite / "legacy", out["a"], to="canonical", with_optimizer=True, declaration=legacy)
-    reshard(ep_suite / "legacy", out["b"], to="canonical", with_optimizer=True, declaration=legacy,
-            target_ep_size=2, target_ep_fsdp_size=1)
+    reshard(
+        ep_suite / "legacy",
+        out["b"],
+        to="canonical",
+        with_optimizer=True,
+        declaration=legacy,
+        target_ep_size=2,
+        target_ep_fsdp_size=1,
+    )
     reshard(ep_suite / "canonical", out["c"], to="canonical", with_optimizer=True, declaration=canonical)
-    reshard(ep_suite / "legacy_dim1", out["d"], to="canonical", with_optimizer=True,
-            target_ep_size=2, target_ep_fsdp_size=2)
+    reshard(
+        ep_suite / "legacy_dim1", out["d"], to="canonical", with_optimizer=True, target_ep_size=2, target_ep_fsdp_size=2
+    )
     reshard(ep_suite / "p4f1", out["p"], to="canonical")
     return out
 
@@ -82,8 +89,14 @@ def test_cli_legacy_to_canonical_is_bitwise_the_true_model(ep_suite: Path, tmp_p
         rec = json.loads(r.read_object("layout"))
         assert r.read_object("optimizer.param_groups.0.lr") == LR
     assert rec["version"] == 2 and rec["parallel"]["ep_size"] == 2 and rec["parallel"]["ep_fsdp_size"] == 2
-    assert rec["converted_from"] == {"version": 1, "ep_size": 2, "ep_fsdp_size": 2, "layout_source": "declared",
-                                     "world": 4, "origin_world": 4}
+    assert rec["converted_from"] == {
+        "version": 1,
+        "ep_size": 2,
+        "ep_fsdp_size": 2,
+        "layout_source": "declared",
+        "world": 4,
+        "origin_world": 4,
+    }
     assert sorted(p.name for p in out.iterdir()) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
 
 
@@ -95,7 +108,8 @@ def test_output_chunks_and_files_match_a_real_canonical_save(ep_suite: Path, out
             md = r.metadata
             return {
                 k: sorted((c.offsets, c.sizes, md.storage_for(k, c).relative_path) for c in m.chunks)
-                for k, m in md.entries.items() if is_ep(k) and hasattr(m, "chunks") and m.size
+                for k, m in md.entries.items()
+                if is_ep(k) and hasattr(m, "chunks") and m.size
             }
 
     want, got = layout_of(ep_suite / "canonical"), layout_of(outputs["a"])
@@ -138,11 +152,20 @@ def _step(tensors: dict[str, torch.Tensor], fqns: list[str]) -> dict[str, torch.
     params = {f: torch.nn.Parameter(tensors[f"model.{f}"].clone()) for f in fqns}
     opt = FullFP32AdamW(list(params.items()), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     state = {
-        i: {fld: tensors[f"optimizer.state.{f}.{fld}"].clone() for fld in ("step", "master_weight", "exp_avg", "exp_avg_sq")}
+        i: {
+            fld: tensors[f"optimizer.state.{f}.{fld}"].clone()
+            for fld in ("step", "master_weight", "exp_avg", "exp_avg_sq")
+        }
         for i, f in enumerate(fqns)
     }
-    opt.load_state_dict({"state": state, "param_groups": [{"params": list(range(len(fqns))), "lr": LR, "betas": BETAS,
-                                                           "eps": EPS, "weight_decay": WD}]})
+    opt.load_state_dict(
+        {
+            "state": state,
+            "param_groups": [
+                {"params": list(range(len(fqns))), "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}
+            ],
+        }
+    )
     gen = torch.Generator().manual_seed(99)
     for p in params.values():
         p.grad = (torch.randn(p.shape, generator=gen) * 0.01).to(p.dtype)
@@ -167,7 +190,10 @@ def _unpermute_legacy(t: torch.Tensor, p: int, f: int) -> torch.Tensor:
 def test_with_optimizer_one_step_matches_the_unpermuted_original(ep_suite: Path, outputs: dict[str, Path]) -> None:
     fqns = [f for f in param_shapes(8) if is_ep(f)]
     resharded = all_tensors(outputs["a"])
-    original = {k: (_unpermute_legacy(v, 2, 2) if is_ep(k) and v.dim() else v) for k, v in all_tensors(ep_suite / "legacy").items()}
+    original = {
+        k: (_unpermute_legacy(v, 2, 2) if is_ep(k) and v.dim() else v)
+        for k, v in all_tensors(ep_suite / "legacy").items()
+    }
     after_resharded = _step(resharded, fqns)
     after_original = _step(original, fqns)
     assert set(after_resharded) == set(after_original) and len(after_resharded) == 5 * len(fqns)
@@ -179,8 +205,18 @@ def test_with_optimizer_one_step_matches_the_unpermuted_original(ep_suite: Path,
 
 def test_legacy_round_trip_restores_the_legacy_save(ep_suite: Path, outputs: dict[str, Path], tmp_path: Path) -> None:
     back = tmp_path / "back"
-    res = cli(outputs["b"], back, "--to", "legacy", "--target-ep-size", 2, "--target-ep-fsdp-size", 2, "--with-optimizer",
-              "--json")
+    res = cli(
+        outputs["b"],
+        back,
+        "--to",
+        "legacy",
+        "--target-ep-size",
+        2,
+        "--target-ep-fsdp-size",
+        2,
+        "--with-optimizer",
+        "--json",
+    )
     assert res.exit_code == 0, res.stderr
     doc = json.loads(res.stdout)
     assert doc["schema"] == "ckpttool.reshard/1" and doc["from_version"] == 2 and doc["from_source"] == "embedded"
@@ -210,8 +246,19 @@ def test_refuses_ambiguous_input_without_declaration(ep_suite: Path, tmp_path: P
 
 
 def test_refuses_declaration_contradicting_geometry(ep_suite: Path, tmp_path: Path) -> None:
-    res = cli(ep_suite / "legacy", tmp_path / "o", "--to", "canonical", "--with-optimizer",
-              "--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "4")
+    res = cli(
+        ep_suite / "legacy",
+        tmp_path / "o",
+        "--to",
+        "canonical",
+        "--with-optimizer",
+        "--source-layout",
+        "legacy",
+        "--ep-size",
+        "2",
+        "--ep-fsdp-size",
+        "4",
+    )
     assert res.exit_code == 2 and "error: [E404]" in res.stderr and "contradicts the chunk geometry" in res.stderr
     assert not (tmp_path / "o").exists()
 
@@ -224,12 +271,26 @@ def test_refuses_optimizer_state_without_flag(ep_suite: Path, tmp_path: Path) ->
     assert not (tmp_path / "o").exists() and not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("p2,f2,needle", [("3", "1", "do not divide over target ep_size 3"),
-                                          ("2", "8", "split into ep_size*ep_fsdp_size = 16 equal slabs")])
-def test_refuses_target_sizes_not_dividing_experts(ep_suite: Path, tmp_path: Path, p2: str, f2: str, needle: str) -> None:
+@pytest.mark.parametrize(
+    "p2,f2,needle",
+    [("3", "1", "do not divide over target ep_size 3"), ("2", "8", "split into ep_size*ep_fsdp_size = 16 equal slabs")],
+)
+def test_refuses_target_sizes_not_dividing_experts(
+    ep_suite: Path, tmp_path: Path, p2: str, f2: str, needle: str
+) -> None:
     to = "canonical" if p2 == "3" else "legacy"
-    res = cli(ep_suite / "legacy", tmp_path / "o", "--to", to, *DECL, "--with-optimizer",
-              "--target-ep-size", p2, "--target-ep-fsdp-size", f2)
+    res = cli(
+        ep_suite / "legacy",
+        tmp_path / "o",
+        "--to",
+        to,
+        *DECL,
+        "--with-optimizer",
+        "--target-ep-size",
+        p2,
+        "--target-ep-fsdp-size",
+        f2,
+    )
     assert res.exit_code == 2 and "error: [E406]" in res.stderr and needle in res.stderr
     assert not (tmp_path / "o").exists()
 
@@ -237,7 +298,9 @@ def test_refuses_target_sizes_not_dividing_experts(ep_suite: Path, tmp_path: Pat
 def test_unversioned_unambiguous_source_needs_target_sizes(ep_suite: Path, tmp_path: Path) -> None:
     res = cli(ep_suite / "legacy_dim1", tmp_path / "o", "--to", "canonical", "--with-optimizer")
     assert res.exit_code == 2 and "error: [E100]" in res.stderr and "--target-ep-size" in res.stderr
-    res = cli(ep_suite / "legacy_dim1", tmp_path / "o", "--to", "canonical", "--with-optimizer", "--target-ep-size", "2")
+    res = cli(
+        ep_suite / "legacy_dim1", tmp_path / "o", "--to", "canonical", "--with-optimizer", "--target-ep-size", "2"
+    )
     assert res.exit_code == 2 and "give both --target-ep-size and --target-ep-fsdp-size" in res.stderr
 
 
@@ -271,7 +334,7 @@ def test_damaged_chunk_archive_is_refused_without_output(ep_suite: Path, tmp_pat
         meta = r.metadata.entries["model.model.layers.0.mlp.experts.down_proj"]
         info = r.storage_info("model.model.layers.0.mlp.experts.down_proj", meta.chunks[0])
     data = bytearray((ck / info.relative_path).read_bytes())
-    data[info.offset:info.offset + 4] = b"JUNK"  # break the zip local header
+    data[info.offset : info.offset + 4] = b"JUNK"  # break the zip local header
     (ck / info.relative_path).write_bytes(bytes(data))
     res = cli(ck, tmp_path / "o", "--to", "canonical")
     assert res.exit_code == 2 and "error: [E301]" in res.stderr and "down_proj" in res.stderr
@@ -296,8 +359,9 @@ def test_reshard_to_another_ep_size_warns_about_extra_state_and_passes_validate_
 ) -> None:
     assert sorted(p.name for p in (sample_ckpt / "extra_state").iterdir()) == ["extra_state_rank_0.pt"]
     out = tmp_path / "o"
-    res = cli(sample_ckpt, out, "--to", "legacy", "--target-ep-size", "2", "--target-ep-fsdp-size", "1",
-              "--with-optimizer")
+    res = cli(
+        sample_ckpt, out, "--to", "legacy", "--target-ep-size", "2", "--target-ep-fsdp-size", "1", "--with-optimizer"
+    )
     assert res.exit_code == 0, res.stderr
     assert res.stderr == EXTRA_WARNING
     assert "also copied extra_state, model_assets" in res.stdout and "warning" not in res.stdout
@@ -318,11 +382,21 @@ def test_reshard_to_another_ep_size_warns_about_extra_state_and_passes_validate_
 
 
 def test_reshard_json_lists_the_warning_and_keeps_stdout_pure(sample_ckpt: Path, tmp_path: Path) -> None:
-    res = cli(sample_ckpt, tmp_path / "o", "--to", "canonical", "--target-ep-size", "2", "--target-ep-fsdp-size", "1",
-              "--with-optimizer", "--json")
+    res = cli(
+        sample_ckpt,
+        tmp_path / "o",
+        "--to",
+        "canonical",
+        "--target-ep-size",
+        "2",
+        "--target-ep-fsdp-size",
+        "1",
+        "--with-optimizer",
+        "--json",
+    )
     assert res.exit_code == 0 and res.stderr == EXTRA_WARNING
     doc = json.loads(res.stdout)
-    assert doc["warnings"] == [EXTRA_WARNING[len("warning: "):-1]]
+    assert doc["warnings"] == [EXTRA_WARNING[len("warning: ") : -1]]
 
 
 def test_same_mesh_reshard_has_no_warning_and_chains_keep_the_origin(sample_ckpt: Path, tmp_path: Path) -> None:
@@ -330,8 +404,20 @@ def test_same_mesh_reshard_has_no_warning_and_chains_keep_the_origin(sample_ckpt
     assert same.exit_code == 0 and same.stderr == ""
     assert validate_json(tmp_path / "same")[0] == 0
     # 1 -> 2 -> 2 ranks: the second output still carries the 1-rank extra_state/ and still passes --strict
-    assert cli(sample_ckpt, tmp_path / "a", "--to", "canonical", "--target-ep-size", "2", "--target-ep-fsdp-size", "1",
-               "--with-optimizer").exit_code == 0
+    assert (
+        cli(
+            sample_ckpt,
+            tmp_path / "a",
+            "--to",
+            "canonical",
+            "--target-ep-size",
+            "2",
+            "--target-ep-fsdp-size",
+            "1",
+            "--with-optimizer",
+        ).exit_code
+        == 0
+    )
     b = cli(tmp_path / "a", tmp_path / "b", "--to", "legacy", "--with-optimizer")
     assert b.exit_code == 0 and b.stderr == EXTRA_WARNING
     with CheckpointReader(tmp_path / "b") as r:
@@ -342,11 +428,35 @@ def test_same_mesh_reshard_has_no_warning_and_chains_keep_the_origin(sample_ckpt
 
 
 def test_S007_still_warns_when_a_same_mesh_output_lost_a_file(sample_ckpt: Path, tmp_path: Path) -> None:
-    assert cli(sample_ckpt, tmp_path / "a", "--to", "canonical", "--target-ep-size", "2", "--target-ep-fsdp-size", "1",
-               "--with-optimizer").exit_code == 0
+    assert (
+        cli(
+            sample_ckpt,
+            tmp_path / "a",
+            "--to",
+            "canonical",
+            "--target-ep-size",
+            "2",
+            "--target-ep-fsdp-size",
+            "1",
+            "--with-optimizer",
+        ).exit_code
+        == 0
+    )
     b = tmp_path / "b"
-    assert cli(tmp_path / "a", b, "--to", "canonical", "--target-ep-size", "1", "--target-ep-fsdp-size", "1",
-               "--with-optimizer").exit_code == 0
+    assert (
+        cli(
+            tmp_path / "a",
+            b,
+            "--to",
+            "canonical",
+            "--target-ep-size",
+            "1",
+            "--target-ep-fsdp-size",
+            "1",
+            "--with-optimizer",
+        ).exit_code
+        == 0
+    )
     # back on the 1-rank mesh that wrote extra_state/: a missing file is a damaged copy again
     (b / "extra_state" / "extra_state_rank_0.pt").rename(b / "extra_state" / "extra_state_rank_3.pt")
     rc, doc, _ = validate_json(b)
@@ -367,8 +477,11 @@ def test_ctrl_c_stops_the_copy_within_a_chunk(tmp_path: Path, monkeypatch: pytes
     from ckpttool.format import writer as writer_mod
 
     src = tmp_path / "ck"
-    dcp.save({"model": {f"model.layers.{i}.w": torch.full((64, 64), float(i)) for i in range(64)}},
-             checkpoint_id=str(src), no_dist=True)
+    dcp.save(
+        {"model": {f"model.layers.{i}.w": torch.full((64, 64), float(i)) for i in range(64)}},
+        checkpoint_id=str(src),
+        no_dist=True,
+    )
     calls: list[int] = []
     real = writer_mod.DCPWriter.copy_archive
 
@@ -381,8 +494,13 @@ def test_ctrl_c_stops_the_copy_within_a_chunk(tmp_path: Path, monkeypatch: pytes
 
     monkeypatch.setattr(writer_mod.DCPWriter, "copy_archive", copy_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
-        reshard(src, tmp_path / "out", to="canonical", declaration=LayoutDeclaration.from_options("canonical", 1, 1),
-                fsync=False)
+        reshard(
+            src,
+            tmp_path / "out",
+            to="canonical",
+            declaration=LayoutDeclaration.from_options("canonical", 1, 1),
+            fsync=False,
+        )
     assert len(calls) == 1, f"{len(calls)} of 64 chunks copied after Ctrl-C"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
@@ -401,9 +519,21 @@ def test_out_of_space_while_copying_model_assets_is_e600(sample_ckpt: Path, tmp_
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    res = subprocess.run([shutil.which("ckpttool") or "ckpttool", "reshard", str(src), str(tmp_path / "out"),
-                          "--to", "legacy", "--with-optimizer"], capture_output=True, text=True, preexec_fn=cap,
-                         timeout=300)
+    res = subprocess.run(
+        [
+            shutil.which("ckpttool") or "ckpttool",
+            "reshard",
+            str(src),
+            str(tmp_path / "out"),
+            "--to",
+            "legacy",
+            "--with-optimizer",
+        ],
+        capture_output=True,
+        text=True,
+        preexec_fn=cap,
+        timeout=300,
+    )
     assert res.returncode == 2, res.stderr
     assert res.stderr.startswith("error: [E600]") and "File too large" in res.stderr, res.stderr
     assert ".ckpttool-tmp-" not in res.stderr and str(tmp_path / "out") in res.stderr, res.stderr

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from ckpttool.format.metadata import ChunkMeta
 from ckpttool.model.geometry import nested_shard_intervals
+from ckpttool.model.layout_record import EPTensorSpec
 from ckpttool.model.permute import canonical_to_legacy_perm, legacy_to_canonical_perm
 from ckpttool.ops.reshard.plan import _ChunkIndex, _pieces, _target_boxes, row_runs
-from ckpttool.model.layout_record import EPTensorSpec
 
 small = st.integers(min_value=1, max_value=4)
 
@@ -23,10 +23,18 @@ def _stored(true: torch.Tensor, version: int, p: int, f: int) -> torch.Tensor:
 
 
 @settings(max_examples=150, deadline=None)
-@given(p=small, f=small, p2=small, f2=small, k=st.integers(min_value=1, max_value=2),
-       src_v=st.sampled_from([1, 2]), dst_v=st.sampled_from([1, 2]))
-def test_pieces_move_rows_from_any_source_layout_to_any_target(p: int, f: int, p2: int, f2: int, k: int,
-                                                                src_v: int, dst_v: int) -> None:
+@given(
+    p=small,
+    f=small,
+    p2=small,
+    f2=small,
+    k=st.integers(min_value=1, max_value=2),
+    src_v=st.sampled_from([1, 2]),
+    dst_v=st.sampled_from([1, 2]),
+)
+def test_pieces_move_rows_from_any_source_layout_to_any_target(
+    p: int, f: int, p2: int, f2: int, k: int, src_v: int, dst_v: int
+) -> None:
     e = p * f * p2 * f2 * k  # divisible by everything involved
     true = torch.arange(e * 3, dtype=torch.int64).reshape(e, 3)
     src = _stored(true, src_v, p, f)
@@ -36,8 +44,13 @@ def test_pieces_move_rows_from_any_source_layout_to_any_target(p: int, f: int, p
     src_chunks = [ChunkMeta((o, 0), (s, 3)) for o, s in nested_shard_intervals(e, mesh) if s]
     permuted_src = src_v == 1 and p > 1 and f > 1
     permuted_dst = dst_v == 1 and p2 > 1 and f2 > 1
-    runs = row_runs(e, p * f if permuted_src else 1, legacy_to_canonical_perm(p * f, p, f) if permuted_src else [0],
-                    p2 * f2 if permuted_dst else 1, canonical_to_legacy_perm(p2 * f2, p2, f2) if permuted_dst else [0])
+    runs = row_runs(
+        e,
+        p * f if permuted_src else 1,
+        legacy_to_canonical_perm(p * f, p, f) if permuted_src else [0],
+        p2 * f2 if permuted_dst else 1,
+        canonical_to_legacy_perm(p2 * f2, p2, f2) if permuted_dst else [0],
+    )
     covered = sorted((t, t + n) for t, _, n in runs)
     assert covered[0][0] == 0 and covered[-1][1] == e and all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
     out = torch.full_like(true, -1)
@@ -48,6 +61,6 @@ def test_pieces_move_rows_from_any_source_layout_to_any_target(p: int, f: int, p
         chunk = torch.full(sizes, -1, dtype=torch.int64)
         for pc in _pieces(offs, sizes, 0, runs, index):
             s0 = pc.src_chunk.offsets[0] + pc.src_start[0]
-            chunk[pc.dst_start[0]:pc.dst_start[0] + pc.sizes[0]] = src[s0:s0 + pc.sizes[0]]
-        out[offs[0]:offs[0] + sizes[0]] = chunk
+            chunk[pc.dst_start[0] : pc.dst_start[0] + pc.sizes[0]] = src[s0 : s0 + pc.sizes[0]]
+        out[offs[0] : offs[0] + sizes[0]] = chunk
     assert torch.equal(out, _stored(true, dst_v, p2, f2))

@@ -53,8 +53,9 @@ def test_target_is_a_file(tmp_path: Path) -> None:
 def test_unwritable_location() -> None:
     before = set(os.listdir("/proc"))
     assert_error(sample("/proc/ckpttool-sample-x"), "E600", "cannot write there")
-    assert not os.path.exists("/proc/ckpttool-sample-x") and not [n for n in set(os.listdir("/proc")) - before
-                                                                   if "ckpttool" in n]
+    assert not os.path.exists("/proc/ckpttool-sample-x") and not [
+        n for n in set(os.listdir("/proc")) - before if "ckpttool" in n
+    ]
 
 
 @pytest.mark.parametrize("seed", ["99999999999999999999999", str(2**63), "-1"])
@@ -145,7 +146,9 @@ app()
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_interrupted_leaves_nothing(sig: str, tmp_path: Path) -> None:
     out = tmp_path / "s"
-    res = subprocess.run([sys.executable, "-c", INTERRUPTED, sig, str(out)], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED, sig, str(out)], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 130, res.stderr
     assert "error: interrupted" in res.stderr and "Traceback" not in res.stderr
     assert os.listdir(tmp_path) == []
@@ -160,8 +163,13 @@ def test_sample_on_a_full_disk_is_e600_without_traceback(tmp_path: Path) -> None
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
 
-    res = subprocess.run([shutil.which("ckpttool") or "ckpttool", "sample", str(tmp_path / "s")], capture_output=True,
-                         text=True, preexec_fn=cap, timeout=300)
+    res = subprocess.run(
+        [shutil.which("ckpttool") or "ckpttool", "sample", str(tmp_path / "s")],
+        capture_output=True,
+        text=True,
+        preexec_fn=cap,
+        timeout=300,
+    )
     assert res.returncode == 2, res.stderr[-2000:]
     assert res.stderr.startswith("error: [E600]") and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert os.listdir(tmp_path) == []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from ckpttool.cli.app import app
 from ckpttool.format import CheckpointReader
 from ckpttool.model.layout_record import parse_layout_record
 from tests.fixtures.cache import copy_checkpoint
-from tests.fixtures.moe_ep import ep_suite, true_state  # noqa: F401 - fixture
+from tests.fixtures.moe_ep import true_state
 
 pytestmark = pytest.mark.slow
 runner = CliRunner()
@@ -39,7 +38,9 @@ def test_stamp_writes_a_valid_sidecar_and_nothing_else(legacy_copy: Path) -> Non
     assert "4 EP tensors (4 with EP and FSDP on the expert dim)" in res.stdout
     rec = parse_layout_record((legacy_copy / "layout.json").read_text())
     assert (rec.version, rec.ep_size, rec.ep_fsdp_size) == (1, 2, 2)
-    assert set(rec.extra_parallel) == {f"model.model.layers.{n}.mlp.experts.{w}" for n in range(2) for w in ("gate_up_proj", "down_proj")}
+    assert set(rec.extra_parallel) == {
+        f"model.model.layers.{n}.mlp.experts.{w}" for n in range(2) for w in ("gate_up_proj", "down_proj")
+    }
     assert all((s.ep_dim, s.fsdp_dim, s.num_experts) == (0, 0, 8) for s in rec.extra_parallel.values())
     assert rec.optimizer == {"type": "full_fp32_adamw"} and rec.raw["stamped"] is True
     assert snapshot(legacy_copy) == before  # the checkpoint itself is untouched
@@ -51,7 +52,9 @@ def test_stamped_checkpoint_is_resolved_and_reshards_without_declaration(legacy_
     ov = json.loads(runner.invoke(app, ["inspect", "--json", str(legacy_copy)]).stdout)
     assert ov["layout"]["version"] == 1 and ov["layout"]["source"] == "sidecar" and ov["layout"]["ambiguous"] == []
     assert all(g["problems"] == [] for g in ov["layout"]["geometry"])
-    res = runner.invoke(app, ["reshard", str(legacy_copy), str(tmp_path / "out"), "--to", "canonical", "--with-optimizer"])
+    res = runner.invoke(
+        app, ["reshard", str(legacy_copy), str(tmp_path / "out"), "--to", "canonical", "--with-optimizer"]
+    )
     assert res.exit_code == 0, res.stderr
     key = "model.model.layers.1.mlp.experts.gate_up_proj"
     with CheckpointReader(tmp_path / "out") as r:
@@ -64,44 +67,57 @@ def test_stamp_twice_is_a_no_op_and_cannot_contradict_itself(legacy_copy: Path) 
     text = (legacy_copy / "layout.json").read_text()
     again = runner.invoke(app, ["stamp", str(legacy_copy), *LEGACY])
     assert again.exit_code == 0 and again.stderr == ""
-    assert again.stdout.startswith(f"already recorded in {legacy_copy / 'layout.json'}, nothing written: "
-                                   "layout version 1 (legacy), ep_size 2, ep_fsdp_size 2")
-    other = runner.invoke(app, ["stamp", str(legacy_copy), "--source-layout", "canonical", "--ep-size", "2",
-                                "--ep-fsdp-size", "2"])
+    assert again.stdout.startswith(
+        f"already recorded in {legacy_copy / 'layout.json'}, nothing written: "
+        "layout version 1 (legacy), ep_size 2, ep_fsdp_size 2"
+    )
+    other = runner.invoke(
+        app, ["stamp", str(legacy_copy), "--source-layout", "canonical", "--ep-size", "2", "--ep-fsdp-size", "2"]
+    )
     assert other.exit_code == 2 and other.stdout == ""
     assert "error: [E404]" in other.stderr and "layout canonical vs recorded legacy" in other.stderr
     # stamp needs the declaration: the hint says how to replace a wrong sidecar instead of "drop the options"
     hint = other.stderr.splitlines()[1]
-    assert hint == (f"hint: {legacy_copy / 'layout.json'} already records --source-layout legacy --ep-size 2 "
-                    f"--ep-fsdp-size 2; if that record is wrong, delete {legacy_copy / 'layout.json'} and stamp "
-                    "again with the right declaration")
+    assert hint == (
+        f"hint: {legacy_copy / 'layout.json'} already records --source-layout legacy --ep-size 2 "
+        f"--ep-fsdp-size 2; if that record is wrong, delete {legacy_copy / 'layout.json'} and stamp "
+        "again with the right declaration"
+    )
     assert "drop --source-layout" not in other.stderr
     assert (legacy_copy / "layout.json").read_text() == text
 
 
 def test_stamp_refuses_a_declaration_contradicting_the_geometry(legacy_copy: Path) -> None:
-    res = runner.invoke(app, ["stamp", str(legacy_copy), "--source-layout", "legacy", "--ep-size", "4",
-                              "--ep-fsdp-size", "2"])
+    res = runner.invoke(
+        app, ["stamp", str(legacy_copy), "--source-layout", "legacy", "--ep-size", "4", "--ep-fsdp-size", "2"]
+    )
     assert res.exit_code == 2 and res.stdout == ""
     assert res.stderr.startswith("error: [E404] model.model.layers.0.mlp.experts.gate_up_proj: the declared layout")
     hint = res.stderr.splitlines()[1]
-    assert hint.startswith("hint: the chunks of model.model.layers.0.mlp.experts.gate_up_proj split the expert dim "
-                           "into 4 piece(s): ep_size x ep_fsdp_size must be 4")
+    assert hint.startswith(
+        "hint: the chunks of model.model.layers.0.mlp.experts.gate_up_proj split the expert dim "
+        "into 4 piece(s): ep_size x ep_fsdp_size must be 4"
+    )
     assert "drop --source-layout" not in res.stderr
     assert not (legacy_copy / "layout.json").exists()
 
 
 def test_stamp_refuses_to_contradict_an_embedded_record(ep_suite: Path, tmp_path: Path) -> None:
     ck = copy_checkpoint(ep_suite / "p4f1", tmp_path / "p")
-    res = runner.invoke(app, ["stamp", str(ck), "--source-layout", "canonical", "--ep-size", "4", "--ep-fsdp-size", "1"])
+    res = runner.invoke(
+        app, ["stamp", str(ck), "--source-layout", "canonical", "--ep-size", "4", "--ep-fsdp-size", "1"]
+    )
     assert res.exit_code == 2 and "error: [E404]" in res.stderr and not (ck / "layout.json").exists()
     hint = res.stderr.splitlines()[1]
-    assert hint.startswith("hint: the layout is recorded inside the checkpoint (byte item 'layout', written with the "
-                           "save) and stamp cannot replace it; it needs no stamp (it says --source-layout legacy "
-                           "--ep-size 4 --ep-fsdp-size 1)")
+    assert hint.startswith(
+        "hint: the layout is recorded inside the checkpoint (byte item 'layout', written with the "
+        "save) and stamp cannot replace it; it needs no stamp (it says --source-layout legacy "
+        "--ep-size 4 --ep-fsdp-size 1)"
+    )
     assert "ckpttool reshard" in hint and "drop --source-layout" not in res.stderr
-    res = runner.invoke(app, ["stamp", str(ck), "--source-layout", "legacy", "--ep-size", "4", "--ep-fsdp-size", "1",
-                              "--json"])
+    res = runner.invoke(
+        app, ["stamp", str(ck), "--source-layout", "legacy", "--ep-size", "4", "--ep-fsdp-size", "1", "--json"]
+    )
     assert res.exit_code == 0, res.stderr
     doc = json.loads(res.stdout)
     assert doc["schema"] == "ckpttool.stamp/1" and doc["written"] is False and doc["record"]["version"] == 1
@@ -110,8 +126,10 @@ def test_stamp_refuses_to_contradict_an_embedded_record(ep_suite: Path, tmp_path
     # the no-op names where the record is: no layout.json was (or is) there
     res = runner.invoke(app, ["stamp", str(ck), "--source-layout", "legacy", "--ep-size", "4", "--ep-fsdp-size", "1"])
     assert res.exit_code == 0 and res.stderr == ""
-    assert res.stdout.startswith(f"already recorded in the checkpoint's embedded layout item, nothing written: {ck}: "
-                                 "layout version 1 (legacy), ep_size 4, ep_fsdp_size 1")
+    assert res.stdout.startswith(
+        f"already recorded in the checkpoint's embedded layout item, nothing written: {ck}: "
+        "layout version 1 (legacy), ep_size 4, ep_fsdp_size 1"
+    )
     assert "layout.json" not in res.stdout and not (ck / "layout.json").exists()
 
 
@@ -141,15 +159,18 @@ def build_unsplit_experts(out: Path) -> None:
     """One process, no layout record: fused expert tensors saved whole (one chunk, one rank)."""
     import torch.distributed.checkpoint as dcp
 
-    sd = {"model.embed_tokens.weight": torch.ones(16, 8),
-          "model.layers.0.mlp.experts.down_proj": torch.ones(8, 8, 4),
-          "model.layers.0.mlp.experts.gate_up_proj": torch.ones(8, 8, 8)}
+    sd = {
+        "model.embed_tokens.weight": torch.ones(16, 8),
+        "model.layers.0.mlp.experts.down_proj": torch.ones(8, 8, 4),
+        "model.layers.0.mlp.experts.gate_up_proj": torch.ones(8, 8, 8),
+    }
     dcp.save({"model": sd}, checkpoint_id=str(out))
 
 
 def stamp_cli(ck: Path, layout: str, p: int, f: int):
-    return runner.invoke(app, ["stamp", str(ck), "--source-layout", layout, "--ep-size", str(p),
-                               "--ep-fsdp-size", str(f)])
+    return runner.invoke(
+        app, ["stamp", str(ck), "--source-layout", layout, "--ep-size", str(p), "--ep-fsdp-size", str(f)]
+    )
 
 
 def test_stamp_refuses_a_checkpoint_without_ep_tensors(dense_ckpt: Path, tmp_path: Path) -> None:
@@ -158,13 +179,16 @@ def test_stamp_refuses_a_checkpoint_without_ep_tensors(dense_ckpt: Path, tmp_pat
     res = stamp_cli(ck, "legacy", 2, 2)
     assert res.exit_code == 2 and res.stdout == ""
     err = res.stderr.splitlines()
-    assert err[0] == (f"error: [E400] {ck}: nothing to stamp: --source-layout legacy --ep-size 2 --ep-fsdp-size 2 "
-                      "cannot be verified, because the checkpoint has no EP tensors (fused `...experts.<name>` model "
-                      "tensors with a leading expert dim) whose chunk geometry could be checked")
+    assert err[0] == (
+        f"error: [E400] {ck}: nothing to stamp: --source-layout legacy --ep-size 2 --ep-fsdp-size 2 "
+        "cannot be verified, because the checkpoint has no EP tensors (fused `...experts.<name>` model "
+        "tensors with a leading expert dim) whose chunk geometry could be checked"
+    )
     assert err[1].startswith("hint: a checkpoint without expert tensors needs no EP layout record; nothing was written")
     assert not (ck / "layout.json").exists() and snapshot(ck) == before
-    res = runner.invoke(app, ["stamp", str(ck), "--source-layout", "canonical", "--ep-size", "1",
-                              "--ep-fsdp-size", "1", "--json"])
+    res = runner.invoke(
+        app, ["stamp", str(ck), "--source-layout", "canonical", "--ep-size", "1", "--ep-fsdp-size", "1", "--json"]
+    )
     assert res.exit_code == 2 and res.stdout == "" and "error: [E400]" in res.stderr
     assert not (ck / "layout.json").exists()
 
@@ -176,10 +200,12 @@ def test_stamp_refuses_sizes_the_writing_ranks_cannot_confirm(tmp_path: Path) ->
     res = stamp_cli(ck, "canonical", 1, 4)
     assert res.exit_code == 2 and res.stdout == ""
     err = res.stderr.splitlines()
-    assert err[0] == (f"error: [E400] {ck}: nothing to stamp: --source-layout canonical --ep-size 1 --ep-fsdp-size 4 "
-                      "cannot be verified: its EP tensors were written by 1 rank(s) [0], but a mesh of ep_size 1 x "
-                      "ep_fsdp_size 4 = 4 ranks saves every EP tensor from all 4 ranks, so the chunks cannot confirm "
-                      "the declared sizes")
+    assert err[0] == (
+        f"error: [E400] {ck}: nothing to stamp: --source-layout canonical --ep-size 1 --ep-fsdp-size 4 "
+        "cannot be verified: its EP tensors were written by 1 rank(s) [0], but a mesh of ep_size 1 x "
+        "ep_fsdp_size 4 = 4 ranks saves every EP tensor from all 4 ranks, so the chunks cannot confirm "
+        "the declared sizes"
+    )
     assert err[1].startswith("hint: nothing was written; declare the mesh that saved this checkpoint")
     assert not (ck / "layout.json").exists()
     # sizes the chunks contradict: E404 with what the chunks fit
@@ -189,5 +215,6 @@ def test_stamp_refuses_sizes_the_writing_ranks_cannot_confirm(tmp_path: Path) ->
     # the mesh that did save it is verified and stamped
     res = stamp_cli(ck, "canonical", 1, 1)
     assert res.exit_code == 0 and res.stderr == ""
-    assert res.stdout.startswith(f"wrote {ck / 'layout.json'}: layout version 2 (canonical), ep_size 1, ep_fsdp_size 1, "
-                                 "2 EP tensors")
+    assert res.stdout.startswith(
+        f"wrote {ck / 'layout.json'}: layout version 2 (canonical), ep_size 1, ep_fsdp_size 1, 2 EP tensors"
+    )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ckpttool.ops.validate import RULES, validate
 from ckpttool.cli.app import app
+from ckpttool.ops.validate import RULES, validate
 from tests.fixtures import damage
 from tests.fixtures.cache import cached_build, copy_checkpoint
 
@@ -50,33 +49,26 @@ def build_master(out: Path) -> None:
             "exp_avg": (torch.randn(shape, generator=g) * 1e-3).to(torch.bfloat16),
             "exp_avg_sq": (torch.rand(shape, generator=g) * 1e-6).to(torch.bfloat16),
         }
-    osd = {"state": state, "param_groups": [
-        {"params": list(MASTER_PARAMS), "lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}]}
-    record = {"format": "ckpttool.layout", "version": 2, "parallel": {"ep_size": 1, "ep_fsdp_size": 1},
-              "extra_parallel": {}, "optimizer": {"type": "master_fp32_adamw", "moment_dtypes": {"resident": "bfloat16"}},
-              "global_step": 5}
+    osd = {
+        "state": state,
+        "param_groups": [
+            {"params": list(MASTER_PARAMS), "lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+        ],
+    }
+    record = {
+        "format": "ckpttool.layout",
+        "version": 2,
+        "parallel": {"ep_size": 1, "ep_fsdp_size": 1},
+        "extra_parallel": {},
+        "optimizer": {"type": "master_fp32_adamw", "moment_dtypes": {"resident": "bfloat16"}},
+        "global_step": 5,
+    }
     dcp.save({"model": msd, "optimizer": osd, "layout": json.dumps(record)}, checkpoint_id=str(out))
-
-
-def build_per_expert(out: Path) -> None:
-    """Per-expert MoE keys where EP rank 0 saved only its local experts 0..3 (of 8) under local names."""
-    import torch.distributed.checkpoint as dcp
-
-    sd = {"model.embed_tokens.weight": torch.zeros(16, 8), "lm_head.weight": torch.zeros(16, 8)}
-    for j in range(4):
-        for proj, shape in (("gate_proj", (6, 8)), ("up_proj", (6, 8)), ("down_proj", (8, 6))):
-            sd[f"model.layers.0.mlp.experts.{j}.{proj}.weight"] = torch.zeros(shape)
-    dcp.save({"model": sd}, checkpoint_id=str(out))
 
 
 @pytest.fixture(scope="session")
 def master_ckpt(fixture_root: Path) -> Path:
     return cached_build(fixture_root, "validate_master", build_master)
-
-
-@pytest.fixture(scope="session")
-def per_expert_ckpt(fixture_root: Path) -> Path:
-    return cached_build(fixture_root, "validate_per_expert", build_per_expert)
 
 
 @pytest.fixture
@@ -144,9 +136,13 @@ def build_initial_lr(out: Path) -> None:
     msd = {"model.a.weight": torch.ones(4, 4), "model.b.weight": torch.ones(4, 4)}
     state = {k: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(4, 4), "exp_avg_sq": torch.zeros(4, 4)} for k in msd}
     base = {"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
-    osd = {"state": state, "param_groups": [
-        {"params": ["model.a.weight"], "lr": 1e-3, "initial_lr": 1e-3, **base},
-        {"params": ["model.b.weight"], "lr": 2.5e-4, "initial_lr": 1e-3, **base}]}
+    osd = {
+        "state": state,
+        "param_groups": [
+            {"params": ["model.a.weight"], "lr": 1e-3, "initial_lr": 1e-3, **base},
+            {"params": ["model.b.weight"], "lr": 2.5e-4, "initial_lr": 1e-3, **base},
+        ],
+    }
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(out))
 
 
@@ -166,14 +162,27 @@ def test_P002_silent_when_the_scheduler_has_not_moved_the_lr(tmp_path: Path) -> 
     import torch.distributed.checkpoint as dcp
 
     msd = {"model.a.weight": torch.ones(4, 4)}
-    osd = {"state": {"model.a.weight": {"step": torch.tensor(1.0), "exp_avg": torch.zeros(4, 4),
-                                         "exp_avg_sq": torch.zeros(4, 4)}},
-           "param_groups": [{"params": ["model.a.weight"], "lr": 1e-3, "initial_lr": 1e-3, "betas": (0.9, 0.95),
-                             "eps": 1e-8, "weight_decay": 0.0}]}
+    osd = {
+        "state": {
+            "model.a.weight": {"step": torch.tensor(1.0), "exp_avg": torch.zeros(4, 4), "exp_avg_sq": torch.zeros(4, 4)}
+        },
+        "param_groups": [
+            {
+                "params": ["model.a.weight"],
+                "lr": 1e-3,
+                "initial_lr": 1e-3,
+                "betas": (0.9, 0.95),
+                "eps": 1e-8,
+                "weight_decay": 0.0,
+            }
+        ],
+    }
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
     res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "ck")])
     assert res.exit_code == 0 and res.stderr == ""
-    assert "initial_lr" not in res.stdout and res.stdout.splitlines()[-1].startswith("OK: 0 error(s), 0 warning(s), 0 info")
+    assert "initial_lr" not in res.stdout and res.stdout.splitlines()[-1].startswith(
+        "OK: 0 error(s), 0 warning(s), 0 info"
+    )
 
 
 # ------------------------------------------------------------------------------------------ storage
@@ -451,8 +460,7 @@ def test_every_rule_is_documented_in_docs_rules_md() -> None:
 def test_library_call_matches_cli(dense_ckpt: Path) -> None:
     res = validate(dense_ckpt, strict=True)
     assert res.exit_code == 0 and res.to_dict()["schema"] == "ckpttool.validate/1"
-    assert {s.rule.code for s in res.rules if s.status == "skipped"} == {
-        c for c, r in RULES.items() if r.needs - set()}
+    assert {s.rule.code for s in res.rules if s.status == "skipped"} == {c for c, r in RULES.items() if r.needs - set()}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])

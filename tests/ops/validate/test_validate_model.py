@@ -14,8 +14,6 @@ from ckpttool.cli.app import app
 from ckpttool.format import CheckpointReader
 from tests.fixtures import damage
 from tests.fixtures.cache import copy_checkpoint
-from tests.fixtures.moe_ep import ep_suite  # noqa: F401 - session fixture (4-rank EP DTensor saves)
-from tests.ops.validate.test_validate import per_expert_ckpt  # noqa: F401 - session fixture
 
 runner = CliRunner()
 SAMPLE_EXPERT = "model.model.layers.0.mlp.experts.down_proj"
@@ -81,7 +79,7 @@ def test_L002_sidecar_disagrees_with_embedded(ck: Path) -> None:
     assert doc["findings"][0]["error_code"] == "E403"
 
 
-def test_L003_unversioned_same_dim_ep_is_ambiguous(ep_suite: Path) -> None:  # noqa: F811
+def test_L003_unversioned_same_dim_ep_is_ambiguous(ep_suite: Path) -> None:
     path = ep_suite / "legacy"
     rc, doc = run(path)
     assert rc == 0 and codes(doc) == {"L003"} and not doc["findings"][0]["fails"]
@@ -109,7 +107,7 @@ def test_L005_record_ep_size_contradicts_chunks(ck: Path) -> None:
     assert rc == 1 and codes(doc) == {"L005"} and len(doc["findings"]) - 1 == 4  # 4 EP tensors (+P002 info)
 
 
-def test_L005_declaration_contradicts_geometry(ep_suite: Path) -> None:  # noqa: F811
+def test_L005_declaration_contradicts_geometry(ep_suite: Path) -> None:
     doc = only(ep_suite / "legacy", "L005", "--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "1")
     assert doc["findings"][0]["error_code"] == "E404"
 
@@ -119,7 +117,7 @@ def test_layout_declaration_without_sizes_is_a_usage_error(sample_ckpt: Path) ->
     assert res.exit_code == 2 and res.stderr.startswith("error: [E100]")
 
 
-def test_clean_ep_record_fixture(ep_suite: Path) -> None:  # noqa: F811
+def test_clean_ep_record_fixture(ep_suite: Path) -> None:
     rc, doc = run(ep_suite / "p4f1", "--strict", "--deep")
     assert rc == 0 and codes(doc) == set()
 
@@ -140,10 +138,11 @@ def test_M002_fused_experts_rows(ck: Path) -> None:
     rc, doc = run(ck, "--strict", "--config", write_config(ck, num_experts=16))
     assert rc == 1 and codes(doc) == {"M002"}
     assert {f["key"] for f in doc["findings"] if f["code"] == "M002"} == {
-        f"model.model.layers.{n}.mlp.experts.{p}" for n in range(2) for p in ("gate_up_proj", "down_proj")}
+        f"model.model.layers.{n}.mlp.experts.{p}" for n in range(2) for p in ("gate_up_proj", "down_proj")
+    }
 
 
-def test_M002_renumbered_local_experts(per_expert_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_M002_renumbered_local_experts(per_expert_ckpt: Path, tmp_path: Path) -> None:
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"num_hidden_layers": 1, "num_experts": 8, "vocab_size": 16}))
     rc, doc = run(per_expert_ckpt, "--strict", "--config", cfg)
@@ -185,7 +184,7 @@ def reference(src: Path, out: Path, edit: Any = None, tie: bool | None = None) -
     from safetensors.torch import save_file
 
     with CheckpointReader(src) as r:
-        sd = {k[len("model."):]: r.read_tensor(k) for k in r.metadata.entries if k.startswith("model.")}
+        sd = {k[len("model.") :]: r.read_tensor(k) for k in r.metadata.entries if k.startswith("model.")}
     if edit is not None:
         edit(sd)
     out.mkdir()
@@ -231,8 +230,11 @@ def test_tied_head_is_not_reported_missing(dense_ckpt: Path, tmp_path: Path) -> 
 
 def test_per_expert_reference_matches_fused_tensors(sample_ckpt: Path, tmp_path: Path) -> None:
     with CheckpointReader(sample_ckpt) as r:
-        keys = {k[len("model."):]: {"shape": list(m.size), "dtype": m.dtype.name}
-                for k, m in r.metadata.entries.items() if k.startswith("model.") and ".experts." not in k}
+        keys = {
+            k[len("model.") :]: {"shape": list(m.size), "dtype": m.dtype.name}
+            for k, m in r.metadata.entries.items()
+            if k.startswith("model.") and ".experts." not in k
+        }
     for n in range(2):
         for j in range(8):
             p = f"model.layers.{n}.mlp.experts.{j}"

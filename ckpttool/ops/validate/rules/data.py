@@ -10,9 +10,14 @@ from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.optimizer import _num
 
 
-@rule("D001", "non-finite-values", Severity.error,
-      "a floating tensor (parameter, buffer, optimizer state other than step) holds NaN or +-inf",
-      "training diverged before the save; resume from an earlier checkpoint", needs=("deep",))
+@rule(
+    "D001",
+    "non-finite-values",
+    Severity.error,
+    "a floating tensor (parameter, buffer, optimizer state other than step) holds NaN or +-inf",
+    "training diverged before the save; resume from an earlier checkpoint",
+    needs=("deep",),
+)
 def non_finite_values(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
     for key, st in ctx.deep_result.stats.items():
@@ -20,9 +25,14 @@ def non_finite_values(ctx: Context) -> Iterator[tuple[str, str]]:
             yield key, f"{key}: {st.nonfinite} of {st.numel} values are NaN or infinite"
 
 
-@rule("D002", "negative-exp-avg-sq", Severity.error,
-      "an exp_avg_sq (Adam second moment, a running mean of squares) holds negative values",
-      "the state is corrupt (bit flips, a bad conversion); resume from an earlier checkpoint", needs=("deep",))
+@rule(
+    "D002",
+    "negative-exp-avg-sq",
+    Severity.error,
+    "an exp_avg_sq (Adam second moment, a running mean of squares) holds negative values",
+    "the state is corrupt (bit flips, a bad conversion); resume from an earlier checkpoint",
+    needs=("deep",),
+)
 def negative_exp_avg_sq(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
     for key, st in ctx.deep_result.stats.items():
@@ -30,10 +40,14 @@ def negative_exp_avg_sq(ctx: Context) -> Iterator[tuple[str, str]]:
             yield key, f"{key}: {st.negative} of {st.numel} values are negative (min {st.min:.4g})"
 
 
-@rule("D003", "step-not-count", Severity.error,
-      "an optimizer step is not a non-negative integer value (NaN, negative or fractional)",
-      "the step counter is corrupt; Adam's bias correction would be wrong: restore it from the training step",
-      needs=("deep",))
+@rule(
+    "D003",
+    "step-not-count",
+    Severity.error,
+    "an optimizer step is not a non-negative integer value (NaN, negative or fractional)",
+    "the step counter is corrupt; Adam's bias correction would be wrong: restore it from the training step",
+    needs=("deep",),
+)
 def step_not_count(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
     dr = ctx.deep_result
@@ -57,13 +71,23 @@ def step_not_count(ctx: Context) -> Iterator[tuple[str, str]]:
                 break
 
 
-@rule("D004", "master-divergence", Severity.error,
-      "a BF16/FP16 parameter differs from master_weight.to(param dtype): the model and its FP32 master copy diverged",
-      "the save wrote parameters and masters from different steps (or a cast was skipped); resume from the "
-      "master_weight (export --weights master) or an earlier checkpoint", needs=("deep",))
+@rule(
+    "D004",
+    "master-divergence",
+    Severity.error,
+    "a BF16/FP16 parameter differs from master_weight.to(param dtype): the model and its FP32 master copy diverged",
+    "the save wrote parameters and masters from different steps (or a cast was skipped); resume from the "
+    "master_weight (export --weights master) or an earlier checkpoint",
+    needs=("deep",),
+)
 def master_divergence(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
     for p in ctx.deep_result.pairs:
         if p.kind == "master" and p.compared and p.mismatched:
-            yield p.a, (f"{p.a}: {p.mismatched} of {p.numel} elements differ from {p.b} cast to the parameter "
-                        f"dtype (max |diff| {p.max_diff:.4g})")
+            yield (
+                p.a,
+                (
+                    f"{p.a}: {p.mismatched} of {p.numel} elements differ from {p.b} cast to the parameter "
+                    f"dtype (max |diff| {p.max_diff:.4g})"
+                ),
+            )

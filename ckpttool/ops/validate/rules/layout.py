@@ -39,45 +39,67 @@ def _shape_problems(g: EPGeometry, ep_size: int | None) -> list[str]:
     return out
 
 
-@rule("L001", "layout-record-invalid", Severity.error,
-      "the layout record (embedded item or layout.json) is not valid: unknown format, a version newer than "
-      "this ckpttool supports, or malformed fields",
-      "upgrade ckpttool for a newer version; otherwise fix or remove the record (`ckpttool stamp` rewrites it)",
-      error_code="E400")
+@rule(
+    "L001",
+    "layout-record-invalid",
+    Severity.error,
+    "the layout record (embedded item or layout.json) is not valid: unknown format, a version newer than "
+    "this ckpttool supports, or malformed fields",
+    "upgrade ckpttool for a newer version; otherwise fix or remove the record (`ckpttool stamp` rewrites it)",
+    error_code="E400",
+)
 def layout_record_invalid(ctx: Context) -> Iterator[Finding]:
     e = ctx.layout_error
     if e is not None and not isinstance(e, (LayoutConflictError, LayoutContradictionError, AmbiguousLayoutError)):
         yield RULES["L001"].make("layout", e.message, e.hint or None, e.code)
 
 
-@rule("L002", "layout-record-conflict", Severity.error,
-      "the embedded layout record and the layout.json sidecar disagree",
-      "remove the stale layout.json (the embedded record was written with the save)", error_code="E403")
+@rule(
+    "L002",
+    "layout-record-conflict",
+    Severity.error,
+    "the embedded layout record and the layout.json sidecar disagree",
+    "remove the stale layout.json (the embedded record was written with the save)",
+    error_code="E403",
+)
 def layout_record_conflict(ctx: Context) -> Iterator[Finding]:
     e = ctx.layout_error
     if e is not None and isinstance(e, LayoutConflictError):
         yield RULES["L002"].make("layout.json", e.message, e.hint or None, e.code)
 
 
-@rule("L003", "ep-layout-ambiguous", Severity.warning,
-      "an unversioned checkpoint has EP tensors whose EP-FSDP dim is their expert dim: legacy and canonical "
-      "store different expert orders and the metadata cannot tell which (fails --strict)",
-      "declare it: --source-layout legacy|canonical --ep-size P --ep-fsdp-size F (or record it with `ckpttool stamp`)",
-      error_code="E405")
+@rule(
+    "L003",
+    "ep-layout-ambiguous",
+    Severity.warning,
+    "an unversioned checkpoint has EP tensors whose EP-FSDP dim is their expert dim: legacy and canonical "
+    "store different expert orders and the metadata cannot tell which (fails --strict)",
+    "declare it: --source-layout legacy|canonical --ep-size P --ep-fsdp-size F (or record it with `ckpttool stamp`)",
+    error_code="E405",
+)
 def ep_layout_ambiguous(ctx: Context) -> Iterator[tuple[str, str]]:
     if ctx.layout is None:
         return
     amb = ctx.layout.ambiguous
     if amb:
         more = f" and {len(amb) - 1} more EP tensors" if len(amb) > 1 else ""
-        yield amb[0], (f"{amb[0]}{more}: EP and EP-FSDP both shard the expert dim and there is no layout record; "
-                       "the stored expert order is unknown")
+        yield (
+            amb[0],
+            (
+                f"{amb[0]}{more}: EP and EP-FSDP both shard the expert dim and there is no layout record; "
+                "the stored expert order is unknown"
+            ),
+        )
 
 
-@rule("L004", "ep-shape-inconsistent", Severity.error,
-      "an EP tensor's expert dim disagrees with num_experts, num_experts is not divisible by ep_size, or the "
-      "record names an EP tensor the checkpoint lacks",
-      "fix the layout record (`ckpttool stamp`) or the declaration; the checkpoint may be from another model")
+@rule(
+    "L004",
+    "ep-shape-inconsistent",
+    Severity.error,
+    "an EP tensor's expert dim disagrees with num_experts, num_experts is not divisible by ep_size, or the "
+    "record names an EP tensor the checkpoint lacks",
+    "fix the layout record (`ckpttool stamp`) or the declaration; the checkpoint may be from another model",
+)
 def ep_shape_inconsistent(ctx: Context) -> Iterator[tuple[str, str]]:
     if ctx.layout is None:
         return
@@ -86,11 +108,15 @@ def ep_shape_inconsistent(ctx: Context) -> Iterator[tuple[str, str]]:
             yield g.key, f"{g.key}: {p}"
 
 
-@rule("L005", "ep-geometry-mismatch", Severity.error,
-      "the chunk geometry of an EP tensor contradicts the recorded or declared ep_size/ep_fsdp_size (or the "
-      "declaration contradicts the record)",
-      "declare the sizes of the job that saved the checkpoint (`ckpttool inspect` shows the chunks)",
-      error_code="E404")
+@rule(
+    "L005",
+    "ep-geometry-mismatch",
+    Severity.error,
+    "the chunk geometry of an EP tensor contradicts the recorded or declared ep_size/ep_fsdp_size (or the "
+    "declaration contradicts the record)",
+    "declare the sizes of the job that saved the checkpoint (`ckpttool inspect` shows the chunks)",
+    error_code="E404",
+)
 def ep_geometry_mismatch(ctx: Context) -> Iterator[Finding | tuple[str, str]]:
     e = ctx.layout_error
     if e is not None and isinstance(e, LayoutContradictionError):

@@ -21,9 +21,14 @@ from ckpttool.ops.validate.context import Context
 _LAYER_RE = re.compile(r"^(?P<prefix>.*?\blayers)\.(?P<idx>\d+)\.")
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\bexperts)\.(?P<idx>\d+)\.(?P<rest>.+)$")
 _FUSED_RE = re.compile(r"^(?P<prefix>.*\bexperts)\.(?P<name>[A-Za-z_][A-Za-z0-9_]*)$")
-_PER_EXPERT_PROJ = {"gate_proj.weight": "gate_up_proj", "up_proj.weight": "gate_up_proj",
-                    "down_proj.weight": "down_proj", "w1.weight": "gate_up_proj", "w3.weight": "gate_up_proj",
-                    "w2.weight": "down_proj"}
+_PER_EXPERT_PROJ = {
+    "gate_proj.weight": "gate_up_proj",
+    "up_proj.weight": "gate_up_proj",
+    "down_proj.weight": "down_proj",
+    "w1.weight": "gate_up_proj",
+    "w3.weight": "gate_up_proj",
+    "w2.weight": "down_proj",
+}
 
 
 def _ranges(idx: list[int]) -> str:
@@ -46,16 +51,23 @@ def _num_experts(ctx: Context) -> int | None:
     return int(v) if isinstance(v, int) and v > 0 else None
 
 
-@rule("M001", "layer-coverage", Severity.error,
-      "layer indices in model keys do not cover 0..num_hidden_layers-1 exactly (gap, index out of range, a "
-      "second copy under another prefix, or pipeline-stage-local renumbering)",
-      "merge the pipeline stages with global layer indices, or check that --config belongs to this checkpoint",
-      needs=("config",))
+@rule(
+    "M001",
+    "layer-coverage",
+    Severity.error,
+    "layer indices in model keys do not cover 0..num_hidden_layers-1 exactly (gap, index out of range, a "
+    "second copy under another prefix, or pipeline-stage-local renumbering)",
+    "merge the pipeline stages with global layer indices, or check that --config belongs to this checkpoint",
+    needs=("config",),
+)
 def layer_coverage(ctx: Context) -> Iterator[tuple[str, str]]:
     n = config_value(ctx.config, "num_hidden_layers", "n_layer", "num_layers")
     if not isinstance(n, int):
-        yield "config", "--config has no integer num_hidden_layers; layer coverage cannot be checked", \
-            "pass the model's own config.json"
+        yield (
+            "config",
+            "--config has no integer num_hidden_layers; layer coverage cannot be checked",
+            "pass the model's own config.json",
+        )
         return
     by_prefix: dict[str, set[int]] = defaultdict(set)
     for key in ctx.cat.model:
@@ -65,7 +77,9 @@ def layer_coverage(ctx: Context) -> Iterator[tuple[str, str]]:
     if not by_prefix:
         yield "model", f"no model key has a layers.<N> component but the config has {n} layers"
         return
-    main = "model.model.layers" if "model.model.layers" in by_prefix else max(by_prefix, key=lambda p: len(by_prefix[p]))
+    main = (
+        "model.model.layers" if "model.model.layers" in by_prefix else max(by_prefix, key=lambda p: len(by_prefix[p]))
+    )
     got = by_prefix[main]
     want = set(range(n))
     missing, extra = sorted(want - got), sorted(got - want)
@@ -87,11 +101,15 @@ def layer_coverage(ctx: Context) -> Iterator[tuple[str, str]]:
             yield prefix, f"{prefix}: layers {_ranges(dup)} also stored under {main} (duplicate layer container)"
 
 
-@rule("M002", "expert-coverage", Severity.error,
-      "fused expert tensors do not have num_experts rows, or per-expert keys experts.<j>. do not cover "
-      "0..num_experts-1 (e.g. every EP rank saved its local experts under renumbered names)",
-      "save experts with global indices (gather the EP ranks' experts), or check that --config matches",
-      needs=("config",))
+@rule(
+    "M002",
+    "expert-coverage",
+    Severity.error,
+    "fused expert tensors do not have num_experts rows, or per-expert keys experts.<j>. do not cover "
+    "0..num_experts-1 (e.g. every EP rank saved its local experts under renumbered names)",
+    "save experts with global indices (gather the EP ranks' experts), or check that --config matches",
+    needs=("config",),
+)
 def expert_coverage(ctx: Context) -> Iterator[tuple[str, str]]:
     e = _num_experts(ctx)
     if e is None:
@@ -104,21 +122,32 @@ def expert_coverage(ctx: Context) -> Iterator[tuple[str, str]]:
             continue
         f = _FUSED_RE.match(key)
         if f and len(t.shape) >= 2 and t.shape[0] != e:
-            yield key, f"{key}: fused expert tensor has {t.shape[0]} experts in dim 0 ({list(t.shape)}), config num_experts {e}"
+            yield (
+                key,
+                f"{key}: fused expert tensor has {t.shape[0]} experts in dim 0 ({list(t.shape)}), config num_experts {e}",
+            )
     reported: set[str] = set()
     for (prefix, rest), idx in sorted(per.items()):
         missing, extra = sorted(set(range(e)) - idx), sorted(idx - set(range(e)))
         if (missing or extra) and prefix not in reported:
             reported.add(prefix)
-            parts = ([f"missing {_ranges(missing)}"] if missing else []) + ([f"out of range {_ranges(extra)}"] if extra else [])
-            yield f"{prefix}.*.{rest}", (f"{prefix}.<j>.{rest}: experts {_ranges(sorted(idx))} of num_experts {e}: "
-                                         f"{'; '.join(parts)}")
+            parts = ([f"missing {_ranges(missing)}"] if missing else []) + (
+                [f"out of range {_ranges(extra)}"] if extra else []
+            )
+            yield (
+                f"{prefix}.*.{rest}",
+                (f"{prefix}.<j>.{rest}: experts {_ranges(sorted(idx))} of num_experts {e}: {'; '.join(parts)}"),
+            )
 
 
-@rule("M003", "tied-head-differs", Severity.error,
-      "with tie_word_embeddings true, lm_head.weight exists and differs from the input embedding (read with --deep)",
-      "the head was untied in training; export with an untied config, or drop lm_head.weight if the tie is intended",
-      needs=("config", "deep"))
+@rule(
+    "M003",
+    "tied-head-differs",
+    Severity.error,
+    "with tie_word_embeddings true, lm_head.weight exists and differs from the input embedding (read with --deep)",
+    "the head was untied in training; export with an untied config, or drop lm_head.weight if the tie is intended",
+    needs=("config", "deep"),
+)
 def tied_head_differs(ctx: Context) -> Iterator[tuple[str, str]]:
     if not config_value(ctx.config, "tie_word_embeddings"):
         return
@@ -132,14 +161,23 @@ def tied_head_differs(ctx: Context) -> Iterator[tuple[str, str]]:
     dr = ctx.deep_result
     for p in dr.pairs if dr is not None else ():
         if p.kind == "tied" and p.compared and p.mismatched:
-            yield head, (f"{head}: differs from {emb} in {p.mismatched} of {p.numel} elements (max |diff| "
-                         f"{p.max_diff:.4g}) although tie_word_embeddings is true")
+            yield (
+                head,
+                (
+                    f"{head}: differs from {emb} in {p.mismatched} of {p.numel} elements (max |diff| "
+                    f"{p.max_diff:.4g}) although tie_word_embeddings is true"
+                ),
+            )
 
 
-@rule("M004", "untied-head-missing", Severity.error,
-      "with tie_word_embeddings false (or absent), the checkpoint has no lm_head.weight",
-      "the output head was not saved; use a checkpoint that has it, or a config with tie_word_embeddings true",
-      needs=("config",))
+@rule(
+    "M004",
+    "untied-head-missing",
+    Severity.error,
+    "with tie_word_embeddings false (or absent), the checkpoint has no lm_head.weight",
+    "the output head was not saved; use a checkpoint that has it, or a config with tie_word_embeddings true",
+    needs=("config",),
+)
 def untied_head_missing(ctx: Context) -> Iterator[tuple[str, str]]:
     if config_value(ctx.config, "tie_word_embeddings"):
         return
@@ -153,7 +191,7 @@ def untied_head_missing(ctx: Context) -> Iterator[tuple[str, str]]:
 # ------------------------------------------------------------------------------------------ --against
 def _ckpt_names(ctx: Context) -> dict[str, str]:
     """HF name -> checkpoint key of every model tensor."""
-    return {k[len("model."):]: k for k in ctx.cat.model}
+    return {k[len("model.") :]: k for k in ctx.cat.model}
 
 
 def _fused_cover(ctx: Context, ref_names: set[str]) -> dict[str, str]:
@@ -179,10 +217,14 @@ def _tied(ctx: Context) -> bool | None:
     return bool(v) if v is not None else None
 
 
-@rule("M005", "missing-keys", Severity.error,
-      "a key of the --against reference has no model tensor in the checkpoint (e.g. a lost persistent buffer)",
-      "the save dropped it (non-persistent buffer, filtered state dict); re-save with it or restore it on load",
-      needs=("against",))
+@rule(
+    "M005",
+    "missing-keys",
+    Severity.error,
+    "a key of the --against reference has no model tensor in the checkpoint (e.g. a lost persistent buffer)",
+    "the save dropped it (non-persistent buffer, filtered state dict); re-save with it or restore it on load",
+    needs=("against",),
+)
 def missing_keys(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.reference is not None
     names = _ckpt_names(ctx)
@@ -192,14 +234,23 @@ def missing_keys(ctx: Context) -> Iterator[tuple[str, str]]:
     for name in ref:
         if name in names or name in cover:
             continue
-        if name.endswith("lm_head.weight") and tied is not False and any(n.endswith("embed_tokens.weight") for n in names):
+        if (
+            name.endswith("lm_head.weight")
+            and tied is not False
+            and any(n.endswith("embed_tokens.weight") for n in names)
+        ):
             continue  # tied embeddings: the head is the embedding
         yield f"model.{name}", f"model.{name}: in the reference {ctx.reference.source} but not in the checkpoint"
 
 
-@rule("M006", "unexpected-keys", Severity.warning,
-      "a model tensor of the checkpoint is not in the --against reference",
-      "check the key mapping (renamed module? a buffer the reference does not persist?)", needs=("against",))
+@rule(
+    "M006",
+    "unexpected-keys",
+    Severity.warning,
+    "a model tensor of the checkpoint is not in the --against reference",
+    "check the key mapping (renamed module? a buffer the reference does not persist?)",
+    needs=("against",),
+)
 def unexpected_keys(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.reference is not None
     ref = ctx.reference.tensors
@@ -208,16 +259,24 @@ def unexpected_keys(ctx: Context) -> Iterator[tuple[str, str]]:
     for name, key in _ckpt_names(ctx).items():
         if name in ref or key in covered:
             continue
-        if name.endswith("lm_head.weight") and tied is not False and any(n.endswith("embed_tokens.weight") for n in ref):
+        if (
+            name.endswith("lm_head.weight")
+            and tied is not False
+            and any(n.endswith("embed_tokens.weight") for n in ref)
+        ):
             continue  # HF drops a tied head from the saved weights
         yield key, f"{key}: not in the reference {ctx.reference.source}"
 
 
-@rule("M007", "shape-mismatch", Severity.error,
-      "a model tensor's shape differs from the --against reference's (fused experts: [E, 2I, H] / [E, H, I] "
-      "against per-expert [I, H] / [H, I])",
-      "the checkpoint is from another model configuration, or the EP/TP pieces were not reassembled",
-      needs=("against",))
+@rule(
+    "M007",
+    "shape-mismatch",
+    Severity.error,
+    "a model tensor's shape differs from the --against reference's (fused experts: [E, 2I, H] / [E, H, I] "
+    "against per-expert [I, H] / [H, I])",
+    "the checkpoint is from another model configuration, or the EP/TP pieces were not reassembled",
+    needs=("against",),
+)
 def shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.reference is not None
     names = _ckpt_names(ctx)
@@ -238,9 +297,14 @@ def shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
             yield key, f"{key}: fused shape {list(t.shape)} does not match per-expert {name} {list(rt.shape)}"
 
 
-@rule("M008", "dtype-mismatch", Severity.warning,
-      "a model tensor's dtype differs from the --against reference's",
-      "export with --save-dtype to match, or check that the reference is the intended one", needs=("against",))
+@rule(
+    "M008",
+    "dtype-mismatch",
+    Severity.warning,
+    "a model tensor's dtype differs from the --against reference's",
+    "export with --save-dtype to match, or check that the reference is the intended one",
+    needs=("against",),
+)
 def dtype_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.reference is not None
     names = _ckpt_names(ctx)

@@ -28,8 +28,15 @@ from ckpttool.model.optimizer import (
 from ckpttool.ops.validate.base import Severity, rule
 from ckpttool.ops.validate.context import Context
 
-LOW_PRECISION = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-                 "float8_e8m0fnu")
+LOW_PRECISION = (
+    "bfloat16",
+    "float16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+)
 _CORE = ("step", "exp_avg", "exp_avg_sq")
 
 
@@ -53,9 +60,13 @@ def _declared(ctx: Context) -> tuple[str | None, dict[str, Any]]:
     return (str(t) if t is not None else None), dict(rec.optimizer)
 
 
-@rule("O001", "partial-state", Severity.error,
-      "a parameter has some AdamW state fields but not all of step, exp_avg, exp_avg_sq",
-      "the save lost part of the optimizer state; use an earlier checkpoint (resuming would crash or reset moments)")
+@rule(
+    "O001",
+    "partial-state",
+    Severity.error,
+    "a parameter has some AdamW state fields but not all of step, exp_avg, exp_avg_sq",
+    "the save lost part of the optimizer state; use an earlier checkpoint (resuming would crash or reset moments)",
+)
 def partial_state(ctx: Context) -> Iterator[tuple[str, str]]:
     for fqn, fields, _ in _states(ctx):
         if set(fields) - set(STATE_FIELDS):
@@ -65,11 +76,15 @@ def partial_state(ctx: Context) -> Iterator[tuple[str, str]]:
             yield fqn, f"{fqn}: optimizer state lacks {', '.join(missing)} (has {', '.join(sorted(fields))})"
 
 
-@rule("O002", "no-state-no-hyperparameters", Severity.error,
-      "a parameter has no optimizer state and no saved param-group hyperparameters (while the rest of its "
-      "module/layer is optimized: frozen modules and buffers do not count)",
-      "save the param-group hyperparameters of never-stepped parameters too (flattened flavor: "
-      "optimizer.param_groups.<fqn>.lr, ...); otherwise their LR silently resets on resume")
+@rule(
+    "O002",
+    "no-state-no-hyperparameters",
+    Severity.error,
+    "a parameter has no optimizer state and no saved param-group hyperparameters (while the rest of its "
+    "module/layer is optimized: frozen modules and buffers do not count)",
+    "save the param-group hyperparameters of never-stepped parameters too (flattened flavor: "
+    "optimizer.param_groups.<fqn>.lr, ...); otherwise their LR silently resets on resume",
+)
 def no_state_no_hyperparameters(ctx: Context) -> Iterator[tuple[str, str]]:
     if not ctx.has_optimizer or not _membership_known(ctx):
         return
@@ -80,23 +95,36 @@ def no_state_no_hyperparameters(ctx: Context) -> Iterator[tuple[str, str]]:
         if ctx.group_of(fqn) is not None:
             continue
         if ctx.lost_hyperparameters(fqn):
-            yield fqn, (f"{fqn}: parameter has no optimizer state and no param-group hyperparameters "
-                        "(its lr/weight_decay would reset to the optimizer defaults on resume)")
+            yield (
+                fqn,
+                (
+                    f"{fqn}: parameter has no optimizer state and no param-group hyperparameters "
+                    "(its lr/weight_decay would reset to the optimizer defaults on resume)"
+                ),
+            )
 
 
-@rule("O003", "orphan-state", Severity.error,
-      "optimizer state for an fqn that is not a model tensor of the checkpoint",
-      "the optimizer state belongs to another model (renamed or removed parameters); fix the fqn mapping or re-save")
+@rule(
+    "O003",
+    "orphan-state",
+    Severity.error,
+    "optimizer state for an fqn that is not a model tensor of the checkpoint",
+    "the optimizer state belongs to another model (renamed or removed parameters); fix the fqn mapping or re-save",
+)
 def orphan_state(ctx: Context) -> Iterator[tuple[str, str]]:
     for fqn, ps in ctx.cat.optimizer_state.items():
         if not ps.in_model:
             yield fqn, f"optimizer.state.{fqn}: {fqn!r} is not a model tensor (fields {', '.join(sorted(ps.fields))})"
 
 
-@rule("O004", "state-shape-mismatch", Severity.error,
-      "a state tensor's shape differs from its parameter's (step must be 0-d), or a field that must be a "
-      "tensor is saved as a Python object",
-      "the state belongs to a different model configuration or layout; use the matching checkpoint")
+@rule(
+    "O004",
+    "state-shape-mismatch",
+    Severity.error,
+    "a state tensor's shape differs from its parameter's (step must be 0-d), or a field that must be a "
+    "tensor is saved as a Python object",
+    "the state belongs to a different model configuration or layout; use the matching checkpoint",
+)
 def state_shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     for fqn, fields, param in _states(ctx):
         for name, t in fields.items():
@@ -104,7 +132,10 @@ def state_shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
                 continue
             if t is None:
                 if name != "step":
-                    yield f"optimizer.state.{fqn}.{name}", f"optimizer.state.{fqn}.{name}: saved as a Python object, not a tensor"
+                    yield (
+                        f"optimizer.state.{fqn}.{name}",
+                        f"optimizer.state.{fqn}.{name}: saved as a Python object, not a tensor",
+                    )
                 continue
             if name == "step":
                 if t.numel != 1:
@@ -113,10 +144,14 @@ def state_shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
                 yield t.key, f"{t.key}: shape {list(t.shape)} differs from the parameter's {list(param.shape)}"
 
 
-@rule("O005", "state-dtype-policy", Severity.error,
-      "a state field's dtype violates the policy of the optimizer type declared in the layout record or implied "
-      "by the fields (master_weight and step float32; moments as declared, param dtype for plain adamw)",
-      "convert the state explicitly or fix the optimizer configuration; never let dcp.load cast it silently")
+@rule(
+    "O005",
+    "state-dtype-policy",
+    Severity.error,
+    "a state field's dtype violates the policy of the optimizer type declared in the layout record or implied "
+    "by the fields (master_weight and step float32; moments as declared, param dtype for plain adamw)",
+    "convert the state explicitly or fix the optimizer configuration; never let dcp.load cast it silently",
+)
 def state_dtype_policy(ctx: Context) -> Iterator[tuple[str, str]]:
     declared, cfg = _declared(ctx)
     if declared is not None and declared not in OPTIMIZER_TYPES:
@@ -131,8 +166,12 @@ def state_dtype_policy(ctx: Context) -> Iterator[tuple[str, str]]:
         check_step = dts["step"] not in LOW_PRECISION  # P003 reports low-precision steps
         if declared is not None:
             try:
-                want = {k: dtype_name(v) for k, v in expected_state_dtypes(
-                    declared, cfg, param.dtype if param is not None else "float32", fqn=fqn).items()}
+                want = {
+                    k: dtype_name(v)
+                    for k, v in expected_state_dtypes(
+                        declared, cfg, param.dtype if param is not None else "float32", fqn=fqn
+                    ).items()
+                }
             except CkptError as e:
                 yield fqn, f"{fqn}: cannot derive the dtype policy of {declared!r}: {e.message}"
                 continue
@@ -166,9 +205,13 @@ def _fmt(d: dict[str, str]) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(d.items()))
 
 
-@rule("O006", "master-weight-partial", Severity.error,
-      "master_weight is present for some parameters of a param group (optimizer leaf) and absent for others",
-      "every parameter of an FP32-master optimizer has a master_weight; the save lost some: use an earlier checkpoint")
+@rule(
+    "O006",
+    "master-weight-partial",
+    Severity.error,
+    "master_weight is present for some parameters of a param group (optimizer leaf) and absent for others",
+    "every parameter of an FP32-master optimizer has a master_weight; the save lost some: use an earlier checkpoint",
+)
 def master_weight_partial(ctx: Context) -> Iterator[tuple[str, str]]:
     sets = ctx.group_sets() or [("checkpoint", list(ctx.cat.optimizer_state))]
     for label, fqns in sets:
@@ -176,14 +219,21 @@ def master_weight_partial(ctx: Context) -> Iterator[tuple[str, str]]:
         have = [f for f in with_state if "master_weight" in ctx.cat.optimizer_state[f].fields]
         lack = [f for f in with_state if "master_weight" not in ctx.cat.optimizer_state[f].fields]
         if have and lack:
-            yield lack[0], (f"{label}: {len(have)} parameter(s) have master_weight, {len(lack)} do not "
-                            f"(e.g. {lack[0]})")
+            yield (
+                lack[0],
+                (f"{label}: {len(have)} parameter(s) have master_weight, {len(lack)} do not (e.g. {lack[0]})"),
+            )
 
 
-@rule("O007", "step-counters-disagree", Severity.warning,
-      "step counters of the parameters of one param group differ (read with --deep)",
-      "parameters that skipped steps (no gradient, e.g. unused experts) have fewer bias-correction steps; "
-      "check that this is expected", needs=("deep",))
+@rule(
+    "O007",
+    "step-counters-disagree",
+    Severity.warning,
+    "step counters of the parameters of one param group differ (read with --deep)",
+    "parameters that skipped steps (no gradient, e.g. unused experts) have fewer bias-correction steps; "
+    "check that this is expected",
+    needs=("deep",),
+)
 def step_counters_disagree(ctx: Context) -> Iterator[tuple[str, str]]:
     steps = step_values(ctx)
     for label, fqns in ctx.group_sets():
@@ -221,10 +271,14 @@ def step_values(ctx: Context) -> dict[str, float]:
     return out
 
 
-@rule("O008", "unrecognized-state", Severity.warning,
-      "optimizer state that is not an AdamW-family state ckpttool knows (unknown fields, or an unknown "
-      "optimizer.type in the layout record): its policy cannot be checked",
-      "nothing is checked for it; record the optimizer type in the layout record or check the state by hand")
+@rule(
+    "O008",
+    "unrecognized-state",
+    Severity.warning,
+    "optimizer state that is not an AdamW-family state ckpttool knows (unknown fields, or an unknown "
+    "optimizer.type in the layout record): its policy cannot be checked",
+    "nothing is checked for it; record the optimizer type in the layout record or check the state by hand",
+)
 def unrecognized_state(ctx: Context) -> Iterator[tuple[str, str]]:
     declared, _ = _declared(ctx)
     if declared is not None and declared not in OPTIMIZER_TYPES:
@@ -238,20 +292,29 @@ def unrecognized_state(ctx: Context) -> Iterator[tuple[str, str]]:
 
 
 # ------------------------------------------------------------------------------------------ param groups
-@rule("P001", "group-missing-hyperparameter", Severity.error,
-      "a param group lacks lr, betas, eps or weight_decay",
-      "save the full param groups (torch's optimizer.state_dict() does); the optimizer would raise or silently "
-      "use its defaults on the first step after resume")
+@rule(
+    "P001",
+    "group-missing-hyperparameter",
+    Severity.error,
+    "a param group lacks lr, betas, eps or weight_decay",
+    "save the full param groups (torch's optimizer.state_dict() does); the optimizer would raise or silently "
+    "use its defaults on the first step after resume",
+)
 def group_missing_hyperparameter(ctx: Context) -> Iterator[tuple[str, str]]:
     for g in ctx.cat.param_groups:
         missing = [h for h in HYPERPARAMETERS if h not in g.keys]
         if missing:
-            yield f"optimizer.param_groups.{g.group_id}", (
-                f"param group {g.group_id}: missing {', '.join(missing)} (has {', '.join(sorted(g.keys)) or 'nothing'})")
+            yield (
+                f"optimizer.param_groups.{g.group_id}",
+                (
+                    f"param group {g.group_id}: missing {', '.join(missing)} (has {', '.join(sorted(g.keys)) or 'nothing'})"
+                ),
+            )
 
 
 def _same_lr(a: object, b: object) -> bool:
     """``lr == initial_lr`` for numbers and 0-d tensors (a scheduler that has not moved the LR yet)."""
+
     def num(v: object) -> float | None:
         if isinstance(v, bool):
             return None
@@ -270,10 +333,14 @@ def _same_lr(a: object, b: object) -> bool:
     return repr(a) == repr(b)
 
 
-@rule("P002", "scheduler-initial-lr", Severity.info,
-      "a param group's saved lr differs from its initial_lr (an LR scheduler moved it): the saved lr is the "
-      "scheduled one",
-      "resume the scheduler from its saved state too, or the LR jumps back to initial_lr")
+@rule(
+    "P002",
+    "scheduler-initial-lr",
+    Severity.info,
+    "a param group's saved lr differs from its initial_lr (an LR scheduler moved it): the saved lr is the "
+    "scheduled one",
+    "resume the scheduler from its saved state too, or the LR jumps back to initial_lr",
+)
 def scheduler_initial_lr(ctx: Context) -> Iterator[tuple[str, str]]:
     seen: dict[tuple[str, str], list[str]] = defaultdict(list)
     for g in ctx.cat.param_groups:
@@ -284,21 +351,32 @@ def scheduler_initial_lr(ctx: Context) -> Iterator[tuple[str, str]]:
         yield f"optimizer.param_groups.{ids[0]}", f"param group {ids[0]}{more}: initial_lr {ilr}, lr {lr}"
 
 
-@rule("P003", "step-low-precision", Severity.error,
-      "an optimizer step counter is stored as bfloat16/float16/float8 (it stops counting exactly past 256 in bf16)",
-      "save step as a float32 (torch's default) tensor; recover the true step from the training step counter")
+@rule(
+    "P003",
+    "step-low-precision",
+    Severity.error,
+    "an optimizer step counter is stored as bfloat16/float16/float8 (it stops counting exactly past 256 in bf16)",
+    "save step as a float32 (torch's default) tensor; recover the true step from the training step counter",
+)
 def step_low_precision(ctx: Context) -> Iterator[tuple[str, str]]:
-    bad = [(fqn, fields["step"]) for fqn, fields, _ in _states(ctx)
-           if isinstance(fields.get("step"), TensorEntry) and fields["step"].dtype in LOW_PRECISION]
-    for fqn, t in bad[:1]:
+    bad = [
+        (fqn, fields["step"])
+        for fqn, fields, _ in _states(ctx)
+        if isinstance(fields.get("step"), TensorEntry) and fields["step"].dtype in LOW_PRECISION
+    ]
+    for _, t in bad[:1]:
         more = f" ({len(bad) - 1} more parameters too)" if len(bad) > 1 else ""
         assert t is not None
         yield t.key, f"{t.key}: step stored as {t.dtype}{more}"
 
 
-@rule("P004", "state-without-group", Severity.error,
-      "a parameter has optimizer state but belongs to no param group (no saved hyperparameters)",
-      "save the param groups with the state; on resume its hyperparameters would be the optimizer defaults")
+@rule(
+    "P004",
+    "state-without-group",
+    Severity.error,
+    "a parameter has optimizer state but belongs to no param group (no saved hyperparameters)",
+    "save the param groups with the state; on resume its hyperparameters would be the optimizer defaults",
+)
 def state_without_group(ctx: Context) -> Iterator[tuple[str, str]]:
     if not ctx.cat.param_groups:
         if ctx.cat.optimizer_state:

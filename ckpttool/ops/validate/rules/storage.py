@@ -20,20 +20,30 @@ from ckpttool.ops.validate.base import RULES, Finding, Severity, rule
 from ckpttool.ops.validate.context import Context
 
 
-@rule("S001", "metadata-unreadable", Severity.error,
-      ".metadata is missing, unreadable, not DCP metadata, or names a global outside the allow-list (unsafe pickle)",
-      "restore .metadata from a good copy or use an earlier checkpoint; never load an unsafe one with torch",
-      fatal=True, error_code="E200")
+@rule(
+    "S001",
+    "metadata-unreadable",
+    Severity.error,
+    ".metadata is missing, unreadable, not DCP metadata, or names a global outside the allow-list (unsafe pickle)",
+    "restore .metadata from a good copy or use an earlier checkpoint; never load an unsafe one with torch",
+    fatal=True,
+    error_code="E200",
+)
 def metadata_unreadable(ctx: Context) -> Iterator[Finding]:
     # A readable .metadata gives a Context at all; the runner reports an unreadable one
     # (open_checkpoint raised) as this rule's finding.
     return iter(())
 
 
-@rule("S009", "path-escapes", Severity.error,
-      "a storage relative_path (or a symlinked data file) resolves outside the checkpoint directory",
-      "the checkpoint references files outside its directory; do not trust it, re-save it",
-      fatal=True, error_code="E101")
+@rule(
+    "S009",
+    "path-escapes",
+    Severity.error,
+    "a storage relative_path (or a symlinked data file) resolves outside the checkpoint directory",
+    "the checkpoint references files outside its directory; do not trust it, re-save it",
+    fatal=True,
+    error_code="E101",
+)
 def path_escapes(ctx: Context) -> Iterator[tuple[str, str]]:
     for rel in ctx.reader.data_files():
         err = ctx.file_error(rel)
@@ -41,10 +51,14 @@ def path_escapes(ctx: Context) -> Iterator[tuple[str, str]]:
             yield rel, err.message
 
 
-@rule("S002", "data-file-missing", Severity.error,
-      "a data file referenced by .metadata does not exist (or is not a regular file)",
-      "the checkpoint is incomplete: copy it again from its source or use an earlier checkpoint",
-      error_code="E300")
+@rule(
+    "S002",
+    "data-file-missing",
+    Severity.error,
+    "a data file referenced by .metadata does not exist (or is not a regular file)",
+    "the checkpoint is incomplete: copy it again from its source or use an earlier checkpoint",
+    error_code="E300",
+)
 def data_file_missing(ctx: Context) -> Iterator[tuple[str, str]]:
     users: dict[str, int] = defaultdict(int)
     for _, _, info in ctx.storage_items():
@@ -56,10 +70,14 @@ def data_file_missing(ctx: Context) -> Iterator[tuple[str, str]]:
             yield rel, f"{rel}: data file missing; {users[rel]} chunks/byte items are stored in it"
 
 
-@rule("S003", "chunk-past-eof", Severity.error,
-      "a chunk's [offset, offset+length) extends past the end of its data file (truncated file)",
-      "the file was cut short (crashed or still-running async save); copy it again or use an earlier checkpoint",
-      error_code="E300")
+@rule(
+    "S003",
+    "chunk-past-eof",
+    Severity.error,
+    "a chunk's [offset, offset+length) extends past the end of its data file (truncated file)",
+    "the file was cut short (crashed or still-running async save); copy it again or use an earlier checkpoint",
+    error_code="E300",
+)
 def chunk_past_eof(ctx: Context) -> Iterator[tuple[str, str]]:
     by_file: dict[str, list[tuple[str, int]]] = defaultdict(list)
     for key, _, info in ctx.storage_items():
@@ -70,14 +88,23 @@ def chunk_past_eof(ctx: Context) -> Iterator[tuple[str, str]]:
     for rel, bad in by_file.items():
         size = ctx.reader.file_size(rel)
         need = max(end for _, end in bad)
-        yield rel, (f"{rel}: {len(bad)} chunk(s) end past the end of the file ({size} bytes, needs {need}), "
-                    f"first {bad[0][0]!r}")
+        yield (
+            rel,
+            (
+                f"{rel}: {len(bad)} chunk(s) end past the end of the file ({size} bytes, needs {need}), "
+                f"first {bad[0][0]!r}"
+            ),
+        )
 
 
-@rule("S004", "chunks-do-not-tile", Severity.error,
-      "the chunks of a tensor leave a gap or overlap (they must tile the global tensor exactly)",
-      "the metadata is damaged or was merged from different saves; use an earlier checkpoint",
-      error_code="E301")
+@rule(
+    "S004",
+    "chunks-do-not-tile",
+    Severity.error,
+    "the chunks of a tensor leave a gap or overlap (they must tile the global tensor exactly)",
+    "the metadata is damaged or was merged from different saves; use an earlier checkpoint",
+    error_code="E301",
+)
 def chunks_do_not_tile(ctx: Context) -> Iterator[tuple[str, str]]:
     for key, meta in ctx.reader.metadata.entries.items():
         if isinstance(meta, TensorMeta):
@@ -86,9 +113,14 @@ def chunks_do_not_tile(ctx: Context) -> Iterator[tuple[str, str]]:
                 yield key, f"{key}: chunks do not tile the {list(meta.size)} tensor ({problem})"
 
 
-@rule("S012", "chunk-larger-than-record", Severity.error,
-      "a chunk declares more elements than the bytes of its stored record can hold",
-      "the metadata declares impossible sizes; the checkpoint is damaged", error_code="E303")
+@rule(
+    "S012",
+    "chunk-larger-than-record",
+    Severity.error,
+    "a chunk declares more elements than the bytes of its stored record can hold",
+    "the metadata declares impossible sizes; the checkpoint is damaged",
+    error_code="E303",
+)
 def chunk_larger_than_record(ctx: Context) -> Iterator[tuple[str, str]]:
     entries = ctx.reader.metadata.entries
     numel: dict[tuple[int, ...], int] = {}  # many chunks share their sizes
@@ -104,13 +136,23 @@ def chunk_larger_than_record(ctx: Context) -> Iterator[tuple[str, str]]:
         need = n * meta.dtype.itemsize
         if need > info.length:
             reported.add(key)
-            yield key, (f"{key}: chunk at {list(c.offsets)} declares {list(c.sizes)} x {meta.dtype} = {need} bytes "
-                        f"but its record in {info.relative_path} has {info.length}")
+            yield (
+                key,
+                (
+                    f"{key}: chunk at {list(c.offsets)} declares {list(c.sizes)} x {meta.dtype} = {need} bytes "
+                    f"but its record in {info.relative_path} has {info.length}"
+                ),
+            )
 
 
-@rule("S008", "storage-entry-missing", Severity.error,
-      "a tensor chunk or byte item has no storage_data entry in .metadata (no file holds it)",
-      "the metadata is damaged; use an earlier checkpoint", error_code="E200")
+@rule(
+    "S008",
+    "storage-entry-missing",
+    Severity.error,
+    "a tensor chunk or byte item has no storage_data entry in .metadata (no file holds it)",
+    "the metadata is damaged; use an earlier checkpoint",
+    error_code="E200",
+)
 def storage_entry_missing(ctx: Context) -> Iterator[tuple[str, str]]:
     seen = set()
     for key, chunk, info in ctx.storage_items():
@@ -136,9 +178,14 @@ def _transform_problem(descriptors: tuple[str, ...]) -> str | None:
     return None
 
 
-@rule("S005", "unsupported-transform", Severity.error,
-      "a chunk or byte item uses a stream transform (compression, ...) that this installation cannot decode",
-      "install the package the transform needs (e.g. zstandard) or re-save without it", error_code="E302")
+@rule(
+    "S005",
+    "unsupported-transform",
+    Severity.error,
+    "a chunk or byte item uses a stream transform (compression, ...) that this installation cannot decode",
+    "install the package the transform needs (e.g. zstandard) or re-save without it",
+    error_code="E302",
+)
 def unsupported_transform(ctx: Context) -> Iterator[tuple[str, str]]:
     cache: dict[tuple[str, ...], str | None] = {}
     for key, _, info in ctx.storage_items():
@@ -151,18 +198,26 @@ def unsupported_transform(ctx: Context) -> Iterator[tuple[str, str]]:
             yield key, f"{key}: transform {list(d)} cannot be decoded ({cache[d]})"
 
 
-@rule("S006", "unreferenced-data-file", Severity.warning,
-      "a __R_N.distcp file in the directory is referenced by no .metadata entry",
-      "a leftover from another save (or the .metadata of a different save): remove it or check which save is complete")
+@rule(
+    "S006",
+    "unreferenced-data-file",
+    Severity.warning,
+    "a __R_N.distcp file in the directory is referenced by no .metadata entry",
+    "a leftover from another save (or the .metadata of a different save): remove it or check which save is complete",
+)
 def unreferenced_data_file(ctx: Context) -> Iterator[tuple[str, str]]:
     for f in ctx.cat.data_files:
         if not f.referenced:
             yield f.relative_path, f"{f.relative_path}: data file ({f.size} bytes) is referenced by no .metadata entry"
 
 
-@rule("S007", "extra-state-ranks-missing", Severity.warning,
-      "extra_state/ holds per-rank files but some rank that wrote data files has none",
-      "copy the missing extra_state files; resuming those ranks would lose scheduler/step/RNG state")
+@rule(
+    "S007",
+    "extra-state-ranks-missing",
+    Severity.warning,
+    "extra_state/ holds per-rank files but some rank that wrote data files has none",
+    "copy the missing extra_state files; resuming those ranks would lose scheduler/step/RNG state",
+)
 def extra_state_ranks_missing(ctx: Context) -> Iterator[tuple[str, str] | Finding]:
     if not ctx.cat.extra_state:
         return
@@ -170,8 +225,10 @@ def extra_state_ranks_missing(ctx: Context) -> Iterator[tuple[str, str] | Findin
     missing = [r for r in ctx.cat.ranks if r not in have]
     if not missing:
         return
-    msg = (f"extra_state: no file for writing rank(s) {missing[:16]} "
-           f"(ranks {list(ctx.cat.ranks)[:16]} wrote data, extra_state has {sorted(have)[:16]})")
+    msg = (
+        f"extra_state: no file for writing rank(s) {missing[:16]} "
+        f"(ranks {list(ctx.cat.ranks)[:16]} wrote data, extra_state has {sorted(have)[:16]})"
+    )
     src = _resharded_from_other_mesh(ctx)
     if src is None:
         yield "extra_state", msg
@@ -211,11 +268,15 @@ def _resharded_from_other_mesh(ctx: Context) -> str | None:
     return None if world == len(ctx.cat.ranks) else f"{world} rank(s)"
 
 
-@rule("S011", "byte-item-unreadable", Severity.error,
-      "a byte item (param-group value, other saved object) cannot be loaded safely: corrupt, or it needs "
-      "torch.load(weights_only=False)",
-      "if the checkpoint is trusted, pass --trust-pickle; otherwise re-save it with plain values",
-      error_code="E301")
+@rule(
+    "S011",
+    "byte-item-unreadable",
+    Severity.error,
+    "a byte item (param-group value, other saved object) cannot be loaded safely: corrupt, or it needs "
+    "torch.load(weights_only=False)",
+    "if the checkpoint is trusted, pass --trust-pickle; otherwise re-save it with plain values",
+    error_code="E301",
+)
 def byte_item_unreadable(ctx: Context) -> Iterator[Finding]:
     r = RULES["S011"]
     for key, e in ctx.byte_item_errors.items():
@@ -225,10 +286,14 @@ def byte_item_unreadable(ctx: Context) -> Iterator[Finding]:
         yield r.make(key, e.message, hint, e.code)
 
 
-@rule("S013", "extra-state-unreadable", Severity.error,
-      "an extra_state/*.pt file cannot be loaded with torch.load(weights_only=True)",
-      "if the checkpoint is trusted, pass --trust-pickle; otherwise the file may run code when loaded",
-      error_code="E304")
+@rule(
+    "S013",
+    "extra-state-unreadable",
+    Severity.error,
+    "an extra_state/*.pt file cannot be loaded with torch.load(weights_only=True)",
+    "if the checkpoint is trusted, pass --trust-pickle; otherwise the file may run code when loaded",
+    error_code="E304",
+)
 def extra_state_unreadable(ctx: Context) -> Iterator[Finding]:
     r = RULES["S013"]
     for st in ctx.ckpt.extra_state():
@@ -236,10 +301,15 @@ def extra_state_unreadable(ctx: Context) -> Iterator[Finding]:
             yield r.make(st.file.relative_path, st.error.message, st.error.hint or None, st.error.code)
 
 
-@rule("S010", "chunk-unreadable", Severity.error,
-      "a stored chunk is corrupt or disagrees with its metadata (dtype, shape, byte length); read with --deep",
-      "the data file is damaged or belongs to another .metadata; use an earlier checkpoint",
-      needs=("deep",), error_code="E301")
+@rule(
+    "S010",
+    "chunk-unreadable",
+    Severity.error,
+    "a stored chunk is corrupt or disagrees with its metadata (dtype, shape, byte length); read with --deep",
+    "the data file is damaged or belongs to another .metadata; use an earlier checkpoint",
+    needs=("deep",),
+    error_code="E301",
+)
 def chunk_unreadable(ctx: Context) -> Iterator[Finding]:
     if ctx.deep_result is None:
         return
