@@ -1,4 +1,4 @@
-"""Atomic output directories (DESIGN.md section 5).
+"""Atomic output directories (docs/design.md §7).
 
 Every command that writes a directory (``export``, ``reshard``, ``sample``) writes into a
 temporary sibling ``.<name>.ckpttool-tmp-<pid>-<token>`` and renames it into

@@ -3,7 +3,7 @@
 torch's ``FileSystemReader.read_metadata`` runs plain ``pickle.load`` on
 ``.metadata``: any global the file names is imported and may be called. This
 module never does that. :class:`MetadataUnpickler` resolves exactly the globals
-torch 2.x writes into ``.metadata`` (DESIGN.md section 6) to light stand-ins
+torch 2.x writes into ``.metadata`` (docs/design.md §6) to light stand-ins
 defined here, so reading metadata neither executes foreign code nor imports
 torch; any other global raises :class:`~ckpttool.errors.UnsafePickleError`
 naming it. The stand-in objects are then validated field by field and converted

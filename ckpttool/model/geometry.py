@@ -3,7 +3,7 @@
 For every EP tensor the chunks that ``dcp.save`` recorded tell how the tensor was
 split: the distinct chunk intervals along each dim (``blocks_per_dim``), the
 writing ranks, and whether EP and EP-FSDP shard the same dim (the case where the
-legacy and canonical layouts store different bytes, DESIGN.md section 3). The
+legacy and canonical layouts store different bytes, docs/design.md §4). The
 geometry is compared with what the recorded or declared mesh sizes imply;
 disagreements are listed in :attr:`EPGeometry.problems`.
 

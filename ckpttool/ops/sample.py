@@ -198,7 +198,7 @@ def layout_record_for(
     version: int = 2,
     fsdp_dim: int = 0,
 ) -> dict[str, Any]:
-    """Layout record (DESIGN.md section 3) for the sample model's fused expert tensors."""
+    """Layout record (docs/design.md §4) for the sample model's fused expert tensors."""
     extra = {}
     for n in range(config.num_hidden_layers):
         for name in ("gate_up_proj", "down_proj"):

@@ -1,6 +1,6 @@
 """FP32-master AdamW optimizers: ``FullFP32AdamW`` and ``MasterFP32AdamW``.
 
-Contract (DESIGN.md section 1, ``docs/optim_state.md``):
+Contract (docs/design.md §1, ``docs/optim_state.md``):
 
 - Per parameter the state holds ``step`` (0-d float32 tensor on the CPU),
   ``master_weight`` (float32, the parameter's shape), ``exp_avg`` and ``exp_avg_sq``

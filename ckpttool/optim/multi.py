@@ -1,7 +1,7 @@
 """``MultiOptimizer``: named leaf optimizers over one model, saved as one flattened state dict.
 
-Key schema (the flattened flavor of ``torch.distributed.checkpoint.state_dict``, DESIGN.md
-section 1; below the trainer's ``optimizer.`` prefix)::
+Key schema (the flattened flavor of ``torch.distributed.checkpoint.state_dict``, docs/design.md
+§1; below the trainer's ``optimizer.`` prefix)::
 
     state.<param_fqn>.<field>          step / master_weight / exp_avg / exp_avg_sq
     param_groups.<param_fqn>.<hyper>   lr, betas, eps, weight_decay, ... repeated per parameter

@@ -1,4 +1,4 @@
-"""Output directory targets (DESIGN.md section 5), through the real CLI and real processes.
+"""Output directory targets (docs/design.md §7), through the real CLI and real processes.
 
 - a relative target and the current directory (``.``) as target, with and without ``--overwrite``;
 - ``--overwrite`` replaces only a previous checkpoint/model output (``.metadata``,

@@ -79,7 +79,7 @@ def test_declared_layout_gives_true_expert_order(ep_suite: Path, name: str) -> N
 
 
 def test_legacy_fixture_really_is_block_transposed(ep_suite: Path) -> None:
-    # The DESIGN.md claim, checked on torch's own save: position f*P+e holds true slab e*F+f.
+    # The docs/design.md claim, checked on torch's own save: position f*P+e holds true slab e*F+f.
     true = true_state(8)
     with CheckpointReader(ep_suite / "legacy") as r:
         stored = r.read_tensor(DOWN)

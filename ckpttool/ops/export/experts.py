@@ -1,4 +1,4 @@
-"""Expert order of fused MoE tensors for export (DESIGN.md section 3).
+"""Expert order of fused MoE tensors for export (docs/design.md §4).
 
 A fused expert tensor ``w_EAB`` ``[E, A, B]`` is stored in true expert order
 except in the legacy EP layout with EP and EP-FSDP sharding the same dim, where

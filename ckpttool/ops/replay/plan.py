@@ -3,7 +3,7 @@
 Decisions only, from the catalog (metadata and the small param-group byte items); no
 tensor is read and torch is not imported here.
 
-Optimizer type (DESIGN.md section 1, ``docs/replay.md``), first that applies:
+Optimizer type (docs/design.md §1, ``docs/replay.md``), first that applies:
 
 1. ``--optimizer TYPE`` (overrides a layout record, which is noted);
 2. the layout record's ``optimizer.type``;

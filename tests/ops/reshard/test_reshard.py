@@ -178,7 +178,7 @@ def _step(tensors: dict[str, torch.Tensor], fqns: list[str]) -> dict[str, torch.
 
 
 def _unpermute_legacy(t: torch.Tensor, p: int, f: int) -> torch.Tensor:
-    """Independent of ckpttool: stored slab f*P+e -> true slab e*F+f (DESIGN.md section 3)."""
+    """Independent of ckpttool: stored slab f*P+e -> true slab e*F+f (docs/design.md §4)."""
     slabs = t.chunk(p * f)
     true = [None] * (p * f)
     for e in range(p):

@@ -1,4 +1,4 @@
-"""``ckpttool sample``: clean errors for unusable targets/seeds, and an atomic write (DESIGN.md section 5)."""
+"""``ckpttool sample``: clean errors for unusable targets/seeds, and an atomic write (docs/design.md §7)."""
 
 from __future__ import annotations
 
