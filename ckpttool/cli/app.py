@@ -10,6 +10,7 @@ import importlib
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import typer
@@ -22,9 +23,14 @@ __all__ = ["app", "main"]
 
 COMMANDS = ("inspect", "validate", "export", "reshard", "stamp", "replay_step", "sample")
 
-# typer vendors click (typer._click); reach its exception classes through public names only.
-_CLICK_USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
-_CLICK_EXCEPTION = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+# typer vendors click (typer._click); reach its exception classes through public names only
+# (both derive from typer.TyperException, which types their exit_code and format_message).
+_CLICK_USAGE_ERROR = next(
+    c for c in typer.BadParameter.__mro__ if issubclass(c, typer.TyperException) and c.__name__ == "UsageError"
+)
+_CLICK_EXCEPTION = next(
+    c for c in typer.BadParameter.__mro__ if issubclass(c, typer.TyperException) and c.__name__ == "ClickException"
+)
 
 
 class CkptGroup(TyperGroup):
@@ -36,9 +42,19 @@ class CkptGroup(TyperGroup):
     Bare ``ckpttool`` prints the help and exits 0.
     """
 
-    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        windows_expand_args: bool = True,
+        **extra: Any,
+    ) -> Any:
         try:
-            rv = super().main(*args, standalone_mode=False, **kwargs)
+            rv = super().main(
+                args, prog_name, complete_var, standalone_mode=False, windows_expand_args=windows_expand_args, **extra
+            )
             code = rv if isinstance(rv, int) else 0
         except _CLICK_EXCEPTION as e:
             ctx = getattr(e, "ctx", None)

@@ -43,7 +43,7 @@ def _safe_console_class() -> type[Console]:
     class _SafeConsole(Console):
         """A rich Console for untrusted strings: no markup (``[/]`` in a key is text) and no raw control characters."""
 
-        def render_str(self, text: str, **kwargs: Any) -> Any:  # type: ignore[override]
+        def render_str(self, text: str, **kwargs: Any) -> Any:
             return super().render_str(safe_text(text), **kwargs)
 
         def on_broken_pipe(self) -> None:

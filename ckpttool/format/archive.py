@@ -137,7 +137,9 @@ class _NotV2Archive(Exception):
     """The archive uses torch's newer tensor encoding (``_rebuild_tensor_v3`` + ``UntypedStorage``)."""
 
 
-def _rebuild_spec(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> tuple:
+def _rebuild_spec(
+    storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any
+) -> tuple[str, Any, Any, Any, Any]:
     return ("tensor", storage, storage_offset, size, stride)
 
 

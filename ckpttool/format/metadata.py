@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from ckpttool.errors import UsageError
 
 __all__ = [
+    "FLOATING_DTYPES",
     "dtype_name",
     "DType",
     "ChunkMeta",
@@ -66,17 +67,20 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     **{f"int{n}": 1 for n in range(1, 8)},
     **{f"uint{n}": 1 for n in range(1, 8)},
 }
-_FLOATING = {
-    "float64",
-    "float32",
-    "float16",
-    "bfloat16",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-}
+#: Floating-point dtype names (what a ``--save-dtype`` cast applies to).
+FLOATING_DTYPES: frozenset[str] = frozenset(
+    {
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +96,7 @@ class DType:
 
     @property
     def is_floating_point(self) -> bool:
-        return self.name in _FLOATING
+        return self.name in FLOATING_DTYPES
 
     def to_torch(self) -> Any:
         """The ``torch.dtype`` of this name (imports torch)."""

@@ -22,6 +22,7 @@ import pickle
 import threading
 import uuid
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -375,10 +376,25 @@ def _storage_info(info: StorageInfo) -> _New:
     return _new("_StorageInfo", state)
 
 
-class _MetadataPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+if TYPE_CHECKING:
+
+    class _PurePickler(pickle._Pickler):
+        """The ``pickle._Pickler`` internals the subclasses below call, which typeshed leaves undeclared."""
+
+        write: Callable[[bytes], object]  # set in __init__ (the framer's write)
+
+        def save(self, obj: Any, save_persistent_id: bool = True) -> None: ...
+
+        def memoize(self, obj: Any) -> None: ...
+
+else:
+    _PurePickler = pickle._Pickler
+
+
+class _MetadataPickler(_PurePickler):
     """Pure-Python pickler that writes :class:`_Global`/:class:`_New`/:class:`_Call` as torch objects."""
 
-    dispatch = pickle._Pickler.dispatch.copy()  # type: ignore[attr-defined]
+    dispatch = pickle._Pickler.dispatch.copy()
 
     def _save_global_ref(self, obj: _Global) -> None:
         self.save(obj.module)
@@ -401,9 +417,9 @@ class _MetadataPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
         self.write(pickle.REDUCE)
         self.memoize(obj)
 
-    dispatch[_Global] = _save_global_ref
-    dispatch[_New] = _save_new
-    dispatch[_Call] = _save_call
+    dispatch[_Global] = _save_global_ref  # type: ignore[assignment]  # typeshed: receiver typed as Unpickler
+    dispatch[_New] = _save_new  # type: ignore[assignment]  # typeshed: receiver typed as Unpickler
+    dispatch[_Call] = _save_call  # type: ignore[assignment]  # typeshed: receiver typed as Unpickler
 
 
 class _ArchiveWindow(io.RawIOBase):
@@ -462,10 +478,10 @@ def can_stream(dtype: DType) -> bool:
 _ALIGN = 64  # torch.serialization: record data aligned to 64 bytes within the archive
 
 
-class _ProtoTwoPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+class _ProtoTwoPickler(_PurePickler):
     """Protocol-2 pickler for ``data.pkl`` of a tensor archive (GLOBAL opcodes, a persistent storage id)."""
 
-    dispatch = pickle._Pickler.dispatch.copy()  # type: ignore[attr-defined]
+    dispatch = pickle._Pickler.dispatch.copy()
 
     def _save_global_ref(self, obj: _Global) -> None:
         self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
@@ -477,8 +493,8 @@ class _ProtoTwoPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
         self.write(pickle.REDUCE)
         self.memoize(obj)
 
-    dispatch[_Global] = _save_global_ref
-    dispatch[_Call] = _save_call
+    dispatch[_Global] = _save_global_ref  # type: ignore[assignment]  # typeshed: receiver typed as Unpickler
+    dispatch[_Call] = _save_call  # type: ignore[assignment]  # typeshed: receiver typed as Unpickler
 
     def persistent_id(self, obj: Any) -> Any:
         return obj.pid if isinstance(obj, _Pid) else None

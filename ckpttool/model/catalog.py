@@ -47,6 +47,7 @@ __all__ = [
     "ExtraStateFile",
     "Catalog",
     "build_catalog",
+    "leaf_key",
     "load_param_groups",
     "implied_optimizer_type",
     "match_filter",
@@ -239,7 +240,7 @@ class Catalog:
             if g.flavor == "nested":
                 out.append((f"param group {g.group_id}", g, list(g.params)))
             else:
-                flat.setdefault(repr(g.leaf_values), (g, []))[1].append(str(g.group_id))
+                flat.setdefault(leaf_key(g), (g, []))[1].append(str(g.group_id))
         for g, fqns in flat.values():
             v = g.values
             out.append((f"flattened group with lr={v.get('lr')!r}, weight_decay={v.get('weight_decay')!r}", g, fqns))
@@ -371,7 +372,7 @@ def build_catalog(ckpt: CheckpointDir | str | os.PathLike[str]) -> Catalog:
 
     # Files on disk.
     referenced = {s.relative_path for s in storage.values()}
-    on_disk = {}
+    on_disk: dict[str, int | None] = {}
     try:
         names = os.listdir(cd.path)
     except OSError:
@@ -399,14 +400,14 @@ def build_catalog(ckpt: CheckpointDir | str | os.PathLike[str]) -> Catalog:
                 m = _EXTRA_STATE_RE.findall(p.stem)
                 extra.append(ExtraStateFile(f"extra_state/{p.name}", p.stat().st_size, int(m[-1]) if m else None))
     ranks = tuple(sorted({f.rank for f in data_files if f.rank is not None and f.referenced}))
-    flavor = None if not flavors else (flavors.pop() if len(flavors) == 1 else "mixed")
+    optimizer_flavor = None if not flavors else (flavors.pop() if len(flavors) == 1 else "mixed")
     return Catalog(
         path=cd.path,
         dcp_version=md.version,
         model=model,
         optimizer_state=optimizer_state,
         param_groups=sorted(groups.values(), key=lambda g: (isinstance(g.group_id, str), g.group_id)),
-        optimizer_flavor=flavor,
+        optimizer_flavor=optimizer_flavor,
         byte_items=byte_items,
         other_tensors=other_tensors,
         data_files=data_files,
@@ -415,6 +416,17 @@ def build_catalog(ckpt: CheckpointDir | str | os.PathLike[str]) -> Catalog:
         has_layout_sidecar=(cd.path / SIDECAR_NAME).is_file(),
         ranks=ranks,
     )
+
+
+def leaf_key(group: ParamGroup) -> str:
+    """The key of the leaf a param group belongs to (see :meth:`Catalog.leaves`).
+
+    A nested group is its own leaf (``"group <i>"``); flattened groups with equal loaded
+    hyperparameter values share one.
+    """
+    if group.flavor == "nested":
+        return f"group {group.group_id}"
+    return repr(group.leaf_values)
 
 
 def load_param_groups(cat: Catalog, reader: CheckpointReader, errors: dict[str, CkptError] | None = None) -> None:

@@ -8,16 +8,14 @@ files (``weights_only`` only) — never tensor data.
 
 from __future__ import annotations
 
-import gc
 import os
 from collections import Counter, defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from ckpttool.errors import CkptError, TrustRequiredError, UsageError
-from ckpttool.model.catalog import Catalog, ParamGroup, TensorEntry, group_by_prefix, match_filter
+from ckpttool.format.unpickler import gc_paused
+from ckpttool.model.catalog import Catalog, ParamGroup, TensorEntry, group_by_prefix, leaf_key, match_filter
 from ckpttool.model.checkpoint import Checkpoint, ExtraState, open_checkpoint
 from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.model.geometry import EPGeometry
@@ -339,7 +337,7 @@ def _param_group_rows(cat: Catalog, filt: str | None) -> list[GroupRow]:
     for g in cat.param_groups:
         fqn = str(g.group_id)
         if match_filter(f"model.{fqn}", filt):
-            sig = (repr(g.leaf_values), has_state(fqn))  # a leaf (Catalog.leaves), split by state
+            sig = (leaf_key(g), has_state(fqn))  # a leaf (Catalog.leaves), split by state
             members.setdefault(sig, []).append(fqn)
             first.setdefault(sig, g)
     return [_group_row(first[sig], fqns[0], len(fqns), fqns[:3], sig[1]) for sig, fqns in members.items()]
@@ -445,18 +443,6 @@ def _file_status(size: int | None, needed: int, referenced: bool) -> str:
     return "ok" if referenced else "unreferenced"
 
 
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC while building ~10^6 acyclic objects (it would rescan them repeatedly)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) -> InspectResult:
     """Metadata-only overview of an opened checkpoint (``ckpttool inspect``).
 
@@ -478,7 +464,7 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
         raise UsageError(f"`sort` {opts.sort!r} is not one of {', '.join(SORT_KEYS)}", param="sort")
     if ckpt.layout_error is not None and ckpt.declaration is not None:
         raise ckpt.layout_error  # a contradicting declaration is the user's error, not a finding
-    with _gc_paused():
+    with gc_paused():
         ckpt.param_groups()
         if ckpt.byte_item_errors:  # inspect shows the values: an unreadable one is an error, not a finding
             raise next(iter(ckpt.byte_item_errors.values()))

@@ -19,7 +19,17 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing import TypedDict
+
+    class _AdamWHyper(TypedDict):
+        lr: float
+        betas: tuple[float, float]
+        eps: float
+        weight_decay: float
+
 
 __all__ = [
     "SampleConfig",
@@ -97,9 +107,12 @@ def _build_model_class() -> type:
             rep = c.num_attention_heads // c.num_key_value_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+            out: torch.Tensor = self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+            return out
 
     class Router(nn.Module):
+        e_score_correction_bias: torch.Tensor  # a registered buffer
+
         def __init__(self, c: SampleConfig) -> None:
             super().__init__()
             self.weight = nn.Parameter(torch.randn(c.num_experts, c.hidden_size) * 0.02)
@@ -144,7 +157,8 @@ def _build_model_class() -> type:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             x = x + self.self_attn(self.input_layernorm(x))
-            return x + self.mlp(self.post_attention_layernorm(x))
+            out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+            return out
 
     class Backbone(nn.Module):
         def __init__(self, c: SampleConfig) -> None:
@@ -166,7 +180,8 @@ def _build_model_class() -> type:
             x = self.model.embed_tokens(input_ids)
             for layer in self.model.layers:
                 x = layer(x)
-            return self.lm_head(self.model.norm(x))
+            logits: torch.Tensor = self.lm_head(self.model.norm(x))
+            return logits
 
         def loss(self, input_ids: torch.Tensor) -> torch.Tensor:
             logits = self(input_ids[:, :-1])
@@ -249,7 +264,7 @@ def sample_optimizer_record(optimizer: str) -> dict[str, Any]:
 
 
 def _sample_optimizer(model: Any, optimizer: str) -> Any:
-    hyper = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    hyper: _AdamWHyper = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     if optimizer == "adamw":
         import torch
 
@@ -274,9 +289,9 @@ class _FinalPathWriter:  # built lazily: a torch FileSystemWriter that records t
     @classmethod
     def make(cls, directory: Path, final: Path) -> Any:
         if cls.cls is None:
-            from torch.distributed.checkpoint import FileSystemWriter
+            from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-            class Writer(FileSystemWriter):  # type: ignore[misc, valid-type]
+            class Writer(FileSystemWriter):
                 """Writes into the temporary directory; ``storage_meta.checkpoint_id`` is the final path."""
 
                 def __init__(self, path: Path, final_path: Path) -> None:
@@ -348,7 +363,7 @@ def _train_and_save(tmp: Path, final: Path, *, steps: int, seed: int, config: Sa
     import warnings
 
     import torch
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict_saver as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 

@@ -40,7 +40,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ckpttool.errors import OptimStateError, UsageError
-from ckpttool.model.optimizer import dtype_name
+from ckpttool.format.metadata import dtype_name
 
 __all__ = ["FullFP32AdamW", "MasterFP32AdamW", "MasterAdamWBase"]
 
@@ -56,6 +56,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _as_dtype(value: Any, what: str) -> torch.dtype:
+    dtype: torch.dtype | None
     if isinstance(value, torch.dtype):
         dtype = value
     else:
@@ -82,7 +83,7 @@ def _wrap_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     spec = DTensorSpec(mesh, tuple(param.placements), tensor_meta=TensorMeta(param.shape, param.stride(), local.dtype))
-    return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]  # torch: untyped DTensor.__init__
 
 
 def _adamw_foreach_(
@@ -270,7 +271,7 @@ class MasterAdamWBase(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimizer step over every parameter that has a gradient.
 
         Args:

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ckpttool.errors import OptimStateError
-from ckpttool.model.optimizer import dtype_name
+from ckpttool.format.metadata import dtype_name
 
 __all__ = ["check_saved_state", "CheckedLoadPlanner", "iter_state_entries"]
 

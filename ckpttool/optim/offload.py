@@ -286,6 +286,7 @@ class CPUOffloadAdamW(MasterAdamWBase):
                     f"CPUOffloadAdamW needs contiguous parameters; {self.param_name(p)} is not",
                     hint="make the parameter contiguous before building the optimizer",
                 )
+            assert p.grad is not None  # step() passes only parameters that have a gradient
             grad_flat = _local(p.grad).reshape(-1)
             param_flat = local.view(-1)
             n = param_flat.numel()

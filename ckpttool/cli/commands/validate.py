@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -67,7 +67,7 @@ def _render(res: ValidationResult) -> None:
 def _list_rules(json_output: bool) -> None:
     from ckpttool.ops.validate import RULES
 
-    rows = [
+    rows: list[dict[str, Any]] = [  # JSON objects
         {
             "code": r.code,
             "name": r.name,

@@ -228,7 +228,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     import torch
 
     flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy stubs: __buffer__ only on 3.12+
 
 
 def _write_tensor(writer: ShardWriter, name: str, t: torch.Tensor, dtype: torch.dtype, at: int = 0) -> None:

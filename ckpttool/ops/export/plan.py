@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ckpttool.errors import ExportError, UsageError
-from ckpttool.format.metadata import DTYPE_ITEMSIZE
+from ckpttool.format.metadata import DTYPE_ITEMSIZE, FLOATING_DTYPES
 from ckpttool.format.safetensors import HeaderEntry, is_narrowing
 from ckpttool.model.catalog import MODEL_PREFIX, Catalog, TensorEntry, match_filter
 from ckpttool.ops.export.rules import ExportRules
@@ -34,17 +34,6 @@ __all__ = [
 ]
 
 SAVE_DTYPES = ("preserve", "bfloat16", "float16", "float32")
-_FLOATING = {
-    "float64",
-    "float32",
-    "float16",
-    "bfloat16",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-}
 
 
 def shard_file_names(n: int, stem: str = "model") -> list[str]:
@@ -167,7 +156,9 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 
 
 def _filtered(key: str, out_key: str, glob: str | None) -> bool:
-    return bool(glob) and not (match_filter(key, glob) or fnmatch.fnmatchcase(out_key, glob))
+    if not glob:
+        return False
+    return not (match_filter(key, glob) or fnmatch.fnmatchcase(out_key, glob))
 
 
 def select_sources(
@@ -261,7 +252,7 @@ def select_sources(
 
 
 def _out_dtype(src: str, save_dtype: str) -> str:
-    if save_dtype == "preserve" or src not in _FLOATING:
+    if save_dtype == "preserve" or src not in FLOATING_DTYPES:
         return src
     return save_dtype
 

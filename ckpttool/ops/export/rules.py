@@ -1,7 +1,7 @@
 """Export rules: checkpoint key -> output key, tied embeddings, fused expert splits, LoRA keys.
 
 The rules are YAML (schema in ``docs/export.md``); the packaged defaults live in
-``ckpttool/export/default_rules.yaml`` and a user file given with ``--rules`` is
+``ckpttool/ops/export/default_rules.yaml`` and a user file given with ``--rules`` is
 merged on top of them:
 
 - ``keys``: ordered ``{match: REGEX, to: TEMPLATE | null, warn: bool}``; the user's

@@ -22,12 +22,22 @@ from __future__ import annotations
 import os
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ckpttool.errors import GradientsError
 
 if TYPE_CHECKING:
+    from typing import Protocol
+
     import torch
+
+    class _SafeOpen(Protocol):
+        """What :class:`GradFile` uses of a ``safetensors.safe_open`` handle (its stub leaves these unannotated)."""
+
+        def keys(self) -> list[str]: ...
+
+        def get_tensor(self, name: str) -> torch.Tensor: ...
+
 
 __all__ = ["grad_seed_for", "seeded_grad", "GradFile"]
 
@@ -83,7 +93,7 @@ class GradFile:
                 hint="pass a safetensors file of gradients keyed by parameter fqn",
             )
         try:
-            self._file = safe_open(str(self.path), framework="pt", device="cpu")
+            self._file = cast("_SafeOpen", safe_open(str(self.path), framework="pt", device="cpu"))
             self._keys = set(self._file.keys())
         except (SafetensorError, OSError, ValueError) as e:
             raise GradientsError(

@@ -39,9 +39,10 @@ from ckpttool.errors import (
     StateShapeError,
     UsageError,
 )
-from ckpttool.model.catalog import MODEL_PREFIX, Catalog, TensorEntry
+from ckpttool.format.metadata import dtype_name
+from ckpttool.model.catalog import MODEL_PREFIX, Catalog, TensorEntry, leaf_key
 from ckpttool.model.layout_record import LayoutRecord
-from ckpttool.model.optimizer import OPTIMIZER_TYPES, dtype_name, expected_state_dtypes, infer_optimizer_type
+from ckpttool.model.optimizer import OPTIMIZER_TYPES, expected_state_dtypes, infer_optimizer_type
 
 __all__ = [
     "Hyper",
@@ -237,9 +238,13 @@ def _moment_dtype_for(type_name: str, cfg: dict[str, Any], param_dtype: str, fqn
         return param_dtype
     if type_name == "full_fp32_adamw":
         return "float32"
+    # ``cfg`` is a ``_constructor_config`` result: its moment dtypes are canonical dtype names.
+    moment_dtype: str
     if type_name == "master_fp32_adamw":
-        return cfg["moment_dtype"]
-    return cfg["cpu_moment_dtype"] if _offloaded(cfg, fqn) else cfg["resident_moment_dtype"]
+        moment_dtype = cfg["moment_dtype"]
+    else:
+        moment_dtype = cfg["cpu_moment_dtype"] if _offloaded(cfg, fqn) else cfg["resident_moment_dtype"]
+    return moment_dtype
 
 
 def _check_policy(p: ParamPlan, cfg: dict[str, Any], saved: dict[str, str]) -> None:
@@ -323,28 +328,23 @@ def plan_replay(
         )
     notes: list[str] = []
 
-    # Group membership and leaves.
-    group_of: dict[str, Any] = {}
-    for g in cat.param_groups:
-        for fqn in g.params:
-            group_of.setdefault(fqn, g)
-    model_fqns = [k[len(MODEL_PREFIX) :] for k in cat.model]
-    params_in_model = [f for f in model_fqns if f in group_of]
+    # Group membership (the catalog's one fqn -> group index) and leaves.
+    model_fqns = cat.param_fqns
+    grouped = {p for g in cat.param_groups for p in g.params}
+    params_in_model = [f for f in model_fqns if cat.group_of(f) is not None]
     skipped = len(model_fqns) - len(params_in_model)
     if skipped:
         notes.append(f"{skipped} model tensor(s) in no param group (buffers, frozen parameters) are not replayed")
-    orphans = sorted(f for f in group_of if f"{MODEL_PREFIX}{f}" not in cat.model)
+    orphans = sorted(f for f in grouped if f"{MODEL_PREFIX}{f}" not in cat.model)
     if orphans:
         notes.append(
             f"{len(orphans)} param-group parameter(s) are not model tensors and are skipped, e.g. {orphans[0]}"
         )
+    group_of = {f: g for f in params_in_model if (g := cat.group_of(f)) is not None}
     hypers = {f: _hyper(group_of[f], f, group_of[f].group_id) for f in params_in_model}
 
-    def leaf_of(fqn: str) -> Any:
-        h = hypers[fqn]
-        if cat.optimizer_flavor == "nested":
-            return ("group", h.group_id)
-        return ("hyper", h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.extra)
+    def leaf_of(fqn: str) -> str:
+        return leaf_key(group_of[fqn])  # the catalog's leaves: a nested group, or equal flattened values
 
     leaves_with_state = {
         leaf_of(f) for f in params_in_model if cat.optimizer_state.get(f) and cat.optimizer_state[f].fields
@@ -353,7 +353,7 @@ def plan_replay(
     selected = [f for f in params_in_model if rx is None or rx.search(f)]
     if not params_in_model:
         raise HyperparameterError(
-            f"{cat.path}: none of the {len(group_of)} parameter(s) of the param groups is a model tensor "
+            f"{cat.path}: none of the {len(grouped)} parameter(s) of the param groups is a model tensor "
             "of the checkpoint; nothing to replay",
             hint="the optimizer state does not name this checkpoint's model tensors (`ckpttool inspect` shows both)",
         )

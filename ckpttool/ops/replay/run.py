@@ -221,7 +221,7 @@ def resolve_device(device: str) -> Any:
         raise DeviceUnavailableError(f"`device` {device!r} is not one of {', '.join(DEVICE_CHOICES)}")
     if device == "npu":
         try:
-            import torch_npu  # noqa: F401  (registers the npu accelerator)
+            import torch_npu  # type: ignore[import-not-found]  # noqa: F401  (optional: registers the npu accelerator)
         except ImportError as e:
             raise DeviceUnavailableError(
                 "`device` npu needs torch_npu, which is not installed", hint="install torch_npu, or use `device` cpu"
@@ -249,7 +249,7 @@ def _synchronize(device: Any) -> None:
 def _default_max_memory() -> int:
     """Half the available host memory (psutil when installed, else ``sysconf``), at least 256 MiB."""
     try:
-        import psutil
+        import psutil  # type: ignore[import-untyped]  # optional, and no types-psutil in the dev dependencies
 
         avail = int(psutil.virtual_memory().available)
     except ImportError:
@@ -473,15 +473,15 @@ def _replay(
     bytes_read = reader.bytes_read - start_read
 
     record = layout.record
-    for p in results:
+    for r in results:
         if (
-            p.state == "loaded"
+            r.state == "loaded"
             and record is not None
             and record.global_step is not None
-            and p.step_before != float(record.global_step)
+            and r.step_before != float(record.global_step)
         ):
             notes.append(
-                f"saved step of {p.fqn} is {p.step_before:g} but the layout record's global_step is "
+                f"saved step of {r.fqn} is {r.step_before:g} but the layout record's global_step is "
                 f"{record.global_step} (parameters that missed gradients on some steps count fewer)"
             )
             break
@@ -611,8 +611,8 @@ def _replay_batch(
             "v": v0.to(ref_dtype, copy=True),
             "step": float(t["step"].item()) if "step" in t else 0.0,
         }
-        for k in ("theta", "m", "v"):
-            ref[p.fqn][f"scale_{k}"] = ref[p.fqn][k].abs()
+        for name in ("theta", "m", "v"):
+            ref[p.fqn][f"scale_{name}"] = ref[p.fqn][name].abs()
 
     for k in range(steps):
         for p in batch:
@@ -657,33 +657,33 @@ def _replay_batch(
             _synchronize(dev)
             dt = time.perf_counter() - t2
             timing["step_seconds"] += dt
-            for m in members:
-                timing["state_bytes"] += m.numel * _bytes_per_step(m)
+            for member in members:
+                timing["state_bytes"] += member.numel * _bytes_per_step(member)
             if staged:
                 timing["offload_seconds"] += dt
-                for m in members:
-                    ip = ITEMSIZE[m.dtype]
-                    timing["d2h_bytes"] += m.numel * ip
-                    timing["h2d_bytes"] += m.numel * ip
+                for member in members:
+                    ip = ITEMSIZE[member.dtype]
+                    timing["d2h_bytes"] += member.numel * ip
+                    timing["h2d_bytes"] += member.numel * ip
 
     # Compare.
     out: list[ParamResult] = []
     for opt, members, _ in optimizers:
-        for m in members:
-            r = results[m.fqn]
-            param = params[m.fqn]
+        for member in members:
+            r = results[member.fqn]
+            param = params[member.fqn]
             st = opt.state.get(param, {})
             r.placement = {"param": str(param.device)}
             for f in ("master_weight", "exp_avg", "exp_avg_sq", "step"):
                 if f in st:
                     r.placement[f] = str(st[f].device)
-            _compare_param(m, r, param.detach(), st, ref[m.fqn], dev=dev, rtol=rtol, atol=atol, steps=steps)
+            _compare_param(member, r, param.detach(), st, ref[member.fqn], dev=dev, rtol=rtol, atol=atol, steps=steps)
             if on_param is not None:
                 cpu = {"param": param.detach().cpu()}
                 for f in ("master_weight", "exp_avg", "exp_avg_sq", "step"):
                     if f in st:
                         cpu[f] = st[f].detach().cpu()
-                on_param(m.fqn, cpu)
+                on_param(member.fqn, cpu)
             out.append(r)
     return out
 

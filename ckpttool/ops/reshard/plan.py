@@ -38,7 +38,7 @@ from ckpttool.errors import ChunkError, LayoutContradictionError, LayoutSizeErro
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, DType, TensorMeta
 from ckpttool.format.tiling import tiling_problem
-from ckpttool.model.catalog import MODEL_PREFIX, Catalog, implied_optimizer_type
+from ckpttool.model.catalog import MODEL_PREFIX, Catalog
 from ckpttool.model.declaration import LAYOUT_VERSIONS, ResolvedLayout
 from ckpttool.model.geometry import nested_shard_intervals, tensor_geometry
 from ckpttool.model.layout_record import LAYOUT_FORMAT, LAYOUT_KEY, EPTensorSpec, parse_layout_record
@@ -340,7 +340,7 @@ def implied_optimizer(cat: Catalog) -> dict[str, Any]:
     """``{"type": ...}`` implied by the saved state dtypes (empty when there is no state)."""
     kinds = set()
     for ps in cat.optimizer_state.values():
-        kind = implied_optimizer_type({f: (t.dtype if t is not None else "bytes") for f, t in ps.fields.items()})
+        kind = ps.implied_type
         if kind:
             kinds.add(kind)
     return {"type": kinds.pop()} if len(kinds) == 1 else {}
@@ -469,8 +469,8 @@ def plan_reshard(
         problem = tiling_problem(meta)
         if problem is not None:
             raise ChunkError(f"{ckpt.path}: chunks of {key!r} do not tile the tensor ({problem})", fqn=key)
-        model_key = key if key in layout.ep_tensors else ep_state.get(key)
-        if model_key is None:
+        ep_model_key = key if key in layout.ep_tensors else ep_state.get(key)
+        if ep_model_key is None:
             chunks = tuple(
                 OutChunk(
                     c,
@@ -486,12 +486,12 @@ def plan_reshard(
                 key,
                 meta,
                 layout,
-                layout.ep_tensors[model_key],
-                model_key,
+                layout.ep_tensors[ep_model_key],
+                ep_model_key,
                 to_version,
                 p2,
                 f2,
-                "ep" if key == model_key else "ep_state",
+                "ep" if key == ep_model_key else "ep_state",
             )
         )
     src_rec = layout.record.raw if layout.record is not None else None

@@ -22,7 +22,7 @@ from ckpttool.ops.validate.reference import Reference
 
 if TYPE_CHECKING:
     from ckpttool.format.reader import CheckpointReader
-    from ckpttool.ops.validate.deep import DeepResult
+    from ckpttool.ops.validate.stats import DeepResult
 
 __all__ = ["Context", "StorageItem"]
 

@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ChunkError, CkptError
@@ -36,6 +36,7 @@ from ckpttool.format.metadata import BytesMeta, ChunkMeta, TensorMeta
 from ckpttool.format.tiling import tiling_problem
 from ckpttool.model.hfconfig import config_value
 from ckpttool.model.layout_record import LAYOUT_KEY
+from ckpttool.ops.validate.stats import DeepResult, PairStats, TensorStats
 
 if TYPE_CHECKING:
     import torch
@@ -83,82 +84,6 @@ class _Lazy(dict):  # type: ignore[type-arg]
 
 _BITS = _Lazy(0)
 _UNSIGNED = _Lazy(1)
-
-
-@dataclass
-class TensorStats:
-    """Summary of one tensor's values.
-
-    Attributes:
-        key: checkpoint key; dtype: stored dtype name; numel: elements summarised.
-        nonfinite: NaN/inf count (floating dtypes); negative: values < 0 (when asked).
-        min, max: over all values (NaN when any is NaN), ``None`` for non-float or empty.
-        values: every value, for ``step`` fields (few elements).
-    """
-
-    key: str
-    dtype: str
-    numel: int = 0
-    nonfinite: int = 0
-    negative: int = 0
-    min: float | None = None
-    max: float | None = None
-    values: list[float] = field(default_factory=list)
-
-    def add(self, other: TensorStats) -> None:
-        self.numel += other.numel
-        self.nonfinite += other.nonfinite
-        self.negative += other.negative
-        for name, pick in (("min", min), ("max", max)):
-            a, b = getattr(self, name), getattr(other, name)
-            if b is None:
-                continue
-            if a is None or math.isnan(b):
-                setattr(self, name, b)
-            elif not math.isnan(a):
-                setattr(self, name, pick(a, b))
-        self.values.extend(other.values)
-
-
-@dataclass
-class PairStats:
-    """Comparison of two tensors that must hold the same values.
-
-    Attributes:
-        kind: ``"master"`` (``a`` = BF16/FP16 parameter, ``b`` = its ``master_weight``) or
-            ``"tied"`` (``a`` = ``lm_head.weight``, ``b`` = the input embedding).
-        numel: elements compared; mismatched: elements that differ (after casting ``b`` to
-            ``a``'s dtype); max_diff: largest ``|a - b|`` (in float32/64) over them.
-    """
-
-    a: str
-    b: str
-    kind: str
-    numel: int = 0
-    mismatched: int = 0
-    max_diff: float = 0.0
-    compared: bool = False
-
-
-@dataclass
-class DeepResult:
-    """Outcome of :func:`run_deep`.
-
-    Attributes:
-        stats: key -> :class:`TensorStats` of every tensor read completely.
-        pairs: the pair comparisons.
-        read_errors: key -> first error met reading it (corrupt archive, shape mismatch, ...).
-        byte_values: byte-item key -> loaded value (``step`` items of old optimizers).
-        bytes_read: data bytes read; seconds: wall time; workers: threads used.
-    """
-
-    stats: dict[str, TensorStats] = field(default_factory=dict)
-    pairs: list[PairStats] = field(default_factory=list)
-    read_errors: dict[str, CkptError] = field(default_factory=dict)
-    byte_values: dict[str, Any] = field(default_factory=dict)
-    bytes_read: int = 0
-    seconds: float = 0.0
-    workers: int = 1
 
 
 def _is_step(key: str) -> bool:
@@ -265,7 +190,7 @@ def _stream_chunk(ctx: Context, key: str, chunk: ChunkMeta, buf: torch.Tensor) -
     st = TensorStats(key, meta.dtype.name)
     step = _SLICE - _SLICE % item
     start = loc.data_start
-    mv = memoryview(buf.numpy())
+    mv = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy stubs: ndarray.__buffer__ only on Python >= 3.12
     pos = 0
     while pos < nbytes:
         n = min(step, nbytes - pos)
@@ -284,8 +209,8 @@ def _stream_chunk(ctx: Context, key: str, chunk: ChunkMeta, buf: torch.Tensor) -
 
 class _Buffers(threading.local):
     def __init__(self) -> None:
-        self.bufs: list[Any] = []
-        self.slice: Any = None
+        self.bufs: list[torch.Tensor | None] = []
+        self.slice: torch.Tensor | None = None
 
     def slice_buffer(self) -> torch.Tensor:
         import torch
@@ -294,7 +219,7 @@ class _Buffers(threading.local):
             self.slice = torch.empty(_SLICE, dtype=torch.uint8)
         return self.slice
 
-    def view(self, slot: int, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    def view(self, slot: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         import torch
 
         while len(self.bufs) <= slot:
@@ -473,7 +398,7 @@ def run_deep(
     n = workers or min(8, max(2, os.cpu_count() or 2))
     n = max(1, min(n, len(items))) if items else 1
     res.workers = n
-    q: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+    q: queue.SimpleQueue[_Item] = queue.SimpleQueue()
     for it in items:
         q.put(it)
     errors: list[BaseException] = []

@@ -7,16 +7,15 @@ Info findings never fail a run.
 
 from __future__ import annotations
 
-import gc
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import MetadataError
+from ckpttool.format.unpickler import gc_paused
 from ckpttool.model.checkpoint import Checkpoint, open_checkpoint
 from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.model.hfconfig import read_hf_config
@@ -137,18 +136,6 @@ class ValidationResult:
         }
 
 
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC: rules allocate many small acyclic objects (about halves 10^5-entry runs)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def _fails(f: Finding, strict: bool) -> bool:
     return f.severity is Severity.error or (strict and f.severity is Severity.warning)
 
@@ -211,7 +198,7 @@ def validate_checkpoint(
     rules = select_rules(opts.select, opts.ignore)
     cfg = opts.config if isinstance(opts.config, dict) or opts.config is None else read_hf_config(opts.config)
     ref = load_reference(opts.against) if opts.against is not None else None
-    with _gc_paused():
+    with gc_paused():
         ckpt.param_groups()
         ckpt.extra_state()
         ctx = Context(ckpt, deep=opts.deep, strict=opts.strict, config=cfg, reference=ref)

@@ -36,7 +36,7 @@ def _ranges(idx: list[int]) -> str:
         return "none"
     idx = sorted(idx)
     parts, start, prev = [], idx[0], idx[0]
-    for i in idx[1:] + [None]:  # type: ignore[list-item]
+    for i in idx[1:] + [None]:
         if i is not None and i == prev + 1:
             prev = i
             continue
@@ -60,7 +60,7 @@ def _num_experts(ctx: Context) -> int | None:
     "merge the pipeline stages with global layer indices, or check that --config belongs to this checkpoint",
     needs=("config",),
 )
-def layer_coverage(ctx: Context) -> Iterator[tuple[str, str]]:
+def layer_coverage(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, str]]:
     n = config_value(ctx.config, "num_hidden_layers", "n_layer", "num_layers")
     if not isinstance(n, int):
         yield (

@@ -16,12 +16,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from ckpttool.errors import CkptError
+from ckpttool.format.metadata import dtype_name
 from ckpttool.model.catalog import TensorEntry
 from ckpttool.model.optimizer import (
     HYPERPARAMETERS,
     OPTIMIZER_TYPES,
     STATE_FIELDS,
-    dtype_name,
     expected_state_dtypes,
     infer_optimizer_type,
 )
@@ -160,7 +160,7 @@ def state_dtype_policy(ctx: Context) -> Iterator[tuple[str, str]]:
     for fqn, fields, param in _states(ctx):
         if set(fields) - set(STATE_FIELDS) or any(f not in fields for f in _CORE):
             continue  # O008 / O001
-        dts = {k: t.dtype for k, t in fields.items() if t is not None}
+        dts = {k: d for k, d in ctx.cat.optimizer_state[fqn].field_dtypes.items() if d != "bytes"}
         if "step" not in dts:
             continue
         check_step = dts["step"] not in LOW_PRECISION  # P003 reports low-precision steps
@@ -360,13 +360,12 @@ def scheduler_initial_lr(ctx: Context) -> Iterator[tuple[str, str]]:
 )
 def step_low_precision(ctx: Context) -> Iterator[tuple[str, str]]:
     bad = [
-        (fqn, fields["step"])
+        (fqn, step)
         for fqn, fields, _ in _states(ctx)
-        if isinstance(fields.get("step"), TensorEntry) and fields["step"].dtype in LOW_PRECISION
+        if isinstance(step := fields.get("step"), TensorEntry) and step.dtype in LOW_PRECISION
     ]
     for _, t in bad[:1]:
         more = f" ({len(bad) - 1} more parameters too)" if len(bad) > 1 else ""
-        assert t is not None
         yield t.key, f"{t.key}: step stored as {t.dtype}{more}"
 
 

@@ -1,0 +1,91 @@
+"""What the ``--deep`` pass found: per-tensor value statistics and pair comparisons (plain data).
+
+Filled by :func:`ckpttool.ops.validate.deep.run_deep`, read by the ``D`` rules and others
+through :attr:`ckpttool.ops.validate.context.Context.deep_result`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpttool.errors import CkptError
+
+__all__ = ["DeepResult", "PairStats", "TensorStats"]
+
+
+@dataclass
+class TensorStats:
+    """Summary of one tensor's values.
+
+    Attributes:
+        key: checkpoint key; dtype: stored dtype name; numel: elements summarised.
+        nonfinite: NaN/inf count (floating dtypes); negative: values < 0 (when asked).
+        min, max: over all values (NaN when any is NaN), ``None`` for non-float or empty.
+        values: every value, for ``step`` fields (few elements).
+    """
+
+    key: str
+    dtype: str
+    numel: int = 0
+    nonfinite: int = 0
+    negative: int = 0
+    min: float | None = None
+    max: float | None = None
+    values: list[float] = field(default_factory=list)
+
+    def add(self, other: TensorStats) -> None:
+        self.numel += other.numel
+        self.nonfinite += other.nonfinite
+        self.negative += other.negative
+        for name, pick in (("min", min), ("max", max)):
+            a, b = getattr(self, name), getattr(other, name)
+            if b is None:
+                continue
+            if a is None or math.isnan(b):
+                setattr(self, name, b)
+            elif not math.isnan(a):
+                setattr(self, name, pick(a, b))
+        self.values.extend(other.values)
+
+
+@dataclass
+class PairStats:
+    """Comparison of two tensors that must hold the same values.
+
+    Attributes:
+        kind: ``"master"`` (``a`` = BF16/FP16 parameter, ``b`` = its ``master_weight``) or
+            ``"tied"`` (``a`` = ``lm_head.weight``, ``b`` = the input embedding).
+        numel: elements compared; mismatched: elements that differ (after casting ``b`` to
+            ``a``'s dtype); max_diff: largest ``|a - b|`` (in float32/64) over them.
+    """
+
+    a: str
+    b: str
+    kind: str
+    numel: int = 0
+    mismatched: int = 0
+    max_diff: float = 0.0
+    compared: bool = False
+
+
+@dataclass
+class DeepResult:
+    """Outcome of :func:`run_deep`.
+
+    Attributes:
+        stats: key -> :class:`TensorStats` of every tensor read completely.
+        pairs: the pair comparisons.
+        read_errors: key -> first error met reading it (corrupt archive, shape mismatch, ...).
+        byte_values: byte-item key -> loaded value (``step`` items of old optimizers).
+        bytes_read: data bytes read; seconds: wall time; workers: threads used.
+    """
+
+    stats: dict[str, TensorStats] = field(default_factory=dict)
+    pairs: list[PairStats] = field(default_factory=list)
+    read_errors: dict[str, CkptError] = field(default_factory=dict)
+    byte_values: dict[str, Any] = field(default_factory=dict)
+    bytes_read: int = 0
+    seconds: float = 0.0
+    workers: int = 1
