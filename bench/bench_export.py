@@ -261,7 +261,7 @@ def main() -> None:
     import compileall
 
     import ckpttool
-    from ckpttool.ops.export import parse_size
+    from ckpttool.cli.options import parse_size
 
     # as `pip install` does: start-up is measured with bytecode caches, also under PYTHONDONTWRITEBYTECODE
     compileall.compile_dir(os.path.dirname(ckpttool.__file__), quiet=1)

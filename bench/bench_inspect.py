@@ -119,7 +119,7 @@ print(f"{t1 - t0:.3f} {t2 - t1:.3f} {len(keys)}")
 CKPTTOOL_READ = """
 import sys, time, os
 t0 = time.perf_counter()
-from ckpttool.overview import build_overview
+from ckpttool.ops.inspect import inspect
 t1 = time.perf_counter()
 ranges = []
 _preadv = os.preadv
@@ -128,13 +128,13 @@ def traced(fd, buffers, offset, *a):
     ranges.append((os.readlink(f"/proc/self/fd/{fd}"), offset, n))
     return n
 os.preadv = traced
-ov = build_overview(sys.argv[1])
+ov = inspect(sys.argv[1])
 t2 = time.perf_counter()
 import json
-json.dumps(ov)
+json.dumps(ov.to_dict())
 t3 = time.perf_counter()
 os.preadv = _preadv
-from ckpttool.dcp import CheckpointDir
+from ckpttool.format import CheckpointDir
 cd = CheckpointDir(sys.argv[1])
 tensor_ranges = {}
 for (fqn, off), info in cd.metadata.storage.items():
@@ -190,7 +190,7 @@ def main() -> None:
     ck_import, ck_overview, ck_json, read_total, read_tensor, torch_loaded = ck
     nchunks = sum(
         len(v.chunks)
-        for v in __import__("ckpttool.dcp", fromlist=["x"]).CheckpointDir(ckpt).metadata.entries.values()
+        for v in __import__("ckpttool.format", fromlist=["x"]).CheckpointDir(ckpt).metadata.entries.values()
         if hasattr(v, "chunks")
     )
     print(

@@ -14,14 +14,15 @@ from __future__ import annotations
 import re
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from ckpttool.errors import UsageError
 from ckpttool.format.metadata import dtype_name
-from ckpttool.model.declaration import LayoutDeclaration
-from ckpttool.ops.replay import check_tolerance
+
+if TYPE_CHECKING:
+    from ckpttool.model.declaration import LayoutDeclaration
 
 __all__ = [
     "CheckpointArg",
@@ -134,6 +135,8 @@ def parse_tolerance(text: str) -> tuple[float, float]:
     Raises:
         UsageError: not two finite non-negative numbers (``inf``/``nan`` would make the check pass always).
     """
+    from ckpttool.ops.replay.run import check_tolerance  # replay-step imports torch anyway; other commands do not
+
     parts = text.split(",")
     try:
         rtol, atol = (float(x) for x in parts)
@@ -147,5 +150,7 @@ def declaration(
     source_layout: SourceLayout | str | None, ep_size: int | None, ep_fsdp_size: int | None
 ) -> LayoutDeclaration | None:
     """The layout declaration of ``--source-layout/--ep-size/--ep-fsdp-size`` (``None`` when none is given)."""
+    from ckpttool.model.declaration import LayoutDeclaration
+
     layout = source_layout.value if isinstance(source_layout, SourceLayout) else source_layout
     return LayoutDeclaration.from_options(layout, ep_size, ep_fsdp_size)

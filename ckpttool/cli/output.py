@@ -93,10 +93,13 @@ class Output:
 
     def result(self, result: _HasDict, render: Callable[[Any], None]) -> None:
         """Print ``result``: its ``to_dict()`` as JSON, or ``render(result)`` as human text."""
-        if self.json:
-            emit_json(result.to_dict())
-        else:
-            render(result)
+        from ckpttool.format.unpickler import gc_paused
+
+        with gc_paused():  # a 10^6-entry report is ~10^7 acyclic objects
+            if self.json:
+                emit_json(result.to_dict())
+            else:
+                render(result)
 
     def warning(self, text: str) -> None:
         """A ``warning: ...`` line on stderr (never changes the exit code)."""

@@ -173,7 +173,7 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
                     "x".join(map(str, t.shape)) or "scalar",
                     t.dtype,
                     f"{t.numel:,}",
-                    len(t.chunk_sizes),
+                    len(t.chunks),
                     ",".join(map(str, t.ranks)) or "-",
                     " ".join(notes),
                 ]

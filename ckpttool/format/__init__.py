@@ -8,23 +8,42 @@ byte items), :mod:`.tiling` (chunk boxes), :mod:`.copy` (verbatim byte copies),
 :mod:`.atomic` (atomic output directories). Nothing here imports torch at import time.
 """
 
-from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME, CheckpointDir, rank_of_file
-from ckpttool.format.locator import ChunkLocation, locate_chunk
-from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo, TensorMeta
-from ckpttool.format.reader import CheckpointReader, load_saved_object
-from ckpttool.format.tiling import tiling_problem
-from ckpttool.format.unpickler import load_metadata, parse_metadata_bytes
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Names load lazily: the CLI imports only what a command needs (start-up time).
+_WHERE = {
+    "DATA_FILE_RE": "ckpttool.format.directory",
+    "METADATA_NAME": "ckpttool.format.directory",
+    "CheckpointDir": "ckpttool.format.directory",
+    "rank_of_file": "ckpttool.format.directory",
+    "ChunkLocation": "ckpttool.format.locator",
+    "locate_chunk": "ckpttool.format.locator",
+    "BytesMeta": "ckpttool.format.metadata",
+    "CheckpointMetadata": "ckpttool.format.metadata",
+    "ChunkMeta": "ckpttool.format.metadata",
+    "DType": "ckpttool.format.metadata",
+    "StorageInfo": "ckpttool.format.metadata",
+    "TensorMeta": "ckpttool.format.metadata",
+    "CheckpointReader": "ckpttool.format.reader",
+    "load_saved_object": "ckpttool.format.reader",
+    "tiling_problem": "ckpttool.format.tiling",
+    "load_metadata": "ckpttool.format.unpickler",
+    "parse_metadata_bytes": "ckpttool.format.unpickler",
+}
 
 __all__ = [
-    "DATA_FILE_RE",
-    "METADATA_NAME",
     "BytesMeta",
     "CheckpointDir",
     "CheckpointMetadata",
     "CheckpointReader",
     "ChunkLocation",
     "ChunkMeta",
+    "DATA_FILE_RE",
     "DType",
+    "METADATA_NAME",
     "StorageInfo",
     "TensorMeta",
     "load_metadata",
@@ -34,3 +53,24 @@ __all__ = [
     "rank_of_file",
     "tiling_problem",
 ]
+
+if TYPE_CHECKING:
+    from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME, CheckpointDir, rank_of_file
+    from ckpttool.format.locator import ChunkLocation, locate_chunk
+    from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo, TensorMeta
+    from ckpttool.format.reader import CheckpointReader, load_saved_object
+    from ckpttool.format.tiling import tiling_problem
+    from ckpttool.format.unpickler import load_metadata, parse_metadata_bytes
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -33,7 +33,7 @@ __all__ = [
     "LayoutSummary",
     "OptimizerSummary",
     "Summary",
-    "TensorRow",
+    "tensor_dict",
     "TreeRow",
     "inspect",
     "inspect_checkpoint",
@@ -59,47 +59,20 @@ class InspectOptions:
     sort: str = "name"
 
 
-@dataclass(frozen=True)
-class TensorRow:
-    """One tensor: key, global shape, dtype, sizes, chunking and writing ranks."""
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: str
-    numel: int
-    nbytes: int
-    chunk_sizes: tuple[tuple[int, ...], ...]
-    ranks: tuple[int, ...]
-    uneven: bool
-    zero_size_chunks: int
-
-    @classmethod
-    def of(cls, t: TensorEntry) -> TensorRow:
-        return cls(
-            t.key,
-            t.shape,
-            t.dtype,
-            t.numel,
-            t.nbytes,
-            tuple(c.sizes for c in t.chunks),
-            t.ranks,
-            t.uneven,
-            t.zero_size_chunks,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "numel": self.numel,
-            "nbytes": self.nbytes,
-            "chunks": len(self.chunk_sizes),
-            "chunk_sizes": [list(c) for c in self.chunk_sizes],
-            "ranks": list(self.ranks),
-            "uneven": self.uneven,
-            "zero_size_chunks": self.zero_size_chunks,
-        }
+def tensor_dict(t: TensorEntry) -> dict[str, Any]:
+    """JSON row of a tensor (``model[]`` and ``other_tensors[]`` of ``ckpttool.inspect/1``)."""
+    return {
+        "key": t.key,
+        "shape": list(t.shape),
+        "dtype": t.dtype,
+        "numel": t.numel,
+        "nbytes": t.nbytes,
+        "chunks": len(t.chunks),
+        "chunk_sizes": [list(c.sizes) for c in t.chunks],
+        "ranks": list(t.ranks),
+        "uneven": t.uneven,
+        "zero_size_chunks": t.zero_size_chunks,
+    }
 
 
 @dataclass(frozen=True)
@@ -262,14 +235,14 @@ class InspectResult:
     dcp_version: str | None
     summary: Summary
     files: tuple[FileRow, ...]
-    model: tuple[TensorRow, ...]
+    model: tuple[TensorEntry, ...]
     optimizer: OptimizerSummary
     layout: LayoutSummary | None
     layout_error: CkptError | None
     extra_state: tuple[ExtraStateRow, ...]
     byte_items: tuple[tuple[str, int], ...]
     other_keys: tuple[str, ...]
-    other_tensors: tuple[TensorRow, ...]
+    other_tensors: tuple[TensorEntry, ...]
     tree: tuple[TreeRow, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -280,14 +253,14 @@ class InspectResult:
             "dcp_version": self.dcp_version,
             "summary": self.summary.to_dict(),
             "files": [f.to_dict() for f in self.files],
-            "model": [t.to_dict() for t in self.model],
+            "model": [tensor_dict(t) for t in self.model],
             "optimizer": self.optimizer.to_dict(),
             "layout": self.layout.to_dict() if self.layout is not None else None,
             "layout_error": self.layout_error.to_dict() if self.layout_error is not None else None,
             "extra_state": [e.to_dict() for e in self.extra_state],
             "byte_items": [{"key": k, "bytes": n} for k, n in self.byte_items],
             "other_keys": list(self.other_keys),
-            "other_tensors": [t.to_dict() for t in self.other_tensors],
+            "other_tensors": [tensor_dict(t) for t in self.other_tensors],
         }
         if self.tree is not None:
             d["tree"] = [r.to_dict() for r in self.tree]
@@ -525,14 +498,14 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
             )
             for f in cat.data_files
         ),
-        model=tuple(TensorRow.of(t) for t in model_rows),
+        model=tuple(model_rows),
         optimizer=_optimizer_section(cat, filt, declared),
         layout=_layout_section(ckpt),
         layout_error=ckpt.layout_error,
         extra_state=tuple(_extra_state_row(st) for st in ckpt.extra_state()),
         byte_items=tuple(cat.byte_items.items()),
         other_keys=tuple(cat.other_keys),
-        other_tensors=tuple(TensorRow.of(t) for t in cat.other_tensors.values() if match_filter(t.key, filt)),
+        other_tensors=tuple(t for t in cat.other_tensors.values() if match_filter(t.key, filt)),
         tree=tree,
     )
 
@@ -551,5 +524,8 @@ def inspect(
         as :func:`~ckpttool.model.checkpoint.open_checkpoint` (unusable ``.metadata``) and
         :func:`inspect_checkpoint`.
     """
-    with open_checkpoint(path, declaration=declaration, trust_pickle=trust_pickle, record_problems=True) as ckpt:
+    with (
+        gc_paused(),
+        open_checkpoint(path, declaration=declaration, trust_pickle=trust_pickle, record_problems=True) as ckpt,
+    ):
         return inspect_checkpoint(ckpt, options)

@@ -194,18 +194,21 @@ def validate_command(
         against=against,
         workers=workers,
     )
-    with byte_progress("validate --deep", deep and not json_output and sys.stderr.isatty()) as update:
-        res = validate(checkpoint, options, declaration=decl, trust_pickle=trust_pickle, progress=update)
-    if junit is not None:
-        from ckpttool.errors import OutputError
-        from ckpttool.format.atomic import atomic_write_text
+    from ckpttool.format.unpickler import gc_paused
 
-        try:
-            atomic_write_text(junit, junit_xml(res))
-        except OutputError as e:
-            e.hint = _JUNIT_HINT
-            raise
-    Output(json_output).result(res, _render)
+    progress = byte_progress("validate --deep", deep and not json_output and sys.stderr.isatty())
+    with gc_paused(), progress as update:  # one pause for reading and printing (each re-enable: a full collection)
+        res = validate(checkpoint, options, declaration=decl, trust_pickle=trust_pickle, progress=update)
+        if junit is not None:
+            from ckpttool.errors import OutputError
+            from ckpttool.format.atomic import atomic_write_text
+
+            try:
+                atomic_write_text(junit, junit_xml(res))
+            except OutputError as e:
+                e.hint = _JUNIT_HINT
+                raise
+        Output(json_output).result(res, _render)
     fatal = res.fatal
     if fatal is not None:
         message = f"{fatal.key}: {fatal.message}" if fatal.key and fatal.key not in fatal.message else fatal.message

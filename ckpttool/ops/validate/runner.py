@@ -248,6 +248,17 @@ def validate(
         UsageError: ``path`` is not a directory, an unknown rule code, unreadable ``config``/``against``.
     """
     opts = options if options is not None else ValidateOptions(**option_fields)
+    with gc_paused():  # one pause for open + rules: each re-enable triggers a full collection
+        return _validate_path(path, opts, declaration, trust_pickle, progress)
+
+
+def _validate_path(
+    path: str | os.PathLike[str],
+    opts: ValidateOptions,
+    declaration: LayoutDeclaration | None,
+    trust_pickle: bool,
+    progress: Callable[[int, int], None] | None,
+) -> ValidationResult:
     t0 = time.perf_counter()
     try:
         ckpt = open_checkpoint(path, declaration=declaration, trust_pickle=trust_pickle, record_problems=True)
