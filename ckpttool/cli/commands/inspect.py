@@ -16,6 +16,7 @@ from ckpttool.cli.options import (
     SourceLayoutOpt,
     TrustPickleOpt,
     declaration,
+    examples,
 )
 from ckpttool.cli.output import Output, command_boundary
 
@@ -55,5 +56,13 @@ def inspect_command(
         )
 
 
+EPILOG = examples(
+    "ckpttool inspect ckpt/",
+    "ckpttool inspect ckpt/ --filter '*experts*' --sort size",
+    "ckpttool inspect ckpt/ --depth 3",
+    "ckpttool inspect ckpt/ --json | python -m json.tool",
+)
+
+
 def register(app: typer.Typer) -> None:
-    app.command("inspect")(inspect_command)
+    app.command("inspect", epilog=EPILOG)(inspect_command)

@@ -110,7 +110,7 @@ def test_human_report_names_the_optimizer_choice_and_passes(sample_ckpt: Path) -
     out = res.stdout
     assert "optimizer   adamw (from layout record optimizer.type)" in out
     assert "grads       seeded (seed 0, scale 0.001)" in out
-    assert "result      OK: 25 of 25 parameter(s) match the reference step" in out
+    assert "result      OK: 25 of 25 parameters match the reference step" in out
     assert "model.layers.0.mlp.experts.gate_up_proj" in out
     assert res.stderr == ""
 
@@ -129,7 +129,7 @@ def test_declared_legacy_same_dim_layout_replays_with_0d_steps(ep_suite: Path) -
         ep_suite / "legacy", "--device", "cpu", "--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "2"
     )
     assert res.exit_code == 0, res.stderr
-    assert "result      OK: 8 of 8 parameter(s) match the reference step" in res.stdout
+    assert "result      OK: 8 of 8 parameters match the reference step" in res.stdout
 
 
 # ------------------------------------------------------------------ never-stepped leaf
@@ -202,7 +202,7 @@ def test_master_out_of_sync_with_bf16_param_is_a_mismatch(full_fx: Path, tmp_pat
     bad = resave(full_fx / "ckpt", tmp_path / "bad", mutate)
     res = run(bad, "--device", "cpu")
     assert res.exit_code == 1
-    assert "result      FAILED: 13 of 14 parameter(s) match the reference step" in res.stdout
+    assert "result      FAILED: 13 of 14 parameters match the reference step" in res.stdout
     assert res.stderr.startswith(
         f"error: [E700] 1 of 14 parameter(s) do not reproduce the reference step; worst {DENSE_FQN}: "
         "master_weight out of sync with the parameter before the step: 4 of 1024 element(s)"
