@@ -88,7 +88,7 @@ def _global_options() -> list[Any]:
         TyperOption(
             param_decls=["--color"],
             default=None,
-            metavar="[auto|always|never]",
+            metavar="<auto|always|never>",
             expose_value=False,
             is_eager=True,
             callback=_set_color,
@@ -179,7 +179,8 @@ app = typer.Typer(
     cls=CkptGroup,
     name="ckpttool",
     help="Inspect, validate, export, reshard and replay PyTorch Distributed Checkpoints (FSDP2 / expert parallel).",
-    epilog="Docs: https://github.com/ckpttool/ckpttool#readme · JSON schemas: `ckpttool schema` · rules: `ckpttool rules`",
+    epilog="\b\nDocs:         https://github.com/ckpttool/ckpttool#readme\n"
+    "JSON schemas: ckpttool schema\nRules:        ckpttool rules",
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,

@@ -102,7 +102,7 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
 
 
-def parse_size(text: str | int, flag: str = "--size") -> int:
+def parse_size(text: str | int, flag: str) -> int:
     """Bytes of a size: ``5GB`` (10^9), ``2GiB`` (2^30), ``512M`` (2^20) or a byte count.
 
     Raises:

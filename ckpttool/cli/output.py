@@ -33,6 +33,7 @@ __all__ = [
     "command_boundary",
     "configure_logging",
     "deprecated",
+    "docs_url",
     "emit_json",
     "flag_names",
     "note",
@@ -82,8 +83,27 @@ def flag_names() -> dict[str, str]:
 
 
 def _with_flags(text: str, flags: dict[str, str]) -> str:
-    """Replace `` `param` `` by the command's flag for it; other backticked words stay as they are."""
-    return _PARAM_RE.sub(lambda m: flags.get(m.group(1), m.group(0)), text)
+    """Replace `` `param` `` by the command's flag for it, ``docs/X.md`` by its documentation URL."""
+    text = _PARAM_RE.sub(lambda m: flags.get(m.group(1), m.group(0)), text)
+    return _DOCS_RE.sub(lambda m: f"{docs_url()}/{m.group(1)}", text) if "docs/" in text else text
+
+
+_DOCS_RE = re.compile(r"(?<![\w/.])docs/([a-z_]+\.md)\b")
+
+
+@functools.cache
+def docs_url() -> str:
+    """The ``Documentation`` project URL (package metadata): where a hint's ``docs/X.md`` is, once installed."""
+    from importlib.metadata import PackageNotFoundError, metadata
+
+    try:
+        for entry in metadata("ckpttool").get_all("Project-URL") or []:
+            label, _, url = entry.partition(",")
+            if label.strip() == "Documentation":
+                return url.strip().rstrip("/")
+    except PackageNotFoundError:
+        pass
+    return "docs"
 
 
 _SGR = {
@@ -117,7 +137,7 @@ def print_error(err: CkptError) -> None:
 
 def warn(text: str) -> None:
     """A ``warning: ...`` line on stderr (printed with ``-q`` too; never changes the exit code)."""
-    sys.stderr.write(_line("warning", text))
+    sys.stderr.write(_line("warning", _with_flags(text, flag_names())))
     sys.stderr.flush()
 
 
@@ -127,7 +147,7 @@ def note(text: str) -> None:
 
     if UI.quiet:
         return
-    sys.stderr.write(_line("note", text))
+    sys.stderr.write(_line("note", _with_flags(text, flag_names())))
     sys.stderr.flush()
 
 

@@ -8,7 +8,8 @@ come from untrusted checkpoints.
   :func:`fmt_rate`, :func:`fmt_dict`, :func:`fmt_value`, :func:`plural`; absent values are
   ``-``): a shape or a size reads the same in every command, never as a Python repr.
 - **Width**: ``--wide``, else ``COLUMNS``, else the terminal's width, else
-  :data:`PIPE_WIDTH` (120) when piped. No line ends in whitespace.
+  :data:`PIPE_WIDTH` (120) when piped. Tables are laid out to it; on a terminal text wraps
+  at spaces, in a pipe each line of text stays whole (for grep). No line ends in whitespace.
 - **Tables** (:func:`print_table`): numbers and codes never wrap; columns without values
   and then low-value columns are hidden (and named) before keys fold.
 - **Colour** (:func:`color_enabled`): only on a terminal, never with ``NO_COLOR``;
@@ -192,18 +193,28 @@ class _NoTrailingWhitespace:
         return getattr(self._stream, name)
 
 
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
 def _console(stream: Any) -> Console:
     color = color_enabled(stream)
     return _safe_console_class()(
         file=_NoTrailingWhitespace(stream),
         width=output_width(stream),
         no_color=not color,
-        color_system=("auto" if stream.isatty() else "standard") if color else None,
+        color_system=("auto" if _isatty(stream) else "standard") if color else None,
         force_terminal=color,
         force_interactive=False,
         highlight=False,
         markup=False,
         emoji=False,
+        # A terminal gets text wrapped at spaces (the terminal itself would cut numbers anywhere);
+        # a pipe gets each line of text whole, for grep. Tables are laid out to the width in both.
+        soft_wrap=not _isatty(stream),
     )
 
 
@@ -429,7 +440,7 @@ def print_table(con: Console, title: str, columns: list[Col], rows: list[list[An
     for r in cells:
         t.add_row(*(r[i] for i in keep))
     minimum = need(keep, fit=False)
-    con.print(t, width=minimum if minimum > width else None)
+    con.print(t, width=minimum if minimum > width else None, soft_wrap=False)
     if hidden:
         con.print(f"  (not shown at {width} columns: {', '.join(hidden)}; see --wide or --json)")
 
@@ -478,7 +489,7 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
     s = ov.summary
     con.print(f"checkpoint  {ov.path}")
     con.print(f"dcp version {ov.dcp_version or ABSENT}")
-    ranks = f" from {plural(len(s.ranks), 'rank')} {fmt_ranks(s.ranks)}" if s.ranks else ""
+    ranks = f" from rank{'s' if len(s.ranks) > 1 else ''} {fmt_ranks(s.ranks)}" if s.ranks else ""
     con.print(f"files       {plural(s.files, 'data file')}{ranks}, {human_bytes(s.bytes_on_disk)} on disk")
     bad = [f for f in ov.files if f.status != "ok"]
     if bad:
@@ -570,13 +581,13 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
             con,
             "param groups",
             [
-                Col("group", "code"),
+                Col("group", "key"),
                 Col("params", "num"),
                 Col("lr", "num"),
-                Col("weight_decay", "num"),
-                Col("betas", "code"),
-                Col("eps", "num", drop=1),
-                Col("initial_lr", "num", drop=2),
+                Col("weight_decay", "num", drop=3),
+                Col("betas", "code", drop=4),
+                Col("eps", "num", drop=5),
+                Col("initial_lr", "num", drop=6),
                 Col("state", "text"),
                 Col("missing", "text", hide_empty=True),
             ],

@@ -59,7 +59,7 @@ def export_command(
         str,
         typer.Option(
             "--save-dtype",
-            metavar="[preserve|bfloat16|float16|float32]",
+            metavar="<preserve|bfloat16|float16|float32>",
             help="preserve: each tensor in its stored dtype, bit-exact; else cast floating tensors only "
             "(aliases bf16, fp16, fp32).",
         ),

@@ -105,7 +105,7 @@ def replay_step_command(
         str,
         typer.Option(
             "--reference-dtype",
-            metavar="[float64|float32]",
+            metavar="<float64|float32>",
             help="Dtype of the independent reference step (aliases fp64/double, fp32/float).",
         ),
     ] = "float64",
@@ -236,22 +236,23 @@ def render_replay(result: Any, *, max_rows: int = 40) -> None:
         )
     print_table(
         con,
-        "parameters (worst first; errors: max abs / max rel vs reference)",
+        "parameters (worst first)",
         [
-            Col("param", "key"),
-            Col("optimizer", "code", drop=6),
-            Col("state", "code", drop=5),
-            Col("lr", "num", drop=3),
-            Col("step", "code", drop=4),
-            Col("master_weight", "num", hide_empty=True),
-            Col("exp_avg", "num"),
-            Col("exp_avg_sq", "num"),
+            Col("parameter", "key"),
+            Col("optimizer", "code", drop=10),
+            Col("state", "code", drop=9),
+            Col("lr", "num", drop=7),
+            Col("step", "code", drop=8),
+            Col("master_weight", "num", drop=4, hide_empty=True),
+            Col("exp_avg", "num", drop=5),
+            Col("exp_avg_sq", "num", drop=6),
             Col("param", "num"),
-            Col("param/state on", "code", drop=7),
+            Col("param/state on", "code", drop=11),
             Col("result", "text"),
         ],
         rows,
     )
+    con.print("errors      max abs/max rel vs the reference, per field (! beyond tolerance)")
     if len(shown) < len(result.params):
         con.print(f"... {len(result.params) - len(shown)} more parameter(s) passed (use --json for all)")
     t = result.timing

@@ -30,6 +30,15 @@ SCHEMA_NAMES = {
     "replay": "ckpttool.replay/1",
     "rules": "ckpttool.rules/1",
 }
+_PRINTED_BY = {
+    "inspect": "ckpttool inspect --json",
+    "validate": "ckpttool validate --json",
+    "export": "ckpttool export --json",
+    "reshard": "ckpttool reshard --json",
+    "stamp": "ckpttool stamp --json",
+    "replay": "ckpttool replay-step --json",
+    "rules": "ckpttool rules --json, ckpttool validate --list-rules --json",
+}
 
 
 class SchemaName(str, Enum):
@@ -57,7 +66,11 @@ def load_schema(name: str) -> dict[str, Any]:
 def schema_command(
     name: Annotated[
         SchemaName | None,
-        typer.Argument(help="The command whose --json document to describe; none: list them.", show_default=False),
+        typer.Argument(
+            help="Which document: inspect, validate, export, reshard, stamp, replay (= replay-step) or rules; "
+            "none: list them.",
+            show_default=False,
+        ),
     ] = None,
 ) -> None:
     """Print the JSON Schema of a command's --json output (shipped in the package)."""
@@ -70,11 +83,7 @@ def schema_command(
             stdout_console(),
             "JSON schemas (ckpttool schema NAME)",
             [Col("name", "code"), Col("document", "code"), Col("printed by", "text")],
-            [
-                [n, doc, "ckpttool validate --list-rules --json, ckpttool rules --json" if n == "rules" else
-                 f"ckpttool {'replay-step' if n == 'replay' else n} --json"]
-                for n, doc in SCHEMA_NAMES.items()
-            ],
+            [[n, doc, _PRINTED_BY[n]] for n, doc in SCHEMA_NAMES.items()],
         )
         return
     sys.stdout.write(json.dumps(load_schema(name.value), indent=2) + "\n")

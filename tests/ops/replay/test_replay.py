@@ -307,13 +307,22 @@ def test_batches_under_max_memory_give_identical_results(full_fx: Path) -> None:
     assert res.exit_code == 2 and "error: [E130]" in res.stderr and "more than --max-memory 102,400" in res.stderr
 
 
-def test_select_limits_the_replay(full_fx: Path) -> None:
-    d = json.loads(run(full_fx / "ckpt", "--device", "cpu", "--json", "--select", r"norm\.weight$").stdout)
+def test_filter_limits_the_replay(full_fx: Path) -> None:
+    d = json.loads(run(full_fx / "ckpt", "--device", "cpu", "--json", "--filter", "*norm.weight").stdout)
     assert d["params_total"] == 5 and all(p["fqn"].endswith("norm.weight") for p in d["params"])
-    res = run(full_fx / "ckpt", "--device", "cpu", "--select", "nothing_matches")
+    res = run(full_fx / "ckpt", "--device", "cpu", "--filter", "nothing_matches")
     assert res.exit_code == 2 and res.stderr.startswith(
-        "error: [E100] --select 'nothing_matches' matches none of the 14"
+        "error: [E100] --filter 'nothing_matches' matches none of the 17"
     )
+
+
+def test_deprecated_select_regex_still_limits_the_replay(full_fx: Path) -> None:
+    res = run(full_fx / "ckpt", "--device", "cpu", "--json", "--select", r"norm\.weight$")
+    assert res.exit_code == 0 and res.stderr.startswith("warning: replay-step --select REGEX is deprecated")
+    assert json.loads(res.stdout)["params_total"] == 5
+    res = run(full_fx / "ckpt", "--device", "cpu", "--select", "nothing_matches")
+    err = res.stderr.splitlines()
+    assert res.exit_code == 2 and err[1].startswith("error: [E100] --select 'nothing_matches' matches none of the 17")
 
 
 def test_gradient_file_problems_exit_2(full_fx: Path, tmp_path: Path) -> None:
@@ -348,7 +357,7 @@ def test_gradient_file_problems_exit_2(full_fx: Path, tmp_path: Path) -> None:
         ),
         (["--tolerance", "1e-5"], "error: [E100] --tolerance '1e-5' is not 'rtol,atol'"),
         (["--max-memory", "lots"], "error: [E100] --max-memory 'lots' is not a size"),
-        (["--select", "("], "error: [E100] --select '(' is not a valid regular expression"),
+        (["--filter", "*", "--select", "("], "error: [E100] --select and --filter are exclusive"),
     ],
 )
 def test_bad_options_exit_2_with_one_line(full_fx: Path, args: list[str], message: str) -> None:

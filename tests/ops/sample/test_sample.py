@@ -18,7 +18,7 @@ runner = CliRunner()
 
 
 def sample(*args: object):  # type: ignore[no-untyped-def]
-    return runner.invoke(app, ["sample", *map(str, args), "--steps", "1"])
+    return runner.invoke(app, ["sample", *map(str, args), "--train-steps", "1"])
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -67,7 +67,7 @@ def test_seed_out_of_range(seed: str, tmp_path: Path) -> None:
 
 
 def test_largest_seed_works(tmp_path: Path) -> None:
-    res = runner.invoke(app, ["sample", str(tmp_path / "s"), "--seed", str(2**63 - 1), "--steps", "0"])
+    res = runner.invoke(app, ["sample", str(tmp_path / "s"), "--seed", str(2**63 - 1), "--train-steps", "0"])
     assert res.exit_code == 0, res.stderr
     assert (tmp_path / "s" / ".metadata").is_file()
 
@@ -104,7 +104,7 @@ def test_write_sample_api_keeps_working(tmp_path: Path) -> None:
     assert write_sample(p, steps=1, optimizer="master_fp32_adamw") == p
     assert sorted(os.listdir(p)) == [".metadata", "__0_0.distcp", "extra_state", "model_assets"]
     assert (p / "extra_state" / "extra_state_rank_0.pt").is_file()
-    assert json.loads((p / "model_assets" / "config.json").read_text())["model_type"] == "qwen3_moe"
+    assert json.loads((p / "model_assets" / "config.json").read_text())["model_type"] == "dots1"
     md = dcp.FileSystemReader(str(p)).read_metadata()
     assert str(md.storage_meta.checkpoint_id) == str(p)  # the final path, not the temporary one
     assert leftovers(tmp_path) == []
@@ -138,7 +138,7 @@ def save(obj, f, *a, **kw):
     return real(obj, f, *a, **kw)
 torch.save = save
 from ckpttool.cli import app
-sys.argv = ["ckpttool", "sample", sys.argv[2], "--steps", "1"]
+sys.argv = ["ckpttool", "sample", sys.argv[2], "--train-steps", "1"]
 app()
 """
 
