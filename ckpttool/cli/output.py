@@ -98,7 +98,7 @@ def docs_url() -> str:
 
     try:
         for entry in metadata("ckpttool").get_all("Project-URL") or []:
-            label, _, url = entry.partition(",")
+            label, _, url = str(entry).partition(",")
             if label.strip() == "Documentation":
                 return url.strip().rstrip("/")
     except PackageNotFoundError:
@@ -178,8 +178,13 @@ def configure_logging(verbosity: int) -> None:
         logger.addHandler(_StderrHandler())
     logger.propagate = False
     logger.setLevel(
-        logging.ERROR if verbosity < 0 else logging.WARNING if verbosity == 0 else logging.INFO
-        if verbosity == 1 else logging.DEBUG
+        logging.ERROR
+        if verbosity < 0
+        else logging.WARNING
+        if verbosity == 0
+        else logging.INFO
+        if verbosity == 1
+        else logging.DEBUG
     )
 
 

@@ -24,7 +24,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:  # rich costs ~15 ms to import: only commands that print tables pay for it
     from rich.console import Console
@@ -203,7 +203,7 @@ def _isatty(stream: Any) -> bool:
 def _console(stream: Any) -> Console:
     color = color_enabled(stream)
     return _safe_console_class()(
-        file=_NoTrailingWhitespace(stream),
+        file=cast("IO[str]", _NoTrailingWhitespace(stream)),
         width=output_width(stream),
         no_color=not color,
         color_system=("auto" if _isatty(stream) else "standard") if color else None,
@@ -404,7 +404,9 @@ def print_table(con: Console, title: str, columns: list[Col], rows: list[list[An
 
     cells = [[_cell(v) for v in r] for r in rows]
     keep = [
-        i for i, c in enumerate(columns) if not (c.hide_empty and all(_cell_width(r[i]) == 0 or r[i] == ABSENT for r in cells))
+        i
+        for i, c in enumerate(columns)
+        if not (c.hide_empty and all(_cell_width(r[i]) == 0 or r[i] == ABSENT for r in cells))
     ]
     widths = {i: max([len(columns[i].name)] + [_cell_width(r[i]) for r in cells]) for i in range(len(columns))}
 
@@ -482,7 +484,6 @@ def byte_progress(label: str, enabled: bool) -> Iterator[Callable[[int, int], No
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
-
 def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
     """Print ``inspect``'s result: a header, the model tensors, optimizer, layout and extra state."""
     con = stdout_console()
@@ -491,18 +492,6 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
     con.print(f"dcp version {ov.dcp_version or ABSENT}")
     ranks = f" from rank{'s' if len(s.ranks) > 1 else ''} {fmt_ranks(s.ranks)}" if s.ranks else ""
     con.print(f"files       {plural(s.files, 'data file')}{ranks}, {human_bytes(s.bytes_on_disk)} on disk")
-    bad = [f for f in ov.files if f.status != "ok"]
-    if bad:
-        from ckpttool.cli.output import warn
-
-        for f in bad:
-            what = {
-                "missing": "is missing",
-                "short": f"is shorter than its records need ({f.size} < {f.needed} bytes; truncated?)",
-                "unreferenced": "is not referenced by .metadata",
-            }[f.status]
-            warn(f"data file {f.path} {what}")
-        warn("run `ckpttool validate --strict` for the full list of problems")
     con.print(
         f"tensors     {plural(s.tensor_count, 'tensor')} ({s.model_tensor_count:,} model, "
         f"{s.numel_model:,} model elements), {plural(s.byte_item_count, 'byte item')}"
@@ -528,7 +517,15 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
             if t.zero_size_chunks:
                 notes.append(f"{t.zero_size_chunks} zero-size")
             rows.append(
-                [t.key, fmt_shape(t.shape), t.dtype, fmt_count(t.numel), str(len(t.chunks)), fmt_ranks(t.ranks), " ".join(notes)]
+                [
+                    t.key,
+                    fmt_shape(t.shape),
+                    t.dtype,
+                    fmt_count(t.numel),
+                    str(len(t.chunks)),
+                    fmt_ranks(t.ranks),
+                    " ".join(notes),
+                ]
             )
         print_table(
             con,
@@ -598,7 +595,11 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
 
     lay = ov.layout
     if lay is not None:
-        version = f"version {lay.version} ({lay.layout}, {lay.source})" if lay.version is not None else f"unversioned ({lay.source})"
+        version = (
+            f"version {lay.version} ({lay.layout}, {lay.source})"
+            if lay.version is not None
+            else f"unversioned ({lay.source})"
+        )
         step = f", global_step {lay.global_step}" if lay.global_step is not None else ""
         con.print(
             f"layout      {version}; parallel {fmt_dict(lay.parallel)}; "
@@ -641,7 +642,9 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
                 "--ep-size P --ep-fsdp-size F, or record it with `ckpttool stamp`"
             )
     elif ov.layout_error is not None:
-        con.print(styled("layout      ", ("error:", STYLES["error"]), f" [{ov.layout_error.code}] {ov.layout_error.message}"))
+        con.print(
+            styled("layout      ", ("error:", STYLES["error"]), f" [{ov.layout_error.code}] {ov.layout_error.message}")
+        )
     else:
         con.print("layout      none (unversioned)")
     for e in ov.extra_state:
@@ -656,7 +659,10 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
             con.print(f"byte items  {plural(len(pg), 'param-group item')} ({human_bytes(sum(n for _, n in pg))})")
         if rest:
             print_table(
-                con, "byte items", [Col("key", "key"), Col("bytes", "num")], [[k, human_bytes(n)] for k, n in rest[:max_rows]]
+                con,
+                "byte items",
+                [Col("key", "key"), Col("bytes", "num")],
+                [[k, human_bytes(n)] for k, n in rest[:max_rows]],
             )
     if ov.other_keys:
         con.print(f"other keys  {fmt_list(ov.other_keys, limit=20)}")

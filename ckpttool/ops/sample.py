@@ -169,7 +169,8 @@ def _build_model_class() -> type:
             gu = torch.einsum("bth,eih->btei", x, self.experts.gate_up_proj)  # [B,T,E,2I]
             g, u = gu.chunk(2, dim=-1)
             y = torch.einsum("btei,ehi->bteh", torch.nn.functional.silu(g) * u, self.experts.down_proj)
-            return (y * weights.unsqueeze(-1)).sum(2) + self.shared_experts(x)
+            shared: torch.Tensor = self.shared_experts(x)
+            return (y * weights.unsqueeze(-1)).sum(2) + shared
 
     class Layer(nn.Module):
         def __init__(self, c: SampleConfig) -> None:

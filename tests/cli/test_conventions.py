@@ -195,7 +195,8 @@ def test_sizes_have_one_documented_meaning(text: str, n: int) -> None:
 
 def test_export_dtype_alias_and_decimal_shard_size(sample_ckpt: Path, tmp_path: Path) -> None:
     res = runner.invoke(
-        app, ["export", str(sample_ckpt), str(tmp_path / "hf"), "--save-dtype", "fp16", "--shard-size", "40KB", "--json"]
+        app,
+        ["export", str(sample_ckpt), str(tmp_path / "hf"), "--save-dtype", "fp16", "--shard-size", "40KB", "--json"],
     )
     assert res.exit_code == 0, res.stderr
     doc = json.loads(res.stdout)

@@ -97,6 +97,10 @@ def test_color_always_forces_colour_into_a_pipe(dense_ckpt: Path) -> None:
     )
     assert "\x1b[" in piped.stdout and "OK" in piped.stdout
     plain = subprocess.run(
-        [sys.executable, "-m", "ckpttool", "validate", str(dense_ckpt)], capture_output=True, text=True, timeout=120, env=base
+        [sys.executable, "-m", "ckpttool", "validate", str(dense_ckpt)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=base,
     )
     assert "\x1b[" not in plain.stdout and plain.stdout.splitlines()[-1].startswith("OK: 0 errors")

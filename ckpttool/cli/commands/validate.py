@@ -29,7 +29,17 @@ if TYPE_CHECKING:
 
 
 def _render(res: ValidationResult) -> None:
-    from ckpttool.cli.render import STYLES, Col, fmt_rate, human_bytes, plural, print_table, stdout_console, styled, verdict
+    from ckpttool.cli.render import (
+        STYLES,
+        Col,
+        fmt_rate,
+        human_bytes,
+        plural,
+        print_table,
+        stdout_console,
+        styled,
+        verdict,
+    )
 
     con = stdout_console()
     con.print(f"checkpoint  {res.path}")

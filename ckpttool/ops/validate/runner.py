@@ -220,7 +220,9 @@ def validate_checkpoint(
                 continue
             t_rule = time.perf_counter()
             found = [out if isinstance(out, Finding) else r.make(*out) for out in r.func(ctx)]
-            log.debug("%s %s: %d finding(s) in %.1f ms", r.code, r.name, len(found), (time.perf_counter() - t_rule) * 1e3)
+            log.debug(
+                "%s %s: %d finding(s) in %.1f ms", r.code, r.name, len(found), (time.perf_counter() - t_rule) * 1e3
+            )
             failing = any(_fails(f, opts.strict) for f in found)
             statuses.append(
                 RuleStatus(r, "failed" if failing else ("reported" if found else "passed"), None, tuple(found))

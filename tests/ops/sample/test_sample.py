@@ -173,3 +173,43 @@ def test_sample_on_a_full_disk_is_e600_without_traceback(tmp_path: Path) -> None
     assert res.returncode == 2, res.stderr[-2000:]
     assert res.stderr.startswith("error: [E600]") and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert os.listdir(tmp_path) == []
+
+
+def test_exported_sample_loads_in_transformers_without_a_warning(sample_ckpt: Path, tmp_path: Path) -> None:
+    """The README's export of the sample loads with AutoModelForCausalLM: no missing, unexpected or
+    mismatched key and nothing logged at warning level; the router buffer (the tensor no optimizer
+    updates) arrives with its saved values."""
+    import logging
+    import warnings
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    out = tmp_path / "hf"
+    res = runner.invoke(
+        app, ["export", str(sample_ckpt), str(out), "--model-assets", str(sample_ckpt / "model_assets")]
+    )
+    assert res.exit_code == 0, res.stderr
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep(level=logging.WARNING)
+    hf_logging.add_handler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    finally:
+        hf_logging.remove_handler(handler)
+    assert type(model).__name__ == "Dots1ForCausalLM"
+    assert not [r.getMessage() for r in records], [r.getMessage()[:500] for r in records]
+    assert not [str(w.message) for w in caught if "torch.distributed" not in str(w.message)]
+    saved = load_file(str(out / "model.safetensors"))
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(model.state_dict()[bias], saved[bias]) and saved[bias].abs().sum() > 0
+    assert set(model.state_dict()) == set(saved)

@@ -180,9 +180,7 @@ def test_P002_silent_when_the_scheduler_has_not_moved_the_lr(tmp_path: Path) -> 
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
     res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "ck")])
     assert res.exit_code == 0 and res.stderr == ""
-    assert "initial_lr" not in res.stdout and res.stdout.splitlines()[-1].startswith(
-        "OK: 0 errors, 0 warnings, 0 info"
-    )
+    assert "initial_lr" not in res.stdout and res.stdout.splitlines()[-1].startswith("OK: 0 errors, 0 warnings, 0 info")
 
 
 # ------------------------------------------------------------------------------------------ storage
