@@ -278,8 +278,10 @@ def render_replay(result: Any, *, max_rows: int = 40) -> None:
 
 
 def _progress(*, enabled: bool) -> tuple[Any, Any]:
-    """A ``(callback, finish)`` pair drawing a progress bar on stderr (no-ops when disabled)."""
-    if not enabled:
+    """A ``(callback, finish)`` pair drawing a progress bar on stderr (no-ops when disabled or with ``-q``)."""
+    from ckpttool.cli.render import UI
+
+    if not enabled or UI.quiet:
         return None, lambda: None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
