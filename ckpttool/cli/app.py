@@ -2,26 +2,30 @@
 
 Exit codes (``docs/errors.md``): 0 success; 1 the command ran and found problems;
 2 bad invocation or unreadable/unsafe input; 130 interrupted.
+
+Global options (:data:`GLOBAL_OPTIONS`) are accepted before or after the subcommand
+(``ckpttool -v inspect DIR`` = ``ckpttool inspect DIR -v``): ``-v/--verbose`` (repeatable),
+``-q/--quiet``, ``--color auto|always|never`` and ``--wide``. ``--version`` and ``-h`` are
+root options; Typer's ``--install-completion``/``--show-completion`` install shell completion.
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperGroup, TyperOption
 
-from ckpttool.cli.output import print_error
+from ckpttool.cli.output import configure_logging, print_error
+from ckpttool.cli.render import UI
 from ckpttool.errors import UsageError
 
-__all__ = ["app", "main"]
+__all__ = ["app", "main", "version_text", "GLOBAL_OPTIONS"]
 
-COMMANDS = ("inspect", "validate", "export", "reshard", "stamp", "replay_step", "sample")
+COMMANDS = ("inspect", "validate", "export", "reshard", "stamp", "replay_step", "sample", "rules", "schema")
 
 # typer vendors click (typer._click); reach its exception classes through public names only
 # (both derive from typer.TyperException, which types their exit_code and format_message).
@@ -32,6 +36,96 @@ _CLICK_EXCEPTION = next(
     c for c in typer.BadParameter.__mro__ if issubclass(c, typer.TyperException) and c.__name__ == "ClickException"
 )
 
+_COLORS = ("auto", "always", "never")
+
+
+def _set_verbose(ctx: Any, param: Any, value: int) -> None:
+    if value:
+        UI.verbosity = max(UI.verbosity, 0) + value
+        configure_logging(UI.verbosity)
+
+
+def _set_quiet(ctx: Any, param: Any, value: bool) -> None:
+    if value:
+        UI.verbosity = -1
+        configure_logging(UI.verbosity)
+
+
+def _set_color(ctx: Any, param: Any, value: str | None) -> None:
+    if value is None:
+        return
+    if value not in _COLORS:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(_COLORS)}.", ctx=ctx, param=param)
+    UI.color = value
+
+
+def _set_wide(ctx: Any, param: Any, value: bool) -> None:
+    if value:
+        UI.wide = True
+
+
+def _global_options() -> list[Any]:
+    """The options every command accepts, before or after its name (not passed to command functions)."""
+    return [
+        TyperOption(
+            param_decls=["-v", "--verbose"],
+            count=True,
+            default=0,
+            expose_value=False,
+            is_eager=True,
+            callback=_set_verbose,
+            help="Log decisions (schema, layout, dtype casts) and per-file timings to stderr; -vv: everything.",
+        ),
+        TyperOption(
+            param_decls=["-q", "--quiet"],
+            is_flag=True,
+            default=False,
+            expose_value=False,
+            is_eager=True,
+            callback=_set_quiet,
+            help="Only results, warnings and errors: no notes, no progress bars.",
+        ),
+        TyperOption(
+            param_decls=["--color"],
+            default=None,
+            metavar="<auto|always|never>",
+            expose_value=False,
+            is_eager=True,
+            callback=_set_color,
+            help="Colour severities and verdicts: auto (a terminal, unless NO_COLOR is set), always, never.",
+        ),
+        TyperOption(
+            param_decls=["--wide"],
+            is_flag=True,
+            default=False,
+            expose_value=False,
+            is_eager=True,
+            callback=_set_wide,
+            help="Never narrow tables to the terminal width (no hidden columns, no folded keys).",
+        ),
+    ]
+
+
+#: Flags of the global options (accepted by every command).
+GLOBAL_OPTIONS = ("-v", "--verbose", "-q", "--quiet", "--color", "--wide", "-h", "--help")
+
+
+def version_text() -> str:
+    """``ckpttool 0.1.0 (torch 2.13.0, safetensors 0.8.0, Python 3.11.9)``, from package metadata.
+
+    Read with :mod:`importlib.metadata`: printing versions never imports torch.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    py = ".".join(map(str, sys.version_info[:3]))
+    return f"ckpttool {v('ckpttool')} (torch {v('torch')}, safetensors {v('safetensors')}, Python {py})"
+
 
 class CkptGroup(TyperGroup):
     """The root command group: usage errors follow ckpttool's error contract.
@@ -39,8 +133,14 @@ class CkptGroup(TyperGroup):
     Click prints its own ``Usage: ... Error: ...`` block for a bad option; ckpttool
     prints ``error: [E100] <click's message>`` and ``hint: see `ckpttool CMD --help```
     on stderr and exits 2, like every other bad invocation.
-    Bare ``ckpttool`` prints the help and exits 0.
+    Bare ``ckpttool`` prints the help and exits 0. Every command gets the global options.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.params.extend(_global_options())
+        for cmd in self.commands.values():
+            cmd.params.extend(_global_options())
 
     def main(
         self,
@@ -51,6 +151,8 @@ class CkptGroup(TyperGroup):
         windows_expand_args: bool = True,
         **extra: Any,
     ) -> Any:
+        UI.reset()  # one invocation's settings (tests run many in one process)
+        configure_logging(0)
         try:
             rv = super().main(
                 args, prog_name, complete_var, standalone_mode=False, windows_expand_args=windows_expand_args, **extra
@@ -77,18 +179,34 @@ app = typer.Typer(
     cls=CkptGroup,
     name="ckpttool",
     help="Inspect, validate, export, reshard and replay PyTorch Distributed Checkpoints (FSDP2 / expert parallel).",
+    epilog="\b\nDocs:         https://github.com/ckpttool/ckpttool#readme\n"
+    "JSON schemas: ckpttool schema\nRules:        ckpttool rules",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        sys.stdout.write(version_text() + "\n")
+        raise typer.Exit(0)
 
 
 @app.callback()
 def _root(
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress details to stderr."),
+    version: bool = typer.Option(
+        False,
+        "--version",
+        "-V",
+        is_eager=True,
+        callback=_show_version,
+        help="Print the versions of ckpttool, torch and safetensors and exit.",
+    ),
 ) -> None:
-    logging.getLogger("ckpttool").setLevel(logging.DEBUG if verbose else logging.WARNING)
+    """Inspect, validate, export, reshard and replay PyTorch Distributed Checkpoints (FSDP2 / expert parallel)."""
 
 
 def _register() -> None:
@@ -113,18 +231,10 @@ def _unraisable(info: Any) -> None:
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point (also ``python -m ckpttool``)."""
     sys.unraisablehook = _unraisable
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
-    logger = logging.getLogger("ckpttool")
-    logger.addHandler(handler)
-    logger.setLevel(logging.WARNING)
-    logger.propagate = False
-    if os.environ.get("NO_COLOR"):
-        os.environ.setdefault("TERM", "dumb")
     try:
-        app()
+        app(prog_name="ckpttool")
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")
         sys.exit(130)

@@ -7,6 +7,10 @@ Sizes and dtypes are parsed here and nowhere else:
   ``K/M/G/T`` binary as in ``dd``/``ls -h``, or a plain byte count;
 - :func:`parse_dtype`: ``bfloat16``/``bf16``, ``float16``/``fp16``/``half``, ``float32``/``fp32``/``float``;
 - :func:`parse_tolerance`: ``rtol,atol``.
+
+One vocabulary across commands: ``--filter GLOB`` selects keys everywhere (inspect, export,
+replay-step); ``--select/--ignore`` are rule codes (validate only); ``--json`` documents are
+described by ``ckpttool schema CMD``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ __all__ = [
     "SourceLayoutOpt",
     "TrustPickleOpt",
     "declaration",
+    "examples",
     "parse_dtype",
     "parse_size",
     "parse_tolerance",
@@ -51,9 +56,16 @@ class SourceLayout(str, Enum):
 CheckpointArg = Annotated[
     Path, typer.Argument(help="DCP checkpoint directory (holds .metadata and __R_N.distcp files).", show_default=False)
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Write machine-readable JSON to stdout (schema in docs/).")]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Write one JSON document to stdout (its JSON Schema: `ckpttool schema CMD`).")
+]
 FilterOpt = Annotated[
-    str | None, typer.Option("--filter", help="Only keys matching this glob (with or without the 'model.' prefix).")
+    str | None,
+    typer.Option(
+        "--filter",
+        metavar="GLOB",
+        help="Only keys matching this glob (fnmatch: * also matches dots), with or without the 'model.' prefix.",
+    ),
 ]
 TrustPickleOpt = Annotated[
     bool,
@@ -90,7 +102,7 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
 
 
-def parse_size(text: str | int, flag: str = "--size") -> int:
+def parse_size(text: str | int, flag: str) -> int:
     """Bytes of a size: ``5GB`` (10^9), ``2GiB`` (2^30), ``512M`` (2^20) or a byte count.
 
     Raises:
@@ -114,19 +126,30 @@ def parse_size(text: str | int, flag: str = "--size") -> int:
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
-def parse_dtype(text: str, flag: str, allowed: tuple[str, ...] = _FLOAT_DTYPES) -> str:
-    """Canonical dtype name of ``text`` (``bf16`` -> ``bfloat16``), one of ``allowed``.
+def parse_dtype(text: str, flag: str, allowed: tuple[str, ...] = _FLOAT_DTYPES, extra: tuple[str, ...] = ()) -> str:
+    """Canonical dtype name of ``text`` (``bf16`` -> ``bfloat16``, ``torch.float32`` -> ``float32``), one of ``allowed``.
+
+    Aliases (case-insensitive, optional ``torch.`` prefix): ``bf16``; ``fp16``/``half``;
+    ``fp32``/``float``; ``fp64``/``double``. ``extra`` words (``preserve``) are returned as given.
 
     Raises:
         UsageError: not one of ``allowed`` (the message names ``flag``).
     """
-    name = dtype_name(text) if text.strip() else ""
+    word = text.strip().lower()
+    if word in extra:
+        return word
+    name = dtype_name(word) if word else ""
     if name not in allowed:
         raise UsageError(
-            f"{flag} {text!r} is not one of {', '.join(allowed)}",
-            hint="aliases: bf16, fp16/half, fp32/float, fp64/double",
+            f"{flag} {text!r} is not one of {', '.join((*extra, *allowed))}",
+            hint="dtype aliases: bf16, fp16/half, fp32/float, fp64/double",
         )
     return name
+
+
+def examples(*lines: str) -> str:
+    """A ``--help`` epilog of example command lines, printed as written (click's ``\\b``)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
 def parse_tolerance(text: str) -> tuple[float, float]:

@@ -3,7 +3,10 @@
 Every command hands its result to an :class:`Output`: with ``--json`` the result's
 ``to_dict()`` is the only thing on stdout; otherwise the command's renderer prints it.
 Warnings and errors go to stderr as ``warning: ...`` / ``error: [CODE] ...`` + ``hint: ...``
-lines, escaped for the terminal (:func:`~ckpttool.cli.render.safe_text`).
+lines, escaped for the terminal (:func:`~ckpttool.cli.render.safe_text`), the prefix
+coloured on a terminal (:func:`~ckpttool.cli.render.color_enabled`); ``note: ...`` lines
+(facts worth knowing, never problems) are left out with ``-q``. Library log records
+(``logging``, ``-v``/``-vv``) go to stderr the same way (:func:`configure_logging`).
 :func:`command_boundary` turns every exception into such a line and the documented
 exit code (``docs/errors.md``); a library error that names a parameter in backticks
 (`` `filter_glob` ``) is shown with the command's flag (``--filter``).
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 import sys
@@ -24,7 +28,18 @@ import typer
 from ckpttool.cli.render import safe_text
 from ckpttool.errors import CkptError
 
-__all__ = ["Output", "command_boundary", "emit_json", "print_error", "flag_names"]
+__all__ = [
+    "Output",
+    "command_boundary",
+    "configure_logging",
+    "deprecated",
+    "docs_url",
+    "emit_json",
+    "flag_names",
+    "note",
+    "print_error",
+    "warn",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _PARAM_RE = re.compile(r"`([a-z][a-z0-9_]*)`")
@@ -68,17 +83,109 @@ def flag_names() -> dict[str, str]:
 
 
 def _with_flags(text: str, flags: dict[str, str]) -> str:
-    """Replace `` `param` `` by the command's flag for it; other backticked words stay as they are."""
-    return _PARAM_RE.sub(lambda m: flags.get(m.group(1), m.group(0)), text)
+    """Replace `` `param` `` by the command's flag for it, ``docs/X.md`` by its documentation URL."""
+    text = _PARAM_RE.sub(lambda m: flags.get(m.group(1), m.group(0)), text)
+    return _DOCS_RE.sub(lambda m: f"{docs_url()}/{m.group(1)}", text) if "docs/" in text else text
+
+
+_DOCS_RE = re.compile(r"(?<![\w/.])docs/([a-z_]+\.md)\b")
+
+
+@functools.cache
+def docs_url() -> str:
+    """The ``Documentation`` project URL (package metadata): where a hint's ``docs/X.md`` is, once installed."""
+    from importlib.metadata import PackageNotFoundError, metadata
+
+    try:
+        for entry in metadata("ckpttool").get_all("Project-URL") or []:
+            label, _, url = str(entry).partition(",")
+            if label.strip() == "Documentation":
+                return url.strip().rstrip("/")
+    except PackageNotFoundError:
+        pass
+    return "docs"
+
+
+_SGR = {
+    "error": "\x1b[1;31m",
+    "warning": "\x1b[33m",
+    "hint": "\x1b[1m",
+    "note": "\x1b[36m",
+    "info": "\x1b[36m",
+    "debug": "\x1b[2m",
+}
+
+
+def _line(prefix: str, text: str) -> str:
+    """``prefix: text`` escaped, the prefix coloured when stderr is a colour terminal."""
+    from ckpttool.cli.render import color_enabled
+
+    body = safe_text(text)
+    if color_enabled(sys.stderr):
+        return f"{_SGR[prefix]}{prefix}:\x1b[0m {body}\n"
+    return f"{prefix}: {body}\n"
 
 
 def print_error(err: CkptError) -> None:
     """Render a :class:`CkptError` as ``error:``/``hint:`` lines on stderr (parameters named by their flags)."""
     flags = flag_names()
-    sys.stderr.write(safe_text(f"error: [{err.code}] {_with_flags(err.message, flags)}") + "\n")
+    sys.stderr.write(_line("error", f"[{err.code}] {_with_flags(err.message, flags)}"))
     if err.hint:
-        sys.stderr.write(safe_text(f"hint: {_with_flags(err.hint, flags)}") + "\n")
+        sys.stderr.write(_line("hint", _with_flags(err.hint, flags)))
     sys.stderr.flush()
+
+
+def warn(text: str) -> None:
+    """A ``warning: ...`` line on stderr (printed with ``-q`` too; never changes the exit code)."""
+    sys.stderr.write(_line("warning", _with_flags(text, flag_names())))
+    sys.stderr.flush()
+
+
+def note(text: str) -> None:
+    """A ``note: ...`` line on stderr: a fact worth knowing, not a problem (left out with ``-q``)."""
+    from ckpttool.cli.render import UI
+
+    if UI.quiet:
+        return
+    sys.stderr.write(_line("note", _with_flags(text, flag_names())))
+    sys.stderr.flush()
+
+
+def deprecated(old: str, new: str, *, removal: str = "the next release") -> None:
+    """The warning of an old spelling that still works for one release."""
+    warn(f"{old} is deprecated and will be removed in {removal}; use {new}")
+
+
+class _StderrHandler(logging.Handler):
+    """Log records as ``info: [export.execute] ...`` lines on the current ``sys.stderr``, escaped."""
+
+    _SHORT = re.compile(r"^ckpttool\.(?:ops|model|format|optim)\.")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            level = record.levelname.lower()
+            prefix = level if level in ("debug", "info") else "warning" if level == "warning" else "error"
+            sys.stderr.write(_line(prefix, f"[{self._SHORT.sub('', record.name)}] {record.getMessage()}"))
+            sys.stderr.flush()
+        except Exception:  # a broken stderr must not break the command
+            self.handleError(record)
+
+
+def configure_logging(verbosity: int) -> None:
+    """Route the ``ckpttool`` loggers to stderr: ``-q`` errors only, default warnings, ``-v`` info, ``-vv`` debug."""
+    logger = logging.getLogger("ckpttool")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        logger.addHandler(_StderrHandler())
+    logger.propagate = False
+    logger.setLevel(
+        logging.ERROR
+        if verbosity < 0
+        else logging.WARNING
+        if verbosity == 0
+        else logging.INFO
+        if verbosity == 1
+        else logging.DEBUG
+    )
 
 
 class Output:
@@ -103,8 +210,11 @@ class Output:
 
     def warning(self, text: str) -> None:
         """A ``warning: ...`` line on stderr (never changes the exit code)."""
-        sys.stderr.write(safe_text(f"warning: {text}") + "\n")
-        sys.stderr.flush()
+        warn(text)
+
+    def note(self, text: str) -> None:
+        """A ``note: ...`` line on stderr (left out with ``-q``)."""
+        note(text)
 
     def error(self, err: CkptError) -> None:
         """``error:``/``hint:`` lines on stderr."""
@@ -130,7 +240,7 @@ def command_boundary(func: F) -> F:
             print_error(e)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
-            sys.stderr.write("error: interrupted\n")
+            sys.stderr.write(_line("error", "interrupted"))
             raise typer.Exit(130) from None
         except BrokenPipeError:
             # The reader of stdout went away (`| head -1`): stop quietly with 0. Point stdout at
@@ -141,8 +251,8 @@ def command_boundary(func: F) -> F:
             if os.environ.get("CKPTTOOL_DEBUG"):
                 raise
             msg = " ".join(str(e).split())[:200]
-            sys.stderr.write(safe_text(f"error: [E999] internal error: {type(e).__name__}: {msg}") + "\n")
-            sys.stderr.write("hint: rerun with CKPTTOOL_DEBUG=1 for a traceback and report it\n")
+            sys.stderr.write(_line("error", f"[E999] internal error: {type(e).__name__}: {msg}"))
+            sys.stderr.write(_line("hint", "rerun with CKPTTOOL_DEBUG=1 for a traceback and report it"))
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]

@@ -1,8 +1,19 @@
-"""Human output: rich tables on stdout, readable without colour (``NO_COLOR`` honoured).
+"""Human output: the consoles, the shared formatters and tables that never mislead.
 
 Library code never prints; commands call these functions with result objects. Every
 string that reaches the terminal is escaped first (:func:`safe_text`): keys and paths
 come from untrusted checkpoints.
+
+- **One formatter per kind of value** (:func:`fmt_shape`, :func:`human_bytes`,
+  :func:`fmt_rate`, :func:`fmt_dict`, :func:`fmt_value`, :func:`plural`; absent values are
+  ``-``): a shape or a size reads the same in every command, never as a Python repr.
+- **Width**: ``--wide``, else ``COLUMNS``, else the terminal's width, else
+  :data:`PIPE_WIDTH` (120) when piped. Tables are laid out to it; on a terminal text wraps
+  at spaces, in a pipe each line of text stays whole (for grep). No line ends in whitespace.
+- **Tables** (:func:`print_table`): numbers and codes never wrap; columns without values
+  and then low-value columns are hidden (and named) before keys fold.
+- **Colour** (:func:`color_enabled`): only on a terminal, never with ``NO_COLOR``;
+  ``--color always|never`` decides instead.
 """
 
 from __future__ import annotations
@@ -10,9 +21,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:  # rich costs ~15 ms to import: only commands that print tables pay for it
     from rich.console import Console
@@ -20,7 +32,35 @@ if TYPE_CHECKING:  # rich costs ~15 ms to import: only commands that print table
 
     from ckpttool.ops.inspect import InspectResult
 
-__all__ = ["safe_text", "stdout_console", "stderr_console", "byte_progress", "human_bytes", "table", "render_overview"]
+__all__ = [
+    "ABSENT",
+    "PIPE_WIDTH",
+    "STYLES",
+    "UI",
+    "Col",
+    "byte_progress",
+    "color_enabled",
+    "fmt_bytes",
+    "fmt_count",
+    "fmt_dict",
+    "fmt_list",
+    "fmt_ranks",
+    "fmt_rate",
+    "fmt_seconds",
+    "fmt_shape",
+    "fmt_value",
+    "human_bytes",
+    "output_width",
+    "plural",
+    "print_table",
+    "render_overview",
+    "safe_text",
+    "stderr_console",
+    "stdout_console",
+    "styled",
+    "table",
+    "verdict",
+]
 
 
 # Control characters (C0, DEL, C1) and bidi overrides, as they may appear in checkpoint keys and paths:
@@ -54,17 +94,369 @@ def _safe_console_class() -> type[Console]:
     return _SafeConsole
 
 
-def stdout_console() -> Console:
-    width = None if sys.stdout.isatty() else 200
+class UISettings:
+    """How this invocation prints (global options, accepted before or after the subcommand).
+
+    Attributes:
+        color: ``auto`` (colour on a terminal unless ``NO_COLOR`` is set or ``TERM=dumb``),
+            ``always`` or ``never`` (``--color``).
+        verbosity: ``-1`` with ``-q`` (errors and warnings only), ``0`` normal, ``1`` with ``-v``
+            (decisions and per-file timings), ``2`` with ``-vv`` (everything, per chunk).
+        wide: ``--wide``: tables are never narrowed (no column hidden, no key folded).
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.color = "auto"
+        self.verbosity = 0
+        self.wide = False
+
+    @property
+    def quiet(self) -> bool:
+        return self.verbosity < 0
+
+
+#: The settings of the running command (reset by the app at the start of every invocation).
+UI = UISettings()
+
+#: Width of output that is not a terminal when ``COLUMNS`` is not set: wide enough for a table of
+#: typical LLM keys (``model.model.layers.47.mlp.experts.gate_up_proj``) with its numeric columns.
+PIPE_WIDTH = 120
+_WIDE = 100_000  # --wide: no line is ever narrowed
+_MIN_WIDTH = 20
+
+
+def color_enabled(stream: Any) -> bool:
+    """Whether to colour ``stream``: ``--color always|never``, else only a terminal, never with ``NO_COLOR``.
+
+    ``NO_COLOR`` (https://no-color.org) set to anything non-empty disables colour, as does
+    ``TERM=dumb``; an explicit ``--color always`` overrides both.
+    """
+    if UI.color == "always":
+        return True
+    if UI.color == "never" or os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def output_width(stream: Any) -> int:
+    """Columns to lay out for ``stream``: ``--wide``; else ``COLUMNS``; else the terminal's; else :data:`PIPE_WIDTH`."""
+    if UI.wide:
+        return _WIDE
+    columns = os.environ.get("COLUMNS", "")
+    if columns.strip().isdigit() and int(columns) > 0:
+        return max(_MIN_WIDTH, int(columns))
+    try:
+        if stream.isatty():
+            return max(_MIN_WIDTH, os.get_terminal_size(stream.fileno()).columns)
+    except (AttributeError, ValueError, OSError):
+        pass
+    return PIPE_WIDTH
+
+
+_TRAILING_WS = re.compile(r"[ \t]+((?:\x1b\[[0-9;]*m)*)(?=\n)")
+
+
+class _NoTrailingWhitespace:
+    """A text stream wrapper that drops spaces at the end of every line (rich pads table titles).
+
+    Spaces at the end of one ``write`` are held back until the next one shows whether a
+    newline follows; SGR colour codes between the spaces and the newline are kept.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._held = ""
+
+    def write(self, text: str) -> int:
+        text = self._held + text
+        stripped = text.rstrip(" \t")
+        self._held = text[len(stripped) :]
+        self._stream.write(_TRAILING_WS.sub(r"\1", stripped))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return bool(self._stream.isatty())
+
+    def fileno(self) -> int:
+        return int(self._stream.fileno())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def _console(stream: Any) -> Console:
+    color = color_enabled(stream)
     return _safe_console_class()(
-        file=sys.stdout, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, markup=False, width=width
+        file=cast("IO[str]", _NoTrailingWhitespace(stream)),
+        width=output_width(stream),
+        no_color=not color,
+        color_system=("auto" if _isatty(stream) else "standard") if color else None,
+        force_terminal=color,
+        force_interactive=False,
+        highlight=False,
+        markup=False,
+        emoji=False,
+        # A terminal gets text wrapped at spaces (the terminal itself would cut numbers anywhere);
+        # a pipe gets each line of text whole, for grep. Tables are laid out to the width in both.
+        soft_wrap=not _isatty(stream),
     )
+
+
+def stdout_console() -> Console:
+    """The console of a command's human output (stdout): escaped, width and colour per :data:`UI`."""
+    return _console(sys.stdout)
 
 
 def stderr_console() -> Console:
+    """The console of progress bars on stderr."""
     return _safe_console_class()(
-        file=sys.stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, markup=False
+        file=sys.stderr, no_color=not color_enabled(sys.stderr), highlight=False, markup=False, emoji=False
     )
+
+
+def styled(*parts: str | tuple[str, str | None]) -> Any:
+    """A rich ``Text`` of escaped parts: ``"plain"`` or ``("text", "bold red")`` (style ignored without colour)."""
+    from rich.text import Text
+
+    out = Text()
+    for part in parts:
+        text, style = (part, None) if isinstance(part, str) else part
+        out.append(safe_text(text), style=style)
+    return out
+
+
+#: Styles of severities and verdicts (``--color``).
+STYLES = {
+    "error": "bold red",
+    "FAILED": "bold red",
+    "FAIL": "red",
+    "UNREADABLE": "bold red",
+    "warning": "yellow",
+    "OK": "bold green",
+    "ok": "green",
+    "info": "cyan",
+    "note": "cyan",
+}
+
+
+def verdict(word: str, rest: str) -> Any:
+    """``OK: ...`` / ``FAILED: ...`` with the verdict word coloured."""
+    return styled((word, STYLES.get(word)), rest)
+
+
+# ----------------------------------------------------------------------------- formatters
+# One formatter per kind of value, used by every renderer: the same value reads the same everywhere.
+
+ABSENT = "-"
+
+
+def fmt_shape(shape: Any) -> str:
+    """``(8, 32, 32)`` -> ``'8x32x32'``; ``()`` -> ``'scalar'``; ``None`` -> ``'-'``."""
+    if shape is None:
+        return ABSENT
+    dims = list(shape)
+    return "x".join(str(d) for d in dims) if dims else "scalar"
+
+
+def human_bytes(n: int | float | None) -> str:
+    """``1536`` -> ``'1.5 KiB'`` (binary units, as ``ls -lh``); ``None`` -> ``'-'``."""
+    if n is None:
+        return ABSENT
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover
+
+
+fmt_bytes = human_bytes
+
+
+def fmt_rate(nbytes: int | float, seconds: float) -> str:
+    """Throughput in decimal units with 3 significant digits: ``'15.8 MB/s'``, ``'1.23 GB/s'``.
+
+    ``'-'`` when the time is too short to measure (under 1 ms) rather than a meaningless figure.
+    """
+    if seconds < 1e-3:
+        return ABSENT
+    rate = nbytes / seconds
+    for unit in ("B/s", "kB/s", "MB/s", "GB/s"):
+        if rate < 1000 or unit == "GB/s":
+            return f"{rate:.3g} {unit}" if rate < 1000 else f"{rate:,.0f} {unit}"
+        rate /= 1000
+    return ABSENT  # pragma: no cover
+
+
+def fmt_seconds(seconds: float) -> str:
+    """``0.0123`` -> ``'12 ms'``; ``2.5`` -> ``'2.50 s'``."""
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds:.2f} s"
+
+
+def fmt_count(n: int | None) -> str:
+    """``4096`` -> ``'4,096'``."""
+    return ABSENT if n is None else f"{n:,}"
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``plural(1, 'data file')`` -> ``'1 data file'``; ``plural(2, ...)`` -> ``'2 data files'``."""
+    return f"{n:,} {word if n == 1 else (many or word + 's')}"
+
+
+def fmt_list(items: Any, limit: int = 0) -> str:
+    """``[0, 1, 2]`` -> ``'0, 1, 2'``; empty -> ``'-'``; past ``limit`` items: ``'a, b, ... (+8 more)'``."""
+    seq = [fmt_value(x) for x in items]
+    if not seq:
+        return ABSENT
+    if limit and len(seq) > limit:
+        return ", ".join(seq[:limit]) + f", ... (+{len(seq) - limit} more)"
+    return ", ".join(seq)
+
+
+def fmt_dict(d: Any) -> str:
+    """``{'ep_size': 4, 'tp_size': 1}`` -> ``'ep_size=4, tp_size=1'``; empty -> ``'-'``."""
+    if not d:
+        return ABSENT
+    return ", ".join(f"{k}={fmt_value(v)}" for k, v in d.items())
+
+
+def fmt_value(v: Any) -> str:
+    """Any value of a result, for a human: absent ``'-'``, floats ``%.6g``, ``yes``/``no``, lists, dicts."""
+    if v is None:
+        return ABSENT
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, dict):
+        return fmt_dict(v)
+    if isinstance(v, (list, tuple)):
+        return fmt_list(v)
+    return str(v)
+
+
+# ----------------------------------------------------------------------------- tables
+class Col:
+    """A table column.
+
+    Args:
+        name: header.
+        kind: ``num`` (numbers, right-aligned) and ``code`` (dtypes, shapes, codes) never wrap;
+            ``key`` (checkpoint keys, paths) folds only when nothing else can give way;
+            ``text`` (messages) wraps at spaces.
+        drop: ``> 0``: a low-value column, hidden when the table does not fit the width;
+            the highest ``drop`` goes first. Hidden columns are named below the table.
+        hide_empty: leave the column out when no row has a value in it.
+    """
+
+    def __init__(self, name: str, kind: str = "text", *, drop: int = 0, hide_empty: bool = False) -> None:
+        self.name, self.kind, self.drop, self.hide_empty = name, kind, drop, hide_empty
+
+
+_KEY_MIN = 16
+_TEXT_MIN = 12
+_TEXT_FIT = 32
+
+
+def _cell(v: Any) -> Any:
+    if v is None:
+        return ABSENT
+    if isinstance(v, str):
+        return v
+    if hasattr(v, "__rich_console__") or type(v).__name__ == "Text":
+        return v
+    return fmt_value(v)
+
+
+def _cell_width(v: Any) -> int:
+    from rich.cells import cell_len
+
+    text = v if isinstance(v, str) else getattr(v, "plain", str(v))
+    return max((cell_len(line) for line in text.split("\n")), default=0)
+
+
+def print_table(con: Console, title: str, columns: list[Col], rows: list[list[Any]]) -> None:
+    """Print a table that fits ``con``'s width without ever wrapping a number or a code.
+
+    Columns with no value are left out (``hide_empty``), then low-value columns (``drop``) until
+    the natural width fits; then keys and texts fold/wrap. A table whose unbreakable cells are
+    wider than the terminal is printed wider (the terminal wraps the line) rather than truncated.
+    """
+    from rich.table import Table
+
+    cells = [[_cell(v) for v in r] for r in rows]
+    keep = [
+        i
+        for i, c in enumerate(columns)
+        if not (c.hide_empty and all(_cell_width(r[i]) == 0 or r[i] == ABSENT for r in cells))
+    ]
+    widths = {i: max([len(columns[i].name)] + [_cell_width(r[i]) for r in cells]) for i in range(len(columns))}
+
+    def need(idx: list[int], fit: bool) -> int:
+        total = 1
+        for i in idx:
+            w, kind = widths[i], columns[i].kind
+            if kind == "text":
+                w = min(w, _TEXT_FIT if fit else _TEXT_MIN)
+            elif kind == "key" and not fit:
+                w = min(w, max(_KEY_MIN, len(columns[i].name)))
+            total += w + 3
+        return total
+
+    width = con.width
+    hidden: list[str] = []
+    while need(keep, fit=True) > width:
+        droppable = [i for i in keep if columns[i].drop > 0]
+        if not droppable:
+            break
+        worst = max(droppable, key=lambda i: (columns[i].drop, i))
+        keep.remove(worst)
+        hidden.append(columns[worst].name)
+    t = Table(title=safe_text(title), title_justify="left", show_lines=False, expand=False, title_style="bold")
+    for i in keep:
+        c = columns[i]
+        if c.kind in ("num", "code"):
+            t.add_column(c.name, no_wrap=True, justify="right" if c.kind == "num" else "left", min_width=widths[i])
+        elif c.kind == "key":
+            t.add_column(c.name, overflow="fold", min_width=min(widths[i], _KEY_MIN))
+        else:
+            t.add_column(c.name, overflow="fold", min_width=min(widths[i], _TEXT_MIN))
+    for r in cells:
+        t.add_row(*(r[i] for i in keep))
+    minimum = need(keep, fit=False)
+    con.print(t, width=minimum if minimum > width else None, soft_wrap=False)
+    if hidden:
+        con.print(f"  (not shown at {width} columns: {', '.join(hidden)}; see --wide or --json)")
+
+
+def table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
+    """A plain rich table of strings (every column may fold); prefer :func:`print_table`."""
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left", show_lines=False, expand=False)
+    for c in columns:
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        t.add_row(*(_cell(v) for v in r))
+    return t
 
 
 @contextlib.contextmanager
@@ -74,7 +466,7 @@ def byte_progress(label: str, enabled: bool) -> Iterator[Callable[[int, int], No
     Yields the ``(bytes done, bytes total)`` callback that the library functions take as
     ``progress``, or ``None`` when ``enabled`` is false (``--json``, stderr not a terminal).
     """
-    if not enabled:
+    if not enabled or UI.quiet:
         yield None
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
@@ -92,72 +484,29 @@ def byte_progress(label: str, enabled: bool) -> Iterator[Callable[[int, int], No
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
-def human_bytes(n: int | float | None) -> str:
-    """``1536`` -> ``'1.5 KiB'`` (binary units)."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"  # pragma: no cover
-
-
-def table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
-    from rich.table import Table
-
-    t = Table(title=title, title_justify="left", show_lines=False, expand=False)
-    for c in columns:
-        t.add_column(c, overflow="fold")
-    for r in rows:
-        t.add_row(*("-" if v is None else str(v) for v in r))
-    return t
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    if isinstance(v, list):
-        return "(" + ", ".join(_fmt(x) for x in v) + ")"
-    return "-" if v is None else str(v)
-
-
 def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
-    """Print ``inspect``'s result as tables."""
+    """Print ``inspect``'s result: a header, the model tensors, optimizer, layout and extra state."""
     con = stdout_console()
     s = ov.summary
     con.print(f"checkpoint  {ov.path}")
-    con.print(f"dcp version {ov.dcp_version or '-'}")
+    con.print(f"dcp version {ov.dcp_version or ABSENT}")
+    ranks = f" from rank{'s' if len(s.ranks) > 1 else ''} {fmt_ranks(s.ranks)}" if s.ranks else ""
+    con.print(f"files       {plural(s.files, 'data file')}{ranks}, {human_bytes(s.bytes_on_disk)} on disk")
     con.print(
-        f"files       {s.files} data files from ranks {list(s.ranks) or '-'}, {human_bytes(s.bytes_on_disk)} on disk"
+        f"tensors     {plural(s.tensor_count, 'tensor')} ({s.model_tensor_count:,} model, "
+        f"{s.numel_model:,} model elements), {plural(s.byte_item_count, 'byte item')}"
     )
-    bad = [f for f in ov.files if f.status != "ok"]
-    if bad:
-        for f in bad:
-            what = {
-                "missing": "is missing",
-                "short": f"is shorter than its records need ({f.size} < {f.needed} bytes; truncated?)",
-                "unreferenced": "is not referenced by .metadata",
-            }[f.status]
-            sys.stderr.write(safe_text(f"warning: data file {f.path} {what}") + "\n")
-        sys.stderr.write("warning: run `ckpttool validate --strict` for the full list of problems\n")
-    con.print(
-        f"tensors     {s.tensor_count} ({s.model_tensor_count} model, {s.numel_model:,} model elements), "
-        f"{s.byte_item_count} byte items"
-    )
-    by_cat = ", ".join(f"{k} {human_bytes(v)}" for k, v in s.bytes_by_category.items())
-    by_dtype = ", ".join(f"{k} {human_bytes(v)}" for k, v in s.bytes_by_dtype.items())
+    by_cat = ", ".join(f"{k} {human_bytes(v)}" for k, v in s.bytes_by_category.items()) or ABSENT
+    by_dtype = ", ".join(f"{k} {human_bytes(v)}" for k, v in s.bytes_by_dtype.items()) or ABSENT
     con.print(f"bytes       {by_cat}")
     con.print(f"by dtype    {by_dtype}")
 
     if ov.tree is not None:
-        con.print(
-            table(
-                "model tree",
-                ["prefix", "tensors", "numel", "bytes"],
-                [[r.prefix, r.tensors, f"{r.numel:,}", human_bytes(r.nbytes)] for r in ov.tree],
-            )
+        print_table(
+            con,
+            "model tree",
+            [Col("prefix", "key"), Col("tensors", "num"), Col("numel", "num", drop=1), Col("bytes", "num")],
+            [[r.prefix, fmt_count(r.tensors), fmt_count(r.numel), human_bytes(r.nbytes)] for r in ov.tree],
         )
     else:
         rows = []
@@ -170,30 +519,42 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
             rows.append(
                 [
                     t.key,
-                    "x".join(map(str, t.shape)) or "scalar",
+                    fmt_shape(t.shape),
                     t.dtype,
-                    f"{t.numel:,}",
-                    len(t.chunks),
-                    ",".join(map(str, t.ranks)) or "-",
+                    fmt_count(t.numel),
+                    str(len(t.chunks)),
+                    fmt_ranks(t.ranks),
                     " ".join(notes),
                 ]
             )
-        con.print(table("model tensors", ["key", "shape", "dtype", "numel", "chunks", "ranks", "notes"], rows))
+        print_table(
+            con,
+            "model tensors",
+            [
+                Col("key", "key"),
+                Col("shape", "code"),
+                Col("dtype", "code"),
+                Col("numel", "num", drop=3),
+                Col("chunks", "num", drop=2),
+                Col("ranks", "code", drop=4),
+                Col("notes", "text", drop=1, hide_empty=True),
+            ],
+            rows,
+        )
         if len(ov.model) > max_rows:
-            con.print(f"... {len(ov.model) - max_rows} more (use --filter, --depth or --json)")
+            con.print(f"... {len(ov.model) - max_rows:,} more (use --filter, --depth or --json)")
 
     o = ov.optimizer
     con.print(
-        f"optimizer   flavor {o.flavor or '-'}; state for {o.params_with_state}/{o.params_total} params; "
-        f"implied type {o.implied_type or '-'}; declared type {o.declared_type or '-'}"
+        f"optimizer   flavor {o.flavor or ABSENT}; state for {o.params_with_state}/{o.params_total} params; "
+        f"implied type {o.implied_type or ABSENT}; declared type {o.declared_type or ABSENT}"
     )
     if o.fields:
-        con.print(
-            table(
-                "optimizer state fields",
-                ["field", "dtypes (params)"],
-                [[f, ", ".join(f"{d} ({n})" for d, n in c.items())] for f, c in o.fields.items()],
-            )
+        print_table(
+            con,
+            "optimizer state fields",
+            [Col("field", "code"), Col("dtypes (params)", "text")],
+            [[f, ", ".join(f"{d} ({n})" for d, n in c.items())] for f, c in o.fields.items()],
         )
     if o.param_groups:
         rows = []
@@ -202,59 +563,122 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
             state = "yes" if g.has_state else "no state (never stepped)"
             rows.append(
                 [
-                    g.id,
-                    g.params,
-                    _fmt(v["lr"]),
-                    _fmt(v["weight_decay"]),
-                    _fmt(v["betas"]),
-                    _fmt(v["eps"]),
-                    _fmt(v["initial_lr"]),
+                    str(g.id),
+                    fmt_count(g.params),
+                    fmt_value(v["lr"]),
+                    fmt_value(v["weight_decay"]),
+                    fmt_value(v["betas"]),
+                    fmt_value(v["eps"]),
+                    fmt_value(v["initial_lr"]),
                     state,
-                    ",".join(g.missing) or "-",
+                    fmt_list(g.missing),
                 ]
             )
-        con.print(
-            table(
-                "param groups",
-                ["group", "params", "lr", "weight_decay", "betas", "eps", "initial_lr", "state", "missing"],
-                rows,
-            )
+        print_table(
+            con,
+            "param groups",
+            [
+                Col("group", "key"),
+                Col("params", "num"),
+                Col("lr", "num"),
+                Col("weight_decay", "num", drop=3),
+                Col("betas", "code", drop=4),
+                Col("eps", "num", drop=5),
+                Col("initial_lr", "num", drop=6),
+                Col("state", "text"),
+                Col("missing", "text", hide_empty=True),
+            ],
+            rows,
         )
     if o.orphan_state:
-        con.print(f"state for fqns not in the model: {', '.join(o.orphan_state[:10])}")
+        con.print(f"state for fqns not in the model: {fmt_list(o.orphan_state, limit=10)}")
 
     lay = ov.layout
     if lay is not None:
-        con.print(
-            f"layout      version {lay.version} ({lay.layout}, {lay.source}), parallel {dict(lay.parallel)}, "
-            f"{len(lay.extra_parallel)} EP tensors, global_step {lay.global_step}"
+        version = (
+            f"version {lay.version} ({lay.layout}, {lay.source})"
+            if lay.version is not None
+            else f"unversioned ({lay.source})"
         )
-        if lay.geometry is not None:
-            rows_g = [g.to_dict() for g in lay.geometry]
-            con.print(
-                table("EP geometry", list(rows_g[0].keys()) if rows_g else [], [list(r.values()) for r in rows_g])
+        step = f", global_step {lay.global_step}" if lay.global_step is not None else ""
+        con.print(
+            f"layout      {version}; parallel {fmt_dict(lay.parallel)}; "
+            f"{plural(len(lay.extra_parallel), 'EP tensor')}{step}"
+        )
+        if lay.geometry:
+            print_table(
+                con,
+                "EP geometry",
+                [
+                    Col("key", "key"),
+                    Col("shape", "code"),
+                    Col("experts", "num"),
+                    Col("ep_dim", "num", drop=3),
+                    Col("fsdp_dim", "num", drop=2),
+                    Col("blocks per dim", "code", drop=4),
+                    Col("ranks", "code", drop=5),
+                    Col("same dim", "code", drop=1),
+                    Col("problems", "text", hide_empty=True),
+                ],
+                [
+                    [
+                        g.key,
+                        fmt_shape(g.shape),
+                        str(g.num_experts),
+                        str(g.ep_dim),
+                        fmt_value(g.fsdp_dim),
+                        fmt_shape(g.blocks_per_dim),
+                        fmt_ranks(g.ranks),
+                        fmt_value(g.same_dim),
+                        "; ".join(g.problems),
+                    ]
+                    for g in lay.geometry
+                ],
             )
         if lay.ambiguous:
             con.print(
-                f"ambiguous   {len(lay.ambiguous)} EP tensors have EP and FSDP on the expert dim and no layout "
+                f"ambiguous   {plural(len(lay.ambiguous), 'EP tensor')} with EP and FSDP on the expert dim and no layout "
                 "record: the expert order is unknown; declare it with --source-layout legacy|canonical "
                 "--ep-size P --ep-fsdp-size F, or record it with `ckpttool stamp`"
             )
     elif ov.layout_error is not None:
-        con.print(f"layout      error: [{ov.layout_error.code}] {ov.layout_error.message}")
+        con.print(
+            styled("layout      ", ("error:", STYLES["error"]), f" [{ov.layout_error.code}] {ov.layout_error.message}")
+        )
     else:
         con.print("layout      none (unversioned)")
     for e in ov.extra_state:
         con.print(
-            f"extra state {e.path} ({human_bytes(e.size)}, rank {e.rank}): {e.status}"
+            f"extra state {e.path} ({human_bytes(e.size)}, rank {fmt_value(e.rank)}): {e.status}"
             + (f", keys {', '.join(e.keys)}" if e.keys else "")
         )
     if ov.byte_items:
         pg = [(k, n) for k, n in ov.byte_items if k.startswith("optimizer.param_groups.")]
         rest = [(k, n) for k, n in ov.byte_items if not k.startswith("optimizer.param_groups.")]
         if pg:
-            con.print(f"byte items  {len(pg)} param-group items ({human_bytes(sum(n for _, n in pg))})")
+            con.print(f"byte items  {plural(len(pg), 'param-group item')} ({human_bytes(sum(n for _, n in pg))})")
         if rest:
-            con.print(table("byte items", ["key", "bytes"], [[k, n] for k, n in rest[:max_rows]]))
+            print_table(
+                con,
+                "byte items",
+                [Col("key", "key"), Col("bytes", "num")],
+                [[k, human_bytes(n)] for k, n in rest[:max_rows]],
+            )
     if ov.other_keys:
-        con.print(f"other keys  {', '.join(ov.other_keys[:20])}")
+        con.print(f"other keys  {fmt_list(ov.other_keys, limit=20)}")
+
+
+def fmt_ranks(ranks: Any) -> str:
+    """``(0, 1, 2, 3, 5)`` -> ``'0-3,5'`` (runs of consecutive ranks collapsed); empty -> ``'-'``."""
+    rs = sorted(set(ranks))
+    if not rs:
+        return ABSENT
+    out, start, prev = [], rs[0], rs[0]
+    for r in [*rs[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}" if prev > start + 1 else f"{start},{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(out)

@@ -16,7 +16,9 @@ recorded on the handle instead of raised, so that they become findings; an unusa
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ from ckpttool.model.declaration import LayoutDeclaration, ResolvedLayout, resolv
 __all__ = ["Checkpoint", "ExtraState", "open_checkpoint", "opened"]
 
 _STEP_KEYS = ("global_step", "step", "curr_step")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -172,12 +175,53 @@ def open_checkpoint(
             (not with ``record_problems``).
     """
     with gc_paused():  # ~10 objects per metadata entry, all acyclic: the cyclic GC would rescan them
+        t0 = time.perf_counter()
         reader = CheckpointReader(Path(path), trust_pickle=trust_pickle)
+        t1 = time.perf_counter()
         try:
-            return Checkpoint(reader, declaration=declaration, record_problems=record_problems)
+            ckpt = Checkpoint(reader, declaration=declaration, record_problems=record_problems)
         except BaseException:
             reader.close()
             raise
+    if log.isEnabledFor(logging.INFO):
+        _log_opened(ckpt, t1 - t0, time.perf_counter() - t1)
+    return ckpt
+
+
+def _log_opened(ckpt: Checkpoint, read_s: float, model_s: float) -> None:
+    """What was read and decided when opening (``-v``): sizes, key schema, layout."""
+    cat = ckpt.catalog
+    log.info(
+        "%s: .metadata read and checked in %.3f s (%d entries, %d data file(s)); catalog and layout in %.3f s",
+        ckpt.path,
+        read_s,
+        len(ckpt.metadata.entries),
+        len(cat.data_files),
+        model_s,
+    )
+    log.info(
+        "key schema torch-native: %d model keys, optimizer state for %d params, %d param groups (%s flavor), "
+        "%d byte items, %d other tensors",
+        len(cat.model),
+        len(cat.optimizer_state),
+        len(cat.param_groups),
+        cat.optimizer_flavor or "no",
+        len(cat.byte_items),
+        len(cat.other_tensors),
+    )
+    lay = ckpt.layout
+    if lay is not None:
+        log.info(
+            "EP layout: %s from %s (ep_size %s, ep_fsdp_size %s), %d EP tensors%s",
+            lay.layout_name or "unversioned",
+            lay.source,
+            lay.ep_size,
+            lay.ep_fsdp_size,
+            len(lay.ep_tensors),
+            f", {len(lay.ambiguous)} ambiguous" if lay.ambiguous else "",
+        )
+    elif ckpt.layout_error is not None:
+        log.info("EP layout not resolved: [%s] %s", ckpt.layout_error.code, ckpt.layout_error.message)
 
 
 @contextmanager

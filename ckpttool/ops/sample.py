@@ -1,11 +1,16 @@
 """A small but real sample checkpoint: a tiny MoE causal LM saved with ``dcp.save``.
 
-The model uses Hugging Face Qwen3-MoE parameter names (transformers v5 fused
-experts): ``model.layers.N.mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and
-``...experts.down_proj`` ``[E, H, I]``, plus a persistent router buffer
-``mlp.gate.e_score_correction_bias`` ``[E]`` (DeepSeek-V3 style) so that lost
-buffers can be demonstrated. It is trained for a few AdamW steps on random
-tokens and saved the way VeOmni-style trainers do::
+The model has the parameter names of Hugging Face's ``Dots1ForCausalLM`` (dots.llm1:
+Qwen3-style attention with per-head ``q_norm``/``k_norm``, DeepSeek-V3-style MoE) in the
+transformers v5 fused-expert layout: ``model.layers.N.mlp.experts.gate_up_proj``
+``[E, 2I, H]`` and ``...experts.down_proj`` ``[E, H, I]``, a shared expert
+(``mlp.shared_experts.{gate,up,down}_proj``), and the router's persistent buffer
+``mlp.gate.e_score_correction_bias`` ``[E]`` (aux-loss-free load balancing), a model
+tensor that no optimizer updates: what a save that drops buffers loses (``validate
+--against`` an HF export finds it missing). The exported model loads with
+``transformers.AutoModelForCausalLM.from_pretrained`` without a missing or unexpected key.
+It is trained for a few AdamW steps on random tokens and saved the way VeOmni-style
+trainers do::
 
     dcp.save({"model": model_sd, "optimizer": optim_sd, "layout": json_record}, checkpoint_id=DIR)
 
@@ -54,19 +59,23 @@ class SampleConfig:
     moe_intermediate_size: int = 16
     num_experts: int = 8
     num_experts_per_tok: int = 2
+    n_shared_experts: int = 1
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
 
     def hf_config(self) -> dict[str, Any]:
-        """A Qwen3-MoE style ``config.json`` dict for these sizes."""
+        """A ``Dots1ForCausalLM`` ``config.json`` dict for these sizes (every layer MoE)."""
         cfg = asdict(self)
+        cfg["n_routed_experts"] = cfg.pop("num_experts")
         cfg.update(
-            architectures=["Qwen3MoeForCausalLM"],
-            model_type="qwen3_moe",
+            architectures=["Dots1ForCausalLM"],
+            model_type="dots1",
             intermediate_size=4 * self.hidden_size,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
+            first_k_dense_replace=0,
+            n_group=1,
+            topk_group=1,
             norm_topk_prob=True,
+            routed_scaling_factor=1.0,
             max_position_embeddings=256,
             torch_dtype="float32",
         )
@@ -127,12 +136,27 @@ def _build_model_class() -> type:
             self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h) * 0.02)
             self.down_proj = nn.Parameter(torch.randn(e, h, i) * 0.02)
 
+    class SharedExpert(nn.Module):
+        """The always-active expert (``mlp.shared_experts``): a SwiGLU MLP."""
+
+        def __init__(self, c: SampleConfig) -> None:
+            super().__init__()
+            h, i = c.hidden_size, c.moe_intermediate_size * c.n_shared_experts
+            self.gate_proj = nn.Linear(h, i, bias=False)
+            self.up_proj = nn.Linear(h, i, bias=False)
+            self.down_proj = nn.Linear(i, h, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+            return out
+
     class SparseMoE(nn.Module):
         def __init__(self, c: SampleConfig) -> None:
             super().__init__()
             self.c = c
             self.gate = Router(c)
             self.experts = Experts(c)
+            self.shared_experts = SharedExpert(c)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             c = self.c
@@ -145,7 +169,8 @@ def _build_model_class() -> type:
             gu = torch.einsum("bth,eih->btei", x, self.experts.gate_up_proj)  # [B,T,E,2I]
             g, u = gu.chunk(2, dim=-1)
             y = torch.einsum("btei,ehi->bteh", torch.nn.functional.silu(g) * u, self.experts.down_proj)
-            return (y * weights.unsqueeze(-1)).sum(2)
+            shared: torch.Tensor = self.shared_experts(x)
+            return (y * weights.unsqueeze(-1)).sum(2) + shared
 
     class Layer(nn.Module):
         def __init__(self, c: SampleConfig) -> None:
@@ -168,7 +193,7 @@ def _build_model_class() -> type:
             self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     class TinyMoEForCausalLM(nn.Module):
-        """Tiny MoE causal LM with Qwen3-MoE parameter names."""
+        """Tiny MoE causal LM with ``Dots1ForCausalLM`` parameter names."""
 
         def __init__(self, c: SampleConfig) -> None:
             super().__init__()
@@ -315,6 +340,7 @@ def write_sample(
     seed: int = 0,
     config: SampleConfig | None = None,
     optimizer: str = "adamw",
+    overwrite: bool = False,
 ) -> Path:
     """Train the tiny MoE for ``steps`` AdamW steps and save it as a DCP checkpoint.
 
@@ -331,12 +357,15 @@ def write_sample(
             FP32-master type (``full_fp32_adamw``, ``master_fp32_adamw`` with BF16 moments,
             ``cpu_offload_adamw`` offloading ``experts``) with BF16 parameters; the layout
             record's ``optimizer`` object describes it.
+        overwrite: replace an existing non-empty ``path`` that holds a previous checkpoint or
+            model output, once the new sample is complete (as ``export --overwrite``).
 
     Returns:
         The checkpoint directory (as given).
 
     Raises:
-        OutputError: ``path`` exists and is not empty, or cannot be written.
+        OutputError: ``path`` exists and is not empty (without ``overwrite``, or not a previous
+            output), or cannot be written.
         UsageError: unknown ``optimizer``, ``seed`` out of range.
     """
     from ckpttool.errors import UsageError
@@ -347,7 +376,7 @@ def write_sample(
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
         raise UsageError(f"seed {seed!r} is out of range", hint=f"use an integer seed from 0 to {SEED_LIMIT - 1}")
     out = Path(path)
-    with AtomicOutputDir(out) as tmp:
+    with AtomicOutputDir(out, overwrite=overwrite) as tmp:
         _train_and_save(
             tmp,
             Path(os.path.abspath(out)),

@@ -32,7 +32,7 @@ def test_table_output_groups_by_severity_and_ends_with_counts(broken: Path) -> N
     out = res.stdout
     assert out.index("errors (1)") < out.index("warnings (do not fail without --strict) (1)")
     assert "P001" in out and "S006" in out and "missing eps" in out
-    assert out.splitlines()[-1].startswith("FAILED: 1 error(s), 1 warning(s), 0 info;")
+    assert out.splitlines()[-1].startswith("FAILED: 1 error, 1 warning, 0 info;")
 
 
 def test_json_schema_and_fail_flags(broken: Path) -> None:

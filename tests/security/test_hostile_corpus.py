@@ -148,7 +148,7 @@ def test_inspect_on_a_million_entries(tmp_path: Path, sample_ckpt: Path) -> None
     res = subprocess.run(["ckpttool", "inspect", str(ck)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     wall, cpu = time.perf_counter() - t0, _children_cpu_s() - cpu0
     assert res.returncode == 0, res.stderr[-2000:]
-    assert f"tensors     {hostile.MILLION + base_tensors} (" in res.stdout, res.stdout[:2000]
+    assert f"tensors     {hostile.MILLION + base_tensors:,} tensors (" in res.stdout, res.stdout[:2000]
     print(f"inspect on {hostile.MILLION:,} extra entries: {wall:.1f} s wall, {cpu:.1f} s CPU")
     assert cpu < MILLION_INSPECT_CPU_BUDGET_S
 

@@ -54,7 +54,7 @@ MATRIX: dict[str, tuple[str, Callable[[Path, Path], list[str]]]] = {
     ),
     "replay-step": ("replay-step", lambda ck, out: ["replay-step", str(ck), "--device", "cpu"]),
 }
-NOT_ON_CHECKPOINTS = {"sample"}  # writes a new checkpoint; takes no input checkpoint
+NOT_ON_CHECKPOINTS = {"sample", "rules", "schema"}  # take no input checkpoint (sample writes one)
 WRITES_OUT = {"export", "reshard", "reshard-optim"}
 FINDINGS_EXIT_1 = {"validate", "validate-deep", "replay-step"}  # exit 1: ran and found problems
 TIMEOUT_S = 180

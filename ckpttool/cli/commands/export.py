@@ -19,24 +19,20 @@ from ckpttool.cli.options import (
     SourceLayoutOpt,
     TrustPickleOpt,
     declaration,
+    examples,
+    parse_dtype,
     parse_size,
 )
 from ckpttool.cli.output import Output, command_boundary
 
 if TYPE_CHECKING:
+    from ckpttool.model.checkpoint import Checkpoint
     from ckpttool.ops.export import ExportResult
 
 
 class ExportFormat(str, Enum):
     hf = "hf"
     lora = "lora"
-
-
-class SaveDtype(str, Enum):
-    preserve = "preserve"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-    float32 = "float32"
 
 
 class Weights(str, Enum):
@@ -60,12 +56,14 @@ def export_command(
         ExportFormat, typer.Option("--format", help="hf: model*.safetensors + index; lora: PEFT adapter.")
     ] = ExportFormat.hf,
     save_dtype: Annotated[
-        SaveDtype,
+        str,
         typer.Option(
             "--save-dtype",
-            help="preserve: each tensor in its stored dtype, bit-exact; else cast floating tensors only.",
+            metavar="<preserve|bfloat16|float16|float32>",
+            help="preserve: each tensor in its stored dtype, bit-exact; else cast floating tensors only "
+            "(aliases bf16, fp16, fp32).",
         ),
-    ] = SaveDtype.preserve,
+    ] = "preserve",
     weights: Annotated[
         Weights,
         typer.Option(
@@ -73,7 +71,10 @@ def export_command(
         ),
     ] = Weights.params,
     shard_size: Annotated[
-        str, typer.Option("--shard-size", help="Max bytes per file: 5GB (10^9), 2GiB, or bytes.")
+        str,
+        typer.Option(
+            "--shard-size", metavar="SIZE", help="Max bytes per file: 5GB (5*10^9), 5GiB or 5G (5*2^30), or bytes."
+        ),
     ] = "5GB",
     experts: Annotated[
         Experts,
@@ -123,7 +124,7 @@ def export_command(
         alpha = int(alpha)
     options = ExportOptions(
         fmt=fmt.value,
-        save_dtype=save_dtype.value,
+        save_dtype=parse_dtype(save_dtype, "--save-dtype", ("bfloat16", "float16", "float32"), extra=("preserve",)),
         weights=weights.value,
         shard_size=parse_size(shard_size, "--shard-size"),
         experts=experts.value,
@@ -142,45 +143,68 @@ def export_command(
         byte_progress("export", not json_output and sys.stderr.isatty()) as update,
     ):
         result = export_checkpoint(ckpt, out, options, progress=update)
+        masters = _masters_note(ckpt, result)
     sink = Output(json_output)
     for w in result.warnings:
         sink.warning(w)
+    if masters:
+        sink.note(masters)
     sink.result(result, _render)
+
+
+def _masters_note(ckpt: Checkpoint, r: ExportResult) -> str | None:
+    """Said once when ``--weights params`` left FP32 ``master_weight`` copies of exported parameters behind."""
+    if r.weights != "params" or r.format != "hf":
+        return None
+    exported = set(r.origins.get("params", []))
+    if not exported:
+        return None
+    with_master = [
+        fqn for fqn, ps in ckpt.catalog.optimizer_state.items() if "master_weight" in ps.fields and ps.in_model
+    ]
+    if not with_master:
+        return None
+    record = ckpt.layout.record if ckpt.layout is not None else None
+    declared = (record.optimizer or {}).get("type") if record is not None else None
+    dtypes = sorted({ckpt.catalog.model[f"model.{f}"].dtype for f in with_master if f"model.{f}" in ckpt.catalog.model})
+    return (
+        f"{len(with_master)} parameter(s) also have an FP32 optimizer master_weight"
+        + (f" ({declared})" if declared else "")
+        + f"; this export holds the stored {'/'.join(dtypes) or 'parameter'} values; "
+        "export the FP32 masters with --weights master (add --save-dtype bf16 to cast them)"
+    )
 
 
 def _render(r: ExportResult) -> None:
     """Human summary on stdout (the console escapes control characters and never interprets markup)."""
-    from ckpttool.cli.render import human_bytes, stdout_console, table
+    from ckpttool.cli.render import Col, fmt_rate, fmt_seconds, human_bytes, plural, print_table, stdout_console
 
     con = stdout_console()
     con.print(
-        f"exported {r.tensors} tensors, {human_bytes(r.bytes)} in {len(r.files)} file(s) to {r.output} "
-        f"({r.seconds:.2f} s, {r.gb_per_s:.2f} GB/s)",
-        markup=False,
+        f"exported {plural(r.tensors, 'tensor')}, {human_bytes(r.bytes)} in {plural(len(r.files), 'file')} to {r.output} "
+        f"({fmt_seconds(r.seconds)}, {fmt_rate(r.bytes, r.seconds)})"
     )
-    con.print(
-        table(
-            "files", ["file", "tensors", "bytes"], [[f["name"], f["tensors"], human_bytes(f["bytes"])] for f in r.files]
-        )
+    print_table(
+        con,
+        "files",
+        [Col("file", "key"), Col("tensors", "num"), Col("bytes", "num")],
+        [[f["name"], f"{f['tensors']:,}", human_bytes(f["bytes"])] for f in r.files],
     )
-    con.print(
-        f"save dtype  {r.save_dtype}" + (f"; casts: {_counts(r.casts)}" if r.casts else "; no casts"), markup=False
-    )
+    con.print(f"save dtype  {r.save_dtype}" + (f"; casts: {_counts(r.casts)}" if r.casts else "; no casts"))
     if r.narrowing_casts:
-        con.print(f"narrowing casts (precision or range lost): {_counts(r.narrowing_casts)}", markup=False)
+        con.print(f"narrowing casts (precision or range lost): {_counts(r.narrowing_casts)}")
     params = r.origins.get("params", [])
     master = r.origins.get("master", [])
     if r.weights == "master":
         con.print(
             f"weights     {len(master)} from FP32 master_weight, {len(params)} from stored parameters (no master)"
-            + (f": {', '.join(params[:5])}{' ...' if len(params) > 5 else ''}" if params else ""),
-            markup=False,
+            + (f": {', '.join(params[:5])}{' ...' if len(params) > 5 else ''}" if params else "")
         )
     if r.experts == "per-expert" or r.layout.get("unpermuted"):
         un = r.layout.get("unpermuted") or []
         con.print(
-            f"experts     {r.experts}" + (f"; {len(un)} tensor(s) un-permuted from the legacy EP layout" if un else ""),
-            markup=False,
+            f"experts     {r.experts}"
+            + (f"; {plural(len(un), 'tensor')} un-permuted from the legacy EP layout" if un else "")
         )
     if r.tied_embeddings:
         msg = {
@@ -188,18 +212,25 @@ def _render(r: ExportResult) -> None:
             "absent": "tied: the checkpoint has no lm_head",
             "embedding-not-exported": "tied: embedding not exported, lm_head written",
         }.get(r.tied_embeddings, r.tied_embeddings)
-        con.print(f"embeddings  {msg}", markup=False)
+        con.print(f"embeddings  {msg}")
     if r.skipped:
-        con.print(
-            "not exported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()), markup=False
-        )
+        con.print("not exported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()))
     if r.assets:
-        con.print(f"assets      {', '.join(r.assets)}", markup=False)
+        con.print(f"assets      {', '.join(r.assets)}")
 
 
 def _counts(d: dict[str, int]) -> str:
     return ", ".join(f"{k} x{v}" for k, v in d.items())
 
 
+EPILOG = examples(
+    "ckpttool export ckpt/ hf/ --model-assets ckpt/model_assets",
+    "ckpttool export ckpt/ hf/ --save-dtype bf16 --shard-size 2GB --overwrite",
+    "ckpttool export ckpt/ hf/ --weights master --save-dtype bf16",
+    "ckpttool export ckpt/ hf/ --experts per-expert --filter 'model.layers.0.*'",
+    "ckpttool export ckpt/ adapter/ --format lora --lora-alpha 16",
+)
+
+
 def register(app: typer.Typer) -> None:
-    app.command("export")(export_command)
+    app.command("export", epilog=EPILOG)(export_command)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -16,8 +16,12 @@ from ckpttool.cli.options import (
     SourceLayoutOpt,
     TrustPickleOpt,
     declaration,
+    examples,
 )
 from ckpttool.cli.output import Output, command_boundary
+
+if TYPE_CHECKING:
+    from ckpttool.ops.inspect import InspectResult
 
 
 class SortKey(str, Enum):
@@ -49,11 +53,35 @@ def inspect_command(
     decl = declaration(source_layout, ep_size, ep_fsdp_size)
     # One GC pause for reading and printing, and the result freed before it ends: re-enabling the
     # collector runs a full collection over whatever is still alive (10^7 objects at 10^6 entries).
+    sink = Output(json_output)
     with gc_paused():
-        Output(json_output).result(
-            inspect(checkpoint, options, declaration=decl, trust_pickle=trust_pickle), render_overview
-        )
+        result = inspect(checkpoint, options, declaration=decl, trust_pickle=trust_pickle)
+        if not json_output:
+            for line in _file_warnings(result):
+                sink.warning(line)
+        sink.result(result, render_overview)
+        del result
+
+
+def _file_warnings(ov: InspectResult) -> list[str]:
+    """``warning:`` lines for data files that are missing, short or not referenced."""
+    what = {"missing": "is missing", "unreferenced": "is not referenced by .metadata"}
+    bad = [
+        f"data file {f.path} "
+        + (what.get(f.status) or f"is shorter than its records need ({f.size} < {f.needed} bytes; truncated?)")
+        for f in ov.files
+        if f.status != "ok"
+    ]
+    return [*bad, "run `ckpttool validate --strict` for the full list of problems"] if bad else []
+
+
+EPILOG = examples(
+    "ckpttool inspect ckpt/",
+    "ckpttool inspect ckpt/ --filter '*experts*' --sort size",
+    "ckpttool inspect ckpt/ --depth 3",
+    "ckpttool inspect ckpt/ --json | python -m json.tool",
+)
 
 
 def register(app: typer.Typer) -> None:
-    app.command("inspect")(inspect_command)
+    app.command("inspect", epilog=EPILOG)(inspect_command)

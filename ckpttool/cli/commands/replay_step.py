@@ -17,10 +17,12 @@ from ckpttool.cli.options import (
     SourceLayoutOpt,
     TrustPickleOpt,
     declaration,
+    examples,
+    parse_dtype,
     parse_size,
     parse_tolerance,
 )
-from ckpttool.cli.output import Output, command_boundary, print_error
+from ckpttool.cli.output import Output, command_boundary, deprecated, print_error
 from ckpttool.errors import ReplayMismatchError, UsageError
 
 __all__ = ["register", "render_replay", "replay_step_command"]
@@ -41,11 +43,6 @@ class OptimizerChoice(str, Enum):
     cpu_offload_adamw = "cpu_offload_adamw"
 
 
-class ReferenceDtype(str, Enum):
-    float64 = "float64"
-    float32 = "float32"
-
-
 @command_boundary
 def replay_step_command(
     checkpoint: CheckpointArg,
@@ -53,8 +50,18 @@ def replay_step_command(
         DeviceChoice,
         typer.Option("--device", help="Where the parameters live: auto (accelerator if any), cpu, cuda, npu."),
     ] = DeviceChoice.auto,
+    filter_glob: Annotated[
+        str | None,
+        typer.Option(
+            "--filter",
+            metavar="GLOB",
+            help="Only parameters whose checkpoint key matches this glob, with or without 'model.' "
+            "(as inspect/export --filter): '*experts*', 'model.layers.0.*'.",
+        ),
+    ] = None,
     select: Annotated[
-        str | None, typer.Option("--select", help="Only parameters whose fqn matches this regex (re.search).")
+        str | None,
+        typer.Option("--select", hidden=True, help="Deprecated: a regex (re.search) over fqns; use --filter GLOB."),
     ] = None,
     grads: Annotated[
         Path | None,
@@ -79,19 +86,29 @@ def replay_step_command(
     chunk_size: Annotated[
         int | None, typer.Option("--chunk-size", min=1, help="cpu_offload_adamw: elements per staged chunk.")
     ] = None,
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps to replay.")] = 1,
+    steps: Annotated[
+        int, typer.Option("--steps", min=1, help="Optimizer steps to replay from the saved state (K >= 1).")
+    ] = 1,
     max_memory: Annotated[
         str | None,
         typer.Option(
-            "--max-memory", help="Peak memory of one batch of parameters (e.g. 8GiB; default half the available RAM)."
+            "--max-memory",
+            metavar="SIZE",
+            help="Peak memory of one batch of parameters: 8GiB or 8G (2^30), 8GB (10^9), bytes "
+            "(default half the available RAM).",
         ),
     ] = None,
     tolerance: Annotated[
         str, typer.Option("--tolerance", help="rtol,atol for FP32 values (widened to the dtype's rounding for BF16).")
     ] = "1e-5,1e-8",
     reference_dtype: Annotated[
-        ReferenceDtype, typer.Option("--reference-dtype", help="Dtype of the independent reference step.")
-    ] = ReferenceDtype.float64,
+        str,
+        typer.Option(
+            "--reference-dtype",
+            metavar="<float64|float32>",
+            help="Dtype of the independent reference step (aliases fp64/double, fp32/float).",
+        ),
+    ] = "float64",
     json_output: JsonOpt = False,
     trust_pickle: TrustPickleOpt = False,
     source_layout: SourceLayoutOpt = None,
@@ -109,9 +126,14 @@ def replay_step_command(
         raise UsageError(
             "--grads and --grad-seed/--grad-scale are exclusive", hint="give a gradients file or a seed, not both"
         )
+    if select is not None:
+        if filter_glob is not None:
+            raise UsageError("--select and --filter are exclusive", hint="give one --filter GLOB")
+        deprecated("replay-step --select REGEX", "--filter GLOB (a glob over checkpoint keys, as inspect/export)")
     options = ReplayOptions(
         device=device.value,
         select=select,
+        filter_glob=filter_glob,
         grads=grads,
         grad_seed=0 if grad_seed is None else grad_seed,
         grad_scale=1e-3 if grad_scale is None else grad_scale,
@@ -121,7 +143,7 @@ def replay_step_command(
         steps=steps,
         max_memory=parse_size(max_memory, "--max-memory") if max_memory is not None else None,
         tolerance=parse_tolerance(tolerance),
-        reference_dtype=reference_dtype.value,
+        reference_dtype=parse_dtype(reference_dtype, "--reference-dtype", ("float64", "float32")),
     )
     options.check()
     decl = declaration(source_layout, ep_size, ep_fsdp_size)
@@ -148,19 +170,31 @@ def _err_cell(err: Any) -> str:
     if err is None:
         return "-"
     mark = "" if err.ok else " !"
-    return f"{err.max_abs:.2g} / {err.max_rel:.2g}{mark}"
+    return f"{err.max_abs:.1e}/{err.max_rel:.1e}{mark}"
 
 
 def render_replay(result: Any, *, max_rows: int = 40) -> None:
     """Print a :class:`~ckpttool.replay.ReplayResult` as a header, a table (worst first) and a verdict."""
-    from ckpttool.cli.render import human_bytes, stdout_console, table
+    from ckpttool.cli.render import (
+        STYLES,
+        Col,
+        fmt_rate,
+        fmt_value,
+        human_bytes,
+        plural,
+        print_table,
+        stdout_console,
+        styled,
+    )
 
     con = stdout_console()
     con.print(f"checkpoint  {result.path}")
     con.print(f"device      {result.device}")
     cfg = "; ".join(
         f"{t}: "
-        + ", ".join(f"{k}={v}" for k, v in c.items() if k != "cpu_offload_param_patterns" or c.get("cpu_offload"))
+        + ", ".join(
+            f"{k}={fmt_value(v)}" for k, v in c.items() if k != "cpu_offload_param_patterns" or c.get("cpu_offload")
+        )
         for t, c in result.optimizer_config.items()
         if c
     )
@@ -172,11 +206,12 @@ def render_replay(result: Any, *, max_rows: int = 40) -> None:
     )
     rtol, atol = result.tolerance
     con.print(
-        f"replay      {result.steps} step(s) vs a {result.reference_dtype} reference; tolerance rtol {rtol:g} "
-        f"atol {atol:g} (BF16 values: 2 ulp); {result.batches} batch(es) under {human_bytes(result.max_memory)}"
+        f"replay      {plural(result.steps, 'step')} vs a {result.reference_dtype} reference; tolerance rtol {rtol:g} "
+        f"atol {atol:g} (BF16 values: 2 ulp); {plural(result.batches, 'batch', 'batches')} under "
+        f"{human_bytes(result.max_memory)}"
     )
-    for note in result.notes:
-        con.print(f"note        {note}")
+    for n in result.notes:
+        con.print(f"note        {n}")
     rows = []
     shown = [p for p in result.params if not p.ok] + [p for p in result.params if p.ok][
         : max(0, max_rows - len(result.failed))
@@ -196,34 +231,34 @@ def render_replay(result: Any, *, max_rows: int = 40) -> None:
                 _err_cell(p.fields.get("exp_avg_sq")),
                 _err_cell(p.fields.get("param")),
                 f"{p.placement.get('param', '-').split(':')[0]}/{place}",
-                "ok" if p.ok else "FAIL: " + "; ".join(p.problems),
+                styled(("ok", STYLES["ok"])) if p.ok else styled(("FAIL: " + "; ".join(p.problems), STYLES["FAIL"])),
             ]
         )
-    con.print(
-        table(
-            "parameters (worst first; errors: max abs / max rel vs reference)",
-            [
-                "param",
-                "optimizer",
-                "state",
-                "lr",
-                "step",
-                "master_weight",
-                "exp_avg",
-                "exp_avg_sq",
-                "param",
-                "param/state on",
-                "result",
-            ],
-            rows,
-        )
+    print_table(
+        con,
+        "parameters (worst first)",
+        [
+            Col("parameter", "key"),
+            Col("optimizer", "code", drop=10),
+            Col("state", "code", drop=9),
+            Col("lr", "num", drop=7),
+            Col("step", "code", drop=8),
+            Col("master_weight", "num", drop=4, hide_empty=True),
+            Col("exp_avg", "num", drop=5),
+            Col("exp_avg_sq", "num", drop=6),
+            Col("param", "num"),
+            Col("param/state on", "code", drop=11),
+            Col("result", "text"),
+        ],
+        rows,
     )
+    con.print("errors      max abs/max rel vs the reference, per field (! beyond tolerance)")
     if len(shown) < len(result.params):
         con.print(f"... {len(result.params) - len(shown)} more parameter(s) passed (use --json for all)")
     t = result.timing
     con.print(
-        f"timing      optimizer.step {t['step_seconds'] * 1e3:.1f} ms for {result.steps} step(s), "
-        f"{human_bytes(t['state_bytes'])} of state read+written ({t['effective_gbps']:.2f} GB/s); "
+        f"timing      optimizer.step {t['step_seconds'] * 1e3:.1f} ms for {plural(result.steps, 'step')}, "
+        f"{human_bytes(t['state_bytes'])} of state read+written ({fmt_rate(t['state_bytes'], t['step_seconds'])}); "
         f"load {t['load_seconds']:.2f} s, reference {t['reference_seconds']:.2f} s, total {t['total_seconds']:.2f} s"
     )
     if t["offload_seconds"] > 0:
@@ -231,16 +266,22 @@ def render_replay(result: Any, *, max_rows: int = 40) -> None:
             f"offload     D2H {human_bytes(t['d2h_bytes'])} ({t['d2h_gbps']:.2f} GB/s), H2D {human_bytes(t['h2d_bytes'])} "
             f"({t['h2d_gbps']:.2f} GB/s) over {t['offload_seconds'] * 1e3:.1f} ms of offloaded steps"
         )
-    verdict = "OK" if result.ok else "FAILED"
+    word = "OK" if result.ok else "FAILED"
     con.print(
-        f"result      {verdict}: {len(result.params) - len(result.failed)} of {len(result.params)} parameter(s) "
-        "match the reference step"
+        styled(
+            "result      ",
+            (word, STYLES[word]),
+            f": {len(result.params) - len(result.failed)} of {plural(len(result.params), 'parameter')} "
+            "match the reference step",
+        ),
     )
 
 
 def _progress(*, enabled: bool) -> tuple[Any, Any]:
-    """A ``(callback, finish)`` pair drawing a progress bar on stderr (no-ops when disabled)."""
-    if not enabled:
+    """A ``(callback, finish)`` pair drawing a progress bar on stderr (no-ops when disabled or with ``-q``)."""
+    from ckpttool.cli.render import UI
+
+    if not enabled or UI.quiet:
         return None, lambda: None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -263,5 +304,13 @@ def _progress(*, enabled: bool) -> tuple[Any, Any]:
     return update, bar.stop
 
 
+EPILOG = examples(
+    "ckpttool replay-step ckpt/",
+    "ckpttool replay-step ckpt/ --filter '*experts*' --steps 3",
+    "ckpttool replay-step ckpt/ --device cuda --grads grads.safetensors --json",
+    "ckpttool replay-step ckpt/ --optimizer cpu_offload_adamw --max-memory 8GiB",
+)
+
+
 def register(app: typer.Typer) -> None:
-    app.command("replay-step")(replay_step_command)
+    app.command("replay-step", epilog=EPILOG)(replay_step_command)

@@ -18,6 +18,7 @@ from ckpttool.cli.options import (
     SourceLayoutOpt,
     TrustPickleOpt,
     declaration,
+    examples,
 )
 from ckpttool.cli.output import Output, command_boundary
 
@@ -104,30 +105,39 @@ def reshard_command(
 
 
 def _render(res: ReshardResult) -> None:
-    from ckpttool.cli.render import human_bytes
+    from ckpttool.cli.render import fmt_rate, fmt_seconds, human_bytes, plural, stdout_console
 
+    con = stdout_console()
     src_v = {None: "unversioned", 1: "legacy (version 1)", 2: "canonical (version 2)"}[res.from_version]
     to_v = "canonical (version 2)" if res.to_version == 2 else "legacy (version 1)"
     src_sizes = (
         f"ep_size {res.from_ep_size}, ep_fsdp_size {res.from_ep_fsdp_size}" if res.from_ep_size else "sizes unknown"
     )
     n_perm = len(res.permuted)
-    typer.echo(f"source  {res.source}: {src_v} [{res.from_source}], {src_sizes}")
-    typer.echo(
+    con.print(f"source  {res.source}: {src_v} [{res.from_source}], {src_sizes}")
+    con.print(
         f"target  {res.target}: {to_v}, ep_size {res.ep_size}, ep_fsdp_size {res.ep_fsdp_size}, "
-        f"{len(res.files)} data files (one per target rank)"
+        f"{plural(len(res.files), 'data file')} (one per target rank)"
     )
-    typer.echo(
-        f"tensors {res.ep_tensors} EP parameters, {res.optimizer_tensors} optimizer state tensors of them, "
-        f"{n_perm} with a new expert order; {res.passthrough_tensors} other tensors and {res.byte_items} byte "
-        "items copied unchanged"
+    con.print(
+        f"tensors {plural(res.ep_tensors, 'EP parameter')}, {plural(res.optimizer_tensors, 'optimizer state tensor')} "
+        f"of them, {n_perm} with a new expert order; {plural(res.passthrough_tensors, 'other tensor')} and "
+        f"{plural(res.byte_items, 'byte item')} copied unchanged"
     )
-    typer.echo(
-        f"wrote   {human_bytes(res.bytes_written)} in {res.seconds:.2f} s "
-        f"({res.chunks_copied} chunks copied verbatim, {res.chunks_rewritten} reassembled)"
+    con.print(
+        f"wrote   {human_bytes(res.bytes_written)} in {fmt_seconds(res.seconds)} "
+        f"({fmt_rate(res.bytes_written, res.seconds)}; {plural(res.chunks_copied, 'chunk')} copied verbatim, "
+        f"{res.chunks_rewritten} reassembled)"
         + (f"; also copied {', '.join(res.extra_files)}" if res.extra_files else "")
     )
 
 
+EPILOG = examples(
+    "ckpttool reshard ckpt/ out/ --to canonical",
+    "ckpttool reshard ckpt/ out/ --to canonical --with-optimizer --target-ep-size 4 --target-ep-fsdp-size 2",
+    "ckpttool reshard old/ new/ --to canonical --source-layout legacy --ep-size 4 --ep-fsdp-size 2",
+)
+
+
 def register(app: typer.Typer) -> None:
-    app.command("reshard")(reshard_command)
+    app.command("reshard", epilog=EPILOG)(reshard_command)

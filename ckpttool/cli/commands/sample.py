@@ -2,37 +2,68 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from ckpttool.cli.output import command_boundary
+from ckpttool.cli.options import OverwriteOpt, examples
+from ckpttool.cli.output import command_boundary, deprecated, note
+
+
+class SampleOptimizer(str, Enum):
+    """``write_sample(optimizer=...)`` choices (:data:`ckpttool.ops.sample.SAMPLE_OPTIMIZERS`)."""
+
+    adamw = "adamw"
+    full_fp32_adamw = "full_fp32_adamw"
+    master_fp32_adamw = "master_fp32_adamw"
+    cpu_offload_adamw = "cpu_offload_adamw"
 
 
 @command_boundary
 def sample_command(
     directory: Annotated[
         Path,
-        typer.Argument(help="Where to write the sample checkpoint (must not exist or be empty; written atomically)."),
+        typer.Argument(
+            help="Where to write the sample checkpoint (must not exist or be empty, unless --overwrite; "
+            "written atomically).",
+            show_default=False,
+        ),
     ],
-    steps: Annotated[int, typer.Option("--steps", min=0, help="AdamW steps before the save.")] = 3,
+    train_steps: Annotated[
+        int, typer.Option("--train-steps", min=0, help="Training steps (AdamW updates) taken before the save.")
+    ] = 3,
+    old_steps: Annotated[
+        int | None, typer.Option("--steps", min=0, hidden=True, help="Deprecated spelling of --train-steps.")
+    ] = None,
     seed: Annotated[int, typer.Option("--seed", help="RNG seed, 0 to 2**63-1.")] = 0,
     optimizer: Annotated[
-        str,
+        SampleOptimizer,
         typer.Option(
             "--optimizer",
-            help="adamw (torch AdamW, FP32 params) or full_fp32_adamw | master_fp32_adamw | cpu_offload_adamw (BF16 params, FP32 master).",
+            help="adamw: torch AdamW on FP32 parameters; full_fp32_adamw, master_fp32_adamw (BF16 moments), "
+            "cpu_offload_adamw: BF16 parameters with FP32 master weights.",
         ),
-    ] = "adamw",
+    ] = SampleOptimizer.adamw,
+    overwrite: OverwriteOpt = False,
 ) -> None:
-    """Write a tiny MoE causal LM checkpoint (HF Qwen3-MoE names, fused experts, layout record)."""
+    """Write a tiny MoE causal LM checkpoint (HF Dots1 names, fused experts, a router buffer, layout record)."""
     from ckpttool.ops.sample import write_sample
 
-    out = write_sample(directory, steps=steps, seed=seed, optimizer=optimizer)
-    typer.echo(f"wrote sample checkpoint to {out}", err=True)
-    typer.echo(f"try: ckpttool inspect {out}", err=True)
+    if old_steps is not None:
+        deprecated("sample --steps", "--train-steps (replay-step --steps counts replayed steps)")
+        train_steps = old_steps
+    out = write_sample(directory, steps=train_steps, seed=seed, optimizer=optimizer.value, overwrite=overwrite)
+    note(f"wrote sample checkpoint to {out}")
+    note(f"try: ckpttool inspect {out}")
+
+
+EPILOG = examples(
+    "ckpttool sample /tmp/ckpttool-sample --overwrite",
+    "ckpttool sample /tmp/ckpt-masters --optimizer master_fp32_adamw --train-steps 5",
+)
 
 
 def register(app: typer.Typer) -> None:
-    app.command("sample")(sample_command)
+    app.command("sample", epilog=EPILOG)(sample_command)

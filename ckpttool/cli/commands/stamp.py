@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckpttool.cli.options import CheckpointArg, JsonOpt, SourceLayout, TrustPickleOpt, declaration
+from ckpttool.cli.options import CheckpointArg, JsonOpt, SourceLayout, TrustPickleOpt, declaration, examples
 from ckpttool.cli.output import Output, command_boundary
 
 if TYPE_CHECKING:
@@ -40,6 +40,8 @@ def stamp_command(
 
 
 def _render(res: StampResult) -> None:
+    from ckpttool.cli.render import plural, stdout_console
+
     rec = res.record
     name = "canonical" if rec["version"] == 2 else "legacy"
     if res.written:
@@ -48,12 +50,18 @@ def _render(res: StampResult) -> None:
         what = f"already recorded in the checkpoint's embedded layout item, nothing written: {res.path}"
     else:
         what = f"already recorded in {res.path}, nothing written"
-    typer.echo(
+    stdout_console().print(
         f"{what}: layout version {rec['version']} ({name}), ep_size {rec['parallel'].get('ep_size', 1)}, "
-        f"ep_fsdp_size {rec['parallel'].get('ep_fsdp_size', 1)}, {res.ep_tensors} EP tensors "
+        f"ep_fsdp_size {rec['parallel'].get('ep_fsdp_size', 1)}, {plural(res.ep_tensors, 'EP tensor')} "
         f"({res.same_dim} with EP and FSDP on the expert dim)"
     )
 
 
+EPILOG = examples(
+    "ckpttool stamp ckpt/ --source-layout legacy --ep-size 4 --ep-fsdp-size 2",
+    "ckpttool inspect ckpt/   # then shows the recorded layout",
+)
+
+
 def register(app: typer.Typer) -> None:
-    app.command("stamp")(stamp_command)
+    app.command("stamp", epilog=EPILOG)(stamp_command)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -20,15 +20,26 @@ from ckpttool.cli.options import (
     SourceLayoutOpt,
     TrustPickleOpt,
     declaration,
+    examples,
 )
-from ckpttool.cli.output import Output, command_boundary, emit_json, print_error
+from ckpttool.cli.output import Output, command_boundary, print_error
 
 if TYPE_CHECKING:
     from ckpttool.ops.validate import ValidationResult
 
 
 def _render(res: ValidationResult) -> None:
-    from ckpttool.cli.render import human_bytes, stdout_console, table
+    from ckpttool.cli.render import (
+        STYLES,
+        Col,
+        fmt_rate,
+        human_bytes,
+        plural,
+        print_table,
+        stdout_console,
+        styled,
+        verdict,
+    )
 
     con = stdout_console()
     con.print(f"checkpoint  {res.path}")
@@ -41,55 +52,32 @@ def _render(res: ValidationResult) -> None:
             "warning": "warnings" + ("" if res.strict else " (do not fail without --strict)"),
             "info": "info",
         }[sev]
-        con.print(
-            table(
-                f"{title} ({len(rows)})",
-                ["code", "key", "message", "hint"],
+        print_table(
+            con,
+            f"{title} ({len(rows)})",
+            [Col("code", "code"), Col("key", "key"), Col("message", "text"), Col("hint", "text", drop=1)],
+            [
                 [
-                    [f.code + (f" {f.error_code}" if f.error_code else ""), f.key or "-", f.message, f.hint]
-                    for f in rows
-                ],
-            )
+                    styled((f.code + (f" {f.error_code}" if f.error_code else ""), STYLES.get(sev))),
+                    f.key or "-",
+                    f.message,
+                    f.hint,
+                ]
+                for f in rows
+            ],
         )
     c = res.counts
     ran = sum(1 for s in res.rules if s.status != "skipped")
     skipped = [s for s in res.rules if s.status == "skipped"]
     reasons = sorted({s.reason or "" for s in skipped})
     skip_txt = f", {len(skipped)} skipped ({'; '.join(reasons)})" if skipped else ""
-    verdict = {0: "OK", 1: "FAILED", 2: "UNREADABLE"}[res.exit_code]
-    deep = f", read {human_bytes(res.bytes_read)}" if res.deep else ""
+    word = {0: "OK", 1: "FAILED", 2: "UNREADABLE"}[res.exit_code]
+    deep = f", read {human_bytes(res.bytes_read)} ({fmt_rate(res.bytes_read, res.seconds)})" if res.deep else ""
     con.print(
-        f"{verdict}: {c['error']} error(s), {c['warning']} warning(s), {c['info']} info; "
-        f"{ran} rule(s) run{skip_txt}{deep} in {res.seconds:.2f} s" + (" [strict]" if res.strict else "")
-    )
-
-
-def _list_rules(json_output: bool) -> None:
-    from ckpttool.ops.validate import RULES
-
-    rows: list[dict[str, Any]] = [  # JSON objects
-        {
-            "code": r.code,
-            "name": r.name,
-            "severity": r.severity.value,
-            "family": r.family,
-            "needs": sorted(r.needs),
-            "fatal": r.fatal,
-            "summary": r.summary,
-            "hint": r.hint,
-        }
-        for r in (RULES[c] for c in sorted(RULES))
-    ]
-    if json_output:
-        emit_json({"schema": "ckpttool.rules/1", "rules": rows})
-        return
-    from ckpttool.cli.render import stdout_console, table
-
-    stdout_console().print(
-        table(
-            "rules",
-            ["code", "name", "severity", "needs", "checks"],
-            [[r["code"], r["name"], r["severity"], ",".join(r["needs"]) or "-", r["summary"]] for r in rows],
+        verdict(
+            word,
+            f": {plural(c['error'], 'error')}, {plural(c['warning'], 'warning')}, {c['info']} info; "
+            f"{plural(ran, 'rule')} run{skip_txt}{deep} in {res.seconds:.2f} s" + (" [strict]" if res.strict else ""),
         )
     )
 
@@ -174,7 +162,9 @@ def validate_command(
     from ckpttool.errors import UsageError, error_class
 
     if list_rules:
-        _list_rules(json_output)
+        from ckpttool.cli.commands.rules import print_rules
+
+        print_rules(json_output)
         return
     if checkpoint is None:
         raise UsageError("missing CHECKPOINT argument", hint="ckpttool validate DIR [--strict] [--deep]")
@@ -216,5 +206,14 @@ def validate_command(
     raise typer.Exit(res.exit_code)
 
 
+EPILOG = examples(
+    "ckpttool validate ckpt/",
+    "ckpttool validate ckpt/ --strict --deep",
+    "ckpttool validate ckpt/ --select O,L --ignore O004 --json",
+    "ckpttool validate ckpt/ --config hf/config.json --against hf/ --junit report.xml",
+    "ckpttool validate --list-rules",
+)
+
+
 def register(app: typer.Typer) -> None:
-    app.command("validate")(validate_command)
+    app.command("validate", epilog=EPILOG)(validate_command)

@@ -519,6 +519,21 @@ def _export(
     plan.warnings = warnings
     plan.skipped = skipped
     plan.tied = tied
+    log.info(
+        "plan: %d tensors (%d bytes) in %d file(s) of at most %d bytes; weights %s; save dtype %s; casts %s; "
+        "experts %s, %d un-permuted from the legacy layout; tied embeddings %s; %d key(s) not exported",
+        plan.num_tensors,
+        plan.total_bytes,
+        len(plan.files),
+        opts.shard_size,
+        opts.weights,
+        opts.save_dtype,
+        plan.casts or "none",
+        opts.experts,
+        len(orders),
+        tied or "no",
+        sum(len(v) for v in skipped.values()),
+    )
     adapter: dict[str, Any] | None = None
     if opts.fmt == "lora":
         adapter = adapter_config(plan, cat, given=given_adapter, lora_alpha=opts.lora_alpha, model_config=model_config)
@@ -534,8 +549,16 @@ def _export(
                 writers.append(ShardWriter(tmp / name, entries, display=Path(os.path.abspath(out)) / name))
             workers = opts.workers if opts.workers is not None else min(8, os.cpu_count() or 1)
             executor = _Executor(reader, plan, writers, workers, progress, chunks)
+            t_run = time.perf_counter()
             executor.run()
             bytes_read = executor.bytes_read
+            log.info(
+                "read %d bytes and wrote %d in %.3f s with %d reader thread(s)",
+                bytes_read,
+                plan.total_bytes,
+                time.perf_counter() - t_run,
+                workers,
+            )
             if tied == "omitted":
                 assert embed is not None and lm_head is not None
                 bytes_read += _check_tied(reader, plan, writers, embed, lm_head)
@@ -544,6 +567,7 @@ def _export(
                 w.close()
         for name, entries, w in zip(plan.files, plan.entries, writers):
             files_info.append({"name": name, "bytes": w.size, "tensors": len(entries)})
+            log.debug("%s: %d tensors, %d bytes", name, len(entries), w.size)
         if opts.fmt == "hf":
             index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map()}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")

@@ -124,7 +124,7 @@ class GradFile:
                 f"`grads` {self.path} has no gradient for {fqn}",
                 path=self.path,
                 fqn=fqn,
-                hint="key every selected parameter by its fqn, or narrow the selection with `select`",
+                hint="key every selected parameter by its fqn, or narrow the selection with `filter_glob`",
             )
         t = self._file.get_tensor(key)
         if tuple(t.shape) != tuple(shape):

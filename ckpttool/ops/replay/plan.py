@@ -40,7 +40,7 @@ from ckpttool.errors import (
     UsageError,
 )
 from ckpttool.format.metadata import dtype_name
-from ckpttool.model.catalog import MODEL_PREFIX, Catalog, TensorEntry, leaf_key
+from ckpttool.model.catalog import MODEL_PREFIX, Catalog, TensorEntry, leaf_key, match_filter
 from ckpttool.model.layout_record import LayoutRecord
 from ckpttool.model.optimizer import OPTIMIZER_TYPES, expected_state_dtypes, infer_optimizer_type
 
@@ -163,7 +163,7 @@ def _hyper(group: Any, fqn: str, group_id: int | str) -> Hyper:
             raise HyperparameterError(
                 f"param group of {fqn} was saved with {switch}=True; replay-step replays plain AdamW",
                 fqn=fqn,
-                hint=f"replay only parameters of groups without {switch} (`select`)",
+                hint=f"replay only parameters of groups without {switch} (`filter_glob`)",
             )
     if values.get("decoupled_weight_decay") is False and values.get("weight_decay"):
         raise HyperparameterError(
@@ -289,16 +289,21 @@ def plan_replay(
     optimizer: str = "auto",
     offload_patterns: Sequence[str] | None = None,
     chunk_size: int | None = None,
+    filter_glob: str | None = None,
 ) -> ReplayPlan:
     """Choose the parameters, hyperparameters and optimizer configuration of a replay.
 
     Args:
         cat: the catalog with param-group values loaded (:meth:`~ckpttool.model.checkpoint.Checkpoint.param_groups`).
         record: the checkpoint's layout record, if any (its ``optimizer`` object and type).
-        select: ``re.search`` pattern over parameter fqns; ``None`` selects every parameter.
+        select: ``re.search`` pattern over parameter fqns; ``None`` selects every parameter
+            (the older spelling of ``filter_glob``; both given: a parameter must match both).
         optimizer: ``auto`` or one of ``OPTIMIZER_TYPES``.
         offload_patterns: ``cpu_offload_adamw`` patterns (override the record's ``offload_patterns``).
         chunk_size: ``cpu_offload_adamw`` staging chunk size in elements (``None``: its default).
+        filter_glob: ``fnmatch`` glob over the checkpoint key ``model.<fqn>``, with or without its
+            ``model.`` prefix (:func:`~ckpttool.model.catalog.match_filter`, as inspect and export):
+            ``'*experts*'``, ``'model.layers.0.*'``; ``None`` selects every parameter.
 
     Returns:
         The :class:`ReplayPlan`.
@@ -350,7 +355,11 @@ def plan_replay(
         leaf_of(f) for f in params_in_model if cat.optimizer_state.get(f) and cat.optimizer_state[f].fields
     }
 
-    selected = [f for f in params_in_model if rx is None or rx.search(f)]
+    selected = [
+        f
+        for f in params_in_model
+        if (rx is None or rx.search(f)) and (filter_glob is None or match_filter(f"{MODEL_PREFIX}{f}", filter_glob))
+    ]
     if not params_in_model:
         raise HyperparameterError(
             f"{cat.path}: none of the {len(grouped)} parameter(s) of the param groups is a model tensor "
@@ -358,10 +367,18 @@ def plan_replay(
             hint="the optimizer state does not name this checkpoint's model tensors (`ckpttool inspect` shows both)",
         )
     if not selected:
+        example = params_in_model[0]
+        if filter_glob is not None:
+            raise UsageError(
+                f"`filter_glob` {filter_glob!r} matches none of the {len(params_in_model)} parameter(s)"
+                + (f" (with `select` {select!r})" if select else ""),
+                param="filter_glob",
+                hint=f"globs match checkpoint keys with or without 'model.', e.g. '*experts*' or '{example}'",
+            )
         raise UsageError(
             f"`select` {select!r} matches none of the {len(params_in_model)} parameter(s)",
             param="select",
-            hint="patterns are re.search over fqns such as model.layers.0.mlp.experts.down_proj",
+            hint=f"patterns are re.search over fqns such as {example}",
         )
 
     # Optimizer type and configuration.
@@ -476,7 +493,7 @@ def plan_replay(
                     f"(group {hypers[f].group_id}) have state: its leaf stepped",
                     fqn=f,
                     hint="the state of this parameter was lost (or it never received a gradient); "
-                    "leave it out with `select`, and run `ckpttool validate --strict`",
+                    "leave it out with `filter_glob`, and run `ckpttool validate --strict`",
                 )
             p.fresh = True
             fresh_leaves.add(leaf)
@@ -532,7 +549,7 @@ def make_batches(params: list[ParamPlan], max_memory: int, reference_itemsize: i
             raise MemoryBudgetError(
                 f"replaying {p.fqn} ({p.numel:,} elements) needs about {need:,} bytes, more than `max_memory` {max_memory:,}",
                 fqn=p.fqn,
-                hint="raise `max_memory`, or leave the parameter out with `select`",
+                hint="raise `max_memory`, or leave the parameter out with `filter_glob`",
             )
         if cur and used + need > max_memory:
             batches.append(cur)

@@ -292,7 +292,9 @@ class ReplayOptions:
 
     Attributes:
         device: ``auto`` | ``cpu`` | ``cuda`` | ``npu``: where parameters live and resident state updates.
-        select: ``re.search`` over parameter fqns (``None``: all parameters).
+        select: ``re.search`` over parameter fqns (``None``: all parameters); older than ``filter_glob``.
+        filter_glob: ``fnmatch`` glob over checkpoint keys ``model.<fqn>`` with or without ``model.``
+            (``None``: all parameters), as ``inspect``/``export --filter``.
         grads: safetensors file of gradients keyed by fqn; ``None`` uses the seeded generator.
         grad_seed, grad_scale: generator seed and scale (``grads.py``).
         optimizer: ``auto`` or an optimizer type name (see ``plan.plan_replay``).
@@ -316,6 +318,7 @@ class ReplayOptions:
     max_memory: int | None = None
     tolerance: tuple[float, float] = (1e-5, 1e-8)
     reference_dtype: str = "float64"
+    filter_glob: str | None = None
 
     def check(self) -> None:
         """Refuse values that cannot run (before anything is read).
@@ -397,6 +400,7 @@ def _replay(
         cat,
         layout.record,
         select=opts.select,
+        filter_glob=opts.filter_glob,
         optimizer=opts.optimizer,
         offload_patterns=opts.offload_patterns,
         chunk_size=opts.chunk_size,
@@ -420,6 +424,16 @@ def _replay(
     ref_dtype = getattr(torch, opts.reference_dtype)
     ref_itemsize = 8 if opts.reference_dtype == "float64" else 4
     batches = make_batches(plan.params, budget, ref_itemsize)
+    logger.info(
+        "replay: %d parameter(s) on %s with %s (%s); %d batch(es) under %d bytes; %s reference",
+        len(plan.params),
+        dev,
+        plan.optimizer_type,
+        plan.reason,
+        len(batches),
+        budget,
+        opts.reference_dtype,
+    )
     grad_desc: dict[str, Any] = (
         {"source": "file", "path": str(grad_file.path)}
         if grad_file is not None

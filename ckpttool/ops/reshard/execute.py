@@ -22,6 +22,7 @@ The source checkpoint is only read.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["ReshardOptions", "ReshardResult", "reshard", "execute_plan"]
+log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[int, int], None]
 
@@ -198,6 +200,7 @@ def _plan_jobs(tp: TensorPlan, reader: CheckpointReader, jobs: dict[int, list[_J
 def _run_jobs(
     rank: int, jobs: list[_Job], writer: DCPWriter, tick: Callable[[int, bool], None], stop: threading.Event
 ) -> None:
+    t0 = time.perf_counter()
     for job in jobs:
         if stop.is_set():  # interrupted, or another worker failed: the output is abandoned
             return
@@ -208,6 +211,13 @@ def _run_jobs(
             writer.stream_tensor_archive(job.key, job.chunk, rank, job.dtype, job.segments)
         tick(job.nbytes, job.copy is not None)
     writer.sync(rank)
+    log.info(
+        "%s: %d chunks, %d bytes in %.3f s",
+        DCPWriter.file_name(rank),
+        len(jobs),
+        sum(j.nbytes for j in jobs),
+        time.perf_counter() - t0,
+    )
 
 
 def _write_reassembled(tp: TensorPlan, indices: list[int], reader: CheckpointReader, writer: DCPWriter) -> None:
@@ -389,6 +399,15 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
         target_ep_size=opts.target_ep_size,
         target_ep_fsdp_size=opts.target_ep_fsdp_size,
         with_optimizer=opts.with_optimizer,
+    )
+    log.info(
+        "plan: %s -> %s, ep_size %d, ep_fsdp_size %d, %d target rank(s), %d tensor(s) with a new expert order",
+        layout.layout_name or "unversioned",
+        "canonical" if plan.to_version == 2 else "legacy",
+        plan.ep_size,
+        plan.ep_fsdp_size,
+        plan.world,
+        len(plan.permuted_keys),
     )
     with AtomicOutputDir(dst_p, overwrite=opts.overwrite, source=src_p) as tmp:
         writer, counts = execute_plan(

@@ -7,6 +7,7 @@ Info findings never fail a run.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.reference import load_reference
 
 __all__ = ["SCHEMA", "RuleStatus", "ValidateOptions", "ValidationResult", "validate", "validate_checkpoint"]
+log = logging.getLogger(__name__)
 
 SCHEMA = "ckpttool.validate/1"
 
@@ -208,13 +210,19 @@ def validate_checkpoint(
 
             ctx.deep_result = run_deep(ctx, opts.workers, progress)
             bytes_read, deep_seconds = ctx.deep_result.bytes_read, ctx.deep_result.seconds
+            log.info("deep pass: read %d bytes in %.3f s", bytes_read, deep_seconds)
         statuses: list[RuleStatus] = []
         for r in rules:
             reason = _skip_reason(r, ctx)
             if reason is not None:
                 statuses.append(RuleStatus(r, "skipped", reason))
+                log.debug("%s %s: skipped (%s)", r.code, r.name, reason)
                 continue
+            t_rule = time.perf_counter()
             found = [out if isinstance(out, Finding) else r.make(*out) for out in r.func(ctx)]
+            log.debug(
+                "%s %s: %d finding(s) in %.1f ms", r.code, r.name, len(found), (time.perf_counter() - t_rule) * 1e3
+            )
             failing = any(_fails(f, opts.strict) for f in found)
             statuses.append(
                 RuleStatus(r, "failed" if failing else ("reported" if found else "passed"), None, tuple(found))

@@ -246,7 +246,7 @@ def test_is_narrowing_table() -> None:
     ],
 )
 def test_parse_size(text: str, value: int) -> None:
-    assert parse_size(text) == value
+    assert parse_size(text, "--shard-size") == value
 
 
 def test_bad_shard_size_is_a_usage_error(dense_ckpt: Path, tmp_path: Path) -> None:
@@ -315,7 +315,7 @@ def test_per_expert_split_matches_hand_built_layout(sample_ckpt: Path, tmp_path:
     )
     assert res.exit_code == 0, res.stderr
     cfg = json.loads((sample_ckpt / "model_assets" / "config.json").read_text())
-    e, i, h = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
+    e, i, h = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
     ref = torch_load(sample_ckpt)
     got, _ = read_export(out)
     expected: dict[str, torch.Tensor] = {}
@@ -346,7 +346,7 @@ def test_expert_count_must_match_model_config(sample_ckpt: Path, tmp_path: Path)
     assets = tmp_path / "assets"
     assets.mkdir()
     cfg = json.loads((sample_ckpt / "model_assets" / "config.json").read_text())
-    cfg["num_experts"] = cfg["num_experts"] * 2
+    cfg["n_routed_experts"] = cfg["n_routed_experts"] * 2
     (assets / "config.json").write_text(json.dumps(cfg))
     for mode in ("per-expert", "fused"):
         res = export_cli(str(sample_ckpt), str(tmp_path / "o"), "--experts", mode, "--model-assets", str(assets))

@@ -79,7 +79,7 @@ def test_replay_cli_json_reports_each_variant(replay_fx: tuple[str, Path]) -> No
     assert res.stderr == ""
     d = json.loads(res.stdout)
     assert d["ok"] is True and d["device"] == "cpu" and d["optimizer"]["type"] == variant
-    assert d["grads"]["source"] == "seed" and d["params_failed"] == 0 and d["params_total"] == 14
+    assert d["grads"]["source"] == "seed" and d["params_failed"] == 0 and d["params_total"] == 17
     assert d["timing"]["step_seconds"] > 0 and d["timing"]["state_bytes"] > 0
     fields = {"exp_avg", "exp_avg_sq", "param"} | ({"master_weight"} if variant != "adamw" else set())
     for p in d["params"]:
@@ -110,7 +110,7 @@ def test_human_report_names_the_optimizer_choice_and_passes(sample_ckpt: Path) -
     out = res.stdout
     assert "optimizer   adamw (from layout record optimizer.type)" in out
     assert "grads       seeded (seed 0, scale 0.001)" in out
-    assert "result      OK: 25 of 25 parameter(s) match the reference step" in out
+    assert "result      OK: 31 of 31 parameters match the reference step" in out
     assert "model.layers.0.mlp.experts.gate_up_proj" in out
     assert res.stderr == ""
 
@@ -129,7 +129,7 @@ def test_declared_legacy_same_dim_layout_replays_with_0d_steps(ep_suite: Path) -
         ep_suite / "legacy", "--device", "cpu", "--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "2"
     )
     assert res.exit_code == 0, res.stderr
-    assert "result      OK: 8 of 8 parameter(s) match the reference step" in res.stdout
+    assert "result      OK: 8 of 8 parameters match the reference step" in res.stdout
 
 
 # ------------------------------------------------------------------ never-stepped leaf
@@ -202,9 +202,9 @@ def test_master_out_of_sync_with_bf16_param_is_a_mismatch(full_fx: Path, tmp_pat
     bad = resave(full_fx / "ckpt", tmp_path / "bad", mutate)
     res = run(bad, "--device", "cpu")
     assert res.exit_code == 1
-    assert "result      FAILED: 13 of 14 parameter(s) match the reference step" in res.stdout
+    assert "result      FAILED: 16 of 17 parameters match the reference step" in res.stdout
     assert res.stderr.startswith(
-        f"error: [E700] 1 of 14 parameter(s) do not reproduce the reference step; worst {DENSE_FQN}: "
+        f"error: [E700] 1 of 17 parameter(s) do not reproduce the reference step; worst {DENSE_FQN}: "
         "master_weight out of sync with the parameter before the step: 4 of 1024 element(s)"
     )
     assert "hint: " in res.stderr
@@ -228,7 +228,7 @@ def test_corrupt_second_moment_values_are_a_mismatch(full_fx: Path, tmp_path: Pa
         d[_state_key(DENSE_FQN, "exp_avg_sq")][1, 1] = -1.0  # sqrt of a negative second moment
 
     bad = resave(full_fx / "ckpt", tmp_path / "bad", mutate)
-    res = run(bad, "--device", "cpu", "--select", "q_proj")
+    res = run(bad, "--device", "cpu", "--filter", "*q_proj*")
     assert res.exit_code == 1
     assert "error: [E700] 1 of 1 parameter(s)" in res.stderr
     assert_no_traceback(res)
@@ -245,7 +245,7 @@ def test_lost_state_in_a_stepped_leaf_is_not_treated_as_fresh(full_fx: Path, tmp
     assert res.stderr.startswith(
         f"error: [E513] parameter {DENSE_FQN} has no optimizer state although other parameters"
     )
-    res = run(bad, "--device", "cpu", "--select", "experts")  # leaving it out works
+    res = run(bad, "--device", "cpu", "--filter", "*.experts.*")  # leaving it out works
     assert res.exit_code == 0, res.stderr
 
 
@@ -255,7 +255,7 @@ def test_type_from_state_fields_without_a_record_and_offload_patterns(full_fx: P
     d = json.loads(run(plain, "--device", "cpu", "--json").stdout)
     assert d["ok"] and d["optimizer"]["type"] == "full_fp32_adamw"
     assert d["optimizer"]["reason"].startswith("state fields")
-    res = run(plain, "--device", "cpu", "--json", "--offload-patterns", "experts", "--chunk-size", "500")
+    res = run(plain, "--device", "cpu", "--json", "--offload-patterns", r"\.experts\.", "--chunk-size", "500")
     d = json.loads(res.stdout)
     assert res.exit_code == 0 and d["optimizer"]["type"] == "cpu_offload_adamw"
     assert d["optimizer"]["reason"] == "state fields (FP32 master_weight) and --offload-patterns"
@@ -307,13 +307,22 @@ def test_batches_under_max_memory_give_identical_results(full_fx: Path) -> None:
     assert res.exit_code == 2 and "error: [E130]" in res.stderr and "more than --max-memory 102,400" in res.stderr
 
 
-def test_select_limits_the_replay(full_fx: Path) -> None:
-    d = json.loads(run(full_fx / "ckpt", "--device", "cpu", "--json", "--select", r"norm\.weight$").stdout)
+def test_filter_limits_the_replay(full_fx: Path) -> None:
+    d = json.loads(run(full_fx / "ckpt", "--device", "cpu", "--json", "--filter", "*norm.weight").stdout)
     assert d["params_total"] == 5 and all(p["fqn"].endswith("norm.weight") for p in d["params"])
-    res = run(full_fx / "ckpt", "--device", "cpu", "--select", "nothing_matches")
+    res = run(full_fx / "ckpt", "--device", "cpu", "--filter", "nothing_matches")
     assert res.exit_code == 2 and res.stderr.startswith(
-        "error: [E100] --select 'nothing_matches' matches none of the 14"
+        "error: [E100] --filter 'nothing_matches' matches none of the 17"
     )
+
+
+def test_deprecated_select_regex_still_limits_the_replay(full_fx: Path) -> None:
+    res = run(full_fx / "ckpt", "--device", "cpu", "--json", "--select", r"norm\.weight$")
+    assert res.exit_code == 0 and res.stderr.startswith("warning: replay-step --select REGEX is deprecated")
+    assert json.loads(res.stdout)["params_total"] == 5
+    res = run(full_fx / "ckpt", "--device", "cpu", "--select", "nothing_matches")
+    err = res.stderr.splitlines()
+    assert res.exit_code == 2 and err[1].startswith("error: [E100] --select 'nothing_matches' matches none of the 17")
 
 
 def test_gradient_file_problems_exit_2(full_fx: Path, tmp_path: Path) -> None:
@@ -348,7 +357,7 @@ def test_gradient_file_problems_exit_2(full_fx: Path, tmp_path: Path) -> None:
         ),
         (["--tolerance", "1e-5"], "error: [E100] --tolerance '1e-5' is not 'rtol,atol'"),
         (["--max-memory", "lots"], "error: [E100] --max-memory 'lots' is not a size"),
-        (["--select", "("], "error: [E100] --select '(' is not a valid regular expression"),
+        (["--filter", "*", "--select", "("], "error: [E100] --select and --filter are exclusive"),
     ],
 )
 def test_bad_options_exit_2_with_one_line(full_fx: Path, args: list[str], message: str) -> None:

@@ -378,7 +378,7 @@ def test_reshard_to_another_ep_size_warns_about_extra_state_and_passes_validate_
     assert "copied unchanged from the source" in s007["message"]
     human = runner.invoke(app, ["validate", "--strict", str(out)])
     assert human.exit_code == 0 and human.stderr == ""
-    assert human.stdout.splitlines()[-1].startswith("OK: 0 error(s), 0 warning(s)")
+    assert human.stdout.splitlines()[-1].startswith("OK: 0 errors, 0 warnings")
 
 
 def test_reshard_json_lists_the_warning_and_keeps_stdout_pure(sample_ckpt: Path, tmp_path: Path) -> None:

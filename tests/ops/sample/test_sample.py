@@ -18,7 +18,7 @@ runner = CliRunner()
 
 
 def sample(*args: object):  # type: ignore[no-untyped-def]
-    return runner.invoke(app, ["sample", *map(str, args), "--steps", "1"])
+    return runner.invoke(app, ["sample", *map(str, args), "--train-steps", "1"])
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -67,7 +67,7 @@ def test_seed_out_of_range(seed: str, tmp_path: Path) -> None:
 
 
 def test_largest_seed_works(tmp_path: Path) -> None:
-    res = runner.invoke(app, ["sample", str(tmp_path / "s"), "--seed", str(2**63 - 1), "--steps", "0"])
+    res = runner.invoke(app, ["sample", str(tmp_path / "s"), "--seed", str(2**63 - 1), "--train-steps", "0"])
     assert res.exit_code == 0, res.stderr
     assert (tmp_path / "s" / ".metadata").is_file()
 
@@ -104,7 +104,7 @@ def test_write_sample_api_keeps_working(tmp_path: Path) -> None:
     assert write_sample(p, steps=1, optimizer="master_fp32_adamw") == p
     assert sorted(os.listdir(p)) == [".metadata", "__0_0.distcp", "extra_state", "model_assets"]
     assert (p / "extra_state" / "extra_state_rank_0.pt").is_file()
-    assert json.loads((p / "model_assets" / "config.json").read_text())["model_type"] == "qwen3_moe"
+    assert json.loads((p / "model_assets" / "config.json").read_text())["model_type"] == "dots1"
     md = dcp.FileSystemReader(str(p)).read_metadata()
     assert str(md.storage_meta.checkpoint_id) == str(p)  # the final path, not the temporary one
     assert leftovers(tmp_path) == []
@@ -138,7 +138,7 @@ def save(obj, f, *a, **kw):
     return real(obj, f, *a, **kw)
 torch.save = save
 from ckpttool.cli import app
-sys.argv = ["ckpttool", "sample", sys.argv[2], "--steps", "1"]
+sys.argv = ["ckpttool", "sample", sys.argv[2], "--train-steps", "1"]
 app()
 """
 
@@ -173,3 +173,43 @@ def test_sample_on_a_full_disk_is_e600_without_traceback(tmp_path: Path) -> None
     assert res.returncode == 2, res.stderr[-2000:]
     assert res.stderr.startswith("error: [E600]") and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert os.listdir(tmp_path) == []
+
+
+def test_exported_sample_loads_in_transformers_without_a_warning(sample_ckpt: Path, tmp_path: Path) -> None:
+    """The README's export of the sample loads with AutoModelForCausalLM: no missing, unexpected or
+    mismatched key and nothing logged at warning level; the router buffer (the tensor no optimizer
+    updates) arrives with its saved values."""
+    import logging
+    import warnings
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    out = tmp_path / "hf"
+    res = runner.invoke(
+        app, ["export", str(sample_ckpt), str(out), "--model-assets", str(sample_ckpt / "model_assets")]
+    )
+    assert res.exit_code == 0, res.stderr
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep(level=logging.WARNING)
+    hf_logging.add_handler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    finally:
+        hf_logging.remove_handler(handler)
+    assert type(model).__name__ == "Dots1ForCausalLM"
+    assert not [r.getMessage() for r in records], [r.getMessage()[:500] for r in records]
+    assert not [str(w.message) for w in caught if "torch.distributed" not in str(w.message)]
+    saved = load_file(str(out / "model.safetensors"))
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(model.state_dict()[bias], saved[bias]) and saved[bias].abs().sum() > 0
+    assert set(model.state_dict()) == set(saved)

@@ -111,7 +111,7 @@ def test_clean_fixtures_pass_strict_deep(name: str, request: pytest.FixtureReque
     path = request.getfixturevalue(name)
     res = runner.invoke(app, ["validate", str(path), "--strict", "--deep"])
     assert res.exit_code == 0, res.stdout
-    assert res.stdout.splitlines()[-1].startswith("OK: 0 error(s), 0 warning(s)")
+    assert res.stdout.splitlines()[-1].startswith("OK: 0 errors, 0 warnings")
     assert res.stderr == ""
 
 
@@ -180,9 +180,7 @@ def test_P002_silent_when_the_scheduler_has_not_moved_the_lr(tmp_path: Path) -> 
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
     res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "ck")])
     assert res.exit_code == 0 and res.stderr == ""
-    assert "initial_lr" not in res.stdout and res.stdout.splitlines()[-1].startswith(
-        "OK: 0 error(s), 0 warning(s), 0 info"
-    )
+    assert "initial_lr" not in res.stdout and res.stdout.splitlines()[-1].startswith("OK: 0 errors, 0 warnings, 0 info")
 
 
 # ------------------------------------------------------------------------------------------ storage

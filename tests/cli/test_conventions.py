@@ -1,0 +1,321 @@
+"""What users expect of a CLI: --version, -h, python -m, completion, examples, -v/-q anywhere, one vocabulary."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.cli.options import parse_dtype, parse_size
+from ckpttool.errors import UsageError
+
+runner = CliRunner()
+COMMANDS = ("inspect", "validate", "export", "reshard", "stamp", "replay-step", "sample", "rules", "schema")
+
+
+def click_command(name: str):  # type: ignore[no-untyped-def]
+    return typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
+
+
+def run_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ckpttool", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+# ---------------------------------------------------------------------------------------------- --version, -h
+def test_version_names_package_torch_and_safetensors_without_importing_torch() -> None:
+    from importlib.metadata import version
+
+    code = (
+        "import sys\n"
+        "from ckpttool.cli import main\n"
+        "sys.argv = ['ckpttool', '--version']\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+        "print('torch imported' if 'torch' in sys.modules else 'torch not imported')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    first, last = res.stdout.splitlines()[0], res.stdout.splitlines()[-1]
+    assert first.startswith(f"ckpttool {version('ckpttool')} (torch {version('torch')}, ")
+    assert f"safetensors {version('safetensors')}" in first
+    assert last == "torch not imported", res.stdout
+    assert runner.invoke(app, ["-V"]).stdout == runner.invoke(app, ["--version"]).stdout
+
+
+@pytest.mark.parametrize("cmd", ["", *COMMANDS])
+def test_h_is_help(cmd: str) -> None:
+    argv = [cmd] if cmd else []
+    short, long = runner.invoke(app, [*argv, "-h"]), runner.invoke(app, [*argv, "--help"])
+    assert short.exit_code == long.exit_code == 0, short.stderr
+    assert short.stdout == long.stdout and "Usage:" in short.stdout
+
+
+def test_python_dash_m() -> None:
+    res = run_cli("--version")
+    assert res.returncode == 0 and res.stdout.startswith("ckpttool "), res.stderr
+    res = run_cli("inspect", "--help")
+    assert res.returncode == 0 and "Usage: ckpttool inspect" in res.stdout
+
+
+def test_shell_completion_script_and_completions() -> None:
+    res = run_cli("--show-completion", "bash", env={"_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"})
+    assert res.returncode == 0 and "_CKPTTOOL_COMPLETE" in res.stdout, res.stderr
+    env = {"_CKPTTOOL_COMPLETE": "complete_bash", "COMP_WORDS": "ckpttool re", "COMP_CWORD": "1"}
+    res = run_cli(env=env)
+    assert "replay-step" in res.stdout.split() and "reshard" in res.stdout.split(), (res.stdout, res.stderr)
+    env = {"_CKPTTOOL_COMPLETE": "complete_bash", "COMP_WORDS": "ckpttool export x y --save-d", "COMP_CWORD": "4"}
+    assert "--save-dtype" in run_cli(env=env).stdout.split()
+
+
+def _flags(cmd) -> set[str]:  # type: ignore[no-untyped-def]
+    return {o for p in cmd.params for o in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ())) if o[0] == "-"}
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_command_has_examples_that_use_its_own_options(name: str) -> None:
+    res = runner.invoke(app, [name, "--help"])
+    assert res.exit_code == 0
+    examples = res.stdout.split("Examples:\n", 1)[1].splitlines()
+    lines = [ln.strip() for ln in examples if ln.strip().startswith("ckpttool ")]
+    assert lines, res.stdout
+    for line in lines:
+        words = line.split("#")[0].split("|")[0].split()
+        assert words[1] in COMMANDS, line
+        flags = _flags(click_command(words[1]))
+        for w in words[2:]:
+            if w.startswith("-"):
+                assert w.split("=")[0] in flags, (line, w)
+
+
+# ---------------------------------------------------------------------------------------------- -v / -q
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_verbose_before_or_after_the_subcommand_logs_decisions(where: str, sample_ckpt: Path) -> None:
+    argv = ["-v", "inspect", str(sample_ckpt)] if where == "before" else ["inspect", str(sample_ckpt), "-v"]
+    res = runner.invoke(app, argv)
+    assert res.exit_code == 0, res.stderr
+    assert "info: [checkpoint]" in res.stderr and "key schema torch-native" in res.stderr
+    assert "EP layout: canonical from embedded" in res.stderr
+    assert "info:" not in runner.invoke(app, ["inspect", str(sample_ckpt)]).stderr  # and nothing by default
+
+
+def test_verbose_export_shows_the_plan_casts_and_timings(sample_ckpt: Path, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "hf"), "--save-dtype", "bf16", "-vv"])
+    assert res.exit_code == 0, res.stderr
+    err = res.stderr
+    assert "save dtype bfloat16; casts {'float32->bfloat16': 33}" in err
+    assert re.search(r"read \d+ bytes and wrote \d+ in \d\.\d{3} s", err)
+    assert re.search(r"debug: \[export\.execute\] model\.safetensors: 33 tensors, \d+ bytes", err)
+    assert res.stdout.startswith("exported 33 tensors")
+
+
+def test_verbose_reshard_shows_per_file_timings(sample_ckpt: Path, tmp_path: Path) -> None:
+    res = runner.invoke(
+        app, ["reshard", str(sample_ckpt), str(tmp_path / "r"), "--to", "legacy", "--with-optimizer", "--verbose"]
+    )
+    assert res.exit_code == 0, res.stderr
+    assert re.search(r"info: \[reshard\.execute\] __0_0\.distcp: \d+ chunks, \d+ bytes in \d\.\d{3} s", res.stderr)
+
+
+def test_quiet_drops_notes_and_progress_but_keeps_results_and_errors(tmp_path: Path) -> None:
+    out = tmp_path / "s"
+    res = runner.invoke(app, ["sample", str(out), "--train-steps", "0"])
+    assert res.exit_code == 0 and "note: wrote sample checkpoint" in res.stderr
+    res = runner.invoke(app, ["-q", "sample", str(out), "--train-steps", "0", "--overwrite"])
+    assert res.exit_code == 0 and res.stderr == ""
+    res = runner.invoke(app, ["inspect", str(out), "--quiet"])
+    assert res.exit_code == 0 and res.stdout.startswith("checkpoint") and res.stderr == ""
+    res = runner.invoke(app, ["sample", str(out), "-q"])  # an error is never quiet
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E600]")
+
+
+# ---------------------------------------------------------------------------------------------- sample
+def test_sample_overwrite_reruns_and_train_steps_replaces_steps(tmp_path: Path) -> None:
+    out = tmp_path / "s"
+    assert runner.invoke(app, ["sample", str(out), "--train-steps", "1"]).exit_code == 0
+    res = runner.invoke(app, ["sample", str(out), "--train-steps", "1"])
+    assert res.exit_code == 2 and "--overwrite" in res.stderr.splitlines()[-1]
+    res = runner.invoke(app, ["sample", str(out), "--train-steps", "2", "--overwrite"])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).stdout)
+    assert doc["layout"]["global_step"] == 2
+    res = runner.invoke(app, ["sample", str(out), "--steps", "0", "--overwrite"])  # the old spelling, for one release
+    assert res.exit_code == 0
+    assert "warning: sample --steps is deprecated" in res.stderr and "--train-steps" in res.stderr
+    assert json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).stdout)["layout"]["global_step"] == 0
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    res = runner.invoke(app, ["sample", str(tmp_path / "mine"), "--overwrite"])  # not a previous output: refused
+    assert res.exit_code == 2 and (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+def test_choice_options_list_their_choices() -> None:
+    out = runner.invoke(app, ["sample", "--help"], env={"COLUMNS": "200"}).stdout
+    assert re.search(r"[<\[]adamw\|full_fp32_adamw\|master_fp32_adamw\|cpu_offload_adamw[>\]]", out), out
+    res = runner.invoke(app, ["sample", "x", "--optimizer", "sgd"])
+    assert res.exit_code == 2 and "'sgd' is not one of 'adamw', 'full_fp32_adamw'" in res.stderr
+    assert "<preserve|bfloat16|float16|float32>" in runner.invoke(app, ["export", "--help"]).stdout
+
+
+# ---------------------------------------------------------------------------------------------- vocabulary
+@pytest.mark.parametrize(
+    "text, name",
+    [("bf16", "bfloat16"), ("BF16", "bfloat16"), ("fp16", "float16"), ("half", "float16"), ("fp32", "float32"),
+     ("float32", "float32"), ("float", "float32"), ("torch.bfloat16", "bfloat16"), ("fp64", "float64")],
+)  # fmt: skip
+def test_dtype_aliases(text: str, name: str) -> None:
+    assert parse_dtype(text, "--save-dtype") == name
+
+
+def test_dtype_errors_name_the_flag_and_the_choices() -> None:
+    with pytest.raises(UsageError) as ei:
+        parse_dtype("int8", "--save-dtype", ("bfloat16", "float32"), extra=("preserve",))
+    assert ei.value.message == "--save-dtype 'int8' is not one of preserve, bfloat16, float32"
+
+
+@pytest.mark.parametrize(
+    "text, n",
+    [("5GB", 5 * 10**9), ("5gb", 5 * 10**9), ("5GiB", 5 * 2**30), ("5G", 5 * 2**30), ("512M", 512 * 2**20),
+     ("100KB", 100_000), ("1.5GiB", 3 * 2**29), ("4096", 4096)],
+)  # fmt: skip
+def test_sizes_have_one_documented_meaning(text: str, n: int) -> None:
+    assert parse_size(text, "--shard-size") == n
+
+
+def test_export_dtype_alias_and_decimal_shard_size(sample_ckpt: Path, tmp_path: Path) -> None:
+    res = runner.invoke(
+        app,
+        ["export", str(sample_ckpt), str(tmp_path / "hf"), "--save-dtype", "fp16", "--shard-size", "40KB", "--json"],
+    )
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["save_dtype"] == "float16" and len(doc["files"]) > 1
+    assert all(f["bytes"] <= 40_000 + 4096 for f in doc["files"][:-1])  # + header; a single big tensor may exceed
+
+
+def test_replay_filter_glob_and_deprecated_select(sample_ckpt: Path) -> None:
+    res = runner.invoke(app, ["replay-step", str(sample_ckpt), "--filter", "*experts.down_proj", "--json"])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["device"] == "cpu"  # --device auto: no accelerator here
+    assert sorted(p["fqn"] for p in doc["params"]) == [
+        "model.layers.0.mlp.experts.down_proj",
+        "model.layers.1.mlp.experts.down_proj",
+    ]
+    same = runner.invoke(app, ["replay-step", str(sample_ckpt), "--filter", "model.model.layers.*.experts.down_proj"])
+    assert same.exit_code == 0 and "2 of 2 parameters match" in same.stdout  # with the 'model.' of the key too
+    old = runner.invoke(app, ["replay-step", str(sample_ckpt), "--select", r"experts\.down_proj$", "--json"])
+    assert old.exit_code == 0 and sorted(p["fqn"] for p in json.loads(old.stdout)["params"]) == sorted(
+        p["fqn"] for p in doc["params"]
+    )
+    assert "warning: replay-step --select REGEX is deprecated" in old.stderr and "--filter GLOB" in old.stderr
+    both = runner.invoke(app, ["replay-step", str(sample_ckpt), "--select", "x", "--filter", "y"])
+    assert both.exit_code == 2 and both.stderr.startswith("error: [E100] --select and --filter are exclusive")
+    none = runner.invoke(app, ["replay-step", str(sample_ckpt), "--filter", "*nothing*"])
+    assert none.exit_code == 2, none.stderr
+    assert none.stderr.startswith("error: [E100] --filter '*nothing*' matches none of the 31 parameter(s)")
+    assert "None" not in none.stderr
+
+
+def test_replay_reference_dtype_alias(sample_ckpt: Path) -> None:
+    res = runner.invoke(
+        app, ["replay-step", str(sample_ckpt), "--filter", "*norm.weight", "--reference-dtype", "fp32", "--json"]
+    )
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["reference_dtype"] == "float32"
+
+
+@pytest.mark.parametrize("what", ["no-optimizer", "groups-name-nothing"])
+def test_replay_without_recognised_parameters_names_the_problem(what: str, tmp_path: Path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    model = {"w": torch.ones(4), "b": torch.zeros(2)}
+    sd: dict[str, object] = {"model": model}
+    if what == "groups-name-nothing":
+        sd["optimizer"] = {
+            "state": {},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "params": ["x.y"]}],
+        }
+    dcp.save(sd, checkpoint_id=str(tmp_path / "ck"))
+    res = runner.invoke(app, ["replay-step", str(tmp_path / "ck")])
+    assert res.exit_code == 2 and res.stdout == ""
+    lines = res.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: [E514]"), res.stderr
+    assert "None" not in res.stderr and "--select" not in res.stderr
+    assert ("no optimizer param groups" if what == "no-optimizer" else "none of the 1 parameter(s)") in lines[0]
+
+
+# ---------------------------------------------------------------------------------------------- FP32 masters
+@pytest.fixture(scope="module")
+def masters_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ckpttool.ops.sample import write_sample
+
+    return write_sample(tmp_path_factory.mktemp("m") / "ck", steps=1, optimizer="master_fp32_adamw")
+
+
+def test_export_of_fp32_masters_with_default_weights_says_so_once(masters_ckpt: Path, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["export", str(masters_ckpt), str(tmp_path / "a")])
+    assert res.exit_code == 0, res.stderr
+    notes = [ln for ln in res.stderr.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1, res.stderr
+    assert "31 parameter(s) also have an FP32 optimizer master_weight (master_fp32_adamw)" in notes[0]
+    assert "stored bfloat16 values" in notes[0] and "--weights master" in notes[0]
+    res = runner.invoke(app, ["export", str(masters_ckpt), str(tmp_path / "b"), "--weights", "master"])
+    assert res.exit_code == 0 and "note:" not in res.stderr
+    assert "note:" not in runner.invoke(app, ["export", str(masters_ckpt), str(tmp_path / "c"), "-q"]).stderr
+
+
+def test_no_masters_note_for_plain_adamw(sample_ckpt: Path, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "a")])
+    assert res.exit_code == 0 and "master" not in res.stderr
+
+
+# ---------------------------------------------------------------------------------------------- rules, urls
+def test_rules_command_is_validate_list_rules() -> None:
+    a, b = runner.invoke(app, ["rules", "--json"]), runner.invoke(app, ["validate", "--list-rules", "--json"])
+    assert a.exit_code == b.exit_code == 0 and a.stdout == b.stdout
+    assert json.loads(a.stdout)["schema"] == "ckpttool.rules/1"
+    human = runner.invoke(app, ["rules"])
+    assert human.exit_code == 0 and "S001" in human.stdout and "D001" in human.stdout
+
+
+def test_project_urls_and_docs_references_resolve() -> None:
+    from importlib.metadata import metadata
+
+    urls = dict(u.split(", ", 1) for u in metadata("ckpttool").get_all("Project-URL") or [])
+    assert {"Homepage", "Documentation", "Issues"} <= set(urls)
+    assert all(u.startswith("https://") for u in urls.values())
+    help_text = runner.invoke(app, ["--help"]).stdout
+    assert urls["Homepage"] in help_text and "ckpttool schema" in help_text
+
+
+def test_hint_docs_paths_point_to_the_documentation(sample_ckpt: Path, tmp_path: Path) -> None:
+    from importlib.metadata import metadata
+
+    docs = dict(u.split(", ", 1) for u in metadata("ckpttool").get_all("Project-URL") or [])["Documentation"]
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("- not a mapping\n")
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "o"), "--rules", str(rules)])
+    assert res.exit_code == 2, res.stderr
+    hint = res.stderr.splitlines()[-1]
+    assert hint == f"hint: see {docs}/export.md for the schema", res.stderr
+
+
+def test_inspect_filter_takes_the_same_globs_as_replay_step(sample_ckpt: Path) -> None:
+    a = json.loads(runner.invoke(app, ["inspect", str(sample_ckpt), "--filter", "*experts.down_proj", "--json"]).stdout)
+    assert [t["key"] for t in a["model"]] == [
+        "model.model.layers.0.mlp.experts.down_proj",
+        "model.model.layers.1.mlp.experts.down_proj",
+    ]

@@ -1,0 +1,180 @@
+"""Every `--option` a message tells the user to pass exists on the command that prints it.
+
+Two checks: a static one over every string literal of the package (each `--flag` exists on
+the command module that holds it, on the command a `ckpttool CMD ... --flag` names, or, for
+library and shared text, on some command), and a dynamic one that runs each command into
+its errors and checks every flag of every `error:`/`hint:`/`warning:`/`note:` line against
+that command — and that no library parameter name in backticks (`` `max_memory` ``) is left
+untranslated.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+import ckpttool
+from ckpttool.cli.app import GLOBAL_OPTIONS, app
+from tests.fixtures.cache import copy_checkpoint
+
+runner = CliRunner()
+GROUP = typer.main.get_command(app)
+COMMANDS = GROUP.commands  # type: ignore[attr-defined]
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
+NAMED = re.compile(r"ckpttool ([a-z][a-z-]*|\{\})((?:\s+(?!ckpttool\b)[^\s`'\"|;()]+)*)")
+QUOTED_INPUT = re.compile(r"No such option: --\S+")  # click quoting what the user typed
+LEFTOVER_PARAM = re.compile(r"`[a-z][a-z0-9]*_[a-z0-9_]*`")  # a library parameter the sink did not translate
+# Flags of other tools that messages may quote (torch / pytest / pip), not ckpttool's.
+FOREIGN = {"--no-deps", "--nproc-per-node"}
+
+
+def flags_of(name: str) -> set[str]:
+    cmd = COMMANDS[name]
+    return {o for p in cmd.params for o in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ()))} | set(
+        GLOBAL_OPTIONS
+    )
+
+
+ROOT_FLAGS = {o for p in GROUP.params for o in getattr(p, "opts", ())} | set(GLOBAL_OPTIONS)
+ALL_FLAGS = set().union(*(flags_of(n) for n in COMMANDS)) | ROOT_FLAGS
+MODULE_COMMAND = {"replay_step": "replay-step"}
+
+
+def check_text(text: str, default: str | None) -> list[str]:
+    """Problems with the flags of ``text`` printed by command ``default`` (``None``: any command)."""
+    problems = []
+    text = QUOTED_INPUT.sub("No such option: (input)", text)
+    named_spans = []
+    for m in NAMED.finditer(text):
+        cmd = m.group(1)
+        if cmd == "{}":  # an f-string naming the command at run time: its flags are checked where it runs
+            named_spans.append(m.span())
+            continue
+        if cmd not in COMMANDS:
+            continue
+        named_spans.append(m.span())
+        for f in FLAG.findall(m.group(2)):
+            if f not in flags_of(cmd) and f not in FOREIGN:
+                problems.append(f"`ckpttool {cmd}` has no {f}: {text!r}")
+    for m in FLAG.finditer(text):
+        if any(a <= m.start() < b for a, b in named_spans) or m.group(0) in FOREIGN:
+            continue
+        have = flags_of(default) if default else ALL_FLAGS
+        if m.group(0) not in have:
+            problems.append(f"{default or 'no command'} has no {m.group(0)}: {text!r}")
+    return problems
+
+
+def string_literals(path: Path) -> list[str]:
+    """Every string constant of a module, f-string parts joined (docstrings left out)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+    }
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            out.append("".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            out.append(node.value)
+    return out
+
+
+def test_every_flag_in_the_package_text_exists_where_it_is_printed() -> None:
+    root = Path(ckpttool.__file__).parent
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        default = None
+        if rel.parts[:2] == ("cli", "commands") and rel.stem != "__init__":
+            default = MODULE_COMMAND.get(rel.stem, rel.stem)
+        for text in string_literals(path):
+            if "--" in text:
+                problems += [f"{rel}: {p}" for p in check_text(text, default)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checker_finds_a_missing_option() -> None:
+    assert check_text("pass --overwrite", "validate")
+    assert not check_text("pass --overwrite", "export")
+    assert check_text("run `ckpttool validate --overwrite`", "export")
+    assert not check_text("declare it with `ckpttool stamp DIR --source-layout legacy`", None)
+
+
+# ----------------------------------------------------------------------------- dynamic
+def messages(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.split(":", 1)[0] in ("error", "hint", "warning", "note")]
+
+
+@pytest.fixture(scope="module")
+def scenarios(
+    sample_ckpt: Path, dense_ckpt: Path, ep_suite: Path, tmp_path_factory: pytest.TempPathFactory
+) -> list[tuple[str, list[str]]]:
+    """(command, argv) runs that end in errors, warnings or notes worth a hint."""
+    tmp = tmp_path_factory.mktemp("hints")
+    full = tmp / "full"
+    full.mkdir()
+    (full / "x.txt").write_text("x")
+    empty = tmp / "empty"
+    empty.mkdir()
+    truncated = copy_checkpoint(sample_ckpt, tmp / "trunc")
+    with open(truncated / "__0_0.distcp", "r+b") as f:
+        f.truncate(1000)
+    ambiguous = ep_suite / "legacy"
+    s, d, o = str(sample_ckpt), str(dense_ckpt), str(tmp / "out")
+    return [
+        ("inspect", ["inspect", str(tmp / "nope")]),
+        ("inspect", ["inspect", str(empty)]),
+        ("inspect", ["inspect", s, "--filter", "*nothing*"]),
+        ("inspect", ["inspect", str(truncated)]),
+        ("inspect", ["inspect", str(ambiguous)]),
+        ("validate", ["validate", str(truncated), "--deep"]),
+        ("validate", ["validate", str(ambiguous), "--strict"]),
+        ("validate", ["validate", s, "--select", "Z9"]),
+        ("validate", ["validate", s, "--junit", str(tmp)]),
+        ("export", ["export", s, str(full)]),
+        ("export", ["export", s, o, "--filter", "*nothing*"]),
+        ("export", ["export", str(ambiguous), o]),
+        ("export", ["export", str(truncated), o]),
+        ("export", ["export", s, o, "--weights", "master"]),
+        ("export", ["export", s, o, "--save-dtype", "int8"]),
+        ("reshard", ["reshard", s, o, "--to", "legacy"]),
+        ("reshard", ["reshard", str(ambiguous), o, "--to", "canonical"]),
+        ("reshard", ["reshard", s, str(full), "--to", "legacy", "--with-optimizer"]),
+        ("stamp", ["stamp", s, "--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "1"]),
+        ("replay-step", ["replay-step", d, "--max-memory", "1"]),
+        ("replay-step", ["replay-step", s, "--filter", "*nothing*"]),
+        ("replay-step", ["replay-step", s, "--device", "cuda"]),
+        ("replay-step", ["replay-step", str(ambiguous), "--grads", str(tmp / "nope.safetensors")]),
+        ("replay-step", ["replay-step", s, "--select", "x"]),
+        ("sample", ["sample", str(full)]),
+        ("schema", ["schema", "frob"]),
+        ("inspect", ["inspect", s, "--bogus"]),
+    ]
+
+
+def test_every_printed_flag_exists_on_the_command(scenarios: list[tuple[str, list[str]]]) -> None:
+    problems, seen = [], 0
+    for cmd, argv in scenarios:
+        res = runner.invoke(app, argv)
+        lines = messages(res.stderr)
+        assert lines or res.exit_code in (0, 1), (argv, res.stderr)
+        for line in lines:
+            seen += line.count("--")
+            problems += [f"{argv}: {p}" for p in check_text(line, cmd)]
+            if LEFTOVER_PARAM.search(line):
+                problems.append(f"{argv}: untranslated library parameter in {line!r}")
+            if "Traceback" in line or "E999" in line:
+                problems.append(f"{argv}: {line}")
+    assert not problems, "\n".join(problems)
+    assert seen > 10  # the scenarios do print flags

@@ -1,0 +1,126 @@
+"""Every command's --json output validates against the JSON Schema shipped in the package (`ckpttool schema CMD`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.cli.commands.schema import SCHEMA_NAMES, load_schema
+from tests.fixtures import damage
+from tests.fixtures.cache import copy_checkpoint
+
+runner = CliRunner()
+
+
+def validated(name: str, argv: list[str], exit_codes: tuple[int, ...] = (0,)) -> dict:  # type: ignore[type-arg]
+    res = runner.invoke(app, argv)
+    assert res.exit_code in exit_codes, (argv, res.stderr)
+    doc = json.loads(res.stdout)
+    schema = load_schema(name)
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(doc), key=lambda e: list(e.path))
+    assert not errors, [(list(e.path), e.message[:200]) for e in errors[:5]]
+    assert doc["schema"] == SCHEMA_NAMES[name]
+    return doc
+
+
+@pytest.mark.parametrize("name", [*SCHEMA_NAMES, "replay-step"])
+def test_schema_command_prints_the_packaged_schema(name: str) -> None:
+    res = runner.invoke(app, ["schema", name])
+    assert res.exit_code == 0, res.stderr
+    schema = json.loads(res.stdout)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert schema == load_schema(name)
+    assert schema["properties"]["schema"]["const"] == SCHEMA_NAMES["replay" if name == "replay-step" else name]
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+
+
+def test_schema_without_a_name_lists_them() -> None:
+    res = runner.invoke(app, ["schema"])
+    assert res.exit_code == 0 and all(doc in res.stdout for doc in SCHEMA_NAMES.values())
+    bad = runner.invoke(app, ["schema", "frob"])
+    assert bad.exit_code == 2 and bad.stderr.startswith("error: [E100]")
+
+
+def test_inspect_json(sample_ckpt: Path, dense_ckpt: Path, fsdp_ckpt: Path, ep_suite: Path) -> None:
+    validated("inspect", ["inspect", str(sample_ckpt), "--json"])
+    assert "tree" in validated("inspect", ["inspect", str(sample_ckpt), "--json", "--depth", "3"])
+    validated("inspect", ["inspect", str(dense_ckpt), "--json"])
+    validated("inspect", ["inspect", str(fsdp_ckpt), "--json"])
+    doc = validated("inspect", ["inspect", str(ep_suite / "legacy"), "--json"])
+    assert doc["layout"]["version"] is None and doc["layout"]["ambiguous"]
+
+
+def test_inspect_json_with_a_layout_error(sample_ckpt: Path, tmp_path: Path) -> None:
+    ck = copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    (ck / "layout.json").write_text('{"format": "ckpttool.layout", "version": 99}')
+    doc = validated("inspect", ["inspect", str(ck), "--json"])
+    assert doc["layout"] is None and doc["layout_error"]["code"].startswith("E40")
+
+
+def test_validate_json(sample_ckpt: Path, dense_ckpt: Path, tmp_path: Path) -> None:
+    validated("validate", ["validate", str(sample_ckpt), "--json", "--strict", "--deep"])
+    ck = copy_checkpoint(dense_ckpt, tmp_path / "ck")
+    assert damage.drop_keys(ck, lambda k: k == "optimizer.param_groups.0.eps")
+    doc = validated("validate", ["validate", str(ck), "--json"], (1,))
+    assert doc["findings"] and not doc["ok"]
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / ".metadata").write_bytes(b"not a pickle")
+    doc = validated("validate", ["validate", str(tmp_path / "garbage"), "--json"], (2,))
+    assert doc["exit_code"] == 2 and doc["findings"][0]["fatal"]
+
+
+@pytest.fixture(scope="module")
+def masters_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ckpttool.ops.sample import write_sample
+
+    return write_sample(tmp_path_factory.mktemp("m") / "ck", steps=1, optimizer="cpu_offload_adamw")
+
+
+def test_export_json(sample_ckpt: Path, masters_ckpt: Path, tmp_path: Path) -> None:
+    validated("export", ["export", str(sample_ckpt), str(tmp_path / "a"), "--json", "--shard-size", "50KB"])
+    doc = validated(
+        "export",
+        ["export", str(masters_ckpt), str(tmp_path / "b"), "--json", "--weights", "master", "--experts", "per-expert"],
+    )
+    assert doc["origins"]["master"]["count"] > 0
+    doc = validated("export", ["export", str(sample_ckpt), str(tmp_path / "c"), "--json", "--filter", "*norm*"])
+    assert doc["skipped"]
+
+
+def test_reshard_stamp_and_replay_json(sample_ckpt: Path, ep_suite: Path, tmp_path: Path) -> None:
+    validated(
+        "reshard", ["reshard", str(sample_ckpt), str(tmp_path / "r"), "--to", "legacy", "--with-optimizer", "--json"]
+    )
+    ck = copy_checkpoint(ep_suite / "legacy", tmp_path / "ck")
+    doc = validated(
+        "stamp", ["stamp", str(ck), "--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "2", "--json"]
+    )
+    assert doc["written"] and doc["recorded_in"] == "sidecar"
+    doc = validated(
+        "stamp",
+        ["stamp", str(sample_ckpt), "--source-layout", "canonical", "--ep-size", "1", "--ep-fsdp-size", "1", "--json"],
+    )
+    assert not doc["written"] and doc["recorded_in"] == "embedded"
+    doc = validated("replay", ["replay-step", str(sample_ckpt), "--json", "--steps", "2"])
+    assert doc["ok"] and doc["params_total"] == 31
+
+
+def test_rules_json() -> None:
+    a = validated("rules", ["rules", "--json"])
+    b = validated("rules", ["validate", "--list-rules", "--json"])
+    assert a == b and len(a["rules"]) > 30
+
+
+def test_a_document_that_breaks_its_schema_is_caught(sample_ckpt: Path) -> None:
+    doc = json.loads(runner.invoke(app, ["inspect", str(sample_ckpt), "--json"]).stdout)
+    validator = jsonschema.Draft202012Validator(load_schema("inspect"))
+    assert validator.is_valid(doc)
+    doc["model"][0]["shape"] = "8x32"
+    assert not validator.is_valid(doc)
+    del doc["summary"]
+    assert any(e.validator == "required" for e in validator.iter_errors(doc))

@@ -1,0 +1,138 @@
+"""Human output at 60/80/100/200 columns and in a pipe: nothing misleads.
+
+Numbers, shapes, dtypes and codes are never split across lines; keys are never cut (folded at
+worst); low-value columns are hidden, and named, before that; no line ends in whitespace; the
+width is ``COLUMNS`` or, piped, a fixed default; and no Python repr (``None``, ``{'``, ``[]``,
+``True``) or ``1 data files`` reaches a human.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.cli.render import PIPE_WIDTH, fmt_dict, fmt_rate, fmt_shape, fmt_value, plural
+from tests.cli.tables import column, tables
+from tests.fixtures import damage
+from tests.fixtures.cache import copy_checkpoint
+
+runner = CliRunner()
+WIDTHS = (60, 80, 100, 200)
+REPRS = re.compile(r"\bNone\b|\{'|\[\]|\bTrue\b|\bFalse\b|\b1 data files\b|\b0\.00 GB/s")
+NUMBER = re.compile(r"-?\d[\d,]*(\.\d+)?(e[-+]?\d+)?")
+ERR_CELL = re.compile(r"\d\.\de[-+]\d{2}/\d\.\de[-+]\d{2}( !)?")
+
+
+@pytest.fixture(scope="module")
+def broken(dense_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ck = copy_checkpoint(dense_ckpt, tmp_path_factory.mktemp("w") / "ck")
+    assert damage.drop_keys(ck, lambda k: k == "optimizer.param_groups.0.eps")
+    (ck / "__5_0.distcp").write_bytes(b"stale")
+    return ck
+
+
+BOX = "┏┃┡│└"
+
+
+def check_layout(out: str, width: int | None, reprs: bool = True) -> None:
+    """No trailing whitespace; tables within ``width`` (piped, a line of text stays whole); no reprs."""
+    lines = out.splitlines()
+    assert not [ln for ln in lines if ln != ln.rstrip()], "trailing whitespace"
+    if width is not None:
+        too_long = [ln for ln in lines if ln[:1] in BOX and len(ln) > width]
+        assert not too_long, (width, too_long[:3])
+    assert not (reprs and REPRS.search(out)), REPRS.search(out)
+
+
+def invoke(argv: list[str], width: int | None):  # type: ignore[no-untyped-def]
+    env = {"COLUMNS": str(width)} if width is not None else {"COLUMNS": ""}
+    res = runner.invoke(app, argv, env=env)
+    assert res.exit_code in (0, 1), res.stderr
+    return res
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_inspect(width: int, sample_ckpt: Path) -> None:
+    out = invoke(["inspect", str(sample_ckpt)], width).stdout
+    check_layout(out, width)
+    doc = json.loads(runner.invoke(app, ["inspect", str(sample_ckpt), "--json"]).stdout)
+    t = tables(out)
+    model = t["model tensors"]
+    assert column(model, "shape") == [fmt_shape(m["shape"]) for m in doc["model"]]
+    assert column(model, "dtype") == [m["dtype"] for m in doc["model"]]
+    keys = "".join(r[0] for r in model[1])  # folded keys concatenate back to the keys, in order
+    assert keys == "".join(m["key"] for m in doc["model"])
+    if "numel" in model[0]:
+        assert column(model, "numel") == [f"{m['numel']:,}" for m in doc["model"]]
+    groups = t["param groups"]
+    assert column(groups, "lr") == ["0.00025"] and column(groups, "params") == ["31"]
+    geo = t["EP geometry"]
+    assert column(geo, "shape") == ["8x32x32", "8x32x16", "8x32x32", "8x32x16"]
+    if width >= 200:
+        assert "not shown" not in out and "ranks" in model[0] and "initial_lr" in groups[0]
+    else:
+        assert "(not shown at" in out  # what was left out is named
+    assert "files       1 data file from rank 0" in out
+    assert "parallel ep_size=1, ep_fsdp_size=1" in out.replace("\n", " ")
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_validate(width: int, broken: Path) -> None:
+    out = invoke(["validate", str(broken)], width).stdout
+    check_layout(out, width)
+    errors = tables(out)["errors (1)"]
+    assert column(errors, "code") == ["P001"]
+    assert out.splitlines()[-1].startswith("FAILED: 1 error, 1 warning")
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_replay_step(width: int, sample_ckpt: Path) -> None:
+    out = invoke(["replay-step", str(sample_ckpt), "--filter", "*layers.0.*"], width).stdout
+    check_layout(out, width)
+    params = tables(out)["parameters (worst first)"]
+    assert all(ERR_CELL.fullmatch(c) for c in column(params, "param")), column(params, "param")
+    if "lr" in params[0]:
+        assert set(column(params, "lr")) == {"0.00025"}
+    assert column(params, "result") == ["ok"] * 14
+    assert "".join(r[0] for r in params[1]).count("model.layers.0.") == 14  # keys folded, never cut
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_export_and_rules(width: int, sample_ckpt: Path, tmp_path: Path) -> None:
+    out = invoke(["export", str(sample_ckpt), str(tmp_path / "hf"), "--shard-size", "50KB"], width).stdout
+    check_layout(out, width)
+    assert re.match(r"exported 33 tensors, 166\.8 KiB in \d+ files to .* \(\d.* (ms|s), \d.* [kMG]?B/s\)", out)
+    files = tables(out)["files"]
+    assert all(NUMBER.fullmatch(n) for n in column(files, "tensors"))
+    rules = invoke(["rules"], width).stdout
+    check_layout(rules, width, reprs=False)  # rule summaries are prose that may quote Python
+    assert len(column(tables(rules)["rules"], "code")) > 30
+
+
+def test_piped_output_uses_a_fixed_default_width(sample_ckpt: Path) -> None:
+    out = invoke(["inspect", str(sample_ckpt)], None).stdout
+    check_layout(out, PIPE_WIDTH)
+    assert max(len(ln) for ln in out.splitlines()) > 100  # the table uses it: all its columns fit
+    assert "ranks" in tables(out)["model tensors"][0]
+
+
+def test_wide_never_narrows(sample_ckpt: Path) -> None:
+    out = invoke(["inspect", str(sample_ckpt), "--wide"], 60).stdout
+    check_layout(out, None)
+    assert "not shown" not in out and "ranks" in tables(out)["model tensors"][0]
+    assert all("│" not in r[0] for r in tables(out)["model tensors"][1])
+
+
+def test_formatters() -> None:
+    assert fmt_shape((8, 32, 32)) == "8x32x32" and fmt_shape(()) == "scalar" and fmt_shape(None) == "-"
+    assert fmt_dict({"ep_size": 4, "tp_size": 1}) == "ep_size=4, tp_size=1" and fmt_dict({}) == "-"
+    assert fmt_value(None) == "-" and fmt_value(True) == "yes" and fmt_value([0.9, 0.95]) == "0.9, 0.95"
+    assert fmt_value([]) == "-" and fmt_value(1e-8) == "1e-08"
+    assert plural(1, "data file") == "1 data file" and plural(2, "batch", "batches") == "2 batches"
+    assert fmt_rate(170_816, 0.0153) == "11.2 MB/s" and fmt_rate(2.5e9, 1.0) == "2.5 GB/s"
+    assert fmt_rate(100, 0.0) == "-" and fmt_rate(999, 1.0) == "999 B/s"
