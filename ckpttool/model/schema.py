@@ -1,0 +1,489 @@
+"""Key schemas: where a checkpoint keeps its model tensors, optimizer state and other items.
+
+Trainers flatten different state dicts into DCP keys (``docs/design.md`` §2):
+
+==================  =====================================  ======================================  ===========================
+schema              model tensors                          optimizer state                         written by
+==================  =====================================  ======================================  ===========================
+``torch-native``    ``model.<fqn>``                        ``optimizer.state.<fqn>.<field>``       ``dcp.save({"model": get_model_state_dict(m), "optimizer": get_optimizer_state_dict(m, o)})``, Accelerate, VeOmni
+``app-state``       ``<app>.model.<fqn>``                  ``<app>.optim.state.<fqn>.<field>``     torch's DCP tutorial ``{"app": AppState(model, optimizer)}``
+``torchtitan``      ``<fqn>`` (top level)                  ``optimizer.state.<fqn>.<field>``       torchtitan ``CheckpointManager`` (+ ``lr_scheduler``, ``dataloader``, ``train_state``)
+``top-level``       ``<fqn>`` (top level)                  ``optimizer.state.<fqn>.<field>``       ``dcp.save(model.state_dict())``, ``HuggingFaceStorageWriter``
+==================  =====================================  ======================================  ===========================
+
+Param groups are ``<optimizer prefix>param_groups.<i>.<hyper>`` (nested) or
+``...param_groups.<fqn>.<hyper>`` (flattened). A plain ``optimizer.state_dict()`` keys state by
+parameter *index* (``optimizer.state.0.exp_avg``, ``param_groups.0.params = [0, 1, ...]``):
+its ``optimizer_keying`` is ``"index"``, which no command can map to parameters.
+
+Detection (:func:`detect_schema`) is by structure: ``planner_data`` (the nesting of the saved
+state dict: ``("model", "<fqn>")`` vs ``("model.layers.0.x",)``) when the checkpoint has it,
+else the key prefixes; the optimizer's fqns must name the model tensors. The result says
+which schema and why (:attr:`KeySchema.reasons`); :class:`SchemaOverride` (``--schema``,
+``--model-prefix``, ``--optimizer-prefix``) replaces detection. The naming convention of the
+model fqns (``hf``: ``model.layers.N.self_attn.q_proj.weight``; ``torchtitan``:
+``layers.N.attention.wq.weight``) is reported separately: exports to Hugging Face names need
+``hf`` naming. Torch-free; metadata only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpttool.errors import SchemaError, UsageError
+from ckpttool.format.metadata import CheckpointMetadata, TensorMeta
+
+__all__ = [
+    "SCHEMAS",
+    "TRAINING_STATE_ITEMS",
+    "KeySchema",
+    "SchemaOverride",
+    "detect_schema",
+    "fused_parts",
+    "model_naming",
+]
+
+#: Built-in schemas: id -> (model prefix, optimizer prefix).
+SCHEMAS: dict[str, tuple[str, str]] = {
+    "torch-native": ("model.", "optimizer."),
+    "app-state": ("app.model.", "app.optim."),
+    "torchtitan": ("", "optimizer."),
+    "top-level": ("", "optimizer."),
+}
+#: Top-level items trainers save beside model and optimizer (scheduler, data loader, step, RNG):
+#: recognised as training state, reported, never exported.
+TRAINING_STATE_ITEMS = frozenset(
+    {
+        "lr_scheduler",
+        "lr_schedulers",
+        "scheduler",
+        "schedulers",
+        "dataloader",
+        "data_loader",
+        "train_state",
+        "trainer_state",
+        "training_state",
+        "rng",
+        "rng_state",
+        "rng_states",
+        "random_states",
+        "extra_state",
+        "step",
+        "global_step",
+        "epoch",
+        "iteration",
+        "ntokens_seen",
+    }
+)
+_TORCHTITAN_ITEMS = ("lr_scheduler", "dataloader", "train_state")
+_OPTIMIZER_HEADS = ("optimizer", "optim", "optimizers")
+_APP_MODEL = "model"
+_APP_OPTIM = ("optim", "optimizer")
+# torchtitan naming (torchtitan/models/*: Decoder with tok_embeddings, layers.N.attention / feed_forward / moe).
+_TITAN_RE = re.compile(
+    r"^(?:tok_embeddings\.weight|output\.weight|layers\.\d+\.(?:attention|feed_forward|moe|attention_norm|ffn_norm)\.)"
+)
+# Hugging Face transformers naming (LlamaForCausalLM, Qwen3MoeForCausalLM, PEFT wrappers ...).
+_HF_RE = re.compile(r"(?:^|\.)(?:embed_tokens\.weight|lm_head\.weight|layers\.\d+\.(?:self_attn|mlp|input_layernorm)\.)")
+#: Parameters an optimizer steps fused while the model's state dict stores them split
+#: (torchtitan ``FusedQKVLinear``: ``wqkv`` saved as ``wq``/``wk``/``wv`` by a state-dict hook).
+_FUSED_RULES: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = (
+    (re.compile(r"^(?P<p>(?:.*\.)?)wqkv\.(?P<t>weight|bias)$"), ("{p}wq.{t}", "{p}wk.{t}", "{p}wv.{t}")),
+)
+
+
+@dataclass(frozen=True)
+class SchemaOverride:
+    """A key schema given by the user instead of detection.
+
+    Attributes:
+        schema: a built-in id (:data:`SCHEMAS`) or ``None``.
+        model_prefix: the model keys' prefix (``""``: top level), overriding ``schema``'s.
+        optimizer_prefix: the optimizer keys' prefix (``"optimizer."``), overriding ``schema``'s.
+    """
+
+    schema: str | None = None
+    model_prefix: str | None = None
+    optimizer_prefix: str | None = None
+
+    @classmethod
+    def from_options(
+        cls, schema: str | None, model_prefix: str | None, optimizer_prefix: str | None
+    ) -> SchemaOverride | None:
+        """Build an override from ``--schema/--model-prefix/--optimizer-prefix``; ``None`` when none is given.
+
+        Raises:
+            UsageError: an unknown ``schema``, or a non-empty prefix that does not end with ``.``.
+        """
+        if schema is None and model_prefix is None and optimizer_prefix is None:
+            return None
+        if schema is not None and schema not in SCHEMAS:
+            raise UsageError(
+                f"`schema` {schema!r} is not one of {', '.join(SCHEMAS)}",
+                param="schema",
+                hint="or give the prefixes with `model_prefix` / `optimizer_prefix`",
+            )
+        for name, v in (("model_prefix", model_prefix), ("optimizer_prefix", optimizer_prefix)):
+            if v and not v.endswith("."):
+                raise UsageError(
+                    f"`{name}` {v!r} must end with '.' (or be empty for keys at the top level)",
+                    param=name,
+                    hint=f"e.g. `{name}` '{v}.'",
+                )
+        return cls(schema, model_prefix, optimizer_prefix)
+
+
+@dataclass(frozen=True)
+class KeySchema:
+    """Where a checkpoint keeps what (see the module docstring).
+
+    Attributes:
+        id: ``torch-native``, ``app-state``, ``torchtitan``, ``top-level``, ``custom`` (prefixes
+            given by the user) or ``unrecognized`` (neither model tensors nor optimizer state found).
+        model_prefix: prefix of the model keys (``""``: top level; ``None``: no model tensors).
+        optimizer_prefix: prefix of the optimizer keys (``None``: no optimizer state).
+        optimizer_keying: ``"fqn"`` (state keyed by parameter name), ``"index"`` (a plain
+            ``optimizer.state_dict()``: integer ids) or ``None`` (no optimizer state).
+        naming: naming convention of the model fqns: ``"hf"``, ``"torchtitan"`` or ``"unknown"``.
+        source: ``"detected"`` or ``"override"``.
+        reasons: why this schema (one line each, for ``inspect``).
+        training_state: top-level training-state items present (``lr_scheduler``, ``train_state``, ...).
+    """
+
+    id: str
+    model_prefix: str | None
+    optimizer_prefix: str | None
+    optimizer_keying: str | None = None
+    naming: str = "unknown"
+    source: str = "detected"
+    reasons: tuple[str, ...] = ()
+    training_state: tuple[str, ...] = ()
+    _model_head: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    _use_paths: bool = field(default=True, repr=False, compare=False)
+
+    @property
+    def recognised(self) -> bool:
+        """Model tensors or optimizer state were found."""
+        return self.model_prefix is not None or self.optimizer_prefix is not None
+
+    @property
+    def state_prefix(self) -> str | None:
+        """``<optimizer prefix>state.`` (``None``: no optimizer)."""
+        return None if self.optimizer_prefix is None else f"{self.optimizer_prefix}state."
+
+    @property
+    def groups_prefix(self) -> str | None:
+        """``<optimizer prefix>param_groups.`` (``None``: no optimizer)."""
+        return None if self.optimizer_prefix is None else f"{self.optimizer_prefix}param_groups."
+
+    def fqn_of(self, key: str) -> str:
+        """The parameter fqn of a model key (the key without the model prefix)."""
+        p = self.model_prefix or ""
+        return key[len(p) :] if p and key.startswith(p) else key
+
+    def model_key(self, fqn: str) -> str:
+        """The checkpoint key of parameter ``fqn``."""
+        return f"{self.model_prefix or ''}{fqn}"
+
+    def canonical_key(self, key: str) -> str:
+        """The torch-native spelling ``model.<fqn>`` of a model key (what export rules match)."""
+        return f"model.{self.fqn_of(key)}"
+
+    def is_model_candidate(self, key: str, path: tuple[Any, ...] | None) -> bool:
+        """Whether tensor ``key`` (planner path ``path``) is a model tensor under this schema."""
+        p = self.model_prefix
+        if p is None:
+            return False
+        if not self._use_paths:
+            path = None
+        if self.optimizer_prefix and key.startswith(self.optimizer_prefix):
+            return False
+        if p == "":
+            if path is not None:
+                return len(path) == 1
+            head = key.split(".", 1)[0]
+            return head not in TRAINING_STATE_ITEMS and head not in _OPTIMIZER_HEADS and key != "layout"
+        if not key.startswith(p) or len(key) == len(p):
+            return False
+        if path is not None and self._model_head:
+            n = len(self._model_head)
+            return tuple(path[:n]) == self._model_head and len(path) == n + 1
+        return True
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON view (``inspect --json`` ``schema``)."""
+        return {
+            "id": self.id,
+            "model_prefix": self.model_prefix,
+            "optimizer_prefix": self.optimizer_prefix,
+            "optimizer_keying": self.optimizer_keying,
+            "naming": self.naming,
+            "source": self.source,
+            "reasons": list(self.reasons),
+            "training_state": list(self.training_state),
+        }
+
+
+def fused_parts(fqn: str, model_keys: set[str], model_prefix: str) -> tuple[str, ...] | None:
+    """Model keys a fused optimizer parameter is stored as, or ``None``.
+
+    torchtitan's ``FusedQKVLinear`` steps ``<p>.wqkv.weight`` but its state-dict hook saves
+    ``<p>.wq.weight``, ``<p>.wk.weight``, ``<p>.wv.weight`` (head-interleaved rows,
+    ``torchtitan/models/common/attention.py``).
+    """
+    for rx, templates in _FUSED_RULES:
+        m = rx.match(fqn)
+        if m is None:
+            continue
+        keys = tuple(model_prefix + t.format(**m.groupdict()) for t in templates)
+        if all(k in model_keys for k in keys):
+            return keys
+    return None
+
+
+def model_naming(fqns: list[str]) -> str:
+    """``"torchtitan"``, ``"hf"`` or ``"unknown"``: the naming convention most model fqns follow."""
+    if not fqns:
+        return "unknown"
+    titan = sum(1 for f in fqns if _TITAN_RE.search(f))
+    hf = sum(1 for f in fqns if _HF_RE.search(f))
+    if titan > hf and titan * 4 >= len(fqns):
+        return "torchtitan"
+    if hf and hf >= titan:
+        return "hf"
+    return "unknown"
+
+
+def _head(prefix: str) -> tuple[str, ...]:
+    return tuple(prefix[:-1].split(".")) if prefix else ()
+
+
+def _optimizer_prefix_of(key: str, path: tuple[Any, ...] | None) -> str | None:
+    """``"optimizer."`` / ``"app.optim."`` when ``key`` is an optimizer state or group key."""
+    if path is not None and len(path) >= 2:
+        for i in (0, 1):
+            if len(path) > i + 1 and isinstance(path[i], str) and path[i] in _OPTIMIZER_HEADS + _APP_OPTIM:
+                rest = path[i + 1]
+                if isinstance(rest, str) and (rest in ("state", "param_groups") or rest.startswith(("state.", "param_groups."))):
+                    pre = ".".join(str(x) for x in path[: i + 1]) + "."
+                    if key.startswith(pre):
+                        return pre
+    parts = key.split(".")
+    for i in (0, 1):
+        if len(parts) > i + 2 and parts[i] in _OPTIMIZER_HEADS + _APP_OPTIM and parts[i + 1] in ("state", "param_groups"):
+            if i == 1 and parts[0] in _OPTIMIZER_HEADS:
+                continue
+            return ".".join(parts[: i + 1]) + "."
+    return None
+
+
+def _model_prefix_candidate(key: str, path: tuple[Any, ...] | None) -> str | None:
+    """The model prefix a tensor key suggests: ``"model."``, ``"<app>.model."`` or ``""``."""
+    if path is not None:
+        if len(path) == 1:
+            return ""
+        if len(path) == 2 and path[0] == _APP_MODEL:
+            return "model."
+        if len(path) == 3 and path[1] == _APP_MODEL and isinstance(path[0], str):
+            return f"{path[0]}.model."
+        return None
+    head, _, rest = key.partition(".")
+    if head == _APP_MODEL and rest:
+        return "model."
+    second, _, rest2 = rest.partition(".")
+    if second == _APP_MODEL and rest2 and head not in _OPTIMIZER_HEADS:
+        return f"{head}.model."
+    if head in _OPTIMIZER_HEADS or head in TRAINING_STATE_ITEMS or key == "layout":
+        return None
+    return ""
+
+
+def _index_keyed(md: CheckpointMetadata, state_prefix: str, model_fqns: set[str]) -> bool:
+    """Optimizer state keyed by integer parameter ids (a plain ``optimizer.state_dict()``)."""
+    heads = []
+    for key in md.entries:
+        if key.startswith(state_prefix):
+            path = md.planner_data.get(key)
+            if path is not None and len(path) >= 4 and isinstance(path[-2], int):
+                heads.append(True)
+                continue
+            head = key[len(state_prefix) :].split(".", 1)[0]
+            heads.append(head.isdigit() and not any(f == head or f.startswith(head + ".") for f in model_fqns))
+    return bool(heads) and all(heads)
+
+
+def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None) -> KeySchema:
+    """The key schema of a checkpoint, detected from its keys and ``planner_data`` (or overridden).
+
+    Args:
+        md: the validated metadata.
+        override: from :meth:`SchemaOverride.from_options` (replaces detection).
+
+    Returns:
+        The :class:`KeySchema`; ``id == "unrecognized"`` when no model tensor and no optimizer
+        state were found (every key then counts as "other").
+
+    Raises:
+        SchemaError: an override whose model or optimizer prefix matches no key.
+    """
+    planner = md.planner_data
+    tensors = [k for k, m in md.entries.items() if isinstance(m, TensorMeta)]
+    reasons: list[str] = []
+
+    # Optimizer prefix: the keys that are ``<prefix>state.*`` / ``<prefix>param_groups.*``.
+    opt_votes: Counter[str] = Counter()
+    for key in md.entries:
+        pre = _optimizer_prefix_of(key, planner.get(key))
+        if pre is not None:
+            opt_votes[pre] += 1
+    # Model prefix: where the other tensors sit in the saved dict.
+    model_votes: Counter[str] = Counter()
+    for key in tensors:
+        path = planner.get(key)
+        if _optimizer_prefix_of(key, path) is not None:
+            continue
+        pre = _model_prefix_candidate(key, path)
+        if pre is not None:
+            model_votes[pre] += 1
+
+    if override is not None:
+        return _overridden(md, override, tensors)
+
+    opt_prefix = opt_votes.most_common(1)[0][0] if opt_votes else None
+    model_prefix: str | None = None
+    if model_votes:
+        named = [p for p in model_votes if p]
+        if not named:
+            model_prefix = ""
+        elif planner:
+            # planner_data shows the containers: ``model`` / ``<app>.model`` win over loose
+            # top-level tensors, which then count as "other".
+            model_prefix = max(named, key=lambda p: (model_votes[p], p == "model."))
+        else:
+            # Key prefixes only. A flat state dict whose fqns start with "model." (an HF causal
+            # LM: model.layers.N..., lm_head.weight) cannot be told from {"model": ...} by the
+            # keys; loose top-level tensors beside them, safetensors storage (always a flat HF
+            # state dict), or optimizer fqns that keep the "model." decide for the flat reading.
+            fqns_opt = {k[len(f"{opt_prefix}state.") :] for k in md.entries if opt_prefix and k.startswith(f"{opt_prefix}state.")}
+            keeps_prefix = any(f.startswith("model.") for f in fqns_opt)
+            if "" in model_votes or md.serialization == "safetensors" or keeps_prefix:
+                model_prefix = ""
+                reasons.append(
+                    "keys under 'model.' are taken as fqns of a flat state dict ("
+                    + ("loose top-level tensors beside them" if "" in model_votes else
+                       "safetensors storage" if md.serialization == "safetensors" else "optimizer fqns keep 'model.'")
+                    + "); --schema torch-native reads them as {'model': ...}"
+                )
+            else:
+                model_prefix = max(named, key=lambda p: (model_votes[p], p == "model."))
+    if opt_prefix is not None and model_prefix is not None and model_prefix not in ("", "model."):
+        app = model_prefix[: -len("model.")]
+        if not opt_prefix.startswith(app):
+            reasons.append(f"optimizer keys under {opt_prefix!r} do not share the model's {app!r} prefix")
+
+    sch = KeySchema("unrecognized", model_prefix, opt_prefix, _model_head=_head(model_prefix or ""))
+    model_keys = [k for k in tensors if sch.is_model_candidate(k, planner.get(k))]
+    if model_prefix is not None and not model_keys:
+        model_prefix = None
+    fqns = [sch.fqn_of(k) for k in model_keys]
+    naming = model_naming(fqns)
+    tops = sorted({(planner.get(k) or (k.split(".", 1)[0],))[0] for k in md.entries if isinstance((planner.get(k) or (k.split(".", 1)[0],))[0], str)})
+    training = tuple(t for t in tops if t in TRAINING_STATE_ITEMS)
+    keying = None
+    if opt_prefix is not None:
+        keying = "index" if _index_keyed(md, f"{opt_prefix}state.", set(fqns)) else "fqn"
+
+    how = "planner_data (the nesting of the saved state dict)" if planner else "key prefixes (no planner_data)"
+    if model_prefix is None and opt_prefix is None:
+        sid = "unrecognized"
+        reasons.append(
+            f"no model tensors or optimizer state recognised among {len(md.entries)} key(s) "
+            f"(e.g. {', '.join(repr(k) for k in list(md.entries)[:3])})"
+        )
+    elif model_prefix == "model." or (model_prefix is None and opt_prefix == "optimizer." and "" not in model_votes):
+        sid = "torch-native"
+    elif model_prefix not in (None, "") and model_prefix.endswith(".model."):
+        sid = "app-state"
+    elif naming == "torchtitan" or any(t in training for t in _TORCHTITAN_ITEMS):
+        sid = "torchtitan"
+    else:
+        sid = "top-level"
+    if model_prefix is not None:
+        where = f"under {model_prefix!r}" if model_prefix else "at the top level of the saved dict"
+        reasons.append(f"{len(model_keys)} model tensor(s) {where}, found by {how}")
+    else:
+        reasons.append("no model tensors: optimizer state only (pair it with its model checkpoint)")
+    if opt_prefix is not None:
+        if keying == "index":
+            reasons.append(
+                f"optimizer state under {opt_prefix!r} is keyed by parameter index (a plain optimizer.state_dict())"
+            )
+        else:
+            reasons.append(f"optimizer state under {opt_prefix!r}, keyed by parameter fqn")
+    if naming != "unknown":
+        reasons.append(f"model fqns follow {naming} naming (e.g. {fqns[0]!r})" if fqns else f"{naming} naming")
+    if training:
+        reasons.append(f"training-state items: {', '.join(training)}")
+    return KeySchema(
+        sid,
+        model_prefix,
+        opt_prefix,
+        keying,
+        naming,
+        "detected",
+        tuple(reasons),
+        training,
+        _head(model_prefix or ""),
+    )
+
+
+def _overridden(md: CheckpointMetadata, ov: SchemaOverride, tensors: list[str]) -> KeySchema:
+    base_model, base_opt = SCHEMAS.get(ov.schema or "", (None, None))
+    model_prefix = ov.model_prefix if ov.model_prefix is not None else base_model
+    opt_prefix = ov.optimizer_prefix if ov.optimizer_prefix is not None else base_opt
+    sid = ov.schema if ov.schema and ov.model_prefix is None and ov.optimizer_prefix is None else "custom"
+    if model_prefix is None and opt_prefix is None:
+        model_prefix = ""
+    probe = KeySchema(sid, model_prefix, opt_prefix, _use_paths=False)
+    model_keys = [k for k in tensors if probe.is_model_candidate(k, None)]
+    if model_prefix is not None and not model_keys:
+        if ov.model_prefix is not None or ov.schema is not None:
+            raise SchemaError(
+                f"model prefix {model_prefix!r} matches no tensor of the checkpoint "
+                f"(keys look like {', '.join(repr(k) for k in tensors[:3])})",
+                param="model_prefix" if ov.model_prefix is not None else "schema",
+            )
+    if opt_prefix and ov.optimizer_prefix is not None and not any(k.startswith(opt_prefix) for k in md.entries):
+        raise SchemaError(
+            f"optimizer prefix {opt_prefix!r} matches no key of the checkpoint",
+            param="optimizer_prefix",
+        )
+    if opt_prefix and not any(k.startswith(opt_prefix) for k in md.entries):
+        opt_prefix = None
+    fqns = [probe.fqn_of(k) for k in model_keys]
+    keying = None
+    if opt_prefix is not None:
+        keying = "index" if _index_keyed(md, f"{opt_prefix}state.", set(fqns)) else "fqn"
+    given = ", ".join(
+        f"{n} {v!r}"
+        for n, v in (("schema", ov.schema), ("model prefix", ov.model_prefix), ("optimizer prefix", ov.optimizer_prefix))
+        if v is not None
+    )
+    reasons = (f"given on the command line ({given}): {len(model_keys)} model tensor(s)",)
+    tops = {k.split(".", 1)[0] for k in md.entries}
+    training = tuple(sorted(t for t in tops if t in TRAINING_STATE_ITEMS))
+    return KeySchema(
+        sid,
+        model_prefix,
+        opt_prefix,
+        keying,
+        model_naming(fqns),
+        "override",
+        reasons,
+        training,
+        (),
+        False,
+    )
