@@ -51,6 +51,7 @@ __all__ = [
     "match_filter",
     "group_by_prefix",
     "KNOWN_NON_PERSISTENT_BUFFERS",
+    "lost_state",
 ]
 
 #: Buffers models register with ``persistent=False`` (recomputed at load, never in a state dict
@@ -348,7 +349,9 @@ def _entry(
     key: str, meta: TensorMeta, md_storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo]
 ) -> TensorEntry:
     get = md_storage.get
-    chunk_files = tuple(info.relative_path if (info := get((key, c.offsets))) is not None else None for c in meta.chunks)
+    chunk_files = tuple(
+        info.relative_path if (info := get((key, c.offsets))) is not None else None for c in meta.chunks
+    )
     ufiles = tuple(sorted({f for f in chunk_files if f is not None}))
     ranks = tuple(sorted({r for r in map(_rank, ufiles) if r is not None}))
     return TensorEntry(
@@ -448,12 +451,7 @@ def build_catalog(
             rest = key[len(groups_prefix) :]
             gid: Any = None
             hyper = None
-            if (
-                path
-                and len(path) == n_head + 3
-                and tuple(path[:n_head]) == opt_head
-                and path[n_head] == "param_groups"
-            ):
+            if path and len(path) == n_head + 3 and tuple(path[:n_head]) == opt_head and path[n_head] == "param_groups":
                 gid, hyper = path[n_head + 1], str(path[n_head + 2])
             else:
                 head, _, tail = rest.partition(".")
@@ -571,6 +569,33 @@ def load_param_groups(cat: Catalog, reader: CheckpointReader, errors: dict[str, 
                     g.params = [str(v) for v in value]
                 continue
             g.values[hyper] = value
+
+
+def lost_state(cat: Catalog) -> dict[str, str]:
+    """Parameters with no optimizer state in a leaf whose other parameters have state (the leaf stepped).
+
+    The one check behind ``validate`` rule ``O009`` and ``replay-step``'s ``E513``: a leaf
+    (:meth:`Catalog.leaves`: a nested param group, or flattened parameters with equal saved
+    hyperparameters) steps all its parameters together, so a member without state lost it
+    (or never got a gradient, and a resume would then bias-correct it as step 1). Only model
+    tensors count; needs :func:`load_param_groups` for flattened leaves.
+
+    Returns:
+        fqn -> the label of its leaf, in leaf order.
+    """
+    out: dict[str, str] = {}
+
+    def has_state(f: str) -> bool:
+        ps = cat.optimizer_state.get(f)
+        return ps is not None and bool(ps.fields)
+
+    for label, _, fqns in cat.leaves():
+        members = [f for f in fqns if cat.model_key(f) in cat.model]
+        if any(has_state(f) for f in fqns):
+            for f in members:
+                if not has_state(f):
+                    out[f] = label
+    return out
 
 
 def implied_optimizer_type(fields: dict[str, str]) -> str | None:

@@ -22,7 +22,6 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from ckpttool.errors import CkptError, DataFileError, TrustRequiredError
 from ckpttool.format.metadata import CheckpointMetadata

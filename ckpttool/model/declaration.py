@@ -371,9 +371,7 @@ def resolve_layout(
         return ResolvedLayout(rec.version, source, rec, rec.ep_size, rec.ep_fsdp_size, ep, declaration, **prefixes)
     ep = detect_ep_tensors(cat)
     if declaration is None:
-        candidates = {
-            k: tuple(ep_split_candidates(cat.model[k], s)) for k, s in ep.items() if s.fsdp_dim == s.ep_dim
-        }
+        candidates = {k: tuple(ep_split_candidates(cat.model[k], s)) for k, s in ep.items() if s.fsdp_dim == s.ep_dim}
         return ResolvedLayout(None, "none", None, None, None, ep, None, candidates, **prefixes)
     if declaration.no_ep:
         return ResolvedLayout(2, "declared", None, 1, None, ep, declaration, **prefixes)

@@ -307,7 +307,9 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
         units = units_at
         how = how or f"`step` {want}"
     if len(units) > 1:
-        shown = "; ".join(u.label(root) for u in units[:10]) + (f" (+{len(units) - 10} more)" if len(units) > 10 else "")
+        shown = "; ".join(u.label(root) for u in units[:10]) + (
+            f" (+{len(units) - 10} more)" if len(units) > 10 else ""
+        )
         steps = sorted({u.step for u in units if u.step is not None})
         if len(steps) > 1 and sel.step is None:
             hint = (
@@ -368,7 +370,8 @@ def compose_pair(
     both = [k for k in model_md.entries if k in optim_md.entries]
     if both:
         raise SchemaError(
-            f"{model_dir} and {optim_dir} both hold {both[0]!r}" + (f" (+{len(both) - 1} more)" if len(both) > 1 else ""),
+            f"{model_dir} and {optim_dir} both hold {both[0]!r}"
+            + (f" (+{len(both) - 1} more)" if len(both) > 1 else ""),
             param="optimizer",
             hint="pass a model-only checkpoint and an optimizer-only checkpoint",
         )

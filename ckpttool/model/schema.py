@@ -87,7 +87,9 @@ _TITAN_RE = re.compile(
     r"^(?:tok_embeddings\.weight|output\.weight|layers\.\d+\.(?:attention|feed_forward|moe|attention_norm|ffn_norm)\.)"
 )
 # Hugging Face transformers naming (LlamaForCausalLM, Qwen3MoeForCausalLM, PEFT wrappers ...).
-_HF_RE = re.compile(r"(?:^|\.)(?:embed_tokens\.weight|lm_head\.weight|layers\.\d+\.(?:self_attn|mlp|input_layernorm)\.)")
+_HF_RE = re.compile(
+    r"(?:^|\.)(?:embed_tokens\.weight|lm_head\.weight|layers\.\d+\.(?:self_attn|mlp|input_layernorm)\.)"
+)
 #: Parameters an optimizer steps fused while the model's state dict stores them split
 #: (torchtitan ``FusedQKVLinear``: ``wqkv`` saved as ``wq``/``wk``/``wv`` by a state-dict hook).
 _FUSED_RULES: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = (
@@ -267,13 +269,19 @@ def _optimizer_prefix_of(key: str, path: tuple[Any, ...] | None) -> str | None:
         for i in (0, 1):
             if len(path) > i + 1 and isinstance(path[i], str) and path[i] in _OPTIMIZER_HEADS + _APP_OPTIM:
                 rest = path[i + 1]
-                if isinstance(rest, str) and (rest in ("state", "param_groups") or rest.startswith(("state.", "param_groups."))):
+                if isinstance(rest, str) and (
+                    rest in ("state", "param_groups") or rest.startswith(("state.", "param_groups."))
+                ):
                     pre = ".".join(str(x) for x in path[: i + 1]) + "."
                     if key.startswith(pre):
                         return pre
     parts = key.split(".")
     for i in (0, 1):
-        if len(parts) > i + 2 and parts[i] in _OPTIMIZER_HEADS + _APP_OPTIM and parts[i + 1] in ("state", "param_groups"):
+        if (
+            len(parts) > i + 2
+            and parts[i] in _OPTIMIZER_HEADS + _APP_OPTIM
+            and parts[i + 1] in ("state", "param_groups")
+        ):
             if i == 1 and parts[0] in _OPTIMIZER_HEADS:
                 continue
             return ".".join(parts[: i + 1]) + "."
@@ -367,14 +375,23 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
             # LM: model.layers.N..., lm_head.weight) cannot be told from {"model": ...} by the
             # keys; loose top-level tensors beside them, safetensors storage (always a flat HF
             # state dict), or optimizer fqns that keep the "model." decide for the flat reading.
-            fqns_opt = {k[len(f"{opt_prefix}state.") :] for k in md.entries if opt_prefix and k.startswith(f"{opt_prefix}state.")}
+            fqns_opt = {
+                k[len(f"{opt_prefix}state.") :]
+                for k in md.entries
+                if opt_prefix and k.startswith(f"{opt_prefix}state.")
+            }
             keeps_prefix = any(f.startswith("model.") for f in fqns_opt)
             if "" in model_votes or md.serialization == "safetensors" or keeps_prefix:
                 model_prefix = ""
                 reasons.append(
                     "keys under 'model.' are taken as fqns of a flat state dict ("
-                    + ("loose top-level tensors beside them" if "" in model_votes else
-                       "safetensors storage" if md.serialization == "safetensors" else "optimizer fqns keep 'model.'")
+                    + (
+                        "loose top-level tensors beside them"
+                        if "" in model_votes
+                        else "safetensors storage"
+                        if md.serialization == "safetensors"
+                        else "optimizer fqns keep 'model.'"
+                    )
                     + "); --schema torch-native reads them as {'model': ...}"
                 )
             else:
@@ -390,7 +407,13 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
         model_prefix = None
     fqns = [sch.fqn_of(k) for k in model_keys]
     naming = model_naming(fqns)
-    tops = sorted({(planner.get(k) or (k.split(".", 1)[0],))[0] for k in md.entries if isinstance((planner.get(k) or (k.split(".", 1)[0],))[0], str)})
+    tops = sorted(
+        {
+            (planner.get(k) or (k.split(".", 1)[0],))[0]
+            for k in md.entries
+            if isinstance((planner.get(k) or (k.split(".", 1)[0],))[0], str)
+        }
+    )
     training = tuple(t for t in tops if t in TRAINING_STATE_ITEMS)
     keying = None
     if opt_prefix is not None:
@@ -469,7 +492,11 @@ def _overridden(md: CheckpointMetadata, ov: SchemaOverride, tensors: list[str]) 
         keying = "index" if _index_keyed(md, f"{opt_prefix}state.", set(fqns)) else "fqn"
     given = ", ".join(
         f"{n} {v!r}"
-        for n, v in (("schema", ov.schema), ("model prefix", ov.model_prefix), ("optimizer prefix", ov.optimizer_prefix))
+        for n, v in (
+            ("schema", ov.schema),
+            ("model prefix", ov.model_prefix),
+            ("optimizer prefix", ov.optimizer_prefix),
+        )
         if v is not None
     )
     reasons = (f"given on the command line ({given}): {len(model_keys)} model tensor(s)",)

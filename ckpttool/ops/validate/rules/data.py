@@ -55,7 +55,7 @@ def step_not_count(ctx: Context) -> Iterator[tuple[str, str]]:
         if "step" not in ps.fields:
             continue
         t = ps.fields["step"]
-        key = f"optimizer.state.{fqn}.step"
+        key = ctx.cat.state_key(fqn, "step")
         if t is None:
             v = dr.byte_values.get(key)
             values = [float(v)] if isinstance(v, (int, float)) and not isinstance(v, bool) else None
@@ -91,3 +91,22 @@ def master_divergence(ctx: Context) -> Iterator[tuple[str, str]]:
                     f"dtype (max |diff| {p.max_diff:.4g})"
                 ),
             )
+
+
+@rule(
+    "D005",
+    "synthesized-optimizer-state",
+    Severity.warning,
+    "optimizer state that torch made up rather than a step: step = 1 with all-zero exp_avg and exp_avg_sq "
+    "(get_optimizer_state_dict / torchtitan's init_optim_state on an optimizer that never stepped)",
+    "the optimizer had not stepped when it was saved; a resume would bias-correct as if one step had run: save "
+    "after the first real step, or drop the optimizer state of these parameters",
+    needs=("deep",),
+)
+def synthesized_optimizer_state(ctx: Context) -> Iterator[tuple[str, str]]:
+    from ckpttool.ops.state_checks import synthesized_from_stats
+
+    fqns = synthesized_from_stats(ctx.cat, ctx.deep_result)
+    if fqns:
+        more = f" and {len(fqns) - 1} more" if len(fqns) > 1 else ""
+        yield fqns[0], f"{fqns[0]}{more}: step 1 with all-zero exp_avg and exp_avg_sq ({len(fqns)} parameter(s))"
