@@ -128,7 +128,23 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
     con = stdout_console()
     s = ov.summary
     con.print(f"checkpoint  {ov.path}")
-    con.print(f"dcp version {ov.dcp_version or '-'}")
+    loc = ov.location
+    if loc is not None and (loc.model != loc.given or loc.optimizer is not None):
+        pair = f" + optimizer {loc.optimizer}" if loc.optimizer is not None else ""
+        con.print(f"opened      {loc.model}{pair} ({loc.how})")
+    con.print(
+        f"dcp version {ov.dcp_version or '-'}" + ("; safetensors storage" if ov.serialization == "safetensors" else "")
+    )
+    if ov.schema is not None:
+        sch = ov.schema
+        mp = "-" if sch.model_prefix is None else (repr(sch.model_prefix) if sch.model_prefix else "top level")
+        con.print(
+            f"key schema  {sch.id} ({sch.source}): model {mp}, optimizer {sch.optimizer_prefix or '-'}"
+            + (f" by {sch.optimizer_keying}" if sch.optimizer_keying else "")
+            + f", {sch.naming} names"
+        )
+        for why in sch.reasons:
+            con.print(f"            - {why}")
     con.print(
         f"files       {s.files} data files from ranks {list(s.ranks) or '-'}, {human_bytes(s.bytes_on_disk)} on disk"
     )
@@ -235,10 +251,13 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
                 table("EP geometry", list(rows_g[0].keys()) if rows_g else [], [list(r.values()) for r in rows_g])
             )
         if lay.ambiguous:
+            pairs = sorted({tuple(pf) for c in (lay.candidates or {}).values() for pf in c})
+            fits = ", ".join(f"{p}x{f}" for p, f in pairs[:6])
             con.print(
-                f"ambiguous   {len(lay.ambiguous)} EP tensors have EP and FSDP on the expert dim and no layout "
+                f"ambiguous   {len(lay.ambiguous)} EP tensors have their expert dim split into blocks that EP and "
+                f"EP-FSDP may both have sharded{f' (ep_size x ep_fsdp_size {fits})' if fits else ''}, and no layout "
                 "record: the expert order is unknown; declare it with --source-layout legacy|canonical "
-                "--ep-size P --ep-fsdp-size F, or record it with `ckpttool stamp`"
+                "--ep-size P --ep-fsdp-size F (or `ckpttool stamp`), or --no-ep for a save without expert parallelism"
             )
     elif ov.layout_error is not None:
         con.print(f"layout      error: [{ov.layout_error.code}] {ov.layout_error.message}")
@@ -250,11 +269,21 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
             + (f", keys {', '.join(e.keys)}" if e.keys else "")
         )
     if ov.byte_items:
-        pg = [(k, n) for k, n in ov.byte_items if k.startswith("optimizer.param_groups.")]
-        rest = [(k, n) for k, n in ov.byte_items if not k.startswith("optimizer.param_groups.")]
+        pg = [(k, n) for k, n in ov.byte_items if ".param_groups." in f".{k}"]
+        rest = [(k, n) for k, n in ov.byte_items if ".param_groups." not in f".{k}"]
         if pg:
             con.print(f"byte items  {len(pg)} param-group items ({human_bytes(sum(n for _, n in pg))})")
         if rest:
             con.print(table("byte items", ["key", "bytes"], [[k, n] for k, n in rest[:max_rows]]))
     if ov.other_keys:
         con.print(f"other keys  {', '.join(ov.other_keys[:20])}")
+    if ov.uncategorized_tensors:
+        sys.stderr.write(
+            safe_text(
+                f"warning: {len(ov.uncategorized_tensors)} tensor(s) belong to no known category (not model, "
+                f"optimizer or training state), e.g. {ov.uncategorized_tensors[0]}; see --model-prefix"
+            )
+            + "\n"
+        )
+    if ov.non_persistent_buffers:
+        con.print(f"non-persistent buffers saved as keys: {', '.join(ov.non_persistent_buffers[:5])}")

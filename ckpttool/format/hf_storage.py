@@ -206,7 +206,8 @@ def load_hf_storage_metadata(path: Path) -> CheckpointMetadata:
         for key, rec in header.items():
             if not isinstance(rec, dict):
                 raise _bad(p, f"entry {key!r:.80} is not an object")
-            dtype = SAFETENSORS_TAGS.get(rec.get("dtype")) if isinstance(rec.get("dtype"), str) else None
+            tag = rec.get("dtype")
+            dtype = SAFETENSORS_TAGS.get(tag) if isinstance(tag, str) else None
             if dtype is None:
                 raise _bad(p, f"{key!r:.80} has dtype {rec.get('dtype')!r:.20} unknown to ckpttool")
             shape = _int_list(rec.get("shape"))

@@ -180,14 +180,13 @@ class ResolvedLayout:
         ]
 
     def ambiguity_hint(self) -> str:
-        """The fix for :attr:`ambiguous` tensors: the candidate meshes and ``--no-ep``."""
+        """The fix for :attr:`ambiguous` tensors: declare the mesh (candidates listed) or ``no_ep``."""
         pairs = sorted({pf for k in self.ambiguous for pf in self.candidates.get(k, ())})
-        shown = ", ".join(f"(ep_size {p}, ep_fsdp_size {f})" for p, f in pairs[:6])
-        fits = f"the chunks fit {shown}; " if shown else ""
+        shown = ", ".join(f"ep_size {p} x ep_fsdp_size {f}" for p, f in pairs[:6])
         return (
-            f"{fits}declare the saving mesh with `source_layout` legacy|canonical `ep_size` P `ep_fsdp_size` F "
-            "(or record it once with `ckpttool stamp`), or `no_ep` if the checkpoint was saved without expert "
-            "parallelism (plain FSDP)"
+            "declare it with `source_layout` legacy|canonical `ep_size` P `ep_fsdp_size` F (or record it once with "
+            "`ckpttool stamp`)" + (f"; the chunks fit {shown}" if shown else "") + ", or pass `no_ep` if the "
+            "checkpoint was saved without expert parallelism (plain FSDP)"
         )
 
     def require_unambiguous(self) -> None:
@@ -362,19 +361,21 @@ def resolve_layout(
     """
     rec = load_layout_record(cat, reader)
     where = str(cat.path)
-    prefixes = {"model_prefix": cat.schema.model_prefix or "", "state_prefix": cat.schema.state_prefix}
+    mp, sp = cat.schema.model_prefix or "", cat.schema.state_prefix
     if rec is not None:
         if declaration is not None:
             _check_declaration_against_record(declaration, rec, where)
         source = "embedded" if cat.has_layout_item else "sidecar"
         ep = dict(rec.extra_parallel)
-        return ResolvedLayout(rec.version, source, rec, rec.ep_size, rec.ep_fsdp_size, ep, declaration, **prefixes)
+        return ResolvedLayout(
+            rec.version, source, rec, rec.ep_size, rec.ep_fsdp_size, ep, declaration, model_prefix=mp, state_prefix=sp
+        )
     ep = detect_ep_tensors(cat)
     if declaration is None:
         candidates = {k: tuple(ep_split_candidates(cat.model[k], s)) for k, s in ep.items() if s.fsdp_dim == s.ep_dim}
-        return ResolvedLayout(None, "none", None, None, None, ep, None, candidates, **prefixes)
+        return ResolvedLayout(None, "none", None, None, None, ep, None, candidates, model_prefix=mp, state_prefix=sp)
     if declaration.no_ep:
-        return ResolvedLayout(2, "declared", None, 1, None, ep, declaration, **prefixes)
+        return ResolvedLayout(2, "declared", None, 1, None, ep, declaration, model_prefix=mp, state_prefix=sp)
     for key, spec in ep.items():
         geo = tensor_geometry(
             cat.model[key],
@@ -399,5 +400,6 @@ def resolve_layout(
         declaration.ep_fsdp_size,
         ep,
         declaration,
-        **prefixes,
+        model_prefix=mp,
+        state_prefix=sp,
     )

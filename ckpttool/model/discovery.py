@@ -278,7 +278,7 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
     units = _units(root, found)
     how = ""
     if sel.step is not None:
-        want = sel.step
+        want: int | str | None = sel.step
         if want == "latest":
             want = _latest_step(root)
             source = "the `latest` file"

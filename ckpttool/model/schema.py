@@ -401,7 +401,37 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
         if not opt_prefix.startswith(app):
             reasons.append(f"optimizer keys under {opt_prefix!r} do not share the model's {app!r} prefix")
 
-    sch = KeySchema("unrecognized", model_prefix, opt_prefix, _model_head=_head(model_prefix or ""))
+    use_paths = bool(planner)
+    if opt_prefix is not None:
+        # The optimizer names the parameters: the model prefix under which its fqns are model keys
+        # wins over the nesting planner_data shows (a checkpoint re-saved as a flat dict keeps
+        # "model.<fqn>" keys at the top level).
+        sp = f"{opt_prefix}state."
+        heads: set[str] = set()
+        for key in md.entries:
+            if key.startswith(sp):
+                parts = key[len(sp) :].split(".")
+                heads.update(".".join(parts[:i]) for i in range(1, len(parts)))
+        loose = [k for k in tensors if not k.startswith(opt_prefix)]
+
+        def matches(prefix: str) -> int:
+            return sum(1 for k in loose if k.startswith(prefix) and k[len(prefix) :] in heads)
+
+        apps = {f"{k.split('.', 1)[0]}.model." for k in loose if k.split(".")[1:2] == ["model"]}
+        options = ["model.", "", *sorted(apps)]
+        best = max(options, key=lambda p: (matches(p), p == model_prefix))
+        if model_prefix is None or matches(best) > matches(model_prefix):
+            if matches(best):
+                if model_prefix is not None:
+                    reasons.append(
+                        f"the optimizer's fqns name the model keys under {best!r} "
+                        f"({'top level' if not model_prefix else repr(model_prefix)} by the nesting of the keys)"
+                    )
+                model_prefix, use_paths = best, False
+
+    sch = KeySchema(
+        "unrecognized", model_prefix, opt_prefix, _model_head=_head(model_prefix or ""), _use_paths=use_paths
+    )
     model_keys = [k for k in tensors if sch.is_model_candidate(k, planner.get(k))]
     if model_prefix is not None and not model_keys:
         model_prefix = None
@@ -436,7 +466,9 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
         sid = "top-level"
     if model_prefix is not None:
         where = f"under {model_prefix!r}" if model_prefix else "at the top level of the saved dict"
-        reasons.append(f"{len(model_keys)} model tensor(s) {where}, found by {how}")
+        reasons.append(
+            f"{len(model_keys)} model tensor(s) {where}" + (f", found by {how}" if use_paths or not planner else "")
+        )
     else:
         reasons.append("no model tensors: optimizer state only (pair it with its model checkpoint)")
     if opt_prefix is not None:
@@ -460,6 +492,7 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
         tuple(reasons),
         training,
         _head(model_prefix or ""),
+        use_paths,
     )
 
 

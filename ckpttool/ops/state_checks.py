@@ -1,4 +1,4 @@
-"""Optimizer-state checks that read values, shared by ``validate --deep`` (rule ``D005``) and ``replay-step``.
+"""Optimizer-state checks that read values, shared by ``validate --deep`` (rule ``D005``, on the deep pass's statistics) and ``replay-step``.
 
 *Synthesized state*: ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (and
 torchtitan's ``init_optim_state``) on an optimizer that never stepped first runs a step with
@@ -18,9 +18,8 @@ from ckpttool.model.catalog import Catalog, TensorEntry
 
 if TYPE_CHECKING:
     from ckpttool.format.reader import CheckpointReader
-    from ckpttool.ops.validate.stats import DeepResult
 
-__all__ = ["MOMENTS", "is_synthesized", "synthesized_from_stats", "synthesized_params"]
+__all__ = ["MOMENTS", "is_synthesized", "synthesized_params"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -29,28 +28,6 @@ def is_synthesized(step: float | None, moments_zero: Iterable[bool | None]) -> b
     """The one predicate: ``step == 1`` and every moment known to be all zero."""
     zeros = list(moments_zero)
     return step == 1.0 and len(zeros) == len(MOMENTS) and all(z is True for z in zeros)
-
-
-def synthesized_from_stats(cat: Catalog, deep: DeepResult | None) -> list[str]:
-    """Parameters whose state is synthesized, from the statistics of the ``--deep`` pass."""
-    if deep is None:
-        return []
-    out = []
-    for fqn, ps in cat.optimizer_state.items():
-        step = ps.fields.get("step")
-        if not isinstance(step, TensorEntry) or not all(isinstance(ps.fields.get(m), TensorEntry) for m in MOMENTS):
-            continue
-        st = deep.stats.get(step.key)
-        value = st.values[0] if st is not None and len(st.values) == 1 else None
-        zeros = []
-        for m in MOMENTS:
-            entry = ps.fields[m]
-            assert entry is not None
-            ms = deep.stats.get(entry.key)
-            zeros.append(ms.zero if ms is not None and ms.numel == entry.numel else None)
-        if is_synthesized(value, zeros):
-            out.append(fqn)
-    return out
 
 
 def synthesized_params(reader: CheckpointReader, cat: Catalog, fqns: Iterable[str]) -> list[str]:

@@ -36,7 +36,8 @@ def test_unversioned_same_dim_fixtures_are_ambiguous(ep_suite: Path) -> None:
         assert sorted(lay.ambiguous) == sorted(k for k in cat.model if ".experts." in k) and len(lay.ambiguous) == 4
         with pytest.raises(LayoutError) as ei:
             lay.require_unambiguous()
-        assert ei.value.code == "E405" and "--source-layout" in ei.value.hint
+        assert ei.value.code == "E405" and "`source_layout`" in ei.value.hint and "`no_ep`" in ei.value.hint
+        assert "ep_size 2 x ep_fsdp_size 2" in ei.value.hint  # the candidate mesh, from the chunks
         geo = {g.key: g for g in lay.geometry(cat)}
         assert geo[DOWN].blocks_per_dim == (4, 1, 1) and geo[DOWN].same_dim and geo[DOWN].fsdp_dim == 0
         assert geo[DOWN].ranks == (0, 1, 2, 3) and geo[DOWN].problems == () and geo[DOWN].num_experts == 8

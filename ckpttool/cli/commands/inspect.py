@@ -13,9 +13,16 @@ from ckpttool.cli.options import (
     EpSizeOpt,
     FilterOpt,
     JsonOpt,
+    ModelPrefixOpt,
+    NoEpOpt,
+    OptimizerDirOpt,
+    OptimizerPrefixOpt,
+    SchemaOpt,
     SourceLayoutOpt,
+    StepOpt,
     TrustPickleOpt,
     declaration,
+    selection,
 )
 from ckpttool.cli.output import Output, command_boundary
 
@@ -39,6 +46,12 @@ def inspect_command(
     source_layout: SourceLayoutOpt = None,
     ep_size: EpSizeOpt = None,
     ep_fsdp_size: EpFsdpSizeOpt = None,
+    no_ep: NoEpOpt = False,
+    step: StepOpt = None,
+    optimizer_dir: OptimizerDirOpt = None,
+    schema: SchemaOpt = None,
+    model_prefix: ModelPrefixOpt = None,
+    optimizer_prefix: OptimizerPrefixOpt = None,
 ) -> None:
     """Show what a checkpoint holds, from .metadata alone (reads no tensor data)."""
     from ckpttool.cli.render import render_overview
@@ -46,12 +59,13 @@ def inspect_command(
     from ckpttool.ops.inspect import InspectOptions, inspect
 
     options = InspectOptions(filter_glob=filter_glob, depth=depth, sort=sort.value)
-    decl = declaration(source_layout, ep_size, ep_fsdp_size)
+    decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
+    sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
     # One GC pause for reading and printing, and the result freed before it ends: re-enabling the
     # collector runs a full collection over whatever is still alive (10^7 objects at 10^6 entries).
     with gc_paused():
         Output(json_output).result(
-            inspect(checkpoint, options, declaration=decl, trust_pickle=trust_pickle), render_overview
+            inspect(checkpoint, options, declaration=decl, trust_pickle=trust_pickle, selection=sel), render_overview
         )
 
 

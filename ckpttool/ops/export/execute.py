@@ -522,8 +522,7 @@ def _export(
     plan.warnings = warnings
     plan.skipped = skipped
     plan.tied = tied
-    dropped = {s.model_key for s in selected if s.out_key in drop}
-    missing = unaccounted_tensors(cat, plan, dropped)
+    missing = unaccounted_tensors(cat, plan, {s.model_key for s in selected if s.out_key in drop})
     if missing:
         raise ExportAccountingError(
             f"{checkpoint}: {len(missing)} tensor(s) would be neither exported nor listed as skipped "

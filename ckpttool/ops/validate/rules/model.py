@@ -319,7 +319,7 @@ def dtype_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
 @rule(
     "M009",
     "non-persistent-buffer-saved",
-    Severity.warning,
+    Severity.info,
     "a buffer that models register as non-persistent (rotary_emb.inv_freq, rope caches, attention masks, "
     "token counters) is stored as a model key (metadata only)",
     "it is recomputed from the config when the model is built, so the save used a state dict that includes "
