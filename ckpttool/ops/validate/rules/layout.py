@@ -93,7 +93,8 @@ def ep_layout_ambiguous(ctx: Context) -> Iterator[tuple[str, str, str]]:
                 f"{amb[0]}{more}: the expert dim is split into blocks that EP and EP-FSDP may both have sharded "
                 f"({fits or 'sizes unknown'}) and there is no layout record; the stored expert order is unknown"
             ),
-            ctx.layout.ambiguity_hint().replace("`source_layout`", "--source-layout")
+            ctx.layout.ambiguity_hint()
+            .replace("`source_layout`", "--source-layout")
             .replace("`ep_size`", "--ep-size")
             .replace("`ep_fsdp_size`", "--ep-fsdp-size")
             .replace("`no_ep`", "--no-ep"),
