@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import AmbiguousCheckpointError, MetadataError, SchemaError, StepNotFoundError, UsageError
-from ckpttool.format.directory import METADATA_NAME
+from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
 from ckpttool.format.hf_storage import hf_storage_files
 from ckpttool.format.metadata import CheckpointMetadata, StorageInfo
 from ckpttool.model.schema import SchemaOverride
@@ -274,7 +274,18 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
         return Located(root, root, opt)
     found = find_checkpoints(root)
     if not found:
-        return Located(root, root, opt)
+        try:
+            partial = any(DATA_FILE_RE.match(n) for n in os.listdir(root))
+        except OSError:
+            partial = True
+        if partial:  # .distcp files without .metadata: opening it reports the incomplete save (E202)
+            return Located(root, root, opt)
+        raise MetadataError(
+            f"{root}: no .metadata, and no DCP checkpoint in the {MAX_DEPTH} directory levels below it",
+            path=root,
+            hint="pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files), "
+            "or the run's checkpoint folder above the step directories",
+        )
     units = _units(root, found)
     how = ""
     if sel.step is not None:

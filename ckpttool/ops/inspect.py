@@ -275,7 +275,7 @@ class InspectResult:
         }
         if self.tree is not None:
             d["tree"] = [r.to_dict() for r in self.tree]
-        d["schema"] = self.schema.to_dict() if self.schema is not None else None
+        d["key_schema"] = self.schema.to_dict() if self.schema is not None else None
         d["location"] = self.location.to_dict() if self.location is not None else None
         d["serialization"] = self.serialization
         d["training_state"] = {k: list(v) for k, v in (self.training_state or {}).items()}

@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpttool.errors import AmbiguousCheckpointError, PathEscapeError, SchemaError, StepNotFoundError, UsageError
+from ckpttool.errors import (
+    AmbiguousCheckpointError,
+    MetadataError,
+    PathEscapeError,
+    SchemaError,
+    StepNotFoundError,
+    UsageError,
+)
 from ckpttool.model.checkpoint import open_checkpoint
 from ckpttool.model.discovery import CheckpointSelection, compose_pair, locate, step_of
 from tests.fixtures import damage
@@ -131,5 +138,14 @@ def test_a_part_cannot_reach_into_the_other_part(acc_root: Path, tmp_path: Path)
 
 def test_symlinked_dirs_are_not_followed(titan_root: Path, tmp_path: Path) -> None:
     os.symlink(titan_root / "moe" / "checkpoint" / "step-1", tmp_path / "step-1")
-    loc = locate(tmp_path)
-    assert loc.model == tmp_path  # nothing found below: opening it then says why (no .metadata)
+    with pytest.raises(MetadataError) as ei:
+        locate(tmp_path)
+    assert ei.value.code == "E200" and "no DCP checkpoint in the 3 directory levels below" in ei.value.message
+
+
+def test_incomplete_save_is_still_e202(tmp_path: Path) -> None:
+    (tmp_path / "__0_0.distcp").write_bytes(b"x")
+    from ckpttool.errors import IncompleteCheckpointError
+
+    with pytest.raises(IncompleteCheckpointError):
+        open_checkpoint(tmp_path)

@@ -20,7 +20,8 @@ def inspect_json(*args: str) -> dict:
 
 def test_torchtitan(titan_root: Path) -> None:
     d = inspect_json(str(titan_root / "llama3" / "checkpoint"), "--step", "latest")
-    assert d["schema"]["id"] == "torchtitan" and d["schema"]["model_prefix"] == ""
+    assert d["schema"] == "ckpttool.inspect/1"  # the document's schema id; the key schema is `key_schema`
+    assert d["key_schema"]["id"] == "torchtitan" and d["key_schema"]["model_prefix"] == ""
     assert d["location"]["step"] == 3 and d["location"]["model"].endswith("step-3")
     assert d["summary"]["model_tensor_count"] == 21 and d["optimizer"]["params_with_state"] == 0
     d = inspect_json(str(titan_root / "llama3" / "checkpoint" / "step-2"))
@@ -28,7 +29,7 @@ def test_torchtitan(titan_root: Path) -> None:
     assert d["optimizer"]["flavor"] == "flattened" and d["optimizer"]["params_with_state"] == 15
     assert set(d["training_state"]) == {"lr_scheduler", "dataloader", "train_state"}
     assert d["uncategorized_tensors"] == [] and d["serialization"] == "torch_save"
-    assert any("planner_data" in r for r in d["schema"]["reasons"])
+    assert any("planner_data" in r for r in d["key_schema"]["reasons"])
     # --filter works on fqns without any prefix
     f = inspect_json(str(titan_root / "llama3" / "checkpoint" / "step-2"), "--filter", "layers.0.feed_forward.*")
     assert [t["key"] for t in f["model"]] == [f"layers.0.feed_forward.w{i}.weight" for i in (1, 2, 3)]
@@ -43,7 +44,7 @@ def test_human_output_names_the_schema(acc_root: Path) -> None:
 
 def test_app_state_and_hf_storage(acc_root: Path) -> None:
     d = inspect_json(str(acc_root / "app_state"))
-    assert d["schema"]["id"] == "app-state" and d["optimizer"]["params_with_state"] == 21
+    assert d["key_schema"]["id"] == "app-state" and d["optimizer"]["params_with_state"] == 21
     d = inspect_json(str(acc_root / "hf_sharded"))
     assert d["serialization"] == "safetensors" and d["summary"]["ranks"] == [0, 1]
     assert d["summary"]["model_tensor_count"] == 21

@@ -44,7 +44,7 @@ def _states(ctx: Context) -> Iterator[tuple[str, dict[str, TensorEntry | None], 
     """``(fqn, fields, model entry)`` of every parameter with state that is in the model."""
     for fqn, ps in ctx.cat.optimizer_state.items():
         if ps.fields and ps.in_model:
-            yield fqn, ps.fields, ctx.cat.model.get(f"model.{fqn}")
+            yield fqn, ps.fields, ctx.cat.model_entry(fqn)
 
 
 def _membership_known(ctx: Context) -> bool:
