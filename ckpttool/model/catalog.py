@@ -349,10 +349,15 @@ def _entry(
     key: str, meta: TensorMeta, md_storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo]
 ) -> TensorEntry:
     get = md_storage.get
-    chunk_files = tuple(
-        info.relative_path if (info := get((key, c.offsets))) is not None else None for c in meta.chunks
-    )
-    ufiles = tuple(sorted({f for f in chunk_files if f is not None}))
+    chunks = meta.chunks
+    chunk_files: tuple[str | None, ...]
+    if len(chunks) == 1:
+        info = get((key, chunks[0].offsets))
+        chunk_files = (info.relative_path if info is not None else None,)
+        ufiles: tuple[str, ...] = (info.relative_path,) if info is not None else ()
+    else:
+        chunk_files = tuple([i.relative_path if (i := get((key, c.offsets))) is not None else None for c in chunks])
+        ufiles = tuple(sorted({f for f in chunk_files if f is not None}))
     ranks = tuple(sorted({r for r in map(_rank, ufiles) if r is not None}))
     return TensorEntry(
         key, meta.size, meta.dtype.name, meta.numel, meta.nbytes, meta.chunks, ranks, ufiles, chunk_files
@@ -400,10 +405,13 @@ def build_catalog(
     storage = md.storage
     planner = md.planner_data
     model: dict[str, TensorEntry] = {}
+    is_model = sch.model_test()
+    pget = planner.get
     for key, meta in md.entries.items():
-        if isinstance(meta, TensorMeta) and sch.is_model_candidate(key, planner.get(key)):
+        if type(meta) is TensorMeta and is_model(key, pget(key)):
             model[key] = _entry(key, meta, storage)
-    inv = _Inventory([sch.fqn_of(k) for k in model])
+    n_prefix = len(sch.model_prefix or "")  # every model key starts with it (model_test)
+    inv = _Inventory([k[n_prefix:] for k in model])
     state_prefix = sch.state_prefix
     groups_prefix = sch.groups_prefix
     opt_head = tuple(sch.optimizer_prefix[:-1].split(".")) if sch.optimizer_prefix else ()
