@@ -164,7 +164,7 @@ def open_checkpoint(
 
     ``path`` may also be a training run's checkpoint root, a step directory, or the parent of a
     model folder and its optimizer folder (:func:`~ckpttool.model.discovery.locate`); a pair (or
-    ``selection.optimizer``) opens as one checkpoint over both folders.
+    ``selection.optimizer_dir``) opens as one checkpoint over both folders.
 
     Args:
         path: the checkpoint directory (or a directory above it).

@@ -64,27 +64,27 @@ class CheckpointSelection:
 
     Attributes:
         step: ``None``, a step number, or ``"latest"`` (a ``latest`` file, else the highest step).
-        optimizer: a separate optimizer checkpoint directory (paired with the model checkpoint).
+        optimizer_dir: a separate optimizer checkpoint directory (paired with the model checkpoint).
         schema: a key-schema override (:class:`~ckpttool.model.schema.SchemaOverride`).
     """
 
     step: int | str | None = None
-    optimizer: Path | None = None
+    optimizer_dir: Path | None = None
     schema: SchemaOverride | None = None
 
     @classmethod
     def from_options(
         cls,
         step: str | int | None = None,
-        optimizer: str | os.PathLike[str] | None = None,
+        optimizer_dir: str | os.PathLike[str] | None = None,
         schema: SchemaOverride | None = None,
     ) -> CheckpointSelection | None:
-        """From ``--step/--optimizer`` (and a schema override); ``None`` when nothing is given.
+        """From ``--step/--optimizer-dir`` (and a schema override); ``None`` when nothing is given.
 
         Raises:
             UsageError: ``step`` is neither a non-negative integer nor ``latest``.
         """
-        if step is None and optimizer is None and schema is None:
+        if step is None and optimizer_dir is None and schema is None:
             return None
         if isinstance(step, str):
             text = step.strip().lower()
@@ -94,7 +94,7 @@ class CheckpointSelection:
                 step = int(text)
             else:
                 raise UsageError(f"`step` {step!r} is not a step number or 'latest'", param="step")
-        return cls(step, Path(optimizer) if optimizer is not None else None, schema)
+        return cls(step, Path(optimizer_dir) if optimizer_dir is not None else None, schema)
 
 
 @dataclass(frozen=True)
@@ -244,24 +244,24 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
 
     Args:
         path: a checkpoint directory, a step directory, or a training run's checkpoint root.
-        selection: ``step`` and a separate ``optimizer`` directory.
+        selection: ``step`` and a separate ``optimizer_dir`` directory.
 
     Returns:
         The :class:`Located` checkpoint (its ``model`` directory holds ``.metadata`` or safetensors
         files, unless nothing was found: then ``model`` is ``path`` and opening it reports why).
 
     Raises:
-        UsageError: ``path`` is not a directory; ``optimizer`` is not a checkpoint directory.
+        UsageError: ``path`` is not a directory; ``optimizer_dir`` is not a checkpoint directory.
         AmbiguousCheckpointError (E204): several checkpoints below ``path`` and no ``step`` that picks one.
         StepNotFoundError (E205): no checkpoint below ``path`` has ``step``.
     """
     root = Path(path)
     sel = selection or CheckpointSelection()
-    opt = sel.optimizer
+    opt = sel.optimizer_dir
     if opt is not None and not is_checkpoint_dir(opt):
         raise UsageError(
-            f"`optimizer` {opt}: not a DCP checkpoint directory (no .metadata)",
-            param="optimizer",
+            f"`optimizer_dir` {opt}: not a DCP checkpoint directory (no .metadata)",
+            param="optimizer_dir",
             hint="pass the optimizer folder that dcp.save wrote (e.g. checkpoint-N/optimizer_0)",
         )
     if not root.is_dir() or is_checkpoint_dir(root):
@@ -337,9 +337,9 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
     u = units[0]
     if opt is not None and u.optimizer is not None:
         raise UsageError(
-            f"`optimizer` given, but {u.model.parent} pairs {u.model.name} with {u.optimizer.name} already",
-            param="optimizer",
-            hint="drop `optimizer`, or pass the model folder itself",
+            f"`optimizer_dir` given, but {u.model.parent} pairs {u.model.name} with {u.optimizer.name} already",
+            param="optimizer_dir",
+            hint="drop `optimizer_dir`, or pass the model folder itself",
         )
     if not how:
         how = "the only checkpoint below the directory given"
@@ -369,13 +369,13 @@ def compose_pair(
     """
     a, b = model_dir.resolve(), optim_dir.resolve()
     if a == b:
-        raise UsageError(f"`optimizer` {optim_dir} is the model checkpoint itself", param="optimizer")
+        raise UsageError(f"`optimizer_dir` {optim_dir} is the model checkpoint itself", param="optimizer_dir")
     root = Path(os.path.commonpath([a, b]))
     pa, pb = str(a.relative_to(root)), str(b.relative_to(root))
     if pa in (".", "") or pb in (".", ""):
         raise UsageError(
-            f"`optimizer` {optim_dir} and {model_dir}: one lies inside the other",
-            param="optimizer",
+            f"`optimizer_dir` {optim_dir} and {model_dir}: one lies inside the other",
+            param="optimizer_dir",
             hint="pass two sibling checkpoint folders",
         )
     both = [k for k in model_md.entries if k in optim_md.entries]
@@ -383,13 +383,13 @@ def compose_pair(
         raise SchemaError(
             f"{model_dir} and {optim_dir} both hold {both[0]!r}"
             + (f" (+{len(both) - 1} more)" if len(both) > 1 else ""),
-            param="optimizer",
+            param="optimizer_dir",
             hint="pass a model-only checkpoint and an optimizer-only checkpoint",
         )
     if model_md.serialization != optim_md.serialization:
         raise SchemaError(
             f"{model_dir} and {optim_dir} are stored differently ({model_md.serialization} vs {optim_md.serialization})",
-            param="optimizer",
+            param="optimizer_dir",
         )
     md = CheckpointMetadata(
         entries={**model_md.entries, **optim_md.entries},

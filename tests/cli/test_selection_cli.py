@@ -60,3 +60,9 @@ def test_parent_without_checkpoints_says_what_it_searched(tmp_path: Path) -> Non
     (tmp_path / "empty").mkdir()
     err, _ = fail("inspect", str(tmp_path))
     assert err.startswith("error: [E200]") and "no DCP checkpoint in the 3 directory levels below it" in err
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "validate", "replay-step"])
+def test_optimizer_dir_that_is_not_a_checkpoint(cmd: str, dense_ckpt: Path, tmp_path: Path) -> None:
+    err, hint = fail(cmd, str(dense_ckpt), "--optimizer-dir", str(tmp_path))
+    assert err.startswith(f"error: [E100] --optimizer-dir {tmp_path}: not a DCP checkpoint directory"), err

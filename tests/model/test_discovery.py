@@ -107,13 +107,13 @@ def test_accelerate_root_with_two_steps_is_ambiguous(acc_root: Path) -> None:
 
 def test_optimizer_dir_given_separately(acc_root: Path) -> None:
     c1 = acc_root / "accelerate" / "checkpoint-1"
-    sel = CheckpointSelection(optimizer=c1 / "optimizer_0")
+    sel = CheckpointSelection(optimizer_dir=c1 / "optimizer_0")
     with open_checkpoint(c1 / "pytorch_model_fsdp_0", selection=sel) as ck:
         assert len(ck.catalog.optimizer_state) == 21 and ck.path == c1
     with pytest.raises(UsageError, match="pairs pytorch_model_fsdp_0 with optimizer_0 already"):
         locate(c1, sel)
     with pytest.raises(UsageError, match="not a DCP checkpoint directory"):
-        locate(c1 / "pytorch_model_fsdp_0", CheckpointSelection(optimizer=acc_root))
+        locate(c1 / "pytorch_model_fsdp_0", CheckpointSelection(optimizer_dir=acc_root))
 
 
 def test_pair_with_shared_keys_is_refused(acc_root: Path) -> None:
