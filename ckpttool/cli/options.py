@@ -114,7 +114,10 @@ class SchemaChoice(str, Enum):
 StepOpt = Annotated[
     str | None,
     typer.Option(
-        "--step", help="With a directory of several checkpoints: the step to use (N or latest).", show_default=False
+        "--step",
+        metavar="N|latest",
+        help="With a directory of several checkpoints: the step to use (N or latest).",
+        show_default=False,
     ),
 ]
 OptimizerDirOpt = Annotated[

@@ -37,6 +37,7 @@ def hf_dirs(acc_root: Path, titan_root: Path) -> list[Path]:
     return [acc_root / "hf_sharded", acc_root / "hf_consolidated", titan_root / "llama3_hf" / "checkpoint" / "step-1"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", [0, 1, 2], ids=["distributed", "consolidated", "torchtitan-last_save_in_hf"])
 def test_every_tensor_equals_torchs_reader(acc_root: Path, titan_root: Path, which: int) -> None:
     path = hf_dirs(acc_root, titan_root)[which]
@@ -49,6 +50,7 @@ def test_every_tensor_equals_torchs_reader(acc_root: Path, titan_root: Path, whi
             assert got.dtype == t.dtype and torch.equal(got, t), key
 
 
+@pytest.mark.slow
 def test_distributed_save_keeps_each_ranks_chunk(acc_root: Path) -> None:
     md = load_hf_storage_metadata(acc_root / "hf_sharded")
     emb = md.entries["model.embed_tokens.weight"]
@@ -61,6 +63,7 @@ def test_distributed_save_keeps_each_ranks_chunk(acc_root: Path) -> None:
         assert loc.raw and loc.nbytes == loc.info.length  # the window is the chunk's raw bytes
 
 
+@pytest.mark.slow
 def test_consolidated_dir_reads_the_consolidated_files_not_sharded(acc_root: Path) -> None:
     names = hf_storage_files(acc_root / "hf_consolidated")
     assert names and all(n.startswith("model-") for n in names)

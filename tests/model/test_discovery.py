@@ -26,6 +26,8 @@ from ckpttool.model.checkpoint import open_checkpoint
 from ckpttool.model.discovery import CheckpointSelection, compose_pair, locate, step_of
 from tests.fixtures import damage
 
+pytestmark = pytest.mark.slow  # fixtures written by multi-rank gloo jobs of the real trainers
+
 
 @pytest.mark.parametrize(
     "name,step",
@@ -149,3 +151,14 @@ def test_incomplete_save_is_still_e202(tmp_path: Path) -> None:
 
     with pytest.raises(IncompleteCheckpointError):
         open_checkpoint(tmp_path)
+
+
+def test_step_folder_with_model_and_optimizer_folders(acc_root: Path, tmp_path: Path) -> None:
+    src = acc_root / "accelerate" / "checkpoint-1"
+    for step in (5, 6):
+        shutil.copytree(src / "pytorch_model_fsdp_0", tmp_path / f"step-{step}" / "model")
+        shutil.copytree(src / "optimizer_0", tmp_path / f"step-{step}" / "optimizer")
+    loc = locate(tmp_path, CheckpointSelection(step="latest"))
+    assert (loc.model, loc.optimizer, loc.step) == (tmp_path / "step-6" / "model", tmp_path / "step-6" / "optimizer", 6)
+    with open_checkpoint(tmp_path / "step-5") as ck:
+        assert ck.located.optimizer == tmp_path / "step-5" / "optimizer" and len(ck.catalog.optimizer_state) == 21

@@ -19,6 +19,8 @@ from ckpttool.model.checkpoint import open_checkpoint
 from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.schema import SchemaOverride
 
+pytestmark = pytest.mark.slow  # fixtures written by multi-rank gloo jobs of the real trainers
+
 
 def _titan(titan_root: Path, run: str, step: int) -> Path:
     return titan_root / run / "checkpoint" / f"step-{step}"

@@ -16,6 +16,8 @@ import torch.distributed.checkpoint as dcp
 
 from tests.ops.export.test_export import export_cli, read_export, torch_load
 
+pytestmark = pytest.mark.slow  # fixtures written by multi-rank gloo jobs of the real trainers
+
 
 def assert_clean_failure(res, code: str, *needles: str) -> None:  # type: ignore[no-untyped-def]
     """Exit 2, nothing on stdout, an `error: [CODE]` line and a `hint:` line holding the needles."""

@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
+
+pytestmark = pytest.mark.slow  # fixtures written by multi-rank gloo jobs of the real trainers
 
 runner = CliRunner()
 

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
 from tests.ops.export.test_export import torch_load
+
+pytestmark = pytest.mark.slow  # fixtures written by multi-rank gloo jobs of the real trainers
 
 runner = CliRunner()
 

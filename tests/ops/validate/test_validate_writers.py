@@ -20,6 +20,8 @@ from typer.testing import CliRunner
 from ckpttool.cli.app import app
 from ckpttool.model.catalog import build_catalog
 
+pytestmark = pytest.mark.slow  # fixtures written by multi-rank gloo jobs of the real trainers
+
 runner = CliRunner()
 
 
