@@ -36,6 +36,10 @@ __all__ = [
     "MetadataError",
     "UnsafePickleError",
     "IncompleteCheckpointError",
+    "AmbiguousCheckpointError",
+    "StepNotFoundError",
+    "SchemaError",
+    "IndexedOptimizerStateError",
     "DataFileError",
     "ChunkError",
     "TransformError",
@@ -56,6 +60,8 @@ __all__ = [
     "HyperparameterError",
     "OutputError",
     "ExportError",
+    "ExportNamingError",
+    "ExportAccountingError",
     "ReshardError",
     "ReplayMismatchError",
     "error_class",
@@ -166,6 +172,37 @@ class IncompleteCheckpointError(MetadataError):
 
     code = "E202"
     default_hint = "the save did not finish (crashed or async save still running); use an earlier checkpoint"
+
+
+class AmbiguousCheckpointError(MetadataError):
+    """A directory without ``.metadata`` holding several checkpoints below it: which one is not clear."""
+
+    code = "E204"
+    default_hint = "pass one of the listed directories, or pick a step with --step N|latest"
+
+
+class StepNotFoundError(MetadataError):
+    """``--step N`` names a step that no checkpoint below the directory has."""
+
+    code = "E205"
+    default_hint = "pass one of the listed steps, or --step latest"
+
+
+class SchemaError(MetadataError):
+    """The key schema cannot be used: an override prefix that matches nothing, or keys no command can map."""
+
+    code = "E250"
+    default_hint = "`ckpttool inspect` shows the keys; give the prefixes with --model-prefix/--optimizer-prefix"
+
+
+class IndexedOptimizerStateError(SchemaError):
+    """Optimizer state keyed by parameter index (a plain ``optimizer.state_dict()``): it cannot be mapped to parameters."""
+
+    code = "E251"
+    default_hint = (
+        "re-save the optimizer with torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optimizer), "
+        "which keys state by parameter fqn"
+    )
 
 
 # --------------------------------------------------------------------------- E3xx data
@@ -308,6 +345,20 @@ class ExportError(CkptError):
 
     code = "E601"
     default_hint = "see `ckpttool export --help`"
+
+
+class ExportNamingError(ExportError):
+    """Model tensors whose names have no Hugging Face mapping (torchtitan naming needs an adapter)."""
+
+    code = "E603"
+    default_hint = "keep the DCP checkpoint, or convert the names with a model-specific adapter first"
+
+
+class ExportAccountingError(ExportError):
+    """A tensor that export would neither write nor list as skipped with a reason."""
+
+    code = "E604"
+    default_hint = "this is a ckpttool bug: report it with `ckpttool inspect --json` of the checkpoint"
 
 
 class ReshardError(CkptError):

@@ -67,3 +67,47 @@ def ep_suite(fixture_root: Path) -> Path:
 def per_expert_ckpt(fixture_root: Path) -> Path:
     """Per-expert MoE keys where EP rank 0 saved only its local experts 0..3 (of 8) under local names."""
     return cached_build(fixture_root, "validate_per_expert", builders.build_per_expert)
+
+
+# ------------------------------------------------------------------ third-party writers (tests/fixtures/writers.py)
+def _writer(fixture_root: Path, name: str, build: str, *modules: str) -> Path:
+    from tests.fixtures import writers
+
+    why = writers.missing(*modules)
+    if why:
+        pytest.skip(why)
+    return cached_build(fixture_root, name, getattr(writers, build))
+
+
+@pytest.fixture(scope="session")
+def titan_root(fixture_root: Path) -> Path:
+    """torchtitan CheckpointManager saves: llama3/, llama3_hf/, llama3_fresh/, moe/ (each .../checkpoint/step-N)."""
+    return _writer(fixture_root, "writers_torchtitan", "build_torchtitan", "torchtitan.components.checkpoint", "triton")
+
+
+@pytest.fixture(scope="session")
+def acc_root(fixture_root: Path) -> Path:
+    """Accelerate pairs (accelerate/checkpoint-{0,1}), app_state/, hf_sharded/, hf_consolidated/, moe_fsdp2/."""
+    return _writer(
+        fixture_root, "writers_accelerate", "build_accelerate", "accelerate.utils.fsdp_utils", "transformers"
+    )
+
+
+@pytest.fixture(scope="session")
+def moe4_root(fixture_root: Path) -> Path:
+    """moe_fsdp4/: a transformers Qwen3-MoE under plain FSDP2 on 4 ranks."""
+    return _writer(fixture_root, "writers_moe4", "build_moe4", "transformers")
+
+
+@pytest.fixture(scope="session")
+def plain_root(fixture_root: Path) -> Path:
+    """plain_optimizer/ (optimizer.state_dict(), index-keyed) and flat_hf/ (dcp.save(model.state_dict()))."""
+    return _writer(fixture_root, "writers_plain", "build_plain", "transformers")
+
+
+@pytest.fixture(scope="session")
+def ep_multichunk_ckpt(fixture_root: Path) -> Path:
+    """EP 2 via torch ShardedTensor: every EP rank saved its experts as 2 chunks (tests/fixtures/writers.py)."""
+    from tests.fixtures import writers
+
+    return cached_build(fixture_root, "writers_ep_multichunk", writers.build_ep_multichunk)

@@ -27,6 +27,7 @@ from ckpttool.format.metadata import dtype_name
 
 if TYPE_CHECKING:
     from ckpttool.model.declaration import LayoutDeclaration
+    from ckpttool.model.discovery import CheckpointSelection
 
 __all__ = [
     "CheckpointArg",
@@ -34,6 +35,12 @@ __all__ = [
     "EpSizeOpt",
     "FilterOpt",
     "JsonOpt",
+    "ModelPrefixOpt",
+    "NoEpOpt",
+    "OptimizerDirOpt",
+    "OptimizerPrefixOpt",
+    "SchemaOpt",
+    "StepOpt",
     "OverwriteOpt",
     "SourceLayout",
     "SourceLayoutOpt",
@@ -43,6 +50,7 @@ __all__ = [
     "parse_dtype",
     "parse_size",
     "parse_tolerance",
+    "selection",
 ]
 
 
@@ -54,7 +62,12 @@ class SourceLayout(str, Enum):
 
 
 CheckpointArg = Annotated[
-    Path, typer.Argument(help="DCP checkpoint directory (holds .metadata and __R_N.distcp files).", show_default=False)
+    Path,
+    typer.Argument(
+        help="DCP checkpoint directory (holds .metadata and __R_N.distcp files), or a directory above it "
+        "(a run's checkpoint root, step-N/, checkpoint-N/ with model and optimizer folders).",
+        show_default=False,
+    ),
 ]
 JsonOpt = Annotated[
     bool, typer.Option("--json", help="Write one JSON document to stdout (its JSON Schema: `ckpttool schema CMD`).")
@@ -91,6 +104,53 @@ EpSizeOpt = Annotated[
 ]
 EpFsdpSizeOpt = Annotated[
     int | None, typer.Option("--ep-fsdp-size", min=1, help="EP-FSDP size F of the saving mesh (with --source-layout).")
+]
+
+NoEpOpt = Annotated[
+    bool,
+    typer.Option(
+        "--no-ep", help="The checkpoint was saved without expert parallelism (plain FSDP): experts are in true order."
+    ),
+]
+
+
+class SchemaChoice(str, Enum):
+    """Built-in key schemas (``docs/design.md`` §2)."""
+
+    torch_native = "torch-native"
+    app_state = "app-state"
+    torchtitan = "torchtitan"
+    top_level = "top-level"
+
+
+StepOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--step",
+        metavar="N|latest",
+        help="With a directory of several checkpoints: the step to use (N or latest).",
+        show_default=False,
+    ),
+]
+OptimizerDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--optimizer-dir",
+        help="A separate optimizer checkpoint (e.g. checkpoint-N/optimizer_0) read together with DIR's model.",
+        show_default=False,
+    ),
+]
+SchemaOpt = Annotated[
+    SchemaChoice | None,
+    typer.Option("--schema", help="Key schema instead of the detected one (inspect shows which and why)."),
+]
+ModelPrefixOpt = Annotated[
+    str | None,
+    typer.Option("--model-prefix", help="Prefix of the model keys ('' = top level), overriding the schema."),
+]
+OptimizerPrefixOpt = Annotated[
+    str | None,
+    typer.Option("--optimizer-prefix", help="Prefix of the optimizer keys (e.g. 'app.optim.'), overriding the schema."),
 ]
 
 _SIZE_UNITS = {
@@ -170,10 +230,26 @@ def parse_tolerance(text: str) -> tuple[float, float]:
 
 
 def declaration(
-    source_layout: SourceLayout | str | None, ep_size: int | None, ep_fsdp_size: int | None
+    source_layout: SourceLayout | str | None, ep_size: int | None, ep_fsdp_size: int | None, no_ep: bool = False
 ) -> LayoutDeclaration | None:
-    """The layout declaration of ``--source-layout/--ep-size/--ep-fsdp-size`` (``None`` when none is given)."""
+    """The layout declaration of ``--source-layout/--ep-size/--ep-fsdp-size`` or ``--no-ep`` (``None``: none given)."""
     from ckpttool.model.declaration import LayoutDeclaration
 
     layout = source_layout.value if isinstance(source_layout, SourceLayout) else source_layout
-    return LayoutDeclaration.from_options(layout, ep_size, ep_fsdp_size)
+    return LayoutDeclaration.from_options(layout, ep_size, ep_fsdp_size, no_ep)
+
+
+def selection(
+    step: str | None = None,
+    optimizer_dir: Path | None = None,
+    schema: SchemaChoice | str | None = None,
+    model_prefix: str | None = None,
+    optimizer_prefix: str | None = None,
+) -> CheckpointSelection | None:
+    """What ``--step/--optimizer-dir/--schema/--model-prefix/--optimizer-prefix`` select (``None``: nothing)."""
+    from ckpttool.model.discovery import CheckpointSelection
+    from ckpttool.model.schema import SchemaOverride
+
+    name = schema.value if isinstance(schema, SchemaChoice) else schema
+    override = SchemaOverride.from_options(name, model_prefix, optimizer_prefix)
+    return CheckpointSelection.from_options(step, optimizer_dir, override)

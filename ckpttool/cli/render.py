@@ -489,7 +489,24 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
     con = stdout_console()
     s = ov.summary
     con.print(f"checkpoint  {ov.path}")
-    con.print(f"dcp version {ov.dcp_version or ABSENT}")
+    loc = ov.location
+    if loc is not None and (loc.model != loc.given or loc.optimizer is not None):
+        pair = f" + optimizer {loc.optimizer}" if loc.optimizer is not None else ""
+        con.print(f"opened      {loc.model}{pair} ({loc.how})")
+    con.print(
+        f"dcp version {ov.dcp_version or ABSENT}"
+        + ("; safetensors storage" if ov.serialization == "safetensors" else "")
+    )
+    if ov.schema is not None:
+        sch = ov.schema
+        mp = ABSENT if sch.model_prefix is None else (repr(sch.model_prefix) if sch.model_prefix else "top level")
+        con.print(
+            f"key schema  {sch.id} ({sch.source}): model {mp}, optimizer {sch.optimizer_prefix or ABSENT}"
+            + (f" by {sch.optimizer_keying}" if sch.optimizer_keying else "")
+            + f", {sch.naming} names"
+        )
+        for why in sch.reasons:
+            con.print(f"            - {why}")
     ranks = f" from rank{'s' if len(s.ranks) > 1 else ''} {fmt_ranks(s.ranks)}" if s.ranks else ""
     con.print(f"files       {plural(s.files, 'data file')}{ranks}, {human_bytes(s.bytes_on_disk)} on disk")
     con.print(
@@ -636,10 +653,13 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
                 ],
             )
         if lay.ambiguous:
+            pairs = sorted({tuple(pf) for c in (lay.candidates or {}).values() for pf in c})
+            fits = ", ".join(f"{p}x{f}" for p, f in pairs[:6])
             con.print(
-                f"ambiguous   {plural(len(lay.ambiguous), 'EP tensor')} with EP and FSDP on the expert dim and no layout "
+                f"ambiguous   {plural(len(lay.ambiguous), 'EP tensor')} with their expert dim split into blocks that "
+                f"EP and EP-FSDP may both have sharded{f' (ep_size x ep_fsdp_size {fits})' if fits else ''}, and no layout "
                 "record: the expert order is unknown; declare it with --source-layout legacy|canonical "
-                "--ep-size P --ep-fsdp-size F, or record it with `ckpttool stamp`"
+                "--ep-size P --ep-fsdp-size F (or `ckpttool stamp`), or --no-ep for a save without expert parallelism"
             )
     elif ov.layout_error is not None:
         con.print(
@@ -653,8 +673,8 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
             + (f", keys {', '.join(e.keys)}" if e.keys else "")
         )
     if ov.byte_items:
-        pg = [(k, n) for k, n in ov.byte_items if k.startswith("optimizer.param_groups.")]
-        rest = [(k, n) for k, n in ov.byte_items if not k.startswith("optimizer.param_groups.")]
+        pg = [(k, n) for k, n in ov.byte_items if ".param_groups." in f".{k}"]
+        rest = [(k, n) for k, n in ov.byte_items if ".param_groups." not in f".{k}"]
         if pg:
             con.print(f"byte items  {plural(len(pg), 'param-group item')} ({human_bytes(sum(n for _, n in pg))})")
         if rest:
@@ -666,6 +686,16 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
             )
     if ov.other_keys:
         con.print(f"other keys  {fmt_list(ov.other_keys, limit=20)}")
+    if ov.uncategorized_tensors:
+        sys.stderr.write(
+            safe_text(
+                f"warning: {plural(len(ov.uncategorized_tensors), 'tensor')} belong to no known category (not "
+                f"model, optimizer or training state), e.g. {ov.uncategorized_tensors[0]}; see --model-prefix"
+            )
+            + "\n"
+        )
+    if ov.non_persistent_buffers:
+        con.print(f"non-persistent buffers saved as keys: {fmt_list(ov.non_persistent_buffers, limit=5)}")
 
 
 def fmt_ranks(ranks: Any) -> str:

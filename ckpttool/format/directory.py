@@ -8,7 +8,14 @@ descriptor per data file, shared by every reader thread (reads are positional:
 file twice.
 
 File layout written by torch's ``FileSystemWriter`` (``torch/distributed/checkpoint/
-filesystem.py``): ``.metadata`` plus data files ``__{rank}_{n}.distcp``.
+filesystem.py``): ``.metadata`` plus data files ``__{rank}_{n}.distcp``. A directory of
+safetensors files written by ``HuggingFaceStorageWriter`` (no ``.metadata``) is read from its
+headers (:mod:`ckpttool.format.hf_storage`).
+
+A checkpoint split over sibling directories (a model folder and an optimizer folder) is one
+:class:`CheckpointDir` over their common parent: the caller passes the merged ``metadata``,
+whose ``relative_path`` s start with the part's folder, and ``parts`` (folder -> the part's
+own directory); every such path must stay inside its own part.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from ckpttool.errors import (
     PathEscapeError,
     UsageError,
 )
+from ckpttool.format.hf_storage import hf_storage_files, load_hf_storage_metadata, shard_rank
 from ckpttool.format.metadata import CheckpointMetadata, ChunkMeta, StorageInfo
 from ckpttool.format.unpickler import load_metadata
 
@@ -35,9 +43,9 @@ METADATA_NAME = ".metadata"
 
 
 def rank_of_file(relative_path: str) -> int | None:
-    """Writing rank encoded in a ``__{rank}_{n}.distcp`` file name, else ``None``."""
+    """Writing rank encoded in a ``__{rank}_{n}.distcp`` (or ``shard-0000R-model-*.safetensors``) file name, else ``None``."""
     m = DATA_FILE_RE.match(os.path.basename(relative_path))
-    return int(m.group(1)) if m else None
+    return int(m.group(1)) if m else shard_rank(relative_path)
 
 
 class CheckpointDir:
@@ -45,6 +53,9 @@ class CheckpointDir:
 
     Args:
         path: the checkpoint directory.
+        metadata: already built metadata (a composed checkpoint); ``.metadata`` is then not read.
+        parts: with ``metadata``: first ``relative_path`` component -> the directory that part's
+            paths must stay inside.
 
     Raises:
         UsageError: ``path`` does not exist or is not a directory.
@@ -55,7 +66,13 @@ class CheckpointDir:
     from several threads.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        metadata: CheckpointMetadata | None = None,
+        parts: dict[str, Path] | None = None,
+    ) -> None:
         p = Path(path)
         if not p.exists():
             raise UsageError(f"{p}: no such directory", path=p, hint="pass the checkpoint directory")
@@ -67,7 +84,19 @@ class CheckpointDir:
             )
         self.path = p
         self.root = p.resolve()
+        self.parts: dict[str, Path] = dict(parts or {})
+        self._part_roots = {k: v.resolve() for k, v in self.parts.items()}
+        self._resolved: dict[str, Path] = {}
+        self._sizes: dict[str, int] = {}
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        if metadata is not None:
+            self.metadata: CheckpointMetadata = metadata
+            return
         md = p / METADATA_NAME
+        if not md.is_file() and hf_storage_files(p):
+            self.metadata = load_hf_storage_metadata(p)
+            return
         if not md.is_file():
             if any(DATA_FILE_RE.match(n) for n in os.listdir(p)):
                 raise IncompleteCheckpointError(
@@ -78,11 +107,7 @@ class CheckpointDir:
                 path=md,
                 hint="pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files)",
             )
-        self.metadata: CheckpointMetadata = load_metadata(md)
-        self._resolved: dict[str, Path] = {}
-        self._sizes: dict[str, int] = {}
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self.metadata = load_metadata(md)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -113,7 +138,8 @@ class CheckpointDir:
                 f"{self.path}: storage path {relative_path!r} is absolute or empty", path=relative_path
             )
         target = (self.root / relative_path).resolve()
-        if target != self.root and self.root not in target.parents:
+        root = next((r for k, r in self._part_roots.items() if relative_path.startswith(k + "/")), self.root)
+        if target != root and root not in target.parents:
             raise PathEscapeError(
                 f"{self.path}: storage path {relative_path!r} resolves outside the checkpoint ({target})",
                 path=relative_path,

@@ -15,6 +15,11 @@ a chunk's bytes through the :class:`ChunkLocation` it returns. It checks, in ord
 5. the raw storage record (``storage_numel * itemsize`` bytes after its local header) lies
    inside the window.
 
+A checkpoint written by ``HuggingFaceStorageWriter`` (``CheckpointMetadata.serialization ==
+"safetensors"``, :mod:`ckpttool.format.hf_storage`) stores each chunk as raw bytes: its
+window (from the file's size-checked safetensors header) must hold exactly
+``numel * itemsize`` bytes, and is then the chunk's record, in C order.
+
 An archive the fast path does not map (a stream transform such as zstd, torch's newer
 ``_rebuild_tensor_v3`` encoding, a compressed or big-endian record) gives a location
 without a record; callers then let ``torch.load(weights_only=True)`` decode it.
@@ -102,6 +107,22 @@ def tensor_meta(ckpt: CheckpointDir, key: str) -> TensorMeta:
     return meta
 
 
+def _raw_record(key: str, meta: TensorMeta, chunk: ChunkMeta, info: StorageInfo, where: str) -> TensorRecord:
+    """The record of a safetensors-stored chunk: its whole window, C order.
+
+    Raises:
+        ChunkError: the window does not hold exactly the chunk's bytes.
+    """
+    need = chunk.numel * meta.dtype.itemsize
+    if info.length != need:
+        raise ChunkError(
+            f"{where}: stored window is {info.length} bytes, {meta.dtype}{list(chunk.sizes)} needs {need}",
+            path=info.relative_path,
+            fqn=key,
+        )
+    return TensorRecord(meta.dtype.name, chunk.sizes, row_major_stride(chunk.sizes), 0, chunk.numel, 0)
+
+
 def locate_chunk(ckpt: CheckpointDir, key: str, chunk: ChunkMeta) -> ChunkLocation:
     """Locate and check one stored chunk of tensor ``key`` (see the module docstring).
 
@@ -126,6 +147,8 @@ def locate_chunk(ckpt: CheckpointDir, key: str, chunk: ChunkMeta) -> ChunkLocati
     if info.transform_descriptors:
         return ChunkLocation(key, chunk, meta, info, None, file)
     where = f"{file}: {key!r} chunk at {chunk.offsets}"
+    if ckpt.metadata.serialization == "safetensors":
+        return ChunkLocation(key, chunk, meta, info, _raw_record(key, meta, chunk, info, where), file)
     try:
         record = parse_tensor_archive(FileWindow(ckpt.fd(info.relative_path), info.offset, info.length))
     except UnsafePickleError as e:

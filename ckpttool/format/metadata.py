@@ -168,6 +168,9 @@ class CheckpointMetadata:
         version: DCP metadata version string (``"1.0.0"``) or ``None``.
         checkpoint_id: the path the checkpoint was saved to, as a string, if recorded.
         save_id: the save's UUID, if recorded.
+        serialization: how chunks are stored: ``"torch_save"`` (``FileSystemWriter``: each chunk
+            a ``torch.save`` archive) or ``"safetensors"`` (``HuggingFaceStorageWriter``: each
+            chunk's window is its raw little-endian C-order bytes, :mod:`ckpttool.format.hf_storage`).
     """
 
     entries: dict[str, TensorMeta | BytesMeta]
@@ -176,6 +179,7 @@ class CheckpointMetadata:
     version: str | None = None
     checkpoint_id: str | None = None
     save_id: str | None = None
+    serialization: str = "torch_save"
 
     def storage_for(self, fqn: str, chunk: ChunkMeta | None = None) -> StorageInfo | None:
         """Storage info of a tensor chunk (``chunk`` given) or of a byte item."""

@@ -19,6 +19,7 @@ import math
 import os
 import pickle
 import zipfile
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import (
@@ -34,7 +35,7 @@ from ckpttool.format.archive import read_archive_pickle
 from ckpttool.format.copy import copy_range
 from ckpttool.format.directory import CheckpointDir
 from ckpttool.format.locator import ChunkLocation, locate_chunk, tensor_meta
-from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
+from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.format.tiling import tiling_problem
 from ckpttool.format.unpickler import PrimitiveUnpickler
 
@@ -51,13 +52,21 @@ class CheckpointReader(CheckpointDir):
         path: the checkpoint directory.
         trust_pickle: allow ``torch.load(weights_only=False)`` for byte items that need it.
             Dangerous on untrusted input (runs arbitrary code).
+        metadata, parts: a composed checkpoint (see :class:`~ckpttool.format.directory.CheckpointDir`).
 
     Raises:
         as :class:`~ckpttool.format.directory.CheckpointDir`.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, trust_pickle: bool = False) -> None:
-        super().__init__(path)
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        trust_pickle: bool = False,
+        metadata: CheckpointMetadata | None = None,
+        parts: dict[str, Path] | None = None,
+    ) -> None:
+        super().__init__(path, metadata=metadata, parts=parts)
         self.trust_pickle = trust_pickle
         self.bytes_read = 0
 

@@ -1,19 +1,16 @@
 """The checkpoint catalog: a typed view of a DCP checkpoint built from metadata alone.
 
-Key schema (``docs/design.md``, "Key schema"; the torch-native ``{"model", "optimizer"}`` dict):
+The catalog is built *through* the checkpoint's key schema (:mod:`ckpttool.model.schema`:
+detected by structure, or given by the user): which keys are model tensors
+(``<model prefix><fqn>``), which are optimizer state (``<optimizer prefix>state.<fqn>.<field>``)
+and param groups (``<optimizer prefix>param_groups.<i|fqn>.<hyper>``), which are training
+state (``lr_scheduler``, ``train_state``, ...), the ``layout`` record, and what is left
+("other": reported, never dropped). Nothing downstream spells a prefix: it asks the catalog
+(:meth:`Catalog.model_key`, :meth:`Catalog.fqn_of`, :attr:`Catalog.schema`).
 
-=============================================  ===============================================
-``model.<fqn>``                                model parameter or persistent buffer
-``optimizer.state.<param_fqn>.<field>``        per-parameter optimizer state
-``optimizer.param_groups.<i>.<hyper>``         nested flavor (group index ``i``)
-``optimizer.param_groups.<param_fqn>.<hyper>`` flattened flavor (hyperparameters per parameter)
-``layout``                                     ckpttool layout record (JSON string)
-anything else                                  "other", reported, never dropped
-=============================================  ===============================================
-
-``<param_fqn>`` is the model key without its leading ``model.``. FQNs contain dots,
-so keys are split by ``planner_data`` when it holds the path, else by the longest
-matching model fqn (the inventory) — never by counting dots.
+``<fqn>`` is the model key without its prefix. FQNs contain dots, so state and group keys are
+split by ``planner_data`` when it holds the path, else by the longest matching model fqn (the
+inventory) — never by counting dots.
 
 :func:`build_catalog` reads nothing but ``.metadata`` (and a directory listing);
 :func:`load_param_groups` reads the small param-group byte items; neither imports torch
@@ -35,6 +32,7 @@ from ckpttool.format.directory import DATA_FILE_RE, CheckpointDir, rank_of_file
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.model.layout_record import LAYOUT_KEY, SIDECAR_NAME
 from ckpttool.model.optimizer import infer_optimizer_type
+from ckpttool.model.schema import TRAINING_STATE_ITEMS, KeySchema, SchemaOverride, detect_schema, fused_parts
 
 if TYPE_CHECKING:
     from ckpttool.format.reader import CheckpointReader
@@ -52,14 +50,26 @@ __all__ = [
     "implied_optimizer_type",
     "match_filter",
     "group_by_prefix",
-    "MODEL_PREFIX",
-    "STATE_PREFIX",
-    "GROUPS_PREFIX",
+    "KNOWN_NON_PERSISTENT_BUFFERS",
+    "lost_state",
 ]
 
-MODEL_PREFIX = "model."
-STATE_PREFIX = "optimizer.state."
-GROUPS_PREFIX = "optimizer.param_groups."
+#: Buffers models register with ``persistent=False`` (recomputed at load, never in a state dict
+#: ``from_pretrained`` expects): a checkpoint that stores them was saved from another kind of
+#: state dict. Matched against the last fqn components.
+KNOWN_NON_PERSISTENT_BUFFERS = (
+    "rotary_emb.inv_freq",
+    "rotary_emb.original_inv_freq",
+    "rotary_emb.cos_cached",
+    "rotary_emb.sin_cached",
+    "attention.rope.cache",
+    "rope.cache",
+    "freqs_cis",
+    "attn.bias",
+    "attn.masked_bias",
+    "moe.tokens_per_expert",
+    "tokens_per_expert_E",
+)
 #: Param-group items whose values define a leaf (everything but membership lists).
 _MEMBERSHIP_ITEMS = ("params", "param_names")
 _EXTRA_STATE_RE = re.compile(r"(\d+)")
@@ -73,7 +83,8 @@ class TensorEntry:
         key: flattened checkpoint key (``model.model.layers.0.mlp.down_proj.weight``).
         shape: global shape; dtype: stored dtype name; numel, nbytes: global sizes.
         chunks: stored chunks; ranks: writing ranks (from ``__R_N.distcp`` names);
-        files: data files holding its chunks.
+        files: data files holding its chunks; chunk_files: the data file of each chunk
+        (``None``: no storage entry), aligned with ``chunks``.
     """
 
     key: str
@@ -84,6 +95,12 @@ class TensorEntry:
     chunks: tuple[ChunkMeta, ...]
     ranks: tuple[int, ...]
     files: tuple[str, ...]
+    chunk_files: tuple[str | None, ...] = ()
+
+    def chunk_rank(self, i: int) -> int | None:
+        """Writing rank of chunk ``i`` (``None``: unknown)."""
+        f = self.chunk_files[i] if i < len(self.chunk_files) else None
+        return _rank(f) if f is not None else None
 
     @property
     def uneven(self) -> bool:
@@ -98,11 +115,20 @@ class TensorEntry:
 
 @dataclass
 class ParamState:
-    """Optimizer state of one parameter: field name -> :class:`TensorEntry` (or ``None`` for a byte item)."""
+    """Optimizer state of one parameter: field name -> :class:`TensorEntry` (or ``None`` for a byte item).
+
+    Attributes:
+        fqn: the parameter fqn (the optimizer's name for it).
+        fields: field name -> entry.
+        in_model: ``fqn`` is a model tensor of the checkpoint.
+        stored_as: model keys of a parameter the optimizer steps fused while the model's state
+            dict stores it split (torchtitan ``wqkv`` saved as ``wq``/``wk``/``wv``); ``()`` otherwise.
+    """
 
     fqn: str
     fields: dict[str, TensorEntry | None] = field(default_factory=dict)
     in_model: bool = True
+    stored_as: tuple[str, ...] = ()
 
     @property
     def field_dtypes(self) -> dict[str, str]:
@@ -161,7 +187,12 @@ class ExtraStateFile:
 
 @dataclass
 class Catalog:
-    """Everything known about a checkpoint from its metadata (see module docstring)."""
+    """Everything known about a checkpoint from its metadata (see module docstring).
+
+    Attributes (besides the obvious): ``schema`` the key schema it was built through;
+    ``training_state`` keys of training-state items (scheduler, data loader, step) by item;
+    ``other_tensors`` every tensor that is neither a model tensor nor optimizer state.
+    """
 
     path: Path
     dcp_version: str | None
@@ -176,13 +207,63 @@ class Catalog:
     has_layout_item: bool
     has_layout_sidecar: bool
     ranks: tuple[int, ...]
+    schema: KeySchema = field(default_factory=lambda: KeySchema("torch-native", "model.", "optimizer."))
+    training_state: dict[str, list[str]] = field(default_factory=dict)
     _group_index: dict[str, ParamGroup] | None = field(default=None, repr=False, compare=False)
     _group_index_size: int = field(default=-1, repr=False, compare=False)
 
     @property
     def param_fqns(self) -> list[str]:
-        """Model keys without the ``model.`` prefix (the optimizer's fqns)."""
-        return [k[len(MODEL_PREFIX) :] for k in self.model]
+        """Model keys without the schema's model prefix (the optimizer's fqns)."""
+        return [self.schema.fqn_of(k) for k in self.model]
+
+    def fqn_of(self, key: str) -> str:
+        """The parameter fqn of model key ``key``."""
+        return self.schema.fqn_of(key)
+
+    def model_key(self, fqn: str) -> str:
+        """The checkpoint key of parameter ``fqn``."""
+        return self.schema.model_key(fqn)
+
+    def model_entry(self, fqn: str) -> TensorEntry | None:
+        """The model tensor of parameter ``fqn``, or ``None``."""
+        return self.model.get(self.schema.model_key(fqn))
+
+    def state_key(self, fqn: str, field_name: str) -> str:
+        """The checkpoint key of state field ``field_name`` of parameter ``fqn``."""
+        return f"{self.schema.state_prefix or 'optimizer.state.'}{fqn}.{field_name}"
+
+    def group_key(self, group_id: int | str) -> str:
+        """The key prefix of param group ``group_id`` (``optimizer.param_groups.<id>``)."""
+        return f"{self.schema.groups_prefix or 'optimizer.param_groups.'}{group_id}"
+
+    def category(self, key: str) -> str:
+        """``model``, ``optimizer_state``, ``param_groups``, ``layout``, ``training_state`` or ``other``."""
+        if key in self.model:
+            return "model"
+        sp, gp = self.schema.state_prefix, self.schema.groups_prefix
+        if sp is not None and key.startswith(sp):
+            return "optimizer_state"
+        if gp is not None and key.startswith(gp):
+            return "param_groups"
+        if key == LAYOUT_KEY:
+            return "layout"
+        if any(key in keys for keys in self.training_state.values()):
+            return "training_state"
+        return "other"
+
+    def uncategorized_tensors(self) -> list[str]:
+        """Tensors in no known category: not model, optimizer state, layout or training state."""
+        return [k for k in self.other_tensors if self.category(k) == "other"]
+
+    def non_persistent_buffers(self) -> list[str]:
+        """Model keys of buffers models register as non-persistent (:data:`KNOWN_NON_PERSISTENT_BUFFERS`)."""
+        out = []
+        for key in self.model:
+            fqn = self.fqn_of(key)
+            if any(fqn == b or fqn.endswith("." + b) for b in KNOWN_NON_PERSISTENT_BUFFERS):
+                out.append(key)
+        return out
 
     @property
     def tensors(self) -> dict[str, TensorEntry]:
@@ -201,10 +282,7 @@ class Catalog:
         known_bytes = {k for g in self.param_groups for k in g.keys.values()}
         known_bytes.add(LAYOUT_KEY)
         state_bytes = {
-            f"{STATE_PREFIX}{ps.fqn}.{f}"
-            for ps in self.optimizer_state.values()
-            for f, t in ps.fields.items()
-            if t is None
+            self.state_key(ps.fqn, f) for ps in self.optimizer_state.values() for f, t in ps.fields.items() if t is None
         }
         others = [k for k in self.byte_items if k not in known_bytes and k not in state_bytes]
         return sorted(list(self.other_tensors) + others)
@@ -252,6 +330,8 @@ class Catalog:
         emb = next((k for k in self.model if k.endswith("embed_tokens.weight")), None)
         if emb is None:
             emb = next((k for k in self.model if k.endswith(("wte.weight", "word_embeddings.weight"))), None)
+        if emb is None:
+            emb = next((k for k in self.model if self.fqn_of(k) == "tok_embeddings.weight"), None)
         return head, emb
 
 
@@ -269,10 +349,19 @@ def _entry(
     key: str, meta: TensorMeta, md_storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo]
 ) -> TensorEntry:
     get = md_storage.get
-    files = {info.relative_path for c in meta.chunks if (info := get((key, c.offsets))) is not None}
-    ufiles = tuple(sorted(files))
+    chunks = meta.chunks
+    chunk_files: tuple[str | None, ...]
+    if len(chunks) == 1:
+        info = get((key, chunks[0].offsets))
+        chunk_files = (info.relative_path if info is not None else None,)
+        ufiles: tuple[str, ...] = (info.relative_path,) if info is not None else ()
+    else:
+        chunk_files = tuple([i.relative_path if (i := get((key, c.offsets))) is not None else None for c in chunks])
+        ufiles = tuple(sorted({f for f in chunk_files if f is not None}))
     ranks = tuple(sorted({r for r in map(_rank, ufiles) if r is not None}))
-    return TensorEntry(key, meta.size, meta.dtype.name, meta.numel, meta.nbytes, meta.chunks, ranks, ufiles)
+    return TensorEntry(
+        key, meta.size, meta.dtype.name, meta.numel, meta.nbytes, meta.chunks, ranks, ufiles, chunk_files
+    )
 
 
 class _Inventory:
@@ -293,25 +382,41 @@ class _Inventory:
                 return head, rest[pos + 1 :]
 
 
-def build_catalog(ckpt: CheckpointDir | str | os.PathLike[str]) -> Catalog:
+def build_catalog(
+    ckpt: CheckpointDir | str | os.PathLike[str],
+    schema: KeySchema | SchemaOverride | None = None,
+) -> Catalog:
     """Build the :class:`Catalog` of a checkpoint from ``.metadata`` and a directory listing.
 
     Args:
         ckpt: an opened :class:`CheckpointDir` or a path.
+        schema: the key schema to build through (a :class:`KeySchema`), an override of
+            detection (:class:`SchemaOverride`), or ``None`` to detect it
+            (:func:`~ckpttool.model.schema.detect_schema`).
 
     Raises:
         UsageError, MetadataError, UnsafePickleError, IncompleteCheckpointError:
             as :class:`CheckpointDir`.
+        SchemaError: an override that matches no key.
     """
     cd = ckpt if isinstance(ckpt, CheckpointDir) else CheckpointDir(ckpt)
     md = cd.metadata
+    sch = schema if isinstance(schema, KeySchema) else detect_schema(md, schema)
     storage = md.storage
     planner = md.planner_data
     model: dict[str, TensorEntry] = {}
+    is_model = sch.model_test()
+    pget = planner.get
     for key, meta in md.entries.items():
-        if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorMeta):
+        if type(meta) is TensorMeta and is_model(key, pget(key)):
             model[key] = _entry(key, meta, storage)
-    inv = _Inventory([k[len(MODEL_PREFIX) :] for k in model])
+    n_prefix = len(sch.model_prefix or "")  # every model key starts with it (model_test)
+    inv = _Inventory([k[n_prefix:] for k in model])
+    state_prefix = sch.state_prefix
+    groups_prefix = sch.groups_prefix
+    opt_head = tuple(sch.optimizer_prefix[:-1].split(".")) if sch.optimizer_prefix else ()
+    n_head = len(opt_head)
+    training: dict[str, list[str]] = {}
 
     optimizer_state: dict[str, ParamState] = {}
     groups: dict[Any, ParamGroup] = {}
@@ -323,30 +428,39 @@ def build_catalog(ckpt: CheckpointDir | str | os.PathLike[str]) -> Catalog:
         if isinstance(meta, BytesMeta):
             info = storage.get((key, None))
             byte_items[key] = info.length if info is not None else 0
-        if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorMeta):
+        if key in model:
             continue
         path = planner.get(key)
-        if key.startswith(STATE_PREFIX):
+        if state_prefix is not None and key.startswith(state_prefix):
             split = None
-            if path and len(path) == 4 and path[:2] == ("optimizer", "state") and isinstance(path[2], str):
-                split = (path[2], str(path[3]))
+            if (
+                path
+                and len(path) == n_head + 3
+                and tuple(path[:n_head]) == opt_head
+                and path[n_head] == "state"
+                and isinstance(path[n_head + 1], (str, int))
+            ):
+                split = (str(path[n_head + 1]), str(path[n_head + 2]))
             if split is None:
-                split = inv.split(key[len(STATE_PREFIX) :])
-            in_model = split is not None and f"{MODEL_PREFIX}{split[0]}" in model
+                split = inv.split(key[len(state_prefix) :])
+            in_model = split is not None and sch.model_key(split[0]) in model
             if split is None:
                 # Not a known parameter: the field is the last component (field names hold no dots).
-                head, _, fld = key[len(STATE_PREFIX) :].rpartition(".")
+                head, _, fld = key[len(state_prefix) :].rpartition(".")
                 split = (head, fld)
             fqn, fld = split
-            ps = optimizer_state.setdefault(fqn, ParamState(fqn, in_model=in_model))
+            ps = optimizer_state.get(fqn)
+            if ps is None:
+                stored = () if in_model else (fused_parts(fqn, set(model), sch.model_prefix or "") or ())
+                ps = optimizer_state[fqn] = ParamState(fqn, in_model=in_model, stored_as=stored)
             ps.fields[fld] = _entry(key, meta, storage) if isinstance(meta, TensorMeta) else None
             continue
-        if key.startswith(GROUPS_PREFIX):
-            rest = key[len(GROUPS_PREFIX) :]
+        if groups_prefix is not None and key.startswith(groups_prefix):
+            rest = key[len(groups_prefix) :]
             gid: Any = None
             hyper = None
-            if path and len(path) == 4 and path[:2] == ("optimizer", "param_groups"):
-                gid, hyper = path[2], str(path[3])
+            if path and len(path) == n_head + 3 and tuple(path[:n_head]) == opt_head and path[n_head] == "param_groups":
+                gid, hyper = path[n_head + 1], str(path[n_head + 2])
             else:
                 head, _, tail = rest.partition(".")
                 if head.isdigit() and tail and "." not in tail:
@@ -367,22 +481,26 @@ def build_catalog(ckpt: CheckpointDir | str | os.PathLike[str]) -> Catalog:
             continue
         if key == LAYOUT_KEY:
             continue
+        top = path[0] if path and isinstance(path[0], str) else key.split(".", 1)[0]
+        if top in TRAINING_STATE_ITEMS:
+            training.setdefault(top, []).append(key)
         if isinstance(meta, TensorMeta):
             other_tensors[key] = _entry(key, meta, storage)
 
     # Files on disk.
     referenced = {s.relative_path for s in storage.values()}
     on_disk: dict[str, int | None] = {}
-    try:
-        names = os.listdir(cd.path)
-    except OSError:
-        names = []
-    for name in names:
-        if DATA_FILE_RE.match(name):
-            try:
-                on_disk[name] = (cd.path / name).stat().st_size
-            except OSError:
-                on_disk[name] = None
+    for sub in ("", *(f"{k}/" for k in cd.parts)):
+        try:
+            names = os.listdir(cd.path / sub) if sub else os.listdir(cd.path)
+        except OSError:
+            names = []
+        for name in names:
+            if DATA_FILE_RE.match(name):
+                try:
+                    on_disk[sub + name] = (cd.path / sub / name).stat().st_size
+                except OSError:
+                    on_disk[sub + name] = None
     data_files = []
     for rel in sorted(referenced | set(on_disk)):
         size = on_disk.get(rel)
@@ -415,6 +533,8 @@ def build_catalog(ckpt: CheckpointDir | str | os.PathLike[str]) -> Catalog:
         has_layout_item=isinstance(md.entries.get(LAYOUT_KEY), BytesMeta),
         has_layout_sidecar=(cd.path / SIDECAR_NAME).is_file(),
         ranks=ranks,
+        schema=sch,
+        training_state=training,
     )
 
 
@@ -459,6 +579,33 @@ def load_param_groups(cat: Catalog, reader: CheckpointReader, errors: dict[str, 
             g.values[hyper] = value
 
 
+def lost_state(cat: Catalog) -> dict[str, str]:
+    """Parameters with no optimizer state in a leaf whose other parameters have state (the leaf stepped).
+
+    The one check behind ``validate`` rule ``O009`` and ``replay-step``'s ``E513``: a leaf
+    (:meth:`Catalog.leaves`: a nested param group, or flattened parameters with equal saved
+    hyperparameters) steps all its parameters together, so a member without state lost it
+    (or never got a gradient, and a resume would then bias-correct it as step 1). Only model
+    tensors count; needs :func:`load_param_groups` for flattened leaves.
+
+    Returns:
+        fqn -> the label of its leaf, in leaf order.
+    """
+    out: dict[str, str] = {}
+
+    def has_state(f: str) -> bool:
+        ps = cat.optimizer_state.get(f)
+        return ps is not None and bool(ps.fields)
+
+    for label, _, fqns in cat.leaves():
+        members = [f for f in fqns if cat.model_key(f) in cat.model]
+        if any(has_state(f) for f in fqns):
+            for f in members:
+                if not has_state(f):
+                    out[f] = label
+    return out
+
+
 def implied_optimizer_type(fields: dict[str, str]) -> str | None:
     """Optimizer type implied by a parameter's state fields and dtypes, or ``None`` if no type fits.
 
@@ -477,12 +624,12 @@ def implied_optimizer_type(fields: dict[str, str]) -> str | None:
         return None
 
 
-def match_filter(key: str, pattern: str | None) -> bool:
-    """``fnmatch`` of a key (with or without its ``model.`` prefix) against a glob."""
+def match_filter(key: str, pattern: str | None, prefix: str | None = "model.") -> bool:
+    """``fnmatch`` of a key (with or without its model prefix ``prefix``) against a glob."""
     if not pattern:
         return True
     return fnmatch.fnmatchcase(key, pattern) or (
-        key.startswith(MODEL_PREFIX) and fnmatch.fnmatchcase(key[len(MODEL_PREFIX) :], pattern)
+        bool(prefix) and key.startswith(prefix or "") and fnmatch.fnmatchcase(key[len(prefix or "") :], pattern)
     )
 
 

@@ -2,7 +2,9 @@
 
 Every command opens its input with :func:`open_checkpoint`::
 
-    with open_checkpoint("ckpt/", declaration=decl) as ckpt:
+    with open_checkpoint("run/checkpoint/", selection=CheckpointSelection(step="latest")) as ckpt:
+        ckpt.located                    # which directory (or model/optimizer pair) and why
+        ckpt.catalog.schema             # the key schema, detected or overridden
         ckpt.catalog.model              # metadata only
         ckpt.layout.ep_tensors          # record, sidecar or declaration
         ckpt.param_groups()             # reads the small param-group byte items once
@@ -22,7 +24,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from ckpttool.errors import CkptError, DataFileError, TrustRequiredError
 from ckpttool.format.metadata import CheckpointMetadata
@@ -30,8 +31,9 @@ from ckpttool.format.reader import CheckpointReader, load_saved_object
 from ckpttool.format.unpickler import gc_paused
 from ckpttool.model.catalog import Catalog, ExtraStateFile, ParamGroup, build_catalog, load_param_groups
 from ckpttool.model.declaration import LayoutDeclaration, ResolvedLayout, resolve_layout
+from ckpttool.model.discovery import CheckpointSelection, Located, compose_pair, locate
 
-__all__ = ["Checkpoint", "ExtraState", "open_checkpoint", "opened"]
+__all__ = ["Checkpoint", "CheckpointSelection", "ExtraState", "open_checkpoint", "opened"]
 
 _STEP_KEYS = ("global_step", "step", "curr_step")
 log = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class Checkpoint:
         layout_error: why the layout could not be resolved (``record_problems`` mode).
         byte_item_errors: byte-item key -> error met while reading it (``record_problems`` mode).
         record_problems: the mode it was opened in.
+        located: which directory (or model/optimizer pair) was opened, and why.
     """
 
     def __init__(
@@ -74,12 +77,15 @@ class Checkpoint:
         *,
         declaration: LayoutDeclaration | None = None,
         record_problems: bool = False,
+        selection: CheckpointSelection | None = None,
+        located: Located | None = None,
     ) -> None:
         self.reader = reader
         self.path = reader.path
         self.declaration = declaration
         self.record_problems = record_problems
-        self.catalog: Catalog = build_catalog(reader)
+        self.located = located or Located(reader.path, reader.path)
+        self.catalog: Catalog = build_catalog(reader, selection.schema if selection is not None else None)
         self.byte_item_errors: dict[str, CkptError] = {}
         self.layout_error: CkptError | None = None
         self.layout: ResolvedLayout | None = None
@@ -155,11 +161,17 @@ def open_checkpoint(
     declaration: LayoutDeclaration | None = None,
     trust_pickle: bool = False,
     record_problems: bool = False,
+    selection: CheckpointSelection | None = None,
 ) -> Checkpoint:
     """Open a DCP checkpoint directory: ``.metadata``, catalog and layout, each built once.
 
+    ``path`` may also be a training run's checkpoint root, a step directory, or the parent of a
+    model folder and its optimizer folder (:func:`~ckpttool.model.discovery.locate`); a pair (or
+    ``selection.optimizer_dir``) opens as one checkpoint over both folders.
+
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory (or a directory above it).
+        selection: ``step``, a separate ``optimizer`` directory, a key-schema override.
         declaration: an EP layout declared by the user (:meth:`LayoutDeclaration.from_options`).
         trust_pickle: allow ``torch.load(weights_only=False)`` for byte items and ``extra_state``
             files that need it (runs code from the checkpoint).
@@ -171,15 +183,26 @@ def open_checkpoint(
     Raises:
         UsageError: ``path`` is not a directory.
         MetadataError, UnsafePickleError, IncompleteCheckpointError: ``.metadata`` unusable.
+        AmbiguousCheckpointError, StepNotFoundError: several checkpoints below ``path``, or no
+            checkpoint of ``selection.step``.
+        SchemaError: a schema override that matches nothing; a pair that cannot be composed.
         LayoutError: invalid or conflicting layout record, a contradicting declaration
             (not with ``record_problems``).
     """
     with gc_paused():  # ~10 objects per metadata entry, all acyclic: the cyclic GC would rescan them
         t0 = time.perf_counter()
-        reader = CheckpointReader(Path(path), trust_pickle=trust_pickle)
+        where = locate(path, selection)
+        if where.optimizer is None:
+            reader = CheckpointReader(where.model, trust_pickle=trust_pickle)
+        else:
+            with CheckpointReader(where.model) as m, CheckpointReader(where.optimizer) as o:
+                root, md, parts = compose_pair(where.model, m.metadata, where.optimizer, o.metadata)
+            reader = CheckpointReader(root, trust_pickle=trust_pickle, metadata=md, parts=parts)
         t1 = time.perf_counter()
         try:
-            ckpt = Checkpoint(reader, declaration=declaration, record_problems=record_problems)
+            ckpt = Checkpoint(
+                reader, declaration=declaration, record_problems=record_problems, selection=selection, located=where
+            )
         except BaseException:
             reader.close()
             raise
@@ -200,8 +223,10 @@ def _log_opened(ckpt: Checkpoint, read_s: float, model_s: float) -> None:
         model_s,
     )
     log.info(
-        "key schema torch-native: %d model keys, optimizer state for %d params, %d param groups (%s flavor), "
+        "key schema %s (%s): %d model keys, optimizer state for %d params, %d param groups (%s flavor), "
         "%d byte items, %d other tensors",
+        cat.schema.id,
+        cat.schema.source,
         len(cat.model),
         len(cat.optimizer_state),
         len(cat.param_groups),
@@ -231,6 +256,7 @@ def opened(
     declaration: LayoutDeclaration | None = None,
     trust_pickle: bool = False,
     record_problems: bool = False,
+    selection: CheckpointSelection | None = None,
 ) -> Iterator[Checkpoint]:
     """``source`` itself when it is an opened :class:`Checkpoint`, else the directory opened (and closed after).
 
@@ -241,11 +267,13 @@ def opened(
         plus those of :func:`open_checkpoint`.
     """
     if isinstance(source, Checkpoint):
-        if declaration is not None or trust_pickle:
-            raise ValueError("declaration/trust_pickle apply when opening a path; this Checkpoint is open already")
+        if declaration is not None or trust_pickle or selection is not None:
+            raise ValueError(
+                "declaration/trust_pickle/selection apply when opening a path; this Checkpoint is open already"
+            )
         yield source
         return
     with open_checkpoint(
-        source, declaration=declaration, trust_pickle=trust_pickle, record_problems=record_problems
+        source, declaration=declaration, trust_pickle=trust_pickle, record_problems=record_problems, selection=selection
     ) as ckpt:
         yield ckpt

@@ -21,7 +21,7 @@ reads ``ckpt.layout``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -32,8 +32,8 @@ from ckpttool.errors import (
     LayoutError,
     UsageError,
 )
-from ckpttool.model.catalog import MODEL_PREFIX, STATE_PREFIX, Catalog
-from ckpttool.model.geometry import EPGeometry, infer_fsdp_dim, tensor_geometry
+from ckpttool.model.catalog import Catalog
+from ckpttool.model.geometry import EPGeometry, ep_split_candidates, infer_fsdp_dim, tensor_geometry
 from ckpttool.model.layout_record import LAYOUT_KEY, SIDECAR_NAME, EPTensorSpec, LayoutRecord, parse_layout_record
 from ckpttool.model.permute import legacy_to_canonical_perm
 
@@ -51,9 +51,10 @@ __all__ = [
 ]
 
 LAYOUT_VERSIONS = {"legacy": 1, "canonical": 2}
-# Fused expert tensors (HF transformers v5 Qwen3-MoE / gpt-oss / DeepSeek-V3 naming): the
-# component after `experts.` is a parameter name, not a per-expert module index.
-EP_NAME_RE = re.compile(r"(?:^|\.)experts\.(?P<name>[A-Za-z_][A-Za-z0-9_]*)$")
+# Fused expert tensors (HF transformers v5 Qwen3-MoE / gpt-oss / DeepSeek-V3 naming; torchtitan's
+# `moe.experts.w1` and `moe.routed_experts.inner_experts.w1_EFD`): the component after `experts.`
+# is a parameter name, not a per-expert module index. Shared experts are not expert-parallel.
+EP_NAME_RE = re.compile(r"(?:^|\.)(?:inner_|routed_|grouped_|local_)?experts\.(?P<name>[A-Za-z_][A-Za-z0-9_]*)$")
 
 
 @dataclass(frozen=True)
@@ -63,12 +64,15 @@ class LayoutDeclaration:
     Attributes:
         source_layout: ``"legacy"`` or ``"canonical"``.
         ep_size: EP size ``P`` of the saving mesh.
-        ep_fsdp_size: EP-FSDP size ``F`` of the saving mesh.
+        ep_fsdp_size: EP-FSDP size ``F`` of the saving mesh (``None`` with ``no_ep``).
+        no_ep: the checkpoint was saved without expert parallelism (``--no-ep``): expert tensors
+            are plain FSDP-sharded tensors, stored in true order whatever their chunks.
     """
 
     source_layout: str | None
     ep_size: int | None
     ep_fsdp_size: int | None
+    no_ep: bool = False
 
     @property
     def version(self) -> int | None:
@@ -76,22 +80,32 @@ class LayoutDeclaration:
 
     @classmethod
     def from_options(
-        cls, source_layout: Any, ep_size: int | None, ep_fsdp_size: int | None
+        cls, source_layout: Any, ep_size: int | None, ep_fsdp_size: int | None, no_ep: bool = False
     ) -> LayoutDeclaration | None:
-        """Build a declaration from ``--source-layout/--ep-size/--ep-fsdp-size``.
+        """Build a declaration from ``--source-layout/--ep-size/--ep-fsdp-size`` or ``--no-ep``.
 
         Args:
             source_layout: ``"legacy"``/``"canonical"`` (str or the CLI enum) or ``None``.
             ep_size, ep_fsdp_size: positive ints or ``None``.
+            no_ep: saved without expert parallelism (excludes the three others).
 
         Returns:
-            ``None`` when none of the three is given.
+            ``None`` when none is given.
 
         Raises:
-            UsageError: a layout without both sizes, sizes without a layout, or bad values.
+            UsageError: a layout without both sizes, sizes without a layout, bad values, or
+                ``no_ep`` with any of the three.
         """
         if isinstance(source_layout, Enum):
             source_layout = source_layout.value
+        if no_ep:
+            if source_layout is not None or ep_size is not None or ep_fsdp_size is not None:
+                raise UsageError(
+                    "`no_ep` excludes `source_layout`/`ep_size`/`ep_fsdp_size`",
+                    param="no_ep",
+                    hint="`no_ep` says the save used no expert parallelism; the sizes say it did",
+                )
+            return cls("canonical", 1, None, no_ep=True)
         if source_layout is None and ep_size is None and ep_fsdp_size is None:
             return None
         if source_layout is None:
@@ -132,6 +146,10 @@ class ResolvedLayout:
         ep_size, ep_fsdp_size: ``P`` and ``F`` (``None`` when unknown).
         ep_tensors: checkpoint key -> :class:`EPTensorSpec` (model keys).
         declaration: the command-line declaration, if one was given.
+        candidates: unversioned EP key -> the saving meshes ``(ep_size, ep_fsdp_size)``, both
+            > 1, its chunks fit (:func:`~ckpttool.model.geometry.ep_split_candidates`); a
+            same-dim tensor with none is stored in true order and not ambiguous.
+        model_prefix, state_prefix: the key schema's prefixes (for :meth:`spec_for`).
     """
 
     version: int | None
@@ -141,6 +159,9 @@ class ResolvedLayout:
     ep_fsdp_size: int | None
     ep_tensors: dict[str, EPTensorSpec]
     declaration: LayoutDeclaration | None = None
+    candidates: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    model_prefix: str = "model."
+    state_prefix: str | None = "optimizer.state."
 
     @property
     def layout_name(self) -> str | None:
@@ -149,24 +170,39 @@ class ResolvedLayout:
 
     @property
     def ambiguous(self) -> list[str]:
-        """EP keys whose ``fsdp_dim == ep_dim`` while the version is unknown."""
+        """Unversioned EP keys whose expert dim may be split by EP > 1 and EP-FSDP > 1 (order unknown)."""
         if self.version is not None:
             return []
-        return [k for k, s in self.ep_tensors.items() if s.fsdp_dim is not None and s.fsdp_dim == s.ep_dim]
+        return [
+            k
+            for k, s in self.ep_tensors.items()
+            if s.fsdp_dim is not None and s.fsdp_dim == s.ep_dim and self.candidates.get(k, ((0, 0),))
+        ]
+
+    def ambiguity_hint(self) -> str:
+        """The fix for :attr:`ambiguous` tensors: declare the mesh (candidates listed) or ``no_ep``."""
+        pairs = sorted({pf for k in self.ambiguous for pf in self.candidates.get(k, ())})
+        shown = ", ".join(f"ep_size {p} x ep_fsdp_size {f}" for p, f in pairs[:6])
+        return (
+            "declare it with `source_layout` legacy|canonical `ep_size` P `ep_fsdp_size` F (or record it once with "
+            "`ckpttool stamp`)" + (f"; the chunks fit {shown}" if shown else "") + ", or pass `no_ep` if the "
+            "checkpoint was saved without expert parallelism (plain FSDP)"
+        )
 
     def require_unambiguous(self) -> None:
         """Raise unless every EP tensor's stored order is known.
 
         Raises:
-            LayoutError (E405): unversioned EP tensors sharded on the expert dim by both EP and FSDP.
+            LayoutError (E405): unversioned EP tensors whose expert dim EP and EP-FSDP may both split.
         """
         amb = self.ambiguous
         if amb:
             more = f" (and {len(amb) - 1} more)" if len(amb) > 1 else ""
             raise AmbiguousLayoutError(
-                f"{amb[0]}{more}: EP and EP-FSDP both shard the expert dim and the checkpoint has no layout "
-                "record, so the expert order (legacy or canonical) is unknown",
+                f"{amb[0]}{more}: its expert dim is split into blocks that EP and EP-FSDP may both have sharded, and "
+                "the checkpoint has no layout record, so the expert order (legacy or canonical) is unknown",
                 fqn=amb[0],
+                hint=self.ambiguity_hint(),
             )
 
     def spec_for(self, key: str) -> EPTensorSpec | None:
@@ -174,9 +210,10 @@ class ResolvedLayout:
         spec = self.ep_tensors.get(key)
         if spec is not None:
             return spec
-        if key.startswith(STATE_PREFIX):
-            head, _, fld = key[len(STATE_PREFIX) :].rpartition(".")
-            model_key = f"{MODEL_PREFIX}{head}"
+        sp = self.state_prefix
+        if sp is not None and key.startswith(sp):
+            head, _, fld = key[len(sp) :].rpartition(".")
+            model_key = f"{self.model_prefix}{head}"
             if fld and model_key in self.ep_tensors:
                 return self.ep_tensors[model_key]
         return None
@@ -192,6 +229,17 @@ class ResolvedLayout:
             and (self.ep_fsdp_size or 1) > 1
         )
 
+    def spec_key(self, key: str) -> str | None:
+        """The model key whose EP spec applies to ``key`` (itself, or the parameter of a state key)."""
+        if key in self.ep_tensors:
+            return key
+        sp = self.state_prefix
+        if sp is not None and key.startswith(sp):
+            head = key[len(sp) :].rpartition(".")[0]
+            mk = f"{self.model_prefix}{head}"
+            return mk if mk in self.ep_tensors else None
+        return None
+
     def canonical_perm(self, key: str) -> list[int] | None:
         """Slab-level gather permutation from stored to true expert order, or ``None`` (already true order).
 
@@ -201,7 +249,7 @@ class ResolvedLayout:
         spec = self.spec_for(key)
         if spec is None:
             return None
-        if self.version is None and spec.fsdp_dim == spec.ep_dim and spec.fsdp_dim is not None:
+        if key in self.ambiguous or (self.spec_key(key) or "") in self.ambiguous:
             self.require_unambiguous()
         if not self.is_permuted(key):
             return None
@@ -244,6 +292,14 @@ def detect_ep_tensors(cat: Catalog) -> dict[str, EPTensorSpec]:
 
 def _check_declaration_against_record(decl: LayoutDeclaration, rec: LayoutRecord, where: str) -> None:
     diffs = []
+    if decl.no_ep:
+        if (rec.ep_size or 1) != 1:
+            raise LayoutContradictionError(
+                f"{where}: `no_ep` contradicts the layout record (ep_size {rec.ep_size})",
+                param="no_ep",
+                hint="drop `no_ep`: the record says the checkpoint was saved with expert parallelism",
+            )
+        return
     if decl.version != rec.version:
         diffs.append(f"layout {decl.source_layout} vs recorded {rec.layout_name} (version {rec.version})")
     if decl.ep_size != rec.ep_size:
@@ -305,16 +361,21 @@ def resolve_layout(
     """
     rec = load_layout_record(cat, reader)
     where = str(cat.path)
+    mp, sp = cat.schema.model_prefix or "", cat.schema.state_prefix
     if rec is not None:
         if declaration is not None:
             _check_declaration_against_record(declaration, rec, where)
         source = "embedded" if cat.has_layout_item else "sidecar"
         ep = dict(rec.extra_parallel)
-        return ResolvedLayout(rec.version, source, rec, rec.ep_size, rec.ep_fsdp_size, ep, declaration)
-    if declaration is None:
-        ep = detect_ep_tensors(cat)
-        return ResolvedLayout(None, "none", None, None, None, ep, None)
+        return ResolvedLayout(
+            rec.version, source, rec, rec.ep_size, rec.ep_fsdp_size, ep, declaration, model_prefix=mp, state_prefix=sp
+        )
     ep = detect_ep_tensors(cat)
+    if declaration is None:
+        candidates = {k: tuple(ep_split_candidates(cat.model[k], s)) for k, s in ep.items() if s.fsdp_dim == s.ep_dim}
+        return ResolvedLayout(None, "none", None, None, None, ep, None, candidates, model_prefix=mp, state_prefix=sp)
+    if declaration.no_ep:
+        return ResolvedLayout(2, "declared", None, 1, None, ep, declaration, model_prefix=mp, state_prefix=sp)
     for key, spec in ep.items():
         geo = tensor_geometry(
             cat.model[key],
@@ -332,5 +393,13 @@ def resolve_layout(
                 param="source_layout",
             )
     return ResolvedLayout(
-        declaration.version, "declared", None, declaration.ep_size, declaration.ep_fsdp_size, ep, declaration
+        declaration.version,
+        "declared",
+        None,
+        declaration.ep_size,
+        declaration.ep_fsdp_size,
+        ep,
+        declaration,
+        model_prefix=mp,
+        state_prefix=sp,
     )

@@ -12,7 +12,13 @@ placement_types.py::Shard.local_shard_size_and_offset``, i.e. ``torch.chunk``):
 a dim of size ``n`` split ``k`` ways gives pieces of ``ceil(n/k)``, the last ones
 shorter or empty; an empty piece is recorded at offset ``n``. Several mesh axes
 sharding one dim nest left to right (``_utils._compute_local_shape_and_global_offset``).
-Zero-size chunks are valid and ignored when counting blocks.
+Zero-size chunks are valid and ignored when counting blocks. A rank may store its piece as
+several chunks (the stored intervals then *refine* the expected ones: each lies inside one
+expected interval); that is consistent with the layout.
+
+:func:`ep_split_candidates` lists the saving meshes ``(ep_size, ep_fsdp_size)`` with both
+sizes above 1 that the chunks of an unversioned tensor fit: only those make its expert order
+ambiguous (with ``P = 1`` or ``F = 1`` legacy and canonical store the same bytes).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ __all__ = [
     "shard_interval",
     "nested_shard_intervals",
     "expected_ep_intervals",
+    "ep_split_candidates",
+    "refines",
 ]
 
 
@@ -145,6 +153,70 @@ def expected_ep_intervals(
     return out
 
 
+def refines(
+    got: set[tuple[int, int]], want: set[tuple[int, int]], owners: dict[tuple[int, int], set[int | None]] | None = None
+) -> bool:
+    """The stored intervals ``got`` are the expected ``want`` ones, or a subdivision of them
+    made by single ranks: each stored interval lies inside one expected interval, every expected
+    one holds some, and an expected interval stored as several pieces has all of them written by
+    one rank (``owners``: stored interval -> writing ranks; without it no subdivision is accepted).
+
+    (Whether the stored chunks tile the tensor is checked elsewhere: ``S004``.)
+    """
+    if got == want:
+        return True
+    if owners is None:
+        return False
+    ordered = sorted(want)
+    pieces: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for o, s in got:
+        hit = next((w for w in ordered if w[0] <= o and o + s <= w[0] + w[1]), None)
+        if hit is None:
+            return False
+        pieces.setdefault(hit, []).append((o, s))
+    if set(pieces) != want:
+        return False
+    for ivs in pieces.values():
+        if len(ivs) > 1:
+            ranks = set().union(*(owners.get(iv, {None}) for iv in ivs))
+            if len(ranks) != 1 or None in ranks:
+                return False
+    return True
+
+
+def _owners(entry: TensorEntry, dim: int) -> dict[tuple[int, int], set[int | None]]:
+    out: dict[tuple[int, int], set[int | None]] = {}
+    for i, c in enumerate(entry.chunks):
+        if c.numel > 0:
+            out.setdefault((c.offsets[dim], c.sizes[dim]), set()).add(entry.chunk_rank(i))
+    return out
+
+
+def ep_split_candidates(entry: TensorEntry, spec: EPTensorSpec) -> list[tuple[int, int]]:
+    """Saving meshes ``(ep_size, ep_fsdp_size)``, both > 1, whose EP and EP-FSDP sharding of the
+    expert dim produce exactly the stored chunk intervals (metadata only).
+
+    Empty for a tensor whose expert dim is not split by both (e.g. plain FSDP2 ``Shard(0)`` over a
+    prime number of ranks): its stored order is the true order whatever the mesh order was.
+    """
+    if spec.fsdp_dim != spec.ep_dim or not 0 <= spec.ep_dim < len(entry.shape):
+        return []
+    got = set(dim_intervals(entry, spec.ep_dim))
+    blocks = len(got)
+    n = entry.shape[spec.ep_dim]
+    out = []
+    for p in range(2, blocks // 2 + 1):
+        if blocks % p:
+            continue
+        f = blocks // p
+        if f < 2 or spec.num_experts % p:
+            continue
+        want = {iv for iv in nested_shard_intervals(n, (p, f)) if iv[1]}
+        if want == got:
+            out.append((p, f))
+    return out
+
+
 def infer_fsdp_dim(entry: TensorEntry, ep_dim: int) -> int | None:
     """The EP-FSDP dim the chunks suggest: another dim split into several intervals, else
     ``ep_dim`` when only it is split (EP and FSDP on one dim, or EP alone), else ``None``."""
@@ -214,7 +286,7 @@ def tensor_geometry(
             for d in range(ndim):
                 want = expected.get(d, {(0, shape[d])} if shape[d] else set())
                 got = set(dim_intervals(entry, d))
-                if entry.numel and got != want:
+                if entry.numel and not refines(got, want, _owners(entry, d)):
                     problems.append(
                         f"dim {d} is split into {len(got)} chunk interval(s) {sorted(got)[:4]}, "
                         f"ep_size {ep_size} x ep_fsdp_size {ep_fsdp_size} gives {len(want)} {sorted(want)[:4]}"

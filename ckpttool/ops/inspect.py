@@ -18,9 +18,11 @@ from ckpttool.format.unpickler import gc_paused
 from ckpttool.model.catalog import Catalog, ParamGroup, TensorEntry, group_by_prefix, leaf_key, match_filter
 from ckpttool.model.checkpoint import Checkpoint, ExtraState, open_checkpoint
 from ckpttool.model.declaration import LayoutDeclaration
+from ckpttool.model.discovery import CheckpointSelection, Located
 from ckpttool.model.geometry import EPGeometry
 from ckpttool.model.layout_record import EPTensorSpec
 from ckpttool.model.optimizer import HYPERPARAMETERS
+from ckpttool.model.schema import KeySchema
 
 __all__ = [
     "SCHEMA",
@@ -186,6 +188,7 @@ class LayoutSummary:
     global_step: int | None
     ambiguous: tuple[str, ...] | None = None
     geometry: tuple[EPGeometry, ...] | None = None
+    candidates: dict[str, tuple[tuple[int, int], ...]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -204,6 +207,8 @@ class LayoutSummary:
             d["ambiguous"] = list(self.ambiguous)
         if self.geometry is not None:
             d["geometry"] = [g.to_dict() for g in self.geometry]
+        if self.candidates is not None:
+            d["candidates"] = {k: [list(pf) for pf in v] for k, v in self.candidates.items()}
         return d
 
 
@@ -244,6 +249,12 @@ class InspectResult:
     other_keys: tuple[str, ...]
     other_tensors: tuple[TensorEntry, ...]
     tree: tuple[TreeRow, ...] | None = None
+    schema: KeySchema | None = None
+    location: Located | None = None
+    training_state: dict[str, tuple[str, ...]] | None = None
+    uncategorized_tensors: tuple[str, ...] = ()
+    non_persistent_buffers: tuple[str, ...] = ()
+    serialization: str = "torch_save"
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document, schema ``ckpttool.inspect/1``."""
@@ -264,6 +275,12 @@ class InspectResult:
         }
         if self.tree is not None:
             d["tree"] = [r.to_dict() for r in self.tree]
+        d["key_schema"] = self.schema.to_dict() if self.schema is not None else None
+        d["location"] = self.location.to_dict() if self.location is not None else None
+        d["serialization"] = self.serialization
+        d["training_state"] = {k: list(v) for k, v in (self.training_state or {}).items()}
+        d["uncategorized_tensors"] = list(self.uncategorized_tensors)
+        d["non_persistent_buffers"] = list(self.non_persistent_buffers)
         return d
 
 
@@ -309,7 +326,7 @@ def _param_group_rows(cat: Catalog, filt: str | None) -> list[GroupRow]:
     first: dict[tuple[str, bool], ParamGroup] = {}
     for g in cat.param_groups:
         fqn = str(g.group_id)
-        if match_filter(f"model.{fqn}", filt):
+        if match_filter(cat.model_key(fqn), filt, cat.schema.model_prefix):
             sig = (leaf_key(g), has_state(fqn))  # a leaf (Catalog.leaves), split by state
             members.setdefault(sig, []).append(fqn)
             first.setdefault(sig, g)
@@ -324,7 +341,8 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
     params = [
         f
         for f in cat.param_fqns
-        if match_filter(f"model.{f}", filt) and (not nested_known or f in grouped or f in cat.optimizer_state)
+        if match_filter(cat.model_key(f), filt, cat.schema.model_prefix)
+        and (not nested_known or f in grouped or f in cat.optimizer_state)
     ]
     buffers = [f for f in cat.param_fqns if nested_known and f not in grouped and f not in cat.optimizer_state]
     with_state = [f for f in params if f in cat.optimizer_state and cat.optimizer_state[f].fields]
@@ -395,6 +413,7 @@ def _layout_section(ckpt: Checkpoint) -> LayoutSummary | None:
         None,
         ambiguous,
         geometry,
+        dict(resolved.candidates) if resolved.version is None else None,
     )
 
 
@@ -451,12 +470,15 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
     for t in tensors.values():
         bytes_by_dtype[t.dtype] += t.nbytes
     state_bytes = sum(t.nbytes for ps in cat.optimizer_state.values() for t in ps.fields.values() if t)
-    model_rows = [t for t in cat.model.values() if match_filter(t.key, filt)]
-    if filt and not model_rows and not any(match_filter(k, filt) for k in tensors):
+    prefix = cat.schema.model_prefix
+    model_rows = [t for t in cat.model.values() if match_filter(t.key, filt, prefix)]
+    if filt and not model_rows and not any(match_filter(k, filt, prefix) for k in tensors):
+        shown = f"the {prefix!r} prefix" if prefix else "a prefix"
         raise UsageError(
             f"`filter_glob` {filt!r} matches no key of {ckpt.path}",
             param="filter_glob",
-            hint="globs match keys with or without the 'model.' prefix, e.g. 'model.layers.0.*'",
+            hint=f"globs match keys with or without {shown}, e.g. "
+            f"'{cat.fqn_of(next(iter(cat.model), 'layers.0.x')).split('.')[0]}.*'",
         )
     if opts.sort == "size":
         model_rows.sort(key=lambda t: (-t.nbytes, t.key))
@@ -507,6 +529,12 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         other_keys=tuple(cat.other_keys),
         other_tensors=tuple(t for t in cat.other_tensors.values() if match_filter(t.key, filt)),
         tree=tree,
+        schema=cat.schema,
+        location=ckpt.located,
+        training_state={k: tuple(v) for k, v in cat.training_state.items()},
+        uncategorized_tensors=tuple(cat.uncategorized_tensors()),
+        non_persistent_buffers=tuple(cat.non_persistent_buffers()),
+        serialization=ckpt.metadata.serialization,
     )
 
 
@@ -516,6 +544,7 @@ def inspect(
     *,
     declaration: LayoutDeclaration | None = None,
     trust_pickle: bool = False,
+    selection: CheckpointSelection | None = None,
 ) -> InspectResult:
     """Open a checkpoint directory and inspect it (:func:`inspect_checkpoint`); an invalid layout
     record is reported in the result, not raised.
@@ -526,6 +555,8 @@ def inspect(
     """
     with (
         gc_paused(),
-        open_checkpoint(path, declaration=declaration, trust_pickle=trust_pickle, record_problems=True) as ckpt,
+        open_checkpoint(
+            path, declaration=declaration, trust_pickle=trust_pickle, record_problems=True, selection=selection
+        ) as ckpt,
     ):
         return inspect_checkpoint(ckpt, options)

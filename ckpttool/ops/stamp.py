@@ -27,6 +27,7 @@ from ckpttool.format.atomic import atomic_write_text
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.checkpoint import Checkpoint, open_checkpoint
 from ckpttool.model.declaration import LayoutDeclaration, load_layout_record
+from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.geometry import EPGeometry, dim_intervals
 from ckpttool.model.layout_record import SIDECAR_NAME, parse_layout_record
 from ckpttool.ops.reshard.plan import implied_optimizer, make_record
@@ -64,6 +65,7 @@ def stamp(
     declaration: LayoutDeclaration | None = None,
     *,
     trust_pickle: bool = False,
+    selection: CheckpointSelection | None = None,
 ) -> StampResult:
     """Write ``layout.json`` for a declared layout after checking it against the chunk geometry.
 
@@ -84,12 +86,14 @@ def stamp(
     """
     if isinstance(checkpoint, Checkpoint):
         return _stamp(checkpoint, declaration or checkpoint.declaration)
-    with open_checkpoint(checkpoint, declaration=declaration, trust_pickle=trust_pickle, record_problems=True) as ckpt:
+    with open_checkpoint(
+        checkpoint, declaration=declaration, trust_pickle=trust_pickle, record_problems=True, selection=selection
+    ) as ckpt:
         return _stamp(ckpt, declaration)
 
 
 def _stamp(ckpt: Checkpoint, declaration: LayoutDeclaration | None) -> StampResult:
-    if declaration is None:
+    if declaration is None or declaration.no_ep:
         raise UsageError(
             "stamp needs a layout declaration (`source_layout`, `ep_size`, `ep_fsdp_size`)", param="source_layout"
         )

@@ -32,7 +32,7 @@ def test_table_output_groups_by_severity_and_ends_with_counts(broken: Path) -> N
     out = res.stdout
     assert out.index("errors (1)") < out.index("warnings (do not fail without --strict) (1)")
     assert "P001" in out and "S006" in out and "missing eps" in out
-    assert out.splitlines()[-1].startswith("FAILED: 1 error, 1 warning, 0 info;")
+    assert out.splitlines()[-1].startswith("FAILED: 1 error, 1 warning, 1 info;")  # M009: the fixture's inv_freq
 
 
 def test_json_schema_and_fail_flags(broken: Path) -> None:
@@ -40,9 +40,9 @@ def test_json_schema_and_fail_flags(broken: Path) -> None:
     assert res.exit_code == 1 and res.stderr == ""
     doc = json.loads(res.stdout)
     assert doc["schema"] == "ckpttool.validate/1" and doc["exit_code"] == 1 and not doc["ok"]
-    assert doc["counts"] == {"error": 1, "warning": 1, "info": 0} and doc["failing"] == 1
+    assert doc["counts"] == {"error": 1, "warning": 1, "info": 1} and doc["failing"] == 1  # info: M009 (inv_freq)
     by = {f["code"]: f for f in doc["findings"]}
-    assert set(by) == {"P001", "S006"}
+    assert set(by) == {"P001", "S006", "M009"} and not by["M009"]["fails"]
     assert by["P001"]["fails"] and not by["S006"]["fails"]
     for f in doc["findings"]:
         assert set(f) == {"code", "severity", "key", "message", "hint", "error_code", "fatal", "fails"}
@@ -65,9 +65,9 @@ def test_select_and_ignore_by_code_and_prefix(broken: Path) -> None:
         doc = json.loads(r.stdout)
         return r.exit_code, {f["code"] for f in doc["findings"]}, {x["code"] for x in doc["rules"]}
 
-    rc, found, ran = run("--ignore", "P001")
+    rc, found, ran = run("--ignore", "P001,M009")
     assert (rc, found) == (1, {"S006"}) and "P001" not in ran
-    rc, found, ran = run("--ignore", "P00,S006")
+    rc, found, ran = run("--ignore", "P00,S006,M009")
     assert (rc, found) == (0, set())
     rc, found, ran = run("--select", "P")
     assert (rc, found) == (1, {"P001"}) and ran == {c for c in RULES if c[0] == "P"} | {"S001", "S009"}

@@ -36,7 +36,8 @@ def test_unversioned_same_dim_fixtures_are_ambiguous(ep_suite: Path) -> None:
         assert sorted(lay.ambiguous) == sorted(k for k in cat.model if ".experts." in k) and len(lay.ambiguous) == 4
         with pytest.raises(LayoutError) as ei:
             lay.require_unambiguous()
-        assert ei.value.code == "E405" and "--source-layout" in ei.value.hint
+        assert ei.value.code == "E405" and "`source_layout`" in ei.value.hint and "`no_ep`" in ei.value.hint
+        assert "ep_size 2 x ep_fsdp_size 2" in ei.value.hint  # the candidate mesh, from the chunks
         geo = {g.key: g for g in lay.geometry(cat)}
         assert geo[DOWN].blocks_per_dim == (4, 1, 1) and geo[DOWN].same_dim and geo[DOWN].fsdp_dim == 0
         assert geo[DOWN].ranks == (0, 1, 2, 3) and geo[DOWN].problems == () and geo[DOWN].num_experts == 8
@@ -159,3 +160,45 @@ def test_invalid_sidecar_records(ep_suite: Path, tmp_path: Path, mutate, code: s
     with pytest.raises(LayoutError) as ei:
         resolved(ck)
     assert ei.value.code == code
+
+
+# ------------------------------------------------------------------------------------------ plain FSDP2, several chunks
+def test_ep_ranks_that_stored_several_chunks_accept_the_true_declaration(ep_multichunk_ckpt: Path) -> None:
+    key = "model.model.layers.0.mlp.experts.down_proj"
+    cat, lay = resolved(ep_multichunk_ckpt)
+    assert lay.ambiguous == [key] and lay.candidates[key] == ((2, 2),)  # 4 blocks: EP 2 x EP-FSDP 2 fits too
+    _, lay = resolved(ep_multichunk_ckpt, LayoutDeclaration.from_options("canonical", 2, 1))
+    assert lay.version == 2 and lay.ep_size == 2 and lay.geometry(cat)[0].problems == ()
+    with pytest.raises(LayoutError) as ei:  # 2 blocks per rank cannot be one EP rank's block of 4 experts each
+        resolved(ep_multichunk_ckpt, LayoutDeclaration.from_options("canonical", 1, 1))
+    assert ei.value.code == "E404"
+
+
+def test_refinement_needs_one_writer_per_block() -> None:
+    from ckpttool.model.geometry import refines
+
+    want = {(0, 4), (4, 4)}
+    got = {(0, 2), (2, 2), (4, 2), (6, 2)}
+    same = {(0, 2): {0}, (2, 2): {0}, (4, 2): {1}, (6, 2): {1}}
+    split = {(0, 2): {0}, (2, 2): {1}, (4, 2): {2}, (6, 2): {3}}  # EP-FSDP ranks, not one EP rank
+    assert refines(got, want, same) and not refines(got, want, split) and not refines(got, want, None)
+    assert not refines({(0, 6), (6, 2)}, want, {(0, 6): {0}, (6, 2): {1}})  # a chunk across two blocks
+
+
+def test_candidates_of_plain_fsdp2(acc_root: Path, moe4_root: Path) -> None:
+    _, lay2 = resolved(acc_root / "moe_fsdp2")
+    assert lay2.ambiguous == [] and all(c == () for c in lay2.candidates.values())  # 2 blocks: no 2-way x 2-way split
+    _, lay4 = resolved(moe4_root / "moe_fsdp4")
+    assert len(lay4.ambiguous) == 4 and all(c == ((2, 2),) for c in lay4.candidates.values())
+    with CheckpointReader(moe4_root / "moe_fsdp4") as r:
+        cat = build_catalog(r)
+        no_ep = resolve_layout(cat, r, LayoutDeclaration.from_options(None, None, None, no_ep=True))
+    assert no_ep.ambiguous == [] and no_ep.ep_size == 1 and not any(no_ep.is_permuted(k) for k in no_ep.ep_tensors)
+
+
+def test_no_ep_excludes_sizes_and_contradicts_an_ep_record(ep_suite: Path) -> None:
+    with pytest.raises(Exception, match="excludes"):
+        LayoutDeclaration.from_options("canonical", 2, 2, no_ep=True)
+    with pytest.raises(LayoutError) as ei:
+        resolved(ep_suite / "p4f1", LayoutDeclaration.from_options(None, None, None, no_ep=True))
+    assert ei.value.code == "E404" and "ep_size 4" in ei.value.message

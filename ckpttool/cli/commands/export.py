@@ -15,13 +15,20 @@ from ckpttool.cli.options import (
     EpSizeOpt,
     FilterOpt,
     JsonOpt,
+    ModelPrefixOpt,
+    NoEpOpt,
+    OptimizerDirOpt,
+    OptimizerPrefixOpt,
     OverwriteOpt,
+    SchemaOpt,
     SourceLayoutOpt,
+    StepOpt,
     TrustPickleOpt,
     declaration,
     examples,
     parse_dtype,
     parse_size,
+    selection,
 )
 from ckpttool.cli.output import Output, command_boundary
 
@@ -113,12 +120,19 @@ def export_command(
         float | None, typer.Option("--lora-alpha", help="LoRA: lora_alpha when no adapter config is given.")
     ] = None,
     trust_pickle: TrustPickleOpt = False,
+    no_ep: NoEpOpt = False,
+    step: StepOpt = None,
+    optimizer_dir: OptimizerDirOpt = None,
+    schema: SchemaOpt = None,
+    model_prefix: ModelPrefixOpt = None,
+    optimizer_prefix: OptimizerPrefixOpt = None,
 ) -> None:
     """Export model weights as Hugging Face safetensors or a LoRA adapter (streaming, bit-exact by default)."""
     from ckpttool.model.checkpoint import open_checkpoint
     from ckpttool.ops.export import ExportOptions, export_checkpoint
 
-    decl = declaration(source_layout, ep_size, ep_fsdp_size)
+    decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
+    sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
     alpha: float | int | None = lora_alpha
     if alpha is not None and float(alpha).is_integer():
         alpha = int(alpha)
@@ -139,7 +153,7 @@ def export_command(
     from ckpttool.cli.render import byte_progress
 
     with (
-        open_checkpoint(checkpoint, declaration=decl, trust_pickle=trust_pickle) as ckpt,
+        open_checkpoint(checkpoint, declaration=decl, trust_pickle=trust_pickle, selection=sel) as ckpt,
         byte_progress("export", not json_output and sys.stderr.isatty()) as update,
     ):
         result = export_checkpoint(ckpt, out, options, progress=update)

@@ -13,10 +13,17 @@ from ckpttool.cli.options import (
     EpSizeOpt,
     FilterOpt,
     JsonOpt,
+    ModelPrefixOpt,
+    NoEpOpt,
+    OptimizerDirOpt,
+    OptimizerPrefixOpt,
+    SchemaOpt,
     SourceLayoutOpt,
+    StepOpt,
     TrustPickleOpt,
     declaration,
     examples,
+    selection,
 )
 from ckpttool.cli.output import Output, command_boundary
 
@@ -43,6 +50,12 @@ def inspect_command(
     source_layout: SourceLayoutOpt = None,
     ep_size: EpSizeOpt = None,
     ep_fsdp_size: EpFsdpSizeOpt = None,
+    no_ep: NoEpOpt = False,
+    step: StepOpt = None,
+    optimizer_dir: OptimizerDirOpt = None,
+    schema: SchemaOpt = None,
+    model_prefix: ModelPrefixOpt = None,
+    optimizer_prefix: OptimizerPrefixOpt = None,
 ) -> None:
     """Show what a checkpoint holds, from .metadata alone (reads no tensor data)."""
     from ckpttool.cli.render import render_overview
@@ -50,12 +63,13 @@ def inspect_command(
     from ckpttool.ops.inspect import InspectOptions, inspect
 
     options = InspectOptions(filter_glob=filter_glob, depth=depth, sort=sort.value)
-    decl = declaration(source_layout, ep_size, ep_fsdp_size)
+    decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
+    sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
     # One GC pause for reading and printing, and the result freed before it ends: re-enabling the
     # collector runs a full collection over whatever is still alive (10^7 objects at 10^6 entries).
     sink = Output(json_output)
     with gc_paused():
-        result = inspect(checkpoint, options, declaration=decl, trust_pickle=trust_pickle)
+        result = inspect(checkpoint, options, declaration=decl, trust_pickle=trust_pickle, selection=sel)
         if not json_output:
             for line in _file_warnings(result):
                 sink.warning(line)
@@ -79,6 +93,7 @@ EPILOG = examples(
     "ckpttool inspect ckpt/",
     "ckpttool inspect ckpt/ --filter '*experts*' --sort size",
     "ckpttool inspect ckpt/ --depth 3",
+    "ckpttool inspect RUN_ROOT --step latest",
     "ckpttool inspect ckpt/ --json | python -m json.tool",
 )
 

@@ -14,13 +14,20 @@ from ckpttool.cli.options import (
     EpFsdpSizeOpt,
     EpSizeOpt,
     JsonOpt,
+    ModelPrefixOpt,
+    NoEpOpt,
+    OptimizerDirOpt,
+    OptimizerPrefixOpt,
+    SchemaOpt,
     SourceLayoutOpt,
+    StepOpt,
     TrustPickleOpt,
     declaration,
     examples,
     parse_dtype,
     parse_size,
     parse_tolerance,
+    selection,
 )
 from ckpttool.cli.output import Output, command_boundary, deprecated, print_error
 from ckpttool.errors import ReplayMismatchError, UsageError
@@ -114,6 +121,12 @@ def replay_step_command(
     source_layout: SourceLayoutOpt = None,
     ep_size: EpSizeOpt = None,
     ep_fsdp_size: EpFsdpSizeOpt = None,
+    no_ep: NoEpOpt = False,
+    step: StepOpt = None,
+    optimizer_dir: OptimizerDirOpt = None,
+    schema: SchemaOpt = None,
+    model_prefix: ModelPrefixOpt = None,
+    optimizer_prefix: OptimizerPrefixOpt = None,
 ) -> None:
     """Replay the next optimizer step from the saved state on --device and compare with an independent reference.
 
@@ -146,10 +159,11 @@ def replay_step_command(
         reference_dtype=parse_dtype(reference_dtype, "--reference-dtype", ("float64", "float32")),
     )
     options.check()
-    decl = declaration(source_layout, ep_size, ep_fsdp_size)
+    decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
+    sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
     progress_cb, finish = _progress(enabled=not json_output and sys.stderr.isatty())
     try:
-        with open_checkpoint(checkpoint, declaration=decl, trust_pickle=trust_pickle) as ckpt:
+        with open_checkpoint(checkpoint, declaration=decl, trust_pickle=trust_pickle, selection=sel) as ckpt:
             result = replay_step(ckpt, options, progress=progress_cb)
     finally:
         finish()

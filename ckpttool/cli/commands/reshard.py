@@ -14,11 +14,17 @@ from ckpttool.cli.options import (
     EpFsdpSizeOpt,
     EpSizeOpt,
     JsonOpt,
+    ModelPrefixOpt,
+    NoEpOpt,
+    OptimizerPrefixOpt,
     OverwriteOpt,
+    SchemaOpt,
     SourceLayoutOpt,
+    StepOpt,
     TrustPickleOpt,
     declaration,
     examples,
+    selection,
 )
 from ckpttool.cli.output import Output, command_boundary
 
@@ -74,6 +80,11 @@ def reshard_command(
     ] = True,
     json_output: JsonOpt = False,
     trust_pickle: TrustPickleOpt = False,
+    no_ep: NoEpOpt = False,
+    step: StepOpt = None,
+    schema: SchemaOpt = None,
+    model_prefix: ModelPrefixOpt = None,
+    optimizer_prefix: OptimizerPrefixOpt = None,
 ) -> None:
     """Write a new DCP checkpoint with expert tensors in the target layout, one data file per target rank.
 
@@ -84,7 +95,8 @@ def reshard_command(
     from ckpttool.model.checkpoint import open_checkpoint
     from ckpttool.ops.reshard import ReshardOptions, reshard
 
-    decl = declaration(source_layout, ep_size, ep_fsdp_size)
+    decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
+    sel = selection(step, None, schema, model_prefix, optimizer_prefix)
     options = ReshardOptions(
         to=to.value,
         target_ep_size=target_ep_size,
@@ -94,7 +106,7 @@ def reshard_command(
         fsync=fsync,
     )
     with (
-        open_checkpoint(source, declaration=decl, trust_pickle=trust_pickle) as ckpt,
+        open_checkpoint(source, declaration=decl, trust_pickle=trust_pickle, selection=sel) as ckpt,
         byte_progress("reshard", not json_output and sys.stderr.isatty()) as update,
     ):
         res = reshard(ckpt, target, options, progress=update)

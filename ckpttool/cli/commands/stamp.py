@@ -6,7 +6,19 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckpttool.cli.options import CheckpointArg, JsonOpt, SourceLayout, TrustPickleOpt, declaration, examples
+from ckpttool.cli.options import (
+    CheckpointArg,
+    JsonOpt,
+    ModelPrefixOpt,
+    OptimizerPrefixOpt,
+    SchemaOpt,
+    SourceLayout,
+    StepOpt,
+    TrustPickleOpt,
+    declaration,
+    examples,
+    selection,
+)
 from ckpttool.cli.output import Output, command_boundary
 
 if TYPE_CHECKING:
@@ -27,6 +39,10 @@ def stamp_command(
     ep_fsdp_size: Annotated[int, typer.Option("--ep-fsdp-size", min=1, help="EP-FSDP size F of the saving mesh.")],
     json_output: JsonOpt = False,
     trust_pickle: TrustPickleOpt = False,
+    step: StepOpt = None,
+    schema: SchemaOpt = None,
+    model_prefix: ModelPrefixOpt = None,
+    optimizer_prefix: OptimizerPrefixOpt = None,
 ) -> None:
     """Write layout.json beside .metadata after checking the declaration against the chunk geometry.
 
@@ -35,7 +51,8 @@ def stamp_command(
     from ckpttool.ops.stamp import stamp
 
     decl = declaration(source_layout, ep_size, ep_fsdp_size)
-    res = stamp(checkpoint, decl, trust_pickle=trust_pickle)
+    sel = selection(step, None, schema, model_prefix, optimizer_prefix)
+    res = stamp(checkpoint, decl, trust_pickle=trust_pickle, selection=sel)
     Output(json_output).result(res, _render)
 
 

@@ -17,10 +17,16 @@ from ckpttool.cli.options import (
     EpFsdpSizeOpt,
     EpSizeOpt,
     JsonOpt,
+    ModelPrefixOpt,
+    NoEpOpt,
+    OptimizerPrefixOpt,
+    SchemaOpt,
     SourceLayoutOpt,
+    StepOpt,
     TrustPickleOpt,
     declaration,
     examples,
+    selection,
 )
 from ckpttool.cli.output import Output, command_boundary, print_error
 
@@ -157,6 +163,20 @@ def validate_command(
     list_rules: Annotated[
         bool, typer.Option("--list-rules", help="List the rules (code, severity, what they check) and exit.")
     ] = False,
+    no_ep: NoEpOpt = False,
+    step: StepOpt = None,
+    optimizer_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--optimizer-dir",
+            "--optimizer",
+            help="A separate optimizer checkpoint (e.g. checkpoint-N/optimizer_0) validated together with DIR's model.",
+            show_default=False,
+        ),
+    ] = None,
+    schema: SchemaOpt = None,
+    model_prefix: ModelPrefixOpt = None,
+    optimizer_prefix: OptimizerPrefixOpt = None,
 ) -> None:
     """Check a checkpoint with rules that have stable codes; exit 1 on findings that fail the run."""
     from ckpttool.errors import UsageError, error_class
@@ -174,7 +194,8 @@ def validate_command(
         _check_junit_path(junit)
     from ckpttool.cli.render import byte_progress
 
-    decl = declaration(source_layout, ep_size, ep_fsdp_size)
+    decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
+    sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
     options = ValidateOptions(
         strict=strict,
         deep=deep,
@@ -188,7 +209,7 @@ def validate_command(
 
     progress = byte_progress("validate --deep", deep and not json_output and sys.stderr.isatty())
     with gc_paused(), progress as update:  # one pause for reading and printing (each re-enable: a full collection)
-        res = validate(checkpoint, options, declaration=decl, trust_pickle=trust_pickle, progress=update)
+        res = validate(checkpoint, options, declaration=decl, trust_pickle=trust_pickle, progress=update, selection=sel)
         if junit is not None:
             from ckpttool.errors import OutputError
             from ckpttool.format.atomic import atomic_write_text

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import ChunkError, ExportError, UsageError
+from ckpttool.errors import ChunkError, ExportAccountingError, ExportError, UsageError
 from ckpttool.format.atomic import AtomicOutputDir, signals_deferred
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
 from ckpttool.format.reader import CheckpointReader
@@ -36,6 +36,7 @@ from ckpttool.format.safetensors import ShardWriter
 from ckpttool.format.tiling import contiguous_run, tiling_problem
 from ckpttool.model.checkpoint import Checkpoint, opened
 from ckpttool.model.declaration import LayoutDeclaration
+from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.ops.export.experts import expert_orders
 from ckpttool.ops.export.lora import adapter_config, read_adapter_config
@@ -46,6 +47,7 @@ from ckpttool.ops.export.plan import (
     SourceTask,
     build_plan,
     select_sources,
+    unaccounted_tensors,
 )
 from ckpttool.ops.export.rules import ExportRules, load_rules
 
@@ -419,6 +421,7 @@ def export_checkpoint(
     progress: ProgressFn | None = None,
     declaration: LayoutDeclaration | None = None,
     trust_pickle: bool = False,
+    selection: CheckpointSelection | None = None,
     **option_fields: Any,
 ) -> ExportResult:
     """Export a DCP checkpoint's model weights as Hugging Face safetensors or a PEFT LoRA adapter.
@@ -429,7 +432,7 @@ def export_checkpoint(
         out: output directory; written beside itself and renamed when complete.
         options: see :class:`ExportOptions`; or give its fields as keywords.
         progress: ``progress(done_bytes, total_bytes)`` callback.
-        declaration, trust_pickle: how to open ``checkpoint`` when it is a path
+        declaration, trust_pickle, selection: how to open ``checkpoint`` when it is a path
             (:func:`~ckpttool.model.checkpoint.open_checkpoint`).
 
     Returns:
@@ -453,7 +456,7 @@ def export_checkpoint(
             given_adapter = read_adapter_config(Path(opts.adapter_config))
         elif opts.model_assets is not None and (Path(opts.model_assets) / "adapter_config.json").is_file():
             given_adapter = read_adapter_config(Path(opts.model_assets) / "adapter_config.json")
-    with opened(checkpoint, declaration=declaration, trust_pickle=trust_pickle) as ckpt:
+    with opened(checkpoint, declaration=declaration, trust_pickle=trust_pickle, selection=selection) as ckpt:
         return _export(ckpt, Path(out), opts, rules, model_config, given_adapter, progress)
 
 
@@ -519,6 +522,13 @@ def _export(
     plan.warnings = warnings
     plan.skipped = skipped
     plan.tied = tied
+    missing = unaccounted_tensors(cat, plan, {s.model_key for s in selected if s.out_key in drop})
+    if missing:
+        raise ExportAccountingError(
+            f"{checkpoint}: {len(missing)} tensor(s) would be neither exported nor listed as skipped "
+            f"(e.g. {missing[0]!r})",
+            fqn=missing[0],
+        )
     log.info(
         "plan: %d tensors (%d bytes) in %d file(s) of at most %d bytes; weights %s; save dtype %s; casts %s; "
         "experts %s, %d un-permuted from the legacy layout; tied embeddings %s; %d key(s) not exported",

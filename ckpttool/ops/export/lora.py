@@ -127,7 +127,7 @@ def adapter_config(
     targeted = set(rel)
     untargeted = False
     prefix = "model." + _PEFT_PREFIX
-    for key in cat.model:
+    for key in map(cat.schema.canonical_key, cat.model):  # the torch-native spelling model.<fqn>
         if not key.startswith(prefix) or ".base_layer." in key or _ADAPTER_PART_RE.search(key) or ".lora_" in key:
             continue
         module = key[len(prefix) :].rsplit(".", 1)[0]

@@ -16,10 +16,10 @@ import fnmatch
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ckpttool.errors import ExportError, UsageError
+from ckpttool.errors import ExportError, ExportNamingError, UsageError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, FLOATING_DTYPES
 from ckpttool.format.safetensors import HeaderEntry, is_narrowing
-from ckpttool.model.catalog import MODEL_PREFIX, Catalog, TensorEntry, match_filter
+from ckpttool.model.catalog import Catalog, TensorEntry, match_filter
 from ckpttool.ops.export.rules import ExportRules
 
 __all__ = [
@@ -31,6 +31,10 @@ __all__ = [
     "select_sources",
     "build_plan",
     "shard_file_names",
+    "check_exportable_names",
+    "unaccounted_tensors",
+    "SKIP_TRAINING_STATE",
+    "SKIP_OUTSIDE_SCHEMA",
 ]
 
 SAVE_DTYPES = ("preserve", "bfloat16", "float16", "float32")
@@ -48,7 +52,7 @@ class Selected:
     """A model tensor chosen for export.
 
     Attributes:
-        model_key: the ``model.*`` checkpoint key it stands for.
+        model_key: the checkpoint key of the model tensor it stands for.
         out_key: its output key (before any expert split).
         source: the tensor entry read (the parameter, or its ``master_weight``).
         origin: ``"params"`` or ``"master"``.
@@ -155,10 +159,43 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return n
 
 
-def _filtered(key: str, out_key: str, glob: str | None) -> bool:
+def _filtered(key: str, canonical: str, out_key: str, glob: str | None, prefix: str | None) -> bool:
     if not glob:
         return False
-    return not (match_filter(key, glob) or fnmatch.fnmatchcase(out_key, glob))
+    return not (match_filter(key, glob, prefix) or match_filter(canonical, glob) or fnmatch.fnmatchcase(out_key, glob))
+
+
+#: ``skipped`` reasons of tensors that are not model weights (``docs/export.md``).
+SKIP_TRAINING_STATE = "training state (scheduler, data loader, step), not weights"
+SKIP_OUTSIDE_SCHEMA = "outside the key schema (not model weights)"
+
+
+def check_exportable_names(cat: Catalog, fmt: str) -> None:
+    """Refuse model names that have no Hugging Face mapping.
+
+    Raises:
+        ExportNamingError (E603): torchtitan naming (``tok_embeddings.weight``,
+            ``layers.N.attention.wq.weight``): HF names need torchtitan's state-dict adapter
+            (split/fused projections, the RoPE row permutation of ``wq``/``wk``).
+        ExportError (E601): no model tensor at all (nothing recognised, or an optimizer-only checkpoint).
+    """
+    sch = cat.schema
+    if not cat.model:
+        why = "; ".join(sch.reasons[:2])
+        raise ExportError(
+            f"{cat.path}: no model tensors to export ({why})",
+            hint="pass the model checkpoint (or the folder holding model and optimizer); `ckpttool inspect` "
+            "shows the keys, `model_prefix` says where the weights are",
+        )
+    if sch.naming == "torchtitan" and fmt in ("hf", "lora"):
+        fqns = [cat.fqn_of(k) for k in list(cat.model)[:2]]
+        raise ExportNamingError(
+            f"{cat.path}: the model tensors have torchtitan names (e.g. {', '.join(repr(f) for f in fqns)}); "
+            "Hugging Face names need a model-specific adapter (wq/wk/wv/wo to q_proj/k_proj/v_proj/o_proj, "
+            "the RoPE row permutation of wq and wk), which ckpttool does not apply",
+            hint="save with torchtitan's checkpoint.last_save_in_hf (HuggingFaceStorageWriter and its state-dict "
+            "adapter) and export that directory, or keep the DCP checkpoint for torchtitan",
+        )
 
 
 def select_sources(
@@ -188,21 +225,24 @@ def select_sources(
             a master whose shape differs from its parameter, or two keys mapping
             to one output key.
     """
+    check_exportable_names(cat, fmt)
     selected: list[Selected] = []
     warnings: list[str] = []
     skipped: dict[str, list[str]] = {}
     adapter_names: dict[str, str] = {}
     renamed: list[str] = []
     masters_found = 0
+    prefix = cat.schema.model_prefix
     for key, entry in cat.model.items():
+        canonical = cat.schema.canonical_key(key)  # rules match the torch-native spelling model.<fqn>
         if fmt == "lora":
-            hit = rules.lora_output_key(key)
+            hit = rules.lora_output_key(canonical)
             if hit is None:
                 skipped.setdefault("not a LoRA adapter tensor", []).append(key)
                 continue
             out_key, adapter = hit
         else:
-            out, matched, warn = rules.map_key(key)
+            out, matched, warn = rules.map_key(canonical)
             if not matched:
                 skipped.setdefault("no key rule matches", []).append(key)
                 continue
@@ -212,14 +252,14 @@ def select_sources(
             out_key = out
             if warn:
                 renamed.append(f"{key} -> {out_key}")
-        if _filtered(key, out_key, filter_glob):
+        if _filtered(key, canonical, out_key, filter_glob, prefix):
             skipped.setdefault("excluded by `filter_glob`", []).append(key)
             continue
         if fmt == "lora":
             adapter_names[out_key] = adapter
         source, origin = entry, "params"
         if weights == "master":
-            ps = cat.optimizer_state.get(key[len(MODEL_PREFIX) :])
+            ps = cat.optimizer_state.get(cat.fqn_of(key))
             mw = ps.fields.get("master_weight") if ps is not None else None
             if mw is not None:
                 if mw.shape != entry.shape:
@@ -238,7 +278,14 @@ def select_sources(
         )
     if renamed:
         shown = ", ".join(renamed[:5]) + (f" (+{len(renamed) - 5} more)" if len(renamed) > 5 else "")
-        warnings.append(f"{len(renamed)} key(s) outside the HF schema had 'model.' stripped: {shown}")
+        warnings.append(f"{len(renamed)} key(s) outside the HF naming were exported as their fqn: {shown}")
+    for key in cat.other_tensors:
+        reason = SKIP_TRAINING_STATE if cat.category(key) == "training_state" else SKIP_OUTSIDE_SCHEMA
+        skipped.setdefault(reason, []).append(key)
+    outside = skipped.get(SKIP_OUTSIDE_SCHEMA)
+    if outside:
+        shown = ", ".join(outside[:3]) + (f" (+{len(outside) - 3} more)" if len(outside) > 3 else "")
+        warnings.append(f"{len(outside)} tensor(s) outside the {cat.schema.id} key schema are not exported: {shown}")
     seen: dict[str, str] = {}
     for s in selected:
         if s.out_key in seen:
@@ -379,3 +426,16 @@ def build_plan(
             entries[k].append(HeaderEntry(p.name, p.dtype, p.shape))
         tasks.append(SourceTask(s, pieces, k, order))
     return ExportPlan(fmt, tasks, files, entries, casts=dict(casts), narrowing=dict(narrowing), origins=origins)
+
+
+def unaccounted_tensors(cat: Catalog, plan: ExportPlan, dropped: set[str]) -> list[str]:
+    """Non-optimizer tensors that the plan neither writes nor lists in ``skipped`` (should be none).
+
+    Args:
+        cat: the catalog.
+        plan: the built plan (``skipped`` filled).
+        dropped: checkpoint keys left out on purpose and reported elsewhere (a tied ``lm_head``).
+    """
+    written = {t.selected.model_key for t in plan.tasks}
+    listed = {k for keys in plan.skipped.values() for k in keys}
+    return [k for k in (*cat.model, *cat.other_tensors) if k not in written and k not in listed and k not in dropped]

@@ -31,6 +31,7 @@ from typing import Any
 
 from ckpttool.errors import (
     HyperparameterError,
+    IndexedOptimizerStateError,
     LostStateError,
     MemoryBudgetError,
     OptimStateError,
@@ -40,7 +41,7 @@ from ckpttool.errors import (
     UsageError,
 )
 from ckpttool.format.metadata import dtype_name
-from ckpttool.model.catalog import MODEL_PREFIX, Catalog, TensorEntry, leaf_key, match_filter
+from ckpttool.model.catalog import Catalog, TensorEntry, leaf_key, lost_state, match_filter
 from ckpttool.model.layout_record import LayoutRecord
 from ckpttool.model.optimizer import OPTIMIZER_TYPES, expected_state_dtypes, infer_optimizer_type
 
@@ -326,10 +327,16 @@ def plan_replay(
             re.compile(pat)
         except re.error as e:
             raise UsageError(f"`offload_patterns` {pat!r} is not a valid regular expression ({e})") from e
+    if cat.schema.optimizer_keying == "index":
+        raise IndexedOptimizerStateError(
+            f"{cat.path}: the optimizer state under {cat.schema.optimizer_prefix!r} is keyed by parameter index "
+            "(a plain optimizer.state_dict()), so no state can be matched to a parameter"
+        )
     if not cat.param_groups:
         raise HyperparameterError(
             f"{cat.path}: the checkpoint holds no optimizer param groups; nothing to replay",
-            hint="replay-step needs a checkpoint saved with its optimizer (`ckpttool inspect` shows what it holds)",
+            hint="replay-step needs a checkpoint saved with its optimizer: pass its optimizer checkpoint with "
+            "`optimizer_dir`, or the folder holding both (`ckpttool inspect` shows what it holds)",
         )
     notes: list[str] = []
 
@@ -340,10 +347,17 @@ def plan_replay(
     skipped = len(model_fqns) - len(params_in_model)
     if skipped:
         notes.append(f"{skipped} model tensor(s) in no param group (buffers, frozen parameters) are not replayed")
-    orphans = sorted(f for f in grouped if f"{MODEL_PREFIX}{f}" not in cat.model)
-    if orphans:
+    orphans = sorted(f for f in grouped if cat.model_key(f) not in cat.model)
+    fused = [f for f in orphans if (ps := cat.optimizer_state.get(f)) is not None and ps.stored_as]
+    if fused:
         notes.append(
-            f"{len(orphans)} param-group parameter(s) are not model tensors and are skipped, e.g. {orphans[0]}"
+            f"{len(fused)} parameter(s) are stepped fused but stored split in the model (e.g. {fused[0]} as "
+            f"{', '.join(cat.optimizer_state[fused[0]].stored_as)}): not replayed"
+        )
+    other_orphans = [f for f in orphans if f not in fused]
+    if other_orphans:
+        notes.append(
+            f"{len(other_orphans)} param-group parameter(s) are not model tensors and are skipped, e.g. {other_orphans[0]}"
         )
     group_of = {f: g for f in params_in_model if (g := cat.group_of(f)) is not None}
     hypers = {f: _hyper(group_of[f], f, group_of[f].group_id) for f in params_in_model}
@@ -351,14 +365,13 @@ def plan_replay(
     def leaf_of(fqn: str) -> str:
         return leaf_key(group_of[fqn])  # the catalog's leaves: a nested group, or equal flattened values
 
-    leaves_with_state = {
-        leaf_of(f) for f in params_in_model if cat.optimizer_state.get(f) and cat.optimizer_state[f].fields
-    }
+    lost = lost_state(cat)  # the one check behind validate's O009
 
     selected = [
         f
         for f in params_in_model
-        if (rx is None or rx.search(f)) and (filter_glob is None or match_filter(f"{MODEL_PREFIX}{f}", filter_glob))
+        if (rx is None or rx.search(f))
+        and (filter_glob is None or match_filter(f"model.{f}", filter_glob))  # the canonical key
     ]
     if not params_in_model:
         raise HyperparameterError(
@@ -376,7 +389,7 @@ def plan_replay(
                 hint=f"globs match checkpoint keys with or without 'model.', e.g. '*experts*' or '{example}'",
             )
         raise UsageError(
-            f"`select` {select!r} matches none of the {len(params_in_model)} parameter(s)",
+            f"`select` {select!r} matches none of the {len(params_in_model)} parameter(s) (e.g. {params_in_model[0]})",
             param="select",
             hint=f"patterns are re.search over fqns such as {example}",
         )
@@ -473,7 +486,7 @@ def plan_replay(
     plans: list[ParamPlan] = []
     fresh_leaves: set[Any] = set()
     for f in selected:
-        entry = cat.model[f"{MODEL_PREFIX}{f}"]
+        entry = cat.model[cat.model_key(f)]
         ps = cat.optimizer_state.get(f)
         fields = dict(ps.fields) if ps is not None else {}
         t = per_param_type.get(f, "adamw") if type_name == "mixed" else type_name
@@ -487,7 +500,7 @@ def plan_replay(
             _check_policy(p, cfg, saved)
         else:
             leaf = leaf_of(f)
-            if leaf in leaves_with_state:
+            if f in lost:
                 raise LostStateError(
                     f"parameter {f} has no optimizer state although other parameters of its param group "
                     f"(group {hypers[f].group_id}) have state: its leaf stepped",

@@ -35,8 +35,10 @@ from typing import Any
 from ckpttool.errors import DeviceUnavailableError, UsageError
 from ckpttool.model.checkpoint import Checkpoint, opened
 from ckpttool.model.declaration import LayoutDeclaration
+from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.ops.replay.compare import FieldError, compare_field, count_unequal, machine_eps
 from ckpttool.ops.replay.plan import ITEMSIZE, ParamPlan, make_batches, plan_replay
+from ckpttool.ops.state_checks import synthesized_params
 from ckpttool.ops.tensors import to_canonical
 
 __all__ = [
@@ -350,6 +352,7 @@ def replay_step(
     progress: Callable[[int, int], None] | None = None,
     declaration: LayoutDeclaration | None = None,
     trust_pickle: bool = False,
+    selection: CheckpointSelection | None = None,
     **option_fields: Any,
 ) -> ReplayResult:
     """Replay ``steps`` optimizer steps from a checkpoint and compare with an independent reference.
@@ -361,7 +364,8 @@ def replay_step(
         on_param: called as ``on_param(fqn, {"param", "master_weight", "exp_avg", "exp_avg_sq", "step"})``
             with CPU tensors after each parameter's replay (true expert order; ``master_weight`` absent for adamw).
         progress: called as ``progress(done, total)`` parameters.
-        declaration, trust_pickle: how to open ``checkpoint`` when it is a path.
+        declaration, trust_pickle, selection: how to open ``checkpoint`` when it is a path
+            (``selection``: step, a separate optimizer checkpoint, key schema).
 
     Returns:
         The :class:`ReplayResult` (``ok`` is False when any parameter is beyond tolerance).
@@ -375,7 +379,7 @@ def replay_step(
     """
     opts = options if options is not None else ReplayOptions(**option_fields)
     opts.check()
-    with opened(checkpoint, declaration=declaration, trust_pickle=trust_pickle) as ckpt:
+    with opened(checkpoint, declaration=declaration, trust_pickle=trust_pickle, selection=selection) as ckpt:
         return _replay(ckpt, opts, on_param, progress)
 
 
@@ -406,6 +410,12 @@ def _replay(
         chunk_size=opts.chunk_size,
     )
     notes = list(plan.notes)
+    synth = synthesized_params(reader, cat, [p.fqn for p in plan.params if p.state])
+    if synth:
+        notes.append(
+            f"warning: {len(synth)} parameter(s) have synthesized state (step 1, all-zero exp_avg/exp_avg_sq: the "
+            f"optimizer never stepped before the save), e.g. {synth[0]}; `ckpttool validate --deep` reports D005"
+        )
     grad_file = GradFile(opts.grads) if opts.grads is not None else None
     if grad_file is not None:
         for p in plan.params:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckpttool.errors import ReshardError
 from ckpttool.format.atomic import AtomicOutputDir, signals_deferred
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
 from ckpttool.format.metadata import ChunkMeta
@@ -43,6 +44,7 @@ from ckpttool.format.writer import DCPWriter, can_stream
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.checkpoint import Checkpoint, opened
 from ckpttool.model.declaration import LayoutDeclaration
+from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.layout_record import SIDECAR_NAME
 from ckpttool.ops.reshard.plan import ReshardPlan, TensorPlan, origin_world, plan_reshard
 
@@ -363,6 +365,7 @@ def reshard(
     progress: ProgressFn | None = None,
     declaration: LayoutDeclaration | None = None,
     trust_pickle: bool = False,
+    selection: CheckpointSelection | None = None,
     **option_fields: Any,
 ) -> ReshardResult:
     """Write a new DCP checkpoint whose EP tensors are in the ``options.to`` layout for the target mesh.
@@ -383,13 +386,25 @@ def reshard(
             :func:`~ckpttool.ops.reshard.plan.plan_reshard`; OutputError: bad target.
     """
     opts = options if options is not None else ReshardOptions(**option_fields)
-    with opened(src, declaration=declaration, trust_pickle=trust_pickle) as ckpt:
+    with opened(src, declaration=declaration, trust_pickle=trust_pickle, selection=selection) as ckpt:
         return _reshard(ckpt, Path(dst), opts, progress)
 
 
 def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: ProgressFn | None) -> ReshardResult:
     t0 = time.perf_counter()
     src_p, reader, cat = Path(ckpt.path), ckpt.reader, ckpt.catalog
+    if reader.metadata.serialization != "torch_save":
+        raise ReshardError(
+            f"{src_p}: a HuggingFaceStorageWriter checkpoint (safetensors files); reshard rewrites and copies "
+            "torch.save chunk archives of FileSystemWriter checkpoints",
+            hint="export it with `ckpttool export`, or re-save it with dcp.save's default FileSystemWriter",
+        )
+    if reader.parts:
+        raise ReshardError(
+            f"{src_p}: model and optimizer are separate checkpoints ({', '.join(reader.parts)}); reshard writes "
+            "one checkpoint directory",
+            hint="reshard the model folder on its own (its optimizer state is in the other folder)",
+        )
     layout = ckpt.require_layout()
     plan = plan_reshard(
         cat,

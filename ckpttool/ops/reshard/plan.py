@@ -38,7 +38,7 @@ from ckpttool.errors import ChunkError, LayoutContradictionError, LayoutSizeErro
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, DType, TensorMeta
 from ckpttool.format.tiling import tiling_problem
-from ckpttool.model.catalog import MODEL_PREFIX, Catalog
+from ckpttool.model.catalog import Catalog
 from ckpttool.model.declaration import LAYOUT_VERSIONS, ResolvedLayout
 from ckpttool.model.geometry import nested_shard_intervals, tensor_geometry
 from ckpttool.model.layout_record import LAYOUT_FORMAT, LAYOUT_KEY, EPTensorSpec, parse_layout_record
@@ -417,7 +417,7 @@ def plan_reshard(
     # Optimizer state of EP parameters: migrate (with_optimizer) or refuse.
     ep_state: dict[str, str] = {}  # state key -> model key
     for fqn, ps in cat.optimizer_state.items():
-        model_key = f"{MODEL_PREFIX}{fqn}"
+        model_key = cat.model_key(fqn)
         if model_key not in layout.ep_tensors:
             continue
         for t in ps.fields.values():

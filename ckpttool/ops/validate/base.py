@@ -12,7 +12,8 @@ A *rule* is one small function with a stable code (``S002``), a severity
 ``O``   optimizer state: coverage, shapes, dtype policy, masters
 ``P``   param groups: hyperparameters, ``initial_lr``, ``step`` dtype
 ``L``   layout record and EP layout
-``M``   model: ``--config`` (layers, experts, tied head), ``--against``
+``M``   model: ``--config`` (layers, experts, tied head), ``--against``, saved non-persistent buffers
+``K``   key schema: nothing recognised, uncategorized tensors, index-keyed optimizer state
 ``D``   deep (``--deep``): values read from the data files
 ======  =============================================================
 
@@ -60,6 +61,7 @@ FAMILIES = {
     "P": "param groups",
     "L": "layout",
     "M": "model",
+    "K": "key schema",
     "D": "deep (data)",
 }
 

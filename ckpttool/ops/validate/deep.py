@@ -87,7 +87,8 @@ _UNSIGNED = _Lazy(1)
 
 
 def _is_step(key: str) -> bool:
-    return key.startswith("optimizer.state.") and key.endswith(".step")
+    # An optimizer state `step` under any schema's prefix (optimizer.state.<fqn>.step, app.optim.state.<fqn>.step).
+    return key.endswith(".step") and ".state." in key
 
 
 def _summarise(key: str, t: torch.Tensor, dtype: str, need_negative: bool, keep_values: bool) -> TensorStats:
@@ -113,6 +114,7 @@ def _summarise(key: str, t: torch.Tensor, dtype: str, need_negative: bool, keep_
         arr = flat.view(signed_t).numpy()
         smax = int(arr.max())
         umax = int(arr.view(_UNSIGNED[signed_t]).max())
+        st.zero = smax <= 0 and umax <= sign  # only +0.0 / -0.0 bit patterns
         if smax >= exp_all or umax >= sign | exp_all:
             st.nonfinite = int((~torch.isfinite(flat)).sum())
         if need_negative and umax > sign:
@@ -134,6 +136,7 @@ def _summarise(key: str, t: torch.Tensor, dtype: str, need_negative: bool, keep_
                 break
             lo, hi = min(lo, a), max(hi, b)
     st.min, st.max = lo, hi
+    st.zero = lo == 0 and hi == 0
     if not (math.isfinite(lo) and math.isfinite(hi)):
         st.nonfinite = int((~torch.isfinite(flat.float())).sum())
     if need_negative and (math.isnan(lo) or lo < 0):
@@ -242,7 +245,7 @@ def _pairs(ctx: Context) -> list[PairStats]:
     out = []
     for fqn, ps in ctx.cat.optimizer_state.items():
         mw = ps.fields.get("master_weight")
-        param = ctx.cat.model.get(f"model.{fqn}")
+        param = ctx.cat.model_entry(fqn)
         if mw is None or param is None or param.dtype not in ("bfloat16", "float16") or mw.shape != param.shape:
             continue
         out.append(PairStats(param.key, mw.key, "master"))

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import MetadataError
+from ckpttool.errors import AmbiguousCheckpointError, MetadataError, SchemaError, StepNotFoundError
 from ckpttool.format.unpickler import gc_paused
 from ckpttool.model.checkpoint import Checkpoint, open_checkpoint
 from ckpttool.model.declaration import LayoutDeclaration
+from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.hfconfig import read_hf_config
 from ckpttool.ops.validate import rules as _rules  # noqa: F401 - registers the rules
 from ckpttool.ops.validate.base import RULES, Finding, Rule, Severity, select_rules
@@ -237,6 +238,7 @@ def validate(
     declaration: LayoutDeclaration | None = None,
     trust_pickle: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    selection: CheckpointSelection | None = None,
     **option_fields: Any,
 ) -> ValidationResult:
     """Open a checkpoint directory and validate it (:func:`validate_checkpoint`).
@@ -251,13 +253,16 @@ def validate(
         declaration: EP layout declaration for unversioned checkpoints.
         trust_pickle: allow ``torch.load(weights_only=False)`` for byte items / ``extra_state``.
         progress: called as ``progress(bytes_done, bytes_total)`` during the deep pass.
+        selection: a step of a checkpoint root, a separate optimizer checkpoint, a key-schema override.
 
     Raises:
         UsageError: ``path`` is not a directory, an unknown rule code, unreadable ``config``/``against``.
+        AmbiguousCheckpointError, StepNotFoundError: which checkpoint below ``path`` is not clear.
+        SchemaError: a key-schema override that matches nothing.
     """
     opts = options if options is not None else ValidateOptions(**option_fields)
     with gc_paused():  # one pause for open + rules: each re-enable triggers a full collection
-        return _validate_path(path, opts, declaration, trust_pickle, progress)
+        return _validate_path(path, opts, declaration, trust_pickle, progress, selection)
 
 
 def _validate_path(
@@ -266,10 +271,15 @@ def _validate_path(
     declaration: LayoutDeclaration | None,
     trust_pickle: bool,
     progress: Callable[[int, int], None] | None,
+    selection: CheckpointSelection | None = None,
 ) -> ValidationResult:
     t0 = time.perf_counter()
     try:
-        ckpt = open_checkpoint(path, declaration=declaration, trust_pickle=trust_pickle, record_problems=True)
+        ckpt = open_checkpoint(
+            path, declaration=declaration, trust_pickle=trust_pickle, record_problems=True, selection=selection
+        )
+    except (AmbiguousCheckpointError, StepNotFoundError, SchemaError):
+        raise  # which checkpoint, or how to read its keys: the user's to say, not a finding
     except MetadataError as e:  # includes unsafe pickles and incomplete saves
         rules = select_rules(opts.select, opts.ignore)
         s001 = RULES["S001"]

@@ -24,6 +24,7 @@ class TensorStats:
         nonfinite: NaN/inf count (floating dtypes); negative: values < 0 (when asked).
         min, max: over all values (NaN when any is NaN), ``None`` for non-float or empty.
         values: every value, for ``step`` fields (few elements).
+        zero: every value is +-0 (floating dtypes; ``None`` when not known).
     """
 
     key: str
@@ -34,8 +35,15 @@ class TensorStats:
     min: float | None = None
     max: float | None = None
     values: list[float] = field(default_factory=list)
+    zero: bool | None = None
 
     def add(self, other: TensorStats) -> None:
+        if other.numel:
+            self.zero = (
+                other.zero
+                if self.numel == 0
+                else (None if None in (self.zero, other.zero) else bool(self.zero and other.zero))
+            )
         self.numel += other.numel
         self.nonfinite += other.nonfinite
         self.negative += other.negative

@@ -72,23 +72,32 @@ def layout_record_conflict(ctx: Context) -> Iterator[Finding]:
     "L003",
     "ep-layout-ambiguous",
     Severity.warning,
-    "an unversioned checkpoint has EP tensors whose EP-FSDP dim is their expert dim: legacy and canonical "
-    "store different expert orders and the metadata cannot tell which (fails --strict)",
-    "declare it: --source-layout legacy|canonical --ep-size P --ep-fsdp-size F (or record it with `ckpttool stamp`)",
+    "an unversioned checkpoint has EP tensors whose expert dim is split into blocks that a mesh with EP > 1 and "
+    "EP-FSDP > 1 may have sharded: legacy and canonical then store different expert orders and the metadata "
+    "cannot tell which (fails --strict)",
+    "declare it: --source-layout legacy|canonical --ep-size P --ep-fsdp-size F (or record it with `ckpttool stamp`), "
+    "or --no-ep for a save without expert parallelism",
     error_code="E405",
 )
-def ep_layout_ambiguous(ctx: Context) -> Iterator[tuple[str, str]]:
+def ep_layout_ambiguous(ctx: Context) -> Iterator[tuple[str, str, str]]:
     if ctx.layout is None:
         return
     amb = ctx.layout.ambiguous
     if amb:
         more = f" and {len(amb) - 1} more EP tensors" if len(amb) > 1 else ""
+        pairs = sorted({pf for k in amb for pf in ctx.layout.candidates.get(k, ())})
+        fits = ", ".join(f"ep_size {p} x ep_fsdp_size {f}" for p, f in pairs[:6])
         yield (
             amb[0],
             (
-                f"{amb[0]}{more}: EP and EP-FSDP both shard the expert dim and there is no layout record; "
-                "the stored expert order is unknown"
+                f"{amb[0]}{more}: the expert dim is split into blocks that EP and EP-FSDP may both have sharded "
+                f"({fits or 'sizes unknown'}) and there is no layout record; the stored expert order is unknown"
             ),
+            ctx.layout.ambiguity_hint()
+            .replace("`source_layout`", "--source-layout")
+            .replace("`ep_size`", "--ep-size")
+            .replace("`ep_fsdp_size`", "--ep-fsdp-size")
+            .replace("`no_ep`", "--no-ep"),
         )
 
 

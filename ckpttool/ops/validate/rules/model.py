@@ -185,13 +185,14 @@ def untied_head_missing(ctx: Context) -> Iterator[tuple[str, str]]:
         return  # not a language-model config
     head, emb = ctx.cat.tied_keys()
     if head is None and emb is not None:
-        yield "model.lm_head.weight", "model.lm_head.weight is missing and tie_word_embeddings is not true"
+        key = ctx.cat.model_key("lm_head.weight")
+        yield key, f"{key} is missing and tie_word_embeddings is not true"
 
 
 # ------------------------------------------------------------------------------------------ --against
 def _ckpt_names(ctx: Context) -> dict[str, str]:
     """HF name -> checkpoint key of every model tensor."""
-    return {k[len("model.") :]: k for k in ctx.cat.model}
+    return {ctx.cat.fqn_of(k): k for k in ctx.cat.model}
 
 
 def _fused_cover(ctx: Context, ref_names: set[str]) -> dict[str, str]:
@@ -240,7 +241,8 @@ def missing_keys(ctx: Context) -> Iterator[tuple[str, str]]:
             and any(n.endswith("embed_tokens.weight") for n in names)
         ):
             continue  # tied embeddings: the head is the embedding
-        yield f"model.{name}", f"model.{name}: in the reference {ctx.reference.source} but not in the checkpoint"
+        key = ctx.cat.model_key(name)
+        yield key, f"{key}: in the reference {ctx.reference.source} but not in the checkpoint"
 
 
 @rule(
@@ -312,3 +314,20 @@ def dtype_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         key = names.get(name)
         if key is not None and rt.dtype is not None and rt.dtype != ctx.cat.model[key].dtype:
             yield key, f"{key}: dtype {ctx.cat.model[key].dtype}, reference {rt.dtype}"
+
+
+@rule(
+    "M009",
+    "non-persistent-buffer-saved",
+    Severity.info,
+    "a buffer that models register as non-persistent (rotary_emb.inv_freq, rope caches, attention masks, "
+    "token counters) is stored as a model key (metadata only)",
+    "it is recomputed from the config when the model is built, so the save used a state dict that includes "
+    "non-persistent buffers (named_buffers(), an old transformers, a custom hook); harmless for resuming, but "
+    "transformers reports it as an unexpected key: leave it out of exports with a `to: null` rule",
+)
+def non_persistent_buffer_saved(ctx: Context) -> Iterator[tuple[str, str]]:
+    keys = ctx.cat.non_persistent_buffers()
+    if keys:
+        more = f" (+{len(keys) - 1} more)" if len(keys) > 1 else ""
+        yield keys[0], f"{keys[0]}{more}: a non-persistent buffer saved as a model tensor"

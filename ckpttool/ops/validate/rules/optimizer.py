@@ -17,7 +17,7 @@ from typing import Any
 
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import dtype_name
-from ckpttool.model.catalog import TensorEntry
+from ckpttool.model.catalog import TensorEntry, lost_state
 from ckpttool.model.optimizer import (
     HYPERPARAMETERS,
     OPTIMIZER_TYPES,
@@ -44,7 +44,7 @@ def _states(ctx: Context) -> Iterator[tuple[str, dict[str, TensorEntry | None], 
     """``(fqn, fields, model entry)`` of every parameter with state that is in the model."""
     for fqn, ps in ctx.cat.optimizer_state.items():
         if ps.fields and ps.in_model:
-            yield fqn, ps.fields, ctx.cat.model.get(f"model.{fqn}")
+            yield fqn, ps.fields, ctx.cat.model_entry(fqn)
 
 
 def _membership_known(ctx: Context) -> bool:
@@ -112,9 +112,15 @@ def no_state_no_hyperparameters(ctx: Context) -> Iterator[tuple[str, str]]:
     "the optimizer state belongs to another model (renamed or removed parameters); fix the fqn mapping or re-save",
 )
 def orphan_state(ctx: Context) -> Iterator[tuple[str, str]]:
-    for fqn, ps in ctx.cat.optimizer_state.items():
-        if not ps.in_model:
-            yield fqn, f"optimizer.state.{fqn}: {fqn!r} is not a model tensor (fields {', '.join(sorted(ps.fields))})"
+    cat = ctx.cat
+    if not cat.model or cat.schema.optimizer_keying == "index":
+        return  # K004 / K003: one finding, not one per parameter
+    for fqn, ps in cat.optimizer_state.items():
+        if not ps.in_model and not ps.stored_as:
+            yield (
+                fqn,
+                f"{cat.state_key(fqn, '*')}: {fqn!r} is not a model tensor (fields {', '.join(sorted(ps.fields))})",
+            )
 
 
 @rule(
@@ -132,16 +138,27 @@ def state_shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
                 continue
             if t is None:
                 if name != "step":
-                    yield (
-                        f"optimizer.state.{fqn}.{name}",
-                        f"optimizer.state.{fqn}.{name}: saved as a Python object, not a tensor",
-                    )
+                    key = ctx.cat.state_key(fqn, name)
+                    yield key, f"{key}: saved as a Python object, not a tensor"
                 continue
             if name == "step":
                 if t.numel != 1:
                     yield t.key, f"{t.key}: step has shape {list(t.shape)}, expected a 0-d tensor"
             elif param is not None and t.shape != param.shape:
                 yield t.key, f"{t.key}: shape {list(t.shape)} differs from the parameter's {list(param.shape)}"
+    for ps in ctx.cat.optimizer_state.values():
+        if not ps.stored_as:
+            continue
+        parts = [ctx.cat.model[k] for k in ps.stored_as]
+        rows = sum(p.shape[0] for p in parts if p.shape)
+        want = (rows, *parts[0].shape[1:]) if parts[0].shape else ()
+        for name, t in ps.fields.items():
+            if t is not None and name in STATE_FIELDS and name != "step" and t.shape != want:
+                yield (
+                    t.key,
+                    f"{t.key}: shape {list(t.shape)} differs from its parts {', '.join(ps.stored_as)} stacked "
+                    f"({list(want)})",
+                )
 
 
 @rule(
@@ -261,7 +278,7 @@ def step_values(ctx: Context) -> dict[str, float]:
         if t == "absent":
             continue
         if t is None:
-            v = dr.byte_values.get(f"optimizer.state.{fqn}.step")
+            v = dr.byte_values.get(ctx.cat.state_key(fqn, "step"))
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 out[fqn] = float(v)
         elif isinstance(t, TensorEntry):
@@ -305,7 +322,7 @@ def group_missing_hyperparameter(ctx: Context) -> Iterator[tuple[str, str]]:
         missing = [h for h in HYPERPARAMETERS if h not in g.keys]
         if missing:
             yield (
-                f"optimizer.param_groups.{g.group_id}",
+                ctx.cat.group_key(g.group_id),
                 (
                     f"param group {g.group_id}: missing {', '.join(missing)} (has {', '.join(sorted(g.keys)) or 'nothing'})"
                 ),
@@ -348,7 +365,7 @@ def scheduler_initial_lr(ctx: Context) -> Iterator[tuple[str, str]]:
             seen[(repr(g.values.get("initial_lr")), repr(g.values.get("lr")))].append(str(g.group_id))
     for (ilr, lr), ids in seen.items():
         more = f" and {len(ids) - 1} more" if len(ids) > 1 else ""
-        yield f"optimizer.param_groups.{ids[0]}", f"param group {ids[0]}{more}: initial_lr {ilr}, lr {lr}"
+        yield ctx.cat.group_key(ids[0]), f"param group {ids[0]}{more}: initial_lr {ilr}, lr {lr}"
 
 
 @rule(
@@ -379,10 +396,31 @@ def step_low_precision(ctx: Context) -> Iterator[tuple[str, str]]:
 def state_without_group(ctx: Context) -> Iterator[tuple[str, str]]:
     if not ctx.cat.param_groups:
         if ctx.cat.optimizer_state:
-            yield "optimizer.param_groups", "optimizer state is saved but no param groups at all"
+            yield ctx.cat.group_key("*"), "optimizer state is saved but no param groups at all"
         return
     if not _membership_known(ctx):
         return  # S011 reports why
     for fqn, _, _ in _states(ctx):
         if ctx.group_of(fqn) is None:
             yield fqn, f"{fqn}: has optimizer state but is in no param group"
+
+
+@rule(
+    "O009",
+    "state-lost-in-stepped-group",
+    Severity.error,
+    "a parameter has no optimizer state while other parameters of its param group (optimizer leaf) have state: "
+    "the leaf stepped, this parameter's state was lost (replay-step refuses it with E513)",
+    "use an earlier checkpoint; a resume would restart its moments from zero and bias-correct it as if it "
+    "had never stepped",
+)
+def state_lost_in_stepped_group(ctx: Context) -> Iterator[tuple[str, str]]:
+    if not _membership_known(ctx):
+        return  # S011 reports why
+    lost = lost_state(ctx.cat)
+    by_leaf: dict[str, list[str]] = defaultdict(list)
+    for fqn, label in lost.items():
+        by_leaf[label].append(fqn)
+    for label, fqns in by_leaf.items():
+        more = f" and {len(fqns) - 1} more" if len(fqns) > 1 else ""
+        yield fqns[0], f"{label}: {fqns[0]}{more} ha{'ve' if fqns[1:] else 's'} no optimizer state, the group stepped"

@@ -1,0 +1,247 @@
+"""Checkpoints written by torch's ``HuggingFaceStorageWriter``: safetensors files as DCP storage.
+
+``torch.distributed.checkpoint.HuggingFaceStorageWriter`` (``torch/distributed/checkpoint/
+hf_storage.py``, ``_hf_utils.py``; torchtitan's ``last_save_in_hf`` uses it) writes no
+``.metadata``. What it leaves, per mode:
+
+==========================================  ==========================================================
+rank-0 save (``save_distributed=False``)     ``model-0000K-of-0000N.safetensors`` + ``model.safetensors.index.json``
+distributed, not consolidated                ``shard-0000R-model-0000K-of-0000N.safetensors`` (one per rank ``R-1``)
+distributed, consolidated                    ``model-0000K-of-0000N.safetensors`` + index; the inputs in ``sharded/``
+==========================================  ==========================================================
+
+A file is a safetensors file (https://github.com/huggingface/safetensors, "Format"): an
+8-byte little-endian header length ``N``, ``N`` bytes of JSON ``{"__metadata__": {...},
+"<key>": {"dtype": "BF16", "shape": [...], "data_offsets": [begin, end]}}``, then the raw
+little-endian tensor bytes; offsets are relative to the end of the header. Files written per
+rank carry ``__metadata__["DCP_SHARDING_INFO"]``, a JSON string ``{key: {"saved_offsets":
+[...]}}``: the stored tensor is the chunk of the global tensor at those offsets. Without it
+(consolidated files) every tensor is whole.
+
+:func:`load_hf_storage_metadata` builds the same :class:`CheckpointMetadata` torch's
+``HuggingFaceStorageReader.read_metadata`` builds (one chunk per stored tensor, global size
+= the largest ``offset + shape``), from headers that are size-checked before they are read
+and validated field by field; ``serialization`` is ``"safetensors"``, so the chunk locator
+(:func:`ckpttool.format.locator.locate_chunk`) treats a chunk's storage window as its raw
+record. Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import MetadataError
+from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo, TensorMeta
+
+__all__ = [
+    "HF_INDEX_NAME",
+    "MAX_HEADER_BYTES",
+    "SAFETENSORS_TAGS",
+    "hf_storage_files",
+    "load_hf_storage_metadata",
+    "read_safetensors_header",
+    "shard_rank",
+]
+
+HF_INDEX_NAME = "model.safetensors.index.json"
+#: The safetensors library refuses headers above 100 MB (``safetensors/src/tensor.rs``, ``MAX_HEADER_SIZE``).
+MAX_HEADER_BYTES = 100_000_000
+_SHARDING_KEY = "DCP_SHARDING_INFO"
+_OFFSETS_KEY = "saved_offsets"
+_SHARD_RE = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
+
+#: safetensors dtype tag -> torch dtype name (safetensors ``Dtype`` enum, 0.4+).
+SAFETENSORS_TAGS: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+    "C64": "complex64",
+}
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r:.80}")
+        out[k] = v
+    return out
+
+
+def _bad(path: Path, what: str) -> MetadataError:
+    return MetadataError(
+        f"{path}: not a valid safetensors file ({what})",
+        path=path,
+        hint="the file is damaged or was not written by safetensors / HuggingFaceStorageWriter",
+    )
+
+
+def read_safetensors_header(path: Path, size: int | None = None) -> tuple[dict[str, Any], int]:
+    """Read and parse the JSON header of a safetensors file, size-checked before it is read.
+
+    Args:
+        path: the file.
+        size: its size in bytes (``stat`` when ``None``).
+
+    Returns:
+        ``(header, data_start)``: the parsed header (a dict, duplicate keys refused) and the
+        absolute offset of the data region (``8 + N``).
+
+    Raises:
+        MetadataError: unreadable, a header length past the file or above
+            :data:`MAX_HEADER_BYTES`, not UTF-8 JSON, or not a JSON object.
+    """
+    try:
+        if size is None:
+            size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise _bad(path, f"{size} bytes, shorter than the 8-byte header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or n > size - 8:
+                raise _bad(path, f"header length {n} exceeds the file ({size} bytes) or {MAX_HEADER_BYTES} bytes")
+            raw = f.read(n)
+    except OSError as e:
+        raise MetadataError(f"{path}: cannot read ({e.strerror})", path=path) from e
+    if len(raw) != n:
+        raise _bad(path, "header truncated")
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _bad(path, f"header is not JSON: {str(e)[:80]}") from None
+    if not isinstance(header, dict):
+        raise _bad(path, "header is not a JSON object")
+    return header, 8 + n
+
+
+def _int_list(value: Any) -> tuple[int, ...] | None:
+    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+        return None
+    return tuple(value)
+
+
+def hf_storage_files(path: Path) -> list[str]:
+    """The safetensors files that make up the checkpoint in ``path`` (names, sorted).
+
+    Consolidated ``model-*.safetensors`` files win over per-rank ``shard-*`` files in the
+    same directory (the consolidation's inputs are in ``sharded/``, which is not read).
+    Symlinks are listed like files; the reader confines them (``CheckpointDir.resolve``).
+    """
+    try:
+        names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors") and not n.startswith("."))
+    except OSError:
+        return []
+    consolidated = [n for n in names if not _SHARD_RE.match(n)]
+    return consolidated or names
+
+
+def shard_rank(name: str) -> int | None:
+    """Writing rank of a ``shard-0000R-model-...safetensors`` file (``R - 1``), else ``None``."""
+    m = _SHARD_RE.match(os.path.basename(name))
+    return int(m.group(1)) - 1 if m else None
+
+
+def load_hf_storage_metadata(path: Path) -> CheckpointMetadata:
+    """Build the DCP metadata of a ``HuggingFaceStorageWriter`` checkpoint from its safetensors headers.
+
+    Args:
+        path: the directory holding the ``*.safetensors`` files.
+
+    Returns:
+        A :class:`CheckpointMetadata` with ``serialization="safetensors"``: one chunk per
+        stored tensor (offsets from ``DCP_SHARDING_INFO``, else zeros), its storage window
+        the tensor's ``data_offsets`` made absolute; no byte items, no planner data.
+
+    Raises:
+        MetadataError: no safetensors file, a malformed header (unknown dtype, a negative or
+            non-integer shape, ``data_offsets`` outside the file or not matching the shape,
+            bad sharding info), or two files storing the same chunk of a key.
+    """
+    files = hf_storage_files(path)
+    if not files:
+        raise MetadataError(f"{path}: no .metadata and no .safetensors files", path=path)
+    chunks: dict[str, list[ChunkMeta]] = {}
+    dtypes: dict[str, str] = {}
+    storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo] = {}
+    for name in files:
+        p = path / name
+        try:
+            size = p.stat().st_size
+        except OSError as e:
+            raise MetadataError(f"{p}: cannot read ({e.strerror})", path=p) from e
+        header, data_start = read_safetensors_header(p, size)
+        meta = header.pop("__metadata__", None)
+        sharding: dict[str, Any] = {}
+        if meta is not None:
+            if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+                raise _bad(p, "__metadata__ is not a string map")
+            text = meta.get(_SHARDING_KEY)
+            if text is not None:
+                try:
+                    sharding = json.loads(text, object_pairs_hook=_no_duplicates)
+                except (ValueError, RecursionError):
+                    raise _bad(p, f"{_SHARDING_KEY} is not JSON") from None
+                if not isinstance(sharding, dict):
+                    raise _bad(p, f"{_SHARDING_KEY} is not a JSON object")
+        data_len = size - data_start
+        for key, rec in header.items():
+            if not isinstance(rec, dict):
+                raise _bad(p, f"entry {key!r:.80} is not an object")
+            tag = rec.get("dtype")
+            dtype = SAFETENSORS_TAGS.get(tag) if isinstance(tag, str) else None
+            if dtype is None:
+                raise _bad(p, f"{key!r:.80} has dtype {rec.get('dtype')!r:.20} unknown to ckpttool")
+            shape = _int_list(rec.get("shape"))
+            span = _int_list(rec.get("data_offsets"))
+            if shape is None or span is None or len(span) != 2:
+                raise _bad(p, f"{key!r:.80} has a malformed shape or data_offsets")
+            begin, end = span
+            nbytes = DType(dtype).itemsize
+            for s in shape:
+                nbytes *= s
+            if begin > end or end > data_len or end - begin != nbytes:
+                raise _bad(
+                    p,
+                    f"{key!r:.80} data_offsets [{begin}, {end}) do not hold {dtype}{list(shape)} "
+                    f"({nbytes} bytes) inside the {data_len}-byte data region",
+                )
+            offsets: tuple[int, ...] = (0,) * len(shape)
+            if key in sharding:
+                info = sharding[key]
+                got = _int_list(info.get(_OFFSETS_KEY)) if isinstance(info, dict) else None
+                if got is None or len(got) != len(shape):
+                    raise _bad(p, f"{_SHARDING_KEY} of {key!r:.80} is not a list of {len(shape)} offsets")
+                offsets = got
+            if dtypes.setdefault(key, dtype) != dtype:
+                raise _bad(p, f"{key!r:.80} is {dtype} here but {dtypes[key]} in another file")
+            if (key, offsets) in storage:
+                raise _bad(p, f"{key!r:.80} chunk at {list(offsets)} is stored in two files")
+            chunks.setdefault(key, []).append(ChunkMeta(offsets, shape))
+            storage[(key, offsets)] = StorageInfo(name, data_start + begin, end - begin)
+    entries: dict[str, TensorMeta | BytesMeta] = {}
+    for key, cs in chunks.items():
+        ndim = len(cs[0].sizes)
+        if any(len(c.sizes) != ndim for c in cs):
+            raise MetadataError(f"{path}: chunks of {key!r:.80} have different numbers of dims", path=path, fqn=key)
+        size_ = tuple(max(c.offsets[d] + c.sizes[d] for c in cs) for d in range(ndim))
+        entries[key] = TensorMeta(DType(dtypes[key]), size_, tuple(cs))
+    return CheckpointMetadata(entries=entries, storage=storage, serialization="safetensors")

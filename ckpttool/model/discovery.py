@@ -1,0 +1,405 @@
+"""Finding the checkpoint a user means: checkpoint roots, step directories, model/optimizer pairs.
+
+Trainers lay checkpoints out in directories of their own:
+
+==============================================  =====================================================
+torchtitan                                      ``<folder>/step-<N>/`` (one DCP checkpoint per step)
+transformers Trainer / Accelerate (FSDP)        ``checkpoint-<N>/pytorch_model_fsdp_<i>/`` (model) + ``checkpoint-<N>/optimizer_<i>/``
+DeepSpeed / Megatron-style                      ``global_step<N>/``, ``global_step_<N>/``, ``iter_<N>/``; a ``latest`` file (``latest_checkpointed_iteration.txt``) naming the last
+split saves                                     ``<dir>/model/`` + ``<dir>/optimizer/``
+==============================================  =====================================================
+
+:func:`locate` turns what the user passed into the checkpoint to open: ``DIR`` itself when it
+holds ``.metadata`` (or ``HuggingFaceStorageWriter`` safetensors files); else the DCP
+checkpoints below it (at most :data:`MAX_DEPTH` levels, symlinked directories not followed):
+the only one, a model folder paired with its optimizer folder, or the one of ``step`` (``N`` or
+``latest``). Several candidates and no ``step`` is an error listing them.
+
+:func:`compose_pair` merges a model checkpoint and an optimizer checkpoint saved by two
+``dcp.save`` calls into one metadata over their common parent (``relative_path`` s prefixed by
+each part's folder, confined to it), so every command reads the pair as one checkpoint.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import AmbiguousCheckpointError, MetadataError, SchemaError, StepNotFoundError, UsageError
+from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
+from ckpttool.format.hf_storage import hf_storage_files
+from ckpttool.format.metadata import CheckpointMetadata, StorageInfo
+from ckpttool.model.schema import SchemaOverride
+
+__all__ = [
+    "MAX_DEPTH",
+    "CheckpointSelection",
+    "Located",
+    "compose_pair",
+    "find_checkpoints",
+    "is_checkpoint_dir",
+    "locate",
+    "step_of",
+]
+
+#: How deep below ``DIR`` checkpoints are searched (``DIR/run/step-3/model`` is depth 3).
+MAX_DEPTH = 3
+_MAX_DIRS = 10_000
+_STEP_RE = re.compile(r"^(?:step|checkpoint|global_step|globalstep|iter|iteration|ckpt|epoch)[-_]?(\d+)$", re.I)
+_PAIRS = (
+    (re.compile(r"^pytorch_model_fsdp_(\d+)$"), "optimizer_{0}"),
+    (re.compile(r"^model$"), "optimizer"),
+    (re.compile(r"^model$"), "optim"),
+)
+_LATEST_FILES = ("latest", "latest_checkpointed_iteration.txt")
+
+
+@dataclass(frozen=True)
+class CheckpointSelection:
+    """What to open besides the directory: a step, a separate optimizer checkpoint, a key schema.
+
+    Attributes:
+        step: ``None``, a step number, or ``"latest"`` (a ``latest`` file, else the highest step).
+        optimizer_dir: a separate optimizer checkpoint directory (paired with the model checkpoint).
+        schema: a key-schema override (:class:`~ckpttool.model.schema.SchemaOverride`).
+    """
+
+    step: int | str | None = None
+    optimizer_dir: Path | None = None
+    schema: SchemaOverride | None = None
+
+    @classmethod
+    def from_options(
+        cls,
+        step: str | int | None = None,
+        optimizer_dir: str | os.PathLike[str] | None = None,
+        schema: SchemaOverride | None = None,
+    ) -> CheckpointSelection | None:
+        """From ``--step/--optimizer-dir`` (and a schema override); ``None`` when nothing is given.
+
+        Raises:
+            UsageError: ``step`` is neither a non-negative integer nor ``latest``.
+        """
+        if step is None and optimizer_dir is None and schema is None:
+            return None
+        if isinstance(step, str):
+            text = step.strip().lower()
+            if text == "latest":
+                step = "latest"
+            elif text.isdigit():
+                step = int(text)
+            else:
+                raise UsageError(f"`step` {step!r} is not a step number or 'latest'", param="step")
+        return cls(step, Path(optimizer_dir) if optimizer_dir is not None else None, schema)
+
+
+@dataclass(frozen=True)
+class Located:
+    """The checkpoint :func:`locate` chose.
+
+    Attributes:
+        given: the directory the user passed.
+        model: the checkpoint directory (the model folder of a pair).
+        optimizer: the optimizer folder of a pair, or ``None``.
+        step: the step of a step directory, if known.
+        how: one line saying how it was chosen (shown by ``inspect``).
+    """
+
+    given: Path
+    model: Path
+    optimizer: Path | None = None
+    step: int | None = None
+    how: str = "the directory given"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON view (``inspect --json`` ``location``)."""
+        return {
+            "given": str(self.given),
+            "model": str(self.model),
+            "optimizer": str(self.optimizer) if self.optimizer is not None else None,
+            "step": self.step,
+            "how": self.how,
+        }
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """``path`` holds ``.metadata`` or the safetensors files of a ``HuggingFaceStorageWriter`` save."""
+    try:
+        return (path / METADATA_NAME).is_file() or bool(hf_storage_files(path))
+    except OSError:
+        return False
+
+
+def step_of(name: str) -> int | None:
+    """The step number in a step directory's name (``step-100``, ``checkpoint-100``, ``global_step100``, ``iter_0000100``)."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def find_checkpoints(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
+    """DCP checkpoint directories below ``root`` (not ``root`` itself), breadth first, sorted.
+
+    A checkpoint's own subdirectories are not searched (``HuggingFaceStorageWriter``'s
+    ``sharded/``); hidden and symlinked directories are skipped; at most 10,000 directories are
+    visited.
+    """
+    found: list[Path] = []
+    level = [root]
+    visited = 0
+    for _ in range(max_depth):
+        nxt: list[Path] = []
+        for d in level:
+            try:
+                entries = sorted(os.scandir(d), key=lambda e: e.name)
+            except OSError:
+                continue
+            for e in entries:
+                if e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
+                    continue
+                visited += 1
+                if visited > _MAX_DIRS:
+                    return found
+                p = Path(e.path)
+                if is_checkpoint_dir(p):
+                    found.append(p)
+                else:
+                    nxt.append(p)
+        level = nxt
+    return found
+
+
+@dataclass(frozen=True)
+class _Unit:
+    model: Path
+    optimizer: Path | None
+    step: int | None
+
+    def label(self, root: Path) -> str:
+        rel = _rel(self.model, root)
+        if self.optimizer is not None:
+            return f"{rel} + {_rel(self.optimizer, root)}"
+        return rel
+
+
+def _rel(p: Path, root: Path) -> str:
+    try:
+        return str(p.relative_to(root))
+    except ValueError:
+        return str(p)
+
+
+def _units(root: Path, found: list[Path]) -> list[_Unit]:
+    by_path = set(found)
+    paired: set[Path] = set()
+    units: list[_Unit] = []
+    for p in found:
+        for rx, partner in _PAIRS:
+            m = rx.match(p.name)
+            if m is None:
+                continue
+            q = p.parent / partner.format(*m.groups())
+            if q in by_path and q not in paired:
+                units.append(_Unit(p, q, _step_near(p.parent, root)))
+                paired.update((p, q))
+                break
+    for p in found:
+        if p not in paired:
+            units.append(_Unit(p, None, _step_near(p, root)))
+    return sorted(units, key=lambda u: (u.step is None, u.step or 0, str(u.model)))
+
+
+def _step_near(p: Path, root: Path) -> int | None:
+    """The step of the nearest step-named directory from ``p`` up to (not including) ``root``."""
+    q = p
+    while q != root and q != q.parent:
+        s = step_of(q.name)
+        if s is not None:
+            return s
+        q = q.parent
+    return None
+
+
+def _latest_step(root: Path) -> int | None:
+    """The step named by a ``latest`` file (DeepSpeed: ``global_step100``; Megatron: ``100``)."""
+    for name in _LATEST_FILES:
+        p = root / name
+        try:
+            if not p.is_file() or p.is_symlink() or p.stat().st_size > 256:
+                continue
+            text = p.read_text(errors="replace").strip()
+        except OSError:
+            continue
+        s = int(text) if text.isdigit() else step_of(text)
+        if s is not None:
+            return s
+    return None
+
+
+def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None = None) -> Located:
+    """The checkpoint to open for ``path`` (see the module docstring).
+
+    Args:
+        path: a checkpoint directory, a step directory, or a training run's checkpoint root.
+        selection: ``step`` and a separate ``optimizer_dir`` directory.
+
+    Returns:
+        The :class:`Located` checkpoint (its ``model`` directory holds ``.metadata`` or safetensors
+        files, unless nothing was found: then ``model`` is ``path`` and opening it reports why).
+
+    Raises:
+        UsageError: ``path`` is not a directory; ``optimizer_dir`` is not a checkpoint directory.
+        AmbiguousCheckpointError (E204): several checkpoints below ``path`` and no ``step`` that picks one.
+        StepNotFoundError (E205): no checkpoint below ``path`` has ``step``.
+    """
+    root = Path(path)
+    sel = selection or CheckpointSelection()
+    opt = sel.optimizer_dir
+    if opt is not None and not is_checkpoint_dir(opt):
+        raise UsageError(
+            f"`optimizer_dir` {opt}: not a DCP checkpoint directory (no .metadata)",
+            param="optimizer_dir",
+            hint="pass the optimizer folder that dcp.save wrote (e.g. checkpoint-N/optimizer_0)",
+        )
+    if not root.is_dir() or is_checkpoint_dir(root):
+        if sel.step is not None and root.is_dir():
+            raise UsageError(
+                f"`step` {sel.step} given, but {root} is a checkpoint itself",
+                param="step",
+                hint="pass the directory that holds the step directories, or drop `step`",
+            )
+        return Located(root, root, opt)
+    found = find_checkpoints(root)
+    if not found:
+        try:
+            partial = any(DATA_FILE_RE.match(n) for n in os.listdir(root))
+        except OSError:
+            partial = True
+        if partial:  # .distcp files without .metadata: opening it reports the incomplete save (E202)
+            return Located(root, root, opt)
+        raise MetadataError(
+            f"{root}: no .metadata, and no DCP checkpoint in the {MAX_DEPTH} directory levels below it",
+            path=root,
+            hint="pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files), "
+            "or the run's checkpoint folder above the step directories",
+        )
+    units = _units(root, found)
+    how = ""
+    if sel.step is not None:
+        want: int | str | None = sel.step
+        if want == "latest":
+            want = _latest_step(root)
+            source = "the `latest` file"
+            if want is None:
+                steps = [u.step for u in units if u.step is not None]
+                want = max(steps) if steps else None
+                source = "the highest step"
+            if want is None:
+                raise StepNotFoundError(
+                    f"{root}: `step` latest, but no checkpoint below it is in a step directory "
+                    f"(found {', '.join(u.label(root) for u in units[:6])})",
+                    path=root,
+                    param="step",
+                    hint="pass one of the listed directories",
+                )
+            how = f"`step` latest: step {want} ({source})"
+        units_at = [u for u in units if u.step == want]
+        if not units_at:
+            steps = sorted({u.step for u in units if u.step is not None})
+            raise StepNotFoundError(
+                f"{root}: no checkpoint of step {want} below it; steps found: "
+                f"{', '.join(map(str, steps[:20])) or 'none'}",
+                path=root,
+                param="step",
+            )
+        units = units_at
+        how = how or f"`step` {want}"
+    if len(units) > 1:
+        shown = "; ".join(u.label(root) for u in units[:10]) + (
+            f" (+{len(units) - 10} more)" if len(units) > 10 else ""
+        )
+        steps = sorted({u.step for u in units if u.step is not None})
+        if len(steps) > 1 and sel.step is None:
+            hint = (
+                f"pick one with `step` N|latest (steps {', '.join(map(str, steps[:10]))}), "
+                f"or pass a directory, e.g. {units[-1].model if units[-1].optimizer is None else units[-1].model.parent}"
+            )
+        else:
+            hint = f"pass one of them, e.g. {units[0].model}"
+        raise AmbiguousCheckpointError(
+            f"{root}: no .metadata; {len(units)} checkpoints below it: {shown}",
+            path=root,
+            hint=hint,
+        )
+    u = units[0]
+    if opt is not None and u.optimizer is not None:
+        raise UsageError(
+            f"`optimizer_dir` given, but {u.model.parent} pairs {u.model.name} with {u.optimizer.name} already",
+            param="optimizer_dir",
+            hint="drop `optimizer_dir`, or pass the model folder itself",
+        )
+    if not how:
+        how = "the only checkpoint below the directory given"
+        if u.optimizer is not None:
+            how = "the model folder and its optimizer folder below the directory given"
+    elif u.optimizer is not None:
+        how += ", model folder paired with its optimizer folder"
+    return Located(root, u.model, u.optimizer or opt, u.step, how)
+
+
+def _prefixed(md: CheckpointMetadata, prefix: str) -> dict[tuple[str, tuple[int, ...] | None], StorageInfo]:
+    return {k: v._replace(relative_path=f"{prefix}/{v.relative_path}") for k, v in md.storage.items()}
+
+
+def compose_pair(
+    model_dir: Path, model_md: CheckpointMetadata, optim_dir: Path, optim_md: CheckpointMetadata
+) -> tuple[Path, CheckpointMetadata, dict[str, Path]]:
+    """One metadata over a model checkpoint and an optimizer checkpoint saved separately.
+
+    Returns:
+        ``(root, metadata, parts)``: their common parent, the merged metadata (each part's
+        ``relative_path`` s prefixed by the part's folder relative to ``root``), and the parts
+        (prefix -> directory) for confinement.
+
+    Raises:
+        SchemaError: both hold the same key, or they are stored differently (``.distcp`` and safetensors).
+    """
+    a, b = model_dir.resolve(), optim_dir.resolve()
+    if a == b:
+        raise UsageError(f"`optimizer_dir` {optim_dir} is the model checkpoint itself", param="optimizer_dir")
+    root = Path(os.path.commonpath([a, b]))
+    pa, pb = str(a.relative_to(root)), str(b.relative_to(root))
+    if pa in (".", "") or pb in (".", ""):
+        raise UsageError(
+            f"`optimizer_dir` {optim_dir} and {model_dir}: one lies inside the other",
+            param="optimizer_dir",
+            hint="pass two sibling checkpoint folders",
+        )
+    both = [k for k in model_md.entries if k in optim_md.entries]
+    if both:
+        raise SchemaError(
+            f"{model_dir} and {optim_dir} both hold {both[0]!r}"
+            + (f" (+{len(both) - 1} more)" if len(both) > 1 else ""),
+            param="optimizer_dir",
+            hint="pass a model-only checkpoint and an optimizer-only checkpoint",
+        )
+    if model_md.serialization != optim_md.serialization:
+        raise SchemaError(
+            f"{model_dir} and {optim_dir} are stored differently ({model_md.serialization} vs {optim_md.serialization})",
+            param="optimizer_dir",
+        )
+    md = CheckpointMetadata(
+        entries={**model_md.entries, **optim_md.entries},
+        storage={**_prefixed(model_md, pa), **_prefixed(optim_md, pb)},
+        planner_data={**model_md.planner_data, **optim_md.planner_data},
+        version=model_md.version,
+        checkpoint_id=model_md.checkpoint_id,
+        save_id=model_md.save_id,
+        serialization=model_md.serialization,
+    )
+    if not model_md.entries:
+        raise MetadataError(f"{model_dir}: the checkpoint holds no entries", path=model_dir)
+    return root, md, {pa: model_dir, pb: optim_dir}

@@ -1,0 +1,53 @@
+"""Optimizer-state checks that read values, shared by ``validate --deep`` (rule ``D005``, on the deep pass's statistics) and ``replay-step``.
+
+*Synthesized state*: ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (and
+torchtitan's ``init_optim_state``) on an optimizer that never stepped first runs a step with
+zero gradients and ``lr = 0`` (``_init_optim_state`` in ``torch/distributed/checkpoint/
+state_dict.py``) so that the state exists: every parameter then has ``step = 1`` and all-zero
+``exp_avg`` / ``exp_avg_sq`` (checked on torch 2.13). A resume continues at step 2 and
+bias-corrects as if a real step had run. A genuine first step leaves non-zero moments unless
+every gradient was exactly zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from ckpttool.model.catalog import Catalog, TensorEntry
+
+if TYPE_CHECKING:
+    from ckpttool.format.reader import CheckpointReader
+
+__all__ = ["MOMENTS", "is_synthesized", "synthesized_params"]
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def is_synthesized(step: float | None, moments_zero: Iterable[bool | None]) -> bool:
+    """The one predicate: ``step == 1`` and every moment known to be all zero."""
+    zeros = list(moments_zero)
+    return step == 1.0 and len(zeros) == len(MOMENTS) and all(z is True for z in zeros)
+
+
+def synthesized_params(reader: CheckpointReader, cat: Catalog, fqns: Iterable[str]) -> list[str]:
+    """Parameters among ``fqns`` whose state is synthesized, reading ``step`` and (only where it is 1) the moments.
+
+    Raises:
+        CkptError: a chunk cannot be read.
+    """
+    out = []
+    for fqn in fqns:
+        ps = cat.optimizer_state.get(fqn)
+        if ps is None:
+            continue
+        step = ps.fields.get("step")
+        moments = [ps.fields.get(m) for m in MOMENTS]
+        if not isinstance(step, TensorEntry) or step.numel != 1 or not all(isinstance(m, TensorEntry) for m in moments):
+            continue
+        if float(reader.read_tensor(step.key).reshape(-1)[0]) != 1.0:
+            continue
+        zeros = [not bool(reader.read_tensor(m.key).any()) for m in moments if m is not None]
+        if is_synthesized(1.0, zeros):
+            out.append(fqn)
+    return out

@@ -1,0 +1,103 @@
+"""Key-schema rules (``K``): did ckpttool understand what the checkpoint holds?
+
+Built on the catalog's key schema (:mod:`ckpttool.model.schema`). A checkpoint in which
+nothing is recognised as model or optimizer state never passes, and tensors outside every
+known category fail ``--strict``: validation fails closed on what it did not understand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ckpttool.ops.validate.base import Severity, rule
+from ckpttool.ops.validate.context import Context
+
+
+def _examples(keys: list[str], n: int = 3) -> str:
+    shown = ", ".join(repr(k) for k in keys[:n])
+    return shown + (f" (+{len(keys) - n} more)" if len(keys) > n else "")
+
+
+@rule(
+    "K001",
+    "nothing-recognised",
+    Severity.error,
+    "the checkpoint holds no tensor recognised as model weights or optimizer state (no known key schema fits)",
+    "`ckpttool inspect` lists the keys; give the schema with --schema or --model-prefix/--optimizer-prefix",
+)
+def nothing_recognised(ctx: Context) -> Iterator[tuple[str | None, str]]:
+    cat = ctx.cat
+    if cat.model or cat.optimizer_state or cat.param_groups:
+        return
+    keys = list(ctx.reader.metadata.entries)
+    yield None, f"{cat.path}: no model tensor and no optimizer state among {len(keys)} key(s): {_examples(keys)}"
+
+
+@rule(
+    "K002",
+    "uncategorized-tensors",
+    Severity.warning,
+    "tensors that are neither model weights, optimizer state, training state (scheduler, data loader, step) nor "
+    "the layout record",
+    "check what they are (`ckpttool inspect` lists them under other tensors); export never writes them; declare "
+    "the prefixes with --model-prefix/--optimizer-prefix if they are model or optimizer state",
+)
+def uncategorized_tensors(ctx: Context) -> Iterator[tuple[str, str]]:
+    if not (ctx.cat.model or ctx.cat.optimizer_state):
+        return  # K001
+    odd = ctx.cat.uncategorized_tensors()
+    if odd:
+        yield odd[0], f"{len(odd)} tensor(s) outside the {ctx.cat.schema.id} key schema: {_examples(odd)}"
+
+
+@rule(
+    "K003",
+    "optimizer-state-by-index",
+    Severity.error,
+    "optimizer state keyed by parameter index (a plain optimizer.state_dict()): no state can be matched to a "
+    "parameter, so nothing about it can be checked or resumed by name",
+    "re-save with torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optimizer), which keys "
+    "state by parameter fqn",
+)
+def optimizer_state_by_index(ctx: Context) -> Iterator[tuple[str, str]]:
+    sch = ctx.cat.schema
+    if sch.optimizer_keying == "index":
+        n = len(ctx.cat.optimizer_state)
+        yield (
+            f"{sch.optimizer_prefix}state",
+            f"{sch.optimizer_prefix}state.<i>.*: state of {n} parameter(s) keyed by integer index "
+            f"(e.g. {next(iter(ctx.cat.optimizer_state), '?')!r}), not by fqn",
+        )
+
+
+@rule(
+    "K004",
+    "optimizer-without-model",
+    Severity.warning,
+    "optimizer state but no model tensors: an optimizer-only checkpoint (e.g. Accelerate's optimizer_N folder); "
+    "its fqns cannot be checked against the parameters",
+    "validate the folder holding both (e.g. checkpoint-N/), or pass the optimizer folder with --optimizer-dir "
+    "next to the model checkpoint",
+)
+def optimizer_without_model(ctx: Context) -> Iterator[tuple[str, str]]:
+    cat = ctx.cat
+    if not cat.model and cat.optimizer_state and cat.schema.optimizer_keying != "index":
+        yield (
+            str(cat.schema.state_prefix),
+            f"{cat.path}: optimizer state for {len(cat.optimizer_state)} parameter(s) and no model tensors",
+        )
+
+
+@rule(
+    "K005",
+    "state-of-split-parameter",
+    Severity.info,
+    "optimizer state saved under a fused parameter that the model's state dict stores split (torchtitan "
+    "FusedQKVLinear: wqkv as wq/wk/wv): checked against the parts' shapes",
+    "nothing to fix; export and replay-step work on the split tensors (replay-step does not replay the fused one)",
+)
+def state_of_split_parameter(ctx: Context) -> Iterator[tuple[str, str]]:
+    split = [(f, ps) for f, ps in ctx.cat.optimizer_state.items() if ps.stored_as]
+    if split:
+        f, ps = split[0]
+        yield f, f"{len(split)} parameter(s) stepped fused, stored split (e.g. {f} as {', '.join(ps.stored_as)})"

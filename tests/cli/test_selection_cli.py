@@ -1,0 +1,68 @@
+"""The selection options every command shares: --step, --optimizer-dir, --schema, --model-prefix, --no-ep.
+
+Errors name the command's flags (the library names parameters in backticks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+
+runner = CliRunner()
+
+
+def fail(*args: str) -> tuple[str, str]:
+    res = runner.invoke(app, list(args))
+    assert res.exit_code == 2 and res.stdout == "", (res.stdout, res.stderr)
+    err, hint = res.stderr.strip().splitlines()[-2:]
+    assert err.startswith("error: [") and hint.startswith("hint: ") and "Traceback" not in res.stderr
+    return err, hint
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "validate", "replay-step"])
+def test_step_value(cmd: str, dense_ckpt: Path) -> None:
+    err, _ = fail(cmd, str(dense_ckpt.parent), "--step", "last")
+    assert err.startswith("error: [E100]") and "--step 'last' is not a step number or 'latest'" in err
+
+
+def test_step_on_a_checkpoint_itself(dense_ckpt: Path) -> None:
+    err, hint = fail("inspect", str(dense_ckpt), "--step", "3")
+    assert "--step 3 given" in err and "drop --step" in hint
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "validate", "export"])
+def test_model_prefix_needs_a_dot(cmd: str, dense_ckpt: Path, tmp_path: Path) -> None:
+    extra = [str(tmp_path / "o")] if cmd == "export" else []
+    err, hint = fail(cmd, str(dense_ckpt), *extra, "--model-prefix", "model")
+    assert "--model-prefix 'model' must end with '.'" in err and "--model-prefix 'model.'" in hint
+
+
+def test_model_prefix_matching_nothing(dense_ckpt: Path) -> None:
+    err, _ = fail("inspect", str(dense_ckpt), "--model-prefix", "nope.")
+    assert err.startswith("error: [E250] model prefix 'nope.' matches no tensor")
+
+
+def test_no_ep_excludes_sizes(dense_ckpt: Path) -> None:
+    err, _ = fail("inspect", str(dense_ckpt), "--no-ep", "--ep-size", "2")
+    assert "--no-ep excludes --source-layout/--ep-size/--ep-fsdp-size" in err
+
+
+def test_schema_override_is_shown(dense_ckpt: Path) -> None:
+    res = runner.invoke(app, ["inspect", str(dense_ckpt), "--schema", "torch-native"])
+    assert res.exit_code == 0 and "key schema  torch-native (override)" in res.stdout
+
+
+def test_parent_without_checkpoints_says_what_it_searched(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    err, _ = fail("inspect", str(tmp_path))
+    assert err.startswith("error: [E200]") and "no DCP checkpoint in the 3 directory levels below it" in err
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "validate", "replay-step"])
+def test_optimizer_dir_that_is_not_a_checkpoint(cmd: str, dense_ckpt: Path, tmp_path: Path) -> None:
+    err, hint = fail(cmd, str(dense_ckpt), "--optimizer-dir", str(tmp_path))
+    assert err.startswith(f"error: [E100] --optimizer-dir {tmp_path}: not a DCP checkpoint directory"), err

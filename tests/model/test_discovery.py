@@ -1,0 +1,164 @@
+"""Finding the checkpoint below a directory: torchtitan step roots, Accelerate pairs, ``latest`` files.
+
+The directory trees are the real writers' (torchtitan's ``CheckpointManager`` writes
+``checkpoint/step-N``; Accelerate writes ``checkpoint-N/pytorch_model_fsdp_0`` + ``optimizer_0``);
+DeepSpeed-style names and ``latest`` files are laid out by copying a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpttool.errors import (
+    AmbiguousCheckpointError,
+    MetadataError,
+    PathEscapeError,
+    SchemaError,
+    StepNotFoundError,
+    UsageError,
+)
+from ckpttool.model.checkpoint import open_checkpoint
+from ckpttool.model.discovery import CheckpointSelection, compose_pair, locate, step_of
+from tests.fixtures import damage
+
+pytestmark = pytest.mark.slow  # fixtures written by multi-rank gloo jobs of the real trainers
+
+
+@pytest.mark.parametrize(
+    "name,step",
+    [("step-100", 100), ("checkpoint-7", 7), ("global_step42", 42), ("global_step_42", 42), ("iter_0000300", 300)],
+)
+def test_step_names(name: str, step: int) -> None:
+    assert step_of(name) == step
+    assert step_of("model") is None and step_of("steps") is None
+
+
+def test_torchtitan_root_lists_the_steps_and_the_command(titan_root: Path) -> None:
+    root = titan_root / "llama3" / "checkpoint"
+    with pytest.raises(AmbiguousCheckpointError) as ei:
+        locate(root)
+    e = ei.value
+    assert e.code == "E204" and "step-1; step-2; step-3" in e.message
+    assert "`step` N|latest (steps 1, 2, 3)" in e.hint and str(root / "step-3") in e.hint
+
+
+def test_step_and_latest_pick_a_step_dir(titan_root: Path) -> None:
+    root = titan_root / "llama3" / "checkpoint"
+    assert locate(root, CheckpointSelection.from_options("2")).model == root / "step-2"
+    loc = locate(root, CheckpointSelection.from_options("latest"))
+    assert loc.model == root / "step-3" and loc.step == 3 and "highest step" in loc.how
+    # the run's folder above checkpoint/ works too (depth 2)
+    assert locate(titan_root / "llama3", CheckpointSelection(step=1)).model == root / "step-1"
+
+
+def test_unknown_step_lists_the_steps(titan_root: Path) -> None:
+    with pytest.raises(StepNotFoundError) as ei:
+        locate(titan_root / "llama3" / "checkpoint", CheckpointSelection(step=9))
+    assert ei.value.code == "E205" and "steps found: 1, 2, 3" in ei.value.message
+
+
+def test_step_on_a_checkpoint_itself_is_a_usage_error(titan_root: Path) -> None:
+    with pytest.raises(UsageError, match="is a checkpoint itself"):
+        locate(titan_root / "llama3" / "checkpoint" / "step-1", CheckpointSelection(step=1))
+
+
+def test_latest_file_wins(titan_root: Path, tmp_path: Path) -> None:
+    src = titan_root / "llama3" / "checkpoint"
+    for s in (1, 2):
+        shutil.copytree(src / f"step-{s}", tmp_path / f"global_step{s}")
+    (tmp_path / "latest").write_text("global_step1\n")
+    loc = locate(tmp_path, CheckpointSelection(step="latest"))
+    assert loc.model == tmp_path / "global_step1" and "`latest` file" in loc.how
+
+
+def test_single_checkpoint_below_is_used(titan_root: Path) -> None:
+    loc = locate(titan_root / "moe")
+    assert loc.model == titan_root / "moe" / "checkpoint" / "step-1" and loc.step == 1
+    assert loc.how == "the only checkpoint below the directory given"
+
+
+def test_accelerate_pair_opens_as_one_checkpoint(acc_root: Path) -> None:
+    parent = acc_root / "accelerate" / "checkpoint-1"
+    with open_checkpoint(parent) as ck:
+        assert ck.located.model.name == "pytorch_model_fsdp_0" and ck.located.optimizer.name == "optimizer_0"
+        cat = ck.catalog
+        assert cat.schema.id == "torch-native" and len(cat.model) == 21 and len(cat.optimizer_state) == 21
+        assert all(ps.in_model for ps in cat.optimizer_state.values())
+        files = {f.relative_path for f in cat.data_files}
+        assert files == {f"{p}/__{r}_0.distcp" for p in ("pytorch_model_fsdp_0", "optimizer_0") for r in (0, 1)}
+        # bitwise: one optimizer tensor through the composed reader vs torch reading its own folder
+        import torch.distributed.checkpoint as dcp
+
+        key = "optimizer.state.model.embed_tokens.weight.exp_avg"
+        want = {key: torch.empty(cat.optimizer_state["model.embed_tokens.weight"].fields["exp_avg"].shape)}
+        dcp.load(want, checkpoint_id=str(parent / "optimizer_0"), no_dist=True)
+        assert torch.equal(ck.reader.read_tensor(key), want[key])
+
+
+def test_accelerate_root_with_two_steps_is_ambiguous(acc_root: Path) -> None:
+    with pytest.raises(AmbiguousCheckpointError) as ei:
+        locate(acc_root / "accelerate")
+    assert "checkpoint-0/pytorch_model_fsdp_0 + checkpoint-0/optimizer_0" in ei.value.message
+    assert locate(acc_root / "accelerate", CheckpointSelection(step=0)).optimizer.name == "optimizer_0"
+
+
+def test_optimizer_dir_given_separately(acc_root: Path) -> None:
+    c1 = acc_root / "accelerate" / "checkpoint-1"
+    sel = CheckpointSelection(optimizer_dir=c1 / "optimizer_0")
+    with open_checkpoint(c1 / "pytorch_model_fsdp_0", selection=sel) as ck:
+        assert len(ck.catalog.optimizer_state) == 21 and ck.path == c1
+    with pytest.raises(UsageError, match="pairs pytorch_model_fsdp_0 with optimizer_0 already"):
+        locate(c1, sel)
+    with pytest.raises(UsageError, match="not a DCP checkpoint directory"):
+        locate(c1 / "pytorch_model_fsdp_0", CheckpointSelection(optimizer_dir=acc_root))
+
+
+def test_pair_with_shared_keys_is_refused(acc_root: Path) -> None:
+    c1 = acc_root / "accelerate" / "checkpoint-1"
+    from ckpttool.format import CheckpointReader
+
+    with CheckpointReader(c1 / "pytorch_model_fsdp_0") as m, pytest.raises(SchemaError, match="both hold"):
+        compose_pair(c1 / "pytorch_model_fsdp_0", m.metadata, acc_root / "app_state", m.metadata)
+
+
+def test_a_part_cannot_reach_into_the_other_part(acc_root: Path, tmp_path: Path) -> None:
+    pair = tmp_path / "checkpoint-1"
+    shutil.copytree(acc_root / "accelerate" / "checkpoint-1", pair)
+    key = "optimizer.state.model.embed_tokens.weight.exp_avg"
+    # The optimizer part names a file of the model part: inside the common parent, outside its own folder.
+    damage.edit_storage(pair / "optimizer_0", key, relative_path="../pytorch_model_fsdp_0/__0_0.distcp")
+    with open_checkpoint(pair) as ck:
+        entry = ck.catalog.optimizer_state["model.embed_tokens.weight"].fields["exp_avg"]
+        with pytest.raises(PathEscapeError):
+            ck.reader.read_chunk(key, entry.chunks[0])
+
+
+def test_symlinked_dirs_are_not_followed(titan_root: Path, tmp_path: Path) -> None:
+    os.symlink(titan_root / "moe" / "checkpoint" / "step-1", tmp_path / "step-1")
+    with pytest.raises(MetadataError) as ei:
+        locate(tmp_path)
+    assert ei.value.code == "E200" and "no DCP checkpoint in the 3 directory levels below" in ei.value.message
+
+
+def test_incomplete_save_is_still_e202(tmp_path: Path) -> None:
+    (tmp_path / "__0_0.distcp").write_bytes(b"x")
+    from ckpttool.errors import IncompleteCheckpointError
+
+    with pytest.raises(IncompleteCheckpointError):
+        open_checkpoint(tmp_path)
+
+
+def test_step_folder_with_model_and_optimizer_folders(acc_root: Path, tmp_path: Path) -> None:
+    src = acc_root / "accelerate" / "checkpoint-1"
+    for step in (5, 6):
+        shutil.copytree(src / "pytorch_model_fsdp_0", tmp_path / f"step-{step}" / "model")
+        shutil.copytree(src / "optimizer_0", tmp_path / f"step-{step}" / "optimizer")
+    loc = locate(tmp_path, CheckpointSelection(step="latest"))
+    assert (loc.model, loc.optimizer, loc.step) == (tmp_path / "step-6" / "model", tmp_path / "step-6" / "optimizer", 6)
+    with open_checkpoint(tmp_path / "step-5") as ck:
+        assert ck.located.optimizer == tmp_path / "step-5" / "optimizer" and len(ck.catalog.optimizer_state) == 21

@@ -1,0 +1,152 @@
+"""Key-schema detection on checkpoints written by the real trainers, and overrides.
+
+Each expectation is a fact of the writer (torchtitan keeps the model at the top level, the DCP
+tutorial's AppState nests under ``app.``, ``optimizer.state_dict()`` keys state by index), checked
+against what :func:`ckpttool.model.schema.detect_schema` and the catalog make of its ``.metadata``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ckpttool.errors import SchemaError, UsageError
+from ckpttool.model.catalog import build_catalog
+from ckpttool.model.checkpoint import open_checkpoint
+from ckpttool.model.discovery import CheckpointSelection
+from ckpttool.model.schema import SchemaOverride
+
+pytestmark = pytest.mark.slow  # fixtures written by multi-rank gloo jobs of the real trainers
+
+
+def _titan(titan_root: Path, run: str, step: int) -> Path:
+    return titan_root / run / "checkpoint" / f"step-{step}"
+
+
+def test_torchtitan_full_save(titan_root: Path) -> None:
+    cat = build_catalog(_titan(titan_root, "llama3", 2))
+    s = cat.schema
+    assert (s.id, s.model_prefix, s.optimizer_prefix, s.optimizer_keying, s.naming) == (
+        "torchtitan",
+        "",
+        "optimizer.",
+        "fqn",
+        "torchtitan",
+    )
+    assert set(s.training_state) == {"lr_scheduler", "dataloader", "train_state"}
+    assert "tok_embeddings.weight" in cat.model and "lm_head.weight" in cat.model
+    assert cat.optimizer_flavor == "flattened"
+    # Every optimizer fqn is a model key, except the fused wqkv that the model's state dict splits.
+    orphans = {f: ps.stored_as for f, ps in cat.optimizer_state.items() if not ps.in_model}
+    assert orphans and all(f.endswith("qkv_linear.wqkv.weight") for f in orphans)
+    for f, parts in orphans.items():
+        head = f.removesuffix("wqkv.weight")
+        assert parts == (f"{head}wq.weight", f"{head}wk.weight", f"{head}wv.weight")
+    assert cat.uncategorized_tensors() == []
+    assert cat.training_state["train_state"] == ["train_state.step", "train_state.ntokens_seen"] or set(
+        cat.training_state["train_state"]
+    ) == {"train_state.step", "train_state.ntokens_seen"}
+
+
+def test_torchtitan_model_only_bf16_save(titan_root: Path) -> None:
+    cat = build_catalog(_titan(titan_root, "llama3", 3))
+    assert cat.schema.id == "torchtitan" and cat.schema.optimizer_prefix is None
+    assert len(cat.model) == 21 and {t.dtype for t in cat.model.values()} == {"bfloat16"}
+
+
+def test_torchtitan_moe_experts_are_ep_candidates(titan_root: Path) -> None:
+    with open_checkpoint(_titan(titan_root, "moe", 1)) as ck:
+        ep = ck.require_layout().ep_tensors
+        assert sorted(ep) == sorted(k for k in ck.catalog.model if ".inner_experts." in k)
+        assert all(s.num_experts == 8 for s in ep.values())
+        assert ck.require_layout().ambiguous == []  # 2 ranks: no EP>1 x EP-FSDP>1 split of 2 blocks
+
+
+def test_accelerate_folders(acc_root: Path) -> None:
+    model = build_catalog(acc_root / "accelerate" / "checkpoint-1" / "pytorch_model_fsdp_0")
+    assert (model.schema.id, model.schema.model_prefix, model.schema.optimizer_prefix) == (
+        "torch-native",
+        "model.",
+        None,
+    )
+    optim = build_catalog(acc_root / "accelerate" / "checkpoint-1" / "optimizer_0")
+    assert optim.schema.model_prefix is None and optim.schema.optimizer_prefix == "optimizer."
+    assert not optim.model and len(optim.optimizer_state) == 21
+
+
+def test_app_state(acc_root: Path) -> None:
+    cat = build_catalog(acc_root / "app_state")
+    s = cat.schema
+    assert (s.id, s.model_prefix, s.optimizer_prefix, s.optimizer_keying) == (
+        "app-state",
+        "app.model.",
+        "app.optim.",
+        "fqn",
+    )
+    assert cat.fqn_of("app.model.lm_head.weight") == "lm_head.weight"
+    assert all(ps.in_model for ps in cat.optimizer_state.values()) and len(cat.optimizer_state) == 21
+    assert cat.param_groups and cat.uncategorized_tensors() == []
+
+
+def test_plain_optimizer_state_dict_is_index_keyed(plain_root: Path) -> None:
+    cat = build_catalog(plain_root / "plain_optimizer")
+    assert cat.schema.optimizer_keying == "index" and cat.schema.model_prefix == "model."
+    assert set(cat.optimizer_state) == {str(i) for i in range(21)}
+
+
+def test_flat_hf_state_dict_keeps_model_in_the_fqn(plain_root: Path) -> None:
+    cat = build_catalog(plain_root / "flat_hf")
+    assert (cat.schema.id, cat.schema.model_prefix, cat.schema.naming) == ("top-level", "", "hf")
+    assert "lm_head.weight" in cat.model and "model.embed_tokens.weight" in cat.model
+    assert cat.other_tensors == {}
+
+
+def test_hf_storage_is_top_level(acc_root: Path) -> None:
+    cat = build_catalog(acc_root / "hf_sharded")
+    assert cat.schema.model_prefix == "" and "lm_head.weight" in cat.model and len(cat.model) == 21
+
+
+def test_nothing_recognised(tmp_path: Path) -> None:
+    dcp.save({"ema": {"w": torch.ones(3)}, "stats": {"count": torch.zeros(2)}}, checkpoint_id=str(tmp_path))
+    cat = build_catalog(tmp_path)
+    assert cat.schema.id == "unrecognized" and not cat.schema.recognised and not cat.model
+    assert sorted(cat.uncategorized_tensors()) == ["ema.w", "stats.count"]
+    assert "no model tensors or optimizer state recognised" in cat.schema.reasons[0]
+
+
+def test_loose_tensor_beside_the_model_is_uncategorized(tmp_path: Path) -> None:
+    dcp.save({"model": {"w": torch.ones(2)}, "ema": {"w": torch.ones(2)}}, checkpoint_id=str(tmp_path))
+    cat = build_catalog(tmp_path)
+    assert cat.schema.id == "torch-native" and list(cat.model) == ["model.w"]
+    assert cat.uncategorized_tensors() == ["ema.w"]
+
+
+# ------------------------------------------------------------------------------------------ overrides
+def test_override_reads_a_flat_save_as_torch_native(plain_root: Path) -> None:
+    with open_checkpoint(
+        plain_root / "flat_hf", selection=CheckpointSelection(schema=SchemaOverride("torch-native"))
+    ) as ck:
+        s = ck.catalog.schema
+        assert (s.id, s.source, s.model_prefix) == ("torch-native", "override", "model.")
+        assert "model.embed_tokens.weight" in ck.catalog.model and "lm_head.weight" in ck.catalog.other_tensors
+
+
+def test_override_model_prefix(acc_root: Path) -> None:
+    ov = SchemaOverride.from_options(None, "app.model.", "app.optim.")
+    cat = build_catalog(acc_root / "app_state", ov)
+    assert cat.schema.id == "custom" and len(cat.model) == 21 and len(cat.optimizer_state) == 21
+
+
+def test_override_that_matches_nothing_is_e250(acc_root: Path) -> None:
+    with pytest.raises(SchemaError) as ei:
+        build_catalog(acc_root / "app_state", SchemaOverride.from_options(None, "nope.", None))
+    assert ei.value.code == "E250" and ei.value.param == "model_prefix" and "'nope.'" in ei.value.message
+
+
+@pytest.mark.parametrize("args", [("bogus", None, None), (None, "model", None), (None, None, "optim")])
+def test_bad_override_options_are_usage_errors(args: tuple) -> None:
+    with pytest.raises(UsageError):
+        SchemaOverride.from_options(*args)
