@@ -224,15 +224,18 @@ _FAST_CASTS = {
 
 
 class _Scratch(threading.local):
-    def __init__(self) -> None:
-        self.u32: Any = None
+    """Per-thread uint32 scratch buffers of slab size (``slot`` 0: rounding, 1: widened input)."""
 
-    def u32_buffer(self, n: int) -> Any:
+    def __init__(self) -> None:
+        self.bufs: list[Any] = [None, None]
+
+    def u32_buffer(self, n: int, slot: int = 0) -> Any:
         import numpy as np
 
-        if self.u32 is None or self.u32.size < n:
-            self.u32 = np.empty(max(n, SLAB_BYTES // 2), dtype=np.uint32)
-        return self.u32[:n]
+        buf = self.bufs[slot]
+        if buf is None or buf.size < n:
+            buf = self.bufs[slot] = np.empty(max(n, SLAB_BYTES // 4), dtype=np.uint32)
+        return buf[:n]
 
 
 _scratch = _Scratch()
@@ -293,19 +296,21 @@ class Cast:
             if o == "float32":
                 _bf16_to_f32(src.view(np.uint16), out.view(np.uint32))
                 return
-            wide = _scratch.u32_buffer(n)
+            wide = _scratch.u32_buffer(n, 1)
             _bf16_to_f32(src.view(np.uint16), wide)
-            np.copyto(out.view(np.float16), wide.view(np.float32), casting="unsafe")
+            with np.errstate(over="ignore"):  # beyond float16's range: inf, as torch
+                np.copyto(out.view(np.float16), wide.view(np.float32), casting="unsafe")
             return
         if o == "bfloat16":
             if s == "float32":
                 _f32_to_bf16(src.view(np.uint32), out.view(np.uint16))
                 return
-            wide = _scratch.u32_buffer(src.size // 2)
+            wide = _scratch.u32_buffer(src.size // 2, 1)
             np.copyto(wide.view(np.float32), src.view(np.float16), casting="unsafe")
             _f32_to_bf16(wide, out.view(np.uint16))
             return
-        np.copyto(out.view(_NUMPY_FLOAT[o]), src.view(_NUMPY_FLOAT[s]), casting="unsafe")
+        with np.errstate(over="ignore"):
+            np.copyto(out.view(_NUMPY_FLOAT[o]), src.view(_NUMPY_FLOAT[s]), casting="unsafe")
 
 
 # ---------------------------------------------------------------------------------------------- streaming
