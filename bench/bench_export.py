@@ -54,134 +54,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-VOCAB, HIDDEN, INTER, WORLD = 32000, 2048, 5632, 4
-MOE_E, MOE_H, MOE_I, MOE_LAYERS, MOE_P, MOE_F = 64, 1024, 512, 4, 2, 2
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def _param_shapes(layers: int) -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
-    for n in range(layers):
-        p = f"model.layers.{n}"
-        for m in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            shapes[f"{p}.self_attn.{m}.weight"] = (HIDDEN, HIDDEN)
-        shapes[f"{p}.mlp.gate_proj.weight"] = (INTER, HIDDEN)
-        shapes[f"{p}.mlp.up_proj.weight"] = (INTER, HIDDEN)
-        shapes[f"{p}.mlp.down_proj.weight"] = (HIDDEN, INTER)
-        shapes[f"{p}.input_layernorm.weight"] = (HIDDEN,)
-        shapes[f"{p}.post_attention_layernorm.weight"] = (HIDDEN,)
-    shapes["model.norm.weight"] = (HIDDEN,)
-    shapes["lm_head.weight"] = (VOCAB, HIDDEN)
-    return shapes
-
-
-# ------------------------------------------------------------------------------------------ generators
-
-
-def _dense_rank(rank: int, world: int, out: str, layers: int, dtype_name: str, optimizer: bool) -> None:
-    """One rank of a 4-rank FSDP2-style save: DTensor Shard(0) shards (and FP32 state when asked)."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    gen = torch.Generator().manual_seed(1000 + rank)
-    dtype = getattr(torch, dtype_name)
-
-    def shard(shape: tuple[int, ...], dt: torch.dtype, scale: float) -> DTensor:
-        rows = -(-shape[0] // world)
-        lo = min(rank * rows, shape[0])
-        hi = min(lo + rows, shape[0])
-        local = (torch.randn((hi - lo, *shape[1:]), generator=gen) * scale).to(dt)
-        return DTensor.from_local(
-            local,
-            mesh,
-            [Shard(0)],
-            run_check=False,
-            shape=torch.Size(shape),
-            stride=torch.empty(shape, device="meta").stride(),
-        )
-
-    model, state = {}, {}
-    for fqn, shape in _param_shapes(layers).items():
-        if not optimizer:
-            model[fqn] = shard(shape, dtype, 0.02)
-            continue
-        master = shard(shape, torch.float32, 0.02)
-        model[fqn] = DTensor.from_local(
-            master.to_local().to(dtype), mesh, [Shard(0)], run_check=False, shape=master.shape, stride=master.stride()
-        )
-        state[fqn] = {
-            "step": torch.tensor(100.0),
-            "master_weight": master,
-            "exp_avg": shard(shape, torch.float32, 1e-3),
-            "exp_avg_sq": shard(shape, torch.float32, 1e-6),
-        }
-    sd: dict[str, Any] = {"model": model}
-    if optimizer:
-        groups = [{"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "params": list(state)}]
-        sd["optimizer"] = {"state": state, "param_groups": groups}
-    dcp.save(sd, checkpoint_id=out)
-
-
-def _moe_rank(rank: int, world: int, out: str) -> None:
-    """One rank of a legacy-layout EP save: mesh (ep_fsdp, ep), both on the expert dim (block-transposed)."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    mesh = init_device_mesh("cpu", (MOE_F, MOE_P), mesh_dim_names=("ep_fsdp", "ep"))
-    gen = torch.Generator().manual_seed(2000 + rank)
-    slab = MOE_E // (MOE_P * MOE_F)
-
-    def local(shape: tuple[int, ...]) -> DTensor:
-        t = (torch.randn((slab, *shape[1:]), generator=gen) * 0.02).to(torch.bfloat16)
-        return DTensor.from_local(
-            t,
-            mesh,
-            [Shard(0), Shard(0)],
-            run_check=False,
-            shape=torch.Size(shape),
-            stride=torch.empty(shape, device="meta").stride(),
-        )
-
-    model, extra = {}, {}
-    for n in range(MOE_LAYERS):
-        for name, shape in (("gate_up_proj", (MOE_E, 2 * MOE_I, MOE_H)), ("down_proj", (MOE_E, MOE_H, MOE_I))):
-            fqn = f"model.layers.{n}.mlp.experts.{name}"
-            model[fqn] = local(shape)
-            extra[f"model.{fqn}"] = {"ep_dim": 0, "fsdp_dim": 0, "num_experts": MOE_E}
-    record = {
-        "format": "ckpttool.layout",
-        "version": 1,
-        "parallel": {"ep_size": MOE_P, "ep_fsdp_size": MOE_F},
-        "extra_parallel": extra,
-    }
-    dcp.save({"model": model, "layout": json.dumps(record)}, checkpoint_id=out)
-
-
-def _build(path: Path, fn: Any, *args: Any) -> Path:
-    if (path / ".metadata").is_file():
-        return path
-    sys.path.insert(0, str(ROOT))
-    from tests.fixtures.distributed import run_ranks
-
-    tmp = path.with_name(path.name + ".building")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    t0 = time.perf_counter()
-    run_ranks(WORLD, fn, str(tmp), *args)
-    os.rename(tmp, path)
-    print(f"# generated {path} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    return path
-
-
-def _layers_for(gb: float) -> int:
-    per_layer = (4 * HIDDEN * HIDDEN + 3 * INTER * HIDDEN + 2 * HIDDEN) * 4
-    return max(1, round((gb * 1e9 - 2 * VOCAB * HIDDEN * 4) / per_layer))
-
+from _ckpts import WORLD, build, dense_rank, layers_for, moe_legacy_rank  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ baselines
 
@@ -383,7 +259,7 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
 
     if want & {"preserve", "master"}:
-        llama = _build(root / "ckpt", _dense_rank, 2, "bfloat16", True)
+        llama = build(root / "ckpt", dense_rank, 2, "bfloat16", True)
         disk = sum(p.stat().st_size for p in llama.iterdir() if p.is_file())
         notes.append(f"preserve/master: {disk / 2**30:.2f} GiB on disk ({WORLD} ranks), BF16 model + FP32 state")
     if "preserve" in want:
@@ -416,7 +292,7 @@ def main() -> None:
             ["--weights", "master", "--save-dtype", "bfloat16"],
         )
     if "cast" in want:
-        fp32 = _build(root / "fp32-1g", _dense_rank, 2, "float32", False)
+        fp32 = build(root / "fp32-1g", dense_rank, 2, "float32", False)
         export_case(
             "cast 1 GB fp32->bf16",
             fp32,
@@ -424,14 +300,14 @@ def main() -> None:
             lambda out: _check_cast(fp32, out, "bfloat16", "model.model.layers.1.mlp.down_proj.weight"),
         )
     if want & {"per-expert", "fused"}:
-        moe = _build(root / "moe-legacy", _moe_rank)
+        moe = build(root / "moe-legacy", moe_legacy_rank)
     if "per-expert" in want:
         export_case("MoE per-expert", moe, ["--experts", "per-expert"])
     if "fused" in want:
         export_case("MoE fused un-permuted", moe, ["--experts", "fused"])
     if "big" in want and args.big_gib > 0:
-        layers = _layers_for(args.big_gib)
-        big = _build(root / f"fp32-{args.big_gib:g}g", _dense_rank, layers, "float32", False)
+        layers = layers_for(args.big_gib, 4)
+        big = build(root / f"fp32-{args.big_gib:g}g", dense_rank, layers, "float32", False)
         export_case(f"cast {args.big_gib:g} GB fp32->bf16", big, ["--save-dtype", "bfloat16"])
     if "small" in want:
         sample = root / "sample"
