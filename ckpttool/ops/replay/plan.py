@@ -375,6 +375,14 @@ def plan_replay(
             )
         record_type = None
     base_cfg = _record_config(record_opt) if record_type else {}
+    # The implementation the run used (torch's fused AdamW kernel or the foreach ops) is replayed as recorded.
+    fused = record_opt.get("fused", False)
+    if not isinstance(fused, bool):
+        raise HyperparameterError(
+            f"{cat.path}: layout record optimizer.fused is {fused!r:.40}, not true or false",
+            hint="fix the layout record (`ckpttool stamp`), or remove the field (foreach)",
+        )
+    base_cfg.pop("fused", None)
     per_param_type: dict[str, str] = {}
     if optimizer != "auto":
         type_name = optimizer
@@ -448,6 +456,10 @@ def plan_replay(
                 md["cpu"] = saved_moment(lambda f, probe=probe: _offloaded(probe, f)) or "float32"
             cfg["moment_dtypes"] = md
         config[t] = _constructor_config(t, cfg, chunk_size)
+        if fused:
+            config[t]["fused"] = True
+    if fused:
+        notes.append("the run used the fused AdamW kernel (layout record optimizer.fused): replayed with fused=True")
     if "cpu_offload_adamw" in config and not config["cpu_offload_adamw"]["cpu_offload"]:
         notes.append(
             "cpu_offload_adamw without offload patterns (record or --offload-patterns): every parameter resident"
