@@ -301,7 +301,7 @@ def test_seeded_generator_is_the_documented_formula() -> None:
 
 def test_batches_under_max_memory_give_identical_results(full_fx: Path) -> None:
     one, got_one = replay_collect(full_fx / "ckpt", steps=2)
-    many, got_many = replay_collect(full_fx / "ckpt", steps=2, max_memory=700_000)
+    many, got_many = replay_collect(full_fx / "ckpt", steps=2, max_memory=150_000)
     assert one.batches == 1 and many.batches > 3 and many.ok
     for fqn in got_one:
         for what in got_one[fqn]:
