@@ -3,22 +3,26 @@
 Per batch of parameters (``plan.make_batches`` under ``max_memory``):
 
 1. read each parameter (stored dtype) and its saved state from the checkpoint, in true
-   expert order (``ResolvedLayout.to_canonical``); check the saved ``master_weight``
-   against the parameter (``param == master.to(param.dtype)``, bitwise);
-2. build ckpttool's optimizer (``ckpttool.optim_state.build_optimizer``) over the
-   parameters placed on the device in their stored dtype, with the saved hyperparameters,
-   and load the saved state through the optimizer's own ``load_state_dict`` (which places
-   master and moments on the CPU for offloaded parameters); parameters of a never-stepped
-   leaf start from fresh state;
-3. for each of the K steps: gradients (``grads.py``), one step of the independent
-   reference (``ckpttool.optim_state.reference.reference_adamw_step`` in float64 on the
-   CPU, from the same loaded state; between steps its state is rounded to the stored
-   dtypes, as a save would), then one timed ``optimizer.step()``;
-4. compare (``compare.py``): ``master_weight``, ``exp_avg``, ``exp_avg_sq`` and the
-   parameter against the reference, the written-back parameter against the optimizer's
-   own ``master_weight.to(param.dtype)`` (bitwise), ``step`` = saved + K, and placement.
+   expert order (``ResolvedLayout.to_canonical``), in parallel threads;
+2. build ckpttool's optimizer (``ckpttool.optim.build_optimizer``, with the implementation
+   the run used: the layout record's ``optimizer.fused``) over the parameters placed on the
+   device in their stored dtype, with the saved hyperparameters, and load the saved state
+   through the optimizer's own ``load_state_dict`` (which adopts the tensors and places master
+   and moments on the CPU for offloaded parameters); parameters of a never-stepped leaf start
+   from fresh state;
+3. for each of the K steps: gradients (``grads.py``, kept for the reference), then one timed
+   ``optimizer.step()`` (the loaded state is updated in place, as in a resumed run);
+4. slab by slab (:data:`REFERENCE_SLAB` elements, in threads), read the *saved* values of the
+   slab again from the checkpoint (:class:`~ckpttool.ops.replay.slabs.TensorSlabs`), check the
+   saved parameter against ``master_weight.to(param.dtype)`` (bitwise), run the independent
+   reference ``ckpttool.optim.reference.reference_adamw_step`` (float64 on the CPU; between
+   steps its state is rounded to the stored dtypes, as a save would) and compare
+   (``compare.py``): ``master_weight``, ``exp_avg``, ``exp_avg_sq`` and the parameter against
+   the reference, the written-back parameter against the optimizer's own
+   ``master_weight.to(param.dtype)`` (bitwise); then ``step`` = saved + K, and placement.
 
-Nothing is written; the checkpoint is only read.
+Memory is that of a resume: no full-size copy of the pre-step state and no full-size
+reference tensor is ever made. Nothing is written; the checkpoint is only read.
 """
 
 from __future__ import annotations
