@@ -15,6 +15,11 @@ Prints, in one run:
   * bytes read from ``.distcp`` files by inspect, split into byte-item bytes and
     tensor-chunk bytes (must be 0), by tracing ``os.preadv``.
 
+  * start-up: ``ckpttool inspect`` and ``ckpttool validate --strict`` of the built-in sample
+    (``ckpttool sample``: 102 entries, an ``extra_state`` file with a torch RNG state) as fresh
+    processes beside ``python -c pass``, and whether torch was imported (target: <= 0.2 s,
+    torch never imported).
+
 Usage: python bench/bench_inspect.py [--entries 100000] [--ranks 8] [--workdir /tmp/ckpttool-bench]
 """
 
@@ -155,6 +160,42 @@ def _run(cmd: list[str]) -> tuple[float, str]:
     return time.perf_counter() - t0, res.stdout
 
 
+SAMPLE_RUN = """
+import sys
+from ckpttool.cli import main
+sys.argv = ["ckpttool", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as e:
+    if e.code:
+        raise
+print("torch" in sys.modules, file=sys.stderr)
+"""
+
+
+def bench_startup(workdir: Path, repeat: int) -> None:
+    """``inspect`` / ``validate --strict`` of the sample as fresh processes beside ``python -c pass``."""
+    sample = workdir / "sample"
+    cli = [sys.executable, "-c", "from ckpttool.cli import main; main()"]
+    if not (sample / ".metadata").is_file():
+        subprocess.run([*cli, "sample", str(sample)], check=True, capture_output=True)
+    rows = []
+    for label, args in (
+        ("inspect", ["inspect", str(sample)]),
+        ("validate --strict", ["validate", str(sample), "--strict"]),
+    ):
+        best = min(_run([sys.executable, "-c", SAMPLE_RUN, *args])[0] for _ in range(max(repeat, 5)))
+        err = subprocess.run([sys.executable, "-c", SAMPLE_RUN, *args], capture_output=True, text=True).stderr
+        rows.append((f"ckpttool {label} (sample)", best, err.split()[-1] if err.split() else "?"))
+    base = min(_run([sys.executable, "-c", "pass"])[0] for _ in range(max(repeat, 5)))
+    print(f"start-up, {sample} (load average {os.getloadavg()[0]:.2f}):")
+    for label, t, torch_loaded in rows:
+        print(
+            f"  {label:40s} {t:6.3f} s  (fixed cost {t - base:.3f} s, target <= 0.2 s); torch imported: {torch_loaded}"
+        )
+    print(f"  {'baseline: python -c pass':40s} {base:6.3f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--entries", type=int, default=100_000)
@@ -167,7 +208,17 @@ def main() -> None:
         default=4,
         help="every k-th tensor is sharded over all ranks (8 chunks); 0: every tensor has one chunk",
     )
+    ap.add_argument("--skip-large", action="store_true", help="only the start-up case")
     args = ap.parse_args()
+    import compileall
+
+    import ckpttool
+
+    # as `pip install` does: start-up is measured with bytecode caches, also under PYTHONDONTWRITEBYTECODE
+    compileall.compile_dir(os.path.dirname(ckpttool.__file__), quiet=1)
+    bench_startup(Path(args.workdir), args.repeat)
+    if args.skip_large:
+        return
     ckpt = (
         Path(args.workdir) / f"many-{args.entries}-{args.ranks}"
         if args.sharded_every == 4

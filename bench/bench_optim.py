@@ -55,6 +55,17 @@ def _variants(device: torch.device, chunk_size: int) -> dict[str, Callable[[list
         "cpu_offload_adamw (all offloaded)": lambda ps: CPUOffloadAdamW(
             [(f"p{i}", p) for i, p in enumerate(ps)], cpu_offload_param_patterns=["."], chunk_size=chunk_size, **hyper
         ),
+        "full_fp32_adamw fused": lambda ps: FullFP32AdamW(ps, fused=True, **hyper),
+        "master_fp32_adamw fused (bf16 m/v)": lambda ps: MasterFP32AdamW(
+            ps, moment_dtype=torch.bfloat16, fused=True, **hyper
+        ),
+        "cpu_offload_adamw fused (all offloaded)": lambda ps: CPUOffloadAdamW(
+            [(f"p{i}", p) for i, p in enumerate(ps)],
+            cpu_offload_param_patterns=["."],
+            chunk_size=chunk_size,
+            fused=True,
+            **hyper,
+        ),
     }
     return out
 
@@ -138,15 +149,20 @@ def main(argv: list[str] | None = None) -> int:
         f"steps={args.steps} threads={torch.get_num_threads()} torch={torch.__version__}"
     )
     base_cpu = next((r[3] for r in rows if r[0] == "torch AdamW foreach"), float("nan"))
+    fused = next((r for r in rows if r[0] == "torch AdamW fused"), None)
     print(
-        f"{'variant':36s} {'median ms':>10s} {'min ms':>9s} {'cpu ms':>9s} {'GB/s':>8s} {'GiB touched':>12s} "
-        f"{'vs foreach: median':>19s} {'min':>6s} {'cpu':>6s}"
+        f"{'variant':40s} {'median ms':>10s} {'min ms':>9s} {'cpu ms':>9s} {'GB/s':>8s} {'GiB touched':>12s} "
+        f"{'vs foreach: median':>19s} {'min':>6s} {'cpu':>6s} {'vs fused: median':>17s} {'min':>6s} {'cpu':>6s}"
     )
     for name, sec, best, cpu, gbs, touched in rows:
+        vs_fused = f"{sec / fused[1]:16.2f}x {best / fused[2]:5.2f}x {cpu / fused[3]:5.2f}x" if fused else f"{'-':>30s}"
         print(
-            f"{name:36s} {sec * 1e3:10.1f} {best * 1e3:9.1f} {cpu * 1e3:9.1f} {gbs:8.2f} {touched / 2**30:12.2f} "
-            f"{sec / base:18.2f}x {best / base_min:5.2f}x {cpu / base_cpu:5.2f}x"
+            f"{name:40s} {sec * 1e3:10.1f} {best * 1e3:9.1f} {cpu * 1e3:9.1f} {gbs:8.2f} {touched / 2**30:12.2f} "
+            f"{sec / base:18.2f}x {best / base_min:5.2f}x {cpu / base_cpu:5.2f}x {vs_fused}"
         )
+    print(
+        f"load average {' '.join(f'{x:.2f}' for x in __import__('os').getloadavg())}; target: fused variants <= 1.2x torch fused"
+    )
     return 0
 
 

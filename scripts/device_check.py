@@ -5,7 +5,8 @@ Creates everything it needs under ``--work`` (default ``$OUT`` or ``/tmp/ckpttoo
 1. the ``ckpttool sample`` checkpoint (torch AdamW) and a CPU-offload sample;
 2. a ~1 GiB checkpoint with CPU-offload state: the sample model scaled up (BF16 parameters,
    ``cpu_offload_adamw`` with experts offloaded, FP32 master and moments, one real step);
-3. runs ``pytest tests/device tests/test_replay_device.py`` (the accelerator tests);
+3. runs ``pytest tests/optim/test_optim_device.py tests/ops/replay/test_replay_device.py`` (the
+   accelerator tests);
 4. runs ``ckpttool replay-step --device <accelerator>`` on the samples and the 1 GiB checkpoint;
 5. measures torch's pinned host<->device copy bandwidth with buffers of the staging size;
 6. prints a short summary (pass/fail, step time, D2H/H2D GB/s achieved vs torch's copies)
@@ -231,8 +232,8 @@ def main() -> int:
             sys.executable,
             "-m",
             "pytest",
-            "tests/device",
-            "tests/test_replay_device.py",
+            "tests/optim/test_optim_device.py",
+            "tests/ops/replay/test_replay_device.py",
             "-q",
             "-p",
             "no:cacheprovider",
@@ -245,7 +246,7 @@ def main() -> int:
     last = out.strip().splitlines()[-1] if out.strip() else ""
     checks["pytest"] = {"ok": rc == 0, "rc": rc, "seconds": round(t, 1), "last_line": last}
     print(
-        f"pytest tests/device tests/test_replay_device.py: {'PASS' if rc == 0 else 'FAIL'} ({last}; {t:.1f}s)",
+        f"pytest (accelerator tests): {'PASS' if rc == 0 else 'FAIL'} ({last}; {t:.1f}s)",
         flush=True,
     )
 
@@ -322,6 +323,33 @@ def main() -> int:
                     "(transfers overlap the CPU update)",
                     flush=True,
                 )
+
+    # 5. informational: fused vs foreach optimizer steps on the device (bench/bench_optim.py)
+    if device != "cpu" and budget.left(5) > 30:
+        rc, out, t = run(
+            [
+                sys.executable,
+                str(REPO / "bench" / "bench_optim.py"),
+                "--device",
+                device,
+                "--numel",
+                str(1 << 26),
+                "--steps",
+                "5",
+                "--param-dtype",
+                "bfloat16",
+                "--only",
+                "foreach",
+                "fused",
+            ],
+            timeout=min(60, budget.left(5)),
+            log=logs / "bench_optim.log",
+            env=env,
+        )
+        summary["bench_optim"] = {"rc": rc, "seconds": round(t, 1), "table": out.strip().splitlines()[-12:]}
+        print(
+            "bench_optim (64M BF16 params, fused vs foreach):\n" + "\n".join(out.strip().splitlines()[-12:]), flush=True
+        )
 
     ok = all(c.get("ok") for c in checks.values())
     summary["ok"] = ok

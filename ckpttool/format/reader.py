@@ -20,7 +20,7 @@ import os
 import pickle
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ckpttool.errors import (
     AllocationError,
@@ -31,7 +31,7 @@ from ckpttool.errors import (
     UnsafePickleError,
     UsageError,
 )
-from ckpttool.format.archive import read_archive_pickle
+from ckpttool.format.archive import STORAGE_DTYPES, read_archive_pickle
 from ckpttool.format.copy import copy_range
 from ckpttool.format.directory import CheckpointDir
 from ckpttool.format.locator import ChunkLocation, locate_chunk, tensor_meta
@@ -42,7 +42,7 @@ from ckpttool.format.unpickler import PrimitiveUnpickler
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CheckpointReader", "load_saved_object"]
+__all__ = ["CheckpointReader", "SavedTensor", "load_saved_object"]
 
 
 class CheckpointReader(CheckpointDir):
@@ -309,11 +309,70 @@ class CheckpointReader(CheckpointDir):
         return load_saved_object(data, f"{self.path}: byte item {fqn!r}", trust_pickle=self.trust_pickle, fqn=fqn)
 
 
-def load_saved_object(data: bytes, where: str, *, trust_pickle: bool = False, fqn: str | None = None) -> Any:
-    """Load ``torch.save`` bytes safely (see :meth:`CheckpointReader.read_object`)."""
+class SavedTensor(NamedTuple):
+    """A tensor inside a ``torch.save`` payload, described but not loaded (``load_saved_object(tensors="describe")``)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _describe_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> SavedTensor:
+    dtype = storage[1] if isinstance(storage, tuple) and len(storage) == 2 else "?"
+    shape = tuple(size) if isinstance(size, tuple) and all(type(x) is int for x in size) else ()
+    return SavedTensor(str(dtype), shape)
+
+
+class _StructureUnpickler(PrimitiveUnpickler):
+    """Plain values plus tensors as :class:`SavedTensor` stand-ins (``_rebuild_tensor_v2`` of a typed storage).
+
+    Nothing is imported or called but the stand-in builder; any other global is refused
+    (:class:`UnsafePickleError`), so the caller falls back to ``torch.load(weights_only=True)``.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _describe_tensor
+        if module == "torch" and name in STORAGE_DTYPES:
+            return ("storage_type", STORAGE_DTYPES[name])
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], tuple):
+            if len(pid[1]) == 2 and pid[1][0] == "storage_type":
+                return ("storage", pid[1][1])
+        return super().persistent_load(pid)
+
+
+def load_saved_object(
+    data: bytes, where: str, *, trust_pickle: bool = False, fqn: str | None = None, tensors: str = "load"
+) -> Any:
+    """Load ``torch.save`` bytes safely (see :meth:`CheckpointReader.read_object`).
+
+    Args:
+        data: the ``torch.save`` archive.
+        where: how to name it in errors.
+        trust_pickle: allow ``torch.load(weights_only=False)`` when ``weights_only=True`` refuses.
+        fqn: the byte item's key, for errors.
+        tensors: ``"load"`` (tensors are loaded, which imports torch) or ``"describe"``: tensors
+            saved the classic way (``_rebuild_tensor_v2`` of a typed storage) come back as
+            :class:`SavedTensor` (dtype, shape) without importing torch; payloads with any other
+            global still go to ``torch.load(weights_only=True)``.
+
+    Raises:
+        TrustRequiredError: needs ``trust_pickle``.
+        ChunkError: not a readable archive.
+    """
     try:
         pkl = read_archive_pickle(io.BytesIO(data))
-        return PrimitiveUnpickler(io.BytesIO(pkl), source=where).load()
+        try:
+            return PrimitiveUnpickler(io.BytesIO(pkl), source=where).load()
+        except UnsafePickleError:
+            if tensors != "describe":
+                raise
+        try:
+            return _StructureUnpickler(io.BytesIO(pkl), source=where).load()
+        except Exception:  # any other global, or a malformed stand-in call: torch decides below
+            pass
     except UnsafePickleError:
         pass  # needs torch's weights_only unpickler (tensors, ...)
     except (zipfile.BadZipFile, KeyError, ValueError, EOFError, pickle.UnpicklingError):

@@ -134,7 +134,8 @@ class Checkpoint:
     def _load_extra(self, f: ExtraStateFile) -> ExtraState:
         p = self.path / f.relative_path
         try:
-            obj = load_saved_object(p.read_bytes(), str(p), trust_pickle=self.reader.trust_pickle)
+            # keys and the step are all it needs: tensors (RNG states) are described, not loaded (no torch import)
+            obj = load_saved_object(p.read_bytes(), str(p), trust_pickle=self.reader.trust_pickle, tensors="describe")
         except (CkptError, TrustRequiredError) as e:
             return ExtraState(f, error=e)
         except OSError as e:

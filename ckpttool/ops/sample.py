@@ -271,7 +271,7 @@ SAMPLE_OPTIMIZERS = ("adamw", "full_fp32_adamw", "master_fp32_adamw", "cpu_offlo
 def sample_optimizer_record(optimizer: str) -> dict[str, Any]:
     """The layout record's ``optimizer`` object for a :data:`SAMPLE_OPTIMIZERS` choice."""
     if optimizer == "adamw":
-        return {"type": "adamw"}
+        return {"type": "adamw", "fused": False}
     moments = {
         "full_fp32_adamw": {"resident": "float32"},
         "master_fp32_adamw": {"resident": "bfloat16"},
@@ -282,6 +282,7 @@ def sample_optimizer_record(optimizer: str) -> dict[str, Any]:
         "master_dtype": "float32",
         "step_dtype": "float32",
         "moment_dtypes": moments,
+        "fused": False,  # the sample trains with the foreach step
     }
     if optimizer == "cpu_offload_adamw":
         out["offload_patterns"] = ["experts"]

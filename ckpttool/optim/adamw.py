@@ -23,6 +23,14 @@ Contract (docs/design.md §1, ``docs/optim_state.md``):
   Moments held in BF16 are widened to FP32 for the step, the update uses the FP32
   values, and the new moments are stored rounded to nearest even. Resident parameters
   update with ``torch._foreach_*`` ops over a param group's tensors per device.
+- ``fused=True`` (like ``torch.optim.AdamW(fused=True)``) runs torch's fused kernel
+  ``torch._fused_adamw_`` over the FP32 masters and moments instead, then one rounding copy
+  into the parameter. On the CPU the tensors are walked in cache-sized chunks
+  (:data:`FUSED_CHUNK` elements): a BF16 gradient or BF16 moments are widened chunk by
+  chunk into per-optimizer scratch buffers, the kernel updates the chunk, and the parameter
+  chunk is written while the master chunk is still in the cache (no full-size temporary).
+  On an accelerator one kernel launch covers a param group's tensors. The result equals
+  ``torch.optim.AdamW(fused=True)`` run on the FP32 masters bitwise (the same kernel).
 - ``load_state_dict`` checks every saved field's presence, dtype and shape against
   this optimizer's configuration *before* anything is cast or moved, and raises
   :class:`~ckpttool.errors.OptimStateError` naming the parameter and field.
@@ -42,12 +50,16 @@ from torch.distributed.tensor import DTensor
 from ckpttool.errors import OptimStateError, UsageError
 from ckpttool.format.metadata import dtype_name
 
-__all__ = ["FullFP32AdamW", "MasterFP32AdamW", "MasterAdamWBase"]
+__all__ = ["FullFP32AdamW", "MasterFP32AdamW", "MasterAdamWBase", "FUSED_CHUNK"]
 
 logger = logging.getLogger(__name__)
 
 _F32 = torch.float32
 _ALLOWED_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+
+#: Elements per chunk of the fused CPU step: master, gradient, moments and parameter chunks
+#: (~5 MiB together for FP32) stay in the CPU cache between the update and the rounding copy.
+FUSED_CHUNK = 1 << 18
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -178,6 +190,138 @@ def adamw_chunk_(
         exp_avg_sq.copy_(v)
 
 
+class FusedScratch:
+    """FP32 scratch chunks of the fused CPU step (widened gradient and moments), grown on demand."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, n: int) -> torch.Tensor:
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[name] = torch.empty(n, dtype=_F32)
+        return buf[:n]
+
+
+def fused_adamw_chunk_(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    param: torch.Tensor | None,
+    scratch: FusedScratch,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One fused AdamW update (``torch._fused_adamw_``) of 1-d CPU chunks; ``step`` already incremented.
+
+    Args:
+        master: float32 chunk ``[n]``, updated in place.
+        grad: gradient chunk ``[n]`` (float32, or any floating dtype: widened into ``scratch``).
+        exp_avg, exp_avg_sq: moment chunks ``[n]`` (float32, or bfloat16: widened and stored back rounded).
+        step: the parameter's 0-d float32 step (the kernel reads it for the bias corrections).
+        param: parameter chunk ``[n]`` to receive ``master.to(param.dtype)``, or ``None``.
+        scratch: buffers for widened chunks.
+        lr, beta1, beta2, eps, weight_decay: hyperparameters.
+    """
+    n = master.numel()
+    g = grad if grad.dtype == _F32 else scratch.get("grad", n).copy_(grad)
+    widen = exp_avg.dtype != _F32
+    m = scratch.get("exp_avg", n).copy_(exp_avg) if widen else exp_avg
+    v = scratch.get("exp_avg_sq", n).copy_(exp_avg_sq) if widen else exp_avg_sq
+    torch._fused_adamw_(
+        [master],
+        [g],
+        [m],
+        [v],
+        [],
+        [step],
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=weight_decay,
+        eps=eps,
+        amsgrad=False,
+        maximize=False,
+    )
+    if widen:
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)
+    if param is not None:
+        param.copy_(master)
+
+
+def _adamw_fused_(
+    masters: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    params: list[torch.Tensor],
+    scratch: FusedScratch,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """The fused step over lists of local tensors on one device, parameters written (see the module docstring).
+
+    Args:
+        masters: float32 tensors, updated in place; ``params``: receive ``master.to(param.dtype)``.
+        grads: gradients (any floating dtype); exp_avgs, exp_avg_sqs: float32 or bfloat16 moments.
+        steps: 0-d float32 CPU tensors, incremented in place.
+    """
+    if not masters:
+        return
+    hyper = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
+    torch._foreach_add_(steps, 1.0)
+    device = masters[0].device
+    if device.type != "cpu":
+        g32 = [g if g.dtype == _F32 else g.to(_F32) for g in grads]
+        widen = exp_avgs[0].dtype != _F32
+        m32 = [m.to(_F32) for m in exp_avgs] if widen else exp_avgs
+        v32 = [v.to(_F32) for v in exp_avg_sqs] if widen else exp_avg_sqs
+        dev_steps = [s.to(device) for s in steps]  # the device kernel reads its steps on the device
+        torch._fused_adamw_(
+            masters,
+            g32,
+            m32,
+            v32,
+            [],
+            dev_steps,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=False,
+            maximize=False,
+        )
+        if widen:
+            torch._foreach_copy_(exp_avgs, m32)
+            torch._foreach_copy_(exp_avg_sqs, v32)
+        torch._foreach_copy_(params, masters)
+        return
+    for master, grad, m, v, step, param in zip(masters, grads, exp_avgs, exp_avg_sqs, steps, params):
+        mf, gf, ef, vf = (t.reshape(-1) for t in (master, grad, m, v))
+        pf = param.view(-1) if param.is_contiguous() else None
+        n = mf.numel()
+        for a in range(0, n, FUSED_CHUNK):
+            b = min(n, a + FUSED_CHUNK)
+            fused_adamw_chunk_(
+                mf[a:b], gf[a:b], ef[a:b], vf[a:b], step, pf[a:b] if pf is not None else None, scratch, **hyper
+            )
+        if pf is None:
+            param.copy_(master)
+
+
 class MasterAdamWBase(torch.optim.Optimizer):
     """Common machinery of the FP32-master AdamW variants (not used directly).
 
@@ -192,9 +336,14 @@ class MasterAdamWBase(torch.optim.Optimizer):
         betas: ``(beta1, beta2)``, each in ``[0, 1)``. Default ``(0.9, 0.999)``.
         eps: added to the denominator, >= 0. Default ``1e-8``.
         weight_decay: decoupled weight decay coefficient, >= 0. Default ``1e-2``.
+        foreach: use the ``torch._foreach_*`` step (the default; ``False`` is refused: there is
+            no per-tensor loop implementation).
+        fused: use torch's fused AdamW kernel (``torch._fused_adamw_``), like
+            ``torch.optim.AdamW(fused=True)``. Not serialized in the state dict (a property of
+            the run, recorded in the layout record's ``optimizer.fused``).
 
     Raises:
-        UsageError: a hyperparameter out of range, a tensor ``lr``.
+        UsageError: a hyperparameter out of range, a tensor ``lr``, ``fused`` and ``foreach`` both set.
     """
 
     type_name: ClassVar[str] = ""
@@ -206,8 +355,22 @@ class MasterAdamWBase(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        *,
+        foreach: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         _check_hyper(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        if fused and foreach:
+            raise UsageError(
+                "`fused` and `foreach` cannot both be True", hint="choose one implementation, as for torch"
+            )
+        if foreach is False and not fused:
+            raise UsageError(
+                "`foreach` False: there is no per-tensor loop implementation",
+                hint="use the default foreach step, or fused=True",
+            )
+        self.fused = bool(fused)
+        self._fused_scratch = FusedScratch()
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
 
@@ -326,8 +489,11 @@ class MasterAdamWBase(torch.optim.Optimizer):
             bucket[4].append(state["step"])
             bucket[5].append(_local(p))
         for masters, grads, exp_avgs, exp_avg_sqs, steps, params in buckets.values():
-            _adamw_foreach_(masters, grads, exp_avgs, exp_avg_sqs, steps, **hyper)
-            torch._foreach_copy_(params, masters)
+            if self.fused:
+                _adamw_fused_(masters, grads, exp_avgs, exp_avg_sqs, steps, params, self._fused_scratch, **hyper)
+            else:
+                _adamw_foreach_(masters, grads, exp_avgs, exp_avg_sqs, steps, **hyper)
+                torch._foreach_copy_(params, masters)
         if offloaded:
             self._step_offloaded(offloaded, hyper)
 
@@ -484,6 +650,8 @@ class FullFP32AdamW(MasterAdamWBase):
         betas: ``(beta1, beta2)``. Default ``(0.9, 0.999)``.
         eps: denominator term. Default ``1e-8``.
         weight_decay: decoupled weight decay. Default ``1e-2``.
+        foreach, fused: the implementation (see :class:`MasterAdamWBase`); ``fused=True`` runs
+            torch's fused AdamW kernel on the FP32 masters.
 
     Raises:
         UsageError: a hyperparameter out of range.
@@ -508,6 +676,7 @@ class MasterFP32AdamW(MasterAdamWBase):
         eps: denominator term. Default ``1e-8``.
         weight_decay: decoupled weight decay. Default ``1e-2``.
         moment_dtype: ``torch.bfloat16`` (default) or ``torch.float32`` (names accepted).
+        foreach, fused: the implementation (see :class:`MasterAdamWBase`).
 
     Raises:
         UsageError: a hyperparameter out of range or another moment dtype.
@@ -524,9 +693,11 @@ class MasterFP32AdamW(MasterAdamWBase):
         weight_decay: float = 1e-2,
         *,
         moment_dtype: torch.dtype | str = torch.bfloat16,
+        foreach: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         self._moment_dtype = _as_dtype(moment_dtype, "moment_dtype")
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach, fused=fused)
 
     def moment_dtype(self, param: torch.Tensor) -> torch.dtype:
         return self._moment_dtype

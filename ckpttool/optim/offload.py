@@ -35,7 +35,16 @@ from typing import Any
 import torch
 
 from ckpttool.errors import UsageError
-from ckpttool.optim.adamw import _F32, MasterAdamWBase, _as_dtype, _local, _wrap_like, adamw_chunk_
+from ckpttool.optim.adamw import (
+    _F32,
+    FusedScratch,
+    MasterAdamWBase,
+    _as_dtype,
+    _local,
+    _wrap_like,
+    adamw_chunk_,
+    fused_adamw_chunk_,
+)
 from ckpttool.optim.device import TransferStream, is_accelerator, pinned_empty
 
 __all__ = ["CPUOffloadAdamW", "StagingBuffers"]
@@ -43,6 +52,7 @@ __all__ = ["CPUOffloadAdamW", "StagingBuffers"]
 logger = logging.getLogger(__name__)
 
 _KINDS = ("d2h", "h2d")
+_FUSED_ALIGN = 64  # elements: a multiple of every CPU vector width torch's kernels use
 
 
 class StagingBuffers:
@@ -181,6 +191,11 @@ class CPUOffloadAdamW(MasterAdamWBase):
         chunk_size: elements per staged chunk, > 0. Default ``1 << 22``.
         cpu_offload: ``False`` keeps every parameter resident (patterns unused). Default ``True``.
         num_staging_slots: pinned buffers per transfer direction, >= 1. Default 2.
+        foreach, fused: the implementation; ``fused=True`` runs torch's fused AdamW kernel on the
+            host chunks of offloaded parameters (a BF16 gradient chunk widened in a scratch
+            buffer; ``chunk_size`` rounded up to a multiple of 64 elements, so that the result
+            does not depend on it) and on the resident parameters (see
+            :class:`~ckpttool.optim.adamw.MasterAdamWBase`).
 
     Raises:
         UsageError: empty or invalid patterns, unnamed parameters, bad chunk size,
@@ -203,6 +218,8 @@ class CPUOffloadAdamW(MasterAdamWBase):
         chunk_size: int = 1 << 22,
         cpu_offload: bool = True,
         num_staging_slots: int = 2,
+        foreach: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         if isinstance(cpu_offload_param_patterns, str) or not cpu_offload_param_patterns:
             raise UsageError(
@@ -225,7 +242,7 @@ class CPUOffloadAdamW(MasterAdamWBase):
         self._offload: dict[torch.Tensor, bool] = {}
         self._staging = StagingBuffers(chunk_size, num_staging_slots)
         self._streams: dict[torch.device, TransferStream] = {}
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach, fused=fused)
         n_off = sum(self._offload.values())
         logger.info("CPUOffloadAdamW: %d of %d parameter(s) offloaded", n_off, len(self._offload))
 
@@ -290,7 +307,12 @@ class CPUOffloadAdamW(MasterAdamWBase):
             grad_flat = _local(p.grad).reshape(-1)
             param_flat = local.view(-1)
             n = param_flat.numel()
-            bounds = [(a, min(a + self.chunk_size, n)) for a in range(0, n, self.chunk_size)]
+            step = self.chunk_size
+            if self.fused:  # torch's fused CPU kernel rounds a chunk's scalar tail differently from its vector body:
+                step = (
+                    -(-step // _FUSED_ALIGN) * _FUSED_ALIGN
+                )  # aligned chunks keep the result independent of chunk_size
+            bounds = [(a, min(a + step, n)) for a in range(0, n, step)]
             if is_accelerator(local.device):
                 stream = self._stream(local.device)
                 if stream not in used:
@@ -301,7 +323,7 @@ class CPUOffloadAdamW(MasterAdamWBase):
                 )
             else:
                 chunks = _DirectChunks(grad_flat, param_flat, bounds)
-            self._update_chunks(self.state[p], chunks, bounds, hyper)
+            self._update_chunks(self.state[p], chunks, bounds, hyper, self._fused_scratch if self.fused else None)
         for stream in used:
             stream.compute_waits()
 
@@ -311,9 +333,20 @@ class CPUOffloadAdamW(MasterAdamWBase):
         chunks: _DirectChunks | _StagedChunks,
         bounds: list[tuple[int, int]],
         hyper: dict[str, float],
+        fused: FusedScratch | None = None,
     ) -> None:
         lr, beta1, beta2 = hyper["lr"], hyper["beta1"], hyper["beta2"]
         state["step"].add_(1.0)
+        if fused is not None:
+            master = _local(state["master_weight"]).view(-1)
+            exp_avg = _local(state["exp_avg"]).view(-1)
+            exp_avg_sq = _local(state["exp_avg_sq"]).view(-1)
+            for idx, (a, b) in enumerate(bounds):
+                fused_adamw_chunk_(
+                    master[a:b], chunks.fetch(idx), exp_avg[a:b], exp_avg_sq[a:b], state["step"], None, fused, **hyper
+                )
+                chunks.store(idx, master[a:b])
+            return
         s = state["step"].item()
         step_size = (lr / (1 - beta1**s)) * -1
         bias_correction2_sqrt = (1 - beta2**s) ** 0.5

@@ -294,3 +294,35 @@ def test_copy_chunk_of_a_file_truncated_while_open_is_refused(tmp_path: Path, fs
         os.truncate(ck / info.relative_path, info.offset + info.length - 8)
         with pytest.raises((DataFileError, ChunkError), match="__0_0.distcp"):
             r.copy_chunk_to_file(key, chunk, out.fileno(), 0)
+
+
+def test_saved_tensors_are_described_without_torch(tmp_path: Path) -> None:
+    """``tensors="describe"``: RNG-state tensors beside plain values load as (dtype, shape), torch-free."""
+    import subprocess
+
+    from ckpttool.format.reader import SavedTensor, load_saved_object
+
+    obj = {"global_step": 7, "torch_rng_state": torch.get_rng_state(), "w": torch.zeros(2, 3, dtype=torch.bfloat16)}
+    torch.save(obj, tmp_path / "x.pt")
+    data = (tmp_path / "x.pt").read_bytes()
+    got = load_saved_object(data, "x.pt", tensors="describe")
+    assert got["global_step"] == 7
+    assert got["torch_rng_state"] == SavedTensor("uint8", tuple(obj["torch_rng_state"].shape))
+    assert got["w"] == SavedTensor("bfloat16", (2, 3))
+    assert torch.equal(load_saved_object(data, "x.pt")["w"], obj["w"])  # default: loaded
+    code = (
+        "import sys; from ckpttool.format.reader import load_saved_object;"
+        f"o = load_saved_object(open({str(tmp_path / 'x.pt')!r}, 'rb').read(), 'x', tensors='describe');"
+        "print(o['global_step'], 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["7", "False"]
+
+
+def test_describe_falls_back_to_torch_for_other_globals(tmp_path: Path) -> None:
+    from ckpttool.errors import TrustRequiredError
+    from ckpttool.format.reader import load_saved_object
+
+    torch.save({"step": 1, "when": __import__("datetime").date(2024, 1, 1)}, tmp_path / "d.pt")
+    with pytest.raises(TrustRequiredError):
+        load_saved_object((tmp_path / "d.pt").read_bytes(), "d.pt", tensors="describe")

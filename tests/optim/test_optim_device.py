@@ -122,3 +122,40 @@ def test_resident_variants_on_device_match_cpu(cls, tol):
     assert opt.state[p]["master_weight"].device == dev
     torch.testing.assert_close(opt.state[p]["master_weight"].cpu(), ref.state[q]["master_weight"], **tol)
     assert torch.equal(p.detach(), opt.state[p]["master_weight"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("cls", ["full", "master_bf16", "offload"])
+def test_fused_on_device_matches_torch_fused_on_fp32_copies(cls):
+    """``fused=True`` on the device: the same kernel as ``torch.optim.AdamW(fused=True)`` over the FP32 masters.
+
+    BF16 parameters and gradients; offloaded parameters run the fused kernel on host chunks.
+    """
+    dev = _device()
+    start = torch.randn(NUMEL, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    p = torch.nn.Parameter(start.to(dev))
+    if cls == "full":
+        opt = FullFP32AdamW([p], fused=True, **HYPER)
+    elif cls == "master_bf16":
+        opt = MasterFP32AdamW([p], fused=True, moment_dtype=torch.bfloat16, **HYPER)
+    else:
+        opt = CPUOffloadAdamW(
+            [("experts.w", p)], cpu_offload_param_patterns=["experts"], chunk_size=CHUNK, fused=True, **HYPER
+        )
+    ref_dev = torch.device("cpu") if cls == "offload" else dev
+    ref = torch.nn.Parameter(start.float().to(ref_dev))
+    ref_opt = torch.optim.AdamW([ref], fused=True, **HYPER)
+    for s in range(3):
+        g = _grads(s, NUMEL)
+        p.grad = g.to(dev)
+        ref.grad = g.float().to(ref_dev)
+        opt.step()
+        ref_opt.step()
+        if cls == "master_bf16":
+            rs = ref_opt.state[ref]
+            rs["exp_avg"].copy_(rs["exp_avg"].bfloat16())
+            rs["exp_avg_sq"].copy_(rs["exp_avg_sq"].bfloat16())
+    st = opt.state[p]
+    assert st["step"].device.type == "cpu" and st["step"].item() == 3.0
+    assert torch.equal(st["master_weight"].cpu(), ref.detach().cpu())
+    assert torch.equal(p.detach().cpu(), st["master_weight"].cpu().to(torch.bfloat16))
+    assert torch.equal(st["exp_avg_sq"].float().cpu(), ref_opt.state[ref]["exp_avg_sq"].cpu())

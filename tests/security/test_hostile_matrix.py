@@ -43,6 +43,11 @@ MATRIX: dict[str, tuple[str, Callable[[Path, Path], list[str]]]] = {
     "validate": ("validate", lambda ck, out: ["validate", str(ck)]),
     "validate-deep": ("validate", lambda ck, out: ["validate", str(ck), "--strict", "--deep"]),
     "export": ("export", lambda ck, out: ["export", str(ck), str(out)]),
+    # the transform path: every floating tensor cast and expert tensors split, slab by slab
+    "export-cast": (
+        "export",
+        lambda ck, out: ["export", str(ck), str(out), "--save-dtype", "float16", "--experts", "per-expert"],
+    ),
     "reshard": ("reshard", lambda ck, out: ["reshard", str(ck), str(out), "--to", "canonical"]),
     "reshard-optim": (
         "reshard",
@@ -55,7 +60,7 @@ MATRIX: dict[str, tuple[str, Callable[[Path, Path], list[str]]]] = {
     "replay-step": ("replay-step", lambda ck, out: ["replay-step", str(ck), "--device", "cpu"]),
 }
 NOT_ON_CHECKPOINTS = {"sample", "rules", "schema"}  # take no input checkpoint (sample writes one)
-WRITES_OUT = {"export", "reshard", "reshard-optim"}
+WRITES_OUT = {"export", "export-cast", "reshard", "reshard-optim"}
 FINDINGS_EXIT_1 = {"validate", "validate-deep", "replay-step"}  # exit 1: ran and found problems
 TIMEOUT_S = 180
 

@@ -3,16 +3,17 @@
 Flow: the opened checkpoint (catalog and layout) -> selection and plan (pure,
 :mod:`ckpttool.ops.export.plan`) -> every source's chunks checked (tiling,
 stored sizes) -> output files created at their final size in a temporary directory
-beside ``OUT`` -> every source tensor read once by a thread pool -> index, assets,
+beside ``OUT`` -> every stored chunk read once by a thread pool -> index, assets,
 rename into place (:class:`~ckpttool.format.atomic.AtomicOutputDir`).
 
 A tensor written as stored is copied chunk by chunk from the ``.distcp`` files to
 its place in the output through a 1 MiB bounce buffer
 (:func:`ckpttool.format.copy.copy_range`; faster than ``cp``'s ``copy_file_range`` for
-DCP's page-misaligned chunks; torch is not imported). A tensor that is cast, split per expert, un-permuted, or
-whose chunks are not contiguous row blocks is assembled in one temporary tensor
-and written with ``pwrite``, cast 16 MiB at a time. Memory: temporaries in flight,
-bounded by ``max(largest such tensor, 256 MiB)``.
+DCP's page-misaligned chunks). Every other tensor (cast, split per expert, un-permuted,
+or chunked along an inner dim) streams chunk by chunk and slab by slab through the
+transform path (:mod:`ckpttool.ops.export.transform`): no tensor is assembled, memory is
+a few cache-sized buffers per worker, and a cast between float32, bfloat16 and float16
+runs on numpy, so torch is not imported by such an export either.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from ckpttool.ops.export.plan import (
     unaccounted_tensors,
 )
 from ckpttool.ops.export.rules import ExportRules, load_rules
+from ckpttool.ops.export.transform import Cast, Run, RunMap, SlabTransform, env_slab_bytes, stream_chunk
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +63,6 @@ log = logging.getLogger(__name__)
 #: ``progress(done_bytes, total_bytes)``, called from the calling thread.
 ProgressFn = Callable[[int, int], None]
 
-_TEMP_BUDGET_FLOOR = 256 << 20
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".distcp")
 _BASE_CONFIG_FILES = ("config.json", "generation_config.json")
 
@@ -212,11 +213,6 @@ def _dedup_chunks(reader: CheckpointReader, key: str) -> tuple[TensorMeta, list[
     return meta, [c for c in chunks if c.numel > 0]
 
 
-def _contiguous_span(chunk: ChunkMeta, size: tuple[int, ...]) -> tuple[int, int] | None:
-    """``(first element, element count)`` of a chunk's region in the C-ordered global tensor, if contiguous."""
-    return contiguous_run(size, chunk.offsets, chunk.sizes)
-
-
 def _narrow(t: torch.Tensor, chunk: ChunkMeta, size: tuple[int, ...]) -> torch.Tensor:
     view = t
     for d, (o, s) in enumerate(zip(chunk.offsets, chunk.sizes)):
@@ -233,18 +229,6 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy stubs: __buffer__ only on 3.12+
 
 
-def _write_tensor(writer: ShardWriter, name: str, t: torch.Tensor, dtype: torch.dtype, at: int = 0) -> None:
-    """Write ``t`` cast to ``dtype`` at byte ``at`` of output tensor ``name``, casting 16 MiB at a time."""
-    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
-    if flat.dtype == dtype:
-        writer.write(name, _tensor_bytes(flat), at)
-        return
-    out_item = DTYPE_ITEMSIZE[str(dtype).removeprefix("torch.")]
-    step = max(1, (16 << 20) // max(out_item, flat.element_size()))
-    for i in range(0, flat.numel(), step):
-        writer.write(name, _tensor_bytes(flat[i : i + step].to(dtype)), at + i * out_item)
-
-
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     import torch
 
@@ -256,8 +240,34 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------- executor
 
 
+def run_map(task: SourceTask, meta: TensorMeta) -> RunMap:
+    """Where each element of ``task``'s source goes among its pieces (expert split and order, see ``plan.py``)."""
+    pieces, order = task.pieces, task.expert_order
+    numel = meta.numel
+    if len(pieces) == 1 and pieces[0].expert is None:
+        if order is None:
+            return RunMap.identity(numel)
+        row = numel // len(order)
+        return RunMap([Run(stored * row, row, 0, j * row) for j, stored in enumerate(order)])
+    row = numel // meta.size[0]
+    runs = []
+    for i, p in enumerate(pieces):
+        assert p.expert is not None, "split pieces name their expert"
+        stored = order[p.expert] if order is not None else p.expert
+        part = row // p.nparts
+        runs.append(Run(stored * row + p.part * part, part, i, 0))
+    return RunMap(runs)
+
+
+def value_transform(task: SourceTask) -> SlabTransform | None:
+    """The value transform of ``task`` (a cast), or ``None`` when the bytes are written as stored."""
+    src, out = task.selected.source.dtype, task.pieces[0].dtype
+    assert all(p.dtype == out for p in task.pieces), "one output dtype per source"
+    return None if src == out else Cast(src, out)
+
+
 class _Executor:
-    """Runs a plan's tasks on a thread pool; bookkeeping happens in the calling thread only."""
+    """Runs a plan's tasks on a thread pool, one stored chunk per work unit; bookkeeping in the calling thread only."""
 
     def __init__(
         self,
@@ -275,47 +285,45 @@ class _Executor:
         self.progress = progress
         self.total = plan.total_bytes
         self.done = 0
-        temps = [t.selected.source.nbytes for t in plan.tasks if not t.direct]
-        self.temp_budget = max([_TEMP_BUDGET_FLOOR, *temps])
-        self.temp_inflight = 0
-        self.pending: dict[Future[None], tuple[int, int]] = {}  # future -> (task index, temp bytes)
+        self.pending: dict[Future[None], int] = {}  # future -> task index
         self.remaining: dict[int, int] = {}
         self.chunks = chunks
         self.bytes_read = 0  # source bytes of finished tasks (counted here, in the calling thread)
+        self.slab_bytes = env_slab_bytes()
 
     # -- worker side ---------------------------------------------------------------------------
     def _copy_chunk(self, task: SourceTask, chunk: ChunkMeta, size: tuple[int, ...]) -> None:
         """Copy one stored chunk of a direct task to its place in the output file (torch-free when possible)."""
         writer = self.writers[task.shard]
         name = task.pieces[0].name
-        span = _contiguous_span(chunk, size)
+        span = contiguous_run(size, chunk.offsets, chunk.sizes)
         assert span is not None, "direct tasks have contiguous chunks"
         at = span[0] * DTYPE_ITEMSIZE[task.selected.source.dtype]
         if not self.reader.copy_chunk_to_file(task.source_key, chunk, writer.fd, writer.offset(name) + at):
             writer.write(name, _tensor_bytes(self.reader.read_chunk(task.source_key, chunk)), at)
 
-    def _transform(self, task: SourceTask, chunks: list[ChunkMeta], meta: TensorMeta) -> None:
-        """Assemble a source in one temporary tensor, then write its pieces (cast / split / un-permuted)."""
-        import torch
-
-        temp = torch.empty(meta.size, dtype=meta.dtype.to_torch())
-        for c in chunks:
-            self.reader.read_chunk(task.source_key, c, out=_narrow(temp, c, meta.size))
+    def _stream_chunk(
+        self, task: SourceTask, chunk: ChunkMeta, meta: TensorMeta, runs: RunMap, transform: SlabTransform | None
+    ) -> None:
+        """Stream one stored chunk slab by slab into its pieces (cast / split / un-permuted / inner-dim chunks)."""
         writer = self.writers[task.shard]
-        order = task.expert_order
-        for piece in task.pieces:
-            dtype = getattr(torch, piece.dtype)
-            if piece.expert is None:
-                if order is None:
-                    _write_tensor(writer, piece.name, temp, dtype)
-                else:
-                    slab_bytes = temp[0].numel() * DTYPE_ITEMSIZE[piece.dtype]
-                    for j, stored in enumerate(order):
-                        _write_tensor(writer, piece.name, temp[stored], dtype, at=j * slab_bytes)
-            else:
-                slab = temp[order[piece.expert] if order is not None else piece.expert]
-                a = slab.shape[0] // piece.nparts
-                _write_tensor(writer, piece.name, slab[piece.part * a : (piece.part + 1) * a], dtype)
+        names = [p.name for p in task.pieces]
+
+        def write(piece: int, data: memoryview, at: int) -> None:
+            writer.write(names[piece], data, at)
+
+        stream_chunk(
+            self.reader,
+            task.source_key,
+            chunk,
+            meta.size,
+            meta.dtype.name,
+            runs,
+            transform,
+            write,
+            slab_bytes=self.slab_bytes,
+            align=meta.size[-1] if meta.size else 1,
+        )
 
     # -- calling-thread side ---------------------------------------------------------------------
     def _collect(self, block: bool) -> None:
@@ -323,9 +331,8 @@ class _Executor:
             return
         done, _ = wait(list(self.pending), timeout=None if block else 0, return_when=FIRST_COMPLETED)
         for fut in done:
-            idx, temp = self.pending.pop(fut)
+            idx = self.pending.pop(fut)
             fut.result()  # re-raises a worker's error here
-            self.temp_inflight -= temp
             self.remaining[idx] -= 1
             if self.remaining[idx] == 0:
                 task = self.plan.tasks[idx]
@@ -335,29 +342,26 @@ class _Executor:
                 if self.progress is not None:
                     self.progress(self.done, self.total)
 
-    def _submit(self, pool: ThreadPoolExecutor, idx: int, temp: int, fn: Callable[..., None], *args: Any) -> None:
-        max_pending = self.workers * 4
-        while self.pending and (
-            len(self.pending) >= max_pending or (temp and self.temp_inflight + temp > self.temp_budget)
-        ):
+    def _submit(self, pool: ThreadPoolExecutor, idx: int, fn: Callable[..., None], *args: Any) -> None:
+        while len(self.pending) >= self.workers * 4:
             self._collect(block=True)
-        self.temp_inflight += temp
-        self.pending[pool.submit(fn, *args)] = (idx, temp)
+        self.pending[pool.submit(fn, *args)] = idx
 
     def run(self) -> None:
         pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ckpttool-export")
         try:
             for idx, task in enumerate(self.plan.tasks):
                 meta, chunks = self.chunks[idx]
-                if task.direct and all(_contiguous_span(c, meta.size) is not None for c in chunks):
-                    self.remaining[idx] = max(len(chunks), 1)
-                    if not chunks:
-                        self.pending[pool.submit(lambda: None)] = (idx, 0)
+                self.remaining[idx] = max(len(chunks), 1)
+                if not chunks:
+                    self.pending[pool.submit(lambda: None)] = idx
+                if task.direct and all(contiguous_run(meta.size, c.offsets, c.sizes) is not None for c in chunks):
                     for c in chunks:
-                        self._submit(pool, idx, 0, self._copy_chunk, task, c, meta.size)
+                        self._submit(pool, idx, self._copy_chunk, task, c, meta.size)
                 else:
-                    self.remaining[idx] = 1
-                    self._submit(pool, idx, meta.nbytes, self._transform, task, chunks, meta)
+                    runs, transform = run_map(task, meta), value_transform(task)
+                    for c in chunks:
+                        self._submit(pool, idx, self._stream_chunk, task, c, meta, runs, transform)
                 self._collect(block=False)
             while self.pending:
                 self._collect(block=True)

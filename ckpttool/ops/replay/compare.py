@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FieldError", "compare_field", "effective_rtol", "count_unequal", "machine_eps"]
+__all__ = ["FieldError", "compare_field", "effective_rtol", "count_unequal", "machine_eps", "merge_field_errors"]
 
 _CHUNK = 1 << 22
 _EPS = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
@@ -138,6 +138,17 @@ def compare_field(
         q = float(rel.max().item())
         max_rel = max(max_rel, q if q == q else float("inf"))
     return FieldError(max_abs, max_rel, ratio, bad, r)
+
+
+def merge_field_errors(parts: list[FieldError]) -> FieldError:
+    """One field's :class:`FieldError` from those of its slabs (maxima of the maxima, sum of the counts)."""
+    return FieldError(
+        max(e.max_abs for e in parts),
+        max(e.max_rel for e in parts),
+        max(e.ratio for e in parts),
+        sum(e.bad for e in parts),
+        parts[0].rtol,
+    )
 
 
 def count_unequal(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -405,6 +405,14 @@ def plan_replay(
             )
         record_type = None
     base_cfg = _record_config(record_opt) if record_type else {}
+    # The implementation the run used (torch's fused AdamW kernel or the foreach ops) is replayed as recorded.
+    fused = record_opt.get("fused", False)
+    if not isinstance(fused, bool):
+        raise HyperparameterError(
+            f"{cat.path}: layout record optimizer.fused is {fused!r:.40}, not true or false",
+            hint="fix the layout record (`ckpttool stamp`), or remove the field (foreach)",
+        )
+    base_cfg.pop("fused", None)
     per_param_type: dict[str, str] = {}
     if optimizer != "auto":
         type_name = optimizer
@@ -478,6 +486,10 @@ def plan_replay(
                 md["cpu"] = saved_moment(lambda f, probe=probe: _offloaded(probe, f)) or "float32"
             cfg["moment_dtypes"] = md
         config[t] = _constructor_config(t, cfg, chunk_size)
+        if fused:
+            config[t]["fused"] = True
+    if fused:
+        notes.append("the run used the fused AdamW kernel (layout record optimizer.fused): replayed with fused=True")
     if "cpu_offload_adamw" in config and not config["cpu_offload_adamw"]["cpu_offload"]:
         notes.append(
             "cpu_offload_adamw without offload patterns (record or --offload-patterns): every parameter resident"
@@ -526,26 +538,32 @@ def plan_replay(
     return ReplayPlan(plans, type_name, reason, config, notes)
 
 
-def bytes_per_element(p: ParamPlan, reference_itemsize: int = 8) -> int:
+def bytes_per_element(p: ParamPlan, reference_itemsize: int = 8, steps: int = 1) -> int:
     """Estimated peak host+device bytes per element of ``p`` while it is replayed.
 
-    Loaded parameter and state, device parameter and gradient, the gradient's FP32
-    generation buffer, and about 14 reference-dtype tensors (widened inputs, results,
-    carried state, error scales, comparison temporaries).
+    What a resumed run holds: the parameter (and its device copy), the loaded state (adopted
+    by the optimizer, updated in place), one gradient per replayed step plus its FP32
+    generation buffer, and the foreach step's full-size FP32 temporaries (widened gradient,
+    denominator). The reference and the comparison run on slabs of
+    ``ckpttool.ops.replay.run.REFERENCE_SLAB`` elements (a fixed few tens of MiB, whatever the
+    model size; ``reference_itemsize`` only scales that).
     """
     ip = ITEMSIZE.get(p.dtype, 4)
     im = ITEMSIZE.get(p.moment_dtype, 4)
     master = 0 if p.optimizer_type == "adamw" else 4
-    return 3 * ip + 4 + 2 * (master + 2 * im) + 14 * reference_itemsize
+    return 2 * ip + steps * ip + 4 + master + 2 * im + 8
 
 
-def make_batches(params: list[ParamPlan], max_memory: int, reference_itemsize: int = 8) -> list[list[ParamPlan]]:
+def make_batches(
+    params: list[ParamPlan], max_memory: int, reference_itemsize: int = 8, *, steps: int = 1
+) -> list[list[ParamPlan]]:
     """Split parameters into consecutive batches whose estimated peak memory fits ``max_memory``.
 
     Args:
         params: the plan's parameters.
         max_memory: bytes, > 0.
         reference_itemsize: 8 (float64 reference) or 4 (float32).
+        steps: replayed steps (one gradient is kept per step).
 
     Returns:
         Non-empty batches, in order.
@@ -557,7 +575,7 @@ def make_batches(params: list[ParamPlan], max_memory: int, reference_itemsize: i
     cur: list[ParamPlan] = []
     used = 0
     for p in params:
-        need = max(p.numel, 1) * bytes_per_element(p, reference_itemsize)
+        need = max(p.numel, 1) * bytes_per_element(p, reference_itemsize, steps)
         if need > max_memory:
             raise MemoryBudgetError(
                 f"replaying {p.fqn} ({p.numel:,} elements) needs about {need:,} bytes, more than `max_memory` {max_memory:,}",

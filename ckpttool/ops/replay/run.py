@@ -3,31 +3,38 @@
 Per batch of parameters (``plan.make_batches`` under ``max_memory``):
 
 1. read each parameter (stored dtype) and its saved state from the checkpoint, in true
-   expert order (``ResolvedLayout.to_canonical``); check the saved ``master_weight``
-   against the parameter (``param == master.to(param.dtype)``, bitwise);
-2. build ckpttool's optimizer (``ckpttool.optim_state.build_optimizer``) over the
-   parameters placed on the device in their stored dtype, with the saved hyperparameters,
-   and load the saved state through the optimizer's own ``load_state_dict`` (which places
-   master and moments on the CPU for offloaded parameters); parameters of a never-stepped
-   leaf start from fresh state;
-3. for each of the K steps: gradients (``grads.py``), one step of the independent
-   reference (``ckpttool.optim_state.reference.reference_adamw_step`` in float64 on the
-   CPU, from the same loaded state; between steps its state is rounded to the stored
-   dtypes, as a save would), then one timed ``optimizer.step()``;
-4. compare (``compare.py``): ``master_weight``, ``exp_avg``, ``exp_avg_sq`` and the
-   parameter against the reference, the written-back parameter against the optimizer's
-   own ``master_weight.to(param.dtype)`` (bitwise), ``step`` = saved + K, and placement.
+   expert order (``ResolvedLayout.to_canonical``), in parallel threads;
+2. build ckpttool's optimizer (``ckpttool.optim.build_optimizer``, with the implementation
+   the run used: the layout record's ``optimizer.fused``) over the parameters placed on the
+   device in their stored dtype, with the saved hyperparameters, and load the saved state
+   through the optimizer's own ``load_state_dict`` (which adopts the tensors and places master
+   and moments on the CPU for offloaded parameters); parameters of a never-stepped leaf start
+   from fresh state;
+3. for each of the K steps: gradients (``grads.py``, kept for the reference), then one timed
+   ``optimizer.step()`` (the loaded state is updated in place, as in a resumed run);
+4. slab by slab (:data:`REFERENCE_SLAB` elements, in threads), read the *saved* values of the
+   slab again from the checkpoint (:class:`~ckpttool.ops.replay.slabs.TensorSlabs`), check the
+   saved parameter against ``master_weight.to(param.dtype)`` (bitwise), run the independent
+   reference ``ckpttool.optim.reference.reference_adamw_step`` (float64 on the CPU; between
+   steps its state is rounded to the stored dtypes, as a save would) and compare
+   (``compare.py``): ``master_weight``, ``exp_avg``, ``exp_avg_sq`` and the parameter against
+   the reference, the written-back parameter against the optimizer's own
+   ``master_weight.to(param.dtype)`` (bitwise); then ``step`` = saved + K, and placement.
 
-Nothing is written; the checkpoint is only read.
+Memory is that of a resume: no full-size copy of the pre-step state and no full-size
+reference tensor is ever made. Nothing is written; the checkpoint is only read.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,8 +43,9 @@ from ckpttool.errors import DeviceUnavailableError, UsageError
 from ckpttool.model.checkpoint import Checkpoint, opened
 from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.model.discovery import CheckpointSelection
-from ckpttool.ops.replay.compare import FieldError, compare_field, count_unequal, machine_eps
+from ckpttool.ops.replay.compare import FieldError, compare_field, count_unequal, machine_eps, merge_field_errors
 from ckpttool.ops.replay.plan import ITEMSIZE, ParamPlan, make_batches, plan_replay
+from ckpttool.ops.replay.slabs import TensorSlabs
 from ckpttool.ops.state_checks import synthesized_params
 from ckpttool.ops.tensors import to_canonical
 
@@ -433,7 +441,7 @@ def _replay(
         notes.append("legacy (version 1) EP tensors are replayed in true expert order (block permutation undone)")
     ref_dtype = getattr(torch, opts.reference_dtype)
     ref_itemsize = 8 if opts.reference_dtype == "float64" else 4
-    batches = make_batches(plan.params, budget, ref_itemsize)
+    batches = make_batches(plan.params, budget, ref_itemsize, steps=opts.steps)
     logger.info(
         "replay: %d parameter(s) on %s with %s (%s); %d batch(es) under %d bytes; %s reference",
         len(plan.params),
@@ -487,6 +495,7 @@ def _replay(
                 atol=atol,
                 ref_dtype=ref_dtype,
                 canon=canon,
+                slabs=lambda key, model_key: TensorSlabs(reader, layout, key, model_key, ambiguous),
                 timing=timing,
                 on_param=on_param,
             )
@@ -537,6 +546,38 @@ def _replay(
     )
 
 
+#: Elements per reference/comparison slab: a few dozen float64 temporaries of this size per worker.
+REFERENCE_SLAB = 1 << 16
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
+
+
+@contextmanager
+def _reuse_freed_memory() -> Iterator[None]:
+    """Keep freed slab temporaries in the heap while the reference runs (glibc; elsewhere a no-op).
+
+    The reference allocates thousands of slab-sized float64 tensors; with glibc's defaults each
+    one above 128 KiB is a fresh ``mmap`` (or the heap top is trimmed after its ``free``), so
+    every slab pays its page faults again (measured: 3-5x slower per element). Raising the mmap
+    and trim thresholds for the pass keeps them for reuse; afterwards the defaults come back
+    and ``malloc_trim`` returns what is free to the system.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
+    except (OSError, AttributeError):
+        yield
+        return
+    changed = bool(mallopt(_M_MMAP_THRESHOLD, 64 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 512 << 20))
+    try:
+        yield
+    finally:
+        if changed:
+            mallopt(_M_TRIM_THRESHOLD, 128 << 10)
+            mallopt(_M_MMAP_THRESHOLD, 128 << 10)
+            malloc_trim(0)
+
+
 def _replay_batch(
     reader: Any,
     batch: list[ParamPlan],
@@ -551,24 +592,36 @@ def _replay_batch(
     atol: float,
     ref_dtype: Any,
     canon: Callable[[str, str, Any], Any],
+    slabs: Callable[[str, str], TensorSlabs],
     timing: dict[str, float],
     on_param: Callable[[str, dict[str, Any]], None] | None,
 ) -> list[ParamResult]:
-    """Replay one memory batch (see the module docstring); returns its parameter results."""
+    """Replay one memory batch (see the module docstring); returns its parameter results.
+
+    Memory is that of a resumed run: the parameters, their loaded state (adopted by the
+    optimizer, updated in place), one gradient per step; the reference and the comparison
+    then run slab by slab over the *saved* values read again from the checkpoint
+    (:class:`~ckpttool.ops.replay.slabs.TensorSlabs`), with slab-sized temporaries only.
+    """
     import torch
 
     from ckpttool.ops.replay.grads import seeded_grad
     from ckpttool.optim.factory import build_optimizer
-    from ckpttool.optim.reference import reference_adamw_step
 
     t0 = time.perf_counter()
-    loaded: dict[str, dict[str, torch.Tensor]] = {}
+    workers = max(1, min(4, os.cpu_count() or 1))
     results: dict[str, ParamResult] = {}
-    for p in batch:
+
+    def load(p: ParamPlan) -> dict[str, torch.Tensor]:
         t = {"param": canon(p.key, p.key, reader.read_tensor(p.key))}
         for f, entry in p.state.items():
             t[f] = canon(entry.key, p.key, reader.read_tensor(entry.key))
-        loaded[p.fqn] = t
+        return t
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-replay-load") as pool:
+        loaded = dict(zip((p.fqn for p in batch), pool.map(load, batch)))
+    for p in batch:
+        t = loaded[p.fqn]
         step_before = float(t["step"].item()) if "step" in t else 0.0
         r = ParamResult(
             p.fqn,
@@ -584,20 +637,10 @@ def _replay_batch(
             step_before,
         )
         r.expected_step = step_before + steps
-        if "master_weight" in t:
-            pt = getattr(torch, p.dtype)
-            rounded = t["master_weight"].to(pt)
-            r.sync_unequal = count_unequal(t["param"], rounded)
-            if r.sync_unequal:
-                diff = (t["param"].double() - t["master_weight"].double()).abs().max().item()
-                r.problems.append(
-                    f"master_weight out of sync with the parameter before the step: {r.sync_unequal} of {p.numel} "
-                    f"element(s) differ from master_weight.to({p.dtype}) (max |param - master| {diff:.3g})"
-                )
         results[p.fqn] = r
     timing["load_seconds"] += time.perf_counter() - t0
 
-    # Device parameters and one optimizer per (type, group, placement).
+    # Device parameters and one optimizer per (type, group, placement); the optimizers adopt the loaded state.
     params: dict[str, torch.nn.Parameter] = {}
     for p in batch:
         src = loaded[p.fqn]["param"]
@@ -616,64 +659,26 @@ def _replay_batch(
         }
         opt.load_state_dict({"state": state, "param_groups": [saved_group]})
         optimizers.append((opt, members, offloaded and dev.type != "cpu"))
+    del loaded, state
 
-    # Reference state (reference dtype, CPU) and error scales.
-    ref: dict[str, dict[str, Any]] = {}
-    for p in batch:
-        t = loaded[p.fqn]
-        theta = t["master_weight"] if "master_weight" in t else t["param"]
-        if p.fresh:
-            theta = t["param"]
-            mdt = getattr(torch, p.moment_dtype)
-            m0 = torch.zeros(p.shape, dtype=mdt)
-            v0 = torch.zeros(p.shape, dtype=mdt)
-        else:
-            m0, v0 = t["exp_avg"], t["exp_avg_sq"]
-        ref[p.fqn] = {
-            "theta": theta.to(ref_dtype, copy=True),
-            "m": m0.to(ref_dtype, copy=True),
-            "v": v0.to(ref_dtype, copy=True),
-            "step": float(t["step"].item()) if "step" in t else 0.0,
-        }
-        for name in ("theta", "m", "v"):
-            ref[p.fqn][f"scale_{name}"] = ref[p.fqn][name].abs()
-
+    # K timed steps; the gradients are kept (on the CPU) for the reference.
+    grads: list[dict[str, torch.Tensor]] = []
     for k in range(steps):
+        if grad_file is not None:
+            gk = grads[0] if grads else {p.fqn: grad_file.get(p.fqn, p.shape, getattr(torch, p.dtype)) for p in batch}
+        else:  # seeded per fqn: the same values whatever the thread order
+
+            def gen(p: ParamPlan, k: int = k) -> torch.Tensor:
+                return seeded_grad(
+                    p.fqn, p.shape, getattr(torch, p.dtype), seed=grad_seed, scale=grad_scale, step_index=k
+                )
+
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-replay-grad") as pool:
+                gk = dict(zip((p.fqn for p in batch), pool.map(gen, batch)))
         for p in batch:
-            pt = getattr(torch, p.dtype)
-            g = (
-                grad_file.get(p.fqn, p.shape, pt)
-                if grad_file is not None
-                else seeded_grad(p.fqn, p.shape, pt, seed=grad_seed, scale=grad_scale, step_index=k)
-            )
+            g = gk[p.fqn]
             params[p.fqn].grad = g.to(dev) if dev.type != "cpu" else g
-            t1 = time.perf_counter()
-            rs = ref[p.fqn]
-            h = p.hyper
-            theta, m, v, new_step = reference_adamw_step(
-                rs["theta"],
-                g,
-                rs["m"],
-                rs["v"],
-                rs["step"],
-                h.lr,
-                (h.beta1, h.beta2),
-                h.eps,
-                h.weight_decay,
-                dtype=ref_dtype,
-            )
-            if k < steps - 1:  # the optimizer stores its state in these dtypes between steps
-                theta = theta.to(torch.float32 if p.optimizer_type != "adamw" else pt).to(ref_dtype)
-                mdt = getattr(torch, p.moment_dtype)
-                m, v = m.to(mdt).to(ref_dtype), v.to(mdt).to(ref_dtype)
-            for name, new in (("theta", theta), ("m", m), ("v", v)):
-                delta = (new - rs[name]).abs_()
-                rs[f"scale_{name}"].add_(delta)
-                if name == "theta" and k > 0:
-                    rs["late_theta"] = delta if rs.get("late_theta") is None else rs["late_theta"].add_(delta)
-                rs[name] = new
-            rs["step"] = new_step
-            timing["reference_seconds"] += time.perf_counter() - t1
+        grads.append(gk)
         for opt, members, staged in optimizers:
             _synchronize(dev)
             t2 = time.perf_counter()
@@ -689,27 +694,222 @@ def _replay_batch(
                     ip = ITEMSIZE[member.dtype]
                     timing["d2h_bytes"] += member.numel * ip
                     timing["h2d_bytes"] += member.numel * ip
+        for p in batch:
+            params[p.fqn].grad = None
 
-    # Compare.
+    # Reference and comparison, slab by slab, in parallel (torch's kernels release the GIL).
+    t1 = time.perf_counter()
     out: list[ParamResult] = []
-    for opt, members, _ in optimizers:
-        for member in members:
-            r = results[member.fqn]
-            param = params[member.fqn]
-            st = opt.state.get(param, {})
-            r.placement = {"param": str(param.device)}
-            for f in ("master_weight", "exp_avg", "exp_avg_sq", "step"):
-                if f in st:
-                    r.placement[f] = str(st[f].device)
-            _compare_param(member, r, param.detach(), st, ref[member.fqn], dev=dev, rtol=rtol, atol=atol, steps=steps)
-            if on_param is not None:
-                cpu = {"param": param.detach().cpu()}
-                for f in ("master_weight", "exp_avg", "exp_avg_sq", "step"):
-                    if f in st:
-                        cpu[f] = st[f].detach().cpu()
-                on_param(member.fqn, cpu)
-            out.append(r)
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with (
+            _reuse_freed_memory(),
+            ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-replay") as pool,
+        ):
+            for opt, members, _ in optimizers:
+                for member in members:
+                    r = results[member.fqn]
+                    param = params[member.fqn]
+                    st = opt.state.get(param, {})
+                    ctx = _SlabContext(member, r, param.detach(), st, grads, slabs, steps, rtol, atol, ref_dtype)
+                    bounds = [
+                        (a, min(a + REFERENCE_SLAB, member.numel)) for a in range(0, member.numel, REFERENCE_SLAB)
+                    ]
+                    parts = list(pool.map(ctx.run, bounds))
+                    ctx.finish(parts, dev)
+                    if on_param is not None:
+                        cpu = {"param": param.detach().cpu()}
+                        for f in ("master_weight", "exp_avg", "exp_avg_sq", "step"):
+                            if f in st:
+                                cpu[f] = st[f].detach().cpu()
+                        on_param(member.fqn, cpu)
+                    out.append(r)
+    finally:
+        torch.set_num_threads(prev_threads)
+    timing["reference_seconds"] += time.perf_counter() - t1
     return out
+
+
+class _SlabContext:
+    """The reference and the checks of one parameter, one slab at a time (:meth:`run` is thread-safe)."""
+
+    def __init__(
+        self,
+        p: ParamPlan,
+        r: ParamResult,
+        param: Any,
+        st: dict[str, Any],
+        grads: list[dict[str, Any]],
+        slabs: Callable[[str, str], TensorSlabs],
+        steps: int,
+        rtol: float,
+        atol: float,
+        ref_dtype: Any,
+    ) -> None:
+        self.p, self.r, self.st, self.steps = p, r, st, steps
+        self.rtol, self.atol, self.ref_dtype = rtol, atol, ref_dtype
+        self.has_master = p.optimizer_type != "adamw"
+        self.param = param.reshape(-1)
+        self.actual: dict[str, Any] = {
+            f: st[f].detach().reshape(-1) for f in ("master_weight", "exp_avg", "exp_avg_sq") if f in st
+        }
+        self.grads = [g[p.fqn].reshape(-1) for g in grads]
+        self.saved = {"param": slabs(p.key, p.key)}
+        for f, entry in p.state.items():
+            if f != "step":
+                self.saved[f] = slabs(entry.key, p.key)
+
+    def _read(self, field: str, a: int, b: int) -> Any:
+        import torch
+
+        src = self.saved[field]
+        return src.read(a, b, torch.empty(b - a, dtype=getattr(torch, src.dtype)))
+
+    def run(self, bounds: tuple[int, int]) -> dict[str, Any]:
+        """Reference and comparison of elements ``[a, b)``; returns the slab's partial results."""
+        import torch
+
+        from ckpttool.optim.reference import reference_adamw_step
+
+        a, b = bounds
+        p, ref = self.p, self.ref_dtype
+        pt = getattr(torch, p.dtype)
+        res: dict[str, Any] = {}
+        saved_param = self._read("param", a, b)
+        if self.has_master and not p.fresh:
+            saved_master = self._read("master_weight", a, b)
+            res["sync_unequal"] = count_unequal(saved_param, saved_master.to(pt))
+            if res["sync_unequal"]:
+                res["sync_diff"] = (saved_param.double() - saved_master.double()).abs().max().item()
+            theta = saved_master
+        else:
+            theta = saved_param
+        if p.fresh:
+            mdt = getattr(torch, p.moment_dtype)
+            m0, v0 = torch.zeros(b - a, dtype=mdt), torch.zeros(b - a, dtype=mdt)
+        else:
+            m0, v0 = self._read("exp_avg", a, b), self._read("exp_avg_sq", a, b)
+        rs: dict[str, Any] = {"theta": theta.to(ref, copy=True), "m": m0.to(ref, copy=True), "v": v0.to(ref, copy=True)}
+        for name in ("theta", "m", "v"):
+            rs[f"scale_{name}"] = rs[name].abs()
+        step, late = self.r.step_before, None
+        h = p.hyper
+        for k in range(self.steps):
+            new_theta, m, v, step = reference_adamw_step(
+                rs["theta"],
+                self.grads[k][a:b],
+                rs["m"],
+                rs["v"],
+                step,
+                h.lr,
+                (h.beta1, h.beta2),
+                h.eps,
+                h.weight_decay,
+                dtype=ref,
+            )
+            if k < self.steps - 1:  # the optimizer stores its state in these dtypes between steps
+                new_theta = new_theta.to(torch.float32 if self.has_master else pt).to(ref)
+                mdt = getattr(torch, p.moment_dtype)
+                m, v = m.to(mdt).to(ref), v.to(mdt).to(ref)
+            for name, new in (("theta", new_theta), ("m", m), ("v", v)):
+                delta = (new - rs[name]).abs_()
+                rs[f"scale_{name}"].add_(delta)
+                if name == "theta" and k > 0:
+                    late = delta if late is None else late.add_(delta)
+                rs[name] = new
+        param = self.param[a:b].cpu()
+        arith = "float32" if self.has_master else p.dtype
+        steps = self.steps
+        fields: dict[str, FieldError] = {}
+        if self.has_master:
+            master = self.actual["master_weight"][a:b].cpu()
+            fields["master_weight"] = compare_field(
+                master,
+                rs["theta"],
+                rs["scale_theta"],
+                rtol=self.rtol,
+                atol=self.atol,
+                stored="float32",
+                arithmetic="float32",
+                late_path=late,
+                late_rtol=2 * machine_eps(p.moment_dtype),
+                carry_rtol=2 * (steps - 1) * machine_eps("float32"),
+            )
+            res["writeback_unequal"] = count_unequal(param, master.to(pt))
+            res["param_vs_reference_unequal"] = count_unequal(param, rs["theta"].to(pt))
+        for f, key in (("exp_avg", "m"), ("exp_avg_sq", "v")):
+            fields[f] = compare_field(
+                self.actual[f][a:b].cpu(),
+                rs[key],
+                rs[f"scale_{key}"],
+                rtol=self.rtol,
+                atol=self.atol,
+                stored=p.moment_dtype,
+                arithmetic=arith,
+                carry_rtol=2 * (steps - 1) * machine_eps(p.moment_dtype),
+            )
+        fields["param"] = compare_field(
+            param,
+            rs["theta"],
+            rs["scale_theta"],
+            rtol=self.rtol,
+            atol=self.atol,
+            stored=p.dtype,
+            arithmetic=arith,
+            late_path=late,
+            late_rtol=2 * machine_eps(p.moment_dtype),
+            carry_rtol=2 * (steps - 1) * machine_eps("float32" if self.has_master else p.dtype),
+        )
+        res["fields"] = fields
+        return res
+
+    def finish(self, parts: list[dict[str, Any]], dev: Any) -> None:
+        """Merge the slabs' results into the parameter's result and check step and placement."""
+        p, r, st = self.p, self.r, self.st
+        if self.has_master and not p.fresh:
+            r.sync_unequal = sum(x.get("sync_unequal", 0) for x in parts)
+            if r.sync_unequal:
+                diff = max(x.get("sync_diff", 0.0) for x in parts)
+                r.problems.append(
+                    f"master_weight out of sync with the parameter before the step: {r.sync_unequal} of {p.numel} "
+                    f"element(s) differ from master_weight.to({p.dtype}) (max |param - master| {diff:.3g})"
+                )
+        step = st.get("step")
+        r.step_after = float(step.item()) if step is not None else None
+        if r.step_after != r.expected_step:
+            r.problems.append(f"step is {r.step_after} after the replay, expected {r.expected_step:g} (saved + steps)")
+        r.placement = {"param": str(self.param.device)}
+        for f in ("master_weight", "exp_avg", "exp_avg_sq", "step"):
+            if f in st:
+                r.placement[f] = str(st[f].device)
+        order = ["master_weight", "exp_avg", "exp_avg_sq", "param"]
+        for f in order:
+            errs = [x["fields"][f] for x in parts if f in x["fields"]]
+            if errs:
+                r.fields[f] = merge_field_errors(errs)
+        if self.has_master:
+            r.writeback_unequal = sum(x.get("writeback_unequal", 0) for x in parts)
+            if r.writeback_unequal:
+                r.problems.append(
+                    f"parameter differs from master_weight.to({p.dtype}) in {r.writeback_unequal} element(s) after the step"
+                )
+            r.param_vs_reference_unequal = sum(x.get("param_vs_reference_unequal", 0) for x in parts)
+        for f, err in r.fields.items():
+            if not err.ok:
+                r.problems.append(
+                    f"{f}: {err.bad} element(s) beyond tolerance (max abs {err.max_abs:.3g}, max rel {err.max_rel:.3g}, "
+                    f"rtol {err.rtol:.3g})"
+                )
+        # Placement: the parameter on the device; master/moments on the CPU when offloaded, else beside it.
+        want_state = "cpu" if p.offloaded else dev.type
+        if self.param.device.type != dev.type:
+            r.problems.append(f"parameter is on {self.param.device}, expected {dev.type}")
+        for f in ("master_weight", "exp_avg", "exp_avg_sq"):
+            if f in st and st[f].device.type != want_state:
+                r.problems.append(
+                    f"{f} is on {st[f].device}, expected {want_state}" + (" (offloaded)" if p.offloaded else "")
+                )
 
 
 def _bytes_per_step(p: ParamPlan) -> int:
@@ -718,86 +918,3 @@ def _bytes_per_step(p: ParamPlan) -> int:
     if p.optimizer_type == "adamw":
         return 2 * ip + 4 * im + ip
     return 8 + 4 * im + ip + ip
-
-
-def _compare_param(
-    p: ParamPlan,
-    r: ParamResult,
-    param: Any,
-    st: dict[str, Any],
-    rs: dict[str, Any],
-    *,
-    dev: Any,
-    rtol: float,
-    atol: float,
-    steps: int,
-) -> None:
-    """Fill ``r`` with the checks of one parameter after the replay."""
-    import torch
-
-    pt = getattr(torch, p.dtype)
-    param_cpu = param.cpu()
-    has_master = p.optimizer_type != "adamw"
-    arith = "float32" if has_master else p.dtype
-    step = st.get("step")
-    r.step_after = float(step.item()) if step is not None else None
-    if r.step_after != r.expected_step:
-        r.problems.append(f"step is {r.step_after} after the replay, expected {r.expected_step:g} (saved + steps)")
-    if has_master:
-        master = st["master_weight"].detach().cpu()
-        r.fields["master_weight"] = compare_field(
-            master,
-            rs["theta"],
-            rs["scale_theta"],
-            rtol=rtol,
-            atol=atol,
-            stored="float32",
-            arithmetic="float32",
-            late_path=rs.get("late_theta"),
-            late_rtol=2 * machine_eps(p.moment_dtype),
-            carry_rtol=2 * (steps - 1) * machine_eps("float32"),
-        )
-        r.writeback_unequal = count_unequal(param_cpu, master.to(pt))
-        if r.writeback_unequal:
-            r.problems.append(
-                f"parameter differs from master_weight.to({p.dtype}) in {r.writeback_unequal} element(s) after the step"
-            )
-        r.param_vs_reference_unequal = count_unequal(param_cpu, rs["theta"].to(pt))
-    for f, key in (("exp_avg", "m"), ("exp_avg_sq", "v")):
-        r.fields[f] = compare_field(
-            st[f].detach().cpu(),
-            rs[key],
-            rs[f"scale_{key}"],
-            rtol=rtol,
-            atol=atol,
-            stored=p.moment_dtype,
-            arithmetic=arith,
-            carry_rtol=2 * (steps - 1) * machine_eps(p.moment_dtype),
-        )
-    r.fields["param"] = compare_field(
-        param_cpu,
-        rs["theta"],
-        rs["scale_theta"],
-        rtol=rtol,
-        atol=atol,
-        stored=p.dtype,
-        arithmetic=arith,
-        late_path=rs.get("late_theta"),
-        late_rtol=2 * machine_eps(p.moment_dtype),
-        carry_rtol=2 * (steps - 1) * machine_eps("float32" if has_master else p.dtype),
-    )
-    for f, err in r.fields.items():
-        if not err.ok:
-            r.problems.append(
-                f"{f}: {err.bad} element(s) beyond tolerance (max abs {err.max_abs:.3g}, max rel {err.max_rel:.3g}, "
-                f"rtol {err.rtol:.3g})"
-            )
-    # Placement: the parameter on the device; master/moments on the CPU when offloaded, else beside it.
-    want_state = "cpu" if p.offloaded else dev.type
-    if param.device.type != dev.type:
-        r.problems.append(f"parameter is on {param.device}, expected {dev.type}")
-    for f in ("master_weight", "exp_avg", "exp_avg_sq"):
-        if f in st and st[f].device.type != want_state:
-            r.problems.append(
-                f"{f} is on {st[f].device}, expected {want_state}" + (" (offloaded)" if p.offloaded else "")
-            )

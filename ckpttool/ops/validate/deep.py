@@ -1,23 +1,27 @@
 """The ``--deep`` pass: read every data byte once, files in parallel, and summarise the values.
 
-The pass plans *work items* over tensor chunks and runs them on a thread pool
-(``CheckpointReader.read_chunk`` is thread-safe; ``os.preadv`` and torch's
-kernels release the GIL). Each chunk is read straight into a per-thread reusable
-buffer (no page faults on fresh allocations) and summarised:
+The pass plans *work items* over tensor chunks and runs them on a thread pool. A chunk is
+located and checked by the chunk locator, then its raw storage record is read with
+``os.preadv`` in cache-sized slices (:data:`_SLICE`) into per-thread buffers (no page faults
+on fresh allocations) and each slice is summarised with numpy over the IEEE bit patterns
+(vectorised reductions that release the GIL; torch is not imported):
 
-- floating tensors: ``torch.aminmax`` (one vectorised pass; NaN and +-inf
-  propagate into it), exact counts of non-finite / negative values only when the
-  fast pass says there are some;
+- floating tensors: two maximum reductions decide whether a slice holds non-finite or
+  negative values; exact counts run only on a slice that has some;
 - ``step`` fields: their values (checked to be non-negative integers);
-- *pairs* whose values must agree are read together so that each byte is still
-  read once: a BF16/FP16 parameter and its ``master_weight`` (the parameter must
-  equal ``master_weight.to(param dtype)``), and with ``tie_word_embeddings``
-  ``lm_head.weight`` and the input embedding. Members of a pair group with the
-  same chunking are compared chunk by chunk; otherwise the group's tensors are
-  read whole.
+- *pairs* whose values must agree are read together, slice by slice, so that each byte is
+  still read once and both slices are in the cache when compared: a BF16/FP16 parameter and
+  its ``master_weight`` (the parameter must equal ``master_weight.to(param dtype)``, round to
+  nearest even, bitwise), and with ``tie_word_embeddings`` ``lm_head.weight`` and the input
+  embedding. For BF16 a slice is settled by one bound on the bit-pattern distance
+  ``(param << 16) - master`` (strictly within half a BF16 ulp: the rounding must give the
+  parameter); only a slice with ties, non-finite masters or mismatches is rounded in full.
+  Members of a pair group with different chunking are read whole.
 
-Chunks whose storage is broken (missing file, escaping path, past EOF, no
-storage entry, bad tiling) are skipped: the storage rules report them.
+Chunks the locator does not map (stream transforms, torch's newer encoding), float8 and other
+dtypes without a bit-pattern path go through torch (``read_chunk``, ``torch.aminmax``).
+Chunks whose storage is broken (missing file, escaping path, past EOF, no storage entry, bad
+tiling) are skipped: the storage rules report them.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ChunkError, CkptError
-from ckpttool.format.metadata import BytesMeta, ChunkMeta, TensorMeta
+from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, TensorMeta
 from ckpttool.format.tiling import tiling_problem
 from ckpttool.model.hfconfig import config_value
 from ckpttool.model.layout_record import LAYOUT_KEY
@@ -168,59 +172,250 @@ def _compare(pair: PairStats, a: torch.Tensor, b: torch.Tensor) -> None:
 
 _SLICE = 1 << 20  # bytes summarised per step: stays in the CPU cache like `cat`'s buffer
 
+# dtype name -> (signed int view, unsigned int view, all-ones exponent, sign bit) of the IEEE formats
+_NP_BITS = {
+    "bfloat16": ("int16", "uint16", 0x7F80, 1 << 15),
+    "float16": ("int16", "uint16", 0x7C00, 1 << 15),
+    "float32": ("int32", "uint32", 0x7F800000, 1 << 31),
+    "float64": ("int64", "uint64", 0x7FF0000000000000, 1 << 63),
+}
+_NP_INT = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"}
 
-def _stream_chunk(ctx: Context, key: str, chunk: ChunkMeta, buf: torch.Tensor) -> tuple[TensorStats, int] | None:
-    """Summarise one chunk by reading its raw storage record in cache-sized slices.
 
-    The chunk is located and checked by the chunk locator (dtype, shape, record inside its
-    window) exactly as for every other read; a chunk whose record is not its plain C-order
-    values returns ``None`` so that the caller falls back to ``read_chunk``.
+def _np_float(raw: Any, dtype: str) -> Any:
+    """The values of a float slice as a numpy float array (bfloat16 widened exactly to float32)."""
+    import numpy as np
+
+    if dtype == "bfloat16":
+        return np.left_shift(raw.view(np.uint16), 16, dtype=np.uint32).view(np.float32)
+    return raw.view(dtype)
+
+
+def _summarise_np(key: str, raw: Any, dtype: str, need_negative: bool, keep_values: bool) -> TensorStats | None:
+    """:func:`_summarise` on a slice of raw bytes with numpy; ``None`` for dtypes it has no path for."""
+    import numpy as np
+
+    bits = _NP_BITS.get(dtype)
+    if bits is None and dtype not in _NP_INT:
+        return None
+    item = DTYPE_ITEMSIZE[dtype]
+    st = TensorStats(key, dtype, numel=raw.size // item)
+    if st.numel == 0:
+        return st
+    if bits is None:
+        arr = raw.view(np.bool_ if dtype == "bool" else dtype)
+        if keep_values:
+            st.values = [float(v) for v in arr[:64].tolist()]
+        if need_negative and dtype.startswith("int"):
+            st.negative = int(np.count_nonzero(arr < 0))
+        return st
+    signed, unsigned, exp_all, sign = bits
+    if keep_values:
+        st.values = [float(v) for v in _np_float(raw[: 64 * item], dtype).tolist()]
+    # With the sign bit clear a value is non-finite iff its pattern as a signed int is >= the
+    # all-ones exponent; with the sign bit set iff its pattern as an unsigned int is >= sign|exponent;
+    # it is negative (not -0.0) iff the unsigned pattern is > sign.
+    smax = int(raw.view(signed).max())
+    umax = int(raw.view(unsigned).max())
+    st.zero = smax <= 0 and umax <= sign  # only +0.0 / -0.0 bit patterns (D005: synthesized state)
+    if smax >= exp_all or umax >= sign | exp_all:
+        st.nonfinite = int(np.count_nonzero(~np.isfinite(_np_float(raw, dtype))))
+    if need_negative and umax > sign:
+        vals = _np_float(raw, dtype)
+        neg = vals < 0
+        st.negative = int(np.count_nonzero(neg))
+        if st.negative:
+            st.min = float(vals[neg].min())
+    return st
+
+
+class _Scratch(threading.local):
+    """Per-thread scratch arrays of slice size (reused: no allocation, no page faults per slice)."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[str, Any] = {}
+
+    def get(self, name: str, dtype: Any, n: int) -> Any:
+        import numpy as np
+
+        a = self.arrays.get(name)
+        if a is None or a.size < n:
+            a = self.arrays[name] = np.empty(max(n, _SLICE // 2), dtype=dtype)
+        return a[:n]
+
+
+_scratch = _Scratch()
+
+
+def _bf16_round_into(master_u32: Any, out_u16: Any) -> None:
+    """``float32 -> bfloat16`` round to nearest even on bit patterns (``c10::BFloat16``), NaN not handled."""
+    import numpy as np
+
+    t = _scratch.get("round", "uint32", master_u32.size)
+    np.right_shift(master_u32, 16, out=t)
+    np.bitwise_and(t, 1, out=t)
+    np.add(t, 0x7FFF, out=t)
+    np.add(t, master_u32, out=t)
+    np.right_shift(t, 16, out=out_u16, casting="unsafe")
+
+
+class _PairCount:
+    """A pair's comparison counts of one work item (merged into the shared :class:`PairStats` once)."""
+
+    __slots__ = ("numel", "mismatched", "max_diff")
+
+    def __init__(self) -> None:
+        self.numel = 0
+        self.mismatched = 0
+        self.max_diff = 0.0
+
+
+def _compare_np(
+    count: _PairCount, kind: str, a_raw: Any, a_dtype: str, b_raw: Any, b_dtype: str, b_finite: bool
+) -> None:
+    """Compare slice ``a`` with slice ``b`` cast to ``a``'s dtype, bitwise (NaN equals NaN), as :func:`_compare`.
+
+    ``b`` is rounded into a scratch array and xor-ed with ``a``: every step runs in place on
+    cache-resident arrays; only a slice with a difference (or non-finite values in ``b``,
+    ``b_finite`` false) is examined element by element.
+    """
+    import numpy as np
+
+    n = a_raw.size // DTYPE_ITEMSIZE[a_dtype]
+    count.numel += n
+    if n == 0:
+        return
+    ua = a_raw.view(_NP_BITS[a_dtype][1]) if a_dtype in _NP_BITS else a_raw
+    if a_dtype == b_dtype:
+        rounded = b_raw.view(ua.dtype)
+    elif a_dtype == "bfloat16":
+        rounded = _scratch.get("rounded", "uint16", n)
+        _bf16_round_into(b_raw.view(np.uint32), rounded)
+    else:  # float16 <- float32: numpy's conversion rounds to nearest even, overflows to inf (as torch)
+        rounded = _scratch.get("rounded16", "float16", n)
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.copyto(rounded, b_raw.view(np.float32), casting="unsafe")
+        rounded = rounded.view(np.uint16)
+    x = _scratch.get("xor", "uint8", n * ua.dtype.itemsize).view(ua.dtype)
+    np.bitwise_xor(ua, rounded, out=x)
+    if b_finite and not x.any():
+        return
+    fa = _np_float(a_raw, a_dtype) if a_dtype in _NP_BITS else ua
+    fb = _np_float(b_raw, b_dtype) if b_dtype in _NP_BITS else b_raw.view(ua.dtype)
+    ne = x != 0
+    if a_dtype in _NP_BITS:
+        # a NaN master rounds to some NaN pattern: NaN against NaN is equal, whatever the payload
+        both_nan = np.isnan(fa) & np.isnan(fb)
+        ne |= np.isnan(fb) & ~np.isnan(fa)
+        ne &= ~both_nan
+    k = int(np.count_nonzero(ne))
+    if k:
+        wide = np.float64 if "float64" in (a_dtype, b_dtype) else np.float32
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = np.abs(fa[ne].astype(wide) - fb[ne].astype(wide))
+        d = d[~np.isnan(d)]
+        count.mismatched += k
+        if d.size:
+            count.max_diff = max(count.max_diff, float(d.max()))
+
+
+_NP_PAIRS = {("bfloat16", "float32"), ("float16", "float32")}
+
+
+def _np_comparable(a_dtype: str, b_dtype: str) -> bool:
+    return (a_dtype, b_dtype) in _NP_PAIRS or (a_dtype == b_dtype and (a_dtype in _NP_BITS or a_dtype in _NP_INT))
+
+
+class _SliceBuffers(threading.local):
+    """Per-thread numpy slice buffers, one per member of a work item."""
+
+    def __init__(self) -> None:
+        self.bufs: list[Any] = []
+
+    def get(self, slot: int, nbytes: int) -> Any:
+        import numpy as np
+
+        while len(self.bufs) <= slot:
+            self.bufs.append(None)
+        buf = self.bufs[slot]
+        if buf is None or buf.size < nbytes:
+            buf = self.bufs[slot] = np.empty(max(nbytes, _SLICE), dtype=np.uint8)
+        return buf[:nbytes]
+
+
+_slice_buffers = _SliceBuffers()
+
+
+def _stream_item(
+    ctx: Context,
+    keys: tuple[str, ...],
+    chunk: ChunkMeta,
+    metas: dict[str, TensorMeta],
+    pairs: list[PairStats],
+) -> tuple[dict[str, TensorStats], dict[int, _PairCount], int] | None:
+    """Summarise one chunk of every key in ``keys`` slice by slice (and compare the pairs among them).
+
+    The chunk of each key is located and checked by the chunk locator (dtype, shape, record
+    inside its window) exactly as for every other read.
 
     Returns:
-        ``(stats, bytes read)`` or ``None``.
+        ``(stats per key, counts per index into pairs, bytes read)``, or ``None`` when some member
+        needs the torch path (a chunk that is not plain C-order values, a dtype without a numpy path).
 
     Raises:
-        CkptError: the archive is corrupt or disagrees with the metadata.
+        CkptError: an archive is corrupt or disagrees with the metadata.
     """
-    loc = ctx.reader.locate(key, chunk)
-    if not loc.raw or loc.nbytes == 0:
+    dtypes = [metas[k].dtype.name for k in keys]
+    if any(d not in _NP_BITS and d not in _NP_INT for d in dtypes):
         return None
-    meta = loc.meta
-    item = meta.dtype.itemsize
-    nbytes = loc.nbytes
-    fd = ctx.reader.fd(loc.info.relative_path)
-    dt = meta.dtype.to_torch()
-    st = TensorStats(key, meta.dtype.name)
-    step = _SLICE - _SLICE % item
-    start = loc.data_start
-    mv = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy stubs: ndarray.__buffer__ only on Python >= 3.12
-    pos = 0
-    while pos < nbytes:
-        n = min(step, nbytes - pos)
-        got = 0
-        while got < n:
-            r = os.preadv(fd, [mv[got:n]], start + pos + got)
-            if r <= 0:
-                raise ChunkError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=key)
-            got += r
-        part = buf[:n].view(dt)
-        st.add(_summarise(key, part, meta.dtype.name, key.endswith(".exp_avg_sq"), _is_step(key) and pos == 0))
-        pos += n
-    st.dtype = meta.dtype.name
-    return st, nbytes
+    if any(not _np_comparable(metas[p.a].dtype.name, metas[p.b].dtype.name) for p in pairs):
+        return None
+    locs = [ctx.reader.locate(k, chunk) for k in keys]
+    if any(not loc.raw for loc in locs):
+        return None
+    n = chunk.numel
+    widest = max(DTYPE_ITEMSIZE[d] for d in dtypes)
+    per = max(1, _SLICE // widest)
+    fds = [ctx.reader.fd(loc.info.relative_path) for loc in locs]
+    slot = {k: i for i, k in enumerate(keys)}
+    stats: dict[str, TensorStats] = {k: TensorStats(k, d) for k, d in zip(keys, dtypes)}
+    counts = {i: _PairCount() for i in range(len(pairs))}
+    read = 0
+    for e0 in range(0, n, per):
+        m = min(per, n - e0)
+        raws = []
+        finite = []
+        for i, (k, d, loc) in enumerate(zip(keys, dtypes, locs)):
+            item = DTYPE_ITEMSIZE[d]
+            raw = _slice_buffers.get(i, m * item)
+            _pread_exact(fds[i], raw, loc.data_start + e0 * item, loc)
+            read += m * item
+            st = _summarise_np(k, raw, d, k.endswith(".exp_avg_sq"), _is_step(k) and e0 == 0)
+            assert st is not None
+            stats[k].add(st)
+            raws.append(raw)
+            finite.append(st.nonfinite == 0)
+        for j, p in enumerate(pairs):
+            ia, ib = slot[p.a], slot[p.b]
+            _compare_np(counts[j], p.kind, raws[ia], dtypes[ia], raws[ib], dtypes[ib], finite[ib])
+    return stats, counts, read
+
+
+def _pread_exact(fd: int, buf: Any, offset: int, loc: Any) -> None:
+    mv = memoryview(buf)
+    got, n = 0, len(mv)
+    while got < n:
+        r = os.preadv(fd, [mv[got:]], offset + got)
+        if r <= 0:
+            raise ChunkError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=loc.key)
+        got += r
 
 
 class _Buffers(threading.local):
+    """Per-thread whole-chunk tensors of the torch path."""
+
     def __init__(self) -> None:
         self.bufs: list[torch.Tensor | None] = []
-        self.slice: torch.Tensor | None = None
-
-    def slice_buffer(self) -> torch.Tensor:
-        import torch
-
-        if self.slice is None:
-            self.slice = torch.empty(_SLICE, dtype=torch.uint8)
-        return self.slice
 
     def view(self, slot: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         import torch
@@ -279,8 +474,6 @@ def run_deep(
     Returns:
         The :class:`DeepResult`.
     """
-    import torch
-
     reader = ctx.reader
     md = reader.metadata
     t0 = time.perf_counter()
@@ -343,23 +536,31 @@ def run_deep(
 
     def work(it: _Item) -> None:
         tensors: dict[str, torch.Tensor] = {}
-        if len(it.keys) == 1 and it.chunk is not None:
-            k = it.keys[0]
+        if it.chunk is not None:
+            item_pairs = [p for k in it.keys for p in pairs_by_key.get(k, ()) if p.b in it.keys]
             try:
-                streamed = _stream_chunk(ctx, k, it.chunk, bufs.slice_buffer())
+                streamed = _stream_item(ctx, it.keys, it.chunk, metas, item_pairs)
             except CkptError as e:
                 with lock:
-                    res.read_errors.setdefault(k, e)
-                    failed.add(k)
+                    for k in it.keys:
+                        res.read_errors.setdefault(k, e)
+                        failed.add(k)
                 return
             if streamed is not None:
-                st, nb = streamed
+                stats, counts, nb = streamed
                 with lock:
                     streamed_bytes[0] += nb
-                    if k in partial:
-                        partial[k].add(st)
-                    else:
-                        partial[k] = st
+                    for k, st in stats.items():
+                        if k in partial:
+                            partial[k].add(st)
+                        else:
+                            partial[k] = st
+                    for j, c in counts.items():
+                        pr = item_pairs[j]
+                        pr.compared = True
+                        pr.numel += c.numel
+                        pr.mismatched += c.mismatched
+                        pr.max_diff = max(pr.max_diff, c.max_diff)
                     if progress is not None:
                         done[0] += it.nbytes
                         progress(done[0], total)
@@ -417,15 +618,10 @@ def run_deep(
             errors.append(e)
 
     threads = [threading.Thread(target=loop, name=f"ckpttool-deep-{i}", daemon=True) for i in range(n)]
-    prev_threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # parallelism comes from the reader threads
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        torch.set_num_threads(prev_threads)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     if errors:
         raise errors[0]
     for k, st in partial.items():

@@ -195,3 +195,22 @@ def test_filter_matching_nothing_is_an_error(dense_ckpt: Path) -> None:
     res = runner.invoke(app, ["inspect", str(dense_ckpt), "--filter", "nomatch*"])
     assert res.exit_code == 2 and res.stdout == ""
     assert res.stderr.startswith("error: [E100] --filter 'nomatch*' matches no key")
+
+
+@pytest.mark.parametrize("command", [["inspect", "--json"], ["validate", "--strict", "--json"]])
+def test_inspect_and_validate_of_the_sample_never_import_torch(sample_ckpt: Path, command: list[str]) -> None:
+    """The sample's extra_state holds a torch RNG state tensor: described, not loaded."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom ckpttool.cli import main\n"
+        f"sys.argv = ['ckpttool', {command[0]!r}, sys.argv[1], *{command[1:]!r}]\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('torch' in sys.modules, 'numpy' in sys.modules, file=sys.stderr)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(sample_ckpt)], capture_output=True, text=True, check=True)
+    assert out.stderr.split()[-2:] == ["False", "False"], out.stderr
+    if command[0] == "inspect":
+        doc = json.loads(out.stdout)
+        assert "torch_rng_state" in json.dumps(doc["extra_state"])

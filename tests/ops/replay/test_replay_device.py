@@ -19,7 +19,7 @@ from ckpttool.cli.app import app
 from ckpttool.ops.replay import replay_step
 from ckpttool.optim.device import accelerator_type
 from tests.fixtures.cache import cached_build
-from tests.fixtures.replay import TRAIN_STEPS, VARIANTS, builder, load_recorded
+from tests.fixtures.replay import TRAIN_STEPS, VARIANTS, builder, load_recorded, variant_type
 
 DEVICE_TYPE = accelerator_type()
 pytestmark = [
@@ -40,7 +40,7 @@ def test_each_variant_replays_on_the_device_within_tolerance(fx: tuple[str, Path
     )
     assert res.exit_code == 0, res.stderr
     d = json.loads(res.stdout)
-    assert d["ok"] and d["optimizer"]["type"] == variant and d["device"].startswith(DEVICE_TYPE)
+    assert d["ok"] and d["optimizer"]["type"] == variant_type(variant) and d["device"].startswith(DEVICE_TYPE)
     for p in d["params"]:
         assert p["placement"]["param"].startswith(DEVICE_TYPE)
         want = "cpu" if p["offloaded"] else DEVICE_TYPE

@@ -1,0 +1,442 @@
+"""The transform path of export: stored chunks streamed slab by slab into the output files.
+
+A transforming export (a cast, a per-expert split, an un-permutation, and the adapters'
+row permutations and merges) never assembles a tensor. Each stored chunk is one unit of
+work on the export's thread pool; the unit walks the chunk's raw storage record in
+*slabs* of at most :data:`SLAB_BYTES` source bytes, and for each slab
+
+1. reads the slab's bytes with one ``os.preadv`` into a per-thread buffer (the chunk
+   locator has checked the archive first; a chunk the locator cannot map, e.g. zstd
+   compressed, is decoded once by ``torch.load(weights_only=True)`` and sliced from memory),
+2. applies the *value transform* (:class:`SlabTransform`) into a second per-thread buffer
+   (none for a pure byte move), and
+3. writes every part of the slab to its place in the pre-sized output file with ``pwrite``,
+   as the *run map* (:class:`RunMap`) says.
+
+Both buffers stay in the CPU cache; numpy's kernels release the GIL, so the workers run in
+parallel; nothing of tensor size is allocated (peak memory: two or three slabs per worker).
+
+Two kinds of transform compose (the plug-in points of an adapter):
+
+- **Layout** — where each source element goes — is a :class:`RunMap`: sorted,
+  non-overlapping runs ``(source flat start, length, piece, piece flat start)`` over the
+  source's C-order elements. A fused expert tensor ``[E, A, B]`` split ``n`` ways has
+  ``E * n`` runs of ``A*B/n`` elements; an un-permuted one ``E`` runs of ``A*B``; a row
+  permutation (RoPE q/k head interleave, ``[n_heads*head_dim, H]``) one run per moved row
+  block; several sources fused into one output tensor each get runs into the same piece
+  at different offsets.
+- **Values** — what is written — is a :class:`SlabTransform`: ``transform(src, out, where)``
+  fills ``out`` (output dtype) from ``src`` (stored dtype), element ``i`` of ``out`` being
+  the value of element ``i`` of ``src``; ``where`` gives the slab's place in the global
+  tensor (:class:`SlabWhere`: global flat ranges), which is all a row-wise transform needs:
+  a LoRA merge ``W + (alpha / r) * B @ A`` computes, for a slab covering rows ``r0..r1`` and
+  columns ``c0..c1`` of ``W``, ``W[r0:r1, c0:c1] + s * B[r0:r1] @ A[:, c0:c1]``. ``None`` is
+  the identity (the bytes move unchanged).
+
+Casts are :class:`Cast`: float32/bfloat16/float16 to each other with numpy on the IEEE bit
+patterns (torch-free: a cast export never imports torch), bit-exact with torch's
+``Tensor.to`` (round to nearest even) for every non-NaN value; NaN stays NaN (the canonical
+quiet NaN ``0x7FC0`` for bfloat16, as torch's scalar conversion ``c10::BFloat16``;
+torch's own vectorised kernels differ among themselves there). Other dtype pairs run
+torch's ``Tensor.copy_`` slab by slab.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ckpttool.errors import ChunkError
+from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ckpttool.format.locator import ChunkLocation
+    from ckpttool.format.reader import CheckpointReader
+
+__all__ = [
+    "SLAB_BYTES",
+    "Run",
+    "RunMap",
+    "SlabWhere",
+    "SlabTransform",
+    "Cast",
+    "chunk_segments",
+    "stream_chunk",
+]
+
+#: Source bytes per slab: the slab and its output stay in the CPU cache between read, transform and write.
+SLAB_BYTES = 1 << 20
+
+
+# ---------------------------------------------------------------------------------------------- geometry
+
+
+def _ravel(index: Sequence[int], shape: Sequence[int]) -> int:
+    flat = 0
+    for i, s in zip(index, shape):
+        flat = flat * s + i
+    return flat
+
+
+def chunk_segments(chunk: ChunkMeta, size: tuple[int, ...]) -> tuple[int, int, Callable[[int], int]]:
+    """How a chunk's C-order storage maps onto the global tensor: equal contiguous segments.
+
+    A chunk ``(offsets, sizes)`` spans the full global extent in its trailing dims after
+    some dim ``k``; its storage is then ``prod(sizes[:k])`` segments of
+    ``sizes[k] * prod(size[k+1:])`` elements, each contiguous in the global C order
+    (FSDP's ``Shard(0)``: one segment; a ``Shard(1)`` chunk of a matrix: one per row).
+
+    Args:
+        chunk: the chunk (offsets and sizes per dim, elements).
+        size: the global tensor's shape.
+
+    Returns:
+        ``(segment length, number of segments, start)`` where ``start(i)`` is the global flat
+        index (elements) of segment ``i``'s first element.
+    """
+    ndim = len(size)
+    if ndim == 0:
+        return 1, 1, lambda i: 0
+    k = ndim - 1
+    while k > 0 and chunk.offsets[k] == 0 and chunk.sizes[k] == size[k]:
+        k -= 1
+    seg = chunk.sizes[k] * math.prod(size[k + 1 :])
+    lead = chunk.sizes[:k]
+    nseg = math.prod(lead)
+    offs = chunk.offsets
+
+    def start(i: int) -> int:
+        idx = []
+        for s in reversed(lead):
+            i, r = divmod(i, s)
+            idx.append(r)
+        idx.reverse()
+        g = [o + j for o, j in zip(offs[:k], idx)]
+        g.append(offs[k])
+        g.extend(0 for _ in range(ndim - k - 1))
+        return _ravel(g, size)
+
+    return seg, nseg, start
+
+
+# ---------------------------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class Run:
+    """Elements ``[src, src + length)`` of the source (flat C order) go to ``[dst, dst + length)`` of piece ``piece``."""
+
+    src: int
+    length: int
+    piece: int
+    dst: int
+
+
+class RunMap:
+    """Where each element of one source tensor is written: sorted, non-overlapping :class:`Run` s.
+
+    Elements no run covers are not written (a split that drops part of a tensor).
+
+    Raises:
+        ValueError: runs that overlap.
+    """
+
+    def __init__(self, runs: Sequence[Run]) -> None:
+        self.runs = sorted((r for r in runs if r.length > 0), key=lambda r: r.src)
+        for a, b in zip(self.runs, self.runs[1:]):
+            if a.src + a.length > b.src:
+                raise ValueError(f"runs overlap at source element {b.src}")
+        self._starts = [r.src for r in self.runs]
+
+    @classmethod
+    def identity(cls, numel: int, piece: int = 0) -> RunMap:
+        return cls([Run(0, numel, piece, 0)])
+
+    @property
+    def is_identity(self) -> bool:
+        return len(self.runs) == 1 and self.runs[0].src == 0 and self.runs[0].dst == 0
+
+    def parts(self, start: int, length: int) -> Iterator[tuple[int, int, int, int]]:
+        """``(offset in the range, length, piece, piece element)`` for every run meeting ``[start, start+length)``."""
+        end = start + length
+        i = max(0, bisect.bisect_right(self._starts, start) - 1)
+        runs = self.runs
+        while i < len(runs):
+            r = runs[i]
+            if r.src >= end:
+                return
+            lo, hi = max(start, r.src), min(end, r.src + r.length)
+            if lo < hi:
+                yield lo - start, hi - lo, r.piece, r.dst + (lo - r.src)
+            i += 1
+
+
+# ---------------------------------------------------------------------------------------------- values
+
+
+@dataclass(frozen=True)
+class SlabWhere:
+    """Where a slab lies in the source tensor.
+
+    Attributes:
+        key: the source's checkpoint key.
+        shape: the source's global shape.
+        ranges: ``(offset in the slab, global flat start, length)`` in elements, covering the slab in order;
+            each range lies in one row of dim ``ndim - 1`` or spans whole rows.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    ranges: tuple[tuple[int, int, int], ...]
+
+
+class SlabTransform(Protocol):
+    """A value transform applied slab by slab (see the module docstring).
+
+    Attributes:
+        src_dtype, out_dtype: torch dtype names of the stored and the written values.
+    """
+
+    src_dtype: str
+    out_dtype: str
+
+    def __call__(self, src: np.ndarray, out: np.ndarray, where: SlabWhere) -> None:
+        """Fill ``out`` (``uint8``, ``n * itemsize(out_dtype)`` bytes) from ``src`` (``uint8``, ``n`` stored values)."""
+        ...
+
+
+_NUMPY_FLOAT = {"float32": "float32", "float16": "float16", "float64": "float64"}
+_FAST_CASTS = {
+    ("float32", "bfloat16"),
+    ("float16", "bfloat16"),
+    ("bfloat16", "float32"),
+    ("bfloat16", "float16"),
+    ("float32", "float16"),
+    ("float16", "float32"),
+}
+
+
+class _Scratch(threading.local):
+    """Per-thread uint32 scratch buffers of slab size (``slot`` 0: rounding, 1: widened input)."""
+
+    def __init__(self) -> None:
+        self.bufs: list[Any] = [None, None]
+
+    def u32_buffer(self, n: int, slot: int = 0) -> Any:
+        import numpy as np
+
+        buf = self.bufs[slot]
+        if buf is None or buf.size < n:
+            buf = self.bufs[slot] = np.empty(max(n, SLAB_BYTES // 4), dtype=np.uint32)
+        return buf[:n]
+
+
+_scratch = _Scratch()
+
+
+def _f32_to_bf16(src_u32: np.ndarray, out_u16: np.ndarray) -> None:
+    """Round float32 bit patterns to bfloat16, to nearest even (``c10::BFloat16``'s ``round_to_nearest_even``)."""
+    import numpy as np
+
+    t = _scratch.u32_buffer(src_u32.size)
+    np.right_shift(src_u32, 16, out=t)
+    np.bitwise_and(t, 1, out=t)
+    np.add(t, 0x7FFF, out=t)
+    np.add(t, src_u32, out=t)
+    np.right_shift(t, 16, out=out_u16, casting="unsafe")
+    f = src_u32.view(np.float32)
+    if np.isnan(f).any():  # the rounding above would carry a NaN's payload into inf or the sign bit
+        out_u16[np.isnan(f)] = 0x7FC0
+
+
+def _bf16_to_f32(src_u16: np.ndarray, out_u32: np.ndarray) -> None:
+    import numpy as np
+
+    np.left_shift(src_u16, 16, out=out_u32, dtype=np.uint32)
+
+
+class Cast:
+    """Cast ``src_dtype`` values to ``out_dtype`` (round to nearest even, as ``torch.Tensor.to``).
+
+    float32, bfloat16 and float16 to each other run on numpy over the bit patterns
+    (bfloat16 has no numpy dtype: it is handled as ``uint16``); any other pair converts
+    through torch (``Tensor.copy_``), imported on first use.
+
+    Args:
+        src_dtype, out_dtype: torch dtype names.
+    """
+
+    def __init__(self, src_dtype: str, out_dtype: str) -> None:
+        self.src_dtype, self.out_dtype = src_dtype, out_dtype
+        self.fast = (src_dtype, out_dtype) in _FAST_CASTS
+
+    @property
+    def uses_torch(self) -> bool:
+        return not self.fast
+
+    def __call__(self, src: np.ndarray, out: np.ndarray, where: SlabWhere) -> None:
+        import numpy as np
+
+        s, o = self.src_dtype, self.out_dtype
+        if not self.fast:
+            import torch
+
+            src_t = torch.from_numpy(src).view(getattr(torch, s))
+            torch.from_numpy(out).view(getattr(torch, o)).copy_(src_t)
+            return
+        if s == "bfloat16":
+            n = src.size // 2
+            if o == "float32":
+                _bf16_to_f32(src.view(np.uint16), out.view(np.uint32))
+                return
+            wide = _scratch.u32_buffer(n, 1)
+            _bf16_to_f32(src.view(np.uint16), wide)
+            with np.errstate(over="ignore"):  # beyond float16's range: inf, as torch
+                np.copyto(out.view(np.float16), wide.view(np.float32), casting="unsafe")
+            return
+        if o == "bfloat16":
+            if s == "float32":
+                _f32_to_bf16(src.view(np.uint32), out.view(np.uint16))
+                return
+            wide = _scratch.u32_buffer(src.size // 2, 1)
+            np.copyto(wide.view(np.float32), src.view(np.float16), casting="unsafe")
+            _f32_to_bf16(wide, out.view(np.uint16))
+            return
+        with np.errstate(over="ignore"):
+            np.copyto(out.view(_NUMPY_FLOAT[o]), src.view(_NUMPY_FLOAT[s]), casting="unsafe")
+
+
+# ---------------------------------------------------------------------------------------------- streaming
+
+
+class _Buffers(threading.local):
+    """Per-thread slab buffers (reused: no page faults after the first slab)."""
+
+    def __init__(self) -> None:
+        self.src: Any = None
+        self.out: Any = None
+
+    def get(self, src_bytes: int, out_bytes: int) -> tuple[Any, Any]:
+        import numpy as np
+
+        if self.src is None or self.src.size < src_bytes:
+            self.src = np.empty(max(src_bytes, SLAB_BYTES), dtype=np.uint8)
+        if self.out is None or self.out.size < out_bytes:
+            self.out = np.empty(max(out_bytes, SLAB_BYTES), dtype=np.uint8)
+        return self.src[:src_bytes], self.out[:out_bytes]
+
+
+_buffers = _Buffers()
+
+#: ``write(piece, data, at_bytes)``: positional write of ``data`` at byte ``at`` of output tensor ``piece``.
+WriteFn = Callable[[int, memoryview, int], None]
+
+
+def _slabs(seg: int, nseg: int, per_slab: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(first segment, segments, element offset in the first segment, elements)`` per slab of a chunk."""
+    if seg >= per_slab:
+        for i in range(nseg):
+            for a in range(0, seg, per_slab):
+                yield i, 1, a, min(per_slab, seg - a)
+        return
+    step = max(1, per_slab // seg)
+    for i in range(0, nseg, step):
+        k = min(step, nseg - i)
+        yield i, k, 0, k * seg
+
+
+def stream_chunk(
+    reader: CheckpointReader,
+    key: str,
+    chunk: ChunkMeta,
+    size: tuple[int, ...],
+    src_dtype: str,
+    runs: RunMap,
+    transform: SlabTransform | None,
+    write: WriteFn,
+    *,
+    slab_bytes: int = SLAB_BYTES,
+    align: int = 1,
+) -> int:
+    """Stream one stored chunk through ``transform`` into the output, slab by slab (see the module docstring).
+
+    Args:
+        reader: the checkpoint reader (thread-safe).
+        key: the source tensor's checkpoint key; ``chunk`` one of its chunks, ``size`` its global shape.
+        src_dtype: the stored dtype name.
+        runs: where each source element goes.
+        transform: value transform, or ``None`` to move the bytes unchanged.
+        write: writes a slab part to an output piece (thread-safe).
+        slab_bytes: source bytes per slab.
+        align: slabs that cut a segment start at multiples of this many elements (e.g. the row length).
+
+    Returns:
+        Source bytes read.
+
+    Raises:
+        DataFileError, PathEscapeError, ChunkError: as :meth:`CheckpointReader.read_chunk`.
+        OSError: writing the output failed (``ENOSPC``).
+    """
+    item = DTYPE_ITEMSIZE[src_dtype]
+    out_item = DTYPE_ITEMSIZE[transform.out_dtype] if transform is not None else item
+    per_slab = max(1, slab_bytes // item)
+    if align > 1 and per_slab >= align:
+        per_slab -= per_slab % align
+    seg, nseg, seg_start = chunk_segments(chunk, size)
+    loc = reader.locate(key, chunk)
+    memory: Any = None
+    if not loc.raw:
+        memory = _decoded_chunk(reader, key, chunk)
+    read = 0
+    for first, count, inner, n in _slabs(seg, nseg, per_slab):
+        local = first * seg + inner  # element offset inside the chunk's storage
+        src_buf, out_buf = _buffers.get(n * item, n * out_item)
+        if memory is not None:
+            src_buf[:] = memory[local * item : (local + n) * item]
+        else:
+            _read_slab(reader, loc, local * item, src_buf, key)
+            read += n * item
+        ranges = tuple(
+            (j * seg, seg_start(first + j) + inner, seg if count > 1 else n) for j in range(count)
+        )  # (offset in slab, global start, length)
+        if transform is not None:
+            transform(src_buf, out_buf, SlabWhere(key, size, ranges))
+            data = out_buf
+        else:
+            data = src_buf
+        mv = memoryview(data)
+        for off, g, length in ranges:
+            for part_off, part_len, piece, at in runs.parts(g, length):
+                a = (off + part_off) * out_item
+                write(piece, mv[a : a + part_len * out_item], at * out_item)
+    return read
+
+
+def _read_slab(reader: CheckpointReader, loc: ChunkLocation, start: int, buf: Any, key: str) -> None:
+    """Bytes ``[start, start + len(buf))`` of a located chunk's raw record into ``buf`` (one ``preadv``)."""
+    assert loc.record is not None
+    reader.pread_into(loc.info, loc.record.data_offset + start, buf, key)
+
+
+def _decoded_chunk(reader: CheckpointReader, key: str, chunk: ChunkMeta) -> Any:
+    """A chunk the locator does not map (stream transform, strided storage): decoded once, as C-order bytes."""
+    t = reader.read_chunk(key, chunk)
+    import torch
+
+    flat = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    if flat.size != chunk.numel * t.element_size():
+        raise ChunkError(f"{reader.path}: {key!r} chunk at {chunk.offsets} decodes to the wrong size", fqn=key)
+    return flat
+
+
+def env_slab_bytes() -> int:
+    """:data:`SLAB_BYTES`, or ``CKPTTOOL_SLAB_BYTES`` when set (benchmarks and tests)."""
+    v = os.environ.get("CKPTTOOL_SLAB_BYTES")
+    return int(v) if v and v.isdigit() and int(v) > 0 else SLAB_BYTES

@@ -1,0 +1,195 @@
+"""The transform path of export (casts, splits, un-permutation slab by slab) against torch's own results.
+
+The references are torch's ``Tensor.to`` and torch's ``dcp.load`` of the same checkpoints
+(real 4-rank gloo DTensor saves, with chunks along inner dims and uneven shards); slab sizes
+are forced small so every chunk spans many slabs, segments and runs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+
+from ckpttool.format.metadata import ChunkMeta
+from ckpttool.ops.export import export_checkpoint
+from ckpttool.ops.export.transform import Cast, Run, RunMap, SlabWhere, chunk_segments
+from tests.fixtures.moe_ep import true_state
+
+_PAIRS = [
+    ("float32", "bfloat16"),
+    ("float32", "float16"),
+    ("bfloat16", "float32"),
+    ("bfloat16", "float16"),
+    ("float16", "float32"),
+    ("float16", "bfloat16"),
+    ("float64", "bfloat16"),
+]
+
+
+def _edge_values(dtype: torch.dtype) -> torch.Tensor:
+    """Random values plus every class of edge: ties, subnormals, overflow, +-0, +-inf, NaN payloads."""
+    g = torch.Generator().manual_seed(7)
+    parts = [torch.randn(4099, generator=g, dtype=torch.float64) * s for s in (1e-3, 1.0, 1e3)]
+    special = torch.tensor(
+        [0.0, -0.0, float("inf"), float("-inf"), 1e-45, -1e-45, 1e-40, 6e-8, 5.96e-8, 65504.0, 65520.0, 7e4, 3.4e38]
+    )
+    x = torch.cat([*parts, special.double()]).to(dtype)
+    if dtype == torch.float32:  # halfway cases of bfloat16 rounding (even and odd upper halves) and NaN payloads
+        bits = torch.tensor(
+            [0x3F808000, 0x3F818000, 0x3F80_8001, 0x7F7F_FFFF, 0xFF7F_FFFF, 0x7FC0_0000, 0x7F80_0001, 0xFFFF_FFFF],
+            dtype=torch.int64,
+        ).to(torch.int32)
+        x = torch.cat([x, bits.view(torch.float32)])
+    return x
+
+
+@pytest.mark.parametrize(("src", "dst"), _PAIRS)
+def test_cast_kernels_equal_torch_bitwise(src: str, dst: str) -> None:
+    x = _edge_values(getattr(torch, src))
+    want = x.to(getattr(torch, dst))
+    cast = Cast(src, dst)
+    assert cast.fast == (src != "float64")
+    out = torch.empty_like(want)
+    cast(
+        x.view(torch.uint8).numpy(), out.view(torch.uint8).numpy(), SlabWhere("k", tuple(x.shape), ((0, 0, x.numel()),))
+    )
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(out), nan), "NaN stays NaN, nothing else becomes NaN"
+    keep = ~nan
+    assert torch.equal(
+        out[keep].view(torch.uint8 if out.element_size() == 1 else _int(out)), want[keep].view(_int(want))
+    )
+
+
+def _int(t: torch.Tensor) -> torch.dtype:
+    return {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+
+
+def test_chunk_segments_and_run_map() -> None:
+    size = (4, 6, 5)
+    # chunk [1:3, 2:5, :] -> 2 segments of 3*5 elements
+    seg, nseg, start = chunk_segments(ChunkMeta((1, 2, 0), (2, 3, 5)), size)
+    assert (seg, nseg) == (15, 2) and [start(0), start(1)] == [1 * 30 + 2 * 5, 2 * 30 + 2 * 5]
+    seg, nseg, start = chunk_segments(ChunkMeta((0, 0, 1), (4, 6, 3)), size)  # inner-dim chunk: one segment per row
+    assert (seg, nseg) == (3, 24) and start(7) == 7 * 5 + 1
+    seg, nseg, start = chunk_segments(ChunkMeta((2, 0, 0), (2, 6, 5)), size)  # Shard(0) row block
+    assert (seg, nseg, start(0)) == (60, 1, 60)
+    rm = RunMap([Run(10, 5, 1, 0), Run(0, 10, 0, 3)])
+    assert list(rm.parts(8, 4)) == [(0, 2, 0, 11), (2, 2, 1, 0)]
+    with pytest.raises(ValueError):
+        RunMap([Run(0, 5, 0, 0), Run(4, 2, 1, 0)])
+
+
+def _torch_model(path: Path) -> dict[str, torch.Tensor]:
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    sd = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
+    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    return sd
+
+
+def _read_out(out: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    got = {}
+    for name in sorted(set(index["weight_map"].values())):
+        with safe_open(str(out / name), "pt") as f:
+            for k in f.keys():
+                got[k] = f.get_tensor(k)
+    return got
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("slab", ["16", "100", "4096"])
+def test_inner_dim_chunks_cast_and_split_per_expert(
+    ep_suite: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slab: str
+) -> None:
+    """FSDP on dim 1 (uneven 3/2 shards): every slab is many partial-row segments that cross piece boundaries."""
+    monkeypatch.setenv("CKPTTOOL_SLAB_BYTES", slab)
+    src = ep_suite / "legacy_dim1"
+    ref = _torch_model(src)
+    out = tmp_path / "o"
+    res = export_checkpoint(src, out, save_dtype="float32", experts="per-expert", workers=3)
+    got = _read_out(out)
+    n = 0
+    for key, t in ref.items():
+        name = key[len("model.") :]
+        if ".experts." in key and t.dim() == 3:
+            parts = 2 if key.endswith("gate_up_proj") else 1
+            proj = ["gate_proj", "up_proj"] if parts == 2 else ["down_proj"]
+            a = t.shape[1] // parts
+            prefix = name.rsplit(".", 1)[0]
+            for j in range(t.shape[0]):
+                for p in range(parts):
+                    want = t[j, p * a : (p + 1) * a].to(torch.float32)
+                    assert torch.equal(_bits(got[f"{prefix}.{j}.{proj[p]}.weight"]), _bits(want)), (key, j, p)
+                    n += 1
+        else:
+            want = t.to(torch.float32) if t.is_floating_point() else t
+            assert torch.equal(_bits(got[name]), _bits(want)), key
+            n += 1
+    assert res.tensors == n == len(got)
+    assert res.bytes_read == sum(t.numel() * t.element_size() for t in ref.values())
+
+
+def test_legacy_unpermute_and_split_equal_the_true_state(
+    ep_suite: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Block-transposed expert slabs (P=2, F=2 on dim 0): experts come out in true order, fused and split."""
+    from ckpttool.model.declaration import LayoutDeclaration
+
+    monkeypatch.setenv("CKPTTOOL_SLAB_BYTES", "64")
+    truth = true_state(8)
+    decl = LayoutDeclaration(source_layout="legacy", ep_size=2, ep_fsdp_size=2)
+    for experts in ("fused", "per-expert"):
+        out = tmp_path / experts
+        export_checkpoint(ep_suite / "legacy", out, experts=experts, save_dtype="float16", declaration=decl)
+        got = _read_out(out)
+        for key, t in truth.items():
+            if not key.startswith("model.") or ".experts." not in key:
+                continue
+            name = key[len("model.") :]
+            want = t.to(torch.float16)
+            if experts == "fused":
+                assert torch.equal(_bits(got[name]), _bits(want)), key
+            else:
+                prefix, proj = name.rsplit(".", 1)
+                for j in range(t.shape[0]):
+                    if proj == "down_proj":
+                        assert torch.equal(_bits(got[f"{prefix}.{j}.down_proj.weight"]), _bits(want[j])), (key, j)
+                    else:
+                        a = t.shape[1] // 2
+                        assert torch.equal(_bits(got[f"{prefix}.{j}.gate_proj.weight"]), _bits(want[j, :a]))
+                        assert torch.equal(_bits(got[f"{prefix}.{j}.up_proj.weight"]), _bits(want[j, a:]))
+
+
+def test_cast_export_never_imports_torch(sample_ckpt: Path, tmp_path: Path) -> None:
+    """A float32 -> bfloat16 export with per-expert split runs on numpy only (start-up and memory)."""
+    code = (
+        "import sys\n"
+        "from ckpttool.cli import main\n"
+        "sys.argv = ['ckpttool', 'export', sys.argv[1], sys.argv[2], '--save-dtype', 'bfloat16', "
+        "'--experts', 'per-expert', '--json']\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(sample_ckpt), str(tmp_path / "o")], check=True, capture_output=True)
+    got = _read_out(tmp_path / "o")
+    ref = _torch_model(sample_ckpt)
+    w = ref["model.model.embed_tokens.weight"]
+    assert torch.equal(_bits(got["model.embed_tokens.weight"]), _bits(w.to(torch.bfloat16)))
+    assert all(t.dtype == torch.bfloat16 for t in got.values() if t.is_floating_point())
+    assert np.isfinite(got["lm_head.weight"].float().numpy()).all()
