@@ -15,20 +15,34 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import threading
 from pathlib import Path
 
 from ckpttool.errors import (
+    CkptError,
     DataFileError,
     IncompleteCheckpointError,
     MetadataError,
+    NotRegularFileError,
     PathEscapeError,
+    SizeLimitError,
     UsageError,
 )
+from ckpttool.format import limits
 from ckpttool.format.metadata import CheckpointMetadata, ChunkMeta, StorageInfo
-from ckpttool.format.unpickler import load_metadata
+from ckpttool.format.unpickler import parse_metadata_bytes
 
-__all__ = ["DATA_FILE_RE", "METADATA_NAME", "CheckpointDir", "rank_of_file"]
+__all__ = [
+    "DATA_FILE_RE",
+    "METADATA_NAME",
+    "CheckpointDir",
+    "rank_of_file",
+    "resolve_inside",
+    "open_regular",
+    "read_regular",
+    "copy_regular",
+]
 
 DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 METADATA_NAME = ".metadata"
@@ -38,6 +52,121 @@ def rank_of_file(relative_path: str) -> int | None:
     """Writing rank encoded in a ``__{rank}_{n}.distcp`` file name, else ``None``."""
     m = DATA_FILE_RE.match(os.path.basename(relative_path))
     return int(m.group(1)) if m else None
+
+
+_O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+def resolve_inside(root: Path, relative: str | os.PathLike[str], *, what: str = "path") -> Path:
+    """``root / relative`` with every symlink resolved, refused unless it stays inside ``root``.
+
+    Args:
+        root: the directory the file must lie in (resolved here).
+        relative: a path relative to ``root`` (absolute paths, NUL and empty paths are refused).
+        what: how the path is named in messages.
+
+    Raises:
+        PathEscapeError: absolute, empty, ``..`` or a symlink that leaves ``root``.
+    """
+    rel = os.fspath(relative)
+    base = root.resolve()
+    if not rel or "\x00" in rel or os.path.isabs(rel):
+        raise PathEscapeError(f"{root}: {what} {rel!r} is absolute or empty", path=rel)
+    target = (base / rel).resolve()
+    if target != base and base not in target.parents:
+        raise PathEscapeError(f"{root}: {what} {rel!r} resolves outside {root} ({target})", path=rel)
+    return target
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: Path, *, shown: str | os.PathLike[str] | None = None) -> int:
+    """A read-only descriptor of ``path``, which must be a regular file (checked on the open descriptor).
+
+    The open is non-blocking, so a FIFO cannot hang it; devices, FIFOs, sockets and
+    directories are refused before a byte is read.
+
+    Raises:
+        NotRegularFileError: ``path`` is not a regular file.
+        OSError: it cannot be opened (missing, permissions); callers name their own error.
+    """
+    fd = os.open(path, _O_READ)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFileError(
+                f"{shown if shown is not None else path} is {_kind(st.st_mode)}, not a regular file", path=path
+            )
+        if _O_READ & getattr(os, "O_NONBLOCK", 0):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: Path, cap: int, *, shown: str | os.PathLike[str] | None = None, what: str = "file") -> bytes:
+    """The content of regular file ``path``, refused before reading when larger than ``cap`` bytes.
+
+    Raises:
+        NotRegularFileError: not a regular file.
+        SizeLimitError: larger than ``cap`` (``ckpttool --max-object-size`` raises the default).
+        OSError: cannot be opened or read.
+    """
+    fd = open_regular(path, shown=shown)
+    try:
+        size = os.fstat(fd).st_size
+        if size > cap:
+            raise SizeLimitError(
+                f"{shown if shown is not None else path}: {what} of {size} bytes is over the cap of {limits.human(cap)}",
+                path=path,
+            )
+        chunks, got = [], 0
+        while True:
+            piece = os.read(fd, min(1 << 24, cap + 1 - got))
+            if not piece:
+                break
+            chunks.append(piece)
+            got += len(piece)
+            if got > cap:  # the file grew while being read
+                raise SizeLimitError(
+                    f"{shown if shown is not None else path}: {what} is over the cap of {limits.human(cap)}", path=path
+                )
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def copy_regular(src: Path, dst: Path, *, shown: str | os.PathLike[str] | None = None) -> None:
+    """Copy regular file ``src`` (checked on its open descriptor: never a device or FIFO) to a new file ``dst``.
+
+    Raises:
+        NotRegularFileError: ``src`` is not a regular file.
+        OSError: reading or writing failed.
+    """
+    from ckpttool.format.copy import copy_range
+
+    fd = open_regular(src, shown=shown)
+    try:
+        size = os.fstat(fd).st_size
+        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            copy_range(fd, out, 0, 0, size)
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
 
 
 class CheckpointDir:
@@ -67,8 +196,9 @@ class CheckpointDir:
             )
         self.path = p
         self.root = p.resolve()
+        self._resolved: dict[str, Path] = {}
         md = p / METADATA_NAME
-        if not md.is_file():
+        if not os.path.lexists(md):
             if any(DATA_FILE_RE.match(n) for n in os.listdir(p)):
                 raise IncompleteCheckpointError(
                     f"{p}: has .distcp data files but no .metadata (incomplete save)", path=md
@@ -78,8 +208,11 @@ class CheckpointDir:
                 path=md,
                 hint="pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files)",
             )
-        self.metadata: CheckpointMetadata = load_metadata(md)
-        self._resolved: dict[str, Path] = {}
+        try:
+            data = self.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
+        except DataFileError as e:
+            raise MetadataError(e.message, path=md) from e
+        self.metadata: CheckpointMetadata = parse_metadata_bytes(data, str(md))
         self._sizes: dict[str, int] = {}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -115,11 +248,28 @@ class CheckpointDir:
         target = (self.root / relative_path).resolve()
         if target != self.root and self.root not in target.parents:
             raise PathEscapeError(
-                f"{self.path}: storage path {relative_path!r} resolves outside the checkpoint ({target})",
+                f"{self.path}: path {relative_path!r} resolves outside the checkpoint ({target})",
                 path=relative_path,
             )
         self._resolved[relative_path] = target
         return target
+
+    def read_file(self, relative_path: str, cap: int, *, what: str = "file") -> bytes:
+        """Read a file of the checkpoint (``.metadata``, ``layout.json``, ``extra_state/*``): confined, regular, capped.
+
+        Raises:
+            PathEscapeError: it resolves outside the checkpoint (a symlink out of it).
+            NotRegularFileError: a device, FIFO, socket or directory.
+            SizeLimitError: larger than ``cap``.
+            DataFileError: missing or unreadable.
+        """
+        target = self.resolve(relative_path)
+        try:
+            return read_regular(target, cap, shown=self.path / relative_path, what=what)
+        except CkptError:
+            raise
+        except OSError as e:
+            raise DataFileError(f"{self.path / relative_path}: cannot read ({e.strerror})", path=relative_path) from e
 
     def file_size(self, relative_path: str) -> int:
         """Size in bytes of a data file.
@@ -136,8 +286,11 @@ class CheckpointDir:
                 raise DataFileError(
                     f"{self.path / relative_path}: data file missing ({e.strerror})", path=relative_path
                 ) from e
-            if not target.is_file():
-                raise DataFileError(f"{self.path / relative_path}: not a regular file", path=relative_path)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotRegularFileError(
+                    f"{self.path / relative_path}: data file is {_kind(st.st_mode)}, not a regular file",
+                    path=relative_path,
+                )
             size = st.st_size
             self._sizes[relative_path] = size
         return size
@@ -155,7 +308,7 @@ class CheckpointDir:
                 if fd is None:
                     target = self.resolve(relative_path)
                     try:
-                        fd = os.open(target, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                        fd = open_regular(target, shown=self.path / relative_path)
                     except OSError as e:
                         raise DataFileError(
                             f"{self.path / relative_path}: cannot open data file ({e.strerror})",

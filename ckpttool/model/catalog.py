@@ -25,12 +25,13 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import stat
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import CkptError, OptimStateError
+from ckpttool.errors import CkptError, NotRegularFileError, OptimStateError, PlannerDataError
 from ckpttool.format.directory import DATA_FILE_RE, CheckpointDir, rank_of_file
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.model.layout_record import LAYOUT_KEY, SIDECAR_NAME
@@ -347,6 +348,12 @@ def build_catalog(ckpt: CheckpointDir | str | os.PathLike[str]) -> Catalog:
             hyper = None
             if path and len(path) == 4 and path[:2] == ("optimizer", "param_groups"):
                 gid, hyper = path[2], str(path[3])
+                if type(gid) not in (int, str):
+                    raise PlannerDataError(
+                        f"{cd.path}: planner_data gives {key!r} the param-group id {gid!r:.60} "
+                        f"({type(gid).__name__}); group ids are list indices (int) or parameter names (str)",
+                        fqn=key,
+                    )
             else:
                 head, _, tail = rest.partition(".")
                 if head.isdigit() and tail and "." not in tail:
@@ -394,11 +401,20 @@ def build_catalog(ckpt: CheckpointDir | str | os.PathLike[str]) -> Catalog:
         data_files.append(DataFile(rel, size, rank_of_file(rel), rel in referenced))
     extra: list[ExtraStateFile] = []
     extra_dir = cd.path / "extra_state"
-    if extra_dir.is_dir() and not extra_dir.is_symlink():
+    if extra_dir.is_dir():
+        cd.resolve("extra_state")  # a symlink out of the checkpoint: PathEscapeError
         for p in sorted(extra_dir.iterdir()):
-            if p.is_file() and not p.is_symlink():
-                m = _EXTRA_STATE_RE.findall(p.stem)
-                extra.append(ExtraStateFile(f"extra_state/{p.name}", p.stat().st_size, int(m[-1]) if m else None))
+            rel = f"extra_state/{p.name}"
+            st = cd.resolve(rel).stat() if p.is_symlink() else p.lstat()  # symlinks: confined, then followed
+            if stat.S_ISDIR(st.st_mode):
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                raise NotRegularFileError(
+                    f"{cd.path / rel} is a device, FIFO or socket, not a regular file; ckpttool reads only regular files",
+                    path=rel,
+                )
+            m = _EXTRA_STATE_RE.findall(p.stem)
+            extra.append(ExtraStateFile(rel, st.st_size, int(m[-1]) if m else None))
     ranks = tuple(sorted({f.rank for f in data_files if f.rank is not None and f.referenced}))
     optimizer_flavor = None if not flavors else (flavors.pop() if len(flavors) == 1 else "mixed")
     return Catalog(

@@ -22,7 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpttool.errors import CkptError, DataFileError, TrustRequiredError
+from ckpttool.errors import CkptError, TrustRequiredError
+from ckpttool.format import limits
 from ckpttool.format.metadata import CheckpointMetadata
 from ckpttool.format.reader import CheckpointReader, load_saved_object
 from ckpttool.format.unpickler import gc_paused
@@ -125,11 +126,10 @@ class Checkpoint:
     def _load_extra(self, f: ExtraStateFile) -> ExtraState:
         p = self.path / f.relative_path
         try:
-            obj = load_saved_object(p.read_bytes(), str(p), trust_pickle=self.reader.trust_pickle)
+            data = self.reader.read_file(f.relative_path, limits.current().max_object_bytes, what="extra_state file")
+            obj = load_saved_object(data, str(p), trust_pickle=self.reader.trust_pickle)
         except (CkptError, TrustRequiredError) as e:
             return ExtraState(f, error=e)
-        except OSError as e:
-            return ExtraState(f, error=DataFileError(f"{p}: cannot read ({e.strerror})", path=p))
         if not isinstance(obj, dict):
             return ExtraState(f)
         step = next((obj[k] for k in _STEP_KEYS if type(obj.get(k)) is int), None)
