@@ -16,7 +16,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from ckpttool.cli.output import print_error
+from ckpttool.cli.output import print_error, sanitized
 from ckpttool.errors import UsageError
 
 __all__ = ["app", "main"]
@@ -87,8 +87,23 @@ app = typer.Typer(
 @app.callback()
 def _root(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress details to stderr."),
+    max_metadata_size: str = typer.Option(
+        "1GiB", "--max-metadata-size", help="Largest .metadata file read (docs/security.md, 'Caps')."
+    ),
+    max_object_size: str = typer.Option(
+        "256MiB",
+        "--max-object-size",
+        help="Largest byte item, extra_state file, JSON file or decoded data.pkl read (docs/security.md, 'Caps').",
+    ),
 ) -> None:
+    from ckpttool.cli.options import parse_size
+    from ckpttool.format.limits import set_limits
+
     logging.getLogger("ckpttool").setLevel(logging.DEBUG if verbose else logging.WARNING)
+    set_limits(
+        max_metadata_bytes=parse_size(max_metadata_size, "--max-metadata-size"),
+        max_object_bytes=parse_size(max_object_size, "--max-object-size"),
+    )
 
 
 def _register() -> None:
@@ -115,7 +130,7 @@ def _unraisable(info: Any) -> None:
 def main() -> None:
     """Console-script entry point."""
     sys.unraisablehook = _unraisable
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(sanitized(sys.stderr))  # log records pass the output sink's escaping
     handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
     logger = logging.getLogger("ckpttool")
     logger.addHandler(handler)

@@ -34,6 +34,7 @@ __all__ = [
     "SourceLayout",
     "SourceLayoutOpt",
     "TrustPickleOpt",
+    "VerifyCrcOpt",
     "declaration",
     "parse_dtype",
     "parse_size",
@@ -61,6 +62,13 @@ TrustPickleOpt = Annotated[
         "--trust-pickle",
         help="Allow torch.load(weights_only=False) for byte items/extra_state that need it. "
         "Runs code from the checkpoint: only for checkpoints you trust.",
+    ),
+]
+VerifyCrcOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verify-crc/--no-verify-crc",
+        help="Check each stored record's CRC-32 while copying it (a few % of the time; docs/performance.md).",
     ),
 ]
 OverwriteOpt = Annotated[

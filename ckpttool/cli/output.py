@@ -3,7 +3,15 @@
 Every command hands its result to an :class:`Output`: with ``--json`` the result's
 ``to_dict()`` is the only thing on stdout; otherwise the command's renderer prints it.
 Warnings and errors go to stderr as ``warning: ...`` / ``error: [CODE] ...`` + ``hint: ...``
-lines, escaped for the terminal (:func:`~ckpttool.cli.render.safe_text`).
+lines.
+
+Escaping happens here, once, for every byte a command prints: :func:`command_boundary`
+replaces ``sys.stdout``/``sys.stderr`` by :class:`SanitizedStream` for the command's run, so
+every ``write`` — error, warning and hint lines, ``typer.echo``, log records — has control
+characters, bidi controls and line separators escaped (:func:`~ckpttool.cli.render.safe_text`),
+and a ``write`` is one line: only its final newline is kept, so a key or file name cannot start
+a line of its own ("ALL CHECKS PASSED"). rich consoles (tables, progress bars) write under the
+wrapper and escape every segment themselves (``render._SafeConsole``).
 :func:`command_boundary` turns every exception into such a line and the documented
 exit code (``docs/errors.md``); a library error that names a parameter in backticks
 (`` `filter_glob` ``) is shown with the command's flag (``--filter``).
@@ -12,22 +20,61 @@ exit code (``docs/errors.md``); a library error that names a parameter in backti
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 import re
 import sys
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TextIO, TypeVar
 
 import typer
 
 from ckpttool.cli.render import safe_text
 from ckpttool.errors import CkptError
 
-__all__ = ["Output", "command_boundary", "emit_json", "print_error", "flag_names"]
+__all__ = ["Output", "SanitizedStream", "command_boundary", "emit_json", "print_error", "flag_names", "sanitized"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _PARAM_RE = re.compile(r"`([a-z][a-z0-9_]*)`")
+
+
+class SanitizedStream(io.TextIOBase):
+    """A text stream that escapes what is written to it (see the module docstring); the sink's one filter.
+
+    Args:
+        raw: the stream written to (``raw_stream``: rich consoles write there directly).
+    """
+
+    def __init__(self, raw: TextIO) -> None:
+        super().__init__()
+        self.raw_stream = raw
+
+    def write(self, s: str) -> int:
+        body, end = (s[:-1], "\n") if s.endswith("\n") else (s, "")
+        self.raw_stream.write(safe_text(body) + end)
+        return len(s)
+
+    def flush(self) -> None:
+        self.raw_stream.flush()
+
+    def isatty(self) -> bool:
+        return self.raw_stream.isatty()
+
+    def fileno(self) -> int:
+        return self.raw_stream.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self.raw_stream, "encoding", "utf-8")
+
+
+def sanitized(stream: TextIO) -> TextIO:
+    """``stream`` behind a :class:`SanitizedStream` (itself when it is one already)."""
+    return stream if isinstance(stream, SanitizedStream) else SanitizedStream(stream)  # type: ignore[return-value]
 
 
 class _HasDict(Protocol):
@@ -75,10 +122,11 @@ def _with_flags(text: str, flags: dict[str, str]) -> str:
 def print_error(err: CkptError) -> None:
     """Render a :class:`CkptError` as ``error:``/``hint:`` lines on stderr (parameters named by their flags)."""
     flags = flag_names()
-    sys.stderr.write(safe_text(f"error: [{err.code}] {_with_flags(err.message, flags)}") + "\n")
+    err_stream = sanitized(sys.stderr)
+    err_stream.write(f"error: [{err.code}] {_with_flags(err.message, flags)}\n")
     if err.hint:
-        sys.stderr.write(safe_text(f"hint: {_with_flags(err.hint, flags)}") + "\n")
-    sys.stderr.flush()
+        err_stream.write(f"hint: {_with_flags(err.hint, flags)}\n")
+    err_stream.flush()
 
 
 class Output:
@@ -103,7 +151,7 @@ class Output:
 
     def warning(self, text: str) -> None:
         """A ``warning: ...`` line on stderr (never changes the exit code)."""
-        sys.stderr.write(safe_text(f"warning: {text}") + "\n")
+        sanitized(sys.stderr).write(f"warning: {text}\n")
         sys.stderr.flush()
 
     def error(self, err: CkptError) -> None:
@@ -122,6 +170,14 @@ def command_boundary(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        out, err = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = sanitized(out), sanitized(err)
+        try:
+            return _run(*args, **kwargs)
+        finally:
+            sys.stdout, sys.stderr = out, err
+
+    def _run(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
         except typer.Exit:
@@ -141,7 +197,7 @@ def command_boundary(func: F) -> F:
             if os.environ.get("CKPTTOOL_DEBUG"):
                 raise
             msg = " ".join(str(e).split())[:200]
-            sys.stderr.write(safe_text(f"error: [E999] internal error: {type(e).__name__}: {msg}") + "\n")
+            sys.stderr.write(f"error: [E999] internal error: {type(e).__name__}: {msg}\n")
             sys.stderr.write("hint: rerun with CKPTTOOL_DEBUG=1 for a traceback and report it\n")
             raise typer.Exit(2) from None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -23,28 +24,57 @@ if TYPE_CHECKING:  # rich costs ~15 ms to import: only commands that print table
 __all__ = ["safe_text", "stdout_console", "stderr_console", "byte_progress", "human_bytes", "table", "render_overview"]
 
 
-# Control characters (C0, DEL, C1) and bidi overrides, as they may appear in checkpoint keys and paths:
-# printed raw they would drive the terminal (ANSI escapes) or reorder text (U+202E).
-# Newline and tab stay: rich lays them out, and renderers print multi-line text on purpose.
-_UNSAFE_CHARS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (0x09, 0x0A)}
-_UNSAFE_CHARS.update({c: f"\\u{c:04x}" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))})
+# What a checkpoint's keys and file names may hold that a terminal would act on or that would
+# reorder or fake lines: C0 controls (ESC starts CSI/OSC sequences: colours, cursor moves, screen
+# clears, window titles; CR overwrites a line), DEL, C1 controls (0x9b is a one-byte CSI), bidi
+# embeddings/overrides/isolates and marks, line and paragraph separators. Each is shown as an
+# escape (\x1b, \u202e). Newline and tab are escaped too, except where the sink lays out
+# several lines itself (rich's own line breaks; see _SafeConsole).
+_UNSAFE_CHARS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+_UNSAFE_CHARS.update(
+    {c: f"\\u{c:04x}" for c in (0x061C, 0x200E, 0x200F, 0x2028, 0x2029, *range(0x202A, 0x202F), *range(0x2066, 0x206A))}
+)
+_LAYOUT_CHARS = dict(_UNSAFE_CHARS)
+del _LAYOUT_CHARS[0x0A], _LAYOUT_CHARS[0x09]
+_UNSAFE_RE = re.compile("[\x00-\x1f\x7f]")
+_LAYOUT_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f]")
 
 
-def safe_text(text: str) -> str:
-    """``text`` with control characters and bidi overrides escaped (``\\x1b``), surrogates as ``\\udcff``."""
-    text = text.translate(_UNSAFE_CHARS)
+def safe_text(text: str, *, keep_newlines: bool = False) -> str:
+    """``text`` with control characters, bidi controls and line separators escaped (``\\x1b``, ``\\u202e``).
+
+    Lone surrogates (undecodable bytes of a file name) become ``\\udcff``. With
+    ``keep_newlines`` newline and tab stay (text the sink itself lays out in lines).
+    """
+    if text.isascii() and not (_LAYOUT_RE if keep_newlines else _UNSAFE_RE).search(text):
+        return text  # the common case, and JSON documents (ASCII by construction): one C scan
+    text = text.translate(_LAYOUT_CHARS if keep_newlines else _UNSAFE_CHARS)
     return text.encode("utf-8", "backslashreplace").decode("utf-8") if not text.isascii() else text
 
 
 @functools.cache
 def _safe_console_class() -> type[Console]:
     from rich.console import Console
+    from rich.segment import Segment
 
     class _SafeConsole(Console):
-        """A rich Console for untrusted strings: no markup (``[/]`` in a key is text) and no raw control characters."""
+        """A rich Console for untrusted strings, escaped at its one output point.
+
+        Every string handed to it (``print``, table cells) is escaped whole, newlines included,
+        so a key cannot start a line of its own; everything it renders (tables, progress bars,
+        ``Text``) is escaped again segment by segment just before it is written, keeping only
+        the line breaks and the control codes rich itself emits. Markup is off (``[/]`` in a key
+        is text).
+        """
 
         def render_str(self, text: str, **kwargs: Any) -> Any:
             return super().render_str(safe_text(text), **kwargs)
+
+        def _render_buffer(self, buffer: Any) -> str:
+            clean = (
+                seg if seg.control else Segment(safe_text(seg.text, keep_newlines=True), seg.style) for seg in buffer
+            )
+            return super()._render_buffer(clean)
 
         def on_broken_pipe(self) -> None:
             # rich's default raises SystemExit(1) ("findings" in our exit codes); let the command
@@ -54,16 +84,25 @@ def _safe_console_class() -> type[Console]:
     return _SafeConsole
 
 
+def _terminal(stream: Any) -> Any:
+    """The stream under the output sink's escaping wrapper: rich escapes itself and writes its own codes."""
+    return getattr(stream, "raw_stream", stream)
+
+
 def stdout_console() -> Console:
     width = None if sys.stdout.isatty() else 200
     return _safe_console_class()(
-        file=sys.stdout, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, markup=False, width=width
+        file=_terminal(sys.stdout),
+        no_color=bool(os.environ.get("NO_COLOR")),
+        highlight=False,
+        markup=False,
+        width=width,
     )
 
 
 def stderr_console() -> Console:
     return _safe_console_class()(
-        file=sys.stderr, no_color=bool(os.environ.get("NO_COLOR")), highlight=False, markup=False
+        file=_terminal(sys.stderr), no_color=bool(os.environ.get("NO_COLOR")), highlight=False, markup=False
     )
 
 
@@ -140,7 +179,7 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
                 "short": f"is shorter than its records need ({f.size} < {f.needed} bytes; truncated?)",
                 "unreferenced": "is not referenced by .metadata",
             }[f.status]
-            sys.stderr.write(safe_text(f"warning: data file {f.path} {what}") + "\n")
+            sys.stderr.write(f"warning: data file {f.path} {what}\n")  # escaped by the output sink
         sys.stderr.write("warning: run `ckpttool validate --strict` for the full list of problems\n")
     con.print(
         f"tensors     {s.tensor_count} ({s.model_tensor_count} model, {s.numel_model:,} model elements), "

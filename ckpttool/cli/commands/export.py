@@ -18,6 +18,7 @@ from ckpttool.cli.options import (
     OverwriteOpt,
     SourceLayoutOpt,
     TrustPickleOpt,
+    VerifyCrcOpt,
     declaration,
     parse_size,
 )
@@ -112,6 +113,7 @@ def export_command(
         float | None, typer.Option("--lora-alpha", help="LoRA: lora_alpha when no adapter config is given.")
     ] = None,
     trust_pickle: TrustPickleOpt = False,
+    verify_crc: VerifyCrcOpt = True,
 ) -> None:
     """Export model weights as Hugging Face safetensors or a LoRA adapter (streaming, bit-exact by default)."""
     from ckpttool.model.checkpoint import open_checkpoint
@@ -132,6 +134,7 @@ def export_command(
         filter_glob=filter_glob,
         workers=workers,
         overwrite=overwrite,
+        verify_crc=verify_crc,
         adapter_config=adapter_config,
         lora_alpha=alpha,
     )

@@ -17,6 +17,7 @@ from ckpttool.cli.options import (
     OverwriteOpt,
     SourceLayoutOpt,
     TrustPickleOpt,
+    VerifyCrcOpt,
     declaration,
 )
 from ckpttool.cli.output import Output, command_boundary
@@ -73,6 +74,7 @@ def reshard_command(
     ] = True,
     json_output: JsonOpt = False,
     trust_pickle: TrustPickleOpt = False,
+    verify_crc: VerifyCrcOpt = True,
 ) -> None:
     """Write a new DCP checkpoint with expert tensors in the target layout, one data file per target rank.
 
@@ -90,6 +92,7 @@ def reshard_command(
         target_ep_fsdp_size=target_ep_fsdp_size,
         with_optimizer=with_optimizer,
         overwrite=overwrite,
+        verify_crc=verify_crc,
         fsync=fsync,
     )
     with (

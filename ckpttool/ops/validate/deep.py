@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ChunkError, CkptError
+from ckpttool.format.crc import crc32
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, TensorMeta
 from ckpttool.format.tiling import tiling_problem
 from ckpttool.model.hfconfig import config_value
@@ -170,7 +171,7 @@ def _stream_chunk(ctx: Context, key: str, chunk: ChunkMeta, buf: torch.Tensor) -
     """Summarise one chunk by reading its raw storage record in cache-sized slices.
 
     The chunk is located and checked by the chunk locator (dtype, shape, record inside its
-    window) exactly as for every other read; a chunk whose record is not its plain C-order
+    window) exactly as for every other read, and its CRC-32 is computed slice by slice; a chunk whose record is not its plain C-order
     values returns ``None`` so that the caller falls back to ``read_chunk``.
 
     Returns:
@@ -192,6 +193,7 @@ def _stream_chunk(ctx: Context, key: str, chunk: ChunkMeta, buf: torch.Tensor) -
     start = loc.data_start
     mv = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy stubs: ndarray.__buffer__ only on Python >= 3.12
     pos = 0
+    crc = 0
     while pos < nbytes:
         n = min(step, nbytes - pos)
         got = 0
@@ -200,9 +202,11 @@ def _stream_chunk(ctx: Context, key: str, chunk: ChunkMeta, buf: torch.Tensor) -
             if r <= 0:
                 raise ChunkError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=key)
             got += r
+        crc = crc32(mv[:n], crc)  # the slice is still in the CPU cache
         part = buf[:n].view(dt)
         st.add(_summarise(key, part, meta.dtype.name, key.endswith(".exp_avg_sq"), _is_step(key) and pos == 0))
         pos += n
+    loc.check_crc(crc)
     st.dtype = meta.dtype.name
     return st, nbytes
 
