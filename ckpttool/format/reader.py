@@ -137,7 +137,7 @@ class CheckpointReader(CheckpointDir):
             )
         buf = bytearray(info.length)
         self.pread_into(info, 0, buf, fqn)
-        return bytes(buf)
+        return buf  # bytes-like: no second copy of a large item
 
     # ------------------------------------------------------------------ tensors
     def tensor_meta(self, fqn: str) -> TensorMeta:
@@ -313,6 +313,13 @@ class CheckpointReader(CheckpointDir):
                 continue
             info = self.storage_info(fqn, chunk)
             need = chunk.numel * meta.dtype.itemsize
+            if info.transform_descriptors and need > _physical_memory():
+                # a compressed chunk may legitimately be tiny (zeros), but never larger than memory
+                raise AllocationError(
+                    f"{self.path}: {fqn!r} chunk at {chunk.offsets} claims {need} bytes, more than this "
+                    "machine's memory, behind a stream transform",
+                    fqn=fqn,
+                )
             if need > info.length and not info.transform_descriptors:
                 raise AllocationError(
                     f"{self.path}: {fqn!r} chunk at {chunk.offsets} claims {need} bytes "
@@ -406,6 +413,13 @@ def load_saved_object(data: bytes, where: str, *, trust_pickle: bool = False, fq
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except Exception as e:
         raise ChunkError(f"{where} failed to load even with `trust_pickle` ({type(e).__name__})", fqn=fqn) from e
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 1 << 40
 
 
 def _byte_view(t: torch.Tensor) -> Any:

@@ -498,6 +498,7 @@ def _convert_planner(planner: Any, source: str) -> dict[str, tuple[Any, ...]]:
         return {}
     if not isinstance(planner, dict):
         raise PlannerDataError(f"{source}: planner_data is a {type(planner).__name__}, not a dict", path=source)
+    check_object_graph(planner, f"{source}: planner_data")  # a DAG bomb is refused before anything walks it
     out: dict[str, tuple[Any, ...]] = {}
     for k, v in planner.items():
         if type(k) is not str:

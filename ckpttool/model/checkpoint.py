@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckpttool.errors import CkptError, TrustRequiredError
+from ckpttool.errors import CkptError, NotRegularFileError, PathEscapeError, TrustRequiredError
 from ckpttool.format import limits
 from ckpttool.format.metadata import CheckpointMetadata
 from ckpttool.format.reader import CheckpointReader, load_saved_object
@@ -86,7 +86,8 @@ class Checkpoint:
         try:
             self.layout = resolve_layout(self.catalog, reader, declaration)
         except CkptError as e:
-            if not record_problems:
+            # A record that would be read from outside the checkpoint, or from a device, is refused, never recorded.
+            if not record_problems or isinstance(e, (PathEscapeError, NotRegularFileError)):
                 raise
             self.layout_error = e
 

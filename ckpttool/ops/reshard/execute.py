@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import NotRegularFileError
+from ckpttool.errors import NotRegularFileError, SizeLimitError
+from ckpttool.format import limits
 from ckpttool.format.atomic import AtomicOutputDir, signals_deferred
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME, copy_regular, resolve_inside
 from ckpttool.format.metadata import ChunkMeta
@@ -423,6 +424,16 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
         target_ep_fsdp_size=opts.target_ep_fsdp_size,
         with_optimizer=opts.with_optimizer,
     )
+    cap = limits.current().max_object_bytes
+    for bp in plan.byte_items:  # copied verbatim, never loaded: still capped like every object
+        info = reader.storage_info(bp.key) if bp.value is None else None
+        if info is not None and info.length > cap:
+            raise SizeLimitError(
+                f"{src_p / info.relative_path}: byte item {bp.key!r} is {info.length} bytes, over the cap of "
+                f"{limits.human(cap)}",
+                path=info.relative_path,
+                fqn=bp.key,
+            )
     with AtomicOutputDir(dst_p, overwrite=opts.overwrite, source=src_p) as tmp:
         writer, counts = execute_plan(
             plan, reader, tmp, dst_p.resolve(), progress, threads=opts.threads, fsync=opts.fsync
