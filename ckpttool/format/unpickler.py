@@ -480,8 +480,8 @@ def _plain_path_item(v: Any) -> str | int | tuple[int, ...] | None:
         return v if -MAX_OFFSET <= v <= MAX_OFFSET else None
     if isinstance(v, (_DTypeStandIn, _Layout)):
         return str(v)  # torch.bfloat16 / torch.strided in a custom planner's data: their names
-    if type(v) is _Dims:
-        return tuple(int(d) for d in v)
+    if (type(v) is _Dims or type(v) is tuple) and len(v) <= MAX_NDIM and all(type(d) is int for d in v):
+        return tuple(int(d) for d in v)  # a torch.Size, or the int tuple ckpttool writes for one
     return None
 
 

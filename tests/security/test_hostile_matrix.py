@@ -35,7 +35,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from tests.fixtures.hostile import CANARY_DIRNAME, ENTRY_NAMES, CorpusEntry, build_corpus
+from tests.fixtures.hostile import CANARY_DIRNAME, ENTRY_NAMES, CorpusEntry
 
 runner = CliRunner()
 
@@ -88,12 +88,7 @@ def test_every_command_is_in_the_matrix() -> None:
     assert not missing, f"add minimal arguments for {sorted(missing)} to MATRIX"
 
 
-# --------------------------------------------------------------------------- corpus
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory: pytest.TempPathFactory, sample_ckpt: Path) -> dict[str, CorpusEntry]:
-    return build_corpus(tmp_path_factory.mktemp("hostile-corpus"), sample_ckpt)
-
-
+# --------------------------------------------------------------------------- corpus (tests/security/conftest.py)
 def snapshot(root: Path) -> dict[str, tuple]:
     """Relative path -> (mode, size, mtime, content hash for files up to 4 MiB, link target)."""
     out: dict[str, tuple] = {}
