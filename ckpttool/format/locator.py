@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import (
     ChecksumError,
@@ -155,18 +155,17 @@ def decode_transforms(ckpt: CheckpointDir, info: StorageInfo, fqn: str, cap: int
         ChunkError: the decoded stream is longer than the metadata allows (``cap_is_limit`` false).
         SizeLimitError: the decoded stream is longer than ``cap`` (``cap_is_limit``: a user-raisable cap).
     """
-    import io
 
     where = f"{ckpt.path / info.relative_path}: {fqn!r}"
     try:
         from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
 
         exts = ExtensionRegistry().from_descriptor_list(list(info.transform_descriptors))
-        stream: io.RawIOBase | io.BufferedIOBase = FileWindow(ckpt.fd(info.relative_path), info.offset, info.length)
+        stream: Any = FileWindow(ckpt.fd(info.relative_path), info.offset, info.length)
         for ex in exts:  # in the listed order, as FileSystemReader.transform_load_stream does
             if not isinstance(ex, StreamTransformExtension):
                 raise ValueError(f"{ex.registry_name()} is not a stream transform")
-            stream = ex.transform_from(stream)  # type: ignore[assignment]
+            stream = ex.transform_from(stream)
         out = bytearray()
         while True:
             piece = stream.read(min(1 << 20, cap + 1 - len(out)))

@@ -100,7 +100,7 @@ class CheckpointReader(CheckpointDir):
         with self._lock:
             self.bytes_read += nbytes
 
-    def raw_bytes(self, fqn: str, chunk: ChunkMeta | None = None) -> bytes:
+    def raw_bytes(self, fqn: str, chunk: ChunkMeta | None = None) -> bytes | bytearray:
         """The stored bytes of a byte item (or a chunk's archive), decoded through its transforms.
 
         Byte items are capped (:attr:`~ckpttool.format.limits.Limits.max_object_bytes`) before
@@ -203,7 +203,7 @@ class CheckpointReader(CheckpointDir):
             if self.verify_crc:
                 loc.check_crc(crc32(view, 0))
             if record.big_endian:
-                storage.untyped_storage().byteswap(dtype)
+                storage.untyped_storage().byteswap(dtype)  # type: ignore[no-untyped-call]
         t = storage.as_strided(record.size, record.stride, record.storage_offset)
         if out is not None:
             out.copy_(t)
@@ -353,7 +353,9 @@ class CheckpointReader(CheckpointDir):
         return load_saved_object(data, f"{self.path}: byte item {fqn!r}", trust_pickle=self.trust_pickle, fqn=fqn)
 
 
-def load_saved_object(data: bytes, where: str, *, trust_pickle: bool = False, fqn: str | None = None) -> Any:
+def load_saved_object(
+    data: bytes | bytearray, where: str, *, trust_pickle: bool = False, fqn: str | None = None
+) -> Any:
     """Load ``torch.save`` bytes safely (see :meth:`CheckpointReader.read_object`).
 
     The archive's zip structure is checked first as for tensor chunks

@@ -583,7 +583,7 @@ def load_metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
         MetadataError: the file cannot be read, or its content is invalid.
         UnsafePickleError: the pickle names a global outside the allow-list.
     """
-    from ckpttool.format.directory import read_regular
+    from ckpttool.format.files import read_regular
 
     p = Path(path)
     try:

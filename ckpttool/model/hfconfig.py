@@ -30,7 +30,7 @@ def read_hf_config(path: str | os.PathLike[str], *, param: str = "config") -> di
         NotRegularFileError, SizeLimitError, JsonDepthError, IntegerRangeError: a FIFO or device,
             too large, nested too deeply, an impossible number.
     """
-    from ckpttool.format.directory import read_regular, resolve_inside
+    from ckpttool.format.files import read_regular, resolve_inside
     from ckpttool.format.jsonfile import parse_json
 
     p = Path(path)

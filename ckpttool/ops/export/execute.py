@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ChunkError, ExportError, NotRegularFileError, UsageError
 from ckpttool.format.atomic import AtomicOutputDir, signals_deferred
-from ckpttool.format.directory import copy_regular, resolve_inside
+from ckpttool.format.files import copy_regular, resolve_inside
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.safetensors import ShardWriter

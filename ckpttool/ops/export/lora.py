@@ -44,7 +44,7 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
     Raises:
         UsageError: unreadable, not a JSON object, or not a LoRA config.
     """
-    from ckpttool.format.directory import read_regular
+    from ckpttool.format.files import read_regular
     from ckpttool.format.jsonfile import parse_json
     from ckpttool.format.limits import current
 

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.errors import NotRegularFileError, SizeLimitError
 from ckpttool.format import limits
 from ckpttool.format.atomic import AtomicOutputDir, signals_deferred
-from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME, copy_regular, resolve_inside
+from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
+from ckpttool.format.files import copy_regular, resolve_inside
 from ckpttool.format.metadata import ChunkMeta
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.tiling import contiguous_run

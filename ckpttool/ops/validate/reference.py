@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import UsageError
-from ckpttool.format.directory import open_regular, read_regular, resolve_inside
+from ckpttool.format.files import open_regular, read_regular, resolve_inside
 from ckpttool.format.jsonfile import parse_json
 from ckpttool.format.limits import current
 
