@@ -68,7 +68,7 @@ VerifyCrcOpt = Annotated[
     bool,
     typer.Option(
         "--verify-crc/--no-verify-crc",
-        help="Check each stored record's CRC-32 while copying it (a few % of the time; docs/performance.md).",
+        help="Check each stored record's CRC-32 while copying it (~10% of a warm-cache run; docs/performance.md).",
     ),
 ]
 OverwriteOpt = Annotated[

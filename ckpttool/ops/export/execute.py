@@ -84,7 +84,7 @@ class ExportOptions:
         adapter_config: ``adapter_config.json`` to write (LoRA).
         lora_alpha: LoRA ``lora_alpha`` when no adapter config is given.
         verify_crc: check every stored record's CRC-32 as it is copied or read (default on:
-            ~5% of an export's time with ``isal``, docs/performance.md).
+            ~10% of a warm-cache export's time with ``isal``, docs/performance.md).
     """
 
     fmt: str = "hf"
