@@ -56,6 +56,7 @@ __all__ = [
     "STORAGE_DTYPES",
     "TensorRecord",
     "Window",
+    "check_torch_records",
     "inflate_into",
     "parse_archive",
     "parse_tensor_archive",
@@ -588,6 +589,43 @@ def _small(archive: Archive, window: Window, name: str) -> bytes | None:
     return archive.read(window, name, _SMALL_MEMBER_BYTES)
 
 
+def check_torch_records(archive: Archive, window: Window) -> bytes | None:
+    """Read the small records torch's loader reads and refuse what it refuses; return ``byteorder``.
+
+    ``version`` (or ``.data/version``) must be a file format version torch reads (1-10,
+    ``caffe2/serialize/versions.h``), ``byteorder`` ``little`` or ``big``,
+    ``.storage_alignment`` an integer, ``.data/serialization_id`` UTF-8 text
+    (``torch/serialization.py``, ``_load``); each is CRC-checked.
+
+    Raises:
+        ArchiveError: a record torch would refuse; ArchiveChecksumError: one that fails its CRC-32.
+    """
+    for name in (".format_version", ".data/serialization_id", ".storage_alignment"):
+        data = _small(archive, window, name)
+        if data is None:
+            continue
+        try:
+            if name == ".storage_alignment":
+                int(data)
+            elif name == ".data/serialization_id":
+                data.decode("utf-8")
+        except ValueError:
+            raise ArchiveError(f"record {name} holds {data[:24]!r}, which torch cannot read") from None
+    bo = _small(archive, window, "byteorder")
+    if bo not in (None, b"little", b"big"):
+        raise ArchiveError(f"byteorder record {bo[:16]!r} is neither little nor big")
+    version = _small(archive, window, "version")
+    if version is None:
+        version = _small(archive, window, ".data/version")
+    try:
+        ok_version = version is not None and 1 <= int(version.strip()) <= 10
+    except ValueError:
+        ok_version = False
+    if not ok_version:
+        raise ArchiveError("archive version record is not a file format version torch reads (1-10)")
+    return bo
+
+
 def read_archive_pickle(window: Window, *, cap: int | None = None) -> bytes:
     """``data.pkl`` of the archive in ``window`` (a byte item or ``extra_state`` file), size-capped.
 
@@ -613,18 +651,7 @@ def parse_tensor_archive(window: Window) -> TensorRecord:
     """
     window = _Prefetched(window)  # the small members are read from the same two reads
     archive = parse_archive(window, max_members=16)
-    bo = _small(archive, window, "byteorder")
-    if bo not in (None, b"little", b"big"):
-        raise ArchiveError(f"byteorder record {bo[:16]!r} is neither little nor big")
-    version = _small(archive, window, "version")
-    if version is None:
-        version = _small(archive, window, ".data/version")
-    try:
-        ok_version = version is not None and 1 <= int(version.strip()) <= 10  # caffe2/serialize/versions.h
-    except ValueError:
-        ok_version = False
-    if not ok_version:
-        raise ArchiveError("archive version record is not a file format version torch reads (1-10)")
+    bo = check_torch_records(archive, window)
     pkl = archive.read(window, "data.pkl", limits.current().max_tensor_pickle_bytes, what="a chunk's data.pkl")
     assert pkl is not None
     try:

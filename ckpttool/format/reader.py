@@ -36,6 +36,7 @@ from ckpttool.format.archive import (
     ArchiveChecksumError,
     ArchiveError,
     BytesWindow,
+    check_torch_records,
     inflate_into,
     parse_archive,
 )
@@ -379,7 +380,8 @@ def load_saved_object(
         total = sum(m.size for m in archive.members.values())
         if total > cap:
             raise SizeLimitError(f"{where}: its members unpack to {total} bytes, over the cap of {limits.human(cap)}")
-        members = {name: archive.read(window, name, cap) for name in archive.members}
+        members = {name: archive.read(window, name, cap) for name in archive.members}  # every CRC-32
+        check_torch_records(archive, window)
     except ArchiveChecksumError as e:
         raise ChecksumError(f"{where}: {e}", fqn=fqn) from e
     except ArchiveError as e:

@@ -262,3 +262,89 @@ def test_many_small_chunks_use_the_vectorised_check() -> None:
     bad = chunks[:-1] + (chunks[0],)
     problem = tiling_problem(TensorMeta(DType("float32"), (n, n), bad))
     assert problem is not None and problem.startswith("overlap")
+
+
+# --------------------------------------------------------------------------- fuzz: parser vs torch.load
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from tests.format.test_fuzz_metadata import EXAMPLES, RANDOM  # noqa: E402
+
+_BASE = None
+
+
+def _base_archive() -> bytes:
+    global _BASE
+    if _BASE is None:
+        import torch
+
+        _BASE = _save(torch.arange(64, dtype=torch.float32).reshape(4, 16))
+    return _BASE
+
+
+@settings(
+    max_examples=EXAMPLES,
+    derandomize=not RANDOM,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    edits=st.lists(st.tuples(st.integers(0, 4000), st.integers(0, 255)), min_size=1, max_size=6),
+    cut=st.one_of(st.none(), st.integers(0, 4000)),
+)
+def test_damaged_archives_are_refused_or_read_as_torch_reads_them(
+    edits: list[tuple[int, int]], cut: int | None
+) -> None:
+    """Byte edits anywhere in a real archive: ckpttool refuses, or its record is exactly torch's tensor."""
+    import torch
+
+    data = bytearray(_base_archive())
+    for at, value in edits:
+        data[at % len(data)] = value
+    if cut is not None:
+        data = data[: max(22, cut % len(data))]
+    window = BytesWindow(bytes(data))
+    try:
+        rec = parse_tensor_archive(window)
+    except (ArchiveError, StorageTupleError, SizeLimitError, __import__("ckpttool").errors.UnsafePickleError):
+        return
+    assert rec.member is not None
+    raw = bytearray(rec.member.size)
+    inflate_into(window, rec.member, memoryview(raw))
+    try:
+        theirs = torch.load(io.BytesIO(bytes(data)), weights_only=True)
+    except Exception as e:  # torch refuses: ckpttool must have found something wrong too (its CRC-32)
+        assert zlib.crc32(raw) != rec.crc32, f"torch refuses ({type(e).__name__}: {e}) what ckpttool parsed"
+        return
+    if zlib.crc32(raw) != rec.crc32:
+        return  # a flipped record byte: the reader's CRC-32 check refuses it (torch loads it silently)
+    ours = torch.frombuffer(raw, dtype=torch.float32).as_strided(rec.size, rec.stride, rec.storage_offset)
+    assert theirs.dtype == torch.float32 and torch.equal(ours, theirs)
+
+
+@settings(
+    max_examples=EXAMPLES,
+    derandomize=not RANDOM,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(edits=st.lists(st.tuples(st.integers(0, 4000), st.integers(0, 255)), min_size=1, max_size=4))
+def test_damaged_byte_items_are_refused_or_read_as_torch_reads_them(edits: list[tuple[int, int]]) -> None:
+    """A byte item (param-group values, a tensor inside): refused, or equal to ``torch.load(weights_only=True)``."""
+    import torch
+
+    from ckpttool.errors import CkptError
+    from ckpttool.format.reader import load_saved_object
+
+    data = bytearray(_save({"lr": 0.1, "betas": (0.9, 0.999), "step": torch.tensor(3.0)}))
+    for at, value in edits:
+        data[at % len(data)] = value
+    try:
+        ours = load_saved_object(bytes(data), "item")
+    except CkptError:
+        return
+    theirs = torch.load(io.BytesIO(bytes(data)), weights_only=True)  # must not raise: ckpttool accepted it
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        a, b = ours[k], theirs[k]
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
