@@ -100,10 +100,15 @@ def _root(
     from ckpttool.format.limits import set_limits
 
     logging.getLogger("ckpttool").setLevel(logging.DEBUG if verbose else logging.WARNING)
-    set_limits(
-        max_metadata_bytes=parse_size(max_metadata_size, "--max-metadata-size"),
-        max_object_bytes=parse_size(max_object_size, "--max-object-size"),
-    )
+    try:
+        caps = {
+            "max_metadata_bytes": parse_size(max_metadata_size, "--max-metadata-size"),
+            "max_object_bytes": parse_size(max_object_size, "--max-object-size"),
+        }
+    except UsageError as e:
+        print_error(e)
+        raise typer.Exit(e.exit_code) from None
+    set_limits(**caps)
 
 
 def _register() -> None:

@@ -39,7 +39,8 @@ class Limits:
             a JSON file (``layout.json``, ``config.json``, an ``--against`` reference), an
             ``--model-assets`` file is not capped (it is copied, never parsed).
         max_pickle_nodes: containers and values of one unpickled object, counted as a tree
-            (a shared sub-list counts once per reference: that is how every consumer walks it).
+            (a shared sub-list counts once per reference: that is how every consumer walks it);
+            refused past it only when the tree is also 16x what the object holds (a DAG bomb).
         max_depth: nesting depth of an unpickled object or a JSON document.
         max_tensor_pickle_bytes: ``data.pkl`` of one tensor chunk archive (torch writes ~200 bytes).
         max_archive_members: members of one ``torch.save`` archive.
