@@ -242,6 +242,14 @@ def locate_chunk(ckpt: CheckpointDir, key: str, chunk: ChunkMeta) -> ChunkLocati
             path=info.relative_path,
             fqn=key,
         ) from e
+    if record.deflated and record.storage_numel > chunk.numel:
+        # torch's DCP writer saves each chunk with its own storage (it clones views); a compressed
+        # record declaring more is inflated into memory only up to what the metadata allows
+        raise ChunkError(
+            f"{where}: compressed storage record declares {record.storage_numel} elements for a chunk of {chunk.numel}",
+            path=info.relative_path,
+            fqn=key,
+        )
     if record.dtype != meta.dtype.name or record.size != chunk.sizes:
         raise ChunkError(
             f"{where}: stored tensor is {record.dtype}{list(record.size)}, metadata says "

@@ -348,3 +348,57 @@ def test_damaged_byte_items_are_refused_or_read_as_torch_reads_them(edits: list[
     for k in ours:
         a, b = ours[k], theirs[k]
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.parametrize("variant", ["deflated", "big_endian", "deflated_oversized"])
+def test_unusual_records_read_as_torch_reads_them(variant: str, sample_ckpt: object, tmp_path: object) -> None:
+    """A deflate-compressed record and a big-endian archive (both valid for torch) read to torch's values."""
+    import shutil
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+
+    from ckpttool.errors import ChunkError
+    from ckpttool.format.reader import CheckpointReader
+    from tests.fixtures.hostile import EXPERT_KEY, chunk_archive, repoint
+
+    ck = Path(shutil.copytree(sample_ckpt, Path(str(tmp_path)) / "ck"))  # type: ignore[arg-type]
+    _, archive = chunk_archive(ck, EXPERT_KEY, (0, 0, 0))
+    original = torch.load(io.BytesIO(archive), weights_only=True)
+    ms = torch_members(archive)
+    for m in ms:
+        if m.name.endswith("data/0"):
+            raw = m.payload
+            if variant == "big_endian":
+                raw = np.frombuffer(raw, dtype="<f4").astype(">f4").tobytes()
+                m.payload, m.crc = raw, None
+            else:
+                if variant == "deflated_oversized":
+                    raw = raw * 2  # declares a storage twice the chunk
+                co = zlib.compressobj(6, zlib.DEFLATED, -15)
+                m.payload, m.method, m.size, m.crc = co.compress(raw) + co.flush(), 8, len(raw), zlib.crc32(raw)
+        if variant == "big_endian" and m.name.endswith("/byteorder"):
+            m.payload, m.crc = b"big", None
+        if variant == "deflated_oversized" and m.name.endswith("data.pkl"):
+            m.payload = m.payload.replace(b"M\x00\x10t", b"M\x00\x20t", 1)
+    data = zip_bytes(ms)
+    repoint(ck, EXPERT_KEY, (0, 0, 0), data)
+    with CheckpointReader(ck) as r:
+        if variant == "deflated_oversized":
+            with pytest.raises(ChunkError, match="compressed storage record declares"):
+                r.read_tensor(EXPERT_KEY)
+            return
+        chunk = r.tensor_meta(EXPERT_KEY).chunks[0]
+        ours = r.read_chunk(EXPERT_KEY, chunk)
+        if variant == "deflated":
+            # the stored-bytes invariant: a tensor whose values need more bytes than its records
+            # occupy is refused before allocation (torch's writer never compresses records)
+            from ckpttool.errors import AllocationError
+
+            with pytest.raises(AllocationError):
+                r.read_tensor(EXPERT_KEY)
+        else:
+            assert torch.equal(r.read_tensor(EXPERT_KEY), ours)
+    theirs = torch.load(io.BytesIO(data), weights_only=True)
+    assert torch.equal(ours, theirs) and torch.equal(ours, original)
