@@ -88,11 +88,12 @@ app = typer.Typer(
 def _root(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress details to stderr."),
     max_metadata_size: str = typer.Option(
-        "1GiB", "--max-metadata-size", help="Largest .metadata file read (docs/security.md, 'Caps')."
+        "1GiB", "--max-metadata-size", metavar="SIZE", help="Largest .metadata file read (docs/security.md, 'Caps')."
     ),
     max_object_size: str = typer.Option(
         "256MiB",
         "--max-object-size",
+        metavar="SIZE",
         help="Largest byte item, extra_state file, JSON file or decoded data.pkl read (docs/security.md, 'Caps').",
     ),
 ) -> None:
