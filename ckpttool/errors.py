@@ -30,6 +30,7 @@ __all__ = [
     "CkptError",
     "UsageError",
     "PathEscapeError",
+    "NotRegularFileError",
     "GradientsError",
     "DeviceUnavailableError",
     "MemoryBudgetError",
@@ -40,11 +41,18 @@ __all__ = [
     "StepNotFoundError",
     "SchemaError",
     "IndexedOptimizerStateError",
+    "IntegerRangeError",
+    "PlannerDataError",
     "DataFileError",
     "ChunkError",
     "TransformError",
     "AllocationError",
     "TrustRequiredError",
+    "StorageTupleError",
+    "ObjectGraphError",
+    "SizeLimitError",
+    "ChecksumError",
+    "JsonDepthError",
     "LayoutError",
     "LayoutFormatError",
     "LayoutVersionError",
@@ -131,6 +139,13 @@ class PathEscapeError(CkptError):
     default_hint = "the checkpoint references files outside its directory; do not trust it"
 
 
+class NotRegularFileError(CkptError):
+    """A path ckpttool would read or copy is a device, FIFO, socket or directory, not a regular file."""
+
+    code = "E102"
+    default_hint = "only regular files are read or copied; replace the special file by the real data"
+
+
 class GradientsError(UsageError):
     """``replay-step`` gradients file: missing, unreadable, a missing gradient, wrong shape or dtype."""
 
@@ -205,6 +220,20 @@ class IndexedOptimizerStateError(SchemaError):
     )
 
 
+class IntegerRangeError(MetadataError):
+    """An integer (size, offset, length, hyperparameter) beyond what torch's int64 and float fields can hold."""
+
+    code = "E206"
+    default_hint = "the checkpoint holds impossible numbers; it is damaged or was crafted"
+
+
+class PlannerDataError(MetadataError):
+    """``planner_data`` paths whose items are not plain ``str``/``int`` (unhashable or mixed-type group ids)."""
+
+    code = "E207"
+    default_hint = "re-save the checkpoint with torch's DefaultSavePlanner, or remove the broken planner_data"
+
+
 # --------------------------------------------------------------------------- E3xx data
 class DataFileError(CkptError):
     """A data file is missing, unreadable, or shorter than the metadata says."""
@@ -239,6 +268,43 @@ class TrustRequiredError(CkptError):
 
     code = "E304"
     default_hint = "pass --trust-pickle only if you trust where this checkpoint came from"
+
+
+class StorageTupleError(ChunkError):
+    """A chunk archive's ``data.pkl`` rebuilds its tensor from fields of the wrong types."""
+
+    code = "E305"
+    default_hint = "the chunk's data.pkl was not written by torch.save; the checkpoint is damaged or crafted"
+
+
+class ObjectGraphError(CkptError):
+    """An unpickled object exceeds the walk bounds: too many nodes counted as a tree, or nested too deeply."""
+
+    code = "E306"
+    default_hint = "the object is a pickle bomb (shared or deeply nested containers); do not load it with torch"
+
+
+class SizeLimitError(CkptError):
+    """A file, item or decompressed member is larger than ckpttool's cap for it (checked before reading)."""
+
+    code = "E307"
+    default_hint = (
+        "raise the cap with `ckpttool --max-object-size SIZE` / `--max-metadata-size SIZE` if the input is trusted"
+    )
+
+
+class ChecksumError(ChunkError):
+    """A stored record's bytes do not match the CRC-32 of its zip entry (bit rot, a damaged copy)."""
+
+    code = "E308"
+    default_hint = "the data file is damaged; copy it again or use an earlier checkpoint"
+
+
+class JsonDepthError(CkptError):
+    """A JSON file (``layout.json``, ``config.json``, a reference) nested deeper or larger than the cap."""
+
+    code = "E309"
+    default_hint = "the JSON file is not what it claims to be; fix or remove it"
 
 
 # --------------------------------------------------------------------------- E4xx layout

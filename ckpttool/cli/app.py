@@ -5,8 +5,9 @@ Exit codes (``docs/errors.md``): 0 success; 1 the command ran and found problems
 
 Global options (:data:`GLOBAL_OPTIONS`) are accepted before or after the subcommand
 (``ckpttool -v inspect DIR`` = ``ckpttool inspect DIR -v``): ``-v/--verbose`` (repeatable),
-``-q/--quiet``, ``--color auto|always|never`` and ``--wide``. ``--version`` and ``-h`` are
-root options; Typer's ``--install-completion``/``--show-completion`` install shell completion.
+``-q/--quiet``, ``--color auto|always|never`` and ``--wide``. ``--version``, ``-h`` and the
+read caps ``--max-metadata-size``/``--max-object-size`` are root options; Typer's
+``--install-completion``/``--show-completion`` install shell completion.
 """
 
 from __future__ import annotations
@@ -205,8 +206,29 @@ def _root(
         callback=_show_version,
         help="Print the versions of ckpttool, torch and safetensors and exit.",
     ),
+    max_metadata_size: str = typer.Option(
+        "1GiB", "--max-metadata-size", metavar="SIZE", help="Largest .metadata file read (docs/security.md, 'Caps')."
+    ),
+    max_object_size: str = typer.Option(
+        "256MiB",
+        "--max-object-size",
+        metavar="SIZE",
+        help="Largest byte item, extra_state file, JSON file or decoded data.pkl read (docs/security.md, 'Caps').",
+    ),
 ) -> None:
     """Inspect, validate, export, reshard and replay PyTorch Distributed Checkpoints (FSDP2 / expert parallel)."""
+    from ckpttool.cli.options import parse_size
+    from ckpttool.format.limits import set_limits
+
+    try:
+        caps = {
+            "max_metadata_bytes": parse_size(max_metadata_size, "--max-metadata-size"),
+            "max_object_bytes": parse_size(max_object_size, "--max-object-size"),
+        }
+    except UsageError as e:
+        print_error(e)
+        raise typer.Exit(e.exit_code) from None
+    set_limits(**caps)
 
 
 def _register() -> None:

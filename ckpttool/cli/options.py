@@ -45,6 +45,7 @@ __all__ = [
     "SourceLayout",
     "SourceLayoutOpt",
     "TrustPickleOpt",
+    "VerifyCrcOpt",
     "declaration",
     "examples",
     "parse_dtype",
@@ -86,6 +87,13 @@ TrustPickleOpt = Annotated[
         "--trust-pickle",
         help="Allow torch.load(weights_only=False) for byte items/extra_state that need it. "
         "Runs code from the checkpoint: only for checkpoints you trust.",
+    ),
+]
+VerifyCrcOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verify-crc/--no-verify-crc",
+        help="Check each stored record's CRC-32 while copying it (~10% of a warm-cache run; docs/performance.md).",
     ),
 ]
 OverwriteOpt = Annotated[

@@ -7,6 +7,15 @@ lines, escaped for the terminal (:func:`~ckpttool.cli.render.safe_text`), the pr
 coloured on a terminal (:func:`~ckpttool.cli.render.color_enabled`); ``note: ...`` lines
 (facts worth knowing, never problems) are left out with ``-q``. Library log records
 (``logging``, ``-v``/``-vv``) go to stderr the same way (:func:`configure_logging`).
+
+Escaping happens here, once, for every byte a command prints: :func:`command_boundary`
+replaces ``sys.stdout``/``sys.stderr`` by :class:`SanitizedStream` for the command's run, so
+every ``write`` — ``typer.echo``, anything else — has control characters, bidi controls and
+line separators escaped (:func:`~ckpttool.cli.render.safe_text`), and a ``write`` is one line:
+only its final newline is kept, so a key or file name cannot start a line of its own ("ALL
+CHECKS PASSED"). The sink's own lines (``error:``, ``warning:``, log records: escaped by
+:func:`_line`, which may add a colour code) and rich consoles (tables, progress bars: escaped
+segment by segment by ``render._SafeConsole``) write to the stream under the wrapper.
 :func:`command_boundary` turns every exception into such a line and the documented
 exit code (``docs/errors.md``); a library error that names a parameter in backticks
 (`` `filter_glob` ``) is shown with the command's flag (``--filter``).
@@ -15,13 +24,14 @@ exit code (``docs/errors.md``); a library error that names a parameter in backti
 from __future__ import annotations
 
 import functools
+import io
 import json
 import logging
 import os
 import re
 import sys
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TextIO, TypeVar
 
 import typer
 
@@ -30,6 +40,7 @@ from ckpttool.errors import CkptError
 
 __all__ = [
     "Output",
+    "SanitizedStream",
     "command_boundary",
     "configure_logging",
     "deprecated",
@@ -38,11 +49,50 @@ __all__ = [
     "flag_names",
     "note",
     "print_error",
+    "sanitized",
     "warn",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _PARAM_RE = re.compile(r"`([a-z][a-z0-9_]*)`")
+
+
+class SanitizedStream(io.TextIOBase):
+    """A text stream that escapes what is written to it (see the module docstring); the sink's one filter.
+
+    Args:
+        raw: the stream written to (``raw_stream``: rich consoles write there directly).
+    """
+
+    def __init__(self, raw: TextIO) -> None:
+        super().__init__()
+        self.raw_stream = raw
+
+    def write(self, s: str) -> int:
+        body, end = (s[:-1], "\n") if s.endswith("\n") else (s, "")
+        self.raw_stream.write(safe_text(body) + end)
+        return len(s)
+
+    def flush(self) -> None:
+        self.raw_stream.flush()
+
+    def isatty(self) -> bool:
+        return self.raw_stream.isatty()
+
+    def fileno(self) -> int:
+        return self.raw_stream.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self.raw_stream, "encoding", "utf-8")
+
+
+def sanitized(stream: TextIO) -> TextIO:
+    """``stream`` behind a :class:`SanitizedStream` (itself when it is one already)."""
+    return stream if isinstance(stream, SanitizedStream) else SanitizedStream(stream)  # type: ignore[return-value]
 
 
 class _HasDict(Protocol):
@@ -116,6 +166,11 @@ _SGR = {
 }
 
 
+def _stderr() -> Any:
+    """stderr under the output sink's escaping wrapper (for lines :func:`_line` escaped already)."""
+    return getattr(sys.stderr, "raw_stream", sys.stderr)
+
+
 def _line(prefix: str, text: str) -> str:
     """``prefix: text`` escaped, the prefix coloured when stderr is a colour terminal."""
     from ckpttool.cli.render import color_enabled
@@ -129,16 +184,17 @@ def _line(prefix: str, text: str) -> str:
 def print_error(err: CkptError) -> None:
     """Render a :class:`CkptError` as ``error:``/``hint:`` lines on stderr (parameters named by their flags)."""
     flags = flag_names()
-    sys.stderr.write(_line("error", f"[{err.code}] {_with_flags(err.message, flags)}"))
+    stderr = _stderr()
+    stderr.write(_line("error", f"[{err.code}] {_with_flags(err.message, flags)}"))
     if err.hint:
-        sys.stderr.write(_line("hint", _with_flags(err.hint, flags)))
-    sys.stderr.flush()
+        stderr.write(_line("hint", _with_flags(err.hint, flags)))
+    stderr.flush()
 
 
 def warn(text: str) -> None:
     """A ``warning: ...`` line on stderr (printed with ``-q`` too; never changes the exit code)."""
-    sys.stderr.write(_line("warning", _with_flags(text, flag_names())))
-    sys.stderr.flush()
+    _stderr().write(_line("warning", _with_flags(text, flag_names())))
+    _stderr().flush()
 
 
 def note(text: str) -> None:
@@ -147,8 +203,8 @@ def note(text: str) -> None:
 
     if UI.quiet:
         return
-    sys.stderr.write(_line("note", _with_flags(text, flag_names())))
-    sys.stderr.flush()
+    _stderr().write(_line("note", _with_flags(text, flag_names())))
+    _stderr().flush()
 
 
 def deprecated(old: str, new: str, *, removal: str = "the next release") -> None:
@@ -165,8 +221,8 @@ class _StderrHandler(logging.Handler):
         try:
             level = record.levelname.lower()
             prefix = level if level in ("debug", "info") else "warning" if level == "warning" else "error"
-            sys.stderr.write(_line(prefix, f"[{self._SHORT.sub('', record.name)}] {record.getMessage()}"))
-            sys.stderr.flush()
+            _stderr().write(_line(prefix, f"[{self._SHORT.sub('', record.name)}] {record.getMessage()}"))
+            _stderr().flush()
         except Exception:  # a broken stderr must not break the command
             self.handleError(record)
 
@@ -232,6 +288,14 @@ def command_boundary(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        out, err = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = sanitized(out), sanitized(err)
+        try:
+            return _run(*args, **kwargs)
+        finally:
+            sys.stdout, sys.stderr = out, err
+
+    def _run(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
         except typer.Exit:
@@ -240,7 +304,7 @@ def command_boundary(func: F) -> F:
             print_error(e)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
-            sys.stderr.write(_line("error", "interrupted"))
+            _stderr().write(_line("error", "interrupted"))
             raise typer.Exit(130) from None
         except BrokenPipeError:
             # The reader of stdout went away (`| head -1`): stop quietly with 0. Point stdout at
@@ -251,8 +315,8 @@ def command_boundary(func: F) -> F:
             if os.environ.get("CKPTTOOL_DEBUG"):
                 raise
             msg = " ".join(str(e).split())[:200]
-            sys.stderr.write(_line("error", f"[E999] internal error: {type(e).__name__}: {msg}"))
-            sys.stderr.write(_line("hint", "rerun with CKPTTOOL_DEBUG=1 for a traceback and report it"))
+            _stderr().write(_line("error", f"[E999] internal error: {type(e).__name__}: {msg}"))
+            _stderr().write(_line("hint", "rerun with CKPTTOOL_DEBUG=1 for a traceback and report it"))
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]

@@ -63,28 +63,57 @@ __all__ = [
 ]
 
 
-# Control characters (C0, DEL, C1) and bidi overrides, as they may appear in checkpoint keys and paths:
-# printed raw they would drive the terminal (ANSI escapes) or reorder text (U+202E).
-# Newline and tab stay: rich lays them out, and renderers print multi-line text on purpose.
-_UNSAFE_CHARS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (0x09, 0x0A)}
-_UNSAFE_CHARS.update({c: f"\\u{c:04x}" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))})
+# What a checkpoint's keys and file names may hold that a terminal would act on or that would
+# reorder or fake lines: C0 controls (ESC starts CSI/OSC sequences: colours, cursor moves, screen
+# clears, window titles; CR overwrites a line), DEL, C1 controls (0x9b is a one-byte CSI), bidi
+# embeddings/overrides/isolates and marks, line and paragraph separators. Each is shown as an
+# escape (\x1b, \u202e). Newline and tab are escaped too, except where the sink lays out
+# several lines itself (rich's own line breaks; see _SafeConsole).
+_UNSAFE_CHARS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+_UNSAFE_CHARS.update(
+    {c: f"\\u{c:04x}" for c in (0x061C, 0x200E, 0x200F, 0x2028, 0x2029, *range(0x202A, 0x202F), *range(0x2066, 0x206A))}
+)
+_LAYOUT_CHARS = dict(_UNSAFE_CHARS)
+del _LAYOUT_CHARS[0x0A], _LAYOUT_CHARS[0x09]
+_UNSAFE_RE = re.compile("[\x00-\x1f\x7f]")
+_LAYOUT_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f]")
 
 
-def safe_text(text: str) -> str:
-    """``text`` with control characters and bidi overrides escaped (``\\x1b``), surrogates as ``\\udcff``."""
-    text = text.translate(_UNSAFE_CHARS)
+def safe_text(text: str, *, keep_newlines: bool = False) -> str:
+    """``text`` with control characters, bidi controls and line separators escaped (``\\x1b``, ``\\u202e``).
+
+    Lone surrogates (undecodable bytes of a file name) become ``\\udcff``. With
+    ``keep_newlines`` newline and tab stay (text the sink itself lays out in lines).
+    """
+    if text.isascii() and not (_LAYOUT_RE if keep_newlines else _UNSAFE_RE).search(text):
+        return text  # the common case, and JSON documents (ASCII by construction): one C scan
+    text = text.translate(_LAYOUT_CHARS if keep_newlines else _UNSAFE_CHARS)
     return text.encode("utf-8", "backslashreplace").decode("utf-8") if not text.isascii() else text
 
 
 @functools.cache
 def _safe_console_class() -> type[Console]:
     from rich.console import Console
+    from rich.segment import Segment
 
     class _SafeConsole(Console):
-        """A rich Console for untrusted strings: no markup (``[/]`` in a key is text) and no raw control characters."""
+        """A rich Console for untrusted strings, escaped at its one output point.
+
+        Every string handed to it (``print``, table cells) is escaped whole, newlines included,
+        so a key cannot start a line of its own; everything it renders (tables, progress bars,
+        ``Text``) is escaped again segment by segment just before it is written, keeping only
+        the line breaks and the control codes rich itself emits. Markup is off (``[/]`` in a key
+        is text).
+        """
 
         def render_str(self, text: str, **kwargs: Any) -> Any:
             return super().render_str(safe_text(text), **kwargs)
+
+        def _render_buffer(self, buffer: Any) -> str:
+            clean = (
+                seg if seg.control else Segment(safe_text(seg.text, keep_newlines=True), seg.style) for seg in buffer
+            )
+            return super()._render_buffer(clean)
 
         def on_broken_pipe(self) -> None:
             # rich's default raises SystemExit(1) ("findings" in our exit codes); let the command
@@ -200,8 +229,15 @@ def _isatty(stream: Any) -> bool:
         return False
 
 
+def _terminal(stream: Any) -> Any:
+    """The stream under the output sink's escaping wrapper: rich escapes every segment itself and writes its
+    own colour codes, which the wrapper would escape."""
+    return getattr(stream, "raw_stream", stream)
+
+
 def _console(stream: Any) -> Console:
     color = color_enabled(stream)
+    stream = _terminal(stream)
     return _safe_console_class()(
         file=cast("IO[str]", _NoTrailingWhitespace(stream)),
         width=output_width(stream),
@@ -226,7 +262,7 @@ def stdout_console() -> Console:
 def stderr_console() -> Console:
     """The console of progress bars on stderr."""
     return _safe_console_class()(
-        file=sys.stderr, no_color=not color_enabled(sys.stderr), highlight=False, markup=False, emoji=False
+        file=_terminal(sys.stderr), no_color=not color_enabled(sys.stderr), highlight=False, markup=False, emoji=False
     )
 
 

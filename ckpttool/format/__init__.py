@@ -1,11 +1,14 @@
 """The format layer: DCP and safetensors files, read safely and written atomically.
 
 Modules: :mod:`.metadata` (typed ``.metadata`` model, dtype names), :mod:`.unpickler`
-(allow-list unpickling), :mod:`.archive` (``torch.save`` zip archives), :mod:`.directory`
-(confined data files), :mod:`.locator` (the one chunk check), :mod:`.reader` (tensors and
-byte items), :mod:`.tiling` (chunk boxes), :mod:`.copy` (verbatim byte copies),
-:mod:`.writer` (DCP output), :mod:`.safetensors` (safetensors headers and shards),
-:mod:`.atomic` (atomic output directories). Nothing here imports torch at import time.
+(allow-list unpickling, object-graph bounds), :mod:`.archive` (``torch.save`` zip archives,
+read as strictly as torch reads them), :mod:`.files` (confined, regular, capped file opening),
+:mod:`.limits` (the caps), :mod:`.crc` (CRC-32), :mod:`.jsonfile` (bounded JSON),
+:mod:`.directory` (the checkpoint directory and its data files), :mod:`.locator` (the one chunk
+check), :mod:`.reader` (tensors and byte items), :mod:`.tiling` (chunk boxes), :mod:`.copy`
+(verbatim byte copies), :mod:`.writer` (DCP output), :mod:`.safetensors` (safetensors headers
+and shards), :mod:`.atomic` (atomic output directories). Nothing here imports torch at import
+time.
 """
 
 from __future__ import annotations

@@ -1,34 +1,67 @@
-"""Parse a ``torch.save`` zip archive that lies inside a window of a data file.
+"""Parse a ``torch.save`` zip archive that lies inside a window of a data file, as strictly as torch reads it.
 
-Each DCP tensor chunk is a complete ``torch.save`` archive (an uncompressed zip,
-see ``torch/serialization.py``: ``<archive>/data.pkl`` plus one raw storage record
-``<archive>/data/<key>`` per storage, 64-byte aligned). :func:`parse_tensor_archive`
-locates the records, reads ``data.pkl`` with an allow-list unpickler that only
-accepts ``torch._utils._rebuild_tensor_v2`` and typed storage names, and returns
-where the raw storage bytes lie, so the caller can read them straight into the
-destination tensor: one read, no unpickling of tensor data, no intermediate copy.
-Anything unusual (big-endian, compressed record, unknown storage type) returns
-``None`` and the caller falls back to ``torch.load(weights_only=True)``.
+Each DCP tensor chunk and byte item is a complete ``torch.save`` archive (see
+``torch/serialization.py`` and ``caffe2/serialize/inline_container.cc``): a zip whose
+members all sit in one folder named by the *first* central-directory entry (``archive/``),
+holding ``data.pkl``, ``version`` (or ``.data/version``), optionally ``byteorder``,
+``.format_version``, ``.storage_alignment``, ``.data/serialization_id``, and one raw
+storage record ``data/<key>`` per storage, 64-byte aligned. torch's reader (miniz) finds a
+member by a case-insensitive binary search over the central directory and reads it from
+where the central directory says; it never looks at bytes outside the archive.
+
+:func:`parse_archive` accepts exactly such archives and nothing that two zip readers could
+read differently:
+
+- the end-of-central-directory record (and the zip64 one torch writes) ends the window; the
+  central directory ends where they begin; nothing precedes the first local header;
+- every member's name is one torch reads (``data/<digits>`` for records), under the one
+  prefix; a duplicate (case-insensitively, as miniz compares) is refused;
+- every local header agrees with its central entry (name, method, flags, CRC and sizes, or
+  the data descriptor torch writes after each member), members follow each other with no
+  gap or overlap, and every byte read lies inside the window;
+- methods are stored or deflate (what miniz reads); encrypted members are refused;
+  inflation is streamed and stops at the declared size, which is capped before anything
+  is inflated (:mod:`ckpttool.format.limits`).
+
+:func:`parse_tensor_archive` then reads ``data.pkl`` with an allow-list unpickler that
+accepts only ``torch._utils._rebuild_tensor_v2`` with a typed storage or
+``_rebuild_tensor_v3`` with an untyped storage and a dtype, and returns where the raw
+storage bytes lie (and their CRC-32), so the caller can read them straight into the
+destination: one read, no unpickling of tensor data, no intermediate copy.
 """
 
 from __future__ import annotations
 
-import functools
 import io
 import os
 import pickle
+import re
 import struct
-import zipfile
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol
 
-from ckpttool.errors import UnsafePickleError
+from ckpttool.errors import SizeLimitError, StorageTupleError, UnsafePickleError
+from ckpttool.format import limits
+from ckpttool.format.crc import crc32
+from ckpttool.format.metadata import DTYPE_ITEMSIZE
 
-_T = TypeVar("_T")
-
-__all__ = ["FileWindow", "TensorRecord", "parse_tensor_archive", "read_archive_pickle"]
+__all__ = [
+    "Archive",
+    "ArchiveChecksumError",
+    "ArchiveError",
+    "BytesWindow",
+    "FileWindow",
+    "Member",
+    "STORAGE_DTYPES",
+    "TensorRecord",
+    "Window",
+    "check_torch_records",
+    "inflate_into",
+    "parse_archive",
+    "parse_tensor_archive",
+    "read_archive_pickle",
+]
 
 # legacy typed-storage class names (torch/storage.py) -> dtype name
 STORAGE_DTYPES = {
@@ -52,12 +85,51 @@ STORAGE_DTYPES = {
 }
 
 
+class ArchiveError(ValueError):
+    """The bytes are not a ``torch.save`` archive that torch and ckpttool would read the same way."""
+
+
+class ArchiveChecksumError(ArchiveError):
+    """A member's bytes do not match the CRC-32 of its zip entry."""
+
+
+# --------------------------------------------------------------------------- windows
+class Window(Protocol):
+    """Bytes ``[0, length)`` readable at any offset (a chunk's window of its data file, or bytes in memory)."""
+
+    @property
+    def length(self) -> int: ...
+
+    def pread(self, offset: int, n: int) -> bytes: ...
+
+
 class FileWindow(io.RawIOBase):
-    """Read-only, seekable view of bytes ``[start, start+length)`` of an open fd."""
+    """Read-only, seekable view of bytes ``[start, start+length)`` of an open fd (reads never leave it)."""
 
     def __init__(self, fd: int, start: int, length: int) -> None:
         super().__init__()
-        self._fd, self._start, self._len, self._pos = fd, start, length, 0
+        self.fd, self.start, self._len, self._pos = fd, start, length, 0
+
+    @property
+    def length(self) -> int:
+        return self._len
+
+    def pread(self, offset: int, n: int) -> bytes:
+        """``n`` bytes at ``offset`` of the window.
+
+        Raises:
+            ArchiveError: the range leaves the window, or the file ends first.
+        """
+        if offset < 0 or n < 0 or offset + n > self._len:
+            raise ArchiveError(f"read of [{offset}, {offset + n}) leaves the archive's {self._len} bytes")
+        buf = bytearray(n)
+        mv, got = memoryview(buf), 0
+        while got < n:
+            r = os.preadv(self.fd, [mv[got:]], self.start + offset + got)
+            if r <= 0:
+                raise ArchiveError(f"data file ends inside the archive (at {self.start + offset + got})")
+            got += r
+        return bytes(buf)
 
     def readable(self) -> bool:
         return True
@@ -78,20 +150,366 @@ class FileWindow(io.RawIOBase):
         n = max(0, min(len(mv), self._len - self._pos))
         if n == 0:
             return 0
-        got = os.preadv(self._fd, [mv[:n]], self._start + self._pos)
+        got = os.preadv(self.fd, [mv[:n]], self.start + self._pos)
         self._pos += got
         return got
 
 
+class BytesWindow:
+    """A :class:`Window` over bytes in memory (a byte item, a decoded stream transform)."""
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self._mv = memoryview(data).cast("B")
+
+    @property
+    def length(self) -> int:
+        return len(self._mv)
+
+    def pread(self, offset: int, n: int) -> bytes:
+        if offset < 0 or n < 0 or offset + n > len(self._mv):
+            raise ArchiveError(f"read of [{offset}, {offset + n}) leaves the archive's {len(self._mv)} bytes")
+        return bytes(self._mv[offset : offset + n])
+
+
+class _Prefetched:
+    """A window whose first and last 64 KiB are read once: the headers of a chunk archive, in two reads.
+
+    A tensor chunk's archive has its small members and the record's local header at the start
+    and the rest of its members and the directories at the end; parsing it takes ~30 small reads.
+    """
+
+    _SPAN = 64 << 10
+
+    def __init__(self, window: Window) -> None:
+        self._w = window
+        n = window.length
+        self._head = window.pread(0, min(n, self._SPAN))
+        self._tail_at = max(len(self._head), n - self._SPAN)
+        self._tail = window.pread(self._tail_at, n - self._tail_at)
+
+    @property
+    def length(self) -> int:
+        return self._w.length
+
+    def pread(self, offset: int, n: int) -> bytes:
+        if offset >= 0 and n >= 0:
+            if offset + n <= len(self._head):
+                return self._head[offset : offset + n]
+            if offset >= self._tail_at and offset + n <= self.length:
+                return self._tail[offset - self._tail_at : offset - self._tail_at + n]
+        return self._w.pread(offset, n)
+
+
+# --------------------------------------------------------------------------- zip structure
+STORED, DEFLATED = 0, 8
+_EOCD = struct.Struct("<4sHHHHIIH")  # signature, disk, cd disk, entries here, entries, cd size, cd offset, comment
+_Z64_LOCATOR = struct.Struct("<4sIQI")
+_Z64_EOCD = struct.Struct("<4sQHHIIQQQQ")
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")
+_U32 = 0xFFFFFFFF
+_FLAG_ENCRYPTED, _FLAG_DESCRIPTOR = 0x1, 0x8
+# Members torch.save writes and torch.load reads (torch/serialization.py, caffe2/serialize/inline_container.cc).
+_MEMBER_RE = re.compile(
+    r"data\.pkl|byteorder|version|\.data/version|\.format_version|\.storage_alignment|"
+    r"\.data/serialization_id|data/[0-9]{1,20}"
+)
+_SMALL_MEMBER_BYTES = 1024  # version, byteorder, .format_version, ...: a few bytes each
+
+
+@dataclass(frozen=True)
+class Member:
+    """One archive member, its local header checked against its central entry.
+
+    Attributes:
+        name: name inside the archive folder (``data.pkl``, ``data/0``).
+        method: ``0`` stored or ``8`` deflate.
+        crc32: CRC-32 of the uncompressed bytes (central directory).
+        compressed_size, size: bytes stored / uncompressed.
+        header_offset: offset of the local header in the window.
+        data_offset: offset of the first data byte in the window.
+    """
+
+    name: str
+    method: int
+    crc32: int
+    compressed_size: int
+    size: int
+    header_offset: int
+    data_offset: int
+
+
+@dataclass(frozen=True)
+class Archive:
+    """A parsed ``torch.save`` archive: its folder ``prefix`` and members by name."""
+
+    prefix: str
+    members: dict[str, Member]
+
+    def read(self, window: Window, name: str, cap: int, *, what: str = "") -> bytes | None:
+        """The uncompressed bytes of member ``name`` (``None`` if absent), CRC-checked.
+
+        Raises:
+            SizeLimitError: the member is larger than ``cap`` (checked before reading or inflating).
+            ArchiveError: damaged member; ArchiveChecksumError: CRC mismatch.
+        """
+        m = self.members.get(name)
+        if m is None:
+            return None
+        if m.size > cap:
+            raise SizeLimitError(f"{what or name} is {m.size} bytes uncompressed, over the cap of {limits.human(cap)}")
+        if m.method == STORED:
+            data = window.pread(m.data_offset, m.size)
+        else:
+            out = bytearray(m.size)
+            inflate_into(window, m, memoryview(out))
+            data = bytes(out)
+        if crc32(data, 0) != m.crc32:
+            raise ArchiveChecksumError(f"member {name} does not match its CRC-32")
+        return data
+
+
+def _extra_fields(extra: bytes) -> dict[int, bytes]:
+    out: dict[int, bytes] = {}
+    pos = 0
+    while pos + 4 <= len(extra):
+        hid, size = struct.unpack_from("<HH", extra, pos)
+        if pos + 4 + size > len(extra):
+            raise ArchiveError("malformed extra field")
+        out.setdefault(hid, extra[pos + 4 : pos + 4 + size])
+        pos += 4 + size
+    return out
+
+
+def _zip64(extra: bytes, values: list[int]) -> list[int]:
+    """Replace the ``0xFFFFFFFF`` items of ``values`` (usize, csize, offset order) from a zip64 extra field."""
+    need = [i for i, v in enumerate(values) if v == _U32]
+    if not need:
+        return values
+    z = _extra_fields(extra).get(0x0001)
+    if z is None or len(z) < 8 * len(need):
+        raise ArchiveError("zip64 sizes missing")
+    out = list(values)
+    for j, i in enumerate(need):
+        (out[i],) = struct.unpack_from("<Q", z, 8 * j)
+    return out
+
+
+def _end_records(window: Window) -> tuple[int, int, int, int]:
+    """``(entries, cd offset, cd size, cd end)`` from the end records, which must end the window."""
+    n = window.length
+    if n < _EOCD.size:
+        raise ArchiveError(f"{n} bytes: too short for a zip archive")
+    tail_len = min(n, _EOCD.size + 0xFFFF)
+    tail = window.pread(n - tail_len, tail_len)
+    pos = tail.rfind(b"PK\x05\x06")
+    fields = None
+    while pos >= 0:
+        fields = _EOCD.unpack_from(tail, pos) if pos + _EOCD.size <= len(tail) else None
+        if fields is not None and pos + _EOCD.size + fields[7] == len(tail):
+            break
+        pos = tail.rfind(b"PK\x05\x06", 0, pos)
+    if pos < 0 or fields is None:
+        raise ArchiveError("no end-of-central-directory record at the end of the archive")
+    eocd = n - tail_len + pos
+    _, disk, cd_disk, here, entries, cd_size, cd_offset, _ = fields
+    cd_end = eocd
+    loc_at = eocd - _Z64_LOCATOR.size
+    if loc_at >= 0 and window.pread(loc_at, 4) == b"PK\x06\x07":
+        _, z_disk, z_at, z_disks = _Z64_LOCATOR.unpack(window.pread(loc_at, _Z64_LOCATOR.size))
+        if z_at < 0 or z_at + _Z64_EOCD.size > loc_at:
+            raise ArchiveError("zip64 end record outside the archive")
+        z = _Z64_EOCD.unpack(window.pread(z_at, _Z64_EOCD.size))
+        if z[0] != b"PK\x06\x06" or z_at + 12 + z[1] != loc_at:
+            raise ArchiveError("malformed zip64 end record")
+        _, _, _, _, disk, cd_disk, here, entries, cd_size, cd_offset = z
+        if z_disk != 0 or z_disks > 1:
+            raise ArchiveError("multi-disk archive")
+        cd_end = z_at
+    elif _U32 in (cd_size, cd_offset) or 0xFFFF in (here, entries):
+        raise ArchiveError("zip64 fields without a zip64 end record")
+    if disk != 0 or cd_disk != 0 or here != entries:
+        raise ArchiveError("multi-disk archive")
+    if cd_offset + cd_size != cd_end:
+        # zipfile would shift every offset by the difference (data prepended); torch would not.
+        raise ArchiveError("central directory does not end where the end records begin")
+    return entries, cd_offset, cd_size, cd_end
+
+
+def _descriptor_len(window: Window, at: int, next_at: int, crc: int, csize: int, size: int) -> None:
+    """Check the data descriptor torch writes after a member (flag bit 3) fills ``[at, next_at)`` and agrees."""
+    room = next_at - at
+    raw = window.pread(at, min(room, 24)) if room > 0 else b""
+    forms = ((b"PK\x07\x08", "<III"), (b"PK\x07\x08", "<IQQ"), (b"", "<III"), (b"", "<IQQ"))
+    for sig, fmt in forms:
+        length = len(sig) + struct.calcsize(fmt)
+        if length != room or not raw.startswith(sig):
+            continue
+        if struct.unpack_from(fmt, raw, len(sig)) == (crc, csize, size):
+            return
+    raise ArchiveError("data descriptor disagrees with the central directory")
+
+
+def parse_archive(window: Window, *, max_members: int | None = None) -> Archive:
+    """Parse the zip structure of a ``torch.save`` archive (see the module docstring).
+
+    Args:
+        window: the archive's bytes.
+        max_members: cap on members (default :attr:`Limits.max_archive_members`).
+
+    Raises:
+        ArchiveError: anything torch's reader would refuse or read differently from ckpttool.
+    """
+    cap = max_members if max_members is not None else limits.current().max_archive_members
+    if not isinstance(window, _Prefetched):
+        window = _Prefetched(window)
+    entries, cd_offset, cd_size, _ = _end_records(window)
+    if entries == 0:
+        raise ArchiveError("archive has no members")
+    if entries > cap:
+        raise ArchiveError(f"archive has {entries} members, over the cap of {cap}")
+    if cd_size > entries * (_CENTRAL.size + 3 * 0xFFFF):
+        raise ArchiveError("central directory larger than its entries can be")
+    cd = window.pread(cd_offset, cd_size)
+    pos = 0
+    prefix: str | None = None
+    members: dict[str, Member] = {}
+    seen_lower: set[str] = set()
+    raw_members: list[tuple[int, int, int, int, int, int, bytes, str, bool]] = []
+    for _ in range(entries):
+        if pos + _CENTRAL.size > len(cd):
+            raise ArchiveError("central directory truncated")
+        (sig, _, _, flags, method, _, _, crc, csize, usize, nlen, elen, clen, disk, _, _, offset) = (
+            _CENTRAL.unpack_from(cd, pos)
+        )
+        if sig != b"PK\x01\x02":
+            raise ArchiveError("bad central directory entry")
+        name_b = cd[pos + _CENTRAL.size : pos + _CENTRAL.size + nlen]
+        extra = cd[pos + _CENTRAL.size + nlen : pos + _CENTRAL.size + nlen + elen]
+        pos += _CENTRAL.size + nlen + elen + clen
+        if pos > len(cd):
+            raise ArchiveError("central directory truncated")
+        usize, csize, offset = _zip64(extra, [usize, csize, offset])
+        if flags & _FLAG_ENCRYPTED:
+            raise ArchiveError("encrypted member")
+        if method not in (STORED, DEFLATED):
+            raise ArchiveError(f"member compressed with method {method} (torch reads stored or deflate only)")
+        if method == STORED and csize != usize:
+            raise ArchiveError("stored member with differing sizes")
+        try:
+            name = name_b.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ArchiveError("member name is not UTF-8") from None
+        if prefix is None:
+            # torch: the folder of the first central-directory entry is the archive's name
+            if "/" not in name or name.index("/") == 0:
+                raise ArchiveError(f"first member {name[:60]!r} is not in a folder")
+            prefix = name[: name.index("/")]
+        if not name.startswith(prefix + "/") or not _MEMBER_RE.fullmatch(name[len(prefix) + 1 :]):
+            raise ArchiveError(f"member {name[:80]!r} is not one torch.save writes under {prefix[:40]!r}/")
+        if name.lower() in seen_lower:
+            raise ArchiveError(f"duplicate member {name[:80]!r} (torch would read one of them, unspecified which)")
+        seen_lower.add(name.lower())
+        raw_members.append((offset, flags, method, crc, csize, usize, name_b, name, bool(disk)))
+    if pos != len(cd):
+        raise ArchiveError("central directory holds bytes after its entries")
+    assert prefix is not None
+    raw_members.sort()
+    expected_at = 0
+    for i, (offset, flags, method, crc, csize, usize, name_b, name, _) in enumerate(raw_members):
+        if offset != expected_at:
+            raise ArchiveError(
+                f"member {name[:80]!r} starts at {offset}, expected {expected_at} (gap, overlap or prepended bytes)"
+            )
+        if offset + _LOCAL.size > cd_offset:
+            raise ArchiveError(f"local header of {name[:80]!r} overlaps the central directory")
+        (sig, _, lflags, lmethod, _, _, lcrc, lcsize, lusize, lnlen, lelen) = _LOCAL.unpack(
+            window.pread(offset, _LOCAL.size)
+        )
+        if sig != b"PK\x03\x04":
+            raise ArchiveError(f"no local header for {name[:80]!r}")
+        if offset + _LOCAL.size + lnlen + lelen > cd_offset:
+            raise ArchiveError(f"local header of {name[:80]!r} overlaps the central directory")
+        local = window.pread(offset + _LOCAL.size, lnlen + lelen)
+        if local[:lnlen] != name_b:
+            raise ArchiveError(f"local header names {local[:lnlen][:80]!r}, the central directory {name[:80]!r}")
+        if lmethod != method or (lflags ^ flags) & (_FLAG_ENCRYPTED | _FLAG_DESCRIPTOR):
+            raise ArchiveError(f"local header of {name[:80]!r} disagrees with the central directory (method, flags)")
+        data_at = offset + _LOCAL.size + lnlen + lelen
+        data_end = data_at + csize
+        next_at = raw_members[i + 1][0] if i + 1 < len(raw_members) else cd_offset
+        if data_end > next_at:
+            raise ArchiveError(f"member {name[:80]!r} runs into the next member or the central directory")
+        if flags & _FLAG_DESCRIPTOR:
+            if (lcrc, lcsize, lusize) != (0, 0, 0) and (
+                lcrc != crc or _zip64(local[lnlen:], [lusize, lcsize]) != [usize, csize]
+            ):
+                raise ArchiveError(f"local header of {name[:80]!r} disagrees with the central directory (sizes)")
+            _descriptor_len(window, data_end, next_at, crc, csize, usize)
+        else:
+            if lcrc != crc or _zip64(local[lnlen:], [lusize, lcsize]) != [usize, csize]:
+                raise ArchiveError(f"local header of {name[:80]!r} disagrees with the central directory (CRC, sizes)")
+            if data_end != next_at:
+                raise ArchiveError(f"{next_at - data_end} unaccounted bytes after member {name[:80]!r}")
+        expected_at = next_at
+        rel = name[len(prefix) + 1 :]
+        members[rel] = Member(rel, method, crc, csize, usize, offset, data_at)
+    if "data.pkl" not in members:
+        raise ArchiveError("archive has no data.pkl")
+    if "version" not in members and ".data/version" not in members:
+        raise ArchiveError("archive has no version record (torch refuses it)")
+    return Archive(prefix, members)
+
+
+def inflate_into(window: Window, member: Member, out: memoryview) -> None:
+    """Fill ``out`` (``member.size`` bytes) from a stored or deflate member, never producing more.
+
+    Raises:
+        ArchiveError: the stream is corrupt, ends early, or would inflate past its declared size.
+    """
+    if len(out) != member.size:
+        raise ArchiveError("destination size differs from the member's")
+    if member.method == STORED:
+        out[:] = window.pread(member.data_offset, member.size)
+        return
+    d = zlib.decompressobj(-15)
+    pos, done, left = member.data_offset, 0, member.compressed_size
+    try:
+        while left > 0 or d.unconsumed_tail:
+            if d.unconsumed_tail:
+                piece = d.unconsumed_tail
+            else:
+                n = min(1 << 20, left)
+                piece = window.pread(pos, n)
+                pos, left = pos + n, left - n
+            got = d.decompress(piece, member.size - done + 1)
+            if done + len(got) > member.size:
+                raise ArchiveError(f"member {member.name} inflates past its declared {member.size} bytes")
+            out[done : done + len(got)] = got
+            done += len(got)
+            if d.eof:
+                break
+    except zlib.error as e:
+        raise ArchiveError(f"member {member.name}: corrupt deflate stream ({e})") from e
+    if not d.eof or done != member.size:
+        raise ArchiveError(f"member {member.name} inflates to {done} bytes, declared {member.size}")
+
+
+# --------------------------------------------------------------------------- tensor archives
 @dataclass(frozen=True)
 class TensorRecord:
     """Where a chunk's tensor lies in its archive.
 
     Attributes:
-        dtype: dtype name from the storage type.
+        dtype: dtype name (from the typed storage, or ``_rebuild_tensor_v3``'s dtype).
         size, stride, storage_offset: the view of the storage (elements).
         storage_numel: elements in the storage record.
         data_offset: byte offset of the raw storage record inside the window.
+        crc32: CRC-32 of the record's bytes (its zip entry).
+        compressed_size: bytes the record occupies in the window.
+        deflated: the record is deflate-compressed (read with :func:`inflate_into`).
+        big_endian: the archive's ``byteorder`` is ``big`` (bytes must be swapped).
+        member: the record's zip member (``None`` for an empty storage without a record).
     """
 
     dtype: str
@@ -100,169 +518,205 @@ class TensorRecord:
     storage_offset: int
     storage_numel: int
     data_offset: int
+    crc32: int = 0
+    compressed_size: int = 0
+    deflated: bool = False
+    big_endian: bool = False
+    member: Member | None = None
+
+
+class _Dtype(str):
+    """A ``torch.<dtype>`` global in a tensor archive's ``data.pkl`` (v3 encoding)."""
+
+
+_UNTYPED = ("storage_type", None)
 
 
 class _TensorPickle(pickle.Unpickler):
-    """Unpickler for a single-tensor ``data.pkl`` (``_rebuild_tensor_v2`` + one storage)."""
+    """Unpickler for a single-tensor ``data.pkl`` (``_rebuild_tensor_v2``/``_v3`` + one storage)."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild_spec
+            return _rebuild_v2
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v3"):
+            return _rebuild_v3
         if module == "torch" and name in STORAGE_DTYPES:
             return ("storage_type", STORAGE_DTYPES[name])
+        if (module, name) == ("torch.storage", "UntypedStorage") or (module, name) == ("torch", "UntypedStorage"):
+            return _UNTYPED
+        if module == "torch" and name in DTYPE_ITEMSIZE:
+            return _Dtype(name)
         if (module, name) == ("collections", "OrderedDict"):
             return dict
-        if (module, name) in _V3_GLOBALS:
-            raise _NotV2Archive(name)  # float8/uint16 etc.: torch.load(weights_only=True) reads those
         raise UnsafePickleError(f"tensor archive names pickle global {module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
-        if (
-            isinstance(pid, tuple)
-            and len(pid) == 5
-            and pid[0] == "storage"
-            and isinstance(pid[1], tuple)
-            and pid[1][0] == "storage_type"
-            and isinstance(pid[2], str)
-            and type(pid[4]) is int
-        ):
-            return ("storage", pid[1][1], pid[2], pid[4])
-        raise UnsafePickleError("tensor archive holds an unexpected persistent id")
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise UnsafePickleError("tensor archive holds an unexpected persistent id")
+        _, stype, key, location, numel = pid
+        if not (isinstance(stype, tuple) and len(stype) == 2 and stype[0] == "storage_type"):
+            raise StorageTupleError(f"storage tuple names storage type {stype!r:.60}, not a torch storage class")
+        if type(key) is not str or not key.isdigit() or len(key) > 20:
+            raise StorageTupleError(f"storage tuple key is {key!r:.60}, not a decimal string")
+        if type(location) is not str or len(location) > 64:
+            raise StorageTupleError(f"storage tuple location is {location!r:.60}, not a device string")
+        if type(numel) is not int or not 0 <= numel < 1 << 62:
+            raise StorageTupleError(f"storage tuple size is {_short(numel)}, not an int in [0, 2^62)")
+        return ("storage", stype[1], key, numel)
 
 
-_V3_GLOBALS = {("torch._utils", "_rebuild_tensor_v3"), ("torch.storage", "UntypedStorage")}
+def _short(v: Any) -> str:
+    """``repr`` of an untrusted value that cannot fail (huge ints) and stays short."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
+        return f"an int of {v.bit_length()} bits"
+    try:
+        return f"{v!r:.60}"
+    except Exception:
+        return f"a {type(v).__name__}"
 
 
-class _NotV2Archive(Exception):
-    """The archive uses torch's newer tensor encoding (``_rebuild_tensor_v3`` + ``UntypedStorage``)."""
+def _rebuild_v2(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> tuple[Any, ...]:
+    return ("tensor", storage, storage_offset, size, stride, None)
 
 
-def _rebuild_spec(
-    storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any
-) -> tuple[str, Any, Any, Any, Any]:
-    return ("tensor", storage, storage_offset, size, stride)
+def _rebuild_v3(
+    storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any, *rest: Any
+) -> tuple[Any, ...]:
+    return ("tensor", storage, storage_offset, size, stride, dtype)
 
 
-# What zipfile raises on damaged archives besides BadZipFile: NotImplementedError (a corrupt header
-# that claims a multi-disk archive or an unknown compression), RuntimeError (an "encrypted" flag),
-# struct.error / OverflowError (absurd header fields), zlib.error (corrupt deflate data).
-_ZIP_DAMAGE = (NotImplementedError, RuntimeError, struct.error, OverflowError, zlib.error)
+def _small(archive: Archive, window: Window, name: str) -> bytes | None:
+    return archive.read(window, name, _SMALL_MEMBER_BYTES)
 
 
-def _as_bad_zip(func: Callable[..., _T]) -> Callable[..., _T]:
-    """Re-raise zipfile's other damage exceptions as :class:`zipfile.BadZipFile` (one type for callers)."""
+def check_torch_records(archive: Archive, window: Window) -> bytes | None:
+    """Read the small records torch's loader reads and refuse what it refuses; return ``byteorder``.
 
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> _T:
-        try:
-            return func(*args, **kwargs)
-        except _ZIP_DAMAGE as e:
-            raise zipfile.BadZipFile(f"damaged archive ({type(e).__name__}: {str(e)[:80]})") from e
-
-    return wrapper
-
-
-def _zip(window: FileWindow) -> zipfile.ZipFile:
-    return zipfile.ZipFile(window, "r")
-
-
-def _member(zf: zipfile.ZipFile, suffix: str) -> zipfile.ZipInfo | None:
-    for info in zf.infolist():
-        if info.filename.endswith(suffix) and info.filename.count("/") == suffix.count("/") + 1:
-            return info
-    return None
-
-
-def _data_start(window: FileWindow, info: zipfile.ZipInfo) -> int:
-    """Byte offset of a stored member's data (after its local file header)."""
-    header = bytearray(30)
-    window.seek(info.header_offset)
-    if window.readinto(header) != 30 or header[:4] != b"PK\x03\x04":
-        raise zipfile.BadZipFile("bad local file header")
-    name_len = int.from_bytes(header[26:28], "little")
-    extra_len = int.from_bytes(header[28:30], "little")
-    return info.header_offset + 30 + name_len + extra_len
-
-
-@_as_bad_zip
-def read_archive_pickle(window: FileWindow) -> bytes:
-    """Return ``data.pkl`` of the archive in ``window``.
+    ``version`` (or ``.data/version``) must be a file format version torch reads (1-10,
+    ``caffe2/serialize/versions.h``), ``byteorder`` ``little`` or ``big``,
+    ``.storage_alignment`` an integer, ``.data/serialization_id`` UTF-8 text
+    (``torch/serialization.py``, ``_load``); each is CRC-checked.
 
     Raises:
-        zipfile.BadZipFile, KeyError, ValueError: not a ``torch.save`` archive.
+        ArchiveError: a record torch would refuse; ArchiveChecksumError: one that fails its CRC-32.
     """
-    with _zip(window) as zf:  # closed here, not by a finalizer (where a Ctrl-C exception would be lost)
-        info = _member(zf, "data.pkl")
-        if info is None:
-            raise KeyError("data.pkl")
-        return zf.read(info)
+    for name in (".format_version", ".data/serialization_id", ".storage_alignment"):
+        data = _small(archive, window, name)
+        if data is None:
+            continue
+        try:
+            if name == ".storage_alignment":
+                int(data)
+            elif name == ".data/serialization_id":
+                data.decode("utf-8")
+        except ValueError:
+            raise ArchiveError(f"record {name} holds {data[:24]!r}, which torch cannot read") from None
+    bo = _small(archive, window, "byteorder")
+    if bo not in (None, b"little", b"big"):
+        raise ArchiveError(f"byteorder record {bo[:16]!r} is neither little nor big")
+    version = _small(archive, window, "version")
+    if version is None:
+        version = _small(archive, window, ".data/version")
+    try:
+        ok_version = version is not None and 1 <= int(version.strip()) <= 10
+    except ValueError:
+        ok_version = False
+    if not ok_version:
+        raise ArchiveError("archive version record is not a file format version torch reads (1-10)")
+    return bo
 
 
-@_as_bad_zip
-def parse_tensor_archive(window: FileWindow) -> TensorRecord | None:
+def read_archive_pickle(window: Window, *, cap: int | None = None) -> bytes:
+    """``data.pkl`` of the archive in ``window`` (a byte item or ``extra_state`` file), size-capped.
+
+    Raises:
+        ArchiveError: not a ``torch.save`` archive torch would read the same way.
+        SizeLimitError: ``data.pkl`` is larger than ``cap`` (default :attr:`Limits.max_object_bytes`).
+    """
+    archive = parse_archive(window)
+    data = archive.read(
+        window, "data.pkl", cap if cap is not None else limits.current().max_object_bytes, what="data.pkl"
+    )
+    assert data is not None
+    return data
+
+
+def parse_tensor_archive(window: Window) -> TensorRecord:
     """Locate the tensor in a single-tensor ``torch.save`` archive.
 
-    Returns:
-        The record, or ``None`` when the archive is valid-looking but unusual
-        (big-endian, compressed member, unknown storage type) and should be
-        read with ``torch.load(weights_only=True)`` instead.
-
     Raises:
-        zipfile.BadZipFile, KeyError, ValueError: corrupt or not a tensor archive.
+        ArchiveError: corrupt, not a tensor archive, or one torch would read differently.
+        StorageTupleError: ``data.pkl``'s storage tuple or tensor view has fields of the wrong types.
         UnsafePickleError: ``data.pkl`` names a global other than a tensor rebuild.
     """
-    with _zip(window) as zf:  # closed here, not by a finalizer (where a Ctrl-C exception would be lost)
-        return _parse_tensor_zip(zf, window)
-
-
-def _parse_tensor_zip(zf: zipfile.ZipFile, window: FileWindow) -> TensorRecord | None:
-    pkl = _member(zf, "data.pkl")
-    if pkl is None:
-        raise KeyError("data.pkl")
-    bo = _member(zf, "byteorder")
-    if bo is not None and zf.read(bo) != b"little":
-        return None
+    window = _Prefetched(window)  # the small members are read from the same two reads
+    archive = parse_archive(window, max_members=16)
+    bo = check_torch_records(archive, window)
+    pkl = archive.read(window, "data.pkl", limits.current().max_tensor_pickle_bytes, what="a chunk's data.pkl")
+    assert pkl is not None
     try:
-        spec = _TensorPickle(io.BytesIO(zf.read(pkl))).load()
-    except _NotV2Archive:
-        return None
-    except UnsafePickleError:
+        spec = _TensorPickle(io.BytesIO(pkl)).load()
+    except (UnsafePickleError, StorageTupleError):
         raise
     except Exception as e:
-        raise ValueError(f"data.pkl unreadable: {type(e).__name__}") from e
-    if not (isinstance(spec, tuple) and len(spec) == 5 and spec[0] == "tensor"):
-        raise ValueError("archive does not hold a single tensor")
-    _, storage, storage_offset, size, stride = spec
-    if not (isinstance(storage, tuple) and storage[0] == "storage"):
-        raise ValueError("tensor without storage")
+        raise ArchiveError(f"data.pkl unreadable: {type(e).__name__}") from e
+    if not (isinstance(spec, tuple) and len(spec) == 6 and spec[0] == "tensor"):
+        raise ArchiveError("archive does not hold a single tensor")
+    _, storage, storage_offset, size, stride, v3_dtype = spec
+    if not (isinstance(storage, tuple) and len(storage) == 4 and storage[0] == "storage"):
+        raise StorageTupleError("tensor rebuilt from something that is not a storage")
     _, dtype, key, storage_numel = storage
+    if dtype is None:  # v3: UntypedStorage sized in bytes, the dtype is an argument
+        if type(v3_dtype) is not _Dtype:
+            raise StorageTupleError(f"_rebuild_tensor_v3 dtype is {_short(v3_dtype)}, not a torch dtype")
+        dtype = str(v3_dtype)
+        item = DTYPE_ITEMSIZE[dtype]
+        if storage_numel % item:
+            raise StorageTupleError(f"untyped storage of {storage_numel} bytes is not a whole number of {dtype}")
+        storage_numel //= item
+    elif v3_dtype is not None:
+        raise StorageTupleError("_rebuild_tensor_v2 with a dtype argument")
     if not (
         isinstance(size, tuple)
         and isinstance(stride, tuple)
-        and len(size) == len(stride)
-        and all(type(x) is int and x >= 0 for x in size + stride)
+        and len(size) == len(stride) <= 64
+        and all(type(x) is int and 0 <= x < 1 << 62 for x in size + stride)
         and type(storage_offset) is int
-        and storage_offset >= 0
-        and storage_numel >= 0
+        and 0 <= storage_offset < 1 << 62
     ):
-        raise ValueError("tensor view fields are malformed")
-    rec = _member(zf, f"data/{key}")
+        raise StorageTupleError(
+            f"tensor view fields are malformed (offset {_short(storage_offset)}, size {_short(size)}, "
+            f"stride {_short(stride)})"
+        )
+    itemsize = DTYPE_ITEMSIZE[dtype]
+    rec = archive.members.get(f"data/{key}")
+    records = [n for n in archive.members if n.startswith("data/")]
+    if records != ([f"data/{key}"] if rec is not None else []):
+        raise ArchiveError(f"archive holds records {records[:4]} besides its tensor's data/{key}")
     if rec is None:
         if storage_numel != 0:
-            raise KeyError(f"data/{key}")
-        data_offset = 0
+            raise ArchiveError(f"archive has no record data/{key}")
+        record = TensorRecord(dtype, size, stride, storage_offset, 0, 0, big_endian=bo == b"big")
     else:
-        if rec.compress_type != zipfile.ZIP_STORED:
-            return None
-        data_offset = _data_start(window, rec)
-        from ckpttool.format.metadata import DTYPE_ITEMSIZE
-
-        if rec.file_size != storage_numel * DTYPE_ITEMSIZE[dtype]:
-            raise ValueError(f"storage record holds {rec.file_size} bytes, expected {storage_numel} elements")
+        if rec.size != storage_numel * itemsize:
+            raise ArchiveError(f"storage record holds {rec.size} bytes, expected {storage_numel} elements")
+        record = TensorRecord(
+            dtype,
+            size,
+            stride,
+            storage_offset,
+            storage_numel,
+            rec.data_offset,
+            rec.crc32,
+            rec.compressed_size,
+            rec.method == DEFLATED,
+            bo == b"big",
+            rec,
+        )
     if any(s == 0 for s in size):
         span = 0
     else:
         span = storage_offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1
     if span > storage_numel:
-        raise ValueError("tensor view reaches past its storage")
-    return TensorRecord(dtype, size, stride, storage_offset, storage_numel, data_offset)
+        raise ArchiveError("tensor view reaches past its storage")
+    return record

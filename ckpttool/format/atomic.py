@@ -225,6 +225,7 @@ class AtomicOutputDir:
         self.overwrite = overwrite
         self.source = _absolute(source) if source is not None else None
         self.tmp: Path | None = None
+        self._created: list[Path] = []  # parents of target this run created, deepest first
         self._old_handlers: dict[int, Any] = {}
         # Set by the handlers: an exception raised in a signal handler is lost when it lands
         # in a finalizer (``ZipFile.__del__``), so the commit checks this flag as well.
@@ -249,9 +250,17 @@ class AtomicOutputDir:
     def __enter__(self) -> Path:
         check_output_target(self.target, overwrite=self.overwrite, source=self.source)
         parent = self.target.parent
+        missing = []
+        for a in (parent, *parent.parents):
+            if a.exists() or a.is_symlink():
+                break
+            missing.append(a)
         try:
             parent.mkdir(parents=True, exist_ok=True)
+            self._created = missing
         except OSError as e:
+            self._created = [a for a in missing if a.is_dir()]
+            self._remove_created_parents()
             why = e.strerror or str(e)
             if isinstance(e, (FileExistsError, NotADirectoryError)):
                 blocker = next((a for a in (parent, *parent.parents) if a.exists() or a.is_symlink()), parent)
@@ -264,6 +273,7 @@ class AtomicOutputDir:
         try:
             tmp.mkdir()
         except OSError as e:
+            self._remove_created_parents()
             raise OutputError(
                 f"{parent}: cannot write there ({e.strerror})", path=parent, hint="choose a writable output location"
             ) from e
@@ -284,9 +294,19 @@ class AtomicOutputDir:
             self._old_handlers.clear()
 
     def _remove_tmp(self) -> None:
+        """Remove the temporary directory and the parents of ``target`` this run created (no output: no trace)."""
         assert self.tmp is not None
         with signals_deferred():  # a second Ctrl-C must not cut the cleanup short (a leftover temp dir)
             shutil.rmtree(self.tmp, ignore_errors=True)
+            self._remove_created_parents()
+
+    def _remove_created_parents(self) -> None:
+        for a in self._created:  # deepest first; one that another process filled meanwhile stays
+            try:
+                os.rmdir(a)
+            except OSError:
+                break
+        self._created = []
 
     def _write_failure(self, exc: BaseException | None) -> str | None:
         """Why writing failed, when ``exc`` is a failed write (disk full, file too large, read-only, ...)."""

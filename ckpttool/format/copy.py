@@ -42,26 +42,48 @@ def bounce_buffer() -> memoryview:
     return buf
 
 
-def copy_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, length: int) -> None:
+def copy_range(
+    src_fd: int,
+    dst_fd: int,
+    src_offset: int,
+    dst_offset: int,
+    length: int,
+    *,
+    crc_span: tuple[int, int] | None = None,
+) -> int | None:
     """Copy ``length`` bytes at ``src_offset`` of ``src_fd`` to ``dst_offset`` of ``dst_fd``.
 
     Args:
         src_fd, dst_fd: open descriptors (read / write); their file positions are untouched.
         src_offset, dst_offset, length: in bytes.
+        crc_span: ``(start, end)`` relative to ``src_offset``: compute the CRC-32 of those bytes
+            as they pass through the buffer (still in the CPU cache: no second read).
+
+    Returns:
+        The CRC-32 of ``crc_span`` (``None`` without one).
 
     Raises:
         EOFError: the source ends before ``length`` bytes were read (a truncated file);
             callers turn it into their own error naming the file and key.
         OSError: reading or writing failed (``ENOSPC``, ``EIO``, ...).
     """
+    from ckpttool.format.crc import crc32
+
     buf = bounce_buffer()
     done = 0
+    crc = 0
+    lo, hi = crc_span if crc_span is not None else (0, 0)
     while done < length:
         want = min(BOUNCE_BYTES, length - done)
         got = os.preadv(src_fd, [buf[:want]], src_offset + done)
         if got <= 0:
             raise EOFError(f"source ends at offset {src_offset + done}, {length - done} bytes short")
+        if crc_span is not None:
+            a, b = max(lo, done), min(hi, done + got)
+            if a < b:
+                crc = crc32(buf[a - done : b - done], crc)
         written = 0
         while written < got:
             written += os.pwrite(dst_fd, buf[written:got], dst_offset + done + written)
         done += got
+    return crc if crc_span is not None else None

@@ -22,21 +22,35 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import threading
 from pathlib import Path
 
 from ckpttool.errors import (
+    CkptError,
     DataFileError,
     IncompleteCheckpointError,
     MetadataError,
+    NotRegularFileError,
     PathEscapeError,
     UsageError,
 )
+from ckpttool.format import limits
+from ckpttool.format.files import _kind, copy_regular, open_regular, read_regular, resolve_inside
 from ckpttool.format.hf_storage import hf_storage_files, load_hf_storage_metadata, shard_rank
 from ckpttool.format.metadata import CheckpointMetadata, ChunkMeta, StorageInfo
-from ckpttool.format.unpickler import load_metadata
+from ckpttool.format.unpickler import parse_metadata_bytes
 
-__all__ = ["DATA_FILE_RE", "METADATA_NAME", "CheckpointDir", "rank_of_file"]
+__all__ = [
+    "DATA_FILE_RE",
+    "METADATA_NAME",
+    "CheckpointDir",
+    "rank_of_file",
+    "resolve_inside",
+    "open_regular",
+    "read_regular",
+    "copy_regular",
+]
 
 DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 METADATA_NAME = ".metadata"
@@ -90,14 +104,15 @@ class CheckpointDir:
         self._sizes: dict[str, int] = {}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.metadata: CheckpointMetadata
         if metadata is not None:
-            self.metadata: CheckpointMetadata = metadata
+            self.metadata = metadata
             return
         md = p / METADATA_NAME
-        if not md.is_file() and hf_storage_files(p):
+        if not os.path.lexists(md) and hf_storage_files(p):
             self.metadata = load_hf_storage_metadata(p)
             return
-        if not md.is_file():
+        if not os.path.lexists(md):
             if any(DATA_FILE_RE.match(n) for n in os.listdir(p)):
                 raise IncompleteCheckpointError(
                     f"{p}: has .distcp data files but no .metadata (incomplete save)", path=md
@@ -107,7 +122,11 @@ class CheckpointDir:
                 path=md,
                 hint="pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files)",
             )
-        self.metadata = load_metadata(md)
+        try:
+            data = self.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
+        except DataFileError as e:
+            raise MetadataError(e.message, path=md) from e
+        self.metadata = parse_metadata_bytes(data, str(md))
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -141,11 +160,28 @@ class CheckpointDir:
         root = next((r for k, r in self._part_roots.items() if relative_path.startswith(k + "/")), self.root)
         if target != root and root not in target.parents:
             raise PathEscapeError(
-                f"{self.path}: storage path {relative_path!r} resolves outside the checkpoint ({target})",
+                f"{self.path}: path {relative_path!r} resolves outside the checkpoint ({target})",
                 path=relative_path,
             )
         self._resolved[relative_path] = target
         return target
+
+    def read_file(self, relative_path: str, cap: int, *, what: str = "file") -> bytes:
+        """Read a file of the checkpoint (``.metadata``, ``layout.json``, ``extra_state/*``): confined, regular, capped.
+
+        Raises:
+            PathEscapeError: it resolves outside the checkpoint (a symlink out of it).
+            NotRegularFileError: a device, FIFO, socket or directory.
+            SizeLimitError: larger than ``cap``.
+            DataFileError: missing or unreadable.
+        """
+        target = self.resolve(relative_path)
+        try:
+            return read_regular(target, cap, shown=self.path / relative_path, what=what)
+        except CkptError:
+            raise
+        except OSError as e:
+            raise DataFileError(f"{self.path / relative_path}: cannot read ({e.strerror})", path=relative_path) from e
 
     def file_size(self, relative_path: str) -> int:
         """Size in bytes of a data file.
@@ -162,8 +198,11 @@ class CheckpointDir:
                 raise DataFileError(
                     f"{self.path / relative_path}: data file missing ({e.strerror})", path=relative_path
                 ) from e
-            if not target.is_file():
-                raise DataFileError(f"{self.path / relative_path}: not a regular file", path=relative_path)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotRegularFileError(
+                    f"{self.path / relative_path}: data file is {_kind(st.st_mode)}, not a regular file",
+                    path=relative_path,
+                )
             size = st.st_size
             self._sizes[relative_path] = size
         return size
@@ -181,7 +220,7 @@ class CheckpointDir:
                 if fd is None:
                     target = self.resolve(relative_path)
                     try:
-                        fd = os.open(target, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                        fd = open_regular(target, shown=self.path / relative_path)
                     except OSError as e:
                         raise DataFileError(
                             f"{self.path / relative_path}: cannot open data file ({e.strerror})",

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import MetadataError
+from ckpttool.format.files import open_regular, resolve_inside
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo, TensorMeta
 
 __all__ = [
@@ -108,20 +109,26 @@ def read_safetensors_header(path: Path, size: int | None = None) -> tuple[dict[s
     Raises:
         MetadataError: unreadable, a header length past the file or above
             :data:`MAX_HEADER_BYTES`, not UTF-8 JSON, or not a JSON object.
+        NotRegularFileError: ``path`` is a FIFO, device, socket or directory.
     """
     try:
-        if size is None:
-            size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise _bad(path, f"{size} bytes, shorter than the 8-byte header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or n > size - 8:
-                raise _bad(path, f"header length {n} exceeds the file ({size} bytes) or {MAX_HEADER_BYTES} bytes")
-            raw = f.read(n)
+        fd = open_regular(path)  # never a FIFO or device; the caller confines the path
     except OSError as e:
         raise MetadataError(f"{path}: cannot read ({e.strerror})", path=path) from e
+    try:
+        if size is None:
+            size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise _bad(path, f"{size} bytes, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or n > size - 8:
+            raise _bad(path, f"header length {n} exceeds the file ({size} bytes) or {MAX_HEADER_BYTES} bytes")
+        raw = os.pread(fd, n, 8)
+    except OSError as e:
+        raise MetadataError(f"{path}: cannot read ({e.strerror})", path=path) from e
+    finally:
+        os.close(fd)
     if len(raw) != n:
         raise _bad(path, "header truncated")
     try:
@@ -144,7 +151,8 @@ def hf_storage_files(path: Path) -> list[str]:
 
     Consolidated ``model-*.safetensors`` files win over per-rank ``shard-*`` files in the
     same directory (the consolidation's inputs are in ``sharded/``, which is not read).
-    Symlinks are listed like files; the reader confines them (``CheckpointDir.resolve``).
+    Symlinks are listed like files; reading one that leaves the directory is refused
+    (:func:`ckpttool.format.files.resolve_inside`).
     """
     try:
         names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors") and not n.startswith("."))
@@ -185,7 +193,7 @@ def load_hf_storage_metadata(path: Path) -> CheckpointMetadata:
     for name in files:
         p = path / name
         try:
-            size = p.stat().st_size
+            size = resolve_inside(path, name, what="safetensors file").stat().st_size
         except OSError as e:
             raise MetadataError(f"{p}: cannot read ({e.strerror})", path=p) from e
         header, data_start = read_safetensors_header(p, size)

@@ -1,67 +1,93 @@
 """The chunk locator: where a tensor chunk's raw bytes lie, checked against ``.metadata``.
 
 Every DCP tensor chunk is a complete ``torch.save`` archive at ``[offset, offset+length)``
-of its data file (``torch/distributed/checkpoint/filesystem.py``, ``_write_item``): an
-uncompressed zip holding ``data.pkl`` and one raw storage record ``data/<key>``.
-:func:`locate_chunk` is the only place in ckpttool that checks such an archive against
-the metadata; the reader, export's verbatim copy, reshard and ``validate --deep`` all read
-a chunk's bytes through the :class:`ChunkLocation` it returns. It checks, in order:
+of its data file (``torch/distributed/checkpoint/filesystem.py``, ``_write_item``): a zip
+holding ``data.pkl`` and one raw storage record ``data/<key>``. torch's reader hands exactly
+those bytes to ``torch.load``. :func:`locate_chunk` is the only place in ckpttool that checks
+such an archive against the metadata; the reader, export's verbatim copy, reshard and
+``validate --deep`` all read a chunk's bytes through the :class:`ChunkLocation` it returns.
+It checks, in order:
 
 1. the key is a tensor entry and the chunk has a ``storage_data`` entry;
-2. the data file is inside the checkpoint directory, exists, and holds the whole window;
-3. the archive parses with the restricted tensor unpickler (``data.pkl`` may name only
-   ``torch._utils._rebuild_tensor_v2`` and typed storages);
-4. its dtype and shape equal the metadata's;
-5. the raw storage record (``storage_numel * itemsize`` bytes after its local header) lies
-   inside the window.
+2. the data file is a regular file inside the checkpoint directory and holds the whole window;
+3. a stream transform (zstd) is decoded with the decoded size capped by what the metadata
+   allows (the chunk's bytes plus one archive's overhead), streamed, before anything else;
+4. the archive's zip structure is one torch reads the same way (exact member names,
+   no duplicates or decoys, local headers agree with the central directory, every member
+   inside the window: :func:`ckpttool.format.archive.parse_archive`);
+5. ``data.pkl`` parses with the restricted tensor unpickler (``_rebuild_tensor_v2`` with a
+   typed storage, or ``_rebuild_tensor_v3`` with an untyped one), its fields well typed;
+6. its dtype and shape equal the metadata's.
 
 A checkpoint written by ``HuggingFaceStorageWriter`` (``CheckpointMetadata.serialization ==
 "safetensors"``, :mod:`ckpttool.format.hf_storage`) stores each chunk as raw bytes: its
 window (from the file's size-checked safetensors header) must hold exactly
-``numel * itemsize`` bytes, and is then the chunk's record, in C order.
+``numel * itemsize`` bytes, and is then the chunk's record, in C order (safetensors holds
+no checksum: such a record has no CRC-32 to check).
 
-An archive the fast path does not map (a stream transform such as zstd, torch's newer
-``_rebuild_tensor_v3`` encoding, a compressed or big-endian record) gives a location
-without a record; callers then let ``torch.load(weights_only=True)`` decode it.
+For a ``torch.save`` archive, the record's CRC-32 is in the location; readers check it as the bytes pass
+(:meth:`ChunkLocation.check_crc`).
 """
 
 from __future__ import annotations
 
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import ChunkError, UnsafePickleError, UsageError
-from ckpttool.format.archive import FileWindow, TensorRecord, parse_tensor_archive
+from ckpttool.errors import (
+    ChecksumError,
+    ChunkError,
+    SizeLimitError,
+    StorageTupleError,
+    TransformError,
+    UnsafePickleError,
+    UsageError,
+)
+from ckpttool.format import limits
+from ckpttool.format.archive import (
+    ArchiveChecksumError,
+    ArchiveError,
+    BytesWindow,
+    FileWindow,
+    TensorRecord,
+    Window,
+    parse_tensor_archive,
+)
 from ckpttool.format.metadata import ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.format.tiling import row_major_stride
 
 if TYPE_CHECKING:
     from ckpttool.format.directory import CheckpointDir
 
-__all__ = ["ChunkLocation", "locate_chunk", "tensor_meta"]
+__all__ = ["ChunkLocation", "locate_chunk", "tensor_meta", "decode_transforms", "ARCHIVE_OVERHEAD"]
+
+#: Bytes a ``torch.save`` archive of one tensor may hold besides the record (members, padding, directory).
+ARCHIVE_OVERHEAD = 64 << 10
 
 
 @dataclass(frozen=True)
 class ChunkLocation:
-    """A validated chunk: its storage window and, when mapped, its raw storage record.
+    """A validated chunk: its storage window and its raw storage record.
 
     Attributes:
         key: the tensor's checkpoint key.
         chunk: the chunk (``offsets``, ``sizes``).
         meta: the tensor entry (dtype, global size).
         info: the storage entry, bounds-checked against its data file.
-        record: the parsed archive (``None``: decode it with ``torch.load``).
+        record: the parsed archive.
         file: the data file as named to the user (checkpoint path / ``relative_path``).
+        window: where the archive's bytes are: the data file's window, or the decoded bytes of a
+            stream transform (``record`` offsets are relative to it).
     """
 
     key: str
     chunk: ChunkMeta
     meta: TensorMeta
     info: StorageInfo
-    record: TensorRecord | None
+    record: TensorRecord
     file: Path
+    window: Window
 
     @property
     def nbytes(self) -> int:
@@ -69,11 +95,18 @@ class ChunkLocation:
         return self.chunk.numel * self.meta.dtype.itemsize
 
     @property
+    def in_file(self) -> bool:
+        """The archive's bytes are the data file's (no stream transform): they can be read or copied by offset."""
+        return isinstance(self.window, FileWindow)
+
+    @property
     def raw(self) -> bool:
-        """The record holds exactly the chunk's values in C order: they can be copied as bytes."""
+        """The record holds exactly the chunk's values in C order, as stored bytes in the data file: copyable as is."""
         r = self.record
         return (
-            r is not None
+            self.in_file
+            and not r.deflated
+            and not r.big_endian
             and r.storage_offset == 0
             and r.storage_numel == self.chunk.numel
             and r.stride == row_major_stride(r.size)
@@ -81,18 +114,27 @@ class ChunkLocation:
 
     @property
     def data_start(self) -> int:
-        """Absolute offset in the data file of the raw storage record's first byte.
-
-        Raises:
-            AssertionError: the location has no record.
-        """
-        assert self.record is not None
+        """Absolute offset in the data file of the raw storage record's first byte (``in_file`` locations)."""
         return self.info.offset + self.record.data_offset
 
     @property
     def where(self) -> str:
         """``'<file>: '<key>' chunk at <offsets>'`` for messages."""
         return f"{self.file}: {self.key!r} chunk at {self.chunk.offsets}"
+
+    def check_crc(self, crc: int) -> None:
+        """Compare the CRC-32 of the record's bytes as read with the one its zip entry holds.
+
+        Raises:
+            ChecksumError: they differ (the stored values are not the ones that were saved).
+        """
+        if self.record.member is not None and crc != self.record.crc32:
+            raise ChecksumError(
+                f"{self.where}: storage record fails its CRC-32 check (stored {self.record.crc32:08x}, "
+                f"read {crc:08x}): the bytes changed after they were saved",
+                path=self.info.relative_path,
+                fqn=self.key,
+            )
 
 
 def tensor_meta(ckpt: CheckpointDir, key: str) -> TensorMeta:
@@ -120,7 +162,60 @@ def _raw_record(key: str, meta: TensorMeta, chunk: ChunkMeta, info: StorageInfo,
             path=info.relative_path,
             fqn=key,
         )
-    return TensorRecord(meta.dtype.name, chunk.sizes, row_major_stride(chunk.sizes), 0, chunk.numel, 0)
+    return TensorRecord(
+        meta.dtype.name, chunk.sizes, row_major_stride(chunk.sizes), 0, chunk.numel, 0, compressed_size=need
+    )
+
+
+def decode_transforms(ckpt: CheckpointDir, info: StorageInfo, fqn: str, cap: int, *, cap_is_limit: bool) -> bytes:
+    """The bytes of ``info``'s window decoded through its stream transforms, at most ``cap`` bytes.
+
+    torch's ``FileSystemReader`` decodes with ``ExtensionRegistry`` (``zstd`` needs
+    ``zstandard`` or ``pyzstd``); the stream is read piece by piece and abandoned as soon
+    as it passes ``cap``.
+
+    Raises:
+        TransformError: unknown or undecodable transform.
+        ChunkError: the decoded stream is longer than the metadata allows (``cap_is_limit`` false).
+        SizeLimitError: the decoded stream is longer than ``cap`` (``cap_is_limit``: a user-raisable cap).
+    """
+
+    where = f"{ckpt.path / info.relative_path}: {fqn!r}"
+    try:
+        from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+
+        exts = ExtensionRegistry().from_descriptor_list(list(info.transform_descriptors))
+        stream: Any = FileWindow(ckpt.fd(info.relative_path), info.offset, info.length)
+        for ex in exts:  # in the listed order, as FileSystemReader.transform_load_stream does
+            if not isinstance(ex, StreamTransformExtension):
+                raise ValueError(f"{ex.registry_name()} is not a stream transform")
+            stream = ex.transform_from(stream)
+        out = bytearray()
+        while True:
+            piece = stream.read(min(1 << 20, cap + 1 - len(out)))
+            if not piece:
+                break
+            out += piece
+            if len(out) > cap:
+                if cap_is_limit:
+                    raise SizeLimitError(
+                        f"{where} decodes to more than the cap of {limits.human(cap)}", path=info.relative_path, fqn=fqn
+                    )
+                raise ChunkError(
+                    f"{where} decodes to more than the {cap} bytes its metadata allows (a decompression bomb?)",
+                    path=info.relative_path,
+                    fqn=fqn,
+                )
+        return bytes(out)
+    except (SizeLimitError, ChunkError):
+        raise
+    except Exception as e:
+        raise TransformError(
+            f"{where} uses transform {list(info.transform_descriptors)} that cannot be decoded "
+            f"({type(e).__name__}: {str(e)[:80]})",
+            path=info.relative_path,
+            fqn=fqn,
+        ) from e
 
 
 def locate_chunk(ckpt: CheckpointDir, key: str, chunk: ChunkMeta) -> ChunkLocation:
@@ -137,30 +232,53 @@ def locate_chunk(ckpt: CheckpointDir, key: str, chunk: ChunkMeta) -> ChunkLocati
     Raises:
         UsageError: ``key`` is not a tensor entry.
         MetadataError: the chunk has no storage entry.
-        PathEscapeError, DataFileError: the data file escapes, is missing, or is too short.
-        ChunkError: the archive is corrupt, unsafe, disagrees with the metadata (dtype,
-            shape), or its storage record reaches past the chunk's window.
+        PathEscapeError, NotRegularFileError, DataFileError: the data file escapes, is not a
+            regular file, is missing, or is too short.
+        TransformError: an undecodable stream transform.
+        ChecksumError: a small member of the archive fails its CRC-32.
+        StorageTupleError: ``data.pkl`` rebuilds the tensor from fields of the wrong types.
+        ChunkError: the archive is corrupt, unsafe, read differently by torch, or disagrees
+            with the metadata (dtype, shape).
     """
     meta = tensor_meta(ckpt, key)
     info = ckpt.storage_info(key, chunk)
     file = ckpt.path / info.relative_path
-    if info.transform_descriptors:
-        return ChunkLocation(key, chunk, meta, info, None, file)
     where = f"{file}: {key!r} chunk at {chunk.offsets}"
     if ckpt.metadata.serialization == "safetensors":
-        return ChunkLocation(key, chunk, meta, info, _raw_record(key, meta, chunk, info, where), file)
+        raw = _raw_record(key, meta, chunk, info, where)
+        return ChunkLocation(
+            key, chunk, meta, info, raw, file, FileWindow(ckpt.fd(info.relative_path), info.offset, info.length)
+        )
+    window: Window
+    if info.transform_descriptors:
+        cap = chunk.numel * meta.dtype.itemsize + limits.current().max_tensor_pickle_bytes + ARCHIVE_OVERHEAD
+        window = BytesWindow(decode_transforms(ckpt, info, key, cap, cap_is_limit=False))
+    else:
+        window = FileWindow(ckpt.fd(info.relative_path), info.offset, info.length)
     try:
-        record = parse_tensor_archive(FileWindow(ckpt.fd(info.relative_path), info.offset, info.length))
+        record = parse_tensor_archive(window)
+    except StorageTupleError as e:
+        raise StorageTupleError(f"{where}: {e.message}", path=info.relative_path, fqn=key) from e
     except UnsafePickleError as e:
         raise ChunkError(f"{where}: {e.message}", path=info.relative_path, fqn=key) from e
-    except (zipfile.BadZipFile, KeyError, ValueError, OSError, EOFError) as e:
+    except ArchiveChecksumError as e:
+        raise ChecksumError(f"{where}: {e}", path=info.relative_path, fqn=key) from e
+    except SizeLimitError as e:
+        raise ChunkError(f"{where}: {e.message}", path=info.relative_path, fqn=key) from e
+    except (ArchiveError, OSError) as e:
         raise ChunkError(
-            f"{where}: stored archive is corrupt ({type(e).__name__}: {str(e)[:80]})",
+            f"{where}: stored archive is corrupt or not one torch reads the same way ({str(e)[:160]})",
             path=info.relative_path,
             fqn=key,
         ) from e
-    if record is None:
-        return ChunkLocation(key, chunk, meta, info, None, file)
+    if record.deflated and record.storage_numel > chunk.numel:
+        # torch's DCP writer saves each chunk with its own storage (it clones views); a compressed
+        # record declaring more is inflated into memory only up to what the metadata allows
+        raise ChunkError(
+            f"{where}: compressed storage record declares {record.storage_numel} elements for a chunk of {chunk.numel}",
+            path=info.relative_path,
+            fqn=key,
+        )
     if record.dtype != meta.dtype.name or record.size != chunk.sizes:
         raise ChunkError(
             f"{where}: stored tensor is {record.dtype}{list(record.size)}, metadata says "
@@ -168,6 +286,4 @@ def locate_chunk(ckpt: CheckpointDir, key: str, chunk: ChunkMeta) -> ChunkLocati
             path=info.relative_path,
             fqn=key,
         )
-    if record.data_offset < 0 or record.data_offset + record.storage_numel * meta.dtype.itemsize > info.length:
-        raise ChunkError(f"{where}: storage record reaches past the archive", path=info.relative_path, fqn=key)
-    return ChunkLocation(key, chunk, meta, info, record, file)
+    return ChunkLocation(key, chunk, meta, info, record, file, window)

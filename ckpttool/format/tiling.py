@@ -8,9 +8,11 @@ the reader, export, reshard and validate. A chunk ``(offsets, sizes)`` is the bo
 
 from __future__ import annotations
 
+import math
+
 from ckpttool.format.metadata import ChunkMeta, TensorMeta
 
-__all__ = ["row_major_stride", "contiguous_run", "tiling_problem"]
+__all__ = ["row_major_stride", "contiguous_run", "tiling_problem", "MAX_SHARDED_DIMS"]
 
 
 def row_major_stride(size: tuple[int, ...]) -> tuple[int, ...]:
@@ -73,8 +75,8 @@ def tiling_problem(meta: TensorMeta) -> str | None:
         return None
     # Fast path: chunks differ along a single dim and form contiguous intervals there.
     ndim = len(meta.size)
+    varying = [d for d in range(ndim) if len({(c.offsets[d], c.sizes[d]) for c in chunks}) > 1]
     if chunks:
-        varying = [d for d in range(ndim) if len({(c.offsets[d], c.sizes[d]) for c in chunks}) > 1]
         if len(varying) <= 1:
             d = varying[0] if varying else 0
             first = chunks[0]
@@ -91,14 +93,83 @@ def tiling_problem(meta: TensorMeta) -> str | None:
                 if pos != meta.size[d]:
                     return f"gap: no chunk covers [{pos}, {meta.size[d]}) of dim {d}"
                 return None
-    # General path: pairwise disjoint boxes whose volumes add up to the tensor's.
-    for i, a in enumerate(chunks):
-        for b in chunks[i + 1 :]:
-            if all(
-                a.offsets[k] < b.offsets[k] + b.sizes[k] and b.offsets[k] < a.offsets[k] + a.sizes[k]
-                for k in range(ndim)
-            ):
-                return f"overlap: chunks at {a.offsets} and {b.offsets} overlap"
-    if covered != total:
+    # General path: exact and O(n * 2^k) for k sharded dims (see _corner_weights).
+    if covered > total:
+        return f"overlap: chunks hold {covered} elements, the tensor {total}"
+    if covered < total:
         return f"gap: chunks cover {covered} of {total} elements"
+    # With the volumes equal, a dim along which all chunks agree is whole in each of them.
+    if len(varying) > MAX_SHARDED_DIMS:
+        return f"overlap: chunks are split along {len(varying)} dims (at most {MAX_SHARDED_DIMS} are checked)"
+    bad = _corner_weights(chunks, varying, meta.size)
+    if bad is not None:
+        return f"overlap: chunks overlap (and leave a gap) near index {bad}"
     return None
+
+
+#: Dims along which one tensor's chunks may be split for the general tiling check (2^k corners per chunk).
+MAX_SHARDED_DIMS = 12
+
+
+def _corner_weights(chunks: list[ChunkMeta], dims: list[int], size: tuple[int, ...]) -> tuple[int, ...] | None:
+    """A corner where the boxes' indicator functions do not add up to the tensor's, or ``None`` (an exact tiling).
+
+    The indicator of a box ``[a, b)`` is the signed sum of the orthant functions at its 2^k
+    corners (``+`` for an even number of upper bounds ``b_d``, ``-`` for odd). Orthant functions
+    at distinct points are linearly independent, so the boxes cover every element exactly once
+    iff the signed corner weights of all boxes, minus those of the whole tensor, cancel at
+    every point. One hash-map pass: O(n * 2^k) for n boxes split along k dims (k = 1, 2, 3 for
+    FSDP, FSDP x TP, ...), instead of the O(n^2) pairwise overlap test.
+    """
+    k = len(dims)
+    if len(chunks) > 2048:
+        return _corner_weights_np(chunks, dims, size)
+    weights: dict[tuple[int, ...], int] = {}
+    get = weights.get
+    masks = [(m, -1 if bin(m).count("1") % 2 else 1) for m in range(1 << k)]
+    boxes = [(tuple(c.offsets[d] for d in dims), tuple(c.offsets[d] + c.sizes[d] for d in dims)) for c in chunks]
+    boxes.append(((0,) * k, tuple(size[d] for d in dims)))
+    last = len(boxes) - 1
+    for i, (lo, hi) in enumerate(boxes):
+        flip = -1 if i == last else 1
+        for m, sign in masks:
+            corner = tuple(hi[j] if m >> j & 1 else lo[j] for j in range(k))
+            weights[corner] = get(corner, 0) + sign * flip
+    for corner, w in weights.items():
+        if w:
+            return corner
+    return None
+
+
+def _corner_weights_np(chunks: list[ChunkMeta], dims: list[int], size: tuple[int, ...]) -> tuple[int, ...] | None:
+    """:func:`_corner_weights` vectorised with numpy (10^6 chunks: ~1 s instead of ~10 s)."""
+    import numpy as np
+
+    k = len(dims)
+    off = np.array([c.offsets for c in chunks], dtype=np.int64)[:, dims]
+    hi = off + np.array([c.sizes for c in chunks], dtype=np.int64)[:, dims]
+    whole_lo, whole_hi = np.zeros((1, k), dtype=np.int64), np.array([[size[d] for d in dims]], dtype=np.int64)
+    n = len(chunks)
+    corners = np.empty(((n + 1) << k, k), dtype=np.int64)
+    signs = np.empty((n + 1) << k, dtype=np.int64)
+    for m in range(1 << k):
+        pick = np.array([(m >> j) & 1 for j in range(k)], dtype=bool)
+        sign = -1 if bin(m).count("1") % 2 else 1
+        base = m * (n + 1)
+        corners[base : base + n] = np.where(pick, hi, off)
+        corners[base + n] = np.where(pick, whole_hi, whole_lo)[0]
+        signs[base : base + n] = sign
+        signs[base + n] = -sign
+    extent = [size[d] + 1 for d in dims]
+    if math.prod(extent) < 1 << 62:  # one int64 key per corner
+        mult = np.array([math.prod(extent[j + 1 :]) for j in range(k)], dtype=np.int64)
+        keys = corners @ mult
+        _, inverse = np.unique(keys, return_inverse=True)
+    else:
+        _, inverse = np.unique(corners, axis=0, return_inverse=True)
+    totals = np.bincount(inverse.reshape(-1), weights=signs)
+    nonzero = np.flatnonzero(totals)
+    if nonzero.size == 0:
+        return None
+    first = int(np.flatnonzero(inverse.reshape(-1) == nonzero[0])[0])
+    return tuple(int(x) for x in corners[first])

@@ -27,7 +27,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import MetadataError, UnsafePickleError
+from ckpttool.errors import (
+    IntegerRangeError,
+    MetadataError,
+    ObjectGraphError,
+    PlannerDataError,
+    UnsafePickleError,
+)
+from ckpttool.format import limits
 from ckpttool.format.metadata import (
     DTYPE_ITEMSIZE,
     BytesMeta,
@@ -38,11 +45,40 @@ from ckpttool.format.metadata import (
     TensorMeta,
 )
 
-__all__ = ["load_metadata", "parse_metadata_bytes", "gc_paused", "PrimitiveUnpickler", "MetadataUnpickler"]
+__all__ = [
+    "load_metadata",
+    "parse_metadata_bytes",
+    "gc_paused",
+    "PrimitiveUnpickler",
+    "MetadataUnpickler",
+    "check_object_graph",
+    "short_repr",
+    "MAX_INT_BITS",
+]
 
 MAX_NDIM = 64
 _DTYPE_LIKE = re.compile(r"^(?:u?int\d+|float\d+(?:_[a-z0-9]+)*|bfloat\d+|complex\d+|q?u?int\d+x\d+|bits\w+)$")
 MAX_DIM_SIZE = 2**62
+MAX_OFFSET = 2**63 - 1  # torch stores offsets and lengths as int64
+#: Integers in byte items and JSON beyond this many bits are refused (a 128-bit RNG state fits;
+#: 2**20000 would fail every formatting and float conversion downstream).
+MAX_INT_BITS = 256
+
+
+def short_repr(v: Any, width: int = 60) -> str:
+    """``repr`` of an untrusted value for a message: never fails (huge ints, odd objects), at most ``width`` chars."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
+        return f"<int of {v.bit_length()} bits>"
+    if isinstance(v, (list, tuple, dict, set, frozenset)) and not (
+        len(v) <= 8
+        and all(type(x) in (str, int, float, bool) and not (type(x) is int and x.bit_length() > 64) for x in v)
+    ):
+        return f"<{type(v).__name__} of {len(v)} items>"  # never repr a container: it may be a pickle bomb
+    try:
+        text = repr(v)
+    except Exception:
+        text = f"<{type(v).__name__}>"
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 # --------------------------------------------------------------------------- stand-ins
@@ -209,6 +245,123 @@ class PrimitiveUnpickler(pickle.Unpickler):
         raise UnsafePickleError(f"{self._source}: pickle holds a tensor storage", path=self._source)
 
 
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+
+
+#: A tree walk may visit this many times more values than the object holds (shared sub-objects
+#: referenced from several places) before the object counts as a pickle bomb.
+SHARING_FACTOR = 16
+_BIG = 1 << 62  # tree sizes are clamped here: a bomb's true size can have thousands of digits
+
+
+def check_object_graph(obj: Any, where: str) -> Any:
+    """Refuse an unpickled object that no consumer could walk: bounded tree size, depth and ints.
+
+    A pickle's memo lets a few hundred bytes describe ``[x, x]`` nested 40 deep: 41 objects in
+    memory, 2^40 values to anything that walks it as a tree (``repr``, ``json.dumps``, a
+    comparison, rich's table). The walk here visits each object once (memo by identity) and
+    computes each container's tree size and height from its children's, so it costs the
+    object's size, not the tree's. An object is refused when its tree has more than
+    :attr:`Limits.max_pickle_nodes` values *and* more than :data:`SHARING_FACTOR` times the
+    values it really holds (a legitimately large list, 10^7 sample indices, passes: its tree is
+    its size), or when it nests deeper than :attr:`Limits.max_depth`.
+
+    Returns:
+        ``obj``.
+
+    Raises:
+        ObjectGraphError: a pickle bomb, too deep, or a container that contains itself.
+        IntegerRangeError: an int of more than :data:`MAX_INT_BITS` bits.
+    """
+    cap = limits.current()
+    max_nodes, max_depth = cap.max_pickle_nodes, cap.max_depth
+    if not isinstance(obj, _CONTAINERS):
+        _leaf(obj, where)
+        return obj
+    done: dict[int, tuple[int, int]] = {}  # id -> (tree size, height)
+    kids: dict[int, list[Any]] = {}  # id -> its container children (leaves are only counted)
+    open_: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(obj, False)]
+    held = 0  # values the object really holds: the children of each distinct container, once
+    while stack:
+        o, finished = stack.pop()
+        oid = id(o)
+        if not finished:
+            if oid in done:
+                continue
+            if oid in open_:
+                raise ObjectGraphError(f"{where}: holds a container that contains itself")
+            open_.add(oid)
+            if len(open_) > max_depth:  # the containers being walked form one path from the root
+                raise ObjectGraphError(f"{where}: nested deeper than {max_depth} levels")
+            items: Any = [*o.keys(), *o.values()] if isinstance(o, dict) else o
+            held += len(items)
+            sub = _scan(items, where)
+            kids[oid] = sub
+            stack.append((o, True))
+            for c in sub:
+                if id(c) in open_:
+                    raise ObjectGraphError(f"{where}: holds a container that contains itself")
+                if id(c) not in done:
+                    stack.append((c, False))
+            continue
+        sub = kids.pop(oid)
+        n = len(o) * 2 if isinstance(o, dict) else len(o)
+        size, height = 1 + n - len(sub), 1
+        for c in sub:
+            cs, ch = done[id(c)]
+            size = min(_BIG, size + cs)
+            height = max(height, ch + 1)
+        if height > max_depth:
+            raise ObjectGraphError(f"{where}: nested deeper than {max_depth} levels")
+        if size > max_nodes and size > SHARING_FACTOR * held:
+            raise ObjectGraphError(
+                f"{where}: unfolds to more than {max_nodes:,} values from {held:,} "
+                "(shared containers nested in each other: a pickle bomb)"
+            )
+        open_.discard(oid)
+        done[oid] = (size, height)
+    return obj
+
+
+_PLAIN_LEAVES = frozenset({float, str, bool, type(None), bytes, complex})
+_INT_LIMIT = 1 << MAX_INT_BITS
+
+
+def _scan(items: Any, where: str) -> list[Any]:
+    """The container children of ``items``; leaves are checked (ints' size) in C-speed passes where possible."""
+    types = set(map(type, items))
+    if types <= _PLAIN_LEAVES:
+        return []
+    if types <= _PLAIN_LEAVES | {int}:
+        ints = [x for x in items if type(x) is int] if len(types) > 1 else items
+        if ints and (max(ints) >= _INT_LIMIT or min(ints) <= -_INT_LIMIT):
+            big = next(x for x in ints if abs(x) >= _INT_LIMIT)
+            _leaf(big, where)
+        return []
+    out = []
+    for c in items:
+        if isinstance(c, _CONTAINERS):
+            out.append(c)
+        else:
+            _leaf(c, where)
+    return out
+
+
+def _children(o: Any) -> Iterator[Any]:
+    if isinstance(o, dict):
+        for k, v in o.items():
+            yield k
+            yield v
+    else:
+        yield from o
+
+
+def _leaf(o: Any, where: str) -> None:
+    if isinstance(o, int) and not isinstance(o, bool) and o.bit_length() > MAX_INT_BITS:
+        raise IntegerRangeError(f"{where}: holds an int of {o.bit_length()} bits (at most {MAX_INT_BITS} are read)")
+
+
 # --------------------------------------------------------------------------- validation
 def _bad(source: str, what: str) -> MetadataError:
     return MetadataError(f"{source}: {what}", path=source)
@@ -228,8 +381,16 @@ def _shape(value: Any, source: str, key: str, what: str) -> tuple[int, ...]:
     if not isinstance(value, tuple) or len(value) > MAX_NDIM:
         raise _bad(source, f"entry {key!r}: {what} is not a shape tuple ({type(value).__name__})")
     for d in value:
-        if type(d) is not int or d < 0 or d > MAX_DIM_SIZE:
-            raise _bad(source, f"entry {key!r}: {what} {value!r:.80} holds {d!r:.40}, not a size >= 0")
+        if type(d) is int and d > MAX_DIM_SIZE:
+            raise IntegerRangeError(
+                f"{source}: entry {key!r}: {what} holds {short_repr(d)}, beyond torch's sizes (2^62)",
+                path=source,
+                fqn=key,
+            )
+        if type(d) is not int or d < 0:
+            raise _bad(
+                source, f"entry {key!r}: {what} {short_repr(value, 80)} holds {short_repr(d, 40)}, not a size >= 0"
+            )
     if len(_ok) < 65536:
         _ok[value] = True
     return value
@@ -290,6 +451,13 @@ def _convert_storage(raw: Any, source: str) -> dict[tuple[str, tuple[int, ...] |
         tds = ind.get("transform_descriptors")
         if type(rel) is not str or type(off) is not int or type(length) is not int:
             raise _bad(source, f"storage entry for {fqn!r}: relative_path/offset/length have wrong types")
+        if off > MAX_OFFSET or length > MAX_OFFSET or off + length > MAX_OFFSET:
+            raise IntegerRangeError(
+                f"{source}: storage entry for {fqn!r}: offset {short_repr(off)} / length {short_repr(length)} "
+                "beyond int64",
+                path=source,
+                fqn=fqn,
+            )
         if off < 0 or length < 0:
             raise _bad(source, f"storage entry for {fqn!r}: negative offset {off} or length {length}")
         if tds is None:
@@ -297,7 +465,7 @@ def _convert_storage(raw: Any, source: str) -> dict[tuple[str, tuple[int, ...] |
         elif not isinstance(tds, (list, tuple)) or not all(isinstance(t, str) for t in tds):
             raise _bad(source, f"storage entry for {fqn!r}: transform_descriptors is not a list of strings")
         else:
-            tds = tuple(tds)
+            tds = tuple(str(t) for t in tds)  # exact str: never a stand-in subclass
         out[(fqn, offset)] = StorageInfo(rel, off, length, tds)
     return out
 
@@ -312,7 +480,7 @@ def _convert(obj: Any, source: str) -> CheckpointMetadata:
     dtypes: dict[str, DType] = {}
     bytes_meta = BytesMeta()
     for key, rec in sdm.items():
-        if not isinstance(key, str):
+        if type(key) is not str:
             raise _bad(source, f"state_dict_metadata has a key {key!r:.60} that is not a string")
         if type(rec) is _TensorStorageMetadata:
             entries[key] = _convert_tensor(key, rec, source, dtypes)
@@ -320,12 +488,7 @@ def _convert(obj: Any, source: str) -> CheckpointMetadata:
             entries[key] = bytes_meta
         else:
             raise _bad(source, f"entry {key!r} is {type(rec).__name__}, not tensor or bytes metadata")
-    planner = getattr(obj, "planner_data", None)
-    planner_data: dict[str, tuple[Any, ...]] = {}
-    if isinstance(planner, dict):
-        for k, v in planner.items():
-            if isinstance(k, str) and isinstance(v, (tuple, list)):
-                planner_data[k] = tuple(v)
+    planner_data = _convert_planner(getattr(obj, "planner_data", None), source)
     storage = _convert_storage(getattr(obj, "storage_data", None), source)
     version = getattr(obj, "version", None)
     smeta = getattr(obj, "storage_meta", None)
@@ -339,10 +502,80 @@ def _convert(obj: Any, source: str) -> CheckpointMetadata:
         entries=entries,
         storage=storage,
         planner_data=planner_data,
-        version=version if isinstance(version, str) else None,
-        checkpoint_id=ckpt_id,
-        save_id=save_id,
+        version=str(version) if isinstance(version, str) else None,
+        checkpoint_id=str(ckpt_id) if ckpt_id is not None else None,
+        save_id=str(save_id) if save_id is not None else None,
     )
+
+
+def _plain_path_item(v: Any) -> str | int | tuple[int, ...] | None:
+    """A planner-data path item as a plain value (``None``: not convertible)."""
+    if type(v) is str:
+        return v
+    if type(v) is int:
+        return v if -MAX_OFFSET <= v <= MAX_OFFSET else None
+    if isinstance(v, (_DTypeStandIn, _Layout)):
+        return str(v)  # torch.bfloat16 / torch.strided in a custom planner's data: their names
+    if (type(v) is _Dims or type(v) is tuple) and len(v) <= MAX_NDIM and all(type(d) is int for d in v):
+        return tuple(int(d) for d in v)  # a torch.Size, or the int tuple ckpttool writes for one
+    return None
+
+
+def _convert_planner(planner: Any, source: str) -> dict[str, tuple[Any, ...]]:
+    """``planner_data`` as key -> path of plain ``str``/``int`` items (what torch's DefaultSavePlanner writes).
+
+    dtypes, layouts and ``torch.Size`` that custom planners leave there become their names and int
+    tuples: nothing of ckpttool's stand-ins survives into values ckpttool later writes. One C-speed
+    type test per path (10^6 paths: ~0.5 s).
+
+    Raises:
+        PlannerDataError: a path that is not a sequence, or holds unhashable or other values.
+        ObjectGraphError: a path item that is a pickle bomb (checked before it is named).
+    """
+    if planner is None:
+        return {}
+    if not isinstance(planner, dict):
+        raise PlannerDataError(f"{source}: planner_data is a {type(planner).__name__}, not a dict", path=source)
+    out: dict[str, tuple[Any, ...]] = {}
+    plain = _PLAIN_PATH_TYPES
+    for k, v in planner.items():
+        tv = type(v)
+        if type(k) is str and (tv is tuple or tv is list) and len(v) <= MAX_NDIM:
+            types = {*map(type, v)}
+            if types <= plain and (
+                int not in types or all(-MAX_OFFSET <= x <= MAX_OFFSET for x in v if type(x) is int)
+            ):
+                out[k] = v if tv is tuple else tuple(v)
+                continue
+        out[k] = _planner_path(k, v, source)
+    return out
+
+
+_PLAIN_PATH_TYPES = frozenset({str, int})
+
+
+def _planner_path(k: Any, v: Any, source: str) -> tuple[Any, ...]:
+    """The slow path of :func:`_convert_planner`: convert stand-ins, or name what is wrong."""
+    if type(k) is not str:
+        raise PlannerDataError(f"{source}: planner_data has a key {short_repr(k)} that is not a string", path=source)
+    if not isinstance(v, (tuple, list)) or len(v) > MAX_NDIM:
+        if isinstance(v, _CONTAINERS):
+            check_object_graph(v, f"{source}: planner_data[{k!r}]")
+        raise PlannerDataError(
+            f"{source}: planner_data path of {k!r} is {short_repr(v)}, not a tuple of str/int", path=source, fqn=k
+        )
+    path = tuple(_plain_path_item(x) for x in v)
+    if any(x is None for x in path):
+        bad = next(x for x, y in zip(v, path) if y is None)
+        if isinstance(bad, _CONTAINERS):
+            check_object_graph(bad, f"{source}: planner_data[{k!r}]")  # a bomb is named as one, never walked
+        raise PlannerDataError(
+            f"{source}: planner_data path of {k!r} holds {short_repr(bad)} ({type(bad).__name__}); "
+            "paths hold str keys and int indices only",
+            path=source,
+            fqn=k,
+        )
+    return path
 
 
 def parse_metadata_bytes(data: bytes, source: str = ".metadata") -> CheckpointMetadata:
@@ -406,9 +639,11 @@ def load_metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
         MetadataError: the file cannot be read, or its content is invalid.
         UnsafePickleError: the pickle names a global outside the allow-list.
     """
+    from ckpttool.format.files import read_regular
+
     p = Path(path)
     try:
-        data = p.read_bytes()
+        data = read_regular(p, limits.current().max_metadata_bytes, what=".metadata")
     except OSError as e:
         raise MetadataError(f"cannot read {p}: {e.strerror}", path=p) from e
     return parse_metadata_bytes(data, str(p))

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from ckpttool.errors import DataFileError, OutputError
 from ckpttool.format.archive import STORAGE_DTYPES
 from ckpttool.format.copy import bounce_buffer, copy_range
+from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.metadata import ChunkMeta, DType, StorageInfo
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ __all__ = [
     "DCPWriter",
     "WrittenItem",
     "DCP_VERSION",
+    "plain_path",
     "can_stream",
     "tensor_data_pkl",
     "torch_save_bytes",
@@ -46,6 +48,32 @@ __all__ = [
 ]
 
 DCP_VERSION = "1.0.0"  # torch/distributed/checkpoint/filesystem.py CURRENT_DCP_VERSION
+
+
+def plain_path(path: Any) -> tuple[Any, ...]:
+    """A ``planner_data`` path rebuilt from exact ``str``/``int``/``tuple`` values (never a subclass).
+
+    What ckpttool writes into ``.metadata`` must unpickle with plain torch, without ckpttool
+    installed: a ``str`` subclass from ckpttool's reader would be pickled by its class.
+
+    Raises:
+        TypeError: an item that is not a str, an int or a tuple of them.
+    """
+
+    def item(v: Any) -> Any:
+        if isinstance(v, bool):
+            raise TypeError("planner_data path item is a bool")
+        if isinstance(v, str):
+            return str.__str__(v) if type(v) is not str else v
+        if isinstance(v, int):
+            return int(v)
+        if isinstance(v, tuple):
+            return tuple(item(x) for x in v)
+        raise TypeError(f"planner_data path item of type {type(v).__name__}")
+
+    if not isinstance(path, (tuple, list)):
+        raise TypeError(f"planner_data path of type {type(path).__name__}")
+    return tuple(item(x) for x in path)
 
 
 @dataclass
@@ -134,7 +162,7 @@ class DCPWriter:
         """Announce a tensor entry (global ``size``, ``dtype``) before adding its chunks."""
         self._items[key] = WrittenItem(dtype, tuple(size))
         if planner_path is not None:
-            self._planner[key] = tuple(planner_path)
+            self._planner[key] = plain_path(planner_path)
 
     def _record_chunk(
         self, key: str, chunk: ChunkMeta, rank: int, offset: int, length: int, transforms: tuple[str, ...] = ()
@@ -157,7 +185,16 @@ class DCPWriter:
         self._count(end - start)
         self._record_chunk(key, chunk, rank, start, end - start)
 
-    def copy_archive(self, key: str, chunk: ChunkMeta | None, rank: int, src_fd: int, info: StorageInfo) -> None:
+    def copy_archive(
+        self,
+        key: str,
+        chunk: ChunkMeta | None,
+        rank: int,
+        src_fd: int,
+        info: StorageInfo,
+        *,
+        verify: ChunkLocation | None = None,
+    ) -> None:
         """Copy a stored archive (tensor chunk or byte item) verbatim from a source data file.
 
         Args:
@@ -166,12 +203,21 @@ class DCPWriter:
             rank: target rank (output file).
             src_fd: an open descriptor of the source data file.
             info: the source storage info (``offset``/``length``; transforms are kept).
+            verify: the chunk's location: check its stored record's CRC-32 as the bytes pass.
+
+        Raises:
+            ChecksumError: ``verify`` given and the record fails its CRC-32.
         """
         f = self._file(rank)
         f.flush()
         start = f.tell()
+        span = None
+        if verify is not None and verify.in_file and not verify.record.deflated and verify.record.member is not None:
+            span = (verify.record.data_offset, verify.record.data_offset + verify.record.compressed_size)
         try:
-            copy_range(src_fd, f.fileno(), info.offset, start, info.length)
+            crc = copy_range(src_fd, f.fileno(), info.offset, start, info.length, crc_span=span)
+            if verify is not None and crc is not None:
+                verify.check_crc(crc)
         except EOFError as e:
             raise DataFileError(
                 f"{info.relative_path}: short read of {key!r} ({e}); the source changed while being read",
@@ -218,14 +264,14 @@ class DCPWriter:
         """Copy a byte item verbatim from the source checkpoint."""
         self._items[key] = WrittenItem(None)
         if planner_path is not None:
-            self._planner[key] = tuple(planner_path)
+            self._planner[key] = plain_path(planner_path)
         self.copy_archive(key, None, rank, src_fd, info)
 
     def write_object(self, key: str, rank: int, obj: Any, planner_path: tuple[Any, ...] | None) -> None:
         """Write a plain Python value (str, numbers, lists, dicts) as a byte item (``torch.save`` bytes, as DCP does)."""
         self._items[key] = WrittenItem(None)
         if planner_path is not None:
-            self._planner[key] = tuple(planner_path)
+            self._planner[key] = plain_path(planner_path)
         f = self._file(rank)
         start = f.tell()
         f.write(torch_save_bytes(obj))

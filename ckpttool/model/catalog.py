@@ -22,17 +22,25 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import stat
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import CkptError, OptimStateError
+from ckpttool.errors import CkptError, NotRegularFileError, OptimStateError, PlannerDataError
 from ckpttool.format.directory import DATA_FILE_RE, CheckpointDir, rank_of_file
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.model.layout_record import LAYOUT_KEY, SIDECAR_NAME
 from ckpttool.model.optimizer import infer_optimizer_type
-from ckpttool.model.schema import TRAINING_STATE_ITEMS, KeySchema, SchemaOverride, detect_schema, fused_parts
+from ckpttool.model.schema import (
+    TRAINING_STATE_ITEMS,
+    KeySchema,
+    SchemaOverride,
+    detect_schema,
+    fused_parts,
+    planner_paths,
+)
 
 if TYPE_CHECKING:
     from ckpttool.format.reader import CheckpointReader
@@ -403,7 +411,7 @@ def build_catalog(
     md = cd.metadata
     sch = schema if isinstance(schema, KeySchema) else detect_schema(md, schema)
     storage = md.storage
-    planner = md.planner_data
+    planner = planner_paths(md)  # paths that flatten to their key; md.planner_data holds them all
     model: dict[str, TensorEntry] = {}
     is_model = sch.model_test()
     pget = planner.get
@@ -459,6 +467,15 @@ def build_catalog(
             rest = key[len(groups_prefix) :]
             gid: Any = None
             hyper = None
+            raw = md.planner_data.get(key)
+            if raw and len(raw) == n_head + 3 and tuple(raw[:n_head]) == opt_head and raw[n_head] == "param_groups":
+                bad = raw[n_head + 1]
+                if type(bad) not in (int, str):
+                    raise PlannerDataError(
+                        f"{cd.path}: planner_data gives {key!r} the param-group id {bad!r:.60} "
+                        f"({type(bad).__name__}); group ids are list indices (int) or parameter names (str)",
+                        fqn=key,
+                    )
             if path and len(path) == n_head + 3 and tuple(path[:n_head]) == opt_head and path[n_head] == "param_groups":
                 gid, hyper = path[n_head + 1], str(path[n_head + 2])
             else:
@@ -512,11 +529,20 @@ def build_catalog(
         data_files.append(DataFile(rel, size, rank_of_file(rel), rel in referenced))
     extra: list[ExtraStateFile] = []
     extra_dir = cd.path / "extra_state"
-    if extra_dir.is_dir() and not extra_dir.is_symlink():
+    if extra_dir.is_dir():
+        cd.resolve("extra_state")  # a symlink out of the checkpoint: PathEscapeError
         for p in sorted(extra_dir.iterdir()):
-            if p.is_file() and not p.is_symlink():
-                m = _EXTRA_STATE_RE.findall(p.stem)
-                extra.append(ExtraStateFile(f"extra_state/{p.name}", p.stat().st_size, int(m[-1]) if m else None))
+            rel = f"extra_state/{p.name}"
+            st = cd.resolve(rel).stat() if p.is_symlink() else p.lstat()  # symlinks: confined, then followed
+            if stat.S_ISDIR(st.st_mode):
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                raise NotRegularFileError(
+                    f"{cd.path / rel} is a device, FIFO or socket, not a regular file; ckpttool reads only regular files",
+                    path=rel,
+                )
+            m = _EXTRA_STATE_RE.findall(p.stem)
+            extra.append(ExtraStateFile(rel, st.st_size, int(m[-1]) if m else None))
     ranks = tuple(sorted({f.rank for f in data_files if f.rank is not None and f.referenced}))
     optimizer_flavor = None if not flavors else (flavors.pop() if len(flavors) == 1 else "mixed")
     return Catalog(

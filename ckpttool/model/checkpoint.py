@@ -25,7 +25,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ckpttool.errors import CkptError, DataFileError, TrustRequiredError
+from ckpttool.errors import CkptError, NotRegularFileError, PathEscapeError, TrustRequiredError
+from ckpttool.format import limits
 from ckpttool.format.metadata import CheckpointMetadata
 from ckpttool.format.reader import CheckpointReader, load_saved_object
 from ckpttool.format.unpickler import gc_paused
@@ -94,7 +95,8 @@ class Checkpoint:
         try:
             self.layout = resolve_layout(self.catalog, reader, declaration)
         except CkptError as e:
-            if not record_problems:
+            # A record that would be read from outside the checkpoint, or from a device, is refused, never recorded.
+            if not record_problems or isinstance(e, (PathEscapeError, NotRegularFileError)):
                 raise
             self.layout_error = e
 
@@ -135,11 +137,10 @@ class Checkpoint:
         p = self.path / f.relative_path
         try:
             # keys and the step are all it needs: tensors (RNG states) are described, not loaded (no torch import)
-            obj = load_saved_object(p.read_bytes(), str(p), trust_pickle=self.reader.trust_pickle, tensors="describe")
+            data = self.reader.read_file(f.relative_path, limits.current().max_object_bytes, what="extra_state file")
+            obj = load_saved_object(data, str(p), trust_pickle=self.reader.trust_pickle, tensors="describe")
         except (CkptError, TrustRequiredError) as e:
             return ExtraState(f, error=e)
-        except OSError as e:
-            return ExtraState(f, error=DataFileError(f"{p}: cannot read ({e.strerror})", path=p))
         if not isinstance(obj, dict):
             return ExtraState(f)
         step = next((obj[k] for k in _STEP_KEYS if type(obj.get(k)) is int), None)

@@ -27,11 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import (
     AmbiguousLayoutError,
+    DataFileError,
     LayoutConflictError,
     LayoutContradictionError,
     LayoutError,
     UsageError,
 )
+from ckpttool.format import limits
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.geometry import EPGeometry, ep_split_candidates, infer_fsdp_dim, tensor_geometry
 from ckpttool.model.layout_record import LAYOUT_KEY, SIDECAR_NAME, EPTensorSpec, LayoutRecord, parse_layout_record
@@ -330,9 +332,9 @@ def load_layout_record(cat: Catalog, reader: CheckpointReader) -> LayoutRecord |
     if cat.has_layout_sidecar:
         p = cat.path / SIDECAR_NAME
         try:
-            text = p.read_bytes()
-        except OSError as e:
-            raise LayoutError(f"{p}: cannot read ({e.strerror})", path=p) from e
+            text = reader.read_file(SIDECAR_NAME, limits.current().max_object_bytes, what="layout record")
+        except DataFileError as e:
+            raise LayoutError(e.message, path=p) from e
         sidecar = parse_layout_record(text, str(p))
     if embedded is not None and sidecar is not None and embedded.raw != sidecar.raw:
         raise LayoutConflictError(

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import UsageError
+from ckpttool.format import limits
 
 __all__ = ["read_hf_config", "config_value"]
 
@@ -25,12 +26,18 @@ def read_hf_config(path: str | os.PathLike[str], *, param: str = "config") -> di
 
     Raises:
         UsageError: missing, unreadable or not a JSON object.
+        PathEscapeError: ``path`` is a directory whose ``config.json`` is a symlink out of it.
+        NotRegularFileError, SizeLimitError, JsonDepthError, IntegerRangeError: a FIFO or device,
+            too large, nested too deeply, an impossible number.
     """
+    from ckpttool.format.files import read_regular, resolve_inside
+    from ckpttool.format.jsonfile import parse_json
+
     p = Path(path)
     if p.is_dir():
-        p = p / "config.json"
+        p = resolve_inside(p, "config.json", what=f"`{param}` file")
     try:
-        obj = json.loads(p.read_text(encoding="utf-8"))
+        obj = parse_json(read_regular(p, limits.current().max_object_bytes, what="config.json"), str(p))
     except OSError as e:
         raise UsageError(
             f"`{param}` {p}: cannot read ({e.strerror})",
@@ -38,7 +45,7 @@ def read_hf_config(path: str | os.PathLike[str], *, param: str = "config") -> di
             param=param,
             hint="pass the model's config.json (or the directory holding it)",
         ) from e
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(
             f"`{param}` {p}: not valid JSON ({e})", path=p, param=param, hint="pass an HF config.json"
         ) from e

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpttool.errors import LayoutError, LayoutFormatError, LayoutVersionError
+from ckpttool.format.jsonfile import parse_json
+from ckpttool.format.unpickler import short_repr
 
 __all__ = [
     "LAYOUT_FORMAT",
@@ -84,7 +86,7 @@ class LayoutRecord:
 
 def _int(value: Any, where: str, *, minimum: int = 0) -> int:
     if type(value) is not int or value < minimum:
-        raise LayoutError(f"layout record: {where} is {value!r:.40}, expected an integer >= {minimum}")
+        raise LayoutError(f"layout record: {where} is {short_repr(value, 40)}, expected an integer >= {minimum}")
     return value
 
 
@@ -101,17 +103,17 @@ def parse_layout_record(obj: Any, source: str = "layout record") -> LayoutRecord
             raise LayoutError(f"{source}: not UTF-8 text") from e
     if isinstance(obj, str):
         try:
-            obj = json.loads(obj)
+            obj = parse_json(obj, source)
         except json.JSONDecodeError as e:
             raise LayoutError(f"{source}: not valid JSON ({e.msg} at line {e.lineno})") from e
     if not isinstance(obj, dict):
         raise LayoutError(f"{source}: expected a JSON object, got {type(obj).__name__}")
     fmt = obj.get("format")
     if fmt != LAYOUT_FORMAT:
-        raise LayoutFormatError(f"{source}: unknown format {fmt!r:.60} (expected {LAYOUT_FORMAT!r})")
+        raise LayoutFormatError(f"{source}: unknown format {short_repr(fmt)} (expected {LAYOUT_FORMAT!r})")
     version = obj.get("version")
     if type(version) is not int or version < 1:
-        raise LayoutFormatError(f"{source}: version {version!r:.40} is not a positive integer")
+        raise LayoutFormatError(f"{source}: version {short_repr(version, 40)} is not a positive integer")
     if version > MAX_LAYOUT_VERSION:
         raise LayoutVersionError(
             f"{source}: version {version} is newer than this ckpttool supports ({MAX_LAYOUT_VERSION})"

@@ -46,6 +46,7 @@ __all__ = [
     "detect_schema",
     "fused_parts",
     "model_naming",
+    "planner_paths",
 ]
 
 #: Built-in schemas: id -> (model prefix, optimizer prefix).
@@ -241,6 +242,28 @@ class KeySchema:
         }
 
 
+def planner_paths(md: CheckpointMetadata) -> dict[str, tuple[Any, ...]]:
+    """The ``planner_data`` paths that flatten to their own key: the nesting of the saved state dict.
+
+    torch's ``DefaultSavePlanner`` flattens a nested state dict into keys
+    ``".".join(map(str, path))`` (``torch/distributed/checkpoint/_nested_dict.py``,
+    ``flatten_state_dict``) and records each path in ``planner_data``. A custom planner may
+    store anything there; a path that does not join to its key says nothing about the key's
+    nesting and is left out (the key is then read by its prefixes, as without planner data).
+
+    Returns:
+        key -> path, a subset of ``md.planner_data`` (the same dict when every path is consistent).
+    """
+    planner = md.planner_data
+    bad = [k for k, p in planner.items() if ".".join(map(str, p)) != k]
+    if not bad:
+        return planner
+    out = dict(planner)
+    for k in bad:
+        del out[k]
+    return out
+
+
 def fused_parts(fqn: str, model_keys: set[str], model_prefix: str) -> tuple[str, ...] | None:
     """Model keys a fused optimizer parameter is stored as, or ``None``.
 
@@ -358,7 +381,7 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
     Raises:
         SchemaError: an override whose model or optimizer prefix matches no key.
     """
-    planner = md.planner_data
+    planner = planner_paths(md)
     entries = md.entries
     get = planner.get
     tensors: list[str] = []
@@ -543,7 +566,8 @@ def _overridden(md: CheckpointMetadata, ov: SchemaOverride, tensors: list[str]) 
     keying = None
     if opt_prefix is not None:
         sp = f"{opt_prefix}state."
-        state = [(k, md.planner_data.get(k)) for k in md.entries if k.startswith(sp)]
+        paths = planner_paths(md)
+        state = [(k, paths.get(k)) for k in md.entries if k.startswith(sp)]
         keying = "index" if _index_keyed(state, sp, set(fqns)) else "fqn"
     given = ", ".join(
         f"{n} {v!r}"

@@ -361,3 +361,18 @@ def test_a_second_signal_while_a_failed_commit_cleans_up(tmp_path: Path, monkeyp
             monkeypatch.setattr(output.shutil, "rmtree", rmtree_interrupted)
     assert os.listdir(tmp_path) == ["out"]
     assert os.listdir(out) == ["model.safetensors"] and (out / "model.safetensors").read_bytes() == b"old"
+
+
+def test_a_failed_output_leaves_no_parents_it_created(tmp_path: Path) -> None:
+    """Writing ``a/b/c/OUT`` creates ``a/b/c``; a failure removes them again, but never a parent that was there."""
+    from ckpttool.format.atomic import AtomicOutputDir
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "keep.txt").write_text("mine")
+    with pytest.raises(RuntimeError), AtomicOutputDir(tmp_path / "a" / "b" / "c" / "OUT") as tmp:
+        (tmp / "part.bin").write_bytes(b"x")
+        raise RuntimeError("export failed half-way")
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["keep.txt"]
+    with AtomicOutputDir(tmp_path / "x" / "y" / "OUT") as tmp:
+        (tmp / "done.bin").write_bytes(b"x")
+    assert (tmp_path / "x" / "y" / "OUT" / "done.bin").is_file()

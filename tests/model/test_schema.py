@@ -150,3 +150,35 @@ def test_override_that_matches_nothing_is_e250(acc_root: Path) -> None:
 def test_bad_override_options_are_usage_errors(args: tuple) -> None:
     with pytest.raises(UsageError):
         SchemaOverride.from_options(*args)
+
+
+def test_planner_paths_that_do_not_flatten_to_their_key_are_ignored(tmp_path: Path) -> None:
+    """A custom planner's planner_data says nothing about nesting: the keys are read by their prefixes."""
+    import dataclasses
+
+    from ckpttool.format.directory import CheckpointDir
+    from ckpttool.model.schema import detect_schema, planner_paths
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    dcp.save(
+        {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)},
+        checkpoint_id=str(tmp_path),
+        no_dist=True,
+    )
+    md = CheckpointDir(tmp_path).metadata
+    assert planner_paths(md) is md.planner_data  # torch's own paths all flatten to their key
+    junk = dict(md.planner_data)
+    junk["model.weight"] = ("model", "weight", "float32", "torch.strided", (4, 4))
+    junk["optimizer.state.weight.exp_avg"] = ("optimizer", "state", "bias", "exp_avg")
+    odd = dataclasses.replace(md, planner_data=junk)
+    assert set(planner_paths(odd)) == set(md.planner_data) - {"model.weight", "optimizer.state.weight.exp_avg"}
+    sch = detect_schema(odd)
+    assert (sch.model_prefix, sch.optimizer_prefix) == ("model.", "optimizer.")
+    cat = build_catalog(CheckpointDir(tmp_path, metadata=odd))
+    assert set(cat.optimizer_state) == {"weight", "bias"}
+    assert cat.optimizer_state["weight"].in_model and set(cat.optimizer_state["weight"].fields) >= {"exp_avg"}

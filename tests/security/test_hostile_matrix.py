@@ -1,14 +1,16 @@
-"""Every command on every hostile/broken checkpoint (issue 8, item 2).
+"""Every command on every hostile/broken checkpoint.
 
 One parametrized test: for each corpus entry (``tests/fixtures/hostile.py``) and
-each registered command (with its minimal arguments), the command either
-succeeds — where the input is merely unusual or damaged where the command does
-not read — or fails with one ``error: [Exxx] ...`` line and an optional
-``hint:`` line, exit 2 (1 for ``validate`` findings). Always: no traceback, no
-internal error (E999), no canary file, the corpus unchanged, nothing written
-outside the command's output path (cwd and ``TMPDIR`` are fresh directories that
-must stay empty), and a command listed in the entry's ``must_fail`` fails with
-one of the entry's codes.
+each registered command (with its minimal arguments, plus the entry's own, e.g.
+``--model-assets``), the command either succeeds — where the input is merely
+unusual or damaged where the command does not read — or fails with one
+``error: [Exxx] ...`` line and an optional ``hint:`` line, exit 2 (1 for
+``validate`` findings). Always: no traceback, no internal error (E999), no canary
+file, the corpus unchanged, nothing written outside the command's output path
+(cwd and ``TMPDIR`` are fresh directories that must stay empty; the output path
+is nested in directories that do not exist yet, and a failed run must not leave
+them), the command's own peak RSS under 1 GiB and its wall time under 30 s, and a
+command listed in the entry's ``must_fail`` fails with one of the entry's codes.
 
 Commands land progressively: the matrix covers the commands registered in
 ``ckpttool.cli.app`` now, and ``test_every_command_is_in_the_matrix`` fails when a
@@ -21,9 +23,10 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import signal
+import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,9 +35,13 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from tests.fixtures.hostile import CANARY_DIRNAME, ENTRY_NAMES, CorpusEntry, build_corpus
+from tests.fixtures.hostile import CANARY_DIRNAME, ENTRY_NAMES, CorpusEntry
 
 runner = CliRunner()
+
+# torch creates $TMPDIR/torchinductor_<user> when torch.optim is first imported (replay-step): import it
+# now, so that the cache directory lands in the session's TMPDIR, not in a test's isolated one.
+import torch._inductor.config  # noqa: E402,F401
 
 # command id -> (CLI command name, argv builder(ckpt, out)); the minimal arguments of each command.
 MATRIX: dict[str, tuple[str, Callable[[Path, Path], list[str]]]] = {
@@ -62,7 +69,9 @@ MATRIX: dict[str, tuple[str, Callable[[Path, Path], list[str]]]] = {
 NOT_ON_CHECKPOINTS = {"sample", "rules", "schema"}  # take no input checkpoint (sample writes one)
 WRITES_OUT = {"export", "export-cast", "reshard", "reshard-optim"}
 FINDINGS_EXIT_1 = {"validate", "validate-deep", "replay-step"}  # exit 1: ran and found problems
-TIMEOUT_S = 180
+TIMEOUT_S = 180  # a hang is a failure, not a wait
+RUN_BUDGET_S = 30.0  # the contract: every run of a few-MB entry takes less
+RSS_BUDGET = 1 << 30  # the contract: a run's own peak resident memory stays below 1 GiB
 
 ERROR_RE = re.compile(r"^error: \[(E\d{3})\] \S.*$")
 
@@ -84,12 +93,7 @@ def test_every_command_is_in_the_matrix() -> None:
     assert not missing, f"add minimal arguments for {sorted(missing)} to MATRIX"
 
 
-# --------------------------------------------------------------------------- corpus
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory: pytest.TempPathFactory, sample_ckpt: Path) -> dict[str, CorpusEntry]:
-    return build_corpus(tmp_path_factory.mktemp("hostile-corpus"), sample_ckpt)
-
-
+# --------------------------------------------------------------------------- corpus (tests/security/conftest.py)
 def snapshot(root: Path) -> dict[str, tuple]:
     """Relative path -> (mode, size, mtime, content hash for files up to 4 MiB, link target)."""
     out: dict[str, tuple] = {}
@@ -122,6 +126,32 @@ def _deadline(seconds: int) -> Iterator[None]:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def _rss_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (``VmHWM``) to its current RSS (Linux >= 4.0); ``False`` where not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def copy_entry(src: Path, dst: Path) -> None:
+    """Copy a corpus entry keeping symlinks, FIFOs, devices and holes as they are (``cp -a --sparse=always``)."""
+    subprocess.run(["cp", "-a", "--sparse=always", str(src), str(dst)], check=True)
 
 
 @contextmanager
@@ -177,13 +207,18 @@ def test_command_on_hostile_checkpoint(
     canary_dir = root / CANARY_DIRNAME
     ckpt = entry.ckpt
     if cid == "stamp":  # stamp writes layout.json into the checkpoint: give it its own copy
-        shutil.copytree(entry.ckpt.parent, tmp_path / "entry", symlinks=True)
+        copy_entry(entry.ckpt.parent, tmp_path / "entry")
         ckpt = tmp_path / "entry" / "ckpt"
     stamp_before = snapshot(ckpt.parent) if cid == "stamp" else None
-    out = tmp_path / "out"
+    out = tmp_path / "nested" / "a" / "b" / "OUT"  # parents a failed run must not leave behind
+    argv = MATRIX[cid][1](ckpt, out) + list(entry.extra.get("args", {}).get(cid, []))
     before = snapshot(root)
     with _isolated(tmp_path, monkeypatch) as tmpdir, _deadline(TIMEOUT_S):
-        res = runner.invoke(app, MATRIX[cid][1](ckpt, out))
+        rss_before = _rss_kib("VmRSS") if _reset_peak_rss() else None
+        t0 = time.perf_counter()
+        res = runner.invoke(app, argv)
+        seconds = time.perf_counter() - t0
+        peak = _rss_kib("VmHWM")
 
     assert not any(canary_dir.iterdir()), f"a payload ran: {sorted(os.listdir(canary_dir))}"
     assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
@@ -194,7 +229,7 @@ def test_command_on_hostile_checkpoint(
     leftovers = sorted(p.name for p in tmp_path.iterdir())
     expected = {"cwd", "tmp"} | ({"entry"} if cid == "stamp" else set())
     if cid in WRITES_OUT and res.exit_code == 0:
-        expected.add("out")
+        expected.add("nested")
     assert set(leftovers) == expected, f"output outside the output path, or a failed run left output: {leftovers}"
     if cid == "stamp":
         after = snapshot(ckpt.parent)
@@ -202,6 +237,10 @@ def test_command_on_hostile_checkpoint(
         changed = {k for k in stamp_before or {} if after.get(k) != stamp_before[k] and k != "ckpt"}
         assert not changed, f"stamp changed existing files: {changed}"
         assert added <= ({"ckpt/layout.json"} if res.exit_code == 0 else set()), added
+    if rss_before is not None and peak is not None:
+        grew = (peak - rss_before) << 10
+        assert grew < RSS_BUDGET, f"{cid} on {entry_name}: peak RSS grew by {grew / 2**20:.0f} MiB"
+    assert seconds < RUN_BUDGET_S, f"{cid} on {entry_name}: {seconds:.1f} s"
 
 
 def test_export_of_odd_keys_is_loadable_or_refused(corpus: dict[str, CorpusEntry], tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from ckpttool.cli.options import (
     SourceLayoutOpt,
     StepOpt,
     TrustPickleOpt,
+    VerifyCrcOpt,
     declaration,
     examples,
     parse_dtype,
@@ -126,6 +127,7 @@ def export_command(
     schema: SchemaOpt = None,
     model_prefix: ModelPrefixOpt = None,
     optimizer_prefix: OptimizerPrefixOpt = None,
+    verify_crc: VerifyCrcOpt = True,
 ) -> None:
     """Export model weights as Hugging Face safetensors or a LoRA adapter (streaming, bit-exact by default)."""
     from ckpttool.model.checkpoint import open_checkpoint
@@ -147,6 +149,7 @@ def export_command(
         filter_glob=filter_glob,
         workers=workers,
         overwrite=overwrite,
+        verify_crc=verify_crc,
         adapter_config=adapter_config,
         lora_alpha=alpha,
     )

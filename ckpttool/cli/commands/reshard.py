@@ -22,6 +22,7 @@ from ckpttool.cli.options import (
     SourceLayoutOpt,
     StepOpt,
     TrustPickleOpt,
+    VerifyCrcOpt,
     declaration,
     examples,
     selection,
@@ -85,6 +86,7 @@ def reshard_command(
     schema: SchemaOpt = None,
     model_prefix: ModelPrefixOpt = None,
     optimizer_prefix: OptimizerPrefixOpt = None,
+    verify_crc: VerifyCrcOpt = True,
 ) -> None:
     """Write a new DCP checkpoint with expert tensors in the target layout, one data file per target rank.
 
@@ -103,6 +105,7 @@ def reshard_command(
         target_ep_fsdp_size=target_ep_fsdp_size,
         with_optimizer=with_optimizer,
         overwrite=overwrite,
+        verify_crc=verify_crc,
         fsync=fsync,
     )
     with (

@@ -86,7 +86,9 @@ def schema_command(
             [[n, doc, _PRINTED_BY[n]] for n, doc in SCHEMA_NAMES.items()],
         )
         return
-    sys.stdout.write(json.dumps(load_schema(name.value), indent=2) + "\n")
+    # one write per line: the output sink escapes line breaks inside a write (forged lines)
+    for line in json.dumps(load_schema(name.value), indent=2).splitlines():
+        sys.stdout.write(line + "\n")
 
 
 EPILOG = examples(

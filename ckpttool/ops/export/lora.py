@@ -44,8 +44,12 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
     Raises:
         UsageError: unreadable, not a JSON object, or not a LoRA config.
     """
+    from ckpttool.format.files import read_regular
+    from ckpttool.format.jsonfile import parse_json
+    from ckpttool.format.limits import current
+
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = parse_json(read_regular(path, current().max_object_bytes, what="adapter config"), str(path))
     except OSError as e:
         raise UsageError(f"{path}: cannot read adapter config ({e.strerror})", path=path) from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -34,9 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import ReshardError
+from ckpttool.errors import NotRegularFileError, ReshardError, SizeLimitError
+from ckpttool.format import limits
 from ckpttool.format.atomic import AtomicOutputDir, signals_deferred
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
+from ckpttool.format.files import copy_regular, resolve_inside
 from ckpttool.format.metadata import ChunkMeta
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.tiling import contiguous_run
@@ -69,6 +71,8 @@ class ReshardOptions:
         fsync: ``fsync`` the output files before renaming the directory into place (default);
             ``False`` is as durable as ``cp -r`` (the page cache decides when data reaches disk).
         threads: copy threads (default: CPU count, at most the number of target files).
+        verify_crc: check every source record's CRC-32: while copying archives verbatim, and by
+            one read before a record is streamed in pieces (default on: docs/performance.md).
     """
 
     to: str = "canonical"
@@ -78,6 +82,7 @@ class ReshardOptions:
     overwrite: bool = False
     fsync: bool = True
     threads: int | None = None
+    verify_crc: bool = True
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,8 @@ def _stream_segments(
         src = piece.src_chunk
         if src not in records:
             loc = reader.locate(tp.key, src)
+            if loc.raw and reader.verify_crc:
+                reader.verify_record(loc)  # its bytes are copied in pieces: check the whole record once
             records[src] = (reader.fd(loc.info.relative_path), loc.data_start) if loc.raw else None
         where = records[src]
         s_run = contiguous_run(src.sizes, piece.src_start, piece.sizes)
@@ -176,6 +183,7 @@ class _Job:
     nbytes: int
     copy: tuple[int, Any] | None = None  # (source fd, StorageInfo)
     segments: list[tuple[int, int, int]] | None = None
+    location: Any = None  # the copied chunk's ChunkLocation (its record's CRC-32 is checked while copying)
 
 
 def _plan_jobs(tp: TensorPlan, reader: CheckpointReader, jobs: dict[int, list[_Job]]) -> list[int]:
@@ -186,9 +194,19 @@ def _plan_jobs(tp: TensorPlan, reader: CheckpointReader, jobs: dict[int, list[_J
     for i, oc in enumerate(tp.chunks):
         raw = oc.raw_source
         if raw is not None:
-            info = reader.locate(tp.key, raw).info  # the archive is checked before it is copied
+            loc = reader.locate(tp.key, raw)  # the archive is checked before it is copied
+            info = loc.info
+            if reader.verify_crc and (loc.record.deflated or not loc.in_file):
+                reader.verify_record(loc)  # compressed: checked by decoding it once
             jobs[oc.rank].append(
-                _Job(tp.key, oc.chunk, tp.dtype, oc.chunk.numel * nbytes_of, copy=(reader.fd(info.relative_path), info))
+                _Job(
+                    tp.key,
+                    oc.chunk,
+                    tp.dtype,
+                    oc.chunk.numel * nbytes_of,
+                    copy=(reader.fd(info.relative_path), info),
+                    location=loc if reader.verify_crc else None,
+                )
             )
             continue
         segments = _stream_segments(tp, oc, reader, records)
@@ -207,7 +225,7 @@ def _run_jobs(
         if stop.is_set():  # interrupted, or another worker failed: the output is abandoned
             return
         if job.copy is not None:
-            writer.copy_archive(job.key, job.chunk, rank, job.copy[0], job.copy[1])
+            writer.copy_archive(job.key, job.chunk, rank, job.copy[0], job.copy[1], verify=job.location)
         else:
             assert job.segments is not None
             writer.stream_tensor_archive(job.key, job.chunk, rank, job.dtype, job.segments)
@@ -337,22 +355,37 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _copy_extra_files(src: Path, dst: Path) -> list[str]:
-    """Copy files beside the checkpoint (not ``.metadata``, data files or the sidecar); symlinks are skipped."""
+    """Copy files beside the checkpoint (not ``.metadata``, data files or the sidecar).
+
+    Only regular files are copied (checked on the open descriptor: a device or FIFO is never
+    read); directories are recreated; a symlink is recreated as the same link when its target
+    stays inside the checkpoint.
+
+    Raises:
+        PathEscapeError: a symlink leaves the checkpoint.
+        NotRegularFileError: a device, FIFO or socket.
+    """
+    root = src.resolve()
     copied = []
-    for entry in sorted(os.scandir(src), key=lambda e: e.name):
-        if entry.name in (METADATA_NAME, SIDECAR_NAME) or DATA_FILE_RE.match(entry.name) or entry.is_symlink():
-            continue
-        if entry.is_dir(follow_symlinks=False):
-            shutil.copytree(
-                entry.path,
-                dst / entry.name,
-                symlinks=True,
-                ignore=lambda d, names: [n for n in names if os.path.islink(os.path.join(d, n))],
-            )
+
+    def copy_entry(entry: os.DirEntry[str], rel: str, out: Path) -> None:
+        if entry.is_symlink():
+            resolve_inside(root, rel, what="file")  # PathEscapeError when it leaves the checkpoint
+            os.symlink(os.readlink(entry.path), out)
+        elif entry.is_dir(follow_symlinks=False):
+            out.mkdir()
+            for child in sorted(os.scandir(entry.path), key=lambda e: e.name):
+                copy_entry(child, f"{rel}/{child.name}", out / child.name)
         elif entry.is_file(follow_symlinks=False):
-            shutil.copy2(entry.path, dst / entry.name)
+            copy_regular(Path(entry.path), out, shown=src / rel)
+            shutil.copystat(entry.path, out)
         else:
+            raise NotRegularFileError(f"{src / rel} is a device, FIFO or socket, not a regular file", path=src / rel)
+
+    for entry in sorted(os.scandir(src), key=lambda e: e.name):
+        if entry.name in (METADATA_NAME, SIDECAR_NAME) or DATA_FILE_RE.match(entry.name):
             continue
+        copy_entry(entry, entry.name, dst / entry.name)
         copied.append(entry.name)
     return copied
 
@@ -405,6 +438,7 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
             "one checkpoint directory",
             hint="reshard the model folder on its own (its optimizer state is in the other folder)",
         )
+    reader.verify_crc = opts.verify_crc
     layout = ckpt.require_layout()
     plan = plan_reshard(
         cat,
@@ -424,6 +458,16 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
         plan.world,
         len(plan.permuted_keys),
     )
+    cap = limits.current().max_object_bytes
+    for bp in plan.byte_items:  # copied verbatim, never loaded: still capped like every object
+        info = reader.storage_info(bp.key) if bp.value is None else None
+        if info is not None and info.length > cap:
+            raise SizeLimitError(
+                f"{src_p / info.relative_path}: byte item {bp.key!r} is {info.length} bytes, over the cap of "
+                f"{limits.human(cap)}",
+                path=info.relative_path,
+                fqn=bp.key,
+            )
     with AtomicOutputDir(dst_p, overwrite=opts.overwrite, source=src_p) as tmp:
         writer, counts = execute_plan(
             plan, reader, tmp, dst_p.resolve(), progress, threads=opts.threads, fsync=opts.fsync

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ChunkError, CkptError
+from ckpttool.format.crc import crc32
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, TensorMeta
 from ckpttool.format.tiling import tiling_problem
 from ckpttool.model.hfconfig import config_value
@@ -356,7 +357,8 @@ def _stream_item(
     """Summarise one chunk of every key in ``keys`` slice by slice (and compare the pairs among them).
 
     The chunk of each key is located and checked by the chunk locator (dtype, shape, record
-    inside its window) exactly as for every other read.
+    inside its window) exactly as for every other read, and its CRC-32 is computed slice by
+    slice as the bytes pass (``ChecksumError`` on a mismatch).
 
     Returns:
         ``(stats per key, counts per index into pairs, bytes read)``, or ``None`` when some member
@@ -380,6 +382,7 @@ def _stream_item(
     slot = {k: i for i, k in enumerate(keys)}
     stats: dict[str, TensorStats] = {k: TensorStats(k, d) for k, d in zip(keys, dtypes)}
     counts = {i: _PairCount() for i in range(len(pairs))}
+    crcs = [0] * len(locs)
     read = 0
     for e0 in range(0, n, per):
         m = min(per, n - e0)
@@ -389,6 +392,7 @@ def _stream_item(
             item = DTYPE_ITEMSIZE[d]
             raw = _slice_buffers.get(i, m * item)
             _pread_exact(fds[i], raw, loc.data_start + e0 * item, loc)
+            crcs[i] = crc32(raw, crcs[i])  # the slice is still in the CPU cache
             read += m * item
             st = _summarise_np(k, raw, d, k.endswith(".exp_avg_sq"), _is_step(k) and e0 == 0)
             assert st is not None
@@ -398,6 +402,8 @@ def _stream_item(
         for j, p in enumerate(pairs):
             ia, ib = slot[p.a], slot[p.b]
             _compare_np(counts[j], p.kind, raws[ia], dtypes[ia], raws[ib], dtypes[ib], finite[ib])
+    for loc, crc in zip(locs, crcs):
+        loc.check_crc(crc)
     return stats, counts, read
 
 

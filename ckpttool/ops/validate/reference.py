@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import UsageError
+from ckpttool.format.files import open_regular, read_regular, resolve_inside
+from ckpttool.format.jsonfile import parse_json
+from ckpttool.format.limits import current
 
 __all__ = ["RefTensor", "Reference", "load_reference", "SAFETENSORS_DTYPES"]
 
@@ -75,14 +78,15 @@ def _bad(p: Path, why: str) -> UsageError:
 
 def _safetensors_header(p: Path) -> dict[str, RefTensor]:
     try:
-        with open(p, "rb") as fh:
+        fd = open_regular(p)
+        with open(fd, "rb", closefd=True) as fh:
             raw = fh.read(8)
             if len(raw) != 8:
                 raise _bad(p, "not a safetensors file (shorter than 8 bytes)")
             (n,) = struct.unpack("<Q", raw)
-            if n > _MAX_HEADER:
+            if n > min(_MAX_HEADER, current().max_object_bytes):
                 raise _bad(p, f"safetensors header of {n} bytes is implausible")
-            header = json.loads(fh.read(n))
+            header = parse_json(fh.read(n), str(p))
     except OSError as e:
         raise _bad(p, f"cannot read ({e.strerror})") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -94,8 +98,10 @@ def _safetensors_header(p: Path) -> dict[str, RefTensor]:
         if k == "__metadata__" or not isinstance(v, dict):
             continue
         shape = v.get("shape")
+        if isinstance(shape, list) and not all(type(s) is int and 0 <= s < 1 << 62 for s in shape):
+            raise _bad(p, f"tensor {k!r:.80}: shape is not a list of sizes")
         out[str(k)] = RefTensor(
-            tuple(int(s) for s in shape) if isinstance(shape, list) else None,
+            tuple(shape) if isinstance(shape, list) else None,
             SAFETENSORS_DTYPES.get(str(v.get("dtype")), str(v.get("dtype")).lower() if v.get("dtype") else None),
         )
     return out
@@ -108,10 +114,8 @@ def _from_index(p: Path, obj: dict[str, Any]) -> dict[str, RefTensor]:
     out: dict[str, RefTensor] = {}
     shards = sorted({str(s) for s in wm.values()})
     for s in shards:
-        sp = (p.parent / s).resolve()
-        if p.parent.resolve() not in sp.parents:
-            raise _bad(p, f"weight_map names {s!r} outside the model directory")
-        if sp.is_file():
+        sp = resolve_inside(p.parent, s, what="weight_map file")  # PathEscapeError outside the model directory
+        if sp.exists():
             out.update(_safetensors_header(sp))
     for k in wm:
         out.setdefault(str(k), RefTensor())
@@ -120,7 +124,7 @@ def _from_index(p: Path, obj: dict[str, Any]) -> dict[str, RefTensor]:
 
 def _from_json(p: Path) -> dict[str, RefTensor]:
     try:
-        obj = json.loads(p.read_text(encoding="utf-8"))
+        obj = parse_json(read_regular(p, current().max_object_bytes, what="reference"), str(p))
     except OSError as e:
         raise _bad(p, f"cannot read ({e.strerror})") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -139,8 +143,10 @@ def _from_json(p: Path) -> dict[str, RefTensor]:
             if not isinstance(v, dict):
                 raise _bad(p, f"entry {k!r} is not an object with shape/dtype")
             shape = v.get("shape")
+            if isinstance(shape, list) and not all(type(s) is int and 0 <= s < 1 << 62 for s in shape):
+                raise _bad(p, f"entry {k!r:.80}: shape is not a list of sizes")
             out[str(k)] = RefTensor(
-                tuple(int(s) for s in shape) if isinstance(shape, list) else None,
+                tuple(shape) if isinstance(shape, list) else None,
                 str(v["dtype"]).removeprefix("torch.") if v.get("dtype") else None,
             )
         return out
@@ -149,7 +155,7 @@ def _from_json(p: Path) -> dict[str, RefTensor]:
 
 def _tie(config_path: Path) -> bool | None:
     try:
-        cfg = json.loads(config_path.read_text(encoding="utf-8"))
+        cfg = parse_json(read_regular(config_path, current().max_object_bytes, what="config.json"), str(config_path))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return None
     if not isinstance(cfg, dict):
@@ -169,18 +175,19 @@ def load_reference(path: str | os.PathLike[str]) -> Reference:
     p = Path(path)
     if p.is_dir():
         index = p / "model.safetensors.index.json"
-        if index.is_file():
-            tensors = _from_json(index)
+        if index.exists():
+            tensors = _from_json(resolve_inside(p, index.name, what="reference file"))
         else:
             files = sorted(p.glob("*.safetensors"))
             if not files:
                 raise _bad(p, "directory holds no model.safetensors.index.json and no *.safetensors")
             tensors = {}
             for f in files:
-                tensors.update(_safetensors_header(f))
-        tie = _tie(p / "config.json") if (p / "config.json").is_file() else None
+                tensors.update(_safetensors_header(resolve_inside(p, f.name, what="reference file")))
+        cfg = p / "config.json"
+        tie = _tie(resolve_inside(p, cfg.name, what="reference file")) if cfg.exists() else None
         return Reference(str(p), tensors, tie)
-    if not p.is_file():
+    if not p.exists():
         raise _bad(p, "no such file or directory")
     if p.suffix == ".safetensors":
         tensors = _safetensors_header(p)

@@ -485,8 +485,8 @@ def test_ctrl_c_stops_the_copy_within_a_chunk(tmp_path: Path, monkeypatch: pytes
     calls: list[int] = []
     real = writer_mod.DCPWriter.copy_archive
 
-    def copy_then_interrupt(self: writer_mod.DCPWriter, *args: object) -> None:
-        real(self, *args)
+    def copy_then_interrupt(self: writer_mod.DCPWriter, *args: object, **kwargs: object) -> None:
+        real(self, *args, **kwargs)
         calls.append(1)
         if len(calls) == 1:
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C after the first chunk

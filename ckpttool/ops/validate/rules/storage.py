@@ -13,7 +13,7 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterator
 
-from ckpttool.errors import DataFileError, PathEscapeError, TrustRequiredError
+from ckpttool.errors import ChecksumError, DataFileError, PathEscapeError, TrustRequiredError
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.format.tiling import tiling_problem
 from ckpttool.ops.validate.base import RULES, Finding, Severity, rule
@@ -315,4 +315,23 @@ def chunk_unreadable(ctx: Context) -> Iterator[Finding]:
         return
     r = RULES["S010"]
     for key, e in ctx.deep_result.read_errors.items():
-        yield r.make(key, e.message, None, e.code)
+        if not isinstance(e, ChecksumError):
+            yield r.make(key, e.message, None, e.code)
+
+
+@rule(
+    "S014",
+    "chunk-checksum-mismatch",
+    Severity.error,
+    "a stored record's bytes do not match the CRC-32 of its zip entry (bit rot, a damaged copy); read with --deep",
+    "the data file is damaged: copy the checkpoint again from a good source or use an earlier checkpoint",
+    needs=("deep",),
+    error_code="E308",
+)
+def chunk_checksum_mismatch(ctx: Context) -> Iterator[Finding]:
+    if ctx.deep_result is None:
+        return
+    r = RULES["S014"]
+    for key, e in ctx.deep_result.read_errors.items():
+        if isinstance(e, ChecksumError):
+            yield r.make(key, e.message, None, e.code)

@@ -1,0 +1,136 @@
+"""Opening files of untrusted inputs: confined to a directory, regular files only, sizes capped before reading.
+
+Every file ckpttool reads or copies from an input (``.metadata``, data files, ``layout.json``,
+``extra_state/*``, ``--model-assets`` files, ``--config``, ``--against``) goes through these
+functions: a path that resolves (after ``..`` and symlinks) outside its directory is
+:class:`~ckpttool.errors.PathEscapeError` (``E101``); a device, FIFO, socket or directory is
+:class:`~ckpttool.errors.NotRegularFileError` (``E102``), checked on the open descriptor (the
+open is non-blocking, so a FIFO cannot hang it); a file larger than its cap is
+:class:`~ckpttool.errors.SizeLimitError` (``E307``) before a byte is read.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from ckpttool.errors import NotRegularFileError, PathEscapeError, SizeLimitError
+from ckpttool.format import limits
+
+__all__ = ["resolve_inside", "open_regular", "read_regular", "copy_regular"]
+
+
+_O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+def resolve_inside(root: Path, relative: str | os.PathLike[str], *, what: str = "path") -> Path:
+    """``root / relative`` with every symlink resolved, refused unless it stays inside ``root``.
+
+    Args:
+        root: the directory the file must lie in (resolved here).
+        relative: a path relative to ``root`` (absolute paths, NUL and empty paths are refused).
+        what: how the path is named in messages.
+
+    Raises:
+        PathEscapeError: absolute, empty, ``..`` or a symlink that leaves ``root``.
+    """
+    rel = os.fspath(relative)
+    base = root.resolve()
+    if not rel or "\x00" in rel or os.path.isabs(rel):
+        raise PathEscapeError(f"{root}: {what} {rel!r} is absolute or empty", path=rel)
+    target = (base / rel).resolve()
+    if target != base and base not in target.parents:
+        raise PathEscapeError(f"{root}: {what} {rel!r} resolves outside {root} ({target})", path=rel)
+    return target
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: Path, *, shown: str | os.PathLike[str] | None = None) -> int:
+    """A read-only descriptor of ``path``, which must be a regular file (checked on the open descriptor).
+
+    The open is non-blocking, so a FIFO cannot hang it; devices, FIFOs, sockets and
+    directories are refused before a byte is read.
+
+    Raises:
+        NotRegularFileError: ``path`` is not a regular file.
+        OSError: it cannot be opened (missing, permissions); callers name their own error.
+    """
+    fd = os.open(path, _O_READ)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFileError(
+                f"{shown if shown is not None else path} is {_kind(st.st_mode)}, not a regular file", path=path
+            )
+        if _O_READ & getattr(os, "O_NONBLOCK", 0):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: Path, cap: int, *, shown: str | os.PathLike[str] | None = None, what: str = "file") -> bytes:
+    """The content of regular file ``path``, refused before reading when larger than ``cap`` bytes.
+
+    Raises:
+        NotRegularFileError: not a regular file.
+        SizeLimitError: larger than ``cap`` (``ckpttool --max-object-size`` raises the default).
+        OSError: cannot be opened or read.
+    """
+    fd = open_regular(path, shown=shown)
+    try:
+        size = os.fstat(fd).st_size
+        if size > cap:
+            raise SizeLimitError(
+                f"{shown if shown is not None else path}: {what} of {size} bytes is over the cap of {limits.human(cap)}",
+                path=path,
+            )
+        chunks, got = [], 0
+        while True:
+            piece = os.read(fd, min(1 << 24, cap + 1 - got))
+            if not piece:
+                break
+            chunks.append(piece)
+            got += len(piece)
+            if got > cap:  # the file grew while being read
+                raise SizeLimitError(
+                    f"{shown if shown is not None else path}: {what} is over the cap of {limits.human(cap)}", path=path
+                )
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def copy_regular(src: Path, dst: Path, *, shown: str | os.PathLike[str] | None = None) -> None:
+    """Copy regular file ``src`` (checked on its open descriptor: never a device or FIFO) to a new file ``dst``.
+
+    Raises:
+        NotRegularFileError: ``src`` is not a regular file.
+        OSError: reading or writing failed.
+    """
+    from ckpttool.format.copy import copy_range
+
+    fd = open_regular(src, shown=shown)
+    try:
+        size = os.fstat(fd).st_size
+        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            copy_range(fd, out, 0, 0, size)
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)

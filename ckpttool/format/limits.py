@@ -1,0 +1,99 @@
+"""Caps on the work one untrusted input may cause, checked before anything is read or inflated.
+
+A few KiB of checkpoint can declare gigabytes: a sparse ``.metadata`` or byte item, a
+deflate/bzip2 zip member or a zstd stream that inflates without end, a pickle of
+``[x, x]`` nested 40 deep that is walked 2^40 times. Every reader in ckpttool asks this
+module how much it may read or build, and refuses past it with
+:class:`~ckpttool.errors.SizeLimitError` (``E307``) or
+:class:`~ckpttool.errors.ObjectGraphError` (``E306``) *before* the work is done.
+
+The caps hold for the whole process (the CLI sets them once from
+``ckpttool --max-metadata-size/--max-object-size``); library callers use :func:`set_limits`
+or the :func:`limits` context manager. ``docs/security.md`` lists them.
+
+What is *not* capped here: tensor chunks. Their size is fixed by ``.metadata`` and checked
+against the bytes actually stored (``CheckpointReader.check_allocation``), and they are read
+straight into their destination.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = ["Limits", "current", "set_limits", "limits", "human"]
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The caps (bytes, counts).
+
+    Attributes:
+        max_metadata_bytes: size of a ``.metadata`` file (10^6 entries are ~140 MB).
+        max_object_bytes: a byte item, an ``extra_state`` file, a decompressed ``data.pkl``,
+            a JSON file (``layout.json``, ``config.json``, an ``--against`` reference), an
+            ``--model-assets`` file is not capped (it is copied, never parsed).
+        max_pickle_nodes: containers and values of one unpickled object, counted as a tree
+            (a shared sub-list counts once per reference: that is how every consumer walks it);
+            refused past it only when the tree is also 16x what the object holds (a DAG bomb).
+        max_depth: nesting depth of an unpickled object or a JSON document.
+        max_tensor_pickle_bytes: ``data.pkl`` of one tensor chunk archive (torch writes ~200 bytes).
+        max_archive_members: members of one ``torch.save`` archive.
+    """
+
+    max_metadata_bytes: int = 1 * GiB
+    max_object_bytes: int = 256 * MiB
+    max_pickle_nodes: int = 1_000_000
+    max_depth: int = 100
+    max_tensor_pickle_bytes: int = 1 * MiB
+    max_archive_members: int = 1 << 16
+
+
+_current = Limits()
+
+
+def current() -> Limits:
+    """The caps in force."""
+    return _current
+
+
+def set_limits(**changes: int) -> Limits:
+    """Replace some caps for the rest of the process (``set_limits(max_object_bytes=2 << 30)``).
+
+    Returns:
+        The previous :class:`Limits`.
+
+    Raises:
+        ValueError: a cap that is not a positive int, or an unknown name.
+    """
+    global _current
+    for name, value in changes.items():
+        if type(value) is not int or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    previous = _current
+    _current = dataclasses.replace(_current, **changes)
+    return previous
+
+
+@contextlib.contextmanager
+def limits(**changes: int) -> Iterator[Limits]:
+    """Caps changed for the body only (not thread-local: set them before starting workers)."""
+    global _current
+    previous = set_limits(**changes)
+    try:
+        yield _current
+    finally:
+        _current = previous
+
+
+def human(n: int) -> str:
+    """``268435456`` -> ``'256 MiB'`` for cap messages."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} bytes"
