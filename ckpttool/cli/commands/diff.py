@@ -13,6 +13,7 @@ from ckpttool.cli.options import (
     EpSizeOpt,
     JsonOpt,
     NoEpOpt,
+    SourceLayout,
     SourceLayoutOpt,
     StepOpt,
     TrustPickleOpt,
@@ -82,12 +83,21 @@ def diff_command(
     ep_size: EpSizeOpt = None,
     ep_fsdp_size: EpFsdpSizeOpt = None,
     no_ep: NoEpOpt = False,
+    b_source_layout: Annotated[
+        SourceLayout | None,
+        typer.Option("--b-source-layout", help="Declare B's EP layout (as --source-layout declares A's)."),
+    ] = None,
+    b_ep_size: Annotated[int | None, typer.Option("--b-ep-size", min=1, help="EP size of B's saving mesh.")] = None,
+    b_ep_fsdp_size: Annotated[
+        int | None, typer.Option("--b-ep-fsdp-size", min=1, help="EP-FSDP size of B's saving mesh.")
+    ] = None,
+    b_no_ep: Annotated[bool, typer.Option("--b-no-ep", help="B was saved without expert parallelism.")] = False,
     step: StepOpt = None,
 ) -> None:
     """Compare two checkpoints tensor by tensor in bounded memory, whatever their sharding or format.
 
-    Exit 0: equal; 1: different; 2: unusable input. The layout options declare an unversioned
-    EP layout for both sides.
+    Exit 0: equal; 1: different; 2: unusable input. --source-layout/--ep-size/--ep-fsdp-size/--no-ep
+    declare an unversioned EP layout of A, the --b-... options B's.
     """
     from ckpttool.ops.diff import DiffOptions, diff_checkpoints
 
@@ -101,10 +111,18 @@ def diff_command(
         map_rules=map_rules,
         weights=weights.value,
     )
-    decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
+    decl_a = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
+    decl_b = declaration(b_source_layout, b_ep_size, b_ep_fsdp_size, b_no_ep)
     sel = selection(step)
     res = diff_checkpoints(
-        a, b, opts, declaration_a=decl, declaration_b=decl, selection_a=sel, selection_b=sel, trust_pickle=trust_pickle
+        a,
+        b,
+        opts,
+        declaration_a=decl_a,
+        declaration_b=decl_b,
+        selection_a=sel,
+        selection_b=sel,
+        trust_pickle=trust_pickle,
     )
     Output(json_output).result(res, render_diff)
     if not res.equal:

@@ -409,7 +409,7 @@ def dcp_items(side: Side, what: str) -> tuple[list[Item], list[Excluded], list[s
 
 
 def export_items(
-    side: Side, other: set[str], opts: DiffOptions, fmt: str
+    side: Side, other: set[str], opts: DiffOptions, fmt: str, tied: bool = False
 ) -> tuple[list[Item], list[Excluded], list[str], str]:
     """A DCP side named by the export mapping (HF or LoRA keys), experts fused or per-expert as ``other`` holds them."""
     from ckpttool.errors import ExportError
@@ -458,7 +458,8 @@ def export_items(
     # tied head: an lm_head the other side leaves out (tie_word_embeddings) is compared with its embedding
     names = {i.name for i in items}
     if (
-        fmt == "hf"
+        tied
+        and fmt == "hf"
         and rules.tied_lm_head in names
         and rules.tied_lm_head not in other
         and rules.tied_embedding in other
@@ -506,10 +507,22 @@ def _pair_names(a: Side, b: Side, opts: DiffOptions) -> tuple[list[Item], list[I
     other = {i.name for i in st_items}
     if st.kind == "lora" and not any(".lora_" in n for n in other):
         raise DiffError(f"{st.path}: a PEFT adapter directory with no LoRA tensors", path=st.path)
-    d_items, excluded, notes, naming = export_items(dcp, other, opts, "lora" if st.kind == "lora" else "hf")
+    d_items, excluded, notes, naming = export_items(
+        dcp, other, opts, "lora" if st.kind == "lora" else "hf", tied=_tied_config(st)
+    )
     if a is dcp:
         return d_items, st_items, excluded, notes, naming
     return st_items, d_items, excluded, notes, naming
+
+
+def _tied_config(side: Side) -> bool:
+    """The safetensors side's ``config.json`` says ``tie_word_embeddings`` (its ``lm_head`` is the embedding)."""
+    from ckpttool.model.hfconfig import config_value, read_hf_config
+
+    cfg_file = Path(side.ckpt.located.model) / "config.json"
+    if not cfg_file.is_file():
+        return False
+    return config_value(read_hf_config(cfg_file), "tie_word_embeddings") is True
 
 
 # ---------------------------------------------------------------------------------------------- comparing
