@@ -367,8 +367,17 @@ def _entry_item(name: str, e: TensorEntry, category: str, perm: list[int] | None
 def _perm_of(side: Side, key: str, shape: tuple[int, ...]) -> list[int] | None:
     """Row gather into true expert order for a legacy-layout EP tensor (model or state key)."""
     lay = side.ckpt.require_layout()
+    spec = lay.spec_for(key)
+    if spec is None or len(shape) <= spec.ep_dim:  # not an EP tensor, or its 0-d step
+        return None
     if lay.canonical_perm(key) is None:  # E405 when ambiguous
         return None
+    if spec.ep_dim != 0:
+        raise DiffError(
+            f"{key}: legacy EP layout on expert dim {spec.ep_dim}; diff un-permutes dim 0 only",
+            fqn=key,
+            hint="convert the checkpoint with `ckpttool reshard` to the canonical layout first",
+        )
     assert lay.ep_size is not None and lay.ep_fsdp_size is not None
     return legacy_to_canonical_perm(shape[0], lay.ep_size, lay.ep_fsdp_size)
 
