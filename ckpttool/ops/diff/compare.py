@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BLOCK_ELEMENTS", "ValueDiff", "compare_tensors", "unravel"]
+__all__ = ["BLOCK_ELEMENTS", "ValueDiff", "compare_tensors", "same_bytes", "unravel"]
 
 BLOCK_ELEMENTS = 1 << 22
 
@@ -48,6 +48,35 @@ def unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
         flat, r = divmod(flat, s) if s else (flat, 0)
         out.append(r)
     return out[::-1]
+
+
+_memcmp: Any = None
+
+
+def same_bytes(a: Any, b: Any) -> bool:
+    """Whether two contiguous CPU tensors of one dtype and shape hold the same bytes.
+
+    libc ``memcmp`` through ``ctypes`` (the GIL released, ~6.5 GB/s here): ``torch.equal`` on
+    integer views runs at ~1.3 GB/s and numpy's ``==`` at ~0.9 GB/s (``bench/bench_diff.py``).
+    """
+    global _memcmp
+    import torch
+
+    if not (a.is_contiguous() and b.is_contiguous()) or a.device.type != "cpu" or b.device.type != "cpu":
+        return bool(torch.equal(_int_view(a), _int_view(b)))
+    n = a.numel() * a.element_size()
+    if n == 0:
+        return True
+    if _memcmp is None:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        fn = libc.memcmp
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        _memcmp = fn
+    return bool(_memcmp(a.data_ptr(), b.data_ptr(), n) == 0)
 
 
 def _int_view(t: Any) -> Any:
@@ -98,9 +127,11 @@ def compare_tensors(
     import torch
 
     assert tuple(a.shape) == tuple(b.shape), "compare_tensors needs tensors of one shape"
+    tolerant = rtol is not None or atol is not None
+    if not tolerant and as_dtype is None and a.dtype == b.dtype and same_bytes(a, b):
+        return ValueDiff(0, None)  # the common case in one call
     fa, fb = a.reshape(-1), b.reshape(-1)
     n = fa.numel()
-    tolerant = rtol is not None or atol is not None
     rt, at = rtol or 0.0, atol or 0.0
     mismatched, first = 0, None
     max_abs = max_rel = 0.0
@@ -112,7 +143,7 @@ def compare_tensors(
         if as_dtype is not None:
             xa, xb = xa.to(as_dtype), xb.to(as_dtype)
         if not tolerant:
-            if xa.dtype == xb.dtype and torch.equal(_int_view(xa), _int_view(xb)):
+            if xa.dtype == xb.dtype and same_bytes(xa, xb):
                 continue
             ne = _int_view(xa) != _int_view(xb) if xa.dtype == xb.dtype else xa != xb
             cnt = int(ne.sum())

@@ -30,6 +30,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -262,6 +263,7 @@ class Side:
         self.kind = kind
         self.only_file = only_file
         self._cached: tuple[str, Any] | None = None
+        self._buf: Any = None  # one reusable byte buffer: no page faults on every tensor
 
     @property
     def reader(self) -> Any:
@@ -290,7 +292,16 @@ class Side:
         if self._cached is not None and self._cached[0] == key:
             return self._cached[1]
         self._cached = None
-        t = self.reader.read_tensor(key)
+        import torch
+
+        meta = self.ckpt.metadata.entries[key]
+        assert isinstance(meta, TensorMeta)
+        self.reader.check_allocation(key, meta)
+        if self._buf is None or self._buf.numel() < meta.nbytes:
+            self._buf = None
+            self._buf = torch.empty(meta.nbytes, dtype=torch.uint8)
+        out = self._buf[: meta.nbytes].view(meta.dtype.to_torch()).view(meta.size)
+        t = self.reader.read_tensor(key, out=out)
         self._cached = (key, t)
         return t
 
@@ -312,7 +323,7 @@ class Side:
         self._cached = None
 
     def close(self) -> None:
-        self._cached = None
+        self._cached = self._buf = None
         self.ckpt.close()
 
 
@@ -564,26 +575,45 @@ def _raw_equal(a: Side, ia: Item, b: Side, ib: Item, bufs: tuple[memoryview, mem
     return True
 
 
+def _pool() -> ThreadPoolExecutor:
+    """One helper thread: side B is read while side A is (preadv, CRC-32 and memcmp release the GIL)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-diff")
+    return _POOL
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _read_block(side: Side, loc: Any, buf: memoryview, at: int, want: int, crc: int) -> int:
+    """Read ``want`` bytes of ``loc``'s record from ``at`` into ``buf``; return the running CRC-32."""
+    fd = side.reader.fd(loc.info.relative_path)
+    got = 0
+    while got < want:
+        r = os.preadv(fd, [buf[got:want]], loc.data_start + at + got)
+        if r <= 0:
+            from ckpttool.errors import DataFileError
+
+            raise DataFileError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=loc.key)
+        got += r
+    side.reader.count_read(want)
+    return crc32(buf[:want], crc)
+
+
 def _window_equal(a: Side, la: Any, b: Side, lb: Any, bufs: tuple[memoryview, memoryview]) -> bool:
     n = la.nbytes
-    fa, fb = a.reader.fd(la.info.relative_path), b.reader.fd(lb.info.relative_path)
     done, crc_a, crc_b = 0, 0, 0
     ba, bb = bufs
+    pool = _pool()
     while done < n:
         want = min(len(ba), n - done)
-        for fd, buf, start, loc in ((fa, ba, la.data_start, la), (fb, bb, lb.data_start, lb)):
-            got = 0
-            while got < want:
-                r = os.preadv(fd, [buf[got:want]], start + done + got)
-                if r <= 0:
-                    from ckpttool.errors import DataFileError
-
-                    raise DataFileError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=loc.key)
-                got += r
-        a.reader.count_read(want)
-        b.reader.count_read(want)
-        crc_a, crc_b = crc32(ba[:want], crc_a), crc32(bb[:want], crc_b)
-        if ba[:want] != bb[:want]:
+        fut = pool.submit(_read_block, b, lb, bb, done, want, crc_b)
+        crc_a = _read_block(a, la, ba, done, want, crc_a)
+        crc_b = fut.result()
+        # bytearray == bytearray is one memcmp; memoryview == memoryview compares element by element
+        same = ba.obj == bb.obj if want == len(ba) else ba[:want].tobytes() == bb[:want].tobytes()
+        if not same:
             return False
         done += want
     la.check_crc(crc_a)
@@ -619,7 +649,11 @@ def _compare_pair(
         same = _raw_equal(a, ia, b, ib, bufs)
         if same:
             return None, True
-    ta, tb = a.load(ia), b.load(ib)
+    fut = _pool().submit(b.load, ib)  # both sides read at once
+    try:
+        ta = a.load(ia)
+    finally:
+        tb = fut.result()
     floating = ia.dtype in _FLOATING and ib.dtype in _FLOATING
     vd: ValueDiff = compare_tensors(
         ta,
