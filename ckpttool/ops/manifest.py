@@ -57,7 +57,7 @@ MANIFEST_FORMAT = "ckpttool.manifest"
 MANIFEST_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"
-_BLOCK = 8 << 20
+_BLOCK = 1 << 20  # cache-sized: faster here than 8 MiB (bench/bench_diff.py)
 log = logging.getLogger(__name__)
 
 
