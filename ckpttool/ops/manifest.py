@@ -320,17 +320,28 @@ def write_manifest(
         target = Path(out) if out is not None else Path(ckpt.located.model) / MANIFEST_NAME
         data = man.to_bytes()
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        created: list[Path] = []  # parents of `out` this run made: removed again if it fails
         try:
+            missing = [p for p in target.parents if not p.exists()]
+            for p in reversed(missing):
+                p.mkdir()
+                created.append(p)
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, target)
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            for leftover in (tmp,):
+                try:
+                    os.unlink(leftover)
+                except OSError:
+                    pass
+            for p in reversed(created):
+                try:
+                    p.rmdir()
+                except OSError:
+                    pass
             raise OutputError(f"{target}: cannot write the manifest ({e.strerror})", path=target) from e
         seconds = time.perf_counter() - t0
         log.info("manifest: %d entries, %d bytes hashed in %.3f s (%s)", len(man.entries), done[0], seconds, algorithm)

@@ -411,8 +411,9 @@ def dcp_items(side: Side, what: str) -> tuple[list[Item], list[Excluded], list[s
                     continue
                 items.append(_entry_item(name, e, "optimizer_state", _perm_of(side, e.key, e.shape)))
     if what == "all":
+        listed = {i.key for i in items}
         for key, e in cat.other_tensors.items():
-            if e.key in {i.key for i in items}:
+            if e.key in listed:
                 continue
             items.append(_entry_item(key, e, cat.category(key)))
         group_keys = {k for g in cat.param_groups for k in g.keys.values()}
@@ -612,9 +613,13 @@ def _stream_equal(a: Side, la: list[Any], b: Side, lb: list[Any], bufs: tuple[me
     while ia < len(la) and ib < len(lb):
         ra, rb = la[ia], lb[ib]
         want = min(len(ba), ra.nbytes - oa, rb.nbytes - ob)
-        fut = pool.submit(_read_block, b, rb, bb, ob, want, crc_b)
-        crc_a = _read_block(a, ra, ba, oa, want, crc_a)
-        crc_b = fut.result()
+        if want < _THREADED_BYTES:
+            crc_a = _read_block(a, ra, ba, oa, want, crc_a)
+            crc_b = _read_block(b, rb, bb, ob, want, crc_b)
+        else:
+            fut = pool.submit(_read_block, b, rb, bb, ob, want, crc_b)
+            crc_a = _read_block(a, ra, ba, oa, want, crc_a)
+            crc_b = fut.result()
         same = ba.obj == bb.obj if want == len(ba) else ba[:want].tobytes() == bb[:want].tobytes()
         if not same:
             return False
@@ -637,6 +642,7 @@ def _pool() -> ThreadPoolExecutor:
 
 
 _POOL: ThreadPoolExecutor | None = None
+_THREADED_BYTES = 256 << 10
 
 
 def _read_block(side: Side, loc: Any, buf: memoryview, at: int, want: int, crc: int) -> int:
@@ -661,9 +667,13 @@ def _window_equal(a: Side, la: Any, b: Side, lb: Any, bufs: tuple[memoryview, me
     pool = _pool()
     while done < n:
         want = min(len(ba), n - done)
-        fut = pool.submit(_read_block, b, lb, bb, done, want, crc_b)
-        crc_a = _read_block(a, la, ba, done, want, crc_a)
-        crc_b = fut.result()
+        if want < _THREADED_BYTES:  # a thread hand-off costs more than reading a small block
+            crc_a = _read_block(a, la, ba, done, want, crc_a)
+            crc_b = _read_block(b, lb, bb, done, want, crc_b)
+        else:
+            fut = pool.submit(_read_block, b, lb, bb, done, want, crc_b)
+            crc_a = _read_block(a, la, ba, done, want, crc_a)
+            crc_b = fut.result()
         # bytearray == bytearray is one memcmp; memoryview == memoryview compares element by element
         same = ba.obj == bb.obj if want == len(ba) else ba[:want].tobytes() == bb[:want].tobytes()
         if not same:
