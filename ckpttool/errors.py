@@ -53,6 +53,8 @@ __all__ = [
     "SizeLimitError",
     "ChecksumError",
     "JsonDepthError",
+    "ManifestError",
+    "DiffError",
     "LayoutError",
     "LayoutFormatError",
     "LayoutVersionError",
@@ -308,6 +310,13 @@ class JsonDepthError(CkptError):
 
 
 # --------------------------------------------------------------------------- E4xx layout
+class ManifestError(CkptError):
+    """An integrity manifest (``manifest.json``) that cannot be used: not JSON, wrong format or version, malformed."""
+
+    code = "E260"
+    default_hint = "write the manifest again with `ckpttool manifest DIR` from a checkpoint known to be good"
+
+
 class LayoutError(CkptError):
     """Layout record malformed, or an incomplete layout declaration."""
 
@@ -432,6 +441,13 @@ class ReshardError(CkptError):
 
     code = "E602"
     default_hint = "see `ckpttool reshard --help`"
+
+
+class DiffError(CkptError):
+    """``diff`` cannot compare its inputs as asked (an input of no known kind, no common naming)."""
+
+    code = "E610"
+    default_hint = "see `ckpttool diff --help` and docs/diff.md"
 
 
 # --------------------------------------------------------------------------- E7xx results

@@ -65,9 +65,11 @@ MATRIX: dict[str, tuple[str, Callable[[Path, Path], list[str]]]] = {
         lambda ck, out: ["stamp", str(ck), "--source-layout", "canonical", "--ep-size", "1", "--ep-fsdp-size", "1"],
     ),
     "replay-step": ("replay-step", lambda ck, out: ["replay-step", str(ck), "--device", "cpu"]),
+    "diff": ("diff", lambda ck, out: ["diff", str(ck), str(ck), "--what", "all"]),
+    "manifest": ("manifest", lambda ck, out: ["manifest", str(ck), "--output", str(out)]),
 }
 NOT_ON_CHECKPOINTS = {"sample", "rules", "schema"}  # take no input checkpoint (sample writes one)
-WRITES_OUT = {"export", "export-cast", "reshard", "reshard-optim"}
+WRITES_OUT = {"export", "export-cast", "reshard", "reshard-optim", "manifest"}
 FINDINGS_EXIT_1 = {"validate", "validate-deep", "replay-step"}  # exit 1: ran and found problems
 TIMEOUT_S = 180  # a hang is a failure, not a wait
 RUN_BUDGET_S = 30.0  # the contract: every run of a few-MB entry takes less

@@ -3,7 +3,7 @@
 The schemas ship in the package (``ckpttool/schemas/*.schema.json``, JSON Schema draft
 2020-12), one per document id: ``ckpttool.inspect/1``, ``ckpttool.validate/1``,
 ``ckpttool.export/1``, ``ckpttool.reshard/1``, ``ckpttool.stamp/1``, ``ckpttool.replay/1``,
-``ckpttool.rules/1``. Documents may gain fields within a version; consumers ignore
+``ckpttool.rules/1``, ``ckpttool.diff/1``, ``ckpttool.manifest/1``. Documents may gain fields within a version; consumers ignore
 fields they do not know.
 """
 
@@ -29,6 +29,8 @@ SCHEMA_NAMES = {
     "stamp": "ckpttool.stamp/1",
     "replay": "ckpttool.replay/1",
     "rules": "ckpttool.rules/1",
+    "diff": "ckpttool.diff/1",
+    "manifest": "ckpttool.manifest/1",
 }
 _PRINTED_BY = {
     "inspect": "ckpttool inspect --json",
@@ -38,6 +40,8 @@ _PRINTED_BY = {
     "stamp": "ckpttool stamp --json",
     "replay": "ckpttool replay-step --json",
     "rules": "ckpttool rules --json, ckpttool validate --list-rules --json",
+    "diff": "ckpttool diff --json",
+    "manifest": "ckpttool manifest --json",
 }
 
 
@@ -50,6 +54,8 @@ class SchemaName(str, Enum):
     replay = "replay"
     replay_step = "replay-step"
     rules = "rules"
+    diff = "diff"
+    manifest = "manifest"
 
 
 def load_schema(name: str) -> dict[str, Any]:
@@ -67,7 +73,7 @@ def schema_command(
     name: Annotated[
         SchemaName | None,
         typer.Argument(
-            help="Which document: inspect, validate, export, reshard, stamp, replay (= replay-step) or rules; "
+            help="Which document: inspect, validate, export, reshard, stamp, replay (= replay-step), rules, diff or manifest; "
             "none: list them.",
             show_default=False,
         ),

@@ -148,6 +148,14 @@ def validate_command(
             help="Reference model (HF directory with safetensors/index, a .safetensors file, or a JSON key list): missing/unexpected keys, shapes, dtypes.",
         ),
     ] = None,
+    manifest: Annotated[
+        Path | None,
+        typer.Option(
+            "--manifest",
+            metavar="FILE",
+            help="Verify every chunk against this manifest.json (ckpttool manifest): names missing, added and changed chunks.",
+        ),
+    ] = None,
     json_output: JsonOpt = False,
     junit: Annotated[
         Path | None,
@@ -204,6 +212,7 @@ def validate_command(
         config=config,
         against=against,
         workers=workers,
+        manifest=manifest,
     )
     from ckpttool.format.unpickler import gc_paused
 

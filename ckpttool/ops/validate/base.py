@@ -115,7 +115,7 @@ class Rule:
         severity: severity of its findings.
         summary: what it checks (one line, used in ``docs/rules.md`` and JUnit).
         hint: default fix hint of its findings.
-        needs: options it needs to run: subset of ``{"deep", "config", "against"}``.
+        needs: options it needs to run: subset of ``{"deep", "config", "against", "manifest"}``.
         fatal: findings mean unreadable/unsafe input (exit 2); always runs.
         func: ``func(ctx) -> iterable of (key, message[, hint]) or Finding``.
     """

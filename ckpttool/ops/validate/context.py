@@ -65,6 +65,7 @@ class Context:
         config: HF config dict (``--config``) or ``None``.
         reference: ``--against`` reference or ``None``.
         deep_result: per-tensor statistics of the ``--deep`` pass.
+        manifest: the ``--manifest`` (:class:`ckpttool.ops.manifest.Manifest`) or ``None``.
     """
 
     ckpt: Checkpoint
@@ -73,6 +74,7 @@ class Context:
     config: dict[str, Any] | None = None
     reference: Reference | None = None
     deep_result: DeepResult | None = None
+    manifest: Any = None
     _file_errors: dict[str, CkptError | None] = field(default_factory=dict)
     _params: dict[str, bool] | None = None
     _storage_items: list[StorageItem] | None = None

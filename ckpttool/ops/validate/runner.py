@@ -44,6 +44,7 @@ class ValidateOptions:
         config: HF ``config.json`` (path, or its dict) for the ``M00x`` config rules.
         against: reference model (HF directory, ``.safetensors``, JSON key list) for ``M005..M008``.
         workers: threads of the deep pass (``None``: ``min(8, max(2, CPU count))``).
+        manifest: an integrity manifest (``ckpttool manifest``) to verify every chunk against (``S015``).
     """
 
     strict: bool = False
@@ -53,6 +54,7 @@ class ValidateOptions:
     config: str | os.PathLike[str] | dict[str, Any] | None = None
     against: str | os.PathLike[str] | None = None
     workers: int | None = None
+    manifest: str | os.PathLike[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,8 @@ def _skip_reason(r: Rule, ctx: Context) -> str | None:
         return "needs --config"
     if "against" in r.needs and ctx.reference is None:
         return "needs --against"
+    if "manifest" in r.needs and ctx.manifest is None:
+        return "needs --manifest"
     return None
 
 
@@ -201,10 +205,15 @@ def validate_checkpoint(
     rules = select_rules(opts.select, opts.ignore)
     cfg = opts.config if isinstance(opts.config, dict) or opts.config is None else read_hf_config(opts.config)
     ref = load_reference(opts.against) if opts.against is not None else None
+    man = None
+    if opts.manifest is not None:
+        from ckpttool.ops.manifest import load_manifest
+
+        man = load_manifest(opts.manifest)
     with gc_paused():
         ckpt.param_groups()
         ckpt.extra_state()
-        ctx = Context(ckpt, deep=opts.deep, strict=opts.strict, config=cfg, reference=ref)
+        ctx = Context(ckpt, deep=opts.deep, strict=opts.strict, config=cfg, reference=ref, manifest=man)
         bytes_read, deep_seconds = 0, 0.0
         if opts.deep and any(not _skip_reason(r, ctx) and "deep" in r.needs for r in rules):
             from ckpttool.ops.validate.deep import run_deep

@@ -335,3 +335,19 @@ def chunk_checksum_mismatch(ctx: Context) -> Iterator[Finding]:
     for key, e in ctx.deep_result.read_errors.items():
         if isinstance(e, ChecksumError):
             yield r.make(key, e.message, None, e.code)
+
+
+@rule(
+    "S015",
+    "manifest-mismatch",
+    Severity.error,
+    "a chunk or byte item is missing from, added to or changed since the --manifest (digest of its stored bytes)",
+    "the checkpoint is not the one the manifest was written for: restore the named chunks from a good copy, "
+    "or write a new manifest if the change is intended",
+    needs=("manifest",),
+)
+def manifest_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
+    from ckpttool.ops.manifest import verify_manifest
+
+    for p in verify_manifest(ctx.reader, ctx.manifest):
+        yield p.key, f"{p.kind}: {p.message}"

@@ -1,0 +1,65 @@
+"""``ckpttool manifest DIR``: write manifest.json, a digest of every stored chunk (verify with validate --manifest)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ckpttool.cli.options import CheckpointArg, JsonOpt, StepOpt, TrustPickleOpt, examples, selection
+from ckpttool.cli.output import Output, command_boundary
+
+if TYPE_CHECKING:
+    from ckpttool.ops.manifest import ManifestResult
+
+
+@command_boundary
+def manifest_command(
+    checkpoint: CheckpointArg,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output", "-o", help="Write the manifest here instead of DIR/manifest.json.", show_default=False
+        ),
+    ] = None,
+    hash_name: Annotated[
+        str,
+        typer.Option(
+            "--hash",
+            metavar="ALGO",
+            help="Digest: xxh3-128 (fast, detects damage), blake3 or blake2b-256 (cryptographic).",
+        ),
+    ] = "xxh3-128",
+    json_output: JsonOpt = False,
+    trust_pickle: TrustPickleOpt = False,
+    step: StepOpt = None,
+) -> None:
+    """Digest every chunk and byte item (each byte read once) into manifest.json beside .metadata.
+
+    Adds only that file. `ckpttool validate --manifest FILE` later names any chunk that is missing,
+    added or changed.
+    """
+    from ckpttool.ops.manifest import write_manifest
+
+    res = write_manifest(checkpoint, output, algorithm=hash_name, trust_pickle=trust_pickle, selection=selection(step))
+    Output(json_output).result(res, _render)
+
+
+def _render(res: ManifestResult) -> None:
+    from ckpttool.cli.render import human_bytes, plural, stdout_console
+
+    stdout_console().print(
+        f"wrote {res.path}: {plural(res.entries, 'entry', 'entries')}, {human_bytes(res.bytes_hashed)} hashed "
+        f"({res.algorithm}) in {res.seconds:.2f} s; manifest {res.algorithm} {res.digest}"
+    )
+
+
+EPILOG = examples(
+    "ckpttool manifest ckpt/",
+    "ckpttool validate ckpt/ --manifest ckpt/manifest.json",
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("manifest", epilog=EPILOG)(manifest_command)

@@ -1,0 +1,992 @@
+"""``diff A B``: do two checkpoints hold the same model (and optimizer), whatever their sharding or format?
+
+Each side is a DCP checkpoint (any world size, EP layout, key schema; opened with
+:func:`~ckpttool.model.checkpoint.open_checkpoint`), a Hugging Face safetensors directory
+(one file or sharded with its index, or a ``HuggingFaceStorageWriter`` save), one
+``.safetensors`` file, or a PEFT LoRA adapter directory. Names are matched in one namespace
+(``docs/diff.md``):
+
+- two DCP checkpoints: torch-native keys (``model.<fqn>``, ``optimizer.state.<fqn>.<field>``,
+  per-parameter hyperparameters), whatever each side's schema;
+- DCP against safetensors: the DCP side is named by the export mapping
+  (:mod:`ckpttool.ops.export.plan`: key rules, fused or per-expert experts chosen per tensor by
+  what the other side holds, a tied ``lm_head`` compared with the embedding), with ``map_rules``
+  (export rules YAML) for the rest; against a LoRA adapter, by the LoRA output keys;
+- two safetensors sides: the stored names.
+
+A model adapter (torchtitan <-> HF naming) plugs in as one more :class:`Namer`: a function
+from an opened DCP side to its :class:`Item` s in the other side's namespace.
+
+Values are compared tensor by tensor in the canonical global order (legacy EP layouts
+un-permuted, per-expert pieces cut from the fused tensor), holding at most one global tensor
+per side (:mod:`ckpttool.ops.diff.compare`). When both sides store a tensor with the same
+chunking, dtype and raw records, the records are compared byte for byte without decoding
+(the fast path); zip CRC-32s that differ skip straight to the decoding comparison.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import CkptError, DiffError, UsageError
+from ckpttool.format.crc import crc32
+from ckpttool.format.metadata import TensorMeta
+from ckpttool.model.catalog import TensorEntry
+from ckpttool.model.checkpoint import Checkpoint, CheckpointSelection, open_checkpoint
+from ckpttool.model.declaration import LayoutDeclaration
+from ckpttool.model.layout_record import LAYOUT_KEY
+from ckpttool.model.permute import legacy_to_canonical_perm
+from ckpttool.ops.diff.compare import ValueDiff, compare_tensors, unravel
+
+__all__ = ["WHAT", "DiffOptions", "Difference", "Excluded", "DiffResult", "Item", "Side", "diff_checkpoints"]
+
+WHAT = ("model", "optimizer", "all")
+_BLOCK = 1 << 20  # cache-sized blocks: faster here than 8 MiB (bench/bench_diff.py)
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DiffOptions:
+    """What ``diff`` compares and how.
+
+    Attributes:
+        what: ``model``, ``optimizer`` (state and param groups) or ``all`` (also training state
+            and other items).
+        rtol, atol: tolerance comparison (``None``: bitwise).
+        as_dtype: cast both sides to this floating dtype name first (``bfloat16`` for a BF16
+            export of an FP32 model).
+        map_rules: export rules YAML (``docs/export.md``) mapping DCP keys to safetensors names.
+        weights: ``params`` or ``master``: which DCP tensor stands for a parameter against a
+            safetensors side (``master``: its FP32 ``master_weight``).
+        max_differences: differences listed in full (all are counted).
+    """
+
+    what: str = "model"
+    rtol: float | None = None
+    atol: float | None = None
+    as_dtype: str | None = None
+    map_rules: str | os.PathLike[str] | None = None
+    weights: str = "params"
+    max_differences: int = 1000
+
+
+@dataclass(frozen=True)
+class Item:
+    """One comparable value of a side, in the common namespace.
+
+    Attributes:
+        name: the common name; key: the side's checkpoint key it is read from.
+        shape, dtype: of the value as compared (a per-expert piece: the piece's).
+        category: ``model``, ``optimizer_state``, ``training_state``, ``other``.
+        perm: gather permutation of dim 0 into true expert order (legacy EP layouts).
+        piece: ``(stored expert index, part, nparts)``: a per-expert piece of a fused tensor.
+        entry: the catalog entry of ``key`` (``None``: a byte item).
+    """
+
+    name: str
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    category: str
+    perm: tuple[int, ...] | None = None
+    piece: tuple[int, int, int] | None = None
+    entry: TensorEntry | None = None
+    against: str | None = None
+
+    @property
+    def match(self) -> str:
+        """The other side's name it is compared with (``against``: a tied head against the embedding)."""
+        return self.against or self.name
+
+    @property
+    def direct(self) -> bool:
+        return self.perm is None and self.piece is None and self.entry is not None
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One difference (``--json`` ``differences[]``).
+
+    Attributes:
+        name: the common name; a_key, b_key: each side's key (``None``: absent there).
+        kind: ``only_a``, ``only_b``, ``shape``, ``dtype``, ``values``, ``hyperparameter``, ``object``.
+        message: one line.
+        index: global index of the first differing element (canonical order).
+        mismatched, numel: differing (or outside-tolerance) elements, of how many.
+        max_abs_error, max_rel_error, a_value, b_value: see :class:`~ckpttool.ops.diff.compare.ValueDiff`.
+    """
+
+    name: str
+    kind: str
+    message: str
+    a_key: str | None = None
+    b_key: str | None = None
+    index: list[int] | None = None
+    mismatched: int | None = None
+    numel: int | None = None
+    max_abs_error: float | None = None
+    max_rel_error: float | None = None
+    a_value: Any = None
+    b_value: Any = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "message": self.message,
+            "a_key": self.a_key,
+            "b_key": self.b_key,
+            "index": self.index,
+            "mismatched": self.mismatched,
+            "numel": self.numel,
+            "max_abs_error": _num(self.max_abs_error),
+            "max_rel_error": _num(self.max_rel_error),
+            "a_value": _num(self.a_value),
+            "b_value": _num(self.b_value),
+        }
+
+
+def _num(v: Any) -> Any:
+    import math
+
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+@dataclass(frozen=True)
+class Excluded:
+    """A key of one side left out of the comparison, and why."""
+
+    side: str
+    key: str
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"side": self.side, "key": self.key, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class SideInfo:
+    path: str
+    kind: str
+    schema: str
+    layout: str | None
+    tensors: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "kind": self.kind,
+            "schema": self.schema,
+            "layout": self.layout,
+            "tensors": self.tensors,
+        }
+
+
+@dataclass(frozen=True)
+class DiffResult:
+    """Outcome of :func:`diff_checkpoints` (``--json``: :meth:`to_dict`, schema ``ckpttool.diff/1``).
+
+    ``equal`` is true when nothing differs: no key on one side only, every compared value
+    equal (bitwise, after the cast, or within the tolerance). Exit code 0 / 1.
+    """
+
+    a: SideInfo
+    b: SideInfo
+    options: DiffOptions
+    naming: str
+    compared: int
+    equal_count: int
+    raw_compared: int
+    differences: list[Difference]
+    difference_count: int
+    excluded: list[Excluded]
+    notes: list[str]
+    bytes_read: int
+    seconds: float
+
+    @property
+    def equal(self) -> bool:
+        return self.difference_count == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        o = self.options
+        return {
+            "schema": "ckpttool.diff/1",
+            "a": self.a.to_dict(),
+            "b": self.b.to_dict(),
+            "what": o.what,
+            "comparison": {
+                "mode": "tolerance" if (o.rtol is not None or o.atol is not None) else "bitwise",
+                "rtol": o.rtol,
+                "atol": o.atol,
+                "as_dtype": o.as_dtype,
+            },
+            "naming": self.naming,
+            "equal": self.equal,
+            "counts": {
+                "compared": self.compared,
+                "equal": self.equal_count,
+                "raw": self.raw_compared,
+                "different": self.difference_count,
+                "excluded": len(self.excluded),
+            },
+            "differences": [d.to_dict() for d in self.differences],
+            "excluded": [e.to_dict() for e in self.excluded],
+            "notes": list(self.notes),
+            "bytes_read": self.bytes_read,
+            "seconds": round(self.seconds, 6),
+        }
+
+
+# ---------------------------------------------------------------------------------------------- sides
+class Side:
+    """One opened input: its checkpoint handle, its kind and a one-tensor cache.
+
+    Attributes:
+        label: ``"A"`` or ``"B"``; kind: ``dcp``, ``safetensors`` or ``lora``.
+        only_file: a single ``.safetensors`` file given: only its tensors belong to the side.
+    """
+
+    def __init__(self, label: str, path: Path, ckpt: Checkpoint, kind: str, only_file: str | None) -> None:
+        self.label = label
+        self.path = path
+        self.ckpt = ckpt
+        self.kind = kind
+        self.only_file = only_file
+        self._cached: tuple[str, Any] | None = None
+        self._buf: Any = None  # one reusable byte buffer: no page faults on every tensor
+
+    @property
+    def reader(self) -> Any:
+        return self.ckpt.reader
+
+    def info(self) -> SideInfo:
+        lay = self.ckpt.layout
+        return SideInfo(
+            str(self.path),
+            self.kind,
+            self.ckpt.catalog.schema.id,
+            lay.layout_name if lay is not None and lay.ep_tensors else None,
+            len(self.tensor_keys()),
+        )
+
+    def tensor_keys(self) -> list[str]:
+        md = self.ckpt.metadata
+        keys = [k for k, m in md.entries.items() if isinstance(m, TensorMeta)]
+        if self.only_file is None:
+            return keys
+        tensors = self.ckpt.catalog.tensors
+        return [k for k in keys if k in tensors and self.only_file in tensors[k].files]
+
+    def tensor(self, key: str) -> Any:
+        """The global tensor ``key`` as stored (kept until another key is asked for)."""
+        if self._cached is not None and self._cached[0] == key:
+            return self._cached[1]
+        self._cached = None
+        import torch
+
+        meta = self.ckpt.metadata.entries[key]
+        assert isinstance(meta, TensorMeta)
+        self.reader.check_allocation(key, meta)
+        if self._buf is None or self._buf.numel() < meta.nbytes:
+            self._buf = None
+            self._buf = torch.empty(meta.nbytes, dtype=torch.uint8)
+        out = self._buf[: meta.nbytes].view(meta.dtype.to_torch()).view(meta.size)
+        t = self.reader.read_tensor(key, out=out)
+        self._cached = (key, t)
+        return t
+
+    def load(self, item: Item) -> Any:
+        """The value of ``item`` in canonical order (a view where possible)."""
+        import torch
+
+        t = self.tensor(item.key)
+        if item.perm is not None:
+            t = t.index_select(0, torch.tensor(item.perm, dtype=torch.long))
+            self._cached = (item.key + "\0perm", t)
+        if item.piece is not None:
+            j, p, n = item.piece
+            rows = t.shape[1] // n
+            t = t[j, p * rows : (p + 1) * rows]
+        return t
+
+    def drop_cache(self) -> None:
+        self._cached = None
+
+    def close(self) -> None:
+        self._cached = self._buf = None
+        self.ckpt.close()
+
+
+def _open_side(
+    label: str,
+    path: str | os.PathLike[str],
+    declaration: LayoutDeclaration | None,
+    trust_pickle: bool,
+    selection: CheckpointSelection | None,
+) -> Side:
+    p = Path(path)
+    only_file = None
+    where = p
+    if p.is_file():
+        if p.suffix != ".safetensors":
+            raise DiffError(
+                f"{p}: a file that is not a .safetensors file",
+                path=p,
+                hint="pass a DCP checkpoint directory, a safetensors directory or file, or a PEFT adapter directory",
+            )
+        where, only_file = p.parent, p.name
+    try:
+        ckpt = open_checkpoint(where, declaration=declaration, trust_pickle=trust_pickle, selection=selection)
+    except CkptError as e:
+        if e.code == "E200" and not (where / ".metadata").exists() and where.is_dir():
+            raise DiffError(
+                f"{where}: neither a DCP checkpoint (.metadata) nor a safetensors directory",
+                path=where,
+                hint="pass a DCP checkpoint directory, a safetensors directory or file, or a PEFT adapter directory",
+            ) from e
+        raise
+    model_dir = Path(ckpt.located.model)
+    if ckpt.metadata.serialization != "safetensors":
+        kind = "dcp"
+    elif (model_dir / "adapter_config.json").is_file() or (model_dir / "adapter_model.safetensors").is_file():
+        kind = "lora"
+    else:
+        kind = "safetensors"
+    return Side(label, p, ckpt, kind, only_file)
+
+
+# ---------------------------------------------------------------------------------------------- naming
+#: A namer: (side, the other side's tensor names, options, format) -> (items, excluded, notes, naming id).
+#: :func:`export_items` is the one for HF/LoRA names; a model adapter (torchtitan <-> HF) is another.
+Namer = Callable[["Side", set[str], DiffOptions, str], tuple[list[Item], list[Excluded], list[str], str]]
+
+
+def _entry_item(name: str, e: TensorEntry, category: str, perm: list[int] | None = None) -> Item:
+    return Item(name, e.key, e.shape, e.dtype, category, tuple(perm) if perm is not None else None, None, e)
+
+
+def _perm_of(side: Side, key: str, shape: tuple[int, ...]) -> list[int] | None:
+    """Row gather into true expert order for a legacy-layout EP tensor (model or state key)."""
+    lay = side.ckpt.require_layout()
+    spec = lay.spec_for(key)
+    if spec is None or len(shape) <= spec.ep_dim:  # not an EP tensor, or its 0-d step
+        return None
+    if lay.canonical_perm(key) is None:  # E405 when ambiguous
+        return None
+    if spec.ep_dim != 0:
+        raise DiffError(
+            f"{key}: legacy EP layout on expert dim {spec.ep_dim}; diff un-permutes dim 0 only",
+            fqn=key,
+            hint="convert the checkpoint with `ckpttool reshard` to the canonical layout first",
+        )
+    assert lay.ep_size is not None and lay.ep_fsdp_size is not None
+    return legacy_to_canonical_perm(shape[0], lay.ep_size, lay.ep_fsdp_size)
+
+
+def dcp_items(side: Side, what: str) -> tuple[list[Item], list[Excluded], list[str]]:
+    """A DCP side in the torch-native namespace: ``model.<fqn>``, ``optimizer.state.<fqn>.<field>``, other keys."""
+    cat = side.ckpt.catalog
+    items: list[Item] = []
+    excluded: list[Excluded] = []
+    if what in ("model", "all"):
+        for key, me in cat.model.items():
+            items.append(_entry_item(cat.schema.canonical_key(key), me, "model", _perm_of(side, key, me.shape)))
+    if what in ("optimizer", "all"):
+        for fqn, ps in cat.optimizer_state.items():
+            for fld, e in ps.fields.items():
+                name = f"optimizer.state.{fqn}.{fld}"
+                if e is None:
+                    key = cat.state_key(fqn, fld)
+                    items.append(Item(name, key, (), "bytes", "optimizer_state"))
+                    continue
+                items.append(_entry_item(name, e, "optimizer_state", _perm_of(side, e.key, e.shape)))
+    if what == "all":
+        listed = {i.key for i in items}
+        for key, e in cat.other_tensors.items():
+            if e.key in listed:
+                continue
+            items.append(_entry_item(key, e, cat.category(key)))
+        group_keys = {k for g in cat.param_groups for k in g.keys.values()}
+        for key in cat.byte_items:
+            if key in group_keys:
+                continue
+            if key == LAYOUT_KEY:
+                excluded.append(Excluded(side.label, key, "the layout record describes the storage order, not values"))
+                continue
+            if cat.category(key) == "optimizer_state":
+                continue  # a state field saved as a byte item: listed above
+            items.append(Item(key, key, (), "bytes", cat.category(key)))
+    return items, excluded, []
+
+
+def export_items(
+    side: Side, other: set[str], opts: DiffOptions, fmt: str, tied: bool = False
+) -> tuple[list[Item], list[Excluded], list[str], str]:
+    """A DCP side named by the export mapping (HF or LoRA keys), experts fused or per-expert as ``other`` holds them."""
+    from ckpttool.errors import ExportError
+    from ckpttool.ops.export.experts import expert_orders
+    from ckpttool.ops.export.plan import build_plan, select_sources
+    from ckpttool.ops.export.rules import load_rules
+
+    cat = side.ckpt.catalog
+    rules = load_rules(Path(opts.map_rules) if opts.map_rules is not None else None)
+    selected, warnings, skipped, _ = select_sources(cat, rules, fmt=fmt, weights=opts.weights)
+    orders = expert_orders(selected, side.ckpt.require_layout())
+    fused = build_plan(selected, rules, fmt=fmt, expert_orders=orders)
+    per_expert = None
+    if fmt == "hf":
+        try:
+            per_expert = build_plan(selected, rules, fmt=fmt, experts="per-expert", expert_orders=orders)
+        except ExportError:
+            per_expert = None
+    split_tasks = {t.selected.model_key: t for t in per_expert.tasks} if per_expert is not None else {}
+    items: list[Item] = []
+    notes: list[str] = list(warnings)
+    n_split = 0
+    for task in fused.tasks:
+        s = task.selected
+        src = s.source
+        split = split_tasks.get(s.model_key)
+        if (
+            split is not None
+            and any(p.expert is not None for p in split.pieces)
+            and s.out_key not in other
+            and any(p.name in other for p in split.pieces)
+        ):
+            order = split.expert_order or tuple(range(src.shape[0]))
+            for p in split.pieces:
+                assert p.expert is not None
+                items.append(
+                    Item(p.name, src.key, p.shape, src.dtype, "model", None, (order[p.expert], p.part, p.nparts), src)
+                )
+            n_split += 1
+            continue
+        perm = task.expert_order
+        items.append(Item(s.out_key, src.key, src.shape, src.dtype, "model", perm, None, src))
+    if n_split:
+        notes.append(f"{n_split} fused expert tensor(s) of {side.label} compared per expert with {_other(side)}")
+    excluded = [Excluded(side.label, k, reason) for reason, keys in skipped.items() for k in keys]
+    # tied head: an lm_head the other side leaves out (tie_word_embeddings) is compared with its embedding
+    names = {i.name for i in items}
+    if (
+        tied
+        and fmt == "hf"
+        and rules.tied_lm_head in names
+        and rules.tied_lm_head not in other
+        and rules.tied_embedding in other
+    ):
+        head = next(i for i in items if i.name == rules.tied_lm_head)
+        items[items.index(head)] = replace(head, against=rules.tied_embedding)
+        notes.append(
+            f"{_other(side)} has no {rules.tied_lm_head} (tied embeddings): {side.label}'s {head.key} is compared "
+            f"with {_other(side)}'s {rules.tied_embedding}"
+        )
+    if opts.what != "model" and cat.optimizer_state:
+        notes.append(f"{_other(side)} has no optimizer state: {side.label}'s optimizer state is not compared")
+    return items, excluded, notes, "lora" if fmt == "lora" else "export"
+
+
+def _other(side: Side) -> str:
+    return "B" if side.label == "A" else "A"
+
+
+def _stored_items(side: Side) -> list[Item]:
+    tensors = side.ckpt.catalog.tensors
+    out = []
+    for key in side.tensor_keys():
+        e = tensors[key]
+        out.append(_entry_item(key, e, "model"))
+    return out
+
+
+def _pair_names(a: Side, b: Side, opts: DiffOptions) -> tuple[list[Item], list[Item], list[Excluded], list[str], str]:
+    """Items of both sides in one namespace (see the module docstring)."""
+    if a.kind == "dcp" and b.kind == "dcp":
+        ia, ea, _ = dcp_items(a, opts.what)
+        ib, eb, _ = dcp_items(b, opts.what)
+        return ia, ib, ea + eb, [], "torch-native"
+    if a.kind != "dcp" and b.kind != "dcp":
+        if opts.what == "optimizer":
+            raise DiffError(
+                f"{a.path}, {b.path}: `what` optimizer but neither side is a DCP checkpoint with optimizer state",
+                param="what",
+                hint="safetensors files hold model weights only; compare with `what` model",
+            )
+        return _stored_items(a), _stored_items(b), [], [], "stored"
+    dcp, st = (a, b) if a.kind == "dcp" else (b, a)
+    st_items = _stored_items(st)
+    other = {i.name for i in st_items}
+    if st.kind == "lora" and not any(".lora_" in n for n in other):
+        raise DiffError(f"{st.path}: a PEFT adapter directory with no LoRA tensors", path=st.path)
+    d_items, excluded, notes, naming = export_items(
+        dcp, other, opts, "lora" if st.kind == "lora" else "hf", tied=_tied_config(st)
+    )
+    if a is dcp:
+        return d_items, st_items, excluded, notes, naming
+    return st_items, d_items, excluded, notes, naming
+
+
+def _tied_config(side: Side) -> bool:
+    """The safetensors side's ``config.json`` says ``tie_word_embeddings`` (its ``lm_head`` is the embedding)."""
+    from ckpttool.model.hfconfig import config_value, read_hf_config
+
+    cfg_file = Path(side.ckpt.located.model) / "config.json"
+    if not cfg_file.is_file():
+        return False
+    return config_value(read_hf_config(cfg_file), "tie_word_embeddings") is True
+
+
+# ---------------------------------------------------------------------------------------------- comparing
+def _torch_dtype(name: str) -> Any:
+    from ckpttool.format.metadata import DType
+
+    return DType(name).to_torch()
+
+
+def _raw_equal(a: Side, ia: Item, b: Side, ib: Item, bufs: tuple[memoryview, memoryview]) -> bool | None:
+    """Compare the stored records chunk by chunk without decoding; ``None`` when the fast path does not apply."""
+    ea, eb = ia.entry, ib.entry
+    assert ea is not None and eb is not None
+    ca = sorted(c for c in ea.chunks if c.numel)
+    cb = sorted(c for c in eb.chunks if c.numel)
+    if ca != cb or len(set(ca)) != len(ca):
+        ra_, rb_ = _row_blocks(a, ea), _row_blocks(b, eb)
+        if ra_ is None or rb_ is None:
+            return None
+        return _stream_equal(a, ra_, b, rb_, bufs)
+    locs = []
+    for c in ca:
+        la, lb = a.reader.locate(ea.key, c), b.reader.locate(eb.key, c)
+        if not (la.raw and lb.raw):
+            return None
+        locs.append((c, la, lb))
+    for _c, la, lb in locs:
+        ra, rb = la.record, lb.record
+        if ra.member is not None and rb.member is not None and ra.crc32 != rb.crc32:
+            return False  # the zip CRC-32s differ: the values differ (decode to name the element)
+        if not _window_equal(a, la, b, lb, bufs):
+            return False
+    return True
+
+
+def _row_blocks(side: Side, e: TensorEntry) -> list[Any] | None:
+    """The chunk locations of a tensor stored as raw dim-0 row blocks (FSDP ``Shard(0)``, whole tensors), in order.
+
+    The global tensor's C-order bytes are then the records concatenated: two such sides are
+    compared as byte streams whatever their chunk boundaries. ``None``: another split.
+    """
+    chunks = sorted((c for c in e.chunks if c.numel), key=lambda c: c.offsets)
+    if not chunks and _numel(e.shape) == 0:
+        return []
+    pos = 0
+    for c in chunks:
+        if not e.shape:
+            if len(chunks) != 1:
+                return None
+            continue
+        if c.offsets[0] != pos or any(c.offsets[1:]) or tuple(c.sizes[1:]) != tuple(e.shape[1:]):
+            return None
+        pos += c.sizes[0]
+    if e.shape and pos != e.shape[0]:
+        return None
+    locs = [side.reader.locate(e.key, c) for c in chunks]
+    return locs if all(loc.raw for loc in locs) else None
+
+
+def _stream_equal(a: Side, la: list[Any], b: Side, lb: list[Any], bufs: tuple[memoryview, memoryview]) -> bool:
+    """Compare two row-block record sequences as one byte stream each (CRC-32 of every record checked)."""
+    ba, bb = bufs
+    pool = _pool()
+    ia = ib = 0  # current record of each side
+    oa = ob = 0  # offset inside it
+    crc_a = crc_b = 0
+    while ia < len(la) and ib < len(lb):
+        ra, rb = la[ia], lb[ib]
+        want = min(len(ba), ra.nbytes - oa, rb.nbytes - ob)
+        if want < _THREADED_BYTES:
+            crc_a = _read_block(a, ra, ba, oa, want, crc_a)
+            crc_b = _read_block(b, rb, bb, ob, want, crc_b)
+        else:
+            fut = pool.submit(_read_block, b, rb, bb, ob, want, crc_b)
+            crc_a = _read_block(a, ra, ba, oa, want, crc_a)
+            crc_b = fut.result()
+        same = ba.obj == bb.obj if want == len(ba) else ba[:want].tobytes() == bb[:want].tobytes()
+        if not same:
+            return False
+        oa, ob = oa + want, ob + want
+        if oa == ra.nbytes:
+            ra.check_crc(crc_a)
+            ia, oa, crc_a = ia + 1, 0, 0
+        if ob == rb.nbytes:
+            rb.check_crc(crc_b)
+            ib, ob, crc_b = ib + 1, 0, 0
+    return ia == len(la) and ib == len(lb)
+
+
+def _pool() -> ThreadPoolExecutor:
+    """One helper thread: side B is read while side A is (preadv, CRC-32 and memcmp release the GIL)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-diff")
+    return _POOL
+
+
+_POOL: ThreadPoolExecutor | None = None
+_THREADED_BYTES = 256 << 10
+
+
+def _read_block(side: Side, loc: Any, buf: memoryview, at: int, want: int, crc: int) -> int:
+    """Read ``want`` bytes of ``loc``'s record from ``at`` into ``buf``; return the running CRC-32."""
+    fd = side.reader.fd(loc.info.relative_path)
+    got = 0
+    while got < want:
+        r = os.preadv(fd, [buf[got:want]], loc.data_start + at + got)
+        if r <= 0:
+            from ckpttool.errors import DataFileError
+
+            raise DataFileError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=loc.key)
+        got += r
+    side.reader.count_read(want)
+    return crc32(buf[:want], crc)
+
+
+def _window_equal(a: Side, la: Any, b: Side, lb: Any, bufs: tuple[memoryview, memoryview]) -> bool:
+    n = la.nbytes
+    done, crc_a, crc_b = 0, 0, 0
+    ba, bb = bufs
+    pool = _pool()
+    while done < n:
+        want = min(len(ba), n - done)
+        if want < _THREADED_BYTES:  # a thread hand-off costs more than reading a small block
+            crc_a = _read_block(a, la, ba, done, want, crc_a)
+            crc_b = _read_block(b, lb, bb, done, want, crc_b)
+        else:
+            fut = pool.submit(_read_block, b, lb, bb, done, want, crc_b)
+            crc_a = _read_block(a, la, ba, done, want, crc_a)
+            crc_b = fut.result()
+        # bytearray == bytearray is one memcmp; memoryview == memoryview compares element by element
+        same = ba.obj == bb.obj if want == len(ba) else ba[:want].tobytes() == bb[:want].tobytes()
+        if not same:
+            return False
+        done += want
+    la.check_crc(crc_a)
+    lb.check_crc(crc_b)
+    return True
+
+
+def _compare_pair(
+    name: str, a: Side, ia: Item, b: Side, ib: Item, opts: DiffOptions, bufs: tuple[memoryview, memoryview]
+) -> tuple[Difference | None, bool]:
+    """``(difference or None, compared raw)`` for two items of one name."""
+    if ia.dtype == "bytes" or ib.dtype == "bytes":
+        return _compare_objects(name, a, ia, b, ib), False
+    if ia.shape != ib.shape:
+        return Difference(
+            name, "shape", f"{name}: shape {list(ia.shape)} in A, {list(ib.shape)} in B", ia.key, ib.key
+        ), False
+    tolerant = opts.rtol is not None or opts.atol is not None
+    if ia.dtype != ib.dtype and opts.as_dtype is None and not tolerant:
+        return Difference(
+            name,
+            "dtype",
+            f"{name}: dtype {ia.dtype} in A, {ib.dtype} in B (compare values with `as_dtype` or a tolerance)",
+            ia.key,
+            ib.key,
+        ), False
+    cast = (
+        opts.as_dtype
+        if opts.as_dtype is not None and (ia.dtype != opts.as_dtype or ib.dtype != opts.as_dtype)
+        else None
+    )
+    if ia.direct and ib.direct and ia.dtype == ib.dtype and cast is None and not tolerant:
+        same = _raw_equal(a, ia, b, ib, bufs)
+        if same:
+            return None, True
+    fut = _pool().submit(b.load, ib)  # both sides read at once
+    try:
+        ta = a.load(ia)
+    finally:
+        tb = fut.result()
+    floating = ia.dtype in _FLOATING and ib.dtype in _FLOATING
+    vd: ValueDiff = compare_tensors(
+        ta,
+        tb,
+        as_dtype=_torch_dtype(cast) if cast is not None and floating else None,
+        rtol=opts.rtol,
+        atol=opts.atol,
+    )
+    if vd.mismatched == 0:
+        return None, False
+    assert vd.first is not None
+    idx = unravel(vd.first, ia.shape)
+    how = "outside the tolerance" if tolerant else "differ"
+    msg = (
+        f"{name}: {vd.mismatched} of {_numel(ia.shape)} element(s) {how}; first at {idx} "
+        f"(A {vd.a_value!r}, B {vd.b_value!r})"
+    )
+    if vd.max_abs_error is not None:
+        msg += f"; max abs error {vd.max_abs_error:.3g}, max rel error {vd.max_rel_error:.3g}"
+    return Difference(
+        name,
+        "values",
+        msg,
+        ia.key,
+        ib.key,
+        idx,
+        vd.mismatched,
+        _numel(ia.shape),
+        vd.max_abs_error,
+        vd.max_rel_error,
+        vd.a_value,
+        vd.b_value,
+    ), False
+
+
+_FLOATING = {"float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _compare_objects(name: str, a: Side, ia: Item, b: Side, ib: Item) -> Difference | None:
+    """Byte items (and state fields saved as Python objects): stored bytes, else loaded values."""
+    if ia.dtype != ib.dtype:
+        return Difference(name, "object", f"{name}: a tensor on one side, a Python object on the other", ia.key, ib.key)
+    ra, rb = a.reader.raw_bytes(ia.key), b.reader.raw_bytes(ib.key)
+    a.reader.count_read(0)
+    if ra == rb:
+        return None
+    va, vb = a.reader.read_object(ia.key), b.reader.read_object(ib.key)
+    if _same_object(va, vb):
+        return None
+    return Difference(
+        name,
+        "object",
+        f"{name}: {_short(va)} in A, {_short(vb)} in B",
+        ia.key,
+        ib.key,
+        a_value=_short(va),
+        b_value=_short(vb),
+    )
+
+
+def _same_object(x: Any, y: Any) -> bool:
+    try:
+        import torch
+
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return (
+                isinstance(x, torch.Tensor)
+                and isinstance(y, torch.Tensor)
+                and x.shape == y.shape
+                and x.dtype == y.dtype
+                and bool(torch.equal(x, y))
+            )
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    if isinstance(x, dict) and isinstance(y, dict):
+        return x.keys() == y.keys() and all(_same_object(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(_same_object(p, q) for p, q in zip(x, y))
+    return bool(type(x) is type(y) and x == y)
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def _group_values(side: Side) -> dict[str, dict[str, Any]]:
+    """Parameter fqn -> the hyperparameters of its param group (``lr``, ``betas``, ...)."""
+    cat = side.ckpt.catalog
+    side.ckpt.param_groups()
+    out: dict[str, dict[str, Any]] = {}
+    for key in cat.model:
+        fqn = cat.fqn_of(key)
+        g = cat.group_of(fqn)
+        if g is not None:
+            out[fqn] = g.leaf_values
+    return out
+
+
+def _compare_groups(a: Side, b: Side) -> tuple[int, list[Difference]]:
+    """``(hyperparameters compared, differences)`` of the per-parameter param-group values."""
+    ga, gb = _group_values(a), _group_values(b)
+    diffs: list[Difference] = []
+    n = 0
+    for fqn in sorted(set(ga) | set(gb)):
+        va, vb = ga.get(fqn), gb.get(fqn)
+        base = f"optimizer.param_groups.{fqn}"
+        if va is None or vb is None:
+            side = "B" if va is not None else "A"
+            diffs.append(Difference(base, "hyperparameter", f"{base}: no param group in {side}"))
+            continue
+        for hyper in sorted(set(va) | set(vb)):
+            n += 1
+            x, y = va.get(hyper, _MISSING), vb.get(hyper, _MISSING)
+            if x is _MISSING or y is _MISSING or not _same_object(x, y):
+                diffs.append(
+                    Difference(
+                        f"{base}.{hyper}",
+                        "hyperparameter",
+                        f"{base}.{hyper}: {_short(x)} in A, {_short(y)} in B",
+                        a_value=_short(x),
+                        b_value=_short(y),
+                    )
+                )
+    return n, diffs
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "absent"
+
+
+_MISSING = _Missing()
+
+
+def _check_options(opts: DiffOptions) -> None:
+    if opts.what not in WHAT:
+        raise UsageError(f"`what` {opts.what!r} is not one of {', '.join(WHAT)}", param="what")
+    if opts.weights not in ("params", "master"):
+        raise UsageError(f"`weights` {opts.weights!r} is not one of params, master", param="weights")
+    for p, v in (("rtol", opts.rtol), ("atol", opts.atol)):
+        if v is not None and not (v >= 0):
+            raise UsageError(f"`{p}` must be a non-negative number, got {v}", param=p)
+    if opts.as_dtype is not None and opts.as_dtype not in ("bfloat16", "float16", "float32", "float64"):
+        raise UsageError(
+            f"`as_dtype` {opts.as_dtype!r} is not one of bfloat16, float16, float32, float64", param="as_dtype"
+        )
+
+
+def diff_checkpoints(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    options: DiffOptions | None = None,
+    *,
+    declaration_a: LayoutDeclaration | None = None,
+    declaration_b: LayoutDeclaration | None = None,
+    selection_a: CheckpointSelection | None = None,
+    selection_b: CheckpointSelection | None = None,
+    trust_pickle: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    **option_fields: Any,
+) -> DiffResult:
+    """Compare two checkpoints (see the module docstring). Neither input is modified.
+
+    Args:
+        a, b: each a DCP checkpoint directory (or a directory above one), a safetensors
+            directory or file, or a PEFT adapter directory.
+        options: :class:`DiffOptions`, or its fields as keywords.
+        declaration_a, declaration_b: EP layout declarations of unversioned DCP sides.
+        selection_a, selection_b: step / schema overrides for opening each side.
+        progress: ``progress(done_items, total_items)``.
+
+    Returns:
+        :class:`DiffResult` (``equal``: exit 0, else 1).
+
+    Raises:
+        UsageError: bad options. DiffError (E610): an input of no known kind, nothing in common.
+        LayoutError (E405): an undeclared ambiguous EP layout.
+        plus the reader's errors for damaged inputs (E1xx-E3xx).
+    """
+    opts = options if options is not None else DiffOptions(**option_fields)
+    _check_options(opts)
+    t0 = time.perf_counter()
+    sa = _open_side("A", a, declaration_a, trust_pickle, selection_a)
+    try:
+        sb = _open_side("B", b, declaration_b, trust_pickle, selection_b)
+    except BaseException:
+        sa.close()
+        raise
+    try:
+        return _diff(sa, sb, opts, progress, t0)
+    finally:
+        sa.close()
+        sb.close()
+
+
+def _diff(a: Side, b: Side, opts: DiffOptions, progress: Callable[[int, int], None] | None, t0: float) -> DiffResult:
+    items_a, items_b, excluded, notes, naming = _pair_names(a, b, opts)
+    by_b: dict[str, Item] = {}
+    for i in items_b:
+        by_b.setdefault(i.name, i)
+    names_a = {i.match for i in items_a}
+    diffs: list[Difference] = []
+    count = 0
+    equal = raw = compared = 0
+    bufs = (memoryview(bytearray(_BLOCK)), memoryview(bytearray(_BLOCK)))
+    total = len(items_a) + len(items_b)
+
+    def add(d: Difference) -> None:
+        nonlocal count
+        count += 1
+        if len(diffs) < opts.max_differences:
+            diffs.append(d)
+
+    seen_b: set[str] = set()
+    last_a = last_b = None
+    for n, ia in enumerate(items_a):
+        ib = by_b.get(ia.match)
+        if ib is None or ia.name in seen_b:
+            add(Difference(ia.name, "only_a", f"{ia.name}: only in A ({ia.key})", ia.key, None))
+            continue
+        seen_b.add(ia.name)
+        if last_a is not None and last_a != ia.key:
+            a.drop_cache()
+        if last_b is not None and last_b != ib.key:
+            b.drop_cache()
+        last_a, last_b = ia.key, ib.key
+        d, was_raw = _compare_pair(ia.name, a, ia, b, ib, opts, bufs)
+        compared += 1
+        raw += was_raw
+        if d is None:
+            equal += 1
+        else:
+            add(d)
+        if progress is not None:
+            progress(n + 1, total)
+    a.drop_cache()
+    b.drop_cache()
+    for ib in items_b:
+        if ib.name not in names_a:
+            add(Difference(ib.name, "only_b", f"{ib.name}: only in B ({ib.key})", None, ib.key))
+    if opts.what in ("optimizer", "all") and a.kind == "dcp" and b.kind == "dcp":
+        ca, cb = a.ckpt.catalog, b.ckpt.catalog
+        if ca.param_groups or cb.param_groups:
+            n_hyper, gd = _compare_groups(a, b)
+            compared += n_hyper
+            equal += n_hyper - sum(1 for d in gd if d.a_value is not None)
+            for d in gd:
+                add(d)
+    seconds = time.perf_counter() - t0
+    log.info("diff: %d compared (%d raw), %d differences in %.3f s", compared, raw, count, seconds)
+    return DiffResult(
+        a.info(),
+        b.info(),
+        opts,
+        naming,
+        compared,
+        equal,
+        raw,
+        diffs,
+        count,
+        excluded,
+        notes,
+        a.reader.bytes_read + b.reader.bytes_read,
+        seconds,
+    )

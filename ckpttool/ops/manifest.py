@@ -1,0 +1,521 @@
+"""Integrity manifests: a digest of every stored chunk, written beside a checkpoint and verified later.
+
+``manifest.json`` (format ``ckpttool.manifest``, version 1; ``docs/diff.md``)::
+
+    {"format": "ckpttool.manifest", "version": 1, "algorithm": "xxh3-128",
+     "metadata": {"file": ".metadata", "size": 5211, "digest": "9f0c..."},
+     "entries": [{"key": "model.w", "offsets": [0, 0], "sizes": [4, 8], "file": "__0_0.distcp",
+                  "offset": 0, "length": 1577, "crc32": "3b8d2a1f", "digest": "0a41..."},
+                 {"key": "optimizer.param_groups.0.lr", "offsets": null, ...}],
+     "source": {...}}
+
+Every chunk of every tensor and every byte item has one entry: its key, the chunk's
+``offsets``/``sizes`` in the global tensor (``null`` for a byte item), its storage window
+(``file``, ``offset``, ``length``: the bytes torch's reader hands to ``torch.load``), the
+CRC-32 its zip entry holds for the raw storage record (``null`` for safetensors storage and
+byte items) and the digest (:mod:`ckpttool.format.digest`) of the whole window as stored.
+``source`` (optional) names the checkpoint an output was made from (export, reshard).
+
+A manifest read back is untrusted input: size-capped before reading
+(``--max-object-size``), parsed by the bounded JSON reader, checked field by field.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import CkptError, ManifestError, UsageError
+from ckpttool.format import limits
+from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, new_hasher
+from ckpttool.format.files import read_regular
+from ckpttool.format.jsonfile import parse_json
+from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
+from ckpttool.format.reader import CheckpointReader
+from ckpttool.model.checkpoint import Checkpoint, CheckpointSelection, opened
+
+__all__ = [
+    "MANIFEST_FORMAT",
+    "MANIFEST_NAME",
+    "ManifestEntry",
+    "Manifest",
+    "ManifestProblem",
+    "ManifestResult",
+    "build_manifest",
+    "write_manifest",
+    "load_manifest",
+    "verify_manifest",
+    "manifest_digest",
+]
+
+MANIFEST_FORMAT = "ckpttool.manifest"
+MANIFEST_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+METADATA_NAME = ".metadata"
+_BLOCK = 1 << 20  # cache-sized: faster here than 8 MiB (bench/bench_diff.py)
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    """One stored chunk (or byte item) and its digest; ``offsets`` is ``None`` for a byte item."""
+
+    key: str
+    offsets: tuple[int, ...] | None
+    sizes: tuple[int, ...] | None
+    file: str
+    offset: int
+    length: int
+    crc32: str | None
+    digest: str
+
+    @property
+    def ident(self) -> tuple[str, tuple[int, ...] | None]:
+        return (self.key, self.offsets)
+
+    def where(self) -> str:
+        return f"{self.key!r}" + (f" chunk at {list(self.offsets)}" if self.offsets is not None else " (byte item)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "offsets": list(self.offsets) if self.offsets is not None else None,
+            "sizes": list(self.sizes) if self.sizes is not None else None,
+            "file": self.file,
+            "offset": self.offset,
+            "length": self.length,
+            "crc32": self.crc32,
+            "digest": self.digest,
+        }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed or freshly built manifest (see the module docstring)."""
+
+    algorithm: str
+    entries: tuple[ManifestEntry, ...]
+    metadata_digest: str | None = None
+    metadata_size: int | None = None
+    source: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "algorithm": self.algorithm,
+            "metadata": (
+                {"file": METADATA_NAME, "size": self.metadata_size, "digest": self.metadata_digest}
+                if self.metadata_digest is not None
+                else None
+            ),
+            "entries": [e.to_dict() for e in self.entries],
+        }
+        if self.source is not None:
+            out["source"] = self.source
+        return out
+
+    def to_bytes(self) -> bytes:
+        import json
+
+        return (json.dumps(self.to_dict(), indent=None, separators=(",", ":")) + "\n").encode("utf-8")
+
+
+@dataclass(frozen=True)
+class ManifestProblem:
+    """A difference between a checkpoint and its manifest.
+
+    Attributes:
+        kind: ``missing`` (in the manifest, not in the checkpoint), ``extra`` (stored, not in the
+            manifest), ``changed`` (digest differs), ``moved`` (same digest, other window: informational
+            only when the digest matches), ``metadata`` (``.metadata`` differs).
+        key: the checkpoint key (``.metadata`` for a metadata problem).
+        offsets: the chunk's offsets (``None``: a byte item or the metadata).
+        message: one line naming the chunk.
+    """
+
+    kind: str
+    key: str
+    offsets: tuple[int, ...] | None
+    message: str
+
+
+@dataclass(frozen=True)
+class ManifestResult:
+    """What ``ckpttool manifest`` wrote (``--json``: schema ``ckpttool.manifest/1``)."""
+
+    checkpoint: str
+    path: str
+    algorithm: str
+    entries: int
+    bytes_hashed: int
+    seconds: float
+    digest: str
+    metadata_digest: str | None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_hashed / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": "ckpttool.manifest/1",
+            "checkpoint": self.checkpoint,
+            "path": self.path,
+            "algorithm": self.algorithm,
+            "entries": self.entries,
+            "bytes_hashed": self.bytes_hashed,
+            "seconds": round(self.seconds, 6),
+            "gb_per_s": round(self.gb_per_s, 3),
+            "digest": self.digest,
+            "metadata_digest": self.metadata_digest,
+            "warnings": list(self.warnings),
+        }
+
+
+def _check_algorithm(algorithm: str) -> None:
+    if algorithm not in ALGORITHMS:
+        raise UsageError(
+            f"`algorithm` {algorithm!r} is not one of {', '.join(ALGORITHMS)}",
+            param="algorithm",
+            hint=f"{DEFAULT_ALGORITHM} is the fast default; blake3 is cryptographic",
+        )
+
+
+def _hash_window(reader: CheckpointReader, info: StorageInfo, fqn: str, algorithm: str, buf: memoryview) -> str:
+    """Digest of ``[offset, offset+length)`` of ``info``'s data file, read in blocks."""
+    h = new_hasher(algorithm)
+    fd = reader.fd(info.relative_path)
+    done = 0
+    from ckpttool.errors import DataFileError
+
+    while done < info.length:
+        want = min(len(buf), info.length - done)
+        got = os.preadv(fd, [buf[:want]], info.offset + done)
+        if got <= 0:
+            raise DataFileError(
+                f"{reader.path / info.relative_path}: short read of {fqn!r} (the file ends inside its window)",
+                path=info.relative_path,
+                fqn=fqn,
+            )
+        h.update(buf[:got])
+        done += got
+    reader.count_read(done)
+    return h.hexdigest()
+
+
+def _items(reader: CheckpointReader) -> list[tuple[str, ChunkMeta | None]]:
+    out: list[tuple[str, ChunkMeta | None]] = []
+    for key, meta in reader.metadata.entries.items():
+        if isinstance(meta, TensorMeta):
+            out.extend((key, c) for c in meta.chunks)
+        elif isinstance(meta, BytesMeta):
+            out.append((key, None))
+    return out
+
+
+def _metadata_digest(reader: CheckpointReader, algorithm: str) -> tuple[str | None, int | None]:
+    if reader.parts or not (reader.path / METADATA_NAME).exists():
+        return None, None  # safetensors storage (headers are in the data files) or a composed pair
+    data = reader.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
+    return digest_bytes(data, algorithm), len(data)
+
+
+def build_manifest(
+    reader: CheckpointReader,
+    algorithm: str = DEFAULT_ALGORITHM,
+    *,
+    on_entry: Callable[[int], None] | None = None,
+) -> Manifest:
+    """Digest every chunk window and byte item of an open checkpoint (each byte read once).
+
+    Args:
+        reader: the checkpoint's reader.
+        algorithm: a key of :data:`ckpttool.format.digest.ALGORITHMS`.
+        on_entry: called with the bytes of each entry as it is hashed (progress).
+
+    Raises:
+        UsageError: unknown ``algorithm``.
+        DataFileError, ChunkError: a window outside its file, a damaged archive (chunk locator).
+    """
+    _check_algorithm(algorithm)
+    buf = memoryview(bytearray(_BLOCK))
+    entries: list[ManifestEntry] = []
+    safetensors = reader.metadata.serialization == "safetensors"
+    for key, chunk in _items(reader):
+        info = reader.storage_info(key, chunk)
+        crc: str | None = None
+        if chunk is not None and not safetensors and chunk.numel > 0:
+            rec = reader.locate(key, chunk).record
+            crc = f"{rec.crc32:08x}" if rec.member is not None else None
+        digest = _hash_window(reader, info, key, algorithm, buf)
+        entries.append(
+            ManifestEntry(
+                key,
+                chunk.offsets if chunk is not None else None,
+                chunk.sizes if chunk is not None else None,
+                info.relative_path,
+                info.offset,
+                info.length,
+                crc,
+                digest,
+            )
+        )
+        if on_entry is not None:
+            on_entry(info.length)
+    md, size = _metadata_digest(reader, algorithm)
+    return Manifest(algorithm, tuple(entries), md, size)
+
+
+def manifest_digest(data: bytes, algorithm: str = DEFAULT_ALGORITHM) -> str:
+    """The digest of a manifest file's bytes (how outputs name the manifest of their source)."""
+    return digest_bytes(data, algorithm)
+
+
+def write_manifest(
+    checkpoint: Checkpoint | str | os.PathLike[str],
+    out: str | os.PathLike[str] | None = None,
+    *,
+    algorithm: str = DEFAULT_ALGORITHM,
+    trust_pickle: bool = False,
+    selection: CheckpointSelection | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> ManifestResult:
+    """Write ``manifest.json`` for a checkpoint (beside ``.metadata`` unless ``out`` names a file).
+
+    The file is written to a temporary name and renamed into place (never half written);
+    nothing else in the checkpoint changes.
+
+    Args:
+        checkpoint: an opened :class:`Checkpoint` or its directory.
+        out: the manifest file (default ``<checkpoint>/manifest.json``).
+        algorithm: digest algorithm (:data:`ckpttool.format.digest.ALGORITHMS`).
+        progress: ``progress(done_bytes, total_bytes)``.
+
+    Raises:
+        UsageError: unknown ``algorithm``; OutputError: ``out`` cannot be written;
+        plus the reader's errors for damaged checkpoints.
+    """
+    from ckpttool.errors import OutputError
+
+    _check_algorithm(algorithm)
+    t0 = time.perf_counter()
+    with opened(checkpoint, trust_pickle=trust_pickle, selection=selection) as ckpt:
+        reader = ckpt.reader
+        total = sum(reader.storage_info(k, c).length for k, c in _items(reader))
+        done = [0]
+
+        def step(n: int) -> None:
+            done[0] += n
+            if progress is not None:
+                progress(done[0], total)
+
+        man = build_manifest(reader, algorithm, on_entry=step)
+        target = Path(out) if out is not None else Path(ckpt.located.model) / MANIFEST_NAME
+        data = man.to_bytes()
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        created: list[Path] = []  # parents of `out` this run made: removed again if it fails
+        try:
+            missing = [p for p in target.parents if not p.exists()]
+            for p in reversed(missing):
+                p.mkdir()
+                created.append(p)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except OSError as e:
+            for leftover in (tmp,):
+                try:
+                    os.unlink(leftover)
+                except OSError:
+                    pass
+            for p in reversed(created):
+                try:
+                    p.rmdir()
+                except OSError:
+                    pass
+            raise OutputError(f"{target}: cannot write the manifest ({e.strerror})", path=target) from e
+        seconds = time.perf_counter() - t0
+        log.info("manifest: %d entries, %d bytes hashed in %.3f s (%s)", len(man.entries), done[0], seconds, algorithm)
+        return ManifestResult(
+            str(ckpt.path),
+            str(target),
+            algorithm,
+            len(man.entries),
+            done[0],
+            seconds,
+            manifest_digest(data, algorithm),
+            man.metadata_digest,
+        )
+
+
+# ---------------------------------------------------------------------------------------------- reading back
+def _bad(path: str, what: str) -> ManifestError:
+    return ManifestError(f"{path}: not a ckpttool manifest ({what})", path=path)
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)
+
+
+def _entry(d: Any, i: int, path: str, hexlen: int | None) -> ManifestEntry:
+    if not isinstance(d, dict):
+        raise _bad(path, f"entries[{i}] is not an object")
+    key, file, off, length = d.get("key"), d.get("file"), d.get("offset"), d.get("length")
+    offsets, sizes, crc, digest = d.get("offsets"), d.get("sizes"), d.get("crc32"), d.get("digest")
+    if not isinstance(key, str) or not isinstance(file, str):
+        raise _bad(path, f"entries[{i}]: key and file must be strings")
+    if type(off) is not int or type(length) is not int or off < 0 or length < 0:
+        raise _bad(path, f"entries[{i}] ({key!a}): offset and length must be non-negative integers")
+    if (offsets is None) != (sizes is None) or (offsets is not None and not (_ints(offsets) and _ints(sizes))):
+        raise _bad(path, f"entries[{i}] ({key!a}): offsets/sizes must both be lists of non-negative integers or null")
+    if offsets is not None and sizes is not None and len(offsets) != len(sizes):
+        raise _bad(path, f"entries[{i}] ({key!a}): offsets and sizes differ in length")
+    if crc is not None and not (isinstance(crc, str) and len(crc) == 8 and _is_hex(crc)):
+        raise _bad(path, f"entries[{i}] ({key!a}): crc32 must be 8 hex digits or null")
+    if not isinstance(digest, str) or not _is_hex(digest) or (hexlen is not None and len(digest) != hexlen):
+        raise _bad(path, f"entries[{i}] ({key!a}): digest must be a hex string of the algorithm's length")
+    return ManifestEntry(
+        key,
+        tuple(offsets) if offsets is not None else None,
+        tuple(sizes) if sizes is not None else None,
+        file,
+        off,
+        length,
+        crc,
+        digest,
+    )
+
+
+def _is_hex(s: str) -> bool:
+    return all(c in "0123456789abcdef" for c in s)
+
+
+def load_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Read and check a ``manifest.json`` (untrusted: capped, bounded JSON, every field checked).
+
+    Raises:
+        UsageError: the file does not exist.
+        SizeLimitError: larger than ``--max-object-size``.
+        JsonDepthError, IntegerRangeError: a JSON bomb.
+        ManifestError (E260): not JSON, another format, a newer version, a malformed entry, duplicates.
+    """
+    p = Path(path)
+    shown = str(p)
+    if not p.exists():
+        raise UsageError(
+            f"{p}: no such manifest file", path=p, param="manifest", hint="write one with `ckpttool manifest DIR`"
+        )
+    try:
+        data = read_regular(p, limits.current().max_object_bytes, what="manifest")
+    except OSError as e:
+        raise ManifestError(f"{p}: cannot read the manifest ({e.strerror})", path=p) from e
+    try:
+        doc = parse_json(data, shown)
+    except (ValueError, UnicodeDecodeError) as e:
+        if isinstance(e, CkptError):
+            raise
+        raise _bad(shown, f"not JSON: {str(e)[:80]}") from None
+    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+        raise _bad(shown, f"format is not {MANIFEST_FORMAT!r}")
+    version = doc.get("version")
+    if type(version) is not int or version < 1:
+        raise _bad(shown, "version must be a positive integer")
+    if version > MANIFEST_VERSION:
+        raise ManifestError(
+            f"{shown}: manifest version {version} is newer than this ckpttool reads ({MANIFEST_VERSION})",
+            path=p,
+            hint="upgrade ckpttool",
+        )
+    algorithm = doc.get("algorithm")
+    if algorithm not in ALGORITHMS:
+        raise _bad(shown, f"unknown digest algorithm {str(algorithm)[:40]!a} (known: {', '.join(ALGORITHMS)})")
+    hexlen = len(digest_bytes(b"", algorithm))
+    raw_entries = doc.get("entries")
+    if not isinstance(raw_entries, list):
+        raise _bad(shown, "entries must be a list")
+    entries = tuple(_entry(d, i, shown, hexlen) for i, d in enumerate(raw_entries))
+    seen: set[tuple[str, tuple[int, ...] | None]] = set()
+    for ent in entries:
+        if ent.ident in seen:
+            raise _bad(shown, f"{ent.where()} is listed twice")
+        seen.add(ent.ident)
+    md = doc.get("metadata")
+    md_digest = md_size = None
+    if md is not None:
+        if not isinstance(md, dict) or not isinstance(md.get("digest"), str) or type(md.get("size")) is not int:
+            raise _bad(shown, "metadata must be an object with digest and size, or null")
+        md_digest, md_size = md["digest"], md["size"]
+    source = doc.get("source")
+    if source is not None and not isinstance(source, dict):
+        raise _bad(shown, "source must be an object")
+    return Manifest(algorithm, entries, md_digest, md_size, source)
+
+
+def verify_manifest(reader: CheckpointReader, manifest: Manifest) -> list[ManifestProblem]:
+    """Check every chunk and byte item of a checkpoint against a manifest (reads every window once).
+
+    Returns:
+        The problems, in manifest order then checkpoint order: ``missing``, ``extra``,
+        ``changed`` chunks and a changed ``.metadata``; empty when the checkpoint matches.
+
+    Raises:
+        the reader's errors for windows outside their files.
+    """
+    buf = memoryview(bytearray(_BLOCK))
+    problems: list[ManifestProblem] = []
+    stored = {(k, c.offsets if c is not None else None): c for k, c in _items(reader)}
+    listed = {e.ident: e for e in manifest.entries}
+    for e in manifest.entries:
+        if e.ident not in stored:
+            problems.append(
+                ManifestProblem(
+                    "missing", e.key, e.offsets, f"{e.where()} is in the manifest but not in the checkpoint"
+                )
+            )
+            continue
+        chunk = stored[e.ident]
+        info = reader.storage_info(e.key, chunk)
+        if chunk is not None and e.sizes is not None and tuple(chunk.sizes) != e.sizes:
+            problems.append(
+                ManifestProblem(
+                    "changed",
+                    e.key,
+                    e.offsets,
+                    f"{e.where()}: sizes {list(chunk.sizes)}, the manifest says {list(e.sizes)}",
+                )
+            )
+            continue
+        digest = _hash_window(reader, info, e.key, manifest.algorithm, buf)
+        if digest != e.digest:
+            problems.append(
+                ManifestProblem(
+                    "changed",
+                    e.key,
+                    e.offsets,
+                    f"{e.where()} in {info.relative_path}: stored bytes differ from the manifest "
+                    f"({manifest.algorithm} {digest[:16]}..., manifest {e.digest[:16]}...)",
+                )
+            )
+    for ident in stored:
+        if ident not in listed:
+            key, offs = ident
+            where = f"{key!r}" + (f" chunk at {list(offs)}" if offs is not None else " (byte item)")
+            problems.append(ManifestProblem("extra", key, offs, f"{where} is stored but not in the manifest"))
+    if manifest.metadata_digest is not None:
+        md, _ = _metadata_digest(reader, manifest.algorithm)
+        if md is not None and md != manifest.metadata_digest:
+            problems.append(
+                ManifestProblem(
+                    "metadata", METADATA_NAME, None, ".metadata differs from the one the manifest was made of"
+                )
+            )
+    return problems

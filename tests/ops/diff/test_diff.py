@@ -1,0 +1,242 @@
+"""`ckpttool diff` on checkpoints written by real writers: DCP (single process and multi-rank), HF exports, LoRA."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.cli.commands.schema import load_schema
+from ckpttool.format import CheckpointReader
+from ckpttool.ops.diff import diff_checkpoints
+from ckpttool.ops.export.execute import export_checkpoint
+from tests.fixtures import hf_models
+from tests.fixtures.cache import cached_build
+
+runner = CliRunner()
+DOWN = "model.model.layers.1.mlp.down_proj.weight"
+
+
+def cli(*args: object) -> Any:
+    return runner.invoke(app, ["diff", *map(str, args)])
+
+
+def diff_json(*args: object, code: int) -> dict[str, Any]:
+    res = cli(*args, "--json")
+    assert res.exit_code == code, res.stderr + res.stdout
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, load_schema("diff"))
+    return doc
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_llama", hf_models.build_llama)
+
+
+@pytest.fixture(scope="session")
+def llama_tied_differ_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_llama_tied_differ", hf_models.build_llama_tied_differ)
+
+
+@pytest.fixture(scope="session")
+def llama_tied_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_llama_tied", hf_models.build_llama_tied)
+
+
+@pytest.fixture(scope="session")
+def qwen_legacy_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_qwen_moe_legacy", hf_models.build_qwen_moe_legacy)
+
+
+@pytest.fixture(scope="session")
+def lora_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_lora", hf_models.build_lora)
+
+
+def resave(src: Path, out: Path, change: tuple[str, tuple[int, ...]] | None = None) -> Path:
+    """The model of ``src`` saved again by a single-process ``dcp.save`` (optionally one element changed)."""
+    with CheckpointReader(src) as r:
+        sd = {
+            k.removeprefix("model."): r.read_tensor(k)
+            for k, m in r.metadata.entries.items()
+            if k.startswith("model.") and hasattr(m, "chunks")
+        }
+    if change is not None:
+        key, idx = change
+        sd[key.removeprefix("model.")][idx] += 1
+    dcp.save({"model": sd}, checkpoint_id=str(out), no_dist=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ DCP vs DCP
+
+
+def test_same_checkpoint_is_equal_and_compared_as_raw_records(dense_ckpt: Path) -> None:
+    doc = diff_json(dense_ckpt, dense_ckpt, "--what", "all", code=0)
+    assert doc["equal"] and doc["naming"] == "torch-native" and doc["differences"] == []
+    c = doc["counts"]
+    assert c["different"] == 0 and c["raw"] > 0 and c["compared"] > c["raw"]  # + hyperparameters, byte items
+
+
+def test_four_rank_fsdp_save_equals_its_single_process_resave(fsdp_ckpt: Path, tmp_path: Path) -> None:
+    one = resave(fsdp_ckpt, tmp_path / "one")
+    res = diff_checkpoints(fsdp_ckpt, one)
+    assert res.equal and res.compared > 0
+    # dim-0 row blocks (uneven and zero-size chunks too) are compared as byte streams, undecoded
+    assert res.raw_compared == res.compared
+    # as decoded tensors (a cast to the stored dtype is a no-op that disables the byte path): equal too
+    assert diff_checkpoints(fsdp_ckpt, one, rtol=0.0).equal
+
+
+def test_one_element_of_one_chunk_is_found_and_named_with_its_global_index(fsdp_ckpt: Path, tmp_path: Path) -> None:
+    with CheckpointReader(fsdp_ckpt) as r:
+        key = next(
+            k
+            for k, m in r.metadata.entries.items()
+            if k.startswith("model.") and hasattr(m, "chunks") and len(m.chunks) > 1 and len(m.size) == 2
+        )
+        size = r.metadata.entries[key].size
+    idx = (size[0] - 1, size[1] // 2)  # in the last rank's chunk
+    b = resave(fsdp_ckpt, tmp_path / "b", (key, idx))
+    doc = diff_json(fsdp_ckpt, b, code=1)
+    assert doc["equal"] is False and doc["counts"]["different"] == 1
+    (d,) = doc["differences"]
+    assert d["kind"] == "values" and d["name"] == key and d["index"] == list(idx) and d["mismatched"] == 1
+    assert d["max_abs_error"] > 0
+    human = cli(fsdp_ckpt, b)
+    assert (
+        human.exit_code == 1 and f"first at {list(idx)}" in human.stdout and "DIFFERENT: 1 difference" in human.stdout
+    )
+
+
+def test_same_chunking_with_one_element_changed_skips_the_raw_path_by_crc(dense_ckpt: Path, tmp_path: Path) -> None:
+    a, b = resave(dense_ckpt, tmp_path / "a"), resave(dense_ckpt, tmp_path / "b", (DOWN, (2, 3)))
+    res = diff_checkpoints(a, b)
+    assert not res.equal and [d.index for d in res.differences] == [[2, 3]]
+    assert res.raw_compared == res.compared - 1
+
+
+def test_keys_on_one_side_and_shapes_are_differences(dense_ckpt: Path, tmp_path: Path) -> None:
+    with CheckpointReader(dense_ckpt) as r:
+        sd = {
+            k.removeprefix("model."): r.read_tensor(k)
+            for k, m in r.metadata.entries.items()
+            if k.startswith("model.") and hasattr(m, "chunks")
+        }
+    sd.pop("model.norm.weight")
+    sd[DOWN.removeprefix("model.")] = sd[DOWN.removeprefix("model.")][:-1].clone()
+    sd["extra.weight"] = torch.ones(2)
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "b"), no_dist=True)
+    doc = diff_json(dense_ckpt, tmp_path / "b", code=1)
+    kinds = {d["name"]: d["kind"] for d in doc["differences"]}
+    assert kinds == {"model.model.norm.weight": "only_a", DOWN: "shape", "model.extra.weight": "only_b"}
+
+
+# ------------------------------------------------------------------------------------------ DCP vs HF export
+
+
+def test_sharded_hf_export_equals_its_checkpoint(llama_ckpt: Path, tmp_path: Path) -> None:
+    export_checkpoint(llama_ckpt, tmp_path / "hf", shard_size=20_000)
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    doc = diff_json(llama_ckpt, tmp_path / "hf", code=0)
+    assert (
+        doc["naming"] == "export"
+        and doc["b"]["kind"] == "safetensors"
+        and doc["counts"]["raw"] == doc["counts"]["compared"]
+    )
+    # either order, and one file of the export against the checkpoint: only that file's tensors, the rest missing
+    assert diff_checkpoints(tmp_path / "hf", llama_ckpt).equal
+    one = sorted((tmp_path / "hf").glob("model-*.safetensors"))[0]
+    res = diff_checkpoints(llama_ckpt, one)
+    assert {d.kind for d in res.differences} == {"only_a"} and res.compared > 0
+
+
+def test_bf16_export_of_fp32_weights_equals_with_as_dtype(llama_ckpt: Path, tmp_path: Path) -> None:
+    export_checkpoint(llama_ckpt, tmp_path / "hf", save_dtype="bfloat16")
+    doc = diff_json(llama_ckpt, tmp_path / "hf", code=1)
+    assert {d["kind"] for d in doc["differences"]} == {"dtype"}
+    doc = diff_json(llama_ckpt, tmp_path / "hf", "--as-dtype", "bf16", code=0)
+    assert doc["comparison"]["as_dtype"] == "bfloat16"
+    # a tolerance: BF16 keeps 8 bits of mantissa, so every element is within rtol 2^-8 and most are not within 1e-5
+    doc = diff_json(llama_ckpt, tmp_path / "hf", "--rtol", "0.0040", code=0)
+    assert doc["comparison"]["mode"] == "tolerance"
+    doc = diff_json(llama_ckpt, tmp_path / "hf", "--rtol", "1e-5", code=1)
+    d = doc["differences"][0]
+    assert d["mismatched"] > d["numel"] // 2 and 0 < d["max_rel_error"] <= 2**-8
+
+
+def test_tied_head_is_compared_with_the_embedding(
+    llama_tied_ckpt: Path, llama_tied_differ_ckpt: Path, tmp_path: Path
+) -> None:
+    from safetensors import safe_open
+
+    export_checkpoint(llama_tied_ckpt, tmp_path / "tied", model_assets=llama_tied_ckpt / "model_assets")
+    with safe_open(tmp_path / "tied" / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    res = diff_checkpoints(llama_tied_ckpt, tmp_path / "tied")
+    assert res.equal and any("tied" in n for n in res.notes)
+    # a checkpoint whose lm_head differs from its embedding in one element, against an HF directory with a
+    # tied config and no lm_head
+    export_checkpoint(llama_tied_differ_ckpt, tmp_path / "differ", filter_glob="model.model.*")
+    (tmp_path / "differ" / "config.json").write_bytes(
+        (llama_tied_differ_ckpt / "model_assets" / "config.json").read_bytes()
+    )
+    res = diff_checkpoints(llama_tied_differ_ckpt, tmp_path / "differ")
+    assert [(d.name, d.a_key, d.b_key, d.index) for d in res.differences] == [
+        ("lm_head.weight", "model.lm_head.weight", "model.embed_tokens.weight", [0, 0])
+    ]
+
+
+@pytest.mark.parametrize("experts", ["fused", "per-expert"])
+def test_legacy_ep_checkpoint_equals_its_export(qwen_legacy_ckpt: Path, tmp_path: Path, experts: str) -> None:
+    from ckpttool.model.declaration import LayoutDeclaration
+
+    decl = LayoutDeclaration("legacy", hf_models.MOE_P, hf_models.MOE_F)
+    export_checkpoint(qwen_legacy_ckpt, tmp_path / "hf", experts=experts, declaration=decl)
+    layout = ["--source-layout", "legacy", "--ep-size", hf_models.MOE_P, "--ep-fsdp-size", hf_models.MOE_F]
+    doc = diff_json(qwen_legacy_ckpt, tmp_path / "hf", *layout, code=0)
+    if experts == "per-expert":
+        assert any("per expert" in n for n in doc["notes"])
+        assert doc["counts"]["compared"] > 3 * hf_models.MOE_EXPERTS
+    # without the declaration the expert order is unknown: refused, not guessed
+    res = cli(qwen_legacy_ckpt, tmp_path / "hf")
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E405]") and res.stdout == ""
+    # declared the wrong way round, the experts are out of order: found
+    wrong = ["--source-layout", "canonical", "--ep-size", hf_models.MOE_P, "--ep-fsdp-size", hf_models.MOE_F]
+    doc = diff_json(qwen_legacy_ckpt, tmp_path / "hf", *wrong, code=1)
+    assert all(".experts." in d["name"] for d in doc["differences"])
+
+
+def test_lora_adapter_export_equals_its_checkpoint(lora_ckpt: Path, tmp_path: Path) -> None:
+    export_checkpoint(lora_ckpt, tmp_path / "lora", fmt="lora", lora_alpha=hf_models.LORA_ALPHA)
+    doc = diff_json(lora_ckpt, tmp_path / "lora", code=0)
+    assert doc["naming"] == "lora" and doc["b"]["kind"] == "lora" and doc["counts"]["compared"] > 0
+    assert doc["excluded"] and all(e["reason"] == "not a LoRA adapter tensor" for e in doc["excluded"])
+    # the adapter of another run differs
+    with CheckpointReader(lora_ckpt) as r:
+        key = next(k for k in r.metadata.entries if ".lora_B." in k)
+    b = resave(lora_ckpt, tmp_path / "b", (key, (0, 0)))
+    res = diff_checkpoints(b, tmp_path / "lora")
+    assert [d.index for d in res.differences] == [[0, 0]] and "lora_B" in res.differences[0].name
+
+
+# ------------------------------------------------------------------------------------------ unusable input
+
+
+def test_unusable_inputs_exit_2_with_one_error(dense_ckpt: Path, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "f.txt").write_text("x")
+    for args in ([dense_ckpt, tmp_path / "empty"], [dense_ckpt, tmp_path / "f.txt"], [dense_ckpt, tmp_path / "nope"]):
+        res = cli(*args)
+        assert res.exit_code == 2 and res.stdout == "" and res.stderr.startswith("error: [E"), res.stderr
+        assert "Traceback" not in res.stderr
+    res = cli(dense_ckpt, dense_ckpt, "--as-dtype", "int8")
+    assert res.exit_code == 2 and "--as-dtype" in res.stderr

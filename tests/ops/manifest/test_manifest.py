@@ -1,0 +1,162 @@
+"""`ckpttool manifest` and `validate --manifest` (rule S015) on real dcp.save checkpoints, and hostile manifests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.cli.commands.schema import load_schema
+from ckpttool.format import CheckpointReader
+from ckpttool.format.digest import ALGORITHMS
+from ckpttool.ops.manifest import load_manifest, verify_manifest, write_manifest
+from tests.fixtures.cache import copy_checkpoint
+
+runner = CliRunner()
+
+
+def invoke(*args: object) -> Any:
+    return runner.invoke(app, [*map(str, args)])
+
+
+def s015(ckpt: Path, manifest: Path) -> list[dict[str, Any]]:
+    res = invoke("validate", ckpt, "--manifest", manifest, "--select", "S015", "--json")
+    doc = json.loads(res.stdout)
+    assert res.exit_code == (1 if doc["findings"] else 0), res.stderr
+    return [f for f in doc["findings"] if f["code"] == "S015"]
+
+
+def test_manifest_lists_every_chunk_and_byte_item_with_crc_and_digest(fsdp_ckpt: Path, tmp_path: Path) -> None:
+    ck = copy_checkpoint(fsdp_ckpt, tmp_path / "c")
+    res = invoke("manifest", ck, "--json")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, load_schema("manifest"))
+    man = json.loads((ck / "manifest.json").read_text())
+    assert man["format"] == "ckpttool.manifest" and man["version"] == 1 and man["algorithm"] == "xxh3-128"
+    with CheckpointReader(ck) as r:
+        want = {(k, tuple(c.offsets)) for k, m in r.metadata.entries.items() if hasattr(m, "chunks") for c in m.chunks}
+        want |= {(k, None) for k, m in r.metadata.entries.items() if not hasattr(m, "chunks")}
+        e = next(e for e in man["entries"] if e["offsets"] and e["sizes"] and all(e["sizes"]))
+        info = r.storage_info(
+            e["key"], r.metadata.entries[e["key"]].chunks[0].__class__(tuple(e["offsets"]), tuple(e["sizes"]))
+        )
+        loc = r.locate(
+            e["key"], r.metadata.entries[e["key"]].chunks[0].__class__(tuple(e["offsets"]), tuple(e["sizes"]))
+        )
+    got = {(e["key"], tuple(e["offsets"]) if e["offsets"] is not None else None) for e in man["entries"]}
+    assert got == want and doc["entries"] == len(want)
+    # the window is the storage entry's, the CRC-32 the zip entry's, the digest that of the window's bytes
+    assert (e["file"], e["offset"], e["length"]) == (info.relative_path, info.offset, info.length)
+    assert e["crc32"] == f"{loc.record.crc32:08x}"
+    import xxhash
+
+    with open(ck / e["file"], "rb") as f:
+        f.seek(e["offset"])
+        assert e["digest"] == xxhash.xxh3_128(f.read(e["length"])).hexdigest()
+    assert s015(ck, ck / "manifest.json") == []
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_every_algorithm_round_trips(dense_ckpt: Path, tmp_path: Path, algorithm: str) -> None:
+    out = tmp_path / "m.json"
+    res = write_manifest(dense_ckpt, out, algorithm=algorithm)
+    assert res.algorithm == algorithm and res.bytes_hashed > 0
+    man = load_manifest(out)
+    with CheckpointReader(dense_ckpt) as r:
+        assert verify_manifest(r, man) == []
+    assert list(dense_ckpt.glob("manifest*")) == []  # the source is not touched with --output
+
+
+def _resave(src: Path, out: Path, edit: Any) -> Path:
+    with CheckpointReader(src) as r:
+        sd = {
+            k.removeprefix("model."): r.read_tensor(k)
+            for k, m in r.metadata.entries.items()
+            if k.startswith("model.") and hasattr(m, "chunks")
+        }
+    edit(sd)
+    dcp.save({"model": sd}, checkpoint_id=str(out), no_dist=True)
+    return out
+
+
+def test_changed_missing_and_added_chunks_are_named(dense_ckpt: Path, tmp_path: Path) -> None:
+    a = _resave(dense_ckpt, tmp_path / "a", lambda sd: None)
+    write_manifest(a, algorithm="xxh3-128")
+    man = a / "manifest.json"
+    key = "model.model.layers.0.mlp.up_proj.weight"
+
+    def change(sd: dict[str, torch.Tensor]) -> None:
+        sd[key.removeprefix("model.")][1, 2] += 1
+
+    def drop(sd: dict[str, torch.Tensor]) -> None:
+        del sd["model.norm.weight"]
+
+    def add(sd: dict[str, torch.Tensor]) -> None:
+        sd["extra.bias"] = torch.zeros(3)
+
+    for name, edit, kind, k in (
+        ("changed", change, "changed", key),
+        ("missing", drop, "missing", "model.model.norm.weight"),
+        ("added", add, "extra", "model.extra.bias"),
+    ):
+        b = _resave(dense_ckpt, tmp_path / name, edit)
+        found = s015(b, man)
+        chunk = [f for f in found if f["key"] == k]
+        assert len(chunk) == 1 and chunk[0]["message"].startswith(f"{kind}: '{k}'"), found
+        others = {f["key"] for f in found} - {k}
+        assert others <= {".metadata"}, found  # nothing else named, besides the re-written .metadata
+    # bytes flipped in place (no re-save): the chunk is named, the rest is not
+    c = copy_checkpoint(a, tmp_path / "flip")
+    man_doc = json.loads(man.read_text())
+    e = next(e for e in man_doc["entries"] if e["key"] == key)
+    with open(c / e["file"], "r+b") as f:
+        f.seek(e["offset"] + e["length"] - 200)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 1]))
+    found = s015(c, man)
+    assert [(f["key"], f["message"].split(":")[0]) for f in found] == [(key, "changed")]
+
+
+def test_validate_without_manifest_skips_s015(dense_ckpt: Path) -> None:
+    res = invoke("validate", dense_ckpt, "--json")
+    doc = json.loads(res.stdout)
+    st = next(r for r in doc["rules"] if r["code"] == "S015")
+    assert st["status"] == "skipped" and "--manifest" in st["reason"]
+
+
+@pytest.mark.parametrize(
+    "content, code",
+    [
+        (b"not json", "E260"),
+        (b'{"format": "other", "version": 1}', "E260"),
+        (b'{"format": "ckpttool.manifest", "version": 99, "algorithm": "xxh3-128", "entries": []}', "E260"),
+        (b'{"format": "ckpttool.manifest", "version": 1, "algorithm": "md5", "entries": []}', "E260"),
+        (b'{"format": "ckpttool.manifest", "version": 1, "algorithm": "xxh3-128", "entries": [{"key": 1}]}', "E260"),
+        (b"[" * 100_000 + b"]" * 100_000, "E309"),
+    ],
+)
+def test_hostile_manifests_are_refused_with_one_error(
+    dense_ckpt: Path, tmp_path: Path, content: bytes, code: str
+) -> None:
+    bad = tmp_path / "manifest.json"
+    bad.write_bytes(content)
+    res = invoke("validate", dense_ckpt, "--manifest", bad)
+    assert res.exit_code == 2 and res.stdout == "" and res.stderr.startswith(f"error: [{code}]"), res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_oversized_manifest_is_refused_before_reading(dense_ckpt: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "manifest.json"
+    with open(bad, "wb") as f:
+        f.truncate(2 << 20)
+    res = invoke("--max-object-size", "1MiB", "validate", dense_ckpt, "--manifest", bad)
+    assert res.exit_code == 2 and "over the cap" in res.stderr, res.stderr
