@@ -22,7 +22,7 @@ from typer.core import TyperGroup, TyperOption
 
 from ckpttool.cli.output import configure_logging, print_error
 from ckpttool.cli.render import UI
-from ckpttool.errors import UsageError
+from ckpttool.errors import CkptError, UsageError
 
 __all__ = ["app", "main", "version_text", "GLOBAL_OPTIONS"]
 
@@ -65,6 +65,27 @@ def _set_wide(ctx: Any, param: Any, value: bool) -> None:
         UI.wide = True
 
 
+def _set_storage_options(ctx: Any, param: Any, value: tuple[str, ...]) -> None:
+    if value:
+        from ckpttool.format import storage
+
+        try:
+            opts = storage.parse_storage_options(value)
+        except CkptError as e:
+            raise typer.BadParameter(e.message, ctx=ctx, param=param) from None
+        storage.configure(options={**storage.current().options, **opts})
+
+
+def _set_remote(field: str) -> Any:
+    def callback(ctx: Any, param: Any, value: int | None) -> None:
+        if value is not None:
+            from ckpttool.format import storage
+
+            storage.configure(**{field: value})
+
+    return callback
+
+
 def _global_options() -> list[Any]:
     """The options every command accepts, before or after its name (not passed to command functions)."""
     return [
@@ -104,11 +125,54 @@ def _global_options() -> list[Any]:
             callback=_set_wide,
             help="Never narrow tables to the terminal width (no hidden columns, no folded keys).",
         ),
+        TyperOption(
+            param_decls=["--storage-option"],
+            multiple=True,
+            default=(),
+            metavar="KEY=VALUE",
+            expose_value=False,
+            is_eager=True,
+            callback=_set_storage_options,
+            help="Option for the fsspec filesystem of a URL (repeatable; nested: client_kwargs.endpoint_url=URL). "
+            "Never logged. docs/storage.md.",
+        ),
+        TyperOption(
+            param_decls=["--remote-workers"],
+            type=int,
+            default=None,
+            metavar="N",
+            expose_value=False,
+            is_eager=True,
+            callback=_set_remote("workers"),
+            help="Parallel range requests / uploads for URLs [default: 16].",
+        ),
+        TyperOption(
+            param_decls=["--remote-retries"],
+            type=int,
+            default=None,
+            metavar="N",
+            expose_value=False,
+            is_eager=True,
+            callback=_set_remote("retries"),
+            help="Attempts per storage request on transient errors [default: 5].",
+        ),
     ]
 
 
 #: Flags of the global options (accepted by every command).
-GLOBAL_OPTIONS = ("-v", "--verbose", "-q", "--quiet", "--color", "--wide", "-h", "--help")
+GLOBAL_OPTIONS = (
+    "-v",
+    "--verbose",
+    "-q",
+    "--quiet",
+    "--color",
+    "--wide",
+    "--storage-option",
+    "--remote-workers",
+    "--remote-retries",
+    "-h",
+    "--help",
+)
 
 
 def version_text() -> str:
@@ -153,6 +217,9 @@ class CkptGroup(TyperGroup):
         **extra: Any,
     ) -> Any:
         UI.reset()  # one invocation's settings (tests run many in one process)
+        from ckpttool.format import storage
+
+        storage.configure(options={}, workers=16, retries=5)
         configure_logging(0)
         try:
             rv = super().main(

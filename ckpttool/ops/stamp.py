@@ -97,7 +97,7 @@ def _stamp(ckpt: Checkpoint, declaration: LayoutDeclaration | None) -> StampResu
         raise UsageError(
             "stamp needs a layout declaration (`source_layout`, `ep_size`, `ep_fsdp_size`)", param="source_layout"
         )
-    p, cat = Path(ckpt.path), ckpt.catalog
+    p, cat = ckpt.path, ckpt.catalog
     sidecar = p / SIDECAR_NAME
     err = ckpt.layout_error
     if isinstance(err, LayoutContradictionError):

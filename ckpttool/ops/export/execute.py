@@ -30,11 +30,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ChunkError, ExportAccountingError, ExportError, NotRegularFileError, UsageError
-from ckpttool.format.atomic import AtomicOutputDir, signals_deferred
+from ckpttool.format.atomic import signals_deferred
 from ckpttool.format.files import copy_regular, resolve_inside
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
+from ckpttool.format.outputs import output_dir, output_location
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.safetensors import ShardWriter
+from ckpttool.format.storage import is_url
 from ckpttool.format.tiling import contiguous_run, tiling_problem
 from ckpttool.model.checkpoint import Checkpoint, opened
 from ckpttool.model.declaration import LayoutDeclaration
@@ -479,7 +481,7 @@ def export_checkpoint(
         elif opts.model_assets is not None and (Path(opts.model_assets) / "adapter_config.json").is_file():
             given_adapter = read_adapter_config(Path(opts.model_assets) / "adapter_config.json")
     with opened(checkpoint, declaration=declaration, trust_pickle=trust_pickle, selection=selection) as ckpt:
-        return _export(ckpt, Path(out), opts, rules, model_config, given_adapter, progress)
+        return _export(ckpt, output_location(out), opts, rules, model_config, given_adapter, progress)
 
 
 def _export(
@@ -492,7 +494,7 @@ def _export(
     progress: ProgressFn | None,
 ) -> ExportResult:
     t0 = time.perf_counter()
-    reader, cat, checkpoint = ckpt.reader, ckpt.catalog, Path(ckpt.path)
+    reader, cat, checkpoint = ckpt.reader, ckpt.catalog, ckpt.path
     reader.verify_crc = opts.verify_crc
     layout = ckpt.require_layout()
     selected, warnings, skipped, _adapters = select_sources(
@@ -574,12 +576,17 @@ def _export(
     # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
     chunks = [_dedup_chunks(reader, t.source_key) for t in plan.tasks]
 
+    reader.prefetch_keys(t.source_key for t in plan.tasks)  # a remote checkpoint: parallel range requests
     files_info: list[dict[str, Any]] = []
-    with AtomicOutputDir(out, overwrite=opts.overwrite, source=checkpoint) as tmp:
+    with output_dir(out, overwrite=opts.overwrite, source=checkpoint) as tmp:
         writers: list[ShardWriter] = []
         try:
             for name, entries in zip(plan.files, plan.entries):
-                writers.append(ShardWriter(tmp / name, entries, display=Path(os.path.abspath(out)) / name))
+                writers.append(
+                    ShardWriter(
+                        tmp / name, entries, display=(out if is_url(out) else Path(os.path.abspath(out))) / name
+                    )
+                )
             workers = opts.workers if opts.workers is not None else min(8, os.cpu_count() or 1)
             executor = _Executor(reader, plan, writers, workers, progress, chunks)
             t_run = time.perf_counter()

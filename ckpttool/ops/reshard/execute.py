@@ -36,11 +36,13 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import NotRegularFileError, ReshardError, SizeLimitError
 from ckpttool.format import limits
-from ckpttool.format.atomic import AtomicOutputDir, signals_deferred
+from ckpttool.format.atomic import signals_deferred
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
 from ckpttool.format.files import copy_regular, resolve_inside
 from ckpttool.format.metadata import ChunkMeta
+from ckpttool.format.outputs import output_dir, output_location
 from ckpttool.format.reader import CheckpointReader
+from ckpttool.format.storage import is_url
 from ckpttool.format.tiling import contiguous_run
 from ckpttool.format.writer import DCPWriter, can_stream
 from ckpttool.model.catalog import Catalog
@@ -340,6 +342,7 @@ def execute_plan(
             path = plan.planner_data.get(bp.key)
             if bp.value is None:
                 info = reader.storage_info(bp.key)
+                reader.fetch(info)
                 writer.copy_bytes_item(bp.key, bp.rank, reader.fd(info.relative_path), info, path)
             else:
                 writer.write_object(bp.key, bp.rank, bp.value, path)
@@ -352,6 +355,24 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def _copy_extra_remote(reader: CheckpointReader, dst: Path) -> list[str]:
+    """:func:`_copy_extra_files` for a checkpoint in object storage: every other object below its prefix.
+
+    Each object is confined (``E101``) and capped by ``--max-object-size`` before it is fetched.
+    """
+    assert reader.remote is not None
+    copied = []
+    for rel in sorted(reader.remote.sizes()):
+        if rel in (METADATA_NAME, SIDECAR_NAME) or ("/" not in rel and DATA_FILE_RE.match(rel)):
+            continue
+        data = reader.read_file(rel, limits.current().max_object_bytes, what="file beside the checkpoint")
+        out = dst / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(data)
+        copied.append(rel.split("/", 1)[0])
+    return sorted(set(copied))
 
 
 def _copy_extra_files(src: Path, dst: Path) -> list[str]:
@@ -420,12 +441,12 @@ def reshard(
     """
     opts = options if options is not None else ReshardOptions(**option_fields)
     with opened(src, declaration=declaration, trust_pickle=trust_pickle, selection=selection) as ckpt:
-        return _reshard(ckpt, Path(dst), opts, progress)
+        return _reshard(ckpt, output_location(dst), opts, progress)
 
 
 def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: ProgressFn | None) -> ReshardResult:
     t0 = time.perf_counter()
-    src_p, reader, cat = Path(ckpt.path), ckpt.reader, ckpt.catalog
+    src_p, reader, cat = ckpt.path, ckpt.reader, ckpt.catalog
     if reader.metadata.serialization != "torch_save":
         raise ReshardError(
             f"{src_p}: a HuggingFaceStorageWriter checkpoint (safetensors files); reshard rewrites and copies "
@@ -468,11 +489,18 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
                 path=info.relative_path,
                 fqn=bp.key,
             )
-    with AtomicOutputDir(dst_p, overwrite=opts.overwrite, source=src_p) as tmp:
+    reader.prefetch_keys(t.key for t in plan.tensors)  # a remote checkpoint: parallel range requests
+    with output_dir(dst_p, overwrite=opts.overwrite, source=src_p) as tmp:
         writer, counts = execute_plan(
-            plan, reader, tmp, dst_p.resolve(), progress, threads=opts.threads, fsync=opts.fsync
+            plan,
+            reader,
+            tmp,
+            dst_p if is_url(dst_p) else dst_p.resolve(),
+            progress,
+            threads=opts.threads,
+            fsync=opts.fsync,
         )
-        extra = _copy_extra_files(src_p, tmp)
+        extra = _copy_extra_files(src_p, tmp) if reader.remote is None else _copy_extra_remote(reader, tmp)
         files = [
             {"path": DCPWriter.file_name(r), "bytes": (tmp / DCPWriter.file_name(r)).stat().st_size}
             for r in range(plan.world)
