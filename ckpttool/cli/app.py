@@ -13,6 +13,7 @@ read caps ``--max-metadata-size``/``--max-object-size`` are root options; Typer'
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -319,11 +320,36 @@ def _unraisable(info: Any) -> None:
     sys.__unraisablehook__(info)
 
 
+def _join_distributed() -> Any:
+    """Under torchrun (several ranks): join the gloo group; ranks other than 0 print nothing (docs/performance.md)."""
+    from ckpttool.ops import distributed
+
+    if not distributed.in_torchrun():
+        return None
+    try:
+        group = distributed.from_env()
+    except UsageError as e:
+        print_error(e)
+        sys.exit(e.exit_code)
+    distributed.set_current(group)
+    if not group.is_root and not os.environ.get("CKPTTOOL_DEBUG"):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+    return group
+
+
 def main() -> None:
-    """Console-script entry point (also ``python -m ckpttool``)."""
+    """Console-script entry point (also ``python -m ckpttool``; under torchrun, one rank of a distributed run)."""
     sys.unraisablehook = _unraisable
+    group = _join_distributed()
     try:
         app(prog_name="ckpttool")
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")
         sys.exit(130)
+    finally:
+        if group is not None:
+            group.close()
