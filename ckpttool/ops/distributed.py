@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 from ckpttool import errors
 from ckpttool.errors import CkptError, UsageError
 
-__all__ = ["Group", "SINGLE", "assign", "from_env", "current", "set_current", "pack_error", "unpack_error"]
+__all__ = ["Group", "SINGLE", "assign", "from_env", "current", "set_current", "pack_error", "unpack_error", "agreed"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -119,6 +119,7 @@ class Group:
         if rep["kind"] == "interrupt":
             raise KeyboardInterrupt
         exc = _rebuild(r, rep)
+        exc._ckpttool_agreed = True  # type: ignore[attr-defined]
         if error is not None and r == self.rank:
             raise exc from error
         raise exc
@@ -149,6 +150,11 @@ def _report(e: BaseException) -> dict[str, Any]:
                 "path": e.path, "fqn": e.fqn}  # fmt: skip
     tb = "".join(traceback.format_exception_only(type(e), e)).strip()
     return {"kind": "other", "message": f"internal error: {tb[:300]}"}
+
+
+def agreed(e: BaseException) -> bool:
+    """Whether ``e`` was raised by :meth:`Group.agree` (every rank knows of it already)."""
+    return bool(getattr(e, "_ckpttool_agreed", False))
 
 
 def pack_error(e: CkptError) -> dict[str, Any]:

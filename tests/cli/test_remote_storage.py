@@ -22,6 +22,7 @@ from ckpttool.format.storage import confine_key, parse_storage_options, redact, 
 from tests.fixtures import s3 as s3fx
 from tests.fixtures.cache import copy_checkpoint
 from tests.fixtures.damage import corrupt_chunk_bytes, edit_storage
+from tests.fixtures.dcp_equal import assert_same_state
 
 runner = CliRunner()
 
@@ -39,32 +40,6 @@ def upload(server: Any, local: Path) -> str:
 
 def files_of(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def assert_same_state(a: Path, b: Path, tmp: Path) -> None:
-    """Both checkpoints load with torch's own reader (``dcp_to_torch_save``) to bitwise-equal state."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    loaded = []
-    for i, d in enumerate((a, b)):
-        dcp_to_torch_save(d, tmp / f"state{i}.pt")
-        loaded.append(torch.load(tmp / f"state{i}.pt", weights_only=False))
-
-    def flat(o: Any, pre: str = "") -> dict[str, Any]:
-        if isinstance(o, dict):
-            return {k: v for key, val in o.items() for k, v in flat(val, f"{pre}{key}.").items()}
-        return {pre: o}
-
-    fa, fb = flat(loaded[0]), flat(loaded[1])
-    assert sorted(fa) == sorted(fb)
-    for k, va in fa.items():
-        vb = fb[k]
-        if isinstance(va, torch.Tensor):
-            assert va.dtype == vb.dtype and va.shape == vb.shape, k
-            assert torch.equal(va.reshape(-1).view(torch.uint8), vb.reshape(-1).view(torch.uint8)), k
-        else:
-            assert va == vb, k
 
 
 # ------------------------------------------------------------------ confinement and options (no server)

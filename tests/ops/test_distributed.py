@@ -19,6 +19,7 @@ import pytest
 from ckpttool.ops.distributed import Group, assign
 from tests.fixtures.cache import copy_checkpoint
 from tests.fixtures.damage import corrupt_chunk_bytes
+from tests.fixtures.dcp_equal import assert_same_state
 from tests.fixtures.s3 import free_port
 
 TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable))
@@ -112,5 +113,35 @@ def test_a_rank_failing_on_its_chunk_fails_every_rank_and_leaves_no_output(sampl
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, r.stderr[-3000:]
     assert errors[0].startswith("error: [E3") and "rank 1:" in errors[0] and victim in errors[0]
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 4])
+def test_reshard_on_n_ranks_loads_as_the_single_process_reshard(sample_ckpt: Path, tmp_path: Path, n: int) -> None:
+    args = ["--to", "canonical", "--with-optimizer", "--target-ep-size", "2", "--target-ep-fsdp-size", "2"]
+    assert single("reshard", str(sample_ckpt), str(tmp_path / "one"), *args).returncode == 0
+    r = torchrun(n, "reshard", str(sample_ckpt), str(tmp_path / "many"), *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    one, many = files_of(tmp_path / "one"), files_of(tmp_path / "many")
+    assert sorted(one) == sorted(many)
+    # data files: the same archives except torch.save's per-save serialization id
+    for name in one:
+        if name.endswith(".distcp"):
+            assert len(one[name]) == len(many[name]), name
+    assert_same_state(tmp_path / "one", tmp_path / "many", tmp_path)
+
+
+@pytest.mark.slow
+def test_reshard_rank_failure_fails_every_rank_and_leaves_no_output(sample_ckpt: Path, tmp_path: Path) -> None:
+    bad = copy_checkpoint(sample_ckpt, tmp_path / "bad")
+    corrupt_chunk_bytes(bad, "model.model.layers.1.mlp.experts.down_proj")
+    out = tmp_path / "out"
+    args = ["--to", "canonical", "--with-optimizer", "--target-ep-size", "2", "--target-ep-fsdp-size", "2"]
+    r = torchrun(2, "reshard", str(bad), str(out), *args)
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "rank " in errors[0] and "down_proj" in errors[0], r.stderr[-3000:]
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]

@@ -22,6 +22,7 @@ The source checkpoint is only read.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -50,6 +51,7 @@ from ckpttool.model.checkpoint import Checkpoint, opened
 from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.layout_record import SIDECAR_NAME
+from ckpttool.ops import distributed
 from ckpttool.ops.reshard.plan import ReshardPlan, TensorPlan, origin_world, plan_reshard
 
 if TYPE_CHECKING:
@@ -310,8 +312,17 @@ def execute_plan(
             if progress is not None:
                 progress(state["done"], total)
 
+    # torchrun: each rank writes the target rank files assigned to it (by bytes); rank 0 writes .metadata
+    group = distributed.current()
+    file_bytes = [0] * plan.world
+    for tp in plan.tensors:
+        for oc in tp.chunks:
+            file_bytes[oc.rank] += oc.chunk.numel * tp.dtype.itemsize
+    owners = group.share(file_bytes)
+    mine = {r for r in range(plan.world) if group.owns(owners[r])}
+    reader.prefetch_keys(t.key for t in plan.tensors if any(oc.rank in mine for oc in t.chunks))  # remote
     with DCPWriter(out_dir, checkpoint_id, fsync=fsync) as writer:
-        writer.ensure_files(range(plan.world))
+        writer.ensure_files(range(plan.world) if not group.active else sorted(mine))
         jobs: dict[int, list[_Job]] = {r: [] for r in range(plan.world)}
         fallback: list[tuple[TensorPlan, list[int]]] = []
         for tp in plan.tensors:
@@ -323,7 +334,7 @@ def execute_plan(
         stop = threading.Event()
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-reshard")
         try:
-            futures = [pool.submit(_run_jobs, r, jobs[r], writer, tick, stop) for r in range(plan.world)]
+            futures = [pool.submit(_run_jobs, r, jobs[r], writer, tick, stop) for r in range(plan.world) if r in mine]
             for fut in futures:
                 fut.result()
         except BaseException:
@@ -333,12 +344,17 @@ def execute_plan(
             # Deferred: a second Ctrl-C must not close the writer's files under a running worker.
             with signals_deferred():
                 pool.shutdown(wait=True, cancel_futures=True)
-        for tp, indices in fallback:
+        for tp, all_indices in fallback:
+            indices = [i for i in all_indices if tp.chunks[i].rank in mine]
+            if not indices:
+                continue
             _write_reassembled(tp, indices, reader, writer)
             tick(sum(tp.chunks[i].chunk.numel for i in indices) * tp.dtype.itemsize, False)
             with lock:
                 counts["rewritten"] += len(indices) - 1
         for bp in plan.byte_items:
+            if bp.rank not in mine:
+                continue
             path = plan.planner_data.get(bp.key)
             if bp.value is None:
                 info = reader.storage_info(bp.key)
@@ -346,6 +362,16 @@ def execute_plan(
                 writer.copy_bytes_item(bp.key, bp.rank, reader.fd(info.relative_path), info, path)
             else:
                 writer.write_object(bp.key, bp.rank, bp.value, path)
+        if group.active:
+            for r in sorted(mine):
+                writer.sync(r)
+            group.agree(None)  # pairs with the agree(error) of a failing rank (_reshard)
+            records = group.gather(writer.records())
+            if not group.is_root:
+                return writer, counts
+            for r, rec in enumerate(records):
+                if r != group.rank:
+                    writer.merge(rec)
         writer.finish()
     return writer, counts
 
@@ -489,22 +515,40 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
                 path=info.relative_path,
                 fqn=bp.key,
             )
-    reader.prefetch_keys(t.key for t in plan.tensors)  # a remote checkpoint: parallel range requests
-    with output_dir(dst_p, overwrite=opts.overwrite, source=src_p) as tmp:
-        writer, counts = execute_plan(
-            plan,
-            reader,
-            tmp,
-            dst_p if is_url(dst_p) else dst_p.resolve(),
-            progress,
-            threads=opts.threads,
-            fsync=opts.fsync,
-        )
-        extra = _copy_extra_files(src_p, tmp) if reader.remote is None else _copy_extra_remote(reader, tmp)
-        files = [
-            {"path": DCPWriter.file_name(r), "bytes": (tmp / DCPWriter.file_name(r)).stat().st_size}
-            for r in range(plan.world)
-        ]
+    group = distributed.current()
+    with contextlib.ExitStack() as stack:
+        failure: BaseException | None = None
+        tmp0: Path | None = None
+        if group.is_root:
+            try:
+                tmp0 = stack.enter_context(output_dir(dst_p, overwrite=opts.overwrite, source=src_p))
+            except BaseException as e:
+                failure = e
+        group.agree(failure)
+        tmp = group.broadcast(tmp0)
+        assert tmp is not None
+        try:
+            writer, counts = execute_plan(
+                plan,
+                reader,
+                tmp,
+                dst_p if is_url(dst_p) else dst_p.resolve(),
+                progress,
+                threads=opts.threads,
+                fsync=opts.fsync,
+            )
+        except BaseException as e:
+            if group.active and not distributed.agreed(e):
+                group.agree(e)  # the other ranks learn of it (and raise it) in execute_plan
+            raise
+        extra: list[str] = []
+        files: list[dict[str, Any]] = []
+        if group.is_root:
+            extra = _copy_extra_files(src_p, tmp) if reader.remote is None else _copy_extra_remote(reader, tmp)
+            files = [
+                {"path": DCPWriter.file_name(r), "bytes": (tmp / DCPWriter.file_name(r)).stat().st_size}
+                for r in range(plan.world)
+            ]
     kinds: dict[str, int] = defaultdict(int)
     for t in plan.tensors:
         kinds[t.kind] += 1
