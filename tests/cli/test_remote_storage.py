@@ -13,10 +13,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
+from ckpttool.cli.commands.schema import load_schema
 from ckpttool.errors import PathEscapeError, RemoteStorageError
 from ckpttool.format.storage import confine_key, parse_storage_options, redact, storage_config
 from tests.fixtures import s3 as s3fx
@@ -85,6 +87,7 @@ def test_inspect_reads_only_metadata_and_shown_items(sample_ckpt: Path, s3_serve
     assert remote.exit_code == 0, remote.output
     local = runner.invoke(app, ["inspect", str(sample_ckpt), "--json"])
     r, loc = json.loads(remote.stdout), json.loads(local.stdout)
+    jsonschema.validate(r, load_schema("inspect"))
     stats = r.pop("storage")
     for d in (r, loc):
         d.pop("path"), d.pop("location")
