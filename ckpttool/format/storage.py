@@ -509,6 +509,13 @@ class RemoteStore:
         self.call(str(self.path / relative), self.fs.put_file, str(local), key)
         self._count()
 
+    def write_bytes(self, relative: str, data: bytes) -> None:
+        """Write one small object whole (one PUT: readers see the old object or the new one)."""
+        key = self.key(relative)
+        self.call(str(self.path / relative), self.fs.pipe_file, key, data)
+        self._count()
+        self.forget_listing()
+
     def copy(self, src_relative: str, dst: RemoteStore, dst_relative: str) -> None:
         """Server-side copy of one object to another prefix of the same store."""
         self.call(str(dst.path / dst_relative), self.fs.copy, self.key(src_relative), dst.key(dst_relative))

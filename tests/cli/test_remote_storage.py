@@ -241,3 +241,29 @@ def test_file_url_is_the_local_path(sample_ckpt: Path) -> None:
     r = runner.invoke(app, ["inspect", "file://" + os.fspath(sample_ckpt), "--json"])
     assert r.exit_code == 0, r.output
     assert "storage" not in json.loads(r.stdout)
+
+
+@pytest.mark.slow
+def test_stamp_on_s3_writes_the_sidecar_a_local_stamp_writes(ep_suite: Path, s3_server: Any, tmp_path: Path) -> None:
+    declared = ["--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "2"]
+    local = copy_checkpoint(ep_suite / "legacy", tmp_path / "legacy")
+    url = upload(s3_server, local)
+    assert runner.invoke(app, ["stamp", str(local), *declared]).exit_code == 0
+    r = cli(s3_server, "stamp", url, *declared)
+    assert r.exit_code == 0, r.output
+    got = s3_server.download_dir("ckpts", url.split("/", 3)[3], tmp_path / "dl")
+    assert json.loads(got["layout.json"]) == json.loads((local / "layout.json").read_text())
+    doc = json.loads(cli(s3_server, "inspect", url, "--json").stdout)
+    assert doc["layout"]["source"] == "sidecar"
+
+
+@pytest.mark.slow
+def test_torchrun_export_from_s3_is_bitwise_the_local_export(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
+    from tests.ops.test_distributed import torchrun
+
+    url = upload(s3_server, sample_ckpt)
+    args = ["--shard-size", "60KB"]
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "local"), *args]).exit_code == 0
+    r = torchrun(2, *s3_server.cli_options(), "export", url, str(tmp_path / "many"), *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert files_of(tmp_path / "many") == files_of(tmp_path / "local")
