@@ -319,8 +319,10 @@ def _classify(e: BaseException) -> str:
     return "fatal"
 
 
-def _error_for(kind: str, e: BaseException, where: str, attempts: int) -> CkptError:
-    detail = redact(f"{type(e).__name__}: {str(e)[:160]}")
+def _error_for(
+    kind: str, e: BaseException, where: str, attempts: int, options: Mapping[str, Any] | None = None
+) -> CkptError:
+    detail = redact(f"{type(e).__name__}: {str(e)[:160]}", options)
     if kind == "not_found":
         return RemoteNotFoundError(f"{where}: not found ({detail})", path=where)
     if kind == "permission":
@@ -421,7 +423,7 @@ class RemoteStore:
                     continue
                 if isinstance(e, CkptError):
                     raise
-                raise _error_for(kind, e, what, attempt) from None
+                raise _error_for(kind, e, what, attempt, cfg.options) from None
         raise AssertionError("unreachable")
 
     def _invalidate(self) -> None:
