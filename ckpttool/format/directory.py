@@ -20,6 +20,7 @@ own directory); every such path must stay inside its own part.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import stat
@@ -56,6 +57,7 @@ __all__ = [
     "copy_regular",
 ]
 
+log = logging.getLogger(__name__)
 DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 METADATA_NAME = ".metadata"
 
@@ -188,6 +190,14 @@ class CheckpointDir:
                     os.close(fd)
             self._fds.clear()
         if self.spool is not None:
+            if self.remote is not None and self.remote.requests:
+                log.info(
+                    "%s: %d storage request(s), %d byte(s) fetched",
+                    self.path,
+                    self.remote.requests,
+                    self.remote.bytes_requested,
+                )
+                self.remote.requests = 0  # logged once
             self.spool.close()
 
     # ------------------------------------------------------------------ remote
