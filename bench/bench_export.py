@@ -218,7 +218,7 @@ def main() -> None:
 
     # as `pip install` does: start-up is measured with bytecode caches, also under PYTHONDONTWRITEBYTECODE
     compileall.compile_dir(os.path.dirname(ckpttool.__file__), quiet=1)
-    shard_bytes = parse_size(args.shard_size)
+    shard_bytes = parse_size(args.shard_size, "--shard-size")
     root: Path = args.root
     root.mkdir(parents=True, exist_ok=True)
     want = set(args.only or ["preserve", "cast", "master", "per-expert", "fused", "big", "small"])

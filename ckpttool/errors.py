@@ -31,6 +31,11 @@ __all__ = [
     "UsageError",
     "PathEscapeError",
     "NotRegularFileError",
+    "RemoteStorageError",
+    "RemoteNotFoundError",
+    "RemotePermissionError",
+    "RemoteThrottledError",
+    "RemoteTransientError",
     "GradientsError",
     "DeviceUnavailableError",
     "MemoryBudgetError",
@@ -167,6 +172,41 @@ class MemoryBudgetError(UsageError):
 
     code = "E130"
     default_hint = "raise --max-memory, or leave the parameter out with --filter"
+
+
+class RemoteStorageError(CkptError):
+    """A URL cannot be used: fsspec or its backend missing, unknown scheme, bad ``--storage-option``, a failed request."""
+
+    code = "E140"
+    default_hint = "check the URL and --storage-option (docs/storage.md); pip install 'ckpttool[s3]' for s3://"
+
+
+class RemoteNotFoundError(RemoteStorageError):
+    """An object or bucket of a remote checkpoint does not exist."""
+
+    code = "E141"
+    default_hint = "check the URL: the bucket and prefix of the checkpoint directory"
+
+
+class RemotePermissionError(RemoteStorageError):
+    """The store refused a request: credentials missing, wrong or without the needed permission."""
+
+    code = "E142"
+    default_hint = "check the credentials (environment, config files, --storage-option) and the bucket policy"
+
+
+class RemoteThrottledError(RemoteStorageError):
+    """The store kept throttling requests (SlowDown / 429 / 503) through every retry."""
+
+    code = "E143"
+    default_hint = "retry later, or lower --remote-workers"
+
+
+class RemoteTransientError(RemoteStorageError):
+    """A request kept failing with transient errors (connection reset, timeout, 5xx) through every retry."""
+
+    code = "E144"
+    default_hint = "check the network and the endpoint, then run again (--remote-retries raises the attempts)"
 
 
 # --------------------------------------------------------------------------- E2xx .metadata

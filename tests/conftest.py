@@ -111,3 +111,19 @@ def ep_multichunk_ckpt(fixture_root: Path) -> Path:
     from tests.fixtures import writers
 
     return cached_build(fixture_root, "writers_ep_multichunk", writers.build_ep_multichunk)
+
+
+# ------------------------------------------------------------------ object storage (tests/fixtures/s3.py)
+@pytest.fixture(scope="session")
+def s3_server():  # type: ignore[no-untyped-def]
+    """A moto S3 server on 127.0.0.1 (one per xdist worker); skipped without ``ckpttool[s3]`` + ``moto[server]``."""
+    from tests.fixtures import s3
+
+    why = s3.missing()
+    if why:
+        pytest.skip(why)
+    server = s3.S3Server().start()
+    try:
+        yield server
+    finally:
+        server.stop()

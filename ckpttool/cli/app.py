@@ -13,6 +13,7 @@ read caps ``--max-metadata-size``/``--max-object-size`` are root options; Typer'
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +23,7 @@ from typer.core import TyperGroup, TyperOption
 
 from ckpttool.cli.output import configure_logging, print_error
 from ckpttool.cli.render import UI
-from ckpttool.errors import UsageError
+from ckpttool.errors import CkptError, UsageError
 
 __all__ = ["app", "main", "version_text", "GLOBAL_OPTIONS"]
 
@@ -77,6 +78,27 @@ def _set_wide(ctx: Any, param: Any, value: bool) -> None:
         UI.wide = True
 
 
+def _set_storage_options(ctx: Any, param: Any, value: tuple[str, ...]) -> None:
+    if value:
+        from ckpttool.format import storage
+
+        try:
+            opts = storage.parse_storage_options(value)
+        except CkptError as e:
+            raise typer.BadParameter(e.message, ctx=ctx, param=param) from None
+        storage.configure(options={**storage.current().options, **opts})
+
+
+def _set_remote(field: str) -> Any:
+    def callback(ctx: Any, param: Any, value: int | None) -> None:
+        if value is not None:
+            from ckpttool.format import storage
+
+            storage.configure(**{field: value})
+
+    return callback
+
+
 def _global_options() -> list[Any]:
     """The options every command accepts, before or after its name (not passed to command functions)."""
     return [
@@ -116,11 +138,54 @@ def _global_options() -> list[Any]:
             callback=_set_wide,
             help="Never narrow tables to the terminal width (no hidden columns, no folded keys).",
         ),
+        TyperOption(
+            param_decls=["--storage-option"],
+            multiple=True,
+            default=(),
+            metavar="KEY=VALUE",
+            expose_value=False,
+            is_eager=True,
+            callback=_set_storage_options,
+            help="Option for the fsspec filesystem of a URL (repeatable; nested: client_kwargs.endpoint_url=URL). "
+            "Never logged. docs/storage.md.",
+        ),
+        TyperOption(
+            param_decls=["--remote-workers"],
+            type=int,
+            default=None,
+            metavar="N",
+            expose_value=False,
+            is_eager=True,
+            callback=_set_remote("workers"),
+            help="Parallel range requests / uploads for URLs [default: 16].",
+        ),
+        TyperOption(
+            param_decls=["--remote-retries"],
+            type=int,
+            default=None,
+            metavar="N",
+            expose_value=False,
+            is_eager=True,
+            callback=_set_remote("retries"),
+            help="Attempts per storage request on transient errors [default: 5].",
+        ),
     ]
 
 
 #: Flags of the global options (accepted by every command).
-GLOBAL_OPTIONS = ("-v", "--verbose", "-q", "--quiet", "--color", "--wide", "-h", "--help")
+GLOBAL_OPTIONS = (
+    "-v",
+    "--verbose",
+    "-q",
+    "--quiet",
+    "--color",
+    "--wide",
+    "--storage-option",
+    "--remote-workers",
+    "--remote-retries",
+    "-h",
+    "--help",
+)
 
 
 def version_text() -> str:
@@ -165,6 +230,9 @@ class CkptGroup(TyperGroup):
         **extra: Any,
     ) -> Any:
         UI.reset()  # one invocation's settings (tests run many in one process)
+        from ckpttool.format import storage
+
+        storage.configure(options={}, workers=16, retries=5)
         configure_logging(0)
         try:
             rv = super().main(
@@ -264,11 +332,36 @@ def _unraisable(info: Any) -> None:
     sys.__unraisablehook__(info)
 
 
+def _join_distributed() -> Any:
+    """Under torchrun (several ranks): join the gloo group; ranks other than 0 print nothing (docs/performance.md)."""
+    from ckpttool.ops import distributed
+
+    if not distributed.in_torchrun():
+        return None
+    try:
+        group = distributed.from_env()
+    except UsageError as e:
+        print_error(e)
+        sys.exit(e.exit_code)
+    distributed.set_current(group)
+    if not group.is_root and not os.environ.get("CKPTTOOL_DEBUG"):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+    return group
+
+
 def main() -> None:
-    """Console-script entry point (also ``python -m ckpttool``)."""
+    """Console-script entry point (also ``python -m ckpttool``; under torchrun, one rank of a distributed run)."""
     sys.unraisablehook = _unraisable
+    group = _join_distributed()
     try:
         app(prog_name="ckpttool")
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")
         sys.exit(130)
+    finally:
+        if group is not None:
+            group.close()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from enum import Enum
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -62,12 +62,36 @@ class SourceLayout(str, Enum):
     canonical = "canonical"
 
 
+def location(value: str | PurePath) -> PurePath:
+    """A path argument that may also be an fsspec URL (``s3://bucket/prefix``: a ``UrlPath``; docs/storage.md)."""
+    if isinstance(value, PurePath):
+        return value
+    from ckpttool.format.storage import is_url, local_path, url_path
+
+    return url_path(value) if is_url(value) else Path(local_path(value))
+
+
+# PurePath, not Path: typer converts a ``Path`` annotation with ``Path(value)``, which would turn
+# ``s3://b/k`` into ``s3:/b/k``; ``location`` returns a ``Path`` or a ``UrlPath``.
 CheckpointArg = Annotated[
-    Path,
+    PurePath,
     typer.Argument(
         help="DCP checkpoint directory (holds .metadata and __R_N.distcp files), or a directory above it "
-        "(a run's checkpoint root, step-N/, checkpoint-N/ with model and optimizer folders).",
+        "(a run's checkpoint root, step-N/, checkpoint-N/ with model and optimizer folders); or the URL of "
+        "a checkpoint prefix (s3://bucket/run/step-100, any fsspec URL).",
         show_default=False,
+        parser=location,
+        metavar="CHECKPOINT",
+    ),
+]
+OutputArg = Annotated[
+    PurePath,
+    typer.Argument(
+        help="Output directory (written beside itself, renamed when complete), or a URL prefix (s3://bucket/out: "
+        "uploaded under a temporary prefix, published when complete; docs/storage.md).",
+        show_default=False,
+        parser=location,
+        metavar="OUT",
     ),
 ]
 JsonOpt = Annotated[

@@ -20,11 +20,14 @@ own directory); every such path must stay inside its own part.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import stat
 import threading
+from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
 from ckpttool.errors import (
     CkptError,
@@ -33,12 +36,14 @@ from ckpttool.errors import (
     MetadataError,
     NotRegularFileError,
     PathEscapeError,
+    RemoteNotFoundError,
     UsageError,
 )
 from ckpttool.format import limits
 from ckpttool.format.files import _kind, copy_regular, open_regular, read_regular, resolve_inside
 from ckpttool.format.hf_storage import hf_storage_files, load_hf_storage_metadata, shard_rank
 from ckpttool.format.metadata import CheckpointMetadata, ChunkMeta, StorageInfo
+from ckpttool.format.storage import RemoteStore, Spool, is_url, local_path
 from ckpttool.format.unpickler import parse_metadata_bytes
 
 __all__ = [
@@ -52,6 +57,7 @@ __all__ = [
     "copy_regular",
 ]
 
+log = logging.getLogger(__name__)
 DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 METADATA_NAME = ".metadata"
 
@@ -87,6 +93,19 @@ class CheckpointDir:
         metadata: CheckpointMetadata | None = None,
         parts: dict[str, Path] | None = None,
     ) -> None:
+        self.remote: RemoteStore | None = None
+        self.spool: Spool | None = None
+        self._parts_remote: dict[str, str] = {}
+        self._resolved: dict[str, Path] = {}
+        self._sizes: dict[str, int] = {}
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.parts: dict[str, Path] = dict(parts or {})
+        self.metadata: CheckpointMetadata
+        if is_url(path):
+            self._open_remote(path, metadata)
+            return
+        path = local_path(path)
         p = Path(path)
         if not p.exists():
             raise UsageError(f"{p}: no such directory", path=p, hint="pass the checkpoint directory")
@@ -98,13 +117,7 @@ class CheckpointDir:
             )
         self.path = p
         self.root = p.resolve()
-        self.parts: dict[str, Path] = dict(parts or {})
         self._part_roots = {k: v.resolve() for k, v in self.parts.items()}
-        self._resolved: dict[str, Path] = {}
-        self._sizes: dict[str, int] = {}
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self.metadata: CheckpointMetadata
         if metadata is not None:
             self.metadata = metadata
             return
@@ -128,13 +141,107 @@ class CheckpointDir:
             raise MetadataError(e.message, path=md) from e
         self.metadata = parse_metadata_bytes(data, str(md))
 
+    def _open_remote(self, url: str | os.PathLike[str], metadata: CheckpointMetadata | None) -> None:
+        """Open a checkpoint below a URL prefix (:mod:`ckpttool.format.storage`): one listing, then ``.metadata``."""
+        store = RemoteStore(url)
+        self.remote = store
+        self.path = cast(Path, store.path)  # a UrlPath: prints as the URL, never opened locally
+        self.spool = Spool(store)
+        self.root = self.spool.dir
+        self._part_roots = {}
+        try:
+            sizes = store.sizes()
+            if metadata is not None:
+                self.metadata = metadata
+                return
+            if METADATA_NAME not in sizes:
+                if not sizes:
+                    raise RemoteNotFoundError(
+                        f"{store.path}: no object below this prefix",
+                        path=store.path,
+                        hint="pass the URL of the checkpoint directory (the prefix holding .metadata)",
+                    )
+                if any(DATA_FILE_RE.match(n) for n in sizes):
+                    raise IncompleteCheckpointError(
+                        f"{store.path}: has .distcp data files but no .metadata (incomplete save)",
+                        path=store.path / METADATA_NAME,
+                    )
+                raise MetadataError(
+                    f"{store.path}: no .metadata object; not a DCP checkpoint (remote checkpoints are opened "
+                    "at their own prefix, without step discovery or safetensors-only storage)",
+                    path=store.path / METADATA_NAME,
+                    hint="pass the URL of the prefix that dcp.save wrote (it holds .metadata and __R_N.distcp)",
+                )
+            try:
+                data = self.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
+            except DataFileError as e:
+                raise MetadataError(e.message, path=store.path / METADATA_NAME) from e
+            self.metadata = parse_metadata_bytes(data, str(store.path / METADATA_NAME))
+        except BaseException:
+            self.close()
+            raise
+
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Close every data file descriptor. Idempotent."""
+        """Close every data file descriptor (and delete a remote checkpoint's spool). Idempotent."""
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
+            if self.spool is None:
+                for fd in self._fds.values():
+                    os.close(fd)
             self._fds.clear()
+        if self.spool is not None:
+            if self.remote is not None and self.remote.requests:
+                log.info(
+                    "%s: %d storage request(s), %d byte(s) fetched",
+                    self.path,
+                    self.remote.requests,
+                    self.remote.bytes_requested,
+                )
+                self.remote.requests = 0  # logged once
+            self.spool.close()
+
+    # ------------------------------------------------------------------ remote
+    def fetch(self, info: StorageInfo) -> None:
+        """Make the byte window of ``info`` readable through :meth:`fd` (remote: one range request; local: nothing).
+
+        Raises:
+            RemoteStorageError and subclasses: the request failed (after retries).
+        """
+        if self.spool is not None:
+            self.spool.fetch(
+                info.relative_path, self.file_size(info.relative_path), info.offset, info.offset + info.length
+            )
+
+    def prefetch(self, infos: Iterable[StorageInfo]) -> None:
+        """Fetch many windows with ``--remote-workers`` parallel range requests (local: nothing).
+
+        Raises:
+            as :meth:`fetch`; PathEscapeError, DataFileError as :meth:`storage_info`.
+        """
+        if self.spool is None:
+            return
+        wins = [(i.relative_path, self.file_size(i.relative_path), i.offset, i.offset + i.length) for i in infos]
+        self.spool.fetch_many(wins)
+
+    def prefetch_keys(self, keys: Iterable[str]) -> None:
+        """:meth:`prefetch` every chunk (or byte item) of ``keys`` (local: nothing)."""
+        if self.spool is None:
+            return
+        infos = []
+        for key in keys:
+            meta = self.metadata.entries.get(key)
+            chunks = getattr(meta, "chunks", None)
+            if chunks is None:
+                infos.append(self.storage_info(key))
+            else:
+                infos.extend(self.storage_info(key, c) for c in chunks if c.numel)
+        self.prefetch(infos)
+
+    def remote_stats(self) -> dict[str, int] | None:
+        """``{"requests": n, "bytes_requested": b}`` of a remote checkpoint, ``None`` for a local one."""
+        if self.remote is None:
+            return None
+        return {"requests": self.remote.requests, "bytes_requested": self.remote.bytes_requested}
 
     def __enter__(self) -> CheckpointDir:
         return self
@@ -152,6 +259,11 @@ class CheckpointDir:
         hit = self._resolved.get(relative_path)
         if hit is not None:
             return hit
+        if self.remote is not None:
+            self.remote.key(relative_path)  # confined to the prefix, or PathEscapeError
+            target = self.root / relative_path  # for messages only; remote files are read through the spool
+            self._resolved[relative_path] = target
+            return target
         if not relative_path or "\x00" in relative_path or os.path.isabs(relative_path):
             raise PathEscapeError(
                 f"{self.path}: storage path {relative_path!r} is absolute or empty", path=relative_path
@@ -176,6 +288,8 @@ class CheckpointDir:
             DataFileError: missing or unreadable.
         """
         target = self.resolve(relative_path)
+        if self.remote is not None:
+            return self.remote.read_whole(relative_path, cap, what=what)
         try:
             return read_regular(target, cap, shown=self.path / relative_path, what=what)
         except CkptError:
@@ -190,6 +304,14 @@ class CheckpointDir:
             PathEscapeError, DataFileError: escaping, missing or not a regular file.
         """
         size = self._sizes.get(relative_path)
+        if size is None and self.remote is not None:
+            self.resolve(relative_path)
+            got = self.remote.size(relative_path)
+            if got is None:
+                raise DataFileError(
+                    f"{self.path / relative_path}: data file missing (no such object)", path=relative_path
+                )
+            self._sizes[relative_path] = size = got
         if size is None:
             target = self.resolve(relative_path)
             try:
@@ -214,6 +336,9 @@ class CheckpointDir:
             PathEscapeError, DataFileError: escaping, missing or unreadable file.
         """
         fd = self._fds.get(relative_path)
+        if fd is None and self.spool is not None:
+            fd = self.spool.fd(relative_path, self.file_size(relative_path))
+            self._fds[relative_path] = fd
         if fd is None:
             with self._lock:
                 fd = self._fds.get(relative_path)

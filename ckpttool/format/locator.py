@@ -242,6 +242,7 @@ def locate_chunk(ckpt: CheckpointDir, key: str, chunk: ChunkMeta) -> ChunkLocati
     """
     meta = tensor_meta(ckpt, key)
     info = ckpt.storage_info(key, chunk)
+    ckpt.fetch(info)  # a remote checkpoint: one range request of exactly this window (cached)
     file = ckpt.path / info.relative_path
     where = f"{file}: {key!r} chunk at {chunk.offsets}"
     if ckpt.metadata.serialization == "safetensors":

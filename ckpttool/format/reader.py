@@ -132,6 +132,7 @@ class CheckpointReader(CheckpointDir):
             cap = chunk.numel * meta.dtype.itemsize + limits.current().max_tensor_pickle_bytes + ARCHIVE_OVERHEAD
             is_limit = False
         if info.transform_descriptors:
+            self.fetch(info)
             return decode_transforms(self, info, fqn, cap, cap_is_limit=is_limit)
         if info.length > cap:
             if is_limit:
@@ -147,6 +148,7 @@ class CheckpointReader(CheckpointDir):
                 path=info.relative_path,
                 fqn=fqn,
             )
+        self.fetch(info)  # a remote checkpoint: requested only now, after the cap check
         buf = bytearray(info.length)
         self.pread_into(info, 0, buf, fqn)
         return buf  # bytes-like: no second copy of a large item

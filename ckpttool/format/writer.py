@@ -22,7 +22,7 @@ import pickle
 import threading
 import uuid
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -139,7 +139,7 @@ class DCPWriter:
             with self._lock:
                 self._dirty.discard(rank)
 
-    def ensure_files(self, ranks: range) -> None:
+    def ensure_files(self, ranks: Iterable[int]) -> None:
         """Create (possibly empty) data files for ``ranks`` so every target rank has one."""
         for r in ranks:
             self._file(r)
@@ -278,6 +278,29 @@ class DCPWriter:
         end = f.tell()
         self._count(end - start)
         self._items[key].byte_info = StorageInfo(self.file_name(rank), start, end - start)
+
+    # ------------------------------------------------------------------ several writers, one .metadata
+    def records(self) -> tuple[dict[str, WrittenItem], dict[str, tuple[Any, ...]], int]:
+        """What this writer wrote (items, planner paths, bytes), for :meth:`merge` into the writer that finishes.
+
+        A distributed run has one writer per process, each writing its own data files; the
+        one that writes ``.metadata`` merges the others' records first.
+        """
+        return dict(self._items), dict(self._planner), self.bytes_written
+
+    def merge(self, records: tuple[dict[str, WrittenItem], dict[str, tuple[Any, ...]], int]) -> None:
+        """Add another writer's :meth:`records` (chunks of the same declared tensors, its byte items)."""
+        items, planner, nbytes = records
+        for key, item in items.items():
+            mine = self._items.get(key)
+            if mine is None:
+                self._items[key] = item
+                continue
+            mine.chunks.extend(item.chunks)
+            if item.byte_info is not None:
+                mine.byte_info = item.byte_info
+        self._planner.update(planner)
+        self.bytes_written += nbytes
 
     # ------------------------------------------------------------------ metadata
     def finish(self) -> None:

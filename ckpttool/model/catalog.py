@@ -507,7 +507,8 @@ def build_catalog(
     # Files on disk.
     referenced = {s.relative_path for s in storage.values()}
     on_disk: dict[str, int | None] = {}
-    for sub in ("", *(f"{k}/" for k in cd.parts)):
+    listing = cd.remote.sizes() if cd.remote is not None else None  # an object store: one listing, no stat
+    for sub in ("", *(f"{k}/" for k in cd.parts)) if listing is None else ():
         try:
             names = os.listdir(cd.path / sub) if sub else os.listdir(cd.path)
         except OSError:
@@ -518,6 +519,8 @@ def build_catalog(
                     on_disk[sub + name] = (cd.path / sub / name).stat().st_size
                 except OSError:
                     on_disk[sub + name] = None
+    if listing is not None:
+        on_disk = {n: size for n, size in listing.items() if "/" not in n and DATA_FILE_RE.match(n)}
     data_files = []
     for rel in sorted(referenced | set(on_disk)):
         size = on_disk.get(rel)
@@ -529,7 +532,12 @@ def build_catalog(
         data_files.append(DataFile(rel, size, rank_of_file(rel), rel in referenced))
     extra: list[ExtraStateFile] = []
     extra_dir = cd.path / "extra_state"
-    if extra_dir.is_dir():
+    if listing is not None:
+        for rel, size in sorted(listing.items()):
+            if rel.startswith("extra_state/") and rel.count("/") == 1:
+                m = _EXTRA_STATE_RE.findall(rel.rsplit("/", 1)[1].rsplit(".", 1)[0])
+                extra.append(ExtraStateFile(rel, size, int(m[-1]) if m else None))
+    elif extra_dir.is_dir():
         cd.resolve("extra_state")  # a symlink out of the checkpoint: PathEscapeError
         for p in sorted(extra_dir.iterdir()):
             rel = f"extra_state/{p.name}"
@@ -557,7 +565,7 @@ def build_catalog(
         data_files=data_files,
         extra_state=extra,
         has_layout_item=isinstance(md.entries.get(LAYOUT_KEY), BytesMeta),
-        has_layout_sidecar=(cd.path / SIDECAR_NAME).is_file(),
+        has_layout_sidecar=(SIDECAR_NAME in listing) if listing is not None else (cd.path / SIDECAR_NAME).is_file(),
         ranks=ranks,
         schema=sch,
         training_state=training,

@@ -24,11 +24,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
 
-from ckpttool.errors import CkptError, NotRegularFileError, PathEscapeError, TrustRequiredError
+from ckpttool.errors import CkptError, NotRegularFileError, PathEscapeError, TrustRequiredError, UsageError
 from ckpttool.format import limits
 from ckpttool.format.metadata import CheckpointMetadata
 from ckpttool.format.reader import CheckpointReader, load_saved_object
+from ckpttool.format.storage import is_url, url_path
 from ckpttool.format.unpickler import gc_paused
 from ckpttool.model.catalog import Catalog, ExtraStateFile, ParamGroup, build_catalog, load_param_groups
 from ckpttool.model.declaration import LayoutDeclaration, ResolvedLayout, resolve_layout
@@ -157,6 +160,21 @@ class Checkpoint:
         self.close()
 
 
+def _locate(path: str | os.PathLike[str], selection: CheckpointSelection | None) -> Located:
+    """:func:`locate`, or a remote URL opened at its own prefix (no step discovery or pairs remotely)."""
+    if not is_url(path):
+        return locate(path, selection)
+    sel = selection or CheckpointSelection()
+    if sel.step is not None or sel.optimizer_dir is not None:
+        raise UsageError(
+            f"{path}: `step` and `optimizer_dir` are not supported for a URL",
+            param="step" if sel.step is not None else "optimizer_dir",
+            hint="pass the URL of the checkpoint prefix itself (the one holding .metadata)",
+        )
+    p = url_path(path)
+    return Located(cast(Path, p), cast(Path, p), None)
+
+
 def open_checkpoint(
     path: str | os.PathLike[str],
     *,
@@ -193,7 +211,7 @@ def open_checkpoint(
     """
     with gc_paused():  # ~10 objects per metadata entry, all acyclic: the cyclic GC would rescan them
         t0 = time.perf_counter()
-        where = locate(path, selection)
+        where = _locate(path, selection)
         if where.optimizer is None:
             reader = CheckpointReader(where.model, trust_pickle=trust_pickle)
         else:

@@ -8,6 +8,7 @@ files (``weights_only`` only) — never tensor data.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from ckpttool.model.geometry import EPGeometry
 from ckpttool.model.layout_record import EPTensorSpec
 from ckpttool.model.optimizer import HYPERPARAMETERS
 from ckpttool.model.schema import KeySchema
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "SCHEMA",
@@ -255,6 +258,7 @@ class InspectResult:
     uncategorized_tensors: tuple[str, ...] = ()
     non_persistent_buffers: tuple[str, ...] = ()
     serialization: str = "torch_save"
+    storage: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document, schema ``ckpttool.inspect/1``."""
@@ -281,6 +285,8 @@ class InspectResult:
         d["training_state"] = {k: list(v) for k, v in (self.training_state or {}).items()}
         d["uncategorized_tensors"] = list(self.uncategorized_tensors)
         d["non_persistent_buffers"] = list(self.non_persistent_buffers)
+        if self.storage is not None:
+            d["storage"] = dict(self.storage)
         return d
 
 
@@ -535,7 +541,17 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         uncategorized_tensors=tuple(cat.uncategorized_tensors()),
         non_persistent_buffers=tuple(cat.non_persistent_buffers()),
         serialization=ckpt.metadata.serialization,
+        storage=_storage_stats(ckpt),
     )
+
+
+def _storage_stats(ckpt: Checkpoint) -> dict[str, Any] | None:
+    """Requests and bytes fetched from object storage for a remote checkpoint (``None`` for a path)."""
+    stats = ckpt.reader.remote_stats()
+    if stats is None:
+        return None
+    log.info("%s: %d storage request(s), %d byte(s) fetched", ckpt.path, stats["requests"], stats["bytes_requested"])
+    return {"url": str(ckpt.path), **stats}
 
 
 def inspect(

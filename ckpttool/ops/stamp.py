@@ -97,7 +97,7 @@ def _stamp(ckpt: Checkpoint, declaration: LayoutDeclaration | None) -> StampResu
         raise UsageError(
             "stamp needs a layout declaration (`source_layout`, `ep_size`, `ep_fsdp_size`)", param="source_layout"
         )
-    p, cat = Path(ckpt.path), ckpt.catalog
+    p, cat = ckpt.path, ckpt.catalog
     sidecar = p / SIDECAR_NAME
     err = ckpt.layout_error
     if isinstance(err, LayoutContradictionError):
@@ -124,7 +124,11 @@ def _stamp(ckpt: Checkpoint, declaration: LayoutDeclaration | None) -> StampResu
         extra={"stamped": True},
     )
     parse_layout_record(record, "new layout record")
-    atomic_write_text(sidecar, json.dumps(record, sort_keys=True, indent=2) + "\n")
+    text = json.dumps(record, sort_keys=True, indent=2) + "\n"
+    if ckpt.reader.remote is not None:  # object storage: one PUT of the sidecar (docs/storage.md)
+        ckpt.reader.remote.write_bytes(SIDECAR_NAME, text.encode())
+    else:
+        atomic_write_text(sidecar, text)
     return StampResult(str(sidecar), True, record, len(layout.ep_tensors), same)
 
 

@@ -19,6 +19,7 @@ from ckpttool.cli.options import (
     NoEpOpt,
     OptimizerDirOpt,
     OptimizerPrefixOpt,
+    OutputArg,
     OverwriteOpt,
     SchemaOpt,
     SourceLayoutOpt,
@@ -56,10 +57,7 @@ class Experts(str, Enum):
 @command_boundary
 def export_command(
     checkpoint: CheckpointArg,
-    out: Annotated[
-        Path,
-        typer.Argument(help="Output directory (written beside itself, renamed when complete).", show_default=False),
-    ],
+    out: OutputArg,
     fmt: Annotated[
         ExportFormat, typer.Option("--format", help="hf: model*.safetensors + index; lora: PEFT adapter.")
     ] = ExportFormat.hf,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from enum import Enum
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -17,6 +16,7 @@ from ckpttool.cli.options import (
     ModelPrefixOpt,
     NoEpOpt,
     OptimizerPrefixOpt,
+    OutputArg,
     OverwriteOpt,
     SchemaOpt,
     SourceLayoutOpt,
@@ -41,9 +41,7 @@ class TargetLayout(str, Enum):
 @command_boundary
 def reshard_command(
     source: CheckpointArg,
-    target: Annotated[
-        Path, typer.Argument(help="Output directory (created; must not exist or be empty).", show_default=False)
-    ],
+    target: OutputArg,
     to: Annotated[
         TargetLayout, typer.Option("--to", help="Target EP layout: canonical (version 2) or legacy (version 1).")
     ],

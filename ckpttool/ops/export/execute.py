@@ -18,6 +18,7 @@ runs on numpy, so torch is not imported by such an export either.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -27,19 +28,22 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ckpttool.errors import ChunkError, ExportAccountingError, ExportError, NotRegularFileError, UsageError
-from ckpttool.format.atomic import AtomicOutputDir, signals_deferred
+from ckpttool.format.atomic import signals_deferred
 from ckpttool.format.files import copy_regular, resolve_inside
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
+from ckpttool.format.outputs import output_dir, output_location
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.safetensors import ShardWriter
+from ckpttool.format.storage import is_url
 from ckpttool.format.tiling import contiguous_run, tiling_problem
 from ckpttool.model.checkpoint import Checkpoint, opened
 from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.hfconfig import config_value, read_hf_config
+from ckpttool.ops import distributed
 from ckpttool.ops.export.experts import expert_orders
 from ckpttool.ops.export.lora import adapter_config, read_adapter_config
 from ckpttool.ops.export.plan import (
@@ -295,8 +299,10 @@ class _Executor:
         workers: int,
         progress: ProgressFn | None,
         chunks: list[tuple[TensorMeta, list[ChunkMeta]]],
+        files: set[int] | None = None,
     ) -> None:
         self.reader = reader
+        self.files = files  # the output files this process writes (torchrun); None: all
         self.plan = plan
         self.writers = writers
         self.workers = max(1, workers)
@@ -369,6 +375,8 @@ class _Executor:
         pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ckpttool-export")
         try:
             for idx, task in enumerate(self.plan.tasks):
+                if self.files is not None and task.shard not in self.files:
+                    continue
                 meta, chunks = self.chunks[idx]
                 self.remaining[idx] = max(len(chunks), 1)
                 if not chunks:
@@ -479,7 +487,7 @@ def export_checkpoint(
         elif opts.model_assets is not None and (Path(opts.model_assets) / "adapter_config.json").is_file():
             given_adapter = read_adapter_config(Path(opts.model_assets) / "adapter_config.json")
     with opened(checkpoint, declaration=declaration, trust_pickle=trust_pickle, selection=selection) as ckpt:
-        return _export(ckpt, Path(out), opts, rules, model_config, given_adapter, progress)
+        return _export(ckpt, output_location(out), opts, rules, model_config, given_adapter, progress)
 
 
 def _export(
@@ -492,7 +500,7 @@ def _export(
     progress: ProgressFn | None,
 ) -> ExportResult:
     t0 = time.perf_counter()
-    reader, cat, checkpoint = ckpt.reader, ckpt.catalog, Path(ckpt.path)
+    reader, cat, checkpoint = ckpt.reader, ckpt.catalog, ckpt.path
     reader.verify_crc = opts.verify_crc
     layout = ckpt.require_layout()
     selected, warnings, skipped, _adapters = select_sources(
@@ -574,42 +582,74 @@ def _export(
     # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
     chunks = [_dedup_chunks(reader, t.source_key) for t in plan.tasks]
 
+    # torchrun: each rank writes the files assigned to it (by bytes), rank 0 the index (ckpttool.ops.distributed)
+    group = distributed.current()
+    file_bytes = [0] * len(plan.files)
+    for t in plan.tasks:
+        file_bytes[t.shard] += t.out_nbytes
+    owners = group.share(file_bytes)
+    mine = {i for i, r in enumerate(owners) if group.owns(r)}
     files_info: list[dict[str, Any]] = []
-    with AtomicOutputDir(out, overwrite=opts.overwrite, source=checkpoint) as tmp:
-        writers: list[ShardWriter] = []
+    with contextlib.ExitStack() as stack:
+        failure: BaseException | None = None
+        tmp0: Path | None = None
+        if group.is_root:
+            try:
+                tmp0 = stack.enter_context(output_dir(out, overwrite=opts.overwrite, source=checkpoint))
+            except BaseException as e:
+                failure = e
+        group.agree(failure)
+        tmp = group.broadcast(tmp0)
+        assert tmp is not None
+        bytes_read = 0
+        writers: list[ShardWriter | None] = []
         try:
-            for name, entries in zip(plan.files, plan.entries):
-                writers.append(ShardWriter(tmp / name, entries, display=Path(os.path.abspath(out)) / name))
-            workers = opts.workers if opts.workers is not None else min(8, os.cpu_count() or 1)
-            executor = _Executor(reader, plan, writers, workers, progress, chunks)
-            t_run = time.perf_counter()
-            executor.run()
-            bytes_read = executor.bytes_read
-            log.info(
-                "read %d bytes and wrote %d in %.3f s with %d reader thread(s)",
-                bytes_read,
-                plan.total_bytes,
-                time.perf_counter() - t_run,
-                workers,
-            )
-            if tied == "omitted":
-                assert embed is not None and lm_head is not None
-                bytes_read += _check_tied(reader, plan, writers, embed, lm_head)
-        finally:
-            for w in writers:
-                w.close()
-        for name, entries, w in zip(plan.files, plan.entries, writers):
-            files_info.append({"name": name, "bytes": w.size, "tensors": len(entries)})
-            log.debug("%s: %d tensors, %d bytes", name, len(entries), w.size)
-        if opts.fmt == "hf":
-            index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map()}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        else:
-            (tmp / "adapter_config.json").write_text(
-                json.dumps(adapter, indent=2, sort_keys=True) + "\n", encoding="utf-8"
-            )
-        for name, p in assets:
-            copy_regular(p, tmp / name, shown=p)
+            try:
+                # a remote checkpoint: this rank's windows, by parallel range requests
+                reader.prefetch_keys(t.source_key for t in plan.tasks if t.shard in mine)
+                for i, (name, entries) in enumerate(zip(plan.files, plan.entries)):
+                    display = (out if is_url(out) else Path(os.path.abspath(out))) / name
+                    writers.append(ShardWriter(tmp / name, entries, display=display) if i in mine else None)
+                workers = opts.workers if opts.workers is not None else min(8, os.cpu_count() or 1)
+                executor = _Executor(reader, plan, cast(list[ShardWriter], writers), workers, progress, chunks, mine)
+                t_run = time.perf_counter()
+                executor.run()
+                bytes_read = executor.bytes_read
+                log.info(
+                    "read %d bytes and wrote %d in %.3f s with %d reader thread(s)",
+                    bytes_read,
+                    sum(file_bytes[i] for i in mine),
+                    time.perf_counter() - t_run,
+                    workers,
+                )
+                if tied == "omitted":
+                    assert embed is not None and lm_head is not None
+                    if next(t.shard for t in plan.tasks if t.selected is embed) in mine:
+                        bytes_read += _check_tied(reader, plan, cast(list[ShardWriter], writers), embed, lm_head)
+            finally:
+                for w in writers:
+                    if w is not None:
+                        w.close()
+        except BaseException as e:
+            failure = e
+        group.agree(failure)  # every rank done (or all raise the first failing rank's error: nothing published)
+        done = group.gather((bytes_read, {i: w.size for i, w in enumerate(writers) if w is not None}))
+        bytes_read = sum(n for n, _ in done)
+        sizes = {i: size for _, part in done for i, size in part.items()}
+        for i, (name, entries) in enumerate(zip(plan.files, plan.entries)):
+            size = sizes[i]
+            files_info.append({"name": name, "bytes": size, "tensors": len(entries)})
+            log.debug("%s: %d tensors, %d bytes", name, len(entries), size)
+        if group.is_root:
+            if opts.fmt == "hf":
+                index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map()}
+                (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+            else:
+                (tmp / "adapter_config.json").write_text(
+                    json.dumps(adapter, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+                )
+            for name, p in assets:
+                copy_regular(p, tmp / name, shown=p)
     seconds = time.perf_counter() - t0
     return ExportResult(
         output=str(out),

@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import DeviceUnavailableError, UsageError
@@ -529,7 +528,7 @@ def _replay(
         bytes_read=float(bytes_read),
     )
     return ReplayResult(
-        path=str(Path(ckpt.path)),
+        path=str(ckpt.path),
         device=str(dev),
         optimizer_type=plan.optimizer_type,
         optimizer_reason=plan.reason,

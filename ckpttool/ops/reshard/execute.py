@@ -22,6 +22,7 @@ The source checkpoint is only read.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -36,11 +37,13 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import NotRegularFileError, ReshardError, SizeLimitError
 from ckpttool.format import limits
-from ckpttool.format.atomic import AtomicOutputDir, signals_deferred
+from ckpttool.format.atomic import signals_deferred
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
 from ckpttool.format.files import copy_regular, resolve_inside
 from ckpttool.format.metadata import ChunkMeta
+from ckpttool.format.outputs import output_dir, output_location
 from ckpttool.format.reader import CheckpointReader
+from ckpttool.format.storage import is_url
 from ckpttool.format.tiling import contiguous_run
 from ckpttool.format.writer import DCPWriter, can_stream
 from ckpttool.model.catalog import Catalog
@@ -48,6 +51,7 @@ from ckpttool.model.checkpoint import Checkpoint, opened
 from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.layout_record import SIDECAR_NAME
+from ckpttool.ops import distributed
 from ckpttool.ops.reshard.plan import ReshardPlan, TensorPlan, origin_world, plan_reshard
 
 if TYPE_CHECKING:
@@ -308,8 +312,17 @@ def execute_plan(
             if progress is not None:
                 progress(state["done"], total)
 
+    # torchrun: each rank writes the target rank files assigned to it (by bytes); rank 0 writes .metadata
+    group = distributed.current()
+    file_bytes = [0] * plan.world
+    for tp in plan.tensors:
+        for oc in tp.chunks:
+            file_bytes[oc.rank] += oc.chunk.numel * tp.dtype.itemsize
+    owners = group.share(file_bytes)
+    mine = {r for r in range(plan.world) if group.owns(owners[r])}
+    reader.prefetch_keys(t.key for t in plan.tensors if any(oc.rank in mine for oc in t.chunks))  # remote
     with DCPWriter(out_dir, checkpoint_id, fsync=fsync) as writer:
-        writer.ensure_files(range(plan.world))
+        writer.ensure_files(range(plan.world) if not group.active else sorted(mine))
         jobs: dict[int, list[_Job]] = {r: [] for r in range(plan.world)}
         fallback: list[tuple[TensorPlan, list[int]]] = []
         for tp in plan.tensors:
@@ -321,7 +334,7 @@ def execute_plan(
         stop = threading.Event()
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-reshard")
         try:
-            futures = [pool.submit(_run_jobs, r, jobs[r], writer, tick, stop) for r in range(plan.world)]
+            futures = [pool.submit(_run_jobs, r, jobs[r], writer, tick, stop) for r in range(plan.world) if r in mine]
             for fut in futures:
                 fut.result()
         except BaseException:
@@ -331,18 +344,34 @@ def execute_plan(
             # Deferred: a second Ctrl-C must not close the writer's files under a running worker.
             with signals_deferred():
                 pool.shutdown(wait=True, cancel_futures=True)
-        for tp, indices in fallback:
+        for tp, all_indices in fallback:
+            indices = [i for i in all_indices if tp.chunks[i].rank in mine]
+            if not indices:
+                continue
             _write_reassembled(tp, indices, reader, writer)
             tick(sum(tp.chunks[i].chunk.numel for i in indices) * tp.dtype.itemsize, False)
             with lock:
                 counts["rewritten"] += len(indices) - 1
         for bp in plan.byte_items:
+            if bp.rank not in mine:
+                continue
             path = plan.planner_data.get(bp.key)
             if bp.value is None:
                 info = reader.storage_info(bp.key)
+                reader.fetch(info)
                 writer.copy_bytes_item(bp.key, bp.rank, reader.fd(info.relative_path), info, path)
             else:
                 writer.write_object(bp.key, bp.rank, bp.value, path)
+        if group.active:
+            for r in sorted(mine):
+                writer.sync(r)
+            group.agree(None)  # pairs with the agree(error) of a failing rank (_reshard)
+            records = group.gather(writer.records())
+            if not group.is_root:
+                return writer, counts
+            for r, rec in enumerate(records):
+                if r != group.rank:
+                    writer.merge(rec)
         writer.finish()
     return writer, counts
 
@@ -352,6 +381,24 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def _copy_extra_remote(reader: CheckpointReader, dst: Path) -> list[str]:
+    """:func:`_copy_extra_files` for a checkpoint in object storage: every other object below its prefix.
+
+    Each object is confined (``E101``) and capped by ``--max-object-size`` before it is fetched.
+    """
+    assert reader.remote is not None
+    copied = []
+    for rel in sorted(reader.remote.sizes()):
+        if rel in (METADATA_NAME, SIDECAR_NAME) or ("/" not in rel and DATA_FILE_RE.match(rel)):
+            continue
+        data = reader.read_file(rel, limits.current().max_object_bytes, what="file beside the checkpoint")
+        out = dst / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(data)
+        copied.append(rel.split("/", 1)[0])
+    return sorted(set(copied))
 
 
 def _copy_extra_files(src: Path, dst: Path) -> list[str]:
@@ -420,12 +467,12 @@ def reshard(
     """
     opts = options if options is not None else ReshardOptions(**option_fields)
     with opened(src, declaration=declaration, trust_pickle=trust_pickle, selection=selection) as ckpt:
-        return _reshard(ckpt, Path(dst), opts, progress)
+        return _reshard(ckpt, output_location(dst), opts, progress)
 
 
 def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: ProgressFn | None) -> ReshardResult:
     t0 = time.perf_counter()
-    src_p, reader, cat = Path(ckpt.path), ckpt.reader, ckpt.catalog
+    src_p, reader, cat = ckpt.path, ckpt.reader, ckpt.catalog
     if reader.metadata.serialization != "torch_save":
         raise ReshardError(
             f"{src_p}: a HuggingFaceStorageWriter checkpoint (safetensors files); reshard rewrites and copies "
@@ -468,15 +515,40 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
                 path=info.relative_path,
                 fqn=bp.key,
             )
-    with AtomicOutputDir(dst_p, overwrite=opts.overwrite, source=src_p) as tmp:
-        writer, counts = execute_plan(
-            plan, reader, tmp, dst_p.resolve(), progress, threads=opts.threads, fsync=opts.fsync
-        )
-        extra = _copy_extra_files(src_p, tmp)
-        files = [
-            {"path": DCPWriter.file_name(r), "bytes": (tmp / DCPWriter.file_name(r)).stat().st_size}
-            for r in range(plan.world)
-        ]
+    group = distributed.current()
+    with contextlib.ExitStack() as stack:
+        failure: BaseException | None = None
+        tmp0: Path | None = None
+        if group.is_root:
+            try:
+                tmp0 = stack.enter_context(output_dir(dst_p, overwrite=opts.overwrite, source=src_p))
+            except BaseException as e:
+                failure = e
+        group.agree(failure)
+        tmp = group.broadcast(tmp0)
+        assert tmp is not None
+        try:
+            writer, counts = execute_plan(
+                plan,
+                reader,
+                tmp,
+                dst_p if is_url(dst_p) else dst_p.resolve(),
+                progress,
+                threads=opts.threads,
+                fsync=opts.fsync,
+            )
+        except BaseException as e:
+            if group.active and not distributed.agreed(e):
+                group.agree(e)  # the other ranks learn of it (and raise it) in execute_plan
+            raise
+        extra: list[str] = []
+        files: list[dict[str, Any]] = []
+        if group.is_root:
+            extra = _copy_extra_files(src_p, tmp) if reader.remote is None else _copy_extra_remote(reader, tmp)
+            files = [
+                {"path": DCPWriter.file_name(r), "bytes": (tmp / DCPWriter.file_name(r)).stat().st_size}
+                for r in range(plan.world)
+            ]
     kinds: dict[str, int] = defaultdict(int)
     for t in plan.tensors:
         kinds[t.kind] += 1

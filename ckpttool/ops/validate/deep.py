@@ -41,6 +41,7 @@ from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, Tenso
 from ckpttool.format.tiling import tiling_problem
 from ckpttool.model.hfconfig import config_value
 from ckpttool.model.layout_record import LAYOUT_KEY
+from ckpttool.ops import distributed
 from ckpttool.ops.validate.stats import DeepResult, PairStats, TensorStats
 
 if TYPE_CHECKING:
@@ -467,6 +468,41 @@ def _readable(ctx: Context, key: str, meta: TensorMeta) -> bool:
     return all(ctx.storage_ok(key, c) for c in meta.chunks if c.numel > 0)
 
 
+def _merge_ranks(
+    group: distributed.Group, partial: dict[str, TensorStats], failed: set[str], res: DeepResult, nbytes: int
+) -> int:
+    """Merge every rank's summaries, pair comparisons and read errors into this rank's (in place).
+
+    Returns:
+        The data bytes read by all ranks together.
+    """
+    pairs = [(p.compared, p.numel, p.mismatched, p.max_diff) for p in res.pairs]
+    errs = {k: distributed.pack_error(e) for k, e in res.read_errors.items()}
+    parts = group.gather((partial, sorted(failed), pairs, errs, nbytes))
+    partial.clear()
+    failed.clear()
+    res.read_errors.clear()
+    for p in res.pairs:
+        p.compared, p.numel, p.mismatched, p.max_diff = False, 0, 0, 0.0
+    total = 0
+    for part, fail, prs, er, n in parts:
+        for k, st in part.items():
+            if k in partial:
+                partial[k].add(st)
+            else:
+                partial[k] = st
+        failed.update(fail)
+        for p, (compared, numel, mismatched, max_diff) in zip(res.pairs, prs):
+            p.compared = p.compared or compared
+            p.numel += numel
+            p.mismatched += mismatched
+            p.max_diff = max(p.max_diff, max_diff)
+        for k, packed in er.items():
+            res.read_errors.setdefault(k, distributed.unpack_error(packed))
+        total += n
+    return total
+
+
 def run_deep(
     ctx: Context, workers: int | None = None, progress: Callable[[int, int], None] | None = None
 ) -> DeepResult:
@@ -529,6 +565,10 @@ def run_deep(
             order = (info.relative_path, info.offset) if info else ("", 0)
             items.append(_Item(tuple(members), None, order, sum(metas[k].nbytes for k in members)))
     items.sort(key=lambda it: it.order)
+    group = distributed.current()  # torchrun: each rank reads (and CRC-checks) its share of the chunks
+    if group.active:
+        owners = group.share([it.nbytes for it in items])
+        items = [it for it, r in zip(items, owners) if group.owns(r)]
 
     pairs_by_key: dict[str, list[PairStats]] = {}
     for p in res.pairs:
@@ -628,7 +668,11 @@ def run_deep(
         t.start()
     for t in threads:
         t.join()
-    if errors:
+    if group.active:
+        group.agree(errors[0] if errors else None)
+        merged = _merge_ranks(group, partial, failed, res, reader.bytes_read - start_bytes + streamed_bytes[0])
+        streamed_bytes[0] = merged - (reader.bytes_read - start_bytes)
+    elif errors:
         raise errors[0]
     for k, st in partial.items():
         if k not in failed:

@@ -237,7 +237,7 @@ def validate_checkpoint(
             statuses.append(
                 RuleStatus(r, "failed" if failing else ("reported" if found else "passed"), None, tuple(found))
             )
-    return _finish(Path(ckpt.path), opts, statuses, t0, bytes_read, deep_seconds)
+    return _finish(ckpt.path, opts, statuses, t0, bytes_read, deep_seconds)
 
 
 def validate(

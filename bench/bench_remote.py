@@ -1,0 +1,181 @@
+"""Benchmark object-storage reads and torchrun runs, each beside its baseline, in one run.
+
+1. **Remote export** from a local S3 server (moto's standalone server on 127.0.0.1, started
+   here): ``export s3://.../ckpt OUT`` (verbatim chunk copies; every chunk fetched by a range
+   request of exactly its window, ``--remote-workers W``) beside a plain boto3
+   ``download_file`` of the same ``.distcp`` objects with the same concurrency (``W`` objects
+   at a time, each with ``TransferConfig(max_concurrency=1)``); target: >= 70% of its
+   throughput. Also bytes requested vs bytes needed (the chunk windows + ``.metadata``; target:
+   equal). Both in-process, wall seconds, GB/s = 10^9 bytes/s of checkpoint data.
+2. **2 processes vs 1** (``torchrun --nproc-per-node 2 -m ckpttool ...`` vs ``python -m
+   ckpttool ...``, wall seconds including start-up) on CPU-bound cases: a cast export
+   (FP32 -> BF16), ``--experts per-expert`` of a legacy-layout MoE, and ``validate --deep``
+   (CRC-32 and summaries of every chunk); target >= 1.6x on 2 cores.
+
+The load average is printed with the figures (the machine may be shared).
+
+Usage::
+
+    python bench/bench_remote.py [--root /tmp/ckpttool-bench-remote] [--workers 8] [--repeat 2]
+                                 [--only remote|procs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _ckpts import build, dense_rank, moe_legacy_rank  # noqa: E402
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def remote(root: Path, workers: int, repeat: int) -> None:
+    from tests.fixtures.s3 import S3Server
+
+    ckpt = build(root / "fp32-1layer", dense_rank, 1, "float32", False)
+    data = sorted(p for p in ckpt.iterdir() if p.name.endswith(".distcp"))
+    total = sum(p.stat().st_size for p in data)
+    srv = S3Server().start()
+    try:
+        t0 = time.perf_counter()
+        url = srv.upload_dir(ckpt, "bench", "ckpt")
+        print(f"# uploaded {total / 1e9:.2f} GB to the local S3 server in {time.perf_counter() - t0:.1f} s")
+        from boto3.s3.transfer import TransferConfig
+
+        from ckpttool.format.storage import storage_config
+        from ckpttool.model.checkpoint import open_checkpoint
+        from ckpttool.ops.export import export_checkpoint
+
+        client = srv.client()
+        cfg = TransferConfig(max_concurrency=1, use_threads=False)
+        rows = []
+        for _ in range(repeat):
+            tmp = Path(tempfile.mkdtemp(dir=root))
+            t0 = time.perf_counter()
+
+            def fetch(p: Path, d: Path = tmp) -> None:
+                client.download_file("bench", f"ckpt/{p.name}", str(d / p.name), Config=cfg)
+
+            with ThreadPoolExecutor(workers) as pool:
+                list(pool.map(fetch, data))
+            t_boto = time.perf_counter() - t0
+            shutil.rmtree(tmp)
+            out = root / "out-remote"
+            shutil.rmtree(out, ignore_errors=True)
+            with storage_config(options=srv.options(), workers=workers):
+                t0 = time.perf_counter()
+                ck = open_checkpoint(url)
+                try:
+                    export_checkpoint(ck, out)
+                    stats = ck.reader.remote_stats()
+                    # every chunk is exported here (a model-only checkpoint): its windows + .metadata
+                    needed = sum(s.length for s in ck.metadata.storage.values()) + ck.reader.file_size(".metadata")
+                finally:
+                    ck.close()
+                t_ck = time.perf_counter() - t0
+            assert stats is not None
+            rows.append((t_boto, t_ck, stats, needed))
+        t_boto, t_ck, stats, needed = min(rows, key=lambda r: r[1])
+        print(
+            f"\n## remote export, {total / 1e9:.2f} GB of .distcp on a local S3 server, {workers} at a time (load {load()})"
+        )
+        print("| approach | seconds | GB/s | requests | bytes requested |")
+        print("|---|---|---|---|---|")
+        print(
+            f"| boto3 download_file of the .distcp objects | {t_boto:.2f} | {total / t_boto / 1e9:.2f} | {len(data)} objects | {total} |"
+        )
+        print(
+            f"| ckpttool export s3:// (range requests) | {t_ck:.2f} | {total / t_ck / 1e9:.2f} | {stats['requests']} | "
+            f"{stats['bytes_requested']} |"
+        )
+        print(f"ratio {t_boto / t_ck:.0%} of boto3 (target >= 70%); bytes requested {stats['bytes_requested']} vs "
+              f"needed {needed} (chunk windows + .metadata): {'equal' if stats['bytes_requested'] == needed else 'DIFFERENT'}")  # fmt: skip
+    finally:
+        srv.stop()
+
+
+def run(cmd: list[str]) -> tuple[float, float]:
+    """Wall seconds and the command's own ``seconds`` (rank 0's ``--json``: the work, without start-up)."""
+    import json
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    r = subprocess.run([*cmd, "--json"], capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    if r.returncode not in (0, 1):
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
+    doc = json.loads(r.stdout)
+    return wall, float(doc.get("seconds") or doc["stats"]["seconds"])
+
+
+def procs(root: Path, repeat: int) -> None:
+    fp32 = build(root / "fp32-1layer", dense_rank, 1, "float32", False)
+    moe = build(root / "moe-legacy", moe_legacy_rank)
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    cases = [
+        ("cast export FP32 -> BF16", fp32, ["export", "{ckpt}", "{out}", "--save-dtype", "bfloat16", "--shard-size", "100MB"]),
+        ("export --experts per-expert", moe, ["export", "{ckpt}", "{out}", "--experts", "per-expert", "--shard-size", "100MB"]),
+        ("validate --deep (CRC-32)", moe, ["validate", "{ckpt}", "--deep"]),
+    ]  # fmt: skip
+    print(f"\n## 2 processes vs 1 (torchrun, gloo; load {load()})")
+    print("seconds: wall (incl. interpreter, torch.distributed and torchrun start-up) / the run's own `seconds` (work)")
+    print("| case | data GB | 1 process, 1 thread | 2 processes, 1 thread each | speed-up (work) | 1 process, 2 threads | 2 processes, 2 threads each | speed-up (work) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    port = 29700
+    for name, ckpt, tmpl in cases:
+        nbytes = sum(p.stat().st_size for p in ckpt.iterdir() if p.name.endswith(".distcp"))
+        cells = []
+        for threads in ("1", "2"):
+            best: dict[int, tuple[float, float]] = {}
+            for n in (1, 2):
+                for _ in range(repeat):
+                    out = root / f"out-{n}"
+                    shutil.rmtree(out, ignore_errors=True)
+                    args = [a.format(ckpt=ckpt, out=out) for a in tmpl] + ["--workers", threads]
+                    port += 1
+                    cmd = (
+                        [sys.executable, "-m", "ckpttool", *args]
+                        if n == 1
+                        else [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                              str(port), "-m", "ckpttool", *args]
+                    )  # fmt: skip
+                    got = run(cmd)
+                    if n not in best or got[1] < best[n][1]:
+                        best[n] = got
+            one, two = best[1], best[2]
+            cells += [f"{one[0]:.2f} / {one[1]:.2f}", f"{two[0]:.2f} / {two[1]:.2f}", f"{one[1] / two[1]:.2f}x"]
+        print(f"| {name} | {nbytes / 1e9:.2f} | " + " | ".join(cells) + " |")
+    print(f"(load average after: {load()}; target >= 1.6x on 2 cores)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", type=Path, default=Path("/tmp/ckpttool-bench-remote"))
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--only", choices=["remote", "procs"])
+    args = ap.parse_args()
+    args.root.mkdir(parents=True, exist_ok=True)
+    print(f"# {os.cpu_count()} CPUs, load average {load()}")
+    if args.only in (None, "remote"):
+        remote(args.root, args.workers, args.repeat)
+    if args.only in (None, "procs"):
+        procs(args.root, args.repeat)
+
+
+if __name__ == "__main__":
+    main()

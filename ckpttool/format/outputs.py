@@ -1,0 +1,215 @@
+"""Where a command writes its output directory: a local path or an object-store URL, behind one interface.
+
+:func:`output_dir` returns a context manager that yields a *local* staging directory; the
+writer fills it with plain file writes, and on success the context commits it:
+
+- a local target: :class:`~ckpttool.format.atomic.AtomicOutputDir` (temporary sibling, rename);
+- a URL (``s3://bucket/out``): :class:`RemoteOutputDir` (below).
+
+Every writer (export, reshard, and any new one) does::
+
+    with output_dir(out, overwrite=opts.overwrite, source=ckpt.path) as tmp:
+        write_files(tmp)            # plain files under tmp
+    # out now exists and is complete, locally or in the bucket
+
+and reports :func:`output_location` ``(out)`` (a ``Path`` or a ``UrlPath``) as its output.
+
+Commit protocol of :class:`RemoteOutputDir` (object stores have no rename):
+
+1. the output is staged locally (plain files under ``$TMPDIR``), then every file is uploaded under
+   a temporary sibling prefix ``<parent>/.<name>.ckpttool-tmp-<pid>-<token>/`` (s3fs uploads
+   large files in multipart parts), ``--remote-workers`` at a time;
+2. only when every upload succeeded: with ``overwrite``, the old output's completion markers
+   (``.metadata``, ``model.safetensors.index.json``, ``adapter_config.json``) are deleted
+   first, so the old output stops looking complete before any of its files changes;
+3. every non-marker object is copied server-side from the temporary prefix to the target,
+   then the markers last;
+4. objects of a previous output that the new one does not have are deleted, then the
+   temporary prefix.
+
+A run that fails in 1 leaves the target untouched and removes what it uploaded (a killed run
+leaves the temporary prefix, which no reader takes for the output: delete it). Dying in 2-3 leaves a target
+without its markers: ckpttool (and torch's ``dcp.load``, and ``from_pretrained`` of a sharded
+export) refuses it as incomplete; it never looks complete. Dying in 4 leaves a complete
+new output plus stale objects a reader does not reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol, cast
+
+from ckpttool.errors import OutputError
+from ckpttool.format.atomic import AtomicOutputDir
+from ckpttool.format.storage import RemoteStore, is_url, local_path, url_path
+
+__all__ = ["OutputDir", "RemoteOutputDir", "output_dir", "output_location", "MARKERS"]
+
+log = logging.getLogger(__name__)
+
+#: Files that make an output look complete; published last, deleted first on overwrite.
+MARKERS = (".metadata", "model.safetensors.index.json", "adapter_config.json")
+
+
+class OutputDir(Protocol):
+    """What every output target offers: ``with target as tmp: ...`` (``tmp`` a local directory)."""
+
+    def __enter__(self) -> Path: ...
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> Any: ...
+
+
+def output_location(out: str | os.PathLike[str]) -> Path:
+    """``out`` as a ``Path``, or as a ``UrlPath`` (typed ``Path``; prints as the URL) for a URL."""
+    if is_url(out):
+        return cast(Path, url_path(out))
+    return Path(local_path(out))
+
+
+def output_dir(
+    target: str | os.PathLike[str], *, overwrite: bool = False, source: str | os.PathLike[str] | None = None
+) -> OutputDir:
+    """The output target for ``target``: :class:`AtomicOutputDir` for a path, :class:`RemoteOutputDir` for a URL."""
+    if is_url(target):
+        return RemoteOutputDir(target, overwrite=overwrite, source=source)
+    local_source = source if source is not None and not is_url(source) else None
+    return AtomicOutputDir(local_path(target), overwrite=overwrite, source=local_source)
+
+
+def _looks_like_output(names: set[str]) -> bool:
+    return any(m in names for m in MARKERS) or any(n.endswith(".safetensors") and "/" not in n for n in names)
+
+
+class RemoteOutputDir:
+    """An output written below a URL prefix, published only when complete (see the module docstring).
+
+    Args:
+        target: ``scheme://bucket/prefix`` of the output.
+        overwrite: replace an existing output (one that looks like a previous output).
+        source: the source checkpoint; a target inside it (or holding it) is refused.
+
+    Raises:
+        OutputError: on entry, a non-empty target without ``overwrite``, a target that does not
+            look like an output, or one that overlaps ``source``.
+        RemoteStorageError (E14x): a request failed after its retries (nothing published).
+    """
+
+    def __init__(
+        self, target: str | os.PathLike[str], *, overwrite: bool = False, source: str | os.PathLike[str] | None = None
+    ) -> None:
+        self.target = url_path(target)
+        self.overwrite = overwrite
+        self.source = url_path(source) if source is not None and is_url(source) else None
+        self.store: RemoteStore | None = None
+        self.staging: Path | None = None
+        self.tmp_store: RemoteStore | None = None
+        self.uploaded: list[str] = []
+
+    def __enter__(self) -> Path:
+        t = self.target
+        if self.source is not None and type(self.source) is type(t):
+            a, b = t.key.rstrip("/") + "/", self.source.key.rstrip("/") + "/"
+            if a.startswith(b) or b.startswith(a):
+                raise OutputError(
+                    f"{t}: the output overlaps the source checkpoint {self.source}",
+                    path=t,
+                    hint="write the output to another prefix",
+                )
+        if "/" not in t.key.strip("/"):
+            raise OutputError(
+                f"{t}: name a prefix inside the bucket, not the bucket itself", path=t, hint="e.g. s3://bucket/out"
+            )
+        self.store = RemoteStore(t)
+        existing = set(self.store.sizes())
+        if existing and not self.overwrite:
+            raise OutputError(
+                f"{t}: the output prefix already holds {len(existing)} object(s)",
+                path=t,
+                hint="choose a new output prefix, or pass --overwrite to replace a previous output",
+            )
+        if existing and not _looks_like_output(existing):
+            raise OutputError(
+                f"{t}: --overwrite refused: the prefix does not look like a previous ckpttool output",
+                path=t,
+                hint="choose an empty or new output prefix",
+            )
+        self.staging = Path(tempfile.mkdtemp(prefix="ckpttool-out-"))
+        return self.staging
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            if exc_type is None:
+                self._commit()
+        except BaseException:
+            self._remove_tmp()
+            raise
+        finally:
+            if self.staging is not None:
+                shutil.rmtree(self.staging, ignore_errors=True)
+
+    def _pool(self, fn: Any, items: list[Any]) -> None:
+        assert self.store is not None
+        if not items:
+            return
+        workers = max(1, min(self.store.config.workers, len(items)))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-upload") as pool:
+            futures = [pool.submit(fn, it) for it in items]
+            errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+
+    def _commit(self) -> None:
+        assert self.store is not None and self.staging is not None
+        t = self.target
+        files = sorted(p.relative_to(self.staging).as_posix() for p in self.staging.rglob("*") if p.is_file())
+        parent, _, name = t.key.rstrip("/").rpartition("/")
+        tmp_url = f"{t.scheme}://{parent}/.{name}.ckpttool-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        self.tmp_store = RemoteStore(tmp_url, self.store.config)
+        staging = self.staging
+        tmp_store = self.tmp_store
+
+        def upload(rel: str) -> None:
+            tmp_store.put_file(staging / rel, rel)
+            self.uploaded.append(rel)
+
+        self._pool(upload, files)
+        log.info("uploaded %d file(s) to %s", len(files), tmp_store.path)
+        old = set(self.store.sizes())
+        new = set(files)
+        if old:
+            self.store.remove(sorted(m for m in MARKERS if m in old))
+        markers = [f for f in files if f in MARKERS]
+        body = [f for f in files if f not in MARKERS]
+        store = self.store
+
+        def publish(rel: str) -> None:
+            tmp_store.copy(rel, store, rel)
+
+        self._pool(publish, body)
+        self._pool(publish, markers)  # last: the output looks complete only now
+        stale = sorted(old - new)
+        if stale:
+            self.store.remove(stale)
+        self._remove_tmp()
+        self.store.forget_listing()
+        log.info("published %d object(s) to %s (%d stale removed)", len(files), t, len(stale))
+
+    def _remove_tmp(self) -> None:
+        if self.tmp_store is not None and self.uploaded:
+            try:
+                self.tmp_store.remove(list(self.uploaded))
+            except Exception as e:  # best effort: a temporary prefix is never read as an output
+                log.warning("could not remove temporary prefix %s (%s)", self.tmp_store.path, type(e).__name__)
+            self.uploaded = []

@@ -1,0 +1,633 @@
+"""Checkpoints in object storage: fsspec URLs, confined keys, range reads with retries, a sparse spool.
+
+A checkpoint (or an output) may be named by an fsspec URL — ``s3://bucket/run/step-100``,
+``gs://...``, ``memory://...``, anything :func:`fsspec.filesystem` resolves — as well as by a
+path. ``file://`` URLs are plain local paths (the local code path, unchanged).
+
+Reading (:class:`RemoteStore`):
+
+- one listing of the checkpoint prefix gives every object's size (the caps and the window
+  bounds are checked against it *before* a request);
+- ``.metadata``, ``layout.json``, ``extra_state/*`` and byte items are fetched whole, after the
+  size check; a chunk is fetched by one range request of exactly its byte window
+  ``[offset, offset + length)`` (never the whole ``.distcp``), in parallel
+  (:func:`configure` ``workers``), into a sparse local spool file at the same offset, so the
+  chunk locator, the reader, export, reshard and ``validate --deep`` read it with the same
+  positional reads as a local file;
+- transient failures (connection resets, timeouts, 5xx, throttling) are retried with
+  exponential backoff (``retries``); what remains is a clear error: ``E141`` not found,
+  ``E142`` permission denied, ``E143`` throttled, ``E144`` transient failure after N tries;
+- a ``relative_path`` from ``.metadata`` is confined to the checkpoint prefix: empty,
+  absolute, ``..`` / ``.`` components, a scheme (``s3://other``), NUL, backslashes and
+  control characters are refused (``E101``) before any request; object stores have no
+  symlinks and none are assumed.
+
+Options and credentials come from each backend's own configuration (environment, config
+files, instance metadata) plus ``--storage-option key=value`` pairs handed to
+:func:`fsspec.filesystem`; none of them is ever logged or put in a message (only the option
+names are).
+
+Requires the optional extras: ``ckpttool[remote]`` (fsspec) and a backend, e.g.
+``ckpttool[s3]`` (s3fs). ``docs/storage.md`` describes URLs, options and failure semantics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from ckpttool.errors import (
+    CkptError,
+    DataFileError,
+    PathEscapeError,
+    RemoteNotFoundError,
+    RemotePermissionError,
+    RemoteStorageError,
+    RemoteThrottledError,
+    RemoteTransientError,
+    SizeLimitError,
+)
+from ckpttool.format import limits
+
+__all__ = [
+    "StorageConfig",
+    "RemoteStore",
+    "UrlPath",
+    "configure",
+    "current",
+    "is_url",
+    "parse_storage_options",
+    "storage_config",
+    "url_path",
+    "confine_key",
+    "redact",
+]
+
+log = logging.getLogger(__name__)
+
+_SCHEME_RE = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)$", re.DOTALL)
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+# --------------------------------------------------------------------------- configuration
+@dataclass(frozen=True)
+class StorageConfig:
+    """How remote URLs are opened (the CLI sets it once from ``--storage-option``).
+
+    Attributes:
+        options: keyword arguments for :func:`fsspec.filesystem` (credentials, endpoint); nested
+            ``a.b=v`` keys build dicts (``client_kwargs.endpoint_url=http://...``). Never logged.
+        workers: parallel range requests when fetching chunk windows.
+        retries: attempts per request on a transient error (1 = no retry).
+        backoff_s: first retry delay in seconds (doubles per retry, with jitter).
+    """
+
+    options: Mapping[str, Any] = field(default_factory=dict)
+    workers: int = 16
+    retries: int = 5
+    backoff_s: float = 0.2
+
+
+_current = StorageConfig()
+
+
+def current() -> StorageConfig:
+    """The storage configuration in force."""
+    return _current
+
+
+def configure(**changes: Any) -> StorageConfig:
+    """Replace fields of the configuration for the rest of the process; returns the previous one.
+
+    Raises:
+        ValueError: an unknown field, or ``workers``/``retries`` not a positive int.
+    """
+    global _current
+    for name in ("workers", "retries"):
+        if name in changes and (type(changes[name]) is not int or changes[name] <= 0):
+            raise ValueError(f"{name} must be a positive int, got {changes[name]!r}")
+    previous = _current
+    _current = dataclasses.replace(_current, **changes)
+    return previous
+
+
+@contextmanager
+def storage_config(**changes: Any) -> Iterator[StorageConfig]:
+    """The configuration changed for the body only (not thread-local)."""
+    global _current
+    previous = configure(**changes)
+    try:
+        yield _current
+    finally:
+        _current = previous
+
+
+def _value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_storage_options(pairs: Iterable[str]) -> dict[str, Any]:
+    """``["anon=false", "client_kwargs.endpoint_url=http://h:9000"]`` -> fsspec keyword arguments.
+
+    Values ``true``/``false``/``none`` and numbers are converted; a dotted key builds nested
+    dicts. The values are secrets as far as ckpttool is concerned: messages name keys only.
+
+    Raises:
+        RemoteStorageError: a pair without ``=`` or with an empty key.
+    """
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, val = pair.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise RemoteStorageError(
+                f"`storage_options`: {key or '(empty)'!r} is not of the form key=value",
+                param="storage_options",
+                hint="pass --storage-option KEY=VALUE (nested: client_kwargs.endpoint_url=URL)",
+            )
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise RemoteStorageError(
+                    f"`storage_options`: {key!r} conflicts with an earlier option", param="storage_options"
+                )
+            node = nxt
+        node[leaf] = _value(val)
+    return out
+
+
+def redact(text: str, options: Mapping[str, Any] | None = None) -> str:
+    """``text`` with every string value of ``options`` (secrets) replaced by ``***``."""
+    values: list[str] = []
+
+    def walk(o: Any) -> None:
+        if isinstance(o, Mapping):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, str) and len(o) >= 4:
+            values.append(o)
+
+    walk(options if options is not None else _current.options)
+    for v in sorted(values, key=len, reverse=True):
+        text = text.replace(v, "***")
+    return text
+
+
+# --------------------------------------------------------------------------- URLs
+def is_url(path: str | os.PathLike[str] | None) -> bool:
+    """Whether ``path`` is a URL with a scheme other than ``file`` (``s3://b/k``, ``memory://x``)."""
+    if path is None or isinstance(path, Path):
+        return isinstance(path, UrlPath)
+    m = _SCHEME_RE.match(os.fspath(path))
+    return m is not None and m.group("scheme").lower() != "file"
+
+
+def local_path(path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """``file:///a/b`` -> ``/a/b``; anything else unchanged."""
+    if isinstance(path, str):
+        m = _SCHEME_RE.match(path)
+        if m is not None and m.group("scheme").lower() == "file":
+            return m.group("rest") or "/"
+    return path
+
+
+class UrlPath(PurePosixPath):
+    """A pure path that prints as its URL: ``UrlPath.of("s3://b/run") / "x"`` is ``s3://b/run/x``.
+
+    Only for naming remote files in messages and results (``ckpt.path / relative_path``); it
+    is never opened locally. The scheme is carried by the class (one subclass per scheme).
+    """
+
+    scheme = ""
+    _by_scheme: dict[str, type[UrlPath]] = {}
+
+    @staticmethod
+    def of(url: str) -> UrlPath:
+        m = _SCHEME_RE.match(url)
+        if m is None:
+            raise ValueError(f"not a URL: {url!r}")
+        scheme = m.group("scheme").lower()
+        cls = UrlPath._by_scheme.get(scheme)
+        if cls is None:
+            cls = type(f"UrlPath_{scheme}", (UrlPath,), {"scheme": scheme})
+            UrlPath._by_scheme[scheme] = cls
+        rest = m.group("rest").strip("/")
+        return cls("/" + rest)
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{super().__str__().lstrip('/')}"
+
+    def __fspath__(self) -> str:
+        return str(self)
+
+    def __repr__(self) -> str:
+        return f"UrlPath({str(self)!r})"
+
+    @property
+    def key(self) -> str:
+        """``bucket/prefix`` without the scheme (what fsspec backends take)."""
+        return super().__str__().lstrip("/")
+
+
+def url_path(path: str | os.PathLike[str]) -> UrlPath:
+    """The :class:`UrlPath` of a URL string (or the path itself when already one)."""
+    return path if isinstance(path, UrlPath) else UrlPath.of(os.fspath(path))
+
+
+def confine_key(root: str, relative: str, *, shown: object, what: str = "storage path") -> str:
+    """``root + "/" + relative`` for a ``relative`` that stays inside the prefix ``root``.
+
+    Object stores have no directories or symlinks: the key is the string. Refused (``E101``):
+    empty, absolute, a scheme, NUL/control characters, backslashes, ``.``/``..``/empty
+    components — anything that could name another bucket, another prefix, or the same object
+    under two names.
+
+    Raises:
+        PathEscapeError: the path is refused.
+    """
+    bad = None
+    if not relative:
+        bad = "is empty"
+    elif _CONTROL_RE.search(relative):
+        bad = "holds a control character"
+    elif "\\" in relative:
+        bad = "holds a backslash"
+    elif relative.startswith("/"):
+        bad = "is absolute"
+    elif ":" in relative.split("/", 1)[0] or "://" in relative:
+        bad = "names a scheme or another bucket"
+    elif any(part in ("", ".", "..") for part in relative.split("/")):
+        bad = "has an empty, '.' or '..' component"
+    if bad is not None:
+        raise PathEscapeError(
+            f"{shown}: {what} {relative!r} {bad}: it could leave the checkpoint prefix", path=relative
+        )
+    return f"{root.rstrip('/')}/{relative}"
+
+
+# --------------------------------------------------------------------------- errors
+_THROTTLE_WORDS = ("slowdown", "slow down", "throttl", "toomanyrequests", "too many requests", "requestlimitexceeded")
+
+
+def _classify(e: BaseException) -> str:
+    """``not_found`` | ``permission`` | ``throttled`` | ``transient`` | ``fatal`` for a backend exception."""
+    if isinstance(e, CkptError):
+        return "fatal"
+    if isinstance(e, FileNotFoundError):
+        return "not_found"
+    if isinstance(e, PermissionError):
+        return "permission"
+    text = f"{type(e).__name__} {e}".lower()
+    if any(w in text for w in _THROTTLE_WORDS) or " 429" in text or "(429)" in text:
+        return "throttled"
+    if "accessdenied" in text or "forbidden" in text or " 403" in text:
+        return "permission"
+    if "nosuchkey" in text or "nosuchbucket" in text or "not found" in text:
+        return "not_found"
+    if isinstance(e, (ConnectionError, TimeoutError, OSError, EOFError)):
+        return "transient"
+    name = type(e).__name__
+    if any(w in name for w in ("Connection", "Timeout", "EndpointConnection", "ReadTimeout", "IncompleteRead")):
+        return "transient"
+    if any(w in text for w in ("internalerror", "serviceunavailable", " 500", " 502", " 503", " 504")):
+        return "transient"
+    return "fatal"
+
+
+def _error_for(
+    kind: str, e: BaseException, where: str, attempts: int, options: Mapping[str, Any] | None = None
+) -> CkptError:
+    detail = redact(f"{type(e).__name__}: {str(e)[:160]}", options)
+    if kind == "not_found":
+        return RemoteNotFoundError(f"{where}: not found ({detail})", path=where)
+    if kind == "permission":
+        return RemotePermissionError(f"{where}: permission denied ({detail})", path=where)
+    if kind == "throttled":
+        return RemoteThrottledError(f"{where}: still throttled after {attempts} attempt(s) ({detail})", path=where)
+    if kind == "transient":
+        return RemoteTransientError(f"{where}: failed after {attempts} attempt(s) ({detail})", path=where)
+    return RemoteStorageError(f"{where}: storage request failed ({detail})", path=where)
+
+
+def _filesystem(scheme: str, options: Mapping[str, Any], shown: str) -> Any:
+    try:
+        import fsspec
+    except ImportError as e:
+        raise RemoteStorageError(
+            f"{shown}: reading URLs needs fsspec",
+            path=shown,
+            hint="pip install 'ckpttool[remote]' (and a backend: 'ckpttool[s3]' for s3://)",
+        ) from e
+    try:
+        return fsspec.filesystem(scheme, **dict(options))
+    except ImportError as e:
+        raise RemoteStorageError(
+            f"{shown}: the {scheme}:// backend is not installed ({str(e)[:120]})",
+            path=shown,
+            hint="pip install 'ckpttool[s3]' for s3://, gcsfs for gs://, adlfs for az://",
+        ) from e
+    except ValueError as e:
+        if "protocol" in str(e).lower():
+            raise RemoteStorageError(
+                f"{shown}: fsspec knows no {scheme}:// filesystem", path=shown, hint="use a URL fsspec resolves"
+            ) from e
+        raise RemoteStorageError(
+            f"{shown}: bad storage options for {scheme}:// ({redact(str(e), options)[:120]})",
+            path=shown,
+            hint="check --storage-option keys against the backend's documentation",
+        ) from e
+    except TypeError as e:
+        raise RemoteStorageError(
+            f"{shown}: bad storage options for {scheme}:// ({redact(str(e), options)[:120]})",
+            path=shown,
+            hint="check --storage-option keys against the backend's documentation",
+        ) from e
+
+
+# --------------------------------------------------------------------------- the store
+class RemoteStore:
+    """One remote prefix (a checkpoint or an output), with counted, retried requests.
+
+    Args:
+        url: ``scheme://bucket/prefix``.
+        config: the :class:`StorageConfig` (default: :func:`current`).
+
+    Attributes:
+        path: the :class:`UrlPath` of ``url`` (for messages).
+        requests: requests made (listings, whole reads, range reads, writes).
+        bytes_requested: bytes fetched.
+
+    Thread safety: every method may be called from several threads.
+    """
+
+    def __init__(self, url: str | os.PathLike[str], config: StorageConfig | None = None) -> None:
+        self.config = config or current()
+        self.path = url_path(url)
+        self.root = self.path.key
+        self.fs = _filesystem(self.path.scheme, self.config.options, str(self.path))
+        self.requests = 0
+        self.bytes_requested = 0
+        self._lock = threading.Lock()
+        self._sizes: dict[str, int] | None = None
+
+    # ---------------------------------------------------------------- requests
+    def _count(self, nbytes: int = 0) -> None:
+        with self._lock:
+            self.requests += 1
+            self.bytes_requested += nbytes
+
+    def call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` retried on transient errors; a coded error otherwise.
+
+        Raises:
+            RemoteNotFoundError, RemotePermissionError, RemoteThrottledError, RemoteTransientError,
+            RemoteStorageError: per :func:`_classify`.
+        """
+        cfg = self.config
+        delay = cfg.backoff_s
+        for attempt in range(1, cfg.retries + 1):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                kind = _classify(e)
+                if kind in ("transient", "throttled") and attempt < cfg.retries:
+                    log.debug("%s: %s (%s), retry %d/%d", what, kind, type(e).__name__, attempt, cfg.retries - 1)
+                    self._invalidate()
+                    time.sleep(delay * (1 + random.random()))
+                    delay *= 2
+                    continue
+                if isinstance(e, CkptError):
+                    raise
+                raise _error_for(kind, e, what, attempt, cfg.options) from None
+        raise AssertionError("unreachable")
+
+    def _invalidate(self) -> None:
+        inv = getattr(self.fs, "invalidate_cache", None)
+        if inv is not None:
+            try:
+                inv()
+            except Exception:
+                pass
+
+    def key(self, relative: str) -> str:
+        """The confined backend key of ``relative`` (see :func:`confine_key`)."""
+        return confine_key(self.root, relative, shown=self.path)
+
+    def sizes(self) -> dict[str, int]:
+        """relative path -> size of every object below the prefix (one listing, cached).
+
+        Raises:
+            as :meth:`call`.
+        """
+        if self._sizes is None:
+
+            def listing() -> dict[str, Any]:
+                return dict(self.fs.find(self.root, detail=True, withdirs=False))
+
+            self._invalidate()  # a listing cached by the backend may predate writes
+            found = self.call(f"{self.path}: listing", listing)
+            self._count()
+            prefix = self.root.rstrip("/") + "/"
+            sizes: dict[str, int] = {}
+            for name, info in found.items():
+                name = name.lstrip("/") if not self.root.startswith("/") else name
+                if name.startswith(prefix) and info.get("type", "file") == "file":
+                    sizes[name[len(prefix) :]] = int(info.get("size") or 0)
+            self._sizes = sizes
+        return self._sizes
+
+    def exists(self) -> bool:
+        """Whether any object lies below the prefix."""
+        return bool(self.sizes())
+
+    def size(self, relative: str) -> int | None:
+        """Size of ``relative`` from the listing, ``None`` when absent."""
+        self.key(relative)
+        return self.sizes().get(relative)
+
+    def read_range(self, relative: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of an object: one range request (retried).
+
+        Raises:
+            DataFileError: the store returned fewer bytes (the object changed).
+            plus those of :meth:`call`.
+        """
+        key = self.key(relative)
+        where = str(self.path / relative)
+        data = self.call(where, self.fs.cat_file, key, start=start, end=end)
+        self._count(len(data))
+        if len(data) != end - start:
+            raise DataFileError(
+                f"{where}: asked bytes [{start}, {end}), got {len(data)} (the object changed?)", path=relative
+            )
+        return bytes(data)
+
+    def read_whole(self, relative: str, cap: int, *, what: str = "file") -> bytes:
+        """A whole object, refused before the request when the listing says it is over ``cap``.
+
+        Raises:
+            DataFileError: absent from the listing.
+            SizeLimitError: larger than ``cap``.
+        """
+        size = self.size(relative)
+        where = self.path / relative
+        if size is None:
+            raise DataFileError(f"{where}: no such object", path=relative)
+        if size > cap:
+            raise SizeLimitError(
+                f"{where}: {what} of {size} bytes is over the cap of {limits.human(cap)}", path=relative
+            )
+        return self.read_range(relative, 0, size) if size else b""
+
+    # ---------------------------------------------------------------- writes
+    def put_file(self, local: Path, relative: str) -> None:
+        """Upload one file to ``prefix/relative`` (fsspec/s3fs use multipart uploads for large files)."""
+        key = self.key(relative)
+        self.call(str(self.path / relative), self.fs.put_file, str(local), key)
+        self._count()
+
+    def write_bytes(self, relative: str, data: bytes) -> None:
+        """Write one small object whole (one PUT: readers see the old object or the new one)."""
+        key = self.key(relative)
+        self.call(str(self.path / relative), self.fs.pipe_file, key, data)
+        self._count()
+        self.forget_listing()
+
+    def copy(self, src_relative: str, dst: RemoteStore, dst_relative: str) -> None:
+        """Server-side copy of one object to another prefix of the same store."""
+        self.call(str(dst.path / dst_relative), self.fs.copy, self.key(src_relative), dst.key(dst_relative))
+        self._count()
+
+    def remove(self, relatives: Iterable[str]) -> None:
+        """Delete objects (missing ones are ignored)."""
+        keys = [self.key(r) for r in relatives]
+        if keys:
+            try:
+                self.call(f"{self.path}: delete", self.fs.rm, keys)
+            except RemoteNotFoundError:
+                pass
+            self._count()
+        self._sizes = None
+
+    def forget_listing(self) -> None:
+        """Drop the cached listing (after writes)."""
+        self._sizes = None
+        self._invalidate()
+
+
+class Spool:
+    """Sparse local files holding the fetched windows of remote data files, at their offsets.
+
+    A window is fetched once (one range request of exactly its bytes) and then read with the
+    same positional reads as a local file; windows are fetched in parallel by :meth:`fetch_many`.
+    The spool directory (under ``$TMPDIR``) is removed by :meth:`close`; its files are sparse, so
+    the disk holds only the fetched bytes.
+    """
+
+    def __init__(self, store: RemoteStore) -> None:
+        self.store = store
+        self.dir = Path(tempfile.mkdtemp(prefix="ckpttool-spool-"))
+        self._fds: dict[str, int] = {}
+        self._done: set[tuple[str, int, int]] = set()
+        self._pending: dict[tuple[str, int, int], threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, relative: str, size: int) -> int:
+        """Read/write descriptor of the spool file of ``relative`` (created sparse, ``size`` bytes)."""
+        fd = self._fds.get(relative)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(relative)
+                if fd is None:
+                    self.store.key(relative)  # confinement first
+                    p = self.dir / f"{len(self._fds):06d}.part"
+                    fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+                    os.ftruncate(fd, size)
+                    self._fds[relative] = fd
+        return fd
+
+    def fetch(self, relative: str, size: int, start: int, end: int) -> None:
+        """Make bytes ``[start, end)`` of ``relative`` present in its spool file (one range request)."""
+        if end <= start:
+            return
+        k = (relative, start, end)
+        with self._lock:
+            if k in self._done:
+                return
+            ev = self._pending.get(k)
+            owner = ev is None
+            if owner:
+                ev = self._pending[k] = threading.Event()
+        assert ev is not None
+        if not owner:
+            ev.wait()
+            with self._lock:
+                if k in self._done:
+                    return
+            return self.fetch(relative, size, start, end)
+        try:
+            data = self.store.read_range(relative, start, end)
+            fd = self.fd(relative, size)
+            mv, pos = memoryview(data), 0
+            while pos < len(mv):
+                pos += os.pwrite(fd, mv[pos:], start + pos)
+            with self._lock:
+                self._done.add(k)
+        finally:
+            with self._lock:
+                self._pending.pop(k, None)
+            ev.set()
+
+    def fetch_many(self, windows: Iterable[tuple[str, int, int, int]]) -> None:
+        """Fetch ``(relative, size, start, end)`` windows with ``workers`` parallel requests.
+
+        Raises:
+            the first error of any request (the others are still awaited).
+        """
+        todo = sorted({w for w in windows if (w[0], w[2], w[3]) not in self._done})
+        if not todo:
+            return
+        workers = min(self.store.config.workers, len(todo))
+        if workers <= 1:
+            for w in todo:
+                self.fetch(*w)
+            return
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-fetch") as pool:
+            futures = [pool.submit(self.fetch, *w) for w in todo]
+            errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        """Close and delete the spool. Idempotent."""
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)

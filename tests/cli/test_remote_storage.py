@@ -1,0 +1,269 @@
+"""Checkpoints in object storage: every reading command from ``s3://``, export/reshard to ``s3://``.
+
+Against a real S3-compatible server on 127.0.0.1 (moto's standalone server, ``s3_server``);
+checkpoints are uploaded with boto3 (an independent client) and outputs downloaded with it.
+Outputs are compared byte for byte with the local run of the same command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.cli.commands.schema import load_schema
+from ckpttool.errors import PathEscapeError, RemoteStorageError
+from ckpttool.format.storage import confine_key, parse_storage_options, redact, storage_config
+from tests.fixtures import s3 as s3fx
+from tests.fixtures.cache import copy_checkpoint
+from tests.fixtures.damage import corrupt_chunk_bytes, edit_storage
+from tests.fixtures.dcp_equal import assert_same_state
+
+runner = CliRunner()
+
+
+def cli(server: Any, *args: str, endpoint: str | None = None) -> Any:
+    opts = server.cli_options()
+    if endpoint is not None:
+        opts[1] = f"client_kwargs.endpoint_url={endpoint}"
+    return runner.invoke(app, [*opts, *args])
+
+
+def upload(server: Any, local: Path) -> str:
+    return server.upload_dir(local, "ckpts", f"t-{uuid.uuid4().hex[:8]}")
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------ confinement and options (no server)
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "",
+        "../x.distcp",
+        "a/../../x",
+        "/etc/passwd",
+        "s3://other/x",
+        "other:x",
+        "a\\..\\x",
+        "a\x00b",
+        "./x",
+        "a//b",
+        "a/.",
+    ],
+)
+def test_relative_paths_that_could_leave_the_prefix_are_refused(rel: str) -> None:
+    with pytest.raises(PathEscapeError):
+        confine_key("bucket/run/step-1", rel, shown="s3://bucket/run/step-1")
+
+
+def test_confined_key_is_below_the_prefix() -> None:
+    assert confine_key("bucket/run", "extra_state/x.pt", shown="s") == "bucket/run/extra_state/x.pt"
+
+
+def test_storage_options_nest_and_convert_and_are_redacted() -> None:
+    opts = parse_storage_options(
+        ["anon=false", "client_kwargs.endpoint_url=http://h:1", "retries=3", "secret=abcd1234"]
+    )
+    assert opts == {"anon": False, "client_kwargs": {"endpoint_url": "http://h:1"}, "retries": 3, "secret": "abcd1234"}
+    assert "abcd1234" not in redact("signature abcd1234 failed", opts)
+    with pytest.raises(RemoteStorageError):
+        parse_storage_options(["novalue"])
+
+
+# ------------------------------------------------------------------ reads
+def test_inspect_reads_only_metadata_and_shown_items(sample_ckpt: Path, s3_server: Any) -> None:
+    url = upload(s3_server, sample_ckpt)
+    remote = cli(s3_server, "inspect", url, "--json")
+    assert remote.exit_code == 0, remote.output
+    local = runner.invoke(app, ["inspect", str(sample_ckpt), "--json"])
+    r, loc = json.loads(remote.stdout), json.loads(local.stdout)
+    jsonschema.validate(r, load_schema("inspect"))
+    stats = r.pop("storage")
+    for d in (r, loc):
+        d.pop("path"), d.pop("location")
+    assert r == loc
+    # .metadata + the byte items shown + extra_state files: never a byte of a .distcp file
+    shown = sum(b["bytes"] for b in loc["byte_items"]) + sum(f["size"] for f in loc["extra_state"])
+    md = (sample_ckpt / ".metadata").stat().st_size
+    assert stats["bytes_requested"] == md + shown
+    assert stats["bytes_requested"] < sum(f["size"] for f in loc["files"])
+    assert stats["requests"] == 2 + len(loc["byte_items"]) + len(loc["extra_state"])  # listing + .metadata + items
+
+
+def test_validate_deep_from_s3_equals_local(sample_ckpt: Path, s3_server: Any) -> None:
+    url = upload(s3_server, sample_ckpt)
+    remote = cli(s3_server, "validate", url, "--deep", "--json")
+    local = runner.invoke(app, ["validate", str(sample_ckpt), "--deep", "--json"])
+    assert remote.exit_code == local.exit_code == 0, remote.output
+    r, loc = json.loads(remote.stdout), json.loads(local.stdout)
+    assert r["findings"] == loc["findings"]
+    assert r["stats"]["bytes_read"] == loc["stats"]["bytes_read"]
+
+
+def test_validate_deep_finds_a_damaged_remote_chunk(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
+    bad = copy_checkpoint(sample_ckpt, tmp_path / "bad")
+    corrupt_chunk_bytes(bad, "model.model.embed_tokens.weight")
+    url = upload(s3_server, bad)
+    r = cli(s3_server, "validate", url, "--deep")
+    assert r.exit_code != 0
+    assert "model.model.embed_tokens.weight" in r.output
+
+
+def test_replay_step_from_s3(sample_ckpt: Path, s3_server: Any) -> None:
+    url = upload(s3_server, sample_ckpt)
+    r = cli(s3_server, "replay-step", url)
+    assert r.exit_code == 0, r.output
+
+
+def test_storage_path_escaping_the_prefix_is_refused(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
+    bad = copy_checkpoint(sample_ckpt, tmp_path / "esc")
+    edit_storage(bad, "model.model.embed_tokens.weight", relative_path="../other/__0_0.distcp")
+    url = upload(s3_server, bad)
+    r = cli(s3_server, "export", url, str(tmp_path / "out"))
+    assert r.exit_code == 2
+    assert "[E101]" in r.output
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ writes
+def test_export_from_and_to_s3_is_bitwise_the_local_export(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
+    url = upload(s3_server, sample_ckpt)
+    args = ["--save-dtype", "float32", "--shard-size", "100KB"]
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "local"), *args]).exit_code == 0
+    r = cli(s3_server, "export", url, str(tmp_path / "from_s3"), *args)
+    assert r.exit_code == 0, r.output
+    out = url + "-hf"
+    r = cli(s3_server, "export", url, out, *args)
+    assert r.exit_code == 0, r.output
+    want = files_of(tmp_path / "local")
+    assert len(want) > 2
+    assert files_of(tmp_path / "from_s3") == want
+    assert s3_server.download_dir("ckpts", out.split("/", 3)[3], tmp_path / "dl") == want
+    assert not [k for k in s3_server.keys("ckpts") if "ckpttool-tmp" in k]  # the temporary prefix is gone
+    # an existing output: refused without --overwrite, replaced with it
+    assert cli(s3_server, "export", url, out, *args).exit_code == 2
+    r = cli(s3_server, "export", url, out, "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert sorted(s3_server.download_dir("ckpts", out.split("/", 3)[3], tmp_path / "dl2")) == [
+        "config.json",
+        "model.safetensors",
+    ] or "model.safetensors" in s3_server.download_dir("ckpts", out.split("/", 3)[3], tmp_path / "dl3")
+
+
+def test_reshard_s3_to_s3_is_bitwise_the_local_reshard(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
+    url = upload(s3_server, sample_ckpt)
+    args = ["--to", "canonical", "--with-optimizer", "--target-ep-size", "2", "--target-ep-fsdp-size", "2"]
+    local = runner.invoke(app, ["reshard", str(sample_ckpt), str(tmp_path / "local"), *args])
+    assert local.exit_code == 0, local.output
+    out = url + "-rs"
+    r = cli(s3_server, "reshard", url, out, *args)
+    assert r.exit_code == 0, r.output
+    got = s3_server.download_dir("ckpts", out.split("/", 3)[3], tmp_path / "dl")
+    want = files_of(tmp_path / "local")
+    assert sorted(got) == sorted(want)
+    # torch.save archives carry a random serialization id per run: compare what torch loads
+    assert_same_state(tmp_path / "dl", tmp_path / "local", tmp_path)
+    # and the resharded output reads back from s3
+    assert cli(s3_server, "validate", out, "--deep").exit_code == 0
+
+
+# ------------------------------------------------------------------ failures
+def test_dropped_connections_are_retried(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
+    url = upload(s3_server, sample_ckpt)
+    proxy = s3fx.DroppingProxy(s3_server.port)
+    try:
+        proxy.drop = 3
+        r = cli(s3_server, "export", url, str(tmp_path / "out"), endpoint=proxy.endpoint)
+        assert r.exit_code == 0, r.output
+        assert proxy.drop == 0
+    finally:
+        proxy.close()
+    want = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "local")])
+    assert want.exit_code == 0
+    assert files_of(tmp_path / "out") == files_of(tmp_path / "local")
+
+
+def test_outage_mid_run_fails_with_a_code_and_publishes_nothing(sample_ckpt: Path, s3_server: Any) -> None:
+    from ckpttool.errors import RemoteTransientError
+    from ckpttool.model.checkpoint import open_checkpoint
+    from ckpttool.ops.export import export_checkpoint
+
+    url = upload(s3_server, sample_ckpt)
+    out = url + "-out"
+    proxy = s3fx.DroppingProxy(s3_server.port)
+    opts = {**s3_server.options(), "client_kwargs": {"endpoint_url": proxy.endpoint}}
+    opts["config_kwargs"] = {"retries": {"max_attempts": 1}, "connect_timeout": 2}
+    try:
+        with storage_config(options=opts, retries=2, backoff_s=0.01):
+            ckpt = open_checkpoint(url)  # .metadata read; then the store goes away
+            try:
+                proxy.drop = -1
+                with pytest.raises(RemoteTransientError) as exc:
+                    export_checkpoint(ckpt, out)
+            finally:
+                ckpt.close()
+    finally:
+        proxy.close()
+    assert exc.value.code == "E144"
+    assert s3fx.SECRET not in str(exc.value) + exc.value.hint
+    prefix = out.split("/", 3)[3]
+    assert not [k for k in s3_server.keys("ckpts") if k.startswith(prefix) or "ckpttool-tmp" in k]
+
+
+def test_secrets_never_in_logs_or_errors(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
+    url = upload(s3_server, sample_ckpt)
+    ok = cli(s3_server, "-vv", "export", url, str(tmp_path / "out"))
+    assert ok.exit_code == 0, ok.output
+    bad = cli(s3_server, "-vv", "--remote-retries", "1", "inspect", url, endpoint="http://127.0.0.1:9")
+    assert bad.exit_code == 2 and "[E14" in bad.output
+    for r in (ok, bad):
+        assert s3fx.SECRET not in r.output
+        assert s3fx.SECRET not in (r.stderr or "")
+
+
+def test_missing_prefix_is_not_found(s3_server: Any) -> None:
+    s3_server.bucket("ckpts")
+    r = cli(s3_server, "inspect", "s3://ckpts/no/such/prefix")
+    assert r.exit_code == 2 and "[E141]" in r.output
+
+
+def test_file_url_is_the_local_path(sample_ckpt: Path) -> None:
+    r = runner.invoke(app, ["inspect", "file://" + os.fspath(sample_ckpt), "--json"])
+    assert r.exit_code == 0, r.output
+    assert "storage" not in json.loads(r.stdout)
+
+
+@pytest.mark.slow
+def test_stamp_on_s3_writes_the_sidecar_a_local_stamp_writes(ep_suite: Path, s3_server: Any, tmp_path: Path) -> None:
+    declared = ["--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "2"]
+    local = copy_checkpoint(ep_suite / "legacy", tmp_path / "legacy")
+    url = upload(s3_server, local)
+    assert runner.invoke(app, ["stamp", str(local), *declared]).exit_code == 0
+    r = cli(s3_server, "stamp", url, *declared)
+    assert r.exit_code == 0, r.output
+    got = s3_server.download_dir("ckpts", url.split("/", 3)[3], tmp_path / "dl")
+    assert json.loads(got["layout.json"]) == json.loads((local / "layout.json").read_text())
+    doc = json.loads(cli(s3_server, "inspect", url, "--json").stdout)
+    assert doc["layout"]["source"] == "sidecar"
+
+
+@pytest.mark.slow
+def test_torchrun_export_from_s3_is_bitwise_the_local_export(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
+    from tests.ops.test_distributed import torchrun
+
+    url = upload(s3_server, sample_ckpt)
+    args = ["--shard-size", "60KB"]
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "local"), *args]).exit_code == 0
+    r = torchrun(2, *s3_server.cli_options(), "export", url, str(tmp_path / "many"), *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert files_of(tmp_path / "many") == files_of(tmp_path / "local")

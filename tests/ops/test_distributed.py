@@ -1,0 +1,147 @@
+"""Runs spread over torchrun ranks (gloo on 127.0.0.1): equal to the single-process run, bitwise.
+
+Each test starts ``torchrun --nproc-per-node N -m ckpttool ...`` on a free port and compares
+with the same command run in one process; a rank failing on a damaged chunk it owns fails the
+whole run with one ``error:`` line naming the rank, and leaves no output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpttool.ops.distributed import Group, assign
+from tests.fixtures.cache import copy_checkpoint
+from tests.fixtures.damage import corrupt_chunk_bytes
+from tests.fixtures.dcp_equal import assert_same_state
+from tests.fixtures.s3 import free_port
+
+TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+
+
+def torchrun(n: int, *args: str) -> subprocess.CompletedProcess[str]:
+    assert TORCHRUN is not None
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("CKPTTOOL_DEBUG", None)
+    cmd = [TORCHRUN, "--nproc-per-node", str(n), "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    return subprocess.run([*cmd, "-m", "ckpttool", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def single(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckpttool", *args], capture_output=True, text=True, timeout=300)
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_assign_balances_by_size_and_is_deterministic() -> None:
+    assert assign([5, 1, 4, 2], 2) == [0, 0, 1, 1]  # loads 6 and 6
+    assert assign([1, 1, 1, 1], 4) == [0, 1, 2, 3]
+    assert assign([3], 4) == [0]
+
+
+def test_single_group_collectives_are_no_ops() -> None:
+    g = Group()
+    assert g.broadcast(3) == 3 and g.gather(4) == [4]
+    g.agree(None)
+    with pytest.raises(ValueError):
+        g.agree(ValueError("x"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 4])
+def test_export_on_n_ranks_is_bitwise_the_single_process_export(sample_ckpt: Path, tmp_path: Path, n: int) -> None:
+    args = ["--shard-size", "20KB", "--save-dtype", "bfloat16", "--experts", "per-expert"]
+    assert single("export", str(sample_ckpt), str(tmp_path / "one"), *args).returncode == 0
+    r = torchrun(n, "export", str(sample_ckpt), str(tmp_path / "many"), *args, "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = files_of(tmp_path / "one")
+    assert len([f for f in want if f.endswith(".safetensors")]) >= n  # every rank had a file to write
+    assert files_of(tmp_path / "many") == want
+    doc = json.loads(r.stdout)  # rank 0 alone printed one document
+    assert doc["bytes_read"] > 0 and len(doc["files"]) == len(want) - 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 4])
+def test_validate_deep_on_n_ranks_equals_single_process(sample_ckpt: Path, n: int) -> None:
+    one = single("validate", str(sample_ckpt), "--deep", "--json")
+    many = torchrun(n, "validate", str(sample_ckpt), "--deep", "--json")
+    assert many.returncode == one.returncode == 0, many.stderr[-3000:]
+    a, b = json.loads(one.stdout), json.loads(many.stdout)
+    assert a["stats"]["bytes_read"] == b["stats"]["bytes_read"]
+    for d in (a, b):
+        d.pop("stats")
+        for rule in d.get("rules", []):
+            rule.pop("seconds", None)
+    assert a == b
+
+
+@pytest.mark.slow
+def test_validate_deep_on_2_ranks_finds_a_damaged_chunk(sample_ckpt: Path, tmp_path: Path) -> None:
+    bad = copy_checkpoint(sample_ckpt, tmp_path / "bad")
+    corrupt_chunk_bytes(bad, "model.model.norm.weight")
+    one = single("validate", str(bad), "--deep", "--json")
+    many = torchrun(2, "validate", str(bad), "--deep", "--json")
+    assert one.returncode == many.returncode == 1
+    assert json.loads(one.stdout)["findings"] == json.loads(many.stdout)["findings"]
+
+
+@pytest.mark.slow
+def test_a_rank_failing_on_its_chunk_fails_every_rank_and_leaves_no_output(sample_ckpt: Path, tmp_path: Path) -> None:
+    args = ["--shard-size", "60KB"]
+    good = tmp_path / "good"
+    assert single("export", str(sample_ckpt), str(good), *args).returncode == 0
+    index = json.loads((good / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    sizes = [(good / f).stat().st_size for f in files]
+    owners = dict(zip(files, assign(sizes, 2)))
+    victim = next(k for k, f in sorted(index["weight_map"].items()) if owners[f] == 1)
+    bad = copy_checkpoint(sample_ckpt, tmp_path / "bad")
+    corrupt_chunk_bytes(bad, "model." + victim)
+    out = tmp_path / "out"
+    r = torchrun(2, "export", str(bad), str(out), *args)
+    assert r.returncode != 0  # torchrun exits 1 when a rank fails; each rank exited 2
+    assert "exitcode  : 2" in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.stderr[-3000:]
+    assert errors[0].startswith("error: [E3") and "rank 1:" in errors[0] and victim in errors[0]
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 4])
+def test_reshard_on_n_ranks_loads_as_the_single_process_reshard(sample_ckpt: Path, tmp_path: Path, n: int) -> None:
+    args = ["--to", "canonical", "--with-optimizer", "--target-ep-size", "2", "--target-ep-fsdp-size", "2"]
+    assert single("reshard", str(sample_ckpt), str(tmp_path / "one"), *args).returncode == 0
+    r = torchrun(n, "reshard", str(sample_ckpt), str(tmp_path / "many"), *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    one, many = files_of(tmp_path / "one"), files_of(tmp_path / "many")
+    assert sorted(one) == sorted(many)
+    # data files: the same archives except torch.save's per-save serialization id
+    for name in one:
+        if name.endswith(".distcp"):
+            assert len(one[name]) == len(many[name]), name
+    assert_same_state(tmp_path / "one", tmp_path / "many", tmp_path)
+
+
+@pytest.mark.slow
+def test_reshard_rank_failure_fails_every_rank_and_leaves_no_output(sample_ckpt: Path, tmp_path: Path) -> None:
+    bad = copy_checkpoint(sample_ckpt, tmp_path / "bad")
+    corrupt_chunk_bytes(bad, "model.model.layers.1.mlp.experts.down_proj")
+    out = tmp_path / "out"
+    args = ["--to", "canonical", "--with-optimizer", "--target-ep-size", "2", "--target-ep-fsdp-size", "2"]
+    r = torchrun(2, "reshard", str(bad), str(out), *args)
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "rank " in errors[0] and "down_proj" in errors[0], r.stderr[-3000:]
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]
