@@ -39,20 +39,18 @@ class Weights(str, Enum):
     master = "master"
 
 
-SideArg = Annotated[
-    Path,
-    typer.Argument(
-        help="A DCP checkpoint directory (or a directory above one), a safetensors directory or file, "
-        "or a PEFT adapter directory.",
-        show_default=False,
-    ),
-]
+_SIDE_HELP = (
+    "A DCP checkpoint directory (or a directory above one), a safetensors directory or file, "
+    "or a PEFT adapter directory."
+)
+SideA = Annotated[Path, typer.Argument(metavar="A", help=_SIDE_HELP, show_default=False)]
+SideB = Annotated[Path, typer.Argument(metavar="B", help="The other side (same kinds as A).", show_default=False)]
 
 
 @command_boundary
 def diff_command(
-    a: SideArg,
-    b: SideArg,
+    a: SideA,
+    b: SideB,
     what: Annotated[
         What,
         typer.Option("--what", help="model tensors; optimizer state and param groups; or all (also training state)."),
