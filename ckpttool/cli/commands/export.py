@@ -128,6 +128,15 @@ def export_command(
     model_prefix: ModelPrefixOpt = None,
     optimizer_prefix: OptimizerPrefixOpt = None,
     verify_crc: VerifyCrcOpt = True,
+    adapter: Annotated[
+        str | None,
+        typer.Option(
+            "--adapter",
+            metavar="<torchtitan-llama3|torchtitan-qwen3|hf>",
+            help="Model adapter (names and layouts to HF, e.g. the RoPE q/k row permutation) "
+            "[default: detected from the key names].",
+        ),
+    ] = None,
 ) -> None:
     """Export model weights as Hugging Face safetensors or a LoRA adapter (streaming, bit-exact by default)."""
     from ckpttool.model.checkpoint import open_checkpoint
@@ -152,6 +161,7 @@ def export_command(
         verify_crc=verify_crc,
         adapter_config=adapter_config,
         lora_alpha=alpha,
+        adapter=adapter,
     )
     from ckpttool.cli.render import byte_progress
 
@@ -207,6 +217,8 @@ def _render(r: ExportResult) -> None:
         [Col("file", "key"), Col("tensors", "num"), Col("bytes", "num")],
         [[f["name"], f"{f['tensors']:,}", human_bytes(f["bytes"])] for f in r.files],
     )
+    if r.model_adapter and r.model_adapter != "hf":
+        con.print(f"adapter     {r.model_adapter}")
     con.print(f"save dtype  {r.save_dtype}" + (f"; casts: {_counts(r.casts)}" if r.casts else "; no casts"))
     if r.narrowing_casts:
         con.print(f"narrowing casts (precision or range lost): {_counts(r.narrowing_casts)}")
@@ -246,6 +258,7 @@ EPILOG = examples(
     "ckpttool export ckpt/ hf/ --weights master --save-dtype bf16",
     "ckpttool export ckpt/ hf/ --experts per-expert --filter 'model.layers.0.*'",
     "ckpttool export ckpt/ adapter/ --format lora --lora-alpha 16",
+    "ckpttool export titan/step-1 hf/ --adapter torchtitan-llama3 --model-assets hf_config/",
 )
 
 

@@ -36,6 +36,8 @@ from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.safetensors import ShardWriter
 from ckpttool.format.tiling import contiguous_run, tiling_problem
+from ckpttool.model.adapters import AdapterConfig, ModelAdapter, detect_adapter, get_adapter
+from ckpttool.model.catalog import Catalog
 from ckpttool.model.checkpoint import Checkpoint, opened
 from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.model.discovery import CheckpointSelection
@@ -88,6 +90,8 @@ class ExportOptions:
         lora_alpha: LoRA ``lora_alpha`` when no adapter config is given.
         verify_crc: check every stored record's CRC-32 as it is copied or read (default on:
             ~10% of a warm-cache export's time with ``isal``, docs/performance.md).
+        adapter: a model adapter name (:data:`ckpttool.model.adapters.ADAPTERS`); ``None``:
+            detected from the key names (torchtitan names -> a torchtitan adapter).
     """
 
     fmt: str = "hf"
@@ -103,6 +107,7 @@ class ExportOptions:
     adapter_config: Path | None = None
     lora_alpha: float | None = None
     verify_crc: bool = True
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,7 @@ class ExportResult:
     skipped: dict[str, list[str]]
     warnings: list[str] = field(default_factory=list)
     adapter_config: dict[str, Any] | None = None
+    model_adapter: str | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -157,6 +163,7 @@ class ExportResult:
             "skipped": {k: {"count": len(v), "keys": v} for k, v in self.skipped.items()},
             "warnings": self.warnings,
             "adapter_config": self.adapter_config,
+            "model_adapter": self.model_adapter,
         }
 
 
@@ -260,6 +267,8 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def run_map(task: SourceTask, meta: TensorMeta) -> RunMap:
     """Where each element of ``task``'s source goes among its pieces (expert split and order, see ``plan.py``)."""
+    if task.runs is not None:
+        return RunMap(task.runs)
     pieces, order = task.pieces, task.expert_order
     numel = meta.numel
     if len(pieces) == 1 and pieces[0].expert is None:
@@ -495,8 +504,15 @@ def _export(
     reader, cat, checkpoint = ckpt.reader, ckpt.catalog, Path(ckpt.path)
     reader.verify_crc = opts.verify_crc
     layout = ckpt.require_layout()
+    model_adapter = export_adapter(cat, opts, model_config)
     selected, warnings, skipped, _adapters = select_sources(
-        cat, rules, fmt=opts.fmt, weights=opts.weights, filter_glob=opts.filter_glob
+        cat,
+        rules,
+        fmt=opts.fmt,
+        weights=opts.weights,
+        filter_glob=opts.filter_glob,
+        adapter=model_adapter,
+        adapter_config=AdapterConfig.from_hf_config(model_config),
     )
     if not selected:
         what = "LoRA adapter tensors" if opts.fmt == "lora" else "model tensors"
@@ -637,7 +653,26 @@ def _export(
         skipped=plan.skipped,
         warnings=plan.warnings,
         adapter_config=adapter,
+        model_adapter=model_adapter.name if model_adapter is not None else None,
     )
+
+
+def export_adapter(cat: Catalog, opts: ExportOptions, model_config: dict[str, Any] | None) -> ModelAdapter | None:
+    """The model adapter of an export: ``opts.adapter``, else detected from the names (``hf`` format only).
+
+    Returns ``None`` for LoRA exports and when nothing fits (torchtitan names are then refused, E603).
+
+    Raises:
+        UsageError: an unknown ``adapter`` name, or one given with the ``lora`` format.
+    """
+    if opts.adapter is not None:
+        ad = get_adapter(opts.adapter)
+        if opts.fmt == "lora" and ad.name != "hf":
+            raise UsageError(f"`adapter` {ad.name} applies to the hf format only", param="adapter")
+        return ad
+    if opts.fmt != "hf":
+        return None
+    return detect_adapter(cat.schema.naming, [cat.fqn_of(k) for k in cat.model], model_config)
 
 
 def _check_tied(

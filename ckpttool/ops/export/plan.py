@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from ckpttool.errors import ExportError, ExportNamingError, UsageError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, FLOATING_DTYPES
 from ckpttool.format.safetensors import HeaderEntry, is_narrowing
+from ckpttool.model.adapters import AdapterConfig, HFTensor, ModelAdapter, Skip, rope_to_hf_rows
 from ckpttool.model.catalog import Catalog, TensorEntry, match_filter
 from ckpttool.ops.export.rules import ExportRules
+from ckpttool.ops.export.transform import Run
 
 __all__ = [
     "SAVE_DTYPES",
@@ -56,17 +58,22 @@ class Selected:
         out_key: its output key (before any expert split).
         source: the tensor entry read (the parameter, or its ``master_weight``).
         origin: ``"params"`` or ``"master"``.
+        hf: where a model adapter puts it (``None``: the key rules' output key, as stored).
     """
 
     model_key: str
     out_key: str
     source: TensorEntry
     origin: str
+    hf: HFTensor | None = None
 
 
 @dataclass(frozen=True)
 class Piece:
-    """One output tensor cut from a source: expert ``expert`` (true order), part ``part`` of ``nparts``."""
+    """One output tensor cut from a source: expert ``expert`` (true order), part ``part`` of ``nparts``.
+
+    ``shared``: several sources write disjoint parts of it (an adapter's fused ``gate_up_proj``).
+    """
 
     name: str
     shape: tuple[int, ...]
@@ -74,6 +81,7 @@ class Piece:
     expert: int | None = None
     part: int = 0
     nparts: int = 1
+    shared: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,12 +91,15 @@ class SourceTask:
     Attributes:
         expert_order: stored position of true expert ``j`` along dim 0, when that
             is not the identity or when the tensor is split per expert.
+        runs: an adapter's element moves (RoPE rows, fused halves, expert split), explicit;
+            ``None``: derived from the pieces and ``expert_order``.
     """
 
     selected: Selected
     pieces: tuple[Piece, ...]
     shard: int
     expert_order: tuple[int, ...] | None = None
+    runs: tuple[Run, ...] | None = None
 
     @property
     def source_key(self) -> str:
@@ -102,11 +113,14 @@ class SourceTask:
             len(self.pieces) == 1
             and p.expert is None
             and self.expert_order is None
+            and self.runs is None
             and p.dtype == self.selected.source.dtype
         )
 
     @property
     def out_nbytes(self) -> int:
+        if self.runs is not None:
+            return sum(r.length for r in self.runs) * DTYPE_ITEMSIZE[self.pieces[0].dtype]
         return sum(_nbytes(p.dtype, p.shape) for p in self.pieces)
 
 
@@ -141,7 +155,7 @@ class ExportPlan:
 
     @property
     def num_tensors(self) -> int:
-        return sum(len(t.pieces) for t in self.tasks)
+        return sum(len(e) for e in self.entries)
 
     def weight_map(self) -> dict[str, str]:
         """Output key -> file name, sorted by key (``model.safetensors.index.json``)."""
@@ -170,8 +184,10 @@ SKIP_TRAINING_STATE = "training state (scheduler, data loader, step), not weight
 SKIP_OUTSIDE_SCHEMA = "outside the key schema (not model weights)"
 
 
-def check_exportable_names(cat: Catalog, fmt: str) -> None:
+def check_exportable_names(cat: Catalog, fmt: str, adapter: ModelAdapter | None = None) -> None:
     """Refuse model names that have no Hugging Face mapping.
+
+    With ``adapter`` (given or detected) torchtitan names are mapped by it (``hf`` format).
 
     Raises:
         ExportNamingError (E603): torchtitan naming (``tok_embeddings.weight``,
@@ -187,14 +203,17 @@ def check_exportable_names(cat: Catalog, fmt: str) -> None:
             hint="pass the model checkpoint (or the folder holding model and optimizer); `ckpttool inspect` "
             "shows the keys, `model_prefix` says where the weights are",
         )
-    if sch.naming == "torchtitan" and fmt in ("hf", "lora"):
+    if sch.naming == "torchtitan" and fmt in ("hf", "lora") and (adapter is None or fmt == "lora"):
         fqns = [cat.fqn_of(k) for k in list(cat.model)[:2]]
         raise ExportNamingError(
             f"{cat.path}: the model tensors have torchtitan names (e.g. {', '.join(repr(f) for f in fqns)}); "
-            "Hugging Face names need a model-specific adapter (wq/wk/wv/wo to q_proj/k_proj/v_proj/o_proj, "
-            "the RoPE row permutation of wq and wk), which ckpttool does not apply",
-            hint="save with torchtitan's checkpoint.last_save_in_hf (HuggingFaceStorageWriter and its state-dict "
-            "adapter) and export that directory, or keep the DCP checkpoint for torchtitan",
+            + (
+                "no LoRA adapter export exists for torchtitan models"
+                if fmt == "lora"
+                else "no built-in model adapter fits them (the config's model_type names another family)"
+            ),
+            hint="choose one with `adapter` (torchtitan-llama3, torchtitan-qwen3) and pass the model's config.json "
+            "with `model_assets`, or save with torchtitan's checkpoint.last_save_in_hf",
         )
 
 
@@ -205,6 +224,8 @@ def select_sources(
     fmt: str = "hf",
     weights: str = "params",
     filter_glob: str | None = None,
+    adapter: ModelAdapter | None = None,
+    adapter_config: AdapterConfig | None = None,
 ) -> tuple[list[Selected], list[str], dict[str, list[str]], dict[str, str]]:
     """Choose the tensors to export and their output keys.
 
@@ -215,6 +236,9 @@ def select_sources(
         weights: ``"params"`` or ``"master"`` (the FP32 ``master_weight`` where a
             parameter has one, like DeepSpeed's ``zero_to_fp32``).
         filter_glob: only checkpoint keys (with or without ``model.``) or output keys matching it.
+        adapter: a model adapter mapping the fqns to HF names and layouts (``hf`` format; the key
+            rules are then not used); keys it does not know are skipped and reported.
+        adapter_config: the model dimensions the adapter needs (RoPE heads).
 
     Returns:
         ``(selected, warnings, skipped, adapter_names)``; ``adapter_names`` maps
@@ -225,7 +249,10 @@ def select_sources(
             a master whose shape differs from its parameter, or two keys mapping
             to one output key.
     """
-    check_exportable_names(cat, fmt)
+    check_exportable_names(cat, fmt, adapter)
+    use_adapter = adapter is not None and fmt == "hf" and adapter.name != "hf"
+    acfg = adapter_config or AdapterConfig()
+    unknown: list[str] = []
     selected: list[Selected] = []
     warnings: list[str] = []
     skipped: dict[str, list[str]] = {}
@@ -240,7 +267,18 @@ def select_sources(
             if hit is None:
                 skipped.setdefault("not a LoRA adapter tensor", []).append(key)
                 continue
-            out_key, adapter = hit
+            out_key, lora_name = hit
+        elif use_adapter:
+            assert adapter is not None
+            conv = adapter.to_hf(cat.fqn_of(key), entry.shape, acfg)
+            if conv is None:
+                unknown.append(key)
+                skipped.setdefault(f"no key map of adapter {adapter.name}", []).append(key)
+                continue
+            if isinstance(conv, Skip):
+                skipped.setdefault(conv.reason, []).append(key)
+                continue
+            out_key = conv.key
         else:
             out, matched, warn = rules.map_key(canonical)
             if not matched:
@@ -256,7 +294,7 @@ def select_sources(
             skipped.setdefault("excluded by `filter_glob`", []).append(key)
             continue
         if fmt == "lora":
-            adapter_names[out_key] = adapter
+            adapter_names[out_key] = lora_name
         source, origin = entry, "params"
         if weights == "master":
             ps = cat.optimizer_state.get(cat.fqn_of(key))
@@ -270,12 +308,17 @@ def select_sources(
                     )
                 source, origin = mw, "master"
                 masters_found += 1
-        selected.append(Selected(key, out_key, source, origin))
+        hf = conv if use_adapter and isinstance(conv, HFTensor) else None
+        selected.append(Selected(key, out_key, source, origin, hf))
     if weights == "master" and masters_found == 0:
         raise ExportError(
             f"{cat.path}: `weights` master but no parameter has an optimizer.state.<fqn>.master_weight",
             hint="this checkpoint's optimizer keeps no FP32 masters (e.g. torch AdamW); export with `weights` params",
         )
+    if unknown:
+        assert adapter is not None
+        shown = ", ".join(unknown[:3]) + (f" (+{len(unknown) - 3} more)" if len(unknown) > 3 else "")
+        warnings.append(f"{len(unknown)} model tensor(s) unknown to adapter {adapter.name} are not exported: {shown}")
     if renamed:
         shown = ", ".join(renamed[:5]) + (f" (+{len(renamed) - 5} more)" if len(renamed) > 5 else "")
         warnings.append(f"{len(renamed)} key(s) outside the HF naming were exported as their fqn: {shown}")
@@ -288,13 +331,27 @@ def select_sources(
         warnings.append(f"{len(outside)} tensor(s) outside the {cat.schema.id} key schema are not exported: {shown}")
     seen: dict[str, str] = {}
     for s in selected:
-        if s.out_key in seen:
+        ident = s.out_key if s.hf is None or s.hf.nparts == 1 else f"{s.out_key} (part {s.hf.part})"
+        if ident in seen:
             raise ExportError(
-                f"{seen[s.out_key]} and {s.model_key} both map to the output key {s.out_key!r}",
+                f"{seen[ident]} and {s.model_key} both map to the output key {ident!r}",
                 fqn=s.model_key,
                 hint="fix the key rules (`rules`) so every output key is unique",
             )
-        seen[s.out_key] = s.model_key
+        seen[ident] = s.model_key
+    fused: dict[str, set[int]] = {}
+    for s in selected:
+        if s.hf is not None and s.hf.nparts > 1:
+            fused.setdefault(s.out_key, set()).add(s.hf.part)
+    for key, parts in fused.items():
+        n = next(s.hf.nparts for s in selected if s.hf is not None and s.out_key == key)
+        if len(parts) != n:
+            have = next(s.model_key for s in selected if s.out_key == key)
+            raise ExportError(
+                f"{key}: fused from {n} source tensors but only {have} is exported (parts {sorted(parts)} of {n})",
+                fqn=have,
+                hint="export every part (check `filter_glob`), or use `experts` per-expert",
+            )
     return selected, warnings, skipped, adapter_names
 
 
@@ -342,13 +399,24 @@ def build_plan(
     casts: Counter[str] = Counter()
     narrowing: Counter[str] = Counter()
     origins: dict[str, list[str]] = {}
-    units: list[tuple[Selected, tuple[Piece, ...], tuple[int, ...] | None]] = []
+    units: list[tuple[Selected, tuple[Piece, ...], tuple[int, ...] | None, tuple[Run, ...] | None]] = []
     for s in selected:
         if s.out_key in drop:
             continue
         src = s.source
         dtype = _out_dtype(src.dtype, save_dtype)
         order = orders.get(s.model_key)
+        if s.hf is not None:
+            apieces, runs = adapter_pieces(s, s.hf, dtype, experts, order, num_experts)
+            counted = [p.name for p in apieces if not p.shared or s.hf.part == 0]  # a fused tensor counts once
+            if dtype != src.dtype:
+                tag = f"{src.dtype}->{dtype}"
+                casts[tag] += len(counted)
+                if is_narrowing(src.dtype, dtype):
+                    narrowing[tag] += len(counted)
+            origins.setdefault(s.origin, []).extend(counted)
+            units.append((s, apieces, None, runs))
+            continue
         rule = rules.expert_rule(s.out_key) if fmt == "hf" else None
         pieces: tuple[Piece, ...]
         if rule is not None and len(src.shape) == 3:
@@ -390,24 +458,32 @@ def build_plan(
             if is_narrowing(src.dtype, dtype):
                 narrowing[tag] += len(pieces)
         origins.setdefault(s.origin, []).extend(p.name for p in pieces)
-        units.append((s, pieces, order))
+        units.append((s, pieces, order, None))
 
     # Greedy packing in source order; a source's pieces stay in one file (read once).
     shard_of: list[int] = []
     sizes: list[int] = []
-    for _, pieces, _ in units:
+    shared_at: dict[str, int] = {}  # a shared (fused) piece's file: every source of it writes there
+    for _, pieces, _, _ in units:
+        if pieces[0].shared and pieces[0].name in shared_at:
+            shard_of.append(shared_at[pieces[0].name])
+            continue
         nbytes = sum(_nbytes(p.dtype, p.shape) for p in pieces)
         if not sizes or (fmt != "lora" and sizes[-1] > 0 and sizes[-1] + nbytes > shard_size):
             sizes.append(0)
         sizes[-1] += nbytes
         shard_of.append(len(sizes) - 1)
+        if pieces[0].shared:
+            shared_at[pieces[0].name] = len(sizes) - 1
     n_files = max(len(sizes), 1)
     files = ["adapter_model.safetensors"] if fmt == "lora" else shard_file_names(n_files)
     entries: list[list[HeaderEntry]] = [[] for _ in files]
     tasks: list[SourceTask] = []
     names_seen: set[str] = set()
-    for (s, pieces, order), k in zip(units, shard_of):
+    for (s, pieces, order, runs), k in zip(units, shard_of):
         for p in pieces:
+            if p.shared and p.name in names_seen:
+                continue
             try:
                 p.name.encode("utf-8")
             except UnicodeEncodeError:
@@ -424,8 +500,55 @@ def build_plan(
                 )
             names_seen.add(p.name)
             entries[k].append(HeaderEntry(p.name, p.dtype, p.shape))
-        tasks.append(SourceTask(s, pieces, k, order))
+        tasks.append(SourceTask(s, pieces, k, order, runs))
     return ExportPlan(fmt, tasks, files, entries, casts=dict(casts), narrowing=dict(narrowing), origins=origins)
+
+
+def adapter_pieces(
+    s: Selected,
+    hf: HFTensor,
+    dtype: str,
+    experts: str,
+    order: tuple[int, ...] | None,
+    num_experts: int | None,
+) -> tuple[tuple[Piece, ...], tuple[Run, ...] | None]:
+    """The output pieces and element runs of a source mapped by a model adapter.
+
+    - RoPE q/k ``[n*hd, dim]``: one piece, one run per row (:func:`~ckpttool.model.adapters.rope_to_hf_rows`).
+    - a fused half (``nparts`` 2) of ``[E, A, B]``: expert ``j``'s ``A*B`` elements go to
+      ``[j, part*A:(part+1)*A, :]`` of the shared ``[E, 2A, B]`` piece, or (per-expert) to a piece ``[A, B]`` of its own.
+    - an expert tensor ``[E, A, B]`` kept fused: as stored; per-expert: ``E`` pieces ``[A, B]``.
+    - anything else: one piece as stored (``runs`` ``None``: a direct copy when the dtype is kept).
+
+    Raises:
+        ExportError: an expert dim that disagrees with the config's ``num_experts``.
+    """
+    shape = s.source.shape
+    if hf.rope_heads is not None:
+        rows, cols = shape
+        dst = rope_to_hf_rows(hf.rope_heads, rows // hf.rope_heads)
+        return (Piece(hf.key, hf.shape, dtype),), tuple(Run(r * cols, cols, 0, d * cols) for r, d in enumerate(dst))
+    is_expert = hf.nparts > 1 or hf.per_expert is not None
+    if not is_expert:
+        return (Piece(hf.key, hf.shape, dtype),), None
+    e, a, b = shape
+    if num_experts is not None and e != num_experts:
+        raise ExportError(
+            f"{s.model_key}: expert dim 0 has {e} experts but the model config says num_experts={num_experts}",
+            fqn=s.model_key,
+            hint="pass the `model_assets` of the model this checkpoint was trained as",
+        )
+    stored = order if order is not None else tuple(range(e))
+    slab = a * b
+    if experts == "per-expert" and hf.per_expert is not None:
+        pieces = tuple(Piece(hf.per_expert.format(j=j), (a, b), dtype, j) for j in range(e))
+        return pieces, tuple(Run(stored[j] * slab, slab, j, 0) for j in range(e))
+    if hf.nparts > 1:
+        piece = Piece(hf.key, hf.shape, dtype, shared=True)
+        return (piece,), tuple(Run(stored[j] * slab, slab, 0, (j * hf.nparts + hf.part) * slab) for j in range(e))
+    if order is None:
+        return (Piece(hf.key, hf.shape, dtype),), None
+    return (Piece(hf.key, hf.shape, dtype),), tuple(Run(stored[j] * slab, slab, 0, j * slab) for j in range(e))
 
 
 def unaccounted_tensors(cat: Catalog, plan: ExportPlan, dropped: set[str]) -> list[str]:
