@@ -255,6 +255,7 @@ class InspectResult:
     uncategorized_tensors: tuple[str, ...] = ()
     non_persistent_buffers: tuple[str, ...] = ()
     serialization: str = "torch_save"
+    model_adapter: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document, schema ``ckpttool.inspect/1``."""
@@ -281,10 +282,19 @@ class InspectResult:
         d["training_state"] = {k: list(v) for k, v in (self.training_state or {}).items()}
         d["uncategorized_tensors"] = list(self.uncategorized_tensors)
         d["non_persistent_buffers"] = list(self.non_persistent_buffers)
+        d["model_adapter"] = self.model_adapter
         return d
 
 
 # ----------------------------------------------------------------------------------------------- build
+def _detected_adapter(cat: Any) -> str | None:
+    """The model adapter ``export`` would use on these names (no config: by the keys alone)."""
+    from ckpttool.model.adapters import detect_adapter
+
+    ad = detect_adapter(cat.schema.naming, [cat.fqn_of(k) for k in cat.model])
+    return ad.name if ad is not None else None
+
+
 def _plain(value: Any) -> Any:
     """JSON-safe view of a hyperparameter value (tuples -> lists, tensors -> numbers)."""
     if isinstance(value, (list, tuple)):
@@ -531,6 +541,7 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         tree=tree,
         schema=cat.schema,
         location=ckpt.located,
+        model_adapter=_detected_adapter(cat),
         training_state={k: tuple(v) for k, v in cat.training_state.items()},
         uncategorized_tensors=tuple(cat.uncategorized_tensors()),
         non_persistent_buffers=tuple(cat.non_persistent_buffers()),

@@ -21,6 +21,7 @@ from ckpttool.format.metadata import DTYPE_ITEMSIZE, FLOATING_DTYPES
 from ckpttool.format.safetensors import HeaderEntry, is_narrowing
 from ckpttool.model.adapters import AdapterConfig, HFTensor, ModelAdapter, Skip, rope_to_hf_rows
 from ckpttool.model.catalog import Catalog, TensorEntry, match_filter
+from ckpttool.model.wrappers import strip_wrapper_segments
 from ckpttool.ops.export.rules import ExportRules
 from ckpttool.ops.export.transform import Run
 
@@ -253,6 +254,8 @@ def select_sources(
     use_adapter = adapter is not None and fmt == "hf" and adapter.name != "hf"
     acfg = adapter_config or AdapterConfig()
     unknown: list[str] = []
+    unwrapped: list[str] = []
+    segments: set[str] = set()
     selected: list[Selected] = []
     warnings: list[str] = []
     skipped: dict[str, list[str]] = {}
@@ -262,6 +265,12 @@ def select_sources(
     prefix = cat.schema.model_prefix
     for key, entry in cat.model.items():
         canonical = cat.schema.canonical_key(key)  # rules match the torch-native spelling model.<fqn>
+        canonical, removed = strip_wrapper_segments(canonical)  # _orig_mod., module., ... anywhere
+        fqn = cat.fqn_of(key)
+        if removed:
+            unwrapped.append(key)
+            segments.update(removed)
+            fqn = strip_wrapper_segments(fqn)[0]
         if fmt == "lora":
             hit = rules.lora_output_key(canonical)
             if hit is None:
@@ -270,7 +279,7 @@ def select_sources(
             out_key, lora_name = hit
         elif use_adapter:
             assert adapter is not None
-            conv = adapter.to_hf(cat.fqn_of(key), entry.shape, acfg)
+            conv = adapter.to_hf(fqn, entry.shape, acfg)
             if conv is None:
                 unknown.append(key)
                 skipped.setdefault(f"no key map of adapter {adapter.name}", []).append(key)
@@ -314,6 +323,11 @@ def select_sources(
         raise ExportError(
             f"{cat.path}: `weights` master but no parameter has an optimizer.state.<fqn>.master_weight",
             hint="this checkpoint's optimizer keeps no FP32 masters (e.g. torch AdamW); export with `weights` params",
+        )
+    if unwrapped:
+        shown = ", ".join(unwrapped[:3]) + (f" (+{len(unwrapped) - 3} more)" if len(unwrapped) > 3 else "")
+        warnings.append(
+            f"wrapper segment(s) {', '.join(sorted(segments))} removed from {len(unwrapped)} key(s): {shown}"
         )
     if unknown:
         assert adapter is not None
