@@ -137,6 +137,15 @@ def export_command(
             "[default: detected from the key names].",
         ),
     ] = None,
+    allow_mismatch: Annotated[
+        str | None,
+        typer.Option(
+            "--allow-mismatch",
+            metavar="KINDS",
+            help="Write even if the tensors differ from the model class transformers builds from config.json: "
+            "comma list of missing, unexpected, shape, dtype.",
+        ),
+    ] = None,
 ) -> None:
     """Export model weights as Hugging Face safetensors or a LoRA adapter (streaming, bit-exact by default)."""
     from ckpttool.model.checkpoint import open_checkpoint
@@ -162,6 +171,7 @@ def export_command(
         adapter_config=adapter_config,
         lora_alpha=alpha,
         adapter=adapter,
+        allow_mismatch=tuple(k.strip() for k in (allow_mismatch or "").split(",") if k.strip()),
     )
     from ckpttool.cli.render import byte_progress
 

@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import ChunkError, ExportAccountingError, ExportError, NotRegularFileError, UsageError
+from ckpttool.errors import (
+    ChunkError,
+    ExportAccountingError,
+    ExportError,
+    ModelMismatchError,
+    NotRegularFileError,
+    UsageError,
+)
 from ckpttool.format.atomic import AtomicOutputDir, signals_deferred
 from ckpttool.format.files import copy_regular, resolve_inside
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
@@ -42,6 +49,7 @@ from ckpttool.model.checkpoint import Checkpoint, opened
 from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.hfconfig import config_value, read_hf_config
+from ckpttool.ops.export.expected import MISMATCH_KINDS, ModelCheck, compare_with_model
 from ckpttool.ops.export.experts import expert_orders
 from ckpttool.ops.export.lora import adapter_config, read_adapter_config
 from ckpttool.ops.export.plan import (
@@ -92,6 +100,8 @@ class ExportOptions:
             ~10% of a warm-cache export's time with ``isal``, docs/performance.md).
         adapter: a model adapter name (:data:`ckpttool.model.adapters.ADAPTERS`); ``None``:
             detected from the key names (torchtitan names -> a torchtitan adapter).
+        allow_mismatch: kinds of difference from the model class built from ``config.json``
+            (``missing``, ``unexpected``, ``shape``, ``dtype``) reported as warnings instead of refused.
     """
 
     fmt: str = "hf"
@@ -108,6 +118,7 @@ class ExportOptions:
     lora_alpha: float | None = None
     verify_crc: bool = True
     adapter: str | None = None
+    allow_mismatch: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,6 +145,7 @@ class ExportResult:
     warnings: list[str] = field(default_factory=list)
     adapter_config: dict[str, Any] | None = None
     model_adapter: str | None = None
+    model_check: dict[str, Any] | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -164,6 +176,7 @@ class ExportResult:
             "warnings": self.warnings,
             "adapter_config": self.adapter_config,
             "model_adapter": self.model_adapter,
+            "model_check": self.model_check,
         }
 
 
@@ -440,6 +453,11 @@ def _check_options(opts: ExportOptions) -> None:
             param="shard_size",
             hint="e.g. 5GB (5*10^9 bytes)",
         )
+    bad = [k for k in opts.allow_mismatch if k not in MISMATCH_KINDS]
+    if bad:
+        raise UsageError(
+            f"`allow_mismatch` {bad[0]!r} is not one of {', '.join(MISMATCH_KINDS)}", param="allow_mismatch"
+        )
     if opts.fmt == "lora" and opts.experts != "fused":
         raise UsageError("`experts` per-expert applies to the hf format only", param="experts")
 
@@ -587,6 +605,7 @@ def _export(
     if opts.fmt == "lora":
         adapter = adapter_config(plan, cat, given=given_adapter, lora_alpha=opts.lora_alpha, model_config=model_config)
     assets = _asset_files(Path(opts.model_assets), opts.fmt) if opts.model_assets is not None else []
+    check = _check_against_model(plan, model_config, opts) if opts.fmt == "hf" and model_config else None
     # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
     chunks = [_dedup_chunks(reader, t.source_key) for t in plan.tasks]
 
@@ -654,7 +673,55 @@ def _export(
         warnings=plan.warnings,
         adapter_config=adapter,
         model_adapter=model_adapter.name if model_adapter is not None else None,
+        model_check=check.to_dict() if check is not None else None,
     )
+
+
+def written_tensors(plan: ExportPlan) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Output key -> (shape, dtype) of a plan, expert tensors in their fused form (what transformers loads)."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for t in plan.tasks:
+        s, dtype = t.selected, t.pieces[0].dtype
+        if s.hf is not None:
+            out[s.hf.key] = (s.hf.shape, dtype)
+        elif t.pieces[0].expert is not None:
+            out[s.out_key] = (s.source.shape, dtype)
+        else:
+            for p in t.pieces:
+                out[p.name] = (p.shape, p.dtype)
+    return out
+
+
+def _check_against_model(plan: ExportPlan, config: dict[str, Any], opts: ExportOptions) -> ModelCheck:
+    """Compare the plan with the model class of ``config`` (:mod:`.expected`); refuse unallowed differences.
+
+    Raises:
+        ModelMismatchError (E605): missing / unexpected keys, wrong shapes or dtypes not in ``allow_mismatch``
+            (``missing`` is not checked when ``filter_glob`` asks for part of the model).
+    """
+    check = compare_with_model(written_tensors(plan), config)
+    if not check.checked:
+        plan.warnings.append(f"keys and shapes were not checked against the model class: {check.not_checked}")
+        return check
+    if opts.filter_glob and "missing" in check.findings:
+        n = len(check.findings.pop("missing"))
+        plan.warnings.append(f"{n} key(s) of {check.model_class} not written (`filter_glob` exports part of the model)")
+    refused = {k: v for k, v in check.findings.items() if k not in opts.allow_mismatch}
+    for kind, lines in check.findings.items():
+        if kind not in refused:
+            plan.warnings.append(f"{len(lines)} {kind} key(s) against {check.model_class} (allowed): {lines[0]}")
+    if refused:
+        parts = []
+        for kind, lines in refused.items():
+            shown = "; ".join(lines[:3]) + (f" (+{len(lines) - 3} more)" if len(lines) > 3 else "")
+            parts.append(f"{kind} {len(lines)}: {shown}")
+        raise ModelMismatchError(
+            f"the export does not fit {check.model_class} built from config.json: " + " | ".join(parts),
+            param="model_assets",
+            hint="pass the config.json of the model this checkpoint was trained as (or the right `adapter`); "
+            f"`allow_mismatch` {','.join(refused)} writes it anyway",
+        )
+    return check
 
 
 def export_adapter(cat: Catalog, opts: ExportOptions, model_config: dict[str, Any] | None) -> ModelAdapter | None:

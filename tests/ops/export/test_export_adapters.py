@@ -126,7 +126,17 @@ def test_llama3_export_equals_torchtitans_adapter_bitwise(titan_root: Path, tmp_
 
     src = titan_root / "llama3_fresh" / "checkpoint" / "step-1"
     c = LLAMA_CFG
-    cfg = {"model_type": "llama", "hidden_size": c["dim"], "num_attention_heads": c["heads"], "vocab_size": c["vocab"]}
+    ffn = torch_load(src, ["layers.0.feed_forward.w1.weight"])["layers.0.feed_forward.w1.weight"].shape[0]
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": c["dim"],
+        "num_attention_heads": c["heads"],
+        "num_key_value_heads": c["heads"],
+        "vocab_size": c["vocab"],
+        "num_hidden_layers": c["layers"],
+        "intermediate_size": ffn,
+        "tie_word_embeddings": False,
+    }
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "config.json").write_text(json.dumps(cfg))
     res = export_cli(str(src), str(tmp_path / "hf"), "--model-assets", str(tmp_path / "a"))
@@ -162,6 +172,11 @@ def test_qwen3_moe_export_equals_torchtitans_adapter_bitwise(titan_root: Path, t
         "num_key_value_heads": c["kv_heads"],
         "head_dim": c["head_dim"],
         "num_experts": c["experts"],
+        "num_experts_per_tok": c["top_k"],
+        "moe_intermediate_size": c["hidden"],
+        "vocab_size": c["vocab"],
+        "num_hidden_layers": 2,
+        "tie_word_embeddings": False,
     }
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "config.json").write_text(json.dumps(cfg))
