@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 class ExportFormat(str, Enum):
     hf = "hf"
     lora = "lora"
+    hf_merged = "hf-merged"
 
 
 class Weights(str, Enum):
@@ -61,7 +62,11 @@ def export_command(
         typer.Argument(help="Output directory (written beside itself, renamed when complete).", show_default=False),
     ],
     fmt: Annotated[
-        ExportFormat, typer.Option("--format", help="hf: model*.safetensors + index; lora: PEFT adapter.")
+        ExportFormat,
+        typer.Option(
+            "--format",
+            help="hf: model*.safetensors + index; lora: PEFT adapter; hf-merged: LoRA merged into the base weights.",
+        ),
     ] = ExportFormat.hf,
     save_dtype: Annotated[
         str,
@@ -137,6 +142,10 @@ def export_command(
             "[default: detected from the key names].",
         ),
     ] = None,
+    merge_lora: Annotated[
+        bool,
+        typer.Option("--merge-lora", help="Same as --format hf-merged: W + (alpha/r)·B@A in FP32, stored dtype."),
+    ] = False,
     allow_mismatch: Annotated[
         str | None,
         typer.Option(
@@ -157,7 +166,7 @@ def export_command(
     if alpha is not None and float(alpha).is_integer():
         alpha = int(alpha)
     options = ExportOptions(
-        fmt=fmt.value,
+        fmt="hf-merged" if merge_lora else fmt.value,
         save_dtype=parse_dtype(save_dtype, "--save-dtype", ("bfloat16", "float16", "float32"), extra=("preserve",)),
         weights=weights.value,
         shard_size=parse_size(shard_size, "--shard-size"),
@@ -268,6 +277,7 @@ EPILOG = examples(
     "ckpttool export ckpt/ hf/ --weights master --save-dtype bf16",
     "ckpttool export ckpt/ hf/ --experts per-expert --filter 'model.layers.0.*'",
     "ckpttool export ckpt/ adapter/ --format lora --lora-alpha 16",
+    "ckpttool export ckpt/ merged/ --merge-lora --lora-alpha 16 --model-assets base/",
     "ckpttool export titan/step-1 hf/ --adapter torchtitan-llama3 --model-assets hf_config/",
 )
 

@@ -317,7 +317,9 @@ class _Executor:
         workers: int,
         progress: ProgressFn | None,
         chunks: list[tuple[TensorMeta, list[ChunkMeta]]],
+        merges: dict[str, SlabTransform] | None = None,
     ) -> None:
+        self.merges = merges or {}
         self.reader = reader
         self.plan = plan
         self.writers = writers
@@ -399,7 +401,8 @@ class _Executor:
                     for c in chunks:
                         self._submit(pool, idx, self._copy_chunk, task, c, meta.size)
                 else:
-                    runs, transform = run_map(task, meta), value_transform(task)
+                    runs = run_map(task, meta)
+                    transform = self.merges.get(task.source_key) or value_transform(task)
                     for c in chunks:
                         self._submit(pool, idx, self._stream_chunk, task, c, meta, runs, transform)
                 self._collect(block=False)
@@ -437,8 +440,8 @@ def _tied_pair(
 
 
 def _check_options(opts: ExportOptions) -> None:
-    if opts.fmt not in ("hf", "lora"):
-        raise UsageError(f"`fmt` {opts.fmt!r} is not one of hf, lora", param="fmt")
+    if opts.fmt not in ("hf", "lora", "hf-merged"):
+        raise UsageError(f"`fmt` {opts.fmt!r} is not one of hf, lora, hf-merged", param="fmt")
     if opts.save_dtype not in SAVE_DTYPES:
         raise UsageError(f"`save_dtype` {opts.save_dtype!r} is not one of {', '.join(SAVE_DTYPES)}", param="save_dtype")
     if opts.weights not in ("params", "master"):
@@ -500,7 +503,7 @@ def export_checkpoint(
     rules = load_rules(opts.rules)
     model_config = _read_model_config(opts.model_assets)
     given_adapter = None
-    if opts.fmt == "lora":
+    if opts.fmt in ("lora", "hf-merged"):
         if opts.adapter_config is not None:
             given_adapter = read_adapter_config(Path(opts.adapter_config))
         elif opts.model_assets is not None and (Path(opts.model_assets) / "adapter_config.json").is_file():
@@ -554,7 +557,8 @@ def _export(
     orders = expert_orders(selected, layout)
     num_experts = rules.num_experts_from_config(model_config) if model_config else None
 
-    embed, lm_head, tie = _tied_pair(selected, rules, model_config) if opts.fmt == "hf" else (None, None, False)
+    hf_like = opts.fmt in ("hf", "hf-merged")
+    embed, lm_head, tie = _tied_pair(selected, rules, model_config) if hf_like else (None, None, False)
     drop: set[str] = set()
     tied: str | None = None
     if tie:
@@ -568,7 +572,7 @@ def _export(
     plan = build_plan(
         selected,
         rules,
-        fmt=opts.fmt,
+        fmt="hf" if hf_like else opts.fmt,
         save_dtype=opts.save_dtype,
         shard_size=opts.shard_size,
         experts=opts.experts,
@@ -605,7 +609,8 @@ def _export(
     if opts.fmt == "lora":
         adapter = adapter_config(plan, cat, given=given_adapter, lora_alpha=opts.lora_alpha, model_config=model_config)
     assets = _asset_files(Path(opts.model_assets), opts.fmt) if opts.model_assets is not None else []
-    check = _check_against_model(plan, model_config, opts) if opts.fmt == "hf" and model_config else None
+    check = _check_against_model(plan, model_config, opts) if hf_like and model_config else None
+    merges = lora_merges(reader, plan, given_adapter, opts.lora_alpha) if opts.fmt == "hf-merged" else {}
     # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
     chunks = [_dedup_chunks(reader, t.source_key) for t in plan.tasks]
 
@@ -616,10 +621,12 @@ def _export(
             for name, entries in zip(plan.files, plan.entries):
                 writers.append(ShardWriter(tmp / name, entries, display=Path(os.path.abspath(out)) / name))
             workers = opts.workers if opts.workers is not None else min(8, os.cpu_count() or 1)
-            executor = _Executor(reader, plan, writers, workers, progress, chunks)
+            executor = _Executor(reader, plan, writers, workers, progress, chunks, merges)
             t_run = time.perf_counter()
             executor.run()
             bytes_read = executor.bytes_read
+            if merges:
+                _check_merged(merges, plan)
             log.info(
                 "read %d bytes and wrote %d in %.3f s with %d reader thread(s)",
                 bytes_read,
@@ -636,7 +643,7 @@ def _export(
         for name, entries, w in zip(plan.files, plan.entries, writers):
             files_info.append({"name": name, "bytes": w.size, "tensors": len(entries)})
             log.debug("%s: %d tensors, %d bytes", name, len(entries), w.size)
-        if opts.fmt == "hf":
+        if hf_like:
             index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map()}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         else:
@@ -706,6 +713,8 @@ def _check_against_model(plan: ExportPlan, config: dict[str, Any], opts: ExportO
     if opts.filter_glob and "missing" in check.findings:
         n = len(check.findings.pop("missing"))
         plan.warnings.append(f"{n} key(s) of {check.model_class} not written (`filter_glob` exports part of the model)")
+    if opts.save_dtype != "preserve" and "dtype" in check.findings:
+        check.findings.pop("dtype")  # the dtype was asked for with `save_dtype`
     refused = {k: v for k, v in check.findings.items() if k not in opts.allow_mismatch}
     for kind, lines in check.findings.items():
         if kind not in refused:
@@ -722,6 +731,62 @@ def _check_against_model(plan: ExportPlan, config: dict[str, Any], opts: ExportO
             f"`allow_mismatch` {','.join(refused)} writes it anyway",
         )
     return check
+
+
+def lora_merges(
+    reader: CheckpointReader, plan: ExportPlan, config: dict[str, Any] | None, lora_alpha: float | None
+) -> dict[str, SlabTransform]:
+    """Source key -> :class:`~ckpttool.ops.export.merge.LoraMerge` for every base weight with a LoRA pair.
+
+    Raises:
+        ExportError: unknown alpha, DoRA / rsLoRA, factor shapes that do not fit the weight.
+    """
+    from ckpttool.ops.export.merge import LoraMerge, lora_scaling
+
+    out: dict[str, SlabTransform] = {}
+    for t in plan.tasks:
+        pair = t.selected.merge
+        if pair is None:
+            continue
+        w = t.selected.source
+        a = _read_whole(reader, pair.a_key).float().numpy()
+        b = _read_whole(reader, pair.b_key).float().numpy()
+        if (
+            len(w.shape) != 2
+            or a.ndim != 2
+            or b.ndim != 2
+            or b.shape[1] != a.shape[0]
+            or (b.shape[0], a.shape[1]) != w.shape
+        ):
+            raise ExportError(
+                f"{w.key}: LoRA factors B {list(b.shape)} @ A {list(a.shape)} do not give the weight's shape {list(w.shape)}",
+                fqn=w.key,
+                hint="the lora_A / lora_B tensors do not belong to this base weight",
+            )
+        scale = lora_scaling(pair.module, a.shape[0], config, lora_alpha)
+        m = LoraMerge(a, b, scale, w.dtype, t.pieces[0].dtype)
+        m.nonzero = bool(a.any() and b.any())  # type: ignore[attr-defined]
+        out[w.key] = m
+    return out
+
+
+def _check_merged(merges: dict[str, SlabTransform], plan: ExportPlan) -> None:
+    """Refuse a merged export that equals the base weights bitwise while the adapters are non-zero.
+
+    Raises:
+        ExportError: no merged weight changed (the delta is below the output dtype's precision, or alpha is 0).
+    """
+    live = [(k, m) for k, m in merges.items() if getattr(m, "nonzero", False)]
+    if live and not any(getattr(m, "changed", False) for _, m in live):
+        raise ExportError(
+            f"the merged weights are bitwise equal to the base weights although {len(live)} LoRA pair(s) are non-zero "
+            f"(e.g. {live[0][0]}): the delta is below the output dtype's precision or the scale is 0",
+            fqn=live[0][0],
+            hint="check `lora_alpha`, or write a wider dtype with `save_dtype` float32",
+        )
+    unchanged = [k for k, m in live if not getattr(m, "changed", False)]
+    if unchanged:
+        plan.warnings.append(f"{len(unchanged)} merged weight(s) equal their base bitwise: {unchanged[0]}")
 
 
 def export_adapter(cat: Catalog, opts: ExportOptions, model_config: dict[str, Any] | None) -> ModelAdapter | None:

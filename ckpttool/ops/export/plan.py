@@ -13,6 +13,7 @@ legacy EP layouts, ``docs/layouts.md``).
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -51,6 +52,22 @@ def shard_file_names(n: int, stem: str = "model") -> list[str]:
 
 
 @dataclass(frozen=True)
+class LoraPair:
+    """The LoRA factors merged into a base weight (``hf-merged``): ``W + (alpha / r) * B @ A``.
+
+    Attributes:
+        a_key, b_key: checkpoint keys of ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]``.
+        module: the module path (``model.layers.0.self_attn.q_proj``), for ``rank_pattern`` / ``alpha_pattern``.
+        adapter: the PEFT adapter name (``default``).
+    """
+
+    a_key: str
+    b_key: str
+    module: str
+    adapter: str
+
+
+@dataclass(frozen=True)
 class Selected:
     """A model tensor chosen for export.
 
@@ -67,6 +84,7 @@ class Selected:
     source: TensorEntry
     origin: str
     hf: HFTensor | None = None
+    merge: LoraPair | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +133,7 @@ class SourceTask:
             and p.expert is None
             and self.expert_order is None
             and self.runs is None
+            and self.selected.merge is None
             and p.dtype == self.selected.source.dtype
         )
 
@@ -251,6 +270,18 @@ def select_sources(
             to one output key.
     """
     check_exportable_names(cat, fmt, adapter)
+    if fmt == "hf-merged":
+        return _select_merged(cat, rules, weights=weights, filter_glob=filter_glob)
+    if fmt == "hf":
+        peft = next((k for k in cat.model if ".lora_A." in k or ".lora_B." in k), None)
+        if peft is not None:
+            raise ExportError(
+                f"{cat.path}: a PEFT LoRA checkpoint ({peft}); `fmt` hf would write base_layer / lora_A.<adapter> "
+                "names that no Hugging Face class loads",
+                fqn=peft,
+                param="fmt",
+                hint="export the adapter with `fmt` lora, or the merged model with `fmt` hf-merged (`merge_lora`)",
+            )
     use_adapter = adapter is not None and fmt == "hf" and adapter.name != "hf"
     acfg = adapter_config or AdapterConfig()
     unknown: list[str] = []
@@ -367,6 +398,116 @@ def select_sources(
                 hint="export every part (check `filter_glob`), or use `experts` per-expert",
             )
     return selected, warnings, skipped, adapter_names
+
+
+_PEFT_RE = re.compile(
+    r"^model\.(?:base_model\.model\.)?(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|"
+    r"lora_magnitude_vector)\.(?P<adapter>[^.]+)(?:\.weight)?$"
+)
+_PEFT_BASE = "model.base_model.model."
+
+
+def _select_merged(
+    cat: Catalog, rules: ExportRules, *, weights: str, filter_glob: str | None
+) -> tuple[list[Selected], list[str], dict[str, list[str]], dict[str, str]]:
+    """Selection of a merged-LoRA export: base weights named as the plain model, each with its LoRA pair.
+
+    ``model.base_model.model.<m>.base_layer.weight`` -> ``<m>.weight`` (merged), other
+    ``model.base_model.model.<x>`` -> ``<x>``; ``modules_to_save.<adapter>.`` copies replace their
+    ``original_module.`` (as ``merge_and_unload``); the LoRA factors are read, not written.
+
+    Raises:
+        ExportError: DoRA (``lora_magnitude_vector``), LoRA on embeddings, several adapters, a
+            ``lora_A`` without its ``lora_B`` / base weight, or no LoRA tensor at all.
+    """
+    pairs: dict[str, dict[str, str]] = {}
+    names: set[str] = set()
+    for key in cat.model:
+        canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
+        m = _PEFT_RE.match(canonical)
+        if m is None:
+            continue
+        part = m["part"]
+        if part == "lora_magnitude_vector":
+            raise ExportError(
+                f"{key}: DoRA (lora_magnitude_vector); the merge of weight-decomposed LoRA is not implemented",
+                fqn=key,
+                hint="merge with PEFT's merge_and_unload(), or export the adapter with `fmt` lora",
+            )
+        if part.startswith("lora_embedding"):
+            raise ExportError(
+                f"{key}: LoRA on an embedding; its merge is not implemented",
+                fqn=key,
+                hint="export the adapter with `fmt` lora",
+            )
+        names.add(m["adapter"])
+        pairs.setdefault(m["module"], {})[part] = key
+    if not pairs:
+        raise ExportError(
+            f"{cat.path}: no LoRA tensor (lora_A / lora_B) to merge",
+            hint="`fmt` hf-merged merges a PEFT LoRA checkpoint; export a plain model with `fmt` hf",
+        )
+    if len(names) > 1:
+        raise ExportError(
+            f"{cat.path}: the checkpoint holds several LoRA adapters {sorted(names)}; which to merge is ambiguous",
+            hint="merge one of them with PEFT, or export each with `fmt` lora and `filter_glob`",
+        )
+    adapter = next(iter(names))
+    sub: dict[str, Selected] = {}
+    selected: list[Selected] = []
+    warnings: list[str] = []
+    skipped: dict[str, list[str]] = {}
+    used: set[str] = set()
+    for key, entry in cat.model.items():
+        canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
+        if _PEFT_RE.match(canonical):
+            skipped.setdefault("LoRA factor merged into its base weight", []).append(key)
+            continue
+        plain = "model." + canonical[len(_PEFT_BASE) :] if canonical.startswith(_PEFT_BASE) else canonical
+        if ".original_module." in plain:
+            skipped.setdefault("replaced by its modules_to_save copy", []).append(key)
+            continue
+        plain = re.sub(r"\.modules_to_save\.[^.]+\.", ".", plain)
+        module = None
+        if ".base_layer." in plain:
+            module, _, tail = plain.partition(".base_layer.")
+            plain = f"{module}.{tail}"
+            module = module[len("model.") :]
+        out, matched, _ = rules.map_key(plain)
+        if not matched or out is None:
+            skipped.setdefault("no key rule matches" if not matched else "skipped by a key rule", []).append(key)
+            continue
+        if _filtered(key, plain, out, filter_glob, cat.schema.model_prefix):
+            skipped.setdefault("excluded by `filter_glob`", []).append(key)
+            continue
+        merge = None
+        if module is not None and plain.endswith(".weight"):
+            p = pairs.get(module, {})
+            if "lora_A" in p and "lora_B" in p:
+                merge = LoraPair(p["lora_A"], p["lora_B"], module, adapter)
+                used.add(module)
+        sel = Selected(key, out, entry, "params", merge=merge)
+        if out in sub:
+            raise ExportError(
+                f"{sub[out].model_key} and {key} both map to the output key {out!r}",
+                fqn=key,
+                hint="fix the key rules (`rules`) so every output key is unique",
+            )
+        sub[out] = sel
+        selected.append(sel)
+    orphan = sorted(set(pairs) - used)
+    if orphan and not filter_glob:
+        raise ExportError(
+            f"{len(orphan)} LoRA module(s) have no base weight (or lack lora_A / lora_B) to merge into: {orphan[0]}",
+            fqn=orphan[0],
+            hint="the checkpoint is an adapter only; export it with `fmt` lora and merge with PEFT over the base model",
+        )
+    if weights == "master":
+        raise ExportError("`weights` master is not supported with `fmt` hf-merged", param="weights")
+    for key in cat.other_tensors:
+        reason = SKIP_TRAINING_STATE if cat.category(key) == "training_state" else SKIP_OUTSIDE_SCHEMA
+        skipped.setdefault(reason, []).append(key)
+    return selected, warnings, skipped, {}
 
 
 def _out_dtype(src: str, save_dtype: str) -> str:
