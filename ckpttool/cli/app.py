@@ -26,7 +26,18 @@ from ckpttool.errors import UsageError
 
 __all__ = ["app", "main", "version_text", "GLOBAL_OPTIONS"]
 
-COMMANDS = ("inspect", "validate", "export", "reshard", "stamp", "replay_step", "sample", "rules", "schema")
+COMMANDS = (
+    "inspect",
+    "validate",
+    "export",
+    "reshard",
+    "stamp",
+    "replay_step",
+    "sample",
+    "rules",
+    "schema",
+    "import_hf",
+)
 
 # typer vendors click (typer._click); reach its exception classes through public names only
 # (both derive from typer.TyperException, which types their exit_code and format_message).

@@ -18,7 +18,7 @@ from ckpttool.cli.options import parse_dtype, parse_size
 from ckpttool.errors import UsageError
 
 runner = CliRunner()
-COMMANDS = ("inspect", "validate", "export", "reshard", "stamp", "replay-step", "sample", "rules", "schema")
+COMMANDS = ("inspect", "validate", "export", "reshard", "stamp", "replay-step", "sample", "rules", "schema", "import")
 
 
 def click_command(name: str):  # type: ignore[no-untyped-def]

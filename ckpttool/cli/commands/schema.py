@@ -29,6 +29,7 @@ SCHEMA_NAMES = {
     "stamp": "ckpttool.stamp/1",
     "replay": "ckpttool.replay/1",
     "rules": "ckpttool.rules/1",
+    "import": "ckpttool.import/1",
 }
 _PRINTED_BY = {
     "inspect": "ckpttool inspect --json",
@@ -38,6 +39,7 @@ _PRINTED_BY = {
     "stamp": "ckpttool stamp --json",
     "replay": "ckpttool replay-step --json",
     "rules": "ckpttool rules --json, ckpttool validate --list-rules --json",
+    "import": "ckpttool import --json",
 }
 
 
@@ -50,6 +52,7 @@ class SchemaName(str, Enum):
     replay = "replay"
     replay_step = "replay-step"
     rules = "rules"
+    import_ = "import"
 
 
 def load_schema(name: str) -> dict[str, Any]:
