@@ -179,3 +179,61 @@ def test_missing_shard_is_refused(hf_dirs: Path, tmp_path: Path) -> None:
     res = runner.invoke(app, ["import", str(d), str(tmp_path / "o")])
     assert res.exit_code == 2 and "index lists" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "o").exists()
+
+
+def _titan_load_rank(rank: int, world: int, root: str) -> None:
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, default_adamw
+    from transformers import AutoConfig
+
+    from tests.fixtures.writers import _titan_llama
+
+    r = Path(root)
+    model = _titan_llama().build()
+    model.init_states(buffer_device=torch.device("cpu"))
+    optims = OptimizersContainer(default_adamw(lr=1e-3, implementation="for-loop"), model_parts=[model])
+    scheds = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optims, training_steps=10)
+    config = CheckpointManager.Config(
+        enable=True, folder="checkpoint", initial_load_path=str(r / "imported"), initial_load_model_only=True
+    )
+    ckpt = CheckpointManager(
+        config,
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optims,
+        lr_schedulers=scheds,
+        states={},
+        sd_adapter=None,
+        base_folder=str(r / "run"),
+    )
+    assert ckpt.load()
+    ckpt.close()
+    want = hf_models.hf_to_titan_llama(hf_tensors(r / "hf"), AutoConfig.from_pretrained(r / "hf"))
+    got = model.state_dict()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+@pytest.mark.slow
+def test_torchtitan_checkpoint_manager_loads_the_imported_checkpoint(tmp_path: Path) -> None:
+    pytest.importorskip("torchtitan.components.checkpoint")
+    from torchtitan.models.common import compute_ffn_hidden_dim
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.fixtures.distributed import run_ranks
+    from tests.fixtures.writers import LLAMA_CFG
+
+    c = LLAMA_CFG
+    torch.manual_seed(7)
+    cfg = LlamaConfig(
+        vocab_size=c["vocab"],
+        hidden_size=c["dim"],
+        intermediate_size=compute_ffn_hidden_dim(c["dim"], multiple_of=32),
+        num_hidden_layers=c["layers"],
+        num_attention_heads=c["heads"],
+        num_key_value_heads=c["heads"],
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    cli("import", str(tmp_path / "hf"), str(tmp_path / "imported"), "--schema", "torchtitan")
+    run_ranks(1, _titan_load_rank, str(tmp_path))
