@@ -132,17 +132,16 @@ class _Native:
     shape: tuple[int, ...]
     rows: list[list[tuple[str, int, int]]]
     planner: tuple[str, ...]
+    flat: tuple[str, int] | None = None  # a tensor stored as is: (file, offset); ``rows`` unused
 
 
 def _row_bytes(dtype: str, shape: tuple[int, ...]) -> int:
     return DType(dtype).itemsize * math.prod(shape[1:])
 
 
-def _plain_rows(src: _Source) -> list[list[tuple[str, int, int]]]:
-    if not src.shape:
-        return [[(src.file, src.offset, DType(src.dtype).itemsize)]]
-    rb = _row_bytes(src.dtype, src.shape)
-    return [[(src.file, src.offset + i * rb, rb)] for i in range(src.shape[0])]
+def _plain(key: str, src: _Source, shape: tuple[int, ...], planner: tuple[str, ...]) -> _Native:
+    """A native tensor that is the HF tensor as stored (one byte run)."""
+    return _Native(key, src.dtype, shape, [], planner, flat=(src.file, src.offset))
 
 
 _PER_EXPERT_RE = re.compile(r"^(?P<p>.+\.experts)\.(?P<j>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
@@ -195,7 +194,7 @@ def _native_tensors(
             continue
         if adapter is None:
             nk = "model." + key
-            out[nk] = _Native(nk, src.dtype, src.shape, _plain_rows(src), ("model", key))
+            out[nk] = _plain(nk, src, src.shape, ("model", key))
             continue
         targets = adapter.from_hf(key, src.shape, acfg)
         if isinstance(targets, Skip):
@@ -244,11 +243,14 @@ def _add_target(out: dict[str, _Native], stacked: dict[str, dict[int, _Source]],
         rows = [[(src.file, src.offset + ((j * t.nparts + t.part) * a * b) * item, a * b * item)] for j in range(e)]
         out[t.key] = _Native(t.key, src.dtype, t.shape, rows, (t.key,))
         return
-    out[t.key] = _Native(t.key, src.dtype, t.shape, _plain_rows(src), (t.key,))
+    out[t.key] = _plain(t.key, src, t.shape, (t.key,))
 
 
 def _segments(n: _Native, start: int, length: int, fds: dict[str, int]) -> list[tuple[int, int, int]]:
     """``(fd, offset, length)`` runs of rows ``[start, start + length)``, adjacent rows merged."""
+    if n.flat is not None:
+        rb = _row_bytes(n.dtype, n.shape) if n.shape else DType(n.dtype).itemsize
+        return [(fds[n.flat[0]], n.flat[1] + start * rb, length * rb)]
     segs: list[tuple[int, int, int]] = []
     for i in range(start, start + length):
         assert n.rows[i], (n.key, i)
@@ -364,7 +366,7 @@ def import_hf(
     total = 0
     try:
         for n in natives:
-            for row in n.rows:
+            for row in [[(*n.flat, 0)]] if n.flat is not None else n.rows:
                 for f, _, _ in row:
                     if f not in fds:
                         fds[f] = open_regular(resolve_inside(src_dir, f, what="safetensors file"))

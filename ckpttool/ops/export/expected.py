@@ -62,15 +62,15 @@ def expected_state_dict(
         the triple, or a string saying why it cannot be built (transformers not installed, a
         ``model_type`` it does not know, a config it rejects).
     """
+    mt = config.get("model_type")
+    if not isinstance(mt, str):
+        return "config.json has no model_type"
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
     except ImportError:
         return "transformers is not installed (pip install 'ckpttool[hf]')"
-    mt = config.get("model_type")
-    if not isinstance(mt, str):
-        return "config.json has no model_type"
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     try:
         fields = {k: v for k, v in config.items() if k != "model_type"}
