@@ -237,3 +237,33 @@ def test_torchtitan_checkpoint_manager_loads_the_imported_checkpoint(tmp_path: P
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
     cli("import", str(tmp_path / "hf"), str(tmp_path / "imported"), "--schema", "torchtitan")
     run_ranks(1, _titan_load_rank, str(tmp_path))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "symlink_out", "offsets_past_end"])
+def test_hostile_safetensors_are_refused_cleanly(hf_dirs: Path, tmp_path: Path, damage: str) -> None:
+    import shutil
+    import struct
+
+    d = tmp_path / "h"
+    shutil.copytree(hf_dirs / "llama", d)
+    f = sorted(d.glob("*.safetensors"))[0]
+    if damage == "truncated":
+        f.write_bytes(f.read_bytes()[:-100])
+    elif damage == "symlink_out":
+        (tmp_path / "outside.safetensors").write_bytes(f.read_bytes())
+        f.unlink()
+        f.symlink_to(tmp_path / "outside.safetensors")
+    else:
+        raw = f.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + n])
+        k = next(k for k in header if k != "__metadata__")
+        header[k]["data_offsets"] = [0, 10**12]
+        text = json.dumps(header).encode()
+        f.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    before = {p.name: p.read_bytes() for p in d.iterdir() if p.is_file() and not p.is_symlink()}
+    res = runner.invoke(app, ["import", str(d), str(tmp_path / "o")])
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines()[-2].startswith("error: [E"), res.stderr
+    assert not (tmp_path / "o").exists()
+    assert {p.name: p.read_bytes() for p in d.iterdir() if p.is_file() and not p.is_symlink()} == before
