@@ -39,6 +39,7 @@ COMMANDS = (
     "schema",
     "diff",
     "manifest",
+    "import_hf",
 )
 
 # typer vendors click (typer._click); reach its exception classes through public names only
