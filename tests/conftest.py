@@ -111,3 +111,11 @@ def ep_multichunk_ckpt(fixture_root: Path) -> Path:
     from tests.fixtures import writers
 
     return cached_build(fixture_root, "writers_ep_multichunk", writers.build_ep_multichunk)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _metadata_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The parsed-``.metadata`` cache of this session (never the user's ``~/.cache/ckpttool``); inherited by subprocesses."""
+    path = tmp_path_factory.mktemp("metadata-cache")
+    os.environ["CKPTTOOL_CACHE_DIR"] = str(path)
+    return path

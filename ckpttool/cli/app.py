@@ -65,6 +65,13 @@ def _set_wide(ctx: Any, param: Any, value: bool) -> None:
         UI.wide = True
 
 
+def _set_no_cache(ctx: Any, param: Any, value: bool) -> None:
+    if value:
+        from ckpttool.format.mdcache import set_cache_enabled
+
+        set_cache_enabled(False)
+
+
 def _global_options() -> list[Any]:
     """The options every command accepts, before or after its name (not passed to command functions)."""
     return [
@@ -104,11 +111,20 @@ def _global_options() -> list[Any]:
             callback=_set_wide,
             help="Never narrow tables to the terminal width (no hidden columns, no folded keys).",
         ),
+        TyperOption(
+            param_decls=["--no-cache"],
+            is_flag=True,
+            default=False,
+            expose_value=False,
+            is_eager=True,
+            callback=_set_no_cache,
+            help="Parse .metadata without the parsed-metadata cache (CKPTTOOL_CACHE_DIR, default ~/.cache/ckpttool).",
+        ),
     ]
 
 
 #: Flags of the global options (accepted by every command).
-GLOBAL_OPTIONS = ("-v", "--verbose", "-q", "--quiet", "--color", "--wide", "-h", "--help")
+GLOBAL_OPTIONS = ("-v", "--verbose", "-q", "--quiet", "--color", "--wide", "--no-cache", "-h", "--help")
 
 
 def version_text() -> str:

@@ -38,8 +38,8 @@ from ckpttool.errors import (
 from ckpttool.format import limits
 from ckpttool.format.files import _kind, copy_regular, open_regular, read_regular, resolve_inside
 from ckpttool.format.hf_storage import hf_storage_files, load_hf_storage_metadata, shard_rank
+from ckpttool.format.mdcache import parse_metadata_cached
 from ckpttool.format.metadata import CheckpointMetadata, ChunkMeta, StorageInfo
-from ckpttool.format.unpickler import parse_metadata_bytes
 
 __all__ = [
     "DATA_FILE_RE",
@@ -126,7 +126,7 @@ class CheckpointDir:
             data = self.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
         except DataFileError as e:
             raise MetadataError(e.message, path=md) from e
-        self.metadata = parse_metadata_bytes(data, str(md))
+        self.metadata = parse_metadata_cached(data, str(md))
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
