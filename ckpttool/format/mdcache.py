@@ -17,20 +17,18 @@ whatever its mtime, and one file copied elsewhere is a hit. A parser change bump
 Entry layout (``<sha256>.ckmd``, little-endian; no pickle anywhere)::
 
     magic    b"CKPTMDC1"
-    u64      length J of the JSON header, then J bytes of UTF-8 JSON:
-             {"format": 1, "parser": PARSER_VERSION, "sha256": hex, "size": bytes of .metadata,
+    u64      length J of the JSON header, then J bytes of ASCII JSON:
+             {"format": 2, "parser": PARSER_VERSION, "sha256": hex, "size": bytes of .metadata,
               "version", "checkpoint_id", "save_id", "serialization": str or null,
-              "strings": [str, ...], "planner": [[key, [item, ...]], ...], "n_ints": N}
-             planner items: a str, an int, or a list of ints (a tuple path item)
-    i64 * N  the int stream (below)
+              "strings": [str, ...],                 every key, path, dtype name, descriptor
+              "planner": [[item, ...], ...],         planner paths holding ints (a tuple as a list)
+              "columns": [length of each column]}
+    i64 * .. the int64 columns of :data:`_COLUMNS`, one after the other: the distinct tensor
+             layouts (dtype, size, chunks: entries with equal metadata share one frozen
+             ``TensorMeta``), each entry's key and layout id, the distinct storage-offset tuples,
+             the storage items as columns (fqn, offsets tuple, relative_path, offset, length,
+             descriptors), the all-string planner paths as string ids
     32 bytes SHA-256 of everything before it (a damaged entry is never decoded)
-
-    int stream:
-             n_entries, then per entry: key string id, kind (0 bytes item, 1 tensor);
-               a tensor: dtype string id, ndim, n_chunks, size[ndim],
-               then per chunk offsets[ndim], sizes[ndim];
-             n_storage, then per item: fqn string id, ndim of its offsets (-1: a byte item),
-               offsets[ndim], relative_path string id, offset, length, n descriptors, their ids
 
 Loading treats an entry as untrusted input: magic, checksum, versions, hash and size must match, every id
 must be in range and every value passes the checks the unpickler applies (dims 0..2^62, at most
@@ -46,11 +44,13 @@ import contextlib
 import hashlib
 import json
 import logging
+import operator
 import os
 import struct
 import sys
 import tempfile
 from array import array
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +118,30 @@ def entry_path(digest: str) -> Path:
 
 
 # --------------------------------------------------------------------------- encode
+#: The int64 columns of an entry, in file order (see the module docstring).
+_COLUMNS = (
+    "layout_dtype",  # per distinct tensor layout: dtype string id
+    "layout_ndim",  # its rank
+    "layout_nchunks",  # its chunk count
+    "layout_dims",  # all layouts' size[ndim] then per chunk offsets[ndim], sizes[ndim]
+    "entry_key",  # per entry: key string id
+    "entry_layout",  # its layout id, -1: a byte item
+    "tuple_ndim",  # per distinct storage-offset tuple: its length
+    "tuple_dims",  # their items
+    "tds_len",  # per distinct transform-descriptor tuple: its length (tuple 0 is ())
+    "tds_ids",  # their string ids
+    "storage_fqn",  # per storage item: fqn string id
+    "storage_tuple",  # its offsets tuple id, -1: None (a byte item)
+    "storage_path",  # relative_path string id
+    "storage_offset",  # byte offset in the file
+    "storage_length",  # byte length
+    "storage_tds",  # transform-descriptor tuple id
+    "planner_key",  # per planner_data path: key string id
+    "planner_len",  # its length; -1: a path holding ints or int tuples, in the header's "planner"
+    "planner_items",  # the string ids of the all-string paths
+)
+
+
 def encode(md: CheckpointMetadata, digest: str, size: int) -> bytes:
     """The cache entry of ``md`` (parsed from ``size`` bytes with SHA-256 ``digest``)."""
     strings: list[str] = []
@@ -130,30 +154,60 @@ def encode(md: CheckpointMetadata, digest: str, size: int) -> bytes:
             strings.append(text)
         return i
 
-    ints = array("q", [len(md.entries)])
-    ext = ints.extend
+    col: dict[str, array[int]] = {name: array("q") for name in _COLUMNS}
+    layouts: dict[_TensorMeta, int] = {}
     for key, meta in md.entries.items():
+        col["entry_key"].append(s(key))
         if isinstance(meta, _TensorMeta):
-            nd = len(meta.size)
-            ext((s(key), 1, s(meta.dtype.name), nd, len(meta.chunks)))
-            ext(meta.size)
-            for c in meta.chunks:
-                ext(c.offsets)
-                ext(c.sizes)
+            lid = layouts.get(meta)
+            if lid is None:
+                lid = layouts[meta] = len(layouts)
+                col["layout_dtype"].append(s(meta.dtype.name))
+                col["layout_ndim"].append(len(meta.size))
+                col["layout_nchunks"].append(len(meta.chunks))
+                dims = col["layout_dims"]
+                dims.extend(meta.size)
+                for c in meta.chunks:
+                    dims.extend(c.offsets)
+                    dims.extend(c.sizes)
+            col["entry_layout"].append(lid)
         else:
-            ext((s(key), 0))
-    ints.append(len(md.storage))
+            col["entry_layout"].append(-1)
+    tuples: dict[tuple[int, ...], int] = {}
+    tds_ids: dict[tuple[str, ...], int] = {(): 0}
+    col["tds_len"].append(0)
     for (fqn, offsets), info in md.storage.items():
+        col["storage_fqn"].append(s(fqn))
         if offsets is None:
-            ext((s(fqn), -1))
+            col["storage_tuple"].append(-1)
         else:
-            ext((s(fqn), len(offsets)))
-            ext(offsets)
-        ext((s(info.relative_path), info.offset, info.length, len(info.transform_descriptors)))
-        ext(s(t) for t in info.transform_descriptors)
-    planner = [[k, [list(x) if isinstance(x, tuple) else x for x in path]] for k, path in md.planner_data.items()]
+            tid = tuples.get(offsets)
+            if tid is None:
+                tid = tuples[offsets] = len(tuples)
+                col["tuple_ndim"].append(len(offsets))
+                col["tuple_dims"].extend(offsets)
+            col["storage_tuple"].append(tid)
+        col["storage_path"].append(s(info.relative_path))
+        col["storage_offset"].append(info.offset)
+        col["storage_length"].append(info.length)
+        tds = info.transform_descriptors
+        did = tds_ids.get(tds)
+        if did is None:
+            did = tds_ids[tds] = len(tds_ids)
+            col["tds_len"].append(len(tds))
+            col["tds_ids"].extend(s(t) for t in tds)
+        col["storage_tds"].append(did)
+    planner: list[list[Any]] = []  # the paths that are not all strings: [[item, ...], ...] (a tuple item as a list)
+    for k, path in md.planner_data.items():
+        col["planner_key"].append(s(k))
+        if all(type(x) is str for x in path):
+            col["planner_len"].append(len(path))
+            col["planner_items"].extend(map(s, path))
+        else:
+            col["planner_len"].append(-1)
+            planner.append([list(x) if isinstance(x, tuple) else x for x in path])
     header = {
-        "format": 1,
+        "format": 2,
         "parser": PARSER_VERSION,
         "sha256": digest,
         "size": size,
@@ -163,12 +217,16 @@ def encode(md: CheckpointMetadata, digest: str, size: int) -> bytes:
         "serialization": md.serialization,
         "strings": strings,
         "planner": planner,
-        "n_ints": len(ints),
+        "columns": [len(col[name]) for name in _COLUMNS],
     }
     head = json.dumps(header, separators=(",", ":")).encode("ascii")
-    if not _LE:
-        ints.byteswap()
-    body = b"".join((_MAGIC, struct.pack("<Q", len(head)), head, ints.tobytes()))
+    parts = [_MAGIC, struct.pack("<Q", len(head)), head]
+    for name in _COLUMNS:
+        a = col[name]
+        if not _LE:
+            a.byteswap()
+        parts.append(a.tobytes())
+    body = b"".join(parts)
     return body + hashlib.sha256(body).digest()
 
 
@@ -198,6 +256,17 @@ def decode(blob: bytes, digest: str, size: int) -> CheckpointMetadata:
         raise CorruptEntry(f"{type(e).__name__}: {str(e)[:80]}") from e
 
 
+def _ids(values: list[int], lo: int, n: int, what: str) -> None:
+    """Every id in ``values`` lies in ``[lo, n)`` (C-speed ``min``/``max``)."""
+    if values and (min(values) < lo or max(values) >= n):
+        raise CorruptEntry(f"{what} id out of range")
+
+
+def _dims_ok(values: list[int]) -> None:
+    if values and (min(values) < 0 or max(values) > MAX_DIM_SIZE):
+        raise CorruptEntry("dims out of range")
+
+
 def _decode(blob: bytes, digest: str, size: int) -> CheckpointMetadata:
     mv = memoryview(blob)
     if len(blob) < 48 or bytes(mv[:8]) != _MAGIC:
@@ -206,107 +275,144 @@ def _decode(blob: bytes, digest: str, size: int) -> CheckpointMetadata:
         raise CorruptEntry("entry checksum differs (damaged)")
     mv = mv[:-32]
     (hlen,) = struct.unpack("<Q", mv[8:16])
-    if hlen > len(blob) - 16:
+    if hlen > len(mv) - 16:
         raise CorruptEntry("truncated header")
-    header = json.loads(bytes(mv[16 : 16 + hlen]).decode("utf-8"))
-    if type(header) is not dict or header.get("format") != 1 or header.get("parser") != PARSER_VERSION:
+    header = json.loads(bytes(mv[16 : 16 + hlen]).decode("ascii"))
+    if type(header) is not dict or header.get("format") != 2 or header.get("parser") != PARSER_VERSION:
         raise CorruptEntry("other format or parser version")
     if header.get("sha256") != digest or header.get("size") != size:
         raise CorruptEntry("entry of other bytes")
     strings = header["strings"]
-    n_ints = header["n_ints"]
-    if type(strings) is not list or type(n_ints) is not int or not all(type(x) is str for x in strings):
+    lengths = header["columns"]
+    if type(strings) is not list or not all(type(x) is str for x in strings):
         raise CorruptEntry("bad string table")
+    if (
+        type(lengths) is not list
+        or len(lengths) != len(_COLUMNS)
+        or not all(type(n) is int and n >= 0 for n in lengths)
+    ):
+        raise CorruptEntry("bad column lengths")
     body = mv[16 + hlen :]
-    if len(body) != 8 * n_ints:
-        raise CorruptEntry("int stream length differs")
+    if len(body) != 8 * sum(lengths):
+        raise CorruptEntry("column bytes differ from their lengths")
     arr = array("q")
     arr.frombytes(body)
     if not _LE:
         arr.byteswap()
-    ints = arr.tolist()
+    col: dict[str, list[int]] = {}
+    pos = 0
+    for name, n in zip(_COLUMNS, lengths):
+        col[name] = arr[pos : pos + n].tolist()
+        pos += n
     del arr
     ns = len(strings)
-    dims_cache: dict[tuple[int, ...], tuple[int, ...]] = {}
 
-    def dims(p: int, nd: int) -> tuple[int, ...]:
-        t = tuple(ints[p : p + nd])
-        hit = dims_cache.get(t)
-        if hit is not None:
-            return hit
-        if len(t) != nd or any(d < 0 or d > MAX_DIM_SIZE for d in t):
-            raise CorruptEntry("dims out of range")
-        if len(dims_cache) < 65536:
-            dims_cache[t] = t
-        return t
-
-    def text(i: int) -> str:
-        if not 0 <= i < ns:
-            raise CorruptEntry("string id out of range")
-        return strings[i]  # type: ignore[no-any-return]
-
-    entries: dict[str, _TensorMeta | BytesMeta] = {}
+    # distinct tensor layouts: checked one by one (a few per checkpoint, at most one per entry)
+    l_dtype, l_ndim, l_nch, l_dims = col["layout_dtype"], col["layout_ndim"], col["layout_nchunks"], col["layout_dims"]
+    if not len(l_dtype) == len(l_ndim) == len(l_nch):
+        raise CorruptEntry("layout columns differ in length")
+    _ids(l_dtype, 0, ns, "dtype string")
+    _dims_ok(l_dims)
+    shared: dict[tuple[int, ...], tuple[int, ...]] = {}
     dtypes: dict[int, DType] = {}
-    bytes_meta = BytesMeta()
-    p = 1
-    for _ in range(ints[0]):
-        key, kind = text(ints[p]), ints[p + 1]
-        p += 2
-        if kind == 0:
-            entries[key] = bytes_meta
-            continue
-        if kind != 1:
-            raise CorruptEntry("bad entry kind")
-        dsid, nd, nc = ints[p], ints[p + 1], ints[p + 2]
-        p += 3
+    layouts: list[_TensorMeta] = []
+    p = 0
+    for dsid, nd, nc in zip(l_dtype, l_ndim, l_nch):
         dt = dtypes.get(dsid)
         if dt is None:
-            name = text(dsid)
+            name = strings[dsid]
             if name not in DTYPE_ITEMSIZE:
                 raise CorruptEntry("unknown dtype")
             dt = dtypes[dsid] = DType(name)
-        if not 0 <= nd <= MAX_NDIM or nc < 0:
+        if not 0 <= nd <= MAX_NDIM or nc < 0 or p + nd * (1 + 2 * nc) > len(l_dims):
             raise CorruptEntry("bad rank or chunk count")
-        shape = dims(p, nd)
+        shape = tuple(l_dims[p : p + nd])
+        shape = shared.setdefault(shape, shape)
         p += nd
         chunks = []
-        for _c in range(nc):
-            c_off = dims(p, nd)
-            c_sz = dims(p + nd, nd)
+        for _ in range(nc):
+            c_off = tuple(l_dims[p : p + nd])
+            c_sz = tuple(l_dims[p + nd : p + 2 * nd])
             p += 2 * nd
             for o, sz, d in zip(c_off, c_sz, shape):
                 if o + sz > d:
                     raise CorruptEntry("chunk outside its tensor")
-            chunks.append(ChunkMeta(c_off, c_sz))
-        entries[key] = _TensorMeta(dt, shape, tuple(chunks))
-    storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo] = {}
-    n_storage = ints[p]
-    p += 1
-    for _ in range(n_storage):
-        fqn, nd = text(ints[p]), ints[p + 1]
-        p += 2
-        offsets: tuple[int, ...] | None
-        if nd == -1:
-            offsets = None
-        elif 0 <= nd <= MAX_NDIM:
-            offsets = dims(p, nd)
-            p += nd
+            chunks.append(ChunkMeta(shared.setdefault(c_off, c_off), shared.setdefault(c_sz, c_sz)))
+        layouts.append(_TensorMeta(dt, shape, tuple(chunks)))
+    if p != len(l_dims):
+        raise CorruptEntry("layout dims longer than their layouts")
+
+    # entries: key -> one of the layouts (frozen, so entries of one layout share it) or the bytes item
+    e_key, e_layout = col["entry_key"], col["entry_layout"]
+    if len(e_key) != len(e_layout):
+        raise CorruptEntry("entry columns differ in length")
+    _ids(e_key, 0, ns, "key string")
+    _ids(e_layout, -1, len(layouts), "layout")
+    table: list[_TensorMeta | BytesMeta] = [*layouts, BytesMeta()]  # index -1: the bytes item
+    entries: dict[str, _TensorMeta | BytesMeta] = dict(
+        zip(map(strings.__getitem__, e_key), map(table.__getitem__, e_layout))
+    )
+    if len(entries) != len(e_key):
+        raise CorruptEntry("duplicate entry keys")
+
+    # storage offsets tuples and transform-descriptor tuples
+    t_ndim, t_dims = col["tuple_ndim"], col["tuple_dims"]
+    if t_ndim and (min(t_ndim) < 0 or max(t_ndim) > MAX_NDIM) or sum(t_ndim) != len(t_dims):
+        raise CorruptEntry("bad offsets tuples")
+    _dims_ok(t_dims)
+    tuples: list[tuple[int, ...] | None] = []
+    p = 0
+    for nd in t_ndim:
+        t = tuple(t_dims[p : p + nd])
+        tuples.append(shared.setdefault(t, t))
+        p += nd
+    tuples.append(None)  # index -1
+    d_len, d_ids = col["tds_len"], col["tds_ids"]
+    if not d_len or d_len[0] != 0 or min(d_len) < 0 or sum(d_len) != len(d_ids):
+        raise CorruptEntry("bad descriptor tuples")
+    _ids(d_ids, 0, ns, "descriptor string")
+    descriptors: list[tuple[str, ...]] = []
+    p = 0
+    for n in d_len:
+        descriptors.append(tuple(strings[i] for i in d_ids[p : p + n]))
+        p += n
+
+    # storage items: columns checked with min/max, then built in C (zip/map, tuple.__new__)
+    s_fqn, s_tup, s_path = col["storage_fqn"], col["storage_tuple"], col["storage_path"]
+    s_off, s_len, s_tds = col["storage_offset"], col["storage_length"], col["storage_tds"]
+    n = len(s_fqn)
+    if not n == len(s_tup) == len(s_path) == len(s_off) == len(s_len) == len(s_tds):
+        raise CorruptEntry("storage columns differ in length")
+    _ids(s_fqn, 0, ns, "storage fqn string")
+    _ids(s_path, 0, ns, "relative path string")
+    _ids(s_tup, -1, len(tuples) - 1, "offsets tuple")
+    _ids(s_tds, 0, len(descriptors), "descriptor tuple")
+    if n and (min(s_off) < 0 or min(s_len) < 0 or max(map(operator.add, s_off, s_len)) > MAX_OFFSET):
+        raise CorruptEntry("storage range out of bounds")
+    keys = zip(map(strings.__getitem__, s_fqn), map(tuples.__getitem__, s_tup))
+    rows = zip(map(strings.__getitem__, s_path), s_off, s_len, map(descriptors.__getitem__, s_tds))
+    storage = dict(zip(keys, map(tuple.__new__, repeat(StorageInfo), rows)))
+    if len(storage) != n:
+        raise CorruptEntry("duplicate storage keys")
+    p_key, p_len, p_items = col["planner_key"], col["planner_len"], col["planner_items"]
+    if len(p_key) != len(p_len) or (p_len and (min(p_len) < -1 or max(p_len) > MAX_NDIM)):
+        raise CorruptEntry("bad planner columns")
+    _ids(p_key, 0, ns, "planner key string")
+    _ids(p_items, 0, ns, "planner item string")
+    others = iter(_planner(header["planner"]))
+    paths: list[tuple[Any, ...]] = []
+    p = 0
+    for n in p_len:
+        if n < 0:
+            paths.append(next(others))
         else:
-            raise CorruptEntry("bad storage rank")
-        rel_id, off, length, ntd = ints[p], ints[p + 1], ints[p + 2], ints[p + 3]
-        p += 4
-        if off < 0 or length < 0 or off + length > MAX_OFFSET:
-            raise CorruptEntry("storage range out of bounds")
-        tds: tuple[str, ...] = ()
-        if ntd:
-            if ntd < 0 or ntd > len(ints):
-                raise CorruptEntry("bad descriptor count")
-            tds = tuple(text(i) for i in ints[p : p + ntd])
-            p += ntd
-        storage[(fqn, offsets)] = StorageInfo(text(rel_id), off, length, tds)
-    if p != len(ints):
-        raise CorruptEntry("int stream longer than its items")
-    planner = _planner(header["planner"])
+            paths.append(tuple(map(strings.__getitem__, p_items[p : p + n])))
+            p += n
+    if p != len(p_items) or next(others, None) is not None:
+        raise CorruptEntry("planner items differ from their paths")
+    planner = dict(zip(map(strings.__getitem__, p_key), paths))
+    if len(planner) != len(p_key):
+        raise CorruptEntry("duplicate planner keys")
     serialization = header.get("serialization")
     if serialization not in ("torch_save", "safetensors"):
         raise CorruptEntry("bad serialization")
@@ -321,23 +427,17 @@ def _decode(blob: bytes, digest: str, size: int) -> CheckpointMetadata:
     )
 
 
-def _planner(raw: Any) -> dict[str, tuple[Any, ...]]:
+def _planner(raw: Any) -> list[tuple[Any, ...]]:
+    """The planner paths holding ints or int tuples, checked as the unpickler checks them."""
     if type(raw) is not list:
         raise CorruptEntry("bad planner data")
-    out: dict[str, tuple[Any, ...]] = {}
-    for row in raw:
-        key, path = row
-        if type(key) is not str or type(path) is not list or len(path) > MAX_NDIM:
+    out: list[tuple[Any, ...]] = []
+    for path in raw:
+        if type(path) is not list or len(path) > MAX_NDIM:
             raise CorruptEntry("bad planner path")
-        types = set(map(type, path))
-        if types <= {str}:
-            out[key] = tuple(path)
-            continue
         items: list[Any] = []
         for x in path:
-            if type(x) is str:
-                items.append(x)
-            elif type(x) is int and -MAX_OFFSET <= x <= MAX_OFFSET:
+            if type(x) is str or (type(x) is int and -MAX_OFFSET <= x <= MAX_OFFSET):
                 items.append(x)
             elif (
                 type(x) is list
@@ -347,7 +447,7 @@ def _planner(raw: Any) -> dict[str, tuple[Any, ...]]:
                 items.append(tuple(x))
             else:
                 raise CorruptEntry("bad planner path item")
-        out[key] = tuple(items)
+        out.append(tuple(items))
     return out
 
 

@@ -140,29 +140,42 @@ def test_damaged_entry_is_ignored_and_rebuilt(how: str, fsdp_ckpt: Path, cache: 
 
 def _forge(md: CheckpointMetadata, data: bytes, edit: str) -> bytes:
     """An entry with a valid checksum whose content the unpickler would have refused."""
+    from array import array
+
     digest = hashlib.sha256(data).hexdigest()
     blob = encode(md, digest, len(data))[:-32]
     head_len = int.from_bytes(blob[8:16], "little")
     header = json.loads(blob[16 : 16 + head_len])
-    ints = memoryview(bytearray(blob[16 + head_len :])).cast("q")
+    flat = array("q")
+    flat.frombytes(blob[16 + head_len :])
+    cols, pos = {}, 0
+    for name, n in zip(mdcache._COLUMNS, header["columns"]):
+        cols[name] = flat[pos : pos + n]
+        pos += n
     if edit == "string id":
-        ints[1] = -1  # the first entry's key: the last string, by Python's negative index
+        cols["entry_key"][0] = -1  # Python would index the last string
     elif edit == "huge dim":
-        ints[6] = 2**63 - 1
+        cols["layout_dims"][0] = 2**63 - 1
     elif edit == "dtype":
-        header["strings"][ints[3]] = "not_a_dtype"
+        header["strings"][cols["layout_dtype"][0]] = "not_a_dtype"
     elif edit == "other bytes":
         header["sha256"] = "0" * 64
     elif edit == "parser":
         header["parser"] = mdcache.PARSER_VERSION + 1
     elif edit == "planner":
-        header["planner"][0][1] = [{"a": 1}]
+        cols["planner_key"][0] = len(header["strings"])
+    elif edit == "storage range":
+        cols["storage_offset"][0] = -5
+    elif edit == "chunk count":
+        cols["layout_nchunks"][0] += 1
     head = json.dumps(header).encode()
-    body = blob[:8] + len(head).to_bytes(8, "little") + head + ints.tobytes()
+    body = blob[:8] + len(head).to_bytes(8, "little") + head + b"".join(cols[n].tobytes() for n in mdcache._COLUMNS)
     return body + hashlib.sha256(body).digest()
 
 
-@pytest.mark.parametrize("edit", ["string id", "huge dim", "dtype", "other bytes", "parser", "planner"])
+@pytest.mark.parametrize(
+    "edit", ["string id", "huge dim", "dtype", "other bytes", "parser", "planner", "storage range", "chunk count"]
+)
 def test_forged_entry_is_refused(edit: str, dense_ckpt: Path) -> None:
     data = (dense_ckpt / ".metadata").read_bytes()
     md = parse_metadata_bytes(data)
