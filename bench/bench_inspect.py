@@ -273,7 +273,8 @@ def bench_million(workdir: Path, entries: int, ranks: int, sharded_every: int, r
             rows.setdefault(label + " (cache hit)", []).append(_run_rss(cmd, env))
     t_torch, rss_torch = min(t for t, _ in rows["torch"]), max(r for _, r in rows["torch"])
     print(
-        f"\n{entries:,} entries ({n_chunks:,} chunks, {ranks} ranks, every {sharded_every or 'no'}th tensor sharded), "
+        f"\n{entries:,} entries ({n_chunks:,} chunks, {ranks} ranks, "
+        f"{f'every {sharded_every}th tensor in {ranks} chunks' if sharded_every else 'one chunk each'}), "
         f".metadata {md_size / 2**20:.0f} MiB; load average {os.getloadavg()[0]:.2f}; best of {repeat}, fresh processes"
     )
     print(f"  {'':52s} {'wall s':>8s} {'x torch':>8s} {'peak RSS':>10s}")
