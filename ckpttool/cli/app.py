@@ -100,6 +100,13 @@ def _set_remote(field: str) -> Any:
     return callback
 
 
+def _set_no_cache(ctx: Any, param: Any, value: bool) -> None:
+    if value:
+        from ckpttool.format.mdcache import set_cache_enabled
+
+        set_cache_enabled(False)
+
+
 def _global_options() -> list[Any]:
     """The options every command accepts, before or after its name (not passed to command functions)."""
     return [
@@ -170,6 +177,15 @@ def _global_options() -> list[Any]:
             callback=_set_remote("retries"),
             help="Attempts per storage request on transient errors [default: 5].",
         ),
+        TyperOption(
+            param_decls=["--no-cache"],
+            is_flag=True,
+            default=False,
+            expose_value=False,
+            is_eager=True,
+            callback=_set_no_cache,
+            help="Parse .metadata without the parsed-metadata cache (CKPTTOOL_CACHE_DIR, default ~/.cache/ckpttool).",
+        ),
     ]
 
 
@@ -184,6 +200,7 @@ GLOBAL_OPTIONS = (
     "--storage-option",
     "--remote-workers",
     "--remote-retries",
+    "--no-cache",
     "-h",
     "--help",
 )
