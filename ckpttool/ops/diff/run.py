@@ -371,6 +371,13 @@ class Side:
                 r = runs[0]
                 out[r.dst : r.dst + r.length] = flat
                 continue
+            size = runs[0].length
+            if size > 0 and all(r.length == size and r.src % size == 0 and r.dst % size == 0 for r in runs):
+                # row moves (RoPE rows, expert slabs): one gather-scatter instead of a copy per run
+                src_rows = torch.tensor([r.src // size for r in runs], dtype=torch.long)
+                dst_rows = torch.tensor([r.dst // size for r in runs], dtype=torch.long)
+                out.view(-1, size).index_copy_(0, dst_rows, flat.view(-1, size).index_select(0, src_rows))
+                continue
             for r in runs:
                 out[r.dst : r.dst + r.length] = flat[r.src : r.src + r.length]
         return out.view(item.shape)

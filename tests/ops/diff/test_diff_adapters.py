@@ -158,7 +158,11 @@ def test_torchtitan_qwen3_moe_save_equals_its_export(titan_root: Path, tmp_path:
     doc = diff_json(src, hf, code=1)
     (d,) = doc["differences"]
     assert d["name"] == key and d["index"] == list(idx)
-    assert d["stored"]["side"] == "A" and d["stored"]["key"].endswith(".w3_EFD") and ".layers.1." in "." + d["stored"]["key"]
+    assert (
+        d["stored"]["side"] == "A"
+        and d["stored"]["key"].endswith(".w3_EFD")
+        and ".layers.1." in "." + d["stored"]["key"]
+    )
     assert d["stored"]["index"] == stored
 
 
@@ -189,8 +193,10 @@ def test_map_rules_name_an_export_written_with_them(tmp_path: Path) -> None:
     plain = diff_json(llama, hf, code=1)
     assert {d["kind"] for d in plain["differences"]} == {"only_a", "only_b"}
     doc = diff_json(llama, hf, "--map", rules, code=0)
-    assert doc["counts"]["compared"] == doc["b"]["tensors"] == plain["counts"]["compared"] + len(
-        [d for d in plain["differences"] if d["kind"] == "only_b"]
+    assert (
+        doc["counts"]["compared"]
+        == doc["b"]["tensors"]
+        == plain["counts"]["compared"] + len([d for d in plain["differences"] if d["kind"] == "only_b"])
     )
     from tests.ops.diff.test_diff import cli
 
@@ -214,7 +220,7 @@ def test_master_weights_against_a_weights_master_export(tmp_path: Path) -> None:
     doc = diff_json(src, hf, "--weights", "master", code=0)
     assert doc["counts"]["compared"] == len(exported) and doc["counts"]["raw"] == doc["counts"]["compared"]
     # one master element changed in the export is found
-    key = next(k for k in masters if k.endswith("down_proj.weight") or k.endswith("down_proj"))
+    key = next(k for k in masters if k.endswith(("down_proj.weight", "down_proj")))
     idx = (0,) * exported[key].dim()
     _edit(hf, key, idx, 0.25)
     doc = diff_json(src, hf, "--weights", "master", code=1)
