@@ -139,7 +139,9 @@ def main() -> None:
                 pass
     hd = DIM // HEADS
     ck = shutil.which("ckpttool") or "ckpttool"
-    print(f"checkpoint {src} ({dcp_bytes / 2**30:.2f} GiB) + export {hf} ({(both - dcp_bytes) / 2**30:.2f} GiB), {load()}")
+    print(
+        f"checkpoint {src} ({dcp_bytes / 2**30:.2f} GiB) + export {hf} ({(both - dcp_bytes) / 2**30:.2f} GiB), {load()}"
+    )
     rows = []
     cmp_s = 0.0
     for f, c in zip(files[:-1], copies):

@@ -649,7 +649,13 @@ def _pair_names(a: Side, b: Side, opts: DiffOptions) -> tuple[list[Item], list[I
     if a.kind == "dcp" and b.kind == "dcp":
         ia, ea, _ = dcp_items(a, opts.what)
         ib, eb, _ = dcp_items(b, opts.what)
-        return ia, ib, ea + eb, [], "torch-native"
+        notes = []
+        if opts.adapter is not None:
+            notes.append(
+                f"`adapter` {opts.adapter} not used: two DCP checkpoints are matched by torch-native keys, "
+                "whatever their naming"
+            )
+        return ia, ib, ea + eb, notes, "torch-native"
     if a.kind != "dcp" and b.kind != "dcp":
         if opts.what == "optimizer":
             raise DiffError(

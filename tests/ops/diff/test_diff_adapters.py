@@ -135,6 +135,9 @@ def test_gqa_k_rows_compared_with_kv_heads_and_the_adapter_given(titan_named: Pa
     res = diff_checkpoints(src, hf, adapter="hf")
     assert res.model_adapter is None and res.compared < res.b.tensors
     assert {"only_a", "only_b"} <= {x.kind for x in res.differences}
+    # between two DCP checkpoints the adapter has no part: torch-native keys, and a note says so
+    same = diff_checkpoints(src, src, adapter="torchtitan-llama3")
+    assert same.equal and same.naming == "torch-native" and any("`adapter`" in n for n in same.notes)
 
 
 @pytest.mark.slow
