@@ -186,8 +186,8 @@ def test_torchtitan_names_without_a_fitting_adapter_are_refused(titan_named: Pat
 # ------------------------------------------------------------------------------------------ --map, --weights master
 
 
-def test_map_rules_name_an_export_written_with_them(tmp_path: Path) -> None:
-    llama = cached_build(tmp_path / "fx", "export_llama", hf_models.build_llama)
+def test_map_rules_name_an_export_written_with_them(fixture_root: Path, tmp_path: Path) -> None:
+    llama = cached_build(fixture_root, "export_llama", hf_models.build_llama)
     rules = tmp_path / "rules.yaml"
     rules.write_text("keys:\n  - {match: '^model\\.model\\.layers\\.(\\d+)\\.mlp\\.(.+)$', to: 'blocks.\\1.ffn.\\2'}\n")
     hf = tmp_path / "hf"
@@ -236,3 +236,33 @@ def test_master_weights_against_a_weights_master_export(tmp_path: Path) -> None:
 
     res = cli(plain, hf, "--weights", "master")
     assert res.exit_code == 2 and "master_weight" in res.stderr
+
+
+# ------------------------------------------------------------------------------------------ stored index
+
+
+@pytest.mark.parametrize("experts", ["fused", "per-expert"])
+def test_legacy_ep_difference_names_the_stored_expert_row(fixture_root: Path, tmp_path: Path, experts: str) -> None:
+    """The compared index is HF's (true expert order); ``stored`` is where A keeps that element, read back here."""
+    from ckpttool.format import CheckpointReader
+    from ckpttool.model.declaration import LayoutDeclaration
+
+    src = cached_build(fixture_root, "export_qwen_moe_legacy", hf_models.build_qwen_moe_legacy)
+    decl = LayoutDeclaration("legacy", hf_models.MOE_P, hf_models.MOE_F)
+    hf = tmp_path / "hf"
+    export_checkpoint(src, hf, experts=experts, declaration=decl)
+    j = hf_models.MOE_EXPERTS - 2
+    names = sorted(load_file(hf / "model.safetensors"))
+    key = next(
+        n for n in names if n.endswith("experts.gate_up_proj" if experts == "fused" else f"experts.{j}.up_proj.weight")
+    )
+    idx = (j, 1, 2) if experts == "fused" else (1, 2)
+    _edit(hf, key, idx)
+    layout = ["--source-layout", "legacy", "--ep-size", hf_models.MOE_P, "--ep-fsdp-size", hf_models.MOE_F]
+    doc = diff_json(src, hf, *layout, code=1)
+    (d,) = doc["differences"]
+    assert d["name"] == key and d["index"] == list(idx) and d["stored"]["side"] == "A"
+    with CheckpointReader(src) as r:
+        stored = r.read_tensor(d["stored"]["key"])
+    assert float(stored[tuple(d["stored"]["index"])]) == d["a_value"]
+    assert float(load_file(hf / "model.safetensors")[key][idx]) == d["b_value"]
