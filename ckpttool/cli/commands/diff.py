@@ -75,6 +75,15 @@ def diff_command(
     weights: Annotated[
         Weights, typer.Option("--weights", help="Against safetensors: compare the parameters or their FP32 masters.")
     ] = Weights.params,
+    adapter: Annotated[
+        str | None,
+        typer.Option(
+            "--adapter",
+            metavar="<torchtitan-llama3|torchtitan-qwen3|hf>",
+            help="Against safetensors: the model adapter naming the DCP side, as export's "
+            "[default: detected from the key names].",
+        ),
+    ] = None,
     json_output: JsonOpt = False,
     trust_pickle: TrustPickleOpt = False,
     source_layout: SourceLayoutOpt = None,
@@ -108,6 +117,7 @@ def diff_command(
         else None,
         map_rules=map_rules,
         weights=weights.value,
+        adapter=adapter,
     )
     decl_a = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
     decl_b = declaration(b_source_layout, b_ep_size, b_ep_fsdp_size, b_no_ep)
@@ -140,8 +150,9 @@ def render_diff(res: DiffResult, *, max_rows: int = 40) -> None:
         how += f" after casting to {o.as_dtype}"
     con.print(f"A: {res.a.path} ({res.a.kind}, {res.a.schema}{', ' + res.a.layout if res.a.layout else ''})")
     con.print(f"B: {res.b.path} ({res.b.kind}, {res.b.schema}{', ' + res.b.layout if res.b.layout else ''})")
+    adapter = f", model adapter {res.model_adapter}" if res.model_adapter else ""
     con.print(
-        f"compared {o.what} ({res.naming} names), {how}: {plural(res.compared, 'value')}, "
+        f"compared {o.what} ({res.naming} names{adapter}), {how}: {plural(res.compared, 'value')}, "
         f"{res.raw_compared} as raw records"
     )
     for n in res.notes:

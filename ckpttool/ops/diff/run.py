@@ -44,6 +44,7 @@ from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.model.layout_record import LAYOUT_KEY
 from ckpttool.model.permute import legacy_to_canonical_perm
 from ckpttool.ops.diff.compare import ValueDiff, compare_tensors, unravel
+from ckpttool.ops.export.transform import Run
 
 __all__ = ["WHAT", "DiffOptions", "Difference", "Excluded", "DiffResult", "Item", "Side", "diff_checkpoints"]
 
@@ -65,6 +66,8 @@ class DiffOptions:
         map_rules: export rules YAML (``docs/export.md``) mapping DCP keys to safetensors names.
         weights: ``params`` or ``master``: which DCP tensor stands for a parameter against a
             safetensors side (``master``: its FP32 ``master_weight``).
+        adapter: a model adapter name (:data:`ckpttool.model.adapters.ADAPTERS`) naming a DCP
+            side against safetensors; ``None``: detected from the key names, as ``export`` does.
         max_differences: differences listed in full (all are counted).
     """
 
@@ -74,6 +77,7 @@ class DiffOptions:
     as_dtype: str | None = None
     map_rules: str | os.PathLike[str] | None = None
     weights: str = "params"
+    adapter: str | None = None
     max_differences: int = 1000
 
 
@@ -88,6 +92,10 @@ class Item:
         perm: gather permutation of dim 0 into true expert order (legacy EP layouts).
         piece: ``(stored expert index, part, nparts)``: a per-expert piece of a fused tensor.
         entry: the catalog entry of ``key`` (``None``: a byte item).
+        against: the other side's name it is compared with, when not ``name`` (a tied head).
+        runs: a model adapter's element moves, as the export plan writes them: for each source
+            tensor, the :class:`~ckpttool.ops.export.transform.Run` s of its flat elements into this
+            value (``dst`` in the value's flat C order); ``None``: the value is the stored tensor.
     """
 
     name: str
@@ -99,6 +107,7 @@ class Item:
     piece: tuple[int, int, int] | None = None
     entry: TensorEntry | None = None
     against: str | None = None
+    runs: tuple[tuple[TensorEntry, tuple[Run, ...]], ...] | None = None
 
     @property
     def match(self) -> str:
@@ -107,7 +116,28 @@ class Item:
 
     @property
     def direct(self) -> bool:
-        return self.perm is None and self.piece is None and self.entry is not None
+        return self.perm is None and self.piece is None and self.runs is None and self.entry is not None
+
+    def stored_index(self, flat: int) -> tuple[str, list[int]] | None:
+        """``(key, index)`` in the side's stored tensor of the compared value's flat element ``flat``.
+
+        ``None`` when the value is the stored tensor as it is (the compared index is the stored one).
+        """
+        if self.runs is not None:
+            for e, runs in self.runs:
+                for r in runs:
+                    if r.dst <= flat < r.dst + r.length:
+                        return e.key, unravel(r.src + flat - r.dst, e.shape)
+            return None
+        if self.perm is not None:
+            idx = unravel(flat, self.shape)
+            idx[0] = self.perm[idx[0]]
+            return self.key, idx
+        if self.piece is not None and self.entry is not None:
+            j, p, _n = self.piece
+            idx = unravel(flat, self.shape)
+            return self.key, [j, p * self.shape[0] + idx[0], *idx[1:]]
+        return None
 
 
 @dataclass(frozen=True)
@@ -121,6 +151,9 @@ class Difference:
         index: global index of the first differing element (canonical order).
         mismatched, numel: differing (or outside-tolerance) elements, of how many.
         max_abs_error, max_rel_error, a_value, b_value: see :class:`~ckpttool.ops.diff.compare.ValueDiff`.
+        stored: where that element is stored when the compared order is not a side's stored order
+            (a model adapter's RoPE rows or fused halves, a legacy EP permutation, a per-expert
+            piece): ``{"side": "A", "key": ..., "index": [...]}`` in that side's stored tensor.
     """
 
     name: str
@@ -135,6 +168,7 @@ class Difference:
     max_rel_error: float | None = None
     a_value: Any = None
     b_value: Any = None
+    stored: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -150,6 +184,7 @@ class Difference:
             "max_rel_error": _num(self.max_rel_error),
             "a_value": _num(self.a_value),
             "b_value": _num(self.b_value),
+            "stored": self.stored,
         }
 
 
@@ -212,6 +247,7 @@ class DiffResult:
     notes: list[str]
     bytes_read: int
     seconds: float
+    model_adapter: str | None = None
 
     @property
     def equal(self) -> bool:
@@ -231,6 +267,7 @@ class DiffResult:
                 "as_dtype": o.as_dtype,
             },
             "naming": self.naming,
+            "model_adapter": self.model_adapter,
             "equal": self.equal,
             "counts": {
                 "compared": self.compared,
@@ -264,6 +301,7 @@ class Side:
         self.only_file = only_file
         self._cached: tuple[str, Any] | None = None
         self._buf: Any = None  # one reusable byte buffer: no page faults on every tensor
+        self.adapter: str | None = None  # the model adapter that named this side (export naming)
 
     @property
     def reader(self) -> Any:
@@ -309,6 +347,8 @@ class Side:
         """The value of ``item`` in canonical order (a view where possible)."""
         import torch
 
+        if item.runs is not None:
+            return self._assemble(item)
         t = self.tensor(item.key)
         if item.perm is not None:
             t = t.index_select(0, torch.tensor(item.perm, dtype=torch.long))
@@ -318,6 +358,29 @@ class Side:
             rows = t.shape[1] // n
             t = t[j, p * rows : (p + 1) * rows]
         return t
+
+    def _assemble(self, item: Item) -> Any:
+        """A model adapter's value: every source's runs copied into a new tensor (as export writes it)."""
+        import torch
+
+        assert item.runs is not None
+        out = torch.empty(_numel(item.shape), dtype=_torch_dtype(item.dtype))
+        for e, runs in item.runs:
+            flat = self.tensor(e.key).reshape(-1)
+            if len(runs) == 1 and runs[0].length == flat.numel():
+                r = runs[0]
+                out[r.dst : r.dst + r.length] = flat
+                continue
+            size = runs[0].length
+            if size > 0 and all(r.length == size and r.src % size == 0 and r.dst % size == 0 for r in runs):
+                # row moves (RoPE rows, expert slabs): one gather-scatter instead of a copy per run
+                src_rows = torch.tensor([r.src // size for r in runs], dtype=torch.long)
+                dst_rows = torch.tensor([r.dst // size for r in runs], dtype=torch.long)
+                out.view(-1, size).index_copy_(0, dst_rows, flat.view(-1, size).index_select(0, src_rows))
+                continue
+            for r in runs:
+                out[r.dst : r.dst + r.length] = flat[r.src : r.src + r.length]
+        return out.view(item.shape)
 
     def drop_cache(self) -> None:
         self._cached = None
@@ -429,18 +492,59 @@ def dcp_items(side: Side, what: str) -> tuple[list[Item], list[Excluded], list[s
     return items, excluded, []
 
 
+def side_adapter(side: Side, opts: DiffOptions, fmt: str, config: dict[str, Any] | None) -> Any:
+    """The model adapter naming a DCP side against HF names: ``opts.adapter``, else detected as ``export`` does.
+
+    Returns a :class:`~ckpttool.model.adapters.ModelAdapter`, or ``None`` (the key rules name the side).
+
+    Raises:
+        UsageError: an unknown ``adapter``, or one given against a LoRA adapter.
+    """
+    from ckpttool.model.adapters import detect_adapter, get_adapter
+
+    cat = side.ckpt.catalog
+    if opts.adapter is not None:
+        ad = get_adapter(opts.adapter)
+        if fmt == "lora" and ad.name != "hf":
+            raise UsageError(f"`adapter` {ad.name} applies against HF safetensors, not a LoRA adapter", param="adapter")
+        return ad
+    if fmt != "hf":
+        return None
+    return detect_adapter(cat.schema.naming, [cat.fqn_of(k) for k in cat.model], config)
+
+
 def export_items(
-    side: Side, other: set[str], opts: DiffOptions, fmt: str, tied: bool = False
+    side: Side,
+    other: set[str],
+    opts: DiffOptions,
+    fmt: str,
+    tied: bool = False,
+    config: dict[str, Any] | None = None,
 ) -> tuple[list[Item], list[Excluded], list[str], str]:
-    """A DCP side named by the export mapping (HF or LoRA keys), experts fused or per-expert as ``other`` holds them."""
+    """A DCP side named by the export mapping (HF or LoRA keys), experts fused or per-expert as ``other`` holds them.
+
+    A model adapter (``opts.adapter`` or detected; ``config``: the HF ``config.json`` giving its
+    RoPE head counts) names torchtitan keys; its tensors are then compared in HF order through
+    the export plan's element runs (:attr:`Item.runs`), so the values are the ones export writes.
+    """
     from ckpttool.errors import ExportError
+    from ckpttool.model.adapters import AdapterConfig
     from ckpttool.ops.export.experts import expert_orders
     from ckpttool.ops.export.plan import build_plan, select_sources
     from ckpttool.ops.export.rules import load_rules
 
     cat = side.ckpt.catalog
     rules = load_rules(Path(opts.map_rules) if opts.map_rules is not None else None)
-    selected, warnings, skipped, _ = select_sources(cat, rules, fmt=fmt, weights=opts.weights)
+    adapter = side_adapter(side, opts, fmt, config)
+    selected, warnings, skipped, _ = select_sources(
+        cat,
+        rules,
+        fmt=fmt,
+        weights=opts.weights,
+        adapter=adapter,
+        adapter_config=AdapterConfig.from_hf_config(config),
+    )
+    side.adapter = adapter.name if adapter is not None and any(s.hf is not None for s in selected) else None
     orders = expert_orders(selected, side.ckpt.require_layout())
     fused = build_plan(selected, rules, fmt=fmt, expert_orders=orders)
     per_expert = None
@@ -453,10 +557,18 @@ def export_items(
     items: list[Item] = []
     notes: list[str] = list(warnings)
     n_split = 0
+    assembled: dict[str, Item] = {}  # adapter values, by output name (a fused gate_up_proj has two sources)
     for task in fused.tasks:
         s = task.selected
         src = s.source
         split = split_tasks.get(s.model_key)
+        if s.hf is not None:
+            chosen = task
+            if split is not None and s.out_key not in other and any(p.name in other for p in split.pieces):
+                chosen = split
+                n_split += len(split.pieces) > 1
+            _adapter_items(chosen, assembled, items)
+            continue
         if (
             split is not None
             and any(p.expert is not None for p in split.pieces)
@@ -496,6 +608,29 @@ def export_items(
     return items, excluded, notes, "lora" if fmt == "lora" else "export"
 
 
+def _adapter_items(task: Any, assembled: dict[str, Item], items: list[Item]) -> None:
+    """The items of one adapter-mapped export task: each piece's runs (``dst`` re-based to the piece)."""
+    src = task.selected.source
+    for k, p in enumerate(task.pieces):
+        if task.runs is None:
+            runs: tuple[Run, ...] = (Run(0, _numel(src.shape), 0, 0),)
+        else:
+            runs = tuple(Run(r.src, r.length, 0, r.dst) for r in task.runs if r.piece == k)
+        if task.runs is None and len(task.pieces) == 1 and tuple(p.shape) == tuple(src.shape):
+            items.append(Item(p.name, src.key, src.shape, src.dtype, "model", entry=src))  # as stored
+            continue
+        prev = assembled.get(p.name)
+        if prev is not None:  # a shared piece: this source writes its other part
+            assert prev.runs is not None
+            new = replace(prev, runs=(*prev.runs, (src, runs)))
+            items[items.index(prev)] = new
+            assembled[p.name] = new
+            continue
+        item = Item(p.name, src.key, tuple(p.shape), src.dtype, "model", entry=src, runs=((src, runs),))
+        assembled[p.name] = item
+        items.append(item)
+
+
 def _other(side: Side) -> str:
     return "B" if side.label == "A" else "A"
 
@@ -514,7 +649,13 @@ def _pair_names(a: Side, b: Side, opts: DiffOptions) -> tuple[list[Item], list[I
     if a.kind == "dcp" and b.kind == "dcp":
         ia, ea, _ = dcp_items(a, opts.what)
         ib, eb, _ = dcp_items(b, opts.what)
-        return ia, ib, ea + eb, [], "torch-native"
+        notes = []
+        if opts.adapter is not None:
+            notes.append(
+                f"`adapter` {opts.adapter} not used: two DCP checkpoints are matched by torch-native keys, "
+                "whatever their naming"
+            )
+        return ia, ib, ea + eb, notes, "torch-native"
     if a.kind != "dcp" and b.kind != "dcp":
         if opts.what == "optimizer":
             raise DiffError(
@@ -529,11 +670,22 @@ def _pair_names(a: Side, b: Side, opts: DiffOptions) -> tuple[list[Item], list[I
     if st.kind == "lora" and not any(".lora_" in n for n in other):
         raise DiffError(f"{st.path}: a PEFT adapter directory with no LoRA tensors", path=st.path)
     d_items, excluded, notes, naming = export_items(
-        dcp, other, opts, "lora" if st.kind == "lora" else "hf", tied=_tied_config(st)
+        dcp, other, opts, "lora" if st.kind == "lora" else "hf", tied=_tied_config(st), config=_hf_config(st, dcp)
     )
     if a is dcp:
         return d_items, st_items, excluded, notes, naming
     return st_items, d_items, excluded, notes, naming
+
+
+def _hf_config(st: Side, dcp: Side) -> dict[str, Any] | None:
+    """The HF ``config.json`` of the safetensors side (else one beside the DCP checkpoint): the adapter's dimensions."""
+    from ckpttool.model.hfconfig import read_hf_config
+
+    for d in (Path(st.ckpt.located.model), Path(dcp.ckpt.located.model), Path(dcp.ckpt.located.model) / "model_assets"):
+        if (d / "config.json").is_file():
+            cfg = read_hf_config(d / "config.json")
+            return cfg if isinstance(cfg, dict) else None
+    return None
 
 
 def _tied_config(side: Side) -> bool:
@@ -730,8 +882,15 @@ def _compare_pair(
     assert vd.first is not None
     idx = unravel(vd.first, ia.shape)
     how = "outside the tolerance" if tolerant else "differ"
+    stored = None
+    for label, it in (("A", ia), ("B", ib)):
+        at = it.stored_index(vd.first)
+        if at is not None:
+            stored = {"side": label, "key": at[0], "index": at[1]}
+            break
+    where = f" = {stored['side']}'s {stored['key']}{stored['index']}" if stored is not None else ""
     msg = (
-        f"{name}: {vd.mismatched} of {_numel(ia.shape)} element(s) {how}; first at {idx} "
+        f"{name}: {vd.mismatched} of {_numel(ia.shape)} element(s) {how}; first at {idx}{where} "
         f"(A {vd.a_value!r}, B {vd.b_value!r})"
     )
     if vd.max_abs_error is not None:
@@ -749,6 +908,7 @@ def _compare_pair(
         vd.max_rel_error,
         vd.a_value,
         vd.b_value,
+        stored,
     ), False
 
 
@@ -989,4 +1149,5 @@ def _diff(a: Side, b: Side, opts: DiffOptions, progress: Callable[[int, int], No
         notes,
         a.reader.bytes_read + b.reader.bytes_read,
         seconds,
+        a.adapter or b.adapter,
     )
