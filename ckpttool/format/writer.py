@@ -636,7 +636,8 @@ def _stream_record(
     still in the CPU cache (``isal``, ~10 GB/s, :mod:`ckpttool.format.crc`) and written with
     ``os.pwrite`` at its place in the output; the local header is written last, with the CRC,
     and the record is entered in the archive's central directory as ``zipfile``'s writer
-    enters it (``filelist``, ``NameToInfo``, ``start_dir``; the same fields, CPython 3.10-3.13).
+    enters it (``filelist``, ``NameToInfo``, ``start_dir``: the fields ``_ZipWriteFile.close`` sets,
+    CPython 3.10-3.13; mode ``"w"`` writes the central directory on close).
     Local header as ``ZipInfo.FileHeader`` writes it (zip64 extra field when the data is
     over 4 GiB), so the archive is the one ``zipfile`` would have written.
 
@@ -692,7 +693,6 @@ def _stream_record(
     zf.filelist.append(info)
     zf.NameToInfo[info.filename] = info
     zf.start_dir = window.tell()
-    zf._didModify = True  # noqa: SLF001 - zipfile's own flag: write the central directory on close
 
 
 def write_tensor_archive(

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import ExportError, UsageError
+from ckpttool.errors import ExportError, OutputError, UsageError
 from ckpttool.format.atomic import AtomicOutputDir
 from ckpttool.format.files import open_regular, resolve_inside
 from ckpttool.format.hf_storage import load_hf_storage_metadata
@@ -54,6 +54,8 @@ class ImportOptions:
         adapter: the model adapter for ``torchtitan`` (``None``: from the config's ``model_type``).
         config: ``config.json`` (default: the one in the HF directory).
         world_size: ranks to pre-shard for (one data file per rank; chunks along dim 0 as ``Shard(0)``).
+        ep_size, ep_fsdp_size: pre-shard MoE expert tensors for an EP x EP-FSDP mesh (``P`` x ``F``
+            ranks, canonical order, a layout record); ``None``: no EP. ``world_size`` is then ``P * F``.
         overwrite: replace an existing output.
     """
 
@@ -61,6 +63,8 @@ class ImportOptions:
     adapter: str | None = None
     config: Path | None = None
     world_size: int = 1
+    ep_size: int | None = None
+    ep_fsdp_size: int | None = None
     overwrite: bool = False
 
 
@@ -79,6 +83,9 @@ class ImportResult:
     files: list[dict[str, Any]]
     skipped: dict[str, list[str]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    ep_size: int | None = None
+    ep_fsdp_size: int | None = None
+    ep_tensors: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -88,6 +95,9 @@ class ImportResult:
             "key_schema": self.schema,
             "adapter": self.adapter,
             "world_size": self.world_size,
+            "ep_size": self.ep_size,
+            "ep_fsdp_size": self.ep_fsdp_size,
+            "ep_tensors": self.ep_tensors,
             "tensors": self.tensors,
             "bytes": self.bytes,
             "seconds": round(self.seconds, 4),
@@ -285,8 +295,87 @@ def import_hf(
         ExportError (E601): keys the adapter does not know, per-expert tensors that do not cover the experts.
         OutputError: ``out`` exists (no ``overwrite``) or cannot be written.
     """
-    t0 = time.perf_counter()
     opts = options if options is not None else ImportOptions(**option_fields)
+    if opts.ep_size is None and opts.ep_fsdp_size is None:
+        return _import_plain(hf_dir, out, opts)
+    return _import_ep(hf_dir, out, opts)
+
+
+def _import_ep(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], opts: ImportOptions) -> ImportResult:
+    """EP pre-sharding: a plain import for ``P * F`` ranks, then ``reshard`` of it to canonical ``P`` x ``F``.
+
+    The intermediate checkpoint (in a temporary directory beside ``out``, removed afterwards)
+    holds every tensor in true order, cut along dim 0 into ``P * F`` ``Shard(0)`` chunks
+    (FSDP2's placement over the ``P * F`` data-parallel ranks; for the expert tensors EP and
+    EP-FSDP both on the expert dim, as torchtitan and VeOmni place them when
+    ``num_experts >= P * F``). :func:`~ckpttool.ops.reshard.execute.reshard` (``--no-ep``
+    source, ``--to canonical``) then writes the output with the same planner, placement math
+    and layout record as ``ckpttool reshard``: expert chunks on the ranks of the canonical
+    ``(EP, EP-FSDP)`` mesh, every other chunk copied verbatim. Costs a second write of the bytes.
+    """
+    import shutil
+    import tempfile
+
+    from ckpttool.model.declaration import LayoutDeclaration
+    from ckpttool.ops.reshard.execute import ReshardOptions, reshard
+
+    t0 = time.perf_counter()
+    for name in ("ep_size", "ep_fsdp_size"):
+        v = getattr(opts, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise UsageError(f"`{name}` must be an integer >= 1, got {v!r}", param=name)
+    p, f = opts.ep_size or 1, opts.ep_fsdp_size or 1
+    if opts.world_size not in (1, p * f):
+        raise UsageError(
+            f"`world_size` {opts.world_size} is not `ep_size` x `ep_fsdp_size` = {p * f}",
+            param="world_size",
+            hint="leave `world_size` out with EP sizes: the output has one file per rank of the EP x EP-FSDP mesh",
+        )
+    dst = Path(out)
+    parent = Path(os.path.abspath(dst)).parent
+    if not parent.is_dir():
+        raise OutputError(f"{parent}: the output's parent directory does not exist", path=parent)
+    stage = Path(tempfile.mkdtemp(prefix=f".{dst.name}.ckpttool-import-", dir=parent))
+    try:
+        plain = _import_plain(
+            hf_dir,
+            stage / "plain",
+            ImportOptions(
+                schema=opts.schema, adapter=opts.adapter, config=opts.config, world_size=p * f, overwrite=False
+            ),
+        )
+        rs = reshard(
+            stage / "plain",
+            dst,
+            ReshardOptions(to="canonical", target_ep_size=p, target_ep_fsdp_size=f, overwrite=opts.overwrite),
+            declaration=LayoutDeclaration(None, None, None, no_ep=True),
+        )
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    if rs.ep_tensors == 0:
+        warn = ["no MoE expert tensor (fused `experts.*` with a leading expert dim) found: EP sizes had no effect"]
+    else:
+        warn = []
+    return ImportResult(
+        source=plain.source,
+        output=str(dst),
+        schema=plain.schema,
+        adapter=plain.adapter,
+        world_size=p * f,
+        tensors=plain.tensors,
+        bytes=plain.bytes,
+        seconds=time.perf_counter() - t0,
+        files=[{"name": x.name, "bytes": x.stat().st_size} for x in sorted(dst.iterdir())],
+        skipped=plain.skipped,
+        warnings=plain.warnings + rs.warnings + warn,
+        ep_size=p,
+        ep_fsdp_size=f,
+        ep_tensors=rs.ep_tensors,
+    )
+
+
+def _import_plain(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], opts: ImportOptions) -> ImportResult:
+    t0 = time.perf_counter()
     if opts.schema not in SCHEMAS:
         raise UsageError(f"`schema` {opts.schema!r} is not one of {', '.join(SCHEMAS)}", param="schema")
     if isinstance(opts.world_size, bool) or not isinstance(opts.world_size, int) or opts.world_size < 1:

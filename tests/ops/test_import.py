@@ -267,3 +267,58 @@ def test_hostile_safetensors_are_refused_cleanly(hf_dirs: Path, tmp_path: Path, 
     assert res.stderr.strip().splitlines()[-2].startswith("error: [E"), res.stderr
     assert not (tmp_path / "o").exists()
     assert {p.name: p.read_bytes() for p in d.iterdir() if p.is_file() and not p.is_symlink()} == before
+
+
+def test_ep_pre_sharded_import_matches_reshard_and_round_trips(hf_dirs: Path, tmp_path: Path) -> None:
+    """`--ep-size 2 --ep-fsdp-size 2`: experts where a canonical (EP, EP-FSDP) mesh puts them.
+
+    References: torch's own reader (`dcp.FileSystemReader` metadata, `dcp.load`), nested
+    `torch.chunk` (DTensor `(Shard(0), Shard(0))` over the `(ep, ep_fsdp)` mesh, rank `e * F + f`),
+    `ckpttool reshard` of the plain import to the same sizes, and the source safetensors bytes.
+    """
+    src = hf_dirs / "qwen_moe"  # save_pretrained: per-expert keys, fused on import
+    ep = tmp_path / "ep"
+    doc = cli("import", str(src), str(ep), "--ep-size", "2", "--ep-fsdp-size", "2")
+    assert (doc["ep_size"], doc["ep_fsdp_size"], doc["world_size"]) == (2, 2, 4)
+    assert doc["ep_tensors"] == 4  # gate_up_proj and down_proj of 2 layers
+    assert sorted(f["name"] for f in doc["files"]) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    res = runner.invoke(app, ["validate", "--strict", str(ep)])
+    assert res.exit_code == 0, res.stdout
+    layout = cli("inspect", str(ep))["layout"]
+    assert (layout["version"], layout["parallel"]["ep_size"], layout["parallel"]["ep_fsdp_size"]) == (2, 2, 2)
+    # placement: the expert chunks of each rank are torch.chunk(torch.chunk(E, P)[e], F)[f], rank e * F + f
+    plain = tmp_path / "plain"
+    cli("import", str(src), str(plain))
+    full = torch_load(plain)
+    md = dcp.FileSystemReader(str(ep)).read_metadata()
+    key = "model.model.layers.0.mlp.experts.gate_up_proj"
+    rows = torch.arange(full[key].shape[0])
+    want = {e * 2 + f: c for e, half in enumerate(torch.chunk(rows, 2)) for f, c in enumerate(torch.chunk(half, 2))}
+    seen = set()
+    for idx, info in md.storage_data.items():
+        if idx.fqn == key:
+            chunk = next(c for c in md.state_dict_metadata[key].chunks if tuple(c.offsets) == tuple(idx.offset))
+            rank = int(info.relative_path.split("_")[2])
+            assert list(range(idx.offset[0], idx.offset[0] + chunk.sizes[0])) == want[rank].tolist()
+            seen.add(rank)
+    assert seen == {0, 1, 2, 3}
+    # the values: torch's dcp.load equals the plain import bitwise
+    got = torch_load(ep)
+    assert set(got) == set(full) and all(bitwise(got[k], full[k]) for k in full)
+    # equal to ckpttool's own reshard of the plain import to the same sizes
+    cli("reshard", str(plain), str(tmp_path / "rs"), "--no-ep", "--to", "canonical",
+        "--target-ep-size", "2", "--target-ep-fsdp-size", "2")  # fmt: skip
+    assert runner.invoke(app, ["diff", str(ep), str(tmp_path / "rs")]).exit_code == 0
+    # and back to HF: bitwise the source
+    cli("export", str(ep), str(tmp_path / "hf"), "--model-assets", str(src), "--experts", "per-expert")
+    back, _ = read_export(tmp_path / "hf")
+    orig = hf_tensors(src)
+    assert set(back) == set(orig) and all(bitwise(back[k], orig[k]) for k in orig)
+
+
+def test_ep_sizes_reject_a_conflicting_world_size(hf_dirs: Path, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["import", str(hf_dirs / "qwen_moe"), str(tmp_path / "o"), "--ep-size", "2",
+                              "--world-size", "3"])  # fmt: skip
+    assert res.exit_code == 2 and "`world_size`" not in res.stderr and "--world-size" in res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "o").exists()
+    assert not list(tmp_path.glob(".o.ckpttool-import-*"))

@@ -54,6 +54,19 @@ def import_command(
             "--world-size", min=1, help="Pre-shard for N ranks: one file per rank, dim-0 chunks as FSDP2 Shard(0)."
         ),
     ] = 1,
+    ep_size: Annotated[
+        int | None,
+        typer.Option(
+            "--ep-size",
+            min=1,
+            help="Pre-shard MoE expert tensors for EP size P (with --ep-fsdp-size F: P*F files, canonical "
+            "EP x EP-FSDP placement, a layout record).",
+        ),
+    ] = None,
+    ep_fsdp_size: Annotated[
+        int | None,
+        typer.Option("--ep-fsdp-size", min=1, help="EP-FSDP size F of the target mesh (with --ep-size) [default: 1]."),
+    ] = None,
     overwrite: OverwriteOpt = False,
     json_output: JsonOpt = False,
 ) -> None:
@@ -63,7 +76,15 @@ def import_command(
     res = import_hf(
         hf_dir,
         out,
-        ImportOptions(schema=schema.value, adapter=adapter, config=config, world_size=world_size, overwrite=overwrite),
+        ImportOptions(
+            schema=schema.value,
+            adapter=adapter,
+            config=config,
+            world_size=world_size,
+            ep_size=ep_size,
+            ep_fsdp_size=ep_fsdp_size,
+            overwrite=overwrite,
+        ),
     )
     sink = Output(json_output)
     for w in res.warnings:
@@ -80,6 +101,11 @@ def _render(r: ImportResult) -> None:
         f"({fmt_seconds(r.seconds)}, {fmt_rate(r.bytes, r.seconds)})"
     )
     con.print(f"key schema  {r.schema}" + (f"; adapter {r.adapter}" if r.adapter else "") + f"; {r.world_size} rank(s)")
+    if r.ep_size is not None:
+        con.print(
+            f"EP layout  canonical (version 2), ep_size {r.ep_size}, ep_fsdp_size {r.ep_fsdp_size}; "
+            f"{plural(r.ep_tensors, 'expert tensor')}"
+        )
     if r.skipped:
         con.print("not imported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()))
 
@@ -87,6 +113,7 @@ def _render(r: ImportResult) -> None:
 EPILOG = examples(
     "ckpttool import hf_model/ ckpt/",
     "ckpttool import hf_model/ ckpt/ --world-size 8",
+    "ckpttool import qwen3_moe/ ckpt/ --ep-size 4 --ep-fsdp-size 2",
     "ckpttool import hf_model/ titan/step-0 --schema torchtitan",
 )
 
