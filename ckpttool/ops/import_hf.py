@@ -32,10 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import ExportError, OutputError, UsageError
-from ckpttool.format.atomic import AtomicOutputDir
 from ckpttool.format.files import open_regular, resolve_inside
 from ckpttool.format.hf_storage import load_hf_storage_metadata
 from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
+from ckpttool.format.outputs import output_dir, output_location
+from ckpttool.format.storage import is_url
 from ckpttool.format.writer import DCPWriter
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, NativeTensor, Skip, get_adapter, rope_from_hf_rows
 from ckpttool.model.hfconfig import config_value, read_hf_config
@@ -331,11 +332,14 @@ def _import_ep(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], opts
             param="world_size",
             hint="leave `world_size` out with EP sizes: the output has one file per rank of the EP x EP-FSDP mesh",
         )
-    dst = Path(out)
-    parent = Path(os.path.abspath(dst)).parent
-    if not parent.is_dir():
-        raise OutputError(f"{parent}: the output's parent directory does not exist", path=parent)
-    stage = Path(tempfile.mkdtemp(prefix=f".{dst.name}.ckpttool-import-", dir=parent))
+    dst = output_location(out)
+    if is_url(dst):  # the intermediate stays local (in $TMPDIR); reshard uploads the output
+        stage = Path(tempfile.mkdtemp(prefix="ckpttool-import-"))
+    else:
+        parent = Path(os.path.abspath(dst)).parent
+        if not parent.is_dir():
+            raise OutputError(f"{parent}: the output's parent directory does not exist", path=parent)
+        stage = Path(tempfile.mkdtemp(prefix=f".{dst.name}.ckpttool-import-", dir=parent))
     try:
         plain = _import_plain(
             hf_dir,
@@ -365,7 +369,11 @@ def _import_ep(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], opts
         tensors=plain.tensors,
         bytes=plain.bytes,
         seconds=time.perf_counter() - t0,
-        files=[{"name": x.name, "bytes": x.stat().st_size} for x in sorted(dst.iterdir())],
+        files=(
+            [{"name": x["path"], "bytes": x["bytes"]} for x in rs.files]
+            if is_url(dst)
+            else [{"name": x.name, "bytes": x.stat().st_size} for x in sorted(dst.iterdir())]
+        ),
         skipped=plain.skipped,
         warnings=plain.warnings + rs.warnings + warn,
         ep_size=p,
@@ -459,8 +467,9 @@ def _import_plain(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], o
                 for f, _, _ in row:
                     if f not in fds:
                         fds[f] = open_regular(resolve_inside(src_dir, f, what="safetensors file"))
-        with AtomicOutputDir(out, overwrite=opts.overwrite, source=src_dir) as tmp:
-            with DCPWriter(tmp, Path(os.path.abspath(out))) as w:
+        dst = output_location(out)
+        with output_dir(dst, overwrite=opts.overwrite, source=src_dir) as tmp:
+            with DCPWriter(tmp, dst if is_url(dst) else Path(os.path.abspath(dst))) as w:
                 w.ensure_files(range(opts.world_size))
                 for n in natives:
                     dt = DType(n.dtype)
@@ -482,7 +491,7 @@ def _import_plain(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], o
             os.close(fd)
     return ImportResult(
         source=str(src_dir),
-        output=str(out),
+        output=str(dst),
         schema=opts.schema,
         adapter=adapter.name if adapter is not None else None,
         world_size=opts.world_size,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckpttool.cli.options import JsonOpt, OverwriteOpt, examples
+from ckpttool.cli.options import JsonOpt, OutputArg, OverwriteOpt, examples
 from ckpttool.cli.output import Output, command_boundary
 
 if TYPE_CHECKING:
@@ -28,10 +28,7 @@ def import_command(
             help="Hugging Face model directory: model*.safetensors (+ index) and config.json.", show_default=False
         ),
     ],
-    out: Annotated[
-        Path,
-        typer.Argument(help="Output DCP directory (written beside itself, renamed when complete).", show_default=False),
-    ],
+    out: OutputArg,
     schema: Annotated[
         TargetSchema,
         typer.Option(
@@ -114,6 +111,7 @@ EPILOG = examples(
     "ckpttool import hf_model/ ckpt/",
     "ckpttool import hf_model/ ckpt/ --world-size 8",
     "ckpttool import qwen3_moe/ ckpt/ --ep-size 4 --ep-fsdp-size 2",
+    "ckpttool import hf_model/ s3://bucket/run/step-0",
     "ckpttool import hf_model/ titan/step-0 --schema torchtitan",
 )
 
