@@ -23,15 +23,16 @@ embedding's bytes, as the model's ``state_dict()`` holds it.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import ExportError, OutputError, UsageError
+from ckpttool.errors import ExportError, UsageError
 from ckpttool.format.files import open_regular, resolve_inside
 from ckpttool.format.hf_storage import load_hf_storage_metadata
 from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
@@ -39,9 +40,13 @@ from ckpttool.format.outputs import output_dir, output_location
 from ckpttool.format.storage import is_url
 from ckpttool.format.writer import DCPWriter
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, NativeTensor, Skip, get_adapter, rope_from_hf_rows
+from ckpttool.model.declaration import EP_NAME_RE
+from ckpttool.model.geometry import nested_shard_intervals
 from ckpttool.model.hfconfig import config_value, read_hf_config
+from ckpttool.model.layout_record import LAYOUT_KEY, EPTensorSpec
+from ckpttool.ops.reshard.plan import make_record
 
-__all__ = ["ImportOptions", "ImportResult", "import_hf", "torch_chunk_rows"]
+__all__ = ["ImportOptions", "ImportResult", "ep_rows", "import_hf", "torch_chunk_rows"]
 
 SCHEMAS = ("torch-native", "torchtitan")
 
@@ -303,24 +308,7 @@ def import_hf(
 
 
 def _import_ep(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], opts: ImportOptions) -> ImportResult:
-    """EP pre-sharding: a plain import for ``P * F`` ranks, then ``reshard`` of it to canonical ``P`` x ``F``.
-
-    The intermediate checkpoint (in a temporary directory beside ``out``, removed afterwards)
-    holds every tensor in true order, cut along dim 0 into ``P * F`` ``Shard(0)`` chunks
-    (FSDP2's placement over the ``P * F`` data-parallel ranks; for the expert tensors EP and
-    EP-FSDP both on the expert dim, as torchtitan and VeOmni place them when
-    ``num_experts >= P * F``). :func:`~ckpttool.ops.reshard.execute.reshard` (``--no-ep``
-    source, ``--to canonical``) then writes the output with the same planner, placement math
-    and layout record as ``ckpttool reshard``: expert chunks on the ranks of the canonical
-    ``(EP, EP-FSDP)`` mesh, every other chunk copied verbatim. Costs a second write of the bytes.
-    """
-    import shutil
-    import tempfile
-
-    from ckpttool.model.declaration import LayoutDeclaration
-    from ckpttool.ops.reshard.execute import ReshardOptions, reshard
-
-    t0 = time.perf_counter()
+    """Check the EP sizes, then import for the ``P * F`` ranks of the EP x EP-FSDP mesh (:func:`_import_plain`)."""
     for name in ("ep_size", "ep_fsdp_size"):
         v = getattr(opts, name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -332,57 +320,29 @@ def _import_ep(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], opts
             param="world_size",
             hint="leave `world_size` out with EP sizes: the output has one file per rank of the EP x EP-FSDP mesh",
         )
-    dst = output_location(out)
-    if is_url(dst):  # the intermediate stays local (in $TMPDIR); reshard uploads the output
-        stage = Path(tempfile.mkdtemp(prefix="ckpttool-import-"))
-    else:
-        parent = Path(os.path.abspath(dst)).parent
-        if not parent.is_dir():
-            raise OutputError(f"{parent}: the output's parent directory does not exist", path=parent)
-        stage = Path(tempfile.mkdtemp(prefix=f".{dst.name}.ckpttool-import-", dir=parent))
-    try:
-        plain = _import_plain(
-            hf_dir,
-            stage / "plain",
-            ImportOptions(
-                schema=opts.schema, adapter=opts.adapter, config=opts.config, world_size=p * f, overwrite=False
-            ),
-        )
-        rs = reshard(
-            stage / "plain",
-            dst,
-            ReshardOptions(to="canonical", target_ep_size=p, target_ep_fsdp_size=f, overwrite=opts.overwrite),
-            declaration=LayoutDeclaration(None, None, None, no_ep=True),
-        )
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    if rs.ep_tensors == 0:
-        warn = ["no MoE expert tensor (fused `experts.*` with a leading expert dim) found: EP sizes had no effect"]
-    else:
-        warn = []
-    return ImportResult(
-        source=plain.source,
-        output=str(dst),
-        schema=plain.schema,
-        adapter=plain.adapter,
-        world_size=p * f,
-        tensors=plain.tensors,
-        bytes=plain.bytes,
-        seconds=time.perf_counter() - t0,
-        files=(
-            [{"name": x["path"], "bytes": x["bytes"]} for x in rs.files]
-            if is_url(dst)
-            else [{"name": x.name, "bytes": x.stat().st_size} for x in sorted(dst.iterdir())]
-        ),
-        skipped=plain.skipped,
-        warnings=plain.warnings + rs.warnings + warn,
-        ep_size=p,
-        ep_fsdp_size=f,
-        ep_tensors=rs.ep_tensors,
-    )
+    return _import_plain(hf_dir, out, replace(opts, world_size=p * f), ep=(p, f))
 
 
-def _import_plain(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], opts: ImportOptions) -> ImportResult:
+def ep_rows(num_experts: int, ep_size: int, ep_fsdp_size: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of the experts each rank of a canonical ``(EP, EP-FSDP)`` mesh holds.
+
+    Rank ``r = e * F + f`` (canonical, EP-outer order) holds piece ``f`` of EP group ``e``'s
+    experts: DTensor ``(Shard(0), Shard(0))`` over the ``(ep, ep_fsdp)`` mesh, ``torch.chunk``
+    sizes nested left to right (:func:`~ckpttool.model.geometry.nested_shard_intervals`), the
+    placement ``ckpttool reshard --to canonical`` writes for the same sizes (EP and EP-FSDP on
+    the expert dim, as torchtitan and VeOmni shard experts when ``num_experts >= P * F``). An
+    empty piece is ``(num_experts, 0)``.
+    """
+    return nested_shard_intervals(num_experts, (ep_size, ep_fsdp_size))
+
+
+def _import_plain(
+    hf_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    opts: ImportOptions,
+    ep: tuple[int, int] | None = None,
+) -> ImportResult:
+    """The import; with ``ep = (P, F)`` expert tensors are placed by :func:`ep_rows` and a layout record is written."""
     t0 = time.perf_counter()
     if opts.schema not in SCHEMAS:
         raise UsageError(f"`schema` {opts.schema!r} is not one of {', '.join(SCHEMAS)}", param="schema")
@@ -458,8 +418,26 @@ def _import_plain(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], o
         raise UsageError("`adapter` applies to `schema` torchtitan", param="adapter")
     acfg = AdapterConfig.from_hf_config(config)
     natives, skipped = _native_tensors(sources, opts, adapter, acfg)
+    if ep is not None and not any(len(n.shape) >= 2 and EP_NAME_RE.search(n.key) for n in natives):
+        raise UsageError(
+            f"{src_dir}: `ep_size` / `ep_fsdp_size` given, but the model has no MoE expert tensor "
+            "(fused `experts.<name>` with a leading expert dim)",
+            param="ep_size",
+            hint="leave the EP sizes out for a dense model (`world_size` pre-shards it for FSDP2)",
+        )
+    if ep is not None:
+        for n in natives:
+            if len(n.shape) >= 2 and EP_NAME_RE.search(n.key) and n.shape[0] % ep[0]:
+                raise UsageError(
+                    f"{n.key}: {n.shape[0]} experts are not divisible by `ep_size` {ep[0]} (every EP rank "
+                    "holds the same number of experts)",
+                    param="ep_size",
+                    fqn=n.key,
+                    hint=f"pick an `ep_size` that divides {n.shape[0]}",
+                )
     fds: dict[str, int] = {}
     files_info: list[dict[str, Any]] = []
+    ep_specs: dict[str, EPTensorSpec] = {}
     total = 0
     try:
         for n in natives:
@@ -477,12 +455,20 @@ def _import_plain(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], o
                     if not n.shape:
                         w.stream_tensor_archive(n.key, ChunkMeta((), ()), 0, dt, _segments(n, 0, 1, fds))
                         continue
-                    for rank, (start, length) in enumerate(torch_chunk_rows(n.shape[0], opts.world_size)):
+                    if ep is not None and len(n.shape) >= 2 and EP_NAME_RE.search(n.key):
+                        ep_specs[n.key] = EPTensorSpec(ep_dim=0, fsdp_dim=0, num_experts=n.shape[0])
+                        rows = ep_rows(n.shape[0], *ep)
+                    else:
+                        rows = torch_chunk_rows(n.shape[0], opts.world_size)
+                    for rank, (start, length) in enumerate(rows):
                         if length == 0 and rank > 0:
                             continue
                         chunk = ChunkMeta((start, *([0] * (len(n.shape) - 1))), (length, *n.shape[1:]))
                         w.stream_tensor_archive(n.key, chunk, rank, dt, _segments(n, start, length, fds))
                     total += dt.itemsize * math.prod(n.shape)
+                if ep is not None:  # the record `reshard` / `stamp` embed (docs/layouts.md), as a byte item
+                    record = make_record(2, ep[0], ep[1], ep_specs, optimizer={})
+                    w.write_object(LAYOUT_KEY, 0, json.dumps(record, sort_keys=True), (LAYOUT_KEY,))
                 w.finish()
             for p in sorted(tmp.iterdir()):
                 files_info.append({"name": p.name, "bytes": p.stat().st_size})
@@ -501,4 +487,7 @@ def _import_plain(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], o
         files=files_info,
         skipped=skipped,
         warnings=warnings,
+        ep_size=ep[0] if ep is not None else None,
+        ep_fsdp_size=ep[1] if ep is not None else None,
+        ep_tensors=len(ep_specs),
     )

@@ -269,8 +269,9 @@ def test_hostile_safetensors_are_refused_cleanly(hf_dirs: Path, tmp_path: Path, 
     assert {p.name: p.read_bytes() for p in d.iterdir() if p.is_file() and not p.is_symlink()} == before
 
 
-def test_ep_pre_sharded_import_matches_reshard_and_round_trips(hf_dirs: Path, tmp_path: Path) -> None:
-    """`--ep-size 2 --ep-fsdp-size 2`: experts where a canonical (EP, EP-FSDP) mesh puts them.
+@pytest.mark.parametrize("p, f", [(2, 2), (4, 2)])  # 8 experts: 2 per rank; 1 per rank over 8 ranks
+def test_ep_pre_sharded_import_matches_reshard_and_round_trips(hf_dirs: Path, tmp_path: Path, p: int, f: int) -> None:
+    """`--ep-size P --ep-fsdp-size F`: experts where a canonical (EP, EP-FSDP) mesh puts them.
 
     References: torch's own reader (`dcp.FileSystemReader` metadata, `dcp.load`), nested
     `torch.chunk` (DTensor `(Shard(0), Shard(0))` over the `(ep, ep_fsdp)` mesh, rank `e * F + f`),
@@ -278,14 +279,14 @@ def test_ep_pre_sharded_import_matches_reshard_and_round_trips(hf_dirs: Path, tm
     """
     src = hf_dirs / "qwen_moe"  # save_pretrained: per-expert keys, fused on import
     ep = tmp_path / "ep"
-    doc = cli("import", str(src), str(ep), "--ep-size", "2", "--ep-fsdp-size", "2")
-    assert (doc["ep_size"], doc["ep_fsdp_size"], doc["world_size"]) == (2, 2, 4)
+    doc = cli("import", str(src), str(ep), "--ep-size", str(p), "--ep-fsdp-size", str(f))
+    assert (doc["ep_size"], doc["ep_fsdp_size"], doc["world_size"]) == (p, f, p * f)
     assert doc["ep_tensors"] == 4  # gate_up_proj and down_proj of 2 layers
-    assert sorted(f["name"] for f in doc["files"]) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    assert sorted(x["name"] for x in doc["files"]) == [".metadata"] + [f"__{r}_0.distcp" for r in range(p * f)]
     res = runner.invoke(app, ["validate", "--strict", str(ep)])
     assert res.exit_code == 0, res.stdout
     layout = cli("inspect", str(ep))["layout"]
-    assert (layout["version"], layout["parallel"]["ep_size"], layout["parallel"]["ep_fsdp_size"]) == (2, 2, 2)
+    assert (layout["version"], layout["parallel"]["ep_size"], layout["parallel"]["ep_fsdp_size"]) == (2, p, f)
     # placement: the expert chunks of each rank are torch.chunk(torch.chunk(E, P)[e], F)[f], rank e * F + f
     plain = tmp_path / "plain"
     cli("import", str(src), str(plain))
@@ -293,7 +294,7 @@ def test_ep_pre_sharded_import_matches_reshard_and_round_trips(hf_dirs: Path, tm
     md = dcp.FileSystemReader(str(ep)).read_metadata()
     key = "model.model.layers.0.mlp.experts.gate_up_proj"
     rows = torch.arange(full[key].shape[0])
-    want = {e * 2 + f: c for e, half in enumerate(torch.chunk(rows, 2)) for f, c in enumerate(torch.chunk(half, 2))}
+    want = {e * f + j: c for e, group in enumerate(torch.chunk(rows, p)) for j, c in enumerate(torch.chunk(group, f))}
     seen = set()
     for idx, info in md.storage_data.items():
         if idx.fqn == key:
@@ -301,13 +302,13 @@ def test_ep_pre_sharded_import_matches_reshard_and_round_trips(hf_dirs: Path, tm
             rank = int(info.relative_path.split("_")[2])
             assert list(range(idx.offset[0], idx.offset[0] + chunk.sizes[0])) == want[rank].tolist()
             seen.add(rank)
-    assert seen == {0, 1, 2, 3}
+    assert seen == set(want) == set(range(p * f))
     # the values: torch's dcp.load equals the plain import bitwise
     got = torch_load(ep)
     assert set(got) == set(full) and all(bitwise(got[k], full[k]) for k in full)
     # equal to ckpttool's own reshard of the plain import to the same sizes
     cli("reshard", str(plain), str(tmp_path / "rs"), "--no-ep", "--to", "canonical",
-        "--target-ep-size", "2", "--target-ep-fsdp-size", "2")  # fmt: skip
+        "--target-ep-size", str(p), "--target-ep-fsdp-size", str(f))  # fmt: skip
     assert runner.invoke(app, ["diff", str(ep), str(tmp_path / "rs")]).exit_code == 0
     # and back to HF: bitwise the source
     cli("export", str(ep), str(tmp_path / "hf"), "--model-assets", str(src), "--experts", "per-expert")
@@ -316,9 +317,12 @@ def test_ep_pre_sharded_import_matches_reshard_and_round_trips(hf_dirs: Path, tm
     assert set(back) == set(orig) and all(bitwise(back[k], orig[k]) for k in orig)
 
 
-def test_ep_sizes_reject_a_conflicting_world_size(hf_dirs: Path, tmp_path: Path) -> None:
+def test_bad_ep_sizes_are_refused(hf_dirs: Path, tmp_path: Path) -> None:
     res = runner.invoke(app, ["import", str(hf_dirs / "qwen_moe"), str(tmp_path / "o"), "--ep-size", "2",
                               "--world-size", "3"])  # fmt: skip
     assert res.exit_code == 2 and "`world_size`" not in res.stderr and "--world-size" in res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "o").exists()
-    assert not list(tmp_path.glob(".o.ckpttool-import-*"))
+    res = runner.invoke(app, ["import", str(hf_dirs / "qwen_moe"), str(tmp_path / "o"), "--ep-size", "3"])
+    assert res.exit_code == 2 and "not divisible by --ep-size 3" in res.stderr
+    res = runner.invoke(app, ["import", str(hf_dirs / "llama"), str(tmp_path / "o"), "--ep-size", "2"])
+    assert res.exit_code == 2 and "no MoE expert tensor" in res.stderr and not (tmp_path / "o").exists()
