@@ -65,6 +65,13 @@ def import_command(
         typer.Option("--ep-fsdp-size", min=1, help="EP-FSDP size F of the target mesh (with --ep-size) [default: 1]."),
     ] = None,
     overwrite: OverwriteOpt = False,
+    fsync: Annotated[
+        bool,
+        typer.Option(
+            "--fsync/--no-fsync",
+            help="fsync the output files before moving the directory into place (survives a power loss).",
+        ),
+    ] = True,
     json_output: JsonOpt = False,
 ) -> None:
     """Import a Hugging Face safetensors model as a DCP checkpoint (streaming, bit-exact, atomic)."""
@@ -81,6 +88,7 @@ def import_command(
             ep_size=ep_size,
             ep_fsdp_size=ep_fsdp_size,
             overwrite=overwrite,
+            fsync=fsync,
         ),
     )
     sink = Output(json_output)
