@@ -326,3 +326,43 @@ def test_bad_ep_sizes_are_refused(hf_dirs: Path, tmp_path: Path) -> None:
     assert res.exit_code == 2 and "not divisible by --ep-size 3" in res.stderr
     res = runner.invoke(app, ["import", str(hf_dirs / "llama"), str(tmp_path / "o"), "--ep-size", "2"])
     assert res.exit_code == 2 and "no MoE expert tensor" in res.stderr and not (tmp_path / "o").exists()
+
+
+def _ep_mesh_rank(rank: int, world: int, ckpt: str, plain: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "ep_fsdp"))
+    ref = torch_load(Path(plain))
+    md = dcp.FileSystemReader(ckpt).read_metadata()
+    keys = [k for k in ref if ".mlp.experts." in k]
+    assert len(keys) == 4
+    sd = {k: distribute_tensor(torch.zeros_like(ref[k]), mesh, [Shard(0), Shard(0)]) for k in keys}
+    for k, dt in sd.items():
+        # the chunk DTensor puts on this rank is the one import stored in this rank's file
+        lo = dt.to_local()
+        mine = [
+            (tuple(idx.offset), info.relative_path)
+            for idx, info in md.storage_data.items()
+            if idx.fqn == k and info.relative_path == f"__{rank}_0.distcp"
+        ]
+        assert len(mine) == 1, (k, mine)
+        start = mine[0][0][0]
+        assert lo.shape[0] > 0
+        # DTensor's own local-shard rule: compare the shapes and place the shard by its global offset
+        shape, goff = compute_local_shape_and_global_offset(ref[k].shape, mesh, [Shard(0), Shard(0)])
+        assert tuple(shape) == tuple(lo.shape) and goff[0] == start, (k, shape, goff, start)
+    dcp.load(sd, checkpoint_id=ckpt)  # checkpoint keys at the top level (torch_load's names)
+    for k, dt in sd.items():
+        assert torch.equal(dt.full_tensor(), ref[k]), k
+
+
+@pytest.mark.slow
+def test_ep_import_chunks_are_the_dtensor_shards_of_a_2x2_ep_mesh(hf_dirs: Path, tmp_path: Path) -> None:
+    """Each rank of a (ep=2, ep_fsdp=2) DeviceMesh finds its `(Shard(0), Shard(0))` expert shard in its own file."""
+    from tests.fixtures.distributed import run_ranks
+
+    cli("import", str(hf_dirs / "qwen_moe"), str(tmp_path / "ep"), "--ep-size", "2", "--ep-fsdp-size", "2")
+    cli("import", str(hf_dirs / "qwen_moe"), str(tmp_path / "plain"))
+    run_ranks(4, _ep_mesh_rank, str(tmp_path / "ep"), str(tmp_path / "plain"))
