@@ -267,3 +267,27 @@ def test_torchrun_export_from_s3_is_bitwise_the_local_export(sample_ckpt: Path, 
     r = torchrun(2, *s3_server.cli_options(), "export", url, str(tmp_path / "many"), *args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert files_of(tmp_path / "many") == files_of(tmp_path / "local")
+
+
+def test_import_to_s3_is_the_local_import(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
+    """`import HF s3://...` (plain and EP-pre-sharded): the same files as the local import, published atomically."""
+    hf = tmp_path / "hf"
+    assets = sample_ckpt / "model_assets"
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(hf), "--model-assets", str(assets)]).exit_code == 0
+    base = upload(s3_server, hf)  # the bucket exists; the import writes beside the uploaded copy
+    for extra in ([], ["--ep-size", "2", "--ep-fsdp-size", "2"]):
+        name = "ep" if extra else "plain"
+        local = runner.invoke(app, ["import", str(hf), str(tmp_path / name), *extra])
+        assert local.exit_code == 0, local.output
+        out = f"{base}-imp-{name}"
+        r = cli(s3_server, "import", str(hf), out, *extra, "--json")
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["output"] == out
+        got = s3_server.download_dir("ckpts", out.split("/", 3)[3], tmp_path / f"dl-{name}")
+        assert sorted(got) == sorted(files_of(tmp_path / name))
+        assert not [k for k in s3_server.keys("ckpts") if "ckpttool-tmp" in k]
+        # torch.save archives carry a random serialization id per run: compare what torch loads
+        assert_same_state(tmp_path / f"dl-{name}", tmp_path / name, tmp_path)
+        assert cli(s3_server, "validate", "--strict", out).exit_code == 0
+        # an existing output is refused without --overwrite
+        assert cli(s3_server, "import", str(hf), out, *extra).exit_code == 2

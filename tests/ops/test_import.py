@@ -267,3 +267,102 @@ def test_hostile_safetensors_are_refused_cleanly(hf_dirs: Path, tmp_path: Path, 
     assert res.stderr.strip().splitlines()[-2].startswith("error: [E"), res.stderr
     assert not (tmp_path / "o").exists()
     assert {p.name: p.read_bytes() for p in d.iterdir() if p.is_file() and not p.is_symlink()} == before
+
+
+@pytest.mark.parametrize("p, f", [(2, 2), (4, 2)])  # 8 experts: 2 per rank; 1 per rank over 8 ranks
+def test_ep_pre_sharded_import_matches_reshard_and_round_trips(hf_dirs: Path, tmp_path: Path, p: int, f: int) -> None:
+    """`--ep-size P --ep-fsdp-size F`: experts where a canonical (EP, EP-FSDP) mesh puts them.
+
+    References: torch's own reader (`dcp.FileSystemReader` metadata, `dcp.load`), nested
+    `torch.chunk` (DTensor `(Shard(0), Shard(0))` over the `(ep, ep_fsdp)` mesh, rank `e * F + f`),
+    `ckpttool reshard` of the plain import to the same sizes, and the source safetensors bytes.
+    """
+    src = hf_dirs / "qwen_moe"  # save_pretrained: per-expert keys, fused on import
+    ep = tmp_path / "ep"
+    doc = cli("import", str(src), str(ep), "--ep-size", str(p), "--ep-fsdp-size", str(f))
+    assert (doc["ep_size"], doc["ep_fsdp_size"], doc["world_size"]) == (p, f, p * f)
+    assert doc["ep_tensors"] == 4  # gate_up_proj and down_proj of 2 layers
+    assert sorted(x["name"] for x in doc["files"]) == [".metadata"] + [f"__{r}_0.distcp" for r in range(p * f)]
+    res = runner.invoke(app, ["validate", "--strict", str(ep)])
+    assert res.exit_code == 0, res.stdout
+    layout = cli("inspect", str(ep))["layout"]
+    assert (layout["version"], layout["parallel"]["ep_size"], layout["parallel"]["ep_fsdp_size"]) == (2, p, f)
+    # placement: the expert chunks of each rank are torch.chunk(torch.chunk(E, P)[e], F)[f], rank e * F + f
+    plain = tmp_path / "plain"
+    cli("import", str(src), str(plain))
+    full = torch_load(plain)
+    md = dcp.FileSystemReader(str(ep)).read_metadata()
+    key = "model.model.layers.0.mlp.experts.gate_up_proj"
+    rows = torch.arange(full[key].shape[0])
+    want = {e * f + j: c for e, group in enumerate(torch.chunk(rows, p)) for j, c in enumerate(torch.chunk(group, f))}
+    seen = set()
+    for idx, info in md.storage_data.items():
+        if idx.fqn == key:
+            chunk = next(c for c in md.state_dict_metadata[key].chunks if tuple(c.offsets) == tuple(idx.offset))
+            rank = int(info.relative_path.split("_")[2])
+            assert list(range(idx.offset[0], idx.offset[0] + chunk.sizes[0])) == want[rank].tolist()
+            seen.add(rank)
+    assert seen == set(want) == set(range(p * f))
+    # the values: torch's dcp.load equals the plain import bitwise
+    got = torch_load(ep)
+    assert set(got) == set(full) and all(bitwise(got[k], full[k]) for k in full)
+    # equal to ckpttool's own reshard of the plain import to the same sizes
+    cli("reshard", str(plain), str(tmp_path / "rs"), "--no-ep", "--to", "canonical",
+        "--target-ep-size", str(p), "--target-ep-fsdp-size", str(f))  # fmt: skip
+    assert runner.invoke(app, ["diff", str(ep), str(tmp_path / "rs")]).exit_code == 0
+    # and back to HF: bitwise the source
+    cli("export", str(ep), str(tmp_path / "hf"), "--model-assets", str(src), "--experts", "per-expert")
+    back, _ = read_export(tmp_path / "hf")
+    orig = hf_tensors(src)
+    assert set(back) == set(orig) and all(bitwise(back[k], orig[k]) for k in orig)
+
+
+def test_bad_ep_sizes_are_refused(hf_dirs: Path, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["import", str(hf_dirs / "qwen_moe"), str(tmp_path / "o"), "--ep-size", "2",
+                              "--world-size", "3"])  # fmt: skip
+    assert res.exit_code == 2 and "`world_size`" not in res.stderr and "--world-size" in res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "o").exists()
+    res = runner.invoke(app, ["import", str(hf_dirs / "qwen_moe"), str(tmp_path / "o"), "--ep-size", "3"])
+    assert res.exit_code == 2 and "not divisible by --ep-size 3" in res.stderr
+    res = runner.invoke(app, ["import", str(hf_dirs / "llama"), str(tmp_path / "o"), "--ep-size", "2"])
+    assert res.exit_code == 2 and "no MoE expert tensor" in res.stderr and not (tmp_path / "o").exists()
+
+
+def _ep_mesh_rank(rank: int, world: int, ckpt: str, plain: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "ep_fsdp"))
+    ref = torch_load(Path(plain))
+    md = dcp.FileSystemReader(ckpt).read_metadata()
+    keys = [k for k in ref if ".mlp.experts." in k]
+    assert len(keys) == 4
+    sd = {k: distribute_tensor(torch.zeros_like(ref[k]), mesh, [Shard(0), Shard(0)]) for k in keys}
+    for k, dt in sd.items():
+        # the chunk DTensor puts on this rank is the one import stored in this rank's file
+        lo = dt.to_local()
+        mine = [
+            (tuple(idx.offset), info.relative_path)
+            for idx, info in md.storage_data.items()
+            if idx.fqn == k and info.relative_path == f"__{rank}_0.distcp"
+        ]
+        assert len(mine) == 1, (k, mine)
+        start = mine[0][0][0]
+        assert lo.shape[0] > 0
+        # DTensor's own local-shard rule: compare the shapes and place the shard by its global offset
+        shape, goff = compute_local_shape_and_global_offset(ref[k].shape, mesh, [Shard(0), Shard(0)])
+        assert tuple(shape) == tuple(lo.shape) and goff[0] == start, (k, shape, goff, start)
+    dcp.load(sd, checkpoint_id=ckpt)  # checkpoint keys at the top level (torch_load's names)
+    for k, dt in sd.items():
+        assert torch.equal(dt.full_tensor(), ref[k]), k
+
+
+@pytest.mark.slow
+def test_ep_import_chunks_are_the_dtensor_shards_of_a_2x2_ep_mesh(hf_dirs: Path, tmp_path: Path) -> None:
+    """Each rank of a (ep=2, ep_fsdp=2) DeviceMesh finds its `(Shard(0), Shard(0))` expert shard in its own file."""
+    from tests.fixtures.distributed import run_ranks
+
+    cli("import", str(hf_dirs / "qwen_moe"), str(tmp_path / "ep"), "--ep-size", "2", "--ep-fsdp-size", "2")
+    cli("import", str(hf_dirs / "qwen_moe"), str(tmp_path / "plain"))
+    run_ranks(4, _ep_mesh_rank, str(tmp_path / "ep"), str(tmp_path / "plain"))

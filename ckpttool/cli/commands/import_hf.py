@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckpttool.cli.options import JsonOpt, OverwriteOpt, examples
+from ckpttool.cli.options import JsonOpt, OutputArg, OverwriteOpt, examples
 from ckpttool.cli.output import Output, command_boundary
 
 if TYPE_CHECKING:
@@ -28,10 +28,7 @@ def import_command(
             help="Hugging Face model directory: model*.safetensors (+ index) and config.json.", show_default=False
         ),
     ],
-    out: Annotated[
-        Path,
-        typer.Argument(help="Output DCP directory (written beside itself, renamed when complete).", show_default=False),
-    ],
+    out: OutputArg,
     schema: Annotated[
         TargetSchema,
         typer.Option(
@@ -54,7 +51,27 @@ def import_command(
             "--world-size", min=1, help="Pre-shard for N ranks: one file per rank, dim-0 chunks as FSDP2 Shard(0)."
         ),
     ] = 1,
+    ep_size: Annotated[
+        int | None,
+        typer.Option(
+            "--ep-size",
+            min=1,
+            help="Pre-shard MoE expert tensors for EP size P (with --ep-fsdp-size F: P*F files, canonical "
+            "EP x EP-FSDP placement, a layout record).",
+        ),
+    ] = None,
+    ep_fsdp_size: Annotated[
+        int | None,
+        typer.Option("--ep-fsdp-size", min=1, help="EP-FSDP size F of the target mesh (with --ep-size) [default: 1]."),
+    ] = None,
     overwrite: OverwriteOpt = False,
+    fsync: Annotated[
+        bool,
+        typer.Option(
+            "--fsync/--no-fsync",
+            help="fsync the output files before moving the directory into place (survives a power loss).",
+        ),
+    ] = True,
     json_output: JsonOpt = False,
 ) -> None:
     """Import a Hugging Face safetensors model as a DCP checkpoint (streaming, bit-exact, atomic)."""
@@ -63,7 +80,16 @@ def import_command(
     res = import_hf(
         hf_dir,
         out,
-        ImportOptions(schema=schema.value, adapter=adapter, config=config, world_size=world_size, overwrite=overwrite),
+        ImportOptions(
+            schema=schema.value,
+            adapter=adapter,
+            config=config,
+            world_size=world_size,
+            ep_size=ep_size,
+            ep_fsdp_size=ep_fsdp_size,
+            overwrite=overwrite,
+            fsync=fsync,
+        ),
     )
     sink = Output(json_output)
     for w in res.warnings:
@@ -80,6 +106,11 @@ def _render(r: ImportResult) -> None:
         f"({fmt_seconds(r.seconds)}, {fmt_rate(r.bytes, r.seconds)})"
     )
     con.print(f"key schema  {r.schema}" + (f"; adapter {r.adapter}" if r.adapter else "") + f"; {r.world_size} rank(s)")
+    if r.ep_size is not None:
+        con.print(
+            f"EP layout  canonical (version 2), ep_size {r.ep_size}, ep_fsdp_size {r.ep_fsdp_size}; "
+            f"{plural(r.ep_tensors, 'expert tensor')}"
+        )
     if r.skipped:
         con.print("not imported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()))
 
@@ -87,6 +118,8 @@ def _render(r: ImportResult) -> None:
 EPILOG = examples(
     "ckpttool import hf_model/ ckpt/",
     "ckpttool import hf_model/ ckpt/ --world-size 8",
+    "ckpttool import qwen3_moe/ ckpt/ --ep-size 4 --ep-fsdp-size 2",
+    "ckpttool import hf_model/ s3://bucket/run/step-0",
     "ckpttool import hf_model/ titan/step-0 --schema torchtitan",
 )
 
