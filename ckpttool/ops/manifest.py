@@ -1,11 +1,11 @@
 """Integrity manifests: a digest of every stored chunk, written beside a checkpoint and verified later.
 
-``manifest.json`` (format ``ckpttool.manifest``, version 1; ``docs/diff.md``)::
+``manifest.json`` (format ``ckpttool.manifest``, version 2; ``docs/diff.md``)::
 
-    {"format": "ckpttool.manifest", "version": 1, "algorithm": "xxh3-128",
+    {"format": "ckpttool.manifest", "version": 2, "algorithm": "xxh3-128",
      "metadata": {"file": ".metadata", "size": 5211, "digest": "9f0c..."},
      "entries": [{"key": "model.w", "offsets": [0, 0], "sizes": [4, 8], "file": "__0_0.distcp",
-                  "offset": 0, "length": 1577, "crc32": "3b8d2a1f", "digest": "0a41..."},
+                  "offset": 0, "length": 1577, "crc32": "3b8d2a1f", "covers": "window", "digest": "0a41..."},
                  {"key": "optimizer.param_groups.0.lr", "offsets": null, ...}],
      "source": {...}}
 
@@ -13,7 +13,16 @@ Every chunk of every tensor and every byte item has one entry: its key, the chun
 ``offsets``/``sizes`` in the global tensor (``null`` for a byte item), its storage window
 (``file``, ``offset``, ``length``: the bytes torch's reader hands to ``torch.load``), the
 CRC-32 its zip entry holds for the raw storage record (``null`` for safetensors storage and
-byte items) and the digest (:mod:`ckpttool.format.digest`) of the whole window as stored.
+byte items) and the digest (:mod:`ckpttool.format.digest`) of what ``covers`` names:
+
+- ``window``: the whole window as stored (what ``ckpttool manifest`` writes by default; every
+  version-1 entry, which has no ``covers`` field, is one);
+- ``record``: the chunk's raw storage record only (the ``compressed_size`` bytes at the
+  record's ``data_offset`` in the window; the empty string for an empty storage). This is the
+  digest ``reshard --manifest`` computes while it writes: the record's bytes pass through the
+  copy in order, the archive's headers (filled in by the zip writer after the data) do not.
+  A record digest proves the values; a damaged zip header is caught by the chunk locator.
+
 ``source`` (optional) names the checkpoint an output was made from (export, reshard).
 
 A manifest read back is untrusted input: size-capped before reading
@@ -51,10 +60,13 @@ __all__ = [
     "load_manifest",
     "verify_manifest",
     "manifest_digest",
+    "source_identity",
+    "record_span",
 ]
 
 MANIFEST_FORMAT = "ckpttool.manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+COVERS = ("window", "record")
 MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"
 _BLOCK = 1 << 20  # cache-sized: faster here than 8 MiB (bench/bench_diff.py)
@@ -73,6 +85,7 @@ class ManifestEntry:
     length: int
     crc32: str | None
     digest: str
+    covers: str = "window"
 
     @property
     def ident(self) -> tuple[str, tuple[int, ...] | None]:
@@ -90,6 +103,7 @@ class ManifestEntry:
             "offset": self.offset,
             "length": self.length,
             "crc32": self.crc32,
+            "covers": self.covers,
             "digest": self.digest,
         }
 
@@ -190,24 +204,64 @@ def _check_algorithm(algorithm: str) -> None:
 
 def _hash_window(reader: CheckpointReader, info: StorageInfo, fqn: str, algorithm: str, buf: memoryview) -> str:
     """Digest of ``[offset, offset+length)`` of ``info``'s data file, read in blocks."""
+    return _hash_range(reader, info.relative_path, info.offset, info.length, fqn, algorithm, buf)
+
+
+def _hash_range(
+    reader: CheckpointReader, rel: str, offset: int, length: int, fqn: str, algorithm: str, buf: memoryview
+) -> str:
     h = new_hasher(algorithm)
-    fd = reader.fd(info.relative_path)
+    fd = reader.fd(rel)
     done = 0
     from ckpttool.errors import DataFileError
 
-    while done < info.length:
-        want = min(len(buf), info.length - done)
-        got = os.preadv(fd, [buf[:want]], info.offset + done)
+    while done < length:
+        want = min(len(buf), length - done)
+        got = os.preadv(fd, [buf[:want]], offset + done)
         if got <= 0:
             raise DataFileError(
-                f"{reader.path / info.relative_path}: short read of {fqn!r} (the file ends inside its window)",
-                path=info.relative_path,
+                f"{reader.path / rel}: short read of {fqn!r} (the file ends inside its window)",
+                path=rel,
                 fqn=fqn,
             )
         h.update(buf[:got])
         done += got
     reader.count_read(done)
     return h.hexdigest()
+
+
+def record_span(reader: CheckpointReader, key: str, chunk: ChunkMeta) -> tuple[int, int] | None:
+    """``(start, length)`` of a chunk's raw storage record in its data file (``None``: not in the file as is).
+
+    ``None`` for a chunk behind a stream transform (its archive is decoded, not stored) or
+    in safetensors storage (the window is the record). A storage without a record (zero
+    elements) is ``(window start, 0)``.
+
+    Raises:
+        the chunk locator's errors for a damaged archive.
+    """
+    if reader.metadata.serialization == "safetensors":
+        return None
+    info = reader.storage_info(key, chunk)
+    loc = reader.locate(key, chunk)
+    if not loc.in_file:
+        return None
+    rec = loc.record
+    if rec.member is None:
+        return (info.offset, 0)
+    return (info.offset + rec.data_offset, rec.compressed_size)
+
+
+def _hash_entry(
+    reader: CheckpointReader, key: str, chunk: ChunkMeta | None, covers: str, algorithm: str, buf: memoryview
+) -> tuple[str, str]:
+    """``(covers, digest)`` of one entry; ``record`` falls back to ``window`` where a chunk has no stored record."""
+    info = reader.storage_info(key, chunk)
+    if covers == "record" and chunk is not None:
+        span = record_span(reader, key, chunk)
+        if span is not None:
+            return "record", _hash_range(reader, info.relative_path, span[0], span[1], key, algorithm, buf)
+    return "window", _hash_window(reader, info, key, algorithm, buf)
 
 
 def _items(reader: CheckpointReader) -> list[tuple[str, ChunkMeta | None]]:
@@ -231,6 +285,7 @@ def build_manifest(
     reader: CheckpointReader,
     algorithm: str = DEFAULT_ALGORITHM,
     *,
+    covers: str = "window",
     on_entry: Callable[[int], None] | None = None,
 ) -> Manifest:
     """Digest every chunk window and byte item of an open checkpoint (each byte read once).
@@ -238,6 +293,8 @@ def build_manifest(
     Args:
         reader: the checkpoint's reader.
         algorithm: a key of :data:`ckpttool.format.digest.ALGORITHMS`.
+        covers: ``window`` (whole chunk windows) or ``record`` (chunks' raw storage records;
+            byte items and chunks without a stored record are still ``window`` entries).
         on_entry: called with the bytes of each entry as it is hashed (progress).
 
     Raises:
@@ -245,6 +302,7 @@ def build_manifest(
         DataFileError, ChunkError: a window outside its file, a damaged archive (chunk locator).
     """
     _check_algorithm(algorithm)
+    _check_covers(covers)
     buf = memoryview(bytearray(_BLOCK))
     entries: list[ManifestEntry] = []
     safetensors = reader.metadata.serialization == "safetensors"
@@ -254,7 +312,7 @@ def build_manifest(
         if chunk is not None and not safetensors and chunk.numel > 0:
             rec = reader.locate(key, chunk).record
             crc = f"{rec.crc32:08x}" if rec.member is not None else None
-        digest = _hash_window(reader, info, key, algorithm, buf)
+        kind, digest = _hash_entry(reader, key, chunk, covers, algorithm, buf)
         entries.append(
             ManifestEntry(
                 key,
@@ -265,6 +323,7 @@ def build_manifest(
                 info.length,
                 crc,
                 digest,
+                kind,
             )
         )
         if on_entry is not None:
@@ -273,9 +332,53 @@ def build_manifest(
     return Manifest(algorithm, tuple(entries), md, size)
 
 
+def _check_covers(covers: str) -> None:
+    if covers not in COVERS:
+        raise UsageError(
+            f"`covers` {covers!r} is not one of {', '.join(COVERS)}",
+            param="covers",
+            hint="window digests whole chunk windows; record only the raw storage records",
+        )
+
+
 def manifest_digest(data: bytes, algorithm: str = DEFAULT_ALGORITHM) -> str:
     """The digest of a manifest file's bytes (how outputs name the manifest of their source)."""
     return digest_bytes(data, algorithm)
+
+
+def source_identity(reader: CheckpointReader, algorithm: str = DEFAULT_ALGORITHM) -> dict[str, Any]:
+    """The identity of a checkpoint an output is made from (``converted_from.source``, safetensors metadata).
+
+    ``{"checkpoint": path, "algorithm": ..., "metadata_digest": <digest of .metadata>,
+    "metadata_size": bytes, "manifest_digest": <digest of its manifest.json> | null}``: the
+    ``.metadata`` digest equals the ``metadata.digest`` of ``ckpttool manifest`` of the source,
+    the manifest digest that of the source's ``manifest.json`` file (``null`` when it has none).
+    Reads ``.metadata`` and ``manifest.json`` only (both small), never a data file.
+
+    Raises:
+        the reader's errors for an unreadable ``.metadata``; SizeLimitError: an oversized manifest.
+    """
+    from ckpttool.errors import DataFileError
+
+    md: str | None = None
+    size: int | None = None
+    if not reader.parts:  # a model/optimizer pair has two: named by neither alone
+        data = reader.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
+        md, size = digest_bytes(data, algorithm), len(data)
+    man: str | None = None
+    try:
+        man = manifest_digest(
+            reader.read_file(MANIFEST_NAME, limits.current().max_object_bytes, what="manifest"), algorithm
+        )
+    except DataFileError:
+        man = None  # the source has no manifest
+    return {
+        "checkpoint": str(reader.path),
+        "algorithm": algorithm,
+        "metadata_digest": md,
+        "metadata_size": size,
+        "manifest_digest": man,
+    }
 
 
 def write_manifest(
@@ -283,6 +386,7 @@ def write_manifest(
     out: str | os.PathLike[str] | None = None,
     *,
     algorithm: str = DEFAULT_ALGORITHM,
+    covers: str = "window",
     trust_pickle: bool = False,
     selection: CheckpointSelection | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -296,15 +400,17 @@ def write_manifest(
         checkpoint: an opened :class:`Checkpoint` or its directory.
         out: the manifest file (default ``<checkpoint>/manifest.json``).
         algorithm: digest algorithm (:data:`ckpttool.format.digest.ALGORITHMS`).
+        covers: ``window`` or ``record`` (see the module docstring).
         progress: ``progress(done_bytes, total_bytes)``.
 
     Raises:
-        UsageError: unknown ``algorithm``; OutputError: ``out`` cannot be written;
+        UsageError: unknown ``algorithm`` or ``covers``; OutputError: ``out`` cannot be written;
         plus the reader's errors for damaged checkpoints.
     """
     from ckpttool.errors import OutputError
 
     _check_algorithm(algorithm)
+    _check_covers(covers)
     t0 = time.perf_counter()
     with opened(checkpoint, trust_pickle=trust_pickle, selection=selection) as ckpt:
         reader = ckpt.reader
@@ -316,7 +422,7 @@ def write_manifest(
             if progress is not None:
                 progress(done[0], total)
 
-        man = build_manifest(reader, algorithm, on_entry=step)
+        man = build_manifest(reader, algorithm, covers=covers, on_entry=step)
         target = Path(out) if out is not None else Path(ckpt.located.model) / MANIFEST_NAME
         data = man.to_bytes()
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
@@ -366,7 +472,7 @@ def _ints(v: Any) -> bool:
     return isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)
 
 
-def _entry(d: Any, i: int, path: str, hexlen: int | None) -> ManifestEntry:
+def _entry(d: Any, i: int, path: str, hexlen: int | None, version: int = MANIFEST_VERSION) -> ManifestEntry:
     if not isinstance(d, dict):
         raise _bad(path, f"entries[{i}] is not an object")
     key, file, off, length = d.get("key"), d.get("file"), d.get("offset"), d.get("length")
@@ -383,6 +489,9 @@ def _entry(d: Any, i: int, path: str, hexlen: int | None) -> ManifestEntry:
         raise _bad(path, f"entries[{i}] ({key!a}): crc32 must be 8 hex digits or null")
     if not isinstance(digest, str) or not _is_hex(digest) or (hexlen is not None and len(digest) != hexlen):
         raise _bad(path, f"entries[{i}] ({key!a}): digest must be a hex string of the algorithm's length")
+    covers = d.get("covers", "window") if version >= 2 else "window"
+    if covers not in COVERS or (covers == "record" and offsets is None):
+        raise _bad(path, f"entries[{i}] ({key!a}): covers must be 'window' or (for a chunk) 'record'")
     return ManifestEntry(
         key,
         tuple(offsets) if offsets is not None else None,
@@ -392,6 +501,7 @@ def _entry(d: Any, i: int, path: str, hexlen: int | None) -> ManifestEntry:
         length,
         crc,
         digest,
+        covers,
     )
 
 
@@ -442,7 +552,7 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     raw_entries = doc.get("entries")
     if not isinstance(raw_entries, list):
         raise _bad(shown, "entries must be a list")
-    entries = tuple(_entry(d, i, shown, hexlen) for i, d in enumerate(raw_entries))
+    entries = tuple(_entry(d, i, shown, hexlen, version) for i, d in enumerate(raw_entries))
     seen: set[tuple[str, tuple[int, ...] | None]] = set()
     for ent in entries:
         if ent.ident in seen:
@@ -494,7 +604,18 @@ def verify_manifest(reader: CheckpointReader, manifest: Manifest) -> list[Manife
                 )
             )
             continue
-        digest = _hash_window(reader, info, e.key, manifest.algorithm, buf)
+        kind, digest = _hash_entry(reader, e.key, chunk, e.covers, manifest.algorithm, buf)
+        if kind != e.covers:
+            problems.append(
+                ManifestProblem(
+                    "changed",
+                    e.key,
+                    e.offsets,
+                    f"{e.where()} in {info.relative_path}: the manifest digests its storage record, but the chunk "
+                    "has no stored record now (stream transform)",
+                )
+            )
+            continue
         if digest != e.digest:
             problems.append(
                 ManifestProblem(

@@ -31,6 +31,14 @@ def manifest_command(
             help="Digest: xxh3-128 (fast, detects damage), blake3 or blake2b-256 (cryptographic).",
         ),
     ] = "xxh3-128",
+    covers: Annotated[
+        str,
+        typer.Option(
+            "--covers",
+            metavar="WHAT",
+            help="window: each chunk's whole stored window; record: its raw storage record only (as reshard --manifest).",
+        ),
+    ] = "window",
     json_output: JsonOpt = False,
     trust_pickle: TrustPickleOpt = False,
     step: StepOpt = None,
@@ -42,7 +50,9 @@ def manifest_command(
     """
     from ckpttool.ops.manifest import write_manifest
 
-    res = write_manifest(checkpoint, output, algorithm=hash_name, trust_pickle=trust_pickle, selection=selection(step))
+    res = write_manifest(
+        checkpoint, output, algorithm=hash_name, covers=covers, trust_pickle=trust_pickle, selection=selection(step)
+    )
     Output(json_output).result(res, _render)
 
 
