@@ -62,11 +62,18 @@ __all__ = [
     "manifest_digest",
     "source_identity",
     "record_span",
+    "SOURCE_METADATA_KEY",
+    "safetensors_manifest",
+    "verify_safetensors_manifest",
+    "ManifestCheck",
+    "check_against_manifest",
 ]
 
 MANIFEST_FORMAT = "ckpttool.manifest"
 MANIFEST_VERSION = 2
 COVERS = ("window", "record")
+#: safetensors ``__metadata__`` key holding the source identity (a JSON string) of an export.
+SOURCE_METADATA_KEY = "ckpttool.source"
 MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"
 _BLOCK = 1 << 20  # cache-sized: faster here than 8 MiB (bench/bench_diff.py)
@@ -117,11 +124,15 @@ class Manifest:
     metadata_digest: str | None = None
     metadata_size: int | None = None
     source: dict[str, Any] | None = None
+    kind: str = "dcp"
+    #: kind ``safetensors``: ``{"file", "header_length", "header_digest"}`` per output file.
+    files: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "format": MANIFEST_FORMAT,
             "version": MANIFEST_VERSION,
+            "kind": self.kind,
             "algorithm": self.algorithm,
             "metadata": (
                 {"file": METADATA_NAME, "size": self.metadata_size, "digest": self.metadata_digest}
@@ -130,6 +141,8 @@ class Manifest:
             ),
             "entries": [e.to_dict() for e in self.entries],
         }
+        if self.kind == "safetensors":
+            out["files"] = [dict(f) for f in self.files]
         if self.source is not None:
             out["source"] = self.source
         return out
@@ -472,7 +485,9 @@ def _ints(v: Any) -> bool:
     return isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)
 
 
-def _entry(d: Any, i: int, path: str, hexlen: int | None, version: int = MANIFEST_VERSION) -> ManifestEntry:
+def _entry(
+    d: Any, i: int, path: str, hexlen: int | None, version: int = MANIFEST_VERSION, kind: str = "dcp"
+) -> ManifestEntry:
     if not isinstance(d, dict):
         raise _bad(path, f"entries[{i}] is not an object")
     key, file, off, length = d.get("key"), d.get("file"), d.get("offset"), d.get("length")
@@ -490,7 +505,10 @@ def _entry(d: Any, i: int, path: str, hexlen: int | None, version: int = MANIFES
     if not isinstance(digest, str) or not _is_hex(digest) or (hexlen is not None and len(digest) != hexlen):
         raise _bad(path, f"entries[{i}] ({key!a}): digest must be a hex string of the algorithm's length")
     covers = d.get("covers", "window") if version >= 2 else "window"
-    if covers not in COVERS or (covers == "record" and offsets is None):
+    if kind == "safetensors":
+        if covers != "extent" or offsets is None or sizes is None or len(offsets) != 1:
+            raise _bad(path, f"entries[{i}] ({key!a}): a safetensors manifest lists extents (covers 'extent')")
+    elif covers not in COVERS or (covers == "record" and offsets is None):
         raise _bad(path, f"entries[{i}] ({key!a}): covers must be 'window' or (for a chunk) 'record'")
     return ManifestEntry(
         key,
@@ -549,10 +567,28 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     if algorithm not in ALGORITHMS:
         raise _bad(shown, f"unknown digest algorithm {str(algorithm)[:40]!a} (known: {', '.join(ALGORITHMS)})")
     hexlen = len(digest_bytes(b"", algorithm))
+    kind = doc.get("kind", "dcp") if version >= 2 else "dcp"
+    if kind not in ("dcp", "safetensors"):
+        raise _bad(shown, f"kind must be 'dcp' or 'safetensors', not {str(kind)[:40]!a}")
     raw_entries = doc.get("entries")
     if not isinstance(raw_entries, list):
         raise _bad(shown, "entries must be a list")
-    entries = tuple(_entry(d, i, shown, hexlen, version) for i, d in enumerate(raw_entries))
+    entries = tuple(_entry(d, i, shown, hexlen, version, kind) for i, d in enumerate(raw_entries))
+    files: list[dict[str, Any]] = []
+    if kind == "safetensors":
+        raw_files = doc.get("files")
+        if not isinstance(raw_files, list):
+            raise _bad(shown, "files must be a list")
+        for j, f in enumerate(raw_files):
+            if (
+                not isinstance(f, dict)
+                or not isinstance(f.get("file"), str)
+                or type(f.get("header_length")) is not int
+                or not isinstance(f.get("header_digest"), str)
+                or not _is_hex(f["header_digest"])
+            ):
+                raise _bad(shown, f"files[{j}] must be an object with file, header_length and header_digest")
+            files.append({"file": f["file"], "header_length": f["header_length"], "header_digest": f["header_digest"]})
     seen: set[tuple[str, tuple[int, ...] | None]] = set()
     for ent in entries:
         if ent.ident in seen:
@@ -567,7 +603,7 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     source = doc.get("source")
     if source is not None and not isinstance(source, dict):
         raise _bad(shown, "source must be an object")
-    return Manifest(algorithm, entries, md_digest, md_size, source)
+    return Manifest(algorithm, entries, md_digest, md_size, source, kind, tuple(files))
 
 
 def verify_manifest(reader: CheckpointReader, manifest: Manifest) -> list[ManifestProblem]:
@@ -640,3 +676,194 @@ def verify_manifest(reader: CheckpointReader, manifest: Manifest) -> list[Manife
                 )
             )
     return problems
+
+
+# ---------------------------------------------------------------------------------------------- safetensors outputs
+def safetensors_manifest(
+    files: list[tuple[str, int, str | None, list[tuple[str, int, int, int, str]]]],
+    algorithm: str,
+    source: dict[str, Any] | None,
+) -> bytes:
+    """The ``manifest.json`` bytes (kind ``safetensors``) of an export, from the digests taken while writing.
+
+    Args:
+        files: per output file ``(name, header length, header digest, extents)``; the header
+            length counts the 8-byte length prefix (the data region's start); an extent is
+            ``(tensor name, byte offset in the tensor's data, file offset, length, digest)`` of one write.
+        algorithm: the digest algorithm used.
+        source: the source identity (:func:`source_identity`).
+
+    Entries are sorted by file and offset. Each is ``{"key": tensor, "offsets": [byte offset in
+    the tensor's data], "sizes": [length in bytes], "file", "offset": absolute file offset,
+    "length", "crc32": null, "covers": "extent", "digest"}``; a tensor's extents tile its data.
+    """
+    entries: list[ManifestEntry] = []
+    meta: list[dict[str, Any]] = []
+    for name, data_start, header_digest, extents in files:
+        meta.append({"file": name, "header_length": data_start, "header_digest": header_digest})
+        for tensor, at, start, length, digest in extents:
+            entries.append(ManifestEntry(tensor, (at,), (length,), name, start, length, None, digest, "extent"))
+    entries.sort(key=lambda e: (e.file, e.offset))
+    return Manifest(algorithm, tuple(entries), None, None, source, "safetensors", tuple(meta)).to_bytes()
+
+
+def verify_safetensors_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> list[ManifestProblem]:
+    """Check a safetensors directory (an ``export`` output) against its kind ``safetensors`` manifest.
+
+    Every listed file's header is digested and compared; every extent is read once and digested;
+    the extents of each tensor must tile its ``data_offsets`` range exactly, and every tensor of
+    every listed file must be covered. Files are confined to ``directory`` and read as regular files.
+
+    Returns:
+        The problems: ``missing`` (a listed file or tensor absent), ``extra`` (a tensor not
+        covered), ``changed`` (a digest differs, or the extents do not tile the tensor), and
+        ``metadata`` (a header differs). Empty when the directory matches.
+
+    Raises:
+        UsageError: ``manifest`` is not a safetensors manifest.
+        MetadataError, NotRegularFileError, PathEscapeError: unreadable files.
+    """
+    from ckpttool.format.files import open_regular, resolve_inside
+    from ckpttool.format.hf_storage import read_safetensors_header
+
+    if manifest.kind != "safetensors":
+        raise UsageError(
+            "`manifest` is a DCP checkpoint manifest, not one of a safetensors export",
+            param="manifest",
+            hint="verify a DCP checkpoint with `ckpttool validate DIR --manifest FILE`",
+        )
+    root = Path(directory)
+    buf = memoryview(bytearray(_BLOCK))
+    problems: list[ManifestProblem] = []
+    by_file: dict[str, list[ManifestEntry]] = {}
+    for e in manifest.entries:
+        by_file.setdefault(e.file, []).append(e)
+    for f in manifest.files:
+        name = f["file"]
+        path = resolve_inside(root, name, what="safetensors file")
+        if not path.exists():
+            problems.append(ManifestProblem("missing", name, None, f"{name}: listed in the manifest, not in {root}"))
+            continue
+        header, data_start = read_safetensors_header(path)
+        fd = open_regular(path)
+        try:
+            prefix = os.pread(fd, data_start, 0)
+            if data_start != f["header_length"] or digest_bytes(prefix, manifest.algorithm) != f["header_digest"]:
+                problems.append(
+                    ManifestProblem(
+                        "metadata", name, None, f"{name}: the header differs from the one the manifest was made of"
+                    )
+                )
+            tensors = {k: v for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+            covered: dict[str, int] = {}
+            for e in by_file.get(name, []):
+                t = tensors.get(e.key)
+                if t is None:
+                    problems.append(
+                        ManifestProblem(
+                            "missing", e.key, None, f"{e.key!r} in {name}: in the manifest, not in the file"
+                        )
+                    )
+                    continue
+                digest = _hash_fd(fd, e.offset, e.length, manifest.algorithm, buf, path, e.key)
+                if digest != e.digest:
+                    problems.append(
+                        ManifestProblem(
+                            "changed",
+                            e.key,
+                            None,
+                            f"{e.key!r} in {name}, bytes {e.offsets[0] if e.offsets else 0}+{e.length}: stored bytes "
+                            f"differ from the manifest ({manifest.algorithm} {digest[:16]}..., manifest {e.digest[:16]}...)",
+                        )
+                    )
+                covered[e.key] = covered.get(e.key, 0) + e.length
+            for key, t in tensors.items():
+                offs = t.get("data_offsets")
+                nbytes = offs[1] - offs[0] if isinstance(offs, list) and len(offs) == 2 else -1
+                if key not in covered and nbytes > 0:
+                    problems.append(
+                        ManifestProblem("extra", key, None, f"{key!r} in {name}: stored but not in the manifest")
+                    )
+                elif key in covered and covered[key] != nbytes:
+                    problems.append(
+                        ManifestProblem(
+                            "changed",
+                            key,
+                            None,
+                            f"{key!r} in {name}: the manifest covers {covered[key]} of its {nbytes} bytes",
+                        )
+                    )
+        finally:
+            os.close(fd)
+    return problems
+
+
+def _hash_fd(fd: int, offset: int, length: int, algorithm: str, buf: memoryview, path: Path, key: str) -> str:
+    h = new_hasher(algorithm)
+    done = 0
+    while done < length:
+        got = os.preadv(fd, [buf[: min(len(buf), length - done)]], offset + done)
+        if got <= 0:
+            from ckpttool.errors import DataFileError
+
+            raise DataFileError(f"{path}: short read of {key!r} (the file ends inside it)", path=path, fqn=key)
+        h.update(buf[:got])
+        done += got
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ManifestCheck:
+    """What ``ckpttool manifest DIR --verify`` found (``--json``: schema ``ckpttool.manifest-check/1``)."""
+
+    path: str
+    manifest: str
+    kind: str
+    algorithm: str
+    entries: int
+    problems: list[ManifestProblem]
+    source: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": "ckpttool.manifest-check/1",
+            "path": self.path,
+            "manifest": self.manifest,
+            "kind": self.kind,
+            "algorithm": self.algorithm,
+            "entries": self.entries,
+            "ok": not self.problems,
+            "problems": [
+                {"kind": p.kind, "key": p.key, "offsets": list(p.offsets) if p.offsets else None, "message": p.message}
+                for p in self.problems
+            ],
+            "source": self.source,
+        }
+
+
+def check_against_manifest(
+    directory: str | os.PathLike[str],
+    manifest_path: str | os.PathLike[str] | None = None,
+    *,
+    trust_pickle: bool = False,
+    selection: CheckpointSelection | None = None,
+) -> ManifestCheck:
+    """Verify a DCP checkpoint or a safetensors export directory against its manifest.
+
+    Args:
+        directory: the checkpoint or export directory (local).
+        manifest_path: the manifest (default ``directory/manifest.json``).
+
+    Raises:
+        UsageError: no manifest; ManifestError: a malformed one; the readers' errors.
+    """
+    target = Path(manifest_path) if manifest_path is not None else Path(directory) / MANIFEST_NAME
+    man = load_manifest(target)
+    if man.kind == "safetensors":
+        problems = verify_safetensors_manifest(directory, man)
+        shown = str(directory)
+    else:
+        with opened(directory, trust_pickle=trust_pickle, selection=selection) as ckpt:
+            problems = verify_manifest(ckpt.reader, man)
+            shown = str(ckpt.path)
+    return ManifestCheck(shown, str(target), man.kind, man.algorithm, len(man.entries), problems, man.source)

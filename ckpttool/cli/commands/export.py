@@ -126,6 +126,21 @@ def export_command(
     model_prefix: ModelPrefixOpt = None,
     optimizer_prefix: OptimizerPrefixOpt = None,
     verify_crc: VerifyCrcOpt = True,
+    manifest: Annotated[
+        bool,
+        typer.Option(
+            "--manifest",
+            help="Also write OUT/manifest.json: a digest of every byte range as it is written (no second read); verify with `ckpttool manifest OUT --verify`.",
+        ),
+    ] = False,
+    hash_name: Annotated[
+        str,
+        typer.Option(
+            "--hash",
+            metavar="ALGO",
+            help="Digest of the manifest and of the source identity: xxh3-128, blake3 or blake2b-256.",
+        ),
+    ] = "xxh3-128",
 ) -> None:
     """Export model weights as Hugging Face safetensors or a LoRA adapter (streaming, bit-exact by default)."""
     from ckpttool.model.checkpoint import open_checkpoint
@@ -150,6 +165,8 @@ def export_command(
         verify_crc=verify_crc,
         adapter_config=adapter_config,
         lora_alpha=alpha,
+        manifest=manifest,
+        algorithm=hash_name,
     )
     from ckpttool.cli.render import byte_progress
 
