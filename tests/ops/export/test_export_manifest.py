@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
@@ -33,9 +34,9 @@ def _independent_extents(out: Path, algorithm: str) -> dict[tuple[str, int], str
     got: dict[tuple[str, int], str] = {}
     for name in {e.file for e in man.entries}:
         with safe_open(str(out / name), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            for key in f.keys():
                 t = f.get_tensor(key)
-                raw = t.reshape(-1).view(__import__("torch").uint8).numpy().tobytes()
+                raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
                 for e in man.entries:
                     if e.file == name and e.key == key:
                         assert e.offsets is not None
