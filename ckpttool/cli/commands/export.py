@@ -261,6 +261,7 @@ EPILOG = examples(
     "ckpttool export ckpt/ hf/ --weights master --save-dtype bf16",
     "ckpttool export ckpt/ hf/ --experts per-expert --filter 'model.layers.0.*'",
     "ckpttool export ckpt/ adapter/ --format lora --lora-alpha 16",
+    "ckpttool export ckpt/ hf/ --manifest   # then: ckpttool manifest hf/ --verify",
 )
 
 

@@ -95,7 +95,7 @@ def _render(res: ManifestResult) -> None:
 EPILOG = examples(
     "ckpttool manifest ckpt/",
     "ckpttool validate ckpt/ --manifest ckpt/manifest.json",
-    "ckpttool export ckpt/ hf/ --manifest && ckpttool manifest hf/ --verify",
+    "ckpttool manifest hf/ --verify            # an export --manifest output, or a checkpoint",
 )
 
 

@@ -169,7 +169,7 @@ EPILOG = examples(
     "ckpttool reshard ckpt/ out/ --to canonical",
     "ckpttool reshard ckpt/ out/ --to canonical --with-optimizer --target-ep-size 4 --target-ep-fsdp-size 2",
     "ckpttool reshard old/ new/ --to canonical --source-layout legacy --ep-size 4 --ep-fsdp-size 2",
-    "ckpttool reshard ckpt/ out/ --to canonical --manifest && ckpttool validate out/ --manifest out/manifest.json",
+    "ckpttool reshard ckpt/ out/ --to canonical --manifest --hash blake3",
 )
 
 
