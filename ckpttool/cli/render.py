@@ -706,7 +706,7 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
     if ov.derived_from is not None:
         src = ov.derived_from
         con.print(
-            f"made from   {src.get('checkpoint')}: .metadata {src.get('algorithm')} {src.get('metadata_digest')}, "
+            f"made from   a checkpoint with .metadata {src.get('algorithm')} {src.get('metadata_digest')}, "
             + (
                 f"manifest {src['manifest_digest']}"
                 if src.get("manifest_digest")

@@ -366,7 +366,9 @@ def source_identity(reader: CheckpointReader, algorithm: str = DEFAULT_ALGORITHM
     "metadata_size": bytes, "manifest_digest": <digest of its manifest.json> | null}``: the
     ``.metadata`` digest equals the ``metadata.digest`` of ``ckpttool manifest`` of the source,
     the manifest digest that of the source's ``manifest.json`` file (``null`` when it has none).
-    Reads ``.metadata`` and ``manifest.json`` only (both small), never a data file.
+    Reads ``.metadata`` and ``manifest.json`` only (both small), never a data file. Outputs
+    record it without ``checkpoint`` (content only: the same source exported or resharded from
+    another place gives the same bytes); manifests and ``--json`` results keep the path.
 
     Raises:
         the reader's errors for an unreadable ``.metadata``; SizeLimitError: an oversized manifest.

@@ -36,14 +36,14 @@ def manifest_command(
         typer.Option(
             "--covers",
             metavar="WHAT",
-            help="window: each chunk's whole stored window; record: its raw storage record only (as reshard --manifest).",
+            help="window: each chunk's whole stored window; record: its raw storage record only (what reshard digests while writing).",
         ),
     ] = "window",
     verify: Annotated[
         bool,
         typer.Option(
             "--verify",
-            help="Check DIR against its manifest (DIR/manifest.json or --output) instead of writing one: a DCP checkpoint or a safetensors export (export --manifest). Exit 1 names each changed, missing or added chunk or byte range.",
+            help="Check DIR against its manifest (DIR/manifest.json or --output) instead of writing one: a DCP checkpoint or a safetensors export made with a manifest. Exit 1 names each changed, missing or added chunk or byte range.",
         ),
     ] = False,
     json_output: JsonOpt = False,
@@ -95,7 +95,7 @@ def _render(res: ManifestResult) -> None:
 EPILOG = examples(
     "ckpttool manifest ckpt/",
     "ckpttool validate ckpt/ --manifest ckpt/manifest.json",
-    "ckpttool manifest hf/ --verify            # an export --manifest output, or a checkpoint",
+    "ckpttool manifest hf/ --verify            # an export made with a manifest, or a checkpoint",
 )
 
 

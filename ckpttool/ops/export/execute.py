@@ -609,7 +609,9 @@ def _export(
     mine = {i for i, r in enumerate(owners) if group.owns(r)}
     files_info: list[dict[str, Any]] = []
     identity = source_identity(reader, opts.algorithm)
-    st_metadata = {"format": "pt", SOURCE_METADATA_KEY: json.dumps(identity, sort_keys=True, separators=(",", ":"))}
+    # content only (no path): the same checkpoint exported from anywhere gives the same bytes
+    content = {k: v for k, v in identity.items() if k != "checkpoint"}
+    st_metadata = {"format": "pt", SOURCE_METADATA_KEY: json.dumps(content, sort_keys=True, separators=(",", ":"))}
     with contextlib.ExitStack() as stack:
         failure: BaseException | None = None
         tmp0: Path | None = None

@@ -512,7 +512,7 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
         target_ep_size=opts.target_ep_size,
         target_ep_fsdp_size=opts.target_ep_fsdp_size,
         with_optimizer=opts.with_optimizer,
-        source=identity,
+        source={k: v for k, v in identity.items() if k != "checkpoint"},  # content only: same bytes from anywhere
     )
     log.info(
         "plan: %s -> %s, ep_size %d, ep_fsdp_size %d, %d target rank(s), %d tensor(s) with a new expert order",

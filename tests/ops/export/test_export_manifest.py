@@ -72,7 +72,8 @@ def test_llama_manifest_matches_the_bytes_transformers_loads(
     for f in summary["files"]:
         with safe_open(str(out / f["name"]), framework="pt") as st:
             meta = st.metadata()
-        assert meta["format"] == "pt" and json.loads(meta[SOURCE_METADATA_KEY]) == man.source
+        recorded = json.loads(meta[SOURCE_METADATA_KEY])
+        assert meta["format"] == "pt" and recorded == {k: v for k, v in man.source.items() if k != "checkpoint"}
     if args[0] == "--shard-size":
         assert_same_logits(load_hf(out, LlamaForCausalLM), llama_ckpt)  # transformers ignores the extra key
 

@@ -81,7 +81,7 @@ def test_written_manifest_equals_an_independent_read_of_the_output(
     assert written.source is not None and written.source["metadata_digest"] == md
     with CheckpointReader(out) as r:
         record = json.loads(r.read_object("layout"))
-    assert record["converted_from"]["source"] == written.source
+    assert record["converted_from"]["source"] == {k: v for k, v in written.source.items() if k != "checkpoint"}
 
 
 def test_source_identity_names_the_source_manifest(ep_suite: Path, tmp_path: Path) -> None:
