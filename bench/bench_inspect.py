@@ -196,6 +196,97 @@ def bench_startup(workdir: Path, repeat: int) -> None:
     print(f"  {'baseline: python -c pass':40s} {base:6.3f} s")
 
 
+EXPORT_START = """
+import os, sys, time
+t0 = time.perf_counter()
+from ckpttool.cli import main
+import ckpttool.ops.export.execute as ex
+
+
+class _FirstWrite:
+    # Stands in for the output directory: the export has planned everything and checked every chunk.
+    def __init__(self, *a, **k):
+        pass
+
+    def __enter__(self):
+        sys.stderr.write(f"first write after {time.perf_counter() - t0:.3f} s\\n")
+        sys.stderr.flush()
+        os._exit(0)
+
+    def __exit__(self, *exc):
+        return False
+
+
+ex.AtomicOutputDir = _FirstWrite
+sys.argv = ["ckpttool", *sys.argv[1:]]
+main()
+"""
+
+
+def _run_rss(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MiB, the child's own ``ru_maxrss``) of a fresh process."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    assert proc.stderr is not None
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t0
+    if proc.returncode not in (0, 1):  # 1: validate findings
+        raise RuntimeError(f"{cmd[-3:]} exited {proc.returncode}: {err.decode(errors='replace')[-400:]}")
+    return wall, usage.ru_maxrss / 1024
+
+
+def bench_million(workdir: Path, entries: int, ranks: int, sharded_every: int, repeat: int) -> None:
+    """One large case: every metadata-bound command as a fresh process beside torch's bare read.
+
+    ckpttool runs twice per command: ``--no-cache`` (what a first run costs: unpickle and check) and
+    with a warm parsed-metadata cache (``CKPTTOOL_CACHE_DIR`` in ``workdir``; what every later run
+    on the same ``.metadata`` costs).
+    """
+    ckpt = workdir / (f"many-{entries}-{ranks}" if sharded_every == 4 else f"many-{entries}-{ranks}-s{sharded_every}")
+    if not (ckpt / ".metadata").exists():
+        t0 = time.perf_counter()
+        make_many_entries_checkpoint(ckpt, entries, ranks, sharded_every)
+        print(f"built {ckpt} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    md_size = (ckpt / ".metadata").stat().st_size
+    n_chunks = entries + (entries + sharded_every - 1) // sharded_every * (ranks - 1) if sharded_every else entries
+    env = {**os.environ, "CKPTTOOL_CACHE_DIR": str(workdir / "metadata-cache")}
+    env.pop("CKPTTOOL_NO_CACHE", None)
+    cli = [sys.executable, "-c", "from ckpttool.cli import main; main()"]
+    exp = [sys.executable, "-c", EXPORT_START]
+    out = str(workdir / "export-out-never-written")
+    cases = [
+        ("inspect --json", [*cli, "inspect", "--json", str(ckpt)]),
+        ("inspect (table)", [*cli, "inspect", str(ckpt)]),
+        ("validate --strict", [*cli, "validate", "--strict", str(ckpt)]),
+        ("export, up to its first write", [*exp, "export", str(ckpt), out]),
+    ]
+    torch_cmd = [sys.executable, "-c", TORCH_READ, str(ckpt)]
+    _run_rss(torch_cmd)  # page cache warm
+    _run_rss([*cli, "inspect", "--json", str(ckpt)], env)  # the cache entry exists
+    rows: dict[str, list[tuple[float, float]]] = {}
+    for _ in range(repeat):  # interleaved: torch, then each command cold and warm
+        rows.setdefault("torch", []).append(_run_rss(torch_cmd))
+        for label, cmd in cases:
+            rows.setdefault(label + " --no-cache", []).append(_run_rss([*cmd[:3], "--no-cache", *cmd[3:]], env))
+            rows.setdefault(label + " (cache hit)", []).append(_run_rss(cmd, env))
+    t_torch, rss_torch = min(t for t, _ in rows["torch"]), max(r for _, r in rows["torch"])
+    print(
+        f"\n{entries:,} entries ({n_chunks:,} chunks, {ranks} ranks, "
+        f"{f'every {sharded_every}th tensor in {ranks} chunks' if sharded_every else 'one chunk each'}), "
+        f".metadata {md_size / 2**20:.0f} MiB; load average {os.getloadavg()[0]:.2f}; best of {repeat}, fresh processes"
+    )
+    print(f"  {'':52s} {'wall s':>8s} {'x torch':>8s} {'peak RSS':>10s}")
+    print(f"  {'torch FileSystemReader.read_metadata + keys':52s} {t_torch:8.2f} {1.0:8.2f} {rss_torch:7.0f} MiB")
+    for label, _ in cases:
+        for variant in (" --no-cache", " (cache hit)"):
+            runs = rows[label + variant]
+            t, rss = min(t for t, _ in runs), max(r for _, r in runs)
+            print(f"  {'ckpttool ' + label + variant:52s} {t:8.2f} {t / t_torch:8.2f} {rss:7.0f} MiB")
+    print("  targets: <= 0.30 x torch, <= 1024 MiB peak RSS")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--entries", type=int, default=100_000)
@@ -209,7 +300,17 @@ def main() -> None:
         help="every k-th tensor is sharded over all ranks (8 chunks); 0: every tensor has one chunk",
     )
     ap.add_argument("--skip-large", action="store_true", help="only the start-up case")
+    ap.add_argument(
+        "--million",
+        action="store_true",
+        help="the 10^6-entry cases instead: one chunk per entry and chunk-heavy (every 4th tensor in 8 chunks), "
+        "inspect/validate/export start, --no-cache and cache hit, beside torch's read_metadata, with peak RSS",
+    )
     args = ap.parse_args()
+    if args.million:
+        for every in (0, 4):
+            bench_million(Path(args.workdir), 1_000_000, args.ranks, every, args.repeat)
+        return
     import compileall
 
     import ckpttool

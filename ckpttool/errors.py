@@ -77,6 +77,7 @@ __all__ = [
     "ExportError",
     "ExportNamingError",
     "ExportAccountingError",
+    "ModelMismatchError",
     "ReshardError",
     "ReplayMismatchError",
     "error_class",
@@ -474,6 +475,15 @@ class ExportAccountingError(ExportError):
 
     code = "E604"
     default_hint = "this is a ckpttool bug: report it with `ckpttool inspect --json` of the checkpoint"
+
+
+class ModelMismatchError(ExportError):
+    """Tensors that do not fit the model class built from ``config.json`` (missing, unexpected, shape, dtype)."""
+
+    code = "E605"
+    default_hint = (
+        "pass the config.json of the model this checkpoint was trained as, or allow the kind with --allow-mismatch"
+    )
 
 
 class ReshardError(CkptError):

@@ -127,3 +127,11 @@ def s3_server():  # type: ignore[no-untyped-def]
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _metadata_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The parsed-``.metadata`` cache of this session (never the user's ``~/.cache/ckpttool``); inherited by subprocesses."""
+    path = tmp_path_factory.mktemp("metadata-cache")
+    os.environ["CKPTTOOL_CACHE_DIR"] = str(path)
+    return path

@@ -39,6 +39,7 @@ COMMANDS = (
     "schema",
     "diff",
     "manifest",
+    "import_hf",
 )
 
 # typer vendors click (typer._click); reach its exception classes through public names only
@@ -97,6 +98,13 @@ def _set_remote(field: str) -> Any:
             storage.configure(**{field: value})
 
     return callback
+
+
+def _set_no_cache(ctx: Any, param: Any, value: bool) -> None:
+    if value:
+        from ckpttool.format.mdcache import set_cache_enabled
+
+        set_cache_enabled(False)
 
 
 def _global_options() -> list[Any]:
@@ -169,6 +177,15 @@ def _global_options() -> list[Any]:
             callback=_set_remote("retries"),
             help="Attempts per storage request on transient errors [default: 5].",
         ),
+        TyperOption(
+            param_decls=["--no-cache"],
+            is_flag=True,
+            default=False,
+            expose_value=False,
+            is_eager=True,
+            callback=_set_no_cache,
+            help="Parse .metadata without the parsed-metadata cache (CKPTTOOL_CACHE_DIR, default ~/.cache/ckpttool).",
+        ),
     ]
 
 
@@ -183,6 +200,7 @@ GLOBAL_OPTIONS = (
     "--storage-option",
     "--remote-workers",
     "--remote-retries",
+    "--no-cache",
     "-h",
     "--help",
 )

@@ -540,6 +540,7 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
             f"key schema  {sch.id} ({sch.source}): model {mp}, optimizer {sch.optimizer_prefix or ABSENT}"
             + (f" by {sch.optimizer_keying}" if sch.optimizer_keying else "")
             + f", {sch.naming} names"
+            + (f"; adapter {ov.model_adapter}" if ov.model_adapter else "")
         )
         for why in sch.reasons:
             con.print(f"            - {why}")

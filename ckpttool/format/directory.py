@@ -42,9 +42,9 @@ from ckpttool.errors import (
 from ckpttool.format import limits
 from ckpttool.format.files import _kind, copy_regular, open_regular, read_regular, resolve_inside
 from ckpttool.format.hf_storage import hf_storage_files, load_hf_storage_metadata, shard_rank
+from ckpttool.format.mdcache import parse_metadata_cached
 from ckpttool.format.metadata import CheckpointMetadata, ChunkMeta, StorageInfo
 from ckpttool.format.storage import RemoteStore, Spool, is_url, local_path
-from ckpttool.format.unpickler import parse_metadata_bytes
 
 __all__ = [
     "DATA_FILE_RE",
@@ -139,7 +139,7 @@ class CheckpointDir:
             data = self.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
         except DataFileError as e:
             raise MetadataError(e.message, path=md) from e
-        self.metadata = parse_metadata_bytes(data, str(md))
+        self.metadata = parse_metadata_cached(data, str(md))
 
     def _open_remote(self, url: str | os.PathLike[str], metadata: CheckpointMetadata | None) -> None:
         """Open a checkpoint below a URL prefix (:mod:`ckpttool.format.storage`): one listing, then ``.metadata``."""
@@ -176,7 +176,7 @@ class CheckpointDir:
                 data = self.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
             except DataFileError as e:
                 raise MetadataError(e.message, path=store.path / METADATA_NAME) from e
-            self.metadata = parse_metadata_bytes(data, str(store.path / METADATA_NAME))
+            self.metadata = parse_metadata_cached(data, str(store.path / METADATA_NAME))
         except BaseException:
             self.close()
             raise

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
-import operator
 import os
 import pickle
 import re
@@ -135,21 +134,13 @@ def _get_layout(name: Any) -> _Layout:
 
 
 class _Dims(tuple):  # type: ignore[type-arg]
-    """A ``torch.Size`` stand-in whose items are known to be plain ``int`` (coerced by ``operator.index``)."""
+    """The ``torch.Size`` stand-in: ``REDUCE(torch.Size, (dims,))`` calls this class, so each one is
+    built in C (a Python function per ``torch.Size`` was a third of the unpickling time of a
+    10^6-entry ``.metadata``). Its items are *not* known to be ints here: :func:`_shape` (and
+    :func:`_plain_path_item` for planner data) check every one before it is used.
+    """
 
     __slots__ = ()
-
-
-def _size(*args: Any) -> tuple[Any, ...]:
-    # torch.Size((d0, d1, ...)) — REDUCE(torch.Size, (tuple,)).
-    if len(args) == 0:
-        return _Dims()
-    if len(args) != 1 or not isinstance(args[0], (tuple, list)):
-        raise UnsafePickleError(f"torch.Size called with {args!r:.80}, expected one tuple of ints")
-    try:
-        return _Dims(map(operator.index, args[0]))  # C loop: floats/str raise, bools become ints
-    except TypeError:
-        raise MetadataError(f"torch.Size holds non-integers: {args[0]!r:.80}") from None
 
 
 def _mem_format(value: Any = 0) -> int:
@@ -178,7 +169,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     (_DCP, "_MEM_FORMAT_ENCODING"): _mem_format,
     (_SHARD_MD, "MEM_FORMAT_ENCODING"): _mem_format,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfoRec,
-    ("torch", "Size"): _size,
+    ("torch", "Size"): _Dims,
     ("torch.serialization", "_get_layout"): _get_layout,
     ("pathlib", "PosixPath"): _path,
     ("pathlib", "WindowsPath"): _path,
@@ -367,17 +358,21 @@ def _bad(source: str, what: str) -> MetadataError:
     return MetadataError(f"{source}: {what}", path=source)
 
 
-_VALID_SHAPES: dict[tuple[int, ...], bool] = {}
+_VALID_SHAPES: dict[tuple[int, ...], tuple[int, ...]] = {}
+_INTS_ONLY = frozenset({int}).issuperset
 
 
 def _shape(value: Any, source: str, key: str, what: str) -> tuple[int, ...]:
     # Validated shapes are cached by value (tuples of ints hash fast); most chunks repeat a few shapes.
     # Only tuples made purely of in-range ints are ever cached, so a hit is always valid.
     _ok = _VALID_SHAPES
-    # (32.0,) and (True,) compare and hash equal to (32,) and (1,): only a _Dims (all plain ints
-    # by construction) may take the cached path; other tuples are checked item by item.
-    if type(value) is _Dims and value in _ok:
-        return value
+    # (32.0,) and (True,) compare and hash equal to (32,) and (1,): a hit counts only when every
+    # item is an exact int (one C-speed pass over the item types). The cached tuple itself is
+    # returned, so equal shapes share one object once the unpickled graph is freed.
+    if type(value) is _Dims:
+        hit = _ok.get(value)
+        if hit is not None and _INTS_ONLY(map(type, value)):
+            return hit
     if not isinstance(value, tuple) or len(value) > MAX_NDIM:
         raise _bad(source, f"entry {key!r}: {what} is not a shape tuple ({type(value).__name__})")
     for d in value:
@@ -392,7 +387,7 @@ def _shape(value: Any, source: str, key: str, what: str) -> tuple[int, ...]:
                 source, f"entry {key!r}: {what} {short_repr(value, 80)} holds {short_repr(d, 40)}, not a size >= 0"
             )
     if len(_ok) < 65536:
-        _ok[value] = True
+        _ok[value] = value
     return value
 
 

@@ -260,6 +260,7 @@ class InspectResult:
     serialization: str = "torch_save"
     storage: dict[str, Any] | None = None
     derived_from: dict[str, Any] | None = None
+    model_adapter: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document, schema ``ckpttool.inspect/1``."""
@@ -289,10 +290,19 @@ class InspectResult:
         if self.storage is not None:
             d["storage"] = dict(self.storage)
         d["derived_from"] = dict(self.derived_from) if self.derived_from is not None else None
+        d["model_adapter"] = self.model_adapter
         return d
 
 
 # ----------------------------------------------------------------------------------------------- build
+def _detected_adapter(cat: Any) -> str | None:
+    """The model adapter ``export`` would use on these names (no config: by the keys alone)."""
+    from ckpttool.model.adapters import detect_adapter
+
+    ad = detect_adapter(cat.schema.naming, [cat.fqn_of(k) for k in cat.model])
+    return ad.name if ad is not None else None
+
+
 def _plain(value: Any) -> Any:
     """JSON-safe view of a hyperparameter value (tuples -> lists, tensors -> numbers)."""
     if isinstance(value, (list, tuple)):
@@ -575,6 +585,7 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         tree=tree,
         schema=cat.schema,
         location=ckpt.located,
+        model_adapter=_detected_adapter(cat),
         training_state={k: tuple(v) for k, v in cat.training_state.items()},
         uncategorized_tensors=tuple(cat.uncategorized_tensors()),
         non_persistent_buffers=tuple(cat.non_persistent_buffers()),

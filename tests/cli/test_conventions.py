@@ -30,6 +30,7 @@ COMMANDS = (
     "schema",
     "diff",
     "manifest",
+    "import",
 )
 
 

@@ -42,7 +42,7 @@ def flags_of(name: str) -> set[str]:
 
 ROOT_FLAGS = {o for p in GROUP.params for o in getattr(p, "opts", ())} | set(GLOBAL_OPTIONS)
 ALL_FLAGS = set().union(*(flags_of(n) for n in COMMANDS)) | ROOT_FLAGS
-MODULE_COMMAND = {"replay_step": "replay-step"}
+MODULE_COMMAND = {"replay_step": "replay-step", "import_hf": "import"}
 
 
 def check_text(text: str, default: str | None) -> list[str]:

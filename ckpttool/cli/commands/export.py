@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 class ExportFormat(str, Enum):
     hf = "hf"
     lora = "lora"
+    hf_merged = "hf-merged"
 
 
 class Weights(str, Enum):
@@ -59,7 +60,11 @@ def export_command(
     checkpoint: CheckpointArg,
     out: OutputArg,
     fmt: Annotated[
-        ExportFormat, typer.Option("--format", help="hf: model*.safetensors + index; lora: PEFT adapter.")
+        ExportFormat,
+        typer.Option(
+            "--format",
+            help="hf: model*.safetensors + index; lora: PEFT adapter; hf-merged: LoRA merged into the base weights.",
+        ),
     ] = ExportFormat.hf,
     save_dtype: Annotated[
         str,
@@ -141,6 +146,28 @@ def export_command(
             help="Digest of the manifest and of the source identity: xxh3-128, blake3 or blake2b-256.",
         ),
     ] = "xxh3-128",
+    adapter: Annotated[
+        str | None,
+        typer.Option(
+            "--adapter",
+            metavar="<torchtitan-llama3|torchtitan-qwen3|hf>",
+            help="Model adapter (names and layouts to HF, e.g. the RoPE q/k row permutation) "
+            "[default: detected from the key names].",
+        ),
+    ] = None,
+    merge_lora: Annotated[
+        bool,
+        typer.Option("--merge-lora", help="Same as --format hf-merged: W + (alpha/r)·B@A in FP32, stored dtype."),
+    ] = False,
+    allow_mismatch: Annotated[
+        str | None,
+        typer.Option(
+            "--allow-mismatch",
+            metavar="KINDS",
+            help="Write even if the tensors differ from the model class transformers builds from config.json: "
+            "comma list of missing, unexpected, shape, dtype.",
+        ),
+    ] = None,
 ) -> None:
     """Export model weights as Hugging Face safetensors or a LoRA adapter (streaming, bit-exact by default)."""
     from ckpttool.model.checkpoint import open_checkpoint
@@ -152,7 +179,7 @@ def export_command(
     if alpha is not None and float(alpha).is_integer():
         alpha = int(alpha)
     options = ExportOptions(
-        fmt=fmt.value,
+        fmt="hf-merged" if merge_lora else fmt.value,
         save_dtype=parse_dtype(save_dtype, "--save-dtype", ("bfloat16", "float16", "float32"), extra=("preserve",)),
         weights=weights.value,
         shard_size=parse_size(shard_size, "--shard-size"),
@@ -167,6 +194,8 @@ def export_command(
         lora_alpha=alpha,
         manifest=manifest,
         algorithm=hash_name,
+        adapter=adapter,
+        allow_mismatch=tuple(k.strip() for k in (allow_mismatch or "").split(",") if k.strip()),
     )
     from ckpttool.cli.render import byte_progress
 
@@ -222,6 +251,8 @@ def _render(r: ExportResult) -> None:
         [Col("file", "key"), Col("tensors", "num"), Col("bytes", "num")],
         [[f["name"], f"{f['tensors']:,}", human_bytes(f["bytes"])] for f in r.files],
     )
+    if r.model_adapter and r.model_adapter != "hf":
+        con.print(f"adapter     {r.model_adapter}")
     con.print(f"save dtype  {r.save_dtype}" + (f"; casts: {_counts(r.casts)}" if r.casts else "; no casts"))
     if r.narrowing_casts:
         con.print(f"narrowing casts (precision or range lost): {_counts(r.narrowing_casts)}")
@@ -262,6 +293,8 @@ EPILOG = examples(
     "ckpttool export ckpt/ hf/ --experts per-expert --filter 'model.layers.0.*'",
     "ckpttool export ckpt/ adapter/ --format lora --lora-alpha 16",
     "ckpttool export ckpt/ hf/ --manifest   # then: ckpttool manifest hf/ --verify",
+    "ckpttool export ckpt/ merged/ --merge-lora --lora-alpha 16 --model-assets base/",
+    "ckpttool export titan/step-1 hf/ --adapter torchtitan-llama3 --model-assets hf_config/",
 )
 
 

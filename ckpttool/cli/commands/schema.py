@@ -31,6 +31,7 @@ SCHEMA_NAMES = {
     "rules": "ckpttool.rules/1",
     "diff": "ckpttool.diff/1",
     "manifest": "ckpttool.manifest/1",
+    "import": "ckpttool.import/1",
 }
 _PRINTED_BY = {
     "inspect": "ckpttool inspect --json",
@@ -42,6 +43,7 @@ _PRINTED_BY = {
     "rules": "ckpttool rules --json, ckpttool validate --list-rules --json",
     "diff": "ckpttool diff --json",
     "manifest": "ckpttool manifest --json",
+    "import": "ckpttool import --json",
 }
 
 
@@ -56,6 +58,7 @@ class SchemaName(str, Enum):
     rules = "rules"
     diff = "diff"
     manifest = "manifest"
+    import_ = "import"
 
 
 def load_schema(name: str) -> dict[str, Any]:

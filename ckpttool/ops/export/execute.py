@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from ckpttool.errors import ChunkError, ExportAccountingError, ExportError, NotRegularFileError, UsageError
+from ckpttool.errors import (
+    ChunkError,
+    ExportAccountingError,
+    ExportError,
+    ModelMismatchError,
+    NotRegularFileError,
+    UsageError,
+)
 from ckpttool.format.atomic import signals_deferred
 from ckpttool.format.digest import DEFAULT_ALGORITHM
 from ckpttool.format.files import copy_regular, resolve_inside
@@ -40,11 +47,14 @@ from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.safetensors import ShardWriter
 from ckpttool.format.storage import is_url
 from ckpttool.format.tiling import contiguous_run, tiling_problem
+from ckpttool.model.adapters import AdapterConfig, ModelAdapter, detect_adapter, get_adapter
+from ckpttool.model.catalog import Catalog
 from ckpttool.model.checkpoint import Checkpoint, opened
 from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.ops import distributed
+from ckpttool.ops.export.expected import MISMATCH_KINDS, ModelCheck, compare_with_model
 from ckpttool.ops.export.experts import expert_orders
 from ckpttool.ops.export.lora import adapter_config, read_adapter_config
 from ckpttool.ops.export.plan import (
@@ -98,6 +108,10 @@ class ExportOptions:
             written, digested as it was written; ``docs/diff.md``).
         algorithm: the digest of the manifest and of the source identity, which every output
             file records in its safetensors ``__metadata__`` (``ckpttool.source``).
+        adapter: a model adapter name (:data:`ckpttool.model.adapters.ADAPTERS`); ``None``:
+            detected from the key names (torchtitan names -> a torchtitan adapter).
+        allow_mismatch: kinds of difference from the model class built from ``config.json``
+            (``missing``, ``unexpected``, ``shape``, ``dtype``) reported as warnings instead of refused.
     """
 
     fmt: str = "hf"
@@ -115,6 +129,8 @@ class ExportOptions:
     verify_crc: bool = True
     manifest: bool = False
     algorithm: str = DEFAULT_ALGORITHM
+    adapter: str | None = None
+    allow_mismatch: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -142,6 +158,8 @@ class ExportResult:
     adapter_config: dict[str, Any] | None = None
     source_identity: dict[str, Any] | None = None
     manifest: str | None = None
+    model_adapter: str | None = None
+    model_check: dict[str, Any] | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -173,6 +191,8 @@ class ExportResult:
             "adapter_config": self.adapter_config,
             "source_identity": self.source_identity,
             "manifest": self.manifest,
+            "model_adapter": self.model_adapter,
+            "model_check": self.model_check,
         }
 
 
@@ -276,6 +296,8 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def run_map(task: SourceTask, meta: TensorMeta) -> RunMap:
     """Where each element of ``task``'s source goes among its pieces (expert split and order, see ``plan.py``)."""
+    if task.runs is not None:
+        return RunMap(task.runs)
     pieces, order = task.pieces, task.expert_order
     numel = meta.numel
     if len(pieces) == 1 and pieces[0].expert is None:
@@ -312,7 +334,9 @@ class _Executor:
         progress: ProgressFn | None,
         chunks: list[tuple[TensorMeta, list[ChunkMeta]]],
         files: set[int] | None = None,
+        merges: dict[str, SlabTransform] | None = None,
     ) -> None:
+        self.merges = merges or {}
         self.reader = reader
         self.files = files  # the output files this process writes (torchrun); None: all
         self.plan = plan
@@ -403,7 +427,8 @@ class _Executor:
                     for c in chunks:
                         self._submit(pool, idx, self._copy_chunk, task, c, meta.size)
                 else:
-                    runs, transform = run_map(task, meta), value_transform(task)
+                    runs = run_map(task, meta)
+                    transform = self.merges.get(task.source_key) or value_transform(task)
                     for c in chunks:
                         self._submit(pool, idx, self._stream_chunk, task, c, meta, runs, transform)
                 self._collect(block=False)
@@ -441,8 +466,8 @@ def _tied_pair(
 
 
 def _check_options(opts: ExportOptions) -> None:
-    if opts.fmt not in ("hf", "lora"):
-        raise UsageError(f"`fmt` {opts.fmt!r} is not one of hf, lora", param="fmt")
+    if opts.fmt not in ("hf", "lora", "hf-merged"):
+        raise UsageError(f"`fmt` {opts.fmt!r} is not one of hf, lora, hf-merged", param="fmt")
     if opts.save_dtype not in SAVE_DTYPES:
         raise UsageError(f"`save_dtype` {opts.save_dtype!r} is not one of {', '.join(SAVE_DTYPES)}", param="save_dtype")
     if opts.weights not in ("params", "master"):
@@ -456,6 +481,11 @@ def _check_options(opts: ExportOptions) -> None:
             f"`shard_size` must be a positive number of bytes, got {opts.shard_size!r}",
             param="shard_size",
             hint="e.g. 5GB (5*10^9 bytes)",
+        )
+    bad = [k for k in opts.allow_mismatch if k not in MISMATCH_KINDS]
+    if bad:
+        raise UsageError(
+            f"`allow_mismatch` {bad[0]!r} is not one of {', '.join(MISMATCH_KINDS)}", param="allow_mismatch"
         )
     if opts.fmt == "lora" and opts.experts != "fused":
         raise UsageError("`experts` per-expert applies to the hf format only", param="experts")
@@ -499,7 +529,7 @@ def export_checkpoint(
     rules = load_rules(opts.rules)
     model_config = _read_model_config(opts.model_assets)
     given_adapter = None
-    if opts.fmt == "lora":
+    if opts.fmt in ("lora", "hf-merged"):
         if opts.adapter_config is not None:
             given_adapter = read_adapter_config(Path(opts.adapter_config))
         elif opts.model_assets is not None and (Path(opts.model_assets) / "adapter_config.json").is_file():
@@ -521,8 +551,15 @@ def _export(
     reader, cat, checkpoint = ckpt.reader, ckpt.catalog, ckpt.path
     reader.verify_crc = opts.verify_crc
     layout = ckpt.require_layout()
+    model_adapter = export_adapter(cat, opts, model_config)
     selected, warnings, skipped, _adapters = select_sources(
-        cat, rules, fmt=opts.fmt, weights=opts.weights, filter_glob=opts.filter_glob
+        cat,
+        rules,
+        fmt=opts.fmt,
+        weights=opts.weights,
+        filter_glob=opts.filter_glob,
+        adapter=model_adapter,
+        adapter_config=AdapterConfig.from_hf_config(model_config),
     )
     if not selected:
         what = "LoRA adapter tensors" if opts.fmt == "lora" else "model tensors"
@@ -546,7 +583,8 @@ def _export(
     orders = expert_orders(selected, layout)
     num_experts = rules.num_experts_from_config(model_config) if model_config else None
 
-    embed, lm_head, tie = _tied_pair(selected, rules, model_config) if opts.fmt == "hf" else (None, None, False)
+    hf_like = opts.fmt in ("hf", "hf-merged")
+    embed, lm_head, tie = _tied_pair(selected, rules, model_config) if hf_like else (None, None, False)
     drop: set[str] = set()
     tied: str | None = None
     if tie:
@@ -560,7 +598,7 @@ def _export(
     plan = build_plan(
         selected,
         rules,
-        fmt=opts.fmt,
+        fmt="hf" if hf_like else opts.fmt,
         save_dtype=opts.save_dtype,
         shard_size=opts.shard_size,
         experts=opts.experts,
@@ -597,6 +635,8 @@ def _export(
     if opts.fmt == "lora":
         adapter = adapter_config(plan, cat, given=given_adapter, lora_alpha=opts.lora_alpha, model_config=model_config)
     assets = _asset_files(Path(opts.model_assets), opts.fmt) if opts.model_assets is not None else []
+    check = _check_against_model(plan, model_config, opts) if hf_like and model_config else None
+    merges = lora_merges(reader, plan, given_adapter, opts.lora_alpha) if opts.fmt == "hf-merged" else {}
     # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
     chunks = [_dedup_chunks(reader, t.source_key) for t in plan.tasks]
 
@@ -643,10 +683,15 @@ def _export(
                         else None
                     )
                 workers = opts.workers if opts.workers is not None else min(8, os.cpu_count() or 1)
-                executor = _Executor(reader, plan, cast(list[ShardWriter], writers), workers, progress, chunks, mine)
+                executor = _Executor(
+                    reader, plan, cast(list[ShardWriter], writers), workers, progress, chunks, mine, merges
+                )
                 t_run = time.perf_counter()
                 executor.run()
                 bytes_read = executor.bytes_read
+                if merges:  # this rank's merged weights
+                    mine_keys = {t.source_key for t in plan.tasks if t.shard in mine}
+                    _check_merged({k: m for k, m in merges.items() if k in mine_keys}, plan)
                 log.info(
                     "read %d bytes and wrote %d in %.3f s with %d reader thread(s)",
                     bytes_read,
@@ -680,7 +725,7 @@ def _export(
             files_info.append({"name": name, "bytes": size, "tensors": len(entries)})
             log.debug("%s: %d tensors, %d bytes", name, len(entries), size)
         if group.is_root:
-            if opts.fmt == "hf":
+            if hf_like:
                 index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map()}
                 (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
             else:
@@ -723,7 +768,132 @@ def _export(
         adapter_config=adapter,
         source_identity=identity,
         manifest=MANIFEST_NAME if opts.manifest else None,
+        model_adapter=model_adapter.name if model_adapter is not None else None,
+        model_check=check.to_dict() if check is not None else None,
     )
+
+
+def written_tensors(plan: ExportPlan) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Output key -> (shape, dtype) of a plan, expert tensors in their fused form (what transformers loads)."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for t in plan.tasks:
+        s, dtype = t.selected, t.pieces[0].dtype
+        if s.hf is not None:
+            out[s.hf.key] = (s.hf.shape, dtype)
+        elif t.pieces[0].expert is not None:
+            out[s.out_key] = (s.source.shape, dtype)
+        else:
+            for p in t.pieces:
+                out[p.name] = (p.shape, p.dtype)
+    return out
+
+
+def _check_against_model(plan: ExportPlan, config: dict[str, Any], opts: ExportOptions) -> ModelCheck:
+    """Compare the plan with the model class of ``config`` (:mod:`.expected`); refuse unallowed differences.
+
+    Raises:
+        ModelMismatchError (E605): missing / unexpected keys, wrong shapes or dtypes not in ``allow_mismatch``
+            (``missing`` is not checked when ``filter_glob`` asks for part of the model).
+    """
+    check = compare_with_model(written_tensors(plan), config)
+    if not check.checked:
+        plan.warnings.append(f"keys and shapes were not checked against the model class: {check.not_checked}")
+        return check
+    if opts.filter_glob and "missing" in check.findings:
+        n = len(check.findings.pop("missing"))
+        plan.warnings.append(f"{n} key(s) of {check.model_class} not written (`filter_glob` exports part of the model)")
+    if opts.save_dtype != "preserve" and "dtype" in check.findings:
+        check.findings.pop("dtype")  # the dtype was asked for with `save_dtype`
+    refused = {k: v for k, v in check.findings.items() if k not in opts.allow_mismatch}
+    for kind, lines in check.findings.items():
+        if kind not in refused:
+            plan.warnings.append(f"{len(lines)} {kind} key(s) against {check.model_class} (allowed): {lines[0]}")
+    if refused:
+        parts = []
+        for kind, lines in refused.items():
+            shown = "; ".join(lines[:3]) + (f" (+{len(lines) - 3} more)" if len(lines) > 3 else "")
+            parts.append(f"{kind} {len(lines)}: {shown}")
+        raise ModelMismatchError(
+            f"the export does not fit {check.model_class} built from config.json: " + " | ".join(parts),
+            param="model_assets",
+            hint="pass the config.json of the model this checkpoint was trained as (or the right `adapter`); "
+            f"`allow_mismatch` {','.join(refused)} writes it anyway",
+        )
+    return check
+
+
+def lora_merges(
+    reader: CheckpointReader, plan: ExportPlan, config: dict[str, Any] | None, lora_alpha: float | None
+) -> dict[str, SlabTransform]:
+    """Source key -> :class:`~ckpttool.ops.export.merge.LoraMerge` for every base weight with a LoRA pair.
+
+    Raises:
+        ExportError: unknown alpha, DoRA / rsLoRA, factor shapes that do not fit the weight.
+    """
+    from ckpttool.ops.export.merge import LoraMerge, lora_scaling
+
+    out: dict[str, SlabTransform] = {}
+    for t in plan.tasks:
+        pair = t.selected.merge
+        if pair is None:
+            continue
+        w = t.selected.source
+        a = _read_whole(reader, pair.a_key).float().numpy()
+        b = _read_whole(reader, pair.b_key).float().numpy()
+        if (
+            len(w.shape) != 2
+            or a.ndim != 2
+            or b.ndim != 2
+            or b.shape[1] != a.shape[0]
+            or (b.shape[0], a.shape[1]) != w.shape
+        ):
+            raise ExportError(
+                f"{w.key}: LoRA factors B {list(b.shape)} @ A {list(a.shape)} do not give the weight's shape {list(w.shape)}",
+                fqn=w.key,
+                hint="the lora_A / lora_B tensors do not belong to this base weight",
+            )
+        scale = lora_scaling(pair.module, a.shape[0], config, lora_alpha)
+        m = LoraMerge(a, b, scale, w.dtype, t.pieces[0].dtype)
+        m.nonzero = bool(a.any() and b.any())  # type: ignore[attr-defined]
+        out[w.key] = m
+    return out
+
+
+def _check_merged(merges: dict[str, SlabTransform], plan: ExportPlan) -> None:
+    """Refuse a merged export that equals the base weights bitwise while the adapters are non-zero.
+
+    Raises:
+        ExportError: no merged weight changed (the delta is below the output dtype's precision, or alpha is 0).
+    """
+    live = [(k, m) for k, m in merges.items() if getattr(m, "nonzero", False)]
+    if live and not any(getattr(m, "changed", False) for _, m in live):
+        raise ExportError(
+            f"the merged weights are bitwise equal to the base weights although {len(live)} LoRA pair(s) are non-zero "
+            f"(e.g. {live[0][0]}): the delta is below the output dtype's precision or the scale is 0",
+            fqn=live[0][0],
+            hint="check `lora_alpha`, or write a wider dtype with `save_dtype` float32",
+        )
+    unchanged = [k for k, m in live if not getattr(m, "changed", False)]
+    if unchanged:
+        plan.warnings.append(f"{len(unchanged)} merged weight(s) equal their base bitwise: {unchanged[0]}")
+
+
+def export_adapter(cat: Catalog, opts: ExportOptions, model_config: dict[str, Any] | None) -> ModelAdapter | None:
+    """The model adapter of an export: ``opts.adapter``, else detected from the names (``hf`` format only).
+
+    Returns ``None`` for LoRA exports and when nothing fits (torchtitan names are then refused, E603).
+
+    Raises:
+        UsageError: an unknown ``adapter`` name, or one given with the ``lora`` format.
+    """
+    if opts.adapter is not None:
+        ad = get_adapter(opts.adapter)
+        if opts.fmt == "lora" and ad.name != "hf":
+            raise UsageError(f"`adapter` {ad.name} applies to the hf format only", param="adapter")
+        return ad
+    if opts.fmt != "hf":
+        return None
+    return detect_adapter(cat.schema.naming, [cat.fqn_of(k) for k in cat.model], model_config)
 
 
 def _check_tied(

@@ -113,6 +113,7 @@ def adapter_config(
                 fqn=bad,
                 hint="pass the adapter_config.json that belongs to this checkpoint",
             )
+        _check_peft_matches(sorted(ranks), cfg.get("target_modules"))
         if lora_alpha is not None:
             cfg["lora_alpha"] = lora_alpha
         if "lora_alpha" not in cfg:
@@ -125,6 +126,7 @@ def adapter_config(
             hint="pass `lora_alpha` A (the LoraConfig lora_alpha used in training) or `adapter_config` FILE",
         )
     modules = sorted(ranks)
+    _check_peft_matches(modules, None)
     rel = [m[len(_PEFT_PREFIX) :] if m.startswith(_PEFT_PREFIX) else m for m in modules]
     names = sorted({m.rsplit(".", 1)[-1] for m in rel})
     # Same-named modules without an adapter: ``<module>.weight`` under base_model, no base_layer.
@@ -164,3 +166,39 @@ def adapter_config(
         "init_lora_weights": True,
         "inference_mode": True,
     }
+
+
+def peft_target_matches(module: str, target: Any) -> bool:
+    """Whether PEFT would put an adapter on ``module`` (a path in the base model) for ``target_modules``.
+
+    As ``peft.tuners.tuners_utils.check_target_module_exists``: a string is a regex matched
+    against the whole path (``re.fullmatch``); a list matches a path equal to an entry or
+    ending with ``"." + entry``; ``None`` (not given) matches everything (PEFT fills it per model).
+    """
+    if target is None:
+        return True
+    if isinstance(target, str):
+        return re.fullmatch(target, module) is not None
+    return any(module == t or module.endswith("." + t) for t in target if isinstance(t, str))
+
+
+def _check_peft_matches(modules: list[str], target: Any) -> None:
+    """Refuse LoRA output modules that PEFT would not load (``set_peft_model_state_dict`` drops them silently).
+
+    Raises:
+        ExportError: a module outside ``base_model.model.`` or not matched by ``target_modules``.
+    """
+    bad = []
+    for m in modules:
+        if not m.startswith(_PEFT_PREFIX):
+            bad.append(f"{m} (not under {_PEFT_PREFIX})")
+        elif not peft_target_matches(m[len(_PEFT_PREFIX) :], target):
+            bad.append(f"{m} (not in target_modules {target!r})")
+    if bad:
+        shown = "; ".join(bad[:3]) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+        raise ExportError(
+            f"{len(bad)} LoRA module(s) would not be loaded by PEFT: {shown}",
+            fqn=modules[0],
+            hint="PEFT loads base_model.model.<module path>.lora_A.weight for the modules target_modules names; "
+            "fix the adapter config's target_modules or the key rules (`rules`)",
+        )

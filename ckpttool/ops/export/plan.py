@@ -13,14 +13,18 @@ legacy EP layouts, ``docs/layouts.md``).
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
 from ckpttool.errors import ExportError, ExportNamingError, UsageError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, FLOATING_DTYPES
 from ckpttool.format.safetensors import HeaderEntry, is_narrowing
+from ckpttool.model.adapters import AdapterConfig, HFTensor, ModelAdapter, Skip, rope_to_hf_rows
 from ckpttool.model.catalog import Catalog, TensorEntry, match_filter
+from ckpttool.model.wrappers import strip_wrapper_segments
 from ckpttool.ops.export.rules import ExportRules
+from ckpttool.ops.export.transform import Run
 
 __all__ = [
     "SAVE_DTYPES",
@@ -48,6 +52,22 @@ def shard_file_names(n: int, stem: str = "model") -> list[str]:
 
 
 @dataclass(frozen=True)
+class LoraPair:
+    """The LoRA factors merged into a base weight (``hf-merged``): ``W + (alpha / r) * B @ A``.
+
+    Attributes:
+        a_key, b_key: checkpoint keys of ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]``.
+        module: the module path (``model.layers.0.self_attn.q_proj``), for ``rank_pattern`` / ``alpha_pattern``.
+        adapter: the PEFT adapter name (``default``).
+    """
+
+    a_key: str
+    b_key: str
+    module: str
+    adapter: str
+
+
+@dataclass(frozen=True)
 class Selected:
     """A model tensor chosen for export.
 
@@ -56,17 +76,23 @@ class Selected:
         out_key: its output key (before any expert split).
         source: the tensor entry read (the parameter, or its ``master_weight``).
         origin: ``"params"`` or ``"master"``.
+        hf: where a model adapter puts it (``None``: the key rules' output key, as stored).
     """
 
     model_key: str
     out_key: str
     source: TensorEntry
     origin: str
+    hf: HFTensor | None = None
+    merge: LoraPair | None = None
 
 
 @dataclass(frozen=True)
 class Piece:
-    """One output tensor cut from a source: expert ``expert`` (true order), part ``part`` of ``nparts``."""
+    """One output tensor cut from a source: expert ``expert`` (true order), part ``part`` of ``nparts``.
+
+    ``shared``: several sources write disjoint parts of it (an adapter's fused ``gate_up_proj``).
+    """
 
     name: str
     shape: tuple[int, ...]
@@ -74,6 +100,7 @@ class Piece:
     expert: int | None = None
     part: int = 0
     nparts: int = 1
+    shared: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,12 +110,15 @@ class SourceTask:
     Attributes:
         expert_order: stored position of true expert ``j`` along dim 0, when that
             is not the identity or when the tensor is split per expert.
+        runs: an adapter's element moves (RoPE rows, fused halves, expert split), explicit;
+            ``None``: derived from the pieces and ``expert_order``.
     """
 
     selected: Selected
     pieces: tuple[Piece, ...]
     shard: int
     expert_order: tuple[int, ...] | None = None
+    runs: tuple[Run, ...] | None = None
 
     @property
     def source_key(self) -> str:
@@ -102,11 +132,15 @@ class SourceTask:
             len(self.pieces) == 1
             and p.expert is None
             and self.expert_order is None
+            and self.runs is None
+            and self.selected.merge is None
             and p.dtype == self.selected.source.dtype
         )
 
     @property
     def out_nbytes(self) -> int:
+        if self.runs is not None:
+            return sum(r.length for r in self.runs) * DTYPE_ITEMSIZE[self.pieces[0].dtype]
         return sum(_nbytes(p.dtype, p.shape) for p in self.pieces)
 
 
@@ -141,7 +175,7 @@ class ExportPlan:
 
     @property
     def num_tensors(self) -> int:
-        return sum(len(t.pieces) for t in self.tasks)
+        return sum(len(e) for e in self.entries)
 
     def weight_map(self) -> dict[str, str]:
         """Output key -> file name, sorted by key (``model.safetensors.index.json``)."""
@@ -170,8 +204,10 @@ SKIP_TRAINING_STATE = "training state (scheduler, data loader, step), not weight
 SKIP_OUTSIDE_SCHEMA = "outside the key schema (not model weights)"
 
 
-def check_exportable_names(cat: Catalog, fmt: str) -> None:
+def check_exportable_names(cat: Catalog, fmt: str, adapter: ModelAdapter | None = None) -> None:
     """Refuse model names that have no Hugging Face mapping.
+
+    With ``adapter`` (given or detected) torchtitan names are mapped by it (``hf`` format).
 
     Raises:
         ExportNamingError (E603): torchtitan naming (``tok_embeddings.weight``,
@@ -187,14 +223,17 @@ def check_exportable_names(cat: Catalog, fmt: str) -> None:
             hint="pass the model checkpoint (or the folder holding model and optimizer); `ckpttool inspect` "
             "shows the keys, `model_prefix` says where the weights are",
         )
-    if sch.naming == "torchtitan" and fmt in ("hf", "lora"):
+    if sch.naming == "torchtitan" and fmt in ("hf", "lora") and (adapter is None or fmt == "lora"):
         fqns = [cat.fqn_of(k) for k in list(cat.model)[:2]]
         raise ExportNamingError(
             f"{cat.path}: the model tensors have torchtitan names (e.g. {', '.join(repr(f) for f in fqns)}); "
-            "Hugging Face names need a model-specific adapter (wq/wk/wv/wo to q_proj/k_proj/v_proj/o_proj, "
-            "the RoPE row permutation of wq and wk), which ckpttool does not apply",
-            hint="save with torchtitan's checkpoint.last_save_in_hf (HuggingFaceStorageWriter and its state-dict "
-            "adapter) and export that directory, or keep the DCP checkpoint for torchtitan",
+            + (
+                "no LoRA adapter export exists for torchtitan models"
+                if fmt == "lora"
+                else "no built-in model adapter fits them (the config's model_type names another family)"
+            ),
+            hint="choose one with `adapter` (torchtitan-llama3, torchtitan-qwen3) and pass the model's config.json "
+            "with `model_assets`, or save with torchtitan's checkpoint.last_save_in_hf",
         )
 
 
@@ -205,6 +244,8 @@ def select_sources(
     fmt: str = "hf",
     weights: str = "params",
     filter_glob: str | None = None,
+    adapter: ModelAdapter | None = None,
+    adapter_config: AdapterConfig | None = None,
 ) -> tuple[list[Selected], list[str], dict[str, list[str]], dict[str, str]]:
     """Choose the tensors to export and their output keys.
 
@@ -215,6 +256,9 @@ def select_sources(
         weights: ``"params"`` or ``"master"`` (the FP32 ``master_weight`` where a
             parameter has one, like DeepSpeed's ``zero_to_fp32``).
         filter_glob: only checkpoint keys (with or without ``model.``) or output keys matching it.
+        adapter: a model adapter mapping the fqns to HF names and layouts (``hf`` format; the key
+            rules are then not used); keys it does not know are skipped and reported.
+        adapter_config: the model dimensions the adapter needs (RoPE heads).
 
     Returns:
         ``(selected, warnings, skipped, adapter_names)``; ``adapter_names`` maps
@@ -225,7 +269,24 @@ def select_sources(
             a master whose shape differs from its parameter, or two keys mapping
             to one output key.
     """
-    check_exportable_names(cat, fmt)
+    check_exportable_names(cat, fmt, adapter)
+    if fmt == "hf-merged":
+        return _select_merged(cat, rules, weights=weights, filter_glob=filter_glob)
+    if fmt == "hf":
+        peft = next((k for k in cat.model if ".lora_A." in k or ".lora_B." in k), None)
+        if peft is not None:
+            raise ExportError(
+                f"{cat.path}: a PEFT LoRA checkpoint ({peft}); `fmt` hf would write base_layer / lora_A.<adapter> "
+                "names that no Hugging Face class loads",
+                fqn=peft,
+                param="fmt",
+                hint="export the adapter with `fmt` lora, or the merged model with `fmt` hf-merged (`merge_lora`)",
+            )
+    use_adapter = adapter is not None and fmt == "hf" and adapter.name != "hf"
+    acfg = adapter_config or AdapterConfig()
+    unknown: list[str] = []
+    unwrapped: list[str] = []
+    segments: set[str] = set()
     selected: list[Selected] = []
     warnings: list[str] = []
     skipped: dict[str, list[str]] = {}
@@ -235,12 +296,29 @@ def select_sources(
     prefix = cat.schema.model_prefix
     for key, entry in cat.model.items():
         canonical = cat.schema.canonical_key(key)  # rules match the torch-native spelling model.<fqn>
+        canonical, removed = strip_wrapper_segments(canonical)  # _orig_mod., module., ... anywhere
+        fqn = cat.fqn_of(key)
+        if removed:
+            unwrapped.append(key)
+            segments.update(removed)
+            fqn = strip_wrapper_segments(fqn)[0]
         if fmt == "lora":
             hit = rules.lora_output_key(canonical)
             if hit is None:
                 skipped.setdefault("not a LoRA adapter tensor", []).append(key)
                 continue
-            out_key, adapter = hit
+            out_key, lora_name = hit
+        elif use_adapter:
+            assert adapter is not None
+            conv = adapter.to_hf(fqn, entry.shape, acfg)
+            if conv is None:
+                unknown.append(key)
+                skipped.setdefault(f"no key map of adapter {adapter.name}", []).append(key)
+                continue
+            if isinstance(conv, Skip):
+                skipped.setdefault(conv.reason, []).append(key)
+                continue
+            out_key = conv.key
         else:
             out, matched, warn = rules.map_key(canonical)
             if not matched:
@@ -256,7 +334,7 @@ def select_sources(
             skipped.setdefault("excluded by `filter_glob`", []).append(key)
             continue
         if fmt == "lora":
-            adapter_names[out_key] = adapter
+            adapter_names[out_key] = lora_name
         source, origin = entry, "params"
         if weights == "master":
             ps = cat.optimizer_state.get(cat.fqn_of(key))
@@ -270,12 +348,22 @@ def select_sources(
                     )
                 source, origin = mw, "master"
                 masters_found += 1
-        selected.append(Selected(key, out_key, source, origin))
+        hf = conv if use_adapter and isinstance(conv, HFTensor) else None
+        selected.append(Selected(key, out_key, source, origin, hf))
     if weights == "master" and masters_found == 0:
         raise ExportError(
             f"{cat.path}: `weights` master but no parameter has an optimizer.state.<fqn>.master_weight",
             hint="this checkpoint's optimizer keeps no FP32 masters (e.g. torch AdamW); export with `weights` params",
         )
+    if unwrapped:
+        shown = ", ".join(unwrapped[:3]) + (f" (+{len(unwrapped) - 3} more)" if len(unwrapped) > 3 else "")
+        warnings.append(
+            f"wrapper segment(s) {', '.join(sorted(segments))} removed from {len(unwrapped)} key(s): {shown}"
+        )
+    if unknown:
+        assert adapter is not None
+        shown = ", ".join(unknown[:3]) + (f" (+{len(unknown) - 3} more)" if len(unknown) > 3 else "")
+        warnings.append(f"{len(unknown)} model tensor(s) unknown to adapter {adapter.name} are not exported: {shown}")
     if renamed:
         shown = ", ".join(renamed[:5]) + (f" (+{len(renamed) - 5} more)" if len(renamed) > 5 else "")
         warnings.append(f"{len(renamed)} key(s) outside the HF naming were exported as their fqn: {shown}")
@@ -288,14 +376,138 @@ def select_sources(
         warnings.append(f"{len(outside)} tensor(s) outside the {cat.schema.id} key schema are not exported: {shown}")
     seen: dict[str, str] = {}
     for s in selected:
-        if s.out_key in seen:
+        ident = s.out_key if s.hf is None or s.hf.nparts == 1 else f"{s.out_key} (part {s.hf.part})"
+        if ident in seen:
             raise ExportError(
-                f"{seen[s.out_key]} and {s.model_key} both map to the output key {s.out_key!r}",
+                f"{seen[ident]} and {s.model_key} both map to the output key {ident!r}",
                 fqn=s.model_key,
                 hint="fix the key rules (`rules`) so every output key is unique",
             )
-        seen[s.out_key] = s.model_key
+        seen[ident] = s.model_key
+    fused: dict[str, set[int]] = {}
+    for s in selected:
+        if s.hf is not None and s.hf.nparts > 1:
+            fused.setdefault(s.out_key, set()).add(s.hf.part)
+    for key, parts in fused.items():
+        n = next(s.hf.nparts for s in selected if s.hf is not None and s.out_key == key)
+        if len(parts) != n:
+            have = next(s.model_key for s in selected if s.out_key == key)
+            raise ExportError(
+                f"{key}: fused from {n} source tensors but only {have} is exported (parts {sorted(parts)} of {n})",
+                fqn=have,
+                hint="export every part (check `filter_glob`), or use `experts` per-expert",
+            )
     return selected, warnings, skipped, adapter_names
+
+
+_PEFT_RE = re.compile(
+    r"^model\.(?:base_model\.model\.)?(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|"
+    r"lora_magnitude_vector)\.(?P<adapter>[^.]+)(?:\.weight)?$"
+)
+_PEFT_BASE = "model.base_model.model."
+
+
+def _select_merged(
+    cat: Catalog, rules: ExportRules, *, weights: str, filter_glob: str | None
+) -> tuple[list[Selected], list[str], dict[str, list[str]], dict[str, str]]:
+    """Selection of a merged-LoRA export: base weights named as the plain model, each with its LoRA pair.
+
+    ``model.base_model.model.<m>.base_layer.weight`` -> ``<m>.weight`` (merged), other
+    ``model.base_model.model.<x>`` -> ``<x>``; ``modules_to_save.<adapter>.`` copies replace their
+    ``original_module.`` (as ``merge_and_unload``); the LoRA factors are read, not written.
+
+    Raises:
+        ExportError: DoRA (``lora_magnitude_vector``), LoRA on embeddings, several adapters, a
+            ``lora_A`` without its ``lora_B`` / base weight, or no LoRA tensor at all.
+    """
+    pairs: dict[str, dict[str, str]] = {}
+    names: set[str] = set()
+    for key in cat.model:
+        canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
+        m = _PEFT_RE.match(canonical)
+        if m is None:
+            continue
+        part = m["part"]
+        if part == "lora_magnitude_vector":
+            raise ExportError(
+                f"{key}: DoRA (lora_magnitude_vector); the merge of weight-decomposed LoRA is not implemented",
+                fqn=key,
+                hint="merge with PEFT's merge_and_unload(), or export the adapter with `fmt` lora",
+            )
+        if part.startswith("lora_embedding"):
+            raise ExportError(
+                f"{key}: LoRA on an embedding; its merge is not implemented",
+                fqn=key,
+                hint="export the adapter with `fmt` lora",
+            )
+        names.add(m["adapter"])
+        pairs.setdefault(m["module"], {})[part] = key
+    if not pairs:
+        raise ExportError(
+            f"{cat.path}: no LoRA tensor (lora_A / lora_B) to merge",
+            hint="`fmt` hf-merged merges a PEFT LoRA checkpoint; export a plain model with `fmt` hf",
+        )
+    if len(names) > 1:
+        raise ExportError(
+            f"{cat.path}: the checkpoint holds several LoRA adapters {sorted(names)}; which to merge is ambiguous",
+            hint="merge one of them with PEFT, or export each with `fmt` lora and `filter_glob`",
+        )
+    adapter = next(iter(names))
+    sub: dict[str, Selected] = {}
+    selected: list[Selected] = []
+    warnings: list[str] = []
+    skipped: dict[str, list[str]] = {}
+    used: set[str] = set()
+    for key, entry in cat.model.items():
+        canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
+        if _PEFT_RE.match(canonical):
+            skipped.setdefault("LoRA factor merged into its base weight", []).append(key)
+            continue
+        plain = "model." + canonical[len(_PEFT_BASE) :] if canonical.startswith(_PEFT_BASE) else canonical
+        if ".original_module." in plain:
+            skipped.setdefault("replaced by its modules_to_save copy", []).append(key)
+            continue
+        plain = re.sub(r"\.modules_to_save\.[^.]+\.", ".", plain)
+        module = None
+        if ".base_layer." in plain:
+            module, _, tail = plain.partition(".base_layer.")
+            plain = f"{module}.{tail}"
+            module = module[len("model.") :]
+        out, matched, _ = rules.map_key(plain)
+        if not matched or out is None:
+            skipped.setdefault("no key rule matches" if not matched else "skipped by a key rule", []).append(key)
+            continue
+        if _filtered(key, plain, out, filter_glob, cat.schema.model_prefix):
+            skipped.setdefault("excluded by `filter_glob`", []).append(key)
+            continue
+        merge = None
+        if module is not None and plain.endswith(".weight"):
+            p = pairs.get(module, {})
+            if "lora_A" in p and "lora_B" in p:
+                merge = LoraPair(p["lora_A"], p["lora_B"], module, adapter)
+                used.add(module)
+        sel = Selected(key, out, entry, "params", merge=merge)
+        if out in sub:
+            raise ExportError(
+                f"{sub[out].model_key} and {key} both map to the output key {out!r}",
+                fqn=key,
+                hint="fix the key rules (`rules`) so every output key is unique",
+            )
+        sub[out] = sel
+        selected.append(sel)
+    orphan = sorted(set(pairs) - used)
+    if orphan and not filter_glob:
+        raise ExportError(
+            f"{len(orphan)} LoRA module(s) have no base weight (or lack lora_A / lora_B) to merge into: {orphan[0]}",
+            fqn=orphan[0],
+            hint="the checkpoint is an adapter only; export it with `fmt` lora and merge with PEFT over the base model",
+        )
+    if weights == "master":
+        raise ExportError("`weights` master is not supported with `fmt` hf-merged", param="weights")
+    for key in cat.other_tensors:
+        reason = SKIP_TRAINING_STATE if cat.category(key) == "training_state" else SKIP_OUTSIDE_SCHEMA
+        skipped.setdefault(reason, []).append(key)
+    return selected, warnings, skipped, {}
 
 
 def _out_dtype(src: str, save_dtype: str) -> str:
@@ -342,13 +554,24 @@ def build_plan(
     casts: Counter[str] = Counter()
     narrowing: Counter[str] = Counter()
     origins: dict[str, list[str]] = {}
-    units: list[tuple[Selected, tuple[Piece, ...], tuple[int, ...] | None]] = []
+    units: list[tuple[Selected, tuple[Piece, ...], tuple[int, ...] | None, tuple[Run, ...] | None]] = []
     for s in selected:
         if s.out_key in drop:
             continue
         src = s.source
         dtype = _out_dtype(src.dtype, save_dtype)
         order = orders.get(s.model_key)
+        if s.hf is not None:
+            apieces, runs = adapter_pieces(s, s.hf, dtype, experts, order, num_experts)
+            counted = [p.name for p in apieces if not p.shared or s.hf.part == 0]  # a fused tensor counts once
+            if dtype != src.dtype:
+                tag = f"{src.dtype}->{dtype}"
+                casts[tag] += len(counted)
+                if is_narrowing(src.dtype, dtype):
+                    narrowing[tag] += len(counted)
+            origins.setdefault(s.origin, []).extend(counted)
+            units.append((s, apieces, None, runs))
+            continue
         rule = rules.expert_rule(s.out_key) if fmt == "hf" else None
         pieces: tuple[Piece, ...]
         if rule is not None and len(src.shape) == 3:
@@ -390,24 +613,32 @@ def build_plan(
             if is_narrowing(src.dtype, dtype):
                 narrowing[tag] += len(pieces)
         origins.setdefault(s.origin, []).extend(p.name for p in pieces)
-        units.append((s, pieces, order))
+        units.append((s, pieces, order, None))
 
     # Greedy packing in source order; a source's pieces stay in one file (read once).
     shard_of: list[int] = []
     sizes: list[int] = []
-    for _, pieces, _ in units:
+    shared_at: dict[str, int] = {}  # a shared (fused) piece's file: every source of it writes there
+    for _, pieces, _, _ in units:
+        if pieces[0].shared and pieces[0].name in shared_at:
+            shard_of.append(shared_at[pieces[0].name])
+            continue
         nbytes = sum(_nbytes(p.dtype, p.shape) for p in pieces)
         if not sizes or (fmt != "lora" and sizes[-1] > 0 and sizes[-1] + nbytes > shard_size):
             sizes.append(0)
         sizes[-1] += nbytes
         shard_of.append(len(sizes) - 1)
+        if pieces[0].shared:
+            shared_at[pieces[0].name] = len(sizes) - 1
     n_files = max(len(sizes), 1)
     files = ["adapter_model.safetensors"] if fmt == "lora" else shard_file_names(n_files)
     entries: list[list[HeaderEntry]] = [[] for _ in files]
     tasks: list[SourceTask] = []
     names_seen: set[str] = set()
-    for (s, pieces, order), k in zip(units, shard_of):
+    for (s, pieces, order, runs), k in zip(units, shard_of):
         for p in pieces:
+            if p.shared and p.name in names_seen:
+                continue
             try:
                 p.name.encode("utf-8")
             except UnicodeEncodeError:
@@ -424,8 +655,55 @@ def build_plan(
                 )
             names_seen.add(p.name)
             entries[k].append(HeaderEntry(p.name, p.dtype, p.shape))
-        tasks.append(SourceTask(s, pieces, k, order))
+        tasks.append(SourceTask(s, pieces, k, order, runs))
     return ExportPlan(fmt, tasks, files, entries, casts=dict(casts), narrowing=dict(narrowing), origins=origins)
+
+
+def adapter_pieces(
+    s: Selected,
+    hf: HFTensor,
+    dtype: str,
+    experts: str,
+    order: tuple[int, ...] | None,
+    num_experts: int | None,
+) -> tuple[tuple[Piece, ...], tuple[Run, ...] | None]:
+    """The output pieces and element runs of a source mapped by a model adapter.
+
+    - RoPE q/k ``[n*hd, dim]``: one piece, one run per row (:func:`~ckpttool.model.adapters.rope_to_hf_rows`).
+    - a fused half (``nparts`` 2) of ``[E, A, B]``: expert ``j``'s ``A*B`` elements go to
+      ``[j, part*A:(part+1)*A, :]`` of the shared ``[E, 2A, B]`` piece, or (per-expert) to a piece ``[A, B]`` of its own.
+    - an expert tensor ``[E, A, B]`` kept fused: as stored; per-expert: ``E`` pieces ``[A, B]``.
+    - anything else: one piece as stored (``runs`` ``None``: a direct copy when the dtype is kept).
+
+    Raises:
+        ExportError: an expert dim that disagrees with the config's ``num_experts``.
+    """
+    shape = s.source.shape
+    if hf.rope_heads is not None:
+        rows, cols = shape
+        dst = rope_to_hf_rows(hf.rope_heads, rows // hf.rope_heads)
+        return (Piece(hf.key, hf.shape, dtype),), tuple(Run(r * cols, cols, 0, d * cols) for r, d in enumerate(dst))
+    is_expert = hf.nparts > 1 or hf.per_expert is not None
+    if not is_expert:
+        return (Piece(hf.key, hf.shape, dtype),), None
+    e, a, b = shape
+    if num_experts is not None and e != num_experts:
+        raise ExportError(
+            f"{s.model_key}: expert dim 0 has {e} experts but the model config says num_experts={num_experts}",
+            fqn=s.model_key,
+            hint="pass the `model_assets` of the model this checkpoint was trained as",
+        )
+    stored = order if order is not None else tuple(range(e))
+    slab = a * b
+    if experts == "per-expert" and hf.per_expert is not None:
+        pieces = tuple(Piece(hf.per_expert.format(j=j), (a, b), dtype, j) for j in range(e))
+        return pieces, tuple(Run(stored[j] * slab, slab, j, 0) for j in range(e))
+    if hf.nparts > 1:
+        piece = Piece(hf.key, hf.shape, dtype, shared=True)
+        return (piece,), tuple(Run(stored[j] * slab, slab, 0, (j * hf.nparts + hf.part) * slab) for j in range(e))
+    if order is None:
+        return (Piece(hf.key, hf.shape, dtype),), None
+    return (Piece(hf.key, hf.shape, dtype),), tuple(Run(stored[j] * slab, slab, 0, j * slab) for j in range(e))
 
 
 def unaccounted_tensors(cat: Catalog, plan: ExportPlan, dropped: set[str]) -> list[str]:

@@ -105,10 +105,23 @@ def test_plain_optimizer_checkpoint_still_exports_its_model(plain_root: Path, tm
     assert_bitwise(got, torch_load(src, [k for k in torch_load(src) if k.startswith("model.")]), "model.")
 
 
-@pytest.mark.parametrize("run,step", [("llama3", 2), ("llama3", 3), ("moe", 1)])
-def test_torchtitan_names_are_refused_naming_the_cause(titan_root: Path, tmp_path: Path, run: str, step: int) -> None:
-    res = export_cli(str(titan_root / run / "checkpoint"), str(tmp_path / "o"), "--step", str(step))
-    assert_clean_failure(res, "E603", "torchtitan names", "tok_embeddings.weight", "last_save_in_hf")
+@pytest.mark.parametrize("step", [2, 3])
+def test_torchtitan_llama_without_config_is_refused_naming_the_cause(
+    titan_root: Path, tmp_path: Path, step: int
+) -> None:
+    res = export_cli(str(titan_root / "llama3" / "checkpoint"), str(tmp_path / "o"), "--step", str(step))
+    assert_clean_failure(res, "E601", "RoPE row permutation", "num_attention_heads", "--model-assets")
+    assert not (tmp_path / "o").exists()
+
+
+def test_torchtitan_names_with_no_fitting_adapter_are_refused(titan_root: Path, tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "config.json").write_text('{"model_type": "mistral"}')
+    src = str(titan_root / "moe" / "checkpoint")
+    res = export_cli(src, str(tmp_path / "o"), "--model-assets", str(tmp_path / "a"))
+    assert_clean_failure(res, "E603", "torchtitan names", "tok_embeddings.weight", "adapter")
+    res = export_cli(src, str(tmp_path / "o"), "--format", "lora")
+    assert_clean_failure(res, "E603", "torchtitan names", "LoRA")
     assert not (tmp_path / "o").exists()
 
 

@@ -129,8 +129,9 @@ def test_sample_with_its_config_is_clean(sample_ckpt: Path) -> None:
 
 
 def test_M001_layers_missing_stage_local(ck: Path) -> None:
-    doc = only(ck, "M001", "--config", write_config(ck, num_hidden_layers=4))
-    msg = doc["findings"][0]["message"]
+    rc, doc = run(ck, "--strict", "--config", write_config(ck, num_hidden_layers=4))
+    assert rc == 1 and codes(doc) == {"M001", "M010"}  # M010: the model class has layers 2..3 too
+    msg = next(f["message"] for f in doc["findings"] if f["code"] == "M001")
     assert "missing 2..3" in msg and "stage-local" in msg
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import Any
 
 from ckpttool.model.hfconfig import config_value
 from ckpttool.ops.validate.base import Severity, rule
@@ -331,3 +332,64 @@ def non_persistent_buffer_saved(ctx: Context) -> Iterator[tuple[str, str]]:
     if keys:
         more = f" (+{len(keys) - 1} more)" if len(keys) > 1 else ""
         yield keys[0], f"{keys[0]}{more}: a non-persistent buffer saved as a model tensor"
+
+
+def _model_class_check(ctx: Context) -> tuple[Any, str | None]:
+    """The export plan's tensors (names as ``export`` writes them) compared with the config's model class."""
+    from ckpttool.errors import CkptError
+    from ckpttool.model.adapters import AdapterConfig
+    from ckpttool.ops.export.execute import ExportOptions, export_adapter, written_tensors
+    from ckpttool.ops.export.expected import compare_with_model
+    from ckpttool.ops.export.plan import build_plan, select_sources
+    from ckpttool.ops.export.rules import load_rules
+
+    assert ctx.config is not None
+    try:
+        rules = load_rules(None)
+        adapter = export_adapter(ctx.cat, ExportOptions(), ctx.config)
+        selected, _, _, _ = select_sources(
+            ctx.cat, rules, adapter=adapter, adapter_config=AdapterConfig.from_hf_config(ctx.config)
+        )
+        tie = config_value(ctx.config, "tie_word_embeddings") is True
+        drop = {rules.tied_lm_head} if tie and any(s.out_key == rules.tied_embedding for s in selected) else set()
+        plan = build_plan(selected, rules, drop=drop)
+    except CkptError as e:
+        return None, f"the tensors cannot be mapped to Hugging Face names ({e.message})"
+    return compare_with_model(written_tensors(plan), ctx.config), None
+
+
+@rule(
+    "M010",
+    "model-class-mismatch",
+    Severity.error,
+    "the model tensors (named as `export` writes them) do not fit the model class transformers builds from "
+    "--config on the meta device: missing or unexpected keys, wrong shapes or dtypes",
+    "pass the config.json of the model this checkpoint was trained as; a rank-local or empty tensor was saved "
+    "without its global shape (save DTensors, or gather before saving)",
+    needs=("config",),
+)
+def model_class_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
+    check, _ = _model_class_check(ctx)
+    if check is None or not check.checked:
+        return
+    for kind, lines in check.findings.items():
+        for line in lines:
+            key = line.split(" ", 1)[0].rstrip(":")
+            yield key, f"{kind}: {line} ({check.model_class})"
+
+
+@rule(
+    "M011",
+    "model-class-not-checked",
+    Severity.info,
+    "--config was given but the keys and shapes could not be checked against the model class "
+    "(transformers not installed, a model_type it does not know, names with no HF mapping)",
+    "pip install 'ckpttool[hf]', or pass a config.json with a model_type transformers knows",
+    needs=("config",),
+)
+def model_class_not_checked(ctx: Context) -> Iterator[tuple[str, str]]:
+    check, why = _model_class_check(ctx)
+    if why is not None:
+        yield "config", f"keys and shapes not checked against the model class: {why}"
+    elif check is not None and not check.checked:
+        yield "config", f"keys and shapes not checked against the model class: {check.not_checked}"

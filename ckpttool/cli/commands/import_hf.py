@@ -1,0 +1,95 @@
+"""``ckpttool import HF_DIR OUT``: a Hugging Face safetensors model -> a DCP checkpoint (torch-native or torchtitan)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ckpttool.cli.options import JsonOpt, OverwriteOpt, examples
+from ckpttool.cli.output import Output, command_boundary
+
+if TYPE_CHECKING:
+    from ckpttool.ops.import_hf import ImportResult
+
+
+class TargetSchema(str, Enum):
+    torch_native = "torch-native"
+    torchtitan = "torchtitan"
+
+
+@command_boundary
+def import_command(
+    hf_dir: Annotated[
+        Path,
+        typer.Argument(
+            help="Hugging Face model directory: model*.safetensors (+ index) and config.json.", show_default=False
+        ),
+    ],
+    out: Annotated[
+        Path,
+        typer.Argument(help="Output DCP directory (written beside itself, renamed when complete).", show_default=False),
+    ],
+    schema: Annotated[
+        TargetSchema,
+        typer.Option(
+            "--schema",
+            help="torch-native: dcp.save({'model': model.state_dict()}); torchtitan: CheckpointManager names via the adapter.",
+        ),
+    ] = TargetSchema.torch_native,
+    adapter: Annotated[
+        str | None,
+        typer.Option(
+            "--adapter",
+            metavar="<torchtitan-llama3|torchtitan-qwen3>",
+            help="Model adapter for --schema torchtitan [default: from config.json model_type].",
+        ),
+    ] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="config.json [default: HF_DIR/config.json].")] = None,
+    world_size: Annotated[
+        int,
+        typer.Option(
+            "--world-size", min=1, help="Pre-shard for N ranks: one file per rank, dim-0 chunks as FSDP2 Shard(0)."
+        ),
+    ] = 1,
+    overwrite: OverwriteOpt = False,
+    json_output: JsonOpt = False,
+) -> None:
+    """Import a Hugging Face safetensors model as a DCP checkpoint (streaming, bit-exact, atomic)."""
+    from ckpttool.ops.import_hf import ImportOptions, import_hf
+
+    res = import_hf(
+        hf_dir,
+        out,
+        ImportOptions(schema=schema.value, adapter=adapter, config=config, world_size=world_size, overwrite=overwrite),
+    )
+    sink = Output(json_output)
+    for w in res.warnings:
+        sink.warning(w)
+    sink.result(res, _render)
+
+
+def _render(r: ImportResult) -> None:
+    from ckpttool.cli.render import fmt_rate, fmt_seconds, human_bytes, plural, stdout_console
+
+    con = stdout_console()
+    con.print(
+        f"imported {plural(r.tensors, 'tensor')}, {human_bytes(r.bytes)} to {r.output} "
+        f"({fmt_seconds(r.seconds)}, {fmt_rate(r.bytes, r.seconds)})"
+    )
+    con.print(f"key schema  {r.schema}" + (f"; adapter {r.adapter}" if r.adapter else "") + f"; {r.world_size} rank(s)")
+    if r.skipped:
+        con.print("not imported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()))
+
+
+EPILOG = examples(
+    "ckpttool import hf_model/ ckpt/",
+    "ckpttool import hf_model/ ckpt/ --world-size 8",
+    "ckpttool import hf_model/ titan/step-0 --schema torchtitan",
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("import", epilog=EPILOG)(import_command)

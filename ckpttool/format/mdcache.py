@@ -1,0 +1,501 @@
+"""A read-only cache of parsed ``.metadata``, in the user's cache directory (never in the checkpoint).
+
+Unpickling and checking a 10^6-entry ``.metadata`` (0.5 GB of pickle) takes tens of seconds and
+gigabytes; a command run again on the same checkpoint reads the result from a cache entry
+instead. The cache is an optimisation only: every command gives the same result with it, without
+it (``--no-cache``, ``CKPTTOOL_NO_CACHE=1``) and when it is broken.
+
+Location: ``$CKPTTOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckpttool``, else ``~/.cache/ckpttool``;
+entries in its ``metadata-v1/`` folder. Files smaller than :data:`MIN_CACHED_BYTES` are parsed
+directly (faster than hashing and reading an entry).
+
+Key: the SHA-256 of the ``.metadata`` bytes (and their length). The bytes are read anyway (caps,
+confined open), so the key is the content itself: an edited, replaced or re-saved file is a miss
+whatever its mtime, and one file copied elsewhere is a hit. A parser change bumps
+:data:`PARSER_VERSION` and every older entry is a miss.
+
+Entry layout (``<sha256>.ckmd``, little-endian; no pickle anywhere)::
+
+    magic    b"CKPTMDC1"
+    u64      length J of the JSON header, then J bytes of ASCII JSON:
+             {"format": 2, "parser": PARSER_VERSION, "sha256": hex, "size": bytes of .metadata,
+              "version", "checkpoint_id", "save_id", "serialization": str or null,
+              "strings": [str, ...],                 every key, path, dtype name, descriptor
+              "planner": [[item, ...], ...],         planner paths holding ints (a tuple as a list)
+              "columns": [length of each column]}
+    i64 * .. the int64 columns of :data:`_COLUMNS`, one after the other: the distinct tensor
+             layouts (dtype, size, chunks: entries with equal metadata share one frozen
+             ``TensorMeta``), each entry's key and layout id, the distinct storage-offset tuples,
+             the storage items as columns (fqn, offsets tuple, relative_path, offset, length,
+             descriptors), the all-string planner paths as string ids
+    32 bytes SHA-256 of everything before it (a damaged entry is never decoded)
+
+Loading treats an entry as untrusted input: magic, checksum, versions, hash and size must match, every id
+must be in range and every value passes the checks the unpickler applies (dims 0..2^62, at most
+64 dims, chunks inside their tensor, int64 offsets, known dtypes, planner paths of str/int);
+anything else (truncated, garbage, hostile) makes the entry ignored and the ``.metadata`` parsed
+again. Writing is best effort (a read-only or missing cache directory is not an error): written to
+a temporary file in the cache folder and renamed, so a reader never sees half an entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import operator
+import os
+import struct
+import sys
+import tempfile
+from array import array
+from itertools import repeat
+from pathlib import Path
+from typing import Any
+
+from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo
+from ckpttool.format.metadata import TensorMeta as _TensorMeta
+from ckpttool.format.unpickler import MAX_DIM_SIZE, MAX_NDIM, MAX_OFFSET, gc_paused, parse_metadata_bytes
+
+__all__ = [
+    "CACHE_DIR_ENV",
+    "NO_CACHE_ENV",
+    "MIN_CACHED_BYTES",
+    "PARSER_VERSION",
+    "cache_dir",
+    "cache_enabled",
+    "set_cache_enabled",
+    "entry_path",
+    "encode",
+    "decode",
+    "parse_metadata_cached",
+]
+
+log = logging.getLogger(__name__)
+
+#: Environment variable naming the cache directory.
+CACHE_DIR_ENV = "CKPTTOOL_CACHE_DIR"
+#: Environment variable that turns the cache off when set to a non-empty value other than ``0``.
+NO_CACHE_ENV = "CKPTTOOL_NO_CACHE"
+#: ``.metadata`` files smaller than this are always parsed directly.
+MIN_CACHED_BYTES = 4 << 20
+#: Bumped whenever the parser's output for the same bytes could change.
+PARSER_VERSION = 1
+_MAGIC = b"CKPTMDC1"
+_FOLDER = "metadata-v1"
+_LE = sys.byteorder == "little"
+
+_enabled: bool | None = None
+
+
+def set_cache_enabled(flag: bool | None) -> None:
+    """Turn the cache on or off for this process (``None``: back to the environment's choice)."""
+    global _enabled
+    _enabled = flag
+
+
+def cache_enabled() -> bool:
+    """Whether :func:`parse_metadata_cached` uses the cache (``--no-cache`` / ``CKPTTOOL_NO_CACHE``)."""
+    if _enabled is not None:
+        return _enabled
+    return os.environ.get(NO_CACHE_ENV, "") in ("", "0")
+
+
+def cache_dir() -> Path:
+    """``$CKPTTOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckpttool``, else ``~/.cache/ckpttool``."""
+    given = os.environ.get(CACHE_DIR_ENV)
+    if given:
+        return Path(given)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "ckpttool"
+
+
+def entry_path(digest: str) -> Path:
+    """Path of the cache entry of a ``.metadata`` whose SHA-256 is ``digest`` (hex)."""
+    return cache_dir() / _FOLDER / f"{digest}.ckmd"
+
+
+# --------------------------------------------------------------------------- encode
+#: The int64 columns of an entry, in file order (see the module docstring).
+_COLUMNS = (
+    "layout_dtype",  # per distinct tensor layout: dtype string id
+    "layout_ndim",  # its rank
+    "layout_nchunks",  # its chunk count
+    "layout_dims",  # all layouts' size[ndim] then per chunk offsets[ndim], sizes[ndim]
+    "entry_key",  # per entry: key string id
+    "entry_layout",  # its layout id, -1: a byte item
+    "tuple_ndim",  # per distinct storage-offset tuple: its length
+    "tuple_dims",  # their items
+    "tds_len",  # per distinct transform-descriptor tuple: its length (tuple 0 is ())
+    "tds_ids",  # their string ids
+    "storage_fqn",  # per storage item: fqn string id
+    "storage_tuple",  # its offsets tuple id, -1: None (a byte item)
+    "storage_path",  # relative_path string id
+    "storage_offset",  # byte offset in the file
+    "storage_length",  # byte length
+    "storage_tds",  # transform-descriptor tuple id
+    "planner_key",  # per planner_data path: key string id
+    "planner_len",  # its length; -1: a path holding ints or int tuples, in the header's "planner"
+    "planner_items",  # the string ids of the all-string paths
+)
+
+
+def encode(md: CheckpointMetadata, digest: str, size: int) -> bytes:
+    """The cache entry of ``md`` (parsed from ``size`` bytes with SHA-256 ``digest``)."""
+    strings: list[str] = []
+    sid: dict[str, int] = {}
+
+    def s(text: str) -> int:
+        i = sid.get(text)
+        if i is None:
+            i = sid[text] = len(strings)
+            strings.append(text)
+        return i
+
+    col: dict[str, array[int]] = {name: array("q") for name in _COLUMNS}
+    layouts: dict[_TensorMeta, int] = {}
+    for key, meta in md.entries.items():
+        col["entry_key"].append(s(key))
+        if isinstance(meta, _TensorMeta):
+            lid = layouts.get(meta)
+            if lid is None:
+                lid = layouts[meta] = len(layouts)
+                col["layout_dtype"].append(s(meta.dtype.name))
+                col["layout_ndim"].append(len(meta.size))
+                col["layout_nchunks"].append(len(meta.chunks))
+                dims = col["layout_dims"]
+                dims.extend(meta.size)
+                for c in meta.chunks:
+                    dims.extend(c.offsets)
+                    dims.extend(c.sizes)
+            col["entry_layout"].append(lid)
+        else:
+            col["entry_layout"].append(-1)
+    tuples: dict[tuple[int, ...], int] = {}
+    tds_ids: dict[tuple[str, ...], int] = {(): 0}
+    col["tds_len"].append(0)
+    for (fqn, offsets), info in md.storage.items():
+        col["storage_fqn"].append(s(fqn))
+        if offsets is None:
+            col["storage_tuple"].append(-1)
+        else:
+            tid = tuples.get(offsets)
+            if tid is None:
+                tid = tuples[offsets] = len(tuples)
+                col["tuple_ndim"].append(len(offsets))
+                col["tuple_dims"].extend(offsets)
+            col["storage_tuple"].append(tid)
+        col["storage_path"].append(s(info.relative_path))
+        col["storage_offset"].append(info.offset)
+        col["storage_length"].append(info.length)
+        tds = info.transform_descriptors
+        did = tds_ids.get(tds)
+        if did is None:
+            did = tds_ids[tds] = len(tds_ids)
+            col["tds_len"].append(len(tds))
+            col["tds_ids"].extend(s(t) for t in tds)
+        col["storage_tds"].append(did)
+    planner: list[list[Any]] = []  # the paths that are not all strings: [[item, ...], ...] (a tuple item as a list)
+    for k, path in md.planner_data.items():
+        col["planner_key"].append(s(k))
+        if all(type(x) is str for x in path):
+            col["planner_len"].append(len(path))
+            col["planner_items"].extend(map(s, path))
+        else:
+            col["planner_len"].append(-1)
+            planner.append([list(x) if isinstance(x, tuple) else x for x in path])
+    header = {
+        "format": 2,
+        "parser": PARSER_VERSION,
+        "sha256": digest,
+        "size": size,
+        "version": md.version,
+        "checkpoint_id": md.checkpoint_id,
+        "save_id": md.save_id,
+        "serialization": md.serialization,
+        "strings": strings,
+        "planner": planner,
+        "columns": [len(col[name]) for name in _COLUMNS],
+    }
+    head = json.dumps(header, separators=(",", ":")).encode("ascii")
+    parts = [_MAGIC, struct.pack("<Q", len(head)), head]
+    for name in _COLUMNS:
+        a = col[name]
+        if not _LE:
+            a.byteswap()
+        parts.append(a.tobytes())
+    body = b"".join(parts)
+    return body + hashlib.sha256(body).digest()
+
+
+# --------------------------------------------------------------------------- decode
+class CorruptEntry(Exception):
+    """A cache entry that is not exactly what :func:`encode` writes for this ``.metadata``."""
+
+
+def _opt_str(v: Any) -> str | None:
+    if v is not None and type(v) is not str:
+        raise CorruptEntry("header field is not a string")
+    return v
+
+
+def decode(blob: bytes, digest: str, size: int) -> CheckpointMetadata:
+    """Rebuild the :class:`CheckpointMetadata` of a cache entry, checking it as untrusted input.
+
+    Raises:
+        CorruptEntry: the entry is for other bytes, of another version, truncated, or holds a
+            value the unpickler would have refused (any such entry is ignored by the caller).
+    """
+    try:
+        return _decode(blob, digest, size)
+    except CorruptEntry:
+        raise
+    except (ValueError, TypeError, IndexError, KeyError, OverflowError, RecursionError, MemoryError) as e:
+        raise CorruptEntry(f"{type(e).__name__}: {str(e)[:80]}") from e
+
+
+def _ids(values: list[int], lo: int, n: int, what: str) -> None:
+    """Every id in ``values`` lies in ``[lo, n)`` (C-speed ``min``/``max``)."""
+    if values and (min(values) < lo or max(values) >= n):
+        raise CorruptEntry(f"{what} id out of range")
+
+
+def _dims_ok(values: list[int]) -> None:
+    if values and (min(values) < 0 or max(values) > MAX_DIM_SIZE):
+        raise CorruptEntry("dims out of range")
+
+
+def _decode(blob: bytes, digest: str, size: int) -> CheckpointMetadata:
+    mv = memoryview(blob)
+    if len(blob) < 48 or bytes(mv[:8]) != _MAGIC:
+        raise CorruptEntry("bad magic")
+    if hashlib.sha256(mv[:-32]).digest() != bytes(mv[-32:]):
+        raise CorruptEntry("entry checksum differs (damaged)")
+    mv = mv[:-32]
+    (hlen,) = struct.unpack("<Q", mv[8:16])
+    if hlen > len(mv) - 16:
+        raise CorruptEntry("truncated header")
+    header = json.loads(bytes(mv[16 : 16 + hlen]).decode("ascii"))
+    if type(header) is not dict or header.get("format") != 2 or header.get("parser") != PARSER_VERSION:
+        raise CorruptEntry("other format or parser version")
+    if header.get("sha256") != digest or header.get("size") != size:
+        raise CorruptEntry("entry of other bytes")
+    strings = header["strings"]
+    lengths = header["columns"]
+    if type(strings) is not list or not all(type(x) is str for x in strings):
+        raise CorruptEntry("bad string table")
+    if (
+        type(lengths) is not list
+        or len(lengths) != len(_COLUMNS)
+        or not all(type(n) is int and n >= 0 for n in lengths)
+    ):
+        raise CorruptEntry("bad column lengths")
+    body = mv[16 + hlen :]
+    if len(body) != 8 * sum(lengths):
+        raise CorruptEntry("column bytes differ from their lengths")
+    arr = array("q")
+    arr.frombytes(body)
+    if not _LE:
+        arr.byteswap()
+    col: dict[str, list[int]] = {}
+    pos = 0
+    for name, n in zip(_COLUMNS, lengths):
+        col[name] = arr[pos : pos + n].tolist()
+        pos += n
+    del arr
+    ns = len(strings)
+
+    # distinct tensor layouts: checked one by one (a few per checkpoint, at most one per entry)
+    l_dtype, l_ndim, l_nch, l_dims = col["layout_dtype"], col["layout_ndim"], col["layout_nchunks"], col["layout_dims"]
+    if not len(l_dtype) == len(l_ndim) == len(l_nch):
+        raise CorruptEntry("layout columns differ in length")
+    _ids(l_dtype, 0, ns, "dtype string")
+    _dims_ok(l_dims)
+    shared: dict[tuple[int, ...], tuple[int, ...]] = {}
+    dtypes: dict[int, DType] = {}
+    layouts: list[_TensorMeta] = []
+    p = 0
+    for dsid, nd, nc in zip(l_dtype, l_ndim, l_nch):
+        dt = dtypes.get(dsid)
+        if dt is None:
+            name = strings[dsid]
+            if name not in DTYPE_ITEMSIZE:
+                raise CorruptEntry("unknown dtype")
+            dt = dtypes[dsid] = DType(name)
+        if not 0 <= nd <= MAX_NDIM or nc < 0 or p + nd * (1 + 2 * nc) > len(l_dims):
+            raise CorruptEntry("bad rank or chunk count")
+        shape = tuple(l_dims[p : p + nd])
+        shape = shared.setdefault(shape, shape)
+        p += nd
+        chunks = []
+        for _ in range(nc):
+            c_off = tuple(l_dims[p : p + nd])
+            c_sz = tuple(l_dims[p + nd : p + 2 * nd])
+            p += 2 * nd
+            for o, sz, d in zip(c_off, c_sz, shape):
+                if o + sz > d:
+                    raise CorruptEntry("chunk outside its tensor")
+            chunks.append(ChunkMeta(shared.setdefault(c_off, c_off), shared.setdefault(c_sz, c_sz)))
+        layouts.append(_TensorMeta(dt, shape, tuple(chunks)))
+    if p != len(l_dims):
+        raise CorruptEntry("layout dims longer than their layouts")
+
+    # entries: key -> one of the layouts (frozen, so entries of one layout share it) or the bytes item
+    e_key, e_layout = col["entry_key"], col["entry_layout"]
+    if len(e_key) != len(e_layout):
+        raise CorruptEntry("entry columns differ in length")
+    _ids(e_key, 0, ns, "key string")
+    _ids(e_layout, -1, len(layouts), "layout")
+    table: list[_TensorMeta | BytesMeta] = [*layouts, BytesMeta()]  # index -1: the bytes item
+    entries: dict[str, _TensorMeta | BytesMeta] = dict(
+        zip(map(strings.__getitem__, e_key), map(table.__getitem__, e_layout))
+    )
+    if len(entries) != len(e_key):
+        raise CorruptEntry("duplicate entry keys")
+
+    # storage offsets tuples and transform-descriptor tuples
+    t_ndim, t_dims = col["tuple_ndim"], col["tuple_dims"]
+    if t_ndim and (min(t_ndim) < 0 or max(t_ndim) > MAX_NDIM) or sum(t_ndim) != len(t_dims):
+        raise CorruptEntry("bad offsets tuples")
+    _dims_ok(t_dims)
+    tuples: list[tuple[int, ...] | None] = []
+    p = 0
+    for nd in t_ndim:
+        t = tuple(t_dims[p : p + nd])
+        tuples.append(shared.setdefault(t, t))
+        p += nd
+    tuples.append(None)  # index -1
+    d_len, d_ids = col["tds_len"], col["tds_ids"]
+    if not d_len or d_len[0] != 0 or min(d_len) < 0 or sum(d_len) != len(d_ids):
+        raise CorruptEntry("bad descriptor tuples")
+    _ids(d_ids, 0, ns, "descriptor string")
+    descriptors: list[tuple[str, ...]] = []
+    p = 0
+    for n in d_len:
+        descriptors.append(tuple(strings[i] for i in d_ids[p : p + n]))
+        p += n
+
+    # storage items: columns checked with min/max, then built in C (zip/map, tuple.__new__)
+    s_fqn, s_tup, s_path = col["storage_fqn"], col["storage_tuple"], col["storage_path"]
+    s_off, s_len, s_tds = col["storage_offset"], col["storage_length"], col["storage_tds"]
+    n = len(s_fqn)
+    if not n == len(s_tup) == len(s_path) == len(s_off) == len(s_len) == len(s_tds):
+        raise CorruptEntry("storage columns differ in length")
+    _ids(s_fqn, 0, ns, "storage fqn string")
+    _ids(s_path, 0, ns, "relative path string")
+    _ids(s_tup, -1, len(tuples) - 1, "offsets tuple")
+    _ids(s_tds, 0, len(descriptors), "descriptor tuple")
+    if n and (min(s_off) < 0 or min(s_len) < 0 or max(map(operator.add, s_off, s_len)) > MAX_OFFSET):
+        raise CorruptEntry("storage range out of bounds")
+    keys = zip(map(strings.__getitem__, s_fqn), map(tuples.__getitem__, s_tup))
+    rows = zip(map(strings.__getitem__, s_path), s_off, s_len, map(descriptors.__getitem__, s_tds))
+    storage = dict(zip(keys, map(tuple.__new__, repeat(StorageInfo), rows)))
+    if len(storage) != n:
+        raise CorruptEntry("duplicate storage keys")
+    p_key, p_len, p_items = col["planner_key"], col["planner_len"], col["planner_items"]
+    if len(p_key) != len(p_len) or (p_len and (min(p_len) < -1 or max(p_len) > MAX_NDIM)):
+        raise CorruptEntry("bad planner columns")
+    _ids(p_key, 0, ns, "planner key string")
+    _ids(p_items, 0, ns, "planner item string")
+    others = iter(_planner(header["planner"]))
+    paths: list[tuple[Any, ...]] = []
+    p = 0
+    for n in p_len:
+        if n < 0:
+            paths.append(next(others))
+        else:
+            paths.append(tuple(map(strings.__getitem__, p_items[p : p + n])))
+            p += n
+    if p != len(p_items) or next(others, None) is not None:
+        raise CorruptEntry("planner items differ from their paths")
+    planner = dict(zip(map(strings.__getitem__, p_key), paths))
+    if len(planner) != len(p_key):
+        raise CorruptEntry("duplicate planner keys")
+    serialization = header.get("serialization")
+    if serialization not in ("torch_save", "safetensors"):
+        raise CorruptEntry("bad serialization")
+    return CheckpointMetadata(
+        entries=entries,
+        storage=storage,
+        planner_data=planner,
+        version=_opt_str(header.get("version")),
+        checkpoint_id=_opt_str(header.get("checkpoint_id")),
+        save_id=_opt_str(header.get("save_id")),
+        serialization=serialization,
+    )
+
+
+def _planner(raw: Any) -> list[tuple[Any, ...]]:
+    """The planner paths holding ints or int tuples, checked as the unpickler checks them."""
+    if type(raw) is not list:
+        raise CorruptEntry("bad planner data")
+    out: list[tuple[Any, ...]] = []
+    for path in raw:
+        if type(path) is not list or len(path) > MAX_NDIM:
+            raise CorruptEntry("bad planner path")
+        items: list[Any] = []
+        for x in path:
+            if type(x) is str or (type(x) is int and -MAX_OFFSET <= x <= MAX_OFFSET):
+                items.append(x)
+            elif (
+                type(x) is list
+                and len(x) <= MAX_NDIM
+                and all(type(d) is int and -MAX_OFFSET <= d <= MAX_OFFSET for d in x)
+            ):
+                items.append(tuple(x))
+            else:
+                raise CorruptEntry("bad planner path item")
+        out.append(tuple(items))
+    return out
+
+
+# --------------------------------------------------------------------------- the cached parse
+def parse_metadata_cached(data: bytes, source: str = ".metadata") -> CheckpointMetadata:
+    """:func:`~ckpttool.format.unpickler.parse_metadata_bytes`, through the cache when it is on.
+
+    Same result and same errors as the direct parse (only successful parses are cached; a
+    ``.metadata`` the parser refuses is refused again each time, from its bytes).
+
+    Raises:
+        as :func:`~ckpttool.format.unpickler.parse_metadata_bytes`.
+    """
+    if len(data) < MIN_CACHED_BYTES or not cache_enabled():
+        return parse_metadata_bytes(data, source)
+    digest = hashlib.sha256(data).hexdigest()
+    path = entry_path(digest)
+    with gc_paused():
+        try:
+            blob = path.read_bytes()
+        except OSError:
+            blob = None
+        if blob is not None:
+            try:
+                md = decode(blob, digest, len(data))
+                log.debug("%s: parsed metadata from the cache entry %s", source, path)
+                return md
+            except CorruptEntry as e:
+                log.info("%s: cache entry %s ignored (%s); parsing again", source, path, e)
+            del blob
+        md = parse_metadata_bytes(data, source)
+        _store(path, md, digest, len(data))
+        return md
+
+
+def _store(path: Path, md: CheckpointMetadata, digest: str, size: int) -> None:
+    """Write the entry (temporary file + rename); any failure only disables it (logged)."""
+    try:
+        blob = encode(md, digest, size)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except (OSError, ValueError, TypeError, OverflowError) as e:
+        log.info("metadata cache not written (%s: %s)", type(e).__name__, e)

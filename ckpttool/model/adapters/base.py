@@ -1,0 +1,318 @@
+"""The model-adapter interface: declarative key maps plus tensor transforms (torch-free, metadata only).
+
+An adapter translates the state-dict names (and, where the two conventions differ, the
+element layout) of one model family between a trainer's convention and Hugging Face
+transformers'. It never touches tensor data: :meth:`ModelAdapter.to_hf` answers, for one
+source tensor ``(fqn, shape)``, *where its elements go* in the HF state dict
+(:class:`HFTensor`); the export streaming path (``ckpttool.ops.export``) moves the
+bytes slab by slab accordingly. :meth:`ModelAdapter.from_hf` is the inverse (import).
+
+Transforms (all are exact element moves; no arithmetic):
+
+- ``rope``: the per-head row permutation between the interleaved rotary pairing
+  (torchtitan's complex RoPE, Meta's Llama reference) and HF Llama's half-split pairing
+  (``rotate_half``). For a ``[n_heads * head_dim, dim]`` projection, output row
+  ``h*hd + j*(hd/2) + i`` is input row ``h*hd + 2*i + j`` (``i < hd/2``, ``j in {0, 1}``):
+  the ``permute`` of transformers' ``convert_llama_weights_to_hf.py``; ``k`` uses
+  ``n_kv_heads`` under GQA.
+- ``part``: the source is part ``part`` of ``nparts`` equal blocks stacked along dim 1
+  of an expert tensor ``[E, nparts*A, B]`` (torchtitan ``w1``/``w3`` ``[E, I, H]`` ->
+  HF ``gate_up_proj`` ``[E, 2I, H]``, gate first).
+- ``experts``: a ``[E, A, B]`` tensor that ``--experts per-expert`` writes as ``E``
+  tensors ``[A, B]`` named by :attr:`HFTensor.per_expert` (``{j}`` = expert index).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpttool.errors import ExportError
+from ckpttool.model.hfconfig import config_value
+
+__all__ = [
+    "AdapterConfig",
+    "HFTensor",
+    "NativeTensor",
+    "Skip",
+    "KeyMap",
+    "ModelAdapter",
+    "rope_to_hf_rows",
+    "rope_from_hf_rows",
+]
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """The model dimensions an adapter needs, read from an HF ``config.json``.
+
+    Attributes:
+        n_heads: ``num_attention_heads``.
+        n_kv_heads: ``num_key_value_heads`` (``n_heads`` when absent: no GQA).
+        head_dim: ``head_dim`` (``hidden_size // num_attention_heads`` when absent).
+        hidden_size: ``hidden_size``.
+        num_experts: routed experts (``num_experts`` / ``num_local_experts`` / ``n_routed_experts``), or ``None``.
+        tie_word_embeddings: the config's flag.
+        model_type: the config's ``model_type`` (``llama``, ``qwen3``, ``qwen3_moe``, ...).
+    """
+
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    hidden_size: int | None = None
+    num_experts: int | None = None
+    tie_word_embeddings: bool = False
+    model_type: str | None = None
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any] | None) -> AdapterConfig:
+        """Read the fields from an HF ``config.json`` (or its ``text_config``); missing ones stay ``None``."""
+        if not cfg:
+            return cls()
+
+        def num(*names: str) -> int | None:
+            v = config_value(cfg, *names)
+            return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+        heads = num("num_attention_heads")
+        hidden = num("hidden_size")
+        head_dim = num("head_dim") or (hidden // heads if hidden and heads and hidden % heads == 0 else None)
+        mt = config_value(cfg, "model_type")
+        return cls(
+            n_heads=heads,
+            n_kv_heads=num("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            hidden_size=hidden,
+            num_experts=num("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
+            tie_word_embeddings=config_value(cfg, "tie_word_embeddings") is True,
+            model_type=mt if isinstance(mt, str) else None,
+        )
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """Where one source tensor goes in the HF state dict.
+
+    Attributes:
+        key: the HF key (a fused tensor's key when ``nparts > 1``).
+        shape: the HF tensor's shape (the fused shape when ``nparts > 1``).
+        rope_heads: apply the RoPE row permutation with this many heads (``None``: rows as stored).
+        part, nparts: the source is block ``part`` of ``nparts`` along dim 1 of ``[E, nparts*A, B]``.
+        per_expert: per-expert key template (``{j}``) of an expert tensor ``[E, A, B]``;
+            with ``nparts > 1`` the template of *this* part's per-expert tensors.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    rope_heads: int | None = None
+    part: int = 0
+    nparts: int = 1
+    per_expert: str | None = None
+
+
+@dataclass(frozen=True)
+class NativeTensor:
+    """Where one HF tensor goes in the trainer's state dict (import): the inverse of :class:`HFTensor`.
+
+    Attributes:
+        key: the native key.
+        shape: the native tensor's shape.
+        rope_heads: undo the RoPE permutation with this many heads.
+        part, nparts: the HF tensor ``[E, nparts*A, B]`` is cut along dim 1; this is block ``part``.
+        expert: the HF tensor is expert ``expert`` (``[A, B]``) of a native ``[E, A, B]``.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    rope_heads: int | None = None
+    part: int = 0
+    nparts: int = 1
+    expert: int | None = None
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A tensor the adapter leaves out on purpose, and why (reported in the export's ``skipped``)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """One declarative mapping between a native key pattern and an HF key template.
+
+    Attributes:
+        native: regex over the native fqn, named groups ``layer`` (and ``expert`` for per-expert HF keys).
+        hf: HF key template (``{layer}``).
+        native_key: the native key written by ``from_hf`` (``{layer}``).
+        kind: ``copy``, ``rope_q``, ``rope_k``, ``gate`` / ``up`` (the two halves of a fused
+            ``gate_up_proj``), ``experts`` (an expert tensor as stored), or ``skip``.
+        per_expert: HF per-expert template (``{layer}``, ``{j}``) for expert tensors.
+        reason: why a ``skip`` key is left out.
+    """
+
+    native: str
+    hf: str | None
+    native_key: str | None = None
+    kind: str = "copy"
+    per_expert: str | None = None
+    reason: str = ""
+    _re: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_re", re.compile(self.native))
+
+
+def _check_rope(key: str, shape: tuple[int, ...], heads: int | None, head_dim: int | None, what: str) -> int:
+    if heads is None or head_dim is None:
+        raise ExportError(
+            f"{key}: the RoPE row permutation needs `num_attention_heads`, `num_key_value_heads` and `head_dim` "
+            "(or `hidden_size`) from the model's config.json",
+            fqn=key,
+            hint="pass the model's config.json with `model_assets`",
+        )
+    if len(shape) != 2 or shape[0] != heads * head_dim or head_dim % 2:
+        raise ExportError(
+            f"{key}: shape {list(shape)} is not [{what} * head_dim, dim] = [{heads} * {head_dim}, ...] "
+            "(with an even head_dim) as the config says",
+            fqn=key,
+            hint="pass the config.json of the model this checkpoint was trained as",
+        )
+    return heads
+
+
+def rope_to_hf_rows(n_heads: int, head_dim: int) -> list[int]:
+    """Destination row of every source row (interleaved RoPE pairs -> HF half-split), ``n_heads * head_dim`` long.
+
+    ``dst[h*hd + 2*i + j] = h*hd + j*(hd/2) + i``; the same row move as
+    ``w.view(n_heads, hd // 2, 2, dim).transpose(1, 2).reshape(n_heads * hd, dim)``
+    (``permute`` in transformers' ``convert_llama_weights_to_hf.py``).
+    """
+    half = head_dim // 2
+    dst = [0] * (n_heads * head_dim)
+    for h in range(n_heads):
+        for i in range(half):
+            for j in range(2):
+                dst[h * head_dim + 2 * i + j] = h * head_dim + j * half + i
+    return dst
+
+
+def rope_from_hf_rows(n_heads: int, head_dim: int) -> list[int]:
+    """Destination row of every HF row (half-split -> interleaved): the inverse of :func:`rope_to_hf_rows`."""
+    to = rope_to_hf_rows(n_heads, head_dim)
+    inv = [0] * len(to)
+    for src, dst in enumerate(to):
+        inv[dst] = src
+    return inv
+
+
+class ModelAdapter:
+    """A family's key maps and tensor transforms (see the module docstring); subclasses set :attr:`maps`.
+
+    Attributes:
+        name: the ``--adapter`` name (``torchtitan-llama3``, ``torchtitan-qwen3``, ``hf``).
+        description: one line for ``inspect`` and the docs.
+        maps: the key maps, first match wins.
+    """
+
+    name = ""
+    description = ""
+    maps: tuple[KeyMap, ...] = ()
+
+    def _match(self, fqn: str) -> tuple[KeyMap, re.Match[str]] | None:
+        for m in self.maps:
+            hit = m._re.fullmatch(fqn)
+            if hit is not None:
+                return m, hit
+        return None
+
+    def matches(self, fqn: str) -> bool:
+        """Whether ``fqn`` is one of this family's native keys."""
+        return self._match(fqn) is not None
+
+    def to_hf(self, fqn: str, shape: tuple[int, ...], cfg: AdapterConfig) -> HFTensor | Skip | None:
+        """Where the native tensor ``fqn`` ``shape`` goes in the HF state dict.
+
+        Returns:
+            :class:`HFTensor`, :class:`Skip` (left out on purpose), or ``None``: not a key of this family.
+
+        Raises:
+            ExportError (E601): a RoPE permutation without the config's head counts, or a shape
+                that does not fit them; an expert tensor that is not ``[E, A, B]``.
+        """
+        hit = self._match(fqn)
+        if hit is None:
+            return None
+        m, g = hit
+        if m.kind == "skip" or m.hf is None:
+            return Skip(m.reason)
+        layer = g.groupdict().get("layer")
+        key = m.hf.format(layer=layer)
+        per = m.per_expert.format(layer=layer, j="{j}") if m.per_expert else None
+        if m.kind == "rope_q":
+            return HFTensor(key, shape, rope_heads=_check_rope(fqn, shape, cfg.n_heads, cfg.head_dim, "n_heads"))
+        if m.kind == "rope_k":
+            return HFTensor(key, shape, rope_heads=_check_rope(fqn, shape, cfg.n_kv_heads, cfg.head_dim, "n_kv_heads"))
+        if m.kind in ("gate", "up", "experts"):
+            if len(shape) != 3:
+                raise ExportError(
+                    f"{fqn}: an expert tensor must be [E, A, B], got shape {list(shape)}",
+                    fqn=fqn,
+                    hint="the checkpoint does not hold this model family's grouped experts; pick another `adapter`",
+                )
+            if m.kind == "experts":
+                return HFTensor(key, shape, per_expert=per)
+            e, a, b = shape
+            return HFTensor(key, (e, 2 * a, b), part=0 if m.kind == "gate" else 1, nparts=2, per_expert=per)
+        return HFTensor(key, shape)
+
+    def from_hf(self, hf_key: str, shape: tuple[int, ...], cfg: AdapterConfig) -> list[NativeTensor] | Skip | None:
+        """Where the HF tensor ``hf_key`` goes in the native state dict (import); the inverse of :meth:`to_hf`.
+
+        Returns:
+            the native tensors it feeds (two for a fused ``gate_up_proj``), :class:`Skip`, or
+            ``None``: not an HF key of this family.
+
+        Raises:
+            ExportError (E601): as :meth:`to_hf`.
+        """
+        found: list[NativeTensor] = []
+        for m in self.maps:
+            if m.hf is None or m.native_key is None:
+                continue
+            for form, per in ((m.hf, False), (m.per_expert, True)):
+                if form is None:
+                    continue
+                pat = re.escape(form).replace(r"\{layer\}", r"(?P<layer>\d+)").replace(r"\{j\}", r"(?P<j>\d+)")
+                g = re.fullmatch(pat, hf_key)
+                if g is None:
+                    continue
+                found.append(self._native(m, g.groupdict(), per, hf_key, shape, cfg))
+        return found or None
+
+    def _native(
+        self, m: KeyMap, d: dict[str, str], per: bool, hf_key: str, shape: tuple[int, ...], cfg: AdapterConfig
+    ) -> NativeTensor:
+        assert m.native_key is not None
+        nk = m.native_key.format(layer=d.get("layer"))
+        if m.kind == "rope_q":
+            return NativeTensor(nk, shape, rope_heads=_check_rope(hf_key, shape, cfg.n_heads, cfg.head_dim, "n_heads"))
+        if m.kind == "rope_k":
+            return NativeTensor(
+                nk, shape, rope_heads=_check_rope(hf_key, shape, cfg.n_kv_heads, cfg.head_dim, "n_kv_heads")
+            )
+        if m.kind in ("gate", "up", "experts"):
+            if per:
+                return NativeTensor(nk, shape, expert=int(d["j"]))
+            if m.kind == "experts":
+                return NativeTensor(nk, shape)
+            if len(shape) != 3 or shape[1] % 2:
+                raise ExportError(
+                    f"{hf_key}: a fused gate_up_proj must be [E, 2I, H], got shape {list(shape)}",
+                    fqn=hf_key,
+                    hint="the HF checkpoint does not hold this model family's fused experts; pick another `adapter`",
+                )
+            e, a2, b = shape
+            return NativeTensor(nk, (e, a2 // 2, b), part=1 if m.kind == "up" else 0, nparts=2)
+        return NativeTensor(nk, shape)

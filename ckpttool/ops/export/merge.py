@@ -1,0 +1,125 @@
+"""Merged LoRA export (``--format hf-merged`` / ``--merge-lora``): ``W' = W + (alpha / r) * B @ A``, slab by slab.
+
+The formula is LoRA's (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models",
+eq. 3) with PEFT's scaling ``lora_alpha / r`` (``peft.tuners.lora.layer.LoraLayer.update_layer``)
+and PEFT's order ``(B @ A) * scaling`` (``get_delta_weight``). Computed in FP32 for every
+slab of ``W`` (``[out, in]``): for the columns ``c0..c1`` of row ``i``,
+``W[i, c0:c1] + s * (B[i] @ A[:, c0:c1])``; the result is written in ``W``'s stored dtype (or
+``--save-dtype``), rounded once. ``A`` ``[r, in]`` and ``B`` ``[out, r]`` are read once, in FP32.
+
+Not implemented, refused by name: DoRA (``use_dora``, ``lora_magnitude_vector``), rsLoRA
+(``use_rslora``: scaling ``alpha / sqrt(r)``), LoRA on embeddings, ``fan_in_fan_out`` (Conv1D).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+from ckpttool.errors import ExportError
+from ckpttool.format.metadata import DTYPE_ITEMSIZE
+from ckpttool.ops.export.transform import Cast, SlabWhere
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["LoraMerge", "lora_scaling"]
+
+
+def _pattern_value(pattern: dict[str, Any], module: str) -> Any:
+    """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup: a key matching the end of the module path."""
+    for k, v in (pattern or {}).items():
+        if re.search(rf"(^|\.){re.escape(k)}$", module) or re.fullmatch(k, module):
+            return v
+    return None
+
+
+def lora_scaling(module: str, r: int, config: dict[str, Any] | None, lora_alpha: float | None) -> float:
+    """``alpha / r`` for ``module`` (``alpha_pattern`` first, then ``lora_alpha``; ``lora_alpha`` arg overrides).
+
+    Raises:
+        ExportError: alpha unknown, rsLoRA or DoRA in the config, or ``fan_in_fan_out``.
+    """
+    cfg = config or {}
+    for flag, what in (("use_dora", "DoRA"), ("use_rslora", "rsLoRA (alpha / sqrt(r) scaling)")):
+        if cfg.get(flag):
+            raise ExportError(
+                f"the adapter config sets {flag}: the {what} merge is not implemented",
+                param="adapter_config",
+                hint="merge with PEFT's merge_and_unload(), or export the adapter with `fmt` lora",
+            )
+    if cfg.get("fan_in_fan_out"):
+        raise ExportError(
+            "the adapter config sets fan_in_fan_out (Conv1D weights): the merge is not implemented",
+            param="adapter_config",
+            hint="merge with PEFT's merge_and_unload()",
+        )
+    alpha: Any = lora_alpha
+    if alpha is None:
+        alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module)
+    if alpha is None:
+        alpha = cfg.get("lora_alpha")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise ExportError(
+            f"{module}: lora_alpha is unknown, so the merge scale alpha / r cannot be computed",
+            fqn=module,
+            hint="pass `lora_alpha` A (the LoraConfig lora_alpha used in training) or `adapter_config` FILE",
+        )
+    want_r = _pattern_value(cfg.get("rank_pattern") or {}, module) or cfg.get("r")
+    if isinstance(want_r, int) and want_r != r and not cfg.get("rank_pattern"):
+        raise ExportError(
+            f"{module}: the adapter config says r={want_r} but lora_A has rank {r}",
+            fqn=module,
+            hint="pass the adapter_config.json that belongs to this checkpoint",
+        )
+    return float(alpha) / r
+
+
+class LoraMerge:
+    """The value transform ``W + s * B @ A`` (a :class:`~ckpttool.ops.export.transform.SlabTransform`).
+
+    Args:
+        a, b: ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]`` as FP32 numpy arrays.
+        scale: ``alpha / r``.
+        src_dtype, out_dtype: the stored and the written dtype of ``W``.
+
+    Attributes:
+        changed: whether any written element differs from ``W`` cast to ``out_dtype`` (set by the workers).
+    """
+
+    def __init__(self, a: np.ndarray, b: np.ndarray, scale: float, src_dtype: str, out_dtype: str) -> None:
+        self.a, self.b, self.scale = a, b, scale
+        self.src_dtype, self.out_dtype = src_dtype, out_dtype
+        self.to32 = None if src_dtype == "float32" else Cast(src_dtype, "float32")
+        self.from32 = None if out_dtype == "float32" else Cast("float32", out_dtype)
+        self.changed = False
+
+    def __call__(self, src: np.ndarray, out: np.ndarray, where: SlabWhere) -> None:
+        import numpy as np
+
+        n = src.size // DTYPE_ITEMSIZE[self.src_dtype]
+        w = np.empty(n, dtype=np.float32)
+        if self.to32 is None:
+            w[:] = src.view(np.float32)
+        else:
+            self.to32(src, w.view(np.uint8), where)
+        before = w.copy()
+        cols = where.shape[-1]
+        for off, g, length in where.ranges:
+            row, c0 = divmod(g, cols)
+            if c0 + length <= cols:
+                delta = (self.b[row] @ self.a[:, c0 : c0 + length]) * np.float32(self.scale)
+            else:
+                rows = length // cols
+                delta = ((self.b[row : row + rows] @ self.a) * np.float32(self.scale)).reshape(-1)
+            w[off : off + length] += delta
+        if self.from32 is None:
+            out.view(np.float32)[:] = w
+            changed = not np.array_equal(w.view(np.uint32), before.view(np.uint32))
+        else:
+            self.from32(w.view(np.uint8), out, where)
+            base = np.empty_like(out)
+            self.from32(before.view(np.uint8), base, where)
+            changed = not np.array_equal(out, base)
+        if changed:
+            self.changed = True

@@ -1,0 +1,406 @@
+"""``import_hf``: a Hugging Face safetensors model (sharded + index) -> a DCP checkpoint a trainer ``dcp.load`` s.
+
+Target key schemas:
+
+- ``torch-native``: ``{"model": model.state_dict()}`` as ``dcp.save`` writes it: keys
+  ``model.<hf key>``, planner path ``("model", "<hf key>")``.
+- ``torchtitan``: torchtitan's ``CheckpointManager`` layout, model fqns at the top level
+  (``tok_embeddings.weight``, ``layers.N.attention.qkv_linear.wq.weight`` ...) through the
+  model adapter's :meth:`~ckpttool.model.adapters.ModelAdapter.from_hf` (RoPE q/k rows
+  un-permuted, ``gate_up_proj`` split into ``w1`` / ``w3``, per-expert keys stacked).
+
+Every native tensor is described row by row (dim 0): row ``i`` is a contiguous byte run in one
+safetensors file (plain copy: row ``i``; RoPE: HF row ``src[i]``; a fused half: expert ``i``'s
+block; stacked per-expert: the ``i``-th HF tensor). A chunk is the row range ``torch.chunk``
+gives a rank (``Shard(0)`` of DTensor / FSDP2: ``ceil(rows / world_size)`` rows each, the last
+ones shorter or empty) and is written as a ``torch.save`` archive whose bytes are copied straight
+from the safetensors files (:meth:`~ckpttool.format.writer.DCPWriter.stream_tensor_archive`):
+nothing of tensor size is held in memory. One data file per rank (``__{rank}_0.distcp``); the
+output appears atomically (:class:`~ckpttool.format.atomic.AtomicOutputDir`). A tied
+``lm_head.weight`` absent from the HF files (``tie_word_embeddings``) is written from the
+embedding's bytes, as the model's ``state_dict()`` holds it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import ExportError, UsageError
+from ckpttool.format.atomic import AtomicOutputDir
+from ckpttool.format.files import open_regular, resolve_inside
+from ckpttool.format.hf_storage import load_hf_storage_metadata
+from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
+from ckpttool.format.writer import DCPWriter
+from ckpttool.model.adapters import AdapterConfig, ModelAdapter, NativeTensor, Skip, get_adapter, rope_from_hf_rows
+from ckpttool.model.hfconfig import config_value, read_hf_config
+
+__all__ = ["ImportOptions", "ImportResult", "import_hf", "torch_chunk_rows"]
+
+SCHEMAS = ("torch-native", "torchtitan")
+
+
+@dataclass(frozen=True)
+class ImportOptions:
+    """Options of :func:`import_hf` (the flags of ``ckpttool import``).
+
+    Attributes:
+        schema: ``torch-native`` or ``torchtitan``.
+        adapter: the model adapter for ``torchtitan`` (``None``: from the config's ``model_type``).
+        config: ``config.json`` (default: the one in the HF directory).
+        world_size: ranks to pre-shard for (one data file per rank; chunks along dim 0 as ``Shard(0)``).
+        overwrite: replace an existing output.
+    """
+
+    schema: str = "torch-native"
+    adapter: str | None = None
+    config: Path | None = None
+    world_size: int = 1
+    overwrite: bool = False
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """What an import wrote (``--json``: :meth:`to_dict`, schema ``ckpttool.import/1``)."""
+
+    source: str
+    output: str
+    schema: str
+    adapter: str | None
+    world_size: int
+    tensors: int
+    bytes: int
+    seconds: float
+    files: list[dict[str, Any]]
+    skipped: dict[str, list[str]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": "ckpttool.import/1",
+            "source": self.source,
+            "output": self.output,
+            "key_schema": self.schema,
+            "adapter": self.adapter,
+            "world_size": self.world_size,
+            "tensors": self.tensors,
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 4),
+            "gb_per_s": round(self.bytes / self.seconds / 1e9, 4) if self.seconds > 0 else 0.0,
+            "files": self.files,
+            "skipped": {k: {"count": len(v), "keys": v} for k, v in self.skipped.items()},
+            "warnings": self.warnings,
+        }
+
+
+def torch_chunk_rows(rows: int, world_size: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of each rank's dim-0 rows as ``torch.chunk`` cuts them (DTensor ``Shard(0)``).
+
+    ``ceil(rows / world_size)`` rows per rank; the last non-empty rank holds the rest and the ranks after
+    it hold none (``torch.distributed.tensor._ops.utils`` / ``Shard._split_tensor``).
+    """
+    size = -(-rows // world_size) if rows else 0
+    out = []
+    for r in range(world_size):
+        start = min(r * size, rows)
+        out.append((start, max(0, min(size, rows - start))))
+    return out
+
+
+@dataclass
+class _Source:
+    """A stored HF tensor: file, absolute byte offset of its data, dtype, shape."""
+
+    key: str
+    file: str
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class _Native:
+    """One output tensor and where the bytes of each of its dim-0 rows are: ``(file, byte offset, bytes)`` runs."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    rows: list[list[tuple[str, int, int]]]
+    planner: tuple[str, ...]
+    flat: tuple[str, int] | None = None  # a tensor stored as is: (file, offset); ``rows`` unused
+
+
+def _row_bytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return DType(dtype).itemsize * math.prod(shape[1:])
+
+
+def _plain(key: str, src: _Source, shape: tuple[int, ...], planner: tuple[str, ...]) -> _Native:
+    """A native tensor that is the HF tensor as stored (one byte run)."""
+    return _Native(key, src.dtype, shape, [], planner, flat=(src.file, src.offset))
+
+
+_PER_EXPERT_RE = re.compile(r"^(?P<p>.+\.experts)\.(?P<j>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _fuse_per_expert(sources: dict[str, _Source], out: dict[str, _Native], num_experts: int | None) -> set[str]:
+    """HF per-expert keys -> transformers v5 fused ``experts.gate_up_proj`` ``[E, 2I, H]`` / ``experts.down_proj``.
+
+    Returns the source keys consumed. Raises ExportError when the experts do not cover ``0..E-1``.
+    """
+    groups: dict[str, dict[str, dict[int, _Source]]] = {}
+    for k, src in sources.items():
+        m = _PER_EXPERT_RE.match(k)
+        if m:
+            groups.setdefault(m["p"], {}).setdefault(m["proj"], {})[int(m["j"])] = src
+    used: set[str] = set()
+    for prefix, projs in groups.items():
+        for fused, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+            got = [projs.get(p, {}) for p in parts]
+            n = num_experts or max((max(g) + 1 for g in got if g), default=0)
+            for p, g in zip(parts, got):
+                if sorted(g) != list(range(n)):
+                    raise ExportError(
+                        f"{prefix}.*.{p}.weight: per-expert tensors for experts {sorted(g)[:8]} but the model has {n}",
+                        fqn=f"{prefix}.0.{p}.weight",
+                        hint="the HF checkpoint is incomplete, or its config's num_experts does not match",
+                    )
+            first = got[0][0]
+            if any(s.shape != first.shape or s.dtype != first.dtype for g in got for s in g.values()):
+                raise ExportError(f"{prefix}: per-expert {fused} parts differ in shape or dtype", fqn=prefix)
+            a, b = first.shape
+            nb = DType(first.dtype).itemsize * a * b
+            rows = [[(g[j].file, g[j].offset, nb) for g in got] for j in range(n)]
+            key = f"model.{prefix}.{fused}"
+            out[key] = _Native(key, first.dtype, (n, a * len(parts), b), rows, ("model", f"{prefix}.{fused}"))
+            used.update(s.key for g in got for s in g.values())
+    return used
+
+
+def _native_tensors(
+    sources: dict[str, _Source], opts: ImportOptions, adapter: ModelAdapter | None, acfg: AdapterConfig
+) -> tuple[list[_Native], dict[str, list[str]]]:
+    skipped: dict[str, list[str]] = {}
+    out: dict[str, _Native] = {}
+    stacked: dict[str, dict[int, _Source]] = {}
+    fused = _fuse_per_expert(sources, out, acfg.num_experts) if adapter is None else set()
+    for key in sorted(sources, key=lambda k: (sources[k].file, sources[k].offset)):
+        src = sources[key]
+        if key in fused:
+            continue
+        if adapter is None:
+            nk = "model." + key
+            out[nk] = _plain(nk, src, src.shape, ("model", key))
+            continue
+        targets = adapter.from_hf(key, src.shape, acfg)
+        if isinstance(targets, Skip):
+            skipped.setdefault(targets.reason, []).append(key)
+            continue
+        if targets is None:
+            raise ExportError(
+                f"{key}: not a key of the {adapter.name} adapter (shape {list(src.shape)})",
+                fqn=key,
+                hint="import with `schema` torch-native (HF names), or choose the right `adapter`",
+            )
+        for t in targets:
+            _add_target(out, stacked, src, t)
+    for nk, parts in stacked.items():
+        n = acfg.num_experts or (max(parts) + 1)
+        if sorted(parts) != list(range(n)):
+            raise ExportError(
+                f"{nk}: per-expert HF tensors for experts {sorted(parts)[:8]} but the model has {n} experts",
+                fqn=nk,
+                hint="the HF checkpoint is incomplete, or its config's num_experts does not match",
+            )
+        first = parts[0]
+        if any(p.shape != first.shape or p.dtype != first.dtype for p in parts.values()):
+            raise ExportError(f"{nk}: per-expert HF tensors differ in shape or dtype", fqn=nk)
+        nb = DType(first.dtype).itemsize * math.prod(first.shape)
+        rows = [[(parts[j].file, parts[j].offset, nb)] for j in range(n)]
+        out[nk] = _Native(nk, first.dtype, (n, *first.shape), rows, (nk,))
+    return list(out.values()), skipped
+
+
+def _add_target(out: dict[str, _Native], stacked: dict[str, dict[int, _Source]], src: _Source, t: NativeTensor) -> None:
+    if t.expert is not None:
+        stacked.setdefault(t.key, {})[t.expert] = src
+        return
+    if t.rope_heads is not None:
+        dst = rope_from_hf_rows(t.rope_heads, src.shape[0] // t.rope_heads)  # HF row -> native row
+        rb = _row_bytes(src.dtype, src.shape)
+        rows: list[list[tuple[str, int, int]]] = [[] for _ in range(src.shape[0])]
+        for hf_row, native_row in enumerate(dst):
+            rows[native_row] = [(src.file, src.offset + hf_row * rb, rb)]
+        out[t.key] = _Native(t.key, src.dtype, t.shape, rows, (t.key,))
+        return
+    if t.nparts > 1:
+        e, a, b = t.shape
+        item = DType(src.dtype).itemsize
+        rows = [[(src.file, src.offset + ((j * t.nparts + t.part) * a * b) * item, a * b * item)] for j in range(e)]
+        out[t.key] = _Native(t.key, src.dtype, t.shape, rows, (t.key,))
+        return
+    out[t.key] = _plain(t.key, src, t.shape, (t.key,))
+
+
+def _segments(n: _Native, start: int, length: int, fds: dict[str, int]) -> list[tuple[int, int, int]]:
+    """``(fd, offset, length)`` runs of rows ``[start, start + length)``, adjacent rows merged."""
+    if n.flat is not None:
+        rb = _row_bytes(n.dtype, n.shape) if n.shape else DType(n.dtype).itemsize
+        return [(fds[n.flat[0]], n.flat[1] + start * rb, length * rb)]
+    segs: list[tuple[int, int, int]] = []
+    for i in range(start, start + length):
+        assert n.rows[i], (n.key, i)
+        for f, off, nb in n.rows[i]:
+            fd = fds[f]
+            if segs and segs[-1][0] == fd and segs[-1][1] + segs[-1][2] == off:
+                segs[-1] = (fd, segs[-1][1], segs[-1][2] + nb)
+            else:
+                segs.append((fd, off, nb))
+    return segs
+
+
+def import_hf(
+    hf_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    options: ImportOptions | None = None,
+    **option_fields: Any,
+) -> ImportResult:
+    """Convert a Hugging Face safetensors model directory into a DCP checkpoint (see the module docstring).
+
+    Args:
+        hf_dir: directory with ``model*.safetensors`` (+ ``model.safetensors.index.json``) and ``config.json``.
+        out: output directory; written beside itself and renamed when complete.
+        options: :class:`ImportOptions`, or its fields as keywords.
+
+    Returns:
+        :class:`ImportResult`.
+
+    Raises:
+        UsageError: bad options, no config where the adapter needs one.
+        MetadataError: unreadable or malformed safetensors headers; an index naming tensors the files lack.
+        ExportError (E601): keys the adapter does not know, per-expert tensors that do not cover the experts.
+        OutputError: ``out`` exists (no ``overwrite``) or cannot be written.
+    """
+    t0 = time.perf_counter()
+    opts = options if options is not None else ImportOptions(**option_fields)
+    if opts.schema not in SCHEMAS:
+        raise UsageError(f"`schema` {opts.schema!r} is not one of {', '.join(SCHEMAS)}", param="schema")
+    if isinstance(opts.world_size, bool) or not isinstance(opts.world_size, int) or opts.world_size < 1:
+        raise UsageError(f"`world_size` must be an integer >= 1, got {opts.world_size!r}", param="world_size")
+    src_dir = Path(hf_dir)
+    if not src_dir.is_dir():
+        raise UsageError(f"{src_dir}: not a directory", path=src_dir, hint="pass a Hugging Face model directory")
+    cfg_path = opts.config if opts.config is not None else (src_dir if (src_dir / "config.json").exists() else None)
+    config = read_hf_config(cfg_path, param="config") if cfg_path is not None else None
+    md = load_hf_storage_metadata(src_dir)
+    warnings: list[str] = []
+    sources: dict[str, _Source] = {}
+    for key, tm in md.entries.items():
+        if not isinstance(tm, TensorMeta):
+            continue
+        c = tm.chunks[0]
+        if len(tm.chunks) != 1 or any(c.offsets) or c.sizes != tm.size:
+            raise ExportError(
+                f"{src_dir}: {key!r} is stored as per-rank shards; import reads whole tensors",
+                fqn=key,
+                hint="consolidate the checkpoint first (HuggingFaceStorageWriter with consolidation)",
+            )
+        info = md.storage_for(key, c)
+        assert info is not None, key
+        sources[key] = _Source(key, info.relative_path, info.offset, tm.dtype.name, tm.size)
+    index_path = src_dir / "model.safetensors.index.json"
+    if index_path.exists():
+        from ckpttool.format import limits
+        from ckpttool.format.files import read_regular
+        from ckpttool.format.jsonfile import parse_json
+
+        index = parse_json(
+            read_regular(
+                resolve_inside(src_dir, index_path.name, what="index"), limits.current().max_object_bytes, what="index"
+            ),
+            str(index_path),
+        )
+        wm = index.get("weight_map") if isinstance(index, dict) else None
+        if isinstance(wm, dict):
+            absent = sorted(set(wm) - set(sources))
+            if absent:
+                raise ExportError(
+                    f"{index_path}: the index lists {len(absent)} tensor(s) no safetensors file holds (e.g. {absent[0]!r})",
+                    fqn=absent[0],
+                    hint="a shard file is missing; download or copy the complete model",
+                )
+    tie = config_value(config, "tie_word_embeddings") is True
+    if tie and "lm_head.weight" not in sources and "model.embed_tokens.weight" in sources:
+        e = sources["model.embed_tokens.weight"]
+        sources["lm_head.weight"] = _Source("lm_head.weight", e.file, e.offset, e.dtype, e.shape)
+        warnings.append("tied lm_head.weight written from model.embed_tokens.weight (tie_word_embeddings)")
+    adapter: ModelAdapter | None = None
+    if opts.schema == "torchtitan":
+        name = opts.adapter
+        if name is None:
+            mt = config_value(config, "model_type")
+            name = (
+                "torchtitan-qwen3"
+                if isinstance(mt, str) and mt.startswith("qwen3")
+                else "torchtitan-llama3"
+                if mt == "llama"
+                else None
+            )
+        if name is None:
+            raise UsageError(
+                "`schema` torchtitan needs a model adapter: the config's model_type does not name a built-in one",
+                param="adapter",
+                hint="pass `adapter` torchtitan-llama3 or torchtitan-qwen3 (and `config`)",
+            )
+        adapter = get_adapter(name)
+    elif opts.adapter not in (None, "hf"):
+        raise UsageError("`adapter` applies to `schema` torchtitan", param="adapter")
+    acfg = AdapterConfig.from_hf_config(config)
+    natives, skipped = _native_tensors(sources, opts, adapter, acfg)
+    fds: dict[str, int] = {}
+    files_info: list[dict[str, Any]] = []
+    total = 0
+    try:
+        for n in natives:
+            for row in [[(*n.flat, 0)]] if n.flat is not None else n.rows:
+                for f, _, _ in row:
+                    if f not in fds:
+                        fds[f] = open_regular(resolve_inside(src_dir, f, what="safetensors file"))
+        with AtomicOutputDir(out, overwrite=opts.overwrite, source=src_dir) as tmp:
+            with DCPWriter(tmp, Path(os.path.abspath(out))) as w:
+                w.ensure_files(range(opts.world_size))
+                for n in natives:
+                    dt = DType(n.dtype)
+                    w.declare_tensor(n.key, dt, n.shape, n.planner)
+                    if not n.shape:
+                        w.stream_tensor_archive(n.key, ChunkMeta((), ()), 0, dt, _segments(n, 0, 1, fds))
+                        continue
+                    for rank, (start, length) in enumerate(torch_chunk_rows(n.shape[0], opts.world_size)):
+                        if length == 0 and rank > 0:
+                            continue
+                        chunk = ChunkMeta((start, *([0] * (len(n.shape) - 1))), (length, *n.shape[1:]))
+                        w.stream_tensor_archive(n.key, chunk, rank, dt, _segments(n, start, length, fds))
+                    total += dt.itemsize * math.prod(n.shape)
+                w.finish()
+            for p in sorted(tmp.iterdir()):
+                files_info.append({"name": p.name, "bytes": p.stat().st_size})
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return ImportResult(
+        source=str(src_dir),
+        output=str(out),
+        schema=opts.schema,
+        adapter=adapter.name if adapter is not None else None,
+        world_size=opts.world_size,
+        tensors=len(natives),
+        bytes=total,
+        seconds=time.perf_counter() - t0,
+        files=files_info,
+        skipped=skipped,
+        warnings=warnings,
+    )

@@ -1,0 +1,86 @@
+"""Merged LoRA export (`--merge-lora` / `--format hf-merged`) against PEFT's own `merge_and_unload()`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.fixtures import hf_models
+from tests.ops.export.test_export import assert_clean_failure, export_cli, read_export
+from tests.ops.export.test_export_consumers import (  # noqa: F401  (session fixtures)
+    assert_same_logits,
+    export,
+    load_hf,
+    lora_ckpt,
+)
+
+
+def _peft_merged(lora_ckpt: Path, tmp_path: Path) -> torch.nn.Module:  # noqa: F811
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    export(lora_ckpt, tmp_path / "adapter", "--format", "lora", "--lora-alpha", str(hf_models.LORA_ALPHA))
+    base = load_hf(lora_ckpt / "base", LlamaForCausalLM)
+    return PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload()
+
+
+@pytest.mark.parametrize("flag", [("--merge-lora",), ("--format", "hf-merged")])
+def test_merged_export_matches_peft_merge_and_unload(lora_ckpt: Path, tmp_path: Path, flag: tuple[str, ...]) -> None:  # noqa: F811
+    from transformers import LlamaForCausalLM
+
+    doc = export(lora_ckpt, tmp_path / "merged", *flag, "--lora-alpha", str(hf_models.LORA_ALPHA))
+    assert doc["format"] == "hf-merged" and doc["model_check"]["findings"] == {}
+    got, _ = read_export(tmp_path / "merged")
+    ref = _peft_merged(lora_ckpt, tmp_path)
+    want = ref.state_dict()
+    assert set(got) == set(want)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6)  # FP32 merge; BLAS summation order may differ
+    ids = torch.load(lora_ckpt / "reference.pt", weights_only=True)["ids"]
+    model = load_hf(tmp_path / "merged", LlamaForCausalLM)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=0, atol=1e-5)
+    assert_same_logits(model, lora_ckpt)  # and the unmerged PEFT model's logits
+
+
+def test_merged_bf16_output_is_written_in_the_requested_dtype(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    export(lora_ckpt, tmp_path / "m", "--merge-lora", "--lora-alpha", "8", "--save-dtype", "bf16")
+    got, _ = read_export(tmp_path / "m")
+    assert {t.dtype for t in got.values()} == {torch.bfloat16}
+
+
+def test_merge_without_alpha_is_refused(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    res = export_cli(str(lora_ckpt), str(tmp_path / "o"), "--merge-lora")
+    assert_clean_failure(res, "E601", "lora_alpha is unknown")
+
+
+@pytest.mark.parametrize("flag", ["use_dora", "use_rslora"])
+def test_dora_and_rslora_are_refused_by_name(lora_ckpt: Path, tmp_path: Path, flag: str) -> None:  # noqa: F811
+    cfg = {
+        "peft_type": "LORA",
+        "r": hf_models.LORA_R,
+        "lora_alpha": 8,
+        "target_modules": ["q_proj", "v_proj"],
+        flag: True,
+    }
+    (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
+    res = export_cli(
+        str(lora_ckpt), str(tmp_path / "o"), "--merge-lora", "--adapter-config", str(tmp_path / "adapter_config.json")
+    )
+    assert_clean_failure(res, "E601", "DoRA" if flag == "use_dora" else "rsLoRA")
+
+
+def test_merge_that_changes_nothing_is_refused(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    res = export_cli(
+        str(lora_ckpt), str(tmp_path / "o"), "--merge-lora", "--lora-alpha", "1e-30", "--save-dtype", "bf16"
+    )
+    assert_clean_failure(res, "E601", "bitwise equal to the base weights")
+    assert not (tmp_path / "o").exists()
+
+
+def test_plain_hf_export_of_a_peft_checkpoint_is_refused(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    res = export_cli(str(lora_ckpt), str(tmp_path / "o"))
+    assert_clean_failure(res, "E601", "PEFT LoRA checkpoint", "base_layer")

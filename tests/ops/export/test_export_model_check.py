@@ -1,0 +1,117 @@
+"""Keys, shapes and dtypes against the model class transformers builds from config.json (meta device).
+
+Each case that used to export with exit 0 and fail (or load a random model) in `from_pretrained`
+is refused by `export --model-assets` (E605) and found by `validate --config` (M010).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests.fixtures import hf_models
+from tests.ops.export.test_export import assert_clean_failure, export_cli
+from tests.ops.export.test_export_consumers import llama_ckpt  # noqa: F401  (session fixture)
+from tests.ops.validate.test_validate_model import run as validate
+
+
+def _resave(src: Path, dst: Path, edit) -> Path:  # type: ignore[no-untyped-def]
+    md = dcp.FileSystemReader(str(src)).read_metadata()
+    sd = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
+    dcp.load(sd, checkpoint_id=str(src), no_dist=True)
+    model = edit({k[len("model.") :]: v for k, v in sd.items() if k.startswith("model.")})
+    dcp.save({"model": model}, checkpoint_id=str(dst))
+    return dst
+
+
+def _rank_local(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    emb = sd["model.embed_tokens.weight"]
+    sd["model.embed_tokens.weight"] = emb.reshape(-1)[: emb.numel() // 4].clone()  # one rank's flat shard
+    sd["model.norm.weight"] = torch.empty(0)
+    return sd
+
+
+def test_rank_local_embedding_and_empty_norm_are_refused(llama_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    src = _resave(llama_ckpt, tmp_path / "ck", _rank_local)
+    assets = llama_ckpt / "model_assets"
+    res = export_cli(str(src), str(tmp_path / "o"), "--model-assets", str(assets))
+    assert_clean_failure(res, "E605", "LlamaForCausalLM", "model.embed_tokens.weight: [768]", "model.norm.weight: [0]")
+    assert not (tmp_path / "o").exists()
+    rc, doc = validate(src, "--config", assets / "config.json")
+    m010 = [f for f in doc["findings"] if f["code"] == "M010"]
+    assert rc == 1 and {f["key"] for f in m010} == {"model.embed_tokens.weight", "model.norm.weight"}, m010
+    # explicitly allowed: written, reported
+    res = export_cli(
+        str(src), str(tmp_path / "o"), "--model-assets", str(assets), "--allow-mismatch", "shape", "--json"
+    )
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["model_check"]["findings"]["shape"]
+
+
+def _two_of_four_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            p = k[: -len("gate_up_proj")]
+            for j in range(2):
+                g, u = v[j].chunk(2, dim=0)
+                out[f"{p}{j}.gate_proj.weight"], out[f"{p}{j}.up_proj.weight"] = g.clone(), u.clone()
+        elif k.endswith("mlp.experts.down_proj"):
+            p = k[: -len("down_proj")]
+            for j in range(2):
+                out[f"{p}{j}.down_proj.weight"] = v[j].clone()
+        elif k.endswith("mlp.gate.weight"):
+            out[k] = v[:4].clone()
+        else:
+            out[k] = v
+    return out
+
+
+def test_per_expert_keys_for_two_of_four_experts_are_refused(fixture_root: Path, tmp_path: Path) -> None:
+    from tests.fixtures.cache import cached_build
+
+    qwen = cached_build(fixture_root, "export_qwen_moe", hf_models.build_qwen_moe)
+    src = _resave(qwen, tmp_path / "ck", _two_of_four_experts)
+    cfg = json.loads((qwen / "model_assets" / "config.json").read_text())
+    cfg["num_experts"] = 4
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "config.json").write_text(json.dumps(cfg))
+    res = export_cli(str(src), str(tmp_path / "o"), "--model-assets", str(tmp_path / "a"))
+    assert_clean_failure(res, "E605", "Qwen3MoeForCausalLM", "missing", "mlp.experts.gate_up_proj", "unexpected")
+    rc, doc = validate(src, "--config", tmp_path / "a" / "config.json")
+    assert rc == 1 and any(f["code"] == "M010" for f in doc["findings"])
+
+
+def test_without_transformers_the_check_is_reported_not_silent(
+    llama_ckpt: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in [m for m in sys.modules if m == "transformers" or m.startswith("transformers.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    res = export_cli(str(llama_ckpt), str(tmp_path / "o"), "--model-assets", str(llama_ckpt / "model_assets"), "--json")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert (
+        doc["model_check"]["checked"] is False and "transformers is not installed" in doc["model_check"]["not_checked"]
+    )
+    assert any("not checked against the model class" in w for w in doc["warnings"])
+    _, vdoc = validate(llama_ckpt, "--config", llama_ckpt / "model_assets" / "config.json")
+    assert any(f["code"] == "M011" and "transformers is not installed" in f["message"] for f in vdoc["findings"])
+
+
+def test_good_export_is_checked_and_clean(llama_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    res = export_cli(str(llama_ckpt), str(tmp_path / "o"), "--model-assets", str(llama_ckpt / "model_assets"), "--json")
+    assert res.exit_code == 0, res.stderr
+    check = json.loads(res.stdout)["model_check"]
+    assert check == {"checked": True, "model_class": "LlamaForCausalLM", "not_checked": None, "findings": {}}

@@ -1,0 +1,60 @@
+"""Wrapper segments (`_orig_mod.`, `_checkpoint_wrapped_module.`, `_fsdp_wrapped_module.`, `module.`) anywhere in a key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ckpttool.model.wrappers import strip_wrapper_segments
+from tests.fixtures import hf_models
+from tests.fixtures.cache import cached_build
+from tests.ops.export.test_export_consumers import assert_same_logits, export, load_hf
+
+
+@pytest.fixture(scope="session")
+def wrapped(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_wrapped", hf_models.build_wrapped)
+
+
+def test_strip_wrapper_segments_keeps_the_tensor_name() -> None:
+    assert strip_wrapper_segments("module.model.layers.0._checkpoint_wrapped_module._orig_mod.mlp.w.weight") == (
+        "model.layers.0.mlp.w.weight",
+        ("module", "_checkpoint_wrapped_module", "_orig_mod"),
+    )
+    assert strip_wrapper_segments("a.module") == ("a.module", ())
+
+
+def test_hf_export_removes_wrapper_segments_and_loads(wrapped: Path, tmp_path: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    doc = export(wrapped / "llama", tmp_path / "hf")
+    assert any("wrapper segment(s)" in w and "_orig_mod" in w for w in doc["warnings"]), doc["warnings"]
+    assert_same_logits(load_hf(tmp_path / "hf", LlamaForCausalLM), wrapped / "llama")
+
+
+def test_lora_export_removes_wrapper_segments_and_peft_loads_the_adapter(wrapped: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path / "adapter"
+    export(wrapped / "lora", out, "--format", "lora", "--lora-alpha", str(hf_models.LORA_ALPHA))
+    base = load_hf(wrapped / "lora" / "base", LlamaForCausalLM)
+    assert_same_logits(PeftModel.from_pretrained(base, out), wrapped / "lora")
+
+
+def test_lora_keys_peft_would_not_match_are_refused(wrapped: Path, tmp_path: Path) -> None:
+    from tests.ops.export.test_export import assert_clean_failure, export_cli
+
+    cfg = {"peft_type": "LORA", "r": hf_models.LORA_R, "lora_alpha": 8, "target_modules": ["k_proj"]}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
+    res = export_cli(
+        str(wrapped / "lora"),
+        str(tmp_path / "o"),
+        "--format",
+        "lora",
+        "--adapter-config",
+        str(tmp_path / "adapter_config.json"),
+    )
+    assert_clean_failure(res, "E601", "would not be loaded by PEFT", "target_modules")

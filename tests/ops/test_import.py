@@ -1,0 +1,269 @@
+"""`ckpttool import HF_DIR OUT`: HF safetensors -> DCP, loaded by torch's own `dcp.load` into real models.
+
+References: `save_pretrained` directories of tiny transformers models; torch's `dcp.load`
+(single process, and 2 gloo ranks into an FSDP2 model); torchtitan's own `_reverse_permute`
+for the torchtitan schema; bitwise round trips through `ckpttool export`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.ops.import_hf import torch_chunk_rows
+from tests.fixtures import hf_models
+from tests.fixtures.cache import cached_build
+from tests.ops.export.test_export import read_export, torch_load
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "import_hf_dirs", hf_models.build_hf_dirs)
+
+
+def hf_tensors(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as sf:
+            for k in sf.keys():
+                out[k] = sf.get_tensor(k)
+    return out
+
+
+def cli(*args: str) -> dict[str, Any]:
+    res = runner.invoke(app, [*args, "--json"])
+    assert res.exit_code == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
+
+
+def test_torch_chunk_rows_match_torch_chunk() -> None:
+    for rows in (0, 1, 5, 7, 8, 96):
+        for ws in (1, 2, 3, 4, 8):
+            got = [n for _, n in torch_chunk_rows(rows, ws)]
+            want = [c.shape[0] for c in torch.arange(rows).chunk(ws)]
+            assert got[: len(want)] == want and sum(got) == rows
+
+
+@pytest.mark.parametrize(
+    "name,cls", [("llama", "LlamaForCausalLM"), ("llama_tied", "LlamaForCausalLM"), ("qwen_moe", "Qwen3MoeForCausalLM")]
+)
+def test_import_loads_into_the_model_with_identical_logits(hf_dirs: Path, tmp_path: Path, name: str, cls: str) -> None:
+    import transformers
+
+    src = hf_dirs / name
+    doc = cli("import", str(src), str(tmp_path / "dcp"))
+    assert doc["key_schema"] == "torch-native"
+    model_cls = getattr(transformers, cls)
+    model = model_cls(transformers.AutoConfig.from_pretrained(src))
+    sd = {"model": model.state_dict()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    model.load_state_dict(sd["model"])
+    ref = torch.load(src / "reference.pt", weights_only=True)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ref["ids"]).logits, ref["logits"], rtol=0, atol=0)
+
+
+def test_hf_dcp_hf_round_trip_is_bitwise(hf_dirs: Path, tmp_path: Path) -> None:
+    for name in ("llama", "qwen_moe"):
+        src = hf_dirs / name
+        cli("import", str(src), str(tmp_path / name / "dcp"), "--world-size", "3")
+        experts = ("--experts", "per-expert") if name == "qwen_moe" else ()  # save_pretrained wrote per-expert keys
+        cli("export", str(tmp_path / name / "dcp"), str(tmp_path / name / "hf"), "--model-assets", str(src), *experts)
+        got, _ = read_export(tmp_path / name / "hf")
+        want = hf_tensors(src)
+        assert set(got) == set(want)
+        assert all(bitwise(got[k], want[k]) for k in want)
+
+
+def test_dcp_hf_dcp_round_trip_is_bitwise(fixture_root: Path, tmp_path: Path) -> None:
+    src = cached_build(fixture_root, "export_llama", hf_models.build_llama)
+    cli("export", str(src), str(tmp_path / "hf"), "--model-assets", str(src / "model_assets"))
+    cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    a, b = torch_load(src), torch_load(tmp_path / "dcp")
+    assert set(a) == set(b) and all(bitwise(a[k], b[k]) for k in a)
+
+
+def test_torchtitan_schema_equals_torchtitans_reverse_permute(hf_dirs: Path, tmp_path: Path) -> None:
+    pytest.importorskip("torchtitan.models.llama3.state_dict_adapter")
+    from transformers import AutoConfig
+
+    src = hf_dirs / "llama"
+    doc = cli("import", str(src), str(tmp_path / "t"), "--schema", "torchtitan")
+    assert doc["adapter"] == "torchtitan-llama3"
+    want = hf_models.hf_to_titan_llama(hf_tensors(src), AutoConfig.from_pretrained(src))
+    got = torch_load(tmp_path / "t")
+    assert set(got) == set(want) and all(bitwise(got[k], want[k]) for k in want)
+    # and back through the export adapter: HF -> torchtitan DCP -> HF is the identity
+    cli("export", str(tmp_path / "t"), str(tmp_path / "hf"), "--model-assets", str(src))
+    back, _ = read_export(tmp_path / "hf")
+    orig = hf_tensors(src)
+    assert set(back) == set(orig) and all(bitwise(back[k], orig[k]) for k in orig)
+
+
+@pytest.mark.parametrize("experts", ["fused", "per-expert"])
+def test_torchtitan_qwen_moe_import_splits_and_stacks_experts(hf_dirs: Path, tmp_path: Path, experts: str) -> None:
+    from transformers import AutoConfig
+
+    src = hf_dirs / "qwen_moe"  # save_pretrained writes per-expert keys
+    hf = tmp_path / "hf"
+    cli("import", str(src), str(tmp_path / "d0"))
+    cli("export", str(tmp_path / "d0"), str(hf), "--experts", experts, "--model-assets", str(src))
+    fused, _ = read_export(tmp_path / "hf") if experts == "fused" else (None, None)
+    cli("import", str(hf), str(tmp_path / "t"), "--schema", "torchtitan")
+    if fused is None:
+        cli("export", str(tmp_path / "d0"), str(tmp_path / "f"), "--model-assets", str(src))
+        fused, _ = read_export(tmp_path / "f")
+    want = hf_models.hf_to_titan_qwen_moe(fused, AutoConfig.from_pretrained(src))
+    want = {k: v for k, v in want.items() if "expert_bias" not in k}
+    got = torch_load(tmp_path / "t")
+    assert set(got) == set(want), set(got) ^ set(want)
+    assert all(bitwise(got[k], want[k]) for k in want)
+
+
+def _fsdp_rank(rank: int, world: int, src: str, ckpt: str) -> None:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    torch.manual_seed(rank + 100)  # every rank starts from different random weights
+    model = LlamaForCausalLM(AutoConfig.from_pretrained(src))
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    sd = get_model_state_dict(model)
+    dcp.load({"model": sd}, checkpoint_id=ckpt)
+    set_model_state_dict(model, sd)
+    ref = hf_tensors(Path(src))
+    for k, v in get_model_state_dict(model).items():
+        full = v.full_tensor() if hasattr(v, "full_tensor") else v
+        assert torch.equal(full, ref[k]), k
+
+
+@pytest.mark.slow
+def test_pre_sharded_import_loads_into_a_2_rank_fsdp2_model(hf_dirs: Path, tmp_path: Path) -> None:
+    from tests.fixtures.distributed import run_ranks
+
+    doc = cli("import", str(hf_dirs / "llama"), str(tmp_path / "d"), "--world-size", "2")
+    assert sorted(f["name"] for f in doc["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    md = dcp.FileSystemReader(str(tmp_path / "d")).read_metadata()
+    emb = md.state_dict_metadata["model.model.embed_tokens.weight"]
+    assert [tuple(c.offsets) for c in emb.chunks] == [(0, 0), (48, 0)]  # Shard(0): 96 rows -> 48 + 48
+    run_ranks(2, _fsdp_rank, str(hf_dirs / "llama"), str(tmp_path / "d"))
+
+
+def test_missing_shard_is_refused(hf_dirs: Path, tmp_path: Path) -> None:
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(hf_dirs / "llama", d)
+    next(iter(sorted(d.glob("*.safetensors")))).unlink()
+    res = runner.invoke(app, ["import", str(d), str(tmp_path / "o")])
+    assert res.exit_code == 2 and "index lists" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def _titan_load_rank(rank: int, world: int, root: str) -> None:
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, default_adamw
+    from transformers import AutoConfig
+
+    from tests.fixtures.writers import _titan_llama
+
+    r = Path(root)
+    model = _titan_llama().build()
+    model.init_states(buffer_device=torch.device("cpu"))
+    optims = OptimizersContainer(default_adamw(lr=1e-3, implementation="for-loop"), model_parts=[model])
+    scheds = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optims, training_steps=10)
+    config = CheckpointManager.Config(
+        enable=True, folder="checkpoint", initial_load_path=str(r / "imported"), initial_load_model_only=True
+    )
+    ckpt = CheckpointManager(
+        config,
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optims,
+        lr_schedulers=scheds,
+        states={},
+        sd_adapter=None,
+        base_folder=str(r / "run"),
+    )
+    assert ckpt.load()
+    ckpt.close()
+    want = hf_models.hf_to_titan_llama(hf_tensors(r / "hf"), AutoConfig.from_pretrained(r / "hf"))
+    got = model.state_dict()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+@pytest.mark.slow
+def test_torchtitan_checkpoint_manager_loads_the_imported_checkpoint(tmp_path: Path) -> None:
+    pytest.importorskip("torchtitan.components.checkpoint")
+    from torchtitan.models.common import compute_ffn_hidden_dim
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.fixtures.distributed import run_ranks
+    from tests.fixtures.writers import LLAMA_CFG
+
+    c = LLAMA_CFG
+    torch.manual_seed(7)
+    cfg = LlamaConfig(
+        vocab_size=c["vocab"],
+        hidden_size=c["dim"],
+        intermediate_size=compute_ffn_hidden_dim(c["dim"], multiple_of=32),
+        num_hidden_layers=c["layers"],
+        num_attention_heads=c["heads"],
+        num_key_value_heads=c["heads"],
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    cli("import", str(tmp_path / "hf"), str(tmp_path / "imported"), "--schema", "torchtitan")
+    run_ranks(1, _titan_load_rank, str(tmp_path))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "symlink_out", "offsets_past_end"])
+def test_hostile_safetensors_are_refused_cleanly(hf_dirs: Path, tmp_path: Path, damage: str) -> None:
+    import shutil
+    import struct
+
+    d = tmp_path / "h"
+    shutil.copytree(hf_dirs / "llama", d)
+    f = sorted(d.glob("*.safetensors"))[0]
+    if damage == "truncated":
+        f.write_bytes(f.read_bytes()[:-100])
+    elif damage == "symlink_out":
+        (tmp_path / "outside.safetensors").write_bytes(f.read_bytes())
+        f.unlink()
+        f.symlink_to(tmp_path / "outside.safetensors")
+    else:
+        raw = f.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + n])
+        k = next(k for k in header if k != "__metadata__")
+        header[k]["data_offsets"] = [0, 10**12]
+        text = json.dumps(header).encode()
+        f.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    before = {p.name: p.read_bytes() for p in d.iterdir() if p.is_file() and not p.is_symlink()}
+    res = runner.invoke(app, ["import", str(d), str(tmp_path / "o")])
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines()[-2].startswith("error: [E"), res.stderr
+    assert not (tmp_path / "o").exists()
+    assert {p.name: p.read_bytes() for p in d.iterdir() if p.is_file() and not p.is_symlink()} == before
