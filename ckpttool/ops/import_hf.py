@@ -55,6 +55,9 @@ class ImportOptions:
         config: ``config.json`` (default: the one in the HF directory).
         world_size: ranks to pre-shard for (one data file per rank; chunks along dim 0 as ``Shard(0)``).
         overwrite: replace an existing output.
+        manifest: write the output's ``manifest.json`` (every record digested as it is written,
+            ``docs/diff.md``), with the source directory's identity (its headers' and manifest's digests).
+        algorithm: the digest algorithm of the manifest.
     """
 
     schema: str = "torch-native"
@@ -62,6 +65,8 @@ class ImportOptions:
     config: Path | None = None
     world_size: int = 1
     overwrite: bool = False
+    manifest: bool = False
+    algorithm: str = "xxh3-128"
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,8 @@ class ImportResult:
     files: list[dict[str, Any]]
     skipped: dict[str, list[str]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    source_identity: dict[str, Any] | None = None
+    manifest: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -95,6 +102,8 @@ class ImportResult:
             "files": self.files,
             "skipped": {k: {"count": len(v), "keys": v} for k, v in self.skipped.items()},
             "warnings": self.warnings,
+            "source_identity": self.source_identity,
+            "manifest": self.manifest,
         }
 
 
@@ -370,8 +379,13 @@ def import_hf(
                 for f, _, _ in row:
                     if f not in fds:
                         fds[f] = open_regular(resolve_inside(src_dir, f, what="safetensors file"))
+        identity = None
+        if opts.manifest:
+            from ckpttool.ops.manifest import safetensors_source_identity
+
+            identity = safetensors_source_identity(src_dir, sorted({s.file for s in sources.values()}), opts.algorithm)
         with AtomicOutputDir(out, overwrite=opts.overwrite, source=src_dir) as tmp:
-            with DCPWriter(tmp, Path(os.path.abspath(out))) as w:
+            with DCPWriter(tmp, Path(os.path.abspath(out)), digest=opts.algorithm if opts.manifest else None) as w:
                 w.ensure_files(range(opts.world_size))
                 for n in natives:
                     dt = DType(n.dtype)
@@ -386,6 +400,10 @@ def import_hf(
                         w.stream_tensor_archive(n.key, chunk, rank, dt, _segments(n, start, length, fds))
                     total += dt.itemsize * math.prod(n.shape)
                 w.finish()
+            if opts.manifest:
+                from ckpttool.ops.manifest import write_output_manifest
+
+                write_output_manifest(w, tmp, opts.algorithm, identity)
             for p in sorted(tmp.iterdir()):
                 files_info.append({"name": p.name, "bytes": p.stat().st_size})
     finally:
@@ -403,4 +421,6 @@ def import_hf(
         files=files_info,
         skipped=skipped,
         warnings=warnings,
+        source_identity=identity,
+        manifest="manifest.json" if opts.manifest else None,
     )

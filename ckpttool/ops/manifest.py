@@ -67,6 +67,8 @@ __all__ = [
     "verify_safetensors_manifest",
     "ManifestCheck",
     "check_against_manifest",
+    "write_output_manifest",
+    "safetensors_source_identity",
 ]
 
 MANIFEST_FORMAT = "ckpttool.manifest"
@@ -869,3 +871,84 @@ def check_against_manifest(
             problems = verify_manifest(ckpt.reader, man)
             shown = str(ckpt.path)
     return ManifestCheck(shown, str(target), man.kind, man.algorithm, len(man.entries), problems, man.source)
+
+
+def write_output_manifest(writer: Any, out: Path, algorithm: str, identity: dict[str, Any] | None) -> None:
+    """``out/manifest.json`` (kind ``dcp``) of a finished :class:`~ckpttool.format.writer.DCPWriter` made with
+    ``digest``: its records' digests as they were written, its ``.metadata`` digest, the source identity.
+
+    Raises:
+        OutputError: the file cannot be written.
+    """
+    from ckpttool.errors import OutputError
+
+    md = writer.metadata_digest
+    doc = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "kind": "dcp",
+        "algorithm": algorithm,
+        "metadata": {"file": METADATA_NAME, "size": md[1], "digest": md[0]} if md is not None else None,
+        "entries": writer.manifest_entries(),
+    }
+    if identity is not None:
+        doc["source"] = identity
+    import json
+
+    path = out / MANIFEST_NAME
+    try:
+        with open(path, "wb") as f:
+            f.write((json.dumps(doc, separators=(",", ":")) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise OutputError(f"{path}: cannot write the manifest ({e.strerror})", path=path) from e
+
+
+def safetensors_source_identity(
+    directory: Path, files: list[str], algorithm: str = DEFAULT_ALGORITHM
+) -> dict[str, Any]:
+    """The identity of a Hugging Face safetensors directory an ``import`` reads.
+
+    ``{"checkpoint", "algorithm", "metadata_digest": <digest of every file's header, in name order>,
+    "metadata_size": <their bytes>, "manifest_digest": <digest of its manifest.json> | null}``: a
+    safetensors model has no ``.metadata``; its headers (names, dtypes, shapes, offsets and
+    ``__metadata__``) play that part. An ``export --manifest`` output's manifest digest is the one
+    ``export`` printed, so an imported checkpoint traces back through the export to its source.
+
+    Raises:
+        MetadataError, NotRegularFileError, PathEscapeError: unreadable files.
+    """
+    from ckpttool.format.files import open_regular, resolve_inside
+    from ckpttool.format.hf_storage import read_safetensors_header
+
+    h = new_hasher(algorithm)
+    size = 0
+    for name in sorted(files):
+        path = resolve_inside(directory, name, what="safetensors file")
+        _, data_start = read_safetensors_header(path)
+        fd = open_regular(path)
+        try:
+            head = os.pread(fd, data_start, 0)
+        finally:
+            os.close(fd)
+        h.update(head)
+        size += len(head)
+    man: str | None = None
+    mpath = directory / MANIFEST_NAME
+    if mpath.is_file():
+        man = manifest_digest(
+            read_regular(
+                resolve_inside(directory, MANIFEST_NAME, what="manifest"),
+                limits.current().max_object_bytes,
+                what="manifest",
+            ),
+            algorithm,
+        )
+    return {
+        "checkpoint": str(directory),
+        "algorithm": algorithm,
+        "metadata_digest": h.hexdigest(),
+        "metadata_size": size,
+        "manifest_digest": man,
+    }

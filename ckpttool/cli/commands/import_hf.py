@@ -55,6 +55,17 @@ def import_command(
         ),
     ] = 1,
     overwrite: OverwriteOpt = False,
+    manifest: Annotated[
+        bool,
+        typer.Option(
+            "--manifest",
+            help="Also write OUT/manifest.json, every chunk digested as it is written, naming the source's identity.",
+        ),
+    ] = False,
+    hash_name: Annotated[
+        str,
+        typer.Option("--hash", metavar="ALGO", help="Digest of the manifest: xxh3-128, blake3 or blake2b-256."),
+    ] = "xxh3-128",
     json_output: JsonOpt = False,
 ) -> None:
     """Import a Hugging Face safetensors model as a DCP checkpoint (streaming, bit-exact, atomic)."""
@@ -63,7 +74,15 @@ def import_command(
     res = import_hf(
         hf_dir,
         out,
-        ImportOptions(schema=schema.value, adapter=adapter, config=config, world_size=world_size, overwrite=overwrite),
+        ImportOptions(
+            schema=schema.value,
+            adapter=adapter,
+            config=config,
+            world_size=world_size,
+            overwrite=overwrite,
+            manifest=manifest,
+            algorithm=hash_name,
+        ),
     )
     sink = Output(json_output)
     for w in res.warnings:
@@ -88,6 +107,7 @@ EPILOG = examples(
     "ckpttool import hf_model/ ckpt/",
     "ckpttool import hf_model/ ckpt/ --world-size 8",
     "ckpttool import hf_model/ titan/step-0 --schema torchtitan",
+    "ckpttool import hf_model/ ckpt/ --world-size 4 --manifest",
 )
 
 

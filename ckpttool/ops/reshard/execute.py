@@ -23,7 +23,6 @@ The source checkpoint is only read.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -36,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import NotRegularFileError, OutputError, ReshardError, SizeLimitError
+from ckpttool.errors import NotRegularFileError, ReshardError, SizeLimitError
 from ckpttool.format import limits
 from ckpttool.format.atomic import signals_deferred
 from ckpttool.format.digest import DEFAULT_ALGORITHM
@@ -54,7 +53,7 @@ from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.layout_record import SIDECAR_NAME
 from ckpttool.ops import distributed
-from ckpttool.ops.manifest import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, source_identity
+from ckpttool.ops.manifest import MANIFEST_NAME, source_identity, write_output_manifest
 from ckpttool.ops.reshard.plan import ReshardPlan, TensorPlan, origin_world, plan_reshard
 
 if TYPE_CHECKING:
@@ -602,24 +601,7 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
 
 
 def _write_output_manifest(writer: DCPWriter, out: Path, algorithm: str, identity: dict[str, Any]) -> None:
-    """``manifest.json`` of the written output from the digests taken as it was written (no read)."""
-    md = writer.metadata_digest
-    doc = {
-        "format": MANIFEST_FORMAT,
-        "version": MANIFEST_VERSION,
-        "algorithm": algorithm,
-        "metadata": {"file": ".metadata", "size": md[1], "digest": md[0]} if md is not None else None,
-        "entries": writer.manifest_entries(),
-        "source": identity,
-    }
-    path = out / MANIFEST_NAME
-    try:
-        with open(path, "wb") as f:
-            f.write((json.dumps(doc, separators=(",", ":")) + "\n").encode())
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        raise OutputError(f"{path}: cannot write the manifest ({e.strerror})", path=path) from e
+    write_output_manifest(writer, out, algorithm, identity)
 
 
 def _extra_state_warnings(cat: Catalog, extra: list[str], src_world: int, world: int) -> list[str]:

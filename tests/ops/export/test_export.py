@@ -79,7 +79,14 @@ def read_export(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(set(index["weight_map"].values())):
         with safe_open(str(out / name), "pt") as f:
-            assert f.metadata() == {"format": "pt"}
+            meta = f.metadata()
+            assert set(meta) == {"format", "ckpttool.source"} and meta["format"] == "pt"
+            assert set(json.loads(meta["ckpttool.source"])) == {
+                "algorithm",
+                "metadata_digest",
+                "metadata_size",
+                "manifest_digest",
+            }
             for k in f.keys():
                 assert index["weight_map"][k] == name
                 tensors[k] = f.get_tensor(k)

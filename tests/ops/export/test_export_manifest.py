@@ -115,3 +115,30 @@ def test_a_changed_byte_and_a_dropped_tensor_are_named(llama_ckpt: Path, tmp_pat
     other.write_text(json.dumps(raw))
     res = runner.invoke(app, ["manifest", str(out), "--verify", "--output", str(other)])
     assert res.exit_code == 1 and "extra" in res.stdout and e.key in res.stdout
+
+
+def test_import_of_an_export_traces_back_through_its_manifest(llama_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    """DCP -> export --manifest -> import --manifest: the import names the export's manifest; dcp.load reads it."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckpttool.format import CheckpointReader
+    from ckpttool.ops.manifest import build_manifest
+
+    hf = tmp_path / "hf"
+    export(llama_ckpt, hf, "--manifest")
+    out = tmp_path / "ckpt"
+    res = runner.invoke(app, ["import", str(hf), str(out), "--world-size", "2", "--manifest", "--json"])
+    assert res.exit_code == 0, res.stderr
+    ident = json.loads(res.stdout)["source_identity"]
+    assert ident["manifest_digest"] == digest_bytes((hf / "manifest.json").read_bytes(), ident["algorithm"])
+    written = load_manifest(out / "manifest.json")
+    assert written.source == ident
+    with CheckpointReader(out) as r:
+        read = build_manifest(r, written.algorithm, covers="record")
+        ours = {k: r.read_tensor(k) for k in r.metadata.entries if k.startswith("model.")}
+    assert [e.to_dict() for e in written.entries] == [e.to_dict() for e in read.entries]
+    assert (written.metadata_digest, written.metadata_size) == (read.metadata_digest, read.metadata_size)
+    assert runner.invoke(app, ["manifest", str(out), "--verify"]).exit_code == 0
+    sd = {k: torch.zeros_like(v) for k, v in ours.items()}
+    dcp.load(sd, checkpoint_id=str(out), no_dist=True)
+    assert all(torch.equal(sd[k], ours[k]) for k in ours)
