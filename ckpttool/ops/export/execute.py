@@ -360,12 +360,14 @@ class _Executor:
         assert span is not None, "direct tasks have contiguous chunks"
         at = span[0] * DTYPE_ITEMSIZE[task.selected.source.dtype]
         h = writer.new_hasher() if writer.digest is not None else None
-        if self.reader.copy_chunk_to_file(
-            task.source_key, chunk, writer.fd, writer.offset(name) + at, sink=h.update if h is not None else None
-        ):
-            if h is not None:
+        dest = writer.offset(name) + at
+        if h is None:
+            copied = self.reader.copy_chunk_to_file(task.source_key, chunk, writer.fd, dest)
+        else:  # digested as the bytes pass the bounce buffer
+            copied = self.reader.copy_chunk_to_file(task.source_key, chunk, writer.fd, dest, sink=h.update)
+            if copied:
                 writer.note(name, at, chunk.numel * DTYPE_ITEMSIZE[task.selected.source.dtype], h.hexdigest())
-        else:
+        if not copied:
             writer.write(name, _tensor_bytes(self.reader.read_chunk(task.source_key, chunk)), at)
 
     def _stream_chunk(

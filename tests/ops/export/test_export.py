@@ -162,8 +162,8 @@ def test_fsdp_chunks_are_each_read_once(fsdp_ckpt: Path, tmp_path: Path) -> None
             self._count(fqn, chunk)
             return super().read_chunk(fqn, chunk, out=out)
 
-        def copy_chunk_to_file(self, fqn, chunk, out_fd, out_offset):  # type: ignore[no-untyped-def]
-            done = super().copy_chunk_to_file(fqn, chunk, out_fd, out_offset)
+        def copy_chunk_to_file(self, fqn, chunk, out_fd, out_offset, **kw):  # type: ignore[no-untyped-def]
+            done = super().copy_chunk_to_file(fqn, chunk, out_fd, out_offset, **kw)
             if done:  # False: nothing read, the caller falls back to read_chunk
                 self._count(fqn, chunk)
             return done
