@@ -366,7 +366,9 @@ def source_identity(reader: CheckpointReader, algorithm: str = DEFAULT_ALGORITHM
 
     ``{"checkpoint": path, "algorithm": ..., "metadata_digest": <digest of .metadata>,
     "metadata_size": bytes, "manifest_digest": <digest of its manifest.json> | null}``: the
-    ``.metadata`` digest equals the ``metadata.digest`` of ``ckpttool manifest`` of the source,
+    ``.metadata`` digest equals the ``metadata.digest`` of ``ckpttool manifest`` of the source
+    (a ``HuggingFaceStorageWriter`` checkpoint without ``.metadata``: the digest of its files'
+    headers, as :func:`safetensors_source_identity`),
     the manifest digest that of the source's ``manifest.json`` file (``null`` when it has none).
     Reads ``.metadata`` and ``manifest.json`` only (both small), never a data file. Outputs
     record it without ``checkpoint`` (content only: the same source exported or resharded from
@@ -380,8 +382,17 @@ def source_identity(reader: CheckpointReader, algorithm: str = DEFAULT_ALGORITHM
     md: str | None = None
     size: int | None = None
     if not reader.parts:  # a model/optimizer pair has two: named by neither alone
-        data = reader.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
-        md, size = digest_bytes(data, algorithm), len(data)
+        try:
+            data = reader.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
+            md, size = digest_bytes(data, algorithm), len(data)
+        except DataFileError:
+            if reader.metadata.serialization != "safetensors" or reader.remote is not None:
+                raise
+            # HuggingFaceStorageWriter output without .metadata: its headers play that part
+            from ckpttool.format.hf_storage import hf_storage_files
+
+            headers = safetensors_source_identity(Path(reader.path), hf_storage_files(Path(reader.path)), algorithm)
+            md, size = headers["metadata_digest"], headers["metadata_size"]
     man: str | None = None
     try:
         man = manifest_digest(
