@@ -187,6 +187,7 @@ class ManifestResult:
     digest: str
     metadata_digest: str | None
     warnings: list[str] = field(default_factory=list)
+    covers: str = "window"
 
     @property
     def gb_per_s(self) -> float:
@@ -204,6 +205,7 @@ class ManifestResult:
             "gb_per_s": round(self.gb_per_s, 3),
             "digest": self.digest,
             "metadata_digest": self.metadata_digest,
+            "covers": self.covers,
             "warnings": list(self.warnings),
         }
 
@@ -488,6 +490,7 @@ def write_manifest(
             seconds,
             manifest_digest(data, algorithm),
             man.metadata_digest,
+            covers=covers,
         )
 
 
