@@ -773,7 +773,7 @@ def verify_safetensors_manifest(directory: str | os.PathLike[str], manifest: Man
                     )
                 )
             tensors = {k: v for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
-            covered: dict[str, int] = {}
+            spans: dict[str, list[tuple[int, int]]] = {}
             for e in by_file.get(name, []):
                 t = tensors.get(e.key)
                 if t is None:
@@ -794,21 +794,32 @@ def verify_safetensors_manifest(directory: str | os.PathLike[str], manifest: Man
                             f"differ from the manifest ({manifest.algorithm} {digest[:16]}..., manifest {e.digest[:16]}...)",
                         )
                     )
-                covered[e.key] = covered.get(e.key, 0) + e.length
+                spans.setdefault(e.key, []).append((e.offset, e.length))
             for key, t in tensors.items():
                 offs = t.get("data_offsets")
-                nbytes = offs[1] - offs[0] if isinstance(offs, list) and len(offs) == 2 else -1
-                if key not in covered and nbytes > 0:
-                    problems.append(
-                        ManifestProblem("extra", key, None, f"{key!r} in {name}: stored but not in the manifest")
-                    )
-                elif key in covered and covered[key] != nbytes:
+                if isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs):
+                    begin, nbytes = data_start + offs[0], offs[1] - offs[0]
+                else:
+                    begin, nbytes = 0, -1
+                if key not in spans:
+                    if nbytes > 0:
+                        problems.append(
+                            ManifestProblem("extra", key, None, f"{key!r} in {name}: stored but not in the manifest")
+                        )
+                    continue
+                at = begin  # the extents must tile [begin, begin + nbytes) exactly: no gap, no overlap
+                for off, length in sorted(spans[key]):
+                    if off != at:
+                        at = -1
+                        break
+                    at += length
+                if at != begin + nbytes:
                     problems.append(
                         ManifestProblem(
                             "changed",
                             key,
                             None,
-                            f"{key!r} in {name}: the manifest covers {covered[key]} of its {nbytes} bytes",
+                            f"{key!r} in {name}: the manifest's extents do not tile its {nbytes} bytes",
                         )
                     )
         finally:

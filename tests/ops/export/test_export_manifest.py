@@ -142,3 +142,19 @@ def test_import_of_an_export_traces_back_through_its_manifest(llama_ckpt: Path, 
     sd = {k: torch.zeros_like(v) for k, v in ours.items()}
     dcp.load(sd, checkpoint_id=str(out), no_dist=True)
     assert all(torch.equal(sd[k], ours[k]) for k in ours)
+
+
+def test_extents_with_a_gap_are_refused_even_when_their_lengths_add_up(llama_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    out = tmp_path / "hf"
+    export(llama_ckpt, out, "--manifest", "--shard-size", "20KB")
+    raw = json.loads((out / "manifest.json").read_text())
+    e = max(raw["entries"], key=lambda x: x["length"])
+    half = e["length"] // 2
+    # two extents of the same bytes: [0, half) twice stands in for the whole tensor (a gap at the end)
+    twin = {**e, "offsets": [half], "offset": e["offset"], "length": e["length"] - half, "sizes": [e["length"] - half]}
+    e.update(length=half, sizes=[half])
+    raw["entries"].append(twin)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(raw))
+    res = runner.invoke(app, ["manifest", str(out), "--verify", "--output", str(bad)])
+    assert res.exit_code == 1 and "do not tile" in res.stdout
