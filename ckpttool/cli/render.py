@@ -704,6 +704,16 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
         )
     else:
         con.print("layout      none (unversioned)")
+    if ov.derived_from is not None:
+        src = ov.derived_from
+        con.print(
+            f"made from   a checkpoint with .metadata {src.get('algorithm')} {src.get('metadata_digest')}, "
+            + (
+                f"manifest {src['manifest_digest']}"
+                if src.get("manifest_digest")
+                else "no manifest (run `ckpttool manifest` on a source to record one)"
+            )
+        )
     for e in ov.extra_state:
         con.print(
             f"extra state {e.path} ({human_bytes(e.size)}, rank {fmt_value(e.rank)}): {e.status}"

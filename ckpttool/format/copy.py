@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 
 __all__ = ["BOUNCE_BYTES", "bounce_buffer", "copy_range"]
 
@@ -50,6 +51,7 @@ def copy_range(
     length: int,
     *,
     crc_span: tuple[int, int] | None = None,
+    sink: tuple[int, int, Callable[[memoryview], object]] | None = None,
 ) -> int | None:
     """Copy ``length`` bytes at ``src_offset`` of ``src_fd`` to ``dst_offset`` of ``dst_fd``.
 
@@ -58,6 +60,8 @@ def copy_range(
         src_offset, dst_offset, length: in bytes.
         crc_span: ``(start, end)`` relative to ``src_offset``: compute the CRC-32 of those bytes
             as they pass through the buffer (still in the CPU cache: no second read).
+        sink: ``(start, end, fn)``: ``fn`` is called, in order, with every piece of those bytes
+            (relative to ``src_offset``) as it passes (a digest's ``update``: same pass, no second read).
 
     Returns:
         The CRC-32 of ``crc_span`` (``None`` without one).
@@ -73,6 +77,7 @@ def copy_range(
     done = 0
     crc = 0
     lo, hi = crc_span if crc_span is not None else (0, 0)
+    s_lo, s_hi, fn = sink if sink is not None else (0, 0, None)
     while done < length:
         want = min(BOUNCE_BYTES, length - done)
         got = os.preadv(src_fd, [buf[:want]], src_offset + done)
@@ -82,6 +87,10 @@ def copy_range(
             a, b = max(lo, done), min(hi, done + got)
             if a < b:
                 crc = crc32(buf[a - done : b - done], crc)
+        if fn is not None:
+            a, b = max(s_lo, done), min(s_hi, done + got)
+            if a < b:
+                fn(buf[a - done : b - done])
         written = 0
         while written < got:
             written += os.pwrite(dst_fd, buf[written:got], dst_offset + done + written)

@@ -18,6 +18,7 @@ import io
 import math
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -224,12 +225,21 @@ class CheckpointReader(CheckpointDir):
             return out
         return t
 
-    def copy_chunk_to_file(self, fqn: str, chunk: ChunkMeta, out_fd: int, out_offset: int) -> bool:
+    def copy_chunk_to_file(
+        self,
+        fqn: str,
+        chunk: ChunkMeta,
+        out_fd: int,
+        out_offset: int,
+        *,
+        sink: Callable[[memoryview], object] | None = None,
+    ) -> bool:
         """Copy one chunk's raw bytes into another file (torch-free).
 
         The chunk is located and checked (:meth:`locate`) and, when its record holds exactly
         its values in C order, copied from the data file to ``out_fd`` at ``out_offset``
-        through a cache-sized bounce buffer (:func:`ckpttool.format.copy.copy_range`).
+        through a cache-sized bounce buffer (:func:`ckpttool.format.copy.copy_range`); ``sink``
+        (a digest's ``update``) sees the copied bytes in order as they pass.
 
         Returns:
             ``True`` when copied; ``False`` when nothing was copied because the chunk
@@ -250,6 +260,7 @@ class CheckpointReader(CheckpointDir):
                 out_offset,
                 loc.nbytes,
                 crc_span=(0, loc.nbytes) if self.verify_crc else None,
+                sink=(0, loc.nbytes, sink) if sink is not None else None,
             )
         except EOFError:
             raise DataFileError(

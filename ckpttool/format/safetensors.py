@@ -25,6 +25,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ckpttool.errors import ExportError, OutputError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE
@@ -155,6 +156,9 @@ class ShardWriter:
         entries: its tensors (see :func:`build_header`).
         metadata: ``__metadata__`` (default ``{"format": "pt"}``).
         display: the path named in errors (the file's final place, not the temporary directory).
+        digest: a digest algorithm (:mod:`ckpttool.format.digest`): every write is digested as it
+            is made (:attr:`extents`: ``(name, byte offset in the tensor, file offset, length, digest)``), and the
+            header (:attr:`header_digest`), so the file's manifest needs no second read.
 
     Raises:
         OutputError: the file cannot be created or the disk has no room for it.
@@ -168,8 +172,19 @@ class ShardWriter:
         metadata: dict[str, str] | None = None,
         *,
         display: Path | None = None,
+        digest: str | None = None,
     ) -> None:
+        import threading
+
         prefix, placed = build_header(entries, metadata)
+        self.digest = digest
+        self.extents: list[tuple[str, int, int, int, str]] = []
+        self._lock = threading.Lock()
+        self.header_digest: str | None = None
+        if digest is not None:
+            from ckpttool.format.digest import digest_bytes
+
+            self.header_digest = digest_bytes(prefix, digest)
         self.path = path
         self.entries = {e.name: e for e in placed}
         self.data_start = len(prefix)
@@ -203,6 +218,24 @@ class ShardWriter:
         e = self.entries[name]
         assert at + len(data) <= e.nbytes, f"{name}: write past the tensor's end"
         self._pwrite_all(data, self.data_start + e.begin + at)
+        if self.digest is not None:
+            h = self.new_hasher()
+            h.update(data.cast("B") if data.format != "B" else data)
+            self.note(name, at, data.nbytes, h.hexdigest())
+
+    def new_hasher(self) -> Any:
+        """A fresh hasher of :attr:`digest` (for bytes this writer does not pass itself, e.g. a file-to-file copy)."""
+        from ckpttool.format.digest import new_hasher
+
+        assert self.digest is not None
+        return new_hasher(self.digest)
+
+    def note(self, name: str, at: int, length: int, digest: str) -> None:
+        """Record the digest of ``length`` bytes written at byte ``at`` of tensor ``name`` (thread-safe)."""
+        if length:
+            start = self.data_start + self.entries[name].begin + at
+            with self._lock:
+                self.extents.append((name, at, start, length, digest))
 
     def read(self, name: str, dest: memoryview) -> None:
         """Read tensor ``name``'s bytes back into ``dest`` (exactly its size)."""

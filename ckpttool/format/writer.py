@@ -94,13 +94,21 @@ class DCPWriter:
         checkpoint_id: the final path recorded in ``storage_meta.checkpoint_id``.
         fsync: ``fsync`` every file before :meth:`finish` returns (as torch's
             ``FileSystemWriter(sync_files=True)``), so a renamed output survives a power loss.
+        digest: a digest algorithm (:mod:`ckpttool.format.digest`): digest every chunk's raw
+            storage record and every byte item's window as it is written (:attr:`digests`,
+            :meth:`manifest_entries`), the integrity manifest of the output without a second read.
 
     Thread safety: several threads may write concurrently as long as each target rank's
     file is written by one thread at a time (the per-rank worker model of ``reshard``).
     """
 
-    def __init__(self, directory: Path, checkpoint_id: Path, *, fsync: bool = True) -> None:
+    def __init__(self, directory: Path, checkpoint_id: Path, *, fsync: bool = True, digest: str | None = None) -> None:
         self.fsync = fsync
+        self.digest = digest
+        #: ``(key, chunk offsets | None) -> (covers, digest, crc32 hex | None)``, filled as the bytes pass
+        #: (``digest`` set): chunks digest their raw storage record, byte items their whole window.
+        self.digests: dict[tuple[str, tuple[int, ...] | None], tuple[str, str, str | None]] = {}
+        self.metadata_digest: tuple[str, int] | None = None
         self.directory = Path(directory)
         self.checkpoint_id = Path(checkpoint_id)
         self._files: dict[int, BinaryIO] = {}
@@ -171,6 +179,16 @@ class DCPWriter:
         with self._lock:
             self._items[key].chunks.append((chunk, info))
 
+    def _hasher(self) -> Any:
+        from ckpttool.format.digest import new_hasher
+
+        assert self.digest is not None
+        return new_hasher(self.digest)
+
+    def _note(self, key: str, offsets: tuple[int, ...] | None, covers: str, digest: str, crc: int | None) -> None:
+        with self._lock:
+            self.digests[(key, offsets)] = (covers, digest, f"{crc:08x}" if crc is not None else None)
+
     def write_chunk(self, key: str, chunk: ChunkMeta, rank: int, tensor: torch.Tensor) -> None:
         """Write ``tensor`` (shape ``chunk.sizes``, owning its storage) as a new ``torch.save`` archive."""
         import torch
@@ -184,6 +202,13 @@ class DCPWriter:
         end = f.tell()
         self._count(end - start)
         self._record_chunk(key, chunk, rank, start, end - start)
+        if self.digest is not None:  # the record is the tensor's bytes, still in memory
+            from ckpttool.format.crc import crc32
+
+            data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+            h = self._hasher()
+            h.update(data)
+            self._note(key, chunk.offsets, "record", h.hexdigest(), crc32(data, 0) if chunk.numel > 0 else None)
 
     def copy_archive(
         self,
@@ -194,6 +219,7 @@ class DCPWriter:
         info: StorageInfo,
         *,
         verify: ChunkLocation | None = None,
+        location: ChunkLocation | None = None,
     ) -> None:
         """Copy a stored archive (tensor chunk or byte item) verbatim from a source data file.
 
@@ -204,6 +230,8 @@ class DCPWriter:
             src_fd: an open descriptor of the source data file.
             info: the source storage info (``offset``/``length``; transforms are kept).
             verify: the chunk's location: check its stored record's CRC-32 as the bytes pass.
+            location: the chunk's location (its record's span and CRC-32 for :attr:`digests`);
+                without it a chunk's digest covers the whole window.
 
         Raises:
             ChecksumError: ``verify`` given and the record fails its CRC-32.
@@ -214,8 +242,18 @@ class DCPWriter:
         span = None
         if verify is not None and verify.in_file and not verify.record.deflated and verify.record.member is not None:
             span = (verify.record.data_offset, verify.record.data_offset + verify.record.compressed_size)
+        h = self._hasher() if self.digest is not None else None
+        covers, sink, rec_crc = "window", None, None
+        if h is not None:
+            loc = location or verify
+            sink = (0, info.length, h.update)
+            if chunk is not None and loc is not None and loc.in_file:
+                covers = "record"
+                r = loc.record
+                sink = (r.data_offset, r.data_offset + r.compressed_size, h.update) if r.member is not None else None
+                rec_crc = r.crc32 if r.member is not None and chunk.numel > 0 else None
         try:
-            crc = copy_range(src_fd, f.fileno(), info.offset, start, info.length, crc_span=span)
+            crc = copy_range(src_fd, f.fileno(), info.offset, start, info.length, crc_span=span, sink=sink)
             if verify is not None and crc is not None:
                 verify.check_crc(crc)
         except EOFError as e:
@@ -227,6 +265,8 @@ class DCPWriter:
             ) from None
         f.seek(start + info.length)
         self._count(info.length)
+        if h is not None:
+            self._note(key, chunk.offsets if chunk is not None else None, covers, h.hexdigest(), rec_crc)
         if chunk is None:
             self._items[key].byte_info = StorageInfo(
                 self.file_name(rank), start, info.length, info.transform_descriptors
@@ -249,10 +289,13 @@ class DCPWriter:
         """
         f = self._file(rank)
         start = f.tell()
-        write_tensor_archive(f, dtype, chunk.sizes, segments, bounce_buffer())
+        h = self._hasher() if self.digest is not None else None
+        crc = write_tensor_archive(f, dtype, chunk.sizes, segments, bounce_buffer(), sink=h.update if h else None)
         end = f.tell()
         self._count(end - start)
         self._record_chunk(key, chunk, rank, start, end - start)
+        if h is not None:
+            self._note(key, chunk.offsets, "record", h.hexdigest(), crc if chunk.numel > 0 else None)
 
     def _count(self, written: int) -> None:
         with self._lock:
@@ -274,23 +317,29 @@ class DCPWriter:
             self._planner[key] = plain_path(planner_path)
         f = self._file(rank)
         start = f.tell()
-        f.write(torch_save_bytes(obj))
+        data = torch_save_bytes(obj)
+        f.write(data)
         end = f.tell()
+        if self.digest is not None:
+            h = self._hasher()
+            h.update(data)
+            self._note(key, None, "window", h.hexdigest(), None)
         self._count(end - start)
         self._items[key].byte_info = StorageInfo(self.file_name(rank), start, end - start)
 
     # ------------------------------------------------------------------ several writers, one .metadata
-    def records(self) -> tuple[dict[str, WrittenItem], dict[str, tuple[Any, ...]], int]:
+    def records(self) -> tuple[dict[str, WrittenItem], dict[str, tuple[Any, ...]], int, dict[Any, Any]]:
         """What this writer wrote (items, planner paths, bytes), for :meth:`merge` into the writer that finishes.
 
         A distributed run has one writer per process, each writing its own data files; the
         one that writes ``.metadata`` merges the others' records first.
         """
-        return dict(self._items), dict(self._planner), self.bytes_written
+        return dict(self._items), dict(self._planner), self.bytes_written, dict(self.digests)
 
-    def merge(self, records: tuple[dict[str, WrittenItem], dict[str, tuple[Any, ...]], int]) -> None:
-        """Add another writer's :meth:`records` (chunks of the same declared tensors, its byte items)."""
-        items, planner, nbytes = records
+    def merge(self, records: tuple[dict[str, WrittenItem], dict[str, tuple[Any, ...]], int, dict[Any, Any]]) -> None:
+        """Add another writer's :meth:`records` (chunks of the same declared tensors, its byte items, digests)."""
+        items, planner, nbytes, digests = records
+        self.digests.update(digests)
         for key, item in items.items():
             mine = self._items.get(key)
             if mine is None:
@@ -301,6 +350,38 @@ class DCPWriter:
                 mine.byte_info = item.byte_info
         self._planner.update(planner)
         self.bytes_written += nbytes
+
+    def manifest_entries(self) -> list[dict[str, Any]]:
+        """The manifest entries (``ckpttool.manifest`` version 2, ``docs/diff.md``) of what was written.
+
+        Chunks in ``.metadata`` order (key, then offsets, as :meth:`finish` writes them), each
+        with the digest of its raw storage record (``covers: record``); byte items with the
+        digest of their window. Only after :meth:`finish`, on a writer made with ``digest``.
+        """
+        out: list[dict[str, Any]] = []
+        for key, item in self._items.items():
+            if item.dtype is None:
+                assert item.byte_info is not None
+                pairs: list[tuple[ChunkMeta | None, StorageInfo]] = [(None, item.byte_info)]
+            else:
+                pairs = [(c, i) for c, i in sorted(item.chunks, key=lambda ci: ci[0].offsets)]
+            for c, info in pairs:
+                offs = c.offsets if c is not None else None
+                covers, digest, crc = self.digests[(key, offs)]
+                out.append(
+                    {
+                        "key": key,
+                        "offsets": list(offs) if offs is not None else None,
+                        "sizes": list(c.sizes) if c is not None else None,
+                        "file": info.relative_path,
+                        "offset": info.offset,
+                        "length": info.length,
+                        "crc32": crc,
+                        "covers": covers,
+                        "digest": digest,
+                    }
+                )
+        return out
 
     # ------------------------------------------------------------------ metadata
     def finish(self) -> None:
@@ -356,9 +437,16 @@ class DCPWriter:
             },
         )
         path = self.directory / ".metadata"
+        buf = io.BytesIO()
+        _MetadataPickler(buf, protocol=4).dump(md)
+        data = buf.getvalue()
+        if self.digest is not None:
+            from ckpttool.format.digest import digest_bytes
+
+            self.metadata_digest = (digest_bytes(data, self.digest), len(data))
         try:
             with open(path, "wb") as f:
-                _MetadataPickler(f, protocol=4).dump(md)
+                f.write(data)
                 f.flush()
                 if self.fsync:
                     os.fsync(f.fileno())
@@ -627,8 +715,11 @@ def _stream_record(
     info: zipfile.ZipInfo,
     segments: list[tuple[int, int, int]],
     buf: memoryview,
+    sink: Callable[[memoryview], object] | None = None,
 ) -> None:
     """Write the stored record ``info`` whose data is the concatenation of ``segments``, by ``pread`` / ``pwrite``.
+
+    ``sink`` (a digest's ``update``) is called with the record's bytes, in order, as they are written.
 
     ``zipfile``'s own record writer (``ZipFile.open(info, "w")``) costs two extra passes over
     the data: zlib's CRC-32 (~2.5 GB/s) and a copy through the buffered file object. Here
@@ -682,6 +773,8 @@ def _stream_record(
             if got <= 0:
                 raise OSError(f"short read at offset {offset + done}")
             crc = crc32(buf[:got], crc)
+            if sink is not None:
+                sink(buf[:got])
             put(buf[:got], pos)
             pos += got
             done += got
@@ -696,8 +789,14 @@ def _stream_record(
 
 
 def write_tensor_archive(
-    f: BinaryIO, dtype: DType, sizes: tuple[int, ...], segments: list[tuple[int, int, int]], buf: memoryview
-) -> None:
+    f: BinaryIO,
+    dtype: DType,
+    sizes: tuple[int, ...],
+    segments: list[tuple[int, int, int]],
+    buf: memoryview,
+    *,
+    sink: Callable[[memoryview], object] | None = None,
+) -> int:
     """Append a ``torch.save`` archive of a tensor whose storage bytes are read from ``segments``.
 
     Members and order as ``torch.save`` writes them; records 64-byte aligned; CRC-32 computed
@@ -708,6 +807,10 @@ def write_tensor_archive(
         dtype, sizes: the tensor.
         segments: ``(fd, offset, length)`` read in order with ``os.preadv``.
         buf: a reusable read buffer.
+        sink: called with the storage record's bytes, in order, as they are written (a digest's ``update``).
+
+    Returns:
+        The CRC-32 of the storage record (as its zip entry holds it).
 
     Raises:
         OSError: a short read (the source file changed under us).
@@ -723,9 +826,11 @@ def write_tensor_archive(
         small("archive/.format_version", b"1")
         small("archive/.storage_alignment", str(_ALIGN).encode())
         small("archive/byteorder", b"little")
-        _stream_record(zf, window, f, _aligned_info(zf, "archive/data/0", nbytes), segments, buf)
+        info = _aligned_info(zf, "archive/data/0", nbytes)
+        _stream_record(zf, window, f, info, segments, buf, sink)
         small("archive/version", b"3\n")
         small("archive/.data/serialization_id", str(uuid.uuid4().int).zfill(40)[:40].encode())
+    return int(info.CRC)
 
 
 def torch_save_bytes(obj: Any) -> bytes:

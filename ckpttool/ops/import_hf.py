@@ -65,6 +65,9 @@ class ImportOptions:
         overwrite: replace an existing output.
         fsync: ``fsync`` the data files and ``.metadata`` before the output is moved into place
             (survives a power loss; ~0.2-0.3 s per GB on the development machine, docs/performance.md).
+        manifest: write the output's ``manifest.json`` (every record digested as it is written,
+            ``docs/diff.md``), with the source directory's identity (its headers' and manifest's digests).
+        algorithm: the digest algorithm of the manifest.
     """
 
     schema: str = "torch-native"
@@ -75,6 +78,8 @@ class ImportOptions:
     ep_fsdp_size: int | None = None
     overwrite: bool = False
     fsync: bool = True
+    manifest: bool = False
+    algorithm: str = "xxh3-128"
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,8 @@ class ImportResult:
     ep_size: int | None = None
     ep_fsdp_size: int | None = None
     ep_tensors: int = 0
+    source_identity: dict[str, Any] | None = None
+    manifest: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -114,6 +121,8 @@ class ImportResult:
             "files": self.files,
             "skipped": {k: {"count": len(v), "keys": v} for k, v in self.skipped.items()},
             "warnings": self.warnings,
+            "source_identity": self.source_identity,
+            "manifest": self.manifest,
         }
 
 
@@ -448,9 +457,19 @@ def _import_plain(
                 for f, _, _ in row:
                     if f not in fds:
                         fds[f] = open_regular(resolve_inside(src_dir, f, what="safetensors file"))
+        identity = None
+        if opts.manifest:
+            from ckpttool.ops.manifest import safetensors_source_identity
+
+            identity = safetensors_source_identity(src_dir, sorted({s.file for s in sources.values()}), opts.algorithm)
         dst = output_location(out)
         with output_dir(dst, overwrite=opts.overwrite, source=src_dir) as tmp:
-            with DCPWriter(tmp, dst if is_url(dst) else Path(os.path.abspath(dst)), fsync=opts.fsync) as w:
+            with DCPWriter(
+                tmp,
+                dst if is_url(dst) else Path(os.path.abspath(dst)),
+                fsync=opts.fsync,
+                digest=opts.algorithm if opts.manifest else None,
+            ) as w:
                 w.ensure_files(range(opts.world_size))
                 for n in natives:
                     dt = DType(n.dtype)
@@ -473,6 +492,10 @@ def _import_plain(
                     record = make_record(2, ep[0], ep[1], ep_specs, optimizer={})
                     w.write_object(LAYOUT_KEY, 0, json.dumps(record, sort_keys=True), (LAYOUT_KEY,))
                 w.finish()
+            if opts.manifest:
+                from ckpttool.ops.manifest import write_output_manifest
+
+                write_output_manifest(w, tmp, opts.algorithm, identity)
             for p in sorted(tmp.iterdir()):
                 files_info.append({"name": p.name, "bytes": p.stat().st_size})
     finally:
@@ -493,4 +516,6 @@ def _import_plain(
         ep_size=ep[0] if ep is not None else None,
         ep_fsdp_size=ep[1] if ep is not None else None,
         ep_tensors=len(ep_specs),
+        source_identity=identity,
+        manifest="manifest.json" if opts.manifest else None,
     )

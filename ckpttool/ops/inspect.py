@@ -259,6 +259,7 @@ class InspectResult:
     non_persistent_buffers: tuple[str, ...] = ()
     serialization: str = "torch_save"
     storage: dict[str, Any] | None = None
+    derived_from: dict[str, Any] | None = None
     model_adapter: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -288,6 +289,7 @@ class InspectResult:
         d["non_persistent_buffers"] = list(self.non_persistent_buffers)
         if self.storage is not None:
             d["storage"] = dict(self.storage)
+        d["derived_from"] = dict(self.derived_from) if self.derived_from is not None else None
         d["model_adapter"] = self.model_adapter
         return d
 
@@ -391,6 +393,42 @@ def _extra_state_row(st: ExtraState) -> ExtraStateRow:
         return ExtraStateRow(f.relative_path, f.size, f.rank, "ok", st.keys, st.global_step)
     status = "needs --trust-pickle" if isinstance(st.error, TrustRequiredError) else f"unreadable: {st.error}"
     return ExtraStateRow(f.relative_path, f.size, f.rank, status)
+
+
+_IDENTITY_FIELDS: dict[str, type] = {
+    "checkpoint": str,
+    "algorithm": str,
+    "metadata_digest": str,
+    "metadata_size": int,
+    "manifest_digest": str,
+}
+
+
+def source_identity_of(raw: Any) -> dict[str, Any] | None:
+    """A recorded source identity (``converted_from.source``), kept only when well formed (untrusted input).
+
+    Known fields of the right type (strings capped at 4096 characters); ``None`` for anything else.
+    """
+    if not isinstance(raw, dict):
+        return None
+    out: dict[str, Any] = {}
+    for name, kind in _IDENTITY_FIELDS.items():
+        v = raw.get(name)
+        if v is None or (isinstance(v, kind) and not isinstance(v, bool) and len(str(v)) <= 4096):
+            out[name] = v
+        else:
+            return None
+    return out
+
+
+def _derived_from(ckpt: Checkpoint) -> dict[str, Any] | None:
+    """The checkpoint this one was made from, as its layout record names it (``reshard`` outputs)."""
+    resolved = ckpt.layout
+    rec = resolved.record if resolved is not None else None
+    if rec is None:
+        return None
+    cf = rec.raw.get("converted_from")
+    return source_identity_of(cf.get("source")) if isinstance(cf, dict) else None
 
 
 def _layout_section(ckpt: Checkpoint) -> LayoutSummary | None:
@@ -553,6 +591,7 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         non_persistent_buffers=tuple(cat.non_persistent_buffers()),
         serialization=ckpt.metadata.serialization,
         storage=_storage_stats(ckpt),
+        derived_from=_derived_from(ckpt),
     )
 
 

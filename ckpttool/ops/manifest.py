@@ -1,11 +1,11 @@
 """Integrity manifests: a digest of every stored chunk, written beside a checkpoint and verified later.
 
-``manifest.json`` (format ``ckpttool.manifest``, version 1; ``docs/diff.md``)::
+``manifest.json`` (format ``ckpttool.manifest``, version 2; ``docs/diff.md``)::
 
-    {"format": "ckpttool.manifest", "version": 1, "algorithm": "xxh3-128",
+    {"format": "ckpttool.manifest", "version": 2, "algorithm": "xxh3-128",
      "metadata": {"file": ".metadata", "size": 5211, "digest": "9f0c..."},
      "entries": [{"key": "model.w", "offsets": [0, 0], "sizes": [4, 8], "file": "__0_0.distcp",
-                  "offset": 0, "length": 1577, "crc32": "3b8d2a1f", "digest": "0a41..."},
+                  "offset": 0, "length": 1577, "crc32": "3b8d2a1f", "covers": "window", "digest": "0a41..."},
                  {"key": "optimizer.param_groups.0.lr", "offsets": null, ...}],
      "source": {...}}
 
@@ -13,7 +13,16 @@ Every chunk of every tensor and every byte item has one entry: its key, the chun
 ``offsets``/``sizes`` in the global tensor (``null`` for a byte item), its storage window
 (``file``, ``offset``, ``length``: the bytes torch's reader hands to ``torch.load``), the
 CRC-32 its zip entry holds for the raw storage record (``null`` for safetensors storage and
-byte items) and the digest (:mod:`ckpttool.format.digest`) of the whole window as stored.
+byte items) and the digest (:mod:`ckpttool.format.digest`) of what ``covers`` names:
+
+- ``window``: the whole window as stored (what ``ckpttool manifest`` writes by default; every
+  version-1 entry, which has no ``covers`` field, is one);
+- ``record``: the chunk's raw storage record only (the ``compressed_size`` bytes at the
+  record's ``data_offset`` in the window; the empty string for an empty storage). This is the
+  digest ``reshard --manifest`` computes while it writes: the record's bytes pass through the
+  copy in order, the archive's headers (filled in by the zip writer after the data) do not.
+  A record digest proves the values; a damaged zip header is caught by the chunk locator.
+
 ``source`` (optional) names the checkpoint an output was made from (export, reshard).
 
 A manifest read back is untrusted input: size-capped before reading
@@ -51,10 +60,22 @@ __all__ = [
     "load_manifest",
     "verify_manifest",
     "manifest_digest",
+    "source_identity",
+    "record_span",
+    "SOURCE_METADATA_KEY",
+    "safetensors_manifest",
+    "verify_safetensors_manifest",
+    "ManifestCheck",
+    "check_against_manifest",
+    "write_output_manifest",
+    "safetensors_source_identity",
 ]
 
 MANIFEST_FORMAT = "ckpttool.manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+COVERS = ("window", "record")
+#: safetensors ``__metadata__`` key holding the source identity (a JSON string) of an export.
+SOURCE_METADATA_KEY = "ckpttool.source"
 MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"
 _BLOCK = 1 << 20  # cache-sized: faster here than 8 MiB (bench/bench_diff.py)
@@ -73,6 +94,7 @@ class ManifestEntry:
     length: int
     crc32: str | None
     digest: str
+    covers: str = "window"
 
     @property
     def ident(self) -> tuple[str, tuple[int, ...] | None]:
@@ -90,6 +112,7 @@ class ManifestEntry:
             "offset": self.offset,
             "length": self.length,
             "crc32": self.crc32,
+            "covers": self.covers,
             "digest": self.digest,
         }
 
@@ -103,11 +126,15 @@ class Manifest:
     metadata_digest: str | None = None
     metadata_size: int | None = None
     source: dict[str, Any] | None = None
+    kind: str = "dcp"
+    #: kind ``safetensors``: ``{"file", "header_length", "header_digest"}`` per output file.
+    files: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "format": MANIFEST_FORMAT,
             "version": MANIFEST_VERSION,
+            "kind": self.kind,
             "algorithm": self.algorithm,
             "metadata": (
                 {"file": METADATA_NAME, "size": self.metadata_size, "digest": self.metadata_digest}
@@ -116,6 +143,8 @@ class Manifest:
             ),
             "entries": [e.to_dict() for e in self.entries],
         }
+        if self.kind == "safetensors":
+            out["files"] = [dict(f) for f in self.files]
         if self.source is not None:
             out["source"] = self.source
         return out
@@ -158,6 +187,7 @@ class ManifestResult:
     digest: str
     metadata_digest: str | None
     warnings: list[str] = field(default_factory=list)
+    covers: str = "window"
 
     @property
     def gb_per_s(self) -> float:
@@ -175,6 +205,7 @@ class ManifestResult:
             "gb_per_s": round(self.gb_per_s, 3),
             "digest": self.digest,
             "metadata_digest": self.metadata_digest,
+            "covers": self.covers,
             "warnings": list(self.warnings),
         }
 
@@ -190,24 +221,64 @@ def _check_algorithm(algorithm: str) -> None:
 
 def _hash_window(reader: CheckpointReader, info: StorageInfo, fqn: str, algorithm: str, buf: memoryview) -> str:
     """Digest of ``[offset, offset+length)`` of ``info``'s data file, read in blocks."""
+    return _hash_range(reader, info.relative_path, info.offset, info.length, fqn, algorithm, buf)
+
+
+def _hash_range(
+    reader: CheckpointReader, rel: str, offset: int, length: int, fqn: str, algorithm: str, buf: memoryview
+) -> str:
     h = new_hasher(algorithm)
-    fd = reader.fd(info.relative_path)
+    fd = reader.fd(rel)
     done = 0
     from ckpttool.errors import DataFileError
 
-    while done < info.length:
-        want = min(len(buf), info.length - done)
-        got = os.preadv(fd, [buf[:want]], info.offset + done)
+    while done < length:
+        want = min(len(buf), length - done)
+        got = os.preadv(fd, [buf[:want]], offset + done)
         if got <= 0:
             raise DataFileError(
-                f"{reader.path / info.relative_path}: short read of {fqn!r} (the file ends inside its window)",
-                path=info.relative_path,
+                f"{reader.path / rel}: short read of {fqn!r} (the file ends inside its window)",
+                path=rel,
                 fqn=fqn,
             )
         h.update(buf[:got])
         done += got
     reader.count_read(done)
     return h.hexdigest()
+
+
+def record_span(reader: CheckpointReader, key: str, chunk: ChunkMeta) -> tuple[int, int] | None:
+    """``(start, length)`` of a chunk's raw storage record in its data file (``None``: not in the file as is).
+
+    ``None`` for a chunk behind a stream transform (its archive is decoded, not stored) or
+    in safetensors storage (the window is the record). A storage without a record (zero
+    elements) is ``(window start, 0)``.
+
+    Raises:
+        the chunk locator's errors for a damaged archive.
+    """
+    if reader.metadata.serialization == "safetensors":
+        return None
+    info = reader.storage_info(key, chunk)
+    loc = reader.locate(key, chunk)
+    if not loc.in_file:
+        return None
+    rec = loc.record
+    if rec.member is None:
+        return (info.offset, 0)
+    return (info.offset + rec.data_offset, rec.compressed_size)
+
+
+def _hash_entry(
+    reader: CheckpointReader, key: str, chunk: ChunkMeta | None, covers: str, algorithm: str, buf: memoryview
+) -> tuple[str, str]:
+    """``(covers, digest)`` of one entry; ``record`` falls back to ``window`` where a chunk has no stored record."""
+    info = reader.storage_info(key, chunk)
+    if covers == "record" and chunk is not None:
+        span = record_span(reader, key, chunk)
+        if span is not None:
+            return "record", _hash_range(reader, info.relative_path, span[0], span[1], key, algorithm, buf)
+    return "window", _hash_window(reader, info, key, algorithm, buf)
 
 
 def _items(reader: CheckpointReader) -> list[tuple[str, ChunkMeta | None]]:
@@ -231,6 +302,7 @@ def build_manifest(
     reader: CheckpointReader,
     algorithm: str = DEFAULT_ALGORITHM,
     *,
+    covers: str = "window",
     on_entry: Callable[[int], None] | None = None,
 ) -> Manifest:
     """Digest every chunk window and byte item of an open checkpoint (each byte read once).
@@ -238,6 +310,8 @@ def build_manifest(
     Args:
         reader: the checkpoint's reader.
         algorithm: a key of :data:`ckpttool.format.digest.ALGORITHMS`.
+        covers: ``window`` (whole chunk windows) or ``record`` (chunks' raw storage records;
+            byte items and chunks without a stored record are still ``window`` entries).
         on_entry: called with the bytes of each entry as it is hashed (progress).
 
     Raises:
@@ -245,6 +319,7 @@ def build_manifest(
         DataFileError, ChunkError: a window outside its file, a damaged archive (chunk locator).
     """
     _check_algorithm(algorithm)
+    _check_covers(covers)
     buf = memoryview(bytearray(_BLOCK))
     entries: list[ManifestEntry] = []
     safetensors = reader.metadata.serialization == "safetensors"
@@ -254,7 +329,7 @@ def build_manifest(
         if chunk is not None and not safetensors and chunk.numel > 0:
             rec = reader.locate(key, chunk).record
             crc = f"{rec.crc32:08x}" if rec.member is not None else None
-        digest = _hash_window(reader, info, key, algorithm, buf)
+        kind, digest = _hash_entry(reader, key, chunk, covers, algorithm, buf)
         entries.append(
             ManifestEntry(
                 key,
@@ -265,6 +340,7 @@ def build_manifest(
                 info.length,
                 crc,
                 digest,
+                kind,
             )
         )
         if on_entry is not None:
@@ -273,9 +349,66 @@ def build_manifest(
     return Manifest(algorithm, tuple(entries), md, size)
 
 
+def _check_covers(covers: str) -> None:
+    if covers not in COVERS:
+        raise UsageError(
+            f"`covers` {covers!r} is not one of {', '.join(COVERS)}",
+            param="covers",
+            hint="window digests whole chunk windows; record only the raw storage records",
+        )
+
+
 def manifest_digest(data: bytes, algorithm: str = DEFAULT_ALGORITHM) -> str:
     """The digest of a manifest file's bytes (how outputs name the manifest of their source)."""
     return digest_bytes(data, algorithm)
+
+
+def source_identity(reader: CheckpointReader, algorithm: str = DEFAULT_ALGORITHM) -> dict[str, Any]:
+    """The identity of a checkpoint an output is made from (``converted_from.source``, safetensors metadata).
+
+    ``{"checkpoint": path, "algorithm": ..., "metadata_digest": <digest of .metadata>,
+    "metadata_size": bytes, "manifest_digest": <digest of its manifest.json> | null}``: the
+    ``.metadata`` digest equals the ``metadata.digest`` of ``ckpttool manifest`` of the source
+    (a ``HuggingFaceStorageWriter`` checkpoint without ``.metadata``: the digest of its files'
+    headers, as :func:`safetensors_source_identity`),
+    the manifest digest that of the source's ``manifest.json`` file (``null`` when it has none).
+    Reads ``.metadata`` and ``manifest.json`` only (both small), never a data file. Outputs
+    record it without ``checkpoint`` (content only: the same source exported or resharded from
+    another place gives the same bytes); manifests and ``--json`` results keep the path.
+
+    Raises:
+        the reader's errors for an unreadable ``.metadata``; SizeLimitError: an oversized manifest.
+    """
+    from ckpttool.errors import DataFileError
+
+    md: str | None = None
+    size: int | None = None
+    if not reader.parts:  # a model/optimizer pair has two: named by neither alone
+        try:
+            data = reader.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
+            md, size = digest_bytes(data, algorithm), len(data)
+        except DataFileError:
+            if reader.metadata.serialization != "safetensors" or reader.remote is not None:
+                raise
+            # HuggingFaceStorageWriter output without .metadata: its headers play that part
+            from ckpttool.format.hf_storage import hf_storage_files
+
+            headers = safetensors_source_identity(Path(reader.path), hf_storage_files(Path(reader.path)), algorithm)
+            md, size = headers["metadata_digest"], headers["metadata_size"]
+    man: str | None = None
+    try:
+        man = manifest_digest(
+            reader.read_file(MANIFEST_NAME, limits.current().max_object_bytes, what="manifest"), algorithm
+        )
+    except DataFileError:
+        man = None  # the source has no manifest
+    return {
+        "checkpoint": str(reader.path),
+        "algorithm": algorithm,
+        "metadata_digest": md,
+        "metadata_size": size,
+        "manifest_digest": man,
+    }
 
 
 def write_manifest(
@@ -283,6 +416,7 @@ def write_manifest(
     out: str | os.PathLike[str] | None = None,
     *,
     algorithm: str = DEFAULT_ALGORITHM,
+    covers: str = "window",
     trust_pickle: bool = False,
     selection: CheckpointSelection | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -296,15 +430,17 @@ def write_manifest(
         checkpoint: an opened :class:`Checkpoint` or its directory.
         out: the manifest file (default ``<checkpoint>/manifest.json``).
         algorithm: digest algorithm (:data:`ckpttool.format.digest.ALGORITHMS`).
+        covers: ``window`` or ``record`` (see the module docstring).
         progress: ``progress(done_bytes, total_bytes)``.
 
     Raises:
-        UsageError: unknown ``algorithm``; OutputError: ``out`` cannot be written;
+        UsageError: unknown ``algorithm`` or ``covers``; OutputError: ``out`` cannot be written;
         plus the reader's errors for damaged checkpoints.
     """
     from ckpttool.errors import OutputError
 
     _check_algorithm(algorithm)
+    _check_covers(covers)
     t0 = time.perf_counter()
     with opened(checkpoint, trust_pickle=trust_pickle, selection=selection) as ckpt:
         reader = ckpt.reader
@@ -316,7 +452,7 @@ def write_manifest(
             if progress is not None:
                 progress(done[0], total)
 
-        man = build_manifest(reader, algorithm, on_entry=step)
+        man = build_manifest(reader, algorithm, covers=covers, on_entry=step)
         target = Path(out) if out is not None else Path(ckpt.located.model) / MANIFEST_NAME
         data = man.to_bytes()
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
@@ -354,6 +490,7 @@ def write_manifest(
             seconds,
             manifest_digest(data, algorithm),
             man.metadata_digest,
+            covers=covers,
         )
 
 
@@ -366,7 +503,9 @@ def _ints(v: Any) -> bool:
     return isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)
 
 
-def _entry(d: Any, i: int, path: str, hexlen: int | None) -> ManifestEntry:
+def _entry(
+    d: Any, i: int, path: str, hexlen: int | None, version: int = MANIFEST_VERSION, kind: str = "dcp"
+) -> ManifestEntry:
     if not isinstance(d, dict):
         raise _bad(path, f"entries[{i}] is not an object")
     key, file, off, length = d.get("key"), d.get("file"), d.get("offset"), d.get("length")
@@ -383,6 +522,12 @@ def _entry(d: Any, i: int, path: str, hexlen: int | None) -> ManifestEntry:
         raise _bad(path, f"entries[{i}] ({key!a}): crc32 must be 8 hex digits or null")
     if not isinstance(digest, str) or not _is_hex(digest) or (hexlen is not None and len(digest) != hexlen):
         raise _bad(path, f"entries[{i}] ({key!a}): digest must be a hex string of the algorithm's length")
+    covers = d.get("covers", "window") if version >= 2 else "window"
+    if kind == "safetensors":
+        if covers != "extent" or offsets is None or sizes is None or len(offsets) != 1:
+            raise _bad(path, f"entries[{i}] ({key!a}): a safetensors manifest lists extents (covers 'extent')")
+    elif covers not in COVERS or (covers == "record" and offsets is None):
+        raise _bad(path, f"entries[{i}] ({key!a}): covers must be 'window' or (for a chunk) 'record'")
     return ManifestEntry(
         key,
         tuple(offsets) if offsets is not None else None,
@@ -392,6 +537,7 @@ def _entry(d: Any, i: int, path: str, hexlen: int | None) -> ManifestEntry:
         length,
         crc,
         digest,
+        covers,
     )
 
 
@@ -439,10 +585,28 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     if algorithm not in ALGORITHMS:
         raise _bad(shown, f"unknown digest algorithm {str(algorithm)[:40]!a} (known: {', '.join(ALGORITHMS)})")
     hexlen = len(digest_bytes(b"", algorithm))
+    kind = doc.get("kind", "dcp") if version >= 2 else "dcp"
+    if kind not in ("dcp", "safetensors"):
+        raise _bad(shown, f"kind must be 'dcp' or 'safetensors', not {str(kind)[:40]!a}")
     raw_entries = doc.get("entries")
     if not isinstance(raw_entries, list):
         raise _bad(shown, "entries must be a list")
-    entries = tuple(_entry(d, i, shown, hexlen) for i, d in enumerate(raw_entries))
+    entries = tuple(_entry(d, i, shown, hexlen, version, kind) for i, d in enumerate(raw_entries))
+    files: list[dict[str, Any]] = []
+    if kind == "safetensors":
+        raw_files = doc.get("files")
+        if not isinstance(raw_files, list):
+            raise _bad(shown, "files must be a list")
+        for j, f in enumerate(raw_files):
+            if (
+                not isinstance(f, dict)
+                or not isinstance(f.get("file"), str)
+                or type(f.get("header_length")) is not int
+                or not isinstance(f.get("header_digest"), str)
+                or not _is_hex(f["header_digest"])
+            ):
+                raise _bad(shown, f"files[{j}] must be an object with file, header_length and header_digest")
+            files.append({"file": f["file"], "header_length": f["header_length"], "header_digest": f["header_digest"]})
     seen: set[tuple[str, tuple[int, ...] | None]] = set()
     for ent in entries:
         if ent.ident in seen:
@@ -457,7 +621,7 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     source = doc.get("source")
     if source is not None and not isinstance(source, dict):
         raise _bad(shown, "source must be an object")
-    return Manifest(algorithm, entries, md_digest, md_size, source)
+    return Manifest(algorithm, entries, md_digest, md_size, source, kind, tuple(files))
 
 
 def verify_manifest(reader: CheckpointReader, manifest: Manifest) -> list[ManifestProblem]:
@@ -494,7 +658,18 @@ def verify_manifest(reader: CheckpointReader, manifest: Manifest) -> list[Manife
                 )
             )
             continue
-        digest = _hash_window(reader, info, e.key, manifest.algorithm, buf)
+        kind, digest = _hash_entry(reader, e.key, chunk, e.covers, manifest.algorithm, buf)
+        if kind != e.covers:
+            problems.append(
+                ManifestProblem(
+                    "changed",
+                    e.key,
+                    e.offsets,
+                    f"{e.where()} in {info.relative_path}: the manifest digests its storage record, but the chunk "
+                    "has no stored record now (stream transform)",
+                )
+            )
+            continue
         if digest != e.digest:
             problems.append(
                 ManifestProblem(
@@ -519,3 +694,286 @@ def verify_manifest(reader: CheckpointReader, manifest: Manifest) -> list[Manife
                 )
             )
     return problems
+
+
+# ---------------------------------------------------------------------------------------------- safetensors outputs
+def safetensors_manifest(
+    files: list[tuple[str, int, str | None, list[tuple[str, int, int, int, str]]]],
+    algorithm: str,
+    source: dict[str, Any] | None,
+) -> bytes:
+    """The ``manifest.json`` bytes (kind ``safetensors``) of an export, from the digests taken while writing.
+
+    Args:
+        files: per output file ``(name, header length, header digest, extents)``; the header
+            length counts the 8-byte length prefix (the data region's start); an extent is
+            ``(tensor name, byte offset in the tensor's data, file offset, length, digest)`` of one write.
+        algorithm: the digest algorithm used.
+        source: the source identity (:func:`source_identity`).
+
+    Entries are sorted by file and offset. Each is ``{"key": tensor, "offsets": [byte offset in
+    the tensor's data], "sizes": [length in bytes], "file", "offset": absolute file offset,
+    "length", "crc32": null, "covers": "extent", "digest"}``; a tensor's extents tile its data.
+    """
+    entries: list[ManifestEntry] = []
+    meta: list[dict[str, Any]] = []
+    for name, data_start, header_digest, extents in files:
+        meta.append({"file": name, "header_length": data_start, "header_digest": header_digest})
+        for tensor, at, start, length, digest in extents:
+            entries.append(ManifestEntry(tensor, (at,), (length,), name, start, length, None, digest, "extent"))
+    entries.sort(key=lambda e: (e.file, e.offset))
+    return Manifest(algorithm, tuple(entries), None, None, source, "safetensors", tuple(meta)).to_bytes()
+
+
+def verify_safetensors_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> list[ManifestProblem]:
+    """Check a safetensors directory (an ``export`` output) against its kind ``safetensors`` manifest.
+
+    Every listed file's header is digested and compared; every extent is read once and digested;
+    the extents of each tensor must tile its ``data_offsets`` range exactly, and every tensor of
+    every listed file must be covered. Files are confined to ``directory`` and read as regular files.
+
+    Returns:
+        The problems: ``missing`` (a listed file or tensor absent), ``extra`` (a tensor not
+        covered), ``changed`` (a digest differs, or the extents do not tile the tensor), and
+        ``metadata`` (a header differs). Empty when the directory matches.
+
+    Raises:
+        UsageError: ``manifest`` is not a safetensors manifest.
+        MetadataError, NotRegularFileError, PathEscapeError: unreadable files.
+    """
+    from ckpttool.format.files import open_regular, resolve_inside
+    from ckpttool.format.hf_storage import read_safetensors_header
+
+    if manifest.kind != "safetensors":
+        raise UsageError(
+            "`manifest` is a DCP checkpoint manifest, not one of a safetensors export",
+            param="manifest",
+            hint="verify a DCP checkpoint with `ckpttool validate DIR --manifest FILE`",
+        )
+    root = Path(directory)
+    buf = memoryview(bytearray(_BLOCK))
+    problems: list[ManifestProblem] = []
+    by_file: dict[str, list[ManifestEntry]] = {}
+    for e in manifest.entries:
+        by_file.setdefault(e.file, []).append(e)
+    for f in manifest.files:
+        name = f["file"]
+        path = resolve_inside(root, name, what="safetensors file")
+        if not path.exists():
+            problems.append(ManifestProblem("missing", name, None, f"{name}: listed in the manifest, not in {root}"))
+            continue
+        header, data_start = read_safetensors_header(path)
+        fd = open_regular(path)
+        try:
+            prefix = os.pread(fd, data_start, 0)
+            if data_start != f["header_length"] or digest_bytes(prefix, manifest.algorithm) != f["header_digest"]:
+                problems.append(
+                    ManifestProblem(
+                        "metadata", name, None, f"{name}: the header differs from the one the manifest was made of"
+                    )
+                )
+            tensors = {k: v for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+            spans: dict[str, list[tuple[int, int]]] = {}
+            for e in by_file.get(name, []):
+                t = tensors.get(e.key)
+                if t is None:
+                    problems.append(
+                        ManifestProblem(
+                            "missing", e.key, None, f"{e.key!r} in {name}: in the manifest, not in the file"
+                        )
+                    )
+                    continue
+                digest = _hash_fd(fd, e.offset, e.length, manifest.algorithm, buf, path, e.key)
+                if digest != e.digest:
+                    problems.append(
+                        ManifestProblem(
+                            "changed",
+                            e.key,
+                            None,
+                            f"{e.key!r} in {name}, bytes {e.offsets[0] if e.offsets else 0}+{e.length}: stored bytes "
+                            f"differ from the manifest ({manifest.algorithm} {digest[:16]}..., manifest {e.digest[:16]}...)",
+                        )
+                    )
+                spans.setdefault(e.key, []).append((e.offset, e.length))
+            for key, t in tensors.items():
+                offs = t.get("data_offsets")
+                if isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs):
+                    begin, nbytes = data_start + offs[0], offs[1] - offs[0]
+                else:
+                    begin, nbytes = 0, -1
+                if key not in spans:
+                    if nbytes > 0:
+                        problems.append(
+                            ManifestProblem("extra", key, None, f"{key!r} in {name}: stored but not in the manifest")
+                        )
+                    continue
+                at = begin  # the extents must tile [begin, begin + nbytes) exactly: no gap, no overlap
+                for off, length in sorted(spans[key]):
+                    if off != at:
+                        at = -1
+                        break
+                    at += length
+                if at != begin + nbytes:
+                    problems.append(
+                        ManifestProblem(
+                            "changed",
+                            key,
+                            None,
+                            f"{key!r} in {name}: the manifest's extents do not tile its {nbytes} bytes",
+                        )
+                    )
+        finally:
+            os.close(fd)
+    return problems
+
+
+def _hash_fd(fd: int, offset: int, length: int, algorithm: str, buf: memoryview, path: Path, key: str) -> str:
+    h = new_hasher(algorithm)
+    done = 0
+    while done < length:
+        got = os.preadv(fd, [buf[: min(len(buf), length - done)]], offset + done)
+        if got <= 0:
+            from ckpttool.errors import DataFileError
+
+            raise DataFileError(f"{path}: short read of {key!r} (the file ends inside it)", path=path, fqn=key)
+        h.update(buf[:got])
+        done += got
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ManifestCheck:
+    """What ``ckpttool manifest DIR --verify`` found (``--json``: schema ``ckpttool.manifest-check/1``)."""
+
+    path: str
+    manifest: str
+    kind: str
+    algorithm: str
+    entries: int
+    problems: list[ManifestProblem]
+    source: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": "ckpttool.manifest-check/1",
+            "path": self.path,
+            "manifest": self.manifest,
+            "kind": self.kind,
+            "algorithm": self.algorithm,
+            "entries": self.entries,
+            "ok": not self.problems,
+            "problems": [
+                {"kind": p.kind, "key": p.key, "offsets": list(p.offsets) if p.offsets else None, "message": p.message}
+                for p in self.problems
+            ],
+            "source": self.source,
+        }
+
+
+def check_against_manifest(
+    directory: str | os.PathLike[str],
+    manifest_path: str | os.PathLike[str] | None = None,
+    *,
+    trust_pickle: bool = False,
+    selection: CheckpointSelection | None = None,
+) -> ManifestCheck:
+    """Verify a DCP checkpoint or a safetensors export directory against its manifest.
+
+    Args:
+        directory: the checkpoint or export directory (local).
+        manifest_path: the manifest (default ``directory/manifest.json``).
+
+    Raises:
+        UsageError: no manifest; ManifestError: a malformed one; the readers' errors.
+    """
+    target = Path(manifest_path) if manifest_path is not None else Path(directory) / MANIFEST_NAME
+    man = load_manifest(target)
+    if man.kind == "safetensors":
+        problems = verify_safetensors_manifest(directory, man)
+        shown = str(directory)
+    else:
+        with opened(directory, trust_pickle=trust_pickle, selection=selection) as ckpt:
+            problems = verify_manifest(ckpt.reader, man)
+            shown = str(ckpt.path)
+    return ManifestCheck(shown, str(target), man.kind, man.algorithm, len(man.entries), problems, man.source)
+
+
+def write_output_manifest(writer: Any, out: Path, algorithm: str, identity: dict[str, Any] | None) -> None:
+    """``out/manifest.json`` (kind ``dcp``) of a finished :class:`~ckpttool.format.writer.DCPWriter` made with
+    ``digest``: its records' digests as they were written, its ``.metadata`` digest, the source identity.
+
+    Raises:
+        OutputError: the file cannot be written.
+    """
+    from ckpttool.errors import OutputError
+
+    md = writer.metadata_digest
+    doc = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "kind": "dcp",
+        "algorithm": algorithm,
+        "metadata": {"file": METADATA_NAME, "size": md[1], "digest": md[0]} if md is not None else None,
+        "entries": writer.manifest_entries(),
+    }
+    if identity is not None:
+        doc["source"] = identity
+    import json
+
+    path = out / MANIFEST_NAME
+    try:
+        with open(path, "wb") as f:
+            f.write((json.dumps(doc, separators=(",", ":")) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise OutputError(f"{path}: cannot write the manifest ({e.strerror})", path=path) from e
+
+
+def safetensors_source_identity(
+    directory: Path, files: list[str], algorithm: str = DEFAULT_ALGORITHM
+) -> dict[str, Any]:
+    """The identity of a Hugging Face safetensors directory an ``import`` reads.
+
+    ``{"checkpoint", "algorithm", "metadata_digest": <digest of every file's header, in name order>,
+    "metadata_size": <their bytes>, "manifest_digest": <digest of its manifest.json> | null}``: a
+    safetensors model has no ``.metadata``; its headers (names, dtypes, shapes, offsets and
+    ``__metadata__``) play that part. An ``export --manifest`` output's manifest digest is the one
+    ``export`` printed, so an imported checkpoint traces back through the export to its source.
+
+    Raises:
+        MetadataError, NotRegularFileError, PathEscapeError: unreadable files.
+    """
+    from ckpttool.format.files import open_regular, resolve_inside
+    from ckpttool.format.hf_storage import read_safetensors_header
+
+    h = new_hasher(algorithm)
+    size = 0
+    for name in sorted(files):
+        path = resolve_inside(directory, name, what="safetensors file")
+        _, data_start = read_safetensors_header(path)
+        fd = open_regular(path)
+        try:
+            head = os.pread(fd, data_start, 0)
+        finally:
+            os.close(fd)
+        h.update(head)
+        size += len(head)
+    man: str | None = None
+    mpath = directory / MANIFEST_NAME
+    if mpath.is_file():
+        man = manifest_digest(
+            read_regular(
+                resolve_inside(directory, MANIFEST_NAME, what="manifest"),
+                limits.current().max_object_bytes,
+                what="manifest",
+            ),
+            algorithm,
+        )
+    return {
+        "checkpoint": str(directory),
+        "algorithm": algorithm,
+        "metadata_digest": h.hexdigest(),
+        "metadata_size": size,
+        "manifest_digest": man,
+    }

@@ -145,3 +145,25 @@ def test_reshard_rank_failure_fails_every_rank_and_leaves_no_output(sample_ckpt:
     assert len(errors) == 1 and "rank " in errors[0] and "down_proj" in errors[0], r.stderr[-3000:]
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]
+
+
+@pytest.mark.slow
+def test_manifests_of_torchrun_outputs_cover_every_rank_and_verify(sample_ckpt: Path, tmp_path: Path) -> None:
+    from ckpttool.format import CheckpointReader
+    from ckpttool.ops.manifest import build_manifest, load_manifest
+
+    args = ["--to", "canonical", "--with-optimizer", "--target-ep-size", "2", "--target-ep-fsdp-size", "2"]
+    r = torchrun(2, "reshard", str(sample_ckpt), str(tmp_path / "rs"), *args, "--manifest")
+    assert r.returncode == 0, r.stderr[-3000:]
+    written = load_manifest(tmp_path / "rs" / "manifest.json")
+    with CheckpointReader(tmp_path / "rs") as rd:
+        read = build_manifest(rd, covers="record")
+    assert [e.to_dict() for e in written.entries] == [e.to_dict() for e in read.entries]
+    assert single("manifest", str(tmp_path / "rs"), "--verify").returncode == 0
+    ex = ["--shard-size", "20KB", "--save-dtype", "bfloat16", "--manifest"]
+    assert single("export", str(sample_ckpt), str(tmp_path / "one"), *ex).returncode == 0
+    r = torchrun(2, "export", str(sample_ckpt), str(tmp_path / "many"), *ex)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "many" / "manifest.json").read_bytes() == (tmp_path / "one" / "manifest.json").read_bytes()
+    v = single("manifest", str(tmp_path / "many"), "--verify")
+    assert v.returncode == 0, v.stdout + v.stderr

@@ -131,6 +131,21 @@ def export_command(
     model_prefix: ModelPrefixOpt = None,
     optimizer_prefix: OptimizerPrefixOpt = None,
     verify_crc: VerifyCrcOpt = True,
+    manifest: Annotated[
+        bool,
+        typer.Option(
+            "--manifest",
+            help="Also write OUT/manifest.json: a digest of every byte range as it is written (no second read); verify with `ckpttool manifest OUT --verify`.",
+        ),
+    ] = False,
+    hash_name: Annotated[
+        str,
+        typer.Option(
+            "--hash",
+            metavar="ALGO",
+            help="Digest of the manifest and of the source identity: xxh3-128, blake3 or blake2b-256.",
+        ),
+    ] = "xxh3-128",
     adapter: Annotated[
         str | None,
         typer.Option(
@@ -177,6 +192,8 @@ def export_command(
         verify_crc=verify_crc,
         adapter_config=adapter_config,
         lora_alpha=alpha,
+        manifest=manifest,
+        algorithm=hash_name,
         adapter=adapter,
         allow_mismatch=tuple(k.strip() for k in (allow_mismatch or "").split(",") if k.strip()),
     )
@@ -275,6 +292,7 @@ EPILOG = examples(
     "ckpttool export ckpt/ hf/ --weights master --save-dtype bf16",
     "ckpttool export ckpt/ hf/ --experts per-expert --filter 'model.layers.0.*'",
     "ckpttool export ckpt/ adapter/ --format lora --lora-alpha 16",
+    "ckpttool export ckpt/ hf/ --manifest   # then: ckpttool manifest hf/ --verify",
     "ckpttool export ckpt/ merged/ --merge-lora --lora-alpha 16 --model-assets base/",
     "ckpttool export titan/step-1 hf/ --adapter torchtitan-llama3 --model-assets hf_config/",
 )

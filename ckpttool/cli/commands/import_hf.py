@@ -72,6 +72,17 @@ def import_command(
             help="fsync the output files before moving the directory into place (survives a power loss).",
         ),
     ] = True,
+    manifest: Annotated[
+        bool,
+        typer.Option(
+            "--manifest",
+            help="Also write OUT/manifest.json, every chunk digested as it is written, naming the source's identity.",
+        ),
+    ] = False,
+    hash_name: Annotated[
+        str,
+        typer.Option("--hash", metavar="ALGO", help="Digest of the manifest: xxh3-128, blake3 or blake2b-256."),
+    ] = "xxh3-128",
     json_output: JsonOpt = False,
 ) -> None:
     """Import a Hugging Face safetensors model as a DCP checkpoint (streaming, bit-exact, atomic)."""
@@ -89,6 +100,8 @@ def import_command(
             ep_fsdp_size=ep_fsdp_size,
             overwrite=overwrite,
             fsync=fsync,
+            manifest=manifest,
+            algorithm=hash_name,
         ),
     )
     sink = Output(json_output)
@@ -121,6 +134,7 @@ EPILOG = examples(
     "ckpttool import qwen3_moe/ ckpt/ --ep-size 4 --ep-fsdp-size 2",
     "ckpttool import hf_model/ s3://bucket/run/step-0",
     "ckpttool import hf_model/ titan/step-0 --schema torchtitan",
+    "ckpttool import hf_model/ ckpt/ --world-size 4 --manifest",
 )
 
 

@@ -11,7 +11,7 @@ from ckpttool.cli.options import CheckpointArg, JsonOpt, StepOpt, TrustPickleOpt
 from ckpttool.cli.output import Output, command_boundary
 
 if TYPE_CHECKING:
-    from ckpttool.ops.manifest import ManifestResult
+    from ckpttool.ops.manifest import ManifestCheck, ManifestResult
 
 
 @command_boundary
@@ -31,6 +31,21 @@ def manifest_command(
             help="Digest: xxh3-128 (fast, detects damage), blake3 or blake2b-256 (cryptographic).",
         ),
     ] = "xxh3-128",
+    covers: Annotated[
+        str,
+        typer.Option(
+            "--covers",
+            metavar="WHAT",
+            help="window: each chunk's whole stored window; record: its raw storage record only (what reshard digests while writing).",
+        ),
+    ] = "window",
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="Check DIR against its manifest (DIR/manifest.json or --output) instead of writing one: a DCP checkpoint or a safetensors export made with a manifest. Exit 1 names each changed, missing or added chunk or byte range.",
+        ),
+    ] = False,
     json_output: JsonOpt = False,
     trust_pickle: TrustPickleOpt = False,
     step: StepOpt = None,
@@ -42,8 +57,30 @@ def manifest_command(
     """
     from ckpttool.ops.manifest import write_manifest
 
-    res = write_manifest(checkpoint, output, algorithm=hash_name, trust_pickle=trust_pickle, selection=selection(step))
+    if verify:
+        from ckpttool.ops.manifest import check_against_manifest
+
+        checked = check_against_manifest(checkpoint, output, trust_pickle=trust_pickle, selection=selection(step))
+        Output(json_output).result(checked, _render_check)
+        if checked.problems:
+            raise typer.Exit(1)
+        return
+    res = write_manifest(
+        checkpoint, output, algorithm=hash_name, covers=covers, trust_pickle=trust_pickle, selection=selection(step)
+    )
     Output(json_output).result(res, _render)
+
+
+def _render_check(res: ManifestCheck) -> None:
+    from ckpttool.cli.render import plural, stdout_console
+
+    con = stdout_console()
+    for p in res.problems:
+        con.print(f"{p.kind:8} {p.message}")
+    verdict = "matches" if not res.problems else f"differs: {plural(len(res.problems), 'problem')}"
+    con.print(
+        f"{res.path} ({res.kind}) {verdict} its manifest {res.manifest} ({plural(res.entries, 'entry', 'entries')})"
+    )
 
 
 def _render(res: ManifestResult) -> None:
@@ -58,6 +95,7 @@ def _render(res: ManifestResult) -> None:
 EPILOG = examples(
     "ckpttool manifest ckpt/",
     "ckpttool validate ckpt/ --manifest ckpt/manifest.json",
+    "ckpttool manifest hf/ --verify            # an export made with a manifest, or a checkpoint",
 )
 
 

@@ -85,11 +85,27 @@ def reshard_command(
     model_prefix: ModelPrefixOpt = None,
     optimizer_prefix: OptimizerPrefixOpt = None,
     verify_crc: VerifyCrcOpt = True,
+    manifest: Annotated[
+        bool,
+        typer.Option(
+            "--manifest",
+            help="Also write the output's manifest.json, every chunk digested as it is written (no second read); verify with validate --manifest.",
+        ),
+    ] = False,
+    hash_name: Annotated[
+        str,
+        typer.Option(
+            "--hash",
+            metavar="ALGO",
+            help="Digest of the manifest and of the source identity: xxh3-128, blake3 or blake2b-256.",
+        ),
+    ] = "xxh3-128",
 ) -> None:
     """Write a new DCP checkpoint with expert tensors in the target layout, one data file per target rank.
 
-    Non-EP tensors and byte items are copied unchanged; the output carries a layout record.
-    The source is only read; the output appears only when complete.
+    Non-EP tensors and byte items are copied unchanged; the output carries a layout record
+    naming the source (its .metadata and manifest.json digests). The source is only read; the
+    output appears only when complete.
     """
     from ckpttool.cli.render import byte_progress
     from ckpttool.model.checkpoint import open_checkpoint
@@ -105,6 +121,8 @@ def reshard_command(
         overwrite=overwrite,
         verify_crc=verify_crc,
         fsync=fsync,
+        manifest=manifest,
+        algorithm=hash_name,
     )
     with (
         open_checkpoint(source, declaration=decl, trust_pickle=trust_pickle, selection=sel) as ckpt,
@@ -143,12 +161,15 @@ def _render(res: ReshardResult) -> None:
         f"{res.chunks_rewritten} reassembled)"
         + (f"; also copied {', '.join(res.extra_files)}" if res.extra_files else "")
     )
+    if res.manifest is not None:
+        con.print(f"manifest {res.target}/{res.manifest} (storage records digested as written)")
 
 
 EPILOG = examples(
     "ckpttool reshard ckpt/ out/ --to canonical",
     "ckpttool reshard ckpt/ out/ --to canonical --with-optimizer --target-ep-size 4 --target-ep-fsdp-size 2",
     "ckpttool reshard old/ new/ --to canonical --source-layout legacy --ep-size 4 --ep-fsdp-size 2",
+    "ckpttool reshard ckpt/ out/ --to canonical --manifest --hash blake3",
 )
 
 

@@ -39,6 +39,7 @@ from ckpttool.errors import (
     UsageError,
 )
 from ckpttool.format.atomic import signals_deferred
+from ckpttool.format.digest import DEFAULT_ALGORITHM
 from ckpttool.format.files import copy_regular, resolve_inside
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
 from ckpttool.format.outputs import output_dir, output_location
@@ -67,6 +68,7 @@ from ckpttool.ops.export.plan import (
 )
 from ckpttool.ops.export.rules import ExportRules, load_rules
 from ckpttool.ops.export.transform import Cast, Run, RunMap, SlabTransform, env_slab_bytes, stream_chunk
+from ckpttool.ops.manifest import MANIFEST_NAME, SOURCE_METADATA_KEY, safetensors_manifest, source_identity
 
 if TYPE_CHECKING:
     import torch
@@ -102,6 +104,10 @@ class ExportOptions:
         lora_alpha: LoRA ``lora_alpha`` when no adapter config is given.
         verify_crc: check every stored record's CRC-32 as it is copied or read (default on:
             ~10% of a warm-cache export's time with ``isal``, docs/performance.md).
+        manifest: write the output's ``manifest.json`` (kind ``safetensors``: every byte range
+            written, digested as it was written; ``docs/diff.md``).
+        algorithm: the digest of the manifest and of the source identity, which every output
+            file records in its safetensors ``__metadata__`` (``ckpttool.source``).
         adapter: a model adapter name (:data:`ckpttool.model.adapters.ADAPTERS`); ``None``:
             detected from the key names (torchtitan names -> a torchtitan adapter).
         allow_mismatch: kinds of difference from the model class built from ``config.json``
@@ -121,6 +127,8 @@ class ExportOptions:
     adapter_config: Path | None = None
     lora_alpha: float | None = None
     verify_crc: bool = True
+    manifest: bool = False
+    algorithm: str = DEFAULT_ALGORITHM
     adapter: str | None = None
     allow_mismatch: tuple[str, ...] = ()
 
@@ -148,6 +156,8 @@ class ExportResult:
     skipped: dict[str, list[str]]
     warnings: list[str] = field(default_factory=list)
     adapter_config: dict[str, Any] | None = None
+    source_identity: dict[str, Any] | None = None
+    manifest: str | None = None
     model_adapter: str | None = None
     model_check: dict[str, Any] | None = None
 
@@ -179,6 +189,8 @@ class ExportResult:
             "skipped": {k: {"count": len(v), "keys": v} for k, v in self.skipped.items()},
             "warnings": self.warnings,
             "adapter_config": self.adapter_config,
+            "source_identity": self.source_identity,
+            "manifest": self.manifest,
             "model_adapter": self.model_adapter,
             "model_check": self.model_check,
         }
@@ -347,7 +359,15 @@ class _Executor:
         span = contiguous_run(size, chunk.offsets, chunk.sizes)
         assert span is not None, "direct tasks have contiguous chunks"
         at = span[0] * DTYPE_ITEMSIZE[task.selected.source.dtype]
-        if not self.reader.copy_chunk_to_file(task.source_key, chunk, writer.fd, writer.offset(name) + at):
+        h = writer.new_hasher() if writer.digest is not None else None
+        dest = writer.offset(name) + at
+        if h is None:
+            copied = self.reader.copy_chunk_to_file(task.source_key, chunk, writer.fd, dest)
+        else:  # digested as the bytes pass the bounce buffer
+            copied = self.reader.copy_chunk_to_file(task.source_key, chunk, writer.fd, dest, sink=h.update)
+            if copied:
+                writer.note(name, at, chunk.numel * DTYPE_ITEMSIZE[task.selected.source.dtype], h.hexdigest())
+        if not copied:
             writer.write(name, _tensor_bytes(self.reader.read_chunk(task.source_key, chunk)), at)
 
     def _stream_chunk(
@@ -630,6 +650,10 @@ def _export(
     owners = group.share(file_bytes)
     mine = {i for i, r in enumerate(owners) if group.owns(r)}
     files_info: list[dict[str, Any]] = []
+    identity = source_identity(reader, opts.algorithm)
+    # content only (no path): the same checkpoint exported from anywhere gives the same bytes
+    content = {k: v for k, v in identity.items() if k != "checkpoint"}
+    st_metadata = {"format": "pt", SOURCE_METADATA_KEY: json.dumps(content, sort_keys=True, separators=(",", ":"))}
     with contextlib.ExitStack() as stack:
         failure: BaseException | None = None
         tmp0: Path | None = None
@@ -649,7 +673,17 @@ def _export(
                 reader.prefetch_keys(t.source_key for t in plan.tasks if t.shard in mine)
                 for i, (name, entries) in enumerate(zip(plan.files, plan.entries)):
                     display = (out if is_url(out) else Path(os.path.abspath(out))) / name
-                    writers.append(ShardWriter(tmp / name, entries, display=display) if i in mine else None)
+                    writers.append(
+                        ShardWriter(
+                            tmp / name,
+                            entries,
+                            st_metadata,
+                            display=display,
+                            digest=opts.algorithm if opts.manifest else None,
+                        )
+                        if i in mine
+                        else None
+                    )
                 workers = opts.workers if opts.workers is not None else min(8, os.cpu_count() or 1)
                 executor = _Executor(
                     reader, plan, cast(list[ShardWriter], writers), workers, progress, chunks, mine, merges
@@ -678,9 +712,16 @@ def _export(
         except BaseException as e:
             failure = e
         group.agree(failure)  # every rank done (or all raise the first failing rank's error: nothing published)
-        done = group.gather((bytes_read, {i: w.size for i, w in enumerate(writers) if w is not None}))
-        bytes_read = sum(n for n, _ in done)
-        sizes = {i: size for _, part in done for i, size in part.items()}
+        done = group.gather(
+            (
+                bytes_read,
+                {i: w.size for i, w in enumerate(writers) if w is not None},
+                {i: (w.data_start, w.header_digest, list(w.extents)) for i, w in enumerate(writers) if w is not None},
+            )
+        )
+        bytes_read = sum(n for n, _, _ in done)
+        sizes = {i: size for _, part, _ in done for i, size in part.items()}
+        digests = {i: d for _, _, part in done for i, d in part.items()}
         for i, (name, entries) in enumerate(zip(plan.files, plan.entries)):
             size = sizes[i]
             files_info.append({"name": name, "bytes": size, "tensors": len(entries)})
@@ -695,6 +736,11 @@ def _export(
                 )
             for name, p in assets:
                 copy_regular(p, tmp / name, shown=p)
+            if opts.manifest:
+                doc = safetensors_manifest(
+                    [(name, *digests[i]) for i, name in enumerate(plan.files)], opts.algorithm, identity
+                )
+                (tmp / MANIFEST_NAME).write_bytes(doc)
     seconds = time.perf_counter() - t0
     return ExportResult(
         output=str(out),
@@ -722,6 +768,8 @@ def _export(
         skipped=plan.skipped,
         warnings=plan.warnings,
         adapter_config=adapter,
+        source_identity=identity,
+        manifest=MANIFEST_NAME if opts.manifest else None,
         model_adapter=model_adapter.name if model_adapter is not None else None,
         model_check=check.to_dict() if check is not None else None,
     )

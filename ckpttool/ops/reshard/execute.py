@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.errors import NotRegularFileError, ReshardError, SizeLimitError
 from ckpttool.format import limits
 from ckpttool.format.atomic import signals_deferred
+from ckpttool.format.digest import DEFAULT_ALGORITHM
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
 from ckpttool.format.files import copy_regular, resolve_inside
 from ckpttool.format.metadata import ChunkMeta
@@ -52,6 +53,7 @@ from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.layout_record import SIDECAR_NAME
 from ckpttool.ops import distributed
+from ckpttool.ops.manifest import MANIFEST_NAME, source_identity, write_output_manifest
 from ckpttool.ops.reshard.plan import ReshardPlan, TensorPlan, origin_world, plan_reshard
 
 if TYPE_CHECKING:
@@ -77,6 +79,9 @@ class ReshardOptions:
         threads: copy threads (default: CPU count, at most the number of target files).
         verify_crc: check every source record's CRC-32: while copying archives verbatim, and by
             one read before a record is streamed in pieces (default on: docs/performance.md).
+        manifest: write the output's ``manifest.json`` (every chunk's raw storage record digested as
+            it is written: ``covers: record``, ``docs/diff.md``), with the source's identity.
+        algorithm: the digest of the manifest and of the source identity (``converted_from.source``).
     """
 
     to: str = "canonical"
@@ -87,6 +92,8 @@ class ReshardOptions:
     fsync: bool = True
     threads: int | None = None
     verify_crc: bool = True
+    manifest: bool = False
+    algorithm: str = DEFAULT_ALGORITHM
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,8 @@ class ReshardResult:
     bytes_written: int = 0
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    source_identity: dict[str, Any] | None = None
+    manifest: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON view (``--json``), schema ``ckpttool.reshard/1``."""
@@ -188,6 +197,7 @@ class _Job:
     copy: tuple[int, Any] | None = None  # (source fd, StorageInfo)
     segments: list[tuple[int, int, int]] | None = None
     location: Any = None  # the copied chunk's ChunkLocation (its record's CRC-32 is checked while copying)
+    record: Any = None  # the copied chunk's ChunkLocation (its record's span, digested as it is copied)
 
 
 def _plan_jobs(tp: TensorPlan, reader: CheckpointReader, jobs: dict[int, list[_Job]]) -> list[int]:
@@ -210,6 +220,7 @@ def _plan_jobs(tp: TensorPlan, reader: CheckpointReader, jobs: dict[int, list[_J
                     oc.chunk.numel * nbytes_of,
                     copy=(reader.fd(info.relative_path), info),
                     location=loc if reader.verify_crc else None,
+                    record=loc,
                 )
             )
             continue
@@ -229,7 +240,9 @@ def _run_jobs(
         if stop.is_set():  # interrupted, or another worker failed: the output is abandoned
             return
         if job.copy is not None:
-            writer.copy_archive(job.key, job.chunk, rank, job.copy[0], job.copy[1], verify=job.location)
+            writer.copy_archive(
+                job.key, job.chunk, rank, job.copy[0], job.copy[1], verify=job.location, location=job.record
+            )
         else:
             assert job.segments is not None
             writer.stream_tensor_archive(job.key, job.chunk, rank, job.dtype, job.segments)
@@ -279,6 +292,7 @@ def execute_plan(
     *,
     threads: int | None = None,
     fsync: bool = True,
+    digest: str | None = None,
 ) -> tuple[DCPWriter, dict[str, int]]:
     """Write the planned checkpoint into ``out_dir`` (data files + ``.metadata``).
 
@@ -296,6 +310,7 @@ def execute_plan(
         progress: called with ``(bytes done, bytes total)`` (from worker threads).
         threads: worker threads (default: CPU count, at most the number of target files).
         fsync: ``fsync`` the output files (see :class:`~ckpttool.format.writer.DCPWriter`).
+        digest: digest every written record with this algorithm (``writer.manifest_entries()``).
 
     Returns:
         The finished writer (byte counts) and ``{"copied": n, "rewritten": n}`` chunk counts.
@@ -321,7 +336,7 @@ def execute_plan(
     owners = group.share(file_bytes)
     mine = {r for r in range(plan.world) if group.owns(owners[r])}
     reader.prefetch_keys(t.key for t in plan.tensors if any(oc.rank in mine for oc in t.chunks))  # remote
-    with DCPWriter(out_dir, checkpoint_id, fsync=fsync) as writer:
+    with DCPWriter(out_dir, checkpoint_id, fsync=fsync, digest=digest) as writer:
         writer.ensure_files(range(plan.world) if not group.active else sorted(mine))
         jobs: dict[int, list[_Job]] = {r: [] for r in range(plan.world)}
         fallback: list[tuple[TensorPlan, list[int]]] = []
@@ -391,7 +406,7 @@ def _copy_extra_remote(reader: CheckpointReader, dst: Path) -> list[str]:
     assert reader.remote is not None
     copied = []
     for rel in sorted(reader.remote.sizes()):
-        if rel in (METADATA_NAME, SIDECAR_NAME) or ("/" not in rel and DATA_FILE_RE.match(rel)):
+        if rel in (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME) or ("/" not in rel and DATA_FILE_RE.match(rel)):
             continue
         data = reader.read_file(rel, limits.current().max_object_bytes, what="file beside the checkpoint")
         out = dst / rel
@@ -402,7 +417,7 @@ def _copy_extra_remote(reader: CheckpointReader, dst: Path) -> list[str]:
 
 
 def _copy_extra_files(src: Path, dst: Path) -> list[str]:
-    """Copy files beside the checkpoint (not ``.metadata``, data files or the sidecar).
+    """Copy files beside the checkpoint (not ``.metadata``, data files, the sidecar or the source's manifest).
 
     Only regular files are copied (checked on the open descriptor: a device or FIFO is never
     read); directories are recreated; a symlink is recreated as the same link when its target
@@ -430,7 +445,7 @@ def _copy_extra_files(src: Path, dst: Path) -> list[str]:
             raise NotRegularFileError(f"{src / rel} is a device, FIFO or socket, not a regular file", path=src / rel)
 
     for entry in sorted(os.scandir(src), key=lambda e: e.name):
-        if entry.name in (METADATA_NAME, SIDECAR_NAME) or DATA_FILE_RE.match(entry.name):
+        if entry.name in (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME) or DATA_FILE_RE.match(entry.name):
             continue
         copy_entry(entry, entry.name, dst / entry.name)
         copied.append(entry.name)
@@ -487,6 +502,7 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
         )
     reader.verify_crc = opts.verify_crc
     layout = ckpt.require_layout()
+    identity = source_identity(reader, opts.algorithm)
     plan = plan_reshard(
         cat,
         reader,
@@ -495,6 +511,7 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
         target_ep_size=opts.target_ep_size,
         target_ep_fsdp_size=opts.target_ep_fsdp_size,
         with_optimizer=opts.with_optimizer,
+        source={k: v for k, v in identity.items() if k != "checkpoint"},  # content only: same bytes from anywhere
     )
     log.info(
         "plan: %s -> %s, ep_size %d, ep_fsdp_size %d, %d target rank(s), %d tensor(s) with a new expert order",
@@ -536,6 +553,7 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
                 progress,
                 threads=opts.threads,
                 fsync=opts.fsync,
+                digest=opts.algorithm if opts.manifest else None,
             )
         except BaseException as e:
             if group.active and not distributed.agreed(e):
@@ -545,6 +563,8 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
         files: list[dict[str, Any]] = []
         if group.is_root:
             extra = _copy_extra_files(src_p, tmp) if reader.remote is None else _copy_extra_remote(reader, tmp)
+            if opts.manifest:
+                _write_output_manifest(writer, tmp, opts.algorithm, identity)
             files = [
                 {"path": DCPWriter.file_name(r), "bytes": (tmp / DCPWriter.file_name(r)).stat().st_size}
                 for r in range(plan.world)
@@ -575,7 +595,13 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
         bytes_written=writer.bytes_written,
         seconds=round(time.perf_counter() - t0, 3),
         warnings=warnings,
+        source_identity=identity,
+        manifest=MANIFEST_NAME if opts.manifest else None,
     )
+
+
+def _write_output_manifest(writer: DCPWriter, out: Path, algorithm: str, identity: dict[str, Any]) -> None:
+    write_output_manifest(writer, out, algorithm, identity)
 
 
 def _extra_state_warnings(cat: Catalog, extra: list[str], src_world: int, world: int) -> list[str]:

@@ -355,8 +355,12 @@ def plan_reshard(
     target_ep_size: int | None = None,
     target_ep_fsdp_size: int | None = None,
     with_optimizer: bool = False,
+    source: dict[str, Any] | None = None,
 ) -> ReshardPlan:
     """Plan a reshard from metadata alone (no tensor data is read).
+
+    ``source`` (:func:`ckpttool.ops.manifest.source_identity` of the source) is recorded as
+    ``converted_from.source`` in the output's layout record.
 
     Args:
         cat: catalog of the source.
@@ -495,7 +499,7 @@ def plan_reshard(
             )
         )
     src_rec = layout.record.raw if layout.record is not None else None
-    converted_from = {
+    converted_from: dict[str, Any] = {
         "version": layout.version,
         "ep_size": layout.ep_size,
         "ep_fsdp_size": layout.ep_fsdp_size,
@@ -505,6 +509,8 @@ def plan_reshard(
         "world": len(cat.ranks),
         "origin_world": origin_world(cat, layout),
     }
+    if source is not None:
+        converted_from["source"] = source
     plan.record = make_record(
         to_version,
         p2,

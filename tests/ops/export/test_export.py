@@ -79,7 +79,14 @@ def read_export(out: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(set(index["weight_map"].values())):
         with safe_open(str(out / name), "pt") as f:
-            assert f.metadata() == {"format": "pt"}
+            meta = f.metadata()
+            assert set(meta) == {"format", "ckpttool.source"} and meta["format"] == "pt"
+            assert set(json.loads(meta["ckpttool.source"])) == {
+                "algorithm",
+                "metadata_digest",
+                "metadata_size",
+                "manifest_digest",
+            }
             for k in f.keys():
                 assert index["weight_map"][k] == name
                 tensors[k] = f.get_tensor(k)
@@ -155,8 +162,8 @@ def test_fsdp_chunks_are_each_read_once(fsdp_ckpt: Path, tmp_path: Path) -> None
             self._count(fqn, chunk)
             return super().read_chunk(fqn, chunk, out=out)
 
-        def copy_chunk_to_file(self, fqn, chunk, out_fd, out_offset):  # type: ignore[no-untyped-def]
-            done = super().copy_chunk_to_file(fqn, chunk, out_fd, out_offset)
+        def copy_chunk_to_file(self, fqn, chunk, out_fd, out_offset, **kw):  # type: ignore[no-untyped-def]
+            done = super().copy_chunk_to_file(fqn, chunk, out_fd, out_offset, **kw)
             if done:  # False: nothing read, the caller falls back to read_chunk
                 self._count(fqn, chunk)
             return done

@@ -40,7 +40,7 @@ def test_manifest_lists_every_chunk_and_byte_item_with_crc_and_digest(fsdp_ckpt:
     doc = json.loads(res.stdout)
     jsonschema.validate(doc, load_schema("manifest"))
     man = json.loads((ck / "manifest.json").read_text())
-    assert man["format"] == "ckpttool.manifest" and man["version"] == 1 and man["algorithm"] == "xxh3-128"
+    assert man["format"] == "ckpttool.manifest" and man["version"] == 2 and man["algorithm"] == "xxh3-128"
     with CheckpointReader(ck) as r:
         want = {(k, tuple(c.offsets)) for k, m in r.metadata.entries.items() if hasattr(m, "chunks") for c in m.chunks}
         want |= {(k, None) for k, m in r.metadata.entries.items() if not hasattr(m, "chunks")}

@@ -89,6 +89,8 @@ def test_cli_legacy_to_canonical_is_bitwise_the_true_model(ep_suite: Path, tmp_p
         rec = json.loads(r.read_object("layout"))
         assert r.read_object("optimizer.param_groups.0.lr") == LR
     assert rec["version"] == 2 and rec["parallel"]["ep_size"] == 2 and rec["parallel"]["ep_fsdp_size"] == 2
+    source = rec["converted_from"].pop("source")  # the source's identity (tests/ops/reshard/test_reshard_manifest.py)
+    assert set(source) == {"algorithm", "metadata_digest", "metadata_size", "manifest_digest"}
     assert rec["converted_from"] == {
         "version": 1,
         "ep_size": 2,
