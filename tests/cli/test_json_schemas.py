@@ -124,3 +124,24 @@ def test_a_document_that_breaks_its_schema_is_caught(sample_ckpt: Path) -> None:
     assert not validator.is_valid(doc)
     del doc["summary"]
     assert any(e.validator == "required" for e in validator.iter_errors(doc))
+
+
+def test_manifest_verify_json(sample_ckpt: Path, tmp_path: Path) -> None:
+    ck = copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    validated("manifest", ["manifest", str(ck), "--json"])
+    doc = validated("manifest-check", ["manifest", str(ck), "--verify", "--json"])
+    assert doc["ok"] and doc["kind"] == "dcp" and doc["problems"] == []
+    data = max(ck.glob("__*_0.distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    bad = validated("manifest-check", ["manifest", str(ck), "--verify", "--json"], exit_codes=(1,))
+    assert not bad["ok"] and {p["kind"] for p in bad["problems"]} == {"changed"}
+
+
+def test_manifest_verify_json_of_an_hf_export(sample_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(out), "--manifest"])
+    assert res.exit_code == 0, res.stderr
+    doc = validated("manifest-check", ["manifest", str(out), "--verify", "--json"])
+    assert doc["ok"] and doc["kind"] == "safetensors" and doc["entries"] > 0

@@ -3,7 +3,7 @@
 The schemas ship in the package (``ckpttool/schemas/*.schema.json``, JSON Schema draft
 2020-12), one per document id: ``ckpttool.inspect/1``, ``ckpttool.validate/1``,
 ``ckpttool.export/1``, ``ckpttool.reshard/1``, ``ckpttool.stamp/1``, ``ckpttool.replay/1``,
-``ckpttool.rules/1``, ``ckpttool.diff/1``, ``ckpttool.manifest/1``. Documents may gain fields within a version; consumers ignore
+``ckpttool.rules/1``, ``ckpttool.diff/1``, ``ckpttool.manifest/1``, ``ckpttool.manifest-check/1``. Documents may gain fields within a version; consumers ignore
 fields they do not know.
 """
 
@@ -31,6 +31,7 @@ SCHEMA_NAMES = {
     "rules": "ckpttool.rules/1",
     "diff": "ckpttool.diff/1",
     "manifest": "ckpttool.manifest/1",
+    "manifest-check": "ckpttool.manifest-check/1",
     "import": "ckpttool.import/1",
 }
 _PRINTED_BY = {
@@ -43,6 +44,7 @@ _PRINTED_BY = {
     "rules": "ckpttool rules --json, ckpttool validate --list-rules --json",
     "diff": "ckpttool diff --json",
     "manifest": "ckpttool manifest --json",
+    "manifest-check": "ckpttool manifest --verify --json",
     "import": "ckpttool import --json",
 }
 
@@ -58,6 +60,7 @@ class SchemaName(str, Enum):
     rules = "rules"
     diff = "diff"
     manifest = "manifest"
+    manifest_check = "manifest-check"
     import_ = "import"
 
 
@@ -76,7 +79,7 @@ def schema_command(
     name: Annotated[
         SchemaName | None,
         typer.Argument(
-            help="Which document: inspect, validate, export, reshard, stamp, replay (= replay-step), rules, diff or manifest; "
+            help="Which document: inspect, validate, export, reshard, stamp, replay (= replay-step), rules, diff, manifest, manifest-check (manifest --verify) or import; "
             "none: list them.",
             show_default=False,
         ),
