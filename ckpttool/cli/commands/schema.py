@@ -79,7 +79,7 @@ def schema_command(
     name: Annotated[
         SchemaName | None,
         typer.Argument(
-            help="Which document: inspect, validate, export, reshard, stamp, replay (= replay-step), rules, diff, manifest, manifest-check (manifest --verify) or import; "
+            help="Which document: inspect, validate, export, reshard, stamp, replay (= replay-step), rules, diff, manifest, manifest-check (what manifest prints when verifying) or import; "
             "none: list them.",
             show_default=False,
         ),
