@@ -25,11 +25,13 @@ Only rank 0 prints (the CLI); results and errors on other ranks are silent.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from ckpttool import errors
@@ -190,6 +192,28 @@ def _rebuild(rank: int | None, rep: dict[str, Any]) -> CkptError:
 
 SINGLE = Group()
 _current = SINGLE
+
+
+def enter_output_dir(stack: contextlib.ExitStack, group: Group, out: Any, *, overwrite: bool, source: Any) -> Path:
+    """Rank 0 enters the output's staging directory (:func:`ckpttool.format.outputs.output_dir`)
+    on ``stack``; every rank gets its path (a failure on rank 0 is raised on every rank).
+
+    Raises:
+        whatever ``output_dir`` raises on rank 0 (``OutputError``: ``out`` exists without ``overwrite``, ...).
+    """
+    from ckpttool.format.outputs import output_dir
+
+    failure: BaseException | None = None
+    tmp0: Path | None = None
+    if group.is_root:
+        try:
+            tmp0 = stack.enter_context(output_dir(out, overwrite=overwrite, source=source))
+        except BaseException as e:
+            failure = e
+    group.agree(failure)
+    tmp = group.broadcast(tmp0)
+    assert tmp is not None
+    return Path(tmp)
 
 
 def current() -> Group:

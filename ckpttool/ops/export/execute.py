@@ -42,7 +42,7 @@ from ckpttool.format.atomic import signals_deferred
 from ckpttool.format.digest import DEFAULT_ALGORITHM
 from ckpttool.format.files import copy_regular, resolve_inside
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
-from ckpttool.format.outputs import output_dir, output_location
+from ckpttool.format.outputs import output_location
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.safetensors import ShardWriter
 from ckpttool.format.storage import is_url
@@ -655,18 +655,10 @@ def _export(
     content = {k: v for k, v in identity.items() if k != "checkpoint"}
     st_metadata = {"format": "pt", SOURCE_METADATA_KEY: json.dumps(content, sort_keys=True, separators=(",", ":"))}
     with contextlib.ExitStack() as stack:
-        failure: BaseException | None = None
-        tmp0: Path | None = None
-        if group.is_root:
-            try:
-                tmp0 = stack.enter_context(output_dir(out, overwrite=opts.overwrite, source=checkpoint))
-            except BaseException as e:
-                failure = e
-        group.agree(failure)
-        tmp = group.broadcast(tmp0)
-        assert tmp is not None
+        tmp = distributed.enter_output_dir(stack, group, out, overwrite=opts.overwrite, source=checkpoint)
         bytes_read = 0
         writers: list[ShardWriter | None] = []
+        failure: BaseException | None = None
         try:
             try:
                 # a remote checkpoint: this rank's windows, by parallel range requests

@@ -42,7 +42,7 @@ from ckpttool.format.digest import DEFAULT_ALGORITHM
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
 from ckpttool.format.files import copy_regular, resolve_inside
 from ckpttool.format.metadata import ChunkMeta
-from ckpttool.format.outputs import output_dir, output_location
+from ckpttool.format.outputs import output_location
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.storage import is_url
 from ckpttool.format.tiling import contiguous_run
@@ -534,16 +534,7 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
             )
     group = distributed.current()
     with contextlib.ExitStack() as stack:
-        failure: BaseException | None = None
-        tmp0: Path | None = None
-        if group.is_root:
-            try:
-                tmp0 = stack.enter_context(output_dir(dst_p, overwrite=opts.overwrite, source=src_p))
-            except BaseException as e:
-                failure = e
-        group.agree(failure)
-        tmp = group.broadcast(tmp0)
-        assert tmp is not None
+        tmp = distributed.enter_output_dir(stack, group, dst_p, overwrite=opts.overwrite, source=src_p)
         try:
             writer, counts = execute_plan(
                 plan,
