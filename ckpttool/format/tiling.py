@@ -64,6 +64,10 @@ def tiling_problem(meta: TensorMeta) -> str | None:
         ``None`` when they do, else a short description (``"gap: ..."`` or
         ``"overlap: ..."``). Zero-size chunks are valid and ignored.
     """
+    if len(meta.chunks) == 1:  # the common case: one chunk that is the whole tensor
+        c = meta.chunks[0]
+        if c.sizes == meta.size and not any(c.offsets):
+            return None
     total = meta.numel
     chunks: list[ChunkMeta] = [c for c in meta.chunks if c.numel > 0]
     covered = sum(c.numel for c in chunks)

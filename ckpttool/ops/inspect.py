@@ -299,7 +299,8 @@ def _detected_adapter(cat: Any) -> str | None:
     """The model adapter ``export`` would use on these names (no config: by the keys alone)."""
     from ckpttool.model.adapters import detect_adapter
 
-    ad = detect_adapter(cat.schema.naming, [cat.fqn_of(k) for k in cat.model])
+    naming = cat.schema.naming
+    ad = detect_adapter(naming, cat.param_fqns if naming == "torchtitan" else [])  # only torchtitan reads the fqns
     return ad.name if ad is not None else None
 
 
@@ -336,8 +337,9 @@ def _param_group_rows(cat: Catalog, filt: str | None) -> list[GroupRow]:
         return ps is not None and bool(ps.fields)
 
     if cat.optimizer_flavor != "flattened":
+        stepped = {f for f, ps in cat.optimizer_state.items() if ps.fields}
         return [
-            _group_row(g, g.group_id, len(g.params), g.params[:3], any(has_state(p) for p in g.params))
+            _group_row(g, g.group_id, len(g.params), g.params[:3], not stepped.isdisjoint(g.params))
             for g in cat.param_groups
         ]
     members: dict[tuple[str, bool], list[str]] = {}
@@ -356,14 +358,13 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
     nested_known = bool(grouped)
     # Param groups name the real parameters (nested: `params` lists; flattened: one group per
     # parameter); model tensors in no group are buffers.
-    params = [
-        f
-        for f in cat.param_fqns
-        if match_filter(cat.model_key(f), filt, cat.schema.model_prefix)
-        and (not nested_known or f in grouped or f in cat.optimizer_state)
-    ]
-    buffers = [f for f in cat.param_fqns if nested_known and f not in grouped and f not in cat.optimizer_state]
-    with_state = [f for f in params if f in cat.optimizer_state and cat.optimizer_state[f].fields]
+    state = cat.optimizer_state
+    fqns = cat.param_fqns
+    shown = [f for f in fqns if match_filter(cat.model_key(f), filt, cat.schema.model_prefix)] if filt else fqns
+    params = [f for f in shown if f in grouped or f in state] if nested_known else shown
+    buffers = [f for f in fqns if f not in grouped and f not in state] if nested_known else []
+    with_state = [f for f in params if f in state and state[f].fields]
+    stepped = set(with_state)
     field_dtypes: dict[str, Counter[str]] = defaultdict(Counter)
     implied: Counter[str] = Counter()
     for fqn in with_state:
@@ -380,8 +381,8 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
         implied_types=dict(implied),
         declared_type=declared,
         param_groups=tuple(_param_group_rows(cat, filt)),
-        params_without_state=tuple(sorted(f for f in params if f not in with_state)),
-        never_stepped_with_hyperparameters=tuple(sorted(f for f in params if f not in with_state and f in grouped)),
+        params_without_state=tuple(sorted(f for f in params if f not in stepped)),
+        never_stepped_with_hyperparameters=tuple(sorted(f for f in params if f not in stepped and f in grouped)),
         orphan_state=tuple(sorted(f for f, ps in cat.optimizer_state.items() if not ps.in_model)),
         buffers=tuple(buffers),
     )

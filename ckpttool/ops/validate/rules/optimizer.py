@@ -88,11 +88,12 @@ def partial_state(ctx: Context) -> Iterator[tuple[str, str]]:
 def no_state_no_hyperparameters(ctx: Context) -> Iterator[tuple[str, str]]:
     if not ctx.has_optimizer or not _membership_known(ctx):
         return
+    state, groups = ctx.cat.optimizer_state, ctx.cat.group_index()
     for fqn in ctx.cat.param_fqns:
-        ps = ctx.cat.optimizer_state.get(fqn)
+        ps = state.get(fqn)
         if ps is not None and ps.fields:
             continue
-        if ctx.group_of(fqn) is not None:
+        if fqn in groups:
             continue
         if ctx.lost_hyperparameters(fqn):
             yield (

@@ -60,14 +60,15 @@ def path_escapes(ctx: Context) -> Iterator[tuple[str, str]]:
     error_code="E300",
 )
 def data_file_missing(ctx: Context) -> Iterator[tuple[str, str]]:
+    missing = [rel for rel in ctx.reader.data_files() if isinstance(ctx.file_error(rel), DataFileError)]
+    if not missing:
+        return
     users: dict[str, int] = defaultdict(int)
     for _, _, info in ctx.storage_items():
         if info is not None:
             users[info.relative_path] += 1
-    for rel in ctx.reader.data_files():
-        err = ctx.file_error(rel)
-        if isinstance(err, DataFileError):
-            yield rel, f"{rel}: data file missing; {users[rel]} chunks/byte items are stored in it"
+    for rel in missing:
+        yield rel, f"{rel}: data file missing; {users[rel]} chunks/byte items are stored in it"
 
 
 @rule(
@@ -80,11 +81,17 @@ def data_file_missing(ctx: Context) -> Iterator[tuple[str, str]]:
 )
 def chunk_past_eof(ctx: Context) -> Iterator[tuple[str, str]]:
     by_file: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    sizes: dict[str, int | None] = {}  # relative path -> size (None: the file is unusable, another rule's)
     for key, _, info in ctx.storage_items():
-        if info is None or ctx.file_error(info.relative_path) is not None:
+        if info is None:
             continue
-        if info.offset + info.length > ctx.reader.file_size(info.relative_path):
-            by_file[info.relative_path].append((key, info.offset + info.length))
+        rel = info.relative_path
+        if rel in sizes:
+            size = sizes[rel]
+        else:
+            size = sizes[rel] = None if ctx.file_error(rel) is not None else ctx.reader.file_size(rel)
+        if size is not None and info.offset + info.length > size:
+            by_file[rel].append((key, info.offset + info.length))
     for rel, bad in by_file.items():
         size = ctx.reader.file_size(rel)
         need = max(end for _, end in bad)
@@ -106,9 +113,12 @@ def chunk_past_eof(ctx: Context) -> Iterator[tuple[str, str]]:
     error_code="E301",
 )
 def chunks_do_not_tile(ctx: Context) -> Iterator[tuple[str, str]]:
+    seen: dict[int, str | None] = {}  # id of a TensorMeta -> its problem (entries of one layout share one)
     for key, meta in ctx.reader.metadata.entries.items():
         if isinstance(meta, TensorMeta):
-            problem = tiling_problem(meta)
+            problem = seen.get(id(meta), "")
+            if problem == "":
+                problem = seen[id(meta)] = tiling_problem(meta)
             if problem is not None:
                 yield key, f"{key}: chunks do not tile the {list(meta.size)} tensor ({problem})"
 
