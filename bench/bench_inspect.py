@@ -200,24 +200,17 @@ EXPORT_START = """
 import os, sys, time
 t0 = time.perf_counter()
 from ckpttool.cli import main
-import ckpttool.ops.export.execute as ex
+import ckpttool.ops.distributed as dist
 
 
-class _FirstWrite:
-    # Stands in for the output directory: the export has planned everything and checked every chunk.
-    def __init__(self, *a, **k):
-        pass
-
-    def __enter__(self):
-        sys.stderr.write(f"first write after {time.perf_counter() - t0:.3f} s\\n")
-        sys.stderr.flush()
-        os._exit(0)
-
-    def __exit__(self, *exc):
-        return False
+def _first_write(*a, **k):
+    # Stands in for entering the output directory: the export has planned everything and checked every chunk.
+    sys.stderr.write(f"first write after {time.perf_counter() - t0:.3f} s\\n")
+    sys.stderr.flush()
+    os._exit(0)
 
 
-ex.AtomicOutputDir = _FirstWrite
+dist.enter_output_dir = _first_write
 sys.argv = ["ckpttool", *sys.argv[1:]]
 main()
 """
@@ -271,6 +264,8 @@ def bench_million(workdir: Path, entries: int, ranks: int, sharded_every: int, r
         for label, cmd in cases:
             rows.setdefault(label + " --no-cache", []).append(_run_rss([*cmd[:3], "--no-cache", *cmd[3:]], env))
             rows.setdefault(label + " (cache hit)", []).append(_run_rss(cmd, env))
+    if os.path.exists(out):
+        raise RuntimeError(f"the export wrote {out}: the first-write hook no longer stops it (see EXPORT_START)")
     t_torch, rss_torch = min(t for t, _ in rows["torch"]), max(r for _, r in rows["torch"])
     print(
         f"\n{entries:,} entries ({n_chunks:,} chunks, {ranks} ranks, "

@@ -30,7 +30,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TextIO, TypeVar
 
 import typer
@@ -103,6 +103,15 @@ def emit_json(obj: Any) -> None:
     """Write ``obj`` as JSON to stdout (the only thing on stdout with ``--json``)."""
     # Compact: the C encoder (indent= falls back to the pure-Python one, ~10x slower on large outputs).
     sys.stdout.write(json.dumps(obj, separators=(",", ":"), default=str, allow_nan=False) + "\n")
+    sys.stdout.flush()
+
+
+def emit_json_chunks(chunks: Iterable[str]) -> None:
+    """Write a JSON document given as pieces of text (a streamed ``to_dict()``) to stdout, then a newline."""
+    write = sys.stdout.write
+    for piece in chunks:
+        write(piece)
+    write("\n")
     sys.stdout.flush()
 
 
@@ -260,7 +269,11 @@ class Output:
 
         with gc_paused():  # a 10^6-entry report is ~10^7 acyclic objects
             if self.json:
-                emit_json(result.to_dict())
+                chunks = getattr(result, "json_chunks", None)  # large reports stream their rows
+                if chunks is not None:
+                    emit_json_chunks(chunks())
+                else:
+                    emit_json(result.to_dict())
             else:
                 render(result)
 

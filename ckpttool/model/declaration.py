@@ -287,7 +287,7 @@ def detect_ep_tensors(cat: Catalog) -> dict[str, EPTensorSpec]:
     """
     out: dict[str, EPTensorSpec] = {}
     for key, entry in cat.model.items():
-        if EP_NAME_RE.search(key) and len(entry.shape) >= 2 and entry.shape[0] >= 1:
+        if "experts." in key and EP_NAME_RE.search(key) and len(entry.shape) >= 2 and entry.shape[0] >= 1:
             out[key] = EPTensorSpec(ep_dim=0, fsdp_dim=infer_fsdp_dim(entry, 0), num_experts=entry.shape[0])
     return out
 

@@ -33,7 +33,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any
+from typing import Any, cast
 
 from ckpttool.errors import SchemaError, UsageError
 from ckpttool.format.metadata import CheckpointMetadata, TensorMeta
@@ -255,12 +255,16 @@ def planner_paths(md: CheckpointMetadata) -> dict[str, tuple[Any, ...]]:
         key -> path, a subset of ``md.planner_data`` (the same dict when every path is consistent).
     """
     planner = md.planner_data
+    cached = md.__dict__.get("_planner_paths")  # detection and the catalog ask for the same one
+    if cached is not None and cached[0] is planner and cached[1] == len(planner):
+        return cast(dict[str, tuple[Any, ...]], cached[2])
     bad = [k for k, p in planner.items() if ".".join(map(str, p)) != k]
-    if not bad:
-        return planner
-    out = dict(planner)
-    for k in bad:
-        del out[k]
+    out = planner
+    if bad:
+        out = dict(planner)
+        for k in bad:
+            del out[k]
+    md.__dict__["_planner_paths"] = (planner, len(planner), out)  # a cache on the frozen object, not a field
     return out
 
 

