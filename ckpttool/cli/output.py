@@ -107,12 +107,18 @@ def emit_json(obj: Any) -> None:
 
 
 def emit_json_chunks(chunks: Iterable[str]) -> None:
-    """Write a JSON document given as pieces of text (a streamed ``to_dict()``) to stdout, then a newline."""
-    write = sys.stdout.write
+    """Write a JSON document given as pieces of text (a streamed ``to_dict()``) to stdout, then a newline.
+
+    The pieces are ``json.dumps`` text (``ensure_ascii``: C0 controls and every non-ASCII character
+    are ``\\u`` escapes); the one character left for :func:`safe_text` is DEL, so a piece without one
+    goes to the raw stream unscanned (one ``memchr`` instead of a regex scan of ~250 MB at 10^6 tensors).
+    """
+    out = sys.stdout
+    raw = out.raw_stream if isinstance(out, SanitizedStream) else out
     for piece in chunks:
-        write(piece)
-    write("\n")
-    sys.stdout.flush()
+        (out if "\x7f" in piece or not piece.isascii() else raw).write(piece)
+    out.write("\n")
+    out.flush()
 
 
 def _current_context() -> Any:

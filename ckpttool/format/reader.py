@@ -333,11 +333,15 @@ class CheckpointReader(CheckpointDir):
         Raises:
             AllocationError: a chunk claims more bytes than its archive has.
         """
+        itemsize = meta.dtype.itemsize
+        stored = 0
         for chunk in meta.chunks:
-            if chunk.numel == 0:
+            n = math.prod(chunk.sizes)
+            stored += n
+            if n == 0:
                 continue
             info = self.storage_info(fqn, chunk)
-            need = chunk.numel * meta.dtype.itemsize
+            need = n * itemsize
             if info.transform_descriptors and need > _physical_memory():
                 # a compressed chunk may legitimately be tiny (zeros), but never larger than memory
                 raise AllocationError(
@@ -352,7 +356,6 @@ class CheckpointReader(CheckpointDir):
                     fqn=fqn,
                 )
         # Chunks must cover the tensor, so the global size is bounded by the chunks' bytes.
-        stored = sum(c.numel for c in meta.chunks)
         if meta.numel > stored:
             raise AllocationError(
                 f"{self.path}: {fqn!r} declares {meta.numel} elements but its chunks hold {stored}", fqn=fqn

@@ -253,15 +253,20 @@ def _dedup_chunks(reader: CheckpointReader, key: str) -> tuple[TensorMeta, list[
     """
     meta = reader.tensor_meta(key)
     reader.check_allocation(key, meta)
-    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
-    chunks: list[ChunkMeta] = []
-    for c in meta.chunks:
-        ident = (c.offsets, c.sizes)
-        if ident in seen:
-            continue
-        seen.add(ident)
-        chunks.append(c)
-    problem = tiling_problem(TensorMeta(meta.dtype, meta.size, tuple(chunks)))
+    if len(meta.chunks) == 1:
+        chunks = list(meta.chunks)
+    else:
+        seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        chunks = []
+        for c in meta.chunks:
+            ident = (c.offsets, c.sizes)
+            if ident in seen:
+                continue
+            seen.add(ident)
+            chunks.append(c)
+    problem = tiling_problem(
+        meta if len(chunks) == len(meta.chunks) else TensorMeta(meta.dtype, meta.size, tuple(chunks))
+    )
     if problem is not None:
         raise ChunkError(f"{reader.path}: chunks of {key!r} do not tile the tensor ({problem})", fqn=key)
     return meta, [c for c in chunks if c.numel > 0]
