@@ -576,3 +576,26 @@ def test_source_never_modified_on_failure(dense_ckpt: Path, tmp_path: Path) -> N
     assert {p.name: p.read_bytes() for p in ck.iterdir() if p.is_file()} == snapshot
     shutil.rmtree(tmp_path / "o2")
     assert os.listdir(tmp_path) == ["ck"]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "to", "key"),
+    [
+        (r"^model\.model\.(.+)$", r"model.\1", "model.model.layers.0.w"),
+        (r"^model\.(.+)$", r"\1", "model.x.y"),
+        (r"^(?P<a>x)(?P<b>y)?(.*)$", r"\g<a>-\g<b>-\g<3>-\3", "xz"),
+        (r"^(a)(b)$", r"\2\1\\n", "ab"),
+        (r"^(a)(b)$", r"\g<0>!", "ab"),
+        (r"^(a)(b)(c)(d)(e)(f)(g)(h)(i)(j)(k)$", r"\10", "abcdefghijk"),
+    ],
+)
+def test_key_rule_template_expands_as_match_expand(pattern: str, to: str, key: str) -> None:
+    # KeyRule parses its template once; the output key must be exactly what Match.expand gives
+    import re
+
+    from ckpttool.ops.export.rules import KeyRule
+
+    rx = re.compile(pattern)
+    m = rx.fullmatch(key)
+    assert m is not None
+    assert KeyRule(rx, to).apply(key) == (True, m.expand(to))
