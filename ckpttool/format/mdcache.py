@@ -50,7 +50,7 @@ import struct
 import sys
 import tempfile
 from array import array
-from itertools import repeat
+from itertools import groupby, islice, repeat
 from pathlib import Path
 from typing import Any
 
@@ -401,14 +401,18 @@ def _decode(blob: bytes, digest: str, size: int) -> CheckpointMetadata:
     _ids(p_items, 0, ns, "planner item string")
     others = iter(_planner(header["planner"]))
     paths: list[tuple[Any, ...]] = []
-    p = 0
-    for n in p_len:
+    if sum(n for n in p_len if n > 0) != len(p_items):
+        raise CorruptEntry("planner items differ from their paths")
+    items = map(strings.__getitem__, p_items)
+    for n, run in groupby(p_len):  # runs of paths of one length, built in C (10^6 paths)
+        count = sum(1 for _ in run)
         if n < 0:
-            paths.append(next(others))
+            paths.extend(islice(others, count))
+        elif n == 0:
+            paths.extend(repeat((), count))
         else:
-            paths.append(tuple(map(strings.__getitem__, p_items[p : p + n])))
-            p += n
-    if p != len(p_items) or next(others, None) is not None:
+            paths.extend(islice(zip(*[items] * n), count))
+    if len(paths) != len(p_len) or next(others, None) is not None or next(items, None) is not None:
         raise CorruptEntry("planner items differ from their paths")
     planner = dict(zip(map(strings.__getitem__, p_key), paths))
     if len(planner) != len(p_key):

@@ -66,7 +66,7 @@ def tiling_problem(meta: TensorMeta) -> str | None:
     """
     if len(meta.chunks) == 1:  # the common case: one chunk that is the whole tensor
         c = meta.chunks[0]
-        if c.sizes == meta.size and not any(c.offsets):
+        if c.sizes == meta.size and c.offsets.count(0) == len(c.offsets):
             return None
     total = meta.numel
     chunks: list[ChunkMeta] = [c for c in meta.chunks if c.numel > 0]

@@ -25,6 +25,8 @@ def strip_wrapper_segments(key: str) -> tuple[str, tuple[str, ...]]:
     removed. Example: ``model.layers.0._checkpoint_wrapped_module.mlp.weight`` ->
     ``(model.layers.0.mlp.weight, ("_checkpoint_wrapped_module",))``.
     """
+    if "module" not in key and "_orig_mod" not in key:  # no segment can be a component (10^6 keys: one C scan each)
+        return key, ()
     parts = key.split(".")
     kept = [p for p in parts[:-1] if p not in WRAPPER_SEGMENTS]
     if len(kept) == len(parts) - 1:

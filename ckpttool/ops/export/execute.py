@@ -623,21 +623,8 @@ def _export(
             f"(e.g. {missing[0]!r})",
             fqn=missing[0],
         )
-    log.info(
-        "plan: %d tensors (%d bytes) in %d file(s) of at most %d bytes; weights %s; save dtype %s; casts %s; "
-        "experts %s, %d un-permuted from the legacy layout; tied embeddings %s; %d key(s) not exported",
-        plan.num_tensors,
-        plan.total_bytes,
-        len(plan.files),
-        opts.shard_size,
-        opts.weights,
-        opts.save_dtype,
-        plan.casts or "none",
-        opts.experts,
-        len(orders),
-        tied or "no",
-        sum(len(v) for v in skipped.values()),
-    )
+    if log.isEnabledFor(logging.INFO):  # the totals walk every task: only when shown
+        _log_plan(plan, opts, orders, tied, skipped)
     adapter: dict[str, Any] | None = None
     if opts.fmt == "lora":
         adapter = adapter_config(plan, cat, given=given_adapter, lora_alpha=opts.lora_alpha, model_config=model_config)
@@ -769,6 +756,26 @@ def _export(
         manifest=MANIFEST_NAME if opts.manifest else None,
         model_adapter=model_adapter.name if model_adapter is not None else None,
         model_check=check.to_dict() if check is not None else None,
+    )
+
+
+def _log_plan(
+    plan: ExportPlan, opts: ExportOptions, orders: dict[str, Any], tied: Any, skipped: dict[str, list[str]]
+) -> None:
+    log.info(
+        "plan: %d tensors (%d bytes) in %d file(s) of at most %d bytes; weights %s; save dtype %s; casts %s; "
+        "experts %s, %d un-permuted from the legacy layout; tied embeddings %s; %d key(s) not exported",
+        plan.num_tensors,
+        plan.total_bytes,
+        len(plan.files),
+        opts.shard_size,
+        opts.weights,
+        opts.save_dtype,
+        plan.casts or "none",
+        opts.experts,
+        len(orders),
+        tied or "no",
+        sum(len(v) for v in skipped.values()),
     )
 
 

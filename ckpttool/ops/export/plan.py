@@ -295,9 +295,9 @@ def select_sources(
     masters_found = 0
     prefix = cat.schema.model_prefix
     for key, entry in cat.model.items():
-        canonical = cat.schema.canonical_key(key)  # rules match the torch-native spelling model.<fqn>
-        canonical, removed = strip_wrapper_segments(canonical)  # _orig_mod., module., ... anywhere
         fqn = cat.fqn_of(key)
+        canonical = f"model.{fqn}"  # KeySchema.canonical_key: rules match the torch-native spelling model.<fqn>
+        canonical, removed = strip_wrapper_segments(canonical)  # _orig_mod., module., ... anywhere
         if removed:
             unwrapped.append(key)
             segments.update(removed)
@@ -612,7 +612,13 @@ def build_plan(
             casts[tag] += len(pieces)
             if is_narrowing(src.dtype, dtype):
                 narrowing[tag] += len(pieces)
-        origins.setdefault(s.origin, []).extend(p.name for p in pieces)
+        listed = origins.get(s.origin)
+        if listed is None:
+            listed = origins[s.origin] = []
+        if len(pieces) == 1:
+            listed.append(pieces[0].name)
+        else:
+            listed.extend(p.name for p in pieces)
         units.append((s, pieces, order, None))
 
     # Greedy packing in source order; a source's pieces stay in one file (read once).
@@ -623,7 +629,11 @@ def build_plan(
         if pieces[0].shared and pieces[0].name in shared_at:
             shard_of.append(shared_at[pieces[0].name])
             continue
-        nbytes = sum(_nbytes(p.dtype, p.shape) for p in pieces)
+        nbytes = (
+            _nbytes(pieces[0].dtype, pieces[0].shape)
+            if len(pieces) == 1
+            else sum(_nbytes(p.dtype, p.shape) for p in pieces)
+        )
         if not sizes or (fmt != "lora" and sizes[-1] > 0 and sizes[-1] + nbytes > shard_size):
             sizes.append(0)
         sizes[-1] += nbytes
