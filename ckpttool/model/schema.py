@@ -396,8 +396,18 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
     model_votes: Counter[str] = Counter()
     tops: set[str] = set()
     opt_keys: list[tuple[str, str, tuple[Any, ...] | None]] = []
+    n_model_paths = 0  # tensors at ("model", <fqn>): the common case, counted without the two calls
     for key, meta in entries.items():
         path = get(key)
+        if path is not None and len(path) == 2 and path[0] == _APP_MODEL and type(meta) is TensorMeta:
+            # what the general code below does for them: not an optimizer key (_optimizer_prefix_of: None),
+            # a tensor whose model prefix candidate is "model." (_model_prefix_candidate)
+            if not n_model_paths:
+                tops.add(_APP_MODEL)
+                model_votes["model."] += 0  # first seen here: the votes keep their order of first appearance
+            n_model_paths += 1
+            tensors.append(key)
+            continue
         top = path[0] if path else key.partition(".")[0]
         if type(top) is str:
             tops.add(top)
@@ -411,6 +421,8 @@ def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None
             mp = _model_prefix_candidate(key, path)
             if mp is not None:
                 model_votes[mp] += 1
+    if n_model_paths:
+        model_votes["model."] += n_model_paths
 
     opt_prefix = opt_votes.most_common(1)[0][0] if opt_votes else None
     state_prefix = f"{opt_prefix}state."

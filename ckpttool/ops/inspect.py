@@ -424,6 +424,7 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
     buffers = [f for f in fqns if f not in grouped and f not in state] if nested_known else []
     with_state = [f for f in params if f in state and state[f].fields]
     stepped = set(with_state)
+    without = sorted(f for f in params if f not in stepped) if stepped else sorted(params)
     field_dtypes: dict[str, Counter[str]] = defaultdict(Counter)
     implied: Counter[str] = Counter()
     for fqn in with_state:
@@ -440,8 +441,8 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
         implied_types=dict(implied),
         declared_type=declared,
         param_groups=tuple(_param_group_rows(cat, filt)),
-        params_without_state=tuple(sorted(f for f in params if f not in stepped)),
-        never_stepped_with_hyperparameters=tuple(sorted(f for f in params if f not in stepped and f in grouped)),
+        params_without_state=tuple(without),
+        never_stepped_with_hyperparameters=tuple(f for f in without if f in grouped),  # sorted already
         orphan_state=tuple(sorted(f for f, ps in cat.optimizer_state.items() if not ps.in_model)),
         buffers=tuple(buffers),
     )
