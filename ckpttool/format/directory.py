@@ -42,7 +42,7 @@ from ckpttool.errors import (
 from ckpttool.format import limits
 from ckpttool.format.files import _kind, copy_regular, open_regular, read_regular, resolve_inside
 from ckpttool.format.hf_storage import hf_storage_files, load_hf_storage_metadata, shard_rank
-from ckpttool.format.mdcache import parse_metadata_cached
+from ckpttool.format.mdcache import parse_metadata_taken
 from ckpttool.format.metadata import CheckpointMetadata, ChunkMeta, StorageInfo
 from ckpttool.format.storage import RemoteStore, Spool, is_url, local_path
 
@@ -135,11 +135,15 @@ class CheckpointDir:
                 path=md,
                 hint="pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files)",
             )
+        self.metadata = parse_metadata_taken(
+            [self._read_metadata_bytes(md)], str(md), lambda: self._read_metadata_bytes(md)
+        )
+
+    def _read_metadata_bytes(self, shown: str | os.PathLike[str]) -> bytes:
         try:
-            data = self.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
+            return self.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
         except DataFileError as e:
-            raise MetadataError(e.message, path=md) from e
-        self.metadata = parse_metadata_cached(data, str(md))
+            raise MetadataError(e.message, path=shown) from e
 
     def _open_remote(self, url: str | os.PathLike[str], metadata: CheckpointMetadata | None) -> None:
         """Open a checkpoint below a URL prefix (:mod:`ckpttool.format.storage`): one listing, then ``.metadata``."""
@@ -172,11 +176,10 @@ class CheckpointDir:
                     path=store.path / METADATA_NAME,
                     hint="pass the URL of the prefix that dcp.save wrote (it holds .metadata and __R_N.distcp)",
                 )
-            try:
-                data = self.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
-            except DataFileError as e:
-                raise MetadataError(e.message, path=store.path / METADATA_NAME) from e
-            self.metadata = parse_metadata_cached(data, str(store.path / METADATA_NAME))
+            shown = store.path / METADATA_NAME
+            self.metadata = parse_metadata_taken(
+                [self._read_metadata_bytes(shown)], str(shown), lambda: self._read_metadata_bytes(shown)
+            )
         except BaseException:
             self.close()
             raise

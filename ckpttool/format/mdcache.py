@@ -50,6 +50,7 @@ import struct
 import sys
 import tempfile
 from array import array
+from collections.abc import Callable
 from itertools import groupby, islice, repeat
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,7 @@ __all__ = [
     "encode",
     "decode",
     "parse_metadata_cached",
+    "parse_metadata_taken",
 ]
 
 log = logging.getLogger(__name__)
@@ -248,11 +250,33 @@ def decode(blob: bytes, digest: str, size: int) -> CheckpointMetadata:
         CorruptEntry: the entry is for other bytes, of another version, truncated, or holds a
             value the unpickler would have refused (any such entry is ignored by the caller).
     """
+    return _decode_owned([blob], _check_entry(blob, digest, size))
+
+
+_DECODE_ERRORS = (ValueError, TypeError, IndexError, KeyError, OverflowError, RecursionError, MemoryError)
+
+
+def _check_entry(blob: bytes, digest: str, size: int) -> dict[str, Any]:
+    """The header of an entry whose magic, checksum and versions are right and that is for these bytes.
+
+    Raises:
+        CorruptEntry: otherwise.
+    """
     try:
-        return _decode(blob, digest, size)
+        return _header(blob, digest, size)
     except CorruptEntry:
         raise
-    except (ValueError, TypeError, IndexError, KeyError, OverflowError, RecursionError, MemoryError) as e:
+    except _DECODE_ERRORS as e:
+        raise CorruptEntry(f"{type(e).__name__}: {str(e)[:80]}") from e
+
+
+def _decode_owned(taken: list[bytes], header: dict[str, Any]) -> CheckpointMetadata:
+    """Decode the entry in ``taken`` (a one-item list, emptied: the bytes are freed once the columns are read)."""
+    try:
+        return _decode(taken, header)
+    except CorruptEntry:
+        raise
+    except _DECODE_ERRORS as e:
         raise CorruptEntry(f"{type(e).__name__}: {str(e)[:80]}") from e
 
 
@@ -267,7 +291,7 @@ def _dims_ok(values: list[int]) -> None:
         raise CorruptEntry("dims out of range")
 
 
-def _decode(blob: bytes, digest: str, size: int) -> CheckpointMetadata:
+def _header(blob: bytes, digest: str, size: int) -> dict[str, Any]:
     mv = memoryview(blob)
     if len(blob) < 48 or bytes(mv[:8]) != _MAGIC:
         raise CorruptEntry("bad magic")
@@ -282,6 +306,14 @@ def _decode(blob: bytes, digest: str, size: int) -> CheckpointMetadata:
         raise CorruptEntry("other format or parser version")
     if header.get("sha256") != digest or header.get("size") != size:
         raise CorruptEntry("entry of other bytes")
+    header["_body_at"] = 16 + hlen
+    return header
+
+
+def _decode(taken: list[bytes], header: dict[str, Any]) -> CheckpointMetadata:
+    blob = taken.pop()
+    mv = memoryview(blob)[:-32]
+    hlen = header["_body_at"] - 16
     strings = header["strings"]
     lengths = header["columns"]
     if type(strings) is not list or not all(type(x) is str for x in strings):
@@ -295,16 +327,26 @@ def _decode(blob: bytes, digest: str, size: int) -> CheckpointMetadata:
     body = mv[16 + hlen :]
     if len(body) != 8 * sum(lengths):
         raise CorruptEntry("column bytes differ from their lengths")
-    arr = array("q")
-    arr.frombytes(body)
-    if not _LE:
-        arr.byteswap()
     col: dict[str, list[int]] = {}
-    pos = 0
-    for name, n in zip(_COLUMNS, lengths):
-        col[name] = arr[pos : pos + n].tolist()
-        pos += n
-    del arr
+    if _LE:  # the columns straight from the entry's bytes (no 8-byte-per-value copy of the whole body)
+        ints = body.cast("B").cast("q")
+        pos = 0
+        for name, n in zip(_COLUMNS, lengths):
+            col[name] = ints[pos : pos + n].tolist()
+            pos += n
+        ints.release()
+    else:
+        arr = array("q")
+        arr.frombytes(body)
+        arr.byteswap()
+        pos = 0
+        for name, n in zip(_COLUMNS, lengths):
+            col[name] = arr[pos : pos + n].tolist()
+            pos += n
+        del arr
+    body.release()
+    mv.release()
+    del blob  # the caller handed its reference over: the entry's bytes are freed here
     ns = len(strings)
 
     # distinct tensor layouts: checked one by one (a few per checkpoint, at most one per entry)
@@ -465,9 +507,29 @@ def parse_metadata_cached(data: bytes, source: str = ".metadata") -> CheckpointM
     Raises:
         as :func:`~ckpttool.format.unpickler.parse_metadata_bytes`.
     """
+    return parse_metadata_taken([data], source)
+
+
+def parse_metadata_taken(
+    holder: list[bytes], source: str = ".metadata", reread: Callable[[], bytes] | None = None
+) -> CheckpointMetadata:
+    """:func:`parse_metadata_cached` of the bytes in ``holder`` (a one-item list, emptied).
+
+    With the caller's only reference handed over and ``reread`` given (reads the same file
+    again), a cache hit frees the ``.metadata`` bytes (hundreds of MB at 10^6 entries) as soon as
+    the entry's checksum and header match them, so they and the entry are never both decoded in
+    memory. An entry that fails a later check is ignored as always: the file is read again and
+    parsed (and cached only when its digest is still the one looked up).
+
+    Raises:
+        as :func:`~ckpttool.format.unpickler.parse_metadata_bytes`.
+    """
+    data: bytes | None = holder.pop()
+    assert data is not None
     if len(data) < MIN_CACHED_BYTES or not cache_enabled():
         return parse_metadata_bytes(data, source)
     digest = hashlib.sha256(data).hexdigest()
+    size = len(data)
     path = entry_path(digest)
     with gc_paused():
         try:
@@ -476,14 +538,24 @@ def parse_metadata_cached(data: bytes, source: str = ".metadata") -> CheckpointM
             blob = None
         if blob is not None:
             try:
-                md = decode(blob, digest, len(data))
+                header = _check_entry(blob, digest, size)
+                if reread is not None:
+                    data = None  # the entry is for these bytes: not needed unless it fails below
+                taken = [blob]
+                del blob
+                md = _decode_owned(taken, header)
                 log.debug("%s: parsed metadata from the cache entry %s", source, path)
                 return md
             except CorruptEntry as e:
                 log.info("%s: cache entry %s ignored (%s); parsing again", source, path, e)
-            del blob
+            blob = None
+        if data is None:
+            assert reread is not None
+            data = reread()
+            if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
+                return parse_metadata_bytes(data, source)  # changed meanwhile: parsed, never cached under the old key
         md = parse_metadata_bytes(data, source)
-        _store(path, md, digest, len(data))
+        _store(path, md, digest, size)
         return md
 
 

@@ -255,3 +255,45 @@ def test_small_metadata_is_parsed_directly(sample_ckpt: Path, tmp_path: Path, mo
     assert (sample_ckpt / ".metadata").stat().st_size < mdcache.MIN_CACHED_BYTES
     CheckpointDir(sample_ckpt).close()
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("edit", ["string id", "huge dim", "planner", "storage range"])
+def test_forged_entry_after_the_bytes_were_freed_is_ignored(
+    edit: str, dense_ckpt: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the .metadata bytes are freed once an entry's checksum and header match: an entry that fails a
+    # later check makes the file be read again and parsed, the same result as without the cache
+    monkeypatch.setattr(mdcache, "MIN_CACHED_BYTES", 0)
+    data = (dense_ckpt / ".metadata").read_bytes()
+    md = parse_metadata_bytes(data)
+    path = mdcache.entry_path(hashlib.sha256(data).hexdigest())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(_forge(md, data, edit))
+    reads: list[int] = []
+
+    def reread() -> bytes:
+        reads.append(1)
+        return data
+
+    assert mdcache.parse_metadata_taken([data], ".metadata", reread) == md
+    assert reads == [1]
+    assert mdcache.decode(path.read_bytes(), hashlib.sha256(data).hexdigest(), len(data)) == md  # rebuilt
+    holder = [data]
+    assert mdcache.parse_metadata_taken(holder, ".metadata", reread) == md and holder == []
+    assert reads == [1]  # a good entry: never read again
+
+
+def test_file_changed_before_the_reread_is_parsed_and_not_cached(
+    dense_ckpt: Path, fsdp_ckpt: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(mdcache, "MIN_CACHED_BYTES", 0)
+    data = (dense_ckpt / ".metadata").read_bytes()
+    other = (fsdp_ckpt / ".metadata").read_bytes()
+    md = parse_metadata_bytes(data)
+    digest = hashlib.sha256(data).hexdigest()
+    path = mdcache.entry_path(digest)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    forged = _forge(md, data, "huge dim")
+    path.write_bytes(forged)
+    assert mdcache.parse_metadata_taken([data], ".metadata", lambda: other) == parse_metadata_bytes(other)
+    assert path.read_bytes() == forged  # never replaced by an entry of other bytes under this key
