@@ -222,15 +222,22 @@ class Catalog:
     training_state: dict[str, list[str]] = field(default_factory=dict)
     _group_index: dict[str, ParamGroup] | None = field(default=None, repr=False, compare=False)
     _group_index_size: int = field(default=-1, repr=False, compare=False)
+    _fqns: tuple[tuple[int, int, str | None], list[str]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def param_fqns(self) -> list[str]:
-        """Model keys without the schema's model prefix (the optimizer's fqns)."""
+        """Model keys without the schema's model prefix (the optimizer's fqns); a shared list, do not modify it.
+
+        Built once (10^6 keys: one string each) and again only when ``model`` or the schema changed.
+        """
+        sig = (id(self.model), len(self.model), self.schema.model_prefix)
+        if self._fqns is not None and self._fqns[0] == sig:
+            return self._fqns[1]
         p = self.schema.model_prefix or ""
-        if not p:
-            return list(self.model)
         n = len(p)
-        return [k[n:] if k.startswith(p) else k for k in self.model]  # KeySchema.fqn_of, inlined (10^6 keys)
+        fqns = [k[n:] if k.startswith(p) else k for k in self.model] if p else list(self.model)  # KeySchema.fqn_of
+        self._fqns = (sig, fqns)
+        return fqns
 
     def fqn_of(self, key: str) -> str:
         """The parameter fqn of model key ``key``."""
