@@ -239,8 +239,15 @@ def bench_million(workdir: Path, entries: int, ranks: int, sharded_every: int, r
     """
     ckpt = workdir / (f"many-{entries}-{ranks}" if sharded_every == 4 else f"many-{entries}-{ranks}-s{sharded_every}")
     if not (ckpt / ".metadata").exists():
+        # built in a child: its 7 GB of torch objects would otherwise be the high-water mark that every
+        # later child inherits at fork (ru_maxrss counts it), and every peak RSS below would read 7 GB
         t0 = time.perf_counter()
-        make_many_entries_checkpoint(ckpt, entries, ranks, sharded_every)
+        build = "import sys; sys.path.insert(0, sys.argv[1]); import bench_inspect as b; "
+        build += "b.make_many_entries_checkpoint(sys.argv[2], *map(int, sys.argv[3:]))"
+        here = str(Path(__file__).resolve().parent)
+        subprocess.run(
+            [sys.executable, "-c", build, here, str(ckpt), str(entries), str(ranks), str(sharded_every)], check=True
+        )
         print(f"built {ckpt} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     md_size = (ckpt / ".metadata").stat().st_size
     n_chunks = entries + (entries + sharded_every - 1) // sharded_every * (ranks - 1) if sharded_every else entries
