@@ -572,7 +572,9 @@ def build_plan(
             origins.setdefault(s.origin, []).extend(counted)
             units.append((s, apieces, None, runs))
             continue
-        rule = rules.expert_rule(s.out_key) if fmt == "hf" else None
+        # the rule matters for [E, A, B] tensors, and for any shape with per-expert (which refuses other shapes)
+        wanted = fmt == "hf" and (experts == "per-expert" or len(src.shape) == 3)
+        rule = rules.expert_rule(s.out_key) if wanted else None
         pieces: tuple[Piece, ...]
         if rule is not None and len(src.shape) == 3:
             e = src.shape[0]
@@ -650,7 +652,8 @@ def build_plan(
             if p.shared and p.name in names_seen:
                 continue
             try:
-                p.name.encode("utf-8")
+                if not p.name.isascii():
+                    p.name.encode("utf-8")
             except UnicodeEncodeError:
                 raise ExportError(
                     f"{s.model_key!a}: output key {p.name!a} is not valid UTF-8 text (safetensors stores names as UTF-8 JSON)",
