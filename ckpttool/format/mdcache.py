@@ -34,7 +34,10 @@ Loading treats an entry as untrusted input: magic, checksum, versions, hash and 
 must be in range and every value passes the checks the unpickler applies (dims 0..2^62, at most
 64 dims, chunks inside their tensor, int64 offsets, known dtypes, planner paths of str/int);
 anything else (truncated, garbage, hostile) makes the entry ignored and the ``.metadata`` parsed
-again. Writing is best effort (a read-only or missing cache directory is not an error): written to
+again. :func:`parse_metadata_taken` (what :class:`~ckpttool.format.directory.CheckpointDir` uses)
+frees the ``.metadata`` bytes once the entry's checksum and header match them, so that they and
+the decoded entry are not in memory together; an entry failing a later check makes it read the
+file again (and cache the parse only when the file's digest is still the one looked up). Writing is best effort (a read-only or missing cache directory is not an error): written to
 a temporary file in the cache folder and renamed, so a reader never sees half an entry.
 """
 
