@@ -50,12 +50,36 @@ def test_rope_rows_match_the_view_transpose_permutation() -> None:
     assert torch.equal(back, w)
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "llama_tied"])
+def test_rope_run_map_is_a_row_permutation_gathered_per_block() -> None:
+    """The export's fast path: a slab of whole heads is permuted by one gather; a slab cutting a head is not."""
+    import numpy as np
+
+    from ckpttool.ops.export.transform import Run, RunMap
+
+    n, hd, dim = 3, 8, 5
+    w = torch.arange(n * hd * dim, dtype=torch.int16).reshape(n * hd, dim)
+    want = w.view(n, hd // 2, 2, dim).transpose(1, 2).reshape(n * hd, dim)
+    rm = RunMap([Run(r * dim, dim, 0, d * dim) for r, d in enumerate(rope_to_hf_rows(n, hd))])
+    assert rm.rows is not None and rm.rows.block == hd and rm.rows.row == dim
+    src = memoryview(w.numpy().tobytes())
+    rb = dim * 2
+    got = rm.rows.gather(src[hd * rb : 3 * hd * rb], hd, 2 * hd, np.empty(2 * hd * rb, dtype=np.uint8))
+    assert got is not None and got[0] == hd
+    assert got[1].tobytes() == want[hd:].numpy().tobytes()
+    assert rm.rows.gather(src[4 * rb : 12 * rb], 4, 8, np.empty(8 * rb, dtype=np.uint8)) is None
+    assert RunMap([Run(0, 5, 0, 5), Run(5, 5, 0, 0)]).rows is not None
+    assert RunMap([Run(0, 5, 0, 5), Run(5, 5, 1, 0)]).rows is None  # two pieces: not a row permutation
+    assert RunMap([Run(0, 5, 0, 0), Run(10, 5, 0, 5)]).rows is None  # rows left out
+
+
+@pytest.mark.parametrize(("name", "slab"), [("llama_gqa", None), ("llama_tied", None), ("llama_gqa", "64")])
 def test_llama_gqa_through_the_adapter_loads_with_identical_logits(
-    titan_named: Path, tmp_path: Path, name: str
+    titan_named: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, slab: str | None
 ) -> None:
     from transformers import LlamaForCausalLM
 
+    if slab is not None:  # slabs smaller than one head: widened to whole heads
+        monkeypatch.setenv("CKPTTOOL_SLAB_BYTES", slab)
     src = titan_named / name
     doc = export(src, tmp_path / "hf")
     assert doc["model_adapter"] == "torchtitan-llama3"
