@@ -735,7 +735,7 @@ def _stream_record(
     Raises:
         OSError: a short read (the source file changed under us) or a failed write.
     """
-    from ckpttool.format.crc import crc32
+    from ckpttool.format.crc import crc32, crc32_combine
 
     nbytes = info.file_size
     zip64 = nbytes > zipfile.ZIP64_LIMIT
@@ -764,20 +764,24 @@ def _stream_record(
             written += os.pwrite(fd, data[written:], at + written)
 
     pos = base + header_at + header_len
-    crc = 0
-    for src, offset, length in segments:
-        done = 0
-        while done < length:
-            n = min(len(buf), length - done)
-            got = os.preadv(src, [buf[:n]], offset + done)
-            if got <= 0:
-                raise OSError(f"short read at offset {offset + done}")
-            crc = crc32(buf[:got], crc)
-            if sink is not None:
-                sink(buf[:got])
-            put(buf[:got], pos)
-            pos += got
-            done += got
+    if fd is not None and sink is None and nbytes >= _SPLIT_BYTES and crc32_combine is not None:
+        crc = _copy_split(segments, fd, pos, buf)  # two threads, each half of the record
+        pos += nbytes
+    else:
+        crc = 0
+        for src, offset, length in segments:
+            done = 0
+            while done < length:
+                n = min(len(buf), length - done)
+                got = os.preadv(src, [buf[:n]], offset + done)
+                if got <= 0:
+                    raise OSError(f"short read at offset {offset + done}")
+                crc = crc32(buf[:got], crc)
+                if sink is not None:
+                    sink(buf[:got])
+                put(buf[:got], pos)
+                pos += got
+                done += got
     info.CRC = crc
     header = info.FileHeader(zip64)
     assert len(header) == header_len
@@ -786,6 +790,71 @@ def _stream_record(
     zf.filelist.append(info)
     zf.NameToInfo[info.filename] = info
     zf.start_dir = window.tell()
+
+
+#: A record of at least this many bytes is copied by two threads, one half each (:func:`_copy_split`).
+_SPLIT_BYTES = 8 << 20
+_helper_lock = threading.Lock()
+_helper: Any = None
+
+
+def _helper_pool() -> Any:
+    """The process's one helper thread of :func:`_copy_split` (created on first use)."""
+    global _helper
+    with _helper_lock:
+        if _helper is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _helper = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-record")
+        return _helper
+
+
+def _copy_range_crc(segments: list[tuple[int, int, int]], lo: int, hi: int, fd: int, at: int, buf: memoryview) -> int:
+    """Copy bytes ``[lo, hi)`` of the concatenation of ``segments`` to ``fd`` at ``at + lo``; their CRC-32.
+
+    Raises:
+        OSError: a short read (the source changed under us) or a failed write.
+    """
+    from ckpttool.format.crc import crc32
+
+    crc = 0
+    start = 0  # of the current segment in the concatenation
+    for src, offset, length in segments:
+        a, b = max(lo, start), min(hi, start + length)
+        while a < b:
+            n = min(len(buf), b - a)
+            got = os.preadv(src, [buf[:n]], offset + (a - start))
+            if got <= 0:
+                raise OSError(f"short read at offset {offset + (a - start)}")
+            crc = crc32(buf[:got], crc)
+            view, w = buf[:got], 0
+            while w < got:
+                w += os.pwrite(fd, view[w:], at + a + w)
+            a += got
+        start += length
+        if start >= hi:
+            break
+    return crc
+
+
+def _copy_split(segments: list[tuple[int, int, int]], fd: int, at: int, buf: memoryview) -> int:
+    """:func:`_copy_range_crc` of the whole record in two halves, the second on the helper thread.
+
+    ``preadv`` / ``pwrite`` and ISA-L's CRC-32 release the GIL, so the two halves' page-cache
+    copies run on two cores; the CRC-32 of the record is the halves' combined (``crc32_combine``).
+    """
+    from ckpttool.format.copy import bounce_buffer
+    from ckpttool.format.crc import crc32_combine
+
+    assert crc32_combine is not None
+    nbytes = sum(n for _, _, n in segments)
+    mid = (nbytes // 2) & ~((1 << 20) - 1) or nbytes // 2
+    second = _helper_pool().submit(lambda: _copy_range_crc(segments, mid, nbytes, fd, at, bounce_buffer()))
+    try:
+        first = _copy_range_crc(segments, 0, mid, fd, at, buf)
+    finally:
+        rest = second.result()  # re-raises the helper's error; always waited for (it writes into fd)
+    return int(crc32_combine(first, rest, nbytes - mid))
 
 
 def write_tensor_archive(

@@ -30,7 +30,7 @@ import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ExportError, UsageError
 from ckpttool.format.files import open_regular, resolve_inside
@@ -40,11 +40,13 @@ from ckpttool.format.outputs import output_dir, output_location
 from ckpttool.format.storage import is_url
 from ckpttool.format.writer import DCPWriter
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, NativeTensor, Skip, get_adapter, rope_from_hf_rows
-from ckpttool.model.declaration import EP_NAME_RE
-from ckpttool.model.geometry import nested_shard_intervals
 from ckpttool.model.hfconfig import config_value, read_hf_config
-from ckpttool.model.layout_record import LAYOUT_KEY, EPTensorSpec
-from ckpttool.ops.reshard.plan import make_record
+
+if TYPE_CHECKING:
+    from ckpttool.model.layout_record import EPTensorSpec
+
+# The EP pieces (expert-name pattern, layout record, nested intervals) are imported where EP sizes are
+# given: a dense import's start-up does not pay for the reshard planner and the layout declarations.
 
 __all__ = ["ImportOptions", "ImportResult", "ep_rows", "import_hf", "torch_chunk_rows"]
 
@@ -345,6 +347,8 @@ def ep_rows(num_experts: int, ep_size: int, ep_fsdp_size: int) -> list[tuple[int
     the expert dim, as torchtitan and VeOmni shard experts when ``num_experts >= P * F``). An
     empty piece is ``(num_experts, 0)``.
     """
+    from ckpttool.model.geometry import nested_shard_intervals
+
     return nested_shard_intervals(num_experts, (ep_size, ep_fsdp_size))
 
 
@@ -430,6 +434,10 @@ def _import_plain(
         raise UsageError("`adapter` applies to `schema` torchtitan", param="adapter")
     acfg = AdapterConfig.from_hf_config(config)
     natives, skipped = _native_tensors(sources, opts, adapter, acfg)
+    if ep is not None:
+        from ckpttool.model.declaration import EP_NAME_RE
+        from ckpttool.model.layout_record import LAYOUT_KEY, EPTensorSpec
+        from ckpttool.ops.reshard.plan import make_record
     if ep is not None and not any(len(n.shape) >= 2 and EP_NAME_RE.search(n.key) for n in natives):
         raise UsageError(
             f"{src_dir}: `ep_size` / `ep_fsdp_size` given, but the model has no MoE expert tensor "

@@ -92,14 +92,21 @@ def test_streamed_archive_loads_in_torch_and_is_aligned(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("zip64", [False, True])
+@pytest.mark.parametrize("split", [False, True])
 def test_streamed_archive_in_a_real_file_by_pwrite(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zip64: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zip64: bool, split: bool
 ) -> None:
     """The data record written by pread/pwrite into a real file after other bytes, CRC by isal; the
     zip64 local header (tensors over 4 GiB) exercised by lowering zipfile's limit: torch's miniz
-    reader and zipfile's CRC check read both."""
+    reader and zipfile's CRC check read both. ``split``: the record copied in two halves by two
+    threads (the path of records of 8 MiB and more), the halves' CRCs combined; the halves meet
+    inside a segment."""
     if zip64:
         monkeypatch.setattr(zipfile, "ZIP64_LIMIT", 64)
+    if split:
+        import ckpttool.format.writer as writer
+
+        monkeypatch.setattr(writer, "_SPLIT_BYTES", 64)
     t = torch.randn(33, 17, generator=torch.Generator().manual_seed(1))
     raw = t.numpy().tobytes()
     src = tmp_path / "src.bin"
