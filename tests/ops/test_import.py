@@ -366,3 +366,67 @@ def test_ep_import_chunks_are_the_dtensor_shards_of_a_2x2_ep_mesh(hf_dirs: Path,
     cli("import", str(hf_dirs / "qwen_moe"), str(tmp_path / "ep"), "--ep-size", "2", "--ep-fsdp-size", "2")
     cli("import", str(hf_dirs / "qwen_moe"), str(tmp_path / "plain"))
     run_ranks(4, _ep_mesh_rank, str(tmp_path / "ep"), str(tmp_path / "plain"))
+
+
+def _two_expert_moe(d: Path) -> Path:
+    """A Qwen3-MoE with 2 experts (per-expert keys, save_pretrained): fewer experts than a 2 x 2 EP mesh has ranks."""
+    from transformers import Qwen3MoeForCausalLM
+
+    cfg = hf_models.qwen_moe_config()
+    cfg.num_experts = 2
+    cfg.num_experts_per_tok = 1
+    torch.manual_seed(5)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+def _ep_dim1_rank(rank: int, world: int, ckpt: str, plain: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "ep_fsdp"))
+    place = [Shard(0), Shard(1)]  # torchtitan's placement when ep * efsdp > num_experts (distributed/fsdp.py)
+    ref = torch_load(Path(plain))
+    md = dcp.FileSystemReader(ckpt).read_metadata()
+    keys = [k for k in ref if ".mlp.experts." in k]
+    assert len(keys) == 4
+    sd = {k: distribute_tensor(torch.zeros_like(ref[k]), mesh, place) for k in keys}
+    for k, dt in sd.items():
+        mine = [
+            (tuple(idx.offset), md.state_dict_metadata[k].chunks)
+            for idx, info in md.storage_data.items()
+            if idx.fqn == k and info.relative_path == f"__{rank}_0.distcp"
+        ]
+        assert len(mine) == 1, (k, mine)
+        offsets = mine[0][0]
+        chunk = next(c for c in mine[0][1] if tuple(c.offsets) == offsets)
+        shape, goff = compute_local_shape_and_global_offset(ref[k].shape, mesh, place)
+        assert tuple(shape) == tuple(chunk.sizes) == tuple(dt.to_local().shape) and tuple(goff) == offsets, k
+    dcp.load(sd, checkpoint_id=ckpt)
+    for k, dt in sd.items():
+        assert torch.equal(dt.full_tensor(), ref[k]), k
+
+
+@pytest.mark.slow
+def test_ep_import_with_fewer_experts_than_ranks_shards_dim_1_as_torchtitan(tmp_path: Path) -> None:
+    """2 experts on a (ep=2, ep_fsdp=2) mesh: each rank's file holds its `(Shard(0), Shard(1))` DTensor shard.
+
+    References: DTensor's own local-shard rule and `dcp.load` on 4 gloo ranks, the plain import
+    (torch's reader), `validate --strict`, and the bitwise export back to the source safetensors.
+    """
+    from tests.fixtures.distributed import run_ranks
+
+    src = _two_expert_moe(tmp_path / "hf")
+    doc = cli("import", str(src), str(tmp_path / "ep"), "--ep-size", "2", "--ep-fsdp-size", "2")
+    assert (doc["world_size"], doc["ep_tensors"]) == (4, 4)
+    cli("import", str(src), str(tmp_path / "plain"))
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "ep")])
+    assert res.exit_code == 0, res.stdout
+    run_ranks(4, _ep_dim1_rank, str(tmp_path / "ep"), str(tmp_path / "plain"))
+    got, want = torch_load(tmp_path / "ep"), torch_load(tmp_path / "plain")
+    assert set(got) == set(want) and all(bitwise(got[k], want[k]) for k in want)
+    cli("export", str(tmp_path / "ep"), str(tmp_path / "back"), "--model-assets", str(src), "--experts", "per-expert")
+    back, _ = read_export(tmp_path / "back")
+    orig = hf_tensors(src)
+    assert set(back) == set(orig) and all(bitwise(back[k], orig[k]) for k in orig)
