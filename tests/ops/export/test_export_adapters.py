@@ -128,6 +128,28 @@ def test_adapter_without_config_is_refused_naming_the_fields(titan_named: Path, 
     assert_clean_failure(res, "E601", "RoPE row permutation", "num_attention_heads")
 
 
+def test_torchtitan_lora_tensors_are_refused_not_dropped(titan_named: Path, tmp_path: Path) -> None:
+    """torchtitan `LoRALinear` adapters (`wq.lora_a` / `lora_b`): an HF export would lose the fine-tune."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    src = titan_named / "llama_gqa"
+    sd = torch_load(src)
+    w = sd["layers.0.attention.qkv_linear.wq.weight"]
+    sd["layers.0.attention.qkv_linear.wq.lora_a.weight"] = torch.randn(4, w.shape[1])
+    sd["layers.0.attention.qkv_linear.wq.lora_b.weight"] = torch.randn(w.shape[0], 4)
+    ckpt = tmp_path / "lora"
+    dcp.save(sd, checkpoint_id=str(ckpt), no_dist=True)
+    shutil.copytree(src / "model_assets", ckpt / "model_assets")
+    res = export_cli(str(ckpt), str(tmp_path / "o"), "--model-assets", str(ckpt / "model_assets"))
+    assert_clean_failure(res, "E603", "wq.lora_a.weight", "without the fine-tune")
+    assert not (tmp_path / "o").exists()
+    res = export_cli(str(ckpt), str(tmp_path / "o"), "--format", "lora", "--lora-alpha", "8")
+    assert_clean_failure(res, "E603", "no LoRA adapter export exists for torchtitan models")
+    assert "--format hf" in res.stderr.strip().splitlines()[-1]
+
+
 def test_unknown_adapter_is_a_usage_error(titan_named: Path, tmp_path: Path) -> None:
     res = export_cli(str(titan_named / "llama_gqa"), str(tmp_path / "o"), "--adapter", "nope")
     assert res.exit_code == 2 and "torchtitan-llama3" in res.stderr
