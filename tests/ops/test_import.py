@@ -430,3 +430,68 @@ def test_ep_import_with_fewer_experts_than_ranks_shards_dim_1_as_torchtitan(tmp_
     back, _ = read_export(tmp_path / "back")
     orig = hf_tensors(src)
     assert set(back) == set(orig) and all(bitwise(back[k], orig[k]) for k in orig)
+
+
+def _titan_ep_rank(rank: int, world: int, root: str) -> None:
+    """Load the imported checkpoint into torchtitan's own Qwen3-MoE, sharded as its EP x EP-FSDP training places it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tests.fixtures.writers import _titan_moe
+
+    r = Path(root)
+    model = _titan_moe().build()
+    ep_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "efsdp"))  # experts: EP outer, EP-FSDP inner
+    dp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("fsdp",))  # the rest: FSDP2 over the 4 ranks
+    sd = {}
+    for k, v in model.state_dict().items():
+        if "expert_bias" in k:  # the load-balancing buffer: no HF counterpart, not imported (docs/import.md)
+            continue
+        expert = ".inner_experts." in k or ".experts." in k
+        sd[k] = distribute_tensor(
+            torch.zeros_like(v), ep_mesh if expert else dp_mesh, [Shard(0), Shard(0)] if expert else [Shard(0)]
+        )
+    dcp.load(sd, checkpoint_id=str(r / "imported"))  # every key of torchtitan's model must be in the checkpoint
+    want = torch.load(r / "want.pt", weights_only=True)
+    assert set(sd) == set(want), set(sd) ^ set(want)
+    for k, dt in sd.items():
+        assert bitwise(dt.full_tensor(), want[k]), k
+
+
+@pytest.mark.slow
+def test_torchtitan_schema_ep_import_loads_into_torchtitans_own_moe_model(tmp_path: Path) -> None:
+    """`import --schema torchtitan --ep-size 2 --ep-fsdp-size 2`: torchtitan's Qwen3-MoE `state_dict()` keys, sharded
+    as its EP (Shard(0) on ep) + EP-FSDP (Shard(0) on efsdp, 8 experts >= 4 ranks) training places them, load
+    with `dcp.load` on 4 gloo ranks and equal the HF model's weights (reference: the test's own HF -> torchtitan
+    renaming of the in-memory fused HF state dict)."""
+    pytest.importorskip("torchtitan.models.qwen3")
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tests.fixtures.distributed import run_ranks
+    from tests.fixtures.writers import MOE_CFG
+
+    c = MOE_CFG
+    cfg = Qwen3MoeConfig(
+        vocab_size=c["vocab"],
+        hidden_size=c["dim"],
+        intermediate_size=64,
+        moe_intermediate_size=c["hidden"],
+        num_hidden_layers=2,
+        num_attention_heads=c["heads"],
+        num_key_value_heads=c["kv_heads"],
+        head_dim=c["head_dim"],
+        num_experts=c["experts"],
+        num_experts_per_tok=c["top_k"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(9)
+    model = Qwen3MoeForCausalLM(cfg)
+    model.save_pretrained(tmp_path / "hf")
+    want = hf_models.hf_to_titan_qwen_moe(dict(model.state_dict()), cfg)
+    torch.save({k: v for k, v in want.items() if "expert_bias" not in k}, tmp_path / "want.pt")
+    doc = cli(
+        "import", str(tmp_path / "hf"), str(tmp_path / "imported"), "--schema", "torchtitan",
+        "--ep-size", "2", "--ep-fsdp-size", "2",
+    )  # fmt: skip
+    assert (doc["adapter"], doc["world_size"], doc["ep_tensors"]) == ("torchtitan-qwen3", 4, 6)
+    run_ranks(4, _titan_ep_rank, str(tmp_path))
