@@ -16,6 +16,7 @@ temporary directory), so a failed run leaves nothing that looks complete.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -664,6 +665,7 @@ class _Pid:
         self.pid = pid
 
 
+@functools.lru_cache(maxsize=1024)  # one pure-Python pickle per (dtype, shape): layers repeat their shapes
 def tensor_data_pkl(dtype: DType, sizes: tuple[int, ...]) -> bytes:
     """``data.pkl`` that ``torch.save`` writes for a contiguous CPU tensor with its own storage.
 
@@ -891,7 +893,7 @@ def write_tensor_archive(
         def small(name: str, data: bytes) -> None:
             zf.writestr(_aligned_info(zf, name, len(data)), data)
 
-        small("archive/data.pkl", tensor_data_pkl(dtype, sizes))
+        small("archive/data.pkl", tensor_data_pkl(dtype, tuple(sizes)))
         small("archive/.format_version", b"1")
         small("archive/.storage_alignment", str(_ALIGN).encode())
         small("archive/byteorder", b"little")
