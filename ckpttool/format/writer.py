@@ -32,11 +32,12 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from ckpttool.errors import DataFileError, OutputError
 from ckpttool.format.archive import STORAGE_DTYPES
 from ckpttool.format.copy import bounce_buffer, copy_range
-from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.metadata import ChunkMeta, DType, StorageInfo
 
 if TYPE_CHECKING:
     import torch
+
+    from ckpttool.format.locator import ChunkLocation
 
 __all__ = [
     "DCPWriter",
