@@ -371,15 +371,36 @@ def _join_distributed() -> Any:
     return group
 
 
+def _only_the_command(argv: Sequence[str]) -> list[Any] | None:
+    """Keep only the command ``argv[1]`` names in the app (its registered list before, to restore), or ``None``.
+
+    Typer turns every registered command's signature into click parameters when the app runs
+    (``typing.get_type_hints``: ~35 ms of ``compile``/``eval`` for the twelve commands); a run of
+    ``ckpttool import ...`` needs only its own. The root ``--help``, a global option before the
+    command, a mistyped command and shell completion keep them all.
+    """
+    if len(argv) < 2 or any(k.startswith("_CKPTTOOL_COMPLETE") for k in os.environ):
+        return None
+    before = list(app.registered_commands)
+    keep = [c for c in before if c.name == argv[1]]
+    if len(keep) != 1:
+        return None
+    app.registered_commands[:] = keep
+    return before
+
+
 def main() -> None:
     """Console-script entry point (also ``python -m ckpttool``; under torchrun, one rank of a distributed run)."""
     sys.unraisablehook = _unraisable
     group = _join_distributed()
+    registered = _only_the_command(sys.argv)
     try:
         app(prog_name="ckpttool")
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")
         sys.exit(130)
     finally:
+        if registered is not None:
+            app.registered_commands[:] = registered
         if group is not None:
             group.close()

@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["crc32", "IMPLEMENTATION", "zlib_crc32"]
+__all__ = ["crc32", "crc32_combine", "IMPLEMENTATION", "zlib_crc32"]
 
 zlib_crc32: Callable[[Any, int], int] = zlib.crc32
 
@@ -23,7 +23,10 @@ try:
     from isal import isal_zlib as _isal
 
     crc32: Callable[[Any, int], int] = _isal.crc32
+    #: ``crc32_combine(crc_a, crc_b, len_b)``: the CRC-32 of ``a + b`` from the two parts' (``None`` without isal).
+    crc32_combine: Callable[[int, int, int], int] | None = _isal.crc32_combine
     IMPLEMENTATION = "isal"
 except ImportError:  # pragma: no cover - isal ships wheels for every platform torch supports
     crc32 = zlib.crc32
+    crc32_combine = None
     IMPLEMENTATION = "zlib"

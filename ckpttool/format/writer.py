@@ -16,9 +16,11 @@ temporary directory), so a failed run leaves nothing that looks complete.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
+import sys
 import threading
 import uuid
 import zipfile
@@ -30,11 +32,12 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from ckpttool.errors import DataFileError, OutputError
 from ckpttool.format.archive import STORAGE_DTYPES
 from ckpttool.format.copy import bounce_buffer, copy_range
-from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.metadata import ChunkMeta, DType, StorageInfo
 
 if TYPE_CHECKING:
     import torch
+
+    from ckpttool.format.locator import ChunkLocation
 
 __all__ = [
     "DCPWriter",
@@ -290,7 +293,9 @@ class DCPWriter:
         f = self._file(rank)
         start = f.tell()
         h = self._hasher() if self.digest is not None else None
-        crc = write_tensor_archive(f, dtype, chunk.sizes, segments, bounce_buffer(), sink=h.update if h else None)
+        crc = write_tensor_archive(
+            f, dtype, chunk.sizes, segments, bounce_buffer(), sink=h.update if h else None, behind=self.fsync
+        )
         end = f.tell()
         self._count(end - start)
         self._record_chunk(key, chunk, rank, start, end - start)
@@ -664,6 +669,7 @@ class _Pid:
         self.pid = pid
 
 
+@functools.lru_cache(maxsize=1024)  # one pure-Python pickle per (dtype, shape): layers repeat their shapes
 def tensor_data_pkl(dtype: DType, sizes: tuple[int, ...]) -> bytes:
     """``data.pkl`` that ``torch.save`` writes for a contiguous CPU tensor with its own storage.
 
@@ -716,10 +722,12 @@ def _stream_record(
     segments: list[tuple[int, int, int]],
     buf: memoryview,
     sink: Callable[[memoryview], object] | None = None,
+    behind: bool = False,
 ) -> None:
     """Write the stored record ``info`` whose data is the concatenation of ``segments``, by ``pread`` / ``pwrite``.
 
     ``sink`` (a digest's ``update``) is called with the record's bytes, in order, as they are written.
+    ``behind``: start the disk write-back as the record is written (the caller ``fsync`` s later).
 
     ``zipfile``'s own record writer (``ZipFile.open(info, "w")``) costs two extra passes over
     the data: zlib's CRC-32 (~2.5 GB/s) and a copy through the buffered file object. Here
@@ -735,7 +743,7 @@ def _stream_record(
     Raises:
         OSError: a short read (the source file changed under us) or a failed write.
     """
-    from ckpttool.format.crc import crc32
+    from ckpttool.format.crc import crc32, crc32_combine
 
     nbytes = info.file_size
     zip64 = nbytes > zipfile.ZIP64_LIMIT
@@ -764,20 +772,27 @@ def _stream_record(
             written += os.pwrite(fd, data[written:], at + written)
 
     pos = base + header_at + header_len
-    crc = 0
-    for src, offset, length in segments:
-        done = 0
-        while done < length:
-            n = min(len(buf), length - done)
-            got = os.preadv(src, [buf[:n]], offset + done)
-            if got <= 0:
-                raise OSError(f"short read at offset {offset + done}")
-            crc = crc32(buf[:got], crc)
-            if sink is not None:
-                sink(buf[:got])
-            put(buf[:got], pos)
-            pos += got
-            done += got
+    if fd is not None and sink is None and nbytes >= _SPLIT_BYTES and crc32_combine is not None:
+        crc = _copy_split(segments, fd, pos, buf, behind)  # two threads, each half of the record
+        pos += nbytes
+    elif fd is not None and sink is None:
+        crc = _copy_range_crc(segments, 0, nbytes, fd, pos, buf, behind)
+        pos += nbytes
+    else:
+        crc = 0
+        for src, offset, length in segments:
+            done = 0
+            while done < length:
+                n = min(len(buf), length - done)
+                got = os.preadv(src, [buf[:n]], offset + done)
+                if got <= 0:
+                    raise OSError(f"short read at offset {offset + done}")
+                crc = crc32(buf[:got], crc)
+                if sink is not None:
+                    sink(buf[:got])
+                put(buf[:got], pos)
+                pos += got
+                done += got
     info.CRC = crc
     header = info.FileHeader(zip64)
     assert len(header) == header_len
@@ -788,6 +803,111 @@ def _stream_record(
     zf.start_dir = window.tell()
 
 
+#: With ``fsync``, write-back of every this many bytes written is started at once (:func:`start_writeback`).
+WRITEBACK_BYTES = 8 << 20
+_writeback_fn: Any = None
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start the disk write-back of ``[offset, offset + length)`` of ``fd`` without waiting (Linux; else nothing).
+
+    ``sync_file_range(fd, offset, length, SYNC_FILE_RANGE_WRITE)`` (libc, through ``ctypes``):
+    the page cache is written to disk while the copy goes on, so the final ``fsync`` (still
+    what makes the data durable) waits only for the last window instead of the whole file.
+    On the development machine: 0.64 GB copy + ``fsync`` 0.60-0.73 s -> 0.28-0.29 s.
+    """
+    global _writeback_fn
+    if _writeback_fn is None:
+        _writeback_fn = False
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+                fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+                fn.restype = ctypes.c_int
+                _writeback_fn = fn
+            except (OSError, AttributeError):  # no libc symbol (musl without it, another OS)
+                pass
+    if _writeback_fn:
+        _writeback_fn(fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE; a failure here is seen by fsync
+
+
+#: A record of at least this many bytes is copied by two threads, one half each (:func:`_copy_split`).
+_SPLIT_BYTES = 8 << 20
+_helper_lock = threading.Lock()
+_helper: Any = None
+
+
+def _helper_pool() -> Any:
+    """The process's one helper thread of :func:`_copy_split` (created on first use)."""
+    global _helper
+    with _helper_lock:
+        if _helper is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _helper = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-record")
+        return _helper
+
+
+def _copy_range_crc(
+    segments: list[tuple[int, int, int]], lo: int, hi: int, fd: int, at: int, buf: memoryview, behind: bool = False
+) -> int:
+    """Copy bytes ``[lo, hi)`` of the concatenation of ``segments`` to ``fd`` at ``at + lo``; their CRC-32.
+
+    ``behind``: start the write-back of every :data:`WRITEBACK_BYTES` written (:func:`start_writeback`).
+
+    Raises:
+        OSError: a short read (the source changed under us) or a failed write.
+    """
+    from ckpttool.format.crc import crc32
+
+    crc = 0
+    start = 0  # of the current segment in the concatenation
+    flushed = lo  # bytes before this (relative to ``at``) have had their write-back started
+    for src, offset, length in segments:
+        a, b = max(lo, start), min(hi, start + length)
+        while a < b:
+            n = min(len(buf), b - a)
+            got = os.preadv(src, [buf[:n]], offset + (a - start))
+            if got <= 0:
+                raise OSError(f"short read at offset {offset + (a - start)}")
+            crc = crc32(buf[:got], crc)
+            view, w = buf[:got], 0
+            while w < got:
+                w += os.pwrite(fd, view[w:], at + a + w)
+            a += got
+            if behind and a - flushed >= WRITEBACK_BYTES:
+                start_writeback(fd, at + flushed, a - flushed)
+                flushed = a
+        start += length
+        if start >= hi:
+            break
+    if behind and hi > flushed:
+        start_writeback(fd, at + flushed, hi - flushed)
+    return crc
+
+
+def _copy_split(segments: list[tuple[int, int, int]], fd: int, at: int, buf: memoryview, behind: bool = False) -> int:
+    """:func:`_copy_range_crc` of the whole record in two halves, the second on the helper thread.
+
+    ``preadv`` / ``pwrite`` and ISA-L's CRC-32 release the GIL, so the two halves' page-cache
+    copies run on two cores; the CRC-32 of the record is the halves' combined (``crc32_combine``).
+    """
+    from ckpttool.format.copy import bounce_buffer
+    from ckpttool.format.crc import crc32_combine
+
+    assert crc32_combine is not None
+    nbytes = sum(n for _, _, n in segments)
+    mid = (nbytes // 2) & ~((1 << 20) - 1) or nbytes // 2
+    second = _helper_pool().submit(lambda: _copy_range_crc(segments, mid, nbytes, fd, at, bounce_buffer(), behind))
+    try:
+        first = _copy_range_crc(segments, 0, mid, fd, at, buf, behind)
+    finally:
+        rest = second.result()  # re-raises the helper's error; always waited for (it writes into fd)
+    return int(crc32_combine(first, rest, nbytes - mid))
+
+
 def write_tensor_archive(
     f: BinaryIO,
     dtype: DType,
@@ -796,6 +916,7 @@ def write_tensor_archive(
     buf: memoryview,
     *,
     sink: Callable[[memoryview], object] | None = None,
+    behind: bool = False,
 ) -> int:
     """Append a ``torch.save`` archive of a tensor whose storage bytes are read from ``segments``.
 
@@ -808,6 +929,8 @@ def write_tensor_archive(
         segments: ``(fd, offset, length)`` read in order with ``os.preadv``.
         buf: a reusable read buffer.
         sink: called with the storage record's bytes, in order, as they are written (a digest's ``update``).
+        behind: start the disk write-back of the record as it is written (:func:`start_writeback`;
+            for a writer that ``fsync`` s the file afterwards).
 
     Returns:
         The CRC-32 of the storage record (as its zip entry holds it).
@@ -822,12 +945,12 @@ def write_tensor_archive(
         def small(name: str, data: bytes) -> None:
             zf.writestr(_aligned_info(zf, name, len(data)), data)
 
-        small("archive/data.pkl", tensor_data_pkl(dtype, sizes))
+        small("archive/data.pkl", tensor_data_pkl(dtype, tuple(sizes)))
         small("archive/.format_version", b"1")
         small("archive/.storage_alignment", str(_ALIGN).encode())
         small("archive/byteorder", b"little")
         info = _aligned_info(zf, "archive/data/0", nbytes)
-        _stream_record(zf, window, f, info, segments, buf, sink)
+        _stream_record(zf, window, f, info, segments, buf, sink, behind)
         small("archive/version", b"3\n")
         small("archive/.data/serialization_id", str(uuid.uuid4().int).zfill(40)[:40].encode())
     return int(info.CRC)

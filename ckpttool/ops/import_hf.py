@@ -30,7 +30,7 @@ import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ExportError, UsageError
 from ckpttool.format.files import open_regular, resolve_inside
@@ -40,13 +40,15 @@ from ckpttool.format.outputs import output_dir, output_location
 from ckpttool.format.storage import is_url
 from ckpttool.format.writer import DCPWriter
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, NativeTensor, Skip, get_adapter, rope_from_hf_rows
-from ckpttool.model.declaration import EP_NAME_RE
-from ckpttool.model.geometry import nested_shard_intervals
 from ckpttool.model.hfconfig import config_value, read_hf_config
-from ckpttool.model.layout_record import LAYOUT_KEY, EPTensorSpec
-from ckpttool.ops.reshard.plan import make_record
 
-__all__ = ["ImportOptions", "ImportResult", "ep_rows", "import_hf", "torch_chunk_rows"]
+if TYPE_CHECKING:
+    from ckpttool.model.layout_record import EPTensorSpec
+
+# The EP pieces (expert-name pattern, layout record, nested intervals) are imported where EP sizes are
+# given: a dense import's start-up does not pay for the reshard planner and the layout declarations.
+
+__all__ = ["ImportOptions", "ImportResult", "ep_dim1_chunks", "ep_rows", "import_hf", "torch_chunk_rows"]
 
 SCHEMAS = ("torch-native", "torchtitan")
 
@@ -345,7 +347,49 @@ def ep_rows(num_experts: int, ep_size: int, ep_fsdp_size: int) -> list[tuple[int
     the expert dim, as torchtitan and VeOmni shard experts when ``num_experts >= P * F``). An
     empty piece is ``(num_experts, 0)``.
     """
+    from ckpttool.model.geometry import nested_shard_intervals
+
     return nested_shard_intervals(num_experts, (ep_size, ep_fsdp_size))
+
+
+def ep_dim1_chunks(shape: tuple[int, ...], ep_size: int, ep_fsdp_size: int) -> list[tuple[int, ChunkMeta]]:
+    """``(rank, chunk)`` of an expert tensor ``[E, A, ...]`` with fewer experts than ranks (``E < P * F``).
+
+    torchtitan (``torchtitan/distributed/fsdp.py``) then shards the experts on dim 1 for EP-FSDP,
+    ``Shard(1)``, to avoid padding: rank ``r = e * F + f`` of the canonical ``(ep, ep_fsdp)`` mesh
+    holds experts ``torch.chunk(range(E), P)[e]`` and of each the dim-1 rows
+    ``torch.chunk(range(A), F)[f]`` (DTensor ``(Shard(0), Shard(1))``).
+    """
+    out = []
+    experts = torch_chunk_rows(shape[0], ep_size)
+    rows = torch_chunk_rows(shape[1], ep_fsdp_size)
+    for e, (es, el) in enumerate(experts):
+        for f, (rs, rl) in enumerate(rows):
+            rest = tuple(shape[2:])
+            out.append((e * ep_fsdp_size + f, ChunkMeta((es, rs, *([0] * len(rest))), (el, rl, *rest))))
+    return out
+
+
+def _expert_segments(n: _Native, chunk: ChunkMeta, fds: dict[str, int]) -> list[tuple[int, int, int]]:
+    """``(fd, offset, length)`` runs of a ``(Shard(0), Shard(1))`` chunk: its dim-1 rows of each of its experts."""
+    item = DType(n.dtype).itemsize
+    row = item * math.prod(n.shape[2:])
+    expert = row * n.shape[1]
+    lo, hi = chunk.offsets[1] * row, (chunk.offsets[1] + chunk.sizes[1]) * row
+    segs: list[tuple[int, int, int]] = []
+    for j in range(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]):
+        runs = [(n.flat[0], n.flat[1] + j * expert, expert)] if n.flat is not None else n.rows[j]
+        at = 0  # of the run in the expert's bytes
+        for f, off, nb in runs:
+            a, b = max(lo, at), min(hi, at + nb)
+            if a < b:
+                fd, start = fds[f], off + (a - at)
+                if segs and segs[-1][0] == fd and segs[-1][1] + segs[-1][2] == start:
+                    segs[-1] = (fd, segs[-1][1], segs[-1][2] + (b - a))
+                else:
+                    segs.append((fd, start, b - a))
+            at += nb
+    return segs
 
 
 def _import_plain(
@@ -430,6 +474,10 @@ def _import_plain(
         raise UsageError("`adapter` applies to `schema` torchtitan", param="adapter")
     acfg = AdapterConfig.from_hf_config(config)
     natives, skipped = _native_tensors(sources, opts, adapter, acfg)
+    if ep is not None:
+        from ckpttool.model.declaration import EP_NAME_RE
+        from ckpttool.model.layout_record import LAYOUT_KEY, EPTensorSpec
+        from ckpttool.ops.reshard.plan import make_record
     if ep is not None and not any(len(n.shape) >= 2 and EP_NAME_RE.search(n.key) for n in natives):
         raise UsageError(
             f"{src_dir}: `ep_size` / `ep_fsdp_size` given, but the model has no MoE expert tensor "
@@ -478,6 +526,14 @@ def _import_plain(
                         w.stream_tensor_archive(n.key, ChunkMeta((), ()), 0, dt, _segments(n, 0, 1, fds))
                         continue
                     if ep is not None and len(n.shape) >= 2 and EP_NAME_RE.search(n.key):
+                        if n.shape[0] < ep[0] * ep[1]:  # fewer experts than ranks: EP-FSDP on dim 1 (torchtitan)
+                            ep_specs[n.key] = EPTensorSpec(ep_dim=0, fsdp_dim=1, num_experts=n.shape[0])
+                            for rank, chunk in ep_dim1_chunks(n.shape, *ep):
+                                if chunk.numel == 0 and rank > 0:
+                                    continue
+                                w.stream_tensor_archive(n.key, chunk, rank, dt, _expert_segments(n, chunk, fds))
+                            total += dt.itemsize * math.prod(n.shape)
+                            continue
                         ep_specs[n.key] = EPTensorSpec(ep_dim=0, fsdp_dim=0, num_experts=n.shape[0])
                         rows = ep_rows(n.shape[0], *ep)
                     else:

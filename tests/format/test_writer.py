@@ -92,14 +92,26 @@ def test_streamed_archive_loads_in_torch_and_is_aligned(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("zip64", [False, True])
+@pytest.mark.parametrize(("split", "behind"), [(False, False), (True, False), (True, True), (False, True)])
 def test_streamed_archive_in_a_real_file_by_pwrite(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zip64: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zip64: bool, split: bool, behind: bool
 ) -> None:
     """The data record written by pread/pwrite into a real file after other bytes, CRC by isal; the
     zip64 local header (tensors over 4 GiB) exercised by lowering zipfile's limit: torch's miniz
-    reader and zipfile's CRC check read both."""
+    reader and zipfile's CRC check read both. ``split``: the record copied in two halves by two
+    threads (the path of records of 8 MiB and more), the halves' CRCs combined; the halves meet
+    inside a segment. ``behind``: the disk write-back started as the record is written (a writer
+    that fsyncs), every 64 bytes here."""
     if zip64:
         monkeypatch.setattr(zipfile, "ZIP64_LIMIT", 64)
+    if split:
+        import ckpttool.format.writer as writer
+
+        monkeypatch.setattr(writer, "_SPLIT_BYTES", 64)
+    if behind:
+        import ckpttool.format.writer as writer
+
+        monkeypatch.setattr(writer, "WRITEBACK_BYTES", 64)
     t = torch.randn(33, 17, generator=torch.Generator().manual_seed(1))
     raw = t.numpy().tobytes()
     src = tmp_path / "src.bin"
@@ -110,7 +122,7 @@ def test_streamed_archive_in_a_real_file_by_pwrite(
         with open(out, "wb") as f:
             f.write(b"lead")
             write_tensor_archive(f, DType("float32"), (33, 17), [(fd, 5, 1000), (fd, 1005, len(raw) - 1000)],
-                                 memoryview(bytearray(256)))  # fmt: skip
+                                 memoryview(bytearray(256)), behind=behind)  # fmt: skip
             end = f.tell()
             f.write(b"tail")
     finally:

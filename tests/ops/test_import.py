@@ -366,3 +366,132 @@ def test_ep_import_chunks_are_the_dtensor_shards_of_a_2x2_ep_mesh(hf_dirs: Path,
     cli("import", str(hf_dirs / "qwen_moe"), str(tmp_path / "ep"), "--ep-size", "2", "--ep-fsdp-size", "2")
     cli("import", str(hf_dirs / "qwen_moe"), str(tmp_path / "plain"))
     run_ranks(4, _ep_mesh_rank, str(tmp_path / "ep"), str(tmp_path / "plain"))
+
+
+def _two_expert_moe(d: Path) -> Path:
+    """A Qwen3-MoE with 2 experts (per-expert keys, save_pretrained): fewer experts than a 2 x 2 EP mesh has ranks."""
+    from transformers import Qwen3MoeForCausalLM
+
+    cfg = hf_models.qwen_moe_config()
+    cfg.num_experts = 2
+    cfg.num_experts_per_tok = 1
+    torch.manual_seed(5)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+def _ep_dim1_rank(rank: int, world: int, ckpt: str, plain: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "ep_fsdp"))
+    place = [Shard(0), Shard(1)]  # torchtitan's placement when ep * efsdp > num_experts (distributed/fsdp.py)
+    ref = torch_load(Path(plain))
+    md = dcp.FileSystemReader(ckpt).read_metadata()
+    keys = [k for k in ref if ".mlp.experts." in k]
+    assert len(keys) == 4
+    sd = {k: distribute_tensor(torch.zeros_like(ref[k]), mesh, place) for k in keys}
+    for k, dt in sd.items():
+        mine = [
+            (tuple(idx.offset), md.state_dict_metadata[k].chunks)
+            for idx, info in md.storage_data.items()
+            if idx.fqn == k and info.relative_path == f"__{rank}_0.distcp"
+        ]
+        assert len(mine) == 1, (k, mine)
+        offsets = mine[0][0]
+        chunk = next(c for c in mine[0][1] if tuple(c.offsets) == offsets)
+        shape, goff = compute_local_shape_and_global_offset(ref[k].shape, mesh, place)
+        assert tuple(shape) == tuple(chunk.sizes) == tuple(dt.to_local().shape) and tuple(goff) == offsets, k
+    dcp.load(sd, checkpoint_id=ckpt)
+    for k, dt in sd.items():
+        assert torch.equal(dt.full_tensor(), ref[k]), k
+
+
+@pytest.mark.slow
+def test_ep_import_with_fewer_experts_than_ranks_shards_dim_1_as_torchtitan(tmp_path: Path) -> None:
+    """2 experts on a (ep=2, ep_fsdp=2) mesh: each rank's file holds its `(Shard(0), Shard(1))` DTensor shard.
+
+    References: DTensor's own local-shard rule and `dcp.load` on 4 gloo ranks, the plain import
+    (torch's reader), `validate --strict`, and the bitwise export back to the source safetensors.
+    """
+    from tests.fixtures.distributed import run_ranks
+
+    src = _two_expert_moe(tmp_path / "hf")
+    doc = cli("import", str(src), str(tmp_path / "ep"), "--ep-size", "2", "--ep-fsdp-size", "2")
+    assert (doc["world_size"], doc["ep_tensors"]) == (4, 4)
+    cli("import", str(src), str(tmp_path / "plain"))
+    res = runner.invoke(app, ["validate", "--strict", str(tmp_path / "ep")])
+    assert res.exit_code == 0, res.stdout
+    run_ranks(4, _ep_dim1_rank, str(tmp_path / "ep"), str(tmp_path / "plain"))
+    got, want = torch_load(tmp_path / "ep"), torch_load(tmp_path / "plain")
+    assert set(got) == set(want) and all(bitwise(got[k], want[k]) for k in want)
+    cli("export", str(tmp_path / "ep"), str(tmp_path / "back"), "--model-assets", str(src), "--experts", "per-expert")
+    back, _ = read_export(tmp_path / "back")
+    orig = hf_tensors(src)
+    assert set(back) == set(orig) and all(bitwise(back[k], orig[k]) for k in orig)
+
+
+def _titan_ep_rank(rank: int, world: int, root: str) -> None:
+    """Load the imported checkpoint into torchtitan's own Qwen3-MoE, sharded as its EP x EP-FSDP training places it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tests.fixtures.writers import _titan_moe
+
+    r = Path(root)
+    model = _titan_moe().build()
+    ep_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "efsdp"))  # experts: EP outer, EP-FSDP inner
+    dp_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("fsdp",))  # the rest: FSDP2 over the 4 ranks
+    sd = {}
+    for k, v in model.state_dict().items():
+        if "expert_bias" in k:  # the load-balancing buffer: no HF counterpart, not imported (docs/import.md)
+            continue
+        expert = ".inner_experts." in k or ".experts." in k
+        sd[k] = distribute_tensor(
+            torch.zeros_like(v), ep_mesh if expert else dp_mesh, [Shard(0), Shard(0)] if expert else [Shard(0)]
+        )
+    dcp.load(sd, checkpoint_id=str(r / "imported"))  # every key of torchtitan's model must be in the checkpoint
+    want = torch.load(r / "want.pt", weights_only=True)
+    assert set(sd) == set(want), set(sd) ^ set(want)
+    for k, dt in sd.items():
+        assert bitwise(dt.full_tensor(), want[k]), k
+
+
+@pytest.mark.slow
+def test_torchtitan_schema_ep_import_loads_into_torchtitans_own_moe_model(tmp_path: Path) -> None:
+    """`import --schema torchtitan --ep-size 2 --ep-fsdp-size 2`: torchtitan's Qwen3-MoE `state_dict()` keys, sharded
+    as its EP (Shard(0) on ep) + EP-FSDP (Shard(0) on efsdp, 8 experts >= 4 ranks) training places them, load
+    with `dcp.load` on 4 gloo ranks and equal the HF model's weights (reference: the test's own HF -> torchtitan
+    renaming of the in-memory fused HF state dict)."""
+    pytest.importorskip("torchtitan.models.qwen3")
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tests.fixtures.distributed import run_ranks
+    from tests.fixtures.writers import MOE_CFG
+
+    c = MOE_CFG
+    cfg = Qwen3MoeConfig(
+        vocab_size=c["vocab"],
+        hidden_size=c["dim"],
+        intermediate_size=64,
+        moe_intermediate_size=c["hidden"],
+        num_hidden_layers=2,
+        num_attention_heads=c["heads"],
+        num_key_value_heads=c["kv_heads"],
+        head_dim=c["head_dim"],
+        num_experts=c["experts"],
+        num_experts_per_tok=c["top_k"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(9)
+    model = Qwen3MoeForCausalLM(cfg)
+    model.save_pretrained(tmp_path / "hf")
+    want = hf_models.hf_to_titan_qwen_moe(dict(model.state_dict()), cfg)
+    torch.save({k: v for k, v in want.items() if "expert_bias" not in k}, tmp_path / "want.pt")
+    doc = cli(
+        "import", str(tmp_path / "hf"), str(tmp_path / "imported"), "--schema", "torchtitan",
+        "--ep-size", "2", "--ep-fsdp-size", "2",
+    )  # fmt: skip
+    assert (doc["adapter"], doc["world_size"], doc["ep_tensors"]) == ("torchtitan-qwen3", 4, 6)
+    run_ranks(4, _titan_ep_rank, str(tmp_path))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -113,19 +114,25 @@ def import_command(
 def _render(r: ImportResult) -> None:
     from ckpttool.cli.render import fmt_rate, fmt_seconds, human_bytes, plural, stdout_console
 
-    con = stdout_console()
-    con.print(
+    lines = [
         f"imported {plural(r.tensors, 'tensor')}, {human_bytes(r.bytes)} to {r.output} "
-        f"({fmt_seconds(r.seconds)}, {fmt_rate(r.bytes, r.seconds)})"
-    )
-    con.print(f"key schema  {r.schema}" + (f"; adapter {r.adapter}" if r.adapter else "") + f"; {r.world_size} rank(s)")
+        f"({fmt_seconds(r.seconds)}, {fmt_rate(r.bytes, r.seconds)})",
+        f"key schema  {r.schema}" + (f"; adapter {r.adapter}" if r.adapter else "") + f"; {r.world_size} rank(s)",
+    ]
     if r.ep_size is not None:
-        con.print(
+        lines.append(
             f"EP layout  canonical (version 2), ep_size {r.ep_size}, ep_fsdp_size {r.ep_fsdp_size}; "
             f"{plural(r.ep_tensors, 'expert tensor')}"
         )
     if r.skipped:
-        con.print("not imported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()))
+        lines.append("not imported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()))
+    if not sys.stdout.isatty():  # a pipe: whole lines, no wrapping; rich (~15 ms of start-up) is not needed
+        for line in lines:
+            typer.echo(line)
+        return
+    con = stdout_console()
+    for line in lines:
+        con.print(line)
 
 
 EPILOG = examples(

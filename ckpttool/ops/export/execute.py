@@ -327,6 +327,12 @@ def value_transform(task: SourceTask) -> SlabTransform | None:
     return None if src == out else Cast(src, out)
 
 
+#: The largest slab a row permutation's blocks widen a slab to (a RoPE head: ``head_dim`` rows of a weight).
+_MAX_BLOCK_SLAB = 64 << 20
+#: Rows up to this many bytes are moved by a row permutation's gather; longer rows are written run by run anyway.
+_SMALL_ROW = 1 << 16
+
+
 class _Executor:
     """Runs a plan's tasks on a thread pool, one stored chunk per work unit; bookkeeping in the calling thread only."""
 
@@ -385,6 +391,13 @@ class _Executor:
         def write(piece: int, data: memoryview, at: int) -> None:
             writer.write(names[piece], data, at)
 
+        align = meta.size[-1] if meta.size else 1
+        slab_bytes = self.slab_bytes
+        rows = runs.rows
+        if rows is not None and rows.row * meta.dtype.itemsize <= _SMALL_ROW:
+            # a permutation of small rows (RoPE q/k): slabs of whole blocks, each gathered and written at once
+            align = rows.row * rows.block
+            slab_bytes = max(slab_bytes, min(align * meta.dtype.itemsize, _MAX_BLOCK_SLAB))
         stream_chunk(
             self.reader,
             task.source_key,
@@ -394,8 +407,8 @@ class _Executor:
             runs,
             transform,
             write,
-            slab_bytes=self.slab_bytes,
-            align=meta.size[-1] if meta.size else 1,
+            slab_bytes=slab_bytes,
+            align=align,
         )
 
     # -- calling-thread side ---------------------------------------------------------------------

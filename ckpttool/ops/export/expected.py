@@ -14,15 +14,43 @@ works, with no hand-written shape table. The export plan (or a checkpoint's mode
 
 Fused expert tensors are compared in their fused form (a per-expert export writes what
 transformers' loading-time conversion fuses back).
+
+Building the model is fast (~20 ms); importing torch and transformers' modeling code is not
+(~3-4.5 s on the development machine, docs/performance.md). The result is therefore kept in
+the user's cache directory (:func:`ckpttool.format.mdcache.cache_dir`, folder
+``model-shapes-v1/``), one JSON entry per key: the SHA-256 of the config (canonical JSON) and
+of the installed transformers and torch versions (package metadata: nothing is imported to
+read them). A hit needs neither torch nor transformers. An entry is untrusted input when
+loaded: size cap, JSON, its own key, and every value's type and range (dims 0..2^62, at most
+64 dims, known dtype names, optional keys among the tensors) are checked; anything else is
+ignored and the model built again. ``--no-cache`` / ``CKPTTOOL_NO_CACHE=1`` turn it off.
+Writing is best effort (temporary file + rename).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import tempfile
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelCheck", "MISMATCH_KINDS", "expected_state_dict", "compare_with_model"]
+__all__ = ["ModelCheck", "MISMATCH_KINDS", "expected_state_dict", "compare_with_model", "shapes_entry_path"]
+
+log = logging.getLogger(__name__)
+
+_FOLDER = "model-shapes-v1"
+_ENTRY_FORMAT = 1
+_MAX_ENTRY_BYTES = 64 << 20
+_MAX_DIM = 1 << 62
+_MAX_NDIM = 64
+
+Expected = tuple[dict[str, tuple[tuple[int, ...], str]], set[str], str]
 
 #: the kinds of difference, each allowed with ``allow_mismatch`` (``--allow-mismatch``).
 MISMATCH_KINDS = ("missing", "unexpected", "shape", "dtype")
@@ -53,10 +81,103 @@ class ModelCheck:
         }
 
 
-def expected_state_dict(
-    config: dict[str, Any],
-) -> tuple[dict[str, tuple[tuple[int, ...], str]], set[str], str] | str:
+def _versions() -> tuple[str, str] | None:
+    """The installed transformers and torch versions from their package metadata (no import), or ``None``."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("transformers"), metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _entry_key(config: dict[str, Any], versions: tuple[str, str]) -> str | None:
+    try:
+        text = json.dumps(
+            {"config": config, "transformers": versions[0], "torch": versions[1], "format": _ENTRY_FORMAT},
+            sort_keys=True,
+            ensure_ascii=True,
+            allow_nan=False,
+        )
+    except (TypeError, ValueError):  # a config json.dumps cannot write back (not from JSON): no caching
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def shapes_entry_path(key: str) -> Path:
+    """Path of the cache entry with SHA-256 key ``key`` (hex)."""
+    from ckpttool.format.mdcache import cache_dir
+
+    return cache_dir() / _FOLDER / f"{key}.json"
+
+
+def _load_entry(path: Path, key: str) -> Expected | None:
+    """The entry at ``path`` when it is well formed and for ``key``; ``None`` (logged) otherwise."""
+    try:
+        with open(path, "rb") as f:
+            blob = f.read(_MAX_ENTRY_BYTES + 1)
+    except OSError:
+        return None
+    try:
+        if len(blob) > _MAX_ENTRY_BYTES:
+            raise ValueError("entry too large")
+        doc = json.loads(blob)
+        if not isinstance(doc, dict) or doc.get("format") != _ENTRY_FORMAT or doc.get("key") != key:
+            raise ValueError("format or key differs")
+        cls, tensors, optional = doc.get("model_class"), doc.get("tensors"), doc.get("optional")
+        if not isinstance(cls, str) or not cls.isidentifier() or not isinstance(tensors, dict):
+            raise ValueError("model_class or tensors malformed")
+        from ckpttool.format.metadata import DTYPE_ITEMSIZE
+
+        out: dict[str, tuple[tuple[int, ...], str]] = {}
+        for k, v in tensors.items():
+            if not (isinstance(v, list) and len(v) == 2 and isinstance(v[0], list) and isinstance(v[1], str)):
+                raise ValueError(f"tensor {k[:80]!r} malformed")
+            shape, dtype = v
+            if len(shape) > _MAX_NDIM or not all(type(d) is int and 0 <= d <= _MAX_DIM for d in shape):
+                raise ValueError(f"tensor {k[:80]!r}: bad shape")
+            if dtype not in DTYPE_ITEMSIZE:
+                raise ValueError(f"tensor {k[:80]!r}: unknown dtype")
+            out[k] = (tuple(shape), dtype)
+        if not isinstance(optional, list) or not all(isinstance(k, str) and k in out for k in optional):
+            raise ValueError("optional keys malformed")
+    except (ValueError, RecursionError) as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        log.info("model shape cache entry %s ignored (%s); building the model again", path, e)
+        return None
+    return out, set(optional), cls
+
+
+def _store_entry(path: Path, key: str, got: Expected) -> None:
+    """Write the entry (temporary file + rename); any failure is only logged."""
+    expected, optional, cls = got
+    doc = {
+        "format": _ENTRY_FORMAT,
+        "key": key,
+        "model_class": cls,
+        "tensors": {k: [list(shape), dtype] for k, (shape, dtype) in expected.items()},
+        "optional": sorted(optional),
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except (OSError, ValueError, TypeError) as e:
+        log.info("model shape cache not written (%s: %s)", type(e).__name__, e)
+
+
+def expected_state_dict(config: dict[str, Any]) -> Expected | str:
     """The model's state dict as ``key -> (shape, dtype name)``, its optional (tied) keys, and the class name.
+
+    From the cache entry of this config and these transformers / torch versions when there is
+    a valid one (see the module docstring), else built with transformers on the meta device
+    (and the entry written).
 
     Returns:
         the triple, or a string saying why it cannot be built (transformers not installed, a
@@ -65,6 +186,26 @@ def expected_state_dict(
     mt = config.get("model_type")
     if not isinstance(mt, str):
         return "config.json has no model_type"
+    from ckpttool.format.mdcache import cache_enabled
+
+    versions = _versions()
+    if versions is None:
+        return "transformers is not installed (pip install 'ckpttool[hf]')"
+    key = _entry_key(config, versions) if cache_enabled() else None
+    if key is not None:
+        path = shapes_entry_path(key)
+        hit = _load_entry(path, key)
+        if hit is not None:
+            log.debug("model shapes of %s from the cache entry %s", hit[2], path)
+            return hit
+    got = _build_expected(config, mt)
+    if key is not None and not isinstance(got, str):
+        _store_entry(path, key, got)
+    return got
+
+
+def _build_expected(config: dict[str, Any], mt: str) -> Expected | str:
+    """:func:`expected_state_dict` without the cache: transformers builds the model on the meta device."""
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM

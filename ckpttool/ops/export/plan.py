@@ -199,6 +199,9 @@ def _filtered(key: str, canonical: str, out_key: str, glob: str | None, prefix: 
     return not (match_filter(key, glob, prefix) or match_filter(canonical, glob) or fnmatch.fnmatchcase(out_key, glob))
 
 
+#: torchtitan's LoRA adapter tensors (``torchtitan/components/lora.py``: ``<linear>.lora_a`` / ``.lora_b``).
+_TITAN_LORA_RE = re.compile(r"\.lora_[ab]\.weight$")
+
 #: ``skipped`` reasons of tensors that are not model weights (``docs/export.md``).
 SKIP_TRAINING_STATE = "training state (scheduler, data loader, step), not weights"
 SKIP_OUTSIDE_SCHEMA = "outside the key schema (not model weights)"
@@ -232,8 +235,12 @@ def check_exportable_names(cat: Catalog, fmt: str, adapter: ModelAdapter | None 
                 if fmt == "lora"
                 else "no built-in model adapter fits them (the config's model_type names another family)"
             ),
-            hint="choose one with `adapter` (torchtitan-llama3, torchtitan-qwen3) and pass the model's config.json "
-            "with `model_assets`, or save with torchtitan's checkpoint.last_save_in_hf",
+            hint=(
+                "merge the adapters into the weights in torchtitan and export the merged model with `fmt` hf"
+                if fmt == "lora"
+                else "choose one with `adapter` (torchtitan-llama3, torchtitan-qwen3) and pass the model's "
+                "config.json with `model_assets`, or save with torchtitan's checkpoint.last_save_in_hf"
+            ),
         )
 
 
@@ -362,6 +369,15 @@ def select_sources(
         )
     if unknown:
         assert adapter is not None
+        lora = [k for k in unknown if _TITAN_LORA_RE.search(k)]
+        if lora and filter_glob is None:
+            raise ExportNamingError(
+                f"{cat.path}: {len(lora)} torchtitan LoRA adapter tensor(s) (e.g. {lora[0]!r}) have no HF mapping; "
+                "the export would write the base weights without the fine-tune",
+                fqn=lora[0],
+                hint="merge the LoRA adapters into the weights in torchtitan before saving, or export the base "
+                "model on purpose with `filter_glob` selecting its other keys",
+            )
         shown = ", ".join(unknown[:3]) + (f" (+{len(unknown) - 3} more)" if len(unknown) > 3 else "")
         warnings.append(f"{len(unknown)} model tensor(s) unknown to adapter {adapter.name} are not exported: {shown}")
     if renamed:

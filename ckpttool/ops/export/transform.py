@@ -64,6 +64,7 @@ __all__ = [
     "SLAB_BYTES",
     "Run",
     "RunMap",
+    "RowPermutation",
     "SlabWhere",
     "SlabTransform",
     "Cast",
@@ -154,6 +155,7 @@ class RunMap:
             if a.src + a.length > b.src:
                 raise ValueError(f"runs overlap at source element {b.src}")
         self._starts = [r.src for r in self.runs]
+        self.rows = _row_permutation(self.runs)
 
     @classmethod
     def identity(cls, numel: int, piece: int = 0) -> RunMap:
@@ -176,6 +178,62 @@ class RunMap:
             if lo < hi:
                 yield lo - start, hi - lo, r.piece, r.dst + (lo - r.src)
             i += 1
+
+
+@dataclass(frozen=True)
+class RowPermutation:
+    """A run map that is a permutation of equal rows into one piece (the RoPE q/k row interleave).
+
+    Attributes:
+        row: elements per row (the runs' common length).
+        piece: the output piece.
+        dst: ``dst[i]`` is the output row of source row ``i`` (a permutation of ``range(len(dst))``).
+        block: the rows of the smallest equal blocks the permutation maps onto themselves
+            (RoPE: ``head_dim``); ``len(dst)`` when there are none.
+    """
+
+    row: int
+    piece: int
+    dst: Any  # numpy int64 array
+    block: int
+
+    def gather(self, src: memoryview, first_row: int, rows: int, out: Any) -> tuple[int, Any] | None:
+        """``rows`` source rows starting at ``first_row`` (bytes in ``src``) permuted into ``out``.
+
+        Returns ``(first output row, the permuted bytes)`` when the rows' destinations are one contiguous
+        range of output rows (a slab of whole blocks), else ``None`` (the caller writes run by run).
+        """
+        import numpy as np
+
+        d = self.dst[first_row : first_row + rows]
+        lo = int(d.min())
+        if int(d.max()) - lo + 1 != rows:
+            return None
+        row_bytes = len(src) // rows
+        s2 = np.frombuffer(src, dtype=np.uint8).reshape(rows, row_bytes)
+        o2 = out[: rows * row_bytes].reshape(rows, row_bytes)
+        np.take(s2, np.argsort(d), axis=0, out=o2)  # output row k = the source row whose destination is lo + k
+        return lo, o2
+
+
+def _row_permutation(runs: list[Run]) -> RowPermutation | None:
+    """The :class:`RowPermutation` ``runs`` are, or ``None``: equal runs tiling the source, one piece, distinct rows."""
+    if len(runs) < 2:
+        return None
+    row, piece = runs[0].length, runs[0].piece
+    for i, r in enumerate(runs):
+        if r.length != row or r.piece != piece or r.src != i * row or r.dst % row:
+            return None
+    import numpy as np
+
+    dst = np.fromiter((r.dst // row for r in runs), dtype=np.int64, count=len(runs))
+    n = len(runs)
+    if not np.array_equal(np.sort(dst), np.arange(n)):
+        return None
+    # k is a cut when rows 0..k-1 map onto 0..k-1; the block is the smallest cut whose multiples are all cuts
+    cuts = {int(k) + 1 for k in np.flatnonzero(np.maximum.accumulate(dst) == np.arange(n))}
+    block = next(b for b in sorted(cuts) if n % b == 0 and all(k in cuts for k in range(b, n + 1, b)))
+    return RowPermutation(row, piece, dst, block)
 
 
 # ---------------------------------------------------------------------------------------------- values
@@ -322,6 +380,7 @@ class _Buffers(threading.local):
     def __init__(self) -> None:
         self.src: Any = None
         self.out: Any = None
+        self.moved: Any = None
 
     def get(self, src_bytes: int, out_bytes: int) -> tuple[Any, Any]:
         import numpy as np
@@ -331,6 +390,14 @@ class _Buffers(threading.local):
         if self.out is None or self.out.size < out_bytes:
             self.out = np.empty(max(out_bytes, SLAB_BYTES), dtype=np.uint8)
         return self.src[:src_bytes], self.out[:out_bytes]
+
+    def permuted(self, nbytes: int) -> Any:
+        """A third buffer: a slab's rows after a :class:`RowPermutation`."""
+        import numpy as np
+
+        if self.moved is None or self.moved.size < nbytes:
+            self.moved = np.empty(max(nbytes, SLAB_BYTES), dtype=np.uint8)
+        return self.moved[:nbytes]
 
 
 _buffers = _Buffers()
@@ -413,6 +480,18 @@ def stream_chunk(
             data = src_buf
         mv = memoryview(data)
         for off, g, length in ranges:
+            rp = runs.rows
+            if rp is not None and g % rp.row == 0 and length % rp.row == 0:  # whole rows: one gather, one write
+                moved = rp.gather(
+                    mv[off * out_item : (off + length) * out_item],
+                    g // rp.row,
+                    length // rp.row,
+                    _buffers.permuted(length * out_item),
+                )
+                if moved is not None:
+                    lo, rows_out = moved
+                    write(rp.piece, memoryview(rows_out.reshape(-1)), lo * rp.row * out_item)
+                    continue
             for part_off, part_len, piece, at in runs.parts(g, length):
                 a = (off + part_off) * out_item
                 write(piece, mv[a : a + part_len * out_item], at * out_item)

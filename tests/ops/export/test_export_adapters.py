@@ -50,12 +50,36 @@ def test_rope_rows_match_the_view_transpose_permutation() -> None:
     assert torch.equal(back, w)
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "llama_tied"])
+def test_rope_run_map_is_a_row_permutation_gathered_per_block() -> None:
+    """The export's fast path: a slab of whole heads is permuted by one gather; a slab cutting a head is not."""
+    import numpy as np
+
+    from ckpttool.ops.export.transform import Run, RunMap
+
+    n, hd, dim = 3, 8, 5
+    w = torch.arange(n * hd * dim, dtype=torch.int16).reshape(n * hd, dim)
+    want = w.view(n, hd // 2, 2, dim).transpose(1, 2).reshape(n * hd, dim)
+    rm = RunMap([Run(r * dim, dim, 0, d * dim) for r, d in enumerate(rope_to_hf_rows(n, hd))])
+    assert rm.rows is not None and rm.rows.block == hd and rm.rows.row == dim
+    src = memoryview(w.numpy().tobytes())
+    rb = dim * 2
+    got = rm.rows.gather(src[hd * rb : 3 * hd * rb], hd, 2 * hd, np.empty(2 * hd * rb, dtype=np.uint8))
+    assert got is not None and got[0] == hd
+    assert got[1].tobytes() == want[hd:].numpy().tobytes()
+    assert rm.rows.gather(src[4 * rb : 12 * rb], 4, 8, np.empty(8 * rb, dtype=np.uint8)) is None
+    assert RunMap([Run(0, 5, 0, 5), Run(5, 5, 0, 0)]).rows is not None
+    assert RunMap([Run(0, 5, 0, 5), Run(5, 5, 1, 0)]).rows is None  # two pieces: not a row permutation
+    assert RunMap([Run(0, 5, 0, 0), Run(10, 5, 0, 5)]).rows is None  # rows left out
+
+
+@pytest.mark.parametrize(("name", "slab"), [("llama_gqa", None), ("llama_tied", None), ("llama_gqa", "64")])
 def test_llama_gqa_through_the_adapter_loads_with_identical_logits(
-    titan_named: Path, tmp_path: Path, name: str
+    titan_named: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, slab: str | None
 ) -> None:
     from transformers import LlamaForCausalLM
 
+    if slab is not None:  # slabs smaller than one head: widened to whole heads
+        monkeypatch.setenv("CKPTTOOL_SLAB_BYTES", slab)
     src = titan_named / name
     doc = export(src, tmp_path / "hf")
     assert doc["model_adapter"] == "torchtitan-llama3"
@@ -102,6 +126,28 @@ def test_qwen3_moe_through_the_adapter_loads_with_identical_logits(
 def test_adapter_without_config_is_refused_naming_the_fields(titan_named: Path, tmp_path: Path) -> None:
     res = export_cli(str(titan_named / "llama_gqa"), str(tmp_path / "o"), "--adapter", "torchtitan-llama3")
     assert_clean_failure(res, "E601", "RoPE row permutation", "num_attention_heads")
+
+
+def test_torchtitan_lora_tensors_are_refused_not_dropped(titan_named: Path, tmp_path: Path) -> None:
+    """torchtitan `LoRALinear` adapters (`wq.lora_a` / `lora_b`): an HF export would lose the fine-tune."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    src = titan_named / "llama_gqa"
+    sd = torch_load(src)
+    w = sd["layers.0.attention.qkv_linear.wq.weight"]
+    sd["layers.0.attention.qkv_linear.wq.lora_a.weight"] = torch.randn(4, w.shape[1])
+    sd["layers.0.attention.qkv_linear.wq.lora_b.weight"] = torch.randn(w.shape[0], 4)
+    ckpt = tmp_path / "lora"
+    dcp.save(sd, checkpoint_id=str(ckpt), no_dist=True)
+    shutil.copytree(src / "model_assets", ckpt / "model_assets")
+    res = export_cli(str(ckpt), str(tmp_path / "o"), "--model-assets", str(ckpt / "model_assets"))
+    assert_clean_failure(res, "E603", "wq.lora_a.weight", "without the fine-tune")
+    assert not (tmp_path / "o").exists()
+    res = export_cli(str(ckpt), str(tmp_path / "o"), "--format", "lora", "--lora-alpha", "8")
+    assert_clean_failure(res, "E603", "no LoRA adapter export exists for torchtitan models")
+    assert "--format hf" in res.stderr.strip().splitlines()[-1]
 
 
 def test_unknown_adapter_is_a_usage_error(titan_named: Path, tmp_path: Path) -> None:

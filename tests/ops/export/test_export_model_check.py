@@ -99,6 +99,7 @@ def test_without_transformers_the_check_is_reported_not_silent(
     for name in [m for m in sys.modules if m == "transformers" or m.startswith("transformers.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    monkeypatch.setenv("CKPTTOOL_NO_CACHE", "1")  # no model-shape cache entry of an earlier test
     res = export_cli(str(llama_ckpt), str(tmp_path / "o"), "--model-assets", str(llama_ckpt / "model_assets"), "--json")
     assert res.exit_code == 0, res.stderr
     doc = json.loads(res.stdout)
@@ -115,3 +116,70 @@ def test_good_export_is_checked_and_clean(llama_ckpt: Path, tmp_path: Path) -> N
     assert res.exit_code == 0, res.stderr
     check = json.loads(res.stdout)["model_check"]
     assert check == {"checked": True, "model_class": "LlamaForCausalLM", "not_checked": None, "findings": {}}
+
+
+_SMALL_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 64,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": True,
+}
+
+
+def test_model_shapes_are_cached_and_a_hit_imports_neither_torch_nor_transformers(tmp_path: Path) -> None:
+    import subprocess
+
+    code = (
+        "import json, sys\n"
+        "from ckpttool.ops.export.expected import expected_state_dict\n"
+        f"got = expected_state_dict({_SMALL_LLAMA!r})\n"
+        "print(json.dumps([sorted((k, list(v[0]), v[1]) for k, v in got[0].items()), sorted(got[1]), got[2],"
+        " 'torch' in sys.modules, 'transformers' in sys.modules]))\n"
+    )
+    env = {**__import__("os").environ, "CKPTTOOL_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("CKPTTOOL_NO_CACHE", None)
+    first, second = (
+        json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=True).stdout)
+        for _ in range(2)
+    )
+    assert first[:3] == second[:3] and first[2] == "LlamaForCausalLM" and "lm_head.weight" in first[1]
+    assert first[3:] == [True, True], "a miss builds the model with transformers"
+    assert second[3:] == [False, False], "a hit reads the entry only"
+    assert len(list((tmp_path / "cache" / "model-shapes-v1").glob("*.json"))) == 1
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"garbage",
+        b"[" * 100000,
+        b'{"format": 1, "key": "another", "model_class": "X", "tensors": {}, "optional": []}',
+        b'{"format": 1, "key": "@", "model_class": "X", "tensors": {"a": [[-1], "float32"]}, "optional": []}',
+        b'{"format": 1, "key": "@", "model_class": "X", "tensors": {"a": [[2], "evil"]}, "optional": []}',
+        b'{"format": 1, "key": "@", "model_class": "X", "tensors": {"a": [[2], "float32"]}, "optional": ["b"]}',
+        b'{"format": 1, "key": "@", "model_class": "os.system", "tensors": {}, "optional": []}',
+        b'{"format": 1, "key": "@", "model_class": "X", "tensors": {"a": [[true], "float32"]}, "optional": []}',
+    ],
+)
+def test_a_broken_or_hostile_cache_entry_is_ignored_and_rewritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: bytes
+) -> None:
+    from ckpttool.ops.export import expected as ex
+
+    monkeypatch.setenv("CKPTTOOL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CKPTTOOL_NO_CACHE", "1")
+    want = ex.expected_state_dict(dict(_SMALL_LLAMA))
+    monkeypatch.delenv("CKPTTOOL_NO_CACHE")
+    versions = ex._versions()
+    assert versions is not None and not isinstance(want, str)
+    key = ex._entry_key(dict(_SMALL_LLAMA), versions)
+    assert key is not None
+    path = ex.shapes_entry_path(key)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(bad.replace(b'"@"', json.dumps(key).encode()))
+    assert ex.expected_state_dict(dict(_SMALL_LLAMA)) == want
+    assert ex._load_entry(path, key) == want, "the entry was written again, valid"
