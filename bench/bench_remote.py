@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _ckpts import build, dense_rank, moe_legacy_rank  # noqa: E402
+from _ckpts import build, dense_rank, layers_for, moe_legacy_rank  # noqa: E402
 
 
 def load() -> str:
@@ -122,9 +122,11 @@ def run(cmd: list[str]) -> tuple[float, float]:
     return wall, float(doc.get("seconds") or doc["stats"]["seconds"])
 
 
-def procs(root: Path, repeat: int) -> None:
-    fp32 = build(root / "fp32-1layer", dense_rank, 1, "float32", False)
-    moe = build(root / "moe-legacy", moe_legacy_rank)
+def procs(root: Path, repeat: int, gb: float) -> None:
+    layers = layers_for(gb, 4)
+    fp32 = build(root / f"fp32-{layers}layer", dense_rank, layers, "float32", False)
+    moe_layers = max(1, round(gb / 0.2))
+    moe = build(root / f"moe-legacy-{moe_layers}layer", moe_legacy_rank, moe_layers)
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     cases = [
         ("cast export FP32 -> BF16", fp32, ["export", "{ckpt}", "{out}", "--save-dtype", "bfloat16", "--shard-size", "100MB"]),
@@ -168,13 +170,14 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--only", choices=["remote", "procs"])
+    ap.add_argument("--gb", type=float, default=4.0, help="size of the 2-processes-vs-1 checkpoints (GB)")
     args = ap.parse_args()
     args.root.mkdir(parents=True, exist_ok=True)
     print(f"# {os.cpu_count()} CPUs, load average {load()}")
     if args.only in (None, "remote"):
         remote(args.root, args.workers, args.repeat)
     if args.only in (None, "procs"):
-        procs(args.root, args.repeat)
+        procs(args.root, args.repeat, args.gb)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ embedding's bytes, as the model's ``state_dict()`` holds it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -36,7 +37,7 @@ from ckpttool.errors import ExportError, UsageError
 from ckpttool.format.files import open_regular, resolve_inside
 from ckpttool.format.hf_storage import load_hf_storage_metadata
 from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
-from ckpttool.format.outputs import output_dir, output_location
+from ckpttool.format.outputs import output_location
 from ckpttool.format.storage import is_url
 from ckpttool.format.writer import DCPWriter
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, NativeTensor, Skip, get_adapter, rope_from_hf_rows
@@ -44,6 +45,7 @@ from ckpttool.model.declaration import EP_NAME_RE
 from ckpttool.model.geometry import nested_shard_intervals
 from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.model.layout_record import LAYOUT_KEY, EPTensorSpec
+from ckpttool.ops import distributed
 from ckpttool.ops.reshard.plan import make_record
 
 __all__ = ["ImportOptions", "ImportResult", "ep_rows", "import_hf", "torch_chunk_rows"]
@@ -463,41 +465,41 @@ def _import_plain(
 
             identity = safetensors_source_identity(src_dir, sorted({s.file for s in sources.values()}), opts.algorithm)
         dst = output_location(out)
-        with output_dir(dst, overwrite=opts.overwrite, source=src_dir) as tmp:
-            with DCPWriter(
-                tmp,
-                dst if is_url(dst) else Path(os.path.abspath(dst)),
-                fsync=opts.fsync,
-                digest=opts.algorithm if opts.manifest else None,
-            ) as w:
-                w.ensure_files(range(opts.world_size))
-                for n in natives:
-                    dt = DType(n.dtype)
-                    w.declare_tensor(n.key, dt, n.shape, n.planner)
-                    if not n.shape:
-                        w.stream_tensor_archive(n.key, ChunkMeta((), ()), 0, dt, _segments(n, 0, 1, fds))
-                        continue
-                    if ep is not None and len(n.shape) >= 2 and EP_NAME_RE.search(n.key):
-                        ep_specs[n.key] = EPTensorSpec(ep_dim=0, fsdp_dim=0, num_experts=n.shape[0])
-                        rows = ep_rows(n.shape[0], *ep)
-                    else:
-                        rows = torch_chunk_rows(n.shape[0], opts.world_size)
-                    for rank, (start, length) in enumerate(rows):
-                        if length == 0 and rank > 0:
-                            continue
-                        chunk = ChunkMeta((start, *([0] * (len(n.shape) - 1))), (length, *n.shape[1:]))
-                        w.stream_tensor_archive(n.key, chunk, rank, dt, _segments(n, start, length, fds))
-                    total += dt.itemsize * math.prod(n.shape)
-                if ep is not None:  # the record `reshard` / `stamp` embed (docs/layouts.md), as a byte item
-                    record = make_record(2, ep[0], ep[1], ep_specs, optimizer={})
-                    w.write_object(LAYOUT_KEY, 0, json.dumps(record, sort_keys=True), (LAYOUT_KEY,))
-                w.finish()
-            if opts.manifest:
-                from ckpttool.ops.manifest import write_output_manifest
+        # torchrun: each rank writes the target rank files assigned to it (by bytes), rank 0 .metadata
+        group = distributed.current()
+        placed: list[tuple[_Native, list[tuple[int, int]]]] = []
+        file_bytes = [0] * opts.world_size
+        for n in natives:
+            if not n.shape:
+                rows = [(0, 1)]
+            elif ep is not None and len(n.shape) >= 2 and EP_NAME_RE.search(n.key):
+                ep_specs[n.key] = EPTensorSpec(ep_dim=0, fsdp_dim=0, num_experts=n.shape[0])
+                rows = ep_rows(n.shape[0], *ep)
+            else:
+                rows = torch_chunk_rows(n.shape[0], opts.world_size)
+            placed.append((n, rows))
+            row_nbytes = _row_bytes(n.dtype, n.shape) if n.shape else DType(n.dtype).itemsize
+            for rank, (_, length) in enumerate(rows):
+                file_bytes[rank] += row_nbytes * length
+            if n.shape:
+                total += DType(n.dtype).itemsize * math.prod(n.shape)
+        owners = group.share(file_bytes)
+        mine = {r for r in range(opts.world_size) if group.owns(owners[r])}
+        with contextlib.ExitStack() as stack:
+            tmp = distributed.enter_output_dir(stack, group, dst, overwrite=opts.overwrite, source=src_dir)
+            try:
+                w = _write_dcp(tmp, dst, placed, mine, fds, opts, ep, ep_specs, group)
+            except BaseException as e:
+                if group.active and not distributed.agreed(e):
+                    group.agree(e)  # the other ranks learn of it (and raise it) in _write_dcp
+                raise
+            if group.is_root:
+                if opts.manifest:
+                    from ckpttool.ops.manifest import write_output_manifest
 
-                write_output_manifest(w, tmp, opts.algorithm, identity)
-            for p in sorted(tmp.iterdir()):
-                files_info.append({"name": p.name, "bytes": p.stat().st_size})
+                    write_output_manifest(w, tmp, opts.algorithm, identity)
+                for p in sorted(tmp.iterdir()):
+                    files_info.append({"name": p.name, "bytes": p.stat().st_size})
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -519,3 +521,56 @@ def _import_plain(
         source_identity=identity,
         manifest="manifest.json" if opts.manifest else None,
     )
+
+
+def _write_dcp(
+    tmp: Path,
+    dst: Any,
+    placed: list[tuple[_Native, list[tuple[int, int]]]],
+    mine: set[int],
+    fds: dict[str, int],
+    opts: ImportOptions,
+    ep: tuple[int, int] | None,
+    ep_specs: dict[str, EPTensorSpec],
+    group: distributed.Group,
+) -> DCPWriter:
+    """Write the chunks of the target rank files in ``mine`` into ``tmp``; the root writes ``.metadata``.
+
+    Under torchrun every rank declares every tensor and writes its own files; after the barrier
+    the root merges the other ranks' records (chunk offsets in their files) and writes
+    ``.metadata`` (:mod:`ckpttool.ops.distributed`). One process: ``mine`` is every rank.
+    """
+    with DCPWriter(
+        tmp,
+        dst if is_url(dst) else Path(os.path.abspath(dst)),
+        fsync=opts.fsync,
+        digest=opts.algorithm if opts.manifest else None,
+    ) as w:
+        w.ensure_files(sorted(mine))
+        for n, rows in placed:
+            dt = DType(n.dtype)
+            w.declare_tensor(n.key, dt, n.shape, n.planner)
+            if not n.shape:
+                if 0 in mine:
+                    w.stream_tensor_archive(n.key, ChunkMeta((), ()), 0, dt, _segments(n, 0, 1, fds))
+                continue
+            for rank, (start, length) in enumerate(rows):
+                if (length == 0 and rank > 0) or rank not in mine:
+                    continue
+                chunk = ChunkMeta((start, *([0] * (len(n.shape) - 1))), (length, *n.shape[1:]))
+                w.stream_tensor_archive(n.key, chunk, rank, dt, _segments(n, start, length, fds))
+        if ep is not None and 0 in mine:  # the record `reshard` / `stamp` embed (docs/layouts.md), as a byte item
+            record = make_record(2, ep[0], ep[1], ep_specs, optimizer={})
+            w.write_object(LAYOUT_KEY, 0, json.dumps(record, sort_keys=True), (LAYOUT_KEY,))
+        if group.active:
+            for r in sorted(mine):
+                w.sync(r)
+            group.agree(None)  # pairs with the agree(error) of a failing rank (_import_plain)
+            records = group.gather(w.records())
+            if not group.is_root:
+                return w
+            for r, rec in enumerate(records):
+                if r != group.rank:
+                    w.merge(rec)
+        w.finish()
+    return w
