@@ -164,18 +164,101 @@ def procs(root: Path, repeat: int, gb: float) -> None:
     print(f"(load average after: {load()}; target >= 1.6x on 2 cores)")
 
 
+# One torchrun worker, timed: what ckpttool's entry point does (import torch.distributed, join the
+# gloo group, run the command, leave the group), each step stamped with time.time() into a JSON file.
+_STAMPED = """\
+import json, os, sys, time
+stamps = {"start": time.time()}
+import torch.distributed as dist
+stamps["import torch.distributed"] = time.time()
+if sys.argv[1:]:
+    from ckpttool.cli.app import main as ckpttool_main
+    stamps["import ckpttool"] = time.time()
+dist.init_process_group("gloo")
+stamps["init_process_group (rendezvous)"] = time.time()
+
+
+def done(code):
+    stamps["command (incl. destroy_process_group)"] = time.time()
+    with open(os.environ["STAMPS"] + "." + os.environ["RANK"], "w") as f:
+        json.dump(stamps, f)
+    return code
+
+
+if sys.argv[1:]:
+    sys.argv = ["ckpttool", *sys.argv[1:]]
+    real_exit = os._exit
+    os._exit = lambda code: real_exit(done(code))  # ckpttool's ranks leave by os._exit
+    ckpttool_main()  # joins the group already initialised, runs the command, leaves the group
+else:
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(done(0))
+"""
+
+
+def startup(root: Path, gb: float) -> None:
+    """Where a torchrun run's fixed start-up goes: launcher, worker imports, rendezvous, the command, exit."""
+    import json
+
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    script = root / "stamped_worker.py"
+    script.write_text(_STAMPED)
+    moe = build(root / f"moe-legacy-{max(1, round(gb / 0.2))}layer", moe_legacy_rank, max(1, round(gb / 0.2)))
+    cases = [
+        ("no-op (join gloo, barrier, leave)", []),
+        ("ckpttool inspect (reads .metadata)", ["inspect", str(moe), "--json"]),
+        ("ckpttool export --experts per-expert", ["export", str(moe), str(root / "out-st"), "--experts", "per-expert", "--shard-size", "100MB", "--json"]),
+    ]  # fmt: skip
+    print(f"\n## torchrun start-up, 2 processes (load {load()}); seconds from launching torchrun")
+    print("| case | worker started | + import torch.distributed | + import ckpttool | + rendezvous | + command | exit of workers and torchrun | wall |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for i, (name, args) in enumerate(cases):
+        shutil.rmtree(root / "out-st", ignore_errors=True)
+        stamps = root / "stamps"
+        for k in range(2):
+            Path(f"{stamps}.{k}").unlink(missing_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "STAMPS": str(stamps)}
+        cmd = [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(29650 + i)]
+        t0 = time.time()
+        r = subprocess.run([*cmd, str(script), *args], capture_output=True, text=True, env=env)
+        t_end = time.time()
+        if r.returncode != 0:
+            raise SystemExit(f"failed: {name}\n{r.stderr[-2000:]}")
+        ranks = [json.loads(Path(f"{stamps}.{k}").read_text()) for k in range(2)]
+        keys = list(ranks[0])
+        cells, prev = [], t0
+        for k in keys:  # the later rank at each step (the run waits for it)
+            at = max(rk[k] for rk in ranks)
+            cells.append(f"{at - prev:.2f}")
+            prev = at
+        if not args:
+            cells.insert(2, "-")
+        cells.append(f"{t_end - prev:.2f}")
+        print(f"| {name} | " + " | ".join(cells) + f" | {t_end - t0:.2f} |")
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch.distributed"], check=True)
+    t_imp = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "ckpttool", "inspect", str(moe), "--json"], check=True, capture_output=True)
+    t_ck = time.perf_counter() - t0
+    print(f"(one process alone: `python -c 'import torch.distributed'` {t_imp:.2f} s; `ckpttool inspect` without torchrun {t_ck:.2f} s)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", type=Path, default=Path("/tmp/ckpttool-bench-remote"))
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--only", choices=["remote", "procs"])
+    ap.add_argument("--only", choices=["remote", "procs", "startup"])
     ap.add_argument("--gb", type=float, default=4.0, help="size of the 2-processes-vs-1 checkpoints (GB)")
     args = ap.parse_args()
     args.root.mkdir(parents=True, exist_ok=True)
     print(f"# {os.cpu_count()} CPUs, load average {load()}")
     if args.only in (None, "remote"):
         remote(args.root, args.workers, args.repeat)
+    if args.only in (None, "startup"):
+        startup(args.root, args.gb)
     if args.only in (None, "procs"):
         procs(args.root, args.repeat, args.gb)
 
