@@ -242,7 +242,9 @@ def startup(root: Path, gb: float) -> None:
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "ckpttool", "inspect", str(moe), "--json"], check=True, capture_output=True)
     t_ck = time.perf_counter() - t0
-    print(f"(one process alone: `python -c 'import torch.distributed'` {t_imp:.2f} s; `ckpttool inspect` without torchrun {t_ck:.2f} s)")
+    print(
+        f"(one process alone: `python -c 'import torch.distributed'` {t_imp:.2f} s; `ckpttool inspect` without torchrun {t_ck:.2f} s)"
+    )
 
 
 def main() -> None:

@@ -291,3 +291,62 @@ def test_import_to_s3_is_the_local_import(sample_ckpt: Path, s3_server: Any, tmp
         assert cli(s3_server, "validate", "--strict", out).exit_code == 0
         # an existing output is refused without --overwrite
         assert cli(s3_server, "import", str(hf), out, *extra).exit_code == 2
+
+
+# ------------------------------------------------------------------ interrupted runs
+def _interrupt_when(proc: Any, ready: Any, signum: int, timeout_s: float = 120.0) -> None:
+    """Send ``signum`` to ``proc`` as soon as ``ready()`` holds (polled)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        assert time.monotonic() < deadline, "never reached the point to interrupt"
+        time.sleep(0.02)
+    proc.send_signal(signum)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_signal_during_upload_publishes_nothing_and_cleans_up(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path, signame: str
+) -> None:
+    """Ctrl-C / SIGTERM while the output is uploaded (remote source: the spool exists too): exit 130,
+    `error: interrupted`, nothing under the target, the temporary prefix and the local staging and
+    spool directories removed."""
+    import signal
+    import subprocess
+    import sys
+
+    url = upload(s3_server, sample_ckpt)
+    out = url + "-int"
+    proxy = s3fx.DroppingProxy(s3_server.port)
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    opts = s3_server.cli_options()
+    opts[1] = f"client_kwargs.endpoint_url={proxy.endpoint}"
+    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    env.pop("CKPTTOOL_DEBUG", None)
+    cmd = [sys.executable, "-m", "ckpttool", *opts, "--remote-workers", "2", "export", url, out, "--shard-size", "20KB"]
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            # slow the link only once the run is uploading (its first object is under the temporary prefix)
+            def uploading() -> bool:
+                if any("ckpttool-tmp" in k for k in s3_server.keys("ckpts")):
+                    proxy.delay_s = 0.05
+                    return True
+                return False
+
+            _interrupt_when(proc, uploading, getattr(signal, signame))
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    finally:
+        proxy.close()
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == "error: interrupted", err[-2000:]
+    prefix = out.split("/", 3)[3]
+    assert not [k for k in s3_server.keys("ckpts") if k.startswith(prefix) or "ckpttool-tmp" in k]
+    assert not list(tmpdir.iterdir())  # staging and spool removed

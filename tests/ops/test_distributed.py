@@ -247,3 +247,52 @@ def test_import_rank_failure_fails_every_rank_and_leaves_no_output(hf_dir: Path,
     assert errors[0].startswith(f"error: [E600] rank {failing}: {out}/__{failing}_0.distcp: cannot write"), errors[0]
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]
+
+
+# rank 1 is slow (it sleeps before its share of the export): the run is interrupted while rank 0
+# holds the temporary output and waits for it
+_SLOW_RANK_1 = """\
+import os, runpy, sys, time
+if os.environ["RANK"] == "1":
+    from ckpttool.ops.export import execute
+
+    run = execute._Executor.run
+    execute._Executor.run = lambda self: (time.sleep(120), run(self))[1]
+sys.argv = ["ckpttool", *sys.argv[1:]]
+runpy.run_module("ckpttool", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_torchrun_publishes_nothing_and_removes_the_temporary_output(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    import signal
+    import time
+
+    script = tmp_path / "slow.py"
+    script.write_text(_SLOW_RANK_1)
+    out = tmp_path / "out"
+    assert TORCHRUN is not None
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("CKPTTOOL_DEBUG", None)
+    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    cmd += [str(script), "export", str(sample_ckpt), str(out), "--shard-size", "20KB"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never opened its output"
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)  # Ctrl-C of torchrun: it stops every rank (SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert time.monotonic() - t0 < 30  # the ranks stop at once, not at gloo's timeout
+    assert proc.returncode != 0  # torchrun's own exit status (1) on a signal; the ranks exit 130
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == ["error: interrupted"], err[-3000:]
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]
