@@ -108,18 +108,23 @@ def remote(root: Path, workers: int, repeat: int) -> None:
         srv.stop()
 
 
-def run(cmd: list[str]) -> tuple[float, float]:
-    """Wall seconds and the command's own ``seconds`` (rank 0's ``--json``: the work, without start-up)."""
+def run(cmd: list[str]) -> tuple[float, float, float, float]:
+    """Wall seconds, the command's own ``seconds`` (rank 0's ``--json``: the work, without start-up),
+    and the CPU seconds (user, system) of every process of the run (torchrun and its ranks)."""
     import json
+    import resource
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     r = subprocess.run([*cmd, "--json"], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (ru1.ru_utime - ru0.ru_utime, ru1.ru_stime - ru0.ru_stime)
     if r.returncode not in (0, 1):
         raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
     doc = json.loads(r.stdout)
-    return wall, float(doc.get("seconds") or doc["stats"]["seconds"])
+    return wall, float(doc.get("seconds") or doc["stats"]["seconds"]), *cpu
 
 
 def procs(root: Path, repeat: int, gb: float) -> None:
@@ -138,11 +143,13 @@ def procs(root: Path, repeat: int, gb: float) -> None:
     print("| case | data GB | 1 process, 1 thread | 2 processes, 1 thread each | speed-up (work) | 1 process, 2 threads | 2 processes, 2 threads each | speed-up (work) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     port = 29700
+    cpu_rows = []
     for name, ckpt, tmpl in cases:
         nbytes = sum(p.stat().st_size for p in ckpt.iterdir() if p.name.endswith(".distcp"))
-        cells = []
+        cells: list[str] = []
+        cpu_cells: list[str] = []
         for threads in ("1", "2"):
-            best: dict[int, tuple[float, float]] = {}
+            best: dict[int, tuple[float, float, float, float]] = {}
             for n in (1, 2):
                 for _ in range(repeat):
                     out = root / f"out-{n}"
@@ -160,8 +167,16 @@ def procs(root: Path, repeat: int, gb: float) -> None:
                         best[n] = got
             one, two = best[1], best[2]
             cells += [f"{one[0]:.2f} / {one[1]:.2f}", f"{two[0]:.2f} / {two[1]:.2f}", f"{one[1] / two[1]:.2f}x"]
+            cpu_cells += [f"{one[2]:.2f} / {one[3]:.2f}", f"{two[2]:.2f} / {two[3]:.2f}"]
         print(f"| {name} | {nbytes / 1e9:.2f} | " + " | ".join(cells) + " |")
+        cpu_rows.append(f"| {name} | " + " | ".join(cpu_cells) + " |")
     print(f"(load average after: {load()}; target >= 1.6x on 2 cores)")
+    print("\nCPU seconds of those runs, user / system, every process (torchrun and its ranks included):")
+    print(
+        "| case | 1 process, 1 thread | 2 processes, 1 thread each | 1 process, 2 threads | 2 processes, 2 threads each |"
+    )
+    print("|---|---|---|---|---|")
+    print("\n".join(cpu_rows))
 
 
 # One torchrun worker, timed: what ckpttool's entry point does (import torch.distributed, join the
