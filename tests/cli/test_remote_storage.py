@@ -328,8 +328,17 @@ def test_signal_during_upload_publishes_nothing_and_cleans_up(
     env = {**os.environ, "TMPDIR": str(tmpdir)}
     env.pop("CKPTTOOL_DEBUG", None)
     cmd = [sys.executable, "-m", "ckpttool", *opts, "--remote-workers", "2", "export", url, out, "--shard-size", "20KB"]
+    proxy.delay_s = 0.01  # a slow link throughout, so the upload phase cannot be missed under load
     try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            # a test runner may ignore SIGINT, and an ignored SIGINT is inherited: Ctrl-C as in a shell
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         try:
             # slow the link only once the run is uploading (its first object is under the temporary prefix)
             def uploading() -> bool:
@@ -348,7 +357,8 @@ def test_signal_during_upload_publishes_nothing_and_cleans_up(
     assert proc.returncode == 130, err[-2000:]
     assert err.strip().splitlines()[-1] == "error: interrupted", err[-2000:]
     prefix = out.split("/", 3)[3]
-    assert not [k for k in s3_server.keys("ckpts") if k.startswith(prefix) or "ckpttool-tmp" in k]
+    left = [k for k in s3_server.keys("ckpts") if k.startswith(prefix) or "ckpttool-tmp" in k]
+    assert not left, (left, err[-2000:])
     assert not list(tmpdir.iterdir())  # staging and spool removed
 
 

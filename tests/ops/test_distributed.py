@@ -278,7 +278,14 @@ def test_ctrl_c_of_torchrun_publishes_nothing_and_removes_the_temporary_output(
     env.pop("CKPTTOOL_DEBUG", None)
     cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     cmd += [str(script), "export", str(sample_ckpt), str(out), "--shard-size", "20KB"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not a test runner's SIG_IGN
+    )
     try:
         deadline = time.monotonic() + 120
         while not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]:
