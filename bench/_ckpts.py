@@ -96,8 +96,9 @@ def dense_rank(
     dcp.save(sd, checkpoint_id=out)
 
 
-def moe_legacy_rank(rank: int, world: int, out: str) -> None:
-    """One rank of a legacy-layout EP save: mesh (ep_fsdp, ep), both on the expert dim (block-transposed)."""
+def moe_legacy_rank(rank: int, world: int, out: str, layers: int = MOE_LAYERS) -> None:
+    """One rank of a legacy-layout EP save: mesh (ep_fsdp, ep), both on the expert dim (block-transposed);
+    ``layers`` MoE layers (gate_up_proj 128 MiB + down_proj 64 MiB of BF16: 0.2 GB a layer)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -119,7 +120,7 @@ def moe_legacy_rank(rank: int, world: int, out: str) -> None:
         )
 
     model, extra = {}, {}
-    for n in range(MOE_LAYERS):
+    for n in range(layers):
         for name, shape in (("gate_up_proj", (MOE_E, 2 * MOE_I, MOE_H)), ("down_proj", (MOE_E, MOE_H, MOE_I))):
             fqn = f"model.layers.{n}.mlp.experts.{name}"
             model[fqn] = local(shape)

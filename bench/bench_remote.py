@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _ckpts import build, dense_rank, moe_legacy_rank  # noqa: E402
+from _ckpts import build, dense_rank, layers_for, moe_legacy_rank  # noqa: E402
 
 
 def load() -> str:
@@ -108,23 +108,30 @@ def remote(root: Path, workers: int, repeat: int) -> None:
         srv.stop()
 
 
-def run(cmd: list[str]) -> tuple[float, float]:
-    """Wall seconds and the command's own ``seconds`` (rank 0's ``--json``: the work, without start-up)."""
+def run(cmd: list[str]) -> tuple[float, float, float, float]:
+    """Wall seconds, the command's own ``seconds`` (rank 0's ``--json``: the work, without start-up),
+    and the CPU seconds (user, system) of every process of the run (torchrun and its ranks)."""
     import json
+    import resource
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     r = subprocess.run([*cmd, "--json"], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (ru1.ru_utime - ru0.ru_utime, ru1.ru_stime - ru0.ru_stime)
     if r.returncode not in (0, 1):
         raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
     doc = json.loads(r.stdout)
-    return wall, float(doc.get("seconds") or doc["stats"]["seconds"])
+    return wall, float(doc.get("seconds") or doc["stats"]["seconds"]), *cpu
 
 
-def procs(root: Path, repeat: int) -> None:
-    fp32 = build(root / "fp32-1layer", dense_rank, 1, "float32", False)
-    moe = build(root / "moe-legacy", moe_legacy_rank)
+def procs(root: Path, repeat: int, gb: float) -> None:
+    layers = layers_for(gb, 4)
+    fp32 = build(root / f"fp32-{layers}layer", dense_rank, layers, "float32", False)
+    moe_layers = max(1, round(gb / 0.2))
+    moe = build(root / f"moe-legacy-{moe_layers}layer", moe_legacy_rank, moe_layers)
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     cases = [
         ("cast export FP32 -> BF16", fp32, ["export", "{ckpt}", "{out}", "--save-dtype", "bfloat16", "--shard-size", "100MB"]),
@@ -136,15 +143,20 @@ def procs(root: Path, repeat: int) -> None:
     print("| case | data GB | 1 process, 1 thread | 2 processes, 1 thread each | speed-up (work) | 1 process, 2 threads | 2 processes, 2 threads each | speed-up (work) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     port = 29700
+    cpu_rows = []
+    capacity: list[str] = []
     for name, ckpt, tmpl in cases:
         nbytes = sum(p.stat().st_size for p in ckpt.iterdir() if p.name.endswith(".distcp"))
-        cells = []
+        cells: list[str] = []
+        cpu_cells: list[str] = []
         for threads in ("1", "2"):
-            best: dict[int, tuple[float, float]] = {}
-            for n in (1, 2):
-                for _ in range(repeat):
+            best: dict[int, tuple[float, float, float, float]] = {}
+            # alternated (1, 2, 1, 2, ...): both see the same page-cache state and load on average
+            for _ in range(repeat):
+                for n in (1, 2):
                     out = root / f"out-{n}"
                     shutil.rmtree(out, ignore_errors=True)
+                    shutil.rmtree(root / f"out-{3 - n}", ignore_errors=True)  # the other run's pages freed
                     args = [a.format(ckpt=ckpt, out=out) for a in tmpl] + ["--workers", threads]
                     port += 1
                     cmd = (
@@ -157,9 +169,134 @@ def procs(root: Path, repeat: int) -> None:
                     if n not in best or got[1] < best[n][1]:
                         best[n] = got
             one, two = best[1], best[2]
+            if threads == "1":  # baseline: two independent single-process runs at once (the machine's capacity)
+                pairs = []
+                for _ in range(repeat):
+                    outs = [root / "out-a", root / "out-b"]
+                    for o in (*outs, root / "out-1", root / "out-2"):
+                        shutil.rmtree(o, ignore_errors=True)
+                    t0 = time.perf_counter()
+                    procs_ = [
+                        subprocess.Popen(
+                            [
+                                sys.executable,
+                                "-m",
+                                "ckpttool",
+                                *[a.format(ckpt=ckpt, out=o) for a in tmpl],
+                                "--workers",
+                                "1",
+                            ],
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                        )
+                        for o in outs
+                    ]
+                    for p_ in procs_:
+                        p_.wait()
+                    pairs.append(time.perf_counter() - t0)
+                    for o in outs:
+                        shutil.rmtree(o, ignore_errors=True)
+                capacity.append(f"| {name} | {one[0]:.2f} | {min(pairs):.2f} | {2 * one[0] / min(pairs):.2f}x |")
             cells += [f"{one[0]:.2f} / {one[1]:.2f}", f"{two[0]:.2f} / {two[1]:.2f}", f"{one[1] / two[1]:.2f}x"]
+            cpu_cells += [f"{one[2]:.2f} / {one[3]:.2f}", f"{two[2]:.2f} / {two[3]:.2f}"]
         print(f"| {name} | {nbytes / 1e9:.2f} | " + " | ".join(cells) + " |")
+        cpu_rows.append(f"| {name} | " + " | ".join(cpu_cells) + " |")
     print(f"(load average after: {load()}; target >= 1.6x on 2 cores)")
+    print("\nCPU seconds of those runs, user / system, every process (torchrun and its ranks included):")
+    print(
+        "| case | 1 process, 1 thread | 2 processes, 1 thread each | 1 process, 2 threads | 2 processes, 2 threads each |"
+    )
+    print("|---|---|---|---|---|")
+    print("\n".join(cpu_rows))
+    print("\nBaseline, the machine's capacity for 2 processes now: two independent single-process runs of the")
+    print("whole command at once (1 thread each) vs one alone; wall seconds, throughput ratio (2 x alone / together):")
+    print("| case | one alone | two at once | throughput ratio |")
+    print("|---|---|---|---|")
+    print("\n".join(capacity))
+
+
+# One torchrun worker, timed: what ckpttool's entry point does (import torch.distributed, join the
+# gloo group, run the command, leave the group), each step stamped with time.time() into a JSON file.
+_STAMPED = """\
+import json, os, sys, time
+stamps = {"start": time.time()}
+import torch.distributed as dist
+stamps["import torch.distributed"] = time.time()
+if sys.argv[1:]:
+    from ckpttool.cli.app import main as ckpttool_main
+    stamps["import ckpttool"] = time.time()
+dist.init_process_group("gloo")
+stamps["init_process_group (rendezvous)"] = time.time()
+
+
+def done(code):
+    stamps["command (incl. destroy_process_group)"] = time.time()
+    with open(os.environ["STAMPS"] + "." + os.environ["RANK"], "w") as f:
+        json.dump(stamps, f)
+    return code
+
+
+if sys.argv[1:]:
+    sys.argv = ["ckpttool", *sys.argv[1:]]
+    real_exit = os._exit
+    os._exit = lambda code: real_exit(done(code))  # ckpttool's ranks leave by os._exit
+    ckpttool_main()  # joins the group already initialised, runs the command, leaves the group
+else:
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(done(0))
+"""
+
+
+def startup(root: Path, gb: float) -> None:
+    """Where a torchrun run's fixed start-up goes: launcher, worker imports, rendezvous, the command, exit."""
+    import json
+
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    script = root / "stamped_worker.py"
+    script.write_text(_STAMPED)
+    moe = build(root / f"moe-legacy-{max(1, round(gb / 0.2))}layer", moe_legacy_rank, max(1, round(gb / 0.2)))
+    cases = [
+        ("no-op (join gloo, barrier, leave)", []),
+        ("ckpttool inspect (reads .metadata)", ["inspect", str(moe), "--json"]),
+        ("ckpttool export --experts per-expert", ["export", str(moe), str(root / "out-st"), "--experts", "per-expert", "--shard-size", "100MB", "--json"]),
+    ]  # fmt: skip
+    print(f"\n## torchrun start-up, 2 processes (load {load()}); seconds from launching torchrun")
+    print("| case | worker started | + import torch.distributed | + import ckpttool | + rendezvous | + command | exit of workers and torchrun | wall |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for i, (name, args) in enumerate(cases):
+        shutil.rmtree(root / "out-st", ignore_errors=True)
+        stamps = root / "stamps"
+        for k in range(2):
+            Path(f"{stamps}.{k}").unlink(missing_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "STAMPS": str(stamps)}
+        cmd = [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(29650 + i)]
+        t0 = time.time()
+        r = subprocess.run([*cmd, str(script), *args], capture_output=True, text=True, env=env)
+        t_end = time.time()
+        if r.returncode != 0:
+            raise SystemExit(f"failed: {name}\n{r.stderr[-2000:]}")
+        ranks = [json.loads(Path(f"{stamps}.{k}").read_text()) for k in range(2)]
+        keys = list(ranks[0])
+        cells, prev = [], t0
+        for k in keys:  # the later rank at each step (the run waits for it)
+            at = max(rk[k] for rk in ranks)
+            cells.append(f"{at - prev:.2f}")
+            prev = at
+        if not args:
+            cells.insert(2, "-")
+        cells.append(f"{t_end - prev:.2f}")
+        print(f"| {name} | " + " | ".join(cells) + f" | {t_end - t0:.2f} |")
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch.distributed"], check=True)
+    t_imp = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "ckpttool", "inspect", str(moe), "--json"], check=True, capture_output=True)
+    t_ck = time.perf_counter() - t0
+    print(
+        f"(one process alone: `python -c 'import torch.distributed'` {t_imp:.2f} s; `ckpttool inspect` without torchrun {t_ck:.2f} s)"
+    )
 
 
 def main() -> None:
@@ -167,14 +304,17 @@ def main() -> None:
     ap.add_argument("--root", type=Path, default=Path("/tmp/ckpttool-bench-remote"))
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--only", choices=["remote", "procs"])
+    ap.add_argument("--only", choices=["remote", "procs", "startup"])
+    ap.add_argument("--gb", type=float, default=4.0, help="size of the 2-processes-vs-1 checkpoints (GB)")
     args = ap.parse_args()
     args.root.mkdir(parents=True, exist_ok=True)
     print(f"# {os.cpu_count()} CPUs, load average {load()}")
     if args.only in (None, "remote"):
         remote(args.root, args.workers, args.repeat)
+    if args.only in (None, "startup"):
+        startup(args.root, args.gb)
     if args.only in (None, "procs"):
-        procs(args.root, args.repeat)
+        procs(args.root, args.repeat, args.gb)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from os import PathLike
 __all__ = [
     "CkptError",
     "UsageError",
+    "RankLostError",
     "PathEscapeError",
     "NotRegularFileError",
     "RemoteStorageError",
@@ -208,6 +209,13 @@ class RemoteTransientError(RemoteStorageError):
 
     code = "E144"
     default_hint = "check the network and the endpoint, then run again (--remote-retries raises the attempts)"
+
+
+class RankLostError(CkptError):
+    """torchrun: another rank left the run mid-way (killed, out of memory, its node lost); nothing was published."""
+
+    code = "E150"
+    default_hint = "see torchrun's failure summary for the rank that died, then run again"
 
 
 # --------------------------------------------------------------------------- E2xx .metadata

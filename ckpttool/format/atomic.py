@@ -35,7 +35,7 @@ import re
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -50,6 +50,8 @@ __all__ = [
     "looks_like_output",
     "signal_received",
     "signals_deferred",
+    "stop_signals",
+    "restore_signals",
 ]
 
 log = logging.getLogger(__name__)
@@ -187,8 +189,44 @@ def signals_deferred() -> Iterator[None]:
 
 
 def signal_received() -> bool:
-    """Whether an :class:`AtomicOutputDir` handler has seen SIGINT/SIGTERM in this process."""
+    """Whether a :func:`stop_signals` handler (an open output) has seen SIGINT/SIGTERM in this process."""
     return _signal_received
+
+
+def stop_signals(on_signal: Callable[[], None] | None = None) -> dict[int, Any]:
+    """Make SIGTERM (and SIGINT, unless an embedding app set its own) raise :class:`Terminated` /
+    ``KeyboardInterrupt`` in the main thread, deferred inside :func:`signals_deferred`.
+
+    ``on_signal`` is called first (from the handler). Returns the previous handlers, for
+    :func:`restore_signals`; off the main thread nothing is installed (``{}``).
+    """
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        global _deferred_signal, _signal_received
+        _signal_received = True
+        if on_signal is not None:
+            on_signal()
+        if _defer_depth:
+            _deferred_signal = signum
+            return
+        _raise_for(signum)
+
+    old: dict[int, Any] = {}
+    try:
+        old[signal.SIGTERM] = signal.signal(signal.SIGTERM, handler)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # leave an embedding app's own
+            old[signal.SIGINT] = signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        pass
+    return old
+
+
+def restore_signals(old: dict[int, Any]) -> None:
+    """Put back the handlers :func:`stop_signals` replaced (deferred: a signal midway would leave ours)."""
+    with signals_deferred():
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
+        old.clear()
 
 
 def _raise_for(signum: int) -> None:
@@ -239,13 +277,8 @@ class AtomicOutputDir:
                 log.info("removing stale temporary output %s", p)
                 shutil.rmtree(p, ignore_errors=True)
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        global _deferred_signal, _signal_received
-        self._interrupted = _signal_received = True
-        if _defer_depth:
-            _deferred_signal = signum
-            return
-        _raise_for(signum)
+    def _on_signal(self) -> None:
+        self._interrupted = True
 
     def __enter__(self) -> Path:
         check_output_target(self.target, overwrite=self.overwrite, source=self.source)
@@ -278,20 +311,11 @@ class AtomicOutputDir:
                 f"{parent}: cannot write there ({e.strerror})", path=parent, hint="choose a writable output location"
             ) from e
         self.tmp = tmp
-        try:
-            self._old_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_signal)
-            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # leave an embedding app's own
-                self._old_handlers[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_signal)
-        except ValueError:  # not the main thread
-            pass
+        self._old_handlers = stop_signals(self._on_signal)
         return tmp
 
     def _restore_signal(self) -> None:
-        # Deferred: a signal arriving midway would leave a handler of this (finished) object installed.
-        with signals_deferred():
-            for signum, handler in self._old_handlers.items():
-                signal.signal(signum, handler)
-            self._old_handlers.clear()
+        restore_signals(self._old_handlers)
 
     def _remove_tmp(self) -> None:
         """Remove the temporary directory and the parents of ``target`` this run created (no output: no trace)."""

@@ -240,6 +240,23 @@ class CheckpointDir:
                 infos.extend(self.storage_info(key, c) for c in chunks if c.numel)
         self.prefetch(infos)
 
+    def evict(self, infos: Iterable[StorageInfo]) -> None:
+        """Drop fetched windows from the spool once used (local: nothing); read again, they are fetched again."""
+        if self.spool is None:
+            return
+        for i in infos:
+            self.spool.evict(i.relative_path, i.offset, i.offset + i.length)
+
+    def spool_budget(self) -> int | None:
+        """Bytes of windows to hold in the spool at a time (``StorageConfig.spool_bytes``); ``None`` for a local checkpoint."""
+        if self.spool is None:
+            return None
+        return self.spool.store.config.spool_bytes
+
+    def spool_peak(self) -> int | None:
+        """The most bytes of fetched windows the spool held at once so far; ``None`` for a local checkpoint."""
+        return self.spool.peak if self.spool is not None else None
+
     def remote_stats(self) -> dict[str, int] | None:
         """``{"requests": n, "bytes_requested": b}`` of a remote checkpoint, ``None`` for a local one."""
         if self.remote is None:

@@ -27,8 +27,10 @@ Commit protocol of :class:`RemoteOutputDir` (object stores have no rename):
 4. objects of a previous output that the new one does not have are deleted, then the
    temporary prefix.
 
-A run that fails in 1 leaves the target untouched and removes what it uploaded (a killed run
-leaves the temporary prefix, which no reader takes for the output: delete it). Dying in 2-3 leaves a target
+A run that fails in 1, or is interrupted there (Ctrl-C or SIGTERM: exit 130; queued uploads are
+dropped, running ones finish), leaves the target untouched and removes what it uploaded and its
+staging directory (a run killed with SIGKILL leaves the temporary prefix, which no reader takes
+for the output: delete it). Dying in 2-3 leaves a target
 without its markers: ckpttool (and torch's ``dcp.load``, and ``from_pretrained`` of a sharded
 export) refuses it as incomplete; it never looks complete. Dying in 4 leaves a complete
 new output plus stale objects a reader does not reference.
@@ -47,7 +49,7 @@ from types import TracebackType
 from typing import Any, Protocol, cast
 
 from ckpttool.errors import OutputError
-from ckpttool.format.atomic import AtomicOutputDir
+from ckpttool.format.atomic import AtomicOutputDir, restore_signals, signals_deferred, stop_signals
 from ckpttool.format.storage import RemoteStore, is_url, local_path, url_path
 
 __all__ = ["OutputDir", "RemoteOutputDir", "output_dir", "output_location", "MARKERS"]
@@ -113,6 +115,7 @@ class RemoteOutputDir:
         self.staging: Path | None = None
         self.tmp_store: RemoteStore | None = None
         self.uploaded: list[str] = []
+        self._old_handlers: dict[int, Any] = {}
 
     def __enter__(self) -> Path:
         t = self.target
@@ -143,6 +146,7 @@ class RemoteOutputDir:
                 hint="choose an empty or new output prefix",
             )
         self.staging = Path(tempfile.mkdtemp(prefix="ckpttool-out-"))
+        self._old_handlers = stop_signals()  # SIGTERM too stops by an exception: the cleanup below runs
         return self.staging
 
     def __exit__(
@@ -152,20 +156,29 @@ class RemoteOutputDir:
             if exc_type is None:
                 self._commit()
         except BaseException:
-            self._remove_tmp()
+            with signals_deferred():  # a second Ctrl-C must not cut the cleanup short
+                self._remove_tmp()
             raise
         finally:
-            if self.staging is not None:
-                shutil.rmtree(self.staging, ignore_errors=True)
+            with signals_deferred():
+                if self.staging is not None:
+                    shutil.rmtree(self.staging, ignore_errors=True)
+            restore_signals(self._old_handlers)
 
     def _pool(self, fn: Any, items: list[Any]) -> None:
         assert self.store is not None
         if not items:
             return
         workers = max(1, min(self.store.config.workers, len(items)))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-upload") as pool:
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-upload")
+        try:
             futures = [pool.submit(fn, it) for it in items]
             errors = [f.exception() for f in futures]
+        finally:
+            # interrupted: the queued transfers are dropped, the running ones finish (and are listed
+            # in `uploaded`, so the cleanup removes them); deferred, so a second Ctrl-C cannot cut it short
+            with signals_deferred():
+                pool.shutdown(wait=True, cancel_futures=True)
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first

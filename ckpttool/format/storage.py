@@ -93,12 +93,17 @@ class StorageConfig:
         workers: parallel range requests when fetching chunk windows.
         retries: attempts per request on a transient error (1 = no retry).
         backoff_s: first retry delay in seconds (doubles per retry, with jitter).
+        spool_bytes: how many bytes of fetched chunk windows an export keeps in its local spool
+            at a time (it fetches, writes and evicts them in batches of about this size; one
+            window larger than this is a batch of its own). ``validate --deep`` evicts each chunk
+            once it is checked.
     """
 
     options: Mapping[str, Any] = field(default_factory=dict)
     workers: int = 16
     retries: int = 5
     backoff_s: float = 0.2
+    spool_bytes: int = 4 << 30
 
 
 _current = StorageConfig()
@@ -113,10 +118,10 @@ def configure(**changes: Any) -> StorageConfig:
     """Replace fields of the configuration for the rest of the process; returns the previous one.
 
     Raises:
-        ValueError: an unknown field, or ``workers``/``retries`` not a positive int.
+        ValueError: an unknown field, or ``workers``/``retries``/``spool_bytes`` not a positive int.
     """
     global _current
-    for name in ("workers", "retries"):
+    for name in ("workers", "retries", "spool_bytes"):
         if name in changes and (type(changes[name]) is not int or changes[name] <= 0):
             raise ValueError(f"{name} must be a positive int, got {changes[name]!r}")
     previous = _current
@@ -546,12 +551,16 @@ class Spool:
     A window is fetched once (one range request of exactly its bytes) and then read with the
     same positional reads as a local file; windows are fetched in parallel by :meth:`fetch_many`.
     The spool directory (under ``$TMPDIR``) is removed by :meth:`close`; its files are sparse, so
-    the disk holds only the fetched bytes.
+    the disk holds only the fetched bytes, and :meth:`evict` gives a window's blocks back (a hole
+    punched in its place, Linux ``fallocate``) once it has been used: :attr:`held` bytes are in
+    the spool now, :attr:`peak` at most so far.
     """
 
     def __init__(self, store: RemoteStore) -> None:
         self.store = store
         self.dir = Path(tempfile.mkdtemp(prefix="ckpttool-spool-"))
+        self.held = 0
+        self.peak = 0
         self._fds: dict[str, int] = {}
         self._done: set[tuple[str, int, int]] = set()
         self._pending: dict[tuple[str, int, int], threading.Event] = {}
@@ -598,6 +607,8 @@ class Spool:
                 pos += os.pwrite(fd, mv[pos:], start + pos)
             with self._lock:
                 self._done.add(k)
+                self.held += end - start
+                self.peak = max(self.peak, self.held)
         finally:
             with self._lock:
                 self._pending.pop(k, None)
@@ -624,6 +635,18 @@ class Spool:
         if first is not None:
             raise first
 
+    def evict(self, relative: str, start: int, end: int) -> None:
+        """Drop the fetched window ``[start, end)`` of ``relative`` (fetched again if read again)."""
+        k = (relative, start, end)
+        with self._lock:
+            if k not in self._done:
+                return
+            self._done.discard(k)
+            self.held -= end - start
+            fd = self._fds.get(relative)
+        if fd is not None:
+            _punch_hole(fd, start, end - start)
+
     def close(self) -> None:
         """Close and delete the spool. Idempotent."""
         with self._lock:
@@ -631,3 +654,31 @@ class Spool:
                 os.close(fd)
             self._fds.clear()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_FALLOC_PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+_fallocate: Any = None
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> None:
+    """Give the blocks of ``[offset, offset + length)`` back to the filesystem (Linux; elsewhere
+    or on a filesystem without hole punching the bytes stay until the spool is closed)."""
+    global _fallocate
+    if _fallocate is None:
+        try:
+            import ctypes
+
+            f = ctypes.CDLL(None, use_errno=True).fallocate
+            f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            f.restype = ctypes.c_int
+            _fallocate = f
+        except (OSError, AttributeError):
+            _fallocate = False
+    if _fallocate and _fallocate(fd, _FALLOC_PUNCH, offset, length) != 0:
+        log.debug("spool: cannot punch a hole (errno %d); the window stays until the end", _ctypes_errno())
+
+
+def _ctypes_errno() -> int:
+    import ctypes
+
+    return ctypes.get_errno()

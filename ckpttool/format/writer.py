@@ -289,13 +289,28 @@ class DCPWriter:
             dtype: element dtype.
             segments: ``(source fd, byte offset, byte length)`` whose concatenation is the
                 chunk's row-major storage (``numel * itemsize`` bytes in all).
+
+        Raises:
+            OutputError (E600): the write failed (no space left, over the file-size limit, ...).
+            OSError: a short read (the source file changed under us).
         """
         f = self._file(rank)
         start = f.tell()
         h = self._hasher() if self.digest is not None else None
-        crc = write_tensor_archive(
-            f, dtype, chunk.sizes, segments, bounce_buffer(), sink=h.update if h else None, behind=self.fsync
-        )
+        try:
+            crc = write_tensor_archive(
+                f, dtype, chunk.sizes, segments, bounce_buffer(), sink=h.update if h else None, behind=self.fsync
+            )
+        except OSError as e:
+            if e.errno is None:  # a short read: the source changed under us
+                raise
+            path = self.checkpoint_id / self.file_name(rank)  # the name it will have (written under a temporary one)
+            raise OutputError(
+                f"{path}: cannot write {key!r} ({e.strerror})",
+                path=path,
+                fqn=key,
+                hint="free space on the output's filesystem (or raise its file-size limit, `ulimit -f`), then rerun",
+            ) from None
         end = f.tell()
         self._count(end - start)
         self._record_chunk(key, chunk, rank, start, end - start)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ckpttool import errors
-from ckpttool.errors import CkptError, UsageError
+from ckpttool.errors import CkptError, RankLostError, UsageError
 
 __all__ = ["Group", "SINGLE", "assign", "from_env", "current", "set_current", "pack_error", "unpack_error", "agreed"]
 
@@ -88,7 +88,10 @@ class Group:
         import torch.distributed as dist
 
         box: list[Any] = [value if self.is_root else None]
-        dist.broadcast_object_list(box, src=0)
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except Exception as e:
+            raise _lost(self.rank, e) from None
         return box[0]  # type: ignore[no-any-return]
 
     def gather(self, value: T) -> list[T]:
@@ -98,7 +101,10 @@ class Group:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, value)
+        try:
+            dist.all_gather_object(out, value)
+        except Exception as e:
+            raise _lost(self.rank, e) from None
         return out
 
     def agree(self, error: BaseException | None) -> None:
@@ -106,14 +112,21 @@ class Group:
 
         Raises:
             CkptError: of the failing rank's code, message prefixed ``rank R:``.
-            KeyboardInterrupt: a rank was interrupted.
+            KeyboardInterrupt: a rank was interrupted, or the collective failed after this
+                process got SIGINT/SIGTERM (torchrun stopping the run).
+            RankLostError (E150): the collective failed: another rank died mid-run.
         """
         report = None if error is None else _report(error)
         if not self.active:
             if error is not None:
                 raise error
             return
-        reports = self.gather(report)
+        try:
+            reports = self.gather(report)
+        except RankLostError:
+            if isinstance(error, KeyboardInterrupt):
+                raise KeyboardInterrupt from None
+            raise
         failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
         if not failed:
             return
@@ -142,6 +155,19 @@ class Group:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def _lost(rank: int, e: Exception) -> BaseException:
+    """What a failed collective raises: gloo saw a peer's connection close (it died or was stopped).
+
+    After SIGINT/SIGTERM (torchrun stops every rank on Ctrl-C) it is an interrupt (exit 130);
+    otherwise :class:`RankLostError` (E150).
+    """
+    from ckpttool.format.atomic import signal_received
+
+    if signal_received():
+        return KeyboardInterrupt()
+    return RankLostError(f"rank {rank}: another rank left the run ({type(e).__name__}: {str(e)[:120]})")
 
 
 def _report(e: BaseException) -> dict[str, Any]:

@@ -23,6 +23,7 @@ embedding's bytes, as the model's ``state_dict()`` holds it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -36,11 +37,12 @@ from ckpttool.errors import ExportError, UsageError
 from ckpttool.format.files import open_regular, resolve_inside
 from ckpttool.format.hf_storage import load_hf_storage_metadata
 from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
-from ckpttool.format.outputs import output_dir, output_location
+from ckpttool.format.outputs import output_location
 from ckpttool.format.storage import is_url
 from ckpttool.format.writer import DCPWriter
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, NativeTensor, Skip, get_adapter, rope_from_hf_rows
 from ckpttool.model.hfconfig import config_value, read_hf_config
+from ckpttool.ops import distributed
 
 if TYPE_CHECKING:
     from ckpttool.model.layout_record import EPTensorSpec
@@ -392,6 +394,22 @@ def _expert_segments(n: _Native, chunk: ChunkMeta, fds: dict[str, int]) -> list[
     return segs
 
 
+@dataclass(frozen=True)
+class _Placed:
+    """Where a tensor's chunks go: ``(target rank, chunk)`` pairs; ``dim1``: a ``(Shard(0), Shard(1))``
+    expert tensor whose chunks cut dim 1 (:func:`ep_dim1_chunks`), else chunks of whole dim-0 rows."""
+
+    native: _Native
+    chunks: list[tuple[int, ChunkMeta]]
+    dim1: bool
+
+
+def _row_chunks(shape: tuple[int, ...], rows: list[tuple[int, int]]) -> list[tuple[int, ChunkMeta]]:
+    """``(rank, chunk)`` of the dim-0 row ranges ``rows[rank] = (start, length)`` of a tensor of ``shape``."""
+    rest = (0,) * (len(shape) - 1)
+    return [(rank, ChunkMeta((start, *rest), (length, *shape[1:]))) for rank, (start, length) in enumerate(rows)]
+
+
 def _import_plain(
     hf_dir: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -476,8 +494,7 @@ def _import_plain(
     natives, skipped = _native_tensors(sources, opts, adapter, acfg)
     if ep is not None:
         from ckpttool.model.declaration import EP_NAME_RE
-        from ckpttool.model.layout_record import LAYOUT_KEY, EPTensorSpec
-        from ckpttool.ops.reshard.plan import make_record
+        from ckpttool.model.layout_record import EPTensorSpec
     if ep is not None and not any(len(n.shape) >= 2 and EP_NAME_RE.search(n.key) for n in natives):
         raise UsageError(
             f"{src_dir}: `ep_size` / `ep_fsdp_size` given, but the model has no MoE expert tensor "
@@ -511,49 +528,46 @@ def _import_plain(
 
             identity = safetensors_source_identity(src_dir, sorted({s.file for s in sources.values()}), opts.algorithm)
         dst = output_location(out)
-        with output_dir(dst, overwrite=opts.overwrite, source=src_dir) as tmp:
-            with DCPWriter(
-                tmp,
-                dst if is_url(dst) else Path(os.path.abspath(dst)),
-                fsync=opts.fsync,
-                digest=opts.algorithm if opts.manifest else None,
-            ) as w:
-                w.ensure_files(range(opts.world_size))
-                for n in natives:
-                    dt = DType(n.dtype)
-                    w.declare_tensor(n.key, dt, n.shape, n.planner)
-                    if not n.shape:
-                        w.stream_tensor_archive(n.key, ChunkMeta((), ()), 0, dt, _segments(n, 0, 1, fds))
-                        continue
-                    if ep is not None and len(n.shape) >= 2 and EP_NAME_RE.search(n.key):
-                        if n.shape[0] < ep[0] * ep[1]:  # fewer experts than ranks: EP-FSDP on dim 1 (torchtitan)
-                            ep_specs[n.key] = EPTensorSpec(ep_dim=0, fsdp_dim=1, num_experts=n.shape[0])
-                            for rank, chunk in ep_dim1_chunks(n.shape, *ep):
-                                if chunk.numel == 0 and rank > 0:
-                                    continue
-                                w.stream_tensor_archive(n.key, chunk, rank, dt, _expert_segments(n, chunk, fds))
-                            total += dt.itemsize * math.prod(n.shape)
-                            continue
-                        ep_specs[n.key] = EPTensorSpec(ep_dim=0, fsdp_dim=0, num_experts=n.shape[0])
-                        rows = ep_rows(n.shape[0], *ep)
-                    else:
-                        rows = torch_chunk_rows(n.shape[0], opts.world_size)
-                    for rank, (start, length) in enumerate(rows):
-                        if length == 0 and rank > 0:
-                            continue
-                        chunk = ChunkMeta((start, *([0] * (len(n.shape) - 1))), (length, *n.shape[1:]))
-                        w.stream_tensor_archive(n.key, chunk, rank, dt, _segments(n, start, length, fds))
-                    total += dt.itemsize * math.prod(n.shape)
-                if ep is not None:  # the record `reshard` / `stamp` embed (docs/layouts.md), as a byte item
-                    record = make_record(2, ep[0], ep[1], ep_specs, optimizer={})
-                    w.write_object(LAYOUT_KEY, 0, json.dumps(record, sort_keys=True), (LAYOUT_KEY,))
-                w.finish()
-            if opts.manifest:
-                from ckpttool.ops.manifest import write_output_manifest
+        # torchrun: each rank writes the target rank files assigned to it (by bytes), rank 0 .metadata
+        group = distributed.current()
+        placed: list[_Placed] = []
+        file_bytes = [0] * opts.world_size
+        for n in natives:
+            itemsize = DType(n.dtype).itemsize
+            if not n.shape:
+                placed.append(_Placed(n, [(0, ChunkMeta((), ()))], dim1=False))
+                file_bytes[0] += itemsize
+                continue
+            if ep is not None and len(n.shape) >= 2 and EP_NAME_RE.search(n.key):
+                if n.shape[0] < ep[0] * ep[1]:  # fewer experts than ranks: EP-FSDP on dim 1 (torchtitan)
+                    ep_specs[n.key] = EPTensorSpec(ep_dim=0, fsdp_dim=1, num_experts=n.shape[0])
+                    pl = _Placed(n, ep_dim1_chunks(n.shape, *ep), dim1=True)
+                else:
+                    ep_specs[n.key] = EPTensorSpec(ep_dim=0, fsdp_dim=0, num_experts=n.shape[0])
+                    pl = _Placed(n, _row_chunks(n.shape, ep_rows(n.shape[0], *ep)), dim1=False)
+            else:
+                pl = _Placed(n, _row_chunks(n.shape, torch_chunk_rows(n.shape[0], opts.world_size)), dim1=False)
+            placed.append(pl)
+            for rank, chunk in pl.chunks:
+                file_bytes[rank] += itemsize * chunk.numel
+            total += itemsize * math.prod(n.shape)
+        owners = group.share(file_bytes)
+        mine = {r for r in range(opts.world_size) if group.owns(owners[r])}
+        with contextlib.ExitStack() as stack:
+            tmp = distributed.enter_output_dir(stack, group, dst, overwrite=opts.overwrite, source=src_dir)
+            try:
+                w = _write_dcp(tmp, dst, placed, mine, fds, opts, ep, ep_specs, group)
+            except BaseException as e:
+                if group.active and not distributed.agreed(e):
+                    group.agree(e)  # the other ranks learn of it (and raise it) in _write_dcp
+                raise
+            if group.is_root:
+                if opts.manifest:
+                    from ckpttool.ops.manifest import write_output_manifest
 
-                write_output_manifest(w, tmp, opts.algorithm, identity)
-            for p in sorted(tmp.iterdir()):
-                files_info.append({"name": p.name, "bytes": p.stat().st_size})
+                    write_output_manifest(w, tmp, opts.algorithm, identity)
+                for p in sorted(tmp.iterdir()):
+                    files_info.append({"name": p.name, "bytes": p.stat().st_size})
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -575,3 +589,63 @@ def _import_plain(
         source_identity=identity,
         manifest="manifest.json" if opts.manifest else None,
     )
+
+
+def _write_dcp(
+    tmp: Path,
+    dst: Any,
+    placed: list[_Placed],
+    mine: set[int],
+    fds: dict[str, int],
+    opts: ImportOptions,
+    ep: tuple[int, int] | None,
+    ep_specs: dict[str, EPTensorSpec],
+    group: distributed.Group,
+) -> DCPWriter:
+    """Write the chunks of the target rank files in ``mine`` into ``tmp``; the root writes ``.metadata``.
+
+    Under torchrun every rank declares every tensor and writes its own files; after the barrier
+    the root merges the other ranks' records (chunk offsets in their files) and writes
+    ``.metadata`` (:mod:`ckpttool.ops.distributed`). One process: ``mine`` is every rank.
+    """
+    with DCPWriter(
+        tmp,
+        dst if is_url(dst) else Path(os.path.abspath(dst)),
+        fsync=opts.fsync,
+        digest=opts.algorithm if opts.manifest else None,
+    ) as w:
+        w.ensure_files(sorted(mine))
+        for p in placed:
+            n = p.native
+            dt = DType(n.dtype)
+            w.declare_tensor(n.key, dt, n.shape, n.planner)
+            if not n.shape:
+                if 0 in mine:
+                    w.stream_tensor_archive(n.key, ChunkMeta((), ()), 0, dt, _segments(n, 0, 1, fds))
+                continue
+            for rank, chunk in p.chunks:
+                if (rank > 0 and chunk.numel == 0) or rank not in mine:
+                    continue
+                if p.dim1:
+                    segments = _expert_segments(n, chunk, fds)
+                else:
+                    segments = _segments(n, chunk.offsets[0], chunk.sizes[0], fds)
+                w.stream_tensor_archive(n.key, chunk, rank, dt, segments)
+        if ep is not None and 0 in mine:  # the record `reshard` / `stamp` embed (docs/layouts.md), as a byte item
+            from ckpttool.model.layout_record import LAYOUT_KEY
+            from ckpttool.ops.reshard.plan import make_record
+
+            record = make_record(2, ep[0], ep[1], ep_specs, optimizer={})
+            w.write_object(LAYOUT_KEY, 0, json.dumps(record, sort_keys=True), (LAYOUT_KEY,))
+        if group.active:
+            for r in sorted(mine):
+                w.sync(r)
+            group.agree(None)  # pairs with the agree(error) of a failing rank (_import_plain)
+            records = group.gather(w.records())
+            if not group.is_root:
+                return w
+            for r, rec in enumerate(records):
+                if r != group.rank:
+                    w.merge(rec)
+        w.finish()
+    return w

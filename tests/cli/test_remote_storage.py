@@ -291,3 +291,127 @@ def test_import_to_s3_is_the_local_import(sample_ckpt: Path, s3_server: Any, tmp
         assert cli(s3_server, "validate", "--strict", out).exit_code == 0
         # an existing output is refused without --overwrite
         assert cli(s3_server, "import", str(hf), out, *extra).exit_code == 2
+
+
+# ------------------------------------------------------------------ interrupted runs
+def _interrupt_when(proc: Any, ready: Any, signum: int, timeout_s: float = 120.0) -> None:
+    """Send ``signum`` to ``proc`` as soon as ``ready()`` holds (polled)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        assert time.monotonic() < deadline, "never reached the point to interrupt"
+        time.sleep(0.02)
+    proc.send_signal(signum)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_signal_during_upload_publishes_nothing_and_cleans_up(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path, signame: str
+) -> None:
+    """Ctrl-C / SIGTERM while the output is uploaded (remote source: the spool exists too): exit 130,
+    `error: interrupted`, nothing under the target, the temporary prefix and the local staging and
+    spool directories removed."""
+    import signal
+    import subprocess
+    import sys
+
+    url = upload(s3_server, sample_ckpt)
+    out = url + "-int"
+    proxy = s3fx.DroppingProxy(s3_server.port)
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    opts = s3_server.cli_options()
+    opts[1] = f"client_kwargs.endpoint_url={proxy.endpoint}"
+    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    env.pop("CKPTTOOL_DEBUG", None)
+    cmd = [sys.executable, "-m", "ckpttool", *opts, "--remote-workers", "2", "export", url, out, "--shard-size", "20KB"]
+    proxy.delay_s = 0.01  # a slow link throughout, so the upload phase cannot be missed under load
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            # a test runner may ignore SIGINT, and an ignored SIGINT is inherited: Ctrl-C as in a shell
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        try:
+            # slow the link only once the run is uploading (its first object is under the temporary prefix)
+            def uploading() -> bool:
+                if any("ckpttool-tmp" in k for k in s3_server.keys("ckpts")):
+                    proxy.delay_s = 0.05
+                    return True
+                return False
+
+            _interrupt_when(proc, uploading, getattr(signal, signame))
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    finally:
+        proxy.close()
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == "error: interrupted", err[-2000:]
+    prefix = out.split("/", 3)[3]
+    left = [k for k in s3_server.keys("ckpts") if k.startswith(prefix) or "ckpttool-tmp" in k]
+    assert not left, (left, err[-2000:])
+    assert not list(tmpdir.iterdir())  # staging and spool removed
+
+
+# ------------------------------------------------------------------ the local spool of remote reads
+def test_spool_is_bounded_and_evicted(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
+    """An export from s3:// holds about `--remote-spool-size` of windows at a time (fetched, written,
+    evicted in batches) and writes the local export's bytes; validate --deep evicts each chunk once checked."""
+    from ckpttool.format.metadata import TensorMeta
+    from ckpttool.model.checkpoint import open_checkpoint
+    from ckpttool.ops.export import ExportOptions, export_checkpoint
+    from ckpttool.ops.validate.runner import ValidateOptions, validate_checkpoint
+
+    url = upload(s3_server, sample_ckpt)
+    args = ["--save-dtype", "float32", "--shard-size", "100KB"]
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "local"), *args]).exit_code == 0
+    r = cli(s3_server, "--remote-spool-size", "64KiB", "export", url, str(tmp_path / "cli"), *args)
+    assert r.exit_code == 0, r.output
+    assert files_of(tmp_path / "cli") == files_of(tmp_path / "local")
+
+    budget = 64 << 10
+    with storage_config(options=s3_server.options(), spool_bytes=budget, workers=4):
+        ck = open_checkpoint(url)
+        try:
+            windows = [
+                i.length for (k, _), i in ck.metadata.storage.items() if isinstance(ck.metadata.entries[k], TensorMeta)
+            ]
+            total = sum(windows)
+            export_checkpoint(ck, tmp_path / "api", ExportOptions(save_dtype="float32", shard_size=100_000))
+            peak = ck.reader.spool_peak()
+            spool = ck.reader.spool
+            assert spool is not None and spool.held <= max(
+                windows
+            )  # all evicted but what the tied-embedding check re-read
+            held_blocks = sum(os.stat(p).st_blocks * 512 for p in spool.dir.iterdir())
+        finally:
+            ck.close()
+    assert peak is not None and total > 4 * budget  # the bound mattered
+    biggest_task = max(windows) * 4  # a source tensor's chunks (4 ranks) are one task: a batch of its own
+    assert peak <= budget + biggest_task, (peak, budget, total)
+    assert held_blocks <= max(windows) + (1 << 20)  # the holes were punched: the spool files take ~no disk
+    assert files_of(tmp_path / "api") == files_of(tmp_path / "local")
+
+    with storage_config(options=s3_server.options(), workers=2):
+        ck = open_checkpoint(url, record_problems=True)
+        try:
+            validate_checkpoint(ck, ValidateOptions(deep=True, workers=2))
+            spool = ck.reader.spool
+            # every chunk window evicted once checked: what stays are the byte items (fetched whole, small)
+            byte_items = sum(
+                i.length
+                for (k, _), i in ck.metadata.storage.items()
+                if not isinstance(ck.metadata.entries[k], TensorMeta)
+            )
+            assert spool is not None and spool.held <= byte_items < spool.peak
+        finally:
+            ck.close()

@@ -167,3 +167,139 @@ def test_manifests_of_torchrun_outputs_cover_every_rank_and_verify(sample_ckpt: 
     assert (tmp_path / "many" / "manifest.json").read_bytes() == (tmp_path / "one" / "manifest.json").read_bytes()
     v = single("manifest", str(tmp_path / "many"), "--verify")
     assert v.returncode == 0, v.stdout + v.stderr
+
+
+# ------------------------------------------------------------------ import under torchrun
+# A script torchrun runs in place of `-m ckpttool`: rank RANK_LIMITED gets a file-size limit
+# (RLIMIT_FSIZE) of LIMIT bytes, so its first large write fails (EFBIG) and only that rank fails.
+_LIMITED = """\
+import os, resource, runpy, sys
+if os.environ["RANK"] == os.environ["RANK_LIMITED"]:
+    n = int(os.environ["LIMIT"])
+    resource.setrlimit(resource.RLIMIT_FSIZE, (n, n))
+sys.argv = ["ckpttool", *sys.argv[1:]]
+runpy.run_module("ckpttool", run_name="__main__")
+"""
+
+
+def _differing_bytes(a: bytes, b: bytes) -> int:
+    import numpy as np
+
+    return int(np.count_nonzero(np.frombuffer(a, np.uint8) != np.frombuffer(b, np.uint8)))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(fixture_root: Path) -> Path:
+    from tests.fixtures import hf_models
+    from tests.fixtures.cache import cached_build
+
+    return cached_build(fixture_root, "import_hf_dirs", hf_models.build_hf_dirs) / "qwen_moe"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [["--world-size", "3"], ["--ep-size", "2", "--ep-fsdp-size", "2"]])
+def test_import_on_2_ranks_is_the_single_process_import(hf_dir: Path, tmp_path: Path, extra: list[str]) -> None:
+    from ckpttool.format import CheckpointReader
+
+    assert single("import", str(hf_dir), str(tmp_path / "one"), *extra).returncode == 0
+    r = torchrun(2, "import", str(hf_dir), str(tmp_path / "many"), *extra, "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    one, many = files_of(tmp_path / "one"), files_of(tmp_path / "many")
+    assert sorted(one) == sorted(many) and len([f for f in one if f.endswith(".distcp")]) >= 3
+    with CheckpointReader(tmp_path / "one") as a, CheckpointReader(tmp_path / "many") as b:
+        # the same entries, chunks and byte windows (file, offset, length), in the same order
+        assert a.metadata.entries == b.metadata.entries and a.metadata.planner_data == b.metadata.planner_data
+        assert list(a.metadata.storage.items()) == list(b.metadata.storage.items())
+        archives = {f: 0 for f in one if f.endswith(".distcp")}
+        for info in a.metadata.storage.values():
+            archives[info.relative_path] += 1
+    # data files: the same bytes but torch.save's random 40-digit serialization id of each archive
+    # (and that entry's CRC-32 in its local and central headers)
+    for name, n in archives.items():
+        assert len(one[name]) == len(many[name]), name
+        assert _differing_bytes(one[name], many[name]) <= n * (40 + 8), name
+    assert_same_state(tmp_path / "one", tmp_path / "many", tmp_path)  # torch's reader: bitwise the same state
+    doc = json.loads(r.stdout)  # rank 0 alone printed, every file listed
+    assert sorted(f["name"] for f in doc["files"]) == sorted(one)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failing", [0, 1])
+def test_import_rank_failure_fails_every_rank_and_leaves_no_output(hf_dir: Path, tmp_path: Path, failing: int) -> None:
+    script = tmp_path / "limited.py"
+    script.write_text(_LIMITED)
+    out = tmp_path / "out"
+    assert TORCHRUN is not None
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK_LIMITED": str(failing), "LIMIT": "4096"}
+    env.pop("CKPTTOOL_DEBUG", None)
+    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    r = subprocess.run(
+        [*cmd, str(script), "import", str(hf_dir), str(out), "--world-size", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode != 0
+    assert r.stderr.count("exitcode  : ") == 2, r.stderr[-3000:]  # both ranks failed, not just the limited one
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.stderr[-3000:]  # rank 0 alone printed: the failing rank's error
+    assert errors[0].startswith(f"error: [E600] rank {failing}: {out}/__{failing}_0.distcp: cannot write"), errors[0]
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]
+
+
+# rank 1 is slow (it sleeps before its share of the export): the run is interrupted while rank 0
+# holds the temporary output and waits for it
+_SLOW_RANK_1 = """\
+import os, runpy, sys, time
+if os.environ["RANK"] == "1":
+    from ckpttool.ops.export import execute
+
+    run = execute._Executor.run
+    execute._Executor.run = lambda self: (time.sleep(120), run(self))[1]
+sys.argv = ["ckpttool", *sys.argv[1:]]
+runpy.run_module("ckpttool", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_torchrun_publishes_nothing_and_removes_the_temporary_output(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    import signal
+    import time
+
+    script = tmp_path / "slow.py"
+    script.write_text(_SLOW_RANK_1)
+    out = tmp_path / "out"
+    assert TORCHRUN is not None
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("CKPTTOOL_DEBUG", None)
+    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    cmd += [str(script), "export", str(sample_ckpt), str(out), "--shard-size", "20KB"]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not a test runner's SIG_IGN
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never opened its output"
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)  # Ctrl-C of torchrun: it stops every rank (SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert time.monotonic() - t0 < 30  # the ranks stop at once, not at gloo's timeout
+    assert proc.returncode != 0  # torchrun's own exit status (1) on a signal; the ranks exit 130
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == ["error: interrupted"], err[-3000:]
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]

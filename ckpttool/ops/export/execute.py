@@ -433,11 +433,12 @@ class _Executor:
             self._collect(block=True)
         self.pending[pool.submit(fn, *args)] = idx
 
-    def run(self) -> None:
+    def run(self, only: set[int] | None = None) -> None:
+        """Run the tasks of this process's files (``only``: those of these task indices)."""
         pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ckpttool-export")
         try:
             for idx, task in enumerate(self.plan.tasks):
-                if self.files is not None and task.shard not in self.files:
+                if (self.files is not None and task.shard not in self.files) or (only is not None and idx not in only):
                     continue
                 meta, chunks = self.chunks[idx]
                 self.remaining[idx] = max(len(chunks), 1)
@@ -666,8 +667,6 @@ def _export(
         failure: BaseException | None = None
         try:
             try:
-                # a remote checkpoint: this rank's windows, by parallel range requests
-                reader.prefetch_keys(t.source_key for t in plan.tasks if t.shard in mine)
                 for i, (name, entries) in enumerate(zip(plan.files, plan.entries)):
                     display = (out if is_url(out) else Path(os.path.abspath(out))) / name
                     writers.append(
@@ -686,7 +685,14 @@ def _export(
                     reader, plan, cast(list[ShardWriter], writers), workers, progress, chunks, mine, merges
                 )
                 t_run = time.perf_counter()
-                executor.run()
+                # a remote checkpoint: this rank's windows, by parallel range requests, in batches that
+                # bound the spool (each batch fetched, written, then evicted); a local one: one batch
+                for batch, done_keys in _spool_batches(reader, plan, mine):
+                    reader.prefetch_keys(plan.tasks[i].source_key for i in batch)
+                    executor.run(set(batch))
+                    reader.evict(
+                        reader.storage_info(k, c) for k in done_keys for c in reader.tensor_meta(k).chunks if c.numel
+                    )
                 bytes_read = executor.bytes_read
                 if merges:  # this rank's merged weights
                     mine_keys = {t.source_key for t in plan.tasks if t.shard in mine}
@@ -790,6 +796,29 @@ def _log_plan(
         tied or "no",
         sum(len(v) for v in skipped.values()),
     )
+
+
+def _spool_batches(reader: CheckpointReader, plan: ExportPlan, mine: set[int]) -> list[tuple[list[int], list[str]]]:
+    """This process's task indices in plan order, cut into batches whose source windows add up to at
+    most the spool budget (``--remote-spool-size``; a larger task is a batch of its own), each with
+    the source keys no later batch reads (evicted after it). A local checkpoint: one batch, no keys.
+    """
+    mine_tasks = [i for i, t in enumerate(plan.tasks) if t.shard in mine]
+    budget = reader.spool_budget()
+    if budget is None:
+        return [(mine_tasks, [])]
+    batches: list[list[int]] = []
+    held = 0
+    for i in mine_tasks:
+        key = plan.tasks[i].source_key
+        need = sum(reader.storage_info(key, c).length for c in reader.tensor_meta(key).chunks if c.numel)
+        if not batches or (held + need > budget and batches[-1]):
+            batches.append([])
+            held = 0
+        batches[-1].append(i)
+        held += need
+    last = {plan.tasks[i].source_key: b for b, batch in enumerate(batches) for i in batch}
+    return [(batch, sorted(k for k, lb in last.items() if lb == b)) for b, batch in enumerate(batches)]
 
 
 def written_tensors(plan: ExportPlan) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -443,6 +443,16 @@ class _Item:
     nbytes: int
 
 
+def _evict(reader: Any, keys: tuple[str, ...], chunk: ChunkMeta) -> None:
+    infos = []
+    for k in keys:
+        try:
+            infos.append(reader.storage_info(k, chunk))
+        except CkptError:  # reported by the read already
+            pass
+    reader.evict(infos)
+
+
 def _pairs(ctx: Context) -> list[PairStats]:
     out = []
     for fqn, ps in ctx.cat.optimizer_state.items():
@@ -581,6 +591,13 @@ def run_deep(
     streamed_bytes = [0]
 
     def work(it: _Item) -> None:
+        try:
+            work_on(it)
+        finally:
+            if it.chunk is not None:  # a remote checkpoint: the chunk's windows leave the spool once checked
+                _evict(reader, it.keys, it.chunk)
+
+    def work_on(it: _Item) -> None:
         tensors: dict[str, torch.Tensor] = {}
         if it.chunk is not None:
             item_pairs = [p for k in it.keys for p in pairs_by_key.get(k, ()) if p.b in it.keys]
