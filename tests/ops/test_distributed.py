@@ -197,7 +197,15 @@ def hf_dir(fixture_root: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [["--world-size", "3"], ["--ep-size", "2", "--ep-fsdp-size", "2"]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--world-size", "3"],
+        ["--ep-size", "2", "--ep-fsdp-size", "2"],
+        # more ranks than experts: the experts' EP-FSDP chunks cut dim 1 (torchtitan's Shard(1))
+        ["--ep-size", "2", "--ep-fsdp-size", "8"],
+    ],
+)
 def test_import_on_2_ranks_is_the_single_process_import(hf_dir: Path, tmp_path: Path, extra: list[str]) -> None:
     from ckpttool.format import CheckpointReader
 
