@@ -261,7 +261,9 @@ def _dedup_chunks(
         AllocationError: sizes the stored bytes cannot hold.
         ChunkError: the chunks leave a gap or overlap.
     """
-    meta = reader.tensor_meta(key)
+    meta = reader.metadata.entries.get(key)
+    if not isinstance(meta, TensorMeta):
+        meta = reader.tensor_meta(key)  # raises the error that names it
     reader.check_allocation(key, meta)
     if memo is not None:
         hit = memo.get(id(meta))
@@ -658,7 +660,7 @@ def _export(
         merges = lora_merges(reader, plan, given_adapter, opts.lora_alpha) if opts.fmt == "hf-merged" else {}
         # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
         memo: dict[int, tuple[TensorMeta, list[ChunkMeta]]] = {}
-        chunks = [_dedup_chunks(reader, t.source_key, memo) for t in plan.tasks]
+        chunks = [_dedup_chunks(reader, t.selected.source.key, memo) for t in plan.tasks]
 
         # torchrun: each rank writes the files assigned to it (by bytes), rank 0 the index (ckpttool.ops.distributed)
         group = distributed.current()
