@@ -335,12 +335,17 @@ class CheckpointReader(CheckpointDir):
         """
         itemsize = meta.dtype.itemsize
         stored = 0
+        storage_get = self.metadata.storage.get
+        sizes = self._sizes  # files already sized (file_size): the common case needs no call per chunk
         for chunk in meta.chunks:
             n = math.prod(chunk.sizes)
             stored += n
             if n == 0:
                 continue
-            info = self.storage_info(fqn, chunk)
+            info = storage_get((fqn, chunk.offsets))
+            known = sizes.get(info.relative_path) if info is not None else None
+            if known is None or info is None or info.offset + info.length > known:
+                info = self.storage_info(fqn, chunk)  # sizes the file, or raises the error that names it
             need = n * itemsize
             if info.transform_descriptors and need > _physical_memory():
                 # a compressed chunk may legitimately be tiny (zeros), but never larger than memory

@@ -297,6 +297,9 @@ def _items(reader: CheckpointReader) -> list[tuple[str, ChunkMeta | None]]:
 def _metadata_digest(reader: CheckpointReader, algorithm: str) -> tuple[str | None, int | None]:
     if reader.parts or not (reader.path / METADATA_NAME).exists():
         return None, None  # safetensors storage (headers are in the data files) or a composed pair
+    known = reader.metadata_file_digest(algorithm)  # digested as read at open: no second read
+    if known is not None:
+        return known
     data = reader.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
     return digest_bytes(data, algorithm), len(data)
 
@@ -387,7 +390,9 @@ def source_identity(reader: CheckpointReader, algorithm: str = DEFAULT_ALGORITHM
     (a ``HuggingFaceStorageWriter`` checkpoint without ``.metadata``: the digest of its files'
     headers, as :func:`safetensors_source_identity`),
     the manifest digest that of the source's ``manifest.json`` file (``null`` when it has none).
-    Reads ``.metadata`` and ``manifest.json`` only (both small), never a data file. Outputs
+    The ``.metadata`` digest is the one taken as the reader read it at open
+    (:meth:`~ckpttool.format.directory.CheckpointDir.metadata_file_digest`, default algorithm);
+    another algorithm reads ``.metadata`` again. Reads ``manifest.json``, never a data file. Outputs
     record it without ``checkpoint`` (content only: the same source exported or resharded from
     another place gives the same bytes); manifests and ``--json`` results keep the path.
 
@@ -400,8 +405,11 @@ def source_identity(reader: CheckpointReader, algorithm: str = DEFAULT_ALGORITHM
     size: int | None = None
     if not reader.parts:  # a model/optimizer pair has two: named by neither alone
         try:
-            data = reader.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
-            md, size = digest_bytes(data, algorithm), len(data)
+            known = reader.metadata_file_digest(algorithm)  # the bytes read at open: no second read
+            if known is None:
+                data = reader.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
+                known = digest_bytes(data, algorithm), len(data)
+            md, size = known
         except DataFileError:
             if reader.metadata.serialization != "safetensors" or reader.remote is not None:
                 raise

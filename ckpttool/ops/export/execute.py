@@ -47,6 +47,7 @@ from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.safetensors import ShardWriter
 from ckpttool.format.storage import is_url
 from ckpttool.format.tiling import contiguous_run, tiling_problem
+from ckpttool.format.unpickler import gc_paused
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, detect_adapter, get_adapter
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.checkpoint import Checkpoint, opened
@@ -244,15 +245,30 @@ def _asset_files(assets: Path, fmt: str) -> list[tuple[str, Path]]:
     return out
 
 
-def _dedup_chunks(reader: CheckpointReader, key: str) -> tuple[TensorMeta, list[ChunkMeta]]:
+def _dedup_chunks(
+    reader: CheckpointReader,
+    key: str,
+    memo: dict[int, tuple[TensorMeta, list[ChunkMeta]]] | None = None,
+) -> tuple[TensorMeta, list[ChunkMeta]]:
     """Chunks of ``key`` to read: replicated chunks (same offsets and sizes) once, zero-size ones never.
+
+    ``memo`` (one dict per export): the de-dup and tiling of a ``TensorMeta`` object already
+    seen (entries of one layout share it: 2 objects for 10^6 entries) are reused; the
+    allocation check (this key's storage records) runs for every key. The chunk list returned
+    may then be shared between keys: read it, never change it.
 
     Raises:
         AllocationError: sizes the stored bytes cannot hold.
         ChunkError: the chunks leave a gap or overlap.
     """
-    meta = reader.tensor_meta(key)
+    meta = reader.metadata.entries.get(key)
+    if not isinstance(meta, TensorMeta):
+        meta = reader.tensor_meta(key)  # raises the error that names it
     reader.check_allocation(key, meta)
+    if memo is not None:
+        hit = memo.get(id(meta))
+        if hit is not None and hit[0] is meta:
+            return hit
     if len(meta.chunks) == 1:
         chunks = list(meta.chunks)
     else:
@@ -269,7 +285,10 @@ def _dedup_chunks(reader: CheckpointReader, key: str) -> tuple[TensorMeta, list[
     )
     if problem is not None:
         raise ChunkError(f"{reader.path}: chunks of {key!r} do not tile the tensor ({problem})", fqn=key)
-    return meta, [c for c in chunks if c.numel > 0]
+    result = (meta, [c for c in chunks if c.numel > 0])
+    if memo is not None:
+        memo[id(meta)] = result  # holds meta: its id is not reused while the memo lives
+    return result
 
 
 def _narrow(t: torch.Tensor, chunk: ChunkMeta, size: tuple[int, ...]) -> torch.Tensor:
@@ -569,97 +588,106 @@ def _export(
     progress: ProgressFn | None,
 ) -> ExportResult:
     t0 = time.perf_counter()
-    reader, cat, checkpoint = ckpt.reader, ckpt.catalog, ckpt.path
-    reader.verify_crc = opts.verify_crc
-    layout = ckpt.require_layout()
-    model_adapter = export_adapter(cat, opts, model_config)
-    selected, warnings, skipped, _adapters = select_sources(
-        cat,
-        rules,
-        fmt=opts.fmt,
-        weights=opts.weights,
-        filter_glob=opts.filter_glob,
-        adapter=model_adapter,
-        adapter_config=AdapterConfig.from_hf_config(model_config),
-    )
-    if not selected:
-        what = "LoRA adapter tensors" if opts.fmt == "lora" else "model tensors"
-        raise ExportError(
-            f"{checkpoint}: no {what} to export"
-            + (f" (`filter_glob` {opts.filter_glob!r} matched none)" if opts.filter_glob else ""),
-            param="filter_glob" if opts.filter_glob else None,
-            hint="check the keys with `ckpttool inspect`" + (" and the `filter_glob` glob" if opts.filter_glob else ""),
+    # Planning and the chunk checks allocate ~10 acyclic objects per tensor (10^7 at 10^6 tensors): the
+    # cyclic GC would rescan them again and again (7 s of 24 s CPU there); it runs again before any write.
+    with gc_paused():
+        reader, cat, checkpoint = ckpt.reader, ckpt.catalog, ckpt.path
+        reader.verify_crc = opts.verify_crc
+        layout = ckpt.require_layout()
+        model_adapter = export_adapter(cat, opts, model_config)
+        selected, warnings, skipped, _adapters = select_sources(
+            cat,
+            rules,
+            fmt=opts.fmt,
+            weights=opts.weights,
+            filter_glob=opts.filter_glob,
+            adapter=model_adapter,
+            adapter_config=AdapterConfig.from_hf_config(model_config),
         )
-    if opts.fmt == "lora":
-        names = sorted(set(_adapters.values()))
-        if len(names) > 1:
+        if not selected:
+            what = "LoRA adapter tensors" if opts.fmt == "lora" else "model tensors"
             raise ExportError(
-                f"{checkpoint}: the checkpoint holds several LoRA adapters {names}",
-                param="filter_glob",
-                hint="export one of them: `filter_glob` '*.<adapter name>.*'",
+                f"{checkpoint}: no {what} to export"
+                + (f" (`filter_glob` {opts.filter_glob!r} matched none)" if opts.filter_glob else ""),
+                param="filter_glob" if opts.filter_glob else None,
+                hint="check the keys with `ckpttool inspect`"
+                + (" and the `filter_glob` glob" if opts.filter_glob else ""),
             )
-        dropped = [k for k in cat.model if ".modules_to_save." in k]
-        if dropped:
-            warnings.append(f"{len(dropped)} modules_to_save tensor(s) not exported (not LoRA weights): {dropped[0]}")
-    orders = expert_orders(selected, layout)
-    num_experts = rules.num_experts_from_config(model_config) if model_config else None
+        if opts.fmt == "lora":
+            names = sorted(set(_adapters.values()))
+            if len(names) > 1:
+                raise ExportError(
+                    f"{checkpoint}: the checkpoint holds several LoRA adapters {names}",
+                    param="filter_glob",
+                    hint="export one of them: `filter_glob` '*.<adapter name>.*'",
+                )
+            dropped = [k for k in cat.model if ".modules_to_save." in k]
+            if dropped:
+                warnings.append(
+                    f"{len(dropped)} modules_to_save tensor(s) not exported (not LoRA weights): {dropped[0]}"
+                )
+        orders = expert_orders(selected, layout)
+        num_experts = rules.num_experts_from_config(model_config) if model_config else None
 
-    hf_like = opts.fmt in ("hf", "hf-merged")
-    embed, lm_head, tie = _tied_pair(selected, rules, model_config) if hf_like else (None, None, False)
-    drop: set[str] = set()
-    tied: str | None = None
-    if tie:
-        if lm_head is None:
-            tied = "absent"
-        elif embed is not None:
-            drop.add(lm_head.out_key)
-            tied = "omitted"
-        else:
-            tied = "embedding-not-exported"
-    plan = build_plan(
-        selected,
-        rules,
-        fmt="hf" if hf_like else opts.fmt,
-        save_dtype=opts.save_dtype,
-        shard_size=opts.shard_size,
-        experts=opts.experts,
-        expert_orders=orders,
-        num_experts=num_experts,
-        drop=drop,
-    )
-    plan.warnings = warnings
-    plan.skipped = skipped
-    plan.tied = tied
-    missing = unaccounted_tensors(cat, plan, {s.model_key for s in selected if s.out_key in drop})
-    if missing:
-        raise ExportAccountingError(
-            f"{checkpoint}: {len(missing)} tensor(s) would be neither exported nor listed as skipped "
-            f"(e.g. {missing[0]!r})",
-            fqn=missing[0],
+        hf_like = opts.fmt in ("hf", "hf-merged")
+        embed, lm_head, tie = _tied_pair(selected, rules, model_config) if hf_like else (None, None, False)
+        drop: set[str] = set()
+        tied: str | None = None
+        if tie:
+            if lm_head is None:
+                tied = "absent"
+            elif embed is not None:
+                drop.add(lm_head.out_key)
+                tied = "omitted"
+            else:
+                tied = "embedding-not-exported"
+        plan = build_plan(
+            selected,
+            rules,
+            fmt="hf" if hf_like else opts.fmt,
+            save_dtype=opts.save_dtype,
+            shard_size=opts.shard_size,
+            experts=opts.experts,
+            expert_orders=orders,
+            num_experts=num_experts,
+            drop=drop,
         )
-    if log.isEnabledFor(logging.INFO):  # the totals walk every task: only when shown
-        _log_plan(plan, opts, orders, tied, skipped)
-    adapter: dict[str, Any] | None = None
-    if opts.fmt == "lora":
-        adapter = adapter_config(plan, cat, given=given_adapter, lora_alpha=opts.lora_alpha, model_config=model_config)
-    assets = _asset_files(Path(opts.model_assets), opts.fmt) if opts.model_assets is not None else []
-    check = _check_against_model(plan, model_config, opts) if hf_like and model_config else None
-    merges = lora_merges(reader, plan, given_adapter, opts.lora_alpha) if opts.fmt == "hf-merged" else {}
-    # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
-    chunks = [_dedup_chunks(reader, t.source_key) for t in plan.tasks]
+        plan.warnings = warnings
+        plan.skipped = skipped
+        plan.tied = tied
+        missing = unaccounted_tensors(cat, plan, {s.model_key for s in selected if s.out_key in drop})
+        if missing:
+            raise ExportAccountingError(
+                f"{checkpoint}: {len(missing)} tensor(s) would be neither exported nor listed as skipped "
+                f"(e.g. {missing[0]!r})",
+                fqn=missing[0],
+            )
+        if log.isEnabledFor(logging.INFO):  # the totals walk every task: only when shown
+            _log_plan(plan, opts, orders, tied, skipped)
+        adapter: dict[str, Any] | None = None
+        if opts.fmt == "lora":
+            adapter = adapter_config(
+                plan, cat, given=given_adapter, lora_alpha=opts.lora_alpha, model_config=model_config
+            )
+        assets = _asset_files(Path(opts.model_assets), opts.fmt) if opts.model_assets is not None else []
+        check = _check_against_model(plan, model_config, opts) if hf_like and model_config else None
+        merges = lora_merges(reader, plan, given_adapter, opts.lora_alpha) if opts.fmt == "hf-merged" else {}
+        # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
+        memo: dict[int, tuple[TensorMeta, list[ChunkMeta]]] = {}
+        chunks = [_dedup_chunks(reader, t.selected.source.key, memo) for t in plan.tasks]
 
-    # torchrun: each rank writes the files assigned to it (by bytes), rank 0 the index (ckpttool.ops.distributed)
-    group = distributed.current()
-    file_bytes = [0] * len(plan.files)
-    for t in plan.tasks:
-        file_bytes[t.shard] += t.out_nbytes
-    owners = group.share(file_bytes)
-    mine = {i for i, r in enumerate(owners) if group.owns(r)}
-    files_info: list[dict[str, Any]] = []
-    identity = source_identity(reader, opts.algorithm)
-    # content only (no path): the same checkpoint exported from anywhere gives the same bytes
-    content = {k: v for k, v in identity.items() if k != "checkpoint"}
-    st_metadata = {"format": "pt", SOURCE_METADATA_KEY: json.dumps(content, sort_keys=True, separators=(",", ":"))}
+        # torchrun: each rank writes the files assigned to it (by bytes), rank 0 the index (ckpttool.ops.distributed)
+        group = distributed.current()
+        file_bytes = [0] * len(plan.files)
+        for t in plan.tasks:
+            file_bytes[t.shard] += t.out_nbytes
+        owners = group.share(file_bytes)
+        mine = {i for i, r in enumerate(owners) if group.owns(r)}
+        files_info: list[dict[str, Any]] = []
+        identity = source_identity(reader, opts.algorithm)
+        # content only (no path): the same checkpoint exported from anywhere gives the same bytes
+        content = {k: v for k, v in identity.items() if k != "checkpoint"}
+        st_metadata = {"format": "pt", SOURCE_METADATA_KEY: json.dumps(content, sort_keys=True, separators=(",", ":"))}
     with contextlib.ExitStack() as stack:
         tmp = distributed.enter_output_dir(stack, group, out, overwrite=opts.overwrite, source=checkpoint)
         bytes_read = 0
