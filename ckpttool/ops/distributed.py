@@ -32,12 +32,26 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckpttool import errors
 from ckpttool.errors import CkptError, RankLostError, UsageError
 
-__all__ = ["Group", "SINGLE", "assign", "from_env", "current", "set_current", "pack_error", "unpack_error", "agreed"]
+if TYPE_CHECKING:
+    from ckpttool.format.writer import DCPWriter
+
+__all__ = [
+    "Group",
+    "SINGLE",
+    "assign",
+    "merge_rank_files",
+    "from_env",
+    "current",
+    "set_current",
+    "pack_error",
+    "unpack_error",
+    "agreed",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -170,6 +184,28 @@ class Group:
             log.debug("rank %d left without the closing barrier", self.rank)
         with contextlib.suppress(BaseException):
             dist.destroy_process_group()
+
+
+def merge_rank_files(group: Group, writer: DCPWriter, mine: Sequence[int] | set[int]) -> bool:
+    """The end of a distributed DCP write (reshard, import): whether this rank writes ``.metadata``.
+
+    Under torchrun every rank syncs the data files it wrote (``mine``), :meth:`Group.agree`
+    pairs with the ``agree(error)`` of a failing rank (raising its error everywhere), and rank 0
+    merges the other ranks' chunk records (offsets in their files) into ``writer``; the other
+    ranks return ``False`` and stop there. One process: ``True``, nothing to do.
+    """
+    if not group.active:
+        return True
+    for r in sorted(mine):
+        writer.sync(r)
+    group.agree(None)
+    records = group.gather(writer.records())
+    if not group.is_root:
+        return False
+    for r, rec in enumerate(records):
+        if r != group.rank:
+            writer.merge(rec)
+    return True
 
 
 def _lost(rank: int, e: Exception) -> BaseException:

@@ -637,15 +637,7 @@ def _write_dcp(
 
             record = make_record(2, ep[0], ep[1], ep_specs, optimizer={})
             w.write_object(LAYOUT_KEY, 0, json.dumps(record, sort_keys=True), (LAYOUT_KEY,))
-        if group.active:
-            for r in sorted(mine):
-                w.sync(r)
-            group.agree(None)  # pairs with the agree(error) of a failing rank (_import_plain)
-            records = group.gather(w.records())
-            if not group.is_root:
-                return w
-            for r, rec in enumerate(records):
-                if r != group.rank:
-                    w.merge(rec)
+        if not distributed.merge_rank_files(group, w, mine):  # pairs with _import_plain's agree(error)
+            return w
         w.finish()
     return w

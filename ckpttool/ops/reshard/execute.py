@@ -377,16 +377,8 @@ def execute_plan(
                 writer.copy_bytes_item(bp.key, bp.rank, reader.fd(info.relative_path), info, path)
             else:
                 writer.write_object(bp.key, bp.rank, bp.value, path)
-        if group.active:
-            for r in sorted(mine):
-                writer.sync(r)
-            group.agree(None)  # pairs with the agree(error) of a failing rank (_reshard)
-            records = group.gather(writer.records())
-            if not group.is_root:
-                return writer, counts
-            for r, rec in enumerate(records):
-                if r != group.rank:
-                    writer.merge(rec)
+        if not distributed.merge_rank_files(group, writer, mine):  # pairs with _reshard's agree(error)
+            return writer, counts
         writer.finish()
     return writer, counts
 
