@@ -95,6 +95,8 @@ def _set_remote(field: str) -> Any:
         if value is not None:
             from ckpttool.format import storage
 
+            if value <= 0:
+                raise typer.BadParameter(f"{param.opts[0]} {value} must be a positive count", ctx=ctx, param=param)
             storage.configure(**{field: value})
 
     return callback

@@ -145,8 +145,22 @@ def test_trust_pickle_option_reads_extra_state(tmp_path: Path, dense_ckpt: Path)
         (["inspect", "X", "--sort", "foo"], "--sort"),
         (["inspect"], "Missing argument"),
         (["frob"], "No such command 'frob'"),
+        (["--remote-workers", "0", "inspect", "X"], "--remote-workers"),
+        (["--remote-retries", "-1", "inspect", "X"], "--remote-retries"),
+        (["--remote-spool-size", "1x", "inspect", "X"], "--remote-spool-size"),
+        (["--remote-spool-size", "0", "inspect", "X"], "--remote-spool-size"),
     ],
-    ids=["unknown-option", "bad-depth", "bad-choice", "missing-arg", "unknown-command"],
+    ids=[
+        "unknown-option",
+        "bad-depth",
+        "bad-choice",
+        "missing-arg",
+        "unknown-command",
+        "zero-remote-workers",
+        "negative-remote-retries",
+        "bad-spool-size",
+        "zero-spool-size",
+    ],
 )
 def test_usage_errors_follow_the_error_contract(argv: list[str], needle: str) -> None:
     res = runner.invoke(app, argv)
