@@ -297,3 +297,16 @@ def test_file_changed_before_the_reread_is_parsed_and_not_cached(
     path.write_bytes(forged)
     assert mdcache.parse_metadata_taken([data], ".metadata", lambda: other) == parse_metadata_bytes(other)
     assert path.read_bytes() == forged  # never replaced by an entry of other bytes under this key
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("special", ["fifo", "dev-zero"])
+def test_a_special_file_as_entry_is_ignored_without_blocking(special: str, dense_ckpt: Path, cache: Path) -> None:
+    data = (dense_ckpt / ".metadata").read_bytes()
+    path = mdcache.entry_path(hashlib.sha256(data).hexdigest())
+    path.parent.mkdir(parents=True)
+    if special == "fifo":
+        os.mkfifo(path)  # a plain open() waits for a writer forever
+    else:
+        os.symlink("/dev/zero", path)  # a plain read() never ends
+    assert CheckpointDir(dense_ckpt).metadata == parse_metadata_bytes(data)
