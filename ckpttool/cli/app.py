@@ -207,7 +207,8 @@ def _global_options() -> list[Any]:
             expose_value=False,
             is_eager=True,
             callback=_set_no_cache,
-            help="Parse .metadata without the parsed-metadata cache (CKPTTOOL_CACHE_DIR, default ~/.cache/ckpttool).",
+            help="Use neither the parsed-metadata cache nor the model-shape cache of the shape checks "
+            "(CKPTTOOL_CACHE_DIR, default ~/.cache/ckpttool; also CKPTTOOL_NO_CACHE=1).",
         ),
     ]
 

@@ -168,6 +168,13 @@ def test_usage_errors_follow_the_error_contract(argv: list[str], needle: str) ->
     assert "--help" in res.stderr.splitlines()[1]
 
 
+def test_no_cache_help_names_both_caches() -> None:
+    res = runner.invoke(app, ["--help"])
+    text = " ".join(res.stdout.split())
+    line = text[text.index("--no-cache") :][:300]
+    assert "parsed-metadata cache" in line and "model-shape cache" in line, line
+
+
 def test_no_arguments_prints_help() -> None:
     res = runner.invoke(app, [])
     assert res.exit_code == 0 and "Commands" in res.stdout
