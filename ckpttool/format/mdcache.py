@@ -102,10 +102,13 @@ def set_cache_enabled(flag: bool | None) -> None:
 
 
 def cache_enabled() -> bool:
-    """Whether :func:`parse_metadata_cached` uses the cache (``--no-cache`` / ``CKPTTOOL_NO_CACHE``)."""
+    """Whether :func:`parse_metadata_cached` uses the cache (``--no-cache`` / ``CKPTTOOL_NO_CACHE``).
+
+    ``CKPTTOOL_NO_CACHE`` unset, empty, ``0``, ``false``, ``no`` or ``off`` (any case): the cache is on.
+    """
     if _enabled is not None:
         return _enabled
-    return os.environ.get(NO_CACHE_ENV, "") in ("", "0")
+    return os.environ.get(NO_CACHE_ENV, "").strip().lower() in ("", "0", "false", "no", "off")
 
 
 def cache_dir() -> Path:

@@ -243,6 +243,12 @@ def test_location_and_switches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert not mdcache.cache_enabled()
     monkeypatch.setenv(mdcache.NO_CACHE_ENV, "0")
     assert mdcache.cache_enabled()
+    for off in ("false", "False", "no", "off", " "):  # "NO_CACHE=false" means the cache is on
+        monkeypatch.setenv(mdcache.NO_CACHE_ENV, off)
+        assert mdcache.cache_enabled(), off
+    for on in ("true", "yes", "2"):
+        monkeypatch.setenv(mdcache.NO_CACHE_ENV, on)
+        assert not mdcache.cache_enabled(), on
     mdcache.set_cache_enabled(False)
     try:
         assert not mdcache.cache_enabled()
