@@ -315,4 +315,18 @@ def test_a_special_file_as_entry_is_ignored_without_blocking(special: str, dense
         os.mkfifo(path)  # a plain open() waits for a writer forever
     else:
         os.symlink("/dev/zero", path)  # a plain read() never ends
-    assert CheckpointDir(dense_ckpt).metadata == parse_metadata_bytes(data)
+    import signal
+
+    class Hung(BaseException):  # not an OSError, which the reader would take for "no entry"
+        pass
+
+    def hung(*_: object) -> None:
+        raise Hung("blocked on the special file")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)  # a regression fails instead of hanging the suite
+    try:
+        assert CheckpointDir(dense_ckpt).metadata == parse_metadata_bytes(data)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

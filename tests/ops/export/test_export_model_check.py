@@ -206,4 +206,18 @@ def test_a_special_file_as_cache_entry_neither_blocks_nor_is_read(
         os.mkfifo(path)  # an open() without O_NONBLOCK waits for a writer forever
     else:
         os.symlink("/dev/zero", path)
-    assert ex._load_entry(path, key) is None
+    import signal
+
+    class Hung(BaseException):  # not an OSError, which the reader would take for "no entry"
+        pass
+
+    def hung(*_: object) -> None:
+        raise Hung("blocked on the special file")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)  # a regression fails instead of hanging the suite
+    try:
+        assert ex._load_entry(path, key) is None
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
