@@ -95,6 +95,8 @@ def _set_remote(field: str) -> Any:
         if value is not None:
             from ckpttool.format import storage
 
+            if value <= 0:
+                raise typer.BadParameter(f"{param.opts[0]} {value} must be a positive count", ctx=ctx, param=param)
             storage.configure(**{field: value})
 
     return callback
@@ -205,7 +207,8 @@ def _global_options() -> list[Any]:
             expose_value=False,
             is_eager=True,
             callback=_set_no_cache,
-            help="Parse .metadata without the parsed-metadata cache (CKPTTOOL_CACHE_DIR, default ~/.cache/ckpttool).",
+            help="Use neither the parsed-metadata cache nor the model-shape cache of the shape checks "
+            "(CKPTTOOL_CACHE_DIR, default ~/.cache/ckpttool; also CKPTTOOL_NO_CACHE=1).",
         ),
     ]
 

@@ -182,7 +182,8 @@ def load_hf_storage_metadata(path: Path) -> CheckpointMetadata:
     Raises:
         MetadataError: no safetensors file, a malformed header (unknown dtype, a negative or
             non-integer shape, ``data_offsets`` outside the file or not matching the shape,
-            bad sharding info), or two files storing the same chunk of a key.
+            bad sharding info, two tensors whose ``data_offsets`` overlap), or two files storing
+            the same chunk of a key.
     """
     files = hf_storage_files(path)
     if not files:
@@ -211,6 +212,7 @@ def load_hf_storage_metadata(path: Path) -> CheckpointMetadata:
                 if not isinstance(sharding, dict):
                     raise _bad(p, f"{_SHARDING_KEY} is not a JSON object")
         data_len = size - data_start
+        spans: list[tuple[int, int, str]] = []
         for key, rec in header.items():
             if not isinstance(rec, dict):
                 raise _bad(p, f"entry {key!r:.80} is not an object")
@@ -232,6 +234,8 @@ def load_hf_storage_metadata(path: Path) -> CheckpointMetadata:
                     f"{key!r:.80} data_offsets [{begin}, {end}) do not hold {dtype}{list(shape)} "
                     f"({nbytes} bytes) inside the {data_len}-byte data region",
                 )
+            if end > begin:
+                spans.append((begin, end, key))
             offsets: tuple[int, ...] = (0,) * len(shape)
             if key in sharding:
                 info = sharding[key]
@@ -245,6 +249,10 @@ def load_hf_storage_metadata(path: Path) -> CheckpointMetadata:
                 raise _bad(p, f"{key!r:.80} chunk at {list(offsets)} is stored in two files")
             chunks.setdefault(key, []).append(ChunkMeta(offsets, shape))
             storage[(key, offsets)] = StorageInfo(name, data_start + begin, end - begin)
+        spans.sort()
+        for (_, prev_end, prev_key), (begin, _, key) in zip(spans, spans[1:]):
+            if begin < prev_end:
+                raise _bad(p, f"{key!r:.80} data_offsets overlap those of {prev_key!r:.80}")
     entries: dict[str, TensorMeta | BytesMeta] = {}
     for key, cs in chunks.items():
         ndim = len(cs[0].sizes)

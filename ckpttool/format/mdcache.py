@@ -49,6 +49,7 @@ import json
 import logging
 import operator
 import os
+import stat
 import struct
 import sys
 import tempfile
@@ -101,10 +102,13 @@ def set_cache_enabled(flag: bool | None) -> None:
 
 
 def cache_enabled() -> bool:
-    """Whether :func:`parse_metadata_cached` uses the cache (``--no-cache`` / ``CKPTTOOL_NO_CACHE``)."""
+    """Whether :func:`parse_metadata_cached` uses the cache (``--no-cache`` / ``CKPTTOOL_NO_CACHE``).
+
+    ``CKPTTOOL_NO_CACHE`` unset, empty, ``0``, ``false``, ``no`` or ``off`` (any case): the cache is on.
+    """
     if _enabled is not None:
         return _enabled
-    return os.environ.get(NO_CACHE_ENV, "") in ("", "0")
+    return os.environ.get(NO_CACHE_ENV, "").strip().lower() in ("", "0", "false", "no", "off")
 
 
 def cache_dir() -> Path:
@@ -115,6 +119,23 @@ def cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
     return base / "ckpttool"
+
+
+def _read_regular(path: Path) -> bytes | None:
+    """The bytes of ``path`` when it is a regular file; ``None`` when it is missing, unreadable or special.
+
+    Opened with ``O_NONBLOCK``: a FIFO at the path neither blocks the open nor is read, nor is a
+    device (``/dev/zero`` would never end).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                log.info("cache entry %s ignored (not a regular file)", path)
+                return None
+            return f.read()
+    except OSError:
+        return None
 
 
 def entry_path(digest: str) -> Path:
@@ -535,10 +556,7 @@ def parse_metadata_taken(
     size = len(data)
     path = entry_path(digest)
     with gc_paused():
-        try:
-            blob = path.read_bytes()
-        except OSError:
-            blob = None
+        blob = _read_regular(path)
         if blob is not None:
             try:
                 header = _check_entry(blob, digest, size)

@@ -300,7 +300,26 @@ def _metadata_digest(reader: CheckpointReader, algorithm: str) -> tuple[str | No
     known = reader.metadata_file_digest(algorithm)  # digested as read at open: no second read
     if known is not None:
         return known
+    return _reread_metadata_digest(reader, algorithm)
+
+
+def _reread_metadata_digest(reader: CheckpointReader, algorithm: str) -> tuple[str, int]:
+    """Digest (``algorithm``) and size of ``.metadata`` read again, when they are not known from the open.
+
+    Raises:
+        DataFileError: the bytes differ from those parsed at open (the digest would name
+            another ``.metadata`` than the one the output was made from).
+    """
+    from ckpttool.errors import DataFileError
+
     data = reader.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
+    at_open = reader.metadata_file_digest(DEFAULT_ALGORITHM)
+    if at_open is not None and (len(data), digest_bytes(data, DEFAULT_ALGORITHM)) != (at_open[1], at_open[0]):
+        raise DataFileError(
+            f"{reader.path / METADATA_NAME}: changed since it was read at open",
+            path=reader.path / METADATA_NAME,
+            hint="the checkpoint is being written to; rerun when the save is complete",
+        )
     return digest_bytes(data, algorithm), len(data)
 
 
@@ -407,8 +426,7 @@ def source_identity(reader: CheckpointReader, algorithm: str = DEFAULT_ALGORITHM
         try:
             known = reader.metadata_file_digest(algorithm)  # the bytes read at open: no second read
             if known is None:
-                data = reader.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
-                known = digest_bytes(data, algorithm), len(data)
+                known = _reread_metadata_digest(reader, algorithm)
             md, size = known
         except DataFileError:
             if reader.metadata.serialization != "safetensors" or reader.remote is not None:

@@ -145,13 +145,34 @@ def test_trust_pickle_option_reads_extra_state(tmp_path: Path, dense_ckpt: Path)
         (["inspect", "X", "--sort", "foo"], "--sort"),
         (["inspect"], "Missing argument"),
         (["frob"], "No such command 'frob'"),
+        (["--remote-workers", "0", "inspect", "X"], "--remote-workers"),
+        (["--remote-retries", "-1", "inspect", "X"], "--remote-retries"),
+        (["--remote-spool-size", "1x", "inspect", "X"], "--remote-spool-size"),
+        (["--remote-spool-size", "0", "inspect", "X"], "--remote-spool-size"),
     ],
-    ids=["unknown-option", "bad-depth", "bad-choice", "missing-arg", "unknown-command"],
+    ids=[
+        "unknown-option",
+        "bad-depth",
+        "bad-choice",
+        "missing-arg",
+        "unknown-command",
+        "zero-remote-workers",
+        "negative-remote-retries",
+        "bad-spool-size",
+        "zero-spool-size",
+    ],
 )
 def test_usage_errors_follow_the_error_contract(argv: list[str], needle: str) -> None:
     res = runner.invoke(app, argv)
     assert_clean_failure(res, "E100", needle)
     assert "--help" in res.stderr.splitlines()[1]
+
+
+def test_no_cache_help_names_both_caches() -> None:
+    res = runner.invoke(app, ["--help"])
+    text = " ".join(res.stdout.split())
+    line = text[text.index("--no-cache") :][:300]
+    assert "parsed-metadata cache" in line and "model-shape cache" in line, line
 
 
 def test_no_arguments_prints_help() -> None:

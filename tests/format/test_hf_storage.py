@@ -97,6 +97,13 @@ def _write(path: Path, header: bytes, data: bytes = b"", length: int | None = No
             "offsets",
         ),
         (b'{"__metadata__": {"x": 1}}', b"", None, "string map"),
+        (  # two tensors sharing bytes (the safetensors library refuses it: "invalid offset")
+            b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+            b'"b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}',
+            b"\0" * 12,
+            None,
+            "overlap",
+        ),
     ],
 )
 def test_malformed_headers_are_refused_naming_the_file(

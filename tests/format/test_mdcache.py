@@ -243,6 +243,12 @@ def test_location_and_switches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert not mdcache.cache_enabled()
     monkeypatch.setenv(mdcache.NO_CACHE_ENV, "0")
     assert mdcache.cache_enabled()
+    for off in ("false", "False", "no", "off", " "):  # "NO_CACHE=false" means the cache is on
+        monkeypatch.setenv(mdcache.NO_CACHE_ENV, off)
+        assert mdcache.cache_enabled(), off
+    for on in ("true", "yes", "2"):
+        monkeypatch.setenv(mdcache.NO_CACHE_ENV, on)
+        assert not mdcache.cache_enabled(), on
     mdcache.set_cache_enabled(False)
     try:
         assert not mdcache.cache_enabled()
@@ -297,3 +303,30 @@ def test_file_changed_before_the_reread_is_parsed_and_not_cached(
     path.write_bytes(forged)
     assert mdcache.parse_metadata_taken([data], ".metadata", lambda: other) == parse_metadata_bytes(other)
     assert path.read_bytes() == forged  # never replaced by an entry of other bytes under this key
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("special", ["fifo", "dev-zero"])
+def test_a_special_file_as_entry_is_ignored_without_blocking(special: str, dense_ckpt: Path, cache: Path) -> None:
+    data = (dense_ckpt / ".metadata").read_bytes()
+    path = mdcache.entry_path(hashlib.sha256(data).hexdigest())
+    path.parent.mkdir(parents=True)
+    if special == "fifo":
+        os.mkfifo(path)  # a plain open() waits for a writer forever
+    else:
+        os.symlink("/dev/zero", path)  # a plain read() never ends
+    import signal
+
+    class Hung(BaseException):  # not an OSError, which the reader would take for "no entry"
+        pass
+
+    def hung(*_: object) -> None:
+        raise Hung("blocked on the special file")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)  # a regression fails instead of hanging the suite
+    try:
+        assert CheckpointDir(dense_ckpt).metadata == parse_metadata_bytes(data)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

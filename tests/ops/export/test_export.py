@@ -163,6 +163,28 @@ def test_source_identity_is_the_digest_of_the_metadata_file(
             assert json.loads(st.metadata()["ckpttool.source"]) == want, f.name
 
 
+def test_source_identity_with_another_hash_refuses_a_metadata_changed_since_open(
+    dense_ckpt: Path, tmp_path: Path
+) -> None:
+    """``--hash blake2b-256`` reads ``.metadata`` again: bytes other than those parsed are not named as the source."""
+    import shutil
+
+    from ckpttool.errors import DataFileError
+    from ckpttool.format.directory import CheckpointDir
+    from ckpttool.ops.manifest import source_identity
+
+    ck = Path(shutil.copytree(dense_ckpt, tmp_path / "ck"))
+    reader = CheckpointDir(ck)
+    try:
+        assert source_identity(reader, "blake2b-256")["metadata_size"] == (ck / ".metadata").stat().st_size
+        with open(ck / ".metadata", "ab") as f:
+            f.write(b"\0")  # another save's .metadata, written after this one was parsed
+        with pytest.raises(DataFileError, match="changed since it was read at open"):
+            source_identity(reader, "blake2b-256")
+    finally:
+        reader.close()
+
+
 @pytest.mark.parametrize("name", ["dense_ckpt", "multi_optim_ckpt", "fsdp_ckpt", "sample_ckpt"])
 def test_preserve_round_trip_is_bitwise(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     src: Path = request.getfixturevalue(name)

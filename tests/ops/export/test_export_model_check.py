@@ -183,3 +183,41 @@ def test_a_broken_or_hostile_cache_entry_is_ignored_and_rewritten(
     path.write_bytes(bad.replace(b'"@"', json.dumps(key).encode()))
     assert ex.expected_state_dict(dict(_SMALL_LLAMA)) == want
     assert ex._load_entry(path, key) == want, "the entry was written again, valid"
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("special", ["fifo", "dev-zero"])
+def test_a_special_file_as_cache_entry_neither_blocks_nor_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, special: str
+) -> None:
+    import os
+
+    from ckpttool.ops.export import expected as ex
+
+    monkeypatch.setenv("CKPTTOOL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("CKPTTOOL_NO_CACHE", raising=False)
+    versions = ex._versions()
+    assert versions is not None
+    key = ex._entry_key(dict(_SMALL_LLAMA), versions)
+    assert key is not None
+    path = ex.shapes_entry_path(key)
+    path.parent.mkdir(parents=True)
+    if special == "fifo":
+        os.mkfifo(path)  # an open() without O_NONBLOCK waits for a writer forever
+    else:
+        os.symlink("/dev/zero", path)
+    import signal
+
+    class Hung(BaseException):  # not an OSError, which the reader would take for "no entry"
+        pass
+
+    def hung(*_: object) -> None:
+        raise Hung("blocked on the special file")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)  # a regression fails instead of hanging the suite
+    try:
+        assert ex._load_entry(path, key) is None
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

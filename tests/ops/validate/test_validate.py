@@ -242,6 +242,14 @@ def test_S006_unreferenced_file_is_a_warning(dense_ckpt: Path, copy_of) -> None:
     only(ck, "S006")
 
 
+def test_S006_ignores_an_empty_data_file(dense_ckpt: Path, copy_of) -> None:
+    """`import --world-size 64` of a small model writes empty files for the ranks with no rows."""
+    ck = copy_of(dense_ckpt)
+    (ck / "__7_0.distcp").write_bytes(b"")
+    rc, doc, _ = run(ck)
+    assert rc == 0 and "S006" not in codes(doc)
+
+
 def test_S007_extra_state_ranks_missing(fsdp_ckpt: Path, copy_of) -> None:
     ck = copy_of(fsdp_ckpt)
     (ck / "extra_state").mkdir()
