@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -433,6 +434,11 @@ def main() -> None:
     if isinstance(code, str):
         sys.stderr.write(code + "\n")
         code = 1
+    if code and not group.is_root:
+        # torchrun stops the other ranks (SIGTERM) as soon as one exits non-zero: a failing rank
+        # leaves a moment after the error was agreed, so that rank 0 prints it and removes the
+        # temporary output first (rather than reporting "interrupted")
+        time.sleep(1.0)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if code is None else int(code))

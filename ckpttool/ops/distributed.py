@@ -163,27 +163,12 @@ class Group:
         self.agree(None)
         return value
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Leave the group: wait (at most ``timeout_s``) until every rank is here, then destroy it.
+    def close(self) -> None:
+        if self.active:
+            import torch.distributed as dist
 
-        The ranks leave together: a failing rank that exited first would have torchrun stop the
-        others (SIGTERM) before rank 0 printed the agreed error or removed the temporary output.
-        A peer already gone, or a signal while waiting, ends the wait early (nothing is raised).
-        """
-        if not self.active:
-            return
-        import datetime
-
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            return
-        try:
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
-        except BaseException:  # a lost peer or an interrupt: leave anyway
-            log.debug("rank %d left without the closing barrier", self.rank)
-        with contextlib.suppress(BaseException):
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def merge_rank_files(group: Group, writer: DCPWriter, mine: Sequence[int] | set[int]) -> bool:

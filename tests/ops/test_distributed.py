@@ -265,7 +265,7 @@ if os.environ["RANK"] == "1":
     from ckpttool.ops.export import execute
 
     run = execute._Executor.run
-    execute._Executor.run = lambda self: (time.sleep(120), run(self))[1]
+    execute._Executor.run = lambda self, *a, **k: (time.sleep(120), run(self, *a, **k))[1]
 sys.argv = ["ckpttool", *sys.argv[1:]]
 runpy.run_module("ckpttool", run_name="__main__")
 """
