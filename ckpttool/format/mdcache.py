@@ -121,8 +121,10 @@ def cache_dir() -> Path:
     return base / "ckpttool"
 
 
-def _read_regular(path: Path) -> bytes | None:
-    """The bytes of ``path`` when it is a regular file; ``None`` when it is missing, unreadable or special.
+def read_cache_file(path: Path, max_bytes: int | None = None) -> bytes | None:
+    """The bytes of the cache entry ``path`` when it is a regular file; ``None`` when it is missing,
+    unreadable or special (logged). With ``max_bytes``, at most ``max_bytes + 1`` bytes are read (the
+    caller rejects a longer entry).
 
     Opened with ``O_NONBLOCK``: a FIFO at the path neither blocks the open nor is read, nor is a
     device (``/dev/zero`` would never end).
@@ -133,7 +135,7 @@ def _read_regular(path: Path) -> bytes | None:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 log.info("cache entry %s ignored (not a regular file)", path)
                 return None
-            return f.read()
+            return f.read() if max_bytes is None else f.read(max_bytes + 1)
     except OSError:
         return None
 
@@ -556,7 +558,7 @@ def parse_metadata_taken(
     size = len(data)
     path = entry_path(digest)
     with gc_paused():
-        blob = _read_regular(path)
+        blob = read_cache_file(path)
         if blob is not None:
             try:
                 header = _check_entry(blob, digest, size)

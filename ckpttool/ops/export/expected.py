@@ -34,7 +34,6 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -114,15 +113,10 @@ def shapes_entry_path(key: str) -> Path:
 
 def _load_entry(path: Path, key: str) -> Expected | None:
     """The entry at ``path`` when it is well formed and for ``key``; ``None`` (logged) otherwise."""
-    try:
-        # O_NONBLOCK: a FIFO (or another special file) at the path must not block the open
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-        with open(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                log.info("model shape cache entry %s ignored (not a regular file); building the model again", path)
-                return None
-            blob = f.read(_MAX_ENTRY_BYTES + 1)
-    except OSError:
+    from ckpttool.format.mdcache import read_cache_file
+
+    blob = read_cache_file(path, _MAX_ENTRY_BYTES)  # a FIFO or device at the path is not read
+    if blob is None:
         return None
     try:
         if len(blob) > _MAX_ENTRY_BYTES:
