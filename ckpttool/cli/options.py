@@ -120,6 +120,17 @@ VerifyCrcOpt = Annotated[
         help="Check each stored record's CRC-32 while copying it (~10% of a warm-cache run; docs/performance.md).",
     ),
 ]
+#: ``--hash`` of the commands that write an output (export, reshard): the manifest's and the
+#: source identity's digest.
+OutputHashOpt = Annotated[
+    str,
+    typer.Option(
+        "--hash",
+        metavar="ALGO",
+        help="Digest of the manifest and of the source identity: xxh3-128, blake3 or blake2b-256.",
+    ),
+]
+
 OverwriteOpt = Annotated[
     bool,
     typer.Option("--overwrite", help="Replace an existing non-empty output directory once the new output is complete."),

@@ -20,6 +20,7 @@ from ckpttool.cli.options import (
     OptimizerDirOpt,
     OptimizerPrefixOpt,
     OutputArg,
+    OutputHashOpt,
     OverwriteOpt,
     SchemaOpt,
     SourceLayoutOpt,
@@ -138,14 +139,7 @@ def export_command(
             help="Also write OUT/manifest.json: a digest of every byte range as it is written (no second read); verify with `ckpttool manifest OUT --verify`.",
         ),
     ] = False,
-    hash_name: Annotated[
-        str,
-        typer.Option(
-            "--hash",
-            metavar="ALGO",
-            help="Digest of the manifest and of the source identity: xxh3-128, blake3 or blake2b-256.",
-        ),
-    ] = "xxh3-128",
+    hash_name: OutputHashOpt = "xxh3-128",
     adapter: Annotated[
         str | None,
         typer.Option(

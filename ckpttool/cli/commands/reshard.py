@@ -17,6 +17,7 @@ from ckpttool.cli.options import (
     NoEpOpt,
     OptimizerPrefixOpt,
     OutputArg,
+    OutputHashOpt,
     OverwriteOpt,
     SchemaOpt,
     SourceLayoutOpt,
@@ -92,14 +93,7 @@ def reshard_command(
             help="Also write the output's manifest.json, every chunk digested as it is written (no second read); verify with validate --manifest.",
         ),
     ] = False,
-    hash_name: Annotated[
-        str,
-        typer.Option(
-            "--hash",
-            metavar="ALGO",
-            help="Digest of the manifest and of the source identity: xxh3-128, blake3 or blake2b-256.",
-        ),
-    ] = "xxh3-128",
+    hash_name: OutputHashOpt = "xxh3-128",
 ) -> None:
     """Write a new DCP checkpoint with expert tensors in the target layout, one data file per target rank.
 
