@@ -26,8 +26,10 @@ import re
 import stat
 from collections import defaultdict
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import add, and_, getitem, is_, itemgetter, not_
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ckpttool.errors import CkptError, NotRegularFileError, OptimStateError, PlannerDataError
 from ckpttool.format.directory import DATA_FILE_RE, CheckpointDir, rank_of_file
@@ -86,9 +88,8 @@ _MEMBERSHIP_ITEMS = ("params", "param_names")
 _EXTRA_STATE_RE = re.compile(r"(\d+)")
 
 
-@dataclass(frozen=True, slots=True)
-class TensorEntry:
-    """A tensor of the checkpoint.
+class TensorEntry(NamedTuple):
+    """A tensor of the checkpoint (immutable: a named tuple, so that 10^6 of them are built in C).
 
     Attributes:
         key: flattened checkpoint key (``model.model.layers.0.mlp.down_proj.weight``).
@@ -374,8 +375,9 @@ class _EntryBuilder:
     """Builds the :class:`TensorEntry` of tensors of one metadata, sharing what repeats (10^6 tensors).
 
     The file/rank tuples of one-chunk tensors are shared per data file, the ranks per file set, the
-    element count per shape object (the parser shares equal shapes); each entry's fields are set in
-    its slots directly (what the frozen dataclass's ``__init__`` does, at half the cost).
+    element count per shape object (the parser shares equal shapes). :meth:`many` builds the
+    entries of one-chunk tensors column-wise in C: all but the key is one tuple per (layout
+    object, data file), and an entry is its key joined to that tuple.
     """
 
     def __init__(self, md_storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo]) -> None:
@@ -390,21 +392,16 @@ class _EntryBuilder:
             r = self.by_files[ufiles] = tuple(sorted({r for r in map(_rank, ufiles) if r is not None}))
         return r
 
-    def __call__(self, key: str, meta: TensorMeta) -> TensorEntry:
-        get = self.get
-        chunks = meta.chunks
-        if len(chunks) == 1:
-            info = get((key, chunks[0].offsets))
-            rel = info.relative_path if info is not None else None
-            shared = self.by_path.get(rel)
-            if shared is None:
-                ufiles: tuple[str, ...] = (rel,) if rel is not None else ()
-                shared = self.by_path[rel] = (ufiles, (rel,), self._ranks(ufiles))
-            ufiles, chunk_files, ranks = shared
-        else:
-            chunk_files = tuple([i.relative_path if (i := get((key, c.offsets))) is not None else None for c in chunks])
-            ufiles = tuple(sorted({f for f in chunk_files if f is not None}))
-            ranks = self._ranks(ufiles)
+    def one_file(self, rel: str | None) -> tuple[tuple[str, ...], tuple[str | None, ...], tuple[int, ...]]:
+        """(files, chunk_files, ranks) of a one-chunk tensor stored in ``rel`` (``None``: no storage entry)."""
+        shared = self.by_path.get(rel)
+        if shared is None:
+            ufiles: tuple[str, ...] = (rel,) if rel is not None else ()
+            shared = self.by_path[rel] = (ufiles, (rel,), self._ranks(ufiles))
+        return shared
+
+    def sizes(self, meta: TensorMeta) -> tuple[int, int]:
+        """(numel, nbytes) of ``meta``."""
         size = meta.size
         known = self.numel.get(id(size))
         if known is not None and known[0] is size:
@@ -412,48 +409,96 @@ class _EntryBuilder:
         else:
             numel = math.prod(size)
             self.numel[id(size)] = (size, numel)
-        t = _new_entry(TensorEntry)
-        _set_key(t, key)
-        _set_shape(t, size)
-        _set_dtype(t, meta.dtype.name)
-        _set_numel(t, numel)
-        _set_nbytes(t, numel * DTYPE_ITEMSIZE[meta.dtype.name])
-        _set_chunks(t, chunks)
-        _set_ranks(t, ranks)
-        _set_files(t, ufiles)
-        _set_chunk_files(t, chunk_files)
-        return t
+        return numel, numel * DTYPE_ITEMSIZE[meta.dtype.name]
+
+    def __call__(self, key: str, meta: TensorMeta) -> TensorEntry:
+        get = self.get
+        chunks = meta.chunks
+        if len(chunks) == 1:
+            info = get((key, chunks[0].offsets))
+            ufiles, chunk_files, ranks = self.one_file(info.relative_path if info is not None else None)
+        else:
+            chunk_files = tuple([i.relative_path if (i := get((key, c.offsets))) is not None else None for c in chunks])
+            ufiles = tuple(sorted({f for f in chunk_files if f is not None}))
+            ranks = self._ranks(ufiles)
+        numel, nbytes = self.sizes(meta)
+        return _new_entry(
+            TensorEntry, (key, meta.size, meta.dtype.name, numel, nbytes, chunks, ranks, ufiles, chunk_files)
+        )
+
+    def many(self, keys: list[str], metas: list[TensorMeta]) -> dict[str, TensorEntry]:
+        """``{key: self(key, meta)}`` for the aligned lists ``keys`` and ``metas``, in their order.
+
+        One-chunk tensors are built in C (``map``/``zip`` over the columns): the chunk offsets of
+        the layout object give the storage key, the record's data file and the layout object
+        give the rest of the entry (:class:`_Tails`). Tensors of several chunks are built one by one.
+        """
+        ids = list(map(id, metas))  # the metas stay alive (the caller holds them) while their ids are used
+        layouts = dict(zip(ids, metas))
+        offsets = {i: m.chunks[0].offsets for i, m in layouts.items() if len(m.chunks) == 1}
+        tails = {i: _Tails(self, layouts[i]) for i in offsets}
+        out: dict[str, Any] | None = None  # with tensors of several chunks: every key, in order
+        if len(offsets) != len(layouts):  # tensors of several chunks: one by one, in place
+            one = list(map(offsets.__contains__, ids))
+            several = list(map(not_, one))
+            out = dict.fromkeys(keys)  # the order of ``keys``; every value is set below
+            out.update(zip(compress(keys, several), map(self, compress(keys, several), compress(metas, several))))
+            keys, ids = list(compress(keys, one)), list(compress(ids, one))
+        rels = map(_REL, map(self.get, zip(keys, map(offsets.__getitem__, ids)), repeat(_NO_RECORD)))
+        built = map(
+            _new_entry, repeat(TensorEntry), map(add, zip(keys), map(getitem, map(tails.__getitem__, ids), rels))
+        )
+        if out is None:
+            return dict(zip(keys, built))
+        out.update(zip(keys, built))
+        return out
 
 
-# The slots' own setters: what the frozen dataclass's __init__ does through object.__setattr__, at half the cost.
-_new_entry = object.__new__
-_SLOTS = TensorEntry.__dict__
-_set_key = _SLOTS["key"].__set__
-_set_shape = _SLOTS["shape"].__set__
-_set_dtype = _SLOTS["dtype"].__set__
-_set_numel = _SLOTS["numel"].__set__
-_set_nbytes = _SLOTS["nbytes"].__set__
-_set_chunks = _SLOTS["chunks"].__set__
-_set_ranks = _SLOTS["ranks"].__set__
-_set_files = _SLOTS["files"].__set__
-_set_chunk_files = _SLOTS["chunk_files"].__set__
+class _Tails(dict[str | None, tuple[Any, ...]]):
+    """Data file -> the :class:`TensorEntry` fields after ``key`` of a one-chunk tensor of layout ``meta`` stored there."""
+
+    def __init__(self, builder: _EntryBuilder, meta: TensorMeta) -> None:
+        super().__init__()
+        self.builder, self.meta = builder, meta
+
+    def __missing__(self, rel: str | None) -> tuple[Any, ...]:
+        meta = self.meta
+        ufiles, chunk_files, ranks = self.builder.one_file(rel)
+        numel, nbytes = self.builder.sizes(meta)
+        tail = self[rel] = (meta.size, meta.dtype.name, numel, nbytes, meta.chunks, ranks, ufiles, chunk_files)
+        return tail
+
+
+_new_entry = tuple.__new__
+_REL = itemgetter(0)  # StorageInfo.relative_path
+_NO_RECORD = (None,)  # what _REL reads for a chunk without a storage record
 
 
 class _Inventory:
-    """Longest-match splitter of ``<param_fqn>.<rest>`` against known parameter fqns."""
+    """Longest-match splitter of ``<param_fqn>.<rest>`` against the parameter fqns of ``model``
+    (its keys without their first ``n_prefix`` characters; the set is built at the first split)."""
 
-    def __init__(self, fqns: list[str]) -> None:
-        self._fqns = set(fqns)
+    def __init__(self, model: dict[str, TensorEntry], n_prefix: int) -> None:
+        self._model, self._n = model, n_prefix
+        self._set: set[str] | None = None
+
+    @property
+    def _fqns(self) -> set[str]:
+        if self._set is None:
+            n = self._n
+            self._set = {k[n:] for k in self._model} if n else set(self._model)
+        return self._set
 
     def split(self, rest: str) -> tuple[str, str] | None:
         # Try every dot position from the right: the longest fqn that is known wins.
         pos = len(rest)
+        fqns = self._fqns
         while True:
             pos = rest.rfind(".", 0, pos)
             if pos <= 0:
                 return None
             head = rest[:pos]
-            if head in self._fqns:
+            if head in fqns:
                 return head, rest[pos + 1 :]
 
 
@@ -479,15 +524,15 @@ def build_catalog(
     sch = schema if isinstance(schema, KeySchema) else detect_schema(md, schema)
     storage = md.storage
     planner = planner_paths(md)  # paths that flatten to their key; md.planner_data holds them all
-    model: dict[str, TensorEntry] = {}
-    is_model = sch.model_test()
-    pget = planner.get
+    entries = md.entries
+    # model tensors: the schema's test and the entries built column-wise (10^6 tensors)
+    metas = list(entries.values())
+    is_model = list(map(and_, map(is_, map(type, metas), repeat(TensorMeta)), sch.model_mask(entries, planner)))
     entry = _EntryBuilder(storage)
-    for key, meta in md.entries.items():
-        if type(meta) is TensorMeta and is_model(key, pget(key)):
-            model[key] = entry(key, meta)
+    model: dict[str, TensorEntry] = entry.many(list(compress(entries, is_model)), list(compress(metas, is_model)))  # type: ignore[arg-type]
+    del metas
     n_prefix = len(sch.model_prefix or "")  # every model key starts with it (model_test)
-    inv = _Inventory([k[n_prefix:] for k in model])
+    inv = _Inventory(model, n_prefix)
     state_prefix = sch.state_prefix
     groups_prefix = sch.groups_prefix
     opt_head = tuple(sch.optimizer_prefix[:-1].split(".")) if sch.optimizer_prefix else ()
@@ -500,12 +545,10 @@ def build_catalog(
     byte_items: dict[str, int] = {}
     other_tensors: dict[str, TensorEntry] = {}
 
-    for key, meta in md.entries.items():
+    for key, meta in compress(entries.items(), map(not_, is_model)):  # the rest, in order
         if isinstance(meta, BytesMeta):
             info = storage.get((key, None))
             byte_items[key] = info.length if info is not None else 0
-        if key in model:
-            continue
         path = planner.get(key)
         if state_prefix is not None and key.startswith(state_prefix):
             split = None
@@ -573,7 +616,7 @@ def build_catalog(
             other_tensors[key] = entry(key, meta)
 
     # Files on disk.
-    referenced = {s.relative_path for s in storage.values()}
+    referenced = set(map(_REL, storage.values()))
     on_disk: dict[str, int | None] = {}
     listing = cd.remote.sizes() if cd.remote is not None else None  # an object store: one listing, no stat
     for sub in ("", *(f"{k}/" for k in cd.parts)) if listing is None else ():

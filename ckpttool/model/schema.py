@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import islice, repeat
+from operator import and_, eq, itemgetter, ne, not_
 from typing import Any, cast
 
 from ckpttool.errors import SchemaError, UsageError
@@ -81,6 +82,7 @@ TRAINING_STATE_ITEMS = frozenset(
         "ntokens_seen",
     }
 )
+_BUT_LAST = itemgetter(slice(None, -1))
 _TORCHTITAN_ITEMS = ("lr_scheduler", "dataloader", "train_state")
 _OPTIMIZER_HEADS = ("optimizer", "optim", "optimizers")
 _APP_MODEL = "model"
@@ -227,6 +229,29 @@ class KeySchema:
                 and not (op is not None and key.startswith(op))
             )
         return lambda key, path: key.startswith(p) and len(key) > np_ and not (op is not None and key.startswith(op))
+
+    def model_mask(self, keys: Mapping[str, Any], paths: Mapping[str, tuple[Any, ...]]) -> Iterator[bool]:
+        """``map(self.model_test(), keys, map(paths.get, keys))``, column-wise in C for prefixed model keys.
+
+        Args:
+            keys: the keys (iterated in order; ``in`` answered in O(1), e.g. ``md.entries``).
+            paths: key -> planner path (:func:`planner_paths`).
+        """
+        p, op = self.model_prefix, self.optimizer_prefix or None
+        if not p:  # top level (or no model): the per-key test
+            return map(self.model_test(), keys, map(paths.get, keys))
+        mask: Iterator[bool] = map(str.startswith, keys, repeat(p))
+        if p in keys:  # len(key) > len(p): only p itself starts with p and is not longer
+            mask = map(and_, mask, map(ne, keys, repeat(p)))
+        head = self._model_head
+        if self._use_paths and head:
+            # path is None or (len(path) == n + 1 and path[:n] == head): path[:-1] == head for n >= 1,
+            # with a path that passes standing in for a missing one
+            passes = (*head, None)
+            mask = map(and_, mask, map(eq, map(_BUT_LAST, map(paths.get, keys, repeat(passes))), repeat(head)))
+        if op is not None and (p.startswith(op) or op.startswith(p)):  # else no key starts with both
+            mask = map(and_, mask, map(not_, map(str.startswith, keys, repeat(op))))
+        return mask
 
     def to_dict(self) -> dict[str, Any]:
         """JSON view (``inspect --json`` ``schema``)."""
