@@ -283,7 +283,7 @@ def planner_paths(md: CheckpointMetadata) -> dict[str, tuple[Any, ...]]:
     cached = md.__dict__.get("_planner_paths")  # detection and the catalog ask for the same one
     if cached is not None and cached[0] is planner and cached[1] == len(planner):
         return cast(dict[str, tuple[Any, ...]], cached[2])
-    bad = [k for k, p in planner.items() if ".".join(map(str, p)) != k]
+    bad = _unjoined(planner)
     out = planner
     if bad:
         out = dict(planner)
@@ -291,6 +291,36 @@ def planner_paths(md: CheckpointMetadata) -> dict[str, tuple[Any, ...]]:
             del out[k]
     md.__dict__["_planner_paths"] = (planner, len(planner), out)  # a cache on the frozen object, not a field
     return out
+
+
+def _unjoined(planner: dict[str, tuple[Any, ...]]) -> list[str]:
+    """The keys ``k`` of ``planner`` with ``".".join(map(str, planner[k])) != k``, in order.
+
+    A path of ``str`` items (nearly all of them) is joined in C as it is (``str(x) is x`` for the
+    parser's exact ``str``); a path holding an int makes ``str.join`` refuse it, and it is then
+    joined through ``str``. After :data:`_JOIN_RETRIES` such paths, the rest are all joined through ``str``.
+    """
+    keys, paths = list(planner), list(planner.values())
+    key_it, path_it = iter(keys), iter(paths)
+    bad: list[str] = []
+    done = retries = 0
+    while True:
+        joined = map(".".join, path_it) if retries < _JOIN_RETRIES else map(".".join, map(map, repeat(str), path_it))
+        try:
+            for k, text in zip(key_it, joined):  # zip takes the key first, then the joined path
+                if text != k:
+                    bad.append(k)
+                done += 1
+            return bad
+        except TypeError:  # the path of keys[done] holds a non-str item: joined through str
+            k = keys[done]
+            if ".".join(map(str, paths[done])) != k:
+                bad.append(k)
+            done += 1
+            retries += 1
+
+
+_JOIN_RETRIES = 1000
 
 
 def fused_parts(fqn: str, model_keys: set[str], model_prefix: str) -> tuple[str, ...] | None:
