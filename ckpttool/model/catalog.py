@@ -429,22 +429,37 @@ class _EntryBuilder:
     def many(self, keys: list[str], metas: list[TensorMeta]) -> dict[str, TensorEntry]:
         """``{key: self(key, meta)}`` for the aligned lists ``keys`` and ``metas``, in their order.
 
-        One-chunk tensors are built in C (``map``/``zip`` over the columns): the chunk offsets of
-        the layout object give the storage key, the record's data file and the layout object
-        give the rest of the entry (:class:`_Tails`). Tensors of several chunks are built one by one.
+        Built in C (``map``/``zip`` over the columns) when the tensors share their layout objects
+        (the cache's decode shares equal layouts): the chunk offsets of the layout give the storage
+        keys, and the layout with the data files of the records gives the rest of an entry, one
+        tuple per distinct (layout, files) (:class:`_Tails`), so an entry is its key joined to it.
         """
         ids = list(map(id, metas))  # the metas stay alive (the caller holds them) while their ids are used
         layouts = dict(zip(ids, metas))
+        if len(layouts) * 4 > len(ids):  # layouts not shared (a parse without the cache): one by one
+            return dict(zip(keys, map(self, keys, metas)))
+        get = self.get
         offsets = {i: m.chunks[0].offsets for i, m in layouts.items() if len(m.chunks) == 1}
-        tails = {i: _Tails(self, layouts[i]) for i in offsets}
-        out: dict[str, Any] | None = None  # with tensors of several chunks: every key, in order
-        if len(offsets) != len(layouts):  # tensors of several chunks: one by one, in place
+        tails = {i: _Tails(self, m) for i, m in layouts.items()}
+        out: dict[str, Any] | None = None  # with tensors of zero or several chunks: every key, in order
+        if len(offsets) != len(layouts):
             one = list(map(offsets.__contains__, ids))
-            several = list(map(not_, one))
             out = dict.fromkeys(keys)  # the order of ``keys``; every value is set below
-            out.update(zip(compress(keys, several), map(self, compress(keys, several), compress(metas, several))))
+            several: dict[int, list[str]] = {i: [] for i in layouts if i not in offsets}
+            for k, i in zip(compress(keys, map(not_, one)), compress(ids, map(not_, one))):
+                several[i].append(k)
+            for i, group in several.items():  # per layout: the data file of each chunk, column by column
+                chunks = layouts[i].chunks
+                cols = [map(_REL, map(get, zip(group, repeat(c.offsets)), repeat(_NO_RECORD))) for c in chunks]
+                files = zip(*cols) if cols else repeat((), len(group))
+                out.update(
+                    zip(
+                        group,
+                        map(_new_entry, repeat(TensorEntry), map(add, zip(group), map(tails[i].__getitem__, files))),
+                    )
+                )
             keys, ids = list(compress(keys, one)), list(compress(ids, one))
-        rels = map(_REL, map(self.get, zip(keys, map(offsets.__getitem__, ids)), repeat(_NO_RECORD)))
+        rels = map(_REL, map(get, zip(keys, map(offsets.__getitem__, ids)), repeat(_NO_RECORD)))
         built = map(
             _new_entry, repeat(TensorEntry), map(add, zip(keys), map(getitem, map(tails.__getitem__, ids), rels))
         )
@@ -454,18 +469,28 @@ class _EntryBuilder:
         return out
 
 
-class _Tails(dict[str | None, tuple[Any, ...]]):
-    """Data file -> the :class:`TensorEntry` fields after ``key`` of a one-chunk tensor of layout ``meta`` stored there."""
+class _Tails(dict[Any, tuple[Any, ...]]):
+    """The :class:`TensorEntry` fields after ``key`` of tensors of layout ``meta``, by where their chunks are stored.
+
+    Keyed by the data file of the chunk (one-chunk layouts: ``str`` or ``None``, no storage
+    record) or by the tuple of the chunks' data files (other layouts).
+    """
 
     def __init__(self, builder: _EntryBuilder, meta: TensorMeta) -> None:
         super().__init__()
         self.builder, self.meta = builder, meta
 
-    def __missing__(self, rel: str | None) -> tuple[Any, ...]:
-        meta = self.meta
-        ufiles, chunk_files, ranks = self.builder.one_file(rel)
-        numel, nbytes = self.builder.sizes(meta)
-        tail = self[rel] = (meta.size, meta.dtype.name, numel, nbytes, meta.chunks, ranks, ufiles, chunk_files)
+    def __missing__(self, where: Any) -> tuple[Any, ...]:
+        meta, builder = self.meta, self.builder
+        if len(meta.chunks) == 1:
+            ufiles, chunk_files, ranks = builder.one_file(where)
+        else:
+            chunk_files = where  # kept as the key: zip makes a new tuple for its next row
+            ufiles = tuple(sorted({f for f in chunk_files if f is not None}))
+            ranks = builder._ranks(ufiles)
+        numel, nbytes = builder.sizes(meta)
+        tail = (meta.size, meta.dtype.name, numel, nbytes, meta.chunks, ranks, ufiles, chunk_files)
+        self[where] = tail
         return tail
 
 
