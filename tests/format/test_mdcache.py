@@ -9,6 +9,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import xxhash
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
@@ -31,7 +32,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _entries(cache: Path) -> list[Path]:
-    return sorted((cache / "metadata-v1").glob("*.ckmd")) if (cache / "metadata-v1").is_dir() else []
+    return sorted((cache / "metadata-v2").glob("*.ckmd")) if (cache / "metadata-v2").is_dir() else []
 
 
 def _roundtrip(ckpt: Path) -> tuple[CheckpointMetadata, CheckpointMetadata]:
@@ -143,7 +144,7 @@ def _forge(md: CheckpointMetadata, data: bytes, edit: str) -> bytes:
     from array import array
 
     digest = hashlib.sha256(data).hexdigest()
-    blob = encode(md, digest, len(data))[:-32]
+    blob = encode(md, digest, len(data))[:-16]  # less its xxh3-128 trailer
     head_len = int.from_bytes(blob[8:16], "little")
     header = json.loads(blob[16 : 16 + head_len])
     flat = array("q")
@@ -170,7 +171,7 @@ def _forge(md: CheckpointMetadata, data: bytes, edit: str) -> bytes:
         cols["layout_nchunks"][0] += 1
     head = json.dumps(header).encode()
     body = blob[:8] + len(head).to_bytes(8, "little") + head + b"".join(cols[n].tobytes() for n in mdcache._COLUMNS)
-    return body + hashlib.sha256(body).digest()
+    return body + xxhash.xxh3_128_digest(body)
 
 
 @pytest.mark.parametrize(
@@ -180,8 +181,30 @@ def test_forged_entry_is_refused(edit: str, dense_ckpt: Path) -> None:
     data = (dense_ckpt / ".metadata").read_bytes()
     md = parse_metadata_bytes(data)
     assert md.planner_data and next(iter(md.entries.values())).__class__.__name__ == "TensorMeta"
-    with pytest.raises(CorruptEntry):
+    with pytest.raises(CorruptEntry) as refused:
         decode(_forge(md, data, edit), hashlib.sha256(data).hexdigest(), len(data))
+    assert "checksum" not in str(refused.value)  # refused for the edit, past the (recomputed) trailer
+
+
+def test_trailer_is_the_xxh3_128_of_the_entry_and_an_older_format_is_refused(dense_ckpt: Path) -> None:
+    data = (dense_ckpt / ".metadata").read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    md = parse_metadata_bytes(data)
+    blob = encode(md, digest, len(data))
+    assert blob[:8] == b"CKPTMDC2" and blob[-16:] == xxhash.xxh3_128_digest(blob[:-16])
+    assert decode(blob, digest, len(data)) == md
+    # format 2 (b"CKPTMDC1", a SHA-256 trailer), as the previous version wrote it: not decoded
+    head_len = int.from_bytes(blob[8:16], "little")
+    header = json.loads(blob[16 : 16 + head_len])
+    header["format"] = 2
+    head = json.dumps(header, separators=(",", ":")).encode()
+    body = b"CKPTMDC1" + len(head).to_bytes(8, "little") + head + blob[16 + head_len : -16]
+    for old in (
+        body + hashlib.sha256(body).digest(),
+        b"CKPTMDC2" + body[8:] + xxhash.xxh3_128_digest(b"CKPTMDC2" + body[8:]),
+    ):
+        with pytest.raises(CorruptEntry):
+            decode(old, digest, len(data))
 
 
 def test_chunk_outside_its_tensor_is_refused(dense_ckpt: Path) -> None:
@@ -238,7 +261,7 @@ def test_location_and_switches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert mdcache.cache_dir() == tmp_path / "home" / ".cache" / "ckpttool"
     monkeypatch.setenv(mdcache.CACHE_DIR_ENV, str(tmp_path / "given"))
-    assert mdcache.entry_path("ab").parent == tmp_path / "given" / "metadata-v1"
+    assert mdcache.entry_path("ab").parent == tmp_path / "given" / "metadata-v2"
     monkeypatch.setenv(mdcache.NO_CACHE_ENV, "1")
     assert not mdcache.cache_enabled()
     monkeypatch.setenv(mdcache.NO_CACHE_ENV, "0")
