@@ -586,6 +586,7 @@ def build_catalog(
     training: dict[str, list[str]] = {}
 
     optimizer_state: dict[str, ParamState] = {}
+    model_set: set[str] | None = None
     groups: dict[Any, ParamGroup] = {}
     flavors: set[str] = set()
     byte_items: dict[str, int] = {}
@@ -616,7 +617,9 @@ def build_catalog(
             fqn, fld = split
             ps = optimizer_state.get(fqn)
             if ps is None:
-                stored = () if in_model else (fused_parts(fqn, set(model), sch.model_prefix or "") or ())
+                if not in_model and model_set is None:
+                    model_set = set(model)  # once, not per fqn (10^6 model keys)
+                stored = () if in_model else (fused_parts(fqn, model_set or set(), sch.model_prefix or "") or ())
                 ps = optimizer_state[fqn] = ParamState(fqn, in_model=in_model, stored_as=stored)
             ps.fields[fld] = entry(key, meta) if isinstance(meta, TensorMeta) else None
             continue
