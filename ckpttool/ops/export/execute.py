@@ -291,6 +291,32 @@ def _dedup_chunks(
     return result
 
 
+def _checked_chunks(reader: CheckpointReader, keys: list[str]) -> list[tuple[TensorMeta, list[ChunkMeta]]]:
+    """:func:`_dedup_chunks` of every key, in order (the same results and the same first error).
+
+    A key whose ``TensorMeta`` object was already de-duplicated and tiled (entries of one layout
+    share it) and whose records :meth:`CheckpointReader.allocation_fits` accepts takes the memo's
+    result without a call per chunk: 10^6 one-chunk tensors.
+    """
+    memo: dict[int, tuple[TensorMeta, list[ChunkMeta]]] = {}
+    spans: dict[int, tuple[TensorMeta, tuple[tuple[tuple[int, ...], int], ...] | None]] = {}
+    entries_get = reader.metadata.entries.get
+    fits = reader.allocation_fits
+    out: list[tuple[TensorMeta, list[ChunkMeta]]] = []
+    for key in keys:
+        meta = entries_get(key)
+        hit = memo.get(id(meta))
+        if hit is not None and hit[0] is meta:  # meta is then a TensorMeta, de-duplicated and tiled
+            sp = spans.get(id(meta))
+            if sp is None or sp[0] is not meta:
+                sp = spans[id(meta)] = (meta, reader.allocation_spans(meta))  # holds meta: its id is not reused
+            if sp[1] is not None and fits(key, sp[1]):
+                out.append(hit)
+                continue
+        out.append(_dedup_chunks(reader, key, memo))
+    return out
+
+
 def _narrow(t: torch.Tensor, chunk: ChunkMeta, size: tuple[int, ...]) -> torch.Tensor:
     view = t
     for d, (o, s) in enumerate(zip(chunk.offsets, chunk.sizes)):
@@ -501,8 +527,16 @@ def _tied_pair(
     selected: list[Selected], rules: ExportRules, config: dict[str, Any] | None
 ) -> tuple[Selected | None, Selected | None, bool]:
     tie = config_value(config, "tie_word_embeddings") is True
-    by_out = {s.out_key: s for s in selected}
-    return by_out.get(rules.tied_embedding), by_out.get(rules.tied_lm_head), tie
+    # the last selected tensor of each output key (as a dict keyed by out_key would keep), by a C-level search
+    out_keys = [s.out_key for s in selected]
+    out_keys.reverse()
+    found: list[Selected | None] = []
+    for name in (rules.tied_embedding, rules.tied_lm_head):
+        try:
+            found.append(selected[len(selected) - 1 - out_keys.index(name)])
+        except ValueError:
+            found.append(None)
+    return found[0], found[1], tie
 
 
 def _check_options(opts: ExportOptions) -> None:
@@ -673,8 +707,7 @@ def _export(
         check = _check_against_model(plan, model_config, opts) if hf_like and model_config else None
         merges = lora_merges(reader, plan, given_adapter, opts.lora_alpha) if opts.fmt == "hf-merged" else {}
         # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
-        memo: dict[int, tuple[TensorMeta, list[ChunkMeta]]] = {}
-        chunks = [_dedup_chunks(reader, t.selected.source.key, memo) for t in plan.tasks]
+        chunks = _checked_chunks(reader, [t.selected.source.key for t in plan.tasks])
 
         # torchrun: each rank writes the files assigned to it (by bytes), rank 0 the index (ckpttool.ops.distributed)
         group = distributed.current()
@@ -969,7 +1002,7 @@ def export_adapter(cat: Catalog, opts: ExportOptions, model_config: dict[str, An
         return ad
     if opts.fmt != "hf":
         return None
-    return detect_adapter(cat.schema.naming, [cat.fqn_of(k) for k in cat.model], model_config)
+    return detect_adapter(cat.schema.naming, cat.param_fqns, model_config)  # the shared list: read only
 
 
 def _check_tied(
