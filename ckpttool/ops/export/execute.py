@@ -711,9 +711,7 @@ def _export(
 
         # torchrun: each rank writes the files assigned to it (by bytes), rank 0 the index (ckpttool.ops.distributed)
         group = distributed.current()
-        file_bytes = [0] * len(plan.files)
-        for t in plan.tasks:
-            file_bytes[t.shard] += t.out_nbytes
+        file_bytes = plan.file_bytes()
         owners = group.share(file_bytes)
         mine = {i for i, r in enumerate(owners) if group.owns(r)}
         files_info: list[dict[str, Any]] = []

@@ -174,10 +174,26 @@ class ExportPlan:
     origins: dict[str, list[str]] = field(default_factory=dict)
     skipped: dict[str, list[str]] = field(default_factory=dict)
     tied: str | None = None
+    _file_bytes: tuple[tuple[int, int], list[int]] | None = field(default=None, repr=False, compare=False)
+
+    def file_bytes(self) -> list[int]:
+        """Bytes of each file's tensors (``files[k]``: the ``out_nbytes`` of its tasks), a new list.
+
+        :func:`build_plan` records them as it packs; computed from the tasks again when ``tasks``
+        was replaced or resized since.
+        """
+        sig = (id(self.tasks), len(self.tasks))
+        if self._file_bytes is not None and self._file_bytes[0] == sig:
+            return list(self._file_bytes[1])
+        out = [0] * len(self.files)
+        for t in self.tasks:
+            out[t.shard] += t.out_nbytes
+        self._file_bytes = (sig, out)
+        return list(out)
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.out_nbytes for t in self.tasks)
+        return sum(self.file_bytes())
 
     @property
     def num_tensors(self) -> int:
@@ -592,6 +608,8 @@ def build_plan(
     shard_of: list[int] = []
     sizes: list[int] = []
     shared_at: dict[str, int] = {}  # a shared (fused) piece's file: every source of it writes there
+    unit_bytes: list[int] = []
+    empty = False
     preserve = save_dtype == "preserve"
     per_expert = experts == "per-expert"
     packed = fmt != "lora"
@@ -666,23 +684,32 @@ def build_plan(
             else:
                 listed.extend(p.name for p in pieces)
         units.append((s, pieces, order, runs))
+        if not pieces:  # 0 experts split per expert: packing it fails, after every check of this loop (as before)
+            empty = True
+            continue
         first = pieces[0]
+        nbytes = _nbytes(first.dtype, first.shape) if len(pieces) == 1 else sum(_nbytes(p.dtype, p.shape) for p in pieces)
+        # what the task writes (SourceTask.out_nbytes): its runs' elements, else its pieces
+        unit_bytes.append(nbytes if runs is None else sum(r.length for r in runs) * DTYPE_ITEMSIZE[first.dtype])
         if first.shared and first.name in shared_at:
             shard_of.append(shared_at[first.name])
             continue
-        nbytes = _nbytes(first.dtype, first.shape) if len(pieces) == 1 else sum(_nbytes(p.dtype, p.shape) for p in pieces)
         if not sizes or (packed and sizes[-1] > 0 and sizes[-1] + nbytes > shard_size):
             sizes.append(0)
         sizes[-1] += nbytes
         shard_of.append(len(sizes) - 1)
         if first.shared:
             shared_at[first.name] = len(sizes) - 1
+    if empty:
+        raise IndexError("tuple index out of range")  # what packing an empty piece list always raised here
     n_files = max(len(sizes), 1)
     files = ["adapter_model.safetensors"] if fmt == "lora" else shard_file_names(n_files)
     entries: list[list[HeaderEntry]] = [[] for _ in files]
     tasks: list[SourceTask] = []
     names_seen: set[str] = set()
-    for (s, pieces, order, runs), k in zip(units, shard_of):
+    file_bytes = [0] * len(files)
+    for (s, pieces, order, runs), k, nbytes in zip(units, shard_of, unit_bytes):
+        file_bytes[k] += nbytes
         shard_entries = entries[k]
         for p in pieces:
             name = p.name
@@ -706,7 +733,9 @@ def build_plan(
             names_seen.add(name)
             shard_entries.append(HeaderEntry(name, p.dtype, p.shape))
         tasks.append(SourceTask(s, pieces, k, order, runs))
-    return ExportPlan(fmt, tasks, files, entries, casts=dict(casts), narrowing=dict(narrowing), origins=origins)
+    plan = ExportPlan(fmt, tasks, files, entries, casts=dict(casts), narrowing=dict(narrowing), origins=origins)
+    plan._file_bytes = ((id(tasks), len(tasks)), file_bytes)
+    return plan
 
 
 def adapter_pieces(
