@@ -13,6 +13,7 @@ legacy EP layouts, ``docs/layouts.md``).
 from __future__ import annotations
 
 import fnmatch
+import operator
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -325,6 +326,8 @@ def select_sources(
     prefix = cat.schema.model_prefix
     map_key = rules.key_mapper()
     any_hf = False
+    is_lora, master = fmt == "lora", weights == "master"
+    add = selected.append
     # 10^6 keys: the fqns come from the catalog's shared list (KeySchema.fqn_of of every model key, in order)
     for (key, entry), param_fqn in zip(cat.model.items(), cat.param_fqns):
         fqn = param_fqn
@@ -336,7 +339,7 @@ def select_sources(
                 unwrapped.append(key)
                 segments.update(removed)
                 fqn = strip_wrapper_segments(fqn)[0]
-        if fmt == "lora":
+        if is_lora:
             hit = rules.lora_output_key(canonical)
             if hit is None:
                 skipped.setdefault("not a LoRA adapter tensor", []).append(key)
@@ -367,10 +370,10 @@ def select_sources(
         if filter_glob and _filtered(key, canonical, out_key, filter_glob, prefix):
             skipped.setdefault("excluded by `filter_glob`", []).append(key)
             continue
-        if fmt == "lora":
+        if is_lora:
             adapter_names[out_key] = lora_name
         source, origin = entry, "params"
-        if weights == "master":
+        if master:
             ps = cat.optimizer_state.get(param_fqn)
             mw = ps.fields.get("master_weight") if ps is not None else None
             if mw is not None:
@@ -384,9 +387,9 @@ def select_sources(
                 masters_found += 1
         if use_adapter and isinstance(conv, HFTensor):
             any_hf = True
-            selected.append(Selected(key, out_key, source, origin, conv))
+            add(Selected(key, out_key, source, origin, conv))
         else:
-            selected.append(Selected(key, out_key, source, origin))
+            add(Selected(key, out_key, source, origin))
     if weights == "master" and masters_found == 0:
         raise ExportError(
             f"{cat.path}: `weights` master but no parameter has an optimizer.state.<fqn>.master_weight",
@@ -421,7 +424,8 @@ def select_sources(
         shown = ", ".join(outside[:3]) + (f" (+{len(outside) - 3} more)" if len(outside) > 3 else "")
         warnings.append(f"{len(outside)} tensor(s) outside the {cat.schema.id} key schema are not exported: {shown}")
     if not any_hf and len({s.out_key for s in selected}) == len(selected):
-        return selected, warnings, skipped, adapter_names  # every output key unique, no fused parts: nothing below raises
+        # every output key unique, no fused parts: nothing below raises
+        return selected, warnings, skipped, adapter_names
     seen: dict[str, str] = {}
     for s in selected:
         ident = s.out_key if s.hf is None or s.hf.nparts == 1 else f"{s.out_key} (part {s.hf.part})"
@@ -688,7 +692,9 @@ def build_plan(
             empty = True
             continue
         first = pieces[0]
-        nbytes = _nbytes(first.dtype, first.shape) if len(pieces) == 1 else sum(_nbytes(p.dtype, p.shape) for p in pieces)
+        nbytes = (
+            _nbytes(first.dtype, first.shape) if len(pieces) == 1 else sum(_nbytes(p.dtype, p.shape) for p in pieces)
+        )
         # what the task writes (SourceTask.out_nbytes): its runs' elements, else its pieces
         unit_bytes.append(nbytes if runs is None else sum(r.length for r in runs) * DTYPE_ITEMSIZE[first.dtype])
         if first.shared and first.name in shared_at:
@@ -708,34 +714,49 @@ def build_plan(
     tasks: list[SourceTask] = []
     names_seen: set[str] = set()
     file_bytes = [0] * len(files)
+    add_task = tasks.append
     for (s, pieces, order, runs), k, nbytes in zip(units, shard_of, unit_bytes):
         file_bytes[k] += nbytes
         shard_entries = entries[k]
+        if len(pieces) == 1 and not pieces[0].shared:  # the loop below for one plain piece
+            p = pieces[0]
+            name = p.name
+            if name in names_seen or not name.isascii():
+                _check_name(s, name, names_seen)  # raises, unless a non-ASCII name that is UTF-8 text
+            names_seen.add(name)
+            shard_entries.append(HeaderEntry(name, p.dtype, p.shape))
+            add_task(SourceTask(s, pieces, k, order, runs))
+            continue
         for p in pieces:
             name = p.name
             if p.shared and name in names_seen:
                 continue
-            try:
-                if not name.isascii():
-                    name.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ExportError(
-                    f"{s.model_key!a}: output key {p.name!a} is not valid UTF-8 text (safetensors stores names as UTF-8 JSON)",
-                    fqn=s.model_key,
-                    hint="leave it out with `filter_glob` or rename it with a `rules` entry",
-                ) from None
-            if name in names_seen:
-                raise ExportError(
-                    f"{s.model_key}: output key {name!r} is produced twice",
-                    fqn=s.model_key,
-                    hint="fix the key/experts rules (`rules`) so every output key is unique",
-                )
+            _check_name(s, name, names_seen)
             names_seen.add(name)
             shard_entries.append(HeaderEntry(name, p.dtype, p.shape))
-        tasks.append(SourceTask(s, pieces, k, order, runs))
+        add_task(SourceTask(s, pieces, k, order, runs))
     plan = ExportPlan(fmt, tasks, files, entries, casts=dict(casts), narrowing=dict(narrowing), origins=origins)
     plan._file_bytes = ((id(tasks), len(tasks)), file_bytes)
     return plan
+
+
+def _check_name(s: Selected, name: str, names_seen: set[str]) -> None:
+    """Raise for an output key that is not UTF-8 text or is produced twice (the checks of :func:`build_plan`)."""
+    try:
+        if not name.isascii():
+            name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ExportError(
+            f"{s.model_key!a}: output key {name!a} is not valid UTF-8 text (safetensors stores names as UTF-8 JSON)",
+            fqn=s.model_key,
+            hint="leave it out with `filter_glob` or rename it with a `rules` entry",
+        ) from None
+    if name in names_seen:
+        raise ExportError(
+            f"{s.model_key}: output key {name!r} is produced twice",
+            fqn=s.model_key,
+            hint="fix the key/experts rules (`rules`) so every output key is unique",
+        )
 
 
 def adapter_pieces(
@@ -785,6 +806,9 @@ def adapter_pieces(
     return (Piece(hf.key, hf.shape, dtype),), tuple(Run(stored[j] * slab, slab, 0, j * slab) for j in range(e))
 
 
+_model_key_of = operator.attrgetter("selected.model_key")
+
+
 def unaccounted_tensors(cat: Catalog, plan: ExportPlan, dropped: set[str]) -> list[str]:
     """Non-optimizer tensors that the plan neither writes nor lists in ``skipped`` (should be none).
 
@@ -793,8 +817,11 @@ def unaccounted_tensors(cat: Catalog, plan: ExportPlan, dropped: set[str]) -> li
         plan: the built plan (``skipped`` filled).
         dropped: checkpoint keys left out on purpose and reported elsewhere (a tied ``lm_head``).
     """
-    written = {t.selected.model_key for t in plan.tasks}
+    written = set(map(_model_key_of, plan.tasks))
     listed = {k for keys in plan.skipped.values() for k in keys}
-    if not cat.model.keys() - written - listed - dropped and not cat.other_tensors.keys() - written - listed - dropped:
+    model = cat.model.keys()
+    if (len(written) == len(model) and written <= model or not model - written - listed - dropped) and not (
+        cat.other_tensors.keys() - written - listed - dropped
+    ):
         return []  # the common case, by set operations in C (10^6 keys)
     return [k for k in (*cat.model, *cat.other_tensors) if k not in written and k not in listed and k not in dropped]
