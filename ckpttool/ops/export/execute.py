@@ -303,17 +303,24 @@ def _checked_chunks(reader: CheckpointReader, keys: list[str]) -> list[tuple[Ten
     entries_get = reader.metadata.entries.get
     fits = reader.allocation_fits
     out: list[tuple[TensorMeta, list[ChunkMeta]]] = []
+    last: object = None  # runs of keys share one meta: no dict lookup for them
+    last_hit: tuple[TensorMeta, list[ChunkMeta]] | None = None
+    last_spans: tuple[tuple[tuple[int, ...], int], ...] | None = None
+    add = out.append
     for key in keys:
         meta = entries_get(key)
-        hit = memo.get(id(meta))
-        if hit is not None and hit[0] is meta:  # meta is then a TensorMeta, de-duplicated and tiled
-            sp = spans.get(id(meta))
-            if sp is None or sp[0] is not meta:
-                sp = spans[id(meta)] = (meta, reader.allocation_spans(meta))  # holds meta: its id is not reused
-            if sp[1] is not None and fits(key, sp[1]):
-                out.append(hit)
-                continue
-        out.append(_dedup_chunks(reader, key, memo))
+        if meta is not last or last_hit is None:
+            last, last_hit, last_spans = meta, None, None
+            hit = memo.get(id(meta))
+            if hit is not None and hit[0] is meta:  # meta is then a TensorMeta, de-duplicated and tiled
+                sp = spans.get(id(meta))
+                if sp is None or sp[0] is not meta:
+                    sp = spans[id(meta)] = (meta, reader.allocation_spans(meta))  # holds meta: its id is not reused
+                last_hit, last_spans = hit, sp[1]
+        if last_spans is not None and fits(key, last_spans):
+            add(last_hit)  # type: ignore[arg-type]  # last_spans is set only with last_hit
+            continue
+        add(_dedup_chunks(reader, key, memo))
     return out
 
 
