@@ -605,13 +605,13 @@ def build_plan(
     casts: Counter[str] = Counter()
     narrowing: Counter[str] = Counter()
     origins: dict[str, list[str]] = {}
-    units: list[tuple[Selected, tuple[Piece, ...], tuple[int, ...] | None, tuple[Run, ...] | None]] = []
     # Greedy packing in source order; a source's pieces stay in one file (read once). Packing raises
     # nothing, so it runs in this loop (the errors below come in the same order as without it).
-    shard_of: list[int] = []
-    sizes: list[int] = []
+    tasks: list[SourceTask] = []
+    add_task = tasks.append
+    sizes: list[int] = []  # packed bytes of each file
+    file_bytes: list[int] = []  # bytes its tasks write (the fused pieces' halves each count)
     shared_at: dict[str, int] = {}  # a shared (fused) piece's file: every source of it writes there
-    unit_bytes: list[int] = []
     empty = False
     preserve = save_dtype == "preserve"
     per_expert = experts == "per-expert"
@@ -686,7 +686,6 @@ def build_plan(
                 listed.append(pieces[0].name)
             else:
                 listed.extend(p.name for p in pieces)
-        units.append((s, pieces, order, runs))
         if not pieces:  # 0 experts split per expert: packing it fails, after every check of this loop (as before)
             empty = True
             continue
@@ -694,46 +693,45 @@ def build_plan(
         nbytes = (
             _nbytes(first.dtype, first.shape) if len(pieces) == 1 else sum(_nbytes(p.dtype, p.shape) for p in pieces)
         )
-        # what the task writes (SourceTask.out_nbytes): its runs' elements, else its pieces
-        unit_bytes.append(nbytes if runs is None else sum(r.length for r in runs) * DTYPE_ITEMSIZE[first.dtype])
         if first.shared and first.name in shared_at:
-            shard_of.append(shared_at[first.name])
-            continue
-        if not sizes or (packed and sizes[-1] > 0 and sizes[-1] + nbytes > shard_size):
-            sizes.append(0)
-        sizes[-1] += nbytes
-        shard_of.append(len(sizes) - 1)
-        if first.shared:
-            shared_at[first.name] = len(sizes) - 1
+            k = shared_at[first.name]
+        else:
+            if not sizes or (packed and sizes[-1] > 0 and sizes[-1] + nbytes > shard_size):
+                sizes.append(0)
+                file_bytes.append(0)
+            sizes[-1] += nbytes
+            k = len(sizes) - 1
+            if first.shared:
+                shared_at[first.name] = k
+        # what the task writes (SourceTask.out_nbytes): its runs' elements, else its pieces
+        file_bytes[k] += nbytes if runs is None else sum(r.length for r in runs) * DTYPE_ITEMSIZE[first.dtype]
+        add_task(SourceTask(s, pieces, k, order, runs))
     if empty:
         raise IndexError("tuple index out of range")  # what packing an empty piece list always raised here
     n_files = max(len(sizes), 1)
     files = ["adapter_model.safetensors"] if fmt == "lora" else shard_file_names(n_files)
+    file_bytes = file_bytes or [0] * len(files)
     entries: list[list[HeaderEntry]] = [[] for _ in files]
-    tasks: list[SourceTask] = []
     names_seen: set[str] = set()
-    file_bytes = [0] * len(files)
-    add_task = tasks.append
-    for (s, pieces, order, runs), k, nbytes in zip(units, shard_of, unit_bytes):
-        file_bytes[k] += nbytes
-        shard_entries = entries[k]
+    # the output names, after every check of the loop above (their errors come after those, as they always did)
+    for t in tasks:
+        pieces = t.pieces
+        shard_entries = entries[t.shard]
         if len(pieces) == 1 and not pieces[0].shared:  # the loop below for one plain piece
             p = pieces[0]
             name = p.name
             if name in names_seen or not name.isascii():
-                _check_name(s, name, names_seen)  # raises, unless a non-ASCII name that is UTF-8 text
+                _check_name(t.selected, name, names_seen)  # raises, unless a non-ASCII name that is UTF-8 text
             names_seen.add(name)
             shard_entries.append(HeaderEntry(name, p.dtype, p.shape))
-            add_task(SourceTask(s, pieces, k, order, runs))
             continue
         for p in pieces:
             name = p.name
             if p.shared and name in names_seen:
                 continue
-            _check_name(s, name, names_seen)
+            _check_name(t.selected, name, names_seen)
             names_seen.add(name)
             shard_entries.append(HeaderEntry(name, p.dtype, p.shape))
-        add_task(SourceTask(s, pieces, k, order, runs))
     plan = ExportPlan(fmt, tasks, files, entries, casts=dict(casts), narrowing=dict(narrowing), origins=origins)
     plan._file_bytes = ((id(tasks), len(tasks)), file_bytes)
     return plan
