@@ -116,3 +116,36 @@ def test_plan_file_bytes_are_the_tasks_bytes(same_layout_ckpt: Path) -> None:
             assert plan.total_bytes == sum(per_file)
             plan.tasks = plan.tasks[:2]  # replaced: computed again from the tasks
             assert sum(plan.file_bytes()) == sum(t.out_nbytes for t in plan.tasks)
+
+
+def test_export_leaves_the_gc_as_it_found_it(same_layout_ckpt: Path, tmp_path: Path) -> None:
+    # the open's and the plan's objects are frozen (gc.freeze) for the writes, and unfrozen afterwards;
+    # a caller's own freeze is not undone
+    import gc
+
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+    from ckpttool.ops.export import export_checkpoint
+
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    export_checkpoint(same_layout_ckpt, tmp_path / "lib")
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    res = CliRunner().invoke(app, ["export", str(same_layout_ckpt), str(tmp_path / "cli")])
+    assert res.exit_code == 0, res.output
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        res = CliRunner().invoke(app, ["export", str(same_layout_ckpt), str(tmp_path / "cli2")])
+        assert res.exit_code == 0, res.output
+        assert gc.isenabled() and gc.get_freeze_count() >= before > 0
+    finally:
+        gc.unfreeze()
+    # the three exports are the same bytes
+    assert (tmp_path / "lib" / "model.safetensors").is_file()
+    for name in ("model.safetensors", "model.safetensors.index.json"):
+        ref = (tmp_path / "lib" / name).read_bytes() if (tmp_path / "lib" / name).exists() else None
+        for d in ("cli", "cli2"):
+            got = (tmp_path / d / name).read_bytes() if (tmp_path / d / name).exists() else None
+            assert got == ref, (d, name)
