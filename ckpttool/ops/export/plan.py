@@ -612,7 +612,6 @@ def build_plan(
     sizes: list[int] = []  # packed bytes of each file
     file_bytes: list[int] = []  # bytes its tasks write (the fused pieces' halves each count)
     shared_at: dict[str, int] = {}  # a shared (fused) piece's file: every source of it writes there
-    empty = False
     preserve = save_dtype == "preserve"
     per_expert = experts == "per-expert"
     packed = fmt != "lora"
@@ -658,6 +657,12 @@ def build_plan(
                         hint="fix the experts rules (`rules`) or export with `experts` fused",
                     )
                 e, a, b = shape
+                if e == 0:
+                    raise ExportError(
+                        f"{s.model_key}: has shape {list(shape)}: 0 experts, nothing to write per expert",
+                        fqn=s.model_key,
+                        hint="export with `experts` fused (writes the empty tensor), or leave it out with `filter_glob`",
+                    )
                 n = len(rule.parts)
                 if a % n:
                     raise ExportError(
@@ -686,9 +691,6 @@ def build_plan(
                 listed.append(pieces[0].name)
             else:
                 listed.extend(p.name for p in pieces)
-        if not pieces:  # 0 experts split per expert: packing it fails, after every check of this loop (as before)
-            empty = True
-            continue
         first = pieces[0]
         nbytes = (
             _nbytes(first.dtype, first.shape) if len(pieces) == 1 else sum(_nbytes(p.dtype, p.shape) for p in pieces)
@@ -706,8 +708,6 @@ def build_plan(
         # what the task writes (SourceTask.out_nbytes): its runs' elements, else its pieces
         file_bytes[k] += nbytes if runs is None else sum(r.length for r in runs) * DTYPE_ITEMSIZE[first.dtype]
         add_task(SourceTask(s, pieces, k, order, runs))
-    if empty:
-        raise IndexError("tuple index out of range")  # what packing an empty piece list always raised here
     n_files = max(len(sizes), 1)
     files = ["adapter_model.safetensors"] if fmt == "lora" else shard_file_names(n_files)
     file_bytes = file_bytes or [0] * len(files)
