@@ -310,12 +310,18 @@ class InspectResult:
         """
         d = self.to_dict_shallow()
         # everything but the tensor rows encoded first: a value json refuses raises before any text is out
-        text = {name: _dumps_sharing(value) for name, value in d.items() if name not in ("model", "other_tensors")}
+        text = {
+            name: _optimizer_pieces(value) if name == "optimizer" else [_dumps(value)]
+            for name, value in d.items()
+            if name not in ("model", "other_tensors")
+        }
         yield "{"
         for i, (name, value) in enumerate(d.items()):
             head = ("," if i else "") + _enc(name) + ":"
             if name in text:
-                yield head + text[name]
+                first, *rest = text[name]
+                yield head + first
+                yield from rest
             else:
                 yield head + "["
                 yield from _tensor_rows(value, rows_per_chunk)
@@ -335,26 +341,31 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), default=str, allow_nan=False)
 
 
-def _dumps_sharing(value: Any) -> str:
-    """:func:`_dumps` of ``value``; a dict's long list values that equal an earlier one are encoded once.
+def _optimizer_pieces(value: Any) -> list[str]:
+    """:func:`_dumps` of the optimizer section, as pieces; its two name lists are encoded once when they are one.
 
-    The optimizer section lists every parameter twice when none has state (``params_without_state``
-    and ``never_stepped_with_hyperparameters``: 10^6 names each). A dict of ``str`` keys encodes
-    as ``{`` + ``,``-joined ``key:value`` + ``}`` with these separators, which is what this builds.
+    With no parameter stepped, ``params_without_state`` and ``never_stepped_with_hyperparameters``
+    are the same fqns (10^6 names each at 10^6 tensors): the same string objects, so the same text.
+    A dict of ``str`` keys encodes as ``{``, the ``,``-joined ``key:value`` items, ``}`` with these
+    separators, which is what the pieces are.
     """
-    if not isinstance(value, dict) or not all(type(k) is str for k in value):
-        return _dumps(value)
-    done: list[tuple[list[Any], str]] = []  # long lists encoded so far, with their text
-    parts = []
-    for k, v in value.items():
-        text = None
-        if type(v) is list and len(v) >= 1024 and set(map(type, v)) == {str}:  # the same strings: the same text
-            text = next((t for prev, t in done if len(prev) == len(v) and all(map(operator.is_, prev, v))), None)
-            if text is None:
-                text = _dumps(v)
-                done.append((v, text))
-        parts.append(_enc(k) + ":" + (text if text is not None else _dumps(v)))
-    return "{" + ",".join(parts) + "}"
+    a, b = "params_without_state", "never_stepped_with_hyperparameters"
+    va, vb = (value.get(a), value.get(b)) if type(value) is dict else (None, None)
+    if not (
+        type(va) is list
+        and type(vb) is list
+        and len(va) == len(vb) >= 1024
+        and all(type(k) is str for k in value)
+        and all(map(operator.is_, va, vb))
+    ):
+        return [_dumps(value)]
+    shared = _dumps(va)
+    pieces = ["{"]
+    for i, (k, v) in enumerate(value.items()):
+        pieces.append(("," if i else "") + _enc(k) + ":")
+        pieces.append(shared if k in (a, b) else _dumps(v))
+    pieces.append("}")
+    return pieces
 
 
 def _tensor_rows(tensors: tuple[TensorEntry, ...], per_chunk: int) -> Iterator[str]:
