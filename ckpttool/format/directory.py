@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_relative_path = operator.attrgetter("relative_path")
+_relative_path = operator.itemgetter(0)  # StorageInfo.relative_path, at C speed
 DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 METADATA_NAME = ".metadata"
 

@@ -149,6 +149,7 @@ class Context:
     _storage_items: list[StorageItem] | None = None
     _storage_columns: StorageColumns | None = None
     _distinct_metas: dict[int, TensorMeta | BytesMeta] | None = None
+    _data_files: list[str] | None = None
     _optimized: set[str] = field(default_factory=set)
     _patterns: set[str] = field(default_factory=set)
     _layers: set[str | None] = field(default_factory=set)
@@ -186,6 +187,12 @@ class Context:
                 err = e
             self._file_errors[relative_path] = err
         return self._file_errors[relative_path]
+
+    def data_files(self) -> list[str]:
+        """Relative paths referenced by ``storage_data`` (sorted, unique; cached)."""
+        if self._data_files is None:
+            self._data_files = self.reader.data_files()
+        return self._data_files
 
     def storage_ok(self, fqn: str, chunk: ChunkMeta | None = None) -> bool:
         """The chunk/byte item has a storage entry inside an existing file, within its bounds."""

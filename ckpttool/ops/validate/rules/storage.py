@@ -52,7 +52,7 @@ def metadata_unreadable(ctx: Context) -> Iterator[Finding]:
     error_code="E101",
 )
 def path_escapes(ctx: Context) -> Iterator[tuple[str, str]]:
-    for rel in ctx.reader.data_files():
+    for rel in ctx.data_files():
         err = ctx.file_error(rel)
         if isinstance(err, PathEscapeError):
             yield rel, err.message
@@ -67,7 +67,7 @@ def path_escapes(ctx: Context) -> Iterator[tuple[str, str]]:
     error_code="E300",
 )
 def data_file_missing(ctx: Context) -> Iterator[tuple[str, str]]:
-    missing = [rel for rel in ctx.reader.data_files() if isinstance(ctx.file_error(rel), DataFileError)]
+    missing = [rel for rel in ctx.data_files() if isinstance(ctx.file_error(rel), DataFileError)]
     if not missing:
         return
     users: dict[str, int] = defaultdict(int)
