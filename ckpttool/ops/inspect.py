@@ -622,7 +622,8 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
 
 def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
     cat, filt = ckpt.catalog, opts.filter_glob
-    tensors = cat.tensors
+    stateful = any(ps.fields for ps in cat.optimizer_state.values())
+    tensors = cat.tensors if stateful or cat.other_tensors else cat.model  # read only: no copy of a model-only one
     dtypes, sizes = list(map(_dtype, tensors.values())), list(map(_nbytes, tensors.values()))
     bytes_by_dtype = {d: sum(compress(sizes, map(d.__eq__, dtypes))) for d in dict.fromkeys(dtypes)}  # a few dtypes
     state_bytes = sum(t.nbytes for ps in cat.optimizer_state.values() for t in ps.fields.values() if t)
