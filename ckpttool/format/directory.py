@@ -21,6 +21,7 @@ own directory); every such path must stay inside its own part.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import re
 import stat
@@ -59,6 +60,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_relative_path = operator.itemgetter(0)  # StorageInfo.relative_path, at C speed
 DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 METADATA_NAME = ".metadata"
 
@@ -393,7 +395,7 @@ class CheckpointDir:
 
     def data_files(self) -> list[str]:
         """Relative paths referenced by ``storage_data`` (sorted, unique)."""
-        return sorted({s.relative_path for s in self.metadata.storage.values()})
+        return sorted(set(map(_relative_path, self.metadata.storage.values())))
 
     def storage_info(self, fqn: str, chunk: ChunkMeta | None = None) -> StorageInfo:
         """Storage info of a chunk (or byte item), bounds-checked against its file.

@@ -366,6 +366,42 @@ class CheckpointReader(CheckpointDir):
                 f"{self.path}: {fqn!r} declares {meta.numel} elements but its chunks hold {stored}", fqn=fqn
             )
 
+    def allocation_spans(self, meta: TensorMeta) -> tuple[tuple[tuple[int, ...], int], ...] | None:
+        """``(offsets, bytes needed)`` of each non-empty chunk of ``meta``, for :meth:`allocation_fits`.
+
+        ``None`` when the chunks hold fewer elements than the tensor declares: only
+        :meth:`check_allocation` reports that (entries of one layout share one ``TensorMeta``, so
+        this is computed once per layout).
+        """
+        itemsize = meta.dtype.itemsize
+        stored = 0
+        spans = []
+        for chunk in meta.chunks:
+            n = math.prod(chunk.sizes)
+            stored += n
+            if n:
+                spans.append((chunk.offsets, n * itemsize))
+        return None if meta.numel > stored else tuple(spans)
+
+    def allocation_fits(self, fqn: str, spans: tuple[tuple[tuple[int, ...], int], ...]) -> bool:
+        """``True`` when :meth:`check_allocation` of ``fqn`` would pass without a call of its own.
+
+        That is: every span's storage record exists, has no stream transform, lies inside a file
+        already sized and holds the bytes needed. ``False`` says nothing wrong: ask
+        :meth:`check_allocation`, which sizes the file or raises the error that names the chunk.
+        Never raises, never reads.
+        """
+        storage_get = self.metadata.storage.get
+        sizes = self._sizes
+        for offsets, need in spans:
+            info = storage_get((fqn, offsets))
+            if info is None or info.transform_descriptors or need > info.length:
+                return False
+            known = sizes.get(info.relative_path)
+            if known is None or info.offset + info.length > known:
+                return False
+        return True
+
     # ------------------------------------------------------------------ byte items
     def read_object(self, fqn: str) -> Any:
         """Load a byte item (a ``torch.save``'d Python object).

@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import operator
 import os
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import chain, compress
 from json.encoder import encode_basestring_ascii as _enc  # what json.dumps uses for str (ensure_ascii)
 from typing import Any
 
@@ -49,6 +51,7 @@ __all__ = [
 ]
 
 SCHEMA = "ckpttool.inspect/1"
+_dtype, _numel, _nbytes = operator.attrgetter("dtype"), operator.attrgetter("numel"), operator.attrgetter("nbytes")
 SORT_KEYS = ("name", "size")
 _GROUP_VALUES = (*HYPERPARAMETERS, "initial_lr")
 
@@ -307,12 +310,18 @@ class InspectResult:
         """
         d = self.to_dict_shallow()
         # everything but the tensor rows encoded first: a value json refuses raises before any text is out
-        text = {name: _dumps(value) for name, value in d.items() if name not in ("model", "other_tensors")}
+        text = {
+            name: _optimizer_pieces(value) if name == "optimizer" else [_dumps(value)]
+            for name, value in d.items()
+            if name not in ("model", "other_tensors")
+        }
         yield "{"
         for i, (name, value) in enumerate(d.items()):
             head = ("," if i else "") + _enc(name) + ":"
             if name in text:
-                yield head + text[name]
+                first, *rest = text[name]
+                yield head + first
+                yield from rest
             else:
                 yield head + "["
                 yield from _tensor_rows(value, rows_per_chunk)
@@ -330,6 +339,33 @@ class InspectResult:
 
 def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), default=str, allow_nan=False)
+
+
+def _optimizer_pieces(value: Any) -> list[str]:
+    """:func:`_dumps` of the optimizer section, as pieces; its two name lists are encoded once when they are one.
+
+    With no parameter stepped, ``params_without_state`` and ``never_stepped_with_hyperparameters``
+    are the same fqns (10^6 names each at 10^6 tensors): the same string objects, so the same text.
+    A dict of ``str`` keys encodes as ``{``, the ``,``-joined ``key:value`` items, ``}`` with these
+    separators, which is what the pieces are.
+    """
+    a, b = "params_without_state", "never_stepped_with_hyperparameters"
+    va, vb = (value.get(a), value.get(b)) if type(value) is dict else (None, None)
+    if not (
+        type(va) is list
+        and type(vb) is list
+        and len(va) == len(vb) >= 1024
+        and all(type(k) is str for k in value)
+        and all(map(operator.is_, va, vb))
+    ):
+        return [_dumps(value)]
+    shared = _dumps(va)
+    pieces = ["{"]
+    for i, (k, v) in enumerate(value.items()):
+        pieces.append(("," if i else "") + _enc(k) + ":")
+        pieces.append(shared if k in (a, b) else _dumps(v))
+    pieces.append("}")
+    return pieces
 
 
 def _tensor_rows(tensors: tuple[TensorEntry, ...], per_chunk: int) -> Iterator[str]:
@@ -413,18 +449,23 @@ def _param_group_rows(cat: Catalog, filt: str | None) -> list[GroupRow]:
 
 
 def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> OptimizerSummary:
-    grouped = {p for g in cat.param_groups for p in g.params}
-    nested_known = bool(grouped)
     # Param groups name the real parameters (nested: `params` lists; flattened: one group per
     # parameter); model tensors in no group are buffers.
     state = cat.optimizer_state
     fqns = cat.param_fqns
     shown = [f for f in fqns if match_filter(cat.model_key(f), filt, cat.schema.model_prefix)] if filt else fqns
-    params = [f for f in shown if f in grouped or f in state] if nested_known else shown
-    buffers = [f for f in fqns if f not in grouped and f not in state] if nested_known else []
-    with_state = [f for f in params if f in state and state[f].fields]
+    if cat.params_listed_in_order():  # every fqn is grouped (and there is one): no set of 10^6 names
+        params, buffers, grouped = list(shown), [], None
+    else:
+        grouped = set(chain.from_iterable(g.params for g in cat.param_groups))
+        nested_known = bool(grouped)
+        params = [f for f in shown if f in grouped or f in state] if nested_known else shown
+        buffers = [f for f in fqns if f not in grouped and f not in state] if nested_known else []
+    with_state = [f for f in filter(state.__contains__, params) if state[f].fields]
     stepped = set(with_state)
     without = sorted(f for f in params if f not in stepped) if stepped else sorted(params)
+    # the members of a group among `without` (all of them when every fqn is grouped); sorted already
+    never_stepped = tuple(without) if grouped is None else tuple(filter(grouped.__contains__, without))
     field_dtypes: dict[str, Counter[str]] = defaultdict(Counter)
     implied: Counter[str] = Counter()
     for fqn in with_state:
@@ -442,7 +483,7 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
         declared_type=declared,
         param_groups=tuple(_param_group_rows(cat, filt)),
         params_without_state=tuple(without),
-        never_stepped_with_hyperparameters=tuple(f for f in without if f in grouped),  # sorted already
+        never_stepped_with_hyperparameters=never_stepped,
         orphan_state=tuple(sorted(f for f, ps in cat.optimizer_state.items() if not ps.in_model)),
         buffers=tuple(buffers),
     )
@@ -535,10 +576,11 @@ def _layout_section(ckpt: Checkpoint) -> LayoutSummary | None:
 def _needed_bytes(ckpt: Checkpoint) -> dict[str, int]:
     """Bytes each data file must hold: the end of its last record (metadata only; no data read)."""
     needed: dict[str, int] = {}
-    for info in ckpt.metadata.storage.values():
-        end = info.offset + info.length
-        if end > needed.get(info.relative_path, 0):
-            needed[info.relative_path] = end
+    get = needed.get
+    for rel, offset, length, _ in ckpt.metadata.storage.values():
+        end = offset + length
+        if end > get(rel, 0):
+            needed[rel] = end
     return needed
 
 
@@ -580,13 +622,13 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
 
 def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
     cat, filt = ckpt.catalog, opts.filter_glob
-    tensors = cat.tensors
-    bytes_by_dtype: Counter[str] = Counter()
-    for t in tensors.values():
-        bytes_by_dtype[t.dtype] += t.nbytes
+    stateful = any(ps.fields for ps in cat.optimizer_state.values())
+    tensors = cat.tensors if stateful or cat.other_tensors else cat.model  # read only: no copy of a model-only one
+    dtypes, sizes = list(map(_dtype, tensors.values())), list(map(_nbytes, tensors.values()))
+    bytes_by_dtype = {d: sum(compress(sizes, map(d.__eq__, dtypes))) for d in dict.fromkeys(dtypes)}  # a few dtypes
     state_bytes = sum(t.nbytes for ps in cat.optimizer_state.values() for t in ps.fields.values() if t)
     prefix = cat.schema.model_prefix
-    model_rows = [t for t in cat.model.values() if match_filter(t.key, filt, prefix)]
+    model_rows = [t for t in cat.model.values() if match_filter(t.key, filt, prefix)] if filt else [*cat.model.values()]
     if filt and not model_rows and not any(match_filter(k, filt, prefix) for k in tensors):
         shown = f"the {prefix!r} prefix" if prefix else "a prefix"
         raise UsageError(
@@ -608,12 +650,12 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         tensor_count=len(tensors),
         model_tensor_count=len(cat.model),
         byte_item_count=len(cat.byte_items),
-        numel_model=sum(t.numel for t in cat.model.values()),
+        numel_model=sum(map(_numel, cat.model.values())),
         bytes_by_dtype=dict(sorted(bytes_by_dtype.items())),
         bytes_by_category={
-            "model": sum(t.nbytes for t in cat.model.values()),
+            "model": sum(map(_nbytes, cat.model.values())),
             "optimizer_state": state_bytes,
-            "other": sum(t.nbytes for t in cat.other_tensors.values()),
+            "other": sum(map(_nbytes, cat.other_tensors.values())),
         },
     )
     tree = None
@@ -642,7 +684,9 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         extra_state=tuple(_extra_state_row(st) for st in ckpt.extra_state()),
         byte_items=tuple(cat.byte_items.items()),
         other_keys=tuple(cat.other_keys),
-        other_tensors=tuple(t for t in cat.other_tensors.values() if match_filter(t.key, filt)),
+        other_tensors=tuple(t for t in cat.other_tensors.values() if match_filter(t.key, filt))
+        if filt
+        else tuple(cat.other_tensors.values()),
         tree=tree,
         schema=cat.schema,
         location=ckpt.located,

@@ -19,6 +19,7 @@ runs on numpy, so torch is not imported by such an export either.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -291,6 +292,39 @@ def _dedup_chunks(
     return result
 
 
+def _checked_chunks(reader: CheckpointReader, keys: list[str]) -> list[tuple[TensorMeta, list[ChunkMeta]]]:
+    """:func:`_dedup_chunks` of every key, in order (the same results and the same first error).
+
+    A key whose ``TensorMeta`` object was already de-duplicated and tiled (entries of one layout
+    share it) and whose records :meth:`CheckpointReader.allocation_fits` accepts takes the memo's
+    result without a call per chunk: 10^6 one-chunk tensors.
+    """
+    memo: dict[int, tuple[TensorMeta, list[ChunkMeta]]] = {}
+    spans: dict[int, tuple[TensorMeta, tuple[tuple[tuple[int, ...], int], ...] | None]] = {}
+    entries_get = reader.metadata.entries.get
+    fits = reader.allocation_fits
+    out: list[tuple[TensorMeta, list[ChunkMeta]]] = []
+    last: object = None  # runs of keys share one meta: no dict lookup for them
+    last_hit: tuple[TensorMeta, list[ChunkMeta]] | None = None
+    last_spans: tuple[tuple[tuple[int, ...], int], ...] | None = None
+    add = out.append
+    for key in keys:
+        meta = entries_get(key)
+        if meta is not last or last_hit is None:
+            last, last_hit, last_spans = meta, None, None
+            hit = memo.get(id(meta))
+            if hit is not None and hit[0] is meta:  # meta is then a TensorMeta, de-duplicated and tiled
+                sp = spans.get(id(meta))
+                if sp is None or sp[0] is not meta:
+                    sp = spans[id(meta)] = (meta, reader.allocation_spans(meta))  # holds meta: its id is not reused
+                last_hit, last_spans = hit, sp[1]
+        if last_spans is not None and fits(key, last_spans):
+            add(last_hit)  # type: ignore[arg-type]  # last_spans is set only with last_hit
+            continue
+        add(_dedup_chunks(reader, key, memo))
+    return out
+
+
 def _narrow(t: torch.Tensor, chunk: ChunkMeta, size: tuple[int, ...]) -> torch.Tensor:
     view = t
     for d, (o, s) in enumerate(zip(chunk.offsets, chunk.sizes)):
@@ -501,8 +535,16 @@ def _tied_pair(
     selected: list[Selected], rules: ExportRules, config: dict[str, Any] | None
 ) -> tuple[Selected | None, Selected | None, bool]:
     tie = config_value(config, "tie_word_embeddings") is True
-    by_out = {s.out_key: s for s in selected}
-    return by_out.get(rules.tied_embedding), by_out.get(rules.tied_lm_head), tie
+    # the last selected tensor of each output key (as a dict keyed by out_key would keep), by a C-level search
+    out_keys = [s.out_key for s in selected]
+    out_keys.reverse()
+    found: list[Selected | None] = []
+    for name in (rules.tied_embedding, rules.tied_lm_head):
+        try:
+            found.append(selected[len(selected) - 1 - out_keys.index(name)])
+        except ValueError:
+            found.append(None)
+    return found[0], found[1], tie
 
 
 def _check_options(opts: ExportOptions) -> None:
@@ -673,14 +715,11 @@ def _export(
         check = _check_against_model(plan, model_config, opts) if hf_like and model_config else None
         merges = lora_merges(reader, plan, given_adapter, opts.lora_alpha) if opts.fmt == "hf-merged" else {}
         # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
-        memo: dict[int, tuple[TensorMeta, list[ChunkMeta]]] = {}
-        chunks = [_dedup_chunks(reader, t.selected.source.key, memo) for t in plan.tasks]
+        chunks = _checked_chunks(reader, [t.selected.source.key for t in plan.tasks])
 
         # torchrun: each rank writes the files assigned to it (by bytes), rank 0 the index (ckpttool.ops.distributed)
         group = distributed.current()
-        file_bytes = [0] * len(plan.files)
-        for t in plan.tasks:
-            file_bytes[t.shard] += t.out_nbytes
+        file_bytes = plan.file_bytes()
         owners = group.share(file_bytes)
         mine = {i for i, r in enumerate(owners) if group.owns(r)}
         files_info: list[dict[str, Any]] = []
@@ -688,7 +727,14 @@ def _export(
         # content only (no path): the same checkpoint exported from anywhere gives the same bytes
         content = {k: v for k, v in identity.items() if k != "checkpoint"}
         st_metadata = {"format": "pt", SOURCE_METADATA_KEY: json.dumps(content, sort_keys=True, separators=(",", ":"))}
+        # The GC resumes below with every object of the plan (and of the open) in its youngest generation: the
+        # first allocation would scan them all (0.7 s at 10^6 tensors), later full collections again. They are
+        # long-lived and acyclic: frozen (gc.freeze) until the export ends; a caller's own freeze is left to it.
+        unfreeze = gc.get_freeze_count() == 0
+        gc.freeze()
     with contextlib.ExitStack() as stack:
+        if unfreeze:
+            stack.callback(gc.unfreeze)
         tmp = distributed.enter_output_dir(stack, group, out, overwrite=opts.overwrite, source=checkpoint)
         bytes_read = 0
         writers: list[ShardWriter | None] = []
@@ -969,7 +1015,7 @@ def export_adapter(cat: Catalog, opts: ExportOptions, model_config: dict[str, An
         return ad
     if opts.fmt != "hf":
         return None
-    return detect_adapter(cat.schema.naming, [cat.fqn_of(k) for k in cat.model], model_config)
+    return detect_adapter(cat.schema.naming, cat.param_fqns, model_config)  # the shared list: read only
 
 
 def _check_tied(

@@ -37,6 +37,8 @@ def expert_orders(selected: list[Selected], layout: ResolvedLayout) -> dict[str,
         ExportError: the expert dim disagrees with the layout record's ``num_experts``.
     """
     orders: dict[str, tuple[int, ...]] = {}
+    if not layout.ep_tensors:
+        return orders  # no EP tensor: spec_for is None for every key
     for s in selected:
         spec = layout.spec_for(s.model_key)
         if spec is None:

@@ -67,7 +67,11 @@ class LoraPair:
     adapter: str
 
 
-@dataclass(frozen=True)
+#: The per-tensor plan classes (``Selected``, ``Piece``, ``SourceTask``) are slots dataclasses,
+#: not frozen: 10^6 tensors build 3 x 10^6 of them, and a frozen one costs ~5x more to build
+#: (one ``object.__setattr__`` call per field). Treat them as values all the same: nothing
+#: assigns their fields after construction; ``unsafe_hash`` keeps them hashable by value.
+@dataclass(slots=True, unsafe_hash=True)
 class Selected:
     """A model tensor chosen for export.
 
@@ -87,7 +91,7 @@ class Selected:
     merge: LoraPair | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, unsafe_hash=True)
 class Piece:
     """One output tensor cut from a source: expert ``expert`` (true order), part ``part`` of ``nparts``.
 
@@ -103,7 +107,7 @@ class Piece:
     shared: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, unsafe_hash=True)
 class SourceTask:
     """Read one source tensor (each chunk once) and write its pieces into shard ``shard``.
 
@@ -141,6 +145,8 @@ class SourceTask:
     def out_nbytes(self) -> int:
         if self.runs is not None:
             return sum(r.length for r in self.runs) * DTYPE_ITEMSIZE[self.pieces[0].dtype]
+        if len(self.pieces) == 1:
+            return _nbytes(self.pieces[0].dtype, self.pieces[0].shape)
         return sum(_nbytes(p.dtype, p.shape) for p in self.pieces)
 
 
@@ -168,10 +174,26 @@ class ExportPlan:
     origins: dict[str, list[str]] = field(default_factory=dict)
     skipped: dict[str, list[str]] = field(default_factory=dict)
     tied: str | None = None
+    _file_bytes: tuple[tuple[int, int], list[int]] | None = field(default=None, repr=False, compare=False)
+
+    def file_bytes(self) -> list[int]:
+        """Bytes of each file's tensors (``files[k]``: the ``out_nbytes`` of its tasks), a new list.
+
+        :func:`build_plan` records them as it packs; computed from the tasks again when ``tasks``
+        was replaced or resized since.
+        """
+        sig = (id(self.tasks), len(self.tasks))
+        if self._file_bytes is not None and self._file_bytes[0] == sig:
+            return list(self._file_bytes[1])
+        out = [0] * len(self.files)
+        for t in self.tasks:
+            out[t.shard] += t.out_nbytes
+        self._file_bytes = (sig, out)
+        return list(out)
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.out_nbytes for t in self.tasks)
+        return sum(self.file_bytes())
 
     @property
     def num_tensors(self) -> int:
@@ -301,15 +323,22 @@ def select_sources(
     renamed: list[str] = []
     masters_found = 0
     prefix = cat.schema.model_prefix
-    for key, entry in cat.model.items():
-        fqn = cat.fqn_of(key)
-        canonical = f"model.{fqn}"  # KeySchema.canonical_key: rules match the torch-native spelling model.<fqn>
-        canonical, removed = strip_wrapper_segments(canonical)  # _orig_mod., module., ... anywhere
-        if removed:
-            unwrapped.append(key)
-            segments.update(removed)
-            fqn = strip_wrapper_segments(fqn)[0]
-        if fmt == "lora":
+    map_key = rules.key_mapper()
+    any_hf = False
+    is_lora, master = fmt == "lora", weights == "master"
+    add = selected.append
+    # 10^6 keys: the fqns come from the catalog's shared list (KeySchema.fqn_of of every model key, in order)
+    for (key, entry), param_fqn in zip(cat.model.items(), cat.param_fqns):
+        fqn = param_fqn
+        canonical = "model." + fqn  # KeySchema.canonical_key: rules match the torch-native spelling model.<fqn>
+        # "module" / "_orig_mod" cannot straddle "model." and the fqn: the test strip_wrapper_segments starts with
+        if "module" in fqn or "_orig_mod" in fqn:
+            canonical, removed = strip_wrapper_segments(canonical)  # _orig_mod., module., ... anywhere
+            if removed:
+                unwrapped.append(key)
+                segments.update(removed)
+                fqn = strip_wrapper_segments(fqn)[0]
+        if is_lora:
             hit = rules.lora_output_key(canonical)
             if hit is None:
                 skipped.setdefault("not a LoRA adapter tensor", []).append(key)
@@ -327,7 +356,7 @@ def select_sources(
                 continue
             out_key = conv.key
         else:
-            out, matched, warn = rules.map_key(canonical)
+            out, matched, warn = map_key(canonical)
             if not matched:
                 skipped.setdefault("no key rule matches", []).append(key)
                 continue
@@ -337,14 +366,14 @@ def select_sources(
             out_key = out
             if warn:
                 renamed.append(f"{key} -> {out_key}")
-        if _filtered(key, canonical, out_key, filter_glob, prefix):
+        if filter_glob and _filtered(key, canonical, out_key, filter_glob, prefix):
             skipped.setdefault("excluded by `filter_glob`", []).append(key)
             continue
-        if fmt == "lora":
+        if is_lora:
             adapter_names[out_key] = lora_name
         source, origin = entry, "params"
-        if weights == "master":
-            ps = cat.optimizer_state.get(cat.fqn_of(key))
+        if master:
+            ps = cat.optimizer_state.get(param_fqn)
             mw = ps.fields.get("master_weight") if ps is not None else None
             if mw is not None:
                 if mw.shape != entry.shape:
@@ -355,8 +384,11 @@ def select_sources(
                     )
                 source, origin = mw, "master"
                 masters_found += 1
-        hf = conv if use_adapter and isinstance(conv, HFTensor) else None
-        selected.append(Selected(key, out_key, source, origin, hf))
+        if use_adapter and isinstance(conv, HFTensor):
+            any_hf = True
+            add(Selected(key, out_key, source, origin, conv))
+        else:
+            add(Selected(key, out_key, source, origin))
     if weights == "master" and masters_found == 0:
         raise ExportError(
             f"{cat.path}: `weights` master but no parameter has an optimizer.state.<fqn>.master_weight",
@@ -390,6 +422,9 @@ def select_sources(
     if outside:
         shown = ", ".join(outside[:3]) + (f" (+{len(outside) - 3} more)" if len(outside) > 3 else "")
         warnings.append(f"{len(outside)} tensor(s) outside the {cat.schema.id} key schema are not exported: {shown}")
+    if not any_hf and len({s.out_key for s in selected}) == len(selected):
+        # every output key unique, no fused parts: nothing below raises
+        return selected, warnings, skipped, adapter_names
     seen: dict[str, str] = {}
     for s in selected:
         ident = s.out_key if s.hf is None or s.hf.nparts == 1 else f"{s.out_key} (part {s.hf.part})"
@@ -570,122 +605,155 @@ def build_plan(
     casts: Counter[str] = Counter()
     narrowing: Counter[str] = Counter()
     origins: dict[str, list[str]] = {}
-    units: list[tuple[Selected, tuple[Piece, ...], tuple[int, ...] | None, tuple[Run, ...] | None]] = []
+    # Greedy packing in source order; a source's pieces stay in one file (read once). Packing raises
+    # nothing, so it runs in this loop (the errors below come in the same order as without it).
+    tasks: list[SourceTask] = []
+    add_task = tasks.append
+    sizes: list[int] = []  # packed bytes of each file
+    file_bytes: list[int] = []  # bytes its tasks write (the fused pieces' halves each count)
+    shared_at: dict[str, int] = {}  # a shared (fused) piece's file: every source of it writes there
+    preserve = save_dtype == "preserve"
+    per_expert = experts == "per-expert"
+    packed = fmt != "lora"
+    runs: tuple[Run, ...] | None
     for s in selected:
-        if s.out_key in drop:
+        if drop and s.out_key in drop:
             continue
         src = s.source
-        dtype = _out_dtype(src.dtype, save_dtype)
-        order = orders.get(s.model_key)
+        src_dtype = src.dtype
+        dtype = src_dtype if preserve or src_dtype not in FLOATING_DTYPES else save_dtype  # _out_dtype
+        order = orders.get(s.model_key) if orders else None
+        pieces: tuple[Piece, ...]
         if s.hf is not None:
-            apieces, runs = adapter_pieces(s, s.hf, dtype, experts, order, num_experts)
-            counted = [p.name for p in apieces if not p.shared or s.hf.part == 0]  # a fused tensor counts once
-            if dtype != src.dtype:
-                tag = f"{src.dtype}->{dtype}"
+            pieces, runs = adapter_pieces(s, s.hf, dtype, experts, order, num_experts)
+            counted = [p.name for p in pieces if not p.shared or s.hf.part == 0]  # a fused tensor counts once
+            if dtype != src_dtype:
+                tag = f"{src_dtype}->{dtype}"
                 casts[tag] += len(counted)
-                if is_narrowing(src.dtype, dtype):
+                if is_narrowing(src_dtype, dtype):
                     narrowing[tag] += len(counted)
             origins.setdefault(s.origin, []).extend(counted)
-            units.append((s, apieces, None, runs))
-            continue
-        # the rule matters for [E, A, B] tensors, and for any shape with per-expert (which refuses other shapes)
-        wanted = fmt == "hf" and (experts == "per-expert" or len(src.shape) == 3)
-        rule = rules.expert_rule(s.out_key) if wanted else None
-        pieces: tuple[Piece, ...]
-        if rule is not None and len(src.shape) == 3:
-            e = src.shape[0]
-            if num_experts is not None and e != num_experts:
-                raise ExportError(
-                    f"{s.model_key}: expert dim 0 has {e} experts but the model config says num_experts={num_experts}",
-                    fqn=s.model_key,
-                    hint="pass the `model_assets` of the model this checkpoint was trained as",
-                )
-            assert order is None or len(order) == e, "expert_orders gives one entry per expert"
-        if experts == "per-expert" and rule is not None:
-            if len(src.shape) != 3:
-                raise ExportError(
-                    f"{s.model_key}: matches the fused expert rule but has shape {list(src.shape)}, not [E, A, B]",
-                    fqn=s.model_key,
-                    hint="fix the experts rules (`rules`) or export with `experts` fused",
-                )
-            e, a, b = src.shape
-            n = len(rule.parts)
-            if a % n:
-                raise ExportError(
-                    f"{s.model_key}: dim 1 ({a}) cannot be split into {n} equal parts {list(rule.parts)}",
-                    fqn=s.model_key,
-                    hint="the tensor is not a fused gate/up projection; fix the experts rules",
-                )
-            names = rule.split_names(s.out_key, e)
-            assert names is not None
-            pieces = tuple(Piece(names[j][p], (a // n, b), dtype, j, p, n) for j in range(e) for p in range(n))
-            if order is None:
-                order = tuple(range(e))
-        else:
-            pieces = (Piece(s.out_key, src.shape, dtype),)
-        if order is not None and experts == "fused" and order == tuple(range(len(order))):
             order = None
-        if dtype != src.dtype:
-            tag = f"{src.dtype}->{dtype}"
-            casts[tag] += len(pieces)
-            if is_narrowing(src.dtype, dtype):
-                narrowing[tag] += len(pieces)
-        listed = origins.get(s.origin)
-        if listed is None:
-            listed = origins[s.origin] = []
-        if len(pieces) == 1:
-            listed.append(pieces[0].name)
         else:
-            listed.extend(p.name for p in pieces)
-        units.append((s, pieces, order, None))
-
-    # Greedy packing in source order; a source's pieces stay in one file (read once).
-    shard_of: list[int] = []
-    sizes: list[int] = []
-    shared_at: dict[str, int] = {}  # a shared (fused) piece's file: every source of it writes there
-    for _, pieces, _, _ in units:
-        if pieces[0].shared and pieces[0].name in shared_at:
-            shard_of.append(shared_at[pieces[0].name])
-            continue
+            runs = None
+            shape = src.shape
+            # the rule matters for [E, A, B] tensors, and for any shape with per-expert (which refuses other shapes)
+            wanted = fmt == "hf" and (per_expert or len(shape) == 3)
+            rule = rules.expert_rule(s.out_key) if wanted else None
+            if rule is not None and len(shape) == 3:
+                e = shape[0]
+                if num_experts is not None and e != num_experts:
+                    raise ExportError(
+                        f"{s.model_key}: expert dim 0 has {e} experts but the model config says num_experts={num_experts}",
+                        fqn=s.model_key,
+                        hint="pass the `model_assets` of the model this checkpoint was trained as",
+                    )
+                assert order is None or len(order) == e, "expert_orders gives one entry per expert"
+            if per_expert and rule is not None:
+                if len(shape) != 3:
+                    raise ExportError(
+                        f"{s.model_key}: matches the fused expert rule but has shape {list(shape)}, not [E, A, B]",
+                        fqn=s.model_key,
+                        hint="fix the experts rules (`rules`) or export with `experts` fused",
+                    )
+                e, a, b = shape
+                if e == 0:
+                    raise ExportError(
+                        f"{s.model_key}: has shape {list(shape)}: 0 experts, nothing to write per expert",
+                        fqn=s.model_key,
+                        hint="export with `experts` fused (writes the empty tensor), or leave it out with `filter_glob`",
+                    )
+                n = len(rule.parts)
+                if a % n:
+                    raise ExportError(
+                        f"{s.model_key}: dim 1 ({a}) cannot be split into {n} equal parts {list(rule.parts)}",
+                        fqn=s.model_key,
+                        hint="the tensor is not a fused gate/up projection; fix the experts rules",
+                    )
+                names = rule.split_names(s.out_key, e)
+                assert names is not None
+                pieces = tuple(Piece(names[j][p], (a // n, b), dtype, j, p, n) for j in range(e) for p in range(n))
+                if order is None:
+                    order = tuple(range(e))
+            else:
+                pieces = (Piece(s.out_key, shape, dtype),)
+            if order is not None and not per_expert and order == tuple(range(len(order))):
+                order = None
+            if dtype != src_dtype:
+                tag = f"{src_dtype}->{dtype}"
+                casts[tag] += len(pieces)
+                if is_narrowing(src_dtype, dtype):
+                    narrowing[tag] += len(pieces)
+            listed = origins.get(s.origin)
+            if listed is None:
+                listed = origins[s.origin] = []
+            if len(pieces) == 1:
+                listed.append(pieces[0].name)
+            else:
+                listed.extend(p.name for p in pieces)
+        first = pieces[0]
         nbytes = (
-            _nbytes(pieces[0].dtype, pieces[0].shape)
-            if len(pieces) == 1
-            else sum(_nbytes(p.dtype, p.shape) for p in pieces)
+            _nbytes(first.dtype, first.shape) if len(pieces) == 1 else sum(_nbytes(p.dtype, p.shape) for p in pieces)
         )
-        if not sizes or (fmt != "lora" and sizes[-1] > 0 and sizes[-1] + nbytes > shard_size):
-            sizes.append(0)
-        sizes[-1] += nbytes
-        shard_of.append(len(sizes) - 1)
-        if pieces[0].shared:
-            shared_at[pieces[0].name] = len(sizes) - 1
+        if first.shared and first.name in shared_at:
+            k = shared_at[first.name]
+        else:
+            if not sizes or (packed and sizes[-1] > 0 and sizes[-1] + nbytes > shard_size):
+                sizes.append(0)
+                file_bytes.append(0)
+            sizes[-1] += nbytes
+            k = len(sizes) - 1
+            if first.shared:
+                shared_at[first.name] = k
+        # what the task writes (SourceTask.out_nbytes): its runs' elements, else its pieces
+        file_bytes[k] += nbytes if runs is None else sum(r.length for r in runs) * DTYPE_ITEMSIZE[first.dtype]
+        add_task(SourceTask(s, pieces, k, order, runs))
     n_files = max(len(sizes), 1)
     files = ["adapter_model.safetensors"] if fmt == "lora" else shard_file_names(n_files)
+    file_bytes = file_bytes or [0] * len(files)
     entries: list[list[HeaderEntry]] = [[] for _ in files]
-    tasks: list[SourceTask] = []
     names_seen: set[str] = set()
-    for (s, pieces, order, runs), k in zip(units, shard_of):
+    # the output names, after every check of the loop above (their errors come after those, as they always did)
+    for t in tasks:
+        pieces = t.pieces
+        shard_entries = entries[t.shard]
+        if len(pieces) == 1 and not pieces[0].shared:  # the loop below for one plain piece
+            p = pieces[0]
+            name = p.name
+            if name in names_seen or not name.isascii():
+                _check_name(t.selected, name, names_seen)  # raises, unless a non-ASCII name that is UTF-8 text
+            names_seen.add(name)
+            shard_entries.append(HeaderEntry(name, p.dtype, p.shape))
+            continue
         for p in pieces:
-            if p.shared and p.name in names_seen:
+            name = p.name
+            if p.shared and name in names_seen:
                 continue
-            try:
-                if not p.name.isascii():
-                    p.name.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ExportError(
-                    f"{s.model_key!a}: output key {p.name!a} is not valid UTF-8 text (safetensors stores names as UTF-8 JSON)",
-                    fqn=s.model_key,
-                    hint="leave it out with `filter_glob` or rename it with a `rules` entry",
-                ) from None
-            if p.name in names_seen:
-                raise ExportError(
-                    f"{s.model_key}: output key {p.name!r} is produced twice",
-                    fqn=s.model_key,
-                    hint="fix the key/experts rules (`rules`) so every output key is unique",
-                )
-            names_seen.add(p.name)
-            entries[k].append(HeaderEntry(p.name, p.dtype, p.shape))
-        tasks.append(SourceTask(s, pieces, k, order, runs))
-    return ExportPlan(fmt, tasks, files, entries, casts=dict(casts), narrowing=dict(narrowing), origins=origins)
+            _check_name(t.selected, name, names_seen)
+            names_seen.add(name)
+            shard_entries.append(HeaderEntry(name, p.dtype, p.shape))
+    plan = ExportPlan(fmt, tasks, files, entries, casts=dict(casts), narrowing=dict(narrowing), origins=origins)
+    plan._file_bytes = ((id(tasks), len(tasks)), file_bytes)
+    return plan
+
+
+def _check_name(s: Selected, name: str, names_seen: set[str]) -> None:
+    """Raise for an output key that is not UTF-8 text or is produced twice (the checks of :func:`build_plan`)."""
+    try:
+        if not name.isascii():
+            name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ExportError(
+            f"{s.model_key!a}: output key {name!a} is not valid UTF-8 text (safetensors stores names as UTF-8 JSON)",
+            fqn=s.model_key,
+            hint="leave it out with `filter_glob` or rename it with a `rules` entry",
+        ) from None
+    if name in names_seen:
+        raise ExportError(
+            f"{s.model_key}: output key {name!r} is produced twice",
+            fqn=s.model_key,
+            hint="fix the key/experts rules (`rules`) so every output key is unique",
+        )
 
 
 def adapter_pieces(

@@ -422,6 +422,29 @@ def test_expert_count_must_match_model_config(sample_ckpt: Path, tmp_path: Path)
     assert not (tmp_path / "o").exists()
 
 
+def test_zero_expert_tensor_per_expert_is_refused_fused_exports_it(tmp_path: Path) -> None:
+    # an [0, A, B] experts tensor has nothing to write per expert: a refusal naming it, never a traceback
+    ck = tmp_path / "ck"
+    sd = {
+        "model": {
+            "model.embed_tokens.weight": torch.ones(8, 4),
+            "model.layers.0.mlp.experts.gate_up_proj": torch.zeros(0, 8, 4),
+            "model.layers.0.mlp.experts.down_proj": torch.zeros(0, 4, 4),
+        }
+    }
+    dcp.save(sd, checkpoint_id=str(ck), no_dist=True)
+    res = export_cli(str(ck), str(tmp_path / "o"), "--experts", "per-expert")
+    assert_clean_failure(res, "E601", "experts.gate_up_proj", "0 experts")
+    assert "--experts fused" in res.stderr
+    assert not (tmp_path / "o").exists()
+    no_leftovers(tmp_path, "o")
+    res = export_cli(str(ck), str(tmp_path / "f"), "--experts", "fused")
+    assert res.exit_code == 0, res.stderr
+    got, _ = read_export(tmp_path / "f")
+    assert got["model.layers.0.mlp.experts.gate_up_proj"].shape == (0, 8, 4)
+    assert bitwise_equal(got["model.embed_tokens.weight"], torch.ones(8, 4))
+
+
 def test_conflicting_layout_records_are_refused(sample_ckpt: Path, tmp_path: Path) -> None:
     ck = copy_checkpoint(sample_ckpt, tmp_path / "ck")
     # the sample embeds a v2 record; a sidecar that says something else is a conflict

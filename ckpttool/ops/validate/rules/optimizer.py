@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterator
+from itertools import filterfalse
 from typing import Any
 
 from ckpttool.errors import CkptError
@@ -88,12 +89,12 @@ def partial_state(ctx: Context) -> Iterator[tuple[str, str]]:
 def no_state_no_hyperparameters(ctx: Context) -> Iterator[tuple[str, str]]:
     if not ctx.has_optimizer or not _membership_known(ctx):
         return
+    if ctx.cat.params_listed_in_order():
+        return  # every parameter has its group's hyperparameters
     state, groups = ctx.cat.optimizer_state, ctx.cat.group_index()
-    for fqn in ctx.cat.param_fqns:
+    for fqn in filterfalse(groups.__contains__, ctx.cat.param_fqns):  # grouped ones have hyperparameters
         ps = state.get(fqn)
         if ps is not None and ps.fields:
-            continue
-        if fqn in groups:
             continue
         if ctx.lost_hyperparameters(fqn):
             yield (
@@ -231,11 +232,14 @@ def _fmt(d: dict[str, str]) -> str:
     "every parameter of an FP32-master optimizer has a master_weight; the save lost some: use an earlier checkpoint",
 )
 def master_weight_partial(ctx: Context) -> Iterator[tuple[str, str]]:
-    sets = ctx.group_sets() or [("checkpoint", list(ctx.cat.optimizer_state))]
+    state = ctx.cat.optimizer_state
+    if not state:
+        return  # no parameter has state
+    sets = ctx.group_sets() or [("checkpoint", list(state))]
     for label, fqns in sets:
-        with_state = [f for f in fqns if f in ctx.cat.optimizer_state and ctx.cat.optimizer_state[f].fields]
-        have = [f for f in with_state if "master_weight" in ctx.cat.optimizer_state[f].fields]
-        lack = [f for f in with_state if "master_weight" not in ctx.cat.optimizer_state[f].fields]
+        with_state = [f for f in filter(state.__contains__, fqns) if state[f].fields]
+        have = [f for f in with_state if "master_weight" in state[f].fields]
+        lack = [f for f in with_state if "master_weight" not in state[f].fields]
         if have and lack:
             yield (
                 lack[0],

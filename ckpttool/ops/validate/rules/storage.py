@@ -10,14 +10,21 @@ saved data also saved its ``extra_state`` file (when the trainer writes them).
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import cast
 
 from ckpttool.errors import ChecksumError, DataFileError, PathEscapeError, TrustRequiredError
-from ckpttool.format.metadata import TensorMeta
+from ckpttool.format.metadata import StorageInfo, TensorMeta
 from ckpttool.format.tiling import tiling_problem
 from ckpttool.ops.validate.base import RULES, Finding, Severity, rule
 from ckpttool.ops.validate.context import Context
+
+# The rules over every chunk first test, column-wise over all rows (Context.storage_columns), whether any
+# row can give a finding; only then do they walk the rows one by one (what they report comes from that walk).
+_path, _offset, _length = (operator.itemgetter(i) for i in range(3))
 
 
 @rule(
@@ -45,7 +52,7 @@ def metadata_unreadable(ctx: Context) -> Iterator[Finding]:
     error_code="E101",
 )
 def path_escapes(ctx: Context) -> Iterator[tuple[str, str]]:
-    for rel in ctx.reader.data_files():
+    for rel in ctx.data_files():
         err = ctx.file_error(rel)
         if isinstance(err, PathEscapeError):
             yield rel, err.message
@@ -60,7 +67,7 @@ def path_escapes(ctx: Context) -> Iterator[tuple[str, str]]:
     error_code="E300",
 )
 def data_file_missing(ctx: Context) -> Iterator[tuple[str, str]]:
-    missing = [rel for rel in ctx.reader.data_files() if isinstance(ctx.file_error(rel), DataFileError)]
+    missing = [rel for rel in ctx.data_files() if isinstance(ctx.file_error(rel), DataFileError)]
     if not missing:
         return
     users: dict[str, int] = defaultdict(int)
@@ -80,6 +87,8 @@ def data_file_missing(ctx: Context) -> Iterator[tuple[str, str]]:
     error_code="E300",
 )
 def chunk_past_eof(ctx: Context) -> Iterator[tuple[str, str]]:
+    if not _any_past_eof(ctx):
+        return
     by_file: dict[str, list[tuple[str, int]]] = defaultdict(list)
     sizes: dict[str, int | None] = {}  # relative path -> size (None: the file is unusable, another rule's)
     for key, _, info in ctx.storage_items():
@@ -104,6 +113,18 @@ def chunk_past_eof(ctx: Context) -> Iterator[tuple[str, str]]:
         )
 
 
+def _any_past_eof(ctx: Context) -> bool:
+    """Does some row's record end past the end of its (usable) data file?"""
+    cols = ctx.storage_columns()
+    infos = cast("list[StorageInfo]", list(filter(None, cols.infos)) if cols.missing else cols.infos)
+    paths = list(map(_path, infos))
+    limit = {  # relative path -> size (infinite: the file is unusable, another rule's)
+        rel: math.inf if ctx.file_error(rel) is not None else ctx.reader.file_size(rel) for rel in dict.fromkeys(paths)
+    }
+    ends = map(operator.add, map(_offset, infos), map(_length, infos))
+    return any(map(operator.gt, ends, map(limit.__getitem__, paths)))
+
+
 @rule(
     "S004",
     "chunks-do-not-tile",
@@ -113,6 +134,9 @@ def chunk_past_eof(ctx: Context) -> Iterator[tuple[str, str]]:
     error_code="E301",
 )
 def chunks_do_not_tile(ctx: Context) -> Iterator[tuple[str, str]]:
+    metas = ctx.distinct_metas().values()  # entries of one layout share one TensorMeta
+    if not any(isinstance(m, TensorMeta) and tiling_problem(m) is not None for m in metas):
+        return
     seen: dict[int, str | None] = {}  # id of a TensorMeta -> its problem (entries of one layout share one)
     for key, meta in ctx.reader.metadata.entries.items():
         if isinstance(meta, TensorMeta):
@@ -132,6 +156,11 @@ def chunks_do_not_tile(ctx: Context) -> Iterator[tuple[str, str]]:
     error_code="E303",
 )
 def chunk_larger_than_record(ctx: Context) -> Iterator[tuple[str, str]]:
+    cols = ctx.storage_columns()
+    if not cols.missing and not cols.transforms:
+        lengths = map(_length, cast("list[StorageInfo]", cols.infos))
+        if not any(map(operator.gt, cols.needs, lengths)):
+            return  # every record holds its chunk's bytes (byte items' rows need -1)
     entries = ctx.reader.metadata.entries
     numel: dict[tuple[int, ...], int] = {}  # many chunks share their sizes
     reported: set[str] = set()
@@ -164,6 +193,8 @@ def chunk_larger_than_record(ctx: Context) -> Iterator[tuple[str, str]]:
     error_code="E200",
 )
 def storage_entry_missing(ctx: Context) -> Iterator[tuple[str, str]]:
+    if not ctx.storage_columns().missing:
+        return
     seen = set()
     for key, chunk, info in ctx.storage_items():
         if info is None and key not in seen:
@@ -197,6 +228,8 @@ def _transform_problem(descriptors: tuple[str, ...]) -> str | None:
     error_code="E302",
 )
 def unsupported_transform(ctx: Context) -> Iterator[tuple[str, str]]:
+    if not ctx.storage_columns().transforms:
+        return
     cache: dict[tuple[str, ...], str | None] = {}
     for key, _, info in ctx.storage_items():
         if info is None or not info.transform_descriptors:
