@@ -17,6 +17,7 @@ from ckpttool.format import CheckpointDir, mdcache, parse_metadata_bytes
 from ckpttool.format.mdcache import CorruptEntry, decode, encode
 from ckpttool.format.metadata import CheckpointMetadata
 from tests.fixtures.cache import copy_checkpoint
+from tests.fixtures.special_files import SPECIAL_KINDS, fails_instead_of_hanging, make_special
 
 
 @pytest.fixture
@@ -329,27 +330,11 @@ def test_file_changed_before_the_reread_is_parsed_and_not_cached(
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
-@pytest.mark.parametrize("special", ["fifo", "dev-zero"])
+@pytest.mark.parametrize("special", SPECIAL_KINDS)
 def test_a_special_file_as_entry_is_ignored_without_blocking(special: str, dense_ckpt: Path, cache: Path) -> None:
     data = (dense_ckpt / ".metadata").read_bytes()
     path = mdcache.entry_path(hashlib.sha256(data).hexdigest())
     path.parent.mkdir(parents=True)
-    if special == "fifo":
-        os.mkfifo(path)  # a plain open() waits for a writer forever
-    else:
-        os.symlink("/dev/zero", path)  # a plain read() never ends
-    import signal
-
-    class Hung(BaseException):  # not an OSError, which the reader would take for "no entry"
-        pass
-
-    def hung(*_: object) -> None:
-        raise Hung("blocked on the special file")
-
-    old = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(30)  # a regression fails instead of hanging the suite
-    try:
+    make_special(path, special)
+    with fails_instead_of_hanging():
         assert CheckpointDir(dense_ckpt).metadata == parse_metadata_bytes(data)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)

@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import re
-import signal
 import subprocess
 import tempfile
 import time
@@ -36,6 +35,7 @@ from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
 from tests.fixtures.hostile import CANARY_DIRNAME, ENTRY_NAMES, CorpusEntry
+from tests.fixtures.special_files import fails_instead_of_hanging
 
 runner = CliRunner()
 
@@ -112,24 +112,6 @@ def snapshot(root: Path) -> dict[str, tuple]:
                 digest = hashlib.sha1(p.read_bytes()).hexdigest()
             out[str(p.relative_to(root))] = (st.st_mode, st.st_size, st.st_mtime_ns, digest, link)
     return out
-
-
-class _Timeout(BaseException):
-    """Raised by SIGALRM: a command ran past TIMEOUT_S (a hang is a failure, not a wait)."""
-
-
-@contextmanager
-def _deadline(seconds: int) -> Iterator[None]:
-    def _raise(signum: int, frame: object) -> None:
-        raise _Timeout(f"command still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, _raise)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _rss_kib(field: str) -> int | None:
@@ -217,7 +199,7 @@ def test_command_on_hostile_checkpoint(
     out = tmp_path / "nested" / "a" / "b" / "OUT"  # parents a failed run must not leave behind
     argv = MATRIX[cid][1](ckpt, out) + list(entry.extra.get("args", {}).get(cid, []))
     before = snapshot(root)
-    with _isolated(tmp_path, monkeypatch) as tmpdir, _deadline(TIMEOUT_S):
+    with _isolated(tmp_path, monkeypatch) as tmpdir, fails_instead_of_hanging(TIMEOUT_S, "a command hung"):
         rss_before = _rss_kib("VmRSS") if _reset_peak_rss() else None
         t0 = time.perf_counter()
         res = runner.invoke(app, argv)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.fixtures import hf_models
+from tests.fixtures.special_files import SPECIAL_KINDS, fails_instead_of_hanging, make_special
 from tests.ops.export.test_export import assert_clean_failure, export_cli
 from tests.ops.export.test_export_consumers import llama_ckpt  # noqa: F401  (session fixture)
 from tests.ops.validate.test_validate_model import run as validate
@@ -186,12 +187,10 @@ def test_a_broken_or_hostile_cache_entry_is_ignored_and_rewritten(
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs FIFOs")
-@pytest.mark.parametrize("special", ["fifo", "dev-zero"])
+@pytest.mark.parametrize("special", SPECIAL_KINDS)
 def test_a_special_file_as_cache_entry_neither_blocks_nor_is_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, special: str
 ) -> None:
-    import os
-
     from ckpttool.ops.export import expected as ex
 
     monkeypatch.setenv("CKPTTOOL_CACHE_DIR", str(tmp_path / "cache"))
@@ -202,22 +201,6 @@ def test_a_special_file_as_cache_entry_neither_blocks_nor_is_read(
     assert key is not None
     path = ex.shapes_entry_path(key)
     path.parent.mkdir(parents=True)
-    if special == "fifo":
-        os.mkfifo(path)  # an open() without O_NONBLOCK waits for a writer forever
-    else:
-        os.symlink("/dev/zero", path)
-    import signal
-
-    class Hung(BaseException):  # not an OSError, which the reader would take for "no entry"
-        pass
-
-    def hung(*_: object) -> None:
-        raise Hung("blocked on the special file")
-
-    old = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(30)  # a regression fails instead of hanging the suite
-    try:
+    make_special(path, special)
+    with fails_instead_of_hanging():
         assert ex._load_entry(path, key) is None
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
