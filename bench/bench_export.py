@@ -214,7 +214,7 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     import ckpttool
-    from ckpttool.cli.options import parse_size
+    from ckpttool.ui.options import parse_size
 
     # as `pip install` does: start-up is measured with bytecode caches, also under PYTHONDONTWRITEBYTECODE
     compileall.compile_dir(os.path.dirname(ckpttool.__file__), quiet=1)

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckpttool.optim import CPUOffloadAdamW, FullFP32AdamW, MasterFP32AdamW
+from ckpttool.optim_state import CPUOffloadAdamW, FullFP32AdamW, MasterFP32AdamW
 
 
 def _sync(device: torch.device) -> None:

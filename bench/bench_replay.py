@@ -51,7 +51,7 @@ BASELINE = textwrap.dedent("""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     sys.path.insert(0, sys.argv[2])
     from _ckpts import param_shapes
-    from ckpttool.optim import FullFP32AdamW
+    from ckpttool.optim_state import FullFP32AdamW
     ckpt, layers = sys.argv[1], int(sys.argv[3])
 
     class Model(torch.nn.Module):

@@ -9,8 +9,9 @@ Public API (names load lazily, so ``import ckpttool`` does not import torch)::
         w = ckpt.reader.read_tensor("model.lm_head.weight")          # reassembled from its chunks
     res = ckpttool.validate("ckpt/", strict=True)                    # validate (damage -> findings)
 
-Layers (``docs/design.md``): :mod:`ckpttool.cli` > :mod:`ckpttool.ops` >
-:mod:`ckpttool.model` | :mod:`ckpttool.optim` > :mod:`ckpttool.format` > :mod:`ckpttool.errors`.
+Layers (``docs/design.md`` §5, held by import-linter): :mod:`ckpttool.cli` >
+:mod:`ckpttool.commands` > :mod:`ckpttool.ui` > :mod:`ckpttool.ops` > :mod:`ckpttool.model` >
+:mod:`ckpttool.optim_state` | :mod:`ckpttool.layouts` > :mod:`ckpttool.format` > :mod:`ckpttool.errors`.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ _WHERE = {
     "Checkpoint": "ckpttool.model",
     "build_catalog": "ckpttool.model",
     "open_checkpoint": "ckpttool.model",
-    "LayoutDeclaration": "ckpttool.model",
-    "ResolvedLayout": "ckpttool.model",
-    "LayoutRecord": "ckpttool.model.layout_record",
+    "LayoutDeclaration": "ckpttool.layouts",
+    "ResolvedLayout": "ckpttool.layouts",
+    "LayoutRecord": "ckpttool.layouts.record",
     "InspectOptions": "ckpttool.ops.inspect",
     "InspectResult": "ckpttool.ops.inspect",
     "inspect_checkpoint": "ckpttool.ops.inspect",

@@ -5,7 +5,7 @@ Creates everything it needs under ``--work`` (default ``$OUT`` or ``/tmp/ckpttoo
 1. the ``ckpttool sample`` checkpoint (torch AdamW) and a CPU-offload sample;
 2. a ~1 GiB checkpoint with CPU-offload state: the sample model scaled up (BF16 parameters,
    ``cpu_offload_adamw`` with experts offloaded, FP32 master and moments, one real step);
-3. runs ``pytest tests/optim/test_optim_device.py tests/ops/replay/test_replay_device.py`` (the
+3. runs ``pytest tests/optim_state/test_optim_device.py tests/ops/replay/test_replay_device.py`` (the
    accelerator tests);
 4. runs ``ckpttool replay-step --device <accelerator>`` on the samples and the 1 GiB checkpoint;
 5. measures torch's pinned host<->device copy bandwidth with buffers of the staging size;
@@ -74,7 +74,7 @@ def build_big(out: str, target_gib: float) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from ckpttool.ops.sample import SampleConfig, TinyMoEForCausalLM, layout_record_for, sample_optimizer_record
-    from ckpttool.optim import build_optimizer
+    from ckpttool.optim_state import build_optimizer
 
     warnings.filterwarnings("ignore")
     # 14 bytes per element saved: BF16 param + FP32 master + two FP32 moments.
@@ -176,7 +176,7 @@ def main() -> int:
 
     rc, out, _ = run(
         py(
-            "import torch; from ckpttool.optim.device import accelerator_type; "
+            "import torch; from ckpttool.optim_state.device import accelerator_type; "
             "t = accelerator_type(); print(torch.__version__, t or 'none', "
             "torch.cuda.get_device_name() if t == 'cuda' else '-', sep='|')"
         ),
@@ -232,7 +232,7 @@ def main() -> int:
             sys.executable,
             "-m",
             "pytest",
-            "tests/optim/test_optim_device.py",
+            "tests/optim_state/test_optim_device.py",
             "tests/ops/replay/test_replay_device.py",
             "-q",
             "-p",

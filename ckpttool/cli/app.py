@@ -1,4 +1,4 @@
-"""The ``ckpttool`` command line: assembles the Typer app from :mod:`ckpttool.cli.commands`.
+"""The ``ckpttool`` command line: assembles the Typer app from :mod:`ckpttool.commands`.
 
 Exit codes (``docs/errors.md``): 0 success; 1 the command ran and found problems;
 2 bad invocation or unreadable/unsafe input; 130 interrupted.
@@ -22,9 +22,9 @@ from typing import Any
 import typer
 from typer.core import TyperGroup, TyperOption
 
-from ckpttool.cli.output import configure_logging, print_error
-from ckpttool.cli.render import UI
 from ckpttool.errors import CkptError, UsageError
+from ckpttool.ui.output import configure_logging, print_error
+from ckpttool.ui.render import UI
 
 __all__ = ["app", "main", "version_text", "GLOBAL_OPTIONS"]
 
@@ -105,8 +105,8 @@ def _set_remote(field: str) -> Any:
 
 def _set_spool_size(ctx: Any, param: Any, value: str | None) -> None:
     if value is not None:
-        from ckpttool.cli.options import parse_size
         from ckpttool.format import storage
+        from ckpttool.ui.options import parse_size
 
         try:
             storage.configure(spool_bytes=parse_size(value, "--remote-spool-size"))
@@ -341,8 +341,8 @@ def _root(
     ),
 ) -> None:
     """Inspect, validate, export, reshard and replay PyTorch Distributed Checkpoints (FSDP2 / expert parallel)."""
-    from ckpttool.cli.options import parse_size
     from ckpttool.format.limits import set_limits
+    from ckpttool.ui.options import parse_size
 
     try:
         caps = {
@@ -357,7 +357,7 @@ def _root(
 
 def _register() -> None:
     for name in COMMANDS:
-        importlib.import_module(f"ckpttool.cli.commands.{name}").register(app)
+        importlib.import_module(f"ckpttool.commands.{name}").register(app)
 
 
 _register()

@@ -1,10 +1,10 @@
 """The checkpoint model: what a checkpoint holds, read from metadata alone (never imports torch).
 
-Modules: :mod:`.catalog` (model tensors, optimizer state, param groups, files),
-:mod:`.optimizer` (which state fields each optimizer type saves), :mod:`.layout_record`
-(the ckpttool layout record), :mod:`.declaration` (resolving the EP layout),
-:mod:`.geometry` (chunk geometry of EP tensors), :mod:`.permute` (block permutations),
-:mod:`.hfconfig` (HF ``config.json``), :mod:`.checkpoint` (the opened checkpoint).
+Modules: :mod:`.schema` (key schemas), :mod:`.catalog` (model tensors, optimizer state,
+param groups, files), :mod:`.discovery` (where the checkpoint is below a directory),
+:mod:`.hfconfig` (HF ``config.json``), :mod:`.adapters` (model adapters),
+:mod:`.checkpoint` (the opened checkpoint). The EP layout record and its math are
+:mod:`ckpttool.layouts`; the optimizer-state schema is :mod:`ckpttool.optim_state.schema`.
 """
 
 from __future__ import annotations
@@ -22,18 +22,14 @@ _WHERE = {
     "Checkpoint": "ckpttool.model.checkpoint",
     "ExtraState": "ckpttool.model.checkpoint",
     "open_checkpoint": "ckpttool.model.checkpoint",
-    "LayoutDeclaration": "ckpttool.model.declaration",
-    "ResolvedLayout": "ckpttool.model.declaration",
 }
 
 __all__ = [
     "Catalog",
     "Checkpoint",
     "ExtraState",
-    "LayoutDeclaration",
     "ParamGroup",
     "ParamState",
-    "ResolvedLayout",
     "TensorEntry",
     "build_catalog",
     "open_checkpoint",
@@ -42,7 +38,6 @@ __all__ = [
 if TYPE_CHECKING:
     from ckpttool.model.catalog import Catalog, ParamGroup, ParamState, TensorEntry, build_catalog
     from ckpttool.model.checkpoint import Checkpoint, ExtraState, open_checkpoint
-    from ckpttool.model.declaration import LayoutDeclaration, ResolvedLayout
 
 
 def __getattr__(name: str) -> Any:

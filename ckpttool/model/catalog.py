@@ -34,8 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ckpttool.errors import CkptError, NotRegularFileError, OptimStateError, PlannerDataError
 from ckpttool.format.directory import DATA_FILE_RE, CheckpointDir, rank_of_file
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, StorageInfo, TensorMeta
-from ckpttool.model.layout_record import LAYOUT_KEY, SIDECAR_NAME
-from ckpttool.model.optimizer import infer_optimizer_type
+from ckpttool.layouts.record import LAYOUT_KEY, SIDECAR_NAME
 from ckpttool.model.schema import (
     TRAINING_STATE_ITEMS,
     KeySchema,
@@ -44,6 +43,7 @@ from ckpttool.model.schema import (
     fused_parts,
     planner_paths,
 )
+from ckpttool.optim_state.schema import infer_optimizer_type
 
 if TYPE_CHECKING:
     from ckpttool.format.reader import CheckpointReader
@@ -822,7 +822,7 @@ def lost_state(cat: Catalog) -> dict[str, str]:
 def implied_optimizer_type(fields: dict[str, str]) -> str | None:
     """Optimizer type implied by a parameter's state fields and dtypes, or ``None`` if no type fits.
 
-    A lenient wrapper of :func:`ckpttool.model.optimizer.infer_optimizer_type` (torch-free)
+    A lenient wrapper of :func:`ckpttool.optim_state.schema.infer_optimizer_type` (torch-free)
     for overviews: a field set that
     no ckpttool optimizer writes (BF16 ``step``, mixed moment dtypes, ...) gives ``None``
     instead of an error. ``cpu_offload_adamw`` stores the same fields as

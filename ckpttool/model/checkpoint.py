@@ -33,8 +33,8 @@ from ckpttool.format.metadata import CheckpointMetadata
 from ckpttool.format.reader import CheckpointReader, load_saved_object
 from ckpttool.format.storage import is_url, url_path
 from ckpttool.format.unpickler import gc_paused
+from ckpttool.layouts.declaration import LayoutDeclaration, ResolvedLayout, resolve_layout
 from ckpttool.model.catalog import Catalog, ExtraStateFile, ParamGroup, build_catalog, load_param_groups
-from ckpttool.model.declaration import LayoutDeclaration, ResolvedLayout, resolve_layout
 from ckpttool.model.discovery import CheckpointSelection, Located, compose_pair, locate
 
 __all__ = ["Checkpoint", "CheckpointSelection", "ExtraState", "open_checkpoint", "opened"]

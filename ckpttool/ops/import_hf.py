@@ -45,7 +45,7 @@ from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.ops import distributed
 
 if TYPE_CHECKING:
-    from ckpttool.model.layout_record import EPTensorSpec
+    from ckpttool.layouts.record import EPTensorSpec
 
 # The EP pieces (expert-name pattern, layout record, nested intervals) are imported where EP sizes are
 # given: a dense import's start-up does not pay for the reshard planner and the layout declarations.
@@ -344,12 +344,12 @@ def ep_rows(num_experts: int, ep_size: int, ep_fsdp_size: int) -> list[tuple[int
 
     Rank ``r = e * F + f`` (canonical, EP-outer order) holds piece ``f`` of EP group ``e``'s
     experts: DTensor ``(Shard(0), Shard(0))`` over the ``(ep, ep_fsdp)`` mesh, ``torch.chunk``
-    sizes nested left to right (:func:`~ckpttool.model.geometry.nested_shard_intervals`), the
+    sizes nested left to right (:func:`~ckpttool.layouts.geometry.nested_shard_intervals`), the
     placement ``ckpttool reshard --to canonical`` writes for the same sizes (EP and EP-FSDP on
     the expert dim, as torchtitan and VeOmni shard experts when ``num_experts >= P * F``). An
     empty piece is ``(num_experts, 0)``.
     """
-    from ckpttool.model.geometry import nested_shard_intervals
+    from ckpttool.layouts.geometry import nested_shard_intervals
 
     return nested_shard_intervals(num_experts, (ep_size, ep_fsdp_size))
 
@@ -493,8 +493,8 @@ def _import_plain(
     acfg = AdapterConfig.from_hf_config(config)
     natives, skipped = _native_tensors(sources, opts, adapter, acfg)
     if ep is not None:
-        from ckpttool.model.declaration import EP_NAME_RE
-        from ckpttool.model.layout_record import EPTensorSpec
+        from ckpttool.layouts.declaration import EP_NAME_RE
+        from ckpttool.layouts.record import EPTensorSpec
     if ep is not None and not any(len(n.shape) >= 2 and EP_NAME_RE.search(n.key) for n in natives):
         raise UsageError(
             f"{src_dir}: `ep_size` / `ep_fsdp_size` given, but the model has no MoE expert tensor "
@@ -632,7 +632,7 @@ def _write_dcp(
                     segments = _segments(n, chunk.offsets[0], chunk.sizes[0], fds)
                 w.stream_tensor_archive(n.key, chunk, rank, dt, segments)
         if ep is not None and 0 in mine:  # the record `reshard` / `stamp` embed (docs/layouts.md), as a byte item
-            from ckpttool.model.layout_record import LAYOUT_KEY
+            from ckpttool.layouts.record import LAYOUT_KEY
             from ckpttool.ops.reshard.plan import make_record
 
             record = make_record(2, ep[0], ep[1], ep_specs, optimizer={})

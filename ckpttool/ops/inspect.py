@@ -22,14 +22,14 @@ from typing import Any
 
 from ckpttool.errors import CkptError, TrustRequiredError, UsageError
 from ckpttool.format.unpickler import gc_paused
+from ckpttool.layouts.declaration import LayoutDeclaration
+from ckpttool.layouts.geometry import EPGeometry
+from ckpttool.layouts.record import EPTensorSpec
 from ckpttool.model.catalog import Catalog, ParamGroup, TensorEntry, group_by_prefix, leaf_key, match_filter
 from ckpttool.model.checkpoint import Checkpoint, ExtraState, open_checkpoint
-from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.model.discovery import CheckpointSelection, Located
-from ckpttool.model.geometry import EPGeometry
-from ckpttool.model.layout_record import EPTensorSpec
-from ckpttool.model.optimizer import HYPERPARAMETERS
 from ckpttool.model.schema import KeySchema
+from ckpttool.optim_state.schema import HYPERPARAMETERS
 
 log = logging.getLogger(__name__)
 

@@ -295,7 +295,7 @@ def _sample_optimizer(model: Any, optimizer: str) -> Any:
         import torch
 
         return torch.optim.AdamW(model.parameters(), **hyper)
-    from ckpttool.optim.factory import build_optimizer
+    from ckpttool.optim_state.factory import build_optimizer
 
     cfg: dict[str, Any] = {}
     if optimizer == "master_fp32_adamw":

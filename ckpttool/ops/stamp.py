@@ -2,7 +2,7 @@
 
 For checkpoints saved without a layout record: the declaration (layout name, ``ep_size``,
 ``ep_fsdp_size``) is checked against the chunk geometry of every EP tensor
-(:func:`~ckpttool.model.declaration.resolve_layout`), then written atomically
+(:func:`~ckpttool.layouts.declaration.resolve_layout`), then written atomically
 (temp file + rename) as ``layout.json`` beside ``.metadata``. Only that file is
 added; nothing of the checkpoint itself changes.
 
@@ -24,12 +24,12 @@ from typing import Any
 
 from ckpttool.errors import CkptError, LayoutContradictionError, LayoutError, UsageError
 from ckpttool.format.atomic import atomic_write_text
+from ckpttool.layouts.declaration import LayoutDeclaration, load_layout_record
+from ckpttool.layouts.geometry import EPGeometry, dim_intervals
+from ckpttool.layouts.record import SIDECAR_NAME, parse_layout_record
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.checkpoint import Checkpoint, open_checkpoint
-from ckpttool.model.declaration import LayoutDeclaration, load_layout_record
 from ckpttool.model.discovery import CheckpointSelection
-from ckpttool.model.geometry import EPGeometry, dim_intervals
-from ckpttool.model.layout_record import SIDECAR_NAME, parse_layout_record
 from ckpttool.ops.reshard.plan import implied_optimizer, make_record
 
 __all__ = ["StampResult", "stamp"]

@@ -1,6 +1,6 @@
 """Tensor operations on checkpoint layouts (imports torch): block permutations, true expert order.
 
-The integer permutation math lives in :mod:`ckpttool.model.permute`; this module applies
+The integer permutation math lives in :mod:`ckpttool.layouts.permute`; this module applies
 it to tensors for the operations that hold whole tensors (``replay-step``).
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ckpttool.errors import LayoutSizeError
-from ckpttool.model.declaration import ResolvedLayout
-from ckpttool.model.permute import invert_permutation
+from ckpttool.layouts.declaration import ResolvedLayout
+from ckpttool.layouts.permute import invert_permutation
 
 if TYPE_CHECKING:
     import torch
@@ -23,7 +23,7 @@ def apply_block_permutation(t: torch.Tensor, perm: list[int], dim: int = 0) -> t
 
     Args:
         t: any tensor; ``t.shape[dim]`` must be a multiple of ``len(perm)``.
-        perm: a gather permutation (:mod:`ckpttool.model.permute`).
+        perm: a gather permutation (:mod:`ckpttool.layouts.permute`).
         dim: the dim to permute (the expert dim, usually 0).
 
     Returns:

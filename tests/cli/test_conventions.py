@@ -14,8 +14,8 @@ import typer
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from ckpttool.cli.options import parse_dtype, parse_size
 from ckpttool.errors import UsageError
+from ckpttool.ui.options import parse_dtype, parse_size
 
 runner = CliRunner()
 COMMANDS = (

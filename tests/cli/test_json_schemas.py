@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from ckpttool.cli.commands.schema import SCHEMA_NAMES, load_schema
+from ckpttool.commands.schema import SCHEMA_NAMES, load_schema
 from tests.fixtures import damage
 from tests.fixtures.cache import copy_checkpoint
 

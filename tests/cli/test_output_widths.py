@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from ckpttool.cli.render import PIPE_WIDTH, fmt_dict, fmt_rate, fmt_shape, fmt_value, plural
+from ckpttool.ui.render import PIPE_WIDTH, fmt_dict, fmt_rate, fmt_shape, fmt_value, plural
 from tests.cli.tables import column, tables
 from tests.fixtures import damage
 from tests.fixtures.cache import copy_checkpoint

@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from ckpttool.cli.commands.schema import load_schema
+from ckpttool.commands.schema import load_schema
 from ckpttool.errors import PathEscapeError, RemoteStorageError
 from ckpttool.format.storage import confine_key, parse_storage_options, redact, storage_config
 from tests.fixtures import s3 as s3fx

@@ -16,8 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from ckpttool.cli.output import SanitizedStream
-from ckpttool.cli.render import safe_text, stdout_console, table
+from ckpttool.ui.output import SanitizedStream
+from ckpttool.ui.render import safe_text, stdout_console, table
 from tests.fixtures.hostile import CorpusEntry
 from tests.security.test_hostile_matrix import MATRIX
 

@@ -38,11 +38,11 @@ from typing import Any
 from ckpttool.errors import CkptError, DiffError, UsageError
 from ckpttool.format.crc import crc32
 from ckpttool.format.metadata import TensorMeta
+from ckpttool.layouts.declaration import LayoutDeclaration
+from ckpttool.layouts.permute import legacy_to_canonical_perm
+from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.catalog import TensorEntry
 from ckpttool.model.checkpoint import Checkpoint, CheckpointSelection, open_checkpoint
-from ckpttool.model.declaration import LayoutDeclaration
-from ckpttool.model.layout_record import LAYOUT_KEY
-from ckpttool.model.permute import legacy_to_canonical_perm
 from ckpttool.ops.diff.compare import ValueDiff, compare_tensors, unravel
 from ckpttool.ops.export.transform import Run
 

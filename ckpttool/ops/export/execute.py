@@ -49,10 +49,10 @@ from ckpttool.format.safetensors import ShardWriter
 from ckpttool.format.storage import is_url
 from ckpttool.format.tiling import contiguous_run, tiling_problem
 from ckpttool.format.unpickler import gc_paused
+from ckpttool.layouts.declaration import LayoutDeclaration
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, detect_adapter, get_adapter
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.checkpoint import Checkpoint, opened
-from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.ops import distributed

@@ -11,8 +11,8 @@ metadata are refused (``E405``) unless ``--source-layout`` declares the layout.
 from __future__ import annotations
 
 from ckpttool.errors import ExportError
-from ckpttool.model.declaration import ResolvedLayout
-from ckpttool.model.permute import legacy_to_canonical_perm
+from ckpttool.layouts.declaration import ResolvedLayout
+from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.ops.export.plan import Selected
 
 __all__ = ["expert_orders"]

@@ -41,9 +41,9 @@ from ckpttool.errors import (
     UsageError,
 )
 from ckpttool.format.metadata import dtype_name
+from ckpttool.layouts.record import LayoutRecord
 from ckpttool.model.catalog import Catalog, TensorEntry, leaf_key, lost_state, match_filter
-from ckpttool.model.layout_record import LayoutRecord
-from ckpttool.model.optimizer import OPTIMIZER_TYPES, expected_state_dtypes, infer_optimizer_type
+from ckpttool.optim_state.schema import OPTIMIZER_TYPES, expected_state_dtypes, infer_optimizer_type
 
 __all__ = [
     "Hyper",

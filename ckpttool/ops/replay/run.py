@@ -4,7 +4,7 @@ Per batch of parameters (``plan.make_batches`` under ``max_memory``):
 
 1. read each parameter (stored dtype) and its saved state from the checkpoint, in true
    expert order (``ResolvedLayout.to_canonical``), in parallel threads;
-2. build ckpttool's optimizer (``ckpttool.optim.build_optimizer``, with the implementation
+2. build ckpttool's optimizer (``ckpttool.optim_state.build_optimizer``, with the implementation
    the run used: the layout record's ``optimizer.fused``) over the parameters placed on the
    device in their stored dtype, with the saved hyperparameters, and load the saved state
    through the optimizer's own ``load_state_dict`` (which adopts the tensors and places master
@@ -15,7 +15,7 @@ Per batch of parameters (``plan.make_batches`` under ``max_memory``):
 4. slab by slab (:data:`REFERENCE_SLAB` elements, in threads), read the *saved* values of the
    slab again from the checkpoint (:class:`~ckpttool.ops.replay.slabs.TensorSlabs`), check the
    saved parameter against ``master_weight.to(param.dtype)`` (bitwise), run the independent
-   reference ``ckpttool.optim.reference.reference_adamw_step`` (float64 on the CPU; between
+   reference ``ckpttool.optim_state.reference.reference_adamw_step`` (float64 on the CPU; between
    steps its state is rounded to the stored dtypes, as a save would) and compare
    (``compare.py``): ``master_weight``, ``exp_avg``, ``exp_avg_sq`` and the parameter against
    the reference, the written-back parameter against the optimizer's own
@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpttool.errors import DeviceUnavailableError, UsageError
+from ckpttool.layouts.declaration import LayoutDeclaration
 from ckpttool.model.checkpoint import Checkpoint, opened
-from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.ops.replay.compare import FieldError, compare_field, count_unequal, machine_eps, merge_field_errors
 from ckpttool.ops.replay.plan import ITEMSIZE, ParamPlan, make_batches, plan_replay
@@ -224,7 +224,7 @@ def resolve_device(device: str) -> Any:
     """
     import torch
 
-    from ckpttool.optim.device import accelerator_type
+    from ckpttool.optim_state.device import accelerator_type
 
     if device not in DEVICE_CHOICES:
         raise DeviceUnavailableError(f"`device` {device!r} is not one of {', '.join(DEVICE_CHOICES)}")
@@ -605,7 +605,7 @@ def _replay_batch(
     import torch
 
     from ckpttool.ops.replay.grads import seeded_grad
-    from ckpttool.optim.factory import build_optimizer
+    from ckpttool.optim_state.factory import build_optimizer
 
     t0 = time.perf_counter()
     workers = max(1, min(4, os.cpu_count() or 1))
@@ -769,7 +769,7 @@ class _SlabContext:
         """Reference and comparison of elements ``[a, b)``; returns the slab's partial results."""
         import torch
 
-        from ckpttool.optim.reference import reference_adamw_step
+        from ckpttool.optim_state.reference import reference_adamw_step
 
         a, b = bounds
         p, ref = self.p, self.ref_dtype

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.format.metadata import ChunkMeta, TensorMeta
 from ckpttool.format.tiling import tiling_problem
-from ckpttool.model.declaration import ResolvedLayout
+from ckpttool.layouts.declaration import ResolvedLayout
 from ckpttool.ops.export.transform import chunk_segments
 
 if TYPE_CHECKING:

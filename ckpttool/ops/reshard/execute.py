@@ -47,11 +47,11 @@ from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.storage import is_url
 from ckpttool.format.tiling import contiguous_run
 from ckpttool.format.writer import DCPWriter, can_stream
+from ckpttool.layouts.declaration import LayoutDeclaration
+from ckpttool.layouts.record import SIDECAR_NAME
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.checkpoint import Checkpoint, opened
-from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.model.discovery import CheckpointSelection
-from ckpttool.model.layout_record import SIDECAR_NAME
 from ckpttool.ops import distributed
 from ckpttool.ops.manifest import MANIFEST_NAME, source_identity, write_output_manifest
 from ckpttool.ops.reshard.plan import ReshardPlan, TensorPlan, origin_world, plan_reshard

@@ -38,11 +38,11 @@ from ckpttool.errors import ChunkError, LayoutContradictionError, LayoutSizeErro
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, DType, TensorMeta
 from ckpttool.format.tiling import tiling_problem
+from ckpttool.layouts.declaration import LAYOUT_VERSIONS, ResolvedLayout
+from ckpttool.layouts.geometry import nested_shard_intervals, tensor_geometry
+from ckpttool.layouts.permute import canonical_to_legacy_perm, legacy_to_canonical_perm
+from ckpttool.layouts.record import LAYOUT_FORMAT, LAYOUT_KEY, EPTensorSpec, parse_layout_record
 from ckpttool.model.catalog import Catalog
-from ckpttool.model.declaration import LAYOUT_VERSIONS, ResolvedLayout
-from ckpttool.model.geometry import nested_shard_intervals, tensor_geometry
-from ckpttool.model.layout_record import LAYOUT_FORMAT, LAYOUT_KEY, EPTensorSpec, parse_layout_record
-from ckpttool.model.permute import canonical_to_legacy_perm, legacy_to_canonical_perm
 
 __all__ = [
     "Piece",

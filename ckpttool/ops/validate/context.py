@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import CkptError, DataFileError, PathEscapeError
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, StorageInfo, TensorMeta
+from ckpttool.layouts.declaration import ResolvedLayout
 from ckpttool.model.catalog import Catalog, ParamGroup
 from ckpttool.model.checkpoint import Checkpoint
-from ckpttool.model.declaration import ResolvedLayout
 from ckpttool.ops.validate.reference import Reference
 
 if TYPE_CHECKING:

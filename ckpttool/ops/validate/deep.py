@@ -39,8 +39,8 @@ from ckpttool.errors import ChunkError, CkptError
 from ckpttool.format.crc import crc32
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, TensorMeta
 from ckpttool.format.tiling import tiling_problem
+from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.hfconfig import config_value
-from ckpttool.model.layout_record import LAYOUT_KEY
 from ckpttool.ops import distributed
 from ckpttool.ops.validate.stats import DeepResult, PairStats, TensorStats
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from ckpttool.errors import AmbiguousCheckpointError, MetadataError, SchemaError, StepNotFoundError
 from ckpttool.format.unpickler import gc_paused
+from ckpttool.layouts.declaration import LayoutDeclaration
 from ckpttool.model.checkpoint import Checkpoint, open_checkpoint
-from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.hfconfig import read_hf_config
 from ckpttool.ops.validate import rules as _rules  # noqa: F401 - registers the rules

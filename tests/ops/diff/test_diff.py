@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from ckpttool.cli.commands.schema import load_schema
+from ckpttool.commands.schema import load_schema
 from ckpttool.format import CheckpointReader
 from ckpttool.ops.diff import diff_checkpoints
 from ckpttool.ops.export.execute import export_checkpoint
@@ -197,7 +197,7 @@ def test_tied_head_is_compared_with_the_embedding(
 
 @pytest.mark.parametrize("experts", ["fused", "per-expert"])
 def test_legacy_ep_checkpoint_equals_its_export(qwen_legacy_ckpt: Path, tmp_path: Path, experts: str) -> None:
-    from ckpttool.model.declaration import LayoutDeclaration
+    from ckpttool.layouts.declaration import LayoutDeclaration
 
     decl = LayoutDeclaration("legacy", hf_models.MOE_P, hf_models.MOE_F)
     export_checkpoint(qwen_legacy_ckpt, tmp_path / "hf", experts=experts, declaration=decl)

@@ -245,7 +245,7 @@ def test_master_weights_against_a_weights_master_export(tmp_path: Path) -> None:
 def test_legacy_ep_difference_names_the_stored_expert_row(fixture_root: Path, tmp_path: Path, experts: str) -> None:
     """The compared index is HF's (true expert order); ``stored`` is where A keeps that element, read back here."""
     from ckpttool.format import CheckpointReader
-    from ckpttool.model.declaration import LayoutDeclaration
+    from ckpttool.layouts.declaration import LayoutDeclaration
 
     src = cached_build(fixture_root, "export_qwen_moe_legacy", hf_models.build_qwen_moe_legacy)
     decl = LayoutDeclaration("legacy", hf_models.MOE_P, hf_models.MOE_F)

@@ -22,12 +22,12 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from ckpttool.cli.options import parse_size
 from ckpttool.format import CheckpointReader
 from ckpttool.format.safetensors import is_narrowing
 from ckpttool.model.checkpoint import Checkpoint
 from ckpttool.ops.export import ExportOptions, export_checkpoint
 from ckpttool.ops.export.plan import shard_file_names
+from ckpttool.ui.options import parse_size
 from tests.fixtures import hf_models
 from tests.fixtures.cache import cached_build, copy_checkpoint
 

@@ -149,7 +149,7 @@ def test_legacy_unpermute_and_split_equal_the_true_state(
     ep_suite: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Block-transposed expert slabs (P=2, F=2 on dim 0): experts come out in true order, fused and split."""
-    from ckpttool.model.declaration import LayoutDeclaration
+    from ckpttool.layouts.declaration import LayoutDeclaration
 
     monkeypatch.setenv("CKPTTOOL_SLAB_BYTES", "64")
     truth = true_state(8)

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from ckpttool.cli.commands.schema import load_schema
+from ckpttool.commands.schema import load_schema
 from ckpttool.format import CheckpointReader
 from ckpttool.format.digest import ALGORITHMS
 from ckpttool.ops.manifest import load_manifest, verify_manifest, write_manifest

@@ -398,7 +398,7 @@ def test_library_refuses_an_infinite_tolerance(full_fx: Path) -> None:
 
 
 def test_missing_accelerator_is_a_usage_error(full_fx: Path) -> None:
-    from ckpttool.optim.device import accelerator_type
+    from ckpttool.optim_state.device import accelerator_type
 
     if accelerator_type() == "cuda":
         pytest.skip("this machine has cuda")

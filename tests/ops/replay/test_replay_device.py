@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
 from ckpttool.ops.replay import replay_step
-from ckpttool.optim.device import accelerator_type
+from ckpttool.optim_state.device import accelerator_type
 from tests.fixtures.cache import cached_build
 from tests.fixtures.replay import TRAIN_STEPS, VARIANTS, builder, load_recorded, variant_type
 

@@ -10,8 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckpttool.ops.replay.run as replay_run
+from ckpttool.layouts.declaration import LayoutDeclaration
 from ckpttool.model.checkpoint import open_checkpoint
-from ckpttool.model.declaration import LayoutDeclaration
 from ckpttool.ops.replay import replay_step
 from ckpttool.ops.replay.slabs import TensorSlabs
 from ckpttool.ops.tensors import to_canonical

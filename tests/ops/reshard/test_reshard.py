@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
 from ckpttool.format import CheckpointReader
-from ckpttool.model.declaration import LayoutDeclaration
+from ckpttool.layouts.declaration import LayoutDeclaration
 from ckpttool.ops.reshard.execute import reshard
-from ckpttool.optim import FullFP32AdamW
+from ckpttool.optim_state import FullFP32AdamW
 from tests.fixtures.distributed import run_ranks
 from tests.fixtures.moe_ep import (
     BETAS,

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from ckpttool.cli.app import app
 from ckpttool.format import CheckpointReader
 from ckpttool.format.digest import digest_bytes
-from ckpttool.model.declaration import LayoutDeclaration
+from ckpttool.layouts.declaration import LayoutDeclaration
 from ckpttool.ops.manifest import build_manifest, load_manifest, write_manifest
 from ckpttool.ops.reshard.execute import reshard
 

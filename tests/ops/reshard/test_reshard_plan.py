@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpttool.format.metadata import ChunkMeta
-from ckpttool.model.geometry import nested_shard_intervals
-from ckpttool.model.layout_record import EPTensorSpec
-from ckpttool.model.permute import canonical_to_legacy_perm, legacy_to_canonical_perm
+from ckpttool.layouts.geometry import nested_shard_intervals
+from ckpttool.layouts.permute import canonical_to_legacy_perm, legacy_to_canonical_perm
+from ckpttool.layouts.record import EPTensorSpec
 from ckpttool.ops.reshard.plan import _ChunkIndex, _pieces, _target_boxes, row_runs
 
 small = st.integers(min_value=1, max_value=4)

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
 from ckpttool.format import CheckpointReader
-from ckpttool.model.layout_record import parse_layout_record
+from ckpttool.layouts.record import parse_layout_record
 from tests.fixtures.cache import copy_checkpoint
 from tests.fixtures.moe_ep import true_state
 

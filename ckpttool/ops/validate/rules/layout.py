@@ -1,8 +1,8 @@
 """Layout rules (``L``): the layout record and the EP layout of expert tensors (``docs/layouts.md``).
 
-Built on the checkpoint's resolved layout (:func:`~ckpttool.model.declaration.resolve_layout`:
+Built on the checkpoint's resolved layout (:func:`~ckpttool.layouts.declaration.resolve_layout`:
 record, sidecar, declaration) and its chunk geometry
-(:meth:`~ckpttool.model.declaration.ResolvedLayout.geometry`, metadata only).
+(:meth:`~ckpttool.layouts.declaration.ResolvedLayout.geometry`, metadata only).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ckpttool.errors import (
     LayoutConflictError,
     LayoutContradictionError,
 )
-from ckpttool.model.geometry import EPGeometry
+from ckpttool.layouts.geometry import EPGeometry
 from ckpttool.ops.validate.base import RULES, Finding, Severity, rule
 from ckpttool.ops.validate.context import Context
 

@@ -1,7 +1,7 @@
 """Optimizer-state rules (``O``) and param-group rules (``P``).
 
 State fields and dtypes per optimizer type come from
-:mod:`ckpttool.model.optimizer`: ``adamw`` saves ``step``
+:mod:`ckpttool.optim_state.schema`: ``adamw`` saves ``step``
 (0-d float32), ``exp_avg`` and ``exp_avg_sq`` (param dtype); the FP32-master
 variants add a float32 ``master_weight`` and keep moments as configured. The type
 is the one declared by the layout record's ``optimizer.type`` when present, else the
@@ -19,15 +19,15 @@ from typing import Any
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import dtype_name
 from ckpttool.model.catalog import TensorEntry, lost_state
-from ckpttool.model.optimizer import (
+from ckpttool.ops.validate.base import Severity, rule
+from ckpttool.ops.validate.context import Context
+from ckpttool.optim_state.schema import (
     HYPERPARAMETERS,
     OPTIMIZER_TYPES,
     STATE_FIELDS,
     expected_state_dtypes,
     infer_optimizer_type,
 )
-from ckpttool.ops.validate.base import Severity, rule
-from ckpttool.ops.validate.context import Context
 
 LOW_PRECISION = (
     "bfloat16",

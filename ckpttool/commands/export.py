@@ -1,0 +1,322 @@
+"""``ckpttool export DIR OUT``: Hugging Face safetensors (sharded + index) or a PEFT LoRA adapter."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+from collections.abc import Callable, Iterator
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ckpttool.ui.options import (
+    CheckpointArg,
+    EpFsdpSizeOpt,
+    EpSizeOpt,
+    FilterOpt,
+    JsonOpt,
+    ModelPrefixOpt,
+    NoEpOpt,
+    OptimizerDirOpt,
+    OptimizerPrefixOpt,
+    OutputArg,
+    OutputHashOpt,
+    OverwriteOpt,
+    SchemaOpt,
+    SourceLayoutOpt,
+    StepOpt,
+    TrustPickleOpt,
+    VerifyCrcOpt,
+    declaration,
+    examples,
+    parse_dtype,
+    parse_size,
+    selection,
+)
+from ckpttool.ui.output import Output, command_boundary
+
+if TYPE_CHECKING:
+    from ckpttool.model.checkpoint import Checkpoint
+    from ckpttool.ops.export import ExportResult
+
+
+class ExportFormat(str, Enum):
+    hf = "hf"
+    lora = "lora"
+    hf_merged = "hf-merged"
+
+
+class Weights(str, Enum):
+    params = "params"
+    master = "master"
+
+
+class Experts(str, Enum):
+    fused = "fused"
+    per_expert = "per-expert"
+
+
+@command_boundary
+def export_command(
+    checkpoint: CheckpointArg,
+    out: OutputArg,
+    fmt: Annotated[
+        ExportFormat,
+        typer.Option(
+            "--format",
+            help="hf: model*.safetensors + index; lora: PEFT adapter; hf-merged: LoRA merged into the base weights.",
+        ),
+    ] = ExportFormat.hf,
+    save_dtype: Annotated[
+        str,
+        typer.Option(
+            "--save-dtype",
+            metavar="<preserve|bfloat16|float16|float32>",
+            help="preserve: each tensor in its stored dtype, bit-exact; else cast floating tensors only "
+            "(aliases bf16, fp16, fp32).",
+        ),
+    ] = "preserve",
+    weights: Annotated[
+        Weights,
+        typer.Option(
+            "--weights", help="params: stored parameters; master: FP32 optimizer master_weight where present."
+        ),
+    ] = Weights.params,
+    shard_size: Annotated[
+        str,
+        typer.Option(
+            "--shard-size", metavar="SIZE", help="Max bytes per file: 5GB (5*10^9), 5GiB or 5G (5*2^30), or bytes."
+        ),
+    ] = "5GB",
+    experts: Annotated[
+        Experts,
+        typer.Option(
+            "--experts",
+            help="fused: experts.gate_up_proj [E,2I,H] as stored (transformers v5); per-expert: experts.{j}.*_proj.weight.",
+        ),
+    ] = Experts.fused,
+    rules: Annotated[
+        Path | None,
+        typer.Option("--rules", help="YAML key/expert rules merged over the packaged defaults (docs/export.md)."),
+    ] = None,
+    model_assets: Annotated[
+        Path | None,
+        typer.Option(
+            "--model-assets",
+            help="Directory with config.json / tokenizer files to copy (config drives tied embeddings and num_experts).",
+        ),
+    ] = None,
+    filter_glob: FilterOpt = None,
+    workers: Annotated[
+        int | None, typer.Option("--workers", min=1, help="Reader threads [default: min(8, CPUs)].")
+    ] = None,
+    overwrite: OverwriteOpt = False,
+    json_output: JsonOpt = False,
+    source_layout: SourceLayoutOpt = None,
+    ep_size: EpSizeOpt = None,
+    ep_fsdp_size: EpFsdpSizeOpt = None,
+    adapter_config: Annotated[
+        Path | None,
+        typer.Option(
+            "--adapter-config", help="LoRA: adapter_config.json to write (default: --model-assets' or inferred)."
+        ),
+    ] = None,
+    lora_alpha: Annotated[
+        float | None, typer.Option("--lora-alpha", help="LoRA: lora_alpha when no adapter config is given.")
+    ] = None,
+    trust_pickle: TrustPickleOpt = False,
+    no_ep: NoEpOpt = False,
+    step: StepOpt = None,
+    optimizer_dir: OptimizerDirOpt = None,
+    schema: SchemaOpt = None,
+    model_prefix: ModelPrefixOpt = None,
+    optimizer_prefix: OptimizerPrefixOpt = None,
+    verify_crc: VerifyCrcOpt = True,
+    manifest: Annotated[
+        bool,
+        typer.Option(
+            "--manifest",
+            help="Also write OUT/manifest.json: a digest of every byte range as it is written (no second read); verify with `ckpttool manifest OUT --verify`.",
+        ),
+    ] = False,
+    hash_name: OutputHashOpt = "xxh3-128",
+    adapter: Annotated[
+        str | None,
+        typer.Option(
+            "--adapter",
+            metavar="<torchtitan-llama3|torchtitan-qwen3|hf>",
+            help="Model adapter (names and layouts to HF, e.g. the RoPE q/k row permutation) "
+            "[default: detected from the key names].",
+        ),
+    ] = None,
+    merge_lora: Annotated[
+        bool,
+        typer.Option("--merge-lora", help="Same as --format hf-merged: W + (alpha/r)·B@A in FP32, stored dtype."),
+    ] = False,
+    allow_mismatch: Annotated[
+        str | None,
+        typer.Option(
+            "--allow-mismatch",
+            metavar="KINDS",
+            help="Write even if the tensors differ from the model class transformers builds from config.json: "
+            "comma list of missing, unexpected, shape, dtype.",
+        ),
+    ] = None,
+) -> None:
+    """Export model weights as Hugging Face safetensors or a LoRA adapter (streaming, bit-exact by default)."""
+    from ckpttool.model.checkpoint import open_checkpoint
+    from ckpttool.ops.export import ExportOptions, export_checkpoint
+
+    decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
+    sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
+    alpha: float | int | None = lora_alpha
+    if alpha is not None and float(alpha).is_integer():
+        alpha = int(alpha)
+    options = ExportOptions(
+        fmt="hf-merged" if merge_lora else fmt.value,
+        save_dtype=parse_dtype(save_dtype, "--save-dtype", ("bfloat16", "float16", "float32"), extra=("preserve",)),
+        weights=weights.value,
+        shard_size=parse_size(shard_size, "--shard-size"),
+        experts=experts.value,
+        rules=rules,
+        model_assets=model_assets,
+        filter_glob=filter_glob,
+        workers=workers,
+        overwrite=overwrite,
+        verify_crc=verify_crc,
+        adapter_config=adapter_config,
+        lora_alpha=alpha,
+        manifest=manifest,
+        algorithm=hash_name,
+        adapter=adapter,
+        allow_mismatch=tuple(k.strip() for k in (allow_mismatch or "").split(",") if k.strip()),
+    )
+    from ckpttool.ui.render import byte_progress
+
+    with (
+        _opened_frozen(
+            lambda: open_checkpoint(checkpoint, declaration=decl, trust_pickle=trust_pickle, selection=sel)
+        ) as ckpt,
+        byte_progress("export", not json_output and sys.stderr.isatty()) as update,
+    ):
+        result = export_checkpoint(ckpt, out, options, progress=update)
+        masters = _masters_note(ckpt, result)
+    sink = Output(json_output)
+    for w in result.warnings:
+        sink.warning(w)
+    if masters:
+        sink.note(masters)
+    sink.result(result, _render)
+
+
+@contextlib.contextmanager
+def _opened_frozen(open_fn: Callable[[], Checkpoint]) -> Iterator[Checkpoint]:
+    """Open the checkpoint (``open_fn()``) with the cyclic GC paused, then freeze what it built.
+
+    Opening 10^6 entries builds ~10^7 long-lived acyclic objects with the GC paused; resuming it
+    plainly would scan them all at the next allocation (0.5 s), and every full collection of the
+    export again. They are frozen (``gc.freeze``) before the GC resumes and unfrozen when the checkpoint is
+    closed, unless something was frozen before (then left as it was). No result changes: frozen
+    objects still die by reference count.
+    """
+    from ckpttool.format.unpickler import gc_paused
+
+    with contextlib.ExitStack() as stack:
+        with gc_paused():
+            ckpt = stack.enter_context(open_fn())
+            if gc.get_freeze_count() == 0:
+                stack.callback(gc.unfreeze)
+            gc.freeze()
+        yield ckpt
+
+
+def _masters_note(ckpt: Checkpoint, r: ExportResult) -> str | None:
+    """Said once when ``--weights params`` left FP32 ``master_weight`` copies of exported parameters behind."""
+    if r.weights != "params" or r.format != "hf":
+        return None
+    exported = set(r.origins.get("params", []))
+    if not exported:
+        return None
+    with_master = [
+        fqn for fqn, ps in ckpt.catalog.optimizer_state.items() if "master_weight" in ps.fields and ps.in_model
+    ]
+    if not with_master:
+        return None
+    record = ckpt.layout.record if ckpt.layout is not None else None
+    declared = (record.optimizer or {}).get("type") if record is not None else None
+    dtypes = sorted({ckpt.catalog.model[f"model.{f}"].dtype for f in with_master if f"model.{f}" in ckpt.catalog.model})
+    return (
+        f"{len(with_master)} parameter(s) also have an FP32 optimizer master_weight"
+        + (f" ({declared})" if declared else "")
+        + f"; this export holds the stored {'/'.join(dtypes) or 'parameter'} values; "
+        "export the FP32 masters with --weights master (add --save-dtype bf16 to cast them)"
+    )
+
+
+def _render(r: ExportResult) -> None:
+    """Human summary on stdout (the console escapes control characters and never interprets markup)."""
+    from ckpttool.ui.render import Col, fmt_rate, fmt_seconds, human_bytes, plural, print_table, stdout_console
+
+    con = stdout_console()
+    con.print(
+        f"exported {plural(r.tensors, 'tensor')}, {human_bytes(r.bytes)} in {plural(len(r.files), 'file')} to {r.output} "
+        f"({fmt_seconds(r.seconds)}, {fmt_rate(r.bytes, r.seconds)})"
+    )
+    print_table(
+        con,
+        "files",
+        [Col("file", "key"), Col("tensors", "num"), Col("bytes", "num")],
+        [[f["name"], f"{f['tensors']:,}", human_bytes(f["bytes"])] for f in r.files],
+    )
+    if r.model_adapter and r.model_adapter != "hf":
+        con.print(f"adapter     {r.model_adapter}")
+    con.print(f"save dtype  {r.save_dtype}" + (f"; casts: {_counts(r.casts)}" if r.casts else "; no casts"))
+    if r.narrowing_casts:
+        con.print(f"narrowing casts (precision or range lost): {_counts(r.narrowing_casts)}")
+    params = r.origins.get("params", [])
+    master = r.origins.get("master", [])
+    if r.weights == "master":
+        con.print(
+            f"weights     {len(master)} from FP32 master_weight, {len(params)} from stored parameters (no master)"
+            + (f": {', '.join(params[:5])}{' ...' if len(params) > 5 else ''}" if params else "")
+        )
+    if r.experts == "per-expert" or r.layout.get("unpermuted"):
+        un = r.layout.get("unpermuted") or []
+        con.print(
+            f"experts     {r.experts}"
+            + (f"; {plural(len(un), 'tensor')} un-permuted from the legacy EP layout" if un else "")
+        )
+    if r.tied_embeddings:
+        msg = {
+            "omitted": "tied: lm_head omitted (bitwise equal to the embedding)",
+            "absent": "tied: the checkpoint has no lm_head",
+            "embedding-not-exported": "tied: embedding not exported, lm_head written",
+        }.get(r.tied_embeddings, r.tied_embeddings)
+        con.print(f"embeddings  {msg}")
+    if r.skipped:
+        con.print("not exported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()))
+    if r.assets:
+        con.print(f"assets      {', '.join(r.assets)}")
+
+
+def _counts(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} x{v}" for k, v in d.items())
+
+
+EPILOG = examples(
+    "ckpttool export ckpt/ hf/ --model-assets ckpt/model_assets",
+    "ckpttool export ckpt/ hf/ --save-dtype bf16 --shard-size 2GB --overwrite",
+    "ckpttool export ckpt/ hf/ --weights master --save-dtype bf16",
+    "ckpttool export ckpt/ hf/ --experts per-expert --filter 'model.layers.0.*'",
+    "ckpttool export ckpt/ adapter/ --format lora --lora-alpha 16",
+    "ckpttool export ckpt/ hf/ --manifest   # then: ckpttool manifest hf/ --verify",
+    "ckpttool export ckpt/ merged/ --merge-lora --lora-alpha 16 --model-assets base/",
+    "ckpttool export titan/step-1 hf/ --adapter torchtitan-llama3 --model-assets hf_config/",
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("export", epilog=EPILOG)(export_command)

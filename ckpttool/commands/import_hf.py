@@ -1,0 +1,149 @@
+"""``ckpttool import HF_DIR OUT``: a Hugging Face safetensors model -> a DCP checkpoint (torch-native or torchtitan)."""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ckpttool.ui.options import JsonOpt, OutputArg, OverwriteOpt, examples
+from ckpttool.ui.output import Output, command_boundary
+
+if TYPE_CHECKING:
+    from ckpttool.ops.import_hf import ImportResult
+
+
+class TargetSchema(str, Enum):
+    torch_native = "torch-native"
+    torchtitan = "torchtitan"
+
+
+@command_boundary
+def import_command(
+    hf_dir: Annotated[
+        Path,
+        typer.Argument(
+            help="Hugging Face model directory: model*.safetensors (+ index) and config.json.", show_default=False
+        ),
+    ],
+    out: OutputArg,
+    schema: Annotated[
+        TargetSchema,
+        typer.Option(
+            "--schema",
+            help="torch-native: dcp.save({'model': model.state_dict()}); torchtitan: CheckpointManager names via the adapter.",
+        ),
+    ] = TargetSchema.torch_native,
+    adapter: Annotated[
+        str | None,
+        typer.Option(
+            "--adapter",
+            metavar="<torchtitan-llama3|torchtitan-qwen3>",
+            help="Model adapter for --schema torchtitan [default: from config.json model_type].",
+        ),
+    ] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="config.json [default: HF_DIR/config.json].")] = None,
+    world_size: Annotated[
+        int,
+        typer.Option(
+            "--world-size", min=1, help="Pre-shard for N ranks: one file per rank, dim-0 chunks as FSDP2 Shard(0)."
+        ),
+    ] = 1,
+    ep_size: Annotated[
+        int | None,
+        typer.Option(
+            "--ep-size",
+            min=1,
+            help="Pre-shard MoE expert tensors for EP size P (with --ep-fsdp-size F: P*F files, canonical "
+            "EP x EP-FSDP placement, a layout record).",
+        ),
+    ] = None,
+    ep_fsdp_size: Annotated[
+        int | None,
+        typer.Option("--ep-fsdp-size", min=1, help="EP-FSDP size F of the target mesh (with --ep-size) [default: 1]."),
+    ] = None,
+    overwrite: OverwriteOpt = False,
+    fsync: Annotated[
+        bool,
+        typer.Option(
+            "--fsync/--no-fsync",
+            help="fsync the output files before moving the directory into place (survives a power loss).",
+        ),
+    ] = True,
+    manifest: Annotated[
+        bool,
+        typer.Option(
+            "--manifest",
+            help="Also write OUT/manifest.json, every chunk digested as it is written, naming the source's identity.",
+        ),
+    ] = False,
+    hash_name: Annotated[
+        str,
+        typer.Option("--hash", metavar="ALGO", help="Digest of the manifest: xxh3-128, blake3 or blake2b-256."),
+    ] = "xxh3-128",
+    json_output: JsonOpt = False,
+) -> None:
+    """Import a Hugging Face safetensors model as a DCP checkpoint (streaming, bit-exact, atomic)."""
+    from ckpttool.ops.import_hf import ImportOptions, import_hf
+
+    res = import_hf(
+        hf_dir,
+        out,
+        ImportOptions(
+            schema=schema.value,
+            adapter=adapter,
+            config=config,
+            world_size=world_size,
+            ep_size=ep_size,
+            ep_fsdp_size=ep_fsdp_size,
+            overwrite=overwrite,
+            fsync=fsync,
+            manifest=manifest,
+            algorithm=hash_name,
+        ),
+    )
+    sink = Output(json_output)
+    for w in res.warnings:
+        sink.warning(w)
+    sink.result(res, _render)
+
+
+def _render(r: ImportResult) -> None:
+    from ckpttool.ui.render import fmt_rate, fmt_seconds, human_bytes, plural, stdout_console
+
+    lines = [
+        f"imported {plural(r.tensors, 'tensor')}, {human_bytes(r.bytes)} to {r.output} "
+        f"({fmt_seconds(r.seconds)}, {fmt_rate(r.bytes, r.seconds)})",
+        f"key schema  {r.schema}" + (f"; adapter {r.adapter}" if r.adapter else "") + f"; {r.world_size} rank(s)",
+    ]
+    if r.ep_size is not None:
+        lines.append(
+            f"EP layout  canonical (version 2), ep_size {r.ep_size}, ep_fsdp_size {r.ep_fsdp_size}; "
+            f"{plural(r.ep_tensors, 'expert tensor')}"
+        )
+    if r.skipped:
+        lines.append("not imported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()))
+    if not sys.stdout.isatty():  # a pipe: whole lines, no wrapping; rich (~15 ms of start-up) is not needed
+        for line in lines:
+            typer.echo(line)
+        return
+    con = stdout_console()
+    for line in lines:
+        con.print(line)
+
+
+EPILOG = examples(
+    "ckpttool import hf_model/ ckpt/",
+    "ckpttool import hf_model/ ckpt/ --world-size 8",
+    "ckpttool import qwen3_moe/ ckpt/ --ep-size 4 --ep-fsdp-size 2",
+    "ckpttool import hf_model/ s3://bucket/run/step-0",
+    "ckpttool import hf_model/ titan/step-0 --schema torchtitan",
+    "ckpttool import hf_model/ ckpt/ --world-size 4 --manifest",
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("import", epilog=EPILOG)(import_command)

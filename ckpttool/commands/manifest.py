@@ -1,0 +1,103 @@
+"""``ckpttool manifest DIR``: write manifest.json, a digest of every stored chunk (verify with validate --manifest)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ckpttool.ui.options import CheckpointArg, JsonOpt, StepOpt, TrustPickleOpt, examples, selection
+from ckpttool.ui.output import Output, command_boundary
+
+if TYPE_CHECKING:
+    from ckpttool.ops.manifest import ManifestCheck, ManifestResult
+
+
+@command_boundary
+def manifest_command(
+    checkpoint: CheckpointArg,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output", "-o", help="Write the manifest here instead of DIR/manifest.json.", show_default=False
+        ),
+    ] = None,
+    hash_name: Annotated[
+        str,
+        typer.Option(
+            "--hash",
+            metavar="ALGO",
+            help="Digest: xxh3-128 (fast, detects damage), blake3 or blake2b-256 (cryptographic).",
+        ),
+    ] = "xxh3-128",
+    covers: Annotated[
+        str,
+        typer.Option(
+            "--covers",
+            metavar="WHAT",
+            help="window: each chunk's whole stored window; record: its raw storage record only (what reshard digests while writing).",
+        ),
+    ] = "window",
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="Check DIR against its manifest (DIR/manifest.json or --output) instead of writing one: a DCP checkpoint or a safetensors export made with a manifest. Exit 1 names each changed, missing or added chunk or byte range.",
+        ),
+    ] = False,
+    json_output: JsonOpt = False,
+    trust_pickle: TrustPickleOpt = False,
+    step: StepOpt = None,
+) -> None:
+    """Digest every chunk and byte item (each byte read once) into manifest.json beside .metadata.
+
+    Adds only that file. `ckpttool validate --manifest FILE` later names any chunk that is missing,
+    added or changed.
+    """
+    from ckpttool.ops.manifest import write_manifest
+
+    if verify:
+        from ckpttool.ops.manifest import check_against_manifest
+
+        checked = check_against_manifest(checkpoint, output, trust_pickle=trust_pickle, selection=selection(step))
+        Output(json_output).result(checked, _render_check)
+        if checked.problems:
+            raise typer.Exit(1)
+        return
+    res = write_manifest(
+        checkpoint, output, algorithm=hash_name, covers=covers, trust_pickle=trust_pickle, selection=selection(step)
+    )
+    Output(json_output).result(res, _render)
+
+
+def _render_check(res: ManifestCheck) -> None:
+    from ckpttool.ui.render import plural, stdout_console
+
+    con = stdout_console()
+    for p in res.problems:
+        con.print(f"{p.kind:8} {p.message}")
+    verdict = "matches" if not res.problems else f"differs: {plural(len(res.problems), 'problem')}"
+    con.print(
+        f"{res.path} ({res.kind}) {verdict} its manifest {res.manifest} ({plural(res.entries, 'entry', 'entries')})"
+    )
+
+
+def _render(res: ManifestResult) -> None:
+    from ckpttool.ui.render import human_bytes, plural, stdout_console
+
+    stdout_console().print(
+        f"wrote {res.path}: {plural(res.entries, 'entry', 'entries')}, {human_bytes(res.bytes_hashed)} hashed "
+        f"({res.algorithm}) in {res.seconds:.2f} s; manifest {res.algorithm} {res.digest}"
+    )
+
+
+EPILOG = examples(
+    "ckpttool manifest ckpt/",
+    "ckpttool validate ckpt/ --manifest ckpt/manifest.json",
+    "ckpttool manifest hf/ --verify            # an export made with a manifest, or a checkpoint",
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("manifest", epilog=EPILOG)(manifest_command)

@@ -1,0 +1,330 @@
+"""``ckpttool replay-step DIR``: replay the next optimizer step and compare with an FP64 reference."""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ckpttool.errors import ReplayMismatchError, UsageError
+from ckpttool.ui.options import (
+    CheckpointArg,
+    EpFsdpSizeOpt,
+    EpSizeOpt,
+    JsonOpt,
+    ModelPrefixOpt,
+    NoEpOpt,
+    OptimizerDirOpt,
+    OptimizerPrefixOpt,
+    SchemaOpt,
+    SourceLayoutOpt,
+    StepOpt,
+    TrustPickleOpt,
+    declaration,
+    examples,
+    parse_dtype,
+    parse_size,
+    parse_tolerance,
+    selection,
+)
+from ckpttool.ui.output import Output, command_boundary, deprecated, print_error
+
+__all__ = ["register", "render_replay", "replay_step_command"]
+
+
+class DeviceChoice(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    npu = "npu"
+
+
+class OptimizerChoice(str, Enum):
+    auto = "auto"
+    adamw = "adamw"
+    full_fp32_adamw = "full_fp32_adamw"
+    master_fp32_adamw = "master_fp32_adamw"
+    cpu_offload_adamw = "cpu_offload_adamw"
+
+
+@command_boundary
+def replay_step_command(
+    checkpoint: CheckpointArg,
+    device: Annotated[
+        DeviceChoice,
+        typer.Option("--device", help="Where the parameters live: auto (accelerator if any), cpu, cuda, npu."),
+    ] = DeviceChoice.auto,
+    filter_glob: Annotated[
+        str | None,
+        typer.Option(
+            "--filter",
+            metavar="GLOB",
+            help="Only parameters whose checkpoint key matches this glob, with or without 'model.' "
+            "(as inspect/export --filter): '*experts*', 'model.layers.0.*'.",
+        ),
+    ] = None,
+    select: Annotated[
+        str | None,
+        typer.Option("--select", hidden=True, help="Deprecated: a regex (re.search) over fqns; use --filter GLOB."),
+    ] = None,
+    grads: Annotated[
+        Path | None,
+        typer.Option("--grads", help="safetensors file of gradients keyed by parameter fqn (global shape)."),
+    ] = None,
+    grad_seed: Annotated[
+        int | None, typer.Option("--grad-seed", help="Seed of the generated gradients (default 0; see docs/replay.md).")
+    ] = None,
+    grad_scale: Annotated[
+        float | None, typer.Option("--grad-scale", help="Std-dev of the generated gradients (default 1e-3).")
+    ] = None,
+    optimizer: Annotated[
+        OptimizerChoice, typer.Option("--optimizer", help="Optimizer type; auto: layout record, else the state fields.")
+    ] = OptimizerChoice.auto,
+    offload_patterns: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--offload-patterns",
+            help="cpu_offload_adamw: regex of parameters kept on the CPU (repeatable; overrides the record).",
+        ),
+    ] = None,
+    chunk_size: Annotated[
+        int | None, typer.Option("--chunk-size", min=1, help="cpu_offload_adamw: elements per staged chunk.")
+    ] = None,
+    steps: Annotated[
+        int, typer.Option("--steps", min=1, help="Optimizer steps to replay from the saved state (K >= 1).")
+    ] = 1,
+    max_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--max-memory",
+            metavar="SIZE",
+            help="Peak memory of one batch of parameters: 8GiB or 8G (2^30), 8GB (10^9), bytes "
+            "(default half the available RAM).",
+        ),
+    ] = None,
+    tolerance: Annotated[
+        str, typer.Option("--tolerance", help="rtol,atol for FP32 values (widened to the dtype's rounding for BF16).")
+    ] = "1e-5,1e-8",
+    reference_dtype: Annotated[
+        str,
+        typer.Option(
+            "--reference-dtype",
+            metavar="<float64|float32>",
+            help="Dtype of the independent reference step (aliases fp64/double, fp32/float).",
+        ),
+    ] = "float64",
+    json_output: JsonOpt = False,
+    trust_pickle: TrustPickleOpt = False,
+    source_layout: SourceLayoutOpt = None,
+    ep_size: EpSizeOpt = None,
+    ep_fsdp_size: EpFsdpSizeOpt = None,
+    no_ep: NoEpOpt = False,
+    step: StepOpt = None,
+    optimizer_dir: OptimizerDirOpt = None,
+    schema: SchemaOpt = None,
+    model_prefix: ModelPrefixOpt = None,
+    optimizer_prefix: OptimizerPrefixOpt = None,
+) -> None:
+    """Replay the next optimizer step from the saved state on --device and compare with an independent reference.
+
+    Exit 0: every parameter matches; 1: a mismatch beyond tolerance; 2: unusable input.
+    """
+    from ckpttool.model.checkpoint import open_checkpoint
+    from ckpttool.ops.replay import ReplayOptions, replay_step
+
+    if grads is not None and (grad_seed is not None or grad_scale is not None):
+        raise UsageError(
+            "--grads and --grad-seed/--grad-scale are exclusive", hint="give a gradients file or a seed, not both"
+        )
+    if select is not None:
+        if filter_glob is not None:
+            raise UsageError("--select and --filter are exclusive", hint="give one --filter GLOB")
+        deprecated("replay-step --select REGEX", "--filter GLOB (a glob over checkpoint keys, as inspect/export)")
+    options = ReplayOptions(
+        device=device.value,
+        select=select,
+        filter_glob=filter_glob,
+        grads=grads,
+        grad_seed=0 if grad_seed is None else grad_seed,
+        grad_scale=1e-3 if grad_scale is None else grad_scale,
+        optimizer=optimizer.value,
+        offload_patterns=offload_patterns or None,
+        chunk_size=chunk_size,
+        steps=steps,
+        max_memory=parse_size(max_memory, "--max-memory") if max_memory is not None else None,
+        tolerance=parse_tolerance(tolerance),
+        reference_dtype=parse_dtype(reference_dtype, "--reference-dtype", ("float64", "float32")),
+    )
+    options.check()
+    decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
+    sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
+    progress_cb, finish = _progress(enabled=not json_output and sys.stderr.isatty())
+    try:
+        with open_checkpoint(checkpoint, declaration=decl, trust_pickle=trust_pickle, selection=sel) as ckpt:
+            result = replay_step(ckpt, options, progress=progress_cb)
+    finally:
+        finish()
+    Output(json_output).result(result, render_replay)
+    if not result.ok:
+        worst = result.failed[0]
+        print_error(
+            ReplayMismatchError(
+                f"{len(result.failed)} of {len(result.params)} parameter(s) do not reproduce the reference step; "
+                f"worst {worst.fqn}: {worst.problems[0]}",
+                fqn=worst.fqn,
+            )
+        )
+        raise typer.Exit(ReplayMismatchError.exit_code)
+
+
+def _err_cell(err: Any) -> str:
+    if err is None:
+        return "-"
+    mark = "" if err.ok else " !"
+    return f"{err.max_abs:.1e}/{err.max_rel:.1e}{mark}"
+
+
+def render_replay(result: Any, *, max_rows: int = 40) -> None:
+    """Print a :class:`~ckpttool.replay.ReplayResult` as a header, a table (worst first) and a verdict."""
+    from ckpttool.ui.render import (
+        STYLES,
+        Col,
+        fmt_rate,
+        fmt_value,
+        human_bytes,
+        plural,
+        print_table,
+        stdout_console,
+        styled,
+    )
+
+    con = stdout_console()
+    con.print(f"checkpoint  {result.path}")
+    con.print(f"device      {result.device}")
+    cfg = "; ".join(
+        f"{t}: "
+        + ", ".join(
+            f"{k}={fmt_value(v)}" for k, v in c.items() if k != "cpu_offload_param_patterns" or c.get("cpu_offload")
+        )
+        for t, c in result.optimizer_config.items()
+        if c
+    )
+    con.print(f"optimizer   {result.optimizer_type} (from {result.optimizer_reason})" + (f"; {cfg}" if cfg else ""))
+    g = result.grads
+    con.print(
+        "grads       "
+        + (f"file {g['path']}" if g["source"] == "file" else f"seeded (seed {g['seed']}, scale {g['scale']:g})")
+    )
+    rtol, atol = result.tolerance
+    con.print(
+        f"replay      {plural(result.steps, 'step')} vs a {result.reference_dtype} reference; tolerance rtol {rtol:g} "
+        f"atol {atol:g} (BF16 values: 2 ulp); {plural(result.batches, 'batch', 'batches')} under "
+        f"{human_bytes(result.max_memory)}"
+    )
+    for n in result.notes:
+        con.print(f"note        {n}")
+    rows = []
+    shown = [p for p in result.params if not p.ok] + [p for p in result.params if p.ok][
+        : max(0, max_rows - len(result.failed))
+    ]
+    for p in shown:
+        step = "-" if p.step_after is None else f"{p.step_before:g}->{p.step_after:g}"
+        place = ",".join(sorted({v.split(":")[0] for k, v in p.placement.items() if k != "param"})) or "-"
+        rows.append(
+            [
+                p.fqn,
+                p.optimizer_type,
+                p.state + (" offload" if p.offloaded else ""),
+                f"{p.lr:g}",
+                step,
+                _err_cell(p.fields.get("master_weight")),
+                _err_cell(p.fields.get("exp_avg")),
+                _err_cell(p.fields.get("exp_avg_sq")),
+                _err_cell(p.fields.get("param")),
+                f"{p.placement.get('param', '-').split(':')[0]}/{place}",
+                styled(("ok", STYLES["ok"])) if p.ok else styled(("FAIL: " + "; ".join(p.problems), STYLES["FAIL"])),
+            ]
+        )
+    print_table(
+        con,
+        "parameters (worst first)",
+        [
+            Col("parameter", "key"),
+            Col("optimizer", "code", drop=10),
+            Col("state", "code", drop=9),
+            Col("lr", "num", drop=7),
+            Col("step", "code", drop=8),
+            Col("master_weight", "num", drop=4, hide_empty=True),
+            Col("exp_avg", "num", drop=5),
+            Col("exp_avg_sq", "num", drop=6),
+            Col("param", "num"),
+            Col("param/state on", "code", drop=11),
+            Col("result", "text"),
+        ],
+        rows,
+    )
+    con.print("errors      max abs/max rel vs the reference, per field (! beyond tolerance)")
+    if len(shown) < len(result.params):
+        con.print(f"... {len(result.params) - len(shown)} more parameter(s) passed (use --json for all)")
+    t = result.timing
+    con.print(
+        f"timing      optimizer.step {t['step_seconds'] * 1e3:.1f} ms for {plural(result.steps, 'step')}, "
+        f"{human_bytes(t['state_bytes'])} of state read+written ({fmt_rate(t['state_bytes'], t['step_seconds'])}); "
+        f"load {t['load_seconds']:.2f} s, reference {t['reference_seconds']:.2f} s, total {t['total_seconds']:.2f} s"
+    )
+    if t["offload_seconds"] > 0:
+        con.print(
+            f"offload     D2H {human_bytes(t['d2h_bytes'])} ({t['d2h_gbps']:.2f} GB/s), H2D {human_bytes(t['h2d_bytes'])} "
+            f"({t['h2d_gbps']:.2f} GB/s) over {t['offload_seconds'] * 1e3:.1f} ms of offloaded steps"
+        )
+    word = "OK" if result.ok else "FAILED"
+    con.print(
+        styled(
+            "result      ",
+            (word, STYLES[word]),
+            f": {len(result.params) - len(result.failed)} of {plural(len(result.params), 'parameter')} "
+            "match the reference step",
+        ),
+    )
+
+
+def _progress(*, enabled: bool) -> tuple[Any, Any]:
+    """A ``(callback, finish)`` pair drawing a progress bar on stderr (no-ops when disabled or with ``-q``)."""
+    from ckpttool.ui.render import UI
+
+    if not enabled or UI.quiet:
+        return None, lambda: None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ckpttool.ui.render import stderr_console
+
+    bar = Progress(
+        TextColumn("replaying"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=stderr_console(),
+        transient=True,
+    )
+    task = bar.add_task("replay", total=None)
+    bar.start()
+
+    def update(done: int, total: int) -> None:
+        bar.update(task, completed=done, total=total)
+
+    return update, bar.stop
+
+
+EPILOG = examples(
+    "ckpttool replay-step ckpt/",
+    "ckpttool replay-step ckpt/ --filter '*experts*' --steps 3",
+    "ckpttool replay-step ckpt/ --device cuda --grads grads.safetensors --json",
+    "ckpttool replay-step ckpt/ --optimizer cpu_offload_adamw --max-memory 8GiB",
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("replay-step", epilog=EPILOG)(replay_step_command)

@@ -1,0 +1,171 @@
+"""``ckpttool reshard SRC DST --to canonical|legacy``: rewrite EP tensors for another layout / mesh."""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ckpttool.ui.options import (
+    CheckpointArg,
+    EpFsdpSizeOpt,
+    EpSizeOpt,
+    JsonOpt,
+    ModelPrefixOpt,
+    NoEpOpt,
+    OptimizerPrefixOpt,
+    OutputArg,
+    OutputHashOpt,
+    OverwriteOpt,
+    SchemaOpt,
+    SourceLayoutOpt,
+    StepOpt,
+    TrustPickleOpt,
+    VerifyCrcOpt,
+    declaration,
+    examples,
+    selection,
+)
+from ckpttool.ui.output import Output, command_boundary
+
+if TYPE_CHECKING:
+    from ckpttool.ops.reshard import ReshardResult
+
+
+class TargetLayout(str, Enum):
+    canonical = "canonical"
+    legacy = "legacy"
+
+
+@command_boundary
+def reshard_command(
+    source: CheckpointArg,
+    target: OutputArg,
+    to: Annotated[
+        TargetLayout, typer.Option("--to", help="Target EP layout: canonical (version 2) or legacy (version 1).")
+    ],
+    target_ep_size: Annotated[
+        int | None,
+        typer.Option(
+            "--target-ep-size", min=1, help="EP size of the job that will load the output (default: the source's)."
+        ),
+    ] = None,
+    target_ep_fsdp_size: Annotated[
+        int | None,
+        typer.Option(
+            "--target-ep-fsdp-size",
+            min=1,
+            help="EP-FSDP size of the job that will load the output (default: the source's).",
+        ),
+    ] = None,
+    with_optimizer: Annotated[
+        bool,
+        typer.Option(
+            "--with-optimizer",
+            help="Permute the optimizer state (master_weight, exp_avg, exp_avg_sq) of EP parameters with them; required when the checkpoint has such state.",
+        ),
+    ] = False,
+    source_layout: SourceLayoutOpt = None,
+    ep_size: EpSizeOpt = None,
+    ep_fsdp_size: EpFsdpSizeOpt = None,
+    overwrite: OverwriteOpt = False,
+    fsync: Annotated[
+        bool,
+        typer.Option(
+            "--fsync/--no-fsync",
+            help="fsync the output files before moving the directory into place (survives a power loss).",
+        ),
+    ] = True,
+    json_output: JsonOpt = False,
+    trust_pickle: TrustPickleOpt = False,
+    no_ep: NoEpOpt = False,
+    step: StepOpt = None,
+    schema: SchemaOpt = None,
+    model_prefix: ModelPrefixOpt = None,
+    optimizer_prefix: OptimizerPrefixOpt = None,
+    verify_crc: VerifyCrcOpt = True,
+    manifest: Annotated[
+        bool,
+        typer.Option(
+            "--manifest",
+            help="Also write the output's manifest.json, every chunk digested as it is written (no second read); verify with validate --manifest.",
+        ),
+    ] = False,
+    hash_name: OutputHashOpt = "xxh3-128",
+) -> None:
+    """Write a new DCP checkpoint with expert tensors in the target layout, one data file per target rank.
+
+    Non-EP tensors and byte items are copied unchanged; the output carries a layout record
+    naming the source (its .metadata and manifest.json digests). The source is only read; the
+    output appears only when complete.
+    """
+    from ckpttool.model.checkpoint import open_checkpoint
+    from ckpttool.ops.reshard import ReshardOptions, reshard
+    from ckpttool.ui.render import byte_progress
+
+    decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
+    sel = selection(step, None, schema, model_prefix, optimizer_prefix)
+    options = ReshardOptions(
+        to=to.value,
+        target_ep_size=target_ep_size,
+        target_ep_fsdp_size=target_ep_fsdp_size,
+        with_optimizer=with_optimizer,
+        overwrite=overwrite,
+        verify_crc=verify_crc,
+        fsync=fsync,
+        manifest=manifest,
+        algorithm=hash_name,
+    )
+    with (
+        open_checkpoint(source, declaration=decl, trust_pickle=trust_pickle, selection=sel) as ckpt,
+        byte_progress("reshard", not json_output and sys.stderr.isatty()) as update,
+    ):
+        res = reshard(ckpt, target, options, progress=update)
+    sink = Output(json_output)
+    sink.result(res, _render)
+    for w in res.warnings:  # after the summary; they do not change the exit code
+        sink.warning(w)
+
+
+def _render(res: ReshardResult) -> None:
+    from ckpttool.ui.render import fmt_rate, fmt_seconds, human_bytes, plural, stdout_console
+
+    con = stdout_console()
+    src_v = {None: "unversioned", 1: "legacy (version 1)", 2: "canonical (version 2)"}[res.from_version]
+    to_v = "canonical (version 2)" if res.to_version == 2 else "legacy (version 1)"
+    src_sizes = (
+        f"ep_size {res.from_ep_size}, ep_fsdp_size {res.from_ep_fsdp_size}" if res.from_ep_size else "sizes unknown"
+    )
+    n_perm = len(res.permuted)
+    con.print(f"source  {res.source}: {src_v} [{res.from_source}], {src_sizes}")
+    con.print(
+        f"target  {res.target}: {to_v}, ep_size {res.ep_size}, ep_fsdp_size {res.ep_fsdp_size}, "
+        f"{plural(len(res.files), 'data file')} (one per target rank)"
+    )
+    con.print(
+        f"tensors {plural(res.ep_tensors, 'EP parameter')}, {plural(res.optimizer_tensors, 'optimizer state tensor')} "
+        f"of them, {n_perm} with a new expert order; {plural(res.passthrough_tensors, 'other tensor')} and "
+        f"{plural(res.byte_items, 'byte item')} copied unchanged"
+    )
+    con.print(
+        f"wrote   {human_bytes(res.bytes_written)} in {fmt_seconds(res.seconds)} "
+        f"({fmt_rate(res.bytes_written, res.seconds)}; {plural(res.chunks_copied, 'chunk')} copied verbatim, "
+        f"{res.chunks_rewritten} reassembled)"
+        + (f"; also copied {', '.join(res.extra_files)}" if res.extra_files else "")
+    )
+    if res.manifest is not None:
+        con.print(f"manifest {res.target}/{res.manifest} (storage records digested as written)")
+
+
+EPILOG = examples(
+    "ckpttool reshard ckpt/ out/ --to canonical",
+    "ckpttool reshard ckpt/ out/ --to canonical --with-optimizer --target-ep-size 4 --target-ep-fsdp-size 2",
+    "ckpttool reshard old/ new/ --to canonical --source-layout legacy --ep-size 4 --ep-fsdp-size 2",
+    "ckpttool reshard ckpt/ out/ --to canonical --manifest --hash blake3",
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("reshard", epilog=EPILOG)(reshard_command)

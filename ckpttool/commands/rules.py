@@ -1,0 +1,76 @@
+"""``ckpttool rules``: the validation rules (code, severity, what each checks); ``--json`` is ``ckpttool.rules/1``.
+
+``ckpttool validate --list-rules`` prints the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+
+from ckpttool.ui.options import JsonOpt, examples
+from ckpttool.ui.output import command_boundary, emit_json
+
+RULES_SCHEMA = "ckpttool.rules/1"
+
+
+def rules_document() -> dict[str, Any]:
+    """The ``ckpttool.rules/1`` document: every rule of ``validate``, by code."""
+    from ckpttool.ops.validate import RULES
+
+    return {
+        "schema": RULES_SCHEMA,
+        "rules": [
+            {
+                "code": r.code,
+                "name": r.name,
+                "severity": r.severity.value,
+                "family": r.family,
+                "needs": sorted(r.needs),
+                "fatal": r.fatal,
+                "summary": r.summary,
+                "hint": r.hint,
+            }
+            for r in (RULES[c] for c in sorted(RULES))
+        ],
+    }
+
+
+def print_rules(json_output: bool) -> None:
+    """Print the rules as a table, or the ``ckpttool.rules/1`` JSON document."""
+    doc = rules_document()
+    if json_output:
+        emit_json(doc)
+        return
+    from ckpttool.ui.render import Col, print_table, stdout_console
+
+    print_table(
+        stdout_console(),
+        "rules",
+        [
+            Col("code", "code"),
+            Col("name", "code", drop=2),
+            Col("severity", "code"),
+            Col("needs", "code", drop=1),
+            Col("checks", "text"),
+        ],
+        [[r["code"], r["name"], r["severity"], ",".join(r["needs"]) or "-", r["summary"]] for r in doc["rules"]],
+    )
+
+
+@command_boundary
+def rules_command(json_output: JsonOpt = False) -> None:
+    """List the rules of `ckpttool validate`: code, severity, what each checks (select them with --select/--ignore)."""
+    print_rules(json_output)
+
+
+EPILOG = examples(
+    "ckpttool rules",
+    "ckpttool rules --json",
+    "ckpttool validate ckpt/ --select O,L --ignore O004",
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("rules", epilog=EPILOG)(rules_command)

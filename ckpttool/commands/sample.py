@@ -1,0 +1,69 @@
+"""``ckpttool sample DIR``: write a small real checkpoint to try every command on."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ckpttool.ui.options import OverwriteOpt, examples
+from ckpttool.ui.output import command_boundary, deprecated, note
+
+
+class SampleOptimizer(str, Enum):
+    """``write_sample(optimizer=...)`` choices (:data:`ckpttool.ops.sample.SAMPLE_OPTIMIZERS`)."""
+
+    adamw = "adamw"
+    full_fp32_adamw = "full_fp32_adamw"
+    master_fp32_adamw = "master_fp32_adamw"
+    cpu_offload_adamw = "cpu_offload_adamw"
+
+
+@command_boundary
+def sample_command(
+    directory: Annotated[
+        Path,
+        typer.Argument(
+            help="Where to write the sample checkpoint (must not exist or be empty, unless --overwrite; "
+            "written atomically).",
+            show_default=False,
+        ),
+    ],
+    train_steps: Annotated[
+        int, typer.Option("--train-steps", min=0, help="Training steps (AdamW updates) taken before the save.")
+    ] = 3,
+    old_steps: Annotated[
+        int | None, typer.Option("--steps", min=0, hidden=True, help="Deprecated spelling of --train-steps.")
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="RNG seed, 0 to 2**63-1.")] = 0,
+    optimizer: Annotated[
+        SampleOptimizer,
+        typer.Option(
+            "--optimizer",
+            help="adamw: torch AdamW on FP32 parameters; full_fp32_adamw, master_fp32_adamw (BF16 moments), "
+            "cpu_offload_adamw: BF16 parameters with FP32 master weights.",
+        ),
+    ] = SampleOptimizer.adamw,
+    overwrite: OverwriteOpt = False,
+) -> None:
+    """Write a tiny MoE causal LM checkpoint (HF Dots1 names, fused experts, a router buffer, layout record)."""
+    from ckpttool.ops.sample import write_sample
+
+    if old_steps is not None:
+        deprecated("sample --steps", "--train-steps (replay-step --steps counts replayed steps)")
+        train_steps = old_steps
+    out = write_sample(directory, steps=train_steps, seed=seed, optimizer=optimizer.value, overwrite=overwrite)
+    note(f"wrote sample checkpoint to {out}")
+    note(f"try: ckpttool inspect {out}")
+
+
+EPILOG = examples(
+    "ckpttool sample /tmp/ckpttool-sample --overwrite",
+    "ckpttool sample /tmp/ckpt-masters --optimizer master_fp32_adamw --train-steps 5",
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("sample", epilog=EPILOG)(sample_command)

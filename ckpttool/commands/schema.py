@@ -1,0 +1,114 @@
+"""``ckpttool schema CMD``: print the JSON Schema of a command's ``--json`` document.
+
+The schemas ship in the package (``ckpttool/schemas/*.schema.json``, JSON Schema draft
+2020-12), one per document id: ``ckpttool.inspect/1``, ``ckpttool.validate/1``,
+``ckpttool.export/1``, ``ckpttool.reshard/1``, ``ckpttool.stamp/1``, ``ckpttool.replay/1``,
+``ckpttool.rules/1``, ``ckpttool.diff/1``, ``ckpttool.manifest/1``, ``ckpttool.manifest-check/1``. Documents may gain fields within a version; consumers ignore
+fields they do not know.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from typing import Annotated, Any
+
+import typer
+
+from ckpttool.ui.options import examples
+from ckpttool.ui.output import command_boundary
+
+__all__ = ["SCHEMA_NAMES", "load_schema", "register"]
+
+#: ``ckpttool schema NAME`` -> the document id it describes.
+SCHEMA_NAMES = {
+    "inspect": "ckpttool.inspect/1",
+    "validate": "ckpttool.validate/1",
+    "export": "ckpttool.export/1",
+    "reshard": "ckpttool.reshard/1",
+    "stamp": "ckpttool.stamp/1",
+    "replay": "ckpttool.replay/1",
+    "rules": "ckpttool.rules/1",
+    "diff": "ckpttool.diff/1",
+    "manifest": "ckpttool.manifest/1",
+    "manifest-check": "ckpttool.manifest-check/1",
+    "import": "ckpttool.import/1",
+}
+_PRINTED_BY = {
+    "inspect": "ckpttool inspect --json",
+    "validate": "ckpttool validate --json",
+    "export": "ckpttool export --json",
+    "reshard": "ckpttool reshard --json",
+    "stamp": "ckpttool stamp --json",
+    "replay": "ckpttool replay-step --json",
+    "rules": "ckpttool rules --json, ckpttool validate --list-rules --json",
+    "diff": "ckpttool diff --json",
+    "manifest": "ckpttool manifest --json",
+    "manifest-check": "ckpttool manifest --verify --json",
+    "import": "ckpttool import --json",
+}
+
+
+class SchemaName(str, Enum):
+    inspect = "inspect"
+    validate = "validate"
+    export = "export"
+    reshard = "reshard"
+    stamp = "stamp"
+    replay = "replay"
+    replay_step = "replay-step"
+    rules = "rules"
+    diff = "diff"
+    manifest = "manifest"
+    manifest_check = "manifest-check"
+    import_ = "import"
+
+
+def load_schema(name: str) -> dict[str, Any]:
+    """The JSON Schema (a dict) of ``ckpttool NAME --json`` (``replay-step`` = ``replay``)."""
+    from importlib import resources
+
+    name = "replay" if name == "replay-step" else name
+    text = (resources.files("ckpttool") / "schemas" / f"{name}.schema.json").read_text(encoding="utf-8")
+    doc: dict[str, Any] = json.loads(text)
+    return doc
+
+
+@command_boundary
+def schema_command(
+    name: Annotated[
+        SchemaName | None,
+        typer.Argument(
+            help="Which document: inspect, validate, export, reshard, stamp, replay (= replay-step), rules, diff, manifest, manifest-check (what manifest prints when verifying) or import; "
+            "none: list them.",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Print the JSON Schema of a command's --json output (shipped in the package)."""
+    import sys
+
+    if name is None:
+        from ckpttool.ui.render import Col, print_table, stdout_console
+
+        print_table(
+            stdout_console(),
+            "JSON schemas (ckpttool schema NAME)",
+            [Col("name", "code"), Col("document", "code"), Col("printed by", "text")],
+            [[n, doc, _PRINTED_BY[n]] for n, doc in SCHEMA_NAMES.items()],
+        )
+        return
+    # one write per line: the output sink escapes line breaks inside a write (forged lines)
+    for line in json.dumps(load_schema(name.value), indent=2).splitlines():
+        sys.stdout.write(line + "\n")
+
+
+EPILOG = examples(
+    "ckpttool schema",
+    "ckpttool schema inspect > inspect.schema.json",
+    "ckpttool schema replay-step",
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("schema", epilog=EPILOG)(schema_command)

@@ -1,0 +1,84 @@
+"""``ckpttool stamp DIR --source-layout L --ep-size P --ep-fsdp-size F``: record a declared EP layout."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ckpttool.ui.options import (
+    CheckpointArg,
+    JsonOpt,
+    ModelPrefixOpt,
+    OptimizerPrefixOpt,
+    SchemaOpt,
+    SourceLayout,
+    StepOpt,
+    TrustPickleOpt,
+    declaration,
+    examples,
+    selection,
+)
+from ckpttool.ui.output import Output, command_boundary
+
+if TYPE_CHECKING:
+    from ckpttool.ops.stamp import StampResult
+
+
+@command_boundary
+def stamp_command(
+    checkpoint: CheckpointArg,
+    source_layout: Annotated[
+        SourceLayout,
+        typer.Option(
+            "--source-layout",
+            help="EP layout the checkpoint was saved with: legacy (mesh EP-FSDP, EP) or canonical (mesh EP, EP-FSDP).",
+        ),
+    ],
+    ep_size: Annotated[int, typer.Option("--ep-size", min=1, help="EP size P of the saving mesh.")],
+    ep_fsdp_size: Annotated[int, typer.Option("--ep-fsdp-size", min=1, help="EP-FSDP size F of the saving mesh.")],
+    json_output: JsonOpt = False,
+    trust_pickle: TrustPickleOpt = False,
+    step: StepOpt = None,
+    schema: SchemaOpt = None,
+    model_prefix: ModelPrefixOpt = None,
+    optimizer_prefix: OptimizerPrefixOpt = None,
+) -> None:
+    """Write layout.json beside .metadata after checking the declaration against the chunk geometry.
+
+    Adds only that file; refuses to contradict a layout record already in the checkpoint.
+    """
+    from ckpttool.ops.stamp import stamp
+
+    decl = declaration(source_layout, ep_size, ep_fsdp_size)
+    sel = selection(step, None, schema, model_prefix, optimizer_prefix)
+    res = stamp(checkpoint, decl, trust_pickle=trust_pickle, selection=sel)
+    Output(json_output).result(res, _render)
+
+
+def _render(res: StampResult) -> None:
+    from ckpttool.ui.render import plural, stdout_console
+
+    rec = res.record
+    name = "canonical" if rec["version"] == 2 else "legacy"
+    if res.written:
+        what = f"wrote {res.path}"
+    elif res.recorded_in == "embedded":
+        what = f"already recorded in the checkpoint's embedded layout item, nothing written: {res.path}"
+    else:
+        what = f"already recorded in {res.path}, nothing written"
+    stdout_console().print(
+        f"{what}: layout version {rec['version']} ({name}), ep_size {rec['parallel'].get('ep_size', 1)}, "
+        f"ep_fsdp_size {rec['parallel'].get('ep_fsdp_size', 1)}, {plural(res.ep_tensors, 'EP tensor')} "
+        f"({res.same_dim} with EP and FSDP on the expert dim)"
+    )
+
+
+EPILOG = examples(
+    "ckpttool stamp ckpt/ --source-layout legacy --ep-size 4 --ep-fsdp-size 2",
+    "ckpttool inspect ckpt/   # then shows the recorded layout",
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("stamp", epilog=EPILOG)(stamp_command)

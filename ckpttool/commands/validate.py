@@ -1,0 +1,249 @@
+"""``ckpttool validate DIR [--strict] [--deep]``: rule checks with stable codes (``docs/rules.md``).
+
+Exit codes: 0 clean; 1 findings that fail the run (errors; warnings too with
+``--strict``); 2 unreadable/unsafe input or bad invocation.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ckpttool.ui.options import (
+    CheckpointArg,
+    EpFsdpSizeOpt,
+    EpSizeOpt,
+    JsonOpt,
+    ModelPrefixOpt,
+    NoEpOpt,
+    OptimizerPrefixOpt,
+    SchemaOpt,
+    SourceLayoutOpt,
+    StepOpt,
+    TrustPickleOpt,
+    declaration,
+    examples,
+    selection,
+)
+from ckpttool.ui.output import Output, command_boundary, print_error
+
+if TYPE_CHECKING:
+    from ckpttool.ops.validate import ValidationResult
+
+
+def _render(res: ValidationResult) -> None:
+    from ckpttool.ui.render import (
+        STYLES,
+        Col,
+        fmt_rate,
+        human_bytes,
+        plural,
+        print_table,
+        stdout_console,
+        styled,
+        verdict,
+    )
+
+    con = stdout_console()
+    con.print(f"checkpoint  {res.path}")
+    for sev in ("error", "warning", "info"):
+        rows = [f for f in res.findings if f.severity.value == sev]
+        if not rows:
+            continue
+        title = {
+            "error": "errors",
+            "warning": "warnings" + ("" if res.strict else " (do not fail without --strict)"),
+            "info": "info",
+        }[sev]
+        print_table(
+            con,
+            f"{title} ({len(rows)})",
+            [Col("code", "code"), Col("key", "key"), Col("message", "text"), Col("hint", "text", drop=1)],
+            [
+                [
+                    styled((f.code + (f" {f.error_code}" if f.error_code else ""), STYLES.get(sev))),
+                    f.key or "-",
+                    f.message,
+                    f.hint,
+                ]
+                for f in rows
+            ],
+        )
+    c = res.counts
+    ran = sum(1 for s in res.rules if s.status != "skipped")
+    skipped = [s for s in res.rules if s.status == "skipped"]
+    reasons = sorted({s.reason or "" for s in skipped})
+    skip_txt = f", {len(skipped)} skipped ({'; '.join(reasons)})" if skipped else ""
+    word = {0: "OK", 1: "FAILED", 2: "UNREADABLE"}[res.exit_code]
+    deep = f", read {human_bytes(res.bytes_read)} ({fmt_rate(res.bytes_read, res.seconds)})" if res.deep else ""
+    con.print(
+        verdict(
+            word,
+            f": {plural(c['error'], 'error')}, {plural(c['warning'], 'warning')}, {c['info']} info; "
+            f"{plural(ran, 'rule')} run{skip_txt}{deep} in {res.seconds:.2f} s" + (" [strict]" if res.strict else ""),
+        )
+    )
+
+
+_JUNIT_HINT = (
+    "--junit takes the path of a file in an existing, writable directory "
+    "(an existing file is replaced), e.g. --junit reports/validate.xml"
+)
+
+
+def _check_junit_path(junit: Path) -> None:
+    """Refuse a ``--junit`` path that cannot be written before any checking is done.
+
+    Raises:
+        OutputError (E600): a directory, or a file whose parent directory does not exist.
+    """
+    from ckpttool.errors import OutputError
+
+    if junit.is_dir():
+        raise OutputError(f"--junit {junit}: is a directory, not a file", path=junit, hint=_JUNIT_HINT)
+    parent = junit.parent
+    if not parent.is_dir():
+        raise OutputError(
+            f"--junit {junit}: directory {parent} does not exist",
+            path=junit,
+            hint=f"create {parent} first, or {_JUNIT_HINT}",
+        )
+
+
+@command_boundary
+def validate_command(
+    checkpoint: CheckpointArg = None,  # type: ignore[assignment]
+    strict: Annotated[
+        bool, typer.Option("--strict", help="Warnings fail the run too; unknown or ambiguous things fail closed.")
+    ] = False,
+    deep: Annotated[
+        bool,
+        typer.Option(
+            "--deep",
+            help="Also read every data byte once (files in parallel): non-finite values, negative exp_avg_sq, step values, master/param divergence, tied head, corrupt chunks.",
+        ),
+    ] = False,
+    select: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--select",
+            help="Run only rules whose code starts with one of these (comma list or repeated): S, O00, D004.",
+        ),
+    ] = None,
+    ignore: Annotated[
+        list[str] | None,
+        typer.Option("--ignore", help="Skip rules whose code starts with one of these (comma list or repeated)."),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", help="HF config.json of the model: layer and expert coverage, tied lm_head rules."),
+    ] = None,
+    against: Annotated[
+        Path | None,
+        typer.Option(
+            "--against",
+            help="Reference model (HF directory with safetensors/index, a .safetensors file, or a JSON key list): missing/unexpected keys, shapes, dtypes.",
+        ),
+    ] = None,
+    manifest: Annotated[
+        Path | None,
+        typer.Option(
+            "--manifest",
+            metavar="FILE",
+            help="Verify every chunk against this manifest.json (ckpttool manifest): names missing, added and changed chunks.",
+        ),
+    ] = None,
+    json_output: JsonOpt = False,
+    junit: Annotated[
+        Path | None,
+        typer.Option("--junit", help="Also write a JUnit XML report (one test case per rule) to this file."),
+    ] = None,
+    source_layout: SourceLayoutOpt = None,
+    ep_size: EpSizeOpt = None,
+    ep_fsdp_size: EpFsdpSizeOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    workers: Annotated[
+        int | None, typer.Option("--workers", min=1, help="Reader threads for --deep (default: CPU count, 2..8).")
+    ] = None,
+    list_rules: Annotated[
+        bool, typer.Option("--list-rules", help="List the rules (code, severity, what they check) and exit.")
+    ] = False,
+    no_ep: NoEpOpt = False,
+    step: StepOpt = None,
+    optimizer_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--optimizer-dir",
+            "--optimizer",
+            help="A separate optimizer checkpoint (e.g. checkpoint-N/optimizer_0) validated together with DIR's model.",
+            show_default=False,
+        ),
+    ] = None,
+    schema: SchemaOpt = None,
+    model_prefix: ModelPrefixOpt = None,
+    optimizer_prefix: OptimizerPrefixOpt = None,
+) -> None:
+    """Check a checkpoint with rules that have stable codes; exit 1 on findings that fail the run."""
+    from ckpttool.errors import UsageError, error_class
+
+    if list_rules:
+        from ckpttool.commands.rules import print_rules
+
+        print_rules(json_output)
+        return
+    if checkpoint is None:
+        raise UsageError("missing CHECKPOINT argument", hint="ckpttool validate DIR [--strict] [--deep]")
+    from ckpttool.ops.validate import ValidateOptions, junit_xml, validate
+
+    if junit is not None:
+        _check_junit_path(junit)
+    from ckpttool.ui.render import byte_progress
+
+    decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
+    sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
+    options = ValidateOptions(
+        strict=strict,
+        deep=deep,
+        select=tuple(select or ()),
+        ignore=tuple(ignore or ()),
+        config=config,
+        against=against,
+        workers=workers,
+        manifest=manifest,
+    )
+    from ckpttool.format.unpickler import gc_paused
+
+    progress = byte_progress("validate --deep", deep and not json_output and sys.stderr.isatty())
+    with gc_paused(), progress as update:  # one pause for reading and printing (each re-enable: a full collection)
+        res = validate(checkpoint, options, declaration=decl, trust_pickle=trust_pickle, progress=update, selection=sel)
+        if junit is not None:
+            from ckpttool.errors import OutputError
+            from ckpttool.format.atomic import atomic_write_text
+
+            try:
+                atomic_write_text(junit, junit_xml(res))
+            except OutputError as e:
+                e.hint = _JUNIT_HINT
+                raise
+        Output(json_output).result(res, _render)
+    fatal = res.fatal
+    if fatal is not None:
+        message = f"{fatal.key}: {fatal.message}" if fatal.key and fatal.key not in fatal.message else fatal.message
+        print_error(error_class(fatal.error_code or "")(message, hint=fatal.hint))
+    raise typer.Exit(res.exit_code)
+
+
+EPILOG = examples(
+    "ckpttool validate ckpt/",
+    "ckpttool validate ckpt/ --strict --deep",
+    "ckpttool validate ckpt/ --select O,L --ignore O004 --json",
+    "ckpttool validate ckpt/ --config hf/config.json --against hf/ --junit report.xml",
+    "ckpttool validate --list-rules",
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("validate", epilog=EPILOG)(validate_command)

@@ -1,0 +1,301 @@
+"""Chunk geometry of expert-parallel (EP) tensors, from ``.metadata`` alone.
+
+For every EP tensor the chunks that ``dcp.save`` recorded tell how the tensor was
+split: the distinct chunk intervals along each dim (``blocks_per_dim``), the
+writing ranks, and whether EP and EP-FSDP shard the same dim (the case where the
+legacy and canonical layouts store different bytes, docs/design.md §4). The
+geometry is compared with what the recorded or declared mesh sizes imply;
+disagreements are listed in :attr:`EPGeometry.problems`.
+
+Chunk intervals follow DTensor's ``Shard`` rule (``torch/distributed/tensor/
+placement_types.py::Shard.local_shard_size_and_offset``, i.e. ``torch.chunk``):
+a dim of size ``n`` split ``k`` ways gives pieces of ``ceil(n/k)``, the last ones
+shorter or empty; an empty piece is recorded at offset ``n``. Several mesh axes
+sharding one dim nest left to right (``_utils._compute_local_shape_and_global_offset``).
+Zero-size chunks are valid and ignored when counting blocks. A rank may store its piece as
+several chunks (the stored intervals then *refine* the expected ones: each lies inside one
+expected interval); that is consistent with the layout.
+
+:func:`ep_split_candidates` lists the saving meshes ``(ep_size, ep_fsdp_size)`` with both
+sizes above 1 that the chunks of an unversioned tensor fit: only those make its expert order
+ambiguous (with ``P = 1`` or ``F = 1`` legacy and canonical store the same bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ckpttool.layouts.record import EPTensorSpec
+
+if TYPE_CHECKING:
+    from ckpttool.model.catalog import TensorEntry
+
+__all__ = [
+    "EPGeometry",
+    "infer_fsdp_dim",
+    "tensor_geometry",
+    "dim_intervals",
+    "shard_interval",
+    "nested_shard_intervals",
+    "expected_ep_intervals",
+    "ep_split_candidates",
+    "refines",
+]
+
+
+@dataclass(frozen=True)
+class EPGeometry:
+    """How the chunks of one EP tensor split it, and whether that fits the layout.
+
+    Attributes:
+        key: checkpoint key.
+        shape: global shape (``()`` when the key is not in the checkpoint).
+        ep_dim: the expert dim.
+        fsdp_dim: dim split by EP-FSDP besides/with the EP dim (``None``: not FSDP-sharded).
+        num_experts: expert count (record/declaration, else ``shape[ep_dim]``).
+        blocks_per_dim: number of distinct non-empty chunk intervals along each dim.
+        ranks: ranks whose files hold the chunks.
+        same_dim: EP and EP-FSDP both shard ``ep_dim`` (legacy/canonical differ; ambiguous
+            without a record or declaration).
+        problems: disagreements with the declared/recorded ``ep_size``/``ep_fsdp_size``/
+            ``num_experts`` (empty = consistent).
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    ep_dim: int
+    fsdp_dim: int | None
+    num_experts: int
+    blocks_per_dim: tuple[int, ...]
+    ranks: tuple[int, ...]
+    same_dim: bool
+    problems: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready row (``inspect --json`` ``layout.geometry``)."""
+        return {
+            "key": self.key,
+            "shape": list(self.shape),
+            "ep_dim": self.ep_dim,
+            "fsdp_dim": self.fsdp_dim,
+            "num_experts": self.num_experts,
+            "blocks_per_dim": list(self.blocks_per_dim),
+            "ranks": list(self.ranks),
+            "same_dim": self.same_dim,
+            "problems": list(self.problems),
+        }
+
+
+def dim_intervals(entry: TensorEntry, dim: int) -> list[tuple[int, int]]:
+    """Sorted distinct ``(offset, size)`` intervals of the non-empty chunks along ``dim``."""
+    return sorted({(c.offsets[dim], c.sizes[dim]) for c in entry.chunks if c.numel > 0})
+
+
+def shard_interval(n: int, num_chunks: int, index: int) -> tuple[int, int]:
+    """``(offset, size)`` of piece ``index`` when a dim of size ``n`` is split ``num_chunks`` ways.
+
+    ``torch.chunk`` rule as DTensor ``Shard`` applies it: pieces of ``ceil(n/num_chunks)``;
+    an empty piece sits at offset ``n``.
+    """
+    if n % num_chunks == 0:
+        size = n // num_chunks
+        return index * size, size
+    full = -(-n // num_chunks)
+    start = min(n, full * index)
+    size = max(0, min(n, start + full) - start)
+    return (start, size) if size else (n, 0)
+
+
+def nested_shard_intervals(n: int, mesh_sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Intervals of one dim sharded by several mesh axes, outermost first, for every rank.
+
+    Args:
+        n: dim size.
+        mesh_sizes: sizes of the mesh axes that shard this dim, in placement order.
+
+    Returns:
+        ``(offset, size)`` per mesh coordinate in row-major order (``len == prod(mesh_sizes)``);
+        an empty piece sits at offset ``n`` (DTensor's ``zero_global_offset``).
+    """
+    pieces = [(0, n)]
+    for k in mesh_sizes:
+        nxt = []
+        for off, size in pieces:
+            for i in range(k):
+                o, s = shard_interval(size, k, i)
+                nxt.append((off + o, s) if s else (n, 0))
+        pieces = nxt
+    return pieces
+
+
+def expected_ep_intervals(
+    spec: EPTensorSpec, shape: tuple[int, ...], version: int, ep_size: int, ep_fsdp_size: int
+) -> dict[int, set[tuple[int, int]]]:
+    """Non-empty chunk intervals per dim that a save with these sizes produces.
+
+    Args:
+        spec: the tensor's EP dims.
+        shape: global shape.
+        version: 2 canonical (mesh EP, EP-FSDP) or 1 legacy (mesh EP-FSDP, EP).
+        ep_size, ep_fsdp_size: ``P`` and ``F``.
+
+    Returns:
+        dim -> set of ``(offset, size)``; dims absent are unsplit.
+    """
+    out: dict[int, set[tuple[int, int]]] = {}
+    n_ep = shape[spec.ep_dim]
+    if spec.fsdp_dim == spec.ep_dim:
+        order = (ep_size, ep_fsdp_size) if version == 2 else (ep_fsdp_size, ep_size)
+        out[spec.ep_dim] = {iv for iv in nested_shard_intervals(n_ep, order) if iv[1]}
+    else:
+        out[spec.ep_dim] = {iv for iv in nested_shard_intervals(n_ep, (ep_size,)) if iv[1]}
+        if spec.fsdp_dim is not None:
+            n_f = shape[spec.fsdp_dim]
+            out[spec.fsdp_dim] = {iv for iv in nested_shard_intervals(n_f, (ep_fsdp_size,)) if iv[1]}
+    return out
+
+
+def refines(
+    got: set[tuple[int, int]], want: set[tuple[int, int]], owners: dict[tuple[int, int], set[int | None]] | None = None
+) -> bool:
+    """The stored intervals ``got`` are the expected ``want`` ones, or a subdivision of them
+    made by single ranks: each stored interval lies inside one expected interval, every expected
+    one holds some, and an expected interval stored as several pieces has all of them written by
+    one rank (``owners``: stored interval -> writing ranks; without it no subdivision is accepted).
+
+    (Whether the stored chunks tile the tensor is checked elsewhere: ``S004``.)
+    """
+    if got == want:
+        return True
+    if owners is None:
+        return False
+    ordered = sorted(want)
+    pieces: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for o, s in got:
+        hit = next((w for w in ordered if w[0] <= o and o + s <= w[0] + w[1]), None)
+        if hit is None:
+            return False
+        pieces.setdefault(hit, []).append((o, s))
+    if set(pieces) != want:
+        return False
+    for ivs in pieces.values():
+        if len(ivs) > 1:
+            ranks = set().union(*(owners.get(iv, {None}) for iv in ivs))
+            if len(ranks) != 1 or None in ranks:
+                return False
+    return True
+
+
+def _owners(entry: TensorEntry, dim: int) -> dict[tuple[int, int], set[int | None]]:
+    out: dict[tuple[int, int], set[int | None]] = {}
+    for i, c in enumerate(entry.chunks):
+        if c.numel > 0:
+            out.setdefault((c.offsets[dim], c.sizes[dim]), set()).add(entry.chunk_rank(i))
+    return out
+
+
+def ep_split_candidates(entry: TensorEntry, spec: EPTensorSpec) -> list[tuple[int, int]]:
+    """Saving meshes ``(ep_size, ep_fsdp_size)``, both > 1, whose EP and EP-FSDP sharding of the
+    expert dim produce exactly the stored chunk intervals (metadata only).
+
+    Empty for a tensor whose expert dim is not split by both (e.g. plain FSDP2 ``Shard(0)`` over a
+    prime number of ranks): its stored order is the true order whatever the mesh order was.
+    """
+    if spec.fsdp_dim != spec.ep_dim or not 0 <= spec.ep_dim < len(entry.shape):
+        return []
+    got = set(dim_intervals(entry, spec.ep_dim))
+    blocks = len(got)
+    n = entry.shape[spec.ep_dim]
+    out = []
+    for p in range(2, blocks // 2 + 1):
+        if blocks % p:
+            continue
+        f = blocks // p
+        if f < 2 or spec.num_experts % p:
+            continue
+        want = {iv for iv in nested_shard_intervals(n, (p, f)) if iv[1]}
+        if want == got:
+            out.append((p, f))
+    return out
+
+
+def infer_fsdp_dim(entry: TensorEntry, ep_dim: int) -> int | None:
+    """The EP-FSDP dim the chunks suggest: another dim split into several intervals, else
+    ``ep_dim`` when only it is split (EP and FSDP on one dim, or EP alone), else ``None``."""
+    blocks = [len(dim_intervals(entry, d)) for d in range(len(entry.shape))]
+    others = [d for d, b in enumerate(blocks) if d != ep_dim and b > 1]
+    if others:
+        return others[0]
+    if blocks and blocks[ep_dim] > 1:
+        return ep_dim
+    return None
+
+
+def tensor_geometry(
+    entry: TensorEntry | None,
+    key: str,
+    spec: EPTensorSpec,
+    *,
+    version: int | None,
+    ep_size: int | None,
+    ep_fsdp_size: int | None,
+) -> EPGeometry:
+    """Geometry of one EP tensor checked against a layout (see :class:`EPGeometry`).
+
+    Args:
+        entry: the catalog entry (``None``: the layout names a key the checkpoint lacks).
+        key: checkpoint key.
+        spec: EP dims and expert count (from the record, or detected).
+        version: layout version (``None``: unversioned, sizes unknown).
+        ep_size, ep_fsdp_size: recorded/declared ``P``/``F`` (``None``: unknown).
+    """
+    if entry is None:
+        return EPGeometry(
+            key,
+            (),
+            spec.ep_dim,
+            spec.fsdp_dim,
+            spec.num_experts,
+            (),
+            (),
+            False,
+            ("named by the layout but not in the checkpoint",),
+        )
+    shape = entry.shape
+    ndim = len(shape)
+    problems: list[str] = []
+    blocks = tuple(max(1, len(dim_intervals(entry, d))) for d in range(ndim))
+    for name, d in (("ep_dim", spec.ep_dim), ("fsdp_dim", spec.fsdp_dim)):
+        if d is not None and not 0 <= d < ndim:
+            problems.append(f"{name} {d} is not a dim of shape {list(shape)}")
+    if problems:
+        return EPGeometry(
+            key, shape, spec.ep_dim, spec.fsdp_dim, spec.num_experts, blocks, entry.ranks, False, tuple(problems)
+        )
+    same_dim = spec.fsdp_dim == spec.ep_dim
+    if shape[spec.ep_dim] != spec.num_experts:
+        problems.append(f"dim {spec.ep_dim} has {shape[spec.ep_dim]} entries but num_experts is {spec.num_experts}")
+    if ep_size is not None and spec.num_experts % ep_size:
+        problems.append(f"num_experts {spec.num_experts} is not divisible by ep_size {ep_size}")
+    if version is not None and ep_size is not None and ep_fsdp_size is not None and not problems:
+        if version == 1 and same_dim and spec.num_experts % (ep_size * ep_fsdp_size):
+            problems.append(
+                f"legacy layout with FSDP on the expert dim needs num_experts {spec.num_experts} divisible by "
+                f"ep_size*ep_fsdp_size = {ep_size * ep_fsdp_size}"
+            )
+        else:
+            expected = expected_ep_intervals(spec, shape, version, ep_size, ep_fsdp_size)
+            for d in range(ndim):
+                want = expected.get(d, {(0, shape[d])} if shape[d] else set())
+                got = set(dim_intervals(entry, d))
+                if entry.numel and not refines(got, want, _owners(entry, d)):
+                    problems.append(
+                        f"dim {d} is split into {len(got)} chunk interval(s) {sorted(got)[:4]}, "
+                        f"ep_size {ep_size} x ep_fsdp_size {ep_fsdp_size} gives {len(want)} {sorted(want)[:4]}"
+                    )
+    elif spec.fsdp_dim is None and any(b > 1 for d, b in enumerate(blocks) if d != spec.ep_dim):
+        problems.append("chunks split a dim other than ep_dim but the layout names no fsdp_dim")
+    return EPGeometry(
+        key, shape, spec.ep_dim, spec.fsdp_dim, spec.num_experts, blocks, entry.ranks, same_dim, tuple(problems)
+    )

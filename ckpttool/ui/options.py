@@ -1,0 +1,298 @@
+"""Shared CLI options (one help string per concept) and the parsers of option values.
+
+Sizes and dtypes are parsed here and nowhere else:
+
+- :func:`parse_size`: ``5GB`` = 5*10^9 bytes (decimal ``KB/MB/GB/TB``, the Hugging Face
+  convention for ``--shard-size``), ``2GiB`` = 2*2^30 (binary ``KiB/MiB/GiB/TiB``), bare
+  ``K/M/G/T`` binary as in ``dd``/``ls -h``, or a plain byte count;
+- :func:`parse_dtype`: ``bfloat16``/``bf16``, ``float16``/``fp16``/``half``, ``float32``/``fp32``/``float``;
+- :func:`parse_tolerance`: ``rtol,atol``.
+
+One vocabulary across commands: ``--filter GLOB`` selects keys everywhere (inspect, export,
+replay-step); ``--select/--ignore`` are rule codes (validate only); ``--json`` documents are
+described by ``ckpttool schema CMD``.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ckpttool.errors import UsageError
+from ckpttool.format.metadata import dtype_name
+
+if TYPE_CHECKING:
+    from ckpttool.layouts.declaration import LayoutDeclaration
+    from ckpttool.model.discovery import CheckpointSelection
+
+__all__ = [
+    "CheckpointArg",
+    "EpFsdpSizeOpt",
+    "EpSizeOpt",
+    "FilterOpt",
+    "JsonOpt",
+    "ModelPrefixOpt",
+    "NoEpOpt",
+    "OptimizerDirOpt",
+    "OptimizerPrefixOpt",
+    "SchemaOpt",
+    "StepOpt",
+    "OverwriteOpt",
+    "SourceLayout",
+    "SourceLayoutOpt",
+    "TrustPickleOpt",
+    "VerifyCrcOpt",
+    "declaration",
+    "examples",
+    "parse_dtype",
+    "parse_size",
+    "parse_tolerance",
+    "selection",
+]
+
+
+class SourceLayout(str, Enum):
+    """EP layout of the source checkpoint (``docs/layouts.md``)."""
+
+    legacy = "legacy"
+    canonical = "canonical"
+
+
+def location(value: str | PurePath) -> PurePath:
+    """A path argument that may also be an fsspec URL (``s3://bucket/prefix``: a ``UrlPath``; docs/storage.md)."""
+    if isinstance(value, PurePath):
+        return value
+    from ckpttool.format.storage import is_url, local_path, url_path
+
+    return url_path(value) if is_url(value) else Path(local_path(value))
+
+
+# PurePath, not Path: typer converts a ``Path`` annotation with ``Path(value)``, which would turn
+# ``s3://b/k`` into ``s3:/b/k``; ``location`` returns a ``Path`` or a ``UrlPath``.
+CheckpointArg = Annotated[
+    PurePath,
+    typer.Argument(
+        help="DCP checkpoint directory (holds .metadata and __R_N.distcp files), or a directory above it "
+        "(a run's checkpoint root, step-N/, checkpoint-N/ with model and optimizer folders); or the URL of "
+        "a checkpoint prefix (s3://bucket/run/step-100, any fsspec URL).",
+        show_default=False,
+        parser=location,
+        metavar="CHECKPOINT",
+    ),
+]
+OutputArg = Annotated[
+    PurePath,
+    typer.Argument(
+        help="Output directory (written beside itself, renamed when complete), or a URL prefix (s3://bucket/out: "
+        "uploaded under a temporary prefix, published when complete; docs/storage.md).",
+        show_default=False,
+        parser=location,
+        metavar="OUT",
+    ),
+]
+JsonOpt = Annotated[
+    bool, typer.Option("--json", help="Write one JSON document to stdout (its JSON Schema: `ckpttool schema CMD`).")
+]
+FilterOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--filter",
+        metavar="GLOB",
+        help="Only keys matching this glob (fnmatch: * also matches dots), with or without the 'model.' prefix.",
+    ),
+]
+TrustPickleOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-pickle",
+        help="Allow torch.load(weights_only=False) for byte items/extra_state that need it. "
+        "Runs code from the checkpoint: only for checkpoints you trust.",
+    ),
+]
+VerifyCrcOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verify-crc/--no-verify-crc",
+        help="Check each stored record's CRC-32 while copying it (~10% of a warm-cache run; docs/performance.md).",
+    ),
+]
+#: ``--hash`` of the commands that write an output (export, reshard): the manifest's and the
+#: source identity's digest.
+OutputHashOpt = Annotated[
+    str,
+    typer.Option(
+        "--hash",
+        metavar="ALGO",
+        help="Digest of the manifest and of the source identity: xxh3-128, blake3 or blake2b-256.",
+    ),
+]
+
+OverwriteOpt = Annotated[
+    bool,
+    typer.Option("--overwrite", help="Replace an existing non-empty output directory once the new output is complete."),
+]
+SourceLayoutOpt = Annotated[
+    SourceLayout | None,
+    typer.Option(
+        "--source-layout",
+        help="Declare the EP layout of an unversioned checkpoint: legacy (FSDP-outer/EP-inner) or canonical.",
+    ),
+]
+EpSizeOpt = Annotated[
+    int | None, typer.Option("--ep-size", min=1, help="EP size P of the saving mesh (with --source-layout).")
+]
+EpFsdpSizeOpt = Annotated[
+    int | None, typer.Option("--ep-fsdp-size", min=1, help="EP-FSDP size F of the saving mesh (with --source-layout).")
+]
+
+NoEpOpt = Annotated[
+    bool,
+    typer.Option(
+        "--no-ep", help="The checkpoint was saved without expert parallelism (plain FSDP): experts are in true order."
+    ),
+]
+
+
+class SchemaChoice(str, Enum):
+    """Built-in key schemas (``docs/design.md`` §2)."""
+
+    torch_native = "torch-native"
+    app_state = "app-state"
+    torchtitan = "torchtitan"
+    top_level = "top-level"
+
+
+StepOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--step",
+        metavar="N|latest",
+        help="With a directory of several checkpoints: the step to use (N or latest).",
+        show_default=False,
+    ),
+]
+OptimizerDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--optimizer-dir",
+        help="A separate optimizer checkpoint (e.g. checkpoint-N/optimizer_0) read together with DIR's model.",
+        show_default=False,
+    ),
+]
+SchemaOpt = Annotated[
+    SchemaChoice | None,
+    typer.Option("--schema", help="Key schema instead of the detected one (inspect shows which and why)."),
+]
+ModelPrefixOpt = Annotated[
+    str | None,
+    typer.Option("--model-prefix", help="Prefix of the model keys ('' = top level), overriding the schema."),
+]
+OptimizerPrefixOpt = Annotated[
+    str | None,
+    typer.Option("--optimizer-prefix", help="Prefix of the optimizer keys (e.g. 'app.optim.'), overriding the schema."),
+]
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}  # fmt: skip
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(text: str | int, flag: str) -> int:
+    """Bytes of a size: ``5GB`` (10^9), ``2GiB`` (2^30), ``512M`` (2^20) or a byte count.
+
+    Raises:
+        UsageError: not a positive size (the message names ``flag``).
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE_RE.fullmatch(text)
+        unit = m.group(2).lower() if m else ""
+        if m is None or unit not in _SIZE_UNITS:
+            raise UsageError(
+                f"{flag} {text!r} is not a size", hint="use e.g. 5GB (10^9 bytes), 2GiB, 512M or a byte count"
+            )
+        value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise UsageError(f"{flag} {text!r} must be a positive size", hint="use e.g. 5GB, 2GiB or a byte count")
+    return value
+
+
+_FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+def parse_dtype(text: str, flag: str, allowed: tuple[str, ...] = _FLOAT_DTYPES, extra: tuple[str, ...] = ()) -> str:
+    """Canonical dtype name of ``text`` (``bf16`` -> ``bfloat16``, ``torch.float32`` -> ``float32``), one of ``allowed``.
+
+    Aliases (case-insensitive, optional ``torch.`` prefix): ``bf16``; ``fp16``/``half``;
+    ``fp32``/``float``; ``fp64``/``double``. ``extra`` words (``preserve``) are returned as given.
+
+    Raises:
+        UsageError: not one of ``allowed`` (the message names ``flag``).
+    """
+    word = text.strip().lower()
+    if word in extra:
+        return word
+    name = dtype_name(word) if word else ""
+    if name not in allowed:
+        raise UsageError(
+            f"{flag} {text!r} is not one of {', '.join((*extra, *allowed))}",
+            hint="dtype aliases: bf16, fp16/half, fp32/float, fp64/double",
+        )
+    return name
+
+
+def examples(*lines: str) -> str:
+    """A ``--help`` epilog of example command lines, printed as written (click's ``\\b``)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def parse_tolerance(text: str) -> tuple[float, float]:
+    """``"1e-5,1e-8"`` -> ``(rtol, atol)``.
+
+    Raises:
+        UsageError: not two finite non-negative numbers (``inf``/``nan`` would make the check pass always).
+    """
+    from ckpttool.ops.replay.run import check_tolerance  # replay-step imports torch anyway; other commands do not
+
+    parts = text.split(",")
+    try:
+        rtol, atol = (float(x) for x in parts)
+    except ValueError as e:
+        raise UsageError(f"--tolerance {text!r} is not 'rtol,atol'", hint="e.g. --tolerance 1e-5,1e-8") from e
+    check_tolerance(rtol, atol, text)
+    return rtol, atol
+
+
+def declaration(
+    source_layout: SourceLayout | str | None, ep_size: int | None, ep_fsdp_size: int | None, no_ep: bool = False
+) -> LayoutDeclaration | None:
+    """The layout declaration of ``--source-layout/--ep-size/--ep-fsdp-size`` or ``--no-ep`` (``None``: none given)."""
+    from ckpttool.layouts.declaration import LayoutDeclaration
+
+    layout = source_layout.value if isinstance(source_layout, SourceLayout) else source_layout
+    return LayoutDeclaration.from_options(layout, ep_size, ep_fsdp_size, no_ep)
+
+
+def selection(
+    step: str | None = None,
+    optimizer_dir: Path | None = None,
+    schema: SchemaChoice | str | None = None,
+    model_prefix: str | None = None,
+    optimizer_prefix: str | None = None,
+) -> CheckpointSelection | None:
+    """What ``--step/--optimizer-dir/--schema/--model-prefix/--optimizer-prefix`` select (``None``: nothing)."""
+    from ckpttool.model.discovery import CheckpointSelection
+    from ckpttool.model.schema import SchemaOverride
+
+    name = schema.value if isinstance(schema, SchemaChoice) else schema
+    override = SchemaOverride.from_options(name, model_prefix, optimizer_prefix)
+    return CheckpointSelection.from_options(step, optimizer_dir, override)

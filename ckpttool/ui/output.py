@@ -1,0 +1,350 @@
+"""The CLI's one output sink: results as JSON or human text on stdout, messages on stderr.
+
+Every command hands its result to an :class:`Output`: with ``--json`` the result's
+``to_dict()`` is the only thing on stdout; otherwise the command's renderer prints it.
+Warnings and errors go to stderr as ``warning: ...`` / ``error: [CODE] ...`` + ``hint: ...``
+lines, escaped for the terminal (:func:`~ckpttool.ui.render.safe_text`), the prefix
+coloured on a terminal (:func:`~ckpttool.ui.render.color_enabled`); ``note: ...`` lines
+(facts worth knowing, never problems) are left out with ``-q``. Library log records
+(``logging``, ``-v``/``-vv``) go to stderr the same way (:func:`configure_logging`).
+
+Escaping happens here, once, for every byte a command prints: :func:`command_boundary`
+replaces ``sys.stdout``/``sys.stderr`` by :class:`SanitizedStream` for the command's run, so
+every ``write`` — ``typer.echo``, anything else — has control characters, bidi controls and
+line separators escaped (:func:`~ckpttool.ui.render.safe_text`), and a ``write`` is one line:
+only its final newline is kept, so a key or file name cannot start a line of its own ("ALL
+CHECKS PASSED"). The sink's own lines (``error:``, ``warning:``, log records: escaped by
+:func:`_line`, which may add a colour code) and rich consoles (tables, progress bars: escaped
+segment by segment by ``render._SafeConsole``) write to the stream under the wrapper.
+:func:`command_boundary` turns every exception into such a line and the documented
+exit code (``docs/errors.md``); a library error that names a parameter in backticks
+(`` `filter_glob` ``) is shown with the command's flag (``--filter``).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, TextIO, TypeVar
+
+import typer
+
+from ckpttool.errors import CkptError
+from ckpttool.ui.render import safe_text
+
+__all__ = [
+    "Output",
+    "SanitizedStream",
+    "command_boundary",
+    "configure_logging",
+    "deprecated",
+    "docs_url",
+    "emit_json",
+    "flag_names",
+    "note",
+    "print_error",
+    "sanitized",
+    "warn",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+_PARAM_RE = re.compile(r"`([a-z][a-z0-9_]*)`")
+
+
+class SanitizedStream(io.TextIOBase):
+    """A text stream that escapes what is written to it (see the module docstring); the sink's one filter.
+
+    Args:
+        raw: the stream written to (``raw_stream``: rich consoles write there directly).
+    """
+
+    def __init__(self, raw: TextIO) -> None:
+        super().__init__()
+        self.raw_stream = raw
+
+    def write(self, s: str) -> int:
+        body, end = (s[:-1], "\n") if s.endswith("\n") else (s, "")
+        self.raw_stream.write(safe_text(body) + end)
+        return len(s)
+
+    def flush(self) -> None:
+        self.raw_stream.flush()
+
+    def isatty(self) -> bool:
+        return self.raw_stream.isatty()
+
+    def fileno(self) -> int:
+        return self.raw_stream.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self.raw_stream, "encoding", "utf-8")
+
+
+def sanitized(stream: TextIO) -> TextIO:
+    """``stream`` behind a :class:`SanitizedStream` (itself when it is one already)."""
+    return stream if isinstance(stream, SanitizedStream) else SanitizedStream(stream)  # type: ignore[return-value]
+
+
+class _HasDict(Protocol):
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+def emit_json(obj: Any) -> None:
+    """Write ``obj`` as JSON to stdout (the only thing on stdout with ``--json``)."""
+    # Compact: the C encoder (indent= falls back to the pure-Python one, ~10x slower on large outputs).
+    sys.stdout.write(json.dumps(obj, separators=(",", ":"), default=str, allow_nan=False) + "\n")
+    sys.stdout.flush()
+
+
+def emit_json_chunks(chunks: Iterable[str]) -> None:
+    """Write a JSON document given as pieces of text (a streamed ``to_dict()``) to stdout, then a newline.
+
+    The pieces are ``json.dumps`` text (``ensure_ascii``: C0 controls and every non-ASCII character
+    are ``\\u`` escapes); the one character left for :func:`safe_text` is DEL, so a piece without one
+    goes to the raw stream unscanned (one ``memchr`` instead of a regex scan of ~250 MB at 10^6 tensors).
+    """
+    out = sys.stdout
+    raw = out.raw_stream if isinstance(out, SanitizedStream) else out
+    for piece in chunks:
+        (out if "\x7f" in piece or not piece.isascii() else raw).write(piece)
+    out.write("\n")
+    out.flush()
+
+
+def _current_context() -> Any:
+    """The running command's click context, or ``None``.
+
+    typer vendors click (``typer._click``) in some releases and uses the ``click`` package in
+    others; its public ``typer.Context`` derives from whichever click it runs on.
+    """
+    import importlib
+
+    base = next(c for c in typer.Context.__mro__ if c.__name__ == "Context" and c is not typer.Context)
+    package = sys.modules[base.__module__].__package__ or "click"
+    return importlib.import_module(f"{package}.globals").get_current_context(silent=True)
+
+
+def flag_names() -> dict[str, str]:
+    """Python parameter name -> its first option flag, for the command being run (``{}`` outside one)."""
+    ctx = _current_context()
+    if ctx is None:
+        return {}
+    out = {}
+    for p in ctx.command.params:
+        opts = [o for o in getattr(p, "opts", []) if o.startswith("--")]
+        if p.name and opts:
+            out[p.name] = opts[0]
+    return out
+
+
+def _with_flags(text: str, flags: dict[str, str]) -> str:
+    """Replace `` `param` `` by the command's flag for it, ``docs/X.md`` by its documentation URL."""
+    text = _PARAM_RE.sub(lambda m: flags.get(m.group(1), m.group(0)), text)
+    return _DOCS_RE.sub(lambda m: f"{docs_url()}/{m.group(1)}", text) if "docs/" in text else text
+
+
+_DOCS_RE = re.compile(r"(?<![\w/.])docs/([a-z_]+\.md)\b")
+
+
+@functools.cache
+def docs_url() -> str:
+    """The ``Documentation`` project URL (package metadata): where a hint's ``docs/X.md`` is, once installed."""
+    from importlib.metadata import PackageNotFoundError, metadata
+
+    try:
+        for entry in metadata("ckpttool").get_all("Project-URL") or []:
+            label, _, url = str(entry).partition(",")
+            if label.strip() == "Documentation":
+                return url.strip().rstrip("/")
+    except PackageNotFoundError:
+        pass
+    return "docs"
+
+
+_SGR = {
+    "error": "\x1b[1;31m",
+    "warning": "\x1b[33m",
+    "hint": "\x1b[1m",
+    "note": "\x1b[36m",
+    "info": "\x1b[36m",
+    "debug": "\x1b[2m",
+}
+
+
+def _stderr() -> Any:
+    """stderr under the output sink's escaping wrapper (for lines :func:`_line` escaped already)."""
+    return getattr(sys.stderr, "raw_stream", sys.stderr)
+
+
+def _line(prefix: str, text: str) -> str:
+    """``prefix: text`` escaped, the prefix coloured when stderr is a colour terminal."""
+    from ckpttool.ui.render import color_enabled
+
+    body = safe_text(text)
+    if color_enabled(sys.stderr):
+        return f"{_SGR[prefix]}{prefix}:\x1b[0m {body}\n"
+    return f"{prefix}: {body}\n"
+
+
+def print_error(err: CkptError) -> None:
+    """Render a :class:`CkptError` as ``error:``/``hint:`` lines on stderr (parameters named by their flags)."""
+    flags = flag_names()
+    stderr = _stderr()
+    stderr.write(_line("error", f"[{err.code}] {_with_flags(err.message, flags)}"))
+    if err.hint:
+        stderr.write(_line("hint", _with_flags(err.hint, flags)))
+    stderr.flush()
+
+
+def warn(text: str) -> None:
+    """A ``warning: ...`` line on stderr (printed with ``-q`` too; never changes the exit code)."""
+    _stderr().write(_line("warning", _with_flags(text, flag_names())))
+    _stderr().flush()
+
+
+def note(text: str) -> None:
+    """A ``note: ...`` line on stderr: a fact worth knowing, not a problem (left out with ``-q``)."""
+    from ckpttool.ui.render import UI
+
+    if UI.quiet:
+        return
+    _stderr().write(_line("note", _with_flags(text, flag_names())))
+    _stderr().flush()
+
+
+def deprecated(old: str, new: str, *, removal: str = "the next release") -> None:
+    """The warning of an old spelling that still works for one release."""
+    warn(f"{old} is deprecated and will be removed in {removal}; use {new}")
+
+
+class _StderrHandler(logging.Handler):
+    """Log records as ``info: [export.execute] ...`` lines on the current ``sys.stderr``, escaped."""
+
+    _SHORT = re.compile(r"^ckpttool\.(?:ops|model|format|optim)\.")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            level = record.levelname.lower()
+            prefix = level if level in ("debug", "info") else "warning" if level == "warning" else "error"
+            _stderr().write(_line(prefix, f"[{self._SHORT.sub('', record.name)}] {record.getMessage()}"))
+            _stderr().flush()
+        except Exception:  # a broken stderr must not break the command
+            self.handleError(record)
+
+
+def configure_logging(verbosity: int) -> None:
+    """Route the ``ckpttool`` loggers to stderr: ``-q`` errors only, default warnings, ``-v`` info, ``-vv`` debug."""
+    logger = logging.getLogger("ckpttool")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        logger.addHandler(_StderrHandler())
+    logger.propagate = False
+    logger.setLevel(
+        logging.ERROR
+        if verbosity < 0
+        else logging.WARNING
+        if verbosity == 0
+        else logging.INFO
+        if verbosity == 1
+        else logging.DEBUG
+    )
+
+
+class Output:
+    """Where a command's result and messages go.
+
+    Args:
+        json_output: print results as JSON (``--json``) instead of human text.
+    """
+
+    def __init__(self, json_output: bool = False) -> None:
+        self.json = json_output
+
+    def result(self, result: _HasDict, render: Callable[[Any], None]) -> None:
+        """Print ``result``: its ``to_dict()`` as JSON, or ``render(result)`` as human text."""
+        from ckpttool.format.unpickler import gc_paused
+
+        with gc_paused():  # a 10^6-entry report is ~10^7 acyclic objects
+            if self.json:
+                chunks = getattr(result, "json_chunks", None)  # large reports stream their rows
+                if chunks is not None:
+                    emit_json_chunks(chunks())
+                else:
+                    emit_json(result.to_dict())
+            else:
+                render(result)
+
+    def warning(self, text: str) -> None:
+        """A ``warning: ...`` line on stderr (never changes the exit code)."""
+        warn(text)
+
+    def note(self, text: str) -> None:
+        """A ``note: ...`` line on stderr (left out with ``-q``)."""
+        note(text)
+
+    def error(self, err: CkptError) -> None:
+        """``error:``/``hint:`` lines on stderr."""
+        print_error(err)
+
+
+def command_boundary(func: F) -> F:
+    """Wrap a command: map errors to one-line messages and documented exit codes.
+
+    A :class:`CkptError` prints ``error: [CODE] message`` and ``hint: ...`` and exits with
+    its ``exit_code`` (2 unusable input, 1 findings); Ctrl-C exits 130; anything else is an
+    internal error (E999, exit 2) printed as one line unless ``CKPTTOOL_DEBUG=1`` is set.
+    No traceback reaches the user.
+    """
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        out, err = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = sanitized(out), sanitized(err)
+        try:
+            return _run(*args, **kwargs)
+        finally:
+            sys.stdout, sys.stderr = out, err
+
+    def _run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except CkptError as e:
+            print_error(e)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            _stderr().write(_line("error", "interrupted"))
+            raise typer.Exit(130) from None
+        except BrokenPipeError:
+            # The reader of stdout went away (`| head -1`): stop quietly with 0. Point stdout at
+            # /dev/null so the interpreter's final flush does not fail again.
+            _silence_stdout()
+            raise typer.Exit(0) from None
+        except Exception as e:
+            if os.environ.get("CKPTTOOL_DEBUG"):
+                raise
+            msg = " ".join(str(e).split())[:200]
+            _stderr().write(_line("error", f"[E999] internal error: {type(e).__name__}: {msg}"))
+            _stderr().write(_line("hint", "rerun with CKPTTOOL_DEBUG=1 for a traceback and report it"))
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real fd (e.g. a test runner's buffer)
+        pass

@@ -1,0 +1,204 @@
+"""Layout resolution (record, sidecar, declaration) and EP chunk geometry on real DTensor saves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpttool.errors import LayoutError
+from ckpttool.format import CheckpointReader
+from ckpttool.layouts.declaration import LayoutDeclaration, resolve_layout
+from ckpttool.layouts.permute import canonical_to_legacy_perm
+from ckpttool.model.catalog import build_catalog
+from ckpttool.ops.tensors import to_canonical
+from tests.fixtures.cache import copy_checkpoint
+from tests.fixtures.moe_ep import VARIANTS, record_for, true_state
+
+pytestmark = pytest.mark.slow
+
+DOWN = "model.model.layers.0.mlp.experts.down_proj"
+GATE_UP = "model.model.layers.1.mlp.experts.gate_up_proj"
+
+
+def resolved(path: Path, decl: LayoutDeclaration | None = None):
+    with CheckpointReader(path) as r:
+        cat = build_catalog(r)
+        return cat, resolve_layout(cat, r, decl)
+
+
+def test_unversioned_same_dim_fixtures_are_ambiguous(ep_suite: Path) -> None:
+    for name in ("legacy", "canonical"):
+        cat, lay = resolved(ep_suite / name)
+        assert lay.version is None and lay.source == "none" and lay.record is None
+        assert sorted(lay.ambiguous) == sorted(k for k in cat.model if ".experts." in k) and len(lay.ambiguous) == 4
+        with pytest.raises(LayoutError) as ei:
+            lay.require_unambiguous()
+        assert ei.value.code == "E405" and "`source_layout`" in ei.value.hint and "`no_ep`" in ei.value.hint
+        assert "ep_size 2 x ep_fsdp_size 2" in ei.value.hint  # the candidate mesh, from the chunks
+        geo = {g.key: g for g in lay.geometry(cat)}
+        assert geo[DOWN].blocks_per_dim == (4, 1, 1) and geo[DOWN].same_dim and geo[DOWN].fsdp_dim == 0
+        assert geo[DOWN].ranks == (0, 1, 2, 3) and geo[DOWN].problems == () and geo[DOWN].num_experts == 8
+
+
+def test_fsdp_on_dim1_is_unambiguous_and_uneven(ep_suite: Path) -> None:
+    cat, lay = resolved(ep_suite / "legacy_dim1")
+    assert lay.version is None and lay.ambiguous == []
+    geo = {g.key: g for g in lay.geometry(cat)}
+    down = geo[DOWN]
+    assert down.fsdp_dim == 1 and not down.same_dim and down.blocks_per_dim == (2, 2, 1)
+    assert sorted({c.sizes[1] for c in cat.model[DOWN].chunks}) == [2, 3]  # H = 5 split 3/2
+    # Legacy and canonical hold identical bytes when the dims differ: no permutation either way.
+    lay2 = resolved(ep_suite / "legacy_dim1", LayoutDeclaration("legacy", 2, 2))[1]
+    assert not lay2.is_permuted(DOWN) and lay2.canonical_perm(DOWN) is None
+
+
+def test_embedded_record_p4f1_consistent_with_zero_size_chunks(ep_suite: Path) -> None:
+    cat, lay = resolved(ep_suite / "p4f1")
+    assert (lay.version, lay.source, lay.ep_size, lay.ep_fsdp_size) == (1, "embedded", 4, 1)
+    assert all(not g.problems for g in lay.geometry(cat)) and len(lay.ep_tensors) == 4
+    assert cat.model["model.model.odd"].zero_size_chunks == 1
+    assert not lay.is_permuted(DOWN)  # F = 1: legacy order is the true order
+
+
+@pytest.mark.parametrize("name", ["legacy", "canonical"])
+def test_declared_layout_gives_true_expert_order(ep_suite: Path, name: str) -> None:
+    cat, lay = resolved(ep_suite / name, LayoutDeclaration(name, 2, 2))
+    assert lay.version == {"legacy": 1, "canonical": 2}[name] and lay.source == "declared" and lay.ambiguous == []
+    true = true_state(8)
+    with CheckpointReader(ep_suite / name) as r:
+        for key in (DOWN, GATE_UP, "optimizer.state.model.layers.0.mlp.experts.down_proj.exp_avg"):
+            stored = r.read_tensor(key)
+            assert torch.equal(to_canonical(lay, key, stored), true[key])
+            assert lay.is_permuted(key) is (name == "legacy")
+        # Non-EP keys and 0-d step pass through.
+        emb = "model.model.embed_tokens.weight"
+        assert lay.spec_for(emb) is None and to_canonical(lay, emb, r.read_tensor(emb)) is not None
+        assert lay.spec_for("optimizer.state.model.layers.0.mlp.experts.down_proj.step") is not None
+
+
+def test_legacy_fixture_really_is_block_transposed(ep_suite: Path) -> None:
+    # The docs/design.md claim, checked on torch's own save: position f*P+e holds true slab e*F+f.
+    true = true_state(8)
+    with CheckpointReader(ep_suite / "legacy") as r:
+        stored = r.read_tensor(DOWN)
+    slabs = true[DOWN].split(2)
+    assert torch.equal(stored, torch.cat([slabs[i] for i in canonical_to_legacy_perm(4, 2, 2)]))
+    assert not torch.equal(stored, true[DOWN])
+
+
+@pytest.mark.parametrize(
+    "decl,needle",
+    [
+        (LayoutDeclaration("legacy", 2, 4), "contradicts the chunk geometry"),
+        (LayoutDeclaration("legacy", 8, 1), "contradicts the chunk geometry"),
+        (LayoutDeclaration("canonical", 3, 1), "not divisible by ep_size 3"),
+    ],
+)
+def test_declaration_contradicting_geometry_is_e404(ep_suite: Path, decl: LayoutDeclaration, needle: str) -> None:
+    with pytest.raises(LayoutError) as ei:
+        resolved(ep_suite / "legacy", decl)
+    assert ei.value.code == "E404" and needle in ei.value.message and ei.value.fqn and ".experts." in ei.value.fqn
+
+
+def test_declaration_contradicting_record_is_e404(ep_suite: Path) -> None:
+    with pytest.raises(LayoutError) as ei:
+        resolved(ep_suite / "p4f1", LayoutDeclaration("canonical", 4, 1))
+    assert ei.value.code == "E404" and "layout canonical vs recorded legacy" in ei.value.message
+    with pytest.raises(LayoutError, match="`ep_size` 2 vs recorded ep_size 4"):
+        resolved(ep_suite / "p4f1", LayoutDeclaration("legacy", 2, 2))
+    # Agreeing with the record is fine.
+    assert resolved(ep_suite / "p4f1", LayoutDeclaration("legacy", 4, 1))[1].source == "embedded"
+
+
+def test_embedded_and_sidecar_disagree_is_e403(ep_suite: Path, tmp_path: Path) -> None:
+    ck = copy_checkpoint(ep_suite / "p4f1", tmp_path / "c")
+    (ck / "layout.json").write_text(json.dumps(record_for(VARIANTS["p4f1"], version=2)))
+    with pytest.raises(LayoutError) as ei:
+        resolved(ck)
+    assert ei.value.code == "E403"
+
+
+def test_record_contradicting_geometry_is_reported_per_tensor(ep_suite: Path, tmp_path: Path) -> None:
+    ck = copy_checkpoint(ep_suite / "legacy", tmp_path / "c")
+    rec = record_for(VARIANTS["legacy"])
+    rec["parallel"]["ep_fsdp_size"] = 4  # 2 x 4 = 8 slabs, the chunks show 4
+    (ck / "layout.json").write_text(json.dumps(rec))
+    cat, lay = resolved(ck)
+    assert lay.source == "sidecar" and lay.version == 1
+    geo = lay.geometry(cat)
+    assert len(geo) == 4 and all(g.problems for g in geo)
+    assert "dim 0 is split into 4 chunk interval(s)" in geo[0].problems[0]
+
+
+def test_record_naming_a_missing_key(ep_suite: Path, tmp_path: Path) -> None:
+    ck = copy_checkpoint(ep_suite / "legacy", tmp_path / "c")
+    rec = record_for(VARIANTS["legacy"])
+    rec["extra_parallel"]["model.model.layers.9.mlp.experts.down_proj"] = {"ep_dim": 0, "fsdp_dim": 0, "num_experts": 8}
+    (ck / "layout.json").write_text(json.dumps(rec))
+    cat, lay = resolved(ck)
+    missing = [g for g in lay.geometry(cat) if g.shape == ()]
+    assert [g.key for g in missing] == ["model.model.layers.9.mlp.experts.down_proj"]
+    assert missing[0].problems == ("named by the layout but not in the checkpoint",)
+
+
+@pytest.mark.parametrize(
+    "mutate,code",
+    [
+        (lambda r: r.update(format="other.layout"), "E401"),
+        (lambda r: r.update(version=3), "E402"),
+        (lambda r: r["parallel"].update(ep_size=0), "E400"),
+    ],
+)
+def test_invalid_sidecar_records(ep_suite: Path, tmp_path: Path, mutate, code: str) -> None:
+    ck = copy_checkpoint(ep_suite / "legacy", tmp_path / "c")
+    rec = record_for(VARIANTS["legacy"])
+    mutate(rec)
+    (ck / "layout.json").write_text(json.dumps(rec))
+    with pytest.raises(LayoutError) as ei:
+        resolved(ck)
+    assert ei.value.code == code
+
+
+# ------------------------------------------------------------------------------------------ plain FSDP2, several chunks
+def test_ep_ranks_that_stored_several_chunks_accept_the_true_declaration(ep_multichunk_ckpt: Path) -> None:
+    key = "model.model.layers.0.mlp.experts.down_proj"
+    cat, lay = resolved(ep_multichunk_ckpt)
+    assert lay.ambiguous == [key] and lay.candidates[key] == ((2, 2),)  # 4 blocks: EP 2 x EP-FSDP 2 fits too
+    _, lay = resolved(ep_multichunk_ckpt, LayoutDeclaration.from_options("canonical", 2, 1))
+    assert lay.version == 2 and lay.ep_size == 2 and lay.geometry(cat)[0].problems == ()
+    with pytest.raises(LayoutError) as ei:  # 2 blocks per rank cannot be one EP rank's block of 4 experts each
+        resolved(ep_multichunk_ckpt, LayoutDeclaration.from_options("canonical", 1, 1))
+    assert ei.value.code == "E404"
+
+
+def test_refinement_needs_one_writer_per_block() -> None:
+    from ckpttool.layouts.geometry import refines
+
+    want = {(0, 4), (4, 4)}
+    got = {(0, 2), (2, 2), (4, 2), (6, 2)}
+    same = {(0, 2): {0}, (2, 2): {0}, (4, 2): {1}, (6, 2): {1}}
+    split = {(0, 2): {0}, (2, 2): {1}, (4, 2): {2}, (6, 2): {3}}  # EP-FSDP ranks, not one EP rank
+    assert refines(got, want, same) and not refines(got, want, split) and not refines(got, want, None)
+    assert not refines({(0, 6), (6, 2)}, want, {(0, 6): {0}, (6, 2): {1}})  # a chunk across two blocks
+
+
+def test_candidates_of_plain_fsdp2(acc_root: Path, moe4_root: Path) -> None:
+    _, lay2 = resolved(acc_root / "moe_fsdp2")
+    assert lay2.ambiguous == [] and all(c == () for c in lay2.candidates.values())  # 2 blocks: no 2-way x 2-way split
+    _, lay4 = resolved(moe4_root / "moe_fsdp4")
+    assert len(lay4.ambiguous) == 4 and all(c == ((2, 2),) for c in lay4.candidates.values())
+    with CheckpointReader(moe4_root / "moe_fsdp4") as r:
+        cat = build_catalog(r)
+        no_ep = resolve_layout(cat, r, LayoutDeclaration.from_options(None, None, None, no_ep=True))
+    assert no_ep.ambiguous == [] and no_ep.ep_size == 1 and not any(no_ep.is_permuted(k) for k in no_ep.ep_tensors)
+
+
+def test_no_ep_excludes_sizes_and_contradicts_an_ep_record(ep_suite: Path) -> None:
+    with pytest.raises(Exception, match="excludes"):
+        LayoutDeclaration.from_options("canonical", 2, 2, no_ep=True)
+    with pytest.raises(LayoutError) as ei:
+        resolved(ep_suite / "p4f1", LayoutDeclaration.from_options(None, None, None, no_ep=True))
+    assert ei.value.code == "E404" and "ep_size 4" in ei.value.message

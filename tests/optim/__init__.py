@@ -1,1 +1,0 @@
-"""Tests of the torch optimizers (ckpttool.optim); those that need an accelerator skip without one."""
