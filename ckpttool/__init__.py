@@ -16,8 +16,7 @@ Layers (``docs/design.md`` §5, held by import-linter): :mod:`ckpttool.cli` >
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ckpttool._lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -56,14 +55,4 @@ _WHERE = {
 __all__ = sorted(_WHERE) + ["__version__"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ckpttool' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_attributes(__name__, _WHERE, __all__)

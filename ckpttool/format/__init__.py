@@ -13,8 +13,9 @@ time.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ckpttool._lazy import lazy_attributes
 
 # Names load lazily: the CLI imports only what a command needs (start-up time).
 _WHERE = {
@@ -66,14 +67,4 @@ if TYPE_CHECKING:
     from ckpttool.format.unpickler import load_metadata, parse_metadata_bytes
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_attributes(__name__, _WHERE, __all__)

@@ -9,8 +9,9 @@ Metadata only, never imports torch (``docs/design.md`` §4, ``docs/layouts.md``)
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ckpttool._lazy import lazy_attributes
 
 _WHERE = {
     "LayoutRecord": "ckpttool.layouts.record",
@@ -35,14 +36,4 @@ if TYPE_CHECKING:
     from ckpttool.layouts.record import EPTensorSpec, LayoutRecord, parse_layout_record
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_attributes(__name__, _WHERE, __all__)

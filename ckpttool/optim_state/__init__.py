@@ -9,8 +9,9 @@ names load lazily, so importing this package imports no torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ckpttool._lazy import lazy_attributes
 
 __all__ = [
     "FullFP32AdamW",
@@ -25,13 +26,13 @@ __all__ = [
 ]
 
 _WHERE = {
-    "FullFP32AdamW": "adamw",
-    "MasterFP32AdamW": "adamw",
-    "CPUOffloadAdamW": "offload",
-    "MultiOptimizer": "multi",
-    "build_optimizer": "factory",
-    "check_saved_state": "checkpoint",
-    "CheckedLoadPlanner": "checkpoint",
+    "FullFP32AdamW": "ckpttool.optim_state.adamw",
+    "MasterFP32AdamW": "ckpttool.optim_state.adamw",
+    "CPUOffloadAdamW": "ckpttool.optim_state.offload",
+    "MultiOptimizer": "ckpttool.optim_state.multi",
+    "build_optimizer": "ckpttool.optim_state.factory",
+    "check_saved_state": "ckpttool.optim_state.checkpoint",
+    "CheckedLoadPlanner": "ckpttool.optim_state.checkpoint",
 }
 
 if TYPE_CHECKING:
@@ -43,16 +44,4 @@ if TYPE_CHECKING:
     from ckpttool.optim_state.offload import CPUOffloadAdamW
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("reference", "device"):
-        return importlib.import_module(f"{__name__}.{name}")
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_attributes(__name__, _WHERE, __all__, submodules=("reference", "device"))
