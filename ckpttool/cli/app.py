@@ -121,95 +121,93 @@ def _set_no_cache(ctx: Any, param: Any, value: bool) -> None:
         set_cache_enabled(False)
 
 
+def _global(*decls: str, callback: Any, help: str, **kwargs: Any) -> TyperOption:
+    """One global option: eager, handled by ``callback`` and never passed to the command function."""
+    return TyperOption(
+        param_decls=list(decls), expose_value=False, is_eager=True, callback=callback, help=help, **kwargs
+    )
+
+
 def _global_options() -> list[Any]:
     """The options every command accepts, before or after its name (not passed to command functions)."""
     return [
-        TyperOption(
-            param_decls=["-v", "--verbose"],
+        _global(
+            "-v",
+            "--verbose",
             count=True,
             default=0,
-            expose_value=False,
-            is_eager=True,
             callback=_set_verbose,
             help="Log decisions (schema, layout, dtype casts) and per-file timings to stderr; -vv: everything.",
         ),
-        TyperOption(
-            param_decls=["-q", "--quiet"],
+        _global(
+            "-q",
+            "--quiet",
             is_flag=True,
             default=False,
-            expose_value=False,
-            is_eager=True,
             callback=_set_quiet,
             help="Only results, warnings and errors: no notes, no progress bars.",
         ),
-        TyperOption(
-            param_decls=["--color"],
+        _global(
+            "--color",
             default=None,
             metavar="<auto|always|never>",
-            expose_value=False,
-            is_eager=True,
             callback=_set_color,
             help="Colour severities and verdicts: auto (a terminal, unless NO_COLOR is set), always, never.",
         ),
-        TyperOption(
-            param_decls=["--wide"],
+        _global(
+            "--wide",
             is_flag=True,
             default=False,
-            expose_value=False,
-            is_eager=True,
             callback=_set_wide,
             help="Never narrow tables to the terminal width (no hidden columns, no folded keys).",
         ),
-        TyperOption(
-            param_decls=["--storage-option"],
+        _global(
+            "--storage-option",
             multiple=True,
             default=(),
             metavar="KEY=VALUE",
-            expose_value=False,
-            is_eager=True,
             callback=_set_storage_options,
             help="Option for the fsspec filesystem of a URL (repeatable; nested: client_kwargs.endpoint_url=URL). "
             "Never logged. docs/storage.md.",
         ),
-        TyperOption(
-            param_decls=["--remote-workers"],
-            type=int,
-            default=None,
-            metavar="N",
-            expose_value=False,
-            is_eager=True,
-            callback=_set_remote("workers"),
-            help="Parallel range requests / uploads for URLs [default: 16].",
-        ),
-        TyperOption(
-            param_decls=["--remote-retries"],
-            type=int,
-            default=None,
-            metavar="N",
-            expose_value=False,
-            is_eager=True,
-            callback=_set_remote("retries"),
-            help="Attempts per storage request on transient errors [default: 5].",
-        ),
-        TyperOption(
-            param_decls=["--remote-spool-size"],
-            default=None,
-            metavar="SIZE",
-            expose_value=False,
-            is_eager=True,
-            callback=_set_spool_size,
-            help="Chunk windows of a remote checkpoint an export holds on local disk at a time (4GiB, 500MB, ...) "
-            "[default: 4GiB]. docs/storage.md.",
-        ),
-        TyperOption(
-            param_decls=["--no-cache"],
+        *_remote_options(),
+        _global(
+            "--no-cache",
             is_flag=True,
             default=False,
-            expose_value=False,
-            is_eager=True,
             callback=_set_no_cache,
             help="Use neither the parsed-metadata cache nor the model-shape cache of the shape checks "
             "(CKPTTOOL_CACHE_DIR, default ~/.cache/ckpttool; also CKPTTOOL_NO_CACHE=1).",
+        ),
+    ]
+
+
+def _remote_options() -> list[Any]:
+    """The global options of remote storage: workers, retries, spool size."""
+    return [
+        _global(
+            "--remote-workers",
+            type=int,
+            default=None,
+            metavar="N",
+            callback=_set_remote("workers"),
+            help="Parallel range requests / uploads for URLs [default: 16].",
+        ),
+        _global(
+            "--remote-retries",
+            type=int,
+            default=None,
+            metavar="N",
+            callback=_set_remote("retries"),
+            help="Attempts per storage request on transient errors [default: 5].",
+        ),
+        _global(
+            "--remote-spool-size",
+            default=None,
+            metavar="SIZE",
+            callback=_set_spool_size,
+            help="Chunk windows of a remote checkpoint an export holds on local disk at a time (4GiB, 500MB, ...) "
+            "[default: 4GiB]. docs/storage.md.",
         ),
     ]
 

@@ -47,58 +47,67 @@ SideA = Annotated[Path, typer.Argument(metavar="A", help=_SIDE_HELP, show_defaul
 SideB = Annotated[Path, typer.Argument(metavar="B", help="The other side (same kinds as A).", show_default=False)]
 
 
+WhatOpt = Annotated[
+    What,
+    typer.Option("--what", help="model tensors; optimizer state and param groups; or all (also training state)."),
+]
+RtolOpt = Annotated[
+    float | None,
+    typer.Option("--rtol", min=0.0, help="Relative tolerance (|a-b| <= atol + rtol*|b|); default bitwise."),
+]
+AtolOpt = Annotated[float | None, typer.Option("--atol", min=0.0, help="Absolute tolerance; default bitwise.")]
+AsDtypeOpt = Annotated[
+    str | None,
+    typer.Option("--as-dtype", metavar="DTYPE", help="Cast both sides to DTYPE first (bfloat16 for a BF16 export)."),
+]
+MapOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--map", metavar="RULES", help="Export rules YAML mapping DCP keys to safetensors names (docs/export.md)."
+    ),
+]
+WeightsOpt = Annotated[
+    Weights, typer.Option("--weights", help="Against safetensors: compare the parameters or their FP32 masters.")
+]
+AdapterOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--adapter",
+        metavar="<torchtitan-llama3|torchtitan-qwen3|hf>",
+        help="Against safetensors: the model adapter naming the DCP side, as export's "
+        "[default: detected from the key names].",
+    ),
+]
+BSourceLayoutOpt = Annotated[
+    SourceLayout | None,
+    typer.Option("--b-source-layout", help="Declare B's EP layout (as --source-layout declares A's)."),
+]
+BEpSizeOpt = Annotated[int | None, typer.Option("--b-ep-size", min=1, help="EP size of B's saving mesh.")]
+BEpFsdpSizeOpt = Annotated[int | None, typer.Option("--b-ep-fsdp-size", min=1, help="EP-FSDP size of B's saving mesh.")]
+BNoEpOpt = Annotated[bool, typer.Option("--b-no-ep", help="B was saved without expert parallelism.")]
+
+
 @command_boundary
 def diff_command(
     a: SideA,
     b: SideB,
-    what: Annotated[
-        What,
-        typer.Option("--what", help="model tensors; optimizer state and param groups; or all (also training state)."),
-    ] = What.model,
-    rtol: Annotated[
-        float | None,
-        typer.Option("--rtol", min=0.0, help="Relative tolerance (|a-b| <= atol + rtol*|b|); default bitwise."),
-    ] = None,
-    atol: Annotated[float | None, typer.Option("--atol", min=0.0, help="Absolute tolerance; default bitwise.")] = None,
-    as_dtype: Annotated[
-        str | None,
-        typer.Option(
-            "--as-dtype", metavar="DTYPE", help="Cast both sides to DTYPE first (bfloat16 for a BF16 export)."
-        ),
-    ] = None,
-    map_rules: Annotated[
-        Path | None,
-        typer.Option(
-            "--map", metavar="RULES", help="Export rules YAML mapping DCP keys to safetensors names (docs/export.md)."
-        ),
-    ] = None,
-    weights: Annotated[
-        Weights, typer.Option("--weights", help="Against safetensors: compare the parameters or their FP32 masters.")
-    ] = Weights.params,
-    adapter: Annotated[
-        str | None,
-        typer.Option(
-            "--adapter",
-            metavar="<torchtitan-llama3|torchtitan-qwen3|hf>",
-            help="Against safetensors: the model adapter naming the DCP side, as export's "
-            "[default: detected from the key names].",
-        ),
-    ] = None,
+    what: WhatOpt = What.model,
+    rtol: RtolOpt = None,
+    atol: AtolOpt = None,
+    as_dtype: AsDtypeOpt = None,
+    map_rules: MapOpt = None,
+    weights: WeightsOpt = Weights.params,
+    adapter: AdapterOpt = None,
     json_output: JsonOpt = False,
     trust_pickle: TrustPickleOpt = False,
     source_layout: SourceLayoutOpt = None,
     ep_size: EpSizeOpt = None,
     ep_fsdp_size: EpFsdpSizeOpt = None,
     no_ep: NoEpOpt = False,
-    b_source_layout: Annotated[
-        SourceLayout | None,
-        typer.Option("--b-source-layout", help="Declare B's EP layout (as --source-layout declares A's)."),
-    ] = None,
-    b_ep_size: Annotated[int | None, typer.Option("--b-ep-size", min=1, help="EP size of B's saving mesh.")] = None,
-    b_ep_fsdp_size: Annotated[
-        int | None, typer.Option("--b-ep-fsdp-size", min=1, help="EP-FSDP size of B's saving mesh.")
-    ] = None,
-    b_no_ep: Annotated[bool, typer.Option("--b-no-ep", help="B was saved without expert parallelism.")] = False,
+    b_source_layout: BSourceLayoutOpt = None,
+    b_ep_size: BEpSizeOpt = None,
+    b_ep_fsdp_size: BEpFsdpSizeOpt = None,
+    b_no_ep: BNoEpOpt = False,
     step: StepOpt = None,
 ) -> None:
     """Compare two checkpoints tensor by tensor in bounded memory, whatever their sharding or format.

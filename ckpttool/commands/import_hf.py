@@ -21,69 +21,81 @@ class TargetSchema(str, Enum):
     torchtitan = "torchtitan"
 
 
+HfDirArg = Annotated[
+    Path,
+    typer.Argument(
+        help="Hugging Face model directory: model*.safetensors (+ index) and config.json.", show_default=False
+    ),
+]
+SchemaOpt = Annotated[
+    TargetSchema,
+    typer.Option(
+        "--schema",
+        help="torch-native: dcp.save({'model': model.state_dict()}); torchtitan: CheckpointManager names via the adapter.",
+    ),
+]
+AdapterOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--adapter",
+        metavar="<torchtitan-llama3|torchtitan-qwen3>",
+        help="Model adapter for --schema torchtitan [default: from config.json model_type].",
+    ),
+]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="config.json [default: HF_DIR/config.json].")]
+WorldSizeOpt = Annotated[
+    int,
+    typer.Option(
+        "--world-size", min=1, help="Pre-shard for N ranks: one file per rank, dim-0 chunks as FSDP2 Shard(0)."
+    ),
+]
+ImportEpSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--ep-size",
+        min=1,
+        help="Pre-shard MoE expert tensors for EP size P (with --ep-fsdp-size F: P*F files, canonical "
+        "EP x EP-FSDP placement, a layout record).",
+    ),
+]
+ImportEpFsdpSizeOpt = Annotated[
+    int | None,
+    typer.Option("--ep-fsdp-size", min=1, help="EP-FSDP size F of the target mesh (with --ep-size) [default: 1]."),
+]
+FsyncOpt = Annotated[
+    bool,
+    typer.Option(
+        "--fsync/--no-fsync",
+        help="fsync the output files before moving the directory into place (survives a power loss).",
+    ),
+]
+ManifestOpt = Annotated[
+    bool,
+    typer.Option(
+        "--manifest",
+        help="Also write OUT/manifest.json, every chunk digested as it is written, naming the source's identity.",
+    ),
+]
+HashOpt = Annotated[
+    str,
+    typer.Option("--hash", metavar="ALGO", help="Digest of the manifest: xxh3-128, blake3 or blake2b-256."),
+]
+
+
 @command_boundary
 def import_command(
-    hf_dir: Annotated[
-        Path,
-        typer.Argument(
-            help="Hugging Face model directory: model*.safetensors (+ index) and config.json.", show_default=False
-        ),
-    ],
+    hf_dir: HfDirArg,
     out: OutputArg,
-    schema: Annotated[
-        TargetSchema,
-        typer.Option(
-            "--schema",
-            help="torch-native: dcp.save({'model': model.state_dict()}); torchtitan: CheckpointManager names via the adapter.",
-        ),
-    ] = TargetSchema.torch_native,
-    adapter: Annotated[
-        str | None,
-        typer.Option(
-            "--adapter",
-            metavar="<torchtitan-llama3|torchtitan-qwen3>",
-            help="Model adapter for --schema torchtitan [default: from config.json model_type].",
-        ),
-    ] = None,
-    config: Annotated[Path | None, typer.Option("--config", help="config.json [default: HF_DIR/config.json].")] = None,
-    world_size: Annotated[
-        int,
-        typer.Option(
-            "--world-size", min=1, help="Pre-shard for N ranks: one file per rank, dim-0 chunks as FSDP2 Shard(0)."
-        ),
-    ] = 1,
-    ep_size: Annotated[
-        int | None,
-        typer.Option(
-            "--ep-size",
-            min=1,
-            help="Pre-shard MoE expert tensors for EP size P (with --ep-fsdp-size F: P*F files, canonical "
-            "EP x EP-FSDP placement, a layout record).",
-        ),
-    ] = None,
-    ep_fsdp_size: Annotated[
-        int | None,
-        typer.Option("--ep-fsdp-size", min=1, help="EP-FSDP size F of the target mesh (with --ep-size) [default: 1]."),
-    ] = None,
+    schema: SchemaOpt = TargetSchema.torch_native,
+    adapter: AdapterOpt = None,
+    config: ConfigOpt = None,
+    world_size: WorldSizeOpt = 1,
+    ep_size: ImportEpSizeOpt = None,
+    ep_fsdp_size: ImportEpFsdpSizeOpt = None,
     overwrite: OverwriteOpt = False,
-    fsync: Annotated[
-        bool,
-        typer.Option(
-            "--fsync/--no-fsync",
-            help="fsync the output files before moving the directory into place (survives a power loss).",
-        ),
-    ] = True,
-    manifest: Annotated[
-        bool,
-        typer.Option(
-            "--manifest",
-            help="Also write OUT/manifest.json, every chunk digested as it is written, naming the source's identity.",
-        ),
-    ] = False,
-    hash_name: Annotated[
-        str,
-        typer.Option("--hash", metavar="ALGO", help="Digest of the manifest: xxh3-128, blake3 or blake2b-256."),
-    ] = "xxh3-128",
+    fsync: FsyncOpt = True,
+    manifest: ManifestOpt = False,
+    hash_name: HashOpt = "xxh3-128",
     json_output: JsonOpt = False,
 ) -> None:
     """Import a Hugging Face safetensors model as a DCP checkpoint (streaming, bit-exact, atomic)."""

@@ -58,35 +58,26 @@ def inspect_command(
     optimizer_prefix: OptimizerPrefixOpt = None,
 ) -> None:
     """Show what a checkpoint holds, from .metadata alone (reads no tensor data)."""
-    from ckpttool.format.unpickler import gc_paused
-    from ckpttool.ops.inspect import InspectOptions, inspect
+    from ckpttool.ops.entry import data_file_warnings, run_inspect
+    from ckpttool.ops.inspect import InspectOptions
     from ckpttool.ui.render import render_overview
 
-    options = InspectOptions(filter_glob=filter_glob, depth=depth, sort=sort.value)
-    decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
-    sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
-    # One GC pause for reading and printing, and the result freed before it ends: re-enabling the
-    # collector runs a full collection over whatever is still alive (10^7 objects at 10^6 entries).
     sink = Output(json_output)
-    with gc_paused():
-        result = inspect(checkpoint, options, declaration=decl, trust_pickle=trust_pickle, selection=sel)
+
+    def report(result: InspectResult) -> None:
         if not json_output:
-            for line in _file_warnings(result):
+            for line in data_file_warnings(result):
                 sink.warning(line)
         sink.result(result, render_overview)
-        del result
 
-
-def _file_warnings(ov: InspectResult) -> list[str]:
-    """``warning:`` lines for data files that are missing, short or not referenced."""
-    what = {"missing": "is missing", "unreferenced": "is not referenced by .metadata"}
-    bad = [
-        f"data file {f.path} "
-        + (what.get(f.status) or f"is shorter than its records need ({f.size} < {f.needed} bytes; truncated?)")
-        for f in ov.files
-        if f.status != "ok"
-    ]
-    return [*bad, "run `ckpttool validate --strict` for the full list of problems"] if bad else []
+    run_inspect(
+        checkpoint,
+        InspectOptions(filter_glob=filter_glob, depth=depth, sort=sort.value),
+        declaration=declaration(source_layout, ep_size, ep_fsdp_size, no_ep),
+        trust_pickle=trust_pickle,
+        selection=selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix),
+        report=report,
+    )
 
 
 EPILOG = examples(

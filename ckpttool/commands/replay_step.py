@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -32,6 +32,9 @@ from ckpttool.ui.options import (
 )
 from ckpttool.ui.output import Output, command_boundary, deprecated, print_error
 
+if TYPE_CHECKING:
+    from ckpttool.ops.replay import ReplayOptions, ReplayResult
+
 __all__ = ["register", "render_replay", "replay_step_command"]
 
 
@@ -50,72 +53,87 @@ class OptimizerChoice(str, Enum):
     cpu_offload_adamw = "cpu_offload_adamw"
 
 
+DeviceOpt = Annotated[
+    DeviceChoice,
+    typer.Option("--device", help="Where the parameters live: auto (accelerator if any), cpu, cuda, npu."),
+]
+ReplayFilterOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--filter",
+        metavar="GLOB",
+        help="Only parameters whose checkpoint key matches this glob, with or without 'model.' "
+        "(as inspect/export --filter): '*experts*', 'model.layers.0.*'.",
+    ),
+]
+SelectOpt = Annotated[
+    str | None,
+    typer.Option("--select", hidden=True, help="Deprecated: a regex (re.search) over fqns; use --filter GLOB."),
+]
+GradsOpt = Annotated[
+    Path | None,
+    typer.Option("--grads", help="safetensors file of gradients keyed by parameter fqn (global shape)."),
+]
+GradSeedOpt = Annotated[
+    int | None, typer.Option("--grad-seed", help="Seed of the generated gradients (default 0; see docs/replay.md).")
+]
+GradScaleOpt = Annotated[
+    float | None, typer.Option("--grad-scale", help="Std-dev of the generated gradients (default 1e-3).")
+]
+OptimizerOpt = Annotated[
+    OptimizerChoice, typer.Option("--optimizer", help="Optimizer type; auto: layout record, else the state fields.")
+]
+OffloadPatternsOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--offload-patterns",
+        help="cpu_offload_adamw: regex of parameters kept on the CPU (repeatable; overrides the record).",
+    ),
+]
+ChunkSizeOpt = Annotated[
+    int | None, typer.Option("--chunk-size", min=1, help="cpu_offload_adamw: elements per staged chunk.")
+]
+StepsOpt = Annotated[
+    int, typer.Option("--steps", min=1, help="Optimizer steps to replay from the saved state (K >= 1).")
+]
+MaxMemoryOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--max-memory",
+        metavar="SIZE",
+        help="Peak memory of one batch of parameters: 8GiB or 8G (2^30), 8GB (10^9), bytes "
+        "(default half the available RAM).",
+    ),
+]
+ToleranceOpt = Annotated[
+    str, typer.Option("--tolerance", help="rtol,atol for FP32 values (widened to the dtype's rounding for BF16).")
+]
+ReferenceDtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--reference-dtype",
+        metavar="<float64|float32>",
+        help="Dtype of the independent reference step (aliases fp64/double, fp32/float).",
+    ),
+]
+
+
 @command_boundary
 def replay_step_command(
     checkpoint: CheckpointArg,
-    device: Annotated[
-        DeviceChoice,
-        typer.Option("--device", help="Where the parameters live: auto (accelerator if any), cpu, cuda, npu."),
-    ] = DeviceChoice.auto,
-    filter_glob: Annotated[
-        str | None,
-        typer.Option(
-            "--filter",
-            metavar="GLOB",
-            help="Only parameters whose checkpoint key matches this glob, with or without 'model.' "
-            "(as inspect/export --filter): '*experts*', 'model.layers.0.*'.",
-        ),
-    ] = None,
-    select: Annotated[
-        str | None,
-        typer.Option("--select", hidden=True, help="Deprecated: a regex (re.search) over fqns; use --filter GLOB."),
-    ] = None,
-    grads: Annotated[
-        Path | None,
-        typer.Option("--grads", help="safetensors file of gradients keyed by parameter fqn (global shape)."),
-    ] = None,
-    grad_seed: Annotated[
-        int | None, typer.Option("--grad-seed", help="Seed of the generated gradients (default 0; see docs/replay.md).")
-    ] = None,
-    grad_scale: Annotated[
-        float | None, typer.Option("--grad-scale", help="Std-dev of the generated gradients (default 1e-3).")
-    ] = None,
-    optimizer: Annotated[
-        OptimizerChoice, typer.Option("--optimizer", help="Optimizer type; auto: layout record, else the state fields.")
-    ] = OptimizerChoice.auto,
-    offload_patterns: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--offload-patterns",
-            help="cpu_offload_adamw: regex of parameters kept on the CPU (repeatable; overrides the record).",
-        ),
-    ] = None,
-    chunk_size: Annotated[
-        int | None, typer.Option("--chunk-size", min=1, help="cpu_offload_adamw: elements per staged chunk.")
-    ] = None,
-    steps: Annotated[
-        int, typer.Option("--steps", min=1, help="Optimizer steps to replay from the saved state (K >= 1).")
-    ] = 1,
-    max_memory: Annotated[
-        str | None,
-        typer.Option(
-            "--max-memory",
-            metavar="SIZE",
-            help="Peak memory of one batch of parameters: 8GiB or 8G (2^30), 8GB (10^9), bytes "
-            "(default half the available RAM).",
-        ),
-    ] = None,
-    tolerance: Annotated[
-        str, typer.Option("--tolerance", help="rtol,atol for FP32 values (widened to the dtype's rounding for BF16).")
-    ] = "1e-5,1e-8",
-    reference_dtype: Annotated[
-        str,
-        typer.Option(
-            "--reference-dtype",
-            metavar="<float64|float32>",
-            help="Dtype of the independent reference step (aliases fp64/double, fp32/float).",
-        ),
-    ] = "float64",
+    device: DeviceOpt = DeviceChoice.auto,
+    filter_glob: ReplayFilterOpt = None,
+    select: SelectOpt = None,
+    grads: GradsOpt = None,
+    grad_seed: GradSeedOpt = None,
+    grad_scale: GradScaleOpt = None,
+    optimizer: OptimizerOpt = OptimizerChoice.auto,
+    offload_patterns: OffloadPatternsOpt = None,
+    chunk_size: ChunkSizeOpt = None,
+    steps: StepsOpt = 1,
+    max_memory: MaxMemoryOpt = None,
+    tolerance: ToleranceOpt = "1e-5,1e-8",
+    reference_dtype: ReferenceDtypeOpt = "float64",
     json_output: JsonOpt = False,
     trust_pickle: TrustPickleOpt = False,
     source_layout: SourceLayoutOpt = None,
@@ -132,8 +150,61 @@ def replay_step_command(
 
     Exit 0: every parameter matches; 1: a mismatch beyond tolerance; 2: unusable input.
     """
-    from ckpttool.model.checkpoint import open_checkpoint
-    from ckpttool.ops.replay import ReplayOptions, replay_step
+    from ckpttool.ops.entry import replay_mismatch, run_replay
+
+    options = _replay_options(
+        device=device,
+        filter_glob=filter_glob,
+        select=select,
+        grads=grads,
+        grad_seed=grad_seed,
+        grad_scale=grad_scale,
+        optimizer=optimizer,
+        offload_patterns=offload_patterns,
+        chunk_size=chunk_size,
+        steps=steps,
+        max_memory=max_memory,
+        tolerance=tolerance,
+        reference_dtype=reference_dtype,
+    )
+    decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
+    sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
+    progress_cb, finish = _progress(enabled=not json_output and sys.stderr.isatty())
+    try:
+        result = run_replay(
+            checkpoint, options, declaration=decl, trust_pickle=trust_pickle, selection=sel, progress=progress_cb
+        )
+    finally:
+        finish()
+    Output(json_output).result(result, render_replay)
+    mismatch = replay_mismatch(result)
+    if mismatch is not None:
+        print_error(mismatch)
+        raise typer.Exit(ReplayMismatchError.exit_code)
+
+
+def _replay_options(
+    *,
+    device: DeviceChoice,
+    filter_glob: str | None,
+    select: str | None,
+    grads: Path | None,
+    grad_seed: int | None,
+    grad_scale: float | None,
+    optimizer: OptimizerChoice,
+    offload_patterns: list[str] | None,
+    chunk_size: int | None,
+    steps: int,
+    max_memory: str | None,
+    tolerance: str,
+    reference_dtype: str,
+) -> ReplayOptions:
+    """The :class:`~ckpttool.ops.replay.ReplayOptions` of replay-step's options, checked.
+
+    Raises:
+        UsageError: exclusive options given together, an unparsable size, tolerance or dtype.
+    """
+    from ckpttool.ops.replay import ReplayOptions
 
     if grads is not None and (grad_seed is not None or grad_scale is not None):
         raise UsageError(
@@ -159,25 +230,7 @@ def replay_step_command(
         reference_dtype=parse_dtype(reference_dtype, "--reference-dtype", ("float64", "float32")),
     )
     options.check()
-    decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
-    sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
-    progress_cb, finish = _progress(enabled=not json_output and sys.stderr.isatty())
-    try:
-        with open_checkpoint(checkpoint, declaration=decl, trust_pickle=trust_pickle, selection=sel) as ckpt:
-            result = replay_step(ckpt, options, progress=progress_cb)
-    finally:
-        finish()
-    Output(json_output).result(result, render_replay)
-    if not result.ok:
-        worst = result.failed[0]
-        print_error(
-            ReplayMismatchError(
-                f"{len(result.failed)} of {len(result.params)} parameter(s) do not reproduce the reference step; "
-                f"worst {worst.fqn}: {worst.problems[0]}",
-                fqn=worst.fqn,
-            )
-        )
-        raise typer.Exit(ReplayMismatchError.exit_code)
+    return options
 
 
 def _err_cell(err: Any) -> str:
@@ -187,21 +240,35 @@ def _err_cell(err: Any) -> str:
     return f"{err.max_abs:.1e}/{err.max_rel:.1e}{mark}"
 
 
-def render_replay(result: Any, *, max_rows: int = 40) -> None:
-    """Print a :class:`~ckpttool.replay.ReplayResult` as a header, a table (worst first) and a verdict."""
-    from ckpttool.ui.render import (
-        STYLES,
-        Col,
-        fmt_rate,
-        fmt_value,
-        human_bytes,
-        plural,
-        print_table,
-        stdout_console,
-        styled,
-    )
+def render_replay(result: ReplayResult, *, max_rows: int = 40) -> None:
+    """Print a :class:`~ckpttool.ops.replay.ReplayResult` as a header, a table (worst first) and a verdict."""
+    from ckpttool.ui.render import STYLES, plural, stdout_console, styled
 
     con = stdout_console()
+    _print_replay_header(con, result)
+    shown = [p for p in result.params if not p.ok] + [p for p in result.params if p.ok][
+        : max(0, max_rows - len(result.failed))
+    ]
+    _print_param_table(con, shown)
+    con.print("errors      max abs/max rel vs the reference, per field (! beyond tolerance)")
+    if len(shown) < len(result.params):
+        con.print(f"... {len(result.params) - len(shown)} more parameter(s) passed (use --json for all)")
+    _print_replay_timing(con, result)
+    word = "OK" if result.ok else "FAILED"
+    con.print(
+        styled(
+            "result      ",
+            (word, STYLES[word]),
+            f": {len(result.params) - len(result.failed)} of {plural(len(result.params), 'parameter')} "
+            "match the reference step",
+        ),
+    )
+
+
+def _print_replay_header(con: Any, result: ReplayResult) -> None:
+    """The checkpoint, device, optimizer, gradients, replay settings and notes of a replay."""
+    from ckpttool.ui.render import fmt_value, human_bytes, plural
+
     con.print(f"checkpoint  {result.path}")
     con.print(f"device      {result.device}")
     cfg = "; ".join(
@@ -226,10 +293,13 @@ def render_replay(result: Any, *, max_rows: int = 40) -> None:
     )
     for n in result.notes:
         con.print(f"note        {n}")
+
+
+def _print_param_table(con: Any, shown: list[Any]) -> None:
+    """The table of the parameters shown, one row each (errors per field, placement, verdict)."""
+    from ckpttool.ui.render import STYLES, Col, print_table, styled
+
     rows = []
-    shown = [p for p in result.params if not p.ok] + [p for p in result.params if p.ok][
-        : max(0, max_rows - len(result.failed))
-    ]
     for p in shown:
         step = "-" if p.step_after is None else f"{p.step_before:g}->{p.step_after:g}"
         place = ",".join(sorted({v.split(":")[0] for k, v in p.placement.items() if k != "param"})) or "-"
@@ -266,9 +336,12 @@ def render_replay(result: Any, *, max_rows: int = 40) -> None:
         ],
         rows,
     )
-    con.print("errors      max abs/max rel vs the reference, per field (! beyond tolerance)")
-    if len(shown) < len(result.params):
-        con.print(f"... {len(result.params) - len(shown)} more parameter(s) passed (use --json for all)")
+
+
+def _print_replay_timing(con: Any, result: ReplayResult) -> None:
+    """The timing line (and the offload transfer line when parameters were offloaded)."""
+    from ckpttool.ui.render import fmt_rate, human_bytes, plural
+
     t = result.timing
     con.print(
         f"timing      optimizer.step {t['step_seconds'] * 1e3:.1f} ms for {plural(result.steps, 'step')}, "
@@ -280,15 +353,6 @@ def render_replay(result: Any, *, max_rows: int = 40) -> None:
             f"offload     D2H {human_bytes(t['d2h_bytes'])} ({t['d2h_gbps']:.2f} GB/s), H2D {human_bytes(t['h2d_bytes'])} "
             f"({t['h2d_gbps']:.2f} GB/s) over {t['offload_seconds'] * 1e3:.1f} ms of offloaded steps"
         )
-    word = "OK" if result.ok else "FAILED"
-    con.print(
-        styled(
-            "result      ",
-            (word, STYLES[word]),
-            f": {len(result.params) - len(result.failed)} of {plural(len(result.params), 'parameter')} "
-            "match the reference step",
-        ),
-    )
 
 
 def _progress(*, enabled: bool) -> tuple[Any, Any]:

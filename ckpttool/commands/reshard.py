@@ -39,45 +39,59 @@ class TargetLayout(str, Enum):
     legacy = "legacy"
 
 
+ToOpt = Annotated[
+    TargetLayout, typer.Option("--to", help="Target EP layout: canonical (version 2) or legacy (version 1).")
+]
+TargetEpSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--target-ep-size", min=1, help="EP size of the job that will load the output (default: the source's)."
+    ),
+]
+TargetEpFsdpSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--target-ep-fsdp-size",
+        min=1,
+        help="EP-FSDP size of the job that will load the output (default: the source's).",
+    ),
+]
+WithOptimizerOpt = Annotated[
+    bool,
+    typer.Option(
+        "--with-optimizer",
+        help="Permute the optimizer state (master_weight, exp_avg, exp_avg_sq) of EP parameters with them; required when the checkpoint has such state.",
+    ),
+]
+FsyncOpt = Annotated[
+    bool,
+    typer.Option(
+        "--fsync/--no-fsync",
+        help="fsync the output files before moving the directory into place (survives a power loss).",
+    ),
+]
+ManifestOpt = Annotated[
+    bool,
+    typer.Option(
+        "--manifest",
+        help="Also write the output's manifest.json, every chunk digested as it is written (no second read); verify with validate --manifest.",
+    ),
+]
+
+
 @command_boundary
 def reshard_command(
     source: CheckpointArg,
     target: OutputArg,
-    to: Annotated[
-        TargetLayout, typer.Option("--to", help="Target EP layout: canonical (version 2) or legacy (version 1).")
-    ],
-    target_ep_size: Annotated[
-        int | None,
-        typer.Option(
-            "--target-ep-size", min=1, help="EP size of the job that will load the output (default: the source's)."
-        ),
-    ] = None,
-    target_ep_fsdp_size: Annotated[
-        int | None,
-        typer.Option(
-            "--target-ep-fsdp-size",
-            min=1,
-            help="EP-FSDP size of the job that will load the output (default: the source's).",
-        ),
-    ] = None,
-    with_optimizer: Annotated[
-        bool,
-        typer.Option(
-            "--with-optimizer",
-            help="Permute the optimizer state (master_weight, exp_avg, exp_avg_sq) of EP parameters with them; required when the checkpoint has such state.",
-        ),
-    ] = False,
+    to: ToOpt,
+    target_ep_size: TargetEpSizeOpt = None,
+    target_ep_fsdp_size: TargetEpFsdpSizeOpt = None,
+    with_optimizer: WithOptimizerOpt = False,
     source_layout: SourceLayoutOpt = None,
     ep_size: EpSizeOpt = None,
     ep_fsdp_size: EpFsdpSizeOpt = None,
     overwrite: OverwriteOpt = False,
-    fsync: Annotated[
-        bool,
-        typer.Option(
-            "--fsync/--no-fsync",
-            help="fsync the output files before moving the directory into place (survives a power loss).",
-        ),
-    ] = True,
+    fsync: FsyncOpt = True,
     json_output: JsonOpt = False,
     trust_pickle: TrustPickleOpt = False,
     no_ep: NoEpOpt = False,
@@ -86,13 +100,7 @@ def reshard_command(
     model_prefix: ModelPrefixOpt = None,
     optimizer_prefix: OptimizerPrefixOpt = None,
     verify_crc: VerifyCrcOpt = True,
-    manifest: Annotated[
-        bool,
-        typer.Option(
-            "--manifest",
-            help="Also write the output's manifest.json, every chunk digested as it is written (no second read); verify with validate --manifest.",
-        ),
-    ] = False,
+    manifest: ManifestOpt = False,
     hash_name: OutputHashOpt = "xxh3-128",
 ) -> None:
     """Write a new DCP checkpoint with expert tensors in the target layout, one data file per target rank.
@@ -101,8 +109,8 @@ def reshard_command(
     naming the source (its .metadata and manifest.json digests). The source is only read; the
     output appears only when complete.
     """
-    from ckpttool.model.checkpoint import open_checkpoint
-    from ckpttool.ops.reshard import ReshardOptions, reshard
+    from ckpttool.ops.entry import run_reshard
+    from ckpttool.ops.reshard import ReshardOptions
     from ckpttool.ui.render import byte_progress
 
     decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
@@ -118,11 +126,15 @@ def reshard_command(
         manifest=manifest,
         algorithm=hash_name,
     )
-    with (
-        open_checkpoint(source, declaration=decl, trust_pickle=trust_pickle, selection=sel) as ckpt,
-        byte_progress("reshard", not json_output and sys.stderr.isatty()) as update,
-    ):
-        res = reshard(ckpt, target, options, progress=update)
+    res = run_reshard(
+        source,
+        target,
+        options,
+        declaration=decl,
+        trust_pickle=trust_pickle,
+        selection=sel,
+        progress=lambda: byte_progress("reshard", not json_output and sys.stderr.isatty()),
+    )
     sink = Output(json_output)
     sink.result(res, _render)
     for w in res.warnings:  # after the summary; they do not change the exit code

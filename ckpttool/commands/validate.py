@@ -113,81 +113,95 @@ def _check_junit_path(junit: Path) -> None:
         )
 
 
+StrictOpt = Annotated[
+    bool, typer.Option("--strict", help="Warnings fail the run too; unknown or ambiguous things fail closed.")
+]
+DeepOpt = Annotated[
+    bool,
+    typer.Option(
+        "--deep",
+        help="Also read every data byte once (files in parallel): non-finite values, negative exp_avg_sq, step values, master/param divergence, tied head, corrupt chunks.",
+    ),
+]
+SelectOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--select",
+        help="Run only rules whose code starts with one of these (comma list or repeated): S, O00, D004.",
+    ),
+]
+IgnoreOpt = Annotated[
+    list[str] | None,
+    typer.Option("--ignore", help="Skip rules whose code starts with one of these (comma list or repeated)."),
+]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option("--config", help="HF config.json of the model: layer and expert coverage, tied lm_head rules."),
+]
+AgainstOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--against",
+        help="Reference model (HF directory with safetensors/index, a .safetensors file, or a JSON key list): missing/unexpected keys, shapes, dtypes.",
+    ),
+]
+ManifestOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--manifest",
+        metavar="FILE",
+        help="Verify every chunk against this manifest.json (ckpttool manifest): names missing, added and changed chunks.",
+    ),
+]
+JunitOpt = Annotated[
+    Path | None,
+    typer.Option("--junit", help="Also write a JUnit XML report (one test case per rule) to this file."),
+]
+WorkersOpt = Annotated[
+    int | None, typer.Option("--workers", min=1, help="Reader threads for --deep (default: CPU count, 2..8).")
+]
+ListRulesOpt = Annotated[
+    bool, typer.Option("--list-rules", help="List the rules (code, severity, what they check) and exit.")
+]
+#: validate's own --optimizer-dir (also spelled --optimizer; says "validated" where the shared one says "read").
+ValidateOptimizerDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--optimizer-dir",
+        "--optimizer",
+        help="A separate optimizer checkpoint (e.g. checkpoint-N/optimizer_0) validated together with DIR's model.",
+        show_default=False,
+    ),
+]
+
+
 @command_boundary
 def validate_command(
     checkpoint: CheckpointArg = None,  # type: ignore[assignment]
-    strict: Annotated[
-        bool, typer.Option("--strict", help="Warnings fail the run too; unknown or ambiguous things fail closed.")
-    ] = False,
-    deep: Annotated[
-        bool,
-        typer.Option(
-            "--deep",
-            help="Also read every data byte once (files in parallel): non-finite values, negative exp_avg_sq, step values, master/param divergence, tied head, corrupt chunks.",
-        ),
-    ] = False,
-    select: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--select",
-            help="Run only rules whose code starts with one of these (comma list or repeated): S, O00, D004.",
-        ),
-    ] = None,
-    ignore: Annotated[
-        list[str] | None,
-        typer.Option("--ignore", help="Skip rules whose code starts with one of these (comma list or repeated)."),
-    ] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option("--config", help="HF config.json of the model: layer and expert coverage, tied lm_head rules."),
-    ] = None,
-    against: Annotated[
-        Path | None,
-        typer.Option(
-            "--against",
-            help="Reference model (HF directory with safetensors/index, a .safetensors file, or a JSON key list): missing/unexpected keys, shapes, dtypes.",
-        ),
-    ] = None,
-    manifest: Annotated[
-        Path | None,
-        typer.Option(
-            "--manifest",
-            metavar="FILE",
-            help="Verify every chunk against this manifest.json (ckpttool manifest): names missing, added and changed chunks.",
-        ),
-    ] = None,
+    strict: StrictOpt = False,
+    deep: DeepOpt = False,
+    select: SelectOpt = None,
+    ignore: IgnoreOpt = None,
+    config: ConfigOpt = None,
+    against: AgainstOpt = None,
+    manifest: ManifestOpt = None,
     json_output: JsonOpt = False,
-    junit: Annotated[
-        Path | None,
-        typer.Option("--junit", help="Also write a JUnit XML report (one test case per rule) to this file."),
-    ] = None,
+    junit: JunitOpt = None,
     source_layout: SourceLayoutOpt = None,
     ep_size: EpSizeOpt = None,
     ep_fsdp_size: EpFsdpSizeOpt = None,
     trust_pickle: TrustPickleOpt = False,
-    workers: Annotated[
-        int | None, typer.Option("--workers", min=1, help="Reader threads for --deep (default: CPU count, 2..8).")
-    ] = None,
-    list_rules: Annotated[
-        bool, typer.Option("--list-rules", help="List the rules (code, severity, what they check) and exit.")
-    ] = False,
+    workers: WorkersOpt = None,
+    list_rules: ListRulesOpt = False,
     no_ep: NoEpOpt = False,
     step: StepOpt = None,
-    optimizer_dir: Annotated[
-        Path | None,
-        typer.Option(
-            "--optimizer-dir",
-            "--optimizer",
-            help="A separate optimizer checkpoint (e.g. checkpoint-N/optimizer_0) validated together with DIR's model.",
-            show_default=False,
-        ),
-    ] = None,
+    optimizer_dir: ValidateOptimizerDirOpt = None,
     schema: SchemaOpt = None,
     model_prefix: ModelPrefixOpt = None,
     optimizer_prefix: OptimizerPrefixOpt = None,
 ) -> None:
     """Check a checkpoint with rules that have stable codes; exit 1 on findings that fail the run."""
-    from ckpttool.errors import UsageError, error_class
+    from ckpttool.errors import UsageError
 
     if list_rules:
         from ckpttool.commands.rules import print_rules
@@ -196,7 +210,8 @@ def validate_command(
         return
     if checkpoint is None:
         raise UsageError("missing CHECKPOINT argument", hint="ckpttool validate DIR [--strict] [--deep]")
-    from ckpttool.ops.validate import ValidateOptions, junit_xml, validate
+    from ckpttool.ops.entry import run_validate, validation_error
+    from ckpttool.ops.validate import ValidateOptions
 
     if junit is not None:
         _check_junit_path(junit)
@@ -214,26 +229,40 @@ def validate_command(
         workers=workers,
         manifest=manifest,
     )
-    from ckpttool.format.unpickler import gc_paused
+
+    def report(res: ValidationResult) -> None:
+        if junit is not None:
+            _write_junit(junit, res)
+        Output(json_output).result(res, _render)
 
     progress = byte_progress("validate --deep", deep and not json_output and sys.stderr.isatty())
-    with gc_paused(), progress as update:  # one pause for reading and printing (each re-enable: a full collection)
-        res = validate(checkpoint, options, declaration=decl, trust_pickle=trust_pickle, progress=update, selection=sel)
-        if junit is not None:
-            from ckpttool.errors import OutputError
-            from ckpttool.format.atomic import atomic_write_text
-
-            try:
-                atomic_write_text(junit, junit_xml(res))
-            except OutputError as e:
-                e.hint = _JUNIT_HINT
-                raise
-        Output(json_output).result(res, _render)
-    fatal = res.fatal
+    with progress as update:
+        res = run_validate(
+            checkpoint,
+            options,
+            declaration=decl,
+            trust_pickle=trust_pickle,
+            selection=sel,
+            progress=update,
+            report=report,
+        )
+    fatal = validation_error(res)
     if fatal is not None:
-        message = f"{fatal.key}: {fatal.message}" if fatal.key and fatal.key not in fatal.message else fatal.message
-        print_error(error_class(fatal.error_code or "")(message, hint=fatal.hint))
+        print_error(fatal)
     raise typer.Exit(res.exit_code)
+
+
+def _write_junit(junit: Path, res: ValidationResult) -> None:
+    """The JUnit XML report of ``res`` written to ``junit`` (atomically; the hint of a failure names --junit)."""
+    from ckpttool.errors import OutputError
+    from ckpttool.format.atomic import atomic_write_text
+    from ckpttool.ops.validate import junit_xml
+
+    try:
+        atomic_write_text(junit, junit_xml(res))
+    except OutputError as e:
+        e.hint = _JUNIT_HINT
+        raise
 
 
 EPILOG = examples(

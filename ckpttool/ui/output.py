@@ -121,6 +121,15 @@ def emit_json_chunks(chunks: Iterable[str]) -> None:
     out.flush()
 
 
+def _write_json(result: _HasDict) -> None:
+    """``result`` as one JSON document on stdout (streamed when it has ``json_chunks``: large reports)."""
+    chunks = getattr(result, "json_chunks", None)
+    if chunks is not None:
+        emit_json_chunks(chunks())
+    else:
+        emit_json(result.to_dict())
+
+
 def _current_context() -> Any:
     """The running command's click context, or ``None``.
 
@@ -270,18 +279,13 @@ class Output:
         self.json = json_output
 
     def result(self, result: _HasDict, render: Callable[[Any], None]) -> None:
-        """Print ``result``: its ``to_dict()`` as JSON, or ``render(result)`` as human text."""
-        from ckpttool.format.unpickler import gc_paused
+        """Print ``result``: its ``to_dict()`` as JSON, or ``render(result)`` as human text.
 
-        with gc_paused():  # a 10^6-entry report is ~10^7 acyclic objects
-            if self.json:
-                chunks = getattr(result, "json_chunks", None)  # large reports stream their rows
-                if chunks is not None:
-                    emit_json_chunks(chunks())
-                else:
-                    emit_json(result.to_dict())
-            else:
-                render(result)
+        Handed over through :func:`~ckpttool.ops.entry.deliver`, which owns the GC policy of printing.
+        """
+        from ckpttool.ops.entry import deliver
+
+        deliver(result, render if not self.json else _write_json)
 
     def warning(self, text: str) -> None:
         """A ``warning: ...`` line on stderr (never changes the exit code)."""

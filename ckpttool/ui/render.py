@@ -523,6 +523,17 @@ def byte_progress(label: str, enabled: bool) -> Iterator[Callable[[int, int], No
 def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
     """Print ``inspect``'s result: a header, the model tensors, optimizer, layout and extra state."""
     con = stdout_console()
+    _overview_header(con, ov)
+    _overview_model(con, ov, max_rows)
+    _overview_optimizer(con, ov)
+    _overview_layout(con, ov)
+    _overview_provenance(con, ov)
+    _overview_byte_items(con, ov, max_rows)
+    _overview_leftovers(con, ov)
+
+
+def _overview_header(con: Console, ov: InspectResult) -> None:
+    """Where the checkpoint was opened, its format, key schema, files, tensors and bytes."""
     s = ov.summary
     con.print(f"checkpoint  {ov.path}")
     loc = ov.location
@@ -555,6 +566,9 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
     con.print(f"bytes       {by_cat}")
     con.print(f"by dtype    {by_dtype}")
 
+
+def _overview_model(con: Console, ov: InspectResult, max_rows: int) -> None:
+    """The model tree (``--depth``) or the first ``max_rows`` model tensors."""
     if ov.tree is not None:
         print_table(
             con,
@@ -598,6 +612,9 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
         if len(ov.model) > max_rows:
             con.print(f"... {len(ov.model) - max_rows:,} more (use --filter, --depth or --json)")
 
+
+def _overview_optimizer(con: Console, ov: InspectResult) -> None:
+    """The optimizer summary, its state fields, param groups and state of fqns not in the model."""
     o = ov.optimizer
     con.print(
         f"optimizer   flavor {o.flavor or ABSENT}; state for {o.params_with_state}/{o.params_total} params; "
@@ -647,6 +664,9 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
     if o.orphan_state:
         con.print(f"state for fqns not in the model: {fmt_list(o.orphan_state, limit=10)}")
 
+
+def _overview_layout(con: Console, ov: InspectResult) -> None:
+    """The EP layout record, its geometry and ambiguity, or why there is none."""
     lay = ov.layout
     if lay is not None:
         version = (
@@ -704,6 +724,10 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
         )
     else:
         con.print("layout      none (unversioned)")
+
+
+def _overview_provenance(con: Console, ov: InspectResult) -> None:
+    """The checkpoint this one was made from, and the extra_state files."""
     if ov.derived_from is not None:
         src = ov.derived_from
         con.print(
@@ -719,9 +743,14 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
             f"extra state {e.path} ({human_bytes(e.size)}, rank {fmt_value(e.rank)}): {e.status}"
             + (f", keys {', '.join(e.keys)}" if e.keys else "")
         )
+
+
+def _overview_byte_items(con: Console, ov: InspectResult, max_rows: int) -> None:
+    """Param-group byte items as one line, the other byte items as a table."""
     if ov.byte_items:
-        pg = [(k, n) for k, n in ov.byte_items if ".param_groups." in f".{k}"]
-        rest = [(k, n) for k, n in ov.byte_items if ".param_groups." not in f".{k}"]
+        from ckpttool.ops.entry import split_param_group_items
+
+        pg, rest = split_param_group_items(ov.byte_items)
         if pg:
             con.print(f"byte items  {plural(len(pg), 'param-group item')} ({human_bytes(sum(n for _, n in pg))})")
         if rest:
@@ -731,6 +760,10 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
                 [Col("key", "key"), Col("bytes", "num")],
                 [[k, human_bytes(n)] for k, n in rest[:max_rows]],
             )
+
+
+def _overview_leftovers(con: Console, ov: InspectResult) -> None:
+    """Keys of no known category, uncategorized tensors (a warning) and saved non-persistent buffers."""
     if ov.other_keys:
         con.print(f"other keys  {fmt_list(ov.other_keys, limit=20)}")
     if ov.uncategorized_tensors:

@@ -1,0 +1,197 @@
+"""Entry points of the operations for a front end: open, run, hand the result to a printer.
+
+Each function is one call for a command: it opens the checkpoint where the operation takes an
+opened one, owns the cyclic-GC policy of the run, and decides what about the result is worth a
+warning or an error. Printing stays with the caller (``report``): this module never prints.
+
+The GC: a 10^6-entry ``.metadata`` and the reports built from it are ~10^7 acyclic objects, and
+every re-enable of the collector runs a full collection over whatever is still alive. So the
+collector stays paused from the open until the result is printed (:func:`run_inspect`,
+:func:`run_validate`, :func:`deliver`), and inspect's result is dropped before it resumes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, TypeVar
+
+from ckpttool.format.unpickler import gc_paused
+
+if TYPE_CHECKING:
+    from ckpttool.errors import CkptError, ReplayMismatchError
+    from ckpttool.layouts.declaration import LayoutDeclaration
+    from ckpttool.model.discovery import CheckpointSelection
+    from ckpttool.ops.inspect import InspectOptions, InspectResult
+    from ckpttool.ops.replay import ReplayOptions, ReplayResult
+    from ckpttool.ops.reshard import ReshardOptions, ReshardResult
+    from ckpttool.ops.validate import ValidateOptions, ValidationResult
+
+__all__ = [
+    "data_file_warnings",
+    "deliver",
+    "replay_mismatch",
+    "run_inspect",
+    "run_replay",
+    "run_reshard",
+    "run_validate",
+    "split_param_group_items",
+    "validation_error",
+]
+
+R = TypeVar("R")
+Progress = Callable[[int, int], None] | None
+
+
+def deliver(result: R, consume: Callable[[R], None]) -> None:
+    """``consume(result)`` (write it as JSON or text) with the cyclic GC paused: a 10^6-entry report
+    is ~10^7 acyclic objects."""
+    with gc_paused():
+        consume(result)
+
+
+def run_inspect(
+    path: str | os.PathLike[str],
+    options: InspectOptions,
+    *,
+    declaration: LayoutDeclaration | None,
+    trust_pickle: bool,
+    selection: CheckpointSelection | None,
+    report: Callable[[InspectResult], None],
+) -> None:
+    """:func:`~ckpttool.ops.inspect.inspect` the checkpoint and ``report`` the result, under one GC pause.
+
+    The result is freed before the pause ends (the collection at the re-enable then scans little).
+
+    Raises:
+        as :func:`~ckpttool.ops.inspect.inspect`.
+    """
+    from ckpttool.ops.inspect import inspect
+
+    with gc_paused():
+        result = inspect(path, options, declaration=declaration, trust_pickle=trust_pickle, selection=selection)
+        report(result)
+        del result
+
+
+def data_file_warnings(result: InspectResult) -> list[str]:
+    """Warning texts for data files that are missing, short or not referenced (``[]``: none)."""
+    what = {"missing": "is missing", "unreferenced": "is not referenced by .metadata"}
+    bad = [
+        f"data file {f.path} "
+        + (what.get(f.status) or f"is shorter than its records need ({f.size} < {f.needed} bytes; truncated?)")
+        for f in result.files
+        if f.status != "ok"
+    ]
+    return [*bad, "run `ckpttool validate --strict` for the full list of problems"] if bad else []
+
+
+def split_param_group_items(
+    byte_items: Sequence[tuple[str, int]],
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """``(key, bytes)`` byte items split into the param-group items (a ``param_groups`` component
+    that is not the key's last) and the rest, each in the given order."""
+    pg = [(k, n) for k, n in byte_items if ".param_groups." in f".{k}"]
+    rest = [(k, n) for k, n in byte_items if ".param_groups." not in f".{k}"]
+    return pg, rest
+
+
+def run_validate(
+    path: str | os.PathLike[str],
+    options: ValidateOptions,
+    *,
+    declaration: LayoutDeclaration | None,
+    trust_pickle: bool,
+    selection: CheckpointSelection | None,
+    progress: Progress,
+    report: Callable[[ValidationResult], None],
+) -> ValidationResult:
+    """:func:`~ckpttool.ops.validate.validate` the checkpoint and ``report`` the result, under one GC pause.
+
+    Raises:
+        as :func:`~ckpttool.ops.validate.validate`, and what ``report`` raises.
+    """
+    from ckpttool.ops.validate import validate
+
+    with gc_paused():  # one pause for reading and printing (each re-enable: a full collection)
+        res = validate(
+            path, options, declaration=declaration, trust_pickle=trust_pickle, progress=progress, selection=selection
+        )
+        report(res)
+    return res
+
+
+def validation_error(res: ValidationResult) -> CkptError | None:
+    """The error of the finding that made the run unusable (exit 2), ``None`` without one."""
+    from ckpttool.errors import error_class
+
+    fatal = res.fatal
+    if fatal is None:
+        return None
+    message = f"{fatal.key}: {fatal.message}" if fatal.key and fatal.key not in fatal.message else fatal.message
+    return error_class(fatal.error_code or "")(message, hint=fatal.hint)
+
+
+def run_replay(
+    path: str | os.PathLike[str],
+    options: ReplayOptions,
+    *,
+    declaration: LayoutDeclaration | None,
+    trust_pickle: bool,
+    selection: CheckpointSelection | None,
+    progress: Progress,
+) -> ReplayResult:
+    """Open the checkpoint and :func:`~ckpttool.ops.replay.replay_step` it.
+
+    Raises:
+        as :func:`~ckpttool.model.checkpoint.open_checkpoint` and :func:`~ckpttool.ops.replay.replay_step`.
+    """
+    from ckpttool.model.checkpoint import open_checkpoint
+    from ckpttool.ops.replay import replay_step
+
+    with open_checkpoint(path, declaration=declaration, trust_pickle=trust_pickle, selection=selection) as ckpt:
+        return replay_step(ckpt, options, progress=progress)
+
+
+def replay_mismatch(result: ReplayResult) -> ReplayMismatchError | None:
+    """The error naming the worst parameter when some do not reproduce the reference step (``None``: all do)."""
+    from ckpttool.errors import ReplayMismatchError
+
+    if result.ok:
+        return None
+    worst = result.failed[0]
+    return ReplayMismatchError(
+        f"{len(result.failed)} of {len(result.params)} parameter(s) do not reproduce the reference step; "
+        f"worst {worst.fqn}: {worst.problems[0]}",
+        fqn=worst.fqn,
+    )
+
+
+def run_reshard(
+    source: str | os.PathLike[str],
+    target: str | os.PathLike[str],
+    options: ReshardOptions,
+    *,
+    declaration: LayoutDeclaration | None,
+    trust_pickle: bool,
+    selection: CheckpointSelection | None,
+    progress: Callable[[], AbstractContextManager[Progress]],
+) -> ReshardResult:
+    """Open ``source`` and :func:`~ckpttool.ops.reshard.reshard` it into ``target``.
+
+    Args:
+        progress: a context-manager factory yielding the ``(bytes done, bytes total)`` callback (or
+            ``None``), entered once the checkpoint is open.
+
+    Raises:
+        as :func:`~ckpttool.model.checkpoint.open_checkpoint` and :func:`~ckpttool.ops.reshard.reshard`.
+    """
+    from ckpttool.model.checkpoint import open_checkpoint
+    from ckpttool.ops.reshard import reshard
+
+    with (
+        open_checkpoint(source, declaration=declaration, trust_pickle=trust_pickle, selection=selection) as ckpt,
+        progress() as update,
+    ):
+        return reshard(ckpt, target, options, progress=update)

@@ -1,0 +1,121 @@
+"""ckpttool.ops.entry: the GC policy of a run (paused from the open until the result is printed,
+restored after) and what about a result becomes a warning or an error."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+
+from ckpttool.errors import ReplayMismatchError
+from ckpttool.ops.entry import (
+    data_file_warnings,
+    deliver,
+    replay_mismatch,
+    run_inspect,
+    run_validate,
+    split_param_group_items,
+    validation_error,
+)
+from ckpttool.ops.inspect import InspectOptions
+from ckpttool.ops.validate import ValidateOptions
+
+
+@pytest.fixture
+def gc_enabled() -> object:
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    if not was:
+        gc.disable()
+
+
+def test_inspect_reports_with_the_gc_paused_and_restores_it(dense_ckpt: Path, gc_enabled: object) -> None:
+    seen: list[bool] = []
+    run_inspect(
+        dense_ckpt,
+        InspectOptions(),
+        declaration=None,
+        trust_pickle=False,
+        selection=None,
+        report=lambda result: seen.append(gc.isenabled()),
+    )
+    assert seen == [False]
+    assert gc.isenabled()
+
+
+def test_validate_reports_with_the_gc_paused_and_returns_the_result(dense_ckpt: Path, gc_enabled: object) -> None:
+    seen: list[bool] = []
+    res = run_validate(
+        dense_ckpt,
+        ValidateOptions(),
+        declaration=None,
+        trust_pickle=False,
+        selection=None,
+        progress=None,
+        report=lambda r: seen.append(gc.isenabled()),
+    )
+    assert seen == [False]
+    assert gc.isenabled()
+    assert res.fatal is None and validation_error(res) is None
+
+
+def test_validate_fatal_finding_is_its_error(tmp_path: Path) -> None:
+    (tmp_path / ".metadata").write_bytes(b"garbage")
+    res = run_validate(
+        tmp_path, ValidateOptions(), declaration=None, trust_pickle=False, selection=None, progress=None, report=print
+    )
+    err = validation_error(res)
+    assert res.exit_code == 2 and err is not None
+    assert err.code == res.fatal.error_code
+    assert "is not a readable pickle" in err.message
+
+
+def test_deliver_pauses_and_restores(gc_enabled: object) -> None:
+    seen: list[bool] = []
+    deliver(1, lambda _: seen.append(gc.isenabled()))
+    assert seen == [False] and gc.isenabled()
+
+
+def test_data_file_warnings() -> None:
+    class F:
+        def __init__(self, path: str, status: str, size: int = 0, needed: int = 0) -> None:
+            self.path, self.status, self.size, self.needed = path, status, size, needed
+
+    class R:
+        files = [F("a", "ok"), F("b", "missing"), F("c", "unreferenced"), F("d", "short", 5, 9)]
+
+    assert data_file_warnings(R()) == [  # type: ignore[arg-type]
+        "data file b is missing",
+        "data file c is not referenced by .metadata",
+        "data file d is shorter than its records need (5 < 9 bytes; truncated?)",
+        "run `ckpttool validate --strict` for the full list of problems",
+    ]
+    R.files = [F("a", "ok")]
+    assert data_file_warnings(R()) == []  # type: ignore[arg-type]
+
+
+def test_split_param_group_items() -> None:
+    items = [("optim.param_groups.0.lr", 8), ("param_groups.1.eps", 8), ("extra", 3), ("x.param_groups", 4)]
+    assert split_param_group_items(items) == (
+        [("optim.param_groups.0.lr", 8), ("param_groups.1.eps", 8)],
+        [("extra", 3), ("x.param_groups", 4)],
+    )
+
+
+def test_replay_mismatch_names_the_worst() -> None:
+    class P:
+        fqn = "w"
+        problems = ["exp_avg beyond tolerance"]
+
+    class R:
+        ok = False
+        failed = [P()]
+        params = [P(), P()]
+
+    err = replay_mismatch(R())  # type: ignore[arg-type]
+    assert isinstance(err, ReplayMismatchError)
+    assert err.message == ("1 of 2 parameter(s) do not reproduce the reference step; worst w: exp_avg beyond tolerance")
+    R.ok = True
+    assert replay_mismatch(R()) is None  # type: ignore[arg-type]
