@@ -38,12 +38,10 @@ from ckpttool.errors import MetadataError
 from ckpttool.format.files import resolve_inside
 from ckpttool.format.jsonfile import unique_pairs
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo, TensorMeta
-from ckpttool.format.safetensors import MAX_HEADER_BYTES, SAFETENSORS_TAGS, HeaderError, read_header
+from ckpttool.format.safetensors import SAFETENSORS_TAGS, HeaderError, read_header
 
 __all__ = [
     "HF_INDEX_NAME",
-    "MAX_HEADER_BYTES",
-    "SAFETENSORS_TAGS",
     "hf_storage_files",
     "load_hf_storage_metadata",
     "read_safetensors_header",
