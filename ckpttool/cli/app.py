@@ -116,7 +116,7 @@ def _set_spool_size(ctx: Any, param: Any, value: str | None) -> None:
 
 def _set_no_cache(ctx: Any, param: Any, value: bool) -> None:
     if value:
-        from ckpttool.format.mdcache import set_cache_enabled
+        from ckpttool.format.cache import set_cache_enabled
 
         set_cache_enabled(False)
 

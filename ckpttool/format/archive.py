@@ -371,35 +371,34 @@ def parse_archive(window: Window, *, max_members: int | None = None) -> Archive:
     if cd_size > entries * (_CENTRAL.size + 3 * 0xFFFF):
         raise ArchiveError("central directory larger than its entries can be")
     cd = window.pread(cd_offset, cd_size)
+    prefix, raw_members = _central_entries(cd, entries)
+    members = _local_members(window, raw_members, prefix, cd_offset)
+    if "data.pkl" not in members:
+        raise ArchiveError("archive has no data.pkl")
+    if "version" not in members and ".data/version" not in members:
+        raise ArchiveError("archive has no version record (torch refuses it)")
+    return Archive(prefix, members)
+
+
+#: A central-directory entry: (local header offset, flags, method, CRC-32, compressed size, size,
+#: name bytes, name, disk number != 0).
+_Central = tuple[int, int, int, int, int, int, bytes, str, bool]
+
+
+def _central_entries(cd: bytes, entries: int) -> tuple[str, list[_Central]]:
+    """The archive's folder and its ``entries`` central-directory entries, each name checked (in file order).
+
+    Raises:
+        ArchiveError: a malformed entry, a name torch does not write, a duplicate name, or bytes
+            after the last entry.
+    """
     pos = 0
     prefix: str | None = None
-    members: dict[str, Member] = {}
     seen_lower: set[str] = set()
-    raw_members: list[tuple[int, int, int, int, int, int, bytes, str, bool]] = []
+    raw_members: list[_Central] = []
     for _ in range(entries):
-        if pos + _CENTRAL.size > len(cd):
-            raise ArchiveError("central directory truncated")
-        (sig, _, _, flags, method, _, _, crc, csize, usize, nlen, elen, clen, disk, _, _, offset) = (
-            _CENTRAL.unpack_from(cd, pos)
-        )
-        if sig != b"PK\x01\x02":
-            raise ArchiveError("bad central directory entry")
-        name_b = cd[pos + _CENTRAL.size : pos + _CENTRAL.size + nlen]
-        extra = cd[pos + _CENTRAL.size + nlen : pos + _CENTRAL.size + nlen + elen]
-        pos += _CENTRAL.size + nlen + elen + clen
-        if pos > len(cd):
-            raise ArchiveError("central directory truncated")
-        usize, csize, offset = _zip64(extra, [usize, csize, offset])
-        if flags & _FLAG_ENCRYPTED:
-            raise ArchiveError("encrypted member")
-        if method not in (STORED, DEFLATED):
-            raise ArchiveError(f"member compressed with method {method} (torch reads stored or deflate only)")
-        if method == STORED and csize != usize:
-            raise ArchiveError("stored member with differing sizes")
-        try:
-            name = name_b.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ArchiveError("member name is not UTF-8") from None
+        entry, pos = _central_entry(cd, pos)
+        name = entry[7]
         if prefix is None:
             # torch: the folder of the first central-directory entry is the archive's name
             if "/" not in name or name.index("/") == 0:
@@ -410,55 +409,110 @@ def parse_archive(window: Window, *, max_members: int | None = None) -> Archive:
         if name.lower() in seen_lower:
             raise ArchiveError(f"duplicate member {name[:80]!r} (torch would read one of them, unspecified which)")
         seen_lower.add(name.lower())
-        raw_members.append((offset, flags, method, crc, csize, usize, name_b, name, bool(disk)))
+        raw_members.append(entry)
     if pos != len(cd):
         raise ArchiveError("central directory holds bytes after its entries")
     assert prefix is not None
+    return prefix, raw_members
+
+
+def _central_entry(cd: bytes, pos: int) -> tuple[_Central, int]:
+    """The central-directory entry at ``pos`` of ``cd`` and the position after it (method, flags, name checked).
+
+    Raises:
+        ArchiveError: truncated, a bad signature, an encrypted member, a method other than stored
+            or deflate, a stored member whose sizes differ, or a name that is not UTF-8.
+    """
+    if pos + _CENTRAL.size > len(cd):
+        raise ArchiveError("central directory truncated")
+    (sig, _, _, flags, method, _, _, crc, csize, usize, nlen, elen, clen, disk, _, _, offset) = _CENTRAL.unpack_from(
+        cd, pos
+    )
+    if sig != b"PK\x01\x02":
+        raise ArchiveError("bad central directory entry")
+    name_b = cd[pos + _CENTRAL.size : pos + _CENTRAL.size + nlen]
+    extra = cd[pos + _CENTRAL.size + nlen : pos + _CENTRAL.size + nlen + elen]
+    pos += _CENTRAL.size + nlen + elen + clen
+    if pos > len(cd):
+        raise ArchiveError("central directory truncated")
+    usize, csize, offset = _zip64(extra, [usize, csize, offset])
+    if flags & _FLAG_ENCRYPTED:
+        raise ArchiveError("encrypted member")
+    if method not in (STORED, DEFLATED):
+        raise ArchiveError(f"member compressed with method {method} (torch reads stored or deflate only)")
+    if method == STORED and csize != usize:
+        raise ArchiveError("stored member with differing sizes")
+    try:
+        name = name_b.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ArchiveError("member name is not UTF-8") from None
+    return (offset, flags, method, crc, csize, usize, name_b, name, bool(disk)), pos
+
+
+def _local_members(window: Window, raw_members: list[_Central], prefix: str, cd_offset: int) -> dict[str, Member]:
+    """The members by name inside the folder, in offset order, each local header checked (see :func:`_local_member`).
+
+    Raises:
+        ArchiveError: a member that does not start where the previous one ends (the first at 0).
+    """
     raw_members.sort()
+    members: dict[str, Member] = {}
     expected_at = 0
-    for i, (offset, flags, method, crc, csize, usize, name_b, name, _) in enumerate(raw_members):
+    for i, (offset, _, method, crc, csize, usize, _, name, _) in enumerate(raw_members):
         if offset != expected_at:
             raise ArchiveError(
                 f"member {name[:80]!r} starts at {offset}, expected {expected_at} (gap, overlap or prepended bytes)"
             )
-        if offset + _LOCAL.size > cd_offset:
-            raise ArchiveError(f"local header of {name[:80]!r} overlaps the central directory")
-        (sig, _, lflags, lmethod, _, _, lcrc, lcsize, lusize, lnlen, lelen) = _LOCAL.unpack(
-            window.pread(offset, _LOCAL.size)
-        )
-        if sig != b"PK\x03\x04":
-            raise ArchiveError(f"no local header for {name[:80]!r}")
-        if offset + _LOCAL.size + lnlen + lelen > cd_offset:
-            raise ArchiveError(f"local header of {name[:80]!r} overlaps the central directory")
-        local = window.pread(offset + _LOCAL.size, lnlen + lelen)
-        if local[:lnlen] != name_b:
-            raise ArchiveError(f"local header names {local[:lnlen][:80]!r}, the central directory {name[:80]!r}")
-        if lmethod != method or (lflags ^ flags) & (_FLAG_ENCRYPTED | _FLAG_DESCRIPTOR):
-            raise ArchiveError(f"local header of {name[:80]!r} disagrees with the central directory (method, flags)")
-        data_at = offset + _LOCAL.size + lnlen + lelen
-        data_end = data_at + csize
         next_at = raw_members[i + 1][0] if i + 1 < len(raw_members) else cd_offset
-        if data_end > next_at:
-            raise ArchiveError(f"member {name[:80]!r} runs into the next member or the central directory")
-        if flags & _FLAG_DESCRIPTOR:
-            if (lcrc, lcsize, lusize) != (0, 0, 0) and (
-                lcrc != crc or _zip64(local[lnlen:], [lusize, lcsize]) != [usize, csize]
-            ):
-                raise ArchiveError(f"local header of {name[:80]!r} disagrees with the central directory (sizes)")
-            _descriptor_len(window, data_end, next_at, crc, csize, usize)
-        else:
-            if lcrc != crc or _zip64(local[lnlen:], [lusize, lcsize]) != [usize, csize]:
-                raise ArchiveError(f"local header of {name[:80]!r} disagrees with the central directory (CRC, sizes)")
-            if data_end != next_at:
-                raise ArchiveError(f"{next_at - data_end} unaccounted bytes after member {name[:80]!r}")
+        data_at = _local_member(window, raw_members[i], next_at, cd_offset)
         expected_at = next_at
         rel = name[len(prefix) + 1 :]
         members[rel] = Member(rel, method, crc, csize, usize, offset, data_at)
-    if "data.pkl" not in members:
-        raise ArchiveError("archive has no data.pkl")
-    if "version" not in members and ".data/version" not in members:
-        raise ArchiveError("archive has no version record (torch refuses it)")
-    return Archive(prefix, members)
+    return members
+
+
+def _local_member(window: Window, entry: _Central, next_at: int, cd_offset: int) -> int:
+    """Offset of the member's first data byte, its local header (and data descriptor) checked against ``entry``.
+
+    The member must fill ``[offset, next_at)`` exactly: local header, data, and the data
+    descriptor when flag bit 3 is set.
+
+    Raises:
+        ArchiveError: the local header overlaps the central directory, is missing, or disagrees
+            with the central entry (name, method, flags, CRC, sizes); the data runs past
+            ``next_at``; bytes left between the member and the next.
+    """
+    offset, flags, method, crc, csize, usize, name_b, name, _ = entry
+    if offset + _LOCAL.size > cd_offset:
+        raise ArchiveError(f"local header of {name[:80]!r} overlaps the central directory")
+    (sig, _, lflags, lmethod, _, _, lcrc, lcsize, lusize, lnlen, lelen) = _LOCAL.unpack(
+        window.pread(offset, _LOCAL.size)
+    )
+    if sig != b"PK\x03\x04":
+        raise ArchiveError(f"no local header for {name[:80]!r}")
+    if offset + _LOCAL.size + lnlen + lelen > cd_offset:
+        raise ArchiveError(f"local header of {name[:80]!r} overlaps the central directory")
+    local = window.pread(offset + _LOCAL.size, lnlen + lelen)
+    if local[:lnlen] != name_b:
+        raise ArchiveError(f"local header names {local[:lnlen][:80]!r}, the central directory {name[:80]!r}")
+    if lmethod != method or (lflags ^ flags) & (_FLAG_ENCRYPTED | _FLAG_DESCRIPTOR):
+        raise ArchiveError(f"local header of {name[:80]!r} disagrees with the central directory (method, flags)")
+    data_at: int = offset + _LOCAL.size + lnlen + lelen
+    data_end = data_at + csize
+    if data_end > next_at:
+        raise ArchiveError(f"member {name[:80]!r} runs into the next member or the central directory")
+    if flags & _FLAG_DESCRIPTOR:
+        if (lcrc, lcsize, lusize) != (0, 0, 0) and (
+            lcrc != crc or _zip64(local[lnlen:], [lusize, lcsize]) != [usize, csize]
+        ):
+            raise ArchiveError(f"local header of {name[:80]!r} disagrees with the central directory (sizes)")
+        _descriptor_len(window, data_end, next_at, crc, csize, usize)
+    else:
+        if lcrc != crc or _zip64(local[lnlen:], [lusize, lcsize]) != [usize, csize]:
+            raise ArchiveError(f"local header of {name[:80]!r} disagrees with the central directory (CRC, sizes)")
+        if data_end != next_at:
+            raise ArchiveError(f"{next_at - data_end} unaccounted bytes after member {name[:80]!r}")
+    return data_at
 
 
 def inflate_into(window: Window, member: Member, out: memoryview) -> None:
@@ -654,6 +708,37 @@ def parse_tensor_archive(window: Window) -> TensorRecord:
     bo = check_torch_records(archive, window)
     pkl = archive.read(window, "data.pkl", limits.current().max_tensor_pickle_bytes, what="a chunk's data.pkl")
     assert pkl is not None
+    storage, storage_offset, size, stride, v3_dtype = _tensor_spec(pkl)
+    dtype, key, storage_numel = _storage_of(storage, v3_dtype)
+    if not (
+        isinstance(size, tuple)
+        and isinstance(stride, tuple)
+        and len(size) == len(stride) <= 64
+        and all(type(x) is int and 0 <= x < 1 << 62 for x in size + stride)
+        and type(storage_offset) is int
+        and 0 <= storage_offset < 1 << 62
+    ):
+        raise StorageTupleError(
+            f"tensor view fields are malformed (offset {_short(storage_offset)}, size {_short(size)}, "
+            f"stride {_short(stride)})"
+        )
+    record = _tensor_record(archive, bo, dtype, key, storage_numel, size, stride, storage_offset)
+    if any(s == 0 for s in size):
+        span = 0
+    else:
+        span = storage_offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1
+    if span > storage_numel:
+        raise ArchiveError("tensor view reaches past its storage")
+    return record
+
+
+def _tensor_spec(pkl: bytes) -> tuple[Any, Any, Any, Any, Any]:
+    """``(storage, storage_offset, size, stride, v3 dtype)`` of a chunk's ``data.pkl`` (fields unchecked).
+
+    Raises:
+        UnsafePickleError, StorageTupleError: from the allow-list unpickler.
+        ArchiveError: unreadable, or not one tensor rebuild.
+    """
     try:
         spec = _TensorPickle(io.BytesIO(pkl)).load()
     except (UnsafePickleError, StorageTupleError):
@@ -663,6 +748,16 @@ def parse_tensor_archive(window: Window) -> TensorRecord:
     if not (isinstance(spec, tuple) and len(spec) == 6 and spec[0] == "tensor"):
         raise ArchiveError("archive does not hold a single tensor")
     _, storage, storage_offset, size, stride, v3_dtype = spec
+    return storage, storage_offset, size, stride, v3_dtype
+
+
+def _storage_of(storage: Any, v3_dtype: Any) -> tuple[str, str, int]:
+    """``(dtype, record key, elements)`` of the tensor's storage (v3: an untyped storage sized in bytes).
+
+    Raises:
+        StorageTupleError: not a storage, a v3 dtype that is not a torch dtype, an untyped storage
+            that is not a whole number of elements, or a v2 rebuild with a dtype argument.
+    """
     if not (isinstance(storage, tuple) and len(storage) == 4 and storage[0] == "storage"):
         raise StorageTupleError("tensor rebuilt from something that is not a storage")
     _, dtype, key, storage_numel = storage
@@ -676,18 +771,25 @@ def parse_tensor_archive(window: Window) -> TensorRecord:
         storage_numel //= item
     elif v3_dtype is not None:
         raise StorageTupleError("_rebuild_tensor_v2 with a dtype argument")
-    if not (
-        isinstance(size, tuple)
-        and isinstance(stride, tuple)
-        and len(size) == len(stride) <= 64
-        and all(type(x) is int and 0 <= x < 1 << 62 for x in size + stride)
-        and type(storage_offset) is int
-        and 0 <= storage_offset < 1 << 62
-    ):
-        raise StorageTupleError(
-            f"tensor view fields are malformed (offset {_short(storage_offset)}, size {_short(size)}, "
-            f"stride {_short(stride)})"
-        )
+    return dtype, key, storage_numel
+
+
+def _tensor_record(
+    archive: Archive,
+    bo: bytes | None,
+    dtype: str,
+    key: str,
+    storage_numel: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    storage_offset: int,
+) -> TensorRecord:
+    """The :class:`TensorRecord` of the storage record ``data/<key>``, the archive's only record.
+
+    Raises:
+        ArchiveError: other records, no record for a non-empty storage, or a record whose size
+            is not the storage's.
+    """
     itemsize = DTYPE_ITEMSIZE[dtype]
     rec = archive.members.get(f"data/{key}")
     records = [n for n in archive.members if n.startswith("data/")]
@@ -696,27 +798,19 @@ def parse_tensor_archive(window: Window) -> TensorRecord:
     if rec is None:
         if storage_numel != 0:
             raise ArchiveError(f"archive has no record data/{key}")
-        record = TensorRecord(dtype, size, stride, storage_offset, 0, 0, big_endian=bo == b"big")
-    else:
-        if rec.size != storage_numel * itemsize:
-            raise ArchiveError(f"storage record holds {rec.size} bytes, expected {storage_numel} elements")
-        record = TensorRecord(
-            dtype,
-            size,
-            stride,
-            storage_offset,
-            storage_numel,
-            rec.data_offset,
-            rec.crc32,
-            rec.compressed_size,
-            rec.method == DEFLATED,
-            bo == b"big",
-            rec,
-        )
-    if any(s == 0 for s in size):
-        span = 0
-    else:
-        span = storage_offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1
-    if span > storage_numel:
-        raise ArchiveError("tensor view reaches past its storage")
-    return record
+        return TensorRecord(dtype, size, stride, storage_offset, 0, 0, big_endian=bo == b"big")
+    if rec.size != storage_numel * itemsize:
+        raise ArchiveError(f"storage record holds {rec.size} bytes, expected {storage_numel} elements")
+    return TensorRecord(
+        dtype,
+        size,
+        stride,
+        storage_offset,
+        storage_numel,
+        rec.data_offset,
+        rec.crc32,
+        rec.compressed_size,
+        rec.method == DEFLATED,
+        bo == b"big",
+        rec,
+    )

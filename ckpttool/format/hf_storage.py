@@ -31,18 +31,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import MetadataError
-from ckpttool.format.files import open_regular, resolve_inside
+from ckpttool.format.files import resolve_inside
+from ckpttool.format.jsonfile import unique_pairs
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo, TensorMeta
+from ckpttool.format.safetensors import SAFETENSORS_TAGS, HeaderError, read_header
 
 __all__ = [
     "HF_INDEX_NAME",
-    "MAX_HEADER_BYTES",
-    "SAFETENSORS_TAGS",
     "hf_storage_files",
     "load_hf_storage_metadata",
     "read_safetensors_header",
@@ -50,41 +49,9 @@ __all__ = [
 ]
 
 HF_INDEX_NAME = "model.safetensors.index.json"
-#: The safetensors library refuses headers above 100 MB (``safetensors/src/tensor.rs``, ``MAX_HEADER_SIZE``).
-MAX_HEADER_BYTES = 100_000_000
 _SHARDING_KEY = "DCP_SHARDING_INFO"
 _OFFSETS_KEY = "saved_offsets"
 _SHARD_RE = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
-
-#: safetensors dtype tag -> torch dtype name (safetensors ``Dtype`` enum, 0.4+).
-SAFETENSORS_TAGS: dict[str, str] = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U64": "uint64",
-    "U32": "uint32",
-    "U16": "uint16",
-    "U8": "uint8",
-    "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu",
-    "C64": "complex64",
-}
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r:.80}")
-        out[k] = v
-    return out
 
 
 def _bad(path: Path, what: str) -> MetadataError:
@@ -95,8 +62,20 @@ def _bad(path: Path, what: str) -> MetadataError:
     )
 
 
+def _header_error(path: Path, e: HeaderError) -> MetadataError:
+    if e.kind == "short":
+        return _bad(path, f"{e.size} bytes, shorter than the 8-byte header length")
+    if e.kind in ("too_long", "past_end"):
+        return _bad(path, f"header length {e.length} exceeds the file ({e.size} bytes) or {e.cap} bytes")
+    if e.kind == "truncated":
+        return _bad(path, "header truncated")
+    if e.kind == "not_json":
+        return _bad(path, f"header is not JSON: {str(e.cause)[:80]}")
+    return _bad(path, "header is not a JSON object")
+
+
 def read_safetensors_header(path: Path, size: int | None = None) -> tuple[dict[str, Any], int]:
-    """Read and parse the JSON header of a safetensors file, size-checked before it is read.
+    """:func:`ckpttool.format.safetensors.read_header` of a checkpoint's safetensors file, refusals as :class:`MetadataError`.
 
     Args:
         path: the file.
@@ -108,36 +87,16 @@ def read_safetensors_header(path: Path, size: int | None = None) -> tuple[dict[s
 
     Raises:
         MetadataError: unreadable, a header length past the file or above
-            :data:`MAX_HEADER_BYTES`, not UTF-8 JSON, or not a JSON object.
+            :func:`~ckpttool.format.safetensors.header_cap`, not UTF-8 JSON, or not a JSON object.
+        JsonDepthError, IntegerRangeError: a header past the JSON bounds.
         NotRegularFileError: ``path`` is a FIFO, device, socket or directory.
     """
     try:
-        fd = open_regular(path)  # never a FIFO or device; the caller confines the path
+        return read_header(path, size)
+    except HeaderError as e:
+        raise _header_error(path, e) from None
     except OSError as e:
         raise MetadataError(f"{path}: cannot read ({e.strerror})", path=path) from e
-    try:
-        if size is None:
-            size = os.fstat(fd).st_size
-        head = os.pread(fd, 8, 0)
-        if len(head) < 8:
-            raise _bad(path, f"{size} bytes, shorter than the 8-byte header length")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or n > size - 8:
-            raise _bad(path, f"header length {n} exceeds the file ({size} bytes) or {MAX_HEADER_BYTES} bytes")
-        raw = os.pread(fd, n, 8)
-    except OSError as e:
-        raise MetadataError(f"{path}: cannot read ({e.strerror})", path=path) from e
-    finally:
-        os.close(fd)
-    if len(raw) != n:
-        raise _bad(path, "header truncated")
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise _bad(path, f"header is not JSON: {str(e)[:80]}") from None
-    if not isinstance(header, dict):
-        raise _bad(path, "header is not a JSON object")
-    return header, 8 + n
 
 
 def _int_list(value: Any) -> tuple[int, ...] | None:
@@ -188,76 +147,100 @@ def load_hf_storage_metadata(path: Path) -> CheckpointMetadata:
     files = hf_storage_files(path)
     if not files:
         raise MetadataError(f"{path}: no .metadata and no .safetensors files", path=path)
-    chunks: dict[str, list[ChunkMeta]] = {}
-    dtypes: dict[str, str] = {}
-    storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo] = {}
+    found = _Found()
     for name in files:
-        p = path / name
-        try:
-            size = resolve_inside(path, name, what="safetensors file").stat().st_size
-        except OSError as e:
-            raise MetadataError(f"{p}: cannot read ({e.strerror})", path=p) from e
-        header, data_start = read_safetensors_header(p, size)
-        meta = header.pop("__metadata__", None)
-        sharding: dict[str, Any] = {}
-        if meta is not None:
-            if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-                raise _bad(p, "__metadata__ is not a string map")
-            text = meta.get(_SHARDING_KEY)
-            if text is not None:
-                try:
-                    sharding = json.loads(text, object_pairs_hook=_no_duplicates)
-                except (ValueError, RecursionError):
-                    raise _bad(p, f"{_SHARDING_KEY} is not JSON") from None
-                if not isinstance(sharding, dict):
-                    raise _bad(p, f"{_SHARDING_KEY} is not a JSON object")
-        data_len = size - data_start
-        spans: list[tuple[int, int, str]] = []
-        for key, rec in header.items():
-            if not isinstance(rec, dict):
-                raise _bad(p, f"entry {key!r:.80} is not an object")
-            tag = rec.get("dtype")
-            dtype = SAFETENSORS_TAGS.get(tag) if isinstance(tag, str) else None
-            if dtype is None:
-                raise _bad(p, f"{key!r:.80} has dtype {rec.get('dtype')!r:.20} unknown to ckpttool")
-            shape = _int_list(rec.get("shape"))
-            span = _int_list(rec.get("data_offsets"))
-            if shape is None or span is None or len(span) != 2:
-                raise _bad(p, f"{key!r:.80} has a malformed shape or data_offsets")
-            begin, end = span
-            nbytes = DType(dtype).itemsize
-            for s in shape:
-                nbytes *= s
-            if begin > end or end > data_len or end - begin != nbytes:
-                raise _bad(
-                    p,
-                    f"{key!r:.80} data_offsets [{begin}, {end}) do not hold {dtype}{list(shape)} "
-                    f"({nbytes} bytes) inside the {data_len}-byte data region",
-                )
-            if end > begin:
-                spans.append((begin, end, key))
-            offsets: tuple[int, ...] = (0,) * len(shape)
-            if key in sharding:
-                info = sharding[key]
-                got = _int_list(info.get(_OFFSETS_KEY)) if isinstance(info, dict) else None
-                if got is None or len(got) != len(shape):
-                    raise _bad(p, f"{_SHARDING_KEY} of {key!r:.80} is not a list of {len(shape)} offsets")
-                offsets = got
-            if dtypes.setdefault(key, dtype) != dtype:
-                raise _bad(p, f"{key!r:.80} is {dtype} here but {dtypes[key]} in another file")
-            if (key, offsets) in storage:
-                raise _bad(p, f"{key!r:.80} chunk at {list(offsets)} is stored in two files")
-            chunks.setdefault(key, []).append(ChunkMeta(offsets, shape))
-            storage[(key, offsets)] = StorageInfo(name, data_start + begin, end - begin)
-        spans.sort()
-        for (_, prev_end, prev_key), (begin, _, key) in zip(spans, spans[1:]):
-            if begin < prev_end:
-                raise _bad(p, f"{key!r:.80} data_offsets overlap those of {prev_key!r:.80}")
+        _read_file(path, name, found)
     entries: dict[str, TensorMeta | BytesMeta] = {}
-    for key, cs in chunks.items():
+    for key, cs in found.chunks.items():
         ndim = len(cs[0].sizes)
         if any(len(c.sizes) != ndim for c in cs):
             raise MetadataError(f"{path}: chunks of {key!r:.80} have different numbers of dims", path=path, fqn=key)
         size_ = tuple(max(c.offsets[d] + c.sizes[d] for c in cs) for d in range(ndim))
-        entries[key] = TensorMeta(DType(dtypes[key]), size_, tuple(cs))
-    return CheckpointMetadata(entries=entries, storage=storage, serialization="safetensors")
+        entries[key] = TensorMeta(DType(found.dtypes[key]), size_, tuple(cs))
+    return CheckpointMetadata(entries=entries, storage=found.storage, serialization="safetensors")
+
+
+class _Found:
+    """What the files read so far hold: chunks and dtype per key, the storage window per chunk."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[str, list[ChunkMeta]] = {}
+        self.dtypes: dict[str, str] = {}
+        self.storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo] = {}
+
+
+def _read_file(path: Path, name: str, found: _Found) -> None:
+    """Add the tensors of the safetensors file ``name`` in ``path`` to ``found`` (checks in header order)."""
+    p = path / name
+    try:
+        size = resolve_inside(path, name, what="safetensors file").stat().st_size
+    except OSError as e:
+        raise MetadataError(f"{p}: cannot read ({e.strerror})", path=p) from e
+    header, data_start = read_safetensors_header(p, size)
+    sharding = _sharding_info(p, header.pop("__metadata__", None))
+    data_len = size - data_start
+    spans: list[tuple[int, int, str]] = []
+    for key, rec in header.items():
+        dtype, shape, begin, end = _tensor_entry(p, key, rec, data_len)
+        if end > begin:
+            spans.append((begin, end, key))
+        offsets: tuple[int, ...] = (0,) * len(shape)
+        if key in sharding:
+            info = sharding[key]
+            got = _int_list(info.get(_OFFSETS_KEY)) if isinstance(info, dict) else None
+            if got is None or len(got) != len(shape):
+                raise _bad(p, f"{_SHARDING_KEY} of {key!r:.80} is not a list of {len(shape)} offsets")
+            offsets = got
+        if found.dtypes.setdefault(key, dtype) != dtype:
+            raise _bad(p, f"{key!r:.80} is {dtype} here but {found.dtypes[key]} in another file")
+        if (key, offsets) in found.storage:
+            raise _bad(p, f"{key!r:.80} chunk at {list(offsets)} is stored in two files")
+        found.chunks.setdefault(key, []).append(ChunkMeta(offsets, shape))
+        found.storage[(key, offsets)] = StorageInfo(name, data_start + begin, end - begin)
+    spans.sort()
+    for (_, prev_end, prev_key), (begin, _, key) in zip(spans, spans[1:]):
+        if begin < prev_end:
+            raise _bad(p, f"{key!r:.80} data_offsets overlap those of {prev_key!r:.80}")
+
+
+def _sharding_info(p: Path, meta: Any) -> dict[str, Any]:
+    """``DCP_SHARDING_INFO`` of a header's ``__metadata__`` (``{}`` without it), parsed and checked."""
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise _bad(p, "__metadata__ is not a string map")
+    text = meta.get(_SHARDING_KEY)
+    if text is None:
+        return {}
+    try:
+        sharding = json.loads(text, object_pairs_hook=unique_pairs)
+    except (ValueError, RecursionError):
+        raise _bad(p, f"{_SHARDING_KEY} is not JSON") from None
+    if not isinstance(sharding, dict):
+        raise _bad(p, f"{_SHARDING_KEY} is not a JSON object")
+    return sharding
+
+
+def _tensor_entry(p: Path, key: str, rec: Any, data_len: int) -> tuple[str, tuple[int, ...], int, int]:
+    """``(dtype, shape, begin, end)`` of header entry ``key``, checked against the ``data_len``-byte data region."""
+    if not isinstance(rec, dict):
+        raise _bad(p, f"entry {key!r:.80} is not an object")
+    tag = rec.get("dtype")
+    dtype = SAFETENSORS_TAGS.get(tag) if isinstance(tag, str) else None
+    if dtype is None:
+        raise _bad(p, f"{key!r:.80} has dtype {rec.get('dtype')!r:.20} unknown to ckpttool")
+    shape = _int_list(rec.get("shape"))
+    span = _int_list(rec.get("data_offsets"))
+    if shape is None or span is None or len(span) != 2:
+        raise _bad(p, f"{key!r:.80} has a malformed shape or data_offsets")
+    begin, end = span
+    nbytes = DType(dtype).itemsize
+    for s in shape:
+        nbytes *= s
+    if begin > end or end > data_len or end - begin != nbytes:
+        raise _bad(
+            p,
+            f"{key!r:.80} data_offsets [{begin}, {end}) do not hold {dtype}{list(shape)} "
+            f"({nbytes} bytes) inside the {data_len}-byte data region",
+        )
+    return dtype, shape, begin, end

@@ -5,8 +5,8 @@ gigabytes; a command run again on the same checkpoint reads the result from a ca
 instead. The cache is an optimisation only: every command gives the same result with it, without
 it (``--no-cache``, ``CKPTTOOL_NO_CACHE=1``) and when it is broken.
 
-Location: ``$CKPTTOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckpttool``, else ``~/.cache/ckpttool``;
-entries in its ``metadata-v2/`` folder. Files smaller than :data:`MIN_CACHED_BYTES` are parsed
+Location: the user's cache directory (:func:`ckpttool.format.cache.cache_dir`: ``$CKPTTOOL_CACHE_DIR``,
+else ``$XDG_CACHE_HOME/ckpttool``, else ``~/.cache/ckpttool``); entries in its ``metadata-v2/`` folder. Files smaller than :data:`MIN_CACHED_BYTES` are parsed
 directly (faster than hashing and reading an entry).
 
 Key: the SHA-256 of the ``.metadata`` bytes (and their length). The bytes are read anyway (caps,
@@ -38,40 +38,33 @@ anything else (truncated, garbage, hostile) makes the entry ignored and the ``.m
 again. :func:`parse_metadata_taken` (what :class:`~ckpttool.format.directory.CheckpointDir` uses)
 frees the ``.metadata`` bytes once the entry's checksum and header match them, so that they and
 the decoded entry are not in memory together; an entry failing a later check makes it read the
-file again (and cache the parse only when the file's digest is still the one looked up). Writing is best effort (a read-only or missing cache directory is not an error): written to
-a temporary file in the cache folder and renamed, so a reader never sees half an entry.
+file again (and cache the parse only when the file's digest is still the one looked up). Reading
+and writing entries (a regular file only; best effort, temporary file + rename) is
+:mod:`ckpttool.format.cache`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import operator
-import os
-import stat
 import struct
 import sys
-import tempfile
 from array import array
 from collections.abc import Callable
 from itertools import groupby, islice, repeat
 from pathlib import Path
 from typing import Any
 
+from ckpttool.format import cache
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo
 from ckpttool.format.metadata import TensorMeta as _TensorMeta
 from ckpttool.format.unpickler import MAX_DIM_SIZE, MAX_NDIM, MAX_OFFSET, gc_paused, parse_metadata_bytes
 
 __all__ = [
-    "CACHE_DIR_ENV",
-    "NO_CACHE_ENV",
     "MIN_CACHED_BYTES",
     "PARSER_VERSION",
-    "cache_dir",
-    "cache_enabled",
-    "set_cache_enabled",
     "entry_path",
     "encode",
     "decode",
@@ -81,10 +74,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Environment variable naming the cache directory.
-CACHE_DIR_ENV = "CKPTTOOL_CACHE_DIR"
-#: Environment variable that turns the cache off when set to a non-empty value other than ``0``.
-NO_CACHE_ENV = "CKPTTOOL_NO_CACHE"
 #: ``.metadata`` files smaller than this are always parsed directly.
 MIN_CACHED_BYTES = 4 << 20
 #: Bumped whenever the parser's output for the same bytes could change.
@@ -95,57 +84,10 @@ _FOLDER = "metadata-v2"  # format 3 (xxh3-128 trailer); older formats live in ol
 _TRAILER = 16
 _LE = sys.byteorder == "little"
 
-_enabled: bool | None = None
-
-
-def set_cache_enabled(flag: bool | None) -> None:
-    """Turn the cache on or off for this process (``None``: back to the environment's choice)."""
-    global _enabled
-    _enabled = flag
-
-
-def cache_enabled() -> bool:
-    """Whether :func:`parse_metadata_cached` uses the cache (``--no-cache`` / ``CKPTTOOL_NO_CACHE``).
-
-    ``CKPTTOOL_NO_CACHE`` unset, empty, ``0``, ``false``, ``no`` or ``off`` (any case): the cache is on.
-    """
-    if _enabled is not None:
-        return _enabled
-    return os.environ.get(NO_CACHE_ENV, "").strip().lower() in ("", "0", "false", "no", "off")
-
-
-def cache_dir() -> Path:
-    """``$CKPTTOOL_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckpttool``, else ``~/.cache/ckpttool``."""
-    given = os.environ.get(CACHE_DIR_ENV)
-    if given:
-        return Path(given)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "ckpttool"
-
-
-def read_cache_file(path: Path, max_bytes: int | None = None) -> bytes | None:
-    """The bytes of the cache entry ``path`` when it is a regular file; ``None`` when it is missing,
-    unreadable or special (logged). With ``max_bytes``, at most ``max_bytes + 1`` bytes are read (the
-    caller rejects a longer entry).
-
-    Opened with ``O_NONBLOCK``: a FIFO at the path neither blocks the open nor is read, nor is a
-    device (``/dev/zero`` would never end).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-        with open(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                log.info("cache entry %s ignored (not a regular file)", path)
-                return None
-            return f.read() if max_bytes is None else f.read(max_bytes + 1)
-    except OSError:
-        return None
-
 
 def entry_path(digest: str) -> Path:
     """Path of the cache entry of a ``.metadata`` whose SHA-256 is ``digest`` (hex)."""
-    return cache_dir() / _FOLDER / f"{digest}.ckmd"
+    return cache.cache_dir() / _FOLDER / f"{digest}.ckmd"
 
 
 def _checksum(data: bytes | memoryview) -> bytes:
@@ -180,19 +122,54 @@ _COLUMNS = (
 )
 
 
-def encode(md: CheckpointMetadata, digest: str, size: int) -> bytes:
-    """The cache entry of ``md`` (parsed from ``size`` bytes with SHA-256 ``digest``)."""
-    strings: list[str] = []
-    sid: dict[str, int] = {}
+class _Strings:
+    """The entry's string table: each distinct string once, by first use."""
 
-    def s(text: str) -> int:
-        i = sid.get(text)
+    def __init__(self) -> None:
+        self.table: list[str] = []
+        self._ids: dict[str, int] = {}
+
+    def __call__(self, text: str) -> int:
+        i = self._ids.get(text)
         if i is None:
-            i = sid[text] = len(strings)
-            strings.append(text)
+            i = self._ids[text] = len(self.table)
+            self.table.append(text)
         return i
 
+
+def encode(md: CheckpointMetadata, digest: str, size: int) -> bytes:
+    """The cache entry of ``md`` (parsed from ``size`` bytes with SHA-256 ``digest``)."""
+    s = _Strings()
     col: dict[str, array[int]] = {name: array("q") for name in _COLUMNS}
+    _encode_entries(md, col, s)
+    _encode_storage(md, col, s)
+    planner = _encode_planner(md, col, s)
+    header = {
+        "format": 3,
+        "parser": PARSER_VERSION,
+        "sha256": digest,
+        "size": size,
+        "version": md.version,
+        "checkpoint_id": md.checkpoint_id,
+        "save_id": md.save_id,
+        "serialization": md.serialization,
+        "strings": s.table,
+        "planner": planner,
+        "columns": [len(col[name]) for name in _COLUMNS],
+    }
+    head = json.dumps(header, separators=(",", ":")).encode("ascii")
+    parts = [_MAGIC, struct.pack("<Q", len(head)), head]
+    for name in _COLUMNS:
+        a = col[name]
+        if not _LE:
+            a.byteswap()
+        parts.append(a.tobytes())
+    body = b"".join(parts)
+    return body + _checksum(body)
+
+
+def _encode_entries(md: CheckpointMetadata, col: dict[str, array[int]], s: _Strings) -> None:
+    """The ``layout_*`` and ``entry_*`` columns: each distinct tensor layout once, each entry's key and layout id."""
     layouts: dict[_TensorMeta, int] = {}
     for key, meta in md.entries.items():
         col["entry_key"].append(s(key))
@@ -211,6 +188,10 @@ def encode(md: CheckpointMetadata, digest: str, size: int) -> bytes:
             col["entry_layout"].append(lid)
         else:
             col["entry_layout"].append(-1)
+
+
+def _encode_storage(md: CheckpointMetadata, col: dict[str, array[int]], s: _Strings) -> None:
+    """The ``tuple_*``, ``tds_*`` and ``storage_*`` columns (distinct offsets and descriptor tuples once)."""
     tuples: dict[tuple[int, ...], int] = {}
     tds_ids: dict[tuple[str, ...], int] = {(): 0}
     col["tds_len"].append(0)
@@ -235,7 +216,11 @@ def encode(md: CheckpointMetadata, digest: str, size: int) -> bytes:
             col["tds_len"].append(len(tds))
             col["tds_ids"].extend(s(t) for t in tds)
         col["storage_tds"].append(did)
-    planner: list[list[Any]] = []  # the paths that are not all strings: [[item, ...], ...] (a tuple item as a list)
+
+
+def _encode_planner(md: CheckpointMetadata, col: dict[str, array[int]], s: _Strings) -> list[list[Any]]:
+    """The ``planner_*`` columns; returns the paths that are not all strings (a tuple item as a list)."""
+    planner: list[list[Any]] = []
     for k, path in md.planner_data.items():
         col["planner_key"].append(s(k))
         if all(type(x) is str for x in path):
@@ -244,28 +229,7 @@ def encode(md: CheckpointMetadata, digest: str, size: int) -> bytes:
         else:
             col["planner_len"].append(-1)
             planner.append([list(x) if isinstance(x, tuple) else x for x in path])
-    header = {
-        "format": 3,
-        "parser": PARSER_VERSION,
-        "sha256": digest,
-        "size": size,
-        "version": md.version,
-        "checkpoint_id": md.checkpoint_id,
-        "save_id": md.save_id,
-        "serialization": md.serialization,
-        "strings": strings,
-        "planner": planner,
-        "columns": [len(col[name]) for name in _COLUMNS],
-    }
-    head = json.dumps(header, separators=(",", ":")).encode("ascii")
-    parts = [_MAGIC, struct.pack("<Q", len(head)), head]
-    for name in _COLUMNS:
-        a = col[name]
-        if not _LE:
-            a.byteswap()
-        parts.append(a.tobytes())
-    body = b"".join(parts)
-    return body + _checksum(body)
+    return planner
 
 
 # --------------------------------------------------------------------------- decode
@@ -347,6 +311,31 @@ def _header(blob: bytes, digest: str, size: int) -> dict[str, Any]:
 
 
 def _decode(taken: list[bytes], header: dict[str, Any]) -> CheckpointMetadata:
+    col = _columns(taken, header)
+    strings = header["strings"]
+    shared: dict[tuple[int, ...], tuple[int, ...]] = {}  # equal dims tuples built once
+    entries = _decode_entries(col, strings, _decode_layouts(col, strings, shared))
+    storage = _decode_storage(col, strings, shared)
+    planner = _decode_planner(col, strings, header["planner"])
+    serialization = header.get("serialization")
+    if serialization not in ("torch_save", "safetensors"):
+        raise CorruptEntry("bad serialization")
+    return CheckpointMetadata(
+        entries=entries,
+        storage=storage,
+        planner_data=planner,
+        version=_opt_str(header.get("version")),
+        checkpoint_id=_opt_str(header.get("checkpoint_id")),
+        save_id=_opt_str(header.get("save_id")),
+        serialization=serialization,
+    )
+
+
+def _columns(taken: list[bytes], header: dict[str, Any]) -> dict[str, list[int]]:
+    """The int64 columns of the entry in ``taken`` (emptied: the entry's bytes are freed here) by name.
+
+    Checks the header's string table too (before the columns, as a corrupt entry fails first there).
+    """
     blob = taken.pop()
     mv = memoryview(blob)[:-_TRAILER]
     hlen = header["_body_at"] - 16
@@ -383,15 +372,18 @@ def _decode(taken: list[bytes], header: dict[str, Any]) -> CheckpointMetadata:
     body.release()
     mv.release()
     del blob  # the caller handed its reference over: the entry's bytes are freed here
-    ns = len(strings)
+    return col
 
-    # distinct tensor layouts: checked one by one (a few per checkpoint, at most one per entry)
+
+def _decode_layouts(
+    col: dict[str, list[int]], strings: list[str], shared: dict[tuple[int, ...], tuple[int, ...]]
+) -> list[_TensorMeta]:
+    """The distinct tensor layouts, checked one by one (a few per checkpoint, at most one per entry)."""
     l_dtype, l_ndim, l_nch, l_dims = col["layout_dtype"], col["layout_ndim"], col["layout_nchunks"], col["layout_dims"]
     if not len(l_dtype) == len(l_ndim) == len(l_nch):
         raise CorruptEntry("layout columns differ in length")
-    _ids(l_dtype, 0, ns, "dtype string")
+    _ids(l_dtype, 0, len(strings), "dtype string")
     _dims_ok(l_dims)
-    shared: dict[tuple[int, ...], tuple[int, ...]] = {}
     dtypes: dict[int, DType] = {}
     layouts: list[_TensorMeta] = []
     p = 0
@@ -419,12 +411,17 @@ def _decode(taken: list[bytes], header: dict[str, Any]) -> CheckpointMetadata:
         layouts.append(_TensorMeta(dt, shape, tuple(chunks)))
     if p != len(l_dims):
         raise CorruptEntry("layout dims longer than their layouts")
+    return layouts
 
-    # entries: key -> one of the layouts (frozen, so entries of one layout share it) or the bytes item
+
+def _decode_entries(
+    col: dict[str, list[int]], strings: list[str], layouts: list[_TensorMeta]
+) -> dict[str, _TensorMeta | BytesMeta]:
+    """Entries: key -> one of the layouts (frozen, so entries of one layout share it) or the bytes item."""
     e_key, e_layout = col["entry_key"], col["entry_layout"]
     if len(e_key) != len(e_layout):
         raise CorruptEntry("entry columns differ in length")
-    _ids(e_key, 0, ns, "key string")
+    _ids(e_key, 0, len(strings), "key string")
     _ids(e_layout, -1, len(layouts), "layout")
     table: list[_TensorMeta | BytesMeta] = [*layouts, BytesMeta()]  # index -1: the bytes item
     entries: dict[str, _TensorMeta | BytesMeta] = dict(
@@ -432,8 +429,13 @@ def _decode(taken: list[bytes], header: dict[str, Any]) -> CheckpointMetadata:
     )
     if len(entries) != len(e_key):
         raise CorruptEntry("duplicate entry keys")
+    return entries
 
-    # storage offsets tuples and transform-descriptor tuples
+
+def _decode_tuples(
+    col: dict[str, list[int]], strings: list[str], shared: dict[tuple[int, ...], tuple[int, ...]]
+) -> tuple[list[tuple[int, ...] | None], list[tuple[str, ...]]]:
+    """The storage-offset tuples (index -1: ``None``) and the transform-descriptor tuples."""
     t_ndim, t_dims = col["tuple_ndim"], col["tuple_dims"]
     if t_ndim and (min(t_ndim) < 0 or max(t_ndim) > MAX_NDIM) or sum(t_ndim) != len(t_dims):
         raise CorruptEntry("bad offsets tuples")
@@ -448,14 +450,21 @@ def _decode(taken: list[bytes], header: dict[str, Any]) -> CheckpointMetadata:
     d_len, d_ids = col["tds_len"], col["tds_ids"]
     if not d_len or d_len[0] != 0 or min(d_len) < 0 or sum(d_len) != len(d_ids):
         raise CorruptEntry("bad descriptor tuples")
-    _ids(d_ids, 0, ns, "descriptor string")
+    _ids(d_ids, 0, len(strings), "descriptor string")
     descriptors: list[tuple[str, ...]] = []
     p = 0
     for n in d_len:
         descriptors.append(tuple(strings[i] for i in d_ids[p : p + n]))
         p += n
+    return tuples, descriptors
 
-    # storage items: columns checked with min/max, then built in C (zip/map, tuple.__new__)
+
+def _decode_storage(
+    col: dict[str, list[int]], strings: list[str], shared: dict[tuple[int, ...], tuple[int, ...]]
+) -> dict[tuple[str, tuple[int, ...] | None], StorageInfo]:
+    """Storage items: columns checked with min/max, then built in C (zip/map, tuple.__new__)."""
+    tuples, descriptors = _decode_tuples(col, strings, shared)
+    ns = len(strings)
     s_fqn, s_tup, s_path = col["storage_fqn"], col["storage_tuple"], col["storage_path"]
     s_off, s_len, s_tds = col["storage_offset"], col["storage_length"], col["storage_tds"]
     n = len(s_fqn)
@@ -472,12 +481,18 @@ def _decode(taken: list[bytes], header: dict[str, Any]) -> CheckpointMetadata:
     storage = dict(zip(keys, map(tuple.__new__, repeat(StorageInfo), rows)))
     if len(storage) != n:
         raise CorruptEntry("duplicate storage keys")
+    return storage
+
+
+def _decode_planner(col: dict[str, list[int]], strings: list[str], raw: Any) -> dict[str, tuple[Any, ...]]:
+    """``planner_data``: the all-string paths from the columns, the others from the header (``raw``)."""
+    ns = len(strings)
     p_key, p_len, p_items = col["planner_key"], col["planner_len"], col["planner_items"]
     if len(p_key) != len(p_len) or (p_len and (min(p_len) < -1 or max(p_len) > MAX_NDIM)):
         raise CorruptEntry("bad planner columns")
     _ids(p_key, 0, ns, "planner key string")
     _ids(p_items, 0, ns, "planner item string")
-    others = iter(_planner(header["planner"]))
+    others = iter(_planner(raw))
     paths: list[tuple[Any, ...]] = []
     if sum(n for n in p_len if n > 0) != len(p_items):
         raise CorruptEntry("planner items differ from their paths")
@@ -495,18 +510,7 @@ def _decode(taken: list[bytes], header: dict[str, Any]) -> CheckpointMetadata:
     planner = dict(zip(map(strings.__getitem__, p_key), paths))
     if len(planner) != len(p_key):
         raise CorruptEntry("duplicate planner keys")
-    serialization = header.get("serialization")
-    if serialization not in ("torch_save", "safetensors"):
-        raise CorruptEntry("bad serialization")
-    return CheckpointMetadata(
-        entries=entries,
-        storage=storage,
-        planner_data=planner,
-        version=_opt_str(header.get("version")),
-        checkpoint_id=_opt_str(header.get("checkpoint_id")),
-        save_id=_opt_str(header.get("save_id")),
-        serialization=serialization,
-    )
+    return planner
 
 
 def _planner(raw: Any) -> list[tuple[Any, ...]]:
@@ -560,51 +564,37 @@ def parse_metadata_taken(
     Raises:
         as :func:`~ckpttool.format.unpickler.parse_metadata_bytes`.
     """
+    with gc_paused():  # the format layer's one pause: ~10 acyclic objects per entry, decoded or unpickled
+        return _parse_taken(holder, source, reread)
+
+
+def _parse_taken(holder: list[bytes], source: str, reread: Callable[[], bytes] | None) -> CheckpointMetadata:
     data: bytes | None = holder.pop()
     assert data is not None
-    if len(data) < MIN_CACHED_BYTES or not cache_enabled():
+    if len(data) < MIN_CACHED_BYTES or not cache.cache_enabled():
         return parse_metadata_bytes(data, source)
     digest = hashlib.sha256(data).hexdigest()
     size = len(data)
     path = entry_path(digest)
-    with gc_paused():
-        blob = read_cache_file(path)
-        if blob is not None:
-            try:
-                header = _check_entry(blob, digest, size)
-                if reread is not None:
-                    data = None  # the entry is for these bytes: not needed unless it fails below
-                taken = [blob]
-                del blob
-                md = _decode_owned(taken, header)
-                log.debug("%s: parsed metadata from the cache entry %s", source, path)
-                return md
-            except CorruptEntry as e:
-                log.info("%s: cache entry %s ignored (%s); parsing again", source, path, e)
-            blob = None
-        if data is None:
-            assert reread is not None
-            data = reread()
-            if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
-                return parse_metadata_bytes(data, source)  # changed meanwhile: parsed, never cached under the old key
-        md = parse_metadata_bytes(data, source)
-        _store(path, md, digest, size)
-        return md
-
-
-def _store(path: Path, md: CheckpointMetadata, digest: str, size: int) -> None:
-    """Write the entry (temporary file + rename); any failure only disables it (logged)."""
-    try:
-        blob = encode(md, digest, size)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    blob = cache.read_entry(path, logger=log)
+    if blob is not None:
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    except (OSError, ValueError, TypeError, OverflowError) as e:
-        log.info("metadata cache not written (%s: %s)", type(e).__name__, e)
+            header = _check_entry(blob, digest, size)
+            if reread is not None:
+                data = None  # the entry is for these bytes: not needed unless it fails below
+            taken = [blob]
+            del blob
+            md = _decode_owned(taken, header)
+            log.debug("%s: parsed metadata from the cache entry %s", source, path)
+            return md
+        except CorruptEntry as e:
+            log.info("%s: cache entry %s ignored (%s); parsing again", source, path, e)
+        blob = None
+    if data is None:
+        assert reread is not None
+        data = reread()
+        if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
+            return parse_metadata_bytes(data, source)  # changed meanwhile: parsed, never cached under the old key
+    md = parse_metadata_bytes(data, source)
+    cache.store_entry(path, lambda: encode(md, digest, size), "metadata cache", logger=log)
+    return md

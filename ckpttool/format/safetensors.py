@@ -1,4 +1,4 @@
-"""Streaming safetensors writer: header first, then every tensor written in place at its offset.
+"""safetensors files: the dtype table, the one bounded header reader, and the streaming writer.
 
 Format (https://github.com/huggingface/safetensors, "Format" section): an 8-byte
 little-endian header length ``N``, ``N`` bytes of UTF-8 JSON
@@ -7,11 +7,23 @@ padded with spaces to a multiple of 8, then the raw little-endian tensor bytes;
 ``data_offsets`` are relative to the end of the header and tile the data
 region without gaps.
 
+:data:`SAFETENSORS_DTYPES` maps each torch dtype name to its tag (``Dtype`` enum of the
+safetensors library, ``safetensors/src/tensor.rs``; the names ``safetensors.torch`` maps the
+tags to), :data:`SAFETENSORS_TAGS` is the same table the other way.
+
+:func:`read_header` is the one reader of a safetensors header (``HuggingFaceStorageWriter``
+checkpoints, export outputs checked against a manifest, ``validate --against`` references):
+the length is checked against the file and :func:`header_cap` before anything is read, the JSON
+is parsed with duplicate keys refused (:func:`~ckpttool.format.jsonfile.unique_pairs`) and
+walked with the bounds of every untrusted JSON document
+(:func:`~ckpttool.format.jsonfile.check_json_graph`). It raises :class:`HeaderError` with the
+reason; each caller names it in its own error.
+
 Because every shape and dtype is known from the checkpoint metadata, the whole
 header is written before any data, and the file is extended to its final size
 with ``posix_fallocate`` (a full disk fails before any tensor is read). Tensors
 are then written at their offsets in any order and from several threads:
-stored bytes by the reader (:func:`ckpttool.dcp.copy.copy_range`: ``preadv`` /
+stored bytes by the reader (:func:`ckpttool.format.copy.copy_range`: ``preadv`` /
 ``pwrite`` through a 1 MiB buffer, no decode), transformed tensors with ``pwrite``. Like
 ``safetensors.torch.save_file``, tensors are ordered by decreasing element size
 so every tensor starts aligned to its element size.
@@ -28,15 +40,26 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import ExportError, OutputError
+from ckpttool.format import limits
+from ckpttool.format.files import open_regular
+from ckpttool.format.jsonfile import check_json_graph, unique_pairs
 from ckpttool.format.metadata import DTYPE_ITEMSIZE
 
 __all__ = [
+    "MAX_HEADER_BYTES",
     "SAFETENSORS_DTYPES",
+    "SAFETENSORS_TAGS",
     "HeaderEntry",
+    "HeaderError",
     "ShardWriter",
     "build_header",
+    "header_cap",
     "is_narrowing",
+    "read_header",
 ]
+
+#: The safetensors library refuses headers above 100 MB (``safetensors/src/tensor.rs``, ``MAX_HEADER_SIZE``).
+MAX_HEADER_BYTES = 100_000_000
 
 #: torch dtype name -> safetensors dtype tag (safetensors ``Dtype`` enum, 0.4+).
 SAFETENSORS_DTYPES: dict[str, str] = {
@@ -58,6 +81,8 @@ SAFETENSORS_DTYPES: dict[str, str] = {
     "float8_e8m0fnu": "F8_E8M0",
     "complex64": "C64",
 }
+#: safetensors dtype tag -> torch dtype name: :data:`SAFETENSORS_DTYPES` the other way.
+SAFETENSORS_TAGS: dict[str, str] = {tag: name for name, tag in SAFETENSORS_DTYPES.items()}
 
 # (exponent bits, mantissa bits) of the floating dtypes: a cast is widening when
 # the target has at least as many of both (IEEE 754 / bfloat16 / OCP FP8 formats).
@@ -86,6 +111,77 @@ def is_narrowing(src: str, dst: str) -> bool:
     if a is None or b is None:
         return True
     return b[0] < a[0] or b[1] < a[1]
+
+
+def header_cap() -> int:
+    """The largest header :func:`read_header` reads: :data:`MAX_HEADER_BYTES`, or ``--max-object-size`` when lower."""
+    return min(MAX_HEADER_BYTES, limits.current().max_object_bytes)
+
+
+class HeaderError(ValueError):
+    """A safetensors header :func:`read_header` refuses; the caller words its own error from it.
+
+    Attributes:
+        kind: ``"short"`` (under 8 bytes), ``"too_long"`` (length above ``cap``), ``"past_end"``
+            (length past the file's end), ``"truncated"`` (the file ended while read),
+            ``"not_json"`` (not UTF-8 JSON, or a duplicate key: ``cause``), ``"not_object"``.
+        size: the file's size in bytes; length: the header length it declares (0 before read).
+        cap: :func:`header_cap` when read; cause: the decoder's exception for ``"not_json"``.
+    """
+
+    def __init__(
+        self, kind: str, *, size: int, length: int = 0, cap: int = 0, cause: ValueError | RecursionError | None = None
+    ) -> None:
+        super().__init__(kind)
+        self.kind, self.size, self.length, self.cap, self.cause = kind, size, length, cap, cause
+
+
+def read_header(path: Path, size: int | None = None) -> tuple[dict[str, Any], int]:
+    """Read and parse the JSON header of a safetensors file, size-checked before it is read.
+
+    Args:
+        path: the file (the caller confines it; opened as a regular file only).
+        size: its size in bytes (``fstat`` when ``None``).
+
+    Returns:
+        ``(header, data_start)``: the parsed header (``__metadata__`` included) and the absolute
+        offset of the data region (``8 + N``).
+
+    Raises:
+        HeaderError: in this order: shorter than 8 bytes, a length above :func:`header_cap`,
+            past the file's end, a short read, not UTF-8 JSON or a duplicate key, then (after the
+            bounds below) not a JSON object.
+        JsonDepthError, IntegerRangeError: nested deeper than :attr:`Limits.max_depth`, an int
+            beyond 256 bits (:func:`~ckpttool.format.jsonfile.check_json_graph`).
+        OSError: the file cannot be opened or read; NotRegularFileError: a FIFO, device,
+            socket or directory.
+    """
+    fd = open_regular(path)  # never a FIFO or device
+    try:
+        if size is None:
+            size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise HeaderError("short", size=size)
+        (n,) = struct.unpack("<Q", head)
+        cap = header_cap()
+        if n > cap:
+            raise HeaderError("too_long", size=size, length=n, cap=cap)
+        if n > size - 8:
+            raise HeaderError("past_end", size=size, length=n, cap=cap)
+        raw = os.pread(fd, n, 8)
+    finally:
+        os.close(fd)
+    if len(raw) != n:
+        raise HeaderError("truncated", size=size, length=n, cap=cap)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError, JSONDecodeError, DuplicateKeyError, digits
+        raise HeaderError("not_json", size=size, length=n, cap=cap, cause=e) from None
+    check_json_graph(header, str(path))
+    if not isinstance(header, dict):
+        raise HeaderError("not_object", size=size, length=n, cap=cap)
+    return header, 8 + n
 
 
 @dataclass(slots=True, unsafe_hash=True)

@@ -80,23 +80,10 @@ def tiling_problem(meta: TensorMeta) -> str | None:
     # Fast path: chunks differ along a single dim and form contiguous intervals there.
     ndim = len(meta.size)
     varying = [d for d in range(ndim) if len({(c.offsets[d], c.sizes[d]) for c in chunks}) > 1]
-    if chunks:
-        if len(varying) <= 1:
-            d = varying[0] if varying else 0
-            first = chunks[0]
-            fixed_ok = all(first.offsets[k] == 0 and first.sizes[k] == meta.size[k] for k in range(ndim) if k != d)
-            if fixed_ok:
-                iv = sorted((c.offsets[d], c.offsets[d] + c.sizes[d]) for c in chunks)
-                pos = 0
-                for lo, hi in iv:
-                    if lo < pos:
-                        return f"overlap: chunks overlap at index {lo} of dim {d}"
-                    if lo > pos:
-                        return f"gap: no chunk covers [{pos}, {lo}) of dim {d}"
-                    pos = hi
-                if pos != meta.size[d]:
-                    return f"gap: no chunk covers [{pos}, {meta.size[d]}) of dim {d}"
-                return None
+    if chunks and len(varying) <= 1:
+        decided, problem = _interval_tiling(meta, chunks, varying[0] if varying else 0)
+        if decided:
+            return problem
     # General path: exact and O(n * 2^k) for k sharded dims (see _corner_weights).
     if covered > total:
         return f"overlap: chunks hold {covered} elements, the tensor {total}"
@@ -109,6 +96,29 @@ def tiling_problem(meta: TensorMeta) -> str | None:
     if bad is not None:
         return f"overlap: chunks overlap (and leave a gap) near index {bad}"
     return None
+
+
+def _interval_tiling(meta: TensorMeta, chunks: list[ChunkMeta], d: int) -> tuple[bool, str | None]:
+    """``(True, problem or None)`` when every chunk is whole in every dim but ``d``; ``(False, None)`` otherwise.
+
+    The chunks' ``[offset, offset + size)`` intervals along ``d``, sorted, must then follow each
+    other from 0 to the tensor's size with no gap or overlap.
+    """
+    ndim = len(meta.size)
+    first = chunks[0]
+    if not all(first.offsets[k] == 0 and first.sizes[k] == meta.size[k] for k in range(ndim) if k != d):
+        return False, None
+    iv = sorted((c.offsets[d], c.offsets[d] + c.sizes[d]) for c in chunks)
+    pos = 0
+    for lo, hi in iv:
+        if lo < pos:
+            return True, f"overlap: chunks overlap at index {lo} of dim {d}"
+        if lo > pos:
+            return True, f"gap: no chunk covers [{pos}, {lo}) of dim {d}"
+        pos = hi
+    if pos != meta.size[d]:
+        return True, f"gap: no chunk covers [{pos}, {meta.size[d]}) of dim {d}"
+    return True, None
 
 
 #: Dims along which one tensor's chunks may be split for the general tiling check (2^k corners per chunk).

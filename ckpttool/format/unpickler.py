@@ -589,8 +589,7 @@ def parse_metadata_bytes(data: bytes, source: str = ".metadata") -> CheckpointMe
     """
     if not data:
         raise MetadataError(f"{source} is empty", path=source)
-    with gc_paused():
-        return _convert(_unpickle(data, source), source)
+    return _convert(_unpickle(data, source), source)
 
 
 @contextlib.contextmanager

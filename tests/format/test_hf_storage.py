@@ -18,7 +18,8 @@ import torch
 
 from ckpttool.errors import ChunkError, DataFileError, MetadataError, PathEscapeError
 from ckpttool.format import CheckpointReader
-from ckpttool.format.hf_storage import MAX_HEADER_BYTES, hf_storage_files, load_hf_storage_metadata
+from ckpttool.format.hf_storage import hf_storage_files, load_hf_storage_metadata
+from ckpttool.format.safetensors import MAX_HEADER_BYTES
 
 
 def torch_reads(path: Path) -> dict[str, torch.Tensor]:

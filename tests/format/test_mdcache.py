@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
 from ckpttool.format import CheckpointDir, mdcache, parse_metadata_bytes
+from ckpttool.format import cache as usercache
 from ckpttool.format.mdcache import CorruptEntry, decode, encode
 from ckpttool.format.metadata import CheckpointMetadata
 from tests.fixtures.cache import copy_checkpoint
@@ -24,12 +25,12 @@ from tests.fixtures.special_files import SPECIAL_KINDS, fails_instead_of_hanging
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh cache directory, used for every ``.metadata`` whatever its size."""
     d = tmp_path / "cache"
-    monkeypatch.setenv(mdcache.CACHE_DIR_ENV, str(d))
-    monkeypatch.delenv(mdcache.NO_CACHE_ENV, raising=False)
+    monkeypatch.setenv(usercache.CACHE_DIR_ENV, str(d))
+    monkeypatch.delenv(usercache.NO_CACHE_ENV, raising=False)
     monkeypatch.setattr(mdcache, "MIN_CACHED_BYTES", 0)
-    mdcache.set_cache_enabled(None)
+    usercache.set_cache_enabled(None)
     yield d
-    mdcache.set_cache_enabled(None)
+    usercache.set_cache_enabled(None)
 
 
 def _entries(cache: Path) -> list[Path]:
@@ -74,9 +75,9 @@ def _validate_json(ckpt: Path, *extra: str) -> dict[str, object]:
 
 def test_hit_gives_the_same_inspect_and_validate_output(fsdp_ckpt: Path, cache: Path) -> None:
     direct_inspect = _inspect_json(fsdp_ckpt, "--no-cache")
-    mdcache.set_cache_enabled(None)
+    usercache.set_cache_enabled(None)
     direct_validate = _validate_json(fsdp_ckpt, "--no-cache")
-    mdcache.set_cache_enabled(None)
+    usercache.set_cache_enabled(None)
     assert _entries(cache) == []  # --no-cache: nothing written
     assert _inspect_json(fsdp_ckpt) == direct_inspect  # miss: parsed and stored
     (entry,) = _entries(cache)
@@ -230,12 +231,12 @@ def test_unusable_cache_dir_is_not_an_error(
     expected = parse_metadata_bytes((dense_ckpt / ".metadata").read_bytes())
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
-    monkeypatch.setenv(mdcache.CACHE_DIR_ENV, str(not_a_dir))
+    monkeypatch.setenv(usercache.CACHE_DIR_ENV, str(not_a_dir))
     assert CheckpointDir(dense_ckpt).metadata == expected
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(stat.S_IRUSR | stat.S_IXUSR)
-    monkeypatch.setenv(mdcache.CACHE_DIR_ENV, str(ro))
+    monkeypatch.setenv(usercache.CACHE_DIR_ENV, str(ro))
     try:
         assert CheckpointDir(dense_ckpt).metadata == expected
         if os.geteuid() != 0:  # root writes anywhere
@@ -249,39 +250,39 @@ def test_cache_is_never_written_in_the_checkpoint(dense_ckpt: Path, tmp_path: Pa
     before = sorted((p.relative_to(ck), p.stat().st_size, p.stat().st_mtime_ns) for p in ck.rglob("*"))
     for _ in range(2):
         _inspect_json(ck)
-        mdcache.set_cache_enabled(None)
+        usercache.set_cache_enabled(None)
     assert sorted((p.relative_to(ck), p.stat().st_size, p.stat().st_mtime_ns) for p in ck.rglob("*")) == before
     assert len(_entries(cache)) == 1
 
 
 def test_location_and_switches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(mdcache.CACHE_DIR_ENV, raising=False)
+    monkeypatch.delenv(usercache.CACHE_DIR_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert mdcache.cache_dir() == tmp_path / "xdg" / "ckpttool"
+    assert usercache.cache_dir() == tmp_path / "xdg" / "ckpttool"
     monkeypatch.setenv("XDG_CACHE_HOME", "relative")  # not absolute: ignored, as the XDG spec says
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert mdcache.cache_dir() == tmp_path / "home" / ".cache" / "ckpttool"
-    monkeypatch.setenv(mdcache.CACHE_DIR_ENV, str(tmp_path / "given"))
+    assert usercache.cache_dir() == tmp_path / "home" / ".cache" / "ckpttool"
+    monkeypatch.setenv(usercache.CACHE_DIR_ENV, str(tmp_path / "given"))
     assert mdcache.entry_path("ab").parent == tmp_path / "given" / "metadata-v2"
-    monkeypatch.setenv(mdcache.NO_CACHE_ENV, "1")
-    assert not mdcache.cache_enabled()
-    monkeypatch.setenv(mdcache.NO_CACHE_ENV, "0")
-    assert mdcache.cache_enabled()
+    monkeypatch.setenv(usercache.NO_CACHE_ENV, "1")
+    assert not usercache.cache_enabled()
+    monkeypatch.setenv(usercache.NO_CACHE_ENV, "0")
+    assert usercache.cache_enabled()
     for off in ("false", "False", "no", "off", " "):  # "NO_CACHE=false" means the cache is on
-        monkeypatch.setenv(mdcache.NO_CACHE_ENV, off)
-        assert mdcache.cache_enabled(), off
+        monkeypatch.setenv(usercache.NO_CACHE_ENV, off)
+        assert usercache.cache_enabled(), off
     for on in ("true", "yes", "2"):
-        monkeypatch.setenv(mdcache.NO_CACHE_ENV, on)
-        assert not mdcache.cache_enabled(), on
-    mdcache.set_cache_enabled(False)
+        monkeypatch.setenv(usercache.NO_CACHE_ENV, on)
+        assert not usercache.cache_enabled(), on
+    usercache.set_cache_enabled(False)
     try:
-        assert not mdcache.cache_enabled()
+        assert not usercache.cache_enabled()
     finally:
-        mdcache.set_cache_enabled(None)
+        usercache.set_cache_enabled(None)
 
 
 def test_small_metadata_is_parsed_directly(sample_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(mdcache.CACHE_DIR_ENV, str(tmp_path / "c"))
+    monkeypatch.setenv(usercache.CACHE_DIR_ENV, str(tmp_path / "c"))
     assert (sample_ckpt / ".metadata").stat().st_size < mdcache.MIN_CACHED_BYTES
     CheckpointDir(sample_ckpt).close()
     assert not (tmp_path / "c").exists()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from ckpttool.errors import CkptError
+from ckpttool.format import cache as usercache
 from ckpttool.format import mdcache, parse_metadata_bytes
 from tests.fixtures.hostile import CorpusEntry
 
@@ -22,7 +23,7 @@ def _outcome(fn: object, data: bytes) -> object:
 def test_corpus_parses_the_same_through_the_cache(
     corpus: dict[str, CorpusEntry], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(mdcache.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(usercache.CACHE_DIR_ENV, str(tmp_path / "cache"))
     monkeypatch.setattr(mdcache, "MIN_CACHED_BYTES", 0)
     checked = refused = 0
     stored: set[bytes] = set()

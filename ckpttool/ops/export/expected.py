@@ -17,24 +17,21 @@ transformers' loading-time conversion fuses back).
 
 Building the model is fast (~20 ms); importing torch and transformers' modeling code is not
 (~3-4.5 s on the development machine, docs/performance.md). The result is therefore kept in
-the user's cache directory (:func:`ckpttool.format.mdcache.cache_dir`, folder
+the user's cache directory (:func:`ckpttool.format.cache.cache_dir`, folder
 ``model-shapes-v1/``), one JSON entry per key: the SHA-256 of the config (canonical JSON) and
 of the installed transformers and torch versions (package metadata: nothing is imported to
 read them). A hit needs neither torch nor transformers. An entry is untrusted input when
 loaded: size cap, JSON, its own key, and every value's type and range (dims 0..2^62, at most
 64 dims, known dtype names, optional keys among the tensors) are checked; anything else is
 ignored and the model built again. ``--no-cache`` / ``CKPTTOOL_NO_CACHE=1`` turn it off.
-Writing is best effort (temporary file + rename).
+Writing is best effort (temporary file + rename, :func:`ckpttool.format.cache.store_entry`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,16 +103,16 @@ def _entry_key(config: dict[str, Any], versions: tuple[str, str]) -> str | None:
 
 def shapes_entry_path(key: str) -> Path:
     """Path of the cache entry with SHA-256 key ``key`` (hex)."""
-    from ckpttool.format.mdcache import cache_dir
+    from ckpttool.format.cache import cache_dir
 
     return cache_dir() / _FOLDER / f"{key}.json"
 
 
 def _load_entry(path: Path, key: str) -> Expected | None:
     """The entry at ``path`` when it is well formed and for ``key``; ``None`` (logged) otherwise."""
-    from ckpttool.format.mdcache import read_cache_file
+    from ckpttool.format.cache import read_entry
 
-    blob = read_cache_file(path, _MAX_ENTRY_BYTES)  # a FIFO or device at the path is not read
+    blob = read_entry(path, _MAX_ENTRY_BYTES, logger=log)  # a FIFO or device at the path is not read
     if blob is None:
         return None
     try:
@@ -157,19 +154,9 @@ def _store_entry(path: Path, key: str, got: Expected) -> None:
         "tensors": {k: [list(shape), dtype] for k, (shape, dtype) in expected.items()},
         "optional": sorted(optional),
     }
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(doc, f)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    except (OSError, ValueError, TypeError) as e:
-        log.info("model shape cache not written (%s: %s)", type(e).__name__, e)
+    from ckpttool.format.cache import store_entry
+
+    store_entry(path, lambda: json.dumps(doc).encode("ascii"), "model shape cache", logger=log)
 
 
 def expected_state_dict(config: dict[str, Any]) -> Expected | str:
@@ -186,7 +173,7 @@ def expected_state_dict(config: dict[str, Any]) -> Expected | str:
     mt = config.get("model_type")
     if not isinstance(mt, str):
         return "config.json has no model_type"
-    from ckpttool.format.mdcache import cache_enabled
+    from ckpttool.format.cache import cache_enabled
 
     versions = _versions()
     if versions is None:

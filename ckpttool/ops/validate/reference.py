@@ -18,37 +18,17 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import UsageError
-from ckpttool.format.files import open_regular, read_regular, resolve_inside
-from ckpttool.format.jsonfile import parse_json
+from ckpttool.errors import CkptError, UsageError
+from ckpttool.format.files import read_regular, resolve_inside
+from ckpttool.format.jsonfile import DuplicateKeyError, json_error, parse_json
 from ckpttool.format.limits import current
+from ckpttool.format.safetensors import SAFETENSORS_TAGS, HeaderError, read_header
 
-__all__ = ["RefTensor", "Reference", "load_reference", "SAFETENSORS_DTYPES"]
-
-#: safetensors dtype tag -> torch dtype name.
-SAFETENSORS_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "U16": "uint16",
-    "U32": "uint32",
-    "U64": "uint64",
-    "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-}
-_MAX_HEADER = 100 * 1024 * 1024
+__all__ = ["RefTensor", "Reference", "load_reference"]
 
 
 @dataclass(frozen=True)
@@ -76,23 +56,28 @@ def _bad(p: Path, why: str) -> UsageError:
     )
 
 
+def _header_error(p: Path, e: HeaderError) -> CkptError:
+    if e.kind == "short":
+        return _bad(p, "not a safetensors file (shorter than 8 bytes)")
+    if e.kind == "too_long":
+        return _bad(p, f"safetensors header of {e.length} bytes is implausible")
+    if e.kind in ("past_end", "truncated"):
+        return _bad(p, f"safetensors header of {e.length} bytes runs past the end of the file ({e.size} bytes)")
+    if e.kind == "not_object":
+        return _bad(p, "safetensors header is not a JSON object")
+    if isinstance(e.cause, DuplicateKeyError):
+        return _bad(p, f"safetensors header holds a {e.cause}")
+    assert e.cause is not None
+    return json_error(e.cause, str(p)) or _bad(p, "safetensors header is not JSON")
+
+
 def _safetensors_header(p: Path) -> dict[str, RefTensor]:
     try:
-        fd = open_regular(p)
-        with open(fd, "rb", closefd=True) as fh:
-            raw = fh.read(8)
-            if len(raw) != 8:
-                raise _bad(p, "not a safetensors file (shorter than 8 bytes)")
-            (n,) = struct.unpack("<Q", raw)
-            if n > min(_MAX_HEADER, current().max_object_bytes):
-                raise _bad(p, f"safetensors header of {n} bytes is implausible")
-            header = parse_json(fh.read(n), str(p))
+        header, _ = read_header(p)
     except OSError as e:
         raise _bad(p, f"cannot read ({e.strerror})") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _bad(p, "safetensors header is not JSON") from e
-    if not isinstance(header, dict):
-        raise _bad(p, "safetensors header is not a JSON object")
+    except HeaderError as e:
+        raise _header_error(p, e) from None
     out = {}
     for k, v in header.items():
         if k == "__metadata__" or not isinstance(v, dict):
@@ -102,7 +87,7 @@ def _safetensors_header(p: Path) -> dict[str, RefTensor]:
             raise _bad(p, f"tensor {k!r:.80}: shape is not a list of sizes")
         out[str(k)] = RefTensor(
             tuple(shape) if isinstance(shape, list) else None,
-            SAFETENSORS_DTYPES.get(str(v.get("dtype")), str(v.get("dtype")).lower() if v.get("dtype") else None),
+            SAFETENSORS_TAGS.get(str(v.get("dtype")), str(v.get("dtype")).lower() if v.get("dtype") else None),
         )
     return out
 
