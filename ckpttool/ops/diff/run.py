@@ -35,7 +35,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import CkptError, DiffError, UsageError
+from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
+from ckpttool.errors import CkptError, DataFileError, DiffError, UsageError
 from ckpttool.format.crc import crc32
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.layouts.declaration import LayoutDeclaration
@@ -49,7 +50,6 @@ from ckpttool.ops.export.transform import Run
 __all__ = ["WHAT", "DiffOptions", "Difference", "Excluded", "DiffResult", "Item", "Side", "diff_checkpoints"]
 
 WHAT = ("model", "optimizer", "all")
-_BLOCK = 1 << 20  # cache-sized blocks: faster here than 8 MiB (bench/bench_diff.py)
 log = logging.getLogger(__name__)
 
 
@@ -360,26 +360,18 @@ class Side:
         return t
 
     def _assemble(self, item: Item) -> Any:
-        """A model adapter's value: every source's runs copied into a new tensor (as export writes it)."""
+        """A model adapter's value: every source's runs placed into a new tensor (as export writes it)."""
         import torch
+
+        from ckpttool.engine.kernels import place_runs
 
         assert item.runs is not None
         out = torch.empty(_numel(item.shape), dtype=_torch_dtype(item.dtype))
         for e, runs in item.runs:
             flat = self.tensor(e.key).reshape(-1)
-            if len(runs) == 1 and runs[0].length == flat.numel():
-                r = runs[0]
-                out[r.dst : r.dst + r.length] = flat
-                continue
-            size = runs[0].length
-            if size > 0 and all(r.length == size and r.src % size == 0 and r.dst % size == 0 for r in runs):
-                # row moves (RoPE rows, expert slabs): one gather-scatter instead of a copy per run
-                src_rows = torch.tensor([r.src // size for r in runs], dtype=torch.long)
-                dst_rows = torch.tensor([r.dst // size for r in runs], dtype=torch.long)
-                out.view(-1, size).index_copy_(0, dst_rows, flat.view(-1, size).index_select(0, src_rows))
-                continue
-            for r in runs:
-                out[r.dst : r.dst + r.length] = flat[r.src : r.src + r.length]
+            if flat.dtype != out.dtype:  # values cast as a tensor assignment casts them
+                flat = flat.to(out.dtype)
+            place_runs(_bits(flat), _bits(out), [(r.src, r.length, r.dst) for r in runs])
         return out.view(item.shape)
 
     def drop_cache(self) -> None:
@@ -388,6 +380,17 @@ class Side:
     def close(self) -> None:
         self._cached = self._buf = None
         self.ckpt.close()
+
+
+def _bits(t: Any) -> Any:
+    """A contiguous 1-d tensor's elements as a numpy array of integers (or raw records) of the same width (no copy)."""
+    import torch
+
+    size = t.element_size()
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    if size in ints:
+        return t.view(ints[size]).numpy()
+    return t.view(torch.uint8).numpy().view(f"V{size}")
 
 
 def _open_side(
@@ -798,16 +801,15 @@ _THREADED_BYTES = 256 << 10
 
 
 def _read_block(side: Side, loc: Any, buf: memoryview, at: int, want: int, crc: int) -> int:
-    """Read ``want`` bytes of ``loc``'s record from ``at`` into ``buf``; return the running CRC-32."""
-    fd = side.reader.fd(loc.info.relative_path)
-    got = 0
-    while got < want:
-        r = os.preadv(fd, [buf[got:want]], loc.data_start + at + got)
-        if r <= 0:
-            from ckpttool.errors import DataFileError
+    """Read ``want`` bytes of ``loc``'s record from ``at`` into ``buf``; return the running CRC-32.
 
-            raise DataFileError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=loc.key)
-        got += r
+    Raises:
+        DataFileError: the file ends first (it changed since the locator checked it).
+    """
+    try:
+        read_into(side.reader.fd(loc.info.relative_path), buf[:want], loc.data_start + at)
+    except ShortReadError:
+        raise DataFileError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=loc.key) from None
     side.reader.count_read(want)
     return crc32(buf[:want], crc)
 
@@ -1089,7 +1091,7 @@ def _diff(a: Side, b: Side, opts: DiffOptions, progress: Callable[[int, int], No
     diffs: list[Difference] = []
     count = 0
     equal = raw = compared = 0
-    bufs = (memoryview(bytearray(_BLOCK)), memoryview(bytearray(_BLOCK)))
+    bufs = (memoryview(bytearray(BLOCK_BYTES)), memoryview(bytearray(BLOCK_BYTES)))  # cache-sized (bench_diff.py)
     total = len(items_a) + len(items_b)
 
     def add(d: Difference) -> None:
