@@ -530,10 +530,8 @@ def export_items(
     RoPE head counts) names torchtitan keys; its tensors are then compared in HF order through
     the export plan's element runs (:attr:`Item.runs`), so the values are the ones export writes.
     """
-    from ckpttool.errors import ExportError
     from ckpttool.model.adapters import AdapterConfig
-    from ckpttool.ops.export.experts import expert_orders
-    from ckpttool.ops.export.plan import build_plan, select_sources
+    from ckpttool.ops.export.plan import select_sources
     from ckpttool.ops.export.rules import load_rules
 
     cat = side.ckpt.catalog
@@ -548,6 +546,38 @@ def export_items(
         adapter_config=AdapterConfig.from_hf_config(config),
     )
     side.adapter = adapter.name if adapter is not None and any(s.hf is not None for s in selected) else None
+    fused, split_tasks = _export_plans(side, selected, rules, fmt)
+    items, n_split = _task_items(fused.tasks, split_tasks, other)
+    notes: list[str] = list(warnings)
+    if n_split:
+        notes.append(f"{n_split} fused expert tensor(s) of {side.label} compared per expert with {_other(side)}")
+    excluded = [Excluded(side.label, k, reason) for reason, keys in skipped.items() for k in keys]
+    # tied head: an lm_head the other side leaves out (tie_word_embeddings) is compared with its embedding
+    names = {i.name for i in items}
+    if (
+        tied
+        and fmt == "hf"
+        and rules.tied_lm_head in names
+        and rules.tied_lm_head not in other
+        and rules.tied_embedding in other
+    ):
+        head = next(i for i in items if i.name == rules.tied_lm_head)
+        items[items.index(head)] = replace(head, against=rules.tied_embedding)
+        notes.append(
+            f"{_other(side)} has no {rules.tied_lm_head} (tied embeddings): {side.label}'s {head.key} is compared "
+            f"with {_other(side)}'s {rules.tied_embedding}"
+        )
+    if opts.what != "model" and cat.optimizer_state:
+        notes.append(f"{_other(side)} has no optimizer state: {side.label}'s optimizer state is not compared")
+    return items, excluded, notes, "lora" if fmt == "lora" else "export"
+
+
+def _export_plans(side: Side, selected: Any, rules: Any, fmt: str) -> tuple[Any, dict[str, Any]]:
+    """The export plan with fused experts, and the per-expert plan's tasks by model key (HF only; ``{}`` if none)."""
+    from ckpttool.errors import ExportError
+    from ckpttool.ops.export.experts import expert_orders
+    from ckpttool.ops.export.plan import build_plan
+
     orders = expert_orders(selected, side.ckpt.require_layout())
     fused = build_plan(selected, rules, fmt=fmt, expert_orders=orders)
     per_expert = None
@@ -557,11 +587,15 @@ def export_items(
         except ExportError:
             per_expert = None
     split_tasks = {t.selected.model_key: t for t in per_expert.tasks} if per_expert is not None else {}
+    return fused, split_tasks
+
+
+def _task_items(tasks: Any, split_tasks: dict[str, Any], other: set[str]) -> tuple[list[Item], int]:
+    """``(items, fused tensors compared per expert)`` of the export tasks: per expert where ``other`` holds pieces."""
     items: list[Item] = []
-    notes: list[str] = list(warnings)
     n_split = 0
     assembled: dict[str, Item] = {}  # adapter values, by output name (a fused gate_up_proj has two sources)
-    for task in fused.tasks:
+    for task in tasks:
         s = task.selected
         src = s.source
         split = split_tasks.get(s.model_key)
@@ -588,27 +622,7 @@ def export_items(
             continue
         perm = task.expert_order
         items.append(Item(s.out_key, src.key, src.shape, src.dtype, "model", perm, None, src))
-    if n_split:
-        notes.append(f"{n_split} fused expert tensor(s) of {side.label} compared per expert with {_other(side)}")
-    excluded = [Excluded(side.label, k, reason) for reason, keys in skipped.items() for k in keys]
-    # tied head: an lm_head the other side leaves out (tie_word_embeddings) is compared with its embedding
-    names = {i.name for i in items}
-    if (
-        tied
-        and fmt == "hf"
-        and rules.tied_lm_head in names
-        and rules.tied_lm_head not in other
-        and rules.tied_embedding in other
-    ):
-        head = next(i for i in items if i.name == rules.tied_lm_head)
-        items[items.index(head)] = replace(head, against=rules.tied_embedding)
-        notes.append(
-            f"{_other(side)} has no {rules.tied_lm_head} (tied embeddings): {side.label}'s {head.key} is compared "
-            f"with {_other(side)}'s {rules.tied_embedding}"
-        )
-    if opts.what != "model" and cat.optimizer_state:
-        notes.append(f"{_other(side)} has no optimizer state: {side.label}'s optimizer state is not compared")
-    return items, excluded, notes, "lora" if fmt == "lora" else "export"
+    return items, n_split
 
 
 def _adapter_items(task: Any, assembled: dict[str, Item], items: list[Item]) -> None:
@@ -844,19 +858,10 @@ def _compare_pair(
     """``(difference or None, compared raw)`` for two items of one name."""
     if ia.dtype == "bytes" or ib.dtype == "bytes":
         return _compare_objects(name, a, ia, b, ib), False
-    if ia.shape != ib.shape:
-        return Difference(
-            name, "shape", f"{name}: shape {list(ia.shape)} in A, {list(ib.shape)} in B", ia.key, ib.key
-        ), False
     tolerant = opts.rtol is not None or opts.atol is not None
-    if ia.dtype != ib.dtype and opts.as_dtype is None and not tolerant:
-        return Difference(
-            name,
-            "dtype",
-            f"{name}: dtype {ia.dtype} in A, {ib.dtype} in B (compare values with `as_dtype` or a tolerance)",
-            ia.key,
-            ib.key,
-        ), False
+    kind = _kind_difference(name, ia, ib, opts, tolerant)
+    if kind is not None:
+        return kind, False
     cast = (
         opts.as_dtype
         if opts.as_dtype is not None and (ia.dtype != opts.as_dtype or ib.dtype != opts.as_dtype)
@@ -881,6 +886,26 @@ def _compare_pair(
     )
     if vd.mismatched == 0:
         return None, False
+    return _values_difference(name, ia, ib, vd, tolerant), False
+
+
+def _kind_difference(name: str, ia: Item, ib: Item, opts: DiffOptions, tolerant: bool) -> Difference | None:
+    """A shape difference, or a dtype difference the options do not compare across; ``None``: compare the values."""
+    if ia.shape != ib.shape:
+        return Difference(name, "shape", f"{name}: shape {list(ia.shape)} in A, {list(ib.shape)} in B", ia.key, ib.key)
+    if ia.dtype != ib.dtype and opts.as_dtype is None and not tolerant:
+        return Difference(
+            name,
+            "dtype",
+            f"{name}: dtype {ia.dtype} in A, {ib.dtype} in B (compare values with `as_dtype` or a tolerance)",
+            ia.key,
+            ib.key,
+        )
+    return None
+
+
+def _values_difference(name: str, ia: Item, ib: Item, vd: ValueDiff, tolerant: bool) -> Difference:
+    """The ``values`` difference of two items whose values differ (``vd.mismatched > 0``)."""
     assert vd.first is not None
     idx = unravel(vd.first, ia.shape)
     how = "outside the tolerance" if tolerant else "differ"
@@ -911,7 +936,7 @@ def _compare_pair(
         vd.a_value,
         vd.b_value,
         stored,
-    ), False
+    )
 
 
 _FLOATING = {"float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"}
