@@ -267,13 +267,14 @@ def summarise_bits(raw: np.ndarray, dtype: str, need_negative: bool) -> BitSumma
 # ---------------------------------------------------------------------------------------------- run maps
 
 
-def scatter_rows(src2d: np.ndarray, dst_rows: np.ndarray, out2d: np.ndarray) -> None:
+def scatter_rows(src2d: np.ndarray, dst_rows: np.ndarray, out2d: np.ndarray, *, permutation: bool = False) -> None:
     """``out2d[dst_rows[i]] = src2d[i]`` for every row ``i`` of ``src2d`` (distinct destination rows).
 
     A permutation of all of ``out2d``'s rows runs as one ``np.take`` of the inverse
     permutation into ``out2d`` (no temporary); other destinations as a fancy-index assignment.
+    ``permutation``: the caller knows ``dst_rows`` is such a permutation (skips the check).
     """
-    if len(dst_rows) == len(out2d) and np.array_equal(np.sort(dst_rows), np.arange(len(out2d))):
+    if permutation or (len(dst_rows) == len(out2d) and np.array_equal(np.sort(dst_rows), np.arange(len(out2d)))):
         np.take(src2d, np.argsort(dst_rows), axis=0, out=out2d)  # output row k = the source row headed for k
         return
     out2d[dst_rows] = src2d

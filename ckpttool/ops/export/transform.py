@@ -216,7 +216,7 @@ class RowPermutation:
         row_bytes = len(src) // rows
         s2 = np.frombuffer(src, dtype=np.uint8).reshape(rows, row_bytes)
         o2 = out[: rows * row_bytes].reshape(rows, row_bytes)
-        scatter_rows(s2, d - lo, o2)  # output row k = the source row whose destination is lo + k
+        scatter_rows(s2, d - lo, o2, permutation=True)  # distinct rows filling lo..lo+rows-1: a permutation
         return lo, o2
 
 
