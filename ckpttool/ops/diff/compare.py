@@ -142,30 +142,12 @@ def compare_tensors(
         xb = fb[start : start + BLOCK_ELEMENTS]
         if as_dtype is not None:
             xa, xb = xa.to(as_dtype), xb.to(as_dtype)
-        if not tolerant:
-            if xa.dtype == xb.dtype and same_bytes(xa, xb):
-                continue
-            ne = _int_view(xa) != _int_view(xb) if xa.dtype == xb.dtype else xa != xb
-            cnt = int(ne.sum())
-            if not cnt:
-                continue
-            if numeric:
-                diff, ref, _ = _errors(xa, xb)
-        else:
-            diff, ref, both_nan = _errors(xa, xb)
-            bad = (diff > at + rt * ref) | (diff.isnan() & ~both_nan)
-            cnt = int(bad.sum())
-            ne = bad
+        found = _block_mismatch(xa, xb, tolerant, rt, at, numeric)
+        if found is None:
+            continue
+        cnt, ne, diff, ref = found
         if numeric:
-            finite = diff[diff.isfinite()]
-            if finite.numel():
-                max_abs = max(max_abs, float(finite.max()))
-                rel = finite / ref[diff.isfinite()]
-                rel = rel[~rel.isnan()]
-                if rel.numel():
-                    max_rel = max(max_rel, float(rel.max()))
-            if bool((diff.isinf() | diff.isnan()).any()):
-                max_abs = max_rel = math.inf
+            max_abs, max_rel = _error_bounds(diff, ref, max_abs, max_rel)
         if cnt:
             if first is None:
                 i = int(ne.nonzero()[0, 0])
@@ -182,3 +164,40 @@ def compare_tensors(
         a_val,
         b_val,
     )
+
+
+def _block_mismatch(
+    xa: Any, xb: Any, tolerant: bool, rt: float, at: float, numeric: bool
+) -> tuple[int, Any, Any, Any] | None:
+    """``(mismatched count, mask, |a-b|, |b|)`` of one block (the errors ``None`` unless numeric).
+
+    ``None``: a bitwise comparison found the block equal (nothing to add).
+    """
+    diff = ref = None
+    if not tolerant:
+        if xa.dtype == xb.dtype and same_bytes(xa, xb):
+            return None
+        ne = _int_view(xa) != _int_view(xb) if xa.dtype == xb.dtype else xa != xb
+        cnt = int(ne.sum())
+        if not cnt:
+            return None
+        if numeric:
+            diff, ref, _ = _errors(xa, xb)
+        return cnt, ne, diff, ref
+    diff, ref, both_nan = _errors(xa, xb)
+    bad = (diff > at + rt * ref) | (diff.isnan() & ~both_nan)
+    return int(bad.sum()), bad, diff, ref
+
+
+def _error_bounds(diff: Any, ref: Any, max_abs: float, max_rel: float) -> tuple[float, float]:
+    """The running maximum absolute and relative errors with one block's (infinite once any is inf or NaN)."""
+    finite = diff[diff.isfinite()]
+    if finite.numel():
+        max_abs = max(max_abs, float(finite.max()))
+        rel = finite / ref[diff.isfinite()]
+        rel = rel[~rel.isnan()]
+        if rel.numel():
+            max_rel = max(max_rel, float(rel.max()))
+    if bool((diff.isinf() | diff.isnan()).any()):
+        max_abs = max_rel = math.inf
+    return max_abs, max_rel

@@ -35,7 +35,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import CkptError, DiffError, UsageError
+from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
+from ckpttool.errors import CkptError, DataFileError, DiffError, UsageError
 from ckpttool.format.crc import crc32
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.layouts.declaration import LayoutDeclaration
@@ -49,7 +50,6 @@ from ckpttool.ops.export.transform import Run
 __all__ = ["WHAT", "DiffOptions", "Difference", "Excluded", "DiffResult", "Item", "Side", "diff_checkpoints"]
 
 WHAT = ("model", "optimizer", "all")
-_BLOCK = 1 << 20  # cache-sized blocks: faster here than 8 MiB (bench/bench_diff.py)
 log = logging.getLogger(__name__)
 
 
@@ -360,26 +360,18 @@ class Side:
         return t
 
     def _assemble(self, item: Item) -> Any:
-        """A model adapter's value: every source's runs copied into a new tensor (as export writes it)."""
+        """A model adapter's value: every source's runs placed into a new tensor (as export writes it)."""
         import torch
+
+        from ckpttool.engine.kernels import place_runs
 
         assert item.runs is not None
         out = torch.empty(_numel(item.shape), dtype=_torch_dtype(item.dtype))
         for e, runs in item.runs:
             flat = self.tensor(e.key).reshape(-1)
-            if len(runs) == 1 and runs[0].length == flat.numel():
-                r = runs[0]
-                out[r.dst : r.dst + r.length] = flat
-                continue
-            size = runs[0].length
-            if size > 0 and all(r.length == size and r.src % size == 0 and r.dst % size == 0 for r in runs):
-                # row moves (RoPE rows, expert slabs): one gather-scatter instead of a copy per run
-                src_rows = torch.tensor([r.src // size for r in runs], dtype=torch.long)
-                dst_rows = torch.tensor([r.dst // size for r in runs], dtype=torch.long)
-                out.view(-1, size).index_copy_(0, dst_rows, flat.view(-1, size).index_select(0, src_rows))
-                continue
-            for r in runs:
-                out[r.dst : r.dst + r.length] = flat[r.src : r.src + r.length]
+            if flat.dtype != out.dtype:  # values cast as a tensor assignment casts them
+                flat = flat.to(out.dtype)
+            place_runs(_bits(flat), _bits(out), [(r.src, r.length, r.dst) for r in runs])
         return out.view(item.shape)
 
     def drop_cache(self) -> None:
@@ -388,6 +380,17 @@ class Side:
     def close(self) -> None:
         self._cached = self._buf = None
         self.ckpt.close()
+
+
+def _bits(t: Any) -> Any:
+    """A contiguous 1-d tensor's elements as a numpy array of integers (or raw records) of the same width (no copy)."""
+    import torch
+
+    size = t.element_size()
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    if size in ints:
+        return t.view(ints[size]).numpy()
+    return t.view(torch.uint8).numpy().view(f"V{size}")
 
 
 def _open_side(
@@ -527,10 +530,8 @@ def export_items(
     RoPE head counts) names torchtitan keys; its tensors are then compared in HF order through
     the export plan's element runs (:attr:`Item.runs`), so the values are the ones export writes.
     """
-    from ckpttool.errors import ExportError
     from ckpttool.model.adapters import AdapterConfig
-    from ckpttool.ops.export.experts import expert_orders
-    from ckpttool.ops.export.plan import build_plan, select_sources
+    from ckpttool.ops.export.plan import select_sources
     from ckpttool.ops.export.rules import load_rules
 
     cat = side.ckpt.catalog
@@ -545,6 +546,38 @@ def export_items(
         adapter_config=AdapterConfig.from_hf_config(config),
     )
     side.adapter = adapter.name if adapter is not None and any(s.hf is not None for s in selected) else None
+    fused, split_tasks = _export_plans(side, selected, rules, fmt)
+    items, n_split = _task_items(fused.tasks, split_tasks, other)
+    notes: list[str] = list(warnings)
+    if n_split:
+        notes.append(f"{n_split} fused expert tensor(s) of {side.label} compared per expert with {_other(side)}")
+    excluded = [Excluded(side.label, k, reason) for reason, keys in skipped.items() for k in keys]
+    # tied head: an lm_head the other side leaves out (tie_word_embeddings) is compared with its embedding
+    names = {i.name for i in items}
+    if (
+        tied
+        and fmt == "hf"
+        and rules.tied_lm_head in names
+        and rules.tied_lm_head not in other
+        and rules.tied_embedding in other
+    ):
+        head = next(i for i in items if i.name == rules.tied_lm_head)
+        items[items.index(head)] = replace(head, against=rules.tied_embedding)
+        notes.append(
+            f"{_other(side)} has no {rules.tied_lm_head} (tied embeddings): {side.label}'s {head.key} is compared "
+            f"with {_other(side)}'s {rules.tied_embedding}"
+        )
+    if opts.what != "model" and cat.optimizer_state:
+        notes.append(f"{_other(side)} has no optimizer state: {side.label}'s optimizer state is not compared")
+    return items, excluded, notes, "lora" if fmt == "lora" else "export"
+
+
+def _export_plans(side: Side, selected: Any, rules: Any, fmt: str) -> tuple[Any, dict[str, Any]]:
+    """The export plan with fused experts, and the per-expert plan's tasks by model key (HF only; ``{}`` if none)."""
+    from ckpttool.errors import ExportError
+    from ckpttool.ops.export.experts import expert_orders
+    from ckpttool.ops.export.plan import build_plan
+
     orders = expert_orders(selected, side.ckpt.require_layout())
     fused = build_plan(selected, rules, fmt=fmt, expert_orders=orders)
     per_expert = None
@@ -554,11 +587,15 @@ def export_items(
         except ExportError:
             per_expert = None
     split_tasks = {t.selected.model_key: t for t in per_expert.tasks} if per_expert is not None else {}
+    return fused, split_tasks
+
+
+def _task_items(tasks: Any, split_tasks: dict[str, Any], other: set[str]) -> tuple[list[Item], int]:
+    """``(items, fused tensors compared per expert)`` of the export tasks: per expert where ``other`` holds pieces."""
     items: list[Item] = []
-    notes: list[str] = list(warnings)
     n_split = 0
     assembled: dict[str, Item] = {}  # adapter values, by output name (a fused gate_up_proj has two sources)
-    for task in fused.tasks:
+    for task in tasks:
         s = task.selected
         src = s.source
         split = split_tasks.get(s.model_key)
@@ -585,27 +622,7 @@ def export_items(
             continue
         perm = task.expert_order
         items.append(Item(s.out_key, src.key, src.shape, src.dtype, "model", perm, None, src))
-    if n_split:
-        notes.append(f"{n_split} fused expert tensor(s) of {side.label} compared per expert with {_other(side)}")
-    excluded = [Excluded(side.label, k, reason) for reason, keys in skipped.items() for k in keys]
-    # tied head: an lm_head the other side leaves out (tie_word_embeddings) is compared with its embedding
-    names = {i.name for i in items}
-    if (
-        tied
-        and fmt == "hf"
-        and rules.tied_lm_head in names
-        and rules.tied_lm_head not in other
-        and rules.tied_embedding in other
-    ):
-        head = next(i for i in items if i.name == rules.tied_lm_head)
-        items[items.index(head)] = replace(head, against=rules.tied_embedding)
-        notes.append(
-            f"{_other(side)} has no {rules.tied_lm_head} (tied embeddings): {side.label}'s {head.key} is compared "
-            f"with {_other(side)}'s {rules.tied_embedding}"
-        )
-    if opts.what != "model" and cat.optimizer_state:
-        notes.append(f"{_other(side)} has no optimizer state: {side.label}'s optimizer state is not compared")
-    return items, excluded, notes, "lora" if fmt == "lora" else "export"
+    return items, n_split
 
 
 def _adapter_items(task: Any, assembled: dict[str, Item], items: list[Item]) -> None:
@@ -798,16 +815,15 @@ _THREADED_BYTES = 256 << 10
 
 
 def _read_block(side: Side, loc: Any, buf: memoryview, at: int, want: int, crc: int) -> int:
-    """Read ``want`` bytes of ``loc``'s record from ``at`` into ``buf``; return the running CRC-32."""
-    fd = side.reader.fd(loc.info.relative_path)
-    got = 0
-    while got < want:
-        r = os.preadv(fd, [buf[got:want]], loc.data_start + at + got)
-        if r <= 0:
-            from ckpttool.errors import DataFileError
+    """Read ``want`` bytes of ``loc``'s record from ``at`` into ``buf``; return the running CRC-32.
 
-            raise DataFileError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=loc.key)
-        got += r
+    Raises:
+        DataFileError: the file ends first (it changed since the locator checked it).
+    """
+    try:
+        read_into(side.reader.fd(loc.info.relative_path), buf[:want], loc.data_start + at)
+    except ShortReadError:
+        raise DataFileError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=loc.key) from None
     side.reader.count_read(want)
     return crc32(buf[:want], crc)
 
@@ -842,19 +858,10 @@ def _compare_pair(
     """``(difference or None, compared raw)`` for two items of one name."""
     if ia.dtype == "bytes" or ib.dtype == "bytes":
         return _compare_objects(name, a, ia, b, ib), False
-    if ia.shape != ib.shape:
-        return Difference(
-            name, "shape", f"{name}: shape {list(ia.shape)} in A, {list(ib.shape)} in B", ia.key, ib.key
-        ), False
     tolerant = opts.rtol is not None or opts.atol is not None
-    if ia.dtype != ib.dtype and opts.as_dtype is None and not tolerant:
-        return Difference(
-            name,
-            "dtype",
-            f"{name}: dtype {ia.dtype} in A, {ib.dtype} in B (compare values with `as_dtype` or a tolerance)",
-            ia.key,
-            ib.key,
-        ), False
+    kind = _kind_difference(name, ia, ib, opts, tolerant)
+    if kind is not None:
+        return kind, False
     cast = (
         opts.as_dtype
         if opts.as_dtype is not None and (ia.dtype != opts.as_dtype or ib.dtype != opts.as_dtype)
@@ -879,6 +886,26 @@ def _compare_pair(
     )
     if vd.mismatched == 0:
         return None, False
+    return _values_difference(name, ia, ib, vd, tolerant), False
+
+
+def _kind_difference(name: str, ia: Item, ib: Item, opts: DiffOptions, tolerant: bool) -> Difference | None:
+    """A shape difference, or a dtype difference the options do not compare across; ``None``: compare the values."""
+    if ia.shape != ib.shape:
+        return Difference(name, "shape", f"{name}: shape {list(ia.shape)} in A, {list(ib.shape)} in B", ia.key, ib.key)
+    if ia.dtype != ib.dtype and opts.as_dtype is None and not tolerant:
+        return Difference(
+            name,
+            "dtype",
+            f"{name}: dtype {ia.dtype} in A, {ib.dtype} in B (compare values with `as_dtype` or a tolerance)",
+            ia.key,
+            ib.key,
+        )
+    return None
+
+
+def _values_difference(name: str, ia: Item, ib: Item, vd: ValueDiff, tolerant: bool) -> Difference:
+    """The ``values`` difference of two items whose values differ (``vd.mismatched > 0``)."""
     assert vd.first is not None
     idx = unravel(vd.first, ia.shape)
     how = "outside the tolerance" if tolerant else "differ"
@@ -909,7 +936,7 @@ def _compare_pair(
         vd.a_value,
         vd.b_value,
         stored,
-    ), False
+    )
 
 
 _FLOATING = {"float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"}
@@ -1089,7 +1116,7 @@ def _diff(a: Side, b: Side, opts: DiffOptions, progress: Callable[[int, int], No
     diffs: list[Difference] = []
     count = 0
     equal = raw = compared = 0
-    bufs = (memoryview(bytearray(_BLOCK)), memoryview(bytearray(_BLOCK)))
+    bufs = (memoryview(bytearray(BLOCK_BYTES)), memoryview(bytearray(BLOCK_BYTES)))  # cache-sized (bench_diff.py)
     total = len(items_a) + len(items_b)
 
     def add(d: Difference) -> None:

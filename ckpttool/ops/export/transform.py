@@ -34,7 +34,7 @@ Two kinds of transform compose (the plug-in points of an adapter):
   the identity (the bytes move unchanged).
 
 Casts are :class:`Cast`: float32/bfloat16/float16 to each other with numpy on the IEEE bit
-patterns (torch-free: a cast export never imports torch), bit-exact with torch's
+patterns (:func:`ckpttool.engine.kernels.cast`; torch-free: a cast export never imports torch), bit-exact with torch's
 ``Tensor.to`` (round to nearest even) for every non-NaN value; NaN stays NaN (the canonical
 quiet NaN ``0x7FC0`` for bfloat16, as torch's scalar conversion ``c10::BFloat16``;
 torch's own vectorised kernels differ among themselves there). Other dtype pairs run
@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ckpttool.engine.io import BLOCK_BYTES
 from ckpttool.errors import ChunkError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta
 
@@ -72,8 +73,9 @@ __all__ = [
     "stream_chunk",
 ]
 
-#: Source bytes per slab: the slab and its output stay in the CPU cache between read, transform and write.
-SLAB_BYTES = 1 << 20
+#: Source bytes per slab, one engine block: the slab and its output stay in the CPU cache between read,
+#: transform and write.
+SLAB_BYTES = BLOCK_BYTES
 
 
 # ---------------------------------------------------------------------------------------------- geometry
@@ -205,6 +207,8 @@ class RowPermutation:
         """
         import numpy as np
 
+        from ckpttool.engine.kernels import scatter_rows
+
         d = self.dst[first_row : first_row + rows]
         lo = int(d.min())
         if int(d.max()) - lo + 1 != rows:
@@ -212,7 +216,7 @@ class RowPermutation:
         row_bytes = len(src) // rows
         s2 = np.frombuffer(src, dtype=np.uint8).reshape(rows, row_bytes)
         o2 = out[: rows * row_bytes].reshape(rows, row_bytes)
-        np.take(s2, np.argsort(d), axis=0, out=o2)  # output row k = the source row whose destination is lo + k
+        scatter_rows(s2, d - lo, o2, permutation=True)  # distinct rows filling lo..lo+rows-1: a permutation
         return lo, o2
 
 
@@ -270,56 +274,6 @@ class SlabTransform(Protocol):
         ...
 
 
-_NUMPY_FLOAT = {"float32": "float32", "float16": "float16", "float64": "float64"}
-_FAST_CASTS = {
-    ("float32", "bfloat16"),
-    ("float16", "bfloat16"),
-    ("bfloat16", "float32"),
-    ("bfloat16", "float16"),
-    ("float32", "float16"),
-    ("float16", "float32"),
-}
-
-
-class _Scratch(threading.local):
-    """Per-thread uint32 scratch buffers of slab size (``slot`` 0: rounding, 1: widened input)."""
-
-    def __init__(self) -> None:
-        self.bufs: list[Any] = [None, None]
-
-    def u32_buffer(self, n: int, slot: int = 0) -> Any:
-        import numpy as np
-
-        buf = self.bufs[slot]
-        if buf is None or buf.size < n:
-            buf = self.bufs[slot] = np.empty(max(n, SLAB_BYTES // 4), dtype=np.uint32)
-        return buf[:n]
-
-
-_scratch = _Scratch()
-
-
-def _f32_to_bf16(src_u32: np.ndarray, out_u16: np.ndarray) -> None:
-    """Round float32 bit patterns to bfloat16, to nearest even (``c10::BFloat16``'s ``round_to_nearest_even``)."""
-    import numpy as np
-
-    t = _scratch.u32_buffer(src_u32.size)
-    np.right_shift(src_u32, 16, out=t)
-    np.bitwise_and(t, 1, out=t)
-    np.add(t, 0x7FFF, out=t)
-    np.add(t, src_u32, out=t)
-    np.right_shift(t, 16, out=out_u16, casting="unsafe")
-    f = src_u32.view(np.float32)
-    if np.isnan(f).any():  # the rounding above would carry a NaN's payload into inf or the sign bit
-        out_u16[np.isnan(f)] = 0x7FC0
-
-
-def _bf16_to_f32(src_u16: np.ndarray, out_u32: np.ndarray) -> None:
-    import numpy as np
-
-    np.left_shift(src_u16, 16, out=out_u32, dtype=np.uint32)
-
-
 class Cast:
     """Cast ``src_dtype`` values to ``out_dtype`` (round to nearest even, as ``torch.Tensor.to``).
 
@@ -332,43 +286,26 @@ class Cast:
     """
 
     def __init__(self, src_dtype: str, out_dtype: str) -> None:
+        from ckpttool.engine.kernels import FAST_CASTS
+
         self.src_dtype, self.out_dtype = src_dtype, out_dtype
-        self.fast = (src_dtype, out_dtype) in _FAST_CASTS
+        self.fast = (src_dtype, out_dtype) in FAST_CASTS
 
     @property
     def uses_torch(self) -> bool:
         return not self.fast
 
     def __call__(self, src: np.ndarray, out: np.ndarray, where: SlabWhere) -> None:
-        import numpy as np
-
         s, o = self.src_dtype, self.out_dtype
-        if not self.fast:
-            import torch
+        if self.fast:
+            from ckpttool.engine.kernels import cast
 
-            src_t = torch.from_numpy(src).view(getattr(torch, s))
-            torch.from_numpy(out).view(getattr(torch, o)).copy_(src_t)
+            cast(src, out, s, o)
             return
-        if s == "bfloat16":
-            n = src.size // 2
-            if o == "float32":
-                _bf16_to_f32(src.view(np.uint16), out.view(np.uint32))
-                return
-            wide = _scratch.u32_buffer(n, 1)
-            _bf16_to_f32(src.view(np.uint16), wide)
-            with np.errstate(over="ignore"):  # beyond float16's range: inf, as torch
-                np.copyto(out.view(np.float16), wide.view(np.float32), casting="unsafe")
-            return
-        if o == "bfloat16":
-            if s == "float32":
-                _f32_to_bf16(src.view(np.uint32), out.view(np.uint16))
-                return
-            wide = _scratch.u32_buffer(src.size // 2, 1)
-            np.copyto(wide.view(np.float32), src.view(np.float16), casting="unsafe")
-            _f32_to_bf16(wide, out.view(np.uint16))
-            return
-        with np.errstate(over="ignore"):
-            np.copyto(out.view(_NUMPY_FLOAT[o]), src.view(_NUMPY_FLOAT[s]), casting="unsafe")
+        import torch
+
+        src_t = torch.from_numpy(src).view(getattr(torch, s))
+        torch.from_numpy(out).view(getattr(torch, o)).copy_(src_t)
 
 
 # ---------------------------------------------------------------------------------------------- streaming
@@ -386,9 +323,9 @@ class _Buffers(threading.local):
         import numpy as np
 
         if self.src is None or self.src.size < src_bytes:
-            self.src = np.empty(max(src_bytes, SLAB_BYTES), dtype=np.uint8)
+            self.src = np.empty(max(src_bytes, BLOCK_BYTES), dtype=np.uint8)
         if self.out is None or self.out.size < out_bytes:
-            self.out = np.empty(max(out_bytes, SLAB_BYTES), dtype=np.uint8)
+            self.out = np.empty(max(out_bytes, BLOCK_BYTES), dtype=np.uint8)
         return self.src[:src_bytes], self.out[:out_bytes]
 
     def permuted(self, nbytes: int) -> Any:
@@ -396,7 +333,7 @@ class _Buffers(threading.local):
         import numpy as np
 
         if self.moved is None or self.moved.size < nbytes:
-            self.moved = np.empty(max(nbytes, SLAB_BYTES), dtype=np.uint8)
+            self.moved = np.empty(max(nbytes, BLOCK_BYTES), dtype=np.uint8)
         return self.moved[:nbytes]
 
 

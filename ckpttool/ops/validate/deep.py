@@ -2,9 +2,10 @@
 
 The pass plans *work items* over tensor chunks and runs them on a thread pool. A chunk is
 located and checked by the chunk locator, then its raw storage record is read with
-``os.preadv`` in cache-sized slices (:data:`_SLICE`) into per-thread buffers (no page faults
-on fresh allocations) and each slice is summarised with numpy over the IEEE bit patterns
-(vectorised reductions that release the GIL; torch is not imported):
+the engine's read helper in cache-sized slices (one block, :data:`~ckpttool.engine.io.BLOCK_BYTES`)
+into per-thread buffers (no page faults on fresh allocations) and each slice is summarised with
+numpy over the IEEE bit patterns (:mod:`ckpttool.engine.kernels`: vectorised reductions that
+release the GIL; torch is not imported):
 
 - floating tensors: two maximum reductions decide whether a slice holds non-finite or
   negative values; exact counts run only on a slice that has some;
@@ -35,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
+from ckpttool.engine.kernels import IEEE_BITS, f32_to_bf16, f32_to_f16, float_values, summarise_bits
 from ckpttool.errors import ChunkError, CkptError
 from ckpttool.format.crc import crc32
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, TensorMeta
@@ -52,44 +55,6 @@ if TYPE_CHECKING:
 __all__ = ["TensorStats", "PairStats", "DeepResult", "run_deep"]
 
 _AMINMAX_DTYPES = {"bfloat16", "float16", "float32", "float64"}
-
-
-def _bit_tables() -> tuple[dict[str, Any], dict[Any, Any]]:
-    import numpy as np
-    import torch
-
-    bits = {
-        "bfloat16": (torch.int16, 0x7F80, 1 << 15),
-        "float16": (torch.int16, 0x7C00, 1 << 15),
-        "float32": (torch.int32, 0x7F800000, 1 << 31),
-        "float64": (torch.int64, 0x7FF0000000000000, 1 << 63),
-    }
-    unsigned = {torch.int16: np.uint16, torch.int32: np.uint32, torch.int64: np.uint64}
-    return bits, unsigned
-
-
-class _Lazy(dict):  # type: ignore[type-arg]
-    """Tables that need torch/numpy, built on first use (the module imports without torch)."""
-
-    def __init__(self, index: int) -> None:
-        super().__init__()
-        self._index = index
-
-    def _fill(self) -> None:
-        if not super().__len__():
-            self.update(_bit_tables()[self._index])
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        self._fill()
-        return super().get(key, default)
-
-    def __getitem__(self, key: Any) -> Any:
-        self._fill()
-        return super().__getitem__(key)
-
-
-_BITS = _Lazy(0)
-_UNSIGNED = _Lazy(1)
 
 
 def _is_step(key: str) -> bool:
@@ -110,24 +75,8 @@ def _summarise(key: str, t: torch.Tensor, dtype: str, need_negative: bool, keep_
             st.negative = int((t < 0).sum())
         return st
     flat = t.reshape(-1)
-    bits = _BITS.get(dtype)
-    if bits is not None and flat.is_contiguous():
-        # IEEE bit patterns (numpy reductions, vectorised and GIL-free): with the sign bit clear a
-        # value is non-finite iff its pattern as a signed int is >= the all-ones exponent; with the
-        # sign bit set iff its pattern as an unsigned int is >= sign|exponent; it is negative
-        # (not -0.0) iff the unsigned pattern is > sign.
-        signed_t, exp_all, sign = bits
-        arr = flat.view(signed_t).numpy()
-        smax = int(arr.max())
-        umax = int(arr.view(_UNSIGNED[signed_t]).max())
-        st.zero = smax <= 0 and umax <= sign  # only +0.0 / -0.0 bit patterns
-        if smax >= exp_all or umax >= sign | exp_all:
-            st.nonfinite = int((~torch.isfinite(flat)).sum())
-        if need_negative and umax > sign:
-            neg = flat < 0
-            st.negative = int(neg.sum())
-            if st.negative:
-                st.min = float(flat[neg].min())
+    if dtype in IEEE_BITS and flat.is_contiguous():  # IEEE bit patterns: numpy reductions, vectorised and GIL-free
+        _set_bits(st, summarise_bits(flat.view(torch.uint8).numpy(), dtype, need_negative))
         return st
     if dtype in _AMINMAX_DTYPES:
         mn, mx = torch.aminmax(flat)
@@ -172,63 +121,39 @@ def _compare(pair: PairStats, a: torch.Tensor, b: torch.Tensor) -> None:
             pair.max_diff = max(pair.max_diff, float(d.max()))
 
 
-_SLICE = 1 << 20  # bytes summarised per step: stays in the CPU cache like `cat`'s buffer
-
-# dtype name -> (signed int view, unsigned int view, all-ones exponent, sign bit) of the IEEE formats
-_NP_BITS = {
-    "bfloat16": ("int16", "uint16", 0x7F80, 1 << 15),
-    "float16": ("int16", "uint16", 0x7C00, 1 << 15),
-    "float32": ("int32", "uint32", 0x7F800000, 1 << 31),
-    "float64": ("int64", "uint64", 0x7FF0000000000000, 1 << 63),
-}
 _NP_INT = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"}
-
-
-def _np_float(raw: Any, dtype: str) -> Any:
-    """The values of a float slice as a numpy float array (bfloat16 widened exactly to float32)."""
-    import numpy as np
-
-    if dtype == "bfloat16":
-        return np.left_shift(raw.view(np.uint16), 16, dtype=np.uint32).view(np.float32)
-    return raw.view(dtype)
 
 
 def _summarise_np(key: str, raw: Any, dtype: str, need_negative: bool, keep_values: bool) -> TensorStats | None:
     """:func:`_summarise` on a slice of raw bytes with numpy; ``None`` for dtypes it has no path for."""
     import numpy as np
 
-    bits = _NP_BITS.get(dtype)
-    if bits is None and dtype not in _NP_INT:
+    if dtype not in IEEE_BITS and dtype not in _NP_INT:
         return None
     item = DTYPE_ITEMSIZE[dtype]
     st = TensorStats(key, dtype, numel=raw.size // item)
     if st.numel == 0:
         return st
-    if bits is None:
+    if dtype not in IEEE_BITS:
         arr = raw.view(np.bool_ if dtype == "bool" else dtype)
         if keep_values:
             st.values = [float(v) for v in arr[:64].tolist()]
         if need_negative and dtype.startswith("int"):
             st.negative = int(np.count_nonzero(arr < 0))
         return st
-    signed, unsigned, exp_all, sign = bits
     if keep_values:
-        st.values = [float(v) for v in _np_float(raw[: 64 * item], dtype).tolist()]
-    # With the sign bit clear a value is non-finite iff its pattern as a signed int is >= the
-    # all-ones exponent; with the sign bit set iff its pattern as an unsigned int is >= sign|exponent;
-    # it is negative (not -0.0) iff the unsigned pattern is > sign.
-    smax = int(raw.view(signed).max())
-    umax = int(raw.view(unsigned).max())
-    st.zero = smax <= 0 and umax <= sign  # only +0.0 / -0.0 bit patterns (D005: synthesized state)
-    if smax >= exp_all or umax >= sign | exp_all:
-        st.nonfinite = int(np.count_nonzero(~np.isfinite(_np_float(raw, dtype))))
-    if need_negative and umax > sign:
-        vals = _np_float(raw, dtype)
-        neg = vals < 0
-        st.negative = int(np.count_nonzero(neg))
-        if st.negative:
-            st.min = float(vals[neg].min())
+        st.values = [float(v) for v in float_values(raw[: 64 * item], dtype).tolist()]
+    _set_bits(st, summarise_bits(raw, dtype, need_negative))  # zero: D005 (synthesized state)
     return st
+
+
+def _set_bits(st: TensorStats, b: Any) -> None:
+    """Copy a :class:`~ckpttool.engine.kernels.BitSummary` into ``st`` (``min`` only when there are negatives)."""
+    st.zero = b.zero
+    st.nonfinite = b.nonfinite
+    st.negative = b.negative
+    if b.min is not None:
+        st.min = b.min
 
 
 class _Scratch(threading.local):
@@ -242,23 +167,11 @@ class _Scratch(threading.local):
 
         a = self.arrays.get(name)
         if a is None or a.size < n:
-            a = self.arrays[name] = np.empty(max(n, _SLICE // 2), dtype=dtype)
+            a = self.arrays[name] = np.empty(max(n, BLOCK_BYTES // 2), dtype=dtype)
         return a[:n]
 
 
 _scratch = _Scratch()
-
-
-def _bf16_round_into(master_u32: Any, out_u16: Any) -> None:
-    """``float32 -> bfloat16`` round to nearest even on bit patterns (``c10::BFloat16``), NaN not handled."""
-    import numpy as np
-
-    t = _scratch.get("round", "uint32", master_u32.size)
-    np.right_shift(master_u32, 16, out=t)
-    np.bitwise_and(t, 1, out=t)
-    np.add(t, 0x7FFF, out=t)
-    np.add(t, master_u32, out=t)
-    np.right_shift(t, 16, out=out_u16, casting="unsafe")
 
 
 class _PairCount:
@@ -287,25 +200,24 @@ def _compare_np(
     count.numel += n
     if n == 0:
         return
-    ua = a_raw.view(_NP_BITS[a_dtype][1]) if a_dtype in _NP_BITS else a_raw
+    ua = a_raw.view(IEEE_BITS[a_dtype][1]) if a_dtype in IEEE_BITS else a_raw
     if a_dtype == b_dtype:
         rounded = b_raw.view(ua.dtype)
-    elif a_dtype == "bfloat16":
+    elif a_dtype == "bfloat16":  # a NaN master's pattern is left as the rounding makes it: NaNs are tested below
         rounded = _scratch.get("rounded", "uint16", n)
-        _bf16_round_into(b_raw.view(np.uint32), rounded)
-    else:  # float16 <- float32: numpy's conversion rounds to nearest even, overflows to inf (as torch)
+        f32_to_bf16(b_raw.view(np.uint32), rounded, canonical_nan=False)
+    else:  # float16 <- float32: round to nearest even, overflow to inf (as torch)
         rounded = _scratch.get("rounded16", "float16", n)
-        with np.errstate(over="ignore", invalid="ignore"):
-            np.copyto(rounded, b_raw.view(np.float32), casting="unsafe")
+        f32_to_f16(b_raw.view(np.float32), rounded)
         rounded = rounded.view(np.uint16)
     x = _scratch.get("xor", "uint8", n * ua.dtype.itemsize).view(ua.dtype)
     np.bitwise_xor(ua, rounded, out=x)
     if b_finite and not x.any():
         return
-    fa = _np_float(a_raw, a_dtype) if a_dtype in _NP_BITS else ua
-    fb = _np_float(b_raw, b_dtype) if b_dtype in _NP_BITS else b_raw.view(ua.dtype)
+    fa = float_values(a_raw, a_dtype) if a_dtype in IEEE_BITS else ua
+    fb = float_values(b_raw, b_dtype) if b_dtype in IEEE_BITS else b_raw.view(ua.dtype)
     ne = x != 0
-    if a_dtype in _NP_BITS:
+    if a_dtype in IEEE_BITS:
         # a NaN master rounds to some NaN pattern: NaN against NaN is equal, whatever the payload
         both_nan = np.isnan(fa) & np.isnan(fb)
         ne |= np.isnan(fb) & ~np.isnan(fa)
@@ -325,7 +237,7 @@ _NP_PAIRS = {("bfloat16", "float32"), ("float16", "float32")}
 
 
 def _np_comparable(a_dtype: str, b_dtype: str) -> bool:
-    return (a_dtype, b_dtype) in _NP_PAIRS or (a_dtype == b_dtype and (a_dtype in _NP_BITS or a_dtype in _NP_INT))
+    return (a_dtype, b_dtype) in _NP_PAIRS or (a_dtype == b_dtype and (a_dtype in IEEE_BITS or a_dtype in _NP_INT))
 
 
 class _SliceBuffers(threading.local):
@@ -341,7 +253,7 @@ class _SliceBuffers(threading.local):
             self.bufs.append(None)
         buf = self.bufs[slot]
         if buf is None or buf.size < nbytes:
-            buf = self.bufs[slot] = np.empty(max(nbytes, _SLICE), dtype=np.uint8)
+            buf = self.bufs[slot] = np.empty(max(nbytes, BLOCK_BYTES), dtype=np.uint8)
         return buf[:nbytes]
 
 
@@ -369,7 +281,7 @@ def _stream_item(
         CkptError: an archive is corrupt or disagrees with the metadata.
     """
     dtypes = [metas[k].dtype.name for k in keys]
-    if any(d not in _NP_BITS and d not in _NP_INT for d in dtypes):
+    if any(d not in IEEE_BITS and d not in _NP_INT for d in dtypes):
         return None
     if any(not _np_comparable(metas[p.a].dtype.name, metas[p.b].dtype.name) for p in pairs):
         return None
@@ -378,7 +290,7 @@ def _stream_item(
         return None
     n = chunk.numel
     widest = max(DTYPE_ITEMSIZE[d] for d in dtypes)
-    per = max(1, _SLICE // widest)
+    per = max(1, BLOCK_BYTES // widest)
     fds = [ctx.reader.fd(loc.info.relative_path) for loc in locs]
     slot = {k: i for i, k in enumerate(keys)}
     stats: dict[str, TensorStats] = {k: TensorStats(k, d) for k, d in zip(keys, dtypes)}
@@ -409,13 +321,15 @@ def _stream_item(
 
 
 def _pread_exact(fd: int, buf: Any, offset: int, loc: Any) -> None:
-    mv = memoryview(buf)
-    got, n = 0, len(mv)
-    while got < n:
-        r = os.preadv(fd, [mv[got:]], offset + got)
-        if r <= 0:
-            raise ChunkError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=loc.key)
-        got += r
+    """Fill ``buf`` from ``offset`` of ``fd`` (a slice of ``loc``'s record).
+
+    Raises:
+        ChunkError: the file ends first (it changed since the locator checked it).
+    """
+    try:
+        read_into(fd, buf, offset)
+    except ShortReadError:
+        raise ChunkError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=loc.key) from None
 
 
 class _Buffers(threading.local):
@@ -527,16 +441,47 @@ def run_deep(
         The :class:`DeepResult`.
     """
     reader = ctx.reader
-    md = reader.metadata
     t0 = time.perf_counter()
     start_bytes = reader.bytes_read
     res = DeepResult()
-    metas = {k: m for k, m in md.entries.items() if isinstance(m, TensorMeta)}
+    metas = {k: m for k, m in reader.metadata.entries.items() if isinstance(m, TensorMeta)}
     ok = {k for k, m in metas.items() if _readable(ctx, k, m)}
     res.pairs = [p for p in _pairs(ctx) if p.a in ok and p.b in ok]
+    items = _plan_items(ctx, metas, ok, res)
+    group = distributed.current()  # torchrun: each rank reads (and CRC-checks) its share of the chunks
+    if group.active:
+        owners = group.share([it.nbytes for it in items])
+        items = [it for it, r in zip(items, owners) if group.owns(r)]
+    run = _DeepRun(ctx, metas, res, sum(it.nbytes for it in items), progress)
+    errors = _run_workers(run, items, workers, res)
+    streamed = run.streamed_bytes
+    if group.active:
+        group.agree(errors[0] if errors else None)
+        merged = _merge_ranks(group, run.partial, run.failed, res, reader.bytes_read - start_bytes + streamed)
+        streamed = merged - (reader.bytes_read - start_bytes)
+    elif errors:
+        raise errors[0]
+    for k, st in run.partial.items():
+        if k not in run.failed:
+            res.stats[k] = st
+    for p in res.pairs:
+        if p.a in run.failed or p.b in run.failed:
+            p.compared = False
+    _read_byte_items(ctx, res)
+    res.bytes_read = reader.bytes_read - start_bytes + streamed
+    res.seconds = time.perf_counter() - t0
+    return res
 
-    # Union of keys that must be read together.
-    parent: dict[str, str] = {}
+
+def _plan_items(ctx: Context, metas: dict[str, TensorMeta], ok: set[str], res: DeepResult) -> list[_Item]:
+    """The work items over the readable tensors ``ok``, in storage order.
+
+    Keys of a pair (and pairs sharing a key) form one group: with the same chunking one item
+    per chunk of all members, else one item reading the members whole. A group with no
+    non-empty chunk gets its (empty) statistics in ``res.stats`` here.
+    """
+    md = ctx.reader.metadata
+    parent: dict[str, str] = {}  # union of keys that must be read together
 
     def find(k: str) -> str:
         while parent.get(k, k) != k:
@@ -551,7 +496,6 @@ def run_deep(
     for k in metas:
         if k in ok:
             groups.setdefault(find(k), []).append(k)
-
     items: list[_Item] = []
     for members in groups.values():
         first = metas[members[0]]
@@ -575,93 +519,130 @@ def run_deep(
             order = (info.relative_path, info.offset) if info else ("", 0)
             items.append(_Item(tuple(members), None, order, sum(metas[k].nbytes for k in members)))
     items.sort(key=lambda it: it.order)
-    group = distributed.current()  # torchrun: each rank reads (and CRC-checks) its share of the chunks
-    if group.active:
-        owners = group.share([it.nbytes for it in items])
-        items = [it for it, r in zip(items, owners) if group.owns(r)]
+    return items
 
-    pairs_by_key: dict[str, list[PairStats]] = {}
-    for p in res.pairs:
-        pairs_by_key.setdefault(p.a, []).append(p)
-    lock = threading.Lock()
-    bufs = _Buffers()
-    partial: dict[str, TensorStats] = {}
-    failed: set[str] = set()
-    done, total = [0], sum(it.nbytes for it in items)
-    streamed_bytes = [0]
 
-    def work(it: _Item) -> None:
+def _merge_stats(into: dict[str, TensorStats], stats: dict[str, TensorStats]) -> None:
+    for k, st in stats.items():
+        if k in into:
+            into[k].add(st)
+        else:
+            into[k] = st
+
+
+class _DeepRun:
+    """The shared state of one pass's workers: summaries, failures, pair counts and progress (under ``lock``).
+
+    Attributes:
+        partial: key -> summary of the chunks read so far; failed: keys with a read error.
+        streamed_bytes: data bytes read by the numpy path (the torch path counts in the reader).
+    """
+
+    def __init__(
+        self,
+        ctx: Context,
+        metas: dict[str, TensorMeta],
+        res: DeepResult,
+        total: int,
+        progress: Callable[[int, int], None] | None,
+    ) -> None:
+        self.ctx, self.reader, self.metas, self.res = ctx, ctx.reader, metas, res
+        self.pairs_by_key: dict[str, list[PairStats]] = {}
+        for p in res.pairs:
+            self.pairs_by_key.setdefault(p.a, []).append(p)
+        self.lock = threading.Lock()
+        self.bufs = _Buffers()
+        self.partial: dict[str, TensorStats] = {}
+        self.failed: set[str] = set()
+        self.done, self.total = 0, total
+        self.progress = progress
+        self.streamed_bytes = 0
+
+    def work(self, it: _Item) -> None:
         try:
-            work_on(it)
+            self._work_on(it)
         finally:
             if it.chunk is not None:  # a remote checkpoint: the chunk's windows leave the spool once checked
-                _evict(reader, it.keys, it.chunk)
+                _evict(self.reader, it.keys, it.chunk)
 
-    def work_on(it: _Item) -> None:
-        tensors: dict[str, torch.Tensor] = {}
+    def _work_on(self, it: _Item) -> None:
         if it.chunk is not None:
-            item_pairs = [p for k in it.keys for p in pairs_by_key.get(k, ()) if p.b in it.keys]
+            item_pairs = [p for k in it.keys for p in self.pairs_by_key.get(k, ()) if p.b in it.keys]
             try:
-                streamed = _stream_item(ctx, it.keys, it.chunk, metas, item_pairs)
+                streamed = _stream_item(self.ctx, it.keys, it.chunk, self.metas, item_pairs)
             except CkptError as e:
-                with lock:
-                    for k in it.keys:
-                        res.read_errors.setdefault(k, e)
-                        failed.add(k)
+                self._fail(it, e)
                 return
             if streamed is not None:
-                stats, counts, nb = streamed
-                with lock:
-                    streamed_bytes[0] += nb
-                    for k, st in stats.items():
-                        if k in partial:
-                            partial[k].add(st)
-                        else:
-                            partial[k] = st
-                    for j, c in counts.items():
-                        pr = item_pairs[j]
-                        pr.compared = True
-                        pr.numel += c.numel
-                        pr.mismatched += c.mismatched
-                        pr.max_diff = max(pr.max_diff, c.max_diff)
-                    if progress is not None:
-                        done[0] += it.nbytes
-                        progress(done[0], total)
+                self._add_streamed(it, item_pairs, *streamed)
                 return
         try:
-            for slot, k in enumerate(it.keys):
-                meta = metas[k]
-                dt = meta.dtype.to_torch()
-                if it.chunk is None:
-                    tensors[k] = reader.read_tensor(k)
-                else:
-                    out = bufs.view(slot, it.chunk.numel * meta.dtype.itemsize, dt, it.chunk.sizes)
-                    tensors[k] = reader.read_chunk(k, it.chunk, out=out)
+            tensors = self._read_tensors(it)
         except CkptError as e:
-            with lock:
-                for k in it.keys:
-                    res.read_errors.setdefault(k, e)
-                    failed.add(k)
+            self._fail(it, e)
             return
         local = {
-            k: _summarise(k, t, metas[k].dtype.name, k.endswith(".exp_avg_sq"), _is_step(k)) for k, t in tensors.items()
+            k: _summarise(k, t, self.metas[k].dtype.name, k.endswith(".exp_avg_sq"), _is_step(k))
+            for k, t in tensors.items()
         }
-        with lock:
-            for k, st in local.items():
-                if k in partial:
-                    partial[k].add(st)
-                else:
-                    partial[k] = st
+        with self.lock:
+            _merge_stats(self.partial, local)
         for k in it.keys:
-            for p in pairs_by_key.get(k, ()):
+            for p in self.pairs_by_key.get(k, ()):
                 if p.b in tensors:
-                    with lock:
+                    with self.lock:
                         _compare(p, tensors[p.a], tensors[p.b])
-        if progress is not None:
-            with lock:
-                done[0] += it.nbytes
-                progress(done[0], total)
+        if self.progress is not None:
+            with self.lock:
+                self._advance(it)
 
+    def _read_tensors(self, it: _Item) -> dict[str, torch.Tensor]:
+        """The torch path: every member's chunk (into this thread's buffers) or whole tensor."""
+        tensors: dict[str, torch.Tensor] = {}
+        for slot, k in enumerate(it.keys):
+            meta = self.metas[k]
+            if it.chunk is None:
+                tensors[k] = self.reader.read_tensor(k)
+            else:
+                out = self.bufs.view(slot, it.chunk.numel * meta.dtype.itemsize, meta.dtype.to_torch(), it.chunk.sizes)
+                tensors[k] = self.reader.read_chunk(k, it.chunk, out=out)
+        return tensors
+
+    def _fail(self, it: _Item, e: CkptError) -> None:
+        with self.lock:
+            for k in it.keys:
+                self.res.read_errors.setdefault(k, e)
+                self.failed.add(k)
+
+    def _add_streamed(
+        self,
+        it: _Item,
+        item_pairs: list[PairStats],
+        stats: dict[str, TensorStats],
+        counts: dict[int, _PairCount],
+        nb: int,
+    ) -> None:
+        with self.lock:
+            self.streamed_bytes += nb
+            _merge_stats(self.partial, stats)
+            for j, c in counts.items():
+                pr = item_pairs[j]
+                pr.compared = True
+                pr.numel += c.numel
+                pr.mismatched += c.mismatched
+                pr.max_diff = max(pr.max_diff, c.max_diff)
+            if self.progress is not None:
+                self._advance(it)
+
+    def _advance(self, it: _Item) -> None:
+        """Count ``it`` done and report progress (the caller holds ``lock``)."""
+        assert self.progress is not None
+        self.done += it.nbytes
+        self.progress(self.done, self.total)
+
+
+def _run_workers(run: _DeepRun, items: list[_Item], workers: int | None, res: DeepResult) -> list[BaseException]:
+    """Run ``run.work`` over ``items`` on ``res.workers`` threads; the exceptions that stopped a thread."""
     n = workers or min(8, max(2, os.cpu_count() or 2))
     n = max(1, min(n, len(items))) if items else 1
     res.workers = n
@@ -674,7 +655,7 @@ def run_deep(
         try:
             while True:
                 it = q.get_nowait()
-                work(it)
+                run.work(it)
         except queue.Empty:
             return
         except BaseException as e:
@@ -685,25 +666,17 @@ def run_deep(
         t.start()
     for t in threads:
         t.join()
-    if group.active:
-        group.agree(errors[0] if errors else None)
-        merged = _merge_ranks(group, partial, failed, res, reader.bytes_read - start_bytes + streamed_bytes[0])
-        streamed_bytes[0] = merged - (reader.bytes_read - start_bytes)
-    elif errors:
-        raise errors[0]
-    for k, st in partial.items():
-        if k not in failed:
-            res.stats[k] = st
-    for p in res.pairs:
-        if p.a in failed or p.b in failed:
-            p.compared = False
+    return errors
 
-    # Byte items not read yet: loadable safely? (`step` items of old optimizers keep their value.)
+
+def _read_byte_items(ctx: Context, res: DeepResult) -> None:
+    """Byte items not read yet: loadable safely? (``step`` items of old optimizers keep their value.)"""
+    reader = ctx.reader
     known = set(ctx.byte_item_errors)
     for g in ctx.cat.param_groups:
         known.update(g.keys.values())  # read (or recorded as unreadable) with the param groups
     known.add(LAYOUT_KEY)
-    for key, meta in md.entries.items():
+    for key, meta in reader.metadata.entries.items():
         if not isinstance(meta, BytesMeta) or key in known or not ctx.storage_ok(key):
             continue
         try:
@@ -713,6 +686,3 @@ def run_deep(
             continue
         if _is_step(key):
             res.byte_values[key] = value
-    res.bytes_read = reader.bytes_read - start_bytes + streamed_bytes[0]
-    res.seconds = time.perf_counter() - t0
-    return res

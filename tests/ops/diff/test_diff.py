@@ -240,3 +240,34 @@ def test_unusable_inputs_exit_2_with_one_error(dense_ckpt: Path, tmp_path: Path)
         assert "Traceback" not in res.stderr
     res = cli(dense_ckpt, dense_ckpt, "--as-dtype", "int8")
     assert res.exit_code == 2 and "--as-dtype" in res.stderr
+
+
+def test_short_read_of_a_raw_block_is_the_data_file_error_it_always_was(tmp_path: Path) -> None:
+    import os
+    from types import SimpleNamespace
+
+    from ckpttool.errors import DataFileError
+    from ckpttool.format.crc import crc32
+    from ckpttool.ops.diff.run import _read_block
+
+    f = tmp_path / "__0_0.distcp"
+    f.write_bytes(bytes(range(100)))
+    fd = os.open(f, os.O_RDONLY)
+    counted: list[int] = []
+    reader = SimpleNamespace(fd=lambda rel: fd, count_read=counted.append)
+    side = SimpleNamespace(reader=reader)
+    loc = SimpleNamespace(
+        where="__0_0.distcp: 'model.w' chunk at (0,)", info=SimpleNamespace(relative_path=f.name), data_start=10
+    )
+    loc.key = "model.w"
+    buf = memoryview(bytearray(64))
+    try:
+        assert _read_block(side, loc, buf, 5, 40, 0) == crc32(bytes(range(15, 55)))  # type: ignore[arg-type]
+        assert bytes(buf[:40]) == bytes(range(15, 55)) and counted == [40]
+        with pytest.raises(DataFileError) as ei:
+            _read_block(side, loc, buf, 50, 64, 0)  # type: ignore[arg-type]
+    finally:
+        os.close(fd)
+    e = ei.value
+    assert e.message == f"{loc.where}: short read" and e.fqn == "model.w" and e.path == f.name
+    assert e.__cause__ is None and counted == [40]

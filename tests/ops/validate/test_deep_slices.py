@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -73,3 +75,27 @@ def test_summary_counts_equal_torch(dtype: torch.dtype) -> None:
     abs_t[5], abs_t[6] = -0.0, -1.0
     st = _summarise_np("k.exp_avg_sq", _raw(abs_t), str(dtype).removeprefix("torch."), True, False)
     assert st is not None and st.negative == 1 and st.min == -1.0  # -0.0 is not negative
+
+
+def test_short_read_of_a_slice_is_the_chunk_error_it_always_was(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from ckpttool.errors import ChunkError
+    from ckpttool.ops.validate.deep import _pread_exact
+
+    f = tmp_path / "__0_0.distcp"
+    f.write_bytes(b"x" * 100)
+    loc = SimpleNamespace(where="__0_0.distcp: 'model.w' chunk at (0,)", info=SimpleNamespace(relative_path=f.name))
+    loc.key = "model.w"
+    buf = np.zeros(64, dtype=np.uint8)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        _pread_exact(fd, buf, 30, loc)
+        assert bytes(buf) == b"x" * 64
+        with pytest.raises(ChunkError) as ei:
+            _pread_exact(fd, buf, 60, loc)
+    finally:
+        os.close(fd)
+    e = ei.value
+    assert e.message == f"{loc.where}: short read" and e.fqn == "model.w" and e.path == f.name
+    assert e.__cause__ is None

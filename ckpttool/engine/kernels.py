@@ -1,0 +1,301 @@
+"""The numeric kernels of the byte engine: casts, bit-pattern tests and run-map placement, numpy only.
+
+Every function works in place on numpy arrays (the callers' cache-sized slabs), releases the
+GIL inside numpy, and never imports torch:
+
+- **casts** between float32, bfloat16 and float16 (:func:`cast`), bit-exact with torch's
+  ``Tensor.to`` (round to nearest even) for every non-NaN value. bfloat16 has no numpy dtype:
+  its values are ``uint16`` bit patterns (:func:`f32_to_bf16`, :func:`bf16_to_f32`);
+  float32 -> float16 is numpy's own conversion (:func:`f32_to_f16`, round to nearest even,
+  overflow to infinity);
+- **float8** (``float8_e4m3fn``, ``float8_e5m2``) from float32 (:func:`f32_to_f8`), round to
+  nearest even with ``c10::Float8_*``'s overflow rules (see there);
+- **bit-pattern tests** of IEEE floats (:data:`IEEE_BITS`, :func:`float_values`,
+  :func:`summarise_bits`): non-finite and negative values decided by two integer maximum
+  reductions;
+- **run maps** (:func:`place_runs`, :func:`scatter_rows`): placing the elements of a source
+  into output positions, ``out[dst:dst+n] = src[s:s+n]`` per run, equal aligned runs as one
+  row gather and scatter.
+
+Scratch arrays are per thread and reused (no allocation per slab).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ckpttool.engine.io import BLOCK_BYTES
+
+__all__ = [
+    "BF16_NAN",
+    "FAST_CASTS",
+    "F8_FORMATS",
+    "IEEE_BITS",
+    "BitSummary",
+    "bf16_to_f32",
+    "cast",
+    "f32_to_bf16",
+    "f32_to_f16",
+    "f32_to_f8",
+    "float_values",
+    "place_runs",
+    "scatter_rows",
+    "summarise_bits",
+]
+
+#: The bfloat16 pattern a NaN rounds to: the canonical quiet NaN of ``c10::BFloat16``'s scalar conversion.
+BF16_NAN = 0x7FC0
+
+#: dtype pairs :func:`cast` converts (torch dtype names, ``(source, output)``).
+FAST_CASTS = frozenset(
+    {
+        ("float32", "bfloat16"),
+        ("float16", "bfloat16"),
+        ("bfloat16", "float32"),
+        ("bfloat16", "float16"),
+        ("float32", "float16"),
+        ("float16", "float32"),
+    }
+)
+
+_NUMPY_FLOAT = {"float32": "float32", "float16": "float16", "float64": "float64"}
+
+
+class _Scratch(threading.local):
+    """Per-thread scratch arrays by name, at least a block in size (reused across slabs)."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[str, Any] = {}
+
+    def get(self, name: str, dtype: Any, n: int) -> Any:
+        a = self.arrays.get(name)
+        if a is None or a.size < n:
+            a = self.arrays[name] = np.empty(max(n, BLOCK_BYTES // 4), dtype=dtype)
+        return a[:n]
+
+
+_scratch = _Scratch()
+
+
+# ---------------------------------------------------------------------------------------------- casts
+
+
+def f32_to_bf16(src_u32: np.ndarray, out_u16: np.ndarray, *, canonical_nan: bool = True) -> None:
+    """Round float32 bit patterns to bfloat16, to nearest even (``c10::BFloat16``'s ``round_to_nearest_even``).
+
+    Args:
+        src_u32: ``uint32`` float32 bit patterns; ``out_u16``: ``uint16``, as many elements.
+        canonical_nan: write :data:`BF16_NAN` for every NaN (as torch's scalar conversion); without
+            it a NaN's pattern is whatever the rounding carries its payload into (an infinity, the
+            sign bit, another NaN): for callers that test NaNs themselves.
+    """
+    t = _scratch.get("round", np.uint32, src_u32.size)
+    np.right_shift(src_u32, 16, out=t)
+    np.bitwise_and(t, 1, out=t)
+    np.add(t, 0x7FFF, out=t)
+    np.add(t, src_u32, out=t)
+    np.right_shift(t, 16, out=out_u16, casting="unsafe")
+    if canonical_nan:
+        f = src_u32.view(np.float32)
+        if np.isnan(f).any():  # the rounding above would carry a NaN's payload into inf or the sign bit
+            out_u16[np.isnan(f)] = BF16_NAN
+
+
+def bf16_to_f32(src_u16: np.ndarray, out_u32: np.ndarray) -> None:
+    """Widen bfloat16 bit patterns to float32 ones (exact: the pattern shifted into the upper half)."""
+    np.left_shift(src_u16, 16, out=out_u32, dtype=np.uint32)
+
+
+def f32_to_f16(src_f32: np.ndarray, out_f16: np.ndarray) -> None:
+    """float32 to float16, round to nearest even, beyond float16's range to infinity (as torch); NaN stays NaN."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.copyto(out_f16, src_f32, casting="unsafe")
+
+
+def cast(src: np.ndarray, out: np.ndarray, src_dtype: str, out_dtype: str) -> None:
+    """Cast the values in ``src`` to ``out_dtype`` into ``out`` (one pair of :data:`FAST_CASTS`).
+
+    Args:
+        src: ``uint8``, ``n * itemsize(src_dtype)`` bytes; ``out``: ``uint8``, ``n * itemsize(out_dtype)``.
+        src_dtype, out_dtype: torch dtype names.
+
+    Raises:
+        KeyError: a pair not in :data:`FAST_CASTS`.
+    """
+    if (src_dtype, out_dtype) not in FAST_CASTS:
+        raise KeyError((src_dtype, out_dtype))
+    if src_dtype == "bfloat16":
+        if out_dtype == "float32":
+            bf16_to_f32(src.view(np.uint16), out.view(np.uint32))
+            return
+        wide = _scratch.get("wide", np.uint32, src.size // 2)
+        bf16_to_f32(src.view(np.uint16), wide)
+        f32_to_f16(wide.view(np.float32), out.view(np.float16))
+        return
+    if out_dtype == "bfloat16":
+        if src_dtype == "float32":
+            f32_to_bf16(src.view(np.uint32), out.view(np.uint16))
+            return
+        wide = _scratch.get("wide", np.uint32, src.size // 2)
+        np.copyto(wide.view(np.float32), src.view(np.float16), casting="unsafe")
+        f32_to_bf16(wide, out.view(np.uint16))
+        return
+    with np.errstate(over="ignore"):
+        np.copyto(out.view(_NUMPY_FLOAT[out_dtype]), src.view(_NUMPY_FLOAT[src_dtype]), casting="unsafe")
+
+
+@dataclass(frozen=True)
+class _F8:
+    """One float8 format's constants (``c10/util/Float8_e4m3fn.h``, ``Float8_e5m2.h``)."""
+
+    mant: int  # mantissa bits
+    bias: int  # exponent bias
+    overflow: int  # float32 magnitude pattern from which the result is ``overflow_to``
+    min_normal: int  # float32 magnitude pattern of the smallest normal
+    denorm: int  # float32 pattern of 2^k whose ulp is the format's smallest subnormal
+    overflow_to: int  # magnitude pattern of an overflow or infinity (e4m3fn: 448, saturated; e5m2: infinity)
+
+
+#: torch dtype name -> format constants of the float8 formats :func:`f32_to_f8` writes.
+F8_FORMATS = {
+    "float8_e4m3fn": _F8(3, 7, 0x43E80000, 121 << 23, 141 << 23, 0x7E),  # 464: rounds to 448 or beyond
+    "float8_e5m2": _F8(2, 15, 143 << 23, 113 << 23, 134 << 23, 0x7C),
+}
+
+
+def f32_to_f8(src_u32: np.ndarray, out_u8: np.ndarray, dtype: str) -> None:
+    """Round float32 bit patterns to float8, to nearest even, as torch's ``Tensor.to`` (``c10/util/Float8_*.h``).
+
+    ``float8_e4m3fn`` has no infinity and saturates: ``|x| >= 464`` (everything that rounds past
+    448, the largest finite value) and infinities give ``±448`` (``0x7E``). ``float8_e5m2``:
+    ``|x| >= 65536`` and infinities give infinity (``0x7C``). NaNs give ``0x7F`` in both. The
+    sign is kept in every case. Subnormal results are rounded by one float32 addition (round
+    to nearest even), as c10 does.
+
+    Args:
+        src_u32: ``uint32`` float32 bit patterns; ``out_u8``: ``uint8``, as many elements.
+        dtype: ``float8_e4m3fn`` or ``float8_e5m2``.
+    """
+    f = F8_FORMATS[dtype]
+    shift = 23 - f.mant
+    mag = _scratch.get("f8_mag", np.uint32, src_u32.size)
+    t = _scratch.get("f8_t", np.uint32, src_u32.size)
+    np.bitwise_and(src_u32, 0x7FFFFFFF, out=mag)
+    # normal results: re-bias the exponent, round the mantissa to nearest even
+    np.right_shift(mag, shift, out=t)
+    np.bitwise_and(t, 1, out=t)
+    np.add(t, (((f.bias - 127) << 23) + (1 << (shift - 1)) - 1) & 0xFFFFFFFF, out=t)  # uint32 wrap, as c10
+    np.add(t, mag, out=t)
+    np.right_shift(t, shift, out=t)
+    small = mag < f.min_normal
+    if small.any():  # subnormal results: the float32 sum with 2^k rounds at the subnormal step
+        sub = mag[small].view(np.float32) + np.float32(np.uint32(f.denorm).view(np.float32))
+        t[small] = sub.view(np.uint32) - np.uint32(f.denorm)
+    big = mag >= f.overflow
+    if big.any():
+        t[big] = f.overflow_to
+        t[big & (mag > 0x7F800000)] = 0x7F  # NaN
+    np.bitwise_or(t, np.right_shift(src_u32, 24) & 0x80, out=t)
+    np.copyto(out_u8, t, casting="unsafe")
+
+
+# ---------------------------------------------------------------------------------------------- bit patterns
+
+#: dtype name -> (signed int view, unsigned int view, all-ones exponent, sign bit) of the IEEE float formats.
+IEEE_BITS = {
+    "bfloat16": ("int16", "uint16", 0x7F80, 1 << 15),
+    "float16": ("int16", "uint16", 0x7C00, 1 << 15),
+    "float32": ("int32", "uint32", 0x7F800000, 1 << 31),
+    "float64": ("int64", "uint64", 0x7FF0000000000000, 1 << 63),
+}
+
+
+def float_values(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """The values of raw bytes of an :data:`IEEE_BITS` dtype as a numpy float array (bfloat16 widened exactly to float32)."""
+    if dtype == "bfloat16":
+        return np.left_shift(raw.view(np.uint16), 16, dtype=np.uint32).view(np.float32)
+    return raw.view(dtype)
+
+
+@dataclass(frozen=True)
+class BitSummary:
+    """What the bit patterns of a slice of floats say.
+
+    Attributes:
+        zero: every value is ``+0.0`` or ``-0.0``.
+        nonfinite: NaN and infinity count.
+        negative: values ``< 0`` (``-0.0`` not counted; 0 when not asked for).
+        min: the smallest negative value (``None``: none, or not asked for).
+    """
+
+    zero: bool
+    nonfinite: int
+    negative: int
+    min: float | None
+
+
+def summarise_bits(raw: np.ndarray, dtype: str, need_negative: bool) -> BitSummary:
+    """Summarise raw bytes of an :data:`IEEE_BITS` dtype (at least one value) by two maximum reductions.
+
+    With the sign bit clear a value is non-finite iff its pattern as a signed int is >= the
+    all-ones exponent; with the sign bit set iff its pattern as an unsigned int is >=
+    sign|exponent; it is negative (not -0.0) iff the unsigned pattern is > sign. Exact counts
+    run only when the reductions find some.
+    """
+    signed, unsigned, exp_all, sign = IEEE_BITS[dtype]
+    smax = int(raw.view(signed).max())
+    umax = int(raw.view(unsigned).max())
+    zero = smax <= 0 and umax <= sign  # only +0.0 / -0.0 bit patterns
+    nonfinite = 0
+    if smax >= exp_all or umax >= sign | exp_all:
+        nonfinite = int(np.count_nonzero(~np.isfinite(float_values(raw, dtype))))
+    negative, lo = 0, None
+    if need_negative and umax > sign:
+        vals = float_values(raw, dtype)
+        neg = vals < 0
+        negative = int(np.count_nonzero(neg))
+        if negative:
+            lo = float(vals[neg].min())
+    return BitSummary(zero, nonfinite, negative, lo)
+
+
+# ---------------------------------------------------------------------------------------------- run maps
+
+
+def scatter_rows(src2d: np.ndarray, dst_rows: np.ndarray, out2d: np.ndarray, *, permutation: bool = False) -> None:
+    """``out2d[dst_rows[i]] = src2d[i]`` for every row ``i`` of ``src2d`` (distinct destination rows).
+
+    A permutation of all of ``out2d``'s rows runs as one ``np.take`` of the inverse
+    permutation into ``out2d`` (no temporary); other destinations as a fancy-index assignment.
+    ``permutation``: the caller knows ``dst_rows`` is such a permutation (skips the check).
+    """
+    if permutation or (len(dst_rows) == len(out2d) and np.array_equal(np.sort(dst_rows), np.arange(len(out2d)))):
+        np.take(src2d, np.argsort(dst_rows), axis=0, out=out2d)  # output row k = the source row headed for k
+        return
+    out2d[dst_rows] = src2d
+
+
+def place_runs(src: np.ndarray, out: np.ndarray, runs: Sequence[tuple[int, int, int]]) -> None:
+    """Place elements of ``src`` into ``out`` by a run map: ``out[dst:dst+n] = src[s:s+n]`` per run ``(s, n, dst)``.
+
+    Both are 1-d arrays of one dtype; runs are non-overlapping in ``out``. Runs of one length
+    ``n`` with ``s`` and ``dst`` multiples of ``n`` (row moves: RoPE rows, expert slabs) run as
+    one row gather and :func:`scatter_rows`; others one slice copy each.
+    """
+    if not runs:
+        return
+    size = runs[0][1]
+    if len(runs) > 1 and size > 0 and all(n == size and s % size == 0 and d % size == 0 for s, n, d in runs):
+        src_rows = np.fromiter((s // size for s, _, _ in runs), dtype=np.int64, count=len(runs))
+        dst_rows = np.fromiter((d // size for _, _, d in runs), dtype=np.int64, count=len(runs))
+        rows = src.reshape(-1, size)
+        picked = rows if np.array_equal(src_rows, np.arange(len(rows))) else rows[src_rows]
+        scatter_rows(picked, dst_rows, out.reshape(-1, size))
+        return
+    for s, n, d in runs:
+        out[d : d + n] = src[s : s + n]
