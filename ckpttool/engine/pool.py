@@ -14,12 +14,12 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-__all__ = ["map_ordered", "on_pool_thread", "overlap", "pool_size", "worker_count"]
+__all__ = ["imap_ordered", "map_ordered", "on_pool_thread", "overlap", "pool_size", "worker_count"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -191,4 +191,30 @@ def map_ordered(
         with guard() if guard is not None else contextlib.nullcontext():
             for slot in started:
                 slot.exception()  # waits; its own error, if any, is not the one raised
+        raise
+
+
+def imap_ordered(fn: Callable[[T], R], items: Iterable[T], *, workers: int) -> Iterator[R]:
+    """:func:`map_ordered` yielding each result as soon as it and those before it are done.
+
+    Every item is started whether or not the results are consumed; closing the iterator early
+    (or an error) cancels the items not started and waits for the running ones.
+
+    Raises:
+        the first error of an item, in item order.
+    """
+    seq = list(items)
+    if not seq:
+        return
+    if on_pool_thread():
+        for it in seq:
+            yield fn(it)
+        return
+    run = _Run(fn, seq, max(1, min(workers, len(seq))))
+    try:
+        for slot in run.slots:
+            yield slot.result()
+    except BaseException:
+        for slot in run.close():
+            slot.exception()
         raise
