@@ -14,12 +14,14 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-__all__ = ["imap_ordered", "map_ordered", "on_pool_thread", "overlap", "pool_size", "worker_count"]
+__all__ = ["Lane", "imap_ordered", "map_ordered", "on_pool_thread", "overlap", "pool_size", "worker_count"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -218,3 +220,95 @@ def imap_ordered(fn: Callable[[T], R], items: Iterable[T], *, workers: int) -> I
         for slot in run.close():
             slot.exception()
         raise
+
+
+class Lane:
+    """A bounded share of the pool for open-ended submission: at most ``workers`` of its tasks run at once.
+
+    The rest wait in the lane's own queue (first in, first out); :meth:`submit` returns a plain
+    ``concurrent.futures.Future`` (``wait``, ``cancel`` and ``result`` work as usual). A task
+    submitted from a pool thread runs inline (nested work never deadlocks).
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.workers = max(1, workers)
+        self._queue: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._started: set[Future[Any]] = set()
+        self._running = 0
+        self._closed = False
+        self._lock = threading.Lock()
+        self._executor = _shared(self.workers)
+
+    def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+        """Queue ``fn(*args)``; it starts when fewer than ``workers`` of the lane's tasks run.
+
+        Raises:
+            RuntimeError: the lane was shut down.
+        """
+        fut: Future[Any] = Future()
+        if on_pool_thread():
+            fut.set_running_or_notify_cancel()
+            self._run(fut, fn, args)
+            return fut
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot submit to a lane that was shut down")
+            self._queue.append((fut, fn, args))
+        self._pump()
+        return fut
+
+    def _pump(self) -> None:
+        while True:
+            with self._lock:
+                if self._running >= self.workers or not self._queue:
+                    return
+                fut, fn, args = self._queue.popleft()
+                if not fut.set_running_or_notify_cancel():
+                    continue  # cancelled while queued
+                self._running += 1
+                self._started.add(fut)
+            try:
+                self._executor.submit(self._task, fut, fn, args)
+            except RuntimeError as e:  # the interpreter is shutting down
+                self._done(fut)
+                fut.set_exception(e)
+
+    @staticmethod
+    def _run(fut: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:
+            fut.set_exception(e)
+        else:
+            fut.set_result(result)
+
+    def _done(self, fut: Future[Any]) -> None:
+        with self._lock:
+            self._running -= 1
+            self._started.discard(fut)
+
+    def _task(self, fut: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            self._run(fut, fn, args)
+        finally:
+            self._done(fut)
+            self._pump()
+
+    def shutdown(self, *, cancel: bool = True) -> None:
+        """Accept no more tasks; cancel the queued ones (``cancel``); wait for the running ones."""
+        with self._lock:
+            self._closed = True
+            queued = list(self._queue) if cancel else []
+            if cancel:
+                self._queue.clear()
+        for fut, _, _ in queued:
+            fut.cancel()
+        while True:
+            with self._lock:
+                running = list(self._started)
+                idle = not running and not self._queue
+            if idle:
+                return
+            for fut in running:
+                fut.exception()
+            time.sleep(0.001)  # a task ended and its successor is being started: look again

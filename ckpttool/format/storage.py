@@ -43,12 +43,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import (
     CkptError,
     DataFileError,
@@ -628,12 +628,7 @@ class Spool:
             for w in todo:
                 self.fetch(*w)
             return
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-fetch") as pool:
-            futures = [pool.submit(self.fetch, *w) for w in todo]
-            errors = [f.exception() for f in futures]
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
+        map_ordered(lambda w: self.fetch(*w), todo, workers=workers, finish_all=True)
 
     def evict(self, relative: str, start: int, end: int) -> None:
         """Drop the fetched window ``[start, end)`` of ``relative`` (fetched again if read again)."""

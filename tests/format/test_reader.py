@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckpttool.engine.io import BLOCK_BYTES
 from ckpttool.errors import (
     AllocationError,
     ChunkError,
@@ -23,7 +24,6 @@ from ckpttool.errors import (
     UnsafePickleError,
 )
 from ckpttool.format import CheckpointDir, CheckpointReader, parse_metadata_bytes, tiling_problem
-from ckpttool.engine.io import BLOCK_BYTES
 from ckpttool.format.copy import copy_range
 from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
 
