@@ -806,7 +806,7 @@ def _copy_record(
     """Copy the concatenation of ``segments`` to ``pos`` of the output (``fd``, or ``f`` in memory); its CRC-32.
 
     Without a ``sink``, a record of :data:`_SPLIT_BYTES` or more is copied by two threads, one
-    half each (:func:`~ckpttool.engine.execute.run_split`: ``preadv`` / ``pwrite`` and ISA-L's
+    half each (:func:`~ckpttool.engine.execute.run_split`: reads, ``pwrite`` and ISA-L's
     CRC-32 release the GIL, so the halves' page-cache copies run on two cores; the record's
     CRC-32 is the halves' combined); ``behind`` starts the write-back of every
     :data:`WRITEBACK_BYTES` written (:func:`~ckpttool.engine.io.start_writeback`).

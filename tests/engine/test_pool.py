@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import pytest
 
