@@ -76,7 +76,8 @@ class _Compare:
     __slots__ = ("fd", "offset", "first")
 
     def __init__(self, s: Compare) -> None:
-        self.fd, self.offset, self.first = s.fd, s.offset, None
+        self.fd, self.offset = s.fd, s.offset
+        self.first: int | None = None
 
     def feed(self, piece: memoryview, at: int) -> None:
         if self.first is not None:

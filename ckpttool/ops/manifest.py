@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ckpttool.engine.execute import run_item
 from ckpttool.engine.io import ShortReadError, read_upto
@@ -560,10 +560,10 @@ def _entry(
         tuple(offsets) if offsets is not None else None,
         tuple(sizes) if sizes is not None else None,
         file,
-        off,
-        length,
+        cast(int, off),
+        cast(int, length),
         crc,
-        digest,
+        cast(str, digest),
         covers,
     )
 
