@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from ckpttool.engine.io import write_all
 from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import (
     CkptError,
@@ -602,9 +603,7 @@ class Spool:
         try:
             data = self.store.read_range(relative, start, end)
             fd = self.fd(relative, size)
-            mv, pos = memoryview(data), 0
-            while pos < len(mv):
-                pos += os.pwrite(fd, mv[pos:], start + pos)
+            write_all(fd, data, start)
             with self._lock:
                 self._done.add(k)
                 self.held += end - start
