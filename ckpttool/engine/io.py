@@ -11,11 +11,22 @@ comparison), which is faster here than larger blocks (``docs/performance.md``).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["BLOCK_BYTES", "ShortReadError", "block_buffer", "read_blocks", "read_exact", "read_into"]
+__all__ = [
+    "BLOCK_BYTES",
+    "ShortReadError",
+    "block_buffer",
+    "read_blocks",
+    "read_exact",
+    "read_into",
+    "read_upto",
+    "start_writeback",
+    "write_all",
+]
 
 BLOCK_BYTES = 1 << 20
 _local = threading.local()
@@ -77,6 +88,31 @@ def read_exact(fd: int, n: int, offset: int) -> bytes:
     return bytes(buf)
 
 
+def read_upto(fd: int, n: int, offset: int) -> bytes:
+    """Up to ``n`` bytes from ``offset`` of ``fd``: fewer only where the file ends first (never raises for that)."""
+    buf = bytearray(n)
+    mv = memoryview(buf)
+    got = 0
+    while got < n:
+        r = os.preadv(fd, [mv[got:]], offset + got)
+        if r <= 0:
+            break
+        got += r
+    return bytes(mv[:got])
+
+
+def write_all(fd: int, data: Any, offset: int) -> None:
+    """Write all of ``data`` (a bytes-like object) at ``offset`` of ``fd`` (``os.pwrite`` until done).
+
+    Raises:
+        OSError: the write failed (``ENOSPC``, ``EFBIG``, ``EIO``, ...).
+    """
+    mv = memoryview(data).cast("B")
+    written, n = 0, len(mv)
+    while written < n:
+        written += os.pwrite(fd, mv[written:], offset + written)
+
+
 def read_blocks(fd: int, offset: int, length: int, buf: memoryview | None = None) -> Iterator[memoryview]:
     """Stream ``length`` bytes from ``offset`` of ``fd`` through ``buf``, one filled piece at a time.
 
@@ -97,3 +133,31 @@ def read_blocks(fd: int, offset: int, length: int, buf: memoryview | None = None
             raise ShortReadError(offset + done, length - done)
         yield buf[:got]
         done += got
+
+
+_writeback_fn: Any = None
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start the disk write-back of ``[offset, offset + length)`` of ``fd`` without waiting (Linux; else nothing).
+
+    ``sync_file_range(fd, offset, length, SYNC_FILE_RANGE_WRITE)`` (libc, through ``ctypes``):
+    the page cache is written to disk while the copy goes on, so the final ``fsync`` (still
+    what makes the data durable) waits only for the last window instead of the whole file.
+    On the development machine: 0.64 GB copy + ``fsync`` 0.60-0.73 s -> 0.28-0.29 s.
+    """
+    global _writeback_fn
+    if _writeback_fn is None:
+        _writeback_fn = False
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+                fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+                fn.restype = ctypes.c_int
+                _writeback_fn = fn
+            except (OSError, AttributeError):  # no libc symbol (musl without it, another OS)
+                pass
+    if _writeback_fn:
+        _writeback_fn(fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE; a failure here is seen by fsync

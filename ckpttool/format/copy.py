@@ -1,8 +1,8 @@
 """Copy a byte range from one file to another: the verbatim-copy primitive of export and reshard.
 
-``copy_range`` moves bytes through a small per-thread bounce buffer with
-``os.preadv`` / ``os.pwrite``. It is deliberately not ``os.copy_file_range``
-(what ``cp`` uses): on ext4 without reflinks the kernel copies through a pipe
+``copy_range`` moves bytes through the engine's per-thread block buffer
+(:mod:`ckpttool.engine`: read, then ``os.pwrite``). It is deliberately not
+``os.copy_file_range`` (what ``cp`` uses): on ext4 without reflinks the kernel copies through a pipe
 page by page, and a DCP chunk's offset in its ``.distcp`` file never has the
 same page phase as its offset in the output (torch's archives start at
 arbitrary byte offsets), so every destination page is assembled from two
@@ -15,7 +15,7 @@ method                                 1 thread    2 threads
 =====================================  ==========  ===========
 ``copy_file_range``, page-misaligned   3.0 GB/s    3.4 GB/s
 ``copy_file_range``, page-aligned      4.3 GB/s    5.0 GB/s
-``preadv``+``pwrite``, 1 MiB buffer    5.0 GB/s    8.3 GB/s
+``pread``+``pwrite``, 1 MiB buffer     5.0 GB/s    8.3 GB/s
 =====================================  ==========  ===========
 
 The buffer is 1 MiB so that it stays in the CPU cache between the read and the
@@ -25,22 +25,12 @@ position is used or moved, so threads may share descriptors.
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable
 
-__all__ = ["BOUNCE_BYTES", "bounce_buffer", "copy_range"]
+from ckpttool.engine.execute import run_item
+from ckpttool.engine.plan import Crc32, Feed, Item, Sink, WriteAt
 
-BOUNCE_BYTES = 1 << 20
-_local = threading.local()
-
-
-def bounce_buffer() -> memoryview:
-    """This thread's reusable ``BOUNCE_BYTES`` buffer (for any read-then-write loop, as :func:`copy_range`)."""
-    buf: memoryview | None = getattr(_local, "buf", None)
-    if buf is None:
-        buf = _local.buf = memoryview(bytearray(BOUNCE_BYTES))
-    return buf
+__all__ = ["copy_range"]
 
 
 def copy_range(
@@ -67,32 +57,15 @@ def copy_range(
         The CRC-32 of ``crc_span`` (``None`` without one).
 
     Raises:
-        EOFError: the source ends before ``length`` bytes were read (a truncated file);
-            callers turn it into their own error naming the file and key.
+        EOFError: (:class:`~ckpttool.engine.io.ShortReadError`) the source ends before ``length``
+            bytes were read (a truncated file); callers turn it into their own error naming the file and key.
         OSError: reading or writing failed (``ENOSPC``, ``EIO``, ...).
     """
-    from ckpttool.format.crc import crc32
-
-    buf = bounce_buffer()
-    done = 0
-    crc = 0
-    lo, hi = crc_span if crc_span is not None else (0, 0)
-    s_lo, s_hi, fn = sink if sink is not None else (0, 0, None)
-    while done < length:
-        want = min(BOUNCE_BYTES, length - done)
-        got = os.preadv(src_fd, [buf[:want]], src_offset + done)
-        if got <= 0:
-            raise EOFError(f"source ends at offset {src_offset + done}, {length - done} bytes short")
-        if crc_span is not None:
-            a, b = max(lo, done), min(hi, done + got)
-            if a < b:
-                crc = crc32(buf[a - done : b - done], crc)
-        if fn is not None:
-            a, b = max(s_lo, done), min(s_hi, done + got)
-            if a < b:
-                fn(buf[a - done : b - done])
-        written = 0
-        while written < got:
-            written += os.pwrite(dst_fd, buf[written:got], dst_offset + done + written)
-        done += got
-    return crc if crc_span is not None else None
+    sinks: list[Sink] = []
+    if crc_span is not None:
+        sinks.append(Crc32(*crc_span))
+    if sink is not None:
+        sinks.append(Feed(sink[2], sink[0], sink[1]))
+    sinks.append(WriteAt(dst_fd, dst_offset))
+    results = run_item(Item.of(src_fd, src_offset, length, *sinks))
+    return results[0] if crc_span is not None else None

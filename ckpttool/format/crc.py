@@ -1,32 +1,7 @@
-"""CRC-32 (the zip polynomial, ``0xEDB88320`` reflected) at memory speed.
-
-zip entries carry the CRC-32 of ISO 3309 / ITU-T V.42, which ``zlib.crc32`` computes at
-~2 GB/s here (zlib 1.2.13 has no folded/SIMD kernel), slower than reading a checkpoint
-from the page cache. ``isal`` (Intel ISA-L's PCLMULQDQ/VPCLMULQDQ folding kernels, Python
-bindings by the python-isal project) computes the same function at ~10-14 GB/s
-(``bench/bench_validate.py`` prints both). CRC-32C (``crc32c``/``google-crc32c``) is a
-different polynomial (Castagnoli) and cannot check zip entries: ``crc32(b"123456789")`` is
-``0xCBF43926``, CRC-32C of it ``0xE3069283``.
-"""
+"""CRC-32 of zip entries: :mod:`ckpttool.engine.crc` (the engine computes it as bytes pass)."""
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Callable
-from typing import Any
+from ckpttool.engine.crc import IMPLEMENTATION, crc32, crc32_combine, zlib_crc32
 
 __all__ = ["crc32", "crc32_combine", "IMPLEMENTATION", "zlib_crc32"]
-
-zlib_crc32: Callable[[Any, int], int] = zlib.crc32
-
-try:
-    from isal import isal_zlib as _isal
-
-    crc32: Callable[[Any, int], int] = _isal.crc32
-    #: ``crc32_combine(crc_a, crc_b, len_b)``: the CRC-32 of ``a + b`` from the two parts' (``None`` without isal).
-    crc32_combine: Callable[[int, int, int], int] | None = _isal.crc32_combine
-    IMPLEMENTATION = "isal"
-except ImportError:  # pragma: no cover - isal ships wheels for every platform torch supports
-    crc32 = zlib.crc32
-    crc32_combine = None
-    IMPLEMENTATION = "zlib"

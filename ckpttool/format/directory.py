@@ -4,7 +4,7 @@
 unpickler (:mod:`ckpttool.format.unpickler`; no torch import) and confines every
 ``relative_path`` of ``storage_data`` to the directory. It keeps one read-only
 descriptor per data file, shared by every reader thread (reads are positional:
-``os.preadv``), so the reader, export, reshard and ``validate --deep`` never open a data
+:mod:`ckpttool.engine.io`), so the reader, export, reshard and ``validate --deep`` never open a data
 file twice.
 
 File layout written by torch's ``FileSystemWriter`` (``torch/distributed/checkpoint/

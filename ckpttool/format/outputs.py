@@ -43,11 +43,11 @@ import os
 import secrets
 import shutil
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, cast
 
+from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import OutputError
 from ckpttool.format.atomic import AtomicOutputDir, restore_signals, signals_deferred, stop_signals
 from ckpttool.format.storage import RemoteStore, is_url, local_path, url_path
@@ -170,18 +170,10 @@ class RemoteOutputDir:
         if not items:
             return
         workers = max(1, min(self.store.config.workers, len(items)))
-        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-upload")
-        try:
-            futures = [pool.submit(fn, it) for it in items]
-            errors = [f.exception() for f in futures]
-        finally:
-            # interrupted: the queued transfers are dropped, the running ones finish (and are listed
-            # in `uploaded`, so the cleanup removes them); deferred, so a second Ctrl-C cannot cut it short
-            with signals_deferred():
-                pool.shutdown(wait=True, cancel_futures=True)
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
+        # every transfer runs even if one fails; the first error (in item order) is raised. Interrupted:
+        # the queued transfers are dropped, the running ones finish (and are listed in `uploaded`, so the
+        # cleanup removes them); deferred, so a second Ctrl-C cannot cut it short
+        map_ordered(fn, items, workers=workers, guard=signals_deferred, finish_all=True)
 
     def _commit(self) -> None:
         assert self.store is not None and self.staging is not None

@@ -2,14 +2,15 @@
 
 :class:`CheckpointReader` reads each chunk through the chunk locator
 (:func:`ckpttool.format.locator.locate_chunk`): an archive that the locator maps is read
-straight into the destination with ``os.preadv`` (one read, no unpickling of tensor data,
+straight into the destination (:func:`ckpttool.engine.io.read_into`: one read, no unpickling of tensor data,
 no intermediate copy); archives it does not map (stream transforms, torch's newer tensor
 encoding) are loaded with ``torch.load(weights_only=True)`` and checked against the
 metadata all the same. Nothing here ever calls ``pickle.load`` or
 ``torch.load(weights_only=False)`` on checkpoint content unless the caller passes
 ``trust_pickle=True``.
 
-Thread safety: reads use ``os.preadv`` on shared descriptors and are safe from several threads.
+Thread safety: reads are positional (:mod:`ckpttool.engine.io`) on shared descriptors and are safe from
+several threads.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ckpttool.engine.execute import run_item
+from ckpttool.engine.io import ShortReadError, read_into
+from ckpttool.engine.plan import Crc32, Item
 from ckpttool.errors import (
     AllocationError,
     ChecksumError,
@@ -96,16 +100,13 @@ class CheckpointReader(CheckpointDir):
         Raises:
             DataFileError: the file ends first (it changed since it was checked).
         """
-        mv = memoryview(buf).cast("B")
         fd = self.fd(info.relative_path)
-        pos, n = 0, len(mv)
-        while pos < n:
-            got = os.preadv(fd, [mv[pos:]], info.offset + start + pos)
-            if got <= 0:
-                raise DataFileError(
-                    f"{self.path / info.relative_path}: short read of {fqn!r}", path=info.relative_path, fqn=fqn
-                )
-            pos += got
+        try:
+            n = read_into(fd, buf, info.offset + start)
+        except ShortReadError:
+            raise DataFileError(
+                f"{self.path / info.relative_path}: short read of {fqn!r}", path=info.relative_path, fqn=fqn
+            ) from None
         self.count_read(n)
 
     def count_read(self, nbytes: int) -> None:
@@ -238,7 +239,7 @@ class CheckpointReader(CheckpointDir):
 
         The chunk is located and checked (:meth:`locate`) and, when its record holds exactly
         its values in C order, copied from the data file to ``out_fd`` at ``out_offset``
-        through a cache-sized bounce buffer (:func:`ckpttool.format.copy.copy_range`); ``sink``
+        through the engine's cache-sized block buffer (:func:`ckpttool.format.copy.copy_range`); ``sink``
         (a digest's ``update``) sees the copied bytes in order as they pass.
 
         Returns:
@@ -283,18 +284,11 @@ class CheckpointReader(CheckpointDir):
         if not loc.in_file or loc.record.deflated:
             self.read_chunk(loc.key, loc.chunk)
             return
-        from ckpttool.format.copy import bounce_buffer
-
-        buf = bounce_buffer()
         fd = self.fd(loc.info.relative_path)
-        crc, done, n = 0, 0, loc.record.compressed_size
-        while done < n:
-            want = min(len(buf), n - done)
-            got = os.preadv(fd, [buf[:want]], loc.data_start + done)
-            if got <= 0:
-                raise DataFileError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=loc.key)
-            crc = crc32(buf[:got], crc)
-            done += got
+        try:
+            (crc,) = run_item(Item.of(fd, loc.data_start, loc.record.compressed_size, Crc32()))
+        except ShortReadError:
+            raise DataFileError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=loc.key) from None
         loc.check_crc(crc)
 
     def read_tensor(self, fqn: str, out: torch.Tensor | None = None) -> torch.Tensor:

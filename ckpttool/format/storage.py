@@ -43,12 +43,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from ckpttool.engine.io import write_all
+from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import (
     CkptError,
     DataFileError,
@@ -602,9 +603,7 @@ class Spool:
         try:
             data = self.store.read_range(relative, start, end)
             fd = self.fd(relative, size)
-            mv, pos = memoryview(data), 0
-            while pos < len(mv):
-                pos += os.pwrite(fd, mv[pos:], start + pos)
+            write_all(fd, data, start)
             with self._lock:
                 self._done.add(k)
                 self.held += end - start
@@ -628,12 +627,7 @@ class Spool:
             for w in todo:
                 self.fetch(*w)
             return
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-fetch") as pool:
-            futures = [pool.submit(self.fetch, *w) for w in todo]
-            errors = [f.exception() for f in futures]
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise first
+        map_ordered(lambda w: self.fetch(*w), todo, workers=workers, finish_all=True)
 
     def evict(self, relative: str, start: int, end: int) -> None:
         """Drop the fetched window ``[start, end)`` of ``relative`` (fetched again if read again)."""

@@ -20,7 +20,6 @@ import functools
 import io
 import os
 import pickle
-import sys
 import threading
 import uuid
 import zipfile
@@ -29,9 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from ckpttool.engine.execute import can_split, run_item, run_split
+from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, block_buffer, write_all
+from ckpttool.engine.plan import Crc32, Feed, Item, Window, WriteAt
 from ckpttool.errors import DataFileError, OutputError
 from ckpttool.format.archive import STORAGE_DTYPES
-from ckpttool.format.copy import bounce_buffer, copy_range
+from ckpttool.format.copy import copy_range
 from ckpttool.format.metadata import ChunkMeta, DType, StorageInfo
 
 if TYPE_CHECKING:
@@ -299,7 +301,7 @@ class DCPWriter:
         h = self._hasher() if self.digest is not None else None
         try:
             crc = write_tensor_archive(
-                f, dtype, chunk.sizes, segments, bounce_buffer(), sink=h.update if h else None, behind=self.fsync
+                f, dtype, chunk.sizes, segments, block_buffer(), sink=h.update if h else None, behind=self.fsync
             )
         except OSError as e:
             if e.errno is None:  # a short read: the source changed under us
@@ -746,7 +748,7 @@ def _stream_record(
 
     ``zipfile``'s own record writer (``ZipFile.open(info, "w")``) costs two extra passes over
     the data: zlib's CRC-32 (~2.5 GB/s) and a copy through the buffered file object. Here
-    each buffer-full is read from the source (``os.preadv``), its CRC-32 folded in while it is
+    each buffer-full is read from the source (:mod:`ckpttool.engine`), its CRC-32 folded in while it is
     still in the CPU cache (``isal``, ~10 GB/s, :mod:`ckpttool.format.crc`) and written with
     ``os.pwrite`` at its place in the output; the local header is written last, with the CRC,
     and the record is entered in the archive's central directory as ``zipfile``'s writer
@@ -758,8 +760,6 @@ def _stream_record(
     Raises:
         OSError: a short read (the source file changed under us) or a failed write.
     """
-    from ckpttool.format.crc import crc32, crc32_combine
-
     nbytes = info.file_size
     zip64 = nbytes > zipfile.ZIP64_LIMIT
     info.compress_size = nbytes
@@ -776,151 +776,67 @@ def _stream_record(
         fd: int | None = f.fileno()
     except (OSError, io.UnsupportedOperation):  # an in-memory file: plain writes at the same places
         fd = None
-
-    def put(data: memoryview | bytes, at: int) -> None:
-        if fd is None:
-            f.seek(at)
-            f.write(data)
-            return
-        written = 0
-        while written < len(data):
-            written += os.pwrite(fd, data[written:], at + written)
-
     pos = base + header_at + header_len
-    if fd is not None and sink is None and nbytes >= _SPLIT_BYTES and crc32_combine is not None:
-        crc = _copy_split(segments, fd, pos, buf, behind)  # two threads, each half of the record
-        pos += nbytes
-    elif fd is not None and sink is None:
-        crc = _copy_range_crc(segments, 0, nbytes, fd, pos, buf, behind)
-        pos += nbytes
-    else:
-        crc = 0
-        for src, offset, length in segments:
-            done = 0
-            while done < length:
-                n = min(len(buf), length - done)
-                got = os.preadv(src, [buf[:n]], offset + done)
-                if got <= 0:
-                    raise OSError(f"short read at offset {offset + done}")
-                crc = crc32(buf[:got], crc)
-                if sink is not None:
-                    sink(buf[:got])
-                put(buf[:got], pos)
-                pos += got
-                done += got
-    info.CRC = crc
+    try:
+        info.CRC = _copy_record(f, fd, pos, segments, buf, sink, behind)
+    except ShortReadError as e:
+        raise OSError(f"short read at offset {e.offset}") from None
     header = info.FileHeader(zip64)
     assert len(header) == header_len
-    put(header, base + header_at)
-    f.seek(pos)
+    if fd is None:
+        f.seek(base + header_at)
+        f.write(header)
+    else:
+        write_all(fd, header, base + header_at)
+    f.seek(pos + nbytes)
     zf.filelist.append(info)
     zf.NameToInfo[info.filename] = info
     zf.start_dir = window.tell()
 
 
-#: With ``fsync``, write-back of every this many bytes written is started at once (:func:`start_writeback`).
-WRITEBACK_BYTES = 8 << 20
-_writeback_fn: Any = None
-
-
-def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Start the disk write-back of ``[offset, offset + length)`` of ``fd`` without waiting (Linux; else nothing).
-
-    ``sync_file_range(fd, offset, length, SYNC_FILE_RANGE_WRITE)`` (libc, through ``ctypes``):
-    the page cache is written to disk while the copy goes on, so the final ``fsync`` (still
-    what makes the data durable) waits only for the last window instead of the whole file.
-    On the development machine: 0.64 GB copy + ``fsync`` 0.60-0.73 s -> 0.28-0.29 s.
-    """
-    global _writeback_fn
-    if _writeback_fn is None:
-        _writeback_fn = False
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
-
-                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-                fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-                fn.restype = ctypes.c_int
-                _writeback_fn = fn
-            except (OSError, AttributeError):  # no libc symbol (musl without it, another OS)
-                pass
-    if _writeback_fn:
-        _writeback_fn(fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE; a failure here is seen by fsync
-
-
-#: A record of at least this many bytes is copied by two threads, one half each (:func:`_copy_split`).
-_SPLIT_BYTES = 8 << 20
-_helper_lock = threading.Lock()
-_helper: Any = None
-
-
-def _helper_pool() -> Any:
-    """The process's one helper thread of :func:`_copy_split` (created on first use)."""
-    global _helper
-    with _helper_lock:
-        if _helper is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _helper = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-record")
-        return _helper
-
-
-def _copy_range_crc(
-    segments: list[tuple[int, int, int]], lo: int, hi: int, fd: int, at: int, buf: memoryview, behind: bool = False
+def _copy_record(
+    f: BinaryIO,
+    fd: int | None,
+    pos: int,
+    segments: list[tuple[int, int, int]],
+    buf: memoryview,
+    sink: Callable[[memoryview], object] | None,
+    behind: bool,
 ) -> int:
-    """Copy bytes ``[lo, hi)`` of the concatenation of ``segments`` to ``fd`` at ``at + lo``; their CRC-32.
+    """Copy the concatenation of ``segments`` to ``pos`` of the output (``fd``, or ``f`` in memory); its CRC-32.
 
-    ``behind``: start the write-back of every :data:`WRITEBACK_BYTES` written (:func:`start_writeback`).
+    Without a ``sink``, a record of :data:`_SPLIT_BYTES` or more is copied by two threads, one
+    half each (:func:`~ckpttool.engine.execute.run_split`: reads, ``pwrite`` and ISA-L's
+    CRC-32 release the GIL, so the halves' page-cache copies run on two cores; the record's
+    CRC-32 is the halves' combined); ``behind`` starts the write-back of every
+    :data:`WRITEBACK_BYTES` written (:func:`~ckpttool.engine.io.start_writeback`).
 
     Raises:
-        OSError: a short read (the source changed under us) or a failed write.
+        ShortReadError: a source ends early; OSError: a failed write.
     """
-    from ckpttool.format.crc import crc32
+    reads = tuple(Window(*s) for s in segments)
+    if fd is None:  # an in-memory file: written in order at the same places
 
-    crc = 0
-    start = 0  # of the current segment in the concatenation
-    flushed = lo  # bytes before this (relative to ``at``) have had their write-back started
-    for src, offset, length in segments:
-        a, b = max(lo, start), min(hi, start + length)
-        while a < b:
-            n = min(len(buf), b - a)
-            got = os.preadv(src, [buf[:n]], offset + (a - start))
-            if got <= 0:
-                raise OSError(f"short read at offset {offset + (a - start)}")
-            crc = crc32(buf[:got], crc)
-            view, w = buf[:got], 0
-            while w < got:
-                w += os.pwrite(fd, view[w:], at + a + w)
-            a += got
-            if behind and a - flushed >= WRITEBACK_BYTES:
-                start_writeback(fd, at + flushed, a - flushed)
-                flushed = a
-        start += length
-        if start >= hi:
-            break
-    if behind and hi > flushed:
-        start_writeback(fd, at + flushed, hi - flushed)
-    return crc
+        def put(piece: memoryview) -> None:
+            f.write(piece)
+
+        f.seek(pos)
+        feeds = (Feed(sink),) if sink is not None else ()
+        return int(run_item(Item(reads, (Crc32(), *feeds, Feed(put))), buf=buf)[0])
+    if sink is not None:
+        return int(run_item(Item(reads, (Crc32(), Feed(sink), WriteAt(fd, pos))), buf=buf)[0])
+    item = Item(reads, (Crc32(), WriteAt(fd, pos, WRITEBACK_BYTES if behind else 0)))
+    nbytes = item.length
+    if nbytes >= _SPLIT_BYTES and can_split(item):
+        mid = (nbytes // 2) & ~(BLOCK_BYTES - 1) or nbytes // 2
+        return int(run_split(item, mid, buf=buf)[0])
+    return int(run_item(item, buf=buf)[0])
 
 
-def _copy_split(segments: list[tuple[int, int, int]], fd: int, at: int, buf: memoryview, behind: bool = False) -> int:
-    """:func:`_copy_range_crc` of the whole record in two halves, the second on the helper thread.
-
-    ``preadv`` / ``pwrite`` and ISA-L's CRC-32 release the GIL, so the two halves' page-cache
-    copies run on two cores; the CRC-32 of the record is the halves' combined (``crc32_combine``).
-    """
-    from ckpttool.format.copy import bounce_buffer
-    from ckpttool.format.crc import crc32_combine
-
-    assert crc32_combine is not None
-    nbytes = sum(n for _, _, n in segments)
-    mid = (nbytes // 2) & ~((1 << 20) - 1) or nbytes // 2
-    second = _helper_pool().submit(lambda: _copy_range_crc(segments, mid, nbytes, fd, at, bounce_buffer(), behind))
-    try:
-        first = _copy_range_crc(segments, 0, mid, fd, at, buf, behind)
-    finally:
-        rest = second.result()  # re-raises the helper's error; always waited for (it writes into fd)
-    return int(crc32_combine(first, rest, nbytes - mid))
+#: With ``fsync``, write-back of every this many bytes written is started at once (:func:`~ckpttool.engine.io.start_writeback`).
+WRITEBACK_BYTES = 8 << 20
+#: A record of at least this many bytes is copied by two threads, one half each (:func:`_copy_record`).
+_SPLIT_BYTES = 8 << 20
 
 
 def write_tensor_archive(
@@ -941,10 +857,10 @@ def write_tensor_archive(
     Args:
         f: output file, positioned where the archive starts.
         dtype, sizes: the tensor.
-        segments: ``(fd, offset, length)`` read in order with ``os.preadv``.
+        segments: ``(fd, offset, length)`` read in order (:mod:`ckpttool.engine.io`).
         buf: a reusable read buffer.
         sink: called with the storage record's bytes, in order, as they are written (a digest's ``update``).
-        behind: start the disk write-back of the record as it is written (:func:`start_writeback`;
+        behind: start the disk write-back of the record as it is written (:func:`~ckpttool.engine.io.start_writeback`;
             for a writer that ``fsync`` s the file afterwards).
 
     Returns:

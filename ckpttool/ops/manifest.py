@@ -33,15 +33,17 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from ckpttool.errors import CkptError, ManifestError, UsageError
+from ckpttool.engine.execute import run_item
+from ckpttool.engine.io import ShortReadError, read_upto
+from ckpttool.engine.plan import Feed, Item
+from ckpttool.engine.pool import imap_ordered, worker_count
+from ckpttool.errors import CkptError, DataFileError, ManifestError, UsageError
 from ckpttool.format import limits
 from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, new_hasher
 from ckpttool.format.files import read_regular
@@ -80,7 +82,6 @@ COVERS = ("window", "record")
 SOURCE_METADATA_KEY = "ckpttool.source"
 MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"
-_BLOCK = 1 << 20  # cache-sized: faster here than 8 MiB (bench/bench_diff.py)
 _WORKERS = 2  # reader/digest threads of build_manifest
 log = logging.getLogger(__name__)
 
@@ -222,31 +223,22 @@ def _check_algorithm(algorithm: str) -> None:
         )
 
 
-def _hash_window(reader: CheckpointReader, info: StorageInfo, fqn: str, algorithm: str, buf: memoryview) -> str:
+def _hash_window(reader: CheckpointReader, info: StorageInfo, fqn: str, algorithm: str) -> str:
     """Digest of ``[offset, offset+length)`` of ``info``'s data file, read in blocks."""
-    return _hash_range(reader, info.relative_path, info.offset, info.length, fqn, algorithm, buf)
+    return _hash_range(reader, info.relative_path, info.offset, info.length, fqn, algorithm)
 
 
-def _hash_range(
-    reader: CheckpointReader, rel: str, offset: int, length: int, fqn: str, algorithm: str, buf: memoryview
-) -> str:
+def _hash_range(reader: CheckpointReader, rel: str, offset: int, length: int, fqn: str, algorithm: str) -> str:
     h = new_hasher(algorithm)
-    fd = reader.fd(rel)
-    done = 0
-    from ckpttool.errors import DataFileError
-
-    while done < length:
-        want = min(len(buf), length - done)
-        got = os.preadv(fd, [buf[:want]], offset + done)
-        if got <= 0:
-            raise DataFileError(
-                f"{reader.path / rel}: short read of {fqn!r} (the file ends inside its window)",
-                path=rel,
-                fqn=fqn,
-            )
-        h.update(buf[:got])
-        done += got
-    reader.count_read(done)
+    try:
+        run_item(Item.of(reader.fd(rel), offset, length, Feed(h.update)))
+    except ShortReadError:
+        raise DataFileError(
+            f"{reader.path / rel}: short read of {fqn!r} (the file ends inside its window)",
+            path=rel,
+            fqn=fqn,
+        ) from None
+    reader.count_read(length)
     return h.hexdigest()
 
 
@@ -273,15 +265,15 @@ def record_span(reader: CheckpointReader, key: str, chunk: ChunkMeta) -> tuple[i
 
 
 def _hash_entry(
-    reader: CheckpointReader, key: str, chunk: ChunkMeta | None, covers: str, algorithm: str, buf: memoryview
+    reader: CheckpointReader, key: str, chunk: ChunkMeta | None, covers: str, algorithm: str
 ) -> tuple[str, str]:
     """``(covers, digest)`` of one entry; ``record`` falls back to ``window`` where a chunk has no stored record."""
     info = reader.storage_info(key, chunk)
     if covers == "record" and chunk is not None:
         span = record_span(reader, key, chunk)
         if span is not None:
-            return "record", _hash_range(reader, info.relative_path, span[0], span[1], key, algorithm, buf)
-    return "window", _hash_window(reader, info, key, algorithm, buf)
+            return "record", _hash_range(reader, info.relative_path, span[0], span[1], key, algorithm)
+    return "window", _hash_window(reader, info, key, algorithm)
 
 
 def _items(reader: CheckpointReader) -> list[tuple[str, ChunkMeta | None]]:
@@ -310,7 +302,6 @@ def _reread_metadata_digest(reader: CheckpointReader, algorithm: str) -> tuple[s
         DataFileError: the bytes differ from those parsed at open (the digest would name
             another ``.metadata`` than the one the output was made from).
     """
-    from ckpttool.errors import DataFileError
 
     data = reader.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
     at_open = reader.metadata_file_digest(DEFAULT_ALGORITHM)
@@ -346,19 +337,15 @@ def build_manifest(
     _check_algorithm(algorithm)
     _check_covers(covers)
     safetensors = reader.metadata.serialization == "safetensors"
-    local = threading.local()
 
     def one(item: tuple[str, ChunkMeta | None]) -> ManifestEntry:
         key, chunk = item
-        buf = getattr(local, "buf", None)
-        if buf is None:
-            buf = local.buf = memoryview(bytearray(_BLOCK))
         info = reader.storage_info(key, chunk)
         crc: str | None = None
         if chunk is not None and not safetensors and chunk.numel > 0:
             rec = reader.locate(key, chunk).record
             crc = f"{rec.crc32:08x}" if rec.member is not None else None
-        kind, digest = _hash_entry(reader, key, chunk, covers, algorithm, buf)
+        kind, digest = _hash_entry(reader, key, chunk, covers, algorithm)
         return ManifestEntry(
             key,
             chunk.offsets if chunk is not None else None,
@@ -371,17 +358,16 @@ def build_manifest(
             kind,
         )
 
-    # Reads (preadv) and the digests release the GIL: two workers overlap one entry's read with
+    # Reads and the digests release the GIL: two workers overlap one entry's read with
     # another's hashing (bench/bench_diff.py). Entries keep the checkpoint's order.
     entries: list[ManifestEntry] = []
-    workers = max(1, min(_WORKERS, os.cpu_count() or 1))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-manifest") as pool:
-        items = _items(reader)
-        for start in range(0, len(items), 1024):  # bounded number of futures in flight
-            for entry in pool.map(one, items[start : start + 1024]):
-                entries.append(entry)
-                if on_entry is not None:
-                    on_entry(entry.length)
+    workers = worker_count(_WORKERS, os.cpu_count() or 1)
+    items = _items(reader)
+    for start in range(0, len(items), 1024):  # bounded number of items in flight
+        for entry in imap_ordered(one, items[start : start + 1024], workers=workers):
+            entries.append(entry)
+            if on_entry is not None:
+                on_entry(entry.length)
     md, size = _metadata_digest(reader, algorithm)
     return Manifest(algorithm, tuple(entries), md, size)
 
@@ -418,7 +404,6 @@ def source_identity(reader: CheckpointReader, algorithm: str = DEFAULT_ALGORITHM
     Raises:
         the reader's errors for an unreadable ``.metadata``; SizeLimitError: an oversized manifest.
     """
-    from ckpttool.errors import DataFileError
 
     md: str | None = None
     size: int | None = None
@@ -478,8 +463,6 @@ def write_manifest(
         UsageError: unknown ``algorithm`` or ``covers``; OutputError: ``out`` cannot be written;
         plus the reader's errors for damaged checkpoints.
     """
-    from ckpttool.errors import OutputError
-
     _check_algorithm(algorithm)
     _check_covers(covers)
     t0 = time.perf_counter()
@@ -496,30 +479,7 @@ def write_manifest(
         man = build_manifest(reader, algorithm, covers=covers, on_entry=step)
         target = Path(out) if out is not None else Path(ckpt.located.model) / MANIFEST_NAME
         data = man.to_bytes()
-        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-        created: list[Path] = []  # parents of `out` this run made: removed again if it fails
-        try:
-            missing = [p for p in target.parents if not p.exists()]
-            for p in reversed(missing):
-                p.mkdir()
-                created.append(p)
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except OSError as e:
-            for leftover in (tmp,):
-                try:
-                    os.unlink(leftover)
-                except OSError:
-                    pass
-            for p in reversed(created):
-                try:
-                    p.rmdir()
-                except OSError:
-                    pass
-            raise OutputError(f"{target}: cannot write the manifest ({e.strerror})", path=target) from e
+        _replace_file(target, data)
         seconds = time.perf_counter() - t0
         log.info("manifest: %d entries, %d bytes hashed in %.3f s (%s)", len(man.entries), done[0], seconds, algorithm)
         return ManifestResult(
@@ -533,6 +493,42 @@ def write_manifest(
             man.metadata_digest,
             covers=covers,
         )
+
+
+def _replace_file(target: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary name beside ``target``, ``fsync`` it, rename it into place.
+
+    Parents of ``target`` this call creates are removed again when it fails.
+
+    Raises:
+        OutputError: the file cannot be written.
+    """
+    from ckpttool.errors import OutputError
+
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    created: list[Path] = []  # parents of `out` this run made: removed again if it fails
+    try:
+        missing = [p for p in target.parents if not p.exists()]
+        for p in reversed(missing):
+            p.mkdir()
+            created.append(p)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except OSError as e:
+        for leftover in (tmp,):
+            try:
+                os.unlink(leftover)
+            except OSError:
+                pass
+        for p in reversed(created):
+            try:
+                p.rmdir()
+            except OSError:
+                pass
+        raise OutputError(f"{target}: cannot write the manifest ({e.strerror})", path=target) from e
 
 
 # ---------------------------------------------------------------------------------------------- reading back
@@ -553,37 +549,90 @@ def _entry(
     offsets, sizes, crc, digest = d.get("offsets"), d.get("sizes"), d.get("crc32"), d.get("digest")
     if not isinstance(key, str) or not isinstance(file, str):
         raise _bad(path, f"entries[{i}]: key and file must be strings")
-    if type(off) is not int or type(length) is not int or off < 0 or length < 0:
-        raise _bad(path, f"entries[{i}] ({key!a}): offset and length must be non-negative integers")
-    if (offsets is None) != (sizes is None) or (offsets is not None and not (_ints(offsets) and _ints(sizes))):
-        raise _bad(path, f"entries[{i}] ({key!a}): offsets/sizes must both be lists of non-negative integers or null")
-    if offsets is not None and sizes is not None and len(offsets) != len(sizes):
-        raise _bad(path, f"entries[{i}] ({key!a}): offsets and sizes differ in length")
-    if crc is not None and not (isinstance(crc, str) and len(crc) == 8 and _is_hex(crc)):
-        raise _bad(path, f"entries[{i}] ({key!a}): crc32 must be 8 hex digits or null")
-    if not isinstance(digest, str) or not _is_hex(digest) or (hexlen is not None and len(digest) != hexlen):
-        raise _bad(path, f"entries[{i}] ({key!a}): digest must be a hex string of the algorithm's length")
     covers = d.get("covers", "window") if version >= 2 else "window"
-    if kind == "safetensors":
-        if covers != "extent" or offsets is None or sizes is None or len(offsets) != 1:
-            raise _bad(path, f"entries[{i}] ({key!a}): a safetensors manifest lists extents (covers 'extent')")
-    elif covers not in COVERS or (covers == "record" and offsets is None):
-        raise _bad(path, f"entries[{i}] ({key!a}): covers must be 'window' or (for a chunk) 'record'")
+    problem = _entry_problem(off, length, offsets, sizes, crc, digest, hexlen) or _covers_problem(
+        covers, kind, offsets, sizes
+    )
+    if problem is not None:
+        raise _bad(path, f"entries[{i}] ({key!a}): {problem}")
     return ManifestEntry(
         key,
         tuple(offsets) if offsets is not None else None,
         tuple(sizes) if sizes is not None else None,
         file,
-        off,
-        length,
+        cast(int, off),
+        cast(int, length),
         crc,
-        digest,
+        cast(str, digest),
         covers,
     )
 
 
+def _entry_problem(
+    off: Any, length: Any, offsets: Any, sizes: Any, crc: Any, digest: Any, hexlen: int | None
+) -> str | None:
+    """What is wrong with an entry's window, chunk, CRC-32 and digest fields (``None``: nothing)."""
+    if type(off) is not int or type(length) is not int or off < 0 or length < 0:
+        return "offset and length must be non-negative integers"
+    if (offsets is None) != (sizes is None) or (offsets is not None and not (_ints(offsets) and _ints(sizes))):
+        return "offsets/sizes must both be lists of non-negative integers or null"
+    if offsets is not None and sizes is not None and len(offsets) != len(sizes):
+        return "offsets and sizes differ in length"
+    if crc is not None and not (isinstance(crc, str) and len(crc) == 8 and _is_hex(crc)):
+        return "crc32 must be 8 hex digits or null"
+    if not isinstance(digest, str) or not _is_hex(digest) or (hexlen is not None and len(digest) != hexlen):
+        return "digest must be a hex string of the algorithm's length"
+    return None
+
+
+def _covers_problem(covers: Any, kind: str, offsets: Any, sizes: Any) -> str | None:
+    """What is wrong with an entry's ``covers`` for the manifest's kind (``None``: nothing)."""
+    if kind == "safetensors":
+        if covers != "extent" or offsets is None or sizes is None or len(offsets) != 1:
+            return "a safetensors manifest lists extents (covers 'extent')"
+    elif covers not in COVERS or (covers == "record" and offsets is None):
+        return "covers must be 'window' or (for a chunk) 'record'"
+    return None
+
+
 def _is_hex(s: str) -> bool:
     return all(c in "0123456789abcdef" for c in s)
+
+
+def _read_doc(p: Path, shown: str) -> dict[str, Any]:
+    """The manifest file's JSON object, capped and bounded; its ``format`` checked."""
+    try:
+        data = read_regular(p, limits.current().max_object_bytes, what="manifest")
+    except OSError as e:
+        raise ManifestError(f"{p}: cannot read the manifest ({e.strerror})", path=p) from e
+    try:
+        doc = parse_json(data, shown)
+    except (ValueError, UnicodeDecodeError) as e:
+        if isinstance(e, CkptError):
+            raise
+        raise _bad(shown, f"not JSON: {str(e)[:80]}") from None
+    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+        raise _bad(shown, f"format is not {MANIFEST_FORMAT!r}")
+    return doc
+
+
+def _manifest_files(doc: dict[str, Any], shown: str) -> list[dict[str, Any]]:
+    """The ``files`` list of a safetensors manifest (each file's header length and digest), checked."""
+    raw_files = doc.get("files")
+    if not isinstance(raw_files, list):
+        raise _bad(shown, "files must be a list")
+    files: list[dict[str, Any]] = []
+    for j, f in enumerate(raw_files):
+        if (
+            not isinstance(f, dict)
+            or not isinstance(f.get("file"), str)
+            or type(f.get("header_length")) is not int
+            or not isinstance(f.get("header_digest"), str)
+            or not _is_hex(f["header_digest"])
+        ):
+            raise _bad(shown, f"files[{j}] must be an object with file, header_length and header_digest")
+        files.append({"file": f["file"], "header_length": f["header_length"], "header_digest": f["header_digest"]})
+    return files
 
 
 def load_manifest(path: str | os.PathLike[str]) -> Manifest:
@@ -601,18 +650,7 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
         raise UsageError(
             f"{p}: no such manifest file", path=p, param="manifest", hint="write one with `ckpttool manifest DIR`"
         )
-    try:
-        data = read_regular(p, limits.current().max_object_bytes, what="manifest")
-    except OSError as e:
-        raise ManifestError(f"{p}: cannot read the manifest ({e.strerror})", path=p) from e
-    try:
-        doc = parse_json(data, shown)
-    except (ValueError, UnicodeDecodeError) as e:
-        if isinstance(e, CkptError):
-            raise
-        raise _bad(shown, f"not JSON: {str(e)[:80]}") from None
-    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
-        raise _bad(shown, f"format is not {MANIFEST_FORMAT!r}")
+    doc = _read_doc(p, shown)
     version = doc.get("version")
     if type(version) is not int or version < 1:
         raise _bad(shown, "version must be a positive integer")
@@ -633,21 +671,7 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     if not isinstance(raw_entries, list):
         raise _bad(shown, "entries must be a list")
     entries = tuple(_entry(d, i, shown, hexlen, version, kind) for i, d in enumerate(raw_entries))
-    files: list[dict[str, Any]] = []
-    if kind == "safetensors":
-        raw_files = doc.get("files")
-        if not isinstance(raw_files, list):
-            raise _bad(shown, "files must be a list")
-        for j, f in enumerate(raw_files):
-            if (
-                not isinstance(f, dict)
-                or not isinstance(f.get("file"), str)
-                or type(f.get("header_length")) is not int
-                or not isinstance(f.get("header_digest"), str)
-                or not _is_hex(f["header_digest"])
-            ):
-                raise _bad(shown, f"files[{j}] must be an object with file, header_length and header_digest")
-            files.append({"file": f["file"], "header_length": f["header_length"], "header_digest": f["header_digest"]})
+    files = _manifest_files(doc, shown) if kind == "safetensors" else []
     seen: set[tuple[str, tuple[int, ...] | None]] = set()
     for ent in entries:
         if ent.ident in seen:
@@ -675,7 +699,6 @@ def verify_manifest(reader: CheckpointReader, manifest: Manifest) -> list[Manife
     Raises:
         the reader's errors for windows outside their files.
     """
-    buf = memoryview(bytearray(_BLOCK))
     problems: list[ManifestProblem] = []
     stored = {(k, c.offsets if c is not None else None): c for k, c in _items(reader)}
     listed = {e.ident: e for e in manifest.entries}
@@ -699,7 +722,7 @@ def verify_manifest(reader: CheckpointReader, manifest: Manifest) -> list[Manife
                 )
             )
             continue
-        kind, digest = _hash_entry(reader, e.key, chunk, e.covers, manifest.algorithm, buf)
+        kind, digest = _hash_entry(reader, e.key, chunk, e.covers, manifest.algorithm)
         if kind != e.covers:
             problems.append(
                 ManifestProblem(
@@ -792,7 +815,6 @@ def verify_safetensors_manifest(directory: str | os.PathLike[str], manifest: Man
             hint="verify a DCP checkpoint with `ckpttool validate DIR --manifest FILE`",
         )
     root = Path(directory)
-    buf = memoryview(bytearray(_BLOCK))
     problems: list[ManifestProblem] = []
     by_file: dict[str, list[ManifestEntry]] = {}
     for e in manifest.entries:
@@ -806,7 +828,7 @@ def verify_safetensors_manifest(directory: str | os.PathLike[str], manifest: Man
         header, data_start = read_safetensors_header(path)
         fd = open_regular(path)
         try:
-            prefix = os.pread(fd, data_start, 0)
+            prefix = read_upto(fd, data_start, 0)
             if data_start != f["header_length"] or digest_bytes(prefix, manifest.algorithm) != f["header_digest"]:
                 problems.append(
                     ManifestProblem(
@@ -814,71 +836,89 @@ def verify_safetensors_manifest(directory: str | os.PathLike[str], manifest: Man
                     )
                 )
             tensors = {k: v for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
-            spans: dict[str, list[tuple[int, int]]] = {}
-            for e in by_file.get(name, []):
-                t = tensors.get(e.key)
-                if t is None:
-                    problems.append(
-                        ManifestProblem(
-                            "missing", e.key, None, f"{e.key!r} in {name}: in the manifest, not in the file"
-                        )
-                    )
-                    continue
-                digest = _hash_fd(fd, e.offset, e.length, manifest.algorithm, buf, path, e.key)
-                if digest != e.digest:
-                    problems.append(
-                        ManifestProblem(
-                            "changed",
-                            e.key,
-                            None,
-                            f"{e.key!r} in {name}, bytes {e.offsets[0] if e.offsets else 0}+{e.length}: stored bytes "
-                            f"differ from the manifest ({manifest.algorithm} {digest[:16]}..., manifest {e.digest[:16]}...)",
-                        )
-                    )
-                spans.setdefault(e.key, []).append((e.offset, e.length))
-            for key, t in tensors.items():
-                offs = t.get("data_offsets")
-                if isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs):
-                    begin, nbytes = data_start + offs[0], offs[1] - offs[0]
-                else:
-                    begin, nbytes = 0, -1
-                if key not in spans:
-                    if nbytes > 0:
-                        problems.append(
-                            ManifestProblem("extra", key, None, f"{key!r} in {name}: stored but not in the manifest")
-                        )
-                    continue
-                at = begin  # the extents must tile [begin, begin + nbytes) exactly: no gap, no overlap
-                for off, length in sorted(spans[key]):
-                    if off != at:
-                        at = -1
-                        break
-                    at += length
-                if at != begin + nbytes:
-                    problems.append(
-                        ManifestProblem(
-                            "changed",
-                            key,
-                            None,
-                            f"{key!r} in {name}: the manifest's extents do not tile its {nbytes} bytes",
-                        )
-                    )
+            spans = _check_extents(fd, path, name, tensors, by_file.get(name, []), manifest.algorithm, problems)
+            _check_tiling(name, data_start, tensors, spans, problems)
         finally:
             os.close(fd)
     return problems
 
 
-def _hash_fd(fd: int, offset: int, length: int, algorithm: str, buf: memoryview, path: Path, key: str) -> str:
-    h = new_hasher(algorithm)
-    done = 0
-    while done < length:
-        got = os.preadv(fd, [buf[: min(len(buf), length - done)]], offset + done)
-        if got <= 0:
-            from ckpttool.errors import DataFileError
+def _check_extents(
+    fd: int,
+    path: Path,
+    name: str,
+    tensors: dict[str, Any],
+    entries: list[ManifestEntry],
+    algorithm: str,
+    problems: list[ManifestProblem],
+) -> dict[str, list[tuple[int, int]]]:
+    """Digest every listed extent of one safetensors file; the ``(offset, length)`` extents of each tensor."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for e in entries:
+        t = tensors.get(e.key)
+        if t is None:
+            problems.append(
+                ManifestProblem("missing", e.key, None, f"{e.key!r} in {name}: in the manifest, not in the file")
+            )
+            continue
+        digest = _hash_fd(fd, e.offset, e.length, algorithm, path, e.key)
+        if digest != e.digest:
+            problems.append(
+                ManifestProblem(
+                    "changed",
+                    e.key,
+                    None,
+                    f"{e.key!r} in {name}, bytes {e.offsets[0] if e.offsets else 0}+{e.length}: stored bytes "
+                    f"differ from the manifest ({algorithm} {digest[:16]}..., manifest {e.digest[:16]}...)",
+                )
+            )
+        spans.setdefault(e.key, []).append((e.offset, e.length))
+    return spans
 
-            raise DataFileError(f"{path}: short read of {key!r} (the file ends inside it)", path=path, fqn=key)
-        h.update(buf[:got])
-        done += got
+
+def _check_tiling(
+    name: str,
+    data_start: int,
+    tensors: dict[str, Any],
+    spans: dict[str, list[tuple[int, int]]],
+    problems: list[ManifestProblem],
+) -> None:
+    """Each tensor of a file: its listed extents tile its ``data_offsets`` range, or it is ``extra``."""
+    for key, t in tensors.items():
+        offs = t.get("data_offsets")
+        if isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs):
+            begin, nbytes = data_start + offs[0], offs[1] - offs[0]
+        else:
+            begin, nbytes = 0, -1
+        if key not in spans:
+            if nbytes > 0:
+                problems.append(
+                    ManifestProblem("extra", key, None, f"{key!r} in {name}: stored but not in the manifest")
+                )
+            continue
+        at = begin  # the extents must tile [begin, begin + nbytes) exactly: no gap, no overlap
+        for off, length in sorted(spans[key]):
+            if off != at:
+                at = -1
+                break
+            at += length
+        if at != begin + nbytes:
+            problems.append(
+                ManifestProblem(
+                    "changed",
+                    key,
+                    None,
+                    f"{key!r} in {name}: the manifest's extents do not tile its {nbytes} bytes",
+                )
+            )
+
+
+def _hash_fd(fd: int, offset: int, length: int, algorithm: str, path: Path, key: str) -> str:
+    h = new_hasher(algorithm)
+    try:
+        run_item(Item.of(fd, offset, length, Feed(h.update)))
+    except ShortReadError:
+        raise DataFileError(f"{path}: short read of {key!r} (the file ends inside it)", path=path, fqn=key) from None
     return h.hexdigest()
 
 
@@ -995,7 +1035,7 @@ def safetensors_source_identity(
         _, data_start = read_safetensors_header(path)
         fd = open_regular(path)
         try:
-            head = os.pread(fd, data_start, 0)
+            head = read_upto(fd, data_start, 0)
         finally:
             os.close(fd)
         h.update(head)

@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckpttool.engine.io import BLOCK_BYTES
 from ckpttool.errors import (
     AllocationError,
     ChunkError,
@@ -23,7 +24,7 @@ from ckpttool.errors import (
     UnsafePickleError,
 )
 from ckpttool.format import CheckpointDir, CheckpointReader, parse_metadata_bytes, tiling_problem
-from ckpttool.format.copy import BOUNCE_BYTES, copy_range
+from ckpttool.format.copy import copy_range
 from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
 
 
@@ -257,7 +258,7 @@ def test_checkpoint_dir_is_torch_free_view(dense_ckpt: Path) -> None:
 @given(
     src_offset=st.integers(0, 5000),
     dst_offset=st.integers(0, 5000),
-    length=st.sampled_from([0, 1, 4095, BOUNCE_BYTES - 1, BOUNCE_BYTES, BOUNCE_BYTES + 1, 2 * BOUNCE_BYTES + 777]),
+    length=st.sampled_from([0, 1, 4095, BLOCK_BYTES - 1, BLOCK_BYTES, BLOCK_BYTES + 1, 2 * BLOCK_BYTES + 777]),
 )
 def test_copy_range_equals_slicing(
     tmp_path_factory: pytest.TempPathFactory, src_offset: int, dst_offset: int, length: int

@@ -26,11 +26,12 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from ckpttool.engine.pool import Lane
 from ckpttool.errors import (
     ChunkError,
     ExportAccountingError,
@@ -481,14 +482,14 @@ class _Executor:
                 if self.progress is not None:
                     self.progress(self.done, self.total)
 
-    def _submit(self, pool: ThreadPoolExecutor, idx: int, fn: Callable[..., None], *args: Any) -> None:
+    def _submit(self, pool: Lane, idx: int, fn: Callable[..., None], *args: Any) -> None:
         while len(self.pending) >= self.workers * 4:
             self._collect(block=True)
         self.pending[pool.submit(fn, *args)] = idx
 
     def run(self, only: set[int] | None = None) -> None:
         """Run the tasks of this process's files (``only``: those of these task indices)."""
-        pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ckpttool-export")
+        pool = Lane(self.workers)
         try:
             for idx, task in enumerate(self.plan.tasks):
                 if (self.files is not None and task.shard not in self.files) or (only is not None and idx not in only):
@@ -513,7 +514,7 @@ class _Executor:
                 fut.cancel()
             # Deferred: a second Ctrl-C must not close the output files under a running copy.
             with signals_deferred():
-                pool.shutdown(wait=True, cancel_futures=True)
+                pool.shutdown(cancel=True)
             self.pending.clear()
 
 

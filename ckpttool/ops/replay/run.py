@@ -33,11 +33,11 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import DeviceUnavailableError, UsageError
 from ckpttool.layouts.declaration import LayoutDeclaration
 from ckpttool.model.checkpoint import Checkpoint, opened
@@ -617,8 +617,7 @@ def _replay_batch(
             t[f] = canon(entry.key, p.key, reader.read_tensor(entry.key))
         return t
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-replay-load") as pool:
-        loaded = dict(zip((p.fqn for p in batch), pool.map(load, batch)))
+    loaded = dict(zip((p.fqn for p in batch), map_ordered(load, batch, workers=workers)))
     for p in batch:
         t = loaded[p.fqn]
         step_before = float(t["step"].item()) if "step" in t else 0.0
@@ -672,8 +671,7 @@ def _replay_batch(
                     p.fqn, p.shape, getattr(torch, p.dtype), seed=grad_seed, scale=grad_scale, step_index=k
                 )
 
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-replay-grad") as pool:
-                gk = dict(zip((p.fqn for p in batch), pool.map(gen, batch)))
+            gk = dict(zip((p.fqn for p in batch), map_ordered(gen, batch, workers=workers)))
         for p in batch:
             g = gk[p.fqn]
             params[p.fqn].grad = g.to(dev) if dev.type != "cpu" else g
@@ -702,10 +700,7 @@ def _replay_batch(
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with (
-            _reuse_freed_memory(),
-            ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-replay") as pool,
-        ):
+        with _reuse_freed_memory():
             for opt, members, _ in optimizers:
                 for member in members:
                     r = results[member.fqn]
@@ -715,7 +710,7 @@ def _replay_batch(
                     bounds = [
                         (a, min(a + REFERENCE_SLAB, member.numel)) for a in range(0, member.numel, REFERENCE_SLAB)
                     ]
-                    parts = list(pool.map(ctx.run, bounds))
+                    parts = map_ordered(ctx.run, bounds, workers=workers)
                     ctx.finish(parts, dev)
                     if on_param is not None:
                         cpu = {"param": param.detach().cpu()}

@@ -9,7 +9,7 @@ temporary directory beside ``dst`` that is renamed into place when complete
   (after the chunk locator checked that the archive holds a tensor of the recorded dtype
   and shape);
 - other EP chunks are assembled tensor by tensor: every source chunk is read once,
-  straight into the output chunk where it lands whole (``os.preadv``), and written
+  straight into the output chunk where it lands whole (one positional read), and written
   with ``torch.save``. Peak memory: one tensor's rewritten chunks plus one source chunk;
 - byte items pass through; the ``layout`` item is replaced by the new record
   (version 2 for ``--to canonical``, 1 for ``--to legacy``), which also names the
@@ -30,11 +30,11 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckpttool.engine.pool import map_ordered, worker_count
 from ckpttool.errors import NotRegularFileError, ReshardError, SizeLimitError
 from ckpttool.format import limits
 from ckpttool.format.atomic import signals_deferred
@@ -345,20 +345,7 @@ def execute_plan(
             rest = _plan_jobs(tp, reader, jobs)
             if rest:
                 fallback.append((tp, rest))
-        workers = max(1, min(threads or os.cpu_count() or 1, plan.world))
-        stop = threading.Event()
-        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpttool-reshard")
-        try:
-            futures = [pool.submit(_run_jobs, r, jobs[r], writer, tick, stop) for r in range(plan.world) if r in mine]
-            for fut in futures:
-                fut.result()
-        except BaseException:
-            stop.set()  # Ctrl-C / SIGTERM stop within one chunk, not at the end of the copy
-            raise
-        finally:
-            # Deferred: a second Ctrl-C must not close the writer's files under a running worker.
-            with signals_deferred():
-                pool.shutdown(wait=True, cancel_futures=True)
+        _run_parallel(plan, jobs, mine, writer, tick, threads)
         for tp, all_indices in fallback:
             indices = [i for i in all_indices if tp.chunks[i].rank in mine]
             if not indices:
@@ -367,20 +354,48 @@ def execute_plan(
             tick(sum(tp.chunks[i].chunk.numel for i in indices) * tp.dtype.itemsize, False)
             with lock:
                 counts["rewritten"] += len(indices) - 1
-        for bp in plan.byte_items:
-            if bp.rank not in mine:
-                continue
-            path = plan.planner_data.get(bp.key)
-            if bp.value is None:
-                info = reader.storage_info(bp.key)
-                reader.fetch(info)
-                writer.copy_bytes_item(bp.key, bp.rank, reader.fd(info.relative_path), info, path)
-            else:
-                writer.write_object(bp.key, bp.rank, bp.value, path)
+        _write_byte_items(plan, reader, writer, mine)
         if not distributed.merge_rank_files(group, writer, mine):  # pairs with _reshard's agree(error)
             return writer, counts
         writer.finish()
     return writer, counts
+
+
+def _write_byte_items(plan: ReshardPlan, reader: CheckpointReader, writer: DCPWriter, mine: set[int]) -> None:
+    """Byte items of this rank's target files: copied verbatim, or the new value (the ``layout`` record)."""
+    for bp in plan.byte_items:
+        if bp.rank not in mine:
+            continue
+        path = plan.planner_data.get(bp.key)
+        if bp.value is None:
+            info = reader.storage_info(bp.key)
+            reader.fetch(info)
+            writer.copy_bytes_item(bp.key, bp.rank, reader.fd(info.relative_path), info, path)
+        else:
+            writer.write_object(bp.key, bp.rank, bp.value, path)
+
+
+def _run_parallel(
+    plan: ReshardPlan,
+    jobs: dict[int, list[_Job]],
+    mine: set[int],
+    writer: DCPWriter,
+    tick: Callable[[int, bool], None],
+    threads: int | None,
+) -> None:
+    """The copy phase: one job list per target file of this rank, ``threads`` files at a time.
+
+    Raises:
+        the first error in rank order; on an error or Ctrl-C / SIGTERM the other workers stop
+        within one chunk and are waited for (deferred: a second Ctrl-C must not close the
+        writer's files under a running worker).
+    """
+    workers = worker_count(threads, plan.world)
+    stop = threading.Event()
+    ranks = [r for r in range(plan.world) if r in mine]
+    map_ordered(
+        lambda r: _run_jobs(r, jobs[r], writer, tick, stop), ranks, workers=workers, stop=stop, guard=signals_deferred
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -514,16 +529,7 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
         plan.world,
         len(plan.permuted_keys),
     )
-    cap = limits.current().max_object_bytes
-    for bp in plan.byte_items:  # copied verbatim, never loaded: still capped like every object
-        info = reader.storage_info(bp.key) if bp.value is None else None
-        if info is not None and info.length > cap:
-            raise SizeLimitError(
-                f"{src_p / info.relative_path}: byte item {bp.key!r} is {info.length} bytes, over the cap of "
-                f"{limits.human(cap)}",
-                path=info.relative_path,
-                fqn=bp.key,
-            )
+    _check_byte_item_caps(plan, reader, src_p)
     group = distributed.current()
     with contextlib.ExitStack() as stack:
         tmp = distributed.enter_output_dir(stack, group, dst_p, overwrite=opts.overwrite, source=src_p)
@@ -552,6 +558,43 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
                 {"path": DCPWriter.file_name(r), "bytes": (tmp / DCPWriter.file_name(r)).stat().st_size}
                 for r in range(plan.world)
             ]
+    return _result(
+        ckpt, dst_p, opts, plan, layout, counts, files, extra, writer.bytes_written, time.perf_counter() - t0, identity
+    )
+
+
+def _check_byte_item_caps(plan: ReshardPlan, reader: CheckpointReader, src_p: Path) -> None:
+    """Byte items are copied verbatim, never loaded: still capped like every object.
+
+    Raises:
+        SizeLimitError: a byte item over ``--max-object-size``.
+    """
+    cap = limits.current().max_object_bytes
+    for bp in plan.byte_items:
+        info = reader.storage_info(bp.key) if bp.value is None else None
+        if info is not None and info.length > cap:
+            raise SizeLimitError(
+                f"{src_p / info.relative_path}: byte item {bp.key!r} is {info.length} bytes, over the cap of "
+                f"{limits.human(cap)}",
+                path=info.relative_path,
+                fqn=bp.key,
+            )
+
+
+def _result(
+    ckpt: Checkpoint,
+    dst_p: Path,
+    opts: ReshardOptions,
+    plan: ReshardPlan,
+    layout: Any,
+    counts: dict[str, int],
+    files: list[dict[str, Any]],
+    extra: list[str],
+    bytes_written: int,
+    seconds: float,
+    identity: dict[str, Any],
+) -> ReshardResult:
+    cat, src_p = ckpt.catalog, ckpt.path
     kinds: dict[str, int] = defaultdict(int)
     for t in plan.tensors:
         kinds[t.kind] += 1
@@ -575,8 +618,8 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
         chunks_rewritten=counts["rewritten"],
         files=files,
         extra_files=extra,
-        bytes_written=writer.bytes_written,
-        seconds=round(time.perf_counter() - t0, 3),
+        bytes_written=bytes_written,
+        seconds=round(seconds, 3),
         warnings=warnings,
         source_identity=identity,
         manifest=MANIFEST_NAME if opts.manifest else None,

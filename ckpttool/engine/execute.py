@@ -1,0 +1,183 @@
+"""The one executor of byte plans (:mod:`ckpttool.engine.plan`).
+
+:func:`run_item` streams an item's windows block by block through a per-thread
+:data:`~ckpttool.engine.io.BLOCK_BYTES` buffer (:func:`~ckpttool.engine.io.block_buffer`): each
+block is read once, transformed, and handed to every sink while it is still in the CPU cache.
+:func:`run_items` runs many items on the shared pool (:mod:`ckpttool.engine.pool`);
+:func:`run_split` runs one large item as two halves on two threads, the halves' CRC-32s
+combined.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ckpttool.engine.crc import crc32, crc32_combine
+from ckpttool.engine.io import BLOCK_BYTES, block_buffer, read_blocks, read_into, start_writeback, write_all
+from ckpttool.engine.plan import Compare, Crc32, Feed, Item, Sink, WriteAt
+from ckpttool.engine.pool import map_ordered, overlap
+
+__all__ = ["can_split", "run_item", "run_items", "run_split"]
+
+_local = threading.local()
+
+
+def _compare_buffer() -> memoryview:
+    buf: memoryview | None = getattr(_local, "cmp", None)
+    if buf is None:
+        buf = _local.cmp = memoryview(bytearray(BLOCK_BYTES))
+    return buf
+
+
+class _Write:
+    __slots__ = ("fd", "offset", "every", "flushed")
+
+    def __init__(self, s: WriteAt, lo: int) -> None:
+        self.fd, self.offset, self.every, self.flushed = s.fd, s.offset, s.writeback, lo
+
+    def feed(self, piece: memoryview, at: int) -> None:
+        write_all(self.fd, piece, self.offset + at)
+        end = at + len(piece)
+        if self.every and end - self.flushed >= self.every:
+            start_writeback(self.fd, self.offset + self.flushed, end - self.flushed)
+            self.flushed = end
+
+    def finish(self, hi: int) -> Any:
+        if self.every and hi > self.flushed:
+            start_writeback(self.fd, self.offset + self.flushed, hi - self.flushed)
+        return None
+
+
+class _Span:
+    """A sink over stream bytes ``[start, end)``: only the part of each piece inside it is passed on."""
+
+    __slots__ = ("start", "end", "crc", "fn")
+
+    def __init__(self, start: int, end: int | None, fn: Any = None) -> None:
+        self.start, self.end, self.crc, self.fn = start, end, 0, fn
+
+    def feed(self, piece: memoryview, at: int) -> None:
+        n = len(piece)
+        a = self.start - at if self.start > at else 0
+        b = n if self.end is None else min(n, self.end - at)
+        if a < b:
+            part = piece[a:b] if (a, b) != (0, n) else piece
+            if self.fn is None:
+                self.crc = crc32(part, self.crc)
+            else:
+                self.fn(part)
+
+    def finish(self, hi: int) -> Any:
+        return self.crc if self.fn is None else None
+
+
+class _Compare:
+    __slots__ = ("fd", "offset", "first")
+
+    def __init__(self, s: Compare) -> None:
+        self.fd, self.offset = s.fd, s.offset
+        self.first: int | None = None
+
+    def feed(self, piece: memoryview, at: int) -> None:
+        if self.first is not None:
+            return
+        n = len(piece)
+        other = _compare_buffer()[:n]
+        read_into(self.fd, other, self.offset + at)
+        if piece != other:
+            self.first = at + next(i for i in range(n) if piece[i] != other[i])
+
+    def finish(self, hi: int) -> Any:
+        return self.first
+
+
+def _open(sink: Sink, lo: int) -> Any:
+    if isinstance(sink, WriteAt):
+        return _Write(sink, lo)
+    if isinstance(sink, Crc32):
+        return _Span(sink.start, sink.end)
+    if isinstance(sink, Feed):
+        return _Span(sink.start, sink.end, sink.fn)
+    return _Compare(sink)
+
+
+def run_item(item: Item, *, lo: int = 0, hi: int | None = None, buf: memoryview | None = None) -> tuple[Any, ...]:
+    """Stream bytes ``[lo, hi)`` of ``item`` (default: all of it) through ``buf`` into its sinks.
+
+    Args:
+        buf: the block buffer (default: this thread's :func:`~ckpttool.engine.io.block_buffer`).
+
+    Returns:
+        One result per sink, in order: ``Crc32`` its CRC-32 (of its span inside ``[lo, hi)``),
+        ``Compare`` the first differing position (``None``: equal), ``WriteAt``/``Feed`` ``None``.
+
+    Raises:
+        ShortReadError: a window (or a compared file) ends early.
+        OSError: a read or write failed.
+    """
+    if hi is None:
+        hi = item.length
+    if buf is None:
+        buf = block_buffer()
+    states = [_open(s, lo) for s in item.sinks]
+    transform = item.transform
+    pos = 0  # the current window's first stream position
+    for w in item.reads:
+        a, b = max(lo, pos), min(hi, pos + w.length)
+        for piece in read_blocks(w.fd, w.offset + (a - pos), b - a, buf) if a < b else ():
+            if transform is not None:
+                piece = transform(piece)
+            for st in states:
+                st.feed(piece, a)
+            a += len(piece)
+        pos += w.length
+        if pos >= hi:
+            break
+    return tuple(st.finish(hi) for st in states)
+
+
+def run_items(items: list[Item], *, workers: int) -> list[tuple[Any, ...]]:
+    """:func:`run_item` of every item on the shared pool (``workers`` at a time); results in item order.
+
+    Raises:
+        the first error in item order (see :func:`~ckpttool.engine.pool.map_ordered`).
+    """
+    return map_ordered(run_item, items, workers=workers)
+
+
+def can_split(item: Item) -> bool:
+    """Whether :func:`run_split` can run ``item`` in halves: CRC-32 combining is available and every
+    ``Crc32`` sink covers the whole stream (``Feed`` sinks need their pieces in order: not split)."""
+    return crc32_combine is not None and all(
+        (isinstance(s, Crc32) and s.start == 0 and s.end is None) or isinstance(s, (WriteAt, Compare))
+        for s in item.sinks
+    )
+
+
+def run_split(item: Item, mid: int, *, buf: memoryview | None = None) -> tuple[Any, ...]:
+    """:func:`run_item` as two halves: ``[mid, length)`` on the overlap thread, ``[0, mid)`` here.
+
+    The halves' CRC-32s are combined (``crc32_combine``); a ``Compare`` gives the first half's
+    difference, else the second's. The second half is always waited for (it may write into a
+    file the caller closes next). Requires :func:`can_split`.
+
+    Raises:
+        as :func:`run_item` (the first half's error first).
+    """
+    assert can_split(item) and crc32_combine is not None
+    n = item.length
+    second = overlap(lambda: run_item(item, lo=mid, hi=n))
+    try:
+        first = run_item(item, lo=0, hi=mid, buf=buf)
+    finally:
+        rest = second.result()  # re-raises the helper's error; always waited for
+    out: list[Any] = []
+    for s, x, y in zip(item.sinks, first, rest):
+        if isinstance(s, Crc32):
+            out.append(int(crc32_combine(x, y, n - mid)))
+        elif isinstance(s, Compare):
+            out.append(x if x is not None else y)
+        else:
+            out.append(None)
+    return tuple(out)

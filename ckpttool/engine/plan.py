@@ -1,0 +1,94 @@
+"""The plan vocabulary of the byte engine: what to read, how to transform it, where its bytes go.
+
+An :class:`Item` reads the concatenation of its :class:`Window` s (a *stream* of ``length``
+bytes, positions counted from 0), passes each filled block through an optional transform
+(a callable over the block's ``memoryview``, returning a view of the same length), and hands
+it to its sinks in order:
+
+- :class:`WriteAt`: written at ``offset + position`` of an output descriptor;
+- :class:`Crc32`: the CRC-32 (zip polynomial) of the bytes ``[start, end)`` of the stream;
+- :class:`Feed`: ``fn(piece)`` for every piece of ``[start, end)``, in order (a digest's
+  ``update``, a byte counter);
+- :class:`Compare`: compared with the same positions of another descriptor.
+
+Plans are plain frozen values; :mod:`ckpttool.engine.execute` runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["Compare", "Crc32", "Feed", "Item", "Sink", "Transform", "Window", "WriteAt"]
+
+#: A slab transform: takes a filled block, returns the bytes the sinks see (same length).
+Transform = Callable[[memoryview], memoryview]
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """``length`` bytes at ``offset`` of the open descriptor ``fd`` (read positionally; shared safely)."""
+
+    fd: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class WriteAt:
+    """Write stream position ``p`` to ``offset + p`` of ``fd``.
+
+    ``writeback``: start the disk write-back of every this many bytes written
+    (:func:`~ckpttool.engine.io.start_writeback`; 0: never).
+    """
+
+    fd: int
+    offset: int
+    writeback: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Crc32:
+    """The CRC-32 of stream bytes ``[start, end)`` (``end`` ``None``: to the end); the sink's result."""
+
+    start: int = 0
+    end: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Feed:
+    """Call ``fn`` with every piece of stream bytes ``[start, end)``, in order (the piece is valid during the call)."""
+
+    fn: Callable[[memoryview], object]
+    start: int = 0
+    end: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Compare:
+    """Compare the stream with the bytes at ``offset`` of ``fd``; result: the first differing position or ``None``."""
+
+    fd: int
+    offset: int
+
+
+Sink = WriteAt | Crc32 | Feed | Compare
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One unit of byte work: ``reads`` concatenated, ``transform`` applied, every block to each of ``sinks``."""
+
+    reads: tuple[Window, ...]
+    sinks: tuple[Sink, ...] = ()
+    transform: Transform | None = None
+
+    @property
+    def length(self) -> int:
+        """The stream's length in bytes."""
+        return sum(w.length for w in self.reads)
+
+    @classmethod
+    def of(cls, fd: int, offset: int, length: int, *sinks: Sink, transform: Transform | None = None) -> Item:
+        """An item reading one window."""
+        return cls((Window(fd, offset, length),), tuple(sinks), transform)

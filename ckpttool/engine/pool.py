@@ -1,0 +1,314 @@
+"""The one thread pool of the process: byte moves, digests, uploads and fetches run on it.
+
+Reads (``preadv``), writes, CRC-32, digests and object-store requests release the GIL, so
+threads overlap them. One lazily created ``ThreadPoolExecutor`` serves every caller;
+:func:`map_ordered` bounds each call's concurrency to its own ``workers`` and returns results
+in item order. A call made from a pool thread (a task that maps again) runs inline, so nested
+work never waits for a thread held by its own caller. :func:`overlap` is a separate one-thread
+executor for a task that overlaps the caller's own work (the second half of a record copy); its
+tasks never submit further work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
+
+__all__ = ["Lane", "imap_ordered", "map_ordered", "on_pool_thread", "overlap", "pool_size", "worker_count"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_lock = threading.Lock()
+_local = threading.local()
+_executor: ThreadPoolExecutor | None = None
+_size = 0
+_overlap: ThreadPoolExecutor | None = None
+
+
+def _mark_pool_thread() -> None:
+    _local.on_pool = True
+
+
+def _reset_after_fork() -> None:  # a forked child has none of the parent's threads
+    global _executor, _size, _overlap, _lock
+    _executor, _size, _overlap = None, 0, None
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def on_pool_thread() -> bool:
+    """Whether the calling thread is one of the pool's (or the :func:`overlap` thread)."""
+    return bool(getattr(_local, "on_pool", False))
+
+
+def pool_size() -> int:
+    """Threads the shared pool may start: ``max(32, 4 * CPU count)`` (started on demand, kept idle)."""
+    return max(32, 4 * (os.cpu_count() or 1))
+
+
+def worker_count(requested: int | None, limit: int) -> int:
+    """The workers of one call: ``requested`` (default: the CPU count), at most ``limit``, at least 1."""
+    return max(1, min(requested or os.cpu_count() or 1, limit))
+
+
+def _shared(min_threads: int) -> ThreadPoolExecutor:
+    """The shared executor, replaced by a larger one when a call needs more threads than it has.
+
+    A replaced executor is not shut down: calls still running on it keep submitting to it.
+    """
+    global _executor, _size
+    with _lock:
+        if _executor is None or _size < min_threads:
+            _size = max(min_threads, pool_size())
+            _executor = ThreadPoolExecutor(_size, thread_name_prefix="ckpttool", initializer=_mark_pool_thread)
+        return _executor
+
+
+def overlap(fn: Callable[..., R], *args: Any) -> Future[R]:
+    """Run ``fn(*args)`` on the process's one overlap thread (a task that must not submit work itself)."""
+    global _overlap
+    with _lock:
+        if _overlap is None:
+            _overlap = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-overlap", initializer=_mark_pool_thread)
+        ex = _overlap
+    return ex.submit(fn, *args)
+
+
+class _Run:
+    """One :func:`map_ordered` call: at most ``workers`` items running, the next launched as one ends."""
+
+    def __init__(self, fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> None:
+        self.fn, self.items = fn, items
+        self.slots: list[Future[Any]] = [Future() for _ in items]
+        self.next = 0
+        self.closed = False
+        self.lock = threading.Lock()
+        self.executor = _shared(workers)
+        for _ in range(workers):
+            self._launch()
+
+    def _launch(self) -> None:
+        with self.lock:
+            if self.closed or self.next >= len(self.items):
+                return
+            i = self.next
+            self.next += 1
+            self.slots[i].set_running_or_notify_cancel()
+        try:
+            self.executor.submit(self._task, i)
+        except RuntimeError as e:  # the interpreter is shutting down: the item fails instead of hanging
+            self.slots[i].set_exception(e)
+
+    def _task(self, i: int) -> None:
+        slot = self.slots[i]
+        try:
+            result = self.fn(self.items[i])
+        except BaseException as e:
+            slot.set_exception(e)
+        else:
+            slot.set_result(result)
+        finally:
+            self._launch()
+
+    def close(self) -> list[Future[Any]]:
+        """Launch nothing more; cancel the items not started; return the started ones."""
+        with self.lock:
+            self.closed = True
+            started = self.slots[: self.next]
+            for slot in self.slots[self.next :]:
+                slot.cancel()
+        return started
+
+
+def _inline(fn: Callable[[T], R], items: Sequence[T], finish_all: bool) -> list[R]:
+    results: list[R] = []
+    first: Exception | None = None
+    for it in items:
+        try:
+            results.append(fn(it))
+        except Exception as e:  # collected: every item still runs, the first error is raised at the end
+            if not finish_all:
+                raise
+            first = first or e
+    if first is not None:
+        raise first
+    return results
+
+
+def map_ordered(
+    fn: Callable[[T], R],
+    items: Iterable[T],
+    *,
+    workers: int,
+    stop: threading.Event | None = None,
+    guard: Callable[[], AbstractContextManager[Any]] | None = None,
+    finish_all: bool = False,
+) -> list[R]:
+    """``[fn(x) for x in items]`` on the shared pool, at most ``workers`` at a time, results in item order.
+
+    Args:
+        workers: the most items running at once (the call's worker count).
+        stop: set when the call fails or is interrupted, before waiting for the running items
+            (the items poll it to return early).
+        guard: a context manager factory held while waiting for running items after a failure
+            (``signals_deferred``: a second Ctrl-C must not close files under a running item).
+        finish_all: every item runs even after one fails; the first error in item order is raised
+            when all are done. Default: the first error in item order is raised once the items
+            already running have ended; the items not started are cancelled.
+
+    Called from a pool thread, the items run inline, in order (nested calls never deadlock).
+
+    Raises:
+        the first error of an item, in item order; ``KeyboardInterrupt`` (or another signal's
+        exception) while waiting, after the items not started are cancelled and the running ones ended.
+    """
+    seq = list(items)
+    if not seq:
+        return []
+    if on_pool_thread():
+        return _inline(fn, seq, finish_all)
+    run = _Run(fn, seq, max(1, min(workers, len(seq))))
+    try:
+        if finish_all:
+            errors = [slot.exception() for slot in run.slots]
+            first = next((e for e in errors if e is not None), None)
+            if first is not None:
+                raise first
+        return [slot.result() for slot in run.slots]
+    except BaseException:
+        if stop is not None:
+            stop.set()
+        started = run.close()
+        with guard() if guard is not None else contextlib.nullcontext():
+            for slot in started:
+                slot.exception()  # waits; its own error, if any, is not the one raised
+        raise
+
+
+def imap_ordered(fn: Callable[[T], R], items: Iterable[T], *, workers: int) -> Iterator[R]:
+    """:func:`map_ordered` yielding each result as soon as it and those before it are done.
+
+    Every item is started whether or not the results are consumed; closing the iterator early
+    (or an error) cancels the items not started and waits for the running ones.
+
+    Raises:
+        the first error of an item, in item order.
+    """
+    seq = list(items)
+    if not seq:
+        return
+    if on_pool_thread():
+        for it in seq:
+            yield fn(it)
+        return
+    run = _Run(fn, seq, max(1, min(workers, len(seq))))
+    try:
+        for slot in run.slots:
+            yield slot.result()
+    except BaseException:
+        for slot in run.close():
+            slot.exception()
+        raise
+
+
+class Lane:
+    """A bounded share of the pool for open-ended submission: at most ``workers`` of its tasks run at once.
+
+    The rest wait in the lane's own queue (first in, first out); :meth:`submit` returns a plain
+    ``concurrent.futures.Future`` (``wait``, ``cancel`` and ``result`` work as usual). A task
+    submitted from a pool thread runs inline (nested work never deadlocks).
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.workers = max(1, workers)
+        self._queue: deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._started: set[Future[Any]] = set()
+        self._running = 0
+        self._closed = False
+        self._lock = threading.Lock()
+        self._executor = _shared(self.workers)
+
+    def submit(self, fn: Callable[..., R], *args: Any) -> Future[R]:
+        """Queue ``fn(*args)``; it starts when fewer than ``workers`` of the lane's tasks run.
+
+        Raises:
+            RuntimeError: the lane was shut down.
+        """
+        fut: Future[Any] = Future()
+        if on_pool_thread():
+            fut.set_running_or_notify_cancel()
+            self._run(fut, fn, args)
+            return fut
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot submit to a lane that was shut down")
+            self._queue.append((fut, fn, args))
+        self._pump()
+        return fut
+
+    def _pump(self) -> None:
+        while True:
+            with self._lock:
+                if self._running >= self.workers or not self._queue:
+                    return
+                fut, fn, args = self._queue.popleft()
+                if not fut.set_running_or_notify_cancel():
+                    continue  # cancelled while queued
+                self._running += 1
+                self._started.add(fut)
+            try:
+                self._executor.submit(self._task, fut, fn, args)
+            except RuntimeError as e:  # the interpreter is shutting down
+                self._done(fut)
+                fut.set_exception(e)
+
+    @staticmethod
+    def _run(fut: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:
+            fut.set_exception(e)
+        else:
+            fut.set_result(result)
+
+    def _done(self, fut: Future[Any]) -> None:
+        with self._lock:
+            self._running -= 1
+            self._started.discard(fut)
+
+    def _task(self, fut: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            self._run(fut, fn, args)
+        finally:
+            self._done(fut)
+            self._pump()
+
+    def shutdown(self, *, cancel: bool = True) -> None:
+        """Accept no more tasks; cancel the queued ones (``cancel``); wait for the running ones."""
+        with self._lock:
+            self._closed = True
+            queued = list(self._queue) if cancel else []
+            if cancel:
+                self._queue.clear()
+        for fut, _, _ in queued:
+            fut.cancel()
+        while True:
+            with self._lock:
+                running = list(self._started)
+                idle = not running and not self._queue
+            if idle:
+                return
+            for fut in running:
+                fut.exception()
+            time.sleep(0.001)  # a task ended and its successor is being started: look again

@@ -1,0 +1,153 @@
+"""The executor: its sinks produce the same bytes, CRC-32 and digests as a straight read computed
+independently (zlib, hashlib, xxhash); halves and sub-ranges combine to the whole."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+
+from ckpttool.engine import execute as ex
+from ckpttool.engine.crc import crc32_combine
+from ckpttool.engine.execute import can_split, run_item, run_items, run_split
+from ckpttool.engine.io import ShortReadError
+from ckpttool.engine.plan import Compare, Crc32, Feed, Item, Window, WriteAt
+
+A = os.urandom(300_000)
+B = os.urandom(70_001)
+
+
+@pytest.fixture
+def files(tmp_path: Path):
+    (tmp_path / "a").write_bytes(A)
+    (tmp_path / "b").write_bytes(B)
+    (tmp_path / "out").write_bytes(b"\xee" * 10)
+    fds = [os.open(tmp_path / n, os.O_RDWR) for n in ("a", "b", "out")]
+    yield tmp_path, fds
+    for f in fds:
+        os.close(f)
+
+
+SEGS = [(0, 1000, 5000), (1, 1, 70_000), (0, 123_456, 100_001), (1, 0, 0)]
+
+
+def _item(fds: list[int], *sinks, transform=None) -> tuple[Item, bytes]:
+    reads = tuple(Window(fds[i], off, n) for i, off, n in SEGS)
+    data = b"".join((A, B)[i][off : off + n] for i, off, n in SEGS)
+    return Item(reads, tuple(sinks), transform), data
+
+
+@pytest.mark.parametrize("bufsize", [1 << 20, 4096, 1000, 7])
+def test_sinks_match_a_straight_read(files, bufsize: int) -> None:
+    xxhash = pytest.importorskip("xxhash")
+    tmp, fds = files
+    h1, h2, h3 = hashlib.sha256(), xxhash.xxh3_128(), hashlib.blake2b()
+    counted: list[int] = []
+    item, data = _item(
+        fds,
+        Crc32(),
+        Feed(h1.update),
+        Feed(h2.update),
+        Crc32(17, 90_000),
+        Feed(h3.update, 4999, 75_002),
+        Feed(lambda p: counted.append(len(p))),
+        WriteAt(fds[2], 33),
+    )
+    res = run_item(item, buf=memoryview(bytearray(bufsize)))
+    assert item.length == len(data) == 175_001
+    assert res[0] == zlib.crc32(data)
+    assert res[3] == zlib.crc32(data[17:90_000])
+    assert h1.hexdigest() == hashlib.sha256(data).hexdigest()
+    assert h2.hexdigest() == xxhash.xxh3_128(data).hexdigest()
+    assert h3.hexdigest() == hashlib.blake2b(data[4999:75_002]).hexdigest()
+    assert sum(counted) == len(data) and max(counted) <= bufsize
+    assert res[1] is None and res[6] is None
+    out = (tmp / "out").read_bytes()
+    assert out[:10] == b"\xee" * 10 and out[10:33] == b"\0" * 23 and out[33:] == data
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(0, 1), (4999, 5001), (5000, 75_000), (1, 175_000), (175_001, 175_001)])
+def test_sub_ranges_write_their_bytes_and_crcs_combine(files, lo: int, hi: int) -> None:
+    tmp, fds = files
+    item, data = _item(fds, Crc32(), WriteAt(fds[2], 0))
+    crc_lo = run_item(item, lo=0, hi=lo)[0]
+    crc_mid = run_item(item, lo=lo, hi=hi)[0]
+    crc_hi = run_item(item, lo=hi)[0]
+    assert crc_mid == zlib.crc32(data[lo:hi])
+    if crc32_combine is not None:
+        whole = crc32_combine(crc32_combine(crc_lo, crc_mid, hi - lo), crc_hi, len(data) - hi)
+        assert whole == zlib.crc32(data)
+    assert (tmp / "out").read_bytes()[: len(data)] == data
+
+
+@pytest.mark.parametrize("mid", [1, 4096, 5000, 87_500, 175_000])
+def test_run_split_equals_run_item(files, mid: int) -> None:
+    if crc32_combine is None:
+        pytest.skip("no crc32_combine (zlib fallback)")
+    tmp, fds = files
+    item, data = _item(fds, Crc32(), WriteAt(fds[2], 5), Compare(fds[0], 1000))
+    assert can_split(item)
+    crc, _, first_diff = run_split(item, mid)
+    assert crc == zlib.crc32(data)
+    assert (tmp / "out").read_bytes()[5:] == data
+    assert first_diff == 5000  # the stream leaves file a after its first window
+    assert not can_split(Item(item.reads, (Feed(print),)))
+    assert not can_split(Item(item.reads, (Crc32(1),)))
+
+
+def test_transform_is_applied_before_the_sinks(files) -> None:
+    tmp, fds = files
+
+    def invert(piece: memoryview) -> memoryview:
+        return memoryview(bytes(255 - b for b in piece))
+
+    item, data = _item(fds, Crc32(), WriteAt(fds[2], 0), transform=invert)
+    expected = bytes(255 - b for b in data)
+    (crc, _) = run_item(item, buf=memoryview(bytearray(50_000)))
+    assert crc == zlib.crc32(expected)
+    assert (tmp / "out").read_bytes() == expected
+
+
+def test_compare_finds_the_first_differing_position(files) -> None:
+    tmp, fds = files
+    changed = bytearray(A)
+    changed[123_457] ^= 1
+    (tmp / "c").write_bytes(bytes(changed))
+    c = os.open(tmp / "c", os.O_RDONLY)
+    try:
+        assert run_item(Item.of(fds[0], 0, len(A), Compare(c, 0)))[0] == 123_457
+        assert run_item(Item.of(fds[0], 0, 100_000, Compare(c, 0)))[0] is None
+        assert run_item(Item.of(fds[0], 100_000, 50_000, Compare(c, 100_000)))[0] == 23_457
+        with pytest.raises(ShortReadError):
+            run_item(Item.of(fds[0], 0, len(A), Compare(c, 1)))  # the compared file ends first
+    finally:
+        os.close(c)
+
+
+def test_a_window_past_the_end_is_a_short_read(files) -> None:
+    _, fds = files
+    with pytest.raises(ShortReadError) as ei:
+        run_item(Item.of(fds[1], 70_000, 10, Crc32()))
+    assert (ei.value.offset, ei.value.missing) == (70_001, 9)
+
+
+def test_run_items_keeps_item_order(files) -> None:
+    _, fds = files
+    items = [Item.of(fds[0], i * 1000, 999 + i, Crc32()) for i in range(40)]
+    assert run_items(items, workers=3) == [(zlib.crc32(A[i * 1000 : i * 1000 + 999 + i]),) for i in range(40)]
+
+
+def test_writeback_is_started_every_interval_and_covers_the_range(files, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, fds = files
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(ex, "start_writeback", lambda fd, off, n: calls.append((fd, off, n)))
+    run_item(Item.of(fds[0], 0, 10_000, WriteAt(fds[2], 100, 3000)), buf=memoryview(bytearray(1024)))
+    assert all(fd == fds[2] for fd, _, _ in calls)
+    at = 100
+    for _, off, n in calls:
+        assert off == at and n >= 3000 or off + n == 10_100
+        at = off + n
+    assert at == 10_100

@@ -1,0 +1,174 @@
+"""The one pool: results in item order, each call's worker count honoured, the first error (in item
+order) re-raised after the rest are cancelled, nested calls run inline instead of deadlocking."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from ckpttool.engine import pool
+from ckpttool.engine.pool import Lane, imap_ordered, map_ordered, on_pool_thread, overlap, worker_count
+
+
+class _Gauge:
+    """Counts the items running at once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.now = 0
+        self.peak = 0
+        self.ran: list[int] = []
+
+    def run(self, i: int, delay: float = 0.0) -> int:
+        with self.lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+            self.ran.append(i)
+        time.sleep(delay)
+        with self.lock:
+            self.now -= 1
+        return i * i
+
+
+@pytest.mark.parametrize("workers", [1, 2, 5])
+def test_results_in_item_order_and_concurrency_bounded(workers: int) -> None:
+    g = _Gauge()
+    rnd = random.Random(workers)
+    delays = [rnd.random() * 0.01 for _ in range(30)]
+    out = map_ordered(lambda i: g.run(i, delays[i]), range(30), workers=workers)
+    assert out == [i * i for i in range(30)]
+    assert 1 <= g.peak <= workers
+    assert sorted(g.ran) == list(range(30))
+
+
+def test_empty_and_worker_count() -> None:
+    assert map_ordered(lambda i: i, [], workers=4) == []
+    assert list(imap_ordered(lambda i: i, [], workers=4)) == []
+    assert worker_count(None, 1) == 1
+    assert worker_count(3, 8) == 3
+    assert worker_count(16, 2) == 2
+    assert worker_count(0, 0) == 1
+
+
+def test_first_error_in_item_order_cancels_the_rest_and_sets_stop() -> None:
+    stop = threading.Event()
+    started: list[int] = []
+    lock = threading.Lock()
+
+    def fn(i: int) -> int:
+        with lock:
+            started.append(i)
+        if i == 5:
+            time.sleep(0.02)
+            raise ValueError("item 5")
+        if i == 7:
+            raise KeyError("item 7")  # later in item order: not the one raised
+        time.sleep(0.005)
+        return i
+
+    with pytest.raises(ValueError, match="item 5"):
+        map_ordered(fn, range(200), workers=3, stop=stop)
+    assert stop.is_set()
+    assert len(started) < 200  # the items not started were cancelled
+    n = len(started)
+    time.sleep(0.05)
+    assert len(started) == n  # and nothing runs after the call returned
+
+
+def test_finish_all_runs_every_item_then_raises_the_first_error() -> None:
+    ran: list[int] = []
+    lock = threading.Lock()
+
+    def fn(i: int) -> int:
+        with lock:
+            ran.append(i)
+        if i in (3, 9):
+            raise RuntimeError(f"item {i}")
+        return i
+
+    with pytest.raises(RuntimeError, match="item 3"):
+        map_ordered(fn, range(20), workers=4, finish_all=True)
+    assert sorted(ran) == list(range(20))
+
+
+def test_keyboard_interrupt_in_an_item_propagates_after_running_items_end_under_the_guard() -> None:
+    entered: list[bool] = []
+    running = threading.Event()
+    finished: list[int] = []
+
+    @contextmanager
+    def guard() -> Iterator[None]:
+        entered.append(True)
+        yield
+
+    def fn(i: int) -> int:
+        if i == 0:
+            running.wait(1)
+            raise KeyboardInterrupt
+        running.set()
+        time.sleep(0.05)
+        finished.append(i)
+        return i
+
+    with pytest.raises(KeyboardInterrupt):
+        map_ordered(fn, range(50), workers=2, guard=guard)
+    assert entered == [True]
+    assert finished and len(finished) < 49  # the running one ended; the rest never started
+
+
+def test_nested_calls_run_inline_and_never_deadlock() -> None:
+    def inner(i: int) -> tuple[int, bool]:
+        return i, on_pool_thread()
+
+    def outer(i: int) -> list[tuple[int, bool]]:
+        assert on_pool_thread()
+        return map_ordered(inner, range(i, i + 3), workers=4)
+
+    n = pool.pool_size() + 5  # more outer items than the pool has threads, each mapping again
+    out = map_ordered(outer, range(n), workers=n)
+    assert out == [[(i, True), (i + 1, True), (i + 2, True)] for i in range(n)]
+    assert not on_pool_thread()
+
+
+def test_imap_ordered_yields_in_order_and_closing_early_stops() -> None:
+    g = _Gauge()
+    it = imap_ordered(lambda i: g.run(i, 0.002), range(100), workers=2)
+    assert [next(it) for _ in range(3)] == [0, 1, 4]
+    it.close()
+    n = len(g.ran)
+    time.sleep(0.02)
+    assert len(g.ran) == n < 100
+    assert list(imap_ordered(lambda i: -i, range(5), workers=3)) == [0, -1, -2, -3, -4]
+    with pytest.raises(ZeroDivisionError):
+        list(imap_ordered(lambda i: 1 // (i - 2), range(5), workers=2))
+
+
+def test_lane_bounds_concurrency_and_cancels_the_queue_on_shutdown() -> None:
+    g = _Gauge()
+    lane = Lane(2)
+    futs = [lane.submit(g.run, i, 0.003) for i in range(10)]
+    assert [f.result() for f in futs] == [i * i for i in range(10)]
+    assert g.peak <= 2
+    block = threading.Event()
+    lane2 = Lane(1)
+    first = lane2.submit(block.wait, 1)
+    queued = [lane2.submit(g.run, i) for i in range(5)]
+    threading.Timer(0.02, block.set).start()
+    lane2.shutdown(cancel=True)
+    assert first.result() is True
+    assert all(f.cancelled() for f in queued)
+    with pytest.raises(RuntimeError):
+        lane2.submit(g.run, 1)
+    err = Lane(1).submit(lambda: 1 // 0)
+    with pytest.raises(ZeroDivisionError):
+        err.result()
+
+
+def test_overlap_runs_on_its_own_thread() -> None:
+    names = overlap(lambda: (threading.current_thread().name, on_pool_thread())).result()
+    assert names[0].startswith("ckpttool-overlap") and names[1]
