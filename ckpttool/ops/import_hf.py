@@ -410,14 +410,8 @@ def _row_chunks(shape: tuple[int, ...], rows: list[tuple[int, int]]) -> list[tup
     return [(rank, ChunkMeta((start, *rest), (length, *shape[1:]))) for rank, (start, length) in enumerate(rows)]
 
 
-def _import_plain(
-    hf_dir: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    opts: ImportOptions,
-    ep: tuple[int, int] | None = None,
-) -> ImportResult:
-    """The import; with ``ep = (P, F)`` expert tensors are placed by :func:`ep_rows` and a layout record is written."""
-    t0 = time.perf_counter()
+def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -> Path:
+    """``schema`` and ``world_size`` usable and ``hf_dir`` a directory; returns it."""
     if opts.schema not in SCHEMAS:
         raise UsageError(f"`schema` {opts.schema!r} is not one of {', '.join(SCHEMAS)}", param="schema")
     if isinstance(opts.world_size, bool) or not isinstance(opts.world_size, int) or opts.world_size < 1:
@@ -425,10 +419,11 @@ def _import_plain(
     src_dir = Path(hf_dir)
     if not src_dir.is_dir():
         raise UsageError(f"{src_dir}: not a directory", path=src_dir, hint="pass a Hugging Face model directory")
-    cfg_path = opts.config if opts.config is not None else (src_dir if (src_dir / "config.json").exists() else None)
-    config = read_hf_config(cfg_path, param="config") if cfg_path is not None else None
-    md = load_hf_storage_metadata(src_dir)
-    warnings: list[str] = []
+    return src_dir
+
+
+def _hf_sources(src_dir: Path, md: Any) -> dict[str, _Source]:
+    """The stored HF tensors by key (whole tensors only: per-rank shards raise E601)."""
     sources: dict[str, _Source] = {}
     for key, tm in md.entries.items():
         if not isinstance(tm, TensorMeta):
@@ -443,6 +438,11 @@ def _import_plain(
         info = md.storage_for(key, c)
         assert info is not None, key
         sources[key] = _Source(key, info.relative_path, info.offset, tm.dtype.name, tm.size)
+    return sources
+
+
+def _check_index(src_dir: Path, sources: dict[str, _Source]) -> None:
+    """``model.safetensors.index.json``, if any, names no tensor the safetensors files lack."""
     index_path = src_dir / "model.safetensors.index.json"
     if index_path.exists():
         from ckpttool.format import limits
@@ -464,11 +464,10 @@ def _import_plain(
                     fqn=absent[0],
                     hint="a shard file is missing; download or copy the complete model",
                 )
-    tie = config_value(config, "tie_word_embeddings") is True
-    if tie and "lm_head.weight" not in sources and "model.embed_tokens.weight" in sources:
-        e = sources["model.embed_tokens.weight"]
-        sources["lm_head.weight"] = _Source("lm_head.weight", e.file, e.offset, e.dtype, e.shape)
-        warnings.append("tied lm_head.weight written from model.embed_tokens.weight (tie_word_embeddings)")
+
+
+def _choose_adapter(opts: ImportOptions, config: Any) -> ModelAdapter | None:
+    """The adapter of ``schema`` torchtitan (``adapter``, else from ``model_type``); ``None`` for torch-native."""
     adapter: ModelAdapter | None = None
     if opts.schema == "torchtitan":
         name = opts.adapter
@@ -490,11 +489,13 @@ def _import_plain(
         adapter = get_adapter(name)
     elif opts.adapter not in (None, "hf"):
         raise UsageError("`adapter` applies to `schema` torchtitan", param="adapter")
-    acfg = AdapterConfig.from_hf_config(config)
-    natives, skipped = _native_tensors(sources, opts, adapter, acfg)
+    return adapter
+
+
+def _check_ep(src_dir: Path, natives: list[_Native], ep: tuple[int, int] | None) -> None:
+    """With EP sizes: the model has expert tensors and ``ep_size`` divides each one's expert count."""
     if ep is not None:
         from ckpttool.layouts.declaration import EP_NAME_RE
-        from ckpttool.layouts.record import EPTensorSpec
     if ep is not None and not any(len(n.shape) >= 2 and EP_NAME_RE.search(n.key) for n in natives):
         raise UsageError(
             f"{src_dir}: `ep_size` / `ep_fsdp_size` given, but the model has no MoE expert tensor "
@@ -512,16 +513,114 @@ def _import_plain(
                     fqn=n.key,
                     hint=f"pick an `ep_size` that divides {n.shape[0]}",
                 )
-    fds: dict[str, int] = {}
-    files_info: list[dict[str, Any]] = []
-    ep_specs: dict[str, EPTensorSpec] = {}
+
+
+def _open_sources(src_dir: Path, natives: list[_Native], fds: dict[str, int]) -> None:
+    """Open every safetensors file the tensors read from into ``fds`` (file name -> fd; the caller closes them)."""
+    for n in natives:
+        for row in [[(*n.flat, 0)]] if n.flat is not None else n.rows:
+            for f, _, _ in row:
+                if f not in fds:
+                    fds[f] = open_regular(resolve_inside(src_dir, f, what="safetensors file"))
+
+
+def _place(
+    natives: list[_Native], opts: ImportOptions, ep: tuple[int, int] | None, ep_specs: dict[str, EPTensorSpec]
+) -> tuple[list[_Placed], list[int], int]:
+    """Chunks of every tensor per target rank (EP tensors by :func:`ep_rows`, specs into ``ep_specs``).
+
+    Returns the placements, the bytes of each target rank file and the total tensor bytes.
+    """
+    if ep is not None:
+        from ckpttool.layouts.declaration import EP_NAME_RE
+        from ckpttool.layouts.record import EPTensorSpec
     total = 0
+    placed: list[_Placed] = []
+    file_bytes = [0] * opts.world_size
+    for n in natives:
+        itemsize = DType(n.dtype).itemsize
+        if not n.shape:
+            placed.append(_Placed(n, [(0, ChunkMeta((), ()))], dim1=False))
+            file_bytes[0] += itemsize
+            continue
+        if ep is not None and len(n.shape) >= 2 and EP_NAME_RE.search(n.key):
+            if n.shape[0] < ep[0] * ep[1]:  # fewer experts than ranks: EP-FSDP on dim 1 (torchtitan)
+                ep_specs[n.key] = EPTensorSpec(ep_dim=0, fsdp_dim=1, num_experts=n.shape[0])
+                pl = _Placed(n, ep_dim1_chunks(n.shape, *ep), dim1=True)
+            else:
+                ep_specs[n.key] = EPTensorSpec(ep_dim=0, fsdp_dim=0, num_experts=n.shape[0])
+                pl = _Placed(n, _row_chunks(n.shape, ep_rows(n.shape[0], *ep)), dim1=False)
+        else:
+            pl = _Placed(n, _row_chunks(n.shape, torch_chunk_rows(n.shape[0], opts.world_size)), dim1=False)
+        placed.append(pl)
+        for rank, chunk in pl.chunks:
+            file_bytes[rank] += itemsize * chunk.numel
+        total += itemsize * math.prod(n.shape)
+    return placed, file_bytes, total
+
+
+def _write_output(
+    src_dir: Path,
+    dst: Any,
+    placed: list[_Placed],
+    file_bytes: list[int],
+    fds: dict[str, int],
+    opts: ImportOptions,
+    ep: tuple[int, int] | None,
+    ep_specs: dict[str, EPTensorSpec],
+    identity: dict[str, Any] | None,
+    group: distributed.Group,
+) -> list[dict[str, Any]]:
+    """Write the output (this rank's share of the rank files; the root ``.metadata`` and manifest); its files."""
+    files_info: list[dict[str, Any]] = []
+    owners = group.share(file_bytes)
+    mine = {r for r in range(opts.world_size) if group.owns(owners[r])}
+    with contextlib.ExitStack() as stack:
+        tmp = distributed.enter_output_dir(stack, group, dst, overwrite=opts.overwrite, source=src_dir)
+        try:
+            w = _write_dcp(tmp, dst, placed, mine, fds, opts, ep, ep_specs, group)
+        except BaseException as e:
+            if group.active and not distributed.agreed(e):
+                group.agree(e)  # the other ranks learn of it (and raise it) in _write_dcp
+            raise
+        if group.is_root:
+            if opts.manifest:
+                from ckpttool.ops.manifest import write_output_manifest
+
+                write_output_manifest(w, tmp, opts.algorithm, identity)
+            for p in sorted(tmp.iterdir()):
+                files_info.append({"name": p.name, "bytes": p.stat().st_size})
+    return files_info
+
+
+def _import_plain(
+    hf_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    opts: ImportOptions,
+    ep: tuple[int, int] | None = None,
+) -> ImportResult:
+    """The import; with ``ep = (P, F)`` expert tensors are placed by :func:`ep_rows` and a layout record is written."""
+    t0 = time.perf_counter()
+    src_dir = _check_import_options(hf_dir, opts)
+    cfg_path = opts.config if opts.config is not None else (src_dir if (src_dir / "config.json").exists() else None)
+    config = read_hf_config(cfg_path, param="config") if cfg_path is not None else None
+    md = load_hf_storage_metadata(src_dir)
+    warnings: list[str] = []
+    sources = _hf_sources(src_dir, md)
+    _check_index(src_dir, sources)
+    tie = config_value(config, "tie_word_embeddings") is True
+    if tie and "lm_head.weight" not in sources and "model.embed_tokens.weight" in sources:
+        e = sources["model.embed_tokens.weight"]
+        sources["lm_head.weight"] = _Source("lm_head.weight", e.file, e.offset, e.dtype, e.shape)
+        warnings.append("tied lm_head.weight written from model.embed_tokens.weight (tie_word_embeddings)")
+    adapter = _choose_adapter(opts, config)
+    acfg = AdapterConfig.from_hf_config(config)
+    natives, skipped = _native_tensors(sources, opts, adapter, acfg)
+    _check_ep(src_dir, natives, ep)
+    fds: dict[str, int] = {}
+    ep_specs: dict[str, EPTensorSpec] = {}
     try:
-        for n in natives:
-            for row in [[(*n.flat, 0)]] if n.flat is not None else n.rows:
-                for f, _, _ in row:
-                    if f not in fds:
-                        fds[f] = open_regular(resolve_inside(src_dir, f, what="safetensors file"))
+        _open_sources(src_dir, natives, fds)
         identity = None
         if opts.manifest:
             from ckpttool.ops.manifest import safetensors_source_identity
@@ -530,44 +629,8 @@ def _import_plain(
         dst = output_location(out)
         # torchrun: each rank writes the target rank files assigned to it (by bytes), rank 0 .metadata
         group = distributed.current()
-        placed: list[_Placed] = []
-        file_bytes = [0] * opts.world_size
-        for n in natives:
-            itemsize = DType(n.dtype).itemsize
-            if not n.shape:
-                placed.append(_Placed(n, [(0, ChunkMeta((), ()))], dim1=False))
-                file_bytes[0] += itemsize
-                continue
-            if ep is not None and len(n.shape) >= 2 and EP_NAME_RE.search(n.key):
-                if n.shape[0] < ep[0] * ep[1]:  # fewer experts than ranks: EP-FSDP on dim 1 (torchtitan)
-                    ep_specs[n.key] = EPTensorSpec(ep_dim=0, fsdp_dim=1, num_experts=n.shape[0])
-                    pl = _Placed(n, ep_dim1_chunks(n.shape, *ep), dim1=True)
-                else:
-                    ep_specs[n.key] = EPTensorSpec(ep_dim=0, fsdp_dim=0, num_experts=n.shape[0])
-                    pl = _Placed(n, _row_chunks(n.shape, ep_rows(n.shape[0], *ep)), dim1=False)
-            else:
-                pl = _Placed(n, _row_chunks(n.shape, torch_chunk_rows(n.shape[0], opts.world_size)), dim1=False)
-            placed.append(pl)
-            for rank, chunk in pl.chunks:
-                file_bytes[rank] += itemsize * chunk.numel
-            total += itemsize * math.prod(n.shape)
-        owners = group.share(file_bytes)
-        mine = {r for r in range(opts.world_size) if group.owns(owners[r])}
-        with contextlib.ExitStack() as stack:
-            tmp = distributed.enter_output_dir(stack, group, dst, overwrite=opts.overwrite, source=src_dir)
-            try:
-                w = _write_dcp(tmp, dst, placed, mine, fds, opts, ep, ep_specs, group)
-            except BaseException as e:
-                if group.active and not distributed.agreed(e):
-                    group.agree(e)  # the other ranks learn of it (and raise it) in _write_dcp
-                raise
-            if group.is_root:
-                if opts.manifest:
-                    from ckpttool.ops.manifest import write_output_manifest
-
-                    write_output_manifest(w, tmp, opts.algorithm, identity)
-                for p in sorted(tmp.iterdir()):
-                    files_info.append({"name": p.name, "bytes": p.stat().st_size})
+        placed, file_bytes, total = _place(natives, opts, ep, ep_specs)
+        files_info = _write_output(src_dir, dst, placed, file_bytes, fds, opts, ep, ep_specs, identity, group)
     finally:
         for fd in fds.values():
             os.close(fd)

@@ -14,7 +14,7 @@ import logging
 import operator
 import os
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain, compress
 from json.encoder import encode_basestring_ascii as _enc  # what json.dumps uses for str (ensure_ascii)
@@ -620,30 +620,12 @@ def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) 
         return _build(ckpt, opts)
 
 
-def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
-    cat, filt = ckpt.catalog, opts.filter_glob
-    stateful = any(ps.fields for ps in cat.optimizer_state.values())
-    tensors = cat.tensors if stateful or cat.other_tensors else cat.model  # read only: no copy of a model-only one
+def _summary(cat: Catalog, tensors: Mapping[str, TensorEntry]) -> Summary:
+    """Counts and bytes of the checkpoint (by dtype, by category) for the summary."""
     dtypes, sizes = list(map(_dtype, tensors.values())), list(map(_nbytes, tensors.values()))
     bytes_by_dtype = {d: sum(compress(sizes, map(d.__eq__, dtypes))) for d in dict.fromkeys(dtypes)}  # a few dtypes
     state_bytes = sum(t.nbytes for ps in cat.optimizer_state.values() for t in ps.fields.values() if t)
-    prefix = cat.schema.model_prefix
-    model_rows = [t for t in cat.model.values() if match_filter(t.key, filt, prefix)] if filt else [*cat.model.values()]
-    if filt and not model_rows and not any(match_filter(k, filt, prefix) for k in tensors):
-        shown = f"the {prefix!r} prefix" if prefix else "a prefix"
-        raise UsageError(
-            f"`filter_glob` {filt!r} matches no key of {ckpt.path}",
-            param="filter_glob",
-            hint=f"globs match keys with or without {shown}, e.g. "
-            f"'{cat.fqn_of(next(iter(cat.model), 'layers.0.x')).split('.')[0]}.*'",
-        )
-    if opts.sort == "size":
-        model_rows.sort(key=lambda t: (-t.nbytes, t.key))
-    needed = _needed_bytes(ckpt)
-    declared = None
-    if ckpt.layout is not None and ckpt.layout.record is not None:
-        declared = ckpt.layout.record.optimizer.get("type")
-    summary = Summary(
+    return Summary(
         files=sum(1 for f in cat.data_files if f.referenced),
         ranks=cat.ranks,
         bytes_on_disk=sum(f.size or 0 for f in cat.data_files),
@@ -658,6 +640,51 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
             "other": sum(map(_nbytes, cat.other_tensors.values())),
         },
     )
+
+
+def _model_rows(ckpt: Checkpoint, tensors: Mapping[str, TensorEntry], opts: InspectOptions) -> list[TensorEntry]:
+    """The model tensors ``filter_glob`` selects, in ``sort`` order; raises when it matches no key at all."""
+    cat, filt = ckpt.catalog, opts.filter_glob
+    prefix = cat.schema.model_prefix
+    model_rows = [t for t in cat.model.values() if match_filter(t.key, filt, prefix)] if filt else [*cat.model.values()]
+    if filt and not model_rows and not any(match_filter(k, filt, prefix) for k in tensors):
+        shown = f"the {prefix!r} prefix" if prefix else "a prefix"
+        raise UsageError(
+            f"`filter_glob` {filt!r} matches no key of {ckpt.path}",
+            param="filter_glob",
+            hint=f"globs match keys with or without {shown}, e.g. "
+            f"'{cat.fqn_of(next(iter(cat.model), 'layers.0.x')).split('.')[0]}.*'",
+        )
+    if opts.sort == "size":
+        model_rows.sort(key=lambda t: (-t.nbytes, t.key))
+    return model_rows
+
+
+def _file_rows(cat: Catalog, needed: dict[str, int]) -> tuple[FileRow, ...]:
+    """One row per data file: size, rank, referenced, bytes the metadata needs, status."""
+    return tuple(
+        FileRow(
+            f.relative_path,
+            f.size,
+            f.rank,
+            f.referenced,
+            needed.get(f.relative_path, 0),
+            _file_status(f.size, needed.get(f.relative_path, 0), f.referenced),
+        )
+        for f in cat.data_files
+    )
+
+
+def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
+    cat, filt = ckpt.catalog, opts.filter_glob
+    stateful = any(ps.fields for ps in cat.optimizer_state.values())
+    tensors = cat.tensors if stateful or cat.other_tensors else cat.model  # read only: no copy of a model-only one
+    model_rows = _model_rows(ckpt, tensors, opts)
+    needed = _needed_bytes(ckpt)
+    declared = None
+    if ckpt.layout is not None and ckpt.layout.record is not None:
+        declared = ckpt.layout.record.optimizer.get("type")
+    summary = _summary(cat, tensors)
     tree = None
     if opts.depth:
         agg = group_by_prefix([(t.key, t.numel, t.nbytes) for t in model_rows], opts.depth)
@@ -666,17 +693,7 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         path=str(ckpt.path),
         dcp_version=cat.dcp_version,
         summary=summary,
-        files=tuple(
-            FileRow(
-                f.relative_path,
-                f.size,
-                f.rank,
-                f.referenced,
-                needed.get(f.relative_path, 0),
-                _file_status(f.size, needed.get(f.relative_path, 0), f.referenced),
-            )
-            for f in cat.data_files
-        ),
+        files=_file_rows(cat, needed),
         model=tuple(model_rows),
         optimizer=_optimizer_section(cat, filt, declared),
         layout=_layout_section(ckpt),

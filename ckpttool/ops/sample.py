@@ -82,7 +82,8 @@ class SampleConfig:
         return cfg
 
 
-def _build_model_class() -> type:
+def _rms_norm_class() -> type[Any]:
+    """``RMSNorm(dim, eps)``: root-mean-square norm with a learned ``weight``."""
     import torch
     from torch import nn
 
@@ -94,6 +95,16 @@ def _build_model_class() -> type:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+    return RMSNorm
+
+
+def _attention_class(rms_norm: type[Any]) -> type[Any]:
+    """``Attention(config)``: causal GQA self-attention with per-head q/k norms (``self_attn``)."""
+    import torch
+    from torch import nn
+
+    RMSNorm = rms_norm
 
     class Attention(nn.Module):
         def __init__(self, c: SampleConfig) -> None:
@@ -118,6 +129,14 @@ def _build_model_class() -> type:
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
             out: torch.Tensor = self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
             return out
+
+    return Attention
+
+
+def _moe_class() -> type[Any]:
+    """``SparseMoE(config)``: router (``gate``), fused ``experts`` and ``shared_experts`` (``mlp``)."""
+    import torch
+    from torch import nn
 
     class Router(nn.Module):
         e_score_correction_bias: torch.Tensor  # a registered buffer
@@ -171,6 +190,18 @@ def _build_model_class() -> type:
             y = torch.einsum("btei,ehi->bteh", torch.nn.functional.silu(g) * u, self.experts.down_proj)
             shared: torch.Tensor = self.shared_experts(x)
             return (y * weights.unsqueeze(-1)).sum(2) + shared
+
+    return SparseMoE
+
+
+def _build_model_class() -> type:
+    """``TinyMoEForCausalLM(config)``: the decoder layers over the attention and MoE parts."""
+    import torch
+    from torch import nn
+
+    RMSNorm = _rms_norm_class()
+    Attention = _attention_class(RMSNorm)
+    SparseMoE = _moe_class()
 
     class Layer(nn.Module):
         def __init__(self, c: SampleConfig) -> None:

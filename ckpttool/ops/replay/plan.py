@@ -282,6 +282,318 @@ def _check_policy(p: ParamPlan, cfg: dict[str, Any], saved: dict[str, str]) -> N
 
 
 # ----------------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class _Membership:
+    """Param-group membership of the model tensors (the catalog's one fqn -> group index)."""
+
+    grouped: set[str]
+    params_in_model: list[str]
+    group_of: dict[str, Any]
+    hypers: dict[str, Hyper]
+
+    def leaf_of(self, fqn: str) -> str:
+        return leaf_key(self.group_of[fqn])  # the catalog's leaves: a nested group, or equal flattened values
+
+
+@dataclass(frozen=True)
+class _TypeChoice:
+    """The optimizer type, why, the record-style base configuration and the record's ``fused``."""
+
+    type_name: str
+    reason: str
+    per_param_type: dict[str, str]
+    base_cfg: dict[str, Any]
+    fused: bool
+
+
+def _check_arguments(
+    cat: Catalog, select: str | None, optimizer: str, offload_patterns: Sequence[str] | None
+) -> re.Pattern[str] | None:
+    """Arguments and the checkpoint's optimizer state usable at all; the compiled ``select``."""
+    if optimizer != "auto" and optimizer not in OPTIMIZER_TYPES:
+        raise UsageError(f"unknown optimizer {optimizer!r}", hint=f"use auto or one of {', '.join(OPTIMIZER_TYPES)}")
+    try:
+        rx = re.compile(select) if select else None
+    except re.error as e:
+        raise UsageError(
+            f"`select` {select!r} is not a valid regular expression ({e})", hint="use Python re syntax"
+        ) from e
+    for pat in offload_patterns or ():
+        try:
+            re.compile(pat)
+        except re.error as e:
+            raise UsageError(f"`offload_patterns` {pat!r} is not a valid regular expression ({e})") from e
+    if cat.schema.optimizer_keying == "index":
+        raise IndexedOptimizerStateError(
+            f"{cat.path}: the optimizer state under {cat.schema.optimizer_prefix!r} is keyed by parameter index "
+            "(a plain optimizer.state_dict()), so no state can be matched to a parameter"
+        )
+    if not cat.param_groups:
+        raise HyperparameterError(
+            f"{cat.path}: the checkpoint holds no optimizer param groups; nothing to replay",
+            hint="replay-step needs a checkpoint saved with its optimizer: pass its optimizer checkpoint with "
+            "`optimizer_dir`, or the folder holding both (`ckpttool inspect` shows what it holds)",
+        )
+    return rx
+
+
+def _membership(cat: Catalog, notes: list[str]) -> _Membership:
+    """Group membership and hyperparameters of the model tensors; notes what is not replayed."""
+    model_fqns = cat.param_fqns
+    grouped = {p for g in cat.param_groups for p in g.params}
+    params_in_model = [f for f in model_fqns if cat.group_of(f) is not None]
+    skipped = len(model_fqns) - len(params_in_model)
+    if skipped:
+        notes.append(f"{skipped} model tensor(s) in no param group (buffers, frozen parameters) are not replayed")
+    orphans = sorted(f for f in grouped if cat.model_key(f) not in cat.model)
+    fused = [f for f in orphans if (ps := cat.optimizer_state.get(f)) is not None and ps.stored_as]
+    if fused:
+        notes.append(
+            f"{len(fused)} parameter(s) are stepped fused but stored split in the model (e.g. {fused[0]} as "
+            f"{', '.join(cat.optimizer_state[fused[0]].stored_as)}): not replayed"
+        )
+    other_orphans = [f for f in orphans if f not in fused]
+    if other_orphans:
+        notes.append(
+            f"{len(other_orphans)} param-group parameter(s) are not model tensors and are skipped, e.g. {other_orphans[0]}"
+        )
+    group_of = {f: g for f in params_in_model if (g := cat.group_of(f)) is not None}
+    hypers = {f: _hyper(group_of[f], f, group_of[f].group_id) for f in params_in_model}
+    return _Membership(grouped, params_in_model, group_of, hypers)
+
+
+def _select(
+    cat: Catalog,
+    members: _Membership,
+    rx: re.Pattern[str] | None,
+    select: str | None,
+    filter_glob: str | None,
+) -> list[str]:
+    """The selected parameters (``select`` and ``filter_glob``); raises when nothing is selected."""
+    params_in_model = members.params_in_model
+    selected = [
+        f
+        for f in params_in_model
+        if (rx is None or rx.search(f))
+        and (filter_glob is None or match_filter(f"model.{f}", filter_glob))  # the canonical key
+    ]
+    if not params_in_model:
+        raise HyperparameterError(
+            f"{cat.path}: none of the {len(members.grouped)} parameter(s) of the param groups is a model tensor "
+            "of the checkpoint; nothing to replay",
+            hint="the optimizer state does not name this checkpoint's model tensors (`ckpttool inspect` shows both)",
+        )
+    if not selected:
+        example = params_in_model[0]
+        if filter_glob is not None:
+            raise UsageError(
+                f"`filter_glob` {filter_glob!r} matches none of the {len(params_in_model)} parameter(s)"
+                + (f" (with `select` {select!r})" if select else ""),
+                param="filter_glob",
+                hint=f"globs match checkpoint keys with or without 'model.', e.g. '*experts*' or '{example}'",
+            )
+        raise UsageError(
+            f"`select` {select!r} matches none of the {len(params_in_model)} parameter(s) (e.g. {params_in_model[0]})",
+            param="select",
+            hint=f"patterns are re.search over fqns such as {example}",
+        )
+    return selected
+
+
+def _record_base(cat: Catalog, record: LayoutRecord | None, optimizer: str) -> tuple[str | None, dict[str, Any], bool]:
+    """The layout record's usable optimizer type, its configuration and its ``fused`` switch."""
+    record_opt = dict(record.optimizer) if record is not None else {}
+    record_type = record_opt.get("type")
+    if record_type is not None and record_type not in OPTIMIZER_TYPES:
+        if optimizer == "auto":
+            raise HyperparameterError(
+                f"{cat.path}: layout record names optimizer type {record_type!r}, unknown to replay-step",
+                hint=f"pass `optimizer` {'|'.join(OPTIMIZER_TYPES)}",
+            )
+        record_type = None
+    base_cfg = _record_config(record_opt) if record_type else {}
+    # The implementation the run used (torch's fused AdamW kernel or the foreach ops) is replayed as recorded.
+    fused = record_opt.get("fused", False)
+    if not isinstance(fused, bool):
+        raise HyperparameterError(
+            f"{cat.path}: layout record optimizer.fused is {fused!r:.40}, not true or false",
+            hint="fix the layout record (`ckpttool stamp`), or remove the field (foreach)",
+        )
+    base_cfg.pop("fused", None)
+    return record_type, base_cfg, fused
+
+
+def _infer_type(
+    cat: Catalog, selected: list[str], offload_patterns: Sequence[str] | None
+) -> tuple[str, str, dict[str, str]]:
+    """Type, reason and per-parameter types inferred from the saved state fields (no record, ``auto``)."""
+    inferred: dict[str, str] = {}
+    for f in selected:
+        ps = cat.optimizer_state.get(f)
+        if ps is not None and ps.fields:
+            saved = _saved_dtypes(ps.fields, f)
+            try:
+                inferred[f] = infer_optimizer_type(saved)
+            except OptimStateError as e:
+                raise StateDtypeError(
+                    f"optimizer state of {f}: {e.message}",
+                    fqn=f,
+                    hint="run `ckpttool validate --strict` on the checkpoint; pass `optimizer` to declare the type",
+                ) from e
+    kinds = sorted(set(inferred.values()))
+    per_param_type: dict[str, str] = {}
+    if offload_patterns and kinds and all(k in _FP32_MASTER_TYPES for k in kinds):
+        type_name = "cpu_offload_adamw"
+        reason = "state fields (FP32 master_weight) and --offload-patterns"
+    elif len(kinds) > 1:
+        type_name = "mixed"
+        reason = f"state fields per parameter ({', '.join(kinds)}); no layout record"
+        per_param_type = inferred
+    elif kinds:
+        type_name = kinds[0]
+        reason = "state fields" + (
+            " (cpu_offload_adamw saves the same fields as full_fp32_adamw; pass --optimizer or stamp a record to use it)"
+            if type_name == "full_fp32_adamw"
+            else ""
+        )
+    else:
+        type_name = "adamw"
+        reason = "no state saved for the selected parameters and no layout record: torch.optim.AdamW"
+    return type_name, reason, per_param_type
+
+
+def _choose_type(
+    cat: Catalog,
+    record: LayoutRecord | None,
+    optimizer: str,
+    selected: list[str],
+    offload_patterns: Sequence[str] | None,
+    notes: list[str],
+) -> _TypeChoice:
+    """The optimizer type: ``--optimizer``, else the record's, else the saved state fields."""
+    record_type, base_cfg, fused = _record_base(cat, record, optimizer)
+    per_param_type: dict[str, str] = {}
+    if optimizer != "auto":
+        type_name = optimizer
+        reason = "--optimizer"
+        if record_type and record_type != optimizer:
+            notes.append(f"--optimizer {optimizer} overrides the layout record's optimizer type {record_type}")
+            base_cfg = {}
+    elif record_type:
+        type_name = record_type
+        reason = "layout record optimizer.type"
+    else:
+        type_name, reason, per_param_type = _infer_type(cat, selected, offload_patterns)
+    if offload_patterns:
+        base_cfg = dict(base_cfg, offload_patterns=list(offload_patterns))
+        base_cfg.pop("cpu_offload_param_patterns", None)
+    return _TypeChoice(type_name, reason, per_param_type, base_cfg, fused)
+
+
+def _saved_moment(cat: Catalog, selected: list[str], pred: Any) -> str | None:
+    """The saved ``exp_avg`` dtype of the first selected parameter ``pred`` accepts that has one."""
+    for f in selected:
+        ps = cat.optimizer_state.get(f)
+        if pred(f) and ps is not None and ps.fields.get("exp_avg") is not None:
+            return ps.fields["exp_avg"].dtype  # type: ignore[union-attr]
+    return None
+
+
+def _type_config(
+    cat: Catalog, selected: list[str], t: str, choice: _TypeChoice, chunk_size: int | None
+) -> dict[str, Any]:
+    """Constructor configuration of type ``t``: record values win; else the saved dtypes decide."""
+    per_param_type = choice.per_param_type
+    cfg = dict(choice.base_cfg)
+    if t == "master_fp32_adamw" and not (cfg.get("moment_dtype") or (cfg.get("moment_dtypes") or {}).get("resident")):
+        cfg["moment_dtype"] = _saved_moment(cat, selected, lambda f, t=t: per_param_type.get(f, t) == t) or "bfloat16"
+    if t == "cpu_offload_adamw":
+        probe = _constructor_config(t, cfg, chunk_size)
+        md = dict(cfg.get("moment_dtypes") or {})
+        if "resident" not in md and "resident_moment_dtype" not in cfg:
+            md["resident"] = _saved_moment(cat, selected, lambda f, probe=probe: not _offloaded(probe, f)) or "float32"
+        if "cpu" not in md and "cpu_moment_dtype" not in cfg:
+            md["cpu"] = _saved_moment(cat, selected, lambda f, probe=probe: _offloaded(probe, f)) or "float32"
+        cfg["moment_dtypes"] = md
+    return _constructor_config(t, cfg, chunk_size)
+
+
+def _configs(
+    cat: Catalog, selected: list[str], choice: _TypeChoice, chunk_size: int | None, notes: list[str]
+) -> dict[str, dict[str, Any]]:
+    """Constructor configuration per type used (:func:`_type_config`); notes ``fused`` and no offload."""
+    type_name, per_param_type, fused = choice.type_name, choice.per_param_type, choice.fused
+    types_used = set(per_param_type.values()) if type_name == "mixed" else {type_name}
+    if type_name == "mixed":
+        types_used |= {"adamw"} if len(per_param_type) < len(selected) else set()
+    config: dict[str, dict[str, Any]] = {}
+    for t in types_used:
+        config[t] = _type_config(cat, selected, t, choice, chunk_size)
+        if fused:
+            config[t]["fused"] = True
+    if fused:
+        notes.append("the run used the fused AdamW kernel (layout record optimizer.fused): replayed with fused=True")
+    if "cpu_offload_adamw" in config and not config["cpu_offload_adamw"]["cpu_offload"]:
+        notes.append(
+            "cpu_offload_adamw without offload patterns (record or --offload-patterns): every parameter resident"
+        )
+    return config
+
+
+def _param_plans(
+    cat: Catalog,
+    selected: list[str],
+    members: _Membership,
+    choice: _TypeChoice,
+    config: dict[str, dict[str, Any]],
+    lost: dict[str, str],
+    notes: list[str],
+) -> list[ParamPlan]:
+    """One checked :class:`ParamPlan` per selected parameter; notes the leaves replayed from fresh state."""
+    type_name, per_param_type, hypers = choice.type_name, choice.per_param_type, members.hypers
+    plans: list[ParamPlan] = []
+    fresh_leaves: set[Any] = set()
+    for f in selected:
+        entry = cat.model[cat.model_key(f)]
+        ps = cat.optimizer_state.get(f)
+        fields = dict(ps.fields) if ps is not None else {}
+        t = per_param_type.get(f, "adamw") if type_name == "mixed" else type_name
+        cfg = config[t]
+        p = ParamPlan(f, entry.key, tuple(entry.shape), entry.dtype, entry.numel, hypers[f], t)
+        p.offloaded = t == "cpu_offload_adamw" and _offloaded(cfg, f)
+        p.moment_dtype = _moment_dtype_for(t, cfg, entry.dtype, f)
+        if fields:
+            saved = _saved_dtypes(fields, f)
+            p.state = {k: v for k, v in fields.items() if v is not None}
+            _check_policy(p, cfg, saved)
+        else:
+            leaf = members.leaf_of(f)
+            if f in lost:
+                raise LostStateError(
+                    f"parameter {f} has no optimizer state although other parameters of its param group "
+                    f"(group {hypers[f].group_id}) have state: its leaf stepped",
+                    fqn=f,
+                    hint="the state of this parameter was lost (or it never received a gradient); "
+                    "leave it out with `filter_glob`, and run `ckpttool validate --strict`",
+                )
+            p.fresh = True
+            fresh_leaves.add(leaf)
+        if entry.dtype not in ITEMSIZE:
+            raise StateDtypeError(
+                f"parameter {f} is {entry.dtype}; replay-step replays floating-point parameters "
+                f"({', '.join(ITEMSIZE)})",
+                fqn=f,
+            )
+        plans.append(p)
+    for leaf in sorted(fresh_leaves, key=str):
+        members_of_leaf = [p for p in plans if p.fresh and members.leaf_of(p.fqn) == leaf]
+        notes.append(
+            f"{len(members_of_leaf)} parameter(s) of a leaf that never stepped (e.g. {members_of_leaf[0].fqn}, lr "
+            f"{members_of_leaf[0].hyper.lr:g}) replay from fresh state: step 0, zero moments, master = parameter"
+        )
+    return plans
+
+
 def plan_replay(
     cat: Catalog,
     record: LayoutRecord | None = None,
@@ -314,228 +626,15 @@ def plan_replay(
         OptimStateError: no param groups, hyperparameters missing, a parameter without state in
             a leaf that stepped (E513), saved fields/dtypes/shapes that violate the type (E510-E512).
     """
-    if optimizer != "auto" and optimizer not in OPTIMIZER_TYPES:
-        raise UsageError(f"unknown optimizer {optimizer!r}", hint=f"use auto or one of {', '.join(OPTIMIZER_TYPES)}")
-    try:
-        rx = re.compile(select) if select else None
-    except re.error as e:
-        raise UsageError(
-            f"`select` {select!r} is not a valid regular expression ({e})", hint="use Python re syntax"
-        ) from e
-    for pat in offload_patterns or ():
-        try:
-            re.compile(pat)
-        except re.error as e:
-            raise UsageError(f"`offload_patterns` {pat!r} is not a valid regular expression ({e})") from e
-    if cat.schema.optimizer_keying == "index":
-        raise IndexedOptimizerStateError(
-            f"{cat.path}: the optimizer state under {cat.schema.optimizer_prefix!r} is keyed by parameter index "
-            "(a plain optimizer.state_dict()), so no state can be matched to a parameter"
-        )
-    if not cat.param_groups:
-        raise HyperparameterError(
-            f"{cat.path}: the checkpoint holds no optimizer param groups; nothing to replay",
-            hint="replay-step needs a checkpoint saved with its optimizer: pass its optimizer checkpoint with "
-            "`optimizer_dir`, or the folder holding both (`ckpttool inspect` shows what it holds)",
-        )
+    rx = _check_arguments(cat, select, optimizer, offload_patterns)
     notes: list[str] = []
-
-    # Group membership (the catalog's one fqn -> group index) and leaves.
-    model_fqns = cat.param_fqns
-    grouped = {p for g in cat.param_groups for p in g.params}
-    params_in_model = [f for f in model_fqns if cat.group_of(f) is not None]
-    skipped = len(model_fqns) - len(params_in_model)
-    if skipped:
-        notes.append(f"{skipped} model tensor(s) in no param group (buffers, frozen parameters) are not replayed")
-    orphans = sorted(f for f in grouped if cat.model_key(f) not in cat.model)
-    fused = [f for f in orphans if (ps := cat.optimizer_state.get(f)) is not None and ps.stored_as]
-    if fused:
-        notes.append(
-            f"{len(fused)} parameter(s) are stepped fused but stored split in the model (e.g. {fused[0]} as "
-            f"{', '.join(cat.optimizer_state[fused[0]].stored_as)}): not replayed"
-        )
-    other_orphans = [f for f in orphans if f not in fused]
-    if other_orphans:
-        notes.append(
-            f"{len(other_orphans)} param-group parameter(s) are not model tensors and are skipped, e.g. {other_orphans[0]}"
-        )
-    group_of = {f: g for f in params_in_model if (g := cat.group_of(f)) is not None}
-    hypers = {f: _hyper(group_of[f], f, group_of[f].group_id) for f in params_in_model}
-
-    def leaf_of(fqn: str) -> str:
-        return leaf_key(group_of[fqn])  # the catalog's leaves: a nested group, or equal flattened values
-
+    members = _membership(cat, notes)
     lost = lost_state(cat)  # the one check behind validate's O009
-
-    selected = [
-        f
-        for f in params_in_model
-        if (rx is None or rx.search(f))
-        and (filter_glob is None or match_filter(f"model.{f}", filter_glob))  # the canonical key
-    ]
-    if not params_in_model:
-        raise HyperparameterError(
-            f"{cat.path}: none of the {len(grouped)} parameter(s) of the param groups is a model tensor "
-            "of the checkpoint; nothing to replay",
-            hint="the optimizer state does not name this checkpoint's model tensors (`ckpttool inspect` shows both)",
-        )
-    if not selected:
-        example = params_in_model[0]
-        if filter_glob is not None:
-            raise UsageError(
-                f"`filter_glob` {filter_glob!r} matches none of the {len(params_in_model)} parameter(s)"
-                + (f" (with `select` {select!r})" if select else ""),
-                param="filter_glob",
-                hint=f"globs match checkpoint keys with or without 'model.', e.g. '*experts*' or '{example}'",
-            )
-        raise UsageError(
-            f"`select` {select!r} matches none of the {len(params_in_model)} parameter(s) (e.g. {params_in_model[0]})",
-            param="select",
-            hint=f"patterns are re.search over fqns such as {example}",
-        )
-
-    # Optimizer type and configuration.
-    record_opt = dict(record.optimizer) if record is not None else {}
-    record_type = record_opt.get("type")
-    if record_type is not None and record_type not in OPTIMIZER_TYPES:
-        if optimizer == "auto":
-            raise HyperparameterError(
-                f"{cat.path}: layout record names optimizer type {record_type!r}, unknown to replay-step",
-                hint=f"pass `optimizer` {'|'.join(OPTIMIZER_TYPES)}",
-            )
-        record_type = None
-    base_cfg = _record_config(record_opt) if record_type else {}
-    # The implementation the run used (torch's fused AdamW kernel or the foreach ops) is replayed as recorded.
-    fused = record_opt.get("fused", False)
-    if not isinstance(fused, bool):
-        raise HyperparameterError(
-            f"{cat.path}: layout record optimizer.fused is {fused!r:.40}, not true or false",
-            hint="fix the layout record (`ckpttool stamp`), or remove the field (foreach)",
-        )
-    base_cfg.pop("fused", None)
-    per_param_type: dict[str, str] = {}
-    if optimizer != "auto":
-        type_name = optimizer
-        reason = "--optimizer"
-        if record_type and record_type != optimizer:
-            notes.append(f"--optimizer {optimizer} overrides the layout record's optimizer type {record_type}")
-            base_cfg = {}
-    elif record_type:
-        type_name = record_type
-        reason = "layout record optimizer.type"
-    else:
-        inferred: dict[str, str] = {}
-        for f in selected:
-            ps = cat.optimizer_state.get(f)
-            if ps is not None and ps.fields:
-                saved = _saved_dtypes(ps.fields, f)
-                try:
-                    inferred[f] = infer_optimizer_type(saved)
-                except OptimStateError as e:
-                    raise StateDtypeError(
-                        f"optimizer state of {f}: {e.message}",
-                        fqn=f,
-                        hint="run `ckpttool validate --strict` on the checkpoint; pass `optimizer` to declare the type",
-                    ) from e
-        kinds = sorted(set(inferred.values()))
-        if offload_patterns and kinds and all(k in _FP32_MASTER_TYPES for k in kinds):
-            type_name = "cpu_offload_adamw"
-            reason = "state fields (FP32 master_weight) and --offload-patterns"
-        elif len(kinds) > 1:
-            type_name = "mixed"
-            reason = f"state fields per parameter ({', '.join(kinds)}); no layout record"
-            per_param_type = inferred
-        elif kinds:
-            type_name = kinds[0]
-            reason = "state fields" + (
-                " (cpu_offload_adamw saves the same fields as full_fp32_adamw; pass --optimizer or stamp a record to use it)"
-                if type_name == "full_fp32_adamw"
-                else ""
-            )
-        else:
-            type_name = "adamw"
-            reason = "no state saved for the selected parameters and no layout record: torch.optim.AdamW"
-    if offload_patterns:
-        base_cfg = dict(base_cfg, offload_patterns=list(offload_patterns))
-        base_cfg.pop("cpu_offload_param_patterns", None)
-
-    # Configuration per type: record values win; else the saved dtypes decide.
-    def saved_moment(pred: Any) -> str | None:
-        for f in selected:
-            ps = cat.optimizer_state.get(f)
-            if pred(f) and ps is not None and ps.fields.get("exp_avg") is not None:
-                return ps.fields["exp_avg"].dtype  # type: ignore[union-attr]
-        return None
-
-    types_used = set(per_param_type.values()) if type_name == "mixed" else {type_name}
-    if type_name == "mixed":
-        types_used |= {"adamw"} if len(per_param_type) < len(selected) else set()
-    config: dict[str, dict[str, Any]] = {}
-    for t in types_used:
-        cfg = dict(base_cfg)
-        if t == "master_fp32_adamw" and not (
-            cfg.get("moment_dtype") or (cfg.get("moment_dtypes") or {}).get("resident")
-        ):
-            cfg["moment_dtype"] = saved_moment(lambda f, t=t: per_param_type.get(f, t) == t) or "bfloat16"
-        if t == "cpu_offload_adamw":
-            probe = _constructor_config(t, cfg, chunk_size)
-            md = dict(cfg.get("moment_dtypes") or {})
-            if "resident" not in md and "resident_moment_dtype" not in cfg:
-                md["resident"] = saved_moment(lambda f, probe=probe: not _offloaded(probe, f)) or "float32"
-            if "cpu" not in md and "cpu_moment_dtype" not in cfg:
-                md["cpu"] = saved_moment(lambda f, probe=probe: _offloaded(probe, f)) or "float32"
-            cfg["moment_dtypes"] = md
-        config[t] = _constructor_config(t, cfg, chunk_size)
-        if fused:
-            config[t]["fused"] = True
-    if fused:
-        notes.append("the run used the fused AdamW kernel (layout record optimizer.fused): replayed with fused=True")
-    if "cpu_offload_adamw" in config and not config["cpu_offload_adamw"]["cpu_offload"]:
-        notes.append(
-            "cpu_offload_adamw without offload patterns (record or --offload-patterns): every parameter resident"
-        )
-
-    plans: list[ParamPlan] = []
-    fresh_leaves: set[Any] = set()
-    for f in selected:
-        entry = cat.model[cat.model_key(f)]
-        ps = cat.optimizer_state.get(f)
-        fields = dict(ps.fields) if ps is not None else {}
-        t = per_param_type.get(f, "adamw") if type_name == "mixed" else type_name
-        cfg = config[t]
-        p = ParamPlan(f, entry.key, tuple(entry.shape), entry.dtype, entry.numel, hypers[f], t)
-        p.offloaded = t == "cpu_offload_adamw" and _offloaded(cfg, f)
-        p.moment_dtype = _moment_dtype_for(t, cfg, entry.dtype, f)
-        if fields:
-            saved = _saved_dtypes(fields, f)
-            p.state = {k: v for k, v in fields.items() if v is not None}
-            _check_policy(p, cfg, saved)
-        else:
-            leaf = leaf_of(f)
-            if f in lost:
-                raise LostStateError(
-                    f"parameter {f} has no optimizer state although other parameters of its param group "
-                    f"(group {hypers[f].group_id}) have state: its leaf stepped",
-                    fqn=f,
-                    hint="the state of this parameter was lost (or it never received a gradient); "
-                    "leave it out with `filter_glob`, and run `ckpttool validate --strict`",
-                )
-            p.fresh = True
-            fresh_leaves.add(leaf)
-        if entry.dtype not in ITEMSIZE:
-            raise StateDtypeError(
-                f"parameter {f} is {entry.dtype}; replay-step replays floating-point parameters "
-                f"({', '.join(ITEMSIZE)})",
-                fqn=f,
-            )
-        plans.append(p)
-    for leaf in sorted(fresh_leaves, key=str):
-        members = [p for p in plans if p.fresh and leaf_of(p.fqn) == leaf]
-        notes.append(
-            f"{len(members)} parameter(s) of a leaf that never stepped (e.g. {members[0].fqn}, lr "
-            f"{members[0].hyper.lr:g}) replay from fresh state: step 0, zero moments, master = parameter"
-        )
-    return ReplayPlan(plans, type_name, reason, config, notes)
+    selected = _select(cat, members, rx, select, filter_glob)
+    choice = _choose_type(cat, record, optimizer, selected, offload_patterns, notes)
+    config = _configs(cat, selected, choice, chunk_size, notes)
+    plans = _param_plans(cat, selected, members, choice, config, lost, notes)
+    return ReplayPlan(plans, choice.type_name, choice.reason, config, notes)
 
 
 def bytes_per_element(p: ParamPlan, reference_itemsize: int = 8, steps: int = 1) -> int:

@@ -390,20 +390,23 @@ def replay_step(
         return _replay(ckpt, opts, on_param, progress)
 
 
-def _replay(
-    ckpt: Checkpoint,
-    opts: ReplayOptions,
-    on_param: Callable[[str, dict[str, Any]], None] | None,
-    progress: Callable[[int, int], None] | None,
-) -> ReplayResult:
+@dataclass(frozen=True)
+class _Prepared:
+    """What a replay runs: the plan, its layout, gradients file, ambiguous EP keys and the notes so far."""
+
+    layout: Any
+    plan: Any
+    notes: list[str]
+    grad_file: Any
+    ambiguous: set[str]
+
+
+def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
+    """Plan the replay, check the gradients file and note synthesized state and the EP layouts."""
     import torch
 
     from ckpttool.ops.replay.grads import GradFile
 
-    t_start = time.perf_counter()
-    rtol, atol = opts.tolerance
-    dev = resolve_device(opts.device)
-    budget = opts.max_memory if opts.max_memory is not None else _default_max_memory()
     reader, cat = ckpt.reader, ckpt.catalog
     ckpt.param_groups()
     layout = ckpt.require_layout()
@@ -438,20 +441,12 @@ def _replay(
         )
     if layout.version == 1 and any(layout.is_permuted(p.key) for p in plan.params):
         notes.append("legacy (version 1) EP tensors are replayed in true expert order (block permutation undone)")
-    ref_dtype = getattr(torch, opts.reference_dtype)
-    ref_itemsize = 8 if opts.reference_dtype == "float64" else 4
-    batches = make_batches(plan.params, budget, ref_itemsize, steps=opts.steps)
-    logger.info(
-        "replay: %d parameter(s) on %s with %s (%s); %d batch(es) under %d bytes; %s reference",
-        len(plan.params),
-        dev,
-        plan.optimizer_type,
-        plan.reason,
-        len(batches),
-        budget,
-        opts.reference_dtype,
-    )
-    grad_desc: dict[str, Any] = (
+    return _Prepared(layout, plan, notes, grad_file, ambiguous)
+
+
+def _grad_description(grad_file: Any, opts: ReplayOptions) -> dict[str, Any]:
+    """The result's ``grads``: the gradients file, or the seeded generator."""
+    return (
         {"source": "file", "path": str(grad_file.path)}
         if grad_file is not None
         else {
@@ -462,20 +457,59 @@ def _replay(
         }
     )
 
+
+def _step_mismatch_note(results: list[ParamResult], record: Any, notes: list[str]) -> None:
+    """Note the first loaded parameter whose saved step differs from the layout record's ``global_step``."""
+    for r in results:
+        if (
+            r.state == "loaded"
+            and record is not None
+            and record.global_step is not None
+            and r.step_before != float(record.global_step)
+        ):
+            notes.append(
+                f"saved step of {r.fqn} is {r.step_before:g} but the layout record's global_step is "
+                f"{record.global_step} (parameters that missed gradients on some steps count fewer)"
+            )
+            break
+
+
+def _finish_timing(timing: dict[str, float], t_start: float, bytes_read: int) -> None:
+    """Add the rates, the total seconds and the bytes read to ``timing``."""
+    st = timing["step_seconds"]
+    off = timing["offload_seconds"]
+    timing.update(
+        effective_gbps=(timing["state_bytes"] / st / 1e9) if st > 0 else 0.0,
+        d2h_gbps=(timing["d2h_bytes"] / off / 1e9) if off > 0 else 0.0,
+        h2d_gbps=(timing["h2d_bytes"] / off / 1e9) if off > 0 else 0.0,
+        total_seconds=time.perf_counter() - t_start,
+        bytes_read=float(bytes_read),
+    )
+
+
+def _run_batches(
+    reader: Any,
+    prep: _Prepared,
+    batches: list[list[ParamPlan]],
+    opts: ReplayOptions,
+    *,
+    dev: Any,
+    ref_dtype: Any,
+    timing: dict[str, float],
+    on_param: Callable[[str, dict[str, Any]], None] | None,
+    progress: Callable[[int, int], None] | None,
+) -> tuple[list[ParamResult], int]:
+    """Replay the batches in order (:func:`_replay_batch`); returns the results and the bytes read."""
+    import torch
+
+    rtol, atol = opts.tolerance
+    layout, plan, grad_file, ambiguous = prep.layout, prep.plan, prep.grad_file, prep.ambiguous
+
     def canon(key: str, model_key: str, t: torch.Tensor) -> torch.Tensor:
         if model_key in ambiguous:
             return t
         return to_canonical(layout, key, t)
 
-    timing = {
-        "step_seconds": 0.0,
-        "state_bytes": 0.0,
-        "d2h_bytes": 0.0,
-        "h2d_bytes": 0.0,
-        "offload_seconds": 0.0,
-        "load_seconds": 0.0,
-        "reference_seconds": 0.0,
-    }
     results: list[ParamResult] = []
     done = 0
     start_read = reader.bytes_read
@@ -503,30 +537,54 @@ def _replay(
         if progress is not None:
             progress(done, len(plan.params))
     bytes_read = reader.bytes_read - start_read
+    return results, bytes_read
 
-    record = layout.record
-    for r in results:
-        if (
-            r.state == "loaded"
-            and record is not None
-            and record.global_step is not None
-            and r.step_before != float(record.global_step)
-        ):
-            notes.append(
-                f"saved step of {r.fqn} is {r.step_before:g} but the layout record's global_step is "
-                f"{record.global_step} (parameters that missed gradients on some steps count fewer)"
-            )
-            break
-    results.sort(key=lambda r: (r.ok, -r.worst_ratio, r.fqn))
-    st = timing["step_seconds"]
-    off = timing["offload_seconds"]
-    timing.update(
-        effective_gbps=(timing["state_bytes"] / st / 1e9) if st > 0 else 0.0,
-        d2h_gbps=(timing["d2h_bytes"] / off / 1e9) if off > 0 else 0.0,
-        h2d_gbps=(timing["h2d_bytes"] / off / 1e9) if off > 0 else 0.0,
-        total_seconds=time.perf_counter() - t_start,
-        bytes_read=float(bytes_read),
+
+def _replay(
+    ckpt: Checkpoint,
+    opts: ReplayOptions,
+    on_param: Callable[[str, dict[str, Any]], None] | None,
+    progress: Callable[[int, int], None] | None,
+) -> ReplayResult:
+    import torch
+
+    t_start = time.perf_counter()
+    rtol, atol = opts.tolerance
+    dev = resolve_device(opts.device)
+    budget = opts.max_memory if opts.max_memory is not None else _default_max_memory()
+    reader = ckpt.reader
+    prep = _prepare(ckpt, opts)
+    layout, plan, notes, grad_file = prep.layout, prep.plan, prep.notes, prep.grad_file
+    ref_dtype = getattr(torch, opts.reference_dtype)
+    ref_itemsize = 8 if opts.reference_dtype == "float64" else 4
+    batches = make_batches(plan.params, budget, ref_itemsize, steps=opts.steps)
+    logger.info(
+        "replay: %d parameter(s) on %s with %s (%s); %d batch(es) under %d bytes; %s reference",
+        len(plan.params),
+        dev,
+        plan.optimizer_type,
+        plan.reason,
+        len(batches),
+        budget,
+        opts.reference_dtype,
     )
+    grad_desc = _grad_description(grad_file, opts)
+
+    timing = {
+        "step_seconds": 0.0,
+        "state_bytes": 0.0,
+        "d2h_bytes": 0.0,
+        "h2d_bytes": 0.0,
+        "offload_seconds": 0.0,
+        "load_seconds": 0.0,
+        "reference_seconds": 0.0,
+    }
+    results, bytes_read = _run_batches(
+        reader, prep, batches, opts, dev=dev, ref_dtype=ref_dtype, timing=timing, on_param=on_param, progress=progress
+    )
+    _step_mismatch_note(results, layout.record, notes)
+    results.sort(key=lambda r: (r.ok, -r.worst_ratio, r.fqn))
+    _finish_timing(timing, t_start, bytes_read)
     return ReplayResult(
         path=str(ckpt.path),
         device=str(dev),
@@ -577,38 +635,18 @@ def _reuse_freed_memory() -> Iterator[None]:
             malloc_trim(0)
 
 
-def _replay_batch(
+def _load_batch(
     reader: Any,
     batch: list[ParamPlan],
-    *,
-    dev: Any,
-    steps: int,
-    plan_config: dict[str, dict[str, Any]],
-    grad_file: Any,
-    grad_seed: int,
-    grad_scale: float,
-    rtol: float,
-    atol: float,
-    ref_dtype: Any,
     canon: Callable[[str, str, Any], Any],
-    slabs: Callable[[str, str], TensorSlabs],
+    workers: int,
+    steps: int,
     timing: dict[str, float],
-    on_param: Callable[[str, dict[str, Any]], None] | None,
-) -> list[ParamResult]:
-    """Replay one memory batch (see the module docstring); returns its parameter results.
-
-    Memory is that of a resumed run: the parameters, their loaded state (adopted by the
-    optimizer, updated in place), one gradient per step; the reference and the comparison
-    then run slab by slab over the *saved* values read again from the checkpoint
-    (:class:`~ckpttool.ops.replay.slabs.TensorSlabs`), with slab-sized temporaries only.
-    """
+) -> tuple[dict[str, dict[str, Any]], dict[str, ParamResult]]:
+    """Read each parameter and its saved state (true expert order, in threads); start its result."""
     import torch
 
-    from ckpttool.ops.replay.grads import seeded_grad
-    from ckpttool.optim_state.factory import build_optimizer
-
     t0 = time.perf_counter()
-    workers = max(1, min(4, os.cpu_count() or 1))
     results: dict[str, ParamResult] = {}
 
     def load(p: ParamPlan) -> dict[str, torch.Tensor]:
@@ -637,8 +675,20 @@ def _replay_batch(
         r.expected_step = step_before + steps
         results[p.fqn] = r
     timing["load_seconds"] += time.perf_counter() - t0
+    return loaded, results
 
-    # Device parameters and one optimizer per (type, group, placement); the optimizers adopt the loaded state.
+
+def _build_optimizers(
+    batch: list[ParamPlan],
+    loaded: dict[str, dict[str, Any]],
+    dev: Any,
+    plan_config: dict[str, dict[str, Any]],
+) -> tuple[dict[str, Any], list[tuple[Any, list[ParamPlan], bool]]]:
+    """Device parameters and one optimizer per (type, group, placement); the optimizers adopt the loaded state."""
+    import torch
+
+    from ckpttool.optim_state.factory import build_optimizer
+
     params: dict[str, torch.nn.Parameter] = {}
     for p in batch:
         src = loaded[p.fqn]["param"]
@@ -657,9 +707,46 @@ def _replay_batch(
         }
         opt.load_state_dict({"state": state, "param_groups": [saved_group]})
         optimizers.append((opt, members, offloaded and dev.type != "cpu"))
-    del loaded, state
+    return params, optimizers
 
-    # K timed steps; the gradients are kept (on the CPU) for the reference.
+
+def _timed_step(optimizers: list[tuple[Any, list[ParamPlan], bool]], dev: Any, timing: dict[str, float]) -> None:
+    """One timed ``optimizer.step()`` per optimizer; counts the state and offload bytes moved."""
+    for opt, members, staged in optimizers:
+        _synchronize(dev)
+        t2 = time.perf_counter()
+        opt.step()
+        _synchronize(dev)
+        dt = time.perf_counter() - t2
+        timing["step_seconds"] += dt
+        for member in members:
+            timing["state_bytes"] += member.numel * _bytes_per_step(member)
+        if staged:
+            timing["offload_seconds"] += dt
+            for member in members:
+                ip = ITEMSIZE[member.dtype]
+                timing["d2h_bytes"] += member.numel * ip
+                timing["h2d_bytes"] += member.numel * ip
+
+
+def _timed_steps(
+    batch: list[ParamPlan],
+    params: dict[str, Any],
+    optimizers: list[tuple[Any, list[ParamPlan], bool]],
+    *,
+    dev: Any,
+    steps: int,
+    grad_file: Any,
+    grad_seed: int,
+    grad_scale: float,
+    workers: int,
+    timing: dict[str, float],
+) -> list[dict[str, Any]]:
+    """K timed steps; the gradients are kept (on the CPU) for the reference and returned, per step."""
+    import torch
+
+    from ckpttool.ops.replay.grads import seeded_grad
+
     grads: list[dict[str, torch.Tensor]] = []
     for k in range(steps):
         if grad_file is not None:
@@ -676,25 +763,31 @@ def _replay_batch(
             g = gk[p.fqn]
             params[p.fqn].grad = g.to(dev) if dev.type != "cpu" else g
         grads.append(gk)
-        for opt, members, staged in optimizers:
-            _synchronize(dev)
-            t2 = time.perf_counter()
-            opt.step()
-            _synchronize(dev)
-            dt = time.perf_counter() - t2
-            timing["step_seconds"] += dt
-            for member in members:
-                timing["state_bytes"] += member.numel * _bytes_per_step(member)
-            if staged:
-                timing["offload_seconds"] += dt
-                for member in members:
-                    ip = ITEMSIZE[member.dtype]
-                    timing["d2h_bytes"] += member.numel * ip
-                    timing["h2d_bytes"] += member.numel * ip
+        _timed_step(optimizers, dev, timing)
         for p in batch:
             params[p.fqn].grad = None
+    return grads
 
-    # Reference and comparison, slab by slab, in parallel (torch's kernels release the GIL).
+
+def _reference_pass(
+    optimizers: list[tuple[Any, list[ParamPlan], bool]],
+    results: dict[str, ParamResult],
+    params: dict[str, Any],
+    grads: list[dict[str, Any]],
+    *,
+    dev: Any,
+    steps: int,
+    rtol: float,
+    atol: float,
+    ref_dtype: Any,
+    slabs: Callable[[str, str], TensorSlabs],
+    workers: int,
+    timing: dict[str, float],
+    on_param: Callable[[str, dict[str, Any]], None] | None,
+) -> list[ParamResult]:
+    """Reference and comparison, slab by slab, in parallel (torch's kernels release the GIL)."""
+    import torch
+
     t1 = time.perf_counter()
     out: list[ParamResult] = []
     prev_threads = torch.get_num_threads()
@@ -723,6 +816,64 @@ def _replay_batch(
         torch.set_num_threads(prev_threads)
     timing["reference_seconds"] += time.perf_counter() - t1
     return out
+
+
+def _replay_batch(
+    reader: Any,
+    batch: list[ParamPlan],
+    *,
+    dev: Any,
+    steps: int,
+    plan_config: dict[str, dict[str, Any]],
+    grad_file: Any,
+    grad_seed: int,
+    grad_scale: float,
+    rtol: float,
+    atol: float,
+    ref_dtype: Any,
+    canon: Callable[[str, str, Any], Any],
+    slabs: Callable[[str, str], TensorSlabs],
+    timing: dict[str, float],
+    on_param: Callable[[str, dict[str, Any]], None] | None,
+) -> list[ParamResult]:
+    """Replay one memory batch (see the module docstring); returns its parameter results.
+
+    Memory is that of a resumed run: the parameters, their loaded state (adopted by the
+    optimizer, updated in place), one gradient per step; the reference and the comparison
+    then run slab by slab over the *saved* values read again from the checkpoint
+    (:class:`~ckpttool.ops.replay.slabs.TensorSlabs`), with slab-sized temporaries only.
+    """
+    workers = max(1, min(4, os.cpu_count() or 1))
+    loaded, results = _load_batch(reader, batch, canon, workers, steps, timing)
+    params, optimizers = _build_optimizers(batch, loaded, dev, plan_config)
+    del loaded
+    grads = _timed_steps(
+        batch,
+        params,
+        optimizers,
+        dev=dev,
+        steps=steps,
+        grad_file=grad_file,
+        grad_seed=grad_seed,
+        grad_scale=grad_scale,
+        workers=workers,
+        timing=timing,
+    )
+    return _reference_pass(
+        optimizers,
+        results,
+        params,
+        grads,
+        dev=dev,
+        steps=steps,
+        rtol=rtol,
+        atol=atol,
+        ref_dtype=ref_dtype,
+        slabs=slabs,
+        workers=workers,
+        timing=timing,
+        on_param=on_param,
+    )
 
 
 class _SlabContext:
@@ -762,14 +913,19 @@ class _SlabContext:
 
     def run(self, bounds: tuple[int, int]) -> dict[str, Any]:
         """Reference and comparison of elements ``[a, b)``; returns the slab's partial results."""
+        a, b = bounds
+        res: dict[str, Any] = {}
+        theta, m0, v0 = self._saved_start(a, b, res)
+        rs, late = self._reference(theta, m0, v0, a, b)
+        res["fields"] = self._compare(a, b, rs, late, res)
+        return res
+
+    def _saved_start(self, a: int, b: int, res: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """The saved ``theta`` (master, else parameter) and moments of ``[a, b)``; checks master sync into ``res``."""
         import torch
 
-        from ckpttool.optim_state.reference import reference_adamw_step
-
-        a, b = bounds
-        p, ref = self.p, self.ref_dtype
+        p = self.p
         pt = getattr(torch, p.dtype)
-        res: dict[str, Any] = {}
         saved_param = self._read("param", a, b)
         if self.has_master and not p.fresh:
             saved_master = self._read("master_weight", a, b)
@@ -784,6 +940,16 @@ class _SlabContext:
             m0, v0 = torch.zeros(b - a, dtype=mdt), torch.zeros(b - a, dtype=mdt)
         else:
             m0, v0 = self._read("exp_avg", a, b), self._read("exp_avg_sq", a, b)
+        return theta, m0, v0
+
+    def _reference(self, theta: Any, m0: Any, v0: Any, a: int, b: int) -> tuple[dict[str, Any], Any]:
+        """K reference steps from the saved values; the final values, their scales and the late-step path."""
+        import torch
+
+        from ckpttool.optim_state.reference import reference_adamw_step
+
+        p, ref = self.p, self.ref_dtype
+        pt = getattr(torch, p.dtype)
         rs: dict[str, Any] = {"theta": theta.to(ref, copy=True), "m": m0.to(ref, copy=True), "v": v0.to(ref, copy=True)}
         for name in ("theta", "m", "v"):
             rs[f"scale_{name}"] = rs[name].abs()
@@ -812,6 +978,14 @@ class _SlabContext:
                 if name == "theta" and k > 0:
                     late = delta if late is None else late.add_(delta)
                 rs[name] = new
+        return rs, late
+
+    def _compare(self, a: int, b: int, rs: dict[str, Any], late: Any, res: dict[str, Any]) -> dict[str, FieldError]:
+        """Compare the stepped values of ``[a, b)`` with the reference; bitwise write-back counts into ``res``."""
+        import torch
+
+        p = self.p
+        pt = getattr(torch, p.dtype)
         param = self.param[a:b].cpu()
         arith = "float32" if self.has_master else p.dtype
         steps = self.steps
@@ -855,8 +1029,7 @@ class _SlabContext:
             late_rtol=2 * machine_eps(p.moment_dtype),
             carry_rtol=2 * (steps - 1) * machine_eps("float32" if self.has_master else p.dtype),
         )
-        res["fields"] = fields
-        return res
+        return fields
 
     def finish(self, parts: list[dict[str, Any]], dev: Any) -> None:
         """Merge the slabs' results into the parameter's result and check step and placement."""

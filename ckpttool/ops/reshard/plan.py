@@ -346,40 +346,14 @@ def implied_optimizer(cat: Catalog) -> dict[str, Any]:
     return {"type": kinds.pop()} if len(kinds) == 1 else {}
 
 
-def plan_reshard(
+def _target_mesh(
     cat: Catalog,
-    ckpt: CheckpointDir,
     layout: ResolvedLayout,
-    *,
     to: str,
-    target_ep_size: int | None = None,
-    target_ep_fsdp_size: int | None = None,
-    with_optimizer: bool = False,
-    source: dict[str, Any] | None = None,
-) -> ReshardPlan:
-    """Plan a reshard from metadata alone (no tensor data is read).
-
-    ``source`` (:func:`ckpttool.ops.manifest.source_identity` of the source) is recorded as
-    ``converted_from.source`` in the output's layout record.
-
-    Args:
-        cat: catalog of the source.
-        ckpt: the source directory (its metadata names each chunk's file).
-        layout: the checkpoint's resolved layout.
-        to: ``"canonical"`` or ``"legacy"``.
-        target_ep_size, target_ep_fsdp_size: target mesh sizes (default: the source's).
-        with_optimizer: migrate optimizer state of EP parameters with them.
-
-    Returns:
-        The :class:`ReshardPlan`.
-
-    Raises:
-        UsageError: bad ``to``; target sizes missing where the source's are unknown.
-        LayoutError: ambiguous source (E405), geometry contradicting the layout (E404),
-            target sizes that do not divide the expert count (E406).
-        ReshardError: optimizer state of EP parameters without ``with_optimizer`` (E602).
-        ChunkError: source chunks that do not tile a tensor.
-    """
+    target_ep_size: int | None,
+    target_ep_fsdp_size: int | None,
+) -> tuple[int, int, int]:
+    """``(to_version, P2, F2)``: the target layout version and mesh sizes, checked against the source."""
     if to not in LAYOUT_VERSIONS:
         raise UsageError(f"`to` must be canonical or legacy, got {to!r}", param="to")
     to_version = LAYOUT_VERSIONS[to]
@@ -417,8 +391,11 @@ def plan_reshard(
                 fqn=key,
                 hint="choose target sizes whose product divides the expert count",
             )
+    return to_version, p2, f2
 
-    # Optimizer state of EP parameters: migrate (with_optimizer) or refuse.
+
+def _ep_state(cat: Catalog, layout: ResolvedLayout, with_optimizer: bool) -> dict[str, str]:
+    """Optimizer state of EP parameters (state key -> model key): migrate (``with_optimizer``) or refuse."""
     ep_state: dict[str, str] = {}  # state key -> model key
     for fqn, ps in cat.optimizer_state.items():
         model_key = cat.model_key(fqn)
@@ -459,8 +436,17 @@ def plan_reshard(
                 fqn=skey,
                 hint="the optimizer state is not sharded like its parameter; it cannot be migrated",
             )
+    return ep_state
 
-    plan = ReshardPlan(ckpt.path, layout, to_version, p2, f2, p2 * f2)
+
+def _plan_entries(
+    plan: ReshardPlan,
+    ckpt: CheckpointDir,
+    layout: ResolvedLayout,
+    ep_state: dict[str, str],
+) -> None:
+    """Add every source entry to ``plan``: byte items and non-EP tensors pass through, EP tensors are cut."""
+    to_version, p2, f2 = plan.to_version, plan.ep_size, plan.ep_fsdp_size
     md = ckpt.metadata
     for key, meta in md.entries.items():
         if key in md.planner_data:
@@ -498,6 +484,11 @@ def plan_reshard(
                 "ep" if key == ep_model_key else "ep_state",
             )
         )
+
+
+def _converted_record(plan: ReshardPlan, cat: Catalog, layout: ResolvedLayout, source: dict[str, Any] | None) -> None:
+    """The output's layout record (``converted_from`` the source) and its byte item, into ``plan``."""
+    to_version, p2, f2 = plan.to_version, plan.ep_size, plan.ep_fsdp_size
     src_rec = layout.record.raw if layout.record is not None else None
     converted_from: dict[str, Any] = {
         "version": layout.version,
@@ -522,6 +513,48 @@ def plan_reshard(
     )
     plan.byte_items.append(BytesPlan(LAYOUT_KEY, 0, json.dumps(plan.record, sort_keys=True)))
     plan.planner_data[LAYOUT_KEY] = (LAYOUT_KEY,)
+
+
+def plan_reshard(
+    cat: Catalog,
+    ckpt: CheckpointDir,
+    layout: ResolvedLayout,
+    *,
+    to: str,
+    target_ep_size: int | None = None,
+    target_ep_fsdp_size: int | None = None,
+    with_optimizer: bool = False,
+    source: dict[str, Any] | None = None,
+) -> ReshardPlan:
+    """Plan a reshard from metadata alone (no tensor data is read).
+
+    ``source`` (:func:`ckpttool.ops.manifest.source_identity` of the source) is recorded as
+    ``converted_from.source`` in the output's layout record.
+
+    Args:
+        cat: catalog of the source.
+        ckpt: the source directory (its metadata names each chunk's file).
+        layout: the checkpoint's resolved layout.
+        to: ``"canonical"`` or ``"legacy"``.
+        target_ep_size, target_ep_fsdp_size: target mesh sizes (default: the source's).
+        with_optimizer: migrate optimizer state of EP parameters with them.
+
+    Returns:
+        The :class:`ReshardPlan`.
+
+    Raises:
+        UsageError: bad ``to``; target sizes missing where the source's are unknown.
+        LayoutError: ambiguous source (E405), geometry contradicting the layout (E404),
+            target sizes that do not divide the expert count (E406).
+        ReshardError: optimizer state of EP parameters without ``with_optimizer`` (E602).
+        ChunkError: source chunks that do not tile a tensor.
+    """
+    to_version, p2, f2 = _target_mesh(cat, layout, to, target_ep_size, target_ep_fsdp_size)
+    # Optimizer state of EP parameters: migrate (with_optimizer) or refuse.
+    ep_state = _ep_state(cat, layout, with_optimizer)
+    plan = ReshardPlan(ckpt.path, layout, to_version, p2, f2, p2 * f2)
+    _plan_entries(plan, ckpt, layout, ep_state)
+    _converted_record(plan, cat, layout, source)
     return plan
 
 

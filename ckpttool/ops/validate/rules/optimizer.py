@@ -183,41 +183,62 @@ def state_dtype_policy(ctx: Context) -> Iterator[tuple[str, str]]:
         if "step" not in dts:
             continue
         check_step = dts["step"] not in LOW_PRECISION  # P003 reports low-precision steps
-        if declared is not None:
-            try:
-                want = {
-                    k: dtype_name(v)
-                    for k, v in expected_state_dtypes(
-                        declared, cfg, param.dtype if param is not None else "float32", fqn=fqn
-                    ).items()
-                }
-            except CkptError as e:
-                yield fqn, f"{fqn}: cannot derive the dtype policy of {declared!r}: {e.message}"
-                continue
-            source = f"declared type {declared}"
-        else:
-            probe = {k: ("float32" if k == "step" else v) for k, v in dts.items()}
-            try:
-                implied = infer_optimizer_type(probe)
-            except CkptError as e:
-                yield fqn, f"{fqn}: state dtypes {_fmt(dts)} match no optimizer type ({e.message})"
-                continue
-            pdt = param.dtype if param is not None else dts.get("exp_avg", "float32")
-            want = {k: dtype_name(v) for k, v in expected_state_dtypes(implied, {}, pdt, fqn=fqn).items()}
-            if implied == "master_fp32_adamw":  # moments of any dtype other than f32 are a configuration
-                want["exp_avg"] = want["exp_avg_sq"] = dts["exp_avg"]
-            source = f"implied type {implied}"
-        bad = [
-            f"{k} is {dts[k]} (expected {want[k]})"
-            for k in STATE_FIELDS
-            if k in want and k in dts and dts[k] != want[k] and (k != "step" or check_step)
-        ]
-        extra = [k for k in dts if k not in want]
-        bad += [f"{k} present but {source} has none" for k in extra]
-        if "master_weight" in want and "master_weight" not in dts and not any_master:
-            bad.append("master_weight missing (no parameter has one)")  # partial coverage: O006
+        policy = _dtype_policy(fqn, dts, param, declared, cfg)
+        if isinstance(policy, str):
+            yield fqn, policy
+            continue
+        want, source = policy
+        bad = _policy_violations(dts, want, source, check_step=check_step, any_master=any_master)
         if bad:
             yield fqn, f"{fqn}: {'; '.join(bad)} ({source})"
+
+
+def _dtype_policy(
+    fqn: str, dts: dict[str, str], param: TensorEntry | None, declared: str | None, cfg: dict[str, Any]
+) -> tuple[dict[str, str], str] | str:
+    """``(expected dtype per field, where the type came from)``, or the problem when none can be derived.
+
+    The declared type's policy; else the type the dtypes imply (``step`` read as float32).
+    """
+    if declared is not None:
+        try:
+            want = {
+                k: dtype_name(v)
+                for k, v in expected_state_dtypes(
+                    declared, cfg, param.dtype if param is not None else "float32", fqn=fqn
+                ).items()
+            }
+        except CkptError as e:
+            return f"{fqn}: cannot derive the dtype policy of {declared!r}: {e.message}"
+        source = f"declared type {declared}"
+    else:
+        probe = {k: ("float32" if k == "step" else v) for k, v in dts.items()}
+        try:
+            implied = infer_optimizer_type(probe)
+        except CkptError as e:
+            return f"{fqn}: state dtypes {_fmt(dts)} match no optimizer type ({e.message})"
+        pdt = param.dtype if param is not None else dts.get("exp_avg", "float32")
+        want = {k: dtype_name(v) for k, v in expected_state_dtypes(implied, {}, pdt, fqn=fqn).items()}
+        if implied == "master_fp32_adamw":  # moments of any dtype other than f32 are a configuration
+            want["exp_avg"] = want["exp_avg_sq"] = dts["exp_avg"]
+        source = f"implied type {implied}"
+    return want, source
+
+
+def _policy_violations(
+    dts: dict[str, str], want: dict[str, str], source: str, *, check_step: bool, any_master: bool
+) -> list[str]:
+    """The saved dtypes of one parameter's state that break the policy ``want``, in field order."""
+    bad = [
+        f"{k} is {dts[k]} (expected {want[k]})"
+        for k in STATE_FIELDS
+        if k in want and k in dts and dts[k] != want[k] and (k != "step" or check_step)
+    ]
+    extra = [k for k in dts if k not in want]
+    bad += [f"{k} present but {source} has none" for k in extra]
+    if "master_weight" in want and "master_weight" not in dts and not any_master:
+        bad.append("master_weight missing (no parameter has one)")  # partial coverage: O006
+    return bad
 
 
 def _fmt(d: dict[str, str]) -> str:
