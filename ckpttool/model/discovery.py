@@ -33,7 +33,7 @@ from ckpttool.errors import AmbiguousCheckpointError, MetadataError, SchemaError
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
 from ckpttool.format.hf_storage import hf_storage_files
 from ckpttool.format.metadata import CheckpointMetadata, StorageInfo
-from ckpttool.model.schema import SchemaOverride
+from ckpttool.model.schemas.keyschema import SchemaOverride
 
 __all__ = [
     "MAX_DEPTH",
@@ -65,7 +65,7 @@ class CheckpointSelection:
     Attributes:
         step: ``None``, a step number, or ``"latest"`` (a ``latest`` file, else the highest step).
         optimizer_dir: a separate optimizer checkpoint directory (paired with the model checkpoint).
-        schema: a key-schema override (:class:`~ckpttool.model.schema.SchemaOverride`).
+        schema: a key-schema override (:class:`~ckpttool.model.schemas.keyschema.SchemaOverride`).
     """
 
     step: int | str | None = None
