@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import sys
-from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckpttool.ui.options import JsonOpt, OutputArg, OverwriteOpt, examples
+from ckpttool.ui.options import (
+    IMPORT_SCHEMA_DEFAULT,
+    IMPORT_SCHEMA_HELP,
+    ImportSchemaChoice,
+    JsonOpt,
+    OutputArg,
+    OverwriteOpt,
+    examples,
+)
 from ckpttool.ui.output import Output, command_boundary
 
 if TYPE_CHECKING:
     from ckpttool.ops.import_hf import ImportResult
-
-
-class TargetSchema(str, Enum):
-    torch_native = "torch-native"
-    torchtitan = "torchtitan"
 
 
 @command_boundary
@@ -31,12 +33,9 @@ def import_command(
     ],
     out: OutputArg,
     schema: Annotated[
-        TargetSchema,
-        typer.Option(
-            "--schema",
-            help="torch-native: dcp.save({'model': model.state_dict()}); torchtitan: CheckpointManager names via the adapter.",
-        ),
-    ] = TargetSchema.torch_native,
+        ImportSchemaChoice,
+        typer.Option("--schema", help=IMPORT_SCHEMA_HELP),
+    ] = IMPORT_SCHEMA_DEFAULT,
     adapter: Annotated[
         str | None,
         typer.Option(

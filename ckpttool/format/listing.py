@@ -89,6 +89,7 @@ def list_files(cd: CheckpointDir, referenced: set[str], sidecar_name: str) -> Fi
         PathEscapeError, NotRegularFileError: as :func:`_local_extra_state`.
     """
     listing = cd.remote.sizes() if cd.remote is not None else None  # an object store: one listing, no stat
+    on_disk: dict[str, int | None]
     if listing is not None:
         on_disk = {n: size for n, size in listing.items() if "/" not in n and DATA_FILE_RE.match(n)}
         extra: list[tuple[str, int, str]] = [

@@ -37,6 +37,7 @@ from ckpttool.format.listing import FileListing, list_files
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.layouts.record import LAYOUT_KEY, SIDECAR_NAME
 from ckpttool.model.schemas import registry
+from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX
 from ckpttool.model.schemas.detect import detect_schema, fused_parts, planner_paths
 from ckpttool.model.schemas.keyschema import KeySchema, SchemaOverride
 from ckpttool.optim_state.schema import infer_optimizer_type
@@ -813,7 +814,7 @@ def implied_optimizer_type(fields: dict[str, str]) -> str | None:
         return None
 
 
-def match_filter(key: str, pattern: str | None, prefix: str | None = "model.") -> bool:
+def match_filter(key: str, pattern: str | None, prefix: str | None = CANONICAL_MODEL_PREFIX) -> bool:
     """``fnmatch`` of a key (with or without its model prefix ``prefix``) against a glob."""
     if not pattern:
         return True
