@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice, repeat
 from typing import Any, cast
@@ -166,25 +167,86 @@ def _in_container(container: tuple[str | None, ...], parts: Any, heads: frozense
     return True
 
 
-def _model_prefix_candidate(key: str, path: _Path, known: Derived, heads: frozenset[str]) -> str | None:
-    """The model prefix a tensor key suggests: ``""`` (top level) or a spec's container (``"model."``, ``"<app>.model."``)."""
-    if path is not None:
-        n = len(path)
-        if n == 1:
-            return ""
-        for container, _ in known.containers:
-            if n == len(container) + 1 and _in_container(container, path, None):
-                return ".".join(path[:-1]) + "."
+def _key_matcher(container: tuple[str | None, ...], heads: frozenset[str]) -> Callable[[str], str | None]:
+    """For keys without a planner path: the prefix of ``key`` when it fills ``container`` (and more follows)."""
+    if None not in container:
+        fixed = ".".join(cast(tuple[str, ...], container)) + "."
+        n = len(fixed)
+        return lambda key: fixed if len(key) > n and key.startswith(fixed) else None
+    if len(container) == 2 and container[0] is None and container[1] is not None:  # <app>.model.
+        second_name = container[1]
+
+        def app(key: str) -> str | None:
+            head, _, rest = key.partition(".")
+            second, _, rest2 = rest.partition(".")
+            return f"{head}.{second}." if second == second_name and rest2 and head not in heads else None
+
+        return app
+    m = len(container)
+
+    def general(key: str) -> str | None:
+        parts = key.split(".", m)
+        if len(parts) > m and parts[m] and _in_container(container, parts, heads):
+            return key[: len(key) - len(parts[m])]
         return None
-    for container, _ in known.containers:
-        n = len(container)
-        parts = key.split(".", n)
-        if len(parts) > n and parts[n] and _in_container(container, parts, heads):
-            return key[: len(key) - len(parts[n])]
-    head = key.partition(".")[0]
-    if head in heads or head in known.training_state_items or key == "layout":
+
+    return general
+
+
+def _simple(containers: list[tuple[str | None, ...]]) -> list[tuple[bool, str]] | None:
+    """``(nested under an app, name)`` per container when each is ``(name,)`` or ``(None, name)``, else ``None``."""
+    out = []
+    for c in containers:
+        if len(c) == 1 and c[0] is not None:
+            out.append((False, c[0]))
+        elif len(c) == 2 and c[0] is None and c[1] is not None:
+            out.append((True, c[1]))
+        else:
+            return None
+    return out
+
+
+def _candidate_test(known: Derived) -> Callable[[str, _Path], str | None]:
+    """``(key, path) ->`` the model prefix a tensor key suggests: ``""`` (top level) or a spec's
+    container (``"model."``, ``"<app>.model."``); ``None``: none (see :attr:`Derived.containers`)."""
+    heads = frozenset(known.optimizer_heads)
+    containers = [c for c, _ in known.containers]
+    simple = _simple(containers)
+    by_key = [_key_matcher(c, heads) for c in containers]
+    items = known.training_state_items
+
+    def by_prefix(key: str) -> str | None:
+        if simple is None:
+            return next((found for found in (m(key) for m in by_key) if found is not None), None)
+        head, _, rest = key.partition(".")
+        for nested, name in simple:  # the containers' order: the first that fits
+            if not nested:
+                if head == name and rest:
+                    return f"{name}."
+                continue
+            second, _, rest2 = rest.partition(".")
+            if second == name and rest2 and head not in heads:
+                return f"{head}.{name}."
         return None
-    return ""
+
+    def candidate(key: str, path: _Path) -> str | None:
+        if path is not None:
+            n = len(path)
+            if n == 1:
+                return ""
+            for container in containers:
+                if n == len(container) + 1 and _in_container(container, path, None):
+                    return ".".join(path[:-1]) + "."
+            return None
+        found = by_prefix(key)
+        if found is not None:
+            return found
+        head = key.partition(".")[0]
+        if head in heads or head in items or key == "layout":
+            return None
+        return ""
+
+    return candidate
 
 
 def _index_keyed(state: list[tuple[str, _Path]], state_prefix: str, model_fqns: set[str]) -> bool:
@@ -222,11 +284,12 @@ def _scan(md: CheckpointMetadata, get: Any, known: Derived) -> _Scan:
     # nests its model under "model" and no optimizer is called "model")
     fast: object = "model" if (("model",) in (c for c, _ in known.containers) and "model" not in heads) else object()
     n_model_paths = 0
+    candidate = _candidate_test(known)
     for key, meta in md.entries.items():
         path = get(key)
         if path is not None and len(path) == 2 and path[0] == fast and type(meta) is TensorMeta:
             # what the general code below does for them: not an optimizer key (_optimizer_prefix_of: None),
-            # a tensor whose model prefix candidate is "model." (_model_prefix_candidate)
+            # a tensor whose model prefix candidate is "model." (_candidate_test)
             if not n_model_paths:
                 tops.add("model")
                 model_votes["model."] += 0  # first seen here: the votes keep their order of first appearance
@@ -243,7 +306,7 @@ def _scan(md: CheckpointMetadata, get: Any, known: Derived) -> _Scan:
             continue
         if type(meta) is TensorMeta:
             tensors.append(key)
-            mp = _model_prefix_candidate(key, path, known, heads)
+            mp = candidate(key, path)
             if mp is not None:
                 model_votes[mp] += 1
     if n_model_paths:
@@ -282,6 +345,10 @@ def _prefix_options(tensors: list[str], known: Derived) -> list[str]:
         if None not in container:
             continue
         n = len(container)
+        if n == 2 and container[0] is None and container[1] is not None:  # <app>.model.: one split per key
+            name = container[1]
+            seen.update(f"{k.partition('.')[0]}.{name}." for k in tensors if k.split(".", 2)[1:2] == [name])
+            continue
         for k in tensors:
             parts = k.split(".", n)
             if len(parts) >= n and _in_container(container, parts, None):
