@@ -25,6 +25,7 @@ import math
 import os
 import re
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain, compress, filterfalse, repeat
 from operator import add, and_, eq, getitem, is_, itemgetter, not_
@@ -591,33 +592,44 @@ class _Sorter:
         self.other_tensors: dict[str, TensorEntry] = {}
         self.training: dict[str, list[str]] = {}
 
-    def add(self, key: str, meta: Any) -> None:
-        if isinstance(meta, BytesMeta):
-            info = self.md.storage.get((key, None))
-            self.byte_items[key] = info.length if info is not None else 0
-        path = self.planner.get(key)
+    def sort(self, items: Iterable[tuple[str, TensorMeta | BytesMeta]]) -> None:
+        """Sort ``(key, meta)`` items (in order) into the categories."""
         state_prefix, groups_prefix = self.sch.state_prefix, self.sch.groups_prefix
-        if state_prefix is not None and key.startswith(state_prefix):
-            self._state(key, meta, path, state_prefix)
-        elif groups_prefix is not None and key.startswith(groups_prefix):
-            self._group(key, path, groups_prefix)
-        elif key != LAYOUT_KEY:
-            top = path[0] if path and isinstance(path[0], str) else key.split(".", 1)[0]
-            if top in self.training_items:
-                self.training.setdefault(top, []).append(key)
-            if isinstance(meta, TensorMeta):
-                self.other_tensors[key] = self.entry(key, meta)
+        storage, planner, byte_items = self.md.storage, self.planner, self.byte_items
+        for key, meta in items:
+            if isinstance(meta, BytesMeta):
+                info = storage.get((key, None))
+                byte_items[key] = info.length if info is not None else 0
+            path = planner.get(key)
+            if state_prefix is not None and key.startswith(state_prefix):
+                self._state(key, meta, path, state_prefix)
+            elif groups_prefix is not None and key.startswith(groups_prefix):
+                self._group(key, path, groups_prefix)
+            elif key != LAYOUT_KEY:
+                top = path[0] if path and isinstance(path[0], str) else key.split(".", 1)[0]
+                if top in self.training_items:
+                    self.training.setdefault(top, []).append(key)
+                if isinstance(meta, TensorMeta):
+                    self.other_tensors[key] = self.entry(key, meta)
 
-    def _under_optimizer(self, path: tuple[Any, ...] | None, part: str) -> bool:
-        """``path`` is ``(*optimizer head, part, id, name)``."""
-        n_head, opt_head = len(self.opt_head), self.opt_head
-        return bool(path) and len(path) == n_head + 3 and tuple(path[:n_head]) == opt_head and path[n_head] == part  # type: ignore[arg-type,index]
+    def _item_of(self, path: tuple[Any, ...] | None, part: str) -> tuple[Any, Any] | None:
+        """``(id, name)`` when ``path`` is ``(*optimizer head, part, id, name)``, else ``None``."""
+        n_head = len(self.opt_head)
+        if not path or len(path) != n_head + 3 or tuple(path[:n_head]) != self.opt_head or path[n_head] != part:
+            return None
+        return path[n_head + 1], path[n_head + 2]
 
     def _state(self, key: str, meta: Any, path: tuple[Any, ...] | None, state_prefix: str) -> None:
         split = None
         n_head = len(self.opt_head)
-        if self._under_optimizer(path, "state") and isinstance(path[n_head + 1], (str, int)):  # type: ignore[index]
-            split = (str(path[n_head + 1]), str(path[n_head + 2]))  # type: ignore[index]
+        if (  # path is (*optimizer head, "state", fqn, field)
+            path
+            and len(path) == n_head + 3
+            and tuple(path[:n_head]) == self.opt_head
+            and path[n_head] == "state"
+            and isinstance(path[n_head + 1], (str, int))
+        ):
+            split = (str(path[n_head + 1]), str(path[n_head + 2]))
         if split is None:
             split = self.inv.split(key[len(state_prefix) :])
         in_model = split is not None and self.sch.model_key(split[0]) in self.model
@@ -636,10 +648,9 @@ class _Sorter:
 
     def _group(self, key: str, path: tuple[Any, ...] | None, groups_prefix: str) -> None:
         rest = key[len(groups_prefix) :]
-        n_head = len(self.opt_head)
-        raw = self.md.planner_data.get(key)
-        if self._under_optimizer(raw, "param_groups"):
-            bad = raw[n_head + 1]  # type: ignore[index]
+        raw = self._item_of(self.md.planner_data.get(key), "param_groups")
+        if raw is not None:
+            bad = raw[0]
             if type(bad) not in (int, str):
                 raise PlannerDataError(
                     f"{self.cd.path}: planner_data gives {key!r} the param-group id {bad!r:.60} "
@@ -647,8 +658,9 @@ class _Sorter:
                     fqn=key,
                 )
         gid: Any
-        if self._under_optimizer(path, "param_groups"):
-            gid, hyper = path[n_head + 1], str(path[n_head + 2])  # type: ignore[index]
+        item = self._item_of(path, "param_groups")
+        if item is not None:
+            gid, hyper = item[0], str(item[1])
         else:
             head, _, tail = rest.partition(".")
             if head.isdigit() and tail and "." not in tail:
@@ -703,8 +715,7 @@ def build_catalog(
     model: dict[str, TensorEntry] = entry.many(list(compress(entries, is_model)), list(compress(metas, is_model)))  # type: ignore[arg-type]
     del metas
     rest = _Sorter(cd, sch, planner, model, entry)
-    for key, meta in compress(entries.items(), map(not_, is_model)):  # the rest, in order
-        rest.add(key, meta)
+    rest.sort(compress(entries.items(), map(not_, is_model)))  # the rest, in order
     referenced = set(map(_REL, md.storage.values()))
     files = list_files(cd, referenced, SIDECAR_NAME)
     data_files, extra = _files(files, referenced)
