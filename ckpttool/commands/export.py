@@ -247,7 +247,7 @@ def _masters_note(ckpt: Checkpoint, r: ExportResult) -> str | None:
         return None
     record = ckpt.layout.record if ckpt.layout is not None else None
     declared = (record.optimizer or {}).get("type") if record is not None else None
-    dtypes = sorted({ckpt.catalog.model[f"model.{f}"].dtype for f in with_master if f"model.{f}" in ckpt.catalog.model})
+    dtypes = sorted({e.dtype for e in map(ckpt.catalog.model_entry, with_master) if e is not None})
     return (
         f"{len(with_master)} parameter(s) also have an FP32 optimizer master_weight"
         + (f" ({declared})" if declared else "")

@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import sys
-from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckpttool.ui.options import JsonOpt, OutputArg, OverwriteOpt, examples
+from ckpttool.ui.options import (
+    IMPORT_SCHEMA_DEFAULT,
+    IMPORT_SCHEMA_HELP,
+    ImportSchemaChoice,
+    JsonOpt,
+    OutputArg,
+    OverwriteOpt,
+    examples,
+)
 from ckpttool.ui.output import Output, command_boundary
 
 if TYPE_CHECKING:
     from ckpttool.ops.import_hf import ImportResult
-
-
-class TargetSchema(str, Enum):
-    torch_native = "torch-native"
-    torchtitan = "torchtitan"
 
 
 HfDirArg = Annotated[
@@ -27,13 +29,7 @@ HfDirArg = Annotated[
         help="Hugging Face model directory: model*.safetensors (+ index) and config.json.", show_default=False
     ),
 ]
-SchemaOpt = Annotated[
-    TargetSchema,
-    typer.Option(
-        "--schema",
-        help="torch-native: dcp.save({'model': model.state_dict()}); torchtitan: CheckpointManager names via the adapter.",
-    ),
-]
+SchemaOpt = Annotated[ImportSchemaChoice, typer.Option("--schema", help=IMPORT_SCHEMA_HELP)]
 AdapterOpt = Annotated[
     str | None,
     typer.Option(
@@ -86,7 +82,7 @@ HashOpt = Annotated[
 def import_command(
     hf_dir: HfDirArg,
     out: OutputArg,
-    schema: SchemaOpt = TargetSchema.torch_native,
+    schema: SchemaOpt = IMPORT_SCHEMA_DEFAULT,
     adapter: AdapterOpt = None,
     config: ConfigOpt = None,
     world_size: WorldSizeOpt = 1,

@@ -1,6 +1,6 @@
 """The checkpoint model: what a checkpoint holds, read from metadata alone (never imports torch).
 
-Modules: :mod:`.schema` (key schemas), :mod:`.catalog` (model tensors, optimizer state,
+Modules: :mod:`.schemas` (key schemas: registered specs, detection), :mod:`.catalog` (model tensors, optimizer state,
 param groups, files), :mod:`.discovery` (where the checkpoint is below a directory),
 :mod:`.hfconfig` (HF ``config.json``), :mod:`.adapters` (model adapters),
 :mod:`.checkpoint` (the opened checkpoint). The EP layout record and its math are

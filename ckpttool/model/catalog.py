@@ -1,6 +1,6 @@
 """The checkpoint catalog: a typed view of a DCP checkpoint built from metadata alone.
 
-The catalog is built *through* the checkpoint's key schema (:mod:`ckpttool.model.schema`:
+The catalog is built *through* the checkpoint's key schema (:mod:`ckpttool.model.schemas`:
 detected by structure, or given by the user): which keys are model tensors
 (``<model prefix><fqn>``), which are optimizer state (``<optimizer prefix>state.<fqn>.<field>``)
 and param groups (``<optimizer prefix>param_groups.<i|fqn>.<hyper>``), which are training
@@ -12,7 +12,8 @@ state (``lr_scheduler``, ``train_state``, ...), the ``layout`` record, and what 
 split by ``planner_data`` when it holds the path, else by the longest matching model fqn (the
 inventory) — never by counting dots.
 
-:func:`build_catalog` reads nothing but ``.metadata`` (and a directory listing);
+:func:`build_catalog` reads nothing but ``.metadata`` (and the listing of the files, made by
+:mod:`ckpttool.format.listing`);
 :func:`load_param_groups` reads the small param-group byte items; neither imports torch
 unless a byte item is not a plain value.
 """
@@ -23,26 +24,23 @@ import fnmatch
 import math
 import os
 import re
-import stat
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain, compress, filterfalse, repeat
 from operator import add, and_, eq, getitem, is_, itemgetter, not_
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ckpttool.errors import CkptError, NotRegularFileError, OptimStateError, PlannerDataError
-from ckpttool.format.directory import DATA_FILE_RE, CheckpointDir, rank_of_file
+from ckpttool.errors import CkptError, OptimStateError, PlannerDataError
+from ckpttool.format.directory import CheckpointDir, rank_of_file
+from ckpttool.format.listing import FileListing, list_files
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.layouts.record import LAYOUT_KEY, SIDECAR_NAME
-from ckpttool.model.schema import (
-    TRAINING_STATE_ITEMS,
-    KeySchema,
-    SchemaOverride,
-    detect_schema,
-    fused_parts,
-    planner_paths,
-)
+from ckpttool.model.schemas import registry
+from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX
+from ckpttool.model.schemas.detect import detect_schema, fused_parts, planner_paths
+from ckpttool.model.schemas.keyschema import KeySchema, SchemaOverride
 from ckpttool.optim_state.schema import infer_optimizer_type
 
 if TYPE_CHECKING:
@@ -382,7 +380,7 @@ class Catalog:
 def _fqns_of(keys: dict[str, Any], prefix: str, paths: dict[str, tuple[Any, ...]] | None) -> list[str]:
     """``[KeySchema.fqn_of(k) for k in keys]`` for the model prefix ``prefix``, in C where it can be.
 
-    A planner path that joins to its key (``paths``: :func:`~ckpttool.model.schema.planner_paths`)
+    A planner path that joins to its key (``paths``: :func:`~ckpttool.model.schemas.detect.planner_paths`)
     and is the prefix's components plus one ``str`` holds, as that last item, exactly the key
     without the prefix (``key == prefix + path[-1]``); when every key has such a path, those
     strings are the fqns (no new string per key). Otherwise the keys are cut (in C when all have the prefix).
@@ -569,17 +567,136 @@ class _Inventory:
                 return head, rest[pos + 1 :]
 
 
+class _Sorter:
+    """Sorts the keys that are not model tensors into optimizer state, param groups, training state and other."""
+
+    def __init__(
+        self,
+        cd: CheckpointDir,
+        sch: KeySchema,
+        planner: dict[str, tuple[Any, ...]],
+        model: dict[str, TensorEntry],
+        entry: _EntryBuilder,
+    ) -> None:
+        self.cd, self.md, self.sch, self.planner, self.model, self.entry = cd, cd.metadata, sch, planner, model, entry
+        self.inv = _Inventory(
+            model, sch.model_prefix or "", planner
+        )  # every model key starts with the prefix (model_test)
+        self.opt_head = tuple(sch.optimizer_prefix[:-1].split(".")) if sch.optimizer_prefix else ()
+        self.training_items = registry.derived().training_state_items
+        self.optimizer_state: dict[str, ParamState] = {}
+        self.model_set: set[str] | None = None
+        self.groups: dict[Any, ParamGroup] = {}
+        self.flavors: set[str] = set()
+        self.byte_items: dict[str, int] = {}
+        self.other_tensors: dict[str, TensorEntry] = {}
+        self.training: dict[str, list[str]] = {}
+
+    def sort(self, items: Iterable[tuple[str, TensorMeta | BytesMeta]]) -> None:
+        """Sort ``(key, meta)`` items (in order) into the categories."""
+        state_prefix, groups_prefix = self.sch.state_prefix, self.sch.groups_prefix
+        storage, planner, byte_items = self.md.storage, self.planner, self.byte_items
+        for key, meta in items:
+            if isinstance(meta, BytesMeta):
+                info = storage.get((key, None))
+                byte_items[key] = info.length if info is not None else 0
+            path = planner.get(key)
+            if state_prefix is not None and key.startswith(state_prefix):
+                self._state(key, meta, path, state_prefix)
+            elif groups_prefix is not None and key.startswith(groups_prefix):
+                self._group(key, path, groups_prefix)
+            elif key != LAYOUT_KEY:
+                top = path[0] if path and isinstance(path[0], str) else key.split(".", 1)[0]
+                if top in self.training_items:
+                    self.training.setdefault(top, []).append(key)
+                if isinstance(meta, TensorMeta):
+                    self.other_tensors[key] = self.entry(key, meta)
+
+    def _item_of(self, path: tuple[Any, ...] | None, part: str) -> tuple[Any, Any] | None:
+        """``(id, name)`` when ``path`` is ``(*optimizer head, part, id, name)``, else ``None``."""
+        n_head = len(self.opt_head)
+        if not path or len(path) != n_head + 3 or tuple(path[:n_head]) != self.opt_head or path[n_head] != part:
+            return None
+        return path[n_head + 1], path[n_head + 2]
+
+    def _state(self, key: str, meta: Any, path: tuple[Any, ...] | None, state_prefix: str) -> None:
+        split = None
+        n_head = len(self.opt_head)
+        if (  # path is (*optimizer head, "state", fqn, field)
+            path
+            and len(path) == n_head + 3
+            and tuple(path[:n_head]) == self.opt_head
+            and path[n_head] == "state"
+            and isinstance(path[n_head + 1], (str, int))
+        ):
+            split = (str(path[n_head + 1]), str(path[n_head + 2]))
+        if split is None:
+            split = self.inv.split(key[len(state_prefix) :])
+        in_model = split is not None and self.sch.model_key(split[0]) in self.model
+        if split is None:
+            # Not a known parameter: the field is the last component (field names hold no dots).
+            head, _, fld = key[len(state_prefix) :].rpartition(".")
+            split = (head, fld)
+        fqn, fld = split
+        ps = self.optimizer_state.get(fqn)
+        if ps is None:
+            if not in_model and self.model_set is None:
+                self.model_set = set(self.model)  # once, not per fqn (10^6 model keys)
+            stored = () if in_model else (fused_parts(fqn, self.model_set or set(), self.sch.model_prefix or "") or ())
+            ps = self.optimizer_state[fqn] = ParamState(fqn, in_model=in_model, stored_as=stored)
+        ps.fields[fld] = self.entry(key, meta) if isinstance(meta, TensorMeta) else None
+
+    def _group(self, key: str, path: tuple[Any, ...] | None, groups_prefix: str) -> None:
+        rest = key[len(groups_prefix) :]
+        raw = self._item_of(self.md.planner_data.get(key), "param_groups")
+        if raw is not None:
+            bad = raw[0]
+            if type(bad) not in (int, str):
+                raise PlannerDataError(
+                    f"{self.cd.path}: planner_data gives {key!r} the param-group id {bad!r:.60} "
+                    f"({type(bad).__name__}); group ids are list indices (int) or parameter names (str)",
+                    fqn=key,
+                )
+        gid: Any
+        item = self._item_of(path, "param_groups")
+        if item is not None:
+            gid, hyper = item[0], str(item[1])
+        else:
+            head, _, tail = rest.partition(".")
+            if head.isdigit() and tail and "." not in tail:
+                gid, hyper = int(head), tail
+            else:
+                split = self.inv.split(rest)
+                gid, hyper = split if split is not None else rest.rpartition(".")[::2]
+        flavor = "nested" if isinstance(gid, int) else "flattened"
+        self.flavors.add(flavor)
+        g = self.groups.get(gid)
+        if g is None:
+            g = self.groups[gid] = ParamGroup(gid, flavor, params=[] if flavor == "nested" else [str(gid)])
+        g.keys[hyper] = key
+
+
+def _files(listing: FileListing, referenced: set[str]) -> tuple[list[DataFile], list[ExtraStateFile]]:
+    data_files = [DataFile(rel, size, rank_of_file(rel), rel in referenced) for rel, size in listing.data_files.items()]
+    extra = []
+    for rel, size, stem in listing.extra_state:
+        m = _EXTRA_STATE_RE.findall(stem)
+        extra.append(ExtraStateFile(rel, size, int(m[-1]) if m else None))
+    return data_files, extra
+
+
 def build_catalog(
     ckpt: CheckpointDir | str | os.PathLike[str],
     schema: KeySchema | SchemaOverride | None = None,
 ) -> Catalog:
-    """Build the :class:`Catalog` of a checkpoint from ``.metadata`` and a directory listing.
+    """Build the :class:`Catalog` of a checkpoint from ``.metadata`` and the listing of its files
+    (:func:`ckpttool.format.listing.list_files`).
 
     Args:
         ckpt: an opened :class:`CheckpointDir` or a path.
         schema: the key schema to build through (a :class:`KeySchema`), an override of
             detection (:class:`SchemaOverride`), or ``None`` to detect it
-            (:func:`~ckpttool.model.schema.detect_schema`).
+            (:func:`~ckpttool.model.schemas.detect.detect_schema`).
 
     Raises:
         UsageError, MetadataError, UnsafePickleError, IncompleteCheckpointError:
@@ -589,166 +706,37 @@ def build_catalog(
     cd = ckpt if isinstance(ckpt, CheckpointDir) else CheckpointDir(ckpt)
     md = cd.metadata
     sch = schema if isinstance(schema, KeySchema) else detect_schema(md, schema)
-    storage = md.storage
     planner = planner_paths(md)  # paths that flatten to their key; md.planner_data holds them all
     entries = md.entries
     # model tensors: the schema's test and the entries built column-wise (10^6 tensors)
     metas = list(entries.values())
     is_model = list(map(and_, map(is_, map(type, metas), repeat(TensorMeta)), sch.model_mask(entries, planner)))
-    entry = _EntryBuilder(storage)
+    entry = _EntryBuilder(md.storage)
     model: dict[str, TensorEntry] = entry.many(list(compress(entries, is_model)), list(compress(metas, is_model)))  # type: ignore[arg-type]
     del metas
-    inv = _Inventory(model, sch.model_prefix or "", planner)  # every model key starts with the prefix (model_test)
-    state_prefix = sch.state_prefix
-    groups_prefix = sch.groups_prefix
-    opt_head = tuple(sch.optimizer_prefix[:-1].split(".")) if sch.optimizer_prefix else ()
-    n_head = len(opt_head)
-    training: dict[str, list[str]] = {}
-
-    optimizer_state: dict[str, ParamState] = {}
-    model_set: set[str] | None = None
-    groups: dict[Any, ParamGroup] = {}
-    flavors: set[str] = set()
-    byte_items: dict[str, int] = {}
-    other_tensors: dict[str, TensorEntry] = {}
-
-    for key, meta in compress(entries.items(), map(not_, is_model)):  # the rest, in order
-        if isinstance(meta, BytesMeta):
-            info = storage.get((key, None))
-            byte_items[key] = info.length if info is not None else 0
-        path = planner.get(key)
-        if state_prefix is not None and key.startswith(state_prefix):
-            split = None
-            if (
-                path
-                and len(path) == n_head + 3
-                and tuple(path[:n_head]) == opt_head
-                and path[n_head] == "state"
-                and isinstance(path[n_head + 1], (str, int))
-            ):
-                split = (str(path[n_head + 1]), str(path[n_head + 2]))
-            if split is None:
-                split = inv.split(key[len(state_prefix) :])
-            in_model = split is not None and sch.model_key(split[0]) in model
-            if split is None:
-                # Not a known parameter: the field is the last component (field names hold no dots).
-                head, _, fld = key[len(state_prefix) :].rpartition(".")
-                split = (head, fld)
-            fqn, fld = split
-            ps = optimizer_state.get(fqn)
-            if ps is None:
-                if not in_model and model_set is None:
-                    model_set = set(model)  # once, not per fqn (10^6 model keys)
-                stored = () if in_model else (fused_parts(fqn, model_set or set(), sch.model_prefix or "") or ())
-                ps = optimizer_state[fqn] = ParamState(fqn, in_model=in_model, stored_as=stored)
-            ps.fields[fld] = entry(key, meta) if isinstance(meta, TensorMeta) else None
-            continue
-        if groups_prefix is not None and key.startswith(groups_prefix):
-            rest = key[len(groups_prefix) :]
-            gid: Any = None
-            hyper = None
-            raw = md.planner_data.get(key)
-            if raw and len(raw) == n_head + 3 and tuple(raw[:n_head]) == opt_head and raw[n_head] == "param_groups":
-                bad = raw[n_head + 1]
-                if type(bad) not in (int, str):
-                    raise PlannerDataError(
-                        f"{cd.path}: planner_data gives {key!r} the param-group id {bad!r:.60} "
-                        f"({type(bad).__name__}); group ids are list indices (int) or parameter names (str)",
-                        fqn=key,
-                    )
-            if path and len(path) == n_head + 3 and tuple(path[:n_head]) == opt_head and path[n_head] == "param_groups":
-                gid, hyper = path[n_head + 1], str(path[n_head + 2])
-            else:
-                head, _, tail = rest.partition(".")
-                if head.isdigit() and tail and "." not in tail:
-                    gid, hyper = int(head), tail
-                else:
-                    split = inv.split(rest)
-                    if split is not None:
-                        gid, hyper = split
-                    else:
-                        head2, _, tail2 = rest.rpartition(".")
-                        gid, hyper = head2, tail2
-            flavor = "nested" if isinstance(gid, int) else "flattened"
-            flavors.add(flavor)
-            g = groups.get(gid)
-            if g is None:
-                g = groups[gid] = ParamGroup(gid, flavor, params=[] if flavor == "nested" else [str(gid)])
-            g.keys[hyper] = key
-            continue
-        if key == LAYOUT_KEY:
-            continue
-        top = path[0] if path and isinstance(path[0], str) else key.split(".", 1)[0]
-        if top in TRAINING_STATE_ITEMS:
-            training.setdefault(top, []).append(key)
-        if isinstance(meta, TensorMeta):
-            other_tensors[key] = entry(key, meta)
-
-    # Files on disk.
-    referenced = set(map(_REL, storage.values()))
-    on_disk: dict[str, int | None] = {}
-    listing = cd.remote.sizes() if cd.remote is not None else None  # an object store: one listing, no stat
-    for sub in ("", *(f"{k}/" for k in cd.parts)) if listing is None else ():
-        try:
-            names = os.listdir(cd.path / sub) if sub else os.listdir(cd.path)
-        except OSError:
-            names = []
-        for name in names:
-            if DATA_FILE_RE.match(name):
-                try:
-                    on_disk[sub + name] = (cd.path / sub / name).stat().st_size
-                except OSError:
-                    on_disk[sub + name] = None
-    if listing is not None:
-        on_disk = {n: size for n, size in listing.items() if "/" not in n and DATA_FILE_RE.match(n)}
-    data_files = []
-    for rel in sorted(referenced | set(on_disk)):
-        size = on_disk.get(rel)
-        if rel not in on_disk:
-            try:
-                size = cd.file_size(rel)
-            except CkptError:
-                size = None
-        data_files.append(DataFile(rel, size, rank_of_file(rel), rel in referenced))
-    extra: list[ExtraStateFile] = []
-    extra_dir = cd.path / "extra_state"
-    if listing is not None:
-        for rel, size in sorted(listing.items()):
-            if rel.startswith("extra_state/") and rel.count("/") == 1:
-                m = _EXTRA_STATE_RE.findall(rel.rsplit("/", 1)[1].rsplit(".", 1)[0])
-                extra.append(ExtraStateFile(rel, size, int(m[-1]) if m else None))
-    elif extra_dir.is_dir():
-        cd.resolve("extra_state")  # a symlink out of the checkpoint: PathEscapeError
-        for p in sorted(extra_dir.iterdir()):
-            rel = f"extra_state/{p.name}"
-            st = cd.resolve(rel).stat() if p.is_symlink() else p.lstat()  # symlinks: confined, then followed
-            if stat.S_ISDIR(st.st_mode):
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                raise NotRegularFileError(
-                    f"{cd.path / rel} is a device, FIFO or socket, not a regular file; ckpttool reads only regular files",
-                    path=rel,
-                )
-            m = _EXTRA_STATE_RE.findall(p.stem)
-            extra.append(ExtraStateFile(rel, st.st_size, int(m[-1]) if m else None))
+    rest = _Sorter(cd, sch, planner, model, entry)
+    rest.sort(compress(entries.items(), map(not_, is_model)))  # the rest, in order
+    referenced = set(map(_REL, md.storage.values()))
+    files = list_files(cd, referenced, SIDECAR_NAME)
+    data_files, extra = _files(files, referenced)
     ranks = tuple(sorted({f.rank for f in data_files if f.rank is not None and f.referenced}))
-    optimizer_flavor = None if not flavors else (flavors.pop() if len(flavors) == 1 else "mixed")
+    flavors = rest.flavors
     return Catalog(
         path=cd.path,
         dcp_version=md.version,
         model=model,
-        optimizer_state=optimizer_state,
-        param_groups=sorted(groups.values(), key=lambda g: (isinstance(g.group_id, str), g.group_id)),
-        optimizer_flavor=optimizer_flavor,
-        byte_items=byte_items,
-        other_tensors=other_tensors,
+        optimizer_state=rest.optimizer_state,
+        param_groups=sorted(rest.groups.values(), key=lambda g: (isinstance(g.group_id, str), g.group_id)),
+        optimizer_flavor=None if not flavors else (flavors.pop() if len(flavors) == 1 else "mixed"),
+        byte_items=rest.byte_items,
+        other_tensors=rest.other_tensors,
         data_files=data_files,
         extra_state=extra,
         has_layout_item=isinstance(md.entries.get(LAYOUT_KEY), BytesMeta),
-        has_layout_sidecar=(SIDECAR_NAME in listing) if listing is not None else (cd.path / SIDECAR_NAME).is_file(),
+        has_layout_sidecar=files.has_layout_sidecar,
         ranks=ranks,
         schema=sch,
-        training_state=training,
+        training_state=rest.training,
         _paths=planner,
     )
 
@@ -837,7 +825,7 @@ def implied_optimizer_type(fields: dict[str, str]) -> str | None:
         return None
 
 
-def match_filter(key: str, pattern: str | None, prefix: str | None = "model.") -> bool:
+def match_filter(key: str, pattern: str | None, prefix: str | None = CANONICAL_MODEL_PREFIX) -> bool:
     """``fnmatch`` of a key (with or without its model prefix ``prefix``) against a glob."""
     if not pattern:
         return True

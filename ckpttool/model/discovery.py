@@ -24,7 +24,6 @@ Torch-free.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,8 @@ from ckpttool.errors import AmbiguousCheckpointError, MetadataError, SchemaError
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
 from ckpttool.format.hf_storage import hf_storage_files
 from ckpttool.format.metadata import CheckpointMetadata, StorageInfo
-from ckpttool.model.schema import SchemaOverride
+from ckpttool.model.schemas import registry
+from ckpttool.model.schemas.keyschema import SchemaOverride
 
 __all__ = [
     "MAX_DEPTH",
@@ -49,13 +49,6 @@ __all__ = [
 #: How deep below ``DIR`` checkpoints are searched (``DIR/run/step-3/model`` is depth 3).
 MAX_DEPTH = 3
 _MAX_DIRS = 10_000
-_STEP_RE = re.compile(r"^(?:step|checkpoint|global_step|globalstep|iter|iteration|ckpt|epoch)[-_]?(\d+)$", re.I)
-_PAIRS = (
-    (re.compile(r"^pytorch_model_fsdp_(\d+)$"), "optimizer_{0}"),
-    (re.compile(r"^model$"), "optimizer"),
-    (re.compile(r"^model$"), "optim"),
-)
-_LATEST_FILES = ("latest", "latest_checkpointed_iteration.txt")
 
 
 @dataclass(frozen=True)
@@ -65,7 +58,7 @@ class CheckpointSelection:
     Attributes:
         step: ``None``, a step number, or ``"latest"`` (a ``latest`` file, else the highest step).
         optimizer_dir: a separate optimizer checkpoint directory (paired with the model checkpoint).
-        schema: a key-schema override (:class:`~ckpttool.model.schema.SchemaOverride`).
+        schema: a key-schema override (:class:`~ckpttool.model.schemas.keyschema.SchemaOverride`).
     """
 
     step: int | str | None = None
@@ -136,7 +129,7 @@ def is_checkpoint_dir(path: Path) -> bool:
 
 def step_of(name: str) -> int | None:
     """The step number in a step directory's name (``step-100``, ``checkpoint-100``, ``global_step100``, ``iter_0000100``)."""
-    m = _STEP_RE.match(name)
+    m = registry.derived().step_re.match(name)
     return int(m.group(1)) if m else None
 
 
@@ -197,11 +190,11 @@ def _units(root: Path, found: list[Path]) -> list[_Unit]:
     paired: set[Path] = set()
     units: list[_Unit] = []
     for p in found:
-        for rx, partner in _PAIRS:
-            m = rx.match(p.name)
+        for pair in registry.derived().folder_pairs:
+            m = pair.model.match(p.name)
             if m is None:
                 continue
-            q = p.parent / partner.format(*m.groups())
+            q = p.parent / pair.optimizer.format(*m.groups())
             if q in by_path and q not in paired:
                 units.append(_Unit(p, q, _step_near(p.parent, root)))
                 paired.update((p, q))
@@ -225,7 +218,7 @@ def _step_near(p: Path, root: Path) -> int | None:
 
 def _latest_step(root: Path) -> int | None:
     """The step named by a ``latest`` file (DeepSpeed: ``global_step100``; Megatron: ``100``)."""
-    for name in _LATEST_FILES:
+    for name in registry.derived().latest_files:
         p = root / name
         try:
             if not p.is_file() or p.is_symlink() or p.stat().st_size > 256:
@@ -274,66 +267,13 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
         return Located(root, root, opt)
     found = find_checkpoints(root)
     if not found:
-        try:
-            partial = any(DATA_FILE_RE.match(n) for n in os.listdir(root))
-        except OSError:
-            partial = True
-        if partial:  # .distcp files without .metadata: opening it reports the incomplete save (E202)
-            return Located(root, root, opt)
-        raise MetadataError(
-            f"{root}: no .metadata, and no DCP checkpoint in the {MAX_DEPTH} directory levels below it",
-            path=root,
-            hint="pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files), "
-            "or the run's checkpoint folder above the step directories",
-        )
+        return _nothing_below(root, opt)
     units = _units(root, found)
     how = ""
     if sel.step is not None:
-        want: int | str | None = sel.step
-        if want == "latest":
-            want = _latest_step(root)
-            source = "the `latest` file"
-            if want is None:
-                steps = [u.step for u in units if u.step is not None]
-                want = max(steps) if steps else None
-                source = "the highest step"
-            if want is None:
-                raise StepNotFoundError(
-                    f"{root}: `step` latest, but no checkpoint below it is in a step directory "
-                    f"(found {', '.join(u.label(root) for u in units[:6])})",
-                    path=root,
-                    param="step",
-                    hint="pass one of the listed directories",
-                )
-            how = f"`step` latest: step {want} ({source})"
-        units_at = [u for u in units if u.step == want]
-        if not units_at:
-            steps = sorted({u.step for u in units if u.step is not None})
-            raise StepNotFoundError(
-                f"{root}: no checkpoint of step {want} below it; steps found: "
-                f"{', '.join(map(str, steps[:20])) or 'none'}",
-                path=root,
-                param="step",
-            )
-        units = units_at
-        how = how or f"`step` {want}"
+        units, how = _of_step(root, units, sel.step)
     if len(units) > 1:
-        shown = "; ".join(u.label(root) for u in units[:10]) + (
-            f" (+{len(units) - 10} more)" if len(units) > 10 else ""
-        )
-        steps = sorted({u.step for u in units if u.step is not None})
-        if len(steps) > 1 and sel.step is None:
-            hint = (
-                f"pick one with `step` N|latest (steps {', '.join(map(str, steps[:10]))}), "
-                f"or pass a directory, e.g. {units[-1].model if units[-1].optimizer is None else units[-1].model.parent}"
-            )
-        else:
-            hint = f"pass one of them, e.g. {units[0].model}"
-        raise AmbiguousCheckpointError(
-            f"{root}: no .metadata; {len(units)} checkpoints below it: {shown}",
-            path=root,
-            hint=hint,
-        )
+        raise _ambiguous(root, units, sel.step)
     u = units[0]
     if opt is not None and u.optimizer is not None:
         raise UsageError(
@@ -348,6 +288,80 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
     elif u.optimizer is not None:
         how += ", model folder paired with its optimizer folder"
     return Located(root, u.model, u.optimizer or opt, u.step, how)
+
+
+def _nothing_below(root: Path, opt: Path | None) -> Located:
+    """``root`` itself when it holds ``.distcp`` files (opening it reports the incomplete save, E202).
+
+    Raises:
+        MetadataError: no ``.distcp`` file either.
+    """
+    try:
+        partial = any(DATA_FILE_RE.match(n) for n in os.listdir(root))
+    except OSError:
+        partial = True
+    if partial:
+        return Located(root, root, opt)
+    raise MetadataError(
+        f"{root}: no .metadata, and no DCP checkpoint in the {MAX_DEPTH} directory levels below it",
+        path=root,
+        hint="pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files), "
+        "or the run's checkpoint folder above the step directories",
+    )
+
+
+def _of_step(root: Path, units: list[_Unit], step: int | str) -> tuple[list[_Unit], str]:
+    """The units of ``step`` (a number or ``latest``) and how it was chosen.
+
+    Raises:
+        StepNotFoundError: ``latest`` and no unit in a step directory; no unit of the step.
+    """
+    want: int | str | None = step
+    how = ""
+    if want == "latest":
+        want = _latest_step(root)
+        source = "the `latest` file"
+        if want is None:
+            steps = [u.step for u in units if u.step is not None]
+            want = max(steps) if steps else None
+            source = "the highest step"
+        if want is None:
+            raise StepNotFoundError(
+                f"{root}: `step` latest, but no checkpoint below it is in a step directory "
+                f"(found {', '.join(u.label(root) for u in units[:6])})",
+                path=root,
+                param="step",
+                hint="pass one of the listed directories",
+            )
+        how = f"`step` latest: step {want} ({source})"
+    units_at = [u for u in units if u.step == want]
+    if not units_at:
+        steps_found = sorted({u.step for u in units if u.step is not None})
+        raise StepNotFoundError(
+            f"{root}: no checkpoint of step {want} below it; steps found: "
+            f"{', '.join(map(str, steps_found[:20])) or 'none'}",
+            path=root,
+            param="step",
+        )
+    return units_at, how or f"`step` {want}"
+
+
+def _ambiguous(root: Path, units: list[_Unit], step: int | str | None) -> AmbiguousCheckpointError:
+    """The error for several checkpoints below ``root`` (E204), listing them."""
+    shown = "; ".join(u.label(root) for u in units[:10]) + (f" (+{len(units) - 10} more)" if len(units) > 10 else "")
+    steps = sorted({u.step for u in units if u.step is not None})
+    if len(steps) > 1 and step is None:
+        hint = (
+            f"pick one with `step` N|latest (steps {', '.join(map(str, steps[:10]))}), "
+            f"or pass a directory, e.g. {units[-1].model if units[-1].optimizer is None else units[-1].model.parent}"
+        )
+    else:
+        hint = f"pass one of them, e.g. {units[0].model}"
+    return AmbiguousCheckpointError(
+        f"{root}: no .metadata; {len(units)} checkpoints below it: {shown}",
+        path=root,
+        hint=hint,
+    )
 
 
 def _prefixed(md: CheckpointMetadata, prefix: str) -> dict[tuple[str, tuple[int, ...] | None], StorageInfo]:

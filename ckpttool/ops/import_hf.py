@@ -42,6 +42,8 @@ from ckpttool.format.storage import is_url
 from ckpttool.format.writer import DCPWriter
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, NativeTensor, Skip, get_adapter, rope_from_hf_rows
 from ckpttool.model.hfconfig import config_value, read_hf_config
+from ckpttool.model.schemas import registry
+from ckpttool.model.schemas.base import canonical_model_key
 from ckpttool.ops import distributed
 
 if TYPE_CHECKING:
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ImportOptions", "ImportResult", "ep_dim1_chunks", "ep_rows", "import_hf", "torch_chunk_rows"]
 
-SCHEMAS = ("torch-native", "torchtitan")
+SCHEMAS = tuple(s.name for s in registry.import_targets())
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ class ImportOptions:
         algorithm: the digest algorithm of the manifest.
     """
 
-    schema: str = "torch-native"
+    schema: str = SCHEMAS[0]
     adapter: str | None = None
     config: Path | None = None
     world_size: int = 1
@@ -207,7 +209,7 @@ def _fuse_per_expert(sources: dict[str, _Source], out: dict[str, _Native], num_e
             a, b = first.shape
             nb = DType(first.dtype).itemsize * a * b
             rows = [[(g[j].file, g[j].offset, nb) for g in got] for j in range(n)]
-            key = f"model.{prefix}.{fused}"
+            key = canonical_model_key(f"{prefix}.{fused}")
             out[key] = _Native(key, first.dtype, (n, a * len(parts), b), rows, ("model", f"{prefix}.{fused}"))
             used.update(s.key for g in got for s in g.values())
     return used
@@ -225,7 +227,7 @@ def _native_tensors(
         if key in fused:
             continue
         if adapter is None:
-            nk = "model." + key
+            nk = canonical_model_key(key)
             out[nk] = _plain(nk, src, src.shape, ("model", key))
             continue
         targets = adapter.from_hf(key, src.shape, acfg)

@@ -28,7 +28,7 @@ from ckpttool.layouts.record import EPTensorSpec
 from ckpttool.model.catalog import Catalog, ParamGroup, TensorEntry, group_by_prefix, leaf_key, match_filter
 from ckpttool.model.checkpoint import Checkpoint, ExtraState, open_checkpoint
 from ckpttool.model.discovery import CheckpointSelection, Located
-from ckpttool.model.schema import KeySchema
+from ckpttool.model.schemas.keyschema import KeySchema
 from ckpttool.optim_state.schema import HYPERPARAMETERS
 
 log = logging.getLogger(__name__)

@@ -24,6 +24,7 @@ import typer
 
 from ckpttool.errors import UsageError
 from ckpttool.format.metadata import dtype_name
+from ckpttool.model.schemas import registry as schema_registry
 
 if TYPE_CHECKING:
     from ckpttool.layouts.declaration import LayoutDeclaration
@@ -157,13 +158,23 @@ NoEpOpt = Annotated[
 ]
 
 
-class SchemaChoice(str, Enum):
-    """Built-in key schemas (``docs/design.md`` §2)."""
+if TYPE_CHECKING:
 
-    torch_native = "torch-native"
-    app_state = "app-state"
-    torchtitan = "torchtitan"
-    top_level = "top-level"
+    class SchemaChoice(str, Enum):
+        """The registered key schemas (``docs/design.md`` §2): ``--schema``."""
+
+    class ImportSchemaChoice(str, Enum):
+        """The key schemas ``ckpttool import`` writes: its ``--schema``."""
+
+else:  # generated from the registry: one member per registered spec, in priority order
+    SchemaChoice = Enum("SchemaChoice", [(s.choice, s.name) for s in schema_registry.specs()], type=str)
+    ImportSchemaChoice = Enum(
+        "ImportSchemaChoice", [(s.choice, s.name) for s in schema_registry.import_targets()], type=str
+    )
+#: ``ckpttool import --schema``'s default: the first schema it writes.
+IMPORT_SCHEMA_DEFAULT = ImportSchemaChoice(schema_registry.import_targets()[0].name)
+#: ``ckpttool import --schema``'s help: what each schema it writes holds.
+IMPORT_SCHEMA_HELP = "; ".join(f"{s.name}: {s.import_help}" for s in schema_registry.import_targets()) + "."
 
 
 StepOpt = Annotated[
@@ -291,7 +302,7 @@ def selection(
 ) -> CheckpointSelection | None:
     """What ``--step/--optimizer-dir/--schema/--model-prefix/--optimizer-prefix`` select (``None``: nothing)."""
     from ckpttool.model.discovery import CheckpointSelection
-    from ckpttool.model.schema import SchemaOverride
+    from ckpttool.model.schemas.keyschema import SchemaOverride
 
     name = schema.value if isinstance(schema, SchemaChoice) else schema
     override = SchemaOverride.from_options(name, model_prefix, optimizer_prefix)

@@ -8,7 +8,8 @@ import pytest
 
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo, TensorMeta
 from ckpttool.model.catalog import TensorEntry, _EntryBuilder, _fqns_of
-from ckpttool.model.schema import KeySchema, _head, planner_paths
+from ckpttool.model.schemas.detect import planner_paths
+from ckpttool.model.schemas.keyschema import KeySchema, model_head
 
 _LAYOUTS = (
     TensorMeta(DType("bfloat16"), (4, 16), (ChunkMeta((0, 0), (4, 16)),)),
@@ -69,7 +70,7 @@ def test_model_mask_is_the_model_test(seed: int) -> None:
     for prefix in (None, "", "model.", "app.model.", "optimizer.", "model.model."):
         for opt in (None, "", "optimizer.", "model.", "app.optim."):
             for use_paths in (True, False):
-                sch = KeySchema("x", prefix, opt, _model_head=_head(prefix or ""), _use_paths=use_paths)
+                sch = KeySchema("x", prefix, opt, _model_head=model_head(prefix or ""), _use_paths=use_paths)
                 test = sch.model_test()
                 assert list(sch.model_mask(entries, paths)) == [test(k, paths.get(k)) for k in entries]
 

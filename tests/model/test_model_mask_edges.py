@@ -12,7 +12,8 @@ import random
 from typing import Any
 
 from ckpttool.model.catalog import _fqns_of
-from ckpttool.model.schema import KeySchema, _unjoined
+from ckpttool.model.schemas.detect import _unjoined
+from ckpttool.model.schemas.keyschema import KeySchema
 
 _ATOMS = ("model", "", "optimizer", "state", "x", "model.", ".", "0", "optim", "a.b")
 _PREFIXES = ("", "model.", "model.model.", ".", "model", "x.", "..", "optimizer.")

@@ -2,7 +2,7 @@
 
 Each expectation is a fact of the writer (torchtitan keeps the model at the top level, the DCP
 tutorial's AppState nests under ``app.``, ``optimizer.state_dict()`` keys state by index), checked
-against what :func:`ckpttool.model.schema.detect_schema` and the catalog make of its ``.metadata``.
+against what :func:`ckpttool.model.schemas.detect.detect_schema` and the catalog make of its ``.metadata``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from ckpttool.errors import SchemaError, UsageError
 from ckpttool.model.catalog import build_catalog
 from ckpttool.model.checkpoint import open_checkpoint
 from ckpttool.model.discovery import CheckpointSelection
-from ckpttool.model.schema import SchemaOverride
+from ckpttool.model.schemas.keyschema import SchemaOverride
 
 pytestmark = pytest.mark.slow  # fixtures written by multi-rank gloo jobs of the real trainers
 
@@ -157,7 +157,7 @@ def test_planner_paths_that_do_not_flatten_to_their_key_are_ignored(tmp_path: Pa
     import dataclasses
 
     from ckpttool.format.directory import CheckpointDir
-    from ckpttool.model.schema import detect_schema, planner_paths
+    from ckpttool.model.schemas.detect import detect_schema, planner_paths
 
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())

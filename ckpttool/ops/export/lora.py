@@ -27,6 +27,7 @@ from typing import Any
 
 from ckpttool.errors import ExportError, UsageError
 from ckpttool.model.catalog import Catalog
+from ckpttool.model.schemas.base import canonical_model_key
 from ckpttool.ops.export.plan import ExportPlan
 
 __all__ = ["adapter_config", "read_adapter_config"]
@@ -132,7 +133,7 @@ def adapter_config(
     # Same-named modules without an adapter: ``<module>.weight`` under base_model, no base_layer.
     targeted = set(rel)
     untargeted = False
-    prefix = "model." + _PEFT_PREFIX
+    prefix = canonical_model_key(_PEFT_PREFIX)
     for key in map(cat.schema.canonical_key, cat.model):  # the torch-native spelling model.<fqn>
         if not key.startswith(prefix) or ".base_layer." in key or _ADAPTER_PART_RE.search(key) or ".lora_" in key:
             continue

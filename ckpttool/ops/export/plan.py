@@ -22,6 +22,7 @@ from ckpttool.format.metadata import DTYPE_ITEMSIZE, FLOATING_DTYPES
 from ckpttool.format.safetensors import HeaderEntry, is_narrowing
 from ckpttool.model.adapters import AdapterConfig, HFTensor, ModelAdapter, Skip, rope_to_hf_rows
 from ckpttool.model.catalog import Catalog, TensorEntry, match_filter
+from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX, canonical_model_key
 from ckpttool.model.wrappers import strip_wrapper_segments
 from ckpttool.ops.export.rules import ExportRules
 from ckpttool.ops.export.transform import Run
@@ -330,7 +331,7 @@ def select_sources(
     # 10^6 keys: the fqns come from the catalog's shared list (KeySchema.fqn_of of every model key, in order)
     for (key, entry), param_fqn in zip(cat.model.items(), cat.param_fqns):
         fqn = param_fqn
-        canonical = "model." + fqn  # KeySchema.canonical_key: rules match the torch-native spelling model.<fqn>
+        canonical = CANONICAL_MODEL_PREFIX + fqn  # canonical_model_key: rules match the torch-native model.<fqn>
         # "module" / "_orig_mod" cannot straddle "model." and the fqn: the test strip_wrapper_segments starts with
         if "module" in fqn or "_orig_mod" in fqn:
             canonical, removed = strip_wrapper_segments(canonical)  # _orig_mod., module., ... anywhere
@@ -455,7 +456,7 @@ _PEFT_RE = re.compile(
     r"^model\.(?:base_model\.model\.)?(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|"
     r"lora_magnitude_vector)\.(?P<adapter>[^.]+)(?:\.weight)?$"
 )
-_PEFT_BASE = "model.base_model.model."
+_PEFT_BASE = canonical_model_key("base_model.model.")
 
 
 def _select_merged(
@@ -514,7 +515,7 @@ def _select_merged(
         if _PEFT_RE.match(canonical):
             skipped.setdefault("LoRA factor merged into its base weight", []).append(key)
             continue
-        plain = "model." + canonical[len(_PEFT_BASE) :] if canonical.startswith(_PEFT_BASE) else canonical
+        plain = canonical_model_key(canonical[len(_PEFT_BASE) :]) if canonical.startswith(_PEFT_BASE) else canonical
         if ".original_module." in plain:
             skipped.setdefault("replaced by its modules_to_save copy", []).append(key)
             continue
@@ -523,7 +524,7 @@ def _select_merged(
         if ".base_layer." in plain:
             module, _, tail = plain.partition(".base_layer.")
             plain = f"{module}.{tail}"
-            module = module[len("model.") :]
+            module = module[len(CANONICAL_MODEL_PREFIX) :]
         out, matched, _ = rules.map_key(plain)
         if not matched or out is None:
             skipped.setdefault("no key rule matches" if not matched else "skipped by a key rule", []).append(key)

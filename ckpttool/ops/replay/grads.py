@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from ckpttool.errors import GradientsError
+from ckpttool.model.schemas.base import canonical_model_key
 
 if TYPE_CHECKING:
     from typing import Protocol
@@ -103,7 +104,7 @@ class GradFile:
             ) from e
 
     def _key(self, fqn: str) -> str | None:
-        for k in (fqn, f"model.{fqn}"):
+        for k in (fqn, canonical_model_key(fqn)):
             if k in self._keys:
                 return k
         return None

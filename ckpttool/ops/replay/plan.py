@@ -43,6 +43,7 @@ from ckpttool.errors import (
 from ckpttool.format.metadata import dtype_name
 from ckpttool.layouts.record import LayoutRecord
 from ckpttool.model.catalog import Catalog, TensorEntry, leaf_key, lost_state, match_filter
+from ckpttool.model.schemas.base import canonical_model_key
 from ckpttool.optim_state.schema import OPTIMIZER_TYPES, expected_state_dtypes, infer_optimizer_type
 
 __all__ = [
@@ -375,7 +376,7 @@ def _select(
         f
         for f in params_in_model
         if (rx is None or rx.search(f))
-        and (filter_glob is None or match_filter(f"model.{f}", filter_glob))  # the canonical key
+        and (filter_glob is None or match_filter(canonical_model_key(f), filter_glob))  # the canonical key
     ]
     if not params_in_model:
         raise HyperparameterError(

@@ -1,6 +1,6 @@
 """Key-schema rules (``K``): did ckpttool understand what the checkpoint holds?
 
-Built on the catalog's key schema (:mod:`ckpttool.model.schema`). A checkpoint in which
+Built on the catalog's key schema (:mod:`ckpttool.model.schemas`). A checkpoint in which
 nothing is recognised as model or optimizer state never passes, and tensors outside every
 known category fail ``--strict``: validation fails closed on what it did not understand.
 """

@@ -1,0 +1,162 @@
+"""The spec of a key schema: what one trainer's flattened state dict looks like, in one record.
+
+A :class:`SchemaSpec` is registered with :mod:`ckpttool.model.schemas.registry`; detection,
+the catalog, discovery, the ``--schema`` choices and the ``docs/design.md`` §2 table ask the
+registry, so adding a trainer's schema is one module (a spec) and its tests. Torch-free.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = [
+    "CANONICAL_MODEL_PREFIX",
+    "GENERIC_DISCOVERY",
+    "GENERIC_TRAINING_STATE_ITEMS",
+    "Detected",
+    "Discovery",
+    "FolderPair",
+    "SchemaSpec",
+    "canonical_model_key",
+]
+
+#: The model prefix of the torch-native spelling ``model.<fqn>`` (what export rules match, whatever the schema).
+CANONICAL_MODEL_PREFIX = "model."
+
+
+def canonical_model_key(fqn: str) -> str:
+    """The torch-native spelling ``model.<fqn>`` of parameter ``fqn`` (the key export rules and filters match)."""
+    return CANONICAL_MODEL_PREFIX + fqn
+
+
+#: Top-level items trainers save beside model and optimizer (scheduler, data loader, step, RNG),
+#: whatever the schema; a spec adds its own (:attr:`SchemaSpec.training_state_items`).
+GENERIC_TRAINING_STATE_ITEMS: tuple[str, ...] = (
+    "lr_scheduler",
+    "lr_schedulers",
+    "scheduler",
+    "schedulers",
+    "dataloader",
+    "data_loader",
+    "train_state",
+    "trainer_state",
+    "training_state",
+    "rng",
+    "rng_state",
+    "rng_states",
+    "random_states",
+    "extra_state",
+    "step",
+    "global_step",
+    "epoch",
+    "iteration",
+    "ntokens_seen",
+)
+
+
+@dataclass(frozen=True)
+class FolderPair:
+    """A model folder saved beside its optimizer folder by two ``dcp.save`` calls.
+
+    Attributes:
+        model: regex a model folder's name matches in full (``pytorch_model_fsdp_(\\d+)``).
+        optimizer: the optimizer folder's name, ``str.format`` ed with the regex's groups (``optimizer_{0}``).
+    """
+
+    model: re.Pattern[str]
+    optimizer: str
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """Directory names a trainer lays its checkpoints out with (:mod:`ckpttool.model.discovery`).
+
+    Attributes:
+        step_words: step-directory words: ``<word>[-_]?<N>`` (``step-100``, ``global_step100``, ``iter_0000100``).
+        latest_files: files naming the last step (DeepSpeed ``latest``: ``global_step100``; Megatron: ``100``).
+        folder_pairs: model/optimizer folder pairs, tried in order.
+    """
+
+    step_words: tuple[str, ...] = ()
+    latest_files: tuple[str, ...] = ()
+    folder_pairs: tuple[FolderPair, ...] = ()
+
+
+#: Layouts that belong to no key schema (DeepSpeed / Megatron-style step directories, split saves).
+GENERIC_DISCOVERY = Discovery(
+    step_words=("global_step", "globalstep", "iter", "iteration", "ckpt", "epoch"),
+    latest_files=("latest", "latest_checkpointed_iteration.txt"),
+    folder_pairs=(
+        FolderPair(re.compile(r"^model$"), "optimizer"),
+        FolderPair(re.compile(r"^model$"), "optim"),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Detected:
+    """What detection found, for the specs' predicates (:attr:`SchemaSpec.claims`).
+
+    Attributes:
+        model_prefix: the model prefix chosen (``""``: top level; ``None``: no model tensors).
+        optimizer_prefix: the optimizer prefix chosen (``None``: no optimizer state).
+        loose_top_level: tensors at the top level voted for the top-level reading.
+        naming: the naming convention of the model fqns (``hf``, ``torchtitan``, ``unknown``).
+        training_state: the top-level training-state items present.
+    """
+
+    model_prefix: str | None
+    optimizer_prefix: str | None
+    loose_top_level: bool
+    naming: str
+    training_state: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SchemaSpec:
+    """One key schema (``docs/design.md`` §2), as registered.
+
+    Attributes:
+        name: the schema id (``torch-native``), reported by ``inspect`` and given to ``--schema``.
+        model_prefix, optimizer_prefix: the prefixes ``--schema <name>`` reads the keys with.
+        model_container: the nesting of the model's state dict in the saved dict: ``()`` top
+            level, ``("model",)`` for ``{"model": sd}``, ``(None, "model")`` for
+            ``{<any app>: {"model": sd}}`` (``None``: any name). Detection reads model-prefix
+            candidates from it (planner paths, else key prefixes).
+        claims: detection predicate: is a checkpoint with these findings of this schema? Specs
+            are asked in priority order; the first that claims it names it.
+        priority: the order specs are asked in (lower first; the registry keeps ties in
+            registration order).
+        optimizer_heads: top-level names of the optimizer's state dict (``optimizer``); an
+            optimizer key is ``[<app>.]<head>.state.<fqn>.<field>`` or ``...param_groups...``.
+        training_state_items: top-level items it saves beside model and optimizer (reported, never exported).
+        prefix_notes: extra reasons once the prefixes are chosen (model prefix, optimizer prefix -> lines).
+        fused_rules: parameters an optimizer steps fused while the model stores them split
+            (regex over the fqn, model-key templates formatted with its groups).
+        discovery: directory names its trainer lays checkpoints out with.
+        import_help: what ``ckpttool import --schema <name>`` writes (``None``: not an import target).
+        doc_model, doc_optimizer, doc_written_by: its row of the ``docs/design.md`` §2 table (markdown).
+    """
+
+    name: str
+    model_prefix: str
+    optimizer_prefix: str
+    model_container: tuple[str | None, ...]
+    claims: Callable[[Detected], bool]
+    priority: int = 50
+    optimizer_heads: tuple[str, ...] = ("optimizer",)
+    training_state_items: tuple[str, ...] = ()
+    prefix_notes: Callable[[str | None, str | None], tuple[str, ...]] | None = None
+    fused_rules: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = ()
+    discovery: Discovery = Discovery()
+    import_help: str | None = None
+    doc_model: str = ""
+    doc_optimizer: str = ""
+    doc_written_by: str = ""
+
+    @property
+    def choice(self) -> str:
+        """The Python name of its ``--schema`` choice (``torch_native``)."""
+        return self.name.replace("-", "_")

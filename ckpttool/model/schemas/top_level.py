@@ -1,0 +1,28 @@
+"""``top-level``: a model state dict saved as it is (``dcp.save(model.state_dict())``, ``HuggingFaceStorageWriter``).
+
+Model tensors at the top level (``<fqn>``), optimizer state (if any) under ``optimizer.``. The
+last resort of detection: it claims every checkpoint no other schema claims.
+"""
+
+from __future__ import annotations
+
+from ckpttool.model.schemas.base import Detected, SchemaSpec
+
+__all__ = ["SPEC"]
+
+
+def _claims(d: Detected) -> bool:
+    return True
+
+
+SPEC = SchemaSpec(
+    name="top-level",
+    model_prefix="",
+    optimizer_prefix="optimizer.",
+    model_container=(),
+    claims=_claims,
+    priority=100,
+    doc_model="`<fqn>` (top level)",
+    doc_optimizer="as above, if any",
+    doc_written_by="`dcp.save(model.state_dict())`, `HuggingFaceStorageWriter`",
+)

@@ -1,0 +1,40 @@
+"""``torch-native``: ``dcp.save({"model": get_model_state_dict(m), "optimizer": get_optimizer_state_dict(m, o)})``.
+
+Keys ``model.<fqn>`` and ``optimizer.state.<fqn>.<field>``; written by torch's ``state_dict``
+helpers, Accelerate (``pytorch_model_fsdp_N`` + ``optimizer_N`` folders, ``checkpoint-N``) and VeOmni.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ckpttool.model.schemas.base import Detected, Discovery, FolderPair, SchemaSpec
+
+__all__ = ["SPEC"]
+
+
+def _claims(d: Detected) -> bool:
+    # an optimizer-only checkpoint under "optimizer." is the optimizer half of a torch-native save,
+    # unless loose top-level tensors voted for the top-level reading
+    return d.model_prefix == "model." or (
+        d.model_prefix is None and d.optimizer_prefix == "optimizer." and not d.loose_top_level
+    )
+
+
+SPEC = SchemaSpec(
+    name="torch-native",
+    model_prefix="model.",
+    optimizer_prefix="optimizer.",
+    model_container=("model",),
+    claims=_claims,
+    priority=10,
+    optimizer_heads=("optimizer", "optim", "optimizers"),
+    discovery=Discovery(
+        step_words=("checkpoint",),
+        folder_pairs=(FolderPair(re.compile(r"^pytorch_model_fsdp_(\d+)$"), "optimizer_{0}"),),
+    ),
+    import_help="dcp.save({'model': model.state_dict()})",
+    doc_model="`model.<fqn>`",
+    doc_optimizer="`optimizer.state.<fqn>.<field>`",
+    doc_written_by='`get_state_dict` + `dcp.save({"model", "optimizer"})`, Accelerate (one folder each), VeOmni',
+)

@@ -1,0 +1,39 @@
+"""``torchtitan``: torchtitan's ``CheckpointManager``.
+
+Model tensors at the top level (``<fqn>``, torchtitan naming: ``layers.N.attention.wq.weight``),
+``optimizer.state.<fqn>.<field>`` (flattened groups), plus ``lr_scheduler``, ``dataloader``,
+``train_state``; step directories ``step-<N>``. Its ``FusedQKVLinear`` steps ``wqkv`` while the
+state-dict hook saves ``wq``/``wk``/``wv`` (``torchtitan/models/common/attention.py``).
+"""
+
+from __future__ import annotations
+
+import re
+
+from ckpttool.model.schemas.base import Detected, Discovery, SchemaSpec
+
+__all__ = ["ITEMS", "SPEC"]
+
+#: The training-state items torchtitan's ``CheckpointManager`` saves beside model and optimizer.
+ITEMS = ("lr_scheduler", "dataloader", "train_state")
+
+
+def _claims(d: Detected) -> bool:
+    return d.naming == "torchtitan" or any(t in d.training_state for t in ITEMS)
+
+
+SPEC = SchemaSpec(
+    name="torchtitan",
+    model_prefix="",
+    optimizer_prefix="optimizer.",
+    model_container=(),
+    claims=_claims,
+    priority=30,
+    training_state_items=ITEMS,
+    fused_rules=((re.compile(r"^(?P<p>(?:.*\.)?)wqkv\.(?P<t>weight|bias)$"), ("{p}wq.{t}", "{p}wk.{t}", "{p}wv.{t}")),),
+    discovery=Discovery(step_words=("step",)),
+    import_help="CheckpointManager names via the adapter",
+    doc_model="`<fqn>` (top level)",
+    doc_optimizer="`optimizer.state.<fqn>.<field>` (flattened groups)",
+    doc_written_by="torchtitan's `CheckpointManager`, plus `lr_scheduler`, `dataloader`, `train_state`",
+)

@@ -1,0 +1,139 @@
+"""The key-schema registry: one spec per schema, and everything derived from it.
+
+The ``--schema`` choices, ``ckpttool import``'s choices, the step-directory names and the
+``docs/design.md`` §2 table come from the registered specs; a schema registered by a test
+module alone is detected by ``inspect`` and placed by the catalog (the seam a trainer's
+schema is added through).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from typer.testing import CliRunner
+
+import ckpttool
+from ckpttool.cli.app import app
+from ckpttool.model.catalog import build_catalog
+from ckpttool.model.discovery import step_of
+from ckpttool.model.schemas import registry
+from ckpttool.model.schemas.base import Detected, SchemaSpec, canonical_model_key
+from ckpttool.model.schemas.keyschema import SchemaOverride
+from ckpttool.ui.options import IMPORT_SCHEMA_DEFAULT, ImportSchemaChoice, SchemaChoice
+
+runner = CliRunner()
+DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
+
+
+def test_builtin_schemas_in_priority_order() -> None:
+    assert registry.names() == ("torch-native", "app-state", "torchtitan", "top-level")
+    assert [(s.model_prefix, s.optimizer_prefix) for s in registry.specs()] == [
+        ("model.", "optimizer."),
+        ("app.model.", "app.optim."),
+        ("", "optimizer."),
+        ("", "optimizer."),
+    ]
+    assert canonical_model_key("layers.0.w") == "model.layers.0.w"
+
+
+def test_docs_table_is_the_registry() -> None:
+    text = DESIGN.read_text(encoding="utf-8")
+    section = text[text.index("## §2 Key schema") : text.index("## §3")]
+    lines = section.splitlines()
+    start = lines.index("| schema | model tensors | optimizer state | written by |")
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    assert "\n".join(lines[start:end]) + "\n" == registry.schema_table()
+
+
+def test_cli_choices_come_from_the_registry() -> None:
+    assert [c.value for c in SchemaChoice] == list(registry.names())
+    assert [c.value for c in ImportSchemaChoice] == ["torch-native", "torchtitan"]
+    assert IMPORT_SCHEMA_DEFAULT.value == "torch-native"
+    packaged = json.loads((Path(ckpttool.__file__).parent / "schemas" / "import.schema.json").read_text())
+    assert packaged["properties"]["key_schema"]["enum"] == [s.name for s in registry.import_targets()]
+    help_text = re.sub(r"\s+", " ", runner.invoke(app, ["inspect", "--help"], terminal_width=200).stdout)
+    assert "torch-native|app-state|torchtitan|top-level" in help_text
+
+
+def test_step_directory_names() -> None:
+    assert [step_of(n) for n in ("step-3", "checkpoint-100", "global_step7", "iter_0000100", "Epoch_2", "stepx")] == [
+        3,
+        100,
+        7,
+        100,
+        2,
+        None,
+    ]
+    assert registry.derived().latest_files == ("latest", "latest_checkpointed_iteration.txt")
+
+
+def test_a_spec_is_registered_once() -> None:
+    with pytest.raises(ValueError, match="registered already"):
+        registry.register(registry.get("torchtitan"))
+    with pytest.raises(KeyError):
+        registry.get("no-such-schema")
+
+
+# ------------------------------------------------------------------------------ a schema added by a test
+def _trainer_claims(d: Detected) -> bool:
+    return d.model_prefix == "trainer."
+
+
+TRAINER = SchemaSpec(
+    name="trainer-x",
+    model_prefix="trainer.",
+    optimizer_prefix="optimizer.",
+    model_container=("trainer",),
+    claims=_trainer_claims,
+    priority=15,
+    training_state_items=("trainer_clock",),
+)
+
+
+@pytest.fixture
+def trainer_schema() -> Iterator[SchemaSpec]:
+    registry.register(TRAINER)
+    try:
+        yield TRAINER
+    finally:
+        registry.unregister(TRAINER.name)
+
+
+@pytest.fixture
+def trainer_ckpt(tmp_path: Path) -> Path:
+    g = torch.Generator().manual_seed(3)
+    sd = {
+        "trainer": {f"layers.{i}.w": torch.randn(4, 4, generator=g) for i in range(3)},
+        "trainer_clock": {"ticks": torch.tensor(7)},
+    }
+    dcp.save(sd, checkpoint_id=str(tmp_path / "ck"))
+    return tmp_path / "ck"
+
+
+def test_a_registered_schema_is_detected_and_placed(trainer_schema: SchemaSpec, trainer_ckpt: Path) -> None:
+    res = runner.invoke(app, ["inspect", "--json", str(trainer_ckpt)])
+    assert res.exit_code == 0, res.stderr
+    ks = json.loads(res.stdout)["key_schema"]
+    assert (ks["id"], ks["model_prefix"], ks["training_state"]) == ("trainer-x", "trainer.", ["trainer_clock"])
+    cat = build_catalog(trainer_ckpt)
+    assert sorted(cat.model) == ["trainer.layers.0.w", "trainer.layers.1.w", "trainer.layers.2.w"]
+    assert cat.param_fqns == ["layers.0.w", "layers.1.w", "layers.2.w"]
+    assert cat.model_key("layers.1.w") == "trainer.layers.1.w"
+    assert cat.training_state == {"trainer_clock": ["trainer_clock.ticks"]}
+    assert cat.uncategorized_tensors() == []
+    over = build_catalog(trainer_ckpt, SchemaOverride.from_options("trainer-x", None, None))
+    assert over.schema.id == "trainer-x" and sorted(over.model) == sorted(cat.model)
+
+
+def test_without_the_registered_schema(trainer_ckpt: Path) -> None:
+    assert "trainer-x" not in registry.names()
+    cat = build_catalog(trainer_ckpt)
+    # nested under a name no spec knows: no model tensors, every tensor is "other"
+    assert cat.schema.id == "unrecognized" and not cat.model
+    assert sorted(cat.other_tensors) == [*(f"trainer.layers.{i}.w" for i in range(3)), "trainer_clock.ticks"]
