@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "CANONICAL_MODEL_PREFIX",
+    "canonical_group_key",
+    "canonical_state_key",
     "GENERIC_DISCOVERY",
     "GENERIC_TRAINING_STATE_ITEMS",
     "Detected",
@@ -29,6 +31,16 @@ CANONICAL_MODEL_PREFIX = "model."
 def canonical_model_key(fqn: str) -> str:
     """The torch-native spelling ``model.<fqn>`` of parameter ``fqn`` (the key export rules and filters match)."""
     return CANONICAL_MODEL_PREFIX + fqn
+
+
+def canonical_state_key(fqn: str, field_name: str) -> str:
+    """The torch-native spelling ``optimizer.state.<fqn>.<field>`` of a state field (diff's common namespace)."""
+    return f"optimizer.state.{fqn}.{field_name}"
+
+
+def canonical_group_key(fqn: str) -> str:
+    """The torch-native spelling ``optimizer.param_groups.<fqn>`` of a parameter's flattened param group."""
+    return f"optimizer.param_groups.{fqn}"
 
 
 #: Top-level items trainers save beside model and optimizer (scheduler, data loader, step, RNG),

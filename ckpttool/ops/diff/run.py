@@ -44,6 +44,7 @@ from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.catalog import TensorEntry
 from ckpttool.model.checkpoint import Checkpoint, CheckpointSelection, open_checkpoint
+from ckpttool.model.schemas.base import canonical_group_key, canonical_state_key
 from ckpttool.ops.diff.compare import ValueDiff, compare_tensors, unravel
 from ckpttool.ops.export.transform import Run
 
@@ -470,7 +471,7 @@ def dcp_items(side: Side, what: str) -> tuple[list[Item], list[Excluded], list[s
     if what in ("optimizer", "all"):
         for fqn, ps in cat.optimizer_state.items():
             for fld, e in ps.fields.items():
-                name = f"optimizer.state.{fqn}.{fld}"
+                name = canonical_state_key(fqn, fld)
                 if e is None:
                     key = cat.state_key(fqn, fld)
                     items.append(Item(name, key, (), "bytes", "optimizer_state"))
@@ -1017,7 +1018,7 @@ def _compare_groups(a: Side, b: Side) -> tuple[int, list[Difference]]:
     n = 0
     for fqn in sorted(set(ga) | set(gb)):
         va, vb = ga.get(fqn), gb.get(fqn)
-        base = f"optimizer.param_groups.{fqn}"
+        base = canonical_group_key(fqn)
         if va is None or vb is None:
             side = "B" if va is not None else "A"
             diffs.append(Difference(base, "hyperparameter", f"{base}: no param group in {side}"))

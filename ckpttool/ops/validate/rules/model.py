@@ -78,9 +78,8 @@ def layer_coverage(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, s
     if not by_prefix:
         yield "model", f"no model key has a layers.<N> component but the config has {n} layers"
         return
-    main = (
-        "model.model.layers" if "model.model.layers" in by_prefix else max(by_prefix, key=lambda p: len(by_prefix[p]))
-    )
+    hf_layers = ctx.cat.model_key("model.layers")  # HF causal LMs: model.layers.<N>, spelled by the key schema
+    main = hf_layers if hf_layers in by_prefix else max(by_prefix, key=lambda p: len(by_prefix[p]))
     got = by_prefix[main]
     want = set(range(n))
     missing, extra = sorted(want - got), sorted(got - want)
