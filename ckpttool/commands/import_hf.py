@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from ckpttool.model.adapters import adapter_metavar
 from ckpttool.ui.options import JsonOpt, OutputArg, OverwriteOpt, examples
 from ckpttool.ui.output import Output, command_boundary
 
@@ -41,7 +42,7 @@ def import_command(
         str | None,
         typer.Option(
             "--adapter",
-            metavar="<torchtitan-llama3|torchtitan-qwen3>",
+            metavar=adapter_metavar(identity=False),
             help="Model adapter for --schema torchtitan [default: from config.json model_type].",
         ),
     ] = None,
