@@ -343,10 +343,13 @@ def build_plan(
     source_pieces = out_format.pieces_planner()
     ctx = PieceContext(rules, experts == "per-expert", expert_orders or {}, num_experts)
     drop = drop or set()
-    tally = _Tally()
+    casts: dict[str, int] = {}
+    narrowing: dict[str, int] = {}
+    origins: dict[str, list[str]] = {}
     # Greedy packing in source order; a source's pieces stay in one file (read once). Packing raises
     # nothing, so it runs in this loop (the errors below come in the same order as without it).
     packer = _Packer(out_format.starts_file, shard_size)
+    place = packer.place
     tasks: list[SourceTask] = []
     add_task = tasks.append
     preserve = save_dtype == "preserve"
@@ -356,37 +359,29 @@ def build_plan(
         src_dtype = s.source.dtype
         dtype = src_dtype if preserve or src_dtype not in FLOATING_DTYPES else save_dtype
         pieces, runs, order, counted = source_pieces(s, dtype, ctx)
-        tally.add(s.origin, src_dtype, dtype, counted)
-        add_task(SourceTask(s, pieces, packer.place(pieces, runs), order, runs))
-    files = out_format.file_names(max(len(packer.sizes), 1))
-    # the output names, after every check of the loop above (their errors come after those, as they always did)
-    entries = _header_entries(tasks, len(files))
-    plan = ExportPlan(fmt, tasks, files, entries, casts=tally.casts, narrowing=tally.narrowing, origins=tally.origins)
-    plan._file_bytes = ((id(tasks), len(tasks)), packer.file_bytes or [0] * len(files))
-    return plan
-
-
-class _Tally:
-    """The casts (``"src->dst"`` -> count), the narrowing ones, and the output keys of each origin."""
-
-    def __init__(self) -> None:
-        self.casts: dict[str, int] = {}
-        self.narrowing: dict[str, int] = {}
-        self.origins: dict[str, list[str]] = {}
-
-    def add(self, origin: str, src_dtype: str, dtype: str, counted: list[str]) -> None:
         if dtype != src_dtype:
-            tag = f"{src_dtype}->{dtype}"
-            self.casts[tag] = self.casts.get(tag, 0) + len(counted)
-            if is_narrowing(src_dtype, dtype):
-                self.narrowing[tag] = self.narrowing.get(tag, 0) + len(counted)
-        listed = self.origins.get(origin)
+            _count_cast(casts, narrowing, f"{src_dtype}->{dtype}", is_narrowing(src_dtype, dtype), len(counted))
+        listed = origins.get(s.origin)
         if listed is None:
-            listed = self.origins[origin] = []
+            listed = origins[s.origin] = []
         if len(counted) == 1:
             listed.append(counted[0])
         else:
             listed.extend(counted)
+        add_task(SourceTask(s, pieces, place(pieces, runs), order, runs))
+    files = out_format.file_names(max(len(packer.sizes), 1))
+    # the output names, after every check of the loop above (their errors come after those, as they always did)
+    entries = _header_entries(tasks, len(files))
+    plan = ExportPlan(fmt, tasks, files, entries, casts=casts, narrowing=narrowing, origins=origins)
+    plan._file_bytes = ((id(tasks), len(tasks)), packer.file_bytes or [0] * len(files))
+    return plan
+
+
+def _count_cast(casts: dict[str, int], narrowing: dict[str, int], tag: str, narrows: bool, n: int) -> None:
+    """Count ``n`` output tensors cast as ``tag`` (``"src->dst"``), in ``narrowing`` too when it ``narrows``."""
+    casts[tag] = casts.get(tag, 0) + n
+    if narrows:
+        narrowing[tag] = narrowing.get(tag, 0) + n
 
 
 class _Packer:
@@ -526,6 +521,8 @@ def stored_pieces(s: Selected, dtype: str, ctx: PieceContext, rule: ExpertRule |
     """
     shape = s.source.shape
     order = ctx.orders.get(s.model_key) if ctx.orders else None
+    if rule is None and order is None:  # the common case: one piece as stored
+        return (Piece(s.out_key, shape, dtype),), None, None, [s.out_key]
     if rule is not None and len(shape) == 3:
         check_expert_dim(s, shape[0], ctx.num_experts)
         assert order is None or len(order) == shape[0], "expert_orders gives one entry per expert"

@@ -30,8 +30,9 @@ __all__ = ["KeyMap", "RuleKeys", "AdapterKeys", "LoraKeys", "select_model", "ski
 #: torchtitan's LoRA adapter tensors (``torchtitan/components/lora.py``: ``<linear>.lora_a`` / ``.lora_b``).
 _TITAN_LORA_RE = re.compile(r"\.lora_[ab]\.weight$")
 
-#: ``(output key, adapter placement or None, tag or None)`` of one model tensor (``tag``: a LoRA adapter name).
-Mapped = tuple[str, HFTensor | None, str | None]
+#: One model tensor's output key: the key alone, or ``(output key, adapter placement or None, tag or None)``
+#: (``tag``: a LoRA adapter name); the key alone (no tuple built) is the rules' common case.
+Mapped = str | tuple[str, HFTensor | None, str | None]
 
 
 class KeyMap(Protocol):
@@ -68,7 +69,7 @@ class RuleKeys:
             return None
         if warn:
             self.renamed.append(f"{key} -> {out}")
-        return out, None, None
+        return out
 
     def finish(self, cat: Catalog, filter_glob: str | None, warnings: list[str]) -> None:
         if self.renamed:
@@ -167,7 +168,12 @@ def select_model(cat: Catalog, keys: KeyMap, *, weights: str, filter_glob: str |
         mapped = map_one(key, fqn, canonical, entry)
         if mapped is None:
             continue
-        out_key, hf, tag = mapped
+        hf: HFTensor | None
+        tag: str | None
+        if isinstance(mapped, str):
+            out_key, hf, tag = mapped, None, None
+        else:
+            out_key, hf, tag = mapped
         if filter_glob and filtered(key, canonical, out_key, filter_glob, prefix):
             skipped.setdefault("excluded by `filter_glob`", []).append(key)
             continue

@@ -91,7 +91,7 @@ class HFFormat(ModelFormat):
 
     def pieces_planner(self) -> PiecesFn:
         """An adapter's pieces and runs (RoPE rows, fused halves), else as stored or split by an expert rule."""
-        from ckpttool.ops.export.plan import adapter_pieces, stored_pieces
+        from ckpttool.ops.export.plan import Piece, adapter_pieces, stored_pieces
 
         def hf_pieces(s: Selected, dtype: str, ctx: PieceContext) -> SourcePieces:
             hf = s.hf
@@ -102,7 +102,10 @@ class HFFormat(ModelFormat):
                 counted = [p.name for p in pieces if not p.shared or hf.part == 0]  # a fused tensor counts once
                 return pieces, runs, None, counted
             # the rule matters for [E, A, B] tensors, and for any shape with per-expert (which refuses other shapes)
-            rule = ctx.rules.expert_rule(s.out_key) if ctx.per_expert or len(s.source.shape) == 3 else None
+            shape = s.source.shape
+            if not ctx.per_expert and len(shape) != 3 and not ctx.orders:  # as stored (stored_pieces, inline)
+                return (Piece(s.out_key, shape, dtype),), None, None, [s.out_key]
+            rule = ctx.rules.expert_rule(s.out_key) if ctx.per_expert or len(shape) == 3 else None
             return stored_pieces(s, dtype, ctx, rule)
 
         return hf_pieces
