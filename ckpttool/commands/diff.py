@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from ckpttool.model.adapters import adapter_metavar
 from ckpttool.ui.options import (
     EpFsdpSizeOpt,
     EpSizeOpt,
@@ -73,7 +74,7 @@ AdapterOpt = Annotated[
     str | None,
     typer.Option(
         "--adapter",
-        metavar="<torchtitan-llama3|torchtitan-qwen3|hf>",
+        metavar=adapter_metavar(),
         help="Against safetensors: the model adapter naming the DCP side, as export's "
         "[default: detected from the key names].",
     ),

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
+import inspect
 import sys
+import typing
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from ckpttool.model.adapters import adapter_metavar
+from ckpttool.ops.export.outputs import OUTPUT_FORMATS, format_help
 from ckpttool.ui.options import (
     CheckpointArg,
     EpFsdpSizeOpt,
@@ -40,13 +46,13 @@ from ckpttool.ui.output import Output, command_boundary
 
 if TYPE_CHECKING:
     from ckpttool.model.checkpoint import Checkpoint
-    from ckpttool.ops.export import ExportResult
+    from ckpttool.ops.export import ExportOptions, ExportResult
 
 
-class ExportFormat(str, Enum):
-    hf = "hf"
-    lora = "lora"
-    hf_merged = "hf-merged"
+#: the registered output formats (:mod:`ckpttool.ops.export.formats`), as ``--format`` choices
+ExportFormat = Enum(  # type: ignore[misc]  # built from the registry
+    "ExportFormat", {name.replace("-", "_"): name for name in OUTPUT_FORMATS}, type=str
+)
 
 
 class Weights(str, Enum):
@@ -59,17 +65,13 @@ class Experts(str, Enum):
     per_expert = "per-expert"
 
 
-@command_boundary
-def export_command(
-    checkpoint: CheckpointArg,
-    out: OutputArg,
-    fmt: Annotated[
-        ExportFormat,
-        typer.Option(
-            "--format",
-            help="hf: model*.safetensors + index; lora: PEFT adapter; hf-merged: LoRA merged into the base weights.",
-        ),
-    ] = ExportFormat.hf,
+@dataclass(frozen=True)
+class ExportCLIOptions:
+    """The flags of ``ckpttool export`` as parsed (one field per parameter; the Typer declarations are the types)."""
+
+    checkpoint: CheckpointArg
+    out: OutputArg
+    fmt: Annotated[ExportFormat, typer.Option("--format", help=format_help())] = ExportFormat("hf")
     save_dtype: Annotated[
         str,
         typer.Option(
@@ -78,84 +80,84 @@ def export_command(
             help="preserve: each tensor in its stored dtype, bit-exact; else cast floating tensors only "
             "(aliases bf16, fp16, fp32).",
         ),
-    ] = "preserve",
+    ] = "preserve"
     weights: Annotated[
         Weights,
         typer.Option(
             "--weights", help="params: stored parameters; master: FP32 optimizer master_weight where present."
         ),
-    ] = Weights.params,
+    ] = Weights.params
     shard_size: Annotated[
         str,
         typer.Option(
             "--shard-size", metavar="SIZE", help="Max bytes per file: 5GB (5*10^9), 5GiB or 5G (5*2^30), or bytes."
         ),
-    ] = "5GB",
+    ] = "5GB"
     experts: Annotated[
         Experts,
         typer.Option(
             "--experts",
             help="fused: experts.gate_up_proj [E,2I,H] as stored (transformers v5); per-expert: experts.{j}.*_proj.weight.",
         ),
-    ] = Experts.fused,
+    ] = Experts.fused
     rules: Annotated[
         Path | None,
         typer.Option("--rules", help="YAML key/expert rules merged over the packaged defaults (docs/export.md)."),
-    ] = None,
+    ] = None
     model_assets: Annotated[
         Path | None,
         typer.Option(
             "--model-assets",
             help="Directory with config.json / tokenizer files to copy (config drives tied embeddings and num_experts).",
         ),
-    ] = None,
-    filter_glob: FilterOpt = None,
-    workers: Annotated[
-        int | None, typer.Option("--workers", min=1, help="Reader threads [default: min(8, CPUs)].")
-    ] = None,
-    overwrite: OverwriteOpt = False,
-    json_output: JsonOpt = False,
-    source_layout: SourceLayoutOpt = None,
-    ep_size: EpSizeOpt = None,
-    ep_fsdp_size: EpFsdpSizeOpt = None,
+    ] = None
+    filter_glob: FilterOpt = None
+    workers: Annotated[int | None, typer.Option("--workers", min=1, help="Reader threads [default: min(8, CPUs)].")] = (
+        None
+    )
+    overwrite: OverwriteOpt = False
+    json_output: JsonOpt = False
+    source_layout: SourceLayoutOpt = None
+    ep_size: EpSizeOpt = None
+    ep_fsdp_size: EpFsdpSizeOpt = None
     adapter_config: Annotated[
         Path | None,
         typer.Option(
             "--adapter-config", help="LoRA: adapter_config.json to write (default: --model-assets' or inferred)."
         ),
-    ] = None,
+    ] = None
     lora_alpha: Annotated[
         float | None, typer.Option("--lora-alpha", help="LoRA: lora_alpha when no adapter config is given.")
-    ] = None,
-    trust_pickle: TrustPickleOpt = False,
-    no_ep: NoEpOpt = False,
-    step: StepOpt = None,
-    optimizer_dir: OptimizerDirOpt = None,
-    schema: SchemaOpt = None,
-    model_prefix: ModelPrefixOpt = None,
-    optimizer_prefix: OptimizerPrefixOpt = None,
-    verify_crc: VerifyCrcOpt = True,
+    ] = None
+    trust_pickle: TrustPickleOpt = False
+    no_ep: NoEpOpt = False
+    step: StepOpt = None
+    optimizer_dir: OptimizerDirOpt = None
+    schema: SchemaOpt = None
+    model_prefix: ModelPrefixOpt = None
+    optimizer_prefix: OptimizerPrefixOpt = None
+    verify_crc: VerifyCrcOpt = True
     manifest: Annotated[
         bool,
         typer.Option(
             "--manifest",
             help="Also write OUT/manifest.json: a digest of every byte range as it is written (no second read); verify with `ckpttool manifest OUT --verify`.",
         ),
-    ] = False,
-    hash_name: OutputHashOpt = "xxh3-128",
+    ] = False
+    hash_name: OutputHashOpt = "xxh3-128"
     adapter: Annotated[
         str | None,
         typer.Option(
             "--adapter",
-            metavar="<torchtitan-llama3|torchtitan-qwen3|hf>",
+            metavar=adapter_metavar(),
             help="Model adapter (names and layouts to HF, e.g. the RoPE q/k row permutation) "
             "[default: detected from the key names].",
         ),
-    ] = None,
+    ] = None
     merge_lora: Annotated[
         bool,
         typer.Option("--merge-lora", help="Same as --format hf-merged: W + (alpha/r)·B@A in FP32, stored dtype."),
-    ] = False,
+    ] = False
     allow_mismatch: Annotated[
         str | None,
         typer.Option(
@@ -164,52 +166,89 @@ def export_command(
             help="Write even if the tensors differ from the model class transformers builds from config.json: "
             "comma list of missing, unexpected, shape, dtype.",
         ),
-    ] = None,
-) -> None:
+    ] = None
+
+
+@command_boundary
+def export_command(cli: ExportCLIOptions) -> None:
     """Export model weights as Hugging Face safetensors or a LoRA adapter (streaming, bit-exact by default)."""
     from ckpttool.model.checkpoint import open_checkpoint
-    from ckpttool.ops.export import ExportOptions, export_checkpoint
-
-    decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
-    sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
-    alpha: float | int | None = lora_alpha
-    if alpha is not None and float(alpha).is_integer():
-        alpha = int(alpha)
-    options = ExportOptions(
-        fmt="hf-merged" if merge_lora else fmt.value,
-        save_dtype=parse_dtype(save_dtype, "--save-dtype", ("bfloat16", "float16", "float32"), extra=("preserve",)),
-        weights=weights.value,
-        shard_size=parse_size(shard_size, "--shard-size"),
-        experts=experts.value,
-        rules=rules,
-        model_assets=model_assets,
-        filter_glob=filter_glob,
-        workers=workers,
-        overwrite=overwrite,
-        verify_crc=verify_crc,
-        adapter_config=adapter_config,
-        lora_alpha=alpha,
-        manifest=manifest,
-        algorithm=hash_name,
-        adapter=adapter,
-        allow_mismatch=tuple(k.strip() for k in (allow_mismatch or "").split(",") if k.strip()),
-    )
+    from ckpttool.ops.export import export_checkpoint
     from ckpttool.ui.render import byte_progress
 
+    decl = declaration(cli.source_layout, cli.ep_size, cli.ep_fsdp_size, cli.no_ep)
+    sel = selection(cli.step, cli.optimizer_dir, cli.schema, cli.model_prefix, cli.optimizer_prefix)
+    options = export_options(cli)
     with (
         _opened_frozen(
-            lambda: open_checkpoint(checkpoint, declaration=decl, trust_pickle=trust_pickle, selection=sel)
+            lambda: open_checkpoint(cli.checkpoint, declaration=decl, trust_pickle=cli.trust_pickle, selection=sel)
         ) as ckpt,
-        byte_progress("export", not json_output and sys.stderr.isatty()) as update,
+        byte_progress("export", not cli.json_output and sys.stderr.isatty()) as update,
     ):
-        result = export_checkpoint(ckpt, out, options, progress=update)
+        result = export_checkpoint(ckpt, cli.out, options, progress=update)
         masters = _masters_note(ckpt, result)
-    sink = Output(json_output)
+    sink = Output(cli.json_output)
     for w in result.warnings:
         sink.warning(w)
     if masters:
         sink.note(masters)
     sink.result(result, _render)
+
+
+def export_options(cli: ExportCLIOptions) -> ExportOptions:
+    """The library's :class:`~ckpttool.ops.export.ExportOptions` of the parsed flags.
+
+    Raises:
+        UsageError: a ``--save-dtype`` or ``--shard-size`` that does not parse.
+    """
+    from ckpttool.ops.export import ExportOptions
+
+    alpha: float | int | None = cli.lora_alpha
+    if alpha is not None and float(alpha).is_integer():
+        alpha = int(alpha)
+    return ExportOptions(
+        fmt="hf-merged" if cli.merge_lora else cli.fmt.value,
+        save_dtype=parse_dtype(cli.save_dtype, "--save-dtype", ("bfloat16", "float16", "float32"), extra=("preserve",)),
+        weights=cli.weights.value,
+        shard_size=parse_size(cli.shard_size, "--shard-size"),
+        experts=cli.experts.value,
+        rules=cli.rules,
+        model_assets=cli.model_assets,
+        filter_glob=cli.filter_glob,
+        workers=cli.workers,
+        overwrite=cli.overwrite,
+        verify_crc=cli.verify_crc,
+        adapter_config=cli.adapter_config,
+        lora_alpha=alpha,
+        manifest=cli.manifest,
+        algorithm=cli.hash_name,
+        adapter=cli.adapter,
+        allow_mismatch=tuple(k.strip() for k in (cli.allow_mismatch or "").split(",") if k.strip()),
+    )
+
+
+def _typer_command(options_type: type[Any], run: Callable[[Any], None]) -> Callable[..., None]:
+    """A Typer command whose parameters are ``options_type``'s dataclass fields (their Annotated types and
+    defaults): it calls ``run(options_type(**params))``; its docstring (the command's help) is ``run``'s."""
+    hints = typing.get_type_hints(options_type, include_extras=True)
+    params = [
+        inspect.Parameter(
+            f.name,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default,
+            annotation=hints[f.name],
+        )
+        for f in dataclasses.fields(options_type)
+    ]
+
+    def command(**kwargs: Any) -> None:
+        run(options_type(**kwargs))
+
+    command.__signature__ = inspect.Signature(params, return_annotation=None)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    command.__doc__ = run.__doc__
+    command.__name__ = command.__qualname__ = getattr(run, "__name__", "command")
+    return command
 
 
 @contextlib.contextmanager
@@ -319,4 +358,4 @@ EPILOG = examples(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("export", epilog=EPILOG)(export_command)
+    app.command("export", epilog=EPILOG)(_typer_command(ExportCLIOptions, export_command))

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from ckpttool.model.adapters import adapter_metavar
 from ckpttool.ui.options import (
     IMPORT_SCHEMA_DEFAULT,
     IMPORT_SCHEMA_HELP,
@@ -34,7 +35,7 @@ AdapterOpt = Annotated[
     str | None,
     typer.Option(
         "--adapter",
-        metavar="<torchtitan-llama3|torchtitan-qwen3>",
+        metavar=adapter_metavar(identity=False),
         help="Model adapter for --schema torchtitan [default: from config.json model_type].",
     ),
 ]

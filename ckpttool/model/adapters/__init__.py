@@ -1,9 +1,12 @@
 """Model adapters: one family's key maps and tensor transforms between a trainer's names and HF's.
 
 Torch-free (names and shapes only; the export / import streaming path moves the bytes).
-Built in (:data:`ADAPTERS`): ``torchtitan-llama3``, ``torchtitan-qwen3``, ``hf`` (identity).
-Selected with ``--adapter NAME`` or by :func:`detect_adapter` from the key schema's naming,
-the keys and the config's ``model_type``. See ``docs/export.md`` ("Model adapters").
+Each adapter module registers its class (:func:`~.registry.register_adapter`) with its
+detection predicate (:meth:`ModelAdapter.detects`); :data:`ADAPTERS` holds them by name:
+``torchtitan-llama3``, ``torchtitan-qwen3``, ``hf`` (identity). Selected with
+``--adapter NAME`` or by :func:`detect_adapter` (the one adapter whose predicate claims
+the key schema's naming, the keys and the config's ``model_type``). See ``docs/export.md``
+("Model adapters").
 
 Usage::
 
@@ -14,9 +17,8 @@ Usage::
 
 from __future__ import annotations
 
-from typing import Any
-
-from ckpttool.errors import UsageError
+# the built-in adapters register themselves on import, in the order ``--adapter`` lists them
+from ckpttool.model.adapters import llama3, qwen3, identity  # noqa: F401  # isort: skip
 from ckpttool.model.adapters.base import (
     AdapterConfig,
     HFTensor,
@@ -27,63 +29,28 @@ from ckpttool.model.adapters.base import (
     rope_from_hf_rows,
     rope_to_hf_rows,
 )
-from ckpttool.model.adapters.identity import HFIdentity
-from ckpttool.model.adapters.llama3 import TorchtitanLlama3
-from ckpttool.model.adapters.qwen3 import TorchtitanQwen3
+from ckpttool.model.adapters.registry import (
+    ADAPTERS,
+    Evidence,
+    adapter_metavar,
+    detect_adapter,
+    get_adapter,
+    register_adapter,
+)
 
 __all__ = [
     "ADAPTERS",
     "AdapterConfig",
+    "Evidence",
     "HFTensor",
     "KeyMap",
     "ModelAdapter",
     "NativeTensor",
     "Skip",
+    "adapter_metavar",
     "detect_adapter",
     "get_adapter",
+    "register_adapter",
     "rope_from_hf_rows",
     "rope_to_hf_rows",
 ]
-
-#: name -> adapter class, in the order ``--adapter`` lists them.
-ADAPTERS: dict[str, type[ModelAdapter]] = {a.name: a for a in (TorchtitanLlama3, TorchtitanQwen3, HFIdentity)}
-
-
-def get_adapter(name: str) -> ModelAdapter:
-    """The built-in adapter ``name``.
-
-    Raises:
-        UsageError: an unknown name (the message lists the built-in ones).
-    """
-    cls = ADAPTERS.get(name)
-    if cls is None:
-        raise UsageError(
-            f"`adapter` {name!r} is not one of {', '.join(ADAPTERS)}",
-            param="adapter",
-            hint="omit it to detect the adapter from the checkpoint's key names",
-        )
-    return cls()
-
-
-def detect_adapter(naming: str, fqns: list[str], config: dict[str, Any] | None = None) -> ModelAdapter | None:
-    """The adapter for a checkpoint whose model fqns follow ``naming`` (``KeySchema.naming``).
-
-    ``hf`` naming -> the identity; ``torchtitan`` naming -> ``torchtitan-qwen3`` when the
-    config's ``model_type`` starts with ``qwen3`` or the keys hold Qwen3's ``q_norm`` /
-    grouped experts, ``torchtitan-llama3`` when the config says ``llama`` or nothing
-    contradicts it; ``None`` when no built-in adapter fits (unknown naming, or a config
-    of another family).
-    """
-    if naming == "hf":
-        return HFIdentity()
-    if naming != "torchtitan":
-        return None
-    mt = AdapterConfig.from_hf_config(config).model_type
-    qwen_keys = any(".attention.q_norm." in f or ".moe." in f for f in fqns)
-    if mt is not None:
-        if mt.startswith("qwen3"):
-            return TorchtitanQwen3()
-        if mt == "llama":
-            return None if qwen_keys else TorchtitanLlama3()
-        return None
-    return TorchtitanQwen3() if qwen_keys else TorchtitanLlama3()

@@ -211,7 +211,8 @@ class ModelAdapter:
     """A family's key maps and tensor transforms (see the module docstring); subclasses set :attr:`maps`.
 
     Attributes:
-        name: the ``--adapter`` name (``torchtitan-llama3``, ``torchtitan-qwen3``, ``hf``).
+        name: the ``--adapter`` name (``torchtitan-llama3``, ``torchtitan-qwen3``, ``hf``); registered with
+            :func:`~ckpttool.model.adapters.registry.register_adapter`, detected by :meth:`detects`.
         description: one line for ``inspect`` and the docs.
         maps: the key maps, first match wins.
     """
@@ -219,6 +220,13 @@ class ModelAdapter:
     name = ""
     description = ""
     maps: tuple[KeyMap, ...] = ()
+    #: keys and tensors as stored (the HF naming itself): no native names to import from
+    identity = False
+
+    @classmethod
+    def detects(cls, evidence: Any) -> bool:
+        """Whether this adapter claims a checkpoint (an :class:`~ckpttool.model.adapters.registry.Evidence`)."""
+        return False
 
     def _match(self, fqn: str) -> tuple[KeyMap, re.Match[str]] | None:
         for m in self.maps:

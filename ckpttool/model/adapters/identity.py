@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ckpttool.model.adapters.base import AdapterConfig, HFTensor, KeyMap, ModelAdapter, NativeTensor, Skip
+from ckpttool.model.adapters.registry import register_adapter
 
 __all__ = ["HFIdentity"]
 
 
+@register_adapter
 class HFIdentity(ModelAdapter):
     name = "hf"
     description = "Hugging Face names (identity: keys and tensors as stored, the export key rules apply)"
     maps = (KeyMap(r".+", "{fqn}", "{fqn}"),)
+    identity = True
+
+    @classmethod
+    def detects(cls, evidence: Any) -> bool:
+        """HF-named fqns."""
+        return bool(evidence.naming == "hf")
 
     def to_hf(self, fqn: str, shape: tuple[int, ...], cfg: AdapterConfig) -> HFTensor | Skip | None:
         return HFTensor(fqn, shape)

@@ -9,16 +9,31 @@ the two halves of each head (``rotate_half``), so ``wq`` / ``wk`` rows are permu
 
 from __future__ import annotations
 
+from typing import Any
+
 from ckpttool.model.adapters.base import KeyMap, ModelAdapter
+from ckpttool.model.adapters.registry import register_adapter
 
 __all__ = ["TorchtitanLlama3"]
+
+#: fqn fragments Llama 3 never has (Qwen3's ``q_norm`` and grouped experts)
+_NOT_LLAMA3 = (".attention.q_norm.", ".moe.")
 
 _L = r"layers\.(?P<layer>\d+)\."
 
 
+@register_adapter
 class TorchtitanLlama3(ModelAdapter):
     name = "torchtitan-llama3"
     description = "torchtitan Llama 3 (dense, GQA; RoPE q/k row permutation) <-> HF LlamaForCausalLM"
+
+    @classmethod
+    def detects(cls, evidence: Any) -> bool:
+        """torchtitan names, a config saying ``llama`` or none, and no Qwen3 keys (``q_norm``, grouped experts)."""
+        if evidence.naming != "torchtitan" or evidence.model_type not in (None, "llama"):
+            return False
+        return not evidence.any_fqn_contains(*_NOT_LLAMA3)
+
     maps = (
         KeyMap(r"tok_embeddings\.weight", "model.embed_tokens.weight", "tok_embeddings.weight"),
         KeyMap(

@@ -12,18 +12,35 @@ counterpart and is left out (as torchtitan's adapter does).
 
 from __future__ import annotations
 
+from typing import Any
+
 from ckpttool.model.adapters.base import KeyMap, ModelAdapter
+from ckpttool.model.adapters.registry import register_adapter
 
 __all__ = ["TorchtitanQwen3"]
 
 _L = r"layers\.(?P<layer>\d+)\."
 _EXP = r"moe\.(?:routed_experts\.inner_experts|experts)\."
 _HF = "model.layers.{layer}."
+#: fqn fragments of Qwen3 that Llama 3 lacks (``q_norm``, grouped experts)
+_QWEN3_ONLY = (".attention.q_norm.", ".moe.")
 
 
+@register_adapter
 class TorchtitanQwen3(ModelAdapter):
     name = "torchtitan-qwen3"
     description = "torchtitan Qwen3 dense / MoE <-> HF Qwen3ForCausalLM / Qwen3MoeForCausalLM (fused or per-expert)"
+
+    @classmethod
+    def detects(cls, evidence: Any) -> bool:
+        """torchtitan names and a config whose ``model_type`` starts with ``qwen3``, or no config and Qwen3 keys."""
+        if evidence.naming != "torchtitan":
+            return False
+        mt = evidence.model_type
+        if mt is not None:
+            return bool(mt.startswith("qwen3"))
+        return bool(evidence.any_fqn_contains(*_QWEN3_ONLY))
+
     maps = (
         KeyMap(r"tok_embeddings\.weight", "model.embed_tokens.weight", "tok_embeddings.weight"),
         KeyMap(

@@ -50,7 +50,7 @@ from ckpttool.format.safetensors import ShardWriter
 from ckpttool.format.storage import is_url
 from ckpttool.format.tiling import contiguous_run, tiling_problem
 from ckpttool.format.unpickler import gc_paused
-from ckpttool.layouts.declaration import LayoutDeclaration
+from ckpttool.layouts.declaration import LayoutDeclaration, ResolvedLayout
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, detect_adapter, get_adapter
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.checkpoint import Checkpoint, opened
@@ -59,7 +59,8 @@ from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.ops import distributed
 from ckpttool.ops.export.expected import MISMATCH_KINDS, ModelCheck, compare_with_model
 from ckpttool.ops.export.experts import expert_orders
-from ckpttool.ops.export.lora import adapter_config, read_adapter_config
+from ckpttool.ops.export.lora import read_adapter_config
+from ckpttool.ops.export.outputs import OutputFormat, get_format
 from ckpttool.ops.export.plan import (
     SAVE_DTYPES,
     ExportPlan,
@@ -84,7 +85,6 @@ log = logging.getLogger(__name__)
 ProgressFn = Callable[[int, int], None]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".distcp")
-_BASE_CONFIG_FILES = ("config.json", "generation_config.json")
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,8 @@ class ExportOptions:
     """Options of :func:`export_checkpoint` (the CLI flags of ``ckpttool export``).
 
     Attributes:
-        fmt: ``"hf"`` (``model*.safetensors`` + index) or ``"lora"`` (``adapter_model.safetensors``).
+        fmt: a registered output format (:data:`ckpttool.ops.export.outputs.OUTPUT_FORMATS`): ``"hf"``
+            (``model*.safetensors`` + index), ``"lora"`` (``adapter_model.safetensors``), ``"hf-merged"``.
         save_dtype: ``"preserve"`` (bit-exact stored dtype) or ``bfloat16``/``float16``/``float32``
             (floating tensors only).
         weights: ``"params"`` or ``"master"`` (FP32 ``master_weight`` where present).
@@ -217,8 +218,8 @@ def _read_model_config(assets: Path | None) -> dict[str, Any] | None:
     return read_hf_config(resolve_inside(assets, "config.json", what="`model_assets` file"), param="model_assets")
 
 
-def _asset_files(assets: Path, fmt: str) -> list[tuple[str, Path]]:
-    """Top-level regular files of ``--model-assets`` to copy (no weights, no index, no adapter files).
+def _asset_files(assets: Path, out_format: OutputFormat) -> list[tuple[str, Path]]:
+    """Top-level regular files of ``--model-assets`` to copy (no weights, no index, none the format skips).
 
     Each is confined to the directory: a symlink is followed only when its target stays inside
     it, and devices, FIFOs and sockets are refused (they are checked again on the open
@@ -233,7 +234,7 @@ def _asset_files(assets: Path, fmt: str) -> list[tuple[str, Path]]:
         name = p.name
         if name.startswith(".") or name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json"):
             continue
-        if name.startswith("adapter_") or (fmt == "lora" and name in _BASE_CONFIG_FILES):
+        if out_format.skips_asset(name):
             continue
         target = resolve_inside(assets, name, what="`model_assets` file")
         st = target.stat()
@@ -549,8 +550,7 @@ def _tied_pair(
 
 
 def _check_options(opts: ExportOptions) -> None:
-    if opts.fmt not in ("hf", "lora", "hf-merged"):
-        raise UsageError(f"`fmt` {opts.fmt!r} is not one of hf, lora, hf-merged", param="fmt")
+    out_format = get_format(opts.fmt)
     if opts.save_dtype not in SAVE_DTYPES:
         raise UsageError(f"`save_dtype` {opts.save_dtype!r} is not one of {', '.join(SAVE_DTYPES)}", param="save_dtype")
     if opts.weights not in ("params", "master"):
@@ -570,8 +570,7 @@ def _check_options(opts: ExportOptions) -> None:
         raise UsageError(
             f"`allow_mismatch` {bad[0]!r} is not one of {', '.join(MISMATCH_KINDS)}", param="allow_mismatch"
         )
-    if opts.fmt == "lora" and opts.experts != "fused":
-        raise UsageError("`experts` per-expert applies to the hf format only", param="experts")
+    out_format.check_options(opts.experts)
 
 
 def export_checkpoint(
@@ -612,13 +611,143 @@ def export_checkpoint(
     rules = load_rules(opts.rules)
     model_config = _read_model_config(opts.model_assets)
     given_adapter = None
-    if opts.fmt in ("lora", "hf-merged"):
+    if get_format(opts.fmt).reads_adapter_config:
         if opts.adapter_config is not None:
             given_adapter = read_adapter_config(Path(opts.adapter_config))
         elif opts.model_assets is not None and (Path(opts.model_assets) / "adapter_config.json").is_file():
             given_adapter = read_adapter_config(Path(opts.model_assets) / "adapter_config.json")
     with opened(checkpoint, declaration=declaration, trust_pickle=trust_pickle, selection=selection) as ckpt:
         return _export(ckpt, output_location(out), opts, rules, model_config, given_adapter, progress)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What an export decided before any output exists (:func:`_prepare`).
+
+    Attributes:
+        embed, lm_head: the tied pair's selections (``tied`` ``"omitted"``: compared after the writes).
+        adapter: the format's prepared document (``adapter_config.json`` of a LoRA export).
+        merges: source key -> the value transform replacing its cast (LoRA merges).
+        chunks: each task's checked chunks, in task order.
+    """
+
+    plan: ExportPlan
+    model_adapter: ModelAdapter | None
+    orders: dict[str, tuple[int, ...]]
+    tied: str | None
+    embed: Selected | None
+    lm_head: Selected | None
+    adapter: dict[str, Any] | None
+    assets: list[tuple[str, Path]]
+    check: ModelCheck | None
+    merges: dict[str, SlabTransform]
+    chunks: list[tuple[TensorMeta, list[ChunkMeta]]]
+    model_config: dict[str, Any] | None
+
+
+def _select(
+    ckpt: Checkpoint,
+    out_format: OutputFormat,
+    opts: ExportOptions,
+    rules: ExportRules,
+    model_config: dict[str, Any] | None,
+) -> tuple[ModelAdapter | None, list[Selected], list[str], dict[str, list[str]]]:
+    """The model adapter and the format's selection: ``(adapter, selected, warnings, skipped)``.
+
+    Raises:
+        ExportError: nothing selected, and the format's refusals (:meth:`OutputFormat.check_selection`).
+    """
+    cat = ckpt.catalog
+    model_adapter = export_adapter(cat, opts, model_config)
+    selected, warnings, skipped, tags = select_sources(
+        cat,
+        rules,
+        fmt=opts.fmt,
+        weights=opts.weights,
+        filter_glob=opts.filter_glob,
+        adapter=model_adapter,
+        adapter_config=AdapterConfig.from_hf_config(model_config),
+    )
+    if not selected:
+        raise ExportError(
+            f"{ckpt.path}: no {out_format.tensors_noun} to export"
+            + (f" (`filter_glob` {opts.filter_glob!r} matched none)" if opts.filter_glob else ""),
+            param="filter_glob" if opts.filter_glob else None,
+            hint="check the keys with `ckpttool inspect`" + (" and the `filter_glob` glob" if opts.filter_glob else ""),
+        )
+    out_format.check_selection(cat, tags, warnings)
+    return model_adapter, selected, warnings, skipped
+
+
+def _tied(
+    selected: list[Selected], rules: ExportRules, config: dict[str, Any] | None, out_format: OutputFormat
+) -> tuple[Selected | None, Selected | None, str | None, set[str]]:
+    """``(embedding, lm_head, tied, drop)``: how ``tie_word_embeddings`` applies (``drop``: output keys left out)."""
+    embed, lm_head, tie = _tied_pair(selected, rules, config) if out_format.ties_embeddings else (None, None, False)
+    drop: set[str] = set()
+    tied: str | None = None
+    if tie:
+        if lm_head is None:
+            tied = "absent"
+        elif embed is not None:
+            drop.add(lm_head.out_key)
+            tied = "omitted"
+        else:
+            tied = "embedding-not-exported"
+    return embed, lm_head, tied, drop
+
+
+def _prepare(
+    ckpt: Checkpoint,
+    layout: ResolvedLayout,
+    out_format: OutputFormat,
+    opts: ExportOptions,
+    rules: ExportRules,
+    model_config: dict[str, Any] | None,
+    given_adapter: dict[str, Any] | None,
+) -> _Prepared:
+    """Select, plan and check everything an export can check before it writes (no output exists yet).
+
+    Raises:
+        ExportError / ExportAccountingError / ModelMismatchError / UsageError: see :func:`export_checkpoint`.
+    """
+    reader, cat = ckpt.reader, ckpt.catalog
+    model_adapter, selected, warnings, skipped = _select(ckpt, out_format, opts, rules, model_config)
+    orders = expert_orders(selected, layout)
+    num_experts = rules.num_experts_from_config(model_config) if model_config else None
+    embed, lm_head, tied, drop = _tied(selected, rules, model_config, out_format)
+    plan = build_plan(
+        selected,
+        rules,
+        fmt=opts.fmt,
+        save_dtype=opts.save_dtype,
+        shard_size=opts.shard_size,
+        experts=opts.experts,
+        expert_orders=orders,
+        num_experts=num_experts,
+        drop=drop,
+    )
+    plan.warnings = warnings
+    plan.skipped = skipped
+    plan.tied = tied
+    missing = unaccounted_tensors(cat, plan, {s.model_key for s in selected if s.out_key in drop})
+    if missing:
+        raise ExportAccountingError(
+            f"{ckpt.path}: {len(missing)} tensor(s) would be neither exported nor listed as skipped "
+            f"(e.g. {missing[0]!r})",
+            fqn=missing[0],
+        )
+    if log.isEnabledFor(logging.INFO):  # the totals walk every task: only when shown
+        _log_plan(plan, opts, orders, tied, skipped)
+    adapter = out_format.prepare(plan, cat, given=given_adapter, lora_alpha=opts.lora_alpha, model_config=model_config)
+    assets = _asset_files(Path(opts.model_assets), out_format) if opts.model_assets is not None else []
+    check = _check_against_model(plan, model_config, opts) if out_format.checks_model_class and model_config else None
+    merges = out_format.transforms(reader, plan, given_adapter, opts.lora_alpha)
+    # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
+    chunks = _checked_chunks(reader, [t.selected.source.key for t in plan.tasks])
+    return _Prepared(
+        plan, model_adapter, orders, tied, embed, lm_head, adapter, assets, check, merges, chunks, model_config
+    )
 
 
 def _export(
@@ -631,99 +760,20 @@ def _export(
     progress: ProgressFn | None,
 ) -> ExportResult:
     t0 = time.perf_counter()
+    out_format = get_format(opts.fmt)
     # Planning and the chunk checks allocate ~10 acyclic objects per tensor (10^7 at 10^6 tensors): the
     # cyclic GC would rescan them again and again (7 s of 24 s CPU there); it runs again before any write.
     with gc_paused():
-        reader, cat, checkpoint = ckpt.reader, ckpt.catalog, ckpt.path
+        reader = ckpt.reader
         reader.verify_crc = opts.verify_crc
         layout = ckpt.require_layout()
-        model_adapter = export_adapter(cat, opts, model_config)
-        selected, warnings, skipped, _adapters = select_sources(
-            cat,
-            rules,
-            fmt=opts.fmt,
-            weights=opts.weights,
-            filter_glob=opts.filter_glob,
-            adapter=model_adapter,
-            adapter_config=AdapterConfig.from_hf_config(model_config),
-        )
-        if not selected:
-            what = "LoRA adapter tensors" if opts.fmt == "lora" else "model tensors"
-            raise ExportError(
-                f"{checkpoint}: no {what} to export"
-                + (f" (`filter_glob` {opts.filter_glob!r} matched none)" if opts.filter_glob else ""),
-                param="filter_glob" if opts.filter_glob else None,
-                hint="check the keys with `ckpttool inspect`"
-                + (" and the `filter_glob` glob" if opts.filter_glob else ""),
-            )
-        if opts.fmt == "lora":
-            names = sorted(set(_adapters.values()))
-            if len(names) > 1:
-                raise ExportError(
-                    f"{checkpoint}: the checkpoint holds several LoRA adapters {names}",
-                    param="filter_glob",
-                    hint="export one of them: `filter_glob` '*.<adapter name>.*'",
-                )
-            dropped = [k for k in cat.model if ".modules_to_save." in k]
-            if dropped:
-                warnings.append(
-                    f"{len(dropped)} modules_to_save tensor(s) not exported (not LoRA weights): {dropped[0]}"
-                )
-        orders = expert_orders(selected, layout)
-        num_experts = rules.num_experts_from_config(model_config) if model_config else None
-
-        hf_like = opts.fmt in ("hf", "hf-merged")
-        embed, lm_head, tie = _tied_pair(selected, rules, model_config) if hf_like else (None, None, False)
-        drop: set[str] = set()
-        tied: str | None = None
-        if tie:
-            if lm_head is None:
-                tied = "absent"
-            elif embed is not None:
-                drop.add(lm_head.out_key)
-                tied = "omitted"
-            else:
-                tied = "embedding-not-exported"
-        plan = build_plan(
-            selected,
-            rules,
-            fmt="hf" if hf_like else opts.fmt,
-            save_dtype=opts.save_dtype,
-            shard_size=opts.shard_size,
-            experts=opts.experts,
-            expert_orders=orders,
-            num_experts=num_experts,
-            drop=drop,
-        )
-        plan.warnings = warnings
-        plan.skipped = skipped
-        plan.tied = tied
-        missing = unaccounted_tensors(cat, plan, {s.model_key for s in selected if s.out_key in drop})
-        if missing:
-            raise ExportAccountingError(
-                f"{checkpoint}: {len(missing)} tensor(s) would be neither exported nor listed as skipped "
-                f"(e.g. {missing[0]!r})",
-                fqn=missing[0],
-            )
-        if log.isEnabledFor(logging.INFO):  # the totals walk every task: only when shown
-            _log_plan(plan, opts, orders, tied, skipped)
-        adapter: dict[str, Any] | None = None
-        if opts.fmt == "lora":
-            adapter = adapter_config(
-                plan, cat, given=given_adapter, lora_alpha=opts.lora_alpha, model_config=model_config
-            )
-        assets = _asset_files(Path(opts.model_assets), opts.fmt) if opts.model_assets is not None else []
-        check = _check_against_model(plan, model_config, opts) if hf_like and model_config else None
-        merges = lora_merges(reader, plan, given_adapter, opts.lora_alpha) if opts.fmt == "hf-merged" else {}
-        # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
-        chunks = _checked_chunks(reader, [t.selected.source.key for t in plan.tasks])
-
+        prep = _prepare(ckpt, layout, out_format, opts, rules, model_config, given_adapter)
+        plan = prep.plan
         # torchrun: each rank writes the files assigned to it (by bytes), rank 0 the index (ckpttool.ops.distributed)
         group = distributed.current()
         file_bytes = plan.file_bytes()
         owners = group.share(file_bytes)
         mine = {i for i, r in enumerate(owners) if group.owns(r)}
-        files_info: list[dict[str, Any]] = []
         identity = source_identity(reader, opts.algorithm)
         # content only (no path): the same checkpoint exported from anywhere gives the same bytes
         content = {k: v for k, v in identity.items() if k != "checkpoint"}
@@ -733,6 +783,61 @@ def _export(
         # long-lived and acyclic: frozen (gc.freeze) until the export ends; a caller's own freeze is left to it.
         unfreeze = gc.get_freeze_count() == 0
         gc.freeze()
+    files_info, bytes_read = _write(
+        ckpt, out, opts, out_format, prep, group, mine, st_metadata, identity, unfreeze, progress
+    )
+    seconds = time.perf_counter() - t0
+    return ExportResult(
+        output=str(out),
+        format=opts.fmt,
+        files=files_info,
+        tensors=plan.num_tensors,
+        bytes=plan.total_bytes,
+        bytes_read=bytes_read,
+        seconds=seconds,
+        save_dtype=opts.save_dtype,
+        weights=opts.weights,
+        experts=opts.experts,
+        casts=plan.casts,
+        narrowing_casts=plan.narrowing,
+        origins=plan.origins,
+        tied_embeddings=prep.tied,
+        layout={
+            "version": layout.version,
+            "source": layout.source,
+            "ep_size": layout.ep_size,
+            "ep_fsdp_size": layout.ep_fsdp_size,
+            "unpermuted": sorted(prep.orders),
+        },
+        assets=[name for name, _ in prep.assets],
+        skipped=plan.skipped,
+        warnings=plan.warnings,
+        adapter_config=prep.adapter,
+        source_identity=identity,
+        manifest=MANIFEST_NAME if opts.manifest else None,
+        model_adapter=prep.model_adapter.name if prep.model_adapter is not None else None,
+        model_check=prep.check.to_dict() if prep.check is not None else None,
+    )
+
+
+def _write(
+    ckpt: Checkpoint,
+    out: Path,
+    opts: ExportOptions,
+    out_format: OutputFormat,
+    prep: _Prepared,
+    group: Any,
+    mine: set[int],
+    st_metadata: dict[str, str],
+    identity: dict[str, Any],
+    unfreeze: bool,
+    progress: ProgressFn | None,
+) -> tuple[list[dict[str, Any]], int]:
+    """Write this process's files in a temporary directory beside ``out``, then (root) the documents and
+    assets, and publish it: ``(files_info, bytes_read)`` of all processes."""
+    reader, checkpoint, plan, merges = ckpt.reader, ckpt.path, prep.plan, prep.merges
+    file_bytes = plan.file_bytes()
+    tied, embed, lm_head = prep.tied, prep.embed, prep.lm_head
     with contextlib.ExitStack() as stack:
         if unfreeze:
             stack.callback(gc.unfreeze)
@@ -757,7 +862,7 @@ def _export(
                     )
                 workers = opts.workers if opts.workers is not None else min(8, os.cpu_count() or 1)
                 executor = _Executor(
-                    reader, plan, cast(list[ShardWriter], writers), workers, progress, chunks, mine, merges
+                    reader, plan, cast(list[ShardWriter], writers), workers, progress, prep.chunks, mine, merges
                 )
                 t_run = time.perf_counter()
                 # a remote checkpoint: this rank's windows, by parallel range requests, in batches that
@@ -771,7 +876,7 @@ def _export(
                 bytes_read = executor.bytes_read
                 if merges:  # this rank's merged weights
                     mine_keys = {t.source_key for t in plan.tasks if t.shard in mine}
-                    _check_merged({k: m for k, m in merges.items() if k in mine_keys}, plan)
+                    out_format.check_written({k: m for k, m in merges.items() if k in mine_keys}, plan)
                 log.info(
                     "read %d bytes and wrote %d in %.3f s with %d reader thread(s)",
                     bytes_read,
@@ -790,67 +895,55 @@ def _export(
         except BaseException as e:
             failure = e
         group.agree(failure)  # every rank done (or all raise the first failing rank's error: nothing published)
-        done = group.gather(
-            (
-                bytes_read,
-                {i: w.size for i, w in enumerate(writers) if w is not None},
-                {i: (w.data_start, w.header_digest, list(w.extents)) for i, w in enumerate(writers) if w is not None},
-            )
-        )
-        bytes_read = sum(n for n, _, _ in done)
-        sizes = {i: size for _, part, _ in done for i, size in part.items()}
-        digests = {i: d for _, _, part in done for i, d in part.items()}
-        for i, (name, entries) in enumerate(zip(plan.files, plan.entries)):
-            size = sizes[i]
-            files_info.append({"name": name, "bytes": size, "tensors": len(entries)})
-            log.debug("%s: %d tensors, %d bytes", name, len(entries), size)
+        files_info, bytes_read, digests = _gathered(group, plan, bytes_read, writers)
         if group.is_root:
-            if hf_like:
-                index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": plan.weight_map()}
-                (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-            else:
-                (tmp / "adapter_config.json").write_text(
-                    json.dumps(adapter, indent=2, sort_keys=True) + "\n", encoding="utf-8"
-                )
-            for name, p in assets:
-                copy_regular(p, tmp / name, shown=p)
-            if opts.manifest:
-                doc = safetensors_manifest(
-                    [(name, *digests[i]) for i, name in enumerate(plan.files)], opts.algorithm, identity
-                )
-                (tmp / MANIFEST_NAME).write_bytes(doc)
-    seconds = time.perf_counter() - t0
-    return ExportResult(
-        output=str(out),
-        format=opts.fmt,
-        files=files_info,
-        tensors=plan.num_tensors,
-        bytes=plan.total_bytes,
-        bytes_read=bytes_read,
-        seconds=seconds,
-        save_dtype=opts.save_dtype,
-        weights=opts.weights,
-        experts=opts.experts,
-        casts=plan.casts,
-        narrowing_casts=plan.narrowing,
-        origins=plan.origins,
-        tied_embeddings=tied,
-        layout={
-            "version": layout.version,
-            "source": layout.source,
-            "ep_size": layout.ep_size,
-            "ep_fsdp_size": layout.ep_fsdp_size,
-            "unpermuted": sorted(orders),
-        },
-        assets=[name for name, _ in assets],
-        skipped=plan.skipped,
-        warnings=plan.warnings,
-        adapter_config=adapter,
-        source_identity=identity,
-        manifest=MANIFEST_NAME if opts.manifest else None,
-        model_adapter=model_adapter.name if model_adapter is not None else None,
-        model_check=check.to_dict() if check is not None else None,
+            _write_root_files(tmp, out_format, prep, opts, digests, identity)
+    return files_info, bytes_read
+
+
+def _gathered(
+    group: Any, plan: ExportPlan, bytes_read: int, writers: list[ShardWriter | None]
+) -> tuple[list[dict[str, Any]], int, dict[int, tuple[int, str, list[Any]]]]:
+    """Every process's written files, gathered: ``(files_info, bytes_read, digests by file index)``."""
+    done = group.gather(
+        (
+            bytes_read,
+            {i: w.size for i, w in enumerate(writers) if w is not None},
+            {i: (w.data_start, w.header_digest, list(w.extents)) for i, w in enumerate(writers) if w is not None},
+        )
     )
+    bytes_read = sum(n for n, _, _ in done)
+    sizes = {i: size for _, part, _ in done for i, size in part.items()}
+    digests = {i: d for _, _, part in done for i, d in part.items()}
+    files_info: list[dict[str, Any]] = []
+    for i, (name, entries) in enumerate(zip(plan.files, plan.entries)):
+        size = sizes[i]
+        files_info.append({"name": name, "bytes": size, "tensors": len(entries)})
+        log.debug("%s: %d tensors, %d bytes", name, len(entries), size)
+    return files_info, bytes_read, digests
+
+
+def _write_root_files(
+    tmp: Path,
+    out_format: OutputFormat,
+    prep: _Prepared,
+    opts: ExportOptions,
+    digests: dict[int, tuple[int, str, list[Any]]],
+    identity: dict[str, Any],
+) -> None:
+    """The format's documents (index, adapter config), the assets (copied, or as the format edits them), the manifest."""
+    plan = prep.plan
+    for name, data in out_format.documents(plan, prep.adapter).items():
+        (tmp / name).write_bytes(data)
+    edited = out_format.edited_assets(prep.model_config)
+    for name, p in prep.assets:
+        if name in edited:
+            (tmp / name).write_bytes(edited[name])
+        else:
+            copy_regular(p, tmp / name, shown=p)
+    if opts.manifest:
+        doc = safetensors_manifest([(name, *digests[i]) for i, name in enumerate(plan.files)], opts.algorithm, identity)
+        (tmp / MANIFEST_NAME).write_bytes(doc)
 
 
 def _log_plan(
@@ -945,76 +1038,20 @@ def _check_against_model(plan: ExportPlan, config: dict[str, Any], opts: ExportO
     return check
 
 
-def lora_merges(
-    reader: CheckpointReader, plan: ExportPlan, config: dict[str, Any] | None, lora_alpha: float | None
-) -> dict[str, SlabTransform]:
-    """Source key -> :class:`~ckpttool.ops.export.merge.LoraMerge` for every base weight with a LoRA pair.
-
-    Raises:
-        ExportError: unknown alpha, DoRA / rsLoRA, factor shapes that do not fit the weight.
-    """
-    from ckpttool.ops.export.merge import LoraMerge, lora_scaling
-
-    out: dict[str, SlabTransform] = {}
-    for t in plan.tasks:
-        pair = t.selected.merge
-        if pair is None:
-            continue
-        w = t.selected.source
-        a = _read_whole(reader, pair.a_key).float().numpy()
-        b = _read_whole(reader, pair.b_key).float().numpy()
-        if (
-            len(w.shape) != 2
-            or a.ndim != 2
-            or b.ndim != 2
-            or b.shape[1] != a.shape[0]
-            or (b.shape[0], a.shape[1]) != w.shape
-        ):
-            raise ExportError(
-                f"{w.key}: LoRA factors B {list(b.shape)} @ A {list(a.shape)} do not give the weight's shape {list(w.shape)}",
-                fqn=w.key,
-                hint="the lora_A / lora_B tensors do not belong to this base weight",
-            )
-        scale = lora_scaling(pair.module, a.shape[0], config, lora_alpha)
-        m = LoraMerge(a, b, scale, w.dtype, t.pieces[0].dtype)
-        m.nonzero = bool(a.any() and b.any())  # type: ignore[attr-defined]
-        out[w.key] = m
-    return out
-
-
-def _check_merged(merges: dict[str, SlabTransform], plan: ExportPlan) -> None:
-    """Refuse a merged export that equals the base weights bitwise while the adapters are non-zero.
-
-    Raises:
-        ExportError: no merged weight changed (the delta is below the output dtype's precision, or alpha is 0).
-    """
-    live = [(k, m) for k, m in merges.items() if getattr(m, "nonzero", False)]
-    if live and not any(getattr(m, "changed", False) for _, m in live):
-        raise ExportError(
-            f"the merged weights are bitwise equal to the base weights although {len(live)} LoRA pair(s) are non-zero "
-            f"(e.g. {live[0][0]}): the delta is below the output dtype's precision or the scale is 0",
-            fqn=live[0][0],
-            hint="check `lora_alpha`, or write a wider dtype with `save_dtype` float32",
-        )
-    unchanged = [k for k, m in live if not getattr(m, "changed", False)]
-    if unchanged:
-        plan.warnings.append(f"{len(unchanged)} merged weight(s) equal their base bitwise: {unchanged[0]}")
-
-
 def export_adapter(cat: Catalog, opts: ExportOptions, model_config: dict[str, Any] | None) -> ModelAdapter | None:
-    """The model adapter of an export: ``opts.adapter``, else detected from the names (``hf`` format only).
+    """The model adapter of an export: ``opts.adapter``, else detected from the names (formats that detect one: ``hf``).
 
     Returns ``None`` for LoRA exports and when nothing fits (torchtitan names are then refused, E603).
 
     Raises:
         UsageError: an unknown ``adapter`` name, or one given with the ``lora`` format.
     """
+    out_format = get_format(opts.fmt)
     if opts.adapter is not None:
         ad = get_adapter(opts.adapter)
-        if opts.fmt == "lora" and ad.name != "hf":
-            raise UsageError(f"`adapter` {ad.name} applies to the hf format only", param="adapter")
+        out_format.check_model_adapter(ad)
         return ad
-    if opts.fmt != "hf":
+    if not out_format.detects_model_adapter:
         return None
     return detect_adapter(cat.schema.naming, cat.param_fqns, model_config)  # the shared list: read only
 

@@ -88,6 +88,49 @@ def adapter_config(
     Raises:
         ExportError: no ``lora_alpha`` anywhere, or ``given["r"]`` disagreeing with the tensors.
     """
+    ranks, dora = _ranks(plan, cat)
+    if given is not None:
+        return _checked_given(given, ranks, lora_alpha)
+    if lora_alpha is None:
+        raise ExportError(
+            f"{cat.path}: lora_alpha cannot be inferred from the adapter weights",
+            hint="pass `lora_alpha` A (the LoraConfig lora_alpha used in training) or `adapter_config` FILE",
+        )
+    common_r = Counter(ranks.values()).most_common(1)[0][0]
+    modules = sorted(ranks)
+    _check_peft_matches(modules, None)
+    rel = [m[len(_PEFT_PREFIX) :] if m.startswith(_PEFT_PREFIX) else m for m in modules]
+    rank_pattern = {r_mod: ranks[m] for m, r_mod in zip(modules, rel) if ranks[m] != common_r}
+    task_type = None
+    archs = (model_config or {}).get("architectures") or []
+    if any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs):
+        task_type = "CAUSAL_LM"
+    return {
+        "peft_type": "LORA",
+        "task_type": task_type,
+        "base_model_name_or_path": (model_config or {}).get("_name_or_path") or None,
+        "r": common_r,
+        "lora_alpha": lora_alpha,
+        "lora_dropout": 0.0,
+        "target_modules": _target_modules(cat, rel),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": dora,
+        "modules_to_save": None,
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": {},
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+
+
+def _ranks(plan: ExportPlan, cat: Catalog) -> tuple[dict[str, int], bool]:
+    """Module -> rank (dim 0 of its ``lora_A`` / ``lora_embedding_A``), and whether DoRA magnitudes are present.
+
+    Raises:
+        ExportError: no ``lora_A`` / ``lora_embedding_A`` tensor.
+    """
     ranks: dict[str, int] = {}
     dora = False
     for task in plan.tasks:
@@ -102,35 +145,39 @@ def adapter_config(
             f"{cat.path}: no lora_A / lora_embedding_A tensor among the adapter keys",
             hint="the checkpoint has no complete LoRA adapter; check `filter_glob`",
         )
-    common_r = Counter(ranks.values()).most_common(1)[0][0]
-    if given is not None:
-        cfg = dict(given)
-        r = cfg.get("r")
-        pattern = cfg.get("rank_pattern") or {}
-        if r is not None and not pattern and any(v != r for v in ranks.values()):
-            bad = next(k for k, v in ranks.items() if v != r)
-            raise ExportError(
-                f"adapter config says r={r} but {bad}.lora_A has rank {ranks[bad]}",
-                fqn=bad,
-                hint="pass the adapter_config.json that belongs to this checkpoint",
-            )
-        _check_peft_matches(sorted(ranks), cfg.get("target_modules"))
-        if lora_alpha is not None:
-            cfg["lora_alpha"] = lora_alpha
-        if "lora_alpha" not in cfg:
-            raise ExportError("the adapter config has no lora_alpha", hint="pass `lora_alpha` A")
-        cfg.setdefault("peft_type", "LORA")
-        return cfg
-    if lora_alpha is None:
+    return ranks, dora
+
+
+def _checked_given(given: dict[str, Any], ranks: dict[str, int], lora_alpha: float | None) -> dict[str, Any]:
+    """A given adapter config, checked against the tensors' ranks and modules, ``lora_alpha`` applied.
+
+    Raises:
+        ExportError: its ``r`` disagrees with a module's rank (no ``rank_pattern``), PEFT would not
+            load a module, or no ``lora_alpha`` anywhere.
+    """
+    cfg = dict(given)
+    r = cfg.get("r")
+    pattern = cfg.get("rank_pattern") or {}
+    if r is not None and not pattern and any(v != r for v in ranks.values()):
+        bad = next(k for k, v in ranks.items() if v != r)
         raise ExportError(
-            f"{cat.path}: lora_alpha cannot be inferred from the adapter weights",
-            hint="pass `lora_alpha` A (the LoraConfig lora_alpha used in training) or `adapter_config` FILE",
+            f"adapter config says r={r} but {bad}.lora_A has rank {ranks[bad]}",
+            fqn=bad,
+            hint="pass the adapter_config.json that belongs to this checkpoint",
         )
-    modules = sorted(ranks)
-    _check_peft_matches(modules, None)
-    rel = [m[len(_PEFT_PREFIX) :] if m.startswith(_PEFT_PREFIX) else m for m in modules]
+    _check_peft_matches(sorted(ranks), cfg.get("target_modules"))
+    if lora_alpha is not None:
+        cfg["lora_alpha"] = lora_alpha
+    if "lora_alpha" not in cfg:
+        raise ExportError("the adapter config has no lora_alpha", hint="pass `lora_alpha` A")
+    cfg.setdefault("peft_type", "LORA")
+    return cfg
+
+
+def _target_modules(cat: Catalog, rel: list[str]) -> Any:
+    """``target_modules``: the module names of ``rel`` (paths under ``base_model.model.``), or an anchored
+    regex of the exact paths when a same-named module has no adapter (``<module>.weight``, no base_layer)."""
     names = sorted({m.rsplit(".", 1)[-1] for m in rel})
-    # Same-named modules without an adapter: ``<module>.weight`` under base_model, no base_layer.
     targeted = set(rel)
     untargeted = False
     prefix = canonical_model_key(_PEFT_PREFIX)
@@ -141,32 +188,9 @@ def adapter_config(
         if module.rsplit(".", 1)[-1] in names and module not in targeted:
             untargeted = True
             break
-    target: Any = names
     if untargeted:
-        target = "^(?:" + "|".join(re.escape(m) for m in rel) + ")$"
-    rank_pattern = {r_mod: ranks[m] for m, r_mod in zip(modules, rel) if ranks[m] != common_r}
-    task_type = None
-    archs = (model_config or {}).get("architectures") or []
-    if any(isinstance(a, str) and a.endswith("ForCausalLM") for a in archs):
-        task_type = "CAUSAL_LM"
-    return {
-        "peft_type": "LORA",
-        "task_type": task_type,
-        "base_model_name_or_path": (model_config or {}).get("_name_or_path") or None,
-        "r": common_r,
-        "lora_alpha": lora_alpha,
-        "lora_dropout": 0.0,
-        "target_modules": target,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": dora,
-        "modules_to_save": None,
-        "rank_pattern": rank_pattern,
-        "alpha_pattern": {},
-        "init_lora_weights": True,
-        "inference_mode": True,
-    }
+        return "^(?:" + "|".join(re.escape(m) for m in rel) + ")$"
+    return names
 
 
 def peft_target_matches(module: str, target: Any) -> bool:

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import UsageError
+from ckpttool.format import limits
+from ckpttool.format.files import read_regular
 
 __all__ = [
     "KeyRule",
@@ -227,92 +229,110 @@ def parse_rules(doc: Any, source: str) -> dict[str, Any]:
             f"{source}: rules version {version!r} is not supported (expected {_RULES_VERSION})",
             hint="upgrade ckpttool or fix the rules file",
         )
-    out: dict[str, Any] = {}
-    if "keys" in doc:
-        items = doc["keys"]
-        if not isinstance(items, list):
-            raise UsageError(f"{source}: 'keys' must be a list of {{match, to}} entries", hint="see docs/export.md")
-        rules = []
-        for i, item in enumerate(items):
-            where = f"{source}: keys[{i}]"
-            if not isinstance(item, dict) or "match" not in item or "to" not in item:
-                raise UsageError(f"{where}: needs 'match' and 'to' (to: null skips the key)", hint="see docs/export.md")
-            extra = sorted(set(item) - {"match", "to", "warn"})
-            if extra:
-                raise UsageError(f"{where}: unknown field(s) {extra}", hint="fields: match, to, warn")
-            pattern = _compile(item["match"], where)
-            to = item["to"]
-            if to is not None and not isinstance(to, str):
-                raise UsageError(f"{where}: 'to' must be a string template or null", hint="see docs/export.md")
-            if to is not None:
-                _check_template(pattern, to, where)
-            rules.append(KeyRule(pattern, to, bool(item.get("warn", False))))
-        out["keys"] = tuple(rules)
-    if "tied_embeddings" in doc:
-        tied = doc["tied_embeddings"]
+    return {section: parse(doc[section], source) for section, parse in _PARSERS.items() if section in doc}
+
+
+def _parse_keys(items: Any, source: str) -> tuple[KeyRule, ...]:
+    """The ``keys`` section: ``{match, to, warn}`` entries (``to: null`` skips the key)."""
+    if not isinstance(items, list):
+        raise UsageError(f"{source}: 'keys' must be a list of {{match, to}} entries", hint="see docs/export.md")
+    rules = []
+    for i, item in enumerate(items):
+        where = f"{source}: keys[{i}]"
+        if not isinstance(item, dict) or "match" not in item or "to" not in item:
+            raise UsageError(f"{where}: needs 'match' and 'to' (to: null skips the key)", hint="see docs/export.md")
+        extra = sorted(set(item) - {"match", "to", "warn"})
+        if extra:
+            raise UsageError(f"{where}: unknown field(s) {extra}", hint="fields: match, to, warn")
+        pattern = _compile(item["match"], where)
+        to = item["to"]
+        if to is not None and not isinstance(to, str):
+            raise UsageError(f"{where}: 'to' must be a string template or null", hint="see docs/export.md")
+        if to is not None:
+            _check_template(pattern, to, where)
+        rules.append(KeyRule(pattern, to, bool(item.get("warn", False))))
+    return tuple(rules)
+
+
+def _parse_tied(tied: Any, source: str) -> tuple[str, str]:
+    """The ``tied_embeddings`` section: ``(embedding, lm_head)`` output keys."""
+    if (
+        not isinstance(tied, dict)
+        or not isinstance(tied.get("embedding"), str)
+        or not isinstance(tied.get("lm_head"), str)
+    ):
+        raise UsageError(
+            f"{source}: 'tied_embeddings' needs string 'embedding' and 'lm_head' output keys",
+            hint="see docs/export.md",
+        )
+    return (tied["embedding"], tied["lm_head"])
+
+
+def _parse_experts(items: Any, source: str) -> tuple[ExpertRule, ...]:
+    """The ``experts`` section: ``{match, parts}`` entries (each part a template with ``{j}``)."""
+    if not isinstance(items, list):
+        raise UsageError(f"{source}: 'experts' must be a list of {{match, parts}} entries", hint="see docs/export.md")
+    erules = []
+    for i, item in enumerate(items):
+        where = f"{source}: experts[{i}]"
         if (
-            not isinstance(tied, dict)
-            or not isinstance(tied.get("embedding"), str)
-            or not isinstance(tied.get("lm_head"), str)
+            not isinstance(item, dict)
+            or "match" not in item
+            or not isinstance(item.get("parts"), list)
+            or not item["parts"]
         ):
-            raise UsageError(
-                f"{source}: 'tied_embeddings' needs string 'embedding' and 'lm_head' output keys",
-                hint="see docs/export.md",
-            )
-        out["tied_embeddings"] = (tied["embedding"], tied["lm_head"])
-    if "experts" in doc:
-        items = doc["experts"]
-        if not isinstance(items, list):
-            raise UsageError(
-                f"{source}: 'experts' must be a list of {{match, parts}} entries", hint="see docs/export.md"
-            )
-        erules = []
-        for i, item in enumerate(items):
-            where = f"{source}: experts[{i}]"
-            if (
-                not isinstance(item, dict)
-                or "match" not in item
-                or not isinstance(item.get("parts"), list)
-                or not item["parts"]
-            ):
-                raise UsageError(f"{where}: needs 'match' and a non-empty 'parts' list", hint="see docs/export.md")
-            pattern = _compile(item["match"], where)
-            parts = tuple(item["parts"])
-            for p in parts:
-                if not isinstance(p, str):
-                    raise UsageError(f"{where}: parts must be strings", hint="see docs/export.md")
-                try:
-                    p.format(j=0, **dict.fromkeys(pattern.groupindex, "x"))
-                except (KeyError, IndexError, ValueError) as e:
-                    raise UsageError(
-                        f"{where}: template {p!r} uses an unknown field ({e})",
-                        hint="use {j} and the named groups of 'match'",
-                    ) from e
-                if "{j}" not in p:
-                    raise UsageError(
-                        f"{where}: template {p!r} lacks {{j}} (the expert index)",
-                        hint="every per-expert key must contain {j}",
-                    )
-            erules.append(ExpertRule(pattern, parts))
-        out["experts"] = tuple(erules)
-    if "num_experts_config_keys" in doc:
-        names = doc["num_experts_config_keys"]
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise UsageError(
-                f"{source}: 'num_experts_config_keys' must be a list of strings", hint="see docs/export.md"
-            )
-        out["num_experts_config_keys"] = tuple(names)
-    if "lora" in doc:
-        lora = doc["lora"]
-        if not isinstance(lora, dict):
-            raise UsageError(f"{source}: 'lora' must be a mapping with 'match'", hint="see docs/export.md")
-        pattern = _compile(lora.get("match"), f"{source}: lora")
-        if not {"key", "adapter_name"} <= set(pattern.groupindex):
-            raise UsageError(
-                f"{source}: lora.match needs named groups 'key' and 'adapter_name'", hint="see docs/export.md"
-            )
-        out["lora"] = pattern
-    return out
+            raise UsageError(f"{where}: needs 'match' and a non-empty 'parts' list", hint="see docs/export.md")
+        pattern = _compile(item["match"], where)
+        parts = tuple(item["parts"])
+        for p in parts:
+            _check_part(p, pattern, where)
+        erules.append(ExpertRule(pattern, parts))
+    return tuple(erules)
+
+
+def _check_part(p: Any, pattern: re.Pattern[str], where: str) -> None:
+    """Refuse an expert part template that is not a string, uses unknown fields or lacks ``{j}``."""
+    if not isinstance(p, str):
+        raise UsageError(f"{where}: parts must be strings", hint="see docs/export.md")
+    try:
+        p.format(j=0, **dict.fromkeys(pattern.groupindex, "x"))
+    except (KeyError, IndexError, ValueError) as e:
+        raise UsageError(
+            f"{where}: template {p!r} uses an unknown field ({e})",
+            hint="use {j} and the named groups of 'match'",
+        ) from e
+    if "{j}" not in p:
+        raise UsageError(
+            f"{where}: template {p!r} lacks {{j}} (the expert index)",
+            hint="every per-expert key must contain {j}",
+        )
+
+
+def _parse_num_experts_keys(names: Any, source: str) -> tuple[str, ...]:
+    """The ``num_experts_config_keys`` section: config.json keys holding the expert count."""
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise UsageError(f"{source}: 'num_experts_config_keys' must be a list of strings", hint="see docs/export.md")
+    return tuple(names)
+
+
+def _parse_lora(lora: Any, source: str) -> re.Pattern[str]:
+    """The ``lora`` section: a ``match`` regex with named groups ``key`` and ``adapter_name``."""
+    if not isinstance(lora, dict):
+        raise UsageError(f"{source}: 'lora' must be a mapping with 'match'", hint="see docs/export.md")
+    pattern = _compile(lora.get("match"), f"{source}: lora")
+    if not {"key", "adapter_name"} <= set(pattern.groupindex):
+        raise UsageError(f"{source}: lora.match needs named groups 'key' and 'adapter_name'", hint="see docs/export.md")
+    return pattern
+
+
+#: section -> its parser, in the order the sections are checked
+_PARSERS: dict[str, Callable[[Any, str], Any]] = {
+    "keys": _parse_keys,
+    "tied_embeddings": _parse_tied,
+    "experts": _parse_experts,
+    "num_experts_config_keys": _parse_num_experts_keys,
+    "lora": _parse_lora,
+}
 
 
 def _check_template(pattern: re.Pattern[str], to: str, where: str) -> None:
@@ -360,7 +380,7 @@ def load_rules(user_file: str | Path | None = None) -> ExportRules:
     if user_file is not None:
         p = Path(user_file)
         try:
-            text = p.read_text(encoding="utf-8")
+            text = read_regular(p, limits.current().max_object_bytes, what="rules file").decode("utf-8")
         except OSError as e:
             raise UsageError(
                 f"{p}: cannot read rules file ({e.strerror})", path=p, hint="pass an existing YAML file"

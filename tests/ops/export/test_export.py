@@ -30,6 +30,7 @@ from ckpttool.ops.export.plan import shard_file_names
 from ckpttool.ui.options import parse_size
 from tests.fixtures import hf_models
 from tests.fixtures.cache import cached_build, copy_checkpoint
+from tests.fixtures.special_files import SPECIAL_KINDS, fails_instead_of_hanging, make_special
 
 runner = CliRunner()
 
@@ -595,6 +596,18 @@ def test_bad_rules_file_is_a_usage_error(dense_ckpt: Path, tmp_path: Path, text:
     assert_clean_failure(
         export_cli(str(dense_ckpt), str(tmp_path / "o"), "--rules", str(rules)), "E100", needle, "rules.yaml"
     )
+
+
+@pytest.mark.parametrize("special", SPECIAL_KINDS)
+def test_a_special_file_as_rules_is_refused_unread(dense_ckpt: Path, tmp_path: Path, special: str) -> None:
+    # --rules is opened as the other input files are (regular, capped): a FIFO or /dev/zero never blocks
+    rules = tmp_path / "rules.yaml"
+    make_special(rules, special)
+    with fails_instead_of_hanging():
+        res = export_cli(str(dense_ckpt), str(tmp_path / "o"), "--rules", str(rules))
+    assert_clean_failure(res, "E102", "rules.yaml", "not a regular file")
+    assert len(res.stderr.strip().splitlines()) == 2  # the coded error line and its hint
+    assert not (tmp_path / "o").exists()
 
 
 def test_duplicate_output_keys_are_refused(dense_ckpt: Path, tmp_path: Path) -> None:

@@ -1,0 +1,246 @@
+"""``--format hf-merged`` (``--merge-lora``): a PEFT LoRA checkpoint's adapters merged into its base weights.
+
+Written as ``--format hf`` writes a plain model (same files, index and assets): each base
+weight with a LoRA pair becomes ``W + (alpha / r) * B @ A`` in FP32, stored in its dtype
+(:class:`~ckpttool.ops.export.merge.LoraMerge`, a slab transform); the factors are read, not written.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+from ckpttool.errors import ExportError
+from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX, canonical_model_key
+from ckpttool.model.wrappers import strip_wrapper_segments
+from ckpttool.ops.export.formats.base import ModelFormat
+from ckpttool.ops.export.formats.hf import HFFormat
+from ckpttool.ops.export.outputs import register_format
+
+if TYPE_CHECKING:
+    from ckpttool.format.reader import CheckpointReader
+    from ckpttool.model.adapters import AdapterConfig, ModelAdapter
+    from ckpttool.model.catalog import Catalog
+    from ckpttool.ops.export.plan import ExportPlan, Selected, SelectResult
+    from ckpttool.ops.export.rules import ExportRules
+    from ckpttool.ops.export.transform import SlabTransform
+
+__all__ = ["HFMergedFormat", "lora_merges"]
+
+_PEFT_RE = re.compile(
+    r"^model\.(?:base_model\.model\.)?(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B|"
+    r"lora_magnitude_vector)\.(?P<adapter>[^.]+)(?:\.weight)?$"
+)
+_PEFT_BASE = canonical_model_key("base_model.model.")
+
+
+class HFMergedFormat(HFFormat):
+    """Hugging Face safetensors of the base model with its LoRA adapter merged in."""
+
+    name = "hf-merged"
+    help = "LoRA merged into the base weights"
+    reads_adapter_config = True
+    detects_model_adapter = False
+
+    def check_names(self, cat: Catalog, adapter: ModelAdapter | None) -> None:
+        """Raises ExportError (E601): no model tensor (the PEFT names are checked by :meth:`select`)."""
+        ModelFormat.check_names(self, cat, adapter)
+
+    def select(
+        self,
+        cat: Catalog,
+        rules: ExportRules,
+        *,
+        weights: str,
+        filter_glob: str | None,
+        adapter: ModelAdapter | None,
+        adapter_config: AdapterConfig | None,
+    ) -> SelectResult:
+        """Base weights named as the plain model, each with its LoRA pair.
+
+        ``model.base_model.model.<m>.base_layer.weight`` -> ``<m>.weight`` (merged), other
+        ``model.base_model.model.<x>`` -> ``<x>``; ``modules_to_save.<adapter>.`` copies replace their
+        ``original_module.`` (as ``merge_and_unload``); the LoRA factors are read, not written.
+
+        Raises:
+            ExportError: DoRA (``lora_magnitude_vector``), LoRA on embeddings, several adapters, a
+                ``lora_A`` without its ``lora_B`` / base weight, no LoRA tensor at all, ``weights`` master.
+        """
+        from ckpttool.ops.export.plan import LoraPair, Selected
+        from ckpttool.ops.export.select import skip_other_tensors
+
+        pairs, adapter_name = _lora_pairs(cat)
+        selected: list[Selected] = []
+        skipped: dict[str, list[str]] = {}
+        used: set[str] = set()
+        sub: dict[str, Selected] = {}
+        for key, entry in cat.model.items():
+            mapped = _merged_key(cat, rules, key, filter_glob, skipped)
+            if mapped is None:
+                continue
+            out, plain, module = mapped
+            merge = None
+            if module is not None and plain.endswith(".weight"):
+                p = pairs.get(module, {})
+                if "lora_A" in p and "lora_B" in p:
+                    merge = LoraPair(p["lora_A"], p["lora_B"], module, adapter_name)
+                    used.add(module)
+            sel = Selected(key, out, entry, "params", merge=merge)
+            if out in sub:
+                raise ExportError(
+                    f"{sub[out].model_key} and {key} both map to the output key {out!r}",
+                    fqn=key,
+                    hint="fix the key rules (`rules`) so every output key is unique",
+                )
+            sub[out] = sel
+            selected.append(sel)
+        orphan = sorted(set(pairs) - used)
+        if orphan and not filter_glob:
+            raise ExportError(
+                f"{len(orphan)} LoRA module(s) have no base weight (or lack lora_A / lora_B) to merge into: {orphan[0]}",
+                fqn=orphan[0],
+                hint="the checkpoint is an adapter only; export it with `fmt` lora and merge with PEFT over the base model",
+            )
+        if weights == "master":
+            raise ExportError("`weights` master is not supported with `fmt` hf-merged", param="weights")
+        skip_other_tensors(cat, skipped)
+        return selected, [], skipped, {}
+
+    def transforms(
+        self,
+        reader: CheckpointReader,
+        plan: ExportPlan,
+        given: dict[str, Any] | None,
+        lora_alpha: float | None,
+    ) -> dict[str, SlabTransform]:
+        return lora_merges(reader, plan, given, lora_alpha)
+
+    def check_written(self, transforms: dict[str, SlabTransform], plan: ExportPlan) -> None:
+        """Refuse a merged export that equals the base weights bitwise while the adapters are non-zero.
+
+        Raises:
+            ExportError: no merged weight changed (the delta is below the output dtype's precision, or alpha is 0).
+        """
+        live = [(k, m) for k, m in transforms.items() if getattr(m, "nonzero", False)]
+        if live and not any(getattr(m, "changed", False) for _, m in live):
+            raise ExportError(
+                f"the merged weights are bitwise equal to the base weights although {len(live)} LoRA pair(s) are "
+                f"non-zero (e.g. {live[0][0]}): the delta is below the output dtype's precision or the scale is 0",
+                fqn=live[0][0],
+                hint="check `lora_alpha`, or write a wider dtype with `save_dtype` float32",
+            )
+        unchanged = [k for k, m in live if not getattr(m, "changed", False)]
+        if unchanged:
+            plan.warnings.append(f"{len(unchanged)} merged weight(s) equal their base bitwise: {unchanged[0]}")
+
+
+def _lora_pairs(cat: Catalog) -> tuple[dict[str, dict[str, str]], str]:
+    """Module path -> ``{"lora_A": key, "lora_B": key}``, and the one adapter's name.
+
+    Raises:
+        ExportError: DoRA, LoRA on an embedding, no LoRA tensor, several adapters.
+    """
+    pairs: dict[str, dict[str, str]] = {}
+    names: set[str] = set()
+    for key in cat.model:
+        canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
+        m = _PEFT_RE.match(canonical)
+        if m is None:
+            continue
+        part = m["part"]
+        if part == "lora_magnitude_vector":
+            raise ExportError(
+                f"{key}: DoRA (lora_magnitude_vector); the merge of weight-decomposed LoRA is not implemented",
+                fqn=key,
+                hint="merge with PEFT's merge_and_unload(), or export the adapter with `fmt` lora",
+            )
+        if part.startswith("lora_embedding"):
+            raise ExportError(
+                f"{key}: LoRA on an embedding; its merge is not implemented",
+                fqn=key,
+                hint="export the adapter with `fmt` lora",
+            )
+        names.add(m["adapter"])
+        pairs.setdefault(m["module"], {})[part] = key
+    if not pairs:
+        raise ExportError(
+            f"{cat.path}: no LoRA tensor (lora_A / lora_B) to merge",
+            hint="`fmt` hf-merged merges a PEFT LoRA checkpoint; export a plain model with `fmt` hf",
+        )
+    if len(names) > 1:
+        raise ExportError(
+            f"{cat.path}: the checkpoint holds several LoRA adapters {sorted(names)}; which to merge is ambiguous",
+            hint="merge one of them with PEFT, or export each with `fmt` lora and `filter_glob`",
+        )
+    return pairs, next(iter(names))
+
+
+def _merged_key(
+    cat: Catalog, rules: ExportRules, key: str, filter_glob: str | None, skipped: dict[str, list[str]]
+) -> tuple[str, str, str | None] | None:
+    """``(output key, plain model key, LoRA module or None)`` of model tensor ``key``; ``None``: skipped (recorded)."""
+    canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
+    if _PEFT_RE.match(canonical):
+        skipped.setdefault("LoRA factor merged into its base weight", []).append(key)
+        return None
+    plain = canonical_model_key(canonical[len(_PEFT_BASE) :]) if canonical.startswith(_PEFT_BASE) else canonical
+    if ".original_module." in plain:
+        skipped.setdefault("replaced by its modules_to_save copy", []).append(key)
+        return None
+    plain = re.sub(r"\.modules_to_save\.[^.]+\.", ".", plain)
+    module = None
+    if ".base_layer." in plain:
+        module, _, tail = plain.partition(".base_layer.")
+        plain = f"{module}.{tail}"
+        module = module[len(CANONICAL_MODEL_PREFIX) :]
+    from ckpttool.ops.export.plan import filtered
+
+    out, matched, _ = rules.map_key(plain)
+    if not matched or out is None:
+        skipped.setdefault("no key rule matches" if not matched else "skipped by a key rule", []).append(key)
+        return None
+    if filtered(key, plain, out, filter_glob, cat.schema.model_prefix):
+        skipped.setdefault("excluded by `filter_glob`", []).append(key)
+        return None
+    return out, plain, module
+
+
+def lora_merges(
+    reader: CheckpointReader, plan: ExportPlan, config: dict[str, Any] | None, lora_alpha: float | None
+) -> dict[str, SlabTransform]:
+    """Source key -> :class:`~ckpttool.ops.export.merge.LoraMerge` for every base weight with a LoRA pair.
+
+    Raises:
+        ExportError: unknown alpha, DoRA / rsLoRA, factor shapes that do not fit the weight.
+    """
+    from ckpttool.ops.export.execute import _read_whole
+    from ckpttool.ops.export.merge import LoraMerge, lora_scaling
+
+    out: dict[str, SlabTransform] = {}
+    for t in plan.tasks:
+        pair = t.selected.merge
+        if pair is None:
+            continue
+        w = t.selected.source
+        a = _read_whole(reader, pair.a_key).float().numpy()
+        b = _read_whole(reader, pair.b_key).float().numpy()
+        if (
+            len(w.shape) != 2
+            or a.ndim != 2
+            or b.ndim != 2
+            or b.shape[1] != a.shape[0]
+            or (b.shape[0], a.shape[1]) != w.shape
+        ):
+            raise ExportError(
+                f"{w.key}: LoRA factors B {list(b.shape)} @ A {list(a.shape)} do not give the weight's shape {list(w.shape)}",
+                fqn=w.key,
+                hint="the lora_A / lora_B tensors do not belong to this base weight",
+            )
+        scale = lora_scaling(pair.module, a.shape[0], config, lora_alpha)
+        m = LoraMerge(a, b, scale, w.dtype, t.pieces[0].dtype)
+        m.nonzero = bool(a.any() and b.any())  # type: ignore[attr-defined]
+        out[w.key] = m
+    return out
+
+
+register_format(HFMergedFormat())

@@ -1,0 +1,265 @@
+"""Selection: which model tensors an export writes, and their output keys (metadata only).
+
+:func:`select_model` walks the model tensors once (wrapper segments removed, ``filter_glob``,
+``--weights master``) and asks a key map for each one's output key: :class:`RuleKeys` (the YAML
+key rules), :class:`AdapterKeys` (a model adapter's HF names and layouts) or :class:`LoraKeys`
+(PEFT LoRA adapter keys). A key map records what it leaves out in ``skipped`` and adds its
+warnings once the walk is done. The output formats (:mod:`ckpttool.ops.export.formats`) choose one.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Protocol
+
+from ckpttool.errors import ExportError, ExportNamingError
+from ckpttool.model.adapters import AdapterConfig, HFTensor, ModelAdapter, Skip
+from ckpttool.model.catalog import Catalog, TensorEntry
+from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX
+from ckpttool.model.wrappers import strip_wrapper_segments
+from ckpttool.ops.export.plan import (
+    SKIP_OUTSIDE_SCHEMA,
+    SKIP_TRAINING_STATE,
+    Selected,
+    SelectResult,
+    filtered,
+)
+from ckpttool.ops.export.rules import ExportRules
+
+__all__ = ["KeyMap", "RuleKeys", "AdapterKeys", "LoraKeys", "select_model", "skip_other_tensors", "shown"]
+
+#: torchtitan's LoRA adapter tensors (``torchtitan/components/lora.py``: ``<linear>.lora_a`` / ``.lora_b``).
+_TITAN_LORA_RE = re.compile(r"\.lora_[ab]\.weight$")
+
+#: One model tensor's output key: the key alone, or ``(output key, adapter placement or None, tag or None)``
+#: (``tag``: a LoRA adapter name); the key alone (no tuple built) is the rules' common case.
+Mapped = str | tuple[str, HFTensor | None, str | None]
+
+
+class KeyMap(Protocol):
+    """A model tensor's output key; keys it leaves out go to ``skipped`` (reason -> keys, in walk order)."""
+
+    skipped: dict[str, list[str]]
+
+    def __call__(self, key: str, fqn: str, canonical: str, entry: TensorEntry) -> Mapped | None: ...
+
+    def finish(self, cat: Catalog, filter_glob: str | None, warnings: list[str]) -> None:
+        """After the walk: refuse (``ExportNamingError``) or add warnings."""
+
+
+def shown(items: list[str], n: int) -> str:
+    """The first ``n`` of ``items``, comma-joined, with ``(+K more)``."""
+    return ", ".join(items[:n]) + (f" (+{len(items) - n} more)" if len(items) > n else "")
+
+
+class RuleKeys:
+    """The YAML key rules: the first matching rule's template (``to: null`` skips; ``warn`` reports the rename)."""
+
+    def __init__(self, rules: ExportRules) -> None:
+        self.map_key = rules.key_mapper()
+        self.skipped: dict[str, list[str]] = {}
+        self.renamed: list[str] = []
+
+    def __call__(self, key: str, fqn: str, canonical: str, entry: TensorEntry) -> Mapped | None:
+        out, matched, warn = self.map_key(canonical)
+        if not matched:
+            self.skipped.setdefault("no key rule matches", []).append(key)
+            return None
+        if out is None:
+            self.skipped.setdefault("skipped by a key rule", []).append(key)
+            return None
+        if warn:
+            self.renamed.append(f"{key} -> {out}")
+        return out
+
+    def finish(self, cat: Catalog, filter_glob: str | None, warnings: list[str]) -> None:
+        if self.renamed:
+            warnings.append(
+                f"{len(self.renamed)} key(s) outside the HF naming were exported as their fqn: {shown(self.renamed, 5)}"
+            )
+
+
+class AdapterKeys:
+    """A model adapter's HF names and element layouts (:meth:`ModelAdapter.to_hf`); unknown keys are reported."""
+
+    def __init__(self, adapter: ModelAdapter, config: AdapterConfig | None) -> None:
+        self.adapter = adapter
+        self.config = config or AdapterConfig()
+        self.skipped: dict[str, list[str]] = {}
+        self.unknown: list[str] = []
+
+    def __call__(self, key: str, fqn: str, canonical: str, entry: TensorEntry) -> Mapped | None:
+        conv = self.adapter.to_hf(fqn, entry.shape, self.config)
+        if conv is None:
+            self.unknown.append(key)
+            self.skipped.setdefault(f"no key map of adapter {self.adapter.name}", []).append(key)
+            return None
+        if isinstance(conv, Skip):
+            self.skipped.setdefault(conv.reason, []).append(key)
+            return None
+        return conv.key, conv, None
+
+    def finish(self, cat: Catalog, filter_glob: str | None, warnings: list[str]) -> None:
+        """Raises ExportNamingError (E603): torchtitan LoRA tensors the export would drop (no ``filter_glob``)."""
+        unknown = self.unknown
+        if not unknown:
+            return
+        lora = [k for k in unknown if _TITAN_LORA_RE.search(k)]
+        if lora and filter_glob is None:
+            raise ExportNamingError(
+                f"{cat.path}: {len(lora)} torchtitan LoRA adapter tensor(s) (e.g. {lora[0]!r}) have no HF mapping; "
+                "the export would write the base weights without the fine-tune",
+                fqn=lora[0],
+                hint="merge the LoRA adapters into the weights in torchtitan before saving, or export the base "
+                "model on purpose with `filter_glob` selecting its other keys",
+            )
+        warnings.append(
+            f"{len(unknown)} model tensor(s) unknown to adapter {self.adapter.name} are not exported: {shown(unknown, 3)}"
+        )
+
+
+class LoraKeys:
+    """PEFT LoRA adapter keys (the rules' ``lora`` pattern), tagged with their adapter name."""
+
+    def __init__(self, rules: ExportRules) -> None:
+        self.lora_output_key = rules.lora_output_key
+        self.skipped: dict[str, list[str]] = {}
+
+    def __call__(self, key: str, fqn: str, canonical: str, entry: TensorEntry) -> Mapped | None:
+        hit = self.lora_output_key(canonical)
+        if hit is None:
+            self.skipped.setdefault("not a LoRA adapter tensor", []).append(key)
+            return None
+        return hit[0], None, hit[1]
+
+    def finish(self, cat: Catalog, filter_glob: str | None, warnings: list[str]) -> None:
+        pass
+
+
+def select_model(cat: Catalog, keys: KeyMap, *, weights: str, filter_glob: str | None) -> SelectResult:
+    """Walk the model tensors in order and select those ``keys`` maps (see :func:`~.plan.select_sources`).
+
+    Raises:
+        ExportError: ``weights`` master with no master weight, a master whose shape differs from its
+            parameter, two keys mapping to one output key, a fused tensor with parts left out.
+        ExportNamingError: from ``keys.finish``.
+    """
+    selected: list[Selected] = []
+    warnings: list[str] = []
+    skipped = keys.skipped
+    tags: dict[str, str] = {}
+    unwrapped: list[str] = []
+    segments: set[str] = set()
+    masters_found = 0
+    prefix = cat.schema.model_prefix
+    master = weights == "master"
+    add = selected.append
+    map_one = keys.__call__  # a bound method: the fast call path, 10^6 times
+    # 10^6 keys: the fqns come from the catalog's shared list (KeySchema.fqn_of of every model key, in order)
+    for (key, entry), param_fqn in zip(cat.model.items(), cat.param_fqns):
+        fqn = param_fqn
+        canonical = CANONICAL_MODEL_PREFIX + fqn  # canonical_model_key: rules match the torch-native model.<fqn>
+        # "module" / "_orig_mod" cannot straddle "model." and the fqn: the test strip_wrapper_segments starts with
+        if "module" in fqn or "_orig_mod" in fqn:
+            canonical, removed = strip_wrapper_segments(canonical)  # _orig_mod., module., ... anywhere
+            if removed:
+                unwrapped.append(key)
+                segments.update(removed)
+                fqn = strip_wrapper_segments(fqn)[0]
+        mapped = map_one(key, fqn, canonical, entry)
+        if mapped is None:
+            continue
+        hf: HFTensor | None
+        tag: str | None
+        if isinstance(mapped, str):
+            out_key, hf, tag = mapped, None, None
+        else:
+            out_key, hf, tag = mapped
+        if filter_glob and filtered(key, canonical, out_key, filter_glob, prefix):
+            skipped.setdefault("excluded by `filter_glob`", []).append(key)
+            continue
+        if tag is not None:
+            tags[out_key] = tag
+        source, origin = entry, "params"
+        if master:
+            mw = _master_weight(cat, param_fqn, entry)
+            if mw is not None:
+                source, origin = mw, "master"
+                masters_found += 1
+        add(Selected(key, out_key, source, origin, hf))
+    if master and masters_found == 0:
+        raise ExportError(
+            f"{cat.path}: `weights` master but no parameter has an optimizer.state.<fqn>.master_weight",
+            hint="this checkpoint's optimizer keeps no FP32 masters (e.g. torch AdamW); export with `weights` params",
+        )
+    if unwrapped:
+        warnings.append(
+            f"wrapper segment(s) {', '.join(sorted(segments))} removed from {len(unwrapped)} key(s): {shown(unwrapped, 3)}"
+        )
+    keys.finish(cat, filter_glob, warnings)
+    skip_other_tensors(cat, skipped)
+    outside = skipped.get(SKIP_OUTSIDE_SCHEMA)
+    if outside:
+        warnings.append(
+            f"{len(outside)} tensor(s) outside the {cat.schema.id} key schema are not exported: {shown(outside, 3)}"
+        )
+    _check_unique(selected)
+    return selected, warnings, skipped, tags
+
+
+def _master_weight(cat: Catalog, param_fqn: str, entry: TensorEntry) -> TensorEntry | None:
+    """The parameter's optimizer ``master_weight`` entry, if any.
+
+    Raises:
+        ExportError: its shape differs from the parameter's.
+    """
+    ps = cat.optimizer_state.get(param_fqn)
+    mw = ps.fields.get("master_weight") if ps is not None else None
+    if mw is not None and mw.shape != entry.shape:
+        raise ExportError(
+            f"{mw.key}: master_weight shape {list(mw.shape)} differs from the parameter's {list(entry.shape)}",
+            fqn=mw.key,
+            hint="the optimizer state does not belong to this model; export with `weights` params",
+        )
+    return mw
+
+
+def skip_other_tensors(cat: Catalog, skipped: dict[str, list[str]]) -> None:
+    """List the non-model tensors in ``skipped`` (training state, or outside the key schema)."""
+    for key in cat.other_tensors:
+        reason = SKIP_TRAINING_STATE if cat.category(key) == "training_state" else SKIP_OUTSIDE_SCHEMA
+        skipped.setdefault(reason, []).append(key)
+
+
+def _check_unique(selected: list[Selected]) -> None:
+    """Refuse two sources of one output key (a fused tensor's parts count apart) and fused tensors missing a part.
+
+    Raises:
+        ExportError: a duplicate output key, or a fused tensor not every part of which is exported.
+    """
+    any_hf = any(s.hf is not None for s in selected)
+    if not any_hf and len({s.out_key for s in selected}) == len(selected):
+        return  # every output key unique, no fused parts: nothing below raises
+    seen: dict[str, str] = {}
+    for s in selected:
+        ident = s.out_key if s.hf is None or s.hf.nparts == 1 else f"{s.out_key} (part {s.hf.part})"
+        if ident in seen:
+            raise ExportError(
+                f"{seen[ident]} and {s.model_key} both map to the output key {ident!r}",
+                fqn=s.model_key,
+                hint="fix the key rules (`rules`) so every output key is unique",
+            )
+        seen[ident] = s.model_key
+    fused: dict[str, set[int]] = {}
+    for s in selected:
+        if s.hf is not None and s.hf.nparts > 1:
+            fused.setdefault(s.out_key, set()).add(s.hf.part)
+    for key, parts in fused.items():
+        n = next(s.hf.nparts for s in selected if s.hf is not None and s.out_key == key)
+        if len(parts) != n:
+            have = next(s.model_key for s in selected if s.out_key == key)
+            raise ExportError(
+                f"{key}: fused from {n} source tensors but only {have} is exported (parts {sorted(parts)} of {n})",
+                fqn=have,
+                hint="export every part (check `filter_glob`), or use `experts` per-expert",
+            )
