@@ -28,20 +28,22 @@ from ckpttool.ui.render import UI
 
 __all__ = ["app", "main", "version_text", "GLOBAL_OPTIONS"]
 
-COMMANDS = (
-    "inspect",
-    "validate",
-    "export",
-    "reshard",
-    "stamp",
-    "replay_step",
-    "sample",
-    "rules",
-    "schema",
-    "diff",
-    "manifest",
-    "import_hf",
-)
+#: The commands in ``--help`` order: name -> its module in :mod:`ckpttool.commands`, which defines
+#: the command function ``<name>_command`` (``-`` spelled ``_``) and its ``--help`` ``EPILOG``.
+COMMANDS = {
+    "inspect": "inspect",
+    "validate": "validate",
+    "export": "export",
+    "reshard": "reshard",
+    "stamp": "stamp",
+    "replay-step": "replay_step",
+    "sample": "sample",
+    "rules": "rules",
+    "schema": "schema",
+    "diff": "diff",
+    "manifest": "manifest",
+    "import": "import_hf",
+}
 
 # typer vendors click (typer._click); reach its exception classes through public names only
 # (both derive from typer.TyperException, which types their exit_code and format_message).
@@ -354,8 +356,9 @@ def _root(
 
 
 def _register() -> None:
-    for name in COMMANDS:
-        importlib.import_module(f"ckpttool.commands.{name}").register(app)
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(f"ckpttool.commands.{module_name}")
+        app.command(name, epilog=module.EPILOG)(getattr(module, f"{name.replace('-', '_')}_command"))
 
 
 _register()

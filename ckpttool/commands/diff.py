@@ -185,7 +185,3 @@ EPILOG = examples(
     "ckpttool diff ckpt/ hf_export/ --as-dtype bfloat16   # a BF16 export of FP32 weights",
     "ckpttool diff run1/step-100 run2/step-100 --rtol 1e-3 --json",
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("diff", epilog=EPILOG)(diff_command)

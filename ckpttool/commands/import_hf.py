@@ -155,7 +155,3 @@ EPILOG = examples(
     "ckpttool import hf_model/ titan/step-0 --schema torchtitan",
     "ckpttool import hf_model/ ckpt/ --world-size 4 --manifest",
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("import", epilog=EPILOG)(import_command)

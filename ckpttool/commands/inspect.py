@@ -87,7 +87,3 @@ EPILOG = examples(
     "ckpttool inspect RUN_ROOT --step latest",
     "ckpttool inspect ckpt/ --json | python -m json.tool",
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("inspect", epilog=EPILOG)(inspect_command)

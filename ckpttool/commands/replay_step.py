@@ -35,7 +35,7 @@ from ckpttool.ui.output import Output, command_boundary, deprecated, print_error
 if TYPE_CHECKING:
     from ckpttool.ops.replay import ReplayOptions, ReplayResult
 
-__all__ = ["register", "render_replay", "replay_step_command"]
+__all__ = ["render_replay", "replay_step_command"]
 
 
 class DeviceChoice(str, Enum):
@@ -388,7 +388,3 @@ EPILOG = examples(
     "ckpttool replay-step ckpt/ --device cuda --grads grads.safetensors --json",
     "ckpttool replay-step ckpt/ --optimizer cpu_offload_adamw --max-memory 8GiB",
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("replay-step", epilog=EPILOG)(replay_step_command)

@@ -177,7 +177,3 @@ EPILOG = examples(
     "ckpttool reshard old/ new/ --to canonical --source-layout legacy --ep-size 4 --ep-fsdp-size 2",
     "ckpttool reshard ckpt/ out/ --to canonical --manifest --hash blake3",
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("reshard", epilog=EPILOG)(reshard_command)

@@ -78,7 +78,3 @@ EPILOG = examples(
     "ckpttool stamp ckpt/ --source-layout legacy --ep-size 4 --ep-fsdp-size 2",
     "ckpttool inspect ckpt/   # then shows the recorded layout",
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("stamp", epilog=EPILOG)(stamp_command)

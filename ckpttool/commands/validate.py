@@ -272,7 +272,3 @@ EPILOG = examples(
     "ckpttool validate ckpt/ --config hf/config.json --against hf/ --junit report.xml",
     "ckpttool validate --list-rules",
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("validate", epilog=EPILOG)(validate_command)
