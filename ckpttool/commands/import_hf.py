@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckpttool.ui.options import JsonOpt, OutputArg, OverwriteOpt, examples
+from ckpttool.ui.options import FsyncOpt, JsonOpt, OutputArg, OverwriteOpt, examples
 from ckpttool.ui.output import Output, command_boundary
 
 if TYPE_CHECKING:
@@ -61,13 +61,6 @@ ImportEpSizeOpt = Annotated[
 ImportEpFsdpSizeOpt = Annotated[
     int | None,
     typer.Option("--ep-fsdp-size", min=1, help="EP-FSDP size F of the target mesh (with --ep-size) [default: 1]."),
-]
-FsyncOpt = Annotated[
-    bool,
-    typer.Option(
-        "--fsync/--no-fsync",
-        help="fsync the output files before moving the directory into place (survives a power loss).",
-    ),
 ]
 ManifestOpt = Annotated[
     bool,

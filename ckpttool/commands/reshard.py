@@ -12,6 +12,7 @@ from ckpttool.ui.options import (
     CheckpointArg,
     EpFsdpSizeOpt,
     EpSizeOpt,
+    FsyncOpt,
     JsonOpt,
     ModelPrefixOpt,
     NoEpOpt,
@@ -61,13 +62,6 @@ WithOptimizerOpt = Annotated[
     typer.Option(
         "--with-optimizer",
         help="Permute the optimizer state (master_weight, exp_avg, exp_avg_sq) of EP parameters with them; required when the checkpoint has such state.",
-    ),
-]
-FsyncOpt = Annotated[
-    bool,
-    typer.Option(
-        "--fsync/--no-fsync",
-        help="fsync the output files before moving the directory into place (survives a power loss).",
     ),
 ]
 ManifestOpt = Annotated[
