@@ -28,22 +28,24 @@ from ckpttool.ui.render import UI
 
 __all__ = ["app", "main", "version_text", "GLOBAL_OPTIONS"]
 
-#: The commands in ``--help`` order: name -> its module in :mod:`ckpttool.commands`, which defines
-#: the command function ``<name>_command`` (``-`` spelled ``_``) and its ``--help`` ``EPILOG``.
-COMMANDS = {
-    "inspect": "inspect",
-    "validate": "validate",
-    "export": "export",
-    "reshard": "reshard",
-    "stamp": "stamp",
-    "replay-step": "replay_step",
-    "sample": "sample",
-    "rules": "rules",
-    "schema": "schema",
-    "diff": "diff",
-    "manifest": "manifest",
-    "import": "import_hf",
-}
+#: The commands in ``--help`` order. Each one's module in :mod:`ckpttool.commands` (named after it,
+#: ``-`` spelled ``_``, but for :data:`_MODULE_OF`) defines ``<name>_command`` and its ``EPILOG``.
+COMMANDS = (
+    "inspect",
+    "validate",
+    "export",
+    "reshard",
+    "stamp",
+    "replay-step",
+    "sample",
+    "rules",
+    "schema",
+    "diff",
+    "manifest",
+    "import",
+)
+#: Command modules not named after their command (``import`` is a Python keyword).
+_MODULE_OF = {"import": "import_hf"}
 
 # typer vendors click (typer._click); reach its exception classes through public names only
 # (both derive from typer.TyperException, which types their exit_code and format_message).
@@ -356,9 +358,10 @@ def _root(
 
 
 def _register() -> None:
-    for name, module_name in COMMANDS.items():
-        module = importlib.import_module(f"ckpttool.commands.{module_name}")
-        app.command(name, epilog=module.EPILOG)(getattr(module, f"{name.replace('-', '_')}_command"))
+    for name in COMMANDS:
+        stem = name.replace("-", "_")
+        module = importlib.import_module(f"ckpttool.commands.{_MODULE_OF.get(name, stem)}")
+        app.command(name, epilog=module.EPILOG)(getattr(module, f"{stem}_command"))
 
 
 _register()

@@ -99,11 +99,7 @@ class AdamWHyper:
             exp_avg_sqs,
             [],
             steps,
-            lr=self.lr,
-            beta1=self.beta1,
-            beta2=self.beta2,
-            weight_decay=self.weight_decay,
-            eps=self.eps,
+            **vars(self),  # the fields are the kernel's keyword names: lr, beta1, beta2, eps, weight_decay
             amsgrad=False,
             maximize=False,
         )
