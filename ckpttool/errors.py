@@ -123,14 +123,7 @@ class CkptError(Exception):
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready view: ``code``, ``message``, ``hint``, ``path``, ``fqn``, ``exit_code``."""
-        return {
-            "code": self.code,
-            "message": self.message,
-            "hint": self.hint,
-            "path": self.path,
-            "fqn": self.fqn,
-            "exit_code": self.exit_code,
-        }
+        return {k: getattr(self, k) for k in ("code", "message", "hint", "path", "fqn", "exit_code")}
 
 
 # --------------------------------------------------------------------------- E1xx invocation

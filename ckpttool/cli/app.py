@@ -28,20 +28,24 @@ from ckpttool.ui.render import UI
 
 __all__ = ["app", "main", "version_text", "GLOBAL_OPTIONS"]
 
+#: The commands in ``--help`` order. Each one's module in :mod:`ckpttool.commands` (named after it,
+#: ``-`` spelled ``_``, but for :data:`_MODULE_OF`) defines ``<name>_command`` and its ``EPILOG``.
 COMMANDS = (
     "inspect",
     "validate",
     "export",
     "reshard",
     "stamp",
-    "replay_step",
+    "replay-step",
     "sample",
     "rules",
     "schema",
     "diff",
     "manifest",
-    "import_hf",
+    "import",
 )
+#: Command modules not named after their command (``import`` is a Python keyword).
+_MODULE_OF = {"import": "import_hf"}
 
 # typer vendors click (typer._click); reach its exception classes through public names only
 # (both derive from typer.TyperException, which types their exit_code and format_message).
@@ -355,7 +359,9 @@ def _root(
 
 def _register() -> None:
     for name in COMMANDS:
-        importlib.import_module(f"ckpttool.commands.{name}").register(app)
+        stem = name.replace("-", "_")
+        module = importlib.import_module(f"ckpttool.commands.{_MODULE_OF.get(name, stem)}")
+        app.command(name, epilog=module.EPILOG)(getattr(module, f"{stem}_command"))
 
 
 _register()

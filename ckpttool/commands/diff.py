@@ -9,20 +9,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ckpttool.model.adapters import adapter_metavar
-from ckpttool.ui.options import (
-    EpFsdpSizeOpt,
-    EpSizeOpt,
-    JsonOpt,
-    NoEpOpt,
-    SourceLayout,
-    SourceLayoutOpt,
-    StepOpt,
-    TrustPickleOpt,
-    declaration,
-    examples,
-    parse_dtype,
-    selection,
-)
+from ckpttool.ui import options as opt
+from ckpttool.ui.options import declaration, examples, parse_dtype, selection
 from ckpttool.ui.output import Output, command_boundary
 
 if TYPE_CHECKING:
@@ -80,7 +68,7 @@ AdapterOpt = Annotated[
     ),
 ]
 BSourceLayoutOpt = Annotated[
-    SourceLayout | None,
+    opt.SourceLayout | None,
     typer.Option("--b-source-layout", help="Declare B's EP layout (as --source-layout declares A's)."),
 ]
 BEpSizeOpt = Annotated[int | None, typer.Option("--b-ep-size", min=1, help="EP size of B's saving mesh.")]
@@ -99,17 +87,17 @@ def diff_command(
     map_rules: MapOpt = None,
     weights: WeightsOpt = Weights.params,
     adapter: AdapterOpt = None,
-    json_output: JsonOpt = False,
-    trust_pickle: TrustPickleOpt = False,
-    source_layout: SourceLayoutOpt = None,
-    ep_size: EpSizeOpt = None,
-    ep_fsdp_size: EpFsdpSizeOpt = None,
-    no_ep: NoEpOpt = False,
+    json_output: opt.JsonOpt = False,
+    trust_pickle: opt.TrustPickleOpt = False,
+    source_layout: opt.SourceLayoutOpt = None,
+    ep_size: opt.EpSizeOpt = None,
+    ep_fsdp_size: opt.EpFsdpSizeOpt = None,
+    no_ep: opt.NoEpOpt = False,
     b_source_layout: BSourceLayoutOpt = None,
     b_ep_size: BEpSizeOpt = None,
     b_ep_fsdp_size: BEpFsdpSizeOpt = None,
     b_no_ep: BNoEpOpt = False,
-    step: StepOpt = None,
+    step: opt.StepOpt = None,
 ) -> None:
     """Compare two checkpoints tensor by tensor in bounded memory, whatever their sharding or format.
 
@@ -186,7 +174,3 @@ EPILOG = examples(
     "ckpttool diff ckpt/ hf_export/ --as-dtype bfloat16   # a BF16 export of FP32 weights",
     "ckpttool diff run1/step-100 run2/step-100 --rtol 1e-3 --json",
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("diff", epilog=EPILOG)(diff_command)

@@ -170,7 +170,7 @@ class ExportCLIOptions:
 
 
 @command_boundary
-def export_command(cli: ExportCLIOptions) -> None:
+def run_export(cli: ExportCLIOptions) -> None:
     """Export model weights as Hugging Face safetensors or a LoRA adapter (streaming, bit-exact by default)."""
     from ckpttool.model.checkpoint import open_checkpoint
     from ckpttool.ops.export import export_checkpoint
@@ -357,5 +357,5 @@ EPILOG = examples(
 )
 
 
-def register(app: typer.Typer) -> None:
-    app.command("export", epilog=EPILOG)(_typer_command(ExportCLIOptions, export_command))
+#: The Typer command: :class:`ExportCLIOptions`' fields as its parameters, calling :func:`run_export`.
+export_command = _typer_command(ExportCLIOptions, run_export)

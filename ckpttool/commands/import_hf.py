@@ -12,6 +12,7 @@ from ckpttool.model.adapters import adapter_metavar
 from ckpttool.ui.options import (
     IMPORT_SCHEMA_DEFAULT,
     IMPORT_SCHEMA_HELP,
+    FsyncOpt,
     ImportSchemaChoice,
     JsonOpt,
     OutputArg,
@@ -58,13 +59,6 @@ ImportEpSizeOpt = Annotated[
 ImportEpFsdpSizeOpt = Annotated[
     int | None,
     typer.Option("--ep-fsdp-size", min=1, help="EP-FSDP size F of the target mesh (with --ep-size) [default: 1]."),
-]
-FsyncOpt = Annotated[
-    bool,
-    typer.Option(
-        "--fsync/--no-fsync",
-        help="fsync the output files before moving the directory into place (survives a power loss).",
-    ),
 ]
 ManifestOpt = Annotated[
     bool,
@@ -152,7 +146,3 @@ EPILOG = examples(
     "ckpttool import hf_model/ titan/step-0 --schema torchtitan",
     "ckpttool import hf_model/ ckpt/ --world-size 4 --manifest",
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("import", epilog=EPILOG)(import_command)

@@ -7,24 +7,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckpttool.ui.options import (
-    CheckpointArg,
-    EpFsdpSizeOpt,
-    EpSizeOpt,
-    FilterOpt,
-    JsonOpt,
-    ModelPrefixOpt,
-    NoEpOpt,
-    OptimizerDirOpt,
-    OptimizerPrefixOpt,
-    SchemaOpt,
-    SourceLayoutOpt,
-    StepOpt,
-    TrustPickleOpt,
-    declaration,
-    examples,
-    selection,
-)
+from ckpttool.ui import options as opt
+from ckpttool.ui.options import declaration, examples, selection
 from ckpttool.ui.output import Output, command_boundary
 
 if TYPE_CHECKING:
@@ -38,24 +22,24 @@ class SortKey(str, Enum):
 
 @command_boundary
 def inspect_command(
-    checkpoint: CheckpointArg,
-    json_output: JsonOpt = False,
-    filter_glob: FilterOpt = None,
+    checkpoint: opt.CheckpointArg,
+    json_output: opt.JsonOpt = False,
+    filter_glob: opt.FilterOpt = None,
     depth: Annotated[
         int | None,
         typer.Option("--depth", min=1, help="Group model tensors into a tree by the first N key components."),
     ] = None,
     sort: Annotated[SortKey, typer.Option("--sort", help="Order of tensor rows.")] = SortKey.name,
-    trust_pickle: TrustPickleOpt = False,
-    source_layout: SourceLayoutOpt = None,
-    ep_size: EpSizeOpt = None,
-    ep_fsdp_size: EpFsdpSizeOpt = None,
-    no_ep: NoEpOpt = False,
-    step: StepOpt = None,
-    optimizer_dir: OptimizerDirOpt = None,
-    schema: SchemaOpt = None,
-    model_prefix: ModelPrefixOpt = None,
-    optimizer_prefix: OptimizerPrefixOpt = None,
+    trust_pickle: opt.TrustPickleOpt = False,
+    source_layout: opt.SourceLayoutOpt = None,
+    ep_size: opt.EpSizeOpt = None,
+    ep_fsdp_size: opt.EpFsdpSizeOpt = None,
+    no_ep: opt.NoEpOpt = False,
+    step: opt.StepOpt = None,
+    optimizer_dir: opt.OptimizerDirOpt = None,
+    schema: opt.SchemaOpt = None,
+    model_prefix: opt.ModelPrefixOpt = None,
+    optimizer_prefix: opt.OptimizerPrefixOpt = None,
 ) -> None:
     """Show what a checkpoint holds, from .metadata alone (reads no tensor data)."""
     from ckpttool.ops.entry import data_file_warnings, run_inspect
@@ -87,7 +71,3 @@ EPILOG = examples(
     "ckpttool inspect RUN_ROOT --step latest",
     "ckpttool inspect ckpt/ --json | python -m json.tool",
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("inspect", epilog=EPILOG)(inspect_command)

@@ -97,7 +97,3 @@ EPILOG = examples(
     "ckpttool validate ckpt/ --manifest ckpt/manifest.json",
     "ckpttool manifest hf/ --verify            # an export made with a manifest, or a checkpoint",
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("manifest", epilog=EPILOG)(manifest_command)

@@ -10,32 +10,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from ckpttool.errors import ReplayMismatchError, UsageError
-from ckpttool.ui.options import (
-    CheckpointArg,
-    EpFsdpSizeOpt,
-    EpSizeOpt,
-    JsonOpt,
-    ModelPrefixOpt,
-    NoEpOpt,
-    OptimizerDirOpt,
-    OptimizerPrefixOpt,
-    SchemaOpt,
-    SourceLayoutOpt,
-    StepOpt,
-    TrustPickleOpt,
-    declaration,
-    examples,
-    parse_dtype,
-    parse_size,
-    parse_tolerance,
-    selection,
-)
+from ckpttool.ui import options as opt
+from ckpttool.ui.options import declaration, examples, parse_dtype, parse_size, parse_tolerance, selection
 from ckpttool.ui.output import Output, command_boundary, deprecated, print_error
 
 if TYPE_CHECKING:
     from ckpttool.ops.replay import ReplayOptions, ReplayResult
 
-__all__ = ["register", "render_replay", "replay_step_command"]
+__all__ = ["render_replay", "replay_step_command"]
 
 
 class DeviceChoice(str, Enum):
@@ -120,7 +102,7 @@ ReferenceDtypeOpt = Annotated[
 
 @command_boundary
 def replay_step_command(
-    checkpoint: CheckpointArg,
+    checkpoint: opt.CheckpointArg,
     device: DeviceOpt = DeviceChoice.auto,
     filter_glob: ReplayFilterOpt = None,
     select: SelectOpt = None,
@@ -134,17 +116,17 @@ def replay_step_command(
     max_memory: MaxMemoryOpt = None,
     tolerance: ToleranceOpt = "1e-5,1e-8",
     reference_dtype: ReferenceDtypeOpt = "float64",
-    json_output: JsonOpt = False,
-    trust_pickle: TrustPickleOpt = False,
-    source_layout: SourceLayoutOpt = None,
-    ep_size: EpSizeOpt = None,
-    ep_fsdp_size: EpFsdpSizeOpt = None,
-    no_ep: NoEpOpt = False,
-    step: StepOpt = None,
-    optimizer_dir: OptimizerDirOpt = None,
-    schema: SchemaOpt = None,
-    model_prefix: ModelPrefixOpt = None,
-    optimizer_prefix: OptimizerPrefixOpt = None,
+    json_output: opt.JsonOpt = False,
+    trust_pickle: opt.TrustPickleOpt = False,
+    source_layout: opt.SourceLayoutOpt = None,
+    ep_size: opt.EpSizeOpt = None,
+    ep_fsdp_size: opt.EpFsdpSizeOpt = None,
+    no_ep: opt.NoEpOpt = False,
+    step: opt.StepOpt = None,
+    optimizer_dir: opt.OptimizerDirOpt = None,
+    schema: opt.SchemaOpt = None,
+    model_prefix: opt.ModelPrefixOpt = None,
+    optimizer_prefix: opt.OptimizerPrefixOpt = None,
 ) -> None:
     """Replay the next optimizer step from the saved state on --device and compare with an independent reference.
 
@@ -388,7 +370,3 @@ EPILOG = examples(
     "ckpttool replay-step ckpt/ --device cuda --grads grads.safetensors --json",
     "ckpttool replay-step ckpt/ --optimizer cpu_offload_adamw --max-memory 8GiB",
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("replay-step", epilog=EPILOG)(replay_step_command)

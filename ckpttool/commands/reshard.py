@@ -8,26 +8,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckpttool.ui.options import (
-    CheckpointArg,
-    EpFsdpSizeOpt,
-    EpSizeOpt,
-    JsonOpt,
-    ModelPrefixOpt,
-    NoEpOpt,
-    OptimizerPrefixOpt,
-    OutputArg,
-    OutputHashOpt,
-    OverwriteOpt,
-    SchemaOpt,
-    SourceLayoutOpt,
-    StepOpt,
-    TrustPickleOpt,
-    VerifyCrcOpt,
-    declaration,
-    examples,
-    selection,
-)
+from ckpttool.ui import options as opt
+from ckpttool.ui.options import declaration, examples, selection
 from ckpttool.ui.output import Output, command_boundary
 
 if TYPE_CHECKING:
@@ -63,13 +45,6 @@ WithOptimizerOpt = Annotated[
         help="Permute the optimizer state (master_weight, exp_avg, exp_avg_sq) of EP parameters with them; required when the checkpoint has such state.",
     ),
 ]
-FsyncOpt = Annotated[
-    bool,
-    typer.Option(
-        "--fsync/--no-fsync",
-        help="fsync the output files before moving the directory into place (survives a power loss).",
-    ),
-]
 ManifestOpt = Annotated[
     bool,
     typer.Option(
@@ -81,27 +56,27 @@ ManifestOpt = Annotated[
 
 @command_boundary
 def reshard_command(
-    source: CheckpointArg,
-    target: OutputArg,
+    source: opt.CheckpointArg,
+    target: opt.OutputArg,
     to: ToOpt,
     target_ep_size: TargetEpSizeOpt = None,
     target_ep_fsdp_size: TargetEpFsdpSizeOpt = None,
     with_optimizer: WithOptimizerOpt = False,
-    source_layout: SourceLayoutOpt = None,
-    ep_size: EpSizeOpt = None,
-    ep_fsdp_size: EpFsdpSizeOpt = None,
-    overwrite: OverwriteOpt = False,
-    fsync: FsyncOpt = True,
-    json_output: JsonOpt = False,
-    trust_pickle: TrustPickleOpt = False,
-    no_ep: NoEpOpt = False,
-    step: StepOpt = None,
-    schema: SchemaOpt = None,
-    model_prefix: ModelPrefixOpt = None,
-    optimizer_prefix: OptimizerPrefixOpt = None,
-    verify_crc: VerifyCrcOpt = True,
+    source_layout: opt.SourceLayoutOpt = None,
+    ep_size: opt.EpSizeOpt = None,
+    ep_fsdp_size: opt.EpFsdpSizeOpt = None,
+    overwrite: opt.OverwriteOpt = False,
+    fsync: opt.FsyncOpt = True,
+    json_output: opt.JsonOpt = False,
+    trust_pickle: opt.TrustPickleOpt = False,
+    no_ep: opt.NoEpOpt = False,
+    step: opt.StepOpt = None,
+    schema: opt.SchemaOpt = None,
+    model_prefix: opt.ModelPrefixOpt = None,
+    optimizer_prefix: opt.OptimizerPrefixOpt = None,
+    verify_crc: opt.VerifyCrcOpt = True,
     manifest: ManifestOpt = False,
-    hash_name: OutputHashOpt = "xxh3-128",
+    hash_name: opt.OutputHashOpt = "xxh3-128",
 ) -> None:
     """Write a new DCP checkpoint with expert tensors in the target layout, one data file per target rank.
 
@@ -177,7 +152,3 @@ EPILOG = examples(
     "ckpttool reshard old/ new/ --to canonical --source-layout legacy --ep-size 4 --ep-fsdp-size 2",
     "ckpttool reshard ckpt/ out/ --to canonical --manifest --hash blake3",
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("reshard", epilog=EPILOG)(reshard_command)

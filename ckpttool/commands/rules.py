@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import typer
-
 from ckpttool.ui.options import JsonOpt, examples
 from ckpttool.ui.output import command_boundary, emit_json
 
@@ -70,7 +68,3 @@ EPILOG = examples(
     "ckpttool rules --json",
     "ckpttool validate ckpt/ --select O,L --ignore O004",
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("rules", epilog=EPILOG)(rules_command)

@@ -63,7 +63,3 @@ EPILOG = examples(
     "ckpttool sample /tmp/ckpttool-sample --overwrite",
     "ckpttool sample /tmp/ckpt-masters --optimizer master_fp32_adamw --train-steps 5",
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("sample", epilog=EPILOG)(sample_command)

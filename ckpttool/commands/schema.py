@@ -18,7 +18,7 @@ import typer
 from ckpttool.ui.options import examples
 from ckpttool.ui.output import command_boundary
 
-__all__ = ["SCHEMA_NAMES", "load_schema", "register"]
+__all__ = ["SCHEMA_NAMES", "load_schema", "schema_command"]
 
 #: ``ckpttool schema NAME`` -> the document id it describes.
 SCHEMA_NAMES = {
@@ -108,7 +108,3 @@ EPILOG = examples(
     "ckpttool schema inspect > inspect.schema.json",
     "ckpttool schema replay-step",
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("schema", epilog=EPILOG)(schema_command)

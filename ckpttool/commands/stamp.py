@@ -6,19 +6,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckpttool.ui.options import (
-    CheckpointArg,
-    JsonOpt,
-    ModelPrefixOpt,
-    OptimizerPrefixOpt,
-    SchemaOpt,
-    SourceLayout,
-    StepOpt,
-    TrustPickleOpt,
-    declaration,
-    examples,
-    selection,
-)
+from ckpttool.ui import options as opt
+from ckpttool.ui.options import declaration, examples, selection
 from ckpttool.ui.output import Output, command_boundary
 
 if TYPE_CHECKING:
@@ -27,9 +16,9 @@ if TYPE_CHECKING:
 
 @command_boundary
 def stamp_command(
-    checkpoint: CheckpointArg,
+    checkpoint: opt.CheckpointArg,
     source_layout: Annotated[
-        SourceLayout,
+        opt.SourceLayout,
         typer.Option(
             "--source-layout",
             help="EP layout the checkpoint was saved with: legacy (mesh EP-FSDP, EP) or canonical (mesh EP, EP-FSDP).",
@@ -37,12 +26,12 @@ def stamp_command(
     ],
     ep_size: Annotated[int, typer.Option("--ep-size", min=1, help="EP size P of the saving mesh.")],
     ep_fsdp_size: Annotated[int, typer.Option("--ep-fsdp-size", min=1, help="EP-FSDP size F of the saving mesh.")],
-    json_output: JsonOpt = False,
-    trust_pickle: TrustPickleOpt = False,
-    step: StepOpt = None,
-    schema: SchemaOpt = None,
-    model_prefix: ModelPrefixOpt = None,
-    optimizer_prefix: OptimizerPrefixOpt = None,
+    json_output: opt.JsonOpt = False,
+    trust_pickle: opt.TrustPickleOpt = False,
+    step: opt.StepOpt = None,
+    schema: opt.SchemaOpt = None,
+    model_prefix: opt.ModelPrefixOpt = None,
+    optimizer_prefix: opt.OptimizerPrefixOpt = None,
 ) -> None:
     """Write layout.json beside .metadata after checking the declaration against the chunk geometry.
 
@@ -78,7 +67,3 @@ EPILOG = examples(
     "ckpttool stamp ckpt/ --source-layout legacy --ep-size 4 --ep-fsdp-size 2",
     "ckpttool inspect ckpt/   # then shows the recorded layout",
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("stamp", epilog=EPILOG)(stamp_command)

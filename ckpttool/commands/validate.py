@@ -12,22 +12,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from ckpttool.ui.options import (
-    CheckpointArg,
-    EpFsdpSizeOpt,
-    EpSizeOpt,
-    JsonOpt,
-    ModelPrefixOpt,
-    NoEpOpt,
-    OptimizerPrefixOpt,
-    SchemaOpt,
-    SourceLayoutOpt,
-    StepOpt,
-    TrustPickleOpt,
-    declaration,
-    examples,
-    selection,
-)
+from ckpttool.ui import options as opt
+from ckpttool.ui.options import declaration, examples, selection
 from ckpttool.ui.output import Output, command_boundary, print_error
 
 if TYPE_CHECKING:
@@ -177,7 +163,7 @@ ValidateOptimizerDirOpt = Annotated[
 
 @command_boundary
 def validate_command(
-    checkpoint: CheckpointArg = None,  # type: ignore[assignment]
+    checkpoint: opt.CheckpointArg = None,  # type: ignore[assignment]
     strict: StrictOpt = False,
     deep: DeepOpt = False,
     select: SelectOpt = None,
@@ -185,20 +171,20 @@ def validate_command(
     config: ConfigOpt = None,
     against: AgainstOpt = None,
     manifest: ManifestOpt = None,
-    json_output: JsonOpt = False,
+    json_output: opt.JsonOpt = False,
     junit: JunitOpt = None,
-    source_layout: SourceLayoutOpt = None,
-    ep_size: EpSizeOpt = None,
-    ep_fsdp_size: EpFsdpSizeOpt = None,
-    trust_pickle: TrustPickleOpt = False,
+    source_layout: opt.SourceLayoutOpt = None,
+    ep_size: opt.EpSizeOpt = None,
+    ep_fsdp_size: opt.EpFsdpSizeOpt = None,
+    trust_pickle: opt.TrustPickleOpt = False,
     workers: WorkersOpt = None,
     list_rules: ListRulesOpt = False,
-    no_ep: NoEpOpt = False,
-    step: StepOpt = None,
+    no_ep: opt.NoEpOpt = False,
+    step: opt.StepOpt = None,
     optimizer_dir: ValidateOptimizerDirOpt = None,
-    schema: SchemaOpt = None,
-    model_prefix: ModelPrefixOpt = None,
-    optimizer_prefix: OptimizerPrefixOpt = None,
+    schema: opt.SchemaOpt = None,
+    model_prefix: opt.ModelPrefixOpt = None,
+    optimizer_prefix: opt.OptimizerPrefixOpt = None,
 ) -> None:
     """Check a checkpoint with rules that have stable codes; exit 1 on findings that fail the run."""
     from ckpttool.errors import UsageError
@@ -272,7 +258,3 @@ EPILOG = examples(
     "ckpttool validate ckpt/ --config hf/config.json --against hf/ --junit report.xml",
     "ckpttool validate --list-rules",
 )
-
-
-def register(app: typer.Typer) -> None:
-    app.command("validate", epilog=EPILOG)(validate_command)

@@ -38,9 +38,11 @@ Contract (docs/design.md §1, ``docs/optim_state.md``):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any, ClassVar
 
@@ -60,6 +62,47 @@ _ALLOWED_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 #: Elements per chunk of the fused CPU step: master, gradient, moments and parameter chunks
 #: (~5 MiB together for FP32) stay in the CPU cache between the update and the rounding copy.
 FUSED_CHUNK = 1 << 18
+
+
+@dataclass(frozen=True)
+class AdamWHyper:
+    """The hyperparameters of one param group's step, as the kernels take them (Python floats)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+    @classmethod
+    def of_group(cls, group: Mapping[str, Any]) -> AdamWHyper:
+        """The hyperparameters of a param group (``lr`` a float or a 0-d tensor, ``betas`` a pair)."""
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            lr = lr.item()
+        beta1, beta2 = group["betas"]
+        return cls(float(lr), beta1, beta2, group["eps"], group["weight_decay"])
+
+    def fused_adamw_(
+        self,
+        masters: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        steps: list[torch.Tensor],
+    ) -> None:
+        """``torch._fused_adamw_`` over float32 lists with these hyperparameters (decoupled weight decay)."""
+        torch._fused_adamw_(
+            masters,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            **vars(self),  # the fields are the kernel's keyword names: lr, beta1, beta2, eps, weight_decay
+            amsgrad=False,
+            maximize=False,
+        )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -98,38 +141,36 @@ def _wrap_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]  # torch: untyped DTensor.__init__
 
 
-def _adamw_foreach_(
-    masters: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-) -> None:
+@dataclass
+class _Bucket:
+    """The local tensors of a param group's parameters on one device with one moment dtype, a list per field."""
+
+    masters: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    exp_avgs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    exp_avg_sqs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    steps: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    params: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+def _adamw_foreach_(bucket: _Bucket, hyper: AdamWHyper) -> None:
     """One in-place AdamW step over lists of local tensors on one device.
 
     The op sequence is ``torch/optim/adam.py::_multi_tensor_adam`` (non-capturable,
     decoupled weight decay), applied to the FP32 masters.
 
     Args:
-        masters: float32 tensors, updated in place.
-        grads: gradients of the same shapes (any floating dtype; widened to float32).
-        exp_avgs, exp_avg_sqs: moments (float32 or bfloat16), updated in place.
-        steps: 0-d float32 CPU tensors, incremented in place.
-        lr, beta1, beta2, eps, weight_decay: hyperparameters (Python floats).
+        bucket: ``masters`` (float32, updated in place), ``grads`` of the same shapes (any floating
+            dtype; widened to float32), ``exp_avgs``/``exp_avg_sqs`` (float32 or bfloat16, updated in
+            place), ``steps`` (0-d float32 CPU tensors, incremented in place); ``params`` unused.
+        hyper: the param group's hyperparameters.
     """
+    masters, exp_avgs, exp_avg_sqs, steps = bucket.masters, bucket.exp_avgs, bucket.exp_avg_sqs, bucket.steps
     if not masters:
         return
     torch._foreach_add_(steps, 1.0)
-    g32 = [g if g.dtype == _F32 else g.to(_F32) for g in grads]
-    widen = exp_avgs[0].dtype != _F32
-    m32 = [m.to(_F32) for m in exp_avgs] if widen else exp_avgs
-    v32 = [v.to(_F32) for v in exp_avg_sqs] if widen else exp_avg_sqs
+    g32, m32, v32 = _widened(bucket.grads, exp_avgs, exp_avg_sqs)
+    lr, beta1, beta2, eps, weight_decay = hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay
     if weight_decay != 0:
         torch._foreach_mul_(masters, 1 - lr * weight_decay)
     torch._foreach_lerp_(m32, g32, 1 - beta1)
@@ -144,7 +185,25 @@ def _adamw_foreach_(
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(masters, m32, denom, step_size)
     del denom
-    if widen:
+    _store_moments(exp_avgs, exp_avg_sqs, m32, v32)
+
+
+def _widened(
+    grads: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """``(grads, exp_avgs, exp_avg_sqs)`` as float32 lists: the inputs where already float32, else copies."""
+    g32 = [g if g.dtype == _F32 else g.to(_F32) for g in grads]
+    widen = exp_avgs[0].dtype != _F32
+    m32 = [m.to(_F32) for m in exp_avgs] if widen else exp_avgs
+    v32 = [v.to(_F32) for v in exp_avg_sqs] if widen else exp_avg_sqs
+    return g32, m32, v32
+
+
+def _store_moments(
+    exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], m32: list[torch.Tensor], v32: list[torch.Tensor]
+) -> None:
+    """Round the updated float32 moments back into narrower saved moments (nothing when they were float32)."""
+    if m32 is not exp_avgs:
         torch._foreach_copy_(exp_avgs, m32)
         torch._foreach_copy_(exp_avg_sqs, v32)
 
@@ -154,12 +213,8 @@ def adamw_chunk_(
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
+    hyper: AdamWHyper,
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
     step_size: float,
     bias_correction2_sqrt: float,
 ) -> None:
@@ -169,6 +224,7 @@ def adamw_chunk_(
         master: float32 chunk ``[n]``, updated in place.
         grad: gradient chunk ``[n]`` (any floating dtype).
         exp_avg, exp_avg_sq: moment chunks ``[n]`` (float32 or bfloat16), updated in place.
+        hyper: the param group's hyperparameters.
         step_size: ``-(lr / (1 - beta1**step))``.
         bias_correction2_sqrt: ``(1 - beta2**step) ** 0.5``.
     """
@@ -176,14 +232,14 @@ def adamw_chunk_(
     widen = exp_avg.dtype != _F32
     m = exp_avg.to(_F32) if widen else exp_avg
     v = exp_avg_sq.to(_F32) if widen else exp_avg_sq
-    if weight_decay != 0:
-        master.mul_(1 - lr * weight_decay)
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2)
-    v.addcmul_(g, g, value=1 - beta2)
+    if hyper.weight_decay != 0:
+        master.mul_(1 - hyper.lr * hyper.weight_decay)
+    m.lerp_(g, 1 - hyper.beta1)
+    v.mul_(hyper.beta2)
+    v.addcmul_(g, g, value=1 - hyper.beta2)
     denom = v.sqrt()
     denom.div_(bias_correction2_sqrt)
-    denom.add_(eps)
+    denom.add_(hyper.eps)
     master.addcdiv_(m, denom, value=step_size)
     if widen:
         exp_avg.copy_(m)
@@ -211,12 +267,7 @@ def fused_adamw_chunk_(
     step: torch.Tensor,
     param: torch.Tensor | None,
     scratch: FusedScratch,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: AdamWHyper,
 ) -> None:
     """One fused AdamW update (``torch._fused_adamw_``) of 1-d CPU chunks; ``step`` already incremented.
 
@@ -227,28 +278,14 @@ def fused_adamw_chunk_(
         step: the parameter's 0-d float32 step (the kernel reads it for the bias corrections).
         param: parameter chunk ``[n]`` to receive ``master.to(param.dtype)``, or ``None``.
         scratch: buffers for widened chunks.
-        lr, beta1, beta2, eps, weight_decay: hyperparameters.
+        hyper: the param group's hyperparameters.
     """
     n = master.numel()
     g = grad if grad.dtype == _F32 else scratch.get("grad", n).copy_(grad)
     widen = exp_avg.dtype != _F32
     m = scratch.get("exp_avg", n).copy_(exp_avg) if widen else exp_avg
     v = scratch.get("exp_avg_sq", n).copy_(exp_avg_sq) if widen else exp_avg_sq
-    torch._fused_adamw_(
-        [master],
-        [g],
-        [m],
-        [v],
-        [],
-        [step],
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        weight_decay=weight_decay,
-        eps=eps,
-        amsgrad=False,
-        maximize=False,
-    )
+    hyper.fused_adamw_([master], [g], [m], [v], [step])
     if widen:
         exp_avg.copy_(m)
         exp_avg_sq.copy_(v)
@@ -256,67 +293,34 @@ def fused_adamw_chunk_(
         param.copy_(master)
 
 
-def _adamw_fused_(
-    masters: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    params: list[torch.Tensor],
-    scratch: FusedScratch,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-) -> None:
+def _adamw_fused_(bucket: _Bucket, scratch: FusedScratch, hyper: AdamWHyper) -> None:
     """The fused step over lists of local tensors on one device, parameters written (see the module docstring).
 
     Args:
-        masters: float32 tensors, updated in place; ``params``: receive ``master.to(param.dtype)``.
-        grads: gradients (any floating dtype); exp_avgs, exp_avg_sqs: float32 or bfloat16 moments.
-        steps: 0-d float32 CPU tensors, incremented in place.
+        bucket: as for :func:`_adamw_foreach_`; its ``params`` receive ``master.to(param.dtype)``.
+        scratch: buffers for widened chunks (CPU).
+        hyper: the param group's hyperparameters.
     """
-    if not masters:
+    b = bucket
+    if not b.masters:
         return
-    hyper = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
-    torch._foreach_add_(steps, 1.0)
-    device = masters[0].device
+    torch._foreach_add_(b.steps, 1.0)
+    device = b.masters[0].device
     if device.type != "cpu":
-        g32 = [g if g.dtype == _F32 else g.to(_F32) for g in grads]
-        widen = exp_avgs[0].dtype != _F32
-        m32 = [m.to(_F32) for m in exp_avgs] if widen else exp_avgs
-        v32 = [v.to(_F32) for v in exp_avg_sqs] if widen else exp_avg_sqs
-        dev_steps = [s.to(device) for s in steps]  # the device kernel reads its steps on the device
-        torch._fused_adamw_(
-            masters,
-            g32,
-            m32,
-            v32,
-            [],
-            dev_steps,
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=weight_decay,
-            eps=eps,
-            amsgrad=False,
-            maximize=False,
-        )
-        if widen:
-            torch._foreach_copy_(exp_avgs, m32)
-            torch._foreach_copy_(exp_avg_sqs, v32)
-        torch._foreach_copy_(params, masters)
+        g32, m32, v32 = _widened(b.grads, b.exp_avgs, b.exp_avg_sqs)
+        dev_steps = [s.to(device) for s in b.steps]  # the device kernel reads its steps on the device
+        hyper.fused_adamw_(b.masters, g32, m32, v32, dev_steps)
+        _store_moments(b.exp_avgs, b.exp_avg_sqs, m32, v32)
+        torch._foreach_copy_(b.params, b.masters)
         return
-    for master, grad, m, v, step, param in zip(masters, grads, exp_avgs, exp_avg_sqs, steps, params):
+    for master, grad, m, v, step, param in zip(b.masters, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps, b.params):
         mf, gf, ef, vf = (t.reshape(-1) for t in (master, grad, m, v))
         pf = param.view(-1) if param.is_contiguous() else None
         n = mf.numel()
         for a in range(0, n, FUSED_CHUNK):
-            b = min(n, a + FUSED_CHUNK)
+            e = min(n, a + FUSED_CHUNK)
             fused_adamw_chunk_(
-                mf[a:b], gf[a:b], ef[a:b], vf[a:b], step, pf[a:b] if pf is not None else None, scratch, **hyper
+                mf[a:e], gf[a:e], ef[a:e], vf[a:e], step, pf[a:e] if pf is not None else None, scratch, hyper
             )
         if pf is None:
             param.copy_(master)
@@ -455,18 +459,8 @@ class MasterAdamWBase(torch.optim.Optimizer):
         return loss
 
     def _step_group(self, group: dict[str, Any]) -> None:
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            lr = lr.item()
-        beta1, beta2 = group["betas"]
-        hyper = {
-            "lr": float(lr),
-            "beta1": beta1,
-            "beta2": beta2,
-            "eps": group["eps"],
-            "weight_decay": group["weight_decay"],
-        }
-        buckets: dict[tuple[Any, ...], list[list[torch.Tensor]]] = defaultdict(lambda: [[], [], [], [], [], []])
+        hyper = AdamWHyper.of_group(group)
+        buckets: dict[tuple[Any, ...], _Bucket] = defaultdict(_Bucket)
         offloaded: list[torch.Tensor] = []
         for p in group["params"]:
             if p.grad is None:
@@ -482,22 +476,22 @@ class MasterAdamWBase(torch.optim.Optimizer):
             master = _local(state["master_weight"])
             key = (master.device, state["exp_avg"].dtype)
             bucket = buckets[key]
-            bucket[0].append(master)
-            bucket[1].append(_local(p.grad))
-            bucket[2].append(_local(state["exp_avg"]))
-            bucket[3].append(_local(state["exp_avg_sq"]))
-            bucket[4].append(state["step"])
-            bucket[5].append(_local(p))
-        for masters, grads, exp_avgs, exp_avg_sqs, steps, params in buckets.values():
+            bucket.masters.append(master)
+            bucket.grads.append(_local(p.grad))
+            bucket.exp_avgs.append(_local(state["exp_avg"]))
+            bucket.exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+            bucket.steps.append(state["step"])
+            bucket.params.append(_local(p))
+        for bucket in buckets.values():
             if self.fused:
-                _adamw_fused_(masters, grads, exp_avgs, exp_avg_sqs, steps, params, self._fused_scratch, **hyper)
+                _adamw_fused_(bucket, self._fused_scratch, hyper)
             else:
-                _adamw_foreach_(masters, grads, exp_avgs, exp_avg_sqs, steps, **hyper)
-                torch._foreach_copy_(params, masters)
+                _adamw_foreach_(bucket, hyper)
+                torch._foreach_copy_(bucket.params, bucket.masters)
         if offloaded:
             self._step_offloaded(offloaded, hyper)
 
-    def _step_offloaded(self, params: list[torch.Tensor], hyper: dict[str, float]) -> None:
+    def _step_offloaded(self, params: list[torch.Tensor], hyper: AdamWHyper) -> None:
         raise NotImplementedError(f"{type(self).__name__} offloads no parameter")
 
     # ------------------------------------------------------------- load state

@@ -37,6 +37,7 @@ import torch
 from ckpttool.errors import UsageError
 from ckpttool.optim_state.adamw import (
     _F32,
+    AdamWHyper,
     FusedScratch,
     MasterAdamWBase,
     _as_dtype,
@@ -294,7 +295,7 @@ class CPUOffloadAdamW(MasterAdamWBase):
             self._streams[device] = stream = TransferStream(device)
         return stream
 
-    def _step_offloaded(self, params: list[torch.Tensor], hyper: dict[str, float]) -> None:
+    def _step_offloaded(self, params: list[torch.Tensor], hyper: AdamWHyper) -> None:
         used: list[TransferStream] = []
         for p in params:
             local = _local(p)
@@ -332,10 +333,9 @@ class CPUOffloadAdamW(MasterAdamWBase):
         state: dict[str, torch.Tensor],
         chunks: _DirectChunks | _StagedChunks,
         bounds: list[tuple[int, int]],
-        hyper: dict[str, float],
+        hyper: AdamWHyper,
         fused: FusedScratch | None = None,
     ) -> None:
-        lr, beta1, beta2 = hyper["lr"], hyper["beta1"], hyper["beta2"]
         state["step"].add_(1.0)
         if fused is not None:
             master = _local(state["master_weight"]).view(-1)
@@ -343,13 +343,13 @@ class CPUOffloadAdamW(MasterAdamWBase):
             exp_avg_sq = _local(state["exp_avg_sq"]).view(-1)
             for idx, (a, b) in enumerate(bounds):
                 fused_adamw_chunk_(
-                    master[a:b], chunks.fetch(idx), exp_avg[a:b], exp_avg_sq[a:b], state["step"], None, fused, **hyper
+                    master[a:b], chunks.fetch(idx), exp_avg[a:b], exp_avg_sq[a:b], state["step"], None, fused, hyper
                 )
                 chunks.store(idx, master[a:b])
             return
         s = state["step"].item()
-        step_size = (lr / (1 - beta1**s)) * -1
-        bias_correction2_sqrt = (1 - beta2**s) ** 0.5
+        step_size = (hyper.lr / (1 - hyper.beta1**s)) * -1
+        bias_correction2_sqrt = (1 - hyper.beta2**s) ** 0.5
         master = _local(state["master_weight"]).view(-1)
         exp_avg = _local(state["exp_avg"]).view(-1)
         exp_avg_sq = _local(state["exp_avg_sq"]).view(-1)
@@ -360,11 +360,7 @@ class CPUOffloadAdamW(MasterAdamWBase):
                 grad,
                 exp_avg[a:b],
                 exp_avg_sq[a:b],
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                eps=hyper["eps"],
-                weight_decay=hyper["weight_decay"],
+                hyper,
                 step_size=step_size,
                 bias_correction2_sqrt=bias_correction2_sqrt,
             )

@@ -131,7 +131,14 @@ OutputHashOpt = Annotated[
         help="Digest of the manifest and of the source identity: xxh3-128, blake3 or blake2b-256.",
     ),
 ]
-
+#: ``--fsync`` of the commands that write a DCP output directory (import, reshard).
+FsyncOpt = Annotated[
+    bool,
+    typer.Option(
+        "--fsync/--no-fsync",
+        help="fsync the output files before moving the directory into place (survives a power loss).",
+    ),
+]
 OverwriteOpt = Annotated[
     bool,
     typer.Option("--overwrite", help="Replace an existing non-empty output directory once the new output is complete."),
