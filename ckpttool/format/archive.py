@@ -1,33 +1,14 @@
-"""Parse a ``torch.save`` zip archive that lies inside a window of a data file, as strictly as torch reads it.
+"""Parse a ``torch.save`` zip archive inside a window of a data file, as strictly as torch reads it.
 
-Each DCP tensor chunk and byte item is a complete ``torch.save`` archive (see
-``torch/serialization.py`` and ``caffe2/serialize/inline_container.cc``): a zip whose
-members all sit in one folder named by the *first* central-directory entry (``archive/``),
-holding ``data.pkl``, ``version`` (or ``.data/version``), optionally ``byteorder``,
-``.format_version``, ``.storage_alignment``, ``.data/serialization_id``, and one raw
-storage record ``data/<key>`` per storage, 64-byte aligned. torch's reader (miniz) finds a
-member by a case-insensitive binary search over the central directory and reads it from
-where the central directory says; it never looks at bytes outside the archive.
-
-:func:`parse_archive` accepts exactly such archives and nothing that two zip readers could
-read differently:
-
-- the end-of-central-directory record (and the zip64 one torch writes) ends the window; the
-  central directory ends where they begin; nothing precedes the first local header;
-- every member's name is one torch reads (``data/<digits>`` for records), under the one
-  prefix; a duplicate (case-insensitively, as miniz compares) is refused;
-- every local header agrees with its central entry (name, method, flags, CRC and sizes, or
-  the data descriptor torch writes after each member), members follow each other with no
-  gap or overlap, and every byte read lies inside the window;
-- methods are stored or deflate (what miniz reads); encrypted members are refused;
-  inflation is streamed and stops at the declared size, which is capped before anything
-  is inflated (:mod:`ckpttool.format.limits`).
-
-:func:`parse_tensor_archive` then reads ``data.pkl`` with an allow-list unpickler that
-accepts only ``torch._utils._rebuild_tensor_v2`` with a typed storage or
-``_rebuild_tensor_v3`` with an untyped storage and a dtype, and returns where the raw
-storage bytes lie (and their CRC-32), so the caller can read them straight into the
-destination: one read, no unpickling of tensor data, no intermediate copy.
+Source of the format: ``torch/serialization.py`` and ``caffe2/serialize/inline_container.cc``
+(miniz). :func:`parse_archive` accepts only archives two zip readers cannot read differently:
+the end records end the window and nothing precedes the first local header; member names are
+ones torch reads, under one prefix, no case-insensitive duplicates; local headers agree with
+the central directory, members neither gap nor overlap, every byte lies inside the window;
+stored or deflate only, no encryption, inflation capped (:mod:`ckpttool.format.limits`).
+:func:`parse_tensor_archive` reads ``data.pkl`` with an allow-list unpickler
+(``_rebuild_tensor_v2``/``_v3`` only) and returns where the raw storage record lies and its
+CRC-32. ``docs/design.md`` §5 ("One chunk locator"), §6; ``docs/security.md``.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
-"""Atomic output directories (docs/design.md §7).
+"""Atomic output directories (``docs/design.md`` §7).
 
-Every command that writes a directory (``export``, ``reshard``, ``sample``) writes into a
-temporary sibling ``.<name>.ckpttool-tmp-<pid>-<token>`` and renames it into
-place only when complete, so an interrupted or failed run never leaves output
-that looks complete. The target is made absolute first (``os.path.abspath``: ``.``
-and relative paths work, a symlink as the final component is not followed).
-
-An existing non-empty target is refused unless ``overwrite=True``; even then only a
-directory that looks like a previous ckpttool/model output (it holds ``.metadata``,
-``*.safetensors``, ``model.safetensors.index.json`` or ``adapter_config.json``, and no
-``.git`` anywhere below it) is replaced, and only after the new output is complete:
-the old directory is renamed aside, the new one renamed into place (SIGINT/SIGTERM
-deferred between the two renames), the old one restored if the second rename fails and
-deleted only once the new output is in place. Any failure while committing removes
-the temporary directory. SIGTERM is turned into an exception while the directory is
-open so the temporary directory is removed (a second SIGINT/SIGTERM during that removal
-waits for it, see :func:`signals_deferred`); a temporary directory left by a killed
-(SIGKILL) run is removed by the next run that targets the same path.
-
-Example::
-
-    with AtomicOutputDir(out, overwrite=False, source=ckpt_dir) as tmp:
-        write_files(tmp)
-    # `out` now exists and is complete
+:class:`AtomicOutputDir` writes into a temporary sibling ``.<name>.ckpttool-tmp-<pid>-<token>``
+and renames it into place only when complete, so a failed or interrupted run never leaves
+output that looks complete. A non-empty target is refused unless ``overwrite=True``, and even
+then only one that looks like a previous output (``.metadata``, ``*.safetensors``,
+``model.safetensors.index.json`` or ``adapter_config.json``; no ``.git`` below it); it is
+replaced only after the new output is complete (renamed aside, restored if the swap fails;
+signals deferred between the renames, :func:`signals_deferred`). A temporary directory left by a
+killed run is removed by the next run on the same path. ``docs/security.md`` (outputs).
 """
 
 from __future__ import annotations

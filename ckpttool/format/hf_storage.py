@@ -1,29 +1,13 @@
 """Checkpoints written by torch's ``HuggingFaceStorageWriter``: safetensors files as DCP storage.
 
-``torch.distributed.checkpoint.HuggingFaceStorageWriter`` (``torch/distributed/checkpoint/
-hf_storage.py``, ``_hf_utils.py``; torchtitan's ``last_save_in_hf`` uses it) writes no
-``.metadata``. What it leaves, per mode:
-
-==========================================  ==========================================================
-rank-0 save (``save_distributed=False``)     ``model-0000K-of-0000N.safetensors`` + ``model.safetensors.index.json``
-distributed, not consolidated                ``shard-0000R-model-0000K-of-0000N.safetensors`` (one per rank ``R-1``)
-distributed, consolidated                    ``model-0000K-of-0000N.safetensors`` + index; the inputs in ``sharded/``
-==========================================  ==========================================================
-
-A file is a safetensors file (https://github.com/huggingface/safetensors, "Format"): an
-8-byte little-endian header length ``N``, ``N`` bytes of JSON ``{"__metadata__": {...},
-"<key>": {"dtype": "BF16", "shape": [...], "data_offsets": [begin, end]}}``, then the raw
-little-endian tensor bytes; offsets are relative to the end of the header. Files written per
-rank carry ``__metadata__["DCP_SHARDING_INFO"]``, a JSON string ``{key: {"saved_offsets":
-[...]}}``: the stored tensor is the chunk of the global tensor at those offsets. Without it
-(consolidated files) every tensor is whole.
-
-:func:`load_hf_storage_metadata` builds the same :class:`CheckpointMetadata` torch's
-``HuggingFaceStorageReader.read_metadata`` builds (one chunk per stored tensor, global size
-= the largest ``offset + shape``), from headers that are size-checked before they are read
-and validated field by field; ``serialization`` is ``"safetensors"``, so the chunk locator
-(:func:`ckpttool.format.locator.locate_chunk`) treats a chunk's storage window as its raw
-record. Torch-free.
+Source: ``torch/distributed/checkpoint/hf_storage.py`` and ``_hf_utils.py`` (no ``.metadata``;
+files ``model-0000K-of-0000N.safetensors`` with an index, or per-rank
+``shard-0000R-model-...`` files whose ``__metadata__["DCP_SHARDING_INFO"]`` gives each
+tensor's ``saved_offsets``; table in ``docs/design.md`` §1). :func:`load_hf_storage_metadata`
+builds the :class:`CheckpointMetadata` torch's ``HuggingFaceStorageReader.read_metadata``
+builds (one chunk per stored tensor) from headers read by the bounded
+:func:`ckpttool.format.safetensors.read_header`; ``serialization`` is ``"safetensors"``, so
+the chunk locator treats a window as the raw record. Torch-free.
 """
 
 from __future__ import annotations

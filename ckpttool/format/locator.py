@@ -1,32 +1,15 @@
 """The chunk locator: where a tensor chunk's raw bytes lie, checked against ``.metadata``.
 
-Every DCP tensor chunk is a complete ``torch.save`` archive at ``[offset, offset+length)``
-of its data file (``torch/distributed/checkpoint/filesystem.py``, ``_write_item``): a zip
-holding ``data.pkl`` and one raw storage record ``data/<key>``. torch's reader hands exactly
-those bytes to ``torch.load``. :func:`locate_chunk` is the only place in ckpttool that checks
-such an archive against the metadata; the reader, export's verbatim copy, reshard and
-``validate --deep`` all read a chunk's bytes through the :class:`ChunkLocation` it returns.
-It checks, in order:
-
-1. the key is a tensor entry and the chunk has a ``storage_data`` entry;
-2. the data file is a regular file inside the checkpoint directory and holds the whole window;
-3. a stream transform (zstd) is decoded with the decoded size capped by what the metadata
-   allows (the chunk's bytes plus one archive's overhead), streamed, before anything else;
-4. the archive's zip structure is one torch reads the same way (exact member names,
-   no duplicates or decoys, local headers agree with the central directory, every member
-   inside the window: :func:`ckpttool.format.archive.parse_archive`);
-5. ``data.pkl`` parses with the restricted tensor unpickler (``_rebuild_tensor_v2`` with a
-   typed storage, or ``_rebuild_tensor_v3`` with an untyped one), its fields well typed;
-6. its dtype and shape equal the metadata's.
-
-A checkpoint written by ``HuggingFaceStorageWriter`` (``CheckpointMetadata.serialization ==
-"safetensors"``, :mod:`ckpttool.format.hf_storage`) stores each chunk as raw bytes: its
-window (from the file's size-checked safetensors header) must hold exactly
-``numel * itemsize`` bytes, and is then the chunk's record, in C order (safetensors holds
-no checksum: such a record has no CRC-32 to check).
-
-For a ``torch.save`` archive, the record's CRC-32 is in the location; readers check it as the bytes pass
-(:meth:`ChunkLocation.check_crc`).
+:func:`locate_chunk` is the only place that checks a chunk's archive (``torch/distributed/
+checkpoint/filesystem.py``, ``_write_item``) against the metadata; the reader, export's
+verbatim copy, reshard and ``validate --deep`` read chunk bytes through the
+:class:`ChunkLocation` it returns. In order: a tensor entry with a ``storage_data`` entry; a
+confined regular data file holding the window; a stream transform (zstd) decoded with its
+output capped; the zip structure (:func:`ckpttool.format.archive.parse_archive`); ``data.pkl``
+by the restricted tensor unpickler; dtype and shape equal to the metadata's. safetensors
+storage (:mod:`ckpttool.format.hf_storage`): the window must hold exactly ``numel * itemsize``
+bytes and has no CRC-32. Readers check the record's CRC-32 as bytes pass
+(:meth:`ChunkLocation.check_crc`). ``docs/design.md`` §5, "One chunk locator".
 """
 
 from __future__ import annotations

@@ -1,46 +1,13 @@
-"""A read-only cache of parsed ``.metadata``, in the user's cache directory (never in the checkpoint).
+"""A read-only cache of parsed ``.metadata`` in the user's cache directory, never in the checkpoint.
 
-Unpickling and checking a 10^6-entry ``.metadata`` (0.5 GB of pickle) takes tens of seconds and
-gigabytes; a command run again on the same checkpoint reads the result from a cache entry
-instead. The cache is an optimisation only: every command gives the same result with it, without
-it (``--no-cache``, ``CKPTTOOL_NO_CACHE=1``) and when it is broken.
-
-Location: the user's cache directory (:func:`ckpttool.format.cache.cache_dir`: ``$CKPTTOOL_CACHE_DIR``,
-else ``$XDG_CACHE_HOME/ckpttool``, else ``~/.cache/ckpttool``); entries in its ``metadata-v2/`` folder. Files smaller than :data:`MIN_CACHED_BYTES` are parsed
-directly (faster than hashing and reading an entry).
-
-Key: the SHA-256 of the ``.metadata`` bytes (and their length). The bytes are read anyway (caps,
-confined open), so the key is the content itself: an edited, replaced or re-saved file is a miss
-whatever its mtime, and one file copied elsewhere is a hit. A parser change bumps
-:data:`PARSER_VERSION` and every older entry is a miss.
-
-Entry layout (``<sha256>.ckmd``, little-endian; no pickle anywhere)::
-
-    magic    b"CKPTMDC2"
-    u64      length J of the JSON header, then J bytes of ASCII JSON:
-             {"format": 3, "parser": PARSER_VERSION, "sha256": hex, "size": bytes of .metadata,
-              "version", "checkpoint_id", "save_id", "serialization": str or null,
-              "strings": [str, ...],                 every key, path, dtype name, descriptor
-              "planner": [[item, ...], ...],         planner paths holding ints (a tuple as a list)
-              "columns": [length of each column]}
-    i64 * .. the int64 columns of :data:`_COLUMNS`, one after the other: the distinct tensor
-             layouts (dtype, size, chunks: entries with equal metadata share one frozen
-             ``TensorMeta``), each entry's key and layout id, the distinct storage-offset tuples,
-             the storage items as columns (fqn, offsets tuple, relative_path, offset, length,
-             descriptors), the all-string planner paths as string ids
-    16 bytes xxh3-128 of everything before it (a damaged entry is never decoded; damage
-             detection only, as the checksum is no authentication: docs/security.md)
-
-Loading treats an entry as untrusted input: magic, checksum, versions, hash and size must match, every id
-must be in range and every value passes the checks the unpickler applies (dims 0..2^62, at most
-64 dims, chunks inside their tensor, int64 offsets, known dtypes, planner paths of str/int);
-anything else (truncated, garbage, hostile) makes the entry ignored and the ``.metadata`` parsed
-again. :func:`parse_metadata_taken` (what :class:`~ckpttool.format.directory.CheckpointDir` uses)
-frees the ``.metadata`` bytes once the entry's checksum and header match them, so that they and
-the decoded entry are not in memory together; an entry failing a later check makes it read the
-file again (and cache the parse only when the file's digest is still the one looked up). Reading
-and writing entries (a regular file only; best effort, temporary file + rename) is
-:mod:`ckpttool.format.cache`'s.
+An optimisation only: a command gives the same result with it, without it (``--no-cache``,
+``CKPTTOOL_NO_CACHE=1``) and when it is broken. Key: the SHA-256 and length of the
+``.metadata`` bytes; :data:`PARSER_VERSION` invalidates older entries; files under
+:data:`MIN_CACHED_BYTES` are parsed directly. An entry (``metadata-v2/<sha256>.ckmd``, no
+pickle; layout in ``docs/security.md``, "The parsed-metadata cache") is untrusted input: magic,
+xxh3-128 trailer, versions, hash and size must match and every value passes the unpickler's
+checks, else it is ignored and the ``.metadata`` parsed again. Only successful parses are
+cached. Reading and writing entries is :mod:`ckpttool.format.cache`'s (``docs/design.md`` §6).
 """
 
 from __future__ import annotations

@@ -1,39 +1,14 @@
-"""Where a command writes its output directory: a local path or an object-store URL, behind one interface.
+"""Where a command writes its output directory: a local path or an object-store URL, one interface.
 
-:func:`output_dir` returns a context manager that yields a *local* staging directory; the
-writer fills it with plain file writes, and on success the context commits it:
-
-- a local target: :class:`~ckpttool.format.atomic.AtomicOutputDir` (temporary sibling, rename);
-- a URL (``s3://bucket/out``): :class:`RemoteOutputDir` (below).
-
-Every writer (export, reshard, and any new one) does::
-
-    with output_dir(out, overwrite=opts.overwrite, source=ckpt.path) as tmp:
-        write_files(tmp)            # plain files under tmp
-    # out now exists and is complete, locally or in the bucket
-
-and reports :func:`output_location` ``(out)`` (a ``Path`` or a ``UrlPath``) as its output.
-
-Commit protocol of :class:`RemoteOutputDir` (object stores have no rename):
-
-1. the output is staged locally (plain files under ``$TMPDIR``), then every file is uploaded under
-   a temporary sibling prefix ``<parent>/.<name>.ckpttool-tmp-<pid>-<token>/`` (s3fs uploads
-   large files in multipart parts), ``--remote-workers`` at a time;
-2. only when every upload succeeded: with ``overwrite``, the old output's completion markers
-   (``.metadata``, ``model.safetensors.index.json``, ``adapter_config.json``) are deleted
-   first, so the old output stops looking complete before any of its files changes;
-3. every non-marker object is copied server-side from the temporary prefix to the target,
-   then the markers last;
-4. objects of a previous output that the new one does not have are deleted, then the
-   temporary prefix.
-
-A run that fails in 1, or is interrupted there (Ctrl-C or SIGTERM: exit 130; queued uploads are
-dropped, running ones finish), leaves the target untouched and removes what it uploaded and its
-staging directory (a run killed with SIGKILL leaves the temporary prefix, which no reader takes
-for the output: delete it). Dying in 2-3 leaves a target
-without its markers: ckpttool (and torch's ``dcp.load``, and ``from_pretrained`` of a sharded
-export) refuses it as incomplete; it never looks complete. Dying in 4 leaves a complete
-new output plus stale objects a reader does not reference.
+:func:`output_dir` yields a local staging directory that the writer fills with plain files;
+on success it commits: a local target through
+:class:`~ckpttool.format.atomic.AtomicOutputDir`, a URL through :class:`RemoteOutputDir`
+(upload under a temporary sibling prefix, then old completion markers deleted, objects copied
+server-side with the markers ``.metadata`` / ``model.safetensors.index.json`` /
+``adapter_config.json`` last, stale objects and the prefix deleted). Invariant: a target never
+looks complete unless it is; a failed or interrupted upload leaves it untouched.
+:func:`output_location` is what a writer reports. Protocol and failure cases:
+``docs/storage.md``, "Writing to a URL: the commit protocol"; ``docs/design.md`` §7.
 """
 
 from __future__ import annotations

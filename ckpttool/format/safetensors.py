@@ -1,32 +1,13 @@
 """safetensors files: the dtype table, the one bounded header reader, and the streaming writer.
 
-Format (https://github.com/huggingface/safetensors, "Format" section): an 8-byte
-little-endian header length ``N``, ``N`` bytes of UTF-8 JSON
-``{"__metadata__": {...}, "<name>": {"dtype": "BF16", "shape": [...], "data_offsets": [begin, end]}}``
-padded with spaces to a multiple of 8, then the raw little-endian tensor bytes;
-``data_offsets`` are relative to the end of the header and tile the data
-region without gaps.
-
-:data:`SAFETENSORS_DTYPES` maps each torch dtype name to its tag (``Dtype`` enum of the
-safetensors library, ``safetensors/src/tensor.rs``; the names ``safetensors.torch`` maps the
-tags to), :data:`SAFETENSORS_TAGS` is the same table the other way.
-
-:func:`read_header` is the one reader of a safetensors header (``HuggingFaceStorageWriter``
-checkpoints, export outputs checked against a manifest, ``validate --against`` references):
-the length is checked against the file and :func:`header_cap` before anything is read, the JSON
-is parsed with duplicate keys refused (:func:`~ckpttool.format.jsonfile.unique_pairs`) and
-walked with the bounds of every untrusted JSON document
-(:func:`~ckpttool.format.jsonfile.check_json_graph`). It raises :class:`HeaderError` with the
-reason; each caller names it in its own error.
-
-Because every shape and dtype is known from the checkpoint metadata, the whole
-header is written before any data, and the file is extended to its final size
-with ``posix_fallocate`` (a full disk fails before any tensor is read). Tensors
-are then written at their offsets in any order and from several threads:
-stored bytes by the reader (:func:`ckpttool.format.copy.copy_range`: ``preadv`` /
-``pwrite`` through a 1 MiB buffer, no decode), transformed tensors with ``pwrite``. Like
-``safetensors.torch.save_file``, tensors are ordered by decreasing element size
-so every tensor starts aligned to its element size.
+Format: https://github.com/huggingface/safetensors ("Format"): 8-byte little-endian header
+length, UTF-8 JSON header padded to 8 bytes, raw little-endian data with ``data_offsets``
+relative to the header's end, tiling it. :data:`SAFETENSORS_DTYPES`/:data:`SAFETENSORS_TAGS`
+follow ``safetensors/src/tensor.rs``. :func:`read_header` checks the length against the file
+and :func:`header_cap` before reading, refuses duplicate keys and bounds the JSON graph; it
+raises :class:`HeaderError`, which each caller names in its own error. The writer writes the
+whole header first, preallocates the file (a full disk fails before any tensor is read) and
+orders tensors by decreasing element size, as ``safetensors.torch.save_file``. ``docs/design.md`` §6.
 """
 
 from __future__ import annotations

@@ -1,34 +1,14 @@
 """Checkpoints in object storage: fsspec URLs, confined keys, range reads with retries, a sparse spool.
 
-A checkpoint (or an output) may be named by an fsspec URL — ``s3://bucket/run/step-100``,
-``gs://...``, ``memory://...``, anything :func:`fsspec.filesystem` resolves — as well as by a
-path. ``file://`` URLs are plain local paths (the local code path, unchanged).
-
-Reading (:class:`RemoteStore`):
-
-- one listing of the checkpoint prefix gives every object's size (the caps and the window
-  bounds are checked against it *before* a request);
-- ``.metadata``, ``layout.json``, ``extra_state/*`` and byte items are fetched whole, after the
-  size check; a chunk is fetched by one range request of exactly its byte window
-  ``[offset, offset + length)`` (never the whole ``.distcp``), in parallel
-  (:func:`configure` ``workers``), into a sparse local spool file at the same offset, so the
-  chunk locator, the reader, export, reshard and ``validate --deep`` read it with the same
-  positional reads as a local file;
-- transient failures (connection resets, timeouts, 5xx, throttling) are retried with
-  exponential backoff (``retries``); what remains is a clear error: ``E141`` not found,
-  ``E142`` permission denied, ``E143`` throttled, ``E144`` transient failure after N tries;
-- a ``relative_path`` from ``.metadata`` is confined to the checkpoint prefix: empty,
-  absolute, ``..`` / ``.`` components, a scheme (``s3://other``), NUL, backslashes and
-  control characters are refused (``E101``) before any request; object stores have no
-  symlinks and none are assumed.
-
-Options and credentials come from each backend's own configuration (environment, config
-files, instance metadata) plus ``--storage-option key=value`` pairs handed to
-:func:`fsspec.filesystem`; none of them is ever logged or put in a message (only the option
-names are).
-
-Requires the optional extras: ``ckpttool[remote]`` (fsspec) and a backend, e.g.
-``ckpttool[s3]`` (s3fs). ``docs/storage.md`` describes URLs, options and failure semantics.
+A checkpoint may be an fsspec URL (``s3://``, ``gs://``, ``memory://``; ``file://`` is a local
+path). :class:`RemoteStore` lists the prefix once and checks caps and window bounds against the
+listed sizes before any request; small files are fetched whole, a chunk by one range request
+of exactly its window into a sparse local spool at the same offset, so everything above reads
+it like a local file. Transient failures are retried with backoff (else ``E141``-``E144``). A
+``relative_path`` is confined to the prefix: empty, absolute, ``..``/``.`` components, a
+scheme, NUL, backslashes and control characters are refused (``E101``) before any request.
+Options and credentials are never logged or put in a message. Needs ``ckpttool[remote]`` and a
+backend. ``docs/storage.md``; ``docs/design.md`` §5.
 """
 
 from __future__ import annotations

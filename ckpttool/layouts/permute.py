@@ -1,29 +1,12 @@
-"""Block permutations between the legacy and canonical EP layouts (``docs/design.md``, "EP layouts").
+"""Block permutations between the legacy and canonical EP layouts (pure integer functions).
 
-Pure integer functions (:func:`ckpttool.ops.tensors.apply_block_permutation` applies
-one to a tensor). A permutation ``perm`` is a *gather*: the output block ``i``
-is the input block ``perm[i]``; :func:`invert_permutation` turns one direction
-into the other.
-
-With EP size ``P`` and EP-FSDP size ``F`` the expert dim is cut into
-``B = P*F`` equal slabs; EP rank ``e`` owns the true slabs ``e*F .. e*F+F-1``
-and EP-FSDP rank ``f`` inside it holds true slab ``e*F + f``. The canonical
-mesh (EP-outer / FSDP-inner) stores that slab at position ``e*F + f`` (true
-order). The legacy mesh (FSDP-outer / EP-inner) names the same rank ``(f, e)``
-and stores its slab at position ``f*P + e``::
-
-    P = 2 (EP ranks e0, e1), F = 2 (EP-FSDP ranks f0, f1), true slabs t0..t3
-
-    stored position   0        1        2        3
-    canonical         t0(e0f0) t1(e0f1) t2(e1f0) t3(e1f1)
-    legacy            t0(e0f0) t2(e1f0) t1(e0f1) t3(e1f1)
-
-    legacy_to_canonical_perm(4, 2, 2)  == [0, 2, 1, 3]   # canonical[i] = legacy[perm[i]]
-    canonical_to_legacy_perm(4, 2, 2)  == [0, 2, 1, 3]   # its inverse (self-inverse when P == F)
-
-With ``num_blocks_total = k*P*F`` (``k`` > 1, e.g. one block per expert) every
-slab is ``k`` consecutive blocks and the slab permutation is applied to whole
-runs of ``k`` blocks, so the same functions give expert-level permutations.
+A permutation ``perm`` is a gather: output block ``i`` is input block ``perm[i]``
+(:func:`invert_permutation` gives the other direction). With EP size ``P`` and EP-FSDP size
+``F`` the expert dim is ``B = P*F`` slabs; true slab ``e*F + f`` is stored at position
+``e*F + f`` by the canonical mesh and ``f*P + e`` by the legacy one, e.g.
+``legacy_to_canonical_perm(4, 2, 2) == [0, 2, 1, 3]``. With ``k*P*F`` blocks each slab is ``k``
+consecutive blocks, so the same functions give expert-level permutations.
+``docs/layouts.md``; ``docs/design.md`` §4.
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """Integrity manifests: a digest of every stored chunk, written beside a checkpoint and verified later.
 
-``manifest.json`` (format ``ckpttool.manifest``, version 2; ``docs/diff.md``)::
-
-    {"format": "ckpttool.manifest", "version": 2, "algorithm": "xxh3-128",
-     "metadata": {"file": ".metadata", "size": 5211, "digest": "9f0c..."},
-     "entries": [{"key": "model.w", "offsets": [0, 0], "sizes": [4, 8], "file": "__0_0.distcp",
-                  "offset": 0, "length": 1577, "crc32": "3b8d2a1f", "covers": "window", "digest": "0a41..."},
-                 {"key": "optimizer.param_groups.0.lr", "offsets": null, ...}],
-     "source": {...}}
-
-Every chunk of every tensor and every byte item has one entry: its key, the chunk's
-``offsets``/``sizes`` in the global tensor (``null`` for a byte item), its storage window
-(``file``, ``offset``, ``length``: the bytes torch's reader hands to ``torch.load``), the
-CRC-32 its zip entry holds for the raw storage record (``null`` for safetensors storage and
-byte items) and the digest (:mod:`ckpttool.format.digest`) of what ``covers`` names:
-
-- ``window``: the whole window as stored (what ``ckpttool manifest`` writes by default; every
-  version-1 entry, which has no ``covers`` field, is one);
-- ``record``: the chunk's raw storage record only (the ``compressed_size`` bytes at the
-  record's ``data_offset`` in the window; the empty string for an empty storage). This is the
-  digest ``reshard --manifest`` computes while it writes: the record's bytes pass through the
-  copy in order, the archive's headers (filled in by the zip writer after the data) do not.
-  A record digest proves the values; a damaged zip header is caught by the chunk locator.
-
-``source`` (optional) names the checkpoint an output was made from (export, reshard).
-
-A manifest read back is untrusted input: size-capped before reading
-(``--max-object-size``), parsed by the bounded JSON reader, checked field by field.
+``manifest.json`` (``ckpttool.manifest`` version 2, xxh3-128): one entry per chunk of every
+tensor and per byte item, with its key, offsets/sizes, storage window, the zip CRC-32 of the raw
+record and the digest (:mod:`ckpttool.format.digest`) of what ``covers`` names: the whole
+``window`` (``ckpttool manifest``'s default, every version-1 entry) or the raw ``record``
+(what ``reshard --manifest`` computes while it writes). A manifest read back is untrusted
+input: size-capped (``--max-object-size``), bounded JSON reader, checked field by field.
+Format: ``docs/diff.md``, "Integrity manifests".
 """
 
 from __future__ import annotations

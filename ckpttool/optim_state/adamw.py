@@ -1,39 +1,15 @@
 """FP32-master AdamW optimizers: ``FullFP32AdamW`` and ``MasterFP32AdamW``.
 
-Contract (docs/design.md §1, ``docs/optim_state.md``):
-
-- Per parameter the state holds ``step`` (0-d float32 tensor on the CPU),
-  ``master_weight`` (float32, the parameter's shape), ``exp_avg`` and ``exp_avg_sq``
-  (the configured moment dtype). For an FSDP2 parameter (a ``DTensor``) every
-  non-``step`` field is a ``DTensor`` with the parameter's mesh and placements, so DCP
-  shards it like the parameter; the arithmetic runs on the local shards.
-- The update is AdamW with decoupled weight decay (Loshchilov & Hutter 2019,
-  "Decoupled Weight Decay Regularization", Algorithm 2) in torch's convention
-  (``torch/optim/adamw.py`` -> ``torch/optim/adam.py::_multi_tensor_adam``), carried
-  out on the FP32 master with the same ``torch._foreach_*`` op sequence::
-
-      step     += 1
-      master   *= 1 - lr * weight_decay
-      exp_avg   = lerp(exp_avg, grad, 1 - beta1)
-      exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
-      denom    = sqrt(exp_avg_sq) / sqrt(1 - beta2**step) + eps
-      master  += -(lr / (1 - beta1**step)) * exp_avg / denom
-      param    = master.to(param.dtype)            # round to nearest even
-
-  Moments held in BF16 are widened to FP32 for the step, the update uses the FP32
-  values, and the new moments are stored rounded to nearest even. Resident parameters
-  update with ``torch._foreach_*`` ops over a param group's tensors per device.
-- ``fused=True`` (like ``torch.optim.AdamW(fused=True)``) runs torch's fused kernel
-  ``torch._fused_adamw_`` over the FP32 masters and moments instead, then one rounding copy
-  into the parameter. On the CPU the tensors are walked in cache-sized chunks
-  (:data:`FUSED_CHUNK` elements): a BF16 gradient or BF16 moments are widened chunk by
-  chunk into per-optimizer scratch buffers, the kernel updates the chunk, and the parameter
-  chunk is written while the master chunk is still in the cache (no full-size temporary).
-  On an accelerator one kernel launch covers a param group's tensors. The result equals
-  ``torch.optim.AdamW(fused=True)`` run on the FP32 masters bitwise (the same kernel).
-- ``load_state_dict`` checks every saved field's presence, dtype and shape against
-  this optimizer's configuration *before* anything is cast or moved, and raises
-  :class:`~ckpttool.errors.OptimStateError` naming the parameter and field.
+State per parameter: ``step`` (0-d float32, CPU), ``master_weight`` (float32, the parameter's
+shape), ``exp_avg``/``exp_avg_sq`` (the moment dtype); for an FSDP2 ``DTensor`` parameter every
+non-``step`` field is a ``DTensor`` with its mesh and placements. The update is AdamW with
+decoupled weight decay (Loshchilov & Hutter 2019, Algorithm 2) in torch's convention
+(``torch/optim/adam.py::_multi_tensor_adam``'s op sequence) on the FP32 master, then
+``param = master.to(param.dtype)`` (round to nearest even); ``fused=True`` runs
+``torch._fused_adamw_`` instead, bitwise equal to ``torch.optim.AdamW(fused=True)`` on the
+masters. ``load_state_dict`` checks every saved field's presence, dtype and shape before
+anything is cast or moved (:class:`~ckpttool.errors.OptimStateError`). Details:
+``docs/optim_state.md`` ("State schema", "Arithmetic").
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """``MultiOptimizer``: named leaf optimizers over one model, saved as one flattened state dict.
 
-Key schema (the flattened flavor of ``torch.distributed.checkpoint.state_dict``, docs/design.md
-§1; below the trainer's ``optimizer.`` prefix)::
-
-    state.<param_fqn>.<field>          step / master_weight / exp_avg / exp_avg_sq
-    param_groups.<param_fqn>.<hyper>   lr, betas, eps, weight_decay, ... repeated per parameter
-
-Leaf names are not part of the keys: every parameter belongs to exactly one leaf.
-
-Why this class does not simply call ``get_optimizer_state_dict`` /
-``set_optimizer_state_dict`` for every leaf (torch 2.13,
-``torch/distributed/checkpoint/state_dict.py``): both call ``_init_optim_state``, which, for
-an optimizer whose ``state`` is empty and none of whose parameters has a gradient, sets
-zero gradients, sets every group's ``lr`` to 0, runs ``optimizer.step()`` and restores the
-``lr`` values. On save that *creates* state (``step`` 1, zero moments) for a leaf that never
-stepped; on load into a fresh optimizer, ``_unflatten_optim_state_dict`` then fills every
-field the fake step created but the checkpoint lacks with ``{}``. (The scheduler-moved
-``lr`` itself survives the fake step: torch restores it.) So:
-
-- :meth:`MultiOptimizer.state_dict` uses ``get_optimizer_state_dict(...,
-  flatten_optimizer_state_dict=True)`` for leaves that hold state, and writes only the
-  param-group hyperparameters (per parameter FQN) for a leaf without state.
-- :meth:`MultiOptimizer.load_state_dict` unflattens per leaf itself and calls the leaf's
-  ``load_state_dict`` (ckpttool optimizers check dtypes and shapes there); parameters
-  without saved state get none, hyperparameters come from the checkpoint.
-- :meth:`MultiOptimizer.state_dict_template` builds the ``dcp.load`` target without any
-  step: state only for parameters that have state in the checkpoint (given its keys or
-  metadata), checked against the saved dtypes and shapes first.
+Keys (the flattened flavor of ``torch.distributed.checkpoint.state_dict``, below the
+trainer's ``optimizer.`` prefix): ``state.<param_fqn>.<field>`` and
+``param_groups.<param_fqn>.<hyper>``; leaf names are not part of them. It does not call
+``get/set_optimizer_state_dict`` for a leaf without state, because their
+``_init_optim_state`` fakes a step (creating ``step`` 1 and zero moments on save, ``{}``
+fields on load); such a leaf saves only its hyperparameters, and loading unflattens per leaf
+and calls the leaf's own ``load_state_dict`` (dtype and shape checks). Why and how:
+``docs/optim_state.md``, "MultiOptimizer".
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """``CPUOffloadAdamW``: FP32-master AdamW whose selected parameters update on the CPU.
 
-Placement policy (never serialized): a parameter is *offloaded* when ``cpu_offload`` is
-on and one of ``cpu_offload_param_patterns`` matches its full name (``re.search``).
-An offloaded parameter keeps ``master_weight``, ``exp_avg`` and ``exp_avg_sq`` in host
-memory (moments in ``cpu_moment_dtype``); every other parameter keeps them beside the
-parameter (moments in ``resident_moment_dtype``) and updates with the same
-``torch._foreach_*`` path as :class:`~ckpttool.optim_state.FullFP32AdamW`.
-
-Offloaded update, per parameter, in chunks of ``chunk_size`` elements (last chunk = tail):
-
-1. accelerator parameter: the gradient chunk is copied device->host, non-blocking on a
-   side stream, into a pinned staging buffer; chunk ``i+1`` is already in flight while
-   chunk ``i`` is updated (two slots by default). CPU parameter: the chunk is a view of
-   the gradient (the *direct path*; same loop, no copy).
-2. the CPU updates master and moments of the chunk in FP32 (same op sequence as the
-   resident path, so on the CPU results are bitwise identical to it).
-3. ``master_chunk.to(param.dtype)`` (round to nearest even) is written into a pinned
-   staging buffer and copied host->device into the parameter, non-blocking (CPU
-   parameter: copied in place).
-
-Staging is bounded: ``num_staging_slots`` buffers per direction, each sized for one
-chunk. A buffer is reused or grown only after the host waited on the event recorded
-after its last transfer; at the end of ``step`` the compute stream waits on the side
-stream, so the next forward pass sees the updated parameters.
+A parameter is offloaded when ``cpu_offload`` is on and one of ``cpu_offload_param_patterns``
+matches its full name (``re.search``; never serialized). Offloaded master and moments live in
+host memory (moments in ``cpu_moment_dtype``) and update chunk by chunk (``chunk_size``
+elements) through bounded pinned staging (``num_staging_slots`` buffers per direction, a
+buffer reused only after its last transfer's event); the CPU arithmetic is the resident
+path's op sequence, so CPU results are bitwise identical to it. Other parameters update like
+:class:`~ckpttool.optim_state.FullFP32AdamW` (moments in ``resident_moment_dtype``).
+``docs/optim_state.md``, "CPU offload and staging".
 """
 
 from __future__ import annotations

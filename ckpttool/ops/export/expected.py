@@ -1,30 +1,13 @@
-"""Expected keys, shapes and dtypes from the real model class: transformers builds it from ``config.json`` on the meta device.
+"""Expected keys, shapes and dtypes from the real model class, built by transformers from ``config.json`` on the meta device.
 
-No weights are allocated (``torch.device("meta")``); every architecture transformers knows
-works, with no hand-written shape table. The export plan (or a checkpoint's model tensors,
-``validate --config``) is compared with the meta model's ``state_dict()``:
-
-- ``missing``: a key the model has that the export does not write (tied weights that
-  ``tie_word_embeddings`` / ``_tied_weights_keys`` make optional excepted, as ``save_pretrained`` does);
-- ``unexpected``: a key the export writes that the model does not have (``from_pretrained``
-  ignores it with a warning and initialises the missing ones at random);
-- ``shape``: the same key with another shape (``from_pretrained`` fails);
-- ``dtype``: a floating tensor whose dtype differs from the config's ``dtype`` / ``torch_dtype``
-  (checked only when the config names one).
-
-Fused expert tensors are compared in their fused form (a per-expert export writes what
-transformers' loading-time conversion fuses back).
-
-Building the model is fast (~20 ms); importing torch and transformers' modeling code is not
-(~3-4.5 s on the development machine, docs/performance.md). The result is therefore kept in
-the user's cache directory (:func:`ckpttool.format.cache.cache_dir`, folder
-``model-shapes-v1/``), one JSON entry per key: the SHA-256 of the config (canonical JSON) and
-of the installed transformers and torch versions (package metadata: nothing is imported to
-read them). A hit needs neither torch nor transformers. An entry is untrusted input when
-loaded: size cap, JSON, its own key, and every value's type and range (dims 0..2^62, at most
-64 dims, known dtype names, optional keys among the tensors) are checked; anything else is
-ignored and the model built again. ``--no-cache`` / ``CKPTTOOL_NO_CACHE=1`` turn it off.
-Writing is best effort (temporary file + rename, :func:`ckpttool.format.cache.store_entry`).
+The export plan (or a checkpoint's model tensors, ``validate --config``) is compared with the
+meta model's ``state_dict()``: ``missing`` (tied weights excepted, as ``save_pretrained``
+does), ``unexpected``, ``shape``, and ``dtype`` when the config names one; fused expert tensors
+in their fused form. Importing transformers' modeling code is slow, so results are cached in
+the user's cache directory (``model-shapes-v1/``, keyed by the config and the installed
+transformers/torch versions); an entry is untrusted input (size cap, its own key, every value's
+type and range) and anything else is ignored and rebuilt. ``docs/export.md``, "Shape checks
+against the model class"; ``docs/security.md``, "The parsed-metadata cache".
 """
 
 from __future__ import annotations

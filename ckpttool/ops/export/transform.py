@@ -1,44 +1,14 @@
 """The transform path of export: stored chunks streamed slab by slab into the output files.
 
-A transforming export (a cast, a per-expert split, an un-permutation, and the adapters'
-row permutations and merges) never assembles a tensor. Each stored chunk is one unit of
-work on the export's thread pool; the unit walks the chunk's raw storage record in
-*slabs* of at most :data:`SLAB_BYTES` source bytes, and for each slab
-
-1. reads the slab's bytes with one ``os.preadv`` into a per-thread buffer (the chunk
-   locator has checked the archive first; a chunk the locator cannot map, e.g. zstd
-   compressed, is decoded once by ``torch.load(weights_only=True)`` and sliced from memory),
-2. applies the *value transform* (:class:`SlabTransform`) into a second per-thread buffer
-   (none for a pure byte move), and
-3. writes every part of the slab to its place in the pre-sized output file with ``pwrite``,
-   as the *run map* (:class:`RunMap`) says.
-
-Both buffers stay in the CPU cache; numpy's kernels release the GIL, so the workers run in
-parallel; nothing of tensor size is allocated (peak memory: two or three slabs per worker).
-
-Two kinds of transform compose (the plug-in points of an adapter):
-
-- **Layout** — where each source element goes — is a :class:`RunMap`: sorted,
-  non-overlapping runs ``(source flat start, length, piece, piece flat start)`` over the
-  source's C-order elements. A fused expert tensor ``[E, A, B]`` split ``n`` ways has
-  ``E * n`` runs of ``A*B/n`` elements; an un-permuted one ``E`` runs of ``A*B``; a row
-  permutation (RoPE q/k head interleave, ``[n_heads*head_dim, H]``) one run per moved row
-  block; several sources fused into one output tensor each get runs into the same piece
-  at different offsets.
-- **Values** — what is written — is a :class:`SlabTransform`: ``transform(src, out, where)``
-  fills ``out`` (output dtype) from ``src`` (stored dtype), element ``i`` of ``out`` being
-  the value of element ``i`` of ``src``; ``where`` gives the slab's place in the global
-  tensor (:class:`SlabWhere`: global flat ranges), which is all a row-wise transform needs:
-  a LoRA merge ``W + (alpha / r) * B @ A`` computes, for a slab covering rows ``r0..r1`` and
-  columns ``c0..c1`` of ``W``, ``W[r0:r1, c0:c1] + s * B[r0:r1] @ A[:, c0:c1]``. ``None`` is
-  the identity (the bytes move unchanged).
-
-Casts are :class:`Cast`: float32/bfloat16/float16 to each other with numpy on the IEEE bit
-patterns (:func:`ckpttool.engine.kernels.cast`; torch-free: a cast export never imports torch), bit-exact with torch's
-``Tensor.to`` (round to nearest even) for every non-NaN value; NaN stays NaN (the canonical
-quiet NaN ``0x7FC0`` for bfloat16, as torch's scalar conversion ``c10::BFloat16``;
-torch's own vectorised kernels differ among themselves there). Other dtype pairs run
-torch's ``Tensor.copy_`` slab by slab.
+A transforming export (cast, per-expert split, un-permutation, an adapter's row permutations
+and merges) never assembles a tensor: each stored chunk is one work unit that reads its raw
+record in slabs of at most :data:`SLAB_BYTES` (a chunk the locator cannot map is decoded by
+``torch.load(weights_only=True)``), applies the value transform (:class:`SlabTransform`; ``None``
+moves bytes unchanged) and writes each part where the layout (:class:`RunMap`: sorted,
+non-overlapping runs over the source's C-order elements) says. Casts (:class:`Cast`) are
+:func:`ckpttool.engine.kernels.cast`, bit-exact with torch's ``Tensor.to`` for every non-NaN
+value; other dtype pairs use torch's ``Tensor.copy_``. Details: ``docs/export.md``, "The
+transform path (slab transforms)"; ``docs/design.md`` §5, "The byte engine".
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """``replay_step``: replay the next optimizer step(s) from a checkpoint and compare with a reference.
 
-Per batch of parameters (``plan.make_batches`` under ``max_memory``):
-
-1. read each parameter (stored dtype) and its saved state from the checkpoint, in true
-   expert order (``ResolvedLayout.to_canonical``), in parallel threads;
-2. build ckpttool's optimizer (``ckpttool.optim_state.build_optimizer``, with the implementation
-   the run used: the layout record's ``optimizer.fused``) over the parameters placed on the
-   device in their stored dtype, with the saved hyperparameters, and load the saved state
-   through the optimizer's own ``load_state_dict`` (which adopts the tensors and places master
-   and moments on the CPU for offloaded parameters); parameters of a never-stepped leaf start
-   from fresh state;
-3. for each of the K steps: gradients (``grads.py``, kept for the reference), then one timed
-   ``optimizer.step()`` (the loaded state is updated in place, as in a resumed run);
-4. slab by slab (:data:`REFERENCE_SLAB` elements, in threads), read the *saved* values of the
-   slab again from the checkpoint (:class:`~ckpttool.ops.replay.slabs.TensorSlabs`), check the
-   saved parameter against ``master_weight.to(param.dtype)`` (bitwise), run the independent
-   reference ``ckpttool.optim_state.reference.reference_adamw_step`` (float64 on the CPU; between
-   steps its state is rounded to the stored dtypes, as a save would) and compare
-   (``compare.py``): ``master_weight``, ``exp_avg``, ``exp_avg_sq`` and the parameter against
-   the reference, the written-back parameter against the optimizer's own
-   ``master_weight.to(param.dtype)`` (bitwise); then ``step`` = saved + K, and placement.
-
-Memory is that of a resume: no full-size copy of the pre-step state and no full-size
-reference tensor is ever made. Nothing is written; the checkpoint is only read.
+Per memory batch (``plan.make_batches``): read parameters and saved state in true expert
+order; build ckpttool's optimizer (``ckpttool.optim_state.build_optimizer``, the record's
+``fused`` choice) and load the saved state through its own ``load_state_dict``; run K timed
+``optimizer.step()`` calls with gradients from ``grads.py``; then, slab by slab
+(:data:`REFERENCE_SLAB`), re-read the saved values, check ``param == master_weight.to(dtype)``
+bitwise, run the FP64 reference (:func:`ckpttool.optim_state.reference.reference_adamw_step`)
+and compare (``compare.py``). No full-size copy of the pre-step state or of the reference is
+made; the checkpoint is only read. ``docs/replay.md``, "What it does", "Memory".
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """Reshard planning: which bytes of the source go where in the target (pure, metadata only).
 
-A plan lists, for every tensor of the output, its chunks (one per target rank that
-holds a piece, laid out for the target mesh), and for every output chunk the
-*pieces* of source chunks that fill it. Coordinates:
-
-- *stored* rows: positions along the expert dim of the global tensor as saved;
-- *true* rows: the true expert order (what the canonical layout stores).
-
-A legacy source with EP and EP-FSDP on the expert dim stores true slab ``e*F + f``
-at position ``f*P + e`` (``docs/layouts.md``). :func:`row_runs` turns the source and
-target slab maps into runs ``(target_row, source_row, length)`` along the expert
-dim; a target chunk box is cut along those runs and intersected with the source
-chunk boxes. An output chunk that is exactly one whole source chunk needs no
-decoding: its ``torch.save`` archive is copied verbatim (:attr:`OutChunk.raw_source`).
-
-Target mesh (torch ``init_device_mesh``: ranks row-major over the mesh shape):
-
-- canonical: mesh ``(ep=P2, ep_fsdp=F2)``, rank ``e*F2 + f``;
-- legacy: mesh ``(ep_fsdp=F2, ep=P2)``, rank ``f*P2 + e``.
-
-Either way, with FSDP on the expert dim rank ``r`` writes stored slab ``r``, in file
-``__r_0.distcp``. With FSDP on another dim, rank ``(e, f)`` writes expert block ``e``,
-piece ``f`` of that dim (``torch.chunk`` rule, empty pieces allowed). Non-EP tensors
-and byte items keep their chunks and go to the file of ``source rank % world``.
+A plan lists every output tensor's chunks (one per target rank holding a piece) and the
+pieces of source chunks that fill each. Along the expert dim, *stored* rows are positions as
+saved and *true* rows the true expert order; :func:`row_runs` turns the source and target slab
+maps into runs ``(target_row, source_row, length)``, and a target chunk is cut along them and
+intersected with the source chunks. An output chunk that is one whole source chunk is copied
+verbatim (:attr:`OutChunk.raw_source`). Target ranks follow ``init_device_mesh`` (row-major):
+canonical ``(ep, ep_fsdp)``, legacy ``(ep_fsdp, ep)``; non-EP tensors and byte items keep
+their chunks, in the file of ``source rank % world``. ``docs/layouts.md``; ``docs/design.md`` §4.
 """
 
 from __future__ import annotations

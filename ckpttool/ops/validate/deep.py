@@ -1,28 +1,13 @@
 """The ``--deep`` pass: read every data byte once, files in parallel, and summarise the values.
 
-The pass plans *work items* over tensor chunks and runs them on a thread pool. A chunk is
-located and checked by the chunk locator, then its raw storage record is read with
-the engine's read helper in cache-sized slices (one block, :data:`~ckpttool.engine.io.BLOCK_BYTES`)
-into per-thread buffers (no page faults on fresh allocations) and each slice is summarised with
-numpy over the IEEE bit patterns (:mod:`ckpttool.engine.kernels`: vectorised reductions that
-release the GIL; torch is not imported):
-
-- floating tensors: two maximum reductions decide whether a slice holds non-finite or
-  negative values; exact counts run only on a slice that has some;
-- ``step`` fields: their values (checked to be non-negative integers);
-- *pairs* whose values must agree are read together, slice by slice, so that each byte is
-  still read once and both slices are in the cache when compared: a BF16/FP16 parameter and
-  its ``master_weight`` (the parameter must equal ``master_weight.to(param dtype)``, round to
-  nearest even, bitwise), and with ``tie_word_embeddings`` ``lm_head.weight`` and the input
-  embedding. For BF16 a slice is settled by one bound on the bit-pattern distance
-  ``(param << 16) - master`` (strictly within half a BF16 ulp: the rounding must give the
-  parameter); only a slice with ties, non-finite masters or mismatches is rounded in full.
-  Members of a pair group with different chunking are read whole.
-
-Chunks the locator does not map (stream transforms, torch's newer encoding), float8 and other
-dtypes without a bit-pattern path go through torch (``read_chunk``, ``torch.aminmax``).
-Chunks whose storage is broken (missing file, escaping path, past EOF, no storage entry, bad
-tiling) are skipped: the storage rules report them.
+Each chunk is located and checked by the chunk locator, its raw record read block by block
+with the engine's read helper (:mod:`ckpttool.engine.io`) and summarised on its IEEE bit
+patterns (:mod:`ckpttool.engine.kernels`, torch-free): non-finite and negative counts,
+``step`` values (non-negative integers), and pairs that must agree read together (a BF16/FP16
+parameter equals ``master_weight.to(param dtype)`` bitwise; a tied ``lm_head.weight`` equals
+the embedding). Chunks the locator does not map and dtypes without a bit-pattern path go
+through torch (``read_chunk``). Chunks with broken storage are skipped: the storage rules
+report them. Rules: ``docs/rules.md`` (``D`` family); ``docs/design.md`` §5.
 """
 
 from __future__ import annotations
