@@ -1,25 +1,12 @@
-"""Error hierarchy of ckpttool: one class per error code.
+"""Error hierarchy of ckpttool: one class per error code (``docs/errors.md`` lists every code).
 
-Every failure a user can cause (bad invocation, unreadable or unsafe input, a refused
-output) is a :class:`CkptError` subclass with a stable ``code``, the offending ``path``
-and/or ``fqn``, the library ``param`` concerned (the CLI names it by its flag) and a
-one-line ``hint``. The CLI prints it as ``error: [CODE] message`` / ``hint: ...`` on
-stderr and exits with ``exit_code``: 2 for unusable input, 1 for a command that ran and
-found problems (``docs/errors.md`` lists every code). Programmer errors stay ordinary
-exceptions.
-
-Each code is raised through exactly one class, so ``grep -rn StateDtypeError`` finds every
-place that raises ``E511``. Code families:
-
-=======  ==========================================================
-E1xx     invocation and paths (not a directory, escaping path, ...)
-E2xx     ``.metadata``: missing, unreadable, unsafe pickle, bad type
-E3xx     data files and chunks: missing, short, corrupt, bad transform
-E4xx     layout record and EP layout declarations
-E5xx     optimizer state and optimizers
-E6xx     outputs (export / reshard / stamp targets)
-E7xx     replay-step results
-=======  ==========================================================
+Every failure a user can cause is a :class:`CkptError` subclass with a stable ``code``, the
+offending ``path`` and/or ``fqn``, the library ``param`` (the CLI names it by its flag), a
+one-line ``hint`` and an ``exit_code`` (2 unusable input, 1 problems found); the CLI prints
+``error: [CODE] message`` / ``hint: ...``. Programmer errors stay ordinary exceptions. Code
+families: E1xx invocation and paths, E2xx ``.metadata``, E3xx data files and chunks, E4xx
+layout record and EP layouts, E5xx optimizer state, E6xx outputs, E7xx replay results.
+``docs/design.md`` §8.
 """
 
 from __future__ import annotations

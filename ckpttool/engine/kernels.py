@@ -1,23 +1,12 @@
 """The numeric kernels of the byte engine: casts, bit-pattern tests and run-map placement, numpy only.
 
-Every function works in place on numpy arrays (the callers' cache-sized slabs), releases the
-GIL inside numpy, and never imports torch:
-
-- **casts** between float32, bfloat16 and float16 (:func:`cast`), bit-exact with torch's
-  ``Tensor.to`` (round to nearest even) for every non-NaN value. bfloat16 has no numpy dtype:
-  its values are ``uint16`` bit patterns (:func:`f32_to_bf16`, :func:`bf16_to_f32`);
-  float32 -> float16 is numpy's own conversion (:func:`f32_to_f16`, round to nearest even,
-  overflow to infinity);
-- **float8** (``float8_e4m3fn``, ``float8_e5m2``) from float32 (:func:`f32_to_f8`), round to
-  nearest even with ``c10::Float8_*``'s overflow rules (see there);
-- **bit-pattern tests** of IEEE floats (:data:`IEEE_BITS`, :func:`float_values`,
-  :func:`summarise_bits`): non-finite and negative values decided by two integer maximum
-  reductions;
-- **run maps** (:func:`place_runs`, :func:`scatter_rows`): placing the elements of a source
-  into output positions, ``out[dst:dst+n] = src[s:s+n]`` per run, equal aligned runs as one
-  row gather and scatter.
-
-Scratch arrays are per thread and reused (no allocation per slab).
+In place on the callers' cache-sized numpy slabs, GIL released inside numpy, torch never
+imported: float32/bfloat16/float16 casts bit-exact with torch's ``Tensor.to`` (round to nearest
+even) for every non-NaN value (bfloat16 held as ``uint16`` bit patterns); float8
+(``float8_e4m3fn`` saturating, ``float8_e5m2``) with ``c10::Float8_*``'s rounding and overflow
+rules; IEEE bit-pattern summaries (non-finite, negative); run maps
+(``out[dst:dst+n] = src[s:s+n]``, :func:`place_runs`, :func:`scatter_rows`). Scratch arrays are
+per thread. ``docs/design.md`` §5, "The byte engine".
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """Copy a byte range from one file to another: the verbatim-copy primitive of export and reshard.
 
-``copy_range`` moves bytes through the engine's per-thread block buffer
-(:mod:`ckpttool.engine`: read, then ``os.pwrite``). It is deliberately not
-``os.copy_file_range`` (what ``cp`` uses): on ext4 without reflinks the kernel copies through a pipe
-page by page, and a DCP chunk's offset in its ``.distcp`` file never has the
-same page phase as its offset in the output (torch's archives start at
-arbitrary byte offsets), so every destination page is assembled from two
-partial writes. Measured on the 2-core development machine, 450 MiB, page
-cache warm, destination pre-allocated (``bench/bench_export.py`` for the full
-picture):
-
-=====================================  ==========  ===========
-method                                 1 thread    2 threads
-=====================================  ==========  ===========
-``copy_file_range``, page-misaligned   3.0 GB/s    3.4 GB/s
-``copy_file_range``, page-aligned      4.3 GB/s    5.0 GB/s
-``pread``+``pwrite``, 1 MiB buffer     5.0 GB/s    8.3 GB/s
-=====================================  ==========  ===========
-
-The buffer is 1 MiB so that it stays in the CPU cache between the read and the
-write; larger buffers were slower (8 MiB: 4.6 / 7.2 GB/s). Neither file
-position is used or moved, so threads may share descriptors.
+``copy_range`` reads into the engine's per-thread block buffer (:mod:`ckpttool.engine.io`,
+``BLOCK_BYTES``) and ``os.pwrite`` s it. It is deliberately not ``os.copy_file_range``: a DCP
+chunk's offset in its ``.distcp`` file never has the same page phase as its offset in the output
+(torch's archives start at arbitrary offsets), and on ext4 without reflinks the kernel then
+assembles every destination page from two partial writes, which is slower here than a
+read+write through a cache-sized buffer (``docs/performance.md``). Neither file position is used
+or moved, so threads may share descriptors.
 """
 
 from __future__ import annotations

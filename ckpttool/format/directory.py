@@ -1,21 +1,12 @@
 """A DCP checkpoint directory: validated ``.metadata``, confined data files, shared descriptors.
 
-:class:`CheckpointDir` opens a directory, reads ``.metadata`` with the allow-list
-unpickler (:mod:`ckpttool.format.unpickler`; no torch import) and confines every
-``relative_path`` of ``storage_data`` to the directory. It keeps one read-only
-descriptor per data file, shared by every reader thread (reads are positional:
-:mod:`ckpttool.engine.io`), so the reader, export, reshard and ``validate --deep`` never open a data
-file twice.
-
-File layout written by torch's ``FileSystemWriter`` (``torch/distributed/checkpoint/
-filesystem.py``): ``.metadata`` plus data files ``__{rank}_{n}.distcp``. A directory of
-safetensors files written by ``HuggingFaceStorageWriter`` (no ``.metadata``) is read from its
-headers (:mod:`ckpttool.format.hf_storage`).
-
-A checkpoint split over sibling directories (a model folder and an optimizer folder) is one
-:class:`CheckpointDir` over their common parent: the caller passes the merged ``metadata``,
-whose ``relative_path`` s start with the part's folder, and ``parts`` (folder -> the part's
-own directory); every such path must stay inside its own part.
+:class:`CheckpointDir` reads ``.metadata`` with the allow-list unpickler
+(:mod:`ckpttool.format.unpickler`; no torch import), or builds it from safetensors headers for
+a ``HuggingFaceStorageWriter`` save (:mod:`ckpttool.format.hf_storage`), confines every
+``relative_path`` to the directory (a model/optimizer pair: each path inside its own part's
+folder, ``parts``), and keeps one read-only descriptor per data file shared by every reader
+thread (positional reads). File layout: torch's ``FileSystemWriter``
+(``torch/distributed/checkpoint/filesystem.py``): ``.metadata`` plus ``__{rank}_{n}.distcp``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Caps on the work one untrusted input may cause, checked before anything is read or inflated.
 
-A few KiB of checkpoint can declare gigabytes: a sparse ``.metadata`` or byte item, a
-deflate/bzip2 zip member or a zstd stream that inflates without end, a pickle of
-``[x, x]`` nested 40 deep that is walked 2^40 times. Every reader in ckpttool asks this
-module how much it may read or build, and refuses past it with
+Every reader asks this module how much it may read or build and refuses past it with
 :class:`~ckpttool.errors.SizeLimitError` (``E307``) or
-:class:`~ckpttool.errors.ObjectGraphError` (``E306``) *before* the work is done.
-
-The caps hold for the whole process (the CLI sets them once from
-``ckpttool --max-metadata-size/--max-object-size``); library callers use :func:`set_limits`
-or the :func:`limits` context manager. ``docs/security.md`` lists them.
-
-What is *not* capped here: tensor chunks. Their size is fixed by ``.metadata`` and checked
-against the bytes actually stored (``CheckpointReader.check_allocation``), and they are read
-straight into their destination.
+:class:`~ckpttool.errors.ObjectGraphError` (``E306``) before the work is done (sparse files,
+inflation bombs, pickle/JSON DAG bombs). The caps hold process-wide (the CLI's
+``--max-metadata-size/--max-object-size``; :func:`set_limits` or :func:`limits` in the
+library). Tensor chunks are not capped here: their size comes from ``.metadata`` and is checked
+against the stored bytes before allocation. ``docs/design.md`` §6; ``docs/security.md``.
 """
 
 from __future__ import annotations

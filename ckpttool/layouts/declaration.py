@@ -1,21 +1,12 @@
 """Resolve the EP layout of a checkpoint: embedded record, sidecar, command-line declaration.
 
-Sources, in order of authority (``docs/design.md``, "Layout record"):
-
-1. the embedded byte item ``layout`` (written in the same ``dcp.save``),
-2. the sidecar ``layout.json`` (``ckpttool stamp``),
-3. a declaration on the command line (``--source-layout legacy|canonical
-   --ep-size P --ep-fsdp-size F``).
-
-Embedded and sidecar must agree (else ``E403``); a declaration must agree with a
-record and with the chunk geometry (else ``E404``). Without a record, EP tensors
-are detected by name (fused ``...experts.<name>`` tensors with a leading expert
-dim) and their EP-FSDP dim is inferred from the chunk geometry; those whose
-EP-FSDP dim equals the expert dim are *ambiguous* until declared
-(:meth:`ResolvedLayout.require_unambiguous`, ``E405``).
-
-:func:`~ckpttool.model.checkpoint.open_checkpoint` resolves the layout once; every command
-reads ``ckpt.layout``.
+Authority, in order: the embedded byte item ``layout``, the sidecar ``layout.json`` (``ckpttool
+stamp``), a declaration (``--source-layout --ep-size --ep-fsdp-size``). Embedded and sidecar
+must agree (``E403``); a declaration must agree with a record and the chunk geometry
+(``E404``). Without a record EP tensors are detected by name and geometry; those whose EP-FSDP
+dim is the expert dim stay ambiguous until declared
+(:meth:`ResolvedLayout.require_unambiguous`, ``E405``). ``open_checkpoint`` resolves it once
+(``ckpt.layout``). ``docs/layouts.md``; ``docs/design.md`` §4.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """Chunk geometry of expert-parallel (EP) tensors, from ``.metadata`` alone.
 
-For every EP tensor the chunks that ``dcp.save`` recorded tell how the tensor was
-split: the distinct chunk intervals along each dim (``blocks_per_dim``), the
-writing ranks, and whether EP and EP-FSDP shard the same dim (the case where the
-legacy and canonical layouts store different bytes, docs/design.md §4). The
-geometry is compared with what the recorded or declared mesh sizes imply;
-disagreements are listed in :attr:`EPGeometry.problems`.
-
-Chunk intervals follow DTensor's ``Shard`` rule (``torch/distributed/tensor/
-placement_types.py::Shard.local_shard_size_and_offset``, i.e. ``torch.chunk``):
-a dim of size ``n`` split ``k`` ways gives pieces of ``ceil(n/k)``, the last ones
-shorter or empty; an empty piece is recorded at offset ``n``. Several mesh axes
-sharding one dim nest left to right (``_utils._compute_local_shape_and_global_offset``).
-Zero-size chunks are valid and ignored when counting blocks. A rank may store its piece as
-several chunks (the stored intervals then *refine* the expected ones: each lies inside one
-expected interval); that is consistent with the layout.
-
-:func:`ep_split_candidates` lists the saving meshes ``(ep_size, ep_fsdp_size)`` with both
-sizes above 1 that the chunks of an unversioned tensor fit: only those make its expert order
-ambiguous (with ``P = 1`` or ``F = 1`` legacy and canonical store the same bytes).
+From the chunks ``dcp.save`` recorded: the distinct intervals per dim, the writing ranks and
+whether EP and EP-FSDP shard the same dim, compared with what the recorded or declared mesh
+sizes imply (:attr:`EPGeometry.problems`). Intervals follow DTensor's ``Shard`` rule
+(``torch/distributed/tensor/placement_types.py``, ``torch.chunk`` sizes, several mesh axes
+nested left to right); zero-size chunks are ignored and a rank's piece may be refined into
+several chunks. :func:`ep_split_candidates` lists the meshes with both sizes above 1 that an
+unversioned tensor fits. ``docs/layouts.md``, "Chunk geometry".
 """
 
 from __future__ import annotations

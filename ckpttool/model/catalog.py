@@ -1,21 +1,12 @@
 """The checkpoint catalog: a typed view of a DCP checkpoint built from metadata alone.
 
-The catalog is built *through* the checkpoint's key schema (:mod:`ckpttool.model.schemas`:
-detected by structure, or given by the user): which keys are model tensors
-(``<model prefix><fqn>``), which are optimizer state (``<optimizer prefix>state.<fqn>.<field>``)
-and param groups (``<optimizer prefix>param_groups.<i|fqn>.<hyper>``), which are training
-state (``lr_scheduler``, ``train_state``, ...), the ``layout`` record, and what is left
+Built through the checkpoint's key schema (:mod:`ckpttool.model.schemas`): model tensors,
+optimizer state and param groups, training state, the ``layout`` record, and the rest
 ("other": reported, never dropped). Nothing downstream spells a prefix: it asks the catalog
-(:meth:`Catalog.model_key`, :meth:`Catalog.fqn_of`, :attr:`Catalog.schema`).
-
-``<fqn>`` is the model key without its prefix. FQNs contain dots, so state and group keys are
-split by ``planner_data`` when it holds the path, else by the longest matching model fqn (the
-inventory) — never by counting dots.
-
-:func:`build_catalog` reads nothing but ``.metadata`` (and the listing of the files, made by
-:mod:`ckpttool.format.listing`);
-:func:`load_param_groups` reads the small param-group byte items; neither imports torch
-unless a byte item is not a plain value.
+(:meth:`Catalog.model_key`, :meth:`Catalog.fqn_of`). FQNs contain dots, so keys are split by
+``planner_data`` or the longest matching model fqn, never by counting dots.
+:func:`build_catalog` reads only ``.metadata``; :func:`load_param_groups` the small param-group
+byte items, importing torch only for a non-plain item. ``docs/design.md`` §2.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """The opened checkpoint: one reader, one catalog, one resolved layout, built once per command.
 
-Every command opens its input with :func:`open_checkpoint`::
-
-    with open_checkpoint("run/checkpoint/", selection=CheckpointSelection(step="latest")) as ckpt:
-        ckpt.located                    # which directory (or model/optimizer pair) and why
-        ckpt.catalog.schema             # the key schema, detected or overridden
-        ckpt.catalog.model              # metadata only
-        ckpt.layout.ep_tensors          # record, sidecar or declaration
-        ckpt.param_groups()             # reads the small param-group byte items once
-        ckpt.reader.read_tensor(key)    # tensor data (imports torch)
-
-With ``record_problems=True`` (``validate``) problems met while gathering the facts (an
-invalid layout record, an unreadable param-group item or ``extra_state`` file) are
-recorded on the handle instead of raised, so that they become findings; an unusable
-``.metadata`` is raised in both modes.
+Every command opens its input with :func:`open_checkpoint` (``ckpt.located``, ``ckpt.catalog``,
+``ckpt.layout``, ``ckpt.param_groups()``, ``ckpt.reader``). With ``record_problems=True``
+(validate, inspect) an invalid layout record, an unreadable param-group item or ``extra_state``
+file is recorded on the handle instead of raised, so it becomes a finding; an unusable
+``.metadata`` is raised in both modes. ``docs/design.md`` §5, "One handle".
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """Finding the checkpoint a user means: checkpoint roots, step directories, model/optimizer pairs.
 
-Trainers lay checkpoints out in directories of their own:
-
-==============================================  =====================================================
-torchtitan                                      ``<folder>/step-<N>/`` (one DCP checkpoint per step)
-transformers Trainer / Accelerate (FSDP)        ``checkpoint-<N>/pytorch_model_fsdp_<i>/`` (model) + ``checkpoint-<N>/optimizer_<i>/``
-DeepSpeed / Megatron-style                      ``global_step<N>/``, ``global_step_<N>/``, ``iter_<N>/``; a ``latest`` file (``latest_checkpointed_iteration.txt``) naming the last
-split saves                                     ``<dir>/model/`` + ``<dir>/optimizer/``
-==============================================  =====================================================
-
-:func:`locate` turns what the user passed into the checkpoint to open: ``DIR`` itself when it
-holds ``.metadata`` (or ``HuggingFaceStorageWriter`` safetensors files); else the DCP
-checkpoints below it (at most :data:`MAX_DEPTH` levels, symlinked directories not followed):
-the only one, a model folder paired with its optimizer folder, or the one of ``step`` (``N`` or
-``latest``). Several candidates and no ``step`` is an error listing them.
-
-:func:`compose_pair` merges a model checkpoint and an optimizer checkpoint saved by two
-``dcp.save`` calls into one metadata over their common parent (``relative_path`` s prefixed by
-each part's folder, confined to it), so every command reads the pair as one checkpoint.
-Torch-free.
+:func:`locate` turns ``DIR`` into the checkpoint to open: itself when it holds ``.metadata`` (or
+``HuggingFaceStorageWriter`` safetensors files), else the DCP checkpoints below it (at most
+:data:`MAX_DEPTH` levels, symlinked directories not followed): the only one, a model folder
+paired with its optimizer folder, or the one of ``step`` (``N`` or ``latest``); several and no
+``step`` is an error listing them. The trainers' layouts come from the key schemas' discovery
+patterns. :func:`compose_pair` merges a model and an optimizer checkpoint into one metadata over
+their common parent, each path confined to its part. Torch-free. ``docs/design.md`` §2;
+``docs/inspect.md``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """Runs spread over torch.distributed ranks (``torchrun --nproc-per-node N -m ckpttool export ...``).
 
-:func:`from_env` joins the process group torchrun set up (``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``; the ``gloo`` backend, CPU only) and returns a
-:class:`Group`; without those variables (or with ``WORLD_SIZE=1``) it is the single-process
-group, on which every collective is a no-op — a single-process run takes exactly the code
-path it took before.
-
-The protocol every distributed command follows:
-
-1. every rank opens the checkpoint (``.metadata`` only) and builds the same plan (plans are
-   deterministic functions of the metadata);
-2. :meth:`Group.share` assigns work units to ranks by size (largest first, to the least loaded
-   rank: :func:`assign`), so no rank reads more than its share;
-3. rank 0 creates the temporary output and broadcasts where it is; each rank writes its own
-   files into it;
-4. :meth:`Group.agree` is the barrier: every rank reports success or its error; if any rank
-   failed, every rank raises the error of the lowest failing rank, its message prefixed with
-   ``rank R:`` and its code unchanged, and rank 0 removes the temporary output (nothing is
-   published);
-5. rank 0 writes the index / ``.metadata`` and commits; the others return.
-
-Only rank 0 prints (the CLI); results and errors on other ranks are silent.
+:func:`from_env` joins torchrun's process group (``gloo``, CPU only); without its variables (or
+``WORLD_SIZE=1``) it is the single-process group, whose collectives are no-ops. Protocol: every
+rank builds the same plan from metadata; :meth:`Group.share` assigns work units by size
+(:func:`assign`); rank 0 creates the temporary output; :meth:`Group.agree` is the barrier (if
+any rank failed, every rank raises the lowest failing rank's error, prefixed ``rank R:``, code
+unchanged, and nothing is published); rank 0 writes the index / ``.metadata`` and commits. Only
+rank 0 prints. ``docs/design.md`` §5, "Distributed runs".
 """
 
 from __future__ import annotations

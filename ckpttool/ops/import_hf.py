@@ -1,24 +1,12 @@
-"""``import_hf``: a Hugging Face safetensors model (sharded + index) -> a DCP checkpoint a trainer ``dcp.load`` s.
+"""``import_hf``: an HF safetensors model (sharded + index) -> a DCP checkpoint a trainer ``dcp.load`` s.
 
-Target key schemas:
-
-- ``torch-native``: ``{"model": model.state_dict()}`` as ``dcp.save`` writes it: keys
-  ``model.<hf key>``, planner path ``("model", "<hf key>")``.
-- ``torchtitan``: torchtitan's ``CheckpointManager`` layout, model fqns at the top level
-  (``tok_embeddings.weight``, ``layers.N.attention.qkv_linear.wq.weight`` ...) through the
-  model adapter's :meth:`~ckpttool.model.adapters.ModelAdapter.from_hf` (RoPE q/k rows
-  un-permuted, ``gate_up_proj`` split into ``w1`` / ``w3``, per-expert keys stacked).
-
-Every native tensor is described row by row (dim 0): row ``i`` is a contiguous byte run in one
-safetensors file (plain copy: row ``i``; RoPE: HF row ``src[i]``; a fused half: expert ``i``'s
-block; stacked per-expert: the ``i``-th HF tensor). A chunk is the row range ``torch.chunk``
-gives a rank (``Shard(0)`` of DTensor / FSDP2: ``ceil(rows / world_size)`` rows each, the last
-ones shorter or empty) and is written as a ``torch.save`` archive whose bytes are copied straight
-from the safetensors files (:meth:`~ckpttool.format.writer.DCPWriter.stream_tensor_archive`):
-nothing of tensor size is held in memory. One data file per rank (``__{rank}_0.distcp``); the
-output appears atomically (:class:`~ckpttool.format.atomic.AtomicOutputDir`). A tied
-``lm_head.weight`` absent from the HF files (``tie_word_embeddings``) is written from the
-embedding's bytes, as the model's ``state_dict()`` holds it.
+Target key schemas: ``torch-native`` (``model.<hf key>``) or torchtitan (through the model
+adapter's :meth:`~ckpttool.model.adapters.ModelAdapter.from_hf`). Every tensor is described
+row by row as byte runs of the safetensors files; a chunk is the ``torch.chunk`` row range of a
+rank (DTensor/FSDP2 ``Shard(0)``), written as a ``torch.save`` archive streamed from those runs
+(:meth:`~ckpttool.format.writer.DCPWriter.stream_tensor_archive`; nothing of tensor size in
+memory), one ``__{rank}_0.distcp`` per rank, atomically. A tied ``lm_head.weight`` absent from
+the files is written from the embedding. ``docs/import.md``.
 """
 
 from __future__ import annotations

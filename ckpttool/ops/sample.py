@@ -1,21 +1,11 @@
 """A small but real sample checkpoint: a tiny MoE causal LM saved with ``dcp.save``.
 
-The model has the parameter names of Hugging Face's ``Dots1ForCausalLM`` (dots.llm1:
-Qwen3-style attention with per-head ``q_norm``/``k_norm``, DeepSeek-V3-style MoE) in the
-transformers v5 fused-expert layout: ``model.layers.N.mlp.experts.gate_up_proj``
-``[E, 2I, H]`` and ``...experts.down_proj`` ``[E, H, I]``, a shared expert
-(``mlp.shared_experts.{gate,up,down}_proj``), and the router's persistent buffer
-``mlp.gate.e_score_correction_bias`` ``[E]`` (aux-loss-free load balancing), a model
-tensor that no optimizer updates: what a save that drops buffers loses (``validate
---against`` an HF export finds it missing). The exported model loads with
-``transformers.AutoModelForCausalLM.from_pretrained`` without a missing or unexpected key.
-It is trained for a few AdamW steps on random tokens and saved the way VeOmni-style
-trainers do::
-
-    dcp.save({"model": model_sd, "optimizer": optim_sd, "layout": json_record}, checkpoint_id=DIR)
-
-plus ``extra_state/extra_state_rank_0.pt`` (``torch.save`` of step / scheduler /
-RNG state) and ``model_assets/config.json`` (an HF config for ``export --model-assets``).
+Parameter names of HF's ``Dots1ForCausalLM`` in the transformers v5 fused-expert layout
+(``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``, shared experts,
+the router buffer ``mlp.gate.e_score_correction_bias``), so the export loads with
+``AutoModelForCausalLM.from_pretrained`` without missing or unexpected keys. Trained a few
+AdamW steps on random tokens and saved as VeOmni-style trainers do (``model``, ``optimizer``,
+``layout`` record), plus ``extra_state/extra_state_rank_0.pt`` and ``model_assets/config.json``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
-"""Independent reference AdamW step, for tests and ``ckpttool replay-step``.
+"""Independent reference AdamW step, for tests and ``ckpttool replay-step``; shares no code with the optimizers.
 
-Two implementations that share no code with the optimizers in this package:
-
-- :func:`reference_adamw_step` writes the formula out (Loshchilov & Hutter 2019,
-  "Decoupled Weight Decay Regularization", Algorithm 2, in torch's convention where the
-  decay term is scaled by the learning rate: ``torch/optim/adamw.py``)::
-
-      t      = step + 1
-      theta  = theta * (1 - lr * weight_decay)
-      m      = beta1 * m + (1 - beta1) * g
-      v      = beta2 * v + (1 - beta2) * g**2
-      m_hat  = m / (1 - beta1**t)
-      v_hat  = v / (1 - beta2**t)
-      theta  = theta - lr * m_hat / (sqrt(v_hat) + eps)
-
-  (the paper's ``eta_t * lambda`` is torch's ``lr * weight_decay``.)
-- :func:`reference_adamw_step_torch` runs one ``torch.optim.AdamW`` step (for-loop
-  implementation) on clones.
-
-Both take the state as tensors, compute in ``dtype`` (float64 by default, or float32),
-never mutate their inputs, and return new tensors in ``dtype``.
+:func:`reference_adamw_step` writes out AdamW (Loshchilov & Hutter 2019, "Decoupled Weight
+Decay Regularization", Algorithm 2) in torch's convention (``torch/optim/adamw.py``: decay
+``lr * weight_decay``, bias-corrected ``m_hat / (sqrt(v_hat) + eps)``);
+:func:`reference_adamw_step_torch` runs one for-loop ``torch.optim.AdamW`` step on clones. Both
+compute in ``dtype`` (float64 by default), never mutate their inputs and return new tensors.
+``docs/optim_state.md``, "Arithmetic".
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Optimizer state schema: which fields each optimizer type saves, with which dtypes.
 
-This module is the single source of the table in ``docs/design.md`` ("Optimizer
-state") and ``docs/optim_state.md``:
-
-=====================  =========  ===============  =====================  =====================
-type                   ``step``   ``master_weight``  ``exp_avg``          ``exp_avg_sq``
-=====================  =========  ===============  =====================  =====================
-``adamw``              f32, 0-d   (absent)         param dtype            param dtype
-``full_fp32_adamw``    f32, 0-d   f32              f32                    f32
-``master_fp32_adamw``  f32, 0-d   f32              ``moment_dtype``       ``moment_dtype``
-                                                   (bf16 default)         (bf16 default)
-``cpu_offload_adamw``  f32, 0-d   f32              resident or cpu moment dtype (f32 default)
-=====================  =========  ===============  =====================  =====================
-
-Both functions work on dtype *names* (``"float32"``) and never import torch, so
-metadata-only readers (catalog, validate) and the optimizers use the same table.
+The single source of the table in ``docs/optim_state.md`` ("State schema") and
+``docs/design.md`` §3: ``step`` float32 0-d for every type; ``master_weight`` float32 except for
+``adamw``; moments in the parameter dtype (``adamw``), float32 (``full_fp32_adamw``), the
+configured moment dtype (``master_fp32_adamw``, bfloat16 default), or the resident/CPU moment
+dtype (``cpu_offload_adamw``). Works on dtype names and never imports torch, so metadata-only
+readers and the optimizers share it.
 """
 
 from __future__ import annotations

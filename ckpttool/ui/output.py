@@ -1,24 +1,12 @@
 """The CLI's one output sink: results as JSON or human text on stdout, messages on stderr.
 
-Every command hands its result to an :class:`Output`: with ``--json`` the result's
-``to_dict()`` is the only thing on stdout; otherwise the command's renderer prints it.
-Warnings and errors go to stderr as ``warning: ...`` / ``error: [CODE] ...`` + ``hint: ...``
-lines, escaped for the terminal (:func:`~ckpttool.ui.render.safe_text`), the prefix
-coloured on a terminal (:func:`~ckpttool.ui.render.color_enabled`); ``note: ...`` lines
-(facts worth knowing, never problems) are left out with ``-q``. Library log records
-(``logging``, ``-v``/``-vv``) go to stderr the same way (:func:`configure_logging`).
-
-Escaping happens here, once, for every byte a command prints: :func:`command_boundary`
-replaces ``sys.stdout``/``sys.stderr`` by :class:`SanitizedStream` for the command's run, so
-every ``write`` — ``typer.echo``, anything else — has control characters, bidi controls and
-line separators escaped (:func:`~ckpttool.ui.render.safe_text`), and a ``write`` is one line:
-only its final newline is kept, so a key or file name cannot start a line of its own ("ALL
-CHECKS PASSED"). The sink's own lines (``error:``, ``warning:``, log records: escaped by
-:func:`_line`, which may add a colour code) and rich consoles (tables, progress bars: escaped
-segment by segment by ``render._SafeConsole``) write to the stream under the wrapper.
-:func:`command_boundary` turns every exception into such a line and the documented
-exit code (``docs/errors.md``); a library error that names a parameter in backticks
-(`` `filter_glob` ``) is shown with the command's flag (``--filter``).
+With ``--json`` a result's ``to_dict()`` is the only thing on stdout, else its renderer prints
+it. ``error: [CODE]``/``hint:``, ``warning:``, ``note:`` (left out with ``-q``) and log records
+go to stderr. :func:`command_boundary` wraps stdout/stderr in :class:`SanitizedStream` for the
+run, so every write has control characters, bidi controls and line separators escaped
+(:func:`~ckpttool.ui.render.safe_text`) and cannot start a line of its own; it turns every
+exception into such a line and the documented exit code, showing backticked parameters as the
+command's flags. ``docs/design.md`` §8; ``docs/cli.md``.
 """
 
 from __future__ import annotations

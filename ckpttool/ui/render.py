@@ -1,19 +1,11 @@
 """Human output: the consoles, the shared formatters and tables that never mislead.
 
-Library code never prints; commands call these functions with result objects. Every
-string that reaches the terminal is escaped first (:func:`safe_text`): keys and paths
-come from untrusted checkpoints.
-
-- **One formatter per kind of value** (:func:`fmt_shape`, :func:`human_bytes`,
-  :func:`fmt_rate`, :func:`fmt_dict`, :func:`fmt_value`, :func:`plural`; absent values are
-  ``-``): a shape or a size reads the same in every command, never as a Python repr.
-- **Width**: ``--wide``, else ``COLUMNS``, else the terminal's width, else
-  :data:`PIPE_WIDTH` (120) when piped. Tables are laid out to it; on a terminal text wraps
-  at spaces, in a pipe each line of text stays whole (for grep). No line ends in whitespace.
-- **Tables** (:func:`print_table`): numbers and codes never wrap; columns without values
-  and then low-value columns are hidden (and named) before keys fold.
-- **Colour** (:func:`color_enabled`): only on a terminal, never with ``NO_COLOR``;
-  ``--color always|never`` decides instead.
+Library code never prints; commands call these with result objects. Every string is escaped
+first (:func:`safe_text`): keys and paths come from untrusted checkpoints. One formatter per
+kind of value (:func:`fmt_shape`, :func:`human_bytes`, :func:`fmt_rate`, ...; absent is ``-``);
+width from ``--wide``, ``COLUMNS``, the terminal, else :data:`PIPE_WIDTH` in a pipe; tables
+never wrap numbers and hide low-value columns (named) before keys fold; colour only on a
+terminal, never with ``NO_COLOR``. ``docs/cli.md``, "Output".
 """
 
 from __future__ import annotations

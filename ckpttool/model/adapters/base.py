@@ -1,25 +1,13 @@
-"""The model-adapter interface: declarative key maps plus tensor transforms (torch-free, metadata only).
+"""The model-adapter interface: declarative key maps plus element moves (torch-free, metadata only).
 
-An adapter translates the state-dict names (and, where the two conventions differ, the
-element layout) of one model family between a trainer's convention and Hugging Face
-transformers'. It never touches tensor data: :meth:`ModelAdapter.to_hf` answers, for one
-source tensor ``(fqn, shape)``, *where its elements go* in the HF state dict
-(:class:`HFTensor`); the export streaming path (``ckpttool.ops.export``) moves the
-bytes slab by slab accordingly. :meth:`ModelAdapter.from_hf` is the inverse (import).
-
-Transforms (all are exact element moves; no arithmetic):
-
-- ``rope``: the per-head row permutation between the interleaved rotary pairing
-  (torchtitan's complex RoPE, Meta's Llama reference) and HF Llama's half-split pairing
-  (``rotate_half``). For a ``[n_heads * head_dim, dim]`` projection, output row
-  ``h*hd + j*(hd/2) + i`` is input row ``h*hd + 2*i + j`` (``i < hd/2``, ``j in {0, 1}``):
-  the ``permute`` of transformers' ``convert_llama_weights_to_hf.py``; ``k`` uses
-  ``n_kv_heads`` under GQA.
-- ``part``: the source is part ``part`` of ``nparts`` equal blocks stacked along dim 1
-  of an expert tensor ``[E, nparts*A, B]`` (torchtitan ``w1``/``w3`` ``[E, I, H]`` ->
-  HF ``gate_up_proj`` ``[E, 2I, H]``, gate first).
-- ``experts``: a ``[E, A, B]`` tensor that ``--experts per-expert`` writes as ``E``
-  tensors ``[A, B]`` named by :attr:`HFTensor.per_expert` (``{j}`` = expert index).
+An adapter translates one model family's state-dict names, and where the conventions differ
+the element layout, between a trainer's convention and HF transformers'. It never touches
+data: :meth:`ModelAdapter.to_hf` says where each element of ``(fqn, shape)`` goes
+(:class:`HFTensor`), :meth:`ModelAdapter.from_hf` the inverse (import). Transforms are exact
+element moves: ``rope`` (interleaved -> HF ``rotate_half`` rows, the ``permute`` of
+transformers' ``convert_llama_weights_to_hf.py``), ``part`` (one of ``nparts`` blocks of dim 1),
+``experts`` (per-expert tensors). ``docs/export.md``, "Model adapters"; ``docs/design.md`` §5,
+"Registries".
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """``diff A B``: do two checkpoints hold the same model (and optimizer), whatever their sharding or format?
 
-Each side is a DCP checkpoint (any world size, EP layout, key schema; opened with
-:func:`~ckpttool.model.checkpoint.open_checkpoint`), a Hugging Face safetensors directory
-(one file or sharded with its index, or a ``HuggingFaceStorageWriter`` save), one
-``.safetensors`` file, or a PEFT LoRA adapter directory. Names are matched in one namespace
-(``docs/diff.md``):
-
-- two DCP checkpoints: torch-native keys (``model.<fqn>``, ``optimizer.state.<fqn>.<field>``,
-  per-parameter hyperparameters), whatever each side's schema;
-- DCP against safetensors: the DCP side is named by the export mapping
-  (:mod:`ckpttool.ops.export.plan`: key rules, fused or per-expert experts chosen per tensor by
-  what the other side holds, a tied ``lm_head`` compared with the embedding), with ``map_rules``
-  (export rules YAML) for the rest; against a LoRA adapter, by the LoRA output keys;
-- two safetensors sides: the stored names.
-
-A model adapter (torchtitan <-> HF naming) plugs in as one more :class:`Namer`: a function
-from an opened DCP side to its :class:`Item` s in the other side's namespace.
-
-Values are compared tensor by tensor in the canonical global order (legacy EP layouts
-un-permuted, per-expert pieces cut from the fused tensor), holding at most one global tensor
-per side (:mod:`ckpttool.ops.diff.compare`). When both sides store a tensor with the same
-chunking, dtype and raw records, the records are compared byte for byte without decoding
-(the fast path); zip CRC-32s that differ skip straight to the decoding comparison.
+A side is a DCP checkpoint, an HF safetensors directory or file, or a PEFT LoRA adapter.
+Names are matched in one namespace: torch-native keys between two DCP checkpoints; the export
+mapping (:mod:`ckpttool.ops.export.plan`) for a DCP side against safetensors; stored names
+between two safetensors sides. A :class:`Namer` maps an opened DCP side to its :class:`Item`
+s. Values are compared tensor by tensor in canonical global order, at most one global tensor
+per side (:mod:`ckpttool.ops.diff.compare`); equal chunking, dtype and raw records are compared
+byte for byte without decoding. ``docs/diff.md``.
 """
 
 from __future__ import annotations

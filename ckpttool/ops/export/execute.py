@@ -1,19 +1,11 @@
-"""``export_checkpoint``: DCP checkpoint -> Hugging Face safetensors (sharded + index) or a PEFT LoRA adapter.
+"""``export_checkpoint``: DCP checkpoint -> HF safetensors (sharded + index) or a PEFT LoRA adapter.
 
-Flow: the opened checkpoint (catalog and layout) -> selection and plan (pure,
-:mod:`ckpttool.ops.export.plan`) -> every source's chunks checked (tiling,
-stored sizes) -> output files created at their final size in a temporary directory
-beside ``OUT`` -> every stored chunk read once by a thread pool -> index, assets,
-rename into place (:class:`~ckpttool.format.atomic.AtomicOutputDir`).
-
-A tensor written as stored is copied chunk by chunk from the ``.distcp`` files to
-its place in the output through a 1 MiB bounce buffer
-(:func:`ckpttool.format.copy.copy_range`; faster than ``cp``'s ``copy_file_range`` for
-DCP's page-misaligned chunks). Every other tensor (cast, split per expert, un-permuted,
-or chunked along an inner dim) streams chunk by chunk and slab by slab through the
-transform path (:mod:`ckpttool.ops.export.transform`): no tensor is assembled, memory is
-a few cache-sized buffers per worker, and a cast between float32, bfloat16 and float16
-runs on numpy, so torch is not imported by such an export either.
+The opened checkpoint -> selection and plan (pure, :mod:`ckpttool.ops.export.plan`) -> chunks
+checked (tiling, stored sizes) -> output files created at their final size in a temporary
+directory -> every stored chunk read once on the pool -> index, assets, atomic rename. A tensor
+written as stored is copied verbatim (:func:`ckpttool.format.copy.copy_range`); every other
+one streams slab by slab through :mod:`ckpttool.ops.export.transform`, never assembled.
+``docs/export.md``, "How it streams".
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """``adapter_config.json`` for ``export --format lora`` (PEFT LoRA adapters).
 
-PEFT (``peft.PeftModel.from_pretrained``) needs ``adapter_config.json`` beside
-``adapter_model.safetensors``. It is taken from ``--adapter-config FILE``, else from
-``adapter_config.json`` in ``--model-assets``, else inferred from the adapter tensors:
-
-- ``r``: dim 0 of ``lora_A.weight`` ``[r, in]`` / ``lora_embedding_A`` ``[r, vocab]``
-  (``lora_B.weight`` is ``[out, r]``); modules with another rank go to ``rank_pattern``;
-- ``target_modules``: the module names (last component) carrying adapters, or an
-  anchored regex of the exact module paths when some module of the same name has no
-  adapter (e.g. ``layers_to_transform``);
-- ``use_dora``: ``lora_magnitude_vector`` tensors present;
-- ``lora_alpha``: not recoverable from weights, so ``--lora-alpha`` is required;
-- ``task_type``: ``CAUSAL_LM`` when the ``--model-assets`` config names a ``*ForCausalLM``.
-
-Key convention (``peft.utils.save_and_load.get_peft_model_state_dict``): the saved key is
-the module key with the adapter name removed, ``base_model.model.<module>.lora_A.weight``.
+Taken from ``--adapter-config FILE``, else ``--model-assets``, else inferred from the adapter
+tensors: ``r`` from dim 0 of ``lora_A`` (others in ``rank_pattern``), ``target_modules``,
+``use_dora``, ``task_type``; ``lora_alpha`` is not recoverable, so ``--lora-alpha`` is required.
+Key convention: ``peft.utils.save_and_load.get_peft_model_state_dict``
+(``base_model.model.<module>.lora_A.weight``). ``docs/export.md``, "LoRA adapters".
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """Element-wise comparison of replayed values with the reference, with dtype-aware tolerance.
 
-For a field stored in dtype ``D`` whose arithmetic ran in dtype ``A``, an element passes when::
-
-    |actual - ref| <= atol + rtol_eff * scale
-    scale    = |ref_0| + sum_k |ref_k - ref_{k-1}|      (start value plus the path of the K steps)
-    rtol_eff = max(rtol, 2 * eps(D), 4 * eps(A))
-
-With K > 1 steps and BF16 moments, one step's moment may round to the other neighbour
-than the reference's (FP32 vs FP64 arithmetic), which shifts every later update of the
-master by up to ``eps(moment dtype)`` of its size; the master's allowance therefore adds
-``2 * eps(moment dtype) * sum_{k>=2} |ref_k - ref_{k-1}|`` (the path after the first step).
-
-A value stored between steps in a low-precision dtype (the BF16 parameter of
-``torch.optim.AdamW``, which has no master) is rounded once per step by the optimizer and by
-the reference, each possibly to the other neighbour: ``2 * (K - 1) * eps(D) * |ref|`` more.
-
-``eps`` is the machine epsilon (``torch.finfo(dtype).eps``: 2**-23 float32, 2**-7
-bfloat16, 2**-10 float16). ``scale`` bounds the operands of every step's update, so a
-rounding error of a few ulp in them is accepted even when the result cancels to ~0
-(``exp_avg`` lerps towards a gradient of the other sign). With FP32 storage and FP32
-arithmetic the user's ``rtol``/``atol`` decide; a BF16 moment may differ by its own
-rounding (2 ulp), and ``torch.optim.AdamW`` on BF16 parameters computes in BF16.
+For a field stored in dtype ``D`` computed in dtype ``A`` an element passes when
+``|actual - ref| <= atol + rtol_eff * scale``, ``scale = |ref_0| + sum_k |ref_k - ref_{k-1}|``,
+``rtol_eff = max(rtol, 2 * eps(D), 4 * eps(A))``; with K > 1 steps the master adds
+``2 * eps(moment dtype)`` of the path after the first step, and a low-precision value stored
+between steps (no master) ``2 * (K - 1) * eps(D) * |ref|``. ``eps`` is ``torch.finfo(dtype).eps``.
+Derivation: ``docs/replay.md``, "Tolerance".
 """
 
 from __future__ import annotations

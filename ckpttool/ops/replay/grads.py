@@ -1,20 +1,11 @@
 """Gradients for ``replay-step``: a safetensors file, or a documented deterministic generator.
 
-Generator (identical on every device and every run; ``docs/replay.md``)::
-
-    seed_k(fqn) = zlib.crc32(f"ckpttool.replay:{grad_seed}:{k}:{fqn}".encode("utf-8"))   # k = step index 0..K-1
-    g = torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed_k(fqn)), dtype=torch.float32)
-    grad = (g * grad_scale).to(param_dtype)        # on the CPU, then moved to the device
-
-``shape`` is the parameter's global shape in true expert order (canonical layout), so the
-same fqn gets the same gradient whatever mesh saved the checkpoint. ``zlib.crc32`` is
-stable across Python processes (unlike ``hash``), and CPU ``torch.randn`` with a seeded
-generator is deterministic for a given torch version.
-
-File: safetensors (``safetensors.torch``), one tensor per parameter keyed by its fqn
-(``model.layers.0.mlp.experts.down_proj``; a key with the checkpoint's ``model.`` prefix is
-accepted too), global shape in true expert order, any floating dtype (cast to the
-parameter dtype). The same gradient is used for every one of ``--steps`` steps.
+Generator: ``seed_k(fqn) = zlib.crc32(f"ckpttool.replay:{grad_seed}:{k}:{fqn}".encode())``
+(``k`` the step index), ``torch.randn`` of the parameter's global shape in true expert order on a
+CPU generator seeded with it, times ``grad_scale``, cast to the parameter dtype: the same on
+every device, run and saving mesh. File: safetensors, one tensor per parameter fqn (the
+``model.`` prefix accepted), global shape in true expert order, any floating dtype, used for
+every step. ``docs/replay.md``, "Gradients".
 """
 
 from __future__ import annotations

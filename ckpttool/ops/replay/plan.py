@@ -1,24 +1,12 @@
 """What ``replay-step`` replays: parameters, hyperparameters, optimizer type and memory batches.
 
-Decisions only, from the catalog (metadata and the small param-group byte items); no
-tensor is read and torch is not imported here.
-
-Optimizer type (docs/design.md §1, ``docs/replay.md``), first that applies:
-
-1. ``--optimizer TYPE`` (overrides a layout record, which is noted);
-2. the layout record's ``optimizer.type``;
-3. the saved state fields of each parameter (:func:`ckpttool.optim_state.schema.infer_optimizer_type`);
-   with ``--offload-patterns`` an FP32-master type becomes ``cpu_offload_adamw``.
-
-The configuration (moment dtypes, offload patterns) comes from the record's ``optimizer``
-object, else from the saved dtypes. Every saved field is then checked against
-:func:`~ckpttool.optim_state.schema.expected_state_dtypes` for that type and
-configuration before anything is read (exit 2 on a violation).
-
-A parameter without state replays from fresh state (``step`` 0, zero moments, master =
-parameter) only when no parameter of its *leaf* has state. A leaf is a nested param group
-(``optimizer.param_groups.<i>``) or, in the flattened flavor, the set of parameters whose
-saved hyperparameters are all equal (how ``MultiOptimizer`` reassembles its groups).
+Decisions only, from the catalog; no tensor is read, torch is not imported. Optimizer type,
+first that applies: ``--optimizer``; the layout record's ``optimizer.type``; the saved state
+fields (:func:`ckpttool.optim_state.schema.infer_optimizer_type`). Every saved field is checked
+against :func:`~ckpttool.optim_state.schema.expected_state_dtypes` before anything is read (exit
+2). A parameter without state starts from fresh state only when no parameter of its leaf (a
+nested param group, or equal saved hyperparameters in the flattened flavor) has state.
+``docs/replay.md``, "What it does".
 """
 
 from __future__ import annotations

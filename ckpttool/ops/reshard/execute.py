@@ -1,23 +1,12 @@
 """``reshard``: rewrite EP tensors between layout versions / mesh sizes.
 
-:func:`reshard` takes the opened source (its layout from record, sidecar or declaration),
-plans the output from metadata (:mod:`ckpttool.ops.reshard.plan`), and streams it into a
-temporary directory beside ``dst`` that is renamed into place when complete
-(``docs/design.md``, "Outputs"):
-
-- output chunks that are exactly a source chunk are copied as archives, verbatim
-  (after the chunk locator checked that the archive holds a tensor of the recorded dtype
-  and shape);
-- other EP chunks are assembled tensor by tensor: every source chunk is read once,
-  straight into the output chunk where it lands whole (one positional read), and written
-  with ``torch.save``. Peak memory: one tensor's rewritten chunks plus one source chunk;
-- byte items pass through; the ``layout`` item is replaced by the new record
-  (version 2 for ``--to canonical``, 1 for ``--to legacy``), which also names the
-  source in ``converted_from``;
-- other files beside the checkpoint (``extra_state/``, ``model_assets/``, ...) are
-  copied; a stale sidecar ``layout.json`` is not (the record is embedded).
-
-The source checkpoint is only read.
+Plans from metadata (:mod:`ckpttool.ops.reshard.plan`) and writes an atomic output: output
+chunks equal to a source chunk are copied verbatim after the chunk locator's checks; other EP
+chunks are assembled tensor by tensor (each source chunk read once; peak memory one tensor's
+rewritten chunks plus one source chunk) and written with ``torch.save``; byte items pass
+through, the ``layout`` item replaced by the new record (``converted_from`` names the source);
+files beside the checkpoint are copied, a stale sidecar ``layout.json`` is not. The source is
+only read. ``docs/layouts.md``, "ckpttool reshard".
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """Rule registry, findings and severities of ``ckpttool validate``.
 
-A *rule* is one small function with a stable code (``S002``), a severity
-(error / warning / info), a one-line summary and a fix hint. It receives the
-:class:`~ckpttool.ops.validate.context.Context` of the checkpoint and yields
-``(key, message)`` pairs (or ``(key, message, hint)`` to override the hint, or a
-:class:`Finding` for full control); the runner turns them into
-:class:`Finding` objects. Codes are grouped by family (``docs/rules.md``):
-
-======  =============================================================
-``S``   storage: metadata, data files, chunks, byte items, extra_state
-``O``   optimizer state: coverage, shapes, dtype policy, masters
-``P``   param groups: hyperparameters, ``initial_lr``, ``step`` dtype
-``L``   layout record and EP layout
-``M``   model: ``--config`` (layers, experts, tied head), ``--against``, saved non-persistent buffers
-``K``   key schema: nothing recognised, uncategorized tensors, index-keyed optimizer state
-``D``   deep (``--deep``): values read from the data files
-======  =============================================================
-
-*Fatal* rules (unreadable/unsafe input) always run and make the command exit 2.
+A rule is one function with a stable code (``S002``), a severity, a summary and a fix hint; it
+receives the :class:`~ckpttool.ops.validate.context.Context` and yields ``(key, message)``
+(or with a hint, or a :class:`Finding`). Families: ``S`` storage, ``O`` optimizer state,
+``P`` param groups, ``L`` layout, ``M`` model, ``K`` key schema, ``D`` deep. Fatal rules
+(unreadable or unsafe input) always run and make the command exit 2. ``docs/rules.md``.
 """
 
 from __future__ import annotations
