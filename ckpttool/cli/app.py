@@ -405,7 +405,7 @@ def _only_the_command(argv: Sequence[str]) -> list[Any] | None:
     """Keep only the command ``argv[1]`` names in the app (its registered list before, to restore), or ``None``.
 
     Typer turns every registered command's signature into click parameters when the app runs
-    (``typing.get_type_hints``: ~35 ms of ``compile``/``eval`` for the twelve commands); a run of
+    (``typing.get_type_hints``: ``compile``/``eval`` of every signature); a run of
     ``ckpttool import ...`` needs only its own. The root ``--help``, a global option before the
     command, a mistyped command and shell completion keep them all.
     """
@@ -433,8 +433,8 @@ def main() -> None:
         code = e.code
     finally:
         group.close()
-    # A torchrun rank leaves without the interpreter's teardown of torch (0.3-0.4 s of a run's fixed
-    # cost, docs/performance.md): the command has finished (output committed or removed, files closed).
+    # A torchrun rank leaves without the interpreter's teardown of torch (a fixed cost of every run,
+    # docs/performance.md): the command has finished (output committed or removed, files closed).
     if isinstance(code, str):
         sys.stderr.write(code + "\n")
         code = 1

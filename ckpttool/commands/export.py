@@ -256,7 +256,7 @@ def _opened_frozen(open_fn: Callable[[], Checkpoint]) -> Iterator[Checkpoint]:
     """Open the checkpoint (``open_fn()``) with the cyclic GC paused, then freeze what it built.
 
     Opening 10^6 entries builds ~10^7 long-lived acyclic objects with the GC paused; resuming it
-    plainly would scan them all at the next allocation (0.5 s), and every full collection of the
+    plainly would scan them all at the next allocation, and every full collection of the
     export again. They are frozen (``gc.freeze``) before the GC resumes and unfrozen when the checkpoint is
     closed, unless something was frozen before (then left as it was). No result changes: frozen
     objects still die by reference count.

@@ -129,7 +129,7 @@ def _render(r: ImportResult) -> None:
         )
     if r.skipped:
         lines.append("not imported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()))
-    if not sys.stdout.isatty():  # a pipe: whole lines, no wrapping; rich (~15 ms of start-up) is not needed
+    if not sys.stdout.isatty():  # a pipe: whole lines, no wrapping; rich (and its start-up) is not needed
         for line in lines:
             typer.echo(line)
         return

@@ -1,10 +1,9 @@
 """CRC-32 (the zip polynomial, ``0xEDB88320`` reflected) at memory speed.
 
-zip entries carry the CRC-32 of ISO 3309 / ITU-T V.42, which ``zlib.crc32`` computes at
-~2 GB/s here (zlib 1.2.13 has no folded/SIMD kernel), slower than reading a checkpoint
-from the page cache. ``isal`` (Intel ISA-L's PCLMULQDQ/VPCLMULQDQ folding kernels, Python
-bindings by the python-isal project) computes the same function at ~10-14 GB/s
-(``bench/bench_validate.py`` prints both). CRC-32C (``crc32c``/``google-crc32c``) is a
+zip entries carry the CRC-32 of ISO 3309 / ITU-T V.42. ``zlib.crc32`` computes it without a
+folded/SIMD kernel (zlib 1.2.13), slower than reading a checkpoint from the page cache; ``isal``
+(Intel ISA-L's PCLMULQDQ/VPCLMULQDQ folding kernels, python-isal bindings) computes the same
+function several times faster and is used when installed (``docs/performance.md``). CRC-32C (``crc32c``/``google-crc32c``) is a
 different polynomial (Castagnoli) and cannot check zip entries: ``crc32(b"123456789")`` is
 ``0xCBF43926``, CRC-32C of it ``0xE3069283``.
 """

@@ -1,12 +1,11 @@
 """Strong digests of stored bytes (integrity manifests), one place for the algorithms.
 
 ``xxh3-128`` (xxHash's XXH3, 128-bit, by Yann Collet; the ``xxhash`` package) is the default:
-~16 GB/s on one core here, faster than the page cache delivers a checkpoint, with a 2^-128
-accidental collision probability. It is not a cryptographic hash: it detects damage (bit rot,
-truncated copies, a file replaced by another run's), not a forger who can rewrite the
-manifest too. ``blake3`` (the BLAKE3 reference implementation's Python binding, ~2.4 GB/s on
-one core) and ``blake2b`` (stdlib ``hashlib``, ~0.5 GB/s) are cryptographic choices
-(``--hash``). ``bench/bench_diff.py`` prints the speed of each.
+faster on one core than the page cache delivers a checkpoint, with a 2^-128 accidental
+collision probability. It is not a cryptographic hash: it detects damage (bit rot, truncated
+copies, a file replaced by another run's), not a forger who can rewrite the manifest too.
+``blake3`` (the BLAKE3 reference implementation's Python binding) and ``blake2b`` (stdlib
+``hashlib``) are slower, cryptographic choices (``--hash``; ``docs/performance.md``).
 """
 
 from __future__ import annotations

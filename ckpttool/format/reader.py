@@ -70,7 +70,7 @@ class CheckpointReader(CheckpointDir):
             Dangerous on untrusted input (runs arbitrary code).
         metadata, parts: a composed checkpoint (see :class:`~ckpttool.format.directory.CheckpointDir`).
         verify_crc: check each storage record's CRC-32 as its bytes are read or copied
-            (``ChecksumError`` on a mismatch; ~14 GB/s with ``isal``, docs/performance.md).
+            (``ChecksumError`` on a mismatch; cost: docs/performance.md).
 
     Raises:
         as :class:`~ckpttool.format.directory.CheckpointDir`.

@@ -170,7 +170,7 @@ class HeaderEntry:
     """One tensor of a shard: output ``name``, torch dtype name, ``shape``; ``begin``/``end`` set by :func:`build_header`.
 
     A value (nothing assigns its fields once built); not frozen, because an export of 10^6 tensors
-    builds 10^6 of them and a frozen dataclass costs ~5x more to build.
+    builds 10^6 of them and a frozen dataclass is several times slower to build.
     """
 
     name: str

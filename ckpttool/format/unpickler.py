@@ -521,7 +521,7 @@ def _convert_planner(planner: Any, source: str) -> dict[str, tuple[Any, ...]]:
 
     dtypes, layouts and ``torch.Size`` that custom planners leave there become their names and int
     tuples: nothing of ckpttool's stand-ins survives into values ckpttool later writes. One C-speed
-    type test per path (10^6 paths: ~0.5 s).
+    type test per path.
 
     Raises:
         PlannerDataError: a path that is not a sequence, or holds unhashable or other values.
@@ -598,7 +598,7 @@ def gc_paused() -> Iterator[None]:
 
     Unpickling and converting a 10^6-entry ``.metadata`` allocates ~10^7 acyclic objects, and
     so do the catalog, the rules and inspect's report built from them; the cyclic GC would
-    rescan them over and over (25 s -> 13 s for 10^6 entries with it paused).
+    rescan them over and over (``docs/performance.md``).
     """
     was = gc.isenabled()
     gc.disable()

@@ -747,9 +747,9 @@ def _stream_record(
     ``behind``: start the disk write-back as the record is written (the caller ``fsync`` s later).
 
     ``zipfile``'s own record writer (``ZipFile.open(info, "w")``) costs two extra passes over
-    the data: zlib's CRC-32 (~2.5 GB/s) and a copy through the buffered file object. Here
+    the data: zlib's CRC-32 and a copy through the buffered file object. Here
     each buffer-full is read from the source (:mod:`ckpttool.engine`), its CRC-32 folded in while it is
-    still in the CPU cache (``isal``, ~10 GB/s, :mod:`ckpttool.format.crc`) and written with
+    still in the CPU cache (``isal`` when installed, :mod:`ckpttool.engine.crc`) and written with
     ``os.pwrite`` at its place in the output; the local header is written last, with the CRC,
     and the record is entered in the archive's central directory as ``zipfile``'s writer
     enters it (``filelist``, ``NameToInfo``, ``start_dir``: the fields ``_ZipWriteFile.close`` sets,

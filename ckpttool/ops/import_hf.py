@@ -58,7 +58,7 @@ class ImportOptions:
             ranks, canonical order, a layout record); ``None``: no EP. ``world_size`` is then ``P * F``.
         overwrite: replace an existing output.
         fsync: ``fsync`` the data files and ``.metadata`` before the output is moved into place
-            (survives a power loss; ~0.2-0.3 s per GB on the development machine, docs/performance.md).
+            (survives a power loss; its cost: docs/performance.md).
         manifest: write the output's ``manifest.json`` (every record digested as it is written,
             ``docs/diff.md``), with the source directory's identity (its headers' and manifest's digests).
         algorithm: the digest algorithm of the manifest.

@@ -306,7 +306,7 @@ class InspectResult:
 
         The tensor lists are encoded row by row (the rows of tensors of one layout share their
         text after the key), so no dict per tensor is built and the document is never whole in
-        memory (10^6 tensors: ~1 s instead of ~4 s, no 1 GiB peak).
+        memory (no peak of the document's size; docs/performance.md).
         """
         d = self.to_dict_shallow()
         # everything but the tensor rows encoded first: a value json refuses raises before any text is out

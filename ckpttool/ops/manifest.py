@@ -339,7 +339,7 @@ def build_manifest(
         )
 
     # Reads and the digests release the GIL: two workers overlap one entry's read with
-    # another's hashing (bench/bench_diff.py). Entries keep the checkpoint's order.
+    # another's hashing. Entries keep the checkpoint's order.
     entries: list[ManifestEntry] = []
     workers = worker_count(_WORKERS, os.cpu_count() or 1)
     items = _items(reader)

@@ -89,7 +89,7 @@ class _HasDict(Protocol):
 
 def emit_json(obj: Any) -> None:
     """Write ``obj`` as JSON to stdout (the only thing on stdout with ``--json``)."""
-    # Compact: the C encoder (indent= falls back to the pure-Python one, ~10x slower on large outputs).
+    # Compact: the C encoder (indent= falls back to the much slower pure-Python one).
     sys.stdout.write(json.dumps(obj, separators=(",", ":"), default=str, allow_nan=False) + "\n")
     sys.stdout.flush()
 

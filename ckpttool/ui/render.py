@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING, Any, cast
 
-if TYPE_CHECKING:  # rich costs ~15 ms to import: only commands that print tables pay for it
+if TYPE_CHECKING:  # rich is slow to import: only commands that print tables pay for it
     from rich.console import Console
     from rich.table import Table
 

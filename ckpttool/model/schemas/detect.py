@@ -444,7 +444,7 @@ def _closing_reasons(
 def detect_schema(md: CheckpointMetadata, override: SchemaOverride | None = None) -> KeySchema:
     """The key schema of a checkpoint, detected from its keys and ``planner_data`` (or overridden).
 
-    One pass over the entries (10^5 entries: tens of milliseconds), then a few set lookups.
+    One pass over the entries, then a few set lookups.
 
     Args:
         md: the validated metadata.

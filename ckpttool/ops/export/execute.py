@@ -754,7 +754,7 @@ def _export(
     t0 = time.perf_counter()
     out_format = get_format(opts.fmt)
     # Planning and the chunk checks allocate ~10 acyclic objects per tensor (10^7 at 10^6 tensors): the
-    # cyclic GC would rescan them again and again (7 s of 24 s CPU there); it runs again before any write.
+    # cyclic GC would rescan them again and again (a large share of the CPU time); it runs again before any write.
     with gc_paused():
         reader = ckpt.reader
         reader.verify_crc = opts.verify_crc
@@ -771,7 +771,7 @@ def _export(
         content = {k: v for k, v in identity.items() if k != "checkpoint"}
         st_metadata = {"format": "pt", SOURCE_METADATA_KEY: json.dumps(content, sort_keys=True, separators=(",", ":"))}
         # The GC resumes below with every object of the plan (and of the open) in its youngest generation: the
-        # first allocation would scan them all (0.7 s at 10^6 tensors), later full collections again. They are
+        # first allocation would scan them all, and later full collections again. They are
         # long-lived and acyclic: frozen (gc.freeze) until the export ends; a caller's own freeze is left to it.
         unfreeze = gc.get_freeze_count() == 0
         gc.freeze()

@@ -69,7 +69,7 @@ _TEMPLATE_RE = re.compile(r"\\(?:([1-9])(?![0-9])|g<([1-9][0-9]*|[A-Za-z_][A-Za-
 @functools.lru_cache(maxsize=256)
 def _template(pattern: re.Pattern[str], to: str) -> tuple[str | int, ...] | None:
     """``to`` as literal text and group references, parsed once (``Match.expand`` parses it per call:
-    14 us per key, the largest part of planning 10^6 keys); ``None`` for a template with other
+    the largest part of planning 10^6 keys); ``None`` for a template with other
     escapes or a reference to a group the pattern lacks (``Match.expand`` then handles or refuses it).
     """
     parts: list[str | int] = []

@@ -600,7 +600,7 @@ def _reuse_freed_memory() -> Iterator[None]:
 
     The reference allocates thousands of slab-sized float64 tensors; with glibc's defaults each
     one above 128 KiB is a fresh ``mmap`` (or the heap top is trimmed after its ``free``), so
-    every slab pays its page faults again (measured: 3-5x slower per element). Raising the mmap
+    every slab pays its page faults again (several times slower per element). Raising the mmap
     and trim thresholds for the pass keeps them for reuse; afterwards the defaults come back
     and ``malloc_trim`` returns what is free to the system.
     """
