@@ -7,7 +7,7 @@ torch 2.x writes into ``.metadata`` (docs/design.md §6) to light stand-ins
 defined here, so reading metadata neither executes foreign code nor imports
 torch; any other global raises :class:`~ckpttool.errors.UnsafePickleError`
 naming it. The stand-in objects are then validated field by field and converted
-to the frozen dataclasses of :mod:`ckpttool.dcp.model`.
+to the frozen dataclasses of :mod:`ckpttool.format.metadata`.
 
 :class:`PrimitiveUnpickler` reads ``data.pkl`` of a ``torch.save`` archive that
 holds only plain Python values (floats, ints, strings, lists, tuples, dicts) —

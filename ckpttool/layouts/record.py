@@ -1,4 +1,4 @@
-"""The ckpttool layout record (``docs/design.md``, "Layout record"): parse, validate, serialise.
+"""The ckpttool layout record (``docs/design.md`` §4): parse, validate, serialise.
 
 The record is a JSON object stored as the byte item ``layout`` of the checkpoint
 (a ``torch.save``'d ``str``), or as a sidecar ``layout.json`` beside ``.metadata``::

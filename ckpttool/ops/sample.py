@@ -368,7 +368,7 @@ def write_sample(
 
     Everything (``dcp.save``, ``extra_state/``, ``model_assets/``) is written into a temporary
     sibling directory renamed into place when complete
-    (:class:`~ckpttool.output.AtomicOutputDir`): a failed or interrupted run leaves nothing.
+    (:class:`~ckpttool.format.atomic.AtomicOutputDir`): a failed or interrupted run leaves nothing.
 
     Args:
         path: target directory; must not exist or be empty.

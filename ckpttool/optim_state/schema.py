@@ -116,7 +116,7 @@ def expected_state_dtypes(
 def infer_optimizer_type(fields: Mapping[str, Any]) -> str:
     """Name the optimizer type that saves these per-parameter fields and dtypes.
 
-    Decision table (``docs/design.md``, "Optimizer state"): only ``step``/``exp_avg``/``exp_avg_sq`` ->
+    Decision table (``docs/design.md`` §3): only ``step``/``exp_avg``/``exp_avg_sq`` ->
     ``adamw``; ``master_weight`` f32 with f32 moments -> ``full_fp32_adamw``;
     ``master_weight`` f32 with bf16 moments -> ``master_fp32_adamw``.
 

@@ -421,7 +421,7 @@ class _Executor:
         dest = writer.offset(name) + at
         if h is None:
             copied = self.reader.copy_chunk_to_file(task.source_key, chunk, writer.fd, dest)
-        else:  # digested as the bytes pass the bounce buffer
+        else:  # digested as the bytes pass the engine's block buffer
             copied = self.reader.copy_chunk_to_file(task.source_key, chunk, writer.fd, dest, sink=h.update)
             if copied:
                 writer.note(name, at, chunk.numel * DTYPE_ITEMSIZE[task.selected.source.dtype], h.hexdigest())

@@ -24,7 +24,7 @@ def expert_orders(selected: list[Selected], layout: ResolvedLayout) -> dict[str,
     Args:
         selected: the tensors to export (their ``model_key`` is looked up in the layout;
             a ``master_weight`` source shares its parameter's layout).
-        layout: from :func:`ckpttool.layouts.declare.resolve_layout`.
+        layout: from :func:`ckpttool.layouts.declaration.resolve_layout`.
 
     Returns:
         model key -> ``order`` with ``order[j]`` the dim-0 index holding true expert ``j``;

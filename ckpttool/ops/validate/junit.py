@@ -1,4 +1,4 @@
-"""JUnit XML of a :class:`~ckpttool.checks.runner.ValidationResult`, for CI systems.
+"""JUnit XML of a :class:`~ckpttool.ops.validate.runner.ValidationResult`, for CI systems.
 
 One ``<testcase>`` per selected rule (``classname`` ``ckpttool.validate.<family>``,
 ``name`` ``<code> <rule name>``): a ``<failure>`` when the rule has findings that fail

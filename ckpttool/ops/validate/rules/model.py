@@ -1,6 +1,6 @@
 """Model rules (``M``): structure against an HF ``config.json`` (``--config``) or a reference (``--against``).
 
-Checkpoint keys are ``model.<HF name>`` (``docs/design.md``, "Key schema"). Layer indices are read
+Checkpoint keys are ``model.<HF name>`` (``docs/design.md`` §2). Layer indices are read
 from ``...layers.<N>.`` components, per-expert indices from ``...experts.<j>.``; fused
 expert tensors (``...experts.gate_up_proj`` ``[E, 2I, H]``, HF transformers v5) carry
 the experts in dim 0. Config names: ``num_hidden_layers``; ``num_experts`` /

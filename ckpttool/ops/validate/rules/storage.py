@@ -1,6 +1,6 @@
 """Storage rules (``S``): ``.metadata``, data files, chunks, byte items, ``extra_state``.
 
-Facts checked (``docs/design.md``, "DCP format" and "Safety model"): every ``relative_path`` resolves inside the
+Facts checked (``docs/design.md`` §1 and §6): every ``relative_path`` resolves inside the
 checkpoint and exists; every chunk's ``[offset, offset+length)`` lies inside its file and
 holds at least ``numel * itemsize`` bytes; chunks tile their tensor exactly; stream
 transforms can be decoded; data files on disk are referenced; every writing rank that
