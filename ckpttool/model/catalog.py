@@ -220,7 +220,7 @@ class Catalog:
         """Model keys without the schema's model prefix (the optimizer's fqns); a shared list, do not modify it.
 
         Built once and again only when ``model`` or the schema changed; the fqn strings of the
-        planner paths when every model key has one (10^6 keys: no new strings, ~100 MB less).
+        planner paths when every model key has one (10^6 keys: no new strings).
         """
         sig = (id(self.model), len(self.model), self.schema.model_prefix)
         if self._fqns is not None and self._fqns[0] == sig:

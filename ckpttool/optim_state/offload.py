@@ -158,8 +158,8 @@ class CPUOffloadAdamW(MasterAdamWBase):
 
     State per parameter: ``step`` (0-d f32, CPU), ``master_weight`` f32, ``exp_avg`` and
     ``exp_avg_sq`` in ``cpu_moment_dtype`` (offloaded) or ``resident_moment_dtype``
-    (others). Offloaded state lives in host memory; see the module docstring for the
-    chunked staging path. Same arithmetic as :class:`FullFP32AdamW` (Loshchilov & Hutter
+    (others). Offloaded state lives in host memory; the chunked staging path is in
+    ``docs/optim_state.md``, "CPU offload and staging". Same arithmetic as :class:`FullFP32AdamW` (Loshchilov & Hutter
     2019; ``torch/optim/adam.py::_multi_tensor_adam``).
 
     The parameters must be named: pass ``model.named_parameters()`` or groups whose

@@ -98,8 +98,8 @@ class ExportOptions:
         overwrite: replace an existing non-empty ``OUT``.
         adapter_config: ``adapter_config.json`` to write (LoRA).
         lora_alpha: LoRA ``lora_alpha`` when no adapter config is given.
-        verify_crc: check every stored record's CRC-32 as it is copied or read (default on:
-            ~10% of a warm-cache export's time with ``isal``, docs/performance.md).
+        verify_crc: check every stored record's CRC-32 as it is copied or read (default on;
+            its cost: docs/performance.md).
         manifest: write the output's ``manifest.json`` (kind ``safetensors``: every byte range
             written, digested as it was written; ``docs/diff.md``).
         algorithm: the digest of the manifest and of the source identity, which every output
