@@ -1,12 +1,12 @@
 """Copy a byte range from one file to another: the verbatim-copy primitive of export and reshard.
 
-``copy_range`` reads into the engine's per-thread block buffer (:mod:`ckpttool.engine.io`,
-``BLOCK_BYTES``) and ``os.pwrite`` s it. It is deliberately not ``os.copy_file_range``: a DCP
-chunk's offset in its ``.distcp`` file never has the same page phase as its offset in the output
-(torch's archives start at arbitrary offsets), and on ext4 without reflinks the kernel then
-assembles every destination page from two partial writes, which is slower here than a
-read+write through a cache-sized buffer (``docs/performance.md``). Neither file position is used
-or moved, so threads may share descriptors.
+``copy_range`` is one engine item (:mod:`ckpttool.engine.plan`): read through the per-thread
+block buffer (``BLOCK_BYTES``), written at the output offset (``WriteAt``). It is deliberately
+not ``os.copy_file_range``: a DCP chunk's offset in its ``.distcp`` file never has the same page
+phase as its offset in the output (torch's archives start at arbitrary offsets), and on ext4
+without reflinks the kernel then assembles every destination page from two partial writes,
+which is slower here than a read+write through a cache-sized buffer (``docs/performance.md``).
+Neither file position is used or moved, so threads may share descriptors.
 """
 
 from __future__ import annotations

@@ -2,13 +2,14 @@
 
 A checkpoint may be an fsspec URL (``s3://``, ``gs://``, ``memory://``; ``file://`` is a local
 path). :class:`RemoteStore` lists the prefix once and checks caps and window bounds against the
-listed sizes before any request; small files are fetched whole, a chunk by one range request
-of exactly its window into a sparse local spool at the same offset, so everything above reads
-it like a local file. Transient failures are retried with backoff (else ``E141``-``E144``). A
-``relative_path`` is confined to the prefix: empty, absolute, ``..``/``.`` components, a
-scheme, NUL, backslashes and control characters are refused (``E101``) before any request.
-Options and credentials are never logged or put in a message. Needs ``ckpttool[remote]`` and a
-backend. ``docs/storage.md``; ``docs/design.md`` §5.
+listed sizes before any request; ``.metadata``, ``layout.json``, ``extra_state/*`` and byte
+items are fetched whole, a chunk by one range request of exactly its window into a sparse local
+spool at the same offset, so everything above reads it like a local file. Transient failures
+are retried with backoff (else ``E141``-``E144``). A ``relative_path`` is confined to the
+prefix: empty, absolute, ``..``/``.`` components, a scheme, NUL, backslashes and control
+characters are refused (``E101``) before any request. Options and credentials are never logged
+or put in a message. Needs ``ckpttool[remote]`` and a backend. ``docs/storage.md``;
+``docs/design.md`` §5.
 """
 
 from __future__ import annotations
