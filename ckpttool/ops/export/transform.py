@@ -230,7 +230,7 @@ class SlabWhere:
 
 
 class SlabTransform(Protocol):
-    """A value transform applied slab by slab (see the module docstring).
+    """A value transform applied slab by slab (``docs/export.md``, "The transform path").
 
     Attributes:
         src_dtype, out_dtype: torch dtype names of the stored and the written values.
@@ -339,7 +339,7 @@ def stream_chunk(
     slab_bytes: int = SLAB_BYTES,
     align: int = 1,
 ) -> int:
-    """Stream one stored chunk through ``transform`` into the output, slab by slab (see the module docstring).
+    """Stream one stored chunk through ``transform`` into the output, slab by slab (``docs/export.md``, "The transform path").
 
     Args:
         reader: the checkpoint reader (thread-safe).
