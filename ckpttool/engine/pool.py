@@ -37,6 +37,10 @@ def _mark_pool_thread() -> None:
     _local.on_pool = True
 
 
+def _mark_overlap_thread() -> None:
+    _local.on_pool = _local.on_overlap = True
+
+
 def _reset_after_fork() -> None:  # a forked child has none of the parent's threads
     global _executor, _size, _overlap, _lock
     _executor, _size, _overlap = None, 0, None
@@ -76,11 +80,22 @@ def _shared(min_threads: int) -> ThreadPoolExecutor:
 
 
 def overlap(fn: Callable[..., R], *args: Any) -> Future[R]:
-    """Run ``fn(*args)`` on the process's one overlap thread (a task that must not submit work itself)."""
+    """Run ``fn(*args)`` on the process's one overlap thread (a task that must not submit work itself).
+
+    Called from the overlap thread itself, ``fn`` runs inline (its future is done on return).
+    """
     global _overlap
+    if getattr(_local, "on_overlap", False):
+        done: Future[R] = Future()
+        done.set_running_or_notify_cancel()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:
+            done.set_exception(e)
+        return done
     with _lock:
         if _overlap is None:
-            _overlap = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-overlap", initializer=_mark_pool_thread)
+            _overlap = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-overlap", initializer=_mark_overlap_thread)
         ex = _overlap
     return ex.submit(fn, *args)
 

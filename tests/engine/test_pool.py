@@ -172,3 +172,20 @@ def test_lane_bounds_concurrency_and_cancels_the_queue_on_shutdown() -> None:
 def test_overlap_runs_on_its_own_thread() -> None:
     names = overlap(lambda: (threading.current_thread().name, on_pool_thread())).result()
     assert names[0].startswith("ckpttool-overlap") and names[1]
+
+
+def test_overlap_called_from_the_overlap_thread_runs_inline() -> None:
+    def nested() -> tuple[str, str]:
+        inner = overlap(lambda: threading.current_thread().name)
+        assert inner.done()  # a wait on the one overlap thread from itself would never end
+        return threading.current_thread().name, inner.result()
+
+    outer, inner = overlap(nested).result(timeout=10)
+    assert outer == inner and outer.startswith("ckpttool-overlap")
+
+
+def test_overlap_inline_error_is_the_futures() -> None:
+    def nested() -> BaseException | None:
+        return overlap(lambda: 1 // 0).exception()
+
+    assert isinstance(overlap(nested).result(timeout=10), ZeroDivisionError)

@@ -15,12 +15,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
+from ckpttool.engine.pool import overlap
 from ckpttool.errors import CkptError, DataFileError, DiffError, UsageError
 from ckpttool.format.crc import crc32
 from ckpttool.format.metadata import TensorMeta
@@ -761,20 +761,13 @@ def _row_blocks(side: Side, e: TensorEntry) -> list[Any] | None:
 def _stream_equal(a: Side, la: list[Any], b: Side, lb: list[Any], bufs: tuple[memoryview, memoryview]) -> bool:
     """Compare two row-block record sequences as one byte stream each (CRC-32 of every record checked)."""
     ba, bb = bufs
-    pool = _pool()
     ia = ib = 0  # current record of each side
     oa = ob = 0  # offset inside it
     crc_a = crc_b = 0
     while ia < len(la) and ib < len(lb):
         ra, rb = la[ia], lb[ib]
         want = min(len(ba), ra.nbytes - oa, rb.nbytes - ob)
-        if want < _THREADED_BYTES:
-            crc_a = _read_block(a, ra, ba, oa, want, crc_a)
-            crc_b = _read_block(b, rb, bb, ob, want, crc_b)
-        else:
-            fut = pool.submit(_read_block, b, rb, bb, ob, want, crc_b)
-            crc_a = _read_block(a, ra, ba, oa, want, crc_a)
-            crc_b = fut.result()
+        crc_a, crc_b = _read_both(a, ra, oa, crc_a, b, rb, ob, crc_b, bufs, want)
         same = ba.obj == bb.obj if want == len(ba) else ba[:want].tobytes() == bb[:want].tobytes()
         if not same:
             return False
@@ -788,16 +781,39 @@ def _stream_equal(a: Side, la: list[Any], b: Side, lb: list[Any], bufs: tuple[me
     return ia == len(la) and ib == len(lb)
 
 
-def _pool() -> ThreadPoolExecutor:
-    """One helper thread: side B is read while side A is (preadv, CRC-32 and memcmp release the GIL)."""
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(1, thread_name_prefix="ckpttool-diff")
-    return _POOL
-
-
-_POOL: ThreadPoolExecutor | None = None
 _THREADED_BYTES = 256 << 10
+
+
+def _read_both(
+    a: Side,
+    ra: Any,
+    oa: int,
+    crc_a: int,
+    b: Side,
+    rb: Any,
+    ob: int,
+    crc_b: int,
+    bufs: tuple[memoryview, memoryview],
+    want: int,
+) -> tuple[int, int]:
+    """:func:`_read_block` of side A into ``bufs[0]`` and side B into ``bufs[1]``; both running CRC-32s.
+
+    From ``_THREADED_BYTES`` on, B is read on the engine's overlap thread while A is read here
+    (preadv and CRC-32 release the GIL); a thread hand-off costs more than reading a small block.
+
+    Raises:
+        DataFileError: as :func:`_read_block`, side A's error first (B's read has ended by then).
+    """
+    ba, bb = bufs
+    if want < _THREADED_BYTES:
+        return _read_block(a, ra, ba, oa, want, crc_a), _read_block(b, rb, bb, ob, want, crc_b)
+    fut = overlap(_read_block, b, rb, bb, ob, want, crc_b)
+    try:
+        crc_a = _read_block(a, ra, ba, oa, want, crc_a)
+    except BaseException:
+        fut.exception()  # B's read ends before its buffer is used again; A's error is the one raised
+        raise
+    return crc_a, fut.result()
 
 
 def _read_block(side: Side, loc: Any, buf: memoryview, at: int, want: int, crc: int) -> int:
@@ -818,16 +834,9 @@ def _window_equal(a: Side, la: Any, b: Side, lb: Any, bufs: tuple[memoryview, me
     n = la.nbytes
     done, crc_a, crc_b = 0, 0, 0
     ba, bb = bufs
-    pool = _pool()
     while done < n:
         want = min(len(ba), n - done)
-        if want < _THREADED_BYTES:  # a thread hand-off costs more than reading a small block
-            crc_a = _read_block(a, la, ba, done, want, crc_a)
-            crc_b = _read_block(b, lb, bb, done, want, crc_b)
-        else:
-            fut = pool.submit(_read_block, b, lb, bb, done, want, crc_b)
-            crc_a = _read_block(a, la, ba, done, want, crc_a)
-            crc_b = fut.result()
+        crc_a, crc_b = _read_both(a, la, done, crc_a, b, lb, done, crc_b, bufs, want)
         # bytearray == bytearray is one memcmp; memoryview == memoryview compares element by element
         same = ba.obj == bb.obj if want == len(ba) else ba[:want].tobytes() == bb[:want].tobytes()
         if not same:
@@ -857,7 +866,7 @@ def _compare_pair(
         same = _raw_equal(a, ia, b, ib, bufs)
         if same:
             return None, True
-    fut = _pool().submit(b.load, ib)  # both sides read at once
+    fut = overlap(b.load, ib)  # both sides read at once
     try:
         ta = a.load(ia)
     finally:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
 from ckpttool.engine.kernels import IEEE_BITS, f32_to_bf16, f32_to_f16, float_values, summarise_bits
+from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import ChunkError, CkptError
 from ckpttool.format.crc import crc32
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, TensorMeta
@@ -245,6 +245,12 @@ class _SliceBuffers(threading.local):
 _slice_buffers = _SliceBuffers()
 
 
+def _release_buffers() -> None:
+    """Drop every thread's scratch and slice buffers (pool threads outlive a run; a later run allocates anew)."""
+    global _scratch, _slice_buffers
+    _scratch, _slice_buffers = _Scratch(), _SliceBuffers()
+
+
 def _stream_item(
     ctx: Context,
     keys: tuple[str, ...],
@@ -438,14 +444,14 @@ def run_deep(
         owners = group.share([it.nbytes for it in items])
         items = [it for it, r in zip(items, owners) if group.owns(r)]
     run = _DeepRun(ctx, metas, res, sum(it.nbytes for it in items), progress)
-    errors = _run_workers(run, items, workers, res)
+    error = _run_workers(run, items, workers, res)
     streamed = run.streamed_bytes
     if group.active:
-        group.agree(errors[0] if errors else None)
+        group.agree(error)
         merged = _merge_ranks(group, run.partial, run.failed, res, reader.bytes_read - start_bytes + streamed)
         streamed = merged - (reader.bytes_read - start_bytes)
-    elif errors:
-        raise errors[0]
+    elif error is not None:
+        raise error
     for k, st in run.partial.items():
         if k not in run.failed:
             res.stats[k] = st
@@ -626,32 +632,22 @@ class _DeepRun:
         self.progress(self.done, self.total)
 
 
-def _run_workers(run: _DeepRun, items: list[_Item], workers: int | None, res: DeepResult) -> list[BaseException]:
-    """Run ``run.work`` over ``items`` on ``res.workers`` threads; the exceptions that stopped a thread."""
+def _run_workers(run: _DeepRun, items: list[_Item], workers: int | None, res: DeepResult) -> Exception | None:
+    """Run ``run.work`` over ``items`` on ``res.workers`` threads of the shared pool; the first error, in item order.
+
+    After an error the items not started are skipped (the running ones end first); Ctrl-C does
+    the same, then propagates. The threads' slice buffers are released at the end.
+    """
     n = workers or min(8, max(2, os.cpu_count() or 2))
     n = max(1, min(n, len(items))) if items else 1
     res.workers = n
-    q: queue.SimpleQueue[_Item] = queue.SimpleQueue()
-    for it in items:
-        q.put(it)
-    errors: list[BaseException] = []
-
-    def loop() -> None:
-        try:
-            while True:
-                it = q.get_nowait()
-                run.work(it)
-        except queue.Empty:
-            return
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=loop, name=f"ckpttool-deep-{i}", daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
+    try:
+        map_ordered(run.work, items, workers=n)
+    except Exception as e:  # returned, not swallowed: every rank agrees on it, then the caller raises it
+        return e
+    finally:
+        _release_buffers()
+    return None
 
 
 def _read_byte_items(ctx: Context, res: DeepResult) -> None:
