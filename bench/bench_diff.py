@@ -170,7 +170,7 @@ def main() -> None:
     import blake3
     import xxhash
 
-    from ckpttool.format.crc import IMPLEMENTATION, crc32
+    from ckpttool.engine.crc import IMPLEMENTATION, crc32
 
     buf = os.urandom(256 << 20)
     cands = [

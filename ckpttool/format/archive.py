@@ -22,9 +22,9 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ckpttool.engine.crc import crc32
 from ckpttool.errors import SizeLimitError, StorageTupleError, UnsafePickleError
 from ckpttool.format import limits
-from ckpttool.format.crc import crc32
 from ckpttool.format.metadata import DTYPE_ITEMSIZE
 
 __all__ = [

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ckpttool.engine.crc import crc32
 from ckpttool.engine.execute import run_item
 from ckpttool.engine.io import ShortReadError, read_into
 from ckpttool.engine.plan import Crc32, Item
@@ -48,7 +49,6 @@ from ckpttool.format.archive import (
     parse_archive,
 )
 from ckpttool.format.copy import copy_range
-from ckpttool.format.crc import crc32
 from ckpttool.format.directory import CheckpointDir
 from ckpttool.format.locator import ChunkLocation, decode_transforms, locate_chunk, tensor_meta
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, StorageInfo, TensorMeta

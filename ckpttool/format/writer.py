@@ -208,7 +208,7 @@ class DCPWriter:
         self._count(end - start)
         self._record_chunk(key, chunk, rank, start, end - start)
         if self.digest is not None:  # the record is the tensor's bytes, still in memory
-            from ckpttool.format.crc import crc32
+            from ckpttool.engine.crc import crc32
 
             data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
             h = self._hasher()

@@ -19,10 +19,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ckpttool.engine.crc import crc32
 from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
 from ckpttool.engine.pool import overlap
 from ckpttool.errors import CkptError, DataFileError, DiffError, UsageError
-from ckpttool.format.crc import crc32
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.layouts.declaration import LayoutDeclaration
 from ckpttool.layouts.permute import legacy_to_canonical_perm

@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckpttool.engine.crc import crc32
 from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
 from ckpttool.engine.kernels import IEEE_BITS, f32_to_bf16, f32_to_f16, float_values, summarise_bits
 from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import ChunkError, CkptError
-from ckpttool.format.crc import crc32
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, TensorMeta
 from ckpttool.format.tiling import tiling_problem
 from ckpttool.layouts.record import LAYOUT_KEY

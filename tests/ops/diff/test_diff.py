@@ -246,8 +246,8 @@ def test_short_read_of_a_raw_block_is_the_data_file_error_it_always_was(tmp_path
     import os
     from types import SimpleNamespace
 
+    from ckpttool.engine.crc import crc32
     from ckpttool.errors import DataFileError
-    from ckpttool.format.crc import crc32
     from ckpttool.ops.diff.run import _read_block
 
     f = tmp_path / "__0_0.distcp"
