@@ -23,6 +23,7 @@ from ckpttool.engine.io import BLOCK_BYTES
 __all__ = [
     "BF16_NAN",
     "FAST_CASTS",
+    "Scratch",
     "F8_FORMATS",
     "IEEE_BITS",
     "BitSummary",
@@ -55,20 +56,26 @@ FAST_CASTS = frozenset(
 _NUMPY_FLOAT = {"float32": "float32", "float16": "float16", "float64": "float64"}
 
 
-class _Scratch(threading.local):
-    """Per-thread scratch arrays by name, at least a block in size (reused across slabs)."""
+class Scratch(threading.local):
+    """Per-thread scratch arrays by name, reused across slabs (no allocation, no page faults per slab).
 
-    def __init__(self) -> None:
+    Args:
+        min_items: the smallest array allocated, in elements (a block's worth for the callers).
+    """
+
+    def __init__(self, min_items: int = BLOCK_BYTES // 4) -> None:
+        self.min_items = min_items
         self.arrays: dict[str, Any] = {}
 
     def get(self, name: str, dtype: Any, n: int) -> Any:
+        """This thread's array ``name`` of ``dtype``, its first ``n`` elements (grown when smaller)."""
         a = self.arrays.get(name)
         if a is None or a.size < n:
-            a = self.arrays[name] = np.empty(max(n, BLOCK_BYTES // 4), dtype=dtype)
+            a = self.arrays[name] = np.empty(max(n, self.min_items), dtype=dtype)
         return a[:n]
 
 
-_scratch = _Scratch()
+_scratch = Scratch()
 
 
 # ---------------------------------------------------------------------------------------------- casts

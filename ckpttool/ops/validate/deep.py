@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.engine.crc import crc32
 from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
-from ckpttool.engine.kernels import IEEE_BITS, f32_to_bf16, f32_to_f16, float_values, summarise_bits
+from ckpttool.engine.kernels import IEEE_BITS, Scratch, f32_to_bf16, f32_to_f16, float_values, summarise_bits
 from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import ChunkError, CkptError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, TensorMeta
@@ -141,22 +141,11 @@ def _set_bits(st: TensorStats, b: Any) -> None:
         st.min = b.min
 
 
-class _Scratch(threading.local):
-    """Per-thread scratch arrays of slice size (reused: no allocation, no page faults per slice)."""
-
-    def __init__(self) -> None:
-        self.arrays: dict[str, Any] = {}
-
-    def get(self, name: str, dtype: Any, n: int) -> Any:
-        import numpy as np
-
-        a = self.arrays.get(name)
-        if a is None or a.size < n:
-            a = self.arrays[name] = np.empty(max(n, BLOCK_BYTES // 2), dtype=dtype)
-        return a[:n]
+def _new_scratch() -> Scratch:
+    return Scratch(BLOCK_BYTES // 2)
 
 
-_scratch = _Scratch()
+_scratch = _new_scratch()
 
 
 class _PairCount:
@@ -248,7 +237,7 @@ _slice_buffers = _SliceBuffers()
 def _release_buffers() -> None:
     """Drop every thread's scratch and slice buffers (pool threads outlive a run; a later run allocates anew)."""
     global _scratch, _slice_buffers
-    _scratch, _slice_buffers = _Scratch(), _SliceBuffers()
+    _scratch, _slice_buffers = _new_scratch(), _SliceBuffers()
 
 
 def _stream_item(
