@@ -570,6 +570,14 @@ else:
     _PurePickler = pickle._Pickler
 
 
+def _save_call(self: _PurePickler, obj: _Call) -> None:
+    """Pickle a :class:`_Call` as ``func(*args)`` (REDUCE): the dispatch entry of both picklers below."""
+    self.save(obj.func)
+    self.save(obj.args)
+    self.write(pickle.REDUCE)
+    self.memoize(obj)
+
+
 class _MetadataPickler(_PurePickler):
     """Pure-Python pickler that writes :class:`_Global`/:class:`_New`/:class:`_Call` as torch objects."""
 
@@ -589,12 +597,6 @@ class _MetadataPickler(_PurePickler):
         if obj.state is not None:
             self.save(obj.state)
             self.write(pickle.BUILD)
-
-    def _save_call(self, obj: _Call) -> None:
-        self.save(obj.func)
-        self.save(obj.args)
-        self.write(pickle.REDUCE)
-        self.memoize(obj)
 
     dispatch[_Global] = _save_global_ref  # type: ignore[assignment]  # typeshed: receiver typed as Unpickler
     dispatch[_New] = _save_new  # type: ignore[assignment]  # typeshed: receiver typed as Unpickler
@@ -664,12 +666,6 @@ class _ProtoTwoPickler(_PurePickler):
 
     def _save_global_ref(self, obj: _Global) -> None:
         self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
-        self.memoize(obj)
-
-    def _save_call(self, obj: _Call) -> None:
-        self.save(obj.func)
-        self.save(obj.args)
-        self.write(pickle.REDUCE)
         self.memoize(obj)
 
     dispatch[_Global] = _save_global_ref  # type: ignore[assignment]  # typeshed: receiver typed as Unpickler
