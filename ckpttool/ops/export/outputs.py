@@ -33,6 +33,7 @@ __all__ = [
     "OUTPUT_FORMATS",
     "OutputFormat",
     "PieceContext",
+    "SelectRequest",
     "PiecesFn",
     "SourcePieces",
     "format_help",
@@ -66,6 +67,27 @@ class PieceContext:
     per_expert: bool
     orders: dict[str, tuple[int, ...]]
     num_experts: int | None
+
+
+@dataclass(frozen=True)
+class SelectRequest:
+    """What :meth:`OutputFormat.select` chooses from: the catalog, the key rules and the export's choices.
+
+    Attributes:
+        cat: the checkpoint's catalog.
+        rules: the export key rules (YAML defaults or ``--rules``).
+        weights: ``"params"`` or ``"master"`` (the FP32 master weights of the optimizer state).
+        filter_glob: ``--filter``, or ``None``.
+        adapter: the model adapter naming the tensors, or ``None``.
+        adapter_config: its configuration, or ``None``.
+    """
+
+    cat: Catalog
+    rules: ExportRules
+    weights: str
+    filter_glob: str | None
+    adapter: ModelAdapter | None
+    adapter_config: AdapterConfig | None
 
 
 class OutputFormat:
@@ -102,16 +124,7 @@ class OutputFormat:
         """Refuse model names this format has no output names for (``ExportError`` / ``ExportNamingError``)."""
         raise NotImplementedError
 
-    def select(
-        self,
-        cat: Catalog,
-        rules: ExportRules,
-        *,
-        weights: str,
-        filter_glob: str | None,
-        adapter: ModelAdapter | None,
-        adapter_config: AdapterConfig | None,
-    ) -> SelectResult:
+    def select(self, req: SelectRequest) -> SelectResult:
         """``(selected, warnings, skipped, tags)``: the tensors to export and their output keys."""
         raise NotImplementedError
 

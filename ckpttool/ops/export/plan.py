@@ -293,13 +293,11 @@ def select_sources(
             a master whose shape differs from its parameter, or two keys mapping
             to one output key.
     """
-    from ckpttool.ops.export.outputs import get_format
+    from ckpttool.ops.export.outputs import SelectRequest, get_format
 
     out_format = get_format(fmt)
     out_format.check_names(cat, adapter)
-    return out_format.select(
-        cat, rules, weights=weights, filter_glob=filter_glob, adapter=adapter, adapter_config=adapter_config
-    )
+    return out_format.select(SelectRequest(cat, rules, weights, filter_glob, adapter, adapter_config))
 
 
 def build_plan(

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ckpttool.ops.export.outputs import OutputFormat, PieceContext, PiecesFn, SourcePieces
+from ckpttool.ops.export.outputs import OutputFormat, PieceContext, PiecesFn, SelectRequest, SourcePieces
 
 if TYPE_CHECKING:
-    from ckpttool.model.adapters import AdapterConfig, ModelAdapter
+    from ckpttool.model.adapters import ModelAdapter
     from ckpttool.model.catalog import Catalog
     from ckpttool.ops.export.plan import Selected, SelectResult
-    from ckpttool.ops.export.rules import ExportRules
 
 __all__ = ["ModelFormat"]
 
@@ -29,20 +28,11 @@ class ModelFormat(OutputFormat):
 
         require_model_tensors(cat)
 
-    def select(
-        self,
-        cat: Catalog,
-        rules: ExportRules,
-        *,
-        weights: str,
-        filter_glob: str | None,
-        adapter: ModelAdapter | None,
-        adapter_config: AdapterConfig | None,
-    ) -> SelectResult:
+    def select(self, req: SelectRequest) -> SelectResult:
         """The key rules' output keys (:func:`~ckpttool.ops.export.select.select_model`)."""
         from ckpttool.ops.export.select import RuleKeys, select_model
 
-        return select_model(cat, RuleKeys(rules), weights=weights, filter_glob=filter_glob)
+        return select_model(req.cat, RuleKeys(req.rules), weights=req.weights, filter_glob=req.filter_glob)
 
     def pieces_planner(self) -> PiecesFn:
         """One piece per source, as stored (:func:`~ckpttool.ops.export.plan.stored_pieces`, no expert rule)."""

@@ -12,13 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ExportError, ExportNamingError
 from ckpttool.ops.export.formats.base import ModelFormat
-from ckpttool.ops.export.outputs import PieceContext, PiecesFn, SourcePieces, register_format
+from ckpttool.ops.export.outputs import PieceContext, PiecesFn, SelectRequest, SourcePieces, register_format
 
 if TYPE_CHECKING:
-    from ckpttool.model.adapters import AdapterConfig, ModelAdapter
+    from ckpttool.model.adapters import ModelAdapter
     from ckpttool.model.catalog import Catalog
     from ckpttool.ops.export.plan import ExportPlan, Selected, SelectResult
-    from ckpttool.ops.export.rules import ExportRules
 
 __all__ = ["HFFormat", "INDEX_NAME", "refuse_torchtitan_names"]
 
@@ -60,16 +59,7 @@ class HFFormat(ModelFormat):
                 "config.json with `model_assets`, or save with torchtitan's checkpoint.last_save_in_hf",
             )
 
-    def select(
-        self,
-        cat: Catalog,
-        rules: ExportRules,
-        *,
-        weights: str,
-        filter_glob: str | None,
-        adapter: ModelAdapter | None,
-        adapter_config: AdapterConfig | None,
-    ) -> SelectResult:
+    def select(self, req: SelectRequest) -> SelectResult:
         """The key rules' (or a non-identity model adapter's) output keys.
 
         Raises:
@@ -77,6 +67,7 @@ class HFFormat(ModelFormat):
         """
         from ckpttool.ops.export.select import AdapterKeys, RuleKeys, select_model
 
+        cat, adapter = req.cat, req.adapter
         peft = next((k for k in cat.model if ".lora_A." in k or ".lora_B." in k), None)
         if peft is not None:
             raise ExportError(
@@ -86,8 +77,12 @@ class HFFormat(ModelFormat):
                 param="fmt",
                 hint="export the adapter with `fmt` lora, or the merged model with `fmt` hf-merged (`merge_lora`)",
             )
-        keys = AdapterKeys(adapter, adapter_config) if adapter is not None and not adapter.identity else RuleKeys(rules)
-        return select_model(cat, keys, weights=weights, filter_glob=filter_glob)
+        keys = (
+            AdapterKeys(adapter, req.adapter_config)
+            if adapter is not None and not adapter.identity
+            else RuleKeys(req.rules)
+        )
+        return select_model(cat, keys, weights=req.weights, filter_glob=req.filter_glob)
 
     def pieces_planner(self) -> PiecesFn:
         """An adapter's pieces and runs (RoPE rows, fused halves), else as stored or split by an expert rule."""

@@ -15,11 +15,11 @@ from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX, canonical_model_
 from ckpttool.model.wrappers import strip_wrapper_segments
 from ckpttool.ops.export.formats.base import ModelFormat
 from ckpttool.ops.export.formats.hf import HFFormat
-from ckpttool.ops.export.outputs import register_format
+from ckpttool.ops.export.outputs import SelectRequest, register_format
 
 if TYPE_CHECKING:
     from ckpttool.format.reader import CheckpointReader
-    from ckpttool.model.adapters import AdapterConfig, ModelAdapter
+    from ckpttool.model.adapters import ModelAdapter
     from ckpttool.model.catalog import Catalog
     from ckpttool.ops.export.plan import ExportPlan, Selected, SelectResult
     from ckpttool.ops.export.rules import ExportRules
@@ -46,16 +46,7 @@ class HFMergedFormat(HFFormat):
         """Raises ExportError (E601): no model tensor (the PEFT names are checked by :meth:`select`)."""
         ModelFormat.check_names(self, cat, adapter)
 
-    def select(
-        self,
-        cat: Catalog,
-        rules: ExportRules,
-        *,
-        weights: str,
-        filter_glob: str | None,
-        adapter: ModelAdapter | None,
-        adapter_config: AdapterConfig | None,
-    ) -> SelectResult:
+    def select(self, req: SelectRequest) -> SelectResult:
         """Base weights named as the plain model, each with its LoRA pair.
 
         ``model.base_model.model.<m>.base_layer.weight`` -> ``<m>.weight`` (merged), other
@@ -69,6 +60,7 @@ class HFMergedFormat(HFFormat):
         from ckpttool.ops.export.plan import LoraPair, Selected
         from ckpttool.ops.export.select import skip_other_tensors
 
+        cat, rules, filter_glob = req.cat, req.rules, req.filter_glob
         pairs, adapter_name = _lora_pairs(cat)
         selected: list[Selected] = []
         skipped: dict[str, list[str]] = {}
@@ -101,7 +93,7 @@ class HFMergedFormat(HFFormat):
                 fqn=orphan[0],
                 hint="the checkpoint is an adapter only; export it with `fmt` lora and merge with PEFT over the base model",
             )
-        if weights == "master":
+        if req.weights == "master":
             raise ExportError("`weights` master is not supported with `fmt` hf-merged", param="weights")
         skip_other_tensors(cat, skipped)
         return selected, [], skipped, {}

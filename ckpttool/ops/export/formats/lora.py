@@ -14,13 +14,12 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.errors import ExportError, UsageError
 from ckpttool.ops.export.formats.base import ModelFormat
 from ckpttool.ops.export.formats.hf import refuse_torchtitan_names
-from ckpttool.ops.export.outputs import register_format
+from ckpttool.ops.export.outputs import SelectRequest, register_format
 
 if TYPE_CHECKING:
-    from ckpttool.model.adapters import AdapterConfig, ModelAdapter
+    from ckpttool.model.adapters import ModelAdapter
     from ckpttool.model.catalog import Catalog
     from ckpttool.ops.export.plan import ExportPlan, SelectResult
-    from ckpttool.ops.export.rules import ExportRules
 
 __all__ = ["LoraFormat", "ADAPTER_FILE", "ADAPTER_CONFIG"]
 
@@ -58,20 +57,11 @@ class LoraFormat(ModelFormat):
             "merge the adapters into the weights in torchtitan and export the merged model with `fmt` hf",
         )
 
-    def select(
-        self,
-        cat: Catalog,
-        rules: ExportRules,
-        *,
-        weights: str,
-        filter_glob: str | None,
-        adapter: ModelAdapter | None,
-        adapter_config: AdapterConfig | None,
-    ) -> SelectResult:
+    def select(self, req: SelectRequest) -> SelectResult:
         """The LoRA adapter tensors, tagged with their adapter names."""
         from ckpttool.ops.export.select import LoraKeys, select_model
 
-        return select_model(cat, LoraKeys(rules), weights=weights, filter_glob=filter_glob)
+        return select_model(req.cat, LoraKeys(req.rules), weights=req.weights, filter_glob=req.filter_glob)
 
     def check_selection(self, cat: Catalog, tags: dict[str, str], warnings: list[str]) -> None:
         """Raises ExportError: several adapters selected; warns about ``modules_to_save`` copies left out."""
