@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TIMEOUT_S = 300
+HOSTILE_GROUPS = 8  # chains of hostile-corpus runs (fixed: the output file names depend on it)
 TEXT_SUFFIXES = {".json", ".txt", ".yaml", ".yml", ".xml", ".md", ".jinja", ".model"}
 
 # ---------------------------------------------------------------------------------------- normalisation
@@ -546,7 +547,7 @@ def battery(ctx: Context, jobs: int) -> list[Chain]:
     ]
     chains += [_reshard_chain(n, fx / n, w) for n in ("sample", "qwen_moe")]
     chains += _misc_chains(ctx, w)
-    chains += _hostile_chains(ctx, w, 2 * jobs)
+    chains += _hostile_chains(ctx, w, HOSTILE_GROUPS)
     return chains
 
 
