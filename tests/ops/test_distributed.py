@@ -118,7 +118,7 @@ def test_a_rank_failing_on_its_chunk_fails_every_rank_and_leaves_no_output(sampl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.heavy)])
 def test_reshard_on_n_ranks_loads_as_the_single_process_reshard(sample_ckpt: Path, tmp_path: Path, n: int) -> None:
     args = ["--to", "canonical", "--with-optimizer", "--target-ep-size", "2", "--target-ep-fsdp-size", "2"]
     assert single("reshard", str(sample_ckpt), str(tmp_path / "one"), *args).returncode == 0

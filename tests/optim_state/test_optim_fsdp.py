@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.optim.test_optim_checkpoint import (
+from tests.optim_state.test_optim_checkpoint import (
     SCHEDULED_LR,
     Toy,
     assert_bitwise,
