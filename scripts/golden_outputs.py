@@ -535,7 +535,7 @@ def _hostile_extra(ctx: Context, name: str) -> dict[str, list[str]]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def battery(ctx: Context, jobs: int) -> list[Chain]:
+def battery(ctx: Context) -> list[Chain]:
     w = ctx.work / "w"
     fx = ctx.fixtures
     chains = [_read_chain(n, fx / n) for n in FIXTURES]
@@ -569,7 +569,7 @@ def main() -> int:
         ctx = Context(work, fx)
         (outdir / "fixtures.txt").write_text("\n".join(_fixture_listing(ctx)) + "\n")
         print(f"fixtures ready: {time.monotonic() - t0:.0f} s", file=sys.stderr)
-        chains = battery(ctx, args.jobs)
+        chains = battery(ctx)
         chains.sort(key=lambda c: -len(c.steps))
         with ThreadPoolExecutor(args.jobs) as pool:
             names = [n for done in pool.map(lambda c: _run_chain(ctx, c, outdir), chains) for n in done]
