@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -58,7 +59,43 @@ _NORMALISERS: list[tuple[re.Pattern[str], str]] = [
     # durations in text: "in 2.54 s", "(0.3 ms", "12 min"
     (re.compile(r"\b\d+(?:\.\d+)?\s?(?:s|ms|us|µs|min)\b"), "<T>"),
     (re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:?\d\d)?"), "<DATE>"),
+    # rates in JSON ("effective_gbps") and the memory replay-step found free on this machine
+    (re.compile(r'("[A-Za-z_]*gbps"\s*:\s*)(-?[\d.eE+-]+)'), r"\1<RATE>"),
+    (re.compile(r'("max_memory"\s*:\s*)(\d+)'), r"\1<MEM>"),
+    (re.compile(r"(batch(?:es)? under )[\d.]+ ?[KMGT]i?B"), r"\1<MEM>"),
 ]
+# DCP files: torch.save archives carry a random serialization id and DOS timestamps, `.metadata`
+# a random save_id and the checkpoint's path; zeroed before hashing (every other byte compared).
+_SAVE_ID = re.compile(rb"(save_id.{1,3}?)[0-9a-fA-F]{32}", re.S)
+_SERIAL = b".data/serialization_id"
+
+
+def _canonical_dcp_bytes(ctx: Context, data: bytes) -> bytes:
+    """``data`` (a ``.distcp`` or ``.metadata`` file) with its run-specific bytes zeroed."""
+    b = bytearray(data)
+    for m in re.finditer(rb"PK\x03\x04", data):  # zip local headers: time/date; the id's bytes and CRC
+        i = m.start()
+        if i + 30 > len(b):
+            continue
+        n, e = struct.unpack_from("<HH", b, i + 26)
+        b[i + 10 : i + 14] = bytes(4)
+        if bytes(b[i + 30 : i + 30 + n]).endswith(_SERIAL):
+            size = struct.unpack_from("<I", b, i + 18)[0]
+            start = i + 30 + n + e
+            b[start : start + size] = b"0" * len(b[start : start + size])
+            b[i + 14 : i + 18] = bytes(4)
+    for m in re.finditer(rb"PK\x01\x02", data):  # central directory: time/date; the id's CRC
+        i = m.start()
+        if i + 46 > len(b):
+            continue
+        n = struct.unpack_from("<H", b, i + 28)[0]
+        b[i + 12 : i + 16] = bytes(4)
+        if bytes(b[i + 46 : i + 46 + n]).endswith(_SERIAL):
+            b[i + 16 : i + 20] = bytes(4)
+    out = _SAVE_ID.sub(lambda m: m.group(1) + b"0" * 32, bytes(b))
+    for s, tok in ctx.subs:
+        out = out.replace(s.encode(), tok.encode())
+    return out
 
 
 @dataclass
@@ -106,6 +143,11 @@ def _hash_entry(ctx: Context, p: Path, rel: str) -> str:
     if not stat.S_ISREG(st.st_mode):
         return f"{rel} special {stat.S_IFMT(st.st_mode):o}"
     data = p.read_bytes()
+    if p.suffix == ".distcp" or p.name == ".metadata":
+        canon = _canonical_dcp_bytes(ctx, data)
+        if canon != data:
+            return f"{rel} dcp-normalised {hashlib.sha256(canon).hexdigest()} {len(data)}"
+        return f"{rel} sha256 {hashlib.sha256(data).hexdigest()} {len(data)}"
     if p.suffix in TEXT_SUFFIXES or p.name.startswith("."):
         try:
             text = data.decode()
@@ -556,6 +598,7 @@ def main() -> int:
     ap.add_argument("outdir", type=Path)
     ap.add_argument("--fixtures", type=Path, help="build the fixtures here once and reuse them")
     ap.add_argument("--jobs", type=int, default=4, help="chains run in parallel [4]")
+    ap.add_argument("--only", help="run only the chains whose name contains this (e.g. reshard_)")
     args = ap.parse_args()
     outdir: Path = args.outdir.resolve()
     outdir.mkdir(parents=True, exist_ok=True)
@@ -569,7 +612,7 @@ def main() -> int:
         ctx = Context(work, fx)
         (outdir / "fixtures.txt").write_text("\n".join(_fixture_listing(ctx)) + "\n")
         print(f"fixtures ready: {time.monotonic() - t0:.0f} s", file=sys.stderr)
-        chains = battery(ctx)
+        chains = [c for c in battery(ctx) if not args.only or args.only in c.name]
         chains.sort(key=lambda c: -len(c.steps))
         with ThreadPoolExecutor(args.jobs) as pool:
             names = [n for done in pool.map(lambda c: _run_chain(ctx, c, outdir), chains) for n in done]
