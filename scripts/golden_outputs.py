@@ -598,7 +598,9 @@ def main() -> int:
     ap.add_argument("outdir", type=Path)
     ap.add_argument("--fixtures", type=Path, help="build the fixtures here once and reuse them")
     ap.add_argument("--jobs", type=int, default=4, help="chains run in parallel [4]")
-    ap.add_argument("--only", help="run only the chains whose name contains this (e.g. reshard_)")
+    ap.add_argument(
+        "--only", help="run only the chains whose name contains one of these (comma-separated, e.g. reshard_,misc)"
+    )
     args = ap.parse_args()
     outdir: Path = args.outdir.resolve()
     outdir.mkdir(parents=True, exist_ok=True)
@@ -612,7 +614,8 @@ def main() -> int:
         ctx = Context(work, fx)
         (outdir / "fixtures.txt").write_text("\n".join(_fixture_listing(ctx)) + "\n")
         print(f"fixtures ready: {time.monotonic() - t0:.0f} s", file=sys.stderr)
-        chains = [c for c in battery(ctx) if not args.only or args.only in c.name]
+        only = args.only.split(",") if args.only else []
+        chains = [c for c in battery(ctx) if not only or any(o in c.name for o in only)]
         chains.sort(key=lambda c: -len(c.steps))
         with ThreadPoolExecutor(args.jobs) as pool:
             names = [n for done in pool.map(lambda c: _run_chain(ctx, c, outdir), chains) for n in done]
