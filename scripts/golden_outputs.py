@@ -65,8 +65,12 @@ _NORMALISERS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"(batch(?:es)? under )[\d.]+ ?[KMGT]i?B"), r"\1<MEM>"),
 ]
 # DCP files: torch.save archives carry a random serialization id and DOS timestamps, `.metadata`
-# a random save_id and the checkpoint's path; zeroed before hashing (every other byte compared).
-_SAVE_ID = re.compile(rb"(save_id.{1,3}?)[0-9a-fA-F]{32}", re.S)
+# a random save_id and the checkpoint's path; zeroed before hashing, with every member's CRC-32
+# (a function of bytes compared anyway). Every other byte is compared.
+_SAVE_ID = re.compile(rb"(save_id.{1,3}?)[0-9a-fA-F-]{32,36}", re.S)
+# a byte item (layout record) of an output names its source's `.metadata` digest: random when that
+# source was itself written in this run
+_SOURCE_DIGEST = re.compile(rb'("metadata_digest": ")([0-9a-f]{16,128})"')
 _SERIAL = b".data/serialization_id"
 _DIGEST = re.compile(rb'"[0-9a-f]{32,128}"')
 
@@ -79,21 +83,18 @@ def _canonical_dcp_bytes(ctx: Context, data: bytes) -> bytes:
         if i + 30 > len(b):
             continue
         n, e = struct.unpack_from("<HH", b, i + 26)
-        b[i + 10 : i + 14] = bytes(4)
+        b[i + 10 : i + 18] = bytes(8)  # time, date, CRC-32
         if bytes(b[i + 30 : i + 30 + n]).endswith(_SERIAL):
             size = struct.unpack_from("<I", b, i + 18)[0]
             start = i + 30 + n + e
             b[start : start + size] = b"0" * len(b[start : start + size])
-            b[i + 14 : i + 18] = bytes(4)
     for m in re.finditer(rb"PK\x01\x02", data):  # central directory: time/date; the id's CRC
         i = m.start()
         if i + 46 > len(b):
             continue
-        n = struct.unpack_from("<H", b, i + 28)[0]
-        b[i + 12 : i + 16] = bytes(4)
-        if bytes(b[i + 46 : i + 46 + n]).endswith(_SERIAL):
-            b[i + 16 : i + 20] = bytes(4)
+        b[i + 12 : i + 20] = bytes(8)  # time, date, CRC-32
     out = _SAVE_ID.sub(lambda m: m.group(1) + b"0" * 32, bytes(b))
+    out = _SOURCE_DIGEST.sub(lambda m: m.group(1) + b"0" * len(m.group(2)) + b'"', out)
     for s, tok in ctx.subs:
         out = out.replace(s.encode(), tok.encode())
     return out
