@@ -13,7 +13,9 @@ replay-step, stamp, rules, schema, and inspect/validate/export on every hostile-
 For each invocation OUTDIR gets one text file: the argv, the exit code, stdout and stderr
 (timings, rates and the temporary directories normalised) and, for commands that write files, the
 sha256 of every output file (path-relative, sorted; JSON/text files are hashed after the same
-normalisation). Two runs compare with ``diff -r OUTDIR1 OUTDIR2``.
+normalisation; ``.distcp``/``.metadata`` files without the bytes every DCP save randomises:
+torch.save serialization ids, zip timestamps and CRCs, ``save_id``). Two runs compare with
+``diff -r OUTDIR1 OUTDIR2``.
 
 ``--fixtures DIR`` builds the fixtures into DIR once (DIR/.complete marks a finished build) and
 reuses them later, so two trees can be compared on the very same input bytes. Without it the
