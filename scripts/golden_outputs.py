@@ -613,6 +613,9 @@ def main() -> int:
     outdir.mkdir(parents=True, exist_ok=True)
     if any(outdir.iterdir()):
         ap.error(f"{outdir} is not empty")
+    probe = subprocess.run([sys.executable, "-m", "ckpttool", "--help"], capture_output=True, text=True, check=False)
+    if probe.returncode:  # e.g. not the project's environment: every invocation would record the same traceback
+        ap.error(f"python -m ckpttool does not start:\n{probe.stderr[-2000:]}")
     with tempfile.TemporaryDirectory(prefix="golden-") as tmp:
         work = Path(tmp)
         fx = (args.fixtures or work / "fx").resolve()
