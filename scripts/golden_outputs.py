@@ -72,7 +72,8 @@ _NORMALISERS: list[tuple[re.Pattern[str], str]] = [
 _SAVE_ID = re.compile(rb"(save_id.{1,3}?)[0-9a-fA-F-]{32,36}", re.S)
 # a byte item (layout record) of an output names its source's `.metadata` digest: random when that
 # source was itself written in this run
-_SOURCE_DIGEST = re.compile(rb'("metadata_digest": ")([0-9a-f]{16,128})"')
+_SOURCE_DIGEST = re.compile(rb'("(?:metadata|manifest)_digest": ")([0-9a-f]{16,128})"')
+_TMP_OUT = re.compile(rb"\.ckpttool-tmp-\d+-[0-9a-f]+")  # the atomic output's temporary name (checkpoint_id)
 _SERIAL = b".data/serialization_id"
 _DIGEST = re.compile(rb'"[0-9a-f]{32,128}"')
 
@@ -97,6 +98,7 @@ def _canonical_dcp_bytes(ctx: Context, data: bytes) -> bytes:
         b[i + 12 : i + 20] = bytes(8)  # time, date, CRC-32
     out = _SAVE_ID.sub(lambda m: m.group(1) + b"0" * 32, bytes(b))
     out = _SOURCE_DIGEST.sub(lambda m: m.group(1) + b"0" * len(m.group(2)) + b'"', out)
+    out = _TMP_OUT.sub(b".ckpttool-tmp-<PID>-<HEX>", out)
     for s, tok in ctx.subs:
         out = out.replace(s.encode(), tok.encode())
     return out
