@@ -99,6 +99,7 @@ def _canonical_dcp_bytes(ctx: Context, data: bytes) -> bytes:
     out = _SAVE_ID.sub(lambda m: m.group(1) + b"0" * 32, bytes(b))
     out = _SOURCE_DIGEST.sub(lambda m: m.group(1) + b"0" * len(m.group(2)) + b'"', out)
     out = _TMP_OUT.sub(b".ckpttool-tmp-<PID>-<HEX>", out)
+    out = out.replace(ctx.work.name.encode(), b"<TMPNAME>")  # a pickled PosixPath: one string per component
     for s, tok in ctx.subs:
         out = out.replace(s.encode(), tok.encode())
     return out
