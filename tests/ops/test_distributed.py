@@ -118,7 +118,7 @@ def test_a_rank_failing_on_its_chunk_fails_every_rank_and_leaves_no_output(sampl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.heavy)])
 def test_reshard_on_n_ranks_loads_as_the_single_process_reshard(sample_ckpt: Path, tmp_path: Path, n: int) -> None:
     args = ["--to", "canonical", "--with-optimizer", "--target-ep-size", "2", "--target-ep-fsdp-size", "2"]
     assert single("reshard", str(sample_ckpt), str(tmp_path / "one"), *args).returncode == 0
@@ -299,13 +299,13 @@ def test_ctrl_c_of_torchrun_publishes_nothing_and_removes_the_temporary_output(
         while not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]:
             assert proc.poll() is None and time.monotonic() < deadline, "the run never opened its output"
             time.sleep(0.02)
-        t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)  # Ctrl-C of torchrun: it stops every rank (SIGTERM)
+        # The ranks stop at once, not at gloo's timeout (30 min): a run still going after 60 s fails the
+        # test here (TimeoutExpired), a generous bound that leaves no doubt about which of the two happened.
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert time.monotonic() - t0 < 30  # the ranks stop at once, not at gloo's timeout
     assert proc.returncode != 0  # torchrun's own exit status (1) on a signal; the ranks exit 130
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert errors == ["error: interrupted"], err[-3000:]

@@ -159,6 +159,7 @@ def _fsdp_rank(rank: int, world: int, src: str, ckpt: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_pre_sharded_import_loads_into_a_2_rank_fsdp2_model(hf_dirs: Path, tmp_path: Path) -> None:
     from tests.fixtures.distributed import run_ranks
 
@@ -215,6 +216,7 @@ def _titan_load_rank(rank: int, world: int, root: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_torchtitan_checkpoint_manager_loads_the_imported_checkpoint(tmp_path: Path) -> None:
     pytest.importorskip("torchtitan.components.checkpoint")
     from torchtitan.models.common import compute_ffn_hidden_dim
@@ -459,6 +461,7 @@ def _titan_ep_rank(rank: int, world: int, root: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_torchtitan_schema_ep_import_loads_into_torchtitans_own_moe_model(tmp_path: Path) -> None:
     """`import --schema torchtitan --ep-size 2 --ep-fsdp-size 2`: torchtitan's Qwen3-MoE `state_dict()` keys, sharded
     as its EP (Shard(0) on ep) + EP-FSDP (Shard(0) on efsdp, 8 experts >= 4 ranks) training places them, load

@@ -64,7 +64,13 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b) and type(a) is type(b)
 
 
-@pytest.mark.parametrize("entry_name", ENTRY_NAMES)
+# the 10^6-entry and 20,000-chunk entries take minutes through torch's reader: full suite only (-m heavy)
+HEAVY_ENTRIES = {"many_entries", "many_chunks"}
+
+
+@pytest.mark.parametrize(
+    "entry_name", [pytest.param(n, marks=pytest.mark.heavy) if n in HEAVY_ENTRIES else n for n in ENTRY_NAMES]
+)
 def test_torch_reads_identical_values_or_ckpttool_refuses(entry_name: str, corpus: dict[str, CorpusEntry]) -> None:
     entry = corpus[entry_name]
     ours = _ckpttool_values(entry)

@@ -138,6 +138,7 @@ def test_corpus_entries_differ_from_the_base_in_the_stated_way(tmp_path: Path, s
 MILLION_INSPECT_CPU_BUDGET_S = 60.0
 
 
+@pytest.mark.heavy
 def test_inspect_on_a_million_entries(tmp_path: Path, sample_ckpt: Path) -> None:
     """10^6 entries: refused nowhere, nothing quadratic; the wall time is reported in docs/security.md."""
     ck = shutil.copytree(sample_ckpt, tmp_path / "ck")

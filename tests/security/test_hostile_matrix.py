@@ -9,8 +9,14 @@ unusual or damaged where the command does not read — or fails with one
 file, the corpus unchanged, nothing written outside the command's output path
 (cwd and ``TMPDIR`` are fresh directories that must stay empty; the output path
 is nested in directories that do not exist yet, and a failed run must not leave
-them), the command's own peak RSS under 1 GiB and its wall time under 30 s, and a
-command listed in the entry's ``must_fail`` fails with one of the entry's codes.
+them), the command's own peak RSS under 1 GiB, no hang (a run still going after ``TIMEOUT_S``
+fails), and a command listed in the entry's ``must_fail`` fails with one of the entry's codes.
+
+The full product (every command on every entry) is ``-m heavy``; by default (``-m "not heavy"``,
+CI) a fixed subset runs: ``validate-deep`` on every entry — every entry through the command whose
+job is to notice damage, reading all data — plus a rotation of the other commands so that each
+entry meets two more commands and each command meets every kind of entry (:func:`in_default_subset`).
+The wall time of the runs is a benchmark figure (docs/performance.md), not asserted here.
 
 Commands land progressively: the matrix covers the commands registered in
 ``ckpttool.cli.app`` now, and ``test_every_command_is_in_the_matrix`` fails when a
@@ -25,7 +31,6 @@ import os
 import re
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -74,7 +79,6 @@ NOT_ON_CHECKPOINTS = {"sample", "rules", "schema", "import"}
 WRITES_OUT = {"export", "export-cast", "reshard", "reshard-optim", "manifest"}
 FINDINGS_EXIT_1 = {"validate", "validate-deep", "replay-step"}  # exit 1: ran and found problems
 TIMEOUT_S = 180  # a hang is a failure, not a wait
-RUN_BUDGET_S = 30.0  # the contract: every run of a few-MB entry takes less
 RSS_BUDGET = 1 << 30  # the contract: a run's own peak resident memory stays below 1 GiB
 
 ERROR_RE = re.compile(r"^error: \[(E\d{3})\] \S.*$")
@@ -183,8 +187,36 @@ def assert_contract(cid: str, entry: CorpusEntry, exit_code: int, stdout: str, s
         assert any(code.startswith(c) for c in entry.codes), f"expected one of {sorted(entry.codes)}: {where}"
 
 
-@pytest.mark.parametrize("entry_name", ENTRY_NAMES)
-@pytest.mark.parametrize("cid", COMMAND_IDS)
+ALWAYS = "validate-deep"  # runs on every entry in the default subset
+ROTATION = 5  # each entry also meets every ROTATION-th of the other commands (2-3 of them)
+
+
+def in_default_subset(cid: str, entry_name: str) -> bool:
+    """Whether (command, entry) runs without ``-m heavy``: deterministic, every entry at least thrice."""
+    if cid == ALWAYS:
+        return True
+    others = [c for c in COMMAND_IDS if c != ALWAYS]
+    return (others.index(cid) + ENTRY_NAMES.index(entry_name)) % ROTATION == 0
+
+
+def matrix_cases() -> list:  # type: ignore[type-arg]
+    """Every (command, entry) pair; those outside :func:`in_default_subset` marked ``heavy``."""
+    return [
+        pytest.param(cid, name, id=f"{cid}-{name}", marks=() if in_default_subset(cid, name) else pytest.mark.heavy)
+        for name in ENTRY_NAMES
+        for cid in COMMAND_IDS
+    ]
+
+
+def test_the_default_subset_covers_every_entry_and_command() -> None:
+    default = [(c, n) for c in COMMAND_IDS for n in ENTRY_NAMES if in_default_subset(c, n)]
+    assert {n for _, n in default} == set(ENTRY_NAMES)
+    assert {c for c, _ in default} == set(COMMAND_IDS)
+    for name in ENTRY_NAMES:
+        assert (ALWAYS, name) in default and sum(n == name for _, n in default) >= 3, name
+
+
+@pytest.mark.parametrize(("cid", "entry_name"), matrix_cases())
 def test_command_on_hostile_checkpoint(
     cid: str, entry_name: str, corpus: dict[str, CorpusEntry], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -201,9 +233,7 @@ def test_command_on_hostile_checkpoint(
     before = snapshot(root)
     with _isolated(tmp_path, monkeypatch) as tmpdir, fails_instead_of_hanging(TIMEOUT_S, "a command hung"):
         rss_before = _rss_kib("VmRSS") if _reset_peak_rss() else None
-        t0 = time.perf_counter()
         res = runner.invoke(app, argv)
-        seconds = time.perf_counter() - t0
         peak = _rss_kib("VmHWM")
 
     assert not any(canary_dir.iterdir()), f"a payload ran: {sorted(os.listdir(canary_dir))}"
@@ -226,7 +256,6 @@ def test_command_on_hostile_checkpoint(
     if rss_before is not None and peak is not None:
         grew = (peak - rss_before) << 10
         assert grew < RSS_BUDGET, f"{cid} on {entry_name}: peak RSS grew by {grew / 2**20:.0f} MiB"
-    assert seconds < RUN_BUDGET_S, f"{cid} on {entry_name}: {seconds:.1f} s"
 
 
 def test_export_of_odd_keys_is_loadable_or_refused(corpus: dict[str, CorpusEntry], tmp_path: Path) -> None:

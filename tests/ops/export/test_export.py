@@ -127,34 +127,27 @@ def no_leftovers(parent: Path, name: str) -> None:
 
 @pytest.mark.parametrize("algorithm", [None, "blake2b-256"])
 def test_source_identity_is_the_digest_of_the_metadata_file(
-    dense_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithm: str | None
+    dense_ckpt: Path, tmp_path: Path, algorithm: str | None
 ) -> None:
     """Every output file names its source by the digest of ``.metadata`` (xxhash / hashlib, independently).
 
     With the default algorithm the digest is the one taken as ``.metadata`` was read at open:
-    export reads that file once.
+    export opens that file once.
     """
     import hashlib
 
     import xxhash
 
-    from ckpttool.format.directory import CheckpointDir
+    from tests.fixtures.opens import run_cli_recording_opens
 
-    reads: list[str] = []
-    real = CheckpointDir.read_file
-
-    def counting(self: CheckpointDir, relative_path: str, cap: int, *, what: str = "file") -> bytes:
-        reads.append(relative_path)
-        return real(self, relative_path, cap, what=what)
-
-    monkeypatch.setattr(CheckpointDir, "read_file", counting)
     out = tmp_path / "hf"
-    res = export_cli(str(dense_ckpt), str(out), *(["--hash", algorithm] if algorithm else []))
-    assert res.exit_code == 0, res.stderr
+    argv = ["export", str(dense_ckpt), str(out), *(["--hash", algorithm] if algorithm else [])]
+    res = run_cli_recording_opens(argv, tmp_path / "opens.log")
+    assert res.returncode == 0, res.stderr
     data = (dense_ckpt / ".metadata").read_bytes()
     if algorithm is None:
         want = {"algorithm": "xxh3-128", "metadata_digest": xxhash.xxh3_128(data).hexdigest()}
-        assert reads.count(".metadata") == 1, reads
+        assert res.count(dense_ckpt / ".metadata") == 1, res.under(dense_ckpt)
     else:
         want = {"algorithm": algorithm, "metadata_digest": hashlib.blake2b(data, digest_size=32).hexdigest()}
     want["metadata_size"] = len(data)

@@ -147,27 +147,35 @@ def test_extra_state_needing_trust_pickle_is_listed(tmp_path: Path, dense_ckpt: 
     assert ov["extra_state"][0]["status"] == "needs --trust-pickle"
 
 
-def test_inspect_reads_no_tensor_data(sample_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
+def test_inspect_reads_no_tensor_data(sample_ckpt: Path, tmp_path: Path) -> None:
+    """Every tensor chunk moved to a data file of its own: inspect never opens that file (``validate --deep`` does)."""
+    import copy
+    import shutil
 
-    from ckpttool.format import CheckpointDir
-    from ckpttool.ops.inspect import inspect
+    from tests.fixtures.metadata_edit import load_md, save_md
+    from tests.fixtures.opens import run_cli_recording_opens
 
-    reads: list[tuple[int, int]] = []
-    real = os.preadv
+    ck = shutil.copytree(sample_ckpt, tmp_path / "ck")
+    shutil.copy(ck / "__0_0.distcp", ck / "__1_0.distcp")  # same bytes, same offsets
+    md = load_md(ck)
+    moved = 0
+    for idx, info in list(md.storage_data.items()):
+        if idx.offset is not None:  # a tensor chunk (byte items have no offsets)
+            info = copy.copy(info)
+            info.relative_path = "__1_0.distcp"
+            md.storage_data[idx] = info
+            moved += 1
+    save_md(ck, md)
+    assert moved and any(i.relative_path == "__0_0.distcp" for i in md.storage_data.values())
 
-    def traced(fd, buffers, offset, *a):  # type: ignore[no-untyped-def]
-        n = real(fd, buffers, offset, *a)
-        reads.append((offset, n))
-        return n
-
-    monkeypatch.setattr(os, "preadv", traced)
-    inspect(sample_ckpt)
-    md = CheckpointDir(sample_ckpt).metadata
-    tensor_ranges = [(i.offset, i.offset + i.length) for (fqn, off), i in md.storage.items() if off is not None]
-    assert reads
-    for off, n in reads:
-        assert not any(lo < off + n and off < hi for lo, hi in tensor_ranges), (off, n)
+    res = run_cli_recording_opens(["inspect", str(ck)], tmp_path / "opens.log")
+    assert res.returncode == 0, res.stderr
+    assert "tensor" in res.stdout
+    assert res.count(ck / ".metadata") >= 1 and res.count(ck / "__0_0.distcp") >= 1  # byte items are read
+    assert res.count(ck / "__1_0.distcp") == 0, res.under(ck)
+    # the control: a command that reads tensor data opens it
+    deep = run_cli_recording_opens(["validate", str(ck), "--deep"], tmp_path / "opens-deep.log")
+    assert deep.count(ck / "__1_0.distcp") >= 1, deep.under(ck)
 
 
 def test_short_and_unreferenced_data_files_are_flagged(tmp_path: Path, dense_ckpt: Path) -> None:
