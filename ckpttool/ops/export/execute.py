@@ -52,7 +52,7 @@ from ckpttool.ops import distributed
 from ckpttool.ops.export.expected import MISMATCH_KINDS, ModelCheck, compare_with_model
 from ckpttool.ops.export.experts import expert_orders
 from ckpttool.ops.export.lora import read_adapter_config
-from ckpttool.ops.export.outputs import OutputFormat, get_format
+from ckpttool.ops.export.outputs import OutputFormat, PrepareRequest, get_format
 from ckpttool.ops.export.plan import (
     SAVE_DTYPES,
     ExportPlan,
@@ -731,10 +731,11 @@ def _prepare(
         )
     if log.isEnabledFor(logging.INFO):  # the totals walk every task: only when shown
         _log_plan(plan, opts, orders, tied, skipped)
-    adapter = out_format.prepare(plan, cat, given=given_adapter, lora_alpha=opts.lora_alpha, model_config=model_config)
+    request = PrepareRequest(plan, cat, reader, given_adapter, opts.lora_alpha, model_config)
+    adapter = out_format.prepare(request)
     assets = _asset_files(Path(opts.model_assets), out_format) if opts.model_assets is not None else []
     check = _check_against_model(plan, model_config, opts) if out_format.checks_model_class and model_config else None
-    merges = out_format.transforms(reader, plan, given_adapter, opts.lora_alpha)
+    merges = out_format.transforms(request)
     # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
     chunks = _checked_chunks(reader, [t.selected.source.key for t in plan.tasks])
     return _Prepared(

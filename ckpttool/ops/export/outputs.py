@@ -33,6 +33,7 @@ __all__ = [
     "OUTPUT_FORMATS",
     "OutputFormat",
     "PieceContext",
+    "PrepareRequest",
     "SelectRequest",
     "PiecesFn",
     "SourcePieces",
@@ -88,6 +89,27 @@ class SelectRequest:
     filter_glob: str | None
     adapter: ModelAdapter | None
     adapter_config: AdapterConfig | None
+
+
+@dataclass(frozen=True)
+class PrepareRequest:
+    """What :meth:`OutputFormat.prepare` and :meth:`OutputFormat.transforms` see, once the plan is made.
+
+    Attributes:
+        plan: the export plan.
+        cat: the checkpoint's catalog.
+        reader: the checkpoint's reader (value transforms read LoRA factors through it).
+        given: the ``adapter_config.json`` given (``--adapter-config`` / ``--model-assets``), or ``None``.
+        lora_alpha: ``--lora-alpha``, or ``None``.
+        model_config: the ``--model-assets`` ``config.json``, or ``None``.
+    """
+
+    plan: ExportPlan
+    cat: Catalog
+    reader: CheckpointReader
+    given: dict[str, Any] | None
+    lora_alpha: float | None
+    model_config: dict[str, Any] | None
 
 
 class OutputFormat:
@@ -146,25 +168,11 @@ class OutputFormat:
         raise NotImplementedError
 
     # -- writing ---------------------------------------------------------------------------------
-    def prepare(
-        self,
-        plan: ExportPlan,
-        cat: Catalog,
-        *,
-        given: dict[str, Any] | None,
-        lora_alpha: float | None,
-        model_config: dict[str, Any] | None,
-    ) -> dict[str, Any] | None:
+    def prepare(self, req: PrepareRequest) -> dict[str, Any] | None:
         """Checked before any output exists; the result is ``ExportResult.adapter_config`` (LoRA)."""
         return None
 
-    def transforms(
-        self,
-        reader: CheckpointReader,
-        plan: ExportPlan,
-        given: dict[str, Any] | None,
-        lora_alpha: float | None,
-    ) -> dict[str, SlabTransform]:
+    def transforms(self, req: PrepareRequest) -> dict[str, SlabTransform]:
         """Source key -> the value transform that replaces its cast (a LoRA merge); none by default."""
         return {}
 

@@ -15,7 +15,7 @@ from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX, canonical_model_
 from ckpttool.model.wrappers import strip_wrapper_segments
 from ckpttool.ops.export.formats.base import ModelFormat
 from ckpttool.ops.export.formats.hf import HFFormat
-from ckpttool.ops.export.outputs import SelectRequest, register_format
+from ckpttool.ops.export.outputs import PrepareRequest, SelectRequest, register_format
 
 if TYPE_CHECKING:
     from ckpttool.format.reader import CheckpointReader
@@ -98,14 +98,8 @@ class HFMergedFormat(HFFormat):
         skip_other_tensors(cat, skipped)
         return selected, [], skipped, {}
 
-    def transforms(
-        self,
-        reader: CheckpointReader,
-        plan: ExportPlan,
-        given: dict[str, Any] | None,
-        lora_alpha: float | None,
-    ) -> dict[str, SlabTransform]:
-        return lora_merges(reader, plan, given, lora_alpha)
+    def transforms(self, req: PrepareRequest) -> dict[str, SlabTransform]:
+        return lora_merges(req.reader, req.plan, req.given, req.lora_alpha)
 
     def check_written(self, transforms: dict[str, SlabTransform], plan: ExportPlan) -> None:
         """Refuse a merged export that equals the base weights bitwise while the adapters are non-zero.

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.errors import ExportError, UsageError
 from ckpttool.ops.export.formats.base import ModelFormat
 from ckpttool.ops.export.formats.hf import refuse_torchtitan_names
-from ckpttool.ops.export.outputs import SelectRequest, register_format
+from ckpttool.ops.export.outputs import PrepareRequest, SelectRequest, register_format
 
 if TYPE_CHECKING:
     from ckpttool.model.adapters import ModelAdapter
@@ -82,19 +82,13 @@ class LoraFormat(ModelFormat):
     def file_names(self, n: int) -> list[str]:
         return [ADAPTER_FILE]
 
-    def prepare(
-        self,
-        plan: ExportPlan,
-        cat: Catalog,
-        *,
-        given: dict[str, Any] | None,
-        lora_alpha: float | None,
-        model_config: dict[str, Any] | None,
-    ) -> dict[str, Any] | None:
+    def prepare(self, req: PrepareRequest) -> dict[str, Any] | None:
         """The ``adapter_config.json`` content (:func:`ckpttool.ops.export.lora.adapter_config`)."""
         from ckpttool.ops.export.lora import adapter_config
 
-        return adapter_config(plan, cat, given=given, lora_alpha=lora_alpha, model_config=model_config)
+        return adapter_config(
+            req.plan, req.cat, given=req.given, lora_alpha=req.lora_alpha, model_config=req.model_config
+        )
 
     def documents(self, plan: ExportPlan, prepared: dict[str, Any] | None) -> dict[str, bytes]:
         return {ADAPTER_CONFIG: (json.dumps(prepared, indent=2, sort_keys=True) + "\n").encode("utf-8")}
