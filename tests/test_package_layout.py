@@ -1,0 +1,42 @@
+"""The package layout the project was specified with holds its jobs, and the metadata-only layers import no torch."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from ckpttool.cli.app import COMMANDS
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_command_lives_in_ckpttool_commands(name: str) -> None:
+    module = importlib.import_module(f"ckpttool.commands.{'import_hf' if name == 'import' else name.replace('-', '_')}")
+    assert callable(getattr(module, f"{name.replace('-', '_')}_command"))
+
+
+def test_the_optimizer_state_and_layout_packages_hold_their_jobs() -> None:
+    from ckpttool.layouts import LayoutDeclaration, LayoutRecord, resolve_layout
+    from ckpttool.layouts.permute import legacy_to_canonical_perm
+    from ckpttool.optim_state import CPUOffloadAdamW, FullFP32AdamW, MasterFP32AdamW, build_optimizer, reference
+    from ckpttool.optim_state.schema import OPTIMIZER_TYPES, expected_state_dtypes
+
+    assert {"adamw", "full_fp32_adamw", "master_fp32_adamw", "cpu_offload_adamw"} <= set(OPTIMIZER_TYPES)
+    assert expected_state_dtypes("full_fp32_adamw", None, "bfloat16")["master_weight"] == "float32"
+    assert legacy_to_canonical_perm(4, 2, 2) == [0, 2, 1, 3]
+    assert callable(reference.reference_adamw_step)
+    assert all(callable(x) for x in (LayoutDeclaration, LayoutRecord, resolve_layout, build_optimizer))
+    assert all(isinstance(c, type) for c in (CPUOffloadAdamW, FullFP32AdamW, MasterFP32AdamW))
+
+
+def test_metadata_only_layers_import_no_torch() -> None:
+    code = (
+        "import sys\n"
+        "import ckpttool.model.catalog, ckpttool.model.schemas.registry, ckpttool.layouts.declaration\n"
+        "import ckpttool.optim_state.schema, ckpttool.optim_state\n"
+        "print('torch' in sys.modules, 'numpy' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
