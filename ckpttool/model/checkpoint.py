@@ -37,7 +37,7 @@ from ckpttool.layouts.declaration import LayoutDeclaration, ResolvedLayout, reso
 from ckpttool.model.catalog import Catalog, ExtraStateFile, ParamGroup, build_catalog, load_param_groups
 from ckpttool.model.discovery import CheckpointSelection, Located, compose_pair, locate
 
-__all__ = ["Checkpoint", "CheckpointSelection", "ExtraState", "open_checkpoint", "opened"]
+__all__ = ["Checkpoint", "CheckpointSelection", "ExtraState", "OpenOptions", "open_checkpoint", "open_source"]
 
 _STEP_KEYS = ("global_step", "step", "curr_step")
 log = logging.getLogger(__name__)
@@ -269,31 +269,48 @@ def _log_opened(ckpt: Checkpoint, read_s: float, model_s: float) -> None:
         log.info("EP layout not resolved: [%s] %s", ckpt.layout_error.code, ckpt.layout_error.message)
 
 
-@contextmanager
-def opened(
-    source: Checkpoint | str | os.PathLike[str],
-    *,
-    declaration: LayoutDeclaration | None = None,
-    trust_pickle: bool = False,
-    record_problems: bool = False,
-    selection: CheckpointSelection | None = None,
-) -> Iterator[Checkpoint]:
-    """``source`` itself when it is an opened :class:`Checkpoint`, else the directory opened (and closed after).
+@dataclass(frozen=True)
+class OpenOptions:
+    """How an operation opens its source when given a path or URL (:func:`open_checkpoint`'s parameters).
 
-    How every operation accepts either: ``with opened(src, declaration=decl) as ckpt: ...``.
+    Attributes:
+        declaration: an EP layout declared by the user (:meth:`LayoutDeclaration.from_options`).
+        trust_pickle: allow ``torch.load(weights_only=False)`` for byte items and ``extra_state`` files.
+        selection: a step of a checkpoint root, a separate optimizer directory, a key-schema override.
+    """
+
+    declaration: LayoutDeclaration | None = None
+    trust_pickle: bool = False
+    selection: CheckpointSelection | None = None
+
+
+@contextmanager
+def open_source(
+    source: Checkpoint | str | os.PathLike[str],
+    opening: OpenOptions | None = None,
+    *,
+    record_problems: bool = False,
+) -> Iterator[Checkpoint]:
+    """``source`` itself when it is an opened :class:`Checkpoint`, else the path opened with ``opening``
+    (and closed after). How every operation accepts either: ``with open_source(src, opening) as ckpt: ...``.
 
     Raises:
-        ValueError: open options given with an already opened checkpoint (they were fixed when it was opened).
+        ValueError: ``opening`` given with an already opened checkpoint (fixed when it was opened).
         plus those of :func:`open_checkpoint`.
     """
     if isinstance(source, Checkpoint):
-        if declaration is not None or trust_pickle or selection is not None:
+        if opening is not None and opening != OpenOptions():
             raise ValueError(
                 "declaration/trust_pickle/selection apply when opening a path; this Checkpoint is open already"
             )
         yield source
         return
+    o = opening or OpenOptions()
     with open_checkpoint(
-        source, declaration=declaration, trust_pickle=trust_pickle, record_problems=record_problems, selection=selection
+        source,
+        declaration=o.declaration,
+        trust_pickle=o.trust_pickle,
+        record_problems=record_problems,
+        selection=o.selection,
     ) as ckpt:
         yield ckpt

@@ -12,17 +12,16 @@ collector stays paused from the open until the result is printed (:func:`run_ins
 
 from __future__ import annotations
 
+import gc
 import os
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, TypeVar
-
-from ckpttool.format.unpickler import gc_paused
 
 if TYPE_CHECKING:
     from ckpttool.errors import CkptError, ReplayMismatchError
-    from ckpttool.layouts.declaration import LayoutDeclaration
-    from ckpttool.model.discovery import CheckpointSelection
+    from ckpttool.model.checkpoint import Checkpoint, OpenOptions
+    from ckpttool.ops.export import ExportOptions, ExportResult
     from ckpttool.ops.inspect import InspectOptions, InspectResult
     from ckpttool.ops.replay import ReplayOptions, ReplayResult
     from ckpttool.ops.reshard import ReshardOptions, ReshardResult
@@ -31,7 +30,9 @@ if TYPE_CHECKING:
 __all__ = [
     "data_file_warnings",
     "deliver",
+    "gc_held",
     "replay_mismatch",
+    "run_export",
     "run_inspect",
     "run_replay",
     "run_reshard",
@@ -44,10 +45,47 @@ R = TypeVar("R")
 Progress = Callable[[int, int], None] | None
 
 
+#: Whether the collector was enabled when the outermost :func:`gc_held` began (one entry per open hold).
+_held_was: list[bool] = []
+
+
+@contextmanager
+def gc_held() -> Iterator[Callable[[], None]]:
+    """Keep the open's and the operation's objects out of the cyclic GC while an operation runs.
+
+    The one GC policy of the operations (the open itself pauses it too): the collector is paused
+    for the body. The body may call the yielded ``resume()`` before a long phase that allocates
+    (export's writes): everything alive is then frozen (``gc.freeze``, acyclic and long-lived:
+    no collection rescans it) and the collector resumes. At exit the collector is restored and
+    what was frozen here unfrozen; a caller's own earlier freeze is left to it. Nested holds
+    resume as the outermost one would; the outermost restores (a command's hold around an operation's).
+    """
+    was = _held_was[0] if _held_was else gc.isenabled()
+    _held_was.append(was)
+    gc.disable()
+    froze = False
+
+    def resume() -> None:
+        nonlocal froze
+        froze = froze or gc.get_freeze_count() == 0
+        gc.freeze()
+        if was:
+            gc.enable()
+
+    try:
+        yield resume
+    finally:
+        _held_was.pop()
+        if froze:
+            gc.unfreeze()
+        if was and not _held_was:
+            gc.enable()
+
+
 def deliver(result: R, consume: Callable[[R], None]) -> None:
     """``consume(result)`` (write it as JSON or text) with the cyclic GC paused: a 10^6-entry report
     is ~10^7 acyclic objects."""
-    with gc_paused():
+    with gc_held():
         consume(result)
 
 
@@ -55,9 +93,7 @@ def run_inspect(
     path: str | os.PathLike[str],
     options: InspectOptions,
     *,
-    declaration: LayoutDeclaration | None,
-    trust_pickle: bool,
-    selection: CheckpointSelection | None,
+    opening: OpenOptions,
     report: Callable[[InspectResult], None],
 ) -> None:
     """:func:`~ckpttool.ops.inspect.inspect` the checkpoint and ``report`` the result, under one GC pause.
@@ -69,8 +105,8 @@ def run_inspect(
     """
     from ckpttool.ops.inspect import inspect
 
-    with gc_paused():
-        result = inspect(path, options, declaration=declaration, trust_pickle=trust_pickle, selection=selection)
+    with gc_held():
+        result = inspect(path, options, opening=opening)
         report(result)
         del result
 
@@ -101,9 +137,7 @@ def run_validate(
     path: str | os.PathLike[str],
     options: ValidateOptions,
     *,
-    declaration: LayoutDeclaration | None,
-    trust_pickle: bool,
-    selection: CheckpointSelection | None,
+    opening: OpenOptions,
     progress: Progress,
     report: Callable[[ValidationResult], None],
 ) -> ValidationResult:
@@ -114,10 +148,8 @@ def run_validate(
     """
     from ckpttool.ops.validate import validate
 
-    with gc_paused():  # one pause for reading and printing (each re-enable: a full collection)
-        res = validate(
-            path, options, declaration=declaration, trust_pickle=trust_pickle, progress=progress, selection=selection
-        )
+    with gc_held():  # one pause for reading and printing (each re-enable: a full collection)
+        res = validate(path, options, progress=progress, opening=opening)
         report(res)
     return res
 
@@ -137,9 +169,7 @@ def run_replay(
     path: str | os.PathLike[str],
     options: ReplayOptions,
     *,
-    declaration: LayoutDeclaration | None,
-    trust_pickle: bool,
-    selection: CheckpointSelection | None,
+    opening: OpenOptions,
     progress: Progress,
 ) -> ReplayResult:
     """Open the checkpoint and :func:`~ckpttool.ops.replay.replay_step` it.
@@ -147,11 +177,9 @@ def run_replay(
     Raises:
         as :func:`~ckpttool.model.checkpoint.open_checkpoint` and :func:`~ckpttool.ops.replay.replay_step`.
     """
-    from ckpttool.model.checkpoint import open_checkpoint
     from ckpttool.ops.replay import replay_step
 
-    with open_checkpoint(path, declaration=declaration, trust_pickle=trust_pickle, selection=selection) as ckpt:
-        return replay_step(ckpt, options, progress=progress)
+    return replay_step(path, options, progress=progress, opening=opening)
 
 
 def replay_mismatch(result: ReplayResult) -> ReplayMismatchError | None:
@@ -173,9 +201,7 @@ def run_reshard(
     target: str | os.PathLike[str],
     options: ReshardOptions,
     *,
-    declaration: LayoutDeclaration | None,
-    trust_pickle: bool,
-    selection: CheckpointSelection | None,
+    opening: OpenOptions,
     progress: Callable[[], AbstractContextManager[Progress]],
 ) -> ReshardResult:
     """Open ``source`` and :func:`~ckpttool.ops.reshard.reshard` it into ``target``.
@@ -187,11 +213,35 @@ def run_reshard(
     Raises:
         as :func:`~ckpttool.model.checkpoint.open_checkpoint` and :func:`~ckpttool.ops.reshard.reshard`.
     """
-    from ckpttool.model.checkpoint import open_checkpoint
+    from ckpttool.model.checkpoint import open_source
     from ckpttool.ops.reshard import reshard
 
-    with (
-        open_checkpoint(source, declaration=declaration, trust_pickle=trust_pickle, selection=selection) as ckpt,
-        progress() as update,
-    ):
+    with open_source(source, opening) as ckpt, progress() as update:
         return reshard(ckpt, target, options, progress=update)
+
+
+def run_export(
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    options: ExportOptions,
+    *,
+    opening: OpenOptions,
+    progress: Callable[[], AbstractContextManager[Progress]],
+    note: Callable[[Checkpoint, ExportResult], str | None],
+) -> tuple[ExportResult, str | None]:
+    """Open ``source`` and :func:`~ckpttool.ops.export.export_checkpoint` it into ``out``, under one GC hold
+    (the open's objects are frozen with the plan's before the writes): ``(result, note(ckpt, result))``.
+
+    Args:
+        progress: a context-manager factory yielding the ``(bytes done, bytes total)`` callback (or
+            ``None``), entered once the checkpoint is open.
+
+    Raises:
+        as :func:`~ckpttool.model.checkpoint.open_checkpoint` and :func:`~ckpttool.ops.export.export_checkpoint`.
+    """
+    from ckpttool.model.checkpoint import open_source
+    from ckpttool.ops.export import export_checkpoint
+
+    with gc_held(), open_source(source, opening) as ckpt, progress() as update:
+        result = export_checkpoint(ckpt, out, options, progress=update)
+        return result, note(ckpt, result)

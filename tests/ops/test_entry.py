@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ckpttool.errors import ReplayMismatchError
+from ckpttool.model.checkpoint import OpenOptions
 from ckpttool.ops.entry import (
     data_file_warnings,
     deliver,
@@ -36,10 +37,8 @@ def test_inspect_reports_with_the_gc_paused_and_restores_it(dense_ckpt: Path, gc
     run_inspect(
         dense_ckpt,
         InspectOptions(),
-        declaration=None,
-        trust_pickle=False,
-        selection=None,
         report=lambda result: seen.append(gc.isenabled()),
+        opening=OpenOptions(declaration=None, trust_pickle=False, selection=None),
     )
     assert seen == [False]
     assert gc.isenabled()
@@ -50,11 +49,9 @@ def test_validate_reports_with_the_gc_paused_and_returns_the_result(dense_ckpt: 
     res = run_validate(
         dense_ckpt,
         ValidateOptions(),
-        declaration=None,
-        trust_pickle=False,
-        selection=None,
         progress=None,
         report=lambda r: seen.append(gc.isenabled()),
+        opening=OpenOptions(declaration=None, trust_pickle=False, selection=None),
     )
     assert seen == [False]
     assert gc.isenabled()
@@ -64,7 +61,11 @@ def test_validate_reports_with_the_gc_paused_and_returns_the_result(dense_ckpt: 
 def test_validate_fatal_finding_is_its_error(tmp_path: Path) -> None:
     (tmp_path / ".metadata").write_bytes(b"garbage")
     res = run_validate(
-        tmp_path, ValidateOptions(), declaration=None, trust_pickle=False, selection=None, progress=None, report=print
+        tmp_path,
+        ValidateOptions(),
+        progress=None,
+        report=print,
+        opening=OpenOptions(declaration=None, trust_pickle=False, selection=None),
     )
     err = validation_error(res)
     assert res.exit_code == 2 and err is not None

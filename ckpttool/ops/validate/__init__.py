@@ -22,7 +22,6 @@ from ckpttool.ops.validate.runner import (
     ValidateOptions,
     ValidationResult,
     validate,
-    validate_checkpoint,
 )
 
 __all__ = [
@@ -38,5 +37,4 @@ __all__ = [
     "junit_xml",
     "select_rules",
     "validate",
-    "validate_checkpoint",
 ]
