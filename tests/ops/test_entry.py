@@ -79,6 +79,51 @@ def test_deliver_pauses_and_restores(gc_enabled: object) -> None:
     assert seen == [False] and gc.isenabled()
 
 
+def test_gc_held_pauses_freezes_on_resume_and_restores(gc_enabled: object) -> None:
+    from ckpttool.ops.entry import gc_held
+
+    assert gc.get_freeze_count() == 0
+    with gc_held() as resume:
+        assert not gc.isenabled()
+        with gc_held() as inner:  # nested (a command's hold around an operation's): resumes as the outer would
+            assert not gc.isenabled()
+            inner()
+            assert gc.isenabled() and gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() == 0  # what the inner hold froze is unfrozen when it ends
+        resume()
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()  # a caller's paused collector stays paused, even after resume()
+    with gc_held() as resume:
+        resume()
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+    gc.enable()
+    gc.freeze()  # a caller's own freeze is left to it
+    try:
+        before = gc.get_freeze_count()
+        with gc_held() as resume:
+            resume()
+        assert gc.get_freeze_count() >= before > 0
+    finally:
+        gc.unfreeze()
+    with pytest.raises(KeyError), gc_held():
+        raise KeyError("x")
+    assert gc.isenabled()
+
+
+def test_ops_take_an_opened_checkpoint_or_a_path(dense_ckpt: Path) -> None:
+    from ckpttool.model.checkpoint import OpenOptions, open_checkpoint
+    from ckpttool.ops.inspect import inspect
+    from ckpttool.ops.validate import validate
+
+    with open_checkpoint(dense_ckpt, record_problems=True) as ck:
+        assert inspect(ck).to_dict() == inspect(dense_ckpt).to_dict()
+        assert validate(ck).counts == validate(dense_ckpt, opening=OpenOptions()).counts
+        with pytest.raises(ValueError, match="open already"):
+            inspect(ck, opening=OpenOptions(trust_pickle=True))
+
+
 def test_data_file_warnings() -> None:
     class F:
         def __init__(self, path: str, status: str, size: int = 0, needed: int = 0) -> None:
