@@ -18,10 +18,11 @@ recorded on the handle instead of raised, so that they become findings; an unusa
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,15 @@ from ckpttool.layouts.declaration import LayoutDeclaration, ResolvedLayout, reso
 from ckpttool.model.catalog import Catalog, ExtraStateFile, ParamGroup, build_catalog, load_param_groups
 from ckpttool.model.discovery import CheckpointSelection, Located, compose_pair, locate
 
-__all__ = ["Checkpoint", "CheckpointSelection", "ExtraState", "OpenOptions", "open_checkpoint", "open_source"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointSelection",
+    "ExtraState",
+    "OpenOptions",
+    "gc_held",
+    "open_checkpoint",
+    "open_source",
+]
 
 _STEP_KEYS = ("global_step", "step", "curr_step")
 log = logging.getLogger(__name__)
@@ -314,3 +323,40 @@ def open_source(
         selection=o.selection,
     ) as ckpt:
         yield ckpt
+
+
+#: Whether the collector was enabled when the outermost :func:`gc_held` began (one entry per open hold).
+_held_was: list[bool] = []
+
+
+@contextmanager
+def gc_held() -> Iterator[Callable[[], None]]:
+    """Keep the open's and the operation's objects out of the cyclic GC while an operation runs.
+
+    The one GC policy of the operations (the open itself pauses it too): the collector is paused
+    for the body. The body may call the yielded ``resume()`` before a long phase that allocates
+    (export's writes): everything alive is then frozen (``gc.freeze``, acyclic and long-lived:
+    no collection rescans it) and the collector resumes. At exit the collector is restored and
+    what was frozen here unfrozen; a caller's own earlier freeze is left to it. Nested holds
+    resume as the outermost one would; the outermost restores (a command's hold around an operation's).
+    """
+    was = _held_was[0] if _held_was else gc.isenabled()
+    _held_was.append(was)
+    gc.disable()
+    froze = False
+
+    def resume() -> None:
+        nonlocal froze
+        froze = froze or gc.get_freeze_count() == 0
+        gc.freeze()
+        if was:
+            gc.enable()
+
+    try:
+        yield resume
+    finally:
+        _held_was.pop()
+        if froze:
+            gc.unfreeze()
+        if was and not _held_was:
+            gc.enable()

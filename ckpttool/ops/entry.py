@@ -12,11 +12,12 @@ collector stays paused from the open until the result is printed (:func:`run_ins
 
 from __future__ import annotations
 
-import gc
 import os
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, TypeVar
+
+from ckpttool.model.checkpoint import gc_held, open_source
 
 if TYPE_CHECKING:
     from ckpttool.errors import CkptError, ReplayMismatchError
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 __all__ = [
     "data_file_warnings",
     "deliver",
-    "gc_held",
     "replay_mismatch",
     "run_export",
     "run_inspect",
@@ -43,43 +43,6 @@ __all__ = [
 
 R = TypeVar("R")
 Progress = Callable[[int, int], None] | None
-
-
-#: Whether the collector was enabled when the outermost :func:`gc_held` began (one entry per open hold).
-_held_was: list[bool] = []
-
-
-@contextmanager
-def gc_held() -> Iterator[Callable[[], None]]:
-    """Keep the open's and the operation's objects out of the cyclic GC while an operation runs.
-
-    The one GC policy of the operations (the open itself pauses it too): the collector is paused
-    for the body. The body may call the yielded ``resume()`` before a long phase that allocates
-    (export's writes): everything alive is then frozen (``gc.freeze``, acyclic and long-lived:
-    no collection rescans it) and the collector resumes. At exit the collector is restored and
-    what was frozen here unfrozen; a caller's own earlier freeze is left to it. Nested holds
-    resume as the outermost one would; the outermost restores (a command's hold around an operation's).
-    """
-    was = _held_was[0] if _held_was else gc.isenabled()
-    _held_was.append(was)
-    gc.disable()
-    froze = False
-
-    def resume() -> None:
-        nonlocal froze
-        froze = froze or gc.get_freeze_count() == 0
-        gc.freeze()
-        if was:
-            gc.enable()
-
-    try:
-        yield resume
-    finally:
-        _held_was.pop()
-        if froze:
-            gc.unfreeze()
-        if was and not _held_was:
-            gc.enable()
 
 
 def deliver(result: R, consume: Callable[[R], None]) -> None:
@@ -213,7 +176,6 @@ def run_reshard(
     Raises:
         as :func:`~ckpttool.model.checkpoint.open_checkpoint` and :func:`~ckpttool.ops.reshard.reshard`.
     """
-    from ckpttool.model.checkpoint import open_source
     from ckpttool.ops.reshard import reshard
 
     with open_source(source, opening) as ckpt, progress() as update:
@@ -239,7 +201,6 @@ def run_export(
     Raises:
         as :func:`~ckpttool.model.checkpoint.open_checkpoint` and :func:`~ckpttool.ops.export.export_checkpoint`.
     """
-    from ckpttool.model.checkpoint import open_source
     from ckpttool.ops.export import export_checkpoint
 
     with gc_held(), open_source(source, opening) as ckpt, progress() as update:

@@ -24,7 +24,7 @@ from ckpttool.errors import CkptError, TrustRequiredError, UsageError
 from ckpttool.layouts.geometry import EPGeometry
 from ckpttool.layouts.record import EPTensorSpec
 from ckpttool.model.catalog import Catalog, ParamGroup, TensorEntry, group_by_prefix, leaf_key, match_filter
-from ckpttool.model.checkpoint import Checkpoint, ExtraState, OpenOptions, open_source
+from ckpttool.model.checkpoint import Checkpoint, ExtraState, OpenOptions, gc_held, open_source
 from ckpttool.model.discovery import Located
 from ckpttool.model.schemas.keyschema import KeySchema
 from ckpttool.optim_state.schema import HYPERPARAMETERS
@@ -731,7 +731,5 @@ def inspect(
         LayoutError: a layout declaration that contradicts the record or the chunk geometry.
         plus those of :func:`~ckpttool.model.checkpoint.open_checkpoint` (unusable ``.metadata``).
     """
-    from ckpttool.ops.entry import gc_held
-
     with gc_held(), open_source(source, opening, record_problems=True) as ckpt:
         return _checked(ckpt, options or InspectOptions())

@@ -80,7 +80,7 @@ def test_deliver_pauses_and_restores(gc_enabled: object) -> None:
 
 
 def test_gc_held_pauses_freezes_on_resume_and_restores(gc_enabled: object) -> None:
-    from ckpttool.ops.entry import gc_held
+    from ckpttool.model.checkpoint import gc_held
 
     assert gc.get_freeze_count() == 0
     with gc_held() as resume:

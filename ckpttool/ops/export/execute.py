@@ -51,10 +51,9 @@ from ckpttool.format.tiling import contiguous_run, tiling_problem
 from ckpttool.layouts.declaration import ResolvedLayout
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, detect_adapter, get_adapter
 from ckpttool.model.catalog import Catalog
-from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
+from ckpttool.model.checkpoint import Checkpoint, OpenOptions, gc_held, open_source
 from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.ops import distributed
-from ckpttool.ops.entry import gc_held
 from ckpttool.ops.export.expected import MISMATCH_KINDS, ModelCheck, compare_with_model
 from ckpttool.ops.export.experts import expert_orders
 from ckpttool.ops.export.lora import read_adapter_config

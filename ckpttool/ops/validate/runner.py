@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import AmbiguousCheckpointError, MetadataError, SchemaError, StepNotFoundError
-from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_checkpoint
+from ckpttool.model.checkpoint import Checkpoint, OpenOptions, gc_held, open_checkpoint
 from ckpttool.model.hfconfig import read_hf_config
 from ckpttool.ops.validate import rules as _rules  # noqa: F401 - registers the rules
 from ckpttool.ops.validate.base import RULES, Finding, Rule, Severity, select_rules
@@ -242,8 +242,6 @@ def validate(
         AmbiguousCheckpointError, StepNotFoundError: which checkpoint below ``source`` is not clear.
         SchemaError: a key-schema override that matches nothing.
     """
-    from ckpttool.ops.entry import gc_held
-
     opts = options or ValidateOptions()
     with gc_held():  # one pause for open + rules: each re-enable triggers a full collection
         if isinstance(source, Checkpoint):
