@@ -195,9 +195,9 @@ def test_verbatim_reshard_never_imports_torch(tmp_path: Path) -> None:
     src.mkdir()
     build_dense(src)
     code = (
-        "import sys; from ckpttool.ops.reshard import reshard; "
-        f"r = reshard({str(src)!r}, {str(tmp_path / 'out')!r}, to='canonical', target_ep_size=1, target_ep_fsdp_size=1, "
-        "with_optimizer=True); "
+        "import sys; from ckpttool.ops.reshard import ReshardOptions, reshard; "
+        f"r = reshard({str(src)!r}, {str(tmp_path / 'out')!r}, ReshardOptions(to='canonical', target_ep_size=1, "
+        "target_ep_fsdp_size=1, with_optimizer=True)); "
         "assert r.chunks_rewritten == 0, r; print('torch' in sys.modules)"
     )
     res = subprocess.run(
