@@ -25,6 +25,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from ckpttool.ops.export import ExportOptions
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
@@ -113,7 +115,7 @@ def build(workdir: Path, gb: float) -> tuple[Path, Path, Path]:
     if not (hf / "model.safetensors").is_file():
         from ckpttool.ops.export.execute import export_checkpoint
 
-        export_checkpoint(src, hf, model_assets=assets, shard_size=1 << 40, overwrite=True)
+        export_checkpoint(src, hf, ExportOptions(model_assets=assets, shard_size=1 << 40, overwrite=True))
     return src, hf, assets
 
 

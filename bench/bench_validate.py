@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from ckpttool.ops.validate import ValidateOptions
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
@@ -117,7 +119,7 @@ def bench_metadata(path: Path, repeat: int) -> None:
     t_in = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        res = validate(path, strict=True)
+        res = validate(path, ValidateOptions(strict=True))
         t_in.append(time.perf_counter() - t0)
     assert res.exit_code == 0, [f.message for f in res.findings[:3]]
     base = min(_fresh([sys.executable, "-c", TORCH_READ, str(path)])[0] for _ in range(repeat))
@@ -138,7 +140,7 @@ def bench_deep(path: Path, repeat: int, workers: int | None) -> None:
     t_in, res = [], None
     for _ in range(repeat):
         t0 = time.perf_counter()
-        res = validate(path, strict=True, deep=True, workers=workers)
+        res = validate(path, ValidateOptions(strict=True, deep=True, workers=workers))
         t_in.append(time.perf_counter() - t0)
     assert res is not None and res.exit_code == 0, [f.message for f in res.findings[:3]]
     t_cli = min(_fresh(["ckpttool", "validate", str(path), "--strict", "--deep", "--json"])[0] for _ in range(repeat))
@@ -232,7 +234,7 @@ def bench_deep_crc(path: Path, repeat: int, workers: int | None) -> None:
             times = []
             for _ in range(repeat):
                 t0 = time.perf_counter()
-                res = validate(path, strict=True, deep=True, workers=workers)
+                res = validate(path, ValidateOptions(strict=True, deep=True, workers=workers))
                 times.append(time.perf_counter() - t0)
             if fn is not None:
                 assert res.exit_code == 0, [f.message for f in res.findings[:3]]

@@ -33,7 +33,7 @@ def main() -> None:
     from tests.security.test_hostile_matrix import COMMAND_IDS, MATRIX, copy_entry
 
     work = a.workdir or Path(tempfile.mkdtemp(prefix="ckpttool-corpus-"))
-    base = write_sample(work / "sample")
+    base = write_sample(work / "sample").path
     corpus = build_corpus(work / "corpus", base)
     runner = CliRunner()
     print("| entry | what is wrong | " + " | ".join(f"`{c}`" for c in COMMAND_IDS) + " |")

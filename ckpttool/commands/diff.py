@@ -104,6 +104,7 @@ def diff_command(
     Exit 0: equal; 1: different; 2: unusable input. --source-layout/--ep-size/--ep-fsdp-size/--no-ep
     declare an unversioned EP layout of A, the --b-... options B's.
     """
+    from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.diff import DiffOptions, diff_checkpoints
 
     opts = DiffOptions(
@@ -124,11 +125,8 @@ def diff_command(
         a,
         b,
         opts,
-        declaration_a=decl_a,
-        declaration_b=decl_b,
-        selection_a=sel,
-        selection_b=sel,
-        trust_pickle=trust_pickle,
+        opening_a=OpenOptions(declaration=decl_a, trust_pickle=trust_pickle, selection=sel),
+        opening_b=OpenOptions(declaration=decl_b, trust_pickle=trust_pickle, selection=sel),
     )
     Output(json_output).result(res, render_diff)
     if not res.equal:

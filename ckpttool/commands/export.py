@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import inspect
 import sys
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -172,21 +170,21 @@ class ExportCLIOptions:
 @command_boundary
 def run_export(cli: ExportCLIOptions) -> None:
     """Export model weights as Hugging Face safetensors or a LoRA adapter (streaming, bit-exact by default)."""
-    from ckpttool.model.checkpoint import open_checkpoint
-    from ckpttool.ops.export import export_checkpoint
+    from ckpttool.model.checkpoint import OpenOptions
+    from ckpttool.ops.entry import run_export as run
     from ckpttool.ui.render import byte_progress
 
     decl = declaration(cli.source_layout, cli.ep_size, cli.ep_fsdp_size, cli.no_ep)
     sel = selection(cli.step, cli.optimizer_dir, cli.schema, cli.model_prefix, cli.optimizer_prefix)
     options = export_options(cli)
-    with (
-        _opened_frozen(
-            lambda: open_checkpoint(cli.checkpoint, declaration=decl, trust_pickle=cli.trust_pickle, selection=sel)
-        ) as ckpt,
-        byte_progress("export", not cli.json_output and sys.stderr.isatty()) as update,
-    ):
-        result = export_checkpoint(ckpt, cli.out, options, progress=update)
-        masters = _masters_note(ckpt, result)
+    result, masters = run(
+        cli.checkpoint,
+        cli.out,
+        options,
+        opening=OpenOptions(declaration=decl, trust_pickle=cli.trust_pickle, selection=sel),
+        progress=lambda: byte_progress("export", not cli.json_output and sys.stderr.isatty()),
+        note=_masters_note,
+    )
     sink = Output(cli.json_output)
     for w in result.warnings:
         sink.warning(w)
@@ -249,27 +247,6 @@ def _typer_command(options_type: type[Any], run: Callable[[Any], None]) -> Calla
     command.__doc__ = run.__doc__
     command.__name__ = command.__qualname__ = getattr(run, "__name__", "command")
     return command
-
-
-@contextlib.contextmanager
-def _opened_frozen(open_fn: Callable[[], Checkpoint]) -> Iterator[Checkpoint]:
-    """Open the checkpoint (``open_fn()``) with the cyclic GC paused, then freeze what it built.
-
-    Opening 10^6 entries builds ~10^7 long-lived acyclic objects with the GC paused; resuming it
-    plainly would scan them all at the next allocation, and every full collection of the
-    export again. They are frozen (``gc.freeze``) before the GC resumes and unfrozen when the checkpoint is
-    closed, unless something was frozen before (then left as it was). No result changes: frozen
-    objects still die by reference count.
-    """
-    from ckpttool.format.unpickler import gc_paused
-
-    with contextlib.ExitStack() as stack:
-        with gc_paused():
-            ckpt = stack.enter_context(open_fn())
-            if gc.get_freeze_count() == 0:
-                stack.callback(gc.unfreeze)
-            gc.freeze()
-        yield ckpt
 
 
 def _masters_note(ckpt: Checkpoint, r: ExportResult) -> str | None:

@@ -42,6 +42,7 @@ def inspect_command(
     optimizer_prefix: opt.OptimizerPrefixOpt = None,
 ) -> None:
     """Show what a checkpoint holds, from .metadata alone (reads no tensor data)."""
+    from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import data_file_warnings, run_inspect
     from ckpttool.ops.inspect import InspectOptions
     from ckpttool.ui.render import render_overview
@@ -57,9 +58,11 @@ def inspect_command(
     run_inspect(
         checkpoint,
         InspectOptions(filter_glob=filter_glob, depth=depth, sort=sort.value),
-        declaration=declaration(source_layout, ep_size, ep_fsdp_size, no_ep),
-        trust_pickle=trust_pickle,
-        selection=selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix),
+        opening=OpenOptions(
+            declaration=declaration(source_layout, ep_size, ep_fsdp_size, no_ep),
+            trust_pickle=trust_pickle,
+            selection=selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix),
+        ),
         report=report,
     )
 

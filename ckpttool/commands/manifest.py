@@ -55,19 +55,20 @@ def manifest_command(
     Adds only that file. `ckpttool validate --manifest FILE` later names any chunk that is missing,
     added or changed.
     """
-    from ckpttool.ops.manifest import write_manifest
+    from ckpttool.model.checkpoint import OpenOptions
+    from ckpttool.ops.manifest import ManifestOptions, write_manifest
+
+    opening = OpenOptions(trust_pickle=trust_pickle, selection=selection(step))
 
     if verify:
         from ckpttool.ops.manifest import check_against_manifest
 
-        checked = check_against_manifest(checkpoint, output, trust_pickle=trust_pickle, selection=selection(step))
+        checked = check_against_manifest(checkpoint, output, opening=opening)
         Output(json_output).result(checked, _render_check)
         if checked.problems:
             raise typer.Exit(1)
         return
-    res = write_manifest(
-        checkpoint, output, algorithm=hash_name, covers=covers, trust_pickle=trust_pickle, selection=selection(step)
-    )
+    res = write_manifest(checkpoint, ManifestOptions(out=output, algorithm=hash_name, covers=covers), opening=opening)
     Output(json_output).result(res, _render)
 
 

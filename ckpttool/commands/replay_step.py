@@ -132,6 +132,7 @@ def replay_step_command(
 
     Exit 0: every parameter matches; 1: a mismatch beyond tolerance; 2: unusable input.
     """
+    from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import replay_mismatch, run_replay
 
     options = _replay_options(
@@ -154,7 +155,10 @@ def replay_step_command(
     progress_cb, finish = _progress(enabled=not json_output and sys.stderr.isatty())
     try:
         result = run_replay(
-            checkpoint, options, declaration=decl, trust_pickle=trust_pickle, selection=sel, progress=progress_cb
+            checkpoint,
+            options,
+            opening=OpenOptions(declaration=decl, trust_pickle=trust_pickle, selection=sel),
+            progress=progress_cb,
         )
     finally:
         finish()

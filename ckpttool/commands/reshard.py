@@ -84,6 +84,7 @@ def reshard_command(
     naming the source (its .metadata and manifest.json digests). The source is only read; the
     output appears only when complete.
     """
+    from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import run_reshard
     from ckpttool.ops.reshard import ReshardOptions
     from ckpttool.ui.render import byte_progress
@@ -105,9 +106,7 @@ def reshard_command(
         source,
         target,
         options,
-        declaration=decl,
-        trust_pickle=trust_pickle,
-        selection=sel,
+        opening=OpenOptions(declaration=decl, trust_pickle=trust_pickle, selection=sel),
         progress=lambda: byte_progress("reshard", not json_output and sys.stderr.isatty()),
     )
     sink = Output(json_output)

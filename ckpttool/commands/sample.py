@@ -13,7 +13,7 @@ from ckpttool.ui.output import command_boundary, deprecated, note
 
 
 class SampleOptimizer(str, Enum):
-    """``write_sample(optimizer=...)`` choices (:data:`ckpttool.ops.sample.SAMPLE_OPTIMIZERS`)."""
+    """``SampleOptions.optimizer`` choices (:data:`ckpttool.ops.sample.SAMPLE_OPTIMIZERS`)."""
 
     adamw = "adamw"
     full_fp32_adamw = "full_fp32_adamw"
@@ -49,12 +49,14 @@ def sample_command(
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Write a tiny MoE causal LM checkpoint (HF Dots1 names, fused experts, a router buffer, layout record)."""
-    from ckpttool.ops.sample import write_sample
+    from ckpttool.ops.sample import SampleOptions, write_sample
 
     if old_steps is not None:
         deprecated("sample --steps", "--train-steps (replay-step --steps counts replayed steps)")
         train_steps = old_steps
-    out = write_sample(directory, steps=train_steps, seed=seed, optimizer=optimizer.value, overwrite=overwrite)
+    out = write_sample(
+        directory, SampleOptions(steps=train_steps, seed=seed, optimizer=optimizer.value, overwrite=overwrite)
+    ).path
     note(f"wrote sample checkpoint to {out}")
     note(f"try: ckpttool inspect {out}")
 

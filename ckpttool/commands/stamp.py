@@ -37,11 +37,12 @@ def stamp_command(
 
     Adds only that file; refuses to contradict a layout record already in the checkpoint.
     """
-    from ckpttool.ops.stamp import stamp
+    from ckpttool.model.checkpoint import OpenOptions
+    from ckpttool.ops.stamp import StampOptions, stamp
 
     decl = declaration(source_layout, ep_size, ep_fsdp_size)
     sel = selection(step, None, schema, model_prefix, optimizer_prefix)
-    res = stamp(checkpoint, decl, trust_pickle=trust_pickle, selection=sel)
+    res = stamp(checkpoint, StampOptions(decl), opening=OpenOptions(trust_pickle=trust_pickle, selection=sel))
     Output(json_output).result(res, _render)
 
 

@@ -196,6 +196,7 @@ def validate_command(
         return
     if checkpoint is None:
         raise UsageError("missing CHECKPOINT argument", hint="ckpttool validate DIR [--strict] [--deep]")
+    from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import run_validate, validation_error
     from ckpttool.ops.validate import ValidateOptions
 
@@ -226,9 +227,7 @@ def validate_command(
         res = run_validate(
             checkpoint,
             options,
-            declaration=decl,
-            trust_pickle=trust_pickle,
-            selection=sel,
+            opening=OpenOptions(declaration=decl, trust_pickle=trust_pickle, selection=sel),
             progress=update,
             report=report,
         )

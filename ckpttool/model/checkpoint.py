@@ -9,10 +9,11 @@ file is recorded on the handle instead of raised, so it becomes a finding; an un
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,15 @@ from ckpttool.layouts.declaration import LayoutDeclaration, ResolvedLayout, reso
 from ckpttool.model.catalog import Catalog, ExtraStateFile, ParamGroup, build_catalog, load_param_groups
 from ckpttool.model.discovery import CheckpointSelection, Located, compose_pair, locate
 
-__all__ = ["Checkpoint", "CheckpointSelection", "ExtraState", "open_checkpoint", "opened"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointSelection",
+    "ExtraState",
+    "OpenOptions",
+    "gc_held",
+    "open_checkpoint",
+    "open_source",
+]
 
 _STEP_KEYS = ("global_step", "step", "curr_step")
 log = logging.getLogger(__name__)
@@ -260,31 +269,85 @@ def _log_opened(ckpt: Checkpoint, read_s: float, model_s: float) -> None:
         log.info("EP layout not resolved: [%s] %s", ckpt.layout_error.code, ckpt.layout_error.message)
 
 
-@contextmanager
-def opened(
-    source: Checkpoint | str | os.PathLike[str],
-    *,
-    declaration: LayoutDeclaration | None = None,
-    trust_pickle: bool = False,
-    record_problems: bool = False,
-    selection: CheckpointSelection | None = None,
-) -> Iterator[Checkpoint]:
-    """``source`` itself when it is an opened :class:`Checkpoint`, else the directory opened (and closed after).
+@dataclass(frozen=True)
+class OpenOptions:
+    """How an operation opens its source when given a path or URL (:func:`open_checkpoint`'s parameters).
 
-    How every operation accepts either: ``with opened(src, declaration=decl) as ckpt: ...``.
+    Attributes:
+        declaration: an EP layout declared by the user (:meth:`LayoutDeclaration.from_options`).
+        trust_pickle: allow ``torch.load(weights_only=False)`` for byte items and ``extra_state`` files.
+        selection: a step of a checkpoint root, a separate optimizer directory, a key-schema override.
+    """
+
+    declaration: LayoutDeclaration | None = None
+    trust_pickle: bool = False
+    selection: CheckpointSelection | None = None
+
+
+@contextmanager
+def open_source(
+    source: Checkpoint | str | os.PathLike[str],
+    opening: OpenOptions | None = None,
+    *,
+    record_problems: bool = False,
+) -> Iterator[Checkpoint]:
+    """``source`` itself when it is an opened :class:`Checkpoint`, else the path opened with ``opening``
+    (and closed after). How every operation accepts either: ``with open_source(src, opening) as ckpt: ...``.
 
     Raises:
-        ValueError: open options given with an already opened checkpoint (they were fixed when it was opened).
+        ValueError: ``opening`` given with an already opened checkpoint (fixed when it was opened).
         plus those of :func:`open_checkpoint`.
     """
     if isinstance(source, Checkpoint):
-        if declaration is not None or trust_pickle or selection is not None:
+        if opening is not None and opening != OpenOptions():
             raise ValueError(
                 "declaration/trust_pickle/selection apply when opening a path; this Checkpoint is open already"
             )
         yield source
         return
+    o = opening or OpenOptions()
     with open_checkpoint(
-        source, declaration=declaration, trust_pickle=trust_pickle, record_problems=record_problems, selection=selection
+        source,
+        declaration=o.declaration,
+        trust_pickle=o.trust_pickle,
+        record_problems=record_problems,
+        selection=o.selection,
     ) as ckpt:
         yield ckpt
+
+
+#: Whether the collector was enabled when the outermost :func:`gc_held` began (one entry per open hold).
+_held_was: list[bool] = []
+
+
+@contextmanager
+def gc_held() -> Iterator[Callable[[], None]]:
+    """Keep the open's and the operation's objects out of the cyclic GC while an operation runs.
+
+    The one GC policy of the operations (the open itself pauses it too): the collector is paused
+    for the body. The body may call the yielded ``resume()`` before a long phase that allocates
+    (export's writes): everything alive is then frozen (``gc.freeze``, acyclic and long-lived:
+    no collection rescans it) and the collector resumes. At exit the collector is restored and
+    what was frozen here unfrozen; a caller's own earlier freeze is left to it. Nested holds
+    resume as the outermost one would; the outermost restores (a command's hold around an operation's).
+    """
+    was = _held_was[0] if _held_was else gc.isenabled()
+    _held_was.append(was)
+    gc.disable()
+    froze = False
+
+    def resume() -> None:
+        nonlocal froze
+        froze = froze or gc.get_freeze_count() == 0
+        gc.freeze()
+        if was:
+            gc.enable()
+
+    try:
+        yield resume
+    finally:
+        _held_was.pop()
+        if froze:
+            gc.unfreeze()
+        if was and not _held_was:
+            gc.enable()

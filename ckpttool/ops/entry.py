@@ -17,12 +17,12 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, TypeVar
 
-from ckpttool.format.unpickler import gc_paused
+from ckpttool.model.checkpoint import gc_held, open_source
 
 if TYPE_CHECKING:
     from ckpttool.errors import CkptError, ReplayMismatchError
-    from ckpttool.layouts.declaration import LayoutDeclaration
-    from ckpttool.model.discovery import CheckpointSelection
+    from ckpttool.model.checkpoint import Checkpoint, OpenOptions
+    from ckpttool.ops.export import ExportOptions, ExportResult
     from ckpttool.ops.inspect import InspectOptions, InspectResult
     from ckpttool.ops.replay import ReplayOptions, ReplayResult
     from ckpttool.ops.reshard import ReshardOptions, ReshardResult
@@ -32,6 +32,7 @@ __all__ = [
     "data_file_warnings",
     "deliver",
     "replay_mismatch",
+    "run_export",
     "run_inspect",
     "run_replay",
     "run_reshard",
@@ -47,7 +48,7 @@ Progress = Callable[[int, int], None] | None
 def deliver(result: R, consume: Callable[[R], None]) -> None:
     """``consume(result)`` (write it as JSON or text) with the cyclic GC paused: a 10^6-entry report
     is ~10^7 acyclic objects."""
-    with gc_paused():
+    with gc_held():
         consume(result)
 
 
@@ -55,9 +56,7 @@ def run_inspect(
     path: str | os.PathLike[str],
     options: InspectOptions,
     *,
-    declaration: LayoutDeclaration | None,
-    trust_pickle: bool,
-    selection: CheckpointSelection | None,
+    opening: OpenOptions,
     report: Callable[[InspectResult], None],
 ) -> None:
     """:func:`~ckpttool.ops.inspect.inspect` the checkpoint and ``report`` the result, under one GC pause.
@@ -69,8 +68,8 @@ def run_inspect(
     """
     from ckpttool.ops.inspect import inspect
 
-    with gc_paused():
-        result = inspect(path, options, declaration=declaration, trust_pickle=trust_pickle, selection=selection)
+    with gc_held():
+        result = inspect(path, options, opening=opening)
         report(result)
         del result
 
@@ -101,9 +100,7 @@ def run_validate(
     path: str | os.PathLike[str],
     options: ValidateOptions,
     *,
-    declaration: LayoutDeclaration | None,
-    trust_pickle: bool,
-    selection: CheckpointSelection | None,
+    opening: OpenOptions,
     progress: Progress,
     report: Callable[[ValidationResult], None],
 ) -> ValidationResult:
@@ -114,10 +111,8 @@ def run_validate(
     """
     from ckpttool.ops.validate import validate
 
-    with gc_paused():  # one pause for reading and printing (each re-enable: a full collection)
-        res = validate(
-            path, options, declaration=declaration, trust_pickle=trust_pickle, progress=progress, selection=selection
-        )
+    with gc_held():  # one pause for reading and printing (each re-enable: a full collection)
+        res = validate(path, options, progress=progress, opening=opening)
         report(res)
     return res
 
@@ -137,9 +132,7 @@ def run_replay(
     path: str | os.PathLike[str],
     options: ReplayOptions,
     *,
-    declaration: LayoutDeclaration | None,
-    trust_pickle: bool,
-    selection: CheckpointSelection | None,
+    opening: OpenOptions,
     progress: Progress,
 ) -> ReplayResult:
     """Open the checkpoint and :func:`~ckpttool.ops.replay.replay_step` it.
@@ -147,11 +140,9 @@ def run_replay(
     Raises:
         as :func:`~ckpttool.model.checkpoint.open_checkpoint` and :func:`~ckpttool.ops.replay.replay_step`.
     """
-    from ckpttool.model.checkpoint import open_checkpoint
     from ckpttool.ops.replay import replay_step
 
-    with open_checkpoint(path, declaration=declaration, trust_pickle=trust_pickle, selection=selection) as ckpt:
-        return replay_step(ckpt, options, progress=progress)
+    return replay_step(path, options, progress=progress, opening=opening)
 
 
 def replay_mismatch(result: ReplayResult) -> ReplayMismatchError | None:
@@ -173,9 +164,7 @@ def run_reshard(
     target: str | os.PathLike[str],
     options: ReshardOptions,
     *,
-    declaration: LayoutDeclaration | None,
-    trust_pickle: bool,
-    selection: CheckpointSelection | None,
+    opening: OpenOptions,
     progress: Callable[[], AbstractContextManager[Progress]],
 ) -> ReshardResult:
     """Open ``source`` and :func:`~ckpttool.ops.reshard.reshard` it into ``target``.
@@ -187,11 +176,33 @@ def run_reshard(
     Raises:
         as :func:`~ckpttool.model.checkpoint.open_checkpoint` and :func:`~ckpttool.ops.reshard.reshard`.
     """
-    from ckpttool.model.checkpoint import open_checkpoint
     from ckpttool.ops.reshard import reshard
 
-    with (
-        open_checkpoint(source, declaration=declaration, trust_pickle=trust_pickle, selection=selection) as ckpt,
-        progress() as update,
-    ):
+    with open_source(source, opening) as ckpt, progress() as update:
         return reshard(ckpt, target, options, progress=update)
+
+
+def run_export(
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    options: ExportOptions,
+    *,
+    opening: OpenOptions,
+    progress: Callable[[], AbstractContextManager[Progress]],
+    note: Callable[[Checkpoint, ExportResult], str | None],
+) -> tuple[ExportResult, str | None]:
+    """Open ``source`` and :func:`~ckpttool.ops.export.export_checkpoint` it into ``out``, under one GC hold
+    (the open's objects are frozen with the plan's before the writes): ``(result, note(ckpt, result))``.
+
+    Args:
+        progress: a context-manager factory yielding the ``(bytes done, bytes total)`` callback (or
+            ``None``), entered once the checkpoint is open.
+
+    Raises:
+        as :func:`~ckpttool.model.checkpoint.open_checkpoint` and :func:`~ckpttool.ops.export.export_checkpoint`.
+    """
+    from ckpttool.ops.export import export_checkpoint
+
+    with gc_held(), open_source(source, opening) as ckpt, progress() as update:
+        result = export_checkpoint(ckpt, out, options, progress=update)
+        return result, note(ckpt, result)

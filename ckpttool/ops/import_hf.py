@@ -289,14 +289,13 @@ def import_hf(
     hf_dir: str | os.PathLike[str],
     out: str | os.PathLike[str],
     options: ImportOptions | None = None,
-    **option_fields: Any,
 ) -> ImportResult:
     """Convert a Hugging Face safetensors model directory into a DCP checkpoint (see the module docstring).
 
     Args:
         hf_dir: directory with ``model*.safetensors`` (+ ``model.safetensors.index.json``) and ``config.json``.
         out: output directory; written beside itself and renamed when complete.
-        options: :class:`ImportOptions`, or its fields as keywords.
+        options: :class:`ImportOptions`.
 
     Returns:
         :class:`ImportResult`.
@@ -307,7 +306,7 @@ def import_hf(
         ExportError (E601): keys the adapter does not know, per-expert tensors that do not cover the experts.
         OutputError: ``out`` exists (no ``overwrite``) or cannot be written.
     """
-    opts = options if options is not None else ImportOptions(**option_fields)
+    opts = options or ImportOptions()
     if opts.ep_size is None and opts.ep_fsdp_size is None:
         return _import_plain(hf_dir, out, opts)
     return _import_ep(hf_dir, out, opts)

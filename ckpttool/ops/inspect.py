@@ -1,6 +1,6 @@
 """``inspect``: a metadata-only overview of a checkpoint.
 
-:func:`inspect_checkpoint` returns an :class:`InspectResult` whose :meth:`~InspectResult.to_dict`
+:func:`inspect` (an opened checkpoint or a path) returns an :class:`InspectResult` whose :meth:`~InspectResult.to_dict`
 is the ``--json`` document (schema ``ckpttool.inspect/1``, ``docs/inspect.md``). It reads
 ``.metadata``, the small param-group and layout byte items, and the ``extra_state/``
 files (``weights_only`` only) — never tensor data.
@@ -21,13 +21,11 @@ from json.encoder import encode_basestring_ascii as _enc  # what json.dumps uses
 from typing import Any
 
 from ckpttool.errors import CkptError, TrustRequiredError, UsageError
-from ckpttool.format.unpickler import gc_paused
-from ckpttool.layouts.declaration import LayoutDeclaration
 from ckpttool.layouts.geometry import EPGeometry
 from ckpttool.layouts.record import EPTensorSpec
 from ckpttool.model.catalog import Catalog, ParamGroup, TensorEntry, group_by_prefix, leaf_key, match_filter
-from ckpttool.model.checkpoint import Checkpoint, ExtraState, open_checkpoint
-from ckpttool.model.discovery import CheckpointSelection, Located
+from ckpttool.model.checkpoint import Checkpoint, ExtraState, OpenOptions, gc_held, open_source
+from ckpttool.model.discovery import Located
 from ckpttool.model.schemas.keyschema import KeySchema
 from ckpttool.optim_state.schema import HYPERPARAMETERS
 
@@ -47,7 +45,6 @@ __all__ = [
     "tensor_dict",
     "TreeRow",
     "inspect",
-    "inspect_checkpoint",
 ]
 
 SCHEMA = "ckpttool.inspect/1"
@@ -592,32 +589,16 @@ def _file_status(size: int | None, needed: int, referenced: bool) -> str:
     return "ok" if referenced else "unreferenced"
 
 
-def inspect_checkpoint(ckpt: Checkpoint, options: InspectOptions | None = None) -> InspectResult:
-    """Metadata-only overview of an opened checkpoint (``ckpttool inspect``).
-
-    Args:
-        ckpt: the checkpoint; opened with ``record_problems=True`` an invalid layout record is
-            reported in :attr:`InspectResult.layout_error` instead of raised.
-        options: see :class:`InspectOptions`.
-
-    Returns:
-        The :class:`InspectResult` (``to_dict()``: schema ``ckpttool.inspect/1``, ``docs/inspect.md``).
-
-    Raises:
-        UsageError: ``sort`` unknown, ``filter_glob`` matching no key.
-        CkptError: an unreadable or unsafe param-group byte item.
-        LayoutError: a layout declaration that contradicts the record or the chunk geometry.
-    """
-    opts = options or InspectOptions()
+def _checked(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
+    """The overview of an open checkpoint, after inspect's refusals (see :func:`inspect`)."""
     if opts.sort not in SORT_KEYS:
         raise UsageError(f"`sort` {opts.sort!r} is not one of {', '.join(SORT_KEYS)}", param="sort")
     if ckpt.layout_error is not None and ckpt.declaration is not None:
         raise ckpt.layout_error  # a contradicting declaration is the user's error, not a finding
-    with gc_paused():
-        ckpt.param_groups()
-        if ckpt.byte_item_errors:  # inspect shows the values: an unreadable one is an error, not a finding
-            raise next(iter(ckpt.byte_item_errors.values()))
-        return _build(ckpt, opts)
+    ckpt.param_groups()
+    if ckpt.byte_item_errors:  # inspect shows the values: an unreadable one is an error, not a finding
+        raise next(iter(ckpt.byte_item_errors.values()))
+    return _build(ckpt, opts)
 
 
 def _summary(cat: Catalog, tensors: Mapping[str, TensorEntry]) -> Summary:
@@ -727,24 +708,28 @@ def _storage_stats(ckpt: Checkpoint) -> dict[str, Any] | None:
 
 
 def inspect(
-    path: str | os.PathLike[str],
+    source: Checkpoint | str | os.PathLike[str],
     options: InspectOptions | None = None,
     *,
-    declaration: LayoutDeclaration | None = None,
-    trust_pickle: bool = False,
-    selection: CheckpointSelection | None = None,
+    opening: OpenOptions | None = None,
 ) -> InspectResult:
-    """Open a checkpoint directory and inspect it (:func:`inspect_checkpoint`); an invalid layout
-    record is reported in the result, not raised.
+    """Metadata-only overview of a checkpoint (``ckpttool inspect``).
+
+    Args:
+        source: an opened :class:`~ckpttool.model.checkpoint.Checkpoint` (opened with
+            ``record_problems=True`` an invalid layout record is reported in
+            :attr:`InspectResult.layout_error`), or its path/URL, opened with ``opening``
+            (and ``record_problems=True``).
+        options: see :class:`InspectOptions`.
+
+    Returns:
+        The :class:`InspectResult` (``to_dict()``: schema ``ckpttool.inspect/1``, ``docs/inspect.md``).
 
     Raises:
-        as :func:`~ckpttool.model.checkpoint.open_checkpoint` (unusable ``.metadata``) and
-        :func:`inspect_checkpoint`.
+        UsageError: ``sort`` unknown, ``filter_glob`` matching no key.
+        CkptError: an unreadable or unsafe param-group byte item.
+        LayoutError: a layout declaration that contradicts the record or the chunk geometry.
+        plus those of :func:`~ckpttool.model.checkpoint.open_checkpoint` (unusable ``.metadata``).
     """
-    with (
-        gc_paused(),
-        open_checkpoint(
-            path, declaration=declaration, trust_pickle=trust_pickle, record_problems=True, selection=selection
-        ) as ckpt,
-    ):
-        return inspect_checkpoint(ckpt, options)
+    with gc_held(), open_source(source, opening, record_problems=True) as ckpt:
+        return _checked(ckpt, options or InspectOptions())

@@ -30,7 +30,7 @@ from ckpttool.format.files import read_regular
 from ckpttool.format.jsonfile import parse_json
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.format.reader import CheckpointReader
-from ckpttool.model.checkpoint import Checkpoint, CheckpointSelection, opened
+from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -38,6 +38,7 @@ __all__ = [
     "ManifestEntry",
     "Manifest",
     "ManifestProblem",
+    "ManifestOptions",
     "ManifestResult",
     "build_manifest",
     "write_manifest",
@@ -64,6 +65,21 @@ MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"
 _WORKERS = 2  # reader/digest threads of build_manifest
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ManifestOptions:
+    """How ``write_manifest`` hashes and where it writes.
+
+    Attributes:
+        out: the manifest file (default ``<checkpoint>/manifest.json``).
+        algorithm: digest algorithm (:data:`ckpttool.format.digest.ALGORITHMS`).
+        covers: ``window`` or ``record`` (see the module docstring).
+    """
+
+    out: str | os.PathLike[str] | None = None
+    algorithm: str = DEFAULT_ALGORITHM
+    covers: str = "window"
 
 
 @dataclass(frozen=True)
@@ -418,14 +434,11 @@ def source_identity(reader: CheckpointReader, algorithm: str = DEFAULT_ALGORITHM
 
 
 def write_manifest(
-    checkpoint: Checkpoint | str | os.PathLike[str],
-    out: str | os.PathLike[str] | None = None,
+    source: Checkpoint | str | os.PathLike[str],
+    options: ManifestOptions | None = None,
     *,
-    algorithm: str = DEFAULT_ALGORITHM,
-    covers: str = "window",
-    trust_pickle: bool = False,
-    selection: CheckpointSelection | None = None,
     progress: Callable[[int, int], None] | None = None,
+    opening: OpenOptions | None = None,
 ) -> ManifestResult:
     """Write ``manifest.json`` for a checkpoint (beside ``.metadata`` unless ``out`` names a file).
 
@@ -433,20 +446,20 @@ def write_manifest(
     nothing else in the checkpoint changes.
 
     Args:
-        checkpoint: an opened :class:`Checkpoint` or its directory.
-        out: the manifest file (default ``<checkpoint>/manifest.json``).
-        algorithm: digest algorithm (:data:`ckpttool.format.digest.ALGORITHMS`).
-        covers: ``window`` or ``record`` (see the module docstring).
+        source: an opened :class:`Checkpoint` or its path, opened with ``opening``.
+        options: see :class:`ManifestOptions`.
         progress: ``progress(done_bytes, total_bytes)``.
 
     Raises:
         UsageError: unknown ``algorithm`` or ``covers``; OutputError: ``out`` cannot be written;
         plus the reader's errors for damaged checkpoints.
     """
+    opts = options or ManifestOptions()
+    algorithm, covers, out = opts.algorithm, opts.covers, opts.out
     _check_algorithm(algorithm)
     _check_covers(covers)
     t0 = time.perf_counter()
-    with opened(checkpoint, trust_pickle=trust_pickle, selection=selection) as ckpt:
+    with open_source(source, opening) as ckpt:
         reader = ckpt.reader
         total = sum(reader.storage_info(k, c).length for k, c in _items(reader))
         done = [0]
@@ -935,14 +948,14 @@ def check_against_manifest(
     directory: str | os.PathLike[str],
     manifest_path: str | os.PathLike[str] | None = None,
     *,
-    trust_pickle: bool = False,
-    selection: CheckpointSelection | None = None,
+    opening: OpenOptions | None = None,
 ) -> ManifestCheck:
     """Verify a DCP checkpoint or a safetensors export directory against its manifest.
 
     Args:
         directory: the checkpoint or export directory (local).
         manifest_path: the manifest (default ``directory/manifest.json``).
+        opening: how to open a DCP checkpoint (``trust_pickle``, ``selection``).
 
     Raises:
         UsageError: no manifest; ManifestError: a malformed one; the readers' errors.
@@ -953,7 +966,7 @@ def check_against_manifest(
         problems = verify_safetensors_manifest(directory, man)
         shown = str(directory)
     else:
-        with opened(directory, trust_pickle=trust_pickle, selection=selection) as ckpt:
+        with open_source(directory, opening) as ckpt:
             problems = verify_manifest(ckpt.reader, man)
             shown = str(ckpt.path)
     return ManifestCheck(shown, str(target), man.kind, man.algorithm, len(man.entries), problems, man.source)

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SampleConfig",
+    "SampleOptions",
+    "SampleResult",
     "TinyMoEForCausalLM",
     "write_sample",
     "layout_record_for",
@@ -284,7 +286,7 @@ def layout_record_for(
     }
 
 
-#: ``write_sample(optimizer=...)`` choices: torch AdamW on FP32 parameters (the default), or a
+#: ``SampleOptions.optimizer`` choices: torch AdamW on FP32 parameters (the default), or a
 #: ckpttool FP32-master optimizer on BF16 parameters (experts offloaded for cpu_offload_adamw).
 SAMPLE_OPTIMIZERS = ("adamw", "full_fp32_adamw", "master_fp32_adamw", "cpu_offload_adamw")
 
@@ -326,7 +328,7 @@ def _sample_optimizer(model: Any, optimizer: str) -> Any:
     return build_optimizer(optimizer, list(model.named_parameters()), **hyper, **cfg)
 
 
-#: ``write_sample(seed=...)`` range: what ``torch.manual_seed`` and the data generator accept.
+#: ``SampleOptions.seed`` range: what ``torch.manual_seed`` and the data generator accept.
 SEED_LIMIT = 2**63
 
 
@@ -355,16 +357,50 @@ class _FinalPathWriter:  # built lazily: a torch FileSystemWriter that records t
         return cls.cls(directory, final)
 
 
-def write_sample(
-    path: str | os.PathLike[str],
-    *,
-    steps: int = 3,
-    seed: int = 0,
-    config: SampleConfig | None = None,
-    optimizer: str = "adamw",
-    overwrite: bool = False,
-) -> Path:
-    """Train the tiny MoE for ``steps`` AdamW steps and save it as a DCP checkpoint.
+@dataclass(frozen=True)
+class SampleOptions:
+    """What ``write_sample`` trains and how it writes.
+
+    Attributes:
+        steps: optimizer steps before the save.
+        seed: RNG seed in ``[0, 2**63)`` (the output is deterministic for a given seed and torch).
+        config: model sizes (default :class:`SampleConfig`).
+        optimizer: ``adamw`` (default: ``torch.optim.AdamW``, FP32 parameters) or a ckpttool
+            FP32-master type (``full_fp32_adamw``, ``master_fp32_adamw`` with BF16 moments,
+            ``cpu_offload_adamw`` offloading ``experts``) with BF16 parameters; the layout
+            record's ``optimizer`` object describes it.
+        overwrite: replace an existing non-empty ``path`` that holds a previous checkpoint or
+            model output, once the new sample is complete (as ``export --overwrite``).
+    """
+
+    steps: int = 3
+    seed: int = 0
+    config: SampleConfig | None = None
+    optimizer: str = "adamw"
+    overwrite: bool = False
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """A written sample checkpoint.
+
+    Attributes:
+        path: the checkpoint directory (as given).
+        steps, seed, optimizer: as trained.
+    """
+
+    path: Path
+    steps: int
+    seed: int
+    optimizer: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"path", "steps", "seed", "optimizer"}`` (the path as a string)."""
+        return {"path": str(self.path), "steps": self.steps, "seed": self.seed, "optimizer": self.optimizer}
+
+
+def write_sample(path: str | os.PathLike[str], options: SampleOptions | None = None) -> SampleResult:
+    """Train the tiny MoE for ``options.steps`` optimizer steps and save it as a DCP checkpoint.
 
     Everything (``dcp.save``, ``extra_state/``, ``model_assets/``) is written into a temporary
     sibling directory renamed into place when complete
@@ -372,18 +408,10 @@ def write_sample(
 
     Args:
         path: target directory; must not exist or be empty.
-        steps: optimizer steps before the save.
-        seed: RNG seed in ``[0, 2**63)`` (the output is deterministic for a given seed and torch).
-        config: model sizes.
-        optimizer: ``adamw`` (default: ``torch.optim.AdamW``, FP32 parameters) or a ckpttool
-            FP32-master type (``full_fp32_adamw``, ``master_fp32_adamw`` with BF16 moments,
-            ``cpu_offload_adamw`` offloading ``experts``) with BF16 parameters; the layout
-            record's ``optimizer`` object describes it.
-        overwrite: replace an existing non-empty ``path`` that holds a previous checkpoint or
-            model output, once the new sample is complete (as ``export --overwrite``).
+        options: see :class:`SampleOptions`.
 
     Returns:
-        The checkpoint directory (as given).
+        A :class:`SampleResult` (``path``: the checkpoint directory as given).
 
     Raises:
         OutputError: ``path`` exists and is not empty (without ``overwrite``, or not a previous
@@ -393,21 +421,23 @@ def write_sample(
     from ckpttool.errors import UsageError
     from ckpttool.format.atomic import AtomicOutputDir
 
+    opts = options or SampleOptions()
+    steps, seed, optimizer = opts.steps, opts.seed, opts.optimizer
     if optimizer not in SAMPLE_OPTIMIZERS:
         raise UsageError(f"unknown sample optimizer {optimizer!r}", hint=f"use one of {', '.join(SAMPLE_OPTIMIZERS)}")
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
         raise UsageError(f"seed {seed!r} is out of range", hint=f"use an integer seed from 0 to {SEED_LIMIT - 1}")
     out = Path(path)
-    with AtomicOutputDir(out, overwrite=overwrite) as tmp:
+    with AtomicOutputDir(out, overwrite=opts.overwrite) as tmp:
         _train_and_save(
             tmp,
             Path(os.path.abspath(out)),
             steps=steps,
             seed=seed,
-            config=config or SampleConfig(),
+            config=opts.config or SampleConfig(),
             optimizer=optimizer,
         )
-    return out
+    return SampleResult(out, steps, seed, optimizer)
 
 
 def _train_and_save(tmp: Path, final: Path, *, steps: int, seed: int, config: SampleConfig, optimizer: str) -> None:

@@ -16,6 +16,7 @@ Stamping what is already recorded is a no-op.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -28,11 +29,22 @@ from ckpttool.layouts.declaration import LayoutDeclaration, load_layout_record
 from ckpttool.layouts.geometry import EPGeometry, dim_intervals
 from ckpttool.layouts.record import SIDECAR_NAME, parse_layout_record
 from ckpttool.model.catalog import Catalog
-from ckpttool.model.checkpoint import Checkpoint, open_checkpoint
-from ckpttool.model.discovery import CheckpointSelection
+from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
 from ckpttool.ops.reshard.plan import implied_optimizer, make_record
 
-__all__ = ["StampResult", "stamp"]
+__all__ = ["StampOptions", "StampResult", "stamp"]
+
+
+@dataclass(frozen=True)
+class StampOptions:
+    """What ``stamp`` writes.
+
+    Attributes:
+        declaration: the declared layout (all three fields set); default: the one the checkpoint
+            is (or, for a path, ``opening`` says it is to be) opened with.
+    """
+
+    declaration: LayoutDeclaration | None = None
 
 
 @dataclass(frozen=True)
@@ -61,19 +73,18 @@ class StampResult:
 
 
 def stamp(
-    checkpoint: Checkpoint | str | os.PathLike[str],
-    declaration: LayoutDeclaration | None = None,
+    source: Checkpoint | str | os.PathLike[str],
+    options: StampOptions | None = None,
     *,
-    trust_pickle: bool = False,
-    selection: CheckpointSelection | None = None,
+    opening: OpenOptions | None = None,
 ) -> StampResult:
     """Write ``layout.json`` for a declared layout after checking it against the chunk geometry.
 
     Args:
-        checkpoint: the checkpoint directory, or a :class:`~ckpttool.model.checkpoint.Checkpoint`
-            opened with the declaration (``record_problems=True`` for stamp's own E404 hints).
-        declaration: the declared layout (all three fields set); default: the checkpoint's.
-        trust_pickle: allow ``weights_only=False`` for byte items that need it (when opening a path).
+        source: the checkpoint path, opened with ``opening`` (its declaration replaced by
+            ``options.declaration`` when given, and ``record_problems=True`` for stamp's own E404
+            hints), or a :class:`~ckpttool.model.checkpoint.Checkpoint` opened so.
+        options: see :class:`StampOptions`.
 
     Returns:
         A :class:`StampResult`.
@@ -84,12 +95,15 @@ def stamp(
             sidecar disagreeing (E403), an invalid record (E400-E402), nothing to verify (E400).
         OutputError: the directory is not writable.
     """
-    if isinstance(checkpoint, Checkpoint):
-        return _stamp(checkpoint, declaration or checkpoint.declaration)
-    with open_checkpoint(
-        checkpoint, declaration=declaration, trust_pickle=trust_pickle, record_problems=True, selection=selection
-    ) as ckpt:
-        return _stamp(ckpt, declaration)
+    declaration = (options or StampOptions()).declaration
+    if isinstance(source, Checkpoint):
+        with open_source(source, opening) as ckpt:
+            return _stamp(ckpt, declaration or ckpt.declaration)
+    o = opening or OpenOptions()
+    if declaration is not None:
+        o = dataclasses.replace(o, declaration=declaration)
+    with open_source(source, o, record_problems=True) as ckpt:
+        return _stamp(ckpt, o.declaration)
 
 
 def _stamp(ckpt: Checkpoint, declaration: LayoutDeclaration | None) -> StampResult:

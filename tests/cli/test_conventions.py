@@ -273,9 +273,9 @@ def test_replay_without_recognised_parameters_names_the_problem(what: str, tmp_p
 # ---------------------------------------------------------------------------------------------- FP32 masters
 @pytest.fixture(scope="module")
 def masters_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ckpttool.ops.sample import write_sample
+    from ckpttool.ops.sample import SampleOptions, write_sample
 
-    return write_sample(tmp_path_factory.mktemp("m") / "ck", steps=1, optimizer="master_fp32_adamw")
+    return write_sample(tmp_path_factory.mktemp("m") / "ck", SampleOptions(steps=1, optimizer="master_fp32_adamw")).path
 
 
 def test_export_of_fp32_masters_with_default_weights_says_so_once(masters_ckpt: Path, tmp_path: Path) -> None:

@@ -76,9 +76,9 @@ def test_validate_json(sample_ckpt: Path, dense_ckpt: Path, tmp_path: Path) -> N
 
 @pytest.fixture(scope="module")
 def masters_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ckpttool.ops.sample import write_sample
+    from ckpttool.ops.sample import SampleOptions, write_sample
 
-    return write_sample(tmp_path_factory.mktemp("m") / "ck", steps=1, optimizer="cpu_offload_adamw")
+    return write_sample(tmp_path_factory.mktemp("m") / "ck", SampleOptions(steps=1, optimizer="cpu_offload_adamw")).path
 
 
 def test_export_json(sample_ckpt: Path, masters_ckpt: Path, tmp_path: Path) -> None:

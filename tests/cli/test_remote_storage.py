@@ -369,7 +369,7 @@ def test_spool_is_bounded_and_evicted(sample_ckpt: Path, s3_server: Any, tmp_pat
     from ckpttool.format.metadata import TensorMeta
     from ckpttool.model.checkpoint import open_checkpoint
     from ckpttool.ops.export import ExportOptions, export_checkpoint
-    from ckpttool.ops.validate.runner import ValidateOptions, validate_checkpoint
+    from ckpttool.ops.validate.runner import ValidateOptions, validate
 
     url = upload(s3_server, sample_ckpt)
     args = ["--save-dtype", "float32", "--shard-size", "100KB"]
@@ -404,7 +404,7 @@ def test_spool_is_bounded_and_evicted(sample_ckpt: Path, s3_server: Any, tmp_pat
     with storage_config(options=s3_server.options(), workers=2):
         ck = open_checkpoint(url, record_problems=True)
         try:
-            validate_checkpoint(ck, ValidateOptions(deep=True, workers=2))
+            validate(ck, ValidateOptions(deep=True, workers=2))
             spool = ck.reader.spool
             # every chunk window evicted once checked: what stays are the byte items (fetched whole, small)
             byte_items = sum(

@@ -17,6 +17,7 @@ import torch
 from ckpttool.format import CheckpointReader, ChunkMeta, DType
 from ckpttool.format.reader import load_saved_object
 from ckpttool.format.writer import DCPWriter, can_stream, tensor_data_pkl, torch_save_bytes, write_tensor_archive
+from ckpttool.ops.reshard import ReshardOptions
 from ckpttool.ops.reshard.plan import row_runs
 
 
@@ -44,7 +45,9 @@ def test_float8_chunks_are_resharded_through_torch(tmp_path: Path) -> None:
         checkpoint_id=str(tmp_path / "src"),
         no_dist=True,
     )
-    res = reshard(tmp_path / "src", tmp_path / "out", to="canonical", target_ep_size=2, target_ep_fsdp_size=1)
+    res = reshard(
+        tmp_path / "src", tmp_path / "out", ReshardOptions(to="canonical", target_ep_size=2, target_ep_fsdp_size=1)
+    )
     assert res.chunks_rewritten == 2 and res.ep_tensors == 1  # one expert tensor split over 2 EP ranks
     with CheckpointReader(tmp_path / "out") as r:
         got = r.read_tensor("model.layers.0.mlp.experts.down_proj")
@@ -192,9 +195,9 @@ def test_verbatim_reshard_never_imports_torch(tmp_path: Path) -> None:
     src.mkdir()
     build_dense(src)
     code = (
-        "import sys; from ckpttool.ops.reshard import reshard; "
-        f"r = reshard({str(src)!r}, {str(tmp_path / 'out')!r}, to='canonical', target_ep_size=1, target_ep_fsdp_size=1, "
-        "with_optimizer=True); "
+        "import sys; from ckpttool.ops.reshard import ReshardOptions, reshard; "
+        f"r = reshard({str(src)!r}, {str(tmp_path / 'out')!r}, ReshardOptions(to='canonical', target_ep_size=1, "
+        "target_ep_fsdp_size=1, with_optimizer=True)); "
         "assert r.chunks_rewritten == 0, r; print('torch' in sys.modules)"
     )
     res = subprocess.run(

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ckpttool.errors import ReplayMismatchError
+from ckpttool.model.checkpoint import OpenOptions
 from ckpttool.ops.entry import (
     data_file_warnings,
     deliver,
@@ -36,10 +37,8 @@ def test_inspect_reports_with_the_gc_paused_and_restores_it(dense_ckpt: Path, gc
     run_inspect(
         dense_ckpt,
         InspectOptions(),
-        declaration=None,
-        trust_pickle=False,
-        selection=None,
         report=lambda result: seen.append(gc.isenabled()),
+        opening=OpenOptions(declaration=None, trust_pickle=False, selection=None),
     )
     assert seen == [False]
     assert gc.isenabled()
@@ -50,11 +49,9 @@ def test_validate_reports_with_the_gc_paused_and_returns_the_result(dense_ckpt: 
     res = run_validate(
         dense_ckpt,
         ValidateOptions(),
-        declaration=None,
-        trust_pickle=False,
-        selection=None,
         progress=None,
         report=lambda r: seen.append(gc.isenabled()),
+        opening=OpenOptions(declaration=None, trust_pickle=False, selection=None),
     )
     assert seen == [False]
     assert gc.isenabled()
@@ -64,7 +61,11 @@ def test_validate_reports_with_the_gc_paused_and_returns_the_result(dense_ckpt: 
 def test_validate_fatal_finding_is_its_error(tmp_path: Path) -> None:
     (tmp_path / ".metadata").write_bytes(b"garbage")
     res = run_validate(
-        tmp_path, ValidateOptions(), declaration=None, trust_pickle=False, selection=None, progress=None, report=print
+        tmp_path,
+        ValidateOptions(),
+        progress=None,
+        report=print,
+        opening=OpenOptions(declaration=None, trust_pickle=False, selection=None),
     )
     err = validation_error(res)
     assert res.exit_code == 2 and err is not None
@@ -76,6 +77,51 @@ def test_deliver_pauses_and_restores(gc_enabled: object) -> None:
     seen: list[bool] = []
     deliver(1, lambda _: seen.append(gc.isenabled()))
     assert seen == [False] and gc.isenabled()
+
+
+def test_gc_held_pauses_freezes_on_resume_and_restores(gc_enabled: object) -> None:
+    from ckpttool.model.checkpoint import gc_held
+
+    assert gc.get_freeze_count() == 0
+    with gc_held() as resume:
+        assert not gc.isenabled()
+        with gc_held() as inner:  # nested (a command's hold around an operation's): resumes as the outer would
+            assert not gc.isenabled()
+            inner()
+            assert gc.isenabled() and gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() == 0  # what the inner hold froze is unfrozen when it ends
+        resume()
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()  # a caller's paused collector stays paused, even after resume()
+    with gc_held() as resume:
+        resume()
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+    gc.enable()
+    gc.freeze()  # a caller's own freeze is left to it
+    try:
+        before = gc.get_freeze_count()
+        with gc_held() as resume:
+            resume()
+        assert gc.get_freeze_count() >= before > 0
+    finally:
+        gc.unfreeze()
+    with pytest.raises(KeyError), gc_held():
+        raise KeyError("x")
+    assert gc.isenabled()
+
+
+def test_ops_take_an_opened_checkpoint_or_a_path(dense_ckpt: Path) -> None:
+    from ckpttool.model.checkpoint import OpenOptions, open_checkpoint
+    from ckpttool.ops.inspect import inspect
+    from ckpttool.ops.validate import validate
+
+    with open_checkpoint(dense_ckpt, record_problems=True) as ck:
+        assert inspect(ck).to_dict() == inspect(dense_ckpt).to_dict()
+        assert validate(ck).counts == validate(dense_ckpt, opening=OpenOptions()).counts
+        with pytest.raises(ValueError, match="open already"):
+            inspect(ck, opening=OpenOptions(trust_pickle=True))
 
 
 def test_data_file_warnings() -> None:

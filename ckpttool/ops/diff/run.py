@@ -24,11 +24,10 @@ from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
 from ckpttool.engine.pool import overlap
 from ckpttool.errors import CkptError, DataFileError, DiffError, UsageError
 from ckpttool.format.metadata import TensorMeta
-from ckpttool.layouts.declaration import LayoutDeclaration
 from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.catalog import TensorEntry
-from ckpttool.model.checkpoint import Checkpoint, CheckpointSelection, open_checkpoint
+from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_checkpoint
 from ckpttool.model.schemas.base import canonical_group_key, canonical_state_key
 from ckpttool.ops.diff.compare import ValueDiff, compare_tensors, unravel
 from ckpttool.ops.export.transform import Run
@@ -382,9 +381,7 @@ def _bits(t: Any) -> Any:
 def _open_side(
     label: str,
     path: str | os.PathLike[str],
-    declaration: LayoutDeclaration | None,
-    trust_pickle: bool,
-    selection: CheckpointSelection | None,
+    opening: OpenOptions,
 ) -> Side:
     p = Path(path)
     only_file = None
@@ -398,7 +395,9 @@ def _open_side(
             )
         where, only_file = p.parent, p.name
     try:
-        ckpt = open_checkpoint(where, declaration=declaration, trust_pickle=trust_pickle, selection=selection)
+        ckpt = open_checkpoint(
+            where, declaration=opening.declaration, trust_pickle=opening.trust_pickle, selection=opening.selection
+        )
     except CkptError as e:
         if e.code == "E200" and not (where / ".metadata").exists() and where.is_dir():
             raise DiffError(
@@ -1060,23 +1059,19 @@ def diff_checkpoints(
     b: str | os.PathLike[str],
     options: DiffOptions | None = None,
     *,
-    declaration_a: LayoutDeclaration | None = None,
-    declaration_b: LayoutDeclaration | None = None,
-    selection_a: CheckpointSelection | None = None,
-    selection_b: CheckpointSelection | None = None,
-    trust_pickle: bool = False,
     progress: Callable[[int, int], None] | None = None,
-    **option_fields: Any,
+    opening_a: OpenOptions | None = None,
+    opening_b: OpenOptions | None = None,
 ) -> DiffResult:
     """Compare two checkpoints (see the module docstring). Neither input is modified.
 
     Args:
         a, b: each a DCP checkpoint directory (or a directory above one), a safetensors
             directory or file, or a PEFT adapter directory.
-        options: :class:`DiffOptions`, or its fields as keywords.
-        declaration_a, declaration_b: EP layout declarations of unversioned DCP sides.
-        selection_a, selection_b: step / schema overrides for opening each side.
+        options: :class:`DiffOptions`.
         progress: ``progress(done_items, total_items)``.
+        opening_a, opening_b: how to open each side (EP layout declaration of an unversioned DCP
+            side, step / schema overrides, ``trust_pickle``).
 
     Returns:
         :class:`DiffResult` (``equal``: exit 0, else 1).
@@ -1086,12 +1081,12 @@ def diff_checkpoints(
         LayoutError (E405): an undeclared ambiguous EP layout.
         plus the reader's errors for damaged inputs (E1xx-E3xx).
     """
-    opts = options if options is not None else DiffOptions(**option_fields)
+    opts = options or DiffOptions()
     _check_options(opts)
     t0 = time.perf_counter()
-    sa = _open_side("A", a, declaration_a, trust_pickle, selection_a)
+    sa = _open_side("A", a, opening_a or OpenOptions())
     try:
-        sb = _open_side("B", b, declaration_b, trust_pickle, selection_b)
+        sb = _open_side("B", b, opening_b or OpenOptions())
     except BaseException:
         sa.close()
         raise

@@ -11,7 +11,6 @@ one streams slab by slab through :mod:`ckpttool.ops.export.transform`, never ass
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import logging
 import os
@@ -41,12 +40,10 @@ from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.safetensors import ShardWriter
 from ckpttool.format.storage import is_url
 from ckpttool.format.tiling import contiguous_run, tiling_problem
-from ckpttool.format.unpickler import gc_paused
-from ckpttool.layouts.declaration import LayoutDeclaration, ResolvedLayout
+from ckpttool.layouts.declaration import ResolvedLayout
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, detect_adapter, get_adapter
 from ckpttool.model.catalog import Catalog
-from ckpttool.model.checkpoint import Checkpoint, opened
-from ckpttool.model.discovery import CheckpointSelection
+from ckpttool.model.checkpoint import Checkpoint, OpenOptions, gc_held, open_source
 from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.ops import distributed
 from ckpttool.ops.export.expected import MISMATCH_KINDS, ModelCheck, compare_with_model
@@ -566,26 +563,21 @@ def _check_options(opts: ExportOptions) -> None:
 
 
 def export_checkpoint(
-    checkpoint: Checkpoint | str | os.PathLike[str],
+    source: Checkpoint | str | os.PathLike[str],
     out: str | os.PathLike[str],
     options: ExportOptions | None = None,
     *,
     progress: ProgressFn | None = None,
-    declaration: LayoutDeclaration | None = None,
-    trust_pickle: bool = False,
-    selection: CheckpointSelection | None = None,
-    **option_fields: Any,
+    opening: OpenOptions | None = None,
 ) -> ExportResult:
     """Export a DCP checkpoint's model weights as Hugging Face safetensors or a PEFT LoRA adapter.
 
     Args:
-        checkpoint: an opened :class:`~ckpttool.model.checkpoint.Checkpoint`, or its directory
-            (never modified).
+        source: an opened :class:`~ckpttool.model.checkpoint.Checkpoint`, or its path/URL
+            (never modified), opened with ``opening``.
         out: output directory; written beside itself and renamed when complete.
-        options: see :class:`ExportOptions`; or give its fields as keywords.
+        options: see :class:`ExportOptions`.
         progress: ``progress(done_bytes, total_bytes)`` callback.
-        declaration, trust_pickle, selection: how to open ``checkpoint`` when it is a path
-            (:func:`~ckpttool.model.checkpoint.open_checkpoint`).
 
     Returns:
         :class:`ExportResult`.
@@ -598,7 +590,7 @@ def export_checkpoint(
         LayoutError: an undeclared ambiguous EP layout (E405), conflicting records (E403/E404).
         plus the reader's errors for damaged checkpoints (E2xx/E3xx).
     """
-    opts = options if options is not None else ExportOptions(**option_fields)
+    opts = options or ExportOptions()
     _check_options(opts)
     rules = load_rules(opts.rules)
     model_config = _read_model_config(opts.model_assets)
@@ -608,8 +600,9 @@ def export_checkpoint(
             given_adapter = read_adapter_config(Path(opts.adapter_config))
         elif opts.model_assets is not None and (Path(opts.model_assets) / "adapter_config.json").is_file():
             given_adapter = read_adapter_config(Path(opts.model_assets) / "adapter_config.json")
-    with opened(checkpoint, declaration=declaration, trust_pickle=trust_pickle, selection=selection) as ckpt:
-        return _export(ckpt, output_location(out), opts, rules, model_config, given_adapter, progress)
+    # the open's objects stay out of the cyclic GC until the export ends (frozen for the writes: gc_held)
+    with gc_held() as resume_frozen, open_source(source, opening) as ckpt:
+        return _export(ckpt, output_location(out), opts, rules, model_config, given_adapter, progress, resume_frozen)
 
 
 @dataclass(frozen=True)
@@ -751,34 +744,31 @@ def _export(
     model_config: dict[str, Any] | None,
     given_adapter: dict[str, Any] | None,
     progress: ProgressFn | None,
+    resume_frozen: Callable[[], None],
 ) -> ExportResult:
     t0 = time.perf_counter()
     out_format = get_format(opts.fmt)
     # Planning and the chunk checks allocate ~10 acyclic objects per tensor (10^7 at 10^6 tensors): the
-    # cyclic GC would rescan them again and again (a large share of the CPU time); it runs again before any write.
-    with gc_paused():
-        reader = ckpt.reader
-        reader.verify_crc = opts.verify_crc
-        layout = ckpt.require_layout()
-        prep = _prepare(ckpt, layout, out_format, opts, rules, model_config, given_adapter)
-        plan = prep.plan
-        # torchrun: each rank writes the files assigned to it (by bytes), rank 0 the index (ckpttool.ops.distributed)
-        group = distributed.current()
-        file_bytes = plan.file_bytes()
-        owners = group.share(file_bytes)
-        mine = {i for i, r in enumerate(owners) if group.owns(r)}
-        identity = source_identity(reader, opts.algorithm)
-        # content only (no path): the same checkpoint exported from anywhere gives the same bytes
-        content = {k: v for k, v in identity.items() if k != "checkpoint"}
-        st_metadata = {"format": "pt", SOURCE_METADATA_KEY: json.dumps(content, sort_keys=True, separators=(",", ":"))}
-        # The GC resumes below with every object of the plan (and of the open) in its youngest generation: the
-        # first allocation would scan them all, and later full collections again. They are
-        # long-lived and acyclic: frozen (gc.freeze) until the export ends; a caller's own freeze is left to it.
-        unfreeze = gc.get_freeze_count() == 0
-        gc.freeze()
-    files_info, bytes_read = _write(
-        ckpt, out, opts, out_format, prep, group, mine, st_metadata, identity, unfreeze, progress
-    )
+    # cyclic GC (paused by the caller, gc_held) would rescan them again and again (docs/performance.md).
+    reader = ckpt.reader
+    reader.verify_crc = opts.verify_crc
+    layout = ckpt.require_layout()
+    prep = _prepare(ckpt, layout, out_format, opts, rules, model_config, given_adapter)
+    plan = prep.plan
+    # torchrun: each rank writes the files assigned to it (by bytes), rank 0 the index (ckpttool.ops.distributed)
+    group = distributed.current()
+    file_bytes = plan.file_bytes()
+    owners = group.share(file_bytes)
+    mine = {i for i, r in enumerate(owners) if group.owns(r)}
+    identity = source_identity(reader, opts.algorithm)
+    # content only (no path): the same checkpoint exported from anywhere gives the same bytes
+    content = {k: v for k, v in identity.items() if k != "checkpoint"}
+    st_metadata = {"format": "pt", SOURCE_METADATA_KEY: json.dumps(content, sort_keys=True, separators=(",", ":"))}
+    # The GC resumes for the writes with every object of the plan (and of the open) in its youngest generation:
+    # the first allocation would scan them all, later full collections again. They are
+    # long-lived and acyclic: frozen (gc.freeze) until the export ends (gc_held).
+    resume_frozen()
+    files_info, bytes_read = _write(ckpt, out, opts, out_format, prep, group, mine, st_metadata, identity, progress)
     seconds = time.perf_counter() - t0
     return ExportResult(
         output=str(out),
@@ -823,7 +813,6 @@ def _write(
     mine: set[int],
     st_metadata: dict[str, str],
     identity: dict[str, Any],
-    unfreeze: bool,
     progress: ProgressFn | None,
 ) -> tuple[list[dict[str, Any]], int]:
     """Write this process's files in a temporary directory beside ``out``, then (root) the documents and
@@ -832,8 +821,6 @@ def _write(
     file_bytes = plan.file_bytes()
     tied, embed, lm_head = prep.tied, prep.embed, prep.lm_head
     with contextlib.ExitStack() as stack:
-        if unfreeze:
-            stack.callback(gc.unfreeze)
         tmp = distributed.enter_output_dir(stack, group, out, overwrite=opts.overwrite, source=checkpoint)
         bytes_read = 0
         writers: list[ShardWriter | None] = []

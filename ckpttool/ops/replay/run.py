@@ -24,9 +24,7 @@ from typing import Any
 
 from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import DeviceUnavailableError, UsageError
-from ckpttool.layouts.declaration import LayoutDeclaration
-from ckpttool.model.checkpoint import Checkpoint, opened
-from ckpttool.model.discovery import CheckpointSelection
+from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
 from ckpttool.ops.replay.compare import FieldError, compare_field, count_unequal, machine_eps, merge_field_errors
 from ckpttool.ops.replay.plan import ITEMSIZE, ParamPlan, make_batches, plan_replay
 from ckpttool.ops.replay.slabs import TensorSlabs
@@ -337,27 +335,22 @@ class ReplayOptions:
 
 # ----------------------------------------------------------------------------- replay
 def replay_step(
-    checkpoint: Checkpoint | str | os.PathLike[str],
+    source: Checkpoint | str | os.PathLike[str],
     options: ReplayOptions | None = None,
     *,
-    on_param: Callable[[str, dict[str, Any]], None] | None = None,
     progress: Callable[[int, int], None] | None = None,
-    declaration: LayoutDeclaration | None = None,
-    trust_pickle: bool = False,
-    selection: CheckpointSelection | None = None,
-    **option_fields: Any,
+    opening: OpenOptions | None = None,
+    on_param: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> ReplayResult:
     """Replay ``steps`` optimizer steps from a checkpoint and compare with an independent reference.
 
     Args:
-        checkpoint: the opened :class:`~ckpttool.model.checkpoint.Checkpoint` (its layout declaration
-            included), or its directory; only read.
-        options: see :class:`ReplayOptions`; or give its fields as keywords (``device="cpu"``).
+        source: the opened :class:`~ckpttool.model.checkpoint.Checkpoint` (its layout declaration
+            included), or its path, opened with ``opening``; only read.
+        options: see :class:`ReplayOptions`.
         on_param: called as ``on_param(fqn, {"param", "master_weight", "exp_avg", "exp_avg_sq", "step"})``
             with CPU tensors after each parameter's replay (true expert order; ``master_weight`` absent for adamw).
         progress: called as ``progress(done, total)`` parameters.
-        declaration, trust_pickle, selection: how to open ``checkpoint`` when it is a path
-            (``selection``: step, a separate optimizer checkpoint, key schema).
 
     Returns:
         The :class:`ReplayResult` (``ok`` is False when any parameter is beyond tolerance).
@@ -369,9 +362,9 @@ def replay_step(
             tensor when gradients come from a file.
         CkptError: unreadable or unsafe checkpoint.
     """
-    opts = options if options is not None else ReplayOptions(**option_fields)
+    opts = options or ReplayOptions()
     opts.check()
-    with opened(checkpoint, declaration=declaration, trust_pickle=trust_pickle, selection=selection) as ckpt:
+    with open_source(source, opening) as ckpt:
         return _replay(ckpt, opts, on_param, progress)
 
 

@@ -36,11 +36,9 @@ from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.storage import is_url
 from ckpttool.format.tiling import contiguous_run
 from ckpttool.format.writer import DCPWriter, can_stream
-from ckpttool.layouts.declaration import LayoutDeclaration
 from ckpttool.layouts.record import SIDECAR_NAME
 from ckpttool.model.catalog import Catalog
-from ckpttool.model.checkpoint import Checkpoint, opened
-from ckpttool.model.discovery import CheckpointSelection
+from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
 from ckpttool.ops import distributed
 from ckpttool.ops.manifest import MANIFEST_NAME, source_identity, write_output_manifest
 from ckpttool.ops.reshard.plan import ReshardPlan, TensorPlan, origin_world, plan_reshard
@@ -449,25 +447,21 @@ def _copy_extra_files(src: Path, dst: Path) -> list[str]:
 
 
 def reshard(
-    src: Checkpoint | str | os.PathLike[str],
-    dst: str | os.PathLike[str],
+    source: Checkpoint | str | os.PathLike[str],
+    out: str | os.PathLike[str],
     options: ReshardOptions | None = None,
     *,
     progress: ProgressFn | None = None,
-    declaration: LayoutDeclaration | None = None,
-    trust_pickle: bool = False,
-    selection: CheckpointSelection | None = None,
-    **option_fields: Any,
+    opening: OpenOptions | None = None,
 ) -> ReshardResult:
     """Write a new DCP checkpoint whose EP tensors are in the ``options.to`` layout for the target mesh.
 
     Args:
-        src: the opened source :class:`~ckpttool.model.checkpoint.Checkpoint` (its layout declaration
-            included), or its directory; only read.
-        dst: output directory (must not exist or be empty, unless ``overwrite``).
-        options: see :class:`ReshardOptions`; or give its fields as keywords (``to="canonical"``).
+        source: the opened source :class:`~ckpttool.model.checkpoint.Checkpoint` (its layout declaration
+            included), or its path/URL, opened with ``opening``; only read.
+        out: output directory (must not exist or be empty, unless ``overwrite``).
+        options: see :class:`ReshardOptions`.
         progress: optional ``(bytes done, bytes total)`` callback.
-        declaration, trust_pickle: how to open ``src`` when it is a path.
 
     Returns:
         A :class:`ReshardResult`.
@@ -476,9 +470,9 @@ def reshard(
         UsageError, LayoutError, ReshardError, ChunkError: see
             :func:`~ckpttool.ops.reshard.plan.plan_reshard`; OutputError: bad target.
     """
-    opts = options if options is not None else ReshardOptions(**option_fields)
-    with opened(src, declaration=declaration, trust_pickle=trust_pickle, selection=selection) as ckpt:
-        return _reshard(ckpt, output_location(dst), opts, progress)
+    opts = options or ReshardOptions()
+    with open_source(source, opening) as ckpt:
+        return _reshard(ckpt, output_location(out), opts, progress)
 
 
 def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: ProgressFn | None) -> ReshardResult:

@@ -2,8 +2,8 @@
 
 Public API::
 
-    from ckpttool.ops.validate import validate
-    res = validate("ckpt/", strict=True, deep=True)
+    from ckpttool.ops.validate import ValidateOptions, validate
+    res = validate("ckpt/", ValidateOptions(strict=True, deep=True))
     res.exit_code, [f.to_dict() for f in res.findings]
 
 Each rule is one function registered with a stable code in :data:`RULES` (families
@@ -22,7 +22,6 @@ from ckpttool.ops.validate.runner import (
     ValidateOptions,
     ValidationResult,
     validate,
-    validate_checkpoint,
 )
 
 __all__ = [
@@ -38,5 +37,4 @@ __all__ = [
     "junit_xml",
     "select_rules",
     "validate",
-    "validate_checkpoint",
 ]

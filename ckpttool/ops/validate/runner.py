@@ -16,17 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import AmbiguousCheckpointError, MetadataError, SchemaError, StepNotFoundError
-from ckpttool.format.unpickler import gc_paused
-from ckpttool.layouts.declaration import LayoutDeclaration
-from ckpttool.model.checkpoint import Checkpoint, open_checkpoint
-from ckpttool.model.discovery import CheckpointSelection
+from ckpttool.model.checkpoint import Checkpoint, OpenOptions, gc_held, open_checkpoint
 from ckpttool.model.hfconfig import read_hf_config
 from ckpttool.ops.validate import rules as _rules  # noqa: F401 - registers the rules
 from ckpttool.ops.validate.base import RULES, Finding, Rule, Severity, select_rules
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.reference import load_reference
 
-__all__ = ["SCHEMA", "RuleStatus", "ValidateOptions", "ValidationResult", "validate", "validate_checkpoint"]
+__all__ = ["SCHEMA", "RuleStatus", "ValidateOptions", "ValidationResult", "validate"]
 log = logging.getLogger(__name__)
 
 SCHEMA = "ckpttool.validate/1"
@@ -180,27 +177,10 @@ def _finish(
     )
 
 
-def validate_checkpoint(
-    ckpt: Checkpoint,
-    options: ValidateOptions | None = None,
-    *,
-    progress: Callable[[int, int], None] | None = None,
+def _validate_open(
+    ckpt: Checkpoint, opts: ValidateOptions, progress: Callable[[int, int], None] | None
 ) -> ValidationResult:
-    """Check an opened checkpoint against the rules of ``docs/rules.md``.
-
-    Args:
-        ckpt: opened with ``record_problems=True`` (else a damaged byte item raises instead of
-            becoming a finding).
-        options: see :class:`ValidateOptions`.
-        progress: called as ``progress(bytes_done, bytes_total)`` during the deep pass.
-
-    Returns:
-        The :class:`ValidationResult` (a damaged checkpoint gives findings, not an exception).
-
-    Raises:
-        UsageError: an unknown rule code, an unreadable ``config``/``against``.
-    """
-    opts = options or ValidateOptions()
+    """Check an opened checkpoint against the rules (see :func:`validate`)."""
     t0 = time.perf_counter()
     rules = select_rules(opts.select, opts.ignore)
     cfg = opts.config if isinstance(opts.config, dict) or opts.config is None else read_hf_config(opts.config)
@@ -210,82 +190,79 @@ def validate_checkpoint(
         from ckpttool.ops.manifest import load_manifest
 
         man = load_manifest(opts.manifest)
-    with gc_paused():
-        ckpt.param_groups()
-        ckpt.extra_state()
-        ctx = Context(ckpt, deep=opts.deep, strict=opts.strict, config=cfg, reference=ref, manifest=man)
-        bytes_read, deep_seconds = 0, 0.0
-        if opts.deep and any(not _skip_reason(r, ctx) and "deep" in r.needs for r in rules):
-            from ckpttool.ops.validate.deep import run_deep
+    ckpt.param_groups()
+    ckpt.extra_state()
+    ctx = Context(ckpt, deep=opts.deep, strict=opts.strict, config=cfg, reference=ref, manifest=man)
+    bytes_read, deep_seconds = 0, 0.0
+    if opts.deep and any(not _skip_reason(r, ctx) and "deep" in r.needs for r in rules):
+        from ckpttool.ops.validate.deep import run_deep
 
-            ctx.deep_result = run_deep(ctx, opts.workers, progress)
-            bytes_read, deep_seconds = ctx.deep_result.bytes_read, ctx.deep_result.seconds
-            log.info("deep pass: read %d bytes in %.3f s", bytes_read, deep_seconds)
-        statuses: list[RuleStatus] = []
-        for r in rules:
-            reason = _skip_reason(r, ctx)
-            if reason is not None:
-                statuses.append(RuleStatus(r, "skipped", reason))
-                log.debug("%s %s: skipped (%s)", r.code, r.name, reason)
-                continue
-            t_rule = time.perf_counter()
-            found = [out if isinstance(out, Finding) else r.make(*out) for out in r.func(ctx)]
-            log.debug(
-                "%s %s: %d finding(s) in %.1f ms", r.code, r.name, len(found), (time.perf_counter() - t_rule) * 1e3
-            )
-            failing = any(_fails(f, opts.strict) for f in found)
-            statuses.append(
-                RuleStatus(r, "failed" if failing else ("reported" if found else "passed"), None, tuple(found))
-            )
+        ctx.deep_result = run_deep(ctx, opts.workers, progress)
+        bytes_read, deep_seconds = ctx.deep_result.bytes_read, ctx.deep_result.seconds
+        log.info("deep pass: read %d bytes in %.3f s", bytes_read, deep_seconds)
+    statuses: list[RuleStatus] = []
+    for r in rules:
+        reason = _skip_reason(r, ctx)
+        if reason is not None:
+            statuses.append(RuleStatus(r, "skipped", reason))
+            log.debug("%s %s: skipped (%s)", r.code, r.name, reason)
+            continue
+        t_rule = time.perf_counter()
+        found = [out if isinstance(out, Finding) else r.make(*out) for out in r.func(ctx)]
+        log.debug("%s %s: %d finding(s) in %.1f ms", r.code, r.name, len(found), (time.perf_counter() - t_rule) * 1e3)
+        failing = any(_fails(f, opts.strict) for f in found)
+        statuses.append(RuleStatus(r, "failed" if failing else ("reported" if found else "passed"), None, tuple(found)))
     return _finish(ckpt.path, opts, statuses, t0, bytes_read, deep_seconds)
 
 
 def validate(
-    path: str | os.PathLike[str],
+    source: Checkpoint | str | os.PathLike[str],
     options: ValidateOptions | None = None,
     *,
-    declaration: LayoutDeclaration | None = None,
-    trust_pickle: bool = False,
     progress: Callable[[int, int], None] | None = None,
-    selection: CheckpointSelection | None = None,
-    **option_fields: Any,
+    opening: OpenOptions | None = None,
 ) -> ValidationResult:
-    """Open a checkpoint directory and validate it (:func:`validate_checkpoint`).
+    """Check a checkpoint against the rules of ``docs/rules.md`` (a damaged one gives findings).
 
-    An unusable ``.metadata`` (missing, garbage, unsafe pickle) is the fatal finding ``S001``
-    (exit 2), not an exception.
+    An unusable ``.metadata`` (missing, garbage, unsafe pickle) of a path is the fatal finding
+    ``S001`` (exit 2), not an exception.
 
     Args:
-        path: checkpoint directory.
-        options: see :class:`ValidateOptions`; or give its fields as keywords
-            (``validate("ckpt/", strict=True, deep=True)``).
-        declaration: EP layout declaration for unversioned checkpoints.
-        trust_pickle: allow ``torch.load(weights_only=False)`` for byte items / ``extra_state``.
+        source: an opened :class:`~ckpttool.model.checkpoint.Checkpoint` (opened with
+            ``record_problems=True``, else a damaged byte item raises instead of becoming a
+            finding), or its path/URL, opened with ``opening`` (and ``record_problems=True``).
+        options: see :class:`ValidateOptions`.
         progress: called as ``progress(bytes_done, bytes_total)`` during the deep pass.
-        selection: a step of a checkpoint root, a separate optimizer checkpoint, a key-schema override.
+
+    Returns:
+        The :class:`ValidationResult`.
 
     Raises:
-        UsageError: ``path`` is not a directory, an unknown rule code, unreadable ``config``/``against``.
-        AmbiguousCheckpointError, StepNotFoundError: which checkpoint below ``path`` is not clear.
+        UsageError: ``source`` is not a directory, an unknown rule code, unreadable ``config``/``against``.
+        AmbiguousCheckpointError, StepNotFoundError: which checkpoint below ``source`` is not clear.
         SchemaError: a key-schema override that matches nothing.
     """
-    opts = options if options is not None else ValidateOptions(**option_fields)
-    with gc_paused():  # one pause for open + rules: each re-enable triggers a full collection
-        return _validate_path(path, opts, declaration, trust_pickle, progress, selection)
+    opts = options or ValidateOptions()
+    with gc_held():  # one pause for open + rules: each re-enable triggers a full collection
+        if isinstance(source, Checkpoint):
+            return _validate_open(source, opts, progress)
+        return _validate_path(source, opts, opening or OpenOptions(), progress)
 
 
 def _validate_path(
     path: str | os.PathLike[str],
     opts: ValidateOptions,
-    declaration: LayoutDeclaration | None,
-    trust_pickle: bool,
+    opening: OpenOptions,
     progress: Callable[[int, int], None] | None,
-    selection: CheckpointSelection | None = None,
 ) -> ValidationResult:
     t0 = time.perf_counter()
     try:
         ckpt = open_checkpoint(
-            path, declaration=declaration, trust_pickle=trust_pickle, record_problems=True, selection=selection
+            path,
+            declaration=opening.declaration,
+            trust_pickle=opening.trust_pickle,
+            record_problems=True,
+            selection=opening.selection,
         )
     except (AmbiguousCheckpointError, StepNotFoundError, SchemaError):
         raise  # which checkpoint, or how to read its keys: the user's to say, not a finding
@@ -300,4 +277,4 @@ def _validate_path(
         ]
         return _finish(Path(path), opts, statuses, t0)
     with ckpt:
-        return validate_checkpoint(ckpt, opts, progress=progress)
+        return _validate_open(ckpt, opts, progress)

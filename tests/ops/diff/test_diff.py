@@ -15,7 +15,9 @@ from typer.testing import CliRunner
 from ckpttool.cli.app import app
 from ckpttool.commands.schema import load_schema
 from ckpttool.format import CheckpointReader
-from ckpttool.ops.diff import diff_checkpoints
+from ckpttool.model.checkpoint import OpenOptions
+from ckpttool.ops.diff import DiffOptions, diff_checkpoints
+from ckpttool.ops.export import ExportOptions
 from ckpttool.ops.export.execute import export_checkpoint
 from tests.fixtures import hf_models
 from tests.fixtures.cache import cached_build
@@ -93,7 +95,7 @@ def test_four_rank_fsdp_save_equals_its_single_process_resave(fsdp_ckpt: Path, t
     # dim-0 row blocks (uneven and zero-size chunks too) are compared as byte streams, undecoded
     assert res.raw_compared == res.compared
     # as decoded tensors (a cast to the stored dtype is a no-op that disables the byte path): equal too
-    assert diff_checkpoints(fsdp_ckpt, one, rtol=0.0).equal
+    assert diff_checkpoints(fsdp_ckpt, one, DiffOptions(rtol=0.0)).equal
 
 
 def test_one_element_of_one_chunk_is_found_and_named_with_its_global_index(fsdp_ckpt: Path, tmp_path: Path) -> None:
@@ -144,7 +146,7 @@ def test_keys_on_one_side_and_shapes_are_differences(dense_ckpt: Path, tmp_path:
 
 
 def test_sharded_hf_export_equals_its_checkpoint(llama_ckpt: Path, tmp_path: Path) -> None:
-    export_checkpoint(llama_ckpt, tmp_path / "hf", shard_size=20_000)
+    export_checkpoint(llama_ckpt, tmp_path / "hf", ExportOptions(shard_size=20_000))
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     doc = diff_json(llama_ckpt, tmp_path / "hf", code=0)
     assert (
@@ -160,7 +162,7 @@ def test_sharded_hf_export_equals_its_checkpoint(llama_ckpt: Path, tmp_path: Pat
 
 
 def test_bf16_export_of_fp32_weights_equals_with_as_dtype(llama_ckpt: Path, tmp_path: Path) -> None:
-    export_checkpoint(llama_ckpt, tmp_path / "hf", save_dtype="bfloat16")
+    export_checkpoint(llama_ckpt, tmp_path / "hf", ExportOptions(save_dtype="bfloat16"))
     doc = diff_json(llama_ckpt, tmp_path / "hf", code=1)
     assert {d["kind"] for d in doc["differences"]} == {"dtype"}
     doc = diff_json(llama_ckpt, tmp_path / "hf", "--as-dtype", "bf16", code=0)
@@ -178,14 +180,14 @@ def test_tied_head_is_compared_with_the_embedding(
 ) -> None:
     from safetensors import safe_open
 
-    export_checkpoint(llama_tied_ckpt, tmp_path / "tied", model_assets=llama_tied_ckpt / "model_assets")
+    export_checkpoint(llama_tied_ckpt, tmp_path / "tied", ExportOptions(model_assets=llama_tied_ckpt / "model_assets"))
     with safe_open(tmp_path / "tied" / "model.safetensors", "pt") as f:
         assert "lm_head.weight" not in f.keys()
     res = diff_checkpoints(llama_tied_ckpt, tmp_path / "tied")
     assert res.equal and any("tied" in n for n in res.notes)
     # a checkpoint whose lm_head differs from its embedding in one element, against an HF directory with a
     # tied config and no lm_head
-    export_checkpoint(llama_tied_differ_ckpt, tmp_path / "differ", filter_glob="model.model.*")
+    export_checkpoint(llama_tied_differ_ckpt, tmp_path / "differ", ExportOptions(filter_glob="model.model.*"))
     (tmp_path / "differ" / "config.json").write_bytes(
         (llama_tied_differ_ckpt / "model_assets" / "config.json").read_bytes()
     )
@@ -200,7 +202,9 @@ def test_legacy_ep_checkpoint_equals_its_export(qwen_legacy_ckpt: Path, tmp_path
     from ckpttool.layouts.declaration import LayoutDeclaration
 
     decl = LayoutDeclaration("legacy", hf_models.MOE_P, hf_models.MOE_F)
-    export_checkpoint(qwen_legacy_ckpt, tmp_path / "hf", experts=experts, declaration=decl)
+    export_checkpoint(
+        qwen_legacy_ckpt, tmp_path / "hf", ExportOptions(experts=experts), opening=OpenOptions(declaration=decl)
+    )
     layout = ["--source-layout", "legacy", "--ep-size", hf_models.MOE_P, "--ep-fsdp-size", hf_models.MOE_F]
     doc = diff_json(qwen_legacy_ckpt, tmp_path / "hf", *layout, code=0)
     if experts == "per-expert":
@@ -216,7 +220,7 @@ def test_legacy_ep_checkpoint_equals_its_export(qwen_legacy_ckpt: Path, tmp_path
 
 
 def test_lora_adapter_export_equals_its_checkpoint(lora_ckpt: Path, tmp_path: Path) -> None:
-    export_checkpoint(lora_ckpt, tmp_path / "lora", fmt="lora", lora_alpha=hf_models.LORA_ALPHA)
+    export_checkpoint(lora_ckpt, tmp_path / "lora", ExportOptions(fmt="lora", lora_alpha=hf_models.LORA_ALPHA))
     doc = diff_json(lora_ckpt, tmp_path / "lora", code=0)
     assert doc["naming"] == "lora" and doc["b"]["kind"] == "lora" and doc["counts"]["compared"] > 0
     assert doc["excluded"] and all(e["reason"] == "not a LoRA adapter tensor" for e in doc["excluded"])

@@ -17,7 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckpttool.ops.diff import diff_checkpoints
+from ckpttool.model.checkpoint import OpenOptions
+from ckpttool.ops.diff import DiffOptions, diff_checkpoints
+from ckpttool.ops.export import ExportOptions
 from ckpttool.ops.export.execute import export_checkpoint
 from tests.fixtures import hf_models
 from tests.fixtures.cache import cached_build
@@ -99,7 +101,7 @@ def test_torchtitan_llama3_save_equals_its_export_and_names_a_changed_q_row(tita
 
     src = titan_root / "llama3_fresh" / "checkpoint" / "step-1"
     hf = tmp_path / "hf"
-    export_checkpoint(src, hf, model_assets=_llama_assets(tmp_path, src))
+    export_checkpoint(src, hf, ExportOptions(model_assets=_llama_assets(tmp_path, src)))
     doc = diff_json(src, hf, code=0)
     assert doc["model_adapter"] == "torchtitan-llama3" and doc["naming"] == "export"
     q = "model.layers.1.self_attn.q_proj.weight"
@@ -123,7 +125,7 @@ def test_gqa_k_rows_compared_with_kv_heads_and_the_adapter_given(titan_named: Pa
     kv, hd = cfg["num_key_value_heads"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     assert kv < cfg["num_attention_heads"]
     hf = tmp_path / "hf"
-    export_checkpoint(src, hf, model_assets=src / "model_assets")
+    export_checkpoint(src, hf, ExportOptions(model_assets=src / "model_assets"))
     k = "model.layers.0.self_attn.k_proj.weight"
     row = (kv - 1) * hd + hd // 2  # last kv head, second half, pair 0
     _edit(hf, k, (row, 0), -0.5)
@@ -132,11 +134,11 @@ def test_gqa_k_rows_compared_with_kv_heads_and_the_adapter_given(titan_named: Pa
     assert d["name"] == k and d["index"] == [row, 0] and d["a_value"] == pytest.approx(d["b_value"] - 0.5)
     assert d["stored"]["side"] == "B" and d["stored"]["index"] == [_titan_row(row, kv, hd), 0] == [(kv - 1) * hd + 1, 0]
     # the identity adapter keeps torchtitan names (the key rules): they miss the HF names
-    res = diff_checkpoints(src, hf, adapter="hf")
+    res = diff_checkpoints(src, hf, DiffOptions(adapter="hf"))
     assert res.model_adapter is None and res.compared < res.b.tensors
     assert {"only_a", "only_b"} <= {x.kind for x in res.differences}
     # between two DCP checkpoints the adapter has no part: torch-native keys, and a note says so
-    same = diff_checkpoints(src, src, adapter="torchtitan-llama3")
+    same = diff_checkpoints(src, src, DiffOptions(adapter="torchtitan-llama3"))
     assert same.equal and same.naming == "torch-native" and any("`adapter`" in n for n in same.notes)
 
 
@@ -147,7 +149,7 @@ def test_torchtitan_qwen3_moe_save_equals_its_export(titan_root: Path, tmp_path:
 
     src = titan_root / "moe" / "checkpoint" / "step-1"
     hf = tmp_path / "hf"
-    export_checkpoint(src, hf, model_assets=_moe_assets(tmp_path), experts=experts)
+    export_checkpoint(src, hf, ExportOptions(model_assets=_moe_assets(tmp_path), experts=experts))
     doc = diff_json(src, hf, "--what", "all", code=0)
     assert doc["model_adapter"] == "torchtitan-qwen3" and doc["counts"]["compared"] == doc["b"]["tensors"]
     assert any("expert_bias" in e["key"] for e in doc["excluded"])
@@ -174,7 +176,7 @@ def test_torchtitan_names_without_a_fitting_adapter_are_refused(titan_named: Pat
 
     src = titan_named / "llama_gqa"
     hf = tmp_path / "hf"
-    export_checkpoint(src, hf, model_assets=src / "model_assets")
+    export_checkpoint(src, hf, ExportOptions(model_assets=src / "model_assets"))
     cfg = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral"}))
     res = cli(src, hf)
@@ -191,7 +193,7 @@ def test_map_rules_name_an_export_written_with_them(fixture_root: Path, tmp_path
     rules = tmp_path / "rules.yaml"
     rules.write_text("keys:\n  - {match: '^model\\.model\\.layers\\.(\\d+)\\.mlp\\.(.+)$', to: 'blocks.\\1.ffn.\\2'}\n")
     hf = tmp_path / "hf"
-    export_checkpoint(llama, hf, rules=rules)
+    export_checkpoint(llama, hf, ExportOptions(rules=rules))
     assert any(k.startswith("blocks.0.ffn.") for k in load_file(hf / "model.safetensors"))
     plain = diff_json(llama, hf, code=1)
     assert {d["kind"] for d in plain["differences"]} == {"only_a", "only_b"}
@@ -208,12 +210,12 @@ def test_map_rules_name_an_export_written_with_them(fixture_root: Path, tmp_path
 
 
 def test_master_weights_against_a_weights_master_export(tmp_path: Path) -> None:
-    from ckpttool.ops.sample import write_sample
+    from ckpttool.ops.sample import SampleOptions, write_sample
 
     src = tmp_path / "s"
-    write_sample(src, optimizer="master_fp32_adamw")
+    write_sample(src, SampleOptions(optimizer="master_fp32_adamw"))
     hf = tmp_path / "hf"
-    export_checkpoint(src, hf, weights="master")
+    export_checkpoint(src, hf, ExportOptions(weights="master"))
     exported = load_file(hf / "model.safetensors")
     masters = [k for k, v in exported.items() if v.dtype == torch.float32]
     assert len(masters) > len(exported) // 2  # buffers without a master stay BF16
@@ -250,7 +252,7 @@ def test_legacy_ep_difference_names_the_stored_expert_row(fixture_root: Path, tm
     src = cached_build(fixture_root, "export_qwen_moe_legacy", hf_models.build_qwen_moe_legacy)
     decl = LayoutDeclaration("legacy", hf_models.MOE_P, hf_models.MOE_F)
     hf = tmp_path / "hf"
-    export_checkpoint(src, hf, experts=experts, declaration=decl)
+    export_checkpoint(src, hf, ExportOptions(experts=experts), opening=OpenOptions(declaration=decl))
     j = hf_models.MOE_EXPERTS - 2
     names = sorted(load_file(hf / "model.safetensors"))
     key = next(

@@ -19,7 +19,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from ckpttool.format.metadata import ChunkMeta
-from ckpttool.ops.export import export_checkpoint
+from ckpttool.model.checkpoint import OpenOptions
+from ckpttool.ops.export import ExportOptions, export_checkpoint
 from ckpttool.ops.export.transform import Cast, Run, RunMap, SlabWhere, chunk_segments
 from tests.fixtures.moe_ep import true_state
 
@@ -122,7 +123,7 @@ def test_inner_dim_chunks_cast_and_split_per_expert(
     src = ep_suite / "legacy_dim1"
     ref = _torch_model(src)
     out = tmp_path / "o"
-    res = export_checkpoint(src, out, save_dtype="float32", experts="per-expert", workers=3)
+    res = export_checkpoint(src, out, ExportOptions(save_dtype="float32", experts="per-expert", workers=3))
     got = _read_out(out)
     n = 0
     for key, t in ref.items():
@@ -156,7 +157,12 @@ def test_legacy_unpermute_and_split_equal_the_true_state(
     decl = LayoutDeclaration(source_layout="legacy", ep_size=2, ep_fsdp_size=2)
     for experts in ("fused", "per-expert"):
         out = tmp_path / experts
-        export_checkpoint(ep_suite / "legacy", out, experts=experts, save_dtype="float16", declaration=decl)
+        export_checkpoint(
+            ep_suite / "legacy",
+            out,
+            ExportOptions(experts=experts, save_dtype="float16"),
+            opening=OpenOptions(declaration=decl),
+        )
         got = _read_out(out)
         for key, t in truth.items():
             if not key.startswith("model.") or ".experts." not in key:

@@ -16,7 +16,7 @@ from ckpttool.cli.app import app
 from ckpttool.commands.schema import load_schema
 from ckpttool.format import CheckpointReader
 from ckpttool.format.digest import ALGORITHMS
-from ckpttool.ops.manifest import load_manifest, verify_manifest, write_manifest
+from ckpttool.ops.manifest import ManifestOptions, load_manifest, verify_manifest, write_manifest
 from tests.fixtures.cache import copy_checkpoint
 
 runner = CliRunner()
@@ -67,7 +67,7 @@ def test_manifest_lists_every_chunk_and_byte_item_with_crc_and_digest(fsdp_ckpt:
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_every_algorithm_round_trips(dense_ckpt: Path, tmp_path: Path, algorithm: str) -> None:
     out = tmp_path / "m.json"
-    res = write_manifest(dense_ckpt, out, algorithm=algorithm)
+    res = write_manifest(dense_ckpt, ManifestOptions(out=out, algorithm=algorithm))
     assert res.algorithm == algorithm and res.bytes_hashed > 0
     man = load_manifest(out)
     with CheckpointReader(dense_ckpt) as r:
@@ -89,7 +89,7 @@ def _resave(src: Path, out: Path, edit: Any) -> Path:
 
 def test_changed_missing_and_added_chunks_are_named(dense_ckpt: Path, tmp_path: Path) -> None:
     a = _resave(dense_ckpt, tmp_path / "a", lambda sd: None)
-    write_manifest(a, algorithm="xxh3-128")
+    write_manifest(a, ManifestOptions(algorithm="xxh3-128"))
     man = a / "manifest.json"
     key = "model.model.layers.0.mlp.up_proj.weight"
 

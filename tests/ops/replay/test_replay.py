@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from ckpttool.ops.replay import replay_step
+from ckpttool.ops.replay import ReplayOptions, replay_step
 from ckpttool.ops.replay.compare import compare_field
 from ckpttool.ops.replay.grads import grad_seed_for, seeded_grad
 from tests.fixtures import builders
@@ -44,7 +44,7 @@ def run(*args: Any) -> Any:
 
 def replay_collect(path: Path, **kw: Any) -> tuple[Any, dict[str, dict[str, torch.Tensor]]]:
     got: dict[str, dict[str, torch.Tensor]] = {}
-    result = replay_step(path, device="cpu", on_param=lambda fqn, t: got.__setitem__(fqn, t), **kw)
+    result = replay_step(path, ReplayOptions(device="cpu", **kw), on_param=lambda fqn, t: got.__setitem__(fqn, t))
     return result, got
 
 
@@ -394,7 +394,7 @@ def test_library_refuses_an_infinite_tolerance(full_fx: Path) -> None:
     from ckpttool.ops.replay.run import replay_step
 
     with pytest.raises(UsageError, match="finite"):
-        replay_step(full_fx / "ckpt", device="cpu", tolerance=(float("inf"), 0.0))
+        replay_step(full_fx / "ckpt", ReplayOptions(device="cpu", tolerance=(float("inf"), 0.0)))
 
 
 def test_missing_accelerator_is_a_usage_error(full_fx: Path) -> None:

@@ -16,7 +16,7 @@ import torch
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from ckpttool.ops.replay import replay_step
+from ckpttool.ops.replay import ReplayOptions, replay_step
 from ckpttool.optim_state.device import accelerator_type
 from tests.fixtures.cache import cached_build
 from tests.fixtures.replay import TRAIN_STEPS, VARIANTS, builder, load_recorded, variant_type
@@ -55,9 +55,7 @@ def test_offloaded_parameters_match_the_uninterrupted_cpu_run_bitwise(fixture_ro
     got: dict[str, dict[str, torch.Tensor]] = {}
     result = replay_step(
         root / "ckpt",
-        device=DEVICE_TYPE,
-        grads=root / "grads.safetensors",
-        chunk_size=300,
+        ReplayOptions(device=DEVICE_TYPE, grads=root / "grads.safetensors", chunk_size=300),
         on_param=lambda fqn, t: got.__setitem__(fqn, t),
     )
     assert result.ok, [p.problems for p in result.failed]

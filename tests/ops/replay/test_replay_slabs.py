@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 import ckpttool.ops.replay.run as replay_run
 from ckpttool.layouts.declaration import LayoutDeclaration
 from ckpttool.model.checkpoint import open_checkpoint
-from ckpttool.ops.replay import replay_step
+from ckpttool.ops.replay import ReplayOptions, replay_step
 from ckpttool.ops.replay.slabs import TensorSlabs
 from ckpttool.ops.tensors import to_canonical
 from tests.fixtures.cache import cached_build
@@ -69,9 +69,9 @@ def _summary(res: Any) -> dict[str, Any]:
 
 
 def test_results_do_not_depend_on_the_slab_size(full_fx: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    whole = replay_step(full_fx / "ckpt", device="cpu", steps=2)
+    whole = replay_step(full_fx / "ckpt", ReplayOptions(device="cpu", steps=2))
     monkeypatch.setattr(replay_run, "REFERENCE_SLAB", 97)
-    sliced = replay_step(full_fx / "ckpt", device="cpu", steps=2)
+    sliced = replay_step(full_fx / "ckpt", ReplayOptions(device="cpu", steps=2))
     assert whole.ok and sliced.ok
     assert _summary(whole) == _summary(sliced)
 
@@ -85,7 +85,7 @@ def test_corruption_in_a_late_slab_is_found(full_fx: Path, tmp_path: Path, monke
 
     bad = resave(full_fx / "ckpt", tmp_path / "bad", mutate)
     monkeypatch.setattr(replay_run, "REFERENCE_SLAB", 64)
-    res = replay_step(bad, device="cpu", select="experts.gate_up_proj")
+    res = replay_step(bad, ReplayOptions(device="cpu", select="experts.gate_up_proj"))
     (p,) = res.params
     assert not p.ok and p.sync_unequal == 1
     assert any("master_weight out of sync" in x for x in p.problems)

@@ -12,6 +12,10 @@ from typer.testing import CliRunner
 from ckpttool.cli.app import app
 from ckpttool.format import CheckpointReader
 from ckpttool.layouts.declaration import LayoutDeclaration
+from ckpttool.model.checkpoint import OpenOptions
+from ckpttool.ops.diff import DiffOptions
+from ckpttool.ops.replay import ReplayOptions
+from ckpttool.ops.reshard import ReshardOptions
 from ckpttool.ops.reshard.execute import reshard
 from ckpttool.optim_state import FullFP32AdamW
 from tests.fixtures.distributed import run_ranks
@@ -49,21 +53,30 @@ def outputs(ep_suite: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
         "d": root / "dim1_to_canonical",
         "p": root / "p4f1_to_canonical",
     }
-    reshard(ep_suite / "legacy", out["a"], to="canonical", with_optimizer=True, declaration=legacy)
+    reshard(
+        ep_suite / "legacy",
+        out["a"],
+        ReshardOptions(to="canonical", with_optimizer=True),
+        opening=OpenOptions(declaration=legacy),
+    )
     reshard(
         ep_suite / "legacy",
         out["b"],
-        to="canonical",
-        with_optimizer=True,
-        declaration=legacy,
-        target_ep_size=2,
-        target_ep_fsdp_size=1,
+        ReshardOptions(to="canonical", with_optimizer=True, target_ep_size=2, target_ep_fsdp_size=1),
+        opening=OpenOptions(declaration=legacy),
     )
-    reshard(ep_suite / "canonical", out["c"], to="canonical", with_optimizer=True, declaration=canonical)
     reshard(
-        ep_suite / "legacy_dim1", out["d"], to="canonical", with_optimizer=True, target_ep_size=2, target_ep_fsdp_size=2
+        ep_suite / "canonical",
+        out["c"],
+        ReshardOptions(to="canonical", with_optimizer=True),
+        opening=OpenOptions(declaration=canonical),
     )
-    reshard(ep_suite / "p4f1", out["p"], to="canonical")
+    reshard(
+        ep_suite / "legacy_dim1",
+        out["d"],
+        ReshardOptions(to="canonical", with_optimizer=True, target_ep_size=2, target_ep_fsdp_size=2),
+    )
+    reshard(ep_suite / "p4f1", out["p"], ReshardOptions(to="canonical"))
     return out
 
 
@@ -499,9 +512,8 @@ def test_ctrl_c_stops_the_copy_within_a_chunk(tmp_path: Path, monkeypatch: pytes
         reshard(
             src,
             tmp_path / "out",
-            to="canonical",
-            declaration=LayoutDeclaration.from_options("canonical", 1, 1),
-            fsync=False,
+            ReshardOptions(to="canonical", fsync=False),
+            opening=OpenOptions(declaration=LayoutDeclaration.from_options("canonical", 1, 1)),
         )
     assert len(calls) == 1, f"{len(calls)} of 64 chunks copied after Ctrl-C"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
@@ -560,12 +572,9 @@ def test_reshard_chain_is_proven_equal_by_diff_and_replay_step(
     p4 = tmp_path / "p4f1"
     one = tmp_path / "p1f1"
     back = tmp_path / "back_legacy"
-    reshard(
-        ep_suite / "legacy", p4, to="canonical", with_optimizer=True, declaration=legacy,
-        target_ep_size=4, target_ep_fsdp_size=1,
-    )  # fmt: skip
-    reshard(p4, one, to="canonical", with_optimizer=True, target_ep_size=1, target_ep_fsdp_size=1)
-    reshard(one, back, to="legacy", with_optimizer=True, target_ep_size=2, target_ep_fsdp_size=2)
+    reshard(ep_suite / "legacy", p4, ReshardOptions(to="canonical", with_optimizer=True, target_ep_size=4, target_ep_fsdp_size=1), opening=OpenOptions(declaration=legacy))  # fmt: skip
+    reshard(p4, one, ReshardOptions(to="canonical", with_optimizer=True, target_ep_size=1, target_ep_fsdp_size=1))
+    reshard(one, back, ReshardOptions(to="legacy", with_optimizer=True, target_ep_size=2, target_ep_fsdp_size=2))
     decl = DECL  # the source is unversioned legacy 2x2
     for out in (outputs["a"], outputs["b"], p4, one, back):
         doc = _diff_all(ep_suite / "legacy", out, *decl)
@@ -574,7 +583,9 @@ def test_reshard_chain_is_proven_equal_by_diff_and_replay_step(
         assert doc["counts"]["compared"] > len(param_shapes(8)) * 5
         assert {(e["side"], e["key"]) for e in doc["excluded"]} == {("B", "layout")}  # the record, not values
     # the legacy round trip holds the very same bytes: compared as raw records, no decoding
-    res = diff_checkpoints(ep_suite / "legacy", back, what="all", declaration_a=legacy)
+    res = diff_checkpoints(
+        ep_suite / "legacy", back, DiffOptions(what="all"), opening_a=OpenOptions(declaration=legacy)
+    )
     assert res.equal and res.raw_compared > len(param_shapes(8))
     # canonical <-> legacy: a canonical output against the legacy original with the wrong declaration differs
     wrong = runner.invoke(
@@ -586,7 +597,12 @@ def test_reshard_chain_is_proven_equal_by_diff_and_replay_step(
     # replay-step on both: identical next steps (parameters, masters, moments, step) in true expert order
     def stepped(path: Path, declaration: LayoutDeclaration | None) -> dict[str, dict[str, torch.Tensor]]:
         got: dict[str, dict[str, torch.Tensor]] = {}
-        res = replay_step(path, device="cpu", on_param=lambda fqn, t: got.__setitem__(fqn, t), declaration=declaration)
+        res = replay_step(
+            path,
+            ReplayOptions(device="cpu"),
+            on_param=lambda fqn, t: got.__setitem__(fqn, t),
+            opening=OpenOptions(declaration=declaration),
+        )
         assert res.ok
         return got
 

@@ -19,7 +19,9 @@ from ckpttool.cli.app import app
 from ckpttool.format import CheckpointReader
 from ckpttool.format.digest import digest_bytes
 from ckpttool.layouts.declaration import LayoutDeclaration
+from ckpttool.model.checkpoint import OpenOptions
 from ckpttool.ops.manifest import build_manifest, load_manifest, write_manifest
+from ckpttool.ops.reshard import ReshardOptions
 from ckpttool.ops.reshard.execute import reshard
 
 pytestmark = pytest.mark.slow
@@ -34,22 +36,22 @@ def manifested(ep_suite: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     reshard(
         ep_suite / "legacy",
         out["a"],
-        to="canonical",
-        with_optimizer=True,
-        declaration=LayoutDeclaration("legacy", 2, 2),
-        manifest=True,
+        ReshardOptions(to="canonical", with_optimizer=True, manifest=True),
+        opening=OpenOptions(declaration=LayoutDeclaration("legacy", 2, 2)),
     )
     reshard(
         ep_suite / "legacy_dim1",
         out["d"],
-        to="canonical",
-        with_optimizer=True,
-        target_ep_size=2,
-        target_ep_fsdp_size=2,
-        manifest=True,
-        algorithm="blake3",
+        ReshardOptions(
+            to="canonical",
+            with_optimizer=True,
+            target_ep_size=2,
+            target_ep_fsdp_size=2,
+            manifest=True,
+            algorithm="blake3",
+        ),
     )
-    reshard(ep_suite / "p4f1", out["p"], to="canonical", manifest=True)
+    reshard(ep_suite / "p4f1", out["p"], ReshardOptions(to="canonical", manifest=True))
     return out
 
 

@@ -93,15 +93,16 @@ def test_cwd_and_existing_empty_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_write_sample_api_keeps_working(tmp_path: Path) -> None:
-    """``write_sample(p)`` into an existing empty directory, with the existing keyword arguments."""
+    """``write_sample(p, SampleOptions(...))`` into an existing empty directory."""
     import torch.distributed.checkpoint as dcp
 
     from ckpttool.errors import OutputError
-    from ckpttool.ops.sample import write_sample
+    from ckpttool.ops.sample import SampleOptions, write_sample
 
     p = tmp_path / "p"
     p.mkdir()
-    assert write_sample(p, steps=1, optimizer="master_fp32_adamw") == p
+    res = write_sample(p, SampleOptions(steps=1, optimizer="master_fp32_adamw"))
+    assert res.path == p and (res.steps, res.seed, res.optimizer) == (1, 0, "master_fp32_adamw")
     assert sorted(os.listdir(p)) == [".metadata", "__0_0.distcp", "extra_state", "model_assets"]
     assert (p / "extra_state" / "extra_state_rank_0.pt").is_file()
     assert json.loads((p / "model_assets" / "config.json").read_text())["model_type"] == "dots1"

@@ -17,7 +17,7 @@ import torch
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from ckpttool.ops.validate import RULES, validate
+from ckpttool.ops.validate import RULES, ValidateOptions, validate
 from tests.fixtures import damage
 from tests.fixtures.cache import cached_build, copy_checkpoint
 
@@ -468,7 +468,7 @@ def test_every_rule_is_documented_in_docs_rules_md() -> None:
 
 
 def test_library_call_matches_cli(dense_ckpt: Path) -> None:
-    res = validate(dense_ckpt, strict=True)
+    res = validate(dense_ckpt, ValidateOptions(strict=True))
     assert res.exit_code == 0 and res.to_dict()["schema"] == "ckpttool.validate/1"
     assert {s.rule.code for s in res.rules if s.status == "skipped"} == {c for c, r in RULES.items() if r.needs - set()}
 
