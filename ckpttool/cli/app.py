@@ -458,3 +458,6 @@ def _run() -> None:
     finally:
         if registered is not None:
             app.registered_commands[:] = registered
+        pool = sys.modules.get("ckpttool.engine.pool")  # loaded only by commands that used it
+        if pool is not None:
+            pool.shutdown()  # no idle worker thread may hold up the interpreter's exit

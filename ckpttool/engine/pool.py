@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-__all__ = ["Lane", "imap_ordered", "map_ordered", "on_pool_thread", "overlap", "pool_size", "worker_count"]
+__all__ = ["Lane", "imap_ordered", "map_ordered", "on_pool_thread", "overlap", "pool_size", "shutdown", "worker_count"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -31,6 +31,7 @@ _local = threading.local()
 _executor: ThreadPoolExecutor | None = None
 _size = 0
 _overlap: ThreadPoolExecutor | None = None
+_created: list[ThreadPoolExecutor] = []  # every shared executor made (a replaced one may still have threads)
 
 
 def _mark_pool_thread() -> None:
@@ -44,6 +45,7 @@ def _mark_overlap_thread() -> None:
 def _reset_after_fork() -> None:  # a forked child has none of the parent's threads
     global _executor, _size, _overlap, _lock
     _executor, _size, _overlap = None, 0, None
+    _created.clear()
     _lock = threading.Lock()
 
 
@@ -69,14 +71,33 @@ def worker_count(requested: int | None, limit: int) -> int:
 def _shared(min_threads: int) -> ThreadPoolExecutor:
     """The shared executor, replaced by a larger one when a call needs more threads than it has.
 
-    A replaced executor is not shut down: calls still running on it keep submitting to it.
+    A replaced executor is not shut down: calls still running on it keep submitting to it
+    (:func:`shutdown` ends them all).
     """
     global _executor, _size
     with _lock:
         if _executor is None or _size < min_threads:
             _size = max(min_threads, pool_size())
             _executor = ThreadPoolExecutor(_size, thread_name_prefix="ckpttool", initializer=_mark_pool_thread)
+            _created.append(_executor)
         return _executor
+
+
+def shutdown() -> None:
+    """Tell every idle thread of the pool (and of the overlap thread) to end, without waiting.
+
+    The CLI calls it when a command ends, however it ends: the pool's threads are not daemons, so
+    the interpreter's exit joins them, and a signal that cuts short ``concurrent.futures``' own exit
+    hook (a SIGTERM arriving as the command returns) must not leave an idle worker blocking the exit.
+    A later call starts a new pool.
+    """
+    global _executor, _size, _overlap
+    with _lock:
+        executors = [*_created, *([_overlap] if _overlap is not None else [])]
+        _created.clear()
+        _executor, _size, _overlap = None, 0, None
+    for ex in executors:
+        ex.shutdown(wait=False, cancel_futures=True)
 
 
 def overlap(fn: Callable[..., R], *args: Any) -> Future[R]:

@@ -189,3 +189,19 @@ def test_overlap_inline_error_is_the_futures() -> None:
         return overlap(lambda: 1 // 0).exception()
 
     assert isinstance(overlap(nested).result(timeout=10), ZeroDivisionError)
+
+
+def test_shutdown_ends_every_idle_worker_and_a_later_call_starts_a_new_pool() -> None:
+    import threading
+
+    from ckpttool.engine import pool
+
+    assert pool.map_ordered(lambda x: x * 2, range(8), workers=4) == [0, 2, 4, 6, 8, 10, 12, 14]
+    pool.overlap(int, "1").result()
+    workers = [t for t in threading.enumerate() if t.name.startswith("ckpttool")]
+    assert workers
+    pool.shutdown()
+    for t in workers:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in workers), "an idle pool thread would hold up the interpreter's exit"
+    assert pool.map_ordered(lambda x: x + 1, range(3), workers=2) == [1, 2, 3]
