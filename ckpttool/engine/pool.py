@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
@@ -167,6 +168,28 @@ class _Run:
         return started
 
 
+_POLL_S = 0.05
+
+
+def _result(slot: Future[R]) -> R:
+    """``slot.result()``, waking every :data:`_POLL_S`: a signal delivered to a worker thread (the kernel
+    picks any thread for ``kill``) is then handled by the main thread at once, not when the slot ends."""
+    while True:
+        try:
+            return slot.result(timeout=_POLL_S)
+        except FutureTimeout:
+            continue
+
+
+def _exception(slot: Future[Any]) -> BaseException | None:
+    """``slot.exception()``, waking like :func:`_result`."""
+    while True:
+        try:
+            return slot.exception(timeout=_POLL_S)
+        except FutureTimeout:
+            continue
+
+
 def _inline(fn: Callable[[T], R], items: Sequence[T], finish_all: bool) -> list[R]:
     results: list[R] = []
     first: Exception | None = None
@@ -217,18 +240,18 @@ def map_ordered(
     run = _Run(fn, seq, max(1, min(workers, len(seq))))
     try:
         if finish_all:
-            errors = [slot.exception() for slot in run.slots]
+            errors = [_exception(slot) for slot in run.slots]
             first = next((e for e in errors if e is not None), None)
             if first is not None:
                 raise first
-        return [slot.result() for slot in run.slots]
+        return [_result(slot) for slot in run.slots]
     except BaseException:
         if stop is not None:
             stop.set()
         started = run.close()
         with guard() if guard is not None else contextlib.nullcontext():
             for slot in started:
-                slot.exception()  # waits; its own error, if any, is not the one raised
+                _exception(slot)  # waits; its own error, if any, is not the one raised
         raise
 
 
@@ -251,7 +274,7 @@ def imap_ordered(fn: Callable[[T], R], items: Iterable[T], *, workers: int) -> I
     run = _Run(fn, seq, max(1, min(workers, len(seq))))
     try:
         for slot in run.slots:
-            yield slot.result()
+            yield _result(slot)
     except BaseException:
         for slot in run.close():
             slot.exception()
