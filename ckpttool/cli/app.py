@@ -41,6 +41,7 @@ COMMANDS = (
     "rules",
     "schema",
     "diff",
+    "stats",
     "manifest",
     "import",
 )

@@ -3,7 +3,7 @@
 The schemas ship in the package (``ckpttool/schemas/*.schema.json``, JSON Schema draft
 2020-12), one per document id: ``ckpttool.inspect/1``, ``ckpttool.validate/1``,
 ``ckpttool.export/1``, ``ckpttool.reshard/1``, ``ckpttool.stamp/1``, ``ckpttool.replay/1``,
-``ckpttool.rules/1``, ``ckpttool.diff/1``, ``ckpttool.manifest/1``, ``ckpttool.manifest-check/1``. Documents may gain fields within a version; consumers ignore
+``ckpttool.rules/1``, ``ckpttool.diff/1``, ``ckpttool.manifest/1``, ``ckpttool.manifest-check/1``, ``ckpttool.stats/1``. Documents may gain fields within a version; consumers ignore
 fields they do not know.
 """
 
@@ -33,6 +33,7 @@ SCHEMA_NAMES = {
     "manifest": "ckpttool.manifest/1",
     "manifest-check": "ckpttool.manifest-check/1",
     "import": "ckpttool.import/1",
+    "stats": "ckpttool.stats/1",
 }
 _PRINTED_BY = {
     "inspect": "ckpttool inspect --json",
@@ -46,6 +47,7 @@ _PRINTED_BY = {
     "manifest": "ckpttool manifest --json",
     "manifest-check": "ckpttool manifest --verify --json",
     "import": "ckpttool import --json",
+    "stats": "ckpttool stats --json",
 }
 
 
@@ -62,6 +64,7 @@ class SchemaName(str, Enum):
     manifest = "manifest"
     manifest_check = "manifest-check"
     import_ = "import"
+    stats = "stats"
 
 
 def load_schema(name: str) -> dict[str, Any]:
@@ -79,7 +82,7 @@ def schema_command(
     name: Annotated[
         SchemaName | None,
         typer.Argument(
-            help="Which document: inspect, validate, export, reshard, stamp, replay (= replay-step), rules, diff, manifest, manifest-check (what manifest prints when verifying) or import; "
+            help="Which document: inspect, validate, export, reshard, stamp, replay (= replay-step), rules, diff, manifest, manifest-check (what manifest prints when verifying), import or stats; "
             "none: list them.",
             show_default=False,
         ),

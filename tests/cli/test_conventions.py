@@ -29,6 +29,7 @@ COMMANDS = (
     "rules",
     "schema",
     "diff",
+    "stats",
     "manifest",
     "import",
 )

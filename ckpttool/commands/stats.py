@@ -1,0 +1,187 @@
+"""``ckpttool stats CKPT [CKPT ...]``: per-layer statistics of weights, optimizer state and update size."""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from ckpttool.ui import options as opt
+from ckpttool.ui.options import examples, location, selection
+from ckpttool.ui.output import Output, command_boundary
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from ckpttool.ops.stats import CheckpointStats, StatsResult
+
+
+class StatsView(str, Enum):
+    layer = "layer"
+    module = "module"
+    tensor = "tensor"
+
+
+@command_boundary
+def stats_command(
+    checkpoints: Annotated[
+        list[PurePath],
+        typer.Argument(
+            help="One or more checkpoints (directories, run roots with --step, or URLs), in run order: "
+            "with two or more, the per-layer relative change between consecutive ones is shown too.",
+            show_default=False,
+            parser=location,
+            metavar="CHECKPOINT...",
+        ),
+    ],
+    by: Annotated[StatsView, typer.Option("--by", help="Rows of the table: per layer, module type or tensor.")] = (
+        StatsView.layer
+    ),
+    filters: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--filter",
+            metavar="GLOB",
+            help="Only tensors whose fqn or key matches this glob (repeatable).",
+            show_default=False,
+        ),
+    ] = None,
+    no_optimizer: Annotated[
+        bool, typer.Option("--no-optimizer", help="Measure the model tensors only (no moments, no update size).")
+    ] = False,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            metavar="FILE",
+            help="Also draw per-layer norms (weights, moments, update size; experts as a heat map) to FILE "
+            "(.png, .svg or a self-contained .html). Needs matplotlib: pip install 'ckpttool[plot]'.",
+            show_default=False,
+        ),
+    ] = None,
+    workers: Annotated[
+        int | None, typer.Option("--workers", min=1, help="Chunks read at once (default: CPU count).")
+    ] = None,
+    json_output: opt.JsonOpt = False,
+    trust_pickle: opt.TrustPickleOpt = False,
+    step: opt.StepOpt = None,
+) -> None:
+    """Streaming statistics of weights, FP32 masters and Adam moments, grouped per layer.
+
+    Per tensor: numel, mean, std, abs max, L2 norm, zero fraction, NaN/Inf count; for AdamW the
+    size of the next update (lr * |m_hat| / (sqrt(v_hat) + eps)). Reads every chunk once, in bounded memory.
+    """
+    from ckpttool.model.checkpoint import OpenOptions
+    from ckpttool.ops.entry import deliver
+    from ckpttool.ops.stats import StatsOptions, collect_stats
+    from ckpttool.ui.render import byte_progress
+
+    if plot is not None:
+        from ckpttool.ui.plot import check_plot_target
+
+        check_plot_target(plot)
+    options = StatsOptions(filters=tuple(filters or ()), workers=workers, optimizer=not no_optimizer)
+    with byte_progress("stats", not json_output and sys.stderr.isatty()) as progress:
+        res = collect_stats(
+            [str(c) for c in checkpoints],
+            options,
+            progress=progress,
+            opening=OpenOptions(trust_pickle=trust_pickle, selection=selection(step)),
+        )
+    if plot is not None:
+        from ckpttool.ui.plot import write_stats_plot
+
+        write_stats_plot(res, plot)
+    deliver(res, lambda r: Output(json_output).result(r, lambda x: _render(x, by, plot)))
+
+
+def _g(v: float | None) -> str | None:
+    return None if v is None else f"{v:.4g}"
+
+
+def _render(res: StatsResult, by: StatsView, plot: Path | None) -> None:
+    from ckpttool.ui.render import human_bytes, stdout_console
+
+    con = stdout_console()
+    for c in res.checkpoints:
+        step = f", step {c.step}" if c.step is not None else ""
+        con.print(
+            f"checkpoint  {c.path} ({c.schema}{step}): {len(c.tensors)} tensors, {human_bytes(c.bytes_read)} read"
+        )
+        _table(con, c, by)
+        for n in c.notes:
+            con.print(f"note: no update size: {n}")
+    if res.changes:
+        _changes(con, res)
+    for s in res.skipped:
+        con.print(f"not compared: {s}")
+    if plot is not None:
+        con.print(f"wrote {plot}")
+
+
+def _table(con: Console, c: CheckpointStats, by: StatsView) -> None:
+    from ckpttool.ui.render import Col, print_table
+
+    if by is StatsView.tensor:
+        cols = [
+            Col("key", "key"),
+            Col("role", "code"),
+            Col("dtype", "code"),
+            Col("numel", "num"),
+            Col("mean", "num"),
+            Col("std", "num"),
+            Col("abs max", "num"),
+            Col("L2", "num"),
+            Col("zeros", "num"),
+            Col("NaN/Inf", "num", hide_empty=True),
+        ]
+        rows: list[list[Any]] = [
+            [
+                t.key,
+                t.role,
+                t.dtype,
+                t.numel,
+                _g(t.mean),
+                _g(t.std),
+                _g(t.abs_max),
+                _g(t.l2),
+                f"{t.zero_fraction:.1%}",
+                t.nonfinite or None,
+            ]
+            for t in c.tensors
+        ]
+        print_table(con, "tensors", cols, rows)
+        return
+    groups = c.layers if by is StatsView.layer else c.modules
+    roles = [r for r in ("weight", "master_weight", "exp_avg", "exp_avg_sq") if any(r in g.norms for g in groups)]
+    cols = [Col(by.value, "key"), Col("params", "num")] + [Col(f"‖{r}‖", "num") for r in roles]
+    cols += [Col("abs max", "num"), Col("update rms", "num", hide_empty=True), Col("NaN/Inf", "num", hide_empty=True)]
+    rows = [
+        [g.name, g.params]
+        + [_g(g.norms.get(r)) for r in roles]
+        + [_g(g.abs_max), _g(g.update_rms), g.nonfinite or None]
+        for g in groups
+    ]
+    print_table(con, f"per {by.value}", cols, rows)
+
+
+def _changes(con: Console, res: StatsResult) -> None:
+    from ckpttool.ui.render import Col, print_table
+
+    pairs = list(dict.fromkeys((ch.a, ch.b) for ch in res.changes))
+    layers = list(dict.fromkeys(ch.layer for ch in res.changes))
+    rel = {(ch.a, ch.b, ch.layer): ch.relative for ch in res.changes}
+    cols = [Col("layer", "key")] + [Col(f"Δ{i + 1}→{i + 2}", "num") for i in range(len(pairs))]
+    rows: list[list[Any]] = [[layer, *(_g(rel.get((a, b, layer))) for a, b in pairs)] for layer in layers]
+    print_table(con, "relative change ‖W_b − W_a‖ / ‖W_a‖ between consecutive checkpoints", cols, rows)
+
+
+EPILOG = examples(
+    "ckpttool stats ckpt/",
+    "ckpttool stats ckpt/ --by module --filter '*experts*'",
+    "ckpttool stats run/step-100 run/step-200 run/step-300 --plot norms.png",
+    "ckpttool stats ckpt/ --json | jq '.checkpoints[0].layers'",
+)

@@ -1,0 +1,404 @@
+"""``collect_stats``: streaming statistics of one or more checkpoints of a run.
+
+One pass over each checkpoint's data (chunks in parallel on the engine's pool, each byte read
+once): per-tensor statistics of the model tensors and the optimizer state, sums per layer and
+per module type, per-expert norms of ``[E, ...]`` expert tensors, and the size of the next AdamW
+update from the saved moments and param groups. With two or more checkpoints, a second pass reads
+the model tensors of each consecutive pair together for the per-layer relative change.
+Memory: one slice per worker and lockstep member, plus the per-tensor sums.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ckpttool.engine.pool import map_ordered, worker_count
+from ckpttool.errors import CkptError, UsageError
+from ckpttool.model.catalog import TensorEntry, match_filter
+from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
+from ckpttool.ops.stats.compute import (
+    AdamHyper,
+    Moments,
+    ValueSums,
+    adam_update,
+    chunk_slices,
+    expert_sums,
+    read_pair,
+    release_buffers,
+    sum_squares,
+    tensor_values,
+)
+from ckpttool.ops.stats.result import (
+    CheckpointStats,
+    ExpertNorms,
+    GroupStats,
+    LayerChange,
+    StatsResult,
+    TensorValueStats,
+    UpdateStats,
+)
+
+if TYPE_CHECKING:
+    import os
+
+__all__ = ["MAX_CHECKPOINTS", "StatsOptions", "collect_stats", "layer_of", "module_of"]
+
+#: The most checkpoints one call compares (each stays open for the change pass).
+MAX_CHECKPOINTS = 64
+#: A tensor pair stored with different chunk geometries is compared whole up to this many bytes a side.
+WHOLE_PAIR_BYTES = 64 << 20
+
+Progress = Callable[[int, int], None] | None
+_NUMERIC = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
+
+
+@dataclass(frozen=True)
+class StatsOptions:
+    """Options of :func:`collect_stats`.
+
+    Attributes:
+        filters: globs over fqns/keys (a tensor is measured when it matches any; none: all).
+        workers: chunks read at once (default: the CPU count).
+        optimizer: measure the optimizer state and the update size (default on).
+    """
+
+    filters: tuple[str, ...] = ()
+    workers: int | None = None
+    optimizer: bool = True
+
+
+def layer_of(fqn: str) -> str:
+    """The layer of a parameter: the fqn up to its first numeric component (``layers.3``), else
+    its module path (``tok_embeddings``, ``model.norm``)."""
+    m = _NUMERIC.search(fqn)
+    if m is not None:
+        return fqn[: m.end()]
+    head, _, _ = fqn.rpartition(".")
+    return head or fqn
+
+
+def module_of(fqn: str) -> str:
+    """The module type of a parameter: numeric components replaced by ``*`` (``layers.*.mlp.w1.weight``)."""
+    return _NUMERIC.sub(lambda m: m.group(0).replace(m.group(1), "*"), fqn)
+
+
+@dataclass(frozen=True)
+class _Work:
+    """One chunk to read: of ``key`` alone, or of the two moments of a parameter in lockstep."""
+
+    key: str
+    chunk_index: int
+    entry: TensorEntry
+    moment_key: str | None = None  # exp_avg_sq read with exp_avg ``key``
+    hyper: AdamHyper | None = None
+    expert_dim: bool = False
+
+
+def _is_expert(fqn: str, entry: TensorEntry) -> bool:
+    return len(entry.shape) == 3 and "expert" in fqn.lower() and entry.shape[0] > 1
+
+
+def _run_work(ckpt: Checkpoint, w: _Work) -> tuple[ValueSums, ValueSums | None, Moments | None]:
+    reader = ckpt.reader
+    chunk = w.entry.chunks[w.chunk_index]
+    sums, second, upd = ValueSums(), None, None
+    if w.moment_key is None:
+        inner = math.prod(chunk.sizes[1:]) if w.expert_dim else 0
+        e0 = 0
+        for x in chunk_slices(reader, w.key, chunk):
+            _, sq = sums.add_slice(x)
+            if w.expert_dim:
+                expert_sums(sums, sq, e0, inner, chunk.offsets[0])
+            e0 += x.size
+        return sums, None, None
+    second, upd = ValueSums(), Moments()
+    v_chunk = ckpt.catalog.tensors[w.moment_key].chunks[w.chunk_index]
+    for m, v in read_pair((reader, w.key, chunk), (reader, w.moment_key, v_chunk)):
+        m64, _ = sums.add_slice(m, slot=0)
+        v64, _ = second.add_slice(v, slot=1)
+        if w.hyper is not None:
+            adam_update(m64, v64, w.hyper, upd)
+    return sums, second, (upd if w.hyper is not None else None)
+
+
+def _selected(fqn: str, key: str, filters: tuple[str, ...]) -> bool:
+    return not filters or any(match_filter(fqn, f, None) or match_filter(key, f, None) for f in filters)
+
+
+def _hyper(ckpt: Checkpoint, fqn: str, notes: dict[str, list[str]]) -> AdamHyper | None:
+    """The hyperparameters and saved step of parameter ``fqn`` (``None``, with a note, when unknown)."""
+    cat = ckpt.catalog
+    group = cat.group_of(fqn)
+    ps = cat.optimizer_state.get(fqn)
+    if group is None or ps is None or "step" not in ps.fields:
+        notes.setdefault("no param group or step saved", []).append(fqn)
+        return None
+    v = group.values
+    betas = v.get("betas")
+    try:
+        lr = float(v["lr"])
+        b1, b2 = (float(betas[0]), float(betas[1])) if betas is not None else (0.9, 0.999)
+        eps = float(v.get("eps", 1e-8))
+        step_entry = ps.fields["step"]
+        key = cat.state_key(fqn, "step")
+        raw = ckpt.reader.read_tensor(key) if step_entry is not None else ckpt.reader.read_object(key)
+        step = float(raw.reshape(-1)[0]) if hasattr(raw, "reshape") else float(raw)
+    except (KeyError, TypeError, ValueError, IndexError, CkptError) as e:
+        notes.setdefault(f"hyperparameters unreadable ({type(e).__name__})", []).append(fqn)
+        return None
+    return AdamHyper(lr=lr, beta1=b1, beta2=b2, eps=eps, step=step)
+
+
+def _plan(
+    ckpt: Checkpoint, opts: StatsOptions, notes: dict[str, list[str]]
+) -> tuple[list[_Work], dict[str, tuple[str, str]]]:
+    """The chunks to read and, per key, ``(fqn, role)``."""
+    cat = ckpt.catalog
+    work: list[_Work] = []
+    roles: dict[str, tuple[str, str]] = {}
+
+    def add(key: str, fqn: str, role: str, entry: TensorEntry) -> None:
+        roles[key] = (fqn, role)
+        expert = _is_expert(fqn, entry)
+        work.extend(_Work(key, i, entry, expert_dim=expert) for i in range(len(entry.chunks)))
+
+    if cat.optimizer_state and opts.optimizer:
+        ckpt.param_groups()
+    for key, entry in cat.model.items():
+        fqn = cat.fqn_of(key)
+        if _selected(fqn, key, opts.filters):
+            add(key, fqn, "weight", entry)
+    if not opts.optimizer:
+        return work, roles
+    for fqn, ps in cat.optimizer_state.items():
+        if not _selected(fqn, cat.state_key(fqn, ""), opts.filters):
+            continue
+        m, v = ps.fields.get("exp_avg"), ps.fields.get("exp_avg_sq")
+        paired = m is not None and v is not None and m.chunks == v.chunks
+        for name, field_entry in ps.fields.items():
+            if field_entry is None or name == "step" or (paired and name in ("exp_avg", "exp_avg_sq")):
+                continue
+            add(field_entry.key, fqn, name, field_entry)
+        if paired:
+            assert m is not None and v is not None
+            roles[m.key], roles[v.key] = (fqn, "exp_avg"), (fqn, "exp_avg_sq")
+            hyper = _hyper(ckpt, fqn, notes)
+            work.extend(_Work(m.key, i, m, moment_key=v.key, hyper=hyper) for i in range(len(m.chunks)))
+        elif m is not None or v is not None:
+            notes.setdefault("moments stored with different chunks (no update size)", []).append(fqn)
+    return work, roles
+
+
+def _tensor_row(key: str, fqn: str, role: str, entry: TensorEntry, s: ValueSums) -> TensorValueStats:
+    return TensorValueStats(
+        key=key,
+        fqn=fqn,
+        role=role,
+        layer=layer_of(fqn),
+        module=module_of(fqn),
+        dtype=entry.dtype,
+        shape=entry.shape,
+        numel=s.numel,
+        mean=s.mean,
+        std=s.std,
+        abs_max=s.abs_max,
+        l2=math.sqrt(s.s2),
+        zero_fraction=(s.zeros / s.numel) if s.numel else 0.0,
+        nonfinite=s.nonfinite,
+    )
+
+
+class _Group:
+    def __init__(self) -> None:
+        self.params = 0
+        self.s2: dict[str, float] = {}
+        self.abs_max = 0.0
+        self.nonfinite = 0
+        self.upd = Moments()
+
+    def add(self, row: TensorValueStats) -> None:
+        self.s2[row.role] = self.s2.get(row.role, 0.0) + row.l2 * row.l2
+        self.nonfinite += row.nonfinite
+        if row.role == "weight":
+            self.params += row.numel
+            self.abs_max = max(self.abs_max, row.abs_max)
+
+    def result(self, name: str) -> GroupStats:
+        rms = math.sqrt(self.upd.s2 / self.upd.numel) if self.upd.numel else None
+        return GroupStats(
+            name, self.params, {k: math.sqrt(v) for k, v in self.s2.items()}, self.abs_max, self.nonfinite, rms
+        )
+
+
+def _groups(
+    rows: list[TensorValueStats], updates: dict[str, Moments], by: Callable[[str], str]
+) -> tuple[GroupStats, ...]:
+    groups: dict[str, _Group] = {}
+    for r in rows:
+        groups.setdefault(by(r.fqn), _Group()).add(r)
+    for fqn, u in updates.items():
+        groups.setdefault(by(fqn), _Group()).upd.merge(u)
+    return tuple(g.result(name) for name, g in groups.items())
+
+
+def _updates(
+    ckpt: Checkpoint, moments: dict[str, Moments], hypers: dict[str, AdamHyper], rows: list[TensorValueStats]
+) -> list[UpdateStats]:
+    weight_rms = {r.fqn: r.l2 / math.sqrt(r.numel) for r in rows if r.role == "weight" and r.numel}
+    out = []
+    for fqn, u in moments.items():
+        rms = math.sqrt(u.s2 / u.numel) if u.numel else math.nan
+        w = weight_rms.get(fqn)
+        h = hypers[fqn]
+        out.append(UpdateStats(fqn, layer_of(fqn), h.step, h.lr, u.numel, rms, u.max, (rms / w) if w else None))
+    return out
+
+
+def _work_bytes(w: _Work) -> int:
+    """Stored bytes one work item reads (both moments of a pair)."""
+    e = w.entry
+    return e.chunks[w.chunk_index].numel * (e.nbytes // max(e.numel, 1)) * (2 if w.moment_key else 1)
+
+
+def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> CheckpointStats:
+    t0 = time.perf_counter()
+    notes: dict[str, list[str]] = {}
+    work, roles = _plan(ckpt, opts, notes)
+    if not work:
+        raise UsageError(
+            f"{ckpt.catalog.path}: no tensor to measure"
+            + (f" matches {', '.join(opts.filters)}" if opts.filters else ""),
+            hint="check --filter against `ckpttool inspect` (globs match fqns and keys)",
+        )
+    total = sum(_work_bytes(w) for w in work)
+    done = [0]
+
+    def one(w: _Work) -> tuple[ValueSums, ValueSums | None, Moments | None]:
+        r = _run_work(ckpt, w)
+        done[0] += _work_bytes(w)
+        if progress is not None:
+            progress(done[0], total)
+        return r
+
+    before = ckpt.reader.bytes_read
+    results = map_ordered(one, work, workers=worker_count(opts.workers, len(work)))
+    sums: dict[str, ValueSums] = {}
+    moments: dict[str, Moments] = {}
+    hypers: dict[str, AdamHyper] = {}
+    for w, (a, b, u) in zip(work, results):
+        sums.setdefault(w.key, ValueSums()).merge(a)
+        if w.moment_key is not None and b is not None:
+            sums.setdefault(w.moment_key, ValueSums()).merge(b)
+        if u is not None and w.hyper is not None:
+            fqn = roles[w.key][0]
+            moments.setdefault(fqn, Moments()).merge(u)
+            hypers[fqn] = w.hyper
+    entries = ckpt.catalog.tensors
+    rows = [_tensor_row(k, roles[k][0], roles[k][1], entries[k], s) for k, s in sums.items()]
+    experts = tuple(
+        ExpertNorms(
+            k,
+            layer_of(roles[k][0]),
+            module_of(roles[k][0]),
+            tuple(math.sqrt(s.experts.get(e, 0.0)) for e in range(entries[k].shape[0])),
+        )
+        for k, s in sums.items()
+        if s.experts and roles[k][1] == "weight"
+    )
+    updates = _updates(ckpt, moments, hypers, rows)
+    read = ckpt.reader.bytes_read - before
+    return CheckpointStats(
+        path=str(ckpt.catalog.path),
+        schema=ckpt.catalog.schema.id,
+        step=ckpt.located.step,
+        tensors=tuple(rows),
+        layers=_groups(rows, moments, layer_of),
+        modules=_groups(rows, moments, module_of),
+        experts=experts,
+        updates=tuple(updates),
+        notes=tuple(f"{why}: {len(fqns)} parameter(s), e.g. {fqns[0]}" for why, fqns in notes.items()),
+        bytes_read=read,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _pair_sums(a: Checkpoint, ka: str, b: Checkpoint, kb: str) -> tuple[float, float]:
+    """``(sum (b - a)^2, sum a^2)`` of one tensor of two checkpoints (float64, non-finite as 0)."""
+    ea, eb = a.catalog.model[ka], b.catalog.model[kb]
+    d2 = a2 = 0.0
+    if ea.chunks == eb.chunks:
+        for ca, cb in zip(ea.chunks, eb.chunks):
+            for x, y in read_pair((a.reader, ka, ca), (b.reader, kb, cb)):
+                (x, sq), (y, _) = ValueSums().add_slice(x, slot=0), ValueSums().add_slice(y, slot=1)
+                d = y - x
+                d2 += sum_squares(d)
+                a2 += float(sq.sum())
+        return d2, a2
+    x, _ = ValueSums().add_slice(tensor_values(a.reader, ka), slot=0)
+    y, _ = ValueSums().add_slice(tensor_values(b.reader, kb), slot=1)
+    d = y - x
+    return sum_squares(d), sum_squares(x)
+
+
+def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str]) -> list[LayerChange]:
+    ca, cb = a.catalog, b.catalog
+    pairs: list[tuple[str, str, str]] = []
+    for ka, ea in ca.model.items():
+        fqn = ca.fqn_of(ka)
+        if not _selected(fqn, ka, opts.filters):
+            continue
+        eb = cb.model_entry(fqn)
+        if eb is None or eb.shape != ea.shape:
+            skipped.append(f"{fqn}: {'missing in' if eb is None else 'another shape in'} {cb.path}")
+        elif ea.chunks != eb.chunks and max(ea.nbytes, eb.nbytes) > WHOLE_PAIR_BYTES:
+            skipped.append(f"{fqn}: stored with other chunks in {cb.path} and larger than {WHOLE_PAIR_BYTES >> 20} MiB")
+        else:
+            pairs.append((fqn, ka, eb.key))
+    got = map_ordered(
+        lambda p: _pair_sums(a, p[1], b, p[2]), pairs, workers=worker_count(opts.workers, max(1, len(pairs)))
+    )
+    per: dict[str, list[float]] = {}
+    for (fqn, _, _), (d2, a2) in zip(pairs, got):
+        acc = per.setdefault(layer_of(fqn), [0.0, 0.0, 0])
+        acc[0] += d2
+        acc[1] += a2
+        acc[2] += 1
+    return [
+        LayerChange(str(ca.path), str(cb.path), layer, (math.sqrt(d2) / math.sqrt(a2)) if a2 > 0 else None, int(n))
+        for layer, (d2, a2, n) in per.items()
+    ]
+
+
+def collect_stats(
+    sources: Sequence[Checkpoint | str | os.PathLike[str]],
+    options: StatsOptions,
+    *,
+    progress: Progress = None,
+    opening: OpenOptions | None = None,
+) -> StatsResult:
+    """Statistics of each checkpoint of ``sources`` (in order) and the per-layer change between
+    consecutive ones.
+
+    Raises:
+        UsageError: no source, more than :data:`MAX_CHECKPOINTS`, or nothing to measure (filters).
+        CkptError: a checkpoint cannot be opened or a chunk is damaged (as for every reader).
+    """
+    if not sources:
+        raise UsageError("no checkpoint given", hint="ckpttool stats CKPT [CKPT ...]")
+    if len(sources) > MAX_CHECKPOINTS:
+        raise UsageError(f"{len(sources)} checkpoints given; at most {MAX_CHECKPOINTS}", hint="measure them in batches")
+    try:
+        with ExitStack() as stack:
+            ckpts = [stack.enter_context(open_source(s, opening)) for s in sources]
+            per = tuple(_stats_one(c, options, progress) for c in ckpts)
+            skipped: list[str] = []
+            changes = [ch for a, b in zip(ckpts, ckpts[1:]) for ch in _changes(a, b, options, skipped)]
+    finally:
+        release_buffers()
+    return StatsResult(per, tuple(changes), tuple(skipped))

@@ -1,0 +1,138 @@
+"""Pictures of ``ckpttool stats`` results (matplotlib, the optional ``plot`` extra; nothing else imports it).
+
+``write_stats_plot`` draws per-layer L2 norms of the weights, the Adam moments and the RMS of the
+next update, one line per checkpoint, and the per-expert weight norms of the last checkpoint as
+a heat map (layer x expert). Formats by suffix: ``.png``, ``.svg``, or ``.html`` (the SVG inline
+in one self-contained page).
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckpttool.errors import UsageError
+
+if TYPE_CHECKING:
+    from ckpttool.ops.stats import StatsResult
+
+__all__ = ["PLOT_SUFFIXES", "check_plot_target", "write_stats_plot"]
+
+PLOT_SUFFIXES = (".png", ".svg", ".html")
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the non-interactive Agg backend.
+
+    Raises:
+        UsageError: matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError(
+            "--plot needs matplotlib, which is not installed", hint="pip install 'ckpttool[plot]'"
+        ) from None
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def check_plot_target(path: Path) -> None:
+    """Refuse before any work: an unknown suffix, a missing parent directory, no matplotlib.
+
+    Raises:
+        UsageError: as above.
+    """
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise UsageError(
+            f"--plot {path}: unknown picture format {path.suffix or '(none)'}", hint="use .png, .svg or .html"
+        )
+    if not path.parent.is_dir():
+        raise UsageError(f"--plot {path}: directory {path.parent} does not exist", hint="create it first")
+    if path.is_dir():
+        raise UsageError(f"--plot {path} is a directory", hint="give a file name ending in .png, .svg or .html")
+    _pyplot()
+
+
+def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str) -> bool:
+    drawn = False
+    for i, c in enumerate(res.checkpoints):
+        pts = [(g.name, value(g)) for g in c.layers]
+        pts = [(n, v) for n, v in pts if v is not None and v > 0]
+        if not pts:
+            continue
+        label = f"step {c.step}" if c.step is not None else f"#{i + 1} {Path(c.path).name}"
+        ax.plot(range(len(pts)), [v for _, v in pts], marker="o", markersize=3, label=label)
+        ax.set_xticks(range(len(pts)), [n for n, _ in pts], rotation=90, fontsize=6)
+        drawn = True
+    ax.set_title(title, fontsize=9)
+    if drawn:
+        ax.set_yscale("log")
+        ax.legend(fontsize=6)
+    else:
+        ax.text(0.5, 0.5, "not in the checkpoint", ha="center", va="center", transform=ax.transAxes)
+    return drawn
+
+
+def _experts(ax: Any, res: StatsResult) -> None:
+    last = res.checkpoints[-1]
+    rows: dict[str, list[float]] = {}
+    for e in last.experts:
+        acc = rows.setdefault(e.layer, [0.0] * len(e.norms))
+        if len(acc) == len(e.norms):
+            rows[e.layer] = [a + n * n for a, n in zip(acc, e.norms)]
+    if not rows:
+        ax.text(0.5, 0.5, "no expert tensors ([E, ...] on dim 0)", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title("experts", fontsize=9)
+        return
+    width = max(len(v) for v in rows.values())
+    grid = [[(v[i] ** 0.5) if i < len(v) else float("nan") for i in range(width)] for v in rows.values()]
+    im = ax.imshow(grid, aspect="auto", interpolation="nearest")
+    ax.set_yticks(range(len(rows)), list(rows), fontsize=6)
+    ax.set_xticks(range(width), [str(i) for i in range(width)], fontsize=6)
+    ax.set_xlabel("expert", fontsize=8)
+    ax.set_title("expert weight L2 (last checkpoint)", fontsize=9)
+    ax.figure.colorbar(im, ax=ax)
+
+
+def write_stats_plot(res: StatsResult, path: Path) -> None:
+    """Draw ``res`` into ``path`` (written whole: a temporary file renamed into place).
+
+    Raises:
+        UsageError: matplotlib missing, or an unknown suffix.
+    """
+    check_plot_target(path)
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
+    _layer_lines(axes[0][0], res, lambda g: g.norms.get("weight"), "weight L2 per layer")
+    _layer_lines(
+        axes[0][1],
+        res,
+        lambda g: g.norms.get("exp_avg"),
+        "exp_avg L2 per layer",
+    )
+    _layer_lines(axes[1][0], res, lambda g: g.update_rms, "AdamW update RMS per layer")
+    _experts(axes[1][1], res)
+    suffix = path.suffix.lower()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="svg" if suffix == ".html" else suffix[1:], dpi=120)
+    plt.close(fig)
+    data = buf.getvalue()
+    if suffix == ".html":
+        svg = data.decode("utf-8")
+        title = html.escape(", ".join(Path(c.path).name for c in res.checkpoints))
+        data = (
+            f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>ckpttool stats: {title}</title></head>"
+            f"<body>\n{svg[svg.index('<svg') :]}\n</body></html>\n"
+        ).encode()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,254 @@
+"""``ckpttool stats``: every figure checked against torch on tensors read by torch's own DCP reader."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.commands.schema import load_schema
+from ckpttool.ops.stats import StatsOptions, collect_stats, layer_of, module_of
+from tests.fixtures import damage
+from tests.fixtures.cache import copy_checkpoint
+
+runner = CliRunner()
+
+
+def torch_state(ckpt: Path, tmp_path: Path) -> dict[str, Any]:
+    """The whole checkpoint as torch's own DCP reader loads it (flattened keys)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt), str(out))
+    nested = torch.load(out, weights_only=False)
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, v: Any) -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{prefix}{k}.", x)
+        elif isinstance(v, list) and prefix.endswith("param_groups."):
+            for i, x in enumerate(v):
+                walk(f"{prefix}{i}.", x)
+        else:
+            flat[prefix[:-1]] = v
+
+    walk("", nested)
+    return flat
+
+
+def close(a: float, b: float) -> bool:
+    """Equal within the documented precision (float32 pairwise slice sums added in float64)."""
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+
+
+@pytest.mark.parametrize("fixture", ["dense_ckpt", "fsdp_ckpt"])
+def test_tensor_statistics_match_torch(fixture: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    ckpt: Path = request.getfixturevalue(fixture)
+    ref = torch_state(ckpt, tmp_path)
+    res = collect_stats([ckpt], StatsOptions(workers=2))
+    c = res.checkpoints[0]
+    assert c.tensors and not c.notes
+    seen_roles = set()
+    for t in c.tensors:
+        x = ref[t.key].double().reshape(-1)
+        seen_roles.add(t.role)
+        assert t.numel == x.numel() and t.nonfinite == 0, t.key
+        assert close(t.l2, float(x.norm())), (t.key, t.l2, float(x.norm()))
+        assert math.isclose(t.mean, float(x.mean()), rel_tol=1e-5, abs_tol=1e-9), t.key
+        assert math.isclose(t.std, float(x.std(unbiased=False)), rel_tol=1e-5, abs_tol=1e-9), t.key
+        assert t.abs_max == float(x.abs().max()), t.key
+        assert t.zero_fraction == float((x == 0).double().mean()), t.key
+    assert {"weight", "exp_avg", "exp_avg_sq"} <= seen_roles
+    # per-layer norms are the L2 over the layer's model tensors
+    layer = next(g for g in c.layers if g.name == "model.layers.0")
+    keys = [k for k in ref if k.startswith("model.model.layers.0.") and isinstance(ref[k], torch.Tensor)]
+    want = math.sqrt(sum(float(ref[k].double().pow(2).sum()) for k in keys))
+    assert close(layer.norms["weight"], want)
+    assert layer.params == sum(ref[k].numel() for k in keys)
+
+
+def test_update_size_is_the_adamw_step_from_the_saved_moments(dense_ckpt: Path, tmp_path: Path) -> None:
+    ref = torch_state(dense_ckpt, tmp_path)
+    c = collect_stats([dense_ckpt], StatsOptions()).checkpoints[0]
+    groups = [k for k in ref if k.startswith("optimizer.param_groups.") and k.endswith(".params")]
+    assert c.updates and len(c.updates) == len({p for g in groups for p in ref[g]})
+    for u in c.updates:
+        gid = next(g for g in groups if u.fqn in ref[g]).rsplit(".", 1)[0]
+        lr, (b1, b2), eps = ref[f"{gid}.lr"], ref[f"{gid}.betas"], ref[f"{gid}.eps"]
+        step = float(ref[f"optimizer.state.{u.fqn}.step"])
+        m = ref[f"optimizer.state.{u.fqn}.exp_avg"].double() / (1 - b1**step)
+        v = ref[f"optimizer.state.{u.fqn}.exp_avg_sq"].double() / (1 - b2**step)
+        want = lr * m.abs() / (v.sqrt() + eps)
+        assert u.step == step and u.lr == lr
+        assert math.isclose(u.rms, float(want.pow(2).mean().sqrt()), rel_tol=1e-6), u.fqn
+        assert math.isclose(u.max, float(want.max()), rel_tol=1e-6), u.fqn
+        w = ref[f"model.{u.fqn}"].double()
+        assert u.relative is not None and math.isclose(u.relative, u.rms / float(w.pow(2).mean().sqrt()), rel_tol=1e-6)
+
+
+def test_per_expert_norms_of_a_moe_checkpoint(sample_ckpt: Path, tmp_path: Path) -> None:
+    ref = torch_state(sample_ckpt, tmp_path)
+    c = collect_stats([sample_ckpt], StatsOptions(optimizer=False)).checkpoints[0]
+    assert c.experts and not c.updates and {t.role for t in c.tensors} == {"weight"}
+    for e in c.experts:
+        x = ref[e.key].double()
+        assert len(e.norms) == x.shape[0]
+        for i, n in enumerate(e.norms):
+            assert close(n, float(x[i].norm())), (e.key, i)
+
+
+def _run(tmp_path: Path, steps: int, nan_at: str | None = None) -> list[Path]:
+    """A tiny MoE trained for ``steps`` AdamW steps, one DCP checkpoint per step (torch's dcp.save)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ckpttool.ops.sample import SampleConfig, TinyMoEForCausalLM
+
+    torch.manual_seed(0)
+    cfg = SampleConfig(num_hidden_layers=2, num_experts=4)
+    model = TinyMoEForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for s in range(1, steps + 1):
+        opt.zero_grad()
+        model.loss(torch.randint(0, cfg.vocab_size, (2, 8), generator=gen)).backward()
+        opt.step()
+        msd, osd = get_state_dict(model, opt)
+        if nan_at is not None:
+            msd[nan_at] = msd[nan_at].clone()
+            msd[nan_at].view(-1)[:3] = torch.tensor([math.nan, math.inf, -math.inf])
+        path = tmp_path / f"step-{s}"
+        with pytest.warns(UserWarning):  # "torch.distributed is disabled ... single process"
+            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(path))
+        out.append(path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def run3(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Three consecutive checkpoints of one run (read-only)."""
+    return _run(tmp_path_factory.mktemp("run"), 3)
+
+
+def test_relative_change_between_checkpoints_matches_torch(run3: list[Path], tmp_path: Path) -> None:
+    paths = run3
+    res = collect_stats(paths, StatsOptions())
+    assert len(res.checkpoints) == 3 and not res.skipped
+    refs = [torch_state(p, tmp_path) for p in paths]
+    for i in range(2):
+        a, b = refs[i], refs[i + 1]
+        for ch in (x for x in res.changes if x.a == str(paths[i])):
+            keys = [k for k in a if k.startswith("model.") and layer_of(k[len("model.") :]) == ch.layer]
+            d2 = sum(float((b[k].double() - a[k].double()).pow(2).sum()) for k in keys)
+            a2 = sum(float(a[k].double().pow(2).sum()) for k in keys)
+            assert ch.tensors == len(keys)
+            assert ch.relative is not None and math.isclose(ch.relative, math.sqrt(d2 / a2), rel_tol=1e-6), ch
+    assert all(ch.relative and ch.relative > 0 for ch in res.changes)
+
+
+def test_nan_and_inf_are_counted_and_left_out_of_the_sums(tmp_path: Path) -> None:
+    key = "model.layers.0.mlp.shared_experts.up_proj.weight"
+    (path,) = _run(tmp_path, 1, nan_at=key)
+    ref = torch_state(path, tmp_path)[f"model.{key}"].double().reshape(-1)
+    row = next(t for t in collect_stats([path], StatsOptions()).checkpoints[0].tensors if t.fqn == key)
+    finite = ref[torch.isfinite(ref)]
+    assert row.nonfinite == 3 and row.numel == ref.numel()
+    assert close(row.l2, float(finite.norm())) and close(row.mean, float(finite.mean()))
+    layer = next(g for g in collect_stats([path], StatsOptions()).checkpoints[0].layers if g.name == "model.layers.0")
+    assert layer.nonfinite == 3
+
+
+def test_groups_by_layer_and_module_type() -> None:
+    assert layer_of("model.layers.12.mlp.experts.3.w1.weight") == "model.layers.12"
+    assert module_of("model.layers.12.mlp.experts.3.w1.weight") == "model.layers.*.mlp.experts.*.w1.weight"
+    assert layer_of("tok_embeddings.weight") == "tok_embeddings" and layer_of("norm") == "norm"
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+def test_cli_table_json_and_filter(dense_ckpt: Path) -> None:
+    res = runner.invoke(app, ["stats", str(dense_ckpt)])
+    assert res.exit_code == 0, res.stderr
+    assert "model.layers.0" in res.stdout and "update rms" in res.stdout
+    res = runner.invoke(app, ["stats", str(dense_ckpt), "--json", "--filter", "*layers.1.*"])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert not list(jsonschema.Draft202012Validator(load_schema("stats")).iter_errors(doc))
+    fqns = {t["fqn"] for t in doc["checkpoints"][0]["tensors"]}
+    assert fqns and all(".layers.1." in f for f in fqns)
+    res = runner.invoke(app, ["stats", str(dense_ckpt), "--filter", "nothing.matches"])
+    assert res.exit_code == 2 and "no tensor to measure" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_cli_by_tensor_and_module(dense_ckpt: Path) -> None:
+    wide = {"COLUMNS": "250"}
+    res = runner.invoke(app, ["stats", str(dense_ckpt), "--by", "tensor", "--no-optimizer"], env=wide)
+    assert res.exit_code == 0 and "model.model.layers.0.mlp.down_proj.weight" in res.stdout
+    assert "exp_avg" not in res.stdout
+    res = runner.invoke(app, ["stats", str(dense_ckpt), "--by", "module"], env=wide)
+    assert res.exit_code == 0 and "model.layers.*.mlp.down_proj.weight" in res.stdout
+
+
+def test_damaged_chunk_is_a_coded_error(dense_ckpt: Path, tmp_path: Path) -> None:
+    bad = copy_checkpoint(dense_ckpt, tmp_path / "bad")
+    damage.corrupt_chunk_bytes(bad, "model.model.layers.0.mlp.down_proj.weight")
+    res = runner.invoke(app, ["stats", str(bad)])
+    assert res.exit_code == 2, res.stdout
+    assert res.stderr.startswith("error: [E") and "down_proj" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg", ".html"])
+def test_plot_files_are_written_and_decodable(suffix: str, run3: list[Path], tmp_path: Path) -> None:
+    paths = run3
+    out = tmp_path / f"norms{suffix}"
+    res = runner.invoke(app, ["stats", *map(str, paths), "--plot", str(out)])
+    assert res.exit_code == 0, res.stderr
+    data = out.read_bytes()
+    if suffix == ".png":
+        import matplotlib.image
+
+        img = matplotlib.image.imread(out)
+        assert img.shape[0] > 200 and img.shape[1] > 200
+    elif suffix == ".svg":
+        assert ET.fromstring(data).tag.endswith("svg")
+    else:
+        text = data.decode()
+        assert text.startswith("<!DOCTYPE html>") and "<svg" in text and "<script" not in text
+        ET.fromstring(text[text.index("<svg") : text.index("</svg>") + 6])
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_plot_refused_before_any_work(dense_ckpt: Path, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["stats", str(dense_ckpt), "--plot", str(tmp_path / "x.gif")])
+    assert res.exit_code == 2 and "unknown picture format" in res.stderr
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from ckpttool.cli import main\n"
+        f"sys.argv = ['ckpttool', 'stats', {str(dense_ckpt)!r}, '--plot', {str(tmp_path / 'x.png')!r}]\n"
+        "main()\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "pip install 'ckpttool[plot]'" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "x.png").exists() and p.stdout == ""
+
+
+def test_matplotlib_is_imported_only_by_the_plot_module() -> None:
+    root = Path(__file__).resolve().parents[3] / "ckpttool"
+    users = sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if re.search(r"^\s*(import|from) matplotlib", p.read_text(), re.M)
+    )
+    assert users == ["ui/plot.py"], users
