@@ -253,7 +253,7 @@ def _header(con: Any, res: DiffResult) -> None:
     con.print(f"A: {res.a.path} ({res.a.kind}, {res.a.schema}{', ' + res.a.layout if res.a.layout else ''})")
     con.print(f"B: {res.b.path} ({res.b.kind}, {res.b.schema}{', ' + res.b.layout if res.b.layout else ''})")
     adapter = f", model adapter {res.model_adapter}" if res.model_adapter else ""
-    only = f"; --filter {' '.join(o.filters)}: {_plural(res.filtered_out, 'key')} left out" if o.filters else ""
+    only = f"; --filter {' '.join(o.filters)} left out {res.filtered_out:,} of both sides' keys" if o.filters else ""
     con.print(f"compared {o.what} ({res.naming} names{adapter}), {how}{only}")
     for n in res.notes:
         con.print(f"  note: {n}")
@@ -266,11 +266,12 @@ def _header(con: Any, res: DiffResult) -> None:
 
 
 def _tensor_table(con: Any, res: DiffResult, max_rows: int) -> None:
-    """The compared tensors, largest relative L2 first; the first differing elements of the top rows."""
+    """The tensors that are not equal, largest relative L2 first; the first differing elements of the top rows."""
     from ckpttool.ui.render import Col, fmt_shape, print_table
 
+    listed = [t for t in res.tensors if t.status != "equal"]
     rows = []
-    for t in res.tensors[:max_rows]:
+    for t in listed[:max_rows]:
         dtype = t.a_dtype if t.a_dtype == t.b_dtype else f"{t.a_dtype}/{t.b_dtype}"
         rows.append(
             [
@@ -293,13 +294,13 @@ def _tensor_table(con: Any, res: DiffResult, max_rows: int) -> None:
         Col("status", "code"),
     ]
     print_table(con, "tensors, largest difference first (rel L2 = ||A-B||/||B||)", cols, rows)
-    if len(res.tensors) > max_rows:
-        rest = res.tensors[max_rows:]
-        n_eq = sum(1 for t in rest if t.status == "equal")
-        con.print(f"  ... and {len(rest):,} more ({n_eq:,} equal); --json lists every tensor")
+    n_equal = len(res.tensors) - len(listed)
+    if len(listed) > max_rows or n_equal:
+        more = f"{len(listed) - max_rows:,} more not equal, " if len(listed) > max_rows else ""
+        con.print(f"  ... {more}{_plural(n_equal, 'equal tensor')} not listed (--json lists every tensor)")
     # where only some elements differ, the first of them (an edit, a bad shard); not for all-different run weights
     by_name = {d.name: d for d in res.differences if d.kind == "values" and (d.mismatched or 0) < (d.numel or 0)}
-    shown = [by_name[t.name] for t in res.tensors[:max_rows] if t.name in by_name][:_DETAILS]
+    shown = [by_name[t.name] for t in listed[:max_rows] if t.name in by_name][:_DETAILS]
     for d in shown:
         con.print(f"  {_first_element(d)}")
 
