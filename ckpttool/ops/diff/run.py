@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -962,9 +963,20 @@ def _window_equal(a: Side, la: Any, b: Side, lb: Any, bufs: tuple[memoryview, me
 
 
 def _compare_pair(
-    name: str, a: Side, ia: Item, b: Side, ib: Item, opts: DiffOptions, bufs: tuple[memoryview, memoryview]
+    name: str,
+    a: Side,
+    ia: Item,
+    b: Side,
+    ib: Item,
+    opts: DiffOptions,
+    bufs: tuple[memoryview, memoryview],
+    say: Callable[[str], None] = lambda text: None,
 ) -> tuple[Difference | None, TensorStat | None]:
-    """``(difference or None, the tensors' metrics or None when no value was compared)`` of two items of one name."""
+    """``(difference or None, the tensors' metrics or None when no value was compared)`` of two items of one name.
+
+    ``say("loading torch")`` before the first decoding comparison imports torch (seconds, once),
+    then ``say("comparing")``.
+    """
     if ia.dtype == "bytes" or ib.dtype == "bytes":
         return _compare_objects(name, a, ia, b, ib), None
     tolerant = opts.rtol is not None or opts.atol is not None
@@ -980,6 +992,11 @@ def _compare_pair(
         same = _raw_equal(a, ia, b, ib, bufs)
         if same:
             return None, _stat(name, ia, ib, ValueDiff(0, None), raw=True)
+    if "torch" not in sys.modules:
+        say("loading torch")
+        import torch  # noqa: F401
+
+        say("comparing")
     fut = overlap(b.load, ib)  # both sides read at once
     try:
         ta = a.load(ia)
@@ -1225,6 +1242,7 @@ def diff_checkpoints(
     progress: Callable[[int, int], None] | None = None,
     opening_a: OpenOptions | None = None,
     opening_b: OpenOptions | None = None,
+    phase: Callable[[str], None] | None = None,
 ) -> DiffResult:
     """Compare two checkpoints (see the module docstring). Neither input is modified.
 
@@ -1236,6 +1254,9 @@ def diff_checkpoints(
             to compare, the total known before the first is read; called after each pair.
         opening_a, opening_b: how to open each side (EP layout declaration of an unversioned DCP
             side, step / schema overrides, ``trust_pickle``).
+        phase: ``phase(text)`` as each step before the comparison starts: ``opening A (PATH)``,
+            ``opening B (PATH)``, ``matching names``; then ``progress(0, total)`` starts the
+            comparison, and ``comparing hyperparameters`` follows it where there are any.
 
     Returns:
         :class:`DiffResult` (``equal``: exit 0, else 1).
@@ -1249,17 +1270,22 @@ def diff_checkpoints(
     opts = options or DiffOptions()
     _check_options(opts)
     t0 = time.perf_counter()
+    say = phase or (lambda text: None)
+    say(f"opening A ({a})")
     sa = _open_side("A", a, opening_a or OpenOptions())
     try:
+        say(f"opening B ({b})")
         sb = _open_side("B", b, opening_b or OpenOptions())
     except BaseException:
         sa.close()
         raise
     try:
-        return _diff(sa, sb, opts, progress, t0)
+        say("matching names")
+        res = _diff(sa, sb, opts, progress, t0, say)
     finally:
         sa.close()
         sb.close()
+    return res
 
 
 def _matches(globs: tuple[str, ...], *names: str) -> bool:
@@ -1322,7 +1348,14 @@ class _Tally:
             self.add(d)
 
 
-def _diff(a: Side, b: Side, opts: DiffOptions, progress: Callable[[int, int], None] | None, t0: float) -> DiffResult:
+def _diff(
+    a: Side,
+    b: Side,
+    opts: DiffOptions,
+    progress: Callable[[int, int], None] | None,
+    t0: float,
+    say: Callable[[str], None],
+) -> DiffResult:
     items_a, items_b, excluded, notes, naming = _pair_names(a, b, opts)
     seen = (len(items_a), len(items_b))
     items_a, items_b, excluded, filtered_out = _filter(opts.filters, items_a, items_b, excluded)
@@ -1340,13 +1373,14 @@ def _diff(a: Side, b: Side, opts: DiffOptions, progress: Callable[[int, int], No
             continue
         seen_b.add(ia.name)
         pairs.append((ia, ib))
-    _compare_pairs(a, b, pairs, opts, tally, progress)
+    _compare_pairs(a, b, pairs, opts, tally, progress, say)
     a.drop_cache()
     b.drop_cache()
     for ib in items_b:
         if ib.name not in names_a:
             tally.add(Difference(ib.name, "only_b", f"{ib.name}: only in B ({ib.key})", None, ib.key))
     if opts.what in ("optimizer", "all") and a.kind == "dcp" and b.kind == "dcp":
+        say("comparing hyperparameters")
         _compare_hyperparameters(a, b, opts, tally)
     kept = (len(items_a), len(items_b))
     _fail_closed(a, b, opts, tally, seen, kept, len(pairs) - sum(ib is None for _, ib in pairs))
@@ -1380,6 +1414,7 @@ def _compare_pairs(
     opts: DiffOptions,
     tally: _Tally,
     progress: Callable[[int, int], None] | None,
+    say: Callable[[str], None],
 ) -> None:
     """Compare every pair (an item without a partner is ``only_a``); progress in stored bytes of both sides."""
     bufs = (memoryview(bytearray(BLOCK_BYTES)), memoryview(bytearray(BLOCK_BYTES)))  # cache-sized (bench_diff.py)
@@ -1397,7 +1432,7 @@ def _compare_pairs(
         if last_b is not None and last_b != ib.key:
             b.drop_cache()
         last_a, last_b = ia.key, ib.key
-        tally.pair(*_compare_pair(ia.name, a, ia, b, ib, opts, bufs))
+        tally.pair(*_compare_pair(ia.name, a, ia, b, ib, opts, bufs, say))
         done += _item_bytes(a, ia) + _item_bytes(b, ib)
         if progress is not None:
             progress(done, total)

@@ -203,6 +203,56 @@ def test_progress_counts_the_bytes_of_both_sides(runs: Path) -> None:
     assert all(t == total for _, t in calls) and [d for d, _ in calls] == sorted(d for d, _ in calls)
 
 
+def test_phases_are_named_and_the_bar_starts_with_its_total(runs: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    from ckpttool.commands.diff import DiffProgress
+
+    a, b = runs / "run1" / "step-1", runs / "run2" / "step-3"
+    events: list[Any] = []
+    buf = io.StringIO()
+    shown = DiffProgress(Console(file=buf, force_terminal=True, width=120))
+    try:
+        diff_checkpoints(
+            a,
+            b,
+            DiffOptions(what="all"),
+            progress=lambda d, t: (events.append((d, t)), shown.progress(d, t)),
+            phase=lambda text: (events.append(text), shown.phase(text)),
+        )
+    finally:
+        shown.close()
+    total = events[3][1]
+    assert events[:4] == [f"opening A ({a})", f"opening B ({b})", "matching names", (0, total)]
+    assert events[-2:] == [(total, total), "comparing hyperparameters"]
+    frames = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", buf.getvalue())
+    assert "/?" not in frames and "?/" not in frames  # never a bar without its total
+    kib = f"{total / 1024:.1f}/{total / 1024:.1f} KiB"
+    assert "diff: comparing" in frames and kib in frames
+
+
+def test_torch_is_loaded_in_a_named_phase_only_when_values_are_decoded(runs: Path) -> None:
+    """A fresh process: equal records are settled without torch; the first decoding names the import."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from ckpttool.ops.diff import diff_checkpoints\n"
+        "phases = []\n"
+        "diff_checkpoints(sys.argv[1], sys.argv[2], phase=phases.append)\n"
+        "print(phases[3:], 'torch' in sys.modules)\n"
+    )
+    run1, run2 = runs / "run1" / "step-3", runs / "run2" / "step-3"
+    for b, want in ((run1, "[] False"), (run2, "['loading torch', 'comparing'] True")):
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(run1), str(b)], capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0 and out.stdout.strip() == want, out.stderr
+
+
 # ------------------------------------------------------------------------------------------ human output
 
 
