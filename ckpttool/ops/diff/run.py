@@ -1458,11 +1458,16 @@ def _fail_closed(
 ) -> None:
     """Refuse a result that compared no tensor value and found no difference on a common name.
 
+    Names on one side only are a finding when some name is common (byte items), not when none is
+    (a naming mismatch: nothing was compared).
+
     Raises:
         NothingComparedError: what each side holds, and why nothing was compared.
     """
     if tally.values > 0 or any(d.kind in _COMMON_KINDS for d in tally.diffs):
         return
+    if common > 0 and tally.count > 0:
+        return  # names on one side only beside common byte items: a finding (exit 1), not a naming mismatch
     held = f"A holds {_holdings(a)}; B holds {_holdings(b)}"
     if seen == (0, 0):
         why = f"neither side has {_what_words(opts.what)}"

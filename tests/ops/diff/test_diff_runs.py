@@ -253,6 +253,38 @@ def test_torch_is_loaded_in_a_named_phase_only_when_values_are_decoded(runs: Pat
         assert out.returncode == 0 and out.stdout.strip() == want, out.stderr
 
 
+def test_metric_edge_cases_and_blocks() -> None:
+    """Blocks equal and not, zero norms, NaN, booleans: as the definitions in docs/diff.md say."""
+    from ckpttool.ops.diff import compare
+
+    n = compare.BLOCK_ELEMENTS * 2 + 5  # three blocks, the middle one equal, the last one partial
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, generator=g)
+    b = a.clone()
+    b[:10] += 1
+    b[-3:] *= 2
+    m = compare.compare_tensors(a, b).metrics
+    assert m is not None
+    max_abs, rel, cos = torch_metrics(a, b)
+    assert (m.max_abs, m.rel_l2, m.cosine) == (
+        pytest.approx(max_abs, rel=1e-12),
+        pytest.approx(rel, rel=1e-9),
+        pytest.approx(cos, rel=1e-12),
+    )
+    z, one = torch.zeros(4), torch.ones(4)
+    assert (compare.compare_tensors(z, one).metrics.rel_l2, compare.compare_tensors(z, one).metrics.cosine) == (
+        1.0,
+        None,
+    )  # type: ignore[union-attr]
+    assert compare.compare_tensors(one, z).metrics.rel_l2 == math.inf  # type: ignore[union-attr]
+    same_nan = torch.tensor([1.0, math.nan])
+    assert (compare.compare_tensors(same_nan, same_nan.clone()).metrics.cosine) == 1.0  # type: ignore[union-attr]
+    other = torch.tensor([2.0, math.nan])
+    assert math.isnan(compare.compare_tensors(same_nan, other).metrics.cosine)  # type: ignore[arg-type, union-attr]
+    flags = torch.tensor([True, False])
+    assert compare.compare_tensors(flags, ~flags).metrics is None
+
+
 # ------------------------------------------------------------------------------------------ human output
 
 
@@ -353,6 +385,20 @@ def test_pickled_states_that_differ_are_a_finding(pickled: Path) -> None:
     (d,) = doc["differences"]
     assert d["kind"] == "object" and d["name"] == "model" and doc["tensors"] == []
     assert doc["counts"]["values"] == 0 and doc["counts"]["different"] == 1
+
+
+def test_a_name_on_one_side_beside_equal_byte_items_is_a_finding(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    torch.manual_seed(1)
+    sd = builders.dense_model().state_dict()
+    x = _save({"model": sd}, tmp_path / "x", planner=DefaultSavePlanner(flatten_state_dict=False))
+    y = _save({"model": sd, "extra": {"k": 1}}, tmp_path / "y", planner=DefaultSavePlanner(flatten_state_dict=False))
+    doc = diff_json(x, y, "--what", "all", code=1)
+    assert [(d["kind"], d["name"]) for d in doc["differences"]] == [("only_b", "extra")]
+    assert doc["counts"]["values"] == 0 and doc["counts"]["equal"] == 1
+    res = cli(x, y)  # model tensors: none on either side
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E611] nothing compared")
 
 
 def test_byte_items_that_cannot_be_read_are_a_finding(tmp_path: Path) -> None:
