@@ -6,8 +6,12 @@ Bitwise equality compares bit patterns (``-0.0 != 0.0``, a NaN equals the same N
 tolerance an element is *outside* when ``|a - b| > atol + rtol * |b|`` (``numpy.isclose``
 with B the reference; NaN equals NaN, an infinity equals the same infinity only).
 
+Besides the verdict, :class:`Metrics` (``max |a-b|``, relative L2 ``||a-b|| / ||b||``,
+cosine) come from float64 sums (``sum (a-b)^2``, ``sum a^2``, ``sum b^2``, ``sum a*b``)
+accumulated block by block; a block equal on both sides adds one dot product.
+
 Work is done on flat blocks of :data:`BLOCK_ELEMENTS` elements, so the only memory beyond
-the two tensors is a few blocks.
+the two tensors is a few blocks (float64 copies of one block at a time).
 """
 
 from __future__ import annotations
