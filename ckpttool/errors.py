@@ -48,6 +48,7 @@ __all__ = [
     "JsonDepthError",
     "ManifestError",
     "DiffError",
+    "NothingComparedError",
     "LayoutError",
     "LayoutFormatError",
     "LayoutVersionError",
@@ -486,6 +487,17 @@ class DiffError(CkptError):
 
     code = "E610"
     default_hint = "see `ckpttool diff --help` and docs/diff.md"
+
+
+class NothingComparedError(DiffError):
+    """``diff`` compared no tensor value and found no difference: it cannot say "equal" (fail closed).
+
+    Both sides hold no tensors of the kind asked for (a state pickled into byte items), no name
+    in common, or ``--filter`` left nothing; the message says what each side holds.
+    """
+
+    code = "E611"
+    default_hint = "compare what the checkpoints hold: see `ckpttool inspect` of each side and docs/diff.md"
 
 
 # --------------------------------------------------------------------------- E7xx results

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -74,6 +77,34 @@ BSourceLayoutOpt = Annotated[
 BEpSizeOpt = Annotated[int | None, typer.Option("--b-ep-size", min=1, help="EP size of B's saving mesh.")]
 BEpFsdpSizeOpt = Annotated[int | None, typer.Option("--b-ep-fsdp-size", min=1, help="EP-FSDP size of B's saving mesh.")]
 BNoEpOpt = Annotated[bool, typer.Option("--b-no-ep", help="B was saved without expert parallelism.")]
+DiffFilterOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--filter",
+        metavar="GLOB",
+        help="Compare only names matching GLOB, on both sides (fnmatch: * also matches dots; with or without "
+        "the 'model.' prefix; a common name or a side's key). Repeatable.",
+        show_default=False,
+    ),
+]
+AStepOpt = Annotated[
+    str | None,
+    typer.Option("--a-step", metavar="N|latest", help="The step of A (a run's checkpoint root).", show_default=False),
+]
+BStepOpt = Annotated[
+    str | None,
+    typer.Option("--b-step", metavar="N|latest", help="The step of B (a run's checkpoint root).", show_default=False),
+]
+DiffStepOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--step",
+        metavar="N|latest",
+        help="The step of each side that is a run's checkpoint root (not of a checkpoint or an HF directory); "
+        "--a-step/--b-step override it per side.",
+        show_default=False,
+    ),
+]
 
 
 @command_boundary
@@ -97,7 +128,10 @@ def diff_command(
     b_ep_size: BEpSizeOpt = None,
     b_ep_fsdp_size: BEpFsdpSizeOpt = None,
     b_no_ep: BNoEpOpt = False,
-    step: opt.StepOpt = None,
+    step: DiffStepOpt = None,
+    a_step: AStepOpt = None,
+    b_step: BStepOpt = None,
+    filters: DiffFilterOpt = None,
 ) -> None:
     """Compare two checkpoints tensor by tensor in bounded memory, whatever their sharding or format.
 
@@ -117,27 +151,177 @@ def diff_command(
         map_rules=map_rules,
         weights=weights.value,
         adapter=adapter,
+        filters=tuple(filters or ()),
     )
     decl_a = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
     decl_b = declaration(b_source_layout, b_ep_size, b_ep_fsdp_size, b_no_ep)
-    sel = selection(step)
-    res = diff_checkpoints(
-        a,
-        b,
-        opts,
-        opening_a=OpenOptions(declaration=decl_a, trust_pickle=trust_pickle, selection=sel),
-        opening_b=OpenOptions(declaration=decl_b, trust_pickle=trust_pickle, selection=sel),
-    )
+    step_a, step_b = side_steps(a, b, step, a_step, b_step)
+    with DiffProgress.on_stderr(not json_output and sys.stderr.isatty()) as shown:
+        res = diff_checkpoints(
+            a,
+            b,
+            opts,
+            progress=shown.progress if shown else None,
+            phase=shown.phase if shown else None,
+            opening_a=OpenOptions(declaration=decl_a, trust_pickle=trust_pickle, selection=selection(step_a)),
+            opening_b=OpenOptions(declaration=decl_b, trust_pickle=trust_pickle, selection=selection(step_b)),
+        )
     Output(json_output).result(res, render_diff)
     if not res.equal:
         raise typer.Exit(1)
 
 
-def render_diff(res: DiffResult, *, max_rows: int = 40) -> None:
-    """Header (what was compared and how), the differences (first ``max_rows``), and a verdict line."""
-    from ckpttool.ui.render import plural, stdout_console
+class DiffProgress:
+    """What ``diff`` is doing, on stderr: each phase by name (a spinner), then a byte bar with its total.
+
+    The bar appears only once the total is known (``progress(0, total)``, after the names are
+    matched), so it never shows ``0/?``; its rate and time left cover the comparison alone.
+    After the bar has started, a phase (``loading torch``, ``comparing hyperparameters``) replaces
+    its label and restarts its rate.
+    """
+
+    def __init__(self, console: Any) -> None:
+        self.con = console
+        self._status: Any = None
+        self._bar: Any = None
+        self._task: Any = None
+
+    @classmethod
+    @contextlib.contextmanager
+    def on_stderr(cls, enabled: bool) -> Iterator[DiffProgress | None]:
+        """A :class:`DiffProgress` on the stderr console, or ``None`` (``--json``, ``-q``, not a terminal)."""
+        from ckpttool.ui.render import UI, stderr_console
+
+        if not enabled or UI.quiet:
+            yield None
+            return
+        shown = cls(stderr_console())
+        try:
+            yield shown
+        finally:
+            shown.close()
+
+    def phase(self, text: str) -> None:
+        if self._bar is not None:  # a new phase: its own rate and time left
+            done = self._bar.tasks[0].completed
+            self._bar.reset(self._task, completed=done, description=f"diff: {text}")
+            return
+        if self._status is None:
+            self._status = self.con.status(f"diff: {text}")
+            self._status.start()
+        else:
+            self._status.update(f"diff: {text}")
+
+    def progress(self, done: int, total: int) -> None:
+        if self._bar is None:
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            if self._status is not None:
+                self._status.stop()
+                self._status = None
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(binary_units=True),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=self.con,
+                transient=True,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("diff: comparing", total=total)
+        self._bar.update(self._task, completed=done, total=total)
+
+    def close(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+        if self._bar is not None:
+            self._bar.stop()
+        self._status = self._bar = None
+
+
+def _is_run_root(path: Path) -> bool:
+    """A directory that is no checkpoint itself (no ``.metadata``, no safetensors): ``--step`` picks below it."""
+    from ckpttool.model.discovery import is_checkpoint_dir
+
+    return path.is_dir() and not is_checkpoint_dir(path)
+
+
+def side_steps(
+    a: Path, b: Path, step: str | None, a_step: str | None, b_step: str | None
+) -> tuple[str | None, str | None]:
+    """The step of each side: its own ``--a-step``/``--b-step``, else ``--step`` where it is a run's root.
+
+    A checkpoint or an HF directory never gets ``--step`` (an explicit ``--a-step`` there is refused
+    by the discovery as for any command).
+
+    Raises:
+        UsageError: ``--step`` given but neither side is a run's checkpoint root.
+    """
+    from ckpttool.errors import UsageError
+
+    sa = a_step if a_step is not None else (step if _is_run_root(a) else None)
+    sb = b_step if b_step is not None else (step if _is_run_root(b) else None)
+    if step is not None and a_step is None and b_step is None and sa is None and sb is None:
+        raise UsageError(
+            f"--step {step} given, but neither {a} nor {b} is a directory of several checkpoints",
+            hint="drop --step, or pass a run's checkpoint root (the directory above its step directories)",
+        )
+    return sa, sb
+
+
+_ROWS = 40
+_DETAILS = 5
+_STATUS = {"equal": "equal", "within_tolerance": "within tol", "differ": "DIFFER"}
+
+
+def fmt_metric(v: float | None, digits: int = 3) -> str:
+    """A metric with ``digits`` significant digits (``0``, ``1.23e-05``, ``inf``); ``-`` when not computed."""
+    if v is None:
+        return "-"
+    if v == 0:
+        return "0"
+    return f"{v:.{digits}g}"
+
+
+def fmt_cosine(v: float | None) -> str:
+    """A cosine with 6 significant digits; one that rounds to 1 without being 1 as ``1-3.2e-07``."""
+    if v is None:
+        return "-"
+    text = f"{v:.6g}"
+    if text == "1" and v != 1:
+        return f"1-{1 - v:.2g}"
+    return text
+
+
+def render_diff(res: DiffResult, *, max_rows: int = _ROWS) -> None:
+    """Header, the tensors table (sorted by difference), other findings, a summary line and the verdict."""
+    from ckpttool.ui.render import stdout_console
 
     con = stdout_console()
+    _header(con, res)
+    if any(t.status != "equal" for t in res.tensors):
+        _tensor_table(con, res, max_rows)
+    _findings(con, res, max_rows)
+    con.print(_summary_line(res))
+    verdict = "equal" if res.equal else f"DIFFERENT: {_plural(res.difference_count, 'difference')}"
+    con.print(f"{verdict} ({res.seconds:.2f} s)")
+
+
+def _plural(n: int, word: str) -> str:
+    from ckpttool.ui.render import plural
+
+    return plural(n, word)
+
+
+def _header(con: Any, res: DiffResult) -> None:
     o = res.options
     how = "bitwise"
     if o.rtol is not None or o.atol is not None:
@@ -147,10 +331,8 @@ def render_diff(res: DiffResult, *, max_rows: int = 40) -> None:
     con.print(f"A: {res.a.path} ({res.a.kind}, {res.a.schema}{', ' + res.a.layout if res.a.layout else ''})")
     con.print(f"B: {res.b.path} ({res.b.kind}, {res.b.schema}{', ' + res.b.layout if res.b.layout else ''})")
     adapter = f", model adapter {res.model_adapter}" if res.model_adapter else ""
-    con.print(
-        f"compared {o.what} ({res.naming} names{adapter}), {how}: {plural(res.compared, 'value')}, "
-        f"{res.raw_compared} as raw records"
-    )
+    only = f"; --filter {' '.join(o.filters)} left out {res.filtered_out:,} of both sides' keys" if o.filters else ""
+    con.print(f"compared {o.what} ({res.naming} names{adapter}), {how}{only}")
     for n in res.notes:
         con.print(f"  note: {n}")
     if res.excluded:
@@ -158,13 +340,111 @@ def render_diff(res: DiffResult, *, max_rows: int = 40) -> None:
         for e in res.excluded:
             reasons[f"{e.side}: {e.reason}"] = reasons.get(f"{e.side}: {e.reason}", 0) + 1
         for r, count in reasons.items():
-            con.print(f"  not compared: {plural(count, 'key')} of {r}")
-    for d in res.differences[:max_rows]:
-        con.print(f"  {d.kind}: {d.message}")
-    if res.difference_count > max_rows:
-        con.print(f"  ... and {res.difference_count - max_rows} more (--json lists them)")
-    verdict = "equal" if res.equal else f"DIFFERENT: {plural(res.difference_count, 'difference')}"
-    con.print(f"{verdict} ({res.seconds:.2f} s)")
+            con.print(f"  not compared: {_plural(count, 'key')} of {r}")
+
+
+def _tensor_table(con: Any, res: DiffResult, max_rows: int) -> None:
+    """The tensors that are not equal, largest relative L2 first; the first differing elements of the top rows."""
+    from ckpttool.ui.render import Col, fmt_shape, print_table
+
+    listed = [t for t in res.tensors if t.status != "equal"]
+    rows = []
+    for t in listed[:max_rows]:
+        dtype = t.a_dtype if t.a_dtype == t.b_dtype else f"{t.a_dtype}/{t.b_dtype}"
+        rows.append(
+            [
+                t.name,
+                fmt_shape(t.shape),
+                dtype,
+                fmt_metric(t.max_abs),
+                fmt_metric(t.rel_l2),
+                fmt_cosine(t.cosine),
+                _STATUS[t.status],
+            ]
+        )
+    cols = [
+        Col("key", "key"),
+        Col("shape", "code", drop=2),
+        Col("dtype", "code", drop=1),
+        Col("max abs", "num"),
+        Col("rel L2", "num"),
+        Col("cosine", "num"),
+        Col("status", "code"),
+    ]
+    print_table(con, "tensors, largest difference first (rel L2 = ||A-B||/||B||)", cols, rows)
+    n_equal = len(res.tensors) - len(listed)
+    if len(listed) > max_rows or n_equal:
+        more = f"{len(listed) - max_rows:,} more not equal, " if len(listed) > max_rows else ""
+        con.print(f"  ... {more}{_plural(n_equal, 'equal tensor')} not listed (--json lists every tensor)")
+    # where only some elements differ, the first of them (an edit, a bad shard); not for all-different run weights
+    by_name = {d.name: d for d in res.differences if d.kind == "values" and (d.mismatched or 0) < (d.numel or 0)}
+    shown = [by_name[t.name] for t in listed[:max_rows] if t.name in by_name][:_DETAILS]
+    for d in shown:
+        con.print(f"  {_first_element(d)}")
+
+
+def _first_element(d: Any) -> str:
+    """``name: 1 of 3,072 elements differ, first at [47, 16] (A 0.0113, B 1.01)``, with where it is stored."""
+    how = "outside the tolerance" if "outside the tolerance" in d.message else "differ"
+    where = f" = {d.stored['side']}'s {d.stored['key']}{d.stored['index']}" if d.stored is not None else ""
+    return (
+        f"{d.name}: {d.mismatched:,} of {d.numel:,} elements {how}; first at {d.index}{where} "
+        f"(A {_value(d.a_value)}, B {_value(d.b_value)})"
+    )
+
+
+def _value(v: Any) -> str:
+    return f"{v:.6g}" if isinstance(v, float) else repr(v)
+
+
+def _findings(con: Any, res: DiffResult, max_rows: int) -> None:
+    """Differences other than values: names on one side, shapes, objects, hyperparameters; dtypes grouped per pair."""
+    dtypes: dict[tuple[str, str], list[str]] = {}
+    lines: list[str] = []
+    for d in res.differences:
+        if d.kind == "values":
+            continue
+        if d.kind == "dtype":
+            dtypes.setdefault((str(d.a_value), str(d.b_value)), []).append(d.name)
+            continue
+        lines.append(f"{d.kind}: {d.message}")
+    for line in lines[:max_rows]:
+        con.print(f"  {line}")
+    if len(lines) > max_rows:
+        con.print(f"  ... and {len(lines) - max_rows:,} more (--json lists them)")
+    for (da, db), names in dtypes.items():
+        first = ", ".join(names[:3]) + (f", ... (+{len(names) - 3:,} more)" if len(names) > 3 else "")
+        con.print(f"  dtype: {da} in A, {db} in B: {_plural(len(names), 'tensor')} ({first})")
+    if dtypes:
+        con.print("  hint: compare values across dtypes with --as-dtype DTYPE (both sides cast) or --rtol/--atol")
+    if res.difference_count > len(res.differences):
+        con.print(f"  ({res.difference_count - len(res.differences):,} more differences counted, not listed)")
+
+
+def _summary_line(res: DiffResult) -> str:
+    """``compared 22 tensors / 4,608 values (21 as raw records): 1 differs; max rel L2 3.3e-04 (name), ...``."""
+    s = res.summary()
+    n_diff = s["differ"] + s["within_tolerance"]
+    text = (
+        f"compared {_plural(s['tensors'], 'tensor')} / {_plural(res.values, 'value')} "
+        f"({res.raw_compared:,} as raw records)"
+    )
+    if res.compared > s["tensors"]:
+        text += f", {res.compared - s['tensors']:,} other (by dtype, shape, stored bytes or hyperparameter)"
+    if not s["tensors"]:
+        return text
+    parts = [f"{s['differ']:,} differ" if s["differ"] != 1 else "1 differs"]
+    if s["within_tolerance"]:
+        parts.append(f"{s['within_tolerance']:,} within tolerance")
+    if n_diff:
+        parts.append(f"max rel L2 {fmt_metric(_f(s['max_rel_l2']))} ({s['max_rel_l2_name']})")
+        parts.append(f"max abs {fmt_metric(_f(s['max_abs']))} ({s['max_abs_name']})")
+        parts.append(f"min cosine {fmt_cosine(_f(s['min_cosine']))} ({s['min_cosine_name']})")
+    return text + ": " + "; ".join(parts)
+
+
+def _f(v: Any) -> float | None:
+    return None if v is None else float(v)
 
 
 EPILOG = examples(

@@ -6,8 +6,12 @@ Bitwise equality compares bit patterns (``-0.0 != 0.0``, a NaN equals the same N
 tolerance an element is *outside* when ``|a - b| > atol + rtol * |b|`` (``numpy.isclose``
 with B the reference; NaN equals NaN, an infinity equals the same infinity only).
 
+Besides the verdict, :class:`Metrics` (``max |a-b|``, relative L2 ``||a-b|| / ||b||``,
+cosine) come from float64 sums (``sum (a-b)^2``, ``sum a^2``, ``sum b^2``, ``sum a*b``)
+accumulated block by block; a block equal on both sides adds one dot product.
+
 Work is done on flat blocks of :data:`BLOCK_ELEMENTS` elements, so the only memory beyond
-the two tensors is a few blocks.
+the two tensors is a few blocks (float64 copies of one block at a time).
 """
 
 from __future__ import annotations
@@ -16,9 +20,50 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BLOCK_ELEMENTS", "ValueDiff", "compare_tensors", "same_bytes", "unravel"]
+__all__ = ["BLOCK_ELEMENTS", "IDENTICAL", "Metrics", "ValueDiff", "compare_tensors", "same_bytes", "unravel"]
 
 BLOCK_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Whole-tensor metrics of two values, from float64 sums accumulated block by block.
+
+    ``sum_dd`` is ``sum (a-b)^2`` with an element counted 0 where both are equal (equal
+    infinities, a NaN against the same NaN, as the bitwise comparison); ``sum_aa``, ``sum_bb``,
+    ``sum_ab`` are ``sum a^2``, ``sum b^2``, ``sum a*b`` (``None``: not computed, the values are
+    identical). Values as compared (after an ``as_dtype`` cast).
+    """
+
+    max_abs: float
+    sum_dd: float
+    sum_aa: float | None = None
+    sum_bb: float | None = None
+    sum_ab: float | None = None
+
+    @property
+    def rel_l2(self) -> float:
+        """``||a-b|| / ||b||`` (0 when every element is equal; ``inf`` when ``b`` is 0 and ``a`` is not)."""
+        if self.sum_dd == 0:
+            return 0.0
+        if self.sum_bb is None or self.sum_bb == 0:
+            return math.inf if not math.isnan(self.sum_dd) else math.nan
+        return math.sqrt(self.sum_dd) / math.sqrt(self.sum_bb)
+
+    @property
+    def cosine(self) -> float | None:
+        """``a.b / (||a|| ||b||)``: 1 when every element is equal; ``None`` when one side is all zero and they differ."""
+        if self.sum_dd == 0:
+            return 1.0
+        if self.sum_aa is None or self.sum_bb is None or self.sum_ab is None:
+            return None
+        if self.sum_aa == 0 or self.sum_bb == 0:
+            return None
+        return self.sum_ab / (math.sqrt(self.sum_aa) * math.sqrt(self.sum_bb))
+
+
+#: The metrics of two identical tensors (no element read).
+IDENTICAL = Metrics(0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -31,6 +76,7 @@ class ValueDiff:
         max_abs_error, max_rel_error: over all elements (floating/integer values; ``None`` when
             equal or not computed), the relative error against ``|b|``.
         a_value, b_value: the two values at ``first`` (as Python numbers).
+        metrics: :class:`Metrics` of the whole tensors (``None``: booleans).
     """
 
     mismatched: int
@@ -39,6 +85,7 @@ class ValueDiff:
     max_rel_error: float | None = None
     a_value: float | int | bool | None = None
     b_value: float | int | bool | None = None
+    metrics: Metrics | None = IDENTICAL
 
 
 def unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
@@ -93,8 +140,37 @@ def _py(v: Any) -> float | int | bool:
     return float(x) if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def _errors(a: Any, b: Any) -> tuple[Any, Any, Any]:
-    """``|a-b|`` (0 where equal, NaN where exactly one is NaN), ``|b|``, and ``both NaN`` (float64)."""
+class _Sums:
+    """Running float64 sums of :class:`Metrics` and the error bounds, block by block."""
+
+    def __init__(self) -> None:
+        self.dd = self.aa = self.bb = self.ab = 0.0
+        self.max_abs = self.max_rel = 0.0
+
+    def add(self, a64: Any, b64: Any, diff: Any) -> None:
+        import torch
+
+        self.dd += float(torch.dot(diff, diff))
+        self.aa += float(torch.dot(a64, a64))
+        self.bb += float(torch.dot(b64, b64))
+        self.ab += float(torch.dot(a64, b64))
+        self.max_abs, self.max_rel = _error_bounds(diff, b64.abs(), self.max_abs, self.max_rel)
+
+    def add_equal(self, a64: Any) -> None:
+        """A block equal on both sides (bitwise): ``a == b``, so one dot product gives the three sums."""
+        import torch
+
+        sq = float(torch.dot(a64, a64))
+        self.aa += sq
+        self.bb += sq
+        self.ab += sq
+
+    def metrics(self) -> Metrics:
+        return Metrics(self.max_abs, self.dd, self.aa, self.bb, self.ab)
+
+
+def _errors(a: Any, b: Any) -> tuple[Any, Any, Any, Any]:
+    """``a`` and ``b`` as float64, ``|a-b|`` (0 where equal, NaN where exactly one is NaN), ``both NaN``."""
     import torch
 
     a64, b64 = a.to(torch.float64), b.to(torch.float64)
@@ -102,7 +178,7 @@ def _errors(a: Any, b: Any) -> tuple[Any, Any, Any]:
     same = a64 == b64  # equal infinities
     both_nan = a64.isnan() & b64.isnan()
     diff = torch.where(same | both_nan, torch.zeros_like(diff), diff)
-    return diff, b64.abs(), both_nan
+    return a64, b64, diff, both_nan
 
 
 def compare_tensors(
@@ -115,6 +191,10 @@ def compare_tensors(
 ) -> ValueDiff:
     """Compare two tensors of the same shape (see the module docstring).
 
+    Besides the mismatch count, the :class:`Metrics` of the two (``max |a-b|``, relative L2,
+    cosine) are accumulated in float64 block by block: each block is converted once, no
+    whole-tensor copy is made.
+
     Args:
         a, b: CPU tensors of one shape (contiguous or not); same dtype unless ``as_dtype``
             or a tolerance is given.
@@ -122,71 +202,65 @@ def compare_tensors(
         rtol, atol: tolerance comparison (either may be ``None`` = 0); both ``None``: bitwise.
 
     Returns:
-        :class:`ValueDiff`.
+        :class:`ValueDiff` (``metrics`` :data:`IDENTICAL` when the bytes are equal, ``None`` for booleans).
     """
     import torch
 
     assert tuple(a.shape) == tuple(b.shape), "compare_tensors needs tensors of one shape"
     tolerant = rtol is not None or atol is not None
-    if not tolerant and as_dtype is None and a.dtype == b.dtype and same_bytes(a, b):
+    if as_dtype is None and a.dtype == b.dtype and same_bytes(a, b):
         return ValueDiff(0, None)  # the common case in one call
     fa, fb = a.reshape(-1), b.reshape(-1)
     n = fa.numel()
     rt, at = rtol or 0.0, atol or 0.0
     mismatched, first = 0, None
-    max_abs = max_rel = 0.0
     a_val = b_val = None
-    numeric = (fa.dtype.is_floating_point or not fa.dtype == torch.bool) and fa.dtype != torch.bool
+    numeric = fa.dtype != torch.bool and fb.dtype != torch.bool
+    sums = _Sums()
     for start in range(0, n, BLOCK_ELEMENTS):
         xa = fa[start : start + BLOCK_ELEMENTS]
         xb = fb[start : start + BLOCK_ELEMENTS]
         if as_dtype is not None:
             xa, xb = xa.to(as_dtype), xb.to(as_dtype)
-        found = _block_mismatch(xa, xb, tolerant, rt, at, numeric)
-        if found is None:
-            continue
-        cnt, ne, diff, ref = found
-        if numeric:
-            max_abs, max_rel = _error_bounds(diff, ref, max_abs, max_rel)
+        cnt, ne = _block_mismatch(xa, xb, tolerant, rt, at, numeric, sums)
         if cnt:
             if first is None:
                 i = int(ne.nonzero()[0, 0])
                 first = start + i
                 a_val, b_val = _py(xa[i]), _py(xb[i])
             mismatched += cnt
+    met = sums.metrics() if numeric else None
     if mismatched == 0 and not tolerant:
-        return ValueDiff(0, None)
+        return ValueDiff(0, None, metrics=met)
     return ValueDiff(
         mismatched,
         first,
-        max_abs if numeric else None,
-        max_rel if numeric else None,
+        sums.max_abs if numeric else None,
+        sums.max_rel if numeric else None,
         a_val,
         b_val,
+        met,
     )
 
 
 def _block_mismatch(
-    xa: Any, xb: Any, tolerant: bool, rt: float, at: float, numeric: bool
-) -> tuple[int, Any, Any, Any] | None:
-    """``(mismatched count, mask, |a-b|, |b|)`` of one block (the errors ``None`` unless numeric).
+    xa: Any, xb: Any, tolerant: bool, rt: float, at: float, numeric: bool, sums: _Sums
+) -> tuple[int, Any]:
+    """``(mismatched count, mask)`` of one block; a numeric block's sums are added to ``sums``."""
+    import torch
 
-    ``None``: a bitwise comparison found the block equal (nothing to add).
-    """
-    diff = ref = None
-    if not tolerant:
-        if xa.dtype == xb.dtype and same_bytes(xa, xb):
-            return None
-        ne = _int_view(xa) != _int_view(xb) if xa.dtype == xb.dtype else xa != xb
-        cnt = int(ne.sum())
-        if not cnt:
-            return None
+    if xa.dtype == xb.dtype and same_bytes(xa, xb):
         if numeric:
-            diff, ref, _ = _errors(xa, xb)
-        return cnt, ne, diff, ref
-    diff, ref, both_nan = _errors(xa, xb)
-    bad = (diff > at + rt * ref) | (diff.isnan() & ~both_nan)
-    return int(bad.sum()), bad, diff, ref
+            sums.add_equal(xa.to(torch.float64))
+        return 0, None
+    if numeric:
+        a64, b64, diff, both_nan = _errors(xa, xb)
+        sums.add(a64, b64, diff)
+        if tolerant:
+            bad = (diff > at + rt * b64.abs()) | (diff.isnan() & ~both_nan)
+            return int(bad.sum()), bad
+    ne = _int_view(xa) != _int_view(xb) if xa.dtype == xb.dtype else xa != xb
+    return int(ne.sum()), ne
 
 
 def _error_bounds(diff: Any, ref: Any, max_abs: float, max_rel: float) -> tuple[float, float]:

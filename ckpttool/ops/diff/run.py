@@ -13,26 +13,37 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ckpttool.engine.crc import crc32
 from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
 from ckpttool.engine.pool import overlap
-from ckpttool.errors import CkptError, DataFileError, DiffError, UsageError
+from ckpttool.errors import CkptError, DataFileError, DiffError, NothingComparedError, UsageError
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.catalog import TensorEntry
 from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_checkpoint
 from ckpttool.model.schemas.base import canonical_group_key, canonical_state_key
-from ckpttool.ops.diff.compare import ValueDiff, compare_tensors, unravel
+from ckpttool.ops.diff.compare import Metrics, ValueDiff, compare_tensors, unravel
 from ckpttool.ops.export.transform import Run
 
-__all__ = ["WHAT", "DiffOptions", "Difference", "Excluded", "DiffResult", "Item", "Side", "diff_checkpoints"]
+__all__ = [
+    "WHAT",
+    "DiffOptions",
+    "Difference",
+    "Excluded",
+    "DiffResult",
+    "Item",
+    "Side",
+    "TensorStat",
+    "diff_checkpoints",
+]
 
 WHAT = ("model", "optimizer", "all")
 log = logging.getLogger(__name__)
@@ -54,6 +65,9 @@ class DiffOptions:
         adapter: a model adapter name (:data:`ckpttool.model.adapters.ADAPTERS`) naming a DCP
             side against safetensors; ``None``: detected from the key names, as ``export`` does.
         max_differences: differences listed in full (all are counted).
+        filters: globs (``fnmatch``: ``*`` also matches dots); when given, only names matching one
+            are compared, on both sides: a common name, a side's stored key, or either without its
+            ``model.`` prefix. A pair is kept when either side's item matches.
     """
 
     what: str = "model"
@@ -64,6 +78,7 @@ class DiffOptions:
     weights: str = "params"
     adapter: str | None = None
     max_differences: int = 1000
+    filters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -181,6 +196,72 @@ def _num(v: Any) -> Any:
     return v
 
 
+#: ``TensorStat.status`` values: bitwise (or after the cast) equal, within the tolerance but not
+#: equal, and differing (bitwise, or outside the tolerance).
+STATUSES = ("equal", "within_tolerance", "differ")
+
+
+@dataclass(frozen=True)
+class TensorStat:
+    """The metrics of one pair of tensors whose values were compared (``--json`` ``tensors[]``).
+
+    Attributes:
+        name: the common name; a_key, b_key: each side's key.
+        shape: as compared; a_dtype, b_dtype: as stored; numel: elements compared.
+        status: one of :data:`STATUSES`.
+        mismatched: elements that differ (bitwise) or lie outside the tolerance.
+        max_abs: ``max |a-b|``; rel_l2: ``||a-b|| / ||b||`` (B the reference); cosine:
+            ``a.b / (||a|| ||b||)``: float64 sums over every element, of the values as compared
+            (after ``as_dtype``). Equal values: 0, 0, 1. ``None``: booleans (and a cosine where
+            one side is all zero). Non-finite: ``inf``/``nan``.
+        raw: settled on the fast path (equal records, not decoded).
+    """
+
+    name: str
+    a_key: str
+    b_key: str
+    shape: tuple[int, ...]
+    a_dtype: str
+    b_dtype: str
+    numel: int
+    status: str
+    mismatched: int
+    max_abs: float | None
+    rel_l2: float | None
+    cosine: float | None
+    raw: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "a_key": self.a_key,
+            "b_key": self.b_key,
+            "shape": list(self.shape),
+            "a_dtype": self.a_dtype,
+            "b_dtype": self.b_dtype,
+            "numel": self.numel,
+            "status": self.status,
+            "mismatched": self.mismatched,
+            "max_abs": _num(self.max_abs),
+            "rel_l2": _num(self.rel_l2),
+            "cosine": _num(self.cosine),
+            "raw": self.raw,
+        }
+
+    @property
+    def order(self) -> tuple[float, float, float]:
+        """Sort key, largest difference first: relative L2 (NaN first), then max abs, then 1 - cosine."""
+        import math
+
+        def big(v: float | None) -> float:
+            if v is None:
+                return -1.0
+            return math.inf if math.isnan(v) else v
+
+        cos = self.cosine
+        return (-big(self.rel_l2), -big(self.max_abs), -(1 - cos if cos is not None and not math.isnan(cos) else 0))
+
+
 @dataclass(frozen=True)
 class Excluded:
     """A key of one side left out of the comparison, and why."""
@@ -233,10 +314,39 @@ class DiffResult:
     bytes_read: int
     seconds: float
     model_adapter: str | None = None
+    tensors: list[TensorStat] = field(default_factory=list)
+    values: int = 0
+    filtered_out: int = 0
 
     @property
     def equal(self) -> bool:
         return self.difference_count == 0
+
+    def summary(self) -> dict[str, Any]:
+        """``--json`` ``summary``: tensors by status, the largest relative L2 and max abs, the smallest cosine (with names)."""
+        import math
+
+        by_status = {st: sum(1 for t in self.tensors if t.status == st) for st in STATUSES}
+        rel = [t for t in self.tensors if t.rel_l2 is not None]
+        cos = [t for t in self.tensors if t.cosine is not None]
+        mab = [t for t in self.tensors if t.max_abs is not None]
+
+        def top(ts: list[TensorStat], value: Callable[[TensorStat], float], sign: float) -> tuple[str | None, Any]:
+            if not ts:
+                return None, None
+            best = max(ts, key=lambda t: math.inf if math.isnan(value(t)) else sign * value(t))
+            return best.name, _num(value(best))
+
+        out: dict[str, Any] = {"tensors": len(self.tensors), "values": self.values, **by_status}
+        for label, ts, fn, sign in (
+            ("max_rel_l2", rel, lambda t: t.rel_l2, 1.0),
+            ("max_abs", mab, lambda t: t.max_abs, 1.0),
+            ("min_cosine", cos, lambda t: t.cosine, -1.0),
+        ):
+            name, v = top(ts, fn, sign)
+            out[label] = v
+            out[f"{label}_name"] = name
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         o = self.options
@@ -250,6 +360,7 @@ class DiffResult:
                 "rtol": o.rtol,
                 "atol": o.atol,
                 "as_dtype": o.as_dtype,
+                "filters": list(o.filters),
             },
             "naming": self.naming,
             "model_adapter": self.model_adapter,
@@ -260,7 +371,12 @@ class DiffResult:
                 "raw": self.raw_compared,
                 "different": self.difference_count,
                 "excluded": len(self.excluded),
+                "tensors": len(self.tensors),
+                "values": self.values,
+                "filtered_out": self.filtered_out,
             },
+            "summary": self.summary(),
+            "tensors": [t.to_dict() for t in self.tensors],
             "differences": [d.to_dict() for d in self.differences],
             "excluded": [e.to_dict() for e in self.excluded],
             "notes": list(self.notes),
@@ -847,24 +963,40 @@ def _window_equal(a: Side, la: Any, b: Side, lb: Any, bufs: tuple[memoryview, me
 
 
 def _compare_pair(
-    name: str, a: Side, ia: Item, b: Side, ib: Item, opts: DiffOptions, bufs: tuple[memoryview, memoryview]
-) -> tuple[Difference | None, bool]:
-    """``(difference or None, compared raw)`` for two items of one name."""
+    name: str,
+    a: Side,
+    ia: Item,
+    b: Side,
+    ib: Item,
+    opts: DiffOptions,
+    bufs: tuple[memoryview, memoryview],
+    say: Callable[[str], None] = lambda text: None,
+) -> tuple[Difference | None, TensorStat | None]:
+    """``(difference or None, the tensors' metrics or None when no value was compared)`` of two items of one name.
+
+    ``say("loading torch")`` before the first decoding comparison imports torch (seconds, once),
+    then ``say("comparing")``.
+    """
     if ia.dtype == "bytes" or ib.dtype == "bytes":
-        return _compare_objects(name, a, ia, b, ib), False
+        return _compare_objects(name, a, ia, b, ib), None
     tolerant = opts.rtol is not None or opts.atol is not None
     kind = _kind_difference(name, ia, ib, opts, tolerant)
     if kind is not None:
-        return kind, False
+        return kind, None
     cast = (
         opts.as_dtype
         if opts.as_dtype is not None and (ia.dtype != opts.as_dtype or ib.dtype != opts.as_dtype)
         else None
     )
-    if ia.direct and ib.direct and ia.dtype == ib.dtype and cast is None and not tolerant:
+    if ia.direct and ib.direct and ia.dtype == ib.dtype and cast is None:
         same = _raw_equal(a, ia, b, ib, bufs)
         if same:
-            return None, True
+            return None, _stat(name, ia, ib, ValueDiff(0, None), raw=True)
+    if "torch" not in sys.modules:
+        say("loading torch")
+        import torch  # noqa: F401
+
+        say("comparing")
     fut = overlap(b.load, ib)  # both sides read at once
     try:
         ta = a.load(ia)
@@ -878,9 +1010,40 @@ def _compare_pair(
         rtol=opts.rtol,
         atol=opts.atol,
     )
+    stat = _stat(name, ia, ib, vd)
     if vd.mismatched == 0:
-        return None, False
-    return _values_difference(name, ia, ib, vd, tolerant), False
+        return None, stat
+    return _values_difference(name, ia, ib, vd, tolerant), stat
+
+
+def _stat(name: str, ia: Item, ib: Item, vd: ValueDiff, *, raw: bool = False) -> TensorStat:
+    """The :class:`TensorStat` of a compared pair (booleans: no metrics)."""
+    m: Metrics | None = vd.metrics
+    if m is None:
+        max_abs = rel = cos = None
+    else:
+        max_abs, rel, cos = m.max_abs, m.rel_l2, m.cosine
+    if vd.mismatched:
+        status = "differ"
+    elif m is not None and m.sum_dd != 0:
+        status = "within_tolerance"
+    else:
+        status = "equal"
+    return TensorStat(
+        name,
+        ia.key,
+        ib.key,
+        ia.shape,
+        ia.dtype,
+        ib.dtype,
+        _numel(ia.shape),
+        status,
+        vd.mismatched,
+        max_abs,
+        rel,
+        cos,
+        raw,
+    )
 
 
 def _kind_difference(name: str, ia: Item, ib: Item, opts: DiffOptions, tolerant: bool) -> Difference | None:
@@ -891,9 +1054,11 @@ def _kind_difference(name: str, ia: Item, ib: Item, opts: DiffOptions, tolerant:
         return Difference(
             name,
             "dtype",
-            f"{name}: dtype {ia.dtype} in A, {ib.dtype} in B (compare values with `as_dtype` or a tolerance)",
+            f"{name}: dtype {ia.dtype} in A, {ib.dtype} in B",
             ia.key,
             ib.key,
+            a_value=ia.dtype,
+            b_value=ib.dtype,
         )
     return None
 
@@ -951,7 +1116,16 @@ def _compare_objects(name: str, a: Side, ia: Item, b: Side, ib: Item) -> Differe
     a.reader.count_read(0)
     if ra == rb:
         return None
-    va, vb = a.reader.read_object(ia.key), b.reader.read_object(ib.key)
+    try:
+        va, vb = a.reader.read_object(ia.key), b.reader.read_object(ib.key)
+    except CkptError as e:  # a finding: the bytes differ and the values could not be read to say more
+        return Difference(
+            name,
+            "object",
+            f"{name}: stored bytes differ, values not compared: {e}",
+            ia.key,
+            ib.key,
+        )
     if _same_object(va, vb):
         return None
     return Difference(
@@ -1004,19 +1178,23 @@ def _group_values(side: Side) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _compare_groups(a: Side, b: Side) -> tuple[int, list[Difference]]:
-    """``(hyperparameters compared, differences)`` of the per-parameter param-group values."""
+def _compare_groups(a: Side, b: Side, globs: tuple[str, ...] = ()) -> tuple[int, list[Difference]]:
+    """``(hyperparameters compared, differences)`` of the per-parameter param-group values (names ``globs`` match)."""
     ga, gb = _group_values(a), _group_values(b)
     diffs: list[Difference] = []
     n = 0
     for fqn in sorted(set(ga) | set(gb)):
         va, vb = ga.get(fqn), gb.get(fqn)
         base = canonical_group_key(fqn)
+        if globs and not _matches(globs, base, *(f"{base}.{h}" for h in set(va or ()) | set(vb or ()))):
+            continue
         if va is None or vb is None:
             side = "B" if va is not None else "A"
             diffs.append(Difference(base, "hyperparameter", f"{base}: no param group in {side}"))
             continue
         for hyper in sorted(set(va) | set(vb)):
+            if globs and not _matches(globs, base, f"{base}.{hyper}"):
+                continue
             n += 1
             x, y = va.get(hyper, _MISSING), vb.get(hyper, _MISSING)
             if x is _MISSING or y is _MISSING or not _same_object(x, y):
@@ -1052,6 +1230,8 @@ def _check_options(opts: DiffOptions) -> None:
         raise UsageError(
             f"`as_dtype` {opts.as_dtype!r} is not one of bfloat16, float16, float32, float64", param="as_dtype"
         )
+    if isinstance(opts.filters, str) or any(not isinstance(g, str) or not g for g in opts.filters):
+        raise UsageError(f"`filters` {opts.filters!r} is not a sequence of non-empty globs", param="filters")
 
 
 def diff_checkpoints(
@@ -1062,6 +1242,7 @@ def diff_checkpoints(
     progress: Callable[[int, int], None] | None = None,
     opening_a: OpenOptions | None = None,
     opening_b: OpenOptions | None = None,
+    phase: Callable[[str], None] | None = None,
 ) -> DiffResult:
     """Compare two checkpoints (see the module docstring). Neither input is modified.
 
@@ -1069,102 +1250,280 @@ def diff_checkpoints(
         a, b: each a DCP checkpoint directory (or a directory above one), a safetensors
             directory or file, or a PEFT adapter directory.
         options: :class:`DiffOptions`.
-        progress: ``progress(done_items, total_items)``.
+        progress: ``progress(bytes done, bytes total)``: the stored bytes of both sides' values
+            to compare, the total known before the first is read; called after each pair.
         opening_a, opening_b: how to open each side (EP layout declaration of an unversioned DCP
             side, step / schema overrides, ``trust_pickle``).
+        phase: ``phase(text)`` as each step before the comparison starts: ``opening A (PATH)``,
+            ``opening B (PATH)``, ``matching names``; then ``progress(0, total)`` starts the
+            comparison, and ``comparing hyperparameters`` follows it where there are any.
 
     Returns:
         :class:`DiffResult` (``equal``: exit 0, else 1).
 
     Raises:
         UsageError: bad options. DiffError (E610): an input of no known kind, nothing in common.
+        NothingComparedError (E611): no tensor value compared and no difference found (never "equal").
         LayoutError (E405): an undeclared ambiguous EP layout.
         plus the reader's errors for damaged inputs (E1xx-E3xx).
     """
     opts = options or DiffOptions()
     _check_options(opts)
     t0 = time.perf_counter()
+    say = phase or (lambda text: None)
+    say(f"opening A ({a})")
     sa = _open_side("A", a, opening_a or OpenOptions())
     try:
+        say(f"opening B ({b})")
         sb = _open_side("B", b, opening_b or OpenOptions())
     except BaseException:
         sa.close()
         raise
     try:
-        return _diff(sa, sb, opts, progress, t0)
+        say("matching names")
+        res = _diff(sa, sb, opts, progress, t0, say)
     finally:
         sa.close()
         sb.close()
+    return res
 
 
-def _diff(a: Side, b: Side, opts: DiffOptions, progress: Callable[[int, int], None] | None, t0: float) -> DiffResult:
+def _matches(globs: tuple[str, ...], *names: str) -> bool:
+    import fnmatch
+
+    for n in names:
+        for cand in (n, n.removeprefix("model.")):
+            if any(fnmatch.fnmatchcase(cand, g) for g in globs):
+                return True
+    return False
+
+
+def _filter(
+    globs: tuple[str, ...], items_a: list[Item], items_b: list[Item], excluded: list[Excluded]
+) -> tuple[list[Item], list[Item], list[Excluded], int]:
+    """The items (and exclusions) ``globs`` keep, and how many items they left out (see :class:`DiffOptions`)."""
+    if not globs:
+        return items_a, items_b, excluded, 0
+    keep = {i.match for i in items_a if _matches(globs, i.name, i.key)}
+    keep |= {i.name for i in items_b if _matches(globs, i.name, i.key)}
+    ka = [i for i in items_a if i.match in keep]
+    kb = [i for i in items_b if i.name in keep]
+    ke = [e for e in excluded if _matches(globs, e.key)]
+    return ka, kb, ke, len(items_a) + len(items_b) - len(ka) - len(kb)
+
+
+def _item_bytes(side: Side, item: Item) -> int:
+    """Stored bytes of ``item``'s value (0: a byte item)."""
+    if item.dtype == "bytes":
+        return 0
+    from ckpttool.format.metadata import DType
+
+    return _numel(item.shape) * DType(item.dtype).itemsize
+
+
+class _Tally:
+    """What one diff has found so far: differences (the first ``limit`` kept), tensor metrics, counts."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.diffs: list[Difference] = []
+        self.count = 0
+        self.stats: list[TensorStat] = []
+        self.compared = self.equal = self.raw = self.values = 0
+
+    def add(self, d: Difference) -> None:
+        self.count += 1
+        if len(self.diffs) < self.limit:
+            self.diffs.append(d)
+
+    def pair(self, d: Difference | None, stat: TensorStat | None) -> None:
+        self.compared += 1
+        if stat is not None:
+            self.stats.append(stat)
+            self.raw += stat.raw
+            self.values += stat.numel
+        if d is None:
+            self.equal += 1
+        else:
+            self.add(d)
+
+
+def _diff(
+    a: Side,
+    b: Side,
+    opts: DiffOptions,
+    progress: Callable[[int, int], None] | None,
+    t0: float,
+    say: Callable[[str], None],
+) -> DiffResult:
     items_a, items_b, excluded, notes, naming = _pair_names(a, b, opts)
+    seen = (len(items_a), len(items_b))
+    items_a, items_b, excluded, filtered_out = _filter(opts.filters, items_a, items_b, excluded)
     by_b: dict[str, Item] = {}
     for i in items_b:
         by_b.setdefault(i.name, i)
     names_a = {i.match for i in items_a}
-    diffs: list[Difference] = []
-    count = 0
-    equal = raw = compared = 0
-    bufs = (memoryview(bytearray(BLOCK_BYTES)), memoryview(bytearray(BLOCK_BYTES)))  # cache-sized (bench_diff.py)
-    total = len(items_a) + len(items_b)
-
-    def add(d: Difference) -> None:
-        nonlocal count
-        count += 1
-        if len(diffs) < opts.max_differences:
-            diffs.append(d)
-
+    tally = _Tally(opts.max_differences)
+    pairs: list[tuple[Item, Item | None]] = []
     seen_b: set[str] = set()
-    last_a = last_b = None
-    for n, ia in enumerate(items_a):
+    for ia in items_a:
         ib = by_b.get(ia.match)
         if ib is None or ia.name in seen_b:
-            add(Difference(ia.name, "only_a", f"{ia.name}: only in A ({ia.key})", ia.key, None))
+            pairs.append((ia, None))
             continue
         seen_b.add(ia.name)
-        if last_a is not None and last_a != ia.key:
-            a.drop_cache()
-        if last_b is not None and last_b != ib.key:
-            b.drop_cache()
-        last_a, last_b = ia.key, ib.key
-        d, was_raw = _compare_pair(ia.name, a, ia, b, ib, opts, bufs)
-        compared += 1
-        raw += was_raw
-        if d is None:
-            equal += 1
-        else:
-            add(d)
-        if progress is not None:
-            progress(n + 1, total)
+        pairs.append((ia, ib))
+    _compare_pairs(a, b, pairs, opts, tally, progress, say)
     a.drop_cache()
     b.drop_cache()
     for ib in items_b:
         if ib.name not in names_a:
-            add(Difference(ib.name, "only_b", f"{ib.name}: only in B ({ib.key})", None, ib.key))
+            tally.add(Difference(ib.name, "only_b", f"{ib.name}: only in B ({ib.key})", None, ib.key))
     if opts.what in ("optimizer", "all") and a.kind == "dcp" and b.kind == "dcp":
-        ca, cb = a.ckpt.catalog, b.ckpt.catalog
-        if ca.param_groups or cb.param_groups:
-            n_hyper, gd = _compare_groups(a, b)
-            compared += n_hyper
-            equal += n_hyper - sum(1 for d in gd if d.a_value is not None)
-            for d in gd:
-                add(d)
+        say("comparing hyperparameters")
+        _compare_hyperparameters(a, b, opts, tally)
+    kept = (len(items_a), len(items_b))
+    _fail_closed(a, b, opts, tally, seen, kept, len(pairs) - sum(ib is None for _, ib in pairs))
     seconds = time.perf_counter() - t0
-    log.info("diff: %d compared (%d raw), %d differences in %.3f s", compared, raw, count, seconds)
+    log.info("diff: %d compared (%d raw), %d differences in %.3f s", tally.compared, tally.raw, tally.count, seconds)
     return DiffResult(
         a.info(),
         b.info(),
         opts,
         naming,
-        compared,
-        equal,
-        raw,
-        diffs,
-        count,
+        tally.compared,
+        tally.equal,
+        tally.raw,
+        tally.diffs,
+        tally.count,
         excluded,
         notes,
         a.reader.bytes_read + b.reader.bytes_read,
         seconds,
         a.adapter or b.adapter,
+        sorted(tally.stats, key=lambda t: t.order),
+        tally.values,
+        filtered_out,
     )
+
+
+def _compare_pairs(
+    a: Side,
+    b: Side,
+    pairs: list[tuple[Item, Item | None]],
+    opts: DiffOptions,
+    tally: _Tally,
+    progress: Callable[[int, int], None] | None,
+    say: Callable[[str], None],
+) -> None:
+    """Compare every pair (an item without a partner is ``only_a``); progress in stored bytes of both sides."""
+    bufs = (memoryview(bytearray(BLOCK_BYTES)), memoryview(bytearray(BLOCK_BYTES)))  # cache-sized (bench_diff.py)
+    total = sum(_item_bytes(a, ia) + _item_bytes(b, ib) for ia, ib in pairs if ib is not None)
+    done = 0
+    if progress is not None:
+        progress(0, total)
+    last_a = last_b = None
+    for ia, ib in pairs:
+        if ib is None:
+            tally.add(Difference(ia.name, "only_a", f"{ia.name}: only in A ({ia.key})", ia.key, None))
+            continue
+        if last_a is not None and last_a != ia.key:
+            a.drop_cache()
+        if last_b is not None and last_b != ib.key:
+            b.drop_cache()
+        last_a, last_b = ia.key, ib.key
+        tally.pair(*_compare_pair(ia.name, a, ia, b, ib, opts, bufs, say))
+        done += _item_bytes(a, ia) + _item_bytes(b, ib)
+        if progress is not None:
+            progress(done, total)
+
+
+def _compare_hyperparameters(a: Side, b: Side, opts: DiffOptions, tally: _Tally) -> None:
+    """The per-parameter param-group values of two DCP sides (those ``opts.filters`` keeps)."""
+    if not (a.ckpt.catalog.param_groups or b.ckpt.catalog.param_groups):
+        return
+    n_hyper, gd = _compare_groups(a, b, opts.filters)
+    tally.compared += n_hyper
+    tally.equal += n_hyper - sum(1 for d in gd if d.a_value is not None)
+    for d in gd:
+        tally.add(d)
+
+
+#: Difference kinds that are a verdict on a name both sides hold.
+_COMMON_KINDS = frozenset({"values", "shape", "dtype", "object", "hyperparameter"})
+
+
+def _fail_closed(
+    a: Side, b: Side, opts: DiffOptions, tally: _Tally, seen: tuple[int, int], kept: tuple[int, int], common: int
+) -> None:
+    """Refuse a result that compared no tensor value and found no difference on a common name.
+
+    Names on one side only are a finding when some name is common (byte items), not when none is
+    (a naming mismatch: nothing was compared).
+
+    Raises:
+        NothingComparedError: what each side holds, and why nothing was compared.
+    """
+    if tally.values > 0 or any(d.kind in _COMMON_KINDS for d in tally.diffs):
+        return
+    if common > 0 and tally.count > 0:
+        return  # names on one side only beside common byte items: a finding (exit 1), not a naming mismatch
+    held = f"A holds {_holdings(a)}; B holds {_holdings(b)}"
+    if seen == (0, 0):
+        why = f"neither side has {_what_words(opts.what)}"
+        hint = "the state is in byte items (pickled objects), which hold no comparable tensors"
+        if any(_byte_items(s) for s in (a, b)):
+            hint = (
+                "a state pickled into byte items (as DefaultSavePlanner(flatten_state_dict=False) saves) has no "
+                "tensors to compare: re-save with the default planner, or compare byte items with `what` all"
+                if opts.what != "all"
+                else "a state pickled into byte items (as DefaultSavePlanner(flatten_state_dict=False) saves) has no "
+                "tensors to compare value by value: re-save it with the default planner"
+            )
+        else:
+            hint = "pass checkpoints that hold model tensors (`ckpttool inspect` shows what each holds)"
+    elif kept == (0, 0):
+        why = f"`filters` {' '.join(opts.filters)} matched none of the {seen[0]} names of A and {seen[1]} of B"
+        hint = "names look like " + ", ".join(repr(n) for n in _examples(a, b)) + "; `ckpttool inspect` lists them"
+    elif common == 0:
+        why = f"no name in common ({kept[0]} in A, {kept[1]} in B)"
+        hint = (
+            "A's names look like "
+            + ", ".join(repr(n) for n in _examples(a))
+            + ", B's like "
+            + ", ".join(repr(n) for n in _examples(b))
+            + "; for an export with other names pass its rules (`map_rules`) or a model adapter (`adapter`)"
+        )
+    else:
+        why = f"{common} name(s) in common, byte items only (equal as stored bytes), no tensor"
+        hint = (
+            "the tensors pickled inside byte items (as DefaultSavePlanner(flatten_state_dict=False) saves) are not "
+            "compared value by value: re-save with the default planner to compare them"
+        )
+    raise NothingComparedError(f"nothing compared, so no verdict: {why}; {held}", hint=hint)
+
+
+def _byte_items(side: Side) -> list[str]:
+    md = side.ckpt.metadata
+    return [k for k, m in md.entries.items() if not isinstance(m, TensorMeta)]
+
+
+def _holdings(side: Side) -> str:
+    n_t = len(side.tensor_keys())
+    byte_items = _byte_items(side)
+    shown = ", ".join(repr(k) for k in byte_items[:3]) + (", ..." if len(byte_items) > 3 else "")
+    out = f"{n_t} tensor{'s' if n_t != 1 else ''}"
+    if byte_items:
+        out += f" and {len(byte_items)} byte item{'s' if len(byte_items) != 1 else ''} ({shown})"
+    return out
+
+
+def _what_words(what: str) -> str:
+    return {"model": "model tensors", "optimizer": "optimizer state", "all": "tensors or byte items"}[what]
+
+
+def _examples(*sides: Side) -> list[str]:
+    out: list[str] = []
+    for s in sides:
+        out.extend(k for k in sorted(s.tensor_keys())[:2] if k not in out)
+    return out

@@ -1,0 +1,439 @@
+"""`ckpttool diff` for comparing runs: per-tensor metrics, `--filter`, per-side steps, fail closed.
+
+Inputs are written by torch's own ``dcp.save``: two training runs of the tiny dense LM of
+``tests.fixtures.builders`` (FP32, torch AdamW, steps 1 and 3 each), states pickled into byte
+items by ``DefaultSavePlanner(flatten_state_dict=False)``, and small hand-made state dicts
+whose metrics are known in closed form. The metrics are checked against torch computing them
+in float64 on tensors loaded by torch's own ``dcp.load``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.ops.diff import DiffOptions, diff_checkpoints
+from tests.fixtures import builders
+from tests.fixtures.cache import cached_build
+from tests.ops.diff.test_diff import diff_json
+
+runner = CliRunner()
+RUN_STEPS = (1, 3)
+
+
+def cli(*args: object, env: dict[str, str] | None = None) -> Any:
+    return runner.invoke(app, ["diff", *map(str, args)], env=env)
+
+
+def _save(state: dict[str, Any], out: Path, **kw: Any) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(out), no_dist=True, **kw)
+    return out
+
+
+def _train(seed: int) -> Any:
+    """Model + AdamW of one run and its batches' generator (the same initial weights in every run)."""
+    torch.manual_seed(0)
+    model = builders.dense_model()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.05)
+    return model, optim, torch.Generator().manual_seed(seed)
+
+
+def build_runs(out: Path) -> None:
+    """``run1/step-{1,3}`` and ``run2/step-{1,3}``: the same initial weights, other batches."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    for run, seed in (("run1", 1), ("run2", 2)):
+        model, optim, gen = _train(seed)
+        for step in range(1, max(RUN_STEPS) + 1):
+            optim.zero_grad()
+            model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
+            optim.step()
+            if step in RUN_STEPS:
+                msd, osd = get_state_dict(model, optim)
+                _save({"model": msd, "optimizer": osd}, out / run / f"step-{step}")
+
+
+def build_pickled(out: Path) -> None:
+    """Two states saved with ``DefaultSavePlanner(flatten_state_dict=False)``: each a byte item ``model``."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    for name, seed in (("a", 1), ("b", 2)):
+        torch.manual_seed(seed)
+        sd = builders.dense_model().state_dict()
+        _save({"model": sd}, out / name, planner=DefaultSavePlanner(flatten_state_dict=False))
+
+
+@pytest.fixture(scope="session")
+def runs(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "diff_runs", build_runs)
+
+
+@pytest.fixture(scope="session")
+def pickled(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "diff_pickled", build_pickled)
+
+
+def reference(path: Path) -> dict[str, torch.Tensor]:
+    """The model and optimizer state of ``path`` as torch's ``dcp.load`` reads them, by diff's torch-native names."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim, gen = _train(0)
+    optim.zero_grad()
+    model.loss(torch.randint(0, builders.DENSE["vocab"], (2, 8), generator=gen)).backward()
+    optim.step()  # creates the state entries dcp.load fills in
+    msd, osd = get_state_dict(model, optim)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=str(path), no_dist=True)
+    out = {f"model.{k}": v for k, v in msd.items()}
+    for fqn, fields in osd["state"].items():
+        for f, v in fields.items():
+            out[f"optimizer.state.{fqn}.{f}"] = v
+    return out
+
+
+def torch_metrics(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float]:
+    """``max |a-b|``, ``||a-b|| / ||b||``, cosine: torch in float64 on the whole tensors."""
+    a64, b64 = a.double().reshape(-1), b.double().reshape(-1)
+    d = a64 - b64
+    cos = torch.nn.functional.cosine_similarity(a64, b64, dim=0, eps=0.0)
+    return float(d.abs().max()), float(d.norm() / b64.norm()), float(cos)
+
+
+# ------------------------------------------------------------------------------------------ metrics
+
+
+@pytest.mark.parametrize("sides", ["runs", "steps"])
+def test_metrics_equal_torch_on_dcp_load(runs: Path, sides: str) -> None:
+    """Two runs at step 3 (`--step`), and one run's step 1 against its step 3 (`--a-step/--b-step`)."""
+    if sides == "runs":
+        args: tuple[object, ...] = (runs / "run1", runs / "run2", "--step", "3")
+        pa, pb = runs / "run1" / "step-3", runs / "run2" / "step-3"
+    else:
+        args = (runs / "run1", runs / "run1", "--a-step", "1", "--b-step", "latest")
+        pa, pb = runs / "run1" / "step-1", runs / "run1" / "step-3"
+    doc = diff_json(*args, "--what", "all", code=1)
+    ra, rb = reference(pa), reference(pb)
+    by_name = {t["name"]: t for t in doc["tensors"]}
+    assert set(by_name) == set(ra) == set(rb)  # model, exp_avg, exp_avg_sq and step of every parameter
+    checked = 0
+    for name, t in by_name.items():
+        a, b = ra[name], rb[name]
+        assert t["shape"] == list(a.shape) and t["numel"] == a.numel() and t["a_dtype"] == "float32"
+        if torch.equal(a, b):
+            assert (t["status"], t["max_abs"], t["rel_l2"], t["cosine"]) == ("equal", 0.0, 0.0, 1.0), name
+            continue
+        max_abs, rel, cos = torch_metrics(a, b)
+        assert t["status"] == "differ" and t["mismatched"] == int((a != b).sum())
+        assert t["max_abs"] == pytest.approx(max_abs, rel=1e-12, abs=0), name
+        assert t["rel_l2"] == pytest.approx(rel, rel=1e-12), name
+        assert t["cosine"] == pytest.approx(cos, rel=1e-12), name
+        checked += 1
+    assert checked > 40  # 21 parameters, their exp_avg and exp_avg_sq, and the steps
+    # sorted by difference, largest first; the summary names the largest
+    rels = [t["rel_l2"] for t in doc["tensors"]]
+    assert rels == sorted(rels, reverse=True)
+    s = doc["summary"]
+    assert s["max_rel_l2"] == rels[0] and s["max_rel_l2_name"] == doc["tensors"][0]["name"]
+    assert s["tensors"] == len(doc["tensors"]) == doc["counts"]["tensors"]
+    assert s["values"] == doc["counts"]["values"] == sum(a.numel() for a in ra.values())
+    assert s["min_cosine"] == min(t["cosine"] for t in doc["tensors"])
+
+
+def test_run_root_and_step_directories_give_one_answer(runs: Path) -> None:
+    by_root = diff_checkpoints(runs / "run1" / "step-3", runs / "run2" / "step-3")
+    doc = diff_json(runs / "run1", runs / "run2", "--step", "latest", code=1)
+    assert [t.to_dict() for t in by_root.tensors] == doc["tensors"]
+
+
+def test_hf_side_never_gets_the_step(runs: Path, tmp_path: Path) -> None:
+    from ckpttool.model.checkpoint import OpenOptions
+    from ckpttool.model.discovery import CheckpointSelection
+    from ckpttool.ops.export import ExportOptions
+    from ckpttool.ops.export.execute import export_checkpoint
+
+    export_checkpoint(
+        runs / "run1", tmp_path / "hf", ExportOptions(), opening=OpenOptions(selection=CheckpointSelection(3))
+    )
+    for args in (("--step", "3"), ("--a-step", "3")):
+        doc = diff_json(runs / "run1", tmp_path / "hf", *args, code=0)
+        assert doc["summary"]["equal"] == doc["counts"]["tensors"] > 0
+    res = cli(runs / "run1" / "step-3", tmp_path / "hf", "--step", "3")
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines()[0] == (
+        f"error: [E100] --step 3 given, but neither {runs / 'run1' / 'step-3'} nor {tmp_path / 'hf'} "
+        "is a directory of several checkpoints"
+    )
+
+
+def test_filter_keeps_matching_names_on_both_sides(runs: Path) -> None:
+    a, b = runs / "run1" / "step-3", runs / "run2" / "step-3"
+    doc = diff_json(a, b, "--filter", "model.layers.0.*", "--filter", "*.norm.weight", "--what", "all", code=1)
+    names = {t["name"] for t in doc["tensors"]}
+    assert names and all(".layers.0." in n or n.endswith(".norm.weight") for n in names)
+    assert {n for n in names if n.startswith("model.")} == {
+        k for k in reference(a) if k.startswith("model.model.layers.0.") or k == "model.model.norm.weight"
+    }
+    assert doc["comparison"]["filters"] == ["model.layers.0.*", "*.norm.weight"]
+    assert doc["counts"]["filtered_out"] > 0 and doc["counts"]["different"] == len(names)
+    assert all(d["name"] in names or d["kind"] == "hyperparameter" for d in doc["differences"])
+
+
+def test_progress_counts_the_bytes_of_both_sides(runs: Path) -> None:
+    calls: list[tuple[int, int]] = []
+    res = diff_checkpoints(
+        runs / "run1" / "step-1",
+        runs / "run2" / "step-3",
+        DiffOptions(what="all"),
+        progress=lambda d, t: calls.append((d, t)),
+    )
+    total = 2 * sum(t.numel * 4 for t in res.tensors)  # FP32 on both sides
+    assert calls[0] == (0, total) and calls[-1] == (total, total)
+    assert all(t == total for _, t in calls) and [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+
+def test_phases_are_named_and_the_bar_starts_with_its_total(runs: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    from ckpttool.commands.diff import DiffProgress
+
+    a, b = runs / "run1" / "step-1", runs / "run2" / "step-3"
+    events: list[Any] = []
+    buf = io.StringIO()
+    shown = DiffProgress(Console(file=buf, force_terminal=True, width=120))
+    try:
+        diff_checkpoints(
+            a,
+            b,
+            DiffOptions(what="all"),
+            progress=lambda d, t: (events.append((d, t)), shown.progress(d, t)),
+            phase=lambda text: (events.append(text), shown.phase(text)),
+        )
+    finally:
+        shown.close()
+    total = events[3][1]
+    assert events[:4] == [f"opening A ({a})", f"opening B ({b})", "matching names", (0, total)]
+    assert events[-2:] == [(total, total), "comparing hyperparameters"]
+    frames = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", buf.getvalue())
+    assert "/?" not in frames and "?/" not in frames  # never a bar without its total
+    kib = f"{total / 1024:.1f}/{total / 1024:.1f} KiB"
+    assert "diff: comparing" in frames and kib in frames
+
+
+def test_torch_is_loaded_in_a_named_phase_only_when_values_are_decoded(runs: Path) -> None:
+    """A fresh process: equal records are settled without torch; the first decoding names the import."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from ckpttool.ops.diff import diff_checkpoints\n"
+        "phases = []\n"
+        "diff_checkpoints(sys.argv[1], sys.argv[2], phase=phases.append)\n"
+        "print(phases[3:], 'torch' in sys.modules)\n"
+    )
+    run1, run2 = runs / "run1" / "step-3", runs / "run2" / "step-3"
+    for b, want in ((run1, "[] False"), (run2, "['loading torch', 'comparing'] True")):
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(run1), str(b)], capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0 and out.stdout.strip() == want, out.stderr
+
+
+def test_metric_edge_cases_and_blocks() -> None:
+    """Blocks equal and not, zero norms, NaN, booleans: as the definitions in docs/diff.md say."""
+    from ckpttool.ops.diff import compare
+
+    n = compare.BLOCK_ELEMENTS * 2 + 5  # three blocks, the middle one equal, the last one partial
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, generator=g)
+    b = a.clone()
+    b[:10] += 1
+    b[-3:] *= 2
+    m = compare.compare_tensors(a, b).metrics
+    assert m is not None
+    max_abs, rel, cos = torch_metrics(a, b)
+    assert (m.max_abs, m.rel_l2, m.cosine) == (
+        pytest.approx(max_abs, rel=1e-12),
+        pytest.approx(rel, rel=1e-9),
+        pytest.approx(cos, rel=1e-12),
+    )
+    z, one = torch.zeros(4), torch.ones(4)
+    assert (compare.compare_tensors(z, one).metrics.rel_l2, compare.compare_tensors(z, one).metrics.cosine) == (
+        1.0,
+        None,
+    )  # type: ignore[union-attr]
+    assert compare.compare_tensors(one, z).metrics.rel_l2 == math.inf  # type: ignore[union-attr]
+    same_nan = torch.tensor([1.0, math.nan])
+    assert (compare.compare_tensors(same_nan, same_nan.clone()).metrics.cosine) == 1.0  # type: ignore[union-attr]
+    other = torch.tensor([2.0, math.nan])
+    assert math.isnan(compare.compare_tensors(same_nan, other).metrics.cosine)  # type: ignore[arg-type, union-attr]
+    flags = torch.tensor([True, False])
+    assert compare.compare_tensors(flags, ~flags).metrics is None
+
+
+# ------------------------------------------------------------------------------------------ human output
+
+
+def _hand_made(tmp: Path) -> tuple[Path, Path]:
+    """Two checkpoints whose metrics are known in closed form, and four tensors of another dtype."""
+    a = {
+        "same": torch.tensor([3.0, 4.0]),
+        "turned": torch.tensor([1.0, 0.0]),
+        "one_changed": torch.tensor([1.0, 2.0, 2.0, 4.0]),
+        **{f"d{i}": torch.zeros(2) for i in range(4)},
+    }
+    b = {
+        "same": torch.tensor([3.0, 4.0]),
+        "turned": torch.tensor([0.0, 1.0]),
+        "one_changed": torch.tensor([1.0, 2.0, 3.0, 4.0]),
+        **{f"d{i}": torch.zeros(2, dtype=torch.bfloat16) for i in range(4)},
+    }
+    return _save({"model": a}, tmp / "a"), _save({"model": b}, tmp / "b")
+
+
+def test_table_sorted_by_difference_with_grouped_dtypes(tmp_path: Path) -> None:
+    a, b = _hand_made(tmp_path)
+    res = cli(a, b, env={"COLUMNS": "100"})
+    assert res.exit_code == 1, res.stderr
+    out = re.sub(r"\(\d+\.\d\d s\)", "(T s)", res.stdout)
+    # turned: |a-b| = 1, ||a-b|| = sqrt 2, ||b|| = 1, cosine 0; one_changed: ||a-b|| = 1, ||b|| = sqrt 30,
+    # cosine 27 / sqrt(25 * 30)
+    rel, cos = 1 / math.sqrt(30), 27 / math.sqrt(25 * 30)
+    assert f"{rel:.3g}" == "0.183" and f"{cos:.6g}" == "0.985901"
+    assert out == (
+        f"A: {a} (dcp, torch-native)\n"
+        f"B: {b} (dcp, torch-native)\n"
+        "compared model (torch-native names), bitwise\n"
+        "tensors, largest difference first (rel L2 = ||A-B||/||B||)\n"
+        "┏━━━━━━━━━━━━━━━━━━━┳━━━━━━━┳━━━━━━━━━┳━━━━━━━━━┳━━━━━━━━┳━━━━━━━━━━┳━━━━━━━━┓\n"
+        "┃ key               ┃ shape ┃ dtype   ┃ max abs ┃ rel L2 ┃   cosine ┃ status ┃\n"
+        "┡━━━━━━━━━━━━━━━━━━━╇━━━━━━━╇━━━━━━━━━╇━━━━━━━━━╇━━━━━━━━╇━━━━━━━━━━╇━━━━━━━━┩\n"
+        "│ model.turned      │ 2     │ float32 │       1 │   1.41 │        0 │ DIFFER │\n"
+        "│ model.one_changed │ 4     │ float32 │       1 │  0.183 │ 0.985901 │ DIFFER │\n"
+        "└───────────────────┴───────┴─────────┴─────────┴────────┴──────────┴────────┘\n"
+        "  ... 1 equal tensor not listed (--json lists every tensor)\n"
+        "  model.one_changed: 1 of 4 elements differ; first at [2] (A 2, B 3)\n"
+        "  dtype: float32 in A, bfloat16 in B: 4 tensors (model.d0, model.d1, model.d2, ... (+1 more))\n"
+        "  hint: compare values across dtypes with --as-dtype DTYPE (both sides cast) or --rtol/--atol\n"
+        "compared 3 tensors / 8 values (1 as raw records), 4 other (by dtype, shape, stored bytes or hyperparameter): "
+        "2 differ; max rel L2 1.41 (model.turned); max abs 1 (model.turned); min cosine 0 (model.turned)\n"
+        "DIFFERENT: 6 differences (T s)\n"
+    )
+    doc = diff_json(a, b, code=1)
+    dtype = [d for d in doc["differences"] if d["kind"] == "dtype"]
+    assert [(d["name"], d["a_value"], d["b_value"]) for d in dtype] == [
+        (f"model.d{i}", "float32", "bfloat16") for i in range(4)
+    ]
+    assert all("as_dtype" not in d["message"] for d in doc["differences"])
+    # cast: the four compare equal, and so do the others' metrics
+    doc = diff_json(a, b, "--as-dtype", "float32", code=1)
+    assert {t["name"]: t["status"] for t in doc["tensors"]} == {
+        "model.turned": "differ",
+        "model.one_changed": "differ",
+        "model.same": "equal",
+        **{f"model.d{i}": "equal" for i in range(4)},
+    }
+
+
+def test_within_tolerance_is_its_own_status(tmp_path: Path) -> None:
+    a, b = _hand_made(tmp_path)
+    doc = diff_json(a, b, "--filter", "one_changed", "--rtol", "0.5", code=0)
+    (t,) = doc["tensors"]
+    assert t["status"] == "within_tolerance" and t["mismatched"] == 0 and t["rel_l2"] == 1 / math.sqrt(30)
+    assert doc["summary"]["within_tolerance"] == 1 and doc["equal"] is True
+
+
+# ------------------------------------------------------------------------------------------ fail closed
+
+
+def test_pickled_state_against_itself_is_an_error_not_equal(pickled: Path) -> None:
+    a = pickled / "a"
+    held = "A holds 0 tensors and 1 byte item ('model'); B holds 0 tensors and 1 byte item ('model')"
+    res = cli(a, a)
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [
+        f"error: [E611] nothing compared, so no verdict: neither side has model tensors; {held}",
+        "hint: a state pickled into byte items (as DefaultSavePlanner(flatten_state_dict=False) saves) has no "
+        "tensors to compare: re-save with the default planner, or compare byte items with --what all",
+    ]
+    res = cli(a, a, "--what", "all", "--json")
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines()[0] == (
+        "error: [E611] nothing compared, so no verdict: 1 name(s) in common, byte items only "
+        f"(equal as stored bytes), no tensor; {held}"
+    )
+
+
+def test_pickled_states_that_differ_are_a_finding(pickled: Path) -> None:
+    res = cli(pickled / "a", pickled / "b")
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E611] nothing compared")
+    doc = diff_json(pickled / "a", pickled / "b", "--what", "all", code=1)
+    (d,) = doc["differences"]
+    assert d["kind"] == "object" and d["name"] == "model" and doc["tensors"] == []
+    assert doc["counts"]["values"] == 0 and doc["counts"]["different"] == 1
+
+
+def test_a_name_on_one_side_beside_equal_byte_items_is_a_finding(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    torch.manual_seed(1)
+    sd = builders.dense_model().state_dict()
+    x = _save({"model": sd}, tmp_path / "x", planner=DefaultSavePlanner(flatten_state_dict=False))
+    y = _save({"model": sd, "extra": {"k": 1}}, tmp_path / "y", planner=DefaultSavePlanner(flatten_state_dict=False))
+    doc = diff_json(x, y, "--what", "all", code=1)
+    assert [(d["kind"], d["name"]) for d in doc["differences"]] == [("only_b", "extra")]
+    assert doc["counts"]["values"] == 0 and doc["counts"]["equal"] == 1
+    res = cli(x, y)  # model tensors: none on either side
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E611] nothing compared")
+
+
+def test_byte_items_that_cannot_be_read_are_a_finding(tmp_path: Path) -> None:
+    """A byte item the allow-list unpickler refuses: differing bytes are reported, never skipped."""
+    sd = {"w": torch.ones(2)}
+    _save({"model": sd, "extra": _Custom(1)}, tmp_path / "a")
+    _save({"model": sd, "extra": _Custom(2)}, tmp_path / "b")
+    doc = diff_json(tmp_path / "a", tmp_path / "b", "--what", "all", code=1)
+    (d,) = doc["differences"]
+    assert d["kind"] == "object" and d["name"] == "extra"
+    assert d["message"].startswith("extra: stored bytes differ, values not compared: [E304]")
+
+
+class _Custom:
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+
+def test_no_common_name_and_nothing_matching_are_errors(runs: Path, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+    save_file({"foo": torch.ones(2)}, tmp_path / "x" / "model.safetensors")
+    save_file({"bar": torch.ones(2)}, tmp_path / "y" / "model.safetensors")
+    res = cli(tmp_path / "x", tmp_path / "y")
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines()[0] == (
+        "error: [E611] nothing compared, so no verdict: no name in common (1 in A, 1 in B); "
+        "A holds 1 tensor; B holds 1 tensor"
+    )
+    a = runs / "run1" / "step-3"
+    res = cli(a, a, "--filter", "nothing.*")
+    assert res.exit_code == 2 and res.stdout == ""
+    line = res.stderr.splitlines()[0]
+    assert line.startswith(
+        "error: [E611] nothing compared, so no verdict: --filter nothing.* matched none of the 22 names of A and 22 of B;"
+    )
