@@ -5,8 +5,9 @@ Exit codes (``docs/errors.md``): 0 success; 1 the command ran and found problems
 
 Global options (:data:`GLOBAL_OPTIONS`) are accepted before or after the subcommand
 (``ckpttool -v inspect DIR`` = ``ckpttool inspect DIR -v``): ``-v/--verbose`` (repeatable),
-``-q/--quiet``, ``--color auto|always|never`` and ``--wide``. ``--version``, ``-h`` and the
-read caps ``--max-metadata-size``/``--max-object-size`` are root options; Typer's
+``-q/--quiet``, ``--color auto|always|never``, ``--wide``, ``--no-progress``, ``--no-cache``; the
+remote-storage options on the commands that take a URL. ``--version``, ``-h``, ``--json`` (the
+command's own ``--json``) and the read caps ``--max-metadata-size``/``--max-object-size`` are root options; Typer's
 ``--install-completion``/``--show-completion`` install shell completion.
 """
 
@@ -82,6 +83,16 @@ def _set_color(ctx: Any, param: Any, value: str | None) -> None:
 def _set_wide(ctx: Any, param: Any, value: bool) -> None:
     if value:
         UI.wide = True
+
+
+def _set_json(ctx: Any, param: Any, value: bool) -> None:
+    if value:
+        UI.json = True
+
+
+def _set_no_progress(ctx: Any, param: Any, value: bool) -> None:
+    if value:
+        UI.progress = False
 
 
 def _set_storage_options(ctx: Any, param: Any, value: tuple[str, ...]) -> None:
@@ -166,15 +177,12 @@ def _global_options() -> list[Any]:
             help="Never narrow tables to the terminal width (no hidden columns, no folded keys).",
         ),
         _global(
-            "--storage-option",
-            multiple=True,
-            default=(),
-            metavar="KEY=VALUE",
-            callback=_set_storage_options,
-            help="Option for the fsspec filesystem of a URL (repeatable; nested: client_kwargs.endpoint_url=URL). "
-            "Never logged. docs/storage.md.",
+            "--no-progress",
+            is_flag=True,
+            default=False,
+            callback=_set_no_progress,
+            help="No progress bars (notes and results as usual); progress is drawn only on a terminal anyway.",
         ),
-        *_remote_options(),
         _global(
             "--no-cache",
             is_flag=True,
@@ -187,8 +195,18 @@ def _global_options() -> list[Any]:
 
 
 def _remote_options() -> list[Any]:
-    """The global options of remote storage: workers, retries, spool size."""
+    """The global options of remote storage (fsspec options, workers, retries, spool size): on the root and on
+    the commands that read or write a URL (:func:`_takes_urls`)."""
     return [
+        _global(
+            "--storage-option",
+            multiple=True,
+            default=(),
+            metavar="KEY=VALUE",
+            callback=_set_storage_options,
+            help="Option for the fsspec filesystem of a URL (repeatable; nested: client_kwargs.endpoint_url=URL). "
+            "Never logged. docs/storage.md.",
+        ),
         _global(
             "--remote-workers",
             type=int,
@@ -216,7 +234,18 @@ def _remote_options() -> list[Any]:
     ]
 
 
-#: Flags of the global options (accepted by every command).
+def _json_option() -> Any:
+    """``ckpttool --json CMD``: the root's spelling of a command's ``--json`` (a command without one refuses it)."""
+    return _global(
+        "--json",
+        is_flag=True,
+        default=False,
+        callback=_set_json,
+        help="Write the command's result as one JSON document (= CMD --json).",
+    )
+
+
+#: Flags of the global options (accepted by every command; the remote-storage ones by those that take a URL).
 GLOBAL_OPTIONS = (
     "-v",
     "--verbose",
@@ -224,6 +253,7 @@ GLOBAL_OPTIONS = (
     "--quiet",
     "--color",
     "--wide",
+    "--no-progress",
     "--storage-option",
     "--remote-workers",
     "--remote-retries",
@@ -232,6 +262,33 @@ GLOBAL_OPTIONS = (
     "-h",
     "--help",
 )
+#: Old spellings that still work but are not shown in ``--help`` (docs/cli.md, "Deprecated spellings").
+HIDDEN_ALIASES = frozenset({"--optimizer"})
+
+
+def _takes_urls(cmd: Any) -> bool:
+    """Whether a command has a CHECKPOINT/OUT argument that may be a URL (parsed by ``options.location``)."""
+    from ckpttool.ui.options import location
+
+    return any(getattr(p.type, "func", None) is location for p in cmd.params if p.param_type_name == "argument")
+
+
+def _hide_aliases(cmd: Any) -> None:
+    """Leave :data:`HIDDEN_ALIASES` out of the help of ``cmd``'s options (they still parse)."""
+    for p in cmd.params:
+        opts = getattr(p, "opts", [])
+        if len(opts) > 1 and HIDDEN_ALIASES.intersection(opts):
+            shown = [o for o in opts if o not in HIDDEN_ALIASES]
+
+            def record(ctx: Any, p: Any = p, shown: list[str] = shown) -> Any:
+                opts = p.opts
+                p.opts = shown
+                try:
+                    return type(p).get_help_record(p, ctx)
+                finally:
+                    p.opts = opts
+
+            p.get_help_record = record
 
 
 def version_text() -> str:
@@ -262,9 +319,18 @@ class CkptGroup(TyperGroup):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.params.extend(_global_options())
+        self.params.extend([*_global_options(), *_remote_options(), _json_option()])
         for cmd in self.commands.values():
             cmd.params.extend(_global_options())
+            if _takes_urls(cmd):
+                cmd.params.extend(_remote_options())
+            _hide_aliases(cmd)
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        name, cmd, rest = super().resolve_command(ctx, args)
+        if UI.json and cmd is not None and not any(p.name == "json_output" for p in cmd.params):
+            raise _CLICK_USAGE_ERROR(f"`ckpttool {name}` has no JSON output (--json)", ctx=ctx)
+        return name, cmd, rest
 
     def main(
         self,

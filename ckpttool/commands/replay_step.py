@@ -345,7 +345,7 @@ def _progress(*, enabled: bool) -> tuple[Any, Any]:
     """A ``(callback, finish)`` pair drawing a progress bar on stderr (no-ops when disabled or with ``-q``)."""
     from ckpttool.ui.render import UI
 
-    if not enabled or UI.quiet:
+    if not enabled or UI.quiet or not UI.progress:
         return None, lambda: None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

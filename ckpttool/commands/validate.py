@@ -23,13 +23,11 @@ if TYPE_CHECKING:
 def _render(res: ValidationResult) -> None:
     from ckpttool.ui.render import (
         STYLES,
-        Col,
         fmt_rate,
         human_bytes,
         plural,
-        print_table,
+        print_findings,
         stdout_console,
-        styled,
         verdict,
     )
 
@@ -44,20 +42,7 @@ def _render(res: ValidationResult) -> None:
             "warning": "warnings" + ("" if res.strict else " (do not fail without --strict)"),
             "info": "info",
         }[sev]
-        print_table(
-            con,
-            f"{title} ({len(rows)})",
-            [Col("code", "code"), Col("key", "key"), Col("message", "text"), Col("hint", "text", drop=1)],
-            [
-                [
-                    styled((f.code + (f" {f.error_code}" if f.error_code else ""), STYLES.get(sev))),
-                    f.key or "-",
-                    f.message,
-                    f.hint,
-                ]
-                for f in rows
-            ],
-        )
+        print_findings(con, f"{title} ({len(rows)})", rows, STYLES.get(sev))
     c = res.counts
     ran = sum(1 for s in res.rules if s.status != "skipped")
     skipped = [s for s in res.rules if s.status == "skipped"]
