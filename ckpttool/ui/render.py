@@ -511,6 +511,32 @@ def _cell_width(v: Any) -> int:
     return max((cell_len(line) for line in text.split("\n")), default=0)
 
 
+def _table_width(columns: list[Col], widths: list[int], fit: bool) -> int:
+    """Cells a table of ``columns`` needs: texts at a comfortable (``fit``) or their least width, keys whole
+    (``fit``) or folded."""
+    total = 1
+    for c, w in zip(columns, widths, strict=True):
+        if c.kind == "text":
+            w = min(w, _TEXT_FIT if fit else _TEXT_MIN)
+        elif c.kind == "key" and not fit:
+            w = min(w, max(_KEY_MIN, len(c.name)))
+        total += w + 3
+    return total
+
+
+def _rich_table(title: str, columns: list[Col], widths: list[int]) -> Table:
+    """An empty rich table of ``columns`` (their content ``widths``): numbers and codes never wrap."""
+    from rich.table import Table
+
+    t = Table(title=safe_text(title), title_justify="left", show_lines=False, expand=False, title_style="bold")
+    for c, w in zip(columns, widths, strict=True):
+        if c.kind in ("num", "code"):
+            t.add_column(c.name, no_wrap=True, justify="right" if c.kind == "num" else "left", min_width=w)
+        else:
+            t.add_column(c.name, overflow="fold", min_width=min(w, _KEY_MIN if c.kind == "key" else _TEXT_MIN))
+    return t
+
+
 def print_table(con: Console, title: str, columns: list[Col], rows: list[list[Any]]) -> list[str]:
     """Print a table that fits ``con``'s width without ever wrapping a number or a code; the hidden columns.
 
@@ -519,8 +545,6 @@ def print_table(con: Console, title: str, columns: list[Col], rows: list[list[An
     then texts wrap and keys fold at ``.`` boundaries. A table whose unbreakable cells are
     wider than the terminal is printed wider (the terminal wraps the line) rather than truncated.
     """
-    from rich.table import Table
-
     cells = [[_cell(v) for v in r] for r in rows]
     keep = [
         i
@@ -530,15 +554,7 @@ def print_table(con: Console, title: str, columns: list[Col], rows: list[list[An
     widths = {i: max([len(columns[i].name)] + [_cell_width(r[i]) for r in cells]) for i in range(len(columns))}
 
     def need(idx: list[int], fit: bool) -> int:
-        total = 1
-        for i in idx:
-            w, kind = widths[i], columns[i].kind
-            if kind == "text":
-                w = min(w, _TEXT_FIT if fit else _TEXT_MIN)
-            elif kind == "key" and not fit:
-                w = min(w, max(_KEY_MIN, len(columns[i].name)))
-            total += w + 3
-        return total
+        return _table_width([columns[i] for i in idx], [widths[i] for i in idx], fit)
 
     width = con.width
     hidden: list[str] = []
@@ -549,16 +565,8 @@ def print_table(con: Console, title: str, columns: list[Col], rows: list[list[An
         worst = max(droppable, key=lambda i: (columns[i].drop, i))
         keep.remove(worst)
         hidden.append(columns[worst].name)
-    t = Table(title=safe_text(title), title_justify="left", show_lines=False, expand=False, title_style="bold")
+    t = _rich_table(title, [columns[i] for i in keep], [widths[i] for i in keep])
     key_text = _key_text_class()
-    for i in keep:
-        c = columns[i]
-        if c.kind in ("num", "code"):
-            t.add_column(c.name, no_wrap=True, justify="right" if c.kind == "num" else "left", min_width=widths[i])
-        elif c.kind == "key":
-            t.add_column(c.name, overflow="fold", min_width=min(widths[i], _KEY_MIN))
-        else:
-            t.add_column(c.name, overflow="fold", min_width=min(widths[i], _TEXT_MIN))
     for r in cells:
         t.add_row(
             *(key_text(safe_text(r[i])) if columns[i].kind == "key" and isinstance(r[i], str) else r[i] for i in keep)
