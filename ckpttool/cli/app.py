@@ -23,6 +23,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup, TyperOption
 
+from ckpttool.cli.completion import add_completions
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.ui.output import configure_logging, print_error
 from ckpttool.ui.render import UI
@@ -273,8 +274,86 @@ def _takes_urls(cmd: Any) -> bool:
     return any(getattr(p.type, "func", None) is location for p in cmd.params if p.param_type_name == "argument")
 
 
+#: The metavar of a path option: a directory, a file, else ``PATH`` (either).
+_PATH_METAVARS = {
+    "--optimizer-dir": "DIR",
+    "--model-assets": "DIR",
+    "--config": "FILE",
+    "--junit": "FILE",
+    "--grads": "FILE",
+    "--rules": "FILE",
+    "--adapter-config": "FILE",
+    "--output": "FILE",
+}
+
+
+#: The metavar of a number or free-text option without one of its own (click's default is ``<int range>``).
+_TYPE_METAVARS = {
+    "IntRange": "N",
+    "IntParamType": "N",
+    "FloatRange": "X",
+    "FloatParamType": "X",
+    "StringParamType": "TEXT",
+}
+_TEXT_METAVARS = {
+    "--model-prefix": "PREFIX",
+    "--optimizer-prefix": "PREFIX",
+    "--select": "CODES",
+    "--ignore": "CODES",
+    "--offload-patterns": "REGEX",
+    "--tolerance": "RTOL,ATOL",
+}
+
+
+def _uppercase_metavars(cmd: Any) -> None:
+    """Values are named in usage lines, help and errors in one style, uppercase: arguments ``CHECKPOINT``,
+    ``HF_DIR``, ``OUT``, ``NAME``; path options ``DIR``, ``FILE`` or ``PATH`` (not ``<path>``)."""
+    for p in cmd.params:
+        if p.metavar is not None or not p.name:
+            continue
+        if p.param_type_name == "argument":
+            p.metavar = p.name.upper()
+        elif type(p.type).__name__ == "TyperPath":
+            p.metavar = next((_PATH_METAVARS[o] for o in p.opts if o in _PATH_METAVARS), "PATH")
+        elif not getattr(p, "count", False) and type(p.type).__name__ in _TYPE_METAVARS:
+            named = next((_TEXT_METAVARS[o] for o in p.opts if o in _TEXT_METAVARS), None)
+            p.metavar = named or _TYPE_METAVARS[type(p.type).__name__]
+
+
+def _optional_values(cmd: Any) -> None:
+    """Options whose metavar is ``[VALUE]`` may be given without a value (``validate --manifest``): then
+    the command receives ``""`` (click needs a value; typer has no ``flag_value`` for such options)."""
+    flags = {o for p in cmd.params if (p.metavar or "").startswith("[") for o in getattr(p, "opts", ())}
+    if not flags:
+        return
+    parse = cmd.parse_args
+
+    def parse_args(ctx: Any, args: list[str]) -> Any:
+        out: list[str] = []
+        for i, a in enumerate(args):
+            out.append(a)
+            if a == "--":
+                out.extend(args[i + 1 :])
+                break
+            if a in flags and (i + 1 == len(args) or args[i + 1].startswith("-")):
+                out.append("")
+        return parse(ctx, out)
+
+    cmd.parse_args = parse_args
+
+
+def _summary(cmd: Any) -> None:
+    """The command's line in ``ckpttool --help``: its docstring's first line whole (click would cut it with "...")."""
+    if cmd.help and not cmd.short_help:
+        cmd.short_help = cmd.help.strip().splitlines()[0]
+
+
 def _hide_aliases(cmd: Any) -> None:
-    """Leave :data:`HIDDEN_ALIASES` out of the help of ``cmd``'s options (they still parse)."""
+    """Leave :data:`HIDDEN_ALIASES` out of the help and the completions of ``cmd``'s options (they still parse)."""
+    complete = cmd.shell_complete
+    cmd.shell_complete = lambda ctx, incomplete: [
+        c for c in complete(ctx, incomplete) if getattr(c, "value", c) not in HIDDEN_ALIASES
+    ]
     for p in cmd.params:
         opts = getattr(p, "opts", [])
         if len(opts) > 1 and HIDDEN_ALIASES.intersection(opts):
@@ -320,11 +399,17 @@ class CkptGroup(TyperGroup):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.params.extend([*_global_options(), *_remote_options(), _json_option()])
+        add_completions(self)
+        _uppercase_metavars(self)
         for cmd in self.commands.values():
             cmd.params.extend(_global_options())
             if _takes_urls(cmd):
                 cmd.params.extend(_remote_options())
             _hide_aliases(cmd)
+            _uppercase_metavars(cmd)
+            _optional_values(cmd)
+            _summary(cmd)
+            add_completions(cmd)
 
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
         name, cmd, rest = super().resolve_command(ctx, args)

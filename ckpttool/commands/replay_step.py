@@ -63,7 +63,8 @@ GradScaleOpt = Annotated[
     float | None, typer.Option("--grad-scale", help="Std-dev of the generated gradients (default 1e-3).")
 ]
 OptimizerOpt = Annotated[
-    OptimizerChoice, typer.Option("--optimizer", help="Optimizer type; auto: layout record, else the state fields.")
+    OptimizerChoice,
+    typer.Option("--optimizer-type", "--optimizer", help="Optimizer type; auto: layout record, else the state fields."),
 ]
 OffloadPatternsOpt = Annotated[
     list[str] | None,
@@ -372,5 +373,5 @@ EPILOG = examples(
     "ckpttool replay-step ckpt/",
     "ckpttool replay-step ckpt/ --filter '*experts*' --steps 3",
     "ckpttool replay-step ckpt/ --device cuda --grads grads.safetensors --json",
-    "ckpttool replay-step ckpt/ --optimizer cpu_offload_adamw --max-memory 8GiB",
+    "ckpttool replay-step ckpt/ --optimizer-type cpu_offload_adamw --max-memory 8GiB",
 )

@@ -669,8 +669,24 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
     _overview_optimizer(con, ov)
     _overview_layout(con, ov)
     _overview_provenance(con, ov)
+    _overview_training(con, ov)
     _overview_byte_items(con, ov, max_rows)
     _overview_leftovers(con, ov)
+
+
+def _training_keys(ov: InspectResult) -> set[str]:
+    return {k for keys in (ov.training_state or {}).values() for k in keys}
+
+
+def _overview_training(con: Console, ov: InspectResult) -> None:
+    """The training-state items (scheduler, train state, data loader) once, with their step counters."""
+    values = ov.training_values or {}
+    parts = []
+    for item, keys in (ov.training_state or {}).items():
+        shown = [f"{k[len(item) + 1 :]} {fmt_value(values[k])}" for k in keys if k in values]
+        parts.append(f"{item}: {plural(len(keys), 'key')}" + "".join(f", {v}" for v in shown))
+    if parts:
+        con.print(f"training    {'; '.join(parts)}")
 
 
 def _overview_header(con: Console, ov: InspectResult) -> None:
@@ -891,7 +907,9 @@ def _overview_byte_items(con: Console, ov: InspectResult, max_rows: int) -> None
     if ov.byte_items:
         from ckpttool.ops.entry import split_param_group_items
 
+        training = _training_keys(ov)
         pg, rest = split_param_group_items(ov.byte_items)
+        rest = [(k, n) for k, n in rest if k not in training]  # shown under "training"
         if pg:
             con.print(f"byte items  {plural(len(pg), 'param-group item')} ({human_bytes(sum(n for _, n in pg))})")
         if rest:
@@ -905,8 +923,9 @@ def _overview_byte_items(con: Console, ov: InspectResult, max_rows: int) -> None
 
 def _overview_leftovers(con: Console, ov: InspectResult) -> None:
     """Keys of no known category, uncategorized tensors (a warning) and saved non-persistent buffers."""
-    if ov.other_keys:
-        con.print(f"other keys  {fmt_list(ov.other_keys, limit=20)}")
+    other = [k for k in ov.other_keys if k not in _training_keys(ov)]  # training state: shown under "training"
+    if other:
+        con.print(f"other keys  {fmt_list(other, limit=20)}")
     if ov.uncategorized_tensors:
         sys.stderr.write(
             safe_text(
