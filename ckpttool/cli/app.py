@@ -413,8 +413,10 @@ class CkptGroup(TyperGroup):
 
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
         name, cmd, rest = super().resolve_command(ctx, args)
-        if UI.json and cmd is not None and not any(p.name == "json_output" for p in cmd.params):
-            raise _CLICK_USAGE_ERROR(f"`ckpttool {name}` has no JSON output (--json)", ctx=ctx)
+        # `schema NAME` prints a JSON Schema anyway
+        if UI.json and cmd is not None and name != "schema" and not any(p.name == "json_output" for p in cmd.params):
+            usage_error: Any = _CLICK_USAGE_ERROR  # click's UsageError(message, ctx)
+            raise usage_error(f"`ckpttool {name}` has no JSON output (--json)", ctx=ctx)
         return name, cmd, rest
 
     def main(

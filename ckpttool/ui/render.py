@@ -86,8 +86,10 @@ def safe_text(text: str, *, keep_newlines: bool = False) -> str:
 
 
 # The value column of a label/value line: ``files       1 data file`` (a label padded to its column),
-# ``dcp version 1.0.0`` (a 12-wide label), ``            - reason`` (an indented item).
-_LABEL_RE = re.compile(r"^(?:[a-z][a-z_ ]{10} (?=\S)|[a-z][\w .-]{0,14}?\S {2,}(?=\S)| +(?:- )?(?=\S))")
+# ``dcp version 1.0.0`` (a 12-wide label), ``            - reason`` (an indented item), ``hint (P002): ...``.
+_LABEL_RE = re.compile(
+    r"^(?:[a-z][a-z_ ]{10} (?=\S)|[a-z][\w .-]{0,14}?\S {2,}(?=\S)| +(?:- )?(?=\S)|hint \(\w+\): (?=\S))"
+)
 
 
 def hanging_indent(line: str, width: int) -> str:
@@ -462,8 +464,9 @@ def _dot_offsets(line: str, width: int) -> list[int]:
 
 @functools.cache
 def _key_text_class() -> type:
+    from rich.containers import Lines
     from rich.measure import Measurement
-    from rich.text import Lines, Text
+    from rich.text import Text
 
     class KeyText(Text):
         """A table cell of checkpoint keys (one per line) that folds at ``.`` boundaries, not mid-word."""

@@ -110,6 +110,8 @@ def test_json_is_a_global_option_too(sample_ckpt: Path) -> None:
     assert json.loads(before.stdout) == json.loads(after.stdout)
     res = runner.invoke(app, ["--json", "validate", str(sample_ckpt)])
     assert res.exit_code == 0 and json.loads(res.stdout)["schema"].startswith("ckpttool.validate/")
+    res = runner.invoke(app, ["--json", "schema", "inspect"])  # JSON anyway
+    assert res.exit_code == 0 and json.loads(res.stdout)["$schema"].startswith("https://json-schema.org/")
     res = runner.invoke(app, ["--json", "sample", "x"])
     assert res.exit_code == 2 and res.stdout == ""
     assert "error: [E100] `ckpttool sample` has no JSON output (--json)" in res.stderr
