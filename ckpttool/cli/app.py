@@ -5,8 +5,9 @@ Exit codes (``docs/errors.md``): 0 success; 1 the command ran and found problems
 
 Global options (:data:`GLOBAL_OPTIONS`) are accepted before or after the subcommand
 (``ckpttool -v inspect DIR`` = ``ckpttool inspect DIR -v``): ``-v/--verbose`` (repeatable),
-``-q/--quiet``, ``--color auto|always|never`` and ``--wide``. ``--version``, ``-h`` and the
-read caps ``--max-metadata-size``/``--max-object-size`` are root options; Typer's
+``-q/--quiet``, ``--color auto|always|never``, ``--wide``, ``--no-progress``, ``--no-cache``; the
+remote-storage options on the commands that take a URL. ``--version``, ``-h``, ``--json`` (the
+command's own ``--json``) and the read caps ``--max-metadata-size``/``--max-object-size`` are root options; Typer's
 ``--install-completion``/``--show-completion`` install shell completion.
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup, TyperOption
 
+from ckpttool.cli.completion import add_completions
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.ui.output import configure_logging, print_error
 from ckpttool.ui.render import UI
@@ -83,6 +85,16 @@ def _set_color(ctx: Any, param: Any, value: str | None) -> None:
 def _set_wide(ctx: Any, param: Any, value: bool) -> None:
     if value:
         UI.wide = True
+
+
+def _set_json(ctx: Any, param: Any, value: bool) -> None:
+    if value:
+        UI.json = True
+
+
+def _set_no_progress(ctx: Any, param: Any, value: bool) -> None:
+    if value:
+        UI.progress = False
 
 
 def _set_storage_options(ctx: Any, param: Any, value: tuple[str, ...]) -> None:
@@ -167,15 +179,12 @@ def _global_options() -> list[Any]:
             help="Never narrow tables to the terminal width (no hidden columns, no folded keys).",
         ),
         _global(
-            "--storage-option",
-            multiple=True,
-            default=(),
-            metavar="KEY=VALUE",
-            callback=_set_storage_options,
-            help="Option for the fsspec filesystem of a URL (repeatable; nested: client_kwargs.endpoint_url=URL). "
-            "Never logged. docs/storage.md.",
+            "--no-progress",
+            is_flag=True,
+            default=False,
+            callback=_set_no_progress,
+            help="No progress bars (notes and results as usual); progress is drawn only on a terminal anyway.",
         ),
-        *_remote_options(),
         _global(
             "--no-cache",
             is_flag=True,
@@ -188,8 +197,18 @@ def _global_options() -> list[Any]:
 
 
 def _remote_options() -> list[Any]:
-    """The global options of remote storage: workers, retries, spool size."""
+    """The global options of remote storage (fsspec options, workers, retries, spool size): on the root and on
+    the commands that read or write a URL (:func:`_takes_urls`)."""
     return [
+        _global(
+            "--storage-option",
+            multiple=True,
+            default=(),
+            metavar="KEY=VALUE",
+            callback=_set_storage_options,
+            help="Option for the fsspec filesystem of a URL (repeatable; nested: client_kwargs.endpoint_url=URL). "
+            "Never logged. docs/storage.md.",
+        ),
         _global(
             "--remote-workers",
             type=int,
@@ -217,7 +236,18 @@ def _remote_options() -> list[Any]:
     ]
 
 
-#: Flags of the global options (accepted by every command).
+def _json_option() -> Any:
+    """``ckpttool --json CMD``: the root's spelling of a command's ``--json`` (a command without one refuses it)."""
+    return _global(
+        "--json",
+        is_flag=True,
+        default=False,
+        callback=_set_json,
+        help="Write the command's result as one JSON document (= CMD --json).",
+    )
+
+
+#: Flags of the global options (accepted by every command; the remote-storage ones by those that take a URL).
 GLOBAL_OPTIONS = (
     "-v",
     "--verbose",
@@ -225,6 +255,7 @@ GLOBAL_OPTIONS = (
     "--quiet",
     "--color",
     "--wide",
+    "--no-progress",
     "--storage-option",
     "--remote-workers",
     "--remote-retries",
@@ -233,6 +264,111 @@ GLOBAL_OPTIONS = (
     "-h",
     "--help",
 )
+#: Old spellings that still work but are not shown in ``--help`` (docs/cli.md, "Deprecated spellings").
+HIDDEN_ALIASES = frozenset({"--optimizer"})
+
+
+def _takes_urls(cmd: Any) -> bool:
+    """Whether a command has a CHECKPOINT/OUT argument that may be a URL (parsed by ``options.location``)."""
+    from ckpttool.ui.options import location
+
+    return any(getattr(p.type, "func", None) is location for p in cmd.params if p.param_type_name == "argument")
+
+
+#: The metavar of a path option: a directory, a file, else ``PATH`` (either).
+_PATH_METAVARS = {
+    "--optimizer-dir": "DIR",
+    "--model-assets": "DIR",
+    "--config": "FILE",
+    "--junit": "FILE",
+    "--grads": "FILE",
+    "--rules": "FILE",
+    "--adapter-config": "FILE",
+    "--output": "FILE",
+}
+
+
+#: The metavar of a number or free-text option without one of its own (click's default is ``<int range>``).
+_TYPE_METAVARS = {
+    "IntRange": "N",
+    "IntParamType": "N",
+    "FloatRange": "X",
+    "FloatParamType": "X",
+    "StringParamType": "TEXT",
+}
+_TEXT_METAVARS = {
+    "--model-prefix": "PREFIX",
+    "--optimizer-prefix": "PREFIX",
+    "--select": "CODES",
+    "--ignore": "CODES",
+    "--offload-patterns": "REGEX",
+    "--tolerance": "RTOL,ATOL",
+}
+
+
+def _uppercase_metavars(cmd: Any) -> None:
+    """Values are named in usage lines, help and errors in one style, uppercase: arguments ``CHECKPOINT``,
+    ``HF_DIR``, ``OUT``, ``NAME``; path options ``DIR``, ``FILE`` or ``PATH`` (not ``<path>``)."""
+    for p in cmd.params:
+        if p.metavar is not None or not p.name:
+            continue
+        if p.param_type_name == "argument":
+            p.metavar = p.name.upper()
+        elif type(p.type).__name__ == "TyperPath":
+            p.metavar = next((_PATH_METAVARS[o] for o in p.opts if o in _PATH_METAVARS), "PATH")
+        elif not getattr(p, "count", False) and type(p.type).__name__ in _TYPE_METAVARS:
+            named = next((_TEXT_METAVARS[o] for o in p.opts if o in _TEXT_METAVARS), None)
+            p.metavar = named or _TYPE_METAVARS[type(p.type).__name__]
+
+
+def _optional_values(cmd: Any) -> None:
+    """Options whose metavar is ``[VALUE]`` may be given without a value (``validate --manifest``): then
+    the command receives ``""`` (click needs a value; typer has no ``flag_value`` for such options)."""
+    flags = {o for p in cmd.params if (p.metavar or "").startswith("[") for o in getattr(p, "opts", ())}
+    if not flags:
+        return
+    parse = cmd.parse_args
+
+    def parse_args(ctx: Any, args: list[str]) -> Any:
+        out: list[str] = []
+        for i, a in enumerate(args):
+            out.append(a)
+            if a == "--":
+                out.extend(args[i + 1 :])
+                break
+            if a in flags and (i + 1 == len(args) or args[i + 1].startswith("-")):
+                out.append("")
+        return parse(ctx, out)
+
+    cmd.parse_args = parse_args
+
+
+def _summary(cmd: Any) -> None:
+    """The command's line in ``ckpttool --help``: its docstring's first line whole (click would cut it with "...")."""
+    if cmd.help and not cmd.short_help:
+        cmd.short_help = cmd.help.strip().splitlines()[0]
+
+
+def _hide_aliases(cmd: Any) -> None:
+    """Leave :data:`HIDDEN_ALIASES` out of the help and the completions of ``cmd``'s options (they still parse)."""
+    complete = cmd.shell_complete
+    cmd.shell_complete = lambda ctx, incomplete: [
+        c for c in complete(ctx, incomplete) if getattr(c, "value", c) not in HIDDEN_ALIASES
+    ]
+    for p in cmd.params:
+        opts = getattr(p, "opts", [])
+        if len(opts) > 1 and HIDDEN_ALIASES.intersection(opts):
+            shown = [o for o in opts if o not in HIDDEN_ALIASES]
+
+            def record(ctx: Any, p: Any = p, shown: list[str] = shown) -> Any:
+                opts = p.opts
+                p.opts = shown
+                try:
+                    return type(p).get_help_record(p, ctx)
+                finally:
+                    p.opts = opts
+
+            p.get_help_record = record
 
 
 def version_text() -> str:
@@ -263,9 +399,26 @@ class CkptGroup(TyperGroup):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.params.extend(_global_options())
+        self.params.extend([*_global_options(), *_remote_options(), _json_option()])
+        add_completions(self)
+        _uppercase_metavars(self)
         for cmd in self.commands.values():
             cmd.params.extend(_global_options())
+            if _takes_urls(cmd):
+                cmd.params.extend(_remote_options())
+            _hide_aliases(cmd)
+            _uppercase_metavars(cmd)
+            _optional_values(cmd)
+            _summary(cmd)
+            add_completions(cmd)
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
+        name, cmd, rest = super().resolve_command(ctx, args)
+        # `schema NAME` prints a JSON Schema anyway
+        if UI.json and cmd is not None and name != "schema" and not any(p.name == "json_output" for p in cmd.params):
+            usage_error: Any = _CLICK_USAGE_ERROR  # click's UsageError(message, ctx)
+            raise usage_error(f"`ckpttool {name}` has no JSON output (--json)", ctx=ctx)
+        return name, cmd, rest
 
     def main(
         self,

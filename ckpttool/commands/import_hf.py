@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 HfDirArg = Annotated[
     Path,
     typer.Argument(
-        help="Hugging Face model directory: model*.safetensors (+ index) and config.json.", show_default=False
+        help="Hugging Face model directory: model*.safetensors (+ index) and config.json.",
+        show_default=False,
+        metavar="HF_DIR",
     ),
 ]
 SchemaOpt = Annotated[ImportSchemaChoice, typer.Option("--schema", help=IMPORT_SCHEMA_HELP)]
@@ -92,6 +94,8 @@ def import_command(
     """Import a Hugging Face safetensors model as a DCP checkpoint (streaming, bit-exact, atomic)."""
     from ckpttool.ops.import_hf import ImportOptions, import_hf
 
+    _refuse_dcp_source(hf_dir)
+
     res = import_hf(
         hf_dir,
         out,
@@ -112,6 +116,34 @@ def import_command(
     for w in res.warnings:
         sink.warning(w)
     sink.result(res, _render)
+
+
+def _refuse_dcp_source(hf_dir: Path) -> None:
+    """A DCP checkpoint given as HF_DIR is named as one, with the command that converts it (``export``).
+
+    Raises:
+        UsageError (E100): ``hf_dir`` holds no ``*.safetensors`` file but ``.metadata`` (or a run root
+            with DCP checkpoints below it).
+    """
+    from ckpttool.errors import UsageError
+    from ckpttool.model.discovery import find_checkpoints
+
+    try:
+        if not hf_dir.is_dir() or any(hf_dir.glob("*.safetensors")):
+            return
+        what = "it holds .metadata" if (hf_dir / ".metadata").is_file() else None
+        if what is None:
+            below = [p for p in find_checkpoints(hf_dir) if (p / ".metadata").is_file()]
+            what = f"{below[0].relative_to(hf_dir)}/.metadata is below it" if below else None
+    except OSError:
+        return  # unreadable: import names the problem
+    if what is not None:
+        raise UsageError(
+            f"{hf_dir} is a DCP checkpoint ({what}), not a Hugging Face safetensors model",
+            path=hf_dir,
+            hint=f"did you mean `ckpttool export {hf_dir} OUT` (DCP to safetensors)? "
+            "import reads a directory of model*.safetensors files",
+        )
 
 
 def _render(r: ImportResult) -> None:

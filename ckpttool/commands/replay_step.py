@@ -63,7 +63,8 @@ GradScaleOpt = Annotated[
     float | None, typer.Option("--grad-scale", help="Std-dev of the generated gradients (default 1e-3).")
 ]
 OptimizerOpt = Annotated[
-    OptimizerChoice, typer.Option("--optimizer", help="Optimizer type; auto: layout record, else the state fields.")
+    OptimizerChoice,
+    typer.Option("--optimizer-type", "--optimizer", help="Optimizer type; auto: layout record, else the state fields."),
 ]
 OffloadPatternsOpt = Annotated[
     list[str] | None,
@@ -345,7 +346,7 @@ def _progress(*, enabled: bool) -> tuple[Any, Any]:
     """A ``(callback, finish)`` pair drawing a progress bar on stderr (no-ops when disabled or with ``-q``)."""
     from ckpttool.ui.render import UI
 
-    if not enabled or UI.quiet:
+    if not enabled or UI.quiet or not UI.progress:
         return None, lambda: None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -372,5 +373,5 @@ EPILOG = examples(
     "ckpttool replay-step ckpt/",
     "ckpttool replay-step ckpt/ --filter '*experts*' --steps 3",
     "ckpttool replay-step ckpt/ --device cuda --grads grads.safetensors --json",
-    "ckpttool replay-step ckpt/ --optimizer cpu_offload_adamw --max-memory 8GiB",
+    "ckpttool replay-step ckpt/ --optimizer-type cpu_offload_adamw --max-memory 8GiB",
 )

@@ -29,6 +29,7 @@ def sample_command(
             help="Where to write the sample checkpoint (must not exist or be empty, unless --overwrite; "
             "written atomically).",
             show_default=False,
+            metavar="DIR",
         ),
     ],
     train_steps: Annotated[
@@ -41,6 +42,7 @@ def sample_command(
     optimizer: Annotated[
         SampleOptimizer,
         typer.Option(
+            "--optimizer-type",
             "--optimizer",
             help="adamw: torch AdamW on FP32 parameters; full_fp32_adamw, master_fp32_adamw (BF16 moments), "
             "cpu_offload_adamw: BF16 parameters with FP32 master weights.",
@@ -63,5 +65,5 @@ def sample_command(
 
 EPILOG = examples(
     "ckpttool sample /tmp/ckpttool-sample --overwrite",
-    "ckpttool sample /tmp/ckpt-masters --optimizer master_fp32_adamw --train-steps 5",
+    "ckpttool sample /tmp/ckpt-masters --optimizer-type master_fp32_adamw --train-steps 5",
 )

@@ -7,7 +7,7 @@ Exit codes: 0 clean; 1 findings that fail the run (errors; warnings too with
 from __future__ import annotations
 
 import sys
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -17,19 +17,18 @@ from ckpttool.ui.options import declaration, examples, selection
 from ckpttool.ui.output import Output, command_boundary, print_error
 
 if TYPE_CHECKING:
+    from ckpttool.model.discovery import CheckpointSelection
     from ckpttool.ops.validate import ValidationResult
 
 
 def _render(res: ValidationResult) -> None:
     from ckpttool.ui.render import (
         STYLES,
-        Col,
         fmt_rate,
         human_bytes,
         plural,
-        print_table,
+        print_findings,
         stdout_console,
-        styled,
         verdict,
     )
 
@@ -44,20 +43,7 @@ def _render(res: ValidationResult) -> None:
             "warning": "warnings" + ("" if res.strict else " (do not fail without --strict)"),
             "info": "info",
         }[sev]
-        print_table(
-            con,
-            f"{title} ({len(rows)})",
-            [Col("code", "code"), Col("key", "key"), Col("message", "text"), Col("hint", "text", drop=1)],
-            [
-                [
-                    styled((f.code + (f" {f.error_code}" if f.error_code else ""), STYLES.get(sev))),
-                    f.key or "-",
-                    f.message,
-                    f.hint,
-                ]
-                for f in rows
-            ],
-        )
+        print_findings(con, f"{title} ({len(rows)})", rows, STYLES.get(sev))
     c = res.counts
     ran = sum(1 for s in res.rules if s.status != "skipped")
     skipped = [s for s in res.rules if s.status == "skipped"]
@@ -132,11 +118,12 @@ AgainstOpt = Annotated[
     ),
 ]
 ManifestOpt = Annotated[
-    Path | None,
+    str | None,
     typer.Option(
         "--manifest",
-        metavar="FILE",
-        help="Verify every chunk against this manifest.json (ckpttool manifest): names missing, added and changed chunks.",
+        metavar="[FILE|DIR]",
+        help="Verify every chunk against this manifest.json (ckpttool manifest), DIR/manifest.json of a directory, "
+        "or without a value the checkpoint's own: names missing, added and changed chunks.",
     ),
 ]
 JunitOpt = Annotated[
@@ -149,7 +136,7 @@ WorkersOpt = Annotated[
 ListRulesOpt = Annotated[
     bool, typer.Option("--list-rules", help="List the rules (code, severity, what they check) and exit.")
 ]
-#: validate's own --optimizer-dir (also spelled --optimizer; says "validated" where the shared one says "read").
+#: validate's own --optimizer-dir (old spelling --optimizer, hidden; says "validated" where the shared one says "read").
 ValidateOptimizerDirOpt = Annotated[
     Path | None,
     typer.Option(
@@ -194,6 +181,8 @@ def validate_command(
 
         print_rules(json_output)
         return
+    if checkpoint is None and manifest:  # `validate --manifest DIR`: the option took the checkpoint as its value
+        checkpoint, manifest = opt.location(manifest), ""
     if checkpoint is None:
         raise UsageError("missing CHECKPOINT argument", hint="ckpttool validate DIR [--strict] [--deep]")
     from ckpttool.model.checkpoint import OpenOptions
@@ -206,6 +195,7 @@ def validate_command(
 
     decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
     sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
+    manifest_path = _manifest_path(manifest, checkpoint, sel)
     options = ValidateOptions(
         strict=strict,
         deep=deep,
@@ -214,7 +204,7 @@ def validate_command(
         config=config,
         against=against,
         workers=workers,
-        manifest=manifest,
+        manifest=manifest_path,
     )
 
     def report(res: ValidationResult) -> None:
@@ -235,6 +225,28 @@ def validate_command(
     if fatal is not None:
         print_error(fatal)
     raise typer.Exit(res.exit_code)
+
+
+def _manifest_path(manifest: str | None, checkpoint: PurePath, sel: CheckpointSelection | None) -> Path | None:
+    """The manifest file of ``--manifest [FILE|DIR]``: FILE; DIR/manifest.json; without a value, the one
+    beside the checkpoint's ``.metadata`` (the step ``--step`` selects in a run root)."""
+    from ckpttool.ops.manifest import MANIFEST_NAME
+
+    if manifest is None:
+        return None
+    if manifest:
+        path = Path(manifest)
+        return path / MANIFEST_NAME if path.is_dir() else path
+    if not isinstance(checkpoint, Path):  # a URL: the manifest is read locally
+        from ckpttool.errors import UsageError
+
+        raise UsageError(
+            f"--manifest without a value needs a local checkpoint, not {checkpoint}",
+            hint="pass the manifest file: --manifest FILE",
+        )
+    from ckpttool.model.discovery import locate
+
+    return Path(locate(checkpoint, sel).model) / MANIFEST_NAME
 
 
 def _write_junit(junit: Path, res: ValidationResult) -> None:

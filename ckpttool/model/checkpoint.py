@@ -256,12 +256,12 @@ def _log_opened(ckpt: Checkpoint, read_s: float, model_s: float) -> None:
     )
     lay = ckpt.layout
     if lay is not None:
+        sizes = ", ".join(f"{n} {v}" for n, v in (("ep_size", lay.ep_size), ("ep_fsdp_size", lay.ep_fsdp_size)) if v)
         log.info(
-            "EP layout: %s from %s (ep_size %s, ep_fsdp_size %s), %d EP tensors%s",
+            "EP layout: %s from %s (%s), %d EP tensors%s",
             lay.layout_name or "unversioned",
             lay.source,
-            lay.ep_size,
-            lay.ep_fsdp_size,
+            sizes or "EP sizes not set",
             len(lay.ep_tensors),
             f", {len(lay.ambiguous)} ambiguous" if lay.ambiguous else "",
         )

@@ -59,7 +59,8 @@ class InspectOptions:
 
     Attributes:
         filter_glob: only tensors whose key matches (:func:`~ckpttool.model.catalog.match_filter`).
-        depth: also aggregate model tensors by their first ``depth`` key components.
+        depth: also aggregate model tensors by their first ``depth`` key components below the model
+            prefix (``model.model.layers`` at depth 2 under ``model.``).
         sort: ``"name"`` (file order) or ``"size"`` (largest first) for tensor lists.
     """
 
@@ -265,6 +266,7 @@ class InspectResult:
     storage: dict[str, Any] | None = None
     derived_from: dict[str, Any] | None = None
     model_adapter: str | None = None
+    training_values: dict[str, int | float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document, schema ``ckpttool.inspect/1``."""
@@ -295,6 +297,7 @@ class InspectResult:
             d["storage"] = dict(self.storage)
         d["derived_from"] = dict(self.derived_from) if self.derived_from is not None else None
         d["model_adapter"] = self.model_adapter
+        d["training_values"] = dict(self.training_values or {})
         return d
 
     def json_chunks(self, rows_per_chunk: int = 8192) -> Iterator[str]:
@@ -668,7 +671,9 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
     summary = _summary(cat, tensors)
     tree = None
     if opts.depth:
-        agg = group_by_prefix([(t.key, t.numel, t.nbytes) for t in model_rows], opts.depth)
+        # --depth N: N levels below the model prefix ('model.' is not a level of the model)
+        below = len(cat.schema.model_prefix.rstrip(".").split(".")) if cat.schema.model_prefix else 0
+        agg = group_by_prefix([(t.key, t.numel, t.nbytes) for t in model_rows], opts.depth + below)
         tree = tuple(TreeRow(k, n, numel, nbytes) for k, (n, numel, nbytes) in agg.items())
     return InspectResult(
         path=str(ckpt.path),
@@ -695,7 +700,48 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         serialization=ckpt.metadata.serialization,
         storage=_storage_stats(ckpt),
         derived_from=_derived_from(ckpt),
+        training_values=_training_values(ckpt),
     )
+
+
+#: Training-state leaves whose value ``inspect`` shows: the step counters (``train_state.step``,
+#: a scheduler's ``last_epoch``/``_step_count``) and torchtitan's token count.
+_TRAINING_LEAVES = ("step", "last_epoch", "_step_count", "ntokens_seen", "global_step", "epoch")
+_SCALAR_FORMATS = {"int64": "<q", "int32": "<i", "float32": "<f", "float64": "<d"}
+
+
+def _training_values(ckpt: Checkpoint) -> dict[str, int | float]:
+    """The values of the step counters among the training-state keys (a few bytes each).
+
+    A byte item holding a plain number (read with the no-globals unpickler), or a one-element
+    integer/float tensor stored uncompressed (its record's bytes decoded without torch). A key
+    whose value cannot be read that way is left out (its key is still listed).
+    """
+    import struct
+
+    cat, reader, out = ckpt.catalog, ckpt.reader, {}
+    for key in chain.from_iterable(cat.training_state.values()):
+        if key.rsplit(".", 1)[-1] not in _TRAINING_LEAVES:
+            continue
+        try:
+            if key in cat.byte_items:
+                value = reader.read_object(key)
+            else:
+                t = cat.tensors.get(key)
+                fmt = _SCALAR_FORMATS.get(t.dtype) if t is not None else None
+                if t is None or fmt is None or t.numel != 1 or len(t.chunks) != 1:
+                    continue
+                loc = reader.locate(key, t.chunks[0])
+                rec = loc.record
+                if rec.deflated or rec.big_endian:
+                    continue
+                n = struct.calcsize(fmt)
+                value = struct.unpack(fmt, loc.window.pread(rec.data_offset + rec.storage_offset * n, n))[0]
+        except (CkptError, TrustRequiredError):
+            continue
+        if type(value) in (int, float):
+            out[key] = value
+    return out
 
 
 def _storage_stats(ckpt: Checkpoint) -> dict[str, Any] | None:

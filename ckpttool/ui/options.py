@@ -95,8 +95,22 @@ OutputArg = Annotated[
         metavar="OUT",
     ),
 ]
+
+
+def _json_value(value: bool) -> bool:
+    """``--json`` given to the command or before it (``ckpttool --json CMD``)."""
+    from ckpttool.ui.render import UI
+
+    return value or UI.json
+
+
 JsonOpt = Annotated[
-    bool, typer.Option("--json", help="Write one JSON document to stdout (its JSON Schema: `ckpttool schema CMD`).")
+    bool,
+    typer.Option(
+        "--json",
+        callback=_json_value,
+        help="Write one JSON document to stdout (its JSON Schema: `ckpttool schema CMD`).",
+    ),
 ]
 FilterOpt = Annotated[
     str | None,

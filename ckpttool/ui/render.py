@@ -42,8 +42,10 @@ __all__ = [
     "fmt_shape",
     "fmt_value",
     "human_bytes",
+    "key_cell",
     "output_width",
     "plural",
+    "print_findings",
     "print_table",
     "render_overview",
     "safe_text",
@@ -83,6 +85,33 @@ def safe_text(text: str, *, keep_newlines: bool = False) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8") if not text.isascii() else text
 
 
+# The value column of a label/value line: ``files       1 data file`` (a label padded to its column),
+# ``dcp version 1.0.0`` (a 12-wide label), ``            - reason`` (an indented item), ``hint (P002): ...``.
+_LABEL_RE = re.compile(
+    r"^(?:[a-z][a-z_ ]{10} (?=\S)|[a-z][\w .-]{0,14}?\S {2,}(?=\S)| +(?:- )?(?=\S)|hint \(\w+\): (?=\S))"
+)
+
+
+def hanging_indent(line: str, width: int) -> str:
+    """``line`` wrapped at spaces to ``width``, continuation lines indented to its value column.
+
+    A line with no label (no value column) or that fits is returned as it is; a word longer
+    than the room is never cut (the terminal wraps it).
+    """
+    if len(line) <= width or "\n" in line:
+        return line
+    m = _LABEL_RE.match(line)
+    indent = len(m.group(0)) if m else 0
+    if not indent or width - indent < 20:
+        return line
+    import textwrap
+
+    body = textwrap.wrap(
+        line[indent:], width - indent, break_long_words=False, break_on_hyphens=False, drop_whitespace=True
+    )
+    return line[:indent] + ("\n" + " " * indent).join(body)
+
+
 @functools.cache
 def _safe_console_class() -> type[Console]:
     from rich.console import Console
@@ -100,6 +129,17 @@ def _safe_console_class() -> type[Console]:
 
         def render_str(self, text: str, **kwargs: Any) -> Any:
             return super().render_str(safe_text(text), **kwargs)
+
+        def print(self, *objects: Any, **kwargs: Any) -> None:
+            # A label/value line wrapped on a terminal keeps the value's indent (a pipe keeps lines whole).
+            if len(objects) == 1 and isinstance(objects[0], str) and not self.soft_wrap and "soft_wrap" not in kwargs:
+                text = hanging_indent(safe_text(objects[0]), self.width)
+                if "\n" in text:
+                    from rich.text import Text
+
+                    super().print(Text(text), soft_wrap=True, **kwargs)
+                    return
+            super().print(*objects, **kwargs)
 
         def _render_buffer(self, buffer: Any) -> str:
             clean = (
@@ -124,6 +164,8 @@ class UISettings:
         verbosity: ``-1`` with ``-q`` (errors and warnings only), ``0`` normal, ``1`` with ``-v``
             (decisions and per-file timings), ``2`` with ``-vv`` (everything, per chunk).
         wide: ``--wide``: tables are never narrowed (no column hidden, no key folded).
+        json: ``ckpttool --json CMD`` (the command's ``--json`` reads it).
+        progress: ``False`` with ``--no-progress``: no progress bars.
     """
 
     def __init__(self) -> None:
@@ -133,6 +175,8 @@ class UISettings:
         self.color = "auto"
         self.verbosity = 0
         self.wide = False
+        self.json = False
+        self.progress = True
 
     @property
     def quiet(self) -> bool:
@@ -395,8 +439,57 @@ class Col:
         hide_empty: leave the column out when no row has a value in it.
     """
 
-    def __init__(self, name: str, kind: str = "text", *, drop: int = 0, hide_empty: bool = False) -> None:
-        self.name, self.kind, self.drop, self.hide_empty = name, kind, drop, hide_empty
+    def __init__(
+        self, name: str, kind: str = "text", *, drop: int = 0, hide_empty: bool = False, below: bool = False
+    ) -> None:
+        self.name, self.kind, self.drop, self.hide_empty, self.below = name, kind, drop, hide_empty, below
+
+
+def _dot_offsets(line: str, width: int) -> list[int]:
+    """Where to break ``line`` (a key) to lines of at most ``width`` cells: after a ``.``, else (a longer
+    component) every ``width`` characters."""
+    offsets, col, pos = [], 0, 0
+    for piece in re.findall(r"[^.]*\.|[^.]+", line):
+        if col and col + len(piece) > width:
+            offsets.append(pos)
+            col = 0
+        while col + len(piece) > width:
+            cut = width - col
+            pos, piece, col = pos + cut, piece[cut:], 0
+            offsets.append(pos)
+        pos += len(piece)
+        col += len(piece)
+    return [o for o in offsets if 0 < o < len(line)]
+
+
+@functools.cache
+def _key_text_class() -> type:
+    from rich.containers import Lines
+    from rich.measure import Measurement
+    from rich.text import Text
+
+    class KeyText(Text):
+        """A table cell of checkpoint keys (one per line) that folds at ``.`` boundaries, not mid-word."""
+
+        def wrap(self, console: Any, width: int, **kwargs: Any) -> Lines:
+            lines = Lines()
+            for line in self.split("\n", allow_blank=True):
+                lines.extend(line.divide(_dot_offsets(line.plain, width)) if line.cell_len > width else [line])
+            return lines
+
+        def __rich_measure__(self, console: Any, options: Any) -> Measurement:
+            lines = self.plain.split("\n")
+            parts = [p for ln in lines for p in re.findall(r"[^.]*\.|[^.]+", ln)]
+            longest = max((len(ln) for ln in lines), default=0)
+            return Measurement(min(longest, max((len(p) for p in parts), default=0)), longest)
+
+    return KeyText
+
+
+def key_cell(*keys: str, more: str = "") -> Any:
+    """A table cell of ``keys``, one per line (then ``more``), that folds only at ``.`` boundaries."""
+    text = "\n".join(safe_text(k) for k in keys) + (f"\n{safe_text(more)}" if more else "")
+    return _key_text_class()(text)
 
 
 _KEY_MIN = 16
@@ -421,15 +514,40 @@ def _cell_width(v: Any) -> int:
     return max((cell_len(line) for line in text.split("\n")), default=0)
 
 
-def print_table(con: Console, title: str, columns: list[Col], rows: list[list[Any]]) -> None:
-    """Print a table that fits ``con``'s width without ever wrapping a number or a code.
+def _table_width(columns: list[Col], widths: list[int], fit: bool) -> int:
+    """Cells a table of ``columns`` needs: texts at a comfortable (``fit``) or their least width, keys whole
+    (``fit``) or folded."""
+    total = 1
+    for c, w in zip(columns, widths, strict=True):
+        if c.kind == "text":
+            w = min(w, _TEXT_FIT if fit else _TEXT_MIN)
+        elif c.kind == "key" and not fit:
+            w = min(w, max(_KEY_MIN, len(c.name)))
+        total += w + 3
+    return total
 
-    Columns with no value are left out (``hide_empty``), then low-value columns (``drop``) until
-    the natural width fits; then keys and texts fold/wrap. A table whose unbreakable cells are
-    wider than the terminal is printed wider (the terminal wraps the line) rather than truncated.
-    """
+
+def _rich_table(title: str, columns: list[Col], widths: list[int]) -> Table:
+    """An empty rich table of ``columns`` (their content ``widths``): numbers and codes never wrap."""
     from rich.table import Table
 
+    t = Table(title=safe_text(title), title_justify="left", show_lines=False, expand=False, title_style="bold")
+    for c, w in zip(columns, widths, strict=True):
+        if c.kind in ("num", "code"):
+            t.add_column(c.name, no_wrap=True, justify="right" if c.kind == "num" else "left", min_width=w)
+        else:
+            t.add_column(c.name, overflow="fold", min_width=min(w, _KEY_MIN if c.kind == "key" else _TEXT_MIN))
+    return t
+
+
+def print_table(con: Console, title: str, columns: list[Col], rows: list[list[Any]]) -> list[str]:
+    """Print a table that fits ``con``'s width without ever wrapping a number or a code; the hidden columns.
+
+    Columns with no value are left out (``hide_empty``), then low-value columns (``drop``) until
+    the natural width fits (named below the table unless ``below``: the caller prints those);
+    then texts wrap and keys fold at ``.`` boundaries. A table whose unbreakable cells are
+    wider than the terminal is printed wider (the terminal wraps the line) rather than truncated.
+    """
     cells = [[_cell(v) for v in r] for r in rows]
     keep = [
         i
@@ -439,15 +557,7 @@ def print_table(con: Console, title: str, columns: list[Col], rows: list[list[An
     widths = {i: max([len(columns[i].name)] + [_cell_width(r[i]) for r in cells]) for i in range(len(columns))}
 
     def need(idx: list[int], fit: bool) -> int:
-        total = 1
-        for i in idx:
-            w, kind = widths[i], columns[i].kind
-            if kind == "text":
-                w = min(w, _TEXT_FIT if fit else _TEXT_MIN)
-            elif kind == "key" and not fit:
-                w = min(w, max(_KEY_MIN, len(columns[i].name)))
-            total += w + 3
-        return total
+        return _table_width([columns[i] for i in idx], [widths[i] for i in idx], fit)
 
     width = con.width
     hidden: list[str] = []
@@ -458,21 +568,63 @@ def print_table(con: Console, title: str, columns: list[Col], rows: list[list[An
         worst = max(droppable, key=lambda i: (columns[i].drop, i))
         keep.remove(worst)
         hidden.append(columns[worst].name)
-    t = Table(title=safe_text(title), title_justify="left", show_lines=False, expand=False, title_style="bold")
-    for i in keep:
-        c = columns[i]
-        if c.kind in ("num", "code"):
-            t.add_column(c.name, no_wrap=True, justify="right" if c.kind == "num" else "left", min_width=widths[i])
-        elif c.kind == "key":
-            t.add_column(c.name, overflow="fold", min_width=min(widths[i], _KEY_MIN))
-        else:
-            t.add_column(c.name, overflow="fold", min_width=min(widths[i], _TEXT_MIN))
+    t = _rich_table(title, [columns[i] for i in keep], [widths[i] for i in keep])
+    key_text = _key_text_class()
     for r in cells:
-        t.add_row(*(r[i] for i in keep))
+        t.add_row(
+            *(key_text(safe_text(r[i])) if columns[i].kind == "key" and isinstance(r[i], str) else r[i] for i in keep)
+        )
     minimum = need(keep, fit=False)
     con.print(t, width=minimum if minimum > width else None, soft_wrap=False)
-    if hidden:
-        con.print(f"  (not shown at {width} columns: {', '.join(hidden)}; see --wide or --json)")
+    named = [n for n in hidden if not any(c.below and c.name == n for c in columns)]
+    if named:
+        con.print(f"  (not shown at {width} columns: {', '.join(named)}; see --wide or --json)")
+    return hidden
+
+
+#: Keys shown in the one row of repeated findings of one code.
+GROUP_KEYS = 3
+
+
+def print_findings(con: Console, title: str, findings: list[Any], style: str | None = None) -> None:
+    """Print ``validate``'s findings of one severity: a table (code, count, key, message, hint).
+
+    Findings of one code (and hint) are one row: their count, the first :data:`GROUP_KEYS` keys
+    and ``+N more``, the first message. When the hint column does not fit the width, each hint
+    is printed once per code below the table as ``hint (CODE): ...``: never hidden.
+    ``findings``: objects with ``code``, ``error_code``, ``key``, ``message``, ``hint``.
+    """
+    groups: dict[tuple[str, str | None, str], list[Any]] = {}
+    for f in findings:
+        groups.setdefault((f.code, f.error_code, f.hint), []).append(f)
+    rows = []
+    for (code, error_code, hint), fs in groups.items():
+        keys = [f.key or ABSENT for f in fs]
+        more = f"+{len(keys) - GROUP_KEYS} more" if len(keys) > GROUP_KEYS else ""
+        same = all(f.message == fs[0].message for f in fs)
+        message = fs[0].message if same or len(fs) == 1 else f"{fs[0].message} (and {len(fs) - 1} more like it)"
+        rows.append(
+            [
+                styled((code + (f" {error_code}" if error_code else ""), style)),
+                fmt_count(len(fs)) if len(fs) > 1 else "",
+                key_cell(*keys[:GROUP_KEYS], more=more),
+                message,
+                hint,
+            ]
+        )
+    columns = [
+        Col("code", "code"),
+        Col("count", "num", hide_empty=True),
+        Col("key", "key"),
+        Col("message", "text"),
+        Col("hint", "text", drop=1, below=True),
+    ]
+    if "hint" in print_table(con, title, columns, rows):
+        seen: set[tuple[str, str]] = set()
+        for (code, _, hint), _fs in groups.items():
+            if hint and (code, hint) not in seen:
+                seen.add((code, hint))
+                con.print(f"hint ({code}): {hint}")
 
 
 def table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
@@ -494,7 +646,7 @@ def byte_progress(label: str, enabled: bool) -> Iterator[Callable[[int, int], No
     Yields the ``(bytes done, bytes total)`` callback that the library functions take as
     ``progress``, or ``None`` when ``enabled`` is false (``--json``, stderr not a terminal).
     """
-    if not enabled or UI.quiet:
+    if not enabled or UI.quiet or not UI.progress:
         yield None
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
@@ -520,8 +672,24 @@ def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
     _overview_optimizer(con, ov)
     _overview_layout(con, ov)
     _overview_provenance(con, ov)
+    _overview_training(con, ov)
     _overview_byte_items(con, ov, max_rows)
     _overview_leftovers(con, ov)
+
+
+def _training_keys(ov: InspectResult) -> set[str]:
+    return {k for keys in (ov.training_state or {}).values() for k in keys}
+
+
+def _overview_training(con: Console, ov: InspectResult) -> None:
+    """The training-state items (scheduler, train state, data loader) once, with their step counters."""
+    values = ov.training_values or {}
+    parts = []
+    for item, keys in (ov.training_state or {}).items():
+        shown = [f"{k[len(item) + 1 :]} {fmt_value(values[k])}" for k in keys if k in values]
+        parts.append(f"{item}: {plural(len(keys), 'key')}" + "".join(f", {v}" for v in shown))
+    if parts:
+        con.print(f"training    {'; '.join(parts)}")
 
 
 def _overview_header(con: Console, ov: InspectResult) -> None:
@@ -742,7 +910,9 @@ def _overview_byte_items(con: Console, ov: InspectResult, max_rows: int) -> None
     if ov.byte_items:
         from ckpttool.ops.entry import split_param_group_items
 
+        training = _training_keys(ov)
         pg, rest = split_param_group_items(ov.byte_items)
+        rest = [(k, n) for k, n in rest if k not in training]  # shown under "training"
         if pg:
             con.print(f"byte items  {plural(len(pg), 'param-group item')} ({human_bytes(sum(n for _, n in pg))})")
         if rest:
@@ -756,8 +926,9 @@ def _overview_byte_items(con: Console, ov: InspectResult, max_rows: int) -> None
 
 def _overview_leftovers(con: Console, ov: InspectResult) -> None:
     """Keys of no known category, uncategorized tensors (a warning) and saved non-persistent buffers."""
-    if ov.other_keys:
-        con.print(f"other keys  {fmt_list(ov.other_keys, limit=20)}")
+    other = [k for k in ov.other_keys if k not in _training_keys(ov)]  # training state: shown under "training"
+    if other:
+        con.print(f"other keys  {fmt_list(other, limit=20)}")
     if ov.uncategorized_tensors:
         sys.stderr.write(
             safe_text(

@@ -441,7 +441,7 @@ def _infer_type(
     elif kinds:
         type_name = kinds[0]
         reason = "state fields" + (
-            " (cpu_offload_adamw saves the same fields as full_fp32_adamw; pass --optimizer or stamp a record to use it)"
+            " (cpu_offload_adamw saves the same fields as full_fp32_adamw; pass --optimizer-type or stamp a record to use it)"
             if type_name == "full_fp32_adamw"
             else ""
         )
@@ -466,7 +466,7 @@ def _choose_type(
         type_name = optimizer
         reason = "--optimizer"
         if record_type and record_type != optimizer:
-            notes.append(f"--optimizer {optimizer} overrides the layout record's optimizer type {record_type}")
+            notes.append(f"--optimizer-type {optimizer} overrides the layout record's optimizer type {record_type}")
             base_cfg = {}
     elif record_type:
         type_name = record_type

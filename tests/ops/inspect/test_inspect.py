@@ -123,7 +123,7 @@ def test_sample_layout_and_extra_state(sample_ckpt: Path) -> None:
 def test_filter_depth_sort(dense_ckpt: Path) -> None:
     ov = inspect_json(dense_ckpt, "--filter", "model.layers.0.*")
     assert ov["model"] and all(t["key"].startswith("model.model.layers.0.") for t in ov["model"])
-    ov = inspect_json(dense_ckpt, "--depth", "3")
+    ov = inspect_json(dense_ckpt, "--depth", "2")
     prefixes = {r["prefix"]: r for r in ov["tree"]}
     assert prefixes["model.model.layers"]["tensors"] == builders.DENSE["layers"] * 9
     assert sum(r["numel"] for r in ov["tree"]) == ov["summary"]["numel_model"]

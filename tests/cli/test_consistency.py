@@ -1,0 +1,200 @@
+"""One way to name and offer things across commands (issue 29, "small inconsistencies"), through the CLI.
+
+import of a DCP directory names it as one; uppercase metavars; ``--optimizer-dir`` (a directory)
+vs ``--optimizer-type`` (a type) with the old ``--optimizer`` hidden but working; whole command
+summaries; remote-storage options only where a URL is taken; completion of option values;
+``validate --manifest`` without a value; ``inspect --depth`` below the model prefix; training
+state shown once with its step counters; ``-v`` without ``None``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import COMMANDS, app
+from tests.fixtures.cache import copy_checkpoint
+
+runner = CliRunner()
+WIDE = {"COLUMNS": "200"}
+
+
+def test_import_of_a_dcp_checkpoint_says_so_and_suggests_export(sample_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["import", str(sample_ckpt), str(out)])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert f"error: [E100] {sample_ckpt} is a DCP checkpoint (it holds .metadata)" in res.stderr
+    assert f"hint: did you mean `ckpttool export {sample_ckpt} OUT`" in res.stderr
+    assert "no .metadata and no .safetensors" not in res.stderr and not out.exists()
+    root = tmp_path / "run"
+    (root / "step-10").mkdir(parents=True)
+    (root / "step-10" / ".metadata").write_bytes((sample_ckpt / ".metadata").read_bytes())
+    res = runner.invoke(app, ["import", str(root), str(out)])
+    assert res.exit_code == 2 and "is a DCP checkpoint (step-10/.metadata is below it)" in res.stderr
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_metavars_are_uppercase_everywhere(name: str) -> None:
+    res = runner.invoke(app, [name, "--help"], env=WIDE)
+    assert res.exit_code == 0
+    usage = res.stdout.splitlines()[0]
+    assert not re.search(r"[{\[][a-z_]+[}\]]", usage.split("[OPTIONS]")[1]), usage
+    assert not re.search(r"<(path|str|int|float|int range|float range|text)>", res.stdout), res.stdout
+    missing = runner.invoke(app, [name]) if name not in ("rules", "schema", "validate") else None
+    if missing is not None:
+        assert missing.exit_code == 2 and re.search(r"Missing argument '[A-Z_]+'", missing.stderr), missing.stderr
+
+
+def test_optimizer_dir_and_optimizer_type_with_hidden_old_spellings(sample_ckpt: Path) -> None:
+    replay = runner.invoke(app, ["replay-step", "--help"], env=WIDE).stdout
+    sample = runner.invoke(app, ["sample", "--help"], env=WIDE).stdout
+    validate = runner.invoke(app, ["validate", "--help"], env=WIDE).stdout
+    assert "--optimizer-type <auto|adamw|" in replay and "--optimizer-type <adamw|" in sample
+    assert "--optimizer-dir DIR" in validate and "--optimizer-dir DIR" in replay
+    for text in (replay, sample, validate):
+        assert not re.search(r"--optimizer(?![-\w])", text), text  # the old spelling is not shown
+    # ... but still works
+    res = runner.invoke(
+        app, ["replay-step", str(sample_ckpt), "--optimizer", "adamw", "--filter", "*layers.0.mlp.gate*"]
+    )
+    assert res.exit_code == 0 and re.search(r"^optimizer +adamw", res.stdout, re.M), res.stderr
+    res = runner.invoke(app, ["replay-step", str(sample_ckpt), "--optimizer-type", "sgd"])
+    assert res.exit_code == 2 and "'sgd' is not one of 'auto', 'adamw'" in res.stderr
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--optimizer", str(sample_ckpt / "nothing")])
+    assert res.exit_code == 2 and f"--optimizer-dir {sample_ckpt / 'nothing'}: not a DCP checkpoint" in res.stderr
+
+
+def test_command_summaries_are_not_cut() -> None:
+    out = runner.invoke(app, ["--help"], env={"COLUMNS": "80"}).stdout
+    commands = out[out.index("Commands:") :]
+    assert "..." not in commands and "…" not in commands
+    assert "(reads no\n" in commands and "tensor data)." in commands  # wrapped, whole
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_remote_storage_options_only_on_commands_that_take_a_url(name: str) -> None:
+    out = runner.invoke(app, [name, "--help"], env=WIDE).stdout
+    remote = ("--storage-option", "--remote-workers", "--remote-retries", "--remote-spool-size")
+    urls = name in ("inspect", "validate", "export", "reshard", "stamp", "replay-step", "manifest", "import")
+    assert all((flag in out) == urls for flag in remote), (name, out)
+    assert "--no-progress" in out and "--wide" in out  # the other global options are everywhere
+
+
+def complete(words: str) -> list[str]:
+    env = {
+        **os.environ,
+        "_CKPTTOOL_COMPLETE": "complete_bash",
+        "COMP_WORDS": words,
+        "COMP_CWORD": str(len(words.split()) - (0 if words.endswith(" ") else 1)),
+    }
+    res = subprocess.run([sys.executable, "-m", "ckpttool"], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.split()
+
+
+def test_completion_offers_option_values(tmp_path: Path) -> None:
+    for step in ("step-10", "step-200"):
+        (tmp_path / "run" / step).mkdir(parents=True)
+        (tmp_path / "run" / step / ".metadata").write_bytes(b"")
+    assert complete("ckpttool export x y --save-dtype ") == ["preserve", "bfloat16", "float16", "float32"]
+    assert complete(f"ckpttool inspect {tmp_path / 'run'} --step ") == ["latest", "10", "200"]
+    assert complete("ckpttool inspect x --schema ") == ["torch-native", "app-state", "torchtitan", "top-level"]
+    assert complete("ckpttool replay-step x --optimizer-type cpu") == ["cpu_offload_adamw"]
+    assert complete("ckpttool export x y --hash ") == ["xxh3-128", "blake3", "blake2b-256"]
+    assert complete("ckpttool --color ") == ["auto", "always", "never"]
+    offered = complete("ckpttool replay-step x --optimi")
+    assert "--optimizer-type" in offered and "--optimizer-dir" in offered and "--optimizer" not in offered
+
+
+def test_validate_manifest_without_a_value_is_the_checkpoints_own(sample_ckpt: Path, tmp_path: Path) -> None:
+    ck = copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    res = runner.invoke(app, ["validate", str(ck), "--manifest"])
+    assert res.exit_code == 2 and f"{ck}/manifest.json: no such manifest file" in res.stderr
+    assert runner.invoke(app, ["manifest", str(ck)]).exit_code == 0
+    for argv in (
+        [str(ck), "--manifest"],
+        ["--manifest", str(ck)],  # the option took DIR: it is the checkpoint, with its own manifest
+        [str(ck), "--manifest", str(ck)],  # a directory: its manifest.json
+        [str(ck), "--manifest", "--strict"],
+        [str(ck), "--manifest", str(ck / "manifest.json")],
+    ):
+        res = runner.invoke(app, ["validate", *argv, "--json"])
+        assert res.exit_code == 0, (argv, res.stderr)
+        s015 = next(r for r in json.loads(res.stdout)["rules"] if r["code"] == "S015")
+        assert s015["status"] != "skipped", (argv, s015)
+    (ck / "__0_0.distcp").write_bytes((ck / "__0_0.distcp").read_bytes()[:-8] + b"\0" * 8)
+    res = runner.invoke(app, ["validate", str(ck), "--manifest"])
+    assert res.exit_code == 1 and "S015" in res.stdout
+
+
+def test_inspect_depth_counts_levels_below_the_model_prefix(sample_ckpt: Path) -> None:
+    def prefixes(depth: str) -> list[str]:
+        res = runner.invoke(app, ["inspect", str(sample_ckpt), "--depth", depth, "--json"])
+        assert res.exit_code == 0, res.stderr
+        return [r["prefix"] for r in json.loads(res.stdout)["tree"]]
+
+    assert prefixes("1") == ["model.model", "model.lm_head"]
+    assert "model.model.layers" in prefixes("2") and "model.model.layers.0" in prefixes("3")
+
+
+@pytest.fixture(scope="module")
+def titan_like(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """dcp.save of model, optimizer, an LR scheduler's state and a train state, after 3 steps (as torchtitan saves)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
+    for _ in range(3):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    lr = {k: v for k, v in sched.state_dict().items() if k != "lr_lambdas"}
+    out = tmp_path_factory.mktemp("titan") / "ck"
+    state = {
+        "model": msd,
+        "optimizer": osd,
+        "lr_scheduler": lr,
+        "train_state": {"step": torch.tensor(3), "ntokens_seen": torch.tensor(48)},
+    }
+    dcp.save(state, checkpoint_id=str(out), no_dist=True)
+    return out
+
+
+@pytest.mark.parametrize("width", ["80", ""])
+def test_training_state_shown_once_with_its_step_counters(width: str, titan_like: Path) -> None:
+    res = runner.invoke(app, ["inspect", str(titan_like)], env={"COLUMNS": width})
+    assert res.exit_code == 0, res.stderr
+    out = res.stdout
+    line = "training    lr_scheduler: 6 keys, last_epoch 3, _step_count 4; train_state: 2 keys, step 3, ntokens_seen 48"
+    assert line in out.replace("\n            ", " ")
+    # not again in the byte items table or an "other keys" line (the key schema's reasons name the items)
+    assert "other keys" not in out and not re.search(r"│ (lr_scheduler|train_state)\.", out), out
+    assert out.count("lr_scheduler.") == 0 and out.count("train_state:") == 1
+    doc = json.loads(runner.invoke(app, ["inspect", str(titan_like), "--json"]).stdout)
+    assert doc["training_values"] == {
+        "lr_scheduler.last_epoch": 3,
+        "lr_scheduler._step_count": 4,
+        "train_state.step": 3,
+        "train_state.ntokens_seen": 48,
+    }
+
+
+def test_verbose_never_prints_none(titan_like: Path, sample_ckpt: Path) -> None:
+    res = runner.invoke(app, ["-v", "inspect", str(titan_like)])
+    assert res.exit_code == 0 and "EP layout: unversioned from none (EP sizes not set)" in res.stderr
+    assert not re.search(r"\bNone\b", res.stderr + res.stdout)
+    res = runner.invoke(app, ["inspect", str(sample_ckpt), "-v"])
+    assert "(ep_size 1, ep_fsdp_size 1)" in res.stderr and not re.search(r"\bNone\b", res.stderr)
