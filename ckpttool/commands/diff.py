@@ -189,10 +189,11 @@ class DiffProgress:
     @classmethod
     @contextlib.contextmanager
     def on_stderr(cls, enabled: bool) -> Iterator[DiffProgress | None]:
-        """A :class:`DiffProgress` on the stderr console, or ``None`` (``--json``, ``-q``, not a terminal)."""
+        """A :class:`DiffProgress` on the stderr console, or ``None`` (``--json``, ``-q``, ``--no-progress``,
+        not a terminal)."""
         from ckpttool.ui.render import UI, stderr_console
 
-        if not enabled or UI.quiet:
+        if not enabled or UI.quiet or not UI.progress:
             yield None
             return
         shown = cls(stderr_console())
