@@ -34,7 +34,7 @@ from typing import Any
 from ckpttool.engine.execute import run_item
 from ckpttool.engine.io import ShortReadError
 from ckpttool.engine.plan import Compare, Item
-from ckpttool.errors import CkptError, DataFileError, MetadataError, UnsafePickleError
+from ckpttool.errors import CkptError, DataFileError, PerRankError, UnsafePickleError
 from ckpttool.format import limits
 from ckpttool.format.archive import STORED, ArchiveError, FileWindow, check_torch_records, parse_archive
 from ckpttool.format.files import open_regular, resolve_inside
@@ -45,6 +45,7 @@ from ckpttool.format.unpickler import check_object_graph
 
 __all__ = [
     "PerRankError",
+    "Placed",
     "PerRankReader",
     "RankFile",
     "RankLayout",
@@ -58,13 +59,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class PerRankError(MetadataError):
-    """Per-rank shards that cannot be assembled into their global tensors (placements, shapes, replicas)."""
-
-    code = "E280"
-    default_hint = "the per-rank files do not fit together: re-save, or pass the files of one save only"
 
 
 # --------------------------------------------------------------------------- layouts (plug-ins)
@@ -279,7 +273,7 @@ def local_ranges(
 
     torch's semantics (``placement_types.py``): ``Shard(d)`` gives mesh coordinate ``c`` piece
     ``c`` of ``torch.chunk`` over the current local extent of dim ``d``; ``_StridedShard(d, sf)``
-    the concatenation of pieces ``c, c+n, ..., c+(sf-1)n`` of ``torch.chunk`` into ``n*sf``;
+    splits that extent into ``sf`` pieces (``torch.chunk``) and gives ``c`` piece ``c`` of each;
     ``Replicate`` keeps the dim whole. Mesh dims apply left to right, or per tensor dim in
     ``order`` (a ``DTensorSpec.shard_order``).
     """
@@ -299,7 +293,11 @@ def local_ranges(
             lo, k = _chunk_span(total, n, c)
             ranges[p.dim] = _take(cur, lo, k)
         else:
-            pieces = [_chunk_span(total, n * p.split_factor, c + j * n) for j in range(p.split_factor)]
+            pieces = []
+            for j in range(p.split_factor):  # split_factor pieces, each sharded n ways: piece c of each
+                lo, k = _chunk_span(total, p.split_factor, j)
+                sub_lo, sub_k = _chunk_span(k, n, c)
+                pieces.append((lo + sub_lo, sub_k))
             ranges[p.dim] = [r for lo, k in pieces for r in _take(cur, lo, k)]
     return [_merge(r) for r in ranges]
 
@@ -332,6 +330,17 @@ def _shard_order(raw: Any, placements: tuple[Placement, ...]) -> dict[int, tuple
 
 
 # --------------------------------------------------------------------------- assembly
+@dataclass(frozen=True)
+class Placed:
+    """Where a rank's local tensor lies: global ``size``, ``placements`` over ``mesh`` at ``coord``, shard ``order``."""
+
+    size: tuple[int, ...]
+    placements: tuple[Placement, ...]
+    mesh: tuple[int, ...]
+    coord: tuple[int, ...]
+    order: dict[int, tuple[int, ...]] | None = None
+
+
 @dataclass
 class Assembled:
     """What the rank files hold, as DCP metadata plus what a report needs.
@@ -358,19 +367,26 @@ class Assembled:
     _chunks: dict[str, list[ChunkMeta]] = field(default_factory=dict)
     _meta: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
 
-    def add_tensor(self, key: str, value: LocalTensor | DTensorRec, ro: RankObject) -> None:
-        """Add one tensor of rank file ``ro`` under ``key`` (a DTensor's local shard, or a whole plain tensor)."""
+    def add_tensor(
+        self, key: str, value: LocalTensor | DTensorRec, ro: RankObject, placed: Placed | None = None
+    ) -> None:
+        """Add one tensor of rank file ``ro`` under ``key``: a DTensor's local shard, a plain tensor
+        placed by ``placed`` (a format's own sharding metadata), or a whole plain tensor."""
         where = f"{ro.file.relative_path}: {key!r:.100}"
         if isinstance(value, DTensorRec):
             if value.local is None:
                 raise PerRankError(f"{where}: a DTensor without its local tensor", fqn=key)
             local, gsize, dtype = value.local, value.size, value.dtype
             placements, mesh, coord, order = placements_of(value.spec, where)
-            self.meshes.add(mesh)
-            self.placements.add("(" + ", ".join(map(str, placements)) + ")")
-            ranges = local_ranges(gsize, placements, mesh, coord, _shard_order(order, placements))
+            placed = Placed(gsize, placements, mesh, coord, _shard_order(order, placements))
         else:
             local, gsize, dtype = value, value.size, value.dtype
+        if placed is not None:
+            gsize = placed.size
+            self.meshes.add(placed.mesh)
+            self.placements.add("(" + ", ".join(map(str, placed.placements)) + ")")
+            ranges = local_ranges(gsize, placed.placements, placed.mesh, placed.coord, placed.order)
+        else:
             ranges = [[(0, n)] if n else [] for n in gsize]
         if local.dtype != dtype:
             raise PerRankError(f"{where}: local tensor is {local.dtype}, the DTensor {dtype}", fqn=key)

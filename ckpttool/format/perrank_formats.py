@@ -16,16 +16,27 @@ Keys are assembled in torch's flattened spelling: ``model.<fqn>``,
 
 from __future__ import annotations
 
+import io
 import json
+import math
+import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import IncompleteCheckpointError
+from ckpttool.errors import CkptError, DataFileError, FormatVersionError, IncompleteCheckpointError, PerRankError
+from ckpttool.format import limits
+from ckpttool.format.files import read_regular, resolve_inside
+from ckpttool.format.hf_storage import read_safetensors_header
+from ckpttool.format.jsonfile import parse_json
+from ckpttool.format.metadata import DType, TensorMeta
 from ckpttool.format.perrank import (
     Assembled,
     DTensorRec,
-    PerRankError,
+    LocalTensor,
+    Placed,
+    Placement,
     RankFile,
     RankLayout,
     RankObject,
@@ -33,8 +44,11 @@ from ckpttool.format.perrank import (
     describe,
     flatten,
     is_tensor,
+    read_rank_file,
     register_layout,
 )
+from ckpttool.format.safetensors import SAFETENSORS_TAGS
+from ckpttool.format.unpickler import PrimitiveUnpickler, check_object_graph, short_repr
 
 __all__ = ["VERL_FILE_RE", "VERL_HF_DIR"]
 
@@ -193,3 +207,271 @@ def _verl_assemble(path: Path, files: list[RankFile]) -> Assembled:
 
 
 register_layout(RankLayout("verl-fsdp", "verl", _verl_claims, _verl_assemble))
+
+
+# --------------------------------------------------------------------------- torch-checkpointing
+TC_METADATA = "metadata.pkl"
+TC_VERSIONS = ("1.0", "2.0")
+TC_STAGING_PREFIX = "tmp_"
+_TC_FILE_RE = re.compile(r"^(?P<item>[A-Za-z][\w.-]*?)_(?P<rank>\d+)\.(?P<ext>pt|safetensors|json)$")
+_TC_MODEL_RE = re.compile(r"^model_\d+\.(?:pt|safetensors)$")
+
+
+def _tc_claims(path: Path, names: list[str]) -> list[RankFile] | None:
+    if ".metadata" in names or not (TC_METADATA in names or any(_TC_MODEL_RE.match(n) for n in names)):
+        return None
+    files = []
+    for n in names:
+        m = _TC_FILE_RE.match(n)
+        if m:
+            files.append(RankFile(m.group("item"), int(m.group("rank")), n))
+    return sorted(files, key=lambda f: (f.role != "model", f.role, f.rank))
+
+
+def _tc_metadata(path: Path) -> dict[str, Any] | None:
+    """``metadata.pkl`` (torch-checkpointing's ``DistributedMetadata.to_dict()``, a plain pickle), or ``None``.
+
+    Raises:
+        FormatVersionError: a version other than "1.0" / "2.0" (named).
+        UnsafePickleError: a global in the pickle (torch-checkpointing writes plain values only).
+        PerRankError: not a dict with ``metadata`` and ``world_size``.
+    """
+    p = path / TC_METADATA
+    if not os.path.lexists(p):
+        return None
+    try:
+        data = read_regular(resolve_inside(path, TC_METADATA), limits.current().max_metadata_bytes, what=TC_METADATA)
+    except OSError as e:
+        raise DataFileError(f"{p}: cannot read ({e.strerror})", path=p) from e
+    try:
+        obj = check_object_graph(PrimitiveUnpickler(io.BytesIO(data), source=str(p)).load(), str(p))
+    except CkptError:
+        raise
+    except (ValueError, EOFError, pickle.UnpicklingError, TypeError, RecursionError, MemoryError) as e:
+        raise PerRankError(f"{p}: not a readable pickle ({type(e).__name__})", path=p) from e
+    if not isinstance(obj, dict):
+        raise PerRankError(f"{p}: not torch-checkpointing's DistributedMetadata dict", path=p)
+    version = obj.get("version", "1.0")
+    if version not in TC_VERSIONS:
+        raise FormatVersionError(
+            f"{p}: torch-checkpointing metadata version {short_repr(version)} (ckpttool reads {', '.join(TC_VERSIONS)})",
+            path=p,
+        )
+    if not isinstance(obj.get("metadata"), dict) or type(obj.get("world_size")) is not int:
+        raise PerRankError(f"{p}: DistributedMetadata without metadata / world_size", path=p)
+    return obj
+
+
+def _tc_items(md: dict[str, Any] | None) -> dict[str, dict[int, Any]]:
+    """item -> rank -> its layout-info dict (``None``: the default ``<item>_<rank>.pt``), from metadata v2 / v1."""
+    if md is None:
+        return {}
+    if md.get("version") == "2.0":
+        out = {}
+        for item, d in md["metadata"].items():
+            layouts = d.get("rank_to_layout_info") if isinstance(d, dict) else None
+            out[str(item)] = {int(r): v for r, v in layouts.items()} if isinstance(layouts, dict) else {}
+        return out
+    out2: dict[str, dict[int, Any]] = {}
+    raw = md.get("rank_to_layout_info_mappings")
+    for r, mapping in raw.items() if isinstance(raw, dict) else ():
+        for item, v in mapping.items() if isinstance(mapping, dict) else ():
+            out2.setdefault(str(item), {})[int(r)] = v
+    return out2
+
+
+def _tc_sharding(md: dict[str, Any] | None, item: str) -> dict[str, list[Any]]:
+    """JSON path -> its ``GlobalObjectMetadata`` dicts, for ``item`` (metadata v2, or v1 paths starting with the item)."""
+    if md is None:
+        return {}
+    if md.get("version") == "2.0":
+        d = md["metadata"].get(item)
+        paths = d.get("nested_path_to_metadata") if isinstance(d, dict) else None
+        return dict(paths) if isinstance(paths, dict) else {}
+    out = {}
+    for k, v in md["metadata"].items():
+        try:
+            path = json.loads(k)
+        except (TypeError, ValueError):
+            continue
+        if isinstance(path, list) and path and path[0] == item:
+            out[json.dumps(path[1:], separators=(",", ":"))] = v
+    return out
+
+
+def _tc_placed(entries: Any, rank: int, where: str) -> Placed | None:
+    """The placement torch-checkpointing recorded for ``rank`` (``DTensorShardingMetadata``), or ``None``."""
+    for e in entries if isinstance(entries, list) else ():
+        sm = e.get("sharding_metadata") if isinstance(e, dict) else None
+        ranks = e.get("ranks") if isinstance(e, dict) else None
+        if not isinstance(sm, dict) or sm.get("type") != "DTensorShardingMetadata":
+            continue
+        if isinstance(ranks, (list, tuple)) and rank not in ranks:
+            continue
+        data = sm.get("data") if isinstance(sm.get("data"), dict) else {}
+        mesh = data.get("mesh_spec") if isinstance(data.get("mesh_spec"), dict) else {}
+        shape, flat = mesh.get("mesh_shape"), mesh.get("mesh_data")
+        gshape = data.get("global_shape")
+        if not (_ints(shape) and _ints(flat) and _ints(gshape)) or rank not in flat:
+            raise PerRankError(f"{where}: sharding metadata without a readable mesh for rank {rank}", path=where)
+        coord, idx = [], list(flat).index(rank)
+        for n in reversed(shape):
+            coord.append(idx % n)
+            idx //= n
+        return Placed(
+            tuple(gshape), _tc_placements(data.get("placements"), where), tuple(shape), tuple(reversed(coord))
+        )
+    return None
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(type(x) is int and x >= 0 for x in v)
+
+
+def _tc_placements(raw: Any, where: str) -> tuple[Placement, ...]:
+    out = []
+    for p in raw if isinstance(raw, list) else ():
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "Shard" and type(p.get("dim")) is int:
+            out.append(Placement("shard", p["dim"]))
+        elif kind == "StridedShard" and type(p.get("dim")) is int and type(p.get("split_factor")) is int:
+            out.append(Placement("strided_shard", p["dim"], p["split_factor"]))
+        elif kind == "Replicate":
+            out.append(Placement("replicate"))
+        else:
+            raise PerRankError(f"{where}: placement {short_repr(kind)} is not read by ckpttool", path=where)
+    return tuple(out)
+
+
+def _read_safetensors(path: Path, f: RankFile) -> RankObject:
+    """A safetensors item file as a :class:`RankObject`: its tensors as plain local tensors, records by name."""
+    p = path / f.relative_path
+    size = resolve_inside(path, f.relative_path, what="safetensors file").stat().st_size
+    header, start = read_safetensors_header(p, size)
+    header.pop("__metadata__", None)
+    obj: dict[str, Any] = {}
+    records: dict[str, tuple[int, int]] = {}
+    for name, rec in header.items():
+        tag = rec.get("dtype") if isinstance(rec, dict) else None
+        dtype = SAFETENSORS_TAGS.get(tag) if isinstance(tag, str) else None
+        shape, span = (
+            rec.get("shape") if isinstance(rec, dict) else None,
+            rec.get("data_offsets") if isinstance(rec, dict) else None,
+        )
+        if dtype is None or not _ints(shape) or not _ints(span) or len(span) != 2 or span[1] + start > size:
+            raise PerRankError(f"{p}: header entry {name!r:.80} is malformed", path=p)
+        numel = math.prod(shape)
+        if span[1] - span[0] != numel * DType(dtype).itemsize:
+            raise PerRankError(f"{p}: {name!r:.80} data_offsets do not hold {dtype}{list(shape)}", path=p)
+        stride, acc = [], 1
+        for n in reversed(shape):
+            stride.append(acc)
+            acc *= n
+        obj[name] = LocalTensor(dtype, name, numel, 0, tuple(shape), tuple(reversed(stride)))
+        records[name] = (start + span[0], span[1] - span[0])
+    return RankObject(f, obj, records)
+
+
+def _read_item(path: Path, f: RankFile) -> RankObject:
+    ext = f.relative_path.rsplit(".", 1)[-1]
+    if ext == "pt":
+        return read_rank_file(path, f)
+    if ext == "safetensors":
+        return _read_safetensors(path, f)
+    p = path / f.relative_path
+    try:
+        data = read_regular(resolve_inside(path, f.relative_path), limits.current().max_object_bytes, what="JSON item")
+    except OSError as e:
+        raise DataFileError(f"{p}: cannot read ({e.strerror})", path=p) from e
+    return RankObject(f, parse_json(data, str(p)), {})
+
+
+def _tc_build(a: Assembled, objs: list[RankObject], md: dict[str, Any] | None) -> None:
+    for ro in objs:
+        item, obj, where = ro.file.role, ro.obj, ro.file.relative_path
+        sharding = _tc_sharding(md, item)
+        if item == "optimizer" and isinstance(obj, dict) and isinstance(obj.get("param_groups"), list):
+            for g in obj["param_groups"]:
+                for fqn in g.get("params", []) if isinstance(g, dict) else ():
+                    for hp, v in g.items():
+                        if hp != "params":
+                            a.add_object(f"optimizer.param_groups.{fqn}.{hp}", v, ro)
+            obj = {"state": obj.get("state", {})}
+        flat: dict[str, Any] = {}
+        flatten("", obj, flat)
+        for k, v in flat.items():
+            key = f"{item}.{k}" if k else item
+            if is_tensor(v):
+                placed = None
+                if not isinstance(v, DTensorRec) and where.endswith(".safetensors"):
+                    placed = _tc_placed(sharding.get(json.dumps([k], separators=(",", ":"))), ro.file.rank, where)
+                    if placed is None and len({o.file.rank for o in objs}) > 1:
+                        raise PerRankError(f"{where}: {k!r:.80} has no sharding metadata in {TC_METADATA}", path=where)
+                a.add_tensor(key, v, ro, placed)
+            else:
+                a.add_object(key, v, ro)
+    _tc_check_shapes(a, md)
+
+
+def _tc_check_shapes(a: Assembled, md: dict[str, Any] | None) -> None:
+    """Every DTensor path in ``metadata.pkl`` (v2) has the global shape the assembled tensor has."""
+    if md is None or md.get("version") != "2.0":
+        return
+    for item in md["metadata"]:
+        for jpath, entries in _tc_sharding(md, str(item)).items():
+            try:
+                path = json.loads(jpath)
+            except (TypeError, ValueError):
+                continue
+            key = ".".join([str(item), *map(str, path)]) if isinstance(path, list) else ""
+            for e in entries if isinstance(entries, list) else ():
+                sm = e.get("sharding_metadata") if isinstance(e, dict) else None
+                data = sm.get("data") if isinstance(sm, dict) and isinstance(sm.get("data"), dict) else {}
+                want = data.get("global_shape")
+                meta = a.entries.get(key)
+                if _ints(want) and isinstance(meta, TensorMeta) and tuple(want) != meta.size:
+                    raise PerRankError(
+                        f"{TC_METADATA}: {key!r:.80} is {list(want)}, its shards assemble {list(meta.size)}", fqn=key
+                    )
+
+
+def _tc_assemble(path: Path, files: list[RankFile]) -> Assembled:
+    if path.name.startswith(TC_STAGING_PREFIX):
+        raise IncompleteCheckpointError(
+            f"{path}: torch-checkpointing's staging directory of a save that did not finish "
+            f"(a finished save is renamed to {path.name[len(TC_STAGING_PREFIX) :]!r})",
+            path=path,
+        )
+    md = _tc_metadata(path)
+    layouts = _tc_items(md)
+    by_name = {f.relative_path: f for f in files}
+    for item, ranks in layouts.items():
+        for r, info in ranks.items():
+            name = info.get("file_path") if isinstance(info, dict) else f"{item}_{r}.pt"
+            name = str(name).replace("{rank}", str(r))
+            if name not in by_name:
+                raise IncompleteCheckpointError(
+                    f"{path}: {TC_METADATA} names {name!r} for item {item!r}, which is missing", path=path
+                )
+            by_name[name] = RankFile(item, r, name)
+    files = sorted(by_name.values(), key=lambda f: (f.role != "model", f.role, f.rank))
+    world = md["world_size"] if md is not None else max(f.rank for f in files) + 1
+    for item in sorted({f.role for f in files}):
+        ranks = sorted(f.rank for f in files if f.role == item)
+        if ranks != list(range(world)):
+            raise IncompleteCheckpointError(
+                f"{path}: item {item!r} has files of ranks {ranks}, world size {world}", path=path
+            )
+    objs = [_read_item(path, f) for f in files]
+    a = Assembled("torch-checkpointing", "torch-checkpointing")
+    a.files = [f.relative_path for f in files]
+    _tc_build(a, objs, md)
+    items = sorted({f.role for f in files})
+    a.notes.append(
+        f"torch-checkpointing items {', '.join(items)} of {world} rank(s) read"
+        + (f"; {TC_METADATA} version {md.get('version', '1.0')}" if md is not None else f"; no {TC_METADATA}")
+    )
+    return a
+
+
+register_layout(RankLayout("torch-checkpointing", "torch-checkpointing", _tc_claims, _tc_assemble))
