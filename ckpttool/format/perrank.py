@@ -352,6 +352,8 @@ class Assembled:
         replicas: ``(key, offsets, first storage, other rank's storage)`` pairs to compare.
         files: the rank files read (relative paths); meshes: mesh shapes seen; placements: placement strings seen.
         notes: one line each: what was read and decided (``inspect`` shows them).
+        companions: full-model safetensors files saved beside the shards (relative paths), which
+            ``validate --deep`` compares with the assembled tensors (rule ``D006``).
     """
 
     format: str
@@ -364,6 +366,7 @@ class Assembled:
     meshes: set[tuple[int, ...]] = field(default_factory=set)
     placements: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
+    companions: list[str] = field(default_factory=list)
     _chunks: dict[str, list[ChunkMeta]] = field(default_factory=dict)
     _meta: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
 

@@ -201,8 +201,13 @@ def _verl_assemble(path: Path, files: list[RankFile]) -> Assembled:
     a = assemble(path, files, _verl_build, name="verl-fsdp", schema="verl")
     hf = path / VERL_HF_DIR
     if hf.is_dir():
-        a.notes.append(f"{VERL_HF_DIR}/ beside it: assets for export (config, tokenizer), not the checkpoint")
-    _ = world
+        full = sorted(n for n in os.listdir(hf) if n.endswith(".safetensors") and not n.startswith("."))
+        a.companions = [f"{VERL_HF_DIR}/{n}" for n in full]
+        a.notes.append(
+            f"{VERL_HF_DIR}/ beside it: assets for export (config, tokenizer), not the checkpoint"
+            + (f"; its full model ({', '.join(full)}) is compared with the shards by validate --deep" if full else "")
+        )
+    a.notes.append(f"world size {world}")
     return a
 
 
