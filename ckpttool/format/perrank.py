@@ -51,8 +51,7 @@ __all__ = [
     "RankLayout",
     "Assembled",
     "assemble",
-    "detect_layout",
-    "layouts",
+    "registered_layouts",
     "local_ranges",
     "read_rank_file",
     "register_layout",
@@ -102,27 +101,10 @@ def register_layout(layout: RankLayout) -> None:
     _LAYOUTS.append(layout)
 
 
-def layouts() -> tuple[RankLayout, ...]:
-    """The registered per-rank formats."""
-    _load_builtins()
+def registered_layouts() -> tuple[RankLayout, ...]:
+    """The registered per-rank formats, in order (the built-in ones register in
+    :mod:`ckpttool.format.perrank_formats`, whose :func:`~ckpttool.format.perrank_formats.detect_layout` asks them)."""
     return tuple(_LAYOUTS)
-
-
-def _load_builtins() -> None:
-    from ckpttool.format import perrank_formats  # noqa: F401  (registers the built-in layouts)
-
-
-def detect_layout(path: Path) -> tuple[RankLayout, list[RankFile]] | None:
-    """The per-rank format of directory ``path`` and its rank files, or ``None`` (never raises)."""
-    try:
-        names = sorted(os.listdir(path))
-    except OSError:
-        return None
-    for lay in layouts():
-        files = lay.claims(path, names)
-        if files is not None:
-            return lay, files
-    return None
 
 
 # --------------------------------------------------------------------------- reading one rank file

@@ -33,10 +33,7 @@ from ckpttool.format.jsonfile import parse_json
 from ckpttool.format.metadata import DType, TensorMeta
 from ckpttool.format.perrank import (
     Assembled,
-    DTensorRec,
-    LocalTensor,
     Placed,
-    Placement,
     RankFile,
     RankLayout,
     RankObject,
@@ -46,11 +43,13 @@ from ckpttool.format.perrank import (
     is_tensor,
     read_rank_file,
     register_layout,
+    registered_layouts,
 )
+from ckpttool.format.perrank_pickle import DTensorRec, LocalTensor, Placement
 from ckpttool.format.safetensors import SAFETENSORS_TAGS
 from ckpttool.format.unpickler import PrimitiveUnpickler, check_object_graph, short_repr
 
-__all__ = ["VERL_FILE_RE", "VERL_HF_DIR"]
+__all__ = ["TC_METADATA", "VERL_FILE_RE", "VERL_HF_DIR", "detect_layout"]
 
 VERL_FILE_RE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 VERL_HF_DIR = "huggingface"
@@ -313,10 +312,11 @@ def _tc_placed(entries: Any, rank: int, where: str) -> Placed | None:
             continue
         if isinstance(ranks, (list, tuple)) and rank not in ranks:
             continue
-        data = sm.get("data") if isinstance(sm.get("data"), dict) else {}
-        mesh = data.get("mesh_spec") if isinstance(data.get("mesh_spec"), dict) else {}
-        shape, flat = mesh.get("mesh_shape"), mesh.get("mesh_data")
-        gshape = data.get("global_shape")
+        data: Any = sm.get("data") if isinstance(sm.get("data"), dict) else {}
+        mesh: Any = data.get("mesh_spec") if isinstance(data.get("mesh_spec"), dict) else {}
+        shape: Any = mesh.get("mesh_shape")
+        flat: Any = mesh.get("mesh_data")
+        gshape: Any = data.get("global_shape")
         if not (_ints(shape) and _ints(flat) and _ints(gshape)) or rank not in flat:
             raise PerRankError(f"{where}: sharding metadata without a readable mesh for rank {rank}", path=where)
         coord, idx = [], list(flat).index(rank)
@@ -359,10 +359,8 @@ def _read_safetensors(path: Path, f: RankFile) -> RankObject:
     for name, rec in header.items():
         tag = rec.get("dtype") if isinstance(rec, dict) else None
         dtype = SAFETENSORS_TAGS.get(tag) if isinstance(tag, str) else None
-        shape, span = (
-            rec.get("shape") if isinstance(rec, dict) else None,
-            rec.get("data_offsets") if isinstance(rec, dict) else None,
-        )
+        shape: Any = rec.get("shape") if isinstance(rec, dict) else None
+        span: Any = rec.get("data_offsets") if isinstance(rec, dict) else None
         if dtype is None or not _ints(shape) or not _ints(span) or len(span) != 2 or span[1] + start > size:
             raise PerRankError(f"{p}: header entry {name!r:.80} is malformed", path=p)
         numel = math.prod(shape)
@@ -431,8 +429,8 @@ def _tc_check_shapes(a: Assembled, md: dict[str, Any] | None) -> None:
             key = ".".join([str(item), *map(str, path)]) if isinstance(path, list) else ""
             for e in entries if isinstance(entries, list) else ():
                 sm = e.get("sharding_metadata") if isinstance(e, dict) else None
-                data = sm.get("data") if isinstance(sm, dict) and isinstance(sm.get("data"), dict) else {}
-                want = data.get("global_shape")
+                data: Any = sm.get("data") if isinstance(sm, dict) and isinstance(sm.get("data"), dict) else {}
+                want: Any = data.get("global_shape")
                 meta = a.entries.get(key)
                 if _ints(want) and isinstance(meta, TensorMeta) and tuple(want) != meta.size:
                     raise PerRankError(
@@ -462,10 +460,10 @@ def _tc_assemble(path: Path, files: list[RankFile]) -> Assembled:
     files = sorted(by_name.values(), key=lambda f: (f.role != "model", f.role, f.rank))
     world = md["world_size"] if md is not None else max(f.rank for f in files) + 1
     for item in sorted({f.role for f in files}):
-        ranks = sorted(f.rank for f in files if f.role == item)
-        if ranks != list(range(world)):
+        have = sorted(f.rank for f in files if f.role == item)
+        if have != list(range(world)):
             raise IncompleteCheckpointError(
-                f"{path}: item {item!r} has files of ranks {ranks}, world size {world}", path=path
+                f"{path}: item {item!r} has files of ranks {have}, world size {world}", path=path
             )
     objs = [_read_item(path, f) for f in files]
     a = Assembled("torch-checkpointing", "torch-checkpointing")
@@ -480,3 +478,19 @@ def _tc_assemble(path: Path, files: list[RankFile]) -> Assembled:
 
 
 register_layout(RankLayout("torch-checkpointing", "torch-checkpointing", _tc_claims, _tc_assemble))
+
+
+def detect_layout(path: Path) -> tuple[RankLayout, list[RankFile]] | None:
+    """The per-rank format of directory ``path`` (the registered formats, asked in order) and its
+    rank files, or ``None`` (never raises; a directory holding ``.metadata`` is DCP, never per-rank)."""
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return None
+    if ".metadata" in names:
+        return None
+    for lay in registered_layouts():
+        files = lay.claims(path, names)
+        if files is not None:
+            return lay, files
+    return None

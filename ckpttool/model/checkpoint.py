@@ -22,7 +22,8 @@ from typing import cast
 from ckpttool.errors import CkptError, NotRegularFileError, PathEscapeError, TrustRequiredError, UsageError
 from ckpttool.format import limits
 from ckpttool.format.metadata import CheckpointMetadata
-from ckpttool.format.perrank import PerRankError, PerRankReader, detect_layout
+from ckpttool.format.perrank import PerRankError, PerRankReader
+from ckpttool.format.perrank_formats import detect_layout
 from ckpttool.format.reader import CheckpointReader, load_saved_object
 from ckpttool.format.storage import is_url, url_path
 from ckpttool.format.unpickler import gc_paused
