@@ -431,6 +431,14 @@ class Assembled:
         self.objects[key] = value
         self.entries[key] = BytesMeta()
 
+    def describe_placements(self) -> None:
+        """Add the meshes and placements seen to :attr:`notes` (what ``inspect`` shows)."""
+        if self.meshes:
+            meshes = ", ".join("x".join(map(str, m)) for m in sorted(self.meshes))
+            self.notes.append(f"DTensor mesh {meshes}; placements {', '.join(sorted(self.placements))}")
+        else:
+            self.notes.append("no DTensors: plain tensors, whole on every rank")
+
     def metadata(self) -> CheckpointMetadata:
         """The assembled :class:`CheckpointMetadata` (chunks sorted by offsets)."""
         for key, cs in self._chunks.items():
@@ -501,6 +509,7 @@ def assemble(
     a = Assembled(name, schema)
     a.files = [f.relative_path for f in files]
     build(a, objs)
+    a.describe_placements()
     return a
 
 

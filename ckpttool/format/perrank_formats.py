@@ -217,7 +217,7 @@ register_layout(RankLayout("verl-fsdp", "verl", _verl_claims, _verl_assemble))
 TC_METADATA = "metadata.pkl"
 TC_VERSIONS = ("1.0", "2.0")
 TC_STAGING_PREFIX = "tmp_"
-_TC_FILE_RE = re.compile(r"^(?P<item>[A-Za-z][\w.-]*?)_(?P<rank>\d+)\.(?P<ext>pt|safetensors|json)$")
+_TC_FILE_RE = re.compile(r"^(?P<item>[A-Za-z][\w.-]*?)_(?P<rank>\d+)\.(?P<ext>[A-Za-z0-9]{1,16})$")
 _TC_MODEL_RE = re.compile(r"^model_\d+\.(?:pt|safetensors)$")
 
 
@@ -383,10 +383,12 @@ def _read_item(path: Path, f: RankFile) -> RankObject:
         return _read_safetensors(path, f)
     p = path / f.relative_path
     try:
-        data = read_regular(resolve_inside(path, f.relative_path), limits.current().max_object_bytes, what="JSON item")
+        data = read_regular(resolve_inside(path, f.relative_path), limits.current().max_object_bytes, what="item file")
     except OSError as e:
         raise DataFileError(f"{p}: cannot read ({e.strerror})", path=p) from e
-    return RankObject(f, parse_json(data, str(p)), {})
+    if ext == "json":
+        return RankObject(f, parse_json(data, str(p)), {})
+    return RankObject(f, bytes(data), {})  # RawSerialization: the item's bytes as they are
 
 
 def _tc_build(a: Assembled, objs: list[RankObject], md: dict[str, Any] | None) -> None:
@@ -469,6 +471,7 @@ def _tc_assemble(path: Path, files: list[RankFile]) -> Assembled:
     a = Assembled("torch-checkpointing", "torch-checkpointing")
     a.files = [f.relative_path for f in files]
     _tc_build(a, objs, md)
+    a.describe_placements()
     items = sorted({f.role for f in files})
     a.notes.append(
         f"torch-checkpointing items {', '.join(items)} of {world} rank(s) read"

@@ -51,6 +51,17 @@ def test_assembled_tensors_equal_torch_gathered(tc_root: Path, name: str, world:
         assert "lr_scheduler" in ck.located.how and "optimizer" in ck.located.how
 
 
+@pytest.mark.parametrize("name", ["w2", "w2st"])
+def test_equal_to_torch_checkpointings_own_load(tc_root: Path, name: str) -> None:
+    import torch
+
+    loaded = torch.load(tc_root / "w2" / f"loaded_{name}.pt", weights_only=False)
+    with open_checkpoint(tc_root / name / "step-2") as ck:
+        assert set(ck.catalog.model) == {f"model.{k}" for k in loaded}
+        for k, t in loaded.items():
+            assert torch.equal(ck.reader.read_tensor(f"model.{k}"), t), k
+
+
 @pytest.mark.parametrize("name", ["w2st", "w1plain"])
 def test_validate_strict_deep_ok(tc_root: Path, name: str) -> None:
     res = runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(tc_root / name)])

@@ -58,6 +58,27 @@ def test_assembled_tensors_equal_torch_gathered(verl_root: Path, world: int) -> 
             assert [c.offsets for c in chunks] == [(0, 0), (32, 0)]
 
 
+def test_equal_to_verls_own_model_merger(verl_root: Path) -> None:
+    """verl's model_merger (FSDP backend) merges the same rank files; ckpttool assembles the same tensors."""
+    import torch
+    from verl.model_merger.base_model_merger import ModelMergerConfig
+    from verl.model_merger.fsdp_model_merger import FSDPModelMerger
+
+    actor = _actor(verl_root, 2)
+    cfg = ModelMergerConfig(
+        operation="merge", backend="fsdp", local_dir=str(actor), hf_model_config_path=str(actor / "huggingface")
+    )
+    m = FSDPModelMerger(cfg)
+    world = m._get_world_size()
+    mesh, names = m._extract_device_mesh_info(m._load_rank_zero_state_dict(world), world)
+    total, shape = m._calculate_shard_configuration(mesh, names)
+    merged = m._load_and_merge_state_dicts(world, total, shape, names)
+    with open_checkpoint(actor) as ck:
+        assert set(ck.catalog.model) == {f"model.{k}" for k in merged}
+        for k, t in merged.items():  # the merger casts to the config's dtype (bfloat16)
+            assert torch.equal(ck.reader.read_tensor(f"model.{k}").to(t.dtype), t), k
+
+
 @pytest.mark.parametrize("where", ["run", "step", "actor"])
 def test_found_from_run_root_step_dir_and_actor(verl_root: Path, where: str) -> None:
     actor = _actor(verl_root, 2)
