@@ -119,3 +119,34 @@ def test_metadata_with_a_global_is_refused(tc_root: Path, tmp_path: Path) -> Non
 def test_replay_step_matches_reference(tc_root: Path) -> None:
     res = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", str(tc_root / "w2st" / "step-2")])
     assert res.exit_code == 0, res.output
+
+
+def test_found_from_the_run_root(tc_root: Path) -> None:
+    res = runner.invoke(app, ["inspect", "--json", str(tc_root / "w2st")])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["location"]["model"] == str(tc_root / "w2st" / "step-2")
+
+
+def test_diff_pt_and_safetensors_saves_of_one_state_are_equal(tc_root: Path) -> None:
+    res = runner.invoke(app, ["diff", str(tc_root / "w2" / "step-2"), str(tc_root / "w2st" / "step-2")])
+    assert res.exit_code == 0, res.output
+    assert "equal" in res.output
+
+
+def test_manifest_then_validate_names_a_changed_shard(tc_root: Path, tmp_path: Path) -> None:
+    d = shutil.copytree(tc_root / "w2" / "step-2", tmp_path / "step-2")
+    out = tmp_path / "m.json"
+    res = runner.invoke(app, ["manifest", str(d), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert runner.invoke(app, ["validate", "--manifest", str(out), str(d)]).exit_code == 0
+    with open_checkpoint(d) as ck:
+        meta = ck.metadata.entries["model.model.norm.weight"]
+        info = ck.metadata.storage_for("model.model.norm.weight", meta.chunks[1])  # type: ignore[union-attr]
+    assert info is not None and info.relative_path == "model_1.pt"
+    with open(d / info.relative_path, "r+b") as f:
+        f.seek(info.offset + 4)
+        b = f.read(1)
+        f.seek(info.offset + 4)
+        f.write(bytes([b[0] ^ 0x40]))
+    res = runner.invoke(app, ["validate", "--manifest", str(out), str(d)])
+    assert res.exit_code != 0 and "model.model.norm.weight" in res.output

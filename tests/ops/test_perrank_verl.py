@@ -149,3 +149,17 @@ def test_unsafe_global_in_a_rank_file_is_refused(verl_root: Path, tmp_path: Path
     res = runner.invoke(app, ["inspect", str(actor)])
     assert res.exit_code != 0
     assert "E201" in res.output and "pathlib" in res.output
+
+
+def test_verl_and_torch_checkpointing_saves_of_one_training_are_equal(verl_root: Path, fixture_root: Path) -> None:
+    """The two fixtures train the same model with the same seeds: diff across the formats is bitwise equal."""
+    import importlib.util
+
+    from tests.fixtures import perrank
+
+    if importlib.util.find_spec("torch_checkpointing") is None:
+        pytest.skip("torch-checkpointing is not installed")
+    tc = cached_build(fixture_root, "perrank_torch_checkpointing", perrank.build_torch_checkpointing)
+    res = runner.invoke(app, ["diff", "--json", str(_actor(verl_root, 2)), str(tc / "w2st" / "step-2")])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["equal"] is True
