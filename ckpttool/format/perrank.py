@@ -24,7 +24,6 @@ import logging
 import math
 import os
 import pickle
-import re
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from typing import Any
 from ckpttool.engine.execute import run_item
 from ckpttool.engine.io import ShortReadError
 from ckpttool.engine.plan import Compare, Item
-from ckpttool.errors import CkptError, DataFileError, PerRankError, UnsafePickleError
+from ckpttool.errors import CkptError, DataFileError, PerRankError
 from ckpttool.format import limits
 from ckpttool.format.archive import STORED, ArchiveError, FileWindow, check_torch_records, parse_archive
 from ckpttool.format.files import open_regular, resolve_inside
@@ -460,7 +459,9 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _blocks(ranges: list[Ranges], local: LocalTensor, where: str, key: str):  # type: ignore[no-untyped-def]
+def _blocks(
+    ranges: list[Ranges], local: LocalTensor, where: str, key: str
+) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
     """``(global offsets, sizes, local element start)`` of the contiguous blocks of a local shard.
 
     A shard whose dims hold several global ranges is split into one block per range of the one
@@ -472,7 +473,8 @@ def _blocks(ranges: list[Ranges], local: LocalTensor, where: str, key: str):  # 
     shape = tuple(sum(k for _, k in r) for r in ranges)
     if math.prod(shape) == 0:
         return []
-    expect, acc = [], 1
+    expect: list[int] = []
+    acc = 1
     for n in reversed(shape):
         expect.append(acc)
         acc *= n
@@ -488,7 +490,8 @@ def _blocks(ranges: list[Ranges], local: LocalTensor, where: str, key: str):  # 
             f"{where}: a strided shard whose pieces are not contiguous in the local tensor (not read)", fqn=key
         )
     row = math.prod(shape[d + 1 :])
-    out, pos = [], 0
+    out: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+    pos = 0
     for g, n in ranges[d]:
         offsets = tuple(g if i == d else r[0][0] for i, r in enumerate(ranges))
         sizes = tuple(n if i == d else s for i, s in enumerate(shape))
@@ -510,6 +513,7 @@ def assemble(
     a.files = [f.relative_path for f in files]
     build(a, objs)
     a.describe_placements()
+    log.info("%s: %s", root, "; ".join(a.notes))
     return a
 
 
@@ -599,7 +603,3 @@ class PerRankReader(CheckpointReader):
             if diff is not None:
                 bad.append(f"{key} at {list(offsets)}: {first.relative_path} != {other.relative_path} (byte {diff})")
         return bad
-
-
-_RANK_RE = re.compile(r"(\d+)")
-_ = (UnsafePickleError, _RANK_RE)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import os
 import pickle
@@ -48,6 +49,8 @@ from ckpttool.format.perrank import (
 from ckpttool.format.perrank_pickle import DTensorRec, LocalTensor, Placement
 from ckpttool.format.safetensors import SAFETENSORS_TAGS
 from ckpttool.format.unpickler import PrimitiveUnpickler, check_object_graph, short_repr
+
+log = logging.getLogger(__name__)
 
 __all__ = ["TC_METADATA", "VERL_FILE_RE", "VERL_HF_DIR", "detect_layout"]
 
@@ -472,6 +475,7 @@ def _tc_assemble(path: Path, files: list[RankFile]) -> Assembled:
     a.files = [f.relative_path for f in files]
     _tc_build(a, objs, md)
     a.describe_placements()
+    log.info("%s: %s", path, "; ".join(a.notes))
     items = sorted({f.role for f in files})
     a.notes.append(
         f"torch-checkpointing items {', '.join(items)} of {world} rank(s) read"
