@@ -15,6 +15,8 @@ from os import PathLike
 
 __all__ = [
     "CkptError",
+    "PerRankError",
+    "FormatVersionError",
     "UsageError",
     "RankLostError",
     "PathEscapeError",
@@ -250,6 +252,22 @@ class IndexedOptimizerStateError(SchemaError):
         "re-save the optimizer with torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optimizer), "
         "which keys state by parameter fqn"
     )
+
+
+class PerRankError(MetadataError):
+    """Per-rank shards (verl FSDP, torch-checkpointing) that cannot be assembled into their global tensors."""
+
+    code = "E280"
+    default_hint = (
+        "the per-rank files do not fit together (placements, shapes, replicas): re-save, or pass one save's files"
+    )
+
+
+class FormatVersionError(MetadataError):
+    """A checkpoint format version ckpttool does not know (named): refused, never guessed."""
+
+    code = "E281"
+    default_hint = "upgrade ckpttool, or convert the checkpoint with its framework's own tools"
 
 
 class IntegerRangeError(MetadataError):

@@ -15,19 +15,22 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast
 
 from ckpttool.errors import CkptError, NotRegularFileError, PathEscapeError, TrustRequiredError, UsageError
 from ckpttool.format import limits
 from ckpttool.format.metadata import CheckpointMetadata
+from ckpttool.format.perrank import PerRankError, PerRankReader
+from ckpttool.format.perrank_formats import detect_layout
 from ckpttool.format.reader import CheckpointReader, load_saved_object
 from ckpttool.format.storage import is_url, url_path
 from ckpttool.format.unpickler import gc_paused
 from ckpttool.layouts.declaration import LayoutDeclaration, ResolvedLayout, resolve_layout
 from ckpttool.model.catalog import Catalog, ExtraStateFile, ParamGroup, build_catalog, load_param_groups
 from ckpttool.model.discovery import CheckpointSelection, Located, compose_pair, locate
+from ckpttool.model.schemas.keyschema import SchemaOverride
 
 __all__ = [
     "Checkpoint",
@@ -212,7 +215,10 @@ def open_checkpoint(
     with gc_paused():  # ~10 objects per metadata entry, all acyclic: the cyclic GC would rescan them
         t0 = time.perf_counter()
         where = _locate(path, selection)
-        if where.optimizer is None:
+        perrank = None if is_url(path) or where.optimizer is not None else _open_perrank(where, trust_pickle, selection)
+        if perrank is not None:
+            reader, selection, where = perrank
+        elif where.optimizer is None:
             reader = CheckpointReader(where.model, trust_pickle=trust_pickle)
         else:
             with CheckpointReader(where.model) as m, CheckpointReader(where.optimizer) as o:
@@ -229,6 +235,42 @@ def open_checkpoint(
     if log.isEnabledFor(logging.INFO):
         _log_opened(ckpt, t1 - t0, time.perf_counter() - t1)
     return ckpt
+
+
+def _open_perrank(
+    where: Located, trust_pickle: bool, selection: CheckpointSelection | None
+) -> tuple[CheckpointReader, CheckpointSelection, Located] | None:
+    """A per-rank checkpoint (verl FSDP, torch-checkpointing: :mod:`ckpttool.format.perrank`) assembled
+    into a reader, read with its format's key schema; ``None`` when ``where`` is not one.
+
+    Raises:
+        PerRankError: the rank files do not fit together, or replicated shards differ between ranks.
+        IncompleteCheckpointError, UnsafePickleError, DataFileError: as the format reads its files.
+    """
+    found = detect_layout(where.model)
+    if found is None:
+        return None
+    layout, files = found
+    assembled = layout.assemble(where.model, files)
+    reader = PerRankReader(where.model, assembled, trust_pickle=trust_pickle)
+    try:
+        bad = reader.check_replicas()
+    except BaseException:
+        reader.close()
+        raise
+    if bad:
+        reader.close()
+        raise PerRankError(
+            f"{where.model}: replicated shards differ between ranks: {bad[0]}"
+            + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""),
+            path=where.model,
+            hint="a replicated value must be equal on every rank; the save is inconsistent or a file was damaged",
+        )
+    sel = selection or CheckpointSelection()
+    if sel.schema is None:
+        sel = replace(sel, schema=SchemaOverride(schema=layout.schema))
+    how = f"{where.how}; {layout.name} per-rank files: " + "; ".join(assembled.notes)
+    return reader, sel, replace(where, how=how)
 
 
 def _log_opened(ckpt: Checkpoint, read_s: float, model_s: float) -> None:

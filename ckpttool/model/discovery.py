@@ -21,6 +21,7 @@ from ckpttool.errors import AmbiguousCheckpointError, MetadataError, SchemaError
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
 from ckpttool.format.hf_storage import hf_storage_files
 from ckpttool.format.metadata import CheckpointMetadata, StorageInfo
+from ckpttool.format.perrank_formats import detect_layout
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.keyschema import SchemaOverride
 
@@ -109,9 +110,10 @@ class Located:
 
 
 def is_checkpoint_dir(path: Path) -> bool:
-    """``path`` holds ``.metadata`` or the safetensors files of a ``HuggingFaceStorageWriter`` save."""
+    """``path`` holds ``.metadata``, the safetensors files of a ``HuggingFaceStorageWriter`` save, or
+    the rank files of a per-rank format (:func:`~ckpttool.format.perrank_formats.detect_layout`)."""
     try:
-        return (path / METADATA_NAME).is_file() or bool(hf_storage_files(path))
+        return (path / METADATA_NAME).is_file() or bool(hf_storage_files(path)) or detect_layout(path) is not None
     except OSError:
         return False
 

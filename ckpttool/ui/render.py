@@ -697,7 +697,7 @@ def _overview_header(con: Console, ov: InspectResult) -> None:
     s = ov.summary
     con.print(f"checkpoint  {ov.path}")
     loc = ov.location
-    if loc is not None and (loc.model != loc.given or loc.optimizer is not None):
+    if loc is not None and (loc.model != loc.given or loc.optimizer is not None or loc.how != "the directory given"):
         pair = f" + optimizer {loc.optimizer}" if loc.optimizer is not None else ""
         con.print(f"opened      {loc.model}{pair} ({loc.how})")
     con.print(

@@ -1,0 +1,503 @@
+"""The built-in per-rank formats (:mod:`ckpttool.format.perrank` plug-ins): verl FSDP and torch-checkpointing.
+
+- **verl-fsdp** — verl's ``FSDPCheckpointManager.save_checkpoint``
+  (``verl/utils/checkpoint/fsdp_checkpoint_manager.py``): in ``global_step_N/actor/`` each rank
+  ``R`` of ``W`` writes ``model_world_size_W_rank_R.pt`` (``torch.save(model.state_dict())``,
+  FSDP2 DTensors by fqn), ``optim_world_size_W_rank_R.pt`` (``optimizer.state_dict()``: state
+  keyed by parameter index, in ``model.parameters()`` order) and
+  ``extra_state_world_size_W_rank_R.pt`` (``{"lr_scheduler": ..., "rng": ...}``); rank 0 writes
+  ``fsdp_config.json`` (``FSDP_version``, ``world_size``) and ``huggingface/`` (config, tokenizer;
+  with ``hf_model`` a full ``model.safetensors``): assets, not the checkpoint.
+
+Keys are assembled in torch's flattened spelling: ``model.<fqn>``,
+``optimizer.state.<fqn>.<field>``, ``optimizer.param_groups.<fqn>.<hyperparameter>``,
+``lr_scheduler.<field>``. Torch-free.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import os
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import CkptError, DataFileError, FormatVersionError, IncompleteCheckpointError, PerRankError
+from ckpttool.format import limits
+from ckpttool.format.files import read_regular, resolve_inside
+from ckpttool.format.hf_storage import read_safetensors_header
+from ckpttool.format.jsonfile import parse_json
+from ckpttool.format.metadata import DType, TensorMeta
+from ckpttool.format.perrank import (
+    Assembled,
+    Placed,
+    RankFile,
+    RankLayout,
+    RankObject,
+    assemble,
+    describe,
+    flatten,
+    is_tensor,
+    read_rank_file,
+    register_layout,
+    registered_layouts,
+)
+from ckpttool.format.perrank_pickle import DTensorRec, LocalTensor, Placement
+from ckpttool.format.safetensors import SAFETENSORS_TAGS
+from ckpttool.format.unpickler import PrimitiveUnpickler, check_object_graph, short_repr
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TC_METADATA", "VERL_FILE_RE", "VERL_HF_DIR", "detect_layout"]
+
+VERL_FILE_RE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
+VERL_HF_DIR = "huggingface"
+_VERL_ROLES = {"model": "model", "optim": "optimizer", "extra_state": "extra"}
+
+
+# --------------------------------------------------------------------------- verl
+def _verl_claims(path: Path, names: list[str]) -> list[RankFile] | None:
+    files = []
+    for n in names:
+        m = VERL_FILE_RE.match(n)
+        if m:
+            files.append(RankFile(_VERL_ROLES[m.group(1)], int(m.group(3)), n))
+    if not files:
+        return None
+    return sorted(files, key=lambda f: (("model", "optimizer", "extra").index(f.role), f.rank))
+
+
+def _verl_world(path: Path, files: list[RankFile]) -> int:
+    """The world size every rank file names, each rank present once per role.
+
+    Raises:
+        IncompleteCheckpointError: a rank's file of a role is missing (a save that did not finish).
+        PerRankError: files of different world sizes, a rank past the world size, ``fsdp_config.json`` disagreeing.
+    """
+    worlds = {int(VERL_FILE_RE.match(f.relative_path).group(2)) for f in files}  # type: ignore[union-attr]
+    if len(worlds) != 1:
+        raise PerRankError(f"{path}: rank files of world sizes {sorted(worlds)} (several saves mixed)", path=path)
+    world = worlds.pop()
+    for role in ("model", "optimizer", "extra"):
+        ranks = sorted(f.rank for f in files if f.role == role)
+        if ranks and ranks != list(range(world)):
+            missing = sorted(set(range(world)) - set(ranks))
+            raise IncompleteCheckpointError(
+                f"{path}: {role} files of ranks {missing or ranks} missing or extra for world size {world}",
+                path=path,
+                hint="the save did not finish on every rank; use an earlier step",
+            )
+    if not any(f.role == "model" for f in files):
+        raise IncompleteCheckpointError(f"{path}: verl rank files but no model_world_size_* file", path=path)
+    cfg = path / "fsdp_config.json"
+    if cfg.is_file():
+        try:
+            data = json.loads(cfg.read_text()[:4096])
+        except (OSError, ValueError) as e:
+            raise PerRankError(f"{cfg}: not readable JSON ({type(e).__name__})", path=cfg) from e
+        if isinstance(data, dict) and data.get("world_size") not in (None, world):
+            raise PerRankError(f"{cfg}: world_size {data.get('world_size')!r:.20} but rank files of {world}", path=cfg)
+    return world
+
+
+def _param_order(obj: dict[str, Any]) -> list[str]:
+    """The model's parameters in ``model.parameters()`` order: its DTensor entries, a tied one once."""
+    seen: set[int] = set()
+    out = []
+    for k, v in obj.items():
+        if isinstance(v, DTensorRec) and id(v) not in seen:
+            seen.add(id(v))
+            out.append(k)
+    return out
+
+
+def _verl_build(a: Assembled, objs: list[RankObject]) -> None:
+    names: list[str] | None = None
+    for ro in objs:
+        obj, where = ro.obj, ro.file.relative_path
+        if ro.file.role == "model":
+            if not isinstance(obj, dict):
+                raise PerRankError(f"{where}: not a state dict", path=where)
+            for k, v in obj.items():
+                if not is_tensor(v):
+                    raise PerRankError(f"{where}: {k!r:.80} is not a tensor", path=where, fqn=str(k))
+                a.add_tensor(f"model.{k}", v, ro)
+            order = _param_order(obj)
+            if names is None:
+                names = order
+            elif order != names:
+                raise PerRankError(f"{where}: parameters differ from rank 0's", path=where)
+        elif ro.file.role == "optimizer":
+            _verl_optim(a, ro, names or [])
+        else:
+            _extra(a, ro)
+    a.notes.append(
+        f"verl FSDP per-rank torch.save files of {len(objs) and max(o.file.rank for o in objs) + 1} rank(s): "
+        f"{sum(o.file.role == 'model' for o in objs)} model, {sum(o.file.role == 'optimizer' for o in objs)} optimizer, "
+        f"{sum(o.file.role == 'extra' for o in objs)} extra_state file(s) read"
+    )
+
+
+def _verl_optim(a: Assembled, ro: RankObject, names: list[str]) -> None:
+    """An ``optimizer.state_dict()`` keyed by index: index ``i`` is the model's ``i``-th parameter."""
+    obj, where = ro.obj, ro.file.relative_path
+    if (
+        not isinstance(obj, dict)
+        or not isinstance(obj.get("state"), dict)
+        or not isinstance(obj.get("param_groups"), list)
+    ):
+        raise PerRankError(f"{where}: not an optimizer state_dict (state, param_groups)", path=where)
+    ids = [i for g in obj["param_groups"] if isinstance(g, dict) for i in g.get("params", [])]
+    if sorted(ids) != list(range(len(names))) if ids and all(type(i) is int for i in ids) else True:
+        raise PerRankError(
+            f"{where}: the optimizer steps {len(ids)} parameters, the model file holds {len(names)}",
+            path=where,
+            hint="the optimizer's indices are mapped to the model's parameters in order; both must come from one save",
+        )
+    for i, st in obj["state"].items():
+        if type(i) is not int or not 0 <= i < len(names) or not isinstance(st, dict):
+            raise PerRankError(f"{where}: optimizer state of index {i!r:.20} names no parameter", path=where)
+        fqn = names[i]
+        for fld, v in st.items():
+            key = f"optimizer.state.{fqn}.{fld}"
+            if is_tensor(v):
+                a.add_tensor(key, v, ro)
+            else:
+                a.add_object(key, v, ro)
+    for g in obj["param_groups"]:
+        for i in g.get("params", []):
+            for hp, v in g.items():
+                if hp != "params":
+                    a.add_object(f"optimizer.param_groups.{names[i]}.{hp}", v, ro)
+
+
+def _extra(a: Assembled, ro: RankObject) -> None:
+    """``{"lr_scheduler": state_dict, "rng": ...}``: the scheduler as byte items, the RNG state described."""
+    obj, where = ro.obj, ro.file.relative_path
+    if not isinstance(obj, dict):
+        raise PerRankError(f"{where}: extra state is not a dict", path=where)
+    for k, v in obj.items():
+        if k == "rng":
+            if ro.file.rank == 0:
+                a.notes.append(f"RNG state read (per rank, not exported): {describe(v)}")
+            continue
+        if v is None:
+            if ro.file.rank == 0:
+                a.notes.append(f"{k}: None saved")
+            continue
+        flat: dict[str, Any] = {}
+        flatten(str(k), v, flat)
+        for fk, fv in flat.items():
+            if is_tensor(fv):
+                a.add_tensor(fk, fv, ro)
+            else:
+                a.add_object(fk, fv, ro)
+
+
+def _verl_assemble(path: Path, files: list[RankFile]) -> Assembled:
+    world = _verl_world(path, files)
+    a = assemble(path, files, _verl_build, name="verl-fsdp", schema="verl")
+    hf = path / VERL_HF_DIR
+    if hf.is_dir():
+        full = sorted(n for n in os.listdir(hf) if n.endswith(".safetensors") and not n.startswith("."))
+        a.companions = [f"{VERL_HF_DIR}/{n}" for n in full]
+        a.notes.append(
+            f"{VERL_HF_DIR}/ beside it: assets for export (config, tokenizer), not the checkpoint"
+            + (f"; its full model ({', '.join(full)}) is compared with the shards by validate --deep" if full else "")
+        )
+    a.notes.append(f"world size {world}")
+    return a
+
+
+register_layout(RankLayout("verl-fsdp", "verl", _verl_claims, _verl_assemble))
+
+
+# --------------------------------------------------------------------------- torch-checkpointing
+TC_METADATA = "metadata.pkl"
+TC_VERSIONS = ("1.0", "2.0")
+TC_STAGING_PREFIX = "tmp_"
+_TC_FILE_RE = re.compile(r"^(?P<item>[A-Za-z][\w.-]*?)_(?P<rank>\d+)\.(?P<ext>[A-Za-z0-9]{1,16})$")
+_TC_MODEL_RE = re.compile(r"^model_\d+\.(?:pt|safetensors)$")
+
+
+def _tc_claims(path: Path, names: list[str]) -> list[RankFile] | None:
+    if ".metadata" in names or not (TC_METADATA in names or any(_TC_MODEL_RE.match(n) for n in names)):
+        return None
+    files = []
+    for n in names:
+        m = _TC_FILE_RE.match(n)
+        if m:
+            files.append(RankFile(m.group("item"), int(m.group("rank")), n))
+    return sorted(files, key=lambda f: (f.role != "model", f.role, f.rank))
+
+
+def _tc_metadata(path: Path) -> dict[str, Any] | None:
+    """``metadata.pkl`` (torch-checkpointing's ``DistributedMetadata.to_dict()``, a plain pickle), or ``None``.
+
+    Raises:
+        FormatVersionError: a version other than "1.0" / "2.0" (named).
+        UnsafePickleError: a global in the pickle (torch-checkpointing writes plain values only).
+        PerRankError: not a dict with ``metadata`` and ``world_size``.
+    """
+    p = path / TC_METADATA
+    if not os.path.lexists(p):
+        return None
+    try:
+        data = read_regular(resolve_inside(path, TC_METADATA), limits.current().max_metadata_bytes, what=TC_METADATA)
+    except OSError as e:
+        raise DataFileError(f"{p}: cannot read ({e.strerror})", path=p) from e
+    try:
+        obj = check_object_graph(PrimitiveUnpickler(io.BytesIO(data), source=str(p)).load(), str(p))
+    except CkptError:
+        raise
+    except (ValueError, EOFError, pickle.UnpicklingError, TypeError, RecursionError, MemoryError) as e:
+        raise PerRankError(f"{p}: not a readable pickle ({type(e).__name__})", path=p) from e
+    if not isinstance(obj, dict):
+        raise PerRankError(f"{p}: not torch-checkpointing's DistributedMetadata dict", path=p)
+    version = obj.get("version", "1.0")
+    if version not in TC_VERSIONS:
+        raise FormatVersionError(
+            f"{p}: torch-checkpointing metadata version {short_repr(version)} (ckpttool reads {', '.join(TC_VERSIONS)})",
+            path=p,
+        )
+    if not isinstance(obj.get("metadata"), dict) or type(obj.get("world_size")) is not int:
+        raise PerRankError(f"{p}: DistributedMetadata without metadata / world_size", path=p)
+    return obj
+
+
+def _tc_items(md: dict[str, Any] | None) -> dict[str, dict[int, Any]]:
+    """item -> rank -> its layout-info dict (``None``: the default ``<item>_<rank>.pt``), from metadata v2 / v1."""
+    if md is None:
+        return {}
+    if md.get("version") == "2.0":
+        out = {}
+        for item, d in md["metadata"].items():
+            layouts = d.get("rank_to_layout_info") if isinstance(d, dict) else None
+            out[str(item)] = {int(r): v for r, v in layouts.items()} if isinstance(layouts, dict) else {}
+        return out
+    out2: dict[str, dict[int, Any]] = {}
+    raw = md.get("rank_to_layout_info_mappings")
+    for r, mapping in raw.items() if isinstance(raw, dict) else ():
+        for item, v in mapping.items() if isinstance(mapping, dict) else ():
+            out2.setdefault(str(item), {})[int(r)] = v
+    return out2
+
+
+def _tc_sharding(md: dict[str, Any] | None, item: str) -> dict[str, list[Any]]:
+    """JSON path -> its ``GlobalObjectMetadata`` dicts, for ``item`` (metadata v2, or v1 paths starting with the item)."""
+    if md is None:
+        return {}
+    if md.get("version") == "2.0":
+        d = md["metadata"].get(item)
+        paths = d.get("nested_path_to_metadata") if isinstance(d, dict) else None
+        return dict(paths) if isinstance(paths, dict) else {}
+    out = {}
+    for k, v in md["metadata"].items():
+        try:
+            path = json.loads(k)
+        except (TypeError, ValueError):
+            continue
+        if isinstance(path, list) and path and path[0] == item:
+            out[json.dumps(path[1:], separators=(",", ":"))] = v
+    return out
+
+
+def _tc_placed(entries: Any, rank: int, where: str) -> Placed | None:
+    """The placement torch-checkpointing recorded for ``rank`` (``DTensorShardingMetadata``), or ``None``."""
+    for e in entries if isinstance(entries, list) else ():
+        sm = e.get("sharding_metadata") if isinstance(e, dict) else None
+        ranks = e.get("ranks") if isinstance(e, dict) else None
+        if not isinstance(sm, dict) or sm.get("type") != "DTensorShardingMetadata":
+            continue
+        if isinstance(ranks, (list, tuple)) and rank not in ranks:
+            continue
+        data: Any = sm.get("data") if isinstance(sm.get("data"), dict) else {}
+        mesh: Any = data.get("mesh_spec") if isinstance(data.get("mesh_spec"), dict) else {}
+        shape: Any = mesh.get("mesh_shape")
+        flat: Any = mesh.get("mesh_data")
+        gshape: Any = data.get("global_shape")
+        if not (_ints(shape) and _ints(flat) and _ints(gshape)) or rank not in flat:
+            raise PerRankError(f"{where}: sharding metadata without a readable mesh for rank {rank}", path=where)
+        coord, idx = [], list(flat).index(rank)
+        for n in reversed(shape):
+            coord.append(idx % n)
+            idx //= n
+        return Placed(
+            tuple(gshape), _tc_placements(data.get("placements"), where), tuple(shape), tuple(reversed(coord))
+        )
+    return None
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(type(x) is int and x >= 0 for x in v)
+
+
+def _tc_placements(raw: Any, where: str) -> tuple[Placement, ...]:
+    out = []
+    for p in raw if isinstance(raw, list) else ():
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "Shard" and type(p.get("dim")) is int:
+            out.append(Placement("shard", p["dim"]))
+        elif kind == "StridedShard" and type(p.get("dim")) is int and type(p.get("split_factor")) is int:
+            out.append(Placement("strided_shard", p["dim"], p["split_factor"]))
+        elif kind == "Replicate":
+            out.append(Placement("replicate"))
+        else:
+            raise PerRankError(f"{where}: placement {short_repr(kind)} is not read by ckpttool", path=where)
+    return tuple(out)
+
+
+def _read_safetensors(path: Path, f: RankFile) -> RankObject:
+    """A safetensors item file as a :class:`RankObject`: its tensors as plain local tensors, records by name."""
+    p = path / f.relative_path
+    size = resolve_inside(path, f.relative_path, what="safetensors file").stat().st_size
+    header, start = read_safetensors_header(p, size)
+    header.pop("__metadata__", None)
+    obj: dict[str, Any] = {}
+    records: dict[str, tuple[int, int]] = {}
+    for name, rec in header.items():
+        tag = rec.get("dtype") if isinstance(rec, dict) else None
+        dtype = SAFETENSORS_TAGS.get(tag) if isinstance(tag, str) else None
+        shape: Any = rec.get("shape") if isinstance(rec, dict) else None
+        span: Any = rec.get("data_offsets") if isinstance(rec, dict) else None
+        if dtype is None or not _ints(shape) or not _ints(span) or len(span) != 2 or span[1] + start > size:
+            raise PerRankError(f"{p}: header entry {name!r:.80} is malformed", path=p)
+        numel = math.prod(shape)
+        if span[1] - span[0] != numel * DType(dtype).itemsize:
+            raise PerRankError(f"{p}: {name!r:.80} data_offsets do not hold {dtype}{list(shape)}", path=p)
+        stride, acc = [], 1
+        for n in reversed(shape):
+            stride.append(acc)
+            acc *= n
+        obj[name] = LocalTensor(dtype, name, numel, 0, tuple(shape), tuple(reversed(stride)))
+        records[name] = (start + span[0], span[1] - span[0])
+    return RankObject(f, obj, records)
+
+
+def _read_item(path: Path, f: RankFile) -> RankObject:
+    ext = f.relative_path.rsplit(".", 1)[-1]
+    if ext == "pt":
+        return read_rank_file(path, f)
+    if ext == "safetensors":
+        return _read_safetensors(path, f)
+    p = path / f.relative_path
+    try:
+        data = read_regular(resolve_inside(path, f.relative_path), limits.current().max_object_bytes, what="item file")
+    except OSError as e:
+        raise DataFileError(f"{p}: cannot read ({e.strerror})", path=p) from e
+    if ext == "json":
+        return RankObject(f, parse_json(data, str(p)), {})
+    return RankObject(f, bytes(data), {})  # RawSerialization: the item's bytes as they are
+
+
+def _tc_build(a: Assembled, objs: list[RankObject], md: dict[str, Any] | None) -> None:
+    for ro in objs:
+        item, obj, where = ro.file.role, ro.obj, ro.file.relative_path
+        sharding = _tc_sharding(md, item)
+        if item == "optimizer" and isinstance(obj, dict) and isinstance(obj.get("param_groups"), list):
+            for g in obj["param_groups"]:
+                for fqn in g.get("params", []) if isinstance(g, dict) else ():
+                    for hp, v in g.items():
+                        if hp != "params":
+                            a.add_object(f"optimizer.param_groups.{fqn}.{hp}", v, ro)
+            obj = {"state": obj.get("state", {})}
+        flat: dict[str, Any] = {}
+        flatten("", obj, flat)
+        for k, v in flat.items():
+            key = f"{item}.{k}" if k else item
+            if is_tensor(v):
+                placed = None
+                if not isinstance(v, DTensorRec) and where.endswith(".safetensors"):
+                    placed = _tc_placed(sharding.get(json.dumps([k], separators=(",", ":"))), ro.file.rank, where)
+                    if placed is None and len({o.file.rank for o in objs}) > 1:
+                        raise PerRankError(f"{where}: {k!r:.80} has no sharding metadata in {TC_METADATA}", path=where)
+                a.add_tensor(key, v, ro, placed)
+            else:
+                a.add_object(key, v, ro)
+    _tc_check_shapes(a, md)
+
+
+def _tc_check_shapes(a: Assembled, md: dict[str, Any] | None) -> None:
+    """Every DTensor path in ``metadata.pkl`` (v2) has the global shape the assembled tensor has."""
+    if md is None or md.get("version") != "2.0":
+        return
+    for item in md["metadata"]:
+        for jpath, entries in _tc_sharding(md, str(item)).items():
+            try:
+                path = json.loads(jpath)
+            except (TypeError, ValueError):
+                continue
+            key = ".".join([str(item), *map(str, path)]) if isinstance(path, list) else ""
+            for e in entries if isinstance(entries, list) else ():
+                sm = e.get("sharding_metadata") if isinstance(e, dict) else None
+                data: Any = sm.get("data") if isinstance(sm, dict) and isinstance(sm.get("data"), dict) else {}
+                want: Any = data.get("global_shape")
+                meta = a.entries.get(key)
+                if _ints(want) and isinstance(meta, TensorMeta) and tuple(want) != meta.size:
+                    raise PerRankError(
+                        f"{TC_METADATA}: {key!r:.80} is {list(want)}, its shards assemble {list(meta.size)}", fqn=key
+                    )
+
+
+def _tc_assemble(path: Path, files: list[RankFile]) -> Assembled:
+    if path.name.startswith(TC_STAGING_PREFIX):
+        raise IncompleteCheckpointError(
+            f"{path}: torch-checkpointing's staging directory of a save that did not finish "
+            f"(a finished save is renamed to {path.name[len(TC_STAGING_PREFIX) :]!r})",
+            path=path,
+        )
+    md = _tc_metadata(path)
+    layouts = _tc_items(md)
+    by_name = {f.relative_path: f for f in files}
+    for item, ranks in layouts.items():
+        for r, info in ranks.items():
+            name = info.get("file_path") if isinstance(info, dict) else f"{item}_{r}.pt"
+            name = str(name).replace("{rank}", str(r))
+            if name not in by_name:
+                raise IncompleteCheckpointError(
+                    f"{path}: {TC_METADATA} names {name!r} for item {item!r}, which is missing", path=path
+                )
+            by_name[name] = RankFile(item, r, name)
+    files = sorted(by_name.values(), key=lambda f: (f.role != "model", f.role, f.rank))
+    world = md["world_size"] if md is not None else max(f.rank for f in files) + 1
+    for item in sorted({f.role for f in files}):
+        have = sorted(f.rank for f in files if f.role == item)
+        if have != list(range(world)):
+            raise IncompleteCheckpointError(
+                f"{path}: item {item!r} has files of ranks {have}, world size {world}", path=path
+            )
+    objs = [_read_item(path, f) for f in files]
+    a = Assembled("torch-checkpointing", "torch-checkpointing")
+    a.files = [f.relative_path for f in files]
+    _tc_build(a, objs, md)
+    a.describe_placements()
+    log.info("%s: %s", path, "; ".join(a.notes))
+    items = sorted({f.role for f in files})
+    a.notes.append(
+        f"torch-checkpointing items {', '.join(items)} of {world} rank(s) read"
+        + (f"; {TC_METADATA} version {md.get('version', '1.0')}" if md is not None else f"; no {TC_METADATA}")
+    )
+    return a
+
+
+register_layout(RankLayout("torch-checkpointing", "torch-checkpointing", _tc_claims, _tc_assemble))
+
+
+def detect_layout(path: Path) -> tuple[RankLayout, list[RankFile]] | None:
+    """The per-rank format of directory ``path`` (the registered formats, asked in order) and its
+    rank files, or ``None`` (never raises; a directory holding ``.metadata`` is DCP, never per-rank)."""
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return None
+    if ".metadata" in names:
+        return None
+    for lay in registered_layouts():
+        files = lay.claims(path, names)
+        if files is not None:
+            return lay, files
+    return None

@@ -1,0 +1,32 @@
+"""``torch-checkpointing``: torch-checkpointing's per-rank items (``model_{rank}.pt`` / ``.safetensors``, not DCP).
+
+``model_{rank}``, ``optimizer_{rank}``, ``lr_scheduler_{rank}`` files plus ``metadata.pkl``
+assembled by :mod:`ckpttool.format.perrank_formats` into torch's flattened keys:
+``model.<fqn>``, ``optimizer.state.<fqn>.<field>``, ``lr_scheduler.<field>``. Chosen by the
+per-rank format, never by key detection.
+"""
+
+from __future__ import annotations
+
+from ckpttool.model.schemas.base import Detected, SchemaSpec
+
+__all__ = ["SPEC"]
+
+
+def _claims(d: Detected) -> bool:
+    return False  # the per-rank format names it; DCP keys never do
+
+
+SPEC = SchemaSpec(
+    name="torch-checkpointing",
+    model_prefix="model.",
+    optimizer_prefix="optimizer.",
+    model_container=("model",),
+    claims=_claims,
+    priority=91,
+    optimizer_heads=("optimizer",),
+    training_state_items=("lr_scheduler",),
+    doc_model="`model.<fqn>` (assembled)",
+    doc_optimizer="`optimizer.state.<fqn>.<field>` (assembled)",
+    doc_written_by="torch-checkpointing: per-rank `model_{rank}.pt`/`.safetensors`, `optimizer_{rank}.pt`, `metadata.pkl`",
+)

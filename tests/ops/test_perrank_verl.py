@@ -1,0 +1,165 @@
+"""verl FSDP per-rank checkpoints (tests/fixtures/perrank.py: verl's own FSDPCheckpointManager, 1 and 2 gloo ranks).
+
+Answers are checked against what torch gathers from the live FSDP2 model and optimizer
+(``DTensor.full_tensor``) and, for export, against transformers logits of that model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.model.checkpoint import open_checkpoint
+from tests.fixtures.cache import cached_build
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="session")
+def verl_root(fixture_root: Path) -> Path:
+    import importlib.util
+
+    from tests.fixtures import perrank
+
+    if importlib.util.find_spec("verl") is None or importlib.util.find_spec("ray") is None:
+        pytest.skip(
+            "verl is not installed (pip install --no-deps verl==0.9.1 ray==2.60.0 tensordict==0.15.3; WRITERS.md)"
+        )
+    return cached_build(fixture_root, "perrank_verl", perrank.build_verl)
+
+
+def _actor(root: Path, world: int) -> Path:
+    return root / f"w{world}" / "global_step_2" / "actor"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_assembled_tensors_equal_torch_gathered(verl_root: Path, world: int) -> None:
+    import torch
+
+    ref = torch.load(verl_root / f"w{world}" / "reference.pt", weights_only=False)
+    with open_checkpoint(_actor(verl_root, world)) as ck:
+        assert ck.catalog.schema.id == "verl"
+        assert set(ck.catalog.model) == {f"model.{k}" for k in ref["model"]}
+        for k, t in ref["model"].items():
+            assert torch.equal(ck.reader.read_tensor(f"model.{k}"), t), k
+        for k in ref["names"]:
+            assert torch.equal(ck.reader.read_tensor(f"optimizer.state.{k}.exp_avg"), ref["exp_avg"][k]), k
+            assert torch.equal(ck.reader.read_tensor(f"optimizer.state.{k}.exp_avg_sq"), ref["exp_avg_sq"][k]), k
+            assert float(ck.reader.read_tensor(f"optimizer.state.{k}.step")) == ref["step"][k]
+            assert ck.reader.read_object(f"optimizer.param_groups.{k}.lr") == ref["lr"]
+        assert ck.reader.read_object("lr_scheduler.last_epoch") == 2
+        if world == 2:
+            chunks = ck.metadata.entries["model.model.embed_tokens.weight"].chunks
+            assert [c.offsets for c in chunks] == [(0, 0), (32, 0)]
+
+
+def test_equal_to_verls_own_model_merger(verl_root: Path) -> None:
+    """verl's model_merger (FSDP backend) merges the same rank files; ckpttool assembles the same tensors."""
+    import torch
+    from verl.model_merger.base_model_merger import ModelMergerConfig
+    from verl.model_merger.fsdp_model_merger import FSDPModelMerger
+
+    actor = _actor(verl_root, 2)
+    cfg = ModelMergerConfig(
+        operation="merge", backend="fsdp", local_dir=str(actor), hf_model_config_path=str(actor / "huggingface")
+    )
+    m = FSDPModelMerger(cfg)
+    world = m._get_world_size()
+    mesh, names = m._extract_device_mesh_info(m._load_rank_zero_state_dict(world), world)
+    total, shape = m._calculate_shard_configuration(mesh, names)
+    merged = m._load_and_merge_state_dicts(world, total, shape, names)
+    with open_checkpoint(actor) as ck:
+        assert set(ck.catalog.model) == {f"model.{k}" for k in merged}
+        for k, t in merged.items():  # the merger casts to the config's dtype (bfloat16)
+            assert torch.equal(ck.reader.read_tensor(f"model.{k}").to(t.dtype), t), k
+
+
+@pytest.mark.parametrize("where", ["run", "step", "actor"])
+def test_found_from_run_root_step_dir_and_actor(verl_root: Path, where: str) -> None:
+    actor = _actor(verl_root, 2)
+    given = {"run": verl_root / "w2", "step": actor.parent, "actor": actor}[where]
+    res = runner.invoke(app, ["inspect", "--json", str(given)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert doc["location"]["model"] == str(actor)  # never actor/huggingface
+    assert "verl-fsdp" in doc["location"]["how"]
+
+
+def test_validate_strict_deep_ok_and_reads_training_state(verl_root: Path) -> None:
+    res = runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(_actor(verl_root, 2))])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert doc["ok"] is True
+
+
+def test_missing_rank_file_is_incomplete(verl_root: Path, tmp_path: Path) -> None:
+    actor = shutil.copytree(_actor(verl_root, 2), tmp_path / "actor")
+    (actor / "optim_world_size_2_rank_1.pt").unlink()
+    res = runner.invoke(app, ["validate", str(actor)])
+    assert res.exit_code != 0
+    assert "E202" in res.output and "optimizer files of ranks [1]" in res.output
+
+
+def test_replicas_that_differ_are_refused(verl_root: Path, tmp_path: Path) -> None:
+    import torch
+
+    actor = shutil.copytree(_actor(verl_root, 2), tmp_path / "actor")
+    with open_checkpoint(actor) as ck:
+        assert ck.metadata.entries["optimizer.state.lm_head.weight.step"].chunks  # type: ignore[union-attr]
+    other = actor / "optim_world_size_2_rank_1.pt"
+    sd = torch.load(other, weights_only=False)
+    sd["state"][0]["step"] = torch.tensor(5.0)
+    torch.save(sd, other)
+    res = runner.invoke(app, ["validate", str(actor)])
+    assert res.exit_code != 0
+    assert "E280" in res.output and "replicated shards differ" in res.output
+
+
+def test_export_matches_transformers_logits(verl_root: Path, tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    actor = _actor(verl_root, 2)
+    out = tmp_path / "hf"
+    res = runner.invoke(
+        app, ["export", str(actor), str(out), "--model-assets", str(actor / "huggingface"), "--allow-mismatch", "dtype"]
+    )
+    assert res.exit_code == 0, res.output
+    ref = torch.load(verl_root / "w2" / "reference.pt", weights_only=False)
+    cfg = AutoConfig.from_pretrained(actor / "huggingface")
+    want = LlamaForCausalLM(cfg).float()
+    want.load_state_dict(ref["model"])
+    got = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.arange(12).reshape(2, 6)
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, want(ids).logits)
+
+
+def test_unsafe_global_in_a_rank_file_is_refused(verl_root: Path, tmp_path: Path) -> None:
+    import torch
+
+    actor = shutil.copytree(_actor(verl_root, 1), tmp_path / "actor")
+    extra = actor / "extra_state_world_size_1_rank_0.pt"
+    torch.save({"lr_scheduler": None, "rng": {"x": Path("/etc")}}, extra)
+    res = runner.invoke(app, ["inspect", str(actor)])
+    assert res.exit_code != 0
+    assert "E201" in res.output and "pathlib" in res.output
+
+
+def test_verl_and_torch_checkpointing_saves_of_one_training_are_equal(verl_root: Path, fixture_root: Path) -> None:
+    """The two fixtures train the same model with the same seeds: diff across the formats is bitwise equal."""
+    import importlib.util
+
+    from tests.fixtures import perrank
+
+    if importlib.util.find_spec("torch_checkpointing") is None:
+        pytest.skip("torch-checkpointing is not installed")
+    tc = cached_build(fixture_root, "perrank_torch_checkpointing", perrank.build_torch_checkpointing)
+    res = runner.invoke(app, ["diff", "--json", str(_actor(verl_root, 2)), str(tc / "w2st" / "step-2")])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["equal"] is True
