@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.errors import ExportError, UsageError
 from ckpttool.format.files import open_regular, resolve_inside
 from ckpttool.format.hf_storage import load_hf_storage_metadata
+from ckpttool.format.marker import MARKER_NAME
 from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
 from ckpttool.format.outputs import output_location
 from ckpttool.format.storage import is_url
@@ -565,7 +566,7 @@ def _write_output(
     owners = group.share(file_bytes)
     mine = {r for r in range(opts.world_size) if group.owns(owners[r])}
     with contextlib.ExitStack() as stack:
-        tmp = distributed.enter_output_dir(stack, group, dst, overwrite=opts.overwrite, source=src_dir)
+        tmp = distributed.enter_output_dir(stack, group, dst, overwrite=opts.overwrite, source=src_dir, kind="import")
         try:
             w = _write_dcp(tmp, dst, placed, mine, fds, opts, ep, ep_specs, group)
         except BaseException as e:
@@ -578,6 +579,8 @@ def _write_output(
 
                 write_output_manifest(w, tmp, opts.algorithm, identity)
             for p in sorted(tmp.iterdir()):
+                if p.name == MARKER_NAME:  # ckpttool's own marker, not a checkpoint file
+                    continue
                 files_info.append({"name": p.name, "bytes": p.stat().st_size})
     return files_info
 

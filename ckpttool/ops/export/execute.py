@@ -821,7 +821,9 @@ def _write(
     file_bytes = plan.file_bytes()
     tied, embed, lm_head = prep.tied, prep.embed, prep.lm_head
     with contextlib.ExitStack() as stack:
-        tmp = distributed.enter_output_dir(stack, group, out, overwrite=opts.overwrite, source=checkpoint)
+        tmp = distributed.enter_output_dir(
+            stack, group, out, overwrite=opts.overwrite, source=checkpoint, kind="export"
+        )
         bytes_read = 0
         writers: list[ShardWriter | None] = []
         failure: BaseException | None = None

@@ -30,6 +30,7 @@ from ckpttool.format.atomic import signals_deferred
 from ckpttool.format.digest import DEFAULT_ALGORITHM
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
 from ckpttool.format.files import copy_regular, resolve_inside
+from ckpttool.format.marker import MARKER_NAME
 from ckpttool.format.metadata import ChunkMeta
 from ckpttool.format.outputs import output_location
 from ckpttool.format.reader import CheckpointReader
@@ -400,7 +401,9 @@ def _copy_extra_remote(reader: CheckpointReader, dst: Path) -> list[str]:
     assert reader.remote is not None
     copied = []
     for rel in sorted(reader.remote.sizes()):
-        if rel in (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME) or ("/" not in rel and DATA_FILE_RE.match(rel)):
+        if rel in (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME, MARKER_NAME) or (
+            "/" not in rel and DATA_FILE_RE.match(rel)
+        ):
             continue
         data = reader.read_file(rel, limits.current().max_object_bytes, what="file beside the checkpoint")
         out = dst / rel
@@ -439,7 +442,7 @@ def _copy_extra_files(src: Path, dst: Path) -> list[str]:
             raise NotRegularFileError(f"{src / rel} is a device, FIFO or socket, not a regular file", path=src / rel)
 
     for entry in sorted(os.scandir(src), key=lambda e: e.name):
-        if entry.name in (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME) or DATA_FILE_RE.match(entry.name):
+        if entry.name in (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME, MARKER_NAME) or DATA_FILE_RE.match(entry.name):
             continue
         copy_entry(entry, entry.name, dst / entry.name)
         copied.append(entry.name)
@@ -515,7 +518,7 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
     _check_byte_item_caps(plan, reader, src_p)
     group = distributed.current()
     with contextlib.ExitStack() as stack:
-        tmp = distributed.enter_output_dir(stack, group, dst_p, overwrite=opts.overwrite, source=src_p)
+        tmp = distributed.enter_output_dir(stack, group, dst_p, overwrite=opts.overwrite, source=src_p, kind="reshard")
         try:
             writer, counts = execute_plan(
                 plan,
