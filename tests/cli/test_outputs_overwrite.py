@@ -14,7 +14,9 @@ import hashlib
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -210,3 +212,39 @@ def test_the_readme_overwrite_lines_rerun(tmp_path: Path) -> None:
     assert json.loads((s / MARKER).read_text())["kind"] == "sample"
     assert json.loads((hf / MARKER).read_text())["kind"] == "export"
     assert leftovers(tmp_path) == []
+
+
+def test_a_manifest_written_into_an_output_keeps_it_replaceable(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`ckpttool manifest OUT` adds manifest.json to OUT's marker (ckpttool wrote it); a hand-made file does not."""
+    out = tmp_path / "out"
+    argv = ["reshard", sample_ckpt, out, "--to", "canonical", "--with-optimizer"]
+    assert cli(*argv).exit_code == 0
+    res = cli("manifest", out)
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads((out / MARKER).read_text())
+    assert doc["files"]["manifest.json"][0] == (out / "manifest.json").stat().st_size
+    res = cli(*argv, "--overwrite")
+    assert res.exit_code == 0, res.stderr
+    (out / "NOTES.md").write_text("mine\n")
+    res = cli("manifest", out)  # the marker disagrees already: it is not rewritten to bless NOTES.md
+    assert res.exit_code == 0, res.stderr
+    assert "NOTES.md" in assert_refused(cli(*argv, "--overwrite"))
+
+
+def test_a_foreign_prefix_in_object_storage_is_refused(
+    dense_ckpt: Path, sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """The same rule below a URL prefix: a training checkpoint uploaded there is refused, objects untouched;
+    a previous export there (it carries the marker) is replaced."""
+    url = s3_server.upload_dir(dense_ckpt, "ckpts", f"t-{uuid.uuid4().hex[:8]}")
+    key = url.split("/", 3)[3]
+    before = s3_server.download_dir("ckpts", key, tmp_path / "before")
+    opts = s3_server.cli_options()
+    res = runner.invoke(app, [*opts, "export", str(sample_ckpt), url, "--overwrite"])
+    line = assert_refused(res, "it holds a DCP checkpoint (.metadata")
+    assert f"no {MARKER}" in line
+    assert s3_server.download_dir("ckpts", key, tmp_path / "after") == before
+    out = url + "-hf"
+    assert runner.invoke(app, [*opts, "export", str(sample_ckpt), out]).exit_code == 0
+    res = runner.invoke(app, [*opts, "export", str(sample_ckpt), out, "--overwrite"])
+    assert res.exit_code == 0, res.output
