@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import sys
 import typing
 from collections.abc import Callable
@@ -190,6 +191,8 @@ def run_export(cli: ExportCLIOptions) -> None:
         sink.warning(w)
     if masters:
         sink.note(masters)
+    for n in result.notes:
+        sink.note(n)
     sink.result(result, _render)
 
 
@@ -316,6 +319,9 @@ def _render(r: ExportResult) -> None:
         con.print("not exported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()))
     if r.assets:
         con.print(f"assets      {', '.join(r.assets)}")
+    if r.config_edits:  # config.json made to match the written weights (ckpttool.ops.export.serving)
+        edits = "; ".join(f"{k} {json.dumps(old)} -> {json.dumps(new)}" for k, (old, new) in r.config_edits.items())
+        con.print(f"config.json {edits}")
 
 
 def _counts(d: dict[str, int]) -> str:
