@@ -28,6 +28,7 @@ from ckpttool.errors import OutputError
 from ckpttool.format import marker
 from ckpttool.format.atomic import (
     AtomicOutputDir,
+    check_output_target,
     foreign_output_error,
     restore_signals,
     signals_deferred,
@@ -35,7 +36,7 @@ from ckpttool.format.atomic import (
 )
 from ckpttool.format.storage import RemoteStore, is_url, local_path, url_path
 
-__all__ = ["OutputDir", "RemoteOutputDir", "output_dir", "output_location", "MARKERS"]
+__all__ = ["OutputDir", "RemoteOutputDir", "check_target", "output_dir", "output_location", "MARKERS"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,22 @@ def output_dir(
         return RemoteOutputDir(target, overwrite=overwrite, source=source, kind=kind)
     local_source = source if source is not None and not is_url(source) else None
     return AtomicOutputDir(local_path(target), overwrite=overwrite, source=local_source, kind=kind)
+
+
+def check_target(
+    target: str | os.PathLike[str], *, overwrite: bool = False, source: str | os.PathLike[str] | None = None
+) -> None:
+    """What entering :func:`output_dir` would refuse, checked without creating anything (``--dry-run``).
+
+    Raises:
+        OutputError: ``target`` exists non-empty without ``overwrite``, overlaps ``source``, is a file.
+        ForeignOutputError: (E606) ``overwrite`` of a directory (or prefix) ckpttool did not write.
+    """
+    if is_url(target):
+        RemoteOutputDir(target, overwrite=overwrite, source=source).check()
+        return
+    local_source = Path(local_path(source)) if source is not None and not is_url(source) else None
+    check_output_target(Path(os.path.abspath(local_path(target))), overwrite=overwrite, source=local_source)
 
 
 def _remote_ownership(store: RemoteStore, existing: dict[str, int]) -> marker.Ownership:
@@ -125,6 +142,17 @@ class RemoteOutputDir:
         self._old_handlers: dict[int, Any] = {}
 
     def __enter__(self) -> Path:
+        self.check()
+        self.staging = Path(tempfile.mkdtemp(prefix="ckpttool-out-"))
+        self._old_handlers = stop_signals()  # SIGTERM too stops by an exception: the cleanup below runs
+        return self.staging
+
+    def check(self) -> None:
+        """The checks of entry, without staging anything (``--dry-run``).
+
+        Raises:
+            OutputError, ForeignOutputError: as the class says.
+        """
         t = self.target
         if self.source is not None and type(self.source) is type(t):
             a, b = t.key.rstrip("/") + "/", self.source.key.rstrip("/") + "/"
@@ -150,9 +178,6 @@ class RemoteOutputDir:
             found = _remote_ownership(self.store, existing)
             if not found.owned:
                 raise foreign_output_error(cast(Path, t), found)
-        self.staging = Path(tempfile.mkdtemp(prefix="ckpttool-out-"))
-        self._old_handlers = stop_signals()  # SIGTERM too stops by an exception: the cleanup below runs
-        return self.staging
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

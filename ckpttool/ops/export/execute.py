@@ -36,7 +36,7 @@ from ckpttool.format.atomic import signals_deferred
 from ckpttool.format.digest import DEFAULT_ALGORITHM
 from ckpttool.format.files import copy_regular, read_regular, resolve_inside
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
-from ckpttool.format.outputs import output_location
+from ckpttool.format.outputs import check_target, output_location
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.safetensors import ShardWriter
 from ckpttool.format.storage import is_url
@@ -106,6 +106,9 @@ class ExportOptions:
             detected from the key names (torchtitan names -> a torchtitan adapter).
         allow_mismatch: kinds of difference from the model class built from ``config.json``
             (``missing``, ``unexpected``, ``shape``, ``dtype``) reported as warnings instead of refused.
+        dry_run: plan and check everything (options, selection, casts, the model check, every
+            chunk's tiling, whether ``OUT`` may be written) and return the result of the export
+            that would run (``dry_run`` true, planned file sizes without headers) without writing.
     """
 
     fmt: str = "hf"
@@ -125,6 +128,7 @@ class ExportOptions:
     algorithm: str = DEFAULT_ALGORITHM
     adapter: str | None = None
     allow_mismatch: tuple[str, ...] = ()
+    dry_run: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,7 @@ class ExportResult:
     model_check: dict[str, Any] | None = None
     config_edits: dict[str, list[Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    dry_run: bool = False
 
     @property
     def gb_per_s(self) -> float:
@@ -191,6 +196,7 @@ class ExportResult:
             "model_check": self.model_check,
             "config_edits": self.config_edits,
             "notes": self.notes,
+            "dry_run": self.dry_run,
         }
 
 
@@ -811,6 +817,13 @@ def _export(
     layout = ckpt.require_layout()
     prep = _prepare(ckpt, layout, out_format, opts, rules, model_config, given_adapter)
     plan = prep.plan
+    if opts.dry_run:  # the plan of this very export, checked up to the output directory: nothing written
+        check_target(out, overwrite=opts.overwrite, source=ckpt.path)
+        planned = [
+            {"name": name, "bytes": size, "tensors": len(entries)}
+            for name, size, entries in zip(plan.files, plan.file_bytes(), plan.entries)
+        ]
+        return _export_result(out, opts, layout, prep, planned, 0, time.perf_counter() - t0, None)
     # torchrun: each rank writes the files assigned to it (by bytes), rank 0 the index (ckpttool.ops.distributed)
     group = distributed.current()
     file_bytes = plan.file_bytes()
@@ -825,7 +838,20 @@ def _export(
     # long-lived and acyclic: frozen (gc.freeze) until the export ends (gc_held).
     resume_frozen()
     files_info, bytes_read = _write(ckpt, out, opts, out_format, prep, group, mine, st_metadata, identity, progress)
-    seconds = time.perf_counter() - t0
+    return _export_result(out, opts, layout, prep, files_info, bytes_read, time.perf_counter() - t0, identity)
+
+
+def _export_result(
+    out: Path,
+    opts: ExportOptions,
+    layout: ResolvedLayout,
+    prep: _Prepared,
+    files_info: list[dict[str, Any]],
+    bytes_read: int,
+    seconds: float,
+    identity: dict[str, Any] | None,
+) -> ExportResult:
+    plan = prep.plan
     return ExportResult(
         output=str(out),
         format=opts.fmt,
@@ -858,6 +884,7 @@ def _export(
         model_check=prep.check.to_dict() if prep.check is not None else None,
         config_edits=prep.config[1] if prep.config is not None else {},
         notes=list(prep.notes),
+        dry_run=opts.dry_run,
     )
 
 
