@@ -201,6 +201,20 @@ def _raise_for(signum: int) -> None:
     raise Terminated()
 
 
+def _remove_marked(d: Path) -> None:
+    """Remove a temporary directory proven ours, its marker last: cut short, what is left still proves it."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(d):
+            if entry.name == marker.MARKER_NAME:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
+        os.unlink(d / marker.MARKER_NAME)
+        os.rmdir(d)
+
+
 def _same_dir(a: str, b: Path) -> bool:
     try:
         return os.path.samefile(a, b)
@@ -260,8 +274,7 @@ class AtomicOutputDir:
             remove, why = marker.stale_verdict(p, self.target.name, source=self.source)
             if remove:
                 log.info("removing stale temporary output %s", p)
-                with signals_deferred():
-                    shutil.rmtree(p, ignore_errors=True)
+                _remove_marked(p)
             elif why:
                 log.warning("%s looks like a temporary output of ckpttool but is left in place: %s", p, why)
 

@@ -187,3 +187,21 @@ def test_unproven_temporaries_are_reported_and_kept(how: str, sample_ckpt: Path,
     assert sorted(os.listdir(tmp_path)) == sorted([*before, "out"])
     if how == "symlink":
         assert (tmp_path / "elsewhere" / "keep.bin").read_bytes() == b"k"
+
+
+def test_a_temporary_whose_pid_was_reused_is_removed(sample_ckpt: Path, tmp_path: Path) -> None:
+    """The run's pid now belongs to another process (this one, with another start time): the run is gone."""
+    from dataclasses import replace
+
+    from ckpttool.format import marker
+
+    run = marker.new_run()
+    assert run.pid_start is not None
+    dead = replace(run, pid_start=run.pid_start - 1)  # the same pid, started earlier: another process
+    tmp = tmp_path / marker.temp_name("out", dead)
+    tmp.mkdir()
+    marker.write_writing_marker(tmp, dead)
+    (tmp / "part.safetensors").write_bytes(b"x")
+    res = cli("export", sample_ckpt, tmp_path / "out")
+    assert res.exit_code == 0, res.stderr
+    assert temps(tmp_path) == [] and "warning" not in res.stderr
