@@ -65,6 +65,7 @@ __all__ = [
     "LostStateError",
     "HyperparameterError",
     "OutputError",
+    "ForeignOutputError",
     "ExportError",
     "ExportNamingError",
     "ExportAccountingError",
@@ -461,6 +462,16 @@ class OutputError(CkptError):
 
     code = "E600"
     default_hint = "choose another output directory or pass --overwrite"
+
+
+class ForeignOutputError(OutputError):
+    """``--overwrite`` refused: the target is not provably a ckpttool output (no marker, or one that disagrees)."""
+
+    code = "E606"
+    default_hint = (
+        "ckpttool replaces only a directory it wrote itself; choose another output directory, "
+        "or remove this one yourself if it is no longer needed"
+    )
 
 
 class ExportError(CkptError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import sys
 import typing
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from ckpttool.model.adapters import adapter_metavar
 from ckpttool.ops.export.outputs import OUTPUT_FORMATS, format_help
 from ckpttool.ui.options import (
     CheckpointArg,
+    DryRunOpt,
     EpFsdpSizeOpt,
     EpSizeOpt,
     FilterOpt,
@@ -114,6 +116,7 @@ class ExportCLIOptions:
         None
     )
     overwrite: OverwriteOpt = False
+    dry_run: DryRunOpt = False
     json_output: JsonOpt = False
     source_layout: SourceLayoutOpt = None
     ep_size: EpSizeOpt = None
@@ -190,6 +193,8 @@ def run_export(cli: ExportCLIOptions) -> None:
         sink.warning(w)
     if masters:
         sink.note(masters)
+    for n in result.notes:
+        sink.note(n)
     sink.result(result, _render)
 
 
@@ -222,6 +227,7 @@ def export_options(cli: ExportCLIOptions) -> ExportOptions:
         algorithm=cli.hash_name,
         adapter=cli.adapter,
         allow_mismatch=tuple(k.strip() for k in (cli.allow_mismatch or "").split(",") if k.strip()),
+        dry_run=cli.dry_run,
     )
 
 
@@ -277,10 +283,16 @@ def _render(r: ExportResult) -> None:
     from ckpttool.ui.render import Col, fmt_rate, fmt_seconds, human_bytes, plural, print_table, stdout_console
 
     con = stdout_console()
-    con.print(
-        f"exported {plural(r.tensors, 'tensor')}, {human_bytes(r.bytes)} in {plural(len(r.files), 'file')} to {r.output} "
-        f"({fmt_seconds(r.seconds)}, {fmt_rate(r.bytes, r.seconds)})"
-    )
+    if r.dry_run:  # --dry-run: the plan, nothing written (file bytes: tensor data, headers not yet known)
+        con.print(
+            f"dry run: would export {plural(r.tensors, 'tensor')}, {human_bytes(r.bytes)} in "
+            f"{plural(len(r.files), 'file')} to {r.output}; nothing was written (planned in {fmt_seconds(r.seconds)})"
+        )
+    else:
+        con.print(
+            f"exported {plural(r.tensors, 'tensor')}, {human_bytes(r.bytes)} in {plural(len(r.files), 'file')} "
+            f"to {r.output} ({fmt_seconds(r.seconds)}, {fmt_rate(r.bytes, r.seconds)})"
+        )
     print_table(
         con,
         "files",
@@ -316,6 +328,9 @@ def _render(r: ExportResult) -> None:
         con.print("not exported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()))
     if r.assets:
         con.print(f"assets      {', '.join(r.assets)}")
+    if r.config_edits:  # config.json made to match the written weights (ckpttool.ops.export.serving)
+        edits = "; ".join(f"{k} {json.dumps(old)} -> {json.dumps(new)}" for k, (old, new) in r.config_edits.items())
+        con.print(f"config.json {edits}")
 
 
 def _counts(d: dict[str, int]) -> str:

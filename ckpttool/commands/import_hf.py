@@ -12,6 +12,7 @@ from ckpttool.model.adapters import adapter_metavar
 from ckpttool.ui.options import (
     IMPORT_SCHEMA_DEFAULT,
     IMPORT_SCHEMA_HELP,
+    DryRunOpt,
     FsyncOpt,
     ImportSchemaChoice,
     JsonOpt,
@@ -86,6 +87,7 @@ def import_command(
     ep_size: ImportEpSizeOpt = None,
     ep_fsdp_size: ImportEpFsdpSizeOpt = None,
     overwrite: OverwriteOpt = False,
+    dry_run: DryRunOpt = False,
     fsync: FsyncOpt = True,
     manifest: ManifestOpt = False,
     hash_name: HashOpt = "xxh3-128",
@@ -110,6 +112,7 @@ def import_command(
             fsync=fsync,
             manifest=manifest,
             algorithm=hash_name,
+            dry_run=dry_run,
         ),
     )
     sink = Output(json_output)
@@ -150,7 +153,11 @@ def _render(r: ImportResult) -> None:
     from ckpttool.ui.render import fmt_rate, fmt_seconds, human_bytes, plural, stdout_console
 
     lines = [
-        f"imported {plural(r.tensors, 'tensor')}, {human_bytes(r.bytes)} to {r.output} "
+        f"dry run: would import {plural(r.tensors, 'tensor')}, {human_bytes(r.bytes)} to {r.output} in "
+        + ", ".join(f"{f['name']} {human_bytes(f['bytes'])}" for f in r.files)
+        + f"; nothing was written (planned in {fmt_seconds(r.seconds)})"
+        if r.dry_run
+        else f"imported {plural(r.tensors, 'tensor')}, {human_bytes(r.bytes)} to {r.output} "
         f"({fmt_seconds(r.seconds)}, {fmt_rate(r.bytes, r.seconds)})",
         f"key schema  {r.schema}" + (f"; adapter {r.adapter}" if r.adapter else "") + f"; {r.world_size} rank(s)",
     ]

@@ -66,6 +66,7 @@ def reshard_command(
     ep_size: opt.EpSizeOpt = None,
     ep_fsdp_size: opt.EpFsdpSizeOpt = None,
     overwrite: opt.OverwriteOpt = False,
+    dry_run: opt.DryRunOpt = False,
     fsync: opt.FsyncOpt = True,
     json_output: opt.JsonOpt = False,
     trust_pickle: opt.TrustPickleOpt = False,
@@ -101,6 +102,7 @@ def reshard_command(
         fsync=fsync,
         manifest=manifest,
         algorithm=hash_name,
+        dry_run=dry_run,
     )
     res = run_reshard(
         source,
@@ -135,6 +137,15 @@ def _render(res: ReshardResult) -> None:
         f"of them, {n_perm} with a new expert order; {plural(res.passthrough_tensors, 'other tensor')} and "
         f"{plural(res.byte_items, 'byte item')} copied unchanged"
     )
+    if res.dry_run:  # --dry-run: the plan, nothing written (bytes: tensor data per target rank file)
+        per_file = ", ".join(str(f["path"]) + " " + human_bytes(f["bytes"]) for f in res.files)
+        con.print(
+            f"plan    {human_bytes(res.bytes_written)} of tensor data ({per_file}); "
+            f"{plural(res.chunks_copied, 'chunk')} to copy verbatim, {res.chunks_rewritten} to reassemble"
+            + (f"; would also copy {', '.join(res.extra_files)}" if res.extra_files else "")
+        )
+        con.print(f"dry run: nothing was written (planned in {fmt_seconds(res.seconds)})")
+        return
     con.print(
         f"wrote   {human_bytes(res.bytes_written)} in {fmt_seconds(res.seconds)} "
         f"({fmt_rate(res.bytes_written, res.seconds)}; {plural(res.chunks_copied, 'chunk')} copied verbatim, "

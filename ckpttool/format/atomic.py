@@ -2,12 +2,15 @@
 
 :class:`AtomicOutputDir` writes into a temporary sibling ``.<name>.ckpttool-tmp-<pid>-<token>``
 and renames it into place only when complete, so a failed or interrupted run never leaves
-output that looks complete. A non-empty target is refused unless ``overwrite=True``, and even
-then only one that looks like a previous output (``.metadata``, ``*.safetensors``,
-``model.safetensors.index.json`` or ``adapter_config.json``; no ``.git`` below it); it is
-replaced only after the new output is complete (renamed aside, restored if the swap fails;
-signals deferred between the renames, :func:`signals_deferred`). A temporary directory left by a
-killed run is removed by the next run on the same path. ``docs/security.md`` (outputs).
+output that looks complete. Both the temporary directory and the output carry the marker of
+:mod:`ckpttool.format.marker` (``.ckpttool-output.json``). A non-empty target is refused unless
+``overwrite=True``, and even then only one whose marker agrees with its contents
+(:func:`~ckpttool.format.marker.ownership`; anything else is :class:`ForeignOutputError`, E606);
+it is replaced only after the new output is complete (renamed aside, restored if the swap fails;
+signals deferred between the renames, :func:`signals_deferred`), and the old copy is deleted only
+if it still agrees with its marker. A temporary directory left by a killed run is removed by the
+next run on the same path only when its marker proves it (:func:`~ckpttool.format.marker.stale_verdict`);
+any other is reported and left. ``docs/security.md`` (outputs).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import contextlib
 import errno
 import logging
 import os
-import re
 import shutil
 import signal
 import threading
@@ -25,14 +27,15 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from ckpttool.errors import OutputError
+from ckpttool.errors import ForeignOutputError, OutputError
+from ckpttool.format import marker
 
 __all__ = [
     "AtomicOutputDir",
     "Terminated",
     "check_output_target",
+    "foreign_output_error",
     "atomic_write_text",
-    "looks_like_output",
     "signal_received",
     "signals_deferred",
     "stop_signals",
@@ -40,12 +43,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_TMP_RE = re.compile(r"^\.(?P<name>.+)\.ckpttool-tmp-(?P<pid>\d+)-[0-9a-f]+$")
-_OUTPUT_MARKERS = (".metadata", "model.safetensors.index.json", "adapter_config.json")
 _defer_depth = 0  # signals_deferred() nesting (main thread only)
 _deferred_signal: int | None = None
 _signal_received = False  # set by AtomicOutputDir's handler, never cleared: the process is stopping
-_NOT_AN_OUTPUT_HINT = "choose an empty or new output directory"
 
 
 class Terminated(KeyboardInterrupt):
@@ -55,51 +55,32 @@ class Terminated(KeyboardInterrupt):
     """
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _absolute(path: str | os.PathLike[str]) -> Path:
     """Absolute, normalized ``path`` without resolving a symlink in its final component."""
     return Path(os.path.abspath(os.fspath(path)))
 
 
-def _has_git(root: Path) -> bool:
-    for _dirpath, dirnames, filenames in os.walk(root):
-        if ".git" in dirnames or ".git" in filenames:
-            return True
-    return False
-
-
-def looks_like_output(target: Path) -> bool:
-    """True if ``target`` looks like a previous checkpoint/model output that ``--overwrite`` may replace.
-
-    It must hold ``.metadata``, ``model.safetensors.index.json``, ``adapter_config.json`` or a
-    ``*.safetensors`` file at its top level, and no ``.git`` anywhere below it.
-    """
-    try:
-        names = os.listdir(target)
-    except OSError:
-        return False
-    if not any(n in _OUTPUT_MARKERS or n.endswith(".safetensors") for n in names):
-        return False
-    return not _has_git(target)
+def foreign_output_error(target: Path, found: marker.Ownership) -> ForeignOutputError:
+    """The E606 refusal of ``--overwrite`` for ``target``, naming what it holds and why it is not ours."""
+    why = f"; {found.why}" if found.why else ""
+    return ForeignOutputError(
+        f"{target}: `overwrite` refused: it holds {found.found}, not an output of ckpttool{why}",
+        path=target,
+        hint="ckpttool replaces only a directory it wrote itself (one whose "
+        f"{marker.MARKER_NAME} agrees with its files) or an empty one; choose another output "
+        "directory, or remove this one yourself if it is no longer needed",
+    )
 
 
 def check_output_target(target: Path, *, overwrite: bool, source: Path | None = None) -> None:
     """Refuse a target that exists non-empty (without ``overwrite``) or overlaps the source.
 
-    With ``overwrite`` a non-empty target is accepted only if :func:`looks_like_output`.
+    With ``overwrite`` a non-empty target is accepted only if it is provably a ckpttool output
+    (:func:`ckpttool.format.marker.ownership`).
 
     Raises:
-        OutputError: target is a file, non-empty without overwrite, non-empty and not a previous
-            output, or inside/equal to ``source``.
+        OutputError: target is a file, non-empty without overwrite, or inside/equal to ``source``.
+        ForeignOutputError: (E606) ``overwrite`` and a non-empty target that is not provably ours.
     """
     target = _absolute(target)
     if target.name == "":
@@ -128,20 +109,20 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
             raise OutputError(
                 f"{target}: cannot write there ({e.strerror})", path=target, hint="choose a writable output location"
             ) from e
-        if non_empty and not overwrite:
+        if not non_empty:
+            return
+        found = marker.ownership(target)
+        if not overwrite:
             raise OutputError(
                 f"{target} exists and is not empty",
                 path=target,
-                hint="choose another output directory or pass `overwrite`",
+                hint="choose another output directory or pass `overwrite` to replace this previous output"
+                if found.owned
+                else f"choose another output directory (it holds {found.found}, which ckpttool did not write: "
+                "`overwrite` would not replace it)",
             )
-        if non_empty and not looks_like_output(target):
-            raise OutputError(
-                f"{target} exists and does not look like a previous checkpoint or model output "
-                "(no .metadata, *.safetensors, model.safetensors.index.json or adapter_config.json, or it holds .git); "
-                "`overwrite` will not replace it",
-                path=target,
-                hint=_NOT_AN_OUTPUT_HINT,
-            )
+        if not found.owned:
+            raise foreign_output_error(target, found)
 
 
 @contextlib.contextmanager
@@ -220,6 +201,20 @@ def _raise_for(signum: int) -> None:
     raise Terminated()
 
 
+def _remove_marked(d: Path) -> None:
+    """Remove a temporary directory proven ours, its marker last: cut short, what is left still proves it."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(d):
+            if entry.name == marker.MARKER_NAME:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
+        os.unlink(d / marker.MARKER_NAME)
+        os.rmdir(d)
+
+
 def _same_dir(a: str, b: Path) -> bool:
     try:
         return os.path.samefile(a, b)
@@ -232,21 +227,32 @@ class AtomicOutputDir:
 
     Args:
         target: final output directory (made absolute first; ``.`` works).
-        overwrite: replace an existing non-empty ``target`` that looks like a previous output
+        overwrite: replace an existing non-empty ``target`` that is provably a ckpttool output
             (after success only).
-        source: the source checkpoint; the target may not overlap it.
+        source: the source checkpoint; the target may not overlap it, and a temporary directory
+            that is (or holds) it is never removed as stale.
+        kind: the command writing it (``export``, ``import``, ``reshard``, ``sample``), recorded in
+            the output's marker.
 
     Raises:
         OutputError: on entry, see :func:`check_output_target`; on exit, when the
             rename fails (the temporary directory is removed, an existing target kept).
+        ForeignOutputError: (E606) on entry, ``overwrite`` of a directory ckpttool did not write.
     """
 
     def __init__(
-        self, target: str | os.PathLike[str], *, overwrite: bool = False, source: str | os.PathLike[str] | None = None
+        self,
+        target: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        source: str | os.PathLike[str] | None = None,
+        kind: str = "output",
     ) -> None:
         self.target = _absolute(target)
         self.overwrite = overwrite
         self.source = _absolute(source) if source is not None else None
+        self.kind = kind
+        self.run = marker.new_run()
         self.tmp: Path | None = None
         self._created: list[Path] = []  # parents of target this run created, deepest first
         self._old_handlers: dict[int, Any] = {}
@@ -255,12 +261,22 @@ class AtomicOutputDir:
         self._interrupted = False
 
     def _clean_stale(self) -> None:
+        """Remove the temporary directories of dead runs for this target that their marker proves
+        ours; warn about (never remove) any other entry with such a name."""
         parent = self.target.parent
-        for p in parent.iterdir() if parent.is_dir() else ():
-            m = _TMP_RE.match(p.name)
-            if m and m.group("name") == self.target.name and not _pid_alive(int(m.group("pid"))):
+        try:
+            entries = sorted(parent.iterdir()) if parent.is_dir() else []
+        except OSError:
+            return
+        for p in entries:
+            if ".ckpttool-tmp-" not in p.name:
+                continue
+            remove, why = marker.stale_verdict(p, self.target.name, source=self.source)
+            if remove:
                 log.info("removing stale temporary output %s", p)
-                shutil.rmtree(p, ignore_errors=True)
+                _remove_marked(p)
+            elif why:
+                log.warning("%s looks like a temporary output of ckpttool but is left in place: %s", p, why)
 
     def _on_signal(self) -> None:
         self._interrupted = True
@@ -287,16 +303,41 @@ class AtomicOutputDir:
                 f"{self.target}: cannot write there ({why})", path=self.target, hint="choose a writable output location"
             ) from e
         self._clean_stale()
-        tmp = parent / f".{self.target.name}.ckpttool-tmp-{os.getpid()}-{os.urandom(4).hex()}"
+        # handlers first: a signal while the temporary directory and its marker are made is deferred,
+        # then raised here, and the directory removed (never a leftover without a marker)
+        self._old_handlers = stop_signals(self._on_signal)
+        try:
+            with signals_deferred():
+                self.tmp = self._make_tmp(parent)
+        except BaseException:
+            if self.tmp is not None:
+                self._remove_tmp()
+            else:
+                self._remove_created_parents()
+            self._restore_signal()
+            raise
+        return self.tmp
+
+    def _make_tmp(self, parent: Path) -> Path:
+        """Create the temporary directory with this run's ``"writing"`` marker in it.
+
+        Raises:
+            OutputError: the parent is not writable (nothing is left).
+        """
+        tmp = parent / marker.temp_name(self.target.name, self.run)
         try:
             tmp.mkdir()
         except OSError as e:
-            self._remove_created_parents()
             raise OutputError(
                 f"{parent}: cannot write there ({e.strerror})", path=parent, hint="choose a writable output location"
             ) from e
-        self.tmp = tmp
-        self._old_handlers = stop_signals(self._on_signal)
+        try:
+            marker.write_writing_marker(tmp, self.run)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise OutputError(
+                f"{parent}: cannot write there ({e.strerror})", path=parent, hint="choose a writable output location"
+            ) from e
         return tmp
 
     def _restore_signal(self) -> None:
@@ -352,9 +393,39 @@ class AtomicOutputDir:
             if self._interrupted:  # the handler's exception was swallowed: stop here all the same
                 self._remove_tmp()
                 raise KeyboardInterrupt()
+            self._seal()
             self._commit()
         finally:
             self._restore_signal()
+
+    def _seal(self) -> None:
+        """Write the complete marker (every file and its digest) into the finished temporary directory."""
+        assert self.tmp is not None
+        try:
+            marker.seal(self.tmp, self.run, self.kind)
+        except BaseException as e:
+            self._remove_tmp()
+            if isinstance(e, OSError):
+                raise OutputError(
+                    f"{self.target}: write failed ({e.strerror or e}); no output was left",
+                    path=self.target,
+                    hint="free disk space or choose another location",
+                ) from e
+            raise
+
+    def _remove_superseded(self, backup: Path) -> None:
+        """Delete the previous output renamed aside, only if it still agrees with its marker (else keep it)."""
+        with signals_deferred():  # interrupted, it would leak a whole previous output
+            found = marker.ownership(backup)
+            if not found.owned:
+                log.error(
+                    "the previous output at %s changed while the new one was written (%s); it was kept at %s",
+                    self.target,
+                    found.why or found.found,
+                    backup,
+                )
+                return
+            shutil.rmtree(backup, ignore_errors=True)
 
     def _commit(self) -> None:
         """Rename the finished temporary directory into place; on any failure remove it."""
@@ -389,7 +460,7 @@ class AtomicOutputDir:
                                 log.error("the previous output was left at %s", backup)
                             backup = None  # restored, or the only copy left: never delete it
                         else:  # a concurrent run put its complete output in place: the old one is superseded
-                            shutil.rmtree(backup, ignore_errors=True)
+                            self._remove_superseded(backup)
                             backup = None
                         raise
                     placed = True
@@ -412,8 +483,7 @@ class AtomicOutputDir:
         finally:
             if placed:
                 if backup is not None:
-                    with signals_deferred():  # interrupted, it would leak a whole previous output
-                        shutil.rmtree(backup, ignore_errors=True)
+                    self._remove_superseded(backup)
                 if was_cwd:
                     with contextlib.suppress(OSError):
                         os.chdir(target)  # the old directory is gone: follow the new output

@@ -5,7 +5,9 @@ on success it commits: a local target through
 :class:`~ckpttool.format.atomic.AtomicOutputDir`, a URL through :class:`RemoteOutputDir`
 (upload under a temporary sibling prefix, then old completion markers deleted, objects copied
 server-side with the markers ``.metadata`` / ``model.safetensors.index.json`` /
-``adapter_config.json`` last, stale objects and the prefix deleted). Invariant: a target never
+``adapter_config.json`` last and ckpttool's own ``.ckpttool-output.json`` after them, stale objects
+and the prefix deleted; ``--overwrite`` replaces only a prefix whose ``.ckpttool-output.json``
+agrees with its objects, :mod:`ckpttool.format.marker`). Invariant: a target never
 looks complete unless it is; a failed or interrupted upload leaves it untouched.
 :func:`output_location` is what a writer reports. Protocol and failure cases:
 ``docs/storage.md``, "Writing to a URL: the commit protocol"; ``docs/design.md`` §7.
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,10 +25,18 @@ from typing import Any, Protocol, cast
 
 from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import OutputError
-from ckpttool.format.atomic import AtomicOutputDir, restore_signals, signals_deferred, stop_signals
+from ckpttool.format import marker
+from ckpttool.format.atomic import (
+    AtomicOutputDir,
+    check_output_target,
+    foreign_output_error,
+    restore_signals,
+    signals_deferred,
+    stop_signals,
+)
 from ckpttool.format.storage import RemoteStore, is_url, local_path, url_path
 
-__all__ = ["OutputDir", "RemoteOutputDir", "output_dir", "output_location", "MARKERS"]
+__all__ = ["OutputDir", "RemoteOutputDir", "check_target", "output_dir", "output_location", "MARKERS"]
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +62,49 @@ def output_location(out: str | os.PathLike[str]) -> Path:
 
 
 def output_dir(
-    target: str | os.PathLike[str], *, overwrite: bool = False, source: str | os.PathLike[str] | None = None
+    target: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    source: str | os.PathLike[str] | None = None,
+    kind: str = "output",
 ) -> OutputDir:
-    """The output target for ``target``: :class:`AtomicOutputDir` for a path, :class:`RemoteOutputDir` for a URL."""
+    """The output target for ``target``: :class:`AtomicOutputDir` for a path, :class:`RemoteOutputDir` for a URL.
+
+    ``kind`` (the command: ``export``, ``import``, ``reshard``, ``sample``) is recorded in the output's
+    marker (:mod:`ckpttool.format.marker`).
+    """
     if is_url(target):
-        return RemoteOutputDir(target, overwrite=overwrite, source=source)
+        return RemoteOutputDir(target, overwrite=overwrite, source=source, kind=kind)
     local_source = source if source is not None and not is_url(source) else None
-    return AtomicOutputDir(local_path(target), overwrite=overwrite, source=local_source)
+    return AtomicOutputDir(local_path(target), overwrite=overwrite, source=local_source, kind=kind)
 
 
-def _looks_like_output(names: set[str]) -> bool:
-    return any(m in names for m in MARKERS) or any(n.endswith(".safetensors") and "/" not in n for n in names)
+def check_target(
+    target: str | os.PathLike[str], *, overwrite: bool = False, source: str | os.PathLike[str] | None = None
+) -> None:
+    """What entering :func:`output_dir` would refuse, checked without creating anything (``--dry-run``).
+
+    Raises:
+        OutputError: ``target`` exists non-empty without ``overwrite``, overlaps ``source``, is a file.
+        ForeignOutputError: (E606) ``overwrite`` of a directory (or prefix) ckpttool did not write.
+    """
+    if is_url(target):
+        RemoteOutputDir(target, overwrite=overwrite, source=source).check()
+        return
+    local_source = Path(local_path(source)) if source is not None and not is_url(source) else None
+    check_output_target(Path(os.path.abspath(local_path(target))), overwrite=overwrite, source=local_source)
+
+
+def _remote_ownership(store: RemoteStore, existing: dict[str, int]) -> marker.Ownership:
+    """Whether the objects below an output prefix are provably a ckpttool output (its marker agrees with the
+    listing: names, sizes, digests of each object's first and last MiB by range requests)."""
+    doc = None
+    if marker.MARKER_NAME in existing:
+        doc = marker.parse_marker(store.read_whole(marker.MARKER_NAME, marker.MAX_MARKER_BYTES, what="marker"))
+    sizes = {k: v for k, v in existing.items() if k != marker.MARKER_NAME}
+    why = marker.listing_disagreement(doc, sizes, store.read_range)
+    found = marker.describe_names(n for n in existing if "/" not in n)
+    return marker.Ownership(not why, found, why)
 
 
 class RemoteOutputDir:
@@ -71,18 +112,26 @@ class RemoteOutputDir:
 
     Args:
         target: ``scheme://bucket/prefix`` of the output.
-        overwrite: replace an existing output (one that looks like a previous output).
+        overwrite: replace an existing output (one whose marker agrees with its objects).
         source: the source checkpoint; a target inside it (or holding it) is refused.
+        kind: the command writing it, recorded in the marker.
 
     Raises:
-        OutputError: on entry, a non-empty target without ``overwrite``, a target that does not
-            look like an output, or one that overlaps ``source``.
+        OutputError: on entry, a non-empty target without ``overwrite``, or one that overlaps ``source``.
+        ForeignOutputError: (E606) ``overwrite`` of a prefix that is not provably a ckpttool output.
         RemoteStorageError (E14x): a request failed after its retries (nothing published).
     """
 
     def __init__(
-        self, target: str | os.PathLike[str], *, overwrite: bool = False, source: str | os.PathLike[str] | None = None
+        self,
+        target: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        source: str | os.PathLike[str] | None = None,
+        kind: str = "output",
     ) -> None:
+        self.kind = kind
+        self.run = marker.new_run()
         self.target = url_path(target)
         self.overwrite = overwrite
         self.source = url_path(source) if source is not None and is_url(source) else None
@@ -93,6 +142,17 @@ class RemoteOutputDir:
         self._old_handlers: dict[int, Any] = {}
 
     def __enter__(self) -> Path:
+        self.check()
+        self.staging = Path(tempfile.mkdtemp(prefix="ckpttool-out-"))
+        self._old_handlers = stop_signals()  # SIGTERM too stops by an exception: the cleanup below runs
+        return self.staging
+
+    def check(self) -> None:
+        """The checks of entry, without staging anything (``--dry-run``).
+
+        Raises:
+            OutputError, ForeignOutputError: as the class says.
+        """
         t = self.target
         if self.source is not None and type(self.source) is type(t):
             a, b = t.key.rstrip("/") + "/", self.source.key.rstrip("/") + "/"
@@ -107,22 +167,17 @@ class RemoteOutputDir:
                 f"{t}: name a prefix inside the bucket, not the bucket itself", path=t, hint="e.g. s3://bucket/out"
             )
         self.store = RemoteStore(t)
-        existing = set(self.store.sizes())
+        existing = dict(self.store.sizes())
         if existing and not self.overwrite:
             raise OutputError(
                 f"{t}: the output prefix already holds {len(existing)} object(s)",
                 path=t,
                 hint="choose a new output prefix, or pass --overwrite to replace a previous output",
             )
-        if existing and not _looks_like_output(existing):
-            raise OutputError(
-                f"{t}: --overwrite refused: the prefix does not look like a previous ckpttool output",
-                path=t,
-                hint="choose an empty or new output prefix",
-            )
-        self.staging = Path(tempfile.mkdtemp(prefix="ckpttool-out-"))
-        self._old_handlers = stop_signals()  # SIGTERM too stops by an exception: the cleanup below runs
-        return self.staging
+        if existing:
+            found = _remote_ownership(self.store, existing)
+            if not found.owned:
+                raise foreign_output_error(cast(Path, t), found)
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -153,9 +208,10 @@ class RemoteOutputDir:
     def _commit(self) -> None:
         assert self.store is not None and self.staging is not None
         t = self.target
+        marker.seal(self.staging, self.run, self.kind)
         files = sorted(p.relative_to(self.staging).as_posix() for p in self.staging.rglob("*") if p.is_file())
         parent, _, name = t.key.rstrip("/").rpartition("/")
-        tmp_url = f"{t.scheme}://{parent}/.{name}.ckpttool-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp_url = f"{t.scheme}://{parent}/{marker.temp_name(name, self.run)}"
         self.tmp_store = RemoteStore(tmp_url, self.store.config)
         staging = self.staging
         tmp_store = self.tmp_store
@@ -168,10 +224,10 @@ class RemoteOutputDir:
         log.info("uploaded %d file(s) to %s", len(files), tmp_store.path)
         old = set(self.store.sizes())
         new = set(files)
-        if old:
-            self.store.remove(sorted(m for m in MARKERS if m in old))
+        if old:  # our marker first: from here on, the prefix is not provably a complete output
+            self.store.remove(sorted(m for m in (marker.MARKER_NAME, *MARKERS) if m in old))
         markers = [f for f in files if f in MARKERS]
-        body = [f for f in files if f not in MARKERS]
+        body = [f for f in files if f not in MARKERS and f != marker.MARKER_NAME]
         store = self.store
 
         def publish(rel: str) -> None:
@@ -179,6 +235,7 @@ class RemoteOutputDir:
 
         self._pool(publish, body)
         self._pool(publish, markers)  # last: the output looks complete only now
+        self._pool(publish, [marker.MARKER_NAME])  # and is provably ckpttool's only now
         stale = sorted(old - new)
         if stale:
             self.store.remove(stale)

@@ -242,7 +242,9 @@ SINGLE = Group()
 _current = SINGLE
 
 
-def enter_output_dir(stack: contextlib.ExitStack, group: Group, out: Any, *, overwrite: bool, source: Any) -> Path:
+def enter_output_dir(
+    stack: contextlib.ExitStack, group: Group, out: Any, *, overwrite: bool, source: Any, kind: str = "output"
+) -> Path:
     """Rank 0 enters the output's staging directory (:func:`ckpttool.format.outputs.output_dir`)
     on ``stack``; every rank gets its path (a failure on rank 0 is raised on every rank).
 
@@ -255,7 +257,7 @@ def enter_output_dir(stack: contextlib.ExitStack, group: Group, out: Any, *, ove
     tmp0: Path | None = None
     if group.is_root:
         try:
-            tmp0 = stack.enter_context(output_dir(out, overwrite=overwrite, source=source))
+            tmp0 = stack.enter_context(output_dir(out, overwrite=overwrite, source=source, kind=kind))
         except BaseException as e:
             failure = e
     group.agree(failure)

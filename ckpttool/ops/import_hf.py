@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.errors import ExportError, UsageError
 from ckpttool.format.files import open_regular, resolve_inside
 from ckpttool.format.hf_storage import load_hf_storage_metadata
+from ckpttool.format.marker import MARKER_NAME
 from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
-from ckpttool.format.outputs import output_location
+from ckpttool.format.outputs import check_target, output_location
 from ckpttool.format.storage import is_url
 from ckpttool.format.writer import DCPWriter
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, NativeTensor, Skip, get_adapter, rope_from_hf_rows
@@ -62,6 +63,9 @@ class ImportOptions:
         manifest: write the output's ``manifest.json`` (every record digested as it is written,
             ``docs/diff.md``), with the source directory's identity (its headers' and manifest's digests).
         algorithm: the digest algorithm of the manifest.
+        dry_run: plan and check (sources, index, adapter, EP placement, whether the output may be
+            written) and return the result the import would give (``dry_run`` true; file ``bytes``
+            are the tensor data planned for each rank file) without writing anything.
     """
 
     schema: str = SCHEMAS[0]
@@ -74,6 +78,7 @@ class ImportOptions:
     fsync: bool = True
     manifest: bool = False
     algorithm: str = "xxh3-128"
+    dry_run: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,7 @@ class ImportResult:
     ep_tensors: int = 0
     source_identity: dict[str, Any] | None = None
     manifest: str | None = None
+    dry_run: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -117,6 +123,7 @@ class ImportResult:
             "warnings": self.warnings,
             "source_identity": self.source_identity,
             "manifest": self.manifest,
+            "dry_run": self.dry_run,
         }
 
 
@@ -565,7 +572,7 @@ def _write_output(
     owners = group.share(file_bytes)
     mine = {r for r in range(opts.world_size) if group.owns(owners[r])}
     with contextlib.ExitStack() as stack:
-        tmp = distributed.enter_output_dir(stack, group, dst, overwrite=opts.overwrite, source=src_dir)
+        tmp = distributed.enter_output_dir(stack, group, dst, overwrite=opts.overwrite, source=src_dir, kind="import")
         try:
             w = _write_dcp(tmp, dst, placed, mine, fds, opts, ep, ep_specs, group)
         except BaseException as e:
@@ -578,6 +585,8 @@ def _write_output(
 
                 write_output_manifest(w, tmp, opts.algorithm, identity)
             for p in sorted(tmp.iterdir()):
+                if p.name == MARKER_NAME:  # ckpttool's own marker, not a checkpoint file
+                    continue
                 files_info.append({"name": p.name, "bytes": p.stat().st_size})
     return files_info
 
@@ -619,7 +628,11 @@ def _import_plain(
         # torchrun: each rank writes the target rank files assigned to it (by bytes), rank 0 .metadata
         group = distributed.current()
         placed, file_bytes, total = _place(natives, opts, ep, ep_specs)
-        files_info = _write_output(src_dir, dst, placed, file_bytes, fds, opts, ep, ep_specs, identity, group)
+        if opts.dry_run:  # this very plan, checked up to the output directory: nothing written
+            check_target(dst, overwrite=opts.overwrite, source=src_dir)
+            files_info = [{"name": DCPWriter.file_name(r), "bytes": b} for r, b in enumerate(file_bytes)]
+        else:
+            files_info = _write_output(src_dir, dst, placed, file_bytes, fds, opts, ep, ep_specs, identity, group)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -640,6 +653,7 @@ def _import_plain(
         ep_tensors=len(ep_specs),
         source_identity=identity,
         manifest="manifest.json" if opts.manifest else None,
+        dry_run=opts.dry_run,
     )
 
 

@@ -28,6 +28,7 @@ from ckpttool.format import limits
 from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, new_hasher
 from ckpttool.format.files import read_regular
 from ckpttool.format.jsonfile import parse_json
+from ckpttool.format.marker import recording
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
@@ -472,7 +473,8 @@ def write_manifest(
         man = build_manifest(reader, algorithm, covers=covers, on_entry=step)
         target = Path(out) if out is not None else Path(ckpt.located.model) / MANIFEST_NAME
         data = man.to_bytes()
-        _replace_file(target, data)
+        with recording(target.parent, target.name):  # an output of ckpttool: its marker lists the manifest
+            _replace_file(target, data)
         seconds = time.perf_counter() - t0
         log.info("manifest: %d entries, %d bytes hashed in %.3f s (%s)", len(man.entries), done[0], seconds, algorithm)
         return ManifestResult(

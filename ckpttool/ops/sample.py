@@ -369,8 +369,9 @@ class SampleOptions:
             FP32-master type (``full_fp32_adamw``, ``master_fp32_adamw`` with BF16 moments,
             ``cpu_offload_adamw`` offloading ``experts``) with BF16 parameters; the layout
             record's ``optimizer`` object describes it.
-        overwrite: replace an existing non-empty ``path`` that holds a previous checkpoint or
-            model output, once the new sample is complete (as ``export --overwrite``).
+        overwrite: replace an existing non-empty ``path`` that is provably an output of ckpttool
+            (its ``.ckpttool-output.json`` agrees with its files), once the new sample is
+            complete (as ``export --overwrite``); never a checkpoint ckpttool did not write.
     """
 
     steps: int = 3
@@ -414,8 +415,8 @@ def write_sample(path: str | os.PathLike[str], options: SampleOptions | None = N
         A :class:`SampleResult` (``path``: the checkpoint directory as given).
 
     Raises:
-        OutputError: ``path`` exists and is not empty (without ``overwrite``, or not a previous
-            output), or cannot be written.
+        OutputError: ``path`` exists and is not empty (without ``overwrite``), or cannot be written.
+        ForeignOutputError: (E606) ``overwrite`` of a directory ckpttool did not write.
         UsageError: unknown ``optimizer``, ``seed`` out of range.
     """
     from ckpttool.errors import UsageError
@@ -428,7 +429,7 @@ def write_sample(path: str | os.PathLike[str], options: SampleOptions | None = N
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
         raise UsageError(f"seed {seed!r} is out of range", hint=f"use an integer seed from 0 to {SEED_LIMIT - 1}")
     out = Path(path)
-    with AtomicOutputDir(out, overwrite=opts.overwrite) as tmp:
+    with AtomicOutputDir(out, overwrite=opts.overwrite, kind="sample") as tmp:
         _train_and_save(
             tmp,
             Path(os.path.abspath(out)),

@@ -25,6 +25,7 @@ from typing import Any
 
 from ckpttool.errors import CkptError, LayoutContradictionError, LayoutError, UsageError
 from ckpttool.format.atomic import atomic_write_text
+from ckpttool.format.marker import recording
 from ckpttool.layouts.declaration import LayoutDeclaration, load_layout_record
 from ckpttool.layouts.geometry import EPGeometry, dim_intervals
 from ckpttool.layouts.record import SIDECAR_NAME, parse_layout_record
@@ -142,7 +143,8 @@ def _stamp(ckpt: Checkpoint, declaration: LayoutDeclaration | None) -> StampResu
     if ckpt.reader.remote is not None:  # object storage: one PUT of the sidecar (docs/storage.md)
         ckpt.reader.remote.write_bytes(SIDECAR_NAME, text.encode())
     else:
-        atomic_write_text(sidecar, text)
+        with recording(sidecar.parent, sidecar.name):  # an output of ckpttool: its marker lists the sidecar
+            atomic_write_text(sidecar, text)
     return StampResult(str(sidecar), True, record, len(layout.ep_tensors), same)
 
 

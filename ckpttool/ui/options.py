@@ -157,6 +157,13 @@ OverwriteOpt = Annotated[
     bool,
     typer.Option("--overwrite", help="Replace an existing non-empty output directory once the new output is complete."),
 ]
+DryRunOpt = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run",
+        help="Plan and check everything (also whether OUT may be written), print the plan; write nothing.",
+    ),
+]
 SourceLayoutOpt = Annotated[
     SourceLayout | None,
     typer.Option(

@@ -40,8 +40,19 @@ def upload(server: Any, local: Path) -> str:
     return server.upload_dir(local, "ckpts", f"t-{uuid.uuid4().hex[:8]}")
 
 
+def download(s3_server: Any, bucket: str, prefix: str, local: Path) -> dict[str, bytes]:
+    """``s3_server.download_dir`` but ckpttool's marker (compared with :func:`files_of`)."""
+    got = s3_server.download_dir(bucket, prefix, local)
+    return {k: v for k, v in got.items() if k != ".ckpttool-output.json"}
+
+
 def files_of(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    """Every file below ``root`` but ckpttool's marker (its token and pid differ from run to run)."""
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.relative_to(root).as_posix() != ".ckpttool-output.json"
+    }
 
 
 # ------------------------------------------------------------------ confinement and options (no server)
@@ -148,16 +159,16 @@ def test_export_from_and_to_s3_is_bitwise_the_local_export(sample_ckpt: Path, s3
     want = files_of(tmp_path / "local")
     assert len(want) > 2
     assert files_of(tmp_path / "from_s3") == want
-    assert s3_server.download_dir("ckpts", out.split("/", 3)[3], tmp_path / "dl") == want
+    assert download(s3_server, "ckpts", out.split("/", 3)[3], tmp_path / "dl") == want
     assert not [k for k in s3_server.keys("ckpts") if "ckpttool-tmp" in k]  # the temporary prefix is gone
     # an existing output: refused without --overwrite, replaced with it
     assert cli(s3_server, "export", url, out, *args).exit_code == 2
     r = cli(s3_server, "export", url, out, "--overwrite")
     assert r.exit_code == 0, r.output
-    assert sorted(s3_server.download_dir("ckpts", out.split("/", 3)[3], tmp_path / "dl2")) == [
+    assert sorted(download(s3_server, "ckpts", out.split("/", 3)[3], tmp_path / "dl2")) == [
         "config.json",
         "model.safetensors",
-    ] or "model.safetensors" in s3_server.download_dir("ckpts", out.split("/", 3)[3], tmp_path / "dl3")
+    ] or "model.safetensors" in download(s3_server, "ckpts", out.split("/", 3)[3], tmp_path / "dl3")
 
 
 def test_reshard_s3_to_s3_is_bitwise_the_local_reshard(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
@@ -168,7 +179,7 @@ def test_reshard_s3_to_s3_is_bitwise_the_local_reshard(sample_ckpt: Path, s3_ser
     out = url + "-rs"
     r = cli(s3_server, "reshard", url, out, *args)
     assert r.exit_code == 0, r.output
-    got = s3_server.download_dir("ckpts", out.split("/", 3)[3], tmp_path / "dl")
+    got = download(s3_server, "ckpts", out.split("/", 3)[3], tmp_path / "dl")
     want = files_of(tmp_path / "local")
     assert sorted(got) == sorted(want)
     # torch.save archives carry a random serialization id per run: compare what torch loads
@@ -251,7 +262,7 @@ def test_stamp_on_s3_writes_the_sidecar_a_local_stamp_writes(ep_suite: Path, s3_
     assert runner.invoke(app, ["stamp", str(local), *declared]).exit_code == 0
     r = cli(s3_server, "stamp", url, *declared)
     assert r.exit_code == 0, r.output
-    got = s3_server.download_dir("ckpts", url.split("/", 3)[3], tmp_path / "dl")
+    got = download(s3_server, "ckpts", url.split("/", 3)[3], tmp_path / "dl")
     assert json.loads(got["layout.json"]) == json.loads((local / "layout.json").read_text())
     doc = json.loads(cli(s3_server, "inspect", url, "--json").stdout)
     assert doc["layout"]["source"] == "sidecar"
@@ -283,7 +294,7 @@ def test_import_to_s3_is_the_local_import(sample_ckpt: Path, s3_server: Any, tmp
         r = cli(s3_server, "import", str(hf), out, *extra, "--json")
         assert r.exit_code == 0, r.output
         assert json.loads(r.stdout)["output"] == out
-        got = s3_server.download_dir("ckpts", out.split("/", 3)[3], tmp_path / f"dl-{name}")
+        got = download(s3_server, "ckpts", out.split("/", 3)[3], tmp_path / f"dl-{name}")
         assert sorted(got) == sorted(files_of(tmp_path / name))
         assert not [k for k in s3_server.keys("ckpts") if "ckpttool-tmp" in k]
         # torch.save archives carry a random serialization id per run: compare what torch loads

@@ -1,9 +1,8 @@
 """Output directory targets (docs/design.md §7), through the real CLI and real processes.
 
 - a relative target and the current directory (``.``) as target, with and without ``--overwrite``;
-- ``--overwrite`` replaces only a previous checkpoint/model output (``.metadata``,
-  ``*.safetensors``, ``model.safetensors.index.json``, ``adapter_config.json``; no ``.git``),
-  never unrelated content;
+- ``--overwrite`` replaces only a previous output of ckpttool (its ``.ckpttool-output.json``
+  agrees with its files), never unrelated content (E606; more in tests/cli/test_outputs_overwrite.py);
 - two concurrent runs to the same target: one wins, the loser fails with E600 and leaves nothing;
 - an interrupt or a failed rename between the two renames of an ``--overwrite`` commit never
   loses both the old and the new output.
@@ -38,10 +37,22 @@ def leftovers(parent: Path) -> list[str]:
     return sorted(n for n in os.listdir(parent) if ".ckpttool-tmp-" in n or ".ckpttool-old-" in n)
 
 
-def assert_e600(res, *needles: str) -> None:  # type: ignore[no-untyped-def]
+def previous_output(out: Path, files: dict[str, bytes]) -> None:
+    """A previous output written by ckpttool itself (through AtomicOutputDir, so it carries the marker)."""
+    from ckpttool.format.atomic import AtomicOutputDir
+
+    with AtomicOutputDir(out, kind="export") as tmp:
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+
+
+MARKER = ".ckpttool-output.json"
+
+
+def assert_e600(res, *needles: str, code: str = "E600") -> None:  # type: ignore[no-untyped-def]
     assert res.exit_code == 2, (res.exit_code, res.stderr)
     lines = res.stderr.strip().splitlines()
-    assert lines[-2].startswith("error: [E600]"), res.stderr
+    assert lines[-2].startswith(f"error: [{code}]"), res.stderr
     assert lines[-1].startswith("hint: "), res.stderr
     assert "Traceback" not in res.stderr
     for n in needles:
@@ -114,24 +125,29 @@ def test_overwrite_refuses_unrelated_directory(name: str, make, sample_ckpt: Pat
     before = tree(d)
     run = export if name == "export" else reshard
     res = run(sample_ckpt, d, "--overwrite")
-    assert_e600(res, str(d), "does not look like a previous checkpoint or model output")
-    assert "empty or new" in res.stderr.strip().splitlines()[-1]
+    assert_e600(res, str(d), "--overwrite refused", "not an output of ckpttool", code="E606")
+    assert "remove this one yourself" in res.stderr.strip().splitlines()[-1]
     assert tree(d) == before and leftovers(tmp_path) == []
     if (d / "src" / ".git").exists():
         assert (d / "src" / ".git" / "HEAD").is_file()
 
 
 @pytest.mark.parametrize(
-    "marker", [".metadata", "model-00001-of-00002.safetensors", "model.safetensors.index.json", "adapter_config.json"]
+    "name", [".metadata", "model-00001-of-00002.safetensors", "model.safetensors.index.json", "adapter_config.json"]
 )
-def test_overwrite_replaces_previous_output(marker: str, sample_ckpt: Path, tmp_path: Path) -> None:
+def test_overwrite_replaces_only_a_previous_output_of_ckpttool(name: str, sample_ckpt: Path, tmp_path: Path) -> None:
     d = tmp_path / "D"
     d.mkdir()
-    (d / marker).write_text("{}")
+    (d / name).write_text("{}")
     (d / "README.md").write_text("old\n")
-    res = export(sample_ckpt, d, "--overwrite")
+    before = tree(d)
+    assert_e600(export(sample_ckpt, d, "--overwrite"), "--overwrite refused", code="E606")  # no marker: not ours
+    assert tree(d) == before and leftovers(tmp_path) == []
+    d2 = tmp_path / "D2"
+    previous_output(d2, {name: b"{}", "README.md": b"old\n"})
+    res = export(sample_ckpt, d2, "--overwrite")
     assert res.exit_code == 0, res.stderr
-    assert not (d / "README.md").exists() and (d / "model.safetensors").is_file()
+    assert not (d2 / "README.md").exists() and (d2 / "model.safetensors").is_file()
     assert leftovers(tmp_path) == []
 
 
@@ -159,8 +175,7 @@ except CkptError as e:
 def test_concurrent_runs_leave_one_complete_output(overwrite: bool, tmp_path: Path) -> None:
     out, gate = tmp_path / "out", tmp_path / "gate"
     if overwrite:
-        out.mkdir()
-        (out / "model.safetensors").write_text("old")
+        previous_output(out, {"model.safetensors": b"old"})
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     procs = [
         subprocess.Popen(
@@ -184,8 +199,10 @@ def test_concurrent_runs_leave_one_complete_output(overwrite: bool, tmp_path: Pa
     else:
         assert set(codes) <= {0, 2} and 0 in codes, results
     # One complete output, entirely from one run; no temporary or backup directory left.
-    assert leftovers(tmp_path) == [] and sorted(os.listdir(out)) == [f"part-{i}.safetensors" for i in range(3)]
-    assert len({(out / n).read_text() for n in os.listdir(out)}) == 1
+    assert leftovers(tmp_path) == [] and sorted(os.listdir(out)) == [MARKER] + [
+        f"part-{i}.safetensors" for i in range(3)
+    ]
+    assert len({(out / n).read_text() for n in os.listdir(out) if n != MARKER}) == 1
 
 
 # ------------------------------------------------------------------------ interrupted / failed commit
@@ -218,9 +235,7 @@ except KeyboardInterrupt:
 @pytest.mark.parametrize("mode", ["SIGINT", "SIGTERM", "fail"])
 def test_overwrite_commit_never_loses_both(mode: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "model.safetensors").write_text("old")
-    (out / "README.md").write_text("old")
+    previous_output(out, {"model.safetensors": b"old", "README.md": b"old"})
     old = tree(out)
     res = subprocess.run(
         [sys.executable, "-c", SWAP, str(out), mode],
@@ -237,7 +252,8 @@ def test_overwrite_commit_never_loses_both(mode: str, tmp_path: Path) -> None:
     else:
         # The signal waits until the new output is in place, then stops the run.
         assert res.returncode == 130 and "error: interrupted" in res.stderr, (res.returncode, res.stderr)
-        assert sorted(os.listdir(out)) == ["model.safetensors"] and (out / "model.safetensors").read_text() == "new"
+        assert sorted(os.listdir(out)) == [MARKER, "model.safetensors"]
+        assert (out / "model.safetensors").read_text() == "new"
 
 
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
@@ -307,8 +323,7 @@ def test_a_signal_while_the_superseded_output_is_removed_does_not_leak_it(
     from ckpttool.format.atomic import AtomicOutputDir
 
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "model.safetensors").write_bytes(b"old")
+    previous_output(out, {"model.safetensors": b"old"})
     real_rmtree = shutil.rmtree
 
     def rmtree_interrupted(path: object, *args: object, **kwargs: object) -> None:
@@ -336,8 +351,7 @@ def test_a_second_signal_while_a_failed_commit_cleans_up(tmp_path: Path, monkeyp
     from ckpttool.format.atomic import AtomicOutputDir
 
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "model.safetensors").write_bytes(b"old")
+    previous_output(out, {"model.safetensors": b"old"})
     real_check, real_rmtree = output.check_output_target, shutil.rmtree
 
     def check_interrupted(*args: object, **kwargs: object) -> None:
@@ -360,7 +374,8 @@ def test_a_second_signal_while_a_failed_commit_cleans_up(tmp_path: Path, monkeyp
             monkeypatch.setattr(output, "check_output_target", check_interrupted)
             monkeypatch.setattr(output.shutil, "rmtree", rmtree_interrupted)
     assert os.listdir(tmp_path) == ["out"]
-    assert os.listdir(out) == ["model.safetensors"] and (out / "model.safetensors").read_bytes() == b"old"
+    assert sorted(os.listdir(out)) == [MARKER, "model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == b"old"
 
 
 def test_a_failed_output_leaves_no_parents_it_created(tmp_path: Path) -> None:

@@ -38,7 +38,12 @@ def single(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def files_of(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    """Every file below ``root`` but ckpttool's marker (its token and pid differ from run to run)."""
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.relative_to(root).as_posix() != ".ckpttool-output.json"
+    }
 
 
 def test_assign_balances_by_size_and_is_deterministic() -> None:

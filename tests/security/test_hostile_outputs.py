@@ -33,6 +33,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TMP_PREFIX = ".{name}.ckpttool-tmp-"
+MARKER = ".ckpttool-output.json"  # ckpttool's own marker, written first into every temporary directory
 
 # A library-level writer: AtomicOutputDir around a few files, then waits (mode "wait") or overflows
 # RLIMIT_FSIZE (mode "fsize"); errors rendered like the CLI does.
@@ -74,10 +75,13 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 def existing_out(out: Path) -> dict[str, str]:
-    """Make ``out`` an existing, non-empty output directory; return its digest."""
-    out.mkdir(parents=True)
-    (out / "OLD_OUTPUT.txt").write_text("the previous, complete output\n")
-    (out / "model.safetensors").write_bytes(b"old weights")  # looks like an output: --overwrite may replace it
+    """Make ``out`` an existing, non-empty output directory of ckpttool (it carries the marker, so
+    --overwrite may replace it); return its digest."""
+    from ckpttool.format.atomic import AtomicOutputDir
+
+    with AtomicOutputDir(out) as tmp:
+        (tmp / "OLD_OUTPUT.txt").write_text("the previous, complete output\n")
+        (tmp / "model.safetensors").write_bytes(b"old weights")
     return tree_digest(out)
 
 
@@ -108,7 +112,7 @@ def signal_midway(argv: list[str], out: Path, sig: int, attempts: int = 3) -> su
         deadline = time.monotonic() + 120
         while proc.poll() is None and time.monotonic() < deadline:
             try:
-                busy = [t for t in tmp_siblings(out) if any(os.scandir(out.parent / t))]
+                busy = [t for t in tmp_siblings(out) if any(e.name != MARKER for e in os.scandir(out.parent / t))]
             except FileNotFoundError:  # renamed while we looked
                 busy = []
             if busy:
@@ -231,7 +235,7 @@ def test_atomic_dir_existing_out_needs_overwrite(tmp_path: Path) -> None:
     proc = run_writer("done", out, overwrite=True)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
-    assert sorted(tree_digest(out)) == ["part-1.bin"] and tmp_siblings(out) == []
+    assert sorted(tree_digest(out)) == [MARKER, "part-1.bin"] and tmp_siblings(out) == []
 
 
 # --------------------------------------------------------------------------- export / reshard

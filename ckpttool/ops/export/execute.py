@@ -31,11 +31,12 @@ from ckpttool.errors import (
     NotRegularFileError,
     UsageError,
 )
+from ckpttool.format import limits
 from ckpttool.format.atomic import signals_deferred
 from ckpttool.format.digest import DEFAULT_ALGORITHM
-from ckpttool.format.files import copy_regular, resolve_inside
+from ckpttool.format.files import copy_regular, read_regular, resolve_inside
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
-from ckpttool.format.outputs import output_location
+from ckpttool.format.outputs import check_target, output_location
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.safetensors import ShardWriter
 from ckpttool.format.storage import is_url
@@ -105,6 +106,9 @@ class ExportOptions:
             detected from the key names (torchtitan names -> a torchtitan adapter).
         allow_mismatch: kinds of difference from the model class built from ``config.json``
             (``missing``, ``unexpected``, ``shape``, ``dtype``) reported as warnings instead of refused.
+        dry_run: plan and check everything (options, selection, casts, the model check, every
+            chunk's tiling, whether ``OUT`` may be written) and return the result of the export
+            that would run (``dry_run`` true, planned file sizes without headers) without writing.
     """
 
     fmt: str = "hf"
@@ -124,6 +128,7 @@ class ExportOptions:
     algorithm: str = DEFAULT_ALGORITHM
     adapter: str | None = None
     allow_mismatch: tuple[str, ...] = ()
+    dry_run: bool = False
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,9 @@ class ExportResult:
     manifest: str | None = None
     model_adapter: str | None = None
     model_check: dict[str, Any] | None = None
+    config_edits: dict[str, list[Any]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    dry_run: bool = False
 
     @property
     def gb_per_s(self) -> float:
@@ -186,6 +194,9 @@ class ExportResult:
             "manifest": self.manifest,
             "model_adapter": self.model_adapter,
             "model_check": self.model_check,
+            "config_edits": self.config_edits,
+            "notes": self.notes,
+            "dry_run": self.dry_run,
         }
 
 
@@ -614,6 +625,9 @@ class _Prepared:
         adapter: the format's prepared document (``adapter_config.json`` of a LoRA export).
         merges: source key -> the value transform replacing its cast (LoRA merges).
         chunks: each task's checked chunks, in task order.
+        config: the ``config.json`` written (``serving.serving_config``) and its edits, ``None``
+            when none is copied.
+        notes: facts worth a ``note:`` line (no tokenizer among the assets).
     """
 
     plan: ExportPlan
@@ -628,6 +642,40 @@ class _Prepared:
     merges: dict[str, SlabTransform]
     chunks: list[tuple[TensorMeta, list[ChunkMeta]]]
     model_config: dict[str, Any] | None
+    config: tuple[bytes, dict[str, list[Any]]] | None = None
+    notes: tuple[str, ...] = ()
+
+
+def _serving_assets(
+    opts: ExportOptions,
+    out_format: OutputFormat,
+    plan: ExportPlan,
+    assets: list[tuple[str, Path]],
+    pair: tuple[Selected | None, Selected | None],
+    model_config: dict[str, Any] | None,
+) -> tuple[tuple[bytes, dict[str, list[Any]]] | None, tuple[str, ...]]:
+    """The ``config.json`` to write beside the weights (``ckpttool.ops.export.serving``) and the notes on the
+    assets, for a model format (``hf``, ``hf-merged``) given ``--model-assets``."""
+    from ckpttool.ops.export.serving import dominant_dtype, serving_config, tokenizer_note
+
+    if opts.model_assets is None or not out_format.ties_embeddings:
+        return None, ()
+    notes = tuple(n for n in [tokenizer_note((name for name, _ in assets), str(opts.model_assets))] if n)
+    path = next((p for name, p in assets if name == "config.json"), None)
+    if path is None:
+        return None, notes
+    edited = out_format.edited_assets(model_config)
+    data = edited.get("config.json") or read_regular(path, limits.current().max_object_bytes, what="config.json")
+    names = {e.name for entries in plan.entries for e in entries}
+    embed, lm_head = pair
+    config = serving_config(
+        data,
+        str(path),
+        dtype=dominant_dtype(e for entries in plan.entries for e in entries),
+        lm_head_written=lm_head is not None and lm_head.out_key in names,
+        embedding_written=embed is not None and embed.out_key in names,
+    )
+    return config, notes
 
 
 def _select(
@@ -729,10 +777,24 @@ def _prepare(
     assets = _asset_files(Path(opts.model_assets), out_format) if opts.model_assets is not None else []
     check = _check_against_model(plan, model_config, opts) if out_format.checks_model_class and model_config else None
     merges = out_format.transforms(request)
+    config, notes = _serving_assets(opts, out_format, plan, assets, (embed, lm_head), model_config)
     # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
     chunks = _checked_chunks(reader, [t.selected.source.key for t in plan.tasks])
     return _Prepared(
-        plan, model_adapter, orders, tied, embed, lm_head, adapter, assets, check, merges, chunks, model_config
+        plan,
+        model_adapter,
+        orders,
+        tied,
+        embed,
+        lm_head,
+        adapter,
+        assets,
+        check,
+        merges,
+        chunks,
+        model_config,
+        config,
+        notes,
     )
 
 
@@ -755,6 +817,13 @@ def _export(
     layout = ckpt.require_layout()
     prep = _prepare(ckpt, layout, out_format, opts, rules, model_config, given_adapter)
     plan = prep.plan
+    if opts.dry_run:  # the plan of this very export, checked up to the output directory: nothing written
+        check_target(out, overwrite=opts.overwrite, source=ckpt.path)
+        planned = [
+            {"name": name, "bytes": size, "tensors": len(entries)}
+            for name, size, entries in zip(plan.files, plan.file_bytes(), plan.entries)
+        ]
+        return _export_result(out, opts, layout, prep, planned, 0, time.perf_counter() - t0, None)
     # torchrun: each rank writes the files assigned to it (by bytes), rank 0 the index (ckpttool.ops.distributed)
     group = distributed.current()
     file_bytes = plan.file_bytes()
@@ -769,7 +838,20 @@ def _export(
     # long-lived and acyclic: frozen (gc.freeze) until the export ends (gc_held).
     resume_frozen()
     files_info, bytes_read = _write(ckpt, out, opts, out_format, prep, group, mine, st_metadata, identity, progress)
-    seconds = time.perf_counter() - t0
+    return _export_result(out, opts, layout, prep, files_info, bytes_read, time.perf_counter() - t0, identity)
+
+
+def _export_result(
+    out: Path,
+    opts: ExportOptions,
+    layout: ResolvedLayout,
+    prep: _Prepared,
+    files_info: list[dict[str, Any]],
+    bytes_read: int,
+    seconds: float,
+    identity: dict[str, Any] | None,
+) -> ExportResult:
+    plan = prep.plan
     return ExportResult(
         output=str(out),
         format=opts.fmt,
@@ -800,6 +882,9 @@ def _export(
         manifest=MANIFEST_NAME if opts.manifest else None,
         model_adapter=prep.model_adapter.name if prep.model_adapter is not None else None,
         model_check=prep.check.to_dict() if prep.check is not None else None,
+        config_edits=prep.config[1] if prep.config is not None else {},
+        notes=list(prep.notes),
+        dry_run=opts.dry_run,
     )
 
 
@@ -821,7 +906,9 @@ def _write(
     file_bytes = plan.file_bytes()
     tied, embed, lm_head = prep.tied, prep.embed, prep.lm_head
     with contextlib.ExitStack() as stack:
-        tmp = distributed.enter_output_dir(stack, group, out, overwrite=opts.overwrite, source=checkpoint)
+        tmp = distributed.enter_output_dir(
+            stack, group, out, overwrite=opts.overwrite, source=checkpoint, kind="export"
+        )
         bytes_read = 0
         writers: list[ShardWriter | None] = []
         failure: BaseException | None = None
@@ -916,6 +1003,8 @@ def _write_root_files(
     for name, data in out_format.documents(plan, prep.adapter).items():
         (tmp / name).write_bytes(data)
     edited = out_format.edited_assets(prep.model_config)
+    if prep.config is not None:  # serving-ready: dtype and tie_word_embeddings as written (ops.export.serving)
+        edited = {**edited, "config.json": prep.config[0]}
     for name, p in prep.assets:
         if name in edited:
             (tmp / name).write_bytes(edited[name])

@@ -30,8 +30,9 @@ from ckpttool.format.atomic import signals_deferred
 from ckpttool.format.digest import DEFAULT_ALGORITHM
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
 from ckpttool.format.files import copy_regular, resolve_inside
+from ckpttool.format.marker import MARKER_NAME
 from ckpttool.format.metadata import ChunkMeta
-from ckpttool.format.outputs import output_location
+from ckpttool.format.outputs import check_target, output_location
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.storage import is_url
 from ckpttool.format.tiling import contiguous_run
@@ -69,6 +70,9 @@ class ReshardOptions:
         manifest: write the output's ``manifest.json`` (every chunk's raw storage record digested as
             it is written: ``covers: record``, ``docs/diff.md``), with the source's identity.
         algorithm: the digest of the manifest and of the source identity (``converted_from.source``).
+        dry_run: plan and check (layout, target mesh, byte-item caps, whether ``dst`` may be
+            written) and return the result the run would give (``dry_run`` true; file ``bytes``
+            are the tensor data planned for each target rank file) without writing anything.
     """
 
     to: str = "canonical"
@@ -81,6 +85,7 @@ class ReshardOptions:
     verify_crc: bool = True
     manifest: bool = False
     algorithm: str = DEFAULT_ALGORITHM
+    dry_run: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,7 @@ class ReshardResult:
     warnings: list[str] = field(default_factory=list)
     source_identity: dict[str, Any] | None = None
     manifest: str | None = None
+    dry_run: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON view (``--json``), schema ``ckpttool.reshard/1``."""
@@ -400,7 +406,9 @@ def _copy_extra_remote(reader: CheckpointReader, dst: Path) -> list[str]:
     assert reader.remote is not None
     copied = []
     for rel in sorted(reader.remote.sizes()):
-        if rel in (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME) or ("/" not in rel and DATA_FILE_RE.match(rel)):
+        if rel in (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME, MARKER_NAME) or (
+            "/" not in rel and DATA_FILE_RE.match(rel)
+        ):
             continue
         data = reader.read_file(rel, limits.current().max_object_bytes, what="file beside the checkpoint")
         out = dst / rel
@@ -439,7 +447,7 @@ def _copy_extra_files(src: Path, dst: Path) -> list[str]:
             raise NotRegularFileError(f"{src / rel} is a device, FIFO or socket, not a regular file", path=src / rel)
 
     for entry in sorted(os.scandir(src), key=lambda e: e.name):
-        if entry.name in (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME) or DATA_FILE_RE.match(entry.name):
+        if entry.name in (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME, MARKER_NAME) or DATA_FILE_RE.match(entry.name):
             continue
         copy_entry(entry, entry.name, dst / entry.name)
         copied.append(entry.name)
@@ -513,9 +521,16 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
         len(plan.permuted_keys),
     )
     _check_byte_item_caps(plan, reader, src_p)
+    if opts.dry_run:  # this very plan, checked up to the output directory: nothing written
+        check_target(dst_p, overwrite=opts.overwrite, source=src_p)
+        planned, counts = _planned_files(plan)
+        total, names = sum(f["bytes"] for f in planned), _extra_names(src_p, reader)
+        return _result(
+            ckpt, dst_p, opts, plan, layout, counts, planned, names, total, time.perf_counter() - t0, identity
+        )
     group = distributed.current()
     with contextlib.ExitStack() as stack:
-        tmp = distributed.enter_output_dir(stack, group, dst_p, overwrite=opts.overwrite, source=src_p)
+        tmp = distributed.enter_output_dir(stack, group, dst_p, overwrite=opts.overwrite, source=src_p, kind="reshard")
         try:
             writer, counts = execute_plan(
                 plan,
@@ -544,6 +559,26 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
     return _result(
         ckpt, dst_p, opts, plan, layout, counts, files, extra, writer.bytes_written, time.perf_counter() - t0, identity
     )
+
+
+def _extra_names(src: Path, reader: CheckpointReader) -> list[str]:
+    """The top-level names :func:`_copy_extra_files` / :func:`_copy_extra_remote` would copy (nothing read)."""
+    skip = (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME, MARKER_NAME)
+    if reader.remote is not None:
+        names = {rel.split("/", 1)[0] for rel in reader.remote.sizes() if rel not in skip}
+        return sorted(n for n in names if not DATA_FILE_RE.match(n))
+    return sorted(e.name for e in os.scandir(src) if e.name not in skip and not DATA_FILE_RE.match(e.name))
+
+
+def _planned_files(plan: ReshardPlan) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Each target rank file with the tensor bytes planned for it, and the chunks to copy verbatim / rewrite."""
+    sizes = [0] * plan.world
+    counts = {"copied": 0, "rewritten": 0}
+    for t in plan.tensors:
+        for oc in t.chunks:
+            sizes[oc.rank] += oc.chunk.numel * t.dtype.itemsize
+            counts["copied" if oc.raw_source is not None else "rewritten"] += 1
+    return [{"path": DCPWriter.file_name(r), "bytes": sizes[r]} for r in range(plan.world)], counts
 
 
 def _check_byte_item_caps(plan: ReshardPlan, reader: CheckpointReader, src_p: Path) -> None:
@@ -606,6 +641,7 @@ def _result(
         warnings=warnings,
         source_identity=identity,
         manifest=MANIFEST_NAME if opts.manifest else None,
+        dry_run=opts.dry_run,
     )
 
 

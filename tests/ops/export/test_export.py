@@ -461,14 +461,15 @@ def test_existing_output_is_refused_without_overwrite(dense_ckpt: Path, tmp_path
     (out / "keep.txt").write_text("x")
     assert_clean_failure(export_cli(str(dense_ckpt), str(out)), "E600", "not empty")
     assert (out / "keep.txt").read_text() == "x"
-    # --overwrite replaces only what looks like an earlier output, never an unrelated directory.
-    assert_clean_failure(export_cli(str(dense_ckpt), str(out), "--overwrite"), "E600", "does not look like")
+    # --overwrite replaces only a previous output of ckpttool, never an unrelated directory (E606).
+    assert_clean_failure(export_cli(str(dense_ckpt), str(out), "--overwrite"), "E606", "not an output of ckpttool")
     assert (out / "keep.txt").read_text() == "x"
     assert export_cli(str(dense_ckpt), str(tmp_path / "prev")).exit_code == 0
-    (tmp_path / "prev" / "keep.txt").write_text("x")
     res = export_cli(str(dense_ckpt), str(tmp_path / "prev"), "--overwrite")
     assert res.exit_code == 0, res.stderr
-    assert not (tmp_path / "prev" / "keep.txt").exists() and (tmp_path / "prev" / "model.safetensors").is_file()
+    (tmp_path / "prev" / "keep.txt").write_text("x")  # a file ckpttool did not write: no longer provably ours
+    assert_clean_failure(export_cli(str(dense_ckpt), str(tmp_path / "prev"), "--overwrite"), "E606", "keep.txt")
+    assert (tmp_path / "prev" / "keep.txt").read_text() == "x" and (tmp_path / "prev" / "model.safetensors").is_file()
     no_leftovers(tmp_path, "prev")
 
 
@@ -627,6 +628,7 @@ def test_filter_and_model_assets(dense_ckpt: Path, tmp_path: Path) -> None:
     got, _ = read_export(tmp_path / "o")
     assert got and all(k.startswith("model.layers.0.") for k in got)
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [
+        ".ckpttool-output.json",
         "config.json",
         "model.safetensors",
         "model.safetensors.index.json",

@@ -260,7 +260,11 @@ def test_lora_adapter_loads_in_peft_with_identical_logits(lora_ckpt: Path, tmp_p
 
     out = tmp_path / "adapter"
     summary = export(lora_ckpt, out, "--format", "lora", "--lora-alpha", str(hf_models.LORA_ALPHA))
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".ckpttool-output.json",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     cfg = json.loads((out / "adapter_config.json").read_text())
     assert cfg["r"] == hf_models.LORA_R and cfg["lora_alpha"] == hf_models.LORA_ALPHA
     assert cfg["target_modules"] == ["q_proj", "v_proj"] and cfg["task_type"] == "CAUSAL_LM"

@@ -104,7 +104,7 @@ def test_a_format_registered_outside_the_package_exports(
     assert res.format == "one-per-tensor" and res.tensors == ref.tensors and res.bytes == ref.bytes
     names = sorted(p.name for p in (tmp_path / "one").iterdir())
     files = [f"tensor-{k:05d}.safetensors" for k in range(res.tensors)]
-    assert names == sorted([*files, "tensors.json", "config.json", "tokenizer.json"])
+    assert names == sorted([*files, "tensors.json", "config.json", "tokenizer.json", ".ckpttool-output.json"])
     assert json.loads((tmp_path / "one" / "config.json").read_text()) == {
         "architectures": ["Sample"],
         "quantization_config": {"one": "per-tensor"},

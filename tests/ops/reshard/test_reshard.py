@@ -112,7 +112,9 @@ def test_cli_legacy_to_canonical_is_bitwise_the_true_model(ep_suite: Path, tmp_p
         "world": 4,
         "origin_world": 4,
     }
-    assert sorted(p.name for p in out.iterdir()) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    assert sorted(p.name for p in out.iterdir()) == [".ckpttool-output.json", ".metadata"] + [
+        f"__{r}_0.distcp" for r in range(4)
+    ]
 
 
 def test_output_chunks_and_files_match_a_real_canonical_save(ep_suite: Path, outputs: dict[str, Path]) -> None:
@@ -326,17 +328,19 @@ def test_existing_output_needs_overwrite_and_source_is_untouched(ep_suite: Path,
     before = {p.name: p.stat().st_mtime_ns for p in (ep_suite / "p4f1").iterdir()}
     res = cli(ep_suite / "p4f1", out, "--to", "canonical")
     assert res.exit_code == 2 and "error: [E600]" in res.stderr and (out / "keep.txt").exists()
-    # --overwrite replaces only what looks like a previous output, never an unrelated directory
+    # --overwrite replaces only a previous output of ckpttool, never an unrelated directory
     res = cli(ep_suite / "p4f1", out, "--to", "canonical", "--overwrite")
-    assert res.exit_code == 2 and "error: [E600]" in res.stderr and "does not look like a previous" in res.stderr
+    assert res.exit_code == 2 and "error: [E606]" in res.stderr and "not an output of ckpttool" in res.stderr
     assert (out / "keep.txt").exists()
     assert cli(ep_suite / "p4f1", out, "--to", "canonical", "--overwrite").exit_code == 2
     (out / "keep.txt").unlink()
     assert cli(ep_suite / "p4f1", out, "--to", "canonical").exit_code == 0  # empty: no --overwrite needed
-    (out / "keep.txt").write_text("x")  # now a previous reshard output with an extra file
-    res = cli(ep_suite / "p4f1", out, "--to", "canonical", "--overwrite")
+    res = cli(ep_suite / "p4f1", out, "--to", "canonical", "--overwrite")  # a previous reshard output
     assert res.exit_code == 0, res.stderr
-    assert not (out / "keep.txt").exists() and (out / ".metadata").is_file()
+    (out / "keep.txt").write_text("x")  # now with a file ckpttool did not write: refused
+    res = cli(ep_suite / "p4f1", out, "--to", "canonical", "--overwrite")
+    assert res.exit_code == 2 and "error: [E606]" in res.stderr and "keep.txt" in res.stderr
+    assert (out / "keep.txt").exists() and (out / ".metadata").is_file()
     assert {p.name: p.stat().st_mtime_ns for p in (ep_suite / "p4f1").iterdir()} == before
     assert not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]
 

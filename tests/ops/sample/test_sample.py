@@ -22,7 +22,7 @@ def sample(*args: object):  # type: ignore[no-untyped-def]
 
 
 def leftovers(parent: Path) -> list[str]:
-    return sorted(n for n in os.listdir(parent) if ".ckpttool-" in n)
+    return sorted(n for n in os.listdir(parent) if ".ckpttool-" in n and n != ".ckpttool-output.json")
 
 
 def assert_error(res, code: str, *needles: str) -> None:  # type: ignore[no-untyped-def]
@@ -86,7 +86,13 @@ def test_cwd_and_existing_empty_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.chdir(d)
     res = sample(".")
     assert res.exit_code == 0, res.stderr
-    assert sorted(os.listdir(d)) == [".metadata", "__0_0.distcp", "extra_state", "model_assets"]
+    assert sorted(os.listdir(d)) == [
+        ".ckpttool-output.json",
+        ".metadata",
+        "__0_0.distcp",
+        "extra_state",
+        "model_assets",
+    ]
     assert leftovers(tmp_path) == [] and leftovers(d) == []
     res = runner.invoke(app, ["inspect", ".", "--json"])
     assert res.exit_code == 0, res.stderr
@@ -103,7 +109,13 @@ def test_write_sample_api_keeps_working(tmp_path: Path) -> None:
     p.mkdir()
     res = write_sample(p, SampleOptions(steps=1, optimizer="master_fp32_adamw"))
     assert res.path == p and (res.steps, res.seed, res.optimizer) == (1, 0, "master_fp32_adamw")
-    assert sorted(os.listdir(p)) == [".metadata", "__0_0.distcp", "extra_state", "model_assets"]
+    assert sorted(os.listdir(p)) == [
+        ".ckpttool-output.json",
+        ".metadata",
+        "__0_0.distcp",
+        "extra_state",
+        "model_assets",
+    ]
     assert (p / "extra_state" / "extra_state_rank_0.pt").is_file()
     assert json.loads((p / "model_assets" / "config.json").read_text())["model_type"] == "dots1"
     md = dcp.FileSystemReader(str(p)).read_metadata()

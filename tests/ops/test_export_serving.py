@@ -1,0 +1,120 @@
+"""Serving-ready exports: ``config.json`` follows the weights written (docs/export.md, "config.json").
+
+The model assets are what transformers' own ``save_pretrained`` writes for the FP32 model (``"dtype":
+"float32"``); exported with ``--save-dtype bf16``, ``AutoModelForCausalLM.from_pretrained(out,
+dtype="auto")`` must build BF16 parameters holding the exported bytes, not FP32 copies.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.format.safetensors import HeaderEntry
+from ckpttool.ops.export.serving import dominant_dtype, serving_config
+from tests.fixtures import hf_models
+from tests.fixtures.cache import cached_build
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def llama_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_llama", hf_models.build_llama)
+
+
+@pytest.fixture(scope="module")
+def saved_assets(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """config.json as ``LlamaForCausalLM.save_pretrained`` writes it for the FP32 model."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    hf_models._quiet()
+    base = tmp_path_factory.mktemp("base")
+    LlamaForCausalLM(AutoConfig.from_pretrained(llama_ckpt / "model_assets")).save_pretrained(base / "model")
+    assets = base / "assets"
+    assets.mkdir()
+    shutil.copy(base / "model" / "config.json", assets / "config.json")
+    return assets
+
+
+def export(*args: object):  # type: ignore[no-untyped-def]
+    res = runner.invoke(app, ["export", *map(str, args)])
+    assert res.exit_code == 0, res.stderr
+    return res
+
+
+def test_bf16_export_loads_as_bf16_with_dtype_auto(llama_ckpt: Path, saved_assets: Path, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    given = json.loads((saved_assets / "config.json").read_text())
+    assert given["dtype"] == "float32"  # what save_pretrained wrote
+    out = tmp_path / "bf16"
+    res = export(llama_ckpt, out, "--model-assets", saved_assets, "--save-dtype", "bf16", "--json")
+    doc = json.loads(res.stdout)
+    assert doc["config_edits"] == {"torch_dtype": [None, "bfloat16"], "dtype": ["float32", "bfloat16"]}
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16" and cfg["tie_word_embeddings"] is False
+    assert {k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")} == {
+        k: v for k, v in given.items() if k not in ("dtype", "torch_dtype")
+    }
+    model = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    written = load_file(out / "model.safetensors")
+    for name, p in model.state_dict().items():
+        assert torch.equal(p, written[name]), name  # the exported bytes, not a re-cast
+    # the note: these assets have no tokenizer
+    assert "holds no tokenizer files" in res.stderr and doc["notes"]
+
+
+def test_preserve_keeps_a_config_that_is_already_right(llama_ckpt: Path, saved_assets: Path, tmp_path: Path) -> None:
+    """FP32 weights and a config saying float32 in both keys: copied byte for byte."""
+    assets = tmp_path / "assets"
+    shutil.copytree(saved_assets, assets)
+    cfg = json.loads((assets / "config.json").read_text())
+    cfg["torch_dtype"] = "float32"
+    (assets / "config.json").write_text(json.dumps(cfg))
+    (assets / "tokenizer.json").write_text("{}")
+    res = export(llama_ckpt, tmp_path / "out", "--model-assets", assets, "--json")
+    assert json.loads(res.stdout)["config_edits"] == {} and "tokenizer" not in res.stderr
+    assert (tmp_path / "out" / "config.json").read_bytes() == (assets / "config.json").read_bytes()
+
+
+def test_tie_word_embeddings_is_made_explicit(llama_ckpt: Path, saved_assets: Path, tmp_path: Path) -> None:
+    """A config that leaves tie_word_embeddings to the class default: the written lm_head must be loaded."""
+    assets = tmp_path / "assets"
+    shutil.copytree(saved_assets, assets)
+    cfg = json.loads((assets / "config.json").read_text())
+    del cfg["tie_word_embeddings"]
+    del cfg["dtype"]
+    cfg["torch_dtype"] = "float32"  # an older transformers' key only
+    (assets / "config.json").write_text(json.dumps(cfg, indent=2))
+    res = export(llama_ckpt, tmp_path / "out", "--model-assets", assets, "--save-dtype", "fp16", "--json")
+    assert json.loads(res.stdout)["config_edits"] == {
+        "torch_dtype": ["float32", "float16"],
+        "tie_word_embeddings": [None, False],
+    }
+    got = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "dtype" not in got and got["torch_dtype"] == "float16" and got["tie_word_embeddings"] is False
+    assert list(got)[: len(cfg)] == list(cfg)  # key order kept
+
+
+def test_dominant_dtype_and_text_config() -> None:
+    entries = [
+        HeaderEntry("a", "float32", (4,)),  # 16 bytes
+        HeaderEntry("b", "bfloat16", (16,)),  # 32 bytes
+        HeaderEntry("s", "float8_e4m3fn", (1000,)),  # quantized: not counted
+        HeaderEntry("i", "int64", (100,)),
+    ]
+    assert dominant_dtype(entries) == "bfloat16"
+    assert dominant_dtype([HeaderEntry("i", "int64", (3,))]) is None
+    data = json.dumps({"model_type": "x", "text_config": {"dtype": "float32", "tie_word_embeddings": True}}).encode()
+    new, edits = serving_config(data, "c", dtype="bfloat16", lm_head_written=False, embedding_written=True)
+    assert edits == {"torch_dtype": [None, "bfloat16"], "text_config.dtype": ["float32", "bfloat16"]}
+    assert json.loads(new)["text_config"] == {"dtype": "bfloat16", "tie_word_embeddings": True}
