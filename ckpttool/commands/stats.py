@@ -34,7 +34,7 @@ def stats_command(
             "with two or more, the per-layer relative change between consecutive ones is shown too.",
             show_default=False,
             parser=location,
-            metavar="CHECKPOINT...",
+            metavar="CHECKPOINT",
         ),
     ],
     by: Annotated[StatsView, typer.Option("--by", help="Rows of the table: per layer, module type or tensor.")] = (
