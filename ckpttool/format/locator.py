@@ -228,7 +228,7 @@ def locate_chunk(ckpt: CheckpointDir, key: str, chunk: ChunkMeta) -> ChunkLocati
     ckpt.fetch(info)  # a remote checkpoint: one range request of exactly this window (cached)
     file = ckpt.path / info.relative_path
     where = f"{file}: {key!r} chunk at {chunk.offsets}"
-    if ckpt.metadata.serialization == "safetensors":
+    if ckpt.metadata.serialization in ("safetensors", "dcp_safetensors"):
         raw = _raw_record(key, meta, chunk, info, where)
         return ChunkLocation(
             key, chunk, meta, info, raw, file, FileWindow(ckpt.fd(info.relative_path), info.offset, info.length)

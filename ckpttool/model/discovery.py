@@ -109,9 +109,10 @@ class Located:
 
 
 def is_checkpoint_dir(path: Path) -> bool:
-    """``path`` holds ``.metadata`` or the safetensors files of a ``HuggingFaceStorageWriter`` save."""
+    """``path`` holds ``.metadata`` (or rank-local ``__0.metadata``) or the safetensors files of a ``HuggingFaceStorageWriter`` save."""
     try:
-        return (path / METADATA_NAME).is_file() or bool(hf_storage_files(path))
+        # __0.metadata: a dcp.save(use_collectives=False) save (rank-local metadata, ckpttool.format.rank_local)
+        return (path / METADATA_NAME).is_file() or (path / "__0.metadata").is_file() or bool(hf_storage_files(path))
     except OSError:
         return False
 

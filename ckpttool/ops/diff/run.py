@@ -1150,6 +1150,14 @@ def _diff(a: Side, b: Side, opts: DiffOptions, progress: Callable[[int, int], No
             equal += n_hyper - sum(1 for d in gd if d.a_value is not None)
             for d in gd:
                 add(d)
+    if compared == 0 and count == 0:  # "equal" over nothing read is never an answer
+        raise DiffError(
+            f"nothing compared: neither {a.label} ({a.path}) nor {b.label} ({b.path}) holds {opts.what} values "
+            f"ckpttool recognises ({a.label}: {a.kind}, {a.info().schema} schema; {b.label}: {b.kind}, "
+            f"{b.info().schema} schema)",
+            path=a.path,
+            hint="`ckpttool inspect` on each side says what it holds; --what all compares model and optimizer state",
+        )
     seconds = time.perf_counter() - t0
     log.info("diff: %d compared (%d raw), %d differences in %.3f s", compared, raw, count, seconds)
     return DiffResult(
