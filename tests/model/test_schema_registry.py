@@ -32,8 +32,9 @@ DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
 
 
 def test_builtin_schemas_in_priority_order() -> None:
-    assert registry.names() == ("torch-native", "app-state", "torchtitan", "top-level")
+    assert registry.names() == ("olmo-core", "torch-native", "app-state", "torchtitan", "top-level")
     assert [(s.model_prefix, s.optimizer_prefix) for s in registry.specs()] == [
+        ("model.", "optim."),
         ("model.", "optimizer."),
         ("app.model.", "app.optim."),
         ("", "optimizer."),

@@ -8,7 +8,9 @@ known category fail ``--strict``: validation fails closed on what it did not und
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
+from ckpttool.model.beside import training_state_beside
 from ckpttool.model.nested_state import describe_nested, nested_state_items
 from ckpttool.ops.validate.base import Severity, rule
 from ckpttool.ops.validate.context import Context
@@ -118,3 +120,22 @@ def nested_state_in_byte_items(ctx: Context) -> Iterator[tuple[str | None, str]]
     keys = nested_state_items(md)
     if keys:
         yield keys[0], f"{ctx.cat.path}: {describe_nested(md, keys)}"
+
+
+@rule(
+    "K011",
+    "training-state-beside",
+    Severity.warning,
+    "training state saved beside the opened checkpoint (OLMo-core's stepN/train/rankR.pt) is not read: the "
+    "model and optimizer were checked, the trainer state (step, tokens seen, RNG, data loader) was not",
+    "check those files with the trainer's own loader; resume with the trainer, which reads them",
+)
+def training_state_beside_checkpoint(ctx: Context) -> Iterator[tuple[str | None, str]]:
+    located = ctx.ckpt.located
+    found = training_state_beside(Path(located.model))
+    if found:
+        where = Path(located.model).parent
+        yield (
+            None,
+            f"{where}: {len(found)} training-state file(s) beside {Path(located.model).name}/ not read: {_examples(found)}",
+        )
