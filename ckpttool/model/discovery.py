@@ -390,7 +390,12 @@ def compose_pair(
             param="optimizer_dir",
             hint="pass a model-only checkpoint and an optimizer-only checkpoint",
         )
-    if model_md.serialization != optim_md.serialization:
+    serialization = model_md.serialization
+    if {model_md.serialization, optim_md.serialization} == {"safetensors", "torch_save"}:
+        # NeMo Automodel: model/ by HuggingFaceStorageWriter, optim/ by dcp.save; the chunk locator
+        # reads the .safetensors files' windows raw and the .distcp archives as archives
+        serialization = "mixed"
+    elif model_md.serialization != optim_md.serialization:
         raise SchemaError(
             f"{model_dir} and {optim_dir} are stored differently ({model_md.serialization} vs {optim_md.serialization})",
             param="optimizer_dir",
@@ -402,7 +407,7 @@ def compose_pair(
         version=model_md.version,
         checkpoint_id=model_md.checkpoint_id,
         save_id=model_md.save_id,
-        serialization=model_md.serialization,
+        serialization=serialization,
     )
     if not model_md.entries:
         raise MetadataError(f"{model_dir}: the checkpoint holds no entries", path=model_dir)

@@ -44,7 +44,7 @@ def test_found_from_run_root_and_step_dir(olmo_root: Path) -> None:
         assert doc["location"]["model"].endswith("step2/model_and_optim")
         ks = doc["key_schema"]
         assert ks["id"] == "olmo-core" and ks["optimizer_prefix"] == "optim." and ks["optimizer_keying"] == "fqn"
-        assert any("save_model_and_optim_state" in r for r in ks["reasons"])
+        assert any("under 'optim.', keyed by parameter fqn" in r for r in ks["reasons"])
         assert doc["summary"]["model_tensor_count"] == 21
 
 

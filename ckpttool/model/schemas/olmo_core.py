@@ -21,15 +21,6 @@ def _claims(d: Detected) -> bool:
     return d.model_prefix == "model." and d.optimizer_prefix == "optim."
 
 
-def _notes(model_prefix: str | None, optimizer_prefix: str | None) -> tuple[str, ...]:
-    if (model_prefix, optimizer_prefix) != ("model.", "optim."):
-        return ()
-    return (
-        "model under 'model.' with the optimizer under 'optim.' in one DCP checkpoint: the state dict OLMo-core's "
-        "save_model_and_optim_state writes (stepN/model_and_optim/)",
-    )
-
-
 SPEC = SchemaSpec(
     name="olmo-core",
     model_prefix="model.",
@@ -38,7 +29,6 @@ SPEC = SchemaSpec(
     claims=_claims,
     priority=5,
     optimizer_heads=("optim",),
-    prefix_notes=_notes,
     discovery=Discovery(step_words=("step",)),
     doc_model="`model.<fqn>`",
     doc_optimizer="`optim.state.<fqn>.<field>`, `optim.param_groups.<fqn>.<hyper>` (flattened)",
