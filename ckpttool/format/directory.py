@@ -17,7 +17,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import cast
 
@@ -158,9 +158,13 @@ class CheckpointDir:
                 f"files and no __R.metadata (incomplete save)",
                 path=self.path / f"__{lacking[0]}.metadata",
             )
-        parts = []
-        blobs = []
+        parts: list[tuple[int, CheckpointMetadata]] = []
+        blobs: list[bytes] = []
         cap = limits.current().max_metadata_bytes
+
+        def reread(name: str) -> Callable[[], bytes]:
+            return lambda: self.read_file(name, cap, what=name)
+
         for rank, name in ranks:
             shown = self.path / name
             try:
@@ -168,7 +172,7 @@ class CheckpointDir:
             except DataFileError as e:
                 raise MetadataError(e.message, path=shown) from e
             blobs.append(data)
-            parts.append((rank, parse_metadata_taken([data], str(shown), lambda n=name, c=cap: self.read_file(n, c))))
+            parts.append((rank, parse_metadata_taken([data], str(shown), reread(name))))
         joined = b"".join(blobs)
         self._metadata_digest = (DEFAULT_ALGORITHM, digest_bytes(joined, DEFAULT_ALGORITHM), len(joined))
         log.info(

@@ -153,3 +153,22 @@ def test_dcp_load_reference(tw_root: Path) -> None:
         sd = {"model": {k: torch.zeros_like(v) for k, v in want.items()}}
         dcp.load(sd, checkpoint_id=str(tw_root / variant))
         assert all(sd["model"][k].equal(v) for k, v in want.items())
+
+
+def test_safetensors_blob_damage_is_refused(tw_root: Path, tmp_path: Path) -> None:
+    """A data file whose safetensors header is damaged: one coded error naming the file, nothing read as OK."""
+    import pickle
+
+    from tests.fixtures.cache import copy_checkpoint
+
+    bad = copy_checkpoint(tw_root / "safetensors", tmp_path / "c")
+    md = pickle.loads((bad / ".metadata").read_bytes())
+    rel, at = next((i.relative_path, i.offset) for x, i in md.storage_data.items() if x.offset is not None)
+    data = bytearray((bad / rel).read_bytes())
+    data[at + 8 : at + 9] = b"["  # the header is no longer a JSON object
+    (bad / rel).write_bytes(bytes(data))
+    for cmd in (["validate", str(bad), "--deep"], ["export", str(bad), str(tmp_path / "out")]):
+        res = runner.invoke(app, cmd)
+        assert res.exit_code == 2 and res.stderr.startswith("error: [E2"), res.stderr
+        assert rel in res.stderr and "safetensors" in res.stderr
+    assert not (tmp_path / "out").exists()
