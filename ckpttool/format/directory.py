@@ -17,7 +17,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import cast
 
@@ -32,11 +32,13 @@ from ckpttool.errors import (
     UsageError,
 )
 from ckpttool.format import limits
+from ckpttool.format.dcp_safetensors import is_safetensors_serialized, resolve_safetensors_windows
 from ckpttool.format.digest import DEFAULT_ALGORITHM, digest_bytes
 from ckpttool.format.files import _kind, copy_regular, open_regular, read_regular, resolve_inside
 from ckpttool.format.hf_storage import hf_storage_files, load_hf_storage_metadata, shard_rank
 from ckpttool.format.mdcache import parse_metadata_taken
 from ckpttool.format.metadata import CheckpointMetadata, ChunkMeta, StorageInfo
+from ckpttool.format.rank_local import merge_rank_metadata, rank_metadata_names
 from ckpttool.format.storage import RemoteStore, Spool, is_url, local_path
 
 __all__ = [
@@ -121,6 +123,10 @@ class CheckpointDir:
         if not os.path.lexists(md) and hf_storage_files(p):
             self.metadata = load_hf_storage_metadata(p)
             return
+        if not os.path.lexists(md) and rank_metadata_names(os.listdir(p)):
+            self.metadata = self._read_rank_local(rank_metadata_names(os.listdir(p)), os.listdir(p))
+            self._resolve_serialization()
+            return
         if not os.path.lexists(md):
             if any(DATA_FILE_RE.match(n) for n in os.listdir(p)):
                 raise IncompleteCheckpointError(
@@ -134,6 +140,50 @@ class CheckpointDir:
         self.metadata = parse_metadata_taken(
             [self._read_metadata_bytes(md)], str(md), lambda: self._read_metadata_bytes(md)
         )
+        self._resolve_serialization()
+
+    def _read_rank_local(self, ranks: list[tuple[int, str]], names: list[str]) -> CheckpointMetadata:
+        """The ``__{rank}.metadata`` files of a ``use_collectives=False`` save, merged (:mod:`.rank_local`).
+
+        Raises:
+            IncompleteCheckpointError: a rank wrote data files but no ``__{rank}.metadata``.
+            MetadataError / UnsafePickleError: a rank's file is unusable, or the ranks disagree.
+        """
+        have = {r for r, _ in ranks}
+        writers = sorted({int(m.group(1)) for n in names if (m := DATA_FILE_RE.match(n))})
+        lacking = [r for r in writers if r not in have]
+        if lacking:
+            raise IncompleteCheckpointError(
+                f"{self.path}: rank-local metadata (use_collectives=False) but rank(s) {lacking} wrote data "
+                f"files and no __R.metadata (incomplete save)",
+                path=self.path / f"__{lacking[0]}.metadata",
+            )
+        parts: list[tuple[int, CheckpointMetadata]] = []
+        blobs: list[bytes] = []
+        cap = limits.current().max_metadata_bytes
+
+        def reread(name: str) -> Callable[[], bytes]:
+            return lambda: self.read_file(name, cap, what=name)
+
+        for rank, name in ranks:
+            shown = self.path / name
+            try:
+                data = self.read_file(name, cap, what=name)
+            except DataFileError as e:
+                raise MetadataError(e.message, path=shown) from e
+            blobs.append(data)
+            parts.append((rank, parse_metadata_taken([data], str(shown), reread(name))))
+        joined = b"".join(blobs)
+        self._metadata_digest = (DEFAULT_ALGORITHM, digest_bytes(joined, DEFAULT_ALGORITHM), len(joined))
+        log.info(
+            "%s: %d rank-local metadata files (use_collectives=False) read as one checkpoint", self.path, len(parts)
+        )
+        return merge_rank_metadata(parts, str(self.path))
+
+    def _resolve_serialization(self) -> None:
+        """A ``SerializationFormat.SAFETENSORS`` save: chunk windows from its files' headers (:mod:`.dcp_safetensors`)."""
+        if is_safetensors_serialized(self.metadata):
+            self.metadata = resolve_safetensors_windows(self, self.metadata)
 
     def _read_metadata_bytes(self, shown: str | os.PathLike[str]) -> bytes:
         try:
@@ -168,6 +218,10 @@ class CheckpointDir:
             if metadata is not None:
                 self.metadata = metadata
                 return
+            if METADATA_NAME not in sizes and rank_metadata_names(set(sizes)):
+                self.metadata = self._read_rank_local(rank_metadata_names(set(sizes)), list(sizes))
+                self._resolve_serialization()
+                return
             if METADATA_NAME not in sizes:
                 if not sizes:
                     raise RemoteNotFoundError(
@@ -190,6 +244,7 @@ class CheckpointDir:
             self.metadata = parse_metadata_taken(
                 [self._read_metadata_bytes(shown)], str(shown), lambda: self._read_metadata_bytes(shown)
             )
+            self._resolve_serialization()
         except BaseException:
             self.close()
             raise

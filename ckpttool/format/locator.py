@@ -228,7 +228,10 @@ def locate_chunk(ckpt: CheckpointDir, key: str, chunk: ChunkMeta) -> ChunkLocati
     ckpt.fetch(info)  # a remote checkpoint: one range request of exactly this window (cached)
     file = ckpt.path / info.relative_path
     where = f"{file}: {key!r} chunk at {chunk.offsets}"
-    if ckpt.metadata.serialization == "safetensors":
+    serialization = ckpt.metadata.serialization
+    if serialization in ("safetensors", "dcp_safetensors") or (
+        serialization == "mixed" and info.relative_path.endswith(".safetensors")  # a safetensors model + DCP optimizer
+    ):
         raw = _raw_record(key, meta, chunk, info, where)
         return ChunkLocation(
             key, chunk, meta, info, raw, file, FileWindow(ckpt.fd(info.relative_path), info.offset, info.length)

@@ -169,6 +169,9 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     (_DCP, "_MEM_FORMAT_ENCODING"): _mem_format,
     (_SHARD_MD, "MEM_FORMAT_ENCODING"): _mem_format,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfoRec,
+    # OLMo-core's RemoteFileSystemWriter pickles its own dataclass with torch's fields (relative_path,
+    # offset, length; olmo_core/distributed/checkpoint/filesystem.py): the same stand-in, never imported
+    ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfoRec,
     ("torch", "Size"): _Dims,
     ("torch.serialization", "_get_layout"): _get_layout,
     ("pathlib", "PosixPath"): _path,

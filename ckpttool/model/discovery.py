@@ -110,10 +110,17 @@ class Located:
 
 
 def is_checkpoint_dir(path: Path) -> bool:
-    """``path`` holds ``.metadata``, the safetensors files of a ``HuggingFaceStorageWriter`` save, or
-    the rank files of a per-rank format (:func:`~ckpttool.format.perrank_formats.detect_layout`)."""
+    """``path`` holds ``.metadata`` (or rank-local ``__0.metadata``), the safetensors files of a
+    ``HuggingFaceStorageWriter`` save, or the rank files of a per-rank format
+    (:func:`~ckpttool.format.perrank_formats.detect_layout`)."""
     try:
-        return (path / METADATA_NAME).is_file() or bool(hf_storage_files(path)) or detect_layout(path) is not None
+        # __0.metadata: a dcp.save(use_collectives=False) save (rank-local metadata, ckpttool.format.rank_local)
+        return (
+            (path / METADATA_NAME).is_file()
+            or (path / "__0.metadata").is_file()
+            or bool(hf_storage_files(path))
+            or detect_layout(path) is not None
+        )
     except OSError:
         return False
 
@@ -391,7 +398,12 @@ def compose_pair(
             param="optimizer_dir",
             hint="pass a model-only checkpoint and an optimizer-only checkpoint",
         )
-    if model_md.serialization != optim_md.serialization:
+    serialization = model_md.serialization
+    if {model_md.serialization, optim_md.serialization} == {"safetensors", "torch_save"}:
+        # NeMo Automodel: model/ by HuggingFaceStorageWriter, optim/ by dcp.save; the chunk locator
+        # reads the .safetensors files' windows raw and the .distcp archives as archives
+        serialization = "mixed"
+    elif model_md.serialization != optim_md.serialization:
         raise SchemaError(
             f"{model_dir} and {optim_dir} are stored differently ({model_md.serialization} vs {optim_md.serialization})",
             param="optimizer_dir",
@@ -403,7 +415,7 @@ def compose_pair(
         version=model_md.version,
         checkpoint_id=model_md.checkpoint_id,
         save_id=model_md.save_id,
-        serialization=model_md.serialization,
+        serialization=serialization,
     )
     if not model_md.entries:
         raise MetadataError(f"{model_dir}: the checkpoint holds no entries", path=model_dir)

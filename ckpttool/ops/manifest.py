@@ -249,7 +249,7 @@ def record_span(reader: CheckpointReader, key: str, chunk: ChunkMeta) -> tuple[i
     Raises:
         the chunk locator's errors for a damaged archive.
     """
-    if reader.metadata.serialization == "safetensors":
+    if reader.metadata.serialization != "torch_save":
         return None
     info = reader.storage_info(key, chunk)
     loc = reader.locate(key, chunk)
@@ -333,7 +333,7 @@ def build_manifest(
     """
     _check_algorithm(algorithm)
     _check_covers(covers)
-    safetensors = reader.metadata.serialization == "safetensors"
+    safetensors = reader.metadata.serialization != "torch_save"
 
     def one(item: tuple[str, ChunkMeta | None]) -> ManifestEntry:
         key, chunk = item

@@ -32,10 +32,21 @@ DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
 
 
 def test_builtin_schemas_in_priority_order() -> None:
-    assert registry.names() == ("torch-native", "app-state", "torchtitan", "verl", "torch-checkpointing", "top-level")
+    assert registry.names() == (
+        "olmo-core",
+        "torch-native",
+        "app-state",
+        "nemo-automodel",
+        "torchtitan",
+        "verl",
+        "torch-checkpointing",
+        "top-level",
+    )
     assert [(s.model_prefix, s.optimizer_prefix) for s in registry.specs()] == [
+        ("model.", "optim."),
         ("model.", "optimizer."),
         ("app.model.", "app.optim."),
+        ("", "optim."),
         ("", "optimizer."),
         ("model.", "optimizer."),
         ("model.", "optimizer."),
@@ -60,7 +71,7 @@ def test_cli_choices_come_from_the_registry() -> None:
     packaged = json.loads((Path(ckpttool.__file__).parent / "schemas" / "import.schema.json").read_text())
     assert packaged["properties"]["key_schema"]["enum"] == [s.name for s in registry.import_targets()]
     help_text = re.sub(r"\s+", " ", runner.invoke(app, ["inspect", "--help"], terminal_width=200).stdout)
-    assert "torch-native|app-state|torchtitan|verl|torch-checkpointing|top-level" in help_text
+    assert "|".join(registry.names()) in help_text and "olmo-core|torch-native|app-state|nemo-automodel" in help_text
 
 
 def test_step_directory_names() -> None:

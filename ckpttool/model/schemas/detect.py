@@ -26,6 +26,7 @@ from typing import Any, cast
 
 from ckpttool.errors import SchemaError
 from ckpttool.format.metadata import CheckpointMetadata, TensorMeta
+from ckpttool.model.nested_state import describe_nested, nested_state_items
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import Detected
 from ckpttool.model.schemas.keyschema import KeySchema, SchemaOverride, model_head
@@ -416,6 +417,10 @@ def _closing_reasons(
     n_model, use_paths = counted
     how = "planner_data (the nesting of the saved state dict)" if planner else "key prefixes (no planner_data)"
     model_prefix, opt_prefix, naming = found.model_prefix, found.optimizer_prefix, found.naming
+    nested = nested_state_items(md) if model_prefix is None and opt_prefix is None else []
+    if nested:
+        reasons.append(describe_nested(md, nested) + "; ckpttool reads none of it")
+        return reasons
     if model_prefix is None and opt_prefix is None:
         entries = md.entries
         reasons.append(

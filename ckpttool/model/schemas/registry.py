@@ -12,7 +12,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ckpttool.model.schemas import app_state, top_level, torch_checkpointing, torch_native, torchtitan, verl
+from ckpttool.model.schemas import (
+    app_state,
+    nemo,
+    olmo_core,
+    top_level,
+    torch_checkpointing,
+    torch_native,
+    torchtitan,
+    verl,
+)
 from ckpttool.model.schemas.base import GENERIC_DISCOVERY, GENERIC_TRAINING_STATE_ITEMS, FolderPair, SchemaSpec
 
 __all__ = [
@@ -140,5 +149,14 @@ def schema_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-for _spec in (torch_native.SPEC, app_state.SPEC, torchtitan.SPEC, top_level.SPEC, verl.SPEC, torch_checkpointing.SPEC):
+for _spec in (
+    torch_native.SPEC,
+    app_state.SPEC,
+    torchtitan.SPEC,
+    top_level.SPEC,
+    verl.SPEC,
+    torch_checkpointing.SPEC,
+    olmo_core.SPEC,
+    nemo.SPEC,
+):
     register(_spec)

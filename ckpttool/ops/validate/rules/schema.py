@@ -8,7 +8,10 @@ known category fail ``--strict``: validation fails closed on what it did not und
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
+from ckpttool.model.beside import training_state_beside
+from ckpttool.model.nested_state import describe_nested, nested_state_items
 from ckpttool.ops.validate.base import Severity, rule
 from ckpttool.ops.validate.context import Context
 
@@ -27,8 +30,8 @@ def _examples(keys: list[str], n: int = 3) -> str:
 )
 def nothing_recognised(ctx: Context) -> Iterator[tuple[str | None, str]]:
     cat = ctx.cat
-    if cat.model or cat.optimizer_state or cat.param_groups:
-        return
+    if cat.model or cat.optimizer_state or cat.param_groups or nested_state_items(ctx.reader.metadata):
+        return  # nested state in byte items: K010
     keys = list(ctx.reader.metadata.entries)
     yield None, f"{cat.path}: no model tensor and no optimizer state among {len(keys)} key(s): {_examples(keys)}"
 
@@ -101,3 +104,38 @@ def state_of_split_parameter(ctx: Context) -> Iterator[tuple[str, str]]:
     if split:
         f, ps = split[0]
         yield f, f"{len(split)} parameter(s) stepped fused, stored split (e.g. {f} as {', '.join(ps.stored_as)})"
+
+
+@rule(
+    "K010",
+    "nested-state-in-byte-items",
+    Severity.error,
+    "the state was saved unflattened (DefaultSavePlanner(flatten_state_dict=False)): each top-level entry is one "
+    "byte item pickling a whole nested state dict, written by one rank; there are no tensor entries to check",
+    "re-save with dcp.save's default planner (flatten_state_dict=True); to read it as it is, dcp.load it with "
+    "DefaultLoadPlanner(flatten_state_dict=False) on the world size that saved it",
+)
+def nested_state_in_byte_items(ctx: Context) -> Iterator[tuple[str | None, str]]:
+    md = ctx.reader.metadata
+    keys = nested_state_items(md)
+    if keys:
+        yield keys[0], f"{ctx.cat.path}: {describe_nested(md, keys)}"
+
+
+@rule(
+    "K011",
+    "training-state-beside",
+    Severity.warning,
+    "training state saved beside the opened checkpoint (OLMo-core's stepN/train/rankR.pt) is not read: the "
+    "model and optimizer were checked, the trainer state (step, tokens seen, RNG, data loader) was not",
+    "check those files with the trainer's own loader; resume with the trainer, which reads them",
+)
+def training_state_beside_checkpoint(ctx: Context) -> Iterator[tuple[str | None, str]]:
+    located = ctx.ckpt.located
+    found = training_state_beside(Path(located.model))
+    if found:
+        where = Path(located.model).parent
+        yield (
+            None,
+            f"{where}: {len(found)} training-state file(s) beside {Path(located.model).name}/ not read: {_examples(found)}",
+        )

@@ -1,0 +1,36 @@
+"""``olmo-core``: OLMo-core's trainer ``Checkpointer`` (``olmo_core/train/checkpoint.py``, 3.x).
+
+``stepN/model_and_optim/`` is a DCP checkpoint written by ``save_model_and_optim_state`` /
+``save_state_dict`` through OLMo-core's ``RemoteFileSystemWriter`` (its ``.metadata`` pickles
+``olmo_core.distributed.checkpoint.filesystem._StorageInfo``, read as torch's by field by the
+allow-list unpickler, never imported): ``{"model": get_model_state_dict(m), "optim":
+get_optimizer_state_dict(m, o, flatten_optimizer_state_dict=True)}``, so keys ``model.<fqn>``,
+``optim.state.<fqn>.<field>`` and ``optim.param_groups.<fqn>.<hyper>``. Beside it:
+``stepN/train/rank{R}.pt`` (``torch.save`` of the trainer state per rank) and
+``stepN/.metadata.json`` (rule ``K011`` names what is not read).
+"""
+
+from __future__ import annotations
+
+from ckpttool.model.schemas.base import Detected, Discovery, SchemaSpec
+
+__all__ = ["SPEC"]
+
+
+def _claims(d: Detected) -> bool:
+    return d.model_prefix == "model." and d.optimizer_prefix == "optim."
+
+
+SPEC = SchemaSpec(
+    name="olmo-core",
+    model_prefix="model.",
+    optimizer_prefix="optim.",
+    model_container=("model",),
+    claims=_claims,
+    priority=5,
+    optimizer_heads=("optim",),
+    discovery=Discovery(step_words=("step",)),
+    doc_model="`model.<fqn>`",
+    doc_optimizer="`optim.state.<fqn>.<field>`, `optim.param_groups.<fqn>.<hyper>` (flattened)",
+    doc_written_by="OLMo-core's `Checkpointer` (`stepN/model_and_optim/`, beside `train/rankR.pt`)",
+)

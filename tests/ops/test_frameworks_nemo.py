@@ -1,0 +1,84 @@
+"""NeMo Automodel 0.7 checkpoints written by its own ``Checkpointer`` (tests/fixtures/nemo_writer.py).
+
+The step directory ``epoch_0_step_2/`` holds ``model/`` (HuggingFaceStorageWriter safetensors) and
+``optim/`` (DCP): opened as one checkpoint without flags. References: the model's and optimizer's
+own ``state_dict()`` after the steps, and torch's ``dcp.load`` of ``optim/``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from tests.fixtures.cache import cached_build
+
+pytestmark = pytest.mark.slow
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def nemo_root(fixture_root: Path) -> Path:
+    from tests.fixtures.writers import missing
+
+    why = missing("nemo_automodel.components.checkpoint.checkpointing", "transformers")
+    if why:
+        pytest.skip(why)
+    from tests.fixtures.nemo_writer import build_nemo
+
+    return cached_build(fixture_root, "writers_nemo", build_nemo)
+
+
+def cli(*args: str, code: int = 0) -> str:
+    res = runner.invoke(app, list(args))
+    assert res.exit_code == code, (args, res.stdout, res.stderr)
+    return res.stdout
+
+
+def test_step_dir_opens_model_and_optimizer(nemo_root: Path) -> None:
+    for given in (nemo_root / "run", nemo_root / "run" / "epoch_0_step_2"):
+        doc = json.loads(cli("inspect", str(given), "--json"))
+        assert doc["location"]["model"].endswith("epoch_0_step_2/model")
+        assert doc["location"]["optimizer"].endswith("epoch_0_step_2/optim")
+        ks = doc["key_schema"]
+        assert ks["id"] == "nemo-automodel" and ks["model_prefix"] == "" and ks["optimizer_prefix"] == "optim."
+        assert doc["training_state"] and "sched" in doc["training_state"]
+        assert doc["summary"]["model_tensor_count"] == 21
+    doc = json.loads(cli("validate", str(nemo_root / "run"), "--strict", "--deep", "--json"))
+    assert doc["ok"] and doc["counts"]["error"] == doc["counts"]["warning"] == 0
+
+
+def test_export_replay_diff_manifest(nemo_root: Path, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    src = str(nemo_root / "run" / "epoch_0_step_2")
+    cli("export", src, str(tmp_path / "hf"))
+    got: dict = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        got.update(load_file(f))
+    want = torch.load(nemo_root / "expected.pt", weights_only=True)
+    assert sorted(got) == sorted(want["model"]) and all(got[k].equal(v) for k, v in want["model"].items())
+    doc = json.loads(cli("replay-step", src, "--device", "cpu", "--json"))
+    assert doc["ok"] and len(doc["params"]) == 21 and all(p["step_before"] == 2 for p in doc["params"])
+    doc = json.loads(cli("diff", src, str(tmp_path / "hf"), "--json"))
+    assert doc["equal"] and doc["counts"]["compared"] == 21
+    cli("manifest", src, "-o", str(tmp_path / "m.json"))
+    cli("manifest", src, "--verify", "--output", str(tmp_path / "m.json"))
+
+
+def test_optimizer_state_matches_torch_reader(nemo_root: Path) -> None:
+    """torch's dcp.load of optim/ and the optimizer's own state_dict agree with what replay read."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    want = torch.load(nemo_root / "expected.pt", weights_only=True)
+    names = list(want["model"])  # parameters in order (no buffers in a Llama state dict)
+    key = f"optim.state.{names[3]}.exp_avg"
+    sd = {key: torch.zeros_like(want["model"][names[3]])}
+    dcp.load(sd, checkpoint_id=str(nemo_root / "run" / "epoch_0_step_2" / "optim"))
+    assert sd[key].equal(want["optim"]["state"][3]["exp_avg"])
