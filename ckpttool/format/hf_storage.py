@@ -13,6 +13,7 @@ the chunk locator treats a window as the raw record. Torch-free.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -83,10 +84,36 @@ def read_safetensors_header(path: Path, size: int | None = None) -> tuple[dict[s
         raise MetadataError(f"{path}: cannot read ({e.strerror})", path=path) from e
 
 
+#: The DCP path's bounds (``format/unpickler.py``): at most 64 dims, each at most 2^62.
+MAX_NDIM = 64
+MAX_DIM_SIZE = 2**62
+_INT64_MAX = 2**63 - 1
+
+
 def _int_list(value: Any) -> tuple[int, ...] | None:
-    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+    """``value`` as a shape or offsets tuple: a list of at most 64 ints in ``[0, 2^62]``; ``None`` otherwise."""
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_NDIM
+        or not all(type(v) is int and 0 <= v <= MAX_DIM_SIZE for v in value)
+    ):
         return None
     return tuple(value)
+
+
+def _extent_problem(shape: tuple[int, ...], itemsize: int) -> str | None:
+    """Why a tensor of ``shape`` cannot exist in torch (its strides or bytes past int64), else ``None``.
+
+    Checked on the non-zero dims: a ``[0, 2**70]`` tensor holds no bytes, but torch cannot
+    describe it (``dcp.load`` overflows on its strides).
+    """
+    n = itemsize
+    for d in shape:
+        if d:
+            n *= d
+            if n > _INT64_MAX:
+                return f"shape {list(shape)} spans more than 2^63 bytes"
+    return None
 
 
 def hf_storage_files(path: Path) -> list[str]:
@@ -172,8 +199,8 @@ def _read_file(path: Path, name: str, found: _Found) -> None:
         if key in sharding:
             info = sharding[key]
             got = _int_list(info.get(_OFFSETS_KEY)) if isinstance(info, dict) else None
-            if got is None or len(got) != len(shape):
-                raise _bad(p, f"{_SHARDING_KEY} of {key!r:.80} is not a list of {len(shape)} offsets")
+            if got is None or len(got) != len(shape) or any(o + d > MAX_DIM_SIZE for o, d in zip(got, shape)):
+                raise _bad(p, f"{_SHARDING_KEY} of {key!r:.80} is not a list of {len(shape)} offsets below 2^62")
             offsets = got
         if found.dtypes.setdefault(key, dtype) != dtype:
             raise _bad(p, f"{key!r:.80} is {dtype} here but {found.dtypes[key]} in another file")
@@ -216,11 +243,12 @@ def _tensor_entry(p: Path, key: str, rec: Any, data_len: int) -> tuple[str, tupl
     shape = _int_list(rec.get("shape"))
     span = _int_list(rec.get("data_offsets"))
     if shape is None or span is None or len(span) != 2:
-        raise _bad(p, f"{key!r:.80} has a malformed shape or data_offsets")
+        raise _bad(p, f"{key!r:.80} has a malformed shape or data_offsets (at most {MAX_NDIM} dims of at most 2^62)")
     begin, end = span
-    nbytes = DType(dtype).itemsize
-    for s in shape:
-        nbytes *= s
+    problem = _extent_problem(shape, DType(dtype).itemsize)
+    if problem is not None:
+        raise _bad(p, f"{key!r:.80}: {problem}")
+    nbytes = DType(dtype).itemsize * math.prod(shape)
     if begin > end or end > data_len or end - begin != nbytes:
         raise _bad(
             p,
