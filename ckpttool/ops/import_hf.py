@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ExportError, UsageError
 from ckpttool.format.files import open_regular, resolve_inside
-from ckpttool.format.hf_storage import load_hf_storage_metadata
+from ckpttool.format.hf_storage import ADAPTER_PREFIX, load_hf_storage_metadata
 from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
 from ckpttool.format.outputs import output_location
 from ckpttool.format.storage import is_url
@@ -630,6 +630,9 @@ def _import_plain(
     config = read_hf_config(cfg_path, param="config") if cfg_path is not None else None
     md = load_hf_storage_metadata(src_dir)
     warnings: list[str] = []
+    adapters = sorted(n for n in os.listdir(src_dir) if n.startswith(ADAPTER_PREFIX) and n.endswith(".safetensors"))
+    if adapters:  # PEFT adapter weights beside the model are not base weights (hf_storage_files leaves them out)
+        warnings.append(f"{adapters[0]} (a PEFT adapter) was not imported: merge it into the model first to import it")
     sources = _hf_sources(src_dir, md)
     _check_index(src_dir, sources)
     tie = config_value(config, "tie_word_embeddings") is True
