@@ -965,7 +965,9 @@ def verify_manifest(reader: CheckpointReader, manifest: Manifest) -> list[Manife
     if manifest.sidecars is not None and reader.remote is None and not reader.parts:
         root = Path(reader.path)
         skip = {METADATA_NAME, MANIFEST_NAME, *(e.file for e in manifest.entries), *_inside(root, manifest.path)}
-        skip.update(reader.storage_info(k, c).relative_path for k, c in stored.items() if _has_storage(reader, k, c))
+        skip.update(
+            reader.storage_info(k, c).relative_path for (k, _), c in stored.items() if _has_storage(reader, k, c)
+        )
         problems.extend(_sidecar_problems(root, manifest.sidecars, skip, manifest.algorithm))
     return problems
 
