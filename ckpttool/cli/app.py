@@ -226,6 +226,14 @@ def _remote_options() -> list[Any]:
             help="Attempts per storage request on transient errors [default: 5].",
         ),
         _global(
+            "--remote-timeout",
+            type=int,
+            default=None,
+            metavar="SECONDS",
+            callback=_set_remote("timeout_s"),
+            help="Connect and read timeout of each storage request attempt [default: 20].",
+        ),
+        _global(
             "--remote-spool-size",
             default=None,
             metavar="SIZE",
@@ -259,6 +267,7 @@ GLOBAL_OPTIONS = (
     "--storage-option",
     "--remote-workers",
     "--remote-retries",
+    "--remote-timeout",
     "--remote-spool-size",
     "--no-cache",
     "-h",

@@ -72,12 +72,19 @@ def manifest_command(
     Output(json_output).result(res, _render)
 
 
+#: Problems printed one by one; the rest are counted by kind.
+SHOWN_PROBLEMS = 50
+
+
 def _render_check(res: ManifestCheck) -> None:
     from ckpttool.ui.render import plural, stdout_console
 
     con = stdout_console()
-    for p in res.problems:
+    for p in res.problems[:SHOWN_PROBLEMS]:
         con.print(f"{p.kind:8} {p.message}")
+    if len(res.problems) > SHOWN_PROBLEMS:
+        kinds = ", ".join(f"{k} {n:,}" for k, n in sorted(res.counts().items()))
+        con.print(f"... and {len(res.problems) - SHOWN_PROBLEMS:,} more ({kinds} in all; --json lists the first 1,000)")
     verdict = "matches" if not res.problems else f"differs: {plural(len(res.problems), 'problem')}"
     con.print(
         f"{res.path} ({res.kind}) {verdict} its manifest {res.manifest} ({plural(res.entries, 'entry', 'entries')})"

@@ -589,12 +589,17 @@ class _TensorPickle(pickle.Unpickler):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise UnsafePickleError("tensor archive holds an unexpected persistent id")
         _, stype, key, location, numel = pid
-        if not (isinstance(stype, tuple) and len(stype) == 2 and stype[0] == "storage_type"):
-            raise StorageTupleError(f"storage tuple names storage type {stype!r:.60}, not a torch storage class")
+        if not (
+            isinstance(stype, tuple)
+            and len(stype) == 2
+            and stype[0] == "storage_type"
+            and (stype[1] is None or (type(stype[1]) is str and stype[1] in DTYPE_ITEMSIZE))
+        ):  # a tuple the pickle built itself may hold anything where a storage class's dtype belongs
+            raise StorageTupleError(f"storage tuple names storage type {_short(stype)}, not a torch storage class")
         if type(key) is not str or not key.isdigit() or len(key) > 20:
-            raise StorageTupleError(f"storage tuple key is {key!r:.60}, not a decimal string")
+            raise StorageTupleError(f"storage tuple key is {_short(key)}, not a decimal string")
         if type(location) is not str or len(location) > 64:
-            raise StorageTupleError(f"storage tuple location is {location!r:.60}, not a device string")
+            raise StorageTupleError(f"storage tuple location is {_short(location)}, not a device string")
         if type(numel) is not int or not 0 <= numel < 1 << 62:
             raise StorageTupleError(f"storage tuple size is {_short(numel)}, not an int in [0, 2^62)")
         return ("storage", stype[1], key, numel)

@@ -13,19 +13,22 @@ the chunk locator treats a window as the raw record. Torch-free.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import MetadataError
+from ckpttool.errors import IncompleteCheckpointError, MetadataError
 from ckpttool.format.files import resolve_inside
 from ckpttool.format.jsonfile import unique_pairs
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo, TensorMeta
 from ckpttool.format.safetensors import SAFETENSORS_TAGS, HeaderError, read_header
 
 __all__ = [
+    "ADAPTER_PREFIX",
     "HF_INDEX_NAME",
+    "check_hf_index",
     "hf_storage_files",
     "load_hf_storage_metadata",
     "read_safetensors_header",
@@ -33,6 +36,8 @@ __all__ = [
 ]
 
 HF_INDEX_NAME = "model.safetensors.index.json"
+#: PEFT's ``adapter_model.safetensors``: adapter weights beside a model, never part of it.
+ADAPTER_PREFIX = "adapter_model"
 _SHARDING_KEY = "DCP_SHARDING_INFO"
 _OFFSETS_KEY = "saved_offsets"
 _SHARD_RE = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
@@ -83,10 +88,36 @@ def read_safetensors_header(path: Path, size: int | None = None) -> tuple[dict[s
         raise MetadataError(f"{path}: cannot read ({e.strerror})", path=path) from e
 
 
+#: The DCP path's bounds (``format/unpickler.py``): at most 64 dims, each at most 2^62.
+MAX_NDIM = 64
+MAX_DIM_SIZE = 2**62
+_INT64_MAX = 2**63 - 1
+
+
 def _int_list(value: Any) -> tuple[int, ...] | None:
-    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+    """``value`` as a shape or offsets tuple: a list of at most 64 ints in ``[0, 2^62]``; ``None`` otherwise."""
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_NDIM
+        or not all(type(v) is int and 0 <= v <= MAX_DIM_SIZE for v in value)
+    ):
         return None
     return tuple(value)
+
+
+def _extent_problem(shape: tuple[int, ...], itemsize: int) -> str | None:
+    """Why a tensor of ``shape`` cannot exist in torch (its strides or bytes past int64), else ``None``.
+
+    Checked on the non-zero dims: a ``[0, 2**70]`` tensor holds no bytes, but torch cannot
+    describe it (``dcp.load`` overflows on its strides).
+    """
+    n = itemsize
+    for d in shape:
+        if d:
+            n *= d
+            if n > _INT64_MAX:
+                return f"shape {list(shape)} spans more than 2^63 bytes"
+    return None
 
 
 def hf_storage_files(path: Path) -> list[str]:
@@ -98,7 +129,11 @@ def hf_storage_files(path: Path) -> list[str]:
     (:func:`ckpttool.format.files.resolve_inside`).
     """
     try:
-        names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors") and not n.startswith("."))
+        names = sorted(
+            n
+            for n in os.listdir(path)
+            if n.endswith(".safetensors") and not n.startswith(".") and not n.startswith(ADAPTER_PREFIX)
+        )
     except OSError:
         return []
     consolidated = [n for n in names if not _SHARD_RE.match(n)]
@@ -134,6 +169,7 @@ def load_hf_storage_metadata(path: Path) -> CheckpointMetadata:
     found = _Found()
     for name in files:
         _read_file(path, name, found)
+    check_hf_index(path, files, found.storage)
     entries: dict[str, TensorMeta | BytesMeta] = {}
     for key, cs in found.chunks.items():
         ndim = len(cs[0].sizes)
@@ -142,6 +178,86 @@ def load_hf_storage_metadata(path: Path) -> CheckpointMetadata:
         size_ = tuple(max(c.offsets[d] + c.sizes[d] for c in cs) for d in range(ndim))
         entries[key] = TensorMeta(DType(found.dtypes[key]), size_, tuple(cs))
     return CheckpointMetadata(entries=entries, storage=found.storage, serialization="safetensors")
+
+
+def _read_index(path: Path) -> dict[str, str] | None:
+    """``weight_map`` of ``path/model.safetensors.index.json`` (``None``: no index), bounded and checked.
+
+    Raises:
+        MetadataError: not a JSON object with a ``weight_map`` of tensor name -> file name.
+        SizeLimitError, JsonDepthError, IntegerRangeError, PathEscapeError, NotRegularFileError:
+            as any JSON file read.
+    """
+    from ckpttool.format import limits
+    from ckpttool.format.files import read_regular
+    from ckpttool.format.jsonfile import parse_json
+
+    shown = path / HF_INDEX_NAME
+    if not os.path.lexists(shown):
+        return None
+    try:
+        raw = read_regular(
+            resolve_inside(path, HF_INDEX_NAME, what="index"), limits.current().max_object_bytes, what="index"
+        )
+        index = parse_json(raw, str(shown))
+    except (ValueError, OSError) as e:  # not JSON / not UTF-8 / unreadable
+        raise MetadataError(f"{shown}: not a readable index ({type(e).__name__})", path=shown) from None
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict) or not all(type(v) is str for v in wm.values()):
+        raise MetadataError(f"{shown}: no weight_map of tensor name -> file name", path=shown)
+    return wm
+
+
+def check_hf_index(path: Path, files: list[str], storage: dict[tuple[str, Any], StorageInfo]) -> None:
+    """The index of a sharded HF folder, if any, agrees with the shards read (``files``, holding ``storage``).
+
+    What ``from_pretrained`` loads is the index's ``weight_map``: a shard it names that is missing,
+    a shard on disk it does not name (an added file), a tensor it places in another file than the
+    one holding it, or a stored tensor it does not list would each load something other than
+    what was checked.
+
+    Raises:
+        IncompleteCheckpointError: ``E202``, a shard the index names is missing.
+        MetadataError: ``E200``, any other disagreement (named, with counts).
+    """
+    wm = _read_index(path)
+    if wm is None:
+        return
+    shown = path / HF_INDEX_NAME
+    named = set(wm.values())
+    missing = sorted(named - set(files))
+    if missing:
+        n = sum(1 for v in wm.values() if v in missing)
+        raise IncompleteCheckpointError(
+            f"{shown}: the index lists {len(missing)} shard(s) that are missing ({missing[0]!r:.80}; {n} tensors)",
+            path=shown,
+            hint="a shard file is missing; download or copy the complete model",
+        )
+    extra = sorted(set(files) - named)
+    if extra:
+        raise _index_mismatch(shown, f"{len(extra)} shard(s) on disk are not in the index ({extra[0]!r:.80})")
+    held: dict[str, str] = {}
+    for (key, _), info in storage.items():
+        held.setdefault(key, info.relative_path)
+    moved = [k for k, f in wm.items() if held.get(k) != f]
+    if moved:
+        k = moved[0]
+        where = f"in {held[k]!r:.80}" if k in held else "in no shard"
+        raise _index_mismatch(
+            shown,
+            f"{len(moved)} tensor(s) are not where the index places them ({k!r:.80}: index {wm[k]!r:.80}, {where})",
+        )
+    unlisted = sorted(set(held) - set(wm))
+    if unlisted:
+        raise _index_mismatch(shown, f"{len(unlisted)} stored tensor(s) are not in the index ({unlisted[0]!r:.80})")
+
+
+def _index_mismatch(shown: Path, what: str) -> MetadataError:
+    return MetadataError(
+        f"{shown}: {what}",
+        path=shown,
+        hint="the folder is not the one its index describes (a file added, moved or deleted); do not load it",
+    )
 
 
 class _Found:
@@ -166,14 +282,13 @@ def _read_file(path: Path, name: str, found: _Found) -> None:
     spans: list[tuple[int, int, str]] = []
     for key, rec in header.items():
         dtype, shape, begin, end = _tensor_entry(p, key, rec, data_len)
-        if end > begin:
-            spans.append((begin, end, key))
+        spans.append((begin, end, key))
         offsets: tuple[int, ...] = (0,) * len(shape)
         if key in sharding:
             info = sharding[key]
             got = _int_list(info.get(_OFFSETS_KEY)) if isinstance(info, dict) else None
-            if got is None or len(got) != len(shape):
-                raise _bad(p, f"{_SHARDING_KEY} of {key!r:.80} is not a list of {len(shape)} offsets")
+            if got is None or len(got) != len(shape) or any(o + d > MAX_DIM_SIZE for o, d in zip(got, shape)):
+                raise _bad(p, f"{_SHARDING_KEY} of {key!r:.80} is not a list of {len(shape)} offsets below 2^62")
             offsets = got
         if found.dtypes.setdefault(key, dtype) != dtype:
             raise _bad(p, f"{key!r:.80} is {dtype} here but {found.dtypes[key]} in another file")
@@ -181,10 +296,24 @@ def _read_file(path: Path, name: str, found: _Found) -> None:
             raise _bad(p, f"{key!r:.80} chunk at {list(offsets)} is stored in two files")
         found.chunks.setdefault(key, []).append(ChunkMeta(offsets, shape))
         found.storage[(key, offsets)] = StorageInfo(name, data_start + begin, end - begin)
-    spans.sort()
-    for (_, prev_end, prev_key), (begin, _, key) in zip(spans, spans[1:]):
-        if begin < prev_end:
-            raise _bad(p, f"{key!r:.80} data_offsets overlap those of {prev_key!r:.80}")
+    _check_tiling(p, spans, data_len)
+
+
+def _check_tiling(p: Path, spans: list[tuple[int, int, str]], data_len: int) -> None:
+    """The tensors' ``data_offsets`` tile the data region from 0 to its end, as safetensors requires.
+
+    safetensors' own loader refuses a gap (``InvalidOffset``), an overlap, or bytes after the last
+    tensor (``MetadataIncompleteBuffer``): bytes no tensor accounts for are refused here too.
+    """
+    at, prev = 0, None
+    for begin, end, key in sorted(spans):
+        if begin != at:
+            what = "overlap those of" if begin < at else "leave a gap after"
+            after = f" {prev!r:.80}" if prev is not None else " the start of the data region"
+            raise _bad(p, f"{key!r:.80} data_offsets [{begin}, {end}) {what}{after} (at {at})")
+        at, prev = end, key
+    if at != data_len:
+        raise _bad(p, f"the tensors end at byte {at} of the {data_len}-byte data region (unaccounted bytes)")
 
 
 def _sharding_info(p: Path, meta: Any) -> dict[str, Any]:
@@ -216,11 +345,12 @@ def _tensor_entry(p: Path, key: str, rec: Any, data_len: int) -> tuple[str, tupl
     shape = _int_list(rec.get("shape"))
     span = _int_list(rec.get("data_offsets"))
     if shape is None or span is None or len(span) != 2:
-        raise _bad(p, f"{key!r:.80} has a malformed shape or data_offsets")
+        raise _bad(p, f"{key!r:.80} has a malformed shape or data_offsets (at most {MAX_NDIM} dims of at most 2^62)")
     begin, end = span
-    nbytes = DType(dtype).itemsize
-    for s in shape:
-        nbytes *= s
+    problem = _extent_problem(shape, DType(dtype).itemsize)
+    if problem is not None:
+        raise _bad(p, f"{key!r:.80}: {problem}")
+    nbytes = DType(dtype).itemsize * math.prod(shape)
     if begin > end or end > data_len or end - begin != nbytes:
         raise _bad(
             p,

@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["Limits", "current", "set_limits", "limits", "human"]
+__all__ = ["Limits", "current", "set_limits", "limits", "human", "metadata_record_cap", "BYTES_PER_METADATA_RECORD"]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -82,6 +82,23 @@ def limits(**changes: int) -> Iterator[Limits]:
         yield _current
     finally:
         _current = previous
+
+
+#: Bytes of ``--max-metadata-size`` per record a ``.metadata`` may build (see :func:`metadata_record_cap`).
+BYTES_PER_METADATA_RECORD = 128
+
+
+def metadata_record_cap() -> int:
+    """The most records (dataclass objects, chunks, storage items) one ``.metadata`` may build.
+
+    One per :data:`BYTES_PER_METADATA_RECORD` bytes of :attr:`Limits.max_metadata_bytes`
+    (8,388,608 at the 1 GiB default; a 10^6-entry save builds ~5 x 10^6). Parsing costs
+    ~250 bytes of memory per record, and a pickle can build one from ~5 bytes (a shared
+    object referenced again), so the file-size cap alone does not bound the work: a
+    10^7-chunk ``.metadata`` is refused by this count before it is unpickled or converted.
+    ``--max-metadata-size`` raises both caps.
+    """
+    return _current.max_metadata_bytes // BYTES_PER_METADATA_RECORD
 
 
 def human(n: int) -> str:

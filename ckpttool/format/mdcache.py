@@ -19,15 +19,23 @@ import operator
 import struct
 import sys
 from array import array
+from collections import Counter
 from collections.abc import Callable
 from itertools import groupby, islice, repeat
 from pathlib import Path
 from typing import Any
 
-from ckpttool.format import cache
+from ckpttool.format import cache, limits
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo
 from ckpttool.format.metadata import TensorMeta as _TensorMeta
-from ckpttool.format.unpickler import MAX_DIM_SIZE, MAX_NDIM, MAX_OFFSET, gc_paused, parse_metadata_bytes
+from ckpttool.format.unpickler import (
+    MAX_DIM_SIZE,
+    MAX_NDIM,
+    MAX_OFFSET,
+    check_record_bound,
+    gc_paused,
+    parse_metadata_bytes,
+)
 
 __all__ = [
     "MIN_CACHED_BYTES",
@@ -283,6 +291,10 @@ def _decode(taken: list[bytes], header: dict[str, Any]) -> CheckpointMetadata:
     shared: dict[tuple[int, ...], tuple[int, ...]] = {}  # equal dims tuples built once
     entries = _decode_entries(col, strings, _decode_layouts(col, strings, shared))
     storage = _decode_storage(col, strings, shared)
+    per_layout = Counter(col["entry_layout"])  # the parser's record count: entries, storage items, chunks
+    chunks = sum(col["layout_nchunks"][i] * n for i, n in per_layout.items() if i >= 0)
+    if len(entries) + len(storage) + chunks > limits.metadata_record_cap():
+        raise CorruptEntry("more records than the cap in force (the parser refuses them)")
     planner = _decode_planner(col, strings, header["planner"])
     serialization = header.get("serialization")
     if serialization not in ("torch_save", "safetensors"):
@@ -540,6 +552,7 @@ def _parse_taken(holder: list[bytes], source: str, reread: Callable[[], bytes] |
     assert data is not None
     if len(data) < MIN_CACHED_BYTES or not cache.cache_enabled():
         return parse_metadata_bytes(data, source)
+    check_record_bound(data, source)  # as the parser does first: a hit is refused exactly when a parse is
     digest = hashlib.sha256(data).hexdigest()
     size = len(data)
     path = entry_path(digest)

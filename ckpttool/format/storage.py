@@ -73,7 +73,10 @@ class StorageConfig:
         options: keyword arguments for :func:`fsspec.filesystem` (credentials, endpoint); nested
             ``a.b=v`` keys build dicts (``client_kwargs.endpoint_url=http://...``). Never logged.
         workers: parallel range requests when fetching chunk windows.
-        retries: attempts per request on a transient error (1 = no retry).
+        retries: attempts per request on a transient error (1 = no retry); the only retries: the
+            backend's own (s3fs's, botocore's) are turned off, so they do not multiply.
+        timeout_s: connect and read timeout of each attempt, in seconds (a request to an endpoint
+            that accepts and never answers fails after ``retries`` x this, plus the backoff).
         backoff_s: first retry delay in seconds (doubles per retry, with jitter).
         spool_bytes: how many bytes of fetched chunk windows an export keeps in its local spool
             at a time (it fetches, writes and evicts them in batches of about this size; one
@@ -84,6 +87,7 @@ class StorageConfig:
     options: Mapping[str, Any] = field(default_factory=dict)
     workers: int = 16
     retries: int = 5
+    timeout_s: int = 20
     backoff_s: float = 0.2
     spool_bytes: int = 4 << 30
 
@@ -103,7 +107,7 @@ def configure(**changes: Any) -> StorageConfig:
         ValueError: an unknown field, or ``workers``/``retries``/``spool_bytes`` not a positive int.
     """
     global _current
-    for name in ("workers", "retries", "spool_bytes"):
+    for name in ("workers", "retries", "spool_bytes", "timeout_s"):
         if name in changes and (type(changes[name]) is not int or changes[name] <= 0):
             raise ValueError(f"{name} must be a positive int, got {changes[name]!r}")
     previous = _current
@@ -321,7 +325,33 @@ def _error_for(
     return RemoteStorageError(f"{where}: storage request failed ({detail})", path=where)
 
 
-def _filesystem(scheme: str, options: Mapping[str, Any], shown: str) -> Any:
+def bounded_options(scheme: str, options: Mapping[str, Any], timeout_s: int) -> dict[str, Any]:
+    """``options`` with a connect and read timeout and no backend retries, unless the user set them.
+
+    s3 (s3fs/botocore): ``config_kwargs`` ``connect_timeout``/``read_timeout`` and
+    ``retries.max_attempts`` 1; http(s) (aiohttp): ``client_kwargs.timeout``. Other backends are
+    passed as given (their timeouts are theirs to set with ``--storage-option``).
+    """
+    out = dict(options)
+    if scheme in ("s3", "s3a"):
+        conf = dict(out.get("config_kwargs") or {})
+        conf.setdefault("connect_timeout", timeout_s)
+        conf.setdefault("read_timeout", timeout_s)
+        conf.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        out["config_kwargs"] = conf
+    elif scheme in ("http", "https"):
+        client = dict(out.get("client_kwargs") or {})
+        if "timeout" not in client:
+            try:
+                import aiohttp
+            except ImportError:
+                return out
+            client["timeout"] = aiohttp.ClientTimeout(sock_connect=timeout_s, sock_read=timeout_s)
+        out["client_kwargs"] = client
+    return out
+
+
+def _filesystem(scheme: str, options: Mapping[str, Any], shown: str, timeout_s: int = 20) -> Any:
     try:
         import fsspec
     except ImportError as e:
@@ -331,7 +361,10 @@ def _filesystem(scheme: str, options: Mapping[str, Any], shown: str) -> Any:
             hint="pip install 'ckpttool[remote]' (and a backend: 'ckpttool[s3]' for s3://)",
         ) from e
     try:
-        return fsspec.filesystem(scheme, **dict(options))
+        fs = fsspec.filesystem(scheme, **bounded_options(scheme, options, timeout_s))
+        if scheme in ("s3", "s3a") and "retries" not in options:
+            fs.retries = 1  # s3fs retries each call 5 times on its own: ckpttool's --remote-retries count them all
+        return fs
     except ImportError as e:
         raise RemoteStorageError(
             f"{shown}: the {scheme}:// backend is not installed ({str(e)[:120]})",
@@ -376,7 +409,7 @@ class RemoteStore:
         self.config = config or current()
         self.path = url_path(url)
         self.root = self.path.key
-        self.fs = _filesystem(self.path.scheme, self.config.options, str(self.path))
+        self.fs = _filesystem(self.path.scheme, self.config.options, str(self.path), self.config.timeout_s)
         self.requests = 0
         self.bytes_requested = 0
         self._lock = threading.Lock()

@@ -31,6 +31,7 @@ from ckpttool.errors import (
     MetadataError,
     ObjectGraphError,
     PlannerDataError,
+    SizeLimitError,
     UnsafePickleError,
 )
 from ckpttool.format import limits
@@ -51,6 +52,7 @@ __all__ = [
     "PrimitiveUnpickler",
     "MetadataUnpickler",
     "check_object_graph",
+    "check_record_bound",
     "short_repr",
     "MAX_INT_BITS",
 ]
@@ -89,6 +91,11 @@ class _Record:
     """
 
     _kind = "record"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # pickle builds a dataclass with NEWOBJ (``cls.__new__``, no ``__init__``); a REDUCE/OBJ call of
+        # the class is not what torch writes, and would escape the record count of check_record_bound
+        raise UnsafePickleError(f"pickle calls {type(self)._kind} instead of building it as pickle builds a dataclass")
 
 
 def _kind(name: str) -> type[_Record]:
@@ -394,18 +401,49 @@ def _shape(value: Any, source: str, key: str, what: str) -> tuple[int, ...]:
     return value
 
 
-def _convert_tensor(key: str, rec: Any, source: str, dtypes: dict[str, DType]) -> TensorMeta:
+_NEWOBJ, _NEWOBJ_EX = b"\x81", b"\x92"
+
+
+def _too_many_records(source: str, what: str) -> SizeLimitError:
+    cap = limits.metadata_record_cap()
+    return SizeLimitError(
+        f"{source}: {what}, over the cap of {cap:,} records ({limits.BYTES_PER_METADATA_RECORD} bytes of "
+        f"--max-metadata-size {limits.human(limits.current().max_metadata_bytes)} each)",
+        path=source,
+        hint="a .metadata this large is a metadata bomb or needs `ckpttool --max-metadata-size SIZE` (trusted input)",
+    )
+
+
+def check_record_bound(data: bytes, source: str) -> None:
+    """Refuse a ``.metadata`` whose pickle may build more records than :func:`~ckpttool.format.limits.metadata_record_cap`.
+
+    Records are built only by ``NEWOBJ``/``NEWOBJ_EX`` (a call of a record class is refused), so
+    the count of those two opcode bytes in ``data`` (C-speed, before unpickling) bounds them; a
+    byte of another opcode's argument can only make the bound larger.
+
+    Raises:
+        SizeLimitError: ``E307``.
+    """
+    bound = data.count(_NEWOBJ) + data.count(_NEWOBJ_EX)
+    if bound > limits.metadata_record_cap():
+        raise _too_many_records(source, f"may build {bound:,} records")
+
+
+def _convert_tensor(key: str, rec: Any, source: str, dtypes: dict[str, DType], left: list[int]) -> TensorMeta:
     d = rec.__dict__
     props = d.get("properties")
     if not isinstance(props, _TensorProperties):
         raise _bad(source, f"entry {key!r}: properties are not TensorProperties")
     dtype = props.__dict__.get("dtype")
     if type(dtype) is not _DTypeStandIn:
-        raise _bad(source, f"entry {key!r}: dtype {dtype!r:.60} is not a torch dtype")
+        raise _bad(source, f"entry {key!r}: dtype {short_repr(dtype)} is not a torch dtype")
     size = _shape(d.get("size"), source, key, "size")
     chunks_raw = d.get("chunks")
     if type(chunks_raw) is not list:
         raise _bad(source, f"entry {key!r}: chunks is not a list")
+    left[0] -= len(chunks_raw)  # one shared chunk object listed 10^7 times is 10^7 chunks to convert
+    if left[0] < 0:
+        raise _too_many_records(source, f"entry {key!r} brings the chunks and entries past the cap")
     ndim = len(size)
     chunks = []
     for c in chunks_raw:
@@ -439,7 +477,7 @@ def _convert_storage(raw: Any, source: str) -> dict[tuple[str, tuple[int, ...] |
         fqn = idd.get("fqn")
         offset = idd.get("offset")
         if type(fqn) is not str:
-            raise _bad(source, f"storage_data key has fqn {fqn!r:.60}, not a string")
+            raise _bad(source, f"storage_data key has fqn {short_repr(fqn)}, not a string")
         if offset is not None:
             offset = _shape(offset, source, fqn, "storage offset")
         ind = info.__dict__
@@ -449,7 +487,7 @@ def _convert_storage(raw: Any, source: str) -> dict[tuple[str, tuple[int, ...] |
         tds = ind.get("transform_descriptors")
         if type(rel) is not str or type(off) is not int or type(length) is not int:
             raise _bad(source, f"storage entry for {fqn!r}: relative_path/offset/length have wrong types")
-        if off > MAX_OFFSET or length > MAX_OFFSET or off + length > MAX_OFFSET:
+        if abs(off) > MAX_OFFSET or abs(length) > MAX_OFFSET or off + length > MAX_OFFSET:
             raise IntegerRangeError(
                 f"{source}: storage entry for {fqn!r}: offset {short_repr(off)} / length {short_repr(length)} "
                 "beyond int64",
@@ -457,7 +495,10 @@ def _convert_storage(raw: Any, source: str) -> dict[tuple[str, tuple[int, ...] |
                 fqn=fqn,
             )
         if off < 0 or length < 0:
-            raise _bad(source, f"storage entry for {fqn!r}: negative offset {off} or length {length}")
+            raise _bad(
+                source,
+                f"storage entry for {fqn!r}: negative offset {short_repr(off)} or length {short_repr(length)}",
+            )
         if tds is None:
             tds = ()
         elif not isinstance(tds, (list, tuple)) or not all(isinstance(t, str) for t in tds):
@@ -477,17 +518,22 @@ def _convert(obj: Any, source: str) -> CheckpointMetadata:
     entries: dict[str, TensorMeta | BytesMeta] = {}
     dtypes: dict[str, DType] = {}
     bytes_meta = BytesMeta()
+    storage_raw = getattr(obj, "storage_data", None)
+    n_storage = len(storage_raw) if isinstance(storage_raw, dict) else 0
+    left = [limits.metadata_record_cap() - len(sdm) - n_storage]
+    if left[0] < 0:
+        raise _too_many_records(source, f"holds {len(sdm):,} entries and {n_storage:,} storage items")
     for key, rec in sdm.items():
         if type(key) is not str:
-            raise _bad(source, f"state_dict_metadata has a key {key!r:.60} that is not a string")
+            raise _bad(source, f"state_dict_metadata has a key {short_repr(key)} that is not a string")
         if type(rec) is _TensorStorageMetadata:
-            entries[key] = _convert_tensor(key, rec, source, dtypes)
+            entries[key] = _convert_tensor(key, rec, source, dtypes, left)
         elif type(rec) is _BytesStorageMetadata:
             entries[key] = bytes_meta
         else:
             raise _bad(source, f"entry {key!r} is {type(rec).__name__}, not tensor or bytes metadata")
     planner_data = _convert_planner(getattr(obj, "planner_data", None), source)
-    storage = _convert_storage(getattr(obj, "storage_data", None), source)
+    storage = _convert_storage(storage_raw, source)
     version = getattr(obj, "version", None)
     smeta = getattr(obj, "storage_meta", None)
     ckpt_id = save_id = None
@@ -592,6 +638,7 @@ def parse_metadata_bytes(data: bytes, source: str = ".metadata") -> CheckpointMe
     """
     if not data:
         raise MetadataError(f"{source} is empty", path=source)
+    check_record_bound(data, source)
     return _convert(_unpickle(data, source), source)
 
 

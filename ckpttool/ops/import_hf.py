@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ExportError, UsageError
 from ckpttool.format.files import open_regular, resolve_inside
-from ckpttool.format.hf_storage import load_hf_storage_metadata
+from ckpttool.format.hf_storage import ADAPTER_PREFIX, load_hf_storage_metadata
 from ckpttool.format.marker import MARKER_NAME
 from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
 from ckpttool.format.outputs import check_target, output_location
@@ -173,6 +173,49 @@ def _plain(key: str, src: _Source, shape: tuple[int, ...], planner: tuple[str, .
     return _Native(key, src.dtype, shape, [], planner, flat=(src.file, src.offset))
 
 
+def _expert_count(what: str, fqn: str, found: dict[int, Any], num_experts: Any) -> int:
+    """The expert count of per-expert tensors ``found`` (expert number -> tensor): they must be ``0..E-1``.
+
+    ``E`` is the config's ``num_experts`` when it gives one, else one more than the highest number
+    found. Checked by count, lowest and highest number (the numbers are distinct): nothing is
+    allocated by an expert number or a config value (``num_experts: 10**11``, an expert numbered
+    99999999999).
+
+    Raises:
+        ExportError: the numbers are not ``0..E-1``, or ``num_experts`` is not a positive int.
+    """
+    if num_experts is not None and (type(num_experts) is not int or num_experts < 0):
+        raise ExportError(
+            f"config num_experts is {str(num_experts)[:40]!r}, not an integer >= 0",
+            fqn=fqn,
+            hint="fix config.json (num_experts / num_local_experts / n_routed_experts)",
+        )
+    n = num_experts or (max(found) + 1 if found else 0)
+    if len(found) != n or (found and (min(found) != 0 or max(found) != n - 1)):
+        shown = sorted(found)[:8] if len(found) <= 1 << 16 else f"{len(found):,} numbers"
+        raise ExportError(
+            f"{what}: per-expert tensors for experts {shown} but the model has {n:,}",
+            fqn=fqn,
+            hint="the HF checkpoint is incomplete, or its config's num_experts does not match",
+        )
+    return n
+
+
+def _expert_matrix(what: str, fqn: str, src: _Source) -> tuple[int, int]:
+    """``(rows, cols)`` of a per-expert weight, which is 2-D.
+
+    Raises:
+        ExportError: another rank.
+    """
+    if len(src.shape) != 2:
+        raise ExportError(
+            f"{what}: per-expert weight {src.key!r:.80} has shape {list(src.shape)}, not a 2-D matrix",
+            fqn=fqn,
+            hint="the HF checkpoint is damaged or of another architecture",
+        )
+    return src.shape[0], src.shape[1]
+
+
 _PER_EXPERT_RE = re.compile(r"^(?P<p>.+\.experts)\.(?P<j>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -190,18 +233,16 @@ def _fuse_per_expert(sources: dict[str, _Source], out: dict[str, _Native], num_e
     for prefix, projs in groups.items():
         for fused, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
             got = [projs.get(p, {}) for p in parts]
-            n = num_experts or max((max(g) + 1 for g in got if g), default=0)
+            if not any(got):
+                continue  # none of this fused tensor's parts (only down_proj experts): nothing to fuse
+            widest = max(got, key=len)
+            n = num_experts or max(widest) + 1
             for p, g in zip(parts, got):
-                if sorted(g) != list(range(n)):
-                    raise ExportError(
-                        f"{prefix}.*.{p}.weight: per-expert tensors for experts {sorted(g)[:8]} but the model has {n}",
-                        fqn=f"{prefix}.0.{p}.weight",
-                        hint="the HF checkpoint is incomplete, or its config's num_experts does not match",
-                    )
+                _expert_count(f"{prefix}.*.{p}.weight", f"{prefix}.0.{p}.weight", g, n)
             first = got[0][0]
             if any(s.shape != first.shape or s.dtype != first.dtype for g in got for s in g.values()):
                 raise ExportError(f"{prefix}: per-expert {fused} parts differ in shape or dtype", fqn=prefix)
-            a, b = first.shape
+            a, b = _expert_matrix(prefix, f"{prefix}.0.{parts[0]}.weight", first)
             nb = DType(first.dtype).itemsize * a * b
             rows = [[(g[j].file, g[j].offset, nb) for g in got] for j in range(n)]
             key = canonical_model_key(f"{prefix}.{fused}")
@@ -238,13 +279,7 @@ def _native_tensors(
         for t in targets:
             _add_target(out, stacked, src, t)
     for nk, parts in stacked.items():
-        n = acfg.num_experts or (max(parts) + 1)
-        if sorted(parts) != list(range(n)):
-            raise ExportError(
-                f"{nk}: per-expert HF tensors for experts {sorted(parts)[:8]} but the model has {n} experts",
-                fqn=nk,
-                hint="the HF checkpoint is incomplete, or its config's num_experts does not match",
-            )
+        n = _expert_count(nk, nk, parts, acfg.num_experts)
         first = parts[0]
         if any(p.shape != first.shape or p.dtype != first.dtype for p in parts.values()):
             raise ExportError(f"{nk}: per-expert HF tensors differ in shape or dtype", fqn=nk)
@@ -604,6 +639,9 @@ def _import_plain(
     config = read_hf_config(cfg_path, param="config") if cfg_path is not None else None
     md = load_hf_storage_metadata(src_dir)
     warnings: list[str] = []
+    adapters = sorted(n for n in os.listdir(src_dir) if n.startswith(ADAPTER_PREFIX) and n.endswith(".safetensors"))
+    if adapters:  # PEFT adapter weights beside the model are not base weights (hf_storage_files leaves them out)
+        warnings.append(f"{adapters[0]} (a PEFT adapter) was not imported: merge it into the model first to import it")
     sources = _hf_sources(src_dir, md)
     _check_index(src_dir, sources)
     tie = config_value(config, "tie_word_embeddings") is True

@@ -11,6 +11,7 @@ Format: ``docs/diff.md``, "Integrity manifests".
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -27,8 +28,8 @@ from ckpttool.errors import CkptError, DataFileError, ManifestError, UsageError
 from ckpttool.format import limits
 from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, new_hasher
 from ckpttool.format.files import read_regular
-from ckpttool.format.jsonfile import parse_json
-from ckpttool.format.marker import recording
+from ckpttool.format.jsonfile import check_json_graph, json_error
+from ckpttool.format.marker import MARKER_NAME, recording
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
@@ -48,6 +49,9 @@ __all__ = [
     "manifest_digest",
     "source_identity",
     "record_span",
+    "record_view",
+    "canonical_view",
+    "sidecar_digests",
     "SOURCE_METADATA_KEY",
     "safetensors_manifest",
     "verify_safetensors_manifest",
@@ -96,6 +100,9 @@ class ManifestEntry:
     crc32: str | None
     digest: str
     covers: str = "window"
+    #: ``record`` entries: the view ``data.pkl`` puts on the record (:func:`record_view`); ``None``:
+    #: the view ckpttool writes (:func:`canonical_view` of the ``.metadata`` dtype and the chunk's sizes).
+    view: str | None = None
 
     @property
     def ident(self) -> tuple[str, tuple[int, ...] | None]:
@@ -115,6 +122,7 @@ class ManifestEntry:
             "crc32": self.crc32,
             "covers": self.covers,
             "digest": self.digest,
+            **({"view": self.view} if self.view is not None else {}),
         }
 
 
@@ -130,6 +138,12 @@ class Manifest:
     kind: str = "dcp"
     #: kind ``safetensors``: ``{"file", "header_length", "header_digest"}`` per output file.
     files: tuple[dict[str, Any], ...] = ()
+    #: ``{"file", "size", "digest"}`` of every other file in the directory (``layout.json``,
+    #: ``extra_state/``, ``model_assets/``, an index, ``config.json``); ``None``: not recorded
+    #: (a manifest of an older ckpttool: sidecars and added files are then not checked).
+    sidecars: tuple[dict[str, Any], ...] | None = None
+    #: the file it was read from (:func:`load_manifest`), left out of the sidecars checked.
+    path: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -146,6 +160,8 @@ class Manifest:
         }
         if self.kind == "safetensors":
             out["files"] = [dict(f) for f in self.files]
+        if self.sidecars is not None:
+            out["sidecars"] = [dict(f) for f in self.sidecars]
         if self.source is not None:
             out["source"] = self.source
         return out
@@ -261,6 +277,61 @@ def record_span(reader: CheckpointReader, key: str, chunk: ChunkMeta) -> tuple[i
     return (info.offset + rec.data_offset, rec.compressed_size)
 
 
+def record_view(reader: CheckpointReader, key: str, chunk: ChunkMeta) -> str:
+    """The view ``data.pkl`` puts on a chunk's storage record: ``dtype;size;stride;storage_offset;byteorder``.
+
+    What a reader gets from the record's bytes (a stride swapped from ``(32, 1)`` to ``(1, 32)``
+    gives the transpose from the same bytes), so a ``record`` entry digests it beside the bytes.
+
+    Raises:
+        the chunk locator's errors for a damaged archive.
+    """
+    rec = reader.locate(key, chunk).record
+    return _view(rec.dtype, rec.size, rec.stride, rec.storage_offset, rec.big_endian)
+
+
+def canonical_view(dtype: str, sizes: tuple[int, ...]) -> str:
+    """The view ckpttool's writer gives every chunk it writes: contiguous, offset 0, little-endian."""
+    stride, n = [], 1
+    for d in reversed(sizes):
+        stride.append(n)
+        n *= max(d, 1)
+    return _view(dtype, tuple(sizes), tuple(reversed(stride)), 0, False)
+
+
+def _view(dtype: str, size: tuple[int, ...], stride: tuple[int, ...], offset: int, big: bool) -> str:
+    dims = ",".join(map(str, size))
+    return f"{dtype};{dims};{','.join(map(str, stride))};{offset};{'big' if big else 'little'}"
+
+
+def _contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether ``stride`` is C order for ``size`` (dims of 1 may have any stride, as torch's is_contiguous)."""
+    n = 1
+    for d, st in zip(reversed(size), reversed(stride)):
+        if d != 1 and st != n:
+            return False
+        n *= max(d, 1)  # torch's contiguous strides treat an empty dim as 1
+    return True
+
+
+def _view_problem(reader: CheckpointReader, e: ManifestEntry, chunk: ChunkMeta) -> str | None:
+    """How the chunk's record view differs from the one its ``record`` entry pins (``None``: it does not)."""
+    rec = reader.locate(e.key, chunk).record
+    got = _view(rec.dtype, rec.size, rec.stride, rec.storage_offset, rec.big_endian)
+    if e.view is not None:
+        return None if got == e.view else f"the view in data.pkl is {got}, the manifest says {e.view}"
+    meta = reader.metadata.entries.get(e.key)
+    dtype = meta.dtype.name if isinstance(meta, TensorMeta) else rec.dtype
+    ok = (
+        rec.dtype == dtype
+        and tuple(rec.size) == tuple(chunk.sizes)
+        and _contiguous(tuple(rec.size), tuple(rec.stride))
+        and rec.storage_offset == 0
+        and not rec.big_endian
+    )
+    return None if ok else f"the view in data.pkl is {got}, not the {canonical_view(dtype, chunk.sizes)} written"
+
+
 def _hash_entry(
     reader: CheckpointReader, key: str, chunk: ChunkMeta | None, covers: str, algorithm: str
 ) -> tuple[str, str]:
@@ -317,6 +388,7 @@ def build_manifest(
     *,
     covers: str = "window",
     on_entry: Callable[[int], None] | None = None,
+    exclude: tuple[str, ...] = (),
 ) -> Manifest:
     """Digest every chunk window and byte item of an open checkpoint (each byte read once).
 
@@ -343,6 +415,12 @@ def build_manifest(
             rec = reader.locate(key, chunk).record
             crc = f"{rec.crc32:08x}" if rec.member is not None else None
         kind, digest = _hash_entry(reader, key, chunk, covers, algorithm)
+        view = None
+        if kind == "record" and chunk is not None:  # recorded when not the view ckpttool writes (checked then)
+            view = record_view(reader, key, chunk)
+            meta = reader.metadata.entries[key]
+            if isinstance(meta, TensorMeta) and view == canonical_view(meta.dtype.name, chunk.sizes):
+                view = None
         return ManifestEntry(
             key,
             chunk.offsets if chunk is not None else None,
@@ -353,6 +431,7 @@ def build_manifest(
             crc,
             digest,
             kind,
+            view,
         )
 
     # Reads and the digests release the GIL: two workers overlap one entry's read with
@@ -366,7 +445,76 @@ def build_manifest(
             if on_entry is not None:
                 on_entry(entry.length)
     md, size = _metadata_digest(reader, algorithm)
-    return Manifest(algorithm, tuple(entries), md, size)
+    sidecars = None
+    if reader.remote is None and not reader.parts:
+        skip = {METADATA_NAME, MANIFEST_NAME, *(e.file for e in entries), *(exclude or ())}
+        sidecars = tuple(sidecar_digests(Path(reader.path), skip, algorithm))
+    return Manifest(algorithm, tuple(entries), md, size, sidecars=sidecars)
+
+
+#: Files a manifest's ``sidecars`` may list; a directory holding more is refused (``E307``).
+MAX_SIDECARS = 1 << 16
+
+
+def sidecar_digests(root: Path, skip: set[str], algorithm: str) -> list[dict[str, Any]]:
+    """``{"file", "size", "digest"}`` of every file below ``root`` but ``skip`` (relative names) and
+    ckpttool's output marker (:data:`~ckpttool.format.marker.MARKER_NAME`: no reader uses it, and
+    ``manifest``/``stamp`` update it when they add their file), in name order.
+
+    Symlinks and special files are listed with ``digest`` ``"symlink"`` / ``"special"`` (never
+    followed or read). Refused past :data:`MAX_SIDECARS` files.
+
+    Raises:
+        SizeLimitError: more than :data:`MAX_SIDECARS` files; DataFileError: a file that cannot be read.
+    """
+    import stat
+
+    from ckpttool.errors import SizeLimitError
+    from ckpttool.format.files import open_regular
+
+    out: list[dict[str, Any]] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames.sort()
+        for name in sorted(filenames) + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, root).replace(os.sep, "/")
+            if rel in skip or rel == MARKER_NAME:
+                continue
+            if len(out) >= MAX_SIDECARS:
+                raise SizeLimitError(
+                    f"{root}: more than {MAX_SIDECARS:,} files beside the checkpoint's data", path=root
+                )
+            st = os.lstat(full)
+            if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+                kind = "symlink" if stat.S_ISLNK(st.st_mode) else "special"
+                out.append({"file": rel, "size": 0, "digest": kind})
+                continue
+            fd = open_regular(Path(full))
+            try:
+                digest = _hash_fd(fd, 0, st.st_size, algorithm, Path(full), rel)
+            finally:
+                os.close(fd)
+            out.append({"file": rel, "size": st.st_size, "digest": digest})
+    return out
+
+
+def _sidecar_problems(
+    root: Path, listed: tuple[dict[str, Any], ...] | None, skip: set[str], algorithm: str
+) -> list[ManifestProblem]:
+    """Sidecars missing, changed or added since the manifest (none when it lists none: an older manifest)."""
+    if listed is None:
+        return []
+    now = {f["file"]: f for f in sidecar_digests(root, skip, algorithm)}
+    problems: list[ManifestProblem] = []
+    for f in listed:
+        got = now.pop(f["file"], None)
+        if got is None:
+            problems.append(ManifestProblem("missing", f["file"], None, f"{f['file']}: in the manifest, not on disk"))
+        elif (got["size"], got["digest"]) != (f["size"], f["digest"]):
+            problems.append(ManifestProblem("changed", f["file"], None, f"{f['file']}: differs from the manifest"))
+    for name in sorted(now):
+        problems.append(ManifestProblem("extra", name, None, f"{name}: a file the manifest does not list (added)"))
+    return problems
 
 
 def _check_covers(covers: str) -> None:
@@ -470,8 +618,10 @@ def write_manifest(
             if progress is not None:
                 progress(done[0], total)
 
-        man = build_manifest(reader, algorithm, covers=covers, on_entry=step)
         target = Path(out) if out is not None else Path(ckpt.located.model) / MANIFEST_NAME
+        man = build_manifest(
+            reader, algorithm, covers=covers, on_entry=step, exclude=_inside(Path(reader.path), target)
+        )
         data = man.to_bytes()
         with recording(target.parent, target.name):  # an output of ckpttool: its marker lists the manifest
             _replace_file(target, data)
@@ -488,6 +638,17 @@ def write_manifest(
             man.metadata_digest,
             covers=covers,
         )
+
+
+def _inside(root: Path, target: Path | str | None) -> tuple[str, ...]:
+    """``target``'s name relative to ``root`` when it lies inside it (a manifest written into the checkpoint)."""
+    if target is None:
+        return ()
+    try:
+        rel = os.path.relpath(os.path.abspath(target), os.path.abspath(root))
+    except ValueError:
+        return ()
+    return () if rel.startswith("..") else (rel.replace(os.sep, "/"),)
 
 
 def _replace_file(target: Path, data: bytes) -> None:
@@ -545,9 +706,16 @@ def _entry(
     if not isinstance(key, str) or not isinstance(file, str):
         raise _bad(path, f"entries[{i}]: key and file must be strings")
     covers = d.get("covers", "window") if version >= 2 else "window"
+    view = d.get("view")
     problem = _entry_problem(off, length, offsets, sizes, crc, digest, hexlen) or _covers_problem(
         covers, kind, offsets, sizes
     )
+    if (
+        problem is None
+        and view is not None
+        and not (isinstance(view, str) and len(view) <= 4096 and covers == "record")
+    ):
+        problem = "view must be a string, on a record entry"
     if problem is not None:
         raise _bad(path, f"entries[{i}] ({key!a}): {problem}")
     return ManifestEntry(
@@ -560,6 +728,7 @@ def _entry(
         crc,
         cast(str, digest),
         covers,
+        view,
     )
 
 
@@ -590,8 +759,11 @@ def _covers_problem(covers: Any, kind: str, offsets: Any, sizes: Any) -> str | N
     return None
 
 
+_HEX = frozenset("0123456789abcdef")
+
+
 def _is_hex(s: str) -> bool:
-    return all(c in "0123456789abcdef" for c in s)
+    return _HEX.issuperset(s)
 
 
 def _read_doc(p: Path, shown: str) -> dict[str, Any]:
@@ -601,14 +773,28 @@ def _read_doc(p: Path, shown: str) -> dict[str, Any]:
     except OSError as e:
         raise ManifestError(f"{p}: cannot read the manifest ({e.strerror})", path=p) from e
     try:
-        doc = parse_json(data, shown)
-    except (ValueError, UnicodeDecodeError) as e:
-        if isinstance(e, CkptError):
-            raise
+        doc = json.loads(data.decode("utf-8"), parse_int=_bounded_int)
+    except (ValueError, RecursionError) as e:  # not JSON / UTF-8, nested past the recursion limit, a long number
+        mapped = json_error(e, shown)
+        if mapped is not None:
+            raise mapped from None
         raise _bad(shown, f"not JSON: {str(e)[:80]}") from None
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
         raise _bad(shown, f"format is not {MANIFEST_FORMAT!r}")
+    # The entry lists are checked field by field (never walked as a whole: 10^5 entries in one pass each);
+    # everything else is held to the JSON bounds.
+    check_json_graph({k: v for k, v in doc.items() if k not in _LISTS}, shown)
     return doc
+
+
+_LISTS = ("entries", "sidecars", "files")
+
+
+def _bounded_int(text: str) -> int:
+    """``json.loads``' ``parse_int``: numbers of a manifest are offsets and sizes (int64), never 4,000 digits."""
+    if len(text) > 20:
+        raise ValueError(f"number of {len(text)} digits")
+    return int(text)
 
 
 def _manifest_files(doc: dict[str, Any], shown: str) -> list[dict[str, Any]]:
@@ -628,6 +814,26 @@ def _manifest_files(doc: dict[str, Any], shown: str) -> list[dict[str, Any]]:
             raise _bad(shown, f"files[{j}] must be an object with file, header_length and header_digest")
         files.append({"file": f["file"], "header_length": f["header_length"], "header_digest": f["header_digest"]})
     return files
+
+
+def _manifest_sidecars(doc: dict[str, Any], shown: str) -> tuple[dict[str, Any], ...] | None:
+    """The ``sidecars`` list (``None``: absent, a manifest of an older ckpttool), checked."""
+    raw = doc.get("sidecars")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) > MAX_SIDECARS:
+        raise _bad(shown, f"sidecars must be a list of at most {MAX_SIDECARS} files")
+    out = []
+    for j, f in enumerate(raw):
+        if (
+            not isinstance(f, dict)
+            or not isinstance(f.get("file"), str)
+            or type(f.get("size")) is not int
+            or not isinstance(f.get("digest"), str)
+        ):
+            raise _bad(shown, f"sidecars[{j}] must be an object with file, size and digest")
+        out.append({"file": f["file"], "size": f["size"], "digest": f["digest"]})
+    return tuple(out)
 
 
 def load_manifest(path: str | os.PathLike[str]) -> Manifest:
@@ -665,6 +871,9 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     raw_entries = doc.get("entries")
     if not isinstance(raw_entries, list):
         raise _bad(shown, "entries must be a list")
+    cap = limits.metadata_record_cap()
+    if len(raw_entries) > cap:
+        raise _bad(shown, f"{len(raw_entries):,} entries, more than the {cap:,} a checkpoint's .metadata may hold")
     entries = tuple(_entry(d, i, shown, hexlen, version, kind) for i, d in enumerate(raw_entries))
     files = _manifest_files(doc, shown) if kind == "safetensors" else []
     seen: set[tuple[str, tuple[int, ...] | None]] = set()
@@ -681,7 +890,8 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     source = doc.get("source")
     if source is not None and not isinstance(source, dict):
         raise _bad(shown, "source must be an object")
-    return Manifest(algorithm, entries, md_digest, md_size, source, kind, tuple(files))
+    sidecars = _manifest_sidecars(doc, shown)
+    return Manifest(algorithm, entries, md_digest, md_size, source, kind, tuple(files), sidecars, shown)
 
 
 def verify_manifest(reader: CheckpointReader, manifest: Manifest) -> list[ManifestProblem]:
@@ -739,6 +949,10 @@ def verify_manifest(reader: CheckpointReader, manifest: Manifest) -> list[Manife
                     f"({manifest.algorithm} {digest[:16]}..., manifest {e.digest[:16]}...)",
                 )
             )
+        elif kind == "record" and chunk is not None:
+            view = _view_problem(reader, e, chunk)
+            if view is not None:
+                problems.append(ManifestProblem("changed", e.key, e.offsets, f"{e.where()}: {view}"))
     for ident in stored:
         if ident not in listed:
             key, offs = ident
@@ -752,7 +966,22 @@ def verify_manifest(reader: CheckpointReader, manifest: Manifest) -> list[Manife
                     "metadata", METADATA_NAME, None, ".metadata differs from the one the manifest was made of"
                 )
             )
+    if manifest.sidecars is not None and reader.remote is None and not reader.parts:
+        root = Path(reader.path)
+        skip = {METADATA_NAME, MANIFEST_NAME, *(e.file for e in manifest.entries), *_inside(root, manifest.path)}
+        skip.update(
+            reader.storage_info(k, c).relative_path for (k, _), c in stored.items() if _has_storage(reader, k, c)
+        )
+        problems.extend(_sidecar_problems(root, manifest.sidecars, skip, manifest.algorithm))
     return problems
+
+
+def _has_storage(reader: CheckpointReader, key: str, chunk: ChunkMeta | None) -> bool:
+    try:
+        reader.storage_info(key, chunk)
+    except CkptError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- safetensors outputs
@@ -760,8 +989,13 @@ def safetensors_manifest(
     files: list[tuple[str, int, str | None, list[tuple[str, int, int, int, str]]]],
     algorithm: str,
     source: dict[str, Any] | None,
+    *,
+    sidecars_of: Path | None = None,
 ) -> bytes:
     """The ``manifest.json`` bytes (kind ``safetensors``) of an export, from the digests taken while writing.
+
+    With ``sidecars_of`` (the output directory, its other files written), every file there but the
+    listed safetensors files (the index, ``config.json``, copied assets) is digested into ``sidecars``.
 
     Args:
         files: per output file ``(name, header length, header digest, extents)``; the header
@@ -781,7 +1015,10 @@ def safetensors_manifest(
         for tensor, at, start, length, digest in extents:
             entries.append(ManifestEntry(tensor, (at,), (length,), name, start, length, None, digest, "extent"))
     entries.sort(key=lambda e: (e.file, e.offset))
-    return Manifest(algorithm, tuple(entries), None, None, source, "safetensors", tuple(meta)).to_bytes()
+    sidecars = None
+    if sidecars_of is not None:
+        sidecars = tuple(sidecar_digests(sidecars_of, {MANIFEST_NAME, *(f[0] for f in files)}, algorithm))
+    return Manifest(algorithm, tuple(entries), None, None, source, "safetensors", tuple(meta), sidecars).to_bytes()
 
 
 def verify_safetensors_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> list[ManifestProblem]:
@@ -835,6 +1072,8 @@ def verify_safetensors_manifest(directory: str | os.PathLike[str], manifest: Man
             _check_tiling(name, data_start, tensors, spans, problems)
         finally:
             os.close(fd)
+    skip = {MANIFEST_NAME, *(f["file"] for f in manifest.files), *_inside(root, manifest.path)}
+    problems.extend(_sidecar_problems(root, manifest.sidecars, skip, manifest.algorithm))
     return problems
 
 
@@ -847,8 +1086,23 @@ def _check_extents(
     algorithm: str,
     problems: list[ManifestProblem],
 ) -> dict[str, list[tuple[int, int]]]:
-    """Digest every listed extent of one safetensors file; the ``(offset, length)`` extents of each tensor."""
+    """Digest every listed extent of one safetensors file; the ``(offset, length)`` extents of each tensor.
+
+    More extents than an export writes (:func:`_extent_budget`) are one problem, none of them read.
+    """
     spans: dict[str, list[tuple[int, int]]] = {}
+    budget = _extent_budget(tensors)
+    if len(entries) > budget:
+        problems.append(
+            ManifestProblem(
+                "changed",
+                name,
+                None,
+                f"{name}: the manifest lists {len(entries):,} extents for {len(tensors):,} tensors "
+                f"(an export writes at most {budget:,}); not read",
+            )
+        )
+        return {k: [(-1, 0)] for k in tensors}  # every tensor reported once as not tiled
     for e in entries:
         t = tensors.get(e.key)
         if t is None:
@@ -869,6 +1123,16 @@ def _check_extents(
             )
         spans.setdefault(e.key, []).append((e.offset, e.length))
     return spans
+
+
+def _extent_budget(tensors: dict[str, Any]) -> int:
+    """The most extents an export writes for a file holding ``tensors``: a few per tensor, one per 64 KiB."""
+    nbytes = 0
+    for t in tensors.values():
+        offs = t.get("data_offsets")
+        if isinstance(offs, list) and len(offs) == 2 and all(type(x) is int for x in offs):
+            nbytes += max(0, offs[1] - offs[0])
+    return 1024 + 16 * len(tensors) + nbytes // (64 << 10)
 
 
 def _check_tiling(
@@ -917,6 +1181,10 @@ def _hash_fd(fd: int, offset: int, length: int, algorithm: str, path: Path, key:
     return h.hexdigest()
 
 
+#: Problems a check lists one by one (``--json``); the rest are counted by kind.
+LISTED_PROBLEMS = 1000
+
+
 @dataclass(frozen=True)
 class ManifestCheck:
     """What ``ckpttool manifest DIR --verify`` found (``--json``: schema ``ckpttool.manifest-check/1``)."""
@@ -940,10 +1208,19 @@ class ManifestCheck:
             "ok": not self.problems,
             "problems": [
                 {"kind": p.kind, "key": p.key, "offsets": list(p.offsets) if p.offsets else None, "message": p.message}
-                for p in self.problems
+                for p in self.problems[:LISTED_PROBLEMS]
             ],
+            "problems_omitted": max(0, len(self.problems) - LISTED_PROBLEMS),
+            "problem_counts": self.counts(),
             "source": self.source,
         }
+
+    def counts(self) -> dict[str, int]:
+        """Problems by kind."""
+        out: dict[str, int] = {}
+        for p in self.problems:
+            out[p.kind] = out.get(p.kind, 0) + 1
+        return out
 
 
 def check_against_manifest(
@@ -992,6 +1269,8 @@ def write_output_manifest(writer: Any, out: Path, algorithm: str, identity: dict
         "metadata": {"file": METADATA_NAME, "size": md[1], "digest": md[0]} if md is not None else None,
         "entries": writer.manifest_entries(),
     }
+    skip = {METADATA_NAME, MANIFEST_NAME, *(e["file"] for e in doc["entries"])}
+    doc["sidecars"] = sidecar_digests(out, skip, algorithm)  # layout.json, extra_state/, copied files
     if identity is not None:
         doc["source"] = identity
     import json

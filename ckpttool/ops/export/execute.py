@@ -1011,7 +1011,9 @@ def _write_root_files(
         else:
             copy_regular(p, tmp / name, shown=p)
     if opts.manifest:
-        doc = safetensors_manifest([(name, *digests[i]) for i, name in enumerate(plan.files)], opts.algorithm, identity)
+        doc = safetensors_manifest(
+            [(name, *digests[i]) for i, name in enumerate(plan.files)], opts.algorithm, identity, sidecars_of=tmp
+        )
         (tmp / MANIFEST_NAME).write_bytes(doc)
 
 

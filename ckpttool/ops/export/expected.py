@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelCheck", "MISMATCH_KINDS", "expected_state_dict", "compare_with_model", "shapes_entry_path"]
+__all__ = [
+    "ModelCheck",
+    "MISMATCH_KINDS",
+    "check_config_bounds",
+    "expected_state_dict",
+    "compare_with_model",
+    "shapes_entry_path",
+]
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +212,63 @@ def _build_expected(config: dict[str, Any], mt: str) -> Expected | str:
     return out, {k for k in optional if k in out}, type(model).__name__
 
 
+#: Config fields that count layers, and experts per layer (top level and nested text/decoder configs).
+_LAYER_FIELDS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers", "decoder_layers")
+_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+#: The bound on the model class a config may ask for: layers (at least one tensor each) at most
+#: this or twice the tensors checked, whichever is more; layers x experts at most :data:`MAX_EXPERT_MODULES`.
+MAX_LAYERS = 1024
+MAX_EXPERT_MODULES = 1 << 20
+
+
+def _counts(config: dict[str, Any], fields: tuple[str, ...]) -> list[tuple[str, int]]:
+    """``(path, value)`` of the int ``fields`` of ``config`` and of its nested configs (two levels)."""
+    out: list[tuple[str, int]] = []
+    todo: list[tuple[str, Any, int]] = [("", config, 0)]
+    while todo:
+        where, doc, depth = todo.pop()
+        for k, v in doc.items():
+            if k in fields and type(v) is int:
+                out.append((f"{where}{k}", v))
+            elif isinstance(v, dict) and depth < 2:
+                todo.append((f"{where}{k}.", v, depth + 1))
+    return out
+
+
+def check_config_bounds(config: dict[str, Any], tensors: int) -> None:
+    """Refuse a config whose model class would be absurd to build on the meta device (before building it).
+
+    Transformers builds every module the config asks for: ``num_hidden_layers: 200000`` ran for
+    minutes and GBs. A model has at least one tensor per layer, so layers beyond
+    ``max(MAX_LAYERS, 2 * tensors)`` (``tensors``: those being checked) cannot describe this
+    checkpoint; layers x experts are bounded by :data:`MAX_EXPERT_MODULES`.
+
+    Raises:
+        SizeLimitError: ``E307``, naming the field.
+    """
+    from ckpttool.errors import SizeLimitError
+
+    layer_cap = max(MAX_LAYERS, 2 * tensors)
+    layers = _counts(config, _LAYER_FIELDS)
+    experts = _counts(config, _EXPERT_FIELDS)
+    hint = "pass the config.json of the model this checkpoint was trained as"
+    for name, v in layers:
+        if v > layer_cap:
+            raise SizeLimitError(
+                f"config.json: {name} {v:,} is more layers than a model class is built for here "
+                f"(at most {layer_cap:,}: {MAX_LAYERS:,} or twice the {tensors:,} tensors checked)",
+                hint=hint,
+            )
+    most_layers = max((v for _, v in layers), default=1)
+    for name, v in experts:
+        if v > 0 and v * max(most_layers, 1) > MAX_EXPERT_MODULES:
+            raise SizeLimitError(
+                f"config.json: {name} {v:,} x {max(most_layers, 1):,} layers is more expert modules than a model "
+                f"class is built for here (at most {MAX_EXPERT_MODULES:,})",
+                hint=hint,
+            )
+
+
 def _floating(dtype: str) -> bool:
     return dtype in ("float32", "float16", "bfloat16", "float64")
 
@@ -213,7 +277,12 @@ def compare_with_model(
     written: dict[str, tuple[tuple[int, ...], str]],
     config: dict[str, Any],
 ) -> ModelCheck:
-    """Compare ``written`` (key -> (shape, dtype)) with the model class of ``config`` (see the module docstring)."""
+    """Compare ``written`` (key -> (shape, dtype)) with the model class of ``config`` (see the module docstring).
+
+    Raises:
+        SizeLimitError: ``E307``, a config past :func:`check_config_bounds` (before anything is built).
+    """
+    check_config_bounds(config, len(written))
     got = expected_state_dict(config)
     if isinstance(got, str):
         return ModelCheck(False, not_checked=got)

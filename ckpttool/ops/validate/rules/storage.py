@@ -25,6 +25,14 @@ from ckpttool.ops.validate.context import Context
 # The rules over every chunk first test, column-wise over all rows (Context.storage_columns), whether any
 # row can give a finding; only then do they walk the rows one by one (what they report comes from that walk).
 _path, _offset, _length = (operator.itemgetter(i) for i in range(3))
+#: The column-wise tests above may skip the row walk. ``False`` walks every row (the slow path): the same
+#: findings by construction, which tests/security/test_fast_slow.py checks over the hostile corpus.
+COLUMN_PREFILTERS = True
+
+
+def _skip(no_row_can_fail: bool) -> bool:
+    """Whether a rule may skip its row walk: its column-wise test says no row can fail, and prefilters are on."""
+    return COLUMN_PREFILTERS and no_row_can_fail
 
 
 @rule(
@@ -87,7 +95,7 @@ def data_file_missing(ctx: Context) -> Iterator[tuple[str, str]]:
     error_code="E300",
 )
 def chunk_past_eof(ctx: Context) -> Iterator[tuple[str, str]]:
-    if not _any_past_eof(ctx):
+    if _skip(not _any_past_eof(ctx)):
         return
     by_file: dict[str, list[tuple[str, int]]] = defaultdict(list)
     sizes: dict[str, int | None] = {}  # relative path -> size (None: the file is unusable, another rule's)
@@ -135,7 +143,7 @@ def _any_past_eof(ctx: Context) -> bool:
 )
 def chunks_do_not_tile(ctx: Context) -> Iterator[tuple[str, str]]:
     metas = ctx.distinct_metas().values()  # entries of one layout share one TensorMeta
-    if not any(isinstance(m, TensorMeta) and tiling_problem(m) is not None for m in metas):
+    if _skip(not any(isinstance(m, TensorMeta) and tiling_problem(m) is not None for m in metas)):
         return
     seen: dict[int, str | None] = {}  # id of a TensorMeta -> its problem (entries of one layout share one)
     for key, meta in ctx.reader.metadata.entries.items():
@@ -159,7 +167,7 @@ def chunk_larger_than_record(ctx: Context) -> Iterator[tuple[str, str]]:
     cols = ctx.storage_columns()
     if not cols.missing and not cols.transforms:
         lengths = map(_length, cast("list[StorageInfo]", cols.infos))
-        if not any(map(operator.gt, cols.needs, lengths)):
+        if _skip(not any(map(operator.gt, cols.needs, lengths))):
             return  # every record holds its chunk's bytes (byte items' rows need -1)
     entries = ctx.reader.metadata.entries
     numel: dict[tuple[int, ...], int] = {}  # many chunks share their sizes
@@ -193,7 +201,7 @@ def chunk_larger_than_record(ctx: Context) -> Iterator[tuple[str, str]]:
     error_code="E200",
 )
 def storage_entry_missing(ctx: Context) -> Iterator[tuple[str, str]]:
-    if not ctx.storage_columns().missing:
+    if _skip(not ctx.storage_columns().missing):
         return
     seen = set()
     for key, chunk, info in ctx.storage_items():
@@ -228,7 +236,7 @@ def _transform_problem(descriptors: tuple[str, ...]) -> str | None:
     error_code="E302",
 )
 def unsupported_transform(ctx: Context) -> Iterator[tuple[str, str]]:
-    if not ctx.storage_columns().transforms:
+    if _skip(not ctx.storage_columns().transforms):
         return
     cache: dict[tuple[str, ...], str | None] = {}
     for key, _, info in ctx.storage_items():
