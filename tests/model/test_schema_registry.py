@@ -32,10 +32,11 @@ DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
 
 
 def test_builtin_schemas_in_priority_order() -> None:
-    assert registry.names() == ("torch-native", "app-state", "torchtitan", "top-level")
+    assert registry.names() == ("torch-native", "app-state", "torchtitan", "megatron", "top-level")
     assert [(s.model_prefix, s.optimizer_prefix) for s in registry.specs()] == [
         ("model.", "optimizer."),
         ("app.model.", "app.optim."),
+        ("", "optimizer."),
         ("", "optimizer."),
         ("", "optimizer."),
     ]
@@ -58,7 +59,7 @@ def test_cli_choices_come_from_the_registry() -> None:
     packaged = json.loads((Path(ckpttool.__file__).parent / "schemas" / "import.schema.json").read_text())
     assert packaged["properties"]["key_schema"]["enum"] == [s.name for s in registry.import_targets()]
     help_text = re.sub(r"\s+", " ", runner.invoke(app, ["inspect", "--help"], terminal_width=200).stdout)
-    assert "torch-native|app-state|torchtitan|top-level" in help_text
+    assert "torch-native|app-state|torchtitan|megatron|top-level" in help_text
 
 
 def test_step_directory_names() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ckpttool.model.schemas import app_state, top_level, torch_native, torchtitan
+from ckpttool.model.schemas import app_state, megatron, top_level, torch_native, torchtitan
 from ckpttool.model.schemas.base import GENERIC_DISCOVERY, GENERIC_TRAINING_STATE_ITEMS, FolderPair, SchemaSpec
 
 __all__ = [
@@ -140,5 +140,5 @@ def schema_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-for _spec in (torch_native.SPEC, app_state.SPEC, torchtitan.SPEC, top_level.SPEC):
+for _spec in (torch_native.SPEC, app_state.SPEC, torchtitan.SPEC, megatron.SPEC, top_level.SPEC):
     register(_spec)
