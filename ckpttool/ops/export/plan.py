@@ -556,6 +556,8 @@ def adapter_pieces(
         ExportError: an expert dim that disagrees with the config's ``num_experts``.
     """
     shape = s.source.shape
+    if hf.pieces:  # an adapter's explicit element map (one source -> several HF tensors)
+        return tuple(Piece(k, sh, dtype) for k, sh in hf.pieces), tuple(Run(*r) for r in hf.runs)
     if hf.rope_heads is not None:
         rows, cols = shape
         dst = rope_to_hf_rows(hf.rope_heads, rows // hf.rope_heads)
