@@ -185,3 +185,29 @@ def test_common_reader() -> None:
     )
     assert megatron.split_state_key("optimizer.state.fp32_param.a.weight") == ("a.weight", "master_weight")
     assert megatron.split_state_key("decoder.layers.x.weight") is None
+
+
+@pytest.mark.heavy  # spawns megatron-core on 2 gloo ranks: minutes on a shared 2-core machine
+@pytest.mark.parametrize("run", ["dense_tp2", "moe_ep2"])
+def test_tensors_equal_megatron_dist_checkpointing_load(tmp_path: Path, run: str) -> None:
+    """megatron-core's own loader (TP/EP shards, gate/up factories, optimizer keys) reads what ckpttool reads."""
+    pytest.importorskip("megatron.core")
+    from tests.fixtures.megatron import load_with_megatron
+
+    load_with_megatron(DATA, run, tmp_path)
+    rows = [r for f in sorted(tmp_path.glob("rank*.pt")) for r in torch.load(f, weights_only=False)]
+    assert rows
+    keys = set()
+    with open_checkpoint(_dir(run)) as ckpt:
+        whole = {}
+        for key, offset, local in rows:
+            if key not in whole:
+                whole[key] = ckpt.reader.read_tensor(key)
+            t = whole[key]
+            lead = t.dim() - local.dim()  # megatron's prepended (stacked layer / expert) axes: size 1 locally
+            want = t[tuple(slice(o, o + n) for o, n in zip(offset, (1,) * lead + tuple(local.shape)))]
+            assert torch.equal(want.reshape(local.shape).to(local.dtype), local), key  # bf16 -> f32 is exact
+            keys.add(key)
+        cat = ckpt.catalog
+        state_keys = {t.key for ps in cat.optimizer_state.values() for t in ps.fields.values() if t is not None}
+        assert keys == set(cat.model) | state_keys
