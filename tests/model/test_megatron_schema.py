@@ -211,3 +211,21 @@ def test_tensors_equal_megatron_dist_checkpointing_load(tmp_path: Path, run: str
         cat = ckpt.catalog
         state_keys = {t.key for ps in cat.optimizer_state.values() for t in ps.fields.values() if t is not None}
         assert keys == set(cat.model) | state_keys
+
+
+@pytest.mark.heavy  # runs megatron-core's training and save (about a minute)
+def test_generator_writes_what_is_committed(tmp_path: Path) -> None:
+    """The committed fixtures are what tests/fixtures/megatron.py writes with megatron-core today."""
+    pytest.importorskip("megatron.core")
+    from tests.fixtures.megatron import build_megatron
+
+    build_megatron(tmp_path, ("dense1",))
+    new = dcp.FileSystemReader(str(tmp_path / "dense1" / RUNS["dense1"])).read_metadata().state_dict_metadata
+    old = _torch_md("dense1").state_dict_metadata
+    assert set(new) == set(old)
+    for k, m in old.items():
+        if hasattr(m, "chunks"):
+            assert new[k].size == m.size and new[k].properties.dtype == m.properties.dtype, k
+    assert (tmp_path / "dense1" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    r = runner.invoke(app, ["validate", "--strict", "--deep", str(tmp_path / "dense1")])
+    assert r.exit_code == 0, r.output
