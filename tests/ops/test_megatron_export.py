@@ -87,3 +87,25 @@ def test_linear_qkv_needs_the_heads(tmp_path: Path) -> None:
     assert r.exit_code != 0
     assert "linear_qkv" in r.output and "config.json" in r.output
     assert not (tmp_path / "o").exists()
+
+
+def test_diff_against_the_export(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    doc = json.loads((DATA / "moe_ep2" / "model.json").read_text())
+    out = tmp_path / "hf"
+    r = runner.invoke(
+        app, ["export", str(DATA / "moe_ep2"), str(out), "--model-assets", str(_assets(tmp_path, True, doc))]
+    )
+    assert r.exit_code == 0, r.output
+    same = runner.invoke(app, ["diff", str(DATA / "moe_ep2"), str(out)])
+    assert same.exit_code == 0 and "equal" in same.output, same.output
+    f = out / "model.safetensors"
+    sd = load_file(f)
+    key = "model.layers.1.self_attn.k_proj.weight"  # a piece of the stacked, GQA-fused linear_qkv
+    sd[key] = sd[key].clone()
+    sd[key][3, 5] += 1.0
+    save_file(sd, f, metadata={"format": "pt"})
+    differ = runner.invoke(app, ["diff", str(DATA / "moe_ep2"), str(out)])
+    assert differ.exit_code == 1, differ.output
+    assert key in differ.output
