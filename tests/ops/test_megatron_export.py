@@ -109,3 +109,15 @@ def test_diff_against_the_export(tmp_path: Path) -> None:
     differ = runner.invoke(app, ["diff", str(DATA / "moe_ep2"), str(out)])
     assert differ.exit_code == 1, differ.output
     assert key in differ.output
+
+
+def test_per_expert_is_refused_not_ignored(tmp_path: Path) -> None:
+    doc = json.loads((DATA / "moe_ep2" / "model.json").read_text())
+    assets = _assets(tmp_path, True, doc)
+    out = tmp_path / "hf"
+    r = runner.invoke(
+        app, ["export", str(DATA / "moe_ep2"), str(out), "--model-assets", str(assets), "--experts", "per-expert"]
+    )
+    assert r.exit_code == 2, r.output
+    assert "fused expert tensors only" in r.output and "--experts fused" in r.output
+    assert not out.exists()

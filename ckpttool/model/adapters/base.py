@@ -92,6 +92,7 @@ class HFTensor:
         pieces, runs: an explicit element map for a source that becomes several HF tensors
             (Megatron's stacked layers, fused ``linear_qkv``): the HF tensors ``(key, shape)`` and
             ``(src, length, piece, dst)`` element runs (flat C order); ``()``: none.
+        fused_experts: those pieces are fused expert tensors ``[E, ...]`` (no per-expert split).
     """
 
     key: str
@@ -102,6 +103,7 @@ class HFTensor:
     per_expert: str | None = None
     pieces: tuple[tuple[str, tuple[int, ...]], ...] = ()
     runs: tuple[tuple[int, int, int, int], ...] = ()
+    fused_experts: bool = False
 
 
 @dataclass(frozen=True)

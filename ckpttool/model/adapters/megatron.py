@@ -14,11 +14,13 @@ and the pre-MLP norm into ``linear_fc1.layer_norm_weight``. Element layouts
   (gate first, as transformers chunks it), ``linear_fc2 [L, E, H, I]`` -> ``experts.down_proj``;
 - ``router.weight [L, E, H]`` -> ``mlp.gate.weight``.
 
-Export only (``from_hf`` answers nothing: no ``import --schema megatron``). Torch-free.
+Export only (``from_hf`` answers nothing: no ``import --schema megatron``); experts fused only
+(``--experts per-expert`` is refused). Torch-free.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -149,7 +151,10 @@ class MegatronGPT(ModelAdapter):
                     (_HF + "mlp.up_proj.weight", (i, shape[2]), i, i),
                 ],
             )
-        return _layers(fqn, shape, [(_PER_LAYER[rest], per_layer, 0, shape[1] if len(shape) > 1 else 1)])
+        hf = _layers(fqn, shape, [(_PER_LAYER[rest], per_layer, 0, shape[1] if len(shape) > 1 else 1)])
+        if ".experts.experts." in fqn:
+            hf = dataclasses.replace(hf, fused_experts=True)
+        return hf
 
     def from_hf(self, hf_key: str, shape: tuple[int, ...], cfg: AdapterConfig) -> list[NativeTensor] | Skip | None:
         """Not an import target (export only)."""
