@@ -160,7 +160,15 @@ def _path(*parts: Any) -> str:
     return os.path.join(*parts) if parts else ""
 
 
+def _write_item_type(value: Any) -> int:
+    # torch.distributed.checkpoint.planner.WriteItemType(n): an enum rebuilt from its int value.
+    if type(value) is not int or not 0 <= value < 16:
+        raise UnsafePickleError(f"WriteItemType called with {short_repr(value)}, expected a small int")
+    return value
+
+
 _DCP = "torch.distributed.checkpoint.metadata"
+_PLANNER = "torch.distributed.checkpoint.planner"
 _SHARD_MD = "torch.distributed._shard.sharded_tensor.metadata"
 _SHARD_MD2 = "torch.distributed._shard.metadata"
 
@@ -179,6 +187,14 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     # OLMo-core's RemoteFileSystemWriter pickles its own dataclass with torch's fields (relative_path,
     # offset, length; olmo_core/distributed/checkpoint/filesystem.py): the same stand-in, never imported
     ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfoRec,
+    # Megatron-core's torch_dist strategy attaches the savers' plans to the Metadata
+    # (``Metadata.all_local_plans``, megatron/core/dist_checkpointing/strategies/torch.py): torch's
+    # own planner dataclasses, kept as inert records and never read.
+    (_PLANNER, "SavePlan"): _kind("SavePlan"),
+    (_PLANNER, "WriteItem"): _kind("WriteItem"),
+    (_PLANNER, "TensorWriteData"): _kind("TensorWriteData"),
+    (_PLANNER, "BytesIOWriteData"): _kind("BytesIOWriteData"),
+    (_PLANNER, "WriteItemType"): _write_item_type,
     ("torch", "Size"): _Dims,
     ("torch.serialization", "_get_layout"): _get_layout,
     ("pathlib", "PosixPath"): _path,

@@ -243,6 +243,10 @@ class Catalog:
 
     def state_key(self, fqn: str, field_name: str) -> str:
         """The checkpoint key of state field ``field_name`` of parameter ``fqn``."""
+        if _state_splitter(self.schema) is not None:  # a schema with its own grammar (Megatron: field first)
+            ps = self.optimizer_state.get(fqn)
+            t = ps.fields.get(field_name) if ps is not None else None
+            return t.key if t is not None else f"{self.schema.optimizer_prefix or 'optimizer.'}state.{field_name}.{fqn}"
         return f"{self.schema.state_prefix or 'optimizer.state.'}{fqn}.{field_name}"
 
     def group_key(self, group_id: int | str) -> str:
@@ -253,6 +257,9 @@ class Catalog:
         """``model``, ``optimizer_state``, ``param_groups``, ``layout``, ``training_state`` or ``other``."""
         if key in self.model:
             return "model"
+        split = _state_splitter(self.schema)
+        if split is not None and split(key) is not None:
+            return "optimizer_state"
         sp, gp = self.schema.state_prefix, self.schema.groups_prefix
         if sp is not None and key.startswith(sp):
             return "optimizer_state"
@@ -587,12 +594,16 @@ class _Sorter:
         """Sort ``(key, meta)`` items (in order) into the categories."""
         state_prefix, groups_prefix = self.sch.state_prefix, self.sch.groups_prefix
         storage, planner, byte_items = self.md.storage, self.planner, self.byte_items
+        split = _state_splitter(self.sch)
         for key, meta in items:
             if isinstance(meta, BytesMeta):
                 info = storage.get((key, None))
                 byte_items[key] = info.length if info is not None else 0
             path = planner.get(key)
-            if state_prefix is not None and key.startswith(state_prefix):
+            parts = split(key) if split is not None else None
+            if parts is not None:
+                self._state_parts(key, meta, parts)
+            elif state_prefix is not None and key.startswith(state_prefix):
                 self._state(key, meta, path, state_prefix)
             elif groups_prefix is not None and key.startswith(groups_prefix):
                 self._group(key, path, groups_prefix)
@@ -635,6 +646,14 @@ class _Sorter:
                 self.model_set = set(self.model)  # once, not per fqn (10^6 model keys)
             stored = () if in_model else (fused_parts(fqn, self.model_set or set(), self.sch.model_prefix or "") or ())
             ps = self.optimizer_state[fqn] = ParamState(fqn, in_model=in_model, stored_as=stored)
+        ps.fields[fld] = self.entry(key, meta) if isinstance(meta, TensorMeta) else None
+
+    def _state_parts(self, key: str, meta: Any, parts: tuple[str, str]) -> None:
+        """A state key the schema split itself (:attr:`SchemaSpec.split_state_key`) into ``(fqn, field)``."""
+        fqn, fld = parts
+        ps = self.optimizer_state.get(fqn)
+        if ps is None:
+            ps = self.optimizer_state[fqn] = ParamState(fqn, in_model=self.sch.model_key(fqn) in self.model)
         ps.fields[fld] = self.entry(key, meta) if isinstance(meta, TensorMeta) else None
 
     def _group(self, key: str, path: tuple[Any, ...] | None, groups_prefix: str) -> None:
@@ -702,6 +721,9 @@ def build_catalog(
     # model tensors: the schema's test and the entries built column-wise (10^6 tensors)
     metas = list(entries.values())
     is_model = list(map(and_, map(is_, map(type, metas), repeat(TensorMeta)), sch.model_mask(entries, planner)))
+    split = _state_splitter(sch)
+    if split is not None:  # state keys of a schema with its own grammar are never model tensors
+        is_model = [m and split(k) is None for k, m in zip(entries, is_model)]
     entry = _EntryBuilder(md.storage)
     model: dict[str, TensorEntry] = entry.many(list(compress(entries, is_model)), list(compress(metas, is_model)))  # type: ignore[arg-type]
     del metas
@@ -712,12 +734,16 @@ def build_catalog(
     data_files, extra = _files(files, referenced)
     ranks = tuple(sorted({f.rank for f in data_files if f.rank is not None and f.referenced}))
     flavors = rest.flavors
+    groups = sorted(rest.groups.values(), key=lambda g: (isinstance(g.group_id, str), g.group_id))
+    if sch.id == "megatron":  # its param groups live in common.pt beside .metadata
+        groups = _megatron_groups(cd.path, rest.optimizer_state)
+        flavors = {"nested"} if groups else set()
     return Catalog(
         path=cd.path,
         dcp_version=md.version,
         model=model,
         optimizer_state=rest.optimizer_state,
-        param_groups=sorted(rest.groups.values(), key=lambda g: (isinstance(g.group_id, str), g.group_id)),
+        param_groups=groups,
         optimizer_flavor=None if not flavors else (flavors.pop() if len(flavors) == 1 else "mixed"),
         byte_items=rest.byte_items,
         other_tensors=rest.other_tensors,
@@ -730,6 +756,33 @@ def build_catalog(
         training_state=rest.training,
         _paths=planner,
     )
+
+
+def _megatron_groups(path: Path, state: dict[str, ParamState]) -> list[ParamGroup]:
+    """Megatron's param groups from ``common.pt``, their members by megatron's own default rule."""
+    from ckpttool.model.schemas import megatron
+
+    params = {
+        fqn: (megatron.chain_of(t.key), t.shape)
+        for fqn, ps in state.items()
+        for t in ps.fields.values()
+        if t is not None
+    }
+    groups = []
+    for i, (values, members) in enumerate(megatron.assign_groups(path, params)):
+        keys = {h: f"{megatron.COMMON_FILE}:optimizer.param_groups.{i}.{h}" for h in values}
+        groups.append(ParamGroup(i, "nested", keys=keys, values=values, params=members))
+        if "step" in values:  # the shared step of the chained optimizer, saved once in common.pt
+            for fqn in members:
+                state[fqn].fields.setdefault("step", None)
+    return groups
+
+
+def _state_splitter(sch: KeySchema) -> Any:
+    """The schema's own state-key splitter (:attr:`SchemaSpec.split_state_key`), or ``None``."""
+    if sch.id in registry.names():
+        return registry.get(sch.id).split_state_key
+    return None
 
 
 def leaf_key(group: ParamGroup) -> str:

@@ -89,6 +89,10 @@ class HFTensor:
         part, nparts: the source is block ``part`` of ``nparts`` along dim 1 of ``[E, nparts*A, B]``.
         per_expert: per-expert key template (``{j}``) of an expert tensor ``[E, A, B]``;
             with ``nparts > 1`` the template of *this* part's per-expert tensors.
+        pieces, runs: an explicit element map for a source that becomes several HF tensors
+            (Megatron's stacked layers, fused ``linear_qkv``): the HF tensors ``(key, shape)`` and
+            ``(src, length, piece, dst)`` element runs (flat C order); ``()``: none.
+        fused_experts: those pieces are fused expert tensors ``[E, ...]`` (no per-expert split).
     """
 
     key: str
@@ -97,6 +101,9 @@ class HFTensor:
     part: int = 0
     nparts: int = 1
     per_expert: str | None = None
+    pieces: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    runs: tuple[tuple[int, int, int, int], ...] = ()
+    fused_experts: bool = False
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,9 @@ class SchemaSpec:
             (regex over the fqn, model-key templates formatted with its groups).
         discovery: directory names its trainer lays checkpoints out with.
         import_help: what ``ckpttool import --schema <name>`` writes (``None``: not an import target).
+        split_state_key: for a schema whose optimizer keys are not ``<prefix>state.<fqn>.<field>``
+            (Megatron-core: ``[chained_N.]optimizer.state.<field>.<key>``): key -> ``(fqn, field)``
+            of an optimizer state key, ``None`` for any other key.
         doc_model, doc_optimizer, doc_written_by: its row of the ``docs/design.md`` §2 table (markdown).
     """
 
@@ -164,6 +167,7 @@ class SchemaSpec:
     fused_rules: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = ()
     discovery: Discovery = Discovery()
     import_help: str | None = None
+    split_state_key: Callable[[str], tuple[str, str] | None] | None = None
     doc_model: str = ""
     doc_optimizer: str = ""
     doc_written_by: str = ""

@@ -44,6 +44,11 @@ _HF_RE = re.compile(
     r"(?:^|\.)(?:embed_tokens\.weight|lm_head\.weight|layers\.\d+\.(?:self_attn|mlp|input_layernorm)\.)"
 )
 _OPT_PARTS = ("state", "param_groups")
+# Megatron-core naming (megatron/core/models/gpt/gpt_model.py: embedding, decoder with layers stacked
+# in sharded state dicts, output_layer).
+_MEGATRON_RE = re.compile(
+    r"^(?:embedding\.word_embeddings\.weight|output_layer\.weight|decoder\.(?:layers|final_layernorm)\.)"
+)
 
 
 def planner_paths(md: CheckpointMetadata) -> dict[str, tuple[Any, ...]]:
@@ -120,9 +125,12 @@ def fused_parts(fqn: str, model_keys: set[str], model_prefix: str) -> tuple[str,
 
 
 def model_naming(fqns: list[str]) -> str:
-    """``"torchtitan"``, ``"hf"`` or ``"unknown"``: the naming convention most model fqns follow."""
+    """``"torchtitan"``, ``"hf"``, ``"megatron"`` or ``"unknown"``: the naming convention most model fqns follow."""
     if not fqns:
         return "unknown"
+    megatron = sum(1 for f in fqns if _MEGATRON_RE.search(f))
+    if megatron * 2 > len(fqns):
+        return "megatron"
     titan = sum(1 for f in fqns if _TITAN_RE.search(f))
     hf = sum(1 for f in fqns if _HF_RE.search(f))
     if titan > hf and titan * 4 >= len(fqns):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ckpttool.model.schemas import (
     app_state,
+    megatron,
     nemo,
     olmo_core,
     top_level,
@@ -153,6 +154,7 @@ for _spec in (
     torch_native.SPEC,
     app_state.SPEC,
     torchtitan.SPEC,
+    megatron.SPEC,
     top_level.SPEC,
     verl.SPEC,
     torch_checkpointing.SPEC,

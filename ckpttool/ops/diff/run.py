@@ -574,6 +574,9 @@ def dcp_items(side: Side, what: str) -> tuple[list[Item], list[Excluded], list[s
                 name = canonical_state_key(fqn, fld)
                 if e is None:
                     key = cat.state_key(fqn, fld)
+                    if key not in cat.byte_items:  # Megatron: one common_step per optimizer, in common.pt
+                        excluded.append(Excluded(side.label, key, "a shared step saved outside .metadata (common.pt)"))
+                        continue
                     items.append(Item(name, key, (), "bytes", "optimizer_state"))
                     continue
                 items.append(_entry_item(name, e, "optimizer_state", _perm_of(side, e.key, e.shape)))

@@ -1065,7 +1065,7 @@ def written_tensors(plan: ExportPlan) -> dict[str, tuple[tuple[int, ...], str]]:
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     for t in plan.tasks:
         s, dtype = t.selected, t.pieces[0].dtype
-        if s.hf is not None:
+        if s.hf is not None and not s.hf.pieces:
             out[s.hf.key] = (s.hf.shape, dtype)
         elif t.pieces[0].expert is not None:
             out[s.out_key] = (s.source.shape, dtype)

@@ -556,6 +556,14 @@ def adapter_pieces(
         ExportError: an expert dim that disagrees with the config's ``num_experts``.
     """
     shape = s.source.shape
+    if hf.pieces:  # an adapter's explicit element map (one source -> several HF tensors)
+        if hf.fused_experts and experts == "per-expert":
+            raise ExportError(
+                f"{s.model_key}: this model adapter writes fused expert tensors only ({hf.key})",
+                fqn=s.model_key,
+                hint="export with `experts` fused",
+            )
+        return tuple(Piece(k, sh, dtype) for k, sh in hf.pieces), tuple(Run(*r) for r in hf.runs)
     if hf.rope_heads is not None:
         rows, cols = shape
         dst = rope_to_hf_rows(hf.rope_heads, rows // hf.rope_heads)

@@ -87,6 +87,8 @@ class ParamPlan:
         fresh: no saved state and its leaf never stepped.
         offloaded: ``cpu_offload_adamw`` keeps its master and moments on the CPU.
         moment_dtype: dtype name of ``exp_avg``/``exp_avg_sq`` (saved, or what fresh state gets).
+        shared_step: the step saved once for its whole optimizer instead of per parameter
+            (Megatron-core's ``common_step`` in ``common.pt``: its param group's ``step``), else ``None``.
     """
 
     fqn: str
@@ -100,6 +102,7 @@ class ParamPlan:
     fresh: bool = False
     offloaded: bool = False
     moment_dtype: str = "float32"
+    shared_step: float | None = None
 
 
 @dataclass
@@ -180,9 +183,18 @@ def _hyper(group: Any, fqn: str, group_id: int | str) -> Hyper:
     )
 
 
-def _saved_dtypes(state: dict[str, TensorEntry | None], fqn: str) -> dict[str, str]:
+def _shared_step(group: Any) -> float | None:
+    """The step a param group carries for all its parameters (Megatron's ``common_step``), else ``None``."""
+    v = group.values.get("step") if group is not None else None
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _saved_dtypes(state: dict[str, TensorEntry | None], fqn: str, shared_step: float | None = None) -> dict[str, str]:
     out = {}
     for f, entry in state.items():
+        if entry is None and f == "step" and shared_step is not None:
+            out[f] = "float32"  # saved once per optimizer as a float (Megatron's common_step)
+            continue
         if entry is None:
             raise StateDtypeError(
                 f"optimizer state {fqn}.{f} is saved as a Python object, not a tensor",
@@ -260,7 +272,9 @@ def _check_policy(p: ParamPlan, cfg: dict[str, Any], saved: dict[str, str]) -> N
                 fqn=p.fqn,
                 hint="run `ckpttool validate --strict` on the checkpoint; pass `optimizer` if the layout record is wrong",
             )
-        entry = p.state[f]
+        entry = p.state.get(f)
+        if entry is None:  # the shared step (ParamPlan.shared_step): a number, no shape
+            continue
         want_shape = () if f == "step" else p.shape
         if tuple(entry.shape) != tuple(want_shape):
             raise StateShapeError(
@@ -420,7 +434,7 @@ def _infer_type(
     for f in selected:
         ps = cat.optimizer_state.get(f)
         if ps is not None and ps.fields:
-            saved = _saved_dtypes(ps.fields, f)
+            saved = _saved_dtypes(ps.fields, f, _shared_step(cat.group_of(f)))
             try:
                 inferred[f] = infer_optimizer_type(saved)
             except OptimStateError as e:
@@ -552,7 +566,8 @@ def _param_plans(
         p.offloaded = t == "cpu_offload_adamw" and _offloaded(cfg, f)
         p.moment_dtype = _moment_dtype_for(t, cfg, entry.dtype, f)
         if fields:
-            saved = _saved_dtypes(fields, f)
+            p.shared_step = _shared_step(cat.group_of(f)) if fields.get("step", 0) is None else None
+            saved = _saved_dtypes(fields, f, p.shared_step)
             p.state = {k: v for k, v in fields.items() if v is not None}
             _check_policy(p, cfg, saved)
         else:

@@ -631,6 +631,8 @@ def _load_batch(
         t = {"param": canon(p.key, p.key, reader.read_tensor(p.key))}
         for f, entry in p.state.items():
             t[f] = canon(entry.key, p.key, reader.read_tensor(entry.key))
+        if p.shared_step is not None:
+            t["step"] = torch.tensor(p.shared_step, dtype=torch.float32)
         return t
 
     loaded = dict(zip((p.fqn for p in batch), map_ordered(load, batch, workers=workers)))

@@ -1,0 +1,237 @@
+"""``megatron``: Megatron-core ``dist_checkpointing.save`` with the ``torch_dist`` backend.
+
+What megatron-core 0.16 writes (``megatron/core/dist_checkpointing/strategies/torch.py``,
+``megatron/core/optimizer/optimizer.py``), checked on checkpoints its own code saved:
+
+- ``.metadata``: torch's DCP ``Metadata`` plus ``all_local_plans`` (torch's ``SavePlan`` records;
+  the unpickler keeps them inert); no ``planner_data``.
+- Model tensors by their *sharded key*, no ``model.`` prefix, the layers stacked on a leading
+  dim (``decoder.layers.self_attention.linear_qkv.weight [L, ...]``, experts
+  ``decoder.layers.mlp.experts.experts.linear_fc1.weight [L, E, out, in]``); ``_extra_state``
+  byte items ``<key>._extra_state/shard_<offsets>_<shape>``.
+- Optimizer state **field first**: ``optimizer.state.<field>.<key>`` (``exp_avg``,
+  ``exp_avg_sq``; ``fp32_param`` the FP32 masters of a bf16/fp16 model), under
+  ``chained_<i>.`` when a ``ChainedOptimizer`` holds several (dense / expert parameters).
+- ``common.pt`` (``torch.save``): ``optimizer`` (param groups without ``params``, the shared
+  step ``state.common_step``; one per chained optimizer), ``opt_param_scheduler``,
+  ``iteration``; ``metadata.json``: ``{"sharded_backend": "torch_dist", ...}``.
+
+Torch-free; :func:`read_common` reads ``common.pt`` with ckpttool's safe loader.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpttool.model.schemas.base import Detected, SchemaSpec
+
+__all__ = [
+    "COMMON_FILE",
+    "MegatronCommon",
+    "SPEC",
+    "is_megatron_dir",
+    "no_weight_decay",
+    "read_common",
+    "split_state_key",
+]
+
+COMMON_FILE = "common.pt"
+METADATA_JSON = "metadata.json"
+_STATE_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.state\.([A-Za-z_][A-Za-z0-9_]*)\.(.+)$")
+_EXPERTS = ".experts.experts."
+
+
+#: Megatron's state field names that have a ckpttool name: ``fp32_param`` is the FP32 master
+#: weight of a bf16/fp16 parameter (``Float16OptimizerWithFloat16Params``).
+FIELD_NAMES = {"fp32_param": "master_weight"}
+
+
+def split_state_key(key: str) -> tuple[str, str] | None:
+    """``(key of the parameter, field)`` of a state key ``[chained_N.]optimizer.state.<field>.<key>``, else ``None``.
+
+    The field is ckpttool's name (:data:`FIELD_NAMES`: ``fp32_param`` -> ``master_weight``).
+    """
+    m = _STATE_RE.match(key)
+    if m is None or m.group(2) == "common_step":
+        return None
+    return m.group(3), FIELD_NAMES.get(m.group(2), m.group(2))
+
+
+def chain_of(state_key: str) -> int:
+    """The chained-optimizer index of a state key (``0`` without a ``chained_N.`` prefix)."""
+    m = _STATE_RE.match(state_key)
+    return int(m.group(1)) if m is not None and m.group(1) is not None else 0
+
+
+def per_layer_shape(fqn: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The parameter's own shape: without the stacked layer dim (``decoder.layers.``) and expert dim."""
+    n = 0
+    if fqn.startswith("decoder.layers."):
+        n = 2 if _EXPERTS in fqn else 1
+    return shape[n:]
+
+
+def no_weight_decay(fqn: str, shape: tuple[int, ...]) -> bool:
+    """Megatron's default rule (``get_standard_config_overrides``): biases and 1-D parameters get ``wd_mult`` 0."""
+    return fqn.endswith(("bias", "_bias")) or len(per_layer_shape(fqn, shape)) == 1
+
+
+@dataclass(frozen=True)
+class MegatronCommon:
+    """What ``common.pt`` says about the optimizer and the schedule.
+
+    Attributes:
+        groups: per chained optimizer (index order), its param groups (hyperparameter dicts, no ``params``).
+        common_step: per chained optimizer, the shared step (``None``: not saved / not a number).
+        scheduler: ``opt_param_scheduler`` (``max_lr``, ``num_steps``, ...), or ``{}``.
+        iteration: the saved ``iteration``, or ``None``.
+        keys: the top-level keys of ``common.pt``.
+    """
+
+    groups: tuple[tuple[dict[str, Any], ...], ...] = ()
+    common_step: tuple[float | None, ...] = ()
+    scheduler: dict[str, Any] = field(default_factory=dict)
+    iteration: int | None = None
+    keys: tuple[str, ...] = ()
+
+
+def is_megatron_dir(path: Path) -> bool:
+    """``metadata.json`` names the ``torch_dist`` sharded backend (megatron-core's ``save_config``)."""
+    p = path / METADATA_JSON
+    if not p.is_file():
+        return False
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8")[:4096])
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("sharded_backend") == "torch_dist"
+
+
+def _step_value(v: Any) -> float | None:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    item = getattr(v, "item", None)  # a loaded 0-d tensor
+    if callable(item) and getattr(v, "numel", lambda: 0)() == 1:
+        out = item()
+        return float(out) if isinstance(out, (int, float)) else None
+    return None
+
+
+def _one_optimizer(sd: Any) -> tuple[tuple[dict[str, Any], ...], float | None]:
+    """Param groups and common step of one optimizer's saved dict (FP32Optimizer, or Float16's nested ``optimizer``)."""
+    if isinstance(sd, dict) and "param_groups" not in sd and isinstance(sd.get("optimizer"), dict):
+        sd = sd["optimizer"]
+    if not isinstance(sd, dict):
+        return (), None
+    groups = tuple(dict(g) for g in sd.get("param_groups", ()) if isinstance(g, dict))
+    state = sd.get("state")
+    step = _step_value(state.get("common_step")) if isinstance(state, dict) else None
+    return groups, step
+
+
+def read_common(ckpt_dir: Path) -> MegatronCommon | None:
+    """Read ``<ckpt_dir>/common.pt`` safely (``None``: no such file).
+
+    Loaded by :func:`ckpttool.format.reader.load_saved_object` (zip structure checked, plain values
+    by a no-globals unpickler, tensors through ``torch.load(weights_only=True)``).
+
+    Raises:
+        CkptError: the file is not a readable ``torch.save`` archive, needs ``--trust-pickle``, or is over the caps.
+    """
+    from ckpttool.format import limits
+    from ckpttool.format.files import read_regular
+    from ckpttool.format.reader import load_saved_object
+
+    p = ckpt_dir / COMMON_FILE
+    if not p.is_file():
+        return None
+    data = read_regular(p, limits.current().max_object_bytes, what=COMMON_FILE)
+    obj = load_saved_object(data, str(p))
+    if not isinstance(obj, dict):
+        return MegatronCommon()
+    opt = obj.get("optimizer")
+    chains: list[Any]
+    if isinstance(opt, dict) and opt and all(isinstance(k, int) for k in opt):
+        chains = [opt[k] for k in sorted(opt)]  # ChainedOptimizer: {0: ..., 1: ...}
+    elif isinstance(opt, list):
+        chains = opt
+    elif opt is None:
+        chains = []
+    else:
+        chains = [opt]
+    parsed = [_one_optimizer(c) for c in chains]
+    sched = obj.get("opt_param_scheduler")
+    it = obj.get("iteration")
+    return MegatronCommon(
+        groups=tuple(g for g, _ in parsed),
+        common_step=tuple(s for _, s in parsed),
+        scheduler=dict(sched) if isinstance(sched, dict) else {},
+        iteration=it if isinstance(it, int) and not isinstance(it, bool) else None,
+        keys=tuple(str(k) for k in obj),
+    )
+
+
+def _claims(d: Detected) -> bool:
+    return d.naming == "megatron" and d.model_prefix == ""
+
+
+SPEC = SchemaSpec(
+    name="megatron",
+    model_prefix="",
+    optimizer_prefix="optimizer.",
+    model_container=(),
+    claims=_claims,
+    priority=40,
+    optimizer_heads=("optimizer",),
+    split_state_key=split_state_key,
+    doc_model="`<key>` (top level, layers stacked: `decoder.layers.<...> [L, ...]`)",
+    doc_optimizer="`[chained_N.]optimizer.state.<field>.<key>` (field first); groups in `common.pt`",
+    doc_written_by="megatron-core `dist_checkpointing.save` (`torch_dist`), Megatron-LM `iter_N/`",
+)
+
+
+def assign_groups(
+    ckpt_dir: Path, params: dict[str, tuple[int, tuple[int, ...]]]
+) -> list[tuple[dict[str, Any], list[str]]]:
+    """The param groups of ``common.pt`` (every chained optimizer's, in order) with their members.
+
+    ``common.pt`` keeps no ``params`` lists (megatron drops them: ``LocalNonpersistentObject``);
+    the members follow megatron's default grouping (``_get_param_groups``): per chained
+    optimizer, biases and 1-D parameters (:func:`no_weight_decay`) in its group with
+    ``wd_mult`` 0, the others in the one with ``wd_mult`` 1. A chain whose groups are not that
+    pair (custom overrides) gets no members: nothing is guessed.
+
+    Args:
+        ckpt_dir: the checkpoint directory.
+        params: parameter key -> (chained optimizer index, global shape), of the parameters with state.
+
+    Returns:
+        ``[(hyperparameters, member keys)]``, each chain's groups in saved order (``[]``: no
+        ``common.pt``); a chain's shared ``common_step`` is its groups' ``step`` value.
+    """
+    common = read_common(ckpt_dir)
+    if common is None:
+        return []
+    out: list[tuple[dict[str, Any], list[str]]] = []
+    for chain, groups in enumerate(common.groups):
+        members: list[list[str]] = [[] for _ in groups]
+        mults = [g.get("wd_mult") for g in groups]
+        standard = len(groups) in (1, 2) and len(set(mults)) == len(mults) and set(mults) <= {0.0, 1.0}
+        if standard:
+            for fqn, (c, shape) in params.items():
+                if c != chain:
+                    continue
+                want = 0.0 if no_weight_decay(fqn, shape) else 1.0
+                if want in mults:
+                    members[mults.index(want)].append(fqn)
+        for g, m in zip(groups, members):
+            values = dict(g)
+            values["chained_optimizer"] = chain
+            if common.common_step[chain] is not None:
+                values["step"] = common.common_step[chain]
+            out.append((values, m))
+    return out

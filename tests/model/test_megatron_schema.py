@@ -1,0 +1,231 @@
+"""Megatron-core ``torch_dist`` checkpoints: reading, detection, optimizer coverage, validate, diff.
+
+The checkpoints are written by megatron-core 0.16.1's own training and save code on CPU / gloo
+(``tests/fixtures/megatron.py``: only *device* calls are shimmed — ``torch.cuda.current_device``,
+``synchronize``, ``device="cuda"`` factories, the CUDA RNG tracker's ``fork`` — never the
+checkpoint code) and committed under ``tests/fixtures/megatron_data`` (building them takes
+minutes). Every answer is checked against torch's own reading (``FileSystemReader``,
+``torch.load`` of ``common.pt``, ``dcp.load``).
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.errors import UnsafePickleError
+from ckpttool.format.unpickler import parse_metadata_bytes
+from ckpttool.model.checkpoint import open_checkpoint
+from ckpttool.model.schemas import megatron
+
+DATA = Path(__file__).parent.parent / "fixtures" / "megatron_data"
+RUNS = {"dense1": "iter_0000003", "dense_tp2": "iter_0000003", "moe_ep2": "iter_0000002"}
+runner = CliRunner()
+
+
+def _dir(run: str) -> Path:
+    return DATA / run / RUNS[run]
+
+
+def _torch_md(run: str):  # torch's own reading of .metadata (plain pickle: our own fixture, trusted)
+    return dcp.FileSystemReader(str(_dir(run))).read_metadata()
+
+
+def _common(run: str) -> dict:
+    return torch.load(_dir(run) / "common.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_metadata_with_local_plans_parses_like_torch(run: str) -> None:
+    tmd = _torch_md(run)
+    assert getattr(tmd, "all_local_plans", None), "megatron attaches the savers' plans"
+    md = parse_metadata_bytes((_dir(run) / ".metadata").read_bytes())
+    assert set(md.entries) == set(tmd.state_dict_metadata)
+    for key, meta in tmd.state_dict_metadata.items():
+        ours = md.entries[key]
+        if hasattr(meta, "chunks"):
+            assert ours.size == tuple(meta.size)
+            assert ours.dtype.name == str(meta.properties.dtype).removeprefix("torch.")
+            assert [(c.offsets, c.sizes) for c in ours.chunks] == [
+                (tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks
+            ]
+
+
+def test_plans_allow_list_is_data_only() -> None:
+    # the plans' globals resolve to inert records; a WriteItemType rebuilt from anything but a small
+    # int is refused, as is any global outside the allow-list
+    evil = pickle.dumps(__import__("os").system, protocol=4)
+    with pytest.raises(UnsafePickleError):
+        parse_metadata_bytes(evil)
+    wit = (
+        b"\x80\x04\x8c$torch.distributed.checkpoint.planner\x94\x8c\rWriteItemType\x94\x93\x94"
+        b"\x8c\x03abc\x94\x85\x94R\x94."
+    )
+    with pytest.raises(UnsafePickleError):
+        parse_metadata_bytes(wit)
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_detected_and_every_parameter_has_state(run: str) -> None:
+    tmd = _torch_md(run)
+    tensors = {k for k, m in tmd.state_dict_metadata.items() if hasattr(m, "chunks")}
+    state_keys = {k for k in tensors if ".optimizer.state." in f".{k}"}
+    model_keys = tensors - state_keys
+    with open_checkpoint(DATA / run) as ckpt:  # from the run root: latest_checkpointed_iteration.txt
+        cat = ckpt.catalog
+        assert ckpt.path == _dir(run)
+        assert cat.schema.id == "megatron" and cat.schema.naming == "megatron"
+        assert set(cat.model) == model_keys
+        assert set(cat.optimizer_state) == model_keys  # every parameter, none outside the model
+        seen = {t.key for ps in cat.optimizer_state.values() for t in ps.fields.values() if t is not None}
+        assert seen == state_keys
+        for fqn, ps in cat.optimizer_state.items():
+            assert ps.in_model
+            assert ps.fields["exp_avg"].shape == cat.model[fqn].shape
+            assert cat.state_key(fqn, "exp_avg") == ps.fields["exp_avg"].key
+            if cat.model[fqn].dtype == "bfloat16":  # Float16Optimizer's fp32_param masters
+                assert ps.fields["master_weight"].key.endswith(f"optimizer.state.fp32_param.{fqn}")
+        assert cat.uncategorized_tensors() == []
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_param_groups_from_common_pt(run: str) -> None:
+    common = _common(run)
+    opt = common["optimizer"]
+    chains = [opt[k] for k in sorted(opt)] if all(isinstance(k, int) for k in opt) else [opt]
+    chains = [c.get("optimizer", c) if "param_groups" not in c else c for c in chains]
+    want = [(g, float(c["state"]["common_step"])) for c in chains for g in c["param_groups"]]
+    with open_checkpoint(_dir(run)) as ckpt:
+        groups = ckpt.param_groups()
+        assert len(groups) == len(want)
+        for g, (tg, step) in zip(groups, want):
+            for h in ("lr", "betas", "eps", "weight_decay", "wd_mult"):
+                assert g.values[h] == tg[h]
+            assert g.values["step"] == step == common["iteration"]
+        members = [f for g in groups for f in g.params]
+        assert sorted(members) == sorted(ckpt.catalog.optimizer_state)  # each parameter in exactly one group
+        for g in groups:  # megatron's default: no weight decay for 1-D (norm) parameters
+            for f in g.params:
+                is_norm = "layernorm" in f or "layer_norm" in f
+                assert (g.values["wd_mult"] == 0.0) == is_norm, f
+                assert g.values["is_expert_parallel"] == (".experts." in f)
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_validate_strict_deep_ok(run: str) -> None:
+    r = runner.invoke(app, ["validate", "--strict", "--deep", str(DATA / run)])
+    assert r.exit_code == 0, r.output
+    assert "OK: 0 errors, 0 warnings" in r.output
+
+
+def test_inspect_reports_coverage() -> None:
+    r = runner.invoke(app, ["inspect", str(DATA / "moe_ep2")])
+    assert r.exit_code == 0, r.output
+    assert "key schema  megatron (detected)" in r.output
+    assert "state for 10/10 params" in r.output
+
+
+def test_values_read_equal_torch_dcp_load() -> None:
+    tmd = _torch_md("moe_ep2")
+    sd = {
+        k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for k, m in tmd.state_dict_metadata.items()
+        if hasattr(m, "chunks")
+    }
+    dcp.load(sd, checkpoint_id=str(_dir("moe_ep2")), no_dist=True)
+    with open_checkpoint(_dir("moe_ep2")) as ckpt:
+        for fqn, ps in ckpt.catalog.optimizer_state.items():
+            assert torch.equal(ckpt.reader.read_tensor(fqn), sd[fqn])
+            for t in ps.fields.values():
+                if t is not None:
+                    assert torch.equal(ckpt.reader.read_tensor(t.key), sd[t.key])
+
+
+def test_diff_sees_a_changed_moment(tmp_path: Path) -> None:
+    a = _dir("dense1")
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    key = "optimizer.state.exp_avg.output_layer.weight"
+    tmd = _torch_md("dense1")
+    sd = {
+        k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for k, m in tmd.state_dict_metadata.items()
+        if hasattr(m, "chunks")
+    }
+    dcp.load(sd, checkpoint_id=str(a), no_dist=True)
+    sd[key] = sd[key] + 1.0
+    for f in b.glob("*.distcp"):
+        f.unlink()
+    (b / ".metadata").unlink()
+    dcp.save(sd, checkpoint_id=str(b), no_dist=True)
+    r = runner.invoke(app, ["diff", "--what", "all", str(a), str(b)])
+    assert r.exit_code != 0, r.output
+    assert "output_layer.weight" in r.output
+    same = runner.invoke(app, ["diff", "--what", "all", str(a), str(a)])
+    assert same.exit_code == 0, same.output
+
+
+def test_common_reader() -> None:
+    c = megatron.read_common(_dir("moe_ep2"))
+    assert c is not None
+    assert c.iteration == 2 and c.common_step == (2.0, 2.0)
+    assert c.scheduler["lr_warmup_steps"] == 2
+    assert [len(g) for g in c.groups] == [2, 1]
+    assert megatron.is_megatron_dir(_dir("moe_ep2"))
+    assert megatron.split_state_key("chained_1.optimizer.state.exp_avg.decoder.layers.x.weight") == (
+        "decoder.layers.x.weight",
+        "exp_avg",
+    )
+    assert megatron.split_state_key("optimizer.state.fp32_param.a.weight") == ("a.weight", "master_weight")
+    assert megatron.split_state_key("decoder.layers.x.weight") is None
+
+
+@pytest.mark.heavy  # spawns megatron-core on 2 gloo ranks: minutes on a shared 2-core machine
+@pytest.mark.parametrize("run", ["dense_tp2", "moe_ep2"])
+def test_tensors_equal_megatron_dist_checkpointing_load(tmp_path: Path, run: str) -> None:
+    """megatron-core's own loader (TP/EP shards, gate/up factories, optimizer keys) reads what ckpttool reads."""
+    pytest.importorskip("megatron.core")
+    from tests.fixtures.megatron import load_with_megatron
+
+    load_with_megatron(DATA, run, tmp_path)
+    rows = [r for f in sorted(tmp_path.glob("rank*.pt")) for r in torch.load(f, weights_only=False)]
+    assert rows
+    keys = set()
+    with open_checkpoint(_dir(run)) as ckpt:
+        whole = {}
+        for key, offset, local in rows:
+            if key not in whole:
+                whole[key] = ckpt.reader.read_tensor(key)
+            t = whole[key]
+            lead = t.dim() - local.dim()  # megatron's prepended (stacked layer / expert) axes: size 1 locally
+            want = t[tuple(slice(o, o + n) for o, n in zip(offset, (1,) * lead + tuple(local.shape)))]
+            assert torch.equal(want.reshape(local.shape).to(local.dtype), local), key  # bf16 -> f32 is exact
+            keys.add(key)
+        cat = ckpt.catalog
+        state_keys = {t.key for ps in cat.optimizer_state.values() for t in ps.fields.values() if t is not None}
+        assert keys == set(cat.model) | state_keys
+
+
+@pytest.mark.heavy  # runs megatron-core's training and save (about a minute)
+def test_generator_writes_what_is_committed(tmp_path: Path) -> None:
+    """The committed fixtures are what tests/fixtures/megatron.py writes with megatron-core today."""
+    pytest.importorskip("megatron.core")
+    from tests.fixtures.megatron import build_megatron
+
+    build_megatron(tmp_path, ("dense1",))
+    new = dcp.FileSystemReader(str(tmp_path / "dense1" / RUNS["dense1"])).read_metadata().state_dict_metadata
+    old = _torch_md("dense1").state_dict_metadata
+    assert set(new) == set(old)
+    for k, m in old.items():
+        if hasattr(m, "chunks"):
+            assert new[k].size == m.size and new[k].properties.dtype == m.properties.dtype, k
+    assert (tmp_path / "dense1" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    r = runner.invoke(app, ["validate", "--strict", "--deep", str(tmp_path / "dense1")])
+    assert r.exit_code == 0, r.output

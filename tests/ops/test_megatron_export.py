@@ -1,0 +1,123 @@
+"""Export of Megatron-core ``torch_dist`` checkpoints to HF (adapter ``megatron-gpt``), checked by logits.
+
+The checkpoints are written by megatron-core's own code (``tests/fixtures/megatron.py``: device-call
+shims only), which also stored megatron's own forward (``GPTModel``, the saved weights, gathered
+over TP) of a fixed input in ``model.json``. The export is loaded by transformers as the
+equivalent ``LlamaForCausalLM`` (dense) / ``MixtralForCausalLM`` (MoE: the same softmax-top-k
+router) and must give the same logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.model.adapters import AdapterConfig, get_adapter
+
+DATA = Path(__file__).parent.parent / "fixtures" / "megatron_data"
+runner = CliRunner()
+
+
+def _assets(tmp: Path, moe: bool, doc: dict) -> Path:
+    from transformers import LlamaConfig, MixtralConfig
+
+    m = doc["model"]
+    common = {
+        "vocab_size": doc["vocab"],
+        "hidden_size": m["hidden"],
+        "intermediate_size": m["ffn"],
+        "num_hidden_layers": m["layers"],
+        "num_attention_heads": m["heads"],
+        "num_key_value_heads": m["groups"],
+        "head_dim": m["hidden"] // m["heads"],
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+    }
+    cfg = (
+        MixtralConfig(num_local_experts=m["experts"], num_experts_per_tok=m["topk"], **common)
+        if moe
+        else LlamaConfig(**common)
+    )
+    out = tmp / "assets"
+    cfg.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize(("run", "atol"), [("dense1", 1e-5), ("dense_tp2", 1e-2), ("moe_ep2", 1e-5)])
+def test_export_logits_equal_megatron(tmp_path: Path, run: str, atol: float) -> None:
+    from transformers import AutoModelForCausalLM
+
+    doc = json.loads((DATA / run / "model.json").read_text())
+    assets = _assets(tmp_path, doc["run"]["moe"], doc)
+    out = tmp_path / "hf"
+    r = runner.invoke(app, ["export", str(DATA / run), str(out), "--model-assets", str(assets)])
+    assert r.exit_code == 0, r.output
+    assert "megatron-gpt" in r.output
+    dtype = torch.bfloat16 if doc["run"]["bf16"] else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=dtype).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(doc["input_ids"])).logits.float()
+    ref = torch.tensor(doc["logits"])
+    assert logits.shape == ref.shape
+    assert torch.allclose(logits, ref, atol=atol, rtol=0), (logits - ref).abs().max()
+
+
+def test_qkv_split_follows_the_gqa_layout() -> None:
+    # 2 query groups of 2 query heads, head_dim 1: rows q0 q1 k0 v0 | q2 q3 k1 v1
+    ad = get_adapter("megatron-gpt")
+    cfg = AdapterConfig(n_heads=4, n_kv_heads=2, head_dim=1, hidden_size=1)
+    hf = ad.to_hf("decoder.layers.self_attention.linear_qkv.weight", (1, 8, 1), cfg)
+    assert [p[0].rsplit(".", 2)[-2] for p in hf.pieces] == ["q_proj", "k_proj", "v_proj"]
+    src = list(range(8))
+    outs: list[list[int | None]] = [[None] * p[1][0] for p in hf.pieces]
+    for s, n, piece, d in hf.runs:
+        outs[piece][d : d + n] = src[s : s + n]
+    assert outs == [[0, 1, 4, 5], [2, 6], [3, 7]]
+
+
+def test_linear_qkv_needs_the_heads(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["export", str(DATA / "dense1"), str(tmp_path / "o")])
+    assert r.exit_code != 0
+    assert "linear_qkv" in r.output and "config.json" in r.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_diff_against_the_export(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    doc = json.loads((DATA / "moe_ep2" / "model.json").read_text())
+    out = tmp_path / "hf"
+    r = runner.invoke(
+        app, ["export", str(DATA / "moe_ep2"), str(out), "--model-assets", str(_assets(tmp_path, True, doc))]
+    )
+    assert r.exit_code == 0, r.output
+    same = runner.invoke(app, ["diff", str(DATA / "moe_ep2"), str(out)])
+    assert same.exit_code == 0 and "equal" in same.output, same.output
+    f = out / "model.safetensors"
+    sd = load_file(f)
+    key = "model.layers.1.self_attn.k_proj.weight"  # a piece of the stacked, GQA-fused linear_qkv
+    sd[key] = sd[key].clone()
+    sd[key][3, 5] += 1.0
+    save_file(sd, f, metadata={"format": "pt"})
+    differ = runner.invoke(app, ["diff", str(DATA / "moe_ep2"), str(out)])
+    assert differ.exit_code == 1, differ.output
+    assert key in differ.output
+
+
+def test_per_expert_is_refused_not_ignored(tmp_path: Path) -> None:
+    doc = json.loads((DATA / "moe_ep2" / "model.json").read_text())
+    assets = _assets(tmp_path, True, doc)
+    out = tmp_path / "hf"
+    r = runner.invoke(
+        app, ["export", str(DATA / "moe_ep2"), str(out), "--model-assets", str(assets), "--experts", "per-expert"]
+    )
+    assert r.exit_code == 2, r.output
+    assert "fused expert tensors only" in r.output and "--experts fused" in r.output
+    assert not out.exists()

@@ -1,0 +1,50 @@
+"""``replay-step`` on Megatron-core ``torch_dist`` checkpoints (written by megatron-core's own code, see
+``tests/fixtures/megatron.py``: device-call shims only).
+
+The hyperparameters and the step come from ``common.pt`` (megatron keeps no per-parameter step:
+one ``common_step`` per optimizer; param groups without ``params``, their members by megatron's
+default rule: no weight decay for 1-D parameters); checked here against ``torch.load`` of
+``common.pt`` and the replayed step against ckpttool's float64 reference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+
+DATA = Path(__file__).parent.parent / "fixtures" / "megatron_data"
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    ("run", "step", "optimizer"),
+    [
+        ("dense1", "iter_0000003", "adamw"),
+        ("dense_tp2", "iter_0000003", "full_fp32_adamw"),
+        ("moe_ep2", "iter_0000002", "adamw"),
+    ],
+)
+def test_replay_uses_common_pt(run: str, step: str, optimizer: str) -> None:
+    common = torch.load(DATA / run / step / "common.pt", weights_only=False)
+    opt = common["optimizer"]
+    chains = [opt[k] for k in sorted(opt)] if all(isinstance(k, int) for k in opt) else [opt]
+    chains = [c if "param_groups" in c else c["optimizer"] for c in chains]
+    r = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", str(DATA / run)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["ok"] and doc["params_total"] == len(doc["params"]) > 0
+    for p in doc["params"]:
+        chain = chains[1] if ".experts." in p["fqn"] and len(chains) > 1 else chains[0]
+        norm = "layernorm" in p["fqn"] or "layer_norm" in p["fqn"]
+        group = next(g for g in chain["param_groups"] if g["wd_mult"] == (0.0 if norm else 1.0))
+        assert p["optimizer"] == optimizer
+        assert p["lr"] == group["lr"] and p["weight_decay"] == group["weight_decay"]
+        assert p["step_before"] == float(chain["state"]["common_step"]) == common["iteration"]
+        assert p["step_after"] == p["step_before"] + 1
+        assert p["state"] == "loaded" and p["ok"], p
