@@ -246,7 +246,12 @@ def render_replay(result: ReplayResult, *, max_rows: int = 40) -> None:
             "result      ",
             (word, STYLES[word]),
             f": {len(result.params) - len(result.failed)} of {plural(len(result.params), 'parameter')} "
-            "match the reference step",
+            "match the reference step with a sane update"
+            + (
+                f"; {len(result.skipped)} stepped parameter(s) not replayed, e.g. {result.skipped[0]}"
+                if result.skipped
+                else ""
+            ),
         ),
     )
 

@@ -87,6 +87,9 @@ class ParamPlan:
         fresh: no saved state and its leaf never stepped.
         offloaded: ``cpu_offload_adamw`` keeps its master and moments on the CPU.
         moment_dtype: dtype name of ``exp_avg``/``exp_avg_sq`` (saved, or what fresh state gets).
+        parts: model keys of a parameter the optimizer steps fused while the model stores it
+            split (torchtitan's ``wqkv`` as ``wq``/``wk``/``wv``): the parameter is their
+            concatenation along dim 0 (``key`` then names no stored tensor); empty otherwise.
     """
 
     fqn: str
@@ -100,6 +103,7 @@ class ParamPlan:
     fresh: bool = False
     offloaded: bool = False
     moment_dtype: str = "float32"
+    parts: tuple[str, ...] = ()
 
 
 @dataclass
@@ -113,6 +117,9 @@ class ReplayPlan:
         config: constructor keywords beyond the hyperparameters, per type
             (``{"master_fp32_adamw": {"moment_dtype": "bfloat16"}, ...}``).
         notes: facts worth telling the user (fresh leaves, skipped buffers, overrides).
+        skipped: selected parameters with saved optimizer state that are not replayed (state
+            for an fqn the model does not hold, fused state whose parts do not stack): a
+            replay that skips a stepped parameter is never OK.
     """
 
     params: list[ParamPlan]
@@ -120,6 +127,7 @@ class ReplayPlan:
     reason: str
     config: dict[str, dict[str, Any]]
     notes: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -279,6 +287,8 @@ class _Membership:
     params_in_model: list[str]
     group_of: dict[str, Any]
     hypers: dict[str, Hyper]
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    stepped_orphans: list[str] = field(default_factory=list)
 
     def leaf_of(self, fqn: str) -> str:
         return leaf_key(self.group_of[fqn])  # the catalog's leaves: a nested group, or equal flattened values
@@ -335,20 +345,38 @@ def _membership(cat: Catalog, notes: list[str]) -> _Membership:
     if skipped:
         notes.append(f"{skipped} model tensor(s) in no param group (buffers, frozen parameters) are not replayed")
     orphans = sorted(f for f in grouped if cat.model_key(f) not in cat.model)
-    fused = [f for f in orphans if (ps := cat.optimizer_state.get(f)) is not None and ps.stored_as]
+    fused = {f: parts for f in orphans if (parts := _stackable_parts(cat, f))}
     if fused:
+        f0 = next(iter(fused))
         notes.append(
-            f"{len(fused)} parameter(s) are stepped fused but stored split in the model (e.g. {fused[0]} as "
-            f"{', '.join(cat.optimizer_state[fused[0]].stored_as)}): not replayed"
+            f"{len(fused)} parameter(s) are stepped fused but stored split in the model (e.g. {f0} as "
+            f"{', '.join(fused[f0])}): replayed on their parts concatenated along dim 0"
         )
     other_orphans = [f for f in orphans if f not in fused]
     if other_orphans:
         notes.append(
             f"{len(other_orphans)} param-group parameter(s) are not model tensors and are skipped, e.g. {other_orphans[0]}"
         )
-    group_of = {f: g for f in params_in_model if (g := cat.group_of(f)) is not None}
-    hypers = {f: _hyper(group_of[f], f, group_of[f].group_id) for f in params_in_model}
-    return _Membership(grouped, params_in_model, group_of, hypers)
+    stepped = [f for f in other_orphans if (ps := cat.optimizer_state.get(f)) is not None and ps.fields]
+    params = params_in_model + list(fused)
+    group_of = {f: g for f in params if (g := cat.group_of(f)) is not None}
+    hypers = {f: _hyper(group_of[f], f, group_of[f].group_id) for f in params}
+    return _Membership(grouped, params, group_of, hypers, fused, stepped)
+
+
+def _stackable_parts(cat: Catalog, fqn: str) -> tuple[str, ...]:
+    """The model keys a fused parameter is stored as, when they stack along dim 0 into its state's shape."""
+    ps = cat.optimizer_state.get(fqn)
+    if ps is None or not ps.stored_as or not all(k in cat.model for k in ps.stored_as):
+        return ()
+    parts = [cat.model[k] for k in ps.stored_as]
+    if any(not p.shape or p.dtype != parts[0].dtype or tuple(p.shape[1:]) != tuple(parts[0].shape[1:]) for p in parts):
+        return ()
+    want = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    avg = ps.fields.get("exp_avg")
+    if avg is None or tuple(avg.shape) != want:
+        return ()
+    return tuple(ps.stored_as)
 
 
 def _select(
@@ -543,14 +571,21 @@ def _param_plans(
     plans: list[ParamPlan] = []
     fresh_leaves: set[Any] = set()
     for f in selected:
-        entry = cat.model[cat.model_key(f)]
+        parts = members.fused.get(f, ())
         ps = cat.optimizer_state.get(f)
         fields = dict(ps.fields) if ps is not None else {}
         t = per_param_type.get(f, "adamw") if type_name == "mixed" else type_name
         cfg = config[t]
-        p = ParamPlan(f, entry.key, tuple(entry.shape), entry.dtype, entry.numel, hypers[f], t)
+        if parts:  # the fused parameter: its parts' dtype, its state's shape (checked to stack)
+            avg = fields["exp_avg"]
+            assert avg is not None
+            key, shape, dtype, numel = cat.model_key(f), tuple(avg.shape), cat.model[parts[0]].dtype, avg.numel
+        else:
+            entry = cat.model[cat.model_key(f)]
+            key, shape, dtype, numel = entry.key, tuple(entry.shape), entry.dtype, entry.numel
+        p = ParamPlan(f, key, shape, dtype, numel, hypers[f], t, parts=parts)
         p.offloaded = t == "cpu_offload_adamw" and _offloaded(cfg, f)
-        p.moment_dtype = _moment_dtype_for(t, cfg, entry.dtype, f)
+        p.moment_dtype = _moment_dtype_for(t, cfg, dtype, f)
         if fields:
             saved = _saved_dtypes(fields, f)
             p.state = {k: v for k, v in fields.items() if v is not None}
@@ -567,10 +602,9 @@ def _param_plans(
                 )
             p.fresh = True
             fresh_leaves.add(leaf)
-        if entry.dtype not in ITEMSIZE:
+        if dtype not in ITEMSIZE:
             raise StateDtypeError(
-                f"parameter {f} is {entry.dtype}; replay-step replays floating-point parameters "
-                f"({', '.join(ITEMSIZE)})",
+                f"parameter {f} is {dtype}; replay-step replays floating-point parameters ({', '.join(ITEMSIZE)})",
                 fqn=f,
             )
         plans.append(p)
@@ -623,7 +657,12 @@ def plan_replay(
     choice = _choose_type(cat, record, optimizer, selected, offload_patterns, notes)
     config = _configs(cat, selected, choice, chunk_size, notes)
     plans = _param_plans(cat, selected, members, choice, config, lost, notes)
-    return ReplayPlan(plans, choice.type_name, choice.reason, config, notes)
+    skipped = [
+        f
+        for f in members.stepped_orphans
+        if (rx is None or rx.search(f)) and (filter_glob is None or match_filter(canonical_model_key(f), filter_glob))
+    ]
+    return ReplayPlan(plans, choice.type_name, choice.reason, config, notes, skipped)
 
 
 def bytes_per_element(p: ParamPlan, reference_itemsize: int = 8, steps: int = 1) -> int:

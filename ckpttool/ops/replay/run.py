@@ -27,7 +27,7 @@ from ckpttool.errors import DeviceUnavailableError, UsageError
 from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
 from ckpttool.ops.replay.compare import FieldError, compare_field, count_unequal, machine_eps, merge_field_errors
 from ckpttool.ops.replay.plan import ITEMSIZE, ParamPlan, make_batches, plan_replay
-from ckpttool.ops.replay.slabs import TensorSlabs
+from ckpttool.ops.replay.slabs import StackedSlabs, TensorSlabs
 from ckpttool.ops.state_checks import synthesized_params
 from ckpttool.ops.tensors import to_canonical
 
@@ -45,6 +45,67 @@ logger = logging.getLogger(__name__)
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
 _REF_DTYPES = ("float64", "float32")
+
+
+#: ``R003``: a step that moves a tensor by more than this fraction of its largest saved magnitude.
+UPDATE_REL_BOUND = 1.0
+#: ``R003``: slack on the Adam direction bound (moments stored in BF16/FP32 round; the bound is rarely approached).
+UPDATE_BOUND_SLACK = 1.1
+
+
+def adam_direction_bound(step: float, beta1: float, beta2: float) -> float:
+    """The largest ``|m_hat| / sqrt(v_hat)`` Adam's recursion can produce after ``step`` steps.
+
+    With ``m_t = sum_i (1-b1) b1^(t-i) g_i`` and ``v_t = sum_i (1-b2) b2^(t-i) g_i^2`` (zero
+    start), Cauchy-Schwarz gives ``|m_t| <= (1-b1)/sqrt(1-b2) * sqrt(sum_{k<t} (b1^2/b2)^k) *
+    sqrt(v_t)`` for any gradients; bias correction multiplies by ``sqrt(1-b2^t)/(1-b1^t)``
+    (Kingma & Ba 2015, section 2.1 states the looser "|update| <~ lr" rule of thumb). For
+    b1 = 0.9, b2 = 0.999: 1 at t = 1, about 7.3 for large t. Moments that break it did not come
+    from this recursion (a zeroed or stale ``exp_avg_sq``, a reset ``step``). ``inf`` when
+    ``b1^2 >= b2`` and t is unbounded, or for betas outside ``[0, 1)``.
+    """
+    t = max(1, int(step))
+    if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+        return math.inf
+    if beta2 == 0:
+        return math.inf if beta1 > 0 else 1.0
+    q = beta1 * beta1 / beta2
+    series = float(t) if q == 1 else (1 - q**t) / (1 - q)
+    return (1 - beta1) / math.sqrt(1 - beta2) * math.sqrt(series) * math.sqrt(1 - beta2**t) / (1 - beta1**t)
+
+
+@dataclass(frozen=True)
+class UpdateSize:
+    """How large the replayed update is (from the reference, over the whole tensor).
+
+    Attributes:
+        max_update: ``max |theta_after - theta_before|`` over the K steps.
+        max_param: ``max |theta_before|`` (saved master, else parameter).
+        rel_to_param: ``max_update / max_param`` (0 when ``max_param`` is 0: a zero-initialised
+            tensor has no scale to compare with).
+        direction: ``max |m_hat| / (sqrt(v_hat) + eps)`` of the last step (the update in units of lr).
+        direction_bound: :func:`adam_direction_bound` at that step.
+    """
+
+    max_update: float
+    max_param: float
+    rel_to_param: float
+    direction: float
+    direction_bound: float
+
+    @property
+    def ok(self) -> bool:
+        return self.rel_to_param <= UPDATE_REL_BOUND and self.direction <= self.direction_bound * UPDATE_BOUND_SLACK
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_update": self.max_update,
+            "max_param": self.max_param,
+            "rel_to_param": self.rel_to_param,
+            "direction": self.direction,
+            "direction_bound": self.direction_bound,
+            "ok": self.ok,
+        }
 
 
 @dataclass
@@ -66,6 +127,8 @@ class ParamResult:
             saved ``master_weight.to(param dtype)`` (must be 0).
         placement: tensor -> device string after the step.
         problems: one line per failed check (empty: the parameter passed).
+        update: the size of the reference's update (:class:`UpdateSize`); beyond its bounds it
+            is a problem (``R003``) even when the optimizer agrees with the reference.
     """
 
     fqn: str
@@ -87,6 +150,7 @@ class ParamResult:
     sync_unequal: int | None = None
     placement: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    update: UpdateSize | None = None
 
     @property
     def ok(self) -> bool:
@@ -121,6 +185,7 @@ class ParamResult:
             "writeback_unequal": self.writeback_unequal,
             "sync_unequal": self.sync_unequal,
             "placement": self.placement,
+            "update": self.update.to_dict() if self.update is not None else None,
             "ok": self.ok,
             "problems": self.problems,
         }
@@ -142,6 +207,7 @@ class ReplayResult:
             (bytes the steps read and wrote), ``effective_gbps``, offload transfer figures
             (``d2h_bytes``, ``h2d_bytes``, ``offload_seconds``, ``d2h_gbps``, ``h2d_gbps``),
             ``load_seconds``, ``reference_seconds``, ``total_seconds``, ``bytes_read``.
+        skipped: selected parameters with saved state that were not replayed (``ok`` is then False).
     """
 
     path: str
@@ -158,10 +224,12 @@ class ReplayResult:
     batches: int
     max_memory: int
     timing: dict[str, float]
+    skipped: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
-        return all(p.ok for p in self.params)
+        """Every parameter passed and no selected parameter with saved state was left out."""
+        return all(p.ok for p in self.params) and not self.skipped
 
     @property
     def failed(self) -> list[ParamResult]:
@@ -184,6 +252,7 @@ class ReplayResult:
             "ok": self.ok,
             "params_total": len(self.params),
             "params_failed": len(self.failed),
+            "params_skipped": list(self.skipped),
             "params": [p.to_dict() for p in self.params],
             "notes": self.notes,
             "batches": self.batches,
@@ -578,6 +647,7 @@ def _replay(
         batches=len(batches),
         max_memory=budget,
         timing=timing,
+        skipped=tuple(plan.skipped),
     )
 
 
@@ -628,7 +698,10 @@ def _load_batch(
     results: dict[str, ParamResult] = {}
 
     def load(p: ParamPlan) -> dict[str, torch.Tensor]:
-        t = {"param": canon(p.key, p.key, reader.read_tensor(p.key))}
+        if p.parts:  # a fused parameter stored split: its parts concatenated along dim 0
+            t = {"param": torch.cat([canon(k, k, reader.read_tensor(k)) for k in p.parts], 0)}
+        else:
+            t = {"param": canon(p.key, p.key, reader.read_tensor(p.key))}
         for f, entry in p.state.items():
             t[f] = canon(entry.key, p.key, reader.read_tensor(entry.key))
         return t
@@ -878,7 +951,9 @@ class _SlabContext:
             f: st[f].detach().reshape(-1) for f in ("master_weight", "exp_avg", "exp_avg_sq") if f in st
         }
         self.grads = [g[p.fqn].reshape(-1) for g in grads]
-        self.saved = {"param": slabs(p.key, p.key)}
+        self.saved: dict[str, Any] = {
+            "param": StackedSlabs([slabs(k, k) for k in p.parts]) if p.parts else slabs(p.key, p.key)
+        }
         for f, entry in p.state.items():
             if f != "step":
                 self.saved[f] = slabs(entry.key, p.key)
@@ -895,8 +970,22 @@ class _SlabContext:
         res: dict[str, Any] = {}
         theta, m0, v0 = self._saved_start(a, b, res)
         rs, late = self._reference(theta, m0, v0, a, b)
+        res["update"] = self._update_size(theta, rs)
         res["fields"] = self._compare(a, b, rs, late, res)
         return res
+
+    def _update_size(self, theta: Any, rs: dict[str, Any]) -> tuple[float, float, float]:
+        """``(max |update|, max |theta_before|, max |m_hat| / (sqrt(v_hat) + eps))`` of the slab (reference values)."""
+        if theta.numel() == 0:
+            return 0.0, 0.0, 0.0
+        h = self.p.hyper
+        t = self.r.step_before + self.steps
+        d = float((rs["theta"] - theta.to(rs["theta"].dtype)).abs_().max().item())
+        pmax = float(theta.abs().max().item())
+        m_hat = rs["m"].abs() / (1 - h.beta1**t)
+        denom = (rs["v"] / (1 - h.beta2**t)).sqrt_().add_(h.eps)
+        u = float(m_hat.div_(denom).max().item())
+        return d, pmax, (u if u == u else math.inf)
 
     def _saved_start(self, a: int, b: int, res: dict[str, Any]) -> tuple[Any, Any, Any]:
         """The saved ``theta`` (master, else parameter) and moments of ``[a, b)``; checks master sync into ``res``."""
@@ -1040,6 +1129,7 @@ class _SlabContext:
                     f"parameter differs from master_weight.to({p.dtype}) in {r.writeback_unequal} element(s) after the step"
                 )
             r.param_vs_reference_unequal = sum(x.get("param_vs_reference_unequal", 0) for x in parts)
+        self._check_update(parts)
         for f, err in r.fields.items():
             if not err.ok:
                 r.problems.append(
@@ -1055,6 +1145,32 @@ class _SlabContext:
                 r.problems.append(
                     f"{f} is on {st[f].device}, expected {want_state}" + (" (offloaded)" if p.offloaded else "")
                 )
+
+    def _check_update(self, parts: list[dict[str, Any]]) -> None:
+        """Merge the slabs' update sizes into the result; beyond the bounds is an ``R003`` problem."""
+        p, r = self.p, self.r
+        ups = [x["update"] for x in parts if "update" in x]
+        if not ups:
+            return
+        d, pmax, u = (max(x[i] for x in ups) for i in range(3))
+        t = r.step_before + self.steps
+        r.update = UpdateSize(
+            d, pmax, d / pmax if pmax > 0 else 0.0, u, adam_direction_bound(t, p.hyper.beta1, p.hyper.beta2)
+        )
+        if r.update.ok:
+            return
+        why = []
+        if r.update.rel_to_param > UPDATE_REL_BOUND:
+            why.append(f"max |update| {d:.3g} on a tensor whose largest saved value is {pmax:.3g}")
+        if u > r.update.direction_bound * UPDATE_BOUND_SLACK:
+            why.append(
+                f"max |m_hat|/(sqrt(v_hat)+eps) {u:.3g} (update/lr) beyond {r.update.direction_bound:.3g}, the most "
+                f"Adam's moments allow at step {t:g}"
+            )
+        r.problems.append(
+            "update size [R003]: " + "; ".join(why) + " (the saved moments or step cannot be Adam's own: a zeroed or "
+            "stale exp_avg_sq, a reset step; run `ckpttool validate --deep`)"
+        )
 
 
 def _bytes_per_step(p: ParamPlan) -> int:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from ckpttool.format.reader import CheckpointReader
 
-__all__ = ["TensorSlabs"]
+__all__ = ["StackedSlabs", "TensorSlabs"]
 
 
 class TensorSlabs:
@@ -154,4 +154,32 @@ class TensorSlabs:
                             self.key,
                         )
                 i += 1
+        return out
+
+
+class StackedSlabs:
+    """The flat elements of tensors concatenated along dim 0 (a fused parameter stored split), as one tensor.
+
+    Concatenation along dim 0 of C-order tensors is the concatenation of their flat element
+    orders, so ``[a, b)`` maps onto consecutive ranges of the parts.
+
+    Args:
+        parts: one :class:`TensorSlabs` per part, in stacking order (same dtype).
+    """
+
+    def __init__(self, parts: list[TensorSlabs]) -> None:
+        self.parts = parts
+        self.dtype = parts[0].dtype
+        self.numel = sum(p.numel for p in parts)
+        self._starts = [0]
+        for p in parts:
+            self._starts.append(self._starts[-1] + p.numel)
+
+    def read(self, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out`` (1-d, ``b - a`` elements) with elements ``[a, b)`` of the concatenation."""
+        for i, part in enumerate(self.parts):
+            lo, hi = max(a, self._starts[i]), min(b, self._starts[i + 1])
+            if lo < hi:
+                s = self._starts[i]
+                part.read(lo - s, hi - s, out[lo - a : hi - a])
         return out

@@ -30,8 +30,10 @@ def test_torchtitan_flattened_optimizer(titan_root: Path) -> None:
     assert doc["ok"] and doc["optimizer"]["type"] == "adamw"
     fqns = {p["fqn"] for p in doc["params"]}
     assert "tok_embeddings.weight" in fqns and "layers.1.feed_forward.w2.weight" in fqns
-    assert not any("wqkv" in f for f in fqns)  # stepped fused, stored split: noted, not replayed
-    assert any("stepped fused but stored split" in n for n in doc["notes"])
+    # stepped fused, stored split: replayed on wq/wk/wv concatenated, so every stepped parameter counts
+    assert {f for f in fqns if "wqkv" in f} == {f"layers.{i}.attention.qkv_linear.wqkv.weight" for i in (0, 1)}
+    assert any("stepped fused but stored split" in n and "replayed on their parts" in n for n in doc["notes"])
+    assert len(fqns) == 17 and doc["params_skipped"] == []  # 15 stored as they are stepped, 2 fused
     assert all(p["step_before"] == 2 for p in doc["params"])
 
 
