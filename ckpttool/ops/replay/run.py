@@ -30,6 +30,7 @@ from ckpttool.ops.replay.plan import ITEMSIZE, ParamPlan, make_batches, plan_rep
 from ckpttool.ops.replay.slabs import StackedSlabs, TensorSlabs
 from ckpttool.ops.state_checks import synthesized_params
 from ckpttool.ops.tensors import to_canonical
+from ckpttool.optim_state.bounds import adam_ratio_bound
 
 __all__ = [
     "DEVICE_CHOICES",
@@ -53,27 +54,6 @@ UPDATE_REL_BOUND = 1.0
 UPDATE_BOUND_SLACK = 1.1
 
 
-def adam_direction_bound(step: float, beta1: float, beta2: float) -> float:
-    """The largest ``|m_hat| / sqrt(v_hat)`` Adam's recursion can produce after ``step`` steps.
-
-    With ``m_t = sum_i (1-b1) b1^(t-i) g_i`` and ``v_t = sum_i (1-b2) b2^(t-i) g_i^2`` (zero
-    start), Cauchy-Schwarz gives ``|m_t| <= (1-b1)/sqrt(1-b2) * sqrt(sum_{k<t} (b1^2/b2)^k) *
-    sqrt(v_t)`` for any gradients; bias correction multiplies by ``sqrt(1-b2^t)/(1-b1^t)``
-    (Kingma & Ba 2015, section 2.1 states the looser "|update| <~ lr" rule of thumb). For
-    b1 = 0.9, b2 = 0.999: 1 at t = 1, about 7.3 for large t. Moments that break it did not come
-    from this recursion (a zeroed or stale ``exp_avg_sq``, a reset ``step``). ``inf`` when
-    ``b1^2 >= b2`` and t is unbounded, or for betas outside ``[0, 1)``.
-    """
-    t = max(1, int(step))
-    if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
-        return math.inf
-    if beta2 == 0:
-        return math.inf if beta1 > 0 else 1.0
-    q = beta1 * beta1 / beta2
-    series = float(t) if q == 1 else (1 - q**t) / (1 - q)
-    return (1 - beta1) / math.sqrt(1 - beta2) * math.sqrt(series) * math.sqrt(1 - beta2**t) / (1 - beta1**t)
-
-
 @dataclass(frozen=True)
 class UpdateSize:
     """How large the replayed update is (from the reference, over the whole tensor).
@@ -84,7 +64,7 @@ class UpdateSize:
         rel_to_param: ``max_update / max_param`` (0 when ``max_param`` is 0: a zero-initialised
             tensor has no scale to compare with).
         direction: ``max |m_hat| / (sqrt(v_hat) + eps)`` of the last step (the update in units of lr).
-        direction_bound: :func:`adam_direction_bound` at that step.
+        direction_bound: :func:`~ckpttool.optim_state.bounds.adam_ratio_bound` at that step.
     """
 
     max_update: float
@@ -1155,7 +1135,7 @@ class _SlabContext:
         d, pmax, u = (max(x[i] for x in ups) for i in range(3))
         t = r.step_before + self.steps
         r.update = UpdateSize(
-            d, pmax, d / pmax if pmax > 0 else 0.0, u, adam_direction_bound(t, p.hyper.beta1, p.hyper.beta2)
+            d, pmax, d / pmax if pmax > 0 else 0.0, u, adam_ratio_bound(t, p.hyper.beta1, p.hyper.beta2)
         )
         if r.update.ok:
             return

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["TensorStats", "PairStats", "DeepResult", "run_deep"]
 
 _AMINMAX_DTYPES = {"bfloat16", "float16", "float32", "float64"}
+_MOMENT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
 def _is_step(key: str) -> bool:
@@ -90,6 +91,14 @@ def _compare(pair: PairStats, a: torch.Tensor, b: torch.Tensor) -> None:
     pair.compared = True
     pair.numel += a.numel()
     if a.numel() == 0:
+        return
+    if pair.kind == "moments":
+        m, v = a.reshape(-1).double(), b.reshape(-1).double()
+        pair.mismatched += int(((v == 0) & (m != 0)).sum())
+        pos = v > 0
+        if bool(pos.any()):
+            r = float(torch.nan_to_num(m[pos].abs() / v[pos].sqrt(), nan=0.0).max())
+            pair.max_diff = max(pair.max_diff, r)
         return
     bc = b.to(a.dtype) if b.dtype != a.dtype else b
     if torch.equal(a, bc):
@@ -174,6 +183,9 @@ def _compare_np(
     count.numel += n
     if n == 0:
         return
+    if kind == "moments":
+        _moments_np(count, float_values(a_raw, a_dtype), float_values(b_raw, b_dtype))
+        return
     ua = a_raw.view(IEEE_BITS[a_dtype][1]) if a_dtype in IEEE_BITS else a_raw
     if a_dtype == b_dtype:
         rounded = b_raw.view(ua.dtype)
@@ -205,6 +217,21 @@ def _compare_np(
         count.mismatched += k
         if d.size:
             count.max_diff = max(count.max_diff, float(d.max()))
+
+
+def _moments_np(count: _PairCount, m: Any, v: Any) -> None:
+    """Count ``v == 0 and m != 0`` and take ``max |m| / sqrt(v)`` over ``v > 0`` (NaN ignored) of one slice."""
+    import numpy as np
+
+    zero_v = v == 0
+    if zero_v.any():
+        count.mismatched += int(np.count_nonzero(zero_v & (m != 0)))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        r = np.abs(m) / np.sqrt(v)
+    r[~(v > 0)] = 0.0
+    top = float(np.fmax.reduce(r)) if r.size else 0.0
+    if top == top:
+        count.max_diff = max(count.max_diff, top)
 
 
 _NP_PAIRS = {("bfloat16", "float32"), ("float16", "float32")}
@@ -263,7 +290,11 @@ def _stream_item(
     dtypes = [metas[k].dtype.name for k in keys]
     if any(d not in IEEE_BITS and d not in _NP_INT for d in dtypes):
         return None
-    if any(not _np_comparable(metas[p.a].dtype.name, metas[p.b].dtype.name) for p in pairs):
+    if any(
+        not _np_comparable(metas[p.a].dtype.name, metas[p.b].dtype.name)
+        and not (p.kind == "moments" and metas[p.a].dtype.name in IEEE_BITS and metas[p.b].dtype.name in IEEE_BITS)
+        for p in pairs
+    ):
         return None
     locs = [ctx.reader.locate(k, chunk) for k in keys]
     if any(not loc.raw for loc in locs):
@@ -355,6 +386,16 @@ def _pairs(ctx: Context) -> list[PairStats]:
         if mw is None or param is None or param.dtype not in ("bfloat16", "float16") or mw.shape != param.shape:
             continue
         out.append(PairStats(param.key, mw.key, "master"))
+    for ps in ctx.cat.optimizer_state.values():
+        m, v = ps.fields.get("exp_avg"), ps.fields.get("exp_avg_sq")
+        if (
+            m is not None
+            and v is not None
+            and m.shape == v.shape
+            and m.dtype in _MOMENT_DTYPES
+            and v.dtype in _MOMENT_DTYPES
+        ):
+            out.append(PairStats(m.key, v.key, "moments"))
     if ctx.config is not None and bool(config_value(ctx.config, "tie_word_embeddings")):
         head, emb = ctx.cat.tied_keys()
         if head and emb and ctx.cat.model[head].shape == ctx.cat.model[emb].shape:

@@ -63,8 +63,11 @@ class PairStats:
     """Comparison of two tensors that must hold the same values.
 
     Attributes:
-        kind: ``"master"`` (``a`` = BF16/FP16 parameter, ``b`` = its ``master_weight``) or
-            ``"tied"`` (``a`` = ``lm_head.weight``, ``b`` = the input embedding).
+        kind: ``"master"`` (``a`` = BF16/FP16 parameter, ``b`` = its ``master_weight``),
+            ``"tied"`` (``a`` = ``lm_head.weight``, ``b`` = the input embedding) or
+            ``"moments"`` (``a`` = ``exp_avg``, ``b`` = ``exp_avg_sq`` of one parameter: not
+            compared for equality; ``mismatched`` counts elements where ``b`` is 0 and ``a``
+            is not, ``max_diff`` is the largest ``|a| / sqrt(b)`` over ``b > 0``).
         numel: elements compared; mismatched: elements that differ (after casting ``b`` to
             ``a``'s dtype); max_diff: largest ``|a - b|`` (in float32/64) over them.
     """

@@ -118,3 +118,51 @@ def test_scheduler_from_another_step(titan_root: Path, tmp_path: Path) -> None:
     rc, doc = run(ck, "--deep")
     assert rc == 1 and "R002" in codes(doc)
     assert any("lr_scheduler.last_epoch = 1 but train_state.step = 2" in f["message"] for f in doc["findings"])
+
+
+# ------------------------------------------------------------------ moments (D006, D007, D008)
+W1 = "layers.0.feed_forward.w1.weight"
+
+
+def test_zeroed_exp_avg_sq_beside_a_live_exp_avg(titan_root: Path, tmp_path: Path) -> None:
+    import torch
+
+    ck = copy_checkpoint(titan_root / "llama3" / "checkpoint" / "step-2", tmp_path / "ck")
+    damage.rewrite_tensor(ck, f"optimizer.state.{W1}.exp_avg_sq", torch.zeros_like)
+    rc, doc = run(ck, "--deep")
+    assert rc == 1 and "D006" in codes(doc), doc["findings"]
+    d006 = next(f for f in doc["findings"] if f["code"] == "D006")
+    assert d006["key"] == f"optimizer.state.{W1}.exp_avg_sq" and "12288 of 12288" in d006["message"]
+    assert "whole tensor is 0" in d006["message"]
+    rc, doc = run(ck, "--strict")
+    assert rc == 0  # metadata alone cannot tell
+    # one element: a bit-level reset of a single value
+    ck2 = copy_checkpoint(titan_root / "llama3" / "checkpoint" / "step-2", tmp_path / "ck2")
+    damage.rewrite_tensor(
+        ck2,
+        f"optimizer.state.{W1}.exp_avg_sq",
+        lambda t: t.view(-1).index_fill_(0, torch.tensor([3]), 0.0).view(t.shape),
+    )
+    rc, doc = run(ck2, "--deep")
+    assert rc == 1 and any(f["code"] == "D006" and "1 of 12288" in f["message"] for f in doc["findings"])
+
+
+def test_stale_exp_avg_sq_beyond_the_adam_bound(titan_root: Path, tmp_path: Path) -> None:
+    src = titan_root / "llama3" / "checkpoint"
+    ck = copy_checkpoint(src / "step-2", tmp_path / "ck")
+    key = f"optimizer.state.{W1}.exp_avg_sq"
+    damage.rewrite_tensor(ck, key, lambda _t: damage.read_tensor(src / "step-1", key))  # kept from step 1
+    rc, doc = run(ck, "--deep", "--strict")
+    assert rc == 1 and codes(doc) & {"D007"}, doc["findings"]
+    d007 = next(f for f in doc["findings"] if f["code"] == "D007")
+    assert W1 in d007["message"] and "after step 2 with betas (0.9, 0.95)" in d007["message"]
+
+
+def test_moments_reset_but_step_kept(titan_root: Path, tmp_path: Path) -> None:
+    import torch
+
+    ck = copy_checkpoint(titan_root / "llama3" / "checkpoint" / "step-2", tmp_path / "ck")
+    for f in ("exp_avg", "exp_avg_sq"):
+        damage.rewrite_tensor(ck, f"optimizer.state.{W1}.{f}", torch.zeros_like)
+    rc, doc = run(ck, "--deep", "--strict")
+    assert rc == 1 and "D008" in codes(doc) and "D006" not in codes(doc), doc["findings"]

@@ -114,7 +114,7 @@ def _optimizer_step(ctx: Context) -> _Counter | None:
 
 @rule(
     "R002",
-    "step-counters-disagree",
+    "train-step-mismatch",
     Severity.error,
     "the step counters saved together disagree: the optimizer's largest `step`, the trainer's step "
     "(`train_state.step`, `global_step`, `iteration`, extra_state files) and the LR scheduler's "
@@ -124,7 +124,7 @@ def _optimizer_step(ctx: Context) -> _Counter | None:
     "whose counters agree, or restore the stale part",
     needs=("deep",),
 )
-def step_counters_disagree(ctx: Context) -> Iterator[tuple[str, str]]:
+def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     if synthesized_from_stats(ctx):
         return  # saved before the first optimizer step (D005): the counters of no step to compare
     opt = _optimizer_step(ctx)
