@@ -88,8 +88,11 @@ class ParamPlan:
         offloaded: ``cpu_offload_adamw`` keeps its master and moments on the CPU.
         moment_dtype: dtype name of ``exp_avg``/``exp_avg_sq`` (saved, or what fresh state gets).
         parts: model keys of a parameter the optimizer steps fused while the model stores it
-            split (torchtitan's ``wqkv`` as ``wq``/``wk``/``wv``): the parameter is their
-            concatenation along dim 0 (``key`` then names no stored tensor); empty otherwise.
+            split (torchtitan's ``wqkv`` as ``wq``/``wk``/``wv``; ``key`` then names no stored
+            tensor); empty otherwise.
+        part_groups: the fused rows interleave the parts in this many equal row groups
+            (torchtitan's ``FusedQKVLinear``: per KV head ``[q rows of its heads, k rows, v rows]``,
+            ``n_kv_heads = wk rows / head_dim``); 1 is plain concatenation along dim 0.
     """
 
     fqn: str
@@ -104,6 +107,7 @@ class ParamPlan:
     offloaded: bool = False
     moment_dtype: str = "float32"
     parts: tuple[str, ...] = ()
+    part_groups: int = 1
 
 
 @dataclass
@@ -287,7 +291,7 @@ class _Membership:
     params_in_model: list[str]
     group_of: dict[str, Any]
     hypers: dict[str, Hyper]
-    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    fused: dict[str, tuple[tuple[str, ...], int]] = field(default_factory=dict)
     stepped_orphans: list[str] = field(default_factory=list)
 
     def leaf_of(self, fqn: str) -> str:
@@ -336,7 +340,7 @@ def _check_arguments(
     return rx
 
 
-def _membership(cat: Catalog, notes: list[str]) -> _Membership:
+def _membership(cat: Catalog, notes: list[str], head_dim: int | None = None) -> _Membership:
     """Group membership and hyperparameters of the model tensors; notes what is not replayed."""
     model_fqns = cat.param_fqns
     grouped = {p for g in cat.param_groups for p in g.params}
@@ -345,23 +349,63 @@ def _membership(cat: Catalog, notes: list[str]) -> _Membership:
     if skipped:
         notes.append(f"{skipped} model tensor(s) in no param group (buffers, frozen parameters) are not replayed")
     orphans = sorted(f for f in grouped if cat.model_key(f) not in cat.model)
-    fused = {f: parts for f in orphans if (parts := _stackable_parts(cat, f))}
+    fused: dict[str, tuple[tuple[str, ...], int]] = {}
+    unknown: list[str] = []
+    for f in orphans:
+        parts = _stackable_parts(cat, f)
+        if parts:
+            groups = _part_groups(cat, f, parts, head_dim)
+            if groups is None:
+                unknown.append(f)
+            else:
+                fused[f] = (parts, groups)
     if fused:
         f0 = next(iter(fused))
         notes.append(
             f"{len(fused)} parameter(s) are stepped fused but stored split in the model (e.g. {f0} as "
-            f"{', '.join(fused[f0])}): replayed on their parts concatenated along dim 0"
+            f"{', '.join(fused[f0][0])}): replayed on their parts assembled as the model fuses them"
+        )
+    if unknown:
+        notes.append(
+            f"{len(unknown)} fused parameter(s) (e.g. {unknown[0]}) interleave their parts per KV head, and the "
+            "head dim is not in the checkpoint (no q_norm/k_norm beside them): not replayed; pass `head_dim`"
         )
     other_orphans = [f for f in orphans if f not in fused]
+    stepped = [f for f in other_orphans if (ps := cat.optimizer_state.get(f)) is not None and ps.fields]
+    other_orphans = [f for f in other_orphans if f not in unknown]
     if other_orphans:
         notes.append(
             f"{len(other_orphans)} param-group parameter(s) are not model tensors and are skipped, e.g. {other_orphans[0]}"
         )
-    stepped = [f for f in other_orphans if (ps := cat.optimizer_state.get(f)) is not None and ps.fields]
     params = params_in_model + list(fused)
     group_of = {f: g for f in params if (g := cat.group_of(f)) is not None}
     hypers = {f: _hyper(group_of[f], f, group_of[f].group_id) for f in params}
     return _Membership(grouped, params, group_of, hypers, fused, stepped)
+
+
+def _part_groups(cat: Catalog, fqn: str, parts: tuple[str, ...], head_dim: int | None) -> int | None:
+    """How many row groups the parts of a fused ``q/k/v`` parameter interleave in (``None``: unknown).
+
+    torchtitan's ``FusedQKVLinear`` (``torchtitan/models/common/attention.py``, ``_merge_qkv_on_load``)
+    orders the fused rows per KV head: ``wq.reshape(n_kv, hpk, hd)``, ``wk``/``wv``
+    ``.reshape(n_kv, 1, hd)``, concatenated on dim 1. ``hd`` is ``head_dim``, else the size of
+    the ``q_norm.weight`` (or ``k_norm.weight``) beside the projection (Qwen3-style models).
+    Parts not named ``wq``/``wk``/``wv`` are plain concatenation (1 group).
+    """
+    if len(parts) != 3 or not parts[0].rsplit(".", 2)[-2].endswith("wq"):
+        return 1
+    rows_k = cat.model[parts[1]].shape[0]
+    hd = head_dim
+    if hd is None:
+        attn = fqn.rsplit(".", 3)[0]  # layers.0.attention(.qkv_linear.wqkv.weight)
+        for norm in ("q_norm", "k_norm"):
+            e = cat.model_entry(f"{attn}.{norm}.weight")
+            if e is not None and len(e.shape) == 1:
+                hd = e.shape[0]
+                break
+    if hd is None or hd <= 0 or rows_k % hd:
+        return None
+    return rows_k // hd
 
 
 def _stackable_parts(cat: Catalog, fqn: str) -> tuple[str, ...]:
@@ -571,7 +615,7 @@ def _param_plans(
     plans: list[ParamPlan] = []
     fresh_leaves: set[Any] = set()
     for f in selected:
-        parts = members.fused.get(f, ())
+        parts, part_groups = members.fused.get(f, ((), 1))
         ps = cat.optimizer_state.get(f)
         fields = dict(ps.fields) if ps is not None else {}
         t = per_param_type.get(f, "adamw") if type_name == "mixed" else type_name
@@ -583,7 +627,7 @@ def _param_plans(
         else:
             entry = cat.model[cat.model_key(f)]
             key, shape, dtype, numel = entry.key, tuple(entry.shape), entry.dtype, entry.numel
-        p = ParamPlan(f, key, shape, dtype, numel, hypers[f], t, parts=parts)
+        p = ParamPlan(f, key, shape, dtype, numel, hypers[f], t, parts=parts, part_groups=part_groups)
         p.offloaded = t == "cpu_offload_adamw" and _offloaded(cfg, f)
         p.moment_dtype = _moment_dtype_for(t, cfg, dtype, f)
         if fields:
@@ -626,6 +670,7 @@ def plan_replay(
     offload_patterns: Sequence[str] | None = None,
     chunk_size: int | None = None,
     filter_glob: str | None = None,
+    head_dim: int | None = None,
 ) -> ReplayPlan:
     """Choose the parameters, hyperparameters and optimizer configuration of a replay.
 
@@ -640,6 +685,8 @@ def plan_replay(
         filter_glob: ``fnmatch`` glob over the checkpoint key ``model.<fqn>``, with or without its
             ``model.`` prefix (:func:`~ckpttool.model.catalog.match_filter`, as inspect and export):
             ``'*experts*'``, ``'model.layers.0.*'``; ``None`` selects every parameter.
+        head_dim: attention head dim, to assemble fused ``wqkv`` parameters whose parts
+            interleave per KV head (:func:`_part_groups`); ``None``: from ``q_norm``/``k_norm``.
 
     Returns:
         The :class:`ReplayPlan`.
@@ -651,7 +698,7 @@ def plan_replay(
     """
     rx = _check_arguments(cat, select, optimizer, offload_patterns)
     notes: list[str] = []
-    members = _membership(cat, notes)
+    members = _membership(cat, notes, head_dim)
     lost = lost_state(cat)  # the one check behind validate's O009
     selected = _select(cat, members, rx, select, filter_glob)
     choice = _choose_type(cat, record, optimizer, selected, offload_patterns, notes)

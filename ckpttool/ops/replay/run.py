@@ -26,7 +26,7 @@ from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import DeviceUnavailableError, UsageError
 from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
 from ckpttool.ops.replay.compare import FieldError, compare_field, count_unequal, machine_eps, merge_field_errors
-from ckpttool.ops.replay.plan import ITEMSIZE, ParamPlan, make_batches, plan_replay
+from ckpttool.ops.replay.plan import ITEMSIZE, Hyper, ParamPlan, make_batches, plan_replay
 from ckpttool.ops.replay.slabs import StackedSlabs, TensorSlabs
 from ckpttool.ops.state_checks import synthesized_params
 from ckpttool.ops.tensors import to_canonical
@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
 _REF_DTYPES = ("float64", "float32")
+#: ``--reference``: the formula reference alone, or also ``torch.optim.AdamW`` with the saved flags (bitwise).
+REFERENCES = ("formula", "torch")
+#: Saved param-group switches of ``torch.optim.AdamW`` that select its implementation or arithmetic.
+TORCH_FLAGS = ("fused", "foreach", "capturable", "maximize", "amsgrad")
 
 
 #: ``R003``: a step that moves a tensor by more than this fraction of its largest saved magnitude.
@@ -109,6 +113,9 @@ class ParamResult:
         problems: one line per failed check (empty: the parameter passed).
         update: the size of the reference's update (:class:`UpdateSize`); beyond its bounds it
             is a problem (``R003``) even when the optimizer agrees with the reference.
+        torch_unequal: with ``reference="torch"``: elements of ``param``, ``exp_avg``,
+            ``exp_avg_sq`` (and ``step``) that differ bitwise from ``torch.optim.AdamW`` with the
+            saved flags (``None``: not compared).
     """
 
     fqn: str
@@ -131,6 +138,7 @@ class ParamResult:
     placement: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     update: UpdateSize | None = None
+    torch_unequal: dict[str, int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -166,6 +174,7 @@ class ParamResult:
             "sync_unequal": self.sync_unequal,
             "placement": self.placement,
             "update": self.update.to_dict() if self.update is not None else None,
+            "torch_unequal": self.torch_unequal,
             "ok": self.ok,
             "problems": self.problems,
         }
@@ -345,6 +354,13 @@ class ReplayOptions:
         max_memory: peak-memory budget in bytes for one batch (default: half the available RAM).
         tolerance: ``(rtol, atol)`` for FP32 fields (``compare.py`` widens it for BF16).
         reference_dtype: ``float64`` (default) or ``float32``.
+        reference: ``formula`` (the independent reference alone) or ``torch``: besides it,
+            ``torch.optim.AdamW`` built with the flags saved in each parameter's group (``fused``,
+            ``foreach``, ``capturable``, ``maximize``, ``amsgrad``) steps a copy of the saved
+            state, and the replay must equal it bitwise (``adamw``-type parameters; the copy
+            doubles the batch's memory).
+        head_dim: attention head dim, to assemble fused ``wqkv`` parameters stored as
+            ``wq``/``wk``/``wv`` (``None``: from ``q_norm``/``k_norm`` beside them, else they are skipped).
     """
 
     device: str = "auto"
@@ -360,6 +376,8 @@ class ReplayOptions:
     tolerance: tuple[float, float] = (1e-5, 1e-8)
     reference_dtype: str = "float64"
     filter_glob: str | None = None
+    reference: str = "formula"
+    head_dim: int | None = None
 
     def check(self) -> None:
         """Refuse values that cannot run (before anything is read).
@@ -380,6 +398,12 @@ class ReplayOptions:
             raise UsageError(f"`max_memory` must be > 0, got {self.max_memory}", param="max_memory")
         if not self.grad_scale > 0:
             raise UsageError(f"`grad_scale` must be > 0, got {self.grad_scale}", param="grad_scale")
+        if self.head_dim is not None and self.head_dim <= 0:
+            raise UsageError(f"`head_dim` must be > 0, got {self.head_dim}", param="head_dim")
+        if self.reference not in REFERENCES:
+            raise UsageError(
+                f"`reference` must be one of {', '.join(REFERENCES)}, got {self.reference!r}", param="reference"
+            )
 
 
 # ----------------------------------------------------------------------------- replay
@@ -445,6 +469,7 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
         optimizer=opts.optimizer,
         offload_patterns=opts.offload_patterns,
         chunk_size=opts.chunk_size,
+        head_dim=opts.head_dim,
     )
     notes = list(plan.notes)
     synth = synthesized_params(reader, cat, [p.fqn for p in plan.params if p.state])
@@ -558,6 +583,7 @@ def _run_batches(
                 slabs=lambda key, model_key: TensorSlabs(reader, layout, key, model_key, ambiguous),
                 timing=timing,
                 on_param=on_param,
+                torch_reference=opts.reference == "torch",
             )
         )
         done += len(batch)
@@ -678,8 +704,10 @@ def _load_batch(
     results: dict[str, ParamResult] = {}
 
     def load(p: ParamPlan) -> dict[str, torch.Tensor]:
-        if p.parts:  # a fused parameter stored split: its parts concatenated along dim 0
-            t = {"param": torch.cat([canon(k, k, reader.read_tensor(k)) for k in p.parts], 0)}
+        if p.parts:  # a fused parameter stored split: its parts interleaved in row groups (plan.ParamPlan)
+            pieces = [canon(k, k, reader.read_tensor(k)) for k in p.parts]
+            g = p.part_groups
+            t = {"param": torch.cat([x.reshape(g, -1) for x in pieces], 1).reshape(p.shape)}
         else:
             t = {"param": canon(p.key, p.key, reader.read_tensor(p.key))}
         for f, entry in p.state.items():
@@ -730,6 +758,8 @@ def _build_optimizers(
     optimizers: list[tuple[Any, list[ParamPlan], bool]] = []
     for (type_name, hyper, offloaded), members in buckets.items():
         group = {"params": [(m.fqn, params[m.fqn]) for m in members], **hyper.as_kwargs()}
+        if type_name == "adamw" and "fused" not in plan_config.get(type_name, {}):
+            group.update(saved_flags(hyper, dev, ("fused", "foreach", "capturable")))  # the run's implementation
         opt = build_optimizer(type_name, [group], **plan_config.get(type_name, {}))
         saved_group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
         saved_group["params"] = list(range(len(members)))
@@ -739,6 +769,72 @@ def _build_optimizers(
         opt.load_state_dict({"state": state, "param_groups": [saved_group]})
         optimizers.append((opt, members, offloaded and dev.type != "cpu"))
     return params, optimizers
+
+
+def saved_flags(hyper: Hyper, dev: Any, names: Sequence[str] = TORCH_FLAGS) -> dict[str, bool]:
+    """The ``torch.optim.AdamW`` switches saved in a param group (``Hyper.extra``), as booleans.
+
+    ``capturable`` is kept only on an accelerator (torch refuses it for CPU tensors); ``fused``
+    and ``foreach`` are never both set (``fused`` wins, as torch requires one).
+    """
+    extra = dict(hyper.extra)
+    out = {k: extra[k] for k in names if isinstance(extra.get(k), bool)}
+    if out.get("capturable") and dev.type == "cpu":
+        out["capturable"] = False
+    if out.get("fused") and out.get("foreach"):
+        out["foreach"] = False
+    return out
+
+
+def _torch_snapshot(batch: list[ParamPlan], loaded: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Copies of the saved parameter and state of the ``adamw``-type parameters (before the optimizer adopts them)."""
+    return {p.fqn: {k: t.clone() for k, t in loaded[p.fqn].items()} for p in batch if p.optimizer_type == "adamw"}
+
+
+def _torch_reference(
+    batch: list[ParamPlan],
+    snapshot: dict[str, dict[str, Any]],
+    grads: list[dict[str, Any]],
+    params: dict[str, Any],
+    optimizers: list[tuple[Any, list[ParamPlan], bool]],
+    *,
+    dev: Any,
+    results: dict[str, ParamResult],
+) -> None:
+    """``torch.optim.AdamW`` with each parameter's saved flags, K steps on the snapshot; bitwise against the replay."""
+    import torch
+
+    state_of = {m.fqn: opt.state.get(params[m.fqn], {}) for opt, members, _ in optimizers for m in members}
+    for p in batch:
+        saved = snapshot.get(p.fqn)
+        if saved is None:
+            continue
+        flags = saved_flags(p.hyper, dev)
+        theta = torch.nn.Parameter(saved["param"].to(dev, copy=True))
+        opt = torch.optim.AdamW([theta], **p.hyper.as_kwargs(), **flags)
+        if not p.fresh:
+            st = {k: v.to(dev) if k != "step" else v for k, v in saved.items() if k != "param"}
+            group = {**opt.param_groups[0], "params": [0]}
+            opt.load_state_dict({"state": {0: st}, "param_groups": [group]})
+        for gk in grads:
+            theta.grad = gk[p.fqn].to(dev)
+            opt.step()
+            theta.grad = None
+        mine, ref = state_of[p.fqn], opt.state[theta]
+        r = results[p.fqn]
+        r.torch_unequal = {"param": count_unequal(params[p.fqn].detach().cpu(), theta.detach().cpu())}
+        for f in ("exp_avg", "exp_avg_sq", "step"):
+            if f in mine and f in ref:
+                r.torch_unequal[f] = count_unequal(
+                    mine[f].detach().cpu().reshape(-1), ref[f].detach().cpu().reshape(-1)
+                )
+        bad = {f: n for f, n in r.torch_unequal.items() if n}
+        if bad:
+            shown = ", ".join(f"{k}={v}" for k, v in flags.items())
+            r.problems.append(
+                f"differs bitwise from torch.optim.AdamW({shown}) on the saved state: "
+                + ", ".join(f"{f} in {n} element(s)" for f, n in bad.items())
+            )
 
 
 def _timed_step(optimizers: list[tuple[Any, list[ParamPlan], bool]], dev: Any, timing: dict[str, float]) -> None:
@@ -866,6 +962,7 @@ def _replay_batch(
     slabs: Callable[[str, str], TensorSlabs],
     timing: dict[str, float],
     on_param: Callable[[str, dict[str, Any]], None] | None,
+    torch_reference: bool = False,
 ) -> list[ParamResult]:
     """Replay one memory batch (see the module docstring); returns its parameter results.
 
@@ -876,6 +973,7 @@ def _replay_batch(
     """
     workers = max(1, min(4, os.cpu_count() or 1))
     loaded, results = _load_batch(reader, batch, canon, workers, steps, timing)
+    snapshot = _torch_snapshot(batch, loaded) if torch_reference else None
     params, optimizers = _build_optimizers(batch, loaded, dev, plan_config)
     del loaded
     grads = _timed_steps(
@@ -890,6 +988,9 @@ def _replay_batch(
         workers=workers,
         timing=timing,
     )
+    if snapshot is not None:
+        _torch_reference(batch, snapshot, grads, params, optimizers, dev=dev, results=results)
+        del snapshot
     return _reference_pass(
         optimizers,
         results,
@@ -932,7 +1033,7 @@ class _SlabContext:
         }
         self.grads = [g[p.fqn].reshape(-1) for g in grads]
         self.saved: dict[str, Any] = {
-            "param": StackedSlabs([slabs(k, k) for k in p.parts]) if p.parts else slabs(p.key, p.key)
+            "param": StackedSlabs([slabs(k, k) for k in p.parts], p.part_groups) if p.parts else slabs(p.key, p.key)
         }
         for f, entry in p.state.items():
             if f != "step":

@@ -158,28 +158,35 @@ class TensorSlabs:
 
 
 class StackedSlabs:
-    """The flat elements of tensors concatenated along dim 0 (a fused parameter stored split), as one tensor.
+    """The flat elements of a fused parameter stored split, as one tensor.
 
-    Concatenation along dim 0 of C-order tensors is the concatenation of their flat element
-    orders, so ``[a, b)`` maps onto consecutive ranges of the parts.
+    The fused tensor's rows are the parts' rows cut into ``groups`` equal row groups each and
+    interleaved group by group (``groups`` 1: concatenation along dim 0). In C order rows are
+    contiguous runs of elements, so ``[a, b)`` maps onto consecutive runs of the parts.
 
     Args:
-        parts: one :class:`TensorSlabs` per part, in stacking order (same dtype).
+        parts: one :class:`TensorSlabs` per part, in fused order (same dtype).
+        groups: row groups per part (each part's element count divides by it).
     """
 
-    def __init__(self, parts: list[TensorSlabs]) -> None:
+    def __init__(self, parts: list[TensorSlabs], groups: int = 1) -> None:
         self.parts = parts
         self.dtype = parts[0].dtype
         self.numel = sum(p.numel for p in parts)
-        self._starts = [0]
-        for p in parts:
-            self._starts.append(self._starts[-1] + p.numel)
+        self._runs: list[tuple[int, int, int]] = []  # (fused start, part index, start in the part), then lengths
+        self._lens: list[int] = []
+        pos = 0
+        for g in range(groups):
+            for i, p in enumerate(parts):
+                n = p.numel // groups
+                self._runs.append((pos, i, g * n))
+                self._lens.append(n)
+                pos += n
 
     def read(self, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
-        """Fill ``out`` (1-d, ``b - a`` elements) with elements ``[a, b)`` of the concatenation."""
-        for i, part in enumerate(self.parts):
-            lo, hi = max(a, self._starts[i]), min(b, self._starts[i + 1])
+        """Fill ``out`` (1-d, ``b - a`` elements) with elements ``[a, b)`` of the fused tensor."""
+        for (start, i, src), n in zip(self._runs, self._lens):
+            lo, hi = max(a, start), min(b, start + n)
             if lo < hi:
-                s = self._starts[i]
-                part.read(lo - s, hi - s, out[lo - a : hi - a])
+                self.parts[i].read(src + lo - start, src + hi - start, out[lo - a : hi - a])
         return out
