@@ -300,6 +300,7 @@ def _stream_item(
     if any(not loc.raw for loc in locs):
         return None
     n = chunk.numel
+    digs = [_digest_plan(ctx, k, metas[k], chunk) for k in keys]
     widest = max(DTYPE_ITEMSIZE[d] for d in dtypes)
     per = max(1, BLOCK_BYTES // widest)
     fds = [ctx.reader.fd(loc.info.relative_path) for loc in locs]
@@ -317,6 +318,8 @@ def _stream_item(
             raw = _slice_buffers.get(i, m * item)
             _pread_exact(fds[i], raw, loc.data_start + e0 * item, loc)
             crcs[i] = crc32(raw, crcs[i])  # the slice is still in the CPU cache
+            if digs[i] is not None and digs[i].seg:
+                digs[i].add(raw, e0, DTYPE_ITEMSIZE[d])
             read += m * item
             st = _summarise_np(k, raw, d, k.endswith(".exp_avg_sq"), _is_step(k) and e0 == 0)
             assert st is not None
@@ -328,7 +331,61 @@ def _stream_item(
             _compare_np(counts[j], p.kind, raws[ia], dtypes[ia], raws[ib], dtypes[ib], finite[ib])
     for loc, crc in zip(locs, crcs):
         loc.check_crc(crc)
+    for k, dg, crc in zip(keys, digs, crcs):
+        if dg is not None:
+            stats[k].digests = dg.finish(n, crc)
     return stats, counts, read
+
+
+class _Digest:
+    """The ``(global flat start, length, CRC-32)`` runs of one chunk (see :attr:`TensorStats.digests`).
+
+    A chunk that spans whole rows (every dim but 0 complete) is one run of global C order;
+    with ``seg`` (elements per expert of a fused expert tensor) the runs are cut at the expert
+    boundaries, each with its own CRC (computed while the slice is in the CPU cache).
+    """
+
+    __slots__ = ("base", "seg", "runs", "start", "length", "crc")
+
+    def __init__(self, base: int, seg: int) -> None:
+        self.base, self.seg = base, seg
+        self.runs: list[tuple[int, int, int]] = []
+        self.start, self.length, self.crc = base, 0, 0
+
+    def add(self, raw: Any, e0: int, item: int) -> None:
+        pos, n = 0, raw.size // item
+        while pos < n:
+            g = self.base + e0 + pos
+            take = min(n - pos, self.seg - g % self.seg)
+            self.crc = crc32(raw[pos * item : (pos + take) * item], self.crc)
+            self.length += take
+            pos += take
+            if (g + take) % self.seg == 0:
+                self.runs.append((self.start, self.length, self.crc))
+                self.start, self.length, self.crc = g + take, 0, 0
+
+    def finish(self, n: int, chunk_crc: int) -> list[tuple[int, int, int]]:
+        if not self.seg:
+            return [(self.base, n, chunk_crc)]
+        if self.length:
+            self.runs.append((self.start, self.length, self.crc))
+        return self.runs
+
+
+def expert_count(key: str, meta: TensorMeta) -> int:
+    """Experts along dim 0 of a fused expert tensor (``...experts...`` with 3 or more dims), else 0."""
+    return meta.size[0] if "experts" in key and len(meta.size) >= 3 and meta.size[0] > 1 else 0
+
+
+def _digest_plan(ctx: Context, key: str, meta: TensorMeta, chunk: ChunkMeta) -> _Digest | None:
+    """A :class:`_Digest` for a floating model tensor's chunk that spans whole rows, else ``None``."""
+    if key not in ctx.cat.model or meta.dtype.name not in IEEE_BITS or not meta.size:
+        return None
+    if tuple(chunk.sizes[1:]) != tuple(meta.size[1:]) or any(chunk.offsets[1:]):
+        return None
+    row = meta.numel // meta.size[0] if meta.size[0] else 0
+    e = expert_count(key, meta)
+    return _Digest(chunk.offsets[0] * row, meta.numel // e if e else 0)
 
 
 def _pread_exact(fd: int, buf: Any, offset: int, loc: Any) -> None:

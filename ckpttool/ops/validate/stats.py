@@ -25,6 +25,9 @@ class TensorStats:
         min, max: over all values (NaN when any is NaN), ``None`` for non-float or empty.
         values: every value, for ``step`` fields (few elements).
         zero: every value is +-0 (floating dtypes; ``None`` when not known).
+        digests: ``(flat start, length, CRC-32)`` runs of a model tensor's bytes in global C
+            order (a chunk, or for fused expert tensors ``[E, ...]`` the part of a chunk inside
+            one expert), when it was streamed; lengths summing to ``numel`` mean complete.
     """
 
     key: str
@@ -36,6 +39,7 @@ class TensorStats:
     max: float | None = None
     values: list[float] = field(default_factory=list)
     zero: bool | None = None
+    digests: list[tuple[int, int, int]] = field(default_factory=list)
 
     def add(self, other: TensorStats) -> None:
         if other.numel:
@@ -56,6 +60,7 @@ class TensorStats:
             elif not math.isnan(a):
                 setattr(self, name, pick(a, b))
         self.values.extend(other.values)
+        self.digests.extend(other.digests)
 
 
 @dataclass
