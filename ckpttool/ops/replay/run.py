@@ -811,7 +811,8 @@ def _torch_reference(
             continue
         flags = saved_flags(p.hyper, dev)
         theta = torch.nn.Parameter(saved["param"].to(dev, copy=True))
-        opt = torch.optim.AdamW([theta], **p.hyper.as_kwargs(), **flags)
+        kwargs: dict[str, Any] = {**p.hyper.as_kwargs(), **flags}
+        opt = torch.optim.AdamW([theta], **kwargs)
         if not p.fresh:
             st = {k: v.to(dev) if k != "step" else v for k, v in saved.items() if k != "param"}
             group = {**opt.param_groups[0], "params": [0]}

@@ -30,7 +30,7 @@ from ckpttool.format.tiling import tiling_problem
 from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.hfconfig import config_value
 from ckpttool.ops import distributed
-from ckpttool.ops.validate.stats import DeepResult, PairStats, TensorStats
+from ckpttool.ops.validate.stats import DeepResult, PairStats, TensorStats, expert_count
 
 if TYPE_CHECKING:
     import torch
@@ -219,19 +219,49 @@ def _compare_np(
             count.max_diff = max(count.max_diff, float(d.max()))
 
 
+_MOMENT_SUB = 1 << 15
+
+
 def _moments_np(count: _PairCount, m: Any, v: Any) -> None:
-    """Count ``v == 0 and m != 0`` and take ``max |m| / sqrt(v)`` over ``v > 0`` (NaN ignored) of one slice."""
+    """Count ``v == 0 and m != 0`` and take ``max |m| / sqrt(v)`` over ``v > 0`` (NaN ignored) of one slice.
+
+    In-place passes over cache-sized sub-slices of a scratch array: ``m * m / v`` (``inf``
+    exactly where ``v`` is 0 and ``m`` is not, NaN where both are, negative where ``v`` is), then
+    a NaN-ignoring maximum; only a slice whose maximum is ``inf`` is examined element by element.
+    """
     import numpy as np
 
-    zero_v = v == 0
-    if zero_v.any():
-        count.mismatched += int(np.count_nonzero(zero_v & (m != 0)))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        r = np.abs(m) / np.sqrt(v)
-    r[~(v > 0)] = 0.0
-    top = float(np.fmax.reduce(r)) if r.size else 0.0
-    if top == top:
-        count.max_diff = max(count.max_diff, top)
+    n = m.size
+    if n == 0:
+        return
+    wide = np.float64 if np.float64 in (m.dtype, v.dtype) else np.float32
+    sub = min(n, _MOMENT_SUB)
+    r = _scratch.get(f"ratio_{np.dtype(wide).name}", np.dtype(wide).name, sub)
+    top = -np.inf
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        for a in range(0, n, sub):  # sub-slices that stay in the L2 cache across the three passes
+            b = min(n, a + sub)
+            t = r[: b - a]
+            np.multiply(m[a:b], m[a:b], out=t)
+            np.divide(t, v[a:b], out=t)
+            top = max(top, float(np.fmax.reduce(t)))
+    if top == np.inf:  # a zero second moment, or an overflow of m * m: element by element
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            r = np.square(m.astype(wide)) / v
+        zero_v = (v == 0) & (m != 0)
+        count.mismatched += int(np.count_nonzero(zero_v))
+        r[zero_v] = 0.0
+        overflow = np.isinf(r)  # m * m overflowed: the ratio itself is finite
+        if overflow.any():
+            with np.errstate(invalid="ignore", divide="ignore"):
+                top_of = float(
+                    np.fmax.reduce(np.abs(m[overflow]).astype(np.float64) / np.sqrt(v[overflow].astype(np.float64)))
+                )
+            r[overflow] = 0.0
+            count.max_diff = max(count.max_diff, top_of if top_of == top_of else 0.0)
+        top = float(np.fmax.reduce(r))
+    if top == top and top > 0:
+        count.max_diff = max(count.max_diff, math.sqrt(top))
 
 
 _NP_PAIRS = {("bfloat16", "float32"), ("float16", "float32")}
@@ -267,6 +297,17 @@ def _release_buffers() -> None:
     _scratch, _slice_buffers = _new_scratch(), _SliceBuffers()
 
 
+def _streamable(dtypes: list[str], metas: dict[str, TensorMeta], pairs: list[PairStats]) -> bool:
+    """Every member has a numpy path, and every pair a numpy comparison."""
+    if any(d not in IEEE_BITS and d not in _NP_INT for d in dtypes):
+        return False
+    for p in pairs:
+        a, b = metas[p.a].dtype.name, metas[p.b].dtype.name
+        if not _np_comparable(a, b) and not (p.kind == "moments" and a in IEEE_BITS and b in IEEE_BITS):
+            return False
+    return True
+
+
 def _stream_item(
     ctx: Context,
     keys: tuple[str, ...],
@@ -288,13 +329,7 @@ def _stream_item(
         CkptError: an archive is corrupt or disagrees with the metadata.
     """
     dtypes = [metas[k].dtype.name for k in keys]
-    if any(d not in IEEE_BITS and d not in _NP_INT for d in dtypes):
-        return None
-    if any(
-        not _np_comparable(metas[p.a].dtype.name, metas[p.b].dtype.name)
-        and not (p.kind == "moments" and metas[p.a].dtype.name in IEEE_BITS and metas[p.b].dtype.name in IEEE_BITS)
-        for p in pairs
-    ):
+    if not _streamable(dtypes, metas, pairs):
         return None
     locs = [ctx.reader.locate(k, chunk) for k in keys]
     if any(not loc.raw for loc in locs):
@@ -318,8 +353,9 @@ def _stream_item(
             raw = _slice_buffers.get(i, m * item)
             _pread_exact(fds[i], raw, loc.data_start + e0 * item, loc)
             crcs[i] = crc32(raw, crcs[i])  # the slice is still in the CPU cache
-            if digs[i] is not None and digs[i].seg:
-                digs[i].add(raw, e0, DTYPE_ITEMSIZE[d])
+            dg = digs[i]
+            if dg is not None and dg.seg:
+                dg.add(raw, e0, item)
             read += m * item
             st = _summarise_np(k, raw, d, k.endswith(".exp_avg_sq"), _is_step(k) and e0 == 0)
             assert st is not None
@@ -372,11 +408,6 @@ class _Digest:
         return self.runs
 
 
-def expert_count(key: str, meta: TensorMeta) -> int:
-    """Experts along dim 0 of a fused expert tensor (``...experts...`` with 3 or more dims), else 0."""
-    return meta.size[0] if "experts" in key and len(meta.size) >= 3 and meta.size[0] > 1 else 0
-
-
 def _digest_plan(ctx: Context, key: str, meta: TensorMeta, chunk: ChunkMeta) -> _Digest | None:
     """A :class:`_Digest` for a floating model tensor's chunk that spans whole rows, else ``None``."""
     if key not in ctx.cat.model or meta.dtype.name not in IEEE_BITS or not meta.size:
@@ -384,7 +415,7 @@ def _digest_plan(ctx: Context, key: str, meta: TensorMeta, chunk: ChunkMeta) -> 
     if tuple(chunk.sizes[1:]) != tuple(meta.size[1:]) or any(chunk.offsets[1:]):
         return None
     row = meta.numel // meta.size[0] if meta.size[0] else 0
-    e = expert_count(key, meta)
+    e = expert_count(key, tuple(meta.size))
     return _Digest(chunk.offsets[0] * row, meta.numel // e if e else 0)
 
 

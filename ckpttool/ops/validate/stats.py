@@ -12,7 +12,12 @@ from typing import Any
 
 from ckpttool.errors import CkptError
 
-__all__ = ["DeepResult", "PairStats", "TensorStats"]
+__all__ = ["DeepResult", "PairStats", "TensorStats", "expert_count"]
+
+
+def expert_count(key: str, size: tuple[int, ...]) -> int:
+    """Experts along dim 0 of a fused expert tensor (a key with ``experts``, 3 or more dims), else 0."""
+    return size[0] if "experts" in key and len(size) >= 3 and size[0] > 1 else 0
 
 
 @dataclass

@@ -20,9 +20,9 @@ from ckpttool.format.metadata import TensorMeta
 from ckpttool.model.catalog import TensorEntry
 from ckpttool.ops.validate.base import Severity, rule
 from ckpttool.ops.validate.context import Context
-from ckpttool.ops.validate.deep import expert_count
 from ckpttool.ops.validate.rules.data import synthesized_from_stats
 from ckpttool.ops.validate.rules.optimizer import step_values
+from ckpttool.ops.validate.stats import expert_count
 
 _EXPERT_RE = re.compile(r"(?<=\.experts\.)\d+(?=\.)")
 _LAYER_RE = re.compile(r"(?<=layers\.)\d+(?=\.)")
@@ -73,7 +73,7 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
         st = ctx.deep_result.stats.get(key)
         if not isinstance(meta, TensorMeta) or st is None or st.zero or not st.digests:
             continue
-        e = expert_count(key, meta)
+        e = expert_count(key, tuple(meta.size))
         if not e:
             continue
         pe = meta.numel // e
