@@ -120,3 +120,41 @@ def test_layer_written_as_a_copy_of_another(titan_root: Path, tmp_path: Path) ->
     assert "identical to layers.0.*" in findings(doc, "D010")[0]["message"]
     rc, doc = run(src, "--deep", "--strict")
     assert not findings(doc, "D010") and not findings(doc, "D009")
+
+
+def test_all_zero_weight_in_a_trained_save(titan_root: Path, tmp_path: Path) -> None:
+    src = titan_root / "llama3" / "checkpoint" / "step-2"
+    ck = copy_checkpoint(src, tmp_path / "ck")
+    damage.rewrite_tensor(ck, "layers.1.feed_forward.w2.weight", torch.zeros_like)  # never materialised
+    rc, doc = run(ck, "--deep", "--strict")
+    assert rc == 1 and [f["key"] for f in findings(doc, "D011")] == ["layers.1.feed_forward.w2.weight"]
+
+
+def test_lora_at_init_is_silent(tmp_path: Path) -> None:
+    """PEFT's LoRA initialises lora_B to zero; one real AdamW step later it is not zero, and nothing is reported."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    m = torch.nn.ModuleDict(
+        {
+            "base": torch.nn.Linear(8, 8),
+            "lora_A": torch.nn.Linear(8, 2, bias=False),
+            "lora_B": torch.nn.Linear(2, 8, bias=False),
+        }
+    )
+    torch.nn.init.zeros_(m["lora_B"].weight)
+    m["base"].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "init"))
+    rc, doc = run(tmp_path / "init", "--deep")
+    assert not findings(doc, "D011") and not findings(doc, "D010"), doc["findings"]
+    for p in m.parameters():
+        if p.requires_grad:
+            p.grad = torch.randn_like(p)
+    opt.step()
+    assert m["lora_B"].weight.abs().max() > 0  # one real step moved lora_B off zero
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "step-1"))
+    rc, doc = run(tmp_path / "step-1", "--deep", "--strict")
+    assert rc == 0, doc["findings"]

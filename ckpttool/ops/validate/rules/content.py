@@ -146,3 +146,34 @@ def identical_layers(ctx: Context) -> Iterator[tuple[str, str]]:
                 f"{prefix}{g[1]}.*: every tensor is bitwise identical to {prefix}{g[0]}.* "
                 f"({_describe([g], 'layer')}, {len(by_index[g[0]])} tensors each)",
             )
+
+
+#: Model tensors whose own initialisation is zero (``D011`` leaves them alone), matched on the key's
+#: last two components: biases, LoRA's B (PEFT ``lora_B``; zero at init by design, Hu et al. 2021),
+#: router / expert-balance biases (DeepSeek-V3 ``e_score_correction_bias``, torchtitan ``expert_bias``),
+#: and anything named ``zero``.
+ZERO_INIT_NAMES = re.compile(
+    r"(^|[._])(bias|lora_b|lora_B|lora_embedding_B|e_score_correction_bias|expert_bias\w*|\w*zero\w*)([._]|$)"
+)
+
+
+@rule(
+    "D011",
+    "all-zero-weight",
+    Severity.warning,
+    "in a trained checkpoint, a floating model tensor of 2 or more dims is all zero, and it is not one that "
+    "initialises to zero (biases, LoRA B, router biases and names with `zero` are excepted: docs/rules.md)",
+    "the save wrote a tensor that was never materialised or loaded (meta-device init without init_weights, "
+    "a failed load that left zeros); compare with an earlier checkpoint before resuming",
+    needs=("deep",),
+)
+def all_zero_weight(ctx: Context) -> Iterator[tuple[str, str]]:
+    assert ctx.deep_result is not None
+    if not _trained(ctx):
+        return  # before training, zero-initialised tensors are the initialisation's business
+    for key, entry in ctx.cat.model.items():
+        if len(entry.shape) < 2 or entry.numel == 0 or ZERO_INIT_NAMES.search(key):
+            continue
+        st = ctx.deep_result.stats.get(key)
+        if st is not None and st.zero and st.numel == entry.numel:
+            yield key, f"{key}: all {entry.numel} values are 0 (shape {list(entry.shape)}, {entry.dtype})"
