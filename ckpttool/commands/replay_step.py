@@ -100,6 +100,26 @@ ReferenceDtypeOpt = Annotated[
     ),
 ]
 
+ReferenceOpt = Annotated[
+    str,
+    typer.Option(
+        "--reference",
+        metavar="<formula|torch>",
+        help="torch: also step torch.optim.AdamW with the flags saved in the param groups (fused, foreach, ...) "
+        "and require the replay to equal it bitwise.",
+    ),
+]
+
+HeadDimOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--head-dim",
+        min=1,
+        help="Attention head dim: assembles fused wqkv state saved beside split wq/wk/wv (torchtitan) when the "
+        "checkpoint does not tell it (no q_norm).",
+    ),
+]
+
 
 @command_boundary
 def replay_step_command(
@@ -117,6 +137,8 @@ def replay_step_command(
     max_memory: MaxMemoryOpt = None,
     tolerance: ToleranceOpt = "1e-5,1e-8",
     reference_dtype: ReferenceDtypeOpt = "float64",
+    reference: ReferenceOpt = "formula",
+    head_dim: HeadDimOpt = None,
     json_output: opt.JsonOpt = False,
     trust_pickle: opt.TrustPickleOpt = False,
     source_layout: opt.SourceLayoutOpt = None,
@@ -150,6 +172,8 @@ def replay_step_command(
         max_memory=max_memory,
         tolerance=tolerance,
         reference_dtype=reference_dtype,
+        reference=reference,
+        head_dim=head_dim,
     )
     decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
     sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
@@ -185,6 +209,8 @@ def _replay_options(
     max_memory: str | None,
     tolerance: str,
     reference_dtype: str,
+    reference: str = "formula",
+    head_dim: int | None = None,
 ) -> ReplayOptions:
     """The :class:`~ckpttool.ops.replay.ReplayOptions` of replay-step's options, checked.
 
@@ -215,6 +241,8 @@ def _replay_options(
         max_memory=parse_size(max_memory, "--max-memory") if max_memory is not None else None,
         tolerance=parse_tolerance(tolerance),
         reference_dtype=parse_dtype(reference_dtype, "--reference-dtype", ("float64", "float32")),
+        reference=reference.strip().lower(),
+        head_dim=head_dim,
     )
     options.check()
     return options
@@ -247,7 +275,12 @@ def render_replay(result: ReplayResult, *, max_rows: int = 40) -> None:
             "result      ",
             (word, STYLES[word]),
             f": {len(result.params) - len(result.failed)} of {plural(len(result.params), 'parameter')} "
-            "match the reference step",
+            "match the reference step with a sane update"
+            + (
+                f"; {len(result.skipped)} stepped parameter(s) not replayed, e.g. {result.skipped[0]}"
+                if result.skipped
+                else ""
+            ),
         ),
     )
 

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import AmbiguousCheckpointError, MetadataError, SchemaError, StepNotFoundError, UsageError
+from ckpttool.errors import (
+    AmbiguousCheckpointError,
+    IncompleteCheckpointError,
+    MetadataError,
+    SchemaError,
+    StepNotFoundError,
+    UsageError,
+)
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
 from ckpttool.format.hf_storage import hf_storage_files
 from ckpttool.format.metadata import CheckpointMetadata, StorageInfo
@@ -28,9 +35,11 @@ from ckpttool.model.schemas.keyschema import SchemaOverride
 __all__ = [
     "MAX_DEPTH",
     "CheckpointSelection",
+    "IncompleteStep",
     "Located",
     "compose_pair",
     "find_checkpoints",
+    "find_incomplete",
     "is_checkpoint_dir",
     "locate",
     "step_of",
@@ -81,6 +90,23 @@ class CheckpointSelection:
 
 
 @dataclass(frozen=True)
+class IncompleteStep:
+    """A step directory below a run root whose save did not finish.
+
+    Attributes:
+        step: its step number; path: the directory with the unfinished save.
+        reason: what is there (``"3 data file(s), no .metadata"``, ``".metadata.tmp, no .metadata"``).
+    """
+
+    step: int
+    path: Path
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "path": str(self.path), "reason": self.reason}
+
+
+@dataclass(frozen=True)
 class Located:
     """The checkpoint :func:`locate` chose.
 
@@ -90,6 +116,9 @@ class Located:
         optimizer: the optimizer folder of a pair, or ``None``.
         step: the step of a step directory, if known.
         how: one line saying how it was chosen (shown by ``inspect``).
+        newer_incomplete: step directories newer than the chosen step whose save did not finish
+            (data files or ``.metadata.tmp`` without ``.metadata``), newest first; validate's
+            ``R001`` reports them.
     """
 
     given: Path
@@ -97,6 +126,7 @@ class Located:
     optimizer: Path | None = None
     step: int | None = None
     how: str = "the directory given"
+    newer_incomplete: tuple[IncompleteStep, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON view (``inspect --json`` ``location``)."""
@@ -106,6 +136,7 @@ class Located:
             "optimizer": str(self.optimizer) if self.optimizer is not None else None,
             "step": self.step,
             "how": self.how,
+            "newer_incomplete": [i.to_dict() for i in self.newer_incomplete],
         }
 
 
@@ -161,6 +192,65 @@ def find_checkpoints(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
                     nxt.append(p)
         level = nxt
     return found
+
+
+#: Names an unfinished save leaves: torch's ``FileSystemWriter`` writes ``.metadata`` to this
+#: name first and renames it when every rank has finished (``torch/distributed/checkpoint/filesystem.py``).
+_METADATA_TMP = METADATA_NAME + ".tmp"
+
+
+def _unfinished(path: Path) -> str | None:
+    """What shows that the save in ``path`` did not finish (data files or ``.metadata.tmp``, no ``.metadata``)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return None
+    if METADATA_NAME in names:
+        return None
+    data = sum(1 for n in names if DATA_FILE_RE.match(n))
+    tmp = _METADATA_TMP in names
+    if not data and not tmp:
+        return None
+    parts = [f"{data} data file(s)"] if data else []
+    if tmp:
+        parts.append(_METADATA_TMP)
+    return f"{', '.join(parts)}, no {METADATA_NAME}"
+
+
+def find_incomplete(root: Path, max_depth: int = MAX_DEPTH) -> list[IncompleteStep]:
+    """Step directories below ``root`` holding a save that did not finish, by step.
+
+    A directory counts when it (or one of its folders, ``step-8/model``) holds ``__R_N.distcp``
+    files or ``.metadata.tmp`` but no ``.metadata``, and a step-named directory is on its path
+    below ``root``. Hidden and symlinked directories are skipped; at most 10,000 are visited.
+    """
+    found: dict[int, IncompleteStep] = {}
+    level = [root]
+    visited = 0
+    for _ in range(max_depth):
+        nxt: list[Path] = []
+        for d in level:
+            try:
+                entries = sorted(os.scandir(d), key=lambda e: e.name)
+            except OSError:
+                continue
+            for e in entries:
+                if e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
+                    continue
+                visited += 1
+                if visited > _MAX_DIRS:
+                    return sorted(found.values(), key=lambda i: i.step)
+                p = Path(e.path)
+                if is_checkpoint_dir(p):
+                    continue
+                why = _unfinished(p)
+                step = _step_near(p, root)
+                if why is not None and step is not None:
+                    found.setdefault(step, IncompleteStep(step, p, why))
+                else:
+                    nxt.append(p)
+        level = nxt
+    return sorted(found.values(), key=lambda i: i.step)
 
 
 @dataclass(frozen=True)
@@ -264,12 +354,15 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
             )
         return Located(root, root, opt)
     found = find_checkpoints(root)
+    incomplete = find_incomplete(root)
     if not found:
+        if incomplete and sel.step is not None:
+            raise _incomplete_error(root, incomplete[-1], sel.step)
         return _nothing_below(root, opt)
     units = _units(root, found)
     how = ""
     if sel.step is not None:
-        units, how = _of_step(root, units, sel.step)
+        units, how = _of_step(root, units, sel.step, incomplete)
     if len(units) > 1:
         raise _ambiguous(root, units, sel.step)
     u = units[0]
@@ -285,7 +378,8 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
             how = "the model folder and its optimizer folder below the directory given"
     elif u.optimizer is not None:
         how += ", model folder paired with its optimizer folder"
-    return Located(root, u.model, u.optimizer or opt, u.step, how)
+    newer = tuple(i for i in reversed(incomplete) if u.step is None or i.step > u.step)
+    return Located(root, u.model, u.optimizer or opt, u.step, how, newer)
 
 
 def _nothing_below(root: Path, opt: Path | None) -> Located:
@@ -308,21 +402,47 @@ def _nothing_below(root: Path, opt: Path | None) -> Located:
     )
 
 
-def _of_step(root: Path, units: list[_Unit], step: int | str) -> tuple[list[_Unit], str]:
+def _incomplete_error(root: Path, inc: IncompleteStep, step: int | str) -> IncompleteCheckpointError:
+    """E202 for ``step`` (a number or ``latest``) naming a step whose save did not finish."""
+    return IncompleteCheckpointError(
+        f"{root}: `step` {step}: step {inc.step} is incomplete: {inc.path} has {inc.reason} "
+        "(a save that did not finish, or an async save still running)",
+        path=inc.path,
+        param="step",
+        hint="wait for the save to finish, or pick an earlier complete step with `step` N",
+    )
+
+
+def _of_step(
+    root: Path, units: list[_Unit], step: int | str, incomplete: list[IncompleteStep] | None = None
+) -> tuple[list[_Unit], str]:
     """The units of ``step`` (a number or ``latest``) and how it was chosen.
+
+    ``latest`` is the step of the ``latest`` file, else the highest step; when its save did not
+    finish (``incomplete``) the highest complete step below it is chosen instead (and said so).
 
     Raises:
         StepNotFoundError: ``latest`` and no unit in a step directory; no unit of the step.
+        IncompleteCheckpointError (E202): step ``N`` is incomplete, or ``latest`` and no complete
+            step lies below the incomplete one.
     """
+    bad = {i.step: i for i in incomplete or ()}
     want: int | str | None = step
     how = ""
     if want == "latest":
         want = _latest_step(root)
         source = "the `latest` file"
         if want is None:
-            steps = [u.step for u in units if u.step is not None]
+            steps = [u.step for u in units if u.step is not None] + list(bad)
             want = max(steps) if steps else None
             source = "the highest step"
+        if want is not None and want in bad:
+            done = [u.step for u in units if u.step is not None and u.step < want and u.step not in bad]
+            if not done:
+                raise _incomplete_error(root, bad[want], step)
+            skipped = bad[want]
+            want = max(done)
+            source = f"the highest complete step; step {skipped.step} is incomplete: {skipped.reason}"
         if want is None:
             raise StepNotFoundError(
                 f"{root}: `step` latest, but no checkpoint below it is in a step directory "
@@ -332,6 +452,8 @@ def _of_step(root: Path, units: list[_Unit], step: int | str) -> tuple[list[_Uni
                 hint="pass one of the listed directories",
             )
         how = f"`step` latest: step {want} ({source})"
+    elif want in bad:
+        raise _incomplete_error(root, bad[want], step)
     units_at = [u for u in units if u.step == want]
     if not units_at:
         steps_found = sorted({u.step for u in units if u.step is not None})

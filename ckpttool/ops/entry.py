@@ -151,6 +151,12 @@ def replay_mismatch(result: ReplayResult) -> ReplayMismatchError | None:
 
     if result.ok:
         return None
+    if not result.failed:  # every replayed parameter passed, but stepped parameters were left out
+        return ReplayMismatchError(
+            f"{len(result.skipped)} parameter(s) with saved optimizer state were not replayed "
+            f"(e.g. {result.skipped[0]}); {len(result.params)} replayed parameter(s) match",
+            fqn=result.skipped[0],
+        )
     worst = result.failed[0]
     return ReplayMismatchError(
         f"{len(result.failed)} of {len(result.params)} parameter(s) do not reproduce the reference step; "

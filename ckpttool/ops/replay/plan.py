@@ -89,6 +89,12 @@ class ParamPlan:
         moment_dtype: dtype name of ``exp_avg``/``exp_avg_sq`` (saved, or what fresh state gets).
         shared_step: the step saved once for its whole optimizer instead of per parameter
             (Megatron-core's ``common_step`` in ``common.pt``: its param group's ``step``), else ``None``.
+        parts: model keys of a parameter the optimizer steps fused while the model stores it
+            split (torchtitan's ``wqkv`` as ``wq``/``wk``/``wv``; ``key`` then names no stored
+            tensor); empty otherwise.
+        part_groups: the fused rows interleave the parts in this many equal row groups
+            (torchtitan's ``FusedQKVLinear``: per KV head ``[q rows of its heads, k rows, v rows]``,
+            ``n_kv_heads = wk rows / head_dim``); 1 is plain concatenation along dim 0.
     """
 
     fqn: str
@@ -103,6 +109,8 @@ class ParamPlan:
     offloaded: bool = False
     moment_dtype: str = "float32"
     shared_step: float | None = None
+    parts: tuple[str, ...] = ()
+    part_groups: int = 1
 
 
 @dataclass
@@ -116,6 +124,9 @@ class ReplayPlan:
         config: constructor keywords beyond the hyperparameters, per type
             (``{"master_fp32_adamw": {"moment_dtype": "bfloat16"}, ...}``).
         notes: facts worth telling the user (fresh leaves, skipped buffers, overrides).
+        skipped: selected parameters with saved optimizer state that are not replayed (state
+            for an fqn the model does not hold, fused state whose parts do not stack): a
+            replay that skips a stepped parameter is never OK.
     """
 
     params: list[ParamPlan]
@@ -123,6 +134,7 @@ class ReplayPlan:
     reason: str
     config: dict[str, dict[str, Any]]
     notes: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -293,6 +305,8 @@ class _Membership:
     params_in_model: list[str]
     group_of: dict[str, Any]
     hypers: dict[str, Hyper]
+    fused: dict[str, tuple[tuple[str, ...], int]] = field(default_factory=dict)
+    stepped_orphans: list[str] = field(default_factory=list)
 
     def leaf_of(self, fqn: str) -> str:
         return leaf_key(self.group_of[fqn])  # the catalog's leaves: a nested group, or equal flattened values
@@ -340,7 +354,7 @@ def _check_arguments(
     return rx
 
 
-def _membership(cat: Catalog, notes: list[str]) -> _Membership:
+def _membership(cat: Catalog, notes: list[str], head_dim: int | None = None) -> _Membership:
     """Group membership and hyperparameters of the model tensors; notes what is not replayed."""
     model_fqns = cat.param_fqns
     grouped = {p for g in cat.param_groups for p in g.params}
@@ -349,20 +363,78 @@ def _membership(cat: Catalog, notes: list[str]) -> _Membership:
     if skipped:
         notes.append(f"{skipped} model tensor(s) in no param group (buffers, frozen parameters) are not replayed")
     orphans = sorted(f for f in grouped if cat.model_key(f) not in cat.model)
-    fused = [f for f in orphans if (ps := cat.optimizer_state.get(f)) is not None and ps.stored_as]
+    fused: dict[str, tuple[tuple[str, ...], int]] = {}
+    unknown: list[str] = []
+    for f in orphans:
+        parts = _stackable_parts(cat, f)
+        if parts:
+            groups = _part_groups(cat, f, parts, head_dim)
+            if groups is None:
+                unknown.append(f)
+            else:
+                fused[f] = (parts, groups)
     if fused:
+        f0 = next(iter(fused))
         notes.append(
-            f"{len(fused)} parameter(s) are stepped fused but stored split in the model (e.g. {fused[0]} as "
-            f"{', '.join(cat.optimizer_state[fused[0]].stored_as)}): not replayed"
+            f"{len(fused)} parameter(s) are stepped fused but stored split in the model (e.g. {f0} as "
+            f"{', '.join(fused[f0][0])}): replayed on their parts assembled as the model fuses them"
+        )
+    if unknown:
+        notes.append(
+            f"{len(unknown)} fused parameter(s) (e.g. {unknown[0]}) interleave their parts per KV head, and the "
+            "head dim is not in the checkpoint (no q_norm/k_norm beside them): not replayed; pass `head_dim`"
         )
     other_orphans = [f for f in orphans if f not in fused]
+    stepped = [f for f in other_orphans if (ps := cat.optimizer_state.get(f)) is not None and ps.fields]
+    other_orphans = [f for f in other_orphans if f not in unknown]
     if other_orphans:
         notes.append(
             f"{len(other_orphans)} param-group parameter(s) are not model tensors and are skipped, e.g. {other_orphans[0]}"
         )
-    group_of = {f: g for f in params_in_model if (g := cat.group_of(f)) is not None}
-    hypers = {f: _hyper(group_of[f], f, group_of[f].group_id) for f in params_in_model}
-    return _Membership(grouped, params_in_model, group_of, hypers)
+    params = params_in_model + list(fused)
+    group_of = {f: g for f in params if (g := cat.group_of(f)) is not None}
+    hypers = {f: _hyper(group_of[f], f, group_of[f].group_id) for f in params}
+    return _Membership(grouped, params, group_of, hypers, fused, stepped)
+
+
+def _part_groups(cat: Catalog, fqn: str, parts: tuple[str, ...], head_dim: int | None) -> int | None:
+    """How many row groups the parts of a fused ``q/k/v`` parameter interleave in (``None``: unknown).
+
+    torchtitan's ``FusedQKVLinear`` (``torchtitan/models/common/attention.py``, ``_merge_qkv_on_load``)
+    orders the fused rows per KV head: ``wq.reshape(n_kv, hpk, hd)``, ``wk``/``wv``
+    ``.reshape(n_kv, 1, hd)``, concatenated on dim 1. ``hd`` is ``head_dim``, else the size of
+    the ``q_norm.weight`` (or ``k_norm.weight``) beside the projection (Qwen3-style models).
+    Parts not named ``wq``/``wk``/``wv`` are plain concatenation (1 group).
+    """
+    if len(parts) != 3 or not parts[0].rsplit(".", 2)[-2].endswith("wq"):
+        return 1
+    rows_k = cat.model[parts[1]].shape[0]
+    hd = head_dim
+    if hd is None:
+        attn = fqn.rsplit(".", 3)[0]  # layers.0.attention(.qkv_linear.wqkv.weight)
+        for norm in ("q_norm", "k_norm"):
+            e = cat.model_entry(f"{attn}.{norm}.weight")
+            if e is not None and len(e.shape) == 1:
+                hd = e.shape[0]
+                break
+    if hd is None or hd <= 0 or rows_k % hd:
+        return None
+    return rows_k // hd
+
+
+def _stackable_parts(cat: Catalog, fqn: str) -> tuple[str, ...]:
+    """The model keys a fused parameter is stored as, when they stack along dim 0 into its state's shape."""
+    ps = cat.optimizer_state.get(fqn)
+    if ps is None or not ps.stored_as or not all(k in cat.model for k in ps.stored_as):
+        return ()
+    parts = [cat.model[k] for k in ps.stored_as]
+    if any(not p.shape or p.dtype != parts[0].dtype or tuple(p.shape[1:]) != tuple(parts[0].shape[1:]) for p in parts):
+        return ()
+    want = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    avg = ps.fields.get("exp_avg")
+    if avg is None or tuple(avg.shape) != want:
+        return ()
+    return tuple(ps.stored_as)
 
 
 def _select(
@@ -557,14 +629,21 @@ def _param_plans(
     plans: list[ParamPlan] = []
     fresh_leaves: set[Any] = set()
     for f in selected:
-        entry = cat.model[cat.model_key(f)]
+        parts, part_groups = members.fused.get(f, ((), 1))
         ps = cat.optimizer_state.get(f)
         fields = dict(ps.fields) if ps is not None else {}
         t = per_param_type.get(f, "adamw") if type_name == "mixed" else type_name
         cfg = config[t]
-        p = ParamPlan(f, entry.key, tuple(entry.shape), entry.dtype, entry.numel, hypers[f], t)
+        if parts:  # the fused parameter: its parts' dtype, its state's shape (checked to stack)
+            avg = fields["exp_avg"]
+            assert avg is not None
+            key, shape, dtype, numel = cat.model_key(f), tuple(avg.shape), cat.model[parts[0]].dtype, avg.numel
+        else:
+            entry = cat.model[cat.model_key(f)]
+            key, shape, dtype, numel = entry.key, tuple(entry.shape), entry.dtype, entry.numel
+        p = ParamPlan(f, key, shape, dtype, numel, hypers[f], t, parts=parts, part_groups=part_groups)
         p.offloaded = t == "cpu_offload_adamw" and _offloaded(cfg, f)
-        p.moment_dtype = _moment_dtype_for(t, cfg, entry.dtype, f)
+        p.moment_dtype = _moment_dtype_for(t, cfg, dtype, f)
         if fields:
             p.shared_step = _shared_step(cat.group_of(f)) if fields.get("step", 0) is None else None
             saved = _saved_dtypes(fields, f, p.shared_step)
@@ -582,10 +661,9 @@ def _param_plans(
                 )
             p.fresh = True
             fresh_leaves.add(leaf)
-        if entry.dtype not in ITEMSIZE:
+        if dtype not in ITEMSIZE:
             raise StateDtypeError(
-                f"parameter {f} is {entry.dtype}; replay-step replays floating-point parameters "
-                f"({', '.join(ITEMSIZE)})",
+                f"parameter {f} is {dtype}; replay-step replays floating-point parameters ({', '.join(ITEMSIZE)})",
                 fqn=f,
             )
         plans.append(p)
@@ -607,6 +685,7 @@ def plan_replay(
     offload_patterns: Sequence[str] | None = None,
     chunk_size: int | None = None,
     filter_glob: str | None = None,
+    head_dim: int | None = None,
 ) -> ReplayPlan:
     """Choose the parameters, hyperparameters and optimizer configuration of a replay.
 
@@ -621,6 +700,8 @@ def plan_replay(
         filter_glob: ``fnmatch`` glob over the checkpoint key ``model.<fqn>``, with or without its
             ``model.`` prefix (:func:`~ckpttool.model.catalog.match_filter`, as inspect and export):
             ``'*experts*'``, ``'model.layers.0.*'``; ``None`` selects every parameter.
+        head_dim: attention head dim, to assemble fused ``wqkv`` parameters whose parts
+            interleave per KV head (:func:`_part_groups`); ``None``: from ``q_norm``/``k_norm``.
 
     Returns:
         The :class:`ReplayPlan`.
@@ -632,13 +713,18 @@ def plan_replay(
     """
     rx = _check_arguments(cat, select, optimizer, offload_patterns)
     notes: list[str] = []
-    members = _membership(cat, notes)
+    members = _membership(cat, notes, head_dim)
     lost = lost_state(cat)  # the one check behind validate's O009
     selected = _select(cat, members, rx, select, filter_glob)
     choice = _choose_type(cat, record, optimizer, selected, offload_patterns, notes)
     config = _configs(cat, selected, choice, chunk_size, notes)
     plans = _param_plans(cat, selected, members, choice, config, lost, notes)
-    return ReplayPlan(plans, choice.type_name, choice.reason, config, notes)
+    skipped = [
+        f
+        for f in members.stepped_orphans
+        if (rx is None or rx.search(f)) and (filter_glob is None or match_filter(canonical_model_key(f), filter_glob))
+    ]
+    return ReplayPlan(plans, choice.type_name, choice.reason, config, notes, skipped)
 
 
 def bytes_per_element(p: ParamPlan, reference_itemsize: int = 8, steps: int = 1) -> int:

@@ -26,10 +26,11 @@ from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import DeviceUnavailableError, UsageError
 from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
 from ckpttool.ops.replay.compare import FieldError, compare_field, count_unequal, machine_eps, merge_field_errors
-from ckpttool.ops.replay.plan import ITEMSIZE, ParamPlan, make_batches, plan_replay
-from ckpttool.ops.replay.slabs import TensorSlabs
+from ckpttool.ops.replay.plan import ITEMSIZE, Hyper, ParamPlan, make_batches, plan_replay
+from ckpttool.ops.replay.slabs import StackedSlabs, TensorSlabs
 from ckpttool.ops.state_checks import synthesized_params
 from ckpttool.ops.tensors import to_canonical
+from ckpttool.optim_state.bounds import adam_ratio_bound
 
 __all__ = [
     "DEVICE_CHOICES",
@@ -45,6 +46,50 @@ logger = logging.getLogger(__name__)
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
 _REF_DTYPES = ("float64", "float32")
+#: ``--reference``: the formula reference alone, or also ``torch.optim.AdamW`` with the saved flags (bitwise).
+REFERENCES = ("formula", "torch")
+#: Saved param-group switches of ``torch.optim.AdamW`` that select its implementation or arithmetic.
+TORCH_FLAGS = ("fused", "foreach", "capturable", "maximize", "amsgrad")
+
+
+#: ``R003``: a step that moves a tensor by more than this fraction of its largest saved magnitude.
+UPDATE_REL_BOUND = 1.0
+#: ``R003``: slack on the Adam direction bound (moments stored in BF16/FP32 round; the bound is rarely approached).
+UPDATE_BOUND_SLACK = 1.1
+
+
+@dataclass(frozen=True)
+class UpdateSize:
+    """How large the replayed update is (from the reference, over the whole tensor).
+
+    Attributes:
+        max_update: ``max |theta_after - theta_before|`` over the K steps.
+        max_param: ``max |theta_before|`` (saved master, else parameter).
+        rel_to_param: ``max_update / max_param`` (0 when ``max_param`` is 0: a zero-initialised
+            tensor has no scale to compare with).
+        direction: ``max |m_hat| / (sqrt(v_hat) + eps)`` of the last step (the update in units of lr).
+        direction_bound: :func:`~ckpttool.optim_state.bounds.adam_ratio_bound` at that step.
+    """
+
+    max_update: float
+    max_param: float
+    rel_to_param: float
+    direction: float
+    direction_bound: float
+
+    @property
+    def ok(self) -> bool:
+        return self.rel_to_param <= UPDATE_REL_BOUND and self.direction <= self.direction_bound * UPDATE_BOUND_SLACK
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_update": self.max_update,
+            "max_param": self.max_param,
+            "rel_to_param": self.rel_to_param,
+            "direction": self.direction,
+            "direction_bound": self.direction_bound,
+            "ok": self.ok,
+        }
 
 
 @dataclass
@@ -66,6 +111,11 @@ class ParamResult:
             saved ``master_weight.to(param dtype)`` (must be 0).
         placement: tensor -> device string after the step.
         problems: one line per failed check (empty: the parameter passed).
+        update: the size of the reference's update (:class:`UpdateSize`); beyond its bounds it
+            is a problem (``R003``) even when the optimizer agrees with the reference.
+        torch_unequal: with ``reference="torch"``: elements of ``param``, ``exp_avg``,
+            ``exp_avg_sq`` (and ``step``) that differ bitwise from ``torch.optim.AdamW`` with the
+            saved flags (``None``: not compared).
     """
 
     fqn: str
@@ -87,6 +137,8 @@ class ParamResult:
     sync_unequal: int | None = None
     placement: dict[str, str] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    update: UpdateSize | None = None
+    torch_unequal: dict[str, int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -121,6 +173,8 @@ class ParamResult:
             "writeback_unequal": self.writeback_unequal,
             "sync_unequal": self.sync_unequal,
             "placement": self.placement,
+            "update": self.update.to_dict() if self.update is not None else None,
+            "torch_unequal": self.torch_unequal,
             "ok": self.ok,
             "problems": self.problems,
         }
@@ -142,6 +196,7 @@ class ReplayResult:
             (bytes the steps read and wrote), ``effective_gbps``, offload transfer figures
             (``d2h_bytes``, ``h2d_bytes``, ``offload_seconds``, ``d2h_gbps``, ``h2d_gbps``),
             ``load_seconds``, ``reference_seconds``, ``total_seconds``, ``bytes_read``.
+        skipped: selected parameters with saved state that were not replayed (``ok`` is then False).
     """
 
     path: str
@@ -158,10 +213,12 @@ class ReplayResult:
     batches: int
     max_memory: int
     timing: dict[str, float]
+    skipped: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
-        return all(p.ok for p in self.params)
+        """Every parameter passed and no selected parameter with saved state was left out."""
+        return all(p.ok for p in self.params) and not self.skipped
 
     @property
     def failed(self) -> list[ParamResult]:
@@ -184,6 +241,7 @@ class ReplayResult:
             "ok": self.ok,
             "params_total": len(self.params),
             "params_failed": len(self.failed),
+            "params_skipped": list(self.skipped),
             "params": [p.to_dict() for p in self.params],
             "notes": self.notes,
             "batches": self.batches,
@@ -296,6 +354,13 @@ class ReplayOptions:
         max_memory: peak-memory budget in bytes for one batch (default: half the available RAM).
         tolerance: ``(rtol, atol)`` for FP32 fields (``compare.py`` widens it for BF16).
         reference_dtype: ``float64`` (default) or ``float32``.
+        reference: ``formula`` (the independent reference alone) or ``torch``: besides it,
+            ``torch.optim.AdamW`` built with the flags saved in each parameter's group (``fused``,
+            ``foreach``, ``capturable``, ``maximize``, ``amsgrad``) steps a copy of the saved
+            state, and the replay must equal it bitwise (``adamw``-type parameters; the copy
+            doubles the batch's memory).
+        head_dim: attention head dim, to assemble fused ``wqkv`` parameters stored as
+            ``wq``/``wk``/``wv`` (``None``: from ``q_norm``/``k_norm`` beside them, else they are skipped).
     """
 
     device: str = "auto"
@@ -311,6 +376,8 @@ class ReplayOptions:
     tolerance: tuple[float, float] = (1e-5, 1e-8)
     reference_dtype: str = "float64"
     filter_glob: str | None = None
+    reference: str = "formula"
+    head_dim: int | None = None
 
     def check(self) -> None:
         """Refuse values that cannot run (before anything is read).
@@ -331,6 +398,12 @@ class ReplayOptions:
             raise UsageError(f"`max_memory` must be > 0, got {self.max_memory}", param="max_memory")
         if not self.grad_scale > 0:
             raise UsageError(f"`grad_scale` must be > 0, got {self.grad_scale}", param="grad_scale")
+        if self.head_dim is not None and self.head_dim <= 0:
+            raise UsageError(f"`head_dim` must be > 0, got {self.head_dim}", param="head_dim")
+        if self.reference not in REFERENCES:
+            raise UsageError(
+                f"`reference` must be one of {', '.join(REFERENCES)}, got {self.reference!r}", param="reference"
+            )
 
 
 # ----------------------------------------------------------------------------- replay
@@ -396,6 +469,7 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
         optimizer=opts.optimizer,
         offload_patterns=opts.offload_patterns,
         chunk_size=opts.chunk_size,
+        head_dim=opts.head_dim,
     )
     notes = list(plan.notes)
     synth = synthesized_params(reader, cat, [p.fqn for p in plan.params if p.state])
@@ -509,6 +583,7 @@ def _run_batches(
                 slabs=lambda key, model_key: TensorSlabs(reader, layout, key, model_key, ambiguous),
                 timing=timing,
                 on_param=on_param,
+                torch_reference=opts.reference == "torch",
             )
         )
         done += len(batch)
@@ -578,6 +653,7 @@ def _replay(
         batches=len(batches),
         max_memory=budget,
         timing=timing,
+        skipped=tuple(plan.skipped),
     )
 
 
@@ -628,7 +704,12 @@ def _load_batch(
     results: dict[str, ParamResult] = {}
 
     def load(p: ParamPlan) -> dict[str, torch.Tensor]:
-        t = {"param": canon(p.key, p.key, reader.read_tensor(p.key))}
+        if p.parts:  # a fused parameter stored split: its parts interleaved in row groups (plan.ParamPlan)
+            pieces = [canon(k, k, reader.read_tensor(k)) for k in p.parts]
+            g = p.part_groups
+            t = {"param": torch.cat([x.reshape(g, -1) for x in pieces], 1).reshape(p.shape)}
+        else:
+            t = {"param": canon(p.key, p.key, reader.read_tensor(p.key))}
         for f, entry in p.state.items():
             t[f] = canon(entry.key, p.key, reader.read_tensor(entry.key))
         if p.shared_step is not None:
@@ -679,6 +760,8 @@ def _build_optimizers(
     optimizers: list[tuple[Any, list[ParamPlan], bool]] = []
     for (type_name, hyper, offloaded), members in buckets.items():
         group = {"params": [(m.fqn, params[m.fqn]) for m in members], **hyper.as_kwargs()}
+        if type_name == "adamw" and "fused" not in plan_config.get(type_name, {}):
+            group.update(saved_flags(hyper, dev, ("fused", "foreach", "capturable")))  # the run's implementation
         opt = build_optimizer(type_name, [group], **plan_config.get(type_name, {}))
         saved_group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
         saved_group["params"] = list(range(len(members)))
@@ -688,6 +771,73 @@ def _build_optimizers(
         opt.load_state_dict({"state": state, "param_groups": [saved_group]})
         optimizers.append((opt, members, offloaded and dev.type != "cpu"))
     return params, optimizers
+
+
+def saved_flags(hyper: Hyper, dev: Any, names: Sequence[str] = TORCH_FLAGS) -> dict[str, bool]:
+    """The ``torch.optim.AdamW`` switches saved in a param group (``Hyper.extra``), as booleans.
+
+    ``capturable`` is kept only on an accelerator (torch refuses it for CPU tensors); ``fused``
+    and ``foreach`` are never both set (``fused`` wins, as torch requires one).
+    """
+    extra = dict(hyper.extra)
+    out = {k: extra[k] for k in names if isinstance(extra.get(k), bool)}
+    if out.get("capturable") and dev.type == "cpu":
+        out["capturable"] = False
+    if out.get("fused") and out.get("foreach"):
+        out["foreach"] = False
+    return out
+
+
+def _torch_snapshot(batch: list[ParamPlan], loaded: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Copies of the saved parameter and state of the ``adamw``-type parameters (before the optimizer adopts them)."""
+    return {p.fqn: {k: t.clone() for k, t in loaded[p.fqn].items()} for p in batch if p.optimizer_type == "adamw"}
+
+
+def _torch_reference(
+    batch: list[ParamPlan],
+    snapshot: dict[str, dict[str, Any]],
+    grads: list[dict[str, Any]],
+    params: dict[str, Any],
+    optimizers: list[tuple[Any, list[ParamPlan], bool]],
+    *,
+    dev: Any,
+    results: dict[str, ParamResult],
+) -> None:
+    """``torch.optim.AdamW`` with each parameter's saved flags, K steps on the snapshot; bitwise against the replay."""
+    import torch
+
+    state_of = {m.fqn: opt.state.get(params[m.fqn], {}) for opt, members, _ in optimizers for m in members}
+    for p in batch:
+        saved = snapshot.get(p.fqn)
+        if saved is None:
+            continue
+        flags = saved_flags(p.hyper, dev)
+        theta = torch.nn.Parameter(saved["param"].to(dev, copy=True))
+        kwargs: dict[str, Any] = {**p.hyper.as_kwargs(), **flags}
+        opt = torch.optim.AdamW([theta], **kwargs)
+        if not p.fresh:
+            st = {k: v.to(dev) if k != "step" else v for k, v in saved.items() if k != "param"}
+            group = {**opt.param_groups[0], "params": [0]}
+            opt.load_state_dict({"state": {0: st}, "param_groups": [group]})
+        for gk in grads:
+            theta.grad = gk[p.fqn].to(dev)
+            opt.step()
+            theta.grad = None
+        mine, ref = state_of[p.fqn], opt.state[theta]
+        r = results[p.fqn]
+        r.torch_unequal = {"param": count_unequal(params[p.fqn].detach().cpu(), theta.detach().cpu())}
+        for f in ("exp_avg", "exp_avg_sq", "step"):
+            if f in mine and f in ref:
+                r.torch_unequal[f] = count_unequal(
+                    mine[f].detach().cpu().reshape(-1), ref[f].detach().cpu().reshape(-1)
+                )
+        bad = {f: n for f, n in r.torch_unequal.items() if n}
+        if bad:
+            shown = ", ".join(f"{k}={v}" for k, v in flags.items())
+            r.problems.append(
+                f"differs bitwise from torch.optim.AdamW({shown}) on the saved state: "
+                + ", ".join(f"{f} in {n} element(s)" for f, n in bad.items())
+            )
 
 
 def _timed_step(optimizers: list[tuple[Any, list[ParamPlan], bool]], dev: Any, timing: dict[str, float]) -> None:
@@ -815,6 +965,7 @@ def _replay_batch(
     slabs: Callable[[str, str], TensorSlabs],
     timing: dict[str, float],
     on_param: Callable[[str, dict[str, Any]], None] | None,
+    torch_reference: bool = False,
 ) -> list[ParamResult]:
     """Replay one memory batch (see the module docstring); returns its parameter results.
 
@@ -825,6 +976,7 @@ def _replay_batch(
     """
     workers = max(1, min(4, os.cpu_count() or 1))
     loaded, results = _load_batch(reader, batch, canon, workers, steps, timing)
+    snapshot = _torch_snapshot(batch, loaded) if torch_reference else None
     params, optimizers = _build_optimizers(batch, loaded, dev, plan_config)
     del loaded
     grads = _timed_steps(
@@ -839,6 +991,9 @@ def _replay_batch(
         workers=workers,
         timing=timing,
     )
+    if snapshot is not None:
+        _torch_reference(batch, snapshot, grads, params, optimizers, dev=dev, results=results)
+        del snapshot
     return _reference_pass(
         optimizers,
         results,
@@ -880,7 +1035,9 @@ class _SlabContext:
             f: st[f].detach().reshape(-1) for f in ("master_weight", "exp_avg", "exp_avg_sq") if f in st
         }
         self.grads = [g[p.fqn].reshape(-1) for g in grads]
-        self.saved = {"param": slabs(p.key, p.key)}
+        self.saved: dict[str, Any] = {
+            "param": StackedSlabs([slabs(k, k) for k in p.parts], p.part_groups) if p.parts else slabs(p.key, p.key)
+        }
         for f, entry in p.state.items():
             if f != "step":
                 self.saved[f] = slabs(entry.key, p.key)
@@ -897,8 +1054,22 @@ class _SlabContext:
         res: dict[str, Any] = {}
         theta, m0, v0 = self._saved_start(a, b, res)
         rs, late = self._reference(theta, m0, v0, a, b)
+        res["update"] = self._update_size(theta, rs)
         res["fields"] = self._compare(a, b, rs, late, res)
         return res
+
+    def _update_size(self, theta: Any, rs: dict[str, Any]) -> tuple[float, float, float]:
+        """``(max |update|, max |theta_before|, max |m_hat| / (sqrt(v_hat) + eps))`` of the slab (reference values)."""
+        if theta.numel() == 0:
+            return 0.0, 0.0, 0.0
+        h = self.p.hyper
+        t = self.r.step_before + self.steps
+        d = float((rs["theta"] - theta.to(rs["theta"].dtype)).abs_().max().item())
+        pmax = float(theta.abs().max().item())
+        m_hat = rs["m"].abs() / (1 - h.beta1**t)
+        denom = (rs["v"] / (1 - h.beta2**t)).sqrt_().add_(h.eps)
+        u = float(m_hat.div_(denom).max().item())
+        return d, pmax, (u if u == u else math.inf)
 
     def _saved_start(self, a: int, b: int, res: dict[str, Any]) -> tuple[Any, Any, Any]:
         """The saved ``theta`` (master, else parameter) and moments of ``[a, b)``; checks master sync into ``res``."""
@@ -1042,6 +1213,7 @@ class _SlabContext:
                     f"parameter differs from master_weight.to({p.dtype}) in {r.writeback_unequal} element(s) after the step"
                 )
             r.param_vs_reference_unequal = sum(x.get("param_vs_reference_unequal", 0) for x in parts)
+        self._check_update(parts)
         for f, err in r.fields.items():
             if not err.ok:
                 r.problems.append(
@@ -1057,6 +1229,32 @@ class _SlabContext:
                 r.problems.append(
                     f"{f} is on {st[f].device}, expected {want_state}" + (" (offloaded)" if p.offloaded else "")
                 )
+
+    def _check_update(self, parts: list[dict[str, Any]]) -> None:
+        """Merge the slabs' update sizes into the result; beyond the bounds is an ``R003`` problem."""
+        p, r = self.p, self.r
+        ups = [x["update"] for x in parts if "update" in x]
+        if not ups:
+            return
+        d, pmax, u = (max(x[i] for x in ups) for i in range(3))
+        t = r.step_before + self.steps
+        r.update = UpdateSize(
+            d, pmax, d / pmax if pmax > 0 else 0.0, u, adam_ratio_bound(t, p.hyper.beta1, p.hyper.beta2)
+        )
+        if r.update.ok:
+            return
+        why = []
+        if r.update.rel_to_param > UPDATE_REL_BOUND:
+            why.append(f"max |update| {d:.3g} on a tensor whose largest saved value is {pmax:.3g}")
+        if u > r.update.direction_bound * UPDATE_BOUND_SLACK:
+            why.append(
+                f"max |m_hat|/(sqrt(v_hat)+eps) {u:.3g} (update/lr) beyond {r.update.direction_bound:.3g}, the most "
+                f"Adam's moments allow at step {t:g}"
+            )
+        r.problems.append(
+            "update size [R003]: " + "; ".join(why) + " (the saved moments or step cannot be Adam's own: a zeroed or "
+            "stale exp_avg_sq, a reset step; run `ckpttool validate --deep`)"
+        )
 
 
 def _bytes_per_step(p: ParamPlan) -> int:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from ckpttool.format.reader import CheckpointReader
 
-__all__ = ["TensorSlabs"]
+__all__ = ["StackedSlabs", "TensorSlabs"]
 
 
 class TensorSlabs:
@@ -154,4 +154,39 @@ class TensorSlabs:
                             self.key,
                         )
                 i += 1
+        return out
+
+
+class StackedSlabs:
+    """The flat elements of a fused parameter stored split, as one tensor.
+
+    The fused tensor's rows are the parts' rows cut into ``groups`` equal row groups each and
+    interleaved group by group (``groups`` 1: concatenation along dim 0). In C order rows are
+    contiguous runs of elements, so ``[a, b)`` maps onto consecutive runs of the parts.
+
+    Args:
+        parts: one :class:`TensorSlabs` per part, in fused order (same dtype).
+        groups: row groups per part (each part's element count divides by it).
+    """
+
+    def __init__(self, parts: list[TensorSlabs], groups: int = 1) -> None:
+        self.parts = parts
+        self.dtype = parts[0].dtype
+        self.numel = sum(p.numel for p in parts)
+        self._runs: list[tuple[int, int, int]] = []  # (fused start, part index, start in the part), then lengths
+        self._lens: list[int] = []
+        pos = 0
+        for g in range(groups):
+            for i, p in enumerate(parts):
+                n = p.numel // groups
+                self._runs.append((pos, i, g * n))
+                self._lens.append(n)
+                pos += n
+
+    def read(self, a: int, b: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out`` (1-d, ``b - a`` elements) with elements ``[a, b)`` of the fused tensor."""
+        for (start, i, src), n in zip(self._runs, self._lens):
+            lo, hi = max(a, start), min(b, start + n)
+            if lo < hi:
+                self.parts[i].read(src + lo - start, src + hi - start, out[lo - a : hi - a])
         return out

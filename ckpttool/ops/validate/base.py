@@ -50,6 +50,7 @@ FAMILIES = {
     "M": "model",
     "K": "key schema",
     "D": "deep (data)",
+    "R": "resume safety",
 }
 
 

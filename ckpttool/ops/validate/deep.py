@@ -30,7 +30,7 @@ from ckpttool.format.tiling import tiling_problem
 from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.hfconfig import config_value
 from ckpttool.ops import distributed
-from ckpttool.ops.validate.stats import DeepResult, PairStats, TensorStats
+from ckpttool.ops.validate.stats import DeepResult, PairStats, TensorStats, expert_count
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["TensorStats", "PairStats", "DeepResult", "run_deep"]
 
 _AMINMAX_DTYPES = {"bfloat16", "float16", "float32", "float64"}
+_MOMENT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
 def _is_step(key: str) -> bool:
@@ -90,6 +91,14 @@ def _compare(pair: PairStats, a: torch.Tensor, b: torch.Tensor) -> None:
     pair.compared = True
     pair.numel += a.numel()
     if a.numel() == 0:
+        return
+    if pair.kind == "moments":
+        m, v = a.reshape(-1).double(), b.reshape(-1).double()
+        pair.mismatched += int(((v == 0) & (m != 0)).sum())
+        pos = v > 0
+        if bool(pos.any()):
+            r = float(torch.nan_to_num(m[pos].abs() / v[pos].sqrt(), nan=0.0).max())
+            pair.max_diff = max(pair.max_diff, r)
         return
     bc = b.to(a.dtype) if b.dtype != a.dtype else b
     if torch.equal(a, bc):
@@ -174,6 +183,9 @@ def _compare_np(
     count.numel += n
     if n == 0:
         return
+    if kind == "moments":
+        _moments_np(count, float_values(a_raw, a_dtype), float_values(b_raw, b_dtype))
+        return
     ua = a_raw.view(IEEE_BITS[a_dtype][1]) if a_dtype in IEEE_BITS else a_raw
     if a_dtype == b_dtype:
         rounded = b_raw.view(ua.dtype)
@@ -205,6 +217,51 @@ def _compare_np(
         count.mismatched += k
         if d.size:
             count.max_diff = max(count.max_diff, float(d.max()))
+
+
+_MOMENT_SUB = 1 << 15
+
+
+def _moments_np(count: _PairCount, m: Any, v: Any) -> None:
+    """Count ``v == 0 and m != 0`` and take ``max |m| / sqrt(v)`` over ``v > 0`` (NaN ignored) of one slice.
+
+    In-place passes over cache-sized sub-slices of a scratch array: ``m * m / v`` (``inf``
+    exactly where ``v`` is 0 and ``m`` is not, NaN where both are, negative where ``v`` is), then
+    a NaN-ignoring maximum; only a slice whose maximum is ``inf`` is examined element by element.
+    """
+    import numpy as np
+
+    n = m.size
+    if n == 0:
+        return
+    wide = np.float64 if np.float64 in (m.dtype, v.dtype) else np.float32
+    sub = min(n, _MOMENT_SUB)
+    r = _scratch.get(f"ratio_{np.dtype(wide).name}", np.dtype(wide).name, sub)
+    top = -np.inf
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        for a in range(0, n, sub):  # sub-slices that stay in the L2 cache across the three passes
+            b = min(n, a + sub)
+            t = r[: b - a]
+            np.multiply(m[a:b], m[a:b], out=t)
+            np.divide(t, v[a:b], out=t)
+            top = max(top, float(np.fmax.reduce(t)))
+    if top == np.inf:  # a zero second moment, or an overflow of m * m: element by element
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            r = np.square(m.astype(wide)) / v
+        zero_v = (v == 0) & (m != 0)
+        count.mismatched += int(np.count_nonzero(zero_v))
+        r[zero_v] = 0.0
+        overflow = np.isinf(r)  # m * m overflowed: the ratio itself is finite
+        if overflow.any():
+            with np.errstate(invalid="ignore", divide="ignore"):
+                top_of = float(
+                    np.fmax.reduce(np.abs(m[overflow]).astype(np.float64) / np.sqrt(v[overflow].astype(np.float64)))
+                )
+            r[overflow] = 0.0
+            count.max_diff = max(count.max_diff, top_of if top_of == top_of else 0.0)
+        top = float(np.fmax.reduce(r))
+    if top == top and top > 0:
+        count.max_diff = max(count.max_diff, math.sqrt(top))
 
 
 _NP_PAIRS = {("bfloat16", "float32"), ("float16", "float32")}
@@ -240,6 +297,17 @@ def _release_buffers() -> None:
     _scratch, _slice_buffers = _new_scratch(), _SliceBuffers()
 
 
+def _streamable(dtypes: list[str], metas: dict[str, TensorMeta], pairs: list[PairStats]) -> bool:
+    """Every member has a numpy path, and every pair a numpy comparison."""
+    if any(d not in IEEE_BITS and d not in _NP_INT for d in dtypes):
+        return False
+    for p in pairs:
+        a, b = metas[p.a].dtype.name, metas[p.b].dtype.name
+        if not _np_comparable(a, b) and not (p.kind == "moments" and a in IEEE_BITS and b in IEEE_BITS):
+            return False
+    return True
+
+
 def _stream_item(
     ctx: Context,
     keys: tuple[str, ...],
@@ -261,14 +329,13 @@ def _stream_item(
         CkptError: an archive is corrupt or disagrees with the metadata.
     """
     dtypes = [metas[k].dtype.name for k in keys]
-    if any(d not in IEEE_BITS and d not in _NP_INT for d in dtypes):
-        return None
-    if any(not _np_comparable(metas[p.a].dtype.name, metas[p.b].dtype.name) for p in pairs):
+    if not _streamable(dtypes, metas, pairs):
         return None
     locs = [ctx.reader.locate(k, chunk) for k in keys]
     if any(not loc.raw for loc in locs):
         return None
     n = chunk.numel
+    digs = [_digest_plan(ctx, k, metas[k], chunk) for k in keys]
     widest = max(DTYPE_ITEMSIZE[d] for d in dtypes)
     per = max(1, BLOCK_BYTES // widest)
     fds = [ctx.reader.fd(loc.info.relative_path) for loc in locs]
@@ -286,6 +353,9 @@ def _stream_item(
             raw = _slice_buffers.get(i, m * item)
             _pread_exact(fds[i], raw, loc.data_start + e0 * item, loc)
             crcs[i] = crc32(raw, crcs[i])  # the slice is still in the CPU cache
+            dg = digs[i]
+            if dg is not None and dg.seg:
+                dg.add(raw, e0, item)
             read += m * item
             st = _summarise_np(k, raw, d, k.endswith(".exp_avg_sq"), _is_step(k) and e0 == 0)
             assert st is not None
@@ -297,7 +367,56 @@ def _stream_item(
             _compare_np(counts[j], p.kind, raws[ia], dtypes[ia], raws[ib], dtypes[ib], finite[ib])
     for loc, crc in zip(locs, crcs):
         loc.check_crc(crc)
+    for k, dg, crc in zip(keys, digs, crcs):
+        if dg is not None:
+            stats[k].digests = dg.finish(n, crc)
     return stats, counts, read
+
+
+class _Digest:
+    """The ``(global flat start, length, CRC-32)`` runs of one chunk (see :attr:`TensorStats.digests`).
+
+    A chunk that spans whole rows (every dim but 0 complete) is one run of global C order;
+    with ``seg`` (elements per expert of a fused expert tensor) the runs are cut at the expert
+    boundaries, each with its own CRC (computed while the slice is in the CPU cache).
+    """
+
+    __slots__ = ("base", "seg", "runs", "start", "length", "crc")
+
+    def __init__(self, base: int, seg: int) -> None:
+        self.base, self.seg = base, seg
+        self.runs: list[tuple[int, int, int]] = []
+        self.start, self.length, self.crc = base, 0, 0
+
+    def add(self, raw: Any, e0: int, item: int) -> None:
+        pos, n = 0, raw.size // item
+        while pos < n:
+            g = self.base + e0 + pos
+            take = min(n - pos, self.seg - g % self.seg)
+            self.crc = crc32(raw[pos * item : (pos + take) * item], self.crc)
+            self.length += take
+            pos += take
+            if (g + take) % self.seg == 0:
+                self.runs.append((self.start, self.length, self.crc))
+                self.start, self.length, self.crc = g + take, 0, 0
+
+    def finish(self, n: int, chunk_crc: int) -> list[tuple[int, int, int]]:
+        if not self.seg:
+            return [(self.base, n, chunk_crc)]
+        if self.length:
+            self.runs.append((self.start, self.length, self.crc))
+        return self.runs
+
+
+def _digest_plan(ctx: Context, key: str, meta: TensorMeta, chunk: ChunkMeta) -> _Digest | None:
+    """A :class:`_Digest` for a floating model tensor's chunk that spans whole rows, else ``None``."""
+    if key not in ctx.cat.model or meta.dtype.name not in IEEE_BITS or not meta.size:
+        return None
+    if tuple(chunk.sizes[1:]) != tuple(meta.size[1:]) or any(chunk.offsets[1:]):
+        return None
+    row = meta.numel // meta.size[0] if meta.size[0] else 0
+    e = expert_count(key, tuple(meta.size))
+    return _Digest(chunk.offsets[0] * row, meta.numel // e if e else 0)
 
 
 def _pread_exact(fd: int, buf: Any, offset: int, loc: Any) -> None:
@@ -355,6 +474,16 @@ def _pairs(ctx: Context) -> list[PairStats]:
         if mw is None or param is None or param.dtype not in ("bfloat16", "float16") or mw.shape != param.shape:
             continue
         out.append(PairStats(param.key, mw.key, "master"))
+    for ps in ctx.cat.optimizer_state.values():
+        m, v = ps.fields.get("exp_avg"), ps.fields.get("exp_avg_sq")
+        if (
+            m is not None
+            and v is not None
+            and m.shape == v.shape
+            and m.dtype in _MOMENT_DTYPES
+            and v.dtype in _MOMENT_DTYPES
+        ):
+            out.append(PairStats(m.key, v.key, "moments"))
     if ctx.config is not None and bool(config_value(ctx.config, "tie_word_embeddings")):
         head, emb = ctx.cat.tied_keys()
         if head and emb and ctx.cat.model[head].shape == ctx.cat.model[emb].shape:

@@ -12,7 +12,12 @@ from typing import Any
 
 from ckpttool.errors import CkptError
 
-__all__ = ["DeepResult", "PairStats", "TensorStats"]
+__all__ = ["DeepResult", "PairStats", "TensorStats", "expert_count"]
+
+
+def expert_count(key: str, size: tuple[int, ...]) -> int:
+    """Experts along dim 0 of a fused expert tensor (a key with ``experts``, 3 or more dims), else 0."""
+    return size[0] if "experts" in key and len(size) >= 3 and size[0] > 1 else 0
 
 
 @dataclass
@@ -25,6 +30,9 @@ class TensorStats:
         min, max: over all values (NaN when any is NaN), ``None`` for non-float or empty.
         values: every value, for ``step`` fields (few elements).
         zero: every value is +-0 (floating dtypes; ``None`` when not known).
+        digests: ``(flat start, length, CRC-32)`` runs of a model tensor's bytes in global C
+            order (a chunk, or for fused expert tensors ``[E, ...]`` the part of a chunk inside
+            one expert), when it was streamed; lengths summing to ``numel`` mean complete.
     """
 
     key: str
@@ -36,6 +44,7 @@ class TensorStats:
     max: float | None = None
     values: list[float] = field(default_factory=list)
     zero: bool | None = None
+    digests: list[tuple[int, int, int]] = field(default_factory=list)
 
     def add(self, other: TensorStats) -> None:
         if other.numel:
@@ -56,6 +65,7 @@ class TensorStats:
             elif not math.isnan(a):
                 setattr(self, name, pick(a, b))
         self.values.extend(other.values)
+        self.digests.extend(other.digests)
 
 
 @dataclass
@@ -63,8 +73,11 @@ class PairStats:
     """Comparison of two tensors that must hold the same values.
 
     Attributes:
-        kind: ``"master"`` (``a`` = BF16/FP16 parameter, ``b`` = its ``master_weight``) or
-            ``"tied"`` (``a`` = ``lm_head.weight``, ``b`` = the input embedding).
+        kind: ``"master"`` (``a`` = BF16/FP16 parameter, ``b`` = its ``master_weight``),
+            ``"tied"`` (``a`` = ``lm_head.weight``, ``b`` = the input embedding) or
+            ``"moments"`` (``a`` = ``exp_avg``, ``b`` = ``exp_avg_sq`` of one parameter: not
+            compared for equality; ``mismatched`` counts elements where ``b`` is 0 and ``a``
+            is not, ``max_diff`` is the largest ``|a| / sqrt(b)`` over ``b > 0``).
         numel: elements compared; mismatched: elements that differ (after casting ``b`` to
             ``a``'s dtype); max_diff: largest ``|a - b|`` (in float32/64) over them.
     """

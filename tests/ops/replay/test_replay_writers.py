@@ -26,18 +26,24 @@ def replay(*args: str) -> dict:
 
 
 def test_torchtitan_flattened_optimizer(titan_root: Path) -> None:
-    doc = replay(str(titan_root / "llama3" / "checkpoint"), "--step", "2")
+    doc = replay(str(titan_root / "llama3" / "checkpoint"), "--step", "2", "--head-dim", "16")
     assert doc["ok"] and doc["optimizer"]["type"] == "adamw"
     fqns = {p["fqn"] for p in doc["params"]}
     assert "tok_embeddings.weight" in fqns and "layers.1.feed_forward.w2.weight" in fqns
-    assert not any("wqkv" in f for f in fqns)  # stepped fused, stored split: noted, not replayed
-    assert any("stepped fused but stored split" in n for n in doc["notes"])
+    # stepped fused, stored split: replayed on wq/wk/wv assembled per KV head, so every stepped parameter counts
+    assert {f for f in fqns if "wqkv" in f} == {f"layers.{i}.attention.qkv_linear.wqkv.weight" for i in (0, 1)}
+    assert any("stepped fused but stored split" in n and "assembled as the model fuses them" in n for n in doc["notes"])
+    assert len(fqns) == 17 and doc["params_skipped"] == []  # 15 stored as they are stepped, 2 fused
     assert all(p["step_before"] == 2 for p in doc["params"])
 
 
 def test_torchtitan_moe(titan_root: Path) -> None:
     doc = replay(str(titan_root / "moe"))
     assert doc["ok"] and any("inner_experts.w1_EFD" in p["fqn"] for p in doc["params"])
+    # qwen3's q_norm tells the head dim: the fused wqkv is assembled without --head-dim
+    assert {p["fqn"] for p in doc["params"] if "wqkv" in p["fqn"]} == {
+        f"layers.{i}.attention.qkv_linear.wqkv.weight" for i in (0, 1)
+    }
 
 
 def test_accelerate_pair_and_app_state(acc_root: Path) -> None:
@@ -49,7 +55,7 @@ def test_accelerate_pair_and_app_state(acc_root: Path) -> None:
 
 def test_synthesized_state_is_reported(acc_root: Path, titan_root: Path) -> None:
     for src in (acc_root / "accelerate" / "checkpoint-0", titan_root / "llama3_fresh" / "checkpoint" / "step-1"):
-        doc = replay(str(src))
+        doc = replay(str(src), *(("--head-dim", "16") if "llama3" in str(src) else ()))
         notes = [n for n in doc["notes"] if "synthesized state" in n]
         assert notes and "D005" in notes[0], doc["notes"]
 

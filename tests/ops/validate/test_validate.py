@@ -43,11 +43,15 @@ def build_master(out: Path) -> None:
     for fqn, shape in MASTER_PARAMS.items():
         master = torch.randn(shape, generator=g) * 0.1
         msd[fqn] = master.to(torch.bfloat16)
+        m, v = torch.zeros(shape), torch.zeros(shape)
+        for _ in range(5):  # moments Adam's recursion makes (betas 0.9, 0.95) from random gradients
+            grad = torch.randn(shape, generator=g) * 1e-3
+            m, v = 0.9 * m + 0.1 * grad, 0.95 * v + 0.05 * grad * grad
         state[fqn] = {
             "step": torch.tensor(5.0),
             "master_weight": master,
-            "exp_avg": (torch.randn(shape, generator=g) * 1e-3).to(torch.bfloat16),
-            "exp_avg_sq": (torch.rand(shape, generator=g) * 1e-6).to(torch.bfloat16),
+            "exp_avg": m.to(torch.bfloat16),
+            "exp_avg_sq": v.to(torch.bfloat16),
         }
     osd = {
         "state": state,
@@ -370,7 +374,7 @@ def test_O007_step_counters_disagree_is_a_deep_warning(master_ckpt: Path, copy_o
     ck = copy_of(master_ckpt)
     damage.rewrite_tensor(ck, "optimizer.state.model.norm.weight.step", lambda t: t - 2)
     rc, doc, _ = run(ck, "--deep")
-    assert rc == 0 and codes(doc) == {"O007"}
+    assert rc == 0 and "O007" in codes(doc) and codes(doc) <= {"O007", "D007"}  # D007: moments of 5 steps at step 3
     doc = only(ck, "O007", "--deep")
     assert "4 at 5, 1 at 3" in doc["findings"][0]["message"] and doc["findings"][0]["key"] == "model.norm.weight"
 

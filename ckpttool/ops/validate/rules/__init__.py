@@ -1,5 +1,5 @@
 """The rules, one module per family; importing this package registers them in :data:`~ckpttool.ops.validate.base.RULES`."""
 
-from ckpttool.ops.validate.rules import data, layout, model, optimizer, perrank, schema, storage
+from ckpttool.ops.validate.rules import content, data, layout, model, optimizer, perrank, resume, schema, storage
 
-__all__ = ["data", "layout", "model", "optimizer", "perrank", "schema", "storage"]
+__all__ = ["content", "data", "layout", "model", "optimizer", "perrank", "resume", "schema", "storage"]

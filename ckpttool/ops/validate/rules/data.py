@@ -10,6 +10,8 @@ from ckpttool.ops.state_checks import MOMENTS, is_synthesized
 from ckpttool.ops.validate.base import Severity, rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.optimizer import _num
+from ckpttool.ops.validate.stats import PairStats
+from ckpttool.optim_state.bounds import adam_ratio_bound
 
 
 @rule(
@@ -134,3 +136,105 @@ def synthesized_from_stats(ctx: Context) -> list[str]:
         if is_synthesized(value, zeros):
             out.append(fqn)
     return out
+
+
+def _moment_pairs(ctx: Context) -> dict[str, PairStats]:
+    """``exp_avg`` key -> the deep pass's ``moments`` pair of it (compared ones only)."""
+    assert ctx.deep_result is not None
+    return {p.a: p for p in ctx.deep_result.pairs if p.kind == "moments" and p.compared}
+
+
+def _step_value(ctx: Context, fqn: str) -> float | None:
+    """The saved ``step`` of a parameter (one value), from the deep pass."""
+    assert ctx.deep_result is not None
+    ps = ctx.cat.optimizer_state.get(fqn)
+    t = ps.fields.get("step") if ps is not None else None
+    if isinstance(t, TensorEntry):
+        st = ctx.deep_result.stats.get(t.key)
+        vals = st.values if st is not None else []
+    else:
+        v = ctx.deep_result.byte_values.get(ctx.cat.state_key(fqn, "step"))
+        vals = [float(v)] if isinstance(v, (int, float)) and not isinstance(v, bool) else []
+    return vals[0] if len(vals) == 1 and math.isfinite(vals[0]) else None
+
+
+@rule(
+    "D006",
+    "zero-exp-avg-sq",
+    Severity.error,
+    "an exp_avg_sq is 0 where its exp_avg is not (elementwise, or the whole tensor): Adam's second moment is "
+    "a running mean of squared gradients and is non-zero wherever the first moment is",
+    "the second moment was reset or lost (a save that wrote fresh state for it, a bad merge); the next "
+    "update there is exp_avg / eps, orders of magnitude too large: resume from an earlier checkpoint",
+    needs=("deep",),
+)
+def zero_exp_avg_sq(ctx: Context) -> Iterator[tuple[str, str]]:
+    for p in _moment_pairs(ctx).values():
+        if not p.mismatched:
+            continue
+        st = ctx.deep_result.stats.get(p.b) if ctx.deep_result is not None else None
+        whole = " (the whole tensor is 0)" if st is not None and st.zero else ""
+        yield p.b, f"{p.b}: {p.mismatched} of {p.numel} values are 0 where {p.a} is not{whole}"
+
+
+#: ``D007``: slack on the moment-ratio bound (moments stored in BF16 round).
+RATIO_SLACK = 1.1
+
+
+@rule(
+    "D007",
+    "moments-beyond-adam-bound",
+    Severity.warning,
+    "|exp_avg| / sqrt(exp_avg_sq) exceeds the most Adam's recursion can produce after the saved step with the "
+    "group's betas (Cauchy-Schwarz bound, see docs/rules.md)",
+    "the moments do not belong together or to this step (a stale exp_avg_sq beside a newer exp_avg, a reset "
+    "step, a scaled moment): resume from an earlier checkpoint; betas changed during the run, or state not "
+    "made by Adam, can exceed the bound legitimately",
+    needs=("deep",),
+)
+def moments_beyond_adam_bound(ctx: Context) -> Iterator[tuple[str, str]]:
+    by_avg = _moment_pairs(ctx)
+    for fqn, ps in ctx.cat.optimizer_state.items():
+        m = ps.fields.get("exp_avg")
+        p = by_avg.get(m.key) if m is not None else None
+        if p is None or p.max_diff <= 0:
+            continue
+        step = _step_value(ctx, fqn)
+        group = ctx.cat.group_of(fqn)
+        betas = group.values.get("betas") if group is not None else None
+        if step is None or step < 1 or not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            continue
+        try:
+            b1, b2 = float(betas[0]), float(betas[1])
+        except (TypeError, ValueError):
+            continue
+        bound = adam_ratio_bound(step, b1, b2, bias_corrected=False)
+        if p.max_diff > bound * RATIO_SLACK:
+            yield (
+                p.b,
+                f"{fqn}: max |exp_avg|/sqrt(exp_avg_sq) is {p.max_diff:.4g}, beyond {bound:.4g}, the most Adam "
+                f"allows after step {step:g} with betas ({b1:g}, {b2:g})",
+            )
+
+
+@rule(
+    "D008",
+    "zero-moments-after-steps",
+    Severity.warning,
+    "exp_avg and exp_avg_sq are both all zero although the saved step is 2 or more (the group has stepped)",
+    "the moments were reset (a resume that re-initialised the optimizer state but kept the step), or the "
+    "parameter only ever got zero gradients; resume from an earlier checkpoint unless the latter is expected",
+    needs=("deep",),
+)
+def zero_moments_after_steps(ctx: Context) -> Iterator[tuple[str, str]]:
+    deep = ctx.deep_result
+    assert deep is not None
+    for fqn, ps in ctx.cat.optimizer_state.items():
+        zeros = []
+        for f in MOMENTS:
+            e = ps.fields.get(f)
+            st = deep.stats.get(e.key) if isinstance(e, TensorEntry) else None
+            zeros.append(st is not None and st.numel == e.numel and st.numel > 0 and bool(st.zero))  # type: ignore[union-attr]
+        step = _step_value(ctx, fqn)
+        if all(zeros) and step is not None and step >= 2:
+            yield fqn, f"{fqn}: exp_avg and exp_avg_sq are all zero at step {step:g}"

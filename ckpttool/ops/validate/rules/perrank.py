@@ -10,7 +10,7 @@ from ckpttool.ops.validate.context import Context
 
 
 @rule(
-    "D006",
+    "D012",
     "hf-copy-differs",
     Severity.error,
     "a full HF model saved beside per-rank shards (verl's huggingface/model.safetensors) differs from the "

@@ -1,0 +1,179 @@
+"""Content rules (``D009``, ``D010``): copies that the metadata cannot show, from the deep pass's digests.
+
+The ``--deep`` pass records, for each floating model tensor it streams, the CRC-32 of every
+chunk (and of every expert's part of a chunk for fused expert tensors ``[E, ...]``) with its
+place in global C order (:attr:`~ckpttool.ops.validate.stats.TensorStats.digests`); nothing
+is read a second time and no data is kept. Two slices are *identical* when their runs (offset
+inside the slice, length, CRC-32) are the same. Both rules stay silent on a checkpoint that
+shows no training step (sparse upcycling and depth up-scaling copy weights on purpose at step
+0). ``docs/rules.md``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+from ckpttool.format.metadata import TensorMeta
+from ckpttool.model.catalog import TensorEntry
+from ckpttool.ops.validate.base import Severity, rule
+from ckpttool.ops.validate.context import Context
+from ckpttool.ops.validate.rules.data import synthesized_from_stats
+from ckpttool.ops.validate.rules.optimizer import step_values
+from ckpttool.ops.validate.stats import expert_count
+
+_EXPERT_RE = re.compile(r"(?<=\.experts\.)\d+(?=\.)")
+_LAYER_RE = re.compile(r"(?<=layers\.)\d+(?=\.)")
+
+Digest = tuple[tuple[int, int, int], ...]
+
+
+def _trained(ctx: Context) -> bool:
+    """The checkpoint shows a real training step: an optimizer ``step`` >= 1 (not synthesized), or step >= 1 in its name."""
+    steps = step_values(ctx)
+    if steps and max(steps.values()) >= 1 and not synthesized_from_stats(ctx):
+        return True
+    return (ctx.ckpt.located.step or 0) >= 1
+
+
+def _slice_digest(runs: list[tuple[int, int, int]], start: int, length: int) -> Digest | None:
+    """The runs inside ``[start, start + length)`` relative to ``start``; ``None`` when they do not cover it."""
+    inside = sorted((s - start, n, c) for s, n, c in runs if start <= s and s + n <= start + length)
+    return tuple(inside) if sum(n for _, n, _ in inside) == length else None
+
+
+def _tensor_digest(ctx: Context, key: str) -> Digest | None:
+    assert ctx.deep_result is not None
+    st = ctx.deep_result.stats.get(key)
+    if st is None or not st.digests or st.zero:
+        return None
+    return _slice_digest(st.digests, 0, st.numel)
+
+
+def _groups(digests: dict[int, Any]) -> list[list[int]]:
+    """Indices with equal (known) digests, groups of two or more, in index order."""
+    by: dict[Any, list[int]] = defaultdict(list)
+    for i, d in sorted(digests.items()):
+        if d is not None:
+            by[d].append(i)
+    return [v for v in by.values() if len(v) > 1]
+
+
+def _describe(groups: list[list[int]], what: str) -> str:
+    shown = "; ".join(f"{what}s {', '.join(map(str, g[:8]))}{' ...' if len(g) > 8 else ''}" for g in groups[:3])
+    return shown + (f" (+{len(groups) - 3} more groups)" if len(groups) > 3 else "")
+
+
+def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
+    assert ctx.deep_result is not None
+    for key in ctx.cat.model:
+        meta = ctx.reader.metadata.entries.get(key)
+        st = ctx.deep_result.stats.get(key)
+        if not isinstance(meta, TensorMeta) or st is None or st.zero or not st.digests:
+            continue
+        e = expert_count(key, tuple(meta.size))
+        if not e:
+            continue
+        pe = meta.numel // e
+        groups = _groups({i: _slice_digest(st.digests, i * pe, pe) for i in range(e)})
+        if groups:
+            n = sum(len(g) for g in groups)
+            yield key, f"{key}: {n} of {e} expert slices are bitwise copies of another: {_describe(groups, 'expert')}"
+
+
+def _per_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
+    by_pattern: dict[str, dict[int, str]] = defaultdict(dict)
+    for key, entry in ctx.cat.model.items():
+        m = _EXPERT_RE.search(key)
+        if m is not None and isinstance(entry, TensorEntry) and entry.numel > 0:
+            by_pattern[key[: m.start()] + "#" + key[m.end() :]][int(m.group())] = key
+    for pattern, keys in by_pattern.items():
+        if len(keys) < 2:
+            continue
+        groups = _groups({i: _tensor_digest(ctx, k) for i, k in keys.items()})
+        if groups:
+            yield keys[groups[0][0]], f"{pattern}: bitwise copies across experts: {_describe(groups, 'expert')}"
+
+
+@rule(
+    "D009",
+    "identical-expert-slices",
+    Severity.warning,
+    "experts of one layer hold bitwise identical weights (slices of a fused [E, ...] expert tensor, or "
+    "per-expert tensors): one EP rank's experts written for all ranks, or a resume that broadcast one slice",
+    "legitimate only for sparse upcycling before training (every expert a copy of the dense MLP at step 0; "
+    "this rule is silent when the checkpoint shows no training step). After training steps experts diverge: "
+    "compare the EP ranks' data files, and resume from an earlier checkpoint",
+    needs=("deep",),
+)
+def identical_expert_slices(ctx: Context) -> Iterator[tuple[str, str]]:
+    if not _trained(ctx):
+        return
+    yield from _fused_expert_copies(ctx)
+    yield from _per_expert_copies(ctx)
+
+
+@rule(
+    "D010",
+    "identical-layers",
+    Severity.warning,
+    "a whole layer (every model tensor of layers.N) is bitwise identical to another layer",
+    "a copy bug in a conversion or a save (one layer written for several); legitimate only for depth "
+    "up-scaling before training (silent when the checkpoint shows no training step): resume from an earlier "
+    "checkpoint",
+    needs=("deep",),
+)
+def identical_layers(ctx: Context) -> Iterator[tuple[str, str]]:
+    if not _trained(ctx):
+        return
+    layers: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
+    for key, entry in ctx.cat.model.items():
+        m = _LAYER_RE.search(key)
+        if m is not None and isinstance(entry, TensorEntry):
+            layers[key[: m.start()]][int(m.group())][key[m.end() :]] = key
+    for prefix, by_index in layers.items():
+        sig: dict[int, Any] = {}
+        for i, members in by_index.items():
+            if not any(len(ctx.cat.model[k].shape) >= 2 for k in members.values()):
+                continue
+            parts = tuple((rel, _tensor_digest(ctx, k)) for rel, k in sorted(members.items()))
+            sig[i] = parts if all(d is not None for _, d in parts) else None
+        for g in _groups(sig):
+            yield (
+                f"{prefix}{g[1]}",
+                f"{prefix}{g[1]}.*: every tensor is bitwise identical to {prefix}{g[0]}.* "
+                f"({_describe([g], 'layer')}, {len(by_index[g[0]])} tensors each)",
+            )
+
+
+#: Model tensors whose own initialisation is zero (``D011`` leaves them alone), matched on the key's
+#: last two components: biases, LoRA's B (PEFT ``lora_B``; zero at init by design, Hu et al. 2021),
+#: router / expert-balance biases (DeepSeek-V3 ``e_score_correction_bias``, torchtitan ``expert_bias``),
+#: and anything named ``zero``.
+ZERO_INIT_NAMES = re.compile(
+    r"(^|[._])(bias|lora_b|lora_B|lora_embedding_B|e_score_correction_bias|expert_bias\w*|\w*zero\w*)([._]|$)"
+)
+
+
+@rule(
+    "D011",
+    "all-zero-weight",
+    Severity.warning,
+    "in a trained checkpoint, a floating model tensor of 2 or more dims is all zero, and it is not one that "
+    "initialises to zero (biases, LoRA B, router biases and names with `zero` are excepted: docs/rules.md)",
+    "the save wrote a tensor that was never materialised or loaded (meta-device init without init_weights, "
+    "a failed load that left zeros); compare with an earlier checkpoint before resuming",
+    needs=("deep",),
+)
+def all_zero_weight(ctx: Context) -> Iterator[tuple[str, str]]:
+    assert ctx.deep_result is not None
+    if not _trained(ctx):
+        return  # before training, zero-initialised tensors are the initialisation's business
+    for key, entry in ctx.cat.model.items():
+        if len(entry.shape) < 2 or entry.numel == 0 or ZERO_INIT_NAMES.search(key):
+            continue
+        st = ctx.deep_result.stats.get(key)
+        if st is not None and st.zero and st.numel == entry.numel:
+            yield key, f"{key}: all {entry.numel} values are 0 (shape {list(entry.shape)}, {entry.dtype})"

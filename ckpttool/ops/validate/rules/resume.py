@@ -1,0 +1,148 @@
+"""Resume-safety rules (``R``): would a resume from this checkpoint continue the run it came from?
+
+``R001`` looks at the run root the checkpoint was chosen from (:mod:`ckpttool.model.discovery`);
+``R002`` compares the step counters that the optimizer, the trainer and the LR scheduler saved
+(values from the ``--deep`` pass and the small training-state byte items). ``docs/rules.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ckpttool.errors import CkptError
+from ckpttool.format.metadata import BytesMeta
+from ckpttool.ops.validate.base import Severity, rule
+from ckpttool.ops.validate.context import Context
+from ckpttool.ops.validate.rules.data import synthesized_from_stats
+
+
+@rule(
+    "R001",
+    "newer-step-incomplete",
+    Severity.warning,
+    "a step directory newer than the checked one holds a save that did not finish (data files or "
+    ".metadata.tmp without .metadata, an async save cut short)",
+    "the newest save did not finish: a resume (or `--step latest`) picks the older step and the steps in "
+    "between are lost; wait for the save, or delete the incomplete step once you have decided to resume from "
+    "the older one",
+)
+def newer_step_incomplete(ctx: Context) -> Iterator[tuple[str, str]]:
+    loc = ctx.ckpt.located
+    for inc in loc.newer_incomplete:
+        chosen = f"step {loc.step}" if loc.step is not None else str(loc.model)
+        yield (
+            str(inc.path),
+            f"{inc.path}: step {inc.step} is newer than the checked {chosen} but incomplete ({inc.reason})",
+        )
+
+
+#: Training-state items holding the trainer's step count (item -> key suffix below the item).
+#: torchtitan: ``train_state.step``; Megatron: ``iteration``; HF-style: ``global_step``.
+TRAIN_STEP_KEYS = (
+    "train_state.step",
+    "trainer_state.global_step",
+    "training_state.step",
+    "training_state.global_step",
+    "global_step",
+    "iteration",
+    "step",
+)
+_SCHEDULER_ITEMS = ("lr_scheduler", "lr_schedulers", "scheduler", "schedulers")
+
+
+@dataclass(frozen=True)
+class _Counter:
+    key: str
+    value: int
+
+
+def _int_item(ctx: Context, key: str) -> int | None:
+    meta = ctx.reader.metadata.entries.get(key)
+    if not isinstance(meta, BytesMeta) or not ctx.storage_ok(key):
+        return None
+    try:
+        v = ctx.reader.read_object(key)
+    except CkptError:
+        return None  # reported by the storage rules
+    return v if type(v) is int else None
+
+
+def _train_steps(ctx: Context) -> list[_Counter]:
+    out = [_Counter(k, v) for k in TRAIN_STEP_KEYS if (v := _int_item(ctx, k)) is not None]
+    for st in ctx.ckpt.extra_state():
+        if st.global_step is not None:
+            out.append(_Counter(st.file.relative_path, st.global_step))
+    return out
+
+
+def _scheduler_counters(ctx: Context) -> tuple[list[_Counter], list[_Counter]]:
+    """``(last_epoch counters, _step_count counters)`` of the saved LR schedulers."""
+    epochs, counts = [], []
+    for key, meta in ctx.reader.metadata.entries.items():
+        if not isinstance(meta, BytesMeta) or key.split(".", 1)[0] not in _SCHEDULER_ITEMS:
+            continue
+        if key.endswith(".last_epoch") and (v := _int_item(ctx, key)) is not None:
+            epochs.append(_Counter(key, v))
+        elif key.endswith("._step_count") and (v := _int_item(ctx, key)) is not None:
+            counts.append(_Counter(key, v))
+    return epochs, counts
+
+
+def _optimizer_step(ctx: Context) -> _Counter | None:
+    """The largest saved optimizer ``step`` (parameters that missed gradients count fewer)."""
+    dr = ctx.deep_result
+    assert dr is not None
+    best: _Counter | None = None
+    for fqn, ps in ctx.cat.optimizer_state.items():
+        if "step" not in ps.fields:
+            continue
+        t = ps.fields["step"]
+        key = ctx.cat.state_key(fqn, "step")
+        if t is None:
+            v = dr.byte_values.get(key)
+            values = [float(v)] if isinstance(v, (int, float)) and not isinstance(v, bool) else []
+        else:
+            st = dr.stats.get(t.key)
+            values = st.values if st is not None else []
+        for v in values:
+            if math.isfinite(v) and v >= 0 and v == int(v) and (best is None or v > best.value):
+                best = _Counter(key, int(v))
+    return best
+
+
+@rule(
+    "R002",
+    "train-step-mismatch",
+    Severity.error,
+    "the step counters saved together disagree: the optimizer's largest `step`, the trainer's step "
+    "(`train_state.step`, `global_step`, `iteration`, extra_state files) and the LR scheduler's "
+    "`last_epoch` (equal to the trainer's step) and `_step_count` (`last_epoch + 1`)",
+    "parts of the state come from different steps (a stale optimizer or scheduler file kept across a "
+    "resume): a resume would bias-correct or schedule the LR for the wrong step; resume from a checkpoint "
+    "whose counters agree, or restore the stale part",
+    needs=("deep",),
+)
+def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
+    if synthesized_from_stats(ctx):
+        return  # saved before the first optimizer step (D005): the counters of no step to compare
+    opt = _optimizer_step(ctx)
+    trains = _train_steps(ctx)
+    epochs, counts = _scheduler_counters(ctx)
+    ref = trains[0] if trains else (opt if opt is not None else (epochs[0] if epochs else None))
+    if ref is None:
+        return
+    for c in trains[1:]:
+        if c.value != ref.value:
+            yield c.key, f"{c.key} = {c.value} but {ref.key} = {ref.value}"
+    if opt is not None and opt is not ref and opt.value != ref.value:
+        yield opt.key, f"optimizer step {opt.value} ({opt.key}, the largest) but {ref.key} = {ref.value}"
+    for c in epochs:
+        if c is not ref and c.value != ref.value:
+            yield c.key, f"LR scheduler {c.key} = {c.value} but {ref.key} = {ref.value}"
+    by_item = {e.key.rsplit(".", 1)[0]: e for e in epochs}
+    for c in counts:
+        e = by_item.get(c.key.rsplit(".", 1)[0])
+        if e is not None and c.value != e.value + 1:
+            yield c.key, f"LR scheduler {c.key} = {c.value} but {e.key} = {e.value} (expected last_epoch + 1)"

@@ -1,0 +1,43 @@
+"""How large Adam's moment ratio can be: the bound behind ``replay-step``'s ``R003`` and ``validate``'s ``D007``.
+
+Torch-free arithmetic only. With ``m_t = sum_i (1-b1) b1^(t-i) g_i`` and
+``v_t = sum_i (1-b2) b2^(t-i) g_i^2`` from zero state (torch's AdamW, ``torch/optim/adamw.py``;
+Kingma & Ba 2015, Algorithm 1), Cauchy-Schwarz gives for *any* gradients::
+
+    |m_t| <= (1-b1)/sqrt(1-b2) * sqrt(sum_{k<t} (b1^2/b2)^k) * sqrt(v_t)
+
+and with bias correction ``|m_hat_t| / sqrt(v_hat_t)`` is that times ``sqrt(1-b2^t)/(1-b1^t)``
+(exactly 1 at ``t = 1``; about 7.3 for large ``t`` with ``b1 = 0.9, b2 = 0.999``). Moments that
+exceed it did not come from this recursion with these betas: a zeroed or stale ``exp_avg_sq``,
+a ``step`` reset. ``docs/replay.md``, "Update size"; ``docs/rules.md`` ``D007``.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["adam_ratio_bound"]
+
+
+def adam_ratio_bound(step: float, beta1: float, beta2: float, *, bias_corrected: bool = True) -> float:
+    """The largest ``|m| / sqrt(v)`` (``bias_corrected``: ``|m_hat| / sqrt(v_hat)``) after ``step`` Adam steps.
+
+    Args:
+        step: steps taken (``t >= 1``; smaller values count as 1).
+        beta1, beta2: the group's betas.
+        bias_corrected: bound the bias-corrected ratio (the update in units of lr) or the raw saved moments.
+
+    Returns:
+        The bound; ``inf`` for betas outside ``[0, 1)`` (no bound is known).
+    """
+    t = max(1, int(step))
+    if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+        return math.inf
+    if beta2 == 0:
+        return math.inf if beta1 > 0 else 1.0
+    q = beta1 * beta1 / beta2
+    series = float(t) if q == 1 else (1 - q**t) / (1 - q)
+    raw = (1 - beta1) / math.sqrt(1 - beta2) * math.sqrt(series)
+    if not bias_corrected:
+        return raw
+    return raw * math.sqrt(1 - beta2**t) / (1 - beta1**t)

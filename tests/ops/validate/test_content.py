@@ -1,0 +1,160 @@
+"""`validate --deep` content rules on real saves, damaged the way the real bugs do it.
+
+- ``D009``: one EP rank's expert slice written for every rank (a 4-rank EP DTensor save,
+  tests/fixtures/moe_ep.py; torchtitan's qwen3 MoE under FSDP2); silent on the clean saves and
+  on an upcycled MoE saved at step 0 (every expert a copy of the dense MLP, optimizer state
+  torch synthesized before the first step).
+- ``D010``: a layer written as a copy of another (torchtitan llama3 ``CheckpointManager`` save).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from tests.fixtures import damage
+from tests.fixtures.cache import copy_checkpoint
+
+pytestmark = pytest.mark.slow  # fixtures written by multi-rank gloo jobs
+
+runner = CliRunner()
+
+
+def run(*args: Any) -> tuple[int, dict[str, Any]]:
+    res = runner.invoke(app, ["validate", *map(str, args), "--json"])
+    assert res.stdout.strip(), (res.exit_code, res.stderr)
+    return res.exit_code, json.loads(res.stdout)
+
+
+def findings(doc: dict[str, Any], code: str) -> list[dict[str, Any]]:
+    return [f for f in doc["findings"] if f["code"] == code]
+
+
+def _rank0_for_all(key: str, blocks: int) -> Any:
+    """Every EP rank's block of experts replaced by rank 0's (the save wrote one rank's slice for all)."""
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        per = t.shape[0] // blocks
+        return torch.cat([t[:per]] * blocks)
+
+    return fn
+
+
+def test_ep_rank_slice_written_for_all(ep_suite: Path, tmp_path: Path) -> None:
+    src = ep_suite / "canonical"  # EP 2 x EP-FSDP 2, experts on dim 0, 8 experts
+    rc, doc = run(src, "--deep", "--strict", "--ignore", "L003")
+    assert rc == 0 and not findings(doc, "D009"), doc["findings"]
+    ck = copy_checkpoint(src, tmp_path / "ck")
+    key = "model.model.layers.1.mlp.experts.down_proj"
+    for k in [
+        k
+        for k in damage.load_md(src).state_dict_metadata
+        if k.startswith(
+            ("model.layers.1.mlp.experts.down_proj", "optimizer.state.model.layers.1.mlp.experts.down_proj.")
+        )
+        or k == key
+    ]:
+        if not k.endswith(".step"):  # parameter, master_weight and moments: the rank's whole slice
+            damage.rewrite_tensor(ck, k, _rank0_for_all(k, 2))
+    rc, doc = run(ck, "--deep", "--ignore", "L003")
+    assert rc == 0 and [f["key"] for f in findings(doc, "D009")] == [key]  # a warning
+    msg = findings(doc, "D009")[0]["message"]
+    assert "8 of 8 expert slices" in msg and "experts 0, 4; experts 1, 5; experts 2, 6 (+1 more groups)" in msg
+    assert "upcycling" in findings(doc, "D009")[0]["hint"]
+    rc, doc = run(ck, "--deep", "--strict", "--ignore", "L003")
+    assert rc == 1
+
+
+def test_torchtitan_moe_expert_copies(titan_root: Path, tmp_path: Path) -> None:
+    src = titan_root / "moe" / "checkpoint" / "step-1"
+    ck = copy_checkpoint(src, tmp_path / "ck")
+    key = "layers.0.moe.routed_experts.inner_experts.w1_EFD"
+    for k in (key, f"optimizer.state.{key}.exp_avg", f"optimizer.state.{key}.exp_avg_sq"):
+        damage.rewrite_tensor(ck, k, _rank0_for_all(k, 2))  # the 2 FSDP2 ranks' Shard(0) halves
+    rc, doc = run(ck, "--deep", "--strict")
+    assert rc == 1 and [f["key"] for f in findings(doc, "D009")] == [key], doc["findings"]
+
+
+def test_upcycled_moe_at_step_0_is_silent(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    class Moe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            dense_up, dense_down = torch.randn(8, 6) * 0.1, torch.randn(6, 4) * 0.1
+            self.gate = torch.nn.Linear(6, 4, bias=False)
+            self.gate_up_proj = torch.nn.Parameter(dense_up.expand(4, 8, 6).clone())  # sparse upcycling
+            self.down_proj = torch.nn.Parameter(dense_down.expand(4, 6, 4).clone())
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.ModuleDict({"experts": Moe()})])
+
+    m = Model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    msd, osd = get_state_dict(m, opt)  # before the first step: state torch synthesizes
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "step-0"))
+    rc, doc = run(tmp_path / "step-0", "--deep")
+    assert not findings(doc, "D009"), doc["findings"]
+    assert {f["code"] for f in doc["findings"]} <= {"D005"}
+
+
+def test_layer_written_as_a_copy_of_another(titan_root: Path, tmp_path: Path) -> None:
+    src = titan_root / "llama3" / "checkpoint" / "step-2"
+    ck = copy_checkpoint(src, tmp_path / "ck")
+    for key in [k for k in damage.load_md(src).state_dict_metadata if k.startswith("layers.1.")]:
+        damage.rewrite_tensor(
+            ck, key, lambda _t, key=key: damage.read_tensor(src, key.replace("layers.1.", "layers.0."))
+        )
+    rc, doc = run(ck, "--deep", "--strict")
+    assert rc == 1 and [f["key"] for f in findings(doc, "D010")] == ["layers.1"], doc["findings"]
+    assert "identical to layers.0.*" in findings(doc, "D010")[0]["message"]
+    rc, doc = run(src, "--deep", "--strict")
+    assert not findings(doc, "D010") and not findings(doc, "D009")
+
+
+def test_all_zero_weight_in_a_trained_save(titan_root: Path, tmp_path: Path) -> None:
+    src = titan_root / "llama3" / "checkpoint" / "step-2"
+    ck = copy_checkpoint(src, tmp_path / "ck")
+    damage.rewrite_tensor(ck, "layers.1.feed_forward.w2.weight", torch.zeros_like)  # never materialised
+    rc, doc = run(ck, "--deep", "--strict")
+    assert rc == 1 and [f["key"] for f in findings(doc, "D011")] == ["layers.1.feed_forward.w2.weight"]
+
+
+def test_lora_at_init_is_silent(tmp_path: Path) -> None:
+    """PEFT's LoRA initialises lora_B to zero; one real AdamW step later it is not zero, and nothing is reported."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    m = torch.nn.ModuleDict(
+        {
+            "base": torch.nn.Linear(8, 8),
+            "lora_A": torch.nn.Linear(8, 2, bias=False),
+            "lora_B": torch.nn.Linear(2, 8, bias=False),
+        }
+    )
+    torch.nn.init.zeros_(m["lora_B"].weight)
+    m["base"].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3)
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "init"))
+    rc, doc = run(tmp_path / "init", "--deep")
+    assert not findings(doc, "D011") and not findings(doc, "D010"), doc["findings"]
+    for p in m.parameters():
+        if p.requires_grad:
+            p.grad = torch.randn_like(p)
+    opt.step()
+    assert m["lora_B"].weight.abs().max() > 0  # one real step moved lora_B off zero
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "step-1"))
+    rc, doc = run(tmp_path / "step-1", "--deep", "--strict")
+    assert rc == 0, doc["findings"]
