@@ -49,8 +49,8 @@ from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.ops import distributed
 from ckpttool.ops.export.expected import MISMATCH_KINDS, ModelCheck, compare_with_model
 from ckpttool.ops.export.experts import expert_orders
-from ckpttool.ops.export.lora import read_adapter_config
 from ckpttool.ops.export.formats.fp8 import BlockQuantizer, QuantizedFormat, QuantSpec, recount_casts
+from ckpttool.ops.export.lora import read_adapter_config
 from ckpttool.ops.export.outputs import OutputFormat, PrepareRequest, get_format
 from ckpttool.ops.export.plan import (
     SAVE_DTYPES,
@@ -929,16 +929,9 @@ def _write(
                     )
                 workers = opts.workers if opts.workers is not None else min(8, os.cpu_count() or 1)
                 executor = _Executor(
-                    reader,
-                    plan,
-                    cast(list[ShardWriter], writers),
-                    workers,
-                    progress,
-                    prep.chunks,
-                    mine,
-                    merges,
-                    prep.quantizer,
+                    reader, plan, cast(list[ShardWriter], writers), workers, progress, prep.chunks, mine, merges
                 )
+                executor.quantizer = prep.quantizer
                 t_run = time.perf_counter()
                 # a remote checkpoint: this rank's windows, by parallel range requests, in batches that
                 # bound the spool (each batch fetched, written, then evicted); a local one: one batch

@@ -1,0 +1,261 @@
+"""`ckpttool export --quantize fp8-block` against independent references.
+
+- torch's ``QuantizedHuggingFaceStorageReader`` (``torch.distributed.checkpoint.quantized_hf_storage``)
+  reads the export back: its dequantized tensors equal ``q * scale`` of our kernels bit for bit and
+  are within the documented bound of the source (``dcp.load``);
+- the FP8 bytes and scales equal torch's own ``(w / scale).to(torch.float8_e4m3fn)`` with
+  ``scale = amax / 448`` per block (whole tensors, torch arithmetic);
+- transformers' ``AutoConfig`` / ``FineGrainedFP8Config`` accept ``config.json``; the tiny Llama's
+  logits with the dequantized weights stay close to the BF16 export's;
+- hostile: a NaN weight (E606, nothing published), ``--format lora`` (usage error), ``--quantize-skip``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.engine import kernels
+from ckpttool.ops.export.formats.fp8 import MAX_BLOCK_REL_ERROR
+from tests.fixtures import hf_models
+from tests.fixtures.cache import cached_build
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="session")
+def master_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_master", hf_models.build_master)
+
+
+def _torch_load(path: Path) -> dict[str, torch.Tensor]:
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    sd = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if hasattr(v, "size")
+    }
+    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    return sd
+
+
+def _file_tensors(out: Path) -> dict[str, torch.Tensor]:
+    got: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():  # noqa: SIM118  # safe_open is not a mapping
+                got[k] = h.get_tensor(k)
+    return got
+
+
+def _export(src: Path, out: Path, *args: str) -> dict[str, Any]:
+    res = runner.invoke(app, ["export", str(src), str(out), "--quantize", "fp8-block", "--json", *args])
+    assert res.exit_code == 0, (res.stdout, res.stderr)
+    return json.loads(res.stdout)
+
+
+def _torch_reference(w: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 block quantization in torch arithmetic: ``scale = amax / 448`` (1 for a zero block), ``q = (w / scale).to(e4m3fn)``."""
+    w = w.float()
+    rows, cols = w.shape
+    nr, nc = -(-rows // b), -(-cols // b)
+    padded = torch.zeros(nr * b, nc * b)
+    padded[:rows, :cols] = w.abs()
+    amax = padded.reshape(nr, b, nc, b).amax(dim=(1, 3))
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / 448.0)
+    full = scale.repeat_interleave(b, 0).repeat_interleave(b, 1)[:rows, :cols]
+    return (w / full).to(torch.float8_e4m3fn), scale
+
+
+def _torch_reader_load(out: Path, keys: dict[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
+
+    sd = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in keys.items()}
+    reader = QuantizedHuggingFaceStorageReader(str(out), target_dtype=torch.float32, block_size=block)
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    return sd
+
+
+def _check_against_sources(out: Path, sources: dict[str, torch.Tensor], block: int, result: dict[str, Any]) -> int:
+    """Every ``*_scale_inv`` pair: torch reference bytes, torch reader == our dequantization, error within the bound."""
+    files = _file_tensors(out)
+    weights = {k[: -len("_scale_inv")]: files[k[: -len("_scale_inv")]] for k in files if k.endswith("_scale_inv")}
+    assert weights, "nothing quantized"
+    read = _torch_reader_load(out, weights, block)
+    for name, q in weights.items():
+        assert q.dtype == torch.float8_e4m3fn
+        scale = files[name + "_scale_inv"]
+        assert scale.dtype == torch.float32 and tuple(scale.shape) == tuple(-(-d // block) for d in q.shape)
+        ref_q, ref_scale = _torch_reference(sources[name], block)
+        assert torch.equal(scale, ref_scale), name
+        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), name
+        ours = np.concatenate(
+            [
+                kernels.fp8_block_dequantize(
+                    q.view(torch.uint8)[r : r + block].numpy(), scale[r // block].numpy(), block
+                )
+                for r in range(0, q.shape[0], block)
+            ]
+        )
+        assert np.array_equal(read[name].numpy().view(np.uint32), ours.view(np.uint32)), name
+        src = sources[name].float()
+        err = (read[name] - src).abs().max().item()
+        assert err <= MAX_BLOCK_REL_ERROR * src.abs().max().item(), name
+        figures = result["quantization"]["tensors"][name]
+        assert figures["max_abs_error"] == pytest.approx(err, rel=1e-6, abs=1e-12)
+        assert figures["max_rel_error"] <= MAX_BLOCK_REL_ERROR
+    return len(weights)
+
+
+def test_fp8_block_from_masters_read_by_torch(master_ckpt: Path, tmp_path: Path) -> None:
+    """Default source with --quantize: the FP32 masters (auto); blocks of 16 so tensors span several blocks."""
+    out = tmp_path / "fp8"
+    r = _export(master_ckpt, out, "--quantize-block", "16", "--model-assets", str(master_ckpt / "model_assets"))
+    assert r["weights"] == "master" and r["quantization"]["source"] == "master" and r["save_dtype"] == "bfloat16"
+    sd = _torch_load(master_ckpt)
+    masters = {
+        k.removeprefix("optimizer.state.").removesuffix(".master_weight"): v
+        for k, v in sd.items()
+        if k.endswith(".master_weight")
+    }
+    n = _check_against_sources(out, masters, 16, r)
+    assert n == r["quantization"]["quantized"] == 14  # 2 layers x 7 linear weights
+    files = _file_tensors(out)
+    for kept in ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"):
+        assert files[kept].dtype == torch.bfloat16 and kept + "_scale_inv" not in files
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc == {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [16, 16],
+        "modules_to_not_convert": ["lm_head", "model.embed_tokens"],
+    }
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(files)
+    assert r["casts"]["float32->float8_e4m3fn"] == 14
+
+
+def test_fp8_config_accepted_by_transformers_and_logits_close(master_ckpt: Path, tmp_path: Path) -> None:
+    """AutoConfig reads quantization_config with no warning; dequantized logits vs the BF16 export's."""
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    assets = str(master_ckpt / "model_assets")
+    out = tmp_path / "fp8"
+    _export(master_ckpt, out, "--model-assets", assets)  # default block 128: one block per tiny weight
+    bf16 = tmp_path / "bf16"
+    res = runner.invoke(
+        app,
+        [
+            "export",
+            str(master_ckpt),
+            str(bf16),
+            "--weights",
+            "master",
+            "--save-dtype",
+            "bf16",
+            "--model-assets",
+            assets,
+        ],
+    )
+    assert res.exit_code == 0, res.stderr
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    hf_logging.get_logger("transformers").addHandler(handler)
+    try:
+        cfg = AutoConfig.from_pretrained(str(out))
+    finally:
+        hf_logging.get_logger("transformers").removeHandler(handler)
+    assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage() for r in records]
+    fp8cfg = FineGrainedFP8Config.from_dict(dict(cfg.quantization_config))
+    assert fp8cfg.weight_block_size == [128, 128] and fp8cfg.activation_scheme == "dynamic"
+    assert fp8cfg.modules_to_not_convert == ["lm_head", "model.embed_tokens"]
+
+    files = _file_tensors(out)
+    weights = {k: v for k, v in files.items() if k + "_scale_inv" in files}
+    deq = _torch_reader_load(out, weights, 128)
+    plain = {k: v.float() for k, v in files.items() if not k.endswith("_scale_inv") and k not in weights}
+    ref = {k: v.float() for k, v in _file_tensors(bf16).items()}
+    cfg_plain = AutoConfig.from_pretrained(assets)
+    ids = torch.randint(0, cfg_plain.vocab_size, (2, 12), generator=torch.Generator().manual_seed(7))
+    logits = []
+    for sd in ({**plain, **deq}, ref):
+        model = LlamaForCausalLM(cfg_plain).float().eval()
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        assert not unexpected and all("rotary" in k for k in missing)
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    # stated tolerance: FP8 block rounding (<= 3.6% of each block's amax per weight) moves the tiny
+    # model's logits by less than 5% of their range
+    diff = (logits[0] - logits[1]).abs().max().item()
+    assert diff <= 0.05 * logits[1].abs().max().item(), diff
+
+
+def test_fp8_bands_across_fsdp_chunks(fsdp_ckpt: Path, tmp_path: Path) -> None:
+    """4-rank FSDP chunks (4 rows each) and bands of 3 rows: bands span two stored chunks."""
+    out = tmp_path / "fp8"
+    r = _export(fsdp_ckpt, out, "--quantize-block", "3", "--weights", "params")
+    sources = {k.removeprefix("model."): v for k, v in _torch_load(fsdp_ckpt).items() if k.startswith("model.")}
+    n = _check_against_sources(out, sources, 3, r)
+    assert n == 2  # model.layers.{0,1}.proj.weight (embed, lm_head kept; `odd` is not a *.weight)
+
+
+def test_quantize_skip_and_lm_head_kept(master_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "fp8"
+    r = _export(
+        master_ckpt,
+        out,
+        "--quantize-skip",
+        "lm_head*",
+        "--quantize-skip",
+        "*.q_proj.weight",
+        "--model-assets",
+        str(master_ckpt / "model_assets"),
+    )
+    files = _file_tensors(out)
+    assert files["lm_head.weight"].dtype == torch.bfloat16
+    assert files["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert "model.layers.0.self_attn.q_proj.weight_scale_inv" not in files
+    assert files["model.layers.0.self_attn.k_proj.weight"].dtype == torch.float8_e4m3fn
+    assert r["quantization"]["quantized"] == 12
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (
+        "model.layers.1.self_attn.q_proj" in qc["modules_to_not_convert"] and "lm_head" in qc["modules_to_not_convert"]
+    )
+
+
+def test_quantize_with_lora_format_is_usage_error(master_ckpt: Path, tmp_path: Path) -> None:
+    res = runner.invoke(
+        app, ["export", str(master_ckpt), str(tmp_path / "o"), "--format", "lora", "--quantize", "fp8-block"]
+    )
+    assert res.exit_code == 2 and "Traceback" not in res.stderr
+    assert "quantize" in res.stderr and not (tmp_path / "o").exists()
+    res = runner.invoke(app, ["export", str(master_ckpt), str(tmp_path / "o"), "--quantize", "int4"])
+    assert res.exit_code == 2 and "fp8-block" in res.stderr and not (tmp_path / "o").exists()
+
+
+def test_nan_weight_refused_nothing_published(tmp_path: Path) -> None:
+    w = torch.randn(40, 24)
+    w[33, 5] = float("nan")
+    sd = {"model.model.layers.0.mlp.down_proj.weight": w, "model.model.norm.weight": torch.ones(24)}
+    src = tmp_path / "ckpt"
+    dcp.save(sd, checkpoint_id=str(src), no_dist=True)
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["export", str(src), str(out), "--quantize", "fp8-block", "--quantize-block", "16"])
+    assert res.exit_code != 0 and "Traceback" not in res.stderr
+    assert "error: [E606]" in res.stderr and "model.layers.0.mlp.down_proj.weight" in res.stderr, res.stderr
+    assert "block (2, 0)" in res.stderr
+    assert not out.exists() and not list(tmp_path.glob("out*"))
