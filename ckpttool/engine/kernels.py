@@ -331,7 +331,7 @@ def to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
         KeyError: another dtype.
     """
     if dtype == "float32":
-        return raw.view(np.float32).copy()
+        return np.array(raw.view(np.float32), dtype=np.float32)
     if dtype == "bfloat16":
         return np.left_shift(raw.view(np.uint16), 16, dtype=np.uint32).view(np.float32)
     if dtype == "float16":

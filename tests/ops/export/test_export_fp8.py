@@ -53,7 +53,7 @@ def _file_tensors(out: Path) -> dict[str, torch.Tensor]:
     got: dict[str, torch.Tensor] = {}
     for f in sorted(out.glob("*.safetensors")):
         with safe_open(str(f), "pt") as h:
-            for k in h.keys():  # noqa: SIM118  # safe_open is not a mapping
+            for k in h.keys():  # safe_open is not a mapping
                 got[k] = h.get_tensor(k)
     return got
 
@@ -259,3 +259,23 @@ def test_nan_weight_refused_nothing_published(tmp_path: Path) -> None:
     assert "error: [E606]" in res.stderr and "model.layers.0.mlp.down_proj.weight" in res.stderr, res.stderr
     assert "block (2, 0)" in res.stderr
     assert not out.exists() and not list(tmp_path.glob("out*"))
+
+
+def test_fp8_through_the_torchtitan_adapter_rope_rows(fixture_root: Path, tmp_path: Path) -> None:
+    """torchtitan names: the RoPE q/k rows are moved while a band is read; bands of 4 rows cut through heads.
+
+    Reference: the plain (unquantized, as stored) export of the same checkpoint, quantized by torch.
+    """
+    pytest.importorskip("torchtitan.models.llama3.state_dict_adapter", reason="torchtitan not installed")
+    src = cached_build(fixture_root, "export_titan_named", hf_models.build_titan_named) / "llama_gqa"
+    assets = ["--model-assets", str(src / "model_assets")]
+    plain = tmp_path / "plain"
+    res = runner.invoke(app, ["export", str(src), str(plain), *assets])
+    assert res.exit_code == 0, res.stderr
+    r = _export(src, tmp_path / "fp8", "--quantize-block", "4", *assets)
+    assert r["model_adapter"] == "torchtitan-llama3"
+    sources = _file_tensors(plain)
+    n = _check_against_sources(tmp_path / "fp8", sources, 4, r)
+    assert (
+        n == r["quantization"]["quantized"] and "model.layers.0.self_attn.q_proj.weight" in r["quantization"]["tensors"]
+    )

@@ -304,8 +304,9 @@ class BlockQuantizer:
                 f"(bound {MAX_BLOCK_REL_ERROR:.4g})",
                 fqn=task.source_key,
             )
-        writer.write(weight.name, memoryview(q.reshape(-1)), r0 * cols)
-        writer.write(scales.name, memoryview(scale.view(np.uint8)), index * scales.shape[1] * 4)
+        # numpy stubs: __buffer__ only on 3.12+
+        writer.write(weight.name, memoryview(q.reshape(-1)), r0 * cols)  # type: ignore[arg-type]
+        writer.write(scales.name, memoryview(scale.view(np.uint8)), index * scales.shape[1] * 4)  # type: ignore[arg-type]
         with self._lock:
             st = self.stats.setdefault(weight.name, _Stats())
             st.max_abs_error = max(st.max_abs_error, worst)
