@@ -279,3 +279,21 @@ def test_fp8_through_the_torchtitan_adapter_rope_rows(fixture_root: Path, tmp_pa
     assert (
         n == r["quantization"]["quantized"] and "model.layers.0.self_attn.q_proj.weight" in r["quantization"]["tensors"]
     )
+
+
+def test_zero_block_gets_scale_one_and_reads_back_as_zeros(tmp_path: Path) -> None:
+    """An all-zero block: scale 1 (documented), FP8 zeros, torch's reader gives exact zeros; edge blocks padded."""
+    w = torch.randn(40, 24)
+    w[16:32, 0:16] = 0.0  # block (1, 0) of 16 x 16 blocks
+    src = tmp_path / "ckpt"
+    sd = {"model.model.layers.0.mlp.up_proj.weight": w, "model.model.norm.weight": torch.ones(24)}
+    dcp.save(sd, checkpoint_id=str(src), no_dist=True)
+    r = _export(src, tmp_path / "out", "--quantize-block", "16")
+    (name,) = r["quantization"]["tensors"]  # the output key the default rules give
+    assert name.endswith("model.layers.0.mlp.up_proj.weight")
+    assert r["quantization"]["tensors"][name]["zero_blocks"] == 1 and r["quantization"]["tensors"][name]["blocks"] == 6
+    files = _file_tensors(tmp_path / "out")
+    assert files[name + "_scale_inv"][1, 0].item() == 1.0
+    assert _check_against_sources(tmp_path / "out", {name: w}, 16, r) == 1
+    back = _torch_reader_load(tmp_path / "out", {name: w}, 16)[name]
+    assert torch.equal(back[16:32, 0:16], torch.zeros(16, 16))
