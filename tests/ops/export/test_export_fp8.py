@@ -144,6 +144,7 @@ def test_fp8_block_from_masters_read_by_torch(master_ckpt: Path, tmp_path: Path)
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert set(index) == set(files)
     assert r["casts"]["float32->float8_e4m3fn"] == 14
+    assert _validate(out, "--config", str(out / "config.json"))[1] == []  # M020: every scale fits its weight
 
 
 def test_fp8_config_accepted_by_transformers_and_logits_close(master_ckpt: Path, tmp_path: Path) -> None:
@@ -297,3 +298,46 @@ def test_zero_block_gets_scale_one_and_reads_back_as_zeros(tmp_path: Path) -> No
     assert _check_against_sources(tmp_path / "out", {name: w}, 16, r) == 1
     back = _torch_reader_load(tmp_path / "out", {name: w}, 16)[name]
     assert torch.equal(back[16:32, 0:16], torch.zeros(16, 16))
+
+
+# ------------------------------------------------------------------------------------------ validate (M020)
+
+
+def _validate(path: Path, *args: str) -> tuple[int, list[dict[str, Any]]]:
+    res = runner.invoke(app, ["validate", str(path), "--json", *args])
+    assert "Traceback" not in res.stderr
+    return res.exit_code, [f for f in json.loads(res.stdout)["findings"] if f["code"] == "M020"]
+
+
+def _hf_folder(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": dict.fromkeys(tensors, "model.safetensors")}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return path
+
+
+def test_validate_fp8_export_and_hostile_scales(tmp_path: Path) -> None:
+    w = torch.randn(40, 24)
+    q, scale = _torch_reference(w, 16)
+    good = {"model.layers.0.mlp.up_proj.weight": q, "model.layers.0.mlp.up_proj.weight_scale_inv": scale}
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}}))
+    code, found = _validate(_hf_folder(tmp_path / "good", good), "--config", str(cfg))
+    assert found == []
+    code, found = _validate(tmp_path / "good")  # B = 128 by default: [1, 1] expected
+    assert code != 0 and "needs [1, 1]" in found[0]["message"]
+    cases = {
+        "shape": ({**good, "model.layers.0.mlp.up_proj.weight_scale_inv": torch.ones(2, 2)}, "needs [3, 2]"),
+        "e8m0": (
+            {**good, "model.layers.0.mlp.up_proj.weight_scale_inv": scale.to(torch.float8_e8m0fnu)},
+            "float8_e8m0fnu, not float32",
+        ),
+        "orphan": ({**good, "model.layers.1.mlp.up_proj.weight_scale_inv": scale.clone()}, "for a missing weight"),
+        "unscaled": ({"model.layers.0.mlp.up_proj.weight": q}, "no 'model.layers.0.mlp.up_proj.weight_scale_inv'"),
+    }
+    for name, (tensors, needle) in cases.items():
+        code, found = _validate(_hf_folder(tmp_path / name, tensors), "--config", str(cfg))
+        assert code != 0 and any(needle in f["message"] for f in found), (name, found)
