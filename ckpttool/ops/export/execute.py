@@ -49,7 +49,6 @@ from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.ops import distributed
 from ckpttool.ops.export.expected import MISMATCH_KINDS, ModelCheck, compare_with_model
 from ckpttool.ops.export.experts import expert_orders
-from ckpttool.ops.export.formats.fp8 import BlockQuantizer, QuantizedFormat, QuantSpec, recount_casts
 from ckpttool.ops.export.lora import read_adapter_config
 from ckpttool.ops.export.outputs import OutputFormat, PrepareRequest, get_format
 from ckpttool.ops.export.plan import (
@@ -61,6 +60,7 @@ from ckpttool.ops.export.plan import (
     select_sources,
     unaccounted_tensors,
 )
+from ckpttool.ops.export.quantize import BlockQuantizer, QuantizedFormat, QuantSpec, recount_casts
 from ckpttool.ops.export.rules import ExportRules, load_rules
 from ckpttool.ops.export.transform import Cast, Run, RunMap, SlabTransform, env_slab_bytes, stream_chunk
 from ckpttool.ops.manifest import MANIFEST_NAME, SOURCE_METADATA_KEY, safetensors_manifest, source_identity
@@ -110,7 +110,7 @@ class ExportOptions:
         allow_mismatch: kinds of difference from the model class built from ``config.json``
             (``missing``, ``unexpected``, ``shape``, ``dtype``) reported as warnings instead of refused.
         quantize: ``"fp8-block"``: qualifying 2-D weights as block FP8 + ``weight_scale_inv``
-            (:mod:`ckpttool.ops.export.formats.fp8`); the rest in ``save_dtype`` (``preserve`` means
+            (:mod:`ckpttool.ops.export.quantize`); the rest in ``save_dtype`` (``preserve`` means
             ``bfloat16`` then); ``None``: no quantization.
         quantize_block: the FP8 block size ``B`` (``B x B`` blocks).
         quantize_skip: output-key globs left unquantized besides the defaults.
@@ -407,7 +407,7 @@ class _Executor:
         quantizer: BlockQuantizer | None = None,
     ) -> None:
         self.merges = merges or {}
-        self.quantizer = quantizer  # quantized tasks: one work unit per band of rows (formats/fp8.py)
+        self.quantizer = quantizer  # quantized tasks: one work unit per band of rows (quantize.py)
         self.reader = reader
         self.files = files  # the output files this process writes (torchrun); None: all
         self.plan = plan
@@ -876,7 +876,7 @@ def _quantization(opts: ExportOptions, prep: _Prepared) -> dict[str, Any] | None
     q = prep.quantizer
     if q is None:
         return None
-    from ckpttool.ops.export.formats.fp8 import MAX_BLOCK_REL_ERROR
+    from ckpttool.ops.export.quantize import MAX_BLOCK_REL_ERROR
 
     tensors = q.summary()
     return {

@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
 from ckpttool.engine import kernels
-from ckpttool.ops.export.formats.fp8 import MAX_BLOCK_REL_ERROR
+from ckpttool.ops.export.quantize import MAX_BLOCK_REL_ERROR
 from tests.fixtures import hf_models
 from tests.fixtures.cache import cached_build
 
