@@ -214,6 +214,36 @@ def test_fp8_bands_across_fsdp_chunks(fsdp_ckpt: Path, tmp_path: Path) -> None:
     assert n == 2  # model.layers.{0,1}.proj.weight (embed, lm_head kept; `odd` is not a *.weight)
 
 
+def _tp_rank(rank: int, world: int, out: str) -> None:
+    """A row-sharded (uneven, 19/18 rows) and a column-sharded (TP, uneven 19/18 columns) DTensor weight."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(77)
+    rows = torch.randn(37, 40, generator=g).to(torch.bfloat16)
+    cols = torch.randn(36, 37, generator=g)
+    sd = {
+        "model.model.layers.0.mlp.down_proj.weight": distribute_tensor(rows, mesh, [Shard(0)]),
+        "model.model.layers.0.self_attn.o_proj.weight": distribute_tensor(cols, mesh, [Shard(1)]),
+        "model.model.norm.weight": torch.ones(40),
+    }
+    dcp.save(sd, checkpoint_id=out)
+
+
+def test_fp8_uneven_row_and_column_shards(fixture_root: Path, tmp_path: Path) -> None:
+    """2 gloo ranks: FSDP rows of uneven size (a band of 16 rows spans both) and TP column chunks."""
+    from tests.fixtures.distributed import run_ranks
+
+    src = cached_build(fixture_root, "export_fp8_tp", lambda out: run_ranks(2, _tp_rank, str(out)))
+    md = dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
+    assert all(len(md[k].chunks) == 2 for k in md if k.endswith("proj.weight"))
+    r = _export(src, tmp_path / "fp8", "--quantize-block", "16")
+    loaded = _torch_load(src)
+    sources = {**{k.removeprefix("model."): v for k, v in loaded.items()}, **loaded}  # whichever keys the rules give
+    assert _check_against_sources(tmp_path / "fp8", sources, 16, r) == 2
+
+
 def test_quantize_skip_and_lm_head_kept(master_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "fp8"
     r = _export(
