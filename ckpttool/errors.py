@@ -70,6 +70,7 @@ __all__ = [
     "ExportNamingError",
     "ExportAccountingError",
     "ModelMismatchError",
+    "QuantizationError",
     "ReshardError",
     "ReplayMismatchError",
     "error_class",
@@ -501,6 +502,15 @@ class ModelMismatchError(ExportError):
     code = "E605"
     default_hint = (
         "pass the config.json of the model this checkpoint was trained as, or allow the kind with --allow-mismatch"
+    )
+
+
+class QuantizationError(ExportError):
+    """A quantized export whose values fail the check: a non-finite block, a zero scale, an error above the bound."""
+
+    code = "E607"
+    default_hint = (
+        "leave the tensor unquantized with --quantize-skip, or check the source with `ckpttool validate --deep`"
     )
 
 

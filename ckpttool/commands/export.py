@@ -58,6 +58,7 @@ ExportFormat = Enum(  # type: ignore[misc]  # built from the registry
 class Weights(str, Enum):
     params = "params"
     master = "master"
+    auto = "auto"
 
 
 class Experts(str, Enum):
@@ -82,11 +83,13 @@ class ExportCLIOptions:
         ),
     ] = "preserve"
     weights: Annotated[
-        Weights,
+        Weights | None,
         typer.Option(
-            "--weights", help="params: stored parameters; master: FP32 optimizer master_weight where present."
+            "--weights",
+            help="params: stored parameters; master: FP32 optimizer master_weight where present; auto: master "
+            "when the checkpoint has any [default: params; with --quantize: auto].",
         ),
-    ] = Weights.params
+    ] = None
     shard_size: Annotated[
         str,
         typer.Option(
@@ -168,6 +171,22 @@ class ExportCLIOptions:
             "comma list of missing, unexpected, shape, dtype.",
         ),
     ] = None
+    quantize: Annotated[
+        str | None,
+        typer.Option(
+            "--quantize",
+            metavar="<fp8-block>",
+            help="fp8-block: 2-D *.weight as float8_e4m3fn + float32 weight_scale_inv per block (DeepSeek-V3, "
+            "vLLM fp8); embeddings, norms, lm_head, router gates stay --save-dtype [default: bfloat16].",
+        ),
+    ] = None
+    quantize_block: Annotated[
+        int, typer.Option("--quantize-block", min=1, metavar="N", help="FP8 block size (N x N blocks).")
+    ] = 128
+    quantize_skip: Annotated[
+        list[str] | None,
+        typer.Option("--quantize-skip", metavar="GLOB", help="Output keys left unquantized (repeatable)."),
+    ] = None
 
 
 @command_boundary
@@ -212,7 +231,7 @@ def export_options(cli: ExportCLIOptions) -> ExportOptions:
     return ExportOptions(
         fmt="hf-merged" if cli.merge_lora else cli.fmt.value,
         save_dtype=parse_dtype(cli.save_dtype, "--save-dtype", ("bfloat16", "float16", "float32"), extra=("preserve",)),
-        weights=cli.weights.value,
+        weights=cli.weights.value if cli.weights is not None else ("auto" if cli.quantize else "params"),
         shard_size=parse_size(cli.shard_size, "--shard-size"),
         experts=cli.experts.value,
         rules=cli.rules,
@@ -228,6 +247,9 @@ def export_options(cli: ExportCLIOptions) -> ExportOptions:
         adapter=cli.adapter,
         allow_mismatch=tuple(k.strip() for k in (cli.allow_mismatch or "").split(",") if k.strip()),
         dry_run=cli.dry_run,
+        quantize=cli.quantize,
+        quantize_block=cli.quantize_block,
+        quantize_skip=tuple(cli.quantize_skip or ()),
     )
 
 
@@ -310,6 +332,13 @@ def _render(r: ExportResult) -> None:
         con.print(
             f"weights     {len(master)} from FP32 master_weight, {len(params)} from stored parameters (no master)"
             + (f": {', '.join(params[:5])}{' ...' if len(params) > 5 else ''}" if params else "")
+        )
+    q = r.quantization
+    if q is not None:
+        con.print(
+            f"quantized   {q['quantized']} weight(s) {q['method']} ({q['block_size']}x{q['block_size']} blocks) from "
+            + ("FP32 master weights" if q["source"] == "master" else "the stored parameters")
+            + f"; max error {q['max_rel_error']:.4g} of the block amax (bound {q['max_rel_error_bound']:.4g})"
         )
     if r.experts == "per-expert" or r.layout.get("unpermuted"):
         un = r.layout.get("unpermuted") or []

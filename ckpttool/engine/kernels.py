@@ -27,15 +27,21 @@ __all__ = [
     "F8_FORMATS",
     "IEEE_BITS",
     "BitSummary",
+    "E4M3FN_MAX",
+    "E4M3FN_VALUES",
     "bf16_to_f32",
     "cast",
     "f32_to_bf16",
     "f32_to_f16",
     "f32_to_f8",
+    "fp8_block_dequantize",
+    "fp8_block_error",
+    "fp8_block_quantize",
     "float_values",
     "place_runs",
     "scatter_rows",
     "summarise_bits",
+    "to_f32",
 ]
 
 #: The bfloat16 pattern a NaN rounds to: the canonical quiet NaN of ``c10::BFloat16``'s scalar conversion.
@@ -295,3 +301,91 @@ def place_runs(src: np.ndarray, out: np.ndarray, runs: Sequence[tuple[int, int, 
         return
     for s, n, d in runs:
         out[d : d + n] = src[s : s + n]
+
+
+# ---------------------------------------------------------------------------------------------- block FP8
+
+
+def _e4m3fn_table() -> np.ndarray:
+    """float32 value of each ``float8_e4m3fn`` byte (``c10/util/Float8_e4m3fn.h``: bias 7, no infinity,
+    ``0x7F`` / ``0xFF`` NaN, subnormals ``m * 2^-9``)."""
+    b = np.arange(256, dtype=np.int64)
+    exp, mant = (b >> 3) & 0xF, (b & 7).astype(np.float64)
+    mag = np.where(exp == 0, mant * 2.0**-9, (1.0 + mant / 8.0) * np.exp2(exp - 7.0))
+    vals = np.where(b & 0x80, -mag, mag)
+    vals[(b & 0x7F) == 0x7F] = np.nan
+    return vals.astype(np.float32)
+
+
+#: float32 value of every ``float8_e4m3fn`` bit pattern (exact: every e4m3fn value is a float32).
+E4M3FN_VALUES = _e4m3fn_table()
+
+#: The largest finite ``float8_e4m3fn`` value.
+E4M3FN_MAX = 448.0
+
+
+def to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """Raw ``uint8`` bytes of ``float32`` / ``bfloat16`` / ``float16`` values as a new float32 array (exact).
+
+    Raises:
+        KeyError: another dtype.
+    """
+    if dtype == "float32":
+        return np.array(raw.view(np.float32), dtype=np.float32)
+    if dtype == "bfloat16":
+        return np.left_shift(raw.view(np.uint16), 16, dtype=np.uint32).view(np.float32)
+    if dtype == "float16":
+        return raw.view(np.float16).astype(np.float32)
+    raise KeyError(dtype)
+
+
+def _block_max(a: np.ndarray, block: int) -> np.ndarray:
+    """Max of ``a`` (``[rows <= block, cols]``, non-negative) over each column block: ``[ceil(cols / block)]``."""
+    rows, cols = a.shape
+    nb = -(-cols // block)
+    pad = nb * block - cols
+    if pad:  # padded with zeros in the scale computation only
+        a = np.concatenate([a, np.zeros((rows, pad), dtype=a.dtype)], axis=1)
+    return np.asarray(a.reshape(rows, nb, block).max(axis=(0, 2)))
+
+
+def fp8_block_quantize(band: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Quantize one band of rows (``[rows <= block, cols]`` float32) to ``float8_e4m3fn`` per ``block`` x ``block`` block.
+
+    DeepSeek-V3's block FP8 (``weight_scale_inv``): per block ``scale = amax / 448`` (float32;
+    an all-zero block gets ``scale = 1``), ``q = e4m3fn(w / scale)`` rounded to nearest even and
+    saturated to ±448 (:func:`f32_to_f8`, as ``torch.Tensor.to``); ``q * scale`` dequantizes.
+
+    Returns:
+        ``(q, scale, amax)``: ``uint8`` ``[rows, cols]`` e4m3fn bytes, float32 ``[ceil(cols / block)]``
+        scales and the float32 block amax (NaN when the block holds a NaN: the caller refuses it).
+    """
+    rows, cols = band.shape
+    with np.errstate(invalid="ignore"):
+        amax = _block_max(np.abs(band), block).astype(np.float32)
+    scale = amax / np.float32(E4M3FN_MAX)
+    scale[amax == 0] = np.float32(1.0)
+    col_scale = np.repeat(scale, block)[:cols]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        scaled = np.ascontiguousarray(band / col_scale, dtype=np.float32)
+    q = np.empty((rows, cols), dtype=np.uint8)
+    f32_to_f8(scaled.view(np.uint32).reshape(-1), q.reshape(-1), "float8_e4m3fn")
+    return q, scale, amax
+
+
+def fp8_block_dequantize(q: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
+    """``float32(q) * scale`` of one band (``q`` ``uint8`` e4m3fn ``[rows, cols]``, ``scale`` ``[ceil(cols / block)]``).
+
+    The product is one float32 multiplication per element, as torch's ``QuantizedHuggingFaceStorageReader``.
+    """
+    cols = q.shape[1]
+    return np.asarray(E4M3FN_VALUES[q] * np.repeat(scale, block)[:cols], dtype=np.float32)
+
+
+def fp8_block_error(band: np.ndarray, deq: np.ndarray, amax: np.ndarray, block: int) -> tuple[float, float]:
+    """``(max |deq - band|, max over blocks of max |deq - band| / amax)`` of one band (zero blocks: 0)."""
+    err = np.abs(deq - band)
+    worst = _block_max(err, block)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = np.where(amax > 0, worst / amax, 0.0)
+    return float(worst.max(initial=0.0)), float(rel.max(initial=0.0))

@@ -211,3 +211,58 @@ def test_scatter_rows_permutation_and_partial():
     ref = np.zeros_like(big)
     ref[dst] = src
     np.testing.assert_array_equal(big, ref)
+
+
+# ---------------------------------------------------------------------------------------------- block FP8
+
+
+def test_e4m3fn_values_match_torch() -> None:
+    import torch
+
+    ref = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy()
+    got = kernels.E4M3FN_VALUES
+    assert np.array_equal(np.isnan(got), np.isnan(ref))
+    ok = ~np.isnan(ref)
+    assert np.array_equal(got[ok].view(np.uint32), ref[ok].view(np.uint32))
+
+
+@pytest.mark.parametrize("rows,cols", [(128, 256), (37, 300), (1, 5)])
+def test_fp8_block_quantize_matches_torch(rows: int, cols: int) -> None:
+    """Scales are amax/448 per 128x128 block (edge blocks padded), q = (w / scale).to(e4m3fn), as torch computes it."""
+    import torch
+
+    rng = np.random.default_rng(rows * cols)
+    band = (rng.standard_normal((rows, cols)) * 10 ** rng.uniform(-3, 3, (rows, 1))).astype(np.float32)
+    if cols >= 256:
+        band[:, 128:256] = 0.0  # an all-zero block: scale 1
+    q, scale, amax = kernels.fp8_block_quantize(band, 128)
+    w = torch.from_numpy(band)
+    nb = -(-cols // 128)
+    ref_amax = torch.stack([w[:, j * 128 : (j + 1) * 128].abs().amax() for j in range(nb)])
+    ref_scale = torch.where(ref_amax == 0, torch.ones_like(ref_amax), ref_amax / 448.0)
+    assert torch.equal(torch.from_numpy(scale), ref_scale)
+    ref_q = (w / ref_scale.repeat_interleave(128)[:cols]).to(torch.float8_e4m3fn)
+    assert np.array_equal(q, ref_q.view(torch.uint8).numpy())
+    deq = kernels.fp8_block_dequantize(q, scale, 128)
+    ref_deq = ref_q.to(torch.float32) * ref_scale.repeat_interleave(128)[:cols]
+    assert np.array_equal(deq.view(np.uint32), ref_deq.numpy().view(np.uint32))
+    worst, rel = kernels.fp8_block_error(band, deq, amax, 128)
+    assert 0 < rel <= 16 / 448 * (1 + 1e-6)  # half an e4m3 ulp of the top binade, relative to the block amax
+    assert worst == float(np.abs(deq - band).max())
+
+
+def test_fp8_block_quantize_nan_block_has_nan_amax() -> None:
+    band = np.ones((4, 130), dtype=np.float32)
+    band[0, 129] = np.nan
+    _, scale, amax = kernels.fp8_block_quantize(band, 128)
+    assert amax[0] == 1.0 and np.isnan(amax[1]) and np.isnan(scale[1])
+
+
+def test_to_f32_exact() -> None:
+    import torch
+
+    t = torch.randn(64, dtype=torch.float32)
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        raw = t.to(dt).view(torch.uint8).numpy()
+        got = kernels.to_f32(raw, str(dt).removeprefix("torch."))
+        assert np.array_equal(got, t.to(dt).to(torch.float32).numpy())

@@ -11,6 +11,7 @@ one streams slab by slab through :mod:`ckpttool.ops.export.transform`, never ass
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -60,6 +61,7 @@ from ckpttool.ops.export.plan import (
     select_sources,
     unaccounted_tensors,
 )
+from ckpttool.ops.export.quantize import BlockQuantizer, QuantizedFormat, QuantSpec, recount_casts
 from ckpttool.ops.export.rules import ExportRules, load_rules
 from ckpttool.ops.export.transform import Cast, Run, RunMap, SlabTransform, env_slab_bytes, stream_chunk
 from ckpttool.ops.manifest import MANIFEST_NAME, SOURCE_METADATA_KEY, safetensors_manifest, source_identity
@@ -86,7 +88,9 @@ class ExportOptions:
             (``model*.safetensors`` + index), ``"lora"`` (``adapter_model.safetensors``), ``"hf-merged"``.
         save_dtype: ``"preserve"`` (bit-exact stored dtype) or ``bfloat16``/``float16``/``float32``
             (floating tensors only).
-        weights: ``"params"`` or ``"master"`` (FP32 ``master_weight`` where present).
+        weights: ``"params"``, ``"master"`` (FP32 ``master_weight`` where present) or ``"auto"``
+            (``master`` when the checkpoint holds any ``master_weight``, else ``params``; the result
+            says which).
         shard_size: max bytes per output file (default 5*10^9, the Hugging Face ``"5GB"``).
         experts: ``"fused"`` (``[E, 2I, H]`` as stored) or ``"per-expert"`` (HF ``experts.{j}.*`` keys).
         rules: a YAML rules file merged over the packaged defaults.
@@ -109,6 +113,11 @@ class ExportOptions:
         dry_run: plan and check everything (options, selection, casts, the model check, every
             chunk's tiling, whether ``OUT`` may be written) and return the result of the export
             that would run (``dry_run`` true, planned file sizes without headers) without writing.
+        quantize: ``"fp8-block"``: qualifying 2-D weights as block FP8 + ``weight_scale_inv``
+            (:mod:`ckpttool.ops.export.quantize`); the rest in ``save_dtype`` (``preserve`` means
+            ``bfloat16`` then); ``None``: no quantization.
+        quantize_block: the FP8 block size ``B`` (``B x B`` blocks).
+        quantize_skip: output-key globs left unquantized besides the defaults.
     """
 
     fmt: str = "hf"
@@ -129,6 +138,9 @@ class ExportOptions:
     adapter: str | None = None
     allow_mismatch: tuple[str, ...] = ()
     dry_run: bool = False
+    quantize: str | None = None
+    quantize_block: int = 128
+    quantize_skip: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -161,6 +173,7 @@ class ExportResult:
     config_edits: dict[str, list[Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     dry_run: bool = False
+    quantization: dict[str, Any] | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -197,6 +210,7 @@ class ExportResult:
             "config_edits": self.config_edits,
             "notes": self.notes,
             "dry_run": self.dry_run,
+            "quantization": self.quantization,
         }
 
 
@@ -401,8 +415,10 @@ class _Executor:
         chunks: list[tuple[TensorMeta, list[ChunkMeta]]],
         files: set[int] | None = None,
         merges: dict[str, SlabTransform] | None = None,
+        quantizer: BlockQuantizer | None = None,
     ) -> None:
         self.merges = merges or {}
+        self.quantizer = quantizer  # quantized tasks: one work unit per band of rows (quantize.py)
         self.reader = reader
         self.files = files  # the output files this process writes (torchrun); None: all
         self.plan = plan
@@ -499,7 +515,12 @@ class _Executor:
                 self.remaining[idx] = max(len(chunks), 1)
                 if not chunks:
                     self.pending[pool.submit(lambda: None)] = idx
-                if task.direct and all(contiguous_run(meta.size, c.offsets, c.sizes) is not None for c in chunks):
+                q = self.quantizer
+                if q is not None and task.source_key in q.tasks:
+                    self.remaining[idx] = q.bands(task)
+                    for b in range(q.bands(task)):
+                        self._submit(pool, idx, q.band, task, meta, chunks, self.writers[task.shard], b)
+                elif task.direct and all(contiguous_run(meta.size, c.offsets, c.sizes) is not None for c in chunks):
                     for c in chunks:
                         self._submit(pool, idx, self._copy_chunk, task, c, meta.size)
                 else:
@@ -553,8 +574,10 @@ def _check_options(opts: ExportOptions) -> None:
     out_format = get_format(opts.fmt)
     if opts.save_dtype not in SAVE_DTYPES:
         raise UsageError(f"`save_dtype` {opts.save_dtype!r} is not one of {', '.join(SAVE_DTYPES)}", param="save_dtype")
-    if opts.weights not in ("params", "master"):
-        raise UsageError(f"`weights` {opts.weights!r} is not one of params, master", param="weights")
+    if opts.weights not in ("params", "master", "auto"):
+        raise UsageError(f"`weights` {opts.weights!r} is not one of params, master, auto", param="weights")
+    if opts.quantize is not None:
+        _quant_spec(opts).check(opts.fmt)
     if opts.experts not in ("fused", "per-expert"):
         raise UsageError(f"`experts` {opts.experts!r} is not one of fused, per-expert", param="experts")
     if opts.workers is not None and opts.workers < 1:
@@ -571,6 +594,31 @@ def _check_options(opts: ExportOptions) -> None:
             f"`allow_mismatch` {bad[0]!r} is not one of {', '.join(MISMATCH_KINDS)}", param="allow_mismatch"
         )
     out_format.check_options(opts.experts)
+
+
+def _quant_spec(opts: ExportOptions) -> QuantSpec:
+    assert opts.quantize is not None
+    return QuantSpec(opts.quantize, opts.quantize_block, opts.quantize_skip)
+
+
+def _output_format(opts: ExportOptions) -> OutputFormat:
+    """``opts.fmt``'s registered format, wrapped by :class:`QuantizedFormat` when ``opts.quantize`` asks (one per export)."""
+    base = get_format(opts.fmt)
+    return base if opts.quantize is None else QuantizedFormat(base, _quant_spec(opts))
+
+
+def _resolved(opts: ExportOptions, ckpt: Checkpoint) -> ExportOptions:
+    """``weights`` ``auto`` resolved (``master`` when any parameter has a ``master_weight``); ``save_dtype``
+    ``preserve`` is ``bfloat16`` for the tensors a quantized export leaves unquantized."""
+    weights, save_dtype = opts.weights, opts.save_dtype
+    if weights == "auto":
+        states = ckpt.catalog.optimizer_state.values()
+        weights = "master" if any("master_weight" in ps.fields for ps in states) else "params"
+    if opts.quantize is not None and save_dtype == "preserve":
+        save_dtype = "bfloat16"
+    if (weights, save_dtype) == (opts.weights, opts.save_dtype):
+        return opts
+    return dataclasses.replace(opts, weights=weights, save_dtype=save_dtype)
 
 
 def export_checkpoint(
@@ -644,6 +692,7 @@ class _Prepared:
     model_config: dict[str, Any] | None
     config: tuple[bytes, dict[str, list[Any]]] | None = None
     notes: tuple[str, ...] = ()
+    quantizer: BlockQuantizer | None = None
 
 
 def _serving_assets(
@@ -759,7 +808,12 @@ def _prepare(
         expert_orders=orders,
         num_experts=num_experts,
         drop=drop,
+        out_format=out_format,
     )
+    quantizer = None
+    if isinstance(out_format, QuantizedFormat):
+        recount_casts(plan, opts.save_dtype)
+        quantizer = BlockQuantizer(reader, out_format.spec.block, set(out_format.quantized))
     plan.warnings = warnings
     plan.skipped = skipped
     plan.tied = tied
@@ -795,6 +849,7 @@ def _prepare(
         model_config,
         config,
         notes,
+        quantizer,
     )
 
 
@@ -809,7 +864,8 @@ def _export(
     resume_frozen: Callable[[], None],
 ) -> ExportResult:
     t0 = time.perf_counter()
-    out_format = get_format(opts.fmt)
+    opts = _resolved(opts, ckpt)
+    out_format = _output_format(opts)
     # Planning and the chunk checks allocate ~10 acyclic objects per tensor (10^7 at 10^6 tensors): the
     # cyclic GC (paused by the caller, gc_held) would rescan them again and again (docs/performance.md).
     reader = ckpt.reader
@@ -885,7 +941,27 @@ def _export_result(
         config_edits=prep.config[1] if prep.config is not None else {},
         notes=list(prep.notes),
         dry_run=opts.dry_run,
+        quantization=_quantization(opts, prep),
     )
+
+
+def _quantization(opts: ExportOptions, prep: _Prepared) -> dict[str, Any] | None:
+    """``--json`` ``quantization``: the method, block, source, bound and each quantized tensor's error (this process's)."""
+    q = prep.quantizer
+    if q is None:
+        return None
+    from ckpttool.ops.export.quantize import MAX_BLOCK_REL_ERROR
+
+    tensors = q.summary()
+    return {
+        "method": opts.quantize,
+        "block_size": q.block,
+        "source": opts.weights,
+        "max_rel_error_bound": MAX_BLOCK_REL_ERROR,
+        "quantized": len(q.tasks),
+        "max_rel_error": max((t["max_rel_error"] for t in tensors.values()), default=0.0),
+        "tensors": tensors,
+    }
 
 
 def _write(
@@ -931,6 +1007,7 @@ def _write(
                 executor = _Executor(
                     reader, plan, cast(list[ShardWriter], writers), workers, progress, prep.chunks, mine, merges
                 )
+                executor.quantizer = prep.quantizer
                 t_run = time.perf_counter()
                 # a remote checkpoint: this rank's windows, by parallel range requests, in batches that
                 # bound the spool (each batch fetched, written, then evicted); a local one: one batch
@@ -1082,14 +1159,17 @@ def _check_against_model(plan: ExportPlan, config: dict[str, Any], opts: ExportO
         ModelMismatchError (E605): missing / unexpected keys, wrong shapes or dtypes not in ``allow_mismatch``
             (``missing`` is not checked when ``filter_glob`` asks for part of the model).
     """
-    check = compare_with_model(written_tensors(plan), config)
+    written = written_tensors(plan)
+    if opts.quantize is not None:  # the scales are not parameters of the model class; the FP8 dtype was asked for
+        written = {k: v for k, v in written.items() if not k.endswith("_scale_inv")}
+    check = compare_with_model(written, config)
     if not check.checked:
         plan.warnings.append(f"keys and shapes were not checked against the model class: {check.not_checked}")
         return check
     if opts.filter_glob and "missing" in check.findings:
         n = len(check.findings.pop("missing"))
         plan.warnings.append(f"{n} key(s) of {check.model_class} not written (`filter_glob` exports part of the model)")
-    if opts.save_dtype != "preserve" and "dtype" in check.findings:
+    if (opts.save_dtype != "preserve" or opts.quantize is not None) and "dtype" in check.findings:
         check.findings.pop("dtype")  # the dtype was asked for with `save_dtype`
     refused = {k: v for k, v in check.findings.items() if k not in opts.allow_mismatch}
     for kind, lines in check.findings.items():

@@ -26,7 +26,7 @@ from ckpttool.ops.export.rules import ExpertRule, ExportRules
 from ckpttool.ops.export.transform import Run
 
 if TYPE_CHECKING:
-    from ckpttool.ops.export.outputs import PieceContext, SourcePieces
+    from ckpttool.ops.export.outputs import OutputFormat, PieceContext, SourcePieces
 
 __all__ = [
     "SAVE_DTYPES",
@@ -311,6 +311,7 @@ def build_plan(
     expert_orders: dict[str, tuple[int, ...]] | None = None,
     num_experts: int | None = None,
     drop: set[str] | None = None,
+    out_format: OutputFormat | None = None,
 ) -> ExportPlan:
     """Turn the selection into tasks, pieces and output files.
 
@@ -326,6 +327,7 @@ def build_plan(
         expert_orders: model key -> stored position of each true expert (legacy EP un-permutation).
         num_experts: expected expert count (``--model-assets`` config), checked against dim 0.
         drop: output keys to leave out (a tied ``lm_head.weight``).
+        out_format: the output format object to plan with (a wrapped one, e.g. a quantized export); ``None``: ``fmt``'s.
 
     Raises:
         UsageError: unknown ``save_dtype`` / ``experts``.
@@ -337,7 +339,7 @@ def build_plan(
         raise UsageError(f"`save_dtype` {save_dtype!r} is not one of {', '.join(SAVE_DTYPES)}", param="save_dtype")
     if experts not in ("fused", "per-expert"):
         raise UsageError(f"`experts` {experts!r} is not one of fused, per-expert", param="experts")
-    out_format = get_format(fmt)
+    out_format = out_format or get_format(fmt)
     source_pieces = out_format.pieces_planner()
     ctx = PieceContext(rules, experts == "per-expert", expert_orders or {}, num_experts)
     drop = drop or set()

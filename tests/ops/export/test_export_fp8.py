@@ -1,0 +1,373 @@
+"""`ckpttool export --quantize fp8-block` against independent references.
+
+- torch's ``QuantizedHuggingFaceStorageReader`` (``torch.distributed.checkpoint.quantized_hf_storage``)
+  reads the export back: its dequantized tensors equal ``q * scale`` of our kernels bit for bit and
+  are within the documented bound of the source (``dcp.load``);
+- the FP8 bytes and scales equal torch's own ``(w / scale).to(torch.float8_e4m3fn)`` with
+  ``scale = amax / 448`` per block (whole tensors, torch arithmetic);
+- transformers' ``AutoConfig`` / ``FineGrainedFP8Config`` accept ``config.json``; the tiny Llama's
+  logits with the dequantized weights stay close to the BF16 export's;
+- hostile: a NaN weight (E607, nothing published), ``--format lora`` (usage error), ``--quantize-skip``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.engine import kernels
+from ckpttool.ops.export.quantize import MAX_BLOCK_REL_ERROR
+from tests.fixtures import hf_models
+from tests.fixtures.cache import cached_build
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="session")
+def master_ckpt(fixture_root: Path) -> Path:
+    return cached_build(fixture_root, "export_master", hf_models.build_master)
+
+
+def _torch_load(path: Path) -> dict[str, torch.Tensor]:
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    sd = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if hasattr(v, "size")
+    }
+    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    return sd
+
+
+def _file_tensors(out: Path) -> dict[str, torch.Tensor]:
+    got: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():  # safe_open is not a mapping
+                got[k] = h.get_tensor(k)
+    return got
+
+
+def _export(src: Path, out: Path, *args: str) -> dict[str, Any]:
+    res = runner.invoke(app, ["export", str(src), str(out), "--quantize", "fp8-block", "--json", *args])
+    assert res.exit_code == 0, (res.stdout, res.stderr)
+    return json.loads(res.stdout)
+
+
+def _torch_reference(w: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 block quantization in torch arithmetic: ``scale = amax / 448`` (1 for a zero block), ``q = (w / scale).to(e4m3fn)``."""
+    w = w.float()
+    rows, cols = w.shape
+    nr, nc = -(-rows // b), -(-cols // b)
+    padded = torch.zeros(nr * b, nc * b)
+    padded[:rows, :cols] = w.abs()
+    amax = padded.reshape(nr, b, nc, b).amax(dim=(1, 3))
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / 448.0)
+    full = scale.repeat_interleave(b, 0).repeat_interleave(b, 1)[:rows, :cols]
+    return (w / full).to(torch.float8_e4m3fn), scale
+
+
+def _torch_reader_load(out: Path, keys: dict[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
+
+    sd = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in keys.items()}
+    reader = QuantizedHuggingFaceStorageReader(str(out), target_dtype=torch.float32, block_size=block)
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    return sd
+
+
+def _check_against_sources(out: Path, sources: dict[str, torch.Tensor], block: int, result: dict[str, Any]) -> int:
+    """Every ``*_scale_inv`` pair: torch reference bytes, torch reader == our dequantization, error within the bound."""
+    files = _file_tensors(out)
+    weights = {k[: -len("_scale_inv")]: files[k[: -len("_scale_inv")]] for k in files if k.endswith("_scale_inv")}
+    assert weights, "nothing quantized"
+    read = _torch_reader_load(out, weights, block)
+    for name, q in weights.items():
+        assert q.dtype == torch.float8_e4m3fn
+        scale = files[name + "_scale_inv"]
+        assert scale.dtype == torch.float32 and tuple(scale.shape) == tuple(-(-d // block) for d in q.shape)
+        ref_q, ref_scale = _torch_reference(sources[name], block)
+        assert torch.equal(scale, ref_scale), name
+        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), name
+        ours = np.concatenate(
+            [
+                kernels.fp8_block_dequantize(
+                    q.view(torch.uint8)[r : r + block].numpy(), scale[r // block].numpy(), block
+                )
+                for r in range(0, q.shape[0], block)
+            ]
+        )
+        assert np.array_equal(read[name].numpy().view(np.uint32), ours.view(np.uint32)), name
+        src = sources[name].float()
+        err = (read[name] - src).abs().max().item()
+        assert err <= MAX_BLOCK_REL_ERROR * src.abs().max().item(), name
+        figures = result["quantization"]["tensors"][name]
+        assert figures["max_abs_error"] == pytest.approx(err, rel=1e-6, abs=1e-12)
+        assert figures["max_rel_error"] <= MAX_BLOCK_REL_ERROR
+    return len(weights)
+
+
+def test_fp8_block_from_masters_read_by_torch(master_ckpt: Path, tmp_path: Path) -> None:
+    """Default source with --quantize: the FP32 masters (auto); blocks of 16 so tensors span several blocks."""
+    out = tmp_path / "fp8"
+    r = _export(master_ckpt, out, "--quantize-block", "16", "--model-assets", str(master_ckpt / "model_assets"))
+    assert r["weights"] == "master" and r["quantization"]["source"] == "master" and r["save_dtype"] == "bfloat16"
+    sd = _torch_load(master_ckpt)
+    masters = {
+        k.removeprefix("optimizer.state.").removesuffix(".master_weight"): v
+        for k, v in sd.items()
+        if k.endswith(".master_weight")
+    }
+    n = _check_against_sources(out, masters, 16, r)
+    assert n == r["quantization"]["quantized"] == 14  # 2 layers x 7 linear weights
+    files = _file_tensors(out)
+    for kept in ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"):
+        assert files[kept].dtype == torch.bfloat16 and kept + "_scale_inv" not in files
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc == {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [16, 16],
+        "modules_to_not_convert": ["lm_head", "model.embed_tokens"],
+    }
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(files)
+    assert r["casts"]["float32->float8_e4m3fn"] == 14
+    assert _validate(out, "--config", str(out / "config.json"))[1] == []  # M020: every scale fits its weight
+
+
+def test_fp8_config_accepted_by_transformers_and_logits_close(master_ckpt: Path, tmp_path: Path) -> None:
+    """AutoConfig reads quantization_config with no warning; dequantized logits vs the BF16 export's."""
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    assets = str(master_ckpt / "model_assets")
+    out = tmp_path / "fp8"
+    _export(master_ckpt, out, "--model-assets", assets)  # default block 128: one block per tiny weight
+    bf16 = tmp_path / "bf16"
+    res = runner.invoke(
+        app,
+        [
+            "export",
+            str(master_ckpt),
+            str(bf16),
+            "--weights",
+            "master",
+            "--save-dtype",
+            "bf16",
+            "--model-assets",
+            assets,
+        ],
+    )
+    assert res.exit_code == 0, res.stderr
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    hf_logging.get_logger("transformers").addHandler(handler)
+    try:
+        cfg = AutoConfig.from_pretrained(str(out))
+    finally:
+        hf_logging.get_logger("transformers").removeHandler(handler)
+    assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage() for r in records]
+    fp8cfg = FineGrainedFP8Config.from_dict(dict(cfg.quantization_config))
+    assert fp8cfg.weight_block_size == [128, 128] and fp8cfg.activation_scheme == "dynamic"
+    assert fp8cfg.modules_to_not_convert == ["lm_head", "model.embed_tokens"]
+
+    files = _file_tensors(out)
+    weights = {k: v for k, v in files.items() if k + "_scale_inv" in files}
+    deq = _torch_reader_load(out, weights, 128)
+    plain = {k: v.float() for k, v in files.items() if not k.endswith("_scale_inv") and k not in weights}
+    ref = {k: v.float() for k, v in _file_tensors(bf16).items()}
+    cfg_plain = AutoConfig.from_pretrained(assets)
+    ids = torch.randint(0, cfg_plain.vocab_size, (2, 12), generator=torch.Generator().manual_seed(7))
+    logits = []
+    for sd in ({**plain, **deq}, ref):
+        model = LlamaForCausalLM(cfg_plain).float().eval()
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        assert not unexpected and all("rotary" in k for k in missing)
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    # stated tolerance: FP8 block rounding (<= 3.6% of each block's amax per weight) moves the tiny
+    # model's logits by less than 5% of their range
+    diff = (logits[0] - logits[1]).abs().max().item()
+    assert diff <= 0.05 * logits[1].abs().max().item(), diff
+
+
+def test_fp8_bands_across_fsdp_chunks(fsdp_ckpt: Path, tmp_path: Path) -> None:
+    """4-rank FSDP chunks (4 rows each) and bands of 3 rows: bands span two stored chunks."""
+    out = tmp_path / "fp8"
+    r = _export(fsdp_ckpt, out, "--quantize-block", "3", "--weights", "params")
+    sources = {k.removeprefix("model."): v for k, v in _torch_load(fsdp_ckpt).items() if k.startswith("model.")}
+    n = _check_against_sources(out, sources, 3, r)
+    assert n == 2  # model.layers.{0,1}.proj.weight (embed, lm_head kept; `odd` is not a *.weight)
+
+
+def _tp_rank(rank: int, world: int, out: str) -> None:
+    """A row-sharded (uneven, 19/18 rows) and a column-sharded (TP, uneven 19/18 columns) DTensor weight."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(77)
+    rows = torch.randn(37, 40, generator=g).to(torch.bfloat16)
+    cols = torch.randn(36, 37, generator=g)
+    sd = {
+        "model.model.layers.0.mlp.down_proj.weight": distribute_tensor(rows, mesh, [Shard(0)]),
+        "model.model.layers.0.self_attn.o_proj.weight": distribute_tensor(cols, mesh, [Shard(1)]),
+        "model.model.norm.weight": torch.ones(40),
+    }
+    dcp.save(sd, checkpoint_id=out)
+
+
+def test_fp8_uneven_row_and_column_shards(fixture_root: Path, tmp_path: Path) -> None:
+    """2 gloo ranks: FSDP rows of uneven size (a band of 16 rows spans both) and TP column chunks."""
+    from tests.fixtures.distributed import run_ranks
+
+    src = cached_build(fixture_root, "export_fp8_tp", lambda out: run_ranks(2, _tp_rank, str(out)))
+    md = dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
+    assert all(len(md[k].chunks) == 2 for k in md if k.endswith("proj.weight"))
+    r = _export(src, tmp_path / "fp8", "--quantize-block", "16")
+    loaded = _torch_load(src)
+    sources = {**{k.removeprefix("model."): v for k, v in loaded.items()}, **loaded}  # whichever keys the rules give
+    assert _check_against_sources(tmp_path / "fp8", sources, 16, r) == 2
+
+
+def test_quantize_skip_and_lm_head_kept(master_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "fp8"
+    r = _export(
+        master_ckpt,
+        out,
+        "--quantize-skip",
+        "lm_head*",
+        "--quantize-skip",
+        "*.q_proj.weight",
+        "--model-assets",
+        str(master_ckpt / "model_assets"),
+    )
+    files = _file_tensors(out)
+    assert files["lm_head.weight"].dtype == torch.bfloat16
+    assert files["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert "model.layers.0.self_attn.q_proj.weight_scale_inv" not in files
+    assert files["model.layers.0.self_attn.k_proj.weight"].dtype == torch.float8_e4m3fn
+    assert r["quantization"]["quantized"] == 12
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (
+        "model.layers.1.self_attn.q_proj" in qc["modules_to_not_convert"] and "lm_head" in qc["modules_to_not_convert"]
+    )
+
+
+def test_quantize_with_lora_format_is_usage_error(master_ckpt: Path, tmp_path: Path) -> None:
+    res = runner.invoke(
+        app, ["export", str(master_ckpt), str(tmp_path / "o"), "--format", "lora", "--quantize", "fp8-block"]
+    )
+    assert res.exit_code == 2 and "Traceback" not in res.stderr
+    assert "quantize" in res.stderr and not (tmp_path / "o").exists()
+    res = runner.invoke(app, ["export", str(master_ckpt), str(tmp_path / "o"), "--quantize", "int4"])
+    assert res.exit_code == 2 and "fp8-block" in res.stderr and not (tmp_path / "o").exists()
+
+
+def test_nan_weight_refused_nothing_published(tmp_path: Path) -> None:
+    w = torch.randn(40, 24)
+    w[33, 5] = float("nan")
+    sd = {"model.model.layers.0.mlp.down_proj.weight": w, "model.model.norm.weight": torch.ones(24)}
+    src = tmp_path / "ckpt"
+    dcp.save(sd, checkpoint_id=str(src), no_dist=True)
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["export", str(src), str(out), "--quantize", "fp8-block", "--quantize-block", "16"])
+    assert res.exit_code != 0 and "Traceback" not in res.stderr
+    assert "error: [E607]" in res.stderr and "model.layers.0.mlp.down_proj.weight" in res.stderr, res.stderr
+    assert "block (2, 0)" in res.stderr
+    assert not out.exists() and not list(tmp_path.glob("out*"))
+
+
+def test_fp8_through_the_torchtitan_adapter_rope_rows(fixture_root: Path, tmp_path: Path) -> None:
+    """torchtitan names: the RoPE q/k rows are moved while a band is read; bands of 4 rows cut through heads.
+
+    Reference: the plain (unquantized, as stored) export of the same checkpoint, quantized by torch.
+    """
+    pytest.importorskip("torchtitan.models.llama3.state_dict_adapter", reason="torchtitan not installed")
+    src = cached_build(fixture_root, "export_titan_named", hf_models.build_titan_named) / "llama_gqa"
+    assets = ["--model-assets", str(src / "model_assets")]
+    plain = tmp_path / "plain"
+    res = runner.invoke(app, ["export", str(src), str(plain), *assets])
+    assert res.exit_code == 0, res.stderr
+    r = _export(src, tmp_path / "fp8", "--quantize-block", "4", *assets)
+    assert r["model_adapter"] == "torchtitan-llama3"
+    sources = _file_tensors(plain)
+    n = _check_against_sources(tmp_path / "fp8", sources, 4, r)
+    assert (
+        n == r["quantization"]["quantized"] and "model.layers.0.self_attn.q_proj.weight" in r["quantization"]["tensors"]
+    )
+
+
+def test_zero_block_gets_scale_one_and_reads_back_as_zeros(tmp_path: Path) -> None:
+    """An all-zero block: scale 1 (documented), FP8 zeros, torch's reader gives exact zeros; edge blocks padded."""
+    w = torch.randn(40, 24)
+    w[16:32, 0:16] = 0.0  # block (1, 0) of 16 x 16 blocks
+    src = tmp_path / "ckpt"
+    sd = {"model.model.layers.0.mlp.up_proj.weight": w, "model.model.norm.weight": torch.ones(24)}
+    dcp.save(sd, checkpoint_id=str(src), no_dist=True)
+    r = _export(src, tmp_path / "out", "--quantize-block", "16")
+    (name,) = r["quantization"]["tensors"]  # the output key the default rules give
+    assert name.endswith("model.layers.0.mlp.up_proj.weight")
+    assert r["quantization"]["tensors"][name]["zero_blocks"] == 1 and r["quantization"]["tensors"][name]["blocks"] == 6
+    files = _file_tensors(tmp_path / "out")
+    assert files[name + "_scale_inv"][1, 0].item() == 1.0
+    assert _check_against_sources(tmp_path / "out", {name: w}, 16, r) == 1
+    back = _torch_reader_load(tmp_path / "out", {name: w}, 16)[name]
+    assert torch.equal(back[16:32, 0:16], torch.zeros(16, 16))
+
+
+# ------------------------------------------------------------------------------------------ validate (M020)
+
+
+def _validate(path: Path, *args: str) -> tuple[int, list[dict[str, Any]]]:
+    res = runner.invoke(app, ["validate", str(path), "--json", *args])
+    assert "Traceback" not in res.stderr
+    return res.exit_code, [f for f in json.loads(res.stdout)["findings"] if f["code"] == "M020"]
+
+
+def _hf_folder(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": dict.fromkeys(tensors, "model.safetensors")}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    return path
+
+
+def test_validate_fp8_export_and_hostile_scales(tmp_path: Path) -> None:
+    w = torch.randn(40, 24)
+    q, scale = _torch_reference(w, 16)
+    good = {"model.layers.0.mlp.up_proj.weight": q, "model.layers.0.mlp.up_proj.weight_scale_inv": scale}
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}}))
+    code, found = _validate(_hf_folder(tmp_path / "good", good), "--config", str(cfg))
+    assert found == []
+    code, found = _validate(tmp_path / "good")  # B = 128 by default: [1, 1] expected
+    assert code != 0 and "needs [1, 1]" in found[0]["message"]
+    cases = {
+        "shape": ({**good, "model.layers.0.mlp.up_proj.weight_scale_inv": torch.ones(2, 2)}, "needs [3, 2]"),
+        "e8m0": (
+            {**good, "model.layers.0.mlp.up_proj.weight_scale_inv": scale.to(torch.float8_e8m0fnu)},
+            "float8_e8m0fnu, not float32",
+        ),
+        "orphan": ({**good, "model.layers.1.mlp.up_proj.weight_scale_inv": scale.clone()}, "for a missing weight"),
+        "unscaled": ({"model.layers.0.mlp.up_proj.weight": q}, "no 'model.layers.0.mlp.up_proj.weight_scale_inv'"),
+    }
+    for name, (tensors, needle) in cases.items():
+        code, found = _validate(_hf_folder(tmp_path / name, tensors), "--config", str(cfg))
+        assert code != 0 and any(needle in f["message"] for f in found), (name, found)
