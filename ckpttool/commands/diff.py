@@ -132,6 +132,16 @@ def diff_command(
     a_step: AStepOpt = None,
     b_step: BStepOpt = None,
     filters: DiffFilterOpt = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            metavar="FILE",
+            help="Also draw the relative difference per layer and the tensors that differ most to FILE "
+            "(.png, .svg or a self-contained .html). Needs matplotlib: pip install 'ckpttool[plot]'.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Compare two checkpoints tensor by tensor in bounded memory, whatever their sharding or format.
 
@@ -156,6 +166,10 @@ def diff_command(
     decl_a = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
     decl_b = declaration(b_source_layout, b_ep_size, b_ep_fsdp_size, b_no_ep)
     step_a, step_b = side_steps(a, b, step, a_step, b_step)
+    if plot is not None:
+        from ckpttool.ui.plot import check_plot_target
+
+        check_plot_target(plot)
     with DiffProgress.on_stderr(not json_output and sys.stderr.isatty()) as shown:
         res = diff_checkpoints(
             a,
@@ -166,6 +180,11 @@ def diff_command(
             opening_a=OpenOptions(declaration=decl_a, trust_pickle=trust_pickle, selection=selection(step_a)),
             opening_b=OpenOptions(declaration=decl_b, trust_pickle=trust_pickle, selection=selection(step_b)),
         )
+    if plot is not None:
+        from ckpttool.ui.plot import write_diff_plot
+
+        write_diff_plot(res, plot)
+        Output(json_output).note(f"wrote {plot}")
     Output(json_output).result(res, render_diff)
     if not res.equal:
         raise typer.Exit(1)
@@ -452,4 +471,5 @@ EPILOG = examples(
     "ckpttool diff ckpt/ resharded/ --what all        # a reshard changed nothing",
     "ckpttool diff ckpt/ hf_export/ --as-dtype bfloat16   # a BF16 export of FP32 weights",
     "ckpttool diff run1/step-100 run2/step-100 --rtol 1e-3 --json",
+    "ckpttool diff run/step-200 run/step-100 --plot layers.png   # which layers moved most",
 )

@@ -1,9 +1,11 @@
-"""Pictures of ``ckpttool stats`` results (matplotlib, the optional ``plot`` extra; nothing else imports it).
+"""Pictures of ``ckpttool stats`` and ``ckpttool diff`` results (matplotlib, the optional ``plot``
+extra; nothing else imports it).
 
 ``write_stats_plot`` draws per-layer L2 norms of the weights, the Adam moments and the RMS of the
 next update, one line per checkpoint, and the per-expert weight norms of the last checkpoint as
-a heat map (layer x expert). Formats by suffix: ``.png``, ``.svg``, or ``.html`` (the SVG inline
-in one self-contained page).
+a heat map (layer x expert). ``write_diff_plot`` draws the relative difference per layer and the
+tensors that differ most. Formats by suffix: ``.png``, ``.svg``, or ``.html`` (the SVG inline in
+one self-contained page).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.errors import UsageError
 
 if TYPE_CHECKING:
+    from ckpttool.ops.diff import DiffResult
     from ckpttool.ops.stats import StatsResult
 
-__all__ = ["PLOT_SUFFIXES", "check_plot_target", "write_stats_plot"]
+__all__ = ["PLOT_SUFFIXES", "check_plot_target", "write_diff_plot", "write_stats_plot"]
 
 PLOT_SUFFIXES = (".png", ".svg", ".html")
 
@@ -118,6 +121,11 @@ def write_stats_plot(res: StatsResult, path: Path) -> None:
     )
     _layer_lines(axes[1][0], res, lambda g: g.update_rms, "AdamW update RMS per layer")
     _experts(axes[1][1], res)
+    _save(fig, plt, path, ", ".join(Path(c.path).name for c in res.checkpoints))
+
+
+def _save(fig: Any, plt: Any, path: Path, title: str) -> None:
+    """Write ``fig`` to ``path`` in its suffix's format, whole (a temporary file renamed into place)."""
     suffix = path.suffix.lower()
     buf = io.BytesIO()
     fig.savefig(buf, format="svg" if suffix == ".html" else suffix[1:], dpi=120)
@@ -125,9 +133,8 @@ def write_stats_plot(res: StatsResult, path: Path) -> None:
     data = buf.getvalue()
     if suffix == ".html":
         svg = data.decode("utf-8")
-        title = html.escape(", ".join(Path(c.path).name for c in res.checkpoints))
         data = (
-            f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>ckpttool stats: {title}</title></head>"
+            f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>ckpttool: {html.escape(title)}</title></head>"
             f"<body>\n{svg[svg.index('<svg') :]}\n</body></html>\n"
         ).encode()
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -136,3 +143,53 @@ def write_stats_plot(res: StatsResult, path: Path) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def diff_layers(res: DiffResult) -> list[tuple[str, float | None, float]]:
+    """Per layer (:func:`~ckpttool.ops.stats.layer_of` of the compared names, in first-seen order):
+    ``(layer, relative L2 over its decoded tensors, largest relative L2 of its tensors)``.
+
+    The relative L2 of a layer is ``sqrt(sum ||a-b||^2) / sqrt(sum ||b||^2)`` over its tensors whose
+    values were decoded (``None`` when none was: all equal records, 0 difference).
+    """
+    from ckpttool.ops.stats import layer_of
+
+    acc: dict[str, list[float]] = {}
+    for t in res.tensors:
+        a = acc.setdefault(layer_of(t.name), [0.0, 0.0, 0.0])
+        if t.diff_l2 is not None and t.b_l2 is not None:
+            a[0] += t.diff_l2 * t.diff_l2
+            a[1] += t.b_l2 * t.b_l2
+        if t.rel_l2 is not None:
+            a[2] = max(a[2], t.rel_l2)
+    return [(k, (v[0] ** 0.5 / v[1] ** 0.5) if v[1] > 0 else None, v[2]) for k, v in acc.items()]
+
+
+def write_diff_plot(res: DiffResult, path: Path) -> None:
+    """Draw ``diff``'s per-layer relative difference and its 30 most different tensors into ``path``.
+
+    Raises:
+        UsageError: matplotlib missing, or an unknown suffix.
+    """
+    check_plot_target(path)
+    plt = _pyplot()
+    layers = diff_layers(res)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 6), constrained_layout=True)
+    x = range(len(layers))
+    floor = 1e-12  # zero on a log axis
+    ax1.plot(x, [max(r or 0.0, floor) for _, r, _ in layers], marker="o", markersize=3, label="layer ||a-b|| / ||b||")
+    ax1.plot(x, [max(m, floor) for _, _, m in layers], marker="x", markersize=3, linestyle=":", label="largest tensor")
+    ax1.set_xticks(list(x), [n for n, _, _ in layers], rotation=90, fontsize=6)
+    ax1.set_yscale("log")
+    ax1.set_title(f"relative L2 difference per layer (values <= {floor:g}: equal)", fontsize=9)
+    ax1.legend(fontsize=7)
+    top = [t for t in res.tensors if t.rel_l2 is not None and t.rel_l2 > 0][:30]
+    if top:
+        ax2.barh(range(len(top)), [min(t.rel_l2 or 0.0, 1e300) for t in top])
+        ax2.set_yticks(range(len(top)), [t.name for t in top], fontsize=6)
+        ax2.invert_yaxis()
+        ax2.set_xscale("log")
+    else:
+        ax2.text(0.5, 0.5, "every compared tensor is equal", ha="center", va="center", transform=ax2.transAxes)
+    ax2.set_title("tensors that differ most (relative L2)", fontsize=9)
+    _save(fig, plt, path, f"diff {res.a.path} {res.b.path}")

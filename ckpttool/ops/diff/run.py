@@ -12,6 +12,7 @@ byte for byte without decoding. ``docs/diff.md``.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -215,6 +216,8 @@ class TensorStat:
             (after ``as_dtype``). Equal values: 0, 0, 1. ``None``: booleans (and a cosine where
             one side is all zero). Non-finite: ``inf``/``nan``.
         raw: settled on the fast path (equal records, not decoded).
+        diff_l2, b_l2: ``||a-b||`` and ``||b||`` (float64; ``None`` when not computed: booleans,
+            equal records), so that groups of tensors (a layer) get their relative L2.
     """
 
     name: str
@@ -230,6 +233,8 @@ class TensorStat:
     rel_l2: float | None
     cosine: float | None
     raw: bool = False
+    diff_l2: float | None = None
+    b_l2: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -246,6 +251,8 @@ class TensorStat:
             "rel_l2": _num(self.rel_l2),
             "cosine": _num(self.cosine),
             "raw": self.raw,
+            "diff_l2": _num(self.diff_l2),
+            "b_l2": _num(self.b_l2),
         }
 
     @property
@@ -1022,10 +1029,12 @@ def _compare_pair(
 def _stat(name: str, ia: Item, ib: Item, vd: ValueDiff, *, raw: bool = False) -> TensorStat:
     """The :class:`TensorStat` of a compared pair (booleans: no metrics)."""
     m: Metrics | None = vd.metrics
+    norms: tuple[float | None, float | None] = (None, None)
     if m is None:
         max_abs = rel = cos = None
     else:
         max_abs, rel, cos = m.max_abs, m.rel_l2, m.cosine
+        norms = (math.sqrt(m.sum_dd), math.sqrt(m.sum_bb) if m.sum_bb is not None else None)
     if vd.mismatched:
         status = "differ"
     elif m is not None and m.sum_dd != 0:
@@ -1046,6 +1055,7 @@ def _stat(name: str, ia: Item, ib: Item, vd: ValueDiff, *, raw: bool = False) ->
         rel,
         cos,
         raw,
+        *norms,
     )
 
 

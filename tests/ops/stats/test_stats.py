@@ -252,3 +252,23 @@ def test_matplotlib_is_imported_only_by_the_plot_module() -> None:
         if re.search(r"^\s*(import|from) matplotlib", p.read_text(), re.M)
     )
     assert users == ["ui/plot.py"], users
+
+
+def test_diff_plot_and_its_per_layer_figures_agree_with_stats(run3: list[Path], tmp_path: Path) -> None:
+    """``diff B A`` per layer (||b - a|| / ||a||) is what ``stats A B`` calls the change from A to B."""
+    from ckpttool.ops.diff import DiffOptions, diff_checkpoints
+    from ckpttool.ui.plot import diff_layers
+
+    a, b = run3[0], run3[1]
+    res = diff_checkpoints(str(b), str(a), DiffOptions())
+    got = {name.removeprefix("model."): rel for name, rel, _ in diff_layers(res)}
+    want = {ch.layer: ch.relative for ch in collect_stats([a, b], StatsOptions()).changes}
+    assert got.keys() == want.keys()
+    for layer, rel in want.items():
+        assert rel is not None and got[layer] is not None and math.isclose(got[layer], rel, rel_tol=1e-6), layer
+    out = tmp_path / "diff.svg"
+    cli = runner.invoke(app, ["diff", str(b), str(a), "--plot", str(out)])
+    assert cli.exit_code == 1, cli.stderr  # the checkpoints differ
+    assert ET.fromstring(out.read_bytes()).tag.endswith("svg") and f"wrote {out}" in cli.stderr
+    refused = runner.invoke(app, ["diff", str(b), str(a), "--plot", str(tmp_path / "x.jpg")])
+    assert refused.exit_code == 2 and "unknown picture format" in refused.stderr
