@@ -158,7 +158,11 @@ def _table(con: Console, c: CheckpointStats, by: StatsView) -> None:
     groups = c.layers if by is StatsView.layer else c.modules
     roles = [r for r in ("weight", "master_weight", "exp_avg", "exp_avg_sq") if any(r in g.norms for g in groups)]
     cols = [Col(by.value, "key"), Col("params", "num")] + [Col(f"‖{r}‖", "num") for r in roles]
-    cols += [Col("abs max", "num"), Col("update rms", "num", hide_empty=True), Col("NaN/Inf", "num", hide_empty=True)]
+    cols += [
+        Col("abs max", "num", drop=1),
+        Col("update rms", "num", hide_empty=True),
+        Col("NaN/Inf", "num", hide_empty=True),
+    ]
     rows = [
         [g.name, g.params]
         + [_g(g.norms.get(r)) for r in roles]

@@ -575,7 +575,7 @@ def print_table(con: Console, title: str, columns: list[Col], rows: list[list[An
             *(key_text(safe_text(r[i])) if columns[i].kind == "key" and isinstance(r[i], str) else r[i] for i in keep)
         )
     minimum = need(keep, fit=False)
-    con.print(t, width=minimum if minimum > width else None, soft_wrap=False)
+    con.print(t, width=minimum if minimum > width else None, soft_wrap=False, crop=False)
     named = [n for n in hidden if not any(c.below and c.name == n for c in columns)]
     if named:
         con.print(f"  (not shown at {width} columns: {', '.join(named)}; see --wide or --json)")

@@ -105,7 +105,9 @@ def test_completion_offers_option_values(tmp_path: Path) -> None:
         (tmp_path / "run" / step / ".metadata").write_bytes(b"")
     assert complete("ckpttool export x y --save-dtype ") == ["preserve", "bfloat16", "float16", "float32"]
     assert complete(f"ckpttool inspect {tmp_path / 'run'} --step ") == ["latest", "10", "200"]
-    assert complete("ckpttool inspect x --schema ") == ["torch-native", "app-state", "torchtitan", "top-level"]
+    from ckpttool.model.schemas import registry
+
+    assert complete("ckpttool inspect x --schema ") == list(registry.names())
     assert complete("ckpttool replay-step x --optimizer-type cpu") == ["cpu_offload_adamw"]
     assert complete("ckpttool export x y --hash ") == ["xxh3-128", "blake3", "blake2b-256"]
     assert complete("ckpttool --color ") == ["auto", "always", "never"]

@@ -72,6 +72,7 @@ MATRIX: dict[str, tuple[str, Callable[[Path, Path], list[str]]]] = {
     "replay-step": ("replay-step", lambda ck, out: ["replay-step", str(ck), "--device", "cpu"]),
     "diff": ("diff", lambda ck, out: ["diff", str(ck), str(ck), "--what", "all"]),
     "manifest": ("manifest", lambda ck, out: ["manifest", str(ck), "--output", str(out)]),
+    "stats": ("stats", lambda ck, out: ["stats", str(ck)]),
 }
 # take no input checkpoint (sample writes one; import reads an HF model directory: its hostile
 # safetensors cases are in tests/ops/test_import.py, through the same validated header reader)
