@@ -7,13 +7,15 @@ of each head (``rotate_half``), so ``tune_to_hf`` permutes the ``q_proj`` / ``k_
 head (``view(heads, head_dim // 2, 2, dim).transpose(1, 2)``, ``k`` with
 ``num_key_value_heads``): kinds ``rope_q`` / ``rope_k``, as for torchtitan. ``lm_head.weight`` is
 left out when the config ties it (torchtune's ``TiedLinear`` saves no ``output.weight``).
+Export only: ``ckpttool import`` writes torch-native or torchtitan keys, never torchtune's
+(:meth:`TorchtuneLlama.from_hf` answers nothing).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ckpttool.model.adapters.base import KeyMap, ModelAdapter
+from ckpttool.model.adapters.base import AdapterConfig, KeyMap, ModelAdapter, NativeTensor, Skip
 from ckpttool.model.adapters.registry import register_adapter
 
 __all__ = ["TorchtuneLlama"]
@@ -39,16 +41,25 @@ class TorchtuneLlama(ModelAdapter):
     maps = (
         KeyMap(r"tok_embeddings\.weight", "model.embed_tokens.weight", "tok_embeddings.weight"),
         KeyMap(
-            _L + r"attn\.q_proj\.weight", "model.layers.{layer}.self_attn.q_proj.weight",
-            "layers.{layer}.attn.q_proj.weight", "rope_q",
+            _L + r"attn\.q_proj\.weight",
+            "model.layers.{layer}.self_attn.q_proj.weight",
+            "layers.{layer}.attn.q_proj.weight",
+            "rope_q",
         ),
         KeyMap(
-            _L + r"attn\.k_proj\.weight", "model.layers.{layer}.self_attn.k_proj.weight",
-            "layers.{layer}.attn.k_proj.weight", "rope_k",
+            _L + r"attn\.k_proj\.weight",
+            "model.layers.{layer}.self_attn.k_proj.weight",
+            "layers.{layer}.attn.k_proj.weight",
+            "rope_k",
         ),
-        KeyMap(_L + r"attn\.v_proj\.weight", "model.layers.{layer}.self_attn.v_proj.weight", "layers.{layer}.attn.v_proj.weight"),
         KeyMap(
-            _L + r"attn\.output_proj\.weight", "model.layers.{layer}.self_attn.o_proj.weight",
+            _L + r"attn\.v_proj\.weight",
+            "model.layers.{layer}.self_attn.v_proj.weight",
+            "layers.{layer}.attn.v_proj.weight",
+        ),
+        KeyMap(
+            _L + r"attn\.output_proj\.weight",
+            "model.layers.{layer}.self_attn.o_proj.weight",
             "layers.{layer}.attn.output_proj.weight",
         ),
         KeyMap(_L + r"mlp\.w1\.weight", "model.layers.{layer}.mlp.gate_proj.weight", "layers.{layer}.mlp.w1.weight"),
@@ -56,9 +67,14 @@ class TorchtuneLlama(ModelAdapter):
         KeyMap(_L + r"mlp\.w2\.weight", "model.layers.{layer}.mlp.down_proj.weight", "layers.{layer}.mlp.w2.weight"),
         KeyMap(_L + r"sa_norm\.scale", "model.layers.{layer}.input_layernorm.weight", "layers.{layer}.sa_norm.scale"),
         KeyMap(
-            _L + r"mlp_norm\.scale", "model.layers.{layer}.post_attention_layernorm.weight",
+            _L + r"mlp_norm\.scale",
+            "model.layers.{layer}.post_attention_layernorm.weight",
             "layers.{layer}.mlp_norm.scale",
         ),
         KeyMap(r"norm\.scale", "model.norm.weight", "norm.scale"),
         KeyMap(r"output\.weight", "lm_head.weight", "output.weight"),
     )
+
+    def from_hf(self, hf_key: str, shape: tuple[int, ...], cfg: AdapterConfig) -> list[NativeTensor] | Skip | None:
+        """Not an import target (export only): a torchtitan import must not get torchtune's names."""
+        return None

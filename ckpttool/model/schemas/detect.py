@@ -45,7 +45,9 @@ _HF_RE = re.compile(
 )
 _OPT_PARTS = ("state", "param_groups")
 # torchtune naming (torchtune/modules/transformer.py: TransformerSelfAttentionLayer attn / sa_norm / mlp_norm).
-_TUNE_RE = re.compile(r"^(?:norm\.scale|layers\.\d+\.(?:attn\.(?:q_proj|k_proj|v_proj|output_proj)|sa_norm|mlp_norm)\.)")
+_TUNE_RE = re.compile(
+    r"^(?:norm\.scale|layers\.\d+\.(?:attn\.(?:q_proj|k_proj|v_proj|output_proj)|sa_norm|mlp_norm)\.)"
+)
 # Megatron-core naming (megatron/core/models/gpt/gpt_model.py: embedding, decoder with layers stacked
 # in sharded state dicts, output_layer).
 _MEGATRON_RE = re.compile(
