@@ -23,6 +23,7 @@ runner = CliRunner()
 DATA = Path(__file__).resolve().parents[1] / "fixtures" / "torchtune_data"
 RUN = DATA / "run"
 CKPT = RUN / "dist_epoch_0"
+RUNS = ("run", "run_fsdp2")  # 1 rank; 2 ranks with torchtune's FSDP2 wrapping (DTensor shards)
 
 
 def cli(*args: str, code: int = 0) -> str:
@@ -31,23 +32,23 @@ def cli(*args: str, code: int = 0) -> str:
     return res.stdout
 
 
-@pytest.fixture(scope="module")
-def torch_state(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def load_with_torch(ckpt: Path, tmp: Path) -> dict[str, Any]:
     """The whole checkpoint as torch's own reader loads it (nested: ``optimizer.state[str(i)][field]``)."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    out = tmp_path_factory.mktemp("tt") / "state.pt"
-    dcp_to_torch_save(CKPT, out)
-    return torch.load(out, weights_only=False)  # type: ignore[no-any-return]
+    dcp_to_torch_save(ckpt, tmp / "state.pt")
+    return torch.load(tmp / "state.pt", weights_only=False)  # type: ignore[no-any-return]
 
 
-def order() -> list[str]:
-    return json.loads((DATA / "param_order.json").read_text())  # type: ignore[no-any-return]
+def order(run: str = "run") -> list[str]:
+    """torchtune's model.named_parameters() order, recorded by the generator."""
+    return json.loads((DATA / run / "param_order.json").read_text())  # type: ignore[no-any-return]
 
 
-def test_found_from_run_root_and_epoch_dir() -> None:
-    for given in (RUN, CKPT):
+@pytest.mark.parametrize("run", RUNS)
+def test_found_from_run_root_and_epoch_dir(run: str) -> None:
+    for given in (DATA / run, DATA / run / "dist_epoch_0"):
         doc = json.loads(cli("inspect", str(given), "--json"))
         assert doc["location"]["model"].endswith("dist_epoch_0")
         ks = doc["key_schema"]
@@ -58,17 +59,20 @@ def test_found_from_run_root_and_epoch_dir() -> None:
         assert opt["implied_type"] == "adamw" and not opt["orphan_state"] and not opt["params_without_state"]
 
 
-def test_index_is_torchtunes_parameter_order(torch_state: dict[str, Any]) -> None:
+@pytest.mark.parametrize("run", RUNS)
+def test_index_is_torchtunes_parameter_order(run: str, tmp_path: Path) -> None:
     from ckpttool.format.reader import CheckpointReader
     from ckpttool.model.catalog import build_catalog, load_param_groups
 
-    cat = build_catalog(CKPT)
-    assert cat.param_fqns == order()  # the model's state-dict order is torchtune's named_parameters()
-    with CheckpointReader(CKPT) as rd:
+    ckpt = DATA / run / "dist_epoch_0"
+    torch_state = load_with_torch(ckpt, tmp_path)
+    cat = build_catalog(ckpt)
+    assert cat.param_fqns == order(run)  # the model's state-dict order is torchtune's named_parameters()
+    with CheckpointReader(ckpt) as rd:
         load_param_groups(cat, rd)
-        assert [g.params for g in cat.param_groups] == [order()]
+        assert [g.params for g in cat.param_groups] == [order(run)]
         want = torch_state["optimizer"]["state"]
-        for i, fqn in enumerate(order()):
+        for i, fqn in enumerate(order(run)):
             assert torch_state["model"][fqn].equal(rd.read_tensor(cat.model_key(fqn)))
             ps = cat.optimizer_state[fqn]
             assert sorted(ps.fields) == sorted(want[str(i)]) == ["exp_avg", "exp_avg_sq", "step"]
@@ -76,40 +80,56 @@ def test_index_is_torchtunes_parameter_order(torch_state: dict[str, Any]) -> Non
                 assert rd.read_tensor(cat.state_key(fqn, name)).equal(value), (fqn, name)
 
 
-def test_validate_strict_deep_and_replay() -> None:
-    doc = json.loads(cli("validate", str(RUN), "--strict", "--deep", "--json"))
+@pytest.mark.parametrize("run", RUNS)
+def test_validate_strict_deep_and_replay(run: str) -> None:
+    doc = json.loads(cli("validate", str(DATA / run), "--strict", "--deep", "--json"))
     assert doc["ok"] and not [f for f in doc["findings"] if f["code"] == "K003"], doc["findings"]
-    doc = json.loads(cli("replay-step", str(RUN), "--device", "cpu", "--json"))
-    assert doc["ok"] and sorted(p["fqn"] for p in doc["params"]) == sorted(order())
+    doc = json.loads(cli("replay-step", str(DATA / run), "--device", "cpu", "--json"))
+    assert doc["ok"] and sorted(p["fqn"] for p in doc["params"]) == sorted(order(run))
     assert all(p["step_before"] == 3 for p in doc["params"])
 
 
-def test_export_logits_match_torchtunes_forward(tmp_path: Path) -> None:
+@pytest.mark.parametrize("run", RUNS)
+def test_export_logits_match_torchtunes_forward(run: str, tmp_path: Path) -> None:
     import torch
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
     out = tmp_path / "hf"
-    cli("export", str(RUN), str(out), "--model-assets", str(DATA / "hf"))
+    cli("export", str(DATA / run), str(out), "--model-assets", str(DATA / "hf"))
     got = load_file(out / "model.safetensors")
     assert "model.layers.1.self_attn.k_proj.weight" in got and "lm_head.weight" in got and len(got) == 21
-    ref = torch.load(DATA / "reference.pt", weights_only=True)
+    ref = torch.load(DATA / run / "reference.pt", weights_only=True)
     model = LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(ref["input_ids"]).logits
     torch.testing.assert_close(logits, ref["logits"], rtol=1e-5, atol=1e-5)
-    doc = json.loads(cli("diff", str(RUN), str(out), "--json"))
+    doc = json.loads(cli("diff", str(DATA / run), str(out), "--json"))
     assert doc["equal"] and doc["counts"]["compared"] == 21
 
 
-def test_groups_not_in_parameter_order_are_refused(torch_state: dict[str, Any], tmp_path: Path) -> None:
+def test_groups_not_in_parameter_order_are_refused(tmp_path: Path) -> None:
     """An optimizer built over the parameters in another order: no index is matched (E251, exit 2)."""
     import torch.distributed.checkpoint as dcp
 
-    state = dict(torch_state)
+    state = load_with_torch(CKPT, tmp_path)
     groups = [dict(g) for g in state["optimizer"]["param_groups"]]
     groups[0]["params"] = list(reversed(groups[0]["params"]))
     state["optimizer"] = {"state": state["optimizer"]["state"], "param_groups": groups}
     dcp.save(state, checkpoint_id=tmp_path / "dist_epoch_0", no_dist=True)
     res = runner.invoke(app, ["replay-step", str(tmp_path / "dist_epoch_0"), "--device", "cpu"])
     assert res.exit_code == 2 and "[E251]" in res.stderr and "param group 0" in res.stderr, res.stderr
+
+
+def test_several_epochs_below_the_output_dir(tmp_path: Path) -> None:
+    """Several ``dist_epoch_N``: listed (E204) without ``--step``; ``--step latest`` / ``--step N`` picks one."""
+    import shutil
+
+    for n in (0, 1):
+        shutil.copytree(CKPT, tmp_path / f"dist_epoch_{n}")
+    res = runner.invoke(app, ["inspect", str(tmp_path)])
+    assert res.exit_code == 2 and "[E204]" in res.stderr and "steps 0, 1" in res.stderr, res.stderr
+    doc = json.loads(cli("inspect", str(tmp_path), "--step", "latest", "--json"))
+    assert doc["location"]["model"].endswith("dist_epoch_1") and doc["key_schema"]["id"] == "torchtune"
+    doc = json.loads(cli("inspect", str(tmp_path), "--step", "0", "--json"))
+    assert doc["location"]["model"].endswith("dist_epoch_0")
