@@ -884,7 +884,9 @@ def _group_fqns(cat: Catalog, group: ParamGroup) -> list[str]:
             f"{cat.path}: param group {group.group_id} lists parameter indices "
             f"{', '.join(group.params[:4])}{', ...' if len(group.params) > 4 else ''} of a model with {len(fqns)} "
             "parameters: the optimizer was not built from model.parameters() in order, so no index can be matched "
-            "to a parameter"
+            "to a parameter",
+            hint="the indices number the optimizer's own parameter list; a checkpoint of an optimizer built from "
+            "model.parameters() (torchtune's recipes) is read by index",
         )
     return [fqns[int(i)] for i in group.params]
 
