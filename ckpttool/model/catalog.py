@@ -17,13 +17,13 @@ import os
 import re
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain, compress, filterfalse, repeat
 from operator import add, and_, eq, getitem, is_, itemgetter, not_
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ckpttool.errors import CkptError, OptimStateError, PlannerDataError
+from ckpttool.errors import CkptError, IndexedOptimizerStateError, OptimStateError, PlannerDataError
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.listing import FileListing, list_files
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, StorageInfo, TensorMeta
@@ -243,6 +243,13 @@ class Catalog:
 
     def state_key(self, fqn: str, field_name: str) -> str:
         """The checkpoint key of state field ``field_name`` of parameter ``fqn``."""
+        if self.schema.optimizer_keying == INDEX_MAPPED:  # the key holds the parameter's index
+            ps = self.optimizer_state.get(fqn)
+            t = ps.fields.get(field_name) if ps is not None else None
+            if t is not None:
+                return t.key
+            fqns = self.param_fqns
+            return f"{self.schema.state_prefix}{fqns.index(fqn) if fqn in fqns else fqn}.{field_name}"
         if _state_splitter(self.schema) is not None:  # a schema with its own grammar (Megatron: field first)
             ps = self.optimizer_state.get(fqn)
             t = ps.fields.get(field_name) if ps is not None else None
@@ -738,6 +745,8 @@ def build_catalog(
     if sch.id == "megatron":  # its param groups live in common.pt beside .metadata
         groups = _megatron_groups(cd.path, rest.optimizer_state)
         flavors = {"nested"} if groups else set()
+    if sch.id == "torchtune" and sch.optimizer_keying == "index":  # state by index: torch's numbering
+        sch, rest.optimizer_state = _index_mapped(sch, model, rest.optimizer_state)
     return Catalog(
         path=cd.path,
         dcp_version=md.version,
@@ -776,6 +785,37 @@ def _megatron_groups(path: Path, state: dict[str, ParamState]) -> list[ParamGrou
             for fqn in members:
                 state[fqn].fields.setdefault("step", None)
     return groups
+
+
+#: ``KeySchema.optimizer_keying`` of index-keyed state mapped to fqns by the parameter order (torchtune)
+INDEX_MAPPED = "index-mapped"
+
+
+def _index_mapped(
+    sch: KeySchema, model: dict[str, TensorEntry], state: dict[str, ParamState]
+) -> tuple[KeySchema, dict[str, ParamState]]:
+    """Index-keyed optimizer state (``optimizer.state.<i>.<field>``) renamed to the fqns of the parameters.
+
+    torch's ``Optimizer.state_dict()`` numbers the parameters of its ``param_groups`` 0, 1, ...
+    in order (``torch/optim/optimizer.py``, ``state_dict``: ``param_mappings``); torchtune
+    builds the optimizer from ``model.parameters()`` and its models have no persistent buffers,
+    so index ``i`` is the ``i``-th key of the model's state dict, the order ``.metadata`` keeps
+    them in. The groups' ``params`` lists confirm it when they are read (:func:`load_param_groups`).
+    An index beyond the model tensors leaves the state keyed by index (rule ``K003``).
+    """
+    fqns = [sch.fqn_of(k) for k in model]
+    if not all(i.isdigit() and int(i) < len(fqns) for i in state):
+        return sch, state
+    mapped: dict[str, ParamState] = {}
+    for i, ps in state.items():
+        fqn = fqns[int(i)]
+        mapped[fqn] = ParamState(fqn, fields=ps.fields, in_model=True)
+    why = (
+        f"optimizer state under {sch.optimizer_prefix!r} is keyed by parameter index (torch's optimizer.state_dict()); "
+        f"index i is the model's i-th parameter ({len(fqns)} in the model's state-dict order)"
+    )
+    reasons = tuple(why if "keyed by parameter index" in r else r for r in sch.reasons)
+    return replace(sch, optimizer_keying=INDEX_MAPPED, reasons=reasons), mapped
 
 
 def _state_splitter(sch: KeySchema) -> Any:
@@ -822,8 +862,33 @@ def load_param_groups(cat: Catalog, reader: CheckpointReader, errors: dict[str, 
             if hyper == "params":
                 if isinstance(value, (list, tuple)):
                     g.params = list(map(str, value))
+                    if cat.schema.optimizer_keying == INDEX_MAPPED:
+                        g.params = _group_fqns(cat, g)
                 continue
             g.values[hyper] = value
+
+
+def _group_fqns(cat: Catalog, group: ParamGroup) -> list[str]:
+    """The fqns of an index-keyed group's ``params`` (:func:`_index_mapped`).
+
+    Raises:
+        IndexedOptimizerStateError: the groups do not number the model's parameters 0..N-1 in order,
+            so index ``i`` is not the model's ``i``-th parameter.
+    """
+    fqns = cat.param_fqns
+    start = sum(len(g.params) for g in cat.param_groups[: cat.param_groups.index(group)])
+    want = [str(i) for i in range(start, start + len(group.params))]
+    last = group is cat.param_groups[-1]
+    if group.params != want or (last and start + len(group.params) != len(fqns)):
+        raise IndexedOptimizerStateError(
+            f"{cat.path}: param group {group.group_id} lists parameter indices "
+            f"{', '.join(group.params[:4])}{', ...' if len(group.params) > 4 else ''} of a model with {len(fqns)} "
+            "parameters: the optimizer was not built from model.parameters() in order, so no index can be matched "
+            "to a parameter",
+            hint="the indices number the optimizer's own parameter list; a checkpoint of an optimizer built from "
+            "model.parameters() (torchtune's recipes) is read by index",
+        )
+    return [fqns[int(i)] for i in group.params]
 
 
 def lost_state(cat: Catalog) -> dict[str, str]:

@@ -33,6 +33,7 @@ DESIGN = Path(__file__).resolve().parents[2] / "docs" / "design.md"
 
 def test_builtin_schemas_in_priority_order() -> None:
     assert registry.names() == (
+        "torchtune",
         "olmo-core",
         "torch-native",
         "app-state",
@@ -44,6 +45,7 @@ def test_builtin_schemas_in_priority_order() -> None:
         "top-level",
     )
     assert [(s.model_prefix, s.optimizer_prefix) for s in registry.specs()] == [
+        ("model.", "optimizer."),
         ("model.", "optim."),
         ("model.", "optimizer."),
         ("app.model.", "app.optim."),

@@ -18,7 +18,7 @@ Usage::
 from __future__ import annotations
 
 # the built-in adapters register themselves on import, in the order ``--adapter`` lists them
-from ckpttool.model.adapters import llama3, qwen3, megatron, identity  # noqa: F401  # isort: skip
+from ckpttool.model.adapters import llama3, qwen3, megatron, torchtune_llama, identity  # noqa: F401  # isort: skip
 from ckpttool.model.adapters.base import (
     AdapterConfig,
     HFTensor,

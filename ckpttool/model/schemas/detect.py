@@ -44,6 +44,10 @@ _HF_RE = re.compile(
     r"(?:^|\.)(?:embed_tokens\.weight|lm_head\.weight|layers\.\d+\.(?:self_attn|mlp|input_layernorm)\.)"
 )
 _OPT_PARTS = ("state", "param_groups")
+# torchtune naming (torchtune/modules/transformer.py: TransformerSelfAttentionLayer attn / sa_norm / mlp_norm).
+_TUNE_RE = re.compile(
+    r"^(?:norm\.scale|layers\.\d+\.(?:attn\.(?:q_proj|k_proj|v_proj|output_proj)|sa_norm|mlp_norm)\.)"
+)
 # Megatron-core naming (megatron/core/models/gpt/gpt_model.py: embedding, decoder with layers stacked
 # in sharded state dicts, output_layer).
 _MEGATRON_RE = re.compile(
@@ -125,12 +129,14 @@ def fused_parts(fqn: str, model_keys: set[str], model_prefix: str) -> tuple[str,
 
 
 def model_naming(fqns: list[str]) -> str:
-    """``"torchtitan"``, ``"hf"``, ``"megatron"`` or ``"unknown"``: the naming convention most model fqns follow."""
+    """``"torchtitan"``, ``"hf"``, ``"megatron"``, ``"torchtune"`` or ``"unknown"``: the naming convention most model fqns follow."""
     if not fqns:
         return "unknown"
     megatron = sum(1 for f in fqns if _MEGATRON_RE.search(f))
     if megatron * 2 > len(fqns):
         return "megatron"
+    if sum(1 for f in fqns if _TUNE_RE.search(f)) * 2 > len(fqns):
+        return "torchtune"
     titan = sum(1 for f in fqns if _TITAN_RE.search(f))
     hf = sum(1 for f in fqns if _HF_RE.search(f))
     if titan > hf and titan * 4 >= len(fqns):

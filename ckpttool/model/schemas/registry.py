@@ -21,6 +21,7 @@ from ckpttool.model.schemas import (
     torch_checkpointing,
     torch_native,
     torchtitan,
+    torchtune,
     verl,
 )
 from ckpttool.model.schemas.base import GENERIC_DISCOVERY, GENERIC_TRAINING_STATE_ITEMS, FolderPair, SchemaSpec
@@ -160,5 +161,6 @@ for _spec in (
     torch_checkpointing.SPEC,
     olmo_core.SPEC,
     nemo.SPEC,
+    torchtune.SPEC,
 ):
     register(_spec)

@@ -1,0 +1,44 @@
+"""``torchtune``: torchtune's ``DistributedCheckpointer`` (``torchtune/training/checkpointing/_checkpointer.py``, 0.6).
+
+The recipes' asynchronous / intermediate save (``CheckpointClient._save_checkpoint_async``)
+writes ``<output_dir>/dist_epoch_<N>/`` with ``dcp.save`` / ``dcp.async_save`` of
+``{"model": model.state_dict(), "optimizer": optimizer.state_dict(), "seed", "epochs_run",
+"total_epochs", "max_steps_per_epoch", "dataloader"}``: model keys ``model.<fqn>`` in torchtune's
+own module names (``tok_embeddings.weight``, ``layers.N.attn.q_proj.weight``,
+``layers.N.sa_norm.scale``, ``layers.N.mlp.w1.weight``, ``norm.scale``, ``output.weight``) and
+the optimizer state keyed by parameter *index* (``optimizer.state.<i>.<field>``,
+``optimizer.param_groups.<g>.params = [i, ...]``). Index ``i`` is the ``i``-th parameter in the
+order ``torch.optim.Optimizer.state_dict()`` numbers them (the groups' ``params`` lists, in
+order); torchtune builds its optimizer from ``model.parameters()`` and its models hold no
+persistent buffers, so that is the order of the model's state dict (checked when the groups are
+read: :func:`ckpttool.model.catalog.load_param_groups`).
+"""
+
+from __future__ import annotations
+
+from ckpttool.model.schemas.base import Detected, Discovery, SchemaSpec
+
+__all__ = ["ITEMS", "SPEC"]
+
+#: top-level items of torchtune's ``TrainingProgress.state_dict()`` (``training.SEED_KEY`` ...)
+ITEMS = ("seed", "epochs_run", "total_epochs", "max_steps_per_epoch", "steps_run", "dataloader")
+
+
+def _claims(d: Detected) -> bool:
+    return d.naming == "torchtune" and d.model_prefix == "model."
+
+
+SPEC = SchemaSpec(
+    name="torchtune",
+    model_prefix="model.",
+    optimizer_prefix="optimizer.",
+    model_container=("model",),
+    claims=_claims,
+    priority=4,
+    optimizer_heads=("optimizer",),
+    training_state_items=ITEMS,
+    discovery=Discovery(step_words=("dist_epoch",)),
+    doc_model="`model.<fqn>` (torchtune names: `layers.N.attn.q_proj.weight`, `sa_norm.scale`)",
+    doc_optimizer="`optimizer.state.<i>.<field>` (index -> fqn by parameter order), `optimizer.param_groups.<g>.*`",
+    doc_written_by="torchtune's `DistributedCheckpointer` (`dist_epoch_N/`)",
+)
