@@ -190,6 +190,7 @@ def run_export(
     opening: OpenOptions,
     progress: Callable[[], AbstractContextManager[Progress]],
     note: Callable[[Checkpoint, ExportResult], str | None],
+    phase: Callable[[str], None] | None = None,
 ) -> tuple[ExportResult, str | None]:
     """Open ``source`` and :func:`~ckpttool.ops.export.export_checkpoint` it into ``out``, under one GC hold
     (the open's objects are frozen with the plan's before the writes): ``(result, note(ckpt, result))``.
@@ -197,6 +198,7 @@ def run_export(
     Args:
         progress: a context-manager factory yielding the ``(bytes done, bytes total)`` callback (or
             ``None``), entered once the checkpoint is open.
+        phase: ``phase(text)`` as each step of the export starts (``planning``, ..., ``writing``).
 
     Raises:
         as :func:`~ckpttool.model.checkpoint.open_checkpoint` and :func:`~ckpttool.ops.export.export_checkpoint`.
@@ -204,5 +206,5 @@ def run_export(
     from ckpttool.ops.export import export_checkpoint
 
     with gc_held(), open_source(source, opening) as ckpt, progress() as update:
-        result = export_checkpoint(ckpt, out, options, progress=update)
+        result = export_checkpoint(ckpt, out, options, progress=update, phase=phase)
         return result, note(ckpt, result)
