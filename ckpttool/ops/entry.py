@@ -134,6 +134,7 @@ def run_replay(
     *,
     opening: OpenOptions,
     progress: Progress,
+    phase: Callable[[str], None] | None = None,
 ) -> ReplayResult:
     """Open the checkpoint and :func:`~ckpttool.ops.replay.replay_step` it.
 
@@ -142,7 +143,7 @@ def run_replay(
     """
     from ckpttool.ops.replay import replay_step
 
-    return replay_step(path, options, progress=progress, opening=opening)
+    return replay_step(path, options, progress=progress, opening=opening, phase=phase)
 
 
 def replay_mismatch(result: ReplayResult) -> ReplayMismatchError | None:

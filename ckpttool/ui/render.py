@@ -15,6 +15,7 @@ import functools
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING, Any, cast
 
@@ -662,6 +663,8 @@ class PhaseProgress:
         self._status: Any = None
         self._bar: Any = None
         self._task: Any = None
+        self._shown = (0, 0)  # (done, total) drawn in this phase: done never goes back within a phase
+        self._lock = threading.Lock()  # progress may be called from worker threads
 
     @classmethod
     @contextlib.contextmanager
@@ -681,7 +684,12 @@ class PhaseProgress:
 
     def phase(self, text: str) -> None:
         """Name the step under way."""
+        with self._lock:
+            self._phase(text)
+
+    def _phase(self, text: str) -> None:
         self._last = text
+        self._shown = (0, 0)
         if self._bar is not None:  # a new phase: its own rate and time left
             done = self._bar.tasks[0].completed
             self._bar.reset(self._task, completed=done, description=f"{self.label}: {text}")
@@ -700,7 +708,15 @@ class PhaseProgress:
             self._status.update(line, refresh=True)
 
     def progress(self, done: int, total: int) -> None:
-        """``done`` of ``total`` (bytes or items); the first call starts the bar."""
+        """``done`` of ``total`` (bytes or items); the first call starts the bar. Calls may come from worker
+        threads in any order: a smaller ``done`` of the same ``total`` in the same phase is not drawn."""
+        with self._lock:
+            self._progress(done, total)
+
+    def _progress(self, done: int, total: int) -> None:
+        if total == self._shown[1] and done < self._shown[0]:
+            return
+        self._shown = (done, total)
         if self._bar is None:
             if total is None:  # no total yet: the phase line stays
                 return
