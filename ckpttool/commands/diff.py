@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -15,6 +13,7 @@ from ckpttool.model.adapters import adapter_metavar
 from ckpttool.ui import options as opt
 from ckpttool.ui.options import declaration, examples, parse_dtype, selection
 from ckpttool.ui.output import Output, command_boundary
+from ckpttool.ui.render import PhaseProgress
 
 if TYPE_CHECKING:
     from ckpttool.ops.diff import DiffResult
@@ -170,7 +169,7 @@ def diff_command(
         from ckpttool.ui.plot import check_plot_target
 
         check_plot_target(plot)
-    with DiffProgress.on_stderr(not json_output and sys.stderr.isatty()) as shown:
+    with PhaseProgress.on_stderr("diff", not json_output and sys.stderr.isatty(), bar_text="comparing") as shown:
         res = diff_checkpoints(
             a,
             b,
@@ -190,81 +189,12 @@ def diff_command(
         raise typer.Exit(1)
 
 
-class DiffProgress:
-    """What ``diff`` is doing, on stderr: each phase by name (a spinner), then a byte bar with its total.
-
-    The bar appears only once the total is known (``progress(0, total)``, after the names are
-    matched), so it never shows ``0/?``; its rate and time left cover the comparison alone.
-    After the bar has started, a phase (``loading torch``, ``comparing hyperparameters``) replaces
-    its label and restarts its rate.
-    """
+class DiffProgress(PhaseProgress):
+    """What ``diff`` is doing, on stderr (:class:`~ckpttool.ui.render.PhaseProgress` labelled ``diff``):
+    each phase by name, then the byte bar of the comparison, drawn once its total is known."""
 
     def __init__(self, console: Any) -> None:
-        self.con = console
-        self._status: Any = None
-        self._bar: Any = None
-        self._task: Any = None
-
-    @classmethod
-    @contextlib.contextmanager
-    def on_stderr(cls, enabled: bool) -> Iterator[DiffProgress | None]:
-        """A :class:`DiffProgress` on the stderr console, or ``None`` (``--json``, ``-q``, ``--no-progress``,
-        not a terminal)."""
-        from ckpttool.ui.render import UI, stderr_console
-
-        if not enabled or UI.quiet or not UI.progress:
-            yield None
-            return
-        shown = cls(stderr_console())
-        try:
-            yield shown
-        finally:
-            shown.close()
-
-    def phase(self, text: str) -> None:
-        if self._bar is not None:  # a new phase: its own rate and time left
-            done = self._bar.tasks[0].completed
-            self._bar.reset(self._task, completed=done, description=f"diff: {text}")
-            return
-        if self._status is None:
-            self._status = self.con.status(f"diff: {text}")
-            self._status.start()
-        else:
-            self._status.update(f"diff: {text}")
-
-    def progress(self, done: int, total: int) -> None:
-        if self._bar is None:
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
-
-            if self._status is not None:
-                self._status.stop()
-                self._status = None
-            self._bar = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                DownloadColumn(binary_units=True),
-                TransferSpeedColumn(),
-                TimeRemainingColumn(),
-                console=self.con,
-                transient=True,
-            )
-            self._bar.start()
-            self._task = self._bar.add_task("diff: comparing", total=total)
-        self._bar.update(self._task, completed=done, total=total)
-
-    def close(self) -> None:
-        if self._status is not None:
-            self._status.stop()
-        if self._bar is not None:
-            self._bar.stop()
-        self._status = self._bar = None
+        super().__init__(console, "diff", bar_text="comparing")
 
 
 def _is_run_root(path: Path) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -194,19 +195,24 @@ def run_export(cli: ExportCLIOptions) -> None:
     """Export model weights as Hugging Face safetensors or a LoRA adapter (streaming, bit-exact by default)."""
     from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import run_export as run
-    from ckpttool.ui.render import byte_progress
+    from ckpttool.ui.render import PhaseProgress
 
     decl = declaration(cli.source_layout, cli.ep_size, cli.ep_fsdp_size, cli.no_ep)
     sel = selection(cli.step, cli.optimizer_dir, cli.schema, cli.model_prefix, cli.optimizer_prefix)
     options = export_options(cli)
-    result, masters = run(
-        cli.checkpoint,
-        cli.out,
-        options,
-        opening=OpenOptions(declaration=decl, trust_pickle=cli.trust_pickle, selection=sel),
-        progress=lambda: byte_progress("export", not cli.json_output and sys.stderr.isatty()),
-        note=_masters_note,
-    )
+    # phases named on stderr (opening, planning, building model class ..., writing); the byte bar from its total on
+    with PhaseProgress.on_stderr("export", not cli.json_output and sys.stderr.isatty()) as shown:
+        if shown is not None:
+            shown.phase(f"opening {cli.checkpoint}")
+        result, masters = run(
+            cli.checkpoint,
+            cli.out,
+            options,
+            opening=OpenOptions(declaration=decl, trust_pickle=cli.trust_pickle, selection=sel),
+            progress=lambda: contextlib.nullcontext(shown.progress if shown is not None else None),
+            note=_masters_note,
+            phase=shown.phase if shown is not None else None,
+        )
     sink = Output(cli.json_output)
     for w in result.warnings:
         sink.warning(w)
@@ -313,7 +319,8 @@ def _render(r: ExportResult) -> None:
     else:
         con.print(
             f"exported {plural(r.tensors, 'tensor')}, {human_bytes(r.bytes)} in {plural(len(r.files), 'file')} "
-            f"to {r.output} ({fmt_seconds(r.seconds)}, {fmt_rate(r.bytes, r.seconds)})"
+            f"to {r.output} ({fmt_seconds(r.seconds)} in all; written in {fmt_seconds(r.write_seconds)}, "
+            f"{fmt_rate(r.bytes, r.write_seconds)})"
         )
     print_table(
         con,

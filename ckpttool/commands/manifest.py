@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -68,7 +69,18 @@ def manifest_command(
         if checked.problems:
             raise typer.Exit(1)
         return
-    res = write_manifest(checkpoint, ManifestOptions(out=output, algorithm=hash_name, covers=covers), opening=opening)
+    from ckpttool.ui.render import PhaseProgress
+
+    # the open named on stderr, then the byte bar of the hashing from its total on
+    with PhaseProgress.on_stderr("manifest", not json_output and sys.stderr.isatty(), bar_text="hashing") as shown:
+        if shown is not None:
+            shown.phase(f"opening {checkpoint}")
+        res = write_manifest(
+            checkpoint,
+            ManifestOptions(out=output, algorithm=hash_name, covers=covers),
+            opening=opening,
+            progress=shown.progress if shown is not None else None,
+        )
     Output(json_output).result(res, _render)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from enum import Enum
 from pathlib import Path
@@ -177,16 +178,21 @@ def replay_step_command(
     )
     decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
     sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
-    progress_cb, finish = _progress(enabled=not json_output and sys.stderr.isatty())
-    try:
+    from ckpttool.ui.render import PhaseProgress
+
+    # phases named on stderr (opening, planning, loading, building, replaying); the parameter bar from its total on
+    with PhaseProgress.on_stderr("replay-step", not json_output and sys.stderr.isatty(), unit="items") as shown:
+        if shown is not None:  # torch's import takes seconds: named, not counted as the open
+            shown.phase("loading torch")
+            importlib.import_module("torch")
+            shown.phase(f"opening {checkpoint}")
         result = run_replay(
             checkpoint,
             options,
             opening=OpenOptions(declaration=decl, trust_pickle=trust_pickle, selection=sel),
-            progress=progress_cb,
+            progress=shown.progress if shown is not None else None,
+            phase=shown.phase if shown is not None else None,
         )
-    finally:
-        finish()
     Output(json_output).result(result, render_replay)
     mismatch = replay_mismatch(result)
     if mismatch is not None:
@@ -373,33 +379,6 @@ def _print_replay_timing(con: Any, result: ReplayResult) -> None:
             f"offload     D2H {human_bytes(t['d2h_bytes'])} ({t['d2h_gbps']:.2f} GB/s), H2D {human_bytes(t['h2d_bytes'])} "
             f"({t['h2d_gbps']:.2f} GB/s) over {t['offload_seconds'] * 1e3:.1f} ms of offloaded steps"
         )
-
-
-def _progress(*, enabled: bool) -> tuple[Any, Any]:
-    """A ``(callback, finish)`` pair drawing a progress bar on stderr (no-ops when disabled or with ``-q``)."""
-    from ckpttool.ui.render import UI
-
-    if not enabled or UI.quiet or not UI.progress:
-        return None, lambda: None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from ckpttool.ui.render import stderr_console
-
-    bar = Progress(
-        TextColumn("replaying"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=stderr_console(),
-        transient=True,
-    )
-    task = bar.add_task("replay", total=None)
-    bar.start()
-
-    def update(done: int, total: int) -> None:
-        bar.update(task, completed=done, total=total)
-
-    return update, bar.stop
 
 
 EPILOG = examples(

@@ -77,19 +77,21 @@ def stats_command(
     from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import deliver
     from ckpttool.ops.stats import StatsOptions, collect_stats
-    from ckpttool.ui.render import byte_progress
+    from ckpttool.ui.render import PhaseProgress
 
     if plot is not None:
         from ckpttool.ui.plot import check_plot_target
 
         check_plot_target(plot)
     options = StatsOptions(filters=tuple(filters or ()), workers=workers, optimizer=not no_optimizer)
-    with byte_progress("stats", not json_output and sys.stderr.isatty()) as progress:
+    # phases named on stderr (measuring CKPT i/n, comparing steps); each checkpoint's byte bar from its total on
+    with PhaseProgress.on_stderr("stats", not json_output and sys.stderr.isatty()) as shown:
         res = collect_stats(
             [str(c) for c in checkpoints],
             options,
-            progress=progress,
+            progress=shown.progress if shown is not None else None,
             opening=OpenOptions(trust_pickle=trust_pickle, selection=selection(step)),
+            phase=shown.phase if shown is not None else None,
         )
     if plot is not None:
         from ckpttool.ui.plot import write_stats_plot

@@ -134,6 +134,7 @@ def run_replay(
     *,
     opening: OpenOptions,
     progress: Progress,
+    phase: Callable[[str], None] | None = None,
 ) -> ReplayResult:
     """Open the checkpoint and :func:`~ckpttool.ops.replay.replay_step` it.
 
@@ -142,7 +143,7 @@ def run_replay(
     """
     from ckpttool.ops.replay import replay_step
 
-    return replay_step(path, options, progress=progress, opening=opening)
+    return replay_step(path, options, progress=progress, opening=opening, phase=phase)
 
 
 def replay_mismatch(result: ReplayResult) -> ReplayMismatchError | None:
@@ -196,6 +197,7 @@ def run_export(
     opening: OpenOptions,
     progress: Callable[[], AbstractContextManager[Progress]],
     note: Callable[[Checkpoint, ExportResult], str | None],
+    phase: Callable[[str], None] | None = None,
 ) -> tuple[ExportResult, str | None]:
     """Open ``source`` and :func:`~ckpttool.ops.export.export_checkpoint` it into ``out``, under one GC hold
     (the open's objects are frozen with the plan's before the writes): ``(result, note(ckpt, result))``.
@@ -203,6 +205,7 @@ def run_export(
     Args:
         progress: a context-manager factory yielding the ``(bytes done, bytes total)`` callback (or
             ``None``), entered once the checkpoint is open.
+        phase: ``phase(text)`` as each step of the export starts (``planning``, ..., ``writing``).
 
     Raises:
         as :func:`~ckpttool.model.checkpoint.open_checkpoint` and :func:`~ckpttool.ops.export.export_checkpoint`.
@@ -210,5 +213,5 @@ def run_export(
     from ckpttool.ops.export import export_checkpoint
 
     with gc_held(), open_source(source, opening) as ckpt, progress() as update:
-        result = export_checkpoint(ckpt, out, options, progress=update)
+        result = export_checkpoint(ckpt, out, options, progress=update, phase=phase)
         return result, note(ckpt, result)

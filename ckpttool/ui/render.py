@@ -15,6 +15,7 @@ import functools
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import IO, TYPE_CHECKING, Any, cast
 
@@ -30,6 +31,7 @@ __all__ = [
     "STYLES",
     "UI",
     "Col",
+    "PhaseProgress",
     "byte_progress",
     "color_enabled",
     "fmt_bytes",
@@ -639,29 +641,136 @@ def table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
     return t
 
 
+class PhaseProgress:
+    """What a command is doing, on stderr: each phase by name (a spinner line), then a bar with its total.
+
+    ``phase(text)`` names the step under way (``LABEL: text…``). The bar appears only once its
+    total is known (the first ``progress(done, total)`` call), so it never shows ``0/?``; it
+    counts bytes (``unit="bytes"``: done/total, speed, time left) or items (``unit="items"``:
+    done/total, time left). A phase named after the bar has started replaces its label and
+    restarts its rate and time left, so each rate covers one phase only. Enter it with
+    :meth:`on_stderr`, which yields ``None`` where nothing may be drawn.
+    """
+
+    def __init__(self, console: Any, label: str, *, unit: str = "bytes", bar_text: str | None = None) -> None:
+        """``label`` prefixes every line (the command's name); ``bar_text``: the bar's first label (default: the
+        last phase named)."""
+        self.con = console
+        self.label = label
+        self.unit = unit
+        self._bar_text = bar_text
+        self._last = bar_text or ""
+        self._status: Any = None
+        self._bar: Any = None
+        self._task: Any = None
+        self._shown = (0, 0)  # (done, total) drawn in this phase: done never goes back within a phase
+        self._lock = threading.Lock()  # progress may be called from worker threads
+
+    @classmethod
+    @contextlib.contextmanager
+    def on_stderr(
+        cls, label: str, enabled: bool, *, unit: str = "bytes", bar_text: str | None = None
+    ) -> Iterator[PhaseProgress | None]:
+        """A :class:`PhaseProgress` on the stderr console, or ``None`` when ``enabled`` is false (``--json``,
+        stderr not a terminal), with ``-q`` or with ``--no-progress``: then no bar and no phase line."""
+        if not enabled or UI.quiet or not UI.progress:
+            yield None
+            return
+        shown = cls(stderr_console(), label, unit=unit, bar_text=bar_text)
+        try:
+            yield shown
+        finally:
+            shown.close()
+
+    def phase(self, text: str) -> None:
+        """Name the step under way."""
+        with self._lock:
+            self._phase(text)
+
+    def _phase(self, text: str) -> None:
+        self._last = text
+        self._shown = (0, 0)
+        if self._bar is not None:  # a new phase: its own rate and time left
+            done = self._bar.tasks[0].completed
+            self._bar.reset(self._task, completed=done, description=f"{self.label}: {text}")
+            self._bar.refresh()
+            return
+        from rich.spinner import Spinner
+
+        # drawn at once (not at the next tick of the refresh thread): a short phase is named too
+        line = Spinner("dots", text=f"{self.label}: {text}" + ("" if text.endswith("…") else "…"))
+        if self._status is None:
+            from rich.live import Live
+
+            self._status = Live(line, console=self.con, transient=True, refresh_per_second=12.5)
+            self._status.start(refresh=True)
+        else:
+            self._status.update(line, refresh=True)
+
+    def progress(self, done: int, total: int) -> None:
+        """``done`` of ``total`` (bytes or items); the first call starts the bar. Calls may come from worker
+        threads in any order: a smaller ``done`` of the same ``total`` in the same phase is not drawn."""
+        with self._lock:
+            self._progress(done, total)
+
+    def _progress(self, done: int, total: int) -> None:
+        if total == self._shown[1] and done < self._shown[0]:
+            return
+        self._shown = (done, total)
+        if self._bar is None:
+            if total is None:  # no total yet: the phase line stays
+                return
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            if self._status is not None:
+                self._status.stop()
+                self._status = None
+            amounts = (
+                [DownloadColumn(binary_units=True), TransferSpeedColumn()]
+                if self.unit == "bytes"
+                else [MofNCompleteColumn()]
+            )
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                *amounts,
+                TimeRemainingColumn(),
+                console=self.con,
+                transient=True,
+            )
+            self._bar.start()
+            first = self._last if self._bar_text is None else self._bar_text
+            self._task = self._bar.add_task(f"{self.label}: {first}" if first else self.label, total=total)
+            self._bar_text = None
+        self._bar.update(self._task, completed=done, total=total)
+
+    def close(self) -> None:
+        """Stop drawing (the lines are transient: nothing stays on the terminal)."""
+        if self._status is not None:
+            self._status.stop()
+        if self._bar is not None:
+            self._bar.stop()
+        self._status = self._bar = None
+
+
 @contextlib.contextmanager
 def byte_progress(label: str, enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
-    """A transient progress bar on stderr, in bytes (``label``, bar, done/total, speed, time left).
+    """A transient progress bar on stderr, in bytes (``label``, bar, done/total, speed, time left), drawn from
+    its first ``progress(done, total)`` call on (:class:`PhaseProgress`, never ``0/?``).
 
     Yields the ``(bytes done, bytes total)`` callback that the library functions take as
     ``progress``, or ``None`` when ``enabled`` is false (``--json``, stderr not a terminal).
     """
-    if not enabled or UI.quiet or not UI.progress:
-        yield None
-        return
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-
-    with Progress(
-        TextColumn(label),
-        BarColumn(),
-        DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=stderr_console(),
-        transient=True,
-    ) as bar:
-        task = bar.add_task(label, total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total)
+    with PhaseProgress.on_stderr(label, enabled, bar_text="") as shown:
+        yield shown.progress if shown is not None else None
 
 
 def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:

@@ -75,6 +75,9 @@ log = logging.getLogger(__name__)
 
 #: ``progress(done_bytes, total_bytes)``, called from the calling thread.
 ProgressFn = Callable[[int, int], None]
+#: ``phase(text)``: the step an export starts (``planning``, ``building model class transformers.X``,
+#: ``checking chunks``, ``writing``), called from the calling thread.
+PhaseFn = Callable[[str], None]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".distcp")
 
@@ -174,11 +177,13 @@ class ExportResult:
     notes: list[str] = field(default_factory=list)
     dry_run: bool = False
     quantization: dict[str, Any] | None = None
+    write_seconds: float = 0.0
 
     @property
     def gb_per_s(self) -> float:
-        """Output bytes per second, in GB/s (10^9)."""
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        """Output bytes per second of the writing phase (``write_seconds``), in GB/s (10^9); 0 when nothing was
+        written."""
+        return self.bytes / self.write_seconds / 1e9 if self.write_seconds > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -190,6 +195,7 @@ class ExportResult:
             "bytes": self.bytes,
             "bytes_read": self.bytes_read,
             "seconds": round(self.seconds, 4),
+            "write_seconds": round(self.write_seconds, 4),
             "gb_per_s": round(self.gb_per_s, 4),
             "save_dtype": self.save_dtype,
             "weights": self.weights,
@@ -628,6 +634,7 @@ def export_checkpoint(
     *,
     progress: ProgressFn | None = None,
     opening: OpenOptions | None = None,
+    phase: PhaseFn | None = None,
 ) -> ExportResult:
     """Export a DCP checkpoint's model weights as Hugging Face safetensors or a PEFT LoRA adapter.
 
@@ -636,10 +643,11 @@ def export_checkpoint(
             (never modified), opened with ``opening``.
         out: output directory; written beside itself and renamed when complete.
         options: see :class:`ExportOptions`.
-        progress: ``progress(done_bytes, total_bytes)`` callback.
+        progress: ``progress(done_bytes, total_bytes)`` callback, first called once the total is known.
+        phase: ``phase(text)`` as each step starts (:data:`PhaseFn`).
 
     Returns:
-        :class:`ExportResult`.
+        :class:`ExportResult` (``seconds``: the whole export; ``write_seconds``: the writing phase).
 
     Raises:
         UsageError: bad options, unreadable ``rules`` / ``model_assets`` / ``adapter_config``.
@@ -661,7 +669,9 @@ def export_checkpoint(
             given_adapter = read_adapter_config(Path(opts.model_assets) / "adapter_config.json")
     # the open's objects stay out of the cyclic GC until the export ends (frozen for the writes: gc_held)
     with gc_held() as resume_frozen, open_source(source, opening) as ckpt:
-        return _export(ckpt, output_location(out), opts, rules, model_config, given_adapter, progress, resume_frozen)
+        return _export(
+            ckpt, output_location(out), opts, rules, model_config, given_adapter, progress, resume_frozen, phase
+        )
 
 
 @dataclass(frozen=True)
@@ -787,6 +797,7 @@ def _prepare(
     rules: ExportRules,
     model_config: dict[str, Any] | None,
     given_adapter: dict[str, Any] | None,
+    say: PhaseFn,
 ) -> _Prepared:
     """Select, plan and check everything an export can check before it writes (no output exists yet).
 
@@ -829,10 +840,14 @@ def _prepare(
     request = PrepareRequest(plan, cat, reader, given_adapter, opts.lora_alpha, model_config)
     adapter = out_format.prepare(request)
     assets = _asset_files(Path(opts.model_assets), out_format) if opts.model_assets is not None else []
-    check = _check_against_model(plan, model_config, opts) if out_format.checks_model_class and model_config else None
+    check = None
+    if out_format.checks_model_class and model_config:
+        say(f"building model class {_model_class_name(model_config)}")
+        check = _check_against_model(plan, model_config, opts)
     merges = out_format.transforms(request)
     config, notes = _serving_assets(opts, out_format, plan, assets, (embed, lm_head), model_config)
     # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
+    say("checking chunks")
     chunks = _checked_chunks(reader, [t.selected.source.key for t in plan.tasks])
     return _Prepared(
         plan,
@@ -862,8 +877,11 @@ def _export(
     given_adapter: dict[str, Any] | None,
     progress: ProgressFn | None,
     resume_frozen: Callable[[], None],
+    phase: PhaseFn | None = None,
 ) -> ExportResult:
     t0 = time.perf_counter()
+    say = phase or (lambda text: None)
+    say("planning")
     opts = _resolved(opts, ckpt)
     out_format = _output_format(opts)
     # Planning and the chunk checks allocate ~10 acyclic objects per tensor (10^7 at 10^6 tensors): the
@@ -871,7 +889,7 @@ def _export(
     reader = ckpt.reader
     reader.verify_crc = opts.verify_crc
     layout = ckpt.require_layout()
-    prep = _prepare(ckpt, layout, out_format, opts, rules, model_config, given_adapter)
+    prep = _prepare(ckpt, layout, out_format, opts, rules, model_config, given_adapter, say)
     plan = prep.plan
     if opts.dry_run:  # the plan of this very export, checked up to the output directory: nothing written
         check_target(out, overwrite=opts.overwrite, source=ckpt.path)
@@ -879,7 +897,7 @@ def _export(
             {"name": name, "bytes": size, "tensors": len(entries)}
             for name, size, entries in zip(plan.files, plan.file_bytes(), plan.entries)
         ]
-        return _export_result(out, opts, layout, prep, planned, 0, time.perf_counter() - t0, None)
+        return _export_result(out, opts, layout, prep, planned, 0, (time.perf_counter() - t0, 0.0), None)
     # torchrun: each rank writes the files assigned to it (by bytes), rank 0 the index (ckpttool.ops.distributed)
     group = distributed.current()
     file_bytes = plan.file_bytes()
@@ -893,8 +911,11 @@ def _export(
     # the first allocation would scan them all, later full collections again. They are
     # long-lived and acyclic: frozen (gc.freeze) until the export ends (gc_held).
     resume_frozen()
+    say("writing")
+    t_write = time.perf_counter()
     files_info, bytes_read = _write(ckpt, out, opts, out_format, prep, group, mine, st_metadata, identity, progress)
-    return _export_result(out, opts, layout, prep, files_info, bytes_read, time.perf_counter() - t0, identity)
+    t_end = time.perf_counter()
+    return _export_result(out, opts, layout, prep, files_info, bytes_read, (t_end - t0, t_end - t_write), identity)
 
 
 def _export_result(
@@ -904,9 +925,10 @@ def _export_result(
     prep: _Prepared,
     files_info: list[dict[str, Any]],
     bytes_read: int,
-    seconds: float,
+    seconds: tuple[float, float],
     identity: dict[str, Any] | None,
 ) -> ExportResult:
+    """The result; ``seconds``: ``(the whole export, its writing phase)``."""
     plan = prep.plan
     return ExportResult(
         output=str(out),
@@ -915,7 +937,8 @@ def _export_result(
         tensors=plan.num_tensors,
         bytes=plan.total_bytes,
         bytes_read=bytes_read,
-        seconds=seconds,
+        seconds=seconds[0],
+        write_seconds=seconds[1],
         save_dtype=opts.save_dtype,
         weights=opts.weights,
         experts=opts.experts,
@@ -1092,6 +1115,14 @@ def _write_root_files(
             [(name, *digests[i]) for i, name in enumerate(plan.files)], opts.algorithm, identity, sidecars_of=tmp
         )
         (tmp / MANIFEST_NAME).write_bytes(doc)
+
+
+def _model_class_name(config: dict[str, Any]) -> str:
+    """``transformers.X``: the class ``config.json`` names (``architectures[0]``), else its ``model_type``."""
+    arch = config.get("architectures")
+    if isinstance(arch, list) and arch and isinstance(arch[0], str):
+        return f"transformers.{arch[0]}"
+    return f"transformers.AutoModelForCausalLM ({config.get('model_type')})"
 
 
 def _log_plan(

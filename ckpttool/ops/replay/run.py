@@ -414,6 +414,7 @@ def replay_step(
     progress: Callable[[int, int], None] | None = None,
     opening: OpenOptions | None = None,
     on_param: Callable[[str, dict[str, Any]], None] | None = None,
+    phase: Callable[[str], None] | None = None,
 ) -> ReplayResult:
     """Replay ``steps`` optimizer steps from a checkpoint and compare with an independent reference.
 
@@ -423,7 +424,10 @@ def replay_step(
         options: see :class:`ReplayOptions`.
         on_param: called as ``on_param(fqn, {"param", "master_weight", "exp_avg", "exp_avg_sq", "step"})``
             with CPU tensors after each parameter's replay (true expert order; ``master_weight`` absent for adamw).
-        progress: called as ``progress(done, total)`` parameters.
+        progress: called as ``progress(done, total)`` parameters, from ``(0, total)`` as the replay of the
+            first batch starts, then after each parameter's reference comparison.
+        phase: called as ``phase(text)`` as each step starts: ``planning``, then per memory batch
+            ``loading optimizer state``, ``building the model``, ``replaying N parameters``.
 
     Returns:
         The :class:`ReplayResult` (``ok`` is False when any parameter is beyond tolerance).
@@ -438,7 +442,7 @@ def replay_step(
     opts = options or ReplayOptions()
     opts.check()
     with open_source(source, opening) as ckpt:
-        return _replay(ckpt, opts, on_param, progress)
+        return _replay(ckpt, opts, on_param, progress, phase or (lambda text: None))
 
 
 @dataclass(frozen=True)
@@ -539,6 +543,10 @@ def _finish_timing(timing: dict[str, float], t_start: float, bytes_read: int) ->
     )
 
 
+def _plural_params(n: int) -> str:
+    return f"{n:,} parameter" + ("" if n == 1 else "s")
+
+
 def _run_batches(
     reader: Any,
     prep: _Prepared,
@@ -550,6 +558,7 @@ def _run_batches(
     timing: dict[str, float],
     on_param: Callable[[str, dict[str, Any]], None] | None,
     progress: Callable[[int, int], None] | None,
+    say: Callable[[str], None],
 ) -> tuple[list[ParamResult], int]:
     """Replay the batches in order (:func:`_replay_batch`); returns the results and the bytes read."""
     import torch
@@ -563,9 +572,22 @@ def _run_batches(
         return to_canonical(layout, key, t)
 
     results: list[ParamResult] = []
-    done = 0
+    done = [0]
+    total = len(plan.params)
+
+    def advance() -> None:  # one parameter compared
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], total)
+
     start_read = reader.bytes_read
-    for batch in batches:
+    for n, batch in enumerate(batches, 1):
+        of = f" (batch {n}/{len(batches)})" if len(batches) > 1 else ""
+        phases = (
+            f"loading optimizer state{of}",
+            f"building the model{of}",
+            f"replaying {_plural_params(len(batch))}{of}",
+        )
         results.extend(
             _replay_batch(
                 reader,
@@ -584,11 +606,9 @@ def _run_batches(
                 timing=timing,
                 on_param=on_param,
                 torch_reference=opts.reference == "torch",
+                phases=(say, phases, progress, (done[0], total), advance),
             )
         )
-        done += len(batch)
-        if progress is not None:
-            progress(done, len(plan.params))
     bytes_read = reader.bytes_read - start_read
     return results, bytes_read
 
@@ -598,6 +618,7 @@ def _replay(
     opts: ReplayOptions,
     on_param: Callable[[str, dict[str, Any]], None] | None,
     progress: Callable[[int, int], None] | None,
+    say: Callable[[str], None],
 ) -> ReplayResult:
     import torch
 
@@ -606,6 +627,7 @@ def _replay(
     dev = resolve_device(opts.device)
     budget = opts.max_memory if opts.max_memory is not None else _default_max_memory()
     reader = ckpt.reader
+    say("planning")
     prep = _prepare(ckpt, opts)
     layout, plan, notes, grad_file = prep.layout, prep.plan, prep.notes, prep.grad_file
     ref_dtype = getattr(torch, opts.reference_dtype)
@@ -633,7 +655,16 @@ def _replay(
         "reference_seconds": 0.0,
     }
     results, bytes_read = _run_batches(
-        reader, prep, batches, opts, dev=dev, ref_dtype=ref_dtype, timing=timing, on_param=on_param, progress=progress
+        reader,
+        prep,
+        batches,
+        opts,
+        dev=dev,
+        ref_dtype=ref_dtype,
+        timing=timing,
+        on_param=on_param,
+        progress=progress,
+        say=say,
     )
     _step_mismatch_note(results, layout.record, notes)
     results.sort(key=lambda r: (r.ok, -r.worst_ratio, r.fqn))
@@ -914,8 +945,10 @@ def _reference_pass(
     workers: int,
     timing: dict[str, float],
     on_param: Callable[[str, dict[str, Any]], None] | None,
+    advance: Callable[[], None] | None = None,
 ) -> list[ParamResult]:
-    """Reference and comparison, slab by slab, in parallel (torch's kernels release the GIL)."""
+    """Reference and comparison, slab by slab, in parallel (torch's kernels release the GIL); ``advance()``
+    after each parameter."""
     import torch
 
     t1 = time.perf_counter()
@@ -942,6 +975,8 @@ def _reference_pass(
                                 cpu[f] = st[f].detach().cpu()
                         on_param(member.fqn, cpu)
                     out.append(r)
+                    if advance is not None:
+                        advance()
     finally:
         torch.set_num_threads(prev_threads)
     timing["reference_seconds"] += time.perf_counter() - t1
@@ -966,8 +1001,13 @@ def _replay_batch(
     timing: dict[str, float],
     on_param: Callable[[str, dict[str, Any]], None] | None,
     torch_reference: bool = False,
+    phases: tuple[Any, ...] | None = None,
 ) -> list[ParamResult]:
     """Replay one memory batch (see the module docstring); returns its parameter results.
+
+    ``phases``: ``(say, (loading, building, replaying), progress, (done, total), advance)``: each step named
+    with ``say``, the parameter count drawn from ``progress(done, total)`` as the replay starts, then
+    ``advance()`` after each parameter.
 
     Memory is that of a resumed run: the parameters, their loaded state (adopted by the
     optimizer, updated in place), one gradient per step; the reference and the comparison
@@ -975,10 +1015,16 @@ def _replay_batch(
     (:class:`~ckpttool.ops.replay.slabs.TensorSlabs`), with slab-sized temporaries only.
     """
     workers = max(1, min(4, os.cpu_count() or 1))
+    say, names, progress, counts, advance = phases or (lambda text: None, ("", "", ""), None, (0, 0), None)
+    say(names[0])
     loaded, results = _load_batch(reader, batch, canon, workers, steps, timing)
     snapshot = _torch_snapshot(batch, loaded) if torch_reference else None
+    say(names[1])
     params, optimizers = _build_optimizers(batch, loaded, dev, plan_config)
     del loaded
+    say(names[2])
+    if progress is not None:
+        progress(*counts)
     grads = _timed_steps(
         batch,
         params,
@@ -1008,6 +1054,7 @@ def _replay_batch(
         workers=workers,
         timing=timing,
         on_param=on_param,
+        advance=advance,
     )
 
 

@@ -381,9 +381,13 @@ def collect_stats(
     *,
     progress: Progress = None,
     opening: OpenOptions | None = None,
+    phase: Callable[[str], None] | None = None,
 ) -> StatsResult:
     """Statistics of each checkpoint of ``sources`` (in order) and the per-layer change between
     consecutive ones.
+
+    ``progress(done_bytes, total_bytes)`` per checkpoint measured (from its first chunk on);
+    ``phase(text)`` as each step starts: ``measuring PATH i/n``, ``comparing steps``.
 
     Raises:
         UsageError: no source, more than :data:`MAX_CHECKPOINTS`, or nothing to measure (filters).
@@ -396,8 +400,15 @@ def collect_stats(
     try:
         with ExitStack() as stack:
             ckpts = [stack.enter_context(open_source(s, opening)) for s in sources]
-            per = tuple(_stats_one(c, options, progress) for c in ckpts)
+            say = phase or (lambda text: None)
+            per_list = []
+            for i, c in enumerate(ckpts, 1):
+                say(f"measuring {c.path} {i}/{len(ckpts)}")
+                per_list.append(_stats_one(c, options, progress))
+            per = tuple(per_list)
             skipped: list[str] = []
+            if len(ckpts) > 1:
+                say("comparing steps")
             changes = [ch for a, b in zip(ckpts, ckpts[1:]) for ch in _changes(a, b, options, skipped)]
     finally:
         release_buffers()

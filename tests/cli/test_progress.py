@@ -1,0 +1,94 @@
+"""Progress that tells the truth, through the CLI on a real pseudo-terminal: each phase named on stderr
+before its bar, the bar only with its total (never ``0/?``), nothing drawn with ``--json``, ``-q``,
+``--no-progress`` or in a pipe; export's timings split into the whole run and its writing phase."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from tests.cli.test_terminal import ANSI, run_in_pty
+
+runner = CliRunner()
+
+
+def _shown(argv: list[str]) -> str:
+    """Everything a terminal of 120 columns received (stdout and stderr), escape sequences removed."""
+    rc, out = run_in_pty(argv, 120)
+    assert rc == 0, out
+    text = ANSI.sub("", out).replace("\n", " ")  # a summary line may wrap
+    assert "/?" not in text and "?/" not in text  # never a bar without its total
+    return text
+
+
+def _in_order(text: str, *parts: str) -> None:
+    at = 0
+    for p in parts:
+        i = text.find(p, at)
+        assert i >= 0, f"{p!r} not after offset {at} in {text!r}"
+        at = i + len(p)
+
+
+def test_export_names_its_phases_then_draws_the_write_bar(sample_ckpt: Path, tmp_path: Path) -> None:
+    assets = sample_ckpt / "model_assets"
+    text = _shown(["export", str(sample_ckpt), str(tmp_path / "hf"), "--model-assets", str(assets)])
+    _in_order(
+        text,
+        f"export: opening {sample_ckpt}…",
+        "export: planning…",
+        "export: building model class transformers.",
+        "export: writing…",
+        "export: writing ━",
+        "KiB",
+        "exported 33 tensors",
+        "in all; written in ",
+    )
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("flag", ["--no-progress", "-q"])
+def test_no_phase_line_and_no_bar_when_asked(flag: str, sample_ckpt: Path, tmp_path: Path) -> None:
+    rc, out = run_in_pty([flag, "export", str(sample_ckpt), str(tmp_path / "hf")], 120)
+    assert rc == 0, out
+    assert "export: " not in out and "…" not in out and "B/s " not in out  # no phase line, no bar
+
+
+def test_export_json_carries_the_whole_time_and_the_write_time(sample_ckpt: Path, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "hf"), "--json"])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert 0 < doc["write_seconds"] <= doc["seconds"]
+    assert doc["gb_per_s"] == pytest.approx(doc["bytes"] / doc["write_seconds"] / 1e9, rel=0.01, abs=1e-4)
+    assert "export:" not in res.stderr  # not a terminal: no phase line
+    dry = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "dry"), "--json", "--dry-run"])
+    assert dry.exit_code == 0, dry.stderr
+    assert json.loads(dry.stdout)["write_seconds"] == 0  # nothing written
+
+
+def test_replay_step_names_its_phases_before_the_parameter_bar(sample_ckpt: Path) -> None:
+    text = _shown(["replay-step", str(sample_ckpt), "--device", "cpu", "--filter", "*layers.0.*"])
+    _in_order(
+        text,
+        f"replay-step: opening {sample_ckpt}…",
+        "replay-step: planning…",
+        "replay-step: loading optimizer state…",
+        "replay-step: building the model…",
+        "replay-step: replaying ",
+    )
+    assert "replaying 0/?" not in text
+
+
+def test_stats_and_manifest_name_their_phases(sample_ckpt: Path, tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(sample_ckpt, a)
+    shutil.copytree(sample_ckpt, b)
+    text = _shown(["stats", str(a), str(b)])
+    _in_order(text, f"stats: measuring {a} 1/2", "stats: measuring", f"{b} 2/2", "stats: comparing steps")
+    text = _shown(["manifest", str(a)])
+    _in_order(text, f"manifest: opening {a}…", "manifest: hashing")
+    assert (a / "manifest.json").is_file()
