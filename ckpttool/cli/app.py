@@ -17,7 +17,7 @@ import importlib
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any
 
 import typer
@@ -31,7 +31,8 @@ from ckpttool.ui.render import UI
 __all__ = ["app", "main", "version_text", "GLOBAL_OPTIONS"]
 
 #: The commands in ``--help`` order. Each one's module in :mod:`ckpttool.commands` (named after it,
-#: ``-`` spelled ``_``, but for :data:`_MODULE_OF`) defines ``<name>_command`` and its ``EPILOG``.
+#: ``-`` spelled ``_``, but for :data:`_MODULE_OF`) defines ``<name>_command`` and its ``EPILOG``; the module
+#: is imported only when its command runs, shows its help or completes (:class:`_LazyCommands`).
 COMMANDS = (
     "inspect",
     "validate",
@@ -49,6 +50,25 @@ COMMANDS = (
 )
 #: Command modules not named after their command (``import`` is a Python keyword).
 _MODULE_OF = {"import": "import_hf"}
+#: Each command's line in ``ckpttool --help``: the first line of its function's docstring (a test holds them
+#: equal), here so that the root help imports no command module.
+SUMMARIES = {
+    "inspect": "Show what a checkpoint holds, from .metadata alone (reads no tensor data).",
+    "validate": "Check a checkpoint with rules that have stable codes; exit 1 on findings that fail the run.",
+    "export": "Export model weights as Hugging Face safetensors or a LoRA adapter (streaming, bit-exact by default).",
+    "reshard": "Write a new DCP checkpoint with expert tensors in the target layout, one data file per target rank.",
+    "stamp": "Write layout.json beside .metadata after checking the declaration against the chunk geometry.",
+    "replay-step": "Replay the next optimizer step from the saved state on --device and compare with an independent "
+    "reference.",
+    "sample": "Write a tiny MoE causal LM checkpoint (HF Dots1 names, fused experts, a router buffer, layout record).",
+    "rules": "List the rules of `ckpttool validate`: code, severity, what each checks (select them with "
+    "--select/--ignore).",
+    "schema": "Print the JSON Schema of a command's --json output (shipped in the package).",
+    "diff": "Compare two checkpoints tensor by tensor in bounded memory, whatever their sharding or format.",
+    "stats": "Streaming statistics of weights, FP32 masters and Adam moments, grouped per layer.",
+    "manifest": "Digest every chunk and byte item (each byte read once) into manifest.json beside .metadata.",
+    "import": "Import a Hugging Face safetensors model as a DCP checkpoint (streaming, bit-exact, atomic).",
+}
 
 # typer vendors click (typer._click); reach its exception classes through public names only
 # (both derive from typer.TyperException, which types their exit_code and format_message).
@@ -397,6 +417,58 @@ def version_text() -> str:
     return f"ckpttool {v('ckpttool')} (torch {v('torch')}, safetensors {v('safetensors')}, Python {py})"
 
 
+def _load_command(name: str) -> Any:
+    """The click command of ``name``: its module imported, its signature converted by Typer, then given the
+    global options (and the remote ones where it takes a URL), uppercase metavars, its summary, completions."""
+    from typer.main import get_command_from_info
+    from typer.models import CommandInfo
+
+    stem = name.replace("-", "_")
+    module = importlib.import_module(f"ckpttool.commands.{_MODULE_OF.get(name, stem)}")
+    info = CommandInfo(name=name, callback=getattr(module, f"{stem}_command"), epilog=module.EPILOG)
+    cmd = get_command_from_info(info, pretty_exceptions_short=app.pretty_exceptions_short, rich_markup_mode=None)
+    cmd.params.extend(_global_options())
+    if _takes_urls(cmd):
+        cmd.params.extend(_remote_options())
+    _hide_aliases(cmd)
+    _uppercase_metavars(cmd)
+    _optional_values(cmd)
+    _summary(cmd)
+    add_completions(cmd)
+    return cmd
+
+
+class _LazyCommands(MutableMapping[str, Any]):
+    """The root group's ``commands``: every name of :data:`COMMANDS` is listed (in that order), a command is
+    built (:func:`_load_command`) on first lookup; ``name in commands`` loads nothing."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._loaded:
+            if name not in COMMANDS:
+                raise KeyError(name)
+            self._loaded[name] = _load_command(name)
+        return self._loaded[name]
+
+    def __setitem__(self, name: str, cmd: Any) -> None:
+        self._loaded[name] = cmd
+
+    def __delitem__(self, name: str) -> None:
+        del self._loaded[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in COMMANDS or name in self._loaded
+
+    def __iter__(self) -> Iterator[str]:
+        yield from COMMANDS
+        yield from (n for n in self._loaded if n not in COMMANDS)
+
+    def __len__(self) -> int:
+        return len(COMMANDS) + sum(n not in COMMANDS for n in self._loaded)
+
+
 class CkptGroup(TyperGroup):
     """The root command group: usage errors follow ckpttool's error contract.
 
@@ -404,22 +476,21 @@ class CkptGroup(TyperGroup):
     prints ``error: [E100] <click's message>`` and ``hint: see `ckpttool CMD --help```
     on stderr and exits 2, like every other bad invocation.
     Bare ``ckpttool`` prints the help and exits 0. Every command gets the global options.
+    Commands load lazily (:class:`_LazyCommands`): the root ``--help`` lists :data:`SUMMARIES`.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.commands = _LazyCommands()  # the stand-ins Typer built from app.registered_commands are dropped
         self.params.extend([*_global_options(), *_remote_options(), _json_option()])
         add_completions(self)
         _uppercase_metavars(self)
-        for cmd in self.commands.values():
-            cmd.params.extend(_global_options())
-            if _takes_urls(cmd):
-                cmd.params.extend(_remote_options())
-            _hide_aliases(cmd)
-            _uppercase_metavars(cmd)
-            _optional_values(cmd)
-            _summary(cmd)
-            add_completions(cmd)
+
+    def format_commands(self, ctx: Any, formatter: Any) -> None:
+        """The ``Commands:`` section of the root help, from :data:`SUMMARIES` (no command module imported)."""
+        rows = [(name, SUMMARIES[name]) for name in COMMANDS]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
         name, cmd, rest = super().resolve_command(ctx, args)
@@ -439,9 +510,9 @@ class CkptGroup(TyperGroup):
         **extra: Any,
     ) -> Any:
         UI.reset()  # one invocation's settings (tests run many in one process)
-        from ckpttool.format import storage
-
-        storage.configure(options={}, workers=16, retries=5)
+        storage = sys.modules.get("ckpttool.format.storage")  # not loaded yet: its defaults are in force
+        if storage is not None:
+            storage.configure(options={}, workers=16, retries=5)
         configure_logging(0)
         try:
             rv = super().main(
@@ -521,10 +592,16 @@ def _root(
 
 
 def _register() -> None:
+    """Register each command with Typer as a stand-in (name and summary; ``app.registered_commands`` lists
+    them): :class:`CkptGroup` replaces them with :class:`_LazyCommands`, which imports a command's module
+    only when it is used."""
     for name in COMMANDS:
-        stem = name.replace("-", "_")
-        module = importlib.import_module(f"ckpttool.commands.{_MODULE_OF.get(name, stem)}")
-        app.command(name, epilog=module.EPILOG)(getattr(module, f"{stem}_command"))
+
+        def stand_in() -> None:
+            raise AssertionError("replaced by CkptGroup's lazy commands")
+
+        stand_in.__doc__ = SUMMARIES[name]
+        app.command(name)(stand_in)
 
 
 _register()
@@ -545,6 +622,8 @@ def _unraisable(info: Any) -> None:
 
 def _join_distributed() -> Any:
     """Under torchrun (several ranks): join the gloo group; ranks other than 0 print nothing (docs/performance.md)."""
+    if "RANK" not in os.environ:  # not started by a launcher (distributed.in_torchrun needs RANK): import nothing
+        return None
     from ckpttool.ops import distributed
 
     if not distributed.in_torchrun():
@@ -562,24 +641,6 @@ def _join_distributed() -> Any:
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
     return group
-
-
-def _only_the_command(argv: Sequence[str]) -> list[Any] | None:
-    """Keep only the command ``argv[1]`` names in the app (its registered list before, to restore), or ``None``.
-
-    Typer turns every registered command's signature into click parameters when the app runs
-    (``typing.get_type_hints``: ``compile``/``eval`` of every signature); a run of
-    ``ckpttool import ...`` needs only its own. The root ``--help``, a global option before the
-    command, a mistyped command and shell completion keep them all.
-    """
-    if len(argv) < 2 or any(k.startswith("_CKPTTOOL_COMPLETE") for k in os.environ):
-        return None
-    before = list(app.registered_commands)
-    keep = [c for c in before if c.name == argv[1]]
-    if len(keep) != 1:
-        return None
-    app.registered_commands[:] = keep
-    return before
 
 
 def main() -> None:
@@ -612,15 +673,12 @@ def main() -> None:
 
 
 def _run() -> None:
-    registered = _only_the_command(sys.argv)
     try:
         app(prog_name="ckpttool")
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")
         sys.exit(130)
     finally:
-        if registered is not None:
-            app.registered_commands[:] = registered
         pool = sys.modules.get("ckpttool.engine.pool")  # loaded only by commands that used it
         if pool is not None:
             pool.shutdown()  # no idle worker thread may hold up the interpreter's exit

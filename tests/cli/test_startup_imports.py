@@ -1,0 +1,91 @@
+"""Start-up: what a command imports (docs/performance.md, "Start-up").
+
+The root help lists the commands without importing a command module; a command's help imports its own
+module but no torch, numpy or ``ckpttool.ops`` module; ``inspect`` of a checkpoint never imports torch.
+Each case is a fresh process whose ``sys.modules`` is read at exit.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+
+from ckpttool.cli.app import COMMANDS, SUMMARIES, app
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = (
+    "import atexit, sys\n"
+    "listing = sys.argv.pop(1)\n"
+    "atexit.register(lambda: open(listing, 'w').write('\\n'.join(sorted(sys.modules))))\n"
+    "from ckpttool.cli import main\n"
+    "sys.argv[0] = 'ckpttool'\n"
+    "main()\n"
+)
+
+
+def modules_after(tmp_path: Path, *argv: str) -> tuple[set[str], subprocess.CompletedProcess[str]]:
+    """The modules a fresh ``ckpttool ARGV`` process has imported when it exits, and the process."""
+    listing = tmp_path / "modules.txt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, str(listing), *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    return set(listing.read_text().split()), proc
+
+
+def heavy(modules: set[str]) -> list[str]:
+    tops = ("torch", "numpy", "ckpttool.ops")
+    return sorted(m for m in modules if any(m == t or m.startswith(t + ".") for t in tops))
+
+
+def test_root_help_imports_no_command_module_nor_torch_numpy_ops(tmp_path: Path) -> None:
+    modules, proc = modules_after(tmp_path, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "Commands:" in proc.stdout and all(f"  {name} " in proc.stdout for name in COMMANDS)
+    assert heavy(modules) == []
+    assert sorted(m for m in modules if m.startswith("ckpttool.commands.")) == []
+    assert not any(m == "rich" or m.startswith("rich.") for m in modules)
+
+
+def test_a_command_help_imports_only_its_own_module(tmp_path: Path) -> None:
+    modules, proc = modules_after(tmp_path, "inspect", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Usage: ckpttool inspect [OPTIONS]")
+    assert heavy(modules) == []
+    assert sorted(m for m in modules if m.startswith("ckpttool.commands.")) == ["ckpttool.commands.inspect"]
+
+
+def test_inspect_of_the_sample_imports_no_torch(tmp_path: Path) -> None:
+    sample = tmp_path / "sample"
+    _, made = modules_after(tmp_path, "sample", str(sample))
+    assert made.returncode == 0, made.stderr
+    for argv in (("inspect", str(sample)), ("inspect", str(sample), "--json")):
+        modules, proc = modules_after(tmp_path, *argv)
+        assert proc.returncode == 0, proc.stderr
+        assert "model.embed_tokens.weight" in proc.stdout
+        assert not any(m == "torch" or m.startswith("torch.") for m in modules), argv
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_the_root_help_summary_is_the_first_line_of_the_command_docstring(name: str) -> None:
+    cmd = typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
+    assert SUMMARIES[name] == inspect.cleandoc(cmd.help).splitlines()[0]
+
+
+def test_the_commands_load_when_looked_up_and_are_listed_in_order() -> None:
+    group = typer.main.get_command(app)
+    assert list(group.commands) == list(COMMANDS)  # type: ignore[attr-defined]
+    assert group.list_commands(typer.Context(group)) == list(COMMANDS)  # type: ignore[attr-defined]
+    assert "nope" not in group.commands and group.get_command(typer.Context(group), "nope") is None  # type: ignore[attr-defined]
+    assert {c.name for c in app.registered_commands} == set(COMMANDS)
