@@ -574,7 +574,7 @@ def from_env(timeout_s: float = 1800.0) -> Group:
             hint="start with torchrun (MASTER_ADDR/MASTER_PORT reachable from every rank)",
         ) from e
     if group.store is None:
-        group.store = dist.PrefixStore("ckpttool/", dist.distributed_c10d._get_default_store())
+        group.store = dist.PrefixStore("ckpttool/", dist.distributed_c10d._get_default_store())  # type: ignore[attr-defined]
         _rendezvous(group, timeout_s)
     log.info("distributed run: rank %d of %d (gloo)", rank, world)
     return group
@@ -589,7 +589,7 @@ def _agent_store() -> Any:
     import torch.distributed as dist
 
     try:
-        store = dist.TCPStore(
+        store = dist.TCPStore(  # type: ignore[attr-defined]
             os.environ["MASTER_ADDR"],
             int(os.environ["MASTER_PORT"]),
             is_master=False,
@@ -598,7 +598,7 @@ def _agent_store() -> Any:
     except (KeyError, *_STORE_ERRORS):
         return None
     run = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    return dist.PrefixStore(f"ckpttool/{run}/", store)
+    return dist.PrefixStore(f"ckpttool/{run}/", store)  # type: ignore[attr-defined]
 
 
 def _rendezvous(group: Group, timeout_s: float) -> None:

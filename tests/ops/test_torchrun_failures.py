@@ -54,13 +54,15 @@ runpy.run_module("ckpttool", run_name="__main__")
 ARGS = ["--to", "canonical", "--with-optimizer", "--target-ep-size", "2", "--target-ep-fsdp-size", "2"]
 
 
-def _killed_run(tmp_path: Path, src: Path, out: Path, rank: int, point: str) -> subprocess.CompletedProcess[str]:
+def _killed_run(
+    tmp_path: Path, src: Path, out: Path, rank: int, point: str, n: int = 2
+) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "kill.py"
     script.write_text(_KILL)
     assert TORCHRUN is not None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KILL_RANK": str(rank), "KILL_AT": point}
     env.pop("CKPTTOOL_DEBUG", None)
-    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    cmd = [TORCHRUN, "--nproc-per-node", str(n), "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     return subprocess.run(
         [*cmd, str(script), "reshard", str(src), str(out), *ARGS],
         capture_output=True,
@@ -106,6 +108,21 @@ def test_a_lost_rank_gives_e150_on_the_survivor_and_leaves_nothing_the_run_creat
     # nothing of the run is left: OUT, its temporary, the parents it created; the user's directory stays
     assert sorted(p.name for p in pre.iterdir()) == ["keep.txt"], _leftovers(tmp_path)
     assert (pre / "keep.txt").read_text() == "the user's"
+    assert not _leftovers(tmp_path)
+
+
+@pytest.mark.slow
+def test_every_surviving_rank_prints_the_e150_line_and_rank_0s_output_is_removed(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    pre, out = _layout(tmp_path)
+    r = _killed_run(tmp_path, sample_ckpt, out, 0, "opened", n=3)
+    assert r.returncode == 1
+    assert r.stderr.count("exitcode  : 2") == 2 and "exitcode  : -9" in r.stderr, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2, r.stderr[-3000:]  # ranks 1 and 2, one line each
+    assert all(e.startswith("error: [E150] rank 0 was lost while writing its share of the output") for e in errors)
+    assert sorted(p.name for p in pre.iterdir()) == ["keep.txt"], _leftovers(tmp_path)
     assert not _leftovers(tmp_path)
 
 
