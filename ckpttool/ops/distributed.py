@@ -6,7 +6,11 @@ rank builds the same plan from metadata; :meth:`Group.share` assigns work units 
 (:func:`assign`); rank 0 creates the temporary output; :meth:`Group.agree` is the barrier (if
 any rank failed, every rank raises the lowest failing rank's error, prefixed ``rank R:``, code
 unchanged, and nothing is published); rank 0 writes the index / ``.metadata`` and commits. Only
-rank 0 prints. ``docs/design.md`` §5, "Distributed runs".
+rank 0 prints. A rank lost mid-run (its process ended without a result): every survivor finds
+it through torchrun's store (:meth:`Group.lost_peer`: each rank's pid, phase and exit recorded
+there), prints one E150 line naming it and its phase, and what the run created is removed;
+every rank leaves only once the others recorded their exit (:meth:`Group.finish`).
+``docs/design.md`` §5, "Distributed runs"; ``docs/storage.md``, "A rank lost under torchrun".
 """
 
 from __future__ import annotations
@@ -205,11 +209,15 @@ class Group:
                 "torchrun's exit status 1 reports the lost process, not the output"
             )
             return None
+        left = "what this run created was removed"
         if 0 in lost:
             _clean_after_lost_root(self.store)
+            remote = _store_get(self.store, "remote_out")
+            if remote is not None:
+                left = f"rank 0's temporary objects beside {remote} stay (.<name>.ckpttool-tmp-*)"
         what = "; ".join(f"rank {r} was lost {_PHASES.get(phases[r] or '', 'before it joined the run')}" for r in lost)
         self.lost_error = RankLostError(
-            f"{what} (its process ended without a result); nothing was published and what this run created was removed"
+            f"{what} (its process ended without a result); nothing was published and {left}"
         )
         return self.lost_error
 
@@ -384,10 +392,16 @@ def _remove_empty(dirs: Sequence[Path]) -> None:
 
 @contextlib.contextmanager
 def _published(group: Group, cm: Any) -> Any:
-    """``cm`` (the output directory), then this rank's phase ``committed`` once it published."""
+    """``cm`` (the output directory), then this rank's phase ``committed`` once it published (and
+    SIGTERM ignored: the rest of the run only reports)."""
+    import signal
+
     with cm as tmp:
         yield tmp
     group.mark("committed")
+    # published: torchrun's SIGTERM (a peer lost from here on) must not cut the report short
+    with contextlib.suppress(ValueError):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _record_output(stack: contextlib.ExitStack, group: Group, out: Any, source: Any) -> None:
@@ -397,6 +411,7 @@ def _record_output(stack: contextlib.ExitStack, group: Group, out: Any, source: 
     import json
 
     if "://" in str(out):
+        _store_set(group.store, "remote_out", str(out))
         return
     target = Path(os.path.abspath(out))
     missing = []
@@ -573,7 +588,7 @@ def from_env(timeout_s: float = 1800.0) -> Group:
             f"cannot join the torch.distributed group (rank {rank} of {world}): {type(e).__name__}: {str(e)[:160]}",
             hint="start with torchrun (MASTER_ADDR/MASTER_PORT reachable from every rank)",
         ) from e
-    if group.store is None:
+    if group.store is None:  # a launcher without torchrun's agent store: the group's own, once made
         group.store = dist.PrefixStore("ckpttool/", dist.distributed_c10d._get_default_store())  # type: ignore[attr-defined]
         _rendezvous(group, timeout_s)
     log.info("distributed run: rank %d of %d (gloo)", rank, world)

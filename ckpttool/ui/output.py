@@ -321,6 +321,8 @@ def command_boundary(func: F) -> F:
             if lost is not None:
                 print_error(lost)
                 raise typer.Exit(lost.exit_code) from None
+            if distributed.current().note is not None:  # a rank lost after rank 0 published: not an error
+                raise typer.Exit(0) from None
             _stderr().write(_line("error", "interrupted"))
             raise typer.Exit(130) from None
         except BrokenPipeError:

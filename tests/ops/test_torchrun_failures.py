@@ -141,3 +141,38 @@ def test_a_rank_lost_after_the_commit_leaves_the_output_complete_and_says_so(sam
     v = single("validate", str(out), "--deep")
     assert v.returncode == 0, v.stdout + v.stderr
     assert not _leftovers(tmp_path)
+
+
+def test_a_process_counts_as_lost_once_it_ended_even_before_it_is_reaped() -> None:
+    from ckpttool.ops.distributed import _pid_state
+
+    assert _pid_state(os.getpid()) == "alive"
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert _pid_state(child.pid) == "alive"
+        child.kill()
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # ended, not reaped: a zombie
+        assert _pid_state(child.pid) == "dead"
+    finally:
+        child.kill()
+        child.wait()
+    assert _pid_state(child.pid) == "dead"
+
+
+def test_only_the_empty_parents_the_run_recorded_are_removed(tmp_path: Path) -> None:
+    from ckpttool.ops.distributed import _remove_empty
+
+    deep = tmp_path / "a" / "b" / "c"
+    deep.mkdir(parents=True)
+    (tmp_path / "a" / "theirs.txt").write_text("not ours")
+    _remove_empty([deep, deep.parent, deep.parent.parent])  # deepest first, as recorded
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["theirs.txt"]
+    _remove_empty([tmp_path / "gone"])  # already removed (another survivor): nothing to do
+
+
+def test_one_process_has_no_lost_peer() -> None:
+    from ckpttool.ops.distributed import Group
+
+    g = Group()
+    assert g.lost_peer() is None and g.note is None
+    g.finish(0)
