@@ -221,11 +221,12 @@ class Group:
         )
         return self.lost_error
 
-    def finish(self, code: int, wait_s: float = 10.0) -> None:
+    def finish(self, code: int, wait_s: float | None = None) -> None:
         """The end of this rank's run: record ``code`` (``exit/R``) and wait until every other rank
-        has recorded its own or is found lost (bounded by ``wait_s``), so that no rank's exit makes
-        torchrun stop another mid-way (its cleanup, its ``error:`` line). SIGTERM is ignored from
-        here: the command is over. A peer found lost sets :attr:`lost_error` or :attr:`note`.
+        has recorded its own or is found lost (bounded by ``wait_s``; default 120 s for a failing
+        rank, whose exit makes torchrun stop the others, 10 s otherwise), so that no rank's exit
+        stops another mid-way (its cleanup, its ``error:`` line). SIGTERM is ignored from here:
+        the command is over. A peer found lost sets :attr:`lost_error` or :attr:`note`.
         """
         if not self.active or self.store is None:
             return
@@ -235,7 +236,7 @@ class Group:
         with contextlib.suppress(ValueError):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _store_set(self.store, f"exit/{self.rank}", str(code))
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + (wait_s if wait_s is not None else 120.0 if code else 10.0)
         pending = [r for r in range(self.world) if r != self.rank]
         while pending and time.monotonic() < deadline:
             pending = [r for r in pending if _store_get(self.store, f"exit/{r}") is None]
