@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import time
 from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any
 
@@ -630,14 +629,18 @@ def _join_distributed() -> Any:
         return None
     try:
         group = distributed.from_env()
-    except UsageError as e:
+    except CkptError as e:  # UsageError; RankLostError (E150): a rank ended before every rank joined
         print_error(e)
         sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        sys.stderr.write("error: interrupted\n")
+        sys.exit(130)
     distributed.set_current(group)
     if not group.is_root and not os.environ.get("CKPTTOOL_DEBUG"):
         devnull = os.open(os.devnull, os.O_WRONLY)
         sys.stdout.flush()
         sys.stderr.flush()
+        group.stderr_fd = os.dup(2)  # kept for the lines every surviving rank prints (a lost rank: E150)
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
     return group
@@ -662,20 +665,46 @@ def main() -> None:
     if isinstance(code, str):
         sys.stderr.write(code + "\n")
         code = 1
-    if code and not group.is_root:
-        # torchrun stops the other ranks (SIGTERM) as soon as one exits non-zero: a failing rank
-        # leaves a moment after the error was agreed, so that rank 0 prints it and removes the
-        # temporary output first (rather than reporting "interrupted")
-        time.sleep(1.0)
+    # torchrun stops the other ranks (SIGTERM) as soon as one exits non-zero: every rank records its
+    # exit in the store and leaves once every other rank did (or is found lost), so that none is
+    # stopped before it printed its error and removed what it created
+    group.finish(0 if code is None else int(code))
+    _say_lost(group)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if code is None else int(code))
+
+
+def _say_lost(group: Any) -> None:
+    """A torchrun rank whose peer was lost: the E150 line (ranks other than 0, whose stderr is
+    silenced; rank 0 printed it already), or the note that the published output is complete."""
+    fd = group.stderr_fd
+    lines = []
+    if group.lost_error is not None and fd is not None:
+        lines.append(f"error: [{group.lost_error.code}] {group.lost_error.message}")
+    if group.note is not None:
+        lines.append(f"note: {group.note}")
+    text = "".join(line + "\n" for line in lines)
+    if not text:
+        return
+    if fd is not None:
+        os.write(fd, text.encode())
+    else:
+        sys.stderr.write(text)
 
 
 def _run() -> None:
     try:
         app(prog_name="ckpttool")
     except KeyboardInterrupt:
+        from ckpttool.ops import distributed
+
+        lost = distributed.current().lost_peer()  # torchrun stopping the run because a rank ended
+        if lost is not None:
+            print_error(lost)
+            sys.exit(lost.exit_code)
+        if distributed.current().note is not None:  # a rank lost after rank 0 published: not an error
+            sys.exit(0)
         sys.stderr.write("error: interrupted\n")
         sys.exit(130)
     finally:

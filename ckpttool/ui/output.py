@@ -315,6 +315,14 @@ def command_boundary(func: F) -> F:
             print_error(e)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
+            from ckpttool.ops import distributed
+
+            lost = distributed.current().lost_peer()  # torchrun stopping the run because a rank ended
+            if lost is not None:
+                print_error(lost)
+                raise typer.Exit(lost.exit_code) from None
+            if distributed.current().note is not None:  # a rank lost after rank 0 published: not an error
+                raise typer.Exit(0) from None
             _stderr().write(_line("error", "interrupted"))
             raise typer.Exit(130) from None
         except BrokenPipeError:
