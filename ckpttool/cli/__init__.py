@@ -1,9 +1,12 @@
 """The CLI layer: the Typer app, shared options and parsers, the output sink, one module per command."""
 
-from ckpttool.ops.distributed import catch_early_stop
+import os
 
-catch_early_stop()  # torchrun: a SIGTERM while the CLI loads is answered when the rank joins (E150)
+if "RANK" in os.environ:  # torchrun: a SIGTERM while the CLI loads is answered when the rank joins (E150)
+    from ckpttool.ops.distributed import catch_early_stop
 
-from ckpttool.cli.app import app, main  # noqa: E402
+    catch_early_stop()
+
+from ckpttool.cli.app import app, main
 
 __all__ = ["app", "main"]
