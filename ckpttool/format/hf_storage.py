@@ -124,18 +124,17 @@ def hf_storage_files(path: Path) -> list[str]:
     """The safetensors files that make up the checkpoint in ``path`` (names, sorted).
 
     Consolidated ``model-*.safetensors`` files win over per-rank ``shard-*`` files in the
-    same directory (the consolidation's inputs are in ``sharded/``, which is not read).
+    same directory (the consolidation's inputs are in ``sharded/``, which is not read). PEFT's
+    ``adapter_model*.safetensors`` beside model files are not model weights and are left out; a
+    directory holding only adapter files is a PEFT adapter (what ``diff`` and ``export`` of LoRA read).
     Symlinks are listed like files; reading one that leaves the directory is refused
     (:func:`ckpttool.format.files.resolve_inside`).
     """
     try:
-        names = sorted(
-            n
-            for n in os.listdir(path)
-            if n.endswith(".safetensors") and not n.startswith(".") and not n.startswith(ADAPTER_PREFIX)
-        )
+        every = sorted(n for n in os.listdir(path) if n.endswith(".safetensors") and not n.startswith("."))
     except OSError:
         return []
+    names = [n for n in every if not n.startswith(ADAPTER_PREFIX)] or every
     consolidated = [n for n in names if not _SHARD_RE.match(n)]
     return consolidated or names
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ExportError, UsageError
 from ckpttool.format.files import open_regular, resolve_inside
-from ckpttool.format.hf_storage import ADAPTER_PREFIX, load_hf_storage_metadata
+from ckpttool.format.hf_storage import ADAPTER_PREFIX, hf_storage_files, load_hf_storage_metadata
 from ckpttool.format.marker import MARKER_NAME
 from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
 from ckpttool.format.outputs import check_target, output_location
@@ -637,9 +637,14 @@ def _import_plain(
     src_dir = _check_import_options(hf_dir, opts)
     cfg_path = opts.config if opts.config is not None else (src_dir if (src_dir / "config.json").exists() else None)
     config = read_hf_config(cfg_path, param="config") if cfg_path is not None else None
+    adapters = sorted(n for n in os.listdir(src_dir) if n.startswith(ADAPTER_PREFIX) and n.endswith(".safetensors"))
+    if adapters and all(n.startswith(ADAPTER_PREFIX) for n in hf_storage_files(src_dir)):
+        raise UsageError(
+            f"{src_dir}: holds only a PEFT adapter ({adapters[0]}), not a model",
+            hint="import the base model, or merge the adapter into it first",
+        )
     md = load_hf_storage_metadata(src_dir)
     warnings: list[str] = []
-    adapters = sorted(n for n in os.listdir(src_dir) if n.startswith(ADAPTER_PREFIX) and n.endswith(".safetensors"))
     if adapters:  # PEFT adapter weights beside the model are not base weights (hf_storage_files leaves them out)
         warnings.append(f"{adapters[0]} (a PEFT adapter) was not imported: merge it into the model first to import it")
     sources = _hf_sources(src_dir, md)

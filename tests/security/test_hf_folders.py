@@ -150,3 +150,18 @@ def test_an_adapter_beside_the_model_is_not_imported_as_base_weights(export_dir:
         assert not any("lora" in k for k in r.metadata.entries)
         norm = r.read_tensor("model.model.norm.weight")
     assert not torch.equal(norm, torch.full((32,), 7.0))  # the model's own norm, not the adapter file's
+
+
+def test_a_folder_holding_only_a_peft_adapter_is_not_imported_as_a_model(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    d = tmp_path / "adapter"
+    d.mkdir()
+    save_file(
+        {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 32)},
+        str(d / "adapter_model.safetensors"),
+    )
+    res = runner.invoke(app, ["import", str(d), str(tmp_path / "out")])
+    assert res.exit_code == 2 and "holds only a PEFT adapter" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "out").exists()
