@@ -40,7 +40,7 @@ def _timed(argv: list[str]) -> tuple[float, int]:
             break
         time.sleep(0.01)
     dt = time.perf_counter() - t0
-    if proc.returncode != 0:
+    if proc.returncode not in (0, 1):  # validate exits 1 on findings (the synthetic moments break Adam's bound)
         raise SystemExit(f"{argv[:4]} exited {proc.returncode}")
     return dt, peak >> 20
 
