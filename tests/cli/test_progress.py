@@ -62,7 +62,7 @@ def test_export_json_carries_the_whole_time_and_the_write_time(sample_ckpt: Path
     res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "hf"), "--json"])
     assert res.exit_code == 0, res.stderr
     doc = json.loads(res.stdout)
-    assert 0 < doc["write_seconds"] <= doc["seconds"]
+    assert doc["write_seconds"] > 0 and doc["seconds"] >= doc["write_seconds"]  # a phase of the run, not a threshold
     assert doc["gb_per_s"] == pytest.approx(doc["bytes"] / doc["write_seconds"] / 1e9, rel=0.01, abs=1e-4)
     assert "export:" not in res.stderr  # not a terminal: no phase line
     dry = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "dry"), "--json", "--dry-run"])
