@@ -13,6 +13,7 @@ their common parent, each path confined to its part. Torch-free. ``docs/design.m
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,14 +163,10 @@ def step_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def find_checkpoints(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
-    """DCP checkpoint directories below ``root`` (not ``root`` itself), breadth first, sorted.
-
-    A checkpoint's own subdirectories are not searched (``HuggingFaceStorageWriter``'s
-    ``sharded/``); hidden and symlinked directories are skipped; at most 10,000 directories are
-    visited.
-    """
-    found: list[Path] = []
+def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool]) -> None:
+    """Visit the directories below ``root`` breadth first, sorted by name; descend into those for
+    which ``visit(path)`` is true. Hidden and symlinked directories are skipped; at most
+    10,000 directories are visited."""
     level = [root]
     visited = 0
     for _ in range(max_depth):
@@ -184,13 +181,29 @@ def find_checkpoints(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
                     continue
                 visited += 1
                 if visited > _MAX_DIRS:
-                    return found
+                    return
                 p = Path(e.path)
-                if is_checkpoint_dir(p):
-                    found.append(p)
-                else:
+                if visit(p):
                     nxt.append(p)
         level = nxt
+
+
+def find_checkpoints(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
+    """DCP checkpoint directories below ``root`` (not ``root`` itself), breadth first, sorted.
+
+    A checkpoint's own subdirectories are not searched (``HuggingFaceStorageWriter``'s
+    ``sharded/``); hidden and symlinked directories are skipped; at most 10,000 directories are
+    visited.
+    """
+    found: list[Path] = []
+
+    def visit(p: Path) -> bool:
+        if is_checkpoint_dir(p):
+            found.append(p)
+            return False
+        return True
+
+    _walk(root, max_depth, visit)
     return found
 
 
@@ -225,31 +238,18 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH) -> list[IncompleteSt
     below ``root``. Hidden and symlinked directories are skipped; at most 10,000 are visited.
     """
     found: dict[int, IncompleteStep] = {}
-    level = [root]
-    visited = 0
-    for _ in range(max_depth):
-        nxt: list[Path] = []
-        for d in level:
-            try:
-                entries = sorted(os.scandir(d), key=lambda e: e.name)
-            except OSError:
-                continue
-            for e in entries:
-                if e.name.startswith(".") or not e.is_dir(follow_symlinks=False):
-                    continue
-                visited += 1
-                if visited > _MAX_DIRS:
-                    return sorted(found.values(), key=lambda i: i.step)
-                p = Path(e.path)
-                if is_checkpoint_dir(p):
-                    continue
-                why = _unfinished(p)
-                step = _step_near(p, root)
-                if why is not None and step is not None:
-                    found.setdefault(step, IncompleteStep(step, p, why))
-                else:
-                    nxt.append(p)
-        level = nxt
+
+    def visit(p: Path) -> bool:
+        if is_checkpoint_dir(p):
+            return False
+        why = _unfinished(p)
+        step = _step_near(p, root)
+        if why is not None and step is not None:
+            found.setdefault(step, IncompleteStep(step, p, why))
+            return False
+        return True
+
+    _walk(root, max_depth, visit)
     return sorted(found.values(), key=lambda i: i.step)
 
 
