@@ -12,7 +12,6 @@ the slice sums are added in float64 (relative error ~1e-7); NaN/inf are counted 
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,7 +20,7 @@ import numpy as np
 
 from ckpttool.engine.crc import crc32
 from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
-from ckpttool.engine.kernels import IEEE_BITS, float_values
+from ckpttool.engine.kernels import IEEE_BITS, Scratch, float_values
 from ckpttool.errors import ChunkError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta
 
@@ -53,20 +52,13 @@ def sum_squares(x: np.ndarray) -> float:
     return float(np.square(x).sum())
 
 
-class _Scratch(threading.local):
-    """Per-thread work arrays by name and dtype (one slice each)."""
-
-    def __init__(self) -> None:
-        self.bufs: dict[tuple[str, Any], np.ndarray] = {}
-
-    def get(self, name: str, n: int, dtype: Any = np.float64) -> np.ndarray:
-        buf = self.bufs.get((name, dtype))
-        if buf is None or buf.size < n:
-            buf = self.bufs[(name, dtype)] = np.empty(max(n, SLICE_VALUES), dtype=dtype)
-        return buf[:n]
+def _work(name: str, n: int, dtype: Any = np.float64) -> np.ndarray:
+    """This thread's work array ``name`` of ``dtype`` (one slice; :class:`~ckpttool.engine.kernels.Scratch`)."""
+    arr: np.ndarray = _scratch.get(f"{name}:{np.dtype(dtype).name}", dtype, n)
+    return arr
 
 
-_scratch = _Scratch()
+_scratch = Scratch(SLICE_VALUES)
 
 
 def as_work(x: np.ndarray, slot: int = 0) -> np.ndarray:
@@ -74,7 +66,7 @@ def as_work(x: np.ndarray, slot: int = 0) -> np.ndarray:
     (float16, float8) widened to float32 in a per-thread buffer."""
     if x.dtype in (np.float32, np.float64):
         return x
-    out = _scratch.get(f"v{slot}", x.size, np.float32)
+    out = _work(f"v{slot}", x.size, np.float32)
     out[...] = x
     return out
 
@@ -110,7 +102,7 @@ class ValueSums:
         if not (math.isfinite(hi) and math.isfinite(lo)):
             finite = np.isfinite(w)
             self.nonfinite += n - int(np.count_nonzero(finite))
-            cleaned = _scratch.get(f"c{slot}", n, w.dtype)
+            cleaned = _work(f"c{slot}", n, w.dtype)
             cleaned.fill(0.0)
             np.copyto(cleaned, w, where=finite)
             w = cleaned
@@ -118,7 +110,7 @@ class ValueSums:
         self.zeros += n - int(np.count_nonzero(w))
         self.abs_max = max(self.abs_max, hi, -lo)
         self.s1 += float(w.sum())
-        sq = np.multiply(w, w, out=_scratch.get(f"sq{slot}", n, w.dtype))
+        sq = np.multiply(w, w, out=_work(f"sq{slot}", n, w.dtype))
         self.s2 += float(sq.sum())
         return w, sq
 
@@ -162,26 +154,13 @@ class Moments:
         self.max = max(self.max, o.max)
 
 
-class _Buffers(threading.local):
-    """Per-thread raw slice buffers, one per lockstep member."""
-
-    def __init__(self) -> None:
-        self.bufs: dict[int, np.ndarray] = {}
-
-    def get(self, slot: int, nbytes: int) -> np.ndarray:
-        buf = self.bufs.get(slot)
-        if buf is None or buf.size < nbytes:
-            buf = self.bufs[slot] = np.empty(max(nbytes, BLOCK_BYTES), dtype=np.uint8)
-        return buf[:nbytes]
-
-
-_buffers = _Buffers()
+_raw = Scratch(BLOCK_BYTES)  # per-thread raw slice bytes, one per lockstep member
 
 
 def release_buffers() -> None:
     """Drop every thread's slice and work buffers (pool threads outlive a run)."""
-    global _scratch, _buffers
-    _scratch, _buffers = _Scratch(), _Buffers()
+    global _scratch, _raw
+    _scratch, _raw = Scratch(SLICE_VALUES), Scratch(BLOCK_BYTES)
 
 
 def chunk_slices(reader: CheckpointReader, key: str, chunk: ChunkMeta, *, slot: int = 0) -> Iterator[np.ndarray]:
@@ -201,7 +180,7 @@ def chunk_slices(reader: CheckpointReader, key: str, chunk: ChunkMeta, *, slot: 
         crc = 0
         for e0 in range(0, n, SLICE_VALUES):
             m = min(SLICE_VALUES, n - e0)
-            raw = _buffers.get(slot, m * item)
+            raw = _raw.get(f"raw{slot}", np.uint8, m * item)
             try:
                 read_into(fd, raw, loc.data_start + e0 * item)
             except ShortReadError:
@@ -249,9 +228,9 @@ def adam_update(m: np.ndarray, v: np.ndarray, h: AdamHyper, acc: Moments) -> Non
     bc1 = 1.0 - h.beta1**h.step if h.step > 0 else 1.0
     bc2 = 1.0 - h.beta2**h.step if h.step > 0 else 1.0
     wide = np.result_type(m.dtype, v.dtype)
-    u = np.abs(m, out=_scratch.get("u", m.size, wide))
+    u = np.abs(m, out=_work("u", m.size, wide))
     u *= h.lr / bc1
-    d = np.maximum(v, 0.0, out=_scratch.get("d", v.size, wide))
+    d = np.maximum(v, 0.0, out=_work("d", v.size, wide))
     d *= 1.0 / bc2
     np.sqrt(d, out=d)
     d += h.eps
