@@ -9,19 +9,15 @@ fails both, while the untouched copies still pass.
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
-import struct
-import zipfile
-import zlib
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from tests.fixtures.hostile import chunk_archive
+from tests.fixtures.hostile import swap_stride_fixing_crcs
 
 runner = CliRunner()
 SQUARE = "model.model.layers.0.self_attn.q_proj.weight"  # [32, 32] float32, one chunk
@@ -38,37 +34,6 @@ def _verify_fails(d: Path, *, validate: bool = True) -> None:
     if validate:
         res = runner.invoke(app, ["validate", str(d), "--manifest", str(d / "manifest.json")])
         assert res.exit_code != 0 and "E999" not in res.stdout + res.stderr, res.stdout + res.stderr
-
-
-def swap_stride_fixing_crcs(ckpt: Path, fqn: str) -> None:
-    """Rewrite ``fqn``'s stride ``(32, 1)`` as ``(1, 32)`` inside its data.pkl, in place, CRC-32s fixed in both headers."""
-    info, archive = chunk_archive(ckpt, fqn, (0, 0))
-    zi = zipfile.ZipFile(io.BytesIO(archive)).getinfo("archive/data.pkl")
-    n, e = struct.unpack_from("<HH", archive, zi.header_offset + 26)
-    start = zi.header_offset + 30 + n + e
-    pkl = archive[start : start + zi.file_size]
-    old = b"K K\x01\x86"  # BININT1 32, BININT1 1, TUPLE2: the stride
-    assert pkl.count(old) == 1, pkl
-    new_pkl = pkl.replace(old, b"K\x01K \x86")
-    crc = struct.pack("<I", zlib.crc32(new_pkl))
-    buf = bytearray(archive)
-    buf[start : start + len(new_pkl)] = new_pkl
-    if zi.flag_bits & 0x08:  # torch streams members: the CRC-32 is in the data descriptor after the data
-        at = start + zi.compress_size
-        at += 4 if buf[at : at + 4] == b"PK\x07\x08" else 0
-        buf[at : at + 4] = crc
-    else:
-        buf[zi.header_offset + 14 : zi.header_offset + 18] = crc
-    cd = buf.index(b"PK\x01\x02")
-    while True:  # the central directory entry of data.pkl
-        name_len = struct.unpack_from("<H", buf, cd + 28)[0]
-        if bytes(buf[cd + 46 : cd + 46 + name_len]) == b"archive/data.pkl":
-            buf[cd + 16 : cd + 20] = crc
-            break
-        cd = buf.index(b"PK\x01\x02", cd + 4)
-    with open(ckpt / info.relative_path, "r+b") as f:
-        f.seek(info.offset)
-        f.write(bytes(buf))
 
 
 @pytest.mark.parametrize("made_by", ["manifest --covers record", "reshard --manifest"])
