@@ -22,7 +22,7 @@ from ckpttool.errors import CkptError
 from ckpttool.format import cache as usercache
 from ckpttool.format import limits, mdcache, parse_metadata_bytes
 from ckpttool.ops.validate.rules import storage as storage_rules
-from tests.fixtures.hostile import ENTRY_NAMES, CorpusEntry, load_torch_metadata
+from tests.fixtures.hostile import ENTRY_NAMES, HF_ENTRY_NAMES, CorpusEntry, load_torch_metadata
 
 runner = CliRunner()
 
@@ -35,7 +35,15 @@ def _validate(ckpt: Path) -> tuple[int, list[tuple[str, str | None, str]], str]:
     return res.exit_code, sorted((f["code"], f["key"], f["message"]) for f in doc["findings"]), ""
 
 
-@pytest.mark.parametrize("entry_name", [n for n in ENTRY_NAMES if n != "many_entries"])
+@pytest.mark.parametrize(
+    "entry_name",
+    # round 4's Hugging Face folders run no storage rule of a .metadata: full suite only (-m heavy)
+    [
+        pytest.param(n, marks=pytest.mark.heavy) if n in HF_ENTRY_NAMES else n
+        for n in ENTRY_NAMES
+        if n != "many_entries"
+    ],
+)
 def test_storage_rules_find_the_same_with_and_without_column_prefilters(
     entry_name: str, corpus: dict[str, CorpusEntry], monkeypatch: pytest.MonkeyPatch
 ) -> None:
