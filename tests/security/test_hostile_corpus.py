@@ -159,3 +159,34 @@ def _children_cpu_s() -> float:
 
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return ru.ru_utime + ru.ru_stime
+
+
+def test_round4_attacks_are_live_against_the_reference_readers(
+    corpus: dict[str, hostile.CorpusEntry], sample_ckpt: Path
+) -> None:
+    """Round 4's damage does what the red team saw: torch's and safetensors' own readers take it or choke on it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors import SafetensorError, safe_open
+
+    key = hostile.SQUARE_KEY
+    before, after = {key: torch.empty(32, 32)}, {key: torch.empty(32, 32)}
+    dcp.load(before, checkpoint_id=str(sample_ckpt), no_dist=True)
+    dcp.load(after, checkpoint_id=str(corpus["manifest_record_stride_swap"].ckpt), no_dist=True)
+    assert torch.equal(after[key], before[key].T) and not torch.equal(after[key], before[key])  # CRCs pass
+
+    gap = corpus["hf_data_gap"].ckpt
+    with pytest.raises(SafetensorError):
+        for f in sorted(gap.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as st:
+                [st.get_tensor(k) for k in st.keys()]
+
+    with safe_open(str(corpus["import_expert_99999999999"].ckpt / "model.safetensors"), "pt") as st:
+        assert hostile.HF_EXPERT.format(j=99999999999, p="down_proj") in set(st.keys())
+
+    temp = corpus["temp_named_source"].ckpt
+    assert temp.name == hostile.TMP_NAME and (temp / ".metadata").is_file()
+    assert not Path("/proc/999999").exists()  # the pid its name gives is dead: only proof can keep it
+    forged = corpus["temp_named_forged_marker"].ckpt
+    doc = json.loads((forged / ".ckpttool-output.json").read_text())
+    assert forged.name == f".{hostile.TMP_OUT}.ckpttool-tmp-999999-{doc['token']}" and doc["pid"] == 999999
