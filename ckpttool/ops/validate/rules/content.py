@@ -1,4 +1,4 @@
-"""Content rules (``D009``, ``D010``): copies that the metadata cannot show, from the deep pass's digests.
+"""Content rules (``D009``-``D011``, ``D013``): copies, zeros and uninitialised memory that the metadata cannot show.
 
 The ``--deep`` pass records, for each floating model tensor it streams, the CRC-32 of every
 chunk (and of every expert's part of a chunk for fused expert tensors ``[E, ...]``) with its
@@ -22,7 +22,7 @@ from ckpttool.ops.validate.base import Severity, rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.data import synthesized_from_stats
 from ckpttool.ops.validate.rules.optimizer import step_values
-from ckpttool.ops.validate.stats import expert_count
+from ckpttool.ops.validate.stats import UNINIT_BOUND, expert_count
 
 _EXPERT_RE = re.compile(r"(?<=\.experts\.)\d+(?=\.)")
 _LAYER_RE = re.compile(r"(?<=layers\.)\d+(?=\.)")
@@ -177,3 +177,40 @@ def all_zero_weight(ctx: Context) -> Iterator[tuple[str, str]]:
         st = ctx.deep_result.stats.get(key)
         if st is not None and st.zero and st.numel == entry.numel:
             yield key, f"{key}: all {entry.numel} values are 0 (shape {list(entry.shape)}, {entry.dtype})"
+
+
+#: Model tensors whose values may legitimately lie beyond ``UNINIT_BOUND`` (``D013`` leaves them
+#: alone): attention masks (``finfo.min`` / ``-1e9`` fill) and BatchNorm's running statistics
+#: (data statistics, not weights: a first layer's ``running_var`` on raw pixels can pass 1e4).
+UNINIT_EXEMPT_NAMES = re.compile(r"(mask|running_var|running_mean)")
+#: The fraction of subnormal values from which ``D013`` reports a tensor (docs/rules.md).
+SUBNORMAL_FRACTION = 0.1
+
+
+@rule(
+    "D013",
+    "uninitialised-values",
+    Severity.warning,
+    f"a floating model tensor holds finite values with |x| > {UNINIT_BOUND:g}, or {SUBNORMAL_FRACTION:.0%} or more "
+    "subnormal values (bfloat16/float32/float64): the bit patterns of uninitialised memory, not of weights",
+    "the tensor was materialised without being initialised (meta-device init, then to_empty() without "
+    "init_weights()/reset_parameters() for it, often a buffer such as a RoPE cache): re-run its "
+    "initialisation before saving, or resume from a checkpoint saved before the bug",
+    needs=("deep",),
+)
+def uninitialised_values(ctx: Context) -> Iterator[tuple[str, str]]:
+    assert ctx.deep_result is not None
+    for key, entry in ctx.cat.model.items():
+        st = ctx.deep_result.stats.get(key)
+        if st is None or not st.numel or UNINIT_EXEMPT_NAMES.search(key):
+            continue
+        sub = st.subnormal >= SUBNORMAL_FRACTION * st.numel
+        if not st.beyond and not sub:
+            continue
+        parts = []
+        if st.beyond:
+            parts.append(f"{st.beyond} with |x| > {UNINIT_BOUND:g} (largest {st.beyond_max:.3g})")
+        if st.subnormal and (sub or st.beyond):
+            parts.append(f"{st.subnormal} subnormal ({st.subnormal / st.numel:.1%})")
+        yield key, f"{key}: {' and '.join(parts)} of {st.numel} values (shape {list(entry.shape)}, {entry.dtype})"
+
