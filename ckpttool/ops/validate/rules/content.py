@@ -214,3 +214,82 @@ def uninitialised_values(ctx: Context) -> Iterator[tuple[str, str]]:
             parts.append(f"{st.subnormal} subnormal ({st.subnormal / st.numel:.1%})")
         yield key, f"{key}: {' and '.join(parts)} of {st.numel} values (shape {list(entry.shape)}, {entry.dtype})"
 
+
+def _replica_difference(ctx: Context, key: str, offsets: tuple[int, ...], first: Any, other: Any) -> str | None:
+    """What differs between two rank files' copies of one replicated chunk (``None``: nothing).
+
+    Both storage windows are read block by block with the engine's read helper and compared
+    bytewise; values that differ are counted (NaN equals NaN) with the largest ``|a - b|``.
+
+    Raises:
+        DataFileError: a rank file is shorter than the window (it changed since it was opened).
+    """
+    import numpy as np
+
+    from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
+    from ckpttool.engine.kernels import IEEE_BITS, float_values
+    from ckpttool.errors import DataFileError
+
+    where = f"{key} at {list(offsets)}: {other.relative_path} against {first.relative_path}"
+    if first.length != other.length:
+        return f"{where}: {other.length} bytes against {first.length}"
+    meta = ctx.reader.metadata.entries[key]
+    assert isinstance(meta, TensorMeta)
+    dtype, item = meta.dtype.name, meta.dtype.itemsize
+    fa, fb = ctx.reader.fd(first.relative_path), ctx.reader.fd(other.relative_path)
+    per = max(item, BLOCK_BYTES // item * item)
+    a, b = np.empty(per, np.uint8), np.empty(per, np.uint8)
+    numel, differ, top, example = first.length // item, 0, 0.0, ""
+    for pos in range(0, first.length, per):
+        n = min(per, first.length - pos)
+        try:
+            read_into(fa, a[:n], first.offset + pos)
+            read_into(fb, b[:n], other.offset + pos)
+        except ShortReadError:
+            raise DataFileError(f"{ctx.reader.path}: short read of {key!r}", fqn=key) from None
+        if np.array_equal(a[:n], b[:n]):
+            continue
+        if dtype in IEEE_BITS:
+            va, vb = float_values(a[:n], dtype).astype(np.float64), float_values(b[:n], dtype).astype(np.float64)
+            ne = (va != vb) & ~(np.isnan(va) & np.isnan(vb))
+        else:
+            va = a[:n].view(np.bool_ if dtype == "bool" else dtype).astype(np.float64)
+            vb = b[:n].view(np.bool_ if dtype == "bool" else dtype).astype(np.float64)
+            ne = va != vb
+        k = int(np.count_nonzero(ne))
+        if k:
+            with np.errstate(invalid="ignore"):
+                d = np.abs(va[ne] - vb[ne])
+            d = d[~np.isnan(d)]
+            top = max(top, float(d.max())) if d.size else top
+            if not example:
+                i = int(np.flatnonzero(ne)[0])
+                example = f"; first at element {pos // item + i}: {va[i]:.6g} against {vb[i]:.6g}"
+            differ += k
+    if not differ:
+        return None
+    return f"{where}: {differ} of {numel} elements differ (max |diff| {top:.4g}){example}"
+
+
+@rule(
+    "D014",
+    "replicas-differ",
+    Severity.error,
+    "a replicated shard (a Replicate placement, a plain tensor such as an optimizer step saved by every rank) "
+    "differs between the rank files of a per-rank checkpoint (verl FSDP, torch-checkpointing)",
+    "replicated state drifted apart (a parameter left out of the gradient all-reduce, e.g. FSDP's ignored_params; "
+    "a rank that skipped an optimizer step): each rank resumes from its own copy. Find the rank that "
+    "diverged with `ckpttool diff`, and resume from a checkpoint saved before the drift",
+)
+def replicas_differ(ctx: Context) -> Iterator[tuple[str | None, str]]:
+    err = ctx.ckpt.replica_error
+    if err is None:
+        return
+    reported = False
+    for key, offsets, first, other in getattr(getattr(ctx.reader, "assembled", None), "replicas", ()):
+        msg = _replica_difference(ctx, key, offsets, first, other)
+        if msg is not None:
+            reported = True
+            yield key, msg
+    if not reported:  # the open-time comparison found a difference: never silent about it
+        yield None, err.message
