@@ -8,9 +8,12 @@ One run prints, on a checkpoint with FP32 optimizer state written by a real 4-ra
 - ``ckpttool stats CKPT --json`` (a fresh process, start-up included): wall time, GB/s, peak RSS;
 - ``ckpttool validate --strict --deep --json`` (a fresh process), for scale.
 
-Target: ``stats`` within 1.5x ``cat``'s time.
+Target: ``stats`` within 1.5x ``cat``'s time. ``--baseline DIR`` (a copy of another revision's
+package: ``git archive REV ckpttool | tar -x -C DIR``) runs both ckpttool rows with that package
+too, interleaved with this one, for a before/after in the same run. Each row also gives the
+child's CPU time (user + sys), the figure to compare on a loaded machine.
 
-Usage: python bench/bench_stats.py [--gb 4] [--workdir /tmp/ckpttool-bench]
+Usage: python bench/bench_stats.py [--gb 4] [--workdir /tmp/ckpttool-bench] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -26,12 +29,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def _timed(argv: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS (MiB, sampled every 10 ms with psutil) of a fresh process."""
+def _timed(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, int, float]:
+    """Wall seconds, peak RSS (MiB, sampled every 10 ms with psutil) and CPU seconds (user + sys) of a fresh process."""
+    import resource
+
     import psutil
 
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = psutil.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # cwd outside the repository: `python -m` puts the cwd first on sys.path, PYTHONPATH must choose the package
+    proc = psutil.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd="/")
     peak = 0
     while proc.poll() is None:
         try:
@@ -40,9 +47,11 @@ def _timed(argv: list[str]) -> tuple[float, int]:
             break
         time.sleep(0.01)
     dt = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if proc.returncode not in (0, 1):  # validate exits 1 on findings (the synthetic moments break Adam's bound)
         raise SystemExit(f"{argv[:4]} exited {proc.returncode}")
-    return dt, peak >> 20
+    return dt, peak >> 20, cpu
 
 
 def main() -> None:
@@ -50,6 +59,7 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=4.0, help="total checkpoint size, GB (parameters ~1/7 of it)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/ckpttool-bench"))
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--baseline", type=Path, help="another revision's package directory, run beside this one")
     a = ap.parse_args()
     from _ckpts import build, dense_rank, layers_for
 
@@ -60,21 +70,35 @@ def main() -> None:
     size = sum(os.path.getsize(f) for f in files)
     subprocess.run(["cat", *files], check=True, stdout=subprocess.DEVNULL)  # warm the page cache
     exe = [sys.executable, "-m", "ckpttool"]
+    here = str(Path(__file__).resolve().parents[1])
+    packages = [("", here)] + ([(" [baseline]", str(a.baseline.resolve()))] if a.baseline else [])
+    cases: list[tuple[str, list[str], dict[str, str] | None]] = [("cat (baseline)", ["cat", *files], None)]
+    for cmd in (["stats", str(ckpt), "--json"], ["validate", "--strict", "--deep", str(ckpt), "--json"]):
+        for tag, pkg in packages:
+            env = dict(os.environ, PYTHONPATH=pkg)
+            cases.append(
+                (
+                    f"ckpttool {' '.join(cmd[:1] + [c for c in cmd[1:] if c.startswith('--')][:2])}{tag}",
+                    [*exe, *cmd],
+                    env,
+                )
+            )
+    runs: dict[str, list[tuple[float, int, float]]] = {name: [] for name, _, _ in cases}
+    for _ in range(a.repeat):  # interleaved: every case once per round
+        for name, argv, env in cases:
+            runs[name].append(_timed(argv, env))
     rows = []
-    for name, argv in (
-        ("cat (baseline)", ["cat", *files]),
-        ("ckpttool stats", [*exe, "stats", str(ckpt), "--json"]),
-        ("ckpttool validate --strict --deep", [*exe, "validate", "--strict", "--deep", str(ckpt), "--json"]),
-    ):
-        runs = [_timed(argv) for _ in range(a.repeat)]
-        best = min(r[0] for r in runs)
-        rows.append((name, best, size / best / 1e9, max(r[1] for r in runs)))
+    for name, _, _ in cases:
+        rs = runs[name]
+        best = min(r[0] for r in rs)
+        rows.append((name, best, size / best / 1e9, max(r[1] for r in rs), min(r[2] for r in rs)))
     base = rows[0][1]
     print(f"checkpoint {ckpt} ({size / 1e9:.2f} GB in {len(files)} files), best of {a.repeat}, warm cache")
-    print(f"{'':36} {'seconds':>8} {'GB/s':>6} {'x cat':>6} {'peak RSS MiB':>12}")
-    for name, s, gbs, rss in rows:
-        print(f"{name:36} {s:8.2f} {gbs:6.2f} {s / base:6.2f} {rss:12d}")
-    print(json.dumps({"gb": size / 1e9, "rows": [dict(zip(("name", "s", "gbps", "rss_mib"), r)) for r in rows]}))
+    print(f"{'':48} {'seconds':>8} {'GB/s':>6} {'x cat':>6} {'CPU s':>6} {'peak RSS MiB':>12}")
+    for name, s_, gbs, rss, cpu in rows:
+        print(f"{name:48} {s_:8.2f} {gbs:6.2f} {s_ / base:6.2f} {cpu:6.2f} {rss:12d}")
+    keys = ("name", "s", "gbps", "rss_mib", "cpu_s")
+    print(json.dumps({"gb": size / 1e9, "rows": [dict(zip(keys, r)) for r in rows]}))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,8 @@ class Checkpoint:
         layout: the resolved EP layout (``None`` only when ``layout_error`` was recorded).
         layout_error: why the layout could not be resolved (``record_problems`` mode).
         byte_item_errors: byte-item key -> error met while reading it (``record_problems`` mode).
+        replica_error: per-rank files whose replicated shards differ between ranks
+            (``record_problems`` mode; validate's ``D014``, others raise it).
         record_problems: the mode it was opened in.
         located: which directory (or model/optimizer pair) was opened, and why.
     """
@@ -95,6 +97,7 @@ class Checkpoint:
         self.catalog: Catalog = build_catalog(reader, selection.schema if selection is not None else None)
         self.byte_item_errors: dict[str, CkptError] = {}
         self.layout_error: CkptError | None = None
+        self.replica_error: PerRankError | None = None
         self.layout: ResolvedLayout | None = None
         self._groups_loaded = False
         self._extra_state: list[ExtraState] | None = None
@@ -215,9 +218,14 @@ def open_checkpoint(
     with gc_paused():  # ~10 objects per metadata entry, all acyclic: the cyclic GC would rescan them
         t0 = time.perf_counter()
         where = _locate(path, selection)
-        perrank = None if is_url(path) or where.optimizer is not None else _open_perrank(where, trust_pickle, selection)
+        perrank = (
+            None
+            if is_url(path) or where.optimizer is not None
+            else _open_perrank(where, trust_pickle, selection, record_problems)
+        )
+        replica_error = None
         if perrank is not None:
-            reader, selection, where = perrank
+            reader, selection, where, replica_error = perrank
         elif where.optimizer is None:
             reader = CheckpointReader(where.model, trust_pickle=trust_pickle)
         else:
@@ -229,6 +237,7 @@ def open_checkpoint(
             ckpt = Checkpoint(
                 reader, declaration=declaration, record_problems=record_problems, selection=selection, located=where
             )
+            ckpt.replica_error = replica_error
         except BaseException:
             reader.close()
             raise
@@ -238,13 +247,15 @@ def open_checkpoint(
 
 
 def _open_perrank(
-    where: Located, trust_pickle: bool, selection: CheckpointSelection | None
-) -> tuple[CheckpointReader, CheckpointSelection, Located] | None:
+    where: Located, trust_pickle: bool, selection: CheckpointSelection | None, record_problems: bool = False
+) -> tuple[CheckpointReader, CheckpointSelection, Located, PerRankError | None] | None:
     """A per-rank checkpoint (verl FSDP, torch-checkpointing: :mod:`ckpttool.format.perrank`) assembled
-    into a reader, read with its format's key schema; ``None`` when ``where`` is not one.
+    into a reader, read with its format's key schema, and the error of replicated shards that differ
+    between ranks when ``record_problems`` (else raised); ``None`` when ``where`` is not one.
 
     Raises:
-        PerRankError: the rank files do not fit together, or replicated shards differ between ranks.
+        PerRankError: the rank files do not fit together, or replicated shards differ between ranks
+            (not with ``record_problems``).
         IncompleteCheckpointError, UnsafePickleError, DataFileError: as the format reads its files.
     """
     found = detect_layout(where.model)
@@ -258,19 +269,22 @@ def _open_perrank(
     except BaseException:
         reader.close()
         raise
+    replica_error = None
     if bad:
-        reader.close()
-        raise PerRankError(
+        replica_error = PerRankError(
             f"{where.model}: replicated shards differ between ranks: {bad[0]}"
             + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""),
             path=where.model,
             hint="a replicated value must be equal on every rank; the save is inconsistent or a file was damaged",
         )
+        if not record_problems:
+            reader.close()
+            raise replica_error
     sel = selection or CheckpointSelection()
     if sel.schema is None:
         sel = replace(sel, schema=SchemaOverride(schema=layout.schema))
     how = f"{where.how}; {layout.name} per-rank files: " + "; ".join(assembled.notes)
-    return reader, sel, replace(where, how=how)
+    return reader, sel, replace(where, how=how), replica_error
 
 
 def _log_opened(ckpt: Checkpoint, read_s: float, model_s: float) -> None:

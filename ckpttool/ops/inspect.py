@@ -601,6 +601,8 @@ def _checked(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
     ckpt.param_groups()
     if ckpt.byte_item_errors:  # inspect shows the values: an unreadable one is an error, not a finding
         raise next(iter(ckpt.byte_item_errors.values()))
+    if ckpt.replica_error is not None:  # which rank's copy would it show? an error, as for every reader
+        raise ckpt.replica_error
     return _build(ckpt, opts)
 
 

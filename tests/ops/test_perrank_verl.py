@@ -115,9 +115,14 @@ def test_replicas_that_differ_are_refused(verl_root: Path, tmp_path: Path) -> No
     sd = torch.load(other, weights_only=False)
     sd["state"][0]["step"] = torch.tensor(5.0)
     torch.save(sd, other)
-    res = runner.invoke(app, ["validate", str(actor)])
+    res = runner.invoke(app, ["inspect", str(actor)])
     assert res.exit_code != 0
     assert "E280" in res.output and "replicated shards differ" in res.output
+    res = runner.invoke(app, ["validate", str(actor), "--json"])  # validate: a finding, the other rules still run
+    assert res.exit_code == 1
+    found = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "D014"]
+    assert [f["key"] for f in found] == ["optimizer.state.model.embed_tokens.weight.step"], found  # state[0]
+    assert "1 of 1 elements differ (max |diff| 3); first at element 0: 2 against 5" in found[0]["message"]
 
 
 def test_export_matches_transformers_logits(verl_root: Path, tmp_path: Path) -> None:

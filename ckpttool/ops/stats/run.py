@@ -18,6 +18,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ckpttool.engine.kernels import IEEE_BITS
 from ckpttool.engine.pool import map_ordered, worker_count
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.model.catalog import TensorEntry, match_filter
@@ -147,12 +148,32 @@ def _hyper(ckpt: Checkpoint, fqn: str, notes: dict[str, list[str]]) -> AdamHyper
         eps = float(v.get("eps", 1e-8))
         step_entry = ps.fields["step"]
         key = cat.state_key(fqn, "step")
-        raw = ckpt.reader.read_tensor(key) if step_entry is not None else ckpt.reader.read_object(key)
-        step = float(raw.reshape(-1)[0]) if hasattr(raw, "reshape") else float(raw)
+        step = _step_value(ckpt, key, step_entry)
     except (KeyError, TypeError, ValueError, IndexError, CkptError) as e:
         notes.setdefault(f"hyperparameters unreadable ({type(e).__name__})", []).append(fqn)
         return None
     return AdamHyper(lr=lr, beta1=b1, beta2=b2, eps=eps, step=step)
+
+
+def _step_value(ckpt: Checkpoint, key: str, entry: TensorEntry | None) -> float:
+    """A saved ``step``: a floating tensor's first value through :func:`chunk_slices` (numpy, no torch
+    import), else torch's read (integer tensors) or the byte item's value (old optimizers).
+
+    Raises:
+        CkptError: the chunk is damaged; IndexError: an empty tensor; TypeError/ValueError: not a number.
+    """
+    if entry is None:
+        raw = ckpt.reader.read_object(key)
+    elif entry.dtype in IEEE_BITS and entry.chunks and not any(entry.chunks[0].offsets):
+        first = None
+        for x in chunk_slices(ckpt.reader, key, entry.chunks[0]):  # to the end: the record's CRC is checked
+            first = float(x[0]) if first is None and x.size else first
+        if first is None:
+            raise IndexError(key)
+        return first
+    else:
+        raw = ckpt.reader.read_tensor(key)
+    return float(raw.reshape(-1)[0]) if hasattr(raw, "reshape") else float(raw)
 
 
 def _plan(

@@ -30,7 +30,7 @@ from ckpttool.format.tiling import tiling_problem
 from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.hfconfig import config_value
 from ckpttool.ops import distributed
-from ckpttool.ops.validate.stats import DeepResult, PairStats, TensorStats, expert_count
+from ckpttool.ops.validate.stats import UNINIT_BOUND, DeepResult, PairStats, TensorStats, expert_count
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +48,9 @@ def _is_step(key: str) -> bool:
     return key.endswith(".step") and ".state." in key
 
 
-def _summarise(key: str, t: torch.Tensor, dtype: str, need_negative: bool, keep_values: bool) -> TensorStats:
+def _summarise(
+    key: str, t: torch.Tensor, dtype: str, need_negative: bool, keep_values: bool, magnitudes: bool = False
+) -> TensorStats:
     import torch
 
     st = TensorStats(key, dtype, numel=t.numel())
@@ -62,7 +64,10 @@ def _summarise(key: str, t: torch.Tensor, dtype: str, need_negative: bool, keep_
         return st
     flat = t.reshape(-1)
     if dtype in IEEE_BITS and flat.is_contiguous():  # IEEE bit patterns: numpy reductions, vectorised and GIL-free
-        _set_bits(st, summarise_bits(flat.view(torch.uint8).numpy(), dtype, need_negative))
+        raw = flat.view(torch.uint8).numpy()
+        _set_bits(st, summarise_bits(raw, dtype, need_negative))
+        if magnitudes:
+            _magnitudes(st, raw, dtype)
         return st
     if dtype in _AMINMAX_DTYPES:
         mn, mx = torch.aminmax(flat)
@@ -118,7 +123,9 @@ def _compare(pair: PairStats, a: torch.Tensor, b: torch.Tensor) -> None:
 _NP_INT = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"}
 
 
-def _summarise_np(key: str, raw: Any, dtype: str, need_negative: bool, keep_values: bool) -> TensorStats | None:
+def _summarise_np(
+    key: str, raw: Any, dtype: str, need_negative: bool, keep_values: bool, magnitudes: bool = False
+) -> TensorStats | None:
     """:func:`_summarise` on a slice of raw bytes with numpy; ``None`` for dtypes it has no path for."""
     import numpy as np
 
@@ -138,7 +145,54 @@ def _summarise_np(key: str, raw: Any, dtype: str, need_negative: bool, keep_valu
     if keep_values:
         st.values = [float(v) for v in float_values(raw[: 64 * item], dtype).tolist()]
     _set_bits(st, summarise_bits(raw, dtype, need_negative))  # zero: D005 (synthesized state)
+    if magnitudes:
+        _magnitudes(st, raw, dtype)
     return st
+
+
+#: dtypes whose subnormals ``D013`` counts (8 or 11 exponent bits: no weight comes near 1e-38;
+#: float16's subnormals, below 6.1e-5, are ordinary small weights).
+SUBNORMAL_DTYPES = ("bfloat16", "float32", "float64")
+
+
+def _pattern(value: float, dtype: str) -> int:
+    """The bit pattern of the largest ``|x| <= value`` of ``dtype`` (bfloat16: float32's, truncated)."""
+    import numpy as np
+
+    if dtype == "bfloat16":
+        return int(np.array(value, np.float32).view(np.uint32)) >> 16
+    return int(np.array(value, dtype).view(IEEE_BITS[dtype][1]))
+
+
+_MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23, "float64": 52}
+
+
+def _magnitudes(st: TensorStats, raw: Any, dtype: str) -> None:
+    """Add a slice's counts of finite ``|x| > UNINIT_BOUND`` and of subnormals (``D013``) to ``st``.
+
+    On the magnitude bit patterns ``2 * |bits|`` (the sign shifted out, in a scratch array): one
+    maximum tells whether any value is beyond the bound (then exact counts), and after
+    subtracting 1 (``+-0`` wraps to the top, a subnormal ``p`` lands in ``[1, 2 * min_normal - 3]``)
+    one minimum whether any is subnormal. Two passes and two reductions over a cache-resident slice.
+    """
+    import numpy as np
+
+    unsigned, exp_all = IEEE_BITS[dtype][1], IEEE_BITS[dtype][2]
+    x = raw.view(unsigned)
+    t = _scratch.get(f"mag_{unsigned}", unsigned, x.size)
+    np.left_shift(x, 1, out=t)
+    bound2, inf2 = _pattern(UNINIT_BOUND, dtype) << 1, exp_all << 1
+    if int(t.max()) > bound2:
+        big = (t > bound2) & (t < inf2)  # finite and beyond the bound
+        k = int(np.count_nonzero(big))
+        if k:
+            st.beyond += k
+            st.beyond_max = max(st.beyond_max, float(np.abs(float_values(raw, dtype)[big]).max()))
+    if dtype in SUBNORMAL_DTYPES:
+        np.subtract(t, 1, out=t)
+        lim = (2 << _MANTISSA_BITS[dtype]) - 1  # 2 * (smallest normal pattern) - 1
+        if int(t.min()) < lim:
+            st.subnormal += int(np.count_nonzero(t < lim))
 
 
 def _set_bits(st: TensorStats, b: Any) -> None:
@@ -357,7 +411,7 @@ def _stream_item(
             if dg is not None and dg.seg:
                 dg.add(raw, e0, item)
             read += m * item
-            st = _summarise_np(k, raw, d, k.endswith(".exp_avg_sq"), _is_step(k) and e0 == 0)
+            st = _summarise_np(k, raw, d, k.endswith(".exp_avg_sq"), _is_step(k) and e0 == 0, k in ctx.cat.model)
             assert st is not None
             stats[k].add(st)
             raws.append(raw)
@@ -691,7 +745,9 @@ class _DeepRun:
             self._fail(it, e)
             return
         local = {
-            k: _summarise(k, t, self.metas[k].dtype.name, k.endswith(".exp_avg_sq"), _is_step(k))
+            k: _summarise(
+                k, t, self.metas[k].dtype.name, k.endswith(".exp_avg_sq"), _is_step(k), k in self.ctx.cat.model
+            )
             for k, t in tensors.items()
         }
         with self.lock:

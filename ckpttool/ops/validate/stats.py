@@ -12,7 +12,10 @@ from typing import Any
 
 from ckpttool.errors import CkptError
 
-__all__ = ["DeepResult", "PairStats", "TensorStats", "expert_count"]
+__all__ = ["UNINIT_BOUND", "DeepResult", "PairStats", "TensorStats", "expert_count"]
+
+#: ``|x|`` beyond which a model value looks uninitialised (``D013``; why this bound: docs/rules.md).
+UNINIT_BOUND = 1e4
 
 
 def expert_count(key: str, size: tuple[int, ...]) -> int:
@@ -30,6 +33,9 @@ class TensorStats:
         min, max: over all values (NaN when any is NaN), ``None`` for non-float or empty.
         values: every value, for ``step`` fields (few elements).
         zero: every value is +-0 (floating dtypes; ``None`` when not known).
+        beyond: finite values with ``|x| > UNINIT_BOUND`` (model tensors, ``D013``); beyond_max:
+            the largest such ``|x|`` (0.0: none); subnormal: subnormal values (model tensors of
+            bfloat16/float32/float64).
         digests: ``(flat start, length, CRC-32)`` runs of a model tensor's bytes in global C
             order (a chunk, or for fused expert tensors ``[E, ...]`` the part of a chunk inside
             one expert), when it was streamed; lengths summing to ``numel`` mean complete.
@@ -45,6 +51,9 @@ class TensorStats:
     values: list[float] = field(default_factory=list)
     zero: bool | None = None
     digests: list[tuple[int, int, int]] = field(default_factory=list)
+    beyond: int = 0
+    beyond_max: float = 0.0
+    subnormal: int = 0
 
     def add(self, other: TensorStats) -> None:
         if other.numel:
@@ -66,6 +75,9 @@ class TensorStats:
                 setattr(self, name, pick(a, b))
         self.values.extend(other.values)
         self.digests.extend(other.digests)
+        self.beyond += other.beyond
+        self.beyond_max = max(self.beyond_max, other.beyond_max)
+        self.subnormal += other.subnormal
 
 
 @dataclass

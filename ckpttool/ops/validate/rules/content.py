@@ -1,4 +1,4 @@
-"""Content rules (``D009``, ``D010``): copies that the metadata cannot show, from the deep pass's digests.
+"""Content rules (``D009``-``D011``, ``D013``): copies, zeros and uninitialised memory that the metadata cannot show.
 
 The ``--deep`` pass records, for each floating model tensor it streams, the CRC-32 of every
 chunk (and of every expert's part of a chunk for fused expert tensors ``[E, ...]``) with its
@@ -22,7 +22,7 @@ from ckpttool.ops.validate.base import Severity, rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.data import synthesized_from_stats
 from ckpttool.ops.validate.rules.optimizer import step_values
-from ckpttool.ops.validate.stats import expert_count
+from ckpttool.ops.validate.stats import UNINIT_BOUND, expert_count
 
 _EXPERT_RE = re.compile(r"(?<=\.experts\.)\d+(?=\.)")
 _LAYER_RE = re.compile(r"(?<=layers\.)\d+(?=\.)")
@@ -177,3 +177,119 @@ def all_zero_weight(ctx: Context) -> Iterator[tuple[str, str]]:
         st = ctx.deep_result.stats.get(key)
         if st is not None and st.zero and st.numel == entry.numel:
             yield key, f"{key}: all {entry.numel} values are 0 (shape {list(entry.shape)}, {entry.dtype})"
+
+
+#: Model tensors whose values may legitimately lie beyond ``UNINIT_BOUND`` (``D013`` leaves them
+#: alone): attention masks (``finfo.min`` / ``-1e9`` fill) and BatchNorm's running statistics
+#: (data statistics, not weights: a first layer's ``running_var`` on raw pixels can pass 1e4).
+UNINIT_EXEMPT_NAMES = re.compile(r"(mask|running_var|running_mean)")
+#: The fraction of subnormal values from which ``D013`` reports a tensor (docs/rules.md).
+SUBNORMAL_FRACTION = 0.1
+
+
+@rule(
+    "D013",
+    "uninitialised-values",
+    Severity.warning,
+    f"a floating model tensor holds finite values with |x| > {UNINIT_BOUND:g}, or {SUBNORMAL_FRACTION:.0%} or more "
+    "subnormal values (bfloat16/float32/float64): the bit patterns of uninitialised memory, not of weights",
+    "the tensor was materialised without being initialised (meta-device init, then to_empty() without "
+    "init_weights()/reset_parameters() for it, often a buffer such as a RoPE cache): re-run its "
+    "initialisation before saving, or resume from a checkpoint saved before the bug",
+    needs=("deep",),
+)
+def uninitialised_values(ctx: Context) -> Iterator[tuple[str, str]]:
+    assert ctx.deep_result is not None
+    for key, entry in ctx.cat.model.items():
+        st = ctx.deep_result.stats.get(key)
+        if st is None or not st.numel or UNINIT_EXEMPT_NAMES.search(key):
+            continue
+        sub = st.subnormal >= SUBNORMAL_FRACTION * st.numel
+        if not st.beyond and not sub:
+            continue
+        parts = []
+        if st.beyond:
+            parts.append(f"{st.beyond} with |x| > {UNINIT_BOUND:g} (largest {st.beyond_max:.3g})")
+        if st.subnormal and (sub or st.beyond):
+            parts.append(f"{st.subnormal} subnormal ({st.subnormal / st.numel:.1%})")
+        yield key, f"{key}: {' and '.join(parts)} of {st.numel} values (shape {list(entry.shape)}, {entry.dtype})"
+
+
+def _replica_difference(ctx: Context, key: str, offsets: tuple[int, ...], first: Any, other: Any) -> str | None:
+    """What differs between two rank files' copies of one replicated chunk (``None``: nothing).
+
+    Both storage windows are read block by block with the engine's read helper and compared
+    bytewise; values that differ are counted (NaN equals NaN) with the largest ``|a - b|``.
+
+    Raises:
+        DataFileError: a rank file is shorter than the window (it changed since it was opened).
+    """
+    import numpy as np
+
+    from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
+    from ckpttool.engine.kernels import IEEE_BITS, float_values
+    from ckpttool.errors import DataFileError
+
+    where = f"{key} at {list(offsets)}: {other.relative_path} against {first.relative_path}"
+    if first.length != other.length:
+        return f"{where}: {other.length} bytes against {first.length}"
+    meta = ctx.reader.metadata.entries[key]
+    assert isinstance(meta, TensorMeta)
+    dtype, item = meta.dtype.name, meta.dtype.itemsize
+    fa, fb = ctx.reader.fd(first.relative_path), ctx.reader.fd(other.relative_path)
+    per = max(item, BLOCK_BYTES // item * item)
+    a, b = np.empty(per, np.uint8), np.empty(per, np.uint8)
+    numel, differ, top, example = first.length // item, 0, 0.0, ""
+    for pos in range(0, first.length, per):
+        n = min(per, first.length - pos)
+        try:
+            read_into(fa, a[:n], first.offset + pos)
+            read_into(fb, b[:n], other.offset + pos)
+        except ShortReadError:
+            raise DataFileError(f"{ctx.reader.path}: short read of {key!r}", fqn=key) from None
+        if np.array_equal(a[:n], b[:n]):
+            continue
+        if dtype in IEEE_BITS:
+            va, vb = float_values(a[:n], dtype).astype(np.float64), float_values(b[:n], dtype).astype(np.float64)
+            ne = (va != vb) & ~(np.isnan(va) & np.isnan(vb))
+        else:
+            va = a[:n].view(np.bool_ if dtype == "bool" else dtype).astype(np.float64)
+            vb = b[:n].view(np.bool_ if dtype == "bool" else dtype).astype(np.float64)
+            ne = va != vb
+        k = int(np.count_nonzero(ne))
+        if k:
+            with np.errstate(invalid="ignore"):
+                d = np.abs(va[ne] - vb[ne])
+            d = d[~np.isnan(d)]
+            top = max(top, float(d.max())) if d.size else top
+            if not example:
+                i = int(np.flatnonzero(ne)[0])
+                example = f"; first at element {pos // item + i}: {va[i]:.6g} against {vb[i]:.6g}"
+            differ += k
+    if not differ:
+        return None
+    return f"{where}: {differ} of {numel} elements differ (max |diff| {top:.4g}){example}"
+
+
+@rule(
+    "D014",
+    "replicas-differ",
+    Severity.error,
+    "a replicated shard (a Replicate placement, a plain tensor such as an optimizer step saved by every rank) "
+    "differs between the rank files of a per-rank checkpoint (verl FSDP, torch-checkpointing)",
+    "replicated state drifted apart (a parameter left out of the gradient all-reduce, e.g. FSDP's ignored_params; "
+    "a rank that skipped an optimizer step): each rank resumes from its own copy. Find the rank that "
+    "diverged with `ckpttool diff`, and resume from a checkpoint saved before the drift",
+)
+def replicas_differ(ctx: Context) -> Iterator[tuple[str | None, str]]:
+    err = ctx.ckpt.replica_error
+    if err is None:
+        return
+    reported = False
+    for key, offsets, first, other in getattr(getattr(ctx.reader, "assembled", None), "replicas", ()):
+        msg = _replica_difference(ctx, key, offsets, first, other)
+        if msg is not None:
+            reported = True
+            yield key, msg
+    if not reported:  # the open-time comparison found a difference: never silent about it
+        yield None, err.message
