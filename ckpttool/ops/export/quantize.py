@@ -239,6 +239,7 @@ def compressed_tensors_config(method: str, block: int, ignore: list[str]) -> dic
         "global_compression_ratio": None,
         "ignore": ignore,
         "kv_cache_scheme": None,
+        "moe_sparsity_config": None,
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",
         "sparsity_config": {},
