@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 from ckpttool.cli.app import app
 from ckpttool.ops.export.quantize import MAX_BLOCK_REL_ERROR
 from tests.fixtures import hf_models
-from tests.ops.export.test_export_consumers import lora_ckpt, qwen_ckpt  # noqa: F401  (session fixtures)
+from tests.ops.export.test_export_consumers import lora_ckpt, qwen_ckpt, qwen_legacy_ckpt  # noqa: F401  (session fixtures)
 from tests.ops.export.test_export_fp8 import (
     _file_tensors,
     _torch_load,
@@ -272,6 +272,24 @@ def test_per_expert_moe_quantized_logits(qwen_ckpt: Path, tmp_path: Path, quant_
     cfg.save_pretrained(dense)
     model = Qwen3MoeForCausalLM.from_pretrained(dense, dtype=torch.float32)
     _assert_logits_close(model, qwen_ckpt, tmp_path, ("--experts", "per-expert"))
+
+
+def test_per_expert_from_legacy_ep_shards_equals_single_process(
+    qwen_ckpt: Path,  # noqa: F811
+    qwen_legacy_ckpt: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The same model saved by 4 legacy-EP ranks (expert slabs block-transposed along dim 0, a chunk per rank) and
+    by one process: the per-expert FP8 exports are equal tensor for tensor (bands of 5 rows cross experts' chunks)."""
+    args = ("--experts", "per-expert", "--quantize", "fp8-block", "--quantize-block", "5")
+    legacy = ("--source-layout", "legacy", "--ep-size", str(hf_models.MOE_P), "--ep-fsdp-size", str(hf_models.MOE_F))
+    a = _export(qwen_ckpt, tmp_path / "a", *args)
+    b = _export(qwen_legacy_ckpt, tmp_path / "b", *args, *legacy)
+    assert a["quantization"]["quantized"] == b["quantization"]["quantized"] > 0
+    fa, fb = _file_tensors(tmp_path / "a"), _file_tensors(tmp_path / "b")
+    assert set(fa) == set(fb)
+    for k, v in fa.items():
+        assert v.dtype == fb[k].dtype and torch.equal(v.view(torch.uint8), fb[k].view(torch.uint8)), k
 
 
 def test_per_expert_through_the_torchtitan_adapter(fixture_root: Path, tmp_path: Path) -> None:
