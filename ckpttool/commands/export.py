@@ -176,9 +176,10 @@ class ExportCLIOptions:
         str | None,
         typer.Option(
             "--quantize",
-            metavar="<fp8-block>",
-            help="fp8-block: 2-D *.weight as float8_e4m3fn + float32 weight_scale_inv per block (DeepSeek-V3, "
-            "vLLM fp8); embeddings, norms, lm_head, router gates stay --save-dtype [default: bfloat16].",
+            metavar="<fp8-block|fp8-channel>",
+            help="fp8-block: 2-D *.weight as float8_e4m3fn + a float32 scale per block (DeepSeek-V3, vLLM fp8); "
+            "fp8-channel: a scale per output row (--quant-format compressed-tensors); embeddings, norms, lm_head, "
+            "router gates stay --save-dtype [default: bfloat16].",
         ),
     ] = None
     quantize_block: Annotated[
@@ -188,6 +189,15 @@ class ExportCLIOptions:
         list[str] | None,
         typer.Option("--quantize-skip", metavar="GLOB", help="Output keys left unquantized (repeatable)."),
     ] = None
+    quant_format: Annotated[
+        str,
+        typer.Option(
+            "--quant-format",
+            metavar="<fp8|compressed-tensors>",
+            help="fp8: weight_scale_inv + quant_method fp8 (DeepSeek-V3); compressed-tensors: weight_scale + "
+            "llm-compressor's float-quantized config_groups and ignore list.",
+        ),
+    ] = "fp8"
 
 
 @command_boundary
@@ -256,6 +266,7 @@ def export_options(cli: ExportCLIOptions) -> ExportOptions:
         quantize=cli.quantize,
         quantize_block=cli.quantize_block,
         quantize_skip=tuple(cli.quantize_skip or ()),
+        quant_format=cli.quant_format,
     )
 
 
@@ -343,7 +354,9 @@ def _render(r: ExportResult) -> None:
     q = r.quantization
     if q is not None:
         con.print(
-            f"quantized   {q['quantized']} weight(s) {q['method']} ({q['block_size']}x{q['block_size']} blocks) from "
+            f"quantized   {q['quantized']} weight(s) {q['method']} "
+            + (f"({q['block_size']}x{q['block_size']} blocks) " if q["method"] == "fp8-block" else "(per output row) ")
+            + f"as {q['format']} from "
             + ("FP32 master weights" if q["source"] == "master" else "the stored parameters")
             + f"; max error {q['max_rel_error']:.4g} of the block amax (bound {q['max_rel_error_bound']:.4g})"
         )

@@ -37,6 +37,9 @@ __all__ = [
     "fp8_block_dequantize",
     "fp8_block_error",
     "fp8_block_quantize",
+    "fp8_channel_dequantize",
+    "fp8_channel_error",
+    "fp8_channel_quantize",
     "float_values",
     "place_runs",
     "scatter_rows",
@@ -386,6 +389,46 @@ def fp8_block_error(band: np.ndarray, deq: np.ndarray, amax: np.ndarray, block: 
     """``(max |deq - band|, max over blocks of max |deq - band| / amax)`` of one band (zero blocks: 0)."""
     err = np.abs(deq - band)
     worst = _block_max(err, block)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = np.where(amax > 0, worst / amax, 0.0)
+    return float(worst.max(initial=0.0)), float(rel.max(initial=0.0))
+
+
+# ---------------------------------------------------------------------------------------------- per-channel FP8
+
+
+def fp8_channel_quantize(band: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Quantize rows (``[rows, cols]`` float32) to ``float8_e4m3fn`` with one scale per row (output channel).
+
+    compressed-tensors' ``channel`` strategy (llm-compressor ``FP8_DYNAMIC`` weights): per row
+    ``scale = amax / 448`` (float32; an all-zero row gets ``scale = 1``), ``q = e4m3fn(w / scale)``
+    rounded to nearest even and saturated to ±448 (:func:`f32_to_f8`); ``q * scale`` dequantizes.
+
+    Returns:
+        ``(q, scale, amax)``: ``uint8`` ``[rows, cols]`` e4m3fn bytes, float32 ``[rows]`` scales and
+        the float32 row amax (NaN when the row holds a NaN: the caller refuses it).
+    """
+    rows, cols = band.shape
+    with np.errstate(invalid="ignore"):
+        amax = np.abs(band).max(axis=1).astype(np.float32)
+    scale = amax / np.float32(E4M3FN_MAX)
+    scale[amax == 0] = np.float32(1.0)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        scaled = np.ascontiguousarray(band / scale[:, None], dtype=np.float32)
+    q = np.empty((rows, cols), dtype=np.uint8)
+    f32_to_f8(scaled.view(np.uint32).reshape(-1), q.reshape(-1), "float8_e4m3fn")
+    return q, scale, amax
+
+
+def fp8_channel_dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """``float32(q) * scale[row]`` (``q`` ``uint8`` e4m3fn ``[rows, cols]``, ``scale`` float32 ``[rows]``), one float32
+    multiplication per element as compressed-tensors' ``dequantize``."""
+    return np.asarray(E4M3FN_VALUES[q] * scale[:, None], dtype=np.float32)
+
+
+def fp8_channel_error(band: np.ndarray, deq: np.ndarray, amax: np.ndarray) -> tuple[float, float]:
+    """``(max |deq - band|, max over rows of max |deq - band| / amax)`` (zero rows: 0)."""
+    worst = np.abs(deq - band).max(axis=1, initial=0.0)
     with np.errstate(invalid="ignore", divide="ignore"):
         rel = np.where(amax > 0, worst / amax, 0.0)
     return float(worst.max(initial=0.0)), float(rel.max(initial=0.0))

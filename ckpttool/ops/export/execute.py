@@ -121,6 +121,8 @@ class ExportOptions:
             ``bfloat16`` then); ``None``: no quantization.
         quantize_block: the FP8 block size ``B`` (``B x B`` blocks).
         quantize_skip: output-key globs left unquantized besides the defaults.
+        quant_format: ``"fp8"`` (DeepSeek-V3 ``weight_scale_inv``) or ``"compressed-tensors"``
+            (``weight_scale``, llm-compressor's ``quantization_config``); ``fp8-channel`` needs the latter.
     """
 
     fmt: str = "hf"
@@ -144,6 +146,7 @@ class ExportOptions:
     quantize: str | None = None
     quantize_block: int = 128
     quantize_skip: tuple[str, ...] = ()
+    quant_format: str = "fp8"
 
 
 @dataclass(frozen=True)
@@ -604,7 +607,7 @@ def _check_options(opts: ExportOptions) -> None:
 
 def _quant_spec(opts: ExportOptions) -> QuantSpec:
     assert opts.quantize is not None
-    return QuantSpec(opts.quantize, opts.quantize_block, opts.quantize_skip)
+    return QuantSpec(opts.quantize, opts.quantize_block, opts.quantize_skip, opts.quant_format)
 
 
 def _output_format(opts: ExportOptions) -> OutputFormat:
@@ -823,8 +826,8 @@ def _prepare(
     )
     quantizer = None
     if isinstance(out_format, QuantizedFormat):
-        recount_casts(plan, opts.save_dtype)
-        quantizer = BlockQuantizer(reader, out_format.spec.block, set(out_format.quantized))
+        recount_casts(plan, opts.save_dtype, out_format.quantized)
+        quantizer = BlockQuantizer(reader, out_format.spec.block, out_format.quantized, out_format.spec.channel)
     plan.warnings = warnings
     plan.skipped = skipped
     plan.tied = tied
@@ -845,6 +848,8 @@ def _prepare(
         say(f"building model class {_model_class_name(model_config)}")
         check = _check_against_model(plan, model_config, opts)
     merges = out_format.transforms(request)
+    if quantizer is not None:  # a merged weight that is quantized: its delta is added to each band (quantize.py)
+        quantizer.merges = {k: m for k, m in merges.items() if k in quantizer.tasks}
     config, notes = _serving_assets(opts, out_format, plan, assets, (embed, lm_head), model_config)
     # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
     say("checking chunks")
@@ -978,10 +983,11 @@ def _quantization(opts: ExportOptions, prep: _Prepared) -> dict[str, Any] | None
     tensors = q.summary()
     return {
         "method": opts.quantize,
+        "format": opts.quant_format,
         "block_size": q.block,
         "source": opts.weights,
         "max_rel_error_bound": MAX_BLOCK_REL_ERROR,
-        "quantized": len(q.tasks),
+        "quantized": q.count,
         "max_rel_error": max((t["max_rel_error"] for t in tensors.values()), default=0.0),
         "tensors": tensors,
     }
@@ -1192,7 +1198,8 @@ def _check_against_model(plan: ExportPlan, config: dict[str, Any], opts: ExportO
     """
     written = written_tensors(plan)
     if opts.quantize is not None:  # the scales are not parameters of the model class; the FP8 dtype was asked for
-        written = {k: v for k, v in written.items() if not k.endswith("_scale_inv")}
+        suffix = "_scale_inv" if opts.quant_format == "fp8" else "_scale"
+        written = {k: v for k, v in written.items() if not k.endswith(suffix)}
     check = compare_with_model(written, config)
     if not check.checked:
         plan.warnings.append(f"keys and shapes were not checked against the model class: {check.not_checked}")

@@ -1,24 +1,39 @@
-"""``export --quantize fp8-block``: DeepSeek-V3 block FP8 weights beside their ``weight_scale_inv``.
+"""``export --quantize``: FP8 weights beside their scales, in the DeepSeek-V3 or the compressed-tensors convention.
 
-Each selected 2-D ``*.weight`` ``[out, in]`` (float32 / bfloat16 / float16 source) becomes
-``float8_e4m3fn`` (safetensors ``F8_E4M3``) plus ``<name>_scale_inv`` (``x.weight`` ->
-``x.weight_scale_inv``), float32 ``[ceil(out / B), ceil(in / B)]``, ``B`` = ``--quantize-block``
-(128). Per ``B x B`` block: ``scale = amax / 448`` (edge blocks padded in the scale computation
-only; an all-zero block gets ``scale = 1``), ``q = e4m3fn(w / scale)`` rounded to nearest even
-and saturated to ±448; ``weight_scale_inv`` stores ``scale`` (DeepSeek's name: ``q * scale``
-dequantizes, as torch's ``QuantizedHuggingFaceStorageReader`` and transformers'
-``FineGrainedFP8`` do). Left in the save dtype (``bfloat16`` unless ``--save-dtype``): anything
-not a 2-D ``*.weight``, :data:`DEFAULT_SKIP` (embeddings, norms, ``lm_head``, router gates) and
-``--quantize-skip`` globs. ``config.json`` gets ``quantization_config`` (:func:`quantization_config`).
+Each selected 2-D ``*.weight`` ``[out, in]`` (float32 / bfloat16 / float16 source; an expert of a
+3-D ``[E, out, in]`` tensor split with ``--experts per-expert``; a LoRA-merged weight) becomes
+``float8_e4m3fn`` (safetensors ``F8_E4M3``) plus a float32 scale; ``q * scale`` dequantizes.
 
-:class:`QuantizedFormat` wraps a model format (``hf``, ``hf-merged``) and plans the two pieces;
-:class:`BlockQuantizer` runs one band of ``B`` rows per work unit (rows read from the stored
-chunks that hold them: bounded memory), writes both pieces at their planned offsets and checks
-every band (``docs/export.md``, "Quantized export (FP8)").
+- ``--quantize fp8-block`` (``B`` = ``--quantize-block``, 128): one scale per ``B x B`` block,
+  ``[ceil(out / B), ceil(in / B)]``; per block ``scale = amax / 448`` (edge blocks padded in the
+  scale computation only; an all-zero block gets ``scale = 1``), ``q = e4m3fn(w / scale)`` rounded
+  to nearest even and saturated to ±448.
+- ``--quantize fp8-channel`` (compressed-tensors only): one scale per output row, ``[out, 1]``.
+
+``--quant-format`` (:data:`QUANT_FORMATS`) names the scale and ``config.json``'s ``quantization_config``:
+
+- ``fp8`` (DeepSeek-V3, vLLM ``fp8``, transformers ``FineGrainedFP8``, torch's
+  ``QuantizedHuggingFaceStorageReader``): ``x.weight_scale_inv`` (DeepSeek's name for the scale
+  that multiplies), ``{"quant_method": "fp8", "weight_block_size": [B, B], ...}``;
+- ``compressed-tensors`` (what llm-compressor writes and vLLM loads: ``compressed_tensors``
+  ``ModelCompressor.update_config`` with the ``FP8_BLOCK`` / ``FP8_DYNAMIC`` preset schemes):
+  ``x.weight_scale``, ``{"quant_method": "compressed-tensors", "format": "float-quantized",
+  "config_groups": {"group_0": ...}, "ignore": [...]}`` (:func:`compressed_tensors_config`).
+
+Left in the save dtype (``bfloat16`` unless ``--save-dtype``): anything not a 2-D ``*.weight``,
+:data:`DEFAULT_SKIP` (embeddings, norms, ``lm_head``, router gates), ``--quantize-skip`` globs and
+pieces that are not whole rows of their source (a fused half written by two sources).
+
+:class:`QuantizedFormat` wraps a model format (``hf``, ``hf-merged``) and plans the two pieces of
+each weight; :class:`BlockQuantizer` runs one band of ``B`` output rows per work unit (rows read
+from the stored chunks that hold them: bounded memory; a LoRA delta added in FP32 before the
+rounding), writes both pieces at their planned offsets and checks every band
+(``docs/export.md``, "Quantized export (FP8)").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 import threading
@@ -34,23 +49,28 @@ if TYPE_CHECKING:
     from ckpttool.format.metadata import ChunkMeta, TensorMeta
     from ckpttool.format.reader import CheckpointReader
     from ckpttool.format.safetensors import ShardWriter
-    from ckpttool.ops.export.plan import ExportPlan, Selected, SourceTask
+    from ckpttool.ops.export.plan import ExportPlan, Piece, Selected, SourceTask
+    from ckpttool.ops.export.transform import Run
 
 __all__ = [
     "QUANT_METHODS",
+    "QUANT_FORMATS",
     "DEFAULT_SKIP",
     "FP8_DTYPE",
     "MAX_BLOCK_REL_ERROR",
+    "QuantFormat",
     "QuantSpec",
+    "QuantTask",
     "QuantizedFormat",
     "BlockQuantizer",
+    "compressed_tensors_config",
     "quantization_config",
     "recount_casts",
     "scale_name",
 ]
 
-#: ``--quantize`` choices.
-QUANT_METHODS = ("fp8-block",)
+#: ``--quantize`` choices: one scale per ``B x B`` block, or per output row (compressed-tensors ``channel``).
+QUANT_METHODS = ("fp8-block", "fp8-channel")
 #: The quantized weights' dtype (safetensors ``F8_E4M3``).
 FP8_DTYPE = "float8_e4m3fn"
 #: Output keys left unquantized by default (globs over the output key): embeddings, norms, lm_head, router gates.
@@ -62,9 +82,48 @@ _QUANTIZABLE = ("float32", "bfloat16", "float16")
 MAX_BLOCK_REL_ERROR = 16 / 448 * (1 + 2**-10)
 
 
-def scale_name(weight: str) -> str:
-    """``x.weight`` -> ``x.weight_scale_inv`` (DeepSeek-V3 / transformers ``FineGrainedFP8``)."""
-    return weight + "_scale_inv"
+def scale_name(weight: str, suffix: str = "_scale_inv") -> str:
+    """``x.weight`` -> ``x.weight_scale_inv`` (DeepSeek-V3 / transformers ``FineGrainedFP8``; ``suffix``
+    ``_scale``: compressed-tensors)."""
+    return weight + suffix
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """One ``--quant-format`` (a registry entry of :data:`QUANT_FORMATS`).
+
+    Attributes:
+        name: the ``--quant-format`` choice.
+        scale_suffix: appended to ``x.weight`` to name its scale.
+        methods: the ``--quantize`` methods it can write.
+        help: one line for ``--help`` and the docs.
+    """
+
+    name: str
+    scale_suffix: str
+    methods: tuple[str, ...]
+    help: str
+
+    def config(self, spec: QuantSpec, kept: list[str]) -> dict[str, Any]:
+        """``config.json`` ``quantization_config`` for ``spec``; ``kept``: modules of 2-D weights left unquantized."""
+        if self.name == "fp8":
+            return quantization_config(spec.block, kept)
+        return compressed_tensors_config(spec.method, spec.block, kept)
+
+
+#: ``--quant-format`` registry: the scale's name and the ``quantization_config`` of each convention.
+QUANT_FORMATS: dict[str, QuantFormat] = {
+    f.name: f
+    for f in (
+        QuantFormat("fp8", "_scale_inv", ("fp8-block",), "DeepSeek-V3 block FP8 (weight_scale_inv, quant_method fp8)"),
+        QuantFormat(
+            "compressed-tensors",
+            "_scale",
+            ("fp8-block", "fp8-channel"),
+            "llm-compressor's compressed-tensors float-quantized (weight_scale, config_groups, ignore)",
+        ),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -73,18 +132,33 @@ class QuantSpec:
 
     Attributes:
         method: one of :data:`QUANT_METHODS`.
-        block: ``B`` of the ``B x B`` blocks (``--quantize-block``, default 128).
+        block: ``B`` of the ``B x B`` blocks (``--quantize-block``, default 128); with ``fp8-channel``
+            the rows of a work unit.
         skip: ``--quantize-skip`` globs over the output keys, added to :data:`DEFAULT_SKIP`.
+        fmt: ``--quant-format``, a key of :data:`QUANT_FORMATS`.
     """
 
     method: str
     block: int = 128
     skip: tuple[str, ...] = ()
+    fmt: str = "fp8"
 
     def check(self, fmt: str) -> None:
-        """Raises UsageError: an unknown method, a block < 1, or a format that writes no model weights (``lora``)."""
+        """Raises UsageError: an unknown method or quant format, a method the quant format cannot write, a block < 1,
+        or a format that writes no model weights (``lora``)."""
         if self.method not in QUANT_METHODS:
             raise UsageError(f"`quantize` {self.method!r} is not one of {', '.join(QUANT_METHODS)}", param="quantize")
+        qf = QUANT_FORMATS.get(self.fmt)
+        if qf is None:
+            raise UsageError(
+                f"`quant_format` {self.fmt!r} is not one of {', '.join(QUANT_FORMATS)}", param="quant_format"
+            )
+        if self.method not in qf.methods:
+            raise UsageError(
+                f"`quantize` {self.method} is not written by `quant_format` {self.fmt} (it writes {', '.join(qf.methods)})",
+                param="quantize",
+                hint="use `quant_format` compressed-tensors for per-channel scales",
+            )
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
             raise UsageError(f"`quantize_block` must be a positive integer, got {self.block!r}", param="quantize_block")
         if fmt == "lora":
@@ -94,8 +168,22 @@ class QuantSpec:
                 hint="export the model with `fmt` hf (or hf-merged) to quantize it",
             )
 
+    @property
+    def channel(self) -> bool:
+        """One scale per output row (``fp8-channel``)."""
+        return self.method == "fp8-channel"
+
+    @property
+    def scale_suffix(self) -> str:
+        return QUANT_FORMATS[self.fmt].scale_suffix
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """The scale of a ``[out, in]`` weight: ``[ceil(out / B), ceil(in / B)]`` per block, ``[out, 1]`` per channel."""
+        out, inn = shape
+        return (out, 1) if self.channel else (-(-out // self.block), -(-inn // self.block))
+
     def quantizes(self, name: str, shape: tuple[int, ...], dtype: str) -> bool:
-        """Whether output tensor ``name`` (source ``shape``, ``dtype``) is quantized."""
+        """Whether output tensor ``name`` (shape ``shape``, source ``dtype``) is quantized."""
         if len(shape) != 2 or not name.endswith(".weight") or dtype not in _QUANTIZABLE or 0 in shape:
             return False
         return not any(fnmatch.fnmatchcase(name, g) for g in (*DEFAULT_SKIP, *self.skip))
@@ -113,30 +201,127 @@ def quantization_config(block: int, not_converted: list[str]) -> dict[str, Any]:
     }
 
 
-def _row_order(task: SourceTask, rows: int, cols: int) -> list[int] | None:
-    """Source row of each output row when ``task.runs`` is a permutation of whole rows (an adapter's RoPE rows),
-    ``None`` for the identity; raises ValueError for any other run map."""
-    if task.runs is None:
-        return None
-    src = [-1] * rows
-    for r in task.runs:
-        if r.length != cols or r.piece != 0 or r.src % cols or r.dst % cols:
-            raise ValueError("not a row permutation")
-        src[r.dst // cols] = r.src // cols
-    if sorted(src) != list(range(rows)):
-        raise ValueError("not a row permutation")
-    return src
+def _fp8_args(strategy: str, dynamic: bool, **extra: Any) -> dict[str, Any]:
+    """A compressed-tensors ``QuantizationArgs`` as ``model_dump`` writes it (8-bit float, symmetric)."""
+    args = {"dynamic": dynamic, "group_size": None, "num_bits": 8, "strategy": strategy, "symmetric": True}
+    args.update(extra)
+    args["type"] = "float"
+    return dict(sorted(args.items()))
+
+
+def compressed_tensors_config(method: str, block: int, ignore: list[str]) -> dict[str, Any]:
+    """The ``config.json`` ``quantization_config`` of a compressed-tensors FP8 export.
+
+    As ``compressed_tensors.ModelCompressor.update_config`` writes it for llm-compressor's
+    ``FP8_BLOCK`` (``fp8-block``: weights ``block`` with ``block_structure [B, B]``, dynamic
+    activations per group of ``B``) or ``FP8_DYNAMIC`` (``fp8-channel``: weights ``channel``,
+    dynamic activations per token) preset on ``Linear`` modules, ``format: float-quantized``,
+    ``quantization_status: compressed``; ``ignore`` names the modules of 2-D weights left
+    unquantized (``lm_head``, router gates, skipped ones).
+    """
+    if method == "fp8-channel":
+        weights = _fp8_args("channel", False)
+        acts = _fp8_args("token", True)
+    else:
+        weights = _fp8_args("block", False, block_structure=[block, block])
+        acts = _fp8_args("group", True, group_size=block)
+    return {
+        "config_groups": {
+            "group_0": {
+                "format": "float-quantized",
+                "input_activations": acts,
+                "output_activations": None,
+                "targets": ["Linear"],
+                "weights": weights,
+            }
+        },
+        "format": "float-quantized",
+        "global_compression_ratio": None,
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "moe_sparsity_config": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+    }
+
+
+@dataclass(frozen=True)
+class QuantTask:
+    """The quantized pieces of one source: for piece ``2k`` (FP8 weight, ``[rows, cols]``) and ``2k + 1`` (its scale),
+    ``rows[k]``: ``(first output row, first source row, rows)`` segments, source rows counted over the source's
+    leading dims (``[prod(shape[:-1]), shape[-1]]``)."""
+
+    rows: tuple[tuple[tuple[int, int, int], ...], ...]
+
+    @property
+    def weights(self) -> int:
+        return len(self.rows)
+
+
+def _derived_runs(
+    pieces: tuple[Piece, ...], runs: tuple[Run, ...] | None, order: tuple[int, ...] | None, shape: tuple[int, ...]
+) -> list[Run]:
+    """The element moves of a source (as ``execute.run_map``: explicit ``runs``, else the expert split and order)."""
+    from ckpttool.ops.export.transform import Run
+
+    if runs is not None:
+        return list(runs)
+    numel = 1
+    for d in shape:
+        numel *= d
+    if len(pieces) == 1 and pieces[0].expert is None:
+        if order is None:
+            return [Run(0, numel, 0, 0)]
+        row = numel // len(order)
+        return [Run(stored * row, row, 0, j * row) for j, stored in enumerate(order)]
+    row = numel // shape[0]
+    out = []
+    for i, p in enumerate(pieces):
+        if p.expert is None:
+            raise ValueError("a split piece without its expert")
+        stored = order[p.expert] if order is not None else p.expert
+        part = row // p.nparts
+        out.append(Run(stored * row + p.part * part, part, i, 0))
+    return out
+
+
+def _piece_rows(
+    pieces: tuple[Piece, ...], runs: tuple[Run, ...] | None, order: tuple[int, ...] | None, shape: tuple[int, ...]
+) -> QuantTask:
+    """Each piece's rows as segments of whole source rows; raises ValueError when a piece is not made of whole rows."""
+    cols = shape[-1]
+    if any(len(p.shape) != 2 or p.shape[1] != cols or p.shared for p in pieces):
+        raise ValueError("not whole rows")
+    segs: list[list[tuple[int, int, int]]] = [[] for _ in pieces]
+    for r in _derived_runs(pieces, runs, order, shape):
+        if r.src % cols or r.dst % cols or r.length % cols:
+            raise ValueError("not whole rows")
+        segs[r.piece].append((r.dst // cols, r.src // cols, r.length // cols))
+    out = []
+    for p, s in zip(pieces, segs):
+        s.sort()
+        at = 0
+        for o, _, n in s:
+            if o != at:
+                raise ValueError("rows not covered")
+            at += n
+        if at != p.shape[0]:
+            raise ValueError("rows not covered")
+        out.append(tuple(s))
+    return QuantTask(tuple(out))
 
 
 class QuantizedFormat(OutputFormat):
-    """A model format (``base``) whose qualifying weights are written as block FP8 plus scales (:class:`QuantSpec`)."""
+    """A model format (``base``) whose qualifying weights are written as FP8 plus scales (:class:`QuantSpec`)."""
 
     def __init__(self, base: OutputFormat, spec: QuantSpec) -> None:
         self.base, self.spec = base, spec
         for attr in ("name", "help", "tensors_noun", "reads_adapter_config", "detects_model_adapter"):
             setattr(self, attr, getattr(base, attr))
         self.ties_embeddings, self.checks_model_class = base.ties_embeddings, base.checks_model_class
-        self.quantized: dict[str, tuple[int, ...]] = {}  # source key -> output shape (filled as the plan is made)
+        self.quantized: dict[str, QuantTask] = {}  # source key -> its quantized pieces (filled as the plan is made)
         self.kept: list[str] = []  # modules of 2-D weights left unquantized
 
     # delegated hooks
@@ -178,72 +363,70 @@ class QuantizedFormat(OutputFormat):
 
     # the quantization
     def pieces_planner(self) -> PiecesFn:
-        """The base format's pieces; a qualifying weight's one piece becomes ``(fp8 weight, float32 scale_inv)``."""
+        """The base format's pieces; each piece of a qualifying source becomes ``(fp8 weight, float32 scale)``.
+
+        A source is quantized when every piece it writes qualifies (:meth:`QuantSpec.quantizes`) and is made
+        of whole source rows (a weight, an adapter's RoPE row permutation, an expert of a per-expert split,
+        a LoRA-merged weight); otherwise all its pieces are written as the base format says.
+        """
         from ckpttool.ops.export.plan import Piece
 
-        base_fn, spec, b = self.base.pieces_planner(), self.spec, self.spec.block
+        base_fn, spec = self.base.pieces_planner(), self.spec
 
         def fp8_pieces(s: Selected, dtype: str, ctx: PieceContext) -> SourcePieces:
             pieces, runs, order, counted = base_fn(s, dtype, ctx)
-            p = pieces[0]
-            if s.merge is not None and spec.quantizes(p.name, p.shape, s.source.dtype):
-                raise UsageError(
-                    f"{p.name}: `quantize` of a LoRA-merged weight is not supported yet",
-                    param="quantize",
-                    hint="export with `fmt` hf (no merge), or leave the merged modules out with `quantize_skip`",
-                )
-            one = len(pieces) == 1 and p.expert is None and not p.shared and order is None
-            if not one or not spec.quantizes(p.name, p.shape, s.source.dtype) or p.shape != s.source.shape:
-                if len(p.shape) == 2 and p.name.endswith(".weight"):
-                    self.kept.append(p.name.removesuffix(".weight"))
-                return pieces, runs, order, counted
-            if runs is not None:
+            src = s.source.dtype
+            rows = None
+            if all(spec.quantizes(p.name, p.shape, src) for p in pieces):
                 try:
-                    _row_order_check(runs, p.shape)
+                    rows = _piece_rows(pieces, runs, order, s.source.shape)
                 except ValueError:
-                    self.kept.append(p.name.removesuffix(".weight"))
-                    return pieces, runs, order, counted
-            out, inn = p.shape
-            self.quantized[s.source.key] = p.shape
-            scales = Piece(scale_name(p.name), (-(-out // b), -(-inn // b)), "float32")
-            return (Piece(p.name, p.shape, FP8_DTYPE), scales), runs, None, [p.name, scales.name]
+                    rows = None
+            if rows is None:
+                self.kept.extend(
+                    p.name.removesuffix(".weight") for p in pieces if len(p.shape) == 2 and p.name.endswith(".weight")
+                )
+                return pieces, runs, order, counted
+            self.quantized[s.source.key] = rows
+            out: list[Piece] = []
+            for p in pieces:
+                out.append(dataclasses.replace(p, dtype=FP8_DTYPE))
+                out.append(Piece(scale_name(p.name, spec.scale_suffix), spec.scale_shape(p.shape), "float32"))
+            return tuple(out), None, None, [p.name for p in out]
 
         return fp8_pieces
 
     def edited_assets(self, model_config: dict[str, Any] | None) -> dict[str, bytes]:
-        """The base format's edits, and ``config.json`` with ``quantization_config`` (:func:`quantization_config`)."""
+        """The base format's edits, and ``config.json`` with the quant format's ``quantization_config``."""
         edited = dict(self.base.edited_assets(model_config))
         if model_config is not None:
             doc = json.loads(edited["config.json"]) if "config.json" in edited else dict(model_config)
-            doc["quantization_config"] = quantization_config(self.spec.block, sorted(set(self.kept)))
+            doc["quantization_config"] = QUANT_FORMATS[self.spec.fmt].config(self.spec, sorted(set(self.kept)))
             edited["config.json"] = (json.dumps(doc, indent=2) + "\n").encode("utf-8")
         return edited
 
 
-def recount_casts(plan: ExportPlan, save_dtype: str) -> None:
+def recount_casts(plan: ExportPlan, save_dtype: str, quantized: dict[str, QuantTask] | None = None) -> None:
     """Count each quantized weight once as ``src->float8_e4m3fn`` in ``plan.casts`` / ``plan.narrowing``
     instead of twice (weight and scale) as ``src->save_dtype``."""
     for t in plan.tasks:
         p = t.pieces
-        if len(p) != 2 or p[0].dtype != FP8_DTYPE or p[1].name != scale_name(p[0].name):
+        if quantized is not None:
+            if t.source_key not in quantized:
+                continue
+        elif len(p) != 2 or p[0].dtype != FP8_DTYPE or p[1].dtype != "float32":
             continue
+        n = len(p) // 2
         src = t.selected.source.dtype
         if src != save_dtype:
             for d in (plan.casts, plan.narrowing):
                 tag = f"{src}->{save_dtype}"
                 if tag in d:
-                    d[tag] -= 2
+                    d[tag] -= 2 * n
                     if d[tag] <= 0:
                         del d[tag]
         for d in (plan.casts, plan.narrowing):
-            d[f"{src}->{FP8_DTYPE}"] = d.get(f"{src}->{FP8_DTYPE}", 0) + 1
-
-
-def _row_order_check(runs: Any, shape: tuple[int, ...]) -> None:
-    """Raises ValueError unless ``runs`` move whole rows of ``shape`` into one piece."""
-    cols = shape[1]
-    if any(r.length != cols or r.piece != 0 or r.src % cols or r.dst % cols for r in runs):
-        raise ValueError("not a row permutation")
+            d[f"{src}->{FP8_DTYPE}"] = d.get(f"{src}->{FP8_DTYPE}", 0) + n
 
 
 @dataclass
@@ -260,23 +443,39 @@ class BlockQuantizer:
     Args:
         reader: the checkpoint reader.
         block: ``B``.
-        tasks: the source keys quantized (:attr:`QuantizedFormat.quantized`).
+        tasks: source key -> its quantized pieces (:attr:`QuantizedFormat.quantized`).
+        channel: one scale per output row (``fp8-channel``) instead of per ``B x B`` block.
+
+    Attributes:
+        merges: source key -> its LoRA merge (``W + s * B @ A``, added in FP32 to the rows before quantizing).
     """
 
-    def __init__(self, reader: CheckpointReader, block: int, tasks: set[str]) -> None:
-        self.reader, self.block, self.tasks = reader, block, tasks
+    def __init__(
+        self, reader: CheckpointReader, block: int, tasks: dict[str, QuantTask], channel: bool = False
+    ) -> None:
+        self.reader, self.block, self.tasks, self.channel = reader, block, tasks, channel
+        self.merges: dict[str, Any] = {}
         self.stats: dict[str, _Stats] = {}  # output weight name -> its figures
         self._lock = threading.Lock()
 
-    @staticmethod
-    def bands(task: SourceTask) -> int:
-        """Work units of ``task``: ``ceil(rows / B)`` bands (the scale's rows)."""
-        return task.pieces[1].shape[0]
+    @property
+    def count(self) -> int:
+        """Quantized output weights (an expert split counts each expert)."""
+        return sum(t.weights for t in self.tasks.values())
+
+    def _units(self, task: SourceTask) -> list[tuple[int, int]]:
+        """``(piece, band)`` of each work unit of ``task``."""
+        b = self.block
+        return [(k, j) for k in range(len(task.pieces) // 2) for j in range(-(-task.pieces[2 * k].shape[0] // b))]
+
+    def bands(self, task: SourceTask) -> int:
+        """Work units of ``task``: ``ceil(rows / B)`` bands per quantized piece."""
+        return len(self._units(task))
 
     def band(
         self, task: SourceTask, meta: TensorMeta, chunks: list[ChunkMeta], writer: ShardWriter, index: int
     ) -> None:
-        """Read output rows ``[index * B, (index + 1) * B)``, quantize, check and write them and their scale row.
+        """Work unit ``index``: read ``B`` output rows of one piece, quantize, check and write them and their scales.
 
         Raises:
             QuantizationError (E607): a block holding NaN / infinity, a zero or non-finite scale for a
@@ -284,35 +483,81 @@ class BlockQuantizer:
         """
         import numpy as np
 
+        k, j = self._units(task)[index]
+        b = self.block
+        weight, scales = task.pieces[2 * k], task.pieces[2 * k + 1]
+        rows, cols = weight.shape
+        r0, r1 = j * b, min(rows, (j + 1) * b)
+        band = np.empty((r1 - r0, cols), dtype=np.float32)
+        merge = self.merges.get(task.source_key)
+        for o0, s0, n in _source_ranges(self.tasks[task.source_key].rows[k], r0, r1):
+            dest = band[o0 - r0 : o0 - r0 + n]
+            self._read_rows(task.source_key, meta, chunks, s0, s0 + n, dest)
+            if merge is not None:  # PEFT's (B @ A) * scaling, in FP32, before the one rounding (to FP8)
+                dest += (merge.b[s0 : s0 + n] @ merge.a) * np.float32(merge.scale)
+        q, scale, amax = self._quantize(weight.name, j, band)
+        if merge is not None and not merge.changed:
+            merge.changed = self._merge_changed(task, meta, chunks, k, (r0, r1), q, scale)
+        # numpy stubs: __buffer__ only on 3.12+
+        writer.write(weight.name, memoryview(q.reshape(-1)), r0 * cols)  # type: ignore[arg-type]
+        at = r0 * 4 if self.channel else j * scales.shape[1] * 4
+        writer.write(scales.name, memoryview(scale.view(np.uint8)), at)  # type: ignore[arg-type]
+        with self._lock:
+            st = self.stats.setdefault(weight.name, _Stats())
+            st.blocks += len(scale)
+            st.zero_blocks += int((amax == 0).sum())
+
+    def _quantize(self, name: str, j: int, band: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Quantize and check one band (rows ``j * B ..``) of output weight ``name``; record its error figures."""
         from ckpttool.engine import kernels
 
         b = self.block
-        weight, scales = task.pieces
-        rows, cols = weight.shape
-        r0, r1 = index * b, min(rows, (index + 1) * b)
-        band = np.empty((r1 - r0, cols), dtype=np.float32)
-        order = _row_order(task, rows, cols)
-        for o0, s0, n in _source_ranges(order, r0, r1):
-            self._read_rows(task.source_key, meta, chunks, s0, s0 + n, band[o0 - r0 : o0 - r0 + n])
-        q, scale, amax = kernels.fp8_block_quantize(band, b)
-        self._check_scales(weight.name, index, scale, amax)
-        deq = kernels.fp8_block_dequantize(q, scale, b)
-        worst, rel = kernels.fp8_block_error(band, deq, amax, b)
+        if self.channel:
+            q, scale, amax = kernels.fp8_channel_quantize(band)
+        else:
+            q, scale, amax = kernels.fp8_block_quantize(band, b)
+        self._check_scales(name, j, scale, amax)
+        if self.channel:
+            worst, rel = kernels.fp8_channel_error(band, kernels.fp8_channel_dequantize(q, scale), amax)
+        else:
+            worst, rel = kernels.fp8_block_error(band, kernels.fp8_block_dequantize(q, scale, b), amax, b)
         if not rel <= MAX_BLOCK_REL_ERROR:
+            r0 = j * b
             raise QuantizationError(
-                f"{weight.name}: rows {r0}..{r1 - 1} dequantize with a relative error of {rel:.4g} "
+                f"{name}: rows {r0}..{r0 + len(band) - 1} dequantize with a relative error of {rel:.4g} "
                 f"(bound {MAX_BLOCK_REL_ERROR:.4g})",
-                fqn=task.source_key,
+                fqn=name,
             )
-        # numpy stubs: __buffer__ only on 3.12+
-        writer.write(weight.name, memoryview(q.reshape(-1)), r0 * cols)  # type: ignore[arg-type]
-        writer.write(scales.name, memoryview(scale.view(np.uint8)), index * scales.shape[1] * 4)  # type: ignore[arg-type]
         with self._lock:
-            st = self.stats.setdefault(weight.name, _Stats())
+            st = self.stats.setdefault(name, _Stats())
             st.max_abs_error = max(st.max_abs_error, worst)
             st.max_rel_error = max(st.max_rel_error, rel)
-            st.blocks += len(scale)
-            st.zero_blocks += int((amax == 0).sum())
+        return q, scale, amax
+
+    def _merge_changed(
+        self,
+        task: SourceTask,
+        meta: TensorMeta,
+        chunks: list[ChunkMeta],
+        k: int,
+        span: tuple[int, int],
+        q: np.ndarray,
+        scale: np.ndarray,
+    ) -> bool:
+        """Whether the merged band's FP8 bytes or scales differ from those of the base weight's rows."""
+        import numpy as np
+
+        from ckpttool.engine import kernels
+
+        r0, r1 = span
+        base = np.empty_like(q, dtype=np.float32)
+        for o0, s0, n in _source_ranges(self.tasks[task.source_key].rows[k], r0, r1):
+            self._read_rows(task.source_key, meta, chunks, s0, s0 + n, base[o0 - r0 : o0 - r0 + n])
+        if self.channel:
+            q0, s0_, _ = kernels.fp8_channel_quantize(base)
+        else:
+            q0, s0_, _ = kernels.fp8_block_quantize(base, self.block)
+        return not (np.array_equal(q0, q) and np.array_equal(s0_.view(np.uint32), scale.view(np.uint32)))
 
     @staticmethod
     def _check_scales(name: str, index: int, scale: np.ndarray, amax: np.ndarray) -> None:
@@ -332,29 +577,49 @@ class BlockQuantizer:
     def _read_rows(
         self, key: str, meta: TensorMeta, chunks: list[ChunkMeta], s0: int, s1: int, dest: np.ndarray
     ) -> None:
-        """Source rows ``[s0, s1)`` as float32 into ``dest`` (``[s1 - s0, cols]``), from every chunk holding part of them."""
+        """Source rows ``[s0, s1)`` (over the leading dims: ``[prod(size[:-1]), size[-1]]``) as float32 into ``dest``
+        (``[s1 - s0, cols]``), from every chunk holding part of them."""
+        size = meta.size
+        lead = size[-2]
+        r = s0
+        while r < s1:
+            outer, inner = divmod(r, lead)
+            n = min(s1 - r, lead - inner)
+            idx = _unravel(outer, size[:-2])
+            for c in chunks:
+                co, cs = c.offsets, c.sizes
+                if any(not co[d] <= idx[d] < co[d] + cs[d] for d in range(len(idx))):
+                    continue
+                lo, hi = max(inner, co[-2]), min(inner + n, co[-2] + cs[-2])
+                if lo >= hi:
+                    continue
+                local = 0
+                for d in range(len(idx)):
+                    local = local * cs[d] + (idx[d] - co[d])
+                crow = local * cs[-2] + (lo - co[-2])
+                at = r - s0 + lo - inner
+                self._read_chunk_rows(key, meta, c, crow, hi - lo, dest[at : at + hi - lo, co[-1] : co[-1] + cs[-1]])
+            r += n
+
+    def _read_chunk_rows(self, key: str, meta: TensorMeta, c: ChunkMeta, row: int, n: int, dest: np.ndarray) -> None:
+        """``n`` rows of stored chunk ``c`` from its row ``row`` (over its leading dims) as float32 into ``dest``."""
         import numpy as np
 
         from ckpttool.engine.kernels import to_f32
 
-        dtype = meta.dtype.name
         item = meta.dtype.itemsize
-        for c in chunks:
-            (cr, cc), (sr, sc) = c.offsets, c.sizes
-            lo, hi = max(s0, cr), min(s1, cr + sr)
-            if lo >= hi:
-                continue
-            start, n = (lo - cr) * sc * item, (hi - lo) * sc * item
-            loc = self.reader.locate(key, c)
-            if loc.raw:
-                assert loc.record is not None
-                buf = np.empty(n, dtype=np.uint8)
-                self.reader.pread_into(loc.info, loc.record.data_offset + start, buf, key)
-            else:  # a chunk the locator cannot map: decoded (whole) by the reader
-                from ckpttool.ops.export.transform import _decoded_chunk
+        width = c.sizes[-1]
+        start, nbytes = row * width * item, n * width * item
+        loc = self.reader.locate(key, c)
+        if loc.raw:
+            assert loc.record is not None
+            buf = np.empty(nbytes, dtype=np.uint8)
+            self.reader.pread_into(loc.info, loc.record.data_offset + start, buf, key)
+        else:  # a chunk the locator cannot map: decoded (whole) by the reader
+            from ckpttool.ops.export.transform import _decoded_chunk
 
-                buf = _decoded_chunk(self.reader, key, c)[start : start + n]
-            dest[lo - s0 : hi - s0, cc : cc + sc] = to_f32(buf, dtype).reshape(hi - lo, sc)
+            buf = _decoded_chunk(self.reader, key, c)[start : start + nbytes]
+        dest[:] = to_f32(buf, meta.dtype.name).reshape(n, width)
 
     def summary(self) -> dict[str, Any]:
         """``--json`` ``quantization.tensors``: output weight name -> its error figures, sorted by name."""
@@ -369,15 +634,20 @@ class BlockQuantizer:
         }
 
 
-def _source_ranges(order: list[int] | None, r0: int, r1: int) -> list[tuple[int, int, int]]:
-    """``(first output row, first source row, rows)`` of output rows ``[r0, r1)``: runs of consecutive source rows."""
-    if order is None:
-        return [(r0, r0, r1 - r0)]
+def _unravel(flat: int, dims: tuple[int, ...]) -> tuple[int, ...]:
+    """C-order index of ``flat`` in ``dims`` (``()`` for no dims)."""
+    out = []
+    for d in reversed(dims):
+        flat, i = divmod(flat, d)
+        out.append(i)
+    return tuple(reversed(out))
+
+
+def _source_ranges(segments: tuple[tuple[int, int, int], ...], r0: int, r1: int) -> list[tuple[int, int, int]]:
+    """``(first output row, first source row, rows)`` of output rows ``[r0, r1)`` from a piece's row segments."""
     out: list[tuple[int, int, int]] = []
-    for o in range(r0, r1):
-        s = order[o]
-        if out and out[-1][1] + out[-1][2] == s:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((o, s, 1))
+    for o, src, n in segments:
+        lo, hi = max(o, r0), min(o + n, r1)
+        if lo < hi:
+            out.append((lo, src + lo - o, hi - lo))
     return out
