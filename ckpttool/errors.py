@@ -71,6 +71,7 @@ __all__ = [
     "ExportAccountingError",
     "ModelMismatchError",
     "QuantizationError",
+    "QuantizedSourceError",
     "ReshardError",
     "ReplayMismatchError",
     "error_class",
@@ -511,6 +512,15 @@ class QuantizationError(ExportError):
     code = "E607"
     default_hint = (
         "leave the tensor unquantized with --quantize-skip, or check the source with `ckpttool validate --deep`"
+    )
+
+
+class QuantizedSourceError(ExportError):
+    """A quantized checkpoint read (``import``) whose scales do not fit or hold bad values (block FP8, MXFP4)."""
+
+    code = "E612"
+    default_hint = (
+        "the quantized checkpoint is damaged or of another convention; check it with `ckpttool validate --deep`"
     )
 
 

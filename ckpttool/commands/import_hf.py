@@ -70,6 +70,15 @@ ManifestOpt = Annotated[
         help="Also write OUT/manifest.json, every chunk digested as it is written, naming the source's identity.",
     ),
 ]
+DequantDtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--dtype",
+        metavar="bfloat16|float32",
+        help="Dtype of dequantized weights of a quantized checkpoint (block FP8 weight_scale_inv, MXFP4 "
+        "_blocks/_scales) [default: bfloat16]. Other tensors keep their stored dtype.",
+    ),
+]
 HashOpt = Annotated[
     str,
     typer.Option("--hash", metavar="ALGO", help="Digest of the manifest: xxh3-128, blake3 or blake2b-256."),
@@ -91,6 +100,7 @@ def import_command(
     fsync: FsyncOpt = True,
     manifest: ManifestOpt = False,
     hash_name: HashOpt = "xxh3-128",
+    dtype: DequantDtypeOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Import a Hugging Face safetensors model as a DCP checkpoint (streaming, bit-exact, atomic)."""
@@ -113,6 +123,7 @@ def import_command(
             manifest=manifest,
             algorithm=hash_name,
             dry_run=dry_run,
+            dtype=dtype,
         ),
     )
     sink = Output(json_output)
@@ -166,6 +177,11 @@ def _render(r: ImportResult) -> None:
             f"EP layout  canonical (version 2), ep_size {r.ep_size}, ep_fsdp_size {r.ep_fsdp_size}; "
             f"{plural(r.ep_tensors, 'expert tensor')}"
         )
+    if r.dequantized:
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(r.dequantized["kinds"].items()))
+        lines.append(
+            f"dequantized {plural(len(r.dequantized['tensors']), 'tensor')} ({kinds}) to {r.dequantized['dtype']}"
+        )
     if r.skipped:
         lines.append("not imported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()))
     if not sys.stdout.isatty():  # a pipe: whole lines, no wrapping; rich (and its start-up) is not needed
@@ -184,4 +200,5 @@ EPILOG = examples(
     "ckpttool import hf_model/ s3://bucket/run/step-0",
     "ckpttool import hf_model/ titan/step-0 --schema torchtitan",
     "ckpttool import hf_model/ ckpt/ --world-size 4 --manifest",
+    "ckpttool import deepseek_fp8/ ckpt/ --dtype float32",
 )

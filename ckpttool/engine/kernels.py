@@ -432,3 +432,60 @@ def fp8_channel_error(band: np.ndarray, deq: np.ndarray, amax: np.ndarray) -> tu
     with np.errstate(invalid="ignore", divide="ignore"):
         rel = np.where(amax > 0, worst / amax, 0.0)
     return float(worst.max(initial=0.0)), float(rel.max(initial=0.0))
+
+
+# ---------------------------------------------------------------------------------------------- reading quantized weights
+
+
+def e4m3fn_nan_count(raw: np.ndarray) -> int:
+    """NaN bytes (``0x7F`` / ``0xFF``: ``float8_e4m3fn`` has no infinity) among raw ``uint8`` e4m3fn bytes."""
+    t = _scratch.get("f8_nan", np.uint8, raw.size)
+    np.bitwise_and(raw.reshape(-1), 0x7F, out=t)
+    return int(np.count_nonzero(t == 0x7F))
+
+
+def fp8_rows_dequantize(q: np.ndarray, scale: np.ndarray, row0: int, block: tuple[int, int]) -> np.ndarray:
+    """Dequantize rows ``[row0, row0 + len(q))`` of a block-FP8 weight: float32 ``q * scale`` per element.
+
+    Args:
+        q: ``uint8`` e4m3fn bytes ``[rows, cols]``.
+        scale: the whole float32 scale ``[ceil(out / block[0]), ceil(cols / block[1])]``.
+        row0: the first row's index in the weight.
+        block: ``(block rows, block cols)`` (``quantization_config.weight_block_size``).
+
+    The product is one float32 multiplication of the exact e4m3fn value by the scale, as torch's
+    ``QuantizedHuggingFaceStorageReader._dequantize_tensor`` computes it (``weight.to(float32) * scale``).
+    """
+    rows, cols = q.shape
+    out = np.empty((rows, cols), dtype=np.float32)
+    r = 0
+    while r < rows:
+        i = (row0 + r) // block[0]
+        n = min(rows - r, (i + 1) * block[0] - row0 - r)
+        out[r : r + n] = fp8_block_dequantize(q[r : r + n], scale[i], block[1])
+        r += n
+    return out
+
+
+#: The 16 FP4 (E2M1) values of an MXFP4 nibble (OCP Microscaling spec; ``FP4_VALUES`` of transformers'
+#: ``integrations/mxfp4.py`` and torch's ``QuantizedHuggingFaceStorageReader``).
+FP4_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32
+)
+
+
+def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 groups to float32: ``[R, B]`` packed ``uint8`` (low nibble first) and ``[R]`` E8M0 exponents -> ``[R, 2B]``.
+
+    Value ``FP4_VALUES[nibble] * 2^(e - 127)`` in float32, as transformers' ``convert_moe_packed_tensors``
+    and torch's reader compute it (``torch.ldexp`` of the FP4 value: a float32 product, exact for
+    every finite result). Exponent ``0xFF`` gives infinity times the value (the callers refuse it).
+    """
+    r, b = blocks.shape
+    out = np.empty((r, 2 * b), dtype=np.float32)
+    out[:, 0::2] = FP4_VALUES[blocks & 0x0F]
+    out[:, 1::2] = FP4_VALUES[blocks >> 4]
+    with np.errstate(over="ignore", invalid="ignore"):
+        p = np.ldexp(np.float32(1.0), scales.astype(np.int32) - 127).astype(np.float32)
+        np.multiply(out, p.reshape(r, 1), out=out)
+    return out

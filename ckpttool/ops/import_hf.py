@@ -66,6 +66,8 @@ class ImportOptions:
         dry_run: plan and check (sources, index, adapter, EP placement, whether the output may be
             written) and return the result the import would give (``dry_run`` true; file ``bytes``
             are the tensor data planned for each rank file) without writing anything.
+        dtype: what quantized weights (block FP8, MXFP4) are dequantized to: ``bfloat16`` (``None``)
+            or ``float32`` (:mod:`ckpttool.ops.import_quant`).
     """
 
     schema: str = SCHEMAS[0]
@@ -79,6 +81,7 @@ class ImportOptions:
     manifest: bool = False
     algorithm: str = "xxh3-128"
     dry_run: bool = False
+    dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class ImportResult:
     source_identity: dict[str, Any] | None = None
     manifest: str | None = None
     dry_run: bool = False
+    dequantized: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -124,6 +128,7 @@ class ImportResult:
             "source_identity": self.source_identity,
             "manifest": self.manifest,
             "dry_run": self.dry_run,
+            "dequantized": self.dequantized,
         }
 
 
@@ -551,7 +556,7 @@ def _open_sources(src_dir: Path, natives: list[_Native], fds: dict[str, int]) ->
     for n in natives:
         for row in [[(*n.flat, 0)]] if n.flat is not None else n.rows:
             for f, _, _ in row:
-                if f not in fds:
+                if f not in fds and not f.startswith("\0"):  # "\0...": a staged dequantized tensor (import_quant)
                     fds[f] = open_regular(resolve_inside(src_dir, f, what="safetensors file"))
 
 
@@ -649,6 +654,8 @@ def _import_plain(
         warnings.append(f"{adapters[0]} (a PEFT adapter) was not imported: merge it into the model first to import it")
     sources = _hf_sources(src_dir, md)
     _check_index(src_dir, sources)
+    real_files = sorted({s.file for s in sources.values()})
+    plans = _dequantize_sources(src_dir, sources, config, opts, warnings)
     tie = config_value(config, "tie_word_embeddings") is True
     if tie and "lm_head.weight" not in sources and "model.embed_tokens.weight" in sources:
         e = sources["model.embed_tokens.weight"]
@@ -658,7 +665,7 @@ def _import_plain(
     acfg = AdapterConfig.from_hf_config(config)
     natives, skipped = _native_tensors(sources, opts, adapter, acfg)
     _check_ep(src_dir, natives, ep)
-    fds: dict[str, int] = {}
+    fds: dict[str, int] = {} if not plans else _staged_fds(src_dir, plans)
     ep_specs: dict[str, EPTensorSpec] = {}
     try:
         _open_sources(src_dir, natives, fds)
@@ -666,7 +673,7 @@ def _import_plain(
         if opts.manifest:
             from ckpttool.ops.manifest import safetensors_source_identity
 
-            identity = safetensors_source_identity(src_dir, sorted({s.file for s in sources.values()}), opts.algorithm)
+            identity = safetensors_source_identity(src_dir, real_files, opts.algorithm)
         dst = output_location(out)
         # torchrun: each rank writes the target rank files assigned to it (by bytes), rank 0 .metadata
         group = distributed.current()
@@ -697,7 +704,54 @@ def _import_plain(
         source_identity=identity,
         manifest="manifest.json" if opts.manifest else None,
         dry_run=opts.dry_run,
+        dequantized=_dequantized_summary(plans),
     )
+
+
+def _dequantize_sources(
+    src_dir: Path, sources: dict[str, _Source], config: Any, opts: ImportOptions, warnings: list[str]
+) -> dict[str, Any]:
+    """Replace quantized pairs in ``sources`` by their dequantized tensors, staged on first read
+    (:mod:`ckpttool.ops.import_quant`); the scales are read and checked here, before anything is written.
+
+    Returns:
+        The plans (dequantized name -> :class:`~ckpttool.ops.import_quant.Dequantized`).
+    """
+    from ckpttool.ops.import_quant import STAGED_PREFIX, plan_dequantize, read_scales
+
+    plans, consumed = plan_dequantize(sources, config, opts.dtype)
+    if not plans:
+        if opts.dtype is not None:
+            warnings.append(f"`dtype` {opts.dtype} applies to quantized weights; the checkpoint has none")
+        return plans
+    fds = _staged_fds(src_dir, plans)
+    try:
+        for plan in plans.values():
+            read_scales(fds, plan)  # type: ignore[arg-type]
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    for k in consumed:
+        sources.pop(k, None)
+    for name, plan in plans.items():
+        sources[name] = _Source(name, STAGED_PREFIX + name, 0, plan.dtype, plan.pair.shape)
+    return plans
+
+
+def _staged_fds(src_dir: Path, plans: dict[str, Any]) -> dict[str, int]:
+    from ckpttool.ops.import_quant import StagedFds
+
+    return StagedFds(src_dir, plans)
+
+
+def _dequantized_summary(plans: dict[str, Any]) -> dict[str, Any] | None:
+    if not plans:
+        return None
+    first = next(iter(plans.values()))
+    kinds: dict[str, int] = {}
+    for p in plans.values():
+        kinds[p.pair.kind] = kinds.get(p.pair.kind, 0) + 1
+    return {"dtype": first.dtype, "kinds": kinds, "tensors": sorted(plans)}
 
 
 def _write_dcp(
@@ -740,6 +794,9 @@ def _write_dcp(
                 else:
                     segments = _segments(n, chunk.offsets[0], chunk.sizes[0], fds)
                 w.stream_tensor_archive(n.key, chunk, rank, dt, segments)
+            release = getattr(fds, "release", None)
+            if release is not None:  # staged dequantized tensors: dropped once written (import_quant.StagedFds)
+                release()
         if ep is not None and 0 in mine:  # the record `reshard` / `stamp` embed (docs/layouts.md), as a byte item
             from ckpttool.layouts.record import LAYOUT_KEY
             from ckpttool.ops.reshard.plan import make_record

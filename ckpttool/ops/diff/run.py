@@ -109,6 +109,7 @@ class Item:
     entry: TensorEntry | None = None
     against: str | None = None
     runs: tuple[tuple[TensorEntry, tuple[Run, ...]], ...] | None = None
+    dequant: tuple[str, str, tuple[int, int]] | None = None  # (kind, scale key, block): ops/diff/quantized.py
 
     @property
     def match(self) -> str:
@@ -117,7 +118,13 @@ class Item:
 
     @property
     def direct(self) -> bool:
-        return self.perm is None and self.piece is None and self.runs is None and self.entry is not None
+        return (
+            self.perm is None
+            and self.piece is None
+            and self.runs is None
+            and self.entry is not None
+            and not self.dequant
+        )
 
     def stored_index(self, flat: int) -> tuple[str, list[int]] | None:
         """``(key, index)`` in the side's stored tensor of the compared value's flat element ``flat``.
@@ -410,6 +417,7 @@ class Side:
         self._cached: tuple[str, Any] | None = None
         self._buf: Any = None  # one reusable byte buffer: no page faults on every tensor
         self.adapter: str | None = None  # the model adapter that named this side (export naming)
+        self.quant_atol = 0.0  # the default atol of the last dequantized weight (ops/diff/quantized.py)
 
     @property
     def reader(self) -> Any:
@@ -455,6 +463,10 @@ class Side:
         """The value of ``item`` in canonical order (a view where possible)."""
         import torch
 
+        if item.dequant is not None:
+            from ckpttool.ops.diff.quantized import load_dequantized
+
+            return load_dequantized(self, item)
         if item.runs is not None:
             return self._assemble(item)
         t = self.tensor(item.key)
@@ -989,7 +1001,7 @@ def _compare_pair(
     """
     if ia.dtype == "bytes" or ib.dtype == "bytes":
         return _compare_objects(name, a, ia, b, ib), None
-    tolerant = opts.rtol is not None or opts.atol is not None
+    tolerant = opts.rtol is not None or opts.atol is not None or (ia.dequant is None) != (ib.dequant is None)
     kind = _kind_difference(name, ia, ib, opts, tolerant)
     if kind is not None:
         return kind, None
@@ -1013,12 +1025,17 @@ def _compare_pair(
     finally:
         tb = fut.result()
     floating = ia.dtype in _FLOATING and ib.dtype in _FLOATING
+    rtol, atol = opts.rtol, opts.atol
+    if rtol is None and atol is None and (ia.dequant or ib.dequant):  # one quantized side: FP8 / MXFP4 defaults
+        from ckpttool.ops.diff.quantized import quant_tolerance
+
+        rtol, atol = quant_tolerance(ia, ib, a, b) or (None, None)
     vd: ValueDiff = compare_tensors(
         ta,
         tb,
         as_dtype=_torch_dtype(cast) if cast is not None and floating else None,
-        rtol=opts.rtol,
-        atol=opts.atol,
+        rtol=rtol,
+        atol=atol,
     )
     stat = _stat(name, ia, ib, vd)
     if vd.mismatched == 0:
@@ -1370,6 +1387,7 @@ def _diff(
     say: Callable[[str], None],
 ) -> DiffResult:
     items_a, items_b, excluded, notes, naming = _pair_names(a, b, opts)
+    items_a, items_b = _dequantized(a, items_a, b, items_b, notes)
     seen = (len(items_a), len(items_b))
     items_a, items_b, excluded, filtered_out = _filter(opts.filters, items_a, items_b, excluded)
     by_b: dict[str, Item] = {}
@@ -1418,6 +1436,20 @@ def _diff(
         tally.values,
         filtered_out,
     )
+
+
+def _dequantized(
+    a: Side, items_a: list[Item], b: Side, items_b: list[Item], notes: list[str]
+) -> tuple[list[Item], list[Item]]:
+    """Quantized weights of either side as their dequantized values (:mod:`ckpttool.ops.diff.quantized`)."""
+    from ckpttool.ops.diff.quantized import dequantize_items, note
+
+    items_a, na = dequantize_items(a, items_a, notes)
+    items_b, nb = dequantize_items(b, items_b, notes)
+    line = note((na, nb))
+    if line is not None:
+        notes.append(line)
+    return items_a, items_b
 
 
 def _compare_pairs(

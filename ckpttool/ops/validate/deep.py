@@ -121,6 +121,19 @@ def _compare(pair: PairStats, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 _NP_INT = {"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"}
+#: float8 dtypes summarised on their bytes (NaN count; all zero): quantized weights, ``validate`` rule M022.
+_NP_F8 = {"float8_e4m3fn"}
+
+
+def _summarise_f8(key: str, raw: Any) -> TensorStats:
+    """A ``float8_e4m3fn`` slice: NaN bytes (``0x7F`` / ``0xFF``; no infinity) as ``nonfinite``, and ``zero``."""
+    from ckpttool.engine.kernels import e4m3fn_nan_count
+
+    st = TensorStats(key, "float8_e4m3fn", numel=raw.size)
+    if raw.size:
+        st.nonfinite = e4m3fn_nan_count(raw)
+        st.zero = not bool((raw & 0x7F).any())
+    return st
 
 
 def _summarise_np(
@@ -129,6 +142,8 @@ def _summarise_np(
     """:func:`_summarise` on a slice of raw bytes with numpy; ``None`` for dtypes it has no path for."""
     import numpy as np
 
+    if dtype in _NP_F8:
+        return _summarise_f8(key, raw)
     if dtype not in IEEE_BITS and dtype not in _NP_INT:
         return None
     item = DTYPE_ITEMSIZE[dtype]
@@ -353,7 +368,7 @@ def _release_buffers() -> None:
 
 def _streamable(dtypes: list[str], metas: dict[str, TensorMeta], pairs: list[PairStats]) -> bool:
     """Every member has a numpy path, and every pair a numpy comparison."""
-    if any(d not in IEEE_BITS and d not in _NP_INT for d in dtypes):
+    if any(d not in IEEE_BITS and d not in _NP_INT and d not in _NP_F8 for d in dtypes):
         return False
     for p in pairs:
         a, b = metas[p.a].dtype.name, metas[p.b].dtype.name

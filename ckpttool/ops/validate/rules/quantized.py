@@ -4,12 +4,20 @@ A ``x.weight_scale_inv`` (float32 ``[ceil(out / B), ceil(in / B)]``) scales the 
 ``x.weight`` ``[out, in]`` per ``B x B`` block (``q * scale`` dequantizes: torch's
 ``QuantizedHuggingFaceStorageReader``, transformers' ``FineGrainedFP8``). ``B`` is the
 ``--config`` ``quantization_config.weight_block_size`` when given, else 128.
+
+With ``--deep``: ``M021`` reads the scales (a small fraction of the data; a weight again only
+where a scale is 0, to see that its block is all zero), ``M022`` takes the NaN-byte count of every
+``float8_e4m3fn`` tensor from the deep pass (:mod:`ckpttool.ops.validate.deep`, one read of the
+weights). ``M023``: MXFP4 ``x_blocks`` / ``x_scales`` pairs (gpt-oss) that do not fit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
+from ckpttool.errors import CkptError
+from ckpttool.model.quantized import QuantPair, block_size, find_quantized
 from ckpttool.ops.validate.base import Severity, rule
 from ckpttool.ops.validate.context import Context
 
@@ -62,3 +70,101 @@ def fp8_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         if t.dtype == "float8_e4m3fn" and len(t.shape) == 2 and key.endswith(".weight"):
             if key + _SUFFIX not in ctx.cat.model and key + "_scale" not in ctx.cat.model:
                 yield key, f"{key}: a float8_e4m3fn weight with no {key + _SUFFIX!r} (nor a per-tensor weight_scale)"
+
+
+def _pairs(ctx: Context) -> tuple[list[QuantPair], list[tuple[str, str]]]:
+    tensors = {k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}
+    return find_quantized(tensors, block_size(ctx.config))
+
+
+def _read(ctx: Context, key: str) -> Any | None:
+    """The tensor as a numpy array (``None`` when it cannot be read: the storage and deep rules report why)."""
+    if ctx.deep_result is not None and key in ctx.deep_result.read_errors:
+        return None
+    try:
+        t = ctx.reader.read_tensor(key)
+    except CkptError:
+        return None
+    import torch
+
+    return t.view(torch.uint8).numpy() if t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu) else t.numpy()
+
+
+def _fp8_scale_values(ctx: Context, p: QuantPair) -> str | None:
+    import numpy as np
+
+    s = _read(ctx, p.scale)
+    if s is None:
+        return None
+    bad = np.argwhere(~np.isfinite(s) | (s < 0))
+    if bad.size:
+        i, j = (int(x) for x in bad[0])
+        return f"{p.scale}: {len(bad)} scale(s) NaN, infinite or negative, e.g. block ({i}, {j}) = {float(s[i, j])!r}"
+    zero = np.argwhere(s == 0)
+    if not zero.size:
+        return None
+    q = _read(ctx, p.weight)  # only a weight with zero scales is read again (a zero scale must scale a zero block)
+    if q is None:
+        return None
+    b0, b1 = p.block
+    nonzero = [(int(i), int(j)) for i, j in zero if (q[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1] & 0x7F).any()]
+    if nonzero:
+        return f"{p.scale}: {len(nonzero)} block(s) have scale 0 but non-zero values, e.g. block {nonzero[0]}"
+    return None
+
+
+def _mxfp4_scale_values(ctx: Context, p: QuantPair) -> str | None:
+    import numpy as np
+
+    e = _read(ctx, p.scale)
+    if e is None:
+        return None
+    n = int(np.count_nonzero(e.view(np.uint8) == 0xFF))
+    return f"{p.scale}: {n} E8M0 exponent(s) are 0xFF (NaN)" if n else None
+
+
+@rule(
+    "M021",
+    "quant-scale-values",
+    Severity.error,
+    "a quantization scale is unusable: a block FP8 weight_scale_inv NaN, infinite or negative, or 0 for a block "
+    "that is not all zero; an MXFP4 E8M0 exponent 0xFF (NaN)",
+    "the quantized checkpoint is damaged: re-quantize it from its source (`ckpttool export --quantize fp8-block`)",
+    needs=("deep",),
+)
+def quant_scale_values(ctx: Context) -> Iterator[tuple[str, str]]:
+    pairs, _ = _pairs(ctx)
+    for p in pairs:
+        why = _fp8_scale_values(ctx, p) if p.kind == "fp8-block" else _mxfp4_scale_values(ctx, p)
+        if why is not None:
+            yield p.scale, why
+
+
+@rule(
+    "M022",
+    "fp8-nan-bytes",
+    Severity.error,
+    "a float8_e4m3fn tensor holds NaN bytes (0x7F / 0xFF; e4m3fn has no infinity)",
+    "the FP8 weights are damaged (or a NaN was quantized): re-quantize from a finite source",
+    needs=("deep",),
+)
+def fp8_nan_bytes(ctx: Context) -> Iterator[tuple[str, str]]:
+    assert ctx.deep_result is not None
+    for key, st in ctx.deep_result.stats.items():
+        if st.dtype == "float8_e4m3fn" and st.nonfinite:
+            yield key, f"{key}: {st.nonfinite} of {st.numel} float8_e4m3fn bytes are NaN (0x7F / 0xFF)"
+
+
+@rule(
+    "M023",
+    "mxfp4-scale-mismatch",
+    Severity.error,
+    "MXFP4 x_blocks / x_scales do not fit: blocks without scales (or scales without blocks), scales that are not "
+    "uint8 E8M0 exponents, blocks not uint8 [E, N, G, B] with scales [E, N, G]",
+    "the MXFP4 checkpoint is incomplete or of another convention (gpt-oss: transformers' integrations/mxfp4.py)",
+)
+def mxfp4_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
+    _, problems = _pairs(ctx)
+    for key, why in problems:
+        if key.endswith(("_blocks", "_scales")):
+            yield key, why

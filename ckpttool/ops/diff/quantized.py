@@ -1,0 +1,133 @@
+"""``diff`` of quantized sides: block-FP8 / MXFP4 weights compared by their dequantized values.
+
+A side's weight that pairs with a scale (:func:`ckpttool.model.quantized.find_quantized`; the
+block size from the side's ``config.json``, else 128) is compared as ``float32`` values: ``q * scale``
+(block FP8, as torch's ``QuantizedHuggingFaceStorageReader``) or ``FP4 * 2^(e - 127)`` dims 1 and 2
+swapped (MXFP4, as transformers' ``convert_moe_packed_tensors``); its scale is not compared on
+its own. Against an unquantized side, unless ``--rtol`` / ``--atol`` are given, an element is
+within tolerance when ``|a - b| <= atol + rtol * |b|`` with
+
+- block FP8: ``rtol`` :data:`FP8_RTOL` (``2^-3``: one e4m3 step, twice the rounding error of round
+  to nearest on 3 mantissa bits, which leaves room for the other side's BF16 rounding) and ``atol``
+  ``2^-9`` times the tensor's largest scale (one e4m3fn subnormal step: values quantized to the
+  subnormal range);
+- MXFP4: ``rtol`` :data:`MXFP4_RTOL` (``2^-1``, one E2M1 step) and ``atol`` ``2^-1`` times the largest
+  group scale ``2^(e - 127)``.
+
+Two quantized sides are compared dequantized, bitwise unless a tolerance is given. ``docs/diff.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ckpttool.model.quantized import block_size, find_quantized
+
+if TYPE_CHECKING:
+    from ckpttool.ops.diff.run import Item, Side
+
+__all__ = ["FP8_RTOL", "MXFP4_RTOL", "dequantize_items", "load_dequantized", "note", "quant_tolerance"]
+
+#: Default relative tolerance of a block-FP8 weight against an unquantized side: one e4m3 step (3 mantissa bits).
+FP8_RTOL = 2.0**-3
+#: Default relative tolerance of an MXFP4 weight against an unquantized side: one E2M1 step (1 mantissa bit).
+MXFP4_RTOL = 2.0**-1
+_FP8_ATOL_STEPS = 2.0**-9  # the e4m3fn subnormal step, in units of the block scale
+_MXFP4_ATOL_STEPS = 2.0**-1  # the E2M1 subnormal step, in units of the group scale
+
+
+def _side_config(side: Side) -> dict[str, Any] | None:
+    cfg = Path(side.ckpt.located.model) / "config.json"
+    if not cfg.is_file():
+        return None
+    from ckpttool.model.hfconfig import read_hf_config
+
+    doc = read_hf_config(cfg)
+    return doc if isinstance(doc, dict) else None
+
+
+def dequantize_items(side: Side, items: list[Item], notes: list[str] | None = None) -> tuple[list[Item], int]:
+    """``items`` of ``side`` with each quantized weight replaced by its dequantized float32 value and its scale dropped.
+
+    Only items that are stored tensors as they are (:attr:`Item.direct`) pair up. Returns the
+    items and the number of weights dequantized; scales that do not fit their weights (then
+    compared as stored) are said in ``notes``.
+    """
+    direct = {i.name: i for i in items if i.direct and i.dtype != "bytes"}
+    tensors = {n: (i.dtype, tuple(i.shape)) for n, i in direct.items()}
+    if not any(d in ("float8_e4m3fn", "uint8") for d, _ in tensors.values()):
+        return items, 0
+    block = block_size(_side_config(side))
+    pairs, problems = find_quantized(tensors, block)
+    if problems and notes is not None:
+        notes.append(
+            f"{side.label}: {len(problems)} quantized weight(s) or scale(s) do not pair up in {block[0]}x{block[1]} "
+            f"blocks, compared as stored (e.g. {problems[0][1]}); a config.json with quantization_config."
+            "weight_block_size beside the side gives the block size"
+        )
+    if not pairs:
+        return items, 0
+    by_weight = {p.weight: p for p in pairs}
+    scales = {p.scale for p in pairs}
+    out: list[Item] = []
+    for i in items:
+        if i.name in scales and i.direct:
+            continue
+        p = by_weight.get(i.name) if i.direct else None
+        if p is None:
+            out.append(i)
+            continue
+        out.append(
+            replace(i, name=p.name, shape=p.shape, dtype="float32", dequant=(p.kind, direct[p.scale].key, p.block))
+        )
+    return out, len(pairs)
+
+
+def load_dequantized(side: Side, item: Item) -> Any:
+    """The float32 dequantized value of ``item`` (a weight :func:`dequantize_items` marked); notes its largest scale."""
+    import numpy as np
+    import torch
+
+    from ckpttool.engine import kernels
+
+    assert item.dequant is not None
+    kind, scale_key, block = item.dequant
+    scale = side.tensor(scale_key).clone()  # side.tensor reuses one buffer: the weight is read next
+    q = side.tensor(item.key).reshape(-1).view(torch.uint8).numpy()
+    if kind == "fp8-block":
+        s = scale.numpy()
+        vals = kernels.fp8_rows_dequantize(q.reshape(item.shape), s, 0, block)
+        top = float(np.nanmax(s)) if s.size else 0.0
+        side.quant_atol = _FP8_ATOL_STEPS * top
+        return torch.from_numpy(vals)
+    e = scale.view(torch.uint8).numpy().reshape(-1)
+    experts, rows, n = item.shape
+    g = e.size // experts // n
+    b = q.size // e.size
+    vals = kernels.mxfp4_dequantize(q.reshape(-1, b), e).reshape(experts, n, g * 2 * b)
+    side.quant_atol = _MXFP4_ATOL_STEPS * (2.0 ** (int(e.max()) - 127) if e.size else 0.0)
+    return torch.from_numpy(np.ascontiguousarray(vals.transpose(0, 2, 1)))
+
+
+def quant_tolerance(ia: Item, ib: Item, a: Side, b: Side) -> tuple[float, float] | None:
+    """``(rtol, atol)`` of a pair with exactly one dequantized side (the defaults above), else ``None``."""
+    if (ia.dequant is None) == (ib.dequant is None):
+        return None
+    side, it = (a, ia) if ia.dequant is not None else (b, ib)
+    assert it.dequant is not None
+    rtol = FP8_RTOL if it.dequant[0] == "fp8-block" else MXFP4_RTOL
+    return rtol, side.quant_atol
+
+
+def note(counts: tuple[int, int]) -> str | None:
+    """The line the result's notes carry when weights were dequantized (``counts``: A's, B's)."""
+    if not any(counts):
+        return None
+    sides = ", ".join(f"{n} in {s}" for n, s in zip(counts, "AB") if n)
+    return (
+        f"quantized weights compared dequantized ({sides}; scales not compared on their own); against an "
+        f"unquantized side within rtol {FP8_RTOL} (FP8) / {MXFP4_RTOL} (MXFP4) and atol one subnormal step times "
+        "the tensor's largest scale, unless `rtol` / `atol` are given"
+    )

@@ -1,0 +1,250 @@
+"""``import`` of a quantized HF checkpoint: block FP8 and MXFP4 weights dequantized to a BF16 or FP32 DCP.
+
+Which keys pair up: :func:`ckpttool.model.quantized.find_quantized`. The values are those of
+the references, bit for bit:
+
+- block FP8: ``float32(q) * scale`` per element, then rounded to ``--dtype`` (nearest even),
+  as torch's ``QuantizedHuggingFaceStorageReader._dequantize_tensor`` (``torch 2.13``);
+- MXFP4: ``FP4_VALUES[nibble] * 2^(e - 127)`` (float32, exact), rounded to ``--dtype``, dims 1
+  and 2 transposed, as transformers' ``convert_moe_packed_tensors`` (the gpt-oss model's layout).
+
+The scales are not imported. Each dequantized tensor is staged in an anonymous in-memory file
+(``memfd``) when the import first reads it and dropped after the tensor is written, so the
+import's memory is bounded by the largest dequantized tensor. Refused (E612, nothing
+published): a scale that does not fit its weight (missing weight, not float32, shape other
+than ``ceil(out / B0) x ceil(in / B1)``), a NaN / infinite / negative scale, a zero scale of
+a block that is not all zero, NaN bytes in an FP8 weight, an MXFP4 exponent ``0xFF``.
+``docs/import.md``, "Quantized checkpoints".
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpttool.errors import QuantizedSourceError, UsageError
+from ckpttool.format.files import open_regular, resolve_inside
+from ckpttool.model.quantized import QuantPair, block_size, find_quantized
+
+__all__ = ["DEQUANT_DTYPES", "STAGED_PREFIX", "Dequantized", "StagedFds", "plan_dequantize"]
+
+#: ``--dtype`` choices: what dequantized weights are written as.
+DEQUANT_DTYPES = ("bfloat16", "float32")
+#: File names of staged (dequantized) tensors: never names of real files (a NUL byte).
+STAGED_PREFIX = "\0dequantized:"
+
+
+@dataclass(frozen=True)
+class Dequantized:
+    """One planned dequantization: the pair, where its stored pieces are and the output dtype."""
+
+    pair: QuantPair
+    weight_at: tuple[str, int]  # (file, absolute data offset)
+    scale_at: tuple[str, int]
+    scale_dtype: str
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.pair.shape:
+            n *= d
+        return n * (2 if self.dtype == "bfloat16" else 4)
+
+
+def _bad(msg: str, key: str, hint: str | None = None) -> QuantizedSourceError:
+    return QuantizedSourceError(
+        msg,
+        fqn=key,
+        hint=hint
+        or "the quantized checkpoint is damaged or of another convention; check it with `ckpttool validate --deep`",
+    )
+
+
+def plan_dequantize(
+    sources: dict[str, Any], config: dict[str, Any] | None, dtype: str | None
+) -> tuple[dict[str, Dequantized], list[str]]:
+    """The quantized pairs among ``sources`` (key -> an object with ``file``, ``offset``, ``dtype``, ``shape``).
+
+    Returns:
+        ``(dequantized name -> plan, keys consumed)``: the scale keys (and MXFP4 ``_blocks``) the
+        import leaves out.
+
+    Raises:
+        UsageError: ``dtype`` not one of :data:`DEQUANT_DTYPES`.
+        QuantizedSourceError (E612): a key that looks quantized but does not fit (see the module docstring).
+    """
+    out_dtype = dtype or "bfloat16"
+    if out_dtype not in DEQUANT_DTYPES:
+        raise UsageError(f"`dtype` {dtype!r} is not one of {', '.join(DEQUANT_DTYPES)}", param="dtype")
+    tensors = {k: (s.dtype, tuple(s.shape)) for k, s in sources.items()}
+    pairs, problems = find_quantized(tensors, block_size(config))
+    if problems:
+        key, why = problems[0]
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise _bad(why + more, key)
+    plans: dict[str, Dequantized] = {}
+    consumed: list[str] = []
+    for p in pairs:
+        w, s = sources[p.weight], sources[p.scale]
+        plans[p.name] = Dequantized(p, (w.file, w.offset), (s.file, s.offset), s.dtype, out_dtype)
+        consumed.append(p.scale)
+        if p.weight != p.name:
+            consumed.append(p.weight)
+    return plans, consumed
+
+
+class StagedFds(dict[str, int]):
+    """File name -> open descriptor; a :data:`STAGED_PREFIX` name stages its dequantized tensor on first use.
+
+    Args:
+        src_dir: the HF directory (the stored pieces' files are opened inside it).
+        plans: dequantized name -> :class:`Dequantized`.
+    """
+
+    def __init__(self, src_dir: Path, plans: dict[str, Dequantized]) -> None:
+        super().__init__()
+        self.src_dir, self.plans = src_dir, plans
+        self.staged: set[str] = set()
+
+    def source_fd(self, name: str) -> int:
+        if name not in self:
+            self[name] = open_regular(resolve_inside(self.src_dir, name, what="safetensors file"))
+        return self[name]
+
+    def __missing__(self, name: str) -> int:
+        if not name.startswith(STAGED_PREFIX):
+            raise KeyError(name)
+        plan = self.plans[name[len(STAGED_PREFIX) :]]
+        fd = _anonymous_file()
+        try:
+            _STAGERS[plan.pair.kind](self, plan, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self[name] = fd
+        self.staged.add(name)
+        return fd
+
+    def release(self) -> None:
+        """Close the staged tensors (the next use stages them again)."""
+        for name in self.staged:
+            os.close(self.pop(name))
+        self.staged.clear()
+
+
+def _anonymous_file() -> int:
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("ckpttool-dequantized", getattr(os, "MFD_CLOEXEC", 0))
+    f = tempfile.TemporaryFile()  # the descriptor is duplicated: it outlives the file object
+    fd = os.dup(f.fileno())
+    f.close()
+    return fd
+
+
+def _read(fds: StagedFds, at: tuple[str, int], offset: int, nbytes: int) -> Any:
+    import numpy as np
+
+    from ckpttool.engine.io import read_exact
+
+    return np.frombuffer(read_exact(fds.source_fd(at[0]), nbytes, at[1] + offset), dtype=np.uint8)
+
+
+def _encode(vals: Any, dtype: str) -> Any:
+    """float32 values as the bytes of ``dtype`` (bfloat16: nearest even, as ``Tensor.to``)."""
+    import numpy as np
+
+    from ckpttool.engine.kernels import f32_to_bf16
+
+    flat = np.ascontiguousarray(vals, dtype=np.float32).reshape(-1)
+    if dtype == "float32":
+        return flat.view(np.uint8)
+    out = np.empty(flat.size, dtype=np.uint16)
+    f32_to_bf16(flat.view(np.uint32), out)
+    return out.view(np.uint8)
+
+
+def read_scales(fds: StagedFds, plan: Dequantized) -> Any:
+    """The whole scale tensor, checked: float32 finite and >= 0 (FP8), exponents other than ``0xFF`` (MXFP4).
+
+    Raises:
+        QuantizedSourceError (E612): a NaN, infinite or negative scale; an E8M0 ``0xFF`` (NaN) exponent.
+    """
+    import numpy as np
+
+    p = plan.pair
+    n = 1
+    for d in p.stored[:-1] if p.kind == "mxfp4" else _scale_shape(p):
+        n *= d
+    if p.kind == "mxfp4":
+        e = _read(fds, plan.scale_at, 0, n)
+        bad = np.flatnonzero(e == 0xFF)
+        if bad.size:
+            raise _bad(
+                f"{p.scale}: {bad.size} E8M0 exponent(s) are 0xFF (NaN), e.g. at flat index {int(bad[0])}", p.scale
+            )
+        return e
+    s = _read(fds, plan.scale_at, 0, 4 * n).view(np.float32).reshape(_scale_shape(p))
+    bad = np.argwhere(~np.isfinite(s) | (s < 0))
+    if bad.size:
+        i, j = (int(x) for x in bad[0])
+        raise _bad(
+            f"{p.scale}: {len(bad)} scale(s) are NaN, infinite or negative, e.g. block ({i}, {j}) = {float(s[i, j])!r}",
+            p.scale,
+        )
+    return s
+
+
+def _scale_shape(p: QuantPair) -> tuple[int, int]:
+    return -(-p.shape[0] // p.block[0]), -(-p.shape[1] // p.block[1])
+
+
+def _stage_fp8(fds: StagedFds, plan: Dequantized, fd: int) -> None:
+    """Dequantize a block-FP8 weight band by band (``B0`` rows) into ``fd``."""
+    import numpy as np
+
+    from ckpttool.engine.io import write_all
+    from ckpttool.engine.kernels import e4m3fn_nan_count, fp8_rows_dequantize
+
+    p = plan.pair
+    scale = read_scales(fds, plan)
+    rows, cols = p.shape
+    b0, b1 = p.block
+    item = 2 if plan.dtype == "bfloat16" else 4
+    for r0 in range(0, rows, b0):
+        n = min(b0, rows - r0)
+        q = _read(fds, plan.weight_at, r0 * cols, n * cols).reshape(n, cols)
+        nan = e4m3fn_nan_count(q)
+        if nan:
+            raise _bad(f"{p.weight}: {nan} NaN byte(s) (0x7F / 0xFF) in rows {r0}..{r0 + n - 1}", p.weight)
+        zero = np.flatnonzero(scale[r0 // b0] == 0)
+        for j in zero:  # a zero scale is only right for a block of zeros (+0 / -0)
+            if (q[:, j * b1 : (j + 1) * b1] & 0x7F).any():
+                raise _bad(f"{p.scale}: block ({r0 // b0}, {int(j)}) has scale 0 but non-zero values", p.scale)
+        write_all(fd, _encode(fp8_rows_dequantize(q, scale, r0, p.block), plan.dtype), r0 * cols * item)
+
+
+def _stage_mxfp4(fds: StagedFds, plan: Dequantized, fd: int) -> None:
+    """Dequantize MXFP4 blocks expert by expert into ``fd``, ``[N, G * 2B]`` transposed to ``[G * 2B, N]``."""
+    from ckpttool.engine.io import write_all
+    from ckpttool.engine.kernels import mxfp4_dequantize
+
+    p = plan.pair
+    e, n, g, b = p.stored
+    exps = read_scales(fds, plan).reshape(e, n * g)
+    item = 2 if plan.dtype == "bfloat16" else 4
+    per = n * g * b
+    for j in range(e):
+        blocks = _read(fds, plan.weight_at, j * per, per).reshape(n * g, b)
+        vals = mxfp4_dequantize(blocks, exps[j]).reshape(n, g * 2 * b).T
+        write_all(fd, _encode(vals, plan.dtype), j * n * g * 2 * b * item)
+
+
+_STAGERS: dict[str, Callable[[StagedFds, Dequantized, int], None]] = {
+    "fp8-block": _stage_fp8,
+    "mxfp4": _stage_mxfp4,
+}

@@ -1,0 +1,110 @@
+"""`diff` with a quantized side: block-FP8 exports (ours) and MXFP4 folders, compared dequantized.
+
+References: ``export --quantize fp8-block`` against the BF16 export of the same checkpoint and
+against the checkpoint's FP32 masters; an MXFP4 folder against the BF16 values transformers'
+``convert_moe_packed_tensors`` gives; a damaged FP8 byte is found and named.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.commands.schema import load_schema
+from tests.fixtures import hf_models
+from tests.fixtures.cache import cached_build
+from tests.ops.test_import_quantized import _mxfp4_tensors, _write_folder
+
+runner = CliRunner()
+
+
+def _diff(*args: object, code: int) -> dict[str, Any]:
+    res = runner.invoke(app, ["diff", *map(str, args), "--json"])
+    assert res.exit_code == code, res.stderr + res.stdout
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, load_schema("diff"))
+    return doc
+
+
+@pytest.fixture(scope="module")
+def exports(fixture_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    master = cached_build(fixture_root, "export_master", hf_models.build_master)
+    root = tmp_path_factory.mktemp("dq")
+    out = {"master": master}
+    assets = ["--model-assets", str(master / "model_assets")]  # config.json: the FP8 block size
+    for name, args in (("fp8", ["--quantize", "fp8-block", "--quantize-block", "16"]), ("bf16", [])):
+        res = runner.invoke(app, ["export", str(master), str(root / name), *assets, *args])
+        assert res.exit_code == 0, res.stderr
+        out[name] = root / name
+    return out
+
+
+def _statuses(doc: dict[str, Any]) -> dict[str, str]:
+    return {t["name"]: t["status"] for t in doc["tensors"]}
+
+
+def test_fp8_export_against_bf16_export(exports: dict[str, Path]) -> None:
+    doc = _diff(exports["fp8"], exports["bf16"], code=0)
+    st = _statuses(doc)
+    assert sum(s == "within_tolerance" for s in st.values()) == 14  # the 2-D projections, dequantized
+    assert not any(n.endswith("_scale_inv") for n in st)
+    q = next(t for t in doc["tensors"] if t["name"] == "model.layers.0.mlp.up_proj.weight")
+    assert q["a_dtype"] == "float32" and q["b_dtype"] == "bfloat16" and q["cosine"] > 0.999
+    assert st["model.embed_tokens.weight"] == "equal"  # not quantized: bitwise
+    assert any("compared dequantized (14 in A" in n for n in doc["notes"])
+    # an explicit tolerance overrides the FP8 defaults
+    tight = _diff(exports["fp8"], exports["bf16"], "--atol", "0", "--rtol", "1e-6", code=1)
+    assert tight["counts"]["different"] == 14
+
+
+def test_fp8_export_against_its_fp32_masters(exports: dict[str, Path]) -> None:
+    """The BF16 tensors equal the masters cast (--as-dtype), the FP8 ones are within the FP8 tolerance."""
+    doc = _diff(exports["fp8"], exports["master"], "--weights", "master", "--as-dtype", "bfloat16", code=0)
+    st = _statuses(doc)
+    assert sum(s == "within_tolerance" for s in st.values()) == 14 and st["lm_head.weight"] == "equal"
+
+
+def test_fp8_against_fp8_is_bitwise_dequantized(exports: dict[str, Path], tmp_path: Path) -> None:
+    doc = _diff(exports["fp8"], exports["fp8"], code=0)
+    assert set(_statuses(doc).values()) == {"equal"}
+    # one FP8 byte changed: the dequantized values differ, named by the weight
+    bad = tmp_path / "bad"
+    shutil.copytree(exports["fp8"], bad)
+    f = next(p for p in sorted(bad.glob("*.safetensors")) if "model.layers.0.mlp.up_proj.weight" in load_file(p))
+    t = load_file(f)
+    w = t["model.layers.0.mlp.up_proj.weight"].view(torch.uint8).clone()
+    w[3, 5] ^= 0x40  # exponent bits: a large change
+    t["model.layers.0.mlp.up_proj.weight"] = w.view(torch.float8_e4m3fn)
+    save_file(t, str(f), metadata={"format": "pt"})
+    for other in (exports["fp8"], exports["bf16"]):
+        doc = _diff(bad, other, code=1)
+        d = [x for x in doc["differences"] if x["kind"] == "values"]
+        assert [x["name"] for x in d] == ["model.layers.0.mlp.up_proj.weight"] and d[0]["index"] == [3, 5], d
+
+
+def test_mxfp4_against_transformers_values(tmp_path: Path) -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    t = _mxfp4_tensors()
+    p = "model.layers.0.mlp.experts."
+    src = _write_folder(tmp_path / "oss", t, {"model_type": "gpt_oss"})
+    ref = dict(t)
+    ref[p + "gate_up_proj"] = convert_moe_packed_tensors(
+        t.pop(p + "gate_up_proj_blocks"), t.pop(p + "gate_up_proj_scales")
+    )
+    for k in (p + "gate_up_proj_blocks", p + "gate_up_proj_scales"):
+        ref.pop(k)
+    deq = _write_folder(tmp_path / "bf16", ref, {"model_type": "gpt_oss"})
+    doc = _diff(src, deq, code=0)
+    assert _statuses(doc)[p + "gate_up_proj"] in ("equal", "within_tolerance")
+    row = next(x for x in doc["tensors"] if x["name"] == p + "gate_up_proj")
+    assert row["max_abs"] == 0.0 and row["shape"] == [2, 96, 6]  # bf16 of exact values: equal

@@ -1,0 +1,250 @@
+"""`ckpttool import` of quantized HF checkpoints, against the readers that define the values.
+
+- block FP8 (DeepSeek-V3 ``weight_scale_inv``): the folder ``export --quantize fp8-block`` writes,
+  and one written by hand with ``safetensors.torch.save_file`` per the convention; our DCP,
+  loaded by torch's ``dcp.load``, equals what torch's ``QuantizedHuggingFaceStorageReader``
+  (+ ``dcp.load``) produces, bit for bit, in BF16 and FP32;
+- MXFP4 (gpt-oss ``_blocks`` / ``_scales``): equals transformers' ``convert_moe_packed_tensors``
+  bit for bit (torch 2.13's reader is no reference here: through ``dcp.load`` it fills only part
+  of an MXFP4 tensor, its metadata fix-up changing the tensor's size but not its chunk's);
+- hostile: wrong scale shapes, NaN / zero scales, a scale for a missing weight, F8_E8M0 scales,
+  NaN FP8 bytes, an E8M0 0xFF exponent: E612, nothing published.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from tests.fixtures import hf_models
+from tests.fixtures.cache import cached_build
+
+runner = CliRunner()
+
+
+def _torch_load(path: Path) -> dict[str, torch.Tensor]:
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    sd = {
+        k: torch.empty(v.size, dtype=v.properties.dtype)
+        for k, v in md.state_dict_metadata.items()
+        if hasattr(v, "size")
+    }
+    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    return sd
+
+
+def _reader_load(
+    folder: Path,
+    shapes: dict[str, tuple[int, ...]],
+    dtype: torch.dtype,
+    block: int,
+    dtypes: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """torch's QuantizedHuggingFaceStorageReader + dcp.load into tensors of ``shapes`` (``dtypes[k]``, else ``dtype``)."""
+    from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader
+
+    sd = {k: torch.empty(s, dtype=(dtypes or {}).get(k, dtype)) for k, s in shapes.items()}
+    dcp.load(
+        sd,
+        storage_reader=QuantizedHuggingFaceStorageReader(str(folder), target_dtype=dtype, block_size=block),
+        no_dist=True,
+    )
+    return sd
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _import(src: Path, out: Path, *args: str, code: int = 0) -> Any:
+    res = runner.invoke(app, ["import", str(src), str(out), "--json", *args])
+    assert res.exit_code == code, (res.stdout, res.stderr)
+    return json.loads(res.stdout) if code == 0 else res.stderr
+
+
+def _write_folder(d: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(d / "model.safetensors"))
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(tensors, "model.safetensors")})
+    )
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def _deepseek_tensors(block: int) -> dict[str, torch.Tensor]:
+    """Block-FP8 weights (random e4m3fn bytes, no NaN) with uneven edges, a zero block with scale 0, a BF16 norm."""
+    g = torch.Generator().manual_seed(7)
+    out: dict[str, torch.Tensor] = {}
+    for name, (r, c) in {"model.layers.0.mlp.up_proj": (70, 45), "model.layers.0.self_attn.q_proj": (32, 64)}.items():
+        q = torch.randint(0, 256, (r, c), generator=g, dtype=torch.uint8)
+        q[(q & 0x7F) == 0x7F] = 0x10
+        nr, nc = -(-r // block), -(-c // block)
+        scale = torch.rand(nr, nc, generator=g) * 1e-2 + 1e-4
+        q[:block, :block] = 0  # block (0, 0): all zero, scale 0 (some quantizers write 0 there)
+        scale[0, 0] = 0.0
+        out[f"{name}.weight"] = q.view(torch.float8_e4m3fn)
+        out[f"{name}.weight_scale_inv"] = scale
+    out["model.norm.weight"] = torch.randn(45, generator=g).to(torch.bfloat16)
+    return out
+
+
+_DS_CONFIG = {
+    "model_type": "deepseek_v3",
+    "quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]},
+}
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_folder(tmp_path_factory.mktemp("ds") / "fp8", _deepseek_tensors(16), _DS_CONFIG)
+
+
+def _check_against_reader(src: Path, out: Path, dtype: torch.dtype, block: int) -> int:
+    ours = _torch_load(out)
+    shapes = {k.removeprefix("model."): tuple(v.shape) for k, v in ours.items()}
+    ref = _reader_load(src, shapes, dtype, block, {k.removeprefix("model."): v.dtype for k, v in ours.items()})
+    n = 0
+    for k, v in ref.items():
+        got = ours["model." + k]
+        if k.endswith("_scale_inv"):
+            raise AssertionError(f"scale {k} imported as a weight")
+        if got.dtype == dtype and k.endswith(".weight") and got.dim() == 2 and "norm" not in k:
+            n += 1
+        assert got.dtype == v.dtype and torch.equal(_bits(got), _bits(v)), k
+    return n
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_deepseek_convention_equals_torch_reader(deepseek_dir: Path, tmp_path: Path, dtype: str) -> None:
+    r = _import(deepseek_dir, tmp_path / "dcp", "--dtype", dtype)
+    assert r["dequantized"] == {
+        "dtype": dtype,
+        "kinds": {"fp8-block": 2},
+        "tensors": ["model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight"],
+    }
+    assert r["tensors"] == 3
+    assert _check_against_reader(deepseek_dir, tmp_path / "dcp", getattr(torch, dtype), 16) == 2
+    ours = _torch_load(tmp_path / "dcp")
+    assert ours["model.model.norm.weight"].dtype == torch.bfloat16  # not quantized: as stored
+    assert not any(k.endswith("_scale_inv") for k in ours)
+
+
+@pytest.fixture(scope="module")
+def fp8_export(fixture_root: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    master = cached_build(fixture_root, "export_master", hf_models.build_master)
+    out = tmp_path_factory.mktemp("exp") / "fp8"
+    res = runner.invoke(
+        app,
+        ["export", str(master), str(out), "--quantize", "fp8-block", "--quantize-block", "16"]
+        + ["--model-assets", str(master / "model_assets")],
+    )
+    assert res.exit_code == 0, res.stderr
+    return master, out
+
+
+def test_own_fp8_export_round_trip(fp8_export: tuple[Path, Path], tmp_path: Path) -> None:
+    """import of our export == torch's reader of it (FP32), and within the export's bound of the FP32 masters."""
+    from ckpttool.ops.export.quantize import MAX_BLOCK_REL_ERROR
+
+    master, exported = fp8_export
+    r = _import(exported, tmp_path / "dcp", "--dtype", "float32")
+    assert r["dequantized"]["kinds"]["fp8-block"] >= 4
+    assert _check_against_reader(exported, tmp_path / "dcp", torch.float32, 16) >= 4
+    ours = _torch_load(tmp_path / "dcp")
+    src = _torch_load(master)
+    for name in r["dequantized"]["tensors"]:
+        m = src["optimizer.state." + name + ".master_weight"]
+        assert (ours["model." + name] - m).abs().max() <= MAX_BLOCK_REL_ERROR * m.abs().max(), name
+
+
+def _mxfp4_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    p = "model.layers.0.mlp.experts."
+    return {
+        p + "gate_up_proj_blocks": torch.randint(0, 256, (2, 6, 3, 16), generator=g, dtype=torch.uint8),
+        p + "gate_up_proj_scales": torch.randint(110, 135, (2, 6, 3), generator=g, dtype=torch.uint8),
+        p + "gate_up_proj_bias": torch.randn(2, 6, generator=g),
+        "model.norm.weight": torch.randn(96, generator=g).to(torch.bfloat16),
+    }
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_mxfp4_equals_transformers(tmp_path: Path, dtype: str) -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    t = _mxfp4_tensors()
+    src = _write_folder(
+        tmp_path / "oss", t, {"model_type": "gpt_oss", "quantization_config": {"quant_method": "mxfp4"}}
+    )
+    r = _import(src, tmp_path / "dcp", "--dtype", dtype)
+    assert r["dequantized"]["kinds"] == {"mxfp4": 1}
+    ours = _torch_load(tmp_path / "dcp")
+    p = "model.layers.0.mlp.experts."
+    tdt = getattr(torch, dtype)
+    ref = convert_moe_packed_tensors(t[p + "gate_up_proj_blocks"], t[p + "gate_up_proj_scales"], dtype=tdt)
+    got = ours["model." + p + "gate_up_proj"]
+    assert got.shape == ref.shape == (2, 96, 6) and got.dtype == tdt
+    assert torch.equal(_bits(got), _bits(ref))
+    assert set(ours) == {"model." + p + "gate_up_proj", "model." + p + "gate_up_proj_bias", "model.model.norm.weight"}
+
+
+def _hostile(name: str) -> tuple[dict[str, torch.Tensor], str]:
+    t = _deepseek_tensors(16)
+    w = "model.layers.0.mlp.up_proj.weight"
+    s = w + "_scale_inv"
+    if name == "shape":
+        t[s] = t[s][:, :2].contiguous()
+        return t, "in 16x16 blocks needs [5, 3]"
+    if name == "nan-scale":
+        t[s][1, 1] = float("nan")
+        return t, "NaN, infinite or negative"
+    if name == "zero-scale":
+        t[s][1, 1] = 0.0
+        return t, "has scale 0 but non-zero values"
+    if name == "missing-weight":
+        del t[w]
+        return t, "a block scale for a missing weight"
+    if name == "e8m0":
+        t[s] = torch.full(t[s].shape, 120, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        return t, "scales are float8_e8m0fnu, not float32"
+    if name == "nan-bytes":
+        t[w] = t[w].view(torch.uint8).clone()
+        t[w][20, 3] = 0xFF
+        t[w] = t[w].view(torch.float8_e4m3fn)
+        return t, "NaN byte"
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("name", ["shape", "nan-scale", "zero-scale", "missing-weight", "e8m0", "nan-bytes"])
+def test_hostile_fp8_refused(tmp_path: Path, name: str) -> None:
+    t, why = _hostile(name)
+    src = _write_folder(tmp_path / "src", t, _DS_CONFIG)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    err = _import(src, tmp_path / "dcp", code=2)
+    assert "[E612]" in err and why in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing published, no leftovers
+
+
+def test_hostile_mxfp4_nan_exponent(tmp_path: Path) -> None:
+    t = _mxfp4_tensors()
+    t["model.layers.0.mlp.experts.gate_up_proj_scales"][1, 2, 0] = 0xFF
+    src = _write_folder(tmp_path / "src", t, {"model_type": "gpt_oss"})
+    err = _import(src, tmp_path / "dcp", code=2)
+    assert "[E612]" in err and "0xFF (NaN)" in err, err
+    assert not (tmp_path / "dcp").exists()
+
+
+def test_dtype_without_quantized_weights_warns(tmp_path: Path) -> None:
+    src = _write_folder(tmp_path / "src", {"model.norm.weight": torch.ones(4)}, {"model_type": "llama"})
+    r = _import(src, tmp_path / "dcp", "--dtype", "float32")
+    assert r["dequantized"] is None and any("applies to quantized weights" in w for w in r["warnings"])
+    assert _torch_load(tmp_path / "dcp")["model.model.norm.weight"].dtype == torch.float32

@@ -1,0 +1,120 @@
+"""`validate --deep` on quantized checkpoints: block-FP8 HF folders, MXFP4 folders, DCPs with FP8 + scales.
+
+Fixtures are written by ``safetensors.torch.save_file`` (the DeepSeek-V3 / gpt-oss conventions), by
+``ckpttool export --quantize fp8-block`` and by torch's ``dcp.save`` of ``float8_e4m3fn`` tensors
+with float32 scales (torchao float8 weights stored as plain tensors). Rules ``M021``-``M023``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from tests.ops.test_import_quantized import _DS_CONFIG, _deepseek_tensors, _hostile, _mxfp4_tensors, _write_folder
+
+runner = CliRunner()
+CODES = ("M020", "M021", "M022", "M023", "D001")
+
+
+def _findings(path: Path, *args: str) -> tuple[int, list[tuple[str, str]]]:
+    res = runner.invoke(app, ["validate", str(path), "--deep", "--json", *args])
+    assert "Traceback" not in res.stderr, res.stderr
+    doc: dict[str, Any] = json.loads(res.stdout)
+    return res.exit_code, sorted((f["code"], f["message"]) for f in doc["findings"] if f["code"] in CODES)
+
+
+def test_clean_deepseek_folder(tmp_path: Path) -> None:
+    """A zero scale on an all-zero block is fine; nothing else to report."""
+    src = _write_folder(tmp_path / "fp8", _deepseek_tensors(16), _DS_CONFIG)
+    assert _findings(src, "--config", str(src / "config.json"))[1] == []
+
+
+@pytest.mark.parametrize(
+    ("name", "code"),
+    [
+        ("nan-scale", "D001 M021"),  # a NaN float32 scale is also a non-finite value (D001)
+        ("zero-scale", "M021"),
+        ("nan-bytes", "M022"),  # M022 instead of D001, not both
+        ("e8m0", "M020"),
+        ("shape", "M020"),
+        ("missing-weight", "M020"),
+    ],
+)
+def test_hostile_deepseek_folder(tmp_path: Path, name: str, code: str) -> None:
+    t, _ = _hostile(name)
+    src = _write_folder(tmp_path / "src", t, _DS_CONFIG)
+    rc, found = _findings(src, "--config", str(src / "config.json"))
+    assert rc == 1 and [c for c, _ in found] == code.split(), found
+
+
+def test_mxfp4_folder(tmp_path: Path) -> None:
+    t = _mxfp4_tensors()
+    assert _findings(_write_folder(tmp_path / "ok", t, {"model_type": "gpt_oss"}))[1] == []
+    t["model.layers.0.mlp.experts.gate_up_proj_scales"][0, 0, 0] = 0xFF
+    rc, found = _findings(_write_folder(tmp_path / "nan", t, {"model_type": "gpt_oss"}))
+    assert rc == 1 and found == [
+        ("M021", "model.layers.0.mlp.experts.gate_up_proj_scales: 1 E8M0 exponent(s) are 0xFF (NaN)")
+    ]
+    del t["model.layers.0.mlp.experts.gate_up_proj_scales"]
+    rc, found = _findings(_write_folder(tmp_path / "lone", t, {"model_type": "gpt_oss"}))
+    assert rc == 1 and [c for c, _ in found] == ["M023"] and "with no" in found[0][1]
+
+
+def test_own_export_is_clean(tmp_path: Path, fixture_root: Path) -> None:
+    from tests.fixtures import hf_models
+    from tests.fixtures.cache import cached_build
+
+    master = cached_build(fixture_root, "export_master", hf_models.build_master)
+    out = tmp_path / "fp8"
+    args = ["--quantize", "fp8-block", "--quantize-block", "16", "--model-assets", str(master / "model_assets")]
+    res = runner.invoke(app, ["export", str(master), str(out), *args])
+    assert res.exit_code == 0, res.stderr
+    assert _findings(out, "--config", str(out / "config.json"))[1] == []  # its quantization_config: 16x16 blocks
+
+
+def _fp8_dcp(path: Path, nan: bool = False) -> Path:
+    """A DCP as a float8 trainer leaves it: FP8 weights as plain float8_e4m3fn tensors beside float32 block scales."""
+    t = _deepseek_tensors(16)
+    sd = {"model." + k: v for k, v in t.items()}
+    if nan:
+        w = sd["model.model.layers.0.mlp.up_proj.weight"].view(torch.uint8).clone()
+        w[20, 3] = 0x7F
+        sd["model.model.layers.0.mlp.up_proj.weight"] = w.view(torch.float8_e4m3fn)
+    dcp.save(sd, checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+def test_dcp_with_fp8_and_scales(tmp_path: Path) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(_DS_CONFIG))  # 16 x 16 blocks
+    ok = _fp8_dcp(tmp_path / "ok")
+    assert _findings(ok, "--config", str(cfg))[1] == []
+    assert [c for c, _ in _findings(ok)[1]] == ["M020", "M020"]  # 128 x 128 blocks: the scales do not fit
+    res = runner.invoke(app, ["inspect", str(ok), "--json"])
+    assert res.exit_code == 0, res.stderr
+    rc, found = _findings(_fp8_dcp(tmp_path / "nan", nan=True), "--config", str(cfg))
+    assert rc == 1 and found == [
+        ("M022", "model.model.layers.0.mlp.up_proj.weight: 1 of 3150 float8_e4m3fn bytes are NaN (0x7F / 0xFF)")
+    ]
+
+
+def test_fp8_nan_count_matches_torch() -> None:
+    """Every e4m3fn byte: the deep pass's NaN count equals torch's isnan of the float8 value."""
+    import numpy as np
+
+    from ckpttool.engine.kernels import e4m3fn_nan_count
+
+    allb = torch.arange(256, dtype=torch.uint8)
+    assert e4m3fn_nan_count(allb.numpy()) == int(torch.isnan(allb.view(torch.float8_e4m3fn).float()).sum()) == 2
+    for b in range(256):
+        one = np.array([b], dtype=np.uint8)
+        assert e4m3fn_nan_count(one) == int(
+            torch.isnan(torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float())
+        )
