@@ -799,6 +799,8 @@ def _overview_training(con: Console, ov: InspectResult) -> None:
         parts.append(f"{item}: {plural(len(keys), 'key')}" + "".join(f", {v}" for v in shown))
     if parts:
         con.print(f"training    {'; '.join(parts)}")
+    if ov.hf_copies:
+        con.print(f"hf copy     {', '.join(ov.hf_copies)} (compared with the checkpoint by validate --deep, D012)")
 
 
 def _overview_header(con: Console, ov: InspectResult) -> None:
