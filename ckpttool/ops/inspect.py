@@ -23,6 +23,7 @@ from typing import Any
 from ckpttool.errors import CkptError, TrustRequiredError, UsageError
 from ckpttool.layouts.geometry import EPGeometry
 from ckpttool.layouts.record import EPTensorSpec
+from ckpttool.model.beside import TrainerState, read_training_state_beside
 from ckpttool.model.catalog import Catalog, ParamGroup, TensorEntry, group_by_prefix, leaf_key, match_filter
 from ckpttool.model.checkpoint import Checkpoint, ExtraState, OpenOptions, gc_held, open_source
 from ckpttool.model.discovery import Located
@@ -269,6 +270,7 @@ class InspectResult:
     model_adapter: str | None = None
     training_values: dict[str, int | float] | None = None
     hf_copies: tuple[str, ...] = ()
+    trainer_state: tuple[TrainerState, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document, schema ``ckpttool.inspect/1``."""
@@ -301,6 +303,7 @@ class InspectResult:
         d["model_adapter"] = self.model_adapter
         d["training_values"] = dict(self.training_values or {})
         d["hf_copies"] = list(self.hf_copies)
+        d["trainer_state"] = [t.to_dict() for t in self.trainer_state]
         return d
 
     def json_chunks(self, rows_per_chunk: int = 8192) -> Iterator[str]:
@@ -705,6 +708,7 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         derived_from=_derived_from(ckpt),
         training_values=_training_values(ckpt),
         hf_copies=tuple(hf_copies(ckpt.reader.path, ckpt.located.model if ckpt.located is not None else None)),
+        trainer_state=tuple(read_training_state_beside(ckpt.located.model)) if ckpt.located is not None else (),
     )
 
 
