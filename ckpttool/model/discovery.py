@@ -158,9 +158,34 @@ def is_checkpoint_dir(path: Path) -> bool:
 
 
 def step_of(name: str) -> int | None:
-    """The step number in a step directory's name (``step-100``, ``checkpoint-100``, ``global_step100``, ``iter_0000100``)."""
-    m = registry.derived().step_re.match(name)
-    return int(m.group(1)) if m else None
+    """The step number in a step directory's name (``step-100``, ``checkpoint-100``, ``global_step100``,
+    ``iter_0000100``, NeMo Automodel's ``epoch_0_step_100``)."""
+    d = registry.derived()
+    m = d.step_re.match(name)
+    if m:
+        return int(m.group(1))
+    for pat in d.step_patterns:
+        m = pat.match(name)
+        if m:
+            return int(m.group("step"))
+    return None
+
+
+def _epoch_of(name: str) -> int:
+    """The epoch in a step directory's name (``epoch_3_step_100``: 3), ``-1`` when it names none."""
+    for pat in registry.derived().step_patterns:
+        m = pat.match(name)
+        if m and "epoch" in pat.groupindex:
+            return int(m.group("epoch"))
+    return -1
+
+
+def _marker(path: Path) -> str | None:
+    """The in-progress marker a trainer left in ``path`` (NeMo Automodel's ``.incomplete``), else ``None``."""
+    for name in registry.derived().incomplete_markers:
+        if os.path.lexists(path / name):
+            return name
+    return None
 
 
 def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool]) -> None:
@@ -218,6 +243,9 @@ def _unfinished(path: Path) -> str | None:
         names = os.listdir(path)
     except OSError:
         return None
+    marker = next((m for m in registry.derived().incomplete_markers if m in names), None)
+    if marker is not None:
+        return f"{marker} (the trainer's marker of a save not yet published)"
     if METADATA_NAME in names:
         return None
     data = sum(1 for n in names if DATA_FILE_RE.match(n))
@@ -258,6 +286,7 @@ class _Unit:
     model: Path
     optimizer: Path | None
     step: int | None
+    epoch: int = -1
 
     def label(self, root: Path) -> str:
         rel = _rel(self.model, root)
@@ -284,13 +313,13 @@ def _units(root: Path, found: list[Path]) -> list[_Unit]:
                 continue
             q = p.parent / pair.optimizer.format(*m.groups())
             if q in by_path and q not in paired:
-                units.append(_Unit(p, q, _step_near(p.parent, root)))
+                units.append(_Unit(p, q, _step_near(p.parent, root), _epoch_near(p.parent, root)))
                 paired.update((p, q))
                 break
     for p in found:
         if p not in paired:
-            units.append(_Unit(p, None, _step_near(p, root)))
-    return sorted(units, key=lambda u: (u.step is None, u.step or 0, str(u.model)))
+            units.append(_Unit(p, None, _step_near(p, root), _epoch_near(p, root)))
+    return sorted(units, key=lambda u: (u.step is None, u.step or 0, u.epoch, str(u.model)))
 
 
 def _step_near(p: Path, root: Path) -> int | None:
@@ -304,17 +333,32 @@ def _step_near(p: Path, root: Path) -> int | None:
     return None
 
 
+def _epoch_near(p: Path, root: Path) -> int:
+    """The epoch of the nearest step-named directory from ``p`` up to ``root`` (``-1``: none named)."""
+    q = p
+    while q != root and q != q.parent:
+        if step_of(q.name) is not None:
+            return _epoch_of(q.name)
+        q = q.parent
+    return -1
+
+
 def _latest_step(root: Path) -> int | None:
     """The step named by a ``latest`` file (DeepSpeed: ``global_step100``; Megatron: ``100``)."""
     for name in registry.derived().latest_files:
         p = root / name
         try:
-            if not p.is_file() or p.is_symlink() or p.stat().st_size > 256:
+            if p.is_symlink():  # NeMo Automodel's LATEST: a relative symlink to the step directory
+                s = step_of(Path(os.readlink(p)).name)
+                if s is not None:
+                    return s
+                continue
+            if not p.is_file() or p.stat().st_size > 256:
                 continue
             text = p.read_text(errors="replace").strip()
         except OSError:
             continue
-        s = int(text) if text.isdigit() else step_of(text)
+        s = int(text) if text.isdigit() else step_of(text) or step_of(Path(text).name)
         if s is not None:
             return s
     return None
@@ -345,6 +389,7 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
             param="optimizer_dir",
             hint="pass the optimizer folder that dcp.save wrote (e.g. checkpoint-N/optimizer_0)",
         )
+    _refuse_marked(root)
     if not root.is_dir() or is_checkpoint_dir(root):
         if sel.step is not None and root.is_dir():
             raise UsageError(
@@ -366,6 +411,7 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
     if len(units) > 1:
         raise _ambiguous(root, units, sel.step)
     u = units[0]
+    _refuse_unfinished_unit(root, u, sel.step, incomplete)
     if opt is not None and u.optimizer is not None:
         raise UsageError(
             f"`optimizer_dir` given, but {u.model.parent} pairs {u.model.name} with {u.optimizer.name} already",
@@ -380,6 +426,35 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
         how += ", model folder paired with its optimizer folder"
     newer = tuple(i for i in reversed(incomplete) if u.step is None or i.step > u.step)
     return Located(root, u.model, u.optimizer or opt, u.step, how, newer)
+
+
+def _refuse_marked(root: Path) -> None:
+    """E202 when ``root`` (or the step directory above a model folder) holds a trainer's in-progress marker."""
+    if not root.is_dir():
+        return
+    for where in (root, root.parent):
+        marker = _marker(where)
+        if marker is not None:
+            raise IncompleteCheckpointError(
+                f"{where}: holds {marker}, the trainer's marker of a save not yet published "
+                "(a save still running, or one that was interrupted)",
+                path=where,
+                hint="wait for the save to finish, or open an earlier complete step (`step` N on the run directory)",
+            )
+
+
+def _refuse_unfinished_unit(root: Path, u: _Unit, step: int | str | None, incomplete: list[IncompleteStep]) -> None:
+    """E202 when the one checkpoint found (no ``step`` given) belongs to a step whose save did not finish."""
+    if step is None and u.step is not None:
+        inc = next((i for i in incomplete if i.step == u.step), None)
+        if inc is not None:
+            raise _incomplete_error(root, inc, u.step)
+
+
+def _latest_epoch(units: list[_Unit]) -> list[_Unit]:
+    """Of the units of one step, those of the highest epoch (NeMo Automodel: ``epoch_E_step_S``)."""
+    top = max((u.epoch for u in units), default=-1)
+    return [u for u in units if u.epoch == top]
 
 
 def _nothing_below(root: Path, opt: Path | None) -> Located:
@@ -455,6 +530,8 @@ def _of_step(
     elif want in bad:
         raise _incomplete_error(root, bad[want], step)
     units_at = [u for u in units if u.step == want]
+    if step == "latest":  # one step saved in two epochs: the later epoch
+        units_at = _latest_epoch(units_at)
     if not units_at:
         steps_found = sorted({u.step for u in units if u.step is not None})
         raise StepNotFoundError(

@@ -1,7 +1,8 @@
 """``import_hf``: an HF safetensors model (sharded + index) -> a DCP checkpoint a trainer ``dcp.load`` s.
 
-Target key schemas: ``torch-native`` (``model.<hf key>``) or torchtitan (through the model
-adapter's :meth:`~ckpttool.model.adapters.ModelAdapter.from_hf`). Every tensor is described
+Target key schemas: ``torch-native`` (``model.<hf key>``), torchtitan (through the model
+adapter's :meth:`~ckpttool.model.adapters.ModelAdapter.from_hf`) or megatron-core ``torch_dist``
+(:mod:`ckpttool.ops.import_megatron`: stacked layers, fused ``linear_qkv`` / ``linear_fc1``). Every tensor is described
 row by row as byte runs of the safetensors files; a chunk is the ``torch.chunk`` row range of a
 rank (DTensor/FSDP2 ``Shard(0)``), written as a ``torch.save`` archive streamed from those runs
 (:meth:`~ckpttool.format.writer.DCPWriter.stream_tensor_archive`; nothing of tensor size in
@@ -51,8 +52,9 @@ class ImportOptions:
     """Options of :func:`import_hf` (the flags of ``ckpttool import``).
 
     Attributes:
-        schema: ``torch-native`` or ``torchtitan``.
-        adapter: the model adapter for ``torchtitan`` (``None``: from the config's ``model_type``).
+        schema: ``torch-native``, ``torchtitan`` or ``megatron``.
+        adapter: the model adapter for ``torchtitan`` (``None``: from the config's ``model_type``);
+            ``megatron`` uses ``megatron-gpt``.
         config: ``config.json`` (default: the one in the HF directory).
         world_size: ranks to pre-shard for (one data file per rank; chunks along dim 0 as ``Shard(0)``).
         ep_size, ep_fsdp_size: pre-shard MoE expert tensors for an EP x EP-FSDP mesh (``P`` x ``F``
@@ -315,6 +317,30 @@ def _add_target(out: dict[str, _Native], stacked: dict[str, dict[int, _Source]],
     out[t.key] = _plain(t.key, src, t.shape, (t.key,))
 
 
+def _megatron_tensors(
+    sources: dict[str, _Source],
+    md: Any,
+    warnings: list[str],
+    config: Any,
+    acfg: AdapterConfig,
+    ep: tuple[int, int] | None,
+) -> tuple[list[_Native], dict[str, list[str]], tuple[str, ...]]:
+    """``schema`` megatron: the stacked tensors (:mod:`ckpttool.ops.import_megatron`), skipped keys, byte items.
+
+    A tied ``lm_head.weight`` the import added from the embedding is dropped again (with its
+    warning): megatron's tied model has no ``output_layer.weight``.
+    """
+    from ckpttool.ops.import_megatron import megatron_natives
+
+    if ep is not None:
+        raise UsageError("`schema` megatron takes no EP sizes (megatron's keys are global)", param="ep_size")
+    if "lm_head.weight" in sources and "lm_head.weight" not in md.entries:
+        del sources["lm_head.weight"]
+        warnings.remove("tied lm_head.weight written from model.embed_tokens.weight (tie_word_embeddings)")
+    tensors, skipped, objects = megatron_natives(sources, config, acfg)
+    return [_Native(t.key, t.dtype, t.shape, t.rows, (t.key,), flat=t.flat) for t in tensors], skipped, objects
+
+
 def _segments(n: _Native, start: int, length: int, fds: dict[str, int]) -> list[tuple[int, int, int]]:
     """``(fd, offset, length)`` runs of rows ``[start, start + length)``, adjacent rows merged."""
     if n.flat is not None:
@@ -523,6 +549,10 @@ def _choose_adapter(opts: ImportOptions, config: Any) -> ModelAdapter | None:
                 hint="pass `adapter` torchtitan-llama3 or torchtitan-qwen3 (and `config`)",
             )
         adapter = get_adapter(name)
+    elif opts.schema == "megatron":
+        if opts.adapter not in (None, "megatron-gpt"):
+            raise UsageError("`schema` megatron imports through the megatron-gpt adapter", param="adapter")
+        adapter = get_adapter("megatron-gpt")
     elif opts.adapter not in (None, "hf"):
         raise UsageError("`adapter` applies to `schema` torchtitan", param="adapter")
     return adapter
@@ -606,6 +636,7 @@ def _write_output(
     ep_specs: dict[str, EPTensorSpec],
     identity: dict[str, Any] | None,
     group: distributed.Group,
+    objects: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     """Write the output (this rank's share of the rank files; the root ``.metadata`` and manifest); its files."""
     files_info: list[dict[str, Any]] = []
@@ -614,12 +645,16 @@ def _write_output(
     with contextlib.ExitStack() as stack:
         tmp = distributed.enter_output_dir(stack, group, dst, overwrite=opts.overwrite, source=src_dir, kind="import")
         try:
-            w = _write_dcp(tmp, dst, placed, mine, fds, opts, ep, ep_specs, group)
+            w = _write_dcp(tmp, dst, placed, mine, fds, opts, ep, ep_specs, group, objects)
         except BaseException as e:
             if group.active and not distributed.agreed(e):
                 group.agree(e)  # the other ranks learn of it (and raise it) in _write_dcp
             raise
         if group.is_root:
+            if opts.schema == "megatron":
+                from ckpttool.ops.import_megatron import write_megatron_files
+
+                write_megatron_files(tmp, opts.fsync)
             if opts.manifest:
                 from ckpttool.ops.manifest import write_output_manifest
 
@@ -663,7 +698,11 @@ def _import_plain(
         warnings.append("tied lm_head.weight written from model.embed_tokens.weight (tie_word_embeddings)")
     adapter = _choose_adapter(opts, config)
     acfg = AdapterConfig.from_hf_config(config)
-    natives, skipped = _native_tensors(sources, opts, adapter, acfg)
+    objects: tuple[str, ...] = ()
+    if opts.schema == "megatron":
+        natives, skipped, objects = _megatron_tensors(sources, md, warnings, config, acfg, ep)
+    else:
+        natives, skipped = _native_tensors(sources, opts, adapter, acfg)
     _check_ep(src_dir, natives, ep)
     fds: dict[str, int] = {} if not plans else _staged_fds(src_dir, plans)
     ep_specs: dict[str, EPTensorSpec] = {}
@@ -682,7 +721,9 @@ def _import_plain(
             check_target(dst, overwrite=opts.overwrite, source=src_dir)
             files_info = [{"name": DCPWriter.file_name(r), "bytes": b} for r, b in enumerate(file_bytes)]
         else:
-            files_info = _write_output(src_dir, dst, placed, file_bytes, fds, opts, ep, ep_specs, identity, group)
+            files_info = _write_output(
+                src_dir, dst, placed, file_bytes, fds, opts, ep, ep_specs, identity, group, objects
+            )
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -764,6 +805,7 @@ def _write_dcp(
     ep: tuple[int, int] | None,
     ep_specs: dict[str, EPTensorSpec],
     group: distributed.Group,
+    objects: tuple[str, ...] = (),
 ) -> DCPWriter:
     """Write the chunks of the target rank files in ``mine`` into ``tmp``; the root writes ``.metadata``.
 
@@ -797,6 +839,11 @@ def _write_dcp(
             release = getattr(fds, "release", None)
             if release is not None:  # staged dequantized tensors: dropped once written (import_quant.StagedFds)
                 release()
+        if objects and 0 in mine:  # megatron's `_extra_state` byte items (ops/import_megatron.py)
+            from ckpttool.ops.import_megatron import EXTRA_STATE_VALUE
+
+            for key in objects:
+                w.write_object(key, 0, EXTRA_STATE_VALUE, None)
         if ep is not None and 0 in mine:  # the record `reshard` / `stamp` embed (docs/layouts.md), as a byte item
             from ckpttool.layouts.record import LAYOUT_KEY
             from ckpttool.ops.reshard.plan import make_record

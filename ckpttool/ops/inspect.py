@@ -23,10 +23,12 @@ from typing import Any
 from ckpttool.errors import CkptError, TrustRequiredError, UsageError
 from ckpttool.layouts.geometry import EPGeometry
 from ckpttool.layouts.record import EPTensorSpec
+from ckpttool.model.beside import TrainerState, read_training_state_beside
 from ckpttool.model.catalog import Catalog, ParamGroup, TensorEntry, group_by_prefix, leaf_key, match_filter
 from ckpttool.model.checkpoint import Checkpoint, ExtraState, OpenOptions, gc_held, open_source
 from ckpttool.model.discovery import Located
 from ckpttool.model.schemas.keyschema import KeySchema
+from ckpttool.model.schemas.nemo import hf_copies
 from ckpttool.optim_state.schema import HYPERPARAMETERS
 
 log = logging.getLogger(__name__)
@@ -267,6 +269,8 @@ class InspectResult:
     derived_from: dict[str, Any] | None = None
     model_adapter: str | None = None
     training_values: dict[str, int | float] | None = None
+    hf_copies: tuple[str, ...] = ()
+    trainer_state: tuple[TrainerState, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document, schema ``ckpttool.inspect/1``."""
@@ -298,6 +302,8 @@ class InspectResult:
         d["derived_from"] = dict(self.derived_from) if self.derived_from is not None else None
         d["model_adapter"] = self.model_adapter
         d["training_values"] = dict(self.training_values or {})
+        d["hf_copies"] = list(self.hf_copies)
+        d["trainer_state"] = [t.to_dict() for t in self.trainer_state]
         return d
 
     def json_chunks(self, rows_per_chunk: int = 8192) -> Iterator[str]:
@@ -703,6 +709,8 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         storage=_storage_stats(ckpt),
         derived_from=_derived_from(ckpt),
         training_values=_training_values(ckpt),
+        hf_copies=tuple(hf_copies(ckpt.reader.path, ckpt.located.model if ckpt.located is not None else None)),
+        trainer_state=tuple(read_training_state_beside(ckpt.located.model)) if ckpt.located is not None else (),
     )
 
 

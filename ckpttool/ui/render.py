@@ -799,6 +799,15 @@ def _overview_training(con: Console, ov: InspectResult) -> None:
         parts.append(f"{item}: {plural(len(keys), 'key')}" + "".join(f", {v}" for v in shown))
     if parts:
         con.print(f"training    {'; '.join(parts)}")
+    trainer = [
+        f"{t.file}: "
+        + (f"not read ({t.error})" if t.error else ", ".join(f"{k} {fmt_value(v)}" for k, v in t.values.items()))
+        for t in ov.trainer_state
+    ]
+    if trainer:
+        con.print(f"trainer     {'; '.join(trainer)}")
+    if ov.hf_copies:
+        con.print(f"hf copy     {', '.join(ov.hf_copies)} (compared with the checkpoint by validate --deep, D012)")
 
 
 def _overview_header(con: Console, ov: InspectResult) -> None:

@@ -70,7 +70,7 @@ def test_docs_table_is_the_registry() -> None:
 
 def test_cli_choices_come_from_the_registry() -> None:
     assert [c.value for c in SchemaChoice] == list(registry.names())
-    assert [c.value for c in ImportSchemaChoice] == ["torch-native", "torchtitan"]
+    assert [c.value for c in ImportSchemaChoice] == ["torch-native", "torchtitan", "megatron"]
     assert IMPORT_SCHEMA_DEFAULT.value == "torch-native"
     packaged = json.loads((Path(ckpttool.__file__).parent / "schemas" / "import.schema.json").read_text())
     assert packaged["properties"]["key_schema"]["enum"] == [s.name for s in registry.import_targets()]
@@ -87,7 +87,8 @@ def test_step_directory_names() -> None:
         2,
         None,
     ]
-    assert registry.derived().latest_files == ("latest", "latest_checkpointed_iteration.txt")
+    assert registry.derived().latest_files == ("LATEST", "LATEST.txt", "latest", "latest_checkpointed_iteration.txt")
+    assert [step_of(n) for n in ("epoch_0_step_5", "epoch_3_step_12", "epoch_0_step_x")] == [5, 12, None]
 
 
 def test_a_spec_is_registered_once() -> None:

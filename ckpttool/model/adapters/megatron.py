@@ -12,23 +12,29 @@ and the pre-MLP norm into ``linear_fc1.layer_norm_weight``. Element layouts
 - ``linear_fc1.weight [L, 2I, H]`` (gated): gate rows, then up rows -> ``gate_proj``, ``up_proj``;
 - experts ``linear_fc1 [L, E, 2I, H]`` -> Mixtral's fused ``experts.gate_up_proj [E, 2I, H]``
   (gate first, as transformers chunks it), ``linear_fc2 [L, E, H, I]`` -> ``experts.down_proj``;
-- ``router.weight [L, E, H]`` -> ``mlp.gate.weight``.
+- ``router.weight [L, E, H]`` -> ``mlp.gate.weight``;
+- ``linear_qkv.bias [L, ng * (nq/ng + 2) * hd]`` (Qwen2) as the weight's rows; ``q_layernorm`` /
+  ``k_layernorm [L, hd]`` (Qwen3) -> ``self_attn.q_norm`` / ``k_norm``.
 
-Export only (``from_hf`` answers nothing: no ``import --schema megatron``); experts fused only
-(``--experts per-expert`` is refused). Torch-free.
+Export: experts fused only (``--experts per-expert`` is refused). Import (``import --schema
+megatron``): :func:`megatron_from_hf` inverts the same maps for a whole HF model at once (one
+megatron tensor gathers one HF tensor per layer), HF experts fused (transformers v5
+``experts.gate_up_proj``) or per expert (``experts.{j}.gate_proj``). Torch-free.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from ckpttool.errors import ExportError
 from ckpttool.model.adapters.base import AdapterConfig, HFTensor, ModelAdapter, NativeTensor, Skip
 from ckpttool.model.adapters.registry import register_adapter
 
-__all__ = ["MegatronGPT"]
+__all__ = ["MegatronGPT", "MegatronImport", "StackedNative", "megatron_from_hf"]
 
 _HF = "model.layers.{l}."
 #: stacked per-layer tensors with one HF tensor per layer: suffix -> HF template
@@ -42,7 +48,11 @@ _PER_LAYER = {
     "mlp.router.weight": _HF + "mlp.gate.weight",
     "mlp.experts.experts.linear_fc1.weight": _HF + "mlp.experts.gate_up_proj",
     "mlp.experts.experts.linear_fc2.weight": _HF + "mlp.experts.down_proj",
+    "self_attention.q_layernorm.weight": _HF + "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": _HF + "self_attn.k_norm.weight",
 }
+_QKV = "self_attention.linear_qkv.weight"
+_QKV_BIAS = "self_attention.linear_qkv.bias"
 _TOP = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "decoder.final_layernorm.weight": "model.norm.weight",
@@ -77,19 +87,22 @@ def _qkv(fqn: str, shape: tuple[int, ...], cfg: AdapterConfig) -> HFTensor:
             hint="pass the model's config.json with `model_assets`",
         )
     per = nq // nkv
-    if len(shape) != 3 or shape[1] != nkv * (per + 2) * hd:
+    bias = fqn.endswith(".bias")
+    if len(shape) != (2 if bias else 3) or shape[1] != nkv * (per + 2) * hd:
         raise ExportError(
-            f"{fqn}: shape {list(shape)} is not [L, {nkv} * ({per} + 2) * {hd}, H] as the config's heads say",
+            f"{fqn}: shape {list(shape)} is not [L, {nkv} * ({per} + 2) * {hd}{'' if bias else ', H'}] "
+            "as the config's heads say",
             fqn=fqn,
             hint="pass the config.json of the model this checkpoint was trained as",
         )
-    n_layers, rows, hidden = shape
+    n_layers, rows, hidden = shape[0], shape[1], 1 if bias else shape[2]
     out_pieces: list[tuple[str, tuple[int, ...]]] = []
     runs: list[tuple[int, int, int, int]] = []
     for layer in range(n_layers):
         q, k, v = len(out_pieces), len(out_pieces) + 1, len(out_pieces) + 2
         for name, n in (("q_proj", nq), ("k_proj", nkv), ("v_proj", nkv)):
-            out_pieces.append((f"{_HF.format(l=layer)}self_attn.{name}.weight", (n * hd, hidden)))
+            pshape = (n * hd,) if bias else (n * hd, hidden)
+            out_pieces.append((f"{_HF.format(l=layer)}self_attn.{name}.{'bias' if bias else 'weight'}", pshape))
         for g in range(nkv):
             src = (layer * rows + g * (per + 2) * hd) * hidden
             runs.append((src, per * hd * hidden, q, g * per * hd * hidden))
@@ -114,7 +127,7 @@ class MegatronGPT(ModelAdapter):
     @staticmethod
     def _suffix(fqn: str) -> str | None:
         rest = fqn[len("decoder.layers.") :]
-        if rest in _PER_LAYER or rest in ("self_attention.linear_qkv.weight", "mlp.linear_fc1.weight"):
+        if rest in _PER_LAYER or rest in (_QKV, _QKV_BIAS, "mlp.linear_fc1.weight"):
             return rest
         return None
 
@@ -132,7 +145,7 @@ class MegatronGPT(ModelAdapter):
         rest = self._suffix(fqn)
         if rest is None:
             return None
-        if rest == "self_attention.linear_qkv.weight":
+        if rest in (_QKV, _QKV_BIAS):
             return _qkv(fqn, shape, cfg)
         per_layer = shape[1:]
         if rest == "mlp.linear_fc1.weight":
@@ -157,5 +170,275 @@ class MegatronGPT(ModelAdapter):
         return hf
 
     def from_hf(self, hf_key: str, shape: tuple[int, ...], cfg: AdapterConfig) -> list[NativeTensor] | Skip | None:
-        """Not an import target (export only)."""
+        """Not a per-key import: one megatron tensor gathers many HF tensors (:func:`megatron_from_hf`)."""
         return None
+
+
+# ------------------------------------------------------------------------------------------ import
+@dataclass(frozen=True)
+class StackedNative:
+    """One megatron tensor to write and where its elements come from.
+
+    Attributes:
+        key: the megatron sharded key (``decoder.layers.self_attention.linear_qkv.weight``).
+        shape: its global shape (``[L, ...]`` for layer tensors, ``[L, E, ...]`` for experts).
+        rows: per dim-0 row (a layer; the whole tensor for a top-level one), its element runs in
+            order: ``(HF key, first element, elements)`` of the HF tensor's flat C-order data.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    rows: tuple[tuple[tuple[str, int, int], ...], ...]
+
+
+@dataclass(frozen=True)
+class MegatronImport:
+    """What :func:`megatron_from_hf` plans: the tensors, the HF keys left out, the ``_extra_state`` item keys.
+
+    ``extra_state`` are the byte items megatron-core writes for every linear layer's ``_extra_state``
+    (``<module>._extra_state/shard_<layer>_<L>``, experts ``shard_<layer>.<expert>_<L>.<E>``), whose
+    value is ``[None]`` for megatron's own (non Transformer Engine) linear layers.
+    """
+
+    tensors: tuple[StackedNative, ...]
+    skipped: dict[str, list[str]]
+    extra_state: tuple[str, ...]
+    num_layers: int
+    num_experts: int | None
+
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_SKIP_SUFFIX = ("self_attn.rotary_emb.inv_freq",)
+#: HF per-layer suffix -> megatron layer suffix, for the tensors copied whole into their layer's row
+_FROM_HF = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+    "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+    "mlp.gate.weight": "mlp.router.weight",
+    "mlp.experts.gate_up_proj": "mlp.experts.experts.linear_fc1.weight",
+    "mlp.experts.down_proj": "mlp.experts.experts.linear_fc2.weight",
+}
+#: HF suffixes gathered into one megatron tensor per layer, in the order of its rows
+_GATHERED = {
+    "self_attn.q_proj.weight": _QKV,
+    "self_attn.k_proj.weight": _QKV,
+    "self_attn.v_proj.weight": _QKV,
+    "self_attn.q_proj.bias": _QKV_BIAS,
+    "self_attn.k_proj.bias": _QKV_BIAS,
+    "self_attn.v_proj.bias": _QKV_BIAS,
+    "mlp.gate_proj.weight": "mlp.linear_fc1.weight",
+    "mlp.up_proj.weight": "mlp.linear_fc1.weight",
+}
+_EXTRA_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _missing(hf_key: str) -> ExportError:
+    return ExportError(
+        f"{hf_key}: missing from the HF model (megatron stacks every layer into one tensor)",
+        fqn=hf_key,
+        hint="the HF checkpoint is incomplete, or its config's num_hidden_layers / num_experts do not match",
+    )
+
+
+def _qkv_rows(layer_keys: dict[str, tuple[int, ...]], pre: str, kind: str, cfg: AdapterConfig) -> tuple[Any, ...]:
+    """The element runs of one layer's ``linear_qkv`` ``kind`` (weight / bias): per query group q, k, v rows."""
+    nq, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    q, k, v = (f"{pre}self_attn.{n}_proj.{kind}" for n in "qkv")
+    if nq is None or nkv is None or hd is None or nq % nkv:
+        raise ExportError(
+            f"{q}: fusing q/k/v into linear_qkv needs `num_attention_heads`, `num_key_value_heads` "
+            "and `head_dim` from config.json",
+            fqn=q,
+            hint="pass the model's config.json with --config",
+        )
+    for key in (q, k, v):
+        if key not in layer_keys:
+            raise _missing(key)
+    row = 1 if kind == "bias" else _numel(layer_keys[q][1:])
+    for key, heads in ((q, nq), (k, nkv), (v, nkv)):
+        s = layer_keys[key]
+        if s[0] != heads * hd or len(s) != (1 if kind == "bias" else 2) or _numel(s[1:]) != row:
+            raise ExportError(
+                f"{key}: shape {list(layer_keys[key])} does not fit {heads} heads of {hd} (config.json)",
+                fqn=key,
+                hint="pass the config.json of this model",
+            )
+    per = nq // nkv
+    runs: list[tuple[str, int, int]] = []
+    for g in range(nkv):
+        runs += [(q, g * per * hd * row, per * hd * row), (k, g * hd * row, hd * row), (v, g * hd * row, hd * row)]
+    return tuple(runs)
+
+
+def _layer_tensors(
+    pre: str, keys: dict[str, tuple[int, ...]], cfg: AdapterConfig, experts: int | None
+) -> dict[str, tuple[tuple[int, ...], tuple[tuple[str, int, int], ...]]]:
+    """One layer's megatron tensors: layer suffix -> (per-layer shape, element runs)."""
+    out: dict[str, tuple[tuple[int, ...], tuple[tuple[str, int, int], ...]]] = {}
+    rest = {k[len(pre) :]: s for k, s in keys.items()}
+    for hf, mg in _FROM_HF.items():
+        if hf in rest:
+            out[mg] = (rest[hf], ((pre + hf, 0, _numel(rest[hf])),))
+    for kind, mg in (("weight", _QKV), ("bias", _QKV_BIAS)):
+        if f"self_attn.q_proj.{kind}" in rest:
+            runs = _qkv_rows(keys, pre, kind, cfg)
+            elems = sum(n for _, _, n in runs)
+            hidden = 1 if kind == "bias" else keys[pre + "self_attn.q_proj.weight"][1]
+            out[mg] = ((elems,) if kind == "bias" else (elems // hidden, hidden), runs)
+    if "mlp.gate_proj.weight" in rest or "mlp.up_proj.weight" in rest:
+        g, u = pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"
+        for key in (g, u):
+            if key not in keys:
+                raise _missing(key)
+        if keys[g] != keys[u] or len(keys[g]) != 2:
+            raise ExportError(f"{g}: gate_proj {list(keys[g])} and up_proj {list(keys[u])} differ", fqn=g)
+        n = _numel(keys[g])
+        out["mlp.linear_fc1.weight"] = ((2 * keys[g][0], keys[g][1]), ((g, 0, n), (u, 0, n)))
+    if experts is not None:
+        _per_expert(pre, keys, experts, out)
+    return out
+
+
+def _per_expert(pre: str, keys: dict[str, tuple[int, ...]], n: int, out: dict[str, Any]) -> None:
+    """Per-expert HF tensors (``mlp.experts.{j}.gate_proj``...) -> the layer's stacked expert tensors."""
+    for mg, parts in (
+        ("mlp.experts.experts.linear_fc1.weight", ("gate_proj", "up_proj")),
+        ("mlp.experts.experts.linear_fc2.weight", ("down_proj",)),
+    ):
+        runs: list[tuple[str, int, int]] = []
+        shape: tuple[int, ...] | None = None
+        for j in range(n):
+            for p in parts:
+                key = f"{pre}mlp.experts.{j}.{p}.weight"
+                if key not in keys:
+                    raise _missing(key)
+                if shape is None:
+                    shape = keys[key]
+                if keys[key] != shape or len(shape) != 2:
+                    raise ExportError(f"{key}: shape {list(keys[key])}, not the [A, B] of the other experts", fqn=key)
+                runs.append((key, 0, _numel(shape)))
+        assert shape is not None
+        out[mg] = ((n, shape[0] * len(parts), shape[1]), tuple(runs))
+
+
+def megatron_from_hf(
+    shapes: dict[str, tuple[int, ...]], cfg: AdapterConfig, num_layers: int | None, tie: bool
+) -> MegatronImport:
+    """Plan an HF Llama / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE model as megatron-core GPTModel tensors.
+
+    The inverse of :meth:`MegatronGPT.to_hf` (module docstring): every HF layer tensor becomes
+    row ``l`` of its stacked megatron tensor; ``q/k/v_proj`` are interleaved per query group
+    into ``linear_qkv``, ``gate_proj``/``up_proj`` concatenated into ``linear_fc1``. A tied
+    ``lm_head.weight`` is left out (megatron's ``share_embeddings_and_output_weights`` has no
+    ``output_layer.weight``).
+
+    Args:
+        shapes: HF key -> shape of every stored tensor.
+        cfg: the config's dimensions (heads, head_dim, ``num_experts``).
+        num_layers: the config's ``num_hidden_layers`` (``None``: one more than the highest layer).
+        tie: the config's ``tie_word_embeddings``.
+
+    Raises:
+        ExportError (E601): an HF key megatron has no place for (shared experts, vision towers...),
+            a layer or expert missing, q/k/v shapes that do not fit the config's heads, layers that differ.
+    """
+    skipped: dict[str, list[str]] = {}
+    by_layer: dict[int, dict[str, tuple[int, ...]]] = {}
+    top: list[StackedNative] = []
+    inverse_top = {v: k for k, v in _TOP.items()}
+    expert_ids: set[int] = set()
+    for key, shape in shapes.items():
+        m = _LAYER_RE.match(key)
+        if m is None:
+            if key == "lm_head.weight" and tie:
+                skipped.setdefault("tied to the embedding (share_embeddings_and_output_weights)", []).append(key)
+            elif key in inverse_top:
+                top.append(StackedNative(inverse_top[key], shape, (((key, 0, _numel(shape)),),)))
+            else:
+                raise _unknown(key, shape)
+            continue
+        rest = m.group(2)
+        if rest.endswith(_SKIP_SUFFIX):
+            skipped.setdefault("recomputed at load (rotary inv_freq)", []).append(key)
+            continue
+        em = _EXPERT_RE.match(rest)
+        if em is not None:
+            expert_ids.add(int(em.group(1)))
+        elif rest not in _FROM_HF and rest not in _GATHERED:
+            raise _unknown(key, shape)
+        by_layer.setdefault(int(m.group(1)), {})[key] = shape
+    n_layers = num_layers if num_layers is not None else (max(by_layer) + 1 if by_layer else 0)
+    if by_layer and max(by_layer) >= n_layers:
+        bad = f"model.layers.{max(by_layer)}"
+        raise ExportError(
+            f"{bad}: beyond the config's num_hidden_layers {n_layers}",
+            fqn=bad,
+            hint="pass the config.json of this model",
+        )
+    per_expert = (cfg.num_experts or max(expert_ids) + 1) if expert_ids else None
+    layers = [_layer_tensors(f"model.layers.{i}.", by_layer.get(i, {}), cfg, per_expert) for i in range(n_layers)]
+    tensors = top + _stack(layers)
+    n_exp = next((t.shape[1] for t in tensors if "mlp.experts.experts." in t.key), None)
+    return MegatronImport(
+        tensors=tuple(tensors),
+        skipped=skipped,
+        extra_state=_extra_state_keys(n_layers, n_exp),
+        num_layers=n_layers,
+        num_experts=n_exp,
+    )
+
+
+def _unknown(key: str, shape: tuple[int, ...]) -> ExportError:
+    return ExportError(
+        f"{key}: not a tensor of a megatron-core GPTModel (shape {list(shape)})",
+        fqn=key,
+        hint="import --schema megatron takes Llama / Qwen2 / Qwen3 dense and Mixtral / Qwen3-MoE style models "
+        "(no shared experts, no vision tower)",
+    )
+
+
+def _stack(layers: list[dict[str, Any]]) -> list[StackedNative]:
+    """Layer dicts -> stacked tensors ``[L, ...]``; every layer must have every tensor, of one shape."""
+    out: list[StackedNative] = []
+    if not layers:
+        return out
+    names = list(dict.fromkeys(k for d in layers for k in d))
+    for name in names:
+        rows = []
+        shape = None
+        for i, d in enumerate(layers):
+            if name not in d:
+                raise _missing(f"model.layers.{i}.* ({name} of megatron)")
+            s, runs = d[name]
+            if shape is None:
+                shape = s
+            if s != shape:
+                raise ExportError(
+                    f"model.layers.{i}: {name} has per-layer shape {list(s)}, layer 0 {list(shape)}",
+                    fqn=f"model.layers.{i}",
+                    hint="megatron stacks layers of one shape; this HF model's layers differ",
+                )
+            rows.append(runs)
+        assert shape is not None
+        out.append(StackedNative("decoder.layers." + name, (len(layers), *shape), tuple(rows)))
+    return out
+
+
+def _extra_state_keys(n_layers: int, experts: int | None) -> tuple[str, ...]:
+    """megatron-core's ``_extra_state`` byte item keys (``sharded_offsets`` of layer / layer.expert)."""
+    keys: list[str] = []
+    for mod in _EXTRA_MODULES:
+        if experts is not None and mod.startswith("mlp."):
+            base = f"decoder.layers.mlp.experts.experts.{mod[4:]}._extra_state"
+            keys += [f"{base}/shard_{i}.{e}_{n_layers}.{experts}" for i in range(n_layers) for e in range(experts)]
+        else:
+            keys += [f"decoder.layers.{mod}._extra_state/shard_{i}_{n_layers}" for i in range(n_layers)]
+    return tuple(keys)

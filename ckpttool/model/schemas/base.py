@@ -89,11 +89,17 @@ class Discovery:
         step_words: step-directory words: ``<word>[-_]?<N>`` (``step-100``, ``global_step100``, ``iter_0000100``).
         latest_files: files naming the last step (DeepSpeed ``latest``: ``global_step100``; Megatron: ``100``).
         folder_pairs: model/optimizer folder pairs, tried in order.
+        step_patterns: whole step-directory names other than ``<word><N>``: regexes with a ``step``
+            group and an optional ``epoch`` group (NeMo Automodel's ``epoch_<E>_step_<S>``), ordered
+            by step, then epoch.
+        incomplete_markers: files a trainer leaves in a step directory until its save is published.
     """
 
     step_words: tuple[str, ...] = ()
     latest_files: tuple[str, ...] = ()
     folder_pairs: tuple[FolderPair, ...] = ()
+    step_patterns: tuple[re.Pattern[str], ...] = ()
+    incomplete_markers: tuple[str, ...] = ()
 
 
 #: Layouts that belong to no key schema (DeepSpeed / Megatron-style step directories, split saves).

@@ -7,13 +7,51 @@ Its default save (``model_save_format="safetensors"``) writes ``epoch_E_step_S/m
 ``optim.param_groups.<hf fqn>.<hyper>`` (flattened) and the LR scheduler under ``sched.``. The
 step directory is opened as the ``model``/``optim`` folder pair (safetensors model windows read
 raw, the optimizer's ``.distcp`` archives as archives). Model keys are HF names at the top level.
+
+``model/consolidated/`` (``save_consolidated``) is an HF copy of the same weights (``model-*.safetensors``
++ index + config), consolidated from the shards: validate ``--deep`` compares it with them (D012
+``hf-copy-differs``), ``inspect`` names it. ``.hf_metadata/`` holds the HF ``config.json`` (the model
+assets export uses). Step directories are ``epoch_<E>_step_<S>`` (ordered by step, then epoch);
+``LATEST`` (a relative symlink, or ``LATEST.txt``) names the last published one and ``.incomplete``
+marks a save that has not finished (``nemo_automodel/components/checkpoint/utils.py``).
 """
 
 from __future__ import annotations
 
+import os
+import re
+from pathlib import Path
+
 from ckpttool.model.schemas.base import Detected, Discovery, SchemaSpec
 
-__all__ = ["ITEMS", "SPEC"]
+__all__ = ["CONSOLIDATED", "HF_METADATA", "INCOMPLETE_MARKER", "ITEMS", "SPEC", "STEP_RE", "hf_copies"]
+
+CONSOLIDATED = "consolidated"
+HF_METADATA = ".hf_metadata"
+#: NeMo Automodel's in-progress marker in a step directory (``mark_checkpoint_incomplete``)
+INCOMPLETE_MARKER = ".incomplete"
+#: ``epoch_<E>_step_<S>`` (``recipes/base_recipe.py``)
+STEP_RE = re.compile(r"^epoch_(?P<epoch>\d+)_step_(?P<step>\d+)$")
+
+
+def hf_copies(root: Path, model_dir: Path | None) -> list[str]:
+    """The consolidated HF copy's safetensors files beside a model folder, relative to ``root`` (sorted).
+
+    ``model_dir/consolidated/*.safetensors`` (regular files only); ``[]`` when there is none or
+    ``model_dir`` is not below ``root``.
+    """
+    if model_dir is None:
+        return []
+    d = model_dir / CONSOLIDATED
+    try:
+        rel = d.relative_to(root)
+        names = sorted(
+            e.name for e in os.scandir(d) if e.name.endswith(".safetensors") and e.is_file(follow_symlinks=False)
+        )
+    except (OSError, ValueError):
+        return []
+    return [str(rel / n) for n in names]
+
 
 #: The training-state items NeMo Automodel's ``OptimizerState`` saves beside the optimizer.
 ITEMS = ("sched",)
@@ -32,7 +70,12 @@ SPEC = SchemaSpec(
     priority=25,
     optimizer_heads=("optim",),
     training_state_items=ITEMS,
-    discovery=Discovery(step_words=("step",)),
+    discovery=Discovery(
+        step_words=("step",),
+        latest_files=("LATEST", "LATEST.txt"),
+        step_patterns=(STEP_RE,),
+        incomplete_markers=(INCOMPLETE_MARKER,),
+    ),
     doc_model="`<hf fqn>` (top level; `model/` safetensors)",
     doc_optimizer="`optim.state.<hf fqn>.<field>` (flattened; `optim/` DCP)",
     doc_written_by="NeMo Automodel's `Checkpointer` (`epoch_E_step_S/model/` + `optim/`, `sched`)",

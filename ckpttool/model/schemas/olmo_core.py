@@ -7,7 +7,7 @@ allow-list unpickler, never imported): ``{"model": get_model_state_dict(m), "opt
 get_optimizer_state_dict(m, o, flatten_optimizer_state_dict=True)}``, so keys ``model.<fqn>``,
 ``optim.state.<fqn>.<field>`` and ``optim.param_groups.<fqn>.<hyper>``. Beside it:
 ``stepN/train/rank{R}.pt`` (``torch.save`` of the trainer state per rank) and
-``stepN/.metadata.json`` (rule ``K011`` names what is not read).
+``stepN/.metadata.json`` (the trainer state read by :mod:`ckpttool.model.beside`).
 """
 
 from __future__ import annotations

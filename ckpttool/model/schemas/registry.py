@@ -63,6 +63,8 @@ class Derived:
     latest_files: tuple[str, ...]
     folder_pairs: tuple[FolderPair, ...]
     fused_rules: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...]
+    step_patterns: tuple[re.Pattern[str], ...] = ()
+    incomplete_markers: tuple[str, ...] = ()
 
 
 _DERIVED: list[Derived] = []
@@ -139,6 +141,8 @@ def derived() -> Derived:
         latest_files=_unique([f for d in all_discovery for f in d.latest_files]),
         folder_pairs=tuple(p for d in all_discovery for p in d.folder_pairs),
         fused_rules=tuple(r for s in _SPECS for r in s.fused_rules),
+        step_patterns=tuple(p for d in all_discovery for p in d.step_patterns),
+        incomplete_markers=_unique([m for d in all_discovery for m in d.incomplete_markers]),
     )
     _DERIVED.append(d)
     return d

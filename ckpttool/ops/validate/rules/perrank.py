@@ -13,8 +13,8 @@ from ckpttool.ops.validate.context import Context
     "D012",
     "hf-copy-differs",
     Severity.error,
-    "a full HF model saved beside per-rank shards (verl's huggingface/model.safetensors) differs from the "
-    "tensors the shards assemble",
+    "a full HF model saved beside per-rank shards (verl's huggingface/model.safetensors, NeMo Automodel's "
+    "model/consolidated/) differs from the tensors the shards assemble",
     "the two were saved from different states (or one is damaged): export from the shards, or re-save the HF copy",
     needs=("deep",),
 )
@@ -22,8 +22,12 @@ def hf_copy_differs(ctx: Context) -> Iterator[tuple[str, str]]:
     import torch
     from safetensors import safe_open
 
+    from ckpttool.model.schemas.nemo import hf_copies
+
     assembled = getattr(ctx.reader, "assembled", None)
-    for rel in getattr(assembled, "companions", ()):
+    located = ctx.ckpt.located
+    nemo = hf_copies(ctx.reader.path, located.model if located is not None else None)  # NeMo's consolidated/
+    for rel in [*getattr(assembled, "companions", ()), *nemo]:
         path = resolve_inside(ctx.reader.path, rel, what="HF copy")
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():

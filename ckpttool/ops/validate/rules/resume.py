@@ -10,9 +10,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import BytesMeta
+from ckpttool.model.beside import read_training_state_beside
 from ckpttool.ops.validate.base import Severity, rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.data import synthesized_from_stats
@@ -74,6 +76,11 @@ def _train_steps(ctx: Context) -> list[_Counter]:
     for st in ctx.ckpt.extra_state():
         if st.global_step is not None:
             out.append(_Counter(st.file.relative_path, st.global_step))
+    if ctx.ckpt.located is not None:  # OLMo-core's train/rankR.pt beside the checkpoint
+        for ts in read_training_state_beside(Path(ctx.ckpt.located.model)):
+            v = ts.values.get("global_step")
+            if type(v) is int:
+                out.append(_Counter(f"{ts.file}:global_step", v))
     return out
 
 
@@ -117,7 +124,8 @@ def _optimizer_step(ctx: Context) -> _Counter | None:
     "train-step-mismatch",
     Severity.error,
     "the step counters saved together disagree: the optimizer's largest `step`, the trainer's step "
-    "(`train_state.step`, `global_step`, `iteration`, extra_state files) and the LR scheduler's "
+    "(`train_state.step`, `global_step`, `iteration`, extra_state files, OLMo-core's train/rankR.pt) and the "
+    "LR scheduler's "
     "`last_epoch` (equal to the trainer's step) and `_step_count` (`last_epoch + 1`)",
     "parts of the state come from different steps (a stale optimizer or scheduler file kept across a "
     "resume): a resume would bias-correct or schedule the LR for the wrong step; resume from a checkpoint "

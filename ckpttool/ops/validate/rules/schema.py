@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from ckpttool.model.beside import training_state_beside
+from ckpttool.model.beside import read_training_state_beside
 from ckpttool.model.nested_state import describe_nested, nested_state_items
 from ckpttool.ops.validate.base import Severity, rule
 from ckpttool.ops.validate.context import Context
@@ -126,16 +126,18 @@ def nested_state_in_byte_items(ctx: Context) -> Iterator[tuple[str | None, str]]
     "K011",
     "training-state-beside",
     Severity.warning,
-    "training state saved beside the opened checkpoint (OLMo-core's stepN/train/rankR.pt) is not read: the "
-    "model and optimizer were checked, the trainer state (step, tokens seen, RNG, data loader) was not",
-    "check those files with the trainer's own loader; resume with the trainer, which reads them",
+    "training state saved beside the opened checkpoint (OLMo-core's stepN/train/rankR.pt) could not be read: "
+    "the model and optimizer were checked, the trainer state (step, tokens seen, RNG, data loader) was not",
+    "the file is damaged or needs globals outside the allow-list (--trust-pickle on a file you trust); check it "
+    "with the trainer's own loader",
 )
 def training_state_beside_checkpoint(ctx: Context) -> Iterator[tuple[str | None, str]]:
     located = ctx.ckpt.located
-    found = training_state_beside(Path(located.model))
-    if found:
+    bad = [s for s in read_training_state_beside(Path(located.model)) if s.error is not None]
+    if bad:
         where = Path(located.model).parent
         yield (
             None,
-            f"{where}: {len(found)} training-state file(s) beside {Path(located.model).name}/ not read: {_examples(found)}",
+            f"{where}: {len(bad)} training-state file(s) beside {Path(located.model).name}/ not read: "
+            + "; ".join(f"{s.file}: {s.error}" for s in bad[:3]),
         )

@@ -1,0 +1,86 @@
+"""NeMo Automodel runs: ``epoch_E_step_S`` ordering, ``LATEST``, ``.incomplete``, and the consolidated HF copy.
+
+Written by NeMo Automodel 0.7's own ``Checkpointer`` (``tests/fixtures/nemo_writer.py::build_nemo_steps``,
+``save_consolidated=True``; the in-progress marker by its own ``mark_checkpoint_incomplete``).
+References: the consolidated ``model/consolidated/*.safetensors`` NeMo wrote from the shards
+(read with ``safetensors``), and NeMo's own ``find_latest_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from tests.fixtures.cache import cached_build
+
+pytestmark = pytest.mark.slow
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def nemo_run(fixture_root: Path) -> Path:
+    from tests.fixtures.writers import missing
+
+    why = missing("nemo_automodel.components.checkpoint.checkpointing", "transformers")
+    if why:
+        pytest.skip(why)
+    from tests.fixtures.nemo_writer import build_nemo
+
+    return cached_build(fixture_root, "writers_nemo", build_nemo) / "steps" / "run"  # one build with the other tests
+
+
+def _inspect(*args: str, code: int = 0) -> dict:
+    r = runner.invoke(app, ["inspect", *args, "--json"])
+    assert r.exit_code == code, r.output
+    return json.loads(r.stdout) if code == 0 else {}
+
+
+def test_latest_follows_nemo_and_skips_the_unpublished_save(nemo_run: Path) -> None:
+    from nemo_automodel.components.checkpoint.utils import find_latest_checkpoint
+
+    assert Path(find_latest_checkpoint(nemo_run)).name == "epoch_1_step_4"
+    doc = _inspect(str(nemo_run), "--step", "latest")
+    assert doc["location"]["model"].endswith("epoch_1_step_4/model")
+    assert doc["location"]["optimizer"].endswith("epoch_1_step_4/optim")
+    assert doc["location"]["step"] == 4
+    assert doc["hf_copies"] == ["model/consolidated/model-00001-of-00001.safetensors"]
+    assert _inspect(str(nemo_run), "--step", "2")["location"]["model"].endswith("epoch_0_step_2/model")
+    r = runner.invoke(app, ["inspect", str(nemo_run), "--step", "6"])  # the marked step: E202, not opened
+    assert r.exit_code != 0 and "E202" in r.output and ".incomplete" in r.output
+    r = runner.invoke(app, ["inspect", str(nemo_run / "epoch_1_step_6")])
+    assert r.exit_code != 0 and "E202" in r.output and ".incomplete" in r.output
+
+
+def test_latest_without_pointer_orders_by_step_then_epoch(nemo_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    for name in ("epoch_0_step_2", "epoch_1_step_4"):
+        shutil.copytree(nemo_run / name, run / name)
+    shutil.copytree(nemo_run / "epoch_0_step_2", run / "epoch_9_step_3")  # a higher epoch, a lower step
+    shutil.copytree(nemo_run / "epoch_0_step_2", run / "epoch_0_step_4")  # step 4 also in epoch 0
+    doc = _inspect(str(run), "--step", "latest")
+    assert doc["location"]["model"].endswith("epoch_1_step_4/model")
+
+
+def test_consolidated_copy_is_compared_with_the_shards(nemo_run: Path, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    step = tmp_path / "epoch_0_step_2"
+    shutil.copytree(nemo_run / "epoch_0_step_2", step)
+    r = runner.invoke(app, ["validate", str(step), "--strict", "--deep", "--json"])
+    assert r.exit_code == 0, r.output
+    d012 = [x for x in json.loads(r.stdout)["rules"] if x["code"] == "D012"]
+    assert d012[0]["status"] != "skipped"
+    f = step / "model" / "consolidated" / "model-00001-of-00001.safetensors"
+    sd = load_file(f)
+    sd["model.norm.weight"] = sd["model.norm.weight"] + torch.ones_like(sd["model.norm.weight"])
+    save_file(sd, str(f), metadata={"format": "pt"})
+    r = runner.invoke(app, ["validate", str(step), "--deep", "--json"])
+    assert r.exit_code == 1
+    found = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "D012"]
+    assert len(found) == 1 and "model.norm.weight" in found[0]["message"]
