@@ -335,6 +335,8 @@ class Assembled:
         notes: one line each: what was read and decided (``inspect`` shows them).
         companions: full-model safetensors files saved beside the shards (relative paths), which
             ``validate --deep`` compares with the assembled tensors (rule ``D006``).
+        unread: files in the checkpoint directory that no item names, so not read (relative
+            paths; rule ``K020`` reports them: never an OK over state that was not read).
     """
 
     format: str
@@ -348,6 +350,7 @@ class Assembled:
     placements: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
     companions: list[str] = field(default_factory=list)
+    unread: list[str] = field(default_factory=list)
     _chunks: dict[str, list[ChunkMeta]] = field(default_factory=dict)
     _meta: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
 

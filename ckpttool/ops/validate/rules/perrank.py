@@ -47,3 +47,20 @@ def hf_copy_differs(ctx: Context) -> Iterator[tuple[str, str]]:
                         key,
                         f"{rel}: {name}: {n} of {hf.numel()} elements differ from the shards (max |diff| {diff:.4g})",
                     )
+
+
+@rule(
+    "K020",
+    "perrank-files-not-read",
+    Severity.error,
+    "files in a per-rank checkpoint directory that no item names were not read (torch-checkpointing "
+    "records the path of an item saved at a custom LayoutInfo path only when the item declares a resharder)",
+    "check those files with the framework's own loader, or move them out of the checkpoint directory "
+    "if they are not part of it",
+)
+def perrank_files_not_read(ctx: Context) -> Iterator[tuple[str | None, str]]:
+    assembled = getattr(ctx.reader, "assembled", None)
+    unread = list(getattr(assembled, "unread", ()))
+    if unread:
+        more = f" and {len(unread) - 5} more" if len(unread) > 5 else ""
+        yield None, f"{len(unread)} file(s) not read: {', '.join(unread[:5])}{more}"
