@@ -135,11 +135,35 @@ def _verl_build(a: Assembled, objs: list[RankObject]) -> None:
             _verl_optim(a, ro, names or [])
         else:
             _extra(a, ro)
+    _verl_frozen(a, names or [])
     a.notes.append(
         f"verl FSDP per-rank torch.save files of {len(objs) and max(o.file.rank for o in objs) + 1} rank(s): "
         f"{sum(o.file.role == 'model' for o in objs)} model, {sum(o.file.role == 'optimizer' for o in objs)} optimizer, "
         f"{sum(o.file.role == 'extra' for o in objs)} extra_state file(s) read"
     )
+
+
+def _verl_frozen(a: Assembled, names: list[str]) -> None:
+    """The parameters the optimizer lists without state on any rank: frozen (``requires_grad=False``).
+
+    verl builds its optimizer over ``module.parameters()`` (``verl/workers/engine/fsdp``), frozen
+    ones included; torch's optimizer creates state only for a parameter that had a gradient when it
+    stepped, and each rank saves its whole ``state_dict()``, so no state on every rank means the
+    parameter was never updated, not that its state was lost.
+    """
+    if not any(k.startswith("optimizer.state.") for k in a.entries):
+        return  # no optimizer saved (or nothing stepped): nothing is frozen by this evidence
+    grouped = {
+        k[len("optimizer.param_groups.") :].rsplit(".", 1)[0]
+        for k in a.entries
+        if k.startswith("optimizer.param_groups.")
+    }
+    a.frozen = [n for n in names if n in grouped and not any(k.startswith(f"optimizer.state.{n}.") for k in a.entries)]
+    if a.frozen:
+        a.notes.append(
+            f"{len(a.frozen)} frozen parameter(s) (in the param groups, no optimizer state on any rank: "
+            f"requires_grad=False): {', '.join(a.frozen[:4])}{' ...' if len(a.frozen) > 4 else ''}"
+        )
 
 
 def _verl_optim(a: Assembled, ro: RankObject, names: list[str]) -> None:
