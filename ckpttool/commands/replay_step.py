@@ -286,6 +286,9 @@ def render_replay(result: ReplayResult, *, max_rows: int = 40) -> None:
                 f"; {len(result.skipped)} stepped parameter(s) not replayed, e.g. {result.skipped[0]}"
                 if result.skipped
                 else ""
+            )
+            + (
+                f"; {len(result.frozen)} frozen parameter(s) (no optimizer state) not replayed" if result.frozen else ""
             ),
         ),
     )

@@ -335,6 +335,13 @@ class Assembled:
         notes: one line each: what was read and decided (``inspect`` shows them).
         companions: full-model safetensors files saved beside the shards (relative paths), which
             ``validate --deep`` compares with the assembled tensors (rule ``D006``).
+        unread: files in the checkpoint directory that no item names, so not read (relative
+            paths; rule ``K020`` reports them: never an OK over state that was not read).
+        frozen: parameter fqns in the optimizer's param groups that have no optimizer state on
+            any rank (``requires_grad=False``, or never given a gradient): torch's optimizer keeps
+            state only for parameters it stepped, so in a whole ``optimizer.state_dict()`` saved
+            per rank this is not lost state (rule ``O009`` and ``replay-step`` skip them, rule
+            ``K021`` lists them).
     """
 
     format: str
@@ -348,6 +355,8 @@ class Assembled:
     placements: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
     companions: list[str] = field(default_factory=list)
+    unread: list[str] = field(default_factory=list)
+    frozen: list[str] = field(default_factory=list)
     _chunks: dict[str, list[ChunkMeta]] = field(default_factory=dict)
     _meta: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
 

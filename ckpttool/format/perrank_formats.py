@@ -52,7 +52,7 @@ from ckpttool.format.unpickler import PrimitiveUnpickler, check_object_graph, sh
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TC_METADATA", "VERL_FILE_RE", "VERL_HF_DIR", "detect_layout"]
+__all__ = ["TC_METADATA", "VERL_FILE_RE", "VERL_HF_DIR", "detect_layout", "staging_of"]
 
 VERL_FILE_RE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 VERL_HF_DIR = "huggingface"
@@ -135,11 +135,35 @@ def _verl_build(a: Assembled, objs: list[RankObject]) -> None:
             _verl_optim(a, ro, names or [])
         else:
             _extra(a, ro)
+    _verl_frozen(a, names or [])
     a.notes.append(
         f"verl FSDP per-rank torch.save files of {len(objs) and max(o.file.rank for o in objs) + 1} rank(s): "
         f"{sum(o.file.role == 'model' for o in objs)} model, {sum(o.file.role == 'optimizer' for o in objs)} optimizer, "
         f"{sum(o.file.role == 'extra' for o in objs)} extra_state file(s) read"
     )
+
+
+def _verl_frozen(a: Assembled, names: list[str]) -> None:
+    """The parameters the optimizer lists without state on any rank: frozen (``requires_grad=False``).
+
+    verl builds its optimizer over ``module.parameters()`` (``verl/workers/engine/fsdp``), frozen
+    ones included; torch's optimizer creates state only for a parameter that had a gradient when it
+    stepped, and each rank saves its whole ``state_dict()``, so no state on every rank means the
+    parameter was never updated, not that its state was lost.
+    """
+    if not any(k.startswith("optimizer.state.") for k in a.entries):
+        return  # no optimizer saved (or nothing stepped): nothing is frozen by this evidence
+    grouped = {
+        k[len("optimizer.param_groups.") :].rsplit(".", 1)[0]
+        for k in a.entries
+        if k.startswith("optimizer.param_groups.")
+    }
+    a.frozen = [n for n in names if n in grouped and not any(k.startswith(f"optimizer.state.{n}.") for k in a.entries)]
+    if a.frozen:
+        a.notes.append(
+            f"{len(a.frozen)} frozen parameter(s) (in the param groups, no optimizer state on any rank: "
+            f"requires_grad=False): {', '.join(a.frozen[:4])}{' ...' if len(a.frozen) > 4 else ''}"
+        )
 
 
 def _verl_optim(a: Assembled, ro: RankObject, names: list[str]) -> None:
@@ -378,25 +402,85 @@ def _read_safetensors(path: Path, f: RankFile) -> RankObject:
     return RankObject(f, obj, records)
 
 
-def _read_item(path: Path, f: RankFile) -> RankObject:
-    ext = f.relative_path.rsplit(".", 1)[-1]
-    if ext == "pt":
+#: torch-checkpointing's ``SerializationFormat`` types (``checkpoint_layout.py``) -> how ckpttool reads the file.
+_TC_SERIALIZATIONS = {
+    "TorchSerialization": "pt",
+    "SafetensorsSerialization": "safetensors",
+    "JsonSerialization": "json",
+    "RawSerialization": "raw",
+}
+
+
+def _tc_kind(info: Any, name: str, where: Path) -> str:
+    """How item file ``name`` is serialized: its ``LayoutInfo``'s format, else ``.pt`` / ``.safetensors`` /
+    ``.json`` by extension, else raw bytes.
+
+    Raises:
+        PerRankError: a serialization format ckpttool does not read (named).
+    """
+    fmt = info.get("serialization_format") if isinstance(info, dict) else None
+    if isinstance(fmt, dict):
+        kind = _TC_SERIALIZATIONS.get(fmt.get("type"))  # type: ignore[arg-type]
+        if kind is None:
+            raise PerRankError(
+                f"{where}: {TC_METADATA} names serialization {short_repr(fmt.get('type'))} for {name!r}, "
+                f"which ckpttool does not read ({', '.join(_TC_SERIALIZATIONS)})",
+                path=where,
+            )
+        return kind
+    ext = name.rsplit(".", 1)[-1]
+    return ext if ext in ("pt", "safetensors", "json") else "raw"
+
+
+def _read_item(path: Path, f: RankFile, kind: str | None = None) -> RankObject:
+    kind = kind or _tc_kind(None, f.relative_path, path)
+    if kind == "pt":
         return read_rank_file(path, f)
-    if ext == "safetensors":
+    if kind == "safetensors":
         return _read_safetensors(path, f)
     p = path / f.relative_path
     try:
         data = read_regular(resolve_inside(path, f.relative_path), limits.current().max_object_bytes, what="item file")
     except OSError as e:
         raise DataFileError(f"{p}: cannot read ({e.strerror})", path=p) from e
-    if ext == "json":
+    if kind == "json":
         return RankObject(f, parse_json(data, str(p)), {})
     return RankObject(f, bytes(data), {})  # RawSerialization: the item's bytes as they are
 
 
-def _tc_build(a: Assembled, objs: list[RankObject], md: dict[str, Any] | None) -> None:
+def _tc_per_rank(objs: list[RankObject]) -> set[str]:
+    """Items (other than ``model`` / ``optimizer``) whose non-tensor values differ between ranks:
+    per-rank state (a data loader's position, a JSON or raw item each rank writes its own), kept
+    per rank as ``<item>.rank_<R>.<key>`` instead of one replicated value."""
+    first: dict[str, dict[str, Any]] = {}
+    out: set[str] = set()
+    for ro in objs:
+        item = ro.file.role
+        if item in ("model", "optimizer"):
+            continue
+        flat: dict[str, Any] = {}
+        flatten("", ro.obj, flat)
+        vals = {k: v for k, v in flat.items() if not is_tensor(v)}
+        ref = first.setdefault(item, vals)
+        if ref is not vals and (ref.keys() != vals.keys() or any(not _equal(ref[k], v) for k, v in vals.items())):
+            out.add(item)
+    return out
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RecursionError):
+        return False
+
+
+def _tc_build(a: Assembled, objs: list[RankObject], md: dict[str, Any] | None, kinds: dict[str, str]) -> None:
+    per_rank = _tc_per_rank(objs)
+    if per_rank:
+        a.notes.append(f"per-rank item(s) {', '.join(sorted(per_rank))} (values differ by rank): keys <item>.rank_<R>")
     for ro in objs:
         item, obj, where = ro.file.role, ro.obj, ro.file.relative_path
+        prefix = f"{item}.rank_{ro.file.rank}" if item in per_rank else item
         sharding = _tc_sharding(md, item)
         if item == "optimizer" and isinstance(obj, dict) and isinstance(obj.get("param_groups"), list):
             for g in obj["param_groups"]:
@@ -408,10 +492,10 @@ def _tc_build(a: Assembled, objs: list[RankObject], md: dict[str, Any] | None) -
         flat: dict[str, Any] = {}
         flatten("", obj, flat)
         for k, v in flat.items():
-            key = f"{item}.{k}" if k else item
+            key = f"{prefix}.{k}" if k else prefix
             if is_tensor(v):
                 placed = None
-                if not isinstance(v, DTensorRec) and where.endswith(".safetensors"):
+                if not isinstance(v, DTensorRec) and kinds.get(where, _tc_kind(None, where, Path())) == "safetensors":
                     placed = _tc_placed(sharding.get(json.dumps([k], separators=(",", ":"))), ro.file.rank, where)
                     if placed is None and len({o.file.rank for o in objs}) > 1:
                         raise PerRankError(f"{where}: {k!r:.80} has no sharding metadata in {TC_METADATA}", path=where)
@@ -443,6 +527,54 @@ def _tc_check_shapes(a: Assembled, md: dict[str, Any] | None) -> None:
                     )
 
 
+def _tc_files(
+    path: Path, files: list[RankFile], md: dict[str, Any] | None
+) -> tuple[dict[str, RankFile], dict[str, str]]:
+    """The item files: those named ``<item>_<rank>.<ext>`` and those ``metadata.pkl``'s layouts name
+    (any path inside the checkpoint, ``{rank}`` filled in), with how each is serialized.
+
+    Raises:
+        IncompleteCheckpointError: a file a layout names is missing.
+        PathEscapeError: a layout names a path outside the checkpoint.
+    """
+    by_name = {f.relative_path: f for f in files}
+    kinds: dict[str, str] = {}
+    for item, ranks in _tc_items(md).items():
+        for r, info in ranks.items():
+            name = info.get("file_path") if isinstance(info, dict) else f"{item}_{r}.pt"
+            name = str(name).replace("{rank}", str(r))
+            if not os.path.lexists(resolve_inside(path, name, what=f"{TC_METADATA} file_path")):
+                raise IncompleteCheckpointError(
+                    f"{path}: {TC_METADATA} names {name!r} for item {item!r}, which is missing", path=path
+                )
+            by_name[name] = RankFile(item, r, name)
+            kinds[name] = _tc_kind(info, name, path)
+    return by_name, kinds
+
+
+_MAX_WALK = 10_000
+
+
+def _tc_unread(path: Path, read: set[str]) -> list[str]:
+    """Regular files below ``path`` (not hidden, at most 10,000 looked at) that are not in ``read``.
+
+    torch-checkpointing records an item's file path in ``metadata.pkl`` only for items that declare
+    a resharder; an item saved at a custom ``LayoutInfo`` path without one is found by nothing else.
+    """
+    out: list[str] = []
+    seen = 0
+    for top, dirs, names in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for n in sorted(names):
+            seen += 1
+            rel = os.path.relpath(os.path.join(top, n), path)
+            if not n.startswith(".") and rel not in read and os.path.isfile(os.path.join(top, n)):
+                out.append(rel)
+        if seen > _MAX_WALK:
+            break
+    return out
+
+
 def _tc_assemble(path: Path, files: list[RankFile]) -> Assembled:
     if path.name.startswith(TC_STAGING_PREFIX):
         raise IncompleteCheckpointError(
@@ -451,17 +583,7 @@ def _tc_assemble(path: Path, files: list[RankFile]) -> Assembled:
             path=path,
         )
     md = _tc_metadata(path)
-    layouts = _tc_items(md)
-    by_name = {f.relative_path: f for f in files}
-    for item, ranks in layouts.items():
-        for r, info in ranks.items():
-            name = info.get("file_path") if isinstance(info, dict) else f"{item}_{r}.pt"
-            name = str(name).replace("{rank}", str(r))
-            if name not in by_name:
-                raise IncompleteCheckpointError(
-                    f"{path}: {TC_METADATA} names {name!r} for item {item!r}, which is missing", path=path
-                )
-            by_name[name] = RankFile(item, r, name)
+    by_name, kinds = _tc_files(path, files, md)
     files = sorted(by_name.values(), key=lambda f: (f.role != "model", f.role, f.rank))
     world = md["world_size"] if md is not None else max(f.rank for f in files) + 1
     for item in sorted({f.role for f in files}):
@@ -470,12 +592,15 @@ def _tc_assemble(path: Path, files: list[RankFile]) -> Assembled:
             raise IncompleteCheckpointError(
                 f"{path}: item {item!r} has files of ranks {have}, world size {world}", path=path
             )
-    objs = [_read_item(path, f) for f in files]
+    objs = [_read_item(path, f, kinds.get(f.relative_path)) for f in files]
     a = Assembled("torch-checkpointing", "torch-checkpointing")
     a.files = [f.relative_path for f in files]
-    _tc_build(a, objs, md)
+    _tc_build(a, objs, md, kinds)
     a.describe_placements()
     log.info("%s: %s", path, "; ".join(a.notes))
+    a.unread = _tc_unread(path, {*a.files, TC_METADATA})
+    if a.unread:
+        a.notes.append(f"{len(a.unread)} file(s) no item names, not read: {', '.join(a.unread[:4])}")
     items = sorted({f.role for f in files})
     a.notes.append(
         f"torch-checkpointing items {', '.join(items)} of {world} rank(s) read"
@@ -485,6 +610,18 @@ def _tc_assemble(path: Path, files: list[RankFile]) -> Assembled:
 
 
 register_layout(RankLayout("torch-checkpointing", "torch-checkpointing", _tc_claims, _tc_assemble))
+
+
+def staging_of(path: Path) -> str | None:
+    """The name a finished save gets when directory ``path`` is torch-checkpointing's ``tmp_``
+    staging directory of a save that did not finish (``CheckpointWriter`` writes every rank's files
+    there and renames it after its barrier), else ``None``."""
+    if not path.name.startswith(TC_STAGING_PREFIX) or len(path.name) == len(TC_STAGING_PREFIX):
+        return None
+    found = detect_layout(path)
+    if found is None or found[0].name != "torch-checkpointing":
+        return None
+    return path.name[len(TC_STAGING_PREFIX) :]
 
 
 def detect_layout(path: Path) -> tuple[RankLayout, list[RankFile]] | None:

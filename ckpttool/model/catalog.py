@@ -210,6 +210,7 @@ class Catalog:
     ranks: tuple[int, ...]
     schema: KeySchema = field(default_factory=lambda: KeySchema("torch-native", "model.", "optimizer."))
     training_state: dict[str, list[str]] = field(default_factory=dict)
+    frozen: frozenset[str] = frozenset()  # fqns its format knows were never stepped (per-rank: Assembled.frozen)
     _group_index: dict[str, ParamGroup] | None = field(default=None, repr=False, compare=False)
     _group_index_size: int = field(default=-1, repr=False, compare=False)
     _fqns: tuple[tuple[int, int, str | None], list[str]] | None = field(default=None, repr=False, compare=False)
@@ -898,7 +899,8 @@ def lost_state(cat: Catalog) -> dict[str, str]:
     (:meth:`Catalog.leaves`: a nested param group, or flattened parameters with equal saved
     hyperparameters) steps all its parameters together, so a member without state lost it
     (or never got a gradient, and a resume would then bias-correct it as step 1). Only model
-    tensors count; needs :func:`load_param_groups` for flattened leaves.
+    tensors count, not ``cat.frozen`` (a format that shows they were never stepped); needs
+    :func:`load_param_groups` for flattened leaves.
 
     Returns:
         fqn -> the label of its leaf, in leaf order.
@@ -911,7 +913,7 @@ def lost_state(cat: Catalog) -> dict[str, str]:
         if stepped.isdisjoint(fqns):
             continue
         for f in fqns:
-            if f not in stepped and cat.model_key(f) in model:
+            if f not in stepped and f not in cat.frozen and cat.model_key(f) in model:
                 out[f] = label
     return out
 

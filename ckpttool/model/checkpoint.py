@@ -95,6 +95,7 @@ class Checkpoint:
         self.record_problems = record_problems
         self.located = located or Located(reader.path, reader.path)
         self.catalog: Catalog = build_catalog(reader, selection.schema if selection is not None else None)
+        self.catalog.frozen = frozenset(getattr(getattr(reader, "assembled", None), "frozen", ()))
         self.byte_item_errors: dict[str, CkptError] = {}
         self.layout_error: CkptError | None = None
         self.replica_error: PerRankError | None = None

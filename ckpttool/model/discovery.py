@@ -29,7 +29,7 @@ from ckpttool.errors import (
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
 from ckpttool.format.hf_storage import hf_storage_files
 from ckpttool.format.metadata import CheckpointMetadata, StorageInfo
-from ckpttool.format.perrank_formats import detect_layout
+from ckpttool.format.perrank_formats import detect_layout, staging_of
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.keyschema import SchemaOverride
 
@@ -224,7 +224,8 @@ def find_checkpoints(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
 
     def visit(p: Path) -> bool:
         if is_checkpoint_dir(p):
-            found.append(p)
+            if staging_of(p) is None:  # torch-checkpointing's tmp_ dir of an unfinished save: find_incomplete's
+                found.append(p)
             return False
         return True
 
@@ -263,11 +264,18 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH) -> list[IncompleteSt
 
     A directory counts when it (or one of its folders, ``step-8/model``) holds ``__R_N.distcp``
     files or ``.metadata.tmp`` but no ``.metadata``, and a step-named directory is on its path
-    below ``root``. Hidden and symlinked directories are skipped; at most 10,000 are visited.
+    below ``root``; or it is torch-checkpointing's ``tmp_<name>`` staging directory, ``<name>``
+    naming the step (:func:`~ckpttool.format.perrank_formats.staging_of`). Hidden and symlinked directories are skipped; at most 10,000 are visited.
     """
     found: dict[int, IncompleteStep] = {}
 
     def visit(p: Path) -> bool:
+        final = staging_of(p)
+        if final is not None:
+            step = _step_near(p.parent / final, root)
+            if step is not None:
+                found.setdefault(step, IncompleteStep(step, p, "torch-checkpointing's staging files, not renamed"))
+            return False
         if is_checkpoint_dir(p):
             return False
         why = _unfinished(p)

@@ -75,11 +75,87 @@ def test_safetensors_items_are_not_called_damaged(tc_root: Path) -> None:
     assert "torch-checkpointing" in json.loads(res.output)["location"]["how"]
 
 
-def test_staging_dir_of_an_unfinished_save_is_incomplete(tc_root: Path, tmp_path: Path) -> None:
-    tmp = shutil.copytree(tc_root / "w1" / "step-2", tmp_path / "tmp_step-3")
-    res = runner.invoke(app, ["validate", str(tmp)])
-    assert res.exit_code != 0
+def test_staging_dir_of_an_unfinished_save_is_incomplete(tc_root: Path) -> None:
+    """w1/tmp_step-3: the save torch-checkpointing's own writer left when it failed before its rename."""
+    res = runner.invoke(app, ["validate", str(tc_root / "w1" / "tmp_step-3")])
+    assert res.exit_code == 2, res.output
     assert "E202" in res.output and "did not finish" in res.output
+
+
+def test_run_root_skips_the_staging_dir_and_reports_it(tc_root: Path) -> None:
+    res = runner.invoke(app, ["inspect", "--json", str(tc_root / "w1")])
+    assert res.exit_code == 0, res.output
+    loc = json.loads(res.output)["location"]
+    assert loc["model"] == str(tc_root / "w1" / "step-2")
+    assert [(i["step"], i["path"]) for i in loc["newer_incomplete"]] == [(3, str(tc_root / "w1" / "tmp_step-3"))]
+    res = runner.invoke(app, ["validate", "--strict", str(tc_root / "w1")])
+    assert res.exit_code == 1 and "R001" in res.output
+    res = runner.invoke(app, ["inspect", "--step", "3", str(tc_root / "w1")])
+    assert res.exit_code == 2 and "E202" in res.output and "tmp_step-3" in res.output
+
+
+def test_metadata_version_1_0_reads_as_2_0(tc_root: Path) -> None:
+    """w2v1: w2's metadata.pkl in the "1.0" form (the package's own from_dict reads it back equal,
+    tests/fixtures/perrank.py); torch-checkpointing's own load of it is the reference."""
+    import torch
+
+    loaded = torch.load(tc_root / "w2" / "loaded_w2v1.pt", weights_only=False)
+    with open_checkpoint(tc_root / "w2v1" / "step-2") as ck:
+        assert "metadata.pkl version 1.0" in ck.located.how
+        assert set(ck.catalog.model) == {f"model.{k}" for k in loaded}
+        for k, t in loaded.items():
+            assert torch.equal(ck.reader.read_tensor(f"model.{k}"), t), k
+    res = runner.invoke(app, ["diff", str(tc_root / "w2" / "step-2"), str(tc_root / "w2v1" / "step-2")])
+    assert res.exit_code == 0 and "equal" in res.output, res.output
+
+
+def test_layout_paths_json_and_raw_items(tc_root: Path) -> None:
+    """w2x: the model at ``shards/rank-{rank}/weights.safetensors`` (named by metadata.pkl), a JSON and a
+    raw item per rank; the values each rank saved come back per rank (they differ by rank)."""
+    import torch
+
+    from tests.fixtures.perrank import tc_extra_items
+
+    loaded = torch.load(tc_root / "w2" / "loaded_w2x.pt", weights_only=False)
+    with open_checkpoint(tc_root / "w2x" / "step-2") as ck:
+        for k, t in loaded.items():
+            assert torch.equal(ck.reader.read_tensor(f"model.{k}"), t), k
+        for r in (0, 1):
+            want = tc_extra_items(r)
+            for k, v in want["config"].items():
+                assert ck.reader.read_object(f"config.rank_{r}.{k}") == v
+            assert ck.reader.read_object(f"blob.rank_{r}") == want["blob"]
+        assert not any(k.startswith("notes") for k in ck.metadata.entries)
+
+
+def test_files_no_item_names_fail_validate(tc_root: Path) -> None:
+    """w2x's ``notes`` item (a custom path, no resharder: metadata.pkl does not record it) is not read: K020."""
+    res = runner.invoke(app, ["validate", "--json", str(tc_root / "w2x" / "step-2")])
+    assert res.exit_code == 1, res.output
+    found = [f for f in json.loads(res.output)["findings"] if f["code"] == "K020"]
+    assert len(found) == 1 and "extra/notes-0.json, extra/notes-1.json" in found[0]["message"]
+
+
+@pytest.mark.parametrize(
+    ("layout", "code", "text"),
+    [
+        ({"file_path": "model_0.pt", "serialization_format": {"type": "Pickle9"}}, "E280", "'Pickle9'"),
+        ({"file_path": "../outside_0.pt", "serialization_format": {"type": "TorchSerialization"}}, "E", "outside"),
+        (
+            {"file_path": "gone/model_{rank}.pt", "serialization_format": {"type": "TorchSerialization"}},
+            "E202",
+            "gone/model_0.pt",
+        ),
+    ],
+)
+def test_bad_layout_in_metadata_is_refused(tc_root: Path, tmp_path: Path, layout: dict, code: str, text: str) -> None:
+    d = shutil.copytree(tc_root / "w2" / "step-2", tmp_path / "step-2")
+    md = pickle.loads((d / "metadata.pkl").read_bytes())
+    md["metadata"]["model"]["rank_to_layout_info"][0] = layout
+    (d / "metadata.pkl").write_bytes(pickle.dumps(md))
+    res = runner.invoke(app, ["inspect", str(d)])
+    assert res.exit_code == 2, res.output
+    assert f"[{code}" in res.output and text in res.output
 
 
 def test_unknown_metadata_version_is_refused_by_name(tc_root: Path, tmp_path: Path) -> None:

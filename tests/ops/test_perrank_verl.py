@@ -168,3 +168,54 @@ def test_verl_and_torch_checkpointing_saves_of_one_training_are_equal(verl_root:
     res = runner.invoke(app, ["diff", "--json", str(_actor(verl_root, 2)), str(tc / "w2st" / "step-2")])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["equal"] is True
+
+
+def test_frozen_parameters_are_not_lost_state(verl_root: Path) -> None:
+    """frozen/: FROZEN saved with requires_grad=False by verl's own manager; verl's build_optimizer lists
+    them in the param group, torch's AdamW never gives them state. Not an error: listed as frozen (K021)."""
+    import torch
+
+    from tests.fixtures.perrank import FROZEN
+
+    actor = verl_root / "frozen" / "global_step_2" / "actor"
+    ref = torch.load(verl_root / "frozen" / "reference.pt", weights_only=False)
+    assert set(ref["exp_avg"]) == set(ref["names"]) - set(FROZEN)  # torch's own optimizer: no state for them
+    with open_checkpoint(actor) as ck:
+        for k, t in ref["model"].items():
+            assert torch.equal(ck.reader.read_tensor(f"model.{k}"), t), k
+        for k in ref["exp_avg"]:
+            assert torch.equal(ck.reader.read_tensor(f"optimizer.state.{k}.exp_avg"), ref["exp_avg"][k]), k
+        assert ck.catalog.frozen == frozenset(FROZEN)
+        assert "2 frozen parameter(s)" in ck.located.how
+    res = runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(actor)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert doc["ok"] is True and not [f for f in doc["findings"] if f["code"] == "O009"]
+    (k021,) = [f for f in doc["findings"] if f["code"] == "K021"]
+    assert all(n in k021["message"] for n in FROZEN)
+
+
+def test_replay_step_skips_frozen_parameters_and_says_so(verl_root: Path) -> None:
+    from tests.fixtures.perrank import FROZEN
+
+    actor = verl_root / "frozen" / "global_step_2" / "actor"
+    res = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", str(actor)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert doc["ok"] is True and doc["params_frozen"] == list(FROZEN)
+    assert doc["params_total"] == 21 - len(FROZEN) and not {p["fqn"] for p in doc["params"]} & set(FROZEN)
+    res = runner.invoke(app, ["replay-step", "--device", "cpu", str(actor)])
+    assert "2 frozen parameter(s) (no optimizer state) not replayed" in res.output
+
+
+def test_state_missing_on_one_rank_is_not_frozen(verl_root: Path, tmp_path: Path) -> None:
+    """State dropped from one rank's optimizer file leaves a hole in the assembled moments: an error."""
+    import torch
+
+    actor = shutil.copytree(verl_root / "w2" / "global_step_2" / "actor", tmp_path / "actor")
+    other = actor / "optim_world_size_2_rank_1.pt"
+    sd = torch.load(other, weights_only=False)
+    del sd["state"][3]
+    torch.save(sd, other)
+    res = runner.invoke(app, ["validate", "--json", str(actor)])
+    assert res.exit_code != 0, res.output

@@ -127,6 +127,8 @@ class ReplayPlan:
         skipped: selected parameters with saved optimizer state that are not replayed (state
             for an fqn the model does not hold, fused state whose parts do not stack): a
             replay that skips a stepped parameter is never OK.
+        frozen: selected parameters the checkpoint's format shows were never stepped
+            (``Catalog.frozen``: no optimizer state, ``requires_grad=False``), not replayed.
     """
 
     params: list[ParamPlan]
@@ -135,6 +137,7 @@ class ReplayPlan:
     config: dict[str, dict[str, Any]]
     notes: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    frozen: list[str] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -716,6 +719,18 @@ def plan_replay(
     members = _membership(cat, notes, head_dim)
     lost = lost_state(cat)  # the one check behind validate's O009
     selected = _select(cat, members, rx, select, filter_glob)
+    frozen = [f for f in selected if f in cat.frozen]
+    if frozen:
+        selected = [f for f in selected if f not in cat.frozen]
+        notes.append(
+            f"{len(frozen)} frozen parameter(s) not replayed (no optimizer state, requires_grad=False: "
+            f"a step leaves them unchanged): {', '.join(frozen[:4])}{' ...' if len(frozen) > 4 else ''}"
+        )
+        if not selected:
+            raise UsageError(
+                "only frozen parameters selected: they have no optimizer state and a step does not change them",
+                param="select",
+            )
     choice = _choose_type(cat, record, optimizer, selected, offload_patterns, notes)
     config = _configs(cat, selected, choice, chunk_size, notes)
     plans = _param_plans(cat, selected, members, choice, config, lost, notes)
@@ -724,7 +739,7 @@ def plan_replay(
         for f in members.stepped_orphans
         if (rx is None or rx.search(f)) and (filter_glob is None or match_filter(canonical_model_key(f), filter_glob))
     ]
-    return ReplayPlan(plans, choice.type_name, choice.reason, config, notes, skipped)
+    return ReplayPlan(plans, choice.type_name, choice.reason, config, notes, skipped, frozen)
 
 
 def bytes_per_element(p: ParamPlan, reference_itemsize: int = 8, steps: int = 1) -> int:

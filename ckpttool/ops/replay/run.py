@@ -197,6 +197,8 @@ class ReplayResult:
             (``d2h_bytes``, ``h2d_bytes``, ``offload_seconds``, ``d2h_gbps``, ``h2d_gbps``),
             ``load_seconds``, ``reference_seconds``, ``total_seconds``, ``bytes_read``.
         skipped: selected parameters with saved state that were not replayed (``ok`` is then False).
+        frozen: selected parameters without optimizer state that the format shows are frozen
+            (``requires_grad=False``): not replayed, counted apart from ``params``.
     """
 
     path: str
@@ -214,6 +216,7 @@ class ReplayResult:
     max_memory: int
     timing: dict[str, float]
     skipped: tuple[str, ...] = ()
+    frozen: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -242,6 +245,7 @@ class ReplayResult:
             "params_total": len(self.params),
             "params_failed": len(self.failed),
             "params_skipped": list(self.skipped),
+            "params_frozen": list(self.frozen),
             "params": [p.to_dict() for p in self.params],
             "notes": self.notes,
             "batches": self.batches,
@@ -685,6 +689,7 @@ def _replay(
         max_memory=budget,
         timing=timing,
         skipped=tuple(plan.skipped),
+        frozen=tuple(plan.frozen),
     )
 
 

@@ -51,3 +51,35 @@ def hf_copy_differs(ctx: Context) -> Iterator[tuple[str, str]]:
                         key,
                         f"{rel}: {name}: {n} of {hf.numel()} elements differ from the shards (max |diff| {diff:.4g})",
                     )
+
+
+@rule(
+    "K020",
+    "perrank-files-not-read",
+    Severity.error,
+    "files in a per-rank checkpoint directory that no item names were not read (torch-checkpointing "
+    "records the path of an item saved at a custom LayoutInfo path only when the item declares a resharder)",
+    "check those files with the framework's own loader, or move them out of the checkpoint directory "
+    "if they are not part of it",
+)
+def perrank_files_not_read(ctx: Context) -> Iterator[tuple[str | None, str]]:
+    assembled = getattr(ctx.reader, "assembled", None)
+    unread = list(getattr(assembled, "unread", ()))
+    if unread:
+        more = f" and {len(unread) - 5} more" if len(unread) > 5 else ""
+        yield None, f"{len(unread)} file(s) not read: {', '.join(unread[:5])}{more}"
+
+
+@rule(
+    "K021",
+    "frozen-parameters",
+    Severity.info,
+    "parameters in the optimizer's param groups with no optimizer state on any rank of a per-rank save "
+    "(verl FSDP): frozen (requires_grad=False), never stepped; not lost state (O009 does not count them)",
+    "nothing to fix when they were frozen on purpose; replay-step leaves them out and says so",
+)
+def frozen_parameters(ctx: Context) -> Iterator[tuple[str | None, str]]:
+    frozen = sorted(ctx.cat.frozen)
+    if frozen:
+        more = f" and {len(frozen) - 4} more" if len(frozen) > 4 else ""
+        yield frozen[0], f"{len(frozen)} frozen parameter(s), no optimizer state: {', '.join(frozen[:4])}{more}"
