@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ckpttool.optim_state import CPUOffloadAdamW, FullFP32AdamW, MasterFP32AdamW
 
@@ -42,6 +43,17 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(
         t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)
     )
+
+
+ONEPASS = "one-pass C bound (not ckpttool's)"
+
+
+class _Stepper:
+    """A step function as far as ``run`` needs an optimizer (``step()``, no state)."""
+
+    def __init__(self, step: Callable[[], None]) -> None:
+        self.step = step
+        self.state: dict = {}
 
 
 def _variants(device: torch.device, chunk_size: int) -> dict[str, Callable[[list], torch.optim.Optimizer]]:
@@ -79,6 +91,7 @@ def run(
     warmup: int,
     chunk_size: int,
     only: list[str] | None,
+    onepass: bool = False,
 ) -> list[tuple[str, float, float, float, float, int]]:
     """Returns ``[(variant, median s, min s, median CPU s, GB/s at median, bytes touched)]``; skipped get NaN.
 
@@ -92,7 +105,15 @@ def run(
     for p in params:
         p.grad = (torch.randn(per, generator=gen) * 1e-3).to(param_dtype).to(device)
     opts: dict[str, torch.optim.Optimizer] = {}
-    for name, make in _variants(device, chunk_size).items():
+    variants = _variants(device, chunk_size)
+    if onepass:  # the bound of a compiled one-pass kernel (bench/_onepass_adamw.py), CPU only
+        from _onepass_adamw import build, onepass_optimizer
+
+        lib = build()
+        if lib is not None:
+            hyper = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+            variants[ONEPASS] = lambda ps: _Stepper(onepass_optimizer(lib, ps, hyper))
+    for name, make in variants.items():
         if only and not any(o in name for o in only):
             continue
         try:
@@ -114,12 +135,12 @@ def run(
             cpu_times[name].append(time.process_time() - c0)
     rows = []
     grad_param = sum(p.numel() * p.element_size() * 2 for p in params)
-    for name in _variants(device, chunk_size):
+    for name in variants:
         if name not in opts:
             if not only or any(o in name for o in only):
                 rows.append((name, float("nan"), float("nan"), float("nan"), float("nan"), 0))
             continue
-        touched = grad_param + _state_bytes(opts[name])  # param + grad + state
+        touched = grad_param + (_state_bytes(opts[name]) if name != ONEPASS else 3 * 4 * numel)  # param + grad + state
         med = statistics.median(times[name])
         rows.append((name, med, min(times[name]), statistics.median(cpu_times[name]), touched / med / 1e9, touched))
     return rows
@@ -135,13 +156,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--chunk-size", type=int, default=1 << 22, help="cpu_offload_adamw chunk elements")
     ap.add_argument("--only", nargs="*", help="substrings of variant names to run")
+    ap.add_argument(
+        "--onepass-bound", action="store_true", help="also time a compiled one-pass C step (needs cc; the bound)"
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = getattr(torch, args.param_dtype)
-    rows = run(args.numel, args.tensors, device, dtype, args.steps, args.warmup, args.chunk_size, args.only)
+    rows = run(
+        args.numel, args.tensors, device, dtype, args.steps, args.warmup, args.chunk_size, args.only, args.onepass_bound
+    )
     base = next((r[1] for r in rows if r[0] == "torch AdamW foreach"), float("nan"))
     base_min = next((r[2] for r in rows if r[0] == "torch AdamW foreach"), float("nan"))
     print(

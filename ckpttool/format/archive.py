@@ -34,6 +34,7 @@ __all__ = [
     "BytesWindow",
     "FileWindow",
     "Member",
+    "PrereadWindow",
     "STORAGE_DTYPES",
     "TensorRecord",
     "Window",
@@ -136,6 +137,37 @@ class FileWindow(io.RawIOBase):
         return got
 
 
+class PrereadWindow(FileWindow):
+    """A :class:`FileWindow` whose bytes were read already: reads come from memory, offsets stay the file's.
+
+    One read can fetch the archives of many small chunks that lie together in a data file
+    (:meth:`ckpttool.format.reader.CheckpointReader.read_small_chunks`); each archive is then
+    parsed from its slice without a system call.
+    """
+
+    def __init__(self, fd: int, start: int, data: memoryview) -> None:
+        super().__init__(fd, start, len(data))
+        self._mv = data
+
+    def pread(self, offset: int, n: int) -> bytes:
+        if offset < 0 or n < 0 or offset + n > self._len:
+            raise ArchiveError(f"read of [{offset}, {offset + n}) leaves the archive's {self._len} bytes")
+        return bytes(self._mv[offset : offset + n])
+
+    def view(self, offset: int, n: int) -> memoryview:
+        """The bytes ``[offset, offset + n)`` of the window, without a copy (the range is checked)."""
+        if offset < 0 or n < 0 or offset + n > self._len:
+            raise ArchiveError(f"read of [{offset}, {offset + n}) leaves the archive's {self._len} bytes")
+        return self._mv[offset : offset + n]
+
+    def readinto(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        n = max(0, min(len(mv), self._len - self._pos))
+        mv[:n] = self._mv[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
 class BytesWindow:
     """A :class:`Window` over bytes in memory (a byte item, a decoded stream transform)."""
 
@@ -166,7 +198,7 @@ class _Prefetched:
         n = window.length
         self._head = window.pread(0, min(n, self._SPAN))
         self._tail_at = max(len(self._head), n - self._SPAN)
-        self._tail = window.pread(self._tail_at, n - self._tail_at)
+        self._tail = window.pread(self._tail_at, n - self._tail_at) if n > self._tail_at else b""
 
     @property
     def length(self) -> int:

@@ -33,6 +33,7 @@ from ckpttool.format.archive import (
     ArchiveError,
     BytesWindow,
     FileWindow,
+    PrereadWindow,
     TensorRecord,
     Window,
     parse_tensor_archive,
@@ -201,13 +202,17 @@ def decode_transforms(ckpt: CheckpointDir, info: StorageInfo, fqn: str, cap: int
         ) from e
 
 
-def locate_chunk(ckpt: CheckpointDir, key: str, chunk: ChunkMeta) -> ChunkLocation:
+def locate_chunk(
+    ckpt: CheckpointDir, key: str, chunk: ChunkMeta, *, preread: PrereadWindow | None = None
+) -> ChunkLocation:
     """Locate and check one stored chunk of tensor ``key`` (see the module docstring).
 
     Args:
         ckpt: the opened checkpoint directory.
         key: flattened checkpoint key (``model.model.layers.0.mlp.down_proj.weight``).
         chunk: one of the entry's chunks.
+        preread: the storage window's bytes, already read: the archive is parsed from them (a
+            local ``torch.save`` archive without a stream transform).
 
     Returns:
         The :class:`ChunkLocation`.
@@ -240,6 +245,9 @@ def locate_chunk(ckpt: CheckpointDir, key: str, chunk: ChunkMeta) -> ChunkLocati
     if info.transform_descriptors:
         cap = chunk.numel * meta.dtype.itemsize + limits.current().max_tensor_pickle_bytes + ARCHIVE_OVERHEAD
         window = BytesWindow(decode_transforms(ckpt, info, key, cap, cap_is_limit=False))
+    elif preread is not None:
+        assert (preread.start, preread.length) == (info.offset, info.length), "preread window of another chunk"
+        window = preread
     else:
         window = FileWindow(ckpt.fd(info.relative_path), info.offset, info.length)
     try:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ckpttool.engine.crc import crc32
 from ckpttool.engine.execute import run_item
-from ckpttool.engine.io import ShortReadError, read_into
+from ckpttool.engine.io import ShortReadError, read_exact, read_into
 from ckpttool.engine.plan import Crc32, Item
 from ckpttool.errors import (
     AllocationError,
@@ -44,6 +44,7 @@ from ckpttool.format.archive import (
     ArchiveChecksumError,
     ArchiveError,
     BytesWindow,
+    PrereadWindow,
     check_torch_records,
     inflate_into,
     parse_archive,
@@ -58,7 +59,12 @@ from ckpttool.format.unpickler import PrimitiveUnpickler, check_object_graph
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CheckpointReader", "SavedTensor", "load_saved_object"]
+__all__ = ["CheckpointReader", "SavedTensor", "load_saved_object", "SMALL_SPAN"]
+
+#: The most bytes :meth:`CheckpointReader.read_small_chunks` reads at once, and the largest gap
+#: between neighbouring archives it reads through (docs/performance.md, export of 10^6 tensors).
+SMALL_SPAN = 1 << 20
+_SMALL_GAP = 64 << 10
 
 
 class CheckpointReader(CheckpointDir):
@@ -167,6 +173,94 @@ class CheckpointReader(CheckpointDir):
     def locate(self, fqn: str, chunk: ChunkMeta) -> ChunkLocation:
         """The validated location of one chunk (:func:`~ckpttool.format.locator.locate_chunk`)."""
         return locate_chunk(self, fqn, chunk)
+
+    def read_small_chunks(
+        self, items: list[tuple[str, ChunkMeta]], *, span_cap: int = SMALL_SPAN
+    ) -> list[tuple[ChunkLocation, memoryview] | None]:
+        """Locate and read many small chunks with one read per run of neighbouring archives.
+
+        Archives that lie together in a data file (gaps under 64 KiB, runs up to ``span_cap``
+        bytes) are read at once (:func:`ckpttool.engine.io.read_exact`); each is then located and
+        checked exactly as :meth:`locate` does, from its slice (:class:`~ckpttool.format.archive.PrereadWindow`),
+        and its values' CRC-32 checked. For a million one-chunk tensors this replaces ~4 system
+        calls and a thread-pool task per chunk by one read per ~1 MiB (docs/performance.md).
+
+        Args:
+            items: ``(fqn, chunk)`` pairs, in the order their archives are wanted.
+            span_cap: the most bytes read at once.
+
+        Returns:
+            Per item, ``(location, the chunk's raw values in C order)``, or ``None`` for a chunk
+            this path does not take (a remote or safetensors-stored checkpoint, a stream
+            transform, a record that is not the plain values, a run the file cannot serve whole):
+            read those with :meth:`copy_chunk_to_file` / :meth:`read_chunk`, which report errors.
+
+        Raises:
+            As :meth:`locate` (a chunk's archive corrupt or disagreeing with the metadata),
+            ChecksumError: a chunk's values fail their CRC-32.
+        """
+        out: list[tuple[ChunkLocation, memoryview] | None] = [None] * len(items)
+        if self.remote is not None or self.metadata.serialization != "torch_save":
+            return out
+        infos = []
+        for fqn, chunk in items:
+            info = self.metadata.storage_for(fqn, chunk)
+            infos.append(info if info is not None and not info.transform_descriptors else None)
+        i = 0
+        while i < len(items):
+            if infos[i] is None:
+                i += 1
+                continue
+            first = infos[i]
+            assert first is not None
+            j, end = i + 1, first.offset + first.length
+            while j < len(items):
+                nxt = infos[j]
+                if (
+                    nxt is None
+                    or nxt.relative_path != first.relative_path
+                    or not end <= nxt.offset <= end + _SMALL_GAP
+                    or nxt.offset + nxt.length - first.offset > span_cap
+                ):
+                    break
+                end = nxt.offset + nxt.length
+                j += 1
+            self._read_run(items, infos, i, j, out)
+            i = j
+        return out
+
+    def _read_run(
+        self,
+        items: list[tuple[str, ChunkMeta]],
+        infos: list[StorageInfo | None],
+        i: int,
+        j: int,
+        out: list[tuple[ChunkLocation, memoryview] | None],
+    ) -> None:
+        """Fill ``out[i:j]`` from one read of the neighbouring windows ``infos[i:j]`` (see :meth:`read_small_chunks`)."""
+        first, last = infos[i], infos[j - 1]
+        assert first is not None and last is not None
+        start, span = first.offset, last.offset + last.length - first.offset
+        try:
+            if start + span > self.file_size(first.relative_path):
+                return  # the per-chunk path names the short file
+            fd = self.fd(first.relative_path)
+            data = memoryview(read_exact(fd, span, start))
+        except EOFError:  # the file shrank: the per-chunk path names it
+            return
+        for k in range(i, j):
+            info = infos[k]
+            assert info is not None
+            fqn, chunk = items[k]
+            window = PrereadWindow(fd, info.offset, data[info.offset - start : info.offset - start + info.length])
+            loc = locate_chunk(self, fqn, chunk, preread=window)
+            if not loc.raw:
+                continue
+            values = window.view(loc.record.data_offset, loc.nbytes)
+            if self.verify_crc:
+                loc.check_crc(crc32(values, 0))
+            self.count_read(loc.nbytes)
+            out[k] = (loc, values)
 
     def read_chunk(self, fqn: str, chunk: ChunkMeta, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read one stored chunk of tensor ``fqn``.

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from ckpttool.engine.io import write_all
 from ckpttool.engine.pool import Lane
 from ckpttool.errors import (
     ChunkError,
@@ -409,6 +410,11 @@ def value_transform(task: SourceTask) -> SlabTransform | None:
 _MAX_BLOCK_SLAB = 64 << 20
 #: Rows up to this many bytes are moved by a row permutation's gather; longer rows are written run by run anyway.
 _SMALL_ROW = 1 << 16
+# Chunks of at most _SMALL_CHUNK bytes are copied in batches (Executor._copy_small): up to _SMALL_BATCH
+# chunks or _SMALL_BATCH_BYTES a task (10^6 one-chunk tensors: docs/performance.md).
+_SMALL_CHUNK = 64 << 10
+_SMALL_BATCH = 512
+_SMALL_BATCH_BYTES = 1 << 20
 
 
 class _Executor:
@@ -436,11 +442,13 @@ class _Executor:
         self.progress = progress
         self.total = plan.total_bytes
         self.done = 0
-        self.pending: dict[Future[None], int] = {}  # future -> task index
+        self.pending: dict[Future[None], int | list[int]] = {}  # future -> task index (a batch: one per chunk)
         self.remaining: dict[int, int] = {}
         self.chunks = chunks
         self.bytes_read = 0  # source bytes of finished tasks (counted here, in the calling thread)
         self.slab_bytes = env_slab_bytes()
+        self.small: list[tuple[int, SourceTask, ChunkMeta, tuple[int, ...]]] = []  # gathered for _copy_small
+        self.small_bytes = 0
 
     # -- worker side ---------------------------------------------------------------------------
     def _copy_chunk(self, task: SourceTask, chunk: ChunkMeta, size: tuple[int, ...]) -> None:
@@ -491,27 +499,71 @@ class _Executor:
             align=align,
         )
 
+    def _copy_small(self, batch: list[tuple[int, SourceTask, ChunkMeta, tuple[int, ...]]]) -> None:
+        """Copy many small stored chunks of direct tasks: one read per run of neighbouring archives, one write per run.
+
+        The chunks' values come from :meth:`~ckpttool.format.reader.CheckpointReader.read_small_chunks`
+        (located and CRC-checked as :meth:`_copy_chunk` does); values that land next to each other in
+        the same output file are written together. Chunks that path does not take go through
+        :meth:`_copy_chunk`.
+        """
+        got = self.reader.read_small_chunks([(task.source_key, c) for _, task, c, _ in batch])
+        run_fd, run_at, run = -1, 0, bytearray()
+        for (_, task, chunk, size), r in zip(batch, got):
+            if r is None:
+                self._copy_chunk(task, chunk, size)
+                continue
+            writer = self.writers[task.shard]
+            name = task.pieces[0].name
+            span = contiguous_run(size, chunk.offsets, chunk.sizes)
+            assert span is not None, "direct tasks have contiguous chunks"
+            at = span[0] * DTYPE_ITEMSIZE[task.selected.source.dtype]
+            values = r[1]
+            if writer.digest is not None:
+                h = writer.new_hasher()
+                h.update(values)
+                writer.note(name, at, len(values), h.hexdigest())
+            dest = writer.offset(name) + at
+            if writer.fd != run_fd or dest != run_at + len(run):
+                if run:
+                    write_all(run_fd, run, run_at)
+                run_fd, run_at, run = writer.fd, dest, bytearray()
+            run += values
+        if run:
+            write_all(run_fd, run, run_at)
+
     # -- calling-thread side ---------------------------------------------------------------------
     def _collect(self, block: bool) -> None:
         if not self.pending:
             return
         done, _ = wait(list(self.pending), timeout=None if block else 0, return_when=FIRST_COMPLETED)
         for fut in done:
-            idx = self.pending.pop(fut)
+            idxs = self.pending.pop(fut)
             fut.result()  # re-raises a worker's error here
-            self.remaining[idx] -= 1
-            if self.remaining[idx] == 0:
-                task = self.plan.tasks[idx]
-                meta, chunks = self.chunks[idx]
-                self.bytes_read += sum(c.numel for c in chunks) * meta.dtype.itemsize
-                self.done += task.out_nbytes
-                if self.progress is not None:
-                    self.progress(self.done, self.total)
+            for idx in idxs if isinstance(idxs, list) else (idxs,):
+                self._chunk_done(idx)
 
-    def _submit(self, pool: Lane, idx: int, fn: Callable[..., None], *args: Any) -> None:
+    def _chunk_done(self, idx: int) -> None:
+        """Count one finished chunk of task ``idx`` (its bytes and the progress once the task is complete)."""
+        self.remaining[idx] -= 1
+        if self.remaining[idx] == 0:
+            task = self.plan.tasks[idx]
+            meta, chunks = self.chunks[idx]
+            self.bytes_read += sum(c.numel for c in chunks) * meta.dtype.itemsize
+            self.done += task.out_nbytes
+            if self.progress is not None:
+                self.progress(self.done, self.total)
+
+    def _submit(self, pool: Lane, idx: int | list[int], fn: Callable[..., None], *args: Any) -> None:
         while len(self.pending) >= self.workers * 4:
             self._collect(block=True)
         self.pending[pool.submit(fn, *args)] = idx
+
+    def _flush_small(self, pool: Lane) -> None:
+        """Submit the small chunks gathered so far as one task (:meth:`_copy_small`)."""
+        if self.small:
+            batch, self.small, self.small_bytes = self.small, [], 0
+            self._submit(pool, [b[0] for b in batch], self._copy_small, batch)
 
     def run(self, only: set[int] | None = None) -> None:
         """Run the tasks of this process's files (``only``: those of these task indices)."""
@@ -531,13 +583,21 @@ class _Executor:
                         self._submit(pool, idx, q.band, task, meta, chunks, self.writers[task.shard], b)
                 elif task.direct and all(contiguous_run(meta.size, c.offsets, c.sizes) is not None for c in chunks):
                     for c in chunks:
-                        self._submit(pool, idx, self._copy_chunk, task, c, meta.size)
+                        nbytes = c.numel * meta.dtype.itemsize
+                        if nbytes > _SMALL_CHUNK:
+                            self._submit(pool, idx, self._copy_chunk, task, c, meta.size)
+                            continue
+                        self.small.append((idx, task, c, meta.size))  # batched: _copy_small
+                        self.small_bytes += nbytes
+                        if len(self.small) >= _SMALL_BATCH or self.small_bytes >= _SMALL_BATCH_BYTES:
+                            self._flush_small(pool)
                 else:
                     runs = run_map(task, meta)
                     transform = self.merges.get(task.source_key) or value_transform(task)
                     for c in chunks:
                         self._submit(pool, idx, self._stream_chunk, task, c, meta, runs, transform)
                 self._collect(block=False)
+            self._flush_small(pool)
             while self.pending:
                 self._collect(block=True)
         finally:
