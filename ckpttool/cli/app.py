@@ -349,6 +349,24 @@ def _uppercase_metavars(cmd: Any) -> None:
             p.metavar = named or _TYPE_METAVARS[type(p.type).__name__]
 
 
+def _plain_usage(cmd: Any) -> None:
+    """Usage lines name arguments as POSIX usage does: ``CHECKPOINT``, ``[NAME]``, ``CHECKPOINT...`` (one or
+    more); typer writes a required one as ``{CHECKPOINT}`` (read as "one of") and drops the ``...``."""
+
+    def collect_usage_pieces(ctx: Any) -> list[str]:
+        pieces = [cmd.options_metavar] if cmd.options_metavar else []
+        for p in cmd.get_params(ctx):
+            if p.param_type_name != "argument":
+                pieces.extend(p.get_usage_pieces(ctx))
+                continue
+            var = p.metavar or (p.name or "").upper()
+            var += "..." if p.nargs != 1 and not var.endswith("...") else ""
+            pieces.append(var if p.required or var.startswith("[") else f"[{var}]")
+        return pieces
+
+    cmd.collect_usage_pieces = collect_usage_pieces
+
+
 def _optional_values(cmd: Any) -> None:
     """Options whose metavar is ``[VALUE]`` may be given without a value (``validate --manifest``): then
     the command receives ``""`` (click needs a value; typer has no ``flag_value`` for such options)."""
@@ -431,6 +449,7 @@ def _load_command(name: str) -> Any:
         cmd.params.extend(_remote_options())
     _hide_aliases(cmd)
     _uppercase_metavars(cmd)
+    _plain_usage(cmd)
     _optional_values(cmd)
     _summary(cmd)
     add_completions(cmd)

@@ -58,21 +58,28 @@ def manifest_command(
     """
     from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.manifest import ManifestOptions, write_manifest
+    from ckpttool.ui.render import PhaseProgress
 
     opening = OpenOptions(trust_pickle=trust_pickle, selection=selection(step))
-
+    enabled = not json_output and sys.stderr.isatty()
     if verify:
         from ckpttool.ops.manifest import check_against_manifest
 
-        checked = check_against_manifest(checkpoint, output, opening=opening)
+        # reading the manifest, opening, then the byte bar of the verifying from its total on
+        with PhaseProgress.on_stderr("manifest --verify", enabled, bar_text="verifying") as shown:
+            checked = check_against_manifest(
+                checkpoint,
+                output,
+                opening=opening,
+                progress=shown.progress if shown is not None else None,
+                phase=shown.phase if shown is not None else None,
+            )
         Output(json_output).result(checked, _render_check)
         if checked.problems:
             raise typer.Exit(1)
         return
-    from ckpttool.ui.render import PhaseProgress
-
-    # the open named on stderr, then the byte bar of the hashing from its total on
-    with PhaseProgress.on_stderr("manifest", not json_output and sys.stderr.isatty(), bar_text="hashing") as shown:
+    # opening, planning, then the byte bar of the hashing from its total on, then writing the file
+    with PhaseProgress.on_stderr("manifest", enabled) as shown:
         if shown is not None:
             shown.phase(f"opening {checkpoint}")
         res = write_manifest(
@@ -80,6 +87,7 @@ def manifest_command(
             ManifestOptions(out=output, algorithm=hash_name, covers=covers),
             opening=opening,
             progress=shown.progress if shown is not None else None,
+            phase=shown.phase if shown is not None else None,
         )
     Output(json_output).result(res, _render)
 
@@ -104,11 +112,12 @@ def _render_check(res: ManifestCheck) -> None:
 
 
 def _render(res: ManifestResult) -> None:
-    from ckpttool.ui.render import human_bytes, plural, stdout_console
+    from ckpttool.ui.render import fmt_rate, fmt_seconds, human_bytes, plural, stdout_console
 
-    stdout_console().print(
+    stdout_console().print(  # the rate of the hashing alone
         f"wrote {res.path}: {plural(res.entries, 'entry', 'entries')}, {human_bytes(res.bytes_hashed)} hashed "
-        f"({res.algorithm}) in {res.seconds:.2f} s; manifest {res.algorithm} {res.digest}"
+        f"({res.algorithm}; {fmt_seconds(res.seconds)} in all; hashed in {fmt_seconds(res.hash_seconds)}, "
+        f"{fmt_rate(res.bytes_hashed, res.hash_seconds)}); manifest {res.algorithm} {res.digest}"
     )
 
 

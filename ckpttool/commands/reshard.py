@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from enum import Enum
 from typing import TYPE_CHECKING, Annotated
@@ -88,7 +89,7 @@ def reshard_command(
     from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import run_reshard
     from ckpttool.ops.reshard import ReshardOptions
-    from ckpttool.ui.render import byte_progress
+    from ckpttool.ui.render import PhaseProgress
 
     decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
     sel = selection(step, None, schema, model_prefix, optimizer_prefix)
@@ -104,13 +105,18 @@ def reshard_command(
         algorithm=hash_name,
         dry_run=dry_run,
     )
-    res = run_reshard(
-        source,
-        target,
-        options,
-        opening=OpenOptions(declaration=decl, trust_pickle=trust_pickle, selection=sel),
-        progress=lambda: byte_progress("reshard", not json_output and sys.stderr.isatty()),
-    )
+    # phases named on stderr (opening, planning, writing, ...); the byte bar of the writing from its total on
+    with PhaseProgress.on_stderr("reshard", not json_output and sys.stderr.isatty()) as shown:
+        if shown is not None:
+            shown.phase(f"opening {source}")
+        res = run_reshard(
+            source,
+            target,
+            options,
+            opening=OpenOptions(declaration=decl, trust_pickle=trust_pickle, selection=sel),
+            progress=lambda: contextlib.nullcontext(shown.progress if shown is not None else None),
+            phase=shown.phase if shown is not None else None,
+        )
     sink = Output(json_output)
     sink.result(res, _render)
     for w in res.warnings:  # after the summary; they do not change the exit code
@@ -146,10 +152,10 @@ def _render(res: ReshardResult) -> None:
         )
         con.print(f"dry run: nothing was written (planned in {fmt_seconds(res.seconds)})")
         return
-    con.print(
-        f"wrote   {human_bytes(res.bytes_written)} in {fmt_seconds(res.seconds)} "
-        f"({fmt_rate(res.bytes_written, res.seconds)}; {plural(res.chunks_copied, 'chunk')} copied verbatim, "
-        f"{res.chunks_rewritten} reassembled)"
+    con.print(  # the rate of the writing alone
+        f"wrote   {human_bytes(res.bytes_written)} ({fmt_seconds(res.seconds)} in all; written in "
+        f"{fmt_seconds(res.write_seconds)}, {fmt_rate(res.bytes_written, res.write_seconds)}); "
+        f"{plural(res.chunks_copied, 'chunk')} copied verbatim, {res.chunks_rewritten} reassembled"
         + (f"; also copied {', '.join(res.extra_files)}" if res.extra_files else "")
     )
     if res.manifest is not None:

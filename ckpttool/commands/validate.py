@@ -17,14 +17,18 @@ from ckpttool.ui.options import declaration, examples, selection
 from ckpttool.ui.output import Output, command_boundary, print_error
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ckpttool.model.discovery import CheckpointSelection
     from ckpttool.ops.validate import ValidationResult
+    from ckpttool.ui.render import PhaseProgress
 
 
 def _render(res: ValidationResult) -> None:
     from ckpttool.ui.render import (
         STYLES,
         fmt_rate,
+        fmt_seconds,
         human_bytes,
         plural,
         print_findings,
@@ -50,7 +54,12 @@ def _render(res: ValidationResult) -> None:
     reasons = sorted({s.reason or "" for s in skipped})
     skip_txt = f", {len(skipped)} skipped ({'; '.join(reasons)})" if skipped else ""
     word = {0: "OK", 1: "FAILED", 2: "UNREADABLE"}[res.exit_code]
-    deep = f", read {human_bytes(res.bytes_read)} ({fmt_rate(res.bytes_read, res.seconds)})" if res.deep else ""
+    deep = (  # the rate of the deep pass alone
+        f", read {human_bytes(res.bytes_read)} ({fmt_seconds(res.deep_seconds)}, "
+        f"{fmt_rate(res.bytes_read, res.deep_seconds)})"
+        if res.deep
+        else ""
+    )
     con.print(
         verdict(
             word,
@@ -191,7 +200,7 @@ def validate_command(
 
     if junit is not None:
         _check_junit_path(junit)
-    from ckpttool.ui.render import byte_progress
+    from ckpttool.ui.render import PhaseProgress
 
     decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
     sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
@@ -212,19 +221,28 @@ def validate_command(
             _write_junit(junit, res)
         Output(json_output).result(res, _render)
 
-    progress = byte_progress("validate --deep", deep and not json_output and sys.stderr.isatty())
-    with progress as update:
+    # --deep: phases named on stderr (opening, planning the deep pass, ...); the byte bar of the reading from its total on
+    enabled = deep and not json_output and sys.stderr.isatty()
+    with PhaseProgress.on_stderr("validate --deep", enabled, bar_text="reading") as shown:
         res = run_validate(
             checkpoint,
             options,
             opening=OpenOptions(declaration=decl, trust_pickle=trust_pickle, selection=sel),
-            progress=update,
-            report=report,
+            progress=shown.progress if shown is not None else None,
+            report=lambda r: _after(shown, report, r),
+            phase=shown.phase if shown is not None else None,
         )
     fatal = validation_error(res)
     if fatal is not None:
         print_error(fatal)
     raise typer.Exit(res.exit_code)
+
+
+def _after(shown: PhaseProgress | None, report: Callable[[ValidationResult], None], res: ValidationResult) -> None:
+    """``report(res)`` once the progress lines are gone (a bar drawn under the table would garble it)."""
+    if shown is not None:
+        shown.close()
+    report(res)
 
 
 def _manifest_path(manifest: str | None, checkpoint: PurePath, sel: CheckpointSelection | None) -> Path | None:

@@ -103,8 +103,10 @@ def run_validate(
     opening: OpenOptions,
     progress: Progress,
     report: Callable[[ValidationResult], None],
+    phase: Callable[[str], None] | None = None,
 ) -> ValidationResult:
-    """:func:`~ckpttool.ops.validate.validate` the checkpoint and ``report`` the result, under one GC pause.
+    """:func:`~ckpttool.ops.validate.validate` the checkpoint and ``report`` the result, under one GC pause
+    (``phase``: as for :func:`~ckpttool.ops.validate.validate`).
 
     Raises:
         as :func:`~ckpttool.ops.validate.validate`, and what ``report`` raises.
@@ -112,7 +114,7 @@ def run_validate(
     from ckpttool.ops.validate import validate
 
     with gc_held():  # one pause for reading and printing (each re-enable: a full collection)
-        res = validate(path, options, progress=progress, opening=opening)
+        res = validate(path, options, progress=progress, opening=opening, phase=phase)
         report(res)
     return res
 
@@ -173,12 +175,14 @@ def run_reshard(
     *,
     opening: OpenOptions,
     progress: Callable[[], AbstractContextManager[Progress]],
+    phase: Callable[[str], None] | None = None,
 ) -> ReshardResult:
     """Open ``source`` and :func:`~ckpttool.ops.reshard.reshard` it into ``target``.
 
     Args:
         progress: a context-manager factory yielding the ``(bytes done, bytes total)`` callback (or
             ``None``), entered once the checkpoint is open.
+        phase: ``phase(text)`` as each step of the reshard starts (``planning``, ``writing``, ...).
 
     Raises:
         as :func:`~ckpttool.model.checkpoint.open_checkpoint` and :func:`~ckpttool.ops.reshard.reshard`.
@@ -186,7 +190,7 @@ def run_reshard(
     from ckpttool.ops.reshard import reshard
 
     with open_source(source, opening) as ckpt, progress() as update:
-        return reshard(ckpt, target, options, progress=update)
+        return reshard(ckpt, target, options, progress=update, phase=phase)
 
 
 def run_export(

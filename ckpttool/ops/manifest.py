@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -70,6 +70,8 @@ MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"
 _WORKERS = 2  # reader/digest threads of build_manifest
 log = logging.getLogger(__name__)
+#: ``on_entry(length)``: called with the bytes of each entry once it is hashed or checked (progress).
+OnEntry = Callable[[int], None] | None
 
 
 @dataclass(frozen=True)
@@ -205,10 +207,12 @@ class ManifestResult:
     metadata_digest: str | None
     warnings: list[str] = field(default_factory=list)
     covers: str = "window"
+    hash_seconds: float = 0.0
 
     @property
     def gb_per_s(self) -> float:
-        return self.bytes_hashed / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        """Bytes hashed per second of the hashing phase (``hash_seconds``), in GB/s (10^9)."""
+        return self.bytes_hashed / self.hash_seconds / 1e9 if self.hash_seconds > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -219,6 +223,7 @@ class ManifestResult:
             "entries": self.entries,
             "bytes_hashed": self.bytes_hashed,
             "seconds": round(self.seconds, 6),
+            "hash_seconds": round(self.hash_seconds, 6),
             "gb_per_s": round(self.gb_per_s, 3),
             "digest": self.digest,
             "metadata_digest": self.metadata_digest,
@@ -588,6 +593,7 @@ def write_manifest(
     *,
     progress: Callable[[int, int], None] | None = None,
     opening: OpenOptions | None = None,
+    phase: Callable[[str], None] | None = None,
 ) -> ManifestResult:
     """Write ``manifest.json`` for a checkpoint (beside ``.metadata`` unless ``out`` names a file).
 
@@ -597,7 +603,9 @@ def write_manifest(
     Args:
         source: an opened :class:`Checkpoint` or its path, opened with ``opening``.
         options: see :class:`ManifestOptions`.
-        progress: ``progress(done_bytes, total_bytes)``.
+        progress: ``progress(done_bytes, total_bytes)``: ``(0, total)`` once planned, then after each entry.
+        phase: ``phase(text)`` as each step starts: ``planning``, ``hashing`` (the bytes of
+            ``progress``), ``writing FILE``.
 
     Raises:
         UsageError: unknown ``algorithm`` or ``covers``; OutputError: ``out`` cannot be written;
@@ -608,8 +616,10 @@ def write_manifest(
     _check_algorithm(algorithm)
     _check_covers(covers)
     t0 = time.perf_counter()
+    say = phase or (lambda text: None)
     with open_source(source, opening) as ckpt:
         reader = ckpt.reader
+        say("planning")
         total = sum(reader.storage_info(k, c).length for k, c in _items(reader))
         done = [0]
 
@@ -619,9 +629,14 @@ def write_manifest(
                 progress(done[0], total)
 
         target = Path(out) if out is not None else Path(ckpt.located.model) / MANIFEST_NAME
+        say("hashing")
+        t_hash = time.perf_counter()
+        step(0)
         man = build_manifest(
             reader, algorithm, covers=covers, on_entry=step, exclude=_inside(Path(reader.path), target)
         )
+        hash_seconds = time.perf_counter() - t_hash
+        say(f"writing {target}")
         data = man.to_bytes()
         with recording(target.parent, target.name):  # an output of ckpttool: its marker lists the manifest
             _replace_file(target, data)
@@ -637,6 +652,7 @@ def write_manifest(
             manifest_digest(data, algorithm),
             man.metadata_digest,
             covers=covers,
+            hash_seconds=hash_seconds,
         )
 
 
@@ -894,8 +910,8 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     return Manifest(algorithm, entries, md_digest, md_size, source, kind, tuple(files), sidecars, shown)
 
 
-def verify_manifest(reader: CheckpointReader, manifest: Manifest) -> list[ManifestProblem]:
-    """Check every chunk and byte item of a checkpoint against a manifest (reads every window once).
+def verify_manifest(reader: CheckpointReader, manifest: Manifest, *, on_entry: OnEntry = None) -> list[ManifestProblem]:
+    """Check every chunk and byte item of a checkpoint against a manifest (each window read once; ``on_entry``: progress).
 
     Returns:
         The problems, in manifest order then checkpoint order: ``missing``, ``extra``,
@@ -907,7 +923,7 @@ def verify_manifest(reader: CheckpointReader, manifest: Manifest) -> list[Manife
     problems: list[ManifestProblem] = []
     stored = {(k, c.offsets if c is not None else None): c for k, c in _items(reader)}
     listed = {e.ident: e for e in manifest.entries}
-    for e in manifest.entries:
+    for e in _counted(manifest.entries, on_entry):
         if e.ident not in stored:
             problems.append(
                 ManifestProblem(
@@ -976,6 +992,14 @@ def verify_manifest(reader: CheckpointReader, manifest: Manifest) -> list[Manife
     return problems
 
 
+def _counted(entries: Iterable[ManifestEntry], on_entry: OnEntry) -> Iterator[ManifestEntry]:
+    """``entries``; each one's ``length`` passed to ``on_entry`` once the loop over it is done (``continue`` too)."""
+    for e in entries:
+        yield e
+        if on_entry is not None:
+            on_entry(e.length)
+
+
 def _has_storage(reader: CheckpointReader, key: str, chunk: ChunkMeta | None) -> bool:
     try:
         reader.storage_info(key, chunk)
@@ -1021,8 +1045,12 @@ def safetensors_manifest(
     return Manifest(algorithm, tuple(entries), None, None, source, "safetensors", tuple(meta), sidecars).to_bytes()
 
 
-def verify_safetensors_manifest(directory: str | os.PathLike[str], manifest: Manifest) -> list[ManifestProblem]:
+def verify_safetensors_manifest(
+    directory: str | os.PathLike[str], manifest: Manifest, *, on_entry: Callable[[int], None] | None = None
+) -> list[ManifestProblem]:
     """Check a safetensors directory (an ``export`` output) against its kind ``safetensors`` manifest.
+
+    ``on_entry(length)``: called with each extent's ``length`` once it is checked (progress).
 
     Every listed file's header is digested and compared; every extent is read once and digested;
     the extents of each tensor must tile its ``data_offsets`` range exactly, and every tensor of
@@ -1056,6 +1084,8 @@ def verify_safetensors_manifest(directory: str | os.PathLike[str], manifest: Man
         path = resolve_inside(root, name, what="safetensors file")
         if not path.exists():
             problems.append(ManifestProblem("missing", name, None, f"{name}: listed in the manifest, not in {root}"))
+            if on_entry is not None:
+                on_entry(sum(e.length for e in by_file.get(name, [])))
             continue
         header, data_start = read_safetensors_header(path)
         fd = open_regular(path)
@@ -1068,7 +1098,9 @@ def verify_safetensors_manifest(directory: str | os.PathLike[str], manifest: Man
                     )
                 )
             tensors = {k: v for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
-            spans = _check_extents(fd, path, name, tensors, by_file.get(name, []), manifest.algorithm, problems)
+            spans = _check_extents(
+                fd, path, name, tensors, by_file.get(name, []), manifest.algorithm, problems, on_entry
+            )
             _check_tiling(name, data_start, tensors, spans, problems)
         finally:
             os.close(fd)
@@ -1085,6 +1117,7 @@ def _check_extents(
     entries: list[ManifestEntry],
     algorithm: str,
     problems: list[ManifestProblem],
+    on_entry: Callable[[int], None] | None = None,
 ) -> dict[str, list[tuple[int, int]]]:
     """Digest every listed extent of one safetensors file; the ``(offset, length)`` extents of each tensor.
 
@@ -1102,8 +1135,10 @@ def _check_extents(
                 f"(an export writes at most {budget:,}); not read",
             )
         )
+        if on_entry is not None:
+            on_entry(sum(e.length for e in entries))
         return {k: [(-1, 0)] for k in tensors}  # every tensor reported once as not tiled
-    for e in entries:
+    for e in _counted(entries, on_entry):
         t = tensors.get(e.key)
         if t is None:
             problems.append(
@@ -1228,6 +1263,8 @@ def check_against_manifest(
     manifest_path: str | os.PathLike[str] | None = None,
     *,
     opening: OpenOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    phase: Callable[[str], None] | None = None,
 ) -> ManifestCheck:
     """Verify a DCP checkpoint or a safetensors export directory against its manifest.
 
@@ -1235,18 +1272,34 @@ def check_against_manifest(
         directory: the checkpoint or export directory (local).
         manifest_path: the manifest (default ``directory/manifest.json``).
         opening: how to open a DCP checkpoint (``trust_pickle``, ``selection``).
+        progress: ``progress(bytes done, bytes total)`` of the entries the manifest lists: ``(0, total)``
+            before the first is read, then after each.
+        phase: ``phase(text)`` as each step starts: ``reading manifest FILE``, ``opening DIR`` (a DCP
+            checkpoint), then the bytes of ``progress``.
 
     Raises:
         UsageError: no manifest; ManifestError: a malformed one; the readers' errors.
     """
+    say = phase or (lambda text: None)
     target = Path(manifest_path) if manifest_path is not None else Path(directory) / MANIFEST_NAME
+    say(f"reading manifest {target}")
     man = load_manifest(target)
+    total, done = sum(e.length for e in man.entries), [0]
+
+    def step(n: int) -> None:
+        done[0] += n
+        if progress is not None:
+            progress(done[0], total)
+
     if man.kind == "safetensors":
-        problems = verify_safetensors_manifest(directory, man)
+        step(0)
+        problems = verify_safetensors_manifest(directory, man, on_entry=step)
         shown = str(directory)
     else:
+        say(f"opening {directory}")
         with open_source(directory, opening) as ckpt:
-            problems = verify_manifest(ckpt.reader, man)
+            step(0)
+            problems = verify_manifest(ckpt.reader, man, on_entry=step)
             shown = str(ckpt.path)
     return ManifestCheck(shown, str(target), man.kind, man.algorithm, len(man.entries), problems, man.source)
 

@@ -97,21 +97,49 @@ _LABEL_RE = re.compile(
 def hanging_indent(line: str, width: int) -> str:
     """``line`` wrapped at spaces to ``width``, continuation lines indented to its value column.
 
-    A line with no label (no value column) or that fits is returned as it is; a word longer
-    than the room is never cut (the terminal wraps it).
+    A line with no label (no value column) wraps at the left margin; a line that fits is returned
+    as it is; a word longer than the room is never cut (the terminal wraps it); a number is never
+    parted from its unit.
     """
     if len(line) <= width or "\n" in line:
         return line
     m = _LABEL_RE.match(line)
     indent = len(m.group(0)) if m else 0
-    if not indent or width - indent < 20:
+    if width - indent < 20:
         return line
     import textwrap
 
-    body = textwrap.wrap(
-        line[indent:], width - indent, break_long_words=False, break_on_hyphens=False, drop_whitespace=True
-    )
-    return line[:indent] + ("\n" + " " * indent).join(body)
+    glued = _NUMBER_UNIT_RE.sub("\\1\x00", line[indent:])  # a number stays with its unit (333.6 KiB)
+    body = textwrap.wrap(glued, width - indent, break_long_words=False, break_on_hyphens=False, drop_whitespace=True)
+    return line[:indent] + ("\n" + " " * indent).join(b.replace("\x00", " ") for b in body)
+
+
+def hanging_text(text: Any, width: int) -> Any:
+    """A rich ``Text`` (a verdict line: ``result      OK: ...``) wrapped as :func:`hanging_indent` wraps its
+    plain text, styles kept; ``None`` when it is left as it is."""
+    plain = text.plain
+    wrapped = hanging_indent(plain, width)
+    if "\n" not in wrapped or "\n" in plain:
+        return None
+    lines = wrapped.split("\n")
+    indent = len(lines[1]) - len(lines[1].lstrip(" "))
+    offsets, pos = [], len(lines[0])
+    for ln in lines[1:]:
+        at = plain.index(ln[indent:], pos)
+        offsets.append(at)
+        pos = at + len(ln) - indent
+    parts = text.divide(offsets)
+    out = parts[0]
+    out.rstrip()
+    for part in parts[1:]:
+        part.rstrip()
+        out.append("\n" + " " * indent)
+        out.append_text(part)
+    return out
+
+
+#: ``<number> <unit>`` (``333.6 KiB``, ``0 B``, ``45 ms``, ``16.2 MB/s``): the space a wrap never breaks.
+_NUMBER_UNIT_RE = re.compile(r"(\d) (?=(?:[KMGTP]i?B|[kMGTP]B|B|ms|µs|s|min|h)(?:/s)?(?![\w/]))")
 
 
 @functools.cache
@@ -140,6 +168,11 @@ def _safe_console_class() -> type[Console]:
                     from rich.text import Text
 
                     super().print(Text(text), soft_wrap=True, **kwargs)
+                    return
+            elif len(objects) == 1 and type(objects[0]).__name__ == "Text" and not self.soft_wrap and not kwargs:
+                hung = hanging_text(objects[0], self.width)  # a styled verdict line keeps its value column too
+                if hung is not None:
+                    super().print(hung, soft_wrap=True)
                     return
             super().print(*objects, **kwargs)
 
@@ -576,12 +609,19 @@ def print_table(con: Console, title: str, columns: list[Col], rows: list[list[An
         t.add_row(
             *(key_text(safe_text(r[i])) if columns[i].kind == "key" and isinstance(r[i], str) else r[i] for i in keep)
         )
-    minimum = need(keep, fit=False)
-    con.print(t, width=minimum if minimum > width else None, soft_wrap=False, crop=False)
+    _print_at_least(con, t, need(keep, fit=False))
     named = [n for n in hidden if not any(c.below and c.name == n for c in columns)]
     if named:
         con.print(f"  (not shown at {width} columns: {', '.join(named)}; see --wide or --json)")
     return hidden
+
+
+def _print_at_least(con: Console, t: Table, minimum: int) -> None:
+    """Print ``t`` at the console's width, or at ``minimum`` cells where that is wider (the terminal wraps
+    the lines): rich clamps a print's width to the terminal's, a table's own width it does not."""
+    if minimum > con.width:
+        t.width = minimum
+    con.print(t, width=minimum if minimum > con.width else None, soft_wrap=False, crop=False)
 
 
 #: Keys shown in the one row of repeated findings of one code.
@@ -639,6 +679,11 @@ def table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
     for r in rows:
         t.add_row(*(_cell(v) for v in r))
     return t
+
+
+#: Below this many columns a progress bar shows no rate and no time left; below :data:`WIDE_PROGRESS` its
+#: bar takes the room that is left (at least the line fits), from there on a bar of 40.
+NARROW_PROGRESS, WIDE_PROGRESS = 80, 120
 
 
 class PhaseProgress:
@@ -733,18 +778,20 @@ class PhaseProgress:
             if self._status is not None:
                 self._status.stop()
                 self._status = None
-            amounts = (
-                [DownloadColumn(binary_units=True), TransferSpeedColumn()]
-                if self.unit == "bytes"
-                else [MofNCompleteColumn()]
-            )
+            # on a narrow terminal the bar gives way, then the time left and the rate: one line, never wrapped
+            width = self.con.width
+            amounts: list[Any] = [DownloadColumn(binary_units=True)] if self.unit == "bytes" else [MofNCompleteColumn()]
+            if self.unit == "bytes" and width >= NARROW_PROGRESS:
+                amounts.append(TransferSpeedColumn())
+            if width >= NARROW_PROGRESS:
+                amounts.append(TimeRemainingColumn())
             self._bar = Progress(
                 TextColumn("{task.description}"),
-                BarColumn(),
+                BarColumn(bar_width=None if width < WIDE_PROGRESS else 40),
                 *amounts,
-                TimeRemainingColumn(),
                 console=self.con,
                 transient=True,
+                expand=width < WIDE_PROGRESS,
             )
             self._bar.start()
             first = self._last if self._bar_text is None else self._bar_text

@@ -92,3 +92,72 @@ def test_stats_and_manifest_name_their_phases(sample_ckpt: Path, tmp_path: Path)
     text = _shown(["manifest", str(a)])
     _in_order(text, f"manifest: opening {a}…", "manifest: hashing")
     assert (a / "manifest.json").is_file()
+
+
+def test_manifest_and_its_verify_name_their_phases(sample_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "m.json"
+    text = _shown(["manifest", str(sample_ckpt), "--output", str(out)])
+    _in_order(text, f"manifest: opening {sample_ckpt}…", "manifest: planning…", "manifest: hashing", "wrote ")
+    assert "; hashed in " in text and "in all" in text  # the rate of the hashing alone
+    text = _shown(["manifest", str(sample_ckpt), "--output", str(out), "--verify"])
+    _in_order(
+        text,
+        f"manifest --verify: reading manifest {out}…",
+        f"manifest --verify: opening {sample_ckpt}…",
+        "manifest --verify: verifying ━",
+        "matches its manifest",
+    )
+    doc = json.loads(runner.invoke(app, ["manifest", str(sample_ckpt), "--output", str(out), "--json"]).stdout)
+    assert 0 < doc["hash_seconds"] <= doc["seconds"]
+    assert doc["gb_per_s"] == pytest.approx(doc["bytes_hashed"] / doc["hash_seconds"] / 1e9, rel=0.01, abs=1e-3)
+
+
+def test_validate_deep_names_its_phases_and_rates_the_reading_alone(sample_ckpt: Path) -> None:
+    text = _shown(["validate", str(sample_ckpt), "--deep"])
+    _in_order(
+        text,
+        f"validate --deep: opening {sample_ckpt}…",
+        "validate --deep: reading param groups and extra state…",
+        "validate --deep: planning the deep pass…",
+        "validate --deep: reading ━",
+        "OK: ",
+        ", read ",
+    )
+    stats = json.loads(runner.invoke(app, ["validate", str(sample_ckpt), "--deep", "--json"]).stdout)["stats"]
+    assert 0 < stats["deep_seconds"] <= stats["seconds"]
+
+
+def test_reshard_names_its_phases_and_rates_the_writing_alone(sample_ckpt: Path, tmp_path: Path) -> None:
+    argv = ["reshard", str(sample_ckpt), str(tmp_path / "r"), "--to", "canonical", "--with-optimizer"]
+    text = _shown([*argv, "--manifest"])
+    _in_order(
+        text,
+        f"reshard: opening {sample_ckpt}…",
+        "reshard: planning…",
+        "reshard: writing ━",
+        "reshard: copying extra files",
+        "reshard: writing manifest.json",
+        "wrote ",
+        "in all; written in ",
+    )
+    assert (tmp_path / "r" / ".metadata").is_file()
+    doc = json.loads(runner.invoke(app, [*argv[:2], str(tmp_path / "j"), *argv[3:], "--json"]).stdout)
+    assert 0 < doc["write_seconds"] <= doc["seconds"]
+    rc, out = run_in_pty(["--no-progress", *argv[:2], str(tmp_path / "q"), *argv[3:]], 120)
+    assert rc == 0 and "reshard: " not in out and "\x1b[?25l" not in out  # no phase line, no live display
+    res = runner.invoke(app, [*argv[:2], str(tmp_path / "p"), *argv[3:]])  # not a terminal: nothing on stderr
+    assert res.exit_code == 0 and res.stderr == "", res.stderr
+
+
+def test_diff_and_stats_name_opening_before_their_bars(sample_ckpt: Path, tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(sample_ckpt, a)
+    shutil.copytree(sample_ckpt, b)
+    text = _shown(["diff", str(a), str(b)])
+    _in_order(text, f"diff: opening A ({a})…", f"diff: opening B ({b})…", "diff: matching names…", "diff: comparing ━")
+    # at 60 columns the per-layer table is wider than the terminal: printed wider, its key column kept
+    rc, out = run_in_pty(["stats", str(a)], 60)
+    assert rc == 0, out
+    text = ANSI.sub("", out)
+    _in_order(text, "stats: opening ", "stats: measuring ", "━", "model.layers.0 ", "lm_head ")  # paths may wrap
+    assert "B/s" not in text  # a bar below 80 columns shows no rate and no time left

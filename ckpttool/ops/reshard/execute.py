@@ -19,7 +19,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +51,8 @@ __all__ = ["ReshardOptions", "ReshardResult", "reshard", "execute_plan"]
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[int, int], None]
+#: ``phase(text)``: the step that starts.
+PhaseFn = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,8 @@ class ReshardResult:
         chunks_copied, chunks_rewritten: output chunks copied as archives / assembled and re-saved.
         files: output data files (relative path, bytes).
         extra_files: files/directories beside the checkpoint copied unchanged (``extra_state``, ...).
-        bytes_written, seconds: totals.
+        bytes_written, seconds: totals (``seconds``: planning to the finished output).
+        write_seconds: the writing of the data files alone (0 with ``dry_run``); at most ``seconds``.
         warnings: things the output cannot fix, one line each (e.g. per-rank ``extra_state`` files
             copied from a source mesh of another size).
     """
@@ -128,6 +131,7 @@ class ReshardResult:
     extra_files: list[str] = field(default_factory=list)
     bytes_written: int = 0
     seconds: float = 0.0
+    write_seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
     source_identity: dict[str, Any] | None = None
     manifest: str | None = None
@@ -300,7 +304,7 @@ def execute_plan(
         reader: reader of ``plan.source``.
         out_dir: an empty directory.
         checkpoint_id: the final path, recorded in the metadata.
-        progress: called with ``(bytes done, bytes total)`` (from worker threads).
+        progress: called with ``(0, bytes total)`` first, then ``(bytes done, bytes total)`` (from worker threads).
         threads: worker threads (default: CPU count, at most the number of target files).
         fsync: ``fsync`` the output files (see :class:`~ckpttool.format.writer.DCPWriter`).
         digest: digest every written record with this algorithm (``writer.manifest_entries()``).
@@ -312,6 +316,8 @@ def execute_plan(
     total = sum(t.dtype.itemsize * _numel(t.shape) for t in plan.tensors)
     state = {"done": 0}
     lock = threading.Lock()
+    if progress is not None:  # the total, before the first byte is written
+        progress(0, total)
 
     def tick(nbytes: int, copied: bool) -> None:
         with lock:
@@ -461,6 +467,7 @@ def reshard(
     *,
     progress: ProgressFn | None = None,
     opening: OpenOptions | None = None,
+    phase: PhaseFn | None = None,
 ) -> ReshardResult:
     """Write a new DCP checkpoint whose EP tensors are in the ``options.to`` layout for the target mesh.
 
@@ -469,10 +476,13 @@ def reshard(
             included), or its path/URL, opened with ``opening``; only read.
         out: output directory (must not exist or be empty, unless ``overwrite``).
         options: see :class:`ReshardOptions`.
-        progress: optional ``(bytes done, bytes total)`` callback.
+        progress: optional ``(bytes done, bytes total)`` callback: ``(0, total)`` once planned, then
+            after each written chunk.
+        phase: ``phase(text)`` as each step starts: ``planning``, ``writing`` (the bytes of
+            ``progress``), then ``copying extra files`` and ``writing manifest.json`` where there are any.
 
     Returns:
-        A :class:`ReshardResult`.
+        A :class:`ReshardResult` (``seconds``: planning to the finished output; ``write_seconds``: the writing).
 
     Raises:
         UsageError, LayoutError, ReshardError, ChunkError: see
@@ -480,11 +490,14 @@ def reshard(
     """
     opts = options or ReshardOptions()
     with open_source(source, opening) as ckpt:
-        return _reshard(ckpt, output_location(out), opts, progress)
+        return _reshard(ckpt, output_location(out), opts, progress, phase or (lambda text: None))
 
 
-def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: ProgressFn | None) -> ReshardResult:
+def _reshard(
+    ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: ProgressFn | None, say: PhaseFn
+) -> ReshardResult:
     t0 = time.perf_counter()
+    say("planning")
     src_p, reader, cat = ckpt.path, ckpt.reader, ckpt.catalog
     if reader.metadata.serialization != "torch_save":
         raise ReshardError(
@@ -531,6 +544,8 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
     group = distributed.current()
     with contextlib.ExitStack() as stack:
         tmp = distributed.enter_output_dir(stack, group, dst_p, overwrite=opts.overwrite, source=src_p, kind="reshard")
+        say("writing")
+        t_write = time.perf_counter()
         try:
             writer, counts = execute_plan(
                 plan,
@@ -546,19 +561,38 @@ def _reshard(ckpt: Checkpoint, dst_p: Path, opts: ReshardOptions, progress: Prog
             if group.active and not distributed.agreed(e):
                 group.agree(e)  # the other ranks learn of it (and raise it) in execute_plan
             raise
-        extra: list[str] = []
-        files: list[dict[str, Any]] = []
-        if group.is_root:
-            extra = _copy_extra_files(src_p, tmp) if reader.remote is None else _copy_extra_remote(reader, tmp)
-            if opts.manifest:
-                _write_output_manifest(writer, tmp, opts.algorithm, identity)
-            files = [
-                {"path": DCPWriter.file_name(r), "bytes": (tmp / DCPWriter.file_name(r)).stat().st_size}
-                for r in range(plan.world)
-            ]
-    return _result(
+        write_seconds = time.perf_counter() - t_write
+        extra, files = (
+            _root_files(src_p, reader, tmp, writer, opts, identity, plan.world, say) if group.is_root else ([], [])
+        )
+    res = _result(
         ckpt, dst_p, opts, plan, layout, counts, files, extra, writer.bytes_written, time.perf_counter() - t0, identity
     )
+    return replace(res, write_seconds=round(write_seconds, 3))
+
+
+def _root_files(
+    src_p: Path,
+    reader: CheckpointReader,
+    tmp: Path,
+    writer: DCPWriter,
+    opts: ReshardOptions,
+    identity: dict[str, Any],
+    world: int,
+    say: PhaseFn,
+) -> tuple[list[str], list[dict[str, Any]]]:
+    """Rank 0's part once the data files are written: the extra files copied, the manifest written;
+    ``(extra names, data files with their sizes)``."""
+    if _extra_names(src_p, reader):
+        say("copying extra files")
+    extra = _copy_extra_files(src_p, tmp) if reader.remote is None else _copy_extra_remote(reader, tmp)
+    if opts.manifest:
+        say("writing manifest.json")
+        _write_output_manifest(writer, tmp, opts.algorithm, identity)
+    files = [
+        {"path": DCPWriter.file_name(r), "bytes": (tmp / DCPWriter.file_name(r)).stat().st_size} for r in range(world)
+    ]
+    return extra, files
 
 
 def _extra_names(src: Path, reader: CheckpointReader) -> list[str]:

@@ -299,6 +299,8 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
         )
     total = sum(_work_bytes(w) for w in work)
     done = [0]
+    if progress is not None:  # the total, before the first byte is read
+        progress(0, total)
 
     def one(w: _Work) -> tuple[ValueSums, ValueSums | None, Moments | None]:
         r = _run_work(ckpt, w)
@@ -407,8 +409,9 @@ def collect_stats(
     """Statistics of each checkpoint of ``sources`` (in order) and the per-layer change between
     consecutive ones.
 
-    ``progress(done_bytes, total_bytes)`` per checkpoint measured (from its first chunk on);
-    ``phase(text)`` as each step starts: ``measuring PATH i/n``, ``comparing steps``.
+    ``progress(done_bytes, total_bytes)`` per checkpoint measured (``(0, total)`` once planned, then
+    after each chunk); ``phase(text)`` as each step starts: ``opening PATH i/n``, ``measuring PATH i/n``,
+    ``comparing steps``.
 
     Raises:
         UsageError: no source, more than :data:`MAX_CHECKPOINTS`, or nothing to measure (filters).
@@ -420,8 +423,11 @@ def collect_stats(
         raise UsageError(f"{len(sources)} checkpoints given; at most {MAX_CHECKPOINTS}", hint="measure them in batches")
     try:
         with ExitStack() as stack:
-            ckpts = [stack.enter_context(open_source(s, opening)) for s in sources]
             say = phase or (lambda text: None)
+            ckpts = []
+            for i, s in enumerate(sources, 1):
+                say(f"opening {s.path if isinstance(s, Checkpoint) else s} {i}/{len(sources)}")
+                ckpts.append(stack.enter_context(open_source(s, opening)))
             per_list = []
             for i, c in enumerate(ckpts, 1):
                 say(f"measuring {c.path} {i}/{len(ckpts)}")

@@ -613,7 +613,8 @@ def run_deep(
     Args:
         ctx: a context with an open reader and catalog.
         workers: threads (default ``min(8, max(2, cpu_count))``).
-        progress: called as ``progress(bytes_done, bytes_total)`` after each work item.
+        progress: called as ``progress(0, bytes_total)`` once planned, then ``progress(bytes_done,
+            bytes_total)`` after each work item.
 
     Returns:
         The :class:`DeepResult`.
@@ -631,6 +632,8 @@ def run_deep(
         owners = group.share([it.nbytes for it in items])
         items = [it for it, r in zip(items, owners) if group.owns(r)]
     run = _DeepRun(ctx, metas, res, sum(it.nbytes for it in items), progress)
+    if progress is not None:  # the total, before the first byte is read
+        progress(0, run.total)
     error = _run_workers(run, items, workers, res)
     streamed = run.streamed_bytes
     if group.active:

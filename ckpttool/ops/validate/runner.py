@@ -178,7 +178,10 @@ def _finish(
 
 
 def _validate_open(
-    ckpt: Checkpoint, opts: ValidateOptions, progress: Callable[[int, int], None] | None
+    ckpt: Checkpoint,
+    opts: ValidateOptions,
+    progress: Callable[[int, int], None] | None,
+    say: Callable[[str], None] = lambda text: None,
 ) -> ValidationResult:
     """Check an opened checkpoint against the rules (see :func:`validate`)."""
     t0 = time.perf_counter()
@@ -190,6 +193,7 @@ def _validate_open(
         from ckpttool.ops.manifest import load_manifest
 
         man = load_manifest(opts.manifest)
+    say("reading param groups and extra state")
     ckpt.param_groups()
     ckpt.extra_state()
     ctx = Context(ckpt, deep=opts.deep, strict=opts.strict, config=cfg, reference=ref, manifest=man)
@@ -197,9 +201,11 @@ def _validate_open(
     if opts.deep and any(not _skip_reason(r, ctx) and "deep" in r.needs for r in rules):
         from ckpttool.ops.validate.deep import run_deep
 
+        say("planning the deep pass")
         ctx.deep_result = run_deep(ctx, opts.workers, progress)
         bytes_read, deep_seconds = ctx.deep_result.bytes_read, ctx.deep_result.seconds
         log.info("deep pass: read %d bytes in %.3f s", bytes_read, deep_seconds)
+    say("checking rules")
     statuses: list[RuleStatus] = []
     for r in rules:
         reason = _skip_reason(r, ctx)
@@ -221,6 +227,7 @@ def validate(
     *,
     progress: Callable[[int, int], None] | None = None,
     opening: OpenOptions | None = None,
+    phase: Callable[[str], None] | None = None,
 ) -> ValidationResult:
     """Check a checkpoint against the rules of ``docs/rules.md`` (a damaged one gives findings).
 
@@ -232,7 +239,10 @@ def validate(
             ``record_problems=True``, else a damaged byte item raises instead of becoming a
             finding), or its path/URL, opened with ``opening`` (and ``record_problems=True``).
         options: see :class:`ValidateOptions`.
-        progress: called as ``progress(bytes_done, bytes_total)`` during the deep pass.
+        progress: called as ``progress(bytes_done, bytes_total)`` during the deep pass, first with
+            ``(0, bytes_total)``.
+        phase: ``phase(text)`` as each step starts: ``opening PATH``, ``reading param groups and extra
+            state``, ``planning the deep pass`` (``--deep``), ``checking rules``.
 
     Returns:
         The :class:`ValidationResult`.
@@ -243,10 +253,11 @@ def validate(
         SchemaError: a key-schema override that matches nothing.
     """
     opts = options or ValidateOptions()
+    say = phase or (lambda text: None)
     with gc_held():  # one pause for open + rules: each re-enable triggers a full collection
         if isinstance(source, Checkpoint):
-            return _validate_open(source, opts, progress)
-        return _validate_path(source, opts, opening or OpenOptions(), progress)
+            return _validate_open(source, opts, progress, say)
+        return _validate_path(source, opts, opening or OpenOptions(), progress, say)
 
 
 def _validate_path(
@@ -254,8 +265,10 @@ def _validate_path(
     opts: ValidateOptions,
     opening: OpenOptions,
     progress: Callable[[int, int], None] | None,
+    say: Callable[[str], None],
 ) -> ValidationResult:
     t0 = time.perf_counter()
+    say(f"opening {path}")
     try:
         ckpt = open_checkpoint(
             path,
@@ -277,4 +290,4 @@ def _validate_path(
         ]
         return _finish(Path(path), opts, statuses, t0)
     with ckpt:
-        return _validate_open(ckpt, opts, progress)
+        return _validate_open(ckpt, opts, progress, say)

@@ -1,0 +1,72 @@
+"""What a new user met on a narrow terminal and in ``--help``, each through the CLI: usage lines that
+name arguments as POSIX usage does, label/value lines and verdicts that keep their value column and
+never part a number from its unit, a progress bar that stays on one line at 50 columns."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import COMMANDS, app
+from ckpttool.ui.render import hanging_indent
+from tests.cli.test_terminal import ANSI, run_in_pty
+
+runner = CliRunner()
+
+#: A number at the end of a line whose unit starts the next one (``538`` / ``ms in all``).
+_PARTED = re.compile(r"\d\n\s*(?:[KMGT]i?B|[kMGT]B|B|ms|s)\b")
+
+
+@pytest.mark.parametrize(
+    ("name", "usage"),
+    [
+        ("inspect", "CHECKPOINT"),
+        ("validate", "[CHECKPOINT]"),
+        ("export", "CHECKPOINT OUT"),
+        ("import", "HF_DIR OUT"),
+        ("diff", "A B"),
+        ("stats", "CHECKPOINT..."),  # one or more
+        ("schema", "[NAME]"),
+    ],
+)
+def test_usage_lines_name_arguments_as_posix_usage_does(name: str, usage: str) -> None:
+    res = runner.invoke(app, [name, "--help"])
+    assert res.exit_code == 0
+    assert res.stdout.splitlines()[0] == f"Usage: ckpttool {name} [OPTIONS] {usage}"
+
+
+def test_no_usage_line_writes_braces() -> None:
+    for name in COMMANDS:
+        first = runner.invoke(app, [name, "--help"]).stdout.splitlines()[0]
+        assert "{" not in first and "}" not in first, first
+
+
+def test_a_number_stays_with_its_unit_when_a_line_wraps() -> None:
+    line = "bytes       model 166.8 KiB, optimizer_state 333.6 KiB, other 0 B"
+    assert hanging_indent(line, 50) == "bytes       model 166.8 KiB, optimizer_state\n            333.6 KiB, other 0 B"
+    assert hanging_indent("exported 33 tensors, 83.4 KiB in 1 file to e2 (538 ms in all)", 50) == (
+        "exported 33 tensors, 83.4 KiB in 1 file to e2\n(538 ms in all)"
+    )
+
+
+def test_export_at_50_columns_bar_on_one_line_summary_wrapped_whole(sample_ckpt: Path, tmp_path: Path) -> None:
+    rc, out = run_in_pty(["export", str(sample_ckpt), str(tmp_path / "hf"), "--save-dtype", "bf16"], 50)
+    assert rc == 0, out
+    text = ANSI.sub("", out)
+    assert "export: writing ━" in text
+    assert not re.search(r"\n\s*KiB", text)  # the bar's amount never wraps onto a line of its own
+    assert not _PARTED.search(text), text
+    assert re.search(r"\(\d[\d.]* m?s in all; written in \d[\d.]* m?s, ", text.replace("\n", " ")), text
+
+
+def test_a_wrapped_verdict_keeps_its_value_column(sample_ckpt: Path) -> None:
+    rc, out = run_in_pty(
+        ["--no-progress", "replay-step", str(sample_ckpt), "--filter", "*layers.0.input_layernorm*"], 60
+    )
+    assert rc == 0, out
+    lines = ANSI.sub("", out).splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("result      OK: "))
+    assert len(lines[i]) <= 60 and lines[i + 1].startswith(" " * 12) and lines[i + 1][12] != " ", lines[i : i + 2]
