@@ -122,7 +122,7 @@ def test_compressed_tensors_export_decompressed_by_compressed_tensors(
     tmp_path: Path,
     method: str,
 ) -> None:
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, CompressedTensorsConfig
 
     out = tmp_path / "ct"
     block = 16
@@ -133,6 +133,8 @@ def test_compressed_tensors_export_decompressed_by_compressed_tensors(
     assert q["format"] == "compressed-tensors" and q["method"] == method and q["quantized"] == 14
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc == _ct_reference_config(method, block, ["lm_head", "model.embed_tokens"])
+    _, warned = _warnings_of(lambda: AutoConfig.from_pretrained(out))
+    assert warned == []  # no unknown-key warning from transformers
 
     files = _file_tensors(out)
     scales = {k.removesuffix("_scale"): v for k, v in files.items() if k.endswith(".weight_scale")}
@@ -402,3 +404,13 @@ def test_nan_in_one_expert_refused_nothing_published(tmp_path: Path, method: str
     assert f"layers.0.mlp.experts.2.down_proj.weight: {where} holds NaN" in res.stderr, res.stderr
     assert res.stderr.startswith("error: [E607] ")
     assert not out.exists() and not list(tmp_path.glob("out*"))
+
+
+def test_quant_format_choices_are_the_registry() -> None:
+    """``--quant-format``'s metavar and help name every registered convention (``QUANT_FORMATS``)."""
+    from ckpttool.ops.export.quantize import QUANT_FORMATS, QUANT_METHODS
+
+    res = runner.invoke(app, ["export", "--help"], env={"COLUMNS": "300"})
+    assert res.exit_code == 0
+    assert f"<{'|'.join(QUANT_FORMATS)}>" in res.stdout
+    assert f"<{'|'.join(QUANT_METHODS)}>" in res.stdout
