@@ -456,6 +456,7 @@ class BlockQuantizer:
         self.reader, self.block, self.tasks, self.channel = reader, block, tasks, channel
         self.merges: dict[str, Any] = {}
         self.stats: dict[str, _Stats] = {}  # output weight name -> its figures
+        self._units_of: dict[str, list[tuple[int, int]]] = {}  # source key -> its work units
         self._lock = threading.Lock()
 
     @property
@@ -464,9 +465,14 @@ class BlockQuantizer:
         return sum(t.weights for t in self.tasks.values())
 
     def _units(self, task: SourceTask) -> list[tuple[int, int]]:
-        """``(piece, band)`` of each work unit of ``task``."""
-        b = self.block
-        return [(k, j) for k in range(len(task.pieces) // 2) for j in range(-(-task.pieces[2 * k].shape[0] // b))]
+        """``(piece, band)`` of each work unit of ``task`` (computed once per task)."""
+        units = self._units_of.get(task.source_key)
+        if units is None:
+            b = self.block
+            units = [(k, j) for k in range(len(task.pieces) // 2) for j in range(-(-task.pieces[2 * k].shape[0] // b))]
+            with self._lock:
+                self._units_of[task.source_key] = units
+        return units
 
     def bands(self, task: SourceTask) -> int:
         """Work units of ``task``: ``ceil(rows / B)`` bands per quantized piece."""
