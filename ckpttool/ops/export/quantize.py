@@ -456,6 +456,7 @@ class BlockQuantizer:
         self.reader, self.block, self.tasks, self.channel = reader, block, tasks, channel
         self.merges: dict[str, Any] = {}
         self.stats: dict[str, _Stats] = {}  # output weight name -> its figures
+        self._units_of: dict[str, list[tuple[int, int]]] = {}  # source key -> its work units
         self._lock = threading.Lock()
 
     @property
@@ -464,9 +465,14 @@ class BlockQuantizer:
         return sum(t.weights for t in self.tasks.values())
 
     def _units(self, task: SourceTask) -> list[tuple[int, int]]:
-        """``(piece, band)`` of each work unit of ``task``."""
-        b = self.block
-        return [(k, j) for k in range(len(task.pieces) // 2) for j in range(-(-task.pieces[2 * k].shape[0] // b))]
+        """``(piece, band)`` of each work unit of ``task`` (computed once per task)."""
+        units = self._units_of.get(task.source_key)
+        if units is None:
+            b = self.block
+            units = [(k, j) for k in range(len(task.pieces) // 2) for j in range(-(-task.pieces[2 * k].shape[0] // b))]
+            with self._lock:
+                self._units_of[task.source_key] = units
+        return units
 
     def bands(self, task: SourceTask) -> int:
         """Work units of ``task``: ``ceil(rows / B)`` bands per quantized piece."""
@@ -516,7 +522,7 @@ class BlockQuantizer:
             q, scale, amax = kernels.fp8_channel_quantize(band)
         else:
             q, scale, amax = kernels.fp8_block_quantize(band, b)
-        self._check_scales(name, j, scale, amax)
+        self._check_scales(name, (j * b, None) if self.channel else (j, 0), scale, amax)
         if self.channel:
             worst, rel = kernels.fp8_channel_error(band, kernels.fp8_channel_dequantize(q, scale), amax)
         else:
@@ -560,15 +566,18 @@ class BlockQuantizer:
         return not (np.array_equal(q0, q) and np.array_equal(s0_.view(np.uint32), scale.view(np.uint32)))
 
     @staticmethod
-    def _check_scales(name: str, index: int, scale: np.ndarray, amax: np.ndarray) -> None:
+    def _check_scales(name: str, at: tuple[int, int | None], scale: np.ndarray, amax: np.ndarray) -> None:
+        """Raises E607 for a non-finite scale or a zero one of a non-zero block; ``at``: ``(band, 0)`` of a block
+        band (scales along the columns), ``(first row, None)`` of a channel band (a scale per row)."""
         import numpy as np
 
         bad = np.flatnonzero(~np.isfinite(scale) | ((scale <= 0) & (amax != 0)))
         if bad.size:
             j = int(bad[0])
             why = "holds NaN or infinity" if not np.isfinite(amax[j]) else f"amax {float(amax[j]):.4g} gives scale 0"
+            where = f"row {at[0] + j}" if at[1] is None else f"block ({at[0]}, {j})"
             raise QuantizationError(
-                f"{name}: block ({index}, {j}) {why}: no finite positive FP8 scale",
+                f"{name}: {where} {why}: no finite positive FP8 scale",
                 fqn=name,
                 hint="leave the tensor unquantized with `quantize_skip`, or check the checkpoint with "
                 "`ckpttool validate --deep`",

@@ -122,7 +122,7 @@ def test_compressed_tensors_export_decompressed_by_compressed_tensors(
     tmp_path: Path,
     method: str,
 ) -> None:
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, CompressedTensorsConfig
 
     out = tmp_path / "ct"
     block = 16
@@ -133,6 +133,8 @@ def test_compressed_tensors_export_decompressed_by_compressed_tensors(
     assert q["format"] == "compressed-tensors" and q["method"] == method and q["quantized"] == 14
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc == _ct_reference_config(method, block, ["lm_head", "model.embed_tokens"])
+    _, warned = _warnings_of(lambda: AutoConfig.from_pretrained(out))
+    assert warned == []  # no unknown-key warning from transformers
 
     files = _file_tensors(out)
     scales = {k.removesuffix("_scale"): v for k, v in files.items() if k.endswith(".weight_scale")}
@@ -218,7 +220,8 @@ def _ct_dequantized(out: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-@pytest.mark.parametrize("quant_format", ["fp8", "compressed-tensors"])
+# fp8 per-expert with logits is also covered (non-heavy) by the torchtitan test below: heavy here for CI time
+@pytest.mark.parametrize("quant_format", [pytest.param("fp8", marks=pytest.mark.heavy), "compressed-tensors"])
 def test_per_expert_moe_quantized_logits(qwen_ckpt: Path, tmp_path: Path, quant_format: str) -> None:  # noqa: F811
     """Fused ``[E, out, in]`` experts split per expert, each expert quantized; dequantized by the consumer's code."""
     from transformers import AutoConfig, Qwen3MoeForCausalLM
@@ -363,3 +366,51 @@ def test_quant_format_usage_errors(master_ckpt: Path, tmp_path: Path, args: tupl
     res = runner.invoke(app, ["export", str(master_ckpt), str(out), *args])
     assert res.exit_code == 2 and needle in res.stderr, res.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("method", ["fp8-block", "fp8-channel"])
+def test_nan_in_one_expert_refused_nothing_published(tmp_path: Path, method: str) -> None:
+    """A NaN in expert 2 of a fused ``[E, out, in]`` tensor: E607 naming that expert's weight; no output."""
+    import torch.distributed.checkpoint as dcp
+
+    experts = torch.randn(4, 16, 24)
+    experts[2, 9, 3] = float("nan")
+    sd = {
+        "model.model.layers.0.mlp.experts.down_proj": experts,
+        "model.model.layers.0.mlp.experts.gate_up_proj": torch.randn(4, 48, 16),
+        "model.model.norm.weight": torch.ones(16),
+    }
+    src = tmp_path / "ckpt"
+    dcp.save(sd, checkpoint_id=str(src), no_dist=True)
+    out = tmp_path / "out"
+    res = runner.invoke(
+        app,
+        [
+            "export",
+            str(src),
+            str(out),
+            "--experts",
+            "per-expert",
+            "--quantize",
+            method,
+            "--quant-format",
+            "compressed-tensors",
+            "--quantize-block",
+            "8",
+        ],
+    )
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
+    where = "block (1, 0)" if method == "fp8-block" else "row 9"
+    assert f"layers.0.mlp.experts.2.down_proj.weight: {where} holds NaN" in res.stderr, res.stderr
+    assert res.stderr.startswith("error: [E607] ")
+    assert not out.exists() and not list(tmp_path.glob("out*"))
+
+
+def test_quant_format_choices_are_the_registry() -> None:
+    """``--quant-format``'s metavar and help name every registered convention (``QUANT_FORMATS``)."""
+    from ckpttool.ops.export.quantize import QUANT_FORMATS, QUANT_METHODS
+
+    res = runner.invoke(app, ["export", "--help"], env={"COLUMNS": "300"})
+    assert res.exit_code == 0
+    assert f"<{'|'.join(QUANT_FORMATS)}>" in res.stdout
+    assert f"<{'|'.join(QUANT_METHODS)}>" in res.stdout
