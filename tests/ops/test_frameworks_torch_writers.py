@@ -21,7 +21,7 @@ from tests.fixtures.cache import cached_build
 pytestmark = pytest.mark.slow  # one 2-rank gloo job writes every variant
 
 runner = CliRunner()
-READABLE = ("safetensors", "no_collectives", "dedup_lowest", "one_file_threads")
+READABLE = ("safetensors", "no_collectives", "dedup_lowest", "one_file_threads", "async")
 
 
 @pytest.fixture(scope="module")
@@ -143,13 +143,30 @@ def test_nested_state_is_named_not_passed(tw_root: Path) -> None:
     assert res.exit_code == 2 and not (tw_root / "never").exists()
 
 
+def test_partial_async_save_is_incomplete(tw_root: Path, tmp_path: Path) -> None:
+    """An async save cut before ``.metadata`` (torch's own data files left): E202, and ``--step latest`` on a
+    run root picks the complete step below it (R001 names the newer one)."""
+    import shutil
+
+    src = tw_root / "async_partial"
+    assert not (src / ".metadata").exists() and any(src.glob("__*_*.distcp"))
+    res = runner.invoke(app, ["inspect", str(src)])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E202]")
+    shutil.copytree(tw_root / "async", tmp_path / "run" / "step-4")
+    shutil.copytree(src, tmp_path / "run" / "step-6")
+    doc = json.loads(cli("inspect", str(tmp_path / "run"), "--step", "latest", "--json"))
+    assert doc["location"]["model"].endswith("step-4")
+    res = runner.invoke(app, ["validate", str(tmp_path / "run"), "--step", "latest", "--json"])
+    assert [f["code"] for f in json.loads(res.stdout)["findings"]] == ["R001"]
+
+
 def test_dcp_load_reference(tw_root: Path) -> None:
     """torch's own reader loads the variants it can; the values equal the gathered full state."""
     import torch
     import torch.distributed.checkpoint as dcp
 
     want = _expected(tw_root)["model"]
-    for variant in ("dedup_lowest", "one_file_threads"):
+    for variant in ("dedup_lowest", "one_file_threads", "async"):
         sd = {"model": {k: torch.zeros_like(v) for k, v in want.items()}}
         dcp.load(sd, checkpoint_id=str(tw_root / variant))
         assert all(sd["model"][k].equal(v) for k, v in want.items())

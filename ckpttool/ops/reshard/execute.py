@@ -33,6 +33,7 @@ from ckpttool.format.files import copy_regular, resolve_inside
 from ckpttool.format.marker import MARKER_NAME
 from ckpttool.format.metadata import ChunkMeta
 from ckpttool.format.outputs import check_target, output_location
+from ckpttool.format.rank_local import RANK_METADATA_RE
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.format.storage import is_url
 from ckpttool.format.tiling import contiguous_run
@@ -404,6 +405,48 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _source_file(name: str) -> bool:
+    """A data file or a rank-local ``__R.metadata`` (``use_collectives=False``) of the source: the output has
+    its own (a copied ``__R.metadata`` would describe the source's chunks beside the new ``.metadata``)."""
+    return bool(DATA_FILE_RE.match(name) or RANK_METADATA_RE.match(name))
+
+
+#: what reshard says of a checkpoint whose chunks are not ``torch.save`` archives, by ``serialization``
+_NOT_ARCHIVES = {
+    "safetensors": "a HuggingFaceStorageWriter checkpoint (safetensors files, no .metadata)",
+    "dcp_safetensors": "a DCP checkpoint saved with FileSystemWriter(serialization_format=SerializationFormat."
+    "SAFETENSORS) (each data file a safetensors blob, not torch.save archives)",
+    "mixed": "a safetensors model folder paired with a DCP optimizer folder (NeMo Automodel's model/ + optim/)",
+}
+
+
+def _refuse_kind(ckpt: Checkpoint) -> None:
+    """ReshardError (E602) naming the storage kind or schema reshard does not rewrite.
+
+    Reshard copies ``torch.save`` chunk archives verbatim and permutes EP chunks of a known layout:
+    other chunk encodings, per-rank formats and megatron-core's ``torch_dist`` (experts stored by
+    their global index; no EP layout to convert) are refused before anything is written.
+    """
+    src_p, reader = ckpt.path, ckpt.reader
+    kind = reader.metadata.serialization
+    if getattr(reader, "assembled", None) is not None:
+        what = "a per-rank checkpoint (each rank's own torch.save / safetensors file, assembled; no DCP metadata)"
+    elif kind != "torch_save":
+        what = _NOT_ARCHIVES.get(kind, f"a checkpoint of serialization {kind!r}")
+    elif ckpt.catalog.schema.id == "megatron":
+        raise ReshardError(
+            f"{src_p}: a megatron-core torch_dist checkpoint: its expert tensors are stored by global expert index "
+            "([L, E, ...] with each rank's sharded offsets), so there is no EP layout to convert",
+            hint="megatron-core loads it at any EP size as it is (dist_checkpointing.load reshards on load)",
+        )
+    else:
+        return
+    raise ReshardError(
+        f"{src_p}: {what}; reshard rewrites and copies the torch.save chunk archives of FileSystemWriter checkpoints",
+        hint="export it with `ckpttool export`, or re-save it with dcp.save's default FileSystemWriter",
+    )
+
+
 def _copy_extra_remote(reader: CheckpointReader, dst: Path) -> list[str]:
     """:func:`_copy_extra_files` for a checkpoint in object storage: every other object below its prefix.
 
@@ -412,9 +455,7 @@ def _copy_extra_remote(reader: CheckpointReader, dst: Path) -> list[str]:
     assert reader.remote is not None
     copied = []
     for rel in sorted(reader.remote.sizes()):
-        if rel in (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME, MARKER_NAME) or (
-            "/" not in rel and DATA_FILE_RE.match(rel)
-        ):
+        if rel in (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME, MARKER_NAME) or ("/" not in rel and _source_file(rel)):
             continue
         data = reader.read_file(rel, limits.current().max_object_bytes, what="file beside the checkpoint")
         out = dst / rel
@@ -453,7 +494,7 @@ def _copy_extra_files(src: Path, dst: Path) -> list[str]:
             raise NotRegularFileError(f"{src / rel} is a device, FIFO or socket, not a regular file", path=src / rel)
 
     for entry in sorted(os.scandir(src), key=lambda e: e.name):
-        if entry.name in (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME, MARKER_NAME) or DATA_FILE_RE.match(entry.name):
+        if entry.name in (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME, MARKER_NAME) or _source_file(entry.name):
             continue
         copy_entry(entry, entry.name, dst / entry.name)
         copied.append(entry.name)
@@ -499,12 +540,7 @@ def _reshard(
     t0 = time.perf_counter()
     say("planning")
     src_p, reader, cat = ckpt.path, ckpt.reader, ckpt.catalog
-    if reader.metadata.serialization != "torch_save":
-        raise ReshardError(
-            f"{src_p}: a HuggingFaceStorageWriter checkpoint (safetensors files); reshard rewrites and copies "
-            "torch.save chunk archives of FileSystemWriter checkpoints",
-            hint="export it with `ckpttool export`, or re-save it with dcp.save's default FileSystemWriter",
-        )
+    _refuse_kind(ckpt)
     if reader.parts:
         raise ReshardError(
             f"{src_p}: model and optimizer are separate checkpoints ({', '.join(reader.parts)}); reshard writes "
@@ -600,8 +636,8 @@ def _extra_names(src: Path, reader: CheckpointReader) -> list[str]:
     skip = (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME, MARKER_NAME)
     if reader.remote is not None:
         names = {rel.split("/", 1)[0] for rel in reader.remote.sizes() if rel not in skip}
-        return sorted(n for n in names if not DATA_FILE_RE.match(n))
-    return sorted(e.name for e in os.scandir(src) if e.name not in skip and not DATA_FILE_RE.match(e.name))
+        return sorted(n for n in names if not _source_file(n))
+    return sorted(e.name for e in os.scandir(src) if e.name not in skip and not _source_file(e.name))
 
 
 def _planned_files(plan: ReshardPlan) -> tuple[list[dict[str, Any]], dict[str, int]]:

@@ -78,9 +78,9 @@ def _train_steps(ctx: Context) -> list[_Counter]:
             out.append(_Counter(st.file.relative_path, st.global_step))
     if ctx.ckpt.located is not None:  # OLMo-core's train/rankR.pt beside the checkpoint
         for ts in read_training_state_beside(Path(ctx.ckpt.located.model)):
-            v = ts.values.get("global_step")
-            if type(v) is int:
-                out.append(_Counter(f"{ts.file}:global_step", v))
+            gs = ts.values.get("global_step")
+            if isinstance(gs, int):
+                out.append(_Counter(f"{ts.file}:global_step", gs))
     return out
 
 

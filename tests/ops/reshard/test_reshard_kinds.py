@@ -1,0 +1,69 @@
+"""reshard on the storage kinds beyond FileSystemWriter's default: rank-local metadata works, the others refuse.
+
+References: the EP suite's true state (``tests/fixtures/moe_ep.py``), read back from the output with
+torch's own ``dcp_to_torch_save`` (its ``dcp.load`` of every tensor); the fixtures of torch's writer
+options and megatron-core's own ``torch_dist`` saves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from tests.fixtures.cache import cached_build
+from tests.fixtures.moe_ep import true_state
+
+runner = CliRunner()
+DECL = ("--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "2")
+MEGATRON = Path(__file__).parent.parent.parent / "fixtures" / "megatron_data"
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def test_rank_local_metadata_reshards_bitwise(ep_suite: Path, tmp_path: Path) -> None:
+    """``use_collectives=False`` (``__R.metadata`` only): legacy -> canonical is the true state, as torch loads it;
+    the source's rank-local metadata files are not copied beside the new ``.metadata``."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    src = ep_suite / "legacy_rank_local"
+    assert not (src / ".metadata").exists() and (src / "__3.metadata").is_file()
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["reshard", str(src), str(out), "--to", "canonical", *DECL, "--with-optimizer"])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in out.iterdir()) == [".ckpttool-output.json", ".metadata"] + [
+        f"__{r}_0.distcp" for r in range(4)
+    ]
+    dcp_to_torch_save(str(out), str(tmp_path / "full.pt"))
+    got = _flat(torch.load(tmp_path / "full.pt", weights_only=False))
+    true = true_state(8)
+    for k, v in true.items():
+        if k != "param_groups":
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+
+def test_other_kinds_are_refused_naming_the_kind(fixture_root: Path, tmp_path: Path) -> None:
+    """DCP safetensors serialization and megatron torch_dist: E602 naming what was seen, nothing written."""
+    from tests.fixtures.torch_writers import build_torch_writers
+
+    tw = cached_build(fixture_root, "torch_writers", build_torch_writers)
+    for src, words in (
+        (tw / "safetensors", "SerializationFormat.SAFETENSORS"),
+        (MEGATRON / "moe_ep2", "megatron-core torch_dist"),
+    ):
+        out = tmp_path / src.name
+        res = runner.invoke(app, ["reshard", str(src), str(out), "--to", "canonical", "--with-optimizer"])
+        assert res.exit_code == 2 and res.stderr.startswith("error: [E602]") and words in res.stderr, res.stderr
+        assert not out.exists()
