@@ -197,13 +197,11 @@ ROTATION = 5  # each entry also meets every ROTATION-th of the other commands (2
 ROUND4_COMMANDS = ("import", "manifest-verify")
 ROUND4_DEFAULT = {
     "manifest_record_stride_swap": ("manifest-verify",),
-    "manifest_layout_version": ("validate-deep",),
     "manifest_hf_added_shard": ("manifest-verify",),
     "temp_named_source": ("export",),
     "temp_named_forged_marker": ("import",),
     "hf_shard_deleted": ("validate-deep",),
     "import_expert_99999999999": ("import",),
-    "hf_shape_2_70": ("import",),
     "config_layers_200000": ("export",),
     "record_view_offset_huge": ("validate-deep",),
 }
