@@ -116,14 +116,22 @@ def test_an_added_shard_and_a_redirected_index_are_found(hf_export: Path) -> Non
     save_file({key: t * 0 + 7}, str(hf_export / "model-00003-of-00003.safetensors"), metadata={"format": "pt"})
     index["weight_map"][key] = "model-00003-of-00003.safetensors"
     (hf_export / "model.safetensors.index.json").write_text(json.dumps(index))
-    _verify_fails(hf_export, validate=False)
+    _verify_fails(hf_export)
+
+
+def test_validate_checks_an_export_against_its_own_manifest(hf_export: Path, sample_ckpt: Path) -> None:
+    """``validate --manifest`` of an export's manifest compares files, headers and extents as ``manifest --verify``
+    does (it compared them as DCP chunks: every tensor of an intact export was 'missing')."""
+    _ok("validate", str(hf_export), "--manifest", str(hf_export / "manifest.json"))
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--manifest", str(hf_export / "manifest.json")])
+    assert res.exit_code == 1 and "S015" in res.stdout and "Traceback" not in res.stderr, res.stdout + res.stderr
 
 
 def test_an_edited_config_json_is_found(hf_export: Path) -> None:
     cfg = json.loads((hf_export / "config.json").read_text())
     cfg["rms_norm_eps"] = 0.5
     (hf_export / "config.json").write_text(json.dumps(cfg))
-    _verify_fails(hf_export, validate=False)
+    _verify_fails(hf_export)
 
 
 def test_a_manifest_of_many_one_byte_extents_is_bounded_and_grouped(hf_export: Path) -> None:

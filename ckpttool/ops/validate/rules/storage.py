@@ -400,7 +400,19 @@ def chunk_checksum_mismatch(ctx: Context) -> Iterator[Finding]:
     needs=("manifest",),
 )
 def manifest_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
-    from ckpttool.ops.manifest import verify_manifest
+    from ckpttool.ops.manifest import verify_manifest, verify_safetensors_manifest
 
-    for p in verify_manifest(ctx.reader, ctx.manifest):
+    if ctx.manifest.kind == "safetensors":  # an export's manifest: files, headers and extents, as `manifest --verify`
+        if ctx.reader.remote is not None:
+            from ckpttool.errors import UsageError
+
+            raise UsageError(
+                "a safetensors export's manifest is verified on a local directory",
+                param="manifest",
+                hint="copy the export locally, or pass the DCP checkpoint's own manifest",
+            )
+        problems = verify_safetensors_manifest(ctx.reader.path, ctx.manifest)
+    else:
+        problems = verify_manifest(ctx.reader, ctx.manifest)
+    for p in problems:
         yield p.key, f"{p.kind}: {p.message}"
