@@ -421,7 +421,8 @@ def stale_verdict(entry: Path, target_name: str, *, source: Path | None) -> tupl
     output ``target_name`` that may be removed: ``(True, "")``, or ``(False, why it stays)``.
 
     It may be removed only when its name has the temporary form for this output, it is a real directory
-    (no symlink), its marker names the same token and pid as its name, was written on this host, its
+    (no symlink), its marker names the same token and pid as its name and the state ``"writing"`` (a
+    finished output renamed to that name is kept), was written on this host, its
     process is gone (no such pid, another process with that pid, or another boot), and it is neither
     the source being read nor holds it. A live run's directory gives ``(False, "")`` (not worth a
     warning).
@@ -442,6 +443,8 @@ def stale_verdict(entry: Path, target_name: str, *, source: Path | None) -> tupl
         return False, f"it holds no {MARKER_NAME} proving ckpttool created it"
     if doc.get("token") != m.group("token") or doc.get("pid") != pid:
         return False, f"its {MARKER_NAME} names another run than its name (a copy?)"
+    if doc.get("state") != "writing":
+        return False, f"its {MARKER_NAME} says it is a finished output (renamed?), not one being written"
     if doc.get("host") != socket.gethostname():
         return False, f"it was created on host {str(doc.get('host'))[:64]!r}, whose processes cannot be checked here"
     boot = _boot_id()

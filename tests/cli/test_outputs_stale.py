@@ -156,7 +156,7 @@ def test_a_live_runs_temporary_is_left_alone(sample_ckpt: Path, tmp_path: Path) 
         proc.wait(timeout=60)
 
 
-@pytest.mark.parametrize("how", ["no-marker", "other-host", "symlink", "file"])
+@pytest.mark.parametrize("how", ["no-marker", "other-host", "finished", "symlink", "file"])
 def test_unproven_temporaries_are_reported_and_kept(how: str, sample_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     if how == "symlink":
@@ -175,6 +175,11 @@ def test_unproven_temporaries_are_reported_and_kept(how: str, sample_ckpt: Path,
         if how == "no-marker":  # as left by a version of ckpttool without markers
             (entry / MARKER).unlink()
             why = f"it holds no {MARKER} proving ckpttool created it"
+        elif how == "finished":  # a complete output renamed to its own run's temporary name
+            doc = json.loads((entry / MARKER).read_text())
+            doc["state"] = "complete"
+            (entry / MARKER).write_text(json.dumps(doc))
+            why = f"its {MARKER} says it is a finished output (renamed?), not one being written"
         else:  # on a shared file system, from another node
             doc = json.loads((entry / MARKER).read_text())
             doc["host"] = "node-17"
