@@ -81,11 +81,14 @@ def dense_rank(
         model[fqn] = DTensor.from_local(
             master.to_local().to(dtype), mesh, [Shard(0)], run_check=False, shape=master.shape, stride=master.stride()
         )
+        exp_avg = shard(shape, torch.float32, 1e-3)
         state[fqn] = {
             "step": torch.tensor(100.0),
             "master_weight": master,
-            "exp_avg": shard(shape, torch.float32, 1e-3),
-            "exp_avg_sq": sq(shard(shape, torch.float32, 1e-3)),
+            "exp_avg": exp_avg,
+            # >= exp_avg^2: moments Adam's own steps could have left (replay-step's R003 refuses
+            # |m_hat| / sqrt(v_hat) beyond what Adam allows)
+            "exp_avg_sq": sq(exp_avg) + sq(shard(shape, torch.float32, 1e-3)),
         }
     sd: dict[str, Any] = {"model": model}
     if optimizer:
