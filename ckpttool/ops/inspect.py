@@ -267,6 +267,7 @@ class InspectResult:
     derived_from: dict[str, Any] | None = None
     model_adapter: str | None = None
     training_values: dict[str, int | float] | None = None
+    quantized: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document, schema ``ckpttool.inspect/1``."""
@@ -298,6 +299,7 @@ class InspectResult:
         d["derived_from"] = dict(self.derived_from) if self.derived_from is not None else None
         d["model_adapter"] = self.model_adapter
         d["training_values"] = dict(self.training_values or {})
+        d["quantized"] = self.quantized
         return d
 
     def json_chunks(self, rows_per_chunk: int = 8192) -> Iterator[str]:
@@ -701,7 +703,35 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         storage=_storage_stats(ckpt),
         derived_from=_derived_from(ckpt),
         training_values=_training_values(ckpt),
+        quantized=_quantized(ckpt, cat),
     )
+
+
+def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
+    """Quantized model weights and their scales (block FP8, MXFP4; :func:`ckpttool.model.quantized.find_quantized`),
+    ``None`` when there are none; the block size from a ``config.json`` beside the checkpoint, else 128."""
+    from ckpttool.model.quantized import block_size, find_quantized
+
+    tensors = {k: (t.dtype, tuple(t.shape)) for k, t in cat.model.items()}
+    if not any(d in ("float8_e4m3fn", "uint8", "float8_e8m0fnu") for d, _ in tensors.values()):
+        return None
+    config = None
+    cfg = os.path.join(ckpt.located.model, "config.json")
+    if os.path.isfile(cfg):
+        from ckpttool.model.hfconfig import read_hf_config
+
+        config = read_hf_config(cfg)
+    block = block_size(config)
+    pairs, problems = find_quantized(tensors, block)
+    if not pairs and not problems:
+        return None
+    return {
+        "block": list(block),
+        "pairs": [
+            {"kind": p.kind, "weight": p.weight, "scale": p.scale, "dequantized_shape": list(p.shape)} for p in pairs
+        ],
+        "problems": [{"key": k, "message": m} for k, m in problems],
+    }
 
 
 #: Training-state leaves whose value ``inspect`` shows: the step counters (``train_state.step``,
