@@ -537,8 +537,11 @@ def _refused_globals(pkl: bytes) -> str:
     from ckpttool.format.pickle_globals import TENSOR_SUBCLASS_HINTS, pickle_globals
 
     allowed = {
-        f"{g.__module__}.{g.__qualname__}" for g in torch.serialization.get_safe_globals() if hasattr(g, "__module__")
+        f"{g.__module__}.{getattr(g, '__qualname__', '')}"
+        for g in torch.serialization.get_safe_globals()
+        if not isinstance(g, tuple)  # (callable, "module.name") entries: named by their string
     }
+    allowed.update(g[1] for g in torch.serialization.get_safe_globals() if isinstance(g, tuple))
     names = [n for n in pickle_globals(pkl) if not n.startswith(("torch._utils.", "collections.")) and n not in allowed]
     if not names:
         return ""

@@ -123,9 +123,11 @@ def _check_against_reader(src: Path, out: Path, dtype: torch.dtype, block: int) 
     return n
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_deepseek_convention_equals_torch_reader(deepseek_dir: Path, tmp_path: Path, dtype: str) -> None:
-    r = _import(deepseek_dir, tmp_path / "dcp", "--dtype", dtype)
+@pytest.mark.parametrize(("dtype", "ranks"), [("bfloat16", "1"), ("float32", "2")])
+def test_deepseek_convention_equals_torch_reader(deepseek_dir: Path, tmp_path: Path, dtype: str, ranks: str) -> None:
+    """2 ranks: each rank file holds its rows of the dequantized weights (Shard(0) chunks of the staged tensor)."""
+    r = _import(deepseek_dir, tmp_path / "dcp", "--dtype", dtype, "--world-size", ranks)
+    assert len(r["files"]) == int(ranks) + 1  # rank files and .metadata
     assert r["dequantized"] == {
         "dtype": dtype,
         "kinds": {"fp8-block": 2},
