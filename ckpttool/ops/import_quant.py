@@ -48,13 +48,6 @@ class Dequantized:
     scale_dtype: str
     dtype: str
 
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.pair.shape:
-            n *= d
-        return n * (2 if self.dtype == "bfloat16" else 4)
-
 
 def _bad(msg: str, key: str, hint: str | None = None) -> QuantizedSourceError:
     return QuantizedSourceError(
