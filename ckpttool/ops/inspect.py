@@ -264,10 +264,10 @@ class InspectResult:
     non_persistent_buffers: tuple[str, ...] = ()
     serialization: str = "torch_save"
     storage: dict[str, Any] | None = None
+    quantized: dict[str, Any] | None = None
     derived_from: dict[str, Any] | None = None
     model_adapter: str | None = None
     training_values: dict[str, int | float] | None = None
-    quantized: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document, schema ``ckpttool.inspect/1``."""
@@ -294,12 +294,12 @@ class InspectResult:
         d["training_state"] = {k: list(v) for k, v in (self.training_state or {}).items()}
         d["uncategorized_tensors"] = list(self.uncategorized_tensors)
         d["non_persistent_buffers"] = list(self.non_persistent_buffers)
+        d["quantized"] = self.quantized
         if self.storage is not None:
             d["storage"] = dict(self.storage)
         d["derived_from"] = dict(self.derived_from) if self.derived_from is not None else None
         d["model_adapter"] = self.model_adapter
         d["training_values"] = dict(self.training_values or {})
-        d["quantized"] = self.quantized
         return d
 
     def json_chunks(self, rows_per_chunk: int = 8192) -> Iterator[str]:
@@ -696,6 +696,7 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         schema=cat.schema,
         location=ckpt.located,
         model_adapter=_detected_adapter(cat),
+        quantized=_quantized(ckpt, cat),
         training_state={k: tuple(v) for k, v in cat.training_state.items()},
         uncategorized_tensors=tuple(cat.uncategorized_tensors()),
         non_persistent_buffers=tuple(cat.non_persistent_buffers()),
@@ -703,7 +704,6 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         storage=_storage_stats(ckpt),
         derived_from=_derived_from(ckpt),
         training_values=_training_values(ckpt),
-        quantized=_quantized(ckpt, cat),
     )
 
 
@@ -716,8 +716,8 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
     if not any(d in ("float8_e4m3fn", "uint8", "float8_e8m0fnu") for d, _ in tensors.values()):
         return None
     config = None
-    cfg = os.path.join(ckpt.located.model, "config.json")
-    if os.path.isfile(cfg):
+    cfg = os.path.join(ckpt.located.model, "config.json") if ckpt.located is not None else ""
+    if cfg and os.path.isfile(cfg):
         from ckpttool.model.hfconfig import read_hf_config
 
         config = read_hf_config(cfg)
