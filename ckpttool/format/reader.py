@@ -616,12 +616,32 @@ def load_saved_object(
             raise ChunkError(f"{where} is not a readable torch.save archive ({type(e).__name__})", fqn=fqn) from e
         if not trust_pickle:
             raise TrustRequiredError(
-                f"{where} holds objects that torch.load(weights_only=True) refuses", fqn=fqn
+                f"{where} holds objects that torch.load(weights_only=True) refuses{_refused_globals(pkl)}", fqn=fqn
             ) from e
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except Exception as e:
         raise ChunkError(f"{where} failed to load even with `trust_pickle` ({type(e).__name__})", fqn=fqn) from e
+
+
+def _refused_globals(pkl: bytes) -> str:
+    """`` (classes: a.B, ...)``: what a refused pickle names (opcodes only, nothing run); a known tensor subclass said."""
+    import torch
+
+    from ckpttool.format.pickle_globals import TENSOR_SUBCLASS_HINTS, pickle_globals
+
+    allowed = {
+        f"{g.__module__}.{getattr(g, '__qualname__', '')}"
+        for g in torch.serialization.get_safe_globals()
+        if not isinstance(g, tuple)  # (callable, "module.name") entries: named by their string
+    }
+    allowed.update(g[1] for g in torch.serialization.get_safe_globals() if isinstance(g, tuple))
+    names = [n for n in pickle_globals(pkl) if not n.startswith(("torch._utils.", "collections.")) and n not in allowed]
+    if not names:
+        return ""
+    sub = [n for n in names if n.startswith(TENSOR_SUBCLASS_HINTS) or "Tensor" in n.rsplit(".", 1)[-1]]
+    what = f"a tensor subclass {sub[0]} (not loaded)" if sub else "classes " + ", ".join(names[:4])
+    return f": {what}"
 
 
 def _physical_memory() -> int:

@@ -48,13 +48,6 @@ class Dequantized:
     scale_dtype: str
     dtype: str
 
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.pair.shape:
-            n *= d
-        return n * (2 if self.dtype == "bfloat16" else 4)
-
 
 def _bad(msg: str, key: str, hint: str | None = None) -> QuantizedSourceError:
     return QuantizedSourceError(
@@ -189,11 +182,11 @@ def read_scales(fds: StagedFds, plan: Dequantized) -> Any:
             )
         return e
     s = _read(fds, plan.scale_at, 0, 4 * n).view(np.float32).reshape(_scale_shape(p))
-    bad = np.argwhere(~np.isfinite(s) | (s < 0))
-    if bad.size:
-        i, j = (int(x) for x in bad[0])
+    where = np.argwhere(~np.isfinite(s) | (s < 0))
+    if where.size:
+        i, j = (int(x) for x in where[0])
         raise _bad(
-            f"{p.scale}: {len(bad)} scale(s) are NaN, infinite or negative, e.g. block ({i}, {j}) = {float(s[i, j])!r}",
+            f"{p.scale}: {len(where)} scale(s) are NaN, infinite or negative, e.g. block ({i}, {j}) = {float(s[i, j])!r}",
             p.scale,
         )
     return s

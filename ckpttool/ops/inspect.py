@@ -266,6 +266,7 @@ class InspectResult:
     non_persistent_buffers: tuple[str, ...] = ()
     serialization: str = "torch_save"
     storage: dict[str, Any] | None = None
+    quantized: dict[str, Any] | None = None
     derived_from: dict[str, Any] | None = None
     model_adapter: str | None = None
     training_values: dict[str, int | float] | None = None
@@ -297,6 +298,7 @@ class InspectResult:
         d["training_state"] = {k: list(v) for k, v in (self.training_state or {}).items()}
         d["uncategorized_tensors"] = list(self.uncategorized_tensors)
         d["non_persistent_buffers"] = list(self.non_persistent_buffers)
+        d["quantized"] = self.quantized
         if self.storage is not None:
             d["storage"] = dict(self.storage)
         d["derived_from"] = dict(self.derived_from) if self.derived_from is not None else None
@@ -702,6 +704,7 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         schema=cat.schema,
         location=ckpt.located,
         model_adapter=_detected_adapter(cat),
+        quantized=_quantized(ckpt, cat),
         training_state={k: tuple(v) for k, v in cat.training_state.items()},
         uncategorized_tensors=tuple(cat.uncategorized_tensors()),
         non_persistent_buffers=tuple(cat.non_persistent_buffers()),
@@ -712,6 +715,33 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         hf_copies=tuple(hf_copies(ckpt.reader.path, ckpt.located.model if ckpt.located is not None else None)),
         trainer_state=tuple(read_training_state_beside(ckpt.located.model)) if ckpt.located is not None else (),
     )
+
+
+def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
+    """Quantized model weights and their scales (block FP8, MXFP4; :func:`ckpttool.model.quantized.find_quantized`),
+    ``None`` when there are none; the block size from a ``config.json`` beside the checkpoint, else 128."""
+    from ckpttool.model.quantized import block_size, find_quantized
+
+    tensors = {k: (t.dtype, tuple(t.shape)) for k, t in cat.model.items()}
+    if not any(d in ("float8_e4m3fn", "uint8", "float8_e8m0fnu") for d, _ in tensors.values()):
+        return None
+    config = None
+    cfg = os.path.join(ckpt.located.model, "config.json") if ckpt.located is not None else ""
+    if cfg and os.path.isfile(cfg):
+        from ckpttool.model.hfconfig import read_hf_config
+
+        config = read_hf_config(cfg)
+    block = block_size(config)
+    pairs, problems = find_quantized(tensors, block)
+    if not pairs and not problems:
+        return None
+    return {
+        "block": list(block),
+        "pairs": [
+            {"kind": p.kind, "weight": p.weight, "scale": p.scale, "dequantized_shape": list(p.shape)} for p in pairs
+        ],
+        "problems": [{"key": k, "message": m} for k, m in problems],
+    }
 
 
 #: Training-state leaves whose value ``inspect`` shows: the step counters (``train_state.step``,

@@ -1052,7 +1052,19 @@ def _overview_layout(con: Console, ov: InspectResult) -> None:
 
 
 def _overview_provenance(con: Console, ov: InspectResult) -> None:
-    """The checkpoint this one was made from, and the extra_state files."""
+    """The checkpoint this one was made from, the extra_state files, and quantized weights."""
+    q = ov.quantized
+    if q is not None:
+        kinds: dict[str, int] = {}
+        for p in q["pairs"]:
+            kinds[p["kind"]] = kinds.get(p["kind"], 0) + 1
+        what = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none usable"
+        bad = (
+            f"; {len(q['problems'])} not pairing (validate M020/M023): {q['problems'][0]['message']}"
+            if q["problems"]
+            else ""
+        )
+        con.print(f"quantized   {what} weight(s) with scales ({q['block'][0]}x{q['block'][1]} blocks for FP8){bad}")
     if ov.derived_from is not None:
         src = ov.derived_from
         con.print(

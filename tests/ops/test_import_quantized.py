@@ -123,9 +123,11 @@ def _check_against_reader(src: Path, out: Path, dtype: torch.dtype, block: int) 
     return n
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_deepseek_convention_equals_torch_reader(deepseek_dir: Path, tmp_path: Path, dtype: str) -> None:
-    r = _import(deepseek_dir, tmp_path / "dcp", "--dtype", dtype)
+@pytest.mark.parametrize(("dtype", "ranks"), [("bfloat16", "1"), ("float32", "2")])
+def test_deepseek_convention_equals_torch_reader(deepseek_dir: Path, tmp_path: Path, dtype: str, ranks: str) -> None:
+    """2 ranks: each rank file holds its rows of the dequantized weights (Shard(0) chunks of the staged tensor)."""
+    r = _import(deepseek_dir, tmp_path / "dcp", "--dtype", dtype, "--world-size", ranks)
+    assert len(r["files"]) == int(ranks) + 1  # rank files and .metadata
     assert r["dequantized"] == {
         "dtype": dtype,
         "kinds": {"fp8-block": 2},
@@ -248,3 +250,14 @@ def test_dtype_without_quantized_weights_warns(tmp_path: Path) -> None:
     r = _import(src, tmp_path / "dcp", "--dtype", "float32")
     assert r["dequantized"] is None and any("applies to quantized weights" in w for w in r["warnings"])
     assert _torch_load(tmp_path / "dcp")["model.model.norm.weight"].dtype == torch.float32
+
+
+def test_own_fp8_export_to_torchtitan(fp8_export: tuple[Path, Path], tmp_path: Path) -> None:
+    """--schema torchtitan: the adapter permutes the dequantized q/k rows; `diff` against the FP8 folder (the
+    adapter undone, the FP8 side dequantized) finds every value equal, bitwise."""
+    _, exported = fp8_export
+    _import(exported, tmp_path / "tt", "--schema", "torchtitan", "--dtype", "float32")
+    res = runner.invoke(app, ["diff", str(tmp_path / "tt"), str(exported), "--json"])
+    assert res.exit_code == 0, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["summary"]["within_tolerance"] == 0 and doc["summary"]["equal"] == doc["summary"]["tensors"] == 21

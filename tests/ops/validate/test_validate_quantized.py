@@ -99,6 +99,17 @@ def test_dcp_with_fp8_and_scales(tmp_path: Path) -> None:
     assert [c for c, _ in _findings(ok)[1]] == ["M020", "M020"]  # 128 x 128 blocks: the scales do not fit
     res = runner.invoke(app, ["inspect", str(ok), "--json"])
     assert res.exit_code == 0, res.stderr
+    q = json.loads(res.stdout)["quantized"]  # no config.json beside the DCP: 128 x 128, the scales do not pair
+    assert q["block"] == [128, 128] and q["pairs"] == [] and len(q["problems"]) == 2
+    (ok / "config.json").write_text(json.dumps(_DS_CONFIG))
+    res = runner.invoke(app, ["inspect", str(ok), "--json"])
+    q = json.loads(res.stdout)["quantized"]
+    assert q["block"] == [16, 16] and q["problems"] == []
+    assert [(p["kind"], p["weight"], p["dequantized_shape"]) for p in q["pairs"]] == [
+        ("fp8-block", "model.model.layers.0.mlp.up_proj.weight", [70, 45]),
+        ("fp8-block", "model.model.layers.0.self_attn.q_proj.weight", [32, 64]),
+    ]
+    assert "quantized   2 fp8-block weight(s)" in runner.invoke(app, ["inspect", str(ok)]).stdout
     rc, found = _findings(_fp8_dcp(tmp_path / "nan", nan=True), "--config", str(cfg))
     assert rc == 1 and found == [
         ("M022", "model.model.layers.0.mlp.up_proj.weight: 1 of 3150 float8_e4m3fn bytes are NaN (0x7F / 0xFF)")
@@ -118,3 +129,35 @@ def test_fp8_nan_count_matches_torch() -> None:
         assert e4m3fn_nan_count(one) == int(
             torch.isnan(torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float())
         )
+
+
+def test_tensor_subclass_in_byte_item_named_not_loaded(tmp_path: Path) -> None:
+    """A float8 training tensor subclass that dcp.save pickled into a byte item: S011/E304 names the class;
+    its module is never imported (torch's weights_only unpickler refuses it by name, ckpttool reads opcodes)."""
+    import sys
+    import types
+
+    mod = types.ModuleType("ckpttool_test_float8")
+
+    class WeightWithDynamicFloat8CastTensor(torch.Tensor):
+        def __reduce_ex__(self, proto: Any) -> Any:  # as a subclass pickles: its class by name
+            return (WeightWithDynamicFloat8CastTensor, (torch.zeros(2, 2, dtype=torch.float8_e4m3fn),))
+
+    WeightWithDynamicFloat8CastTensor.__module__ = mod.__name__
+    WeightWithDynamicFloat8CastTensor.__qualname__ = "WeightWithDynamicFloat8CastTensor"
+    mod.WeightWithDynamicFloat8CastTensor = WeightWithDynamicFloat8CastTensor  # type: ignore[attr-defined]
+    sys.modules[mod.__name__] = mod
+    try:
+        w = torch.Tensor._make_subclass(WeightWithDynamicFloat8CastTensor, torch.zeros(2, 2))
+        sd = {"model": {"layers.0.w": torch.zeros(2, 2), "layers.0.f8": (w,)}}  # a tuple: pickled, a byte item
+        dcp.save(sd, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    finally:
+        del sys.modules[mod.__name__]
+    res = runner.invoke(app, ["validate", str(tmp_path / "ck"), "--deep", "--json"])
+    assert res.exit_code == 1 and "Traceback" not in res.stderr, res.stderr
+    found = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "S011"]
+    assert len(found) == 1 and found[0]["key"] == "model.layers.0.f8", found
+    assert found[0]["message"].endswith(
+        "refuses: a tensor subclass ckpttool_test_float8.WeightWithDynamicFloat8CastTensor (not loaded)"
+    ), found
+    assert "ckpttool_test_float8" not in sys.modules
