@@ -236,12 +236,15 @@ class BitSummary:
         nonfinite: NaN and infinity count.
         negative: values ``< 0`` (``-0.0`` not counted; 0 when not asked for).
         min: the smallest negative value (``None``: none, or not asked for).
+        top: the largest magnitude bit pattern (sign bit cleared; at least the all-ones exponent
+            when there is a NaN or infinity), from the same two reductions.
     """
 
     zero: bool
     nonfinite: int
     negative: int
     min: float | None
+    top: int = 0
 
 
 def summarise_bits(raw: np.ndarray, dtype: str, need_negative: bool) -> BitSummary:
@@ -266,7 +269,8 @@ def summarise_bits(raw: np.ndarray, dtype: str, need_negative: bool) -> BitSumma
         negative = int(np.count_nonzero(neg))
         if negative:
             lo = float(vals[neg].min())
-    return BitSummary(zero, nonfinite, negative, lo)
+    top = max(smax, umax - sign, 0)  # positive patterns as they are; negative ones less the sign bit
+    return BitSummary(zero, nonfinite, negative, lo, top)
 
 
 # ---------------------------------------------------------------------------------------------- run maps

@@ -3,10 +3,12 @@
 A chunk is read slice by slice (at most :data:`~ckpttool.engine.io.BLOCK_BYTES` of values at a
 time) through the chunk locator: plain C-order records with the engine's read helper (the
 record's CRC-32 checked as the bytes pass), every other record (deflated, strided, big-endian)
-through :meth:`~ckpttool.format.reader.CheckpointReader.read_chunk`. Each slice is summed pairwise
-in its working precision (float32 for BF16/FP16/FP32 values, float64 for FP64 and integers) and
-the slice sums are added in float64 (relative error ~1e-7); NaN/inf are counted and left out. Two chunks of the same geometry can be read in lockstep
-(AdamW moments for the update size, the same tensor of two checkpoints for their difference).
+through :meth:`~ckpttool.format.reader.CheckpointReader.read_chunk`. Each slice is reduced in a few
+fused, vectorised passes (:meth:`ValueSums.add_slice`): blocks of :data:`SUM_BLOCK` values summed in
+its working precision (float32 for BF16/FP16/FP32 values, float64 for FP64 and integers), the block
+sums added in float64 (relative error ~1e-7); NaN/inf are counted and left out. Two chunks of the
+same geometry can be read in lockstep (AdamW moments for the update size, the same tensor of two
+checkpoints for their difference). Performance: docs/performance.md, "ckpttool stats".
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def torch_state(ckpt: Path, tmp_path: Path) -> dict[str, Any]:
 
 
 def close(a: float, b: float) -> bool:
-    """Equal within the documented precision (float32 pairwise slice sums added in float64)."""
+    """Equal within the documented precision (float32 block sums added in float64)."""
     return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
 
 

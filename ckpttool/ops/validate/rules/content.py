@@ -278,8 +278,9 @@ def _replica_difference(ctx: Context, key: str, offsets: tuple[int, ...], first:
     "a replicated shard (a Replicate placement, a plain tensor such as an optimizer step saved by every rank) "
     "differs between the rank files of a per-rank checkpoint (verl FSDP, torch-checkpointing)",
     "replicated state drifted apart (a parameter left out of the gradient all-reduce, e.g. FSDP's ignored_params; "
-    "a rank that skipped an optimizer step): each rank resumes from its own copy. Find the rank that "
-    "diverged with `ckpttool diff`, and resume from a checkpoint saved before the drift",
+    "a rank that skipped an optimizer step): each rank resumes from its own copy. The finding names both rank "
+    "files and the first differing values; validate earlier steps to find where the drift began, fix the "
+    "synchronisation, and resume from a checkpoint saved before it",
 )
 def replicas_differ(ctx: Context) -> Iterator[tuple[str | None, str]]:
     err = ctx.ckpt.replica_error
