@@ -239,6 +239,8 @@ def test_torchtitan_torch_checkpointing_step_dirs(tc_root: Path) -> None:
     from ckpttool.model.discovery import CheckpointSelection
 
     dump = tc_root / "titan"
+    if not dump.is_dir():
+        pytest.skip("torchtitan is not installed (pip install --no-deps torchtitan==0.3.0)")
     ref = torch.load(dump / "reference.pt", weights_only=False)
     res = runner.invoke(app, ["inspect", str(dump)])
     assert res.exit_code == 2 and "E204" in res.output and "checkpoint/step-1; checkpoint/step-2" in res.output
