@@ -52,7 +52,7 @@ from ckpttool.format.unpickler import PrimitiveUnpickler, check_object_graph, sh
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TC_METADATA", "VERL_FILE_RE", "VERL_HF_DIR", "detect_layout", "staging_of"]
+__all__ = ["TC_METADATA", "VERL_FILE_RE", "VERL_HF_DIR", "detect_layout", "layout_in_listing", "staging_of"]
 
 VERL_FILE_RE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 VERL_HF_DIR = "huggingface"
@@ -610,6 +610,26 @@ def _tc_assemble(path: Path, files: list[RankFile]) -> Assembled:
 
 
 register_layout(RankLayout("torch-checkpointing", "torch-checkpointing", _tc_claims, _tc_assemble))
+
+
+def layout_in_listing(names: list[str]) -> tuple[str, RankLayout, list[RankFile]] | None:
+    """The first folder of an object listing (relative names, ``/``-separated, up to 3 levels deep)
+    whose objects a per-rank format claims: ``(folder, layout, rank files)``, else ``None``.
+    For naming a per-rank checkpoint found below a URL, which ckpttool reads only from a local directory."""
+    by_dir: dict[str, list[str]] = {}
+    for n in names:
+        head, _, base = n.rpartition("/")
+        if head.count("/") < 3:
+            by_dir.setdefault(head, []).append(base)
+    for folder in sorted(by_dir, key=lambda d: (d.count("/") + bool(d), d)):
+        listed = sorted(by_dir[folder])
+        if ".metadata" in listed:
+            continue
+        for lay in registered_layouts():
+            files = lay.claims(Path(folder or "."), listed)
+            if files:
+                return folder, lay, files
+    return None
 
 
 def staging_of(path: Path) -> str | None:

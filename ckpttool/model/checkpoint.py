@@ -19,13 +19,20 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast
 
-from ckpttool.errors import CkptError, NotRegularFileError, PathEscapeError, TrustRequiredError, UsageError
+from ckpttool.errors import (
+    CkptError,
+    MetadataError,
+    NotRegularFileError,
+    PathEscapeError,
+    TrustRequiredError,
+    UsageError,
+)
 from ckpttool.format import limits
 from ckpttool.format.metadata import CheckpointMetadata
 from ckpttool.format.perrank import PerRankError, PerRankReader
-from ckpttool.format.perrank_formats import detect_layout
+from ckpttool.format.perrank_formats import detect_layout, layout_in_listing
 from ckpttool.format.reader import CheckpointReader, load_saved_object
-from ckpttool.format.storage import is_url, url_path
+from ckpttool.format.storage import RemoteStore, is_url, url_path
 from ckpttool.format.unpickler import gc_paused
 from ckpttool.layouts.declaration import LayoutDeclaration, ResolvedLayout, resolve_layout
 from ckpttool.model.catalog import Catalog, ExtraStateFile, ParamGroup, build_catalog, load_param_groups
@@ -228,7 +235,7 @@ def open_checkpoint(
         if perrank is not None:
             reader, selection, where, replica_error = perrank
         elif where.optimizer is None:
-            reader = CheckpointReader(where.model, trust_pickle=trust_pickle)
+            reader = _open_reader(where.model, trust_pickle, remote=is_url(path))
         else:
             with CheckpointReader(where.model) as m, CheckpointReader(where.optimizer) as o:
                 root, md, parts = compose_pair(where.model, m.metadata, where.optimizer, o.metadata)
@@ -245,6 +252,37 @@ def open_checkpoint(
     if log.isEnabledFor(logging.INFO):
         _log_opened(ckpt, t1 - t0, time.perf_counter() - t1)
     return ckpt
+
+
+def _open_reader(model: Path, trust_pickle: bool, *, remote: bool) -> CheckpointReader:
+    """A DCP reader of ``model``; below a URL without ``.metadata``, a per-rank checkpoint there is named.
+
+    Raises:
+        PerRankError (E280): a URL prefix holding a per-rank checkpoint (read from a local directory only).
+        MetadataError and the rest: as :class:`CheckpointReader`.
+    """
+    try:
+        return CheckpointReader(model, trust_pickle=trust_pickle)
+    except MetadataError:
+        if remote:
+            _refuse_remote_perrank(model)
+        raise
+
+
+def _refuse_remote_perrank(url: Path) -> None:
+    """Raise :class:`PerRankError` naming the per-rank format a folder below ``url`` holds (one listing)."""
+    found = layout_in_listing(list(RemoteStore(url).sizes()))
+    if found is None:
+        return
+    folder, lay, files = found
+    where = f"{url}/{folder}" if folder else str(url)
+    shown = ", ".join(f.relative_path for f in files[:3]) + (" ..." if len(files) > 3 else "")
+    raise PerRankError(
+        f"{where}: a {lay.name} per-rank checkpoint ({shown}); per-rank formats are read from a local "
+        "directory only, not from a URL",
+        path=where,
+        hint=f"copy the prefix to a local directory (e.g. `aws s3 cp --recursive {where} DIR`) and pass DIR",
+    ) from None
 
 
 def _open_perrank(

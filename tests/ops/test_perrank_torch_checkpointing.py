@@ -10,6 +10,7 @@ import json
 import pickle
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -226,3 +227,53 @@ def test_manifest_then_validate_names_a_changed_shard(tc_root: Path, tmp_path: P
         f.write(bytes([b[0] ^ 0x40]))
     res = runner.invoke(app, ["validate", "--manifest", str(out), str(d)])
     assert res.exit_code != 0 and "model.model.norm.weight" in res.output
+
+
+def test_torchtitan_torch_checkpointing_step_dirs(tc_root: Path) -> None:
+    """titan/: torchtitan's TorchCheckpointingManager layout (<dump>/checkpoint/step-N; its save is a stub
+    in torchtitan 0.3.0, see tests/fixtures/perrank.py _titan_tc_save) found from the dump folder like
+    its DCP step directories: the steps listed (E204), --step latest the newest complete one with
+    tmp_step-3 reported, --step 1 step-1, --step 3 the incomplete save (E202)."""
+    import torch
+
+    from ckpttool.model.discovery import CheckpointSelection
+
+    dump = tc_root / "titan"
+    if not dump.is_dir():
+        pytest.skip("torchtitan is not installed (pip install --no-deps torchtitan==0.3.0)")
+    ref = torch.load(dump / "reference.pt", weights_only=False)
+    res = runner.invoke(app, ["inspect", str(dump)])
+    assert res.exit_code == 2 and "E204" in res.output and "checkpoint/step-1; checkpoint/step-2" in res.output
+    res = runner.invoke(app, ["inspect", "--json", "--step", "latest", str(dump)])
+    assert res.exit_code == 0, res.output
+    loc = json.loads(res.output)["location"]
+    assert loc["model"] == str(dump / "checkpoint" / "step-2") and loc["step"] == 2
+    assert [i["step"] for i in loc["newer_incomplete"]] == [3]
+    res = runner.invoke(app, ["inspect", "--step", "3", str(dump)])
+    assert res.exit_code == 2 and "E202" in res.output and "tmp_step-3" in res.output
+    with open_checkpoint(dump, selection=CheckpointSelection.from_options("latest")) as ck:
+        for k, t in ref["model"].items():
+            assert torch.equal(ck.reader.read_tensor(f"model.{k}"), t), k
+        for k in ref["names"]:  # torchtitan's flat optimizer state dict: state.<fqn>.<field>
+            assert torch.equal(ck.reader.read_tensor(f"optimizer.state.{k}.exp_avg"), ref["exp_avg"][k]), k
+            assert ck.reader.read_object(f"optimizer.param_groups.{k}.lr") == ref["lr"]
+        assert ck.reader.read_object("train_state.step") == 2
+        assert ck.reader.read_object("lr_scheduler.last_epoch") == 2
+    res = runner.invoke(app, ["inspect", "--json", "--step", "1", str(dump)])
+    assert res.exit_code == 0 and json.loads(res.output)["location"]["model"] == str(dump / "checkpoint" / "step-1")
+    res = runner.invoke(app, ["validate", "--deep", "--json", "--step", "latest", str(dump)])
+    assert res.exit_code == 0, res.output
+    assert [f["code"] for f in json.loads(res.output)["findings"] if f["severity"] == "warning"] == ["R001"]
+
+
+@pytest.mark.parametrize("command", ["inspect", "validate"])
+def test_on_s3_is_refused_by_name(tc_root: Path, s3_server: Any, command: str) -> None:
+    """A per-rank checkpoint below an s3:// prefix (moto server): a coded refusal naming the format and
+    what is unsupported, never "no .metadata, not a checkpoint" and never an OK."""
+    import uuid
+
+    url = s3_server.upload_dir(tc_root / "w2st" / "step-2", "ckpts", f"tc-{uuid.uuid4().hex[:8]}")
+    res = runner.invoke(app, [*s3_server.cli_options(), command, url])
+    assert res.exit_code == 2, res.output
+    assert "E280" in res.output and "torch-checkpointing per-rank checkpoint" in res.output
+    assert "read from a local directory only, not from a URL" in res.output

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -219,3 +220,14 @@ def test_state_missing_on_one_rank_is_not_frozen(verl_root: Path, tmp_path: Path
     torch.save(sd, other)
     res = runner.invoke(app, ["validate", "--json", str(actor)])
     assert res.exit_code != 0, res.output
+
+
+def test_run_prefix_on_s3_names_the_verl_folder(verl_root: Path, s3_server: Any) -> None:
+    """The run prefix on S3 (moto server): the verl actor folder below it is named, with what is unsupported."""
+    import uuid
+
+    url = s3_server.upload_dir(verl_root / "w1", "ckpts", f"verl-{uuid.uuid4().hex[:8]}")
+    res = runner.invoke(app, [*s3_server.cli_options(), "validate", url])
+    assert res.exit_code == 2, res.output
+    assert f"{url}/global_step_2/actor: a verl-fsdp per-rank checkpoint" in res.output.replace("\n", "")
+    assert "E280" in res.output
