@@ -863,8 +863,9 @@ def _overview_header(con: Console, ov: InspectResult) -> None:
     if ov.schema is not None:
         sch = ov.schema
         mp = ABSENT if sch.model_prefix is None else (repr(sch.model_prefix) if sch.model_prefix else "top level")
+        op = repr(sch.optimizer_prefix) if sch.optimizer_prefix else ABSENT  # quoted as the model's prefix
         con.print(
-            f"key schema  {sch.id} ({sch.source}): model {mp}, optimizer {sch.optimizer_prefix or ABSENT}"
+            f"key schema  {sch.id} ({sch.source}): model {mp}, optimizer {op}"
             + (f" by {sch.optimizer_keying}" if sch.optimizer_keying else "")
             + f", {sch.naming} names"
             + (f"; adapter {ov.model_adapter}" if ov.model_adapter else "")

@@ -70,3 +70,17 @@ def test_a_wrapped_verdict_keeps_its_value_column(sample_ckpt: Path) -> None:
     lines = ANSI.sub("", out).splitlines()
     i = next(i for i, ln in enumerate(lines) if ln.startswith("result      OK: "))
     assert len(lines[i]) <= 60 and lines[i + 1].startswith(" " * 12) and lines[i + 1][12] != " ", lines[i : i + 2]
+
+
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_a_side_step_on_a_checkpoint_is_named_as_typed(side: str, sample_ckpt: Path) -> None:
+    res = runner.invoke(app, ["diff", str(sample_ckpt), str(sample_ckpt), f"--{side}-step", "3"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.startswith(f"error: [E100] --{side}-step 3 given, but {sample_ckpt} is a checkpoint itself\n")
+    assert f"drop --{side}-step" in res.stderr and "--step 3" not in res.stderr
+
+
+def test_inspect_quotes_both_prefixes_alike(sample_ckpt: Path) -> None:
+    res = runner.invoke(app, ["inspect", str(sample_ckpt)])
+    assert res.exit_code == 0
+    assert "key schema  torch-native (detected): model 'model.', optimizer 'optimizer.' by fqn" in res.stdout
