@@ -778,16 +778,24 @@ class PhaseProgress:
             if self._status is not None:
                 self._status.stop()
                 self._status = None
+            from rich.table import Column
+
             # on a narrow terminal the bar gives way, then the time left and the rate: one line, never wrapped
+            # (a phase name too long for the line ends in "…")
             width = self.con.width
-            amounts: list[Any] = [DownloadColumn(binary_units=True)] if self.unit == "bytes" else [MofNCompleteColumn()]
+            whole = Column(no_wrap=True)
+            amounts: list[Any] = [
+                DownloadColumn(binary_units=True, table_column=whole)
+                if self.unit == "bytes"
+                else MofNCompleteColumn(table_column=whole)
+            ]
             if self.unit == "bytes" and width >= NARROW_PROGRESS:
-                amounts.append(TransferSpeedColumn())
+                amounts.append(TransferSpeedColumn(table_column=Column(no_wrap=True)))
             if width >= NARROW_PROGRESS:
-                amounts.append(TimeRemainingColumn())
+                amounts.append(TimeRemainingColumn(table_column=Column(no_wrap=True)))
             self._bar = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(bar_width=None if width < WIDE_PROGRESS else 40),
+                TextColumn("{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis")),
+                BarColumn(bar_width=None if width < WIDE_PROGRESS else 40, table_column=Column(ratio=1)),
                 *amounts,
                 console=self.con,
                 transient=True,

@@ -62,6 +62,14 @@ def test_export_at_50_columns_bar_on_one_line_summary_wrapped_whole(sample_ckpt:
     assert re.search(r"\(\d[\d.]* m?s in all; written in \d[\d.]* m?s, ", text.replace("\n", " ")), text
 
 
+def test_a_phase_named_after_the_bar_started_keeps_it_on_one_line(sample_ckpt: Path) -> None:
+    rc, out = run_in_pty(["validate", str(sample_ckpt), "--deep"], 60)
+    assert rc == 0, out
+    text = ANSI.sub("", out)
+    assert "validate --deep: checking rules ━" in text  # the longer name after the reading phase
+    assert not re.search(r"\n\s*KiB", text)
+
+
 def test_a_wrapped_verdict_keeps_its_value_column(sample_ckpt: Path) -> None:
     rc, out = run_in_pty(
         ["--no-progress", "replay-step", str(sample_ckpt), "--filter", "*layers.0.input_layernorm*"], 60
