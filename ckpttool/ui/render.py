@@ -793,8 +793,11 @@ class PhaseProgress:
                 amounts.append(TransferSpeedColumn(table_column=Column(no_wrap=True)))
             if width >= NARROW_PROGRESS:
                 amounts.append(TimeRemainingColumn(table_column=Column(no_wrap=True)))
+            room = max(12, width - (31 if self.unit == "bytes" else 24))  # the amounts stay whole, a bar of 10
             self._bar = Progress(
-                TextColumn("{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis")),
+                TextColumn(
+                    "{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis", max_width=room)
+                ),
                 BarColumn(bar_width=None if width < WIDE_PROGRESS else 40, table_column=Column(ratio=1)),
                 *amounts,
                 console=self.con,
