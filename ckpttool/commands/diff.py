@@ -209,14 +209,20 @@ def side_steps(
 ) -> tuple[str | None, str | None]:
     """The step of each side: its own ``--a-step``/``--b-step``, else ``--step`` where it is a run's root.
 
-    A checkpoint or an HF directory never gets ``--step`` (an explicit ``--a-step`` there is refused
-    by the discovery as for any command).
+    A checkpoint or an HF directory never gets ``--step``; an explicit ``--a-step`` there is refused.
 
     Raises:
-        UsageError: ``--step`` given but neither side is a run's checkpoint root.
+        UsageError: ``--step`` given but neither side is a run's checkpoint root; ``--a-step``/``--b-step``
+            given for a side that is a checkpoint itself (named as that option, not ``--step``).
     """
     from ckpttool.errors import UsageError
 
+    for side, path, own in (("a", a, a_step), ("b", b, b_step)):
+        if own is not None and path.is_dir() and not _is_run_root(path):  # named as the user wrote it
+            raise UsageError(
+                f"--{side}-step {own} given, but {path} is a checkpoint itself",
+                hint=f"pass the directory that holds the step directories, or drop --{side}-step",
+            )
     sa = a_step if a_step is not None else (step if _is_run_root(a) else None)
     sb = b_step if b_step is not None else (step if _is_run_root(b) else None)
     if step is not None and a_step is None and b_step is None and sa is None and sb is None:

@@ -778,16 +778,27 @@ class PhaseProgress:
             if self._status is not None:
                 self._status.stop()
                 self._status = None
+            from rich.table import Column
+
             # on a narrow terminal the bar gives way, then the time left and the rate: one line, never wrapped
+            # (a phase name too long for the line ends in "…")
             width = self.con.width
-            amounts: list[Any] = [DownloadColumn(binary_units=True)] if self.unit == "bytes" else [MofNCompleteColumn()]
+            whole = Column(no_wrap=True)
+            amounts: list[Any] = [
+                DownloadColumn(binary_units=True, table_column=whole)
+                if self.unit == "bytes"
+                else MofNCompleteColumn(table_column=whole)
+            ]
             if self.unit == "bytes" and width >= NARROW_PROGRESS:
-                amounts.append(TransferSpeedColumn())
+                amounts.append(TransferSpeedColumn(table_column=Column(no_wrap=True)))
             if width >= NARROW_PROGRESS:
-                amounts.append(TimeRemainingColumn())
+                amounts.append(TimeRemainingColumn(table_column=Column(no_wrap=True)))
+            room = max(12, width - (31 if self.unit == "bytes" else 24))  # the amounts stay whole, a bar of 10
             self._bar = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(bar_width=None if width < WIDE_PROGRESS else 40),
+                TextColumn(
+                    "{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis", max_width=room)
+                ),
+                BarColumn(bar_width=None if width < WIDE_PROGRESS else 40, table_column=Column(ratio=1)),
                 *amounts,
                 console=self.con,
                 transient=True,
@@ -872,8 +883,9 @@ def _overview_header(con: Console, ov: InspectResult) -> None:
     if ov.schema is not None:
         sch = ov.schema
         mp = ABSENT if sch.model_prefix is None else (repr(sch.model_prefix) if sch.model_prefix else "top level")
+        op = repr(sch.optimizer_prefix) if sch.optimizer_prefix else ABSENT  # quoted as the model's prefix
         con.print(
-            f"key schema  {sch.id} ({sch.source}): model {mp}, optimizer {sch.optimizer_prefix or ABSENT}"
+            f"key schema  {sch.id} ({sch.source}): model {mp}, optimizer {op}"
             + (f" by {sch.optimizer_keying}" if sch.optimizer_keying else "")
             + f", {sch.naming} names"
             + (f"; adapter {ov.model_adapter}" if ov.model_adapter else "")

@@ -62,11 +62,15 @@ def test_export_at_50_columns_bar_on_one_line_summary_wrapped_whole(sample_ckpt:
     assert re.search(r"\(\d[\d.]* m?s in all; written in \d[\d.]* m?s, ", text.replace("\n", " ")), text
 
 
-def test_a_wrapped_verdict_keeps_its_value_column(sample_ckpt: Path) -> None:
-    rc, out = run_in_pty(
-        ["--no-progress", "replay-step", str(sample_ckpt), "--filter", "*layers.0.input_layernorm*"], 60
-    )
-    assert rc == 0, out
-    lines = ANSI.sub("", out).splitlines()
-    i = next(i for i, ln in enumerate(lines) if ln.startswith("result      OK: "))
-    assert len(lines[i]) <= 60 and lines[i + 1].startswith(" " * 12) and lines[i + 1][12] != " ", lines[i : i + 2]
+@pytest.mark.parametrize("side", ["a", "b"])
+def test_a_side_step_on_a_checkpoint_is_named_as_typed(side: str, sample_ckpt: Path) -> None:
+    res = runner.invoke(app, ["diff", str(sample_ckpt), str(sample_ckpt), f"--{side}-step", "3"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.startswith(f"error: [E100] --{side}-step 3 given, but {sample_ckpt} is a checkpoint itself\n")
+    assert f"drop --{side}-step" in res.stderr and "--step 3" not in res.stderr
+
+
+def test_inspect_quotes_both_prefixes_alike(sample_ckpt: Path) -> None:
+    res = runner.invoke(app, ["inspect", str(sample_ckpt)])
+    assert res.exit_code == 0
+    assert "key schema  torch-native (detected): model 'model.', optimizer 'optimizer.' by fqn" in res.stdout
