@@ -666,6 +666,21 @@ def _write_output(
     return files_info
 
 
+def _adapter_files(src_dir: Path) -> list[str]:
+    """The PEFT ``adapter_model*.safetensors`` files in ``src_dir`` (not base weights).
+
+    Raises:
+        UsageError: the folder holds only a PEFT adapter, no model.
+    """
+    adapters = sorted(n for n in os.listdir(src_dir) if n.startswith(ADAPTER_PREFIX) and n.endswith(".safetensors"))
+    if adapters and all(n.startswith(ADAPTER_PREFIX) for n in hf_storage_files(src_dir)):
+        raise UsageError(
+            f"{src_dir}: holds only a PEFT adapter ({adapters[0]}), not a model",
+            hint="import the base model, or merge the adapter into it first",
+        )
+    return adapters
+
+
 def _import_plain(
     hf_dir: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -677,12 +692,7 @@ def _import_plain(
     src_dir = _check_import_options(hf_dir, opts)
     cfg_path = opts.config if opts.config is not None else (src_dir if (src_dir / "config.json").exists() else None)
     config = read_hf_config(cfg_path, param="config") if cfg_path is not None else None
-    adapters = sorted(n for n in os.listdir(src_dir) if n.startswith(ADAPTER_PREFIX) and n.endswith(".safetensors"))
-    if adapters and all(n.startswith(ADAPTER_PREFIX) for n in hf_storage_files(src_dir)):
-        raise UsageError(
-            f"{src_dir}: holds only a PEFT adapter ({adapters[0]}), not a model",
-            hint="import the base model, or merge the adapter into it first",
-        )
+    adapters = _adapter_files(src_dir)
     md = load_hf_storage_metadata(src_dir)
     warnings: list[str] = []
     if adapters:  # PEFT adapter weights beside the model are not base weights (hf_storage_files leaves them out)
