@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -23,7 +23,8 @@ from ckpttool.ui.options import (
 from ckpttool.ui.output import Output, command_boundary
 
 if TYPE_CHECKING:
-    from ckpttool.ops.import_hf import ImportResult
+    from ckpttool.ops.import_hf import ImportOptions, ImportResult
+    from ckpttool.ui.render import PhaseProgress
 
 
 HfDirArg = Annotated[
@@ -104,32 +105,45 @@ def import_command(
     json_output: JsonOpt = False,
 ) -> None:
     """Import a Hugging Face safetensors model as a DCP checkpoint (streaming, bit-exact, atomic)."""
-    from ckpttool.ops.import_hf import ImportOptions, import_hf
+    from ckpttool.ops.import_hf import ImportOptions
+    from ckpttool.ui.render import PhaseProgress
 
     _refuse_dcp_source(hf_dir)
 
-    res = import_hf(
-        hf_dir,
-        out,
-        ImportOptions(
-            schema=schema.value,
-            adapter=adapter,
-            config=config,
-            world_size=world_size,
-            ep_size=ep_size,
-            ep_fsdp_size=ep_fsdp_size,
-            overwrite=overwrite,
-            fsync=fsync,
-            manifest=manifest,
-            algorithm=hash_name,
-            dry_run=dry_run,
-            dtype=dtype,
-        ),
-    )
+    # phases named on stderr (reading headers, planning, writing, ...); the byte bar of the writing from its total on
+    with PhaseProgress.on_stderr("import", not json_output and sys.stderr.isatty()) as shown:
+        res = _run(
+            hf_dir,
+            out,
+            shown,
+            ImportOptions(
+                schema=schema.value,
+                adapter=adapter,
+                config=config,
+                world_size=world_size,
+                ep_size=ep_size,
+                ep_fsdp_size=ep_fsdp_size,
+                overwrite=overwrite,
+                fsync=fsync,
+                manifest=manifest,
+                algorithm=hash_name,
+                dry_run=dry_run,
+                dtype=dtype,
+            ),
+        )
     sink = Output(json_output)
     for w in res.warnings:
         sink.warning(w)
     sink.result(res, _render)
+
+
+def _run(hf_dir: Path, out: PurePath, shown: PhaseProgress | None, options: ImportOptions) -> ImportResult:
+    """``import_hf`` with its phases and bytes shown on ``shown`` (a ``PhaseProgress``, or ``None``)."""
+    from ckpttool.ops.import_hf import import_hf
+
+    if shown is None:
+        return import_hf(hf_dir, out, options)
+    return import_hf(hf_dir, out, options, progress=shown.progress, phase=shown.phase)
 
 
 def _refuse_dcp_source(hf_dir: Path) -> None:

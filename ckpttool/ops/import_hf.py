@@ -18,6 +18,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -358,10 +359,35 @@ def _segments(n: _Native, start: int, length: int, fds: dict[str, int]) -> list[
     return segs
 
 
+#: ``progress(bytes written, bytes total)``: ``(0, total)`` once planned, then after each chunk written.
+ProgressFn = Callable[[int, int], None]
+#: ``phase(text)``: the step that starts (``reading headers``, ``planning``, ``writing``, ...).
+PhaseFn = Callable[[str], None]
+
+
+def _no_progress(done: int, total: int) -> None:
+    return None
+
+
+def _no_phase(text: str) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class _Report:
+    """Where the import says what it is doing (no-ops by default)."""
+
+    progress: ProgressFn = _no_progress
+    phase: PhaseFn = _no_phase
+
+
 def import_hf(
     hf_dir: str | os.PathLike[str],
     out: str | os.PathLike[str],
     options: ImportOptions | None = None,
+    *,
+    progress: ProgressFn | None = None,
+    phase: PhaseFn | None = None,
 ) -> ImportResult:
     """Convert a Hugging Face safetensors model directory into a DCP checkpoint (see the module docstring).
 
@@ -369,6 +395,10 @@ def import_hf(
         hf_dir: directory with ``model*.safetensors`` (+ ``model.safetensors.index.json``) and ``config.json``.
         out: output directory; written beside itself and renamed when complete.
         options: :class:`ImportOptions`.
+        progress: optional ``(bytes written, bytes total)`` callback of this process's share: ``(0, total)``
+            once planned, then after each chunk.
+        phase: optional ``phase(text)`` as each step starts: ``reading headers``, ``planning``, ``writing``
+            (the bytes of ``progress``), ``writing metadata``.
 
     Returns:
         :class:`ImportResult`.
@@ -380,12 +410,15 @@ def import_hf(
         OutputError: ``out`` exists (no ``overwrite``) or cannot be written.
     """
     opts = options or ImportOptions()
+    report = _Report(progress or _no_progress, phase or _no_phase)
     if opts.ep_size is None and opts.ep_fsdp_size is None:
-        return _import_plain(hf_dir, out, opts)
-    return _import_ep(hf_dir, out, opts)
+        return _import_plain(hf_dir, out, opts, report=report)
+    return _import_ep(hf_dir, out, opts, report)
 
 
-def _import_ep(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], opts: ImportOptions) -> ImportResult:
+def _import_ep(
+    hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], opts: ImportOptions, report: _Report
+) -> ImportResult:
     """Check the EP sizes, then import for the ``P * F`` ranks of the EP x EP-FSDP mesh (:func:`_import_plain`)."""
     for name in ("ep_size", "ep_fsdp_size"):
         v = getattr(opts, name)
@@ -398,7 +431,7 @@ def _import_ep(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], opts
             param="world_size",
             hint="leave `world_size` out with EP sizes: the output has one file per rank of the EP x EP-FSDP mesh",
         )
-    return _import_plain(hf_dir, out, replace(opts, world_size=p * f), ep=(p, f))
+    return _import_plain(hf_dir, out, replace(opts, world_size=p * f), ep=(p, f), report=report)
 
 
 def ep_rows(num_experts: int, ep_size: int, ep_fsdp_size: int) -> list[tuple[int, int]]:
@@ -637,6 +670,7 @@ def _write_output(
     identity: dict[str, Any] | None,
     group: distributed.Group,
     objects: tuple[str, ...] = (),
+    report: _Report = _Report(),
 ) -> list[dict[str, Any]]:
     """Write the output (this rank's share of the rank files; the root ``.metadata`` and manifest); its files."""
     files_info: list[dict[str, Any]] = []
@@ -645,12 +679,14 @@ def _write_output(
     with contextlib.ExitStack() as stack:
         tmp = distributed.enter_output_dir(stack, group, dst, overwrite=opts.overwrite, source=src_dir, kind="import")
         try:
-            w = _write_dcp(tmp, dst, placed, mine, fds, opts, ep, ep_specs, group, objects)
+            report.phase("writing")
+            w = _write_dcp(tmp, dst, placed, mine, fds, opts, ep, ep_specs, group, objects, report.progress)
         except BaseException as e:
             if group.active and not distributed.agreed(e):
                 group.agree(e)  # the other ranks learn of it (and raise it) in _write_dcp
             raise
         if group.is_root:
+            report.phase("writing metadata" + (" and manifest.json" if opts.manifest else ""))
             if opts.schema == "megatron":
                 from ckpttool.ops.import_megatron import write_megatron_files
 
@@ -686,10 +722,12 @@ def _import_plain(
     out: str | os.PathLike[str],
     opts: ImportOptions,
     ep: tuple[int, int] | None = None,
+    report: _Report = _Report(),
 ) -> ImportResult:
     """The import; with ``ep = (P, F)`` expert tensors are placed by :func:`ep_rows` and a layout record is written."""
     t0 = time.perf_counter()
     src_dir = _check_import_options(hf_dir, opts)
+    report.phase(f"reading headers of {src_dir}")
     cfg_path = opts.config if opts.config is not None else (src_dir if (src_dir / "config.json").exists() else None)
     config = read_hf_config(cfg_path, param="config") if cfg_path is not None else None
     adapters = _adapter_files(src_dir)
@@ -708,6 +746,7 @@ def _import_plain(
         warnings.append("tied lm_head.weight written from model.embed_tokens.weight (tie_word_embeddings)")
     adapter = _choose_adapter(opts, config)
     acfg = AdapterConfig.from_hf_config(config)
+    report.phase("planning")
     objects: tuple[str, ...] = ()
     if opts.schema == "megatron":
         natives, skipped, objects = _megatron_tensors(sources, md, warnings, config, acfg, ep)
@@ -732,7 +771,7 @@ def _import_plain(
             files_info = [{"name": DCPWriter.file_name(r), "bytes": b} for r, b in enumerate(file_bytes)]
         else:
             files_info = _write_output(
-                src_dir, dst, placed, file_bytes, fds, opts, ep, ep_specs, identity, group, objects
+                src_dir, dst, placed, file_bytes, fds, opts, ep, ep_specs, identity, group, objects, report
             )
     finally:
         for fd in fds.values():
@@ -816,13 +855,19 @@ def _write_dcp(
     ep_specs: dict[str, EPTensorSpec],
     group: distributed.Group,
     objects: tuple[str, ...] = (),
+    progress: ProgressFn = _no_progress,
 ) -> DCPWriter:
     """Write the chunks of the target rank files in ``mine`` into ``tmp``; the root writes ``.metadata``.
 
     Under torchrun every rank declares every tensor and writes its own files; after the barrier
     the root merges the other ranks' records (chunk offsets in their files) and writes
     ``.metadata`` (:mod:`ckpttool.ops.distributed`). One process: ``mine`` is every rank.
+    ``progress(bytes written, bytes total)`` after each chunk (the total: the bytes of ``mine``).
     """
+    total = sum(DType(p.native.dtype).itemsize * c.numel for p in placed for r, c in p.chunks if r in mine)
+    total += sum(DType(p.native.dtype).itemsize for p in placed if not p.native.shape and 0 in mine)
+    done = 0
+    progress(0, total)
     with DCPWriter(
         tmp,
         dst if is_url(dst) else Path(os.path.abspath(dst)),
@@ -837,6 +882,8 @@ def _write_dcp(
             if not n.shape:
                 if 0 in mine:
                     w.stream_tensor_archive(n.key, ChunkMeta((), ()), 0, dt, _segments(n, 0, 1, fds))
+                    done += dt.itemsize
+                    progress(done, total)
                 continue
             for rank, chunk in p.chunks:
                 if (rank > 0 and chunk.numel == 0) or rank not in mine:
@@ -846,6 +893,8 @@ def _write_dcp(
                 else:
                     segments = _segments(n, chunk.offsets[0], chunk.sizes[0], fds)
                 w.stream_tensor_archive(n.key, chunk, rank, dt, segments)
+                done += dt.itemsize * chunk.numel
+                progress(done, total)
             release = getattr(fds, "release", None)
             if release is not None:  # staged dequantized tensors: dropped once written (import_quant.StagedFds)
                 release()

@@ -164,3 +164,21 @@ def test_reshard_names_its_phases_and_rates_the_writing_alone(sample_ckpt: Path,
     assert 0 < doc["write_seconds"] <= doc["seconds"]
     res = runner.invoke(app, [*argv[:2], str(tmp_path / "p"), *argv[3:]])  # not a terminal: nothing on stderr
     assert res.exit_code == 0 and res.stderr == "", res.stderr
+
+
+def test_import_names_its_phases_and_draws_the_write_bar(sample_ckpt: Path, tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    assets = sample_ckpt / "model_assets"
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(hf), "--model-assets", str(assets)]).exit_code == 0
+    text = _shown(["import", str(hf), str(tmp_path / "dcp"), "--manifest"])
+    _in_order(
+        text,
+        f"import: reading headers of {hf}…",
+        "import: planning…",
+        "import: writing ━",
+        "KiB",
+        "import: writing metadata and manifest.json",
+    )
+    assert (tmp_path / "dcp" / ".metadata").is_file()
+    res = runner.invoke(app, ["import", str(hf), str(tmp_path / "p")])  # not a terminal: nothing on stderr
+    assert res.exit_code == 0 and res.stderr == "", res.stderr
