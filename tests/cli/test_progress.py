@@ -22,7 +22,7 @@ def _shown(argv: list[str]) -> str:
     """Everything a terminal of 120 columns received (stdout and stderr), escape sequences removed."""
     rc, out = run_in_pty(argv, 120)
     assert rc == 0, out
-    text = ANSI.sub("", out).replace("\n", " ")  # a summary line may wrap
+    text = re.sub(r" *\r?\n *", " ", ANSI.sub("", out))  # a summary or phase line may wrap (at a space)
     assert "/?" not in text and "?/" not in text  # never a bar without its total
     return text
 
