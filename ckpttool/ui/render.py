@@ -1107,7 +1107,7 @@ def _overview_byte_items(con: Console, ov: InspectResult, max_rows: int) -> None
         if rest:
             print_table(
                 con,
-                "byte items",
+                "other byte items" if pg else "byte items",  # the param-group items: the line above
                 [Col("key", "key"), Col("bytes", "num")],
                 [[k, human_bytes(n)] for k, n in rest[:max_rows]],
             )

@@ -74,3 +74,11 @@ def test_inspect_quotes_both_prefixes_alike(sample_ckpt: Path) -> None:
     res = runner.invoke(app, ["inspect", str(sample_ckpt)])
     assert res.exit_code == 0
     assert "key schema  torch-native (detected): model 'model.', optimizer 'optimizer.' by fqn" in res.stdout
+
+
+def test_inspect_names_the_param_group_items_once_and_the_rest_as_other(sample_ckpt: Path) -> None:
+    res = runner.invoke(app, ["inspect", str(sample_ckpt)])
+    assert res.exit_code == 0, res.stderr
+    lines = [ln.rstrip() for ln in res.stdout.splitlines()]
+    assert "byte items  13 param-group items (17.4 KiB)" in lines
+    assert "other byte items" in lines and "byte items" not in lines  # no second heading of the same name
