@@ -61,7 +61,7 @@ def test_single_group_collectives_are_no_ops() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.heavy)])  # 4 ranks: in the full run
 def test_export_on_n_ranks_is_bitwise_the_single_process_export(sample_ckpt: Path, tmp_path: Path, n: int) -> None:
     args = ["--shard-size", "20KB", "--save-dtype", "bfloat16", "--experts", "per-expert"]
     assert single("export", str(sample_ckpt), str(tmp_path / "one"), *args).returncode == 0
@@ -75,7 +75,7 @@ def test_export_on_n_ranks_is_bitwise_the_single_process_export(sample_ckpt: Pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.heavy)])  # 4 ranks: in the full run
 def test_validate_deep_on_n_ranks_equals_single_process(sample_ckpt: Path, n: int) -> None:
     one = single("validate", str(sample_ckpt), "--deep", "--json")
     many = torchrun(n, "validate", str(sample_ckpt), "--deep", "--json")
