@@ -26,19 +26,12 @@ from typer.testing import CliRunner
 from ckpttool.cli.app import app
 from tests.fixtures import hf_models
 from tests.fixtures.cache import cached_build
+from tests.format.test_reader import torch_load_all
 
 runner = CliRunner()
 
 
-def _torch_load(path: Path) -> dict[str, torch.Tensor]:
-    md = dcp.FileSystemReader(str(path)).read_metadata()
-    sd = {
-        k: torch.empty(v.size, dtype=v.properties.dtype)
-        for k, v in md.state_dict_metadata.items()
-        if hasattr(v, "size")
-    }
-    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
-    return sd
+_torch_load = torch_load_all
 
 
 def _reader_load(

@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors import safe_open
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
 from tests.fixtures import hf_models
 from tests.fixtures.cache import cached_build
+from tests.ops.test_import import hf_tensors
 
 pytest.importorskip("megatron.core")
 runner = CliRunner()
@@ -34,13 +34,7 @@ def hf_dirs(fixture_root: Path) -> Path:
     return cached_build(fixture_root, "import_hf_dirs", hf_models.build_hf_dirs)
 
 
-def _hf(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as sf:
-            for k in sf.keys():
-                out[k] = sf.get_tensor(k)
-    return out
+_hf = hf_tensors
 
 
 def _fused(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
