@@ -269,8 +269,25 @@ def fused_adamw_chunk_(
         param.copy_(master)
 
 
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory (same pointer, dtype, shape, strides)."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
+
+
 def _adamw_fused_(bucket: _Bucket, scratch: FusedScratch, hyper: AdamWHyper) -> None:
     """The fused step over lists of local tensors on one device, parameters written (see the module docstring).
+
+    A master that is its parameter (:func:`_aliases`: FP32 parameters, see
+    :meth:`MasterAdamWBase._fused_master`) is updated in place and not copied; on the CPU,
+    those with FP32 gradients and moments go to one ``torch._fused_adamw_`` call over their
+    whole tensors (the bytes of ``torch.optim.AdamW(fused=True)``), the others are walked in
+    ``FUSED_CHUNK`` chunks.
 
     Args:
         bucket: as for :func:`_adamw_foreach_`; its ``params`` receive ``master.to(param.dtype)``.
@@ -281,24 +298,35 @@ def _adamw_fused_(bucket: _Bucket, scratch: FusedScratch, hyper: AdamWHyper) -> 
     if not b.masters:
         return
     torch._foreach_add_(b.steps, 1.0)
-    device = b.masters[0].device
-    if device.type != "cpu":
+    aliased = [_aliases(m, p) for m, p in zip(b.masters, b.params)]
+    if b.masters[0].device.type != "cpu":
         g32, m32, v32 = _widened(b.grads, b.exp_avgs, b.exp_avg_sqs)
-        dev_steps = [s.to(device) for s in b.steps]  # the device kernel reads its steps on the device
+        dev_steps = [s.to(b.masters[0].device) for s in b.steps]  # the device kernel reads its steps on the device
         hyper.fused_adamw_(b.masters, g32, m32, v32, dev_steps)
         _store_moments(b.exp_avgs, b.exp_avg_sqs, m32, v32)
-        torch._foreach_copy_(b.params, b.masters)
+        copied = [i for i, a in enumerate(aliased) if not a]
+        if copied:
+            torch._foreach_copy_([b.params[i] for i in copied], [b.masters[i] for i in copied])
         return
-    for master, grad, m, v, step, param in zip(b.masters, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps, b.params):
+    whole = [i for i, a in enumerate(aliased) if a and b.grads[i].dtype == _F32 and b.exp_avgs[i].dtype == _F32]
+    if whole:
+        fields = (b.masters, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps)
+        hyper.fused_adamw_(*([f[i] for i in whole] for f in fields))
+    done = set(whole)
+    for i, (master, grad, m, v, step, param) in enumerate(
+        zip(b.masters, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps, b.params)
+    ):
+        if i in done:
+            continue
         mf, gf, ef, vf = (t.reshape(-1) for t in (master, grad, m, v))
-        pf = param.view(-1) if param.is_contiguous() else None
+        pf = param.view(-1) if param.is_contiguous() and not aliased[i] else None
         n = mf.numel()
         for a in range(0, n, FUSED_CHUNK):
             e = min(n, a + FUSED_CHUNK)
             fused_adamw_chunk_(
                 mf[a:e], gf[a:e], ef[a:e], vf[a:e], step, pf[a:e] if pf is not None else None, scratch, hyper
             )
-        if pf is None:
+        if pf is None and not aliased[i]:
             param.copy_(master)
 
 
@@ -449,7 +477,7 @@ class MasterAdamWBase(torch.optim.Optimizer):
             if self.offloaded(p):
                 offloaded.append(p)
                 continue
-            master = _local(state["master_weight"])
+            master = self._fused_master(p, state) if self.fused else _local(state["master_weight"])
             key = (master.device, state["exp_avg"].dtype)
             bucket = buckets[key]
             bucket.masters.append(master)
@@ -466,6 +494,41 @@ class MasterAdamWBase(torch.optim.Optimizer):
                 torch._foreach_copy_(bucket.params, bucket.masters)
         if offloaded:
             self._step_offloaded(offloaded, hyper)
+
+    @staticmethod
+    def _fused_master(param: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The local master the fused step updates: for an FP32 parameter, the parameter itself.
+
+        A contiguous FP32 parameter on its master's device holds the master's values after
+        every step, so the fused step keeps one copy, as ``torch.optim.AdamW`` does: the first
+        fused step after the state was created or loaded copies the master into the parameter
+        and makes ``state["master_weight"]`` the parameter's detached alias; the kernel then
+        updates the parameter in place. Other parameters keep their own master.
+        """
+        master = _local(state["master_weight"])
+        local = _local(param)
+        if local.dtype != _F32 or local.device != master.device or not local.is_contiguous():
+            return master
+        if not _aliases(master, local):
+            local.copy_(master)
+            state["master_weight"] = param.detach()
+        return local
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer.state_dict()``; a master that is its parameter is given as a copy.
+
+        See :meth:`_fused_master`: with the copy, a ``dcp.load`` into this state dict writes the
+        saved master into the copy, not into the model's parameter (the parameter receives the
+        loaded master at the next step, as for any other parameter).
+        """
+        sd = super().state_dict()
+        index = {id(p): i for i, p in enumerate(chain.from_iterable(g["params"] for g in self.param_groups))}
+        for p, st in self.state.items():
+            master = st.get("master_weight")
+            if isinstance(master, torch.Tensor) and _aliases(_local(master), _local(p)) and id(p) in index:
+                i = index[id(p)]
+                sd["state"][i] = {**sd["state"][i], "master_weight": master.clone()}
+        return sd
 
     def _step_offloaded(self, params: list[torch.Tensor], hyper: AdamWHyper) -> None:
         raise NotImplementedError(f"{type(self).__name__} offloads no parameter")

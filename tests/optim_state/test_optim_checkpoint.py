@@ -95,6 +95,11 @@ def build_multi(model: nn.Module, offload_chunk: int | None = None) -> tuple[Mul
     return MultiOptimizer(model, {"dense": dense, "experts": experts, "unused": unused}), sched
 
 
+def fixed_grads(model: nn.Module) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(77)
+    return [torch.randn(p.shape, generator=gen).to(p.dtype) * 0.1 for p in model.parameters()]
+
+
 def snapshot(model: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
     """Full (unsharded) copies of parameters and every state tensor, keyed by FQN."""
 
@@ -289,6 +294,39 @@ def test_single_optimizer_flattened_flavor_through_torch_get_and_set(tmp_path, k
     set_optimizer_state_dict(fresh_model, fresh, sd["optimizer"], options=flat)
     train_step(model, opt, 2, torch.bfloat16)
     train_step(fresh_model, fresh, 2, torch.bfloat16)
+    assert_bitwise(snapshot(fresh_model, fresh), snapshot(model, opt))
+
+
+def test_fused_fp32_resume_takes_the_saved_master_where_the_saved_parameter_differs(tmp_path):
+    """A fused step makes an FP32 parameter its own master; a checkpoint whose parameter is not its
+    master (here: the parameter saved with an offset) resumes from the saved master, as before."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def make(model: nn.Module) -> FullFP32AdamW:
+        return FullFP32AdamW([p for n, p in model.named_parameters() if not n.startswith("unused")], fused=True)
+
+    model = Toy()
+    opt = make(model)
+    for s in range(2):
+        train_step(model, opt, s, torch.float32)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save(
+        {"model": {k: v if k.startswith("unused") else v + 1.0 for k, v in msd.items()}, "optimizer": osd},
+        checkpoint_id=str(tmp_path),
+    )
+
+    fresh_model = Toy()
+    fresh = make(fresh_model)
+    fmsd, fosd = get_state_dict(fresh_model, fresh)  # torch fake-steps the empty optimizer here
+    sd = {"model": fmsd, "optimizer": fosd}
+    dcp.load(sd, checkpoint_id=str(tmp_path))
+    set_state_dict(fresh_model, fresh, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+    assert torch.equal(fresh_model.head.bias, model.head.bias + 1.0)  # loaded as saved until the next step
+    for m, o in ((model, opt), (fresh_model, fresh)):  # the same gradients (a forward would see the offset)
+        for (n, p), g in zip(m.named_parameters(), fixed_grads(model)):
+            p.grad = None if n.startswith("unused") else g
+        o.step()
     assert_bitwise(snapshot(fresh_model, fresh), snapshot(model, opt))
 
 

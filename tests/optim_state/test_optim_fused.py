@@ -111,3 +111,21 @@ def test_fused_and_foreach_are_exclusive_and_build_optimizer_passes_fused() -> N
         FullFP32AdamW([p], foreach=False)
     assert build_optimizer("master_fp32_adamw", [p], fused=True).fused is True  # type: ignore[attr-defined]
     assert build_optimizer("adamw", [p], fused=True).defaults["fused"] is True
+
+
+def test_fused_fp32_parameter_is_its_master_and_the_state_dict_holds_a_copy() -> None:
+    params = _params(torch.float32)
+    opt = FullFP32AdamW(_groups(params), betas=BETAS, eps=EPS, fused=True)
+    for s in range(2):
+        for p, g in zip(params, _grads(s, params)):
+            p.grad = g
+        opt.step()
+    for p in params:  # one copy in memory, as torch.optim.AdamW keeps
+        assert opt.state[p]["master_weight"].data_ptr() == p.data_ptr()
+    sd = opt.state_dict()
+    for i, p in enumerate(params):
+        saved = sd["state"][i]["master_weight"]
+        assert torch.equal(saved, p.detach()) and saved.data_ptr() != p.data_ptr()
+        saved.add_(1.0)  # a load into the state dict leaves the parameter alone
+        assert not torch.equal(saved, p.detach())
+    assert all(opt.state[p]["master_weight"].data_ptr() == p.data_ptr() for p in params)
