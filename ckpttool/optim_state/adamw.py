@@ -7,7 +7,8 @@ decoupled weight decay (Loshchilov & Hutter 2019, Algorithm 2) in torch's conven
 (``torch/optim/adam.py::_multi_tensor_adam``'s op sequence) on the FP32 master, then
 ``param = master.to(param.dtype)`` (round to nearest even); ``fused=True`` runs
 ``torch._fused_adamw_`` instead, bitwise equal to ``torch.optim.AdamW(fused=True)`` on the
-masters. ``load_state_dict`` checks every saved field's presence, dtype and shape before
+masters; there a contiguous FP32 parameter is its own master (no copy, the bytes of torch's
+fused step; ``state_dict`` gives that master as a copy). ``load_state_dict`` checks every saved field's presence, dtype and shape before
 anything is cast or moved (:class:`~ckpttool.errors.OptimStateError`). Details:
 ``docs/optim_state.md`` ("State schema", "Arithmetic").
 """
