@@ -81,9 +81,11 @@ def build_nested(model: nn.Module) -> CPUOffloadAdamW:
     )
 
 
-def build_multi(model: nn.Module, offload_chunk: int | None = None) -> tuple[MultiOptimizer, Any]:
-    """dense: FullFP32AdamW; experts: MasterFP32AdamW (bf16 moments) or CPUOffloadAdamW; unused: never steps."""
-    dense = FullFP32AdamW([p for n, p in named(model, "embed") + named(model, "head")], lr=0.01, weight_decay=0.1)
+def build_multi(model: nn.Module, offload_chunk: int | None = None, fused: bool = False) -> tuple[MultiOptimizer, Any]:
+    """dense: FullFP32AdamW (``fused``); experts: MasterFP32AdamW (bf16 moments) or CPUOffloadAdamW; unused: never steps."""
+    dense = FullFP32AdamW(
+        [p for n, p in named(model, "embed") + named(model, "head")], lr=0.01, weight_decay=0.1, fused=fused
+    )
     if offload_chunk is None:
         experts = MasterFP32AdamW([p for _, p in named(model, "experts")], lr=0.02)
     else:

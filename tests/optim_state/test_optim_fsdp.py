@@ -52,11 +52,13 @@ def _train(rank: int, wd: Path) -> None:
     expected = {"nested": snapshot(model, opt)}
 
     model = _sharded_toy()
-    multi, sched = build_multi(model, offload_chunk=5)
+    multi, sched = build_multi(model, offload_chunk=5, fused=True)
     for s in range(3):
         train_step(model, multi, s, torch.float32)
         if s < 2:
             sched.step()
+    st = multi["dense"].state[model.head.weight]  # a fused FP32 parameter is its own master (its local shard)
+    assert st["master_weight"].to_local().data_ptr() == model.head.weight.to_local().data_ptr()
     save_multi(model, multi, wd / "multi")
     assert len(multi["unused"].state) == 0
     train_step(model, multi, 3, torch.float32)
@@ -74,7 +76,7 @@ def _resume(rank: int, wd: Path) -> None:
     assert_bitwise(snapshot(model, opt), expected["nested"])
 
     model = _sharded_toy()
-    multi, _ = build_multi(model, offload_chunk=5)
+    multi, _ = build_multi(model, offload_chunk=5, fused=True)
     load_multi(model, multi, wd / "multi")
     assert multi["unused"].param_groups[0]["lr"] == SCHEDULED_LR
     assert len(multi["unused"].state) == 0
