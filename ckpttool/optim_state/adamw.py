@@ -228,12 +228,54 @@ class FusedScratch:
 
     def __init__(self) -> None:
         self._bufs: dict[str, torch.Tensor] = {}
+        self._workers: dict[int, FusedScratch] = {}
 
     def get(self, name: str, n: int) -> torch.Tensor:
         buf = self._bufs.get(name)
         if buf is None or buf.numel() < n:
             buf = self._bufs[name] = torch.empty(n, dtype=_F32)
         return buf[:n]
+
+    def worker(self, k: int) -> FusedScratch:
+        """The scratch of worker ``k`` of a parallel chunk loop (its own buffers)."""
+        if k not in self._workers:
+            self._workers[k] = FusedScratch()
+        return self._workers[k]
+
+
+#: One fused CPU chunk: master, gradient, ``exp_avg``, ``exp_avg_sq`` chunks ``[n]``, the 0-d step and
+#: the parameter chunk to receive the rounded master (or ``None``).
+_Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
+
+def _fused_chunks_(chunks: list[_Chunk], scratch: FusedScratch, hyper: AdamWHyper) -> None:
+    """:func:`fused_adamw_chunk_` over ``chunks``, split over ``torch.get_num_threads()`` pool threads.
+
+    Each thread runs its share of the chunks with one intra-op thread, so a step is one fork-join
+    rather than one per op and chunk (on a machine with more runnable threads than cores, a
+    barrier per 256K-element op costs up to a scheduler time slice). Chunks are independent
+    elementwise updates: the result does not depend on the split.
+    """
+    threads = min(torch.get_num_threads(), len(chunks))
+    if threads <= 1:
+        for c in chunks:
+            fused_adamw_chunk_(*c, scratch, hyper)
+        return
+    from ckpttool.engine.pool import map_ordered
+
+    per = -(-len(chunks) // threads)
+
+    def run(k: int) -> None:
+        prev = torch.get_num_threads()
+        torch.set_num_threads(1)  # this thread's intra-op setting (torch keeps it per thread)
+        try:
+            with torch.no_grad():  # grad mode is per thread: the step's parameter chunks are no-grad views
+                for c in chunks[k * per : (k + 1) * per]:
+                    fused_adamw_chunk_(*c, scratch.worker(k), hyper)
+        finally:
+            torch.set_num_threads(prev)
+
+    map_ordered(run, range(-(-len(chunks) // per)), workers=threads)
 
 
 def fused_adamw_chunk_(
@@ -314,6 +356,8 @@ def _adamw_fused_(bucket: _Bucket, scratch: FusedScratch, hyper: AdamWHyper) -> 
         fields = (b.masters, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps)
         hyper.fused_adamw_(*([f[i] for i in whole] for f in fields))
     done = set(whole)
+    chunks: list[_Chunk] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # non-contiguous parameters, written after the update
     for i, (master, grad, m, v, step, param) in enumerate(
         zip(b.masters, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps, b.params)
     ):
@@ -321,14 +365,15 @@ def _adamw_fused_(bucket: _Bucket, scratch: FusedScratch, hyper: AdamWHyper) -> 
             continue
         mf, gf, ef, vf = (t.reshape(-1) for t in (master, grad, m, v))
         pf = param.view(-1) if param.is_contiguous() and not aliased[i] else None
+        if pf is None and not aliased[i]:
+            copies.append((param, master))
         n = mf.numel()
         for a in range(0, n, FUSED_CHUNK):
             e = min(n, a + FUSED_CHUNK)
-            fused_adamw_chunk_(
-                mf[a:e], gf[a:e], ef[a:e], vf[a:e], step, pf[a:e] if pf is not None else None, scratch, hyper
-            )
-        if pf is None and not aliased[i]:
-            param.copy_(master)
+            chunks.append((mf[a:e], gf[a:e], ef[a:e], vf[a:e], step, pf[a:e] if pf is not None else None))
+    _fused_chunks_(chunks, scratch, hyper)
+    for param, master in copies:
+        param.copy_(master)
 
 
 class MasterAdamWBase(torch.optim.Optimizer):

@@ -129,3 +129,23 @@ def test_fused_fp32_parameter_is_its_master_and_the_state_dict_holds_a_copy() ->
         saved.add_(1.0)  # a load into the state dict leaves the parameter alone
         assert not torch.equal(saved, p.detach())
     assert all(opt.state[p]["master_weight"].data_ptr() == p.data_ptr() for p in params)
+
+
+def test_fused_chunks_on_one_thread_equal_the_parallel_split() -> None:
+    """The chunked fused step (BF16 parameters) gives the same bits on one intra-op thread and split over two."""
+    results = []
+    prev = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            params = _params(torch.bfloat16)
+            opt = MasterFP32AdamW(_groups(params), betas=BETAS, eps=EPS, moment_dtype=torch.float32, fused=True)
+            for p, g in zip(params, _grads(0, params)):
+                p.grad = g
+            opt.step()
+            results.append([(p.detach().clone(), opt.state[p]["master_weight"].clone()) for p in params])
+    finally:
+        torch.set_num_threads(prev)
+    assert torch.get_num_threads() == prev
+    for (p1, w1), (p2, w2) in zip(*results):
+        assert torch.equal(p1, p2) and torch.equal(w1, w2)
