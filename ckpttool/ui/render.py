@@ -632,7 +632,7 @@ def _rich_table(title: str, columns: list[Col], widths: list[int]) -> Table:
     return t
 
 
-def print_table(con: Console, title: str, columns: list[Col], rows: list[list[Any]]) -> list[str]:
+def print_table(con: Console | PlainConsole, title: str, columns: list[Col], rows: list[list[Any]]) -> list[str]:
     """Print a table that fits ``con``'s width without ever wrapping a number or a code; the hidden columns.
 
     Columns with no value are left out (``hide_empty``), then low-value columns (``drop``) until
@@ -660,14 +660,13 @@ def print_table(con: Console, title: str, columns: list[Col], rows: list[list[An
         worst = max(droppable, key=lambda i: (columns[i].drop, i))
         keep.remove(worst)
         hidden.append(columns[worst].name)
-    plain = isinstance(con, PlainConsole)
-    lines = (
-        _plain_table(title, [columns[i] for i in keep], [[r[i] for i in keep] for r in cells], width) if plain else None
-    )
-    if lines is not None:
-        con.write_lines(lines)  # type: ignore[attr-defined]
-    else:
-        rich_con = con.rich if isinstance(con, PlainConsole) else con
+    rich_con: Console | None = cast("Console", con)
+    if isinstance(con, PlainConsole):  # a pipe without colour: a table of plain cells that fits is written here
+        lines = _plain_table(title, [columns[i] for i in keep], [[r[i] for i in keep] for r in cells], width)
+        if lines is not None:
+            con.write_lines(lines)
+        rich_con = None if lines is not None else con.rich
+    if rich_con is not None:
         _print_rich_table(rich_con, title, columns, keep, widths, cells, need(keep, fit=False))
     named = [n for n in hidden if not any(c.below and c.name == n for c in columns)]
     if named:
