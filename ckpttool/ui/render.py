@@ -639,6 +639,7 @@ def print_table(con: Console | PlainConsole, title: str, columns: list[Col], row
     the natural width fits (named below the table unless ``below``: the caller prints those);
     then texts wrap and keys fold at ``.`` boundaries. A table whose unbreakable cells are
     wider than the terminal is printed wider (the terminal wraps the line) rather than truncated.
+    On a :class:`PlainConsole` a table of plain cells that fits is written without rich (:func:`_plain_table`).
     """
     cells = [[_cell(v) for v in r] for r in rows]
     keep = [
@@ -683,6 +684,7 @@ def _print_rich_table(
     cells: list[list[Any]],
     least: int,
 ) -> None:
+    """The ``keep`` columns of ``cells`` as a rich table on ``con``, at least ``least`` cells wide."""
     t = _rich_table(title, [columns[i] for i in keep], [widths[i] for i in keep])
     key_text = _key_text_class()
     for r in cells:
