@@ -13,6 +13,9 @@ includes waiting for a core. Cases:
   * imports: which of torch, numpy, rich and ``ckpttool.ops`` each command imported (``sys.modules``
     at exit; one extra run each).
 
+``--instructions``: also the instructions each case executes (one run under valgrind's cachegrind,
+``I refs``), a figure that the load of a shared machine does not change, beside ``python -c pass``'s.
+
 Bytecode: the runs use the ``__pycache__`` an installed package has (``compileall`` first,
 ``PYTHONDONTWRITEBYTECODE`` unset for the children); without bytecode every run compiles the package.
 ``--baseline DIR`` runs every case with another copy of the package too, interleaved, side by side.
@@ -21,6 +24,7 @@ Targets (issue 30, item 5): ``--help`` <= 0.10 s, ``inspect`` of the sample <= 0
 cost <= 0.25 s.
 
 Usage: python bench/bench_startup.py [--runs 9] [--workdir /tmp/ckpttool-bench-startup] [--baseline DIR]
+       [--instructions]
 """
 
 from __future__ import annotations
@@ -93,6 +97,22 @@ def imported(args: list[str], env: dict[str, str], work: Path) -> list[str]:
     )
 
 
+def instructions(argv: list[str], env: dict[str, str]) -> float | None:
+    """Millions of instructions one run of ``argv`` executes (valgrind cachegrind ``I refs``); None without valgrind."""
+    if shutil.which("valgrind") is None:
+        return None
+    proc = subprocess.run(
+        ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=env["CKPTTOOL_BENCH_CWD"],
+        check=False,
+    )
+    refs = [ln for ln in proc.stderr.splitlines() if "I   refs:" in ln or "I    refs:" in ln]
+    return int(refs[-1].split(":")[1].replace(",", "")) / 1e6 if refs else None
+
+
 def _cases(py: str, sample: Path, out: Path) -> list[tuple[str, list[str]]]:
     ck = [py, "-m", "ckpttool"]
     return [
@@ -129,6 +149,9 @@ def main() -> None:
         help="a directory holding another ckpttool package (e.g. `git archive REV ckpttool | tar -x -C DIR`): "
         "each case also runs with it first on PYTHONPATH, interleaved, side by side",
     )
+    ap.add_argument(
+        "--instructions", action="store_true", help="also count each case's instructions once (valgrind cachegrind)"
+    )
     args = ap.parse_args()
     env = _env()
     py = sys.executable
@@ -150,7 +173,9 @@ def main() -> None:
         )
         envs = {"before": base, "after": env}
     print(f"python {sys.version.split()[0]}, {args.runs} runs each, median; load {os.getloadavg()[0]:.1f}")
-    print(f"{'case':44} {'wall s':>8} {'CPU s':>8}  imports (torch, numpy, rich, ckpttool.ops)")
+    instr = "  instr M (x pass)" if args.instructions else ""
+    print(f"{'case':44} {'wall s':>8} {'CPU s':>8}{instr}  imports (torch, numpy, rich, ckpttool.ops)")
+    floor: float | None = None
     rows: dict[str, tuple[float, float]] = {}
     for name, argv in _cases(py, sample, out):
         for label, e in envs.items():
@@ -162,7 +187,12 @@ def main() -> None:
             mods = (", ".join(imported(argv[3:], e, work)) or "none") if ck else ""
             flag = f"  exit {code}" if code else ""
             title = f"{name} ({label})" if label and ck else name
-            print(f"{title:44} {wall:8.3f} {cpu:8.3f}  {mods}{flag}")
+            count = ""
+            if args.instructions:
+                m = instructions(argv, e)
+                floor = floor if ck or m is None else m
+                count = f"  {m:8.0f} ({m / floor:4.1f}x)" if m is not None and floor else f"  {'-':>17}"
+            print(f"{title:44} {wall:8.3f} {cpu:8.3f}{count}  {mods}{flag}")
     cp_wall, cp_cpu = _cp_r(out, copy, args.runs)
     print(f"{'cp -r OUT (moving the bytes)':44} {cp_wall:8.3f} {cp_cpu:8.3f}")
     for label in envs:

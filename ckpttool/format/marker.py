@@ -33,9 +33,8 @@ import datetime
 import json
 import logging
 import os
+import platform
 import re
-import secrets
-import socket
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -126,7 +125,8 @@ class RunId:
 def new_run() -> RunId:
     """A fresh :class:`RunId` for this process (a 64-bit random token)."""
     pid = os.getpid()
-    return RunId(secrets.token_hex(8), pid, _pid_start(pid), socket.gethostname(), _boot_id())
+    # os.urandom(8).hex() is secrets.token_hex(8); platform.node() is the host name (socket.gethostname())
+    return RunId(os.urandom(8).hex(), pid, _pid_start(pid), platform.node(), _boot_id())
 
 
 def temp_name(target_name: str, run: RunId) -> str:
@@ -445,7 +445,7 @@ def stale_verdict(entry: Path, target_name: str, *, source: Path | None) -> tupl
         return False, f"its {MARKER_NAME} names another run than its name (a copy?)"
     if doc.get("state") != "writing":
         return False, f"its {MARKER_NAME} says it is a finished output (renamed?), not one being written"
-    if doc.get("host") != socket.gethostname():
+    if doc.get("host") != platform.node():
         return False, f"it was created on host {str(doc.get('host'))[:64]!r}, whose processes cannot be checked here"
     boot = _boot_id()
     if boot is not None and doc.get("boot_id") not in (None, boot):

@@ -30,9 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttool.engine.execute import run_item
 from ckpttool.engine.io import ShortReadError
-from ckpttool.engine.plan import Compare, Item
 from ckpttool.errors import CkptError, DataFileError, PerRankError
 from ckpttool.format import limits
 from ckpttool.format.archive import STORED, ArchiveError, FileWindow, check_torch_records, parse_archive
@@ -597,6 +595,9 @@ class PerRankReader(CheckpointReader):
         Raises:
             DataFileError: a file shorter than its records.
         """
+        from ckpttool.engine.execute import run_item  # the engine's thread pool: loaded by the commands that read data
+        from ckpttool.engine.plan import Compare, Item
+
         bad: list[str] = []
         for key, offsets, first, other in self.assembled.replicas:
             if first.length != other.length:

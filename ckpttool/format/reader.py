@@ -24,9 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ckpttool.engine.crc import crc32
-from ckpttool.engine.execute import run_item
 from ckpttool.engine.io import ShortReadError, read_exact, read_into
-from ckpttool.engine.plan import Crc32, Item
 from ckpttool.errors import (
     AllocationError,
     ChecksumError,
@@ -49,7 +47,6 @@ from ckpttool.format.archive import (
     inflate_into,
     parse_archive,
 )
-from ckpttool.format.copy import copy_range
 from ckpttool.format.directory import CheckpointDir
 from ckpttool.format.locator import ChunkLocation, decode_transforms, locate_chunk, tensor_meta
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, StorageInfo, TensorMeta
@@ -344,6 +341,8 @@ class CheckpointReader(CheckpointDir):
             DataFileError, PathEscapeError, ChunkError: as :meth:`read_chunk`.
             OSError: writing ``out_fd`` failed (e.g. ``ENOSPC``).
         """
+        from ckpttool.format.copy import copy_range  # on the engine: loaded by the commands that copy data
+
         loc = self.locate(fqn, chunk)
         if not loc.raw:
             return False
@@ -378,6 +377,9 @@ class CheckpointReader(CheckpointDir):
         if not loc.in_file or loc.record.deflated:
             self.read_chunk(loc.key, loc.chunk)
             return
+        from ckpttool.engine.execute import run_item  # the engine's thread pool: loaded by the commands that read data
+        from ckpttool.engine.plan import Crc32, Item
+
         fd = self.fd(loc.info.relative_path)
         try:
             (crc,) = run_item(Item.of(fd, loc.data_start, loc.record.compressed_size, Crc32()))

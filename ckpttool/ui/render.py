@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # rich is slow to import: only commands that print tables pay
 __all__ = [
     "ABSENT",
     "PIPE_WIDTH",
+    "PlainConsole",
     "STYLES",
     "UI",
     "Col",
@@ -309,11 +310,19 @@ def _terminal(stream: Any) -> Any:
 def _console(stream: Any) -> Console:
     color = color_enabled(stream)
     stream = _terminal(stream)
+    file = _NoTrailingWhitespace(stream)
+    width = output_width(stream)
+    if not color and not _isatty(stream):  # a pipe or a file without colour: no rich for lines and plain tables
+        return cast("Console", PlainConsole(file, width))
+    return _rich_console(file, width, color=color, tty=_isatty(stream))
+
+
+def _rich_console(file: _NoTrailingWhitespace, width: int, *, color: bool, tty: bool) -> Console:
     return _safe_console_class()(
-        file=cast("IO[str]", _NoTrailingWhitespace(stream)),
-        width=output_width(stream),
+        file=cast("IO[str]", file),
+        width=width,
         no_color=not color,
-        color_system=("auto" if _isatty(stream) else "standard") if color else None,
+        color_system=("auto" if tty else "standard") if color else None,
         force_terminal=color,
         force_interactive=False,
         highlight=False,
@@ -321,12 +330,57 @@ def _console(stream: Any) -> Console:
         emoji=False,
         # A terminal gets text wrapped at spaces (the terminal itself would cut numbers anywhere);
         # a pipe gets each line of text whole, for grep. Tables are laid out to the width in both.
-        soft_wrap=not _isatty(stream),
+        soft_wrap=not tty,
     )
 
 
+class PlainConsole:
+    """The stdout console of output that is neither a terminal nor coloured (a pipe, a file): it writes lines
+    of text and tables of plain cells itself, the bytes the rich console writes for them, without importing
+    rich; anything else (styled text, tables with folded or multi-line cells, other renderables and
+    attributes) goes to that rich console (:attr:`rich`, made on first use, writing to the same stream).
+
+    Attributes:
+        file: the stream (trailing spaces of every line dropped, as for the rich console).
+        width: the layout width in columns (:func:`output_width`).
+    """
+
+    soft_wrap = True  # lines of text are written whole, as rich's console for a pipe does
+
+    def __init__(self, file: _NoTrailingWhitespace, width: int) -> None:
+        self.file = file
+        self.width = width
+        self._rich: Console | None = None
+
+    @property
+    def rich(self) -> Console:
+        """The rich console of the same stream and width (no colour, soft wrap), made on first use."""
+        if self._rich is None:
+            self._rich = _rich_console(self.file, self.width, color=False, tty=False)
+        return self._rich
+
+    def print(self, *objects: Any, sep: str = " ", end: str = "\n", **kwargs: Any) -> None:
+        """Strings: escaped (:func:`safe_text`) and written as one line; anything else: printed by :attr:`rich`."""
+        if objects and not kwargs and sep == " " and end == "\n" and all(isinstance(o, str) for o in objects):
+            self.write_lines([" ".join(safe_text(o) for o in objects)])
+        else:
+            self.rich.print(*objects, sep=sep, end=end, **kwargs)
+
+    def write_lines(self, lines: list[str]) -> None:
+        """Write ``lines`` (already escaped), each ending in a newline; flushed as rich flushes each print."""
+        self.file.write("".join(line + "\n" for line in lines))
+        self.file.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.rich, name)
+
+
 def stdout_console() -> Console:
-    """The console of a command's human output (stdout): escaped, width and colour per :data:`UI`."""
+    """The console of a command's human output (stdout): escaped, width and colour per :data:`UI`.
+
+    Without colour and outside a terminal it is a :class:`PlainConsole` (same bytes, no rich import for
+    lines of text and plain tables).
+    """
     return _console(sys.stdout)
 
 
@@ -543,10 +597,13 @@ def _cell(v: Any) -> Any:
 
 
 def _cell_width(v: Any) -> int:
+    text = v if isinstance(v, str) else getattr(v, "plain", str(v))
+    lines = text.split("\n")
+    if all(line.isascii() and line.isprintable() for line in lines):  # one cell per character
+        return max(map(len, lines), default=0)
     from rich.cells import cell_len
 
-    text = v if isinstance(v, str) else getattr(v, "plain", str(v))
-    return max((cell_len(line) for line in text.split("\n")), default=0)
+    return max((cell_len(line) for line in lines), default=0)
 
 
 def _table_width(columns: list[Col], widths: list[int], fit: bool) -> int:
@@ -575,13 +632,14 @@ def _rich_table(title: str, columns: list[Col], widths: list[int]) -> Table:
     return t
 
 
-def print_table(con: Console, title: str, columns: list[Col], rows: list[list[Any]]) -> list[str]:
+def print_table(con: Console | PlainConsole, title: str, columns: list[Col], rows: list[list[Any]]) -> list[str]:
     """Print a table that fits ``con``'s width without ever wrapping a number or a code; the hidden columns.
 
     Columns with no value are left out (``hide_empty``), then low-value columns (``drop``) until
     the natural width fits (named below the table unless ``below``: the caller prints those);
     then texts wrap and keys fold at ``.`` boundaries. A table whose unbreakable cells are
     wider than the terminal is printed wider (the terminal wraps the line) rather than truncated.
+    On a :class:`PlainConsole` a table of plain cells that fits is written without rich (:func:`_plain_table`).
     """
     cells = [[_cell(v) for v in r] for r in rows]
     keep = [
@@ -603,17 +661,73 @@ def print_table(con: Console, title: str, columns: list[Col], rows: list[list[An
         worst = max(droppable, key=lambda i: (columns[i].drop, i))
         keep.remove(worst)
         hidden.append(columns[worst].name)
+    rich_con: Console | None = cast("Console", con)
+    if isinstance(con, PlainConsole):  # a pipe without colour: a table of plain cells that fits is written here
+        lines = _plain_table(title, [columns[i] for i in keep], [[r[i] for i in keep] for r in cells], width)
+        if lines is not None:
+            con.write_lines(lines)
+        rich_con = None if lines is not None else con.rich
+    if rich_con is not None:
+        _print_rich_table(rich_con, title, columns, keep, widths, cells, need(keep, fit=False))
+    named = [n for n in hidden if not any(c.below and c.name == n for c in columns)]
+    if named:
+        con.print(f"  (not shown at {width} columns: {', '.join(named)}; see --wide or --json)")
+    return hidden
+
+
+def _print_rich_table(
+    con: Console,
+    title: str,
+    columns: list[Col],
+    keep: list[int],
+    widths: dict[int, int],
+    cells: list[list[Any]],
+    least: int,
+) -> None:
+    """The ``keep`` columns of ``cells`` as a rich table on ``con``, at least ``least`` cells wide."""
     t = _rich_table(title, [columns[i] for i in keep], [widths[i] for i in keep])
     key_text = _key_text_class()
     for r in cells:
         t.add_row(
             *(key_text(safe_text(r[i])) if columns[i].kind == "key" and isinstance(r[i], str) else r[i] for i in keep)
         )
-    _print_at_least(con, t, need(keep, fit=False))
-    named = [n for n in hidden if not any(c.below and c.name == n for c in columns)]
-    if named:
-        con.print(f"  (not shown at {width} columns: {', '.join(named)}; see --wide or --json)")
-    return hidden
+    _print_at_least(con, t, least)
+
+
+def _plain_cell(v: Any) -> bool:
+    """Whether a cell is text that lays out as it is: one line of printable ASCII (rich measures it by ``len``)."""
+    return isinstance(v, str) and v.isascii() and v.isprintable()
+
+
+def _plain_table(title: str, columns: list[Col], rows: list[list[Any]], width: int) -> list[str] | None:
+    """The lines rich draws for a table of plain cells (:func:`_plain_cell`) that fits ``width`` whole, or ``None``.
+
+    Such a table is laid out at its cells' natural widths, nothing wrapped or folded: rich's
+    ``box.HEAVY_HEAD`` frame, one space of padding, numbers right-aligned, the title on its own line
+    (without colour rich draws no styles). Any other table is rich's to lay out.
+    """
+    if not columns or not _plain_cell(title) or not all(_plain_cell(v) for r in rows for v in r):
+        return None
+    widths = [max([len(c.name)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
+    total = sum(widths) + 3 * len(columns) + 1
+    if total > width or len(title) > total or not all(_plain_cell(c.name) for c in columns):
+        return None
+
+    def line(cells: list[str], edge: str, bar: str) -> str:
+        parts = [
+            (v.rstrip().rjust(w) if c.kind == "num" else v.ljust(w))
+            for c, v, w in zip(columns, cells, widths, strict=True)
+        ]
+        return f"{edge} " + f" {bar} ".join(parts) + f" {edge}"
+
+    def rule(left: str, fill: str, mid: str, right: str) -> str:
+        return left + mid.join(fill * (w + 2) for w in widths) + right
+
+    lines = [title.rstrip()] if title else []
+    lines += [rule("┏", "━", "┳", "┓"), line([c.name for c in columns], "┃", "┃"), rule("┡", "━", "╇", "┩")]
+    lines += [line(r, "│", "│") for r in rows]
+    lines.append(rule("└", "─", "┴", "┘"))
+    return [ln.rstrip(" ") for ln in lines]
 
 
 def _print_at_least(con: Console, t: Table, minimum: int) -> None:

@@ -12,8 +12,9 @@ transformers' ``convert_llama_weights_to_hf.py``), ``part`` (one of ``nparts`` b
 
 from __future__ import annotations
 
+import functools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ckpttool.errors import ExportError
@@ -153,10 +154,10 @@ class KeyMap:
     kind: str = "copy"
     per_expert: str | None = None
     reason: str = ""
-    _re: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_re", re.compile(self.native))
+    @functools.cached_property
+    def _re(self) -> re.Pattern[str]:  # compiled on first use: importing the adapters compiles no pattern
+        return re.compile(self.native)
 
 
 def _check_rope(key: str, shape: tuple[int, ...], heads: int | None, head_dim: int | None, what: str) -> int:

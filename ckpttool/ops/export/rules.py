@@ -20,7 +20,6 @@ import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -374,7 +373,7 @@ def load_rules(user_file: str | Path | None = None) -> ExportRules:
     Raises:
         UsageError: the user file is missing, not YAML or invalid.
     """
-    default_text = resources.files("ckpttool.ops.export").joinpath("default_rules.yaml").read_text(encoding="utf-8")
+    default_text = Path(__file__).with_name("default_rules.yaml").read_text(encoding="utf-8")  # package data
     merged = parse_rules(_read_yaml(default_text, "default_rules.yaml"), "default_rules.yaml")
     sources = ["default_rules.yaml"]
     if user_file is not None:
