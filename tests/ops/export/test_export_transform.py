@@ -199,3 +199,28 @@ def test_cast_export_never_imports_torch(sample_ckpt: Path, tmp_path: Path) -> N
     assert torch.equal(_bits(got["model.embed_tokens.weight"]), _bits(w.to(torch.bfloat16)))
     assert all(t.dtype == torch.bfloat16 for t in got.values() if t.is_floating_point())
     assert np.isfinite(got["lm_head.weight"].float().numpy()).all()
+
+
+def test_cast_export_checks_each_record_crc(sample_ckpt: Path, tmp_path: Path) -> None:
+    """A bit flipped inside a stored record fails a cast export (E308, nothing published), as a verbatim one."""
+    import shutil
+
+    from ckpttool.errors import ChecksumError
+    from ckpttool.format.reader import CheckpointReader
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(sample_ckpt, ckpt)
+    key = "model.model.layers.0.self_attn.o_proj.weight"
+    with CheckpointReader(ckpt) as r:
+        loc = r.locate(key, r.tensor_meta(key).chunks[0])
+        path, at = ckpt / loc.info.relative_path, loc.data_start + 100
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(ChecksumError, match="o_proj.weight"):
+        export_checkpoint(ckpt, tmp_path / "o", ExportOptions(save_dtype="bfloat16"))
+    assert not (tmp_path / "o").exists()
+    export_checkpoint(ckpt, tmp_path / "o", ExportOptions(save_dtype="bfloat16", verify_crc=False))
+    assert (tmp_path / "o" / "model.safetensors").is_file()
