@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckpttool.ops import distributed  # noqa: E402
+from ckpttool.ops import distributed
 
 
 def main() -> None:

@@ -241,7 +241,10 @@ def procs_cpu(root: Path, repeat: int, gb: float) -> None:
     print("| case | data GB | 1 process: work wall s, CPU s | 2 ranks: work wall s, CPU s per rank | speed-up by CPU (one / busiest rank) | CPU sum / one | speed-up by wall |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     port = 29900
-    for name, kind, ckpt in (("cast export FP32 -> BF16", "cast", fp32), ("validate --strict --deep (FP32 masters)", "deep", mixed)):
+    for name, kind, ckpt in (
+        ("cast export FP32 -> BF16", "cast", fp32),
+        ("validate --strict --deep (FP32 masters)", "deep", mixed),
+    ):
         nbytes = sum(p.stat().st_size for p in ckpt.iterdir() if p.name.endswith(".distcp"))
         best: dict[int, list[dict[str, float]]] = {}
         for _ in range(repeat):  # alternated: both see the same page-cache state and load on average
@@ -255,7 +258,9 @@ def procs_cpu(root: Path, repeat: int, gb: float) -> None:
                 shutil.rmtree(out, ignore_errors=True)
                 if r.returncode != 0:
                     raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
-                ranks = sorted((json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")), key=lambda d: d["rank"])
+                ranks = sorted(
+                    (json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")), key=lambda d: d["rank"]
+                )
                 cpu = max(d["user"] + d["sys"] for d in ranks)
                 if n not in best or cpu < max(d["user"] + d["sys"] for d in best[n]):
                     best[n] = ranks

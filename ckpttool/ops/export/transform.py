@@ -393,26 +393,32 @@ def stream_chunk(
             data = out_buf
         else:
             data = src_buf
-        mv = memoryview(data)
-        for off, g, length in ranges:
-            rp = runs.rows
-            if rp is not None and g % rp.row == 0 and length % rp.row == 0:  # whole rows: one gather, one write
-                moved = rp.gather(
-                    mv[off * out_item : (off + length) * out_item],
-                    g // rp.row,
-                    length // rp.row,
-                    _buffers.permuted(length * out_item),
-                )
-                if moved is not None:
-                    lo, rows_out = moved
-                    write(rp.piece, memoryview(rows_out.reshape(-1)), lo * rp.row * out_item)
-                    continue
-            for part_off, part_len, piece, at in runs.parts(g, length):
-                a = (off + part_off) * out_item
-                write(piece, mv[a : a + part_len * out_item], at * out_item)
+        _write_slab(memoryview(data), ranges, runs, out_item, write)
     if crc is not None:
         loc.check_crc(crc)
     return read
+
+
+def _write_slab(
+    mv: memoryview, ranges: tuple[tuple[int, int, int], ...], runs: RunMap, out_item: int, write: WriteFn
+) -> None:
+    """Write a transformed slab's ``ranges`` (``(offset in slab, global start, length)``, elements) where ``runs`` say."""
+    for off, g, length in ranges:
+        rp = runs.rows
+        if rp is not None and g % rp.row == 0 and length % rp.row == 0:  # whole rows: one gather, one write
+            moved = rp.gather(
+                mv[off * out_item : (off + length) * out_item],
+                g // rp.row,
+                length // rp.row,
+                _buffers.permuted(length * out_item),
+            )
+            if moved is not None:
+                lo, rows_out = moved
+                write(rp.piece, memoryview(rows_out.reshape(-1)), lo * rp.row * out_item)
+                continue
+        for part_off, part_len, piece, at in runs.parts(g, length):
+            a = (off + part_off) * out_item
+            write(piece, mv[a : a + part_len * out_item], at * out_item)
 
 
 def _read_slab(reader: CheckpointReader, loc: ChunkLocation, start: int, buf: Any, key: str) -> None:

@@ -70,6 +70,23 @@ def test_cast_kernels_equal_torch_bitwise(src: str, dst: str) -> None:
     )
 
 
+@pytest.mark.parametrize("use_torch", [False, True])
+@pytest.mark.parametrize("n", [7, 40000, 70001])
+def test_f32_to_bf16_numpy_and_torch_kernels_equal_torch_bitwise(use_torch: bool, n: int) -> None:
+    """Both kernels (numpy's passes; torch's copy_ when torch is imported) write torch's ``.to()`` bits,
+    NaNs as the canonical 0x7FC0, over whole and partial pieces of torch's grain size."""
+    from ckpttool.engine.kernels import BF16_NAN, f32_to_bf16
+
+    x = _edge_values(torch.float32)
+    x = x.repeat(n // x.numel() + 1)[:n].contiguous()
+    x[::997] = float("nan")
+    out = np.empty(n, dtype=np.uint16)
+    f32_to_bf16(x.view(torch.int32).numpy().view(np.uint32), out, use_torch=use_torch)
+    want = x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).copy()
+    want[torch.isnan(x).numpy()] = BF16_NAN
+    assert np.array_equal(out, want)
+
+
 def _int(t: torch.Tensor) -> torch.dtype:
     return {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
 
