@@ -28,16 +28,26 @@ Transforming exports, each beside ``cp -r`` of its own output (the same output b
   ``--experts fused`` (expert slabs un-permuted);
 - ``cast 6 GB`` (``--big-gib 6``, off by default: 6.1 GB FP32 model, 27 layers);
 - ``small``: the fixed cost of exporting the built-in sample (``ckpttool sample``) beside
-  ``python -c pass``.
+  ``python -c pass``;
+- ``phases``: CPU seconds per GB of each phase of a cast export on one thread, on the 1 GB FP32
+  checkpoint's files: ``preadv`` into a 1 MiB buffer, CRC-32 (isal, zlib), the FP32 -> BF16
+  kernel (numpy; torch's ``copy_``, with the CPU of ``import torch``), ``pwrite`` of 512 KiB with
+  and without ``fallocate``, 4 MiB, ``O_DIRECT`` (the disk itself).
 
-Targets: transforming exports >= 50% of ``cp -r``'s throughput of the same output bytes,
-peak RSS <= 256 MiB + one slab per worker; the small export's fixed cost <= 0.15 s.
-GB/s = output bytes / seconds (10^9).
+Every row carries the CPU seconds (user + system) of its process beside the wall time: on a
+shared machine the CPU is the figure to compare. ``--baseline DIR`` (a directory holding another
+revision's ``ckpttool/``: ``git archive REV ckpttool | tar -x -C DIR``) runs that revision's export
+of every case interleaved with this one's and compares their outputs byte for byte (``cmp``).
+
+Targets: transforming exports >= 80% of ``cp -r``'s throughput of the same output bytes at
+>= 4 GB, >= 50% at 1 GB; peak RSS <= 256 MiB + one slab per worker; the small export's fixed
+cost <= 0.15 s. GB/s = output bytes / seconds (10^9).
 
 Usage::
 
     python bench/bench_export.py [--root /tmp/ckpttool-bench-export] [--repeat 3] [--big-gib 6]
-                                 [--only preserve cast per-expert ...] [--skip-torch]
+                                 [--only preserve cast per-expert ... phases] [--skip-torch]
+                                 [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -186,7 +196,7 @@ def _check_cast(ckpt: Path, out: Path, dtype: str, key: str) -> bool:
     return False
 
 
-# ------------------------------------------------------------------------------------------ main
+# ------------------------------------------------------------------------------------------ cases
 
 
 class Table:
@@ -390,19 +400,25 @@ def phases(ckpt: Path, scratch: Path) -> None:
     print(f"  {'`import torch`, a fresh process':52s} {c:.2f} CPU s ({w:.2f} s wall), once per process")
     half = n // 2 - (n // 2) % (1 << 20)
     scratch.mkdir(parents=True, exist_ok=True)
-    for label, step, allocate, direct in (
+    variants = (
         ("write 512 KiB pwrites, fallocate first (ckpttool)", 1 << 19, True, False),
         ("write 512 KiB pwrites, no fallocate", 1 << 19, False, False),
         ("write 4 MiB pwrites, fallocate first", 4 << 20, True, False),
         ("write 4 MiB pwrites, O_DIRECT (the disk; 256 MiB)", 4 << 20, True, True),
-    ):
-        size = min(half, 256 << 20) if direct else half
-        try:
-            c, w = _write(scratch / "phase.bin", size, step, allocate=allocate, direct=direct)
-        except OSError as e:
-            print(f"  {label}: {e.strerror}")
-            continue
-        _per_gb(label, size, c, w, f"{size / w / 1e9:.2f} GB/s")
+    )
+    got: dict[str, list[tuple[int, float, float]]] = {}
+    for _ in range(3):  # interleaved, the least CPU of 3: a run that meets page reclaim costs several times more
+        for label, step, allocate, direct in variants:
+            size = min(half, 256 << 20) if direct else half
+            try:
+                c, w = _write(scratch / "phase.bin", size, step, allocate=allocate, direct=direct)
+            except OSError as e:
+                print(f"  {label}: {e.strerror}")
+                continue
+            got.setdefault(label, []).append((size, c, w))
+    for label, runs in got.items():
+        size, c, w = min(runs, key=lambda r: r[1])
+        _per_gb(label, size, c, w, f"{size / w / 1e9:.2f} GB/s (least CPU of {len(runs)})")
 
 
 # ------------------------------------------------------------------------------------------ main
