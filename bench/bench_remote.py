@@ -11,13 +11,17 @@
    ckpttool ...``, wall seconds including start-up) on CPU-bound cases: a cast export
    (FP32 -> BF16), ``--experts per-expert`` of a legacy-layout MoE, and ``validate --deep``
    (CRC-32 and summaries of every chunk); target >= 1.6x on 2 cores.
+3. **2 ranks vs 1 by CPU** (``--only procs-cpu``): a cast export and ``validate --strict --deep``
+   of BF16 parameters with FP32 masters and moments, the work alone timed inside each process
+   (``bench/_work_cpu.py``): the single process's CPU seconds over the busiest rank's is the
+   speed-up 2 free cores give a CPU-bound run, a figure the load barely moves; target >= 1.7x.
 
 The load average is printed with the figures (the machine may be shared).
 
 Usage::
 
     python bench/bench_remote.py [--root /tmp/ckpttool-bench-remote] [--workers 8] [--repeat 2]
-                                 [--only remote|procs]
+                                 [--only remote|procs|procs-cpu|startup]
 """
 
 from __future__ import annotations
@@ -216,6 +220,62 @@ def procs(root: Path, repeat: int, gb: float) -> None:
     print("\n".join(capacity))
 
 
+def procs_cpu(root: Path, repeat: int, gb: float) -> None:
+    """2 ranks vs 1 process by the CPU seconds of the work alone (``bench/_work_cpu.py``): load-robust.
+
+    On a quiet machine a CPU-bound run of one thread per process takes its CPU time, so the
+    speed-up of 2 ranks on 2 free cores is the single process's work CPU over the busiest rank's;
+    ``sum/one`` is the CPU the split adds (planning on every rank, the barrier, rank 0's index).
+    Wall seconds of the work are printed beside (meaningful only when the load is below 2).
+    """
+    import json
+
+    layers = layers_for(gb, 4)
+    fp32 = build(root / f"fp32-{layers}layer", dense_rank, layers, "float32", False)
+    bf16_layers = layers_for(gb / 7, 2)  # BF16 parameters + FP32 masters and moments: 14 bytes a parameter
+    mixed = build(root / f"bf16-optim-{bf16_layers}layer", dense_rank, bf16_layers, "bfloat16", True)
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    script = str(ROOT / "bench" / "_work_cpu.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    print(f"\n## 2 ranks vs 1 process, CPU of the work (1 thread each; load {load()})")
+    print("| case | data GB | 1 process: work wall s, CPU s | 2 ranks: work wall s, CPU s per rank | speed-up by CPU (one / busiest rank) | CPU sum / one | speed-up by wall |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    port = 29900
+    for name, kind, ckpt in (
+        ("cast export FP32 -> BF16", "cast", fp32),
+        ("validate --strict --deep (FP32 masters)", "deep", mixed),
+    ):
+        nbytes = sum(p.stat().st_size for p in ckpt.iterdir() if p.name.endswith(".distcp"))
+        best: dict[int, list[dict[str, float]]] = {}
+        for _ in range(repeat):  # alternated: both see the same page-cache state and load on average
+            for n in (1, 2):
+                out = root / f"out-cpu-{n}"
+                shutil.rmtree(out, ignore_errors=True)
+                port += 1
+                launch = [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+                cmd = [*(launch if n == 2 else [sys.executable]), script, kind, str(ckpt), str(out), "1"]
+                r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                shutil.rmtree(out, ignore_errors=True)
+                if r.returncode != 0:
+                    raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
+                ranks = sorted(
+                    (json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")), key=lambda d: d["rank"]
+                )
+                cpu = max(d["user"] + d["sys"] for d in ranks)
+                if n not in best or cpu < max(d["user"] + d["sys"] for d in best[n]):
+                    best[n] = ranks
+        one = best[1][0]
+        c1 = one["user"] + one["sys"]
+        c2 = [d["user"] + d["sys"] for d in best[2]]
+        w2 = max(d["wall"] for d in best[2])
+        print(
+            f"| {name} | {nbytes / 1e9:.2f} | {one['wall']:.2f}, {c1:.2f} | {w2:.2f}, "
+            + " + ".join(f"{c:.2f}" for c in c2)
+            + f" | {c1 / max(c2):.2f}x | {sum(c2) / c1:.2f} | {one['wall'] / w2:.2f}x |"
+        )
+    print(f"(load average after: {load()}; best of {repeat} by CPU; target >= 1.7x)")
+
+
 # One torchrun worker, timed: what ckpttool's entry point does (import torch.distributed, join the
 # gloo group, run the command, leave the group), each step stamped with time.time() into a JSON file.
 _STAMPED = """\
@@ -304,7 +364,7 @@ def main() -> None:
     ap.add_argument("--root", type=Path, default=Path("/tmp/ckpttool-bench-remote"))
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--only", choices=["remote", "procs", "startup"])
+    ap.add_argument("--only", choices=["remote", "procs", "procs-cpu", "startup"])
     ap.add_argument("--gb", type=float, default=4.0, help="size of the 2-processes-vs-1 checkpoints (GB)")
     args = ap.parse_args()
     args.root.mkdir(parents=True, exist_ok=True)
@@ -315,6 +375,8 @@ def main() -> None:
         startup(args.root, args.gb)
     if args.only in (None, "procs"):
         procs(args.root, args.repeat, args.gb)
+    if args.only in (None, "procs-cpu"):
+        procs_cpu(args.root, args.repeat, args.gb)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ckpttool.engine.crc import crc32
 from ckpttool.engine.io import BLOCK_BYTES
 from ckpttool.errors import ChunkError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta
@@ -351,11 +352,15 @@ def stream_chunk(
         slab_bytes: source bytes per slab.
         align: slabs that cut a segment start at multiples of this many elements (e.g. the row length).
 
+    The record's CRC-32 is computed slab by slab as its bytes are read (with ``reader.verify_crc``)
+    and checked once the chunk is written: a mismatch raises before the export publishes anything.
+
     Returns:
         Source bytes read.
 
     Raises:
         DataFileError, PathEscapeError, ChunkError: as :meth:`CheckpointReader.read_chunk`.
+        ChecksumError: the record's bytes do not match its CRC-32 (``reader.verify_crc``).
         OSError: writing the output failed (``ENOSPC``).
     """
     item = DTYPE_ITEMSIZE[src_dtype]
@@ -367,7 +372,8 @@ def stream_chunk(
     loc = reader.locate(key, chunk)
     memory: Any = None
     if not loc.raw:
-        memory = _decoded_chunk(reader, key, chunk)
+        memory = _decoded_chunk(reader, key, chunk)  # checked as it is decoded (read_chunk)
+    crc = 0 if memory is None and reader.verify_crc else None  # slabs cover the record once, in order
     read = 0
     for first, count, inner, n in _slabs(seg, nseg, per_slab):
         local = first * seg + inner  # element offset inside the chunk's storage
@@ -376,6 +382,8 @@ def stream_chunk(
             src_buf[:] = memory[local * item : (local + n) * item]
         else:
             _read_slab(reader, loc, local * item, src_buf, key)
+            if crc is not None:
+                crc = crc32(src_buf, crc)
             read += n * item
         ranges = tuple(
             (j * seg, seg_start(first + j) + inner, seg if count > 1 else n) for j in range(count)
@@ -385,24 +393,32 @@ def stream_chunk(
             data = out_buf
         else:
             data = src_buf
-        mv = memoryview(data)
-        for off, g, length in ranges:
-            rp = runs.rows
-            if rp is not None and g % rp.row == 0 and length % rp.row == 0:  # whole rows: one gather, one write
-                moved = rp.gather(
-                    mv[off * out_item : (off + length) * out_item],
-                    g // rp.row,
-                    length // rp.row,
-                    _buffers.permuted(length * out_item),
-                )
-                if moved is not None:
-                    lo, rows_out = moved
-                    write(rp.piece, memoryview(rows_out.reshape(-1)), lo * rp.row * out_item)
-                    continue
-            for part_off, part_len, piece, at in runs.parts(g, length):
-                a = (off + part_off) * out_item
-                write(piece, mv[a : a + part_len * out_item], at * out_item)
+        _write_slab(memoryview(data), ranges, runs, out_item, write)
+    if crc is not None:
+        loc.check_crc(crc)
     return read
+
+
+def _write_slab(
+    mv: memoryview, ranges: tuple[tuple[int, int, int], ...], runs: RunMap, out_item: int, write: WriteFn
+) -> None:
+    """Write a transformed slab's ``ranges`` (``(offset in slab, global start, length)``, elements) where ``runs`` say."""
+    for off, g, length in ranges:
+        rp = runs.rows
+        if rp is not None and g % rp.row == 0 and length % rp.row == 0:  # whole rows: one gather, one write
+            moved = rp.gather(
+                mv[off * out_item : (off + length) * out_item],
+                g // rp.row,
+                length // rp.row,
+                _buffers.permuted(length * out_item),
+            )
+            if moved is not None:
+                lo, rows_out = moved
+                write(rp.piece, memoryview(rows_out.reshape(-1)), lo * rp.row * out_item)
+                continue
+        for part_off, part_len, piece, at in runs.parts(g, length):
+            a = (off + part_off) * out_item
+            write(piece, mv[a : a + part_len * out_item], at * out_item)
 
 
 def _read_slab(reader: CheckpointReader, loc: ChunkLocation, start: int, buf: Any, key: str) -> None:

@@ -70,6 +70,23 @@ def test_cast_kernels_equal_torch_bitwise(src: str, dst: str) -> None:
     )
 
 
+@pytest.mark.parametrize("use_torch", [False, True])
+@pytest.mark.parametrize("n", [7, 40000, 70001])
+def test_f32_to_bf16_numpy_and_torch_kernels_equal_torch_bitwise(use_torch: bool, n: int) -> None:
+    """Both kernels (numpy's passes; torch's copy_ when torch is imported) write torch's ``.to()`` bits,
+    NaNs as the canonical 0x7FC0, over whole and partial pieces of torch's grain size."""
+    from ckpttool.engine.kernels import BF16_NAN, f32_to_bf16
+
+    x = _edge_values(torch.float32)
+    x = x.repeat(n // x.numel() + 1)[:n].contiguous()
+    x[::997] = float("nan")
+    out = np.empty(n, dtype=np.uint16)
+    f32_to_bf16(x.view(torch.int32).numpy().view(np.uint32), out, use_torch=use_torch)
+    want = x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).copy()
+    want[torch.isnan(x).numpy()] = BF16_NAN
+    assert np.array_equal(out, want)
+
+
 def _int(t: torch.Tensor) -> torch.dtype:
     return {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
 
@@ -199,3 +216,28 @@ def test_cast_export_never_imports_torch(sample_ckpt: Path, tmp_path: Path) -> N
     assert torch.equal(_bits(got["model.embed_tokens.weight"]), _bits(w.to(torch.bfloat16)))
     assert all(t.dtype == torch.bfloat16 for t in got.values() if t.is_floating_point())
     assert np.isfinite(got["lm_head.weight"].float().numpy()).all()
+
+
+def test_cast_export_checks_each_record_crc(sample_ckpt: Path, tmp_path: Path) -> None:
+    """A bit flipped inside a stored record fails a cast export (E308, nothing published), as a verbatim one."""
+    import shutil
+
+    from ckpttool.errors import ChecksumError
+    from ckpttool.format.reader import CheckpointReader
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(sample_ckpt, ckpt)
+    key = "model.model.layers.0.self_attn.o_proj.weight"
+    with CheckpointReader(ckpt) as r:
+        loc = r.locate(key, r.tensor_meta(key).chunks[0])
+        path, at = ckpt / loc.info.relative_path, loc.data_start + 100
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(ChecksumError, match="o_proj.weight"):
+        export_checkpoint(ckpt, tmp_path / "o", ExportOptions(save_dtype="bfloat16"))
+    assert not (tmp_path / "o").exists()
+    export_checkpoint(ckpt, tmp_path / "o", ExportOptions(save_dtype="bfloat16", verify_crc=False))
+    assert (tmp_path / "o" / "model.safetensors").is_file()

@@ -487,3 +487,22 @@ def test_deep_bit_pattern_summary_matches_torch(dtype: torch.dtype, special: flo
     st = _summarise("optimizer.state.w.exp_avg_sq", t, str(dtype).removeprefix("torch."), True, False)
     assert st.nonfinite == int((~torch.isfinite(t)).sum())
     assert st.negative == int((t < 0).sum())
+
+
+def test_deep_pass_of_fp32_state_never_imports_torch(master_ckpt: Path) -> None:
+    """``validate --strict --deep`` of BF16 parameters with FP32 masters and moments runs on numpy only
+    (torch's import is 1-3 s and ~200 MiB, more than the pass itself)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from ckpttool.cli import main\n"
+        "sys.argv = ['ckpttool', 'validate', sys.argv[1], '--strict', '--deep', '--json']\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    assert e.code in (0, 1), e.code\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(master_ckpt)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert doc["deep"] and doc["stats"]["bytes_read"] > 0

@@ -19,15 +19,18 @@ from ckpttool.ops.validate.context import Context
     needs=("deep",),
 )
 def hf_copy_differs(ctx: Context) -> Iterator[tuple[str, str]]:
-    import torch
-    from safetensors import safe_open
-
     from ckpttool.model.schemas.nemo import hf_copies
 
     assembled = getattr(ctx.reader, "assembled", None)
     located = ctx.ckpt.located
     nemo = hf_copies(ctx.reader.path, located.model if located is not None else None)  # NeMo's consolidated/
-    for rel in [*getattr(assembled, "companions", ()), *nemo]:
+    copies = [*getattr(assembled, "companions", ()), *nemo]
+    if not copies:  # the usual case: nothing to compare, torch not imported (~1.5 s of start-up)
+        return
+    import torch
+    from safetensors import safe_open
+
+    for rel in copies:
         path = resolve_inside(ctx.reader.path, rel, what="HF copy")
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
