@@ -148,7 +148,9 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=0.25, help="GB (10^9) of BF16 source weights")
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--cols", type=int, default=4096)
-    ap.add_argument("--repeat", type=int, default=3, help="runs per approach; the fastest is reported")
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="rounds of all approaches; the fastest run of each is reported"
+    )
     ap.add_argument("--workers", type=int, default=None, help="ckpttool --workers (default: its own)")
     ap.add_argument("--ct", action="store_true", help="also --quant-format compressed-tensors")
     ap.add_argument("--skip-torch", action="store_true", help="leave out the torch script")
@@ -161,53 +163,71 @@ def main() -> None:
     _warm(ckpt)
     env_cmd = [shutil.which("ckpttool") or "ckpttool"]
     workers = ["--workers", str(args.workers)] if args.workers else []
-    table = Table()
-
-    def best(cmd_for: Callable[[Path], list[str]], out: Path, env: dict[str, str] | None = None) -> tuple:
-        runs = []
-        for _ in range(args.repeat):
-            shutil.rmtree(out, ignore_errors=True)
-            runs.append(_run(cmd_for(out), env))
-        return min(runs)
-
-    cases = [("fp8-block", ["--quantize", "fp8-block"])]
+    root = args.root
+    # (label, command for an output directory, output directory, environment)
+    approaches: list[tuple[str, Callable[[Path], list[str]], Path, dict[str, str] | None]] = []
+    flags = [("fp8-block", ["--quantize", "fp8-block"])]
     if args.ct:
-        cases.append(
+        flags.append(
             ("fp8-block compressed-tensors", ["--quantize", "fp8-block", "--quant-format", "compressed-tensors"])
         )
-    quant_out = args.root / "out_fp8"
-    for label, flags in cases:
-        out = args.root / ("out_" + label.replace(" ", "_"))
-        run = best(lambda o, f=flags: [*env_cmd, "export", str(ckpt), str(o), *f, *workers], out)
-        table.add(f"ckpttool export {label}", run, _output_bytes(out))
-        if label == "fp8-block":
-            quant_out = out
+    for label, f in flags:
+        out = root / ("out_" + label.replace(" ", "_"))
+        approaches.append(
+            (
+                f"ckpttool export {label}",
+                lambda o, f=f: [*env_cmd, "export", str(ckpt), str(o), *f, *workers],
+                out,
+                None,
+            )
+        )
+    quant_out = root / "out_fp8-block"
     if args.other is not None:
         env = {**os.environ, "PYTHONPATH": str(args.other.resolve())}
-        o_out = args.root / "out_other"
         cmd = [sys.executable, "-m", "ckpttool", "export", str(ckpt)]
-        run = best(lambda o: [*cmd, str(o), "--quantize", "fp8-block", *workers], o_out, env)
-        same = _same_files(quant_out, o_out)
-        table.add(f"{args.other.name}: export fp8-block", run, _output_bytes(o_out), f"byte-identical: {same}")
-    nbytes = _output_bytes(quant_out)
-    bf16 = args.root / "out_bf16"
-    run = best(lambda o: [*env_cmd, "export", str(ckpt), str(o), *workers], bf16)
-    table.add("ckpttool export (BF16, verbatim)", run, _output_bytes(bf16))
-    _warm(quant_out)
-    cp_out = args.root / "out_cp"
-    run = best(lambda o: ["cp", "-r", str(quant_out), str(o)], cp_out)
-    table.add("cp -r of the FP8 output", run, nbytes)
-    table.cp = nbytes / run[0] / 1e9
+        approaches.append(
+            (
+                f"{args.other.name}: export fp8-block",
+                lambda o: [*cmd, str(o), "--quantize", "fp8-block", *workers],
+                root / "out_other",
+                env,
+            )
+        )
+    approaches.append(
+        (
+            "ckpttool export (BF16, verbatim)",
+            lambda o: [*env_cmd, "export", str(ckpt), str(o), *workers],
+            root / "out_bf16",
+            None,
+        )
+    )
+    approaches.append(
+        ("cp -r of the FP8 output", lambda o: ["cp", "-r", str(quant_out), str(o)], root / "out_cp", None)
+    )
     if not args.skip_torch:
-        t_out = args.root / "out_torch"
 
         def torch_cmd(o: Path) -> list[str]:
             o.mkdir(parents=True)
             return [sys.executable, "-c", TORCH_SCRIPT, str(ckpt), str(o)]
 
-        run = best(torch_cmd, t_out)
-        same = _same_tensors(quant_out, t_out)
-        table.add("torch script (dcp.load + block quant)", run, nbytes, f"bitwise equal: {same}")
+        approaches.append(("torch script (dcp.load + block quant)", torch_cmd, root / "out_torch", None))
+    # rounds of every approach in turn (a load that drifts affects them alike); the fastest run of each
+    runs: dict[str, list[tuple[float, float, int]]] = {a[0]: [] for a in approaches}
+    for _ in range(args.repeat):
+        for label, cmd_for, out, env in approaches:
+            shutil.rmtree(out, ignore_errors=True)
+            runs[label].append(_run(cmd_for(out), env))
+    nbytes = _output_bytes(quant_out)
+    table = Table()
+    for label, _, out, _ in approaches:
+        note = ""
+        if out.name == "out_other":
+            note = f"byte-identical: {_same_files(quant_out, out)}"
+        elif out.name == "out_torch":
+            note = f"bitwise equal: {_same_tensors(quant_out, out)}"
+        table.add(label, min(runs[label]), nbytes if out.name in ("out_cp", "out_torch") else _output_bytes(out), note)
+        if out.name == "out_cp":
+            table.cp = nbytes / min(runs[label])[0] / 1e9
     table.print()
     print(f"loadavg after: {_load()}")
 
