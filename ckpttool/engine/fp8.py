@@ -103,14 +103,15 @@ def _per_block(t: torch.Tensor, v: torch.Tensor, block: int | None, op: str, out
     nb = body.shape[1]
     fn(body, v[:nb].view(1, nb, 1), out=obody)
     if edge is not None:
-        fn(edge, v[nb], out=oedge)
+        fn(edge, v[nb:], out=oedge)  # a 1-D scale: a 0-D one would not promote a bfloat16 edge to float32
 
 
 def quantize_band(band: np.ndarray, block: int | None) -> BandResult:
-    """Quantize one band (``[rows, cols]`` float32, C-contiguous) to ``float8_e4m3fn`` and measure its error.
+    """Quantize one band (``[rows, cols]``, C-contiguous) to ``float8_e4m3fn`` and measure its error.
 
     Args:
-        band: the source rows (read only).
+        band: the source rows (read only): float32, float16, or ``uint16`` bfloat16 bit patterns; the
+            kernels widen them to float32 exactly as they read them (no widened copy of the band).
         block: ``B`` of ``B x B`` blocks (the band holds at most ``B`` rows: one scale per column
             block, DeepSeek-V3 ``weight_scale_inv``); ``None``: one scale per row (compressed-tensors
             ``channel``).
@@ -121,6 +122,9 @@ def quantize_band(band: np.ndarray, block: int | None) -> BandResult:
     rows, cols = band.shape
     w = torch.from_numpy(band)
     a, s, q, i = _scratch.get(rows, cols)
+    if band.dtype != np.float32:  # widened exactly, in one vectorised pass
+        s.copy_(w.view(torch.bfloat16) if band.dtype == np.uint16 else w)
+        w = s
     torch.abs(w, out=a)
     amax = a.amax(dim=1) if block is None else _block_amax(a, block)
     scale = torch.where(amax == 0, 1.0, amax / _E4M3FN_MAX)

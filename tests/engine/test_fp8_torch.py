@@ -46,6 +46,22 @@ def test_quantize_band_equals_numpy_kernels(rows: int, cols: int, block: int | N
     assert got.worst == float((deq - w).abs().max())
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("block", [128, None])
+def test_quantize_band_of_stored_dtype_equals_widened(dtype: str, block: int | None) -> None:
+    """A band held in its stored dtype (bfloat16 as uint16 bits) gives what its float32 widening gives, bit for bit."""
+    band = _band(100, 300, 7)
+    band[band != 0] = np.clip(np.abs(band[band != 0]), 1e-3, 1e3) * np.sign(band[band != 0])  # float16's range
+    stored = torch.from_numpy(band).to(getattr(torch, dtype))
+    held = stored.view(torch.uint16).numpy() if dtype == "bfloat16" else stored.numpy()
+    widened = stored.float().numpy()
+    a = fp8.quantize_band(widened, block)
+    ref = (a.q.copy(), a.scale.copy(), a.amax.copy(), a.worst, a.rel)  # the arrays are the thread's scratch
+    b = fp8.quantize_band(held, block)
+    assert np.array_equal(b.q, ref[0]) and np.array_equal(b.scale, ref[1]) and np.array_equal(b.amax, ref[2])
+    assert (b.worst, b.rel) == ref[3:]
+
+
 def test_torch_threads_restores() -> None:
     before = torch.get_num_threads()
     with fp8.torch_threads(1):

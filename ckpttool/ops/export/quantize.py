@@ -500,8 +500,10 @@ class BlockQuantizer:
         weight, scales = task.pieces[2 * k], task.pieces[2 * k + 1]
         rows, cols = weight.shape
         r0, r1 = j * b, min(rows, (j + 1) * b)
-        band = self._buffers.get("band", np.float32, (r1 - r0) * cols).reshape(r1 - r0, cols)
         merge = self.merges.get(task.source_key)
+        # the stored values as they are (the kernel widens them exactly), float32 to add a LoRA delta to
+        held = (merge is None and _held(meta.dtype.name)) or np.float32
+        band = self._buffers.get(f"band-{held.__name__}", held, (r1 - r0) * cols).reshape(r1 - r0, cols)
         for o0, s0, n in _source_ranges(self.tasks[task.source_key].rows[k], r0, r1):
             dest = band[o0 - r0 : o0 - r0 + n]
             self._read_rows(task.source_key, meta, chunks, s0, s0 + n, dest)
@@ -622,6 +624,9 @@ class BlockQuantizer:
         loc = self.reader.locate(key, c)
         if loc.raw:
             assert loc.record is not None
+            if dest.dtype == _held(meta.dtype.name) and dest.flags.c_contiguous:  # straight into the band
+                self.reader.pread_into(loc.info, loc.record.data_offset + start, dest.reshape(-1).view(np.uint8), key)
+                return
             buf = self._buffers.get("raw", np.uint8, nbytes)
             self.reader.pread_into(loc.info, loc.record.data_offset + start, buf, key)
         else:  # a chunk the locator cannot map: decoded (whole) by the reader
@@ -644,17 +649,26 @@ class BlockQuantizer:
 
 
 def _widen(raw: np.ndarray, dtype: str, dest: np.ndarray) -> None:
-    """Raw ``uint8`` bytes of ``float32`` / ``bfloat16`` / ``float16`` values into ``dest`` (float32 ``[n, width]``,
-    rows may be strided), exactly (bfloat16: its bits shifted into the upper half)."""
+    """Raw ``uint8`` bytes of ``float32`` / ``bfloat16`` / ``float16`` values into ``dest`` (``[n, width]``, rows may
+    be strided): float32 exactly (bfloat16: its bits shifted into the upper half), or the stored dtype (:func:`_held`)."""
     import numpy as np
 
     shape = dest.shape
-    if dtype == "bfloat16":
+    if dest.dtype != np.float32:  # a band held in the stored dtype (_held)
+        np.copyto(dest, raw.view(dest.dtype).reshape(shape))
+    elif dtype == "bfloat16":
         np.left_shift(raw.view(np.uint16).reshape(shape), 16, out=dest.view(np.uint32), dtype=np.uint32)
     elif dtype == "float32":
         np.copyto(dest, raw.view(np.float32).reshape(shape))
     else:
         np.copyto(dest, raw.view(np.float16).reshape(shape))
+
+
+def _held(dtype: str) -> Any:
+    """The numpy dtype a band holds source ``dtype`` in, unwidened (bfloat16 as its ``uint16`` bits); ``None``: float32."""
+    import numpy as np
+
+    return {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}.get(dtype)
 
 
 def _unravel(flat: int, dims: tuple[int, ...]) -> tuple[int, ...]:
