@@ -1,8 +1,8 @@
-"""FP8 quantization of float32 bands with torch's CPU kernels, checked as it goes (``export --quantize``).
+"""FP8 quantization of bands of rows with torch's CPU kernels, checked as it goes (``export --quantize``).
 
 :func:`quantize_band` computes, for one band of rows, what :func:`~ckpttool.engine.kernels.fp8_block_quantize`
 (or ``fp8_channel_quantize``), the dequantization and ``fp8_block_error`` (``fp8_channel_error``)
-compute in numpy, bit for bit, in about a quarter of the CPU time: the rounding to
+compute in numpy, bit for bit, in 40-55% of the CPU time: the rounding to
 ``float8_e4m3fn`` is torch's vectorised ``Tensor.copy_`` (the numpy bit arithmetic it replaces is
 the reference of the tests), the other steps torch's vectorised elementwise and reduction kernels,
 into per-thread scratch tensors (no allocation, no page faults per band). Only the quantize path
@@ -11,8 +11,8 @@ imports this module (torch takes ~1 s to import; the other commands do not load 
 The error check dequantizes magnitudes: ``| |q| * scale - |w| |`` equals ``|q * scale - w|`` bit for
 bit, because ``q`` = round-to-nearest-even(``w / scale``) has the sign of ``w`` (or is zero) and
 rounding is symmetric. ``|q|`` comes from the e4m3fn bits: ``(byte & 0x7F) << 20`` is a float32
-``2^-120`` times the e4m3fn value (e4m3fn subnormals land on float32 subnormals), scaled back by one
-exact multiplication by ``2^120``.
+``2^-120`` times the e4m3fn value (e4m3fn subnormals land on float32 subnormals, so this assumes
+torch's default, ``torch.set_flush_denormal(False)``), scaled back by one exact multiplication by ``2^120``.
 
 Torch's intra-op threads are left alone here: the caller runs one band per engine worker
 (:func:`torch_threads` sets one torch thread per worker while the export runs).
