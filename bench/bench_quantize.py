@@ -18,28 +18,37 @@ single-process ``dcp.save``; cached under ``--root``. The issue's size is ``--gi
 of BF16 source, 2 GB of FP8 output): ``python bench/bench_quantize.py --gib 4 --repeat 1``.
 
 Target (docs/performance.md): the quantized export >= 50% of ``cp -r``'s throughput of its output
-bytes. GB/s = output bytes / seconds (10^9).
+bytes. GB/s = output bytes / seconds (10^9); ``x cp`` = that throughput / ``cp -r``'s; CPU s = user +
+system seconds of the process (GNU ``time``), the figure to compare on a loaded machine.
+``--other DIR`` adds the rows of the ckpttool checkout in ``DIR`` (e.g. a ``git worktree`` of an
+earlier commit) run on the same checkpoint in the same run, its output compared byte for byte.
 
 Usage::
 
     python bench/bench_quantize.py [--root /tmp/ckpttool-bench-quantize] [--gib 0.25] [--rows 4096]
                                    [--cols 4096] [--repeat 3] [--workers N] [--ct] [--skip-torch]
+                                   [--other DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import filecmp
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_export import Table, _output_bytes, _run, _same_tensors, _warm
+from bench_export import _output_bytes, _same_tensors, _warm
+
+_TIME = shutil.which("time", path="/usr/bin:/bin")
 
 TORCH_SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed.checkpoint as dcp
@@ -89,64 +98,142 @@ def _build(root: Path, gib: float, rows: int, cols: int) -> Path:
     return ckpt
 
 
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float, int]:
+    """Run ``cmd``; return (wall seconds, CPU seconds user + system, peak RSS bytes), from GNU ``time``
+    (a small C parent: the peak RSS is not floored by this process's, as ``bench_export._run`` explains)."""
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as tf, tempfile.TemporaryFile() as err:
+        full = [_TIME, "-f", "%U %S %M", "-o", tf.name, *cmd] if _TIME else cmd
+        t0 = time.perf_counter()
+        proc = subprocess.run(full, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        seconds = time.perf_counter() - t0
+        if proc.returncode != 0:
+            err.seek(0)
+            raise SystemExit(f"{' '.join(cmd[:5])} failed:\n{err.read().decode()[-2000:]}")
+        if not _TIME:
+            return seconds, float("nan"), 0
+        user, sys_s, rss = tf.read().split()[-3:]
+        return seconds, float(user) + float(sys_s), int(rss) * 1024
+
+
+class Table:
+    """Rows of (approach, wall s, CPU s, peak RSS, output bytes, note), printed with GB/s and x ``cp -r``."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, float, float, int, int, str]] = []
+        self.cp = 0.0  # cp -r's GB/s
+
+    def add(self, approach: str, run: tuple[float, float, int], nbytes: int, note: str = "") -> None:
+        self.rows.append((approach, *run, nbytes, note))
+
+    def print(self) -> None:
+        print(f"{'approach':46s} {'wall s':>8s} {'CPU s':>8s} {'GB/s':>7s} {'x cp':>6s} {'peak RSS':>10s}  note")
+        for approach, s, cpu, rss, nb, note in self.rows:
+            gbs = nb / s / 1e9
+            ratio = f"{gbs / self.cp:6.2f}" if self.cp else "     -"
+            rss_s = f"{rss / 2**20:.0f} MiB" if rss else "-"
+            print(f"{approach:46s} {s:8.2f} {cpu:8.2f} {gbs:7.3f} {ratio} {rss_s:>10s}  {note}")
+
+
+def _same_files(a: Path, b: Path) -> bool:
+    """The same files (the output marker, with its time and pid, left out), byte for byte."""
+    names = sorted(p.name for p in a.iterdir() if not p.name.startswith("."))
+    return names == sorted(p.name for p in b.iterdir() if not p.name.startswith(".")) and all(
+        filecmp.cmp(a / n, b / n, shallow=False) for n in names
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, default=Path("/tmp/ckpttool-bench-quantize"))
     ap.add_argument("--gib", type=float, default=0.25, help="GB (10^9) of BF16 source weights")
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--cols", type=int, default=4096)
-    ap.add_argument("--repeat", type=int, default=3, help="runs per approach; the fastest is reported")
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="rounds of all approaches; the fastest run of each is reported"
+    )
     ap.add_argument("--workers", type=int, default=None, help="ckpttool --workers (default: its own)")
     ap.add_argument("--ct", action="store_true", help="also --quant-format compressed-tensors")
     ap.add_argument("--skip-torch", action="store_true", help="leave out the torch script")
+    ap.add_argument("--other", type=Path, default=None, help="another ckpttool checkout to run beside (before/after)")
     args = ap.parse_args()
 
     ckpt = _build(args.root, args.gib, args.rows, args.cols)
     src_bytes = sum(p.stat().st_size for p in ckpt.iterdir() if p.is_file())
-    print(f"checkpoint {ckpt} ({src_bytes / 1e9:.2f} GB), cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}")
+    print(f"checkpoint {ckpt} ({src_bytes / 1e9:.2f} GB), cpus {os.cpu_count()}, loadavg {_load()}")
     _warm(ckpt)
     env_cmd = [shutil.which("ckpttool") or "ckpttool"]
     workers = ["--workers", str(args.workers)] if args.workers else []
-    table = Table()
-
-    def best(approach: str, cmd_for: Callable[[Path], list[str]], out: Path) -> tuple[float, int]:
-        runs = []
-        for _ in range(args.repeat):
-            shutil.rmtree(out, ignore_errors=True)
-            runs.append(_run(cmd_for(out))[:2])
-        return min(runs)
-
-    cases = [("fp8-block", ["--quantize", "fp8-block"])]
+    root = args.root
+    # (label, command for an output directory, output directory, environment)
+    approaches: list[tuple[str, Callable[[Path], list[str]], Path, dict[str, str] | None]] = []
+    flags = [("fp8-block", ["--quantize", "fp8-block"])]
     if args.ct:
-        cases.append(
+        flags.append(
             ("fp8-block compressed-tensors", ["--quantize", "fp8-block", "--quant-format", "compressed-tensors"])
         )
-    quant_out = args.root / "out_fp8"
-    for label, flags in cases:
-        out = args.root / ("out_" + label.replace(" ", "_"))
-        s, rss = best(label, lambda o, f=flags: [*env_cmd, "export", str(ckpt), str(o), *f, *workers], out)
-        table.add("quantize", f"ckpttool export {label}", s, rss, _output_bytes(out))
-        if label == "fp8-block":
-            quant_out = out
-    nbytes = _output_bytes(quant_out)
-    bf16 = args.root / "out_bf16"
-    s, rss = best("bf16", lambda o: [*env_cmd, "export", str(ckpt), str(o), *workers], bf16)
-    table.add("quantize", "ckpttool export (BF16, verbatim)", s, rss, _output_bytes(bf16))
-    _warm(quant_out)
-    cp_out = args.root / "out_cp"
-    s, rss = best("cp", lambda o: ["cp", "-r", str(quant_out), str(o)], cp_out)
-    table.add("quantize", "cp -r of the FP8 output", s, rss, nbytes)
+    for label, f in flags:
+        out = root / ("out_" + label.replace(" ", "_"))
+        approaches.append(
+            (
+                f"ckpttool export {label}",
+                lambda o, f=f: [*env_cmd, "export", str(ckpt), str(o), *f, *workers],
+                out,
+                None,
+            )
+        )
+    quant_out = root / "out_fp8-block"
+    if args.other is not None:
+        env = {**os.environ, "PYTHONPATH": str(args.other.resolve())}
+        cmd = [sys.executable, "-m", "ckpttool", "export", str(ckpt)]
+        approaches.append(
+            (
+                f"{args.other.name}: export fp8-block",
+                lambda o: [*cmd, str(o), "--quantize", "fp8-block", *workers],
+                root / "out_other",
+                env,
+            )
+        )
+    approaches.append(
+        (
+            "ckpttool export (BF16, verbatim)",
+            lambda o: [*env_cmd, "export", str(ckpt), str(o), *workers],
+            root / "out_bf16",
+            None,
+        )
+    )
+    approaches.append(
+        ("cp -r of the FP8 output", lambda o: ["cp", "-r", str(quant_out), str(o)], root / "out_cp", None)
+    )
     if not args.skip_torch:
-        t_out = args.root / "out_torch"
 
         def torch_cmd(o: Path) -> list[str]:
             o.mkdir(parents=True)
             return [sys.executable, "-c", TORCH_SCRIPT, str(ckpt), str(o)]
 
-        s, rss = best("torch", torch_cmd, t_out)
-        same = _same_tensors(quant_out, t_out)
-        table.add("quantize", "torch script (dcp.load + block quant)", s, rss, nbytes, f"bitwise equal: {same}")
+        approaches.append(("torch script (dcp.load + block quant)", torch_cmd, root / "out_torch", None))
+    # rounds of every approach in turn (a load that drifts affects them alike); the fastest run of each
+    runs: dict[str, list[tuple[float, float, int]]] = {a[0]: [] for a in approaches}
+    for _ in range(args.repeat):
+        for label, cmd_for, out, env in approaches:
+            shutil.rmtree(out, ignore_errors=True)
+            runs[label].append(_run(cmd_for(out), env))
+    nbytes = _output_bytes(quant_out)
+    table = Table()
+    for label, _, out, _ in approaches:
+        note = ""
+        if out.name == "out_other":
+            note = f"byte-identical: {_same_files(quant_out, out)}"
+        elif out.name == "out_torch":
+            note = f"bitwise equal: {_same_tensors(quant_out, out)}"
+        table.add(label, min(runs[label]), nbytes if out.name in ("out_cp", "out_torch") else _output_bytes(out), note)
+        if out.name == "out_cp":
+            table.cp = nbytes / min(runs[label])[0] / 1e9
     table.print()
+    print(f"loadavg after: {_load()}")
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -609,6 +609,27 @@ class _Executor:
             self.pending.clear()
 
 
+def _run_batches(reader: CheckpointReader, plan: ExportPlan, mine: set[int], executor: _Executor) -> None:
+    """Run this rank's tasks: a remote checkpoint's windows by parallel range requests, in batches that
+    bound the spool (each batch fetched, written, then evicted); a local one's as one batch."""
+    for batch, done_keys in _spool_batches(reader, plan, mine):
+        reader.prefetch_keys(plan.tasks[i].source_key for i in batch)
+        executor.run(set(batch))
+        reader.evict(reader.storage_info(k, c) for k in done_keys for c in reader.tensor_meta(k).chunks if c.numel)
+
+
+@contextlib.contextmanager
+def _one_torch_thread(on: bool) -> Iterator[None]:
+    """One torch intra-op thread per engine worker while ``on`` (a quantized export's torch band kernels)."""
+    if not on:
+        yield
+        return
+    from ckpttool.engine.fp8 import torch_threads
+
+    with torch_threads(1):
+        yield
+
+
 def _read_whole(reader: CheckpointReader, key: str) -> torch.Tensor:
     """A source tensor assembled from its (deduplicated) chunks."""
     import torch
@@ -1098,14 +1119,8 @@ def _write(
                 )
                 executor.quantizer = prep.quantizer
                 t_run = time.perf_counter()
-                # a remote checkpoint: this rank's windows, by parallel range requests, in batches that
-                # bound the spool (each batch fetched, written, then evicted); a local one: one batch
-                for batch, done_keys in _spool_batches(reader, plan, mine):
-                    reader.prefetch_keys(plan.tasks[i].source_key for i in batch)
-                    executor.run(set(batch))
-                    reader.evict(
-                        reader.storage_info(k, c) for k in done_keys for c in reader.tensor_meta(k).chunks if c.numel
-                    )
+                with _one_torch_thread(prep.quantizer is not None):  # the quantizer's bands: one per worker
+                    _run_batches(reader, plan, mine, executor)
                 bytes_read = executor.bytes_read
                 if merges:  # this rank's merged weights
                     mine_keys = {t.source_key for t in plan.tasks if t.shard in mine}

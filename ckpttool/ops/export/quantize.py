@@ -458,6 +458,12 @@ class BlockQuantizer:
         self.stats: dict[str, _Stats] = {}  # output weight name -> its figures
         self._units_of: dict[str, list[tuple[int, int]]] = {}  # source key -> its work units
         self._lock = threading.Lock()
+        # imported here, while the export holds the GC (planning): torch's import under a running
+        # collector over the plan's objects costs several times its own time
+        from ckpttool.engine import fp8  # noqa: F401
+        from ckpttool.engine.kernels import Scratch
+
+        self._buffers = Scratch(min_items=1)  # per thread: the band (float32) and the bytes read (uint8)
 
     @property
     def count(self) -> int:
@@ -494,8 +500,10 @@ class BlockQuantizer:
         weight, scales = task.pieces[2 * k], task.pieces[2 * k + 1]
         rows, cols = weight.shape
         r0, r1 = j * b, min(rows, (j + 1) * b)
-        band = np.empty((r1 - r0, cols), dtype=np.float32)
         merge = self.merges.get(task.source_key)
+        # the stored values as they are (the kernel widens them exactly), float32 to add a LoRA delta to
+        held = (merge is None and _held(meta.dtype.name)) or np.float32
+        band = self._buffers.get(f"band-{held.__name__}", held, (r1 - r0) * cols).reshape(r1 - r0, cols)
         for o0, s0, n in _source_ranges(self.tasks[task.source_key].rows[k], r0, r1):
             dest = band[o0 - r0 : o0 - r0 + n]
             self._read_rows(task.source_key, meta, chunks, s0, s0 + n, dest)
@@ -514,19 +522,15 @@ class BlockQuantizer:
             st.zero_blocks += int((amax == 0).sum())
 
     def _quantize(self, name: str, j: int, band: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Quantize and check one band (rows ``j * B ..``) of output weight ``name``; record its error figures."""
-        from ckpttool.engine import kernels
+        """Quantize and check one band (rows ``j * B ..``) of output weight ``name``; record its error figures.
+
+        The arrays returned are this thread's scratch (:func:`ckpttool.engine.fp8.quantize_band`)."""
+        from ckpttool.engine.fp8 import quantize_band
 
         b = self.block
-        if self.channel:
-            q, scale, amax = kernels.fp8_channel_quantize(band)
-        else:
-            q, scale, amax = kernels.fp8_block_quantize(band, b)
+        r = quantize_band(band, None if self.channel else b)
+        q, scale, amax, worst, rel = r.q, r.scale, r.amax, r.worst, r.rel
         self._check_scales(name, (j * b, None) if self.channel else (j, 0), scale, amax)
-        if self.channel:
-            worst, rel = kernels.fp8_channel_error(band, kernels.fp8_channel_dequantize(q, scale), amax)
-        else:
-            worst, rel = kernels.fp8_block_error(band, kernels.fp8_block_dequantize(q, scale, b), amax, b)
         if not rel <= MAX_BLOCK_REL_ERROR:
             r0 = j * b
             raise QuantizationError(
@@ -614,21 +618,22 @@ class BlockQuantizer:
         """``n`` rows of stored chunk ``c`` from its row ``row`` (over its leading dims) as float32 into ``dest``."""
         import numpy as np
 
-        from ckpttool.engine.kernels import to_f32
-
         item = meta.dtype.itemsize
         width = c.sizes[-1]
         start, nbytes = row * width * item, n * width * item
         loc = self.reader.locate(key, c)
         if loc.raw:
             assert loc.record is not None
-            buf = np.empty(nbytes, dtype=np.uint8)
+            if dest.dtype == _held(meta.dtype.name) and dest.flags.c_contiguous:  # straight into the band
+                self.reader.pread_into(loc.info, loc.record.data_offset + start, dest.reshape(-1).view(np.uint8), key)
+                return
+            buf = self._buffers.get("raw", np.uint8, nbytes)
             self.reader.pread_into(loc.info, loc.record.data_offset + start, buf, key)
         else:  # a chunk the locator cannot map: decoded (whole) by the reader
             from ckpttool.ops.export.transform import _decoded_chunk
 
             buf = _decoded_chunk(self.reader, key, c)[start : start + nbytes]
-        dest[:] = to_f32(buf, meta.dtype.name).reshape(n, width)
+        _widen(buf, meta.dtype.name, dest)
 
     def summary(self) -> dict[str, Any]:
         """``--json`` ``quantization.tensors``: output weight name -> its error figures, sorted by name."""
@@ -641,6 +646,29 @@ class BlockQuantizer:
             }
             for k, v in sorted(self.stats.items())
         }
+
+
+def _widen(raw: np.ndarray, dtype: str, dest: np.ndarray) -> None:
+    """Raw ``uint8`` bytes of ``float32`` / ``bfloat16`` / ``float16`` values into ``dest`` (``[n, width]``, rows may
+    be strided): float32 exactly (bfloat16: its bits shifted into the upper half), or the stored dtype (:func:`_held`)."""
+    import numpy as np
+
+    shape = dest.shape
+    if dest.dtype != np.float32:  # a band held in the stored dtype (_held)
+        np.copyto(dest, raw.view(dest.dtype).reshape(shape))
+    elif dtype == "bfloat16":
+        np.left_shift(raw.view(np.uint16).reshape(shape), 16, out=dest.view(np.uint32), dtype=np.uint32)
+    elif dtype == "float32":
+        np.copyto(dest, raw.view(np.float32).reshape(shape))
+    else:
+        np.copyto(dest, raw.view(np.float16).reshape(shape))
+
+
+def _held(dtype: str) -> Any:
+    """The numpy dtype a band holds source ``dtype`` in, unwidened (bfloat16 as its ``uint16`` bits); ``None``: float32."""
+    import numpy as np
+
+    return {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}.get(dtype)
 
 
 def _unravel(flat: int, dims: tuple[int, ...]) -> tuple[int, ...]:
