@@ -458,6 +458,7 @@ class BlockQuantizer:
         self.stats: dict[str, _Stats] = {}  # output weight name -> its figures
         self._units_of: dict[str, list[tuple[int, int]]] = {}  # source key -> its work units
         self._lock = threading.Lock()
+        self._checked: set[tuple[str, tuple[int, ...]]] = set()  # records whose CRC-32 was checked (key, offsets)
         # imported here, while the export holds the GC (planning): torch's import under a running
         # collector over the plan's objects costs several times its own time
         from ckpttool.engine import fp8  # noqa: F401
@@ -624,6 +625,7 @@ class BlockQuantizer:
         loc = self.reader.locate(key, c)
         if loc.raw:
             assert loc.record is not None
+            self._check_record(key, c, loc)
             if dest.dtype == _held(meta.dtype.name) and dest.flags.c_contiguous:  # straight into the band
                 self.reader.pread_into(loc.info, loc.record.data_offset + start, dest.reshape(-1).view(np.uint8), key)
                 return
@@ -634,6 +636,23 @@ class BlockQuantizer:
 
             buf = _decoded_chunk(self.reader, key, c)[start : start + nbytes]
         _widen(buf, meta.dtype.name, dest)
+
+    def _check_record(self, key: str, c: ChunkMeta, loc: Any) -> None:
+        """Check the CRC-32 of the record behind chunk ``c`` once, before its first rows are used (bands read a
+        record in pieces, out of order, so the CRC cannot ride those reads).
+
+        Raises:
+            ChecksumError: the record's bytes do not match its CRC-32 (E308); off with ``verify_crc=False``.
+        """
+        if not self.reader.verify_crc:
+            return
+        mark = (key, tuple(c.offsets))
+        with self._lock:
+            if mark in self._checked:
+                return
+        self.reader.verify_record(loc)
+        with self._lock:
+            self._checked.add(mark)
 
     def summary(self) -> dict[str, Any]:
         """``--json`` ``quantization.tensors``: output weight name -> its error figures, sorted by name."""

@@ -371,3 +371,31 @@ def test_validate_fp8_export_and_hostile_scales(tmp_path: Path) -> None:
     for name, (tensors, needle) in cases.items():
         code, found = _validate(_hf_folder(tmp_path / name, tensors), "--config", str(cfg))
         assert code != 0 and any(needle in f["message"] for f in found), (name, found)
+
+
+def test_flipped_bit_in_a_quantized_source_is_e308_nothing_published(tmp_path: Path) -> None:
+    """Bands read a record in pieces, so its CRC-32 is checked once before its rows are used (as a cast export)."""
+    from ckpttool.format.reader import CheckpointReader
+
+    key = "model.model.layers.0.mlp.down_proj.weight"
+    sd = {key: torch.randn(40, 24), "model.model.norm.weight": torch.ones(24)}
+    src = tmp_path / "ckpt"
+    dcp.save(sd, checkpoint_id=str(src), no_dist=True)
+    with CheckpointReader(src) as r:
+        loc = r.locate(key, r.tensor_meta(key).chunks[0])
+        path, at = src / loc.info.relative_path, loc.data_start + 100
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    out = tmp_path / "out"
+    args = ["export", str(src), str(out), "--quantize", "fp8-block", "--quantize-block", "16"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "[E308]" in res.stderr and "down_proj.weight" in res.stderr, res.stderr
+    assert not out.exists() and not list(tmp_path.glob("out*"))
+    res = runner.invoke(app, [*args, "--no-verify-crc"])
+    assert res.exit_code == 0, res.stderr
+    got = _file_tensors(out)
+    assert got[key].dtype == torch.float8_e4m3fn, sorted(got)
