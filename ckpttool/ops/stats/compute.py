@@ -70,7 +70,8 @@ class ValueSums:
     experts: dict[int, float] = field(default_factory=dict)
 
     def add_raw(self, raw: np.ndarray, dtype: str, slot: int = 0, *, second_moment: bool = False) -> tuple[Any, Any]:
-        """Add a slice of raw bytes of ``dtype`` (:func:`~ckpttool.engine.stats.add_slab`).
+        """Add a slice of raw bytes of ``dtype`` (:func:`~ckpttool.engine.stats.add_slab`); ``second_moment``:
+        also count its negative values (``exp_avg_sq``: whether :func:`adam_update` must clamp).
 
         Returns:
             ``(values, squares)``: the slice in its working precision (float32 for BF16/FP16/FP32,

@@ -2,8 +2,9 @@
 
 Each chunk is located and checked by the chunk locator, its raw record read block by block
 with the engine's read helper (:mod:`ckpttool.engine.io`) and summarised on its IEEE bit
-patterns (:mod:`ckpttool.engine.kernels`, torch-free): non-finite and negative counts,
-``step`` values (non-negative integers), and pairs that must agree read together (a BF16/FP16
+patterns by the engine's statistics kernel (:mod:`ckpttool.engine.stats`, the one ``stats``
+uses; torch-free): non-finite and negative counts, all-zero tensors, values beyond a bound and
+subnormals, ``step`` values (non-negative integers), and pairs that must agree read together (a BF16/FP16
 parameter equals ``master_weight.to(param dtype)`` bitwise; a tied ``lm_head.weight`` equals
 the embedding). Chunks the locator does not map and dtypes without a bit-pattern path go
 through torch (``read_chunk``). Chunks with broken storage are skipped: the storage rules
