@@ -8,6 +8,11 @@ One run prints, on a checkpoint with FP32 optimizer state written by a real 4-ra
 - ``ckpttool stats CKPT --json`` (a fresh process, start-up included): wall time, GB/s, peak RSS;
 - ``ckpttool validate --strict --deep --json`` (a fresh process), for scale.
 
+and, in this process, two measured bounds on the same bytes: ``read + CRC-32`` (the engine's
+1 MiB reads and the CRC every reader checks: the floor of any checked read) and ``bare numpy``
+(the same, plus the reductions ``stats`` makes of every value, straight numpy calls on each
+128 Ki-value slab as float32: bit patterns, zeros, sum, squares and their sum), one thread.
+
 Target: ``stats`` within 1.5x ``cat``'s time. ``--baseline DIR`` (a copy of another revision's
 package: ``git archive REV ckpttool | tar -x -C DIR``) runs both ckpttool rows with that package
 too, interleaved with this one, for a before/after in the same run. Each row also gives the
@@ -54,6 +59,38 @@ def _timed(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, i
     return dt, peak >> 20, cpu
 
 
+def _bare(files: list[str], reductions: bool) -> tuple[float, float]:
+    """Wall and CPU seconds of a bare loop over ``files``: 1 MiB ``preadv`` + CRC-32, and with
+    ``reductions`` the statistics of each 128 Ki-value float32 slab (the floor ``stats`` is held to)."""
+    import numpy as np
+
+    from ckpttool.engine.crc import crc32
+
+    raw = np.empty(1 << 20, np.uint8)
+    t = np.empty(1 << 17, np.uint32)
+    sq = np.empty(1 << 17, np.float32)
+    total = 0.0
+    c0, w0 = time.process_time(), time.perf_counter()
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        size, off, crc = os.fstat(fd).st_size, 0, 0
+        while off + raw.size <= size:
+            os.preadv(fd, [raw], off)
+            off += raw.size
+            crc = crc32(raw, crc)
+            if not reductions:
+                continue
+            for half in (raw[: 1 << 19], raw[1 << 19 :]):
+                x, u = half.view(np.float32), half.view(np.uint32)
+                np.left_shift(u, 1, out=t)
+                total += int(t.max()) + int(np.count_nonzero(t))
+                total += float(np.add.reduce(np.einsum("ij->i", x.reshape(-1, 1024)), dtype=np.float64))
+                np.multiply(x, x, out=sq)
+                total += float(np.add.reduce(np.einsum("ij->i", sq.reshape(-1, 1024)), dtype=np.float64))
+        os.close(fd)
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=4.0, help="total checkpoint size, GB (parameters ~1/7 of it)")
@@ -87,11 +124,21 @@ def main() -> None:
     for _ in range(a.repeat):  # interleaved: every case once per round
         for name, argv, env in cases:
             runs[name].append(_timed(argv, env))
+    bounds: dict[str, list[tuple[float, float]]] = {"read + CRC-32 (bound)": [], "bare numpy (bound)": []}
+    import numpy as np
+
+    with np.errstate(all="ignore"):  # the bytes of BF16 parameters read as float32: NaN and overflow
+        for _ in range(a.repeat):
+            for name, red in zip(bounds, (False, True)):
+                bounds[name].append(_bare(files, red))
     rows = []
     for name, _, _ in cases:
         rs = runs[name]
         best = min(r[0] for r in rs)
         rows.append((name, best, size / best / 1e9, max(r[1] for r in rs), min(r[2] for r in rs)))
+    for name, rs in bounds.items():
+        best = min(r[0] for r in rs)
+        rows.append((f"{name}, in process, 1 thread", best, size / best / 1e9, 0, min(r[1] for r in rs)))
     base = rows[0][1]
     print(f"checkpoint {ckpt} ({size / 1e9:.2f} GB in {len(files)} files), best of {a.repeat}, warm cache")
     print(f"{'':48} {'seconds':>8} {'GB/s':>6} {'x cat':>6} {'CPU s':>6} {'peak RSS MiB':>12}")

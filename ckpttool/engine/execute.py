@@ -15,7 +15,7 @@ from typing import Any
 
 from ckpttool.engine.crc import crc32, crc32_combine
 from ckpttool.engine.io import BLOCK_BYTES, block_buffer, read_blocks, read_into, start_writeback, write_all
-from ckpttool.engine.plan import Compare, Crc32, Feed, Item, Sink, WriteAt
+from ckpttool.engine.plan import Compare, Crc32, Feed, Item, Sink, Stats, WriteAt
 from ckpttool.engine.pool import map_ordered, overlap
 
 __all__ = ["can_split", "run_item", "run_items", "run_split"]
@@ -92,13 +92,66 @@ class _Compare:
         return self.first
 
 
-def _open(sink: Sink, lo: int) -> Any:
+class _Stats:
+    """A :class:`~ckpttool.engine.plan.Stats` sink: whole slabs straight from the block, the part of a
+    slab that a read leaves at a block's end carried (copied) to the next block."""
+
+    __slots__ = ("s", "acc", "item", "step", "hi", "carry", "add")
+
+    def __init__(self, s: Stats, hi: int) -> None:
+        import numpy as np
+
+        from ckpttool.engine.kernels import IEEE_BITS
+        from ckpttool.engine.stats import SlabStats, add_slab  # numpy: only where statistics are asked for
+
+        if s.dtype not in IEEE_BITS:
+            raise ValueError(f"no statistics kernel for {s.dtype}")
+        self.s, self.acc, self.add = s, SlabStats(), add_slab
+        self.item = np.dtype(IEEE_BITS[s.dtype][1]).itemsize
+        self.step, self.hi = s.slab * self.item, hi
+        self.carry = b""
+
+    def _slab(self, raw: Any, at: int) -> None:
+        out = self.add(self.acc, raw, self.s.dtype, self.s.need)
+        if self.s.each is not None and out is not None:
+            self.s.each(out[0], out[1], at // self.item)
+
+    def feed(self, piece: memoryview, at: int) -> None:
+        import numpy as np
+
+        n, a = len(piece), 0
+        if self.carry:  # the previous block ended inside a slab: complete it first
+            a = min(n, self.step - len(self.carry))
+            self.carry += piece[:a]
+            if len(self.carry) == self.step or at + a == self.hi:
+                self._slab(np.frombuffer(self.carry, np.uint8), at + a - len(self.carry))
+                self.carry = b""
+        raw = np.frombuffer(piece, np.uint8)
+        while a < n:
+            b = min(n, a + self.step)
+            if b - a < self.step and at + b < self.hi:  # a slab cut short by the read: carried
+                self.carry = bytes(piece[a:b])
+                return
+            self._slab(raw[a:b], at + a)
+            a = b
+
+    def finish(self, hi: int) -> Any:
+        if self.carry:
+            import numpy as np
+
+            self._slab(np.frombuffer(self.carry, np.uint8), hi - len(self.carry))
+        return self.acc
+
+
+def _open(sink: Sink, lo: int, hi: int) -> Any:
     if isinstance(sink, WriteAt):
         return _Write(sink, lo)
     if isinstance(sink, Crc32):
         return _Span(sink.start, sink.end)
     if isinstance(sink, Feed):
         return _Span(sink.start, sink.end, sink.fn)
+    if isinstance(sink, Stats):
+        return _Stats(sink, hi)
     return _Compare(sink)
 
 
@@ -110,7 +163,8 @@ def run_item(item: Item, *, lo: int = 0, hi: int | None = None, buf: memoryview 
 
     Returns:
         One result per sink, in order: ``Crc32`` its CRC-32 (of its span inside ``[lo, hi)``),
-        ``Compare`` the first differing position (``None``: equal), ``WriteAt``/``Feed`` ``None``.
+        ``Compare`` the first differing position (``None``: equal), ``Stats`` its
+        :class:`~ckpttool.engine.stats.SlabStats`, ``WriteAt``/``Feed`` ``None``.
 
     Raises:
         ShortReadError: a window (or a compared file) ends early.
@@ -120,7 +174,7 @@ def run_item(item: Item, *, lo: int = 0, hi: int | None = None, buf: memoryview 
         hi = item.length
     if buf is None:
         buf = block_buffer()
-    states = [_open(s, lo) for s in item.sinks]
+    states = [_open(s, lo, hi) for s in item.sinks]
     transform = item.transform
     pos = 0  # the current window's first stream position
     for w in item.reads:
@@ -148,7 +202,7 @@ def run_items(items: list[Item], *, workers: int) -> list[tuple[Any, ...]]:
 
 def can_split(item: Item) -> bool:
     """Whether :func:`run_split` can run ``item`` in halves: CRC-32 combining is available and every
-    ``Crc32`` sink covers the whole stream (``Feed`` sinks need their pieces in order: not split)."""
+    ``Crc32`` sink covers the whole stream (``Feed`` and ``Stats`` sinks need their pieces in order: not split)."""
     return crc32_combine is not None and all(
         (isinstance(s, Crc32) and s.start == 0 and s.end is None) or isinstance(s, (WriteAt, Compare))
         for s in item.sinks

@@ -5,7 +5,7 @@ imported: float32/bfloat16/float16 casts bit-exact with torch's ``Tensor.to`` (r
 even) for every non-NaN value (bfloat16 held as ``uint16`` bit patterns; float32 -> bfloat16 by
 torch's own one-pass kernel when the process has imported torch already); float8
 (``float8_e4m3fn`` saturating, ``float8_e5m2``) with ``c10::Float8_*``'s rounding and overflow
-rules; IEEE bit-pattern summaries (non-finite, negative); run maps
+rules; IEEE bit-pattern views (the statistics kernel over them: :mod:`ckpttool.engine.stats`); run maps
 (``out[dst:dst+n] = src[s:s+n]``, :func:`place_runs`, :func:`scatter_rows`). Scratch arrays are
 per thread. ``docs/design.md`` §5, "The byte engine".
 """
@@ -28,7 +28,6 @@ __all__ = [
     "Scratch",
     "F8_FORMATS",
     "IEEE_BITS",
-    "BitSummary",
     "E4M3FN_MAX",
     "E4M3FN_VALUES",
     "bf16_to_f32",
@@ -46,7 +45,6 @@ __all__ = [
     "float_values",
     "place_runs",
     "scatter_rows",
-    "summarise_bits",
     "to_f32",
 ]
 
@@ -276,52 +274,6 @@ def float_values(raw: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         return np.left_shift(raw.view(np.uint16), 16, dtype=np.uint32).view(np.float32)
     return raw.view(dtype)
-
-
-@dataclass(frozen=True)
-class BitSummary:
-    """What the bit patterns of a slice of floats say.
-
-    Attributes:
-        zero: every value is ``+0.0`` or ``-0.0``.
-        nonfinite: NaN and infinity count.
-        negative: values ``< 0`` (``-0.0`` not counted; 0 when not asked for).
-        min: the smallest negative value (``None``: none, or not asked for).
-        top: the largest magnitude bit pattern (sign bit cleared; at least the all-ones exponent
-            when there is a NaN or infinity), from the same two reductions.
-    """
-
-    zero: bool
-    nonfinite: int
-    negative: int
-    min: float | None
-    top: int = 0
-
-
-def summarise_bits(raw: np.ndarray, dtype: str, need_negative: bool) -> BitSummary:
-    """Summarise raw bytes of an :data:`IEEE_BITS` dtype (at least one value) by two maximum reductions.
-
-    With the sign bit clear a value is non-finite iff its pattern as a signed int is >= the
-    all-ones exponent; with the sign bit set iff its pattern as an unsigned int is >=
-    sign|exponent; it is negative (not -0.0) iff the unsigned pattern is > sign. Exact counts
-    run only when the reductions find some.
-    """
-    signed, unsigned, exp_all, sign = IEEE_BITS[dtype]
-    smax = int(raw.view(signed).max())
-    umax = int(raw.view(unsigned).max())
-    zero = smax <= 0 and umax <= sign  # only +0.0 / -0.0 bit patterns
-    nonfinite = 0
-    if smax >= exp_all or umax >= sign | exp_all:
-        nonfinite = int(np.count_nonzero(~np.isfinite(float_values(raw, dtype))))
-    negative, lo = 0, None
-    if need_negative and umax > sign:
-        vals = float_values(raw, dtype)
-        neg = vals < 0
-        negative = int(np.count_nonzero(neg))
-        if negative:
-            lo = float(vals[neg].min())
-    top = max(smax, umax - sign, 0)  # positive patterns as they are; negative ones less the sign bit
-    return BitSummary(zero, nonfinite, negative, lo, top)
 
 
 # ---------------------------------------------------------------------------------------------- run maps

@@ -9,7 +9,8 @@ it to its sinks in order:
 - :class:`Crc32`: the CRC-32 (zip polynomial) of the bytes ``[start, end)`` of the stream;
 - :class:`Feed`: ``fn(piece)`` for every piece of ``[start, end)``, in order (a digest's
   ``update``, a byte counter);
-- :class:`Compare`: compared with the same positions of another descriptor.
+- :class:`Compare`: compared with the same positions of another descriptor;
+- :class:`Stats`: the values' statistics (:mod:`ckpttool.engine.stats`), slab by slab.
 
 Plans are plain frozen values; :mod:`ckpttool.engine.execute` runs them.
 """
@@ -18,8 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Compare", "Crc32", "Feed", "Item", "Sink", "Transform", "Window", "WriteAt"]
+if TYPE_CHECKING:
+    from ckpttool.engine.stats import Need
+
+__all__ = ["Compare", "Crc32", "Feed", "Item", "Sink", "Stats", "Transform", "Window", "WriteAt"]
 
 #: A slab transform: takes a filled block, returns the bytes the sinks see (same length).
 Transform = Callable[[memoryview], memoryview]
@@ -72,7 +77,24 @@ class Compare:
     offset: int
 
 
-Sink = WriteAt | Crc32 | Feed | Compare
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Fold the stream's values into a :class:`~ckpttool.engine.stats.SlabStats` (the sink's result).
+
+    The stream holds whole values of ``dtype`` (an IEEE float: bfloat16, float16, float32, float64);
+    each slab of ``slab`` values, cut at multiples of ``slab`` from the stream's start whatever the
+    read sizes, goes through :func:`~ckpttool.engine.stats.add_slab` with ``need``. ``each``: with
+    ``need.sums``, called as ``each(values, squares, first)`` after each slab (``first``: the slab's
+    first value's index in the stream; the arrays are valid during the call).
+    """
+
+    dtype: str
+    need: Need
+    slab: int = 1 << 17
+    each: Callable[[Any, Any, int], object] | None = None
+
+
+Sink = WriteAt | Crc32 | Feed | Compare | Stats
 
 
 @dataclass(frozen=True, slots=True)

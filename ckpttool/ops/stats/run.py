@@ -18,7 +18,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ckpttool.engine.kernels import IEEE_BITS
+from ckpttool.engine.kernels import IEEE_BITS, float_values
 from ckpttool.engine.pool import map_ordered, worker_count
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.model.catalog import TensorEntry, match_filter
@@ -29,6 +29,7 @@ from ckpttool.ops.stats.compute import (
     ValueSums,
     adam_update,
     chunk_slices,
+    chunk_sums,
     expert_sums,
     read_pair,
     release_buffers,
@@ -108,23 +109,22 @@ def _is_expert(fqn: str, entry: TensorEntry) -> bool:
 def _run_work(ckpt: Checkpoint, w: _Work) -> tuple[ValueSums, ValueSums | None, Moments | None]:
     reader = ckpt.reader
     chunk = w.entry.chunks[w.chunk_index]
-    sums, second, upd = ValueSums(), None, None
     if w.moment_key is None:
-        inner = math.prod(chunk.sizes[1:]) if w.expert_dim else 0
-        e0 = 0
-        for x in chunk_slices(reader, w.key, chunk):
-            _, sq = sums.add_slice(x)
-            if w.expert_dim:
-                expert_sums(sums, sq, e0, inner, chunk.offsets[0])
-            e0 += x.size
+        if not w.expert_dim:
+            return chunk_sums(reader, w.key, chunk), None, None
+        inner = math.prod(chunk.sizes[1:])
+        experts: dict[int, float] = {}
+        sums = chunk_sums(reader, w.key, chunk, lambda _, sq, e0: expert_sums(experts, sq, e0, inner, chunk.offsets[0]))
+        sums.experts = experts
         return sums, None, None
-    second, upd = ValueSums(), Moments()
+    sums, second, upd = ValueSums(), ValueSums(), Moments()
     v_chunk = ckpt.catalog.tensors[w.moment_key].chunks[w.chunk_index]
-    for m, v in read_pair((reader, w.key, chunk), (reader, w.moment_key, v_chunk)):
-        m64, _ = sums.add_slice(m, slot=0)
-        v64, _ = second.add_slice(v, slot=1)
+    for (m_raw, m_dtype), (v_raw, v_dtype) in read_pair((reader, w.key, chunk), (reader, w.moment_key, v_chunk)):
+        m64, _ = sums.add_raw(m_raw, m_dtype, slot=0)
+        negative = second.acc.negative
+        v64, _ = second.add_raw(v_raw, v_dtype, slot=1, second_moment=True)
         if w.hyper is not None:
-            adam_update(m64, v64, w.hyper, upd)
+            adam_update(m64, v64, w.hyper, upd, v_negative=second.acc.negative > negative)
     return sums, second, (upd if w.hyper is not None else None)
 
 
@@ -166,8 +166,8 @@ def _step_value(ckpt: Checkpoint, key: str, entry: TensorEntry | None) -> float:
         raw = ckpt.reader.read_object(key)
     elif entry.dtype in IEEE_BITS and entry.chunks and not any(entry.chunks[0].offsets):
         first = None
-        for x in chunk_slices(ckpt.reader, key, entry.chunks[0]):  # to the end: the record's CRC is checked
-            first = float(x[0]) if first is None and x.size else first
+        for raw, dtype in chunk_slices(ckpt.reader, key, entry.chunks[0]):  # to the end: the record's CRC is checked
+            first = float(float_values(raw, dtype)[0]) if first is None and raw.size else first
         if first is None:
             raise IndexError(key)
         return first
@@ -357,8 +357,8 @@ def _pair_sums(a: Checkpoint, ka: str, b: Checkpoint, kb: str) -> tuple[float, f
     d2 = a2 = 0.0
     if ea.chunks == eb.chunks:
         for ca, cb in zip(ea.chunks, eb.chunks):
-            for x, y in read_pair((a.reader, ka, ca), (b.reader, kb, cb)):
-                (x, sq), (y, _) = ValueSums().add_slice(x, slot=0), ValueSums().add_slice(y, slot=1)
+            for sa, sb in read_pair((a.reader, ka, ca), (b.reader, kb, cb)):
+                (x, sq), (y, _) = ValueSums().add_raw(*sa, slot=0), ValueSums().add_raw(*sb, slot=1)
                 d = y - x
                 d2 += sum_squares(d)
                 a2 += float(sq.sum())

@@ -2,8 +2,9 @@
 
 Each chunk is located and checked by the chunk locator, its raw record read block by block
 with the engine's read helper (:mod:`ckpttool.engine.io`) and summarised on its IEEE bit
-patterns (:mod:`ckpttool.engine.kernels`, torch-free): non-finite and negative counts,
-``step`` values (non-negative integers), and pairs that must agree read together (a BF16/FP16
+patterns by the engine's statistics kernel (:mod:`ckpttool.engine.stats`, the one ``stats``
+uses; torch-free): non-finite and negative counts, all-zero tensors, values beyond a bound and
+subnormals, ``step`` values (non-negative integers), and pairs that must agree read together (a BF16/FP16
 parameter equals ``master_weight.to(param dtype)`` bitwise; a tied ``lm_head.weight`` equals
 the embedding). Chunks the locator does not map and dtypes without a bit-pattern path go
 through torch (``read_chunk``). Chunks with broken storage are skipped: the storage rules
@@ -12,7 +13,6 @@ report them. Rules: ``docs/rules.md`` (``D`` family); ``docs/design.md`` §5.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import threading
@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.engine.crc import crc32
 from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
-from ckpttool.engine.kernels import IEEE_BITS, Scratch, f32_to_bf16, f32_to_f16, float_values, summarise_bits
+from ckpttool.engine.kernels import IEEE_BITS, Scratch, f32_to_bf16, f32_to_f16, float_values
 from ckpttool.engine.pool import map_ordered
+from ckpttool.engine.stats import SUBNORMAL_DTYPES, SUBNORMAL_STRIDE, Need, SlabStats, add_slab, release_scratch
 from ckpttool.errors import ChunkError, CkptError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, TensorMeta
 from ckpttool.format.tiling import tiling_problem
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
     from ckpttool.ops.validate.context import Context
 
-__all__ = ["TensorStats", "PairStats", "DeepResult", "run_deep"]
+__all__ = ["SUBNORMAL_DTYPES", "SUBNORMAL_STRIDE", "TensorStats", "PairStats", "DeepResult", "run_deep"]
 
 _AMINMAX_DTYPES = {"bfloat16", "float16", "float32", "float64"}
 _MOMENT_DTYPES = ("bfloat16", "float16", "float32", "float64")
@@ -65,11 +66,7 @@ def _summarise(
         return st
     flat = t.reshape(-1)
     if dtype in IEEE_BITS and flat.is_contiguous():  # IEEE bit patterns: numpy reductions, vectorised and GIL-free
-        raw = flat.view(torch.uint8).numpy()
-        bits = summarise_bits(raw, dtype, need_negative)
-        _set_bits(st, bits)
-        if magnitudes:
-            _magnitudes(st, raw, dtype, bits.top)
+        _bit_stats(st, flat.view(torch.uint8).numpy(), dtype, need_negative, magnitudes)
         return st
     if dtype in _AMINMAX_DTYPES:
         mn, mx = torch.aminmax(flat)
@@ -161,74 +158,30 @@ def _summarise_np(
         return st
     if keep_values:
         st.values = [float(v) for v in float_values(raw[: 64 * item], dtype).tolist()]
-    bits = summarise_bits(raw, dtype, need_negative)
-    _set_bits(st, bits)  # zero: D005 (synthesized state)
-    if magnitudes:
-        _magnitudes(st, raw, dtype, bits.top)
+    _bit_stats(st, raw, dtype, need_negative, magnitudes)  # zero: D005 (synthesized state)
     return st
 
 
-#: dtypes whose subnormals ``D013`` counts (8 or 11 exponent bits: no weight comes near 1e-38;
-#: float16's subnormals, below 6.1e-5, are ordinary small weights).
-SUBNORMAL_DTYPES = ("bfloat16", "float32", "float64")
+_DEEP = {
+    (neg, mag): Need(negative=neg, bound=UNINIT_BOUND if mag else None)
+    for neg in (False, True)
+    for mag in (False, True)
+}
 
 
-@functools.cache
-def _pattern(value: float, dtype: str) -> int:
-    """The bit pattern of the largest ``|x| <= value`` of ``dtype`` (bfloat16: float32's, truncated)."""
-    import numpy as np
-
-    if dtype == "bfloat16":
-        return int(np.array(value, np.float32).view(np.uint32)) >> 16
-    return int(np.array(value, dtype).view(IEEE_BITS[dtype][1]))
-
-
-_MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23, "float64": 52}
-
-
-#: Every ``SUBNORMAL_STRIDE``-th value of a slice is tested for subnormals first (``D013``): odd,
-#: so coprime to the 2-, 4- and 8-value periods of heap words read as floats.
-SUBNORMAL_STRIDE = 61
-
-
-def _magnitudes(st: TensorStats, raw: Any, dtype: str, top: int) -> None:
-    """Add a slice's counts of finite ``|x| > UNINIT_BOUND`` and of subnormals (``D013``) to ``st``.
-
-    ``top`` (the largest magnitude bit pattern, from :func:`summarise_bits`' two reductions) tells
-    whether any value is beyond the bound: only then are they counted exactly. Subnormals are
-    looked for in every :data:`SUBNORMAL_STRIDE`-th value (a strided view of the slice, ~1.6% of
-    it, already in the CPU cache); only a slice where that sample holds one is counted exactly. A
-    slice of trained weights has none, so the exact passes run on damaged slices only.
-    """
-    import numpy as np
-
-    unsigned, exp_all = IEEE_BITS[dtype][1], IEEE_BITS[dtype][2]
-    x = raw.view(unsigned)
-    bound = _pattern(UNINIT_BOUND, dtype)
-    if top > bound:
-        t = np.left_shift(x, 1, out=_scratch.get(f"mag_{unsigned}", unsigned, x.size))
-        big = (t > bound << 1) & (t < exp_all << 1)  # finite and beyond the bound
-        k = int(np.count_nonzero(big))
-        if k:
-            st.beyond += k
-            st.beyond_max = max(st.beyond_max, float(np.abs(float_values(raw, dtype)[big]).max()))
-    if dtype in SUBNORMAL_DTYPES:
-        lim = (2 << _MANTISSA_BITS[dtype]) - 1  # 2 * (smallest normal pattern) - 1
-        sample = np.left_shift(x[::SUBNORMAL_STRIDE], 1)
-        sample -= 1  # +-0 wraps to the top, a subnormal p lands in [1, 2 * min_normal - 3]
-        if sample.size and int(sample.min()) < lim:
-            t = np.left_shift(x, 1, out=_scratch.get(f"mag_{unsigned}", unsigned, x.size))
-            np.subtract(t, 1, out=t)
-            st.subnormal += int(np.count_nonzero(t < lim))
-
-
-def _set_bits(st: TensorStats, b: Any) -> None:
-    """Copy a :class:`~ckpttool.engine.kernels.BitSummary` into ``st`` (``min`` only when there are negatives)."""
-    st.zero = b.zero
-    st.nonfinite = b.nonfinite
-    st.negative = b.negative
-    if b.min is not None:
-        st.min = b.min
+def _bit_stats(st: TensorStats, raw: Any, dtype: str, need_negative: bool, magnitudes: bool) -> None:
+    """Summarise raw bytes of an :data:`IEEE_BITS` dtype (at least one value) into ``st`` with the engine's
+    statistics kernel (:func:`~ckpttool.engine.stats.add_slab`): all ``±0`` (``D005``), non-finite and
+    (``need_negative``) negative counts and the smallest negative, and for model tensors
+    (``magnitudes``) the values beyond :data:`UNINIT_BOUND` and the subnormals (``D013``)."""
+    acc = SlabStats()
+    add_slab(acc, raw, dtype, _DEEP[need_negative, magnitudes])
+    st.zero = acc.all_zero
+    st.nonfinite = acc.nonfinite
+    st.negative = acc.negative
+    if acc.neg_min is not None:
+        st.min = acc.neg_min
+    st.beyond, st.beyond_max, st.subnormal = acc.beyond, acc.beyond_max, acc.subnormal
 
 
 def _new_scratch() -> Scratch:
@@ -376,6 +329,7 @@ def _release_buffers() -> None:
     """Drop every thread's scratch and slice buffers (pool threads outlive a run; a later run allocates anew)."""
     global _scratch, _slice_buffers
     _scratch, _slice_buffers = _new_scratch(), _SliceBuffers()
+    release_scratch()
 
 
 def _streamable(dtypes: list[str], metas: dict[str, TensorMeta], pairs: list[PairStats]) -> bool:

@@ -1,0 +1,368 @@
+"""The statistics slab kernel of the byte engine: one accumulator for ``stats`` and ``validate --deep``.
+
+:func:`add_slab` folds one slab of raw IEEE float bytes (bfloat16, float16, float32, float64)
+into a :class:`SlabStats`; each caller asks (:class:`Need`) for what it reports, and pays for
+nothing else. The kernel starts from the slab's bit patterns, as stored (a bfloat16 slab is
+reduced on its 16-bit patterns, half the bytes of its float32 values): the signed and the
+unsigned maximum give the largest ``|x|``, whether the slab is all ``±0`` and whether it holds
+a NaN/infinity or a negative value; exact counts (non-finite, negative, ``-0.0``) run only when
+those reductions find some. On request: zeros (``count_nonzero`` of the patterns), the finite
+values' sum and sum of squares (:func:`block_sum`: float32 partial sums of 1024 values added in
+float64), and for ``D013`` the values beyond a bound and the subnormals. numpy only, GIL released
+inside numpy, per-thread work arrays (:class:`~ckpttool.engine.kernels.Scratch`).
+``docs/design.md`` §5, "The byte engine"; ``docs/performance.md``, "ckpttool stats".
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ckpttool.engine.io import BLOCK_BYTES
+from ckpttool.engine.kernels import IEEE_BITS, Scratch
+
+__all__ = [
+    "SUBNORMAL_DTYPES",
+    "SUBNORMAL_STRIDE",
+    "SUM_BLOCK",
+    "Need",
+    "SlabStats",
+    "add_slab",
+    "block_sum",
+    "release_scratch",
+    "sum_squares",
+    "work_array",
+]
+
+#: Values per float32 partial sum of :func:`block_sum` (a block's relative error is ~1e-7; the
+#: partial sums are added in float64).
+SUM_BLOCK = 1024
+
+#: dtypes whose subnormals are counted (8 or 11 exponent bits: no weight comes near 1e-38;
+#: float16's subnormals, below 6.1e-5, are ordinary small weights).
+SUBNORMAL_DTYPES = ("bfloat16", "float32", "float64")
+
+#: Every ``SUBNORMAL_STRIDE``-th value of a slab is tested for subnormals first: odd, so coprime
+#: to the 2-, 4- and 8-value periods of heap words read as floats.
+SUBNORMAL_STRIDE = 61
+
+_MANTISSA_BITS = {"bfloat16": 7, "float16": 10, "float32": 23, "float64": 52}
+_SIGNED_MIN = {"bfloat16": -(1 << 15), "float16": -(1 << 15), "float32": -(1 << 31), "float64": -(1 << 63)}
+
+
+class _Scratch:
+    """The per-thread work arrays (replaced as a whole by :func:`release_scratch`)."""
+
+    arrays = Scratch(BLOCK_BYTES // 4)
+
+
+def release_scratch() -> None:
+    """Drop every thread's work arrays (pool threads outlive a run; a later run allocates anew)."""
+    _Scratch.arrays = Scratch(BLOCK_BYTES // 4)
+
+
+def work_array(name: str, n: int, dtype: Any) -> np.ndarray:
+    """This thread's work array ``name`` (one per dtype: the name should say it), its first ``n`` elements."""
+    arr: np.ndarray = _Scratch.arrays.get(name, dtype, n)
+    return arr
+
+
+def block_sum(x: np.ndarray) -> float:
+    """``sum(x)`` of a 1-D float array: partial sums of :data:`SUM_BLOCK` values in ``x``'s precision
+    (``np.einsum``'s vectorised loop, no BLAS: its thread pool would fight the engine's workers), added
+    in float64. Relative error ~6e-7 at worst on float32 (1024 equal values), ~1e-9 on typical data."""
+    n = x.size
+    k = n - n % SUM_BLOCK
+    total = 0.0
+    if k:
+        part = np.einsum("ij->i", x[:k].reshape(-1, SUM_BLOCK))
+        total = float(np.add.reduce(part, dtype=np.float64))
+    if k < n:
+        total += float(np.add.reduce(x[k:], dtype=np.float64))
+    return total
+
+
+def sum_squares(x: np.ndarray) -> float:
+    """``sum(x * x)`` of a 1-D float array (squares in a per-thread work array, then :func:`block_sum`)."""
+    with np.errstate(over="ignore"):  # squares beyond the dtype's range: inf in the sum, as the values say
+        sq = np.multiply(x, x, out=work_array("ss" + x.dtype.char, x.size, x.dtype))
+    return block_sum(sq)
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """What :func:`add_slab` computes beyond the numel, non-finite count, all-zero flag and ``|x|`` maximum.
+
+    Attributes:
+        zeros: count the ``±0`` values.
+        negative: count the values ``< 0`` (``-0.0`` not counted) and keep the smallest.
+        sums: the finite values' sum and sum of squares (and return the values and squares).
+        bound: count the finite ``|x| > bound`` and, for :data:`SUBNORMAL_DTYPES`, the subnormals.
+    """
+
+    zeros: bool = False
+    negative: bool = False
+    sums: bool = False
+    bound: float | None = None
+
+
+@dataclass(slots=True)
+class SlabStats:
+    """Running statistics of one tensor's values, slab by slab (mergeable with :meth:`merge`).
+
+    Attributes:
+        numel: values seen; nonfinite: NaN and infinity count; all_zero: every value is ``±0``.
+        abs_max: the largest finite ``|x|`` (0.0: none).
+        zeros: ``±0`` values (:attr:`Need.zeros`).
+        negative: values ``< 0`` and neg_min the smallest (``None``: none) (:attr:`Need.negative`).
+        s1, s2: float64 sums of the finite values and of their squares (:attr:`Need.sums`).
+        beyond: finite ``|x| > bound``, beyond_max the largest such ``|x|``; subnormal: subnormal
+            values (:attr:`Need.bound`).
+    """
+
+    numel: int = 0
+    nonfinite: int = 0
+    all_zero: bool = True
+    abs_max: float = 0.0
+    zeros: int = 0
+    negative: int = 0
+    neg_min: float | None = None
+    s1: float = 0.0
+    s2: float = 0.0
+    beyond: int = 0
+    beyond_max: float = 0.0
+    subnormal: int = 0
+
+    def merge(self, o: SlabStats) -> None:
+        """Add another accumulator of the same tensor (other slabs, another chunk)."""
+        self.numel += o.numel
+        self.nonfinite += o.nonfinite
+        self.all_zero = self.all_zero and o.all_zero
+        self.abs_max = max(self.abs_max, o.abs_max)
+        self.zeros += o.zeros
+        self.negative += o.negative
+        if o.neg_min is not None:
+            self.neg_min = o.neg_min if self.neg_min is None else min(self.neg_min, o.neg_min)
+        self.s1 += o.s1
+        self.s2 += o.s2
+        self.beyond += o.beyond
+        self.beyond_max = max(self.beyond_max, o.beyond_max)
+        self.subnormal += o.subnormal
+
+
+@dataclass(frozen=True)
+class _Format:
+    """What the kernel needs of one IEEE format: its bit views, constants, work-array names and value decoder."""
+
+    signed: np.dtype[Any]
+    unsigned: np.dtype[Any]
+    exp_all: int  # the all-ones exponent (a magnitude pattern >= it is NaN or infinity)
+    sign: int
+    signed_min: int  # -0.0's pattern as a signed int
+    work: np.dtype[Any]  # the working precision of the sums
+    decode: Callable[[bytes], tuple[float]]  # struct unpacking of a magnitude pattern's bytes
+    width: int  # bytes of the decoded pattern
+    shift: int  # left shift of a pattern before decoding (bfloat16: to float32's)
+    overflow: int  # magnitude patterns below it square without overflow in the working precision
+
+
+def _format(dtype: str) -> _Format:
+    signed, unsigned, exp_all, sign = IEEE_BITS[dtype]
+    work = np.dtype(np.float64 if dtype == "float64" else np.float32)
+    code, width, shift = {"bfloat16": ("<f", 4, 16), "float16": ("<e", 2, 0), "float32": ("<f", 4, 0)}.get(
+        dtype, ("<d", 8, 0)
+    )
+    root = float(np.sqrt(np.finfo(work).max))  # a square above it overflows
+    pattern = int(np.array(root, work).view(np.uint64 if work.itemsize == 8 else np.uint32))
+    overflow = pattern >> 16 if dtype == "bfloat16" else (1 << 16 if dtype == "float16" else pattern)
+    return _Format(
+        np.dtype(signed),
+        np.dtype(unsigned),
+        exp_all,
+        sign,
+        -sign,
+        work,
+        struct.Struct(code).unpack,
+        width,
+        shift,
+        overflow,
+    )
+
+
+_FORMATS = {name: _format(name) for name in IEEE_BITS}
+
+
+def _values(raw: np.ndarray, dtype: str, slot: int) -> np.ndarray:
+    """The slab's values: float32/float64 as stored (a view), bfloat16/float16 widened exactly to float32
+    in this thread's work array ``slot``."""
+    if dtype == "float32" or dtype == "float64":
+        return raw.view(dtype)
+    n = raw.size // 2
+    wide = work_array(_WIDE[slot], n, np.uint32)
+    if dtype == "bfloat16":  # widened in place (a cast, then a shift: faster than one shift with a cast)
+        np.copyto(wide, raw.view(np.uint16))
+        np.left_shift(wide, 16, out=wide)
+        return wide.view(np.float32)
+    out = wide.view(np.float32)
+    out[...] = raw.view(np.float16)
+    return out
+
+
+_WIDE = tuple(f"w{slot}" for slot in range(10))
+_SQUARES = tuple(f"sq{slot}" for slot in range(10))
+
+
+def _decode(f: _Format, pattern: int) -> float:
+    """The value of a magnitude bit pattern (sign clear)."""
+    return f.decode((pattern << f.shift).to_bytes(f.width, "little"))[0]
+
+
+@functools.cache
+def _pattern(value: float, dtype: str) -> int:
+    """The bit pattern of the largest ``|x| <= value`` of ``dtype`` (bfloat16: float32's, truncated)."""
+    if dtype == "bfloat16":
+        return int(np.array(value, np.float32).view(np.uint32)) >> 16
+    return int(np.array(value, dtype).view(IEEE_BITS[dtype][1]))
+
+
+def _beyond(acc: SlabStats, bits: np.ndarray, raw: np.ndarray, dtype: str, top: int, bound: float) -> None:
+    """Add the slab's counts of finite ``|x| > bound`` and of subnormals to ``acc``.
+
+    ``top`` (the largest magnitude pattern) tells whether any value is beyond the bound: only then
+    are they counted exactly. Subnormals are looked for in every :data:`SUBNORMAL_STRIDE`-th value
+    (a strided view, ~1.6% of the slab, already in the CPU cache); only a slab whose sample holds
+    one is counted exactly. A slab of trained weights has none: the exact passes run on damaged
+    slabs only.
+    """
+    unsigned, exp_all = IEEE_BITS[dtype][1], IEEE_BITS[dtype][2]
+    limit = _pattern(bound, dtype)
+    if top > limit:
+        t = np.left_shift(bits, 1, out=work_array("mag" + unsigned, bits.size, unsigned))
+        big = (t > limit << 1) & (t < exp_all << 1)  # finite and beyond the bound
+        k = int(np.count_nonzero(big))
+        if k:
+            acc.beyond += k
+            acc.beyond_max = max(acc.beyond_max, float(np.abs(_values(raw, dtype, 9)[big]).max()))
+    if dtype in SUBNORMAL_DTYPES:
+        lim = (2 << _MANTISSA_BITS[dtype]) - 1  # 2 * (smallest normal pattern) - 1
+        sample = np.left_shift(bits[::SUBNORMAL_STRIDE], 1)
+        sample -= 1  # +-0 wraps to the top, a subnormal p lands in [1, 2 * min_normal - 3]
+        if sample.size and int(sample.min()) < lim:
+            t = np.left_shift(bits, 1, out=work_array("mag" + unsigned, bits.size, unsigned))
+            np.subtract(t, 1, out=t)
+            acc.subnormal += int(np.count_nonzero(t < lim))
+
+
+def _finite_copy(acc: SlabStats, w: np.ndarray, slot: int) -> np.ndarray:
+    """``w`` with its non-finite values set to 0, in a work array; their count added to ``acc``,
+    the largest finite ``|x|`` to ``acc.abs_max`` (the rare path: a slab holding a NaN/infinity)."""
+    finite = np.isfinite(w)
+    acc.nonfinite += w.size - int(np.count_nonzero(finite))
+    cleaned = work_array(f"c{slot}{w.dtype.char}", w.size, w.dtype)
+    cleaned.fill(0.0)
+    np.copyto(cleaned, w, where=finite)
+    if cleaned.size:
+        acc.abs_max = max(acc.abs_max, float(np.abs(cleaned).max()))
+    return cleaned
+
+
+def _shifted(acc: SlabStats, bits: np.ndarray, f: _Format, negative: bool) -> tuple[int, int]:
+    """The magnitude patterns ``bits << 1`` (sign shifted out) in a work array: their maximum is the largest
+    magnitude, their non-zero count the non-zeros (``-0.0`` a zero); the unsigned maximum only for
+    ``negative`` (else 0). Three passes on 32/64-bit patterns, fewer than :func:`_reduced`'s four.
+
+    Returns:
+        ``(largest magnitude pattern, unsigned maximum)``.
+    """
+    t = np.left_shift(bits, 1, out=_Scratch.arrays.get(f.unsigned.char, f.unsigned, bits.size))
+    top = int(t.max()) >> 1
+    acc.zeros += bits.size - int(np.count_nonzero(t))
+    return top, (int(bits.max()) if negative else 0)
+
+
+def _reduced(acc: SlabStats, bits: np.ndarray, f: _Format, zeros: bool) -> tuple[int, int]:
+    """The signed and unsigned maxima of the patterns (no write): the largest magnitude is the larger of the
+    signed maximum and the unsigned one less the sign bit; with ``zeros`` the ``+0.0`` count
+    (``count_nonzero``) and the ``-0.0`` count (exactly, only when the signed minimum is ``-0.0``'s pattern).
+
+    Returns:
+        ``(largest magnitude pattern, unsigned maximum)``.
+    """
+    sign = f.sign
+    signed = bits.view(f.signed)
+    smax = int(signed.max())
+    umax = int(bits.max())
+    if zeros:
+        z = bits.size - int(np.count_nonzero(bits))  # +0.0
+        if umax >= sign and int(signed.min()) == f.signed_min:  # -0.0: the smallest signed pattern
+            z += int(np.count_nonzero(bits == sign))
+        acc.zeros += z
+    return max(smax, umax - sign, 0), umax  # positive patterns as they are; negative ones less the sign bit
+
+
+def _negatives(acc: SlabStats, raw: np.ndarray, dtype: str, slot: int) -> None:
+    """Count the slab's values ``< 0`` and keep the smallest (the slab holds a negative pattern)."""
+    vals = _values(raw, dtype, slot)
+    neg = vals < 0
+    k = int(np.count_nonzero(neg))
+    if k:
+        acc.negative += k
+        lo = float(vals[neg].min())
+        acc.neg_min = lo if acc.neg_min is None else min(acc.neg_min, lo)
+
+
+def add_slab(
+    acc: SlabStats, raw: np.ndarray, dtype: str, need: Need, slot: int = 0
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Fold one slab of raw bytes (``uint8``, whole values of ``dtype``, an :data:`~ckpttool.engine.kernels.IEEE_BITS`
+    dtype) into ``acc``.
+
+    Args:
+        need: what to compute beyond the numel, non-finite count, all-zero flag and ``|x|`` maximum.
+        slot: which work arrays to use (0-8; lockstep slabs of one thread use different slots).
+
+    Returns:
+        With ``need.sums``: ``(values, squares)`` in the working precision (float32 for
+        bfloat16/float16/float32, float64 for float64), non-finite values set to 0 (positions
+        kept), valid until the next call of this thread with the same ``slot``; else ``None``.
+    """
+    f = _FORMATS[dtype]
+    bits = raw.view(f.unsigned)
+    n = bits.size
+    acc.numel += n
+    if n == 0:
+        return (raw.view(np.float32), raw.view(np.float32)) if need.sums else None
+    if need.zeros and f.unsigned.itemsize >= 4:
+        top, umax = _shifted(acc, bits, f, need.negative)
+    else:
+        top, umax = _reduced(acc, bits, f, need.zeros)
+    if top:
+        acc.all_zero = False
+    if need.negative and umax > f.sign:
+        _negatives(acc, raw, dtype, slot)
+    if need.bound is not None:
+        _beyond(acc, bits, raw, dtype, top, need.bound)
+    nonfinite = top >= f.exp_all
+    w = _values(raw, dtype, slot) if need.sums or nonfinite else raw
+    if nonfinite:
+        w = _finite_copy(acc, w, slot)
+    elif top:
+        value = _decode(f, top)
+        if value > acc.abs_max:
+            acc.abs_max = value
+    if not need.sums:
+        return None
+    acc.s1 += block_sum(w)
+    sq = _Scratch.arrays.get(_SQUARES[slot] + f.work.char, f.work, n)
+    if top < f.overflow:
+        np.multiply(w, w, out=sq)
+    else:
+        with np.errstate(over="ignore"):  # squares beyond the working range: inf in the sum, as the values say
+            np.multiply(w, w, out=sq)
+    acc.s2 += block_sum(sq)
+    return w, sq
