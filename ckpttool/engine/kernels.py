@@ -145,7 +145,7 @@ def _f32_to_bf16_torch(torch: Any, src_u32: np.ndarray, out_u16: np.ndarray, can
 
     torch writes ``0xFFFF`` (vectorised) or ``0x7FC0`` (scalar tail) for a NaN: found by two maximum
     reductions over the output (a pattern above ``0x7F80`` with or without the sign bit) and, with
-    ``canonical_nan``, replaced by :data:`BF16_NAN` as the numpy path writes.
+    replaced by what the numpy path writes (:data:`BF16_NAN`, or without ``canonical_nan`` the rounded payload).
     """
     s = torch.from_numpy(src_u32.view(np.float32))
     o = torch.from_numpy(out_u16.view(np.int16)).view(torch.bfloat16)
@@ -155,9 +155,13 @@ def _f32_to_bf16_torch(torch: Any, src_u32: np.ndarray, out_u16: np.ndarray, can
     else:
         for a in range(0, n, _TORCH_PIECE):
             o[a : a + _TORCH_PIECE].copy_(s[a : a + _TORCH_PIECE])
-    if canonical_nan and n and (int(out_u16.view(np.int16).max()) > 0x7F80 or int(out_u16.max()) > 0xFF80):
-        f = src_u32.view(np.float32)
-        out_u16[np.isnan(f)] = BF16_NAN
+    if n and (int(out_u16.view(np.int16).max()) > 0x7F80 or int(out_u16.max()) > 0xFF80):
+        nan = np.isnan(src_u32.view(np.float32))
+        if canonical_nan:
+            out_u16[nan] = BF16_NAN
+        else:  # the numpy path's bytes: the payload rounded as any other pattern
+            u = src_u32[nan].astype(np.uint64)
+            out_u16[nan] = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def bf16_to_f32(src_u16: np.ndarray, out_u32: np.ndarray) -> None:
