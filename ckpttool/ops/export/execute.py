@@ -509,8 +509,8 @@ class _Executor:
         """
         got = self.reader.read_small_chunks([(task.source_key, c) for _, task, c, _ in batch])
         run_fd, run_at, run = -1, 0, bytearray()
-        for (_, task, chunk, size), r in zip(batch, got):
-            if r is None:
+        for (_, task, chunk, size), values in zip(batch, got):
+            if values is None:
                 self._copy_chunk(task, chunk, size)
                 continue
             writer = self.writers[task.shard]
@@ -518,7 +518,6 @@ class _Executor:
             span = contiguous_run(size, chunk.offsets, chunk.sizes)
             assert span is not None, "direct tasks have contiguous chunks"
             at = span[0] * DTYPE_ITEMSIZE[task.selected.source.dtype]
-            values = r[1]
             if writer.digest is not None:
                 h = writer.new_hasher()
                 h.update(values)
