@@ -28,7 +28,13 @@ Transforming exports, each beside ``cp -r`` of its own output (the same output b
   ``--experts fused`` (expert slabs un-permuted);
 - ``cast 6 GB`` (``--big-gib 6``, off by default: 6.1 GB FP32 model, 27 layers);
 - ``small``: the fixed cost of exporting the built-in sample (``ckpttool sample``) beside
-  ``python -c pass``.
+  ``python -c pass``;
+- ``many`` (``--only many``, off by default): ``--many N`` one-chunk tensors (``bench_inspect.py``'s
+  ``make_many_entries_checkpoint(..., sharded_every=0)``: 8 data files, each tensor ``[4, 16]``
+  BF16 in its own ~1.9 KB ``torch.save`` archive), metadata cache warm, beside ``cp -r`` of the
+  output; wall and CPU seconds (user + system of the process); ``--many-baseline DIR`` runs another
+  copy of the package (a worktree of an older revision) on the same checkpoint, alternated, and
+  checks its output is byte-identical.
 
 Targets: transforming exports >= 50% of ``cp -r``'s throughput of the same output bytes,
 peak RSS <= 256 MiB + one slab per worker; the small export's fixed cost <= 0.15 s.
@@ -38,6 +44,7 @@ Usage::
 
     python bench/bench_export.py [--root /tmp/ckpttool-bench-export] [--repeat 3] [--big-gib 6]
                                  [--only preserve cast per-expert ...] [--skip-torch]
+    python bench/bench_export.py --only many --many 100000 [--many-baseline DIR] --repeat 2
 """
 
 from __future__ import annotations
@@ -129,6 +136,62 @@ def _run(cmd: list[str]) -> tuple[float, int, str]:
         return seconds, rss, out.read().decode()
 
 
+def _run_cpu(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+    """Run ``cmd``; return (wall seconds, CPU seconds: user + system of it and its children)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - t0
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(cmd[:6])} failed:\n{err[-2000:]}")
+    return seconds, usage.ru_utime + usage.ru_stime
+
+
+def _many_case(root: Path, n: int, repeat: int, baseline: Path | None) -> list[str]:
+    """Export of ``n`` one-chunk tensors beside ``cp -r`` of its output (and ``baseline``'s package), alternated."""
+    from bench_inspect import make_many_entries_checkpoint
+
+    ckpt = root / f"many-{n}"
+    if not (ckpt / ".metadata").is_file():
+        make_many_entries_checkpoint(ckpt, n, 8, 0)
+    runs: dict[str, list[tuple[float, float]]] = {}
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    trees = [("ckpttool export (this tree)", env, root / "many-out")]
+    if baseline is not None:
+        base_env = dict(os.environ, PYTHONPATH=str(baseline.resolve()))
+        trees.append((f"ckpttool export ({baseline})", base_env, root / "many-out-base"))
+    cli = [sys.executable, "-c", "from ckpttool.cli import main; main()"]
+    _run_cpu([*cli, "inspect", str(ckpt), "--json"], env)  # the metadata cache, as a second run finds it
+    for _ in range(repeat):
+        for label, e, out in trees:
+            shutil.rmtree(out, ignore_errors=True)
+            _warm(ckpt)
+            runs.setdefault(label, []).append(_run_cpu([*cli, "export", str(ckpt), str(out)], e))
+        cp_out = root / "many-cp"
+        shutil.rmtree(cp_out, ignore_errors=True)
+        _warm(trees[0][2])
+        runs.setdefault("cp -r of the output (baseline)", []).append(
+            _run_cpu(["cp", "-r", str(trees[0][2]), str(cp_out)])
+        )
+        shutil.rmtree(cp_out, ignore_errors=True)
+    nbytes = _output_bytes(trees[0][2])
+    cp_wall = min(w for w, _ in runs["cp -r of the output (baseline)"])
+    lines = [f"many ({n} one-chunk tensors, {nbytes / 1e6:.1f} MB out): best of {repeat}, wall / CPU seconds"]
+    for label, rs in runs.items():
+        w, c = min(r[0] for r in rs), min(r[1] for r in rs)
+        lines.append(f"  {label:44s} {w:8.2f} s wall {c:8.2f} s CPU   {w / cp_wall:7.1f}x cp -r wall")
+    if baseline is not None:
+        same = all(
+            (trees[0][2] / f).read_bytes() == (trees[1][2] / f).read_bytes()
+            for f in ("model.safetensors", "model.safetensors.index.json")
+        )
+        lines.append(f"  output byte-identical to the baseline's: {same}")
+    for _, _, out in trees:
+        shutil.rmtree(out, ignore_errors=True)
+    return lines
+
+
 def _warm(path: Path) -> None:
     for p in path.rglob("*"):
         if p.is_file():
@@ -208,7 +271,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per approach; the fastest is reported")
     ap.add_argument("--big-gib", type=float, default=0.0, help="also the cast case on an FP32 model of this many GB")
     ap.add_argument("--skip-torch", action="store_true", help="leave out the torch baselines (a) and (b)")
-    ap.add_argument("--only", nargs="*", help="cases to run: preserve cast master per-expert fused big small")
+    ap.add_argument("--only", nargs="*", help="cases to run: preserve cast master per-expert fused big small many")
+    ap.add_argument("--many", type=int, default=100_000, help="one-chunk tensors of the many case")
+    ap.add_argument("--many-baseline", type=Path, default=None, help="another copy of the package for the many case")
     args = ap.parse_args()
     import compileall
 
@@ -309,6 +374,8 @@ def main() -> None:
         layers = layers_for(args.big_gib, 4)
         big = build(root / f"fp32-{args.big_gib:g}g", dense_rank, layers, "float32", False)
         export_case(f"cast {args.big_gib:g} GB fp32->bf16", big, ["--save-dtype", "bfloat16"])
+    if "many" in (args.only or []):
+        notes += _many_case(root, args.many, args.repeat, args.many_baseline)
     if "small" in want:
         sample = root / "sample"
         if not (sample / ".metadata").is_file():

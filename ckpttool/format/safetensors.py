@@ -17,6 +17,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _encode_key
 from pathlib import Path
 from typing import Any
 
@@ -202,29 +203,43 @@ def build_header(entries: list[HeaderEntry], metadata: dict[str, str] | None = N
         ExportError: a dtype that safetensors cannot store, or duplicate names.
     """
     placed: list[HeaderEntry] = []
-    order = sorted(range(len(entries)), key=lambda i: -DTYPE_ITEMSIZE[entries[i].dtype])
+    itemsize = DTYPE_ITEMSIZE
+    order = sorted(range(len(entries)), key=lambda i: -itemsize[entries[i].dtype])
     pos = 0
-    header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    seen = {"__metadata__"}
+    # The JSON text is joined from per-entry pieces: the same bytes as ``json.dumps(header,
+    # separators=(",", ":"))`` of the dict {"__metadata__": ..., name: {"dtype", "shape",
+    # "data_offsets"}, ...} (names escaped as json.dumps escapes keys), without a dict per tensor.
+    parts = ['{"__metadata__":' + json.dumps(dict(metadata or {"format": "pt"}), separators=(",", ":"))]
+    layouts: dict[tuple[str, tuple[int, ...]], tuple[int, str]] = {}  # (dtype, shape) -> (bytes, JSON text)
     for i in order:
         e = entries[i]
-        tag = SAFETENSORS_DTYPES.get(e.dtype)
-        if tag is None:
-            raise ExportError(
-                f"{e.name}: dtype {e.dtype} cannot be stored in safetensors",
-                fqn=e.name,
-                hint="export it with `save_dtype` float32/bfloat16 or leave it out with `filter_glob`",
+        layout = layouts.get((e.dtype, e.shape))
+        if layout is None:
+            tag = SAFETENSORS_DTYPES.get(e.dtype)
+            if tag is None:
+                raise ExportError(
+                    f"{e.name}: dtype {e.dtype} cannot be stored in safetensors",
+                    fqn=e.name,
+                    hint="export it with `save_dtype` float32/bfloat16 or leave it out with `filter_glob`",
+                )
+            shape_text = json.dumps(list(e.shape), separators=(",", ":"))
+            layout = layouts[(e.dtype, e.shape)] = (
+                e.nbytes,
+                f'{{"dtype":"{tag}","shape":{shape_text},"data_offsets":[',
             )
-        if e.name in header:
+        if e.name in seen:
             raise ExportError(
                 f"two tensors map to the output key {e.name!r}",
                 fqn=e.name,
                 hint="fix the key rules (`rules`) so every output key is unique",
             )
-        p = HeaderEntry(e.name, e.dtype, e.shape, pos, pos + e.nbytes)
-        header[e.name] = {"dtype": tag, "shape": list(e.shape), "data_offsets": [p.begin, p.end]}
-        placed.append(p)
-        pos = p.end
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        seen.add(e.name)
+        end = pos + layout[0]
+        placed.append(HeaderEntry(e.name, e.dtype, e.shape, pos, end))
+        parts.append(f"{_encode_key(e.name)}:{layout[1]}{pos},{end}]}}")
+        pos = end
+    text = (",".join(parts) + "}").encode("utf-8")
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text, placed
 

@@ -413,8 +413,8 @@ _SMALL_ROW = 1 << 16
 # Chunks of at most _SMALL_CHUNK bytes are copied in batches (Executor._copy_small): up to _SMALL_BATCH
 # chunks or _SMALL_BATCH_BYTES a task (10^6 one-chunk tensors: docs/performance.md).
 _SMALL_CHUNK = 64 << 10
-_SMALL_BATCH = 512
-_SMALL_BATCH_BYTES = 1 << 20
+_SMALL_BATCH = 4096
+_SMALL_BATCH_BYTES = 4 << 20
 
 
 class _Executor:
@@ -515,9 +515,12 @@ class _Executor:
                 continue
             writer = self.writers[task.shard]
             name = task.pieces[0].name
-            span = contiguous_run(size, chunk.offsets, chunk.sizes)
-            assert span is not None, "direct tasks have contiguous chunks"
-            at = span[0] * DTYPE_ITEMSIZE[task.selected.source.dtype]
+            if chunk.sizes == size:  # the whole tensor
+                at = 0
+            else:
+                span = contiguous_run(size, chunk.offsets, chunk.sizes)
+                assert span is not None, "direct tasks have contiguous chunks"
+                at = span[0] * DTYPE_ITEMSIZE[task.selected.source.dtype]
             if writer.digest is not None:
                 h = writer.new_hasher()
                 h.update(values)
@@ -580,7 +583,9 @@ class _Executor:
                     self.remaining[idx] = q.bands(task)
                     for b in range(q.bands(task)):
                         self._submit(pool, idx, q.band, task, meta, chunks, self.writers[task.shard], b)
-                elif task.direct and all(contiguous_run(meta.size, c.offsets, c.sizes) is not None for c in chunks):
+                elif task.direct and all(
+                    c.sizes == meta.size or contiguous_run(meta.size, c.offsets, c.sizes) is not None for c in chunks
+                ):
                     for c in chunks:
                         nbytes = c.numel * meta.dtype.itemsize
                         if nbytes > _SMALL_CHUNK:
@@ -595,7 +600,8 @@ class _Executor:
                     transform = self.merges.get(task.source_key) or value_transform(task)
                     for c in chunks:
                         self._submit(pool, idx, self._stream_chunk, task, c, meta, runs, transform)
-                self._collect(block=False)
+                if not idx % 64:  # progress, and a worker's error early (_submit collects when the queue is full)
+                    self._collect(block=False)
             self._flush_small(pool)
             while self.pending:
                 self._collect(block=True)
