@@ -136,10 +136,10 @@ def _run(cmd: list[str]) -> tuple[float, int, str]:
         return seconds, rss, out.read().decode()
 
 
-def _run_cpu(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+def _run_cpu(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> tuple[float, float]:
     """Run ``cmd``; return (wall seconds, CPU seconds: user + system of it and its children)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=cwd)
     _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - t0
     err = proc.stderr.read().decode() if proc.stderr else ""
@@ -156,18 +156,25 @@ def _many_case(root: Path, n: int, repeat: int, baseline: Path | None) -> list[s
     if not (ckpt / ".metadata").is_file():
         make_many_entries_checkpoint(ckpt, n, 8, 0)
     runs: dict[str, list[tuple[float, float]]] = {}
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    trees = [("ckpttool export (this tree)", env, root / "many-out")]
+    # each package from its own tree: ``python -c`` puts the working directory first on sys.path
+    trees = [("ckpttool export (this tree)", ROOT, root / "many-out")]
     if baseline is not None:
-        base_env = dict(os.environ, PYTHONPATH=str(baseline.resolve()))
-        trees.append((f"ckpttool export ({baseline})", base_env, root / "many-out-base"))
+        trees.append((f"ckpttool export ({baseline})", baseline.resolve(), root / "many-out-base"))
     cli = [sys.executable, "-c", "from ckpttool.cli import main; main()"]
-    _run_cpu([*cli, "inspect", str(ckpt), "--json"], env)  # the metadata cache, as a second run finds it
+    lines = []
+    for label, tree, _ in trees:
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        where = subprocess.run(
+            [sys.executable, "-c", "import ckpttool; print(ckpttool.__file__)"], env=env, cwd=tree, capture_output=True
+        )
+        lines.append(f"  {label}: {where.stdout.decode().strip()}")
+    _run_cpu([*cli, "inspect", str(ckpt), "--json"], cwd=ROOT)  # the metadata cache, as a second run finds it
     for _ in range(repeat):
-        for label, e, out in trees:
+        for label, tree, out in trees:
             shutil.rmtree(out, ignore_errors=True)
             _warm(ckpt)
-            runs.setdefault(label, []).append(_run_cpu([*cli, "export", str(ckpt), str(out)], e))
+            env = dict(os.environ, PYTHONPATH=str(tree))
+            runs.setdefault(label, []).append(_run_cpu([*cli, "export", str(ckpt), str(out)], env, tree))
         cp_out = root / "many-cp"
         shutil.rmtree(cp_out, ignore_errors=True)
         _warm(trees[0][2])
@@ -177,7 +184,7 @@ def _many_case(root: Path, n: int, repeat: int, baseline: Path | None) -> list[s
         shutil.rmtree(cp_out, ignore_errors=True)
     nbytes = _output_bytes(trees[0][2])
     cp_wall = min(w for w, _ in runs["cp -r of the output (baseline)"])
-    lines = [f"many ({n} one-chunk tensors, {nbytes / 1e6:.1f} MB out): best of {repeat}, wall / CPU seconds"]
+    lines.insert(0, f"many ({n} one-chunk tensors, {nbytes / 1e6:.1f} MB out): best of {repeat}, wall / CPU seconds")
     for label, rs in runs.items():
         w, c = min(r[0] for r in rs), min(r[1] for r in rs)
         lines.append(f"  {label:44s} {w:8.2f} s wall {c:8.2f} s CPU   {w / cp_wall:7.1f}x cp -r wall")
