@@ -33,6 +33,12 @@ Transforming exports, each beside ``cp -r`` of its own output (the same output b
   checkpoint's files: ``preadv`` into a 1 MiB buffer, CRC-32 (isal, zlib), the FP32 -> BF16
   kernel (numpy; torch's ``copy_``, with the CPU of ``import torch``), ``pwrite`` of 512 KiB with
   and without ``fallocate``, 4 MiB, ``O_DIRECT`` (the disk itself).
+- ``many`` (``--only many``, off by default): ``--many N`` one-chunk tensors (``bench_inspect.py``'s
+  ``make_many_entries_checkpoint(..., sharded_every=0)``: 8 data files, each tensor ``[4, 16]``
+  BF16 in its own ~1.9 KB ``torch.save`` archive), metadata cache warm, beside ``cp -r`` of the
+  output; wall and CPU seconds (user + system of the process); ``--many-baseline DIR`` runs another
+  copy of the package (a worktree of an older revision) on the same checkpoint, alternated, and
+  checks its output is byte-identical.
 
 Every row carries the CPU seconds (user + system) of its process beside the wall time: on a
 shared machine the CPU is the figure to compare. ``--baseline DIR`` (a directory holding another
@@ -48,6 +54,7 @@ Usage::
     python bench/bench_export.py [--root /tmp/ckpttool-bench-export] [--repeat 3] [--big-gib 6]
                                  [--only preserve cast per-expert ... phases] [--skip-torch]
                                  [--baseline DIR]
+    python bench/bench_export.py --only many --many 100000 [--many-baseline DIR] --repeat 2
 """
 
 from __future__ import annotations
@@ -140,6 +147,69 @@ def _run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int,
             raise SystemExit(f"{' '.join(cmd[:5])} failed:\n{err.read().decode()[-2000:]}")
         rss = int(rss_file.read().split()[-1]) * 1024 if _TIME else usage.ru_maxrss * 1024
         return seconds, rss, out.read().decode(), usage.ru_utime + usage.ru_stime
+
+
+def _run_cpu(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> tuple[float, float]:
+    """Run ``cmd``; return (wall seconds, CPU seconds: user + system of it and its children)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=cwd)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - t0
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(cmd[:6])} failed:\n{err[-2000:]}")
+    return seconds, usage.ru_utime + usage.ru_stime
+
+
+def _many_case(root: Path, n: int, repeat: int, baseline: Path | None) -> list[str]:
+    """Export of ``n`` one-chunk tensors beside ``cp -r`` of its output (and ``baseline``'s package), alternated."""
+    from bench_inspect import make_many_entries_checkpoint
+
+    ckpt = root / f"many-{n}"
+    if not (ckpt / ".metadata").is_file():
+        make_many_entries_checkpoint(ckpt, n, 8, 0)
+    runs: dict[str, list[tuple[float, float]]] = {}
+    # each package from its own tree: ``python -c`` puts the working directory first on sys.path
+    trees = [("ckpttool export (this tree)", ROOT, root / "many-out")]
+    if baseline is not None:
+        trees.append((f"ckpttool export ({baseline})", baseline.resolve(), root / "many-out-base"))
+    cli = [sys.executable, "-c", "from ckpttool.cli import main; main()"]
+    lines = []
+    for label, tree, _ in trees:
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        where = subprocess.run(
+            [sys.executable, "-c", "import ckpttool; print(ckpttool.__file__)"], env=env, cwd=tree, capture_output=True
+        )
+        lines.append(f"  {label}: {where.stdout.decode().strip()}")
+    _run_cpu([*cli, "inspect", str(ckpt), "--json"], cwd=ROOT)  # the metadata cache, as a second run finds it
+    for _ in range(repeat):
+        for label, tree, out in trees:
+            shutil.rmtree(out, ignore_errors=True)
+            _warm(ckpt)
+            env = dict(os.environ, PYTHONPATH=str(tree))
+            runs.setdefault(label, []).append(_run_cpu([*cli, "export", str(ckpt), str(out)], env, tree))
+        cp_out = root / "many-cp"
+        shutil.rmtree(cp_out, ignore_errors=True)
+        _warm(trees[0][2])
+        runs.setdefault("cp -r of the output (baseline)", []).append(
+            _run_cpu(["cp", "-r", str(trees[0][2]), str(cp_out)])
+        )
+        shutil.rmtree(cp_out, ignore_errors=True)
+    nbytes = _output_bytes(trees[0][2])
+    cp_wall = min(w for w, _ in runs["cp -r of the output (baseline)"])
+    lines.insert(0, f"many ({n} one-chunk tensors, {nbytes / 1e6:.1f} MB out): best of {repeat}, wall / CPU seconds")
+    for label, rs in runs.items():
+        w, c = min(r[0] for r in rs), min(r[1] for r in rs)
+        lines.append(f"  {label:44s} {w:8.2f} s wall {c:8.2f} s CPU   {w / cp_wall:7.1f}x cp -r wall")
+    if baseline is not None:
+        same = all(
+            (trees[0][2] / f).read_bytes() == (trees[1][2] / f).read_bytes()
+            for f in ("model.safetensors", "model.safetensors.index.json")
+        )
+        lines.append(f"  output byte-identical to the baseline's: {same}")
+    for _, _, out in trees:
+        shutil.rmtree(out, ignore_errors=True)
+    return lines
 
 
 def _warm(path: Path) -> None:
@@ -438,7 +508,11 @@ def main() -> None:
         help="a directory holding another revision's ckpttool/ package (git archive REV ckpttool | tar -x -C DIR):"
         " its export of every case runs interleaved with this one's, outputs compared byte for byte",
     )
-    ap.add_argument("--only", nargs="*", help="cases to run: preserve cast master per-expert fused big small phases")
+    ap.add_argument(
+        "--only", nargs="*", help="cases to run: preserve cast master per-expert fused big small phases many"
+    )
+    ap.add_argument("--many", type=int, default=100_000, help="one-chunk tensors of the many case")
+    ap.add_argument("--many-baseline", type=Path, default=None, help="another copy of the package for the many case")
     args = ap.parse_args()
     import compileall
 
@@ -491,6 +565,8 @@ def main() -> None:
         layers = layers_for(args.big_gib, 4)
         big = build(root / f"fp32-{args.big_gib:g}g", dense_rank, layers, "float32", False)
         _export_case(args, table, notes, f"cast {args.big_gib:g} GB fp32->bf16", big, ["--save-dtype", "bfloat16"])
+    if "many" in (args.only or []):
+        notes += _many_case(root, args.many, args.repeat, args.many_baseline)
     if "small" in want:
         sample = root / "sample"
         if not (sample / ".metadata").is_file():

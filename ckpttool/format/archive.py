@@ -832,3 +832,161 @@ def _tensor_record(
         bo == b"big",
         rec,
     )
+
+
+# --------------------------------------------------------------------------- layout templates
+#: The bytes before the end-of-central-directory record that it reads itself (a zip64 locator's place).
+_EOCD_LOOKBACK = _Z64_LOCATOR.size
+_SERIALIZATION_ID = ".data/serialization_id"
+
+
+@dataclass(frozen=True)
+class _Varying:
+    """A member whose bytes and CRC-32 may differ between archives of one layout.
+
+    Attributes:
+        start, size: the member's data in the window (stored: its bytes as written).
+        crcs: window offsets of the 4-byte CRC-32 fields that must hold its CRC-32, the central
+            directory's first (then the local header's, when it carries one, and the data descriptor's).
+        text: the member is ``.data/serialization_id`` (must be UTF-8: the fast check takes ASCII).
+    """
+
+    start: int
+    size: int
+    crcs: tuple[int, ...]
+    text: bool
+
+
+@dataclass(frozen=True)
+class ArchiveTemplate:
+    """One checked tensor archive, against which archives of the same layout are checked with byte compares.
+
+    ``torch.save`` of tensors of one dtype and shape writes the same bytes but for the values,
+    ``.data/serialization_id`` (a number per save) and their CRC-32 fields (local header, data
+    descriptor, central directory). An archive of the same length whose every other byte equals
+    the template's (:attr:`mask`) has the same zip structure, members, ``data.pkl``, version and
+    byteorder records as the template, so :func:`parse_tensor_archive` would return the
+    template's :attr:`record` for it; what it would still check is what
+    :func:`match_template` checks: each varying member's CRC-32 fields agree (local header and
+    data descriptor with the central directory), the serialization id is UTF-8 and matches its
+    CRC-32, and (``verify_crc``) the values match theirs. Bytes the end records read before
+    themselves (a zip64 locator) are never varying (:func:`archive_template` refuses such a layout).
+
+    Attributes:
+        length: the archive's bytes.
+        record: the record every matching archive has (stored, little-endian).
+        image, mask: the template's bytes (``uint8 [length]``) and ``0`` where bytes may vary, ``0xFF`` elsewhere.
+        values: the record (:class:`_Varying`); ``ident``: the serialization id's, if any.
+    """
+
+    length: int
+    record: TensorRecord
+    image: Any
+    mask: Any
+    values: _Varying
+    ident: _Varying | None
+
+
+def _central_positions(data: bytes, cd_offset: int, entries: int, prefix: str) -> dict[str, int]:
+    """Window offsets of the central-directory entries of a parsed archive, by member name."""
+    out: dict[str, int] = {}
+    pos = cd_offset
+    for _ in range(entries):
+        nlen, elen, clen = struct.unpack_from("<HHH", data, pos + 28)
+        name = data[pos + _CENTRAL.size : pos + _CENTRAL.size + nlen].decode("utf-8")
+        out[name[len(prefix) + 1 :]] = pos
+        pos += _CENTRAL.size + nlen + elen + clen
+    return out
+
+
+def _varying(data: bytes, m: Member, central_at: int, next_at: int, *, text: bool) -> _Varying | None:
+    """The varying fields of member ``m`` (see :class:`_Varying`); ``None``: a form the template does not take."""
+    (flags,) = struct.unpack_from("<H", data, central_at + 8)
+    crcs = [central_at + 16]
+    lcrc, lcsize, lusize = struct.unpack_from("<III", data, m.header_offset + 14)
+    if not flags & _FLAG_DESCRIPTOR or (lcrc, lcsize, lusize) != (0, 0, 0):
+        crcs.append(m.header_offset + 14)  # must equal the central CRC-32 (parse_archive's check)
+    if flags & _FLAG_DESCRIPTOR:
+        end = m.data_offset + m.compressed_size
+        room = next_at - end
+        if room in (16, 24) and data[end : end + 4] == b"PK\x07\x08":
+            crcs.append(end + 4)
+        elif room in (12, 20):
+            crcs.append(end)
+        else:
+            return None
+    if m.method != STORED:
+        return None
+    return _Varying(m.data_offset, m.size, tuple(crcs), text)
+
+
+def archive_template(data: bytes, record: TensorRecord) -> ArchiveTemplate | None:
+    """The template of the archive ``data``, already checked (:func:`parse_tensor_archive` returned ``record``).
+
+    Returns:
+        ``None`` where the layout is not one the byte compare can stand for: a deflated or
+        big-endian record, no record, a zip64 archive, a member other than the record and the
+        serialization id whose bytes would vary, or a varying byte among those the end records read.
+    """
+    import numpy as np
+
+    member = record.member
+    if member is None or record.deflated or record.big_endian or member.method != STORED:
+        return None
+    window = BytesWindow(data)
+    archive = parse_archive(window, max_members=16)
+    entries, cd_offset, cd_size, cd_end = _end_records(window)
+    if cd_end != cd_offset + cd_size or data[cd_end - 20 : cd_end - 16] == b"PK\x06\x07":
+        return None  # zip64 end records
+    central = _central_positions(data, cd_offset, entries, archive.prefix)
+    starts = sorted(m.header_offset for m in archive.members.values())
+
+    def next_at(m: Member) -> int:
+        i = starts.index(m.header_offset)
+        return starts[i + 1] if i + 1 < len(starts) else cd_offset
+
+    values = _varying(data, member, central[member.name], next_at(member), text=False)
+    ident_m = archive.members.get(_SERIALIZATION_ID)
+    ident = _varying(data, ident_m, central[_SERIALIZATION_ID], next_at(ident_m), text=True) if ident_m else None
+    if values is None or (ident_m is not None and ident is None):
+        return None
+    mask = np.full(len(data), 0xFF, dtype=np.uint8)
+    for v in (values, ident):
+        if v is None:
+            continue
+        mask[v.start : v.start + v.size] = 0
+        for at in v.crcs:
+            mask[at : at + 4] = 0
+    if not mask[cd_end - _EOCD_LOOKBACK :].all():
+        return None
+    return ArchiveTemplate(len(data), record, np.frombuffer(data, dtype=np.uint8).copy(), mask, values, ident)
+
+
+def match_template(tmpl: ArchiveTemplate, rows: Any, *, verify_crc: bool) -> Any:
+    """Which archives of ``rows`` :func:`parse_tensor_archive` would accept as ``tmpl.record`` (see :class:`ArchiveTemplate`).
+
+    Args:
+        rows: ``uint8 [n, tmpl.length]``, one archive a row.
+        verify_crc: also check each record's values against their CRC-32 (as the reader does when copying).
+
+    Returns:
+        ``bool [n]``: ``True`` where the archive matches; ``False`` rows are for :func:`parse_tensor_archive`
+        (which names what is wrong, or accepts an archive of another layout).
+    """
+    import numpy as np
+
+    ok: Any = ~((rows ^ tmpl.image) & tmpl.mask).any(axis=1)
+    checks = [(tmpl.values, verify_crc)] + ([(tmpl.ident, True)] if tmpl.ident is not None else [])
+    for v, with_crc in checks:
+        fields = [np.ascontiguousarray(rows[:, at : at + 4]).view("<u4")[:, 0] for at in v.crcs]
+        for f in fields[1:]:
+            ok &= f == fields[0]
+        if v.text:
+            ok &= (rows[:, v.start : v.start + v.size] < 0x80).all(axis=1)
+        if with_crc:
+            want = fields[0].tolist()
+            a, b = v.start, v.start + v.size
+            for i in np.flatnonzero(ok).tolist():
+                if crc32(rows[i, a:b], 0) != want[i]:
+                    ok[i] = False
+    return ok

@@ -21,7 +21,7 @@ import os
 import pickle
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from ckpttool.engine.crc import crc32
 from ckpttool.engine.io import ShortReadError, read_exact, read_into
@@ -41,10 +41,13 @@ from ckpttool.format.archive import (
     STORAGE_DTYPES,
     ArchiveChecksumError,
     ArchiveError,
+    ArchiveTemplate,
     BytesWindow,
     PrereadWindow,
+    archive_template,
     check_torch_records,
     inflate_into,
+    match_template,
     parse_archive,
 )
 from ckpttool.format.directory import CheckpointDir
@@ -62,6 +65,8 @@ __all__ = ["CheckpointReader", "SavedTensor", "load_saved_object", "SMALL_SPAN"]
 #: between neighbouring archives it reads through (docs/performance.md, export of 10^6 tensors).
 SMALL_SPAN = 1 << 20
 _SMALL_GAP = 64 << 10
+#: The most archive layouts (length, dtype, shape) :meth:`CheckpointReader.read_small_chunks` keeps a template of.
+_MAX_TEMPLATES = 256
 
 
 class CheckpointReader(CheckpointDir):
@@ -92,6 +97,8 @@ class CheckpointReader(CheckpointDir):
         self.trust_pickle = trust_pickle
         self.verify_crc = verify_crc
         self.bytes_read = 0
+        #: :meth:`read_small_chunks`' checked archives by layout ``(length, dtype, shape)`` (``False``: none usable).
+        self._templates: dict[tuple[int, str, tuple[int, ...]], ArchiveTemplate | Literal[False]] = {}
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -173,91 +180,149 @@ class CheckpointReader(CheckpointDir):
 
     def read_small_chunks(
         self, items: list[tuple[str, ChunkMeta]], *, span_cap: int = SMALL_SPAN
-    ) -> list[tuple[ChunkLocation, memoryview] | None]:
+    ) -> list[memoryview | None]:
         """Locate and read many small chunks with one read per run of neighbouring archives.
 
-        Archives that lie together in a data file (gaps under 64 KiB, runs up to ``span_cap``
-        bytes) are read at once (:func:`ckpttool.engine.io.read_exact`); each is then located and
-        checked exactly as :meth:`locate` does, from its slice (:class:`~ckpttool.format.archive.PrereadWindow`),
-        and its values' CRC-32 checked. For a million one-chunk tensors this replaces ~4 system
-        calls and a thread-pool task per chunk by one read per ~1 MiB (docs/performance.md).
+        The archives are taken in file order (data file, offset) whatever the order of ``items``;
+        those that lie together (gaps under 64 KiB, runs up to ``span_cap`` bytes) are read at
+        once (:func:`ckpttool.engine.io.read_exact`). Each archive is then checked as
+        :meth:`locate` checks it, from its slice: the first archive of a layout (length, dtype,
+        shape) by :func:`~ckpttool.format.locator.locate_chunk`, the next ones of that layout
+        by byte compares against it (:func:`~ckpttool.format.archive.match_template`, vectorised
+        over the run), and its values' CRC-32 checked. For a million one-chunk tensors this
+        replaces ~4 system calls, a thread-pool task and a zip parse per chunk by one read per
+        ~1 MiB and a few array operations (docs/performance.md).
 
         Args:
-            items: ``(fqn, chunk)`` pairs, in the order their archives are wanted.
+            items: ``(fqn, chunk)`` pairs.
             span_cap: the most bytes read at once.
 
         Returns:
-            Per item, ``(location, the chunk's raw values in C order)``, or ``None`` for a chunk
-            this path does not take (a remote or safetensors-stored checkpoint, a stream
-            transform, a record that is not the plain values, a run the file cannot serve whole):
-            read those with :meth:`copy_chunk_to_file` / :meth:`read_chunk`, which report errors.
-
-        Raises:
-            As :meth:`locate` (a chunk's archive corrupt or disagreeing with the metadata),
-            ChecksumError: a chunk's values fail their CRC-32.
+            Per item, the chunk's raw values in C order (a view of the bytes read), or ``None``
+            for a chunk this path does not take: a remote or safetensors-stored checkpoint, a
+            stream transform, a record that is not the plain values, a run the file cannot serve
+            whole, or anything a check refuses. Copy those with :meth:`copy_chunk_to_file` /
+            :meth:`read_chunk`, which report the error (so errors are raised in the caller's
+            order, exactly as one by one).
         """
-        out: list[tuple[ChunkLocation, memoryview] | None] = [None] * len(items)
+        out: list[memoryview | None] = [None] * len(items)
         if self.remote is not None or self.metadata.serialization != "torch_save":
             return out
-        infos = []
-        for fqn, chunk in items:
-            info = self.metadata.storage_for(fqn, chunk)
-            infos.append(info if info is not None and not info.transform_descriptors else None)
+        storage_for = self.metadata.storage_for
+        order: list[tuple[str, int, int, int]] = []  # (file, offset, length, item index)
+        for k, (fqn, chunk) in enumerate(items):
+            info = storage_for(fqn, chunk)
+            if info is not None and not info.transform_descriptors:
+                order.append((info.relative_path, info.offset, info.length, k))
+        order.sort()
         i = 0
-        while i < len(items):
-            if infos[i] is None:
-                i += 1
-                continue
-            first = infos[i]
-            assert first is not None
-            j, end = i + 1, first.offset + first.length
-            while j < len(items):
-                nxt = infos[j]
-                if (
-                    nxt is None
-                    or nxt.relative_path != first.relative_path
-                    or not end <= nxt.offset <= end + _SMALL_GAP
-                    or nxt.offset + nxt.length - first.offset > span_cap
-                ):
+        while i < len(order):
+            path, first, length, _ = order[i]
+            j, end = i + 1, first + length
+            while j < len(order):
+                p, offset, n, _ = order[j]
+                if p != path or not end <= offset <= end + _SMALL_GAP or offset + n - first > span_cap:
                     break
-                end = nxt.offset + nxt.length
+                end = offset + n
                 j += 1
-            self._read_run(items, infos, i, j, out)
+            self._read_run(items, order[i:j], out)
             i = j
         return out
 
     def _read_run(
-        self,
-        items: list[tuple[str, ChunkMeta]],
-        infos: list[StorageInfo | None],
-        i: int,
-        j: int,
-        out: list[tuple[ChunkLocation, memoryview] | None],
+        self, items: list[tuple[str, ChunkMeta]], run: list[tuple[str, int, int, int]], out: list[memoryview | None]
     ) -> None:
-        """Fill ``out[i:j]`` from one read of the neighbouring windows ``infos[i:j]`` (see :meth:`read_small_chunks`)."""
-        first, last = infos[i], infos[j - 1]
-        assert first is not None and last is not None
-        start, span = first.offset, last.offset + last.length - first.offset
+        """Fill ``out`` for the neighbouring windows ``run`` from one read (see :meth:`read_small_chunks`)."""
+        path, start = run[0][0], run[0][1]
+        span = run[-1][1] + run[-1][2] - start
         try:
-            if start + span > self.file_size(first.relative_path):
+            if start + span > self.file_size(path):
                 return  # the per-chunk path names the short file
-            fd = self.fd(first.relative_path)
+            fd = self.fd(path)
             data = memoryview(read_exact(fd, span, start))
-        except EOFError:  # the file shrank: the per-chunk path names it
+        except (EOFError, CkptError):  # the file shrank or is unreadable: the per-chunk path names it
             return
-        for k in range(i, j):
-            info = infos[k]
-            assert info is not None
+        entries = self.metadata.entries
+        groups: dict[tuple[int, str, tuple[int, ...]], list[tuple[int, int]]] = {}
+        for _, offset, length, k in run:
             fqn, chunk = items[k]
-            window = PrereadWindow(fd, info.offset, data[info.offset - start : info.offset - start + info.length])
+            meta = entries.get(fqn)
+            if not isinstance(meta, TensorMeta):
+                continue
+            layout = (length, meta.dtype.name, chunk.sizes)
+            tmpl = self._templates.get(layout)
+            if tmpl is None:  # the first archive of its layout: checked one by one, kept as the template
+                keep = layout if len(self._templates) < _MAX_TEMPLATES else None
+                out[k] = self._locate_preread(fd, data, offset - start, length, fqn, chunk, keep)
+                continue
+            if tmpl is not False:
+                groups.setdefault(layout, []).append((offset - start, k))
+            else:
+                out[k] = self._locate_preread(fd, data, offset - start, length, fqn, chunk, None)
+        for layout, members in groups.items():
+            self._match_group(fd, data, members, layout, items, out)
+
+    def _locate_preread(
+        self,
+        fd: int,
+        data: memoryview,
+        at: int,
+        length: int,
+        fqn: str,
+        chunk: ChunkMeta,
+        layout: tuple[int, str, tuple[int, ...]] | None,
+    ) -> memoryview | None:
+        """One archive of a run located and checked by :func:`locate_chunk` (its values' CRC-32 too);
+        ``layout``: keep it as that layout's template. ``None``: not raw, or refused (named later)."""
+        info = self.metadata.storage_for(fqn, chunk)
+        assert info is not None
+        window = PrereadWindow(fd, info.offset, data[at : at + length])
+        try:
             loc = locate_chunk(self, fqn, chunk, preread=window)
             if not loc.raw:
-                continue
+                return None
             values = window.view(loc.record.data_offset, loc.nbytes)
             if self.verify_crc:
                 loc.check_crc(crc32(values, 0))
-            self.count_read(loc.nbytes)
-            out[k] = (loc, values)
+        except CkptError:
+            return None  # the caller's one-by-one copy reports it, in its order
+        if layout is not None:
+            self._templates[layout] = archive_template(bytes(window.view(0, length)), loc.record) or False
+        self.count_read(loc.nbytes)
+        return values
+
+    def _match_group(
+        self,
+        fd: int,
+        data: memoryview,
+        members: list[tuple[int, int]],
+        layout: tuple[int, str, tuple[int, ...]],
+        items: list[tuple[str, ChunkMeta]],
+        out: list[memoryview | None],
+    ) -> None:
+        """Check the archives ``members`` (``(offset in data, item)``) of one layout against its template at once."""
+        import numpy as np
+
+        tmpl = self._templates[layout]
+        assert tmpl
+        n = tmpl.length
+        at = np.array([a for a, _ in members], dtype=np.int64)
+        flat = np.frombuffer(data, dtype=np.uint8)
+        if len(at) == 1 or bool((np.diff(at) == n).all()):
+            rows = flat[at[0] : at[0] + n * len(at)].reshape(len(at), n)  # neighbours: a view, no copy
+        else:
+            rows = flat[at[:, None] + np.arange(n)]
+        ok = match_template(tmpl, rows, verify_crc=self.verify_crc).tolist()
+        first, nbytes = tmpl.record.data_offset, tmpl.values.size
+        taken = 0
+        for (a, k), good in zip(members, ok):
+            if good:
+                out[k] = data[a + first : a + first + nbytes]
+                taken += nbytes
+            else:  # another layout, or something a check refuses: one by one
+                fqn, chunk = items[k]
+                out[k] = self._locate_preread(fd, data, a, n, fqn, chunk, None)
+        self.count_read(taken)
 
     def read_chunk(self, fqn: str, chunk: ChunkMeta, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read one stored chunk of tensor ``fqn``.

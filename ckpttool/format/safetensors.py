@@ -17,6 +17,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _encode_key
 from pathlib import Path
 from typing import Any
 
@@ -201,32 +202,59 @@ def build_header(entries: list[HeaderEntry], metadata: dict[str, str] | None = N
     Raises:
         ExportError: a dtype that safetensors cannot store, or duplicate names.
     """
-    placed: list[HeaderEntry] = []
-    order = sorted(range(len(entries)), key=lambda i: -DTYPE_ITEMSIZE[entries[i].dtype])
+    prefix, ordered, spans = _layout(entries, metadata)
+    return prefix, [HeaderEntry(e.name, e.dtype, e.shape, *spans[e.name]) for e in ordered]
+
+
+def _layout(
+    entries: list[HeaderEntry], metadata: dict[str, str] | None
+) -> tuple[bytes, list[HeaderEntry], dict[str, tuple[int, int]]]:
+    """:func:`build_header` without an object per placed tensor: ``(prefix, entries in file order,
+    name -> (begin, end))``.
+
+    The JSON text is joined from per-entry pieces: the same bytes as ``json.dumps(header,
+    separators=(",", ":"))`` of the dict ``{"__metadata__": ..., name: {"dtype", "shape",
+    "data_offsets"}, ...}`` (names escaped as ``json.dumps`` escapes keys), without a dict per tensor.
+    """
+    itemsize = DTYPE_ITEMSIZE
+    dtypes = {e.dtype for e in entries}
+    if len(dtypes) > 1:  # larger items first (alignment), a stable sort
+        rank = {d: -itemsize[d] for d in dtypes}
+        ordered = sorted(entries, key=lambda e: rank[e.dtype])
+    else:
+        ordered = list(entries)
     pos = 0
-    header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
-    for i in order:
-        e = entries[i]
-        tag = SAFETENSORS_DTYPES.get(e.dtype)
-        if tag is None:
-            raise ExportError(
-                f"{e.name}: dtype {e.dtype} cannot be stored in safetensors",
-                fqn=e.name,
-                hint="export it with `save_dtype` float32/bfloat16 or leave it out with `filter_glob`",
+    spans: dict[str, tuple[int, int]] = {}
+    parts = ['{"__metadata__":' + json.dumps(dict(metadata or {"format": "pt"}), separators=(",", ":"))]
+    layouts: dict[tuple[str, tuple[int, ...]], tuple[int, str]] = {}  # (dtype, shape) -> (bytes, JSON text)
+    for e in ordered:
+        layout = layouts.get((e.dtype, e.shape))
+        if layout is None:
+            tag = SAFETENSORS_DTYPES.get(e.dtype)
+            if tag is None:
+                raise ExportError(
+                    f"{e.name}: dtype {e.dtype} cannot be stored in safetensors",
+                    fqn=e.name,
+                    hint="export it with `save_dtype` float32/bfloat16 or leave it out with `filter_glob`",
+                )
+            shape_text = json.dumps(list(e.shape), separators=(",", ":"))
+            layout = layouts[(e.dtype, e.shape)] = (
+                e.nbytes,
+                f'{{"dtype":"{tag}","shape":{shape_text},"data_offsets":[',
             )
-        if e.name in header:
+        if e.name in spans or e.name == "__metadata__":
             raise ExportError(
                 f"two tensors map to the output key {e.name!r}",
                 fqn=e.name,
                 hint="fix the key rules (`rules`) so every output key is unique",
             )
-        p = HeaderEntry(e.name, e.dtype, e.shape, pos, pos + e.nbytes)
-        header[e.name] = {"dtype": tag, "shape": list(e.shape), "data_offsets": [p.begin, p.end]}
-        placed.append(p)
-        pos = p.end
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        end = pos + layout[0]
+        spans[e.name] = (pos, end)
+        parts.append(f"{_encode_key(e.name)}:{layout[1]}{pos},{end}]}}")
+        pos = end
+    text = (",".join(parts) + "}").encode("utf-8")
     text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text, placed
+    return struct.pack("<Q", len(text)) + text, ordered, spans
 
 
 class ShardWriter:
@@ -257,7 +285,7 @@ class ShardWriter:
     ) -> None:
         import threading
 
-        prefix, placed = build_header(entries, metadata)
+        prefix, _, spans = _layout(entries, metadata)
         self.digest = digest
         self.extents: list[tuple[str, int, int, int, str]] = []
         self._lock = threading.Lock()
@@ -267,9 +295,9 @@ class ShardWriter:
 
             self.header_digest = digest_bytes(prefix, digest)
         self.path = path
-        self.entries = {e.name: e for e in placed}
+        self.spans = spans  # name -> (begin, end) of its data, relative to the header's end
         self.data_start = len(prefix)
-        self.size = self.data_start + (placed[-1].end if placed else 0)
+        self.size = self.data_start + max((end for _, end in spans.values()), default=0)
         self.fd = -1
         try:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -292,13 +320,13 @@ class ShardWriter:
 
     def offset(self, name: str) -> int:
         """Absolute file offset of ``name``'s first byte."""
-        return self.data_start + self.entries[name].begin
+        return self.data_start + self.spans[name][0]
 
     def write(self, name: str, data: memoryview, at: int = 0) -> None:
         """Write ``data`` at byte ``at`` of tensor ``name`` (thread-safe: positional write)."""
-        e = self.entries[name]
-        assert at + len(data) <= e.nbytes, f"{name}: write past the tensor's end"
-        self._pwrite_all(data, self.data_start + e.begin + at)
+        begin, end = self.spans[name]
+        assert at + len(data) <= end - begin, f"{name}: write past the tensor's end"
+        self._pwrite_all(data, self.data_start + begin + at)
         if self.digest is not None:
             h = self.new_hasher()
             h.update(data.cast("B") if data.format != "B" else data)
@@ -314,17 +342,17 @@ class ShardWriter:
     def note(self, name: str, at: int, length: int, digest: str) -> None:
         """Record the digest of ``length`` bytes written at byte ``at`` of tensor ``name`` (thread-safe)."""
         if length:
-            start = self.data_start + self.entries[name].begin + at
+            start = self.data_start + self.spans[name][0] + at
             with self._lock:
                 self.extents.append((name, at, start, length, digest))
 
     def read(self, name: str, dest: memoryview) -> None:
         """Read tensor ``name``'s bytes back into ``dest`` (exactly its size)."""
-        e = self.entries[name]
-        assert len(dest) == e.nbytes
+        begin, end = self.spans[name]
+        assert len(dest) == end - begin
         pos = 0
-        while pos < e.nbytes:
-            got = os.preadv(self.fd, [dest[pos:]], self.data_start + e.begin + pos)
+        while pos < end - begin:
+            got = os.preadv(self.fd, [dest[pos:]], self.data_start + begin + pos)
             if got <= 0:
                 raise OutputError(f"{self.path}: short read of {name!r} from the output", path=self.path)
             pos += got

@@ -198,3 +198,44 @@ def test_nesting_past_the_json_bounds_is_refused_for_every_caller(tmp_path: Path
     deep = b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": ' + b"[" * 200 + b"]" * 200 + b"}}"
     for err in (_hf_error(tmp_path, deep, data=b"\0" * 4), _ref_error(tmp_path, deep, data=b"\0" * 4)):
         assert isinstance(err, JsonDepthError) and "nested deeper than 100 levels" in err.message
+
+
+def _header_by_json_dumps(entries: list[HeaderEntry], metadata: dict[str, str] | None) -> bytes:
+    """The header as a dict per tensor through ``json.dumps`` (the reference for the joined text)."""
+    order = sorted(range(len(entries)), key=lambda i: -DTYPE_ITEMSIZE[entries[i].dtype])
+    pos, header = 0, {"__metadata__": dict(metadata or {"format": "pt"})}
+    for i in order:
+        e = entries[i]
+        header[e.name] = {
+            "dtype": SAFETENSORS_DTYPES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [pos, pos + e.nbytes],
+        }
+        pos += e.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def test_the_joined_header_is_the_bytes_json_dumps_writes() -> None:
+    import random
+
+    from ckpttool.ops.export.formats.hf import index_json
+
+    rng = random.Random(1)
+    names = ["a", 'q"uote', "é\u2028x", "tab\there", "\U0001f600", "back\\slash", "model.layers.0.w"]
+    for _ in range(200):
+        entries = [
+            HeaderEntry(
+                f"{rng.choice(names)}{i}",
+                rng.choice(["float32", "bfloat16", "int8", "float64"]),
+                tuple(rng.randint(0, 5) for _ in range(rng.randint(0, 3))),
+            )
+            for i in range(rng.randint(0, 20))
+        ]
+        metadata = rng.choice([None, {"format": "pt", "x": 'ü"y'}, {}])
+        assert build_header(entries, metadata)[0] == _header_by_json_dumps(entries, metadata)
+        weight_map = dict(sorted((e.name, rng.choice(["model.safetensors", "ü.safetensors"])) for e in entries))
+        total = rng.randint(0, 10**12)
+        want = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+        assert index_json(total, weight_map) == want.encode()

@@ -413,8 +413,17 @@ _SMALL_ROW = 1 << 16
 # Chunks of at most _SMALL_CHUNK bytes are copied in batches (Executor._copy_small): up to _SMALL_BATCH
 # chunks or _SMALL_BATCH_BYTES a task (10^6 one-chunk tensors: docs/performance.md).
 _SMALL_CHUNK = 64 << 10
-_SMALL_BATCH = 512
-_SMALL_BATCH_BYTES = 1 << 20
+_SMALL_BATCH = 4096
+_SMALL_BATCH_BYTES = 4 << 20
+
+
+class _Bytes:
+    """A work unit of direct-task chunks, counted by its ``n`` bytes (read = written) when done."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
 
 
 class _Executor:
@@ -442,7 +451,7 @@ class _Executor:
         self.progress = progress
         self.total = plan.total_bytes
         self.done = 0
-        self.pending: dict[Future[None], int | list[int]] = {}  # future -> task index (a batch: one per chunk)
+        self.pending: dict[Future[None], int | _Bytes] = {}  # future -> task index, or the bytes of direct chunks
         self.remaining: dict[int, int] = {}
         self.chunks = chunks
         self.bytes_read = 0  # source bytes of finished tasks (counted here, in the calling thread)
@@ -509,16 +518,18 @@ class _Executor:
         """
         got = self.reader.read_small_chunks([(task.source_key, c) for _, task, c, _ in batch])
         run_fd, run_at, run = -1, 0, bytearray()
-        for (_, task, chunk, size), r in zip(batch, got):
-            if r is None:
+        for (_, task, chunk, size), values in zip(batch, got):
+            if values is None:
                 self._copy_chunk(task, chunk, size)
                 continue
             writer = self.writers[task.shard]
             name = task.pieces[0].name
-            span = contiguous_run(size, chunk.offsets, chunk.sizes)
-            assert span is not None, "direct tasks have contiguous chunks"
-            at = span[0] * DTYPE_ITEMSIZE[task.selected.source.dtype]
-            values = r[1]
+            if chunk.sizes == size:  # the whole tensor
+                at = 0
+            else:
+                span = contiguous_run(size, chunk.offsets, chunk.sizes)
+                assert span is not None, "direct tasks have contiguous chunks"
+                at = span[0] * DTYPE_ITEMSIZE[task.selected.source.dtype]
             if writer.digest is not None:
                 h = writer.new_hasher()
                 h.update(values)
@@ -538,10 +549,15 @@ class _Executor:
             return
         done, _ = wait(list(self.pending), timeout=None if block else 0, return_when=FIRST_COMPLETED)
         for fut in done:
-            idxs = self.pending.pop(fut)
+            what = self.pending.pop(fut)
             fut.result()  # re-raises a worker's error here
-            for idx in idxs if isinstance(idxs, list) else (idxs,):
-                self._chunk_done(idx)
+            if isinstance(what, _Bytes):  # chunks of direct tasks: source bytes = output bytes
+                self.bytes_read += what.n
+                self.done += what.n
+                if self.progress is not None:
+                    self.progress(self.done, self.total)
+            else:
+                self._chunk_done(what)
 
     def _chunk_done(self, idx: int) -> None:
         """Count one finished chunk of task ``idx`` (its bytes and the progress once the task is complete)."""
@@ -554,7 +570,7 @@ class _Executor:
             if self.progress is not None:
                 self.progress(self.done, self.total)
 
-    def _submit(self, pool: Lane, idx: int | list[int], fn: Callable[..., None], *args: Any) -> None:
+    def _submit(self, pool: Lane, idx: int | _Bytes, fn: Callable[..., None], *args: Any) -> None:
         while len(self.pending) >= self.workers * 4:
             self._collect(block=True)
         self.pending[pool.submit(fn, *args)] = idx
@@ -562,8 +578,25 @@ class _Executor:
     def _flush_small(self, pool: Lane) -> None:
         """Submit the small chunks gathered so far as one task (:meth:`_copy_small`)."""
         if self.small:
-            batch, self.small, self.small_bytes = self.small, [], 0
-            self._submit(pool, [b[0] for b in batch], self._copy_small, batch)
+            batch, nbytes, self.small, self.small_bytes = self.small, self.small_bytes, [], 0
+            self._submit(pool, _Bytes(nbytes), self._copy_small, batch)
+
+    def _direct(self, pool: Lane, idx: int, task: SourceTask, meta: TensorMeta, chunks: list[ChunkMeta]) -> None:
+        """Copy a direct task's chunks: each large one a work unit, the small ones gathered into batches.
+
+        A direct task writes each chunk's bytes as read, so its progress is counted in bytes as each
+        chunk (or batch) is done (:class:`_Bytes`), with no per-task bookkeeping.
+        """
+        itemsize = meta.dtype.itemsize
+        for c in chunks:
+            nbytes = c.numel * itemsize
+            if nbytes > _SMALL_CHUNK:
+                self._submit(pool, _Bytes(nbytes), self._copy_chunk, task, c, meta.size)
+                continue
+            self.small.append((idx, task, c, meta.size))  # batched: _copy_small
+            self.small_bytes += nbytes
+            if len(self.small) >= _SMALL_BATCH or self.small_bytes >= _SMALL_BATCH_BYTES:
+                self._flush_small(pool)
 
     def run(self, only: set[int] | None = None) -> None:
         """Run the tasks of this process's files (``only``: those of these task indices)."""
@@ -573,30 +606,27 @@ class _Executor:
                 if (self.files is not None and task.shard not in self.files) or (only is not None and idx not in only):
                     continue
                 meta, chunks = self.chunks[idx]
-                self.remaining[idx] = max(len(chunks), 1)
                 if not chunks:
+                    self.remaining[idx] = 1
                     self.pending[pool.submit(lambda: None)] = idx
+                    continue
                 q = self.quantizer
                 if q is not None and task.source_key in q.tasks:
                     self.remaining[idx] = q.bands(task)
                     for b in range(q.bands(task)):
                         self._submit(pool, idx, q.band, task, meta, chunks, self.writers[task.shard], b)
-                elif task.direct and all(contiguous_run(meta.size, c.offsets, c.sizes) is not None for c in chunks):
-                    for c in chunks:
-                        nbytes = c.numel * meta.dtype.itemsize
-                        if nbytes > _SMALL_CHUNK:
-                            self._submit(pool, idx, self._copy_chunk, task, c, meta.size)
-                            continue
-                        self.small.append((idx, task, c, meta.size))  # batched: _copy_small
-                        self.small_bytes += nbytes
-                        if len(self.small) >= _SMALL_BATCH or self.small_bytes >= _SMALL_BATCH_BYTES:
-                            self._flush_small(pool)
+                elif task.direct and all(
+                    c.sizes == meta.size or contiguous_run(meta.size, c.offsets, c.sizes) is not None for c in chunks
+                ):
+                    self._direct(pool, idx, task, meta, chunks)
                 else:
+                    self.remaining[idx] = len(chunks)
                     runs = run_map(task, meta)
                     transform = self.merges.get(task.source_key) or value_transform(task)
                     for c in chunks:
                         self._submit(pool, idx, self._stream_chunk, task, c, meta, runs, transform)
-                self._collect(block=False)
+                if not idx % 64:  # progress, and a worker's error early (_submit collects when the queue is full)
+                    self._collect(block=False)
             self._flush_small(pool)
             while self.pending:
                 self._collect(block=True)

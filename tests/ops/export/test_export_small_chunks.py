@@ -71,7 +71,7 @@ def test_read_small_chunks_reads_each_neighbouring_run_once(small_ckpt: Path) ->
     assert len(reads) == 1  # 50 neighbouring archives, one read
     for (key, _), g in zip(items, got):
         assert g is not None
-        assert bytes(g[1]) == ref[key].view(torch.uint8).numpy().tobytes()
+        assert bytes(g) == ref[key].view(torch.uint8).numpy().tobytes()
 
 
 def _damaged_copy(src: Path, dst: Path, key: str) -> int:
