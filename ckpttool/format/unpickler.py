@@ -141,14 +141,13 @@ def _get_layout(name: Any) -> _Layout:
     return _Layout(name)
 
 
-class _Dims(tuple):  # type: ignore[type-arg]
-    """The ``torch.Size`` stand-in: ``REDUCE(torch.Size, (dims,))`` calls this class, so each one is
-    built in C (a Python function per ``torch.Size`` was a third of the unpickling time of a
-    10^6-entry ``.metadata``). Its items are *not* known to be ints here: :func:`_shape` (and
-    :func:`_plain_path_item` for planner data) check every one before it is used.
-    """
-
-    __slots__ = ()
+#: The ``torch.Size`` stand-in is ``tuple`` itself: ``REDUCE(torch.Size, (dims,))`` calls it in C
+#: and, ``dims`` being the tuple the pickle just built, returns that very tuple (no copy: a tuple
+#: class of our own cost one more object per ``torch.Size``, 10% of the unpickled graph; a Python
+#: function per ``torch.Size`` was a third of the unpickling time of a 10^6-entry ``.metadata``).
+#: Its items are *not* known to be ints here: :func:`_shape` (and :func:`_plain_path_item` for
+#: planner data) check every one before it is used.
+_SIZE = tuple
 
 
 def _mem_format(value: Any = 0) -> int:
@@ -196,7 +195,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     (_PLANNER, "TensorWriteData"): _kind("TensorWriteData"),
     (_PLANNER, "BytesIOWriteData"): _kind("BytesIOWriteData"),
     (_PLANNER, "WriteItemType"): _write_item_type,
-    ("torch", "Size"): _Dims,
+    ("torch", "Size"): _SIZE,
     ("torch.serialization", "_get_layout"): _get_layout,
     ("pathlib", "PosixPath"): _path,
     ("pathlib", "WindowsPath"): _path,
@@ -396,7 +395,7 @@ def _shape(value: Any, source: str, key: str, what: str) -> tuple[int, ...]:
     # (32.0,) and (True,) compare and hash equal to (32,) and (1,): a hit counts only when every
     # item is an exact int (one C-speed pass over the item types). The cached tuple itself is
     # returned, so equal shapes share one object once the unpickled graph is freed.
-    if type(value) is _Dims:
+    if type(value) is tuple:
         hit = _ok.get(value)
         if hit is not None and _INTS_ONLY(map(type, value)):
             return hit
@@ -616,7 +615,7 @@ def _plain_path_item(v: Any) -> str | int | tuple[int, ...] | None:
         return v if -MAX_OFFSET <= v <= MAX_OFFSET else None
     if isinstance(v, (_DTypeStandIn, _Layout)):
         return str(v)  # torch.bfloat16 / torch.strided in a custom planner's data: their names
-    if (type(v) is _Dims or type(v) is tuple) and len(v) <= MAX_NDIM and all(type(d) is int for d in v):
+    if type(v) is tuple and len(v) <= MAX_NDIM and all(type(d) is int for d in v):
         return tuple(int(d) for d in v)  # a torch.Size, or the int tuple ckpttool writes for one
     return None
 
