@@ -147,7 +147,7 @@ def _get_layout(name: Any) -> _Layout:
 #: function per ``torch.Size`` was a third of the unpickling time of a 10^6-entry ``.metadata``).
 #: Its items are *not* known to be ints here: :func:`_shape` (and :func:`_plain_path_item` for
 #: planner data) check every one before it is used.
-_SIZE = tuple
+_SIZE: type[tuple[Any, ...]] = tuple
 
 
 def _mem_format(value: Any = 0) -> int:
