@@ -395,9 +395,9 @@ def _shape(value: Any, source: str, key: str, what: str) -> tuple[int, ...]:
     # (32.0,) and (True,) compare and hash equal to (32,) and (1,): a hit counts only when every
     # item is an exact int (one C-speed pass over the item types). The cached tuple itself is
     # returned, so equal shapes share one object once the unpickled graph is freed.
-    if type(value) is tuple:
+    if type(value) is tuple and _INTS_ONLY(map(type, value)):  # ints first: a list item is unhashable
         hit = _ok.get(value)
-        if hit is not None and _INTS_ONLY(map(type, value)):
+        if hit is not None:
             return hit
     if not isinstance(value, tuple) or len(value) > MAX_NDIM:
         raise _bad(source, f"entry {key!r}: {what} is not a shape tuple ({type(value).__name__})")

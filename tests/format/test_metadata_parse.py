@@ -67,3 +67,13 @@ def test_equal_values_are_built_once(fsdp_ckpt: Path) -> None:
     assert len({id(c) for c in chunks}) == len(set(chunks))
     paths = [s.relative_path for s in md.storage.values()]
     assert len({id(p) for p in paths}) == len(set(paths))
+
+
+def test_a_shape_holding_a_list_is_named_not_a_crash() -> None:
+    """``torch.Size(([1],))`` where a shape belongs: the entry and the value are named (E200), never a TypeError."""
+    from ckpttool.errors import MetadataError
+    from ckpttool.format.unpickler import _shape
+
+    with pytest.raises(MetadataError) as e:
+        _shape(([1],), ".metadata", "w", "chunk sizes")
+    assert e.value.message == ".metadata: entry 'w': chunk sizes <tuple of 1 items> holds [1], not a size >= 0"
