@@ -35,6 +35,7 @@ from ckpttool.format.unpickler import (
     check_record_bound,
     gc_paused,
     parse_metadata_bytes,
+    parse_metadata_owned,
 )
 
 __all__ = [
@@ -551,7 +552,9 @@ def _parse_taken(holder: list[bytes], source: str, reread: Callable[[], bytes] |
     data: bytes | None = holder.pop()
     assert data is not None
     if len(data) < MIN_CACHED_BYTES or not cache.cache_enabled():
-        return parse_metadata_bytes(data, source)
+        taken = [data]
+        data = None  # handed over: freed once unpickled (when the caller handed its reference over too)
+        return parse_metadata_owned(taken, source)
     check_record_bound(data, source)  # as the parser does first: a hit is refused exactly when a parse is
     digest = hashlib.sha256(data).hexdigest()
     size = len(data)
@@ -575,6 +578,8 @@ def _parse_taken(holder: list[bytes], source: str, reread: Callable[[], bytes] |
         data = reread()
         if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
             return parse_metadata_bytes(data, source)  # changed meanwhile: parsed, never cached under the old key
-    md = parse_metadata_bytes(data, source)
+    taken = [data]
+    data = None
+    md = parse_metadata_owned(taken, source)
     cache.store_entry(path, lambda: encode(md, digest, size), "metadata cache", logger=log)
     return md

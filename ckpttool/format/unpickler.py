@@ -48,6 +48,7 @@ from ckpttool.format.metadata import (
 __all__ = [
     "load_metadata",
     "parse_metadata_bytes",
+    "parse_metadata_owned",
     "gc_paused",
     "PrimitiveUnpickler",
     "MetadataUnpickler",
@@ -140,14 +141,13 @@ def _get_layout(name: Any) -> _Layout:
     return _Layout(name)
 
 
-class _Dims(tuple):  # type: ignore[type-arg]
-    """The ``torch.Size`` stand-in: ``REDUCE(torch.Size, (dims,))`` calls this class, so each one is
-    built in C (a Python function per ``torch.Size`` was a third of the unpickling time of a
-    10^6-entry ``.metadata``). Its items are *not* known to be ints here: :func:`_shape` (and
-    :func:`_plain_path_item` for planner data) check every one before it is used.
-    """
-
-    __slots__ = ()
+#: The ``torch.Size`` stand-in is ``tuple`` itself: ``REDUCE(torch.Size, (dims,))`` calls it in C
+#: and, ``dims`` being the tuple the pickle just built, returns that very tuple (no copy: a tuple
+#: class of our own cost one more object per ``torch.Size``, 10% of the unpickled graph; a Python
+#: function per ``torch.Size`` was a third of the unpickling time of a 10^6-entry ``.metadata``).
+#: Its items are *not* known to be ints here: :func:`_shape` (and :func:`_plain_path_item` for
+#: planner data) check every one before it is used.
+_SIZE: type[tuple[Any, ...]] = tuple
 
 
 def _mem_format(value: Any = 0) -> int:
@@ -195,7 +195,7 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     (_PLANNER, "TensorWriteData"): _kind("TensorWriteData"),
     (_PLANNER, "BytesIOWriteData"): _kind("BytesIOWriteData"),
     (_PLANNER, "WriteItemType"): _write_item_type,
-    ("torch", "Size"): _Dims,
+    ("torch", "Size"): _SIZE,
     ("torch.serialization", "_get_layout"): _get_layout,
     ("pathlib", "PosixPath"): _path,
     ("pathlib", "WindowsPath"): _path,
@@ -395,9 +395,9 @@ def _shape(value: Any, source: str, key: str, what: str) -> tuple[int, ...]:
     # (32.0,) and (True,) compare and hash equal to (32,) and (1,): a hit counts only when every
     # item is an exact int (one C-speed pass over the item types). The cached tuple itself is
     # returned, so equal shapes share one object once the unpickled graph is freed.
-    if type(value) is _Dims:
+    if type(value) is tuple and _INTS_ONLY(map(type, value)):  # ints first: a list item is unhashable
         hit = _ok.get(value)
-        if hit is not None and _INTS_ONLY(map(type, value)):
+        if hit is not None:
             return hit
     if not isinstance(value, tuple) or len(value) > MAX_NDIM:
         raise _bad(source, f"entry {key!r}: {what} is not a shape tuple ({type(value).__name__})")
@@ -445,7 +445,26 @@ def check_record_bound(data: bytes, source: str) -> None:
         raise _too_many_records(source, f"may build {bound:,} records")
 
 
-def _convert_tensor(key: str, rec: Any, source: str, dtypes: dict[str, DType], left: list[int]) -> TensorMeta:
+class _Shared:
+    """Equal converted values built once per parse: a chunk, a tensor layout, a relative path.
+
+    Keys are values that already passed their checks (shapes of exact ints), so a hit is as valid
+    as the value it stands for; entries of one layout share one frozen :class:`TensorMeta` (as the
+    parsed-metadata cache's decoder builds them), which keeps 10^6 entries from costing 10^6
+    layouts and 10^6 chunk objects more.
+    """
+
+    __slots__ = ("chunks", "layouts", "paths")
+
+    def __init__(self) -> None:
+        self.chunks: dict[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ChunkMeta] = {}
+        self.layouts: dict[tuple[DType, tuple[int, ...], tuple[ChunkMeta, ...]], TensorMeta] = {}
+        self.paths: dict[str, str] = {}
+
+
+def _convert_tensor(
+    key: str, rec: Any, source: str, dtypes: dict[str, DType], left: list[int], shared: _Shared
+) -> TensorMeta:
     d = rec.__dict__
     props = d.get("properties")
     if not isinstance(props, _TensorProperties):
@@ -462,30 +481,40 @@ def _convert_tensor(key: str, rec: Any, source: str, dtypes: dict[str, DType], l
         raise _too_many_records(source, f"entry {key!r} brings the chunks and entries past the cap")
     ndim = len(size)
     chunks = []
+    made = shared.chunks
     for c in chunks_raw:
         if type(c) is not _ChunkStorageMetadata:
             raise _bad(source, f"entry {key!r}: chunk is {type(c).__name__}, not ChunkStorageMetadata")
         cd = c.__dict__
         offsets = _shape(cd.get("offsets"), source, key, "chunk offsets")
         sizes = _shape(cd.get("sizes"), source, key, "chunk sizes")
-        if len(offsets) != ndim or len(sizes) != ndim:
-            raise _bad(source, f"entry {key!r}: chunk rank {len(sizes)} differs from tensor rank {ndim}")
-        for o, sz, dim in zip(offsets, sizes, size):
-            if o + sz > dim:
-                raise _bad(source, f"entry {key!r}: chunk at {offsets} size {sizes} lies outside tensor {size}")
-        chunks.append(ChunkMeta(offsets, sizes))
+        chunk = made.get((size, offsets, sizes))  # checked shapes: a hit is a chunk checked in this tensor shape
+        if chunk is None:
+            if len(offsets) != ndim or len(sizes) != ndim:
+                raise _bad(source, f"entry {key!r}: chunk rank {len(sizes)} differs from tensor rank {ndim}")
+            for o, sz, dim in zip(offsets, sizes, size):
+                if o + sz > dim:
+                    raise _bad(source, f"entry {key!r}: chunk at {offsets} size {sizes} lies outside tensor {size}")
+            chunk = made[(size, offsets, sizes)] = ChunkMeta(offsets, sizes)
+        chunks.append(chunk)
     dt = dtypes.get(dtype)
     if dt is None:
         dt = dtypes[dtype] = DType(str(dtype))
-    return TensorMeta(dt, size, tuple(chunks))
+    layout = (dt, size, tuple(chunks))
+    meta = shared.layouts.get(layout)
+    if meta is None:
+        meta = shared.layouts[layout] = TensorMeta(*layout)
+    return meta
 
 
-def _convert_storage(raw: Any, source: str) -> dict[tuple[str, tuple[int, ...] | None], StorageInfo]:
+def _convert_storage(raw: Any, source: str, shared: _Shared) -> dict[tuple[str, tuple[int, ...] | None], StorageInfo]:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise _bad(source, f"storage_data is {type(raw).__name__}, not a dict")
     out: dict[tuple[str, tuple[int, ...] | None], StorageInfo] = {}
+    paths = shared.paths
+    new = tuple.__new__
     for idx, info in raw.items():
         if type(idx) is not _MetadataIndex or type(info) is not _StorageInfoRec:
             raise _bad(source, "storage_data holds entries that are not MetadataIndex -> _StorageInfo")
@@ -503,26 +532,32 @@ def _convert_storage(raw: Any, source: str) -> dict[tuple[str, tuple[int, ...] |
         tds = ind.get("transform_descriptors")
         if type(rel) is not str or type(off) is not int or type(length) is not int:
             raise _bad(source, f"storage entry for {fqn!r}: relative_path/offset/length have wrong types")
-        if abs(off) > MAX_OFFSET or abs(length) > MAX_OFFSET or off + length > MAX_OFFSET:
-            raise IntegerRangeError(
-                f"{source}: storage entry for {fqn!r}: offset {short_repr(off)} / length {short_repr(length)} "
-                "beyond int64",
-                path=source,
-                fqn=fqn,
-            )
-        if off < 0 or length < 0:
-            raise _bad(
-                source,
-                f"storage entry for {fqn!r}: negative offset {short_repr(off)} or length {short_repr(length)}",
-            )
+        if off < 0 or length < 0 or off + length > MAX_OFFSET:
+            _storage_range(source, fqn, off, length)
         if tds is None:
             tds = ()
         elif not isinstance(tds, (list, tuple)) or not all(isinstance(t, str) for t in tds):
             raise _bad(source, f"storage entry for {fqn!r}: transform_descriptors is not a list of strings")
         else:
             tds = tuple(str(t) for t in tds)  # exact str: never a stand-in subclass
-        out[(fqn, offset)] = StorageInfo(rel, off, length, tds)
+        rel = paths.setdefault(rel, rel)  # one string per data file, not one per chunk
+        out[(fqn, offset)] = new(StorageInfo, (rel, off, length, tds))  # StorageInfo(...) without its __new__ call
     return out
+
+
+def _storage_range(source: str, fqn: str, off: int, length: int) -> None:
+    """Raise the error of a storage range that is negative or beyond int64."""
+    if abs(off) > MAX_OFFSET or abs(length) > MAX_OFFSET or off + length > MAX_OFFSET:
+        raise IntegerRangeError(
+            f"{source}: storage entry for {fqn!r}: offset {short_repr(off)} / length {short_repr(length)} beyond int64",
+            path=source,
+            fqn=fqn,
+        )
+        if off < 0 or length < 0:
+            raise _bad(
+                source,
+                f"storage entry for {fqn!r}: negative offset {short_repr(off)} or length {short_repr(length)}",
+            )
 
 
 def _convert(obj: Any, source: str) -> CheckpointMetadata:
@@ -534,6 +569,7 @@ def _convert(obj: Any, source: str) -> CheckpointMetadata:
     entries: dict[str, TensorMeta | BytesMeta] = {}
     dtypes: dict[str, DType] = {}
     bytes_meta = BytesMeta()
+    shared = _Shared()
     storage_raw = getattr(obj, "storage_data", None)
     n_storage = len(storage_raw) if isinstance(storage_raw, dict) else 0
     left = [limits.metadata_record_cap() - len(sdm) - n_storage]
@@ -543,13 +579,16 @@ def _convert(obj: Any, source: str) -> CheckpointMetadata:
         if type(key) is not str:
             raise _bad(source, f"state_dict_metadata has a key {short_repr(key)} that is not a string")
         if type(rec) is _TensorStorageMetadata:
-            entries[key] = _convert_tensor(key, rec, source, dtypes, left)
+            entries[key] = _convert_tensor(key, rec, source, dtypes, left, shared)
         elif type(rec) is _BytesStorageMetadata:
             entries[key] = bytes_meta
         else:
             raise _bad(source, f"entry {key!r} is {type(rec).__name__}, not tensor or bytes metadata")
+    # the entry records (~10 objects per chunk) are freed before the storage items are built
+    sdm = key = rec = None
+    vars(obj).pop("state_dict_metadata", None)
     planner_data = _convert_planner(getattr(obj, "planner_data", None), source)
-    storage = _convert_storage(storage_raw, source)
+    storage = _convert_storage(storage_raw, source, shared)
     version = getattr(obj, "version", None)
     smeta = getattr(obj, "storage_meta", None)
     ckpt_id = save_id = None
@@ -576,7 +615,7 @@ def _plain_path_item(v: Any) -> str | int | tuple[int, ...] | None:
         return v if -MAX_OFFSET <= v <= MAX_OFFSET else None
     if isinstance(v, (_DTypeStandIn, _Layout)):
         return str(v)  # torch.bfloat16 / torch.strided in a custom planner's data: their names
-    if (type(v) is _Dims or type(v) is tuple) and len(v) <= MAX_NDIM and all(type(d) is int for d in v):
+    if type(v) is tuple and len(v) <= MAX_NDIM and all(type(d) is int for d in v):
         return tuple(int(d) for d in v)  # a torch.Size, or the int tuple ckpttool writes for one
     return None
 
@@ -652,10 +691,26 @@ def parse_metadata_bytes(data: bytes, source: str = ".metadata") -> CheckpointMe
         UnsafePickleError: the pickle names a global outside the allow-list.
         MetadataError: empty, truncated, garbage, or not a DCP ``Metadata``.
     """
+    return parse_metadata_owned([data], source)
+
+
+def parse_metadata_owned(holder: list[bytes], source: str = ".metadata") -> CheckpointMetadata:
+    """:func:`parse_metadata_bytes` of the bytes in ``holder`` (a one-item list, emptied).
+
+    With the caller's only reference handed over, the bytes (~490 MB at 10^6 entries and 2.75 M
+    chunks) are freed once unpickled, before the unpickled objects are converted: they are never in
+    memory beside the converted metadata.
+
+    Raises:
+        as :func:`parse_metadata_bytes`.
+    """
+    data = holder.pop()
     if not data:
         raise MetadataError(f"{source} is empty", path=source)
     check_record_bound(data, source)
-    return _convert(_unpickle(data, source), source)
+    obj = _unpickle(data, source)
+    del data
+    return _convert(obj, source)
 
 
 @contextlib.contextmanager

@@ -477,14 +477,14 @@ class _EntryBuilder:
         """``{key: self(key, meta)}`` for the aligned lists ``keys`` and ``metas``, in their order.
 
         Built in C (``map``/``zip`` over the columns) when the tensors share their layout objects
-        (the cache's decode shares equal layouts): the chunk offsets of the layout give the storage
+        (the parser and the cache's decode share equal layouts): the chunk offsets of the layout give the storage
         keys, and the layout with the data files of the records gives the rest of an entry, one
         tuple per distinct (layout, files) (:class:`_Tails`), so an entry is its key joined to it.
         """
         # layouts by id (the metas stay alive, held by the caller); ids are recomputed where used, not kept
         # (10^6 int objects: 32 MB)
         layouts = dict(zip(map(id, metas), metas))
-        if len(layouts) * 4 > len(metas):  # layouts not shared (a parse without the cache): one by one
+        if len(layouts) * 4 > len(metas):  # layouts not shared (metadata built by hand): one by one
             return dict(zip(keys, map(self, keys, metas)))
         get = self.get
         offsets = {i: m.chunks[0].offsets for i, m in layouts.items() if len(m.chunks) == 1}
