@@ -19,6 +19,7 @@ import io
 import math
 import os
 import pickle
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -67,6 +68,10 @@ SMALL_SPAN = 1 << 20
 _SMALL_GAP = 64 << 10
 #: The most archive layouts (length, dtype, shape) :meth:`CheckpointReader.read_small_chunks` keeps a template of.
 _MAX_TEMPLATES = 256
+# unless numpy is imported already, calls with fewer chunks check each archive one by one: the
+# template's byte compares need numpy, whose import (~0.1 s) outweighs them below this (a small
+# export stays numpy-free)
+_TEMPLATE_MIN_ITEMS = 256
 
 
 class CheckpointReader(CheckpointDir):
@@ -215,6 +220,7 @@ class CheckpointReader(CheckpointDir):
             if info is not None and not info.transform_descriptors:
                 order.append((info.relative_path, info.offset, info.length, k))
         order.sort()
+        templates = len(items) >= _TEMPLATE_MIN_ITEMS or "numpy" in sys.modules
         i = 0
         while i < len(order):
             path, first, length, _ = order[i]
@@ -225,14 +231,20 @@ class CheckpointReader(CheckpointDir):
                     break
                 end = offset + n
                 j += 1
-            self._read_run(items, order[i:j], out)
+            self._read_run(items, order[i:j], out, templates=templates)
             i = j
         return out
 
     def _read_run(
-        self, items: list[tuple[str, ChunkMeta]], run: list[tuple[str, int, int, int]], out: list[memoryview | None]
+        self,
+        items: list[tuple[str, ChunkMeta]],
+        run: list[tuple[str, int, int, int]],
+        out: list[memoryview | None],
+        *,
+        templates: bool,
     ) -> None:
-        """Fill ``out`` for the neighbouring windows ``run`` from one read (see :meth:`read_small_chunks`)."""
+        """Fill ``out`` for the neighbouring windows ``run`` from one read (see :meth:`read_small_chunks`);
+        ``templates``: keep new layouts' first archives as templates for byte compares."""
         path, start = run[0][0], run[0][1]
         span = run[-1][1] + run[-1][2] - start
         try:
@@ -252,7 +264,7 @@ class CheckpointReader(CheckpointDir):
             layout = (length, meta.dtype.name, chunk.sizes)
             tmpl = self._templates.get(layout)
             if tmpl is None:  # the first archive of its layout: checked one by one, kept as the template
-                keep = layout if len(self._templates) < _MAX_TEMPLATES else None
+                keep = layout if templates and len(self._templates) < _MAX_TEMPLATES else None
                 out[k] = self._locate_preread(fd, data, offset - start, length, fqn, chunk, keep)
                 continue
             if tmpl is not False:
