@@ -9,7 +9,8 @@ it to its sinks in order:
 - :class:`Crc32`: the CRC-32 (zip polynomial) of the bytes ``[start, end)`` of the stream;
 - :class:`Feed`: ``fn(piece)`` for every piece of ``[start, end)``, in order (a digest's
   ``update``, a byte counter);
-- :class:`Compare`: compared with the same positions of another descriptor.
+- :class:`Compare`: compared with the same positions of another descriptor;
+- :class:`CompareStream`: compared with the same positions of another stream (its own windows).
 
 Plans are plain frozen values; :mod:`ckpttool.engine.execute` runs them.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Compare", "Crc32", "Feed", "Item", "Sink", "Transform", "Window", "WriteAt"]
+__all__ = ["Compare", "CompareStream", "Crc32", "Feed", "Item", "Sink", "Transform", "Window", "WriteAt"]
 
 #: A slab transform: takes a filled block, returns the bytes the sinks see (same length).
 Transform = Callable[[memoryview], memoryview]
@@ -72,7 +73,19 @@ class Compare:
     offset: int
 
 
-Sink = WriteAt | Crc32 | Feed | Compare
+@dataclass(frozen=True, slots=True)
+class CompareStream:
+    """Compare the stream with another one, ``reads`` concatenated (at least as long); result: as :class:`Compare`.
+
+    Where the two are equal their CRC-32s are too: a :class:`Crc32` sink over a span of this
+    stream is then also the CRC-32 of the same span of the other (``diff`` checks both sides'
+    records from one read of each).
+    """
+
+    reads: tuple[Window, ...]
+
+
+Sink = WriteAt | Crc32 | Feed | Compare | CompareStream
 
 
 @dataclass(frozen=True, slots=True)
