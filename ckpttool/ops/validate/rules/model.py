@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ckpttool.model.hfconfig import config_value
@@ -188,6 +188,13 @@ def _tied(ctx: Context) -> bool | None:
     return bool(v) if v is not None else None
 
 
+def _tied_head(name: str, tied: bool | None, names: Iterable[str]) -> bool:
+    """``name`` is an ``lm_head.weight`` that may be tied (``tied`` not ``False``) to an ``embed_tokens.weight`` of ``names``."""
+    return (
+        name.endswith("lm_head.weight") and tied is not False and any(n.endswith("embed_tokens.weight") for n in names)
+    )
+
+
 @rule("M005")
 def missing_keys(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.reference is not None
@@ -198,11 +205,7 @@ def missing_keys(ctx: Context) -> Iterator[tuple[str, str]]:
     for name in ref:
         if name in names or name in cover:
             continue
-        if (
-            name.endswith("lm_head.weight")
-            and tied is not False
-            and any(n.endswith("embed_tokens.weight") for n in names)
-        ):
+        if _tied_head(name, tied, names):
             continue  # tied embeddings: the head is the embedding
         key = ctx.cat.model_key(name)
         yield key, f"{key}: in the reference {ctx.reference.source} but not in the checkpoint"
@@ -217,11 +220,7 @@ def unexpected_keys(ctx: Context) -> Iterator[tuple[str, str]]:
     for name, key in _ckpt_names(ctx).items():
         if name in ref or key in covered:
             continue
-        if (
-            name.endswith("lm_head.weight")
-            and tied is not False
-            and any(n.endswith("embed_tokens.weight") for n in ref)
-        ):
+        if _tied_head(name, tied, ref):
             continue  # HF drops a tied head from the saved weights
         yield key, f"{key}: not in the reference {ctx.reference.source}"
 

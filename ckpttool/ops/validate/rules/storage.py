@@ -271,21 +271,19 @@ def extra_state_unreadable(ctx: Context) -> Iterator[Finding]:
 
 @rule("S010")
 def chunk_unreadable(ctx: Context) -> Iterator[Finding]:
-    if ctx.deep_result is None:
-        return
-    r = RULES["S010"]
-    for key, e in ctx.deep_result.read_errors.items():
-        if not isinstance(e, ChecksumError):
-            yield r.make(key, e.message, None, e.code)
+    return _read_errors(ctx, "S010", checksum=False)
 
 
 @rule("S014")
 def chunk_checksum_mismatch(ctx: Context) -> Iterator[Finding]:
-    if ctx.deep_result is None:
-        return
-    r = RULES["S014"]
-    for key, e in ctx.deep_result.read_errors.items():
-        if isinstance(e, ChecksumError):
+    return _read_errors(ctx, "S014", checksum=True)
+
+
+def _read_errors(ctx: Context, code: str, *, checksum: bool) -> Iterator[Finding]:
+    """Rule ``code``'s findings: the ``--deep`` pass's read errors that are (or are not) CRC-32 mismatches."""
+    r = RULES[code]
+    for key, e in ctx.deep_result.read_errors.items() if ctx.deep_result is not None else ():
+        if isinstance(e, ChecksumError) == checksum:
             yield r.make(key, e.message, None, e.code)
 
 
