@@ -14,8 +14,17 @@ import threading
 from typing import Any
 
 from ckpttool.engine.crc import crc32, crc32_combine
-from ckpttool.engine.io import BLOCK_BYTES, block_buffer, read_blocks, read_into, start_writeback, write_all
-from ckpttool.engine.plan import Compare, Crc32, Feed, Item, Sink, Stats, WriteAt
+from ckpttool.engine.io import (
+    BLOCK_BYTES,
+    ShortReadError,
+    block_buffer,
+    read_blocks,
+    read_into,
+    start_writeback,
+    write_all,
+)
+from ckpttool.engine.memcmp import first_difference
+from ckpttool.engine.plan import Compare, CompareStream, Crc32, Feed, Item, Sink, Stats, Window, WriteAt
 from ckpttool.engine.pool import map_ordered, overlap
 
 __all__ = ["can_split", "run_item", "run_items", "run_split"]
@@ -73,10 +82,12 @@ class _Span:
 
 
 class _Compare:
-    __slots__ = ("fd", "offset", "first")
+    """The other side of a comparison: its windows, read block by block into this thread's compare buffer."""
 
-    def __init__(self, s: Compare) -> None:
-        self.fd, self.offset = s.fd, s.offset
+    __slots__ = ("windows", "first")
+
+    def __init__(self, windows: tuple[Window, ...]) -> None:
+        self.windows = windows
         self.first: int | None = None
 
     def feed(self, piece: memoryview, at: int) -> None:
@@ -84,9 +95,20 @@ class _Compare:
             return
         n = len(piece)
         other = _compare_buffer()[:n]
-        read_into(self.fd, other, self.offset + at)
-        if piece != other:
-            self.first = at + next(i for i in range(n) if piece[i] != other[i])
+        done, pos = 0, 0  # bytes of ``other`` filled; the current window's first stream position
+        for w in self.windows:
+            if done == n:
+                break
+            if at + done < pos + w.length:
+                want = min(n - done, pos + w.length - (at + done))
+                read_into(w.fd, other[done : done + want], w.offset + (at + done - pos))
+                done += want
+            pos += w.length
+        if done < n:
+            raise ShortReadError(pos, n - done)
+        diff = first_difference(piece, other)
+        if diff is not None:
+            self.first = at + diff
 
     def finish(self, hi: int) -> Any:
         return self.first
@@ -152,7 +174,12 @@ def _open(sink: Sink, lo: int, hi: int) -> Any:
         return _Span(sink.start, sink.end, sink.fn)
     if isinstance(sink, Stats):
         return _Stats(sink, hi)
-    return _Compare(sink)
+    if isinstance(sink, Compare):
+        return _Compare((Window(sink.fd, sink.offset, _UNBOUNDED),))
+    return _Compare(sink.reads)
+
+
+_UNBOUNDED = 1 << 62  # a Compare's one window: the file's end is found by the read
 
 
 def run_item(item: Item, *, lo: int = 0, hi: int | None = None, buf: memoryview | None = None) -> tuple[Any, ...]:
@@ -201,20 +228,17 @@ def run_items(items: list[Item], *, workers: int) -> list[tuple[Any, ...]]:
 
 
 def can_split(item: Item) -> bool:
-    """Whether :func:`run_split` can run ``item`` in halves: CRC-32 combining is available and every
-    ``Crc32`` sink covers the whole stream (``Feed`` and ``Stats`` sinks need their pieces in order: not split)."""
-    return crc32_combine is not None and all(
-        (isinstance(s, Crc32) and s.start == 0 and s.end is None) or isinstance(s, (WriteAt, Compare))
-        for s in item.sinks
-    )
+    """Whether :func:`run_split` can run ``item`` in halves: CRC-32 combining is available and no sink
+    needs its pieces in order (``Feed`` and ``Stats``: not split)."""
+    return crc32_combine is not None and not any(isinstance(s, (Feed, Stats)) for s in item.sinks)
 
 
 def run_split(item: Item, mid: int, *, buf: memoryview | None = None) -> tuple[Any, ...]:
     """:func:`run_item` as two halves: ``[mid, length)`` on the overlap thread, ``[0, mid)`` here.
 
-    The halves' CRC-32s are combined (``crc32_combine``); a ``Compare`` gives the first half's
-    difference, else the second's. The second half is always waited for (it may write into a
-    file the caller closes next). Requires :func:`can_split`.
+    Each ``Crc32`` span's two parts are combined (``crc32_combine``); a comparison gives the
+    first half's difference, else the second's. The second half is always waited for (it may
+    write into a file the caller closes next). Requires :func:`can_split`.
 
     Raises:
         as :func:`run_item` (the first half's error first).
@@ -229,8 +253,9 @@ def run_split(item: Item, mid: int, *, buf: memoryview | None = None) -> tuple[A
     out: list[Any] = []
     for s, x, y in zip(item.sinks, first, rest):
         if isinstance(s, Crc32):
-            out.append(int(crc32_combine(x, y, n - mid)))
-        elif isinstance(s, Compare):
+            tail = max(0, min(n if s.end is None else s.end, n) - max(s.start, mid))  # the span's bytes after mid
+            out.append(int(crc32_combine(x, y, tail)))
+        elif isinstance(s, (Compare, CompareStream)):
             out.append(x if x is not None else y)
         else:
             out.append(None)

@@ -10,6 +10,7 @@ it to its sinks in order:
 - :class:`Feed`: ``fn(piece)`` for every piece of ``[start, end)``, in order (a digest's
   ``update``, a byte counter);
 - :class:`Compare`: compared with the same positions of another descriptor;
+- :class:`CompareStream`: compared with the same positions of another stream (its own windows);
 - :class:`Stats`: the values' statistics (:mod:`ckpttool.engine.stats`), slab by slab.
 
 Plans are plain frozen values; :mod:`ckpttool.engine.execute` runs them.
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ckpttool.engine.stats import Need
 
-__all__ = ["Compare", "Crc32", "Feed", "Item", "Sink", "Stats", "Transform", "Window", "WriteAt"]
+__all__ = ["Compare", "CompareStream", "Crc32", "Feed", "Item", "Sink", "Stats", "Transform", "Window", "WriteAt"]
 
 #: A slab transform: takes a filled block, returns the bytes the sinks see (same length).
 Transform = Callable[[memoryview], memoryview]
@@ -94,7 +95,19 @@ class Stats:
     each: Callable[[Any, Any, int], object] | None = None
 
 
-Sink = WriteAt | Crc32 | Feed | Compare | Stats
+@dataclass(frozen=True, slots=True)
+class CompareStream:
+    """Compare the stream with another one, ``reads`` concatenated (at least as long); result: as :class:`Compare`.
+
+    Where the two are equal their CRC-32s are too: a :class:`Crc32` sink over a span of this
+    stream is then also the CRC-32 of the same span of the other (``diff`` checks both sides'
+    records from one read of each).
+    """
+
+    reads: tuple[Window, ...]
+
+
+Sink = WriteAt | Crc32 | Feed | Compare | CompareStream | Stats
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from ckpttool.format import marker
 
 __all__ = [
     "AtomicOutputDir",
+    "OutputTarget",
     "Terminated",
     "check_output_target",
     "foreign_output_error",
@@ -222,7 +223,31 @@ def _same_dir(a: str, b: Path) -> bool:
         return False
 
 
-class AtomicOutputDir:
+class OutputTarget:
+    """What an output directory is given, local (:class:`AtomicOutputDir`) or remote
+    (``ckpttool.format.outputs.RemoteOutputDir``): the target, ``overwrite``, the source it may not
+    overlap and the command writing it (``kind``, recorded in the marker with this run's id)."""
+
+    def __init__(
+        self,
+        target: str | os.PathLike[str],
+        *,
+        overwrite: bool = False,
+        source: str | os.PathLike[str] | None = None,
+        kind: str = "output",
+    ) -> None:
+        self.overwrite = overwrite
+        self.kind = kind
+        self.run = marker.new_run()
+        self._old_handlers: dict[int, Any] = {}
+        self._place(target, source)
+
+    def _place(self, target: str | os.PathLike[str], source: str | os.PathLike[str] | None) -> None:
+        """Set ``target`` and ``source`` as the subclass names them (and its own state)."""
+        raise NotImplementedError
+
+
+class AtomicOutputDir(OutputTarget):
     """Context manager yielding a temporary directory that becomes ``target`` on success.
 
     Args:
@@ -240,22 +265,11 @@ class AtomicOutputDir:
         ForeignOutputError: (E606) on entry, ``overwrite`` of a directory ckpttool did not write.
     """
 
-    def __init__(
-        self,
-        target: str | os.PathLike[str],
-        *,
-        overwrite: bool = False,
-        source: str | os.PathLike[str] | None = None,
-        kind: str = "output",
-    ) -> None:
+    def _place(self, target: str | os.PathLike[str], source: str | os.PathLike[str] | None) -> None:
         self.target = _absolute(target)
-        self.overwrite = overwrite
         self.source = _absolute(source) if source is not None else None
-        self.kind = kind
-        self.run = marker.new_run()
         self.tmp: Path | None = None
         self._created: list[Path] = []  # parents of target this run created, deepest first
-        self._old_handlers: dict[int, Any] = {}
         # Set by the handlers: an exception raised in a signal handler is lost when it lands
         # in a finalizer (``ZipFile.__del__``), so the commit checks this flag as well.
         self._interrupted = False

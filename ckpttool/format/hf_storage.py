@@ -51,16 +51,18 @@ def _bad(path: Path, what: str) -> MetadataError:
     )
 
 
+_HEADER_WORDS = {
+    "short": "{size} bytes, shorter than the 8-byte header length",
+    "too_long": "header length {length} exceeds the file ({size} bytes) or {cap} bytes",
+    "past_end": "header length {length} exceeds the file ({size} bytes) or {cap} bytes",
+    "truncated": "header truncated",
+    "not_json": "header is not JSON: {cause}",
+    "not_object": "header is not a JSON object",
+}
+
+
 def _header_error(path: Path, e: HeaderError) -> MetadataError:
-    if e.kind == "short":
-        return _bad(path, f"{e.size} bytes, shorter than the 8-byte header length")
-    if e.kind in ("too_long", "past_end"):
-        return _bad(path, f"header length {e.length} exceeds the file ({e.size} bytes) or {e.cap} bytes")
-    if e.kind == "truncated":
-        return _bad(path, "header truncated")
-    if e.kind == "not_json":
-        return _bad(path, f"header is not JSON: {str(e.cause)[:80]}")
-    return _bad(path, "header is not a JSON object")
+    return _bad(path, e.reason(_HEADER_WORDS))
 
 
 def read_safetensors_header(path: Path, size: int | None = None) -> tuple[dict[str, Any], int]:

@@ -12,9 +12,9 @@ against the stored bytes before allocation. ``docs/design.md`` §6; ``docs/secur
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass
+
+from ckpttool.format.settings import ProcessSetting
 
 __all__ = ["Limits", "current", "set_limits", "limits", "human", "metadata_record_cap", "BYTES_PER_METADATA_RECORD"]
 
@@ -47,12 +47,12 @@ class Limits:
     max_archive_members: int = 1 << 16
 
 
-_current = Limits()
+_SETTING = ProcessSetting(Limits())
 
 
 def current() -> Limits:
     """The caps in force."""
-    return _current
+    return _SETTING.value
 
 
 def set_limits(**changes: int) -> Limits:
@@ -64,24 +64,12 @@ def set_limits(**changes: int) -> Limits:
     Raises:
         ValueError: a cap that is not a positive int, or an unknown name.
     """
-    global _current
-    for name, value in changes.items():
-        if type(value) is not int or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    previous = _current
-    _current = dataclasses.replace(_current, **changes)
-    return previous
+    return _SETTING.replace(**changes)
 
 
-@contextlib.contextmanager
-def limits(**changes: int) -> Iterator[Limits]:
+def limits(**changes: int) -> contextlib.AbstractContextManager[Limits]:
     """Caps changed for the body only (not thread-local: set them before starting workers)."""
-    global _current
-    previous = set_limits(**changes)
-    try:
-        yield _current
-    finally:
-        _current = previous
+    return _SETTING.scoped(**changes)
 
 
 #: Bytes of ``--max-metadata-size`` per record a ``.metadata`` may build (see :func:`metadata_record_cap`).
@@ -98,7 +86,7 @@ def metadata_record_cap() -> int:
     10^7-chunk ``.metadata`` is refused by this count before it is unpickled or converted.
     ``--max-metadata-size`` raises both caps.
     """
-    return _current.max_metadata_bytes // BYTES_PER_METADATA_RECORD
+    return _SETTING.value.max_metadata_bytes // BYTES_PER_METADATA_RECORD
 
 
 def human(n: int) -> str:

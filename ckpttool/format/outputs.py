@@ -28,6 +28,7 @@ from ckpttool.errors import OutputError
 from ckpttool.format import marker
 from ckpttool.format.atomic import (
     AtomicOutputDir,
+    OutputTarget,
     check_output_target,
     foreign_output_error,
     restore_signals,
@@ -107,7 +108,7 @@ def _remote_ownership(store: RemoteStore, existing: dict[str, int]) -> marker.Ow
     return marker.Ownership(not why, found, why)
 
 
-class RemoteOutputDir:
+class RemoteOutputDir(OutputTarget):
     """An output written below a URL prefix, published only when complete (see the module docstring).
 
     Args:
@@ -122,24 +123,13 @@ class RemoteOutputDir:
         RemoteStorageError (E14x): a request failed after its retries (nothing published).
     """
 
-    def __init__(
-        self,
-        target: str | os.PathLike[str],
-        *,
-        overwrite: bool = False,
-        source: str | os.PathLike[str] | None = None,
-        kind: str = "output",
-    ) -> None:
-        self.kind = kind
-        self.run = marker.new_run()
+    def _place(self, target: str | os.PathLike[str], source: str | os.PathLike[str] | None) -> None:
         self.target = url_path(target)
-        self.overwrite = overwrite
         self.source = url_path(source) if source is not None and is_url(source) else None
         self.store: RemoteStore | None = None
         self.staging: Path | None = None
         self.tmp_store: RemoteStore | None = None
         self.uploaded: list[str] = []
-        self._old_handlers: dict[int, Any] = {}
 
     def __enter__(self) -> Path:
         self.check()

@@ -117,6 +117,11 @@ class HeaderError(ValueError):
         super().__init__(kind)
         self.kind, self.size, self.length, self.cap, self.cause = kind, size, length, cap, cause
 
+    def reason(self, words: dict[str, str]) -> str:
+        """``words[kind]`` (a caller's wording of each kind) filled with ``{size}``, ``{length}``,
+        ``{cap}`` and ``{cause}`` (the decoder's message, 80 characters at most)."""
+        return words[self.kind].format(size=self.size, length=self.length, cap=self.cap, cause=str(self.cause)[:80])
+
 
 def read_header(path: Path, size: int | None = None) -> tuple[dict[str, Any], int]:
     """Read and parse the JSON header of a safetensors file, size-checked before it is read.

@@ -14,7 +14,6 @@ or put in a message. Needs ``ckpttool[remote]`` and a backend. ``docs/storage.md
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import random
@@ -23,8 +22,8 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -43,6 +42,7 @@ from ckpttool.errors import (
     SizeLimitError,
 )
 from ckpttool.format import limits
+from ckpttool.format.settings import ProcessSetting
 
 __all__ = [
     "StorageConfig",
@@ -92,12 +92,12 @@ class StorageConfig:
     spool_bytes: int = 4 << 30
 
 
-_current = StorageConfig()
+_SETTING = ProcessSetting(StorageConfig(), positive_ints=("workers", "retries", "spool_bytes", "timeout_s"))
 
 
 def current() -> StorageConfig:
     """The storage configuration in force."""
-    return _current
+    return _SETTING.value
 
 
 def configure(**changes: Any) -> StorageConfig:
@@ -106,24 +106,12 @@ def configure(**changes: Any) -> StorageConfig:
     Raises:
         ValueError: an unknown field, or ``workers``/``retries``/``spool_bytes`` not a positive int.
     """
-    global _current
-    for name in ("workers", "retries", "spool_bytes", "timeout_s"):
-        if name in changes and (type(changes[name]) is not int or changes[name] <= 0):
-            raise ValueError(f"{name} must be a positive int, got {changes[name]!r}")
-    previous = _current
-    _current = dataclasses.replace(_current, **changes)
-    return previous
+    return _SETTING.replace(**changes)
 
 
-@contextmanager
-def storage_config(**changes: Any) -> Iterator[StorageConfig]:
+def storage_config(**changes: Any) -> AbstractContextManager[StorageConfig]:
     """The configuration changed for the body only (not thread-local)."""
-    global _current
-    previous = configure(**changes)
-    try:
-        yield _current
-    finally:
-        _current = previous
+    return _SETTING.scoped(**changes)
 
 
 def _value(text: str) -> Any:
@@ -183,7 +171,7 @@ def redact(text: str, options: Mapping[str, Any] | None = None) -> str:
         elif isinstance(o, str) and len(o) >= 4:
             values.append(o)
 
-    walk(options if options is not None else _current.options)
+    walk(options if options is not None else _SETTING.value.options)
     for v in sorted(values, key=len, reverse=True):
         text = text.replace(v, "***")
     return text

@@ -257,14 +257,7 @@ class ResolvedLayout:
             One :class:`~ckpttool.layouts.geometry.EPGeometry` per key of :attr:`ep_tensors`, in order.
         """
         return [
-            tensor_geometry(
-                cat.model.get(key) or cat.other_tensors.get(key),
-                key,
-                spec,
-                version=self.version,
-                ep_size=self.ep_size,
-                ep_fsdp_size=self.ep_fsdp_size,
-            )
+            tensor_geometry(cat.model.get(key) or cat.other_tensors.get(key), key, spec, self)
             for key, spec in self.ep_tensors.items()
         ]
 
@@ -370,14 +363,7 @@ def resolve_layout(
     if declaration.no_ep:
         return ResolvedLayout(2, "declared", None, 1, None, ep, declaration, model_prefix=mp, state_prefix=sp)
     for key, spec in ep.items():
-        geo = tensor_geometry(
-            cat.model[key],
-            key,
-            spec,
-            version=declaration.version,
-            ep_size=declaration.ep_size,
-            ep_fsdp_size=declaration.ep_fsdp_size,
-        )
+        geo = tensor_geometry(cat.model[key], key, spec, declaration)
         if geo.problems:
             raise LayoutContradictionError(
                 f"{key}: the declared layout ({declaration.source_layout}, ep_size {declaration.ep_size}, "

@@ -12,7 +12,7 @@ unversioned tensor fits. ``docs/layouts.md``, "Chunk geometry".
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ckpttool.layouts.record import EPTensorSpec
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EPGeometry",
+    "MeshSizes",
     "infer_fsdp_dim",
     "tensor_geometry",
     "dim_intervals",
@@ -220,24 +221,28 @@ def infer_fsdp_dim(entry: TensorEntry, ep_dim: int) -> int | None:
     return None
 
 
-def tensor_geometry(
-    entry: TensorEntry | None,
-    key: str,
-    spec: EPTensorSpec,
-    *,
-    version: int | None,
-    ep_size: int | None,
-    ep_fsdp_size: int | None,
-) -> EPGeometry:
+class MeshSizes(Protocol):
+    """What :func:`tensor_geometry` reads of a layout (a record, a declaration, a resolved layout)."""
+
+    @property
+    def version(self) -> int | None: ...
+    @property
+    def ep_size(self) -> int | None: ...
+    @property
+    def ep_fsdp_size(self) -> int | None: ...
+
+
+def tensor_geometry(entry: TensorEntry | None, key: str, spec: EPTensorSpec, layout: MeshSizes) -> EPGeometry:
     """Geometry of one EP tensor checked against a layout (see :class:`EPGeometry`).
 
     Args:
         entry: the catalog entry (``None``: the layout names a key the checkpoint lacks).
         key: checkpoint key.
         spec: EP dims and expert count (from the record, or detected).
-        version: layout version (``None``: unversioned, sizes unknown).
-        ep_size, ep_fsdp_size: recorded/declared ``P``/``F`` (``None``: unknown).
+        layout: its ``version`` (``None``: unversioned, sizes unknown) and the recorded/declared
+            ``ep_size``/``ep_fsdp_size`` ``P``/``F`` (``None``: unknown).
     """
+    version, ep_size, ep_fsdp_size = layout.version, layout.ep_size, layout.ep_fsdp_size
     if entry is None:
         return EPGeometry(
             key,

@@ -14,7 +14,7 @@ from ckpttool.engine import execute as ex
 from ckpttool.engine.crc import crc32_combine
 from ckpttool.engine.execute import can_split, run_item, run_items, run_split
 from ckpttool.engine.io import ShortReadError
-from ckpttool.engine.plan import Compare, Crc32, Feed, Item, Window, WriteAt
+from ckpttool.engine.plan import Compare, CompareStream, Crc32, Feed, Item, Window, WriteAt
 
 A = os.urandom(300_000)
 B = os.urandom(70_001)
@@ -95,7 +95,31 @@ def test_run_split_equals_run_item(files, mid: int) -> None:
     assert (tmp / "out").read_bytes()[5:] == data
     assert first_diff == 5000  # the stream leaves file a after its first window
     assert not can_split(Item(item.reads, (Feed(print),)))
-    assert not can_split(Item(item.reads, (Crc32(1),)))
+    spans = [(1, None), (0, 4096), (5000, 87_501), (87_500, 175_001), (174_000, 175_000)]
+    halves = run_split(Item(item.reads, tuple(Crc32(a, b) for a, b in spans)), mid)
+    assert list(halves) == [zlib.crc32(data[a:b]) for a, b in spans]  # each span's parts combined
+
+
+@pytest.mark.parametrize("split", [None, 1, 60_000, 174_999])
+def test_compare_stream_against_other_windows(files, split: int | None) -> None:
+    """The other stream's windows cut the data elsewhere; its first difference is a stream position."""
+    tmp, fds = files
+    item, data = _item(fds)
+    changed = bytearray(data)
+    changed[100_003] ^= 0x40
+    (tmp / "c").write_bytes(bytes(changed))
+    c = os.open(tmp / "c", os.O_RDONLY)
+    try:
+        cuts = [0, 7, 99_999, 100_004, len(data)]
+        other = tuple(Window(c, a, b - a) for a, b in zip(cuts, cuts[1:]))
+        compared = Item(item.reads, (CompareStream(other), Crc32(0, 100_000)))
+        diff, crc = run_item(compared) if split is None else run_split(compared, split)
+        assert (diff, crc) == (100_003, zlib.crc32(data[:100_000]))
+        assert run_item(Item(item.reads[:1], (CompareStream(other),))) == (None,)  # the first 5000 bytes: equal
+        with pytest.raises(ShortReadError):
+            run_item(Item(item.reads, (CompareStream(other[:2]),)))  # the other stream ends first
+    finally:
+        os.close(c)
 
 
 def test_transform_is_applied_before_the_sinks(files) -> None:

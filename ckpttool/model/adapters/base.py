@@ -211,6 +211,7 @@ class ModelAdapter:
             :func:`~ckpttool.model.adapters.registry.register_adapter`, detected by :meth:`detects`.
         description: one line for ``inspect`` and the docs.
         maps: the key maps, first match wins.
+        naming, model_types, foreign: what the default :meth:`detects` asks (see there).
     """
 
     name = ""
@@ -218,11 +219,23 @@ class ModelAdapter:
     maps: tuple[KeyMap, ...] = ()
     #: keys and tensors as stored (the HF naming itself): no native names to import from
     identity = False
+    naming: str | None = None
+    model_types: tuple[str | None, ...] | None = None
+    foreign: tuple[str, ...] = ()
 
     @classmethod
     def detects(cls, evidence: Any) -> bool:
-        """Whether this adapter claims a checkpoint (an :class:`~ckpttool.model.adapters.registry.Evidence`)."""
-        return False
+        """Whether this adapter claims a checkpoint (an :class:`~ckpttool.model.adapters.registry.Evidence`).
+
+        By default: the key schema's naming is :attr:`naming`, the config's ``model_type`` is one of
+        :attr:`model_types` (``None`` in it: no config; ``model_types`` ``None``: any) and no model
+        fqn holds a :attr:`foreign` fragment (keys of another family).
+        """
+        if cls.naming is None or evidence.naming != cls.naming:
+            return False
+        if cls.model_types is not None and evidence.model_type not in cls.model_types:
+            return False
+        return not (cls.foreign and evidence.any_fqn_contains(*cls.foreign))
 
     def _match(self, fqn: str) -> tuple[KeyMap, re.Match[str]] | None:
         for m in self.maps:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from ckpttool.model.adapters.base import AdapterConfig, HFTensor, KeyMap, ModelAdapter, NativeTensor, Skip
 from ckpttool.model.adapters.registry import register_adapter
 
@@ -16,11 +14,7 @@ class HFIdentity(ModelAdapter):
     description = "Hugging Face names (identity: keys and tensors as stored, the export key rules apply)"
     maps = (KeyMap(r".+", "{fqn}", "{fqn}"),)
     identity = True
-
-    @classmethod
-    def detects(cls, evidence: Any) -> bool:
-        """HF-named fqns."""
-        return bool(evidence.naming == "hf")
+    naming = "hf"
 
     def to_hf(self, fqn: str, shape: tuple[int, ...], cfg: AdapterConfig) -> HFTensor | Skip | None:
         return HFTensor(fqn, shape)

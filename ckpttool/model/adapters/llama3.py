@@ -9,8 +9,6 @@ the two halves of each head (``rotate_half``), so ``wq`` / ``wk`` rows are permu
 
 from __future__ import annotations
 
-from typing import Any
-
 from ckpttool.model.adapters.base import KeyMap, ModelAdapter
 from ckpttool.model.adapters.registry import register_adapter
 
@@ -27,12 +25,7 @@ class TorchtitanLlama3(ModelAdapter):
     name = "torchtitan-llama3"
     description = "torchtitan Llama 3 (dense, GQA; RoPE q/k row permutation) <-> HF LlamaForCausalLM"
 
-    @classmethod
-    def detects(cls, evidence: Any) -> bool:
-        """torchtitan names, a config saying ``llama`` or none, and no Qwen3 keys (``q_norm``, grouped experts)."""
-        if evidence.naming != "torchtitan" or evidence.model_type not in (None, "llama"):
-            return False
-        return not evidence.any_fqn_contains(*_NOT_LLAMA3)
+    naming, model_types, foreign = "torchtitan", (None, "llama"), _NOT_LLAMA3
 
     maps = (
         KeyMap(r"tok_embeddings\.weight", "model.embed_tokens.weight", "tok_embeddings.weight"),

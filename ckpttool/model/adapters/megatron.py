@@ -77,15 +77,26 @@ def _layers(fqn: str, shape: tuple[int, ...], pieces: list[tuple[str, tuple[int,
     return HFTensor(out_pieces[0][0], out_pieces[0][1], pieces=tuple(out_pieces), runs=tuple(runs))
 
 
-def _qkv(fqn: str, shape: tuple[int, ...], cfg: AdapterConfig) -> HFTensor:
+def _heads(cfg: AdapterConfig, fqn: str, task: str, source: str, hint: str) -> tuple[int, int, int]:
+    """``(num_attention_heads, num_key_value_heads, head_dim)`` of ``cfg``, the query heads a multiple of the KV heads.
+
+    Raises:
+        ExportError: one is missing from the config, or the heads do not group (``fqn``: ``task`` needs them).
+    """
     nq, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     if nq is None or nkv is None or hd is None or nq % nkv:
         raise ExportError(
-            f"{fqn}: splitting linear_qkv needs `num_attention_heads`, `num_key_value_heads` and `head_dim` "
-            "from the model's config.json",
+            f"{fqn}: {task} needs `num_attention_heads`, `num_key_value_heads` and `head_dim` from {source}",
             fqn=fqn,
-            hint="pass the model's config.json with `model_assets`",
+            hint=hint,
         )
+    return nq, nkv, hd
+
+
+def _qkv(fqn: str, shape: tuple[int, ...], cfg: AdapterConfig) -> HFTensor:
+    nq, nkv, hd = _heads(
+        cfg, fqn, "splitting linear_qkv", "the model's config.json", "pass the model's config.json with `model_assets`"
+    )
     per = nq // nkv
     bias = fqn.endswith(".bias")
     if len(shape) != (2 if bias else 3) or shape[1] != nkv * (per + 2) * hd:
@@ -116,10 +127,7 @@ class MegatronGPT(ModelAdapter):
     name = "megatron-gpt"
     description = "Megatron-core GPTModel dense / MoE (stacked layers) -> HF LlamaForCausalLM / MixtralForCausalLM"
 
-    @classmethod
-    def detects(cls, evidence: Any) -> bool:
-        """Megatron-core names (``KeySchema.naming == "megatron"``)."""
-        return bool(evidence.naming == "megatron")
+    naming = "megatron"
 
     def matches(self, fqn: str) -> bool:
         return fqn in _TOP or (fqn.startswith("decoder.layers.") and self._suffix(fqn) is not None)
@@ -250,15 +258,10 @@ def _missing(hf_key: str) -> ExportError:
 
 def _qkv_rows(layer_keys: dict[str, tuple[int, ...]], pre: str, kind: str, cfg: AdapterConfig) -> tuple[Any, ...]:
     """The element runs of one layer's ``linear_qkv`` ``kind`` (weight / bias): per query group q, k, v rows."""
-    nq, nkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q, k, v = (f"{pre}self_attn.{n}_proj.{kind}" for n in "qkv")
-    if nq is None or nkv is None or hd is None or nq % nkv:
-        raise ExportError(
-            f"{q}: fusing q/k/v into linear_qkv needs `num_attention_heads`, `num_key_value_heads` "
-            "and `head_dim` from config.json",
-            fqn=q,
-            hint="pass the model's config.json with --config",
-        )
+    nq, nkv, hd = _heads(
+        cfg, q, "fusing q/k/v into linear_qkv", "config.json", "pass the model's config.json with --config"
+    )
     for key in (q, k, v):
         if key not in layer_keys:
             raise _missing(key)

@@ -13,8 +13,6 @@ Export only: ``ckpttool import`` writes torch-native or torchtitan keys, never t
 
 from __future__ import annotations
 
-from typing import Any
-
 from ckpttool.model.adapters.base import AdapterConfig, KeyMap, ModelAdapter, NativeTensor, Skip
 from ckpttool.model.adapters.registry import register_adapter
 
@@ -31,12 +29,7 @@ class TorchtuneLlama(ModelAdapter):
     name = "torchtune-llama"
     description = "torchtune Llama (dense, GQA; RoPE q/k row permutation as tune_to_hf) <-> HF LlamaForCausalLM"
 
-    @classmethod
-    def detects(cls, evidence: Any) -> bool:
-        """torchtune names, a config saying ``llama`` or none, and no keys of another family."""
-        if evidence.naming != "torchtune" or evidence.model_type not in (None, "llama"):
-            return False
-        return not evidence.any_fqn_contains(*_NOT_LLAMA)
+    naming, model_types, foreign = "torchtune", (None, "llama"), _NOT_LLAMA
 
     maps = (
         KeyMap(r"tok_embeddings\.weight", "model.embed_tokens.weight", "tok_embeddings.weight"),

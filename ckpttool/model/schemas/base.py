@@ -21,6 +21,7 @@ __all__ = [
     "Discovery",
     "FolderPair",
     "SchemaSpec",
+    "named_by_format",
     "canonical_model_key",
 ]
 
@@ -132,15 +133,21 @@ class Detected:
     training_state: tuple[str, ...]
 
 
-@dataclass(frozen=True)
+def named_by_format(d: Detected) -> bool:
+    """The ``claims`` of a schema its per-rank file format names (verl, torch-checkpointing): DCP keys never do."""
+    return False
+
+
+@dataclass(frozen=True, kw_only=True)
 class SchemaSpec:
     """One key schema (``docs/design.md`` §2), as registered.
 
     Attributes:
         name: the schema id (``torch-native``), reported by ``inspect`` and given to ``--schema``.
-        model_prefix, optimizer_prefix: the prefixes ``--schema <name>`` reads the keys with.
+        model_prefix, optimizer_prefix: the prefixes ``--schema <name>`` reads the keys with
+            (default ``model.`` / ``optimizer.``, torch's ``{"model": ..., "optimizer": ...}``).
         model_container: the nesting of the model's state dict in the saved dict: ``()`` top
-            level, ``("model",)`` for ``{"model": sd}``, ``(None, "model")`` for
+            level, ``("model",)`` (default) for ``{"model": sd}``, ``(None, "model")`` for
             ``{<any app>: {"model": sd}}`` (``None``: any name). Detection reads model-prefix
             candidates from it (planner paths, else key prefixes).
         claims: detection predicate: is a checkpoint with these findings of this schema? Specs
@@ -162,10 +169,10 @@ class SchemaSpec:
     """
 
     name: str
-    model_prefix: str
-    optimizer_prefix: str
-    model_container: tuple[str | None, ...]
     claims: Callable[[Detected], bool]
+    model_prefix: str = "model."
+    optimizer_prefix: str = "optimizer."
+    model_container: tuple[str | None, ...] = ("model",)
     priority: int = 50
     optimizer_heads: tuple[str, ...] = ("optimizer",)
     training_state_items: tuple[str, ...] = ()

@@ -182,11 +182,9 @@ def _claims(d: Detected) -> bool:
 SPEC = SchemaSpec(
     name="megatron",
     model_prefix="",
-    optimizer_prefix="optimizer.",
     model_container=(),
     claims=_claims,
     priority=40,
-    optimizer_heads=("optimizer",),
     split_state_key=split_state_key,
     doc_model="`<key>` (top level, layers stacked: `decoder.layers.<...> [L, ...]`)",
     doc_optimizer="`[chained_N.]optimizer.state.<field>.<key>` (field first); groups in `common.pt`",

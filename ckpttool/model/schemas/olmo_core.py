@@ -23,9 +23,7 @@ def _claims(d: Detected) -> bool:
 
 SPEC = SchemaSpec(
     name="olmo-core",
-    model_prefix="model.",
     optimizer_prefix="optim.",
-    model_container=("model",),
     claims=_claims,
     priority=5,
     optimizer_heads=("optim",),

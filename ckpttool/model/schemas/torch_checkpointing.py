@@ -8,23 +8,15 @@ per-rank format, never by key detection.
 
 from __future__ import annotations
 
-from ckpttool.model.schemas.base import Detected, SchemaSpec
+from ckpttool.model.schemas.base import SchemaSpec, named_by_format
 
 __all__ = ["SPEC"]
 
 
-def _claims(d: Detected) -> bool:
-    return False  # the per-rank format names it; DCP keys never do
-
-
 SPEC = SchemaSpec(
     name="torch-checkpointing",
-    model_prefix="model.",
-    optimizer_prefix="optimizer.",
-    model_container=("model",),
-    claims=_claims,
+    claims=named_by_format,
     priority=91,
-    optimizer_heads=("optimizer",),
     training_state_items=("lr_scheduler",),
     doc_model="`model.<fqn>` (assembled)",
     doc_optimizer="`optimizer.state.<fqn>.<field>` (assembled)",

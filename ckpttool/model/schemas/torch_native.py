@@ -23,9 +23,6 @@ def _claims(d: Detected) -> bool:
 
 SPEC = SchemaSpec(
     name="torch-native",
-    model_prefix="model.",
-    optimizer_prefix="optimizer.",
-    model_container=("model",),
     claims=_claims,
     priority=10,
     optimizer_heads=("optimizer", "optim", "optimizers"),

@@ -25,7 +25,6 @@ def _claims(d: Detected) -> bool:
 SPEC = SchemaSpec(
     name="torchtitan",
     model_prefix="",
-    optimizer_prefix="optimizer.",
     model_container=(),
     claims=_claims,
     priority=30,

@@ -30,12 +30,8 @@ def _claims(d: Detected) -> bool:
 
 SPEC = SchemaSpec(
     name="torchtune",
-    model_prefix="model.",
-    optimizer_prefix="optimizer.",
-    model_container=("model",),
     claims=_claims,
     priority=4,
-    optimizer_heads=("optimizer",),
     training_state_items=ITEMS,
     discovery=Discovery(step_words=("dist_epoch",)),
     doc_model="`model.<fqn>` (torchtune names: `layers.N.attn.q_proj.weight`, `sa_norm.scale`)",

@@ -9,23 +9,15 @@ format, never by key detection.
 
 from __future__ import annotations
 
-from ckpttool.model.schemas.base import Detected, Discovery, SchemaSpec
+from ckpttool.model.schemas.base import Discovery, SchemaSpec, named_by_format
 
 __all__ = ["SPEC"]
 
 
-def _claims(d: Detected) -> bool:
-    return False  # the per-rank format names it; DCP keys never do
-
-
 SPEC = SchemaSpec(
     name="verl",
-    model_prefix="model.",
-    optimizer_prefix="optimizer.",
-    model_container=("model",),
-    claims=_claims,
+    claims=named_by_format,
     priority=90,
-    optimizer_heads=("optimizer",),
     training_state_items=("lr_scheduler",),
     discovery=Discovery(step_words=("global_step",)),
     doc_model="`model.<fqn>` (assembled)",

@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ckpttool.engine.memcmp import memcmp
+
 __all__ = ["BLOCK_ELEMENTS", "IDENTICAL", "Metrics", "ValueDiff", "compare_tensors", "same_bytes", "unravel"]
 
 BLOCK_ELEMENTS = 1 << 22
@@ -97,33 +99,18 @@ def unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
     return out[::-1]
 
 
-_memcmp: Any = None
-
-
 def same_bytes(a: Any, b: Any) -> bool:
     """Whether two contiguous CPU tensors of one dtype and shape hold the same bytes.
 
-    libc ``memcmp`` through ``ctypes`` (the GIL released): several times faster than ``torch.equal``
-    on integer views or numpy's ``==`` (``docs/performance.md``).
+    libc ``memcmp`` (:mod:`ckpttool.engine.memcmp`, the GIL released): several times faster than
+    ``torch.equal`` on integer views or numpy's ``==`` (``docs/performance.md``).
     """
-    global _memcmp
     import torch
 
     if not (a.is_contiguous() and b.is_contiguous()) or a.device.type != "cpu" or b.device.type != "cpu":
         return bool(torch.equal(_int_view(a), _int_view(b)))
     n = a.numel() * a.element_size()
-    if n == 0:
-        return True
-    if _memcmp is None:
-        import ctypes
-        import ctypes.util
-
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        fn = libc.memcmp
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        _memcmp = fn
-    return bool(_memcmp(a.data_ptr(), b.data_ptr(), n) == 0)
+    return n == 0 or memcmp(a.data_ptr(), b.data_ptr(), n) == 0
 
 
 def _int_view(t: Any) -> Any:

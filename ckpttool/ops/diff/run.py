@@ -21,10 +21,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ckpttool.engine.crc import crc32
-from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
+from ckpttool.engine.execute import can_split, run_item, run_split
+from ckpttool.engine.io import ShortReadError
+from ckpttool.engine.plan import CompareStream, Crc32, Window
+from ckpttool.engine.plan import Item as PlanItem
 from ckpttool.engine.pool import overlap
 from ckpttool.errors import CkptError, DataFileError, DiffError, NothingComparedError, UsageError
+from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_KEY
@@ -845,8 +848,12 @@ def _torch_dtype(name: str) -> Any:
     return DType(name).to_torch()
 
 
-def _raw_equal(a: Side, ia: Item, b: Side, ib: Item, bufs: tuple[memoryview, memoryview]) -> bool | None:
-    """Compare the stored records chunk by chunk without decoding; ``None`` when the fast path does not apply."""
+def _raw_equal(a: Side, ia: Item, b: Side, ib: Item) -> bool | None:
+    """Compare the stored records without decoding (:func:`_equal_plan`); ``None`` when the fast path does not apply.
+
+    Chunks of one grid are compared record by record (zip CRC-32s that differ answer without a
+    read); row blocks of two grids (:func:`_row_blocks`) as one byte stream each.
+    """
     ea, eb = ia.entry, ib.entry
     assert ea is not None and eb is not None
     ca = sorted(c for c in ea.chunks if c.numel)
@@ -855,23 +862,20 @@ def _raw_equal(a: Side, ia: Item, b: Side, ib: Item, bufs: tuple[memoryview, mem
         ra_, rb_ = _row_blocks(a, ea), _row_blocks(b, eb)
         if ra_ is None or rb_ is None:
             return None
-        return _stream_equal(a, ra_, b, rb_, bufs)
-    locs = []
-    for c in ca:
-        la, lb = a.reader.locate(ea.key, c), b.reader.locate(eb.key, c)
-        if not (la.raw and lb.raw):
-            return None
-        locs.append((c, la, lb))
-    for _c, la, lb in locs:
-        ra, rb = la.record, lb.record
-        if ra.member is not None and rb.member is not None and ra.crc32 != rb.crc32:
-            return False  # the zip CRC-32s differ: the values differ (decode to name the element)
-        if not _window_equal(a, la, b, lb, bufs):
-            return False
-    return True
+        return _run_equal(a, ra_, b, rb_)
+    la, lb = [a.reader.locate(ea.key, c) for c in ca], [b.reader.locate(eb.key, c) for c in ca]
+    if not all(x.raw and y.raw for x, y in zip(la, lb)):
+        return None
+    if any(_zip_crcs_differ(x, y) for x, y in zip(la, lb)):
+        return False  # the zip CRC-32s differ: the values differ (decode to name the element)
+    return _run_equal(a, la, b, lb)
 
 
-def _row_blocks(side: Side, e: TensorEntry) -> list[Any] | None:
+def _zip_crcs_differ(x: ChunkLocation, y: ChunkLocation) -> bool:
+    return x.record.member is not None and y.record.member is not None and x.record.crc32 != y.record.crc32
+
+
+def _row_blocks(side: Side, e: TensorEntry) -> list[ChunkLocation] | None:
     """The chunk locations of a tensor stored as raw dim-0 row blocks (FSDP ``Shard(0)``, whole tensors), in order.
 
     The global tensor's C-order bytes are then the records concatenated: two such sides are
@@ -895,93 +899,65 @@ def _row_blocks(side: Side, e: TensorEntry) -> list[Any] | None:
     return locs if all(loc.raw for loc in locs) else None
 
 
-def _stream_equal(a: Side, la: list[Any], b: Side, lb: list[Any], bufs: tuple[memoryview, memoryview]) -> bool:
-    """Compare two row-block record sequences as one byte stream each (CRC-32 of every record checked)."""
-    ba, bb = bufs
-    ia = ib = 0  # current record of each side
-    oa = ob = 0  # offset inside it
-    crc_a = crc_b = 0
-    while ia < len(la) and ib < len(lb):
-        ra, rb = la[ia], lb[ib]
-        want = min(len(ba), ra.nbytes - oa, rb.nbytes - ob)
-        crc_a, crc_b = _read_both(a, ra, oa, crc_a, b, rb, ob, crc_b, bufs, want)
-        same = ba.obj == bb.obj if want == len(ba) else ba[:want].tobytes() == bb[:want].tobytes()
-        if not same:
-            return False
-        oa, ob = oa + want, ob + want
-        if oa == ra.nbytes:
-            ra.check_crc(crc_a)
-            ia, oa, crc_a = ia + 1, 0, 0
-        if ob == rb.nbytes:
-            rb.check_crc(crc_b)
-            ib, ob, crc_b = ib + 1, 0, 0
-    return ia == len(la) and ib == len(lb)
+def _equal_plan(
+    a: Side, la: list[ChunkLocation], b: Side, lb: list[ChunkLocation]
+) -> tuple[PlanItem, list[ChunkLocation]]:
+    """The engine plan comparing A's records (read, concatenated) with B's: one read of each side.
+
+    Sinks: :class:`~ckpttool.engine.plan.CompareStream` over B's windows, then one
+    :class:`~ckpttool.engine.plan.Crc32` span per record of A and of B (equal streams have
+    equal CRC-32s: B's spans are taken on A's bytes). Returns the item and the records in
+    the order of their spans.
+    """
+    windows = [
+        [Window(side.reader.fd(loc.info.relative_path), loc.data_start, loc.nbytes) for loc in locs]
+        for side, locs in ((a, la), (b, lb))
+    ]
+    spans: list[Crc32] = []
+    for locs in (la, lb):
+        pos = 0
+        for loc in locs:
+            spans.append(Crc32(pos, pos + loc.nbytes))
+            pos += loc.nbytes
+    return PlanItem(tuple(windows[0]), (CompareStream(tuple(windows[1])), *spans)), [*la, *lb]
 
 
-_THREADED_BYTES = 256 << 10
+_SPLIT_BYTES = 512 << 10  # from here the two halves run on two threads (reads, CRC-32 and memcmp release the GIL)
 
 
-def _read_both(
-    a: Side,
-    ra: Any,
-    oa: int,
-    crc_a: int,
-    b: Side,
-    rb: Any,
-    ob: int,
-    crc_b: int,
-    bufs: tuple[memoryview, memoryview],
-    want: int,
-) -> tuple[int, int]:
-    """:func:`_read_block` of side A into ``bufs[0]`` and side B into ``bufs[1]``; both running CRC-32s.
-
-    From ``_THREADED_BYTES`` on, B is read on the engine's overlap thread while A is read here
-    (preadv and CRC-32 release the GIL); a thread hand-off costs more than reading a small block.
+def _run_equal(a: Side, la: list[ChunkLocation], b: Side, lb: list[ChunkLocation]) -> bool:
+    """Run :func:`_equal_plan`; when equal, check every record's CRC-32.
 
     Raises:
-        DataFileError: as :func:`_read_block`, side A's error first (B's read has ended by then).
+        ChecksumError: equal bytes whose CRC-32 disagrees with a record's zip entry.
+        DataFileError: a data file ends first (it changed since the locator checked it).
     """
-    ba, bb = bufs
-    if want < _THREADED_BYTES:
-        return _read_block(a, ra, ba, oa, want, crc_a), _read_block(b, rb, bb, ob, want, crc_b)
-    fut = overlap(_read_block, b, rb, bb, ob, want, crc_b)
+    if sum(loc.nbytes for loc in la) != sum(loc.nbytes for loc in lb):
+        return False
+    item, records = _equal_plan(a, la, b, lb)
+    n = item.length
     try:
-        crc_a = _read_block(a, ra, ba, oa, want, crc_a)
-    except BaseException:
-        fut.exception()  # B's read ends before its buffer is used again; A's error is the one raised
-        raise
-    return crc_a, fut.result()
-
-
-def _read_block(side: Side, loc: Any, buf: memoryview, at: int, want: int, crc: int) -> int:
-    """Read ``want`` bytes of ``loc``'s record from ``at`` into ``buf``; return the running CRC-32.
-
-    Raises:
-        DataFileError: the file ends first (it changed since the locator checked it).
-    """
-    try:
-        read_into(side.reader.fd(loc.info.relative_path), buf[:want], loc.data_start + at)
+        first, *crcs = run_split(item, n // 2) if n >= _SPLIT_BYTES and can_split(item) else run_item(item)
     except ShortReadError:
-        raise DataFileError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=loc.key) from None
-    side.reader.count_read(want)
-    return crc32(buf[:want], crc)
-
-
-def _window_equal(a: Side, la: Any, b: Side, lb: Any, bufs: tuple[memoryview, memoryview]) -> bool:
-    n = la.nbytes
-    done, crc_a, crc_b = 0, 0, 0
-    ba, bb = bufs
-    while done < n:
-        want = min(len(ba), n - done)
-        crc_a, crc_b = _read_both(a, la, done, crc_a, b, lb, done, crc_b, bufs, want)
-        # bytearray == bytearray is one memcmp; memoryview == memoryview compares element by element
-        same = ba.obj == bb.obj if want == len(ba) else ba[:want].tobytes() == bb[:want].tobytes()
-        if not same:
-            return False
-        done += want
-    la.check_crc(crc_a)
-    lb.check_crc(crc_b)
+        raise _short_read([(a, loc) for loc in la] + [(b, loc) for loc in lb]) from None
+    a.reader.count_read(n)
+    b.reader.count_read(n)
+    if first is not None:
+        return False
+    for loc, crc in zip(records, crcs):
+        loc.check_crc(crc)
     return True
+
+
+def _short_read(locs: list[tuple[Side, ChunkLocation]]) -> DataFileError:
+    """The error naming the first record whose data file now ends before it (the first record if none does)."""
+    short = (
+        loc
+        for side, loc in locs
+        if os.fstat(side.reader.fd(loc.info.relative_path)).st_size < loc.data_start + loc.nbytes
+    )
+    loc = next(short, locs[0][1])
+    return DataFileError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=loc.key)
 
 
 def _compare_pair(
@@ -991,7 +967,6 @@ def _compare_pair(
     b: Side,
     ib: Item,
     opts: DiffOptions,
-    bufs: tuple[memoryview, memoryview],
     say: Callable[[str], None] = lambda text: None,
 ) -> tuple[Difference | None, TensorStat | None]:
     """``(difference or None, the tensors' metrics or None when no value was compared)`` of two items of one name.
@@ -1011,7 +986,7 @@ def _compare_pair(
         else None
     )
     if ia.direct and ib.direct and ia.dtype == ib.dtype and cast is None:
-        same = _raw_equal(a, ia, b, ib, bufs)
+        same = _raw_equal(a, ia, b, ib)
         if same:
             return None, _stat(name, ia, ib, ValueDiff(0, None), raw=True)
     if "torch" not in sys.modules:
@@ -1462,7 +1437,6 @@ def _compare_pairs(
     say: Callable[[str], None],
 ) -> None:
     """Compare every pair (an item without a partner is ``only_a``); progress in stored bytes of both sides."""
-    bufs = (memoryview(bytearray(BLOCK_BYTES)), memoryview(bytearray(BLOCK_BYTES)))  # cache-sized (bench_diff.py)
     total = sum(_item_bytes(a, ia) + _item_bytes(b, ib) for ia, ib in pairs if ib is not None)
     done = 0
     if progress is not None:
@@ -1477,7 +1451,7 @@ def _compare_pairs(
         if last_b is not None and last_b != ib.key:
             b.drop_cache()
         last_a, last_b = ia.key, ib.key
-        tally.pair(*_compare_pair(ia.name, a, ia, b, ib, opts, bufs, say))
+        tally.pair(*_compare_pair(ia.name, a, ia, b, ib, opts, say))
         done += _item_bytes(a, ia) + _item_bytes(b, ib)
         if progress is not None:
             progress(done, total)

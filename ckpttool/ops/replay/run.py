@@ -32,15 +32,7 @@ from ckpttool.ops.state_checks import synthesized_params
 from ckpttool.ops.tensors import to_canonical
 from ckpttool.optim_state.bounds import adam_ratio_bound
 
-__all__ = [
-    "DEVICE_CHOICES",
-    "ParamResult",
-    "ReplayOptions",
-    "ReplayResult",
-    "check_tolerance",
-    "replay_step",
-    "resolve_device",
-]
+# the public names are re-exported (and listed in ``__all__``) by ``ckpttool.ops.replay``
 
 logger = logging.getLogger(__name__)
 

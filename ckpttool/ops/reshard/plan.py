@@ -407,14 +407,7 @@ def _ep_state(cat: Catalog, layout: ResolvedLayout, with_optimizer: bool) -> dic
         )
     for skey, mkey in ep_state.items():
         spec = layout.ep_tensors[mkey]
-        geo = tensor_geometry(
-            cat.tensors[skey],
-            skey,
-            spec,
-            version=layout.version,
-            ep_size=layout.ep_size,
-            ep_fsdp_size=layout.ep_fsdp_size,
-        )
+        geo = tensor_geometry(cat.tensors[skey], skey, spec, layout)
         if layout.version is not None and layout.ep_size is not None and geo.problems:
             raise LayoutContradictionError(
                 f"{skey}: the chunk geometry contradicts the layout: {geo.problems[0]}",

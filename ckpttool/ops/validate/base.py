@@ -1,17 +1,19 @@
 """Rule registry, findings and severities of ``ckpttool validate``.
 
-A rule is one function with a stable code (``S002``), a severity, a summary and a fix hint; it
-receives the :class:`~ckpttool.ops.validate.context.Context` and yields ``(key, message)``
-(or with a hint, or a :class:`Finding`). Families: ``S`` storage, ``O`` optimizer state,
+A rule is one function with a stable code (``S002``) and a row of ``rules.json`` (name, severity,
+summary, fix hint, what it needs); it receives the :class:`~ckpttool.ops.validate.context.Context`
+and yields ``(key, message)`` (or with a hint, or a :class:`Finding`). Families: ``S`` storage, ``O`` optimizer state,
 ``P`` param groups, ``L`` layout, ``M`` model, ``K`` key schema, ``D`` deep. Fatal rules
 (unreadable or unsafe input) always run and make the command exit 2. ``docs/rules.md``.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import UsageError
@@ -138,23 +140,32 @@ class Rule:
 RULES: dict[str, Rule] = {}
 
 
-def rule(
-    code: str,
-    name: str,
-    severity: Severity,
-    summary: str,
-    hint: str,
-    *,
-    needs: Iterable[str] = (),
-    fatal: bool = False,
-    error_code: str | None = None,
-) -> Callable[[Callable[[Context], Iterable[RuleOutput]]], Callable[[Context], Iterable[RuleOutput]]]:
-    """Register a rule function under ``code`` (see :class:`Rule`)."""
+#: code -> the rule's declaration: name, severity, summary, hint, needs, fatal, error_code (``rules.json``)
+_TABLE: dict[str, dict[str, Any]] = json.loads((Path(__file__).parent / "rules.json").read_text(encoding="utf-8"))
+
+
+def rule(code: str) -> Callable[[Callable[[Context], Iterable[RuleOutput]]], Callable[[Context], Iterable[RuleOutput]]]:
+    """Register a rule function under ``code``, declared by its row of ``rules.json`` (see :class:`Rule`).
+
+    The table is the one place a rule's name, severity, summary, hint, needs, fatality and error
+    code are written (``docs/rules.md`` shows them); the function holds only the check.
+    """
 
     def deco(func: Callable[[Context], Iterable[RuleOutput]]) -> Callable[[Context], Iterable[RuleOutput]]:
         assert code not in RULES, f"duplicate rule code {code}"
         assert code[0] in FAMILIES and len(code) == 4 and code[1:].isdigit(), code
-        RULES[code] = Rule(code, name, severity, summary, hint, func, frozenset(needs), fatal, error_code)
+        row = _TABLE[code]
+        RULES[code] = Rule(
+            code,
+            row["name"],
+            Severity(row["severity"]),
+            row["summary"],
+            row["hint"],
+            func,
+            frozenset(row.get("needs", ())),
+            row.get("fatal", False),
+            row.get("error_code"),
+        )
         return func
 
     return deco

@@ -56,15 +56,18 @@ def _bad(p: Path, why: str) -> UsageError:
     )
 
 
+_HEADER_WORDS = {
+    "short": "not a safetensors file (shorter than 8 bytes)",
+    "too_long": "safetensors header of {length} bytes is implausible",
+    "past_end": "safetensors header of {length} bytes runs past the end of the file ({size} bytes)",
+    "truncated": "safetensors header of {length} bytes runs past the end of the file ({size} bytes)",
+    "not_object": "safetensors header is not a JSON object",
+}
+
+
 def _header_error(p: Path, e: HeaderError) -> CkptError:
-    if e.kind == "short":
-        return _bad(p, "not a safetensors file (shorter than 8 bytes)")
-    if e.kind == "too_long":
-        return _bad(p, f"safetensors header of {e.length} bytes is implausible")
-    if e.kind in ("past_end", "truncated"):
-        return _bad(p, f"safetensors header of {e.length} bytes runs past the end of the file ({e.size} bytes)")
-    if e.kind == "not_object":
-        return _bad(p, "safetensors header is not a JSON object")
+    if e.kind != "not_json":
+        return _bad(p, e.reason(_HEADER_WORDS))
     if isinstance(e.cause, DuplicateKeyError):
         return _bad(p, f"safetensors header holds a {e.cause}")
     assert e.cause is not None

@@ -252,26 +252,33 @@ def test_short_read_of_a_raw_block_is_the_data_file_error_it_always_was(tmp_path
 
     from ckpttool.engine.crc import crc32
     from ckpttool.errors import DataFileError
-    from ckpttool.ops.diff.run import _read_block
+    from ckpttool.ops.diff.run import _run_equal
 
     f = tmp_path / "__0_0.distcp"
     f.write_bytes(bytes(range(100)))
     fd = os.open(f, os.O_RDONLY)
     counted: list[int] = []
-    reader = SimpleNamespace(fd=lambda rel: fd, count_read=counted.append)
-    side = SimpleNamespace(reader=reader)
-    loc = SimpleNamespace(
-        where="__0_0.distcp: 'model.w' chunk at (0,)", info=SimpleNamespace(relative_path=f.name), data_start=10
-    )
-    loc.key = "model.w"
-    buf = memoryview(bytearray(64))
+    checked: list[int] = []
+    side = SimpleNamespace(reader=SimpleNamespace(fd=lambda rel: fd, count_read=counted.append))
+
+    def loc(start: int, n: int) -> SimpleNamespace:
+        where = f"__0_0.distcp: 'model.w' chunk at ({start},)"
+        info = SimpleNamespace(relative_path=f.name)
+        return SimpleNamespace(
+            where=where, info=info, data_start=start, nbytes=n, key="model.w", check_crc=checked.append
+        )
+
     try:
-        assert _read_block(side, loc, buf, 5, 40, 0) == crc32(bytes(range(15, 55)))  # type: ignore[arg-type]
-        assert bytes(buf[:40]) == bytes(range(15, 55)) and counted == [40]
+        assert _run_equal(side, [loc(10, 40)], side, [loc(10, 25), loc(35, 15)])  # type: ignore[arg-type]
+        assert counted == [40, 40] and checked == [crc32(bytes(range(10, 50)))] + [
+            crc32(bytes(range(10, 35))),
+            crc32(bytes(range(35, 50))),
+        ]
+        assert not _run_equal(side, [loc(10, 40)], side, [loc(11, 40)])  # type: ignore[arg-type]
         with pytest.raises(DataFileError) as ei:
-            _read_block(side, loc, buf, 50, 64, 0)  # type: ignore[arg-type]
+            _run_equal(side, [loc(0, 64)], side, [loc(50, 64)])  # type: ignore[arg-type]
     finally:
         os.close(fd)
     e = ei.value
-    assert e.message == f"{loc.where}: short read" and e.fqn == "model.w" and e.path == f.name
-    assert e.__cause__ is None and counted == [40]
+    assert e.message == "__0_0.distcp: 'model.w' chunk at (50,): short read" and e.fqn == "model.w"
+    assert e.path == f.name and e.__cause__ is None and counted == [40, 40, 40, 40]

@@ -55,6 +55,11 @@ def test_adapters_detect_themselves() -> None:
         ("torchtitan", ["layers.0.attention.q_norm.weight"], {"model_type": "llama"}, None),
         ("torchtitan", ["layers.0.attention.wq.weight"], {"model_type": "qwen3_moe"}, "torchtitan-qwen3"),
         ("torchtitan", ["layers.0.attention.wq.weight"], {"model_type": "mistral"}, None),
+        ("torchtune", ["layers.0.attn.q_proj.weight"], None, "torchtune-llama"),
+        ("torchtune", ["layers.0.attn.q_proj.weight"], {"model_type": "llama"}, "torchtune-llama"),
+        ("torchtune", ["layers.0.attn.q_norm.weight"], None, None),
+        ("torchtune", ["layers.0.attn.q_proj.weight"], {"model_type": "qwen3"}, None),
+        ("megatron", ["decoder.layers.self_attention.linear_qkv.weight"], None, "megatron-gpt"),
     ]
     for naming, fqns, config, want in cases:
         got = detect_adapter(naming, fqns, config)

@@ -471,6 +471,13 @@ def test_every_rule_is_documented_in_docs_rules_md() -> None:
         assert f"`{code}`" in text and r.name in text, code
 
 
+def test_every_row_of_the_rule_table_is_a_registered_rule() -> None:
+    table = json.loads(
+        (Path(__file__).resolve().parents[3] / "ckpttool" / "ops" / "validate" / "rules.json").read_text()
+    )
+    assert list(table) == sorted(RULES) and all(RULES[c].name == row["name"] for c, row in table.items())
+
+
 def test_library_call_matches_cli(dense_ckpt: Path) -> None:
     res = validate(dense_ckpt, ValidateOptions(strict=True))
     assert res.exit_code == 0 and res.to_dict()["schema"] == "ckpttool.validate/1"

@@ -18,7 +18,7 @@ from typing import Any
 
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.model.catalog import TensorEntry
-from ckpttool.ops.validate.base import Severity, rule
+from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.data import synthesized_from_stats
 from ckpttool.ops.validate.rules.optimizer import step_values
@@ -97,17 +97,7 @@ def _per_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
             yield keys[groups[0][0]], f"{pattern}: bitwise copies across experts: {_describe(groups, 'expert')}"
 
 
-@rule(
-    "D009",
-    "identical-expert-slices",
-    Severity.warning,
-    "experts of one layer hold bitwise identical weights (slices of a fused [E, ...] expert tensor, or "
-    "per-expert tensors): one EP rank's experts written for all ranks, or a resume that broadcast one slice",
-    "legitimate only for sparse upcycling before training (every expert a copy of the dense MLP at step 0; "
-    "this rule is silent when the checkpoint shows no training step). After training steps experts diverge: "
-    "compare the EP ranks' data files, and resume from an earlier checkpoint",
-    needs=("deep",),
-)
+@rule("D009")
 def identical_expert_slices(ctx: Context) -> Iterator[tuple[str, str]]:
     if not _trained(ctx):
         return
@@ -115,16 +105,7 @@ def identical_expert_slices(ctx: Context) -> Iterator[tuple[str, str]]:
     yield from _per_expert_copies(ctx)
 
 
-@rule(
-    "D010",
-    "identical-layers",
-    Severity.warning,
-    "a whole layer (every model tensor of layers.N) is bitwise identical to another layer",
-    "a copy bug in a conversion or a save (one layer written for several); legitimate only for depth "
-    "up-scaling before training (silent when the checkpoint shows no training step): resume from an earlier "
-    "checkpoint",
-    needs=("deep",),
-)
+@rule("D010")
 def identical_layers(ctx: Context) -> Iterator[tuple[str, str]]:
     if not _trained(ctx):
         return
@@ -157,16 +138,7 @@ ZERO_INIT_NAMES = re.compile(
 )
 
 
-@rule(
-    "D011",
-    "all-zero-weight",
-    Severity.warning,
-    "in a trained checkpoint, a floating model tensor of 2 or more dims is all zero, and it is not one that "
-    "initialises to zero (biases, LoRA B, router biases and names with `zero` are excepted: docs/rules.md)",
-    "the save wrote a tensor that was never materialised or loaded (meta-device init without init_weights, "
-    "a failed load that left zeros); compare with an earlier checkpoint before resuming",
-    needs=("deep",),
-)
+@rule("D011")
 def all_zero_weight(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
     if not _trained(ctx):
@@ -187,17 +159,7 @@ UNINIT_EXEMPT_NAMES = re.compile(r"(mask|running_var|running_mean)")
 SUBNORMAL_FRACTION = 0.1
 
 
-@rule(
-    "D013",
-    "uninitialised-values",
-    Severity.warning,
-    f"a floating model tensor holds finite values with |x| > {UNINIT_BOUND:g}, or {SUBNORMAL_FRACTION:.0%} or more "
-    "subnormal values (bfloat16/float32/float64): the bit patterns of uninitialised memory, not of weights",
-    "the tensor was materialised without being initialised (meta-device init, then to_empty() without "
-    "init_weights()/reset_parameters() for it, often a buffer such as a RoPE cache): re-run its "
-    "initialisation before saving, or resume from a checkpoint saved before the bug",
-    needs=("deep",),
-)
+@rule("D013")
 def uninitialised_values(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
     for key, entry in ctx.cat.model.items():
@@ -271,17 +233,7 @@ def _replica_difference(ctx: Context, key: str, offsets: tuple[int, ...], first:
     return f"{where}: {differ} of {numel} elements differ (max |diff| {top:.4g}){example}"
 
 
-@rule(
-    "D014",
-    "replicas-differ",
-    Severity.error,
-    "a replicated shard (a Replicate placement, a plain tensor such as an optimizer step saved by every rank) "
-    "differs between the rank files of a per-rank checkpoint (verl FSDP, torch-checkpointing)",
-    "replicated state drifted apart (a parameter left out of the gradient all-reduce, e.g. FSDP's ignored_params; "
-    "a rank that skipped an optimizer step): each rank resumes from its own copy. The finding names both rank "
-    "files and the first differing values; validate earlier steps to find where the drift began, fix the "
-    "synchronisation, and resume from a checkpoint saved before it",
-)
+@rule("D014")
 def replicas_differ(ctx: Context) -> Iterator[tuple[str | None, str]]:
     err = ctx.ckpt.replica_error
     if err is None:

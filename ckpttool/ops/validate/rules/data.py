@@ -7,21 +7,14 @@ from collections.abc import Iterator
 
 from ckpttool.model.catalog import TensorEntry
 from ckpttool.ops.state_checks import MOMENTS, is_synthesized
-from ckpttool.ops.validate.base import Severity, rule
+from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.optimizer import _num
 from ckpttool.ops.validate.stats import PairStats
 from ckpttool.optim_state.bounds import adam_ratio_bound
 
 
-@rule(
-    "D001",
-    "non-finite-values",
-    Severity.error,
-    "a floating tensor (parameter, buffer, optimizer state other than step) holds NaN or +-inf",
-    "training diverged before the save; resume from an earlier checkpoint",
-    needs=("deep",),
-)
+@rule("D001")
 def non_finite_values(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
     buffers = set(ctx.cat.non_persistent_buffers())  # masks hold -inf by design: M009 reports them
@@ -30,14 +23,7 @@ def non_finite_values(ctx: Context) -> Iterator[tuple[str, str]]:
             yield key, f"{key}: {st.nonfinite} of {st.numel} values are NaN or infinite"
 
 
-@rule(
-    "D002",
-    "negative-exp-avg-sq",
-    Severity.error,
-    "an exp_avg_sq (Adam second moment, a running mean of squares) holds negative values",
-    "the state is corrupt (bit flips, a bad conversion); resume from an earlier checkpoint",
-    needs=("deep",),
-)
+@rule("D002")
 def negative_exp_avg_sq(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
     for key, st in ctx.deep_result.stats.items():
@@ -45,46 +31,43 @@ def negative_exp_avg_sq(ctx: Context) -> Iterator[tuple[str, str]]:
             yield key, f"{key}: {st.negative} of {st.numel} values are negative (min {st.min:.4g})"
 
 
-@rule(
-    "D003",
-    "step-not-count",
-    Severity.error,
-    "an optimizer step is not a non-negative integer value (NaN, negative or fractional)",
-    "the step counter is corrupt; Adam's bias correction would be wrong: restore it from the training step",
-    needs=("deep",),
-)
+@rule("D003")
 def step_not_count(ctx: Context) -> Iterator[tuple[str, str]]:
-    assert ctx.deep_result is not None
-    dr = ctx.deep_result
-    for fqn, ps in ctx.cat.optimizer_state.items():
-        if "step" not in ps.fields:
+    for key, values, item in saved_steps(ctx):
+        if values is None:
+            yield key, f"{key}: step is a {type(item).__name__}, not a number"
             continue
-        t = ps.fields["step"]
-        key = ctx.cat.state_key(fqn, "step")
-        if t is None:
-            v = dr.byte_values.get(key)
-            values = [float(v)] if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-            if values is None and key in dr.byte_values:
-                yield key, f"{key}: step is a {type(v).__name__}, not a number"
-                continue
-        else:
-            st = dr.stats.get(t.key)
-            values = st.values if st is not None else None
-        for v in values or ():
+        for v in values:
             if not (math.isfinite(v) and v >= 0 and v == int(v)):
                 yield key, f"{key}: step value {_num(v)} is not a non-negative integer"
                 break
 
 
-@rule(
-    "D004",
-    "master-divergence",
-    Severity.error,
-    "a BF16/FP16 parameter differs from master_weight.to(param dtype): the model and its FP32 master copy diverged",
-    "the save wrote parameters and masters from different steps (or a cast was skipped); resume from the "
-    "master_weight (export --weights master) or an earlier checkpoint",
-    needs=("deep",),
-)
+def saved_steps(ctx: Context) -> Iterator[tuple[str, list[float] | None, object]]:
+    """Each saved optimizer ``step``, from the ``--deep`` pass: ``(key, values, byte item)``.
+
+    ``values``: a tensor's values (its statistics), a byte item's number, ``[]`` when none was
+    read, ``None`` for a byte item that is not a number (``byte item``: that value, else ``None``).
+    """
+    dr = ctx.deep_result
+    assert dr is not None
+    for fqn, ps in ctx.cat.optimizer_state.items():
+        if "step" not in ps.fields:
+            continue
+        t = ps.fields["step"]
+        key = ctx.cat.state_key(fqn, "step")
+        if t is not None:
+            st = dr.stats.get(t.key)
+            yield key, st.values if st is not None else [], None
+            continue
+        v = dr.byte_values.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            yield key, [float(v)], v
+        else:
+            yield key, None if key in dr.byte_values else [], v
+
+
+@rule("D004")
 def master_divergence(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
     for p in ctx.deep_result.pairs:
@@ -98,16 +81,7 @@ def master_divergence(ctx: Context) -> Iterator[tuple[str, str]]:
             )
 
 
-@rule(
-    "D005",
-    "synthesized-optimizer-state",
-    Severity.warning,
-    "optimizer state that torch made up rather than a step: step = 1 with all-zero exp_avg and exp_avg_sq "
-    "(get_optimizer_state_dict / torchtitan's init_optim_state on an optimizer that never stepped)",
-    "the optimizer had not stepped when it was saved; a resume would bias-correct as if one step had run: save "
-    "after the first real step, or drop the optimizer state of these parameters",
-    needs=("deep",),
-)
+@rule("D005")
 def synthesized_optimizer_state(ctx: Context) -> Iterator[tuple[str, str]]:
     fqns = synthesized_from_stats(ctx)
     if fqns:
@@ -158,16 +132,7 @@ def _step_value(ctx: Context, fqn: str) -> float | None:
     return vals[0] if len(vals) == 1 and math.isfinite(vals[0]) else None
 
 
-@rule(
-    "D006",
-    "zero-exp-avg-sq",
-    Severity.error,
-    "an exp_avg_sq is 0 where its exp_avg is not (elementwise, or the whole tensor): Adam's second moment is "
-    "a running mean of squared gradients and is non-zero wherever the first moment is",
-    "the second moment was reset or lost (a save that wrote fresh state for it, a bad merge); the next "
-    "update there is exp_avg / eps, orders of magnitude too large: resume from an earlier checkpoint",
-    needs=("deep",),
-)
+@rule("D006")
 def zero_exp_avg_sq(ctx: Context) -> Iterator[tuple[str, str]]:
     for p in _moment_pairs(ctx).values():
         if not p.mismatched:
@@ -181,17 +146,7 @@ def zero_exp_avg_sq(ctx: Context) -> Iterator[tuple[str, str]]:
 RATIO_SLACK = 1.1
 
 
-@rule(
-    "D007",
-    "moments-beyond-adam-bound",
-    Severity.warning,
-    "|exp_avg| / sqrt(exp_avg_sq) exceeds the most Adam's recursion can produce after the saved step with the "
-    "group's betas (Cauchy-Schwarz bound, see docs/rules.md)",
-    "the moments do not belong together or to this step (a stale exp_avg_sq beside a newer exp_avg, a reset "
-    "step, a scaled moment): resume from an earlier checkpoint; betas changed during the run, or state not "
-    "made by Adam, can exceed the bound legitimately",
-    needs=("deep",),
-)
+@rule("D007")
 def moments_beyond_adam_bound(ctx: Context) -> Iterator[tuple[str, str]]:
     by_avg = _moment_pairs(ctx)
     for fqn, ps in ctx.cat.optimizer_state.items():
@@ -217,15 +172,7 @@ def moments_beyond_adam_bound(ctx: Context) -> Iterator[tuple[str, str]]:
             )
 
 
-@rule(
-    "D008",
-    "zero-moments-after-steps",
-    Severity.warning,
-    "exp_avg and exp_avg_sq are both all zero although the saved step is 2 or more (the group has stepped)",
-    "the moments were reset (a resume that re-initialised the optimizer state but kept the step), or the "
-    "parameter only ever got zero gradients; resume from an earlier checkpoint unless the latter is expected",
-    needs=("deep",),
-)
+@rule("D008")
 def zero_moments_after_steps(ctx: Context) -> Iterator[tuple[str, str]]:
     deep = ctx.deep_result
     assert deep is not None

@@ -15,7 +15,7 @@ from ckpttool.errors import (
     LayoutContradictionError,
 )
 from ckpttool.layouts.geometry import EPGeometry
-from ckpttool.ops.validate.base import RULES, Finding, Severity, rule
+from ckpttool.ops.validate.base import RULES, Finding, rule
 from ckpttool.ops.validate.context import Context
 
 
@@ -39,46 +39,21 @@ def _shape_problems(g: EPGeometry, ep_size: int | None) -> list[str]:
     return out
 
 
-@rule(
-    "L001",
-    "layout-record-invalid",
-    Severity.error,
-    "the layout record (embedded item or layout.json) is not valid: unknown format, a version newer than "
-    "this ckpttool supports, or malformed fields",
-    "upgrade ckpttool for a newer version; otherwise fix or remove the record (`ckpttool stamp` rewrites it)",
-    error_code="E400",
-)
+@rule("L001")
 def layout_record_invalid(ctx: Context) -> Iterator[Finding]:
     e = ctx.layout_error
     if e is not None and not isinstance(e, (LayoutConflictError, LayoutContradictionError, AmbiguousLayoutError)):
         yield RULES["L001"].make("layout", e.message, e.hint or None, e.code)
 
 
-@rule(
-    "L002",
-    "layout-record-conflict",
-    Severity.error,
-    "the embedded layout record and the layout.json sidecar disagree",
-    "remove the stale layout.json (the embedded record was written with the save)",
-    error_code="E403",
-)
+@rule("L002")
 def layout_record_conflict(ctx: Context) -> Iterator[Finding]:
     e = ctx.layout_error
     if e is not None and isinstance(e, LayoutConflictError):
         yield RULES["L002"].make("layout.json", e.message, e.hint or None, e.code)
 
 
-@rule(
-    "L003",
-    "ep-layout-ambiguous",
-    Severity.warning,
-    "an unversioned checkpoint has EP tensors whose expert dim is split into blocks that a mesh with EP > 1 and "
-    "EP-FSDP > 1 may have sharded: legacy and canonical then store different expert orders and the metadata "
-    "cannot tell which (fails --strict)",
-    "declare it: --source-layout legacy|canonical --ep-size P --ep-fsdp-size F (or record it with `ckpttool stamp`), "
-    "or --no-ep for a save without expert parallelism",
-    error_code="E405",
-)
+@rule("L003")
 def ep_layout_ambiguous(ctx: Context) -> Iterator[tuple[str, str, str]]:
     if ctx.layout is None:
         return
@@ -101,14 +76,7 @@ def ep_layout_ambiguous(ctx: Context) -> Iterator[tuple[str, str, str]]:
         )
 
 
-@rule(
-    "L004",
-    "ep-shape-inconsistent",
-    Severity.error,
-    "an EP tensor's expert dim disagrees with num_experts, num_experts is not divisible by ep_size, or the "
-    "record names an EP tensor the checkpoint lacks",
-    "fix the layout record (`ckpttool stamp`) or the declaration; the checkpoint may be from another model",
-)
+@rule("L004")
 def ep_shape_inconsistent(ctx: Context) -> Iterator[tuple[str, str]]:
     if ctx.layout is None:
         return
@@ -117,15 +85,7 @@ def ep_shape_inconsistent(ctx: Context) -> Iterator[tuple[str, str]]:
             yield g.key, f"{g.key}: {p}"
 
 
-@rule(
-    "L005",
-    "ep-geometry-mismatch",
-    Severity.error,
-    "the chunk geometry of an EP tensor contradicts the recorded or declared ep_size/ep_fsdp_size (or the "
-    "declaration contradicts the record)",
-    "declare the sizes of the job that saved the checkpoint (`ckpttool inspect` shows the chunks)",
-    error_code="E404",
-)
+@rule("L005")
 def ep_geometry_mismatch(ctx: Context) -> Iterator[Finding | tuple[str, str]]:
     e = ctx.layout_error
     if e is not None and isinstance(e, LayoutContradictionError):

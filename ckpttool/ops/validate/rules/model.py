@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ckpttool.model.hfconfig import config_value
-from ckpttool.ops.validate.base import Severity, rule
+from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 
 _LAYER_RE = re.compile(r"^(?P<prefix>.*?\blayers)\.(?P<idx>\d+)\.")
@@ -52,15 +52,7 @@ def _num_experts(ctx: Context) -> int | None:
     return int(v) if isinstance(v, int) and v > 0 else None
 
 
-@rule(
-    "M001",
-    "layer-coverage",
-    Severity.error,
-    "layer indices in model keys do not cover 0..num_hidden_layers-1 exactly (gap, index out of range, a "
-    "second copy under another prefix, or pipeline-stage-local renumbering)",
-    "merge the pipeline stages with global layer indices, or check that --config belongs to this checkpoint",
-    needs=("config",),
-)
+@rule("M001")
 def layer_coverage(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, str]]:
     n = config_value(ctx.config, "num_hidden_layers", "n_layer", "num_layers")
     if not isinstance(n, int):
@@ -101,15 +93,7 @@ def layer_coverage(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, s
             yield prefix, f"{prefix}: layers {_ranges(dup)} also stored under {main} (duplicate layer container)"
 
 
-@rule(
-    "M002",
-    "expert-coverage",
-    Severity.error,
-    "fused expert tensors do not have num_experts rows, or per-expert keys experts.<j>. do not cover "
-    "0..num_experts-1 (e.g. every EP rank saved its local experts under renumbered names)",
-    "save experts with global indices (gather the EP ranks' experts), or check that --config matches",
-    needs=("config",),
-)
+@rule("M002")
 def expert_coverage(ctx: Context) -> Iterator[tuple[str, str]]:
     e = _num_experts(ctx)
     if e is None:
@@ -140,14 +124,7 @@ def expert_coverage(ctx: Context) -> Iterator[tuple[str, str]]:
             )
 
 
-@rule(
-    "M003",
-    "tied-head-differs",
-    Severity.error,
-    "with tie_word_embeddings true, lm_head.weight exists and differs from the input embedding (read with --deep)",
-    "the head was untied in training; export with an untied config, or drop lm_head.weight if the tie is intended",
-    needs=("config", "deep"),
-)
+@rule("M003")
 def tied_head_differs(ctx: Context) -> Iterator[tuple[str, str]]:
     if not config_value(ctx.config, "tie_word_embeddings"):
         return
@@ -170,14 +147,7 @@ def tied_head_differs(ctx: Context) -> Iterator[tuple[str, str]]:
             )
 
 
-@rule(
-    "M004",
-    "untied-head-missing",
-    Severity.error,
-    "with tie_word_embeddings false (or absent), the checkpoint has no lm_head.weight",
-    "the output head was not saved; use a checkpoint that has it, or a config with tie_word_embeddings true",
-    needs=("config",),
-)
+@rule("M004")
 def untied_head_missing(ctx: Context) -> Iterator[tuple[str, str]]:
     if config_value(ctx.config, "tie_word_embeddings"):
         return
@@ -218,14 +188,14 @@ def _tied(ctx: Context) -> bool | None:
     return bool(v) if v is not None else None
 
 
-@rule(
-    "M005",
-    "missing-keys",
-    Severity.error,
-    "a key of the --against reference has no model tensor in the checkpoint (e.g. a lost persistent buffer)",
-    "the save dropped it (non-persistent buffer, filtered state dict); re-save with it or restore it on load",
-    needs=("against",),
-)
+def _tied_head(name: str, tied: bool | None, names: Iterable[str]) -> bool:
+    """``name`` is an ``lm_head.weight`` that may be tied (``tied`` not ``False``) to an ``embed_tokens.weight`` of ``names``."""
+    return (
+        name.endswith("lm_head.weight") and tied is not False and any(n.endswith("embed_tokens.weight") for n in names)
+    )
+
+
+@rule("M005")
 def missing_keys(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.reference is not None
     names = _ckpt_names(ctx)
@@ -235,24 +205,13 @@ def missing_keys(ctx: Context) -> Iterator[tuple[str, str]]:
     for name in ref:
         if name in names or name in cover:
             continue
-        if (
-            name.endswith("lm_head.weight")
-            and tied is not False
-            and any(n.endswith("embed_tokens.weight") for n in names)
-        ):
+        if _tied_head(name, tied, names):
             continue  # tied embeddings: the head is the embedding
         key = ctx.cat.model_key(name)
         yield key, f"{key}: in the reference {ctx.reference.source} but not in the checkpoint"
 
 
-@rule(
-    "M006",
-    "unexpected-keys",
-    Severity.warning,
-    "a model tensor of the checkpoint is not in the --against reference",
-    "check the key mapping (renamed module? a buffer the reference does not persist?)",
-    needs=("against",),
-)
+@rule("M006")
 def unexpected_keys(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.reference is not None
     ref = ctx.reference.tensors
@@ -261,24 +220,12 @@ def unexpected_keys(ctx: Context) -> Iterator[tuple[str, str]]:
     for name, key in _ckpt_names(ctx).items():
         if name in ref or key in covered:
             continue
-        if (
-            name.endswith("lm_head.weight")
-            and tied is not False
-            and any(n.endswith("embed_tokens.weight") for n in ref)
-        ):
+        if _tied_head(name, tied, ref):
             continue  # HF drops a tied head from the saved weights
         yield key, f"{key}: not in the reference {ctx.reference.source}"
 
 
-@rule(
-    "M007",
-    "shape-mismatch",
-    Severity.error,
-    "a model tensor's shape differs from the --against reference's (fused experts: [E, 2I, H] / [E, H, I] "
-    "against per-expert [I, H] / [H, I])",
-    "the checkpoint is from another model configuration, or the EP/TP pieces were not reassembled",
-    needs=("against",),
-)
+@rule("M007")
 def shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.reference is not None
     names = _ckpt_names(ctx)
@@ -299,14 +246,7 @@ def shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
             yield key, f"{key}: fused shape {list(t.shape)} does not match per-expert {name} {list(rt.shape)}"
 
 
-@rule(
-    "M008",
-    "dtype-mismatch",
-    Severity.warning,
-    "a model tensor's dtype differs from the --against reference's",
-    "export with --save-dtype to match, or check that the reference is the intended one",
-    needs=("against",),
-)
+@rule("M008")
 def dtype_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.reference is not None
     names = _ckpt_names(ctx)
@@ -316,16 +256,7 @@ def dtype_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
             yield key, f"{key}: dtype {ctx.cat.model[key].dtype}, reference {rt.dtype}"
 
 
-@rule(
-    "M009",
-    "non-persistent-buffer-saved",
-    Severity.info,
-    "a buffer that models register as non-persistent (rotary_emb.inv_freq, rope caches, attention masks, "
-    "token counters) is stored as a model key (metadata only)",
-    "it is recomputed from the config when the model is built, so the save used a state dict that includes "
-    "non-persistent buffers (named_buffers(), an old transformers, a custom hook); harmless for resuming, but "
-    "transformers reports it as an unexpected key: leave it out of exports with a `to: null` rule",
-)
+@rule("M009")
 def non_persistent_buffer_saved(ctx: Context) -> Iterator[tuple[str, str]]:
     keys = ctx.cat.non_persistent_buffers()
     if keys:
@@ -357,16 +288,7 @@ def _model_class_check(ctx: Context) -> tuple[Any, str | None]:
     return compare_with_model(written_tensors(plan), ctx.config), None
 
 
-@rule(
-    "M010",
-    "model-class-mismatch",
-    Severity.error,
-    "the model tensors (named as `export` writes them) do not fit the model class transformers builds from "
-    "--config on the meta device: missing or unexpected keys, wrong shapes or dtypes",
-    "pass the config.json of the model this checkpoint was trained as; a rank-local or empty tensor was saved "
-    "without its global shape (save DTensors, or gather before saving)",
-    needs=("config",),
-)
+@rule("M010")
 def model_class_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     check, _ = _model_class_check(ctx)
     if check is None or not check.checked:
@@ -377,15 +299,7 @@ def model_class_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
             yield key, f"{kind}: {line} ({check.model_class})"
 
 
-@rule(
-    "M011",
-    "model-class-not-checked",
-    Severity.info,
-    "--config was given but the keys and shapes could not be checked against the model class "
-    "(transformers not installed, a model_type it does not know, names with no HF mapping)",
-    "pip install 'ckpttool[hf]', or pass a config.json with a model_type transformers knows",
-    needs=("config",),
-)
+@rule("M011")
 def model_class_not_checked(ctx: Context) -> Iterator[tuple[str, str]]:
     check, why = _model_class_check(ctx)
     if why is not None:

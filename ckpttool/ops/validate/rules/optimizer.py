@@ -19,7 +19,7 @@ from typing import Any
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import dtype_name
 from ckpttool.model.catalog import TensorEntry, lost_state
-from ckpttool.ops.validate.base import Severity, rule
+from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.optim_state.schema import (
     HYPERPARAMETERS,
@@ -61,13 +61,7 @@ def _declared(ctx: Context) -> tuple[str | None, dict[str, Any]]:
     return (str(t) if t is not None else None), dict(rec.optimizer)
 
 
-@rule(
-    "O001",
-    "partial-state",
-    Severity.error,
-    "a parameter has some AdamW state fields but not all of step, exp_avg, exp_avg_sq",
-    "the save lost part of the optimizer state; use an earlier checkpoint (resuming would crash or reset moments)",
-)
+@rule("O001")
 def partial_state(ctx: Context) -> Iterator[tuple[str, str]]:
     for fqn, fields, _ in _states(ctx):
         if set(fields) - set(STATE_FIELDS):
@@ -77,15 +71,7 @@ def partial_state(ctx: Context) -> Iterator[tuple[str, str]]:
             yield fqn, f"{fqn}: optimizer state lacks {', '.join(missing)} (has {', '.join(sorted(fields))})"
 
 
-@rule(
-    "O002",
-    "no-state-no-hyperparameters",
-    Severity.error,
-    "a parameter has no optimizer state and no saved param-group hyperparameters (while the rest of its "
-    "module/layer is optimized: frozen modules and buffers do not count)",
-    "save the param-group hyperparameters of never-stepped parameters too (flattened flavor: "
-    "optimizer.param_groups.<fqn>.lr, ...); otherwise their LR silently resets on resume",
-)
+@rule("O002")
 def no_state_no_hyperparameters(ctx: Context) -> Iterator[tuple[str, str]]:
     if not ctx.has_optimizer or not _membership_known(ctx):
         return
@@ -106,13 +92,7 @@ def no_state_no_hyperparameters(ctx: Context) -> Iterator[tuple[str, str]]:
             )
 
 
-@rule(
-    "O003",
-    "orphan-state",
-    Severity.error,
-    "optimizer state for an fqn that is not a model tensor of the checkpoint",
-    "the optimizer state belongs to another model (renamed or removed parameters); fix the fqn mapping or re-save",
-)
+@rule("O003")
 def orphan_state(ctx: Context) -> Iterator[tuple[str, str]]:
     cat = ctx.cat
     if not cat.model or cat.schema.optimizer_keying == "index":
@@ -125,14 +105,7 @@ def orphan_state(ctx: Context) -> Iterator[tuple[str, str]]:
             )
 
 
-@rule(
-    "O004",
-    "state-shape-mismatch",
-    Severity.error,
-    "a state tensor's shape differs from its parameter's (step must be 0-d), or a field that must be a "
-    "tensor is saved as a Python object",
-    "the state belongs to a different model configuration or layout; use the matching checkpoint",
-)
+@rule("O004")
 def state_shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     for fqn, fields, param in _states(ctx):
         for name, t in fields.items():
@@ -163,14 +136,7 @@ def state_shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
                 )
 
 
-@rule(
-    "O005",
-    "state-dtype-policy",
-    Severity.error,
-    "a state field's dtype violates the policy of the optimizer type declared in the layout record or implied "
-    "by the fields (master_weight and step float32; moments as declared, param dtype for plain adamw)",
-    "convert the state explicitly or fix the optimizer configuration; never let dcp.load cast it silently",
-)
+@rule("O005")
 def state_dtype_policy(ctx: Context) -> Iterator[tuple[str, str]]:
     declared, cfg = _declared(ctx)
     if declared is not None and declared not in OPTIMIZER_TYPES:
@@ -245,13 +211,7 @@ def _fmt(d: dict[str, str]) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(d.items()))
 
 
-@rule(
-    "O006",
-    "master-weight-partial",
-    Severity.error,
-    "master_weight is present for some parameters of a param group (optimizer leaf) and absent for others",
-    "every parameter of an FP32-master optimizer has a master_weight; the save lost some: use an earlier checkpoint",
-)
+@rule("O006")
 def master_weight_partial(ctx: Context) -> Iterator[tuple[str, str]]:
     state = ctx.cat.optimizer_state
     if not state:
@@ -268,15 +228,7 @@ def master_weight_partial(ctx: Context) -> Iterator[tuple[str, str]]:
             )
 
 
-@rule(
-    "O007",
-    "step-counters-disagree",
-    Severity.warning,
-    "step counters of the parameters of one param group differ (read with --deep)",
-    "parameters that skipped steps (no gradient, e.g. unused experts) have fewer bias-correction steps; "
-    "check that this is expected",
-    needs=("deep",),
-)
+@rule("O007")
 def step_counters_disagree(ctx: Context) -> Iterator[tuple[str, str]]:
     steps = step_values(ctx)
     for label, fqns in ctx.group_sets():
@@ -314,14 +266,7 @@ def step_values(ctx: Context) -> dict[str, float]:
     return out
 
 
-@rule(
-    "O008",
-    "unrecognized-state",
-    Severity.warning,
-    "optimizer state that is not an AdamW-family state ckpttool knows (unknown fields, or an unknown "
-    "optimizer.type in the layout record): its policy cannot be checked",
-    "nothing is checked for it; record the optimizer type in the layout record or check the state by hand",
-)
+@rule("O008")
 def unrecognized_state(ctx: Context) -> Iterator[tuple[str, str]]:
     declared, _ = _declared(ctx)
     if declared is not None and declared not in OPTIMIZER_TYPES:
@@ -335,14 +280,7 @@ def unrecognized_state(ctx: Context) -> Iterator[tuple[str, str]]:
 
 
 # ------------------------------------------------------------------------------------------ param groups
-@rule(
-    "P001",
-    "group-missing-hyperparameter",
-    Severity.error,
-    "a param group lacks lr, betas, eps or weight_decay",
-    "save the full param groups (torch's optimizer.state_dict() does); the optimizer would raise or silently "
-    "use its defaults on the first step after resume",
-)
+@rule("P001")
 def group_missing_hyperparameter(ctx: Context) -> Iterator[tuple[str, str]]:
     for g in ctx.cat.param_groups:
         missing = [h for h in HYPERPARAMETERS if h not in g.keys]
@@ -376,14 +314,7 @@ def _same_lr(a: object, b: object) -> bool:
     return repr(a) == repr(b)
 
 
-@rule(
-    "P002",
-    "scheduler-initial-lr",
-    Severity.info,
-    "a param group's saved lr differs from its initial_lr (an LR scheduler moved it): the saved lr is the "
-    "scheduled one",
-    "resume the scheduler from its saved state too, or the LR jumps back to initial_lr",
-)
+@rule("P002")
 def scheduler_initial_lr(ctx: Context) -> Iterator[tuple[str, str]]:
     seen: dict[tuple[str, str], list[str]] = defaultdict(list)
     for g in ctx.cat.param_groups:
@@ -394,13 +325,7 @@ def scheduler_initial_lr(ctx: Context) -> Iterator[tuple[str, str]]:
         yield ctx.cat.group_key(ids[0]), f"param group {ids[0]}{more}: initial_lr {ilr}, lr {lr}"
 
 
-@rule(
-    "P003",
-    "step-low-precision",
-    Severity.error,
-    "an optimizer step counter is stored as bfloat16/float16/float8 (it stops counting exactly past 256 in bf16)",
-    "save step as a float32 (torch's default) tensor; recover the true step from the training step counter",
-)
+@rule("P003")
 def step_low_precision(ctx: Context) -> Iterator[tuple[str, str]]:
     bad = [
         (fqn, step)
@@ -412,13 +337,7 @@ def step_low_precision(ctx: Context) -> Iterator[tuple[str, str]]:
         yield t.key, f"{t.key}: step stored as {t.dtype}{more}"
 
 
-@rule(
-    "P004",
-    "state-without-group",
-    Severity.error,
-    "a parameter has optimizer state but belongs to no param group (no saved hyperparameters)",
-    "save the param groups with the state; on resume its hyperparameters would be the optimizer defaults",
-)
+@rule("P004")
 def state_without_group(ctx: Context) -> Iterator[tuple[str, str]]:
     if not ctx.cat.param_groups:
         if ctx.cat.optimizer_state:
@@ -431,15 +350,7 @@ def state_without_group(ctx: Context) -> Iterator[tuple[str, str]]:
             yield fqn, f"{fqn}: has optimizer state but is in no param group"
 
 
-@rule(
-    "O009",
-    "state-lost-in-stepped-group",
-    Severity.error,
-    "a parameter has no optimizer state while other parameters of its param group (optimizer leaf) have state: "
-    "the leaf stepped, this parameter's state was lost (replay-step refuses it with E513)",
-    "use an earlier checkpoint; a resume would restart its moments from zero and bias-correct it as if it "
-    "had never stepped",
-)
+@rule("O009")
 def state_lost_in_stepped_group(ctx: Context) -> Iterator[tuple[str, str]]:
     if not _membership_known(ctx):
         return  # S011 reports why

@@ -5,19 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ckpttool.format.files import resolve_inside
-from ckpttool.ops.validate.base import Severity, rule
+from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 
 
-@rule(
-    "D012",
-    "hf-copy-differs",
-    Severity.error,
-    "a full HF model saved beside per-rank shards (verl's huggingface/model.safetensors, NeMo Automodel's "
-    "model/consolidated/) differs from the tensors the shards assemble",
-    "the two were saved from different states (or one is damaged): export from the shards, or re-save the HF copy",
-    needs=("deep",),
-)
+@rule("D012")
 def hf_copy_differs(ctx: Context) -> Iterator[tuple[str, str]]:
     from ckpttool.model.schemas.nemo import hf_copies
 
@@ -56,15 +48,7 @@ def hf_copy_differs(ctx: Context) -> Iterator[tuple[str, str]]:
                     )
 
 
-@rule(
-    "K020",
-    "perrank-files-not-read",
-    Severity.error,
-    "files in a per-rank checkpoint directory that no item names were not read (torch-checkpointing "
-    "records the path of an item saved at a custom LayoutInfo path only when the item declares a resharder)",
-    "check those files with the framework's own loader, or move them out of the checkpoint directory "
-    "if they are not part of it",
-)
+@rule("K020")
 def perrank_files_not_read(ctx: Context) -> Iterator[tuple[str | None, str]]:
     assembled = getattr(ctx.reader, "assembled", None)
     unread = list(getattr(assembled, "unread", ()))
@@ -73,14 +57,7 @@ def perrank_files_not_read(ctx: Context) -> Iterator[tuple[str | None, str]]:
         yield None, f"{len(unread)} file(s) not read: {', '.join(unread[:5])}{more}"
 
 
-@rule(
-    "K021",
-    "frozen-parameters",
-    Severity.info,
-    "parameters in the optimizer's param groups with no optimizer state on any rank of a per-rank save "
-    "(verl FSDP): frozen (requires_grad=False), never stepped; not lost state (O009 does not count them)",
-    "nothing to fix when they were frozen on purpose; replay-step leaves them out and says so",
-)
+@rule("K021")
 def frozen_parameters(ctx: Context) -> Iterator[tuple[str | None, str]]:
     frozen = sorted(ctx.cat.frozen)
     if frozen:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ckpttool.errors import CkptError
 from ckpttool.model.quantized import QuantPair, block_size, find_quantized
-from ckpttool.ops.validate.base import Severity, rule
+from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 
 _SUFFIX = "_scale_inv"
@@ -51,15 +51,7 @@ def _scale_problem(ctx: Context, key: str) -> str | None:
     return None
 
 
-@rule(
-    "M020",
-    "fp8-scale-mismatch",
-    Severity.error,
-    "a block FP8 weight_scale_inv does not fit its weight: no such weight, not float32 (e.g. F8_E8M0), "
-    "a weight that is not float8_e4m3fn, or a shape other than ceil(out/B) x ceil(in/B)",
-    "re-export with `ckpttool export --quantize fp8-block`, or pass the --config whose "
-    "quantization_config.weight_block_size the checkpoint was quantized with",
-)
+@rule("M020")
 def fp8_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     for key in ctx.cat.model:
         if key.endswith(".weight" + _SUFFIX):
@@ -123,15 +115,7 @@ def _mxfp4_scale_values(ctx: Context, p: QuantPair) -> str | None:
     return f"{p.scale}: {n} E8M0 exponent(s) are 0xFF (NaN)" if n else None
 
 
-@rule(
-    "M021",
-    "quant-scale-values",
-    Severity.error,
-    "a quantization scale is unusable: a block FP8 weight_scale_inv NaN, infinite or negative, or 0 for a block "
-    "that is not all zero; an MXFP4 E8M0 exponent 0xFF (NaN)",
-    "the quantized checkpoint is damaged: re-quantize it from its source (`ckpttool export --quantize fp8-block`)",
-    needs=("deep",),
-)
+@rule("M021")
 def quant_scale_values(ctx: Context) -> Iterator[tuple[str, str]]:
     pairs, _ = _pairs(ctx)
     for p in pairs:
@@ -140,14 +124,7 @@ def quant_scale_values(ctx: Context) -> Iterator[tuple[str, str]]:
             yield p.scale, why
 
 
-@rule(
-    "M022",
-    "fp8-nan-bytes",
-    Severity.error,
-    "a float8_e4m3fn tensor holds NaN bytes (0x7F / 0xFF; e4m3fn has no infinity)",
-    "the FP8 weights are damaged (or a NaN was quantized): re-quantize from a finite source",
-    needs=("deep",),
-)
+@rule("M022")
 def fp8_nan_bytes(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
     for key, st in ctx.deep_result.stats.items():
@@ -155,14 +132,7 @@ def fp8_nan_bytes(ctx: Context) -> Iterator[tuple[str, str]]:
             yield key, f"{key}: {st.nonfinite} of {st.numel} float8_e4m3fn bytes are NaN (0x7F / 0xFF)"
 
 
-@rule(
-    "M023",
-    "mxfp4-scale-mismatch",
-    Severity.error,
-    "MXFP4 x_blocks / x_scales do not fit: blocks without scales (or scales without blocks), scales that are not "
-    "uint8 E8M0 exponents, blocks not uint8 [E, N, G, B] with scales [E, N, G]",
-    "the MXFP4 checkpoint is incomplete or of another convention (gpt-oss: transformers' integrations/mxfp4.py)",
-)
+@rule("M023")
 def mxfp4_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     _, problems = _pairs(ctx)
     for key, why in problems:

@@ -15,21 +15,12 @@ from pathlib import Path
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import BytesMeta
 from ckpttool.model.beside import read_training_state_beside
-from ckpttool.ops.validate.base import Severity, rule
+from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
-from ckpttool.ops.validate.rules.data import synthesized_from_stats
+from ckpttool.ops.validate.rules.data import saved_steps, synthesized_from_stats
 
 
-@rule(
-    "R001",
-    "newer-step-incomplete",
-    Severity.warning,
-    "a step directory newer than the checked one holds a save that did not finish (data files or "
-    ".metadata.tmp without .metadata, an async save cut short)",
-    "the newest save did not finish: a resume (or `--step latest`) picks the older step and the steps in "
-    "between are lost; wait for the save, or delete the incomplete step once you have decided to resume from "
-    "the older one",
-)
+@rule("R001")
 def newer_step_incomplete(ctx: Context) -> Iterator[tuple[str, str]]:
     loc = ctx.ckpt.located
     for inc in loc.newer_incomplete:
@@ -99,39 +90,15 @@ def _scheduler_counters(ctx: Context) -> tuple[list[_Counter], list[_Counter]]:
 
 def _optimizer_step(ctx: Context) -> _Counter | None:
     """The largest saved optimizer ``step`` (parameters that missed gradients count fewer)."""
-    dr = ctx.deep_result
-    assert dr is not None
     best: _Counter | None = None
-    for fqn, ps in ctx.cat.optimizer_state.items():
-        if "step" not in ps.fields:
-            continue
-        t = ps.fields["step"]
-        key = ctx.cat.state_key(fqn, "step")
-        if t is None:
-            v = dr.byte_values.get(key)
-            values = [float(v)] if isinstance(v, (int, float)) and not isinstance(v, bool) else []
-        else:
-            st = dr.stats.get(t.key)
-            values = st.values if st is not None else []
-        for v in values:
+    for key, values, _ in saved_steps(ctx):
+        for v in values or ():
             if math.isfinite(v) and v >= 0 and v == int(v) and (best is None or v > best.value):
                 best = _Counter(key, int(v))
     return best
 
 
-@rule(
-    "R002",
-    "train-step-mismatch",
-    Severity.error,
-    "the step counters saved together disagree: the optimizer's largest `step`, the trainer's step "
-    "(`train_state.step`, `global_step`, `iteration`, extra_state files, OLMo-core's train/rankR.pt) and the "
-    "LR scheduler's "
-    "`last_epoch` (equal to the trainer's step) and `_step_count` (`last_epoch + 1`)",
-    "parts of the state come from different steps (a stale optimizer or scheduler file kept across a "
-    "resume): a resume would bias-correct or schedule the LR for the wrong step; resume from a checkpoint "
-    "whose counters agree, or restore the stale part",
-    needs=("deep",),
-)
+@rule("R002")
 def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     if synthesized_from_stats(ctx):
         return  # saved before the first optimizer step (D005): the counters of no step to compare

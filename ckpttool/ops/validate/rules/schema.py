@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ckpttool.model.beside import read_training_state_beside
 from ckpttool.model.nested_state import describe_nested, nested_state_items
-from ckpttool.ops.validate.base import Severity, rule
+from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 
 
@@ -21,13 +21,7 @@ def _examples(keys: list[str], n: int = 3) -> str:
     return shown + (f" (+{len(keys) - n} more)" if len(keys) > n else "")
 
 
-@rule(
-    "K001",
-    "nothing-recognised",
-    Severity.error,
-    "the checkpoint holds no tensor recognised as model weights or optimizer state (no known key schema fits)",
-    "`ckpttool inspect` lists the keys; give the schema with --schema or --model-prefix/--optimizer-prefix",
-)
+@rule("K001")
 def nothing_recognised(ctx: Context) -> Iterator[tuple[str | None, str]]:
     cat = ctx.cat
     if cat.model or cat.optimizer_state or cat.param_groups or nested_state_items(ctx.reader.metadata):
@@ -36,15 +30,7 @@ def nothing_recognised(ctx: Context) -> Iterator[tuple[str | None, str]]:
     yield None, f"{cat.path}: no model tensor and no optimizer state among {len(keys)} key(s): {_examples(keys)}"
 
 
-@rule(
-    "K002",
-    "uncategorized-tensors",
-    Severity.warning,
-    "tensors that are neither model weights, optimizer state, training state (scheduler, data loader, step) nor "
-    "the layout record",
-    "check what they are (`ckpttool inspect` lists them under other tensors); export never writes them; declare "
-    "the prefixes with --model-prefix/--optimizer-prefix if they are model or optimizer state",
-)
+@rule("K002")
 def uncategorized_tensors(ctx: Context) -> Iterator[tuple[str, str]]:
     if not (ctx.cat.model or ctx.cat.optimizer_state):
         return  # K001
@@ -53,15 +39,7 @@ def uncategorized_tensors(ctx: Context) -> Iterator[tuple[str, str]]:
         yield odd[0], f"{len(odd)} tensor(s) outside the {ctx.cat.schema.id} key schema: {_examples(odd)}"
 
 
-@rule(
-    "K003",
-    "optimizer-state-by-index",
-    Severity.error,
-    "optimizer state keyed by parameter index (a plain optimizer.state_dict()): no state can be matched to a "
-    "parameter, so nothing about it can be checked or resumed by name",
-    "re-save with torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optimizer), which keys "
-    "state by parameter fqn",
-)
+@rule("K003")
 def optimizer_state_by_index(ctx: Context) -> Iterator[tuple[str, str]]:
     sch = ctx.cat.schema
     if sch.optimizer_keying == "index":
@@ -73,15 +51,7 @@ def optimizer_state_by_index(ctx: Context) -> Iterator[tuple[str, str]]:
         )
 
 
-@rule(
-    "K004",
-    "optimizer-without-model",
-    Severity.warning,
-    "optimizer state but no model tensors: an optimizer-only checkpoint (e.g. Accelerate's optimizer_N folder); "
-    "its fqns cannot be checked against the parameters",
-    "validate the folder holding both (e.g. checkpoint-N/), or pass the optimizer folder with --optimizer-dir "
-    "next to the model checkpoint",
-)
+@rule("K004")
 def optimizer_without_model(ctx: Context) -> Iterator[tuple[str, str]]:
     cat = ctx.cat
     if not cat.model and cat.optimizer_state and cat.schema.optimizer_keying != "index":
@@ -91,14 +61,7 @@ def optimizer_without_model(ctx: Context) -> Iterator[tuple[str, str]]:
         )
 
 
-@rule(
-    "K005",
-    "state-of-split-parameter",
-    Severity.info,
-    "optimizer state saved under a fused parameter that the model's state dict stores split (torchtitan "
-    "FusedQKVLinear: wqkv as wq/wk/wv): checked against the parts' shapes",
-    "nothing to fix; export and replay-step work on the split tensors (replay-step does not replay the fused one)",
-)
+@rule("K005")
 def state_of_split_parameter(ctx: Context) -> Iterator[tuple[str, str]]:
     split = [(f, ps) for f, ps in ctx.cat.optimizer_state.items() if ps.stored_as]
     if split:
@@ -106,15 +69,7 @@ def state_of_split_parameter(ctx: Context) -> Iterator[tuple[str, str]]:
         yield f, f"{len(split)} parameter(s) stepped fused, stored split (e.g. {f} as {', '.join(ps.stored_as)})"
 
 
-@rule(
-    "K010",
-    "nested-state-in-byte-items",
-    Severity.error,
-    "the state was saved unflattened (DefaultSavePlanner(flatten_state_dict=False)): each top-level entry is one "
-    "byte item pickling a whole nested state dict, written by one rank; there are no tensor entries to check",
-    "re-save with dcp.save's default planner (flatten_state_dict=True); to read it as it is, dcp.load it with "
-    "DefaultLoadPlanner(flatten_state_dict=False) on the world size that saved it",
-)
+@rule("K010")
 def nested_state_in_byte_items(ctx: Context) -> Iterator[tuple[str | None, str]]:
     md = ctx.reader.metadata
     keys = nested_state_items(md)
@@ -122,15 +77,7 @@ def nested_state_in_byte_items(ctx: Context) -> Iterator[tuple[str | None, str]]
         yield keys[0], f"{ctx.cat.path}: {describe_nested(md, keys)}"
 
 
-@rule(
-    "K011",
-    "training-state-beside",
-    Severity.warning,
-    "training state saved beside the opened checkpoint (OLMo-core's stepN/train/rankR.pt) could not be read: "
-    "the model and optimizer were checked, the trainer state (step, tokens seen, RNG, data loader) was not",
-    "the file is damaged or needs globals outside the allow-list (--trust-pickle on a file you trust); check it "
-    "with the trainer's own loader",
-)
+@rule("K011")
 def training_state_beside_checkpoint(ctx: Context) -> Iterator[tuple[str | None, str]]:
     located = ctx.ckpt.located
     bad = [s for s in read_training_state_beside(Path(located.model)) if s.error is not None]

@@ -35,30 +35,14 @@ def _skip(no_row_can_fail: bool) -> bool:
     return COLUMN_PREFILTERS and no_row_can_fail
 
 
-@rule(
-    "S001",
-    "metadata-unreadable",
-    Severity.error,
-    ".metadata is missing, unreadable, not DCP metadata, or names a global outside the allow-list (unsafe pickle)",
-    "restore .metadata from a good copy or use an earlier checkpoint; never load an unsafe one with torch",
-    fatal=True,
-    error_code="E200",
-)
+@rule("S001")
 def metadata_unreadable(ctx: Context) -> Iterator[Finding]:
     # A readable .metadata gives a Context at all; the runner reports an unreadable one
     # (open_checkpoint raised) as this rule's finding.
     return iter(())
 
 
-@rule(
-    "S009",
-    "path-escapes",
-    Severity.error,
-    "a storage relative_path (or a symlinked data file) resolves outside the checkpoint directory",
-    "the checkpoint references files outside its directory; do not trust it, re-save it",
-    fatal=True,
-    error_code="E101",
-)
+@rule("S009")
 def path_escapes(ctx: Context) -> Iterator[tuple[str, str]]:
     for rel in ctx.data_files():
         err = ctx.file_error(rel)
@@ -66,14 +50,7 @@ def path_escapes(ctx: Context) -> Iterator[tuple[str, str]]:
             yield rel, err.message
 
 
-@rule(
-    "S002",
-    "data-file-missing",
-    Severity.error,
-    "a data file referenced by .metadata does not exist (or is not a regular file)",
-    "the checkpoint is incomplete: copy it again from its source or use an earlier checkpoint",
-    error_code="E300",
-)
+@rule("S002")
 def data_file_missing(ctx: Context) -> Iterator[tuple[str, str]]:
     missing = [rel for rel in ctx.data_files() if isinstance(ctx.file_error(rel), DataFileError)]
     if not missing:
@@ -86,14 +63,7 @@ def data_file_missing(ctx: Context) -> Iterator[tuple[str, str]]:
         yield rel, f"{rel}: data file missing; {users[rel]} chunks/byte items are stored in it"
 
 
-@rule(
-    "S003",
-    "chunk-past-eof",
-    Severity.error,
-    "a chunk's [offset, offset+length) extends past the end of its data file (truncated file)",
-    "the file was cut short (crashed or still-running async save); copy it again or use an earlier checkpoint",
-    error_code="E300",
-)
+@rule("S003")
 def chunk_past_eof(ctx: Context) -> Iterator[tuple[str, str]]:
     if _skip(not _any_past_eof(ctx)):
         return
@@ -133,14 +103,7 @@ def _any_past_eof(ctx: Context) -> bool:
     return any(map(operator.gt, ends, map(limit.__getitem__, paths)))
 
 
-@rule(
-    "S004",
-    "chunks-do-not-tile",
-    Severity.error,
-    "the chunks of a tensor leave a gap or overlap (they must tile the global tensor exactly)",
-    "the metadata is damaged or was merged from different saves; use an earlier checkpoint",
-    error_code="E301",
-)
+@rule("S004")
 def chunks_do_not_tile(ctx: Context) -> Iterator[tuple[str, str]]:
     metas = ctx.distinct_metas().values()  # entries of one layout share one TensorMeta
     if _skip(not any(isinstance(m, TensorMeta) and tiling_problem(m) is not None for m in metas)):
@@ -155,14 +118,7 @@ def chunks_do_not_tile(ctx: Context) -> Iterator[tuple[str, str]]:
                 yield key, f"{key}: chunks do not tile the {list(meta.size)} tensor ({problem})"
 
 
-@rule(
-    "S012",
-    "chunk-larger-than-record",
-    Severity.error,
-    "a chunk declares more elements than the bytes of its stored record can hold",
-    "the metadata declares impossible sizes; the checkpoint is damaged",
-    error_code="E303",
-)
+@rule("S012")
 def chunk_larger_than_record(ctx: Context) -> Iterator[tuple[str, str]]:
     cols = ctx.storage_columns()
     if not cols.missing and not cols.transforms:
@@ -192,14 +148,7 @@ def chunk_larger_than_record(ctx: Context) -> Iterator[tuple[str, str]]:
             )
 
 
-@rule(
-    "S008",
-    "storage-entry-missing",
-    Severity.error,
-    "a tensor chunk or byte item has no storage_data entry in .metadata (no file holds it)",
-    "the metadata is damaged; use an earlier checkpoint",
-    error_code="E200",
-)
+@rule("S008")
 def storage_entry_missing(ctx: Context) -> Iterator[tuple[str, str]]:
     if _skip(not ctx.storage_columns().missing):
         return
@@ -227,14 +176,7 @@ def _transform_problem(descriptors: tuple[str, ...]) -> str | None:
     return None
 
 
-@rule(
-    "S005",
-    "unsupported-transform",
-    Severity.error,
-    "a chunk or byte item uses a stream transform (compression, ...) that this installation cannot decode",
-    "install the package the transform needs (e.g. zstandard) or re-save without it",
-    error_code="E302",
-)
+@rule("S005")
 def unsupported_transform(ctx: Context) -> Iterator[tuple[str, str]]:
     if _skip(not ctx.storage_columns().transforms):
         return
@@ -249,13 +191,7 @@ def unsupported_transform(ctx: Context) -> Iterator[tuple[str, str]]:
             yield key, f"{key}: transform {list(d)} cannot be decoded ({cache[d]})"
 
 
-@rule(
-    "S006",
-    "unreferenced-data-file",
-    Severity.warning,
-    "a __R_N.distcp file in the directory is referenced by no .metadata entry",
-    "a leftover from another save (or the .metadata of a different save): remove it or check which save is complete",
-)
+@rule("S006")
 def unreferenced_data_file(ctx: Context) -> Iterator[tuple[str, str]]:
     # an empty file holds nothing to lose: `import` / `reshard` write one for each target rank
     # that gets no chunk (more ranks than rows), and those outputs are clean under --strict
@@ -264,13 +200,7 @@ def unreferenced_data_file(ctx: Context) -> Iterator[tuple[str, str]]:
             yield f.relative_path, f"{f.relative_path}: data file ({f.size} bytes) is referenced by no .metadata entry"
 
 
-@rule(
-    "S007",
-    "extra-state-ranks-missing",
-    Severity.warning,
-    "extra_state/ holds per-rank files but some rank that wrote data files has none",
-    "copy the missing extra_state files; resuming those ranks would lose scheduler/step/RNG state",
-)
+@rule("S007")
 def extra_state_ranks_missing(ctx: Context) -> Iterator[tuple[str, str] | Finding]:
     if not ctx.cat.extra_state:
         return
@@ -321,15 +251,7 @@ def _resharded_from_other_mesh(ctx: Context) -> str | None:
     return None if world == len(ctx.cat.ranks) else f"{world} rank(s)"
 
 
-@rule(
-    "S011",
-    "byte-item-unreadable",
-    Severity.error,
-    "a byte item (param-group value, other saved object) cannot be loaded safely: corrupt, or it needs "
-    "torch.load(weights_only=False)",
-    "if the checkpoint is trusted, pass --trust-pickle; otherwise re-save it with plain values",
-    error_code="E301",
-)
+@rule("S011")
 def byte_item_unreadable(ctx: Context) -> Iterator[Finding]:
     r = RULES["S011"]
     for key, e in ctx.byte_item_errors.items():
@@ -339,14 +261,7 @@ def byte_item_unreadable(ctx: Context) -> Iterator[Finding]:
         yield r.make(key, e.message, hint, e.code)
 
 
-@rule(
-    "S013",
-    "extra-state-unreadable",
-    Severity.error,
-    "an extra_state/*.pt file cannot be loaded with torch.load(weights_only=True)",
-    "if the checkpoint is trusted, pass --trust-pickle; otherwise the file may run code when loaded",
-    error_code="E304",
-)
+@rule("S013")
 def extra_state_unreadable(ctx: Context) -> Iterator[Finding]:
     r = RULES["S013"]
     for st in ctx.ckpt.extra_state():
@@ -354,51 +269,25 @@ def extra_state_unreadable(ctx: Context) -> Iterator[Finding]:
             yield r.make(st.file.relative_path, st.error.message, st.error.hint or None, st.error.code)
 
 
-@rule(
-    "S010",
-    "chunk-unreadable",
-    Severity.error,
-    "a stored chunk is corrupt or disagrees with its metadata (dtype, shape, byte length); read with --deep",
-    "the data file is damaged or belongs to another .metadata; use an earlier checkpoint",
-    needs=("deep",),
-    error_code="E301",
-)
+@rule("S010")
 def chunk_unreadable(ctx: Context) -> Iterator[Finding]:
-    if ctx.deep_result is None:
-        return
-    r = RULES["S010"]
-    for key, e in ctx.deep_result.read_errors.items():
-        if not isinstance(e, ChecksumError):
-            yield r.make(key, e.message, None, e.code)
+    return _read_errors(ctx, "S010", checksum=False)
 
 
-@rule(
-    "S014",
-    "chunk-checksum-mismatch",
-    Severity.error,
-    "a stored record's bytes do not match the CRC-32 of its zip entry (bit rot, a damaged copy); read with --deep",
-    "the data file is damaged: copy the checkpoint again from a good source or use an earlier checkpoint",
-    needs=("deep",),
-    error_code="E308",
-)
+@rule("S014")
 def chunk_checksum_mismatch(ctx: Context) -> Iterator[Finding]:
-    if ctx.deep_result is None:
-        return
-    r = RULES["S014"]
-    for key, e in ctx.deep_result.read_errors.items():
-        if isinstance(e, ChecksumError):
+    return _read_errors(ctx, "S014", checksum=True)
+
+
+def _read_errors(ctx: Context, code: str, *, checksum: bool) -> Iterator[Finding]:
+    """Rule ``code``'s findings: the ``--deep`` pass's read errors that are (or are not) CRC-32 mismatches."""
+    r = RULES[code]
+    for key, e in ctx.deep_result.read_errors.items() if ctx.deep_result is not None else ():
+        if isinstance(e, ChecksumError) == checksum:
             yield r.make(key, e.message, None, e.code)
 
 
-@rule(
-    "S015",
-    "manifest-mismatch",
-    Severity.error,
-    "a chunk or byte item is missing from, added to or changed since the --manifest (digest of its stored bytes)",
-    "the checkpoint is not the one the manifest was written for: restore the named chunks from a good copy, "
-    "or write a new manifest if the change is intended",
-    needs=("manifest",),
-)
+@rule("S015")
 def manifest_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     from ckpttool.ops.manifest import verify_manifest, verify_safetensors_manifest
 
