@@ -153,6 +153,7 @@ def test_reshard_rank_failure_fails_every_rank_and_leaves_no_output(sample_ckpt:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # CI time: three torchrun commands
 def test_manifests_of_torchrun_outputs_cover_every_rank_and_verify(sample_ckpt: Path, tmp_path: Path) -> None:
     from ckpttool.format import CheckpointReader
     from ckpttool.ops.manifest import build_manifest, load_manifest
@@ -206,9 +207,9 @@ def hf_dir(fixture_root: Path) -> Path:
     "extra",
     [
         ["--world-size", "3"],
-        ["--ep-size", "2", "--ep-fsdp-size", "2"],
+        pytest.param(["--ep-size", "2", "--ep-fsdp-size", "2"], marks=pytest.mark.heavy),  # CI time
         # more ranks than experts: the experts' EP-FSDP chunks cut dim 1 (torchtitan's Shard(1))
-        ["--ep-size", "2", "--ep-fsdp-size", "8"],
+        pytest.param(["--ep-size", "2", "--ep-fsdp-size", "8"], marks=pytest.mark.heavy),
     ],
 )
 def test_import_on_2_ranks_is_the_single_process_import(hf_dir: Path, tmp_path: Path, extra: list[str]) -> None:

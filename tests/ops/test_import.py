@@ -411,6 +411,7 @@ def _ep_dim1_rank(rank: int, world: int, ckpt: str, plain: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # CI time: the 2x2 EP mesh import stays in CI
 def test_ep_import_with_fewer_experts_than_ranks_shards_dim_1_as_torchtitan(tmp_path: Path) -> None:
     """2 experts on a (ep=2, ep_fsdp=2) mesh: each rank's file holds its `(Shard(0), Shard(1))` DTensor shard.
 

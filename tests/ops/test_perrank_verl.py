@@ -21,6 +21,11 @@ from tests.fixtures.cache import cached_build
 runner = CliRunner()
 
 
+# verl's own FSDPCheckpointManager save is built on 1 and 2 gloo ranks (~1 min on a 2-core machine): the
+# full run (README) covers verl; CI keeps torch-checkpointing's per-rank format (tests/ops/test_perrank_torch_checkpointing.py)
+pytestmark = pytest.mark.heavy
+
+
 @pytest.fixture(scope="session")
 def verl_root(fixture_root: Path) -> Path:
     import importlib.util

@@ -107,6 +107,7 @@ def _spawn(phase: str, workdir: Path) -> None:
     mp.start_processes(_entry, args=(free_port(), phase, str(workdir)), nprocs=WORLD, join=True, start_method="spawn")
 
 
+@pytest.mark.heavy  # CI time: FSDP2 on gloo ranks, three phases; single-process cold resume stays in CI
 def test_fsdp2_cold_resume_bitwise_and_empty_leaf_lr(tmp_path):
     _spawn("train", tmp_path)  # train 3 steps, save both flavors, record the uninterrupted 4th step
     _spawn("resume", tmp_path)  # new processes: load, step once, compare bitwise

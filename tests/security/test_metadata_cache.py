@@ -20,6 +20,7 @@ def _outcome(fn: object, data: bytes) -> object:
         return (type(e).__name__, e.code, e.message)
 
 
+@pytest.mark.heavy  # CI time: the whole corpus twice; the cache's codec is checked on real metadata in CI
 def test_corpus_parses_the_same_through_the_cache(
     corpus: dict[str, CorpusEntry], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

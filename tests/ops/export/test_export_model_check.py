@@ -131,6 +131,7 @@ _SMALL_LLAMA = {
 }
 
 
+@pytest.mark.heavy  # CI time: fresh processes importing transformers
 def test_model_shapes_are_cached_and_a_hit_imports_neither_torch_nor_transformers(tmp_path: Path) -> None:
     import subprocess
 

@@ -145,6 +145,7 @@ def test_canonical_fixture_passes_through_bitwise(ep_suite: Path, outputs: dict[
                 assert out.raw_bytes(key) == src.raw_bytes(key), key
 
 
+@pytest.mark.heavy  # CI time: every job's output loaded by dcp.load; the bytes of each are compared in CI
 def test_fresh_canonical_jobs_load_with_plain_dcp_load(outputs: dict[str, Path], tmp_path: Path) -> None:
     four = [
         (str(outputs["a"]), 2, 2, 0, 8, True),
