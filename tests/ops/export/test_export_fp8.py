@@ -375,20 +375,13 @@ def test_validate_fp8_export_and_hostile_scales(tmp_path: Path) -> None:
 
 def test_flipped_bit_in_a_quantized_source_is_e308_nothing_published(tmp_path: Path) -> None:
     """Bands read a record in pieces, so its CRC-32 is checked once before its rows are used (as a cast export)."""
-    from ckpttool.format.reader import CheckpointReader
+    from tests.fixtures.damage import flip_value_bit
 
     key = "model.model.layers.0.mlp.down_proj.weight"
     sd = {key: torch.randn(40, 24), "model.model.norm.weight": torch.ones(24)}
     src = tmp_path / "ckpt"
     dcp.save(sd, checkpoint_id=str(src), no_dist=True)
-    with CheckpointReader(src) as r:
-        loc = r.locate(key, r.tensor_meta(key).chunks[0])
-        path, at = src / loc.info.relative_path, loc.data_start + 100
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_value_bit(src, key)
     out = tmp_path / "out"
     args = ["export", str(src), str(out), "--quantize", "fp8-block", "--quantize-block", "16"]
     res = runner.invoke(app, args)

@@ -223,19 +223,12 @@ def test_cast_export_checks_each_record_crc(sample_ckpt: Path, tmp_path: Path) -
     import shutil
 
     from ckpttool.errors import ChecksumError
-    from ckpttool.format.reader import CheckpointReader
+    from tests.fixtures.damage import flip_value_bit
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(sample_ckpt, ckpt)
     key = "model.model.layers.0.self_attn.o_proj.weight"
-    with CheckpointReader(ckpt) as r:
-        loc = r.locate(key, r.tensor_meta(key).chunks[0])
-        path, at = ckpt / loc.info.relative_path, loc.data_start + 100
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_value_bit(ckpt, key)
     with pytest.raises(ChecksumError, match="o_proj.weight"):
         export_checkpoint(ckpt, tmp_path / "o", ExportOptions(save_dtype="bfloat16"))
     assert not (tmp_path / "o").exists()
