@@ -268,6 +268,7 @@ def test_stamp_on_s3_writes_the_sidecar_a_local_stamp_writes(ep_suite: Path, s3_
     assert doc["layout"]["source"] == "sidecar"
 
 
+@pytest.mark.heavy  # CI time
 @pytest.mark.slow
 def test_torchrun_export_from_s3_is_bitwise_the_local_export(sample_ckpt: Path, s3_server: Any, tmp_path: Path) -> None:
     from tests.ops.test_distributed import torchrun

@@ -89,6 +89,7 @@ def test_validate_deep_on_n_ranks_equals_single_process(sample_ckpt: Path, n: in
     assert a == b
 
 
+@pytest.mark.heavy  # CI time
 @pytest.mark.slow
 def test_validate_deep_on_2_ranks_finds_a_damaged_chunk(sample_ckpt: Path, tmp_path: Path) -> None:
     bad = copy_checkpoint(sample_ckpt, tmp_path / "bad")
@@ -99,6 +100,7 @@ def test_validate_deep_on_2_ranks_finds_a_damaged_chunk(sample_ckpt: Path, tmp_p
     assert json.loads(one.stdout)["findings"] == json.loads(many.stdout)["findings"]
 
 
+@pytest.mark.heavy  # CI time
 @pytest.mark.slow
 def test_a_rank_failing_on_its_chunk_fails_every_rank_and_leaves_no_output(sample_ckpt: Path, tmp_path: Path) -> None:
     args = ["--shard-size", "60KB"]
@@ -122,6 +124,7 @@ def test_a_rank_failing_on_its_chunk_fails_every_rank_and_leaves_no_output(sampl
     assert not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]
 
 
+@pytest.mark.heavy  # CI time
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.heavy)])
 def test_reshard_on_n_ranks_loads_as_the_single_process_reshard(sample_ckpt: Path, tmp_path: Path, n: int) -> None:
@@ -138,6 +141,7 @@ def test_reshard_on_n_ranks_loads_as_the_single_process_reshard(sample_ckpt: Pat
     assert_same_state(tmp_path / "one", tmp_path / "many", tmp_path)
 
 
+@pytest.mark.heavy  # CI time
 @pytest.mark.slow
 def test_reshard_rank_failure_fails_every_rank_and_leaves_no_output(sample_ckpt: Path, tmp_path: Path) -> None:
     bad = copy_checkpoint(sample_ckpt, tmp_path / "bad")

@@ -360,6 +360,7 @@ def _ep_mesh_rank(rank: int, world: int, ckpt: str, plain: str) -> None:
         assert torch.equal(dt.full_tensor(), ref[k]), k
 
 
+@pytest.mark.heavy  # CI time
 @pytest.mark.slow
 def test_ep_import_chunks_are_the_dtensor_shards_of_a_2x2_ep_mesh(hf_dirs: Path, tmp_path: Path) -> None:
     """Each rank of a (ep=2, ep_fsdp=2) DeviceMesh finds its `(Shard(0), Shard(0))` expert shard in its own file."""

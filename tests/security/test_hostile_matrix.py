@@ -19,7 +19,7 @@ OUT beside the source, which must still exist, unchanged, with nothing but OUT b
 The full product (every command on every entry) is ``-m heavy``; by default (``-m "not heavy"``,
 CI) a fixed subset runs: ``validate-deep`` on every entry — every entry through the command whose
 job is to notice damage, reading all data — plus a rotation of the other commands so that each
-entry meets two more commands and each command meets every kind of entry (:func:`in_default_subset`;
+entry meets one or two more commands and each command meets every kind of entry (:func:`in_default_subset`;
 round 4's entries and commands run a fixed slice, :data:`ROUND4_DEFAULT`).
 The wall time of the runs is a benchmark figure (docs/performance.md), not asserted here.
 
@@ -197,7 +197,7 @@ def assert_contract(cid: str, entry: CorpusEntry, exit_code: int, stdout: str, s
 
 ALWAYS = "validate-deep"  # runs on every entry in the default subset
 LARGE_ENTRIES = ("many_chunks", "many_entries")
-ROTATION = 5  # each entry also meets every ROTATION-th of the other commands (2-3 of them)
+ROTATION = 8  # each entry also meets every ROTATION-th of the other commands (1-2 of them; all under -m heavy)
 # Round 4 (issue 31): its entries and commands run in full under -m heavy; by default a representative slice,
 # each entry through the command whose job is to notice its damage (CI time).
 ROUND4_COMMANDS = ("import", "manifest-verify")
@@ -214,7 +214,7 @@ ROUND4_DEFAULT = {
 
 
 def in_default_subset(cid: str, entry_name: str) -> bool:
-    """Whether (command, entry) runs without ``-m heavy``: deterministic, every entry of rounds 1-3 at least thrice
+    """Whether (command, entry) runs without ``-m heavy``: deterministic, every entry of rounds 1-3 at least twice
     (:data:`LARGE_ENTRIES` once),
     round 4's slice (:data:`ROUND4_DEFAULT`)."""
     if entry_name in ROUND4_NAMES:
@@ -244,7 +244,9 @@ def test_the_default_subset_covers_every_entry_and_command() -> None:
     assert {c for c, _ in default} == set(COMMAND_IDS)
     for name in ENTRY_NAMES:
         if name not in ROUND4_NAMES:
-            assert (ALWAYS, name) in default and sum(n == name for _, n in default) >= 3, name
+            assert (ALWAYS, name) in default and sum(n == name for _, n in default) >= (
+                1 if name in LARGE_ENTRIES else 2
+            ), name
     assert set(ROUND4_DEFAULT) <= set(ROUND4_NAMES)
 
 

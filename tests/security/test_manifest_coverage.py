@@ -134,6 +134,7 @@ def test_an_edited_config_json_is_found(hf_export: Path) -> None:
     _verify_fails(hf_export)
 
 
+@pytest.mark.heavy  # CI time
 def test_a_manifest_of_many_one_byte_extents_is_bounded_and_grouped(hf_export: Path) -> None:
     """300,000 one-byte extents took 86 s and 560 MB and printed 300,033 lines; now one problem per file, not read
     (100,000 here: the bound does not depend on the count)."""

@@ -231,6 +231,7 @@ def _tp_rank(rank: int, world: int, out: str) -> None:
     dcp.save(sd, checkpoint_id=out)
 
 
+@pytest.mark.heavy  # CI time
 def test_fp8_uneven_row_and_column_shards(fixture_root: Path, tmp_path: Path) -> None:
     """2 gloo ranks: FSDP rows of uneven size (a band of 16 rows spans both) and TP column chunks."""
     from tests.fixtures.distributed import run_ranks

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -54,6 +55,7 @@ def test_rank_local_metadata_reshards_bitwise(ep_suite: Path, tmp_path: Path) ->
             assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
 
 
+@pytest.mark.heavy  # CI time
 def test_other_kinds_are_refused_naming_the_kind(fixture_root: Path, tmp_path: Path) -> None:
     """DCP safetensors serialization and megatron torch_dist: E602 naming what was seen, nothing written."""
     from tests.fixtures.torch_writers import build_torch_writers
