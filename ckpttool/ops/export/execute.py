@@ -937,8 +937,10 @@ def _prepare(
     )
     quantizer = None
     if isinstance(out_format, QuantizedFormat):
-        recount_casts(plan, opts.save_dtype, out_format.quantized)
-        quantizer = BlockQuantizer(reader, out_format.spec.block, out_format.quantized, out_format.spec.channel)
+        quantized = out_format.planned()
+        recount_casts(plan, opts.save_dtype, quantized)
+        quantizer = BlockQuantizer(reader, out_format.spec.block, quantized, out_format.spec.channel)
+        warnings = [*warnings, *out_format.warnings()]
     plan.warnings = warnings
     plan.skipped = skipped
     plan.tied = tied
@@ -965,6 +967,9 @@ def _prepare(
     # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
     say("checking chunks")
     chunks = _checked_chunks(reader, [t.selected.source.key for t in plan.tasks])
+    if quantizer is not None and quantizer.other_sources:  # a fused piece's band reads its later sources' rows
+        others = quantizer.other_sources
+        quantizer.sources = {t.source_key: c for t, c in zip(plan.tasks, chunks) if t.source_key in others}
     return _Prepared(
         plan,
         model_adapter,
