@@ -935,12 +935,7 @@ def _prepare(
         drop=drop,
         out_format=out_format,
     )
-    quantizer = None
-    if isinstance(out_format, QuantizedFormat):
-        quantized = out_format.planned()
-        recount_casts(plan, opts.save_dtype, quantized)
-        quantizer = BlockQuantizer(reader, out_format.spec.block, quantized, out_format.spec.channel)
-        warnings = [*warnings, *out_format.warnings()]
+    quantizer = _quantizer(reader, plan, opts, out_format, warnings)
     plan.warnings = warnings
     plan.skipped = skipped
     plan.tied = tied
@@ -968,8 +963,9 @@ def _prepare(
     say("checking chunks")
     chunks = _checked_chunks(reader, [t.selected.source.key for t in plan.tasks])
     if quantizer is not None and quantizer.other_sources:  # a fused piece's band reads its later sources' rows
-        others = quantizer.other_sources
-        quantizer.sources = {t.source_key: c for t, c in zip(plan.tasks, chunks) if t.source_key in others}
+        quantizer.sources = {
+            t.source_key: c for t, c in zip(plan.tasks, chunks) if t.source_key in quantizer.other_sources
+        }
     return _Prepared(
         plan,
         model_adapter,
@@ -1087,6 +1083,22 @@ def _export_result(
         dry_run=opts.dry_run,
         quantization=_quantization(opts, prep),
     )
+
+
+def _quantizer(
+    reader: CheckpointReader, plan: ExportPlan, opts: ExportOptions, out_format: OutputFormat, warnings: list[str]
+) -> BlockQuantizer | None:
+    """A quantized export's band quantizer (casts recounted, its plan warnings added to ``warnings``), else ``None``.
+
+    Raises:
+        UsageError: :meth:`QuantizedFormat.planned`'s.
+    """
+    if not isinstance(out_format, QuantizedFormat):
+        return None
+    quantized = out_format.planned()
+    recount_casts(plan, opts.save_dtype, quantized)
+    warnings.extend(out_format.warnings())
+    return BlockQuantizer(reader, out_format.spec.block, quantized, out_format.spec.channel)
 
 
 def _quantization(opts: ExportOptions, prep: _Prepared) -> dict[str, Any] | None:
