@@ -2,7 +2,11 @@
 
 Each selected 2-D ``*.weight`` ``[out, in]`` (float32 / bfloat16 / float16 source; an expert of a
 3-D ``[E, out, in]`` tensor split with ``--experts per-expert``; a LoRA-merged weight) becomes
-``float8_e4m3fn`` (safetensors ``F8_E4M3``) plus a float32 scale; ``q * scale`` dequantizes.
+``float8_e4m3fn`` (safetensors ``F8_E4M3``) plus a float32 scale; ``q * scale`` dequantizes. Fused
+expert tensors ``[E, out, in]`` (:func:`fused_experts`, ``--experts fused``) are quantized expert by
+expert, scales ``[E, ...]`` (transformers' ``FP8Experts`` layout: ``gate_up_proj`` +
+``gate_up_proj_scale_inv``; ``fp8`` only, compressed-tensors refuses them); a fused piece two sources
+write (torchtitan's ``w1|w3`` ``gate_up_proj``) after assembly, a block possibly straddling them.
 
 - ``--quantize fp8-block`` (``B`` = ``--quantize-block``, 128): one scale per ``B x B`` block,
   ``[ceil(out / B), ceil(in / B)]``; per block ``scale = amax / 448`` (edge blocks padded in the
@@ -20,9 +24,9 @@ Each selected 2-D ``*.weight`` ``[out, in]`` (float32 / bfloat16 / float16 sourc
   ``x.weight_scale``, ``{"quant_method": "compressed-tensors", "format": "float-quantized",
   "config_groups": {"group_0": ...}, "ignore": [...]}`` (:func:`compressed_tensors_config`).
 
-Left in the save dtype (``bfloat16`` unless ``--save-dtype``): anything not a 2-D ``*.weight``,
-:data:`DEFAULT_SKIP` (embeddings, norms, ``lm_head``, router gates), ``--quantize-skip`` globs and
-pieces that are not whole rows of their source (a fused half written by two sources).
+Left in the save dtype (``bfloat16`` unless ``--save-dtype``): anything not a 2-D ``*.weight`` nor fused
+experts, :data:`DEFAULT_SKIP` (embeddings, norms, ``lm_head``, router gates), ``--quantize-skip`` globs and
+pieces that are not whole rows of their sources.
 
 :class:`QuantizedFormat` wraps a model format (``hf``, ``hf-merged``) and plans the two pieces of
 each weight; :class:`BlockQuantizer` runs one band of ``B`` output rows per work unit (rows read
