@@ -124,15 +124,27 @@ def test_fused_experts_hf_names_and_refusals(tmp_path: Path) -> None:
     """HF-named fused experts (key rules), blocks of 8 cutting experts' rows and columns unevenly; compressed-tensors
     and a partial experts skip refused with nothing published."""
     src = _tiny_moe(tmp_path / "ckpt")
-    rc, r, err = _export(src, tmp_path / "q", "--quantize-block", "8")
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps({"hidden_size": 20}))
+    rc, r, err = _export(src, tmp_path / "q", "--quantize-block", "8", "--model-assets", str(assets))
     assert rc == 0, err
     files = _file_tensors(tmp_path / "q")
     loaded = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in _metadata(src).items()}
     dcp.load(loaded, checkpoint_id=str(src), no_dist=True)
+    deq = {}
     for name in ("gate_up_proj", "down_proj"):
         key = "model.layers.0.mlp.experts." + name
-        _assert_experts(files, key, loaded[key], 8)
+        deq[key] = _assert_experts(files, key, loaded[key], 8)
     assert r["quantization"]["quantized"] == 3
+    # import reads the fused layout back: transformers' dequantized values, bit for bit
+    res = runner.invoke(app, ["import", str(tmp_path / "q"), str(tmp_path / "imported"), "--dtype", "float32"])
+    assert res.exit_code == 0, res.stderr
+    back = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in _metadata(tmp_path / "imported").items()}
+    dcp.load(back, checkpoint_id=str(tmp_path / "imported"), no_dist=True)
+    for key, want in deq.items():
+        got = next(v for k, v in back.items() if k.endswith(key))
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), key
     for args, code, needle in (
         (("--quant-format", "compressed-tensors"), "E601", "--experts per-expert"),
         (("--quantize-skip", "*.down_proj"), "E100", "keeps model.layers.0.mlp.experts.down_proj"),
@@ -141,9 +153,6 @@ def test_fused_experts_hf_names_and_refusals(tmp_path: Path) -> None:
         rc, _, err = _export(src, out, "--quantize-block", "8", *args)
         assert rc == 2 and f"[{code}]" in err and needle in err and "Traceback" not in err, err
         assert not out.exists() and not list(tmp_path.glob(f"refused-{code}?*"))
-    assets = tmp_path / "assets"
-    assets.mkdir()
-    (assets / "config.json").write_text(json.dumps({"hidden_size": 20}))
     rc, r, err = _export(src, tmp_path / "kept", "--quantize-skip", "*.experts.*", "--model-assets", str(assets))
     assert rc == 0, err
     files = _file_tensors(tmp_path / "kept")
@@ -151,3 +160,26 @@ def test_fused_experts_hf_names_and_refusals(tmp_path: Path) -> None:
     assert r["quantization"]["quantized"] == 1 and "model.layers.0.mlp.experts.down_proj_scale_inv" not in files
     qc = json.loads((tmp_path / "kept" / "config.json").read_text())["quantization_config"]
     assert qc["modules_to_not_convert"] == ["model.layers.0.mlp.experts"]  # the experts module, kept whole
+
+
+@pytest.mark.parametrize(
+    ("scale", "needle"),
+    [
+        (torch.ones(2, 2, 1), "need float32 [2, 1, 1]"),
+        (torch.tensor([1.0, float("nan")]).reshape(2, 1, 1), "NaN, infinite or negative, e.g. block (1, 0, 0)"),
+    ],
+)
+def test_import_refuses_fused_fp8_scales_that_do_not_fit(tmp_path: Path, scale: torch.Tensor, needle: str) -> None:
+    """Fused FP8 experts with a scale of the wrong shape or a NaN scale: E612, nothing published."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    key = "model.layers.0.mlp.experts.down_proj"
+    q = torch.full((2, 8, 8), 0.5).to(torch.float8_e4m3fn)
+    save_file({key: q, key + "_scale_inv": scale, "model.norm.weight": torch.ones(8)}, str(src / "model.safetensors"))
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [8, 8]}
+    (src / "config.json").write_text(json.dumps({"hidden_size": 8, "quantization_config": qc}))
+    res = runner.invoke(app, ["import", str(src), str(tmp_path / "out")])
+    assert res.exit_code == 2 and "[E612]" in res.stderr and needle in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "out").exists()
