@@ -4,7 +4,9 @@ Which keys pair up: :func:`ckpttool.model.quantized.find_quantized`. The values 
 the references, bit for bit:
 
 - block FP8: ``float32(q) * scale`` per element, then rounded to ``--dtype`` (nearest even),
-  as torch's ``QuantizedHuggingFaceStorageReader._dequantize_tensor`` (``torch 2.13``);
+  as torch's ``QuantizedHuggingFaceStorageReader._dequantize_tensor`` (``torch 2.13``); fused
+  experts ``[E, out, in]`` with scales ``[E, ceil(out / B0), ceil(in / B1)]`` (transformers'
+  ``FP8Experts``) the same per expert, as transformers' ``_dequantize_fp8_weight``;
 - MXFP4: ``FP4_VALUES[nibble] * 2^(e - 127)`` (float32, exact), rounded to ``--dtype``, dims 1
   and 2 transposed, as transformers' ``convert_moe_packed_tensors`` (the gpt-oss model's layout).
 
@@ -75,7 +77,10 @@ def plan_dequantize(
     if out_dtype not in DEQUANT_DTYPES:
         raise UsageError(f"`dtype` {dtype!r} is not one of {', '.join(DEQUANT_DTYPES)}", param="dtype")
     tensors = {k: (s.dtype, tuple(s.shape)) for k, s in sources.items()}
-    pairs, problems = find_quantized(tensors, block_size(config))
+    block = block_size(config)
+    pairs, problems = find_quantized(tensors, block)
+    fused, fused_problems = _fused_experts(tensors, block)
+    pairs, problems = pairs + fused, problems + fused_problems
     if problems:
         key, why = problems[0]
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -89,6 +94,32 @@ def plan_dequantize(
         if p.weight != p.name:
             consumed.append(p.weight)
     return plans, consumed
+
+
+def _fused_experts(
+    tensors: dict[str, tuple[str, tuple[int, ...]]], block: tuple[int, int]
+) -> tuple[list[QuantPair], list[tuple[str, str]]]:
+    """Fused block-FP8 experts (transformers' ``FP8Experts`` layout, what ``export --quantize`` writes for fused
+    experts): ``x`` ``float8_e4m3fn`` ``[E, out, in]`` with ``x_scale_inv`` float32 ``[E, ceil(out/B0), ceil(in/B1)]``
+    (kind ``fp8-experts``), and ``(key, why)`` for such a scale that does not fit its weight."""
+    pairs: list[QuantPair] = []
+    problems: list[tuple[str, str]] = []
+    for key, (dt, shape) in sorted(tensors.items()):
+        scale = tensors.get(key + "_scale_inv")
+        if dt != "float8_e4m3fn" or len(shape) != 3 or scale is None:
+            continue
+        want = [shape[0], -(-shape[1] // block[0]), -(-shape[2] // block[1])]
+        if scale[0] != "float32" or list(scale[1]) != want:
+            problems.append(
+                (
+                    key + "_scale_inv",
+                    f"{key}_scale_inv: {scale[0]} {list(scale[1])}, but fused experts {list(shape)} in "
+                    f"{block[0]}x{block[1]} blocks need float32 {want}",
+                )
+            )
+            continue
+        pairs.append(QuantPair("fp8-experts", key, key + "_scale_inv", key, shape, shape, block))
+    return pairs, problems
 
 
 class StagedFds(dict[str, int]):
@@ -184,16 +215,19 @@ def read_scales(fds: StagedFds, plan: Dequantized) -> Any:
     s = _read(fds, plan.scale_at, 0, 4 * n).view(np.float32).reshape(_scale_shape(p))
     where = np.argwhere(~np.isfinite(s) | (s < 0))
     if where.size:
-        i, j = (int(x) for x in where[0])
+        at = tuple(int(x) for x in where[0])
+        block = ", ".join(str(x) for x in at)
         raise _bad(
-            f"{p.scale}: {len(where)} scale(s) are NaN, infinite or negative, e.g. block ({i}, {j}) = {float(s[i, j])!r}",
+            f"{p.scale}: {len(where)} scale(s) are NaN, infinite or negative, e.g. block ({block}) = {float(s[at])!r}",
             p.scale,
         )
     return s
 
 
-def _scale_shape(p: QuantPair) -> tuple[int, int]:
-    return -(-p.shape[0] // p.block[0]), -(-p.shape[1] // p.block[1])
+def _scale_shape(p: QuantPair) -> tuple[int, ...]:
+    """``[ceil(out / B0), ceil(in / B1)]``, with the experts' dim in front for ``fp8-experts``."""
+    *lead, out, inn = p.shape
+    return (*lead, -(-out // p.block[0]), -(-inn // p.block[1]))
 
 
 def _stage_fp8(fds: StagedFds, plan: Dequantized, fd: int) -> None:
@@ -205,20 +239,26 @@ def _stage_fp8(fds: StagedFds, plan: Dequantized, fd: int) -> None:
 
     p = plan.pair
     scale = read_scales(fds, plan)
-    rows, cols = p.shape
+    *lead, rows, cols = p.shape
     b0, b1 = p.block
     item = 2 if plan.dtype == "bfloat16" else 4
-    for r0 in range(0, rows, b0):
-        n = min(b0, rows - r0)
-        q = _read(fds, plan.weight_at, r0 * cols, n * cols).reshape(n, cols)
-        nan = e4m3fn_nan_count(q)
-        if nan:
-            raise _bad(f"{p.weight}: {nan} NaN byte(s) (0x7F / 0xFF) in rows {r0}..{r0 + n - 1}", p.weight)
-        zero = np.flatnonzero(scale[r0 // b0] == 0)
-        for j in zero:  # a zero scale is only right for a block of zeros (+0 / -0)
-            if (q[:, j * b1 : (j + 1) * b1] & 0x7F).any():
-                raise _bad(f"{p.scale}: block ({r0 // b0}, {int(j)}) has scale 0 but non-zero values", p.scale)
-        write_all(fd, _encode(fp8_rows_dequantize(q, scale, r0, p.block), plan.dtype), r0 * cols * item)
+    experts = lead[0] if lead else 1  # fused experts ``fp8-experts``: each expert on its own grid
+    for e in range(experts):
+        s_e, at, where = (scale[e], e * rows * cols, f"expert {e} ") if lead else (scale, 0, "")
+        for r0 in range(0, rows, b0):
+            n = min(b0, rows - r0)
+            q = _read(fds, plan.weight_at, at + r0 * cols, n * cols).reshape(n, cols)
+            nan = e4m3fn_nan_count(q)
+            if nan:
+                raise _bad(f"{p.weight}: {nan} NaN byte(s) (0x7F / 0xFF) in {where}rows {r0}..{r0 + n - 1}", p.weight)
+            zero = np.flatnonzero(s_e[r0 // b0] == 0)
+            for j in zero:  # a zero scale is only right for a block of zeros (+0 / -0)
+                if (q[:, j * b1 : (j + 1) * b1] & 0x7F).any():
+                    raise _bad(
+                        f"{p.scale}: {where}block ({r0 // b0}, {int(j)}) has scale 0 but non-zero values", p.scale
+                    )
+            vals = fp8_rows_dequantize(q, s_e, r0, p.block)
+            write_all(fd, _encode(vals, plan.dtype), (at + r0 * cols) * item)
 
 
 def _stage_mxfp4(fds: StagedFds, plan: Dequantized, fd: int) -> None:
@@ -239,5 +279,6 @@ def _stage_mxfp4(fds: StagedFds, plan: Dequantized, fd: int) -> None:
 
 _STAGERS: dict[str, Callable[[StagedFds, Dequantized, int], None]] = {
     "fp8-block": _stage_fp8,
+    "fp8-experts": _stage_fp8,
     "mxfp4": _stage_mxfp4,
 }

@@ -121,3 +121,41 @@ def test_per_expert_is_refused_not_ignored(tmp_path: Path) -> None:
     assert r.exit_code == 2, r.output
     assert "fused expert tensors only" in r.output and "--experts fused" in r.output
     assert not out.exists()
+
+
+@pytest.mark.heavy  # CI time: the same band path runs in test_export_quant_experts
+def test_fused_experts_quantized_from_stacked_layers(tmp_path: Path) -> None:
+    """``--quantize fp8-block``: the stacked ``linear_fc1 [L, E, 2I, H]`` becomes each layer's fused
+    ``experts.gate_up_proj [E, 2I, H]`` quantized per expert (blocks of 20 rows: a block holds gate and up rows);
+    bytes equal torch's quantization of the plain export's experts; logits vs megatron's within the MoE tolerance."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.ops.export.test_export_fp8 import _file_tensors, _torch_reader_load
+    from tests.ops.export.test_export_quant_experts import _assert_experts
+
+    doc = json.loads((DATA / "moe_ep2" / "model.json").read_text())
+    assets = _assets(tmp_path, True, doc)
+    plain, out = tmp_path / "plain", tmp_path / "fp8"
+    r = runner.invoke(app, ["export", str(DATA / "moe_ep2"), str(plain), "--model-assets", str(assets)])
+    assert r.exit_code == 0, r.output
+    args = ["--model-assets", str(assets), "--quantize", "fp8-block", "--quantize-block", "20", "--json"]
+    r = runner.invoke(app, ["export", str(DATA / "moe_ep2"), str(out), *args])
+    assert r.exit_code == 0, r.output
+    src, files = _file_tensors(plain), _file_tensors(out)
+    quantized = json.loads(r.stdout)["quantization"]["tensors"]
+    sd = {k: v.float() for k, v in files.items() if not k.endswith("_scale_inv") and k + "_scale_inv" not in files}
+    sd |= _torch_reader_load(out, {k: files[k] for k in quantized if k.endswith(".weight")}, 20)
+    for layer in range(doc["model"]["layers"]):
+        for name in ("gate_up_proj", "down_proj"):
+            key = f"model.layers.{layer}.mlp.experts.{name}"
+            assert key in quantized
+            sd[key] = _assert_experts(files, key, src[key], 20)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(assets), dtype=torch.float32).eval()
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing)
+    with torch.no_grad():
+        got = model(torch.tensor(doc["input_ids"])).logits.float()
+    want = torch.tensor(doc["logits"])
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert cos >= 0.9 and 0 < rel <= 0.5, (cos, rel)  # the MoE tolerance of test_export_quant_ct

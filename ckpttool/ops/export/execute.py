@@ -935,10 +935,7 @@ def _prepare(
         drop=drop,
         out_format=out_format,
     )
-    quantizer = None
-    if isinstance(out_format, QuantizedFormat):
-        recount_casts(plan, opts.save_dtype, out_format.quantized)
-        quantizer = BlockQuantizer(reader, out_format.spec.block, out_format.quantized, out_format.spec.channel)
+    quantizer = _quantizer(reader, plan, opts, out_format, warnings)
     plan.warnings = warnings
     plan.skipped = skipped
     plan.tied = tied
@@ -965,6 +962,10 @@ def _prepare(
     # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
     say("checking chunks")
     chunks = _checked_chunks(reader, [t.selected.source.key for t in plan.tasks])
+    if quantizer is not None and quantizer.other_sources:  # a fused piece's band reads its later sources' rows
+        quantizer.sources = {
+            t.source_key: c for t, c in zip(plan.tasks, chunks) if t.source_key in quantizer.other_sources
+        }
     return _Prepared(
         plan,
         model_adapter,
@@ -1082,6 +1083,22 @@ def _export_result(
         dry_run=opts.dry_run,
         quantization=_quantization(opts, prep),
     )
+
+
+def _quantizer(
+    reader: CheckpointReader, plan: ExportPlan, opts: ExportOptions, out_format: OutputFormat, warnings: list[str]
+) -> BlockQuantizer | None:
+    """A quantized export's band quantizer (casts recounted, its plan warnings added to ``warnings``), else ``None``.
+
+    Raises:
+        UsageError: :meth:`QuantizedFormat.planned`'s.
+    """
+    if not isinstance(out_format, QuantizedFormat):
+        return None
+    quantized = out_format.planned()
+    recount_casts(plan, opts.save_dtype, quantized)
+    warnings.extend(out_format.warnings())
+    return BlockQuantizer(reader, out_format.spec.block, quantized, out_format.spec.channel)
 
 
 def _quantization(opts: ExportOptions, prep: _Prepared) -> dict[str, Any] | None:

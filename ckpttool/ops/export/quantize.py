@@ -2,7 +2,11 @@
 
 Each selected 2-D ``*.weight`` ``[out, in]`` (float32 / bfloat16 / float16 source; an expert of a
 3-D ``[E, out, in]`` tensor split with ``--experts per-expert``; a LoRA-merged weight) becomes
-``float8_e4m3fn`` (safetensors ``F8_E4M3``) plus a float32 scale; ``q * scale`` dequantizes.
+``float8_e4m3fn`` (safetensors ``F8_E4M3``) plus a float32 scale; ``q * scale`` dequantizes. Fused
+expert tensors ``[E, out, in]`` (:func:`fused_experts`, ``--experts fused``) are quantized expert by
+expert, scales ``[E, ...]`` (transformers' ``FP8Experts`` layout: ``gate_up_proj`` +
+``gate_up_proj_scale_inv``; ``fp8`` only, compressed-tensors refuses them); a fused piece two sources
+write (torchtitan's ``w1|w3`` ``gate_up_proj``) after assembly, a block possibly straddling them.
 
 - ``--quantize fp8-block`` (``B`` = ``--quantize-block``, 128): one scale per ``B x B`` block,
   ``[ceil(out / B), ceil(in / B)]``; per block ``scale = amax / 448`` (edge blocks padded in the
@@ -20,9 +24,9 @@ Each selected 2-D ``*.weight`` ``[out, in]`` (float32 / bfloat16 / float16 sourc
   ``x.weight_scale``, ``{"quant_method": "compressed-tensors", "format": "float-quantized",
   "config_groups": {"group_0": ...}, "ignore": [...]}`` (:func:`compressed_tensors_config`).
 
-Left in the save dtype (``bfloat16`` unless ``--save-dtype``): anything not a 2-D ``*.weight``,
-:data:`DEFAULT_SKIP` (embeddings, norms, ``lm_head``, router gates), ``--quantize-skip`` globs and
-pieces that are not whole rows of their source (a fused half written by two sources).
+Left in the save dtype (``bfloat16`` unless ``--save-dtype``): anything not a 2-D ``*.weight`` nor fused
+experts, :data:`DEFAULT_SKIP` (embeddings, norms, ``lm_head``, router gates), ``--quantize-skip`` globs and
+pieces that are not whole rows of their sources.
 
 :class:`QuantizedFormat` wraps a model format (``hf``, ``hf-merged``) and plans the two pieces of
 each weight; :class:`BlockQuantizer` runs one band of ``B`` output rows per work unit (rows read
@@ -40,7 +44,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import QuantizationError, UsageError
+from ckpttool.errors import ExportError, QuantizationError, UsageError
 from ckpttool.ops.export.outputs import OutputFormat, PieceContext, PiecesFn, SourcePieces
 
 if TYPE_CHECKING:
@@ -65,6 +69,7 @@ __all__ = [
     "BlockQuantizer",
     "compressed_tensors_config",
     "quantization_config",
+    "fused_experts",
     "recount_casts",
     "scale_name",
 ]
@@ -177,16 +182,28 @@ class QuantSpec:
     def scale_suffix(self) -> str:
         return QUANT_FORMATS[self.fmt].scale_suffix
 
-    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
-        """The scale of a ``[out, in]`` weight: ``[ceil(out / B), ceil(in / B)]`` per block, ``[out, 1]`` per channel."""
-        out, inn = shape
-        return (out, 1) if self.channel else (-(-out // self.block), -(-inn // self.block))
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The scale of a ``[out, in]`` weight: ``[ceil(out / B), ceil(in / B)]`` per block, ``[out, 1]`` per channel;
+        of fused experts ``[E, out, in]``: the same per expert, ``[E, ...]``."""
+        *lead, out, inn = shape
+        return (*lead, out, 1) if self.channel else (*lead, -(-out // self.block), -(-inn // self.block))
+
+    def candidate(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Whether output tensor ``name`` is of a kind that is quantized: a 2-D ``*.weight`` or fused experts
+        (:func:`fused_experts`), whatever its dtype and the skip globs."""
+        return (len(shape) == 2 and name.endswith(".weight")) or fused_experts(name, shape)
 
     def quantizes(self, name: str, shape: tuple[int, ...], dtype: str) -> bool:
         """Whether output tensor ``name`` (shape ``shape``, source ``dtype``) is quantized."""
-        if len(shape) != 2 or not name.endswith(".weight") or dtype not in _QUANTIZABLE or 0 in shape:
+        if not self.candidate(name, shape) or dtype not in _QUANTIZABLE or 0 in shape:
             return False
         return not any(fnmatch.fnmatchcase(name, g) for g in (*DEFAULT_SKIP, *self.skip))
+
+
+def fused_experts(name: str, shape: tuple[int, ...]) -> bool:
+    """A fused expert tensor ``[E, out, in]`` of an ``experts`` module (transformers v5's ``mlp.experts.gate_up_proj`` /
+    ``down_proj``, an adapter's fused ``w1|w3``, Megatron's grouped ``linear_fc1`` / ``linear_fc2``)."""
+    return len(shape) == 3 and ".experts." in name and not name.endswith("bias")
 
 
 def quantization_config(block: int, not_converted: list[str]) -> dict[str, Any]:
@@ -247,17 +264,39 @@ def compressed_tensors_config(method: str, block: int, ignore: list[str]) -> dic
     }
 
 
+#: ``(first output row, first source row, rows, source)``: a segment of a quantized piece's rows (:class:`QuantTask`).
+Segment = tuple[int, int, int, int]
+
+
 @dataclass(frozen=True)
 class QuantTask:
-    """The quantized pieces of one source: for piece ``2k`` (FP8 weight, ``[rows, cols]``) and ``2k + 1`` (its scale),
-    ``rows[k]``: ``(first output row, first source row, rows)`` segments, source rows counted over the source's
-    leading dims (``[prod(shape[:-1]), shape[-1]]``)."""
+    """The quantized pieces of one source task.
 
-    rows: tuple[tuple[tuple[int, int, int], ...], ...]
+    For piece ``2k`` (FP8 weight ``[rows, cols]``, or fused experts ``[E, rows, cols]``) and ``2k + 1`` (its scale),
+    ``rows[k]``: segments ``(first output row, first source row, rows, source)``; output rows counted over the
+    piece's leading dims (``[prod(shape[:-1]), shape[-1]]``), source rows over the source's, ``source`` an index
+    into ``sources`` (``sources[0]``: the task's own source key). A fused tensor written by several sources (an
+    adapter's ``w1|w3`` ``gate_up_proj``) is quantized by its first source's task, which reads every source's
+    rows (a block may straddle two sources); the other sources' tasks quantize nothing (no ``rows``).
+    """
+
+    rows: tuple[tuple[Segment, ...], ...]
+    sources: tuple[str, ...] = ()
 
     @property
     def weights(self) -> int:
         return len(self.rows)
+
+
+@dataclass
+class _Shared:
+    """A fused piece written by several sources, as planned so far (:meth:`QuantizedFormat.pieces_planner`)."""
+
+    owner: str  # the first source's key: its task quantizes the piece
+    rows: int  # the piece's rows over its leading dims
+    quantized: bool
+    keys: list[str] = dataclasses.field(default_factory=list)
+    segments: list[Segment] = dataclasses.field(default_factory=list)
 
 
 def _derived_runs(
@@ -287,30 +326,57 @@ def _derived_runs(
     return out
 
 
-def _piece_rows(
+def _segments(
     pieces: tuple[Piece, ...], runs: tuple[Run, ...] | None, order: tuple[int, ...] | None, shape: tuple[int, ...]
-) -> QuantTask:
-    """Each piece's rows as segments of whole source rows; raises ValueError when a piece is not made of whole rows."""
+) -> list[list[tuple[int, int, int]]]:
+    """Each piece's ``(first output row, first source row, rows)``; raises ValueError when a piece is not made of
+    whole source rows (rows over the leading dims: ``[prod(shape[:-1]), shape[-1]]``)."""
     cols = shape[-1]
-    if any(len(p.shape) != 2 or p.shape[1] != cols or p.shared for p in pieces):
+    if any(len(p.shape) < 2 or p.shape[-1] != cols for p in pieces):
         raise ValueError("not whole rows")
     segs: list[list[tuple[int, int, int]]] = [[] for _ in pieces]
     for r in _derived_runs(pieces, runs, order, shape):
         if r.src % cols or r.dst % cols or r.length % cols:
             raise ValueError("not whole rows")
         segs[r.piece].append((r.dst // cols, r.src // cols, r.length // cols))
-    out = []
-    for p, s in zip(pieces, segs):
-        s.sort()
-        at = 0
-        for o, _, n in s:
-            if o != at:
-                raise ValueError("rows not covered")
-            at += n
-        if at != p.shape[0]:
+    return segs
+
+
+def _covering(segments: list[Segment], rows: int) -> tuple[Segment, ...]:
+    """``segments`` sorted; raises ValueError unless they tile output rows ``[0, rows)``."""
+    segments = sorted(segments)
+    at = 0
+    for o, _, n, _ in segments:
+        if o != at:
             raise ValueError("rows not covered")
-        out.append(tuple(s))
-    return QuantTask(tuple(out))
+        at += n
+    if at != rows:
+        raise ValueError("rows not covered")
+    return tuple(segments)
+
+
+def _lead_rows(shape: tuple[int, ...]) -> int:
+    """Rows of ``shape`` over its leading dims (``prod(shape[:-1])``)."""
+    n = 1
+    for d in shape[:-1]:
+        n *= d
+    return n
+
+
+def _piece_rows(
+    key: str,
+    pieces: tuple[Piece, ...],
+    runs: tuple[Run, ...] | None,
+    order: tuple[int, ...] | None,
+    shape: tuple[int, ...],
+) -> QuantTask:
+    """Each piece's rows as segments of whole rows of source ``key``; raises ValueError when a piece is not made of
+    whole rows or a piece is shared with other sources."""
+    if any(p.shared for p in pieces):
+        raise ValueError("shared")
+    segs = _segments(pieces, runs, order, shape)
+    rows = tuple(_covering([(o, s0, n, 0) for o, s0, n in sg], _lead_rows(p.shape)) for p, sg in zip(pieces, segs))
+    return QuantTask(rows, (key,))
 
 
 class QuantizedFormat(OutputFormat):
@@ -322,7 +388,9 @@ class QuantizedFormat(OutputFormat):
             setattr(self, attr, getattr(base, attr))
         self.ties_embeddings, self.checks_model_class = base.ties_embeddings, base.checks_model_class
         self.quantized: dict[str, QuantTask] = {}  # source key -> its quantized pieces (filled as the plan is made)
-        self.kept: list[str] = []  # modules of 2-D weights left unquantized
+        self.kept: list[str] = []  # modules of 2-D weights (and of fused experts) left unquantized
+        self._shared: dict[str, _Shared] = {}  # fused piece written by several sources -> its plan so far
+        self._experts: tuple[list[str], list[str]] = ([], [])  # (kept, quantized) fused expert tensors
 
     # delegated hooks
     def check_options(self, experts: str) -> None:
@@ -367,34 +435,145 @@ class QuantizedFormat(OutputFormat):
 
         A source is quantized when every piece it writes qualifies (:meth:`QuantSpec.quantizes`) and is made
         of whole source rows (a weight, an adapter's RoPE row permutation, an expert of a per-expert split,
-        a LoRA-merged weight); otherwise all its pieces are written as the base format says.
-        """
-        from ckpttool.ops.export.plan import Piece
+        fused experts ``[E, out, in]``, a LoRA-merged weight); otherwise all its pieces are written as the base
+        format says. A fused piece written by several sources (an adapter's ``w1|w3`` ``gate_up_proj``) is
+        quantized as one tensor, by its first source's task (:class:`QuantTask`).
 
+        Raises:
+            ExportError: fused expert tensors to quantize in a quant format that has no fused layout
+                (compressed-tensors); a later source of a quantized fused piece that cannot be quantized with it.
+        """
         base_fn, spec = self.base.pieces_planner(), self.spec
 
         def fp8_pieces(s: Selected, dtype: str, ctx: PieceContext) -> SourcePieces:
             pieces, runs, order, counted = base_fn(s, dtype, ctx)
-            src = s.source.dtype
-            rows = None
-            if all(spec.quantizes(p.name, p.shape, src) for p in pieces):
+            if len(pieces) == 1 and pieces[0].shared:
+                return self._shared_piece(s, pieces[0], runs, counted)
+            key = s.source.key
+            task = None
+            if all(spec.quantizes(p.name, p.shape, s.source.dtype) for p in pieces):
+                self._check_fused(s, pieces)
                 try:
-                    rows = _piece_rows(pieces, runs, order, s.source.shape)
+                    task = _piece_rows(key, pieces, runs, order, s.source.shape)
                 except ValueError:
-                    rows = None
-            if rows is None:
-                self.kept.extend(
-                    p.name.removesuffix(".weight") for p in pieces if len(p.shape) == 2 and p.name.endswith(".weight")
-                )
+                    task = None
+            if task is None:
+                self._keep(pieces)
                 return pieces, runs, order, counted
-            self.quantized[s.source.key] = rows
-            out: list[Piece] = []
-            for p in pieces:
-                out.append(dataclasses.replace(p, dtype=FP8_DTYPE))
-                out.append(Piece(scale_name(p.name, spec.scale_suffix), spec.scale_shape(p.shape), "float32"))
-            return tuple(out), None, None, [p.name for p in out]
+            self.quantized[key] = task
+            out = self._pairs(pieces)
+            return out, None, None, [p.name for p in out]
 
         return fp8_pieces
+
+    def _pairs(self, pieces: tuple[Piece, ...], record: bool = True) -> tuple[Piece, ...]:
+        """``(fp8 weight, float32 scale)`` of each piece (a shared piece's scale is shared too); ``record``: count
+        the fused expert tensors among them (once per output tensor)."""
+        from ckpttool.ops.export.plan import Piece
+
+        out: list[Piece] = []
+        for p in pieces:
+            out.append(dataclasses.replace(p, dtype=FP8_DTYPE))
+            scale = scale_name(p.name, self.spec.scale_suffix)
+            out.append(Piece(scale, self.spec.scale_shape(p.shape), "float32", shared=p.shared))
+            if record and fused_experts(p.name, p.shape):
+                self._experts[1].append(p.name)
+        return tuple(out)
+
+    def _keep(self, pieces: tuple[Piece, ...]) -> None:
+        """Record the modules of pieces written unquantized (``modules_to_not_convert`` / ``ignore``)."""
+        for p in pieces:
+            if len(p.shape) == 2 and p.name.endswith(".weight"):
+                self.kept.append(p.name.removesuffix(".weight"))
+            elif fused_experts(p.name, p.shape):
+                self.kept.append(p.name.rpartition(".")[0])  # the experts module transformers converts as a whole
+                self._experts[0].append(p.name)
+
+    def _check_fused(self, s: Selected, pieces: tuple[Piece, ...]) -> None:
+        """Raises ExportError: fused expert tensors to quantize in a quant format with no fused layout."""
+        fused = next((p.name for p in pieces if fused_experts(p.name, p.shape)), None)
+        if fused is not None and self.spec.fmt != "fp8":
+            raise ExportError(
+                f"{s.model_key}: fused expert tensor {fused} [E, out, in]: `quant_format` {self.spec.fmt} has no "
+                "fused-expert layout its consumers load (it quantizes Linear modules; transformers and vLLM read "
+                "its experts per expert)",
+                fqn=s.model_key,
+                param="quant_format",
+                hint="export with `experts` per-expert (or `quant_format` fp8), or leave the experts unquantized with "
+                "`quantize_skip` '*.experts.*'",
+            )
+
+    def _shared_piece(self, s: Selected, p: Piece, runs: tuple[Run, ...] | None, counted: list[str]) -> SourcePieces:
+        """A fused piece written by several sources: quantized as one tensor after assembly, by its first source's
+        task (the others' tasks write nothing: no runs, no bytes, nothing counted)."""
+        key, st = s.source.key, self._shared.get(p.name)
+        if st is None:
+            segs = None
+            if self.spec.quantizes(p.name, p.shape, s.source.dtype):
+                self._check_fused(s, (p,))
+                try:
+                    segs = _segments((p,), runs, None, s.source.shape)[0]
+                except ValueError:
+                    segs = None
+            st = self._shared[p.name] = _Shared(key, _lead_rows(p.shape), segs is not None)
+            if segs is None:
+                self._keep((p,))
+        if not st.quantized:
+            return (p,), runs, None, counted
+        try:
+            if s.source.dtype not in _QUANTIZABLE:
+                raise ValueError(s.source.dtype)
+            segs = _segments((p,), runs, None, s.source.shape)[0]
+        except ValueError:
+            raise ExportError(
+                f"{s.model_key}: writes part of {p.name} ({s.source.dtype}, shape {list(s.source.shape)}), which "
+                "its other sources quantize, but cannot be quantized with them",
+                fqn=s.model_key,
+                hint=f"leave {p.name} unquantized with `quantize_skip`",
+            ) from None
+        st.segments.extend((o, s0, n, len(st.keys)) for o, s0, n in segs)
+        st.keys.append(key)
+        pair = self._pairs((p,), record=key == st.owner)
+        self.quantized[key] = QuantTask((), (key,))  # the owner's rows once every source is planned (:meth:`planned`)
+        if key == st.owner:
+            return pair, None, None, [q.name for q in pair]
+        return pair, (), None, []  # no runs: the owner's task writes the piece and its scale
+
+    def planned(self) -> dict[str, QuantTask]:
+        """Source key -> its quantized pieces, once the plan is made: each fused piece written by several sources
+        gets every source's rows (its owner's :class:`QuantTask`).
+
+        Raises:
+            UsageError: `quantize_skip` keeps some fused expert tensors of an experts module and quantizes others
+                (transformers converts an experts module as a whole).
+        """
+        for name, st in self._shared.items():
+            if st.quantized:
+                try:
+                    rows = _covering(st.segments, st.rows)
+                except ValueError:
+                    raise ExportError(f"{name}: its sources do not write every row once", fqn=name) from None
+                self.quantized[st.owner] = QuantTask((rows,), tuple(st.keys))
+        kept, quantized = ({n.rpartition(".")[0]: n for n in names} for names in self._experts)
+        both = sorted(set(kept) & set(quantized))
+        if both:
+            raise UsageError(
+                f"`quantize_skip` keeps {kept[both[0]]} but quantizes {quantized[both[0]]} of the same experts module",
+                param="quantize_skip",
+                hint="transformers converts an experts module as a whole: skip all its tensors or none "
+                f"(e.g. `quantize_skip` '{both[0]}.*')",
+            )
+        return self.quantized
+
+    def warnings(self) -> list[str]:
+        """Plan warnings: fused expert tensors quantized (the layout vLLM and torch's reader do not read)."""
+        if not self._experts[1]:
+            return []
+        return [
+            f"{len(self._experts[1])} fused expert tensor(s) quantized as [E, out, in] FP8 with "
+            "[E, ceil(out/B), ceil(in/B)] scales (transformers' FP8Experts layout); vLLM and torch's "
+            "QuantizedHuggingFaceStorageReader read block FP8 experts per expert: export with `experts` per-expert for them"
+        ]
 
     def edited_assets(self, model_config: dict[str, Any] | None) -> dict[str, bytes]:
         """The base format's edits, and ``config.json`` with the quant format's ``quantization_config``."""
@@ -414,9 +593,13 @@ def recount_casts(plan: ExportPlan, save_dtype: str, quantized: dict[str, QuantT
         if quantized is not None:
             if t.source_key not in quantized:
                 continue
+            n = quantized[t.source_key].weights  # 0: a later source of a fused piece (its owner counts it)
         elif len(p) != 2 or p[0].dtype != FP8_DTYPE or p[1].dtype != "float32":
             continue
-        n = len(p) // 2
+        else:
+            n = 1
+        if n == 0:
+            continue
         src = t.selected.source.dtype
         if src != save_dtype:
             for d in (plan.casts, plan.narrowing):
@@ -427,6 +610,16 @@ def recount_casts(plan: ExportPlan, save_dtype: str, quantized: dict[str, QuantT
                         del d[tag]
         for d in (plan.casts, plan.narrowing):
             d[f"{src}->{FP8_DTYPE}"] = d.get(f"{src}->{FP8_DTYPE}", 0) + n
+
+
+@dataclass(frozen=True)
+class _Where:
+    """A band, for error messages: ``expert`` (``"expert 3 "``, empty for a 2-D weight), its index within the
+    matrix and its first row there."""
+
+    expert: str
+    band: int
+    row: int
 
 
 @dataclass
@@ -455,6 +648,8 @@ class BlockQuantizer:
     ) -> None:
         self.reader, self.block, self.tasks, self.channel = reader, block, tasks, channel
         self.merges: dict[str, Any] = {}
+        # key -> (meta, checked chunks) of the sources a task reads besides its own (a fused piece's later sources)
+        self.sources: dict[str, tuple[TensorMeta, list[ChunkMeta]]] = {}
         self.stats: dict[str, _Stats] = {}  # output weight name -> its figures
         self._units_of: dict[str, list[tuple[int, int]]] = {}  # source key -> its work units
         self._lock = threading.Lock()
@@ -471,24 +666,35 @@ class BlockQuantizer:
         """Quantized output weights (an expert split counts each expert)."""
         return sum(t.weights for t in self.tasks.values())
 
+    @property
+    def other_sources(self) -> set[str]:
+        """Source keys read by another source's task (:attr:`sources` must hold their checked chunks)."""
+        return {k for t in self.tasks.values() for k in t.sources[1:]}
+
     def _units(self, task: SourceTask) -> list[tuple[int, int]]:
-        """``(piece, band)`` of each work unit of ``task`` (computed once per task)."""
+        """``(piece, band)`` of each work unit of ``task`` (computed once per task): ``ceil(rows / B)`` bands per
+        matrix (per expert of fused experts ``[E, rows, cols]``: bands never cross experts)."""
         units = self._units_of.get(task.source_key)
         if units is None:
             b = self.block
-            units = [(k, j) for k in range(len(task.pieces) // 2) for j in range(-(-task.pieces[2 * k].shape[0] // b))]
+            units = []
+            for k in range(self.tasks[task.source_key].weights):
+                shape = task.pieces[2 * k].shape
+                units.extend((k, j) for j in range(_lead_rows(shape[:-1]) * -(-shape[-2] // b)))
             with self._lock:
                 self._units_of[task.source_key] = units
         return units
 
     def bands(self, task: SourceTask) -> int:
-        """Work units of ``task``: ``ceil(rows / B)`` bands per quantized piece."""
+        """Work units of ``task``: ``ceil(rows / B)`` bands per quantized matrix."""
         return len(self._units(task))
 
     def band(
         self, task: SourceTask, meta: TensorMeta, chunks: list[ChunkMeta], writer: ShardWriter, index: int
     ) -> None:
         """Work unit ``index``: read ``B`` output rows of one piece, quantize, check and write them and their scales.
+
+        The rows of a fused piece's band may come from several sources (``QuantTask.sources``).
 
         Raises:
             QuantizationError (E607): a block holding NaN / infinity, a zero or non-finite scale for a
@@ -497,45 +703,49 @@ class BlockQuantizer:
         import numpy as np
 
         k, j = self._units(task)[index]
-        b = self.block
+        b, qt = self.block, self.tasks[task.source_key]
         weight, scales = task.pieces[2 * k], task.pieces[2 * k + 1]
-        rows, cols = weight.shape
-        r0, r1 = j * b, min(rows, (j + 1) * b)
+        rows, cols = weight.shape[-2:]
+        e, jj = divmod(j, -(-rows // b))  # expert (0 for a 2-D weight), band within it
+        r0, r1 = e * rows + jj * b, e * rows + min(rows, (jj + 1) * b)
+        where = _Where(f"expert {e} " if len(weight.shape) > 2 else "", jj, jj * b)
         merge = self.merges.get(task.source_key)
+        metas = [(meta, chunks), *(self.sources[key] for key in qt.sources[1:])]
         # the stored values as they are (the kernel widens them exactly), float32 to add a LoRA delta to
-        held = (merge is None and _held(meta.dtype.name)) or np.float32
+        same = all(m.dtype == meta.dtype for m, _ in metas)
+        held = (merge is None and same and _held(meta.dtype.name)) or np.float32
         band = self._buffers.get(f"band-{held.__name__}", held, (r1 - r0) * cols).reshape(r1 - r0, cols)
-        for o0, s0, n in _source_ranges(self.tasks[task.source_key].rows[k], r0, r1):
+        for o0, s0, n, src in _source_ranges(qt.rows[k], r0, r1):
             dest = band[o0 - r0 : o0 - r0 + n]
-            self._read_rows(task.source_key, meta, chunks, s0, s0 + n, dest)
+            self._read_rows(qt.sources[src], *metas[src], s0, s0 + n, dest)
             if merge is not None:  # PEFT's (B @ A) * scaling, in FP32, before the one rounding (to FP8)
                 dest += (merge.b[s0 : s0 + n] @ merge.a) * np.float32(merge.scale)
-        q, scale, amax = self._quantize(weight.name, j, band)
+        q, scale, amax = self._quantize(weight.name, where, band)
         if merge is not None and not merge.changed:
             merge.changed = self._merge_changed(task, meta, chunks, k, (r0, r1), q, scale)
         # numpy stubs: __buffer__ only on 3.12+
         writer.write(weight.name, memoryview(q.reshape(-1)), r0 * cols)  # type: ignore[arg-type]
-        at = r0 * 4 if self.channel else j * scales.shape[1] * 4
+        at = r0 * 4 if self.channel else j * scales.shape[-1] * 4
         writer.write(scales.name, memoryview(scale.view(np.uint8)), at)  # type: ignore[arg-type]
         with self._lock:
             st = self.stats.setdefault(weight.name, _Stats())
             st.blocks += len(scale)
             st.zero_blocks += int((amax == 0).sum())
 
-    def _quantize(self, name: str, j: int, band: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Quantize and check one band (rows ``j * B ..``) of output weight ``name``; record its error figures.
+    def _quantize(self, name: str, where: _Where, band: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Quantize and check one band (``where``: its expert, band and first row) of output weight ``name``; record
+        its error figures.
 
         The arrays returned are this thread's scratch (:func:`ckpttool.engine.fp8.quantize_band`)."""
         from ckpttool.engine.fp8 import quantize_band
 
-        b = self.block
-        r = quantize_band(band, None if self.channel else b)
+        r = quantize_band(band, None if self.channel else self.block)
         q, scale, amax, worst, rel = r.q, r.scale, r.amax, r.worst, r.rel
-        self._check_scales(name, (j * b, None) if self.channel else (j, 0), scale, amax)
+        self._check_scales(name, where, scale, amax)
         if not rel <= MAX_BLOCK_REL_ERROR:
-            r0 = j * b
+            r0 = where.row
             raise QuantizationError(
-                f"{name}: rows {r0}..{r0 + len(band) - 1} dequantize with a relative error of {rel:.4g} "
+                f"{name}: {where.expert}rows {r0}..{r0 + len(band) - 1} dequantize with a relative error of {rel:.4g} "
                 f"(bound {MAX_BLOCK_REL_ERROR:.4g})",
                 fqn=name,
             )
@@ -562,7 +772,7 @@ class BlockQuantizer:
 
         r0, r1 = span
         base = np.empty_like(q, dtype=np.float32)
-        for o0, s0, n in _source_ranges(self.tasks[task.source_key].rows[k], r0, r1):
+        for o0, s0, n, _ in _source_ranges(self.tasks[task.source_key].rows[k], r0, r1):
             self._read_rows(task.source_key, meta, chunks, s0, s0 + n, base[o0 - r0 : o0 - r0 + n])
         if self.channel:
             q0, s0_, _ = kernels.fp8_channel_quantize(base)
@@ -570,19 +780,18 @@ class BlockQuantizer:
             q0, s0_, _ = kernels.fp8_block_quantize(base, self.block)
         return not (np.array_equal(q0, q) and np.array_equal(s0_.view(np.uint32), scale.view(np.uint32)))
 
-    @staticmethod
-    def _check_scales(name: str, at: tuple[int, int | None], scale: np.ndarray, amax: np.ndarray) -> None:
-        """Raises E607 for a non-finite scale or a zero one of a non-zero block; ``at``: ``(band, 0)`` of a block
-        band (scales along the columns), ``(first row, None)`` of a channel band (a scale per row)."""
+    def _check_scales(self, name: str, where: _Where, scale: np.ndarray, amax: np.ndarray) -> None:
+        """Raises E607 for a non-finite scale or a zero one of a non-zero block (``where``: the band's expert, index
+        and first row; a block band's scales run along the columns, a channel band's one per row)."""
         import numpy as np
 
         bad = np.flatnonzero(~np.isfinite(scale) | ((scale <= 0) & (amax != 0)))
         if bad.size:
             j = int(bad[0])
             why = "holds NaN or infinity" if not np.isfinite(amax[j]) else f"amax {float(amax[j]):.4g} gives scale 0"
-            where = f"row {at[0] + j}" if at[1] is None else f"block ({at[0]}, {j})"
+            at = f"row {where.row + j}" if self.channel else f"block ({where.band}, {j})"
             raise QuantizationError(
-                f"{name}: {where} {why}: no finite positive FP8 scale",
+                f"{name}: {where.expert}{at} {why}: no finite positive FP8 scale",
                 fqn=name,
                 hint="leave the tensor unquantized with `quantize_skip`, or check the checkpoint with "
                 "`ckpttool validate --deep`",
@@ -699,11 +908,11 @@ def _unravel(flat: int, dims: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _source_ranges(segments: tuple[tuple[int, int, int], ...], r0: int, r1: int) -> list[tuple[int, int, int]]:
-    """``(first output row, first source row, rows)`` of output rows ``[r0, r1)`` from a piece's row segments."""
-    out: list[tuple[int, int, int]] = []
-    for o, src, n in segments:
+def _source_ranges(segments: tuple[Segment, ...], r0: int, r1: int) -> list[Segment]:
+    """``(first output row, first source row, rows, source)`` of output rows ``[r0, r1)`` from a piece's segments."""
+    out: list[Segment] = []
+    for o, src, n, key in segments:
         lo, hi = max(o, r0), min(o + n, r1)
         if lo < hi:
-            out.append((lo, src + lo - o, hi - lo))
+            out.append((lo, src + lo - o, hi - lo, key))
     return out

@@ -1,0 +1,185 @@
+"""Quantized export of fused expert tensors ``[E, out, in]`` and of fused pieces written by two sources.
+
+- fused experts (``--experts fused``, ``--quant-format fp8``): each expert quantized on its own ``B x B`` grid,
+  scales ``[E, ceil(out/B), ceil(in/B)]`` (transformers' ``FP8Experts`` parameters ``gate_up_proj`` /
+  ``gate_up_proj_scale_inv``); the bytes equal torch's quantization of each expert, transformers' own
+  ``_dequantize_fp8_weight`` (its block dequantization of ``(..., N, K)`` weights) gives our values;
+- the torchtitan adapter's ``gate_up_proj`` assembled from ``w1_EFD`` and ``w3_EFD``: quantized after assembly, with
+  a block of 24 rows straddling the two sources (``I = 16``); logits of the dequantized export vs the HF model the
+  fixture was saved from (the MoE tolerance of ``test_export_quant_ct``);
+- refusals: compressed-tensors with fused experts (no fused layout its consumers load), a ``--quantize-skip`` that
+  keeps part of an experts module; nothing published.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.ops.export.quantize import MAX_BLOCK_REL_ERROR
+from tests.fixtures import hf_models
+from tests.fixtures.cache import cached_build
+from tests.ops.export.test_export_fp8 import _file_tensors, _torch_reader_load, _torch_reference
+
+runner = CliRunner()
+
+
+def _tf_dequantize() -> Any:
+    """transformers' block dequantization of ``(..., N, K)`` FP8 weights (``FP8Linear`` / ``FP8Experts`` backward)."""
+    try:
+        from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+    except ImportError:  # pragma: no cover - another transformers release
+        pytest.skip("transformers without finegrained_fp8._dequantize_fp8_weight")
+    return _dequantize_fp8_weight
+
+
+def _export(src: Path, out: Path, *args: str) -> tuple[int, dict[str, Any], str]:
+    res = runner.invoke(app, ["export", str(src), str(out), "--quantize", "fp8-block", "--json", *args])
+    return res.exit_code, json.loads(res.stdout) if res.exit_code == 0 else {}, res.stderr
+
+
+def _assert_experts(files: dict[str, torch.Tensor], name: str, source: torch.Tensor, block: int) -> torch.Tensor:
+    """Fused ``name``: per expert, torch's quantization of the assembled source; returns transformers' dequantization."""
+    q, scale = files[name], files[name + "_scale_inv"]
+    e, rows, cols = source.shape
+    assert q.dtype == torch.float8_e4m3fn and tuple(q.shape) == (e, rows, cols)
+    assert scale.dtype == torch.float32 and tuple(scale.shape) == (e, -(-rows // block), -(-cols // block))
+    for j in range(e):
+        ref_q, ref_scale = _torch_reference(source[j], block)
+        assert torch.equal(scale[j], ref_scale), (name, j)
+        assert torch.equal(q[j].view(torch.uint8), ref_q.view(torch.uint8)), (name, j)
+    deq = _tf_dequantize()(q, scale, [block, block], torch.float32)
+    ours = q.float() * scale.repeat_interleave(block, 1).repeat_interleave(block, 2)[:, :rows, :cols]
+    assert torch.equal(deq.view(torch.int32), ours.view(torch.int32)), name
+    assert (deq - source.float()).abs().amax() <= MAX_BLOCK_REL_ERROR * source.float().abs().amax()
+    return deq
+
+
+def test_titan_fused_experts_quantized_after_assembly(fixture_root: Path, tmp_path: Path) -> None:
+    """torchtitan's w1 | w3 assembled into gate_up_proj [E, 2I, H] (I = 16), then quantized in blocks of 24 rows:
+    block 0 of each expert holds 16 rows of w1 and 8 of w3; down_proj [E, H, I] fused as stored."""
+    from transformers import Qwen3MoeForCausalLM
+
+    src = cached_build(fixture_root, "export_titan_named", hf_models.build_titan_named) / "qwen_moe"
+    block, out = 24, tmp_path / "q"
+    rc, r, err = _export(src, out, "--quantize-block", str(block), "--model-assets", str(src / "model_assets"))
+    assert rc == 0, err
+    cfg = hf_models.qwen_moe_config()
+    assert r["model_adapter"] == "torchtitan-qwen3"
+    assert r["quantization"]["quantized"] == cfg.num_hidden_layers * (2 + 4)  # gate_up, down + q, k, v, o
+    assert r["casts"]["float32->float8_e4m3fn"] == r["quantization"]["quantized"]
+    assert any("FP8Experts" in w for w in r["warnings"])
+    titan = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in _metadata(src).items()}
+    dcp.load(titan, checkpoint_id=str(src), no_dist=True)
+    files = _file_tensors(out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(files)
+    plain = {k: v.float() for k, v in files.items() if not k.endswith("_scale_inv") and v.dtype != torch.float8_e4m3fn}
+    dense = {k: files[k] for k in files if k + "_scale_inv" in files and k.endswith(".weight")}
+    sd = {**plain, **_torch_reader_load(out, dense, block)}
+    for layer in range(cfg.num_hidden_layers):
+        hf, tt = f"model.layers.{layer}.mlp.experts.", f"layers.{layer}.moe.routed_experts.inner_experts."
+        gate_up = torch.cat([titan[tt + "w1_EFD"], titan[tt + "w3_EFD"]], dim=1)
+        sd[hf + "gate_up_proj"] = _assert_experts(files, hf + "gate_up_proj", gate_up, block)
+        sd[hf + "down_proj"] = _assert_experts(files, hf + "down_proj", titan[tt + "w2_EDF"], block)
+        assert r["quantization"]["tensors"][hf + "gate_up_proj"]["blocks"] == cfg.num_experts * 2 * 2
+    assert not (set(sd) ^ {k for k in files if not k.endswith("_scale_inv")})
+    model = Qwen3MoeForCausalLM(cfg).float().eval()
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing)
+    ref = torch.load(src / "reference.pt", weights_only=True)
+    with torch.no_grad():
+        got = model(ref["ids"]).logits
+    want = ref["logits"]
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert cos >= 0.9 and 0 < rel <= 0.5, (cos, rel)  # the MoE tolerance of test_export_quant_ct
+
+
+def _metadata(src: Path) -> dict[str, Any]:
+    md = dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
+    return {k: v for k, v in md.items() if hasattr(v, "size")}
+
+
+def _tiny_moe(path: Path) -> Path:
+    g = torch.Generator().manual_seed(5)
+    sd = {
+        "model.layers.0.mlp.experts.gate_up_proj": torch.randn(4, 12, 20, generator=g),
+        "model.layers.0.mlp.experts.down_proj": torch.randn(4, 20, 6, generator=g),
+        "model.layers.0.self_attn.o_proj.weight": torch.randn(20, 20, generator=g),
+        "model.norm.weight": torch.ones(20),
+    }
+    dcp.save(sd, checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+def test_fused_experts_hf_names_and_refusals(tmp_path: Path) -> None:
+    """HF-named fused experts (key rules), blocks of 8 cutting experts' rows and columns unevenly; compressed-tensors
+    and a partial experts skip refused with nothing published."""
+    src = _tiny_moe(tmp_path / "ckpt")
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps({"hidden_size": 20}))
+    rc, r, err = _export(src, tmp_path / "q", "--quantize-block", "8", "--model-assets", str(assets))
+    assert rc == 0, err
+    files = _file_tensors(tmp_path / "q")
+    loaded = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in _metadata(src).items()}
+    dcp.load(loaded, checkpoint_id=str(src), no_dist=True)
+    deq = {}
+    for name in ("gate_up_proj", "down_proj"):
+        key = "model.layers.0.mlp.experts." + name
+        deq[key] = _assert_experts(files, key, loaded[key], 8)
+    assert r["quantization"]["quantized"] == 3
+    # import reads the fused layout back: transformers' dequantized values, bit for bit
+    res = runner.invoke(app, ["import", str(tmp_path / "q"), str(tmp_path / "imported"), "--dtype", "float32"])
+    assert res.exit_code == 0, res.stderr
+    back = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in _metadata(tmp_path / "imported").items()}
+    dcp.load(back, checkpoint_id=str(tmp_path / "imported"), no_dist=True)
+    for key, want in deq.items():
+        got = next(v for k, v in back.items() if k.endswith(key))
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), key
+    for args, code, needle in (
+        (("--quant-format", "compressed-tensors"), "E601", "--experts per-expert"),
+        (("--quantize-skip", "*.down_proj"), "E100", "keeps model.layers.0.mlp.experts.down_proj"),
+    ):
+        out = tmp_path / f"refused-{code}"
+        rc, _, err = _export(src, out, "--quantize-block", "8", *args)
+        assert rc == 2 and f"[{code}]" in err and needle in err and "Traceback" not in err, err
+        assert not out.exists() and not list(tmp_path.glob(f"refused-{code}?*"))
+    rc, r, err = _export(src, tmp_path / "kept", "--quantize-skip", "*.experts.*", "--model-assets", str(assets))
+    assert rc == 0, err
+    files = _file_tensors(tmp_path / "kept")
+    assert files["model.layers.0.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
+    assert r["quantization"]["quantized"] == 1 and "model.layers.0.mlp.experts.down_proj_scale_inv" not in files
+    qc = json.loads((tmp_path / "kept" / "config.json").read_text())["quantization_config"]
+    assert qc["modules_to_not_convert"] == ["model.layers.0.mlp.experts"]  # the experts module, kept whole
+
+
+@pytest.mark.parametrize(
+    ("scale", "needle"),
+    [
+        (torch.ones(2, 2, 1), "need float32 [2, 1, 1]"),
+        (torch.tensor([1.0, float("nan")]).reshape(2, 1, 1), "NaN, infinite or negative, e.g. block (1, 0, 0)"),
+    ],
+)
+def test_import_refuses_fused_fp8_scales_that_do_not_fit(tmp_path: Path, scale: torch.Tensor, needle: str) -> None:
+    """Fused FP8 experts with a scale of the wrong shape or a NaN scale: E612, nothing published."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    key = "model.layers.0.mlp.experts.down_proj"
+    q = torch.full((2, 8, 8), 0.5).to(torch.float8_e4m3fn)
+    save_file({key: q, key + "_scale_inv": scale, "model.norm.weight": torch.ones(8)}, str(src / "model.safetensors"))
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [8, 8]}
+    (src / "config.json").write_text(json.dumps({"hidden_size": 8, "quantization_config": qc}))
+    res = runner.invoke(app, ["import", str(src), str(tmp_path / "out")])
+    assert res.exit_code == 2 and "[E612]" in res.stderr and needle in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "out").exists()
