@@ -4,7 +4,7 @@ One run prints, side by side (warm page cache, every approach in its own process
 including interpreter start-up and imports, peak RSS from GNU ``/usr/bin/time -f %M``):
 
 - ``ckpttool export CKPT OUT --quantize fp8-block`` (block FP8 + ``weight_scale_inv``; with
-  ``--quant-format compressed-tensors`` as a second row when ``--ct`` is given);
+  ``--quant-format compressed-tensors``, block and ``fp8-channel``, as more rows when ``--ct`` is given);
 - ``ckpttool export CKPT OUT`` (the verbatim BF16 export of the same checkpoint);
 - ``cp -r`` of the quantized output directory (the same output bytes, copied by the kernel);
 - an independent torch script on the same machine: ``dcp.load`` of the whole state dict, then per
@@ -28,6 +28,7 @@ Usage::
     python bench/bench_quantize.py [--root /tmp/ckpttool-bench-quantize] [--gib 0.25] [--rows 4096]
                                    [--cols 4096] [--repeat 3] [--workers N] [--ct] [--skip-torch]
                                    [--other DIR]
+    python bench/bench_quantize.py --bands [--cols 4096] [--repeat 3]   # the band kernels alone
 """
 
 from __future__ import annotations
@@ -142,6 +143,46 @@ def _same_files(a: Path, b: Path) -> bool:
     )
 
 
+def _bands(cols: int, repeat: int) -> None:
+    """CPU ms per ``128 x cols`` band of the native, torch and numpy kernels (BF16 and FP32 sources, block and
+    channel), one thread, in this process; each the best of ``repeat`` rounds of 100 bands."""
+    import numpy as np
+    import torch
+
+    from ckpttool.engine import fp8, fp8_native, kernels
+
+    def numpy_band(band: np.ndarray, block: int | None) -> None:
+        w = kernels.to_f32(band.view(np.uint8), "bfloat16" if band.dtype == np.uint16 else "float32").reshape(
+            band.shape
+        )
+        if block is None:
+            q, scale, amax = kernels.fp8_channel_quantize(w)
+            kernels.fp8_channel_error(w, kernels.fp8_channel_dequantize(q, scale), amax)
+        else:
+            q, scale, amax = kernels.fp8_block_quantize(w, block)
+            kernels.fp8_block_error(w, kernels.fp8_block_dequantize(q, scale, block), amax, block)
+
+    torch.set_num_threads(1)
+    w = torch.randn(128, cols, generator=torch.Generator().manual_seed(0)) * 0.02
+    sources = {"bf16": w.to(torch.bfloat16).view(torch.uint16).numpy(), "fp32": w.numpy()}
+    kinds = [("native", fp8_native.quantize_band), ("torch", fp8.quantize_band), ("numpy", numpy_band)]
+    print(f"CPU ms per 128 x {cols} band, one thread, loadavg {_load()}")
+    for block in (128, None):
+        for src, band in sources.items():
+            row = []
+            for name, fn in kinds:
+                if name == "native" and not fp8_native.available():
+                    continue
+                best = float("inf")
+                for _ in range(repeat):
+                    t = time.process_time()
+                    for _ in range(100):
+                        fn(band, block)
+                    best = min(best, (time.process_time() - t) * 10)
+                row.append(f"{name} {best:.3f}")
+            print(f"  {'block' if block else 'channel'} {src}: " + ", ".join(row))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, default=Path("/tmp/ckpttool-bench-quantize"))
@@ -152,10 +193,14 @@ def main() -> None:
         "--repeat", type=int, default=3, help="rounds of all approaches; the fastest run of each is reported"
     )
     ap.add_argument("--workers", type=int, default=None, help="ckpttool --workers (default: its own)")
-    ap.add_argument("--ct", action="store_true", help="also --quant-format compressed-tensors")
+    ap.add_argument("--ct", action="store_true", help="also --quant-format compressed-tensors (block and channel)")
     ap.add_argument("--skip-torch", action="store_true", help="leave out the torch script")
     ap.add_argument("--other", type=Path, default=None, help="another ckpttool checkout to run beside (before/after)")
+    ap.add_argument("--bands", action="store_true", help="only the band kernels' CPU ms per band, in process")
     args = ap.parse_args()
+    if args.bands:
+        _bands(args.cols, args.repeat)
+        return
 
     ckpt = _build(args.root, args.gib, args.rows, args.cols)
     src_bytes = sum(p.stat().st_size for p in ckpt.iterdir() if p.is_file())
@@ -168,9 +213,9 @@ def main() -> None:
     approaches: list[tuple[str, Callable[[Path], list[str]], Path, dict[str, str] | None]] = []
     flags = [("fp8-block", ["--quantize", "fp8-block"])]
     if args.ct:
-        flags.append(
-            ("fp8-block compressed-tensors", ["--quantize", "fp8-block", "--quant-format", "compressed-tensors"])
-        )
+        ct = ["--quant-format", "compressed-tensors"]
+        flags.append(("fp8-block compressed-tensors", ["--quantize", "fp8-block", *ct]))
+        flags.append(("fp8-channel compressed-tensors", ["--quantize", "fp8-channel", *ct]))
     for label, f in flags:
         out = root / ("out_" + label.replace(" ", "_"))
         approaches.append(
@@ -184,7 +229,8 @@ def main() -> None:
     quant_out = root / "out_fp8-block"
     if args.other is not None:
         env = {**os.environ, "PYTHONPATH": str(args.other.resolve())}
-        cmd = [sys.executable, "-m", "ckpttool", "export", str(ckpt)]
+        # -P: not the working directory first on the path (a run from a checkout would import that one)
+        cmd = [sys.executable, "-P", "-m", "ckpttool", "export", str(ckpt)]
         approaches.append(
             (
                 f"{args.other.name}: export fp8-block",

@@ -1,12 +1,15 @@
-"""FP8 quantization of bands of rows with torch's CPU kernels, checked as it goes (``export --quantize``).
+"""FP8 quantization of bands of rows with torch's CPU kernels: the fallback of the native kernel.
+
+``export --quantize`` uses :mod:`ckpttool.engine.fp8_native` where the extension is built, and
+this module otherwise (or with ``CKPTTOOL_NATIVE=0``); both give the same bytes.
 
 :func:`quantize_band` computes, for one band of rows, what :func:`~ckpttool.engine.kernels.fp8_block_quantize`
 (or ``fp8_channel_quantize``), the dequantization and ``fp8_block_error`` (``fp8_channel_error``)
 compute in numpy, bit for bit, in 40-55% of the CPU time: the rounding to
 ``float8_e4m3fn`` is torch's vectorised ``Tensor.copy_`` (the numpy bit arithmetic it replaces is
 the reference of the tests), the other steps torch's vectorised elementwise and reduction kernels,
-into per-thread scratch tensors (no allocation, no page faults per band). Only the quantize path
-imports this module (torch takes ~1 s to import; the other commands do not load it).
+into per-thread scratch tensors (no allocation, no page faults per band). Only a quantized export
+without the native kernel imports this module (torch takes ~1 s to import).
 
 The error check dequantizes magnitudes: ``| |q| * scale - |w| |`` equals ``|q * scale - w|`` bit for
 bit, because ``q`` = round-to-nearest-even(``w / scale``) has the sign of ``w`` (or is zero) and
@@ -23,35 +26,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from ckpttool.engine.fp8_native import BandResult
 
 __all__ = ["BandResult", "quantize_band", "torch_threads"]
 
 _E4M3FN_MAX = 448.0
 _UNBIAS = 2.0**120  # float32 value of the e4m3fn magnitude bits shifted into place, to the e4m3fn value
-
-
-@dataclass(frozen=True)
-class BandResult:
-    """One quantized band (the arrays are this thread's scratch: valid until its next :func:`quantize_band`).
-
-    Attributes:
-        q: ``uint8`` ``[rows, cols]`` e4m3fn bytes.
-        scale: float32 scales, ``[ceil(cols / block)]`` per block or ``[rows]`` per channel
-            (``amax / 448``; ``1`` for an all-zero block / row).
-        amax: float32 ``max |w|`` per block / row (NaN where it holds a NaN).
-        worst: ``max |q * scale - w|`` over the band.
-        rel: the largest ``max |q * scale - w| / amax`` of a block / row (0 for zero ones).
-    """
-
-    q: np.ndarray
-    scale: np.ndarray
-    amax: np.ndarray
-    worst: float
-    rel: float
 
 
 class _Scratch(threading.local):

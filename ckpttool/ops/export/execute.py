@@ -1166,7 +1166,8 @@ def _write(
                 )
                 executor.quantizer = prep.quantizer
                 t_run = time.perf_counter()
-                with _one_torch_thread(prep.quantizer is not None):  # the quantizer's bands: one per worker
+                torch_bands = prep.quantizer is not None and prep.quantizer.uses_torch
+                with _one_torch_thread(torch_bands):  # the quantizer's torch bands: one per worker
                     _run_batches(reader, plan, mine, executor)
                 bytes_read = executor.bytes_read
                 if merges:  # this rank's merged weights

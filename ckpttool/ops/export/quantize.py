@@ -654,10 +654,19 @@ class BlockQuantizer:
         self._units_of: dict[str, list[tuple[int, int]]] = {}  # source key -> its work units
         self._lock = threading.Lock()
         self._checked: set[tuple[str, tuple[int, ...]]] = set()  # records whose CRC-32 was checked (key, offsets)
-        # imported here, while the export holds the GC (planning): torch's import under a running
-        # collector over the plan's objects costs several times its own time
-        from ckpttool.engine import fp8  # noqa: F401
+        from ckpttool.engine import fp8_native
         from ckpttool.engine.kernels import Scratch
+
+        #: whether the bands run torch's kernels (no native kernel): one torch thread per engine worker
+        self.uses_torch = not fp8_native.available()
+        if self.uses_torch:
+            # imported here, while the export holds the GC (planning): torch's import under a running
+            # collector over the plan's objects costs several times its own time
+            from ckpttool.engine import fp8
+
+            self._band_kernel = fp8.quantize_band
+        else:
+            self._band_kernel = fp8_native.quantize_band
 
         self._buffers = Scratch(min_items=1)  # per thread: the band (float32) and the bytes read (uint8)
 
@@ -736,10 +745,8 @@ class BlockQuantizer:
         """Quantize and check one band (``where``: its expert, band and first row) of output weight ``name``; record
         its error figures.
 
-        The arrays returned are this thread's scratch (:func:`ckpttool.engine.fp8.quantize_band`)."""
-        from ckpttool.engine.fp8 import quantize_band
-
-        r = quantize_band(band, None if self.channel else self.block)
+        The arrays returned are this thread's scratch (:func:`ckpttool.engine.fp8_native.quantize_band`)."""
+        r = self._band_kernel(band, None if self.channel else self.block)
         q, scale, amax, worst, rel = r.q, r.scale, r.amax, r.worst, r.rel
         self._check_scales(name, where, scale, amax)
         if not rel <= MAX_BLOCK_REL_ERROR:

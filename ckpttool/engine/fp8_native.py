@@ -1,0 +1,95 @@
+"""FP8 quantization of bands of rows with the native kernel (``engine/native/fp8.c``), checked as it goes.
+
+:func:`quantize_band` computes, for one band of rows, what :func:`~ckpttool.engine.kernels.fp8_block_quantize`
+(or ``fp8_channel_quantize``), the dequantization and ``fp8_block_error`` (``fp8_channel_error``)
+compute in numpy, bit for bit, in one C call: per 128-column block (or row) one read for the amax,
+then one cache-resident pass that divides by the scale, rounds to ``float8_e4m3fn``, writes the
+bytes and measures ``| |q| * scale - |w| |``. ctypes releases the GIL, so the engine's workers
+quantize several bands at once; torch is not imported. Where the extension is not built (or
+``CKPTTOOL_NATIVE=0``), :func:`available` is false and the caller uses the torch kernel
+(:mod:`ckpttool.engine.fp8`), which gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+from ckpttool.engine import native
+from ckpttool.engine.kernels import Scratch
+
+__all__ = ["BandResult", "available", "quantize_band"]
+
+
+@dataclass(frozen=True)
+class BandResult:
+    """One quantized band (the arrays are this thread's scratch: valid until its next ``quantize_band``).
+
+    Attributes:
+        q: ``uint8`` ``[rows, cols]`` e4m3fn bytes.
+        scale: float32 scales, ``[ceil(cols / block)]`` per block or ``[rows]`` per channel
+            (``amax / 448``; ``1`` for an all-zero block / row).
+        amax: float32 ``max |w|`` per block / row (NaN where it holds a NaN).
+        worst: ``max |q * scale - w|`` over the band.
+        rel: the largest ``max |q * scale - w| / amax`` of a block / row (0 for zero ones).
+    """
+
+    q: np.ndarray
+    scale: np.ndarray
+    amax: np.ndarray
+    worst: float
+    rel: float
+
+
+_scratch = Scratch(min_items=1)
+
+
+@cache
+def _kernel() -> Any:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    return native.function("ckpt_fp8_band", None, p, ctypes.c_int32, i64, i64, i64, p, p, p, p)
+
+
+def available() -> bool:
+    """Whether the native kernel is built and turned on (``CKPTTOOL_NATIVE`` not ``0``)."""
+    return _kernel() is not None
+
+
+def quantize_band(band: np.ndarray, block: int | None) -> BandResult:
+    """Quantize one band (``[rows, cols]``) to ``float8_e4m3fn`` and measure its error, with the native kernel.
+
+    Args:
+        band: the source rows (read only): float32, float16, or ``uint16`` bfloat16 bit patterns
+            (float16 is widened to float32 first, exactly).
+        block: ``B`` of ``B x B`` blocks (the band holds at most ``B`` rows: one scale per column
+            block, DeepSeek-V3 ``weight_scale_inv``); ``None``: one scale per row (compressed-tensors
+            ``channel``).
+
+    Returns:
+        :class:`BandResult`, bitwise equal to the numpy kernels' (``docs/export.md``, "Quantized export").
+
+    Raises:
+        RuntimeError: the native kernel is not available (check :func:`available` first).
+    """
+    fn = _kernel()
+    if fn is None:
+        raise RuntimeError("the native FP8 kernel is not built or is turned off (CKPTTOOL_NATIVE=0)")
+    rows, cols = band.shape
+    if band.dtype == np.float16:  # widened exactly
+        wide = _scratch.get("wide", np.float32, band.size).reshape(rows, cols)
+        np.copyto(wide, band)
+        band = wide
+    elif band.dtype not in (np.float32, np.uint16):
+        raise TypeError(f"band of {band.dtype}: float32, float16 or uint16 (bfloat16 bits)")
+    band = np.ascontiguousarray(band)
+    n = rows if block is None else -(-cols // block)
+    q = _scratch.get("q", np.uint8, rows * cols).reshape(rows, cols)
+    scale, amax = _scratch.get("scale", np.float32, n), _scratch.get("amax", np.float32, n)
+    fig = _scratch.get("figures", np.float64, 2)
+    out = (q.ctypes.data, scale.ctypes.data, amax.ctypes.data, fig.ctypes.data)
+    fn(band.ctypes.data, int(band.dtype == np.uint16), rows, cols, block or 0, *out)
+    return BandResult(q, scale, amax, float(fig[0]), float(fig[1]))
