@@ -15,23 +15,20 @@ anything is cast or moved (:class:`~ckpttool.errors.OptimStateError`). Details:
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
-import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from functools import cache, lru_cache
 from itertools import chain
 from typing import Any, ClassVar
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from ckpttool.engine import native
 from ckpttool.errors import OptimStateError, UsageError
 from ckpttool.format.metadata import dtype_name
+from ckpttool.optim_state.onepass import NativeCall, native_call, run_native
 
 __all__ = ["FullFP32AdamW", "MasterFP32AdamW", "MasterAdamWBase", "FUSED_CHUNK"]
 
@@ -303,7 +300,9 @@ def fused_adamw_chunk_(
         scratch: buffers for widened chunks.
         hyper: the param group's hyperparameters.
     """
-    if _native_chunk_(master, grad, exp_avg, exp_avg_sq, step, param, hyper):
+    call = native_call(master, grad, exp_avg, exp_avg_sq, step, param, hyper)
+    if call is not None:
+        call.run(0, call.n)
         return
     n = master.numel()
     g = grad if grad.dtype == _F32 else scratch.get("grad", n).copy_(grad)
@@ -316,63 +315,6 @@ def fused_adamw_chunk_(
         exp_avg_sq.copy_(v)
     if param is not None:
         param.copy_(master)
-
-
-#: dtype -> the kind code of the native one-pass kernel (``engine/native/adamw.c``)
-_NATIVE_KIND = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-
-
-@cache
-def _native_step() -> Any:
-    """``ckpt_adamw_step`` of the native kernels, or ``None`` where they are unavailable."""
-    p, i32 = ctypes.c_void_p, ctypes.c_int32
-    return native.function("ckpt_adamw_step", i32, p, p, i32, p, p, i32, p, i32, ctypes.c_int64, p)
-
-
-@lru_cache(maxsize=64)
-def _native_constants(hyper: AdamWHyper, step: float) -> ctypes.Array[ctypes.c_float]:
-    """The float32 constants of :func:`_native_chunk_` for one step: torch's double values, rounded.
-
-    As ``ATen/native/cpu/FusedAdamKernel.cpp`` computes them: ``1 - lr*wd``, ``1 - beta1``,
-    ``beta2``, ``1 - beta2``, ``sqrt(1 - beta2**step)``, ``eps``, ``-lr / (1 - beta1**step)``, then
-    the weight-decay flag and 0 (the kernel picks its AVX2 code where the CPU has it).
-    """
-    lr, b1, b2 = hyper.lr, hyper.beta1, hyper.beta2
-    values = (1 - lr * hyper.weight_decay, 1 - b1, b2, 1 - b2, math.sqrt(1 - b2**step), hyper.eps)
-    return (ctypes.c_float * 9)(*values, -(lr / (1 - b1**step)), float(hyper.weight_decay != 0), 0.0)
-
-
-def _native_chunk_(
-    master: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: torch.Tensor,
-    param: torch.Tensor | None,
-    hyper: AdamWHyper,
-) -> bool:
-    """:func:`fused_adamw_chunk_` by the native one-pass kernel; ``False`` (nothing done) where it does not apply.
-
-    The kernel reads gradient, master and moments once and writes master, moments and the
-    rounded parameter in the same pass, with the bits of ``torch._fused_adamw_`` on the chunk
-    followed by the rounding copies (``docs/design.md``, "Optimizer kernels"). It applies to
-    contiguous CPU chunks with an FP32/BF16/FP16 gradient, FP32/BF16 moments and an
-    FP32/BF16/FP16 parameter (or none).
-    """
-    fn = _native_step()
-    if fn is None:
-        return False
-    tensors = (master, grad, exp_avg, exp_avg_sq) if param is None else (master, grad, exp_avg, exp_avg_sq, param)
-    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
-        return False
-    kinds = [_NATIVE_KIND.get(t.dtype, 0) for t in (grad, exp_avg, param if param is not None else master)]
-    if master.dtype != _F32 or 0 in kinds or kinds[1] == 3 or exp_avg_sq.dtype != exp_avg.dtype:
-        return False
-    constants = _native_constants(hyper, step.item())
-    pk = kinds[2] if param is not None else 0
-    ptr = (master.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr())
-    pp = param.data_ptr() if param is not None else None
-    return fn(ptr[0], ptr[1], kinds[0], ptr[2], ptr[3], kinds[1], pp, pk, master.numel(), constants) == 0
 
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -420,6 +362,7 @@ def _adamw_fused_(bucket: _Bucket, scratch: FusedScratch, hyper: AdamWHyper) -> 
         hyper.fused_adamw_(*([f[i] for i in whole] for f in fields))
     done = set(whole)
     chunks: list[_Chunk] = []
+    calls: list[NativeCall] = []  # the one-pass native kernel's, where it applies
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # non-contiguous parameters, written after the update
     for i, (master, grad, m, v, step, param) in enumerate(
         zip(b.masters, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps, b.params)
@@ -430,10 +373,15 @@ def _adamw_fused_(bucket: _Bucket, scratch: FusedScratch, hyper: AdamWHyper) -> 
         pf = param.view(-1) if param.is_contiguous() and not aliased[i] else None
         if pf is None and not aliased[i]:
             copies.append((param, master))
+        call = native_call(mf, gf, ef, vf, step, pf, hyper)
+        if call is not None:
+            calls.append(call)
+            continue
         n = mf.numel()
         for a in range(0, n, FUSED_CHUNK):
             e = min(n, a + FUSED_CHUNK)
             chunks.append((mf[a:e], gf[a:e], ef[a:e], vf[a:e], step, pf[a:e] if pf is not None else None))
+    run_native(calls, torch.get_num_threads())
     _fused_chunks_(chunks, scratch, hyper)
     for param, master in copies:
         param.copy_(master)
