@@ -22,9 +22,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) || defined(__i386__)
+#include "half.h"
+#ifdef CKPT_X86
 #include <immintrin.h>
-#define CKPT_X86 1
 #endif
 
 enum { K_NONE = 0, K_F32 = 1, K_BF16 = 2, K_F16 = 3 };
@@ -71,31 +71,6 @@ static inline float f16_f32(uint16_t h) {
     return f;
 }
 
-/* float32 -> float16, round to nearest even, overflow to infinity; NaN: quiet, payload truncated
- * (what the F16C instruction and numpy's cast write). */
-uint16_t ckpt_f32_f16_bits(uint32_t u) {
-    uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
-    if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
-    if (a >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* rounds to or beyond 65520: infinity */
-    if (a < 0x38800000u) { /* below 2^-14: subnormal or zero */
-        if (a < 0x33000000u) return (uint16_t)sign; /* at or below 2^-25: rounds to zero */
-        uint32_t mant = (a & 0x7FFFFFu) | 0x800000u, shift = 126u - (a >> 23);
-        /* value = mant * 2^(e-150); the result's unit is 2^-24: shift = 150 - 24 - e = 126 - e */
-        uint32_t q = mant >> shift, rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
-        q += (rem > half) || (rem == half && (q & 1u));
-        return (uint16_t)(sign | q);
-    }
-    uint32_t r = a - 0x38000000u; /* rebias 127 -> 15 */
-    r = (r + 0xFFFu + ((r >> 13) & 1u)) >> 13;
-    return (uint16_t)(sign | r);
-}
-
-static inline float f32_of(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static inline uint32_t bits_of(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -114,7 +89,7 @@ static inline void store_kind(void *p, int kind, int64_t i, float x) {
     else if (kind == K_BF16)
         ((uint16_t *)p)[i] = f32_bf16(x);
     else if (kind == K_F16)
-        ((uint16_t *)p)[i] = ckpt_f32_f16_bits(bits_of(x));
+        ((uint16_t *)p)[i] = f32_f16_quiet(bits_of(x));
 }
 
 /* elements [a, b) one at a time; vec: torch's vector-loop arithmetic, else its scalar tail's */
@@ -188,14 +163,6 @@ __attribute__((target("avx2,fma,f16c"))) static void step_avx2(float *master, co
     }
 }
 
-static int have_avx2(void) {
-    static int cached = -1;
-    if (cached < 0) {
-        __builtin_cpu_init();
-        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    }
-    return cached;
-}
 #endif
 
 /* One AdamW step of a chunk of n elements, in place; see the file comment.
@@ -215,7 +182,7 @@ int32_t ckpt_adamw_step(float *master, const void *grad, int32_t grad_kind, void
     h.coeff = h.small ? h.w : h.w - 1.0f;
     int64_t nv = n - n % 8;
 #ifdef CKPT_X86
-    if (k[8] == 0.0f && have_avx2()) {
+    if (k[8] == 0.0f && ckpt_have_avx2()) {
         step_avx2(master, grad, grad_kind, exp_avg, exp_avg_sq, moment_kind, param, param_kind, nv, &h);
     } else
 #endif
