@@ -9,6 +9,7 @@ loops. NaNs must come out as the numpy path writes them (BF16 with and without
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,7 +34,7 @@ def _patterns() -> np.ndarray:
     return np.concatenate([u, u | np.uint32(0x80000000)])[:-3]  # odd length: a tail after the vector loops
 
 
-def _c(name: str, *extra: object) -> object:
+def _c(name: str, *extra: Any) -> Any:
     return native.function(name, None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, *extra)
 
 
