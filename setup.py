@@ -14,6 +14,7 @@ setup(
         Extension(
             "ckpttool.engine._native",
             sources=sorted(glob("ckpttool/engine/native/*.c")),
+            depends=sorted(glob("ckpttool/engine/native/*.h")),
             # bit-exact IEEE arithmetic: no fused multiply-add contraction, no fast-math
             extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-fast-math", "-fno-strict-aliasing"],
             optional=True,

@@ -5,8 +5,9 @@
 the same tensors. It is not ckpttool's kernel and not bitwise equal to torch's (the op order
 differs); it measures what a compiled single pass moves and costs: FP32 master, gradient and
 moments read and written once, the parameter written once (FP32 or rounded to BF16, nearest
-even), nothing re-read from a chunk buffer. ckpttool is a pure-Python package, so shipping such
-a kernel needs a build step (a C extension) that the package does not have.
+even), nothing re-read from a chunk buffer. ckpttool's own one-pass kernel
+(``ckpttool/engine/native/adamw.c``) keeps torch's arithmetic (two divisions and a square root per
+element) so that its bits are torch's; this one trades a division for a multiplication.
 """
 
 from __future__ import annotations

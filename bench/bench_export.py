@@ -448,6 +448,7 @@ def phases(ckpt: Path, scratch: Path) -> None:
 
     sys.path.insert(0, str(ROOT))
     from ckpttool.engine.kernels import f32_to_bf16
+    from ckpttool.engine.native import lib as native_lib
 
     files = _data_files(ckpt)
     _warm(ckpt)
@@ -460,8 +461,13 @@ def phases(ckpt: Path, scratch: Path) -> None:
     n, c, w = _stream(files, lambda b: crc.__setitem__(0, zlib.crc32(b, crc[0])))
     _per_gb("  + CRC-32, zlib", n, c - c_read, w)
     out = np.empty(1 << 19, dtype=np.uint16)
-    n, c, w = _stream(files, lambda b: f32_to_bf16(b.view(np.uint32), out[: b.size // 4]))
-    _per_gb("  + cast FP32 -> BF16, numpy (ckpttool's kernel)", n, c - c_read, w)
+    native = native_lib() is not None
+    if native:
+        n, c, w = _stream(files, lambda b: f32_to_bf16(b.view(np.uint32), out[: b.size // 4]))
+        _per_gb("  + cast FP32 -> BF16, native (ckpttool's kernel)", n, c - c_read, w)
+    n, c, w = _stream(files, lambda b: f32_to_bf16(b.view(np.uint32), out[: b.size // 4], use_torch=False))
+    label = "numpy (the fallback)" if native else "numpy (ckpttool's kernel; native not built)"
+    _per_gb(f"  + cast FP32 -> BF16, {label}", n, c - c_read, w)
     torch.set_num_threads(1)
     out_t = torch.from_numpy(out).view(torch.bfloat16)
     n, c, w = _stream(files, lambda b: out_t[: b.size // 4].copy_(torch.from_numpy(b).view(torch.float32)))

@@ -1,9 +1,10 @@
-"""The numeric kernels of the byte engine: casts, bit-pattern tests and run-map placement, numpy only.
+"""The numeric kernels of the byte engine: casts, bit-pattern tests and run-map placement, numpy (and native casts).
 
-In place on the callers' cache-sized numpy slabs, GIL released inside numpy, torch never
-imported: float32/bfloat16/float16 casts bit-exact with torch's ``Tensor.to`` (round to nearest
-even) for every non-NaN value (bfloat16 held as ``uint16`` bit patterns; float32 -> bfloat16 by
-torch's own one-pass kernel when the process has imported torch already); float8
+In place on the callers' cache-sized numpy slabs, GIL released inside numpy and native calls, torch
+never imported: float32/bfloat16/float16 casts bit-exact with torch's ``Tensor.to`` (round to nearest
+even) for every non-NaN value (bfloat16 held as ``uint16`` bit patterns; float32 -> bfloat16 and
+float16 by the one-pass native kernels where built, ``engine/native/cast.c``, else float32 ->
+bfloat16 by torch's own one-pass kernel when the process has imported torch already); float8
 (``float8_e4m3fn`` saturating, ``float8_e5m2``) with ``c10::Float8_*``'s rounding and overflow
 rules; IEEE bit-pattern views (the statistics kernel over them: :mod:`ckpttool.engine.stats`); run maps
 (``out[dst:dst+n] = src[s:s+n]``, :func:`place_runs`, :func:`scatter_rows`). Scratch arrays are
@@ -12,14 +13,17 @@ per thread. ``docs/design.md`` §5, "The byte engine".
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import numpy as np
 
+from ckpttool.engine import native
 from ckpttool.engine.io import BLOCK_BYTES
 
 __all__ = [
@@ -110,18 +114,21 @@ def f32_to_bf16(
 ) -> None:
     """Round float32 bit patterns to bfloat16, to nearest even (``c10::BFloat16``'s ``round_to_nearest_even``).
 
-    Five numpy passes over the slab, or, when torch is imported already, torch's one-pass
-    ``Tensor.copy_`` (the same integer rounding, ``ATen/cpu/vec``'s ``cvtfp32_bf16``; ~4x less
-    CPU: ``docs/performance.md``); the bytes are the same either way.
+    The native one-pass kernel where built (``engine/native/cast.c``), else, when torch is
+    imported already, torch's one-pass ``Tensor.copy_`` (the same integer rounding,
+    ``ATen/cpu/vec``'s ``cvtfp32_bf16``), else five numpy passes over the slab
+    (``docs/performance.md``); the bytes are the same every way.
 
     Args:
         src_u32: ``uint32`` float32 bit patterns; ``out_u16``: ``uint16``, as many elements.
         canonical_nan: write :data:`BF16_NAN` for every NaN (as torch's scalar conversion); without
             it a NaN's pattern is whatever the rounding carries its payload into (an infinity, the
             sign bit, another NaN): for callers that test NaNs themselves.
-        use_torch: ``None``: torch's kernel when :func:`loaded_torch`; ``False``: numpy's; ``True``:
-            torch's (``RuntimeError`` when torch is not imported).
+        use_torch: ``None``: the native kernel where built, else torch's when :func:`loaded_torch`;
+            ``False``: numpy's; ``True``: torch's (``RuntimeError`` when torch is not imported).
     """
+    if use_torch is None and _native_cast("ckpt_f32_to_bf16", src_u32, out_u16, int(canonical_nan)):
+        return
     torch = None if use_torch is False else loaded_torch()
     if use_torch and torch is None:
         raise RuntimeError("f32_to_bf16(use_torch=True): torch is not imported")
@@ -164,13 +171,36 @@ def _f32_to_bf16_torch(torch: Any, src_u32: np.ndarray, out_u16: np.ndarray, can
             out_u16[nan] = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+@cache
+def _native_kernel(name: str) -> Any:
+    """A native cast ``(src, dst, n[, canonical_nan])``, or ``None`` where the native kernels are unavailable."""
+    extra = (ctypes.c_int32,) if name == "ckpt_f32_to_bf16" else ()
+    return native.function(name, None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, *extra)
+
+
+def _native_cast(name: str, src: np.ndarray, out: np.ndarray, *extra: int) -> bool:
+    """Run the native cast ``name`` over contiguous ``src`` into ``out``; ``False`` (nothing done) where it cannot."""
+    fn = _native_kernel(name)
+    if fn is None or not (src.flags.c_contiguous and out.flags.c_contiguous) or src.size != out.size:
+        return False
+    fn(src.ctypes.data, out.ctypes.data, src.size, *extra)
+    return True
+
+
 def bf16_to_f32(src_u16: np.ndarray, out_u32: np.ndarray) -> None:
     """Widen bfloat16 bit patterns to float32 ones (exact: the pattern shifted into the upper half)."""
     np.left_shift(src_u16, 16, out=out_u32, dtype=np.uint32)
 
 
-def f32_to_f16(src_f32: np.ndarray, out_f16: np.ndarray) -> None:
-    """float32 to float16, round to nearest even, beyond float16's range to infinity (as torch); NaN stays NaN."""
+def f32_to_f16(src_f32: np.ndarray, out_f16: np.ndarray, *, use_native: bool = True) -> None:
+    """float32 to float16, round to nearest even, beyond float16's range to infinity (as torch); NaN stays NaN.
+
+    numpy's cast, or the native one-pass kernel where built (``use_native``), with numpy's bytes
+    for every input (a NaN keeps its sign and the top 10 bits of its payload, ``0x7C01`` where
+    those are zero).
+    """
+    if use_native and _native_cast("ckpt_f32_to_f16", src_f32, out_f16):
+        return
     with np.errstate(over="ignore", invalid="ignore"):
         np.copyto(out_f16, src_f32, casting="unsafe")
 

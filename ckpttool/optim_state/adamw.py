@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from ckpttool.errors import OptimStateError, UsageError
 from ckpttool.format.metadata import dtype_name
+from ckpttool.optim_state.onepass import NativeCall, native_call, run_native
 
 __all__ = ["FullFP32AdamW", "MasterFP32AdamW", "MasterAdamWBase", "FUSED_CHUNK"]
 
@@ -299,6 +300,10 @@ def fused_adamw_chunk_(
         scratch: buffers for widened chunks.
         hyper: the param group's hyperparameters.
     """
+    call = native_call(master, grad, exp_avg, exp_avg_sq, step, param, hyper)
+    if call is not None:
+        call.run(0, call.n)
+        return
     n = master.numel()
     g = grad if grad.dtype == _F32 else scratch.get("grad", n).copy_(grad)
     widen = exp_avg.dtype != _F32
@@ -329,7 +334,8 @@ def _adamw_fused_(bucket: _Bucket, scratch: FusedScratch, hyper: AdamWHyper) -> 
     A master that is its parameter (:func:`_aliases`: FP32 parameters, see
     :meth:`MasterAdamWBase._fused_master`) is updated in place and not copied; on the CPU,
     those with FP32 gradients and moments go to one ``torch._fused_adamw_`` call over their
-    whole tensors (the bytes of ``torch.optim.AdamW(fused=True)``), the others are walked in
+    whole tensors (the bytes of ``torch.optim.AdamW(fused=True)``), the others go to the native
+    one-pass kernel (``optim_state/onepass.py``) or, where it does not apply, are walked in
     ``FUSED_CHUNK`` chunks.
 
     Args:
@@ -355,9 +361,26 @@ def _adamw_fused_(bucket: _Bucket, scratch: FusedScratch, hyper: AdamWHyper) -> 
     if whole:
         fields = (b.masters, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps)
         hyper.fused_adamw_(*([f[i] for i in whole] for f in fields))
-    done = set(whole)
+    chunks, calls, copies = _cpu_work(b, aliased, set(whole), hyper)
+    run_native(calls, torch.get_num_threads())
+    _fused_chunks_(chunks, scratch, hyper)
+    for param, master in copies:
+        param.copy_(master)
+
+
+def _cpu_work(
+    b: _Bucket, aliased: list[bool], done: set[int], hyper: AdamWHyper
+) -> tuple[list[_Chunk], list[NativeCall], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The fused CPU step's work for the parameters of ``b`` not in ``done``.
+
+    Returns:
+        ``(chunks, calls, copies)``: ``FUSED_CHUNK`` chunks for torch's kernel, one native
+        one-pass call per parameter where it applies (:func:`native_call`), and the
+        ``(param, master)`` pairs of non-contiguous parameters, written after the update.
+    """
     chunks: list[_Chunk] = []
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # non-contiguous parameters, written after the update
+    calls: list[NativeCall] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     for i, (master, grad, m, v, step, param) in enumerate(
         zip(b.masters, b.grads, b.exp_avgs, b.exp_avg_sqs, b.steps, b.params)
     ):
@@ -367,13 +390,15 @@ def _adamw_fused_(bucket: _Bucket, scratch: FusedScratch, hyper: AdamWHyper) -> 
         pf = param.view(-1) if param.is_contiguous() and not aliased[i] else None
         if pf is None and not aliased[i]:
             copies.append((param, master))
+        call = native_call(mf, gf, ef, vf, step, pf, hyper)
+        if call is not None:
+            calls.append(call)
+            continue
         n = mf.numel()
         for a in range(0, n, FUSED_CHUNK):
             e = min(n, a + FUSED_CHUNK)
             chunks.append((mf[a:e], gf[a:e], ef[a:e], vf[a:e], step, pf[a:e] if pf is not None else None))
-    _fused_chunks_(chunks, scratch, hyper)
-    for param, master in copies:
-        param.copy_(master)
+    return chunks, calls, copies
 
 
 class MasterAdamWBase(torch.optim.Optimizer):
