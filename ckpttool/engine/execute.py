@@ -124,11 +124,12 @@ class _Stats:
         import numpy as np
 
         from ckpttool.engine.kernels import IEEE_BITS
-        from ckpttool.engine.stats import SlabStats, add_slab  # numpy: only where statistics are asked for
+        from ckpttool.engine.stats import SlabStats, add_slab, fold_slab  # numpy: only where statistics are asked for
 
         if s.dtype not in IEEE_BITS:
             raise ValueError(f"no statistics kernel for {s.dtype}")
-        self.s, self.acc, self.add = s, SlabStats(), add_slab
+        self.s, self.acc = s, SlabStats()
+        self.add = add_slab if s.each is not None else fold_slab  # the value arrays only where ``each`` wants them
         self.item = np.dtype(IEEE_BITS[s.dtype][1]).itemsize
         self.step, self.hi = s.slab * self.item, hi
         self.carry = b""

@@ -27,7 +27,7 @@ from ckpttool.ops.stats.compute import (
     AdamHyper,
     Moments,
     ValueSums,
-    adam_update,
+    add_moments,
     chunk_slices,
     chunk_sums,
     expert_sums,
@@ -119,12 +119,8 @@ def _run_work(ckpt: Checkpoint, w: _Work) -> tuple[ValueSums, ValueSums | None, 
         return sums, None, None
     sums, second, upd = ValueSums(), ValueSums(), Moments()
     v_chunk = ckpt.catalog.tensors[w.moment_key].chunks[w.chunk_index]
-    for (m_raw, m_dtype), (v_raw, v_dtype) in read_pair((reader, w.key, chunk), (reader, w.moment_key, v_chunk)):
-        m64, _ = sums.add_raw(m_raw, m_dtype, slot=0)
-        negative = second.acc.negative
-        v64, _ = second.add_raw(v_raw, v_dtype, slot=1, second_moment=True)
-        if w.hyper is not None:
-            adam_update(m64, v64, w.hyper, upd, v_negative=second.acc.negative > negative)
+    for m_slab, v_slab in read_pair((reader, w.key, chunk), (reader, w.moment_key, v_chunk)):
+        add_moments(sums, second, w.hyper, upd, m_slab, v_slab)
     return sums, second, (upd if w.hyper is not None else None)
 
 

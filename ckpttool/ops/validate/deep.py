@@ -25,7 +25,15 @@ from ckpttool.engine.crc import crc32
 from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
 from ckpttool.engine.kernels import IEEE_BITS, Scratch, f32_to_bf16, f32_to_f16, float_values
 from ckpttool.engine.pool import map_ordered
-from ckpttool.engine.stats import SUBNORMAL_DTYPES, SUBNORMAL_STRIDE, Need, SlabStats, add_slab, release_scratch
+from ckpttool.engine.stats import (
+    SUBNORMAL_DTYPES,
+    SUBNORMAL_STRIDE,
+    Need,
+    SlabStats,
+    fold_slab,
+    moment_ratio,
+    release_scratch,
+)
 from ckpttool.errors import ChunkError, CkptError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, TensorMeta
 from ckpttool.format.tiling import tiling_problem
@@ -171,11 +179,11 @@ _DEEP = {
 
 def _bit_stats(st: TensorStats, raw: Any, dtype: str, need_negative: bool, magnitudes: bool) -> None:
     """Summarise raw bytes of an :data:`IEEE_BITS` dtype (at least one value) into ``st`` with the engine's
-    statistics kernel (:func:`~ckpttool.engine.stats.add_slab`): all ``±0`` (``D005``), non-finite and
+    statistics kernel (:func:`~ckpttool.engine.stats.fold_slab`): all ``±0`` (``D005``), non-finite and
     (``need_negative``) negative counts and the smallest negative, and for model tensors
     (``magnitudes``) the values beyond :data:`UNINIT_BOUND` and the subnormals (``D013``)."""
     acc = SlabStats()
-    add_slab(acc, raw, dtype, _DEEP[need_negative, magnitudes])
+    fold_slab(acc, raw, dtype, _DEEP[need_negative, magnitudes])
     st.zero = acc.all_zero
     st.nonfinite = acc.nonfinite
     st.negative = acc.negative
@@ -218,7 +226,11 @@ def _compare_np(
     if n == 0:
         return
     if kind == "moments":
-        _moments_np(count, float_values(a_raw, a_dtype), float_values(b_raw, b_dtype))
+        top = moment_ratio(a_raw, a_dtype, b_raw, b_dtype)  # the native kernel, or None
+        if top is None or top == math.inf:  # not built, float16, or a zero / overflowing moment: numpy's exact path
+            _moments_np(count, float_values(a_raw, a_dtype), float_values(b_raw, b_dtype))
+        elif top > 0:
+            count.max_diff = max(count.max_diff, math.sqrt(top))
         return
     ua = a_raw.view(IEEE_BITS[a_dtype][1]) if a_dtype in IEEE_BITS else a_raw
     if a_dtype == b_dtype:
