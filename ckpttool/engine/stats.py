@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from ckpttool.engine.io import BLOCK_BYTES
 from ckpttool.engine import native
+from ckpttool.engine.io import BLOCK_BYTES
 from ckpttool.engine.kernels import IEEE_BITS, Scratch
 
 __all__ = [
