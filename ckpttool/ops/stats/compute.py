@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ckpttool.engine.crc import crc32
-from ckpttool.engine.execute import run_item
+from ckpttool.engine.execute import release_lockstep_buffers, run_item, run_lockstep
 from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
 from ckpttool.engine.kernels import IEEE_BITS
-from ckpttool.engine.plan import Crc32, Item, Stats
+from ckpttool.engine.plan import Crc32, Item, Lockstep, Stats, Window
 from ckpttool.engine.stats import (
     Need,
     SlabStats,
@@ -55,6 +55,7 @@ __all__ = [
     "chunk_slices",
     "chunk_sums",
     "expert_sums",
+    "pair_slabs",
     "read_pair",
     "release_buffers",
     "sum_squares",
@@ -162,6 +163,7 @@ class Moments:
 def release_buffers() -> None:
     """Drop every thread's slice and work buffers (pool threads outlive a run)."""
     release_scratch()
+    release_lockstep_buffers()
 
 
 def chunk_slices(reader: CheckpointReader, key: str, chunk: ChunkMeta, *, slot: int = 0) -> Iterator[Slice]:
@@ -330,6 +332,39 @@ def read_pair(
 ) -> Iterator[tuple[Slice, Slice]]:
     """Slices of two chunks of the same geometry (``(reader, key, chunk)`` each), in lockstep."""
     yield from zip(chunk_slices(*a, slot=0), chunk_slices(*b, slot=1))
+
+
+Member = tuple["CheckpointReader", str, ChunkMeta]
+
+
+def pair_slabs(a: Member, b: Member, each: Callable[[Slice, Slice], object]) -> None:
+    """``each(slab_a, slab_b)`` for the slabs of :data:`SLICE_VALUES` values of two chunks of the same geometry
+    (``(reader, key, chunk)`` each), in order: two plain records through the engine's
+    :class:`~ckpttool.engine.plan.Lockstep` (both CRC-32s checked), any other pair through :func:`read_pair`.
+
+    Raises:
+        as :func:`chunk_slices`.
+    """
+    locs = [r.locate(k, c) for r, k, c in (a, b)]
+    dtypes = [loc.meta.dtype.name for loc in locs]
+    if not all(loc.raw and d in IEEE_BITS for loc, d in zip(locs, dtypes)):
+        for sa, sb in read_pair(a, b):
+            each(sa, sb)
+        return
+    items = [DTYPE_ITEMSIZE[d] for d in dtypes]
+    streams = tuple(
+        (Window(m[0].fd(loc.info.relative_path), loc.data_start, m[2].numel * item),)
+        for m, loc, item in zip((a, b), locs, items)
+    )
+    ls = Lockstep(streams, tuple(items), lambda s, _: each((s[0], dtypes[0]), (s[1], dtypes[1])), SLICE_VALUES)
+    try:
+        crcs = run_lockstep(ls)
+    except ShortReadError:
+        loc = locs[0]
+        raise ChunkError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=a[1]) from None
+    for m, loc, item, crc in zip((a, b), locs, items, crcs):
+        m[0].count_read(m[2].numel * item)
+        loc.check_crc(crc)
 
 
 def tensor_values(reader: CheckpointReader, key: str) -> Any:
