@@ -27,6 +27,8 @@
 #define LANES 16
 #define BLOCK ((size_t)1 << 24) /* values per main pass (AVX2 lane counters: 32 bits) */
 
+static int has_avx2(void);
+
 enum { DT_BF16 = 0, DT_F16 = 1, DT_F32 = 2, DT_F64 = 3 };
 enum { NEED_ZEROS = 1, NEED_NEGATIVE = 2, NEED_SUMS = 4, NEED_BOUND = 8, NEED_SUBNORMAL = 16 };
 
@@ -232,12 +234,7 @@ static void pass(const void *p, int dt, size_t n, int sums, double *a1, double *
         return;
     }
 #ifdef HAVE_AVX2_PATH
-    static int avx2 = -1;
-    if (avx2 < 0) { /* a benign race: every thread computes the same value */
-        __builtin_cpu_init();
-        avx2 = __builtin_cpu_supports("avx2") != 0;
-    }
-    if (avx2) {
+    if (has_avx2()) {
         pass32_avx2(p, dt, n, sums, a1, a2, o);
         return;
     }
@@ -372,10 +369,8 @@ static inline double value64(const void *p, int dt, size_t i) {
     return (u & 0x7fffffffffffffffull) < 0x7ff0000000000000ull ? f64_value(u) : 0.0;
 }
 
-__attribute__((target_clones("avx2", "default"))) static void update32(const void *m, int mdt, const void *v,
-                                                                        int vdt, size_t n, float eps,
-                                                                        int64_t *count, double *s2, double *amax) {
-    double a2[LANES] = {0};
+static void update32_scalar(const void *m, int mdt, const void *v, int vdt, size_t n, float eps, int64_t *count,
+                            double *a2, float *amax) {
     float top[LANES] = {0};
     int64_t k = 0;
     size_t i = 0;
@@ -405,12 +400,104 @@ __attribute__((target_clones("avx2", "default"))) static void update32(const voi
             k++;
         }
     }
-    double t2 = 0.0, t = 0.0;
-    for (int j = 0; j < LANES; j++) {
-        t2 += a2[j];
-        t = top[j] > t ? top[j] : t;
+    float t = 0.0f;
+    for (int j = 0; j < LANES; j++) t = top[j] > t ? top[j] : t;
+    *count = k, *amax = t;
+}
+
+#ifdef HAVE_AVX2_PATH
+/* update32_scalar's lanes with AVX2: the same value in the same lane, the same result. */
+__attribute__((target("avx2"), always_inline)) static inline void update32_body(const void *m, const int mdt,
+                                                                               const void *v, const int vdt,
+                                                                               size_t n, float eps, int64_t *count,
+                                                                               double *a2, float *amax) {
+    const __m256 e = _mm256_set1_ps(eps), zero = _mm256_setzero_ps(), big = _mm256_set1_ps(3.40282347e38f);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256d s[4];
+    for (int k = 0; k < 4; k++) s[k] = _mm256_loadu_pd(a2 + 4 * k);
+    __m256 top = zero;
+    __m256i cnt = _mm256_setzero_si256();
+    size_t groups = n - n % LANES;
+    for (size_t i = 0; i < groups; i += LANES) {
+        for (int h = 0; h < 2; h++) {
+            __m256i pat, mag, fin;
+            __m256 xm = lanes8(m, mdt, i + 8 * h, &pat, &mag, &fin);
+            __m256 xv = lanes8(v, vdt, i + 8 * h, &pat, &mag, &fin);
+            __m256 d = _mm256_add_ps(_mm256_sqrt_ps(_mm256_max_ps(xv, zero)), e);
+            __m256 u = _mm256_div_ps(xm, d);
+            __m256 au = _mm256_and_ps(u, absmask);
+            __m256 ok = _mm256_cmp_ps(au, big, _CMP_LE_OQ); /* finite: false for inf and NaN */
+            __m256 sq = _mm256_and_ps(_mm256_mul_ps(u, u), ok);
+            s[2 * h] = _mm256_add_pd(s[2 * h], _mm256_cvtps_pd(_mm256_castps256_ps128(sq)));
+            s[2 * h + 1] = _mm256_add_pd(s[2 * h + 1], _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1)));
+            top = _mm256_max_ps(top, _mm256_and_ps(au, ok));
+            cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(ok));
+        }
     }
-    *count = k, *s2 = t2, *amax = t;
+    for (int k = 0; k < 4; k++) _mm256_storeu_pd(a2 + 4 * k, s[k]);
+    float t[8];
+    uint32_t c[8];
+    _mm256_storeu_ps(t, top), _mm256_storeu_si256((__m256i *)c, cnt);
+    int64_t k = 0;
+    float tail_max = 0.0f;
+    size_t item_m = mdt == DT_F32 ? 4 : 2, item_v = vdt == DT_F32 ? 4 : 2;
+    update32_scalar((const char *)m + groups * item_m, mdt, (const char *)v + groups * item_v, vdt, n - groups, eps,
+                    &k, a2, &tail_max);
+    for (int j = 0; j < 8; j++) {
+        k += c[j];
+        tail_max = t[j] > tail_max ? t[j] : tail_max;
+    }
+    *count = k, *amax = tail_max;
+}
+
+__attribute__((target("avx2"))) static void update32_avx2(const void *m, int mdt, const void *v, int vdt, size_t n,
+                                                          float eps, int64_t *count, double *a2, float *amax) {
+    if (mdt == DT_F32 && vdt == DT_F32)
+        update32_body(m, DT_F32, v, DT_F32, n, eps, count, a2, amax);
+    else if (mdt == DT_BF16 && vdt == DT_BF16)
+        update32_body(m, DT_BF16, v, DT_BF16, n, eps, count, a2, amax);
+    else
+        update32_body(m, mdt, v, vdt, n, eps, count, a2, amax);
+}
+#endif
+
+static int has_avx2(void) {
+    static int avx2 = -1;
+#ifdef HAVE_AVX2_PATH
+    if (avx2 < 0) { /* a benign race: every thread computes the same value */
+        __builtin_cpu_init();
+        avx2 = __builtin_cpu_supports("avx2") != 0;
+    }
+#else
+    avx2 = 0;
+#endif
+    return avx2;
+}
+
+/* blocks of BLOCK values: the AVX2 path's 32-bit lane counters never overflow */
+static void update32(const void *m, int mdt, const void *v, int vdt, size_t n, float eps, int64_t *count,
+                     double *s2, double *amax) {
+    double a2[LANES] = {0};
+    int64_t k = 0;
+    float top = 0.0f;
+    size_t im = mdt == DT_F32 ? 4 : 2, iv = vdt == DT_F32 ? 4 : 2;
+    for (size_t b = 0; b < n; b += BLOCK) {
+        size_t len = n - b < BLOCK ? n - b : BLOCK;
+        int64_t kb;
+        float tb;
+        const void *mb = (const char *)m + b * im, *vb = (const char *)v + b * iv;
+#ifdef HAVE_AVX2_PATH
+        if (has_avx2())
+            update32_avx2(mb, mdt, vb, vdt, len, eps, &kb, a2, &tb);
+        else
+#endif
+            update32_scalar(mb, mdt, vb, vdt, len, eps, &kb, a2, &tb);
+        k += kb;
+        top = tb > top ? tb : top;
+    }
+    double t2 = 0.0;
+    for (int j = 0; j < LANES; j++) t2 += a2[j];
+    *count = k, *s2 = t2, *amax = top;
 }
 
 static void update64(const void *m, int mdt, const void *v, int vdt, size_t n, double eps, int64_t *count,
