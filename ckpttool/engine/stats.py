@@ -470,7 +470,7 @@ def _merge_c(acc: SlabStats, c: _CStats) -> None:
 
 def fold_slab(acc: SlabStats, raw: np.ndarray, dtype: str, need: Need) -> None:
     """:func:`add_slab` without the value arrays: one fused native pass (``engine/native/stats.c``) where
-    built, else :func:`add_slab`.
+    built and zeros or sums are asked for, else :func:`add_slab`.
 
     Counts, flags and maxima equal :func:`add_slab`'s exactly. ``s1``/``s2``: each value (float32 for
     bfloat16/float16/float32, float64 for float64) and its square rounded in that precision, as
@@ -481,7 +481,7 @@ def fold_slab(acc: SlabStats, raw: np.ndarray, dtype: str, need: Need) -> None:
         raw: ``uint8``, whole values of ``dtype`` (an :data:`~ckpttool.engine.kernels.IEEE_BITS` dtype).
     """
     k = _kernels()
-    if k is None:
+    if k is None or not (need.sums or need.zeros):  # bit-pattern maxima alone: numpy's two reductions are as fast
         add_slab(acc, raw, dtype, need)
         return
     flags, limit, stride = _flags(need, dtype)

@@ -541,8 +541,7 @@ static inline float raw32(const void *p, int dt, size_t i) {
     return dt == DT_BF16 ? bf16_value(h) : f16_full(h);
 }
 
-__attribute__((target_clones("avx2", "default"))) static double ratio32(const void *m, int mdt, const void *v,
-                                                                         int vdt, size_t n) {
+static double ratio32_scalar(const void *m, int mdt, const void *v, int vdt, size_t n) {
     float top[LANES];
     for (int j = 0; j < LANES; j++) top[j] = -INFINITY;
     size_t i = 0;
@@ -561,6 +560,47 @@ __attribute__((target_clones("avx2", "default"))) static double ratio32(const vo
     float t = -INFINITY;
     for (int j = 0; j < LANES; j++) t = top[j] > t ? top[j] : t;
     return t;
+}
+
+#ifdef HAVE_AVX2_PATH
+/* 8 raw float32 values (NaN and infinities kept) of a float32 or bfloat16 slab. */
+__attribute__((target("avx2"), always_inline)) static inline __m256 raw8(const void *p, const int dt, size_t i) {
+    if (dt == DT_F32) return _mm256_loadu_ps((const float *)p + i);
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+/* ratio32_scalar for float32 or bfloat16 pairs: the maximum is exact and NaN is skipped alike (maxps
+ * returns its second operand, the running maximum, when the quotient is NaN). */
+__attribute__((target("avx2"), always_inline)) static inline double ratio32_body(const void *m, const int mdt,
+                                                                                const void *v, const int vdt,
+                                                                                size_t n) {
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = raw8(m, mdt, i);
+        top = _mm256_max_ps(_mm256_div_ps(_mm256_mul_ps(x, x), raw8(v, vdt, i)), top);
+    }
+    float t[8];
+    _mm256_storeu_ps(t, top);
+    size_t im = mdt == DT_F32 ? 4 : 2, iv = vdt == DT_F32 ? 4 : 2;
+    double r = ratio32_scalar((const char *)m + i * im, mdt, (const char *)v + i * iv, vdt, n - i);
+    for (int j = 0; j < 8; j++) r = t[j] > r ? t[j] : r;
+    return r;
+}
+
+__attribute__((target("avx2"))) static double ratio32_avx2(const void *m, int mdt, const void *v, int vdt, size_t n) {
+    if (mdt == DT_F32 && vdt == DT_F32) return ratio32_body(m, DT_F32, v, DT_F32, n);
+    if (mdt == DT_BF16 && vdt == DT_BF16) return ratio32_body(m, DT_BF16, v, DT_BF16, n);
+    return ratio32_scalar(m, mdt, v, vdt, n);
+}
+#endif
+
+static double ratio32(const void *m, int mdt, const void *v, int vdt, size_t n) {
+#ifdef HAVE_AVX2_PATH
+    if (has_avx2() && mdt != DT_F16 && vdt != DT_F16) return ratio32_avx2(m, mdt, v, vdt, n);
+#endif
+    return ratio32_scalar(m, mdt, v, vdt, n);
 }
 
 static double raw64(const void *p, int dt, size_t i) {
