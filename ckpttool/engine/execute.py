@@ -5,7 +5,8 @@
 block is read once, transformed, and handed to every sink while it is still in the CPU cache.
 :func:`run_items` runs many items on the shared pool (:mod:`ckpttool.engine.pool`);
 :func:`run_split` runs one large item as two halves on two threads, the halves' CRC-32s
-combined.
+combined. :func:`run_lockstep` reads a :class:`~ckpttool.engine.plan.Lockstep` 's streams together,
+slab by slab.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from ckpttool.engine.io import (
     write_all,
 )
 from ckpttool.engine.memcmp import first_difference
-from ckpttool.engine.plan import Compare, CompareStream, Crc32, Feed, Item, Sink, Stats, Window, WriteAt
+from ckpttool.engine.plan import Compare, CompareStream, Crc32, Feed, Item, Lockstep, Sink, Stats, Window, WriteAt
 from ckpttool.engine.pool import map_ordered, overlap
 
-__all__ = ["can_split", "run_item", "run_items", "run_split"]
+__all__ = ["can_split", "release_lockstep_buffers", "run_item", "run_items", "run_lockstep", "run_split"]
 
 _local = threading.local()
 
@@ -124,11 +125,12 @@ class _Stats:
         import numpy as np
 
         from ckpttool.engine.kernels import IEEE_BITS
-        from ckpttool.engine.stats import SlabStats, add_slab  # numpy: only where statistics are asked for
+        from ckpttool.engine.stats import SlabStats, add_slab, fold_slab  # numpy: only where statistics are asked for
 
         if s.dtype not in IEEE_BITS:
             raise ValueError(f"no statistics kernel for {s.dtype}")
-        self.s, self.acc, self.add = s, SlabStats(), add_slab
+        self.s, self.acc = s, SlabStats()
+        self.add = add_slab if s.each is not None else fold_slab  # the value arrays only where ``each`` wants them
         self.item = np.dtype(IEEE_BITS[s.dtype][1]).itemsize
         self.step, self.hi = s.slab * self.item, hi
         self.carry = b""
@@ -260,3 +262,68 @@ def run_split(item: Item, mid: int, *, buf: memoryview | None = None) -> tuple[A
         else:
             out.append(None)
     return tuple(out)
+
+
+class _LockstepBuffers(threading.local):
+    """This thread's slab buffer of each lockstep stream (``uint8`` numpy arrays, grown as needed)."""
+
+    def __init__(self) -> None:
+        self.bufs: list[Any] = []
+
+    def get(self, slot: int, nbytes: int) -> Any:
+        import numpy as np
+
+        while len(self.bufs) <= slot:
+            self.bufs.append(None)
+        buf = self.bufs[slot]
+        if buf is None or buf.size < nbytes:
+            buf = self.bufs[slot] = np.empty(max(nbytes, BLOCK_BYTES), dtype=np.uint8)
+        return buf[:nbytes]
+
+
+class _Lockstep:
+    bufs = _LockstepBuffers()
+
+
+def release_lockstep_buffers() -> None:
+    """Drop every thread's lockstep slab buffers (pool threads outlive a run; a later run allocates anew)."""
+    _Lockstep.bufs = _LockstepBuffers()
+
+
+def _fill(windows: tuple[Window, ...], out: Any, start: int) -> None:
+    """Fill ``out`` with the stream bytes from position ``start`` of ``windows`` concatenated."""
+    n, done, pos = len(out), 0, 0
+    for w in windows:
+        if done == n:
+            break
+        if start + done < pos + w.length:
+            want = min(n - done, pos + w.length - (start + done))
+            read_into(w.fd, out[done : done + want], w.offset + (start + done - pos))
+            done += want
+        pos += w.length
+    if done < n:
+        raise ShortReadError(pos, n - done)
+
+
+def run_lockstep(ls: Lockstep) -> tuple[int, ...]:
+    """Read ``ls`` 's streams slab by slab together and call ``ls.each`` on every group of slabs.
+
+    Returns:
+        Each stream's CRC-32 (zip polynomial), in order.
+
+    Raises:
+        ShortReadError: a stream's windows end early. OSError: a read failed. Whatever ``each`` raises.
+    """
+    n = ls.numel
+    bufs = _Lockstep.bufs
+    crcs = [0] * len(ls.streams)
+    for e0 in range(0, n, ls.slab):
+        m = min(ls.slab, n - e0)
+        slabs = []
+        for i, (windows, item) in enumerate(zip(ls.streams, ls.itemsizes)):
+            raw = bufs.get(i, m * item)
+            _fill(windows, raw, e0 * item)
+            crcs[i] = crc32(raw, crcs[i])  # the slab is still in the CPU cache
+            slabs.append(raw)
+        ls.each(slabs, e0)
+    return tuple(crcs)

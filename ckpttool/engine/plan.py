@@ -13,6 +13,10 @@ it to its sinks in order:
 - :class:`CompareStream`: compared with the same positions of another stream (its own windows);
 - :class:`Stats`: the values' statistics (:mod:`ckpttool.engine.stats`), slab by slab.
 
+A :class:`Lockstep` reads several streams of the same number of values together, slab by slab,
+and hands each group of slabs to one callback (a pair sink: AdamW moments, a parameter and its
+master copy, the same tensor of two checkpoints).
+
 Plans are plain frozen values; :mod:`ckpttool.engine.execute` runs them.
 """
 
@@ -25,7 +29,19 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ckpttool.engine.stats import Need
 
-__all__ = ["Compare", "CompareStream", "Crc32", "Feed", "Item", "Sink", "Stats", "Transform", "Window", "WriteAt"]
+__all__ = [
+    "Compare",
+    "CompareStream",
+    "Crc32",
+    "Feed",
+    "Item",
+    "Lockstep",
+    "Sink",
+    "Stats",
+    "Transform",
+    "Window",
+    "WriteAt",
+]
 
 #: A slab transform: takes a filled block, returns the bytes the sinks see (same length).
 Transform = Callable[[memoryview], memoryview]
@@ -127,3 +143,25 @@ class Item:
     def of(cls, fd: int, offset: int, length: int, *sinks: Sink, transform: Transform | None = None) -> Item:
         """An item reading one window."""
         return cls((Window(fd, offset, length),), tuple(sinks), transform)
+
+
+@dataclass(frozen=True, slots=True)
+class Lockstep:
+    """Streams of the same number of values read together, slab-aligned.
+
+    Slab ``k`` of every stream (``slab`` values of that stream's ``itemsizes[i]`` bytes; the last
+    slab shorter) is read into this thread's buffer for the stream, its CRC-32 computed while it is
+    in the CPU cache, then ``each(slabs, first)`` is called with the slabs (``uint8`` numpy arrays,
+    valid during the call) and the index of their first value. Run by
+    :func:`~ckpttool.engine.execute.run_lockstep`; its result: each stream's CRC-32.
+    """
+
+    streams: tuple[tuple[Window, ...], ...]
+    itemsizes: tuple[int, ...]
+    each: Callable[[list[Any], int], object]
+    slab: int = 1 << 17
+
+    @property
+    def numel(self) -> int:
+        """Values per stream (the first stream's length over its item size)."""
+        return sum(w.length for w in self.streams[0]) // self.itemsizes[0]

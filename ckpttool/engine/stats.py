@@ -15,14 +15,17 @@ inside numpy, per-thread work arrays (:class:`~ckpttool.engine.kernels.Scratch`)
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ckpttool.engine import native
 from ckpttool.engine.io import BLOCK_BYTES
 from ckpttool.engine.kernels import IEEE_BITS, Scratch
 
@@ -33,9 +36,14 @@ __all__ = [
     "Need",
     "SlabStats",
     "add_slab",
+    "adam_sizes",
     "block_sum",
+    "fold_slab",
+    "moment_ratio",
+    "native_stats",
     "release_scratch",
     "sum_squares",
+    "use_native",
     "work_array",
 ]
 
@@ -366,3 +374,153 @@ def add_slab(
             np.multiply(w, w, out=sq)
     acc.s2 += block_sum(sq)
     return w, sq
+
+
+# ------------------------------------------------------------------------------------------- native kernels
+
+_NATIVE_DTYPE = {"bfloat16": 0, "float16": 1, "float32": 2, "float64": 3}
+_NEED_ZEROS, _NEED_NEGATIVE, _NEED_SUMS, _NEED_BOUND, _NEED_SUBNORMAL = 1, 2, 4, 8, 16
+
+
+class _CStats(ctypes.Structure):
+    """``ckpt_slab_stats`` of ``engine/native/stats.c``: the native kernel's accumulator."""
+
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in ("numel", "nonfinite", "zeros", "negative", "beyond", "subnormal", "nonzero", "has_neg")
+    ] + [(name, ctypes.c_double) for name in ("abs_max", "neg_min", "beyond_max", "s1", "s2")]
+
+
+class _Native:
+    """The native statistics kernels (``engine/native/stats.c``) with their ctypes signatures."""
+
+    def __init__(self) -> None:
+        vp, i32, size = ctypes.c_void_p, ctypes.c_int32, ctypes.c_size_t
+        self.slab = native.function(
+            "ckpt_stats_slab", i32, ctypes.POINTER(_CStats), vp, size, i32, i32, ctypes.c_uint64, ctypes.c_uint64
+        )
+        self.adam = native.function("ckpt_adam_update", i32, vp, i32, vp, i32, size, ctypes.c_double, vp)
+        self.ratio = native.function("ckpt_moment_ratio", ctypes.c_double, vp, i32, vp, i32, size)
+
+
+@functools.cache
+def _load() -> _Native | None:
+    k = _Native()
+    return k if k.slab is not None and k.adam is not None and k.ratio is not None else None
+
+
+class _Kernels:
+    """Which statistics kernels run: ``native`` the compiled ones, ``None`` numpy's (tests switch it)."""
+
+    native: _Native | None | bool = True  # True: load on first use
+
+
+def _kernels() -> _Native | None:
+    if _Kernels.native is True:
+        _Kernels.native = _load()
+    k = _Kernels.native
+    return k if isinstance(k, _Native) else None
+
+
+def native_stats() -> bool:
+    """Whether :func:`fold_slab`, :func:`adam_sizes` and :func:`moment_ratio` run the native kernels."""
+    return _kernels() is not None
+
+
+def use_native(on: bool) -> None:
+    """Run the native kernels where built (``True``, the default) or numpy's everywhere (``False``)."""
+    _Kernels.native = True if on else None
+
+
+class _CLocal(threading.local):
+    def __init__(self) -> None:
+        self.acc = _CStats()
+        self.out = (ctypes.c_double * 3)()
+
+
+_c_local = _CLocal()
+
+
+def _flags(need: Need, dtype: str) -> tuple[int, int, int]:
+    flags = (_NEED_ZEROS if need.zeros else 0) | (_NEED_NEGATIVE if need.negative else 0)
+    flags |= _NEED_SUMS if need.sums else 0
+    limit = 0
+    if need.bound is not None:
+        flags |= _NEED_BOUND | (_NEED_SUBNORMAL if dtype in SUBNORMAL_DTYPES else 0)
+        limit = _pattern(need.bound, dtype)
+    return flags, limit, SUBNORMAL_STRIDE
+
+
+def _merge_c(acc: SlabStats, c: _CStats) -> None:
+    acc.numel += c.numel
+    acc.nonfinite += c.nonfinite
+    acc.all_zero = acc.all_zero and not c.nonzero
+    acc.abs_max = max(acc.abs_max, c.abs_max)
+    acc.zeros += c.zeros
+    if c.has_neg:
+        acc.negative += c.negative
+        acc.neg_min = c.neg_min if acc.neg_min is None else min(acc.neg_min, c.neg_min)
+    acc.s1 += c.s1
+    acc.s2 += c.s2
+    if c.beyond:
+        acc.beyond += c.beyond
+        acc.beyond_max = max(acc.beyond_max, c.beyond_max)
+    acc.subnormal += c.subnormal
+
+
+def fold_slab(acc: SlabStats, raw: np.ndarray, dtype: str, need: Need) -> None:
+    """:func:`add_slab` without the value arrays: one fused native pass (``engine/native/stats.c``) where
+    built and zeros or sums are asked for, else :func:`add_slab`.
+
+    Counts, flags and maxima equal :func:`add_slab`'s exactly. ``s1``/``s2``: each value (float32 for
+    bfloat16/float16/float32, float64 for float64) and its square rounded in that precision, as
+    :func:`add_slab` has them, but added in float64 (numpy: float32 blocks of :data:`SUM_BLOCK`): the
+    two agree to a relative 1e-6 of ``sum |x|`` (``s1``) and of ``s2``.
+
+    Args:
+        raw: ``uint8``, whole values of ``dtype`` (an :data:`~ckpttool.engine.kernels.IEEE_BITS` dtype).
+    """
+    k = _kernels()
+    if k is None or not (need.sums or need.zeros):  # bit-pattern maxima alone: numpy's two reductions are as fast
+        add_slab(acc, raw, dtype, need)
+        return
+    flags, limit, stride = _flags(need, dtype)
+    c = _c_local.acc
+    ctypes.memset(ctypes.addressof(c), 0, ctypes.sizeof(c))
+    n = raw.nbytes // _ITEMSIZE[dtype]
+    k.slab(c, raw.ctypes.data, n, _NATIVE_DTYPE[dtype], flags, limit, stride)
+    _merge_c(acc, c)
+
+
+def adam_sizes(
+    m_raw: np.ndarray, m_dtype: str, v_raw: np.ndarray, v_dtype: str, eps_r: float
+) -> tuple[int, float, float] | None:
+    """The AdamW update sizes ``u = m / (sqrt(max(v, 0)) + eps_r)`` of a slab pair of raw ``exp_avg`` /
+    ``exp_avg_sq`` bytes (the same number of values; non-finite ``m``, ``v`` read as 0; non-finite ``u``
+    left out), natively: ``(count, sum u^2, max |u|)``, or ``None`` (not built, or working precisions
+    that differ: the caller's numpy path). ``u`` in float32 for bfloat16/float16/float32 pairs (``eps_r``
+    rounded to float32, as numpy's in-place add does), float64 for float64 pairs, bit for bit numpy's;
+    ``sum u^2`` in float64 (numpy: float32 blocks, within a relative 1e-6).
+    """
+    k = _kernels()
+    if k is None or (m_dtype == "float64") != (v_dtype == "float64"):
+        return None
+    n = m_raw.size // _ITEMSIZE[m_dtype]
+    out = _c_local.out
+    k.adam(m_raw.ctypes.data, _NATIVE_DTYPE[m_dtype], v_raw.ctypes.data, _NATIVE_DTYPE[v_dtype], n, eps_r, out)
+    return int(out[0]), out[1], out[2]
+
+
+def moment_ratio(m_raw: np.ndarray, m_dtype: str, v_raw: np.ndarray, v_dtype: str) -> float | None:
+    """``max m * m / v`` over a slab pair of raw moments (NaN ignored; ``-inf`` when none), natively, as
+    numpy computes it on :func:`~ckpttool.engine.kernels.float_values` (the square in ``m``'s precision,
+    the quotient in the wider one): bit for bit. ``None``: not built, or a float16 member (numpy squares
+    those in float16)."""
+    k = _kernels()
+    if k is None or m_dtype == "float16" or v_dtype == "float16":
+        return None
+    n = m_raw.size // _ITEMSIZE[m_dtype]
+    return float(k.ratio(m_raw.ctypes.data, _NATIVE_DTYPE[m_dtype], v_raw.ctypes.data, _NATIVE_DTYPE[v_dtype], n))
+
+
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}

@@ -175,3 +175,43 @@ def test_writeback_is_started_every_interval_and_covers_the_range(files, monkeyp
         assert off == at and n >= 3000 or off + n == 10_100
         at = off + n
     assert at == 10_100
+
+
+def test_lockstep_reads_streams_slab_aligned_with_their_crcs(tmp_path) -> None:
+    """A :class:`Lockstep` hands slab ``k`` of every stream together (streams of other item sizes, a stream
+    split over two windows, a short last slab) and returns each stream's CRC-32; a stream that ends
+    early is a ``ShortReadError``."""
+    import numpy as np
+
+    from ckpttool.engine.crc import crc32
+    from ckpttool.engine.execute import run_lockstep
+    from ckpttool.engine.io import ShortReadError
+    from ckpttool.engine.plan import Lockstep, Window
+
+    a = np.arange(1000, dtype=np.float32)
+    b = np.arange(1000, dtype=np.float64) * -1
+    path = tmp_path / "two.bin"
+    path.write_bytes(b"pad" + a.tobytes() + b.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got: list[tuple[int, np.ndarray, np.ndarray]] = []
+        half = 3 + 4000 + 4000  # b's windows: its two halves
+        streams = ((Window(fd, 3, 4000),), (Window(fd, 4003, 4000), Window(fd, half, 4000)))
+        crcs = run_lockstep(
+            Lockstep(
+                streams,
+                (4, 8),
+                lambda s, e0: got.append((e0, s[0].view(np.float32).copy(), s[1].view(np.float64).copy())),
+                300,
+            )
+        )
+        assert [g[0] for g in got] == [0, 300, 600, 900]
+        assert np.array_equal(np.concatenate([g[1] for g in got]), a)
+        assert np.array_equal(np.concatenate([g[2] for g in got]), b)
+        assert crcs == (crc32(a.view(np.uint8), 0), crc32(b.view(np.uint8), 0))
+        with pytest.raises(ShortReadError):
+            run_lockstep(
+                Lockstep(((Window(fd, 4003, 8000),), (Window(fd, 8003, 8000),)), (8, 8), lambda s, e0: None, 300)
+            )
+    finally:
+        os.close(fd)

@@ -22,11 +22,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ckpttool.engine.crc import crc32
-from ckpttool.engine.execute import run_item
+from ckpttool.engine.execute import release_lockstep_buffers, run_item, run_lockstep
 from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
 from ckpttool.engine.kernels import IEEE_BITS
-from ckpttool.engine.plan import Crc32, Item, Stats
-from ckpttool.engine.stats import Need, SlabStats, add_slab, block_sum, release_scratch, sum_squares, work_array
+from ckpttool.engine.plan import Crc32, Item, Lockstep, Stats, Window
+from ckpttool.engine.stats import (
+    Need,
+    SlabStats,
+    adam_sizes,
+    add_slab,
+    block_sum,
+    fold_slab,
+    native_stats,
+    release_scratch,
+    sum_squares,
+    work_array,
+)
 from ckpttool.errors import ChunkError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta
 
@@ -39,10 +50,12 @@ __all__ = [
     "SLICE_VALUES",
     "ValueSums",
     "adam_update",
+    "add_moments",
     "block_sum",
     "chunk_slices",
     "chunk_sums",
     "expert_sums",
+    "pair_slabs",
     "read_pair",
     "release_buffers",
     "sum_squares",
@@ -150,6 +163,7 @@ class Moments:
 def release_buffers() -> None:
     """Drop every thread's slice and work buffers (pool threads outlive a run)."""
     release_scratch()
+    release_lockstep_buffers()
 
 
 def chunk_slices(reader: CheckpointReader, key: str, chunk: ChunkMeta, *, slot: int = 0) -> Iterator[Slice]:
@@ -258,8 +272,6 @@ def adam_update(m: np.ndarray, v: np.ndarray, h: AdamHyper, acc: Moments, v_nega
     ``v`` holds a negative value, when the caller knows (the statistics kernel's negative count:
     no pass over ``v`` here), else ``None``.
     """
-    bc1 = 1.0 - h.beta1**h.step if h.step > 0 else 1.0
-    bc2 = 1.0 - h.beta2**h.step if h.step > 0 else 1.0
     wide = np.result_type(m.dtype, v.dtype)
     n = m.size
     if n == 0:
@@ -269,9 +281,8 @@ def adam_update(m: np.ndarray, v: np.ndarray, h: AdamHyper, acc: Moments, v_nega
     if v_negative or (v_negative is None and float(v.min()) < 0):
         src = np.maximum(v, 0.0, out=d)
     np.sqrt(src, out=d)
-    r = math.sqrt(bc2)
+    r, c = _adam_scale(h)
     d += h.eps * r
-    c = h.lr * r / bc1
     u = work_array("u" + wide.char, n, wide)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         np.divide(m, d, out=u)
@@ -284,11 +295,76 @@ def adam_update(m: np.ndarray, v: np.ndarray, h: AdamHyper, acc: Moments, v_nega
     acc.max = max(acc.max, max(hi, -lo) * c)
 
 
+def _adam_scale(h: AdamHyper) -> tuple[float, float]:
+    """``(sqrt(bc2), lr * sqrt(bc2) / bc1)`` of the bias corrections ``bc = 1 - beta**step`` (1 at step 0)."""
+    bc1 = 1.0 - h.beta1**h.step if h.step > 0 else 1.0
+    bc2 = 1.0 - h.beta2**h.step if h.step > 0 else 1.0
+    r = math.sqrt(bc2)
+    return r, h.lr * r / bc1
+
+
+def add_moments(m: ValueSums, v: ValueSums, h: AdamHyper | None, upd: Moments, m_slab: Slice, v_slab: Slice) -> None:
+    """Fold a slab pair of ``exp_avg`` / ``exp_avg_sq`` raw bytes into their statistics and (``h``) the
+    update sizes ``upd`` (:func:`adam_update`'s formula): with the native kernels (one pass per slab and
+    one over the pair, no value arrays) where built and the two share a working precision, else numpy's.
+    """
+    (m_raw, m_dtype), (v_raw, v_dtype) = m_slab, v_slab
+    if native_stats() and (m_dtype == "float64") == (v_dtype == "float64"):
+        fold_slab(m.acc, m_raw, m_dtype, _STATS)
+        fold_slab(v.acc, v_raw, v_dtype, _SECOND_MOMENT)
+        if h is not None:
+            r, c = _adam_scale(h)
+            sizes = adam_sizes(m_raw, m_dtype, v_raw, v_dtype, h.eps * r)
+            assert sizes is not None
+            upd.numel += sizes[0]
+            upd.s2 += sizes[1] * c * c
+            upd.max = max(upd.max, sizes[2] * c)
+        return
+    m64, _ = m.add_raw(m_raw, m_dtype, slot=0)
+    negative = v.acc.negative
+    v64, _ = v.add_raw(v_raw, v_dtype, slot=1, second_moment=True)
+    if h is not None:
+        adam_update(m64, v64, h, upd, v_negative=v.acc.negative > negative)
+
+
 def read_pair(
     a: tuple[CheckpointReader, str, ChunkMeta], b: tuple[CheckpointReader, str, ChunkMeta]
 ) -> Iterator[tuple[Slice, Slice]]:
     """Slices of two chunks of the same geometry (``(reader, key, chunk)`` each), in lockstep."""
     yield from zip(chunk_slices(*a, slot=0), chunk_slices(*b, slot=1))
+
+
+Member = tuple["CheckpointReader", str, ChunkMeta]
+
+
+def pair_slabs(a: Member, b: Member, each: Callable[[Slice, Slice], object]) -> None:
+    """``each(slab_a, slab_b)`` for the slabs of :data:`SLICE_VALUES` values of two chunks of the same geometry
+    (``(reader, key, chunk)`` each), in order: two plain records through the engine's
+    :class:`~ckpttool.engine.plan.Lockstep` (both CRC-32s checked), any other pair through :func:`read_pair`.
+
+    Raises:
+        as :func:`chunk_slices`.
+    """
+    locs = [r.locate(k, c) for r, k, c in (a, b)]
+    dtypes = [loc.meta.dtype.name for loc in locs]
+    if not all(loc.raw and d in IEEE_BITS for loc, d in zip(locs, dtypes)):
+        for sa, sb in read_pair(a, b):
+            each(sa, sb)
+        return
+    items = [DTYPE_ITEMSIZE[d] for d in dtypes]
+    streams = tuple(
+        (Window(m[0].fd(loc.info.relative_path), loc.data_start, m[2].numel * item),)
+        for m, loc, item in zip((a, b), locs, items)
+    )
+    ls = Lockstep(streams, tuple(items), lambda s, _: each((s[0], dtypes[0]), (s[1], dtypes[1])), SLICE_VALUES)
+    try:
+        crcs = run_lockstep(ls)
+    except ShortReadError:
+        loc = locs[0]
+        raise ChunkError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=a[1]) from None
+    for m, loc, item, crc in zip((a, b), locs, items, crcs):
+        m[0].count_read(m[2].numel * item)
+        loc.check_crc(crc)
 
 
 def tensor_values(reader: CheckpointReader, key: str) -> Any:

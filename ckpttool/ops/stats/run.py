@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckpttool.engine.kernels import IEEE_BITS, float_values
 from ckpttool.engine.pool import map_ordered, worker_count
@@ -27,11 +27,11 @@ from ckpttool.ops.stats.compute import (
     AdamHyper,
     Moments,
     ValueSums,
-    adam_update,
+    add_moments,
     chunk_slices,
     chunk_sums,
     expert_sums,
-    read_pair,
+    pair_slabs,
     release_buffers,
     sum_squares,
     tensor_values,
@@ -119,12 +119,11 @@ def _run_work(ckpt: Checkpoint, w: _Work) -> tuple[ValueSums, ValueSums | None, 
         return sums, None, None
     sums, second, upd = ValueSums(), ValueSums(), Moments()
     v_chunk = ckpt.catalog.tensors[w.moment_key].chunks[w.chunk_index]
-    for (m_raw, m_dtype), (v_raw, v_dtype) in read_pair((reader, w.key, chunk), (reader, w.moment_key, v_chunk)):
-        m64, _ = sums.add_raw(m_raw, m_dtype, slot=0)
-        negative = second.acc.negative
-        v64, _ = second.add_raw(v_raw, v_dtype, slot=1, second_moment=True)
-        if w.hyper is not None:
-            adam_update(m64, v64, w.hyper, upd, v_negative=second.acc.negative > negative)
+    pair_slabs(
+        (reader, w.key, chunk),
+        (reader, w.moment_key, v_chunk),
+        lambda m_slab, v_slab: add_moments(sums, second, w.hyper, upd, m_slab, v_slab),
+    )
     return sums, second, (upd if w.hyper is not None else None)
 
 
@@ -354,15 +353,17 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
 def _pair_sums(a: Checkpoint, ka: str, b: Checkpoint, kb: str) -> tuple[float, float]:
     """``(sum (b - a)^2, sum a^2)`` of one tensor of two checkpoints (float64, non-finite as 0)."""
     ea, eb = a.catalog.model[ka], b.catalog.model[kb]
-    d2 = a2 = 0.0
+    acc = [0.0, 0.0]
+
+    def one(sa: tuple[Any, str], sb: tuple[Any, str]) -> None:
+        (x, sq), (y, _) = ValueSums().add_raw(*sa, slot=0), ValueSums().add_raw(*sb, slot=1)
+        acc[0] += sum_squares(y - x)
+        acc[1] += float(sq.sum())
+
     if ea.chunks == eb.chunks:
         for ca, cb in zip(ea.chunks, eb.chunks):
-            for sa, sb in read_pair((a.reader, ka, ca), (b.reader, kb, cb)):
-                (x, sq), (y, _) = ValueSums().add_raw(*sa, slot=0), ValueSums().add_raw(*sb, slot=1)
-                d = y - x
-                d2 += sum_squares(d)
-                a2 += float(sq.sum())
-        return d2, a2
+            pair_slabs((a.reader, ka, ca), (b.reader, kb, cb), one)
+        return acc[0], acc[1]
     x, _ = ValueSums().add_slice(tensor_values(a.reader, ka), slot=0)
     y, _ = ValueSums().add_slice(tensor_values(b.reader, kb), slot=1)
     d = y - x

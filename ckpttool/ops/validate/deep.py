@@ -22,10 +22,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.engine.crc import crc32
-from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
+from ckpttool.engine.execute import release_lockstep_buffers, run_lockstep
+from ckpttool.engine.io import BLOCK_BYTES, ShortReadError
 from ckpttool.engine.kernels import IEEE_BITS, Scratch, f32_to_bf16, f32_to_f16, float_values
+from ckpttool.engine.plan import Lockstep, Window
 from ckpttool.engine.pool import map_ordered
-from ckpttool.engine.stats import SUBNORMAL_DTYPES, SUBNORMAL_STRIDE, Need, SlabStats, add_slab, release_scratch
+from ckpttool.engine.stats import (
+    SUBNORMAL_DTYPES,
+    SUBNORMAL_STRIDE,
+    Need,
+    SlabStats,
+    fold_slab,
+    moment_ratio,
+    release_scratch,
+)
 from ckpttool.errors import ChunkError, CkptError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, TensorMeta
 from ckpttool.format.tiling import tiling_problem
@@ -171,11 +181,11 @@ _DEEP = {
 
 def _bit_stats(st: TensorStats, raw: Any, dtype: str, need_negative: bool, magnitudes: bool) -> None:
     """Summarise raw bytes of an :data:`IEEE_BITS` dtype (at least one value) into ``st`` with the engine's
-    statistics kernel (:func:`~ckpttool.engine.stats.add_slab`): all ``±0`` (``D005``), non-finite and
+    statistics kernel (:func:`~ckpttool.engine.stats.fold_slab`): all ``±0`` (``D005``), non-finite and
     (``need_negative``) negative counts and the smallest negative, and for model tensors
     (``magnitudes``) the values beyond :data:`UNINIT_BOUND` and the subnormals (``D013``)."""
     acc = SlabStats()
-    add_slab(acc, raw, dtype, _DEEP[need_negative, magnitudes])
+    fold_slab(acc, raw, dtype, _DEEP[need_negative, magnitudes])
     st.zero = acc.all_zero
     st.nonfinite = acc.nonfinite
     st.negative = acc.negative
@@ -218,7 +228,11 @@ def _compare_np(
     if n == 0:
         return
     if kind == "moments":
-        _moments_np(count, float_values(a_raw, a_dtype), float_values(b_raw, b_dtype))
+        top = moment_ratio(a_raw, a_dtype, b_raw, b_dtype)  # the native kernel, or None
+        if top is None or top == math.inf:  # not built, float16, or a zero / overflowing moment: numpy's exact path
+            _moments_np(count, float_values(a_raw, a_dtype), float_values(b_raw, b_dtype))
+        elif top > 0:
+            count.max_diff = max(count.max_diff, math.sqrt(top))
         return
     ua = a_raw.view(IEEE_BITS[a_dtype][1]) if a_dtype in IEEE_BITS else a_raw
     if a_dtype == b_dtype:
@@ -305,31 +319,12 @@ def _np_comparable(a_dtype: str, b_dtype: str) -> bool:
     return (a_dtype, b_dtype) in _NP_PAIRS or (a_dtype == b_dtype and (a_dtype in IEEE_BITS or a_dtype in _NP_INT))
 
 
-class _SliceBuffers(threading.local):
-    """Per-thread numpy slice buffers, one per member of a work item."""
-
-    def __init__(self) -> None:
-        self.bufs: list[Any] = []
-
-    def get(self, slot: int, nbytes: int) -> Any:
-        import numpy as np
-
-        while len(self.bufs) <= slot:
-            self.bufs.append(None)
-        buf = self.bufs[slot]
-        if buf is None or buf.size < nbytes:
-            buf = self.bufs[slot] = np.empty(max(nbytes, BLOCK_BYTES), dtype=np.uint8)
-        return buf[:nbytes]
-
-
-_slice_buffers = _SliceBuffers()
-
-
 def _release_buffers() -> None:
     """Drop every thread's scratch and slice buffers (pool threads outlive a run; a later run allocates anew)."""
-    global _scratch, _slice_buffers
-    _scratch, _slice_buffers = _new_scratch(), _SliceBuffers()
+    global _scratch
+    _scratch = _new_scratch()
     release_scratch()
+    release_lockstep_buffers()
 
 
 def _streamable(dtypes: list[str], metas: dict[str, TensorMeta], pairs: list[PairStats]) -> bool:
@@ -371,35 +366,29 @@ def _stream_item(
         return None
     n = chunk.numel
     digs = [_digest_plan(ctx, k, metas[k], chunk) for k in keys]
-    widest = max(DTYPE_ITEMSIZE[d] for d in dtypes)
-    per = max(1, BLOCK_BYTES // widest)
-    fds = [ctx.reader.fd(loc.info.relative_path) for loc in locs]
+    items = [DTYPE_ITEMSIZE[d] for d in dtypes]
     slot = {k: i for i, k in enumerate(keys)}
     stats: dict[str, TensorStats] = {k: TensorStats(k, d) for k, d in zip(keys, dtypes)}
     counts = {i: _PairCount() for i in range(len(pairs))}
-    crcs = [0] * len(locs)
-    read = 0
-    for e0 in range(0, n, per):
-        m = min(per, n - e0)
-        raws = []
+
+    def each(raws: list[Any], e0: int) -> None:
         finite = []
-        for i, (k, d, loc) in enumerate(zip(keys, dtypes, locs)):
-            item = DTYPE_ITEMSIZE[d]
-            raw = _slice_buffers.get(i, m * item)
-            _pread_exact(fds[i], raw, loc.data_start + e0 * item, loc)
-            crcs[i] = crc32(raw, crcs[i])  # the slice is still in the CPU cache
-            dg = digs[i]
+        for k, d, raw, item, dg in zip(keys, dtypes, raws, items, digs):
             if dg is not None and dg.seg:
                 dg.add(raw, e0, item)
-            read += m * item
             st = _summarise_np(k, raw, d, k.endswith(".exp_avg_sq"), _is_step(k) and e0 == 0, k in ctx.cat.model)
             assert st is not None
             stats[k].add(st)
-            raws.append(raw)
             finite.append(st.nonfinite == 0)
         for j, p in enumerate(pairs):
             ia, ib = slot[p.a], slot[p.b]
             _compare_np(counts[j], p.kind, raws[ia], dtypes[ia], raws[ib], dtypes[ib], finite[ib])
+
+    streams = tuple(
+        (Window(ctx.reader.fd(loc.info.relative_path), loc.data_start, n * item),) for loc, item in zip(locs, items)
+    )
+    crcs = _lockstep(Lockstep(streams, tuple(items), each, max(1, BLOCK_BYTES // max(items))), locs[0])
+    read = n * sum(items)
     for loc, crc in zip(locs, crcs):
         loc.check_crc(crc)
     for k, dg, crc in zip(keys, digs, crcs):
@@ -454,14 +443,14 @@ def _digest_plan(ctx: Context, key: str, meta: TensorMeta, chunk: ChunkMeta) -> 
     return _Digest(chunk.offsets[0] * row, meta.numel // e if e else 0)
 
 
-def _pread_exact(fd: int, buf: Any, offset: int, loc: Any) -> None:
-    """Fill ``buf`` from ``offset`` of ``fd`` (a slice of ``loc``'s record).
+def _lockstep(ls: Lockstep, loc: Any) -> tuple[int, ...]:
+    """:func:`~ckpttool.engine.execute.run_lockstep` of a chunk's members (``loc``: the first one's location).
 
     Raises:
-        ChunkError: the file ends first (it changed since the locator checked it).
+        ChunkError: a file ends first (it changed since the locator checked it).
     """
     try:
-        read_into(fd, buf, offset)
+        return run_lockstep(ls)
     except ShortReadError:
         raise ChunkError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=loc.key) from None
 

@@ -80,20 +80,21 @@ def test_summary_counts_equal_torch(dtype: torch.dtype) -> None:
 def test_short_read_of_a_slice_is_the_chunk_error_it_always_was(tmp_path) -> None:
     from types import SimpleNamespace
 
+    from ckpttool.engine.plan import Lockstep, Window
     from ckpttool.errors import ChunkError
-    from ckpttool.ops.validate.deep import _pread_exact
+    from ckpttool.ops.validate.deep import _lockstep
 
     f = tmp_path / "__0_0.distcp"
     f.write_bytes(b"x" * 100)
     loc = SimpleNamespace(where="__0_0.distcp: 'model.w' chunk at (0,)", info=SimpleNamespace(relative_path=f.name))
     loc.key = "model.w"
-    buf = np.zeros(64, dtype=np.uint8)
+    seen: list[bytes] = []
     fd = os.open(f, os.O_RDONLY)
     try:
-        _pread_exact(fd, buf, 30, loc)
-        assert bytes(buf) == b"x" * 64
+        _lockstep(Lockstep(((Window(fd, 30, 64),),), (1,), lambda s, _: seen.append(bytes(s[0])), 64), loc)
+        assert seen == [b"x" * 64]
         with pytest.raises(ChunkError) as ei:
-            _pread_exact(fd, buf, 60, loc)
+            _lockstep(Lockstep(((Window(fd, 60, 64),),), (1,), lambda s, _: None, 64), loc)
     finally:
         os.close(fd)
     e = ei.value

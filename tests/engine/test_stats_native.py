@@ -1,0 +1,170 @@
+"""The native statistics kernels (``engine/native/stats.c``) against the numpy kernel and torch.
+
+Counts, flags and maxima must equal the numpy kernel's exactly; sums agree to a relative 1e-6 (the
+native kernel adds in float64, numpy in float32 blocks of 1024) and both to torch's float64 sums.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from ckpttool.engine import stats
+from ckpttool.engine.kernels import float_values
+from ckpttool.engine.stats import Need, SlabStats, add_slab, fold_slab, moment_ratio
+
+pytestmark = pytest.mark.skipif(not stats.native_stats(), reason="native kernels not built or CKPTTOOL_NATIVE=0")
+
+_DTYPES = ("bfloat16", "float16", "float32", "float64")
+_NEEDS = (
+    Need(zeros=True, negative=True, sums=True, bound=1e4),
+    Need(),
+    Need(zeros=True, sums=True),
+    Need(negative=True, bound=1e4),
+)
+_EXACT = (
+    "numel",
+    "nonfinite",
+    "all_zero",
+    "abs_max",
+    "zeros",
+    "negative",
+    "neg_min",
+    "beyond",
+    "beyond_max",
+    "subnormal",
+)
+
+
+def _values(kind: str, n: int, dtype: str) -> torch.Tensor:
+    rng = np.random.default_rng(n)
+    f = rng.standard_normal(n) * 3.0
+    if kind == "special":
+        f[::97], f[::89], f[5::101] = np.nan, -np.inf, np.inf
+        f[3::31], f[4::37] = 0.0, -0.0
+        f[7 % n] = 3.0e4 if dtype != "float16" else 2.0e4
+        f[100:400] = 1e-39 if dtype in ("bfloat16", "float32") else (1e-310 if dtype == "float64" else 1e-6)
+    elif kind == "zeros":
+        f[:] = 0.0
+        f[1::2] = -0.0
+    elif kind == "negative":
+        f = -np.abs(f) - 1e-3
+    elif kind == "huge":  # squares beyond float32's range: inf, as numpy's float32 squares are
+        f[::3] = 3e19
+    return torch.from_numpy(f).to(getattr(torch, dtype))
+
+
+def _same(a: SlabStats, b: SlabStats, fin: np.ndarray) -> None:
+    for name in _EXACT:
+        assert getattr(a, name) == getattr(b, name), name
+    scale = float(np.abs(fin).sum()) if fin.size else 0.0
+    assert math.isclose(a.s1, b.s1, rel_tol=1e-6, abs_tol=1e-6 * scale + 1e-300)
+    assert a.s2 == b.s2 or math.isclose(a.s2, b.s2, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", _DTYPES)
+@pytest.mark.parametrize("kind", ["random", "special", "zeros", "negative", "huge"])
+@pytest.mark.parametrize("n", [17, 5003])
+def test_fold_slab_equals_the_numpy_kernel_and_torch(dtype: str, kind: str, n: int) -> None:
+    t = _values(kind, n, dtype)
+    raw = t.view(torch.uint8).numpy()
+    ref = t.double().numpy()
+    fin = ref[np.isfinite(ref)]
+    for need in _NEEDS:
+        a, b = SlabStats(), SlabStats()
+        add_slab(a, raw, dtype, need)
+        fold_slab(b, raw, dtype, need)
+        _same(a, b, fin)
+    b = SlabStats()
+    fold_slab(b, raw, dtype, _NEEDS[0])
+    # an independent reference: torch's own float64 values
+    assert b.nonfinite == int((~torch.isfinite(t)).sum()) and b.zeros == int((fin == 0).sum())
+    assert b.abs_max == (float(np.abs(fin).max()) if fin.size else 0.0)
+    assert b.negative == int((ref < 0).sum())
+    assert math.isclose(b.s1, float(fin.sum()), rel_tol=1e-9, abs_tol=1e-9 * float(np.abs(fin).sum()) + 1e-300)
+    squares = (t.float() if dtype != "float64" else t)[torch.isfinite(t)]  # squares rounded in the working precision
+    assert math.isclose(b.s2, float((squares * squares).double().sum()), rel_tol=1e-9)
+
+
+def _moment_pair(dtype: str, n: int, damaged: bool) -> tuple[np.ndarray, np.ndarray]:
+    g = torch.Generator().manual_seed(n)
+    m = torch.randn(n, generator=g, dtype=torch.float64) * 1e-3
+    v = torch.rand(n, generator=g, dtype=torch.float64) * 1e-6
+    if damaged:
+        m[::7], v[::11], v[3::13], m[5::17] = float("nan"), -1e-7, 0.0, float("inf")
+    m, v = m.to(getattr(torch, dtype)), v.to(getattr(torch, dtype))
+    return m.view(torch.uint8).numpy(), v.view(torch.uint8).numpy()
+
+
+@pytest.mark.parametrize("dtype", _DTYPES)
+@pytest.mark.parametrize("damaged", [False, True])
+@pytest.mark.parametrize("eps", [1e-8, 0.0])
+def test_adam_sizes_equal_numpy_and_torch(dtype: str, damaged: bool, eps: float) -> None:
+    from ckpttool.ops.stats.compute import AdamHyper, Moments, ValueSums, add_moments
+
+    m_raw, v_raw = _moment_pair(dtype, 4099, damaged)
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=eps, step=7.0)
+    ref_upd, ref_m, ref_v = Moments(), ValueSums(), ValueSums()
+    stats.use_native(False)
+    try:
+        add_moments(ref_m, ref_v, h, ref_upd, (m_raw, dtype), (v_raw, dtype))
+    finally:
+        stats.use_native(True)
+    upd, ms, vs = Moments(), ValueSums(), ValueSums()
+    add_moments(ms, vs, h, upd, (m_raw, dtype), (v_raw, dtype))
+    assert (upd.numel, upd.max) == (ref_upd.numel, ref_upd.max)
+    assert math.isclose(upd.s2, ref_upd.s2, rel_tol=1e-6)
+    for a, b in ((ms, ref_m), (vs, ref_v)):
+        _same(a.acc, b.acc, np.zeros(0))
+    # torch, in float64 from the stored values: the same update sizes to float32 rounding
+    work = torch.float64 if dtype == "float64" else torch.float32
+    mt = torch.from_numpy(m_raw.copy()).view(getattr(torch, dtype)).to(work)
+    vt = torch.from_numpy(v_raw.copy()).view(getattr(torch, dtype)).to(work)
+    mt, vt = (
+        torch.nan_to_num(mt, nan=0.0, posinf=0.0, neginf=0.0),
+        torch.nan_to_num(vt, nan=0.0, posinf=0.0, neginf=0.0),
+    )
+    bc1, bc2 = 1 - 0.9**7, 1 - 0.999**7
+    u = (1e-3 / bc1) * mt.double() / (vt.clamp(min=0).double().sqrt() / math.sqrt(bc2) + eps)
+    u = u[torch.isfinite(u)]
+    assert upd.numel == u.numel()
+    assert math.isclose(upd.max, float(u.abs().max()), rel_tol=1e-5)
+    assert math.isclose(upd.s2, float((u * u).sum()), rel_tol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "dtypes", [("float32", "float32"), ("bfloat16", "bfloat16"), ("float32", "float64"), ("float64", "float64")]
+)
+@pytest.mark.parametrize("damaged", [False, True])
+def test_moment_ratio_equals_numpy(dtypes: tuple[str, str], damaged: bool) -> None:
+    from ckpttool.ops.validate.deep import _moments_np, _PairCount
+
+    m_raw, _ = _moment_pair(dtypes[0], 3001, damaged)
+    _, v_raw = _moment_pair(dtypes[1], 3001, damaged)
+    top = moment_ratio(m_raw, dtypes[0], v_raw, dtypes[1])
+    assert top is not None
+    ref = _PairCount()
+    _moments_np(ref, float_values(m_raw, dtypes[0]), float_values(v_raw, dtypes[1]))
+    if top == math.inf:  # the caller's exact numpy path
+        assert damaged
+    else:
+        assert ref.max_diff == (math.sqrt(top) if top > 0 else 0.0)
+    assert moment_ratio(m_raw[:0], dtypes[0], v_raw[:0], dtypes[1]) == -math.inf
+
+
+def test_numpy_kernel_everywhere_when_turned_off() -> None:
+    """``CKPTTOOL_NATIVE=0``: every statistics kernel is numpy's (in a fresh process)."""
+    code = (
+        "from ckpttool.engine import stats; import numpy as np;"
+        "r = np.zeros(8, np.uint8);"
+        "print(stats.native_stats(), stats.adam_sizes(r, 'float32', r, 'float32', 1e-8), stats.moment_ratio(r, 'float32', r, 'float32'))"
+    )
+    env = {**os.environ, "CKPTTOOL_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "None", "None"]
