@@ -708,6 +708,11 @@ def parse_metadata_owned(holder: list[bytes], source: str = ".metadata") -> Chec
     if not data:
         raise MetadataError(f"{source} is empty", path=source)
     check_record_bound(data, source)
+    from ckpttool.format.mdscan import scan_metadata
+
+    md = scan_metadata(data, source)  # the native column reader; None: the unpickler decides
+    if md is not None:
+        return md
     obj = _unpickle(data, source)
     del data
     return _convert(obj, source)
