@@ -62,8 +62,8 @@ def _kernel() -> tuple[Any, Any] | None:
     return None if scan is None or free is None else (scan, free)
 
 
-def _columns(data: bytes) -> list[list[int]] | None:
-    """The kernel's eight columns as lists of ints, or ``None`` (no kernel, or a stream it does not take)."""
+def _columns(data: bytes) -> list[memoryview] | None:
+    """The kernel's nine columns (int64 ``memoryview``s, 8 bytes a value), or ``None`` (no kernel, or a stream it declines)."""
     k = _kernel()
     if k is None:
         return None
@@ -72,9 +72,7 @@ def _columns(data: bytes) -> list[list[int]] | None:
     if scan(data, len(data), _DTYPE_LIST, len(_DTYPE_LIST), ctypes.byref(out)) != 0:
         return None
     try:
-        return [
-            memoryview(ctypes.string_at(p, 8 * n)).cast("q").tolist() if n else [] for p, n in zip(out.cols, out.lens)
-        ]
+        return [memoryview(ctypes.string_at(p, 8 * n) if n else b"").cast("q") for p, n in zip(out.cols, out.lens)]
     finally:
         free(ctypes.byref(out))
 
@@ -122,7 +120,7 @@ def scan_metadata(data: bytes, source: str) -> CheckpointMetadata | None:
 
 
 def _entries(
-    ent: list[int], chk: list[int], shapes: list[Any], strs: list[str], left: int
+    ent: memoryview, chk: memoryview, shapes: list[Any], strs: list[str], left: int
 ) -> dict[str, TensorMeta | BytesMeta] | None:
     """Entries from the entry and chunk columns, chunks and layouts built once per distinct value (as the unpickler path).
 
@@ -160,7 +158,7 @@ def _entries(
     return entries
 
 
-def _storage(sto: list[int], shapes: list[Any], strs: list[str]) -> dict[Any, StorageInfo] | None:
+def _storage(sto: memoryview, shapes: list[Any], strs: list[str]) -> dict[Any, StorageInfo] | None:
     """Storage items from the storage columns (``None``: a range the unpickler path refuses)."""
     if not sto:
         return {}
