@@ -12,6 +12,7 @@ from tests.format.test_mdscan import _agrees, _parsed, _parsed_without_kernels
 pytestmark = pytest.mark.skipif(native.function("ckpt_mdscan", None) is None, reason="native kernels not built")
 
 
+@pytest.mark.heavy  # every entry parsed twice (~70 s on 2 loaded cores); the CLI corpus tests run the column reader in CI
 def test_hostile_corpus_agrees(corpus: dict[str, CorpusEntry], monkeypatch: pytest.MonkeyPatch) -> None:
     """Every ``.metadata`` of the hostile corpus: the same result or message with and without the column reader."""
     for entry in corpus.values():
