@@ -232,6 +232,9 @@ main()
 """
 
 
+_REPO = str(Path(__file__).resolve().parent.parent)
+
+
 def _run_rss(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
     """Wall seconds and peak RSS (MiB, the child's own ``ru_maxrss``) of a fresh process."""
     wall, _, rss = _run_usage(cmd, env)
@@ -240,8 +243,11 @@ def _run_rss(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, 
 
 def _run_usage(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float, float]:
     """Wall seconds, CPU seconds (user + system) and peak RSS (MiB) of a fresh process (``wait4``)."""
+    env = dict(os.environ if env is None else env)
+    env.setdefault("PYTHONPATH", _REPO)  # this tree, unless the case names another (--baseline)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    # cwd "/": `python -c` puts the current directory first on sys.path, where a ckpttool tree would shadow PYTHONPATH's
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd="/")
     assert proc.stderr is not None
     err = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)

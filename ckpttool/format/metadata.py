@@ -4,9 +4,9 @@ These frozen dataclasses mirror torch's ``torch/distributed/checkpoint/metadata.
 (``Metadata``, ``TensorStorageMetadata``, ``ChunkStorageMetadata``,
 ``BytesStorageMetadata``, ``MetadataIndex``) and ``filesystem._StorageInfo``, but
 hold only validated plain values: shapes are ``tuple[int, ...]``, dtypes are
-:class:`DType` (a name, no torch import needed). The safe unpickler in
-:mod:`ckpttool.format.unpickler` produces them; nothing else in ckpttool reads the
-pickle.
+:class:`DType` (a name, no torch import needed). The native column reader
+(:mod:`ckpttool.format.mdscan`) or the safe unpickler in :mod:`ckpttool.format.unpickler`
+produces them; nothing else in ckpttool reads the pickle.
 """
 
 from __future__ import annotations

@@ -1,0 +1,702 @@
+/* A restricted reader of DCP `.metadata` pickles into int columns (ckpttool/format/mdscan.py).
+ *
+ * It runs the subset of the pickle machine (protocols 2-5) that pickle.dump writes for torch's
+ * Metadata dataclasses, with CPython's own stack/mark/memo rules, and resolves only the globals
+ * that ckpttool's allow-list unpickler resolves to records (ckpttool/format/unpickler.py). It
+ * never builds Python objects: values are 16-byte cells in arenas, and the result is a set of
+ * int64 columns (entries, chunks, storage items, planner paths, distinct shapes) that name strings
+ * by their offset in the input. Every read is bounds-checked and every length is checked against
+ * what remains. Anything it does not recognise, or that the unpickler would refuse, returns a
+ * non-zero code and no columns: the caller then runs the unpickler, which gives its own result or
+ * message. So a stream it accepts is one the unpickler accepts with the same values.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { T_EMPTY, T_INT, T_STR, T_NONE, T_BOOL, T_TUPLE, T_LIST, T_DICT, T_REC, T_GLOBAL, T_INERT, T_PATH };
+enum { K_MD, K_TSM, K_TP, K_CSM, K_BSM, K_MI, K_SI, K_SM, N_KINDS };
+enum { G_SIZE = N_KINDS, G_LAYOUT, G_MEMFMT, G_PATH, G_DTYPE };
+
+typedef struct { int64_t a; uint32_t b; uint32_t t; } val;
+typedef struct { int64_t start; int32_t n; int32_t next; } seg;
+typedef struct { int32_t head, tail; int64_t count; uint8_t escaped, consumed, frozen, pad; } cont;
+typedef struct { int64_t fstart; uint8_t kind, built, keyed, pad; } rec;
+
+#define ARR(T) struct { T *p; int64_t n, cap; }
+typedef ARR(val) vals;
+typedef ARR(int64_t) i64s;
+
+static int grow(void **p, int64_t *cap, int64_t need, size_t sz) {
+    if (need <= *cap) return 0;
+    int64_t c = *cap ? *cap : 1024;
+    while (c < need) c *= 2;
+    void *q = realloc(*p, (size_t)c * sz);
+    if (!q) return -1;
+    *p = q;
+    *cap = c;
+    return 0;
+}
+#define PUSH(arr, v) (grow((void **)&(arr).p, &(arr).cap, (arr).n + 1, sizeof(*(arr).p)) ? -1 : ((arr).p[(arr).n++] = (v), 0))
+
+static const int NFIELDS[N_KINDS] = {5, 3, 1, 2, 0, 2, 4, 2};
+static const char *FIELDS[N_KINDS][5] = {
+    {"state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"},
+    {"properties", "size", "chunks"},
+    {"dtype"},
+    {"offsets", "sizes"},
+    {0},
+    {"fqn", "offset"},
+    {"relative_path", "offset", "length", "transform_descriptors"},
+    {"checkpoint_id", "save_id"},
+};
+
+typedef struct {
+    const uint8_t *d;
+    int64_t len, pos;
+    vals stack, memo, arena, fields;
+    i64s marks;
+    ARR(seg) segs;
+    ARR(cont) conts;
+    ARR(rec) recs;
+    const char *dtypes;
+    int64_t dtypes_len, memo_len;
+    /* output */
+    i64s shapes, ints, ent, chk, sto, pln, pit, top;
+    int64_t *hash, *shash;
+    int64_t hcap, scap;
+    i64s strs;
+} st;
+
+/* The columns handed to Python (ckpttool/format/mdscan.py reads them; ckpt_mdscan_free frees them). */
+#define N_COLS 9
+typedef struct {
+    int64_t *cols[N_COLS];
+    int64_t lens[N_COLS];
+} mdscan_out;
+
+#define FAIL(code) return (code)
+#define NEED(n) \
+    if ((int64_t)(n) < 0 || s->len - s->pos < (int64_t)(n)) FAIL(2)
+
+static int64_t fence(st *s) { return s->marks.n ? s->marks.p[s->marks.n - 1] : 0; }
+
+static int push(st *s, val v) { return PUSH(s->stack, v) ? 9 : 0; }
+
+static int pop(st *s, val *out) {
+    if (s->stack.n <= fence(s)) FAIL(3);
+    *out = s->stack.p[--s->stack.n];
+    return 0;
+}
+
+static uint64_t rd(const uint8_t *p, int n) {
+    uint64_t v = 0;
+    for (int i = n - 1; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+
+/* UTF-8 as Python decodes it with "surrogatepass": encoded surrogates allowed, nothing else loose. */
+static int utf8_ok(const uint8_t *p, int64_t n) {
+    int64_t i = 0;
+    while (i < n) {
+        uint8_t c = p[i];
+        if (c < 0x80) { i++; continue; }
+        int k;
+        uint32_t cp;
+        if (c >= 0xC2 && c <= 0xDF) { k = 1; cp = c & 0x1F; }
+        else if (c >= 0xE0 && c <= 0xEF) { k = 2; cp = c & 0x0F; }
+        else if (c >= 0xF0 && c <= 0xF4) { k = 3; cp = c & 0x07; }
+        else return 0;
+        if (n - i <= k) return 0;
+        for (int j = 1; j <= k; j++) {
+            if ((p[i + j] & 0xC0) != 0x80) return 0;
+            cp = (cp << 6) | (p[i + j] & 0x3F);
+        }
+        if ((k == 2 && cp < 0x800) || (k == 3 && (cp < 0x10000 || cp > 0x10FFFF))) return 0;
+        i += k + 1;
+    }
+    return 1;
+}
+
+static int str_is(st *s, val v, const char *lit) {
+    size_t n = strlen(lit);
+    return v.t == T_STR && v.b == n && memcmp(s->d + v.a, lit, n) == 0;
+}
+
+static int global_id(st *s, val mod, val name) {
+    static const char *DCP = "torch.distributed.checkpoint.metadata";
+    static const char *SHARD = "torch.distributed._shard.sharded_tensor.metadata";
+    if (str_is(s, mod, DCP)) {
+        if (str_is(s, name, "Metadata")) return K_MD;
+        if (str_is(s, name, "TensorStorageMetadata")) return K_TSM;
+        if (str_is(s, name, "TensorProperties")) return K_TP;
+        if (str_is(s, name, "ChunkStorageMetadata")) return K_CSM;
+        if (str_is(s, name, "BytesStorageMetadata")) return K_BSM;
+        if (str_is(s, name, "MetadataIndex")) return K_MI;
+        if (str_is(s, name, "StorageMeta")) return K_SM;
+        if (str_is(s, name, "_MEM_FORMAT_ENCODING")) return G_MEMFMT;
+        return -1;
+    }
+    if (str_is(s, mod, SHARD)) {
+        if (str_is(s, name, "TensorProperties")) return K_TP;
+        if (str_is(s, name, "MEM_FORMAT_ENCODING")) return G_MEMFMT;
+        return -1;
+    }
+    if (str_is(s, mod, "torch.distributed.checkpoint.filesystem") ||
+        str_is(s, mod, "olmo_core.distributed.checkpoint.filesystem"))
+        return str_is(s, name, "_StorageInfo") ? K_SI : -1;
+    if (str_is(s, mod, "torch.serialization")) return str_is(s, name, "_get_layout") ? G_LAYOUT : -1;
+    if (str_is(s, mod, "pathlib"))
+        return (str_is(s, name, "PosixPath") || str_is(s, name, "WindowsPath") || str_is(s, name, "PurePosixPath"))
+                   ? G_PATH : -1;
+    if (str_is(s, mod, "torch")) {
+        if (str_is(s, name, "Size")) return G_SIZE;
+        /* a dtype of the list the caller passed: names separated by '\n' */
+        int64_t i = 0, idx = 0;
+        while (i < s->dtypes_len) {
+            int64_t j = i;
+            while (j < s->dtypes_len && s->dtypes[j] != '\n') j++;
+            if (j - i == (int64_t)name.b && memcmp(s->dtypes + i, s->d + name.a, name.b) == 0) return G_DTYPE + (int)idx;
+            i = j + 1;
+            idx++;
+        }
+    }
+    return -1;
+}
+
+static int new_cont(st *s, uint32_t t) {
+    cont c = {-1, -1, 0, 0, 0, 0, 0};
+    if (PUSH(s->conts, c)) FAIL(9);
+    return push(s, (val){s->conts.n - 1, 0, t});
+}
+
+/* append stack[x:] to container v (2 cells per item for a dict), then drop them from the stack */
+static int extend(st *s, val v, int64_t x, uint32_t want) {
+    if (v.t != want) FAIL(4);
+    cont *c = &s->conts.p[v.a];
+    if (c->consumed || c->frozen) FAIL(4);
+    int64_t n = s->stack.n - x;
+    if (want == T_DICT && (n % 2)) FAIL(4);
+    for (int64_t i = x; want == T_DICT && i < s->stack.n; i += 2) {
+        uint32_t kt = s->stack.p[i].t;
+        if (kt != T_STR && kt != T_REC) FAIL(4); /* keys: str or a record (hashed by identity) */
+    }
+    if (n) {
+        if (n > INT32_MAX) FAIL(4);
+        int64_t start = s->arena.n;
+        if (grow((void **)&s->arena.p, &s->arena.cap, start + n, sizeof(val))) FAIL(9);
+        memcpy(s->arena.p + start, s->stack.p + x, (size_t)n * sizeof(val));
+        s->arena.n += n;
+        seg g = {start, (int32_t)n, -1};
+        if (PUSH(s->segs, g)) FAIL(9);
+        c = &s->conts.p[v.a];
+        if (c->tail >= 0) s->segs.p[c->tail].next = (int32_t)(s->segs.n - 1);
+        else c->head = (int32_t)(s->segs.n - 1);
+        c->tail = (int32_t)(s->segs.n - 1);
+        if (s->segs.n > INT32_MAX - 2) FAIL(9);
+        c->count += want == T_DICT ? n / 2 : n;
+    }
+    s->stack.n = x;
+    return 0;
+}
+
+static int op_setitems(st *s, int marked) {
+    int64_t x;
+    if (marked) {
+        if (!s->marks.n) FAIL(3);
+        x = s->marks.p[--s->marks.n];
+    } else {
+        x = s->stack.n - 2;
+    }
+    if (x > s->stack.n || x <= fence(s) || x < 1) FAIL(3);
+    return extend(s, s->stack.p[x - 1], x, T_DICT);
+}
+
+static int op_appends(st *s, int marked) {
+    int64_t x;
+    if (marked) {
+        if (!s->marks.n) FAIL(3);
+        x = s->marks.p[--s->marks.n];
+    } else {
+        x = s->stack.n - 1;
+    }
+    if (x > s->stack.n || x <= fence(s) || x < 1) FAIL(3);
+    return extend(s, s->stack.p[x - 1], x, T_LIST);
+}
+
+static int op_tuple(st *s, int64_t x) {
+    if (x < fence(s) || x > s->stack.n) FAIL(3);
+    int64_t n = s->stack.n - x, start = s->arena.n;
+    if (n > INT32_MAX) FAIL(4);
+    if (grow((void **)&s->arena.p, &s->arena.cap, start + n, sizeof(val))) FAIL(9);
+    if (n) memcpy(s->arena.p + start, s->stack.p + x, (size_t)n * sizeof(val));
+    s->arena.n += n;
+    s->stack.n = x;
+    return push(s, (val){n ? start : 0, (uint32_t)n, T_TUPLE});
+}
+
+static int op_reduce(st *s) {
+    val args, fn;
+    int r;
+    if ((r = pop(s, &args)) || (r = pop(s, &fn))) return r;
+    if (args.t != T_TUPLE || fn.t != T_GLOBAL) FAIL(5);
+    val *a = s->arena.p + args.a;
+    switch (fn.a) {
+    case G_SIZE: /* tuple(t) of a tuple is t itself */
+        if (args.b != 1 || a[0].t != T_TUPLE) FAIL(5);
+        return push(s, a[0]);
+    case G_LAYOUT:
+        if (args.b != 1 || a[0].t != T_STR || a[0].b > 64 || a[0].b < 6 || memcmp(s->d + a[0].a, "torch.", 6)) FAIL(5);
+        for (uint32_t i = 0; i < a[0].b; i++)
+            if (s->d[a[0].a + i] >= 0x80) FAIL(5);
+        return push(s, (val){0, 0, T_INERT});
+    case G_MEMFMT:
+        if (args.b > 1 || (args.b == 1 && a[0].t != T_INT)) FAIL(5);
+        return push(s, (val){0, 0, T_INERT});
+    case G_PATH:
+        for (uint32_t i = 0; i < args.b; i++)
+            if (a[i].t != T_STR) FAIL(5);
+        return push(s, (val){args.a, args.b, T_PATH});
+    }
+    FAIL(5);
+}
+
+static int op_newobj(st *s) {
+    val args, cls;
+    int r;
+    if ((r = pop(s, &args)) || (r = pop(s, &cls))) return r;
+    if (args.t != T_TUPLE || args.b != 0 || cls.t != T_GLOBAL || cls.a >= N_KINDS) FAIL(6);
+    rec rc = {-1, (uint8_t)cls.a, 0, 0, 0};
+    if (PUSH(s->recs, rc)) FAIL(9);
+    return push(s, (val){s->recs.n - 1, 0, T_REC});
+}
+
+static int op_build(st *s) {
+    val state;
+    int r;
+    if ((r = pop(s, &state))) return r;
+    if (s->stack.n <= fence(s)) FAIL(3);
+    val inst = s->stack.p[s->stack.n - 1];
+    if (inst.t != T_REC) FAIL(7);
+    rec *rc = &s->recs.p[inst.a];
+    if (rc->built) FAIL(7);
+    int nf = NFIELDS[rc->kind];
+    int64_t fs = s->fields.n;
+    if (grow((void **)&s->fields.p, &s->fields.cap, fs + (nf ? nf : 1), sizeof(val))) FAIL(9);
+    for (int i = 0; i < nf; i++) s->fields.p[fs + i] = (val){0, 0, T_EMPTY};
+    s->fields.n += nf;
+    rc->fstart = fs;
+    rc->built = 1;
+    if (rc->kind == K_TP) { /* TensorProperties.__setstate__: a tuple (dtype, layout, ...) */
+        if (state.t != T_TUPLE || state.b < 1) FAIL(7);
+        s->fields.p[fs] = s->arena.p[state.a];
+        return 0;
+    }
+    if (state.t != T_DICT) FAIL(7);
+    cont *c = &s->conts.p[state.a];
+    if (c->consumed) FAIL(7);
+    for (int32_t g = c->head; g >= 0; g = s->segs.p[g].next) {
+        seg *sg = &s->segs.p[g];
+        for (int64_t i = 0; i < sg->n; i += 2) {
+            val k = s->arena.p[sg->start + i];
+            if (k.t != T_STR) FAIL(7);
+            for (int f = 0; f < nf; f++)
+                if (str_is(s, k, FIELDS[rc->kind][f])) s->fields.p[fs + f] = s->arena.p[sg->start + i + 1];
+        }
+    }
+    if (c->escaped) {
+        c->frozen = 1; /* copied into the record: a later change would not be seen there */
+        return 0;
+    }
+    c->consumed = 1; /* a later reference to it is not followed: its cells are reused */
+    if (c->head >= 0 && c->head == c->tail && c->tail == s->segs.n - 1) {
+        seg *sg = &s->segs.p[c->tail];
+        if (sg->start + sg->n == s->arena.n) {
+            s->arena.n = sg->start;
+            s->segs.n--;
+        }
+    }
+    return 0;
+}
+
+static int op_get(st *s, int64_t i) {
+    if (i < 0 || i >= s->memo.n || s->memo.p[i].t == T_EMPTY) FAIL(8);
+    val v = s->memo.p[i];
+    if (v.t == T_DICT || v.t == T_LIST) {
+        cont *c = &s->conts.p[v.a];
+        if (c->consumed) FAIL(8);
+        c->escaped = 1;
+    }
+    return push(s, v);
+}
+
+static int op_put(st *s, int64_t i) {
+    if (s->stack.n <= fence(s)) FAIL(3);
+    if (i < 0 || i > s->len) FAIL(8);
+    if (i >= s->memo.n) {
+        if (grow((void **)&s->memo.p, &s->memo.cap, i + 1, sizeof(val))) FAIL(9);
+        memset(s->memo.p + s->memo.n, 0, (size_t)(i + 1 - s->memo.n) * sizeof(val));
+        s->memo.n = i + 1;
+    }
+    if (s->memo.p[i].t == T_EMPTY) s->memo_len++;
+    s->memo.p[i] = s->stack.p[s->stack.n - 1];
+    return 0;
+}
+
+static int op_str(st *s, int64_t n) {
+    NEED(n);
+    if (n > UINT32_MAX || !utf8_ok(s->d + s->pos, n)) FAIL(2);
+    int r = push(s, (val){s->pos, (uint32_t)n, T_STR});
+    s->pos += n;
+    return r;
+}
+
+static int op_global_line(st *s, val *out) {
+    int64_t i = s->pos;
+    while (i < s->len && s->d[i] != '\n') i++;
+    if (i >= s->len) FAIL(2);
+    *out = (val){s->pos, (uint32_t)(i - s->pos), T_STR};
+    if (i - s->pos > 1024 || !utf8_ok(s->d + s->pos, i - s->pos)) FAIL(2);
+    s->pos = i + 1;
+    return 0;
+}
+
+static int global_push(st *s, val mod, val name) {
+    int g = global_id(s, mod, name);
+    if (g < 0) FAIL(10);
+    return push(s, (val){g, 0, T_GLOBAL});
+}
+
+static int step(st *s, uint8_t op) {
+    val a, b;
+    int r;
+    switch (op) {
+    case 0x80: NEED(1); if (s->d[s->pos] < 2 || s->d[s->pos] > 5) FAIL(2); s->pos++; return 0; /* PROTO */
+    case 0x95: { /* FRAME: the C unpickler only checks that the frame's bytes are there */
+        NEED(8);
+        uint64_t n = rd(s->d + s->pos, 8);
+        s->pos += 8;
+        if (n > (uint64_t)(s->len - s->pos)) FAIL(2);
+        return 0;
+    }
+    case '(': return PUSH(s->marks, s->stack.n) ? 9 : 0;
+    case ')': return push(s, (val){0, 0, T_TUPLE});
+    case 0x85: return op_tuple(s, s->stack.n - 1);
+    case 0x86: return op_tuple(s, s->stack.n - 2);
+    case 0x87: return op_tuple(s, s->stack.n - 3);
+    case 't': if (!s->marks.n) FAIL(3); return op_tuple(s, s->marks.p[--s->marks.n]);
+    case '}': return new_cont(s, T_DICT);
+    case ']': return new_cont(s, T_LIST);
+    case 's': return op_setitems(s, 0);
+    case 'u': return op_setitems(s, 1);
+    case 'a': return op_appends(s, 0);
+    case 'e': return op_appends(s, 1);
+    case 'K': NEED(1); r = push(s, (val){s->d[s->pos], 0, T_INT}); s->pos += 1; return r;
+    case 'M': NEED(2); r = push(s, (val){(int64_t)rd(s->d + s->pos, 2), 0, T_INT}); s->pos += 2; return r;
+    case 'J': NEED(4); r = push(s, (val){(int32_t)(uint32_t)rd(s->d + s->pos, 4), 0, T_INT}); s->pos += 4; return r;
+    case 0x8a: { /* LONG1: little-endian two's complement, up to 8 bytes here */
+        NEED(1);
+        int n = s->d[s->pos++];
+        if (n > 8) FAIL(2);
+        NEED(n);
+        uint64_t u = rd(s->d + s->pos, n);
+        if (n && n < 8 && (s->d[s->pos + n - 1] & 0x80)) u |= ~(uint64_t)0 << (8 * n);
+        s->pos += n;
+        return push(s, (val){(int64_t)u, 0, T_INT});
+    }
+    case 'N': return push(s, (val){0, 0, T_NONE});
+    case 0x88: return push(s, (val){1, 0, T_BOOL});
+    case 0x89: return push(s, (val){0, 0, T_BOOL});
+    case 0x8c: NEED(1); s->pos++; return op_str(s, s->d[s->pos - 1]);
+    case 'X': NEED(4); s->pos += 4; return op_str(s, (int64_t)rd(s->d + s->pos - 4, 4));
+    case 0x8d: { NEED(8); uint64_t n = rd(s->d + s->pos, 8); s->pos += 8; if (n > (uint64_t)INT64_MAX) FAIL(2); return op_str(s, (int64_t)n); }
+    case 0x93:
+        if ((r = pop(s, &b)) || (r = pop(s, &a))) return r;
+        if (a.t != T_STR || b.t != T_STR) FAIL(10);
+        return global_push(s, a, b);
+    case 'c':
+        if ((r = op_global_line(s, &a)) || (r = op_global_line(s, &b))) return r;
+        return global_push(s, a, b);
+    case 'R': return op_reduce(s);
+    case 0x81: return op_newobj(s);
+    case 'b': return op_build(s);
+    case 0x94: return op_put(s, s->memo_len);
+    case 'q': NEED(1); s->pos++; return op_put(s, s->d[s->pos - 1]);
+    case 'r': NEED(4); s->pos += 4; return op_put(s, (int64_t)rd(s->d + s->pos - 4, 4));
+    case 'h': NEED(1); s->pos++; return op_get(s, s->d[s->pos - 1]);
+    case 'j': NEED(4); s->pos += 4; return op_get(s, (int64_t)rd(s->d + s->pos - 4, 4));
+    }
+    FAIL(11);
+}
+
+/* ------------------------------------------------------------------ the walk into columns */
+
+static uint64_t mix(uint64_t h) { /* splitmix64's finaliser: every input bit reaches the low bits */
+    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    h = (h ^ (h >> 27)) * 0x94D049BB133111EBULL;
+    return h ^ (h >> 31);
+}
+
+static int shape_id(st *s, val v, int64_t *out) {
+    if (v.t != T_TUPLE || v.b > 64) FAIL(20);
+    val *a = s->arena.p + v.a;
+    uint64_t h = 1469598103934665603ULL ^ v.b;
+    for (uint32_t i = 0; i < v.b; i++) {
+        if (a[i].t != T_INT || a[i].a < 0 || a[i].a > ((int64_t)1 << 62)) FAIL(20);
+        h = (h ^ (uint64_t)a[i].a) * 1099511628211ULL;
+    }
+    if (s->shapes.n * 2 >= s->hcap) { /* rehash at half full */
+        int64_t cap = s->hcap ? s->hcap * 2 : 4096;
+        int64_t *t = malloc((size_t)cap * sizeof(int64_t));
+        if (!t) FAIL(9);
+        for (int64_t i = 0; i < cap; i++) t[i] = -1;
+        for (int64_t id = 0; id < s->shapes.n / 2; id++) {
+            int64_t st0 = s->shapes.p[2 * id], n = s->shapes.p[2 * id + 1];
+            uint64_t hh = 1469598103934665603ULL ^ (uint64_t)n;
+            for (int64_t i = 0; i < n; i++) hh = (hh ^ (uint64_t)s->ints.p[st0 + i]) * 1099511628211ULL;
+            uint64_t j = mix(hh) & (uint64_t)(cap - 1);
+            while (t[j] >= 0) j = (j + 1) & (uint64_t)(cap - 1);
+            t[j] = id;
+        }
+        free(s->hash);
+        s->hash = t;
+        s->hcap = cap;
+    }
+    uint64_t j = mix(h) & (uint64_t)(s->hcap - 1);
+    for (; s->hash[j] >= 0; j = (j + 1) & (uint64_t)(s->hcap - 1)) {
+        int64_t id = s->hash[j], st0 = s->shapes.p[2 * id];
+        if (s->shapes.p[2 * id + 1] != v.b) continue;
+        uint32_t i = 0;
+        while (i < v.b && s->ints.p[st0 + i] == a[i].a) i++;
+        if (i == v.b) { *out = id; return 0; }
+    }
+    int64_t id = s->shapes.n / 2;
+    if (PUSH(s->shapes, s->ints.n) || PUSH(s->shapes, (int64_t)v.b)) FAIL(9);
+    for (uint32_t i = 0; i < v.b; i++)
+        if (PUSH(s->ints, a[i].a)) FAIL(9);
+    s->hash[j] = id;
+    *out = id;
+    return 0;
+}
+
+/* the id of string v in the string table (one row, offset and length, per distinct offset) */
+static int str_id(st *s, val v, int64_t *out) {
+    if (v.t != T_STR) FAIL(20);
+    if (s->strs.n >= s->scap) { /* rehash at half full */
+        int64_t cap = s->scap ? s->scap * 2 : 4096;
+        int64_t *t = malloc((size_t)cap * sizeof(int64_t));
+        if (!t) FAIL(9);
+        for (int64_t i = 0; i < cap; i++) t[i] = -1;
+        for (int64_t id = 0; id < s->strs.n / 2; id++) {
+            uint64_t j = mix((uint64_t)s->strs.p[2 * id]) & (uint64_t)(cap - 1);
+            while (t[j] >= 0) j = (j + 1) & (uint64_t)(cap - 1);
+            t[j] = id;
+        }
+        free(s->shash);
+        s->shash = t;
+        s->scap = cap;
+    }
+    uint64_t j = mix((uint64_t)v.a) & (uint64_t)(s->scap - 1);
+    for (; s->shash[j] >= 0; j = (j + 1) & (uint64_t)(s->scap - 1))
+        if (s->strs.p[2 * s->shash[j]] == v.a) { *out = s->shash[j]; return 0; }
+    int64_t id = s->strs.n / 2;
+    if (PUSH(s->strs, v.a) || PUSH(s->strs, (int64_t)v.b)) FAIL(9);
+    s->shash[j] = id;
+    *out = id;
+    return 0;
+}
+
+#define SID(v, var) if (str_id(s, v, &var)) FAIL(20)
+
+static val field(st *s, val r, int f) { return s->fields.p[s->recs.p[r.a].fstart + f]; }
+
+static int is_rec(st *s, val v, int kind) { return v.t == T_REC && s->recs.p[v.a].kind == kind && s->recs.p[v.a].built; }
+
+#define EMIT(col, x) if (PUSH(s->col, (int64_t)(x))) FAIL(9)
+
+static int walk_tensor(st *s, val key, val r) {
+    int64_t size, id2, chunk0 = s->chk.n / 2;
+    val props = field(s, r, 0), chunks = field(s, r, 2);
+    if (!is_rec(s, props, K_TP) || chunks.t != T_LIST) FAIL(21);
+    val dt = field(s, props, 0);
+    if (dt.t != T_GLOBAL || dt.a < G_DTYPE) FAIL(21);
+    if (shape_id(s, field(s, r, 1), &size)) FAIL(20);
+    cont *c = &s->conts.p[chunks.a];
+    for (int32_t g = c->head; g >= 0; g = s->segs.p[g].next)
+        for (int64_t i = 0; i < s->segs.p[g].n; i++) {
+            val ch = s->arena.p[s->segs.p[g].start + i];
+            int64_t off;
+            if (!is_rec(s, ch, K_CSM) || shape_id(s, field(s, ch, 0), &off) || shape_id(s, field(s, ch, 1), &id2)) FAIL(22);
+            EMIT(chk, off);
+            EMIT(chk, id2);
+        }
+    int64_t k;
+    SID(key, k);
+    EMIT(ent, k); EMIT(ent, dt.a - G_DTYPE); EMIT(ent, size); EMIT(ent, chunk0); EMIT(ent, c->count);
+    return 0;
+}
+
+static int walk_entries(st *s, val sdm) {
+    if (sdm.t != T_DICT) FAIL(23);
+    cont *c = &s->conts.p[sdm.a];
+    for (int32_t g = c->head; g >= 0; g = s->segs.p[g].next)
+        for (int64_t i = 0; i < s->segs.p[g].n; i += 2) {
+            val k = s->arena.p[s->segs.p[g].start + i], v = s->arena.p[s->segs.p[g].start + i + 1];
+            if (k.t != T_STR) FAIL(23);
+            if (is_rec(s, v, K_TSM)) {
+                int r = walk_tensor(s, k, v);
+                if (r) return r;
+            } else if (v.t == T_REC && s->recs.p[v.a].kind == K_BSM) {
+                int64_t kid;
+                SID(k, kid);
+                EMIT(ent, kid); EMIT(ent, -1); EMIT(ent, 0); EMIT(ent, 0); EMIT(ent, 0);
+            } else FAIL(23);
+        }
+    return 0;
+}
+
+static int walk_storage(st *s, val sd) {
+    if (sd.t == T_EMPTY || sd.t == T_NONE) return 0;
+    if (sd.t != T_DICT) FAIL(24);
+    cont *c = &s->conts.p[sd.a];
+    for (int32_t g = c->head; g >= 0; g = s->segs.p[g].next)
+        for (int64_t i = 0; i < s->segs.p[g].n; i += 2) {
+            val k = s->arena.p[s->segs.p[g].start + i], v = s->arena.p[s->segs.p[g].start + i + 1];
+            if (!is_rec(s, k, K_MI) || !is_rec(s, v, K_SI) || s->recs.p[k.a].keyed) FAIL(24);
+            s->recs.p[k.a].keyed = 1; /* the same index object twice is one key of the unpickled dict */
+            val fqn = field(s, k, 0), off = field(s, k, 1), rel = field(s, v, 0), o = field(s, v, 1);
+            val n = field(s, v, 2), td = field(s, v, 3);
+            int64_t oid = -1, fid, rid;
+            if (fqn.t != T_STR || rel.t != T_STR || o.t != T_INT || n.t != T_INT) FAIL(24);
+            SID(fqn, fid);
+            SID(rel, rid);
+            if (off.t != T_NONE && off.t != T_EMPTY && shape_id(s, off, &oid)) FAIL(24);
+            if (!(td.t == T_EMPTY || td.t == T_NONE || (td.t == T_TUPLE && td.b == 0) ||
+                  (td.t == T_LIST && s->conts.p[td.a].count == 0)))
+                FAIL(24);
+            EMIT(sto, fid); EMIT(sto, oid); EMIT(sto, rid); EMIT(sto, o.a); EMIT(sto, n.a);
+        }
+    return 0;
+}
+
+static int walk_path_items(st *s, val key, const val *items, int64_t n) {
+    int64_t kid, xid;
+    if (n > 64) FAIL(25);
+    SID(key, kid);
+    EMIT(pln, kid); EMIT(pln, s->pit.n / 2); EMIT(pln, n);
+    for (int64_t i = 0; i < n; i++) {
+        val x = items[i];
+        if (x.t == T_STR) { SID(x, xid); EMIT(pit, 0); EMIT(pit, xid); }
+        else if (x.t == T_INT && x.a != INT64_MIN) { EMIT(pit, 1); EMIT(pit, x.a); }
+        else FAIL(25);
+    }
+    return 0;
+}
+
+static int walk_planner(st *s, val pd) {
+    if (pd.t == T_EMPTY || pd.t == T_NONE) return 0;
+    if (pd.t != T_DICT) FAIL(25);
+    cont *c = &s->conts.p[pd.a];
+    for (int32_t g = c->head; g >= 0; g = s->segs.p[g].next)
+        for (int64_t i = 0; i < s->segs.p[g].n; i += 2) {
+            val k = s->arena.p[s->segs.p[g].start + i], v = s->arena.p[s->segs.p[g].start + i + 1];
+            int r;
+            if (k.t != T_STR) FAIL(25);
+            if (v.t == T_TUPLE) {
+                if ((r = walk_path_items(s, k, s->arena.p + v.a, v.b))) return r;
+            } else if (v.t == T_LIST) {
+                cont *l = &s->conts.p[v.a];
+                if (l->head != l->tail) FAIL(25); /* one APPENDS: items contiguous */
+                if ((r = walk_path_items(s, k, l->head >= 0 ? s->arena.p + s->segs.p[l->head].start : NULL, l->count))) return r;
+            } else FAIL(25);
+        }
+    return 0;
+}
+
+/* top: version (off, len or -1), checkpoint id (kind 0 none / 1 str / 2 path; off or item start, len),
+ * save id (off, len or -1), storage and planner present flags */
+static int walk_top(st *s, val root) {
+    val ver = field(s, root, 4), sm = field(s, root, 3);
+    val cid = {0, 0, T_NONE}, sid = {0, 0, T_NONE};
+    if (ver.t != T_STR && ver.t != T_NONE && ver.t != T_EMPTY) FAIL(26);
+    if (is_rec(s, sm, K_SM)) {
+        cid = field(s, sm, 0);
+        sid = field(s, sm, 1);
+    } else if (!(sm.t == T_EMPTY || sm.t == T_NONE || (sm.t == T_REC && s->recs.p[sm.a].kind == K_SM))) FAIL(26);
+    if (sid.t != T_STR && sid.t != T_NONE && sid.t != T_EMPTY) FAIL(26);
+    int64_t id = -1;
+    if (ver.t == T_STR) SID(ver, id);
+    EMIT(top, id);
+    if (cid.t == T_STR) { SID(cid, id); EMIT(top, 1); EMIT(top, id); EMIT(top, 0); }
+    else if (cid.t == T_PATH) {
+        EMIT(top, 2); EMIT(top, s->pit.n / 2); EMIT(top, cid.b);
+        for (uint32_t i = 0; i < cid.b; i++) { SID(s->arena.p[cid.a + i], id); EMIT(pit, 0); EMIT(pit, id); }
+    } else if (cid.t == T_NONE || cid.t == T_EMPTY) { EMIT(top, 0); EMIT(top, 0); EMIT(top, 0); }
+    else FAIL(26);
+    id = -1;
+    if (sid.t == T_STR) SID(sid, id);
+    EMIT(top, id);
+    return 0;
+}
+
+static void release(st *s) {
+    free(s->stack.p); free(s->memo.p); free(s->arena.p); free(s->fields.p); free(s->marks.p);
+    free(s->segs.p); free(s->conts.p); free(s->recs.p); free(s->hash); free(s->shash);
+}
+
+static int run(st *s) {
+    int r;
+    while (1) {
+        if (s->pos >= s->len) FAIL(2);
+        uint8_t op = s->d[s->pos++];
+        if (op == '.') break;
+        if ((r = step(s, op))) return r;
+    }
+    if (s->stack.n <= fence(s)) FAIL(3);
+    val root = s->stack.p[s->stack.n - 1];
+    if (!is_rec(s, root, K_MD)) FAIL(27);
+    /* the parse's arenas stay: the walk reads them */
+    if ((r = walk_entries(s, field(s, root, 0)))) return r;
+    if ((r = walk_storage(s, field(s, root, 2)))) return r;
+    if ((r = walk_planner(s, field(s, root, 1)))) return r;
+    return walk_top(s, root);
+}
+
+/* Parse `data` (len bytes); `dtypes`: the dtype names ckpttool knows, '\n'-separated (a global
+ * torch.<name> is one of them or the stream is refused). Returns 0 and fills `out` with nine int64
+ * columns of fixed-width rows, or a non-zero code and nothing to free:
+ *   shapes (start in ints, ndim) per distinct shape; ints; strings (offset in data, byte length)
+ *   per distinct string offset; entries (key string, dtype index or -1 for a byte item, size shape,
+ *   first chunk, chunks); chunks (offsets shape, sizes shape); storage (fqn string, offsets shape or
+ *   -1, path string, offset, length); planner (key string, first item, items); planner items
+ *   (0 string / 1 int, its id or value); top (version string or -1, checkpoint id kind 0 none /
+ *   1 string / 2 path, its string or first item, path items, save id string or -1). */
+int ckpt_mdscan(const uint8_t *data, int64_t len, const char *dtypes, int64_t dtypes_len, mdscan_out *out) {
+    st s;
+    memset(&s, 0, sizeof s);
+    s.d = data;
+    s.len = len;
+    s.dtypes = dtypes;
+    s.dtypes_len = dtypes_len;
+    int r = run(&s);
+    release(&s);
+    i64s *cols[N_COLS] = {&s.shapes, &s.ints, &s.strs, &s.ent, &s.chk, &s.sto, &s.pln, &s.pit, &s.top};
+    for (int i = 0; i < N_COLS; i++) {
+        if (r) {
+            free(cols[i]->p);
+            out->cols[i] = NULL;
+            out->lens[i] = 0;
+        } else {
+            out->cols[i] = cols[i]->p;
+            out->lens[i] = cols[i]->n;
+        }
+    }
+    return r;
+}
+
+void ckpt_mdscan_free(mdscan_out *out) {
+    for (int i = 0; i < N_COLS; i++) {
+        free(out->cols[i]);
+        out->cols[i] = NULL;
+    }
+}

@@ -1,0 +1,170 @@
+"""``.metadata`` read straight into int columns, without ``pickle.Unpickler`` (the native kernel).
+
+The C kernel ``ckpt_mdscan`` (``ckpttool/engine/native/mdscan.c``) runs the subset of the pickle
+machine (protocols 2-5, frames, memo) that ``pickle.dump`` writes for torch's ``Metadata`` with
+CPython's stack, mark and memo rules, resolves only the allow-listed record classes, ``torch.Size``,
+the dtypes, ``_get_layout``, the memory-format encoding and ``pathlib`` paths, and fills int64
+columns: one row per entry, chunk, storage item and planner path, the distinct shapes once, and
+strings as offsets into the input. It builds no object per record, so the unpickler's object graph
+(~12x the pickle, ``docs/performance.md``) is never in memory. Anything it does not recognise, or
+that the unpickler would refuse, returns ``None`` here; :func:`ckpttool.format.unpickler.parse_metadata_owned`
+then runs the allow-list unpickler, which gives its result or its own message. The checks of the
+unpickler's conversion that need values (chunk inside its tensor, the record cap, storage ranges,
+repeated keys) are made here on the columns, and where one fails the unpickler path runs too, so
+every error line is the unpickler's. Without the native kernels (not built, ``CKPTTOOL_NATIVE=0``)
+every read takes the unpickler path: the results are the same (``tests/format/test_mdscan.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import partial
+from itertools import repeat
+from operator import add
+from typing import Any
+
+from ckpttool.engine import native
+from ckpttool.format import limits
+from ckpttool.format.metadata import (
+    DTYPE_ITEMSIZE,
+    BytesMeta,
+    CheckpointMetadata,
+    ChunkMeta,
+    DType,
+    StorageInfo,
+    TensorMeta,
+)
+
+__all__ = ["scan_metadata"]
+
+_MAX_OFFSET = 2**63 - 1
+_DTYPES = tuple(DTYPE_ITEMSIZE)
+_DTYPE_LIST = "\n".join(_DTYPES).encode()
+_N_COLS = 9
+
+
+class _Out(ctypes.Structure):
+    _fields_ = [("cols", ctypes.c_void_p * _N_COLS), ("lens", ctypes.c_int64 * _N_COLS)]
+
+
+def _kernel() -> tuple[Any, Any] | None:
+    scan = native.function(
+        "ckpt_mdscan",
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int64,
+        ctypes.c_char_p,
+        ctypes.c_int64,
+        ctypes.POINTER(_Out),
+    )
+    free = native.function("ckpt_mdscan_free", None, ctypes.POINTER(_Out))
+    return None if scan is None or free is None else (scan, free)
+
+
+def _columns(data: bytes) -> list[memoryview] | None:
+    """The kernel's nine columns (int64 ``memoryview``s, 8 bytes a value), or ``None`` (no kernel, or a stream it declines)."""
+    k = _kernel()
+    if k is None:
+        return None
+    scan, free = k
+    out = _Out()
+    if scan(data, len(data), _DTYPE_LIST, len(_DTYPE_LIST), ctypes.byref(out)) != 0:
+        return None
+    try:
+        return [memoryview(ctypes.string_at(p, 8 * n) if n else b"").cast("q") for p, n in zip(out.cols, out.lens)]
+    finally:
+        free(ctypes.byref(out))
+
+
+def scan_metadata(data: bytes, source: str) -> CheckpointMetadata | None:
+    """The :class:`CheckpointMetadata` of ``data`` read by the native kernel, or ``None``.
+
+    ``None``: no kernel, a stream it does not recognise, or a value the unpickler's conversion
+    refuses (the caller runs the unpickler, which names it). Equal to what the unpickler path
+    returns whenever it returns one.
+    """
+    cols = _columns(data)
+    if cols is None:
+        return None
+    shape_rows, ints, str_rows, ent, chk, sto, pln, pit, top = cols
+    shapes: list[tuple[int, ...] | None] = [
+        tuple(ints[shape_rows[i] : shape_rows[i] + shape_rows[i + 1]]) for i in range(0, len(shape_rows), 2)
+    ]
+    mv = memoryview(data)
+    strs = [str(mv[o : o + n], "utf-8", "surrogatepass") for o, n in zip(str_rows[0::2], str_rows[1::2])]
+    del mv
+    left = limits.metadata_record_cap() - len(ent) // 5 - len(sto) // 5
+    entries = _entries(ent, chk, shapes, strs, left) if left >= 0 else None
+    if entries is None or len(entries) != len(ent) // 5:  # a key given twice: the unpickler's dict decides
+        return None
+    shapes.append(None)  # offsets id -1: a byte item's index
+    storage = _storage(sto, shapes, strs)
+    if storage is None:
+        return None
+    items: list[Any] = [strs[v] if k == 0 else v for k, v in zip(pit[0::2], pit[1::2])]
+    planner = {strs[k]: tuple(items[i : i + n]) for k, i, n in zip(pln[0::3], pln[1::3], pln[2::3])}
+    if top[1] == 2:
+        parts = items[top[2] : top[2] + top[3]]
+        ckpt_id: str | None = os.path.join(*parts) if parts else ""
+    else:
+        ckpt_id = strs[top[2]] if top[1] == 1 else None
+    return CheckpointMetadata(
+        entries=entries,
+        storage=storage,
+        planner_data=planner,
+        version=strs[top[0]] if top[0] >= 0 else None,
+        checkpoint_id=ckpt_id,
+        save_id=strs[top[4]] if top[4] >= 0 else None,
+    )
+
+
+def _entries(
+    ent: memoryview, chk: memoryview, shapes: list[Any], strs: list[str], left: int
+) -> dict[str, TensorMeta | BytesMeta] | None:
+    """Entries from the entry and chunk columns, chunks and layouts built once per distinct value (as the unpickler path).
+
+    ``None``: a chunk outside its tensor, or more chunks than the record cap (the unpickler path names it).
+    """
+    entries: dict[str, TensorMeta | BytesMeta] = {}
+    bytes_meta = BytesMeta()
+    dtypes = [DType(name) for name in _DTYPES]
+    made: dict[tuple[int, int, int], ChunkMeta] = {}
+    layouts: dict[tuple[DType, tuple[int, ...], tuple[ChunkMeta, ...]], TensorMeta] = {}
+    for key, dt, size_id, first, n in zip(ent[0::5], ent[1::5], ent[2::5], ent[3::5], ent[4::5]):
+        if dt < 0:
+            entries[strs[key]] = bytes_meta
+            continue
+        left -= n
+        if left < 0:
+            return None
+        size = shapes[size_id]
+        chunks = []
+        for off_id, sz_id in zip(chk[2 * first : 2 * (first + n) : 2], chk[2 * first + 1 : 2 * (first + n) : 2]):
+            chunk = made.get((size_id, off_id, sz_id))
+            if chunk is None:
+                offsets, sizes = shapes[off_id], shapes[sz_id]
+                if len(offsets) != len(size) or len(sizes) != len(size):
+                    return None
+                if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
+                    return None
+                chunk = made[(size_id, off_id, sz_id)] = ChunkMeta(offsets, sizes)
+            chunks.append(chunk)
+        layout = (dtypes[dt], size, tuple(chunks))
+        meta = layouts.get(layout)
+        if meta is None:
+            meta = layouts[layout] = TensorMeta(*layout)
+        entries[strs[key]] = meta
+    return entries
+
+
+def _storage(sto: memoryview, shapes: list[Any], strs: list[str]) -> dict[Any, StorageInfo] | None:
+    """Storage items from the storage columns (``None``: a range the unpickler path refuses)."""
+    if not sto:
+        return {}
+    offs, lengths = sto[3::5], sto[4::5]
+    if min(offs) < 0 or min(lengths) < 0 or max(map(add, offs, lengths)) > _MAX_OFFSET:
+        return None
+    keys = zip(map(strs.__getitem__, sto[0::5]), map(shapes.__getitem__, sto[1::5]))
+    infos = map(partial(tuple.__new__, StorageInfo), zip(map(strs.__getitem__, sto[2::5]), offs, lengths, repeat(())))
+    return dict(zip(keys, infos))
