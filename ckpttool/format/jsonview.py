@@ -16,7 +16,7 @@ __all__ = ["json_fields", "json_number"]
 
 
 def json_fields(record: Any, **values: Any) -> dict[str, Any]:
-    """The fields of the dataclass instance ``record``, in declaration order, tuples as lists.
+    """The public fields of the dataclass instance ``record`` (not ``_private``), in declaration order, tuples as lists.
 
     Args:
         record: a dataclass instance (not a class).
@@ -27,6 +27,8 @@ def json_fields(record: Any, **values: Any) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     for f in dataclasses.fields(record):
+        if f.name.startswith("_"):
+            continue
         v = values[f.name] if f.name in values else getattr(record, f.name)
         out[f.name] = list(v) if isinstance(v, tuple) else v
     return out
