@@ -2,7 +2,9 @@
 
 The raw-record comparisons (:mod:`ckpttool.ops.diff.run`, one engine plan per tensor pair):
 ``diff A B`` (A a 4-rank ``Shard(0)`` save, B the same tensors in one chunk each: the row blocks
-compared as one byte stream) and ``diff A A-copy`` (the same chunking: record by record). Each
+compared as one byte stream) and ``diff A A-copy`` (the same chunking: record by record); then
+both again with ``--as-dtype float32``, which decodes every value (the BF16 values cast, the
+engine's ``PairedSlabs`` folding both sides slab by slab into the value comparison). Each
 tree runs in a fresh process with ``PYTHONPATH`` set to it, the trees alternating, warm page
 cache; wall seconds, CPU seconds (user + sys of the child) and the load average beside each.
 
@@ -51,12 +53,17 @@ def main() -> None:
     trees = {"baseline": args.baseline.resolve(), "this tree": HERE.parent}
     print(f"A {nbytes(a) / 1e9:.2f} GB; {os.cpu_count()} CPUs; best of {args.repeat} (wall, and CPU of that run)")
     print(f"{'case':34s} {'tree':10s} {'wall s':>7s} {'CPU s':>7s}  load")
-    for label, other in (("diff A B (row blocks, streams)", b), ("diff A A-copy (records)", a2)):
+    for label, other, extra in (
+        ("diff A B (row blocks, streams)", b, []),
+        ("diff A A-copy (records)", a2, []),
+        ("diff A B --as-dtype float32", b, ["--as-dtype", "float32"]),
+        ("diff A A-copy --as-dtype float32", a2, ["--as-dtype", "float32"]),
+    ):
         best: dict[str, tuple[float, float]] = {}
         for _ in range(args.repeat):
             for name, tree in trees.items():
                 warm(a, other)
-                run = timed(tree, ["diff", str(a), str(other)])
+                run = timed(tree, ["diff", str(a), str(other), *extra])
                 best[name] = min(best.get(name, run), run)
         for name, (wall, cpu) in best.items():
             load = " ".join(f"{x:.2f}" for x in os.getloadavg())

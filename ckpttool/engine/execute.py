@@ -25,7 +25,19 @@ from ckpttool.engine.io import (
     write_all,
 )
 from ckpttool.engine.memcmp import first_difference
-from ckpttool.engine.plan import Compare, CompareStream, Crc32, Feed, Item, Lockstep, Sink, Stats, Window, WriteAt
+from ckpttool.engine.plan import (
+    Compare,
+    CompareStream,
+    Crc32,
+    Feed,
+    Item,
+    Lockstep,
+    PairedSlabs,
+    Sink,
+    Stats,
+    Window,
+    WriteAt,
+)
 from ckpttool.engine.pool import map_ordered, overlap
 
 __all__ = ["can_split", "release_lockstep_buffers", "run_item", "run_items", "run_lockstep", "run_split"]
@@ -33,11 +45,34 @@ __all__ = ["can_split", "release_lockstep_buffers", "run_item", "run_items", "ru
 _local = threading.local()
 
 
-def _compare_buffer() -> memoryview:
-    buf: memoryview | None = getattr(_local, "cmp", None)
-    if buf is None:
-        buf = _local.cmp = memoryview(bytearray(BLOCK_BYTES))
+def _scratch(name: str, nbytes: int = BLOCK_BYTES) -> memoryview:
+    """This thread's buffer ``name`` of at least ``nbytes`` (kept for the next item: no page faults per item)."""
+    buf: memoryview | None = getattr(_local, name, None)
+    if buf is None or len(buf) < nbytes:
+        buf = None
+        buf = memoryview(bytearray(nbytes))
+        setattr(_local, name, buf)
     return buf
+
+
+def _read_stream(windows: tuple[Window, ...], out: memoryview, at: int) -> None:
+    """Fill ``out`` with bytes ``[at, at + len(out))`` of the stream ``windows`` concatenated.
+
+    Raises:
+        ShortReadError: the windows end first (or a file ends inside one).
+    """
+    n = len(out)
+    done, pos = 0, 0  # bytes of ``out`` filled; the current window's first stream position
+    for w in windows:
+        if done == n:
+            break
+        if at + done < pos + w.length:
+            want = min(n - done, pos + w.length - (at + done))
+            read_into(w.fd, out[done : done + want], w.offset + (at + done - pos))
+            done += want
+        pos += w.length
+    if done < n:
+        raise ShortReadError(pos, n - done)
 
 
 class _Write:
@@ -94,19 +129,8 @@ class _Compare:
     def feed(self, piece: memoryview, at: int) -> None:
         if self.first is not None:
             return
-        n = len(piece)
-        other = _compare_buffer()[:n]
-        done, pos = 0, 0  # bytes of ``other`` filled; the current window's first stream position
-        for w in self.windows:
-            if done == n:
-                break
-            if at + done < pos + w.length:
-                want = min(n - done, pos + w.length - (at + done))
-                read_into(w.fd, other[done : done + want], w.offset + (at + done - pos))
-                done += want
-            pos += w.length
-        if done < n:
-            raise ShortReadError(pos, n - done)
+        other = _scratch("cmp")[: len(piece)]
+        _read_stream(self.windows, other, at)
         diff = first_difference(piece, other)
         if diff is not None:
             self.first = at + diff
@@ -167,6 +191,48 @@ class _Stats:
         return self.acc
 
 
+class _Paired:
+    """A :class:`~ckpttool.engine.plan.PairedSlabs` sink: whole slabs straight from the block, a slab a
+    block cuts short completed (copied) in this thread's slab buffer; the other stream's slab read beside it."""
+
+    __slots__ = ("s", "step", "hi", "filled", "spans")
+
+    def __init__(self, s: PairedSlabs, hi: int) -> None:
+        self.s, self.step, self.hi, self.filled = s, s.slab * s.width, hi, 0
+        self.spans = [_Span(a, b) for a, b in s.spans]
+
+    def _slab(self, mine: memoryview, at: int) -> None:
+        s = self.s
+        first = at // s.width
+        theirs = _scratch("theirs", self.step // s.width * s.other_width)[: len(mine) // s.width * s.other_width]
+        _read_stream(s.reads, theirs, first * s.other_width)
+        for span in self.spans:
+            span.feed(theirs, first * s.other_width)
+        s.fn(mine, theirs, first)
+
+    def feed(self, piece: memoryview, at: int) -> None:
+        n, a = len(piece), 0
+        if self.filled:  # the previous block ended inside a slab: complete it first
+            mine = _scratch("mine", self.step)
+            a = min(n, self.step - self.filled)
+            mine[self.filled : self.filled + a] = piece[:a]
+            self.filled += a
+            if self.filled == self.step or at + a == self.hi:
+                self._slab(mine[: self.filled], at + a - self.filled)
+                self.filled = 0
+        while a < n:
+            b = min(n, a + self.step)
+            if b - a < self.step and at + b < self.hi:  # a slab cut short by the read: completed later
+                _scratch("mine", self.step)[: b - a] = piece[a:b]
+                self.filled = b - a
+                return
+            self._slab(piece[a:b], at + a)
+            a = b
+
+    def finish(self, hi: int) -> Any:
+        return tuple(span.finish(hi) for span in self.spans)
+
+
 def _open(sink: Sink, lo: int, hi: int) -> Any:
     if isinstance(sink, WriteAt):
         return _Write(sink, lo)
@@ -176,6 +242,8 @@ def _open(sink: Sink, lo: int, hi: int) -> Any:
         return _Span(sink.start, sink.end, sink.fn)
     if isinstance(sink, Stats):
         return _Stats(sink, hi)
+    if isinstance(sink, PairedSlabs):
+        return _Paired(sink, hi)
     if isinstance(sink, Compare):
         return _Compare((Window(sink.fd, sink.offset, _UNBOUNDED),))
     return _Compare(sink.reads)
@@ -193,7 +261,8 @@ def run_item(item: Item, *, lo: int = 0, hi: int | None = None, buf: memoryview 
     Returns:
         One result per sink, in order: ``Crc32`` its CRC-32 (of its span inside ``[lo, hi)``),
         ``Compare`` the first differing position (``None``: equal), ``Stats`` its
-        :class:`~ckpttool.engine.stats.SlabStats`, ``WriteAt``/``Feed`` ``None``.
+        :class:`~ckpttool.engine.stats.SlabStats`, ``PairedSlabs`` its spans' CRC-32s,
+        ``WriteAt``/``Feed`` ``None``.
 
     Raises:
         ShortReadError: a window (or a compared file) ends early.
@@ -231,8 +300,8 @@ def run_items(items: list[Item], *, workers: int) -> list[tuple[Any, ...]]:
 
 def can_split(item: Item) -> bool:
     """Whether :func:`run_split` can run ``item`` in halves: CRC-32 combining is available and no sink
-    needs its pieces in order (``Feed`` and ``Stats``: not split)."""
-    return crc32_combine is not None and not any(isinstance(s, (Feed, Stats)) for s in item.sinks)
+    needs its pieces in order (``Feed``, ``Stats`` and ``PairedSlabs``: not split)."""
+    return crc32_combine is not None and not any(isinstance(s, (Feed, Stats, PairedSlabs)) for s in item.sinks)
 
 
 def run_split(item: Item, mid: int, *, buf: memoryview | None = None) -> tuple[Any, ...]:

@@ -11,7 +11,9 @@ it to its sinks in order:
   ``update``, a byte counter);
 - :class:`Compare`: compared with the same positions of another descriptor;
 - :class:`CompareStream`: compared with the same positions of another stream (its own windows);
-- :class:`Stats`: the values' statistics (:mod:`ckpttool.engine.stats`), slab by slab.
+- :class:`Stats`: the values' statistics (:mod:`ckpttool.engine.stats`), slab by slab;
+- :class:`PairedSlabs`: fixed slabs of the stream, each beside the same elements of another
+  stream, to a callback (``diff``'s value comparison).
 
 A :class:`Lockstep` reads several streams of the same number of values together, slab by slab,
 and hands each group of slabs to one callback (a pair sink: AdamW moments, a parameter and its
@@ -36,6 +38,7 @@ __all__ = [
     "Feed",
     "Item",
     "Lockstep",
+    "PairedSlabs",
     "Sink",
     "Stats",
     "Transform",
@@ -123,7 +126,27 @@ class CompareStream:
     reads: tuple[Window, ...]
 
 
-Sink = WriteAt | Crc32 | Feed | Compare | CompareStream | Stats
+@dataclass(frozen=True, slots=True)
+class PairedSlabs:
+    """Hand the stream to ``fn`` in slabs, each beside the same elements of another stream (``reads`` concatenated).
+
+    The stream holds values ``width`` bytes wide, the other one values ``other_width`` bytes wide;
+    element ``i`` of one pairs with element ``i`` of the other. Slabs of ``slab`` elements are cut
+    at multiples of ``slab`` from the stream's start whatever the read sizes (the last one
+    shorter): ``fn(mine, theirs, first)`` gets both slabs' bytes and the slab's first element
+    index, in order (the views are valid during the call). The sink's result: the CRC-32s of the
+    other stream's byte ``spans`` ``(start, end)`` (its records' checks), as a tuple.
+    """
+
+    reads: tuple[Window, ...]
+    width: int
+    other_width: int
+    slab: int
+    fn: Callable[[memoryview, memoryview, int], object]
+    spans: tuple[tuple[int, int], ...] = ()
+
+
+Sink = WriteAt | Crc32 | Feed | Compare | CompareStream | Stats | PairedSlabs
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.format.digest import new_hasher
+from ckpttool.format.jsonview import json_fields
 
 __all__ = [
     "MARKER_NAME",
@@ -113,13 +114,7 @@ class RunId:
     boot_id: str | None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "token": self.token,
-            "pid": self.pid,
-            "pid_start": self.pid_start,
-            "host": self.host,
-            "boot_id": self.boot_id,
-        }
+        return json_fields(self)
 
 
 def new_run() -> RunId:
@@ -275,7 +270,7 @@ class Ownership:
     kind: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"owned": self.owned, "found": self.found, "why": self.why, "kind": self.kind}
+        return json_fields(self)
 
 
 def _plural(n: int, word: str) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from ckpttool.format.jsonview import json_fields
 from ckpttool.layouts.record import EPTensorSpec
 
 if TYPE_CHECKING:
@@ -63,17 +64,7 @@ class EPGeometry:
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready row (``inspect --json`` ``layout.geometry``)."""
-        return {
-            "key": self.key,
-            "shape": list(self.shape),
-            "ep_dim": self.ep_dim,
-            "fsdp_dim": self.fsdp_dim,
-            "num_experts": self.num_experts,
-            "blocks_per_dim": list(self.blocks_per_dim),
-            "ranks": list(self.ranks),
-            "same_dim": self.same_dim,
-            "problems": list(self.problems),
-        }
+        return json_fields(self)
 
 
 def dim_intervals(entry: TensorEntry, dim: int) -> list[tuple[int, int]]:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpttool.format.jsonview import json_fields
+
 __all__ = ["TrainerState", "read_training_state_beside", "training_state_beside"]
 
 _RANK_PT = re.compile(r"^rank(\d+)\.pt$")
@@ -55,7 +57,7 @@ class TrainerState:
     error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"file": self.file, "values": dict(self.values), "keys": list(self.keys), "error": self.error}
+        return json_fields(self, values=dict(self.values))
 
 
 def read_training_state_beside(model_dir: Path) -> list[TrainerState]:

@@ -21,6 +21,7 @@ from json.encoder import encode_basestring_ascii as _enc  # what json.dumps uses
 from typing import Any
 
 from ckpttool.errors import CkptError, TrustRequiredError, UsageError
+from ckpttool.format.jsonview import json_fields
 from ckpttool.layouts.geometry import EPGeometry
 from ckpttool.layouts.record import EPTensorSpec
 from ckpttool.model.beside import TrainerState, read_training_state_beside
@@ -130,9 +131,7 @@ class Summary:
     bytes_by_category: dict[str, int]
 
     def to_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["ranks"] = list(self.ranks)
-        return d
+        return json_fields(self)
 
 
 @dataclass(frozen=True)
@@ -177,9 +176,7 @@ class OptimizerSummary:
     buffers: tuple[str, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
-        d["param_groups"] = [g.to_dict() for g in self.param_groups]
-        return d
+        return json_fields(self, param_groups=[g.to_dict() for g in self.param_groups])
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from ckpttool.engine import execute as ex
 from ckpttool.engine.crc import crc32_combine
 from ckpttool.engine.execute import can_split, run_item, run_items, run_split
 from ckpttool.engine.io import ShortReadError
-from ckpttool.engine.plan import Compare, CompareStream, Crc32, Feed, Item, Window, WriteAt
+from ckpttool.engine.plan import Compare, CompareStream, Crc32, Feed, Item, PairedSlabs, Window, WriteAt
 
 A = os.urandom(300_000)
 B = os.urandom(70_001)
@@ -215,3 +215,37 @@ def test_lockstep_reads_streams_slab_aligned_with_their_crcs(tmp_path) -> None:
             )
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("bufsize", [1 << 20, 4096, 1000])
+def test_paired_slabs_cut_at_multiples_and_pair_the_same_elements(tmp_path: Path, bufsize: int) -> None:
+    """Slabs of a 2-byte stream (three windows) beside a 4-byte stream (two windows): the same elements,
+    cut at multiples of the slab whatever the read sizes; the other stream's span CRC-32s as zlib's."""
+    n, slab = 10_001, 1500
+    mine, theirs = os.urandom(2 * n), os.urandom(4 * n)
+    (tmp_path / "m").write_bytes(mine)
+    (tmp_path / "t").write_bytes(b"xx" + theirs)
+    fm, ft = os.open(tmp_path / "m", os.O_RDONLY), os.open(tmp_path / "t", os.O_RDONLY)
+    try:
+        got: list[tuple[int, bytes, bytes]] = []
+        spans = ((0, 4 * 3000), (4 * 3000, 4 * n), (7, 12_345))
+        sink = PairedSlabs(
+            (Window(ft, 2, 4 * 3000), Window(ft, 2 + 4 * 3000, 4 * (n - 3000))),
+            2,
+            4,
+            slab,
+            lambda a, b, first: got.append((first, bytes(a), bytes(b))),
+            spans,
+        )
+        reads = (Window(fm, 0, 2 * 777), Window(fm, 2 * 777, 2 * 5000), Window(fm, 2 * 5777, 2 * (n - 5777)))
+        item = Item(reads, (sink,))
+        assert not can_split(item)
+        (crcs,) = run_item(item, buf=memoryview(bytearray(bufsize)))
+    finally:
+        os.close(fm)
+        os.close(ft)
+    assert [g[0] for g in got] == list(range(0, n, slab))
+    for first, a, b in got:
+        k = min(slab, n - first)
+        assert a == mine[2 * first : 2 * (first + k)] and b == theirs[4 * first : 4 * (first + k)]
+    assert crcs == tuple(zlib.crc32(theirs[x:y]) for x, y in spans)

@@ -15,6 +15,7 @@ from operator import and_, eq, itemgetter, ne, not_
 from typing import Any
 
 from ckpttool.errors import UsageError
+from ckpttool.format.jsonview import json_fields
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import canonical_model_key
 
@@ -179,16 +180,7 @@ class KeySchema:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON view (``inspect --json`` ``schema``)."""
-        return {
-            "id": self.id,
-            "model_prefix": self.model_prefix,
-            "optimizer_prefix": self.optimizer_prefix,
-            "optimizer_keying": self.optimizer_keying,
-            "naming": self.naming,
-            "source": self.source,
-            "reasons": list(self.reasons),
-            "training_state": list(self.training_state),
-        }
+        return json_fields(self)
 
 
 def model_head(prefix: str) -> tuple[str, ...]:

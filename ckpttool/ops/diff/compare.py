@@ -22,7 +22,16 @@ from typing import Any
 
 from ckpttool.engine.memcmp import memcmp
 
-__all__ = ["BLOCK_ELEMENTS", "IDENTICAL", "Metrics", "ValueDiff", "compare_tensors", "same_bytes", "unravel"]
+__all__ = [
+    "BLOCK_ELEMENTS",
+    "IDENTICAL",
+    "Metrics",
+    "ValueCompare",
+    "ValueDiff",
+    "compare_tensors",
+    "same_bytes",
+    "unravel",
+]
 
 BLOCK_ELEMENTS = 1 << 22
 
@@ -179,8 +188,8 @@ def compare_tensors(
     """Compare two tensors of the same shape (see the module docstring).
 
     Besides the mismatch count, the :class:`Metrics` of the two (``max |a-b|``, relative L2,
-    cosine) are accumulated in float64 block by block: each block is converted once, no
-    whole-tensor copy is made.
+    cosine) are accumulated in float64 block by block (:class:`ValueCompare`): each block is
+    converted once, no whole-tensor copy is made.
 
     Args:
         a, b: CPU tensors of one shape (contiguous or not); same dtype unless ``as_dtype``
@@ -191,49 +200,79 @@ def compare_tensors(
     Returns:
         :class:`ValueDiff` (``metrics`` :data:`IDENTICAL` when the bytes are equal, ``None`` for booleans).
     """
-    import torch
-
     assert tuple(a.shape) == tuple(b.shape), "compare_tensors needs tensors of one shape"
-    tolerant = rtol is not None or atol is not None
     if as_dtype is None and a.dtype == b.dtype and same_bytes(a, b):
         return ValueDiff(0, None)  # the common case in one call
     fa, fb = a.reshape(-1), b.reshape(-1)
-    n = fa.numel()
-    rt, at = rtol or 0.0, atol or 0.0
-    mismatched, first = 0, None
-    a_val = b_val = None
-    numeric = fa.dtype != torch.bool and fb.dtype != torch.bool
-    sums = _Sums()
-    for start in range(0, n, BLOCK_ELEMENTS):
-        xa = fa[start : start + BLOCK_ELEMENTS]
-        xb = fb[start : start + BLOCK_ELEMENTS]
-        if as_dtype is not None:
-            xa, xb = xa.to(as_dtype), xb.to(as_dtype)
-        cnt, ne = _block_mismatch(xa, xb, tolerant, rt, at, numeric, sums)
+    acc = ValueCompare(fa.dtype, fb.dtype, as_dtype=as_dtype, rtol=rtol, atol=atol)
+    for start in range(0, fa.numel(), BLOCK_ELEMENTS):
+        acc.add(fa[start : start + BLOCK_ELEMENTS], fb[start : start + BLOCK_ELEMENTS], start)
+    return acc.result()
+
+
+class ValueCompare:
+    """The running comparison of two flat values, fed block by block in order (:func:`compare_tensors`).
+
+    Blocks are cut at multiples of :data:`BLOCK_ELEMENTS` from the first element (the float64
+    sums, hence the metrics, depend on the cut); ``diff`` feeds it the blocks of two stored
+    streams from the engine (:class:`~ckpttool.engine.plan.PairedSlabs`), or of two values in memory.
+
+    Args:
+        a_dtype, b_dtype: the ``torch.dtype`` of each side's blocks.
+        as_dtype, rtol, atol: as :func:`compare_tensors`.
+    """
+
+    def __init__(
+        self, a_dtype: Any, b_dtype: Any, *, as_dtype: Any = None, rtol: float | None = None, atol: float | None = None
+    ) -> None:
+        import torch
+
+        self.as_dtype = as_dtype
+        self.same_dtype = a_dtype == b_dtype
+        self.same_bytes = True  # every block so far bitwise equal (no cast)
+        self.tolerant = rtol is not None or atol is not None
+        self.rt, self.at = rtol or 0.0, atol or 0.0
+        self.numeric = a_dtype != torch.bool and b_dtype != torch.bool
+        self.sums = _Sums()
+        self.mismatched = 0
+        self.first: int | None = None
+        self.values: tuple[Any, Any] = (None, None)
+
+    def add(self, xa: Any, xb: Any, start: int) -> None:
+        """Fold one block: ``xa``, ``xb`` the 1-d elements ``[start, start + len)`` of each side."""
+        if self.as_dtype is not None:
+            xa, xb = xa.to(self.as_dtype), xb.to(self.as_dtype)
+        cnt, ne = _block_mismatch(xa, xb, self.tolerant, self.rt, self.at, self.numeric, self.sums)
+        self.same_bytes = self.same_bytes and ne is None
         if cnt:
-            if first is None:
+            if self.first is None:
                 i = int(ne.nonzero()[0, 0])
-                first = start + i
-                a_val, b_val = _py(xa[i]), _py(xb[i])
-            mismatched += cnt
-    met = sums.metrics() if numeric else None
-    if mismatched == 0 and not tolerant:
-        return ValueDiff(0, None, metrics=met)
-    return ValueDiff(
-        mismatched,
-        first,
-        sums.max_abs if numeric else None,
-        sums.max_rel if numeric else None,
-        a_val,
-        b_val,
-        met,
-    )
+                self.first = start + i
+                self.values = (_py(xa[i]), _py(xb[i]))
+            self.mismatched += cnt
+
+    def result(self) -> ValueDiff:
+        """The :class:`ValueDiff` of everything added."""
+        sums, numeric = self.sums, self.numeric
+        if self.same_bytes and self.same_dtype and self.as_dtype is None:
+            return ValueDiff(0, None)  # as compare_tensors' first check: the bytes are equal
+        met = sums.metrics() if numeric else None
+        if self.mismatched == 0 and not self.tolerant:
+            return ValueDiff(0, None, metrics=met)
+        return ValueDiff(
+            self.mismatched,
+            self.first,
+            sums.max_abs if numeric else None,
+            sums.max_rel if numeric else None,
+            *self.values,
+            met,
+        )
 
 
 def _block_mismatch(
     xa: Any, xb: Any, tolerant: bool, rt: float, at: float, numeric: bool, sums: _Sums
 ) -> tuple[int, Any]:
-    """``(mismatched count, mask)`` of one block; a numeric block's sums are added to ``sums``."""
+    """``(mismatched count, mask)`` of one block (``None``: equal bytes); a numeric block's sums are added to ``sums``."""
     import torch
 
     if xa.dtype == xb.dtype and same_bytes(xa, xb):

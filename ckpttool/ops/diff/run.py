@@ -23,10 +23,12 @@ from typing import Any
 
 from ckpttool.engine.execute import can_split, run_item, run_split
 from ckpttool.engine.io import ShortReadError
-from ckpttool.engine.plan import CompareStream, Crc32, Window
+from ckpttool.engine.plan import CompareStream, Crc32, PairedSlabs, Window
 from ckpttool.engine.plan import Item as PlanItem
 from ckpttool.engine.pool import overlap
 from ckpttool.errors import CkptError, DataFileError, DiffError, NothingComparedError, UsageError
+from ckpttool.format.jsonview import json_fields
+from ckpttool.format.jsonview import json_number as _num
 from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.layouts.permute import legacy_to_canonical_perm
@@ -34,7 +36,7 @@ from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.catalog import TensorEntry
 from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_checkpoint
 from ckpttool.model.schemas.base import canonical_group_key, canonical_state_key
-from ckpttool.ops.diff.compare import Metrics, ValueDiff, compare_tensors, unravel
+from ckpttool.ops.diff.compare import BLOCK_ELEMENTS, Metrics, ValueCompare, ValueDiff, compare_tensors, unravel
 from ckpttool.ops.export.transform import Run
 
 __all__ = [
@@ -182,29 +184,7 @@ class Difference:
     stored: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "message": self.message,
-            "a_key": self.a_key,
-            "b_key": self.b_key,
-            "index": self.index,
-            "mismatched": self.mismatched,
-            "numel": self.numel,
-            "max_abs_error": _num(self.max_abs_error),
-            "max_rel_error": _num(self.max_rel_error),
-            "a_value": _num(self.a_value),
-            "b_value": _num(self.b_value),
-            "stored": self.stored,
-        }
-
-
-def _num(v: Any) -> Any:
-    import math
-
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return v
+        return {k: _num(v) for k, v in json_fields(self).items()}
 
 
 #: ``TensorStat.status`` values: bitwise (or after the cast) equal, within the tolerance but not
@@ -247,23 +227,7 @@ class TensorStat:
     b_l2: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "a_key": self.a_key,
-            "b_key": self.b_key,
-            "shape": list(self.shape),
-            "a_dtype": self.a_dtype,
-            "b_dtype": self.b_dtype,
-            "numel": self.numel,
-            "status": self.status,
-            "mismatched": self.mismatched,
-            "max_abs": _num(self.max_abs),
-            "rel_l2": _num(self.rel_l2),
-            "cosine": _num(self.cosine),
-            "raw": self.raw,
-            "diff_l2": _num(self.diff_l2),
-            "b_l2": _num(self.b_l2),
-        }
+        return {k: _num(v) for k, v in json_fields(self).items()}
 
     @property
     def order(self) -> tuple[float, float, float]:
@@ -288,7 +252,7 @@ class Excluded:
     reason: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"side": self.side, "key": self.key, "reason": self.reason}
+        return json_fields(self)
 
 
 @dataclass(frozen=True)
@@ -300,13 +264,7 @@ class SideInfo:
     tensors: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "kind": self.kind,
-            "schema": self.schema,
-            "layout": self.layout,
-            "tensors": self.tensors,
-        }
+        return json_fields(self)
 
 
 @dataclass(frozen=True)
@@ -909,17 +867,8 @@ def _equal_plan(
     equal CRC-32s: B's spans are taken on A's bytes). Returns the item and the records in
     the order of their spans.
     """
-    windows = [
-        [Window(side.reader.fd(loc.info.relative_path), loc.data_start, loc.nbytes) for loc in locs]
-        for side, locs in ((a, la), (b, lb))
-    ]
-    spans: list[Crc32] = []
-    for locs in (la, lb):
-        pos = 0
-        for loc in locs:
-            spans.append(Crc32(pos, pos + loc.nbytes))
-            pos += loc.nbytes
-    return PlanItem(tuple(windows[0]), (CompareStream(tuple(windows[1])), *spans)), [*la, *lb]
+    spans = [Crc32(x, y) for locs in (la, lb) for x, y in _record_spans(locs)]
+    return PlanItem(_windows(a, la), (CompareStream(_windows(b, lb)), *spans)), [*la, *lb]
 
 
 _SPLIT_BYTES = 512 << 10  # from here the two halves run on two threads (reads, CRC-32 and memcmp release the GIL)
@@ -947,6 +896,94 @@ def _run_equal(a: Side, la: list[ChunkLocation], b: Side, lb: list[ChunkLocation
     for loc, crc in zip(records, crcs):
         loc.check_crc(crc)
     return True
+
+
+def _stream_values(a: Side, ia: Item, b: Side, ib: Item, how: dict[str, Any]) -> ValueDiff | None:
+    """The value comparison of two stored tensors that are raw dim-0 row blocks (:func:`_row_blocks`), on the engine.
+
+    One item reads A's records as one stream; a :class:`~ckpttool.engine.plan.PairedSlabs` sink
+    reads B's elements beside each slab of :data:`~ckpttool.ops.diff.compare.BLOCK_ELEMENTS`
+    and folds the two into a :class:`~ckpttool.ops.diff.compare.ValueCompare`; a ``Crc32`` span
+    per record of A and the sink's spans of B check every record. ``how``: ``as_dtype``,
+    ``rtol``, ``atol``. ``None``: another storage (the values are assembled by the reader).
+
+    Raises:
+        DataFileError: a data file ends first. ChecksumError: a record fails its CRC-32.
+    """
+    import torch
+
+    ea, eb = ia.entry, ib.entry
+    if not (ia.direct and ib.direct) or ea is None or eb is None or _numel(ia.shape) == 0:
+        return None
+    for side, e in ((a, ea), (b, eb)):
+        meta = side.ckpt.metadata.entries[e.key]
+        assert isinstance(meta, TensorMeta)
+        side.reader.check_allocation(e.key, meta)
+    la, lb = _row_blocks(a, ea), _row_blocks(b, eb)
+    if la is None or lb is None:
+        return None
+    da, db = _torch_dtype(ia.dtype), _torch_dtype(ib.dtype)
+    acc = ValueCompare(da, db, **how)
+
+    def fold(mine: memoryview, theirs: memoryview, first: int) -> None:
+        acc.add(torch.frombuffer(mine, dtype=da), torch.frombuffer(theirs, dtype=db), first)
+
+    wa, wb = _windows(a, la), _windows(b, lb)
+    pair = PairedSlabs(wb, da.itemsize, db.itemsize, BLOCK_ELEMENTS, fold, _record_spans(lb))
+    spans = [Crc32(x, y) for x, y in _record_spans(la)]
+    try:
+        *crcs_a, crcs_b = run_item(PlanItem(wa, (*spans, pair)))
+    except ShortReadError:
+        raise _short_tensor([(b, loc) for loc in lb] + [(a, loc) for loc in la]) from None
+    for side, locs, crcs in ((b, lb, crcs_b), (a, la, crcs_a)):
+        side.reader.count_read(sum(loc.nbytes for loc in locs))
+        for loc, crc in zip(locs, crcs) if side.reader.verify_crc else ():
+            loc.check_crc(crc)
+    return acc.result()
+
+
+def _loaded_values(a: Side, ia: Item, b: Side, ib: Item, how: dict[str, Any]) -> ValueDiff:
+    """The value comparison of two values assembled in memory (:meth:`Side.load`: the reader's global
+    tensors, permuted, cut, placed by an adapter's runs or dequantized); ``how`` as :func:`_stream_values`."""
+    fut = overlap(b.load, ib)  # both sides read at once
+    try:
+        ta = a.load(ia)
+    finally:
+        tb = fut.result()
+    if how["rtol"] is None and how["atol"] is None and (ia.dequant or ib.dequant):  # one quantized side
+        from ckpttool.ops.diff.quantized import quant_tolerance  # its defaults: known once the weight is loaded
+
+        rtol, atol = quant_tolerance(ia, ib, a, b) or (None, None)
+        how = {**how, "rtol": rtol, "atol": atol}
+    return compare_tensors(ta, tb, **how)
+
+
+def _windows(side: Side, locs: list[ChunkLocation]) -> tuple[Window, ...]:
+    """The engine windows of raw records, in order."""
+    return tuple(Window(side.reader.fd(loc.info.relative_path), loc.data_start, loc.nbytes) for loc in locs)
+
+
+def _record_spans(locs: list[ChunkLocation]) -> tuple[tuple[int, int], ...]:
+    """Each record's ``(start, end)`` in the stream of ``locs`` concatenated."""
+    out, pos = [], 0
+    for loc in locs:
+        out.append((pos, pos + loc.nbytes))
+        pos += loc.nbytes
+    return tuple(out)
+
+
+def _short_tensor(locs: list[tuple[Side, ChunkLocation]]) -> DataFileError:
+    """The reader's error for the first record whose data file now ends before it (the first record if none does)."""
+    side, loc = next(
+        (
+            (side, loc)
+            for side, loc in locs
+            if os.fstat(side.reader.fd(loc.info.relative_path)).st_size < loc.data_start + loc.nbytes
+        ),
+        locs[0],
+    )
+    rel = loc.info.relative_path
+    return DataFileError(f"{side.reader.path / rel}: short read of {loc.key!r}", path=rel, fqn=loc.key)
 
 
 def _short_read(locs: list[tuple[Side, ChunkLocation]]) -> DataFileError:
@@ -994,24 +1031,15 @@ def _compare_pair(
         import torch  # noqa: F401
 
         say("comparing")
-    fut = overlap(b.load, ib)  # both sides read at once
-    try:
-        ta = a.load(ia)
-    finally:
-        tb = fut.result()
     floating = ia.dtype in _FLOATING and ib.dtype in _FLOATING
-    rtol, atol = opts.rtol, opts.atol
-    if rtol is None and atol is None and (ia.dequant or ib.dequant):  # one quantized side: FP8 / MXFP4 defaults
-        from ckpttool.ops.diff.quantized import quant_tolerance
-
-        rtol, atol = quant_tolerance(ia, ib, a, b) or (None, None)
-    vd: ValueDiff = compare_tensors(
-        ta,
-        tb,
-        as_dtype=_torch_dtype(cast) if cast is not None and floating else None,
-        rtol=rtol,
-        atol=atol,
-    )
+    how = {
+        "as_dtype": _torch_dtype(cast) if cast is not None and floating else None,
+        "rtol": opts.rtol,
+        "atol": opts.atol,
+    }
+    vd = _stream_values(a, ia, b, ib, how)
+    if vd is None:
+        vd = _loaded_values(a, ia, b, ib, how)
     stat = _stat(name, ia, ib, vd)
     if vd.mismatched == 0:
         return None, stat

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpttool.format.jsonview import json_fields
+
 __all__ = [
     "ModelCheck",
     "MISMATCH_KINDS",
@@ -60,12 +62,7 @@ class ModelCheck:
     findings: dict[str, list[str]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "checked": self.checked,
-            "model_class": self.model_class,
-            "not_checked": self.not_checked,
-            "findings": self.findings,
-        }
+        return json_fields(self)
 
 
 def _versions() -> tuple[str, str] | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -231,13 +231,22 @@ def parse_rules(doc: Any, source: str) -> dict[str, Any]:
     return {section: parse(doc[section], source) for section, parse in _PARSERS.items() if section in doc}
 
 
+def _entries(items: Any, source: str, section: str, fields: str) -> Iterator[tuple[str, Any]]:
+    """``(where, entry)`` of a section that is a list of ``{fields}`` mappings (``where``: ``SOURCE: section[i]``).
+
+    Raises:
+        UsageError: the section is not a list.
+    """
+    if not isinstance(items, list):
+        raise UsageError(f"{source}: '{section}' must be a list of {{{fields}}} entries", hint="see docs/export.md")
+    for i, item in enumerate(items):
+        yield f"{source}: {section}[{i}]", item
+
+
 def _parse_keys(items: Any, source: str) -> tuple[KeyRule, ...]:
     """The ``keys`` section: ``{match, to, warn}`` entries (``to: null`` skips the key)."""
-    if not isinstance(items, list):
-        raise UsageError(f"{source}: 'keys' must be a list of {{match, to}} entries", hint="see docs/export.md")
     rules = []
-    for i, item in enumerate(items):
-        where = f"{source}: keys[{i}]"
+    for where, item in _entries(items, source, "keys", "match, to"):
         if not isinstance(item, dict) or "match" not in item or "to" not in item:
             raise UsageError(f"{where}: needs 'match' and 'to' (to: null skips the key)", hint="see docs/export.md")
         extra = sorted(set(item) - {"match", "to", "warn"})
@@ -269,11 +278,8 @@ def _parse_tied(tied: Any, source: str) -> tuple[str, str]:
 
 def _parse_experts(items: Any, source: str) -> tuple[ExpertRule, ...]:
     """The ``experts`` section: ``{match, parts}`` entries (each part a template with ``{j}``)."""
-    if not isinstance(items, list):
-        raise UsageError(f"{source}: 'experts' must be a list of {{match, parts}} entries", hint="see docs/export.md")
     erules = []
-    for i, item in enumerate(items):
-        where = f"{source}: experts[{i}]"
+    for where, item in _entries(items, source, "experts", "match, parts"):
         if (
             not isinstance(item, dict)
             or "match" not in item

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckpttool.format.jsonview import json_fields
+
 if TYPE_CHECKING:
     import torch
 
@@ -55,13 +57,7 @@ class FieldError:
         return self.bad == 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "max_abs": self.max_abs,
-            "max_rel": self.max_rel,
-            "ratio": self.ratio,
-            "bad": self.bad,
-            "rtol": self.rtol,
-        }
+        return json_fields(self)
 
 
 def compare_field(

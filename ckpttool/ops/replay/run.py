@@ -24,6 +24,7 @@ from typing import Any
 
 from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import DeviceUnavailableError, UsageError
+from ckpttool.format.jsonview import json_fields
 from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
 from ckpttool.ops.replay.compare import FieldError, compare_field, count_unequal, machine_eps, merge_field_errors
 from ckpttool.ops.replay.plan import ITEMSIZE, Hyper, ParamPlan, make_batches, plan_replay
@@ -74,14 +75,7 @@ class UpdateSize:
         return self.rel_to_param <= UPDATE_REL_BOUND and self.direction <= self.direction_bound * UPDATE_BOUND_SLACK
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "max_update": self.max_update,
-            "max_param": self.max_param,
-            "rel_to_param": self.rel_to_param,
-            "direction": self.direction,
-            "direction_bound": self.direction_bound,
-            "ok": self.ok,
-        }
+        return {**json_fields(self), "ok": self.ok}
 
 
 @dataclass
@@ -1184,46 +1178,34 @@ class _SlabContext:
         param = self.param[a:b].cpu()
         arith = "float32" if self.has_master else p.dtype
         steps = self.steps
+
+        def check(
+            actual: Any, ref: str, stored: str, arithmetic: str, carried: str, late_path: Any = None
+        ) -> FieldError:
+            """``actual`` against the reference ``rs[ref]`` (its scale ``rs["scale_" + ref]``); ``carried``: the
+            dtype whose per-step rounding the saved value carries; ``late_path``: the master's and param's."""
+            return compare_field(
+                actual,
+                rs[ref],
+                rs[f"scale_{ref}"],
+                rtol=self.rtol,
+                atol=self.atol,
+                stored=stored,
+                arithmetic=arithmetic,
+                late_path=late_path,
+                late_rtol=2 * machine_eps(p.moment_dtype),  # used only with a late_path
+                carry_rtol=2 * (steps - 1) * machine_eps(carried),
+            )
+
         fields: dict[str, FieldError] = {}
         if self.has_master:
             master = self.actual["master_weight"][a:b].cpu()
-            fields["master_weight"] = compare_field(
-                master,
-                rs["theta"],
-                rs["scale_theta"],
-                rtol=self.rtol,
-                atol=self.atol,
-                stored="float32",
-                arithmetic="float32",
-                late_path=late,
-                late_rtol=2 * machine_eps(p.moment_dtype),
-                carry_rtol=2 * (steps - 1) * machine_eps("float32"),
-            )
+            fields["master_weight"] = check(master, "theta", "float32", "float32", "float32", late)
             res["writeback_unequal"] = count_unequal(param, master.to(pt))
             res["param_vs_reference_unequal"] = count_unequal(param, rs["theta"].to(pt))
         for f, key in (("exp_avg", "m"), ("exp_avg_sq", "v")):
-            fields[f] = compare_field(
-                self.actual[f][a:b].cpu(),
-                rs[key],
-                rs[f"scale_{key}"],
-                rtol=self.rtol,
-                atol=self.atol,
-                stored=p.moment_dtype,
-                arithmetic=arith,
-                carry_rtol=2 * (steps - 1) * machine_eps(p.moment_dtype),
-            )
-        fields["param"] = compare_field(
-            param,
-            rs["theta"],
-            rs["scale_theta"],
-            rtol=self.rtol,
-            atol=self.atol,
-            stored=p.dtype,
-            arithmetic=arith,
-            late_path=late,
-            late_rtol=2 * machine_eps(p.moment_dtype),
-            carry_rtol=2 * (steps - 1) * machine_eps("float32" if self.has_master else p.dtype),
-        )
+            fields[f] = check(self.actual[f][a:b].cpu(), key, p.moment_dtype, arith, p.moment_dtype)
+        fields["param"] = check(param, "theta", p.dtype, arith, "float32" if self.has_master else p.dtype, late)
         return fields
 
     def finish(self, parts: list[dict[str, Any]], dev: Any) -> None:
