@@ -183,6 +183,8 @@ def _native_cast(name: str, src: np.ndarray, out: np.ndarray, *extra: int) -> bo
     fn = _native_kernel(name)
     if fn is None or not (src.flags.c_contiguous and out.flags.c_contiguous) or src.size != out.size:
         return False
+    if src.itemsize != 4 or out.itemsize != 2:  # the kernels read float32 patterns and write 16-bit ones
+        return False
     fn(src.ctypes.data, out.ctypes.data, src.size, *extra)
     return True
 

@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["ABI", "function", "lib"]
 
 #: the ABI version this Python side expects from ``ckpt_native_abi()``
-ABI = 1
+ABI = 2
 
 
 @cache
@@ -33,7 +33,9 @@ def lib() -> ctypes.CDLL | None:
         so = ctypes.CDLL(spec.origin)
     except OSError:
         return None
-    abi = so.ckpt_native_abi
+    abi = getattr(so, "ckpt_native_abi", None)
+    if abi is None:  # a foreign or older build: the numpy/torch kernels run
+        return None
     abi.restype = ctypes.c_int32
     return so if abi() == ABI else None
 

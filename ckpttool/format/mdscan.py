@@ -56,10 +56,16 @@ def _kernel() -> tuple[Any, Any] | None:
         ctypes.c_int64,
         ctypes.c_char_p,
         ctypes.c_int64,
+        ctypes.c_int64,
         ctypes.POINTER(_Out),
     )
     free = native.function("ckpt_mdscan_free", None, ctypes.POINTER(_Out))
     return None if scan is None or free is None else (scan, free)
+
+
+#: Output values allowed per record of :func:`~ckpttool.format.limits.metadata_record_cap` (a real save
+#: writes about 3: 5 per entry and storage item, 2 per chunk and planner path item).
+VALUES_PER_RECORD = 8
 
 
 def _columns(data: bytes) -> list[memoryview] | None:
@@ -69,7 +75,10 @@ def _columns(data: bytes) -> list[memoryview] | None:
         return None
     scan, free = k
     out = _Out()
-    if scan(data, len(data), _DTYPE_LIST, len(_DTYPE_LIST), ctypes.byref(out)) != 0:
+    # row values (entries, chunks, storage, planner) within VALUES_PER_RECORD x the record cap: a pickle's shared
+    # references could otherwise multiply a small file into huge columns (the unpickler path's dicts collapse them)
+    cap = VALUES_PER_RECORD * limits.metadata_record_cap()
+    if scan(data, len(data), _DTYPE_LIST, len(_DTYPE_LIST), cap, ctypes.byref(out)) != 0:
         return None
     try:
         return [memoryview(ctypes.string_at(p, 8 * n) if n else b"").cast("q") for p, n in zip(out.cols, out.lens)]

@@ -80,7 +80,10 @@ def plan_dequantize(
     block = block_size(config)
     pairs, problems = find_quantized(tensors, block)
     fused, fused_problems = _fused_experts(tensors, block)
-    pairs, problems = pairs + fused, problems + fused_problems
+    # a 3-D ``x.weight`` of fused experts (its ``x.weight_scale_inv`` is 3-D too) is the fused path's, not a 2-D problem
+    theirs = {k for p in fused for k in (p.weight, p.scale)} | {k for k, _ in fused_problems}
+    pairs = pairs + fused
+    problems = [p for p in problems if p[0] not in theirs] + fused_problems
     if problems:
         key, why = problems[0]
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""

@@ -100,15 +100,16 @@ def native_call(
     if _kernel() is None:
         return None
     tensors = (master, grad, exp_avg, exp_avg_sq) if param is None else (master, grad, exp_avg, exp_avg_sq, param)
-    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
-        return None
+    n = master.numel()
+    if any(t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n for t in tensors):
+        return None  # the kernel runs over n elements of every tensor
     gk, mk = _KIND.get(grad.dtype, 0), _KIND.get(exp_avg.dtype, 0)
     pk = 0 if param is None else _KIND.get(param.dtype, 0)
     if master.dtype != torch.float32 or not gk or mk not in (1, 2) or exp_avg_sq.dtype != exp_avg.dtype:
         return None
     if param is not None and not pk:
         return None
-    return NativeCall(tensors, (gk, mk, pk), _constants(hyper, step.item()), master.numel())
+    return NativeCall(tensors, (gk, mk, pk), _constants(hyper, step.item()), n)
 
 
 def run_native(calls: Sequence[NativeCall], threads: int) -> None:

@@ -111,3 +111,51 @@ def test_record_class_called_or_unknown_global_falls_back() -> None:
     assert scan_metadata(evil, ".metadata") is None
     with pytest.raises(CkptError, match="not on the allow-list"):
         parse_metadata_bytes(evil)
+
+
+def _op_str(x: str) -> bytes:
+    b = x.encode()
+    return b"\x8c" + bytes([len(b)]) + b  # SHORT_BINUNICODE
+
+
+def _op_global(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+_DCP = "torch.distributed.checkpoint.metadata"
+
+
+def _shared_chunks_list(tensors: int, chunks: int) -> bytes:
+    """A protocol-2 ``Metadata`` whose ``tensors`` entries all reference one memoized list of ``chunks`` references
+    to one chunk record: ~2 bytes per chunk and ~30 per tensor for ``tensors x chunks`` chunk rows."""
+    p = b"\x80\x02" + _op_global(_DCP, "ChunkStorageMetadata") + b"q\x00"
+    p += _op_global(_DCP, "TensorStorageMetadata") + b"q\x02" + _op_global(_DCP, "TensorProperties") + b"q\x03"
+    p += b"h\x03)\x81" + _op_global("torch", "float32") + b"\x85bq\x04"  # TensorProperties(float32), memo 4
+    p += b"K\x01\x85q\x06K\x00\x85q\x07"  # (1,) memo 6, (0,) memo 7
+    p += _op_global(_DCP, "Metadata") + b")\x81}(" + _op_str("state_dict_metadata") + b"}("
+    chunk = b"h\x00)\x81}(" + _op_str("offsets") + b"h\x07" + _op_str("sizes") + b"h\x06ubq\x01"
+    for i in range(tensors):
+        p += _op_str(f"k{i}") + b"h\x02)\x81}(" + _op_str("properties") + b"h\x04" + _op_str("size") + b"h\x06"
+        p += _op_str("chunks") + ((b"]q\x05(" + chunk + b"h\x01" * (chunks - 1) + b"e") if i == 0 else b"h\x05") + b"ub"
+    return p + b"uub."
+
+
+def _shared_planner_paths(keys: int) -> bytes:
+    """A ``Metadata`` with no entries whose ``planner_data`` references one key and one 64-item tuple ``keys`` times."""
+    p = b"\x80\x02" + _op_global(_DCP, "Metadata") + b")\x81}(" + _op_str("state_dict_metadata") + b"}"
+    p += _op_str("planner_data") + b"}(" + _op_str("k") + b"q\x00(" + b"K\x01" * 64 + b"tq\x01"
+    return p + b"h\x00h\x01" * (keys - 1) + b"uub."
+
+
+def test_shared_references_that_multiply_rows_are_declined(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One chunks list shared by many tensors, one planner key and tuple referenced again and again: a few bytes
+    that would be millions of column rows are declined, and the unpickler path decides (the same result)."""
+    small = _shared_chunks_list(3, 4)
+    assert scan_metadata(small, ".metadata") is None
+    assert _parsed(small) == _parsed_without_kernels(small, monkeypatch)
+    assert len(_parsed(small).entries) == 3
+    many = _shared_chunks_list(200, 5000)  # 1,000,000 chunk rows from ~11 KB
+    assert len(many) < 20_000 and scan_metadata(many, ".metadata") is None
+    planner = _shared_planner_paths(20_000)  # 1,280,000 path-item rows from 80 KB
+    assert scan_metadata(planner, ".metadata") is None
+    assert _parsed(planner) == _parsed_without_kernels(planner, monkeypatch)

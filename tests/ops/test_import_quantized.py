@@ -254,3 +254,24 @@ def test_own_fp8_export_to_torchtitan(fp8_export: tuple[Path, Path], tmp_path: P
     assert res.exit_code == 0, res.stdout + res.stderr
     doc = json.loads(res.stdout)
     assert doc["summary"]["within_tolerance"] == 0 and doc["summary"]["equal"] == doc["summary"]["tensors"] == 21
+
+
+def test_fused_experts_named_weight_pair_with_their_3d_scale() -> None:
+    """Fused experts stored as ``x.weight`` ``[E, out, in]`` (what export writes for an ``experts`` tensor named
+    ``.weight``, e.g. Megatron's ``linear_fc1.weight``) with a 3-D ``x.weight_scale_inv`` are the fused pair, not a
+    2-D problem; a 3-D scale of the wrong shape is still E612."""
+    from types import SimpleNamespace
+
+    from ckpttool.errors import QuantizedSourceError
+    from ckpttool.ops.import_quant import plan_dequantize
+
+    def src(dtype: str, shape: tuple[int, ...]) -> SimpleNamespace:
+        return SimpleNamespace(file="model.safetensors", offset=0, dtype=dtype, shape=shape)
+
+    key = "m.experts.linear_fc1.weight"
+    sources = {key: src("float8_e4m3fn", (2, 256, 256)), key + "_scale_inv": src("float32", (2, 2, 2))}
+    plans, consumed = plan_dequantize(sources, None, "bfloat16")
+    assert plans[key].pair.kind == "fp8-experts" and key + "_scale_inv" in consumed
+    sources[key + "_scale_inv"] = src("float32", (2, 2, 3))
+    with pytest.raises(QuantizedSourceError, match="fused experts"):
+        plan_dequantize(sources, None, "bfloat16")

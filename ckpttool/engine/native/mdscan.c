@@ -20,7 +20,7 @@ enum { G_SIZE = N_KINDS, G_LAYOUT, G_MEMFMT, G_PATH, G_DTYPE };
 
 typedef struct { int64_t a; uint32_t b; uint32_t t; } val;
 typedef struct { int64_t start; int32_t n; int32_t next; } seg;
-typedef struct { int32_t head, tail; int64_t count; uint8_t escaped, consumed, frozen, pad; } cont;
+typedef struct { int32_t head, tail; int64_t count; uint8_t escaped, consumed, frozen, walked; } cont;
 typedef struct { int64_t fstart; uint8_t kind, built, keyed, pad; } rec;
 
 #define ARR(T) struct { T *p; int64_t n, cap; }
@@ -61,6 +61,7 @@ typedef struct {
     ARR(rec) recs;
     const char *dtypes;
     int64_t dtypes_len, memo_len;
+    int64_t values_left; /* output values the caller allows (a cap on what shared references can multiply) */
     /* output */
     i64s shapes, ints, ent, chk, sto, pln, pit, top;
     int64_t *hash, *shash;
@@ -512,7 +513,7 @@ static val field(st *s, val r, int f) { return s->fields.p[s->recs.p[r.a].fstart
 
 static int is_rec(st *s, val v, int kind) { return v.t == T_REC && s->recs.p[v.a].kind == kind && s->recs.p[v.a].built; }
 
-#define EMIT(col, x) if (PUSH(s->col, (int64_t)(x))) FAIL(9)
+#define EMIT(col, x) do { if (--s->values_left < 0) FAIL(28); if (PUSH(s->col, (int64_t)(x))) FAIL(9); } while (0)
 
 static int walk_tensor(st *s, val key, val r) {
     int64_t size, id2, chunk0 = s->chk.n / 2;
@@ -522,6 +523,8 @@ static int walk_tensor(st *s, val key, val r) {
     if (dt.t != T_GLOBAL || dt.a < G_DTYPE) FAIL(21);
     if (shape_id(s, field(s, r, 1), &size)) FAIL(20);
     cont *c = &s->conts.p[chunks.a];
+    if (c->walked) FAIL(22); /* one chunks list shared by two tensors: never torch's, and T x C rows from T + C records */
+    c->walked = 1;
     for (int32_t g = c->head; g >= 0; g = s->segs.p[g].next)
         for (int64_t i = 0; i < s->segs.p[g].n; i++) {
             val ch = s->arena.p[s->segs.p[g].start + i];
@@ -582,6 +585,9 @@ static int walk_storage(st *s, val sd) {
 static int walk_path_items(st *s, val key, const val *items, int64_t n) {
     int64_t kid, xid;
     if (n > 64) FAIL(25);
+    /* torch writes one planner path per state-dict key: more paths than entries (a shared key and
+     * tuple referenced again, 4 bytes for 64 rows) would only multiply the output */
+    if (s->pln.n / 3 >= s->ent.n / 5 + 16) FAIL(25);
     SID(key, kid);
     EMIT(pln, kid); EMIT(pln, s->pit.n / 2); EMIT(pln, n);
     for (int64_t i = 0; i < n; i++) {
@@ -663,7 +669,8 @@ static int run(st *s) {
 }
 
 /* Parse `data` (len bytes); `dtypes`: the dtype names ckpttool knows, '\n'-separated (a global
- * torch.<name> is one of them or the stream is refused). Returns 0 and fills `out` with nine int64
+ * torch.<name> is one of them or the stream is refused; at most `max_values` output values of the row
+ * columns, else refused: shared references cannot multiply the output). Returns 0 and fills `out` with nine int64
  * columns of fixed-width rows, or a non-zero code and nothing to free:
  *   shapes (start in ints, ndim) per distinct shape; ints; strings (offset in data, byte length)
  *   per distinct string offset; entries (key string, dtype index or -1 for a byte item, size shape,
@@ -671,13 +678,15 @@ static int run(st *s) {
  *   -1, path string, offset, length); planner (key string, first item, items); planner items
  *   (0 string / 1 int, its id or value); top (version string or -1, checkpoint id kind 0 none /
  *   1 string / 2 path, its string or first item, path items, save id string or -1). */
-int ckpt_mdscan(const uint8_t *data, int64_t len, const char *dtypes, int64_t dtypes_len, mdscan_out *out) {
+int ckpt_mdscan(const uint8_t *data, int64_t len, const char *dtypes, int64_t dtypes_len, int64_t max_values,
+                mdscan_out *out) {
     st s;
     memset(&s, 0, sizeof s);
     s.d = data;
     s.len = len;
     s.dtypes = dtypes;
     s.dtypes_len = dtypes_len;
+    s.values_left = max_values;
     int r = run(&s);
     release(&s);
     i64s *cols[N_COLS] = {&s.shapes, &s.ints, &s.strs, &s.ent, &s.chk, &s.sto, &s.pln, &s.pit, &s.top};
