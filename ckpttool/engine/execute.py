@@ -359,21 +359,6 @@ def release_lockstep_buffers() -> None:
     _Lockstep.bufs = _LockstepBuffers()
 
 
-def _fill(windows: tuple[Window, ...], out: Any, start: int) -> None:
-    """Fill ``out`` with the stream bytes from position ``start`` of ``windows`` concatenated."""
-    n, done, pos = len(out), 0, 0
-    for w in windows:
-        if done == n:
-            break
-        if start + done < pos + w.length:
-            want = min(n - done, pos + w.length - (start + done))
-            read_into(w.fd, out[done : done + want], w.offset + (start + done - pos))
-            done += want
-        pos += w.length
-    if done < n:
-        raise ShortReadError(pos, n - done)
-
-
 def run_lockstep(ls: Lockstep) -> tuple[int, ...]:
     """Read ``ls`` 's streams slab by slab together and call ``ls.each`` on every group of slabs.
 
@@ -391,7 +376,7 @@ def run_lockstep(ls: Lockstep) -> tuple[int, ...]:
         slabs = []
         for i, (windows, item) in enumerate(zip(ls.streams, ls.itemsizes)):
             raw = bufs.get(i, m * item)
-            _fill(windows, raw, e0 * item)
+            _read_stream(windows, raw, e0 * item)
             crcs[i] = crc32(raw, crcs[i])  # the slab is still in the CPU cache
             slabs.append(raw)
         ls.each(slabs, e0)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ckpttool.engine import fp8, fp8_native, kernels
+from tests.engine.test_fp8_torch import _band
 
 pytestmark = pytest.mark.skipif(not fp8_native.available(), reason="native kernels not built or CKPTTOOL_NATIVE=0")
 
@@ -27,16 +28,6 @@ _TIES = [448.0, 1.0625, 1.1875, -2.125, 2.0**-10, 3 * 2.0**-10, 5 * 2.0**-10, -(
 #: multiples of the smallest float32 subnormal: amax 600 of them gives the smallest subnormal as the
 #: scale (600 / 448 rounds to 1), so w / scale is the multiple: 600, 470, 464 and 460 saturate to 448
 _SATURATING = [600, -470, 464, 460, 432, 17, 3, 0]
-
-
-def _band(rows: int, cols: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    band = (rng.standard_normal((rows, cols)) * 10 ** rng.uniform(-30, 30, (rows, 1))).astype(np.float32)
-    band[0, 0] = -0.0
-    if cols > 130:
-        band[:, 1:130] = 0.0  # an all-zero block / most of a row
-    band[-1, -3:] = np.float32(3e-43)  # float32 subnormals (e4m3fn subnormals after scaling)
-    return band
 
 
 def _special_band(cols: int, block: int | None) -> np.ndarray:
