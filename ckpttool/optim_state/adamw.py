@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from ckpttool.errors import OptimStateError, UsageError
 from ckpttool.format.metadata import dtype_name
-from ckpttool.optim_state.onepass import NativeCall, native_call, run_native
+from ckpttool.optim_state.onepass import NativeCall, StepChunk, native_call, run_native
 
 __all__ = ["FullFP32AdamW", "MasterFP32AdamW", "MasterAdamWBase", "FUSED_CHUNK"]
 
@@ -244,12 +244,7 @@ class FusedScratch:
         return self._workers[k]
 
 
-#: One fused CPU chunk: master, gradient, ``exp_avg``, ``exp_avg_sq`` chunks ``[n]``, the 0-d step and
-#: the parameter chunk to receive the rounded master (or ``None``).
-_Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
-
-
-def _fused_chunks_(chunks: list[_Chunk], scratch: FusedScratch, hyper: AdamWHyper) -> None:
+def _fused_chunks_(chunks: list[StepChunk], scratch: FusedScratch, hyper: AdamWHyper) -> None:
     """:func:`fused_adamw_chunk_` over ``chunks``, split over ``torch.get_num_threads()`` pool threads.
 
     Each thread runs its share of the chunks with one intra-op thread, so a step is one fork-join
@@ -260,7 +255,7 @@ def _fused_chunks_(chunks: list[_Chunk], scratch: FusedScratch, hyper: AdamWHype
     threads = min(torch.get_num_threads(), len(chunks))
     if threads <= 1:
         for c in chunks:
-            fused_adamw_chunk_(*c, scratch, hyper)
+            fused_adamw_chunk_(c, scratch, hyper)
         return
     from ckpttool.engine.pool import map_ordered
 
@@ -272,38 +267,29 @@ def _fused_chunks_(chunks: list[_Chunk], scratch: FusedScratch, hyper: AdamWHype
         try:
             with torch.no_grad():  # grad mode is per thread: the step's parameter chunks are no-grad views
                 for c in chunks[k * per : (k + 1) * per]:
-                    fused_adamw_chunk_(*c, scratch.worker(k), hyper)
+                    fused_adamw_chunk_(c, scratch.worker(k), hyper)
         finally:
             torch.set_num_threads(prev)
 
     map_ordered(run, range(-(-len(chunks) // per)), workers=threads)
 
 
-def fused_adamw_chunk_(
-    master: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: torch.Tensor,
-    param: torch.Tensor | None,
-    scratch: FusedScratch,
-    hyper: AdamWHyper,
-) -> None:
+def fused_adamw_chunk_(chunk: StepChunk, scratch: FusedScratch, hyper: AdamWHyper) -> None:
     """One fused AdamW update (``torch._fused_adamw_``) of 1-d CPU chunks; ``step`` already incremented.
 
     Args:
-        master: float32 chunk ``[n]``, updated in place.
-        grad: gradient chunk ``[n]`` (float32, or any floating dtype: widened into ``scratch``).
-        exp_avg, exp_avg_sq: moment chunks ``[n]`` (float32, or bfloat16: widened and stored back rounded).
-        step: the parameter's 0-d float32 step (the kernel reads it for the bias corrections).
-        param: parameter chunk ``[n]`` to receive ``master.to(param.dtype)``, or ``None``.
+        chunk: ``master`` float32 ``[n]``, updated in place; ``grad`` ``[n]`` (float32, or any floating
+            dtype: widened into ``scratch``); ``exp_avg``, ``exp_avg_sq`` ``[n]`` (float32, or bfloat16:
+            widened and stored back rounded); ``step`` the parameter's 0-d float32 step (the kernel reads
+            it for the bias corrections); ``param`` ``[n]`` to receive ``master.to(param.dtype)``, or ``None``.
         scratch: buffers for widened chunks.
         hyper: the param group's hyperparameters.
     """
-    call = native_call(master, grad, exp_avg, exp_avg_sq, step, param, hyper)
+    call = native_call(chunk, hyper)
     if call is not None:
         call.run(0, call.n)
         return
+    master, grad, exp_avg, exp_avg_sq, step, param = chunk
     n = master.numel()
     g = grad if grad.dtype == _F32 else scratch.get("grad", n).copy_(grad)
     widen = exp_avg.dtype != _F32
@@ -370,7 +356,7 @@ def _adamw_fused_(bucket: _Bucket, scratch: FusedScratch, hyper: AdamWHyper) -> 
 
 def _cpu_work(
     b: _Bucket, aliased: list[bool], done: set[int], hyper: AdamWHyper
-) -> tuple[list[_Chunk], list[NativeCall], list[tuple[torch.Tensor, torch.Tensor]]]:
+) -> tuple[list[StepChunk], list[NativeCall], list[tuple[torch.Tensor, torch.Tensor]]]:
     """The fused CPU step's work for the parameters of ``b`` not in ``done``.
 
     Returns:
@@ -378,7 +364,7 @@ def _cpu_work(
         one-pass call per parameter where it applies (:func:`native_call`), and the
         ``(param, master)`` pairs of non-contiguous parameters, written after the update.
     """
-    chunks: list[_Chunk] = []
+    chunks: list[StepChunk] = []
     calls: list[NativeCall] = []
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     for i, (master, grad, m, v, step, param) in enumerate(
@@ -390,14 +376,14 @@ def _cpu_work(
         pf = param.view(-1) if param.is_contiguous() and not aliased[i] else None
         if pf is None and not aliased[i]:
             copies.append((param, master))
-        call = native_call(mf, gf, ef, vf, step, pf, hyper)
+        call = native_call(StepChunk(mf, gf, ef, vf, step, pf), hyper)
         if call is not None:
             calls.append(call)
             continue
         n = mf.numel()
         for a in range(0, n, FUSED_CHUNK):
             e = min(n, a + FUSED_CHUNK)
-            chunks.append((mf[a:e], gf[a:e], ef[a:e], vf[a:e], step, pf[a:e] if pf is not None else None))
+            chunks.append(StepChunk(mf[a:e], gf[a:e], ef[a:e], vf[a:e], step, pf[a:e] if pf is not None else None))
     return chunks, calls, copies
 
 

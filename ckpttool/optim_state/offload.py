@@ -32,6 +32,7 @@ from ckpttool.optim_state.adamw import (
     fused_adamw_chunk_,
 )
 from ckpttool.optim_state.device import TransferStream, is_accelerator, pinned_empty
+from ckpttool.optim_state.onepass import StepChunk
 
 __all__ = ["CPUOffloadAdamW", "StagingBuffers"]
 
@@ -327,9 +328,8 @@ class CPUOffloadAdamW(MasterAdamWBase):
             exp_avg = _local(state["exp_avg"]).view(-1)
             exp_avg_sq = _local(state["exp_avg_sq"]).view(-1)
             for idx, (a, b) in enumerate(bounds):
-                fused_adamw_chunk_(
-                    master[a:b], chunks.fetch(idx), exp_avg[a:b], exp_avg_sq[a:b], state["step"], None, fused, hyper
-                )
+                chunk = StepChunk(master[a:b], chunks.fetch(idx), exp_avg[a:b], exp_avg_sq[a:b], state["step"], None)
+                fused_adamw_chunk_(chunk, fused, hyper)
                 chunks.store(idx, master[a:b])
             return
         s = state["step"].item()

@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache, lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -26,7 +26,7 @@ from ckpttool.engine import native
 if TYPE_CHECKING:
     from ckpttool.optim_state.adamw import AdamWHyper
 
-__all__ = ["NativeCall", "PIECE", "native_call", "run_native"]
+__all__ = ["NativeCall", "PIECE", "StepChunk", "native_call", "run_native"]
 
 #: dtype -> the kernel's kind code
 _KIND = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -34,6 +34,17 @@ _KIND = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 #: Elements per piece of a parallel step (a multiple of torch's 8-wide vector loop, so splitting
 #: a tensor into pieces leaves the same scalar tail as one call over it).
 PIECE = 1 << 20
+
+
+class StepChunk(NamedTuple):
+    """One parameter's 1-d CPU tensors ``[n]`` for one AdamW update (``step`` already incremented)."""
+
+    master: torch.Tensor  # float32, updated in place
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor  # 0-d float32
+    param: torch.Tensor | None  # receives the rounded master, or ``None``
 
 
 @cache
@@ -82,15 +93,7 @@ class NativeCall:
             raise RuntimeError(f"ckpt_adamw_step refused kinds {self.kinds}")
 
 
-def native_call(
-    master: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: torch.Tensor,
-    param: torch.Tensor | None,
-    hyper: AdamWHyper,
-) -> NativeCall | None:
+def native_call(chunk: StepChunk, hyper: AdamWHyper) -> NativeCall | None:
     """The kernel call for one parameter's 1-d tensors ``[n]`` (``step`` already incremented), or ``None``.
 
     ``None`` where the kernel is unavailable or does not apply: a tensor off the CPU or not
@@ -99,6 +102,7 @@ def native_call(
     """
     if _kernel() is None:
         return None
+    master, grad, exp_avg, exp_avg_sq, step, param = chunk
     tensors = (master, grad, exp_avg, exp_avg_sq) if param is None else (master, grad, exp_avg, exp_avg_sq, param)
     n = master.numel()
     if any(t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n for t in tensors):

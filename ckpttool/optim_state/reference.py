@@ -2,17 +2,19 @@
 
 :func:`reference_adamw_step` writes out AdamW (Loshchilov & Hutter 2019, "Decoupled Weight
 Decay Regularization", Algorithm 2) in torch's convention (``torch/optim/adamw.py``: decay
-``lr * weight_decay``, bias-corrected ``m_hat / (sqrt(v_hat) + eps)``);
-:func:`reference_adamw_step_torch` runs one for-loop ``torch.optim.AdamW`` step on clones. Both
-compute in ``dtype`` (float64 by default), never mutate their inputs and return new tensors.
+``lr * weight_decay``, bias-corrected ``m_hat / (sqrt(v_hat) + eps)``); with ``via="torch"`` it
+runs one for-loop ``torch.optim.AdamW`` step on clones instead. Both compute in ``dtype``
+(float64 by default), never mutate their inputs and return new tensors.
 ``docs/optim_state.md``, "Arithmetic".
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
-__all__ = ["reference_adamw_step", "reference_adamw_step_torch"]
+__all__ = ["reference_adamw_step"]
 
 
 def _check_dtype(dtype: torch.dtype) -> None:
@@ -31,8 +33,10 @@ def reference_adamw_step(
     eps: float,
     weight_decay: float,
     dtype: torch.dtype = torch.float64,
+    *,
+    via: Literal["formula", "torch"] = "formula",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-    """One AdamW step from the formula, on widened clones.
+    """One AdamW step from the formula (or, ``via="torch"``, by ``torch.optim.AdamW``), on widened clones.
 
     Args:
         master_fp32: weights before the step, any shape ``S`` (float32 master, or any float dtype).
@@ -45,6 +49,8 @@ def reference_adamw_step(
         eps: denominator term.
         weight_decay: decoupled weight decay coefficient (scaled by ``lr``, as in torch).
         dtype: compute and result dtype, ``torch.float64`` (default) or ``torch.float32``.
+        via: ``"formula"`` (the written-out step) or ``"torch"`` (one ``torch.optim.AdamW`` step,
+            ``foreach=False``, ``fused=False``: the formula's cross-check).
 
     Returns:
         ``(new_master, new_exp_avg, new_exp_avg_sq, new_step)``: three new tensors of shape
@@ -60,11 +66,18 @@ def reference_adamw_step(
             f"exp_avg {list(exp_avg.shape)}, exp_avg_sq {list(exp_avg_sq.shape)}"
         )
     beta1, beta2 = float(betas[0]), float(betas[1])
+    theta, g, m, v = (x.detach().to(dtype=dtype, copy=True) for x in (master_fp32, grad, exp_avg, exp_avg_sq))
+    if via == "torch":
+        p = torch.nn.Parameter(theta)
+        p.grad = g
+        opt = torch.optim.AdamW(
+            [p], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, foreach=False, fused=False
+        )
+        opt.state[p] = {"step": torch.tensor(float(step), dtype=torch.float32), "exp_avg": m, "exp_avg_sq": v}
+        opt.step()
+        state = opt.state[p]
+        return p.detach(), state["exp_avg"], state["exp_avg_sq"], float(state["step"].item())
     t = float(step) + 1.0
-    theta = master_fp32.detach().to(dtype=dtype, copy=True)
-    g = grad.detach().to(dtype=dtype, copy=True)
-    m = exp_avg.detach().to(dtype=dtype, copy=True)
-    v = exp_avg_sq.detach().to(dtype=dtype, copy=True)
     theta = theta * (1.0 - lr * weight_decay)
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g
@@ -72,43 +85,3 @@ def reference_adamw_step(
     v_hat = v / (1.0 - beta2**t)
     theta = theta - lr * m_hat / (torch.sqrt(v_hat) + eps)
     return theta, m, v, t
-
-
-def reference_adamw_step_torch(
-    master_fp32: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: float,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    dtype: torch.dtype = torch.float64,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-    """One ``torch.optim.AdamW`` step (``foreach=False``, ``fused=False``) on widened clones.
-
-    Same arguments, returns and errors as :func:`reference_adamw_step`.
-    """
-    _check_dtype(dtype)
-    if not (master_fp32.shape == grad.shape == exp_avg.shape == exp_avg_sq.shape):
-        raise ValueError("shape mismatch between master, grad and moments")
-    p = torch.nn.Parameter(master_fp32.detach().to(dtype=dtype, copy=True))
-    p.grad = grad.detach().to(dtype=dtype, copy=True)
-    opt = torch.optim.AdamW(
-        [p],
-        lr=lr,
-        betas=(float(betas[0]), float(betas[1])),
-        eps=eps,
-        weight_decay=weight_decay,
-        foreach=False,
-        fused=False,
-    )
-    opt.state[p] = {
-        "step": torch.tensor(float(step), dtype=torch.float32),
-        "exp_avg": exp_avg.detach().to(dtype=dtype, copy=True),
-        "exp_avg_sq": exp_avg_sq.detach().to(dtype=dtype, copy=True),
-    }
-    opt.step()
-    state = opt.state[p]
-    return p.detach(), state["exp_avg"], state["exp_avg_sq"], float(state["step"].item())

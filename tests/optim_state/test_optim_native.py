@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ckpttool.optim_state.adamw import AdamWHyper, FusedScratch, fused_adamw_chunk_
-from ckpttool.optim_state.onepass import available, native_call
+from ckpttool.optim_state.onepass import StepChunk, available, native_call
 
 pytestmark = pytest.mark.skipif(not available(), reason="native kernels not built or CKPTTOOL_NATIVE=0")
 
@@ -59,7 +59,7 @@ def test_native_chunk_equals_torch_fused_then_rounding_copies(hyper, gdt, mdt, p
         step = torch.tensor(3.0)
         ref = _reference(master, grad, m, v, step, pdt, hyper)
         param = None if pdt is None else torch.empty(n, dtype=pdt)
-        call = native_call(master, grad, m, v, step, param, hyper)
+        call = native_call(StepChunk(master, grad, m, v, step, param), hyper)
         assert call is not None
         call.run(0, 8 * (n // 16))  # two calls: a split at a multiple of 8 gives the bits of one
         call.run(8 * (n // 16), n)
@@ -75,9 +75,9 @@ def test_fused_chunk_falls_back_where_the_kernel_does_not_apply() -> None:
     master, grad, m, v = _inputs(64, F32, F32, seed=7)
     step = torch.tensor(1.0)
     ref = _reference(master, grad, m, v, step, B16, hyper)
-    assert native_call(master.clone(), grad.double(), m.clone(), v.clone(), step, None, hyper) is None
+    assert native_call(StepChunk(master.clone(), grad.double(), m.clone(), v.clone(), step, None), hyper) is None
     param = torch.empty(128, dtype=B16)[::2]
-    assert native_call(master.clone(), grad, m.clone(), v.clone(), step, param, hyper) is None
-    fused_adamw_chunk_(master, grad.double(), m, v, step, param, FusedScratch(), hyper)
+    assert native_call(StepChunk(master.clone(), grad, m.clone(), v.clone(), step, param), hyper) is None
+    fused_adamw_chunk_(StepChunk(master, grad.double(), m, v, step, param), FusedScratch(), hyper)
     assert ref[3] is not None
     assert torch.equal(master, ref[0]) and torch.equal(m, ref[1]) and torch.equal(param, ref[3])
