@@ -204,7 +204,8 @@ class ExportCLIOptions:
 def run_export(cli: ExportCLIOptions) -> None:
     """Export model weights as Hugging Face safetensors or a LoRA adapter (streaming, bit-exact by default)."""
     from ckpttool.model.checkpoint import OpenOptions
-    from ckpttool.ops.entry import run_export as run
+    from ckpttool.ops.entry import run_writing
+    from ckpttool.ops.export import export_checkpoint
     from ckpttool.ui.render import PhaseProgress
 
     decl = declaration(cli.source_layout, cli.ep_size, cli.ep_fsdp_size, cli.no_ep)
@@ -214,14 +215,16 @@ def run_export(cli: ExportCLIOptions) -> None:
     with PhaseProgress.on_stderr("export", not cli.json_output and sys.stderr.isatty()) as shown:
         if shown is not None:
             shown.phase(f"opening {cli.checkpoint}")
-        result, masters = run(
+        result, masters = run_writing(
+            export_checkpoint,
             cli.checkpoint,
             cli.out,
             options,
             opening=OpenOptions(declaration=decl, trust_pickle=cli.trust_pickle, selection=sel),
             progress=lambda: contextlib.nullcontext(shown.progress if shown is not None else None),
-            note=_masters_note,
             phase=shown.phase if shown is not None else None,
+            note=_masters_note,
+            hold_gc=True,
         )
     sink = Output(cli.json_output)
     for w in result.warnings:
@@ -233,6 +236,24 @@ def run_export(cli: ExportCLIOptions) -> None:
     sink.result(result, _render)
 
 
+#: The flags that are :class:`~ckpttool.ops.export.ExportOptions` fields of the same name and value.
+_PASSED_ON = (
+    "rules",
+    "model_assets",
+    "filter_glob",
+    "workers",
+    "overwrite",
+    "verify_crc",
+    "adapter_config",
+    "manifest",
+    "adapter",
+    "dry_run",
+    "quantize",
+    "quantize_block",
+    "quant_format",
+)
+
+
 def export_options(cli: ExportCLIOptions) -> ExportOptions:
     """The library's :class:`~ckpttool.ops.export.ExportOptions` of the parsed flags.
 
@@ -240,6 +261,7 @@ def export_options(cli: ExportCLIOptions) -> ExportOptions:
         UsageError: a ``--save-dtype`` or ``--shard-size`` that does not parse.
     """
     from ckpttool.ops.export import ExportOptions
+    from ckpttool.ops.fields import same_named
 
     alpha: float | int | None = cli.lora_alpha
     if alpha is not None and float(alpha).is_integer():
@@ -250,23 +272,11 @@ def export_options(cli: ExportCLIOptions) -> ExportOptions:
         weights=cli.weights.value if cli.weights is not None else ("auto" if cli.quantize else "params"),
         shard_size=parse_size(cli.shard_size, "--shard-size"),
         experts=cli.experts.value,
-        rules=cli.rules,
-        model_assets=cli.model_assets,
-        filter_glob=cli.filter_glob,
-        workers=cli.workers,
-        overwrite=cli.overwrite,
-        verify_crc=cli.verify_crc,
-        adapter_config=cli.adapter_config,
         lora_alpha=alpha,
-        manifest=cli.manifest,
         algorithm=cli.hash_name,
-        adapter=cli.adapter,
         allow_mismatch=tuple(k.strip() for k in (cli.allow_mismatch or "").split(",") if k.strip()),
-        dry_run=cli.dry_run,
-        quantize=cli.quantize,
-        quantize_block=cli.quantize_block,
         quantize_skip=tuple(cli.quantize_skip or ()),
-        quant_format=cli.quant_format,
+        **same_named(cli, *_PASSED_ON),
     )
 
 

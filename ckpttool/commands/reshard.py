@@ -87,8 +87,8 @@ def reshard_command(
     output appears only when complete.
     """
     from ckpttool.model.checkpoint import OpenOptions
-    from ckpttool.ops.entry import run_reshard
-    from ckpttool.ops.reshard import ReshardOptions
+    from ckpttool.ops.entry import run_writing
+    from ckpttool.ops.reshard import ReshardOptions, reshard
     from ckpttool.ui.render import PhaseProgress
 
     decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
@@ -109,7 +109,8 @@ def reshard_command(
     with PhaseProgress.on_stderr("reshard", not json_output and sys.stderr.isatty()) as shown:
         if shown is not None:
             shown.phase(f"opening {source}")
-        res = run_reshard(
+        res, _ = run_writing(
+            reshard,
             source,
             target,
             options,

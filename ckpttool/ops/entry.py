@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, TypeVar
 
 from ckpttool.model.checkpoint import gc_held, open_source
@@ -22,21 +22,18 @@ from ckpttool.model.checkpoint import gc_held, open_source
 if TYPE_CHECKING:
     from ckpttool.errors import CkptError, ReplayMismatchError
     from ckpttool.model.checkpoint import Checkpoint, OpenOptions
-    from ckpttool.ops.export import ExportOptions, ExportResult
     from ckpttool.ops.inspect import InspectOptions, InspectResult
     from ckpttool.ops.replay import ReplayOptions, ReplayResult
-    from ckpttool.ops.reshard import ReshardOptions, ReshardResult
     from ckpttool.ops.validate import ValidateOptions, ValidationResult
 
 __all__ = [
     "data_file_warnings",
     "deliver",
     "replay_mismatch",
-    "run_export",
     "run_inspect",
     "run_replay",
-    "run_reshard",
     "run_validate",
+    "run_writing",
     "split_param_group_items",
     "validation_error",
 ]
@@ -168,54 +165,34 @@ def replay_mismatch(result: ReplayResult) -> ReplayMismatchError | None:
     )
 
 
-def run_reshard(
-    source: str | os.PathLike[str],
-    target: str | os.PathLike[str],
-    options: ReshardOptions,
-    *,
-    opening: OpenOptions,
-    progress: Callable[[], AbstractContextManager[Progress]],
-    phase: Callable[[str], None] | None = None,
-) -> ReshardResult:
-    """Open ``source`` and :func:`~ckpttool.ops.reshard.reshard` it into ``target``.
-
-    Args:
-        progress: a context-manager factory yielding the ``(bytes done, bytes total)`` callback (or
-            ``None``), entered once the checkpoint is open.
-        phase: ``phase(text)`` as each step of the reshard starts (``planning``, ``writing``, ...).
-
-    Raises:
-        as :func:`~ckpttool.model.checkpoint.open_checkpoint` and :func:`~ckpttool.ops.reshard.reshard`.
-    """
-    from ckpttool.ops.reshard import reshard
-
-    with open_source(source, opening) as ckpt, progress() as update:
-        return reshard(ckpt, target, options, progress=update, phase=phase)
-
-
-def run_export(
+def run_writing(
+    op: Callable[..., R],
     source: str | os.PathLike[str],
     out: str | os.PathLike[str],
-    options: ExportOptions,
+    options: object,
     *,
     opening: OpenOptions,
     progress: Callable[[], AbstractContextManager[Progress]],
-    note: Callable[[Checkpoint, ExportResult], str | None],
     phase: Callable[[str], None] | None = None,
-) -> tuple[ExportResult, str | None]:
-    """Open ``source`` and :func:`~ckpttool.ops.export.export_checkpoint` it into ``out``, under one GC hold
-    (the open's objects are frozen with the plan's before the writes): ``(result, note(ckpt, result))``.
+    note: Callable[[Checkpoint, R], str | None] | None = None,
+    hold_gc: bool = False,
+) -> tuple[R, str | None]:
+    """Open ``source`` and run the writing operation ``op`` on it into ``out``:
+    ``op(ckpt, out, options, progress=..., phase=phase)`` (:func:`~ckpttool.ops.export.export_checkpoint`,
+    :func:`~ckpttool.ops.reshard.reshard`); ``(result, note(ckpt, result))`` (``None`` without ``note``).
+
+    ``hold_gc`` (export): the whole run under one GC hold (the open's objects are frozen with the plan's
+    before the writes).
 
     Args:
         progress: a context-manager factory yielding the ``(bytes done, bytes total)`` callback (or
             ``None``), entered once the checkpoint is open.
-        phase: ``phase(text)`` as each step of the export starts (``planning``, ..., ``writing``).
+        phase: ``phase(text)`` as each step of the operation starts (``planning``, ..., ``writing``).
 
     Raises:
-        as :func:`~ckpttool.model.checkpoint.open_checkpoint` and :func:`~ckpttool.ops.export.export_checkpoint`.
+        as :func:`~ckpttool.model.checkpoint.open_checkpoint` and ``op``.
     """
-    from ckpttool.ops.export import export_checkpoint
-
-    with gc_held(), open_source(source, opening) as ckpt, progress() as update:
-        result = export_checkpoint(ckpt, out, options, progress=update, phase=phase)
-        return result, note(ckpt, result)
+    with gc_held() if hold_gc else nullcontext(), open_source(source, opening) as ckpt:
+        with progress() as update:
+            result = op(ckpt, out, options, progress=update, phase=phase)
+            return result, note(ckpt, result) if note is not None else None

@@ -499,6 +499,21 @@ class _Placed:
     dim1: bool
 
 
+@dataclass(frozen=True)
+class _Written:
+    """What the writing of an import takes: the placed tensors, the open source files (``name -> fd``), the
+    options, the EP mesh ``(ep_size, ep_fsdp_size)`` and specs of a layout record, the torchrun group and
+    megatron's ``_extra_state`` byte items."""
+
+    placed: list[_Placed]
+    fds: dict[str, int]
+    opts: ImportOptions
+    ep: tuple[int, int] | None
+    ep_specs: dict[str, EPTensorSpec]
+    group: distributed.Group
+    objects: tuple[str, ...] = ()
+
+
 def _row_chunks(shape: tuple[int, ...], rows: list[tuple[int, int]]) -> list[tuple[int, ChunkMeta]]:
     """``(rank, chunk)`` of the dim-0 row ranges ``rows[rank] = (start, length)`` of a tensor of ``shape``."""
     rest = (0,) * (len(shape) - 1)
@@ -661,18 +676,13 @@ def _place(
 def _write_output(
     src_dir: Path,
     dst: Any,
-    placed: list[_Placed],
+    job: _Written,
     file_bytes: list[int],
-    fds: dict[str, int],
-    opts: ImportOptions,
-    ep: tuple[int, int] | None,
-    ep_specs: dict[str, EPTensorSpec],
     identity: dict[str, Any] | None,
-    group: distributed.Group,
-    objects: tuple[str, ...] = (),
     report: _Report = _Report(),
 ) -> list[dict[str, Any]]:
     """Write the output (this rank's share of the rank files; the root ``.metadata`` and manifest); its files."""
+    opts, group = job.opts, job.group
     files_info: list[dict[str, Any]] = []
     owners = group.share(file_bytes)
     mine = {r for r in range(opts.world_size) if group.owns(owners[r])}
@@ -680,7 +690,7 @@ def _write_output(
         tmp = distributed.enter_output_dir(stack, group, dst, overwrite=opts.overwrite, source=src_dir, kind="import")
         try:
             report.phase("writing")
-            w = _write_dcp(tmp, dst, placed, mine, fds, opts, ep, ep_specs, group, objects, report.progress)
+            w = _write_dcp(tmp, dst, job, mine, report.progress)
         except BaseException as e:
             if group.active and not distributed.agreed(e):
                 group.agree(e)  # the other ranks learn of it (and raise it) in _write_dcp
@@ -770,9 +780,8 @@ def _import_plain(
             check_target(dst, overwrite=opts.overwrite, source=src_dir)
             files_info = [{"name": DCPWriter.file_name(r), "bytes": b} for r, b in enumerate(file_bytes)]
         else:
-            files_info = _write_output(
-                src_dir, dst, placed, file_bytes, fds, opts, ep, ep_specs, identity, group, objects, report
-            )
+            job = _Written(placed, fds, opts, ep, ep_specs, group, objects)
+            files_info = _write_output(src_dir, dst, job, file_bytes, identity, report)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -844,19 +853,7 @@ def _dequantized_summary(plans: dict[str, Any]) -> dict[str, Any] | None:
     return {"dtype": first.dtype, "kinds": kinds, "tensors": sorted(plans)}
 
 
-def _write_dcp(
-    tmp: Path,
-    dst: Any,
-    placed: list[_Placed],
-    mine: set[int],
-    fds: dict[str, int],
-    opts: ImportOptions,
-    ep: tuple[int, int] | None,
-    ep_specs: dict[str, EPTensorSpec],
-    group: distributed.Group,
-    objects: tuple[str, ...] = (),
-    progress: ProgressFn = _no_progress,
-) -> DCPWriter:
+def _write_dcp(tmp: Path, dst: Any, job: _Written, mine: set[int], progress: ProgressFn = _no_progress) -> DCPWriter:
     """Write the chunks of the target rank files in ``mine`` into ``tmp``; the root writes ``.metadata``.
 
     Under torchrun every rank declares every tensor and writes its own files; after the barrier
@@ -864,6 +861,7 @@ def _write_dcp(
     ``.metadata`` (:mod:`ckpttool.ops.distributed`). One process: ``mine`` is every rank.
     ``progress(bytes written, bytes total)`` after each chunk (the total: the bytes of ``mine``).
     """
+    placed, fds, opts, ep, ep_specs, objects = job.placed, job.fds, job.opts, job.ep, job.ep_specs, job.objects
     total = sum(DType(p.native.dtype).itemsize * c.numel for p in placed for r, c in p.chunks if r in mine)
     total += sum(DType(p.native.dtype).itemsize for p in placed if not p.native.shape and 0 in mine)
     done = 0
@@ -909,7 +907,7 @@ def _write_dcp(
 
             record = make_record(2, ep[0], ep[1], ep_specs, optimizer={})
             w.write_object(LAYOUT_KEY, 0, json.dumps(record, sort_keys=True), (LAYOUT_KEY,))
-        if not distributed.merge_rank_files(group, w, mine):  # pairs with _import_plain's agree(error)
+        if not distributed.merge_rank_files(job.group, w, mine):  # pairs with _import_plain's agree(error)
             return w
         w.finish()
     return w

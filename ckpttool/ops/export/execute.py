@@ -65,6 +65,7 @@ from ckpttool.ops.export.plan import (
 from ckpttool.ops.export.quantize import BlockQuantizer, QuantizedFormat, QuantSpec, recount_casts
 from ckpttool.ops.export.rules import ExportRules, load_rules
 from ckpttool.ops.export.transform import Cast, Run, RunMap, SlabTransform, env_slab_bytes, stream_chunk
+from ckpttool.ops.fields import same_named
 from ckpttool.ops.manifest import MANIFEST_NAME, SOURCE_METADATA_KEY, safetensors_manifest, source_identity
 
 if TYPE_CHECKING:
@@ -926,10 +927,7 @@ def _prepare(
     plan = build_plan(
         selected,
         rules,
-        fmt=opts.fmt,
-        save_dtype=opts.save_dtype,
-        shard_size=opts.shard_size,
-        experts=opts.experts,
+        **same_named(opts, "fmt", "save_dtype", "shard_size", "experts"),
         expert_orders=orders,
         num_experts=num_experts,
         drop=drop,
@@ -1056,9 +1054,7 @@ def _export_result(
         bytes_read=bytes_read,
         seconds=seconds[0],
         write_seconds=seconds[1],
-        save_dtype=opts.save_dtype,
-        weights=opts.weights,
-        experts=opts.experts,
+        **same_named(opts, "save_dtype", "weights", "experts"),
         casts=plan.casts,
         narrowing_casts=plan.narrowing,
         origins=plan.origins,

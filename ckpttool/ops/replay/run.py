@@ -26,6 +26,7 @@ from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import DeviceUnavailableError, UsageError
 from ckpttool.format.jsonview import json_fields
 from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
+from ckpttool.ops.fields import same_named
 from ckpttool.ops.replay.compare import FieldError, compare_field, count_unequal, machine_eps, merge_field_errors
 from ckpttool.ops.replay.plan import ITEMSIZE, Hyper, ParamPlan, make_batches, plan_replay
 from ckpttool.ops.replay.slabs import StackedSlabs, TensorSlabs
@@ -458,12 +459,7 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
     plan = plan_replay(
         cat,
         layout.record,
-        select=opts.select,
-        filter_glob=opts.filter_glob,
-        optimizer=opts.optimizer,
-        offload_patterns=opts.offload_patterns,
-        chunk_size=opts.chunk_size,
-        head_dim=opts.head_dim,
+        **same_named(opts, "select", "filter_glob", "optimizer", "offload_patterns", "chunk_size", "head_dim"),
     )
     notes = list(plan.notes)
     synth = synthesized_params(reader, cat, [p.fqn for p in plan.params if p.state])

@@ -42,6 +42,7 @@ from ckpttool.layouts.record import SIDECAR_NAME
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
 from ckpttool.ops import distributed
+from ckpttool.ops.fields import same_named
 from ckpttool.ops.manifest import MANIFEST_NAME, source_identity, write_output_manifest
 from ckpttool.ops.reshard.plan import ReshardPlan, TensorPlan, origin_world, plan_reshard
 
@@ -694,9 +695,7 @@ def _result(
         from_source=layout.source,
         from_ep_size=layout.ep_size,
         from_ep_fsdp_size=layout.ep_fsdp_size,
-        to_version=plan.to_version,
-        ep_size=plan.ep_size,
-        ep_fsdp_size=plan.ep_fsdp_size,
+        **same_named(plan, "to_version", "ep_size", "ep_fsdp_size"),
         ep_tensors=kinds["ep"],
         permuted=plan.permuted_keys,
         optimizer_tensors=kinds["ep_state"],

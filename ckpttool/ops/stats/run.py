@@ -23,6 +23,7 @@ from ckpttool.engine.pool import map_ordered, worker_count
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.model.catalog import TensorEntry, match_filter
 from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
+from ckpttool.ops.fields import same_named
 from ckpttool.ops.stats.compute import (
     AdamHyper,
     Moments,
@@ -224,13 +225,9 @@ def _tensor_row(key: str, fqn: str, role: str, entry: TensorEntry, s: ValueSums)
         module=module_of(fqn),
         dtype=entry.dtype,
         shape=entry.shape,
-        numel=s.numel,
-        mean=s.mean,
-        std=s.std,
-        abs_max=s.abs_max,
         l2=math.sqrt(s.s2),
         zero_fraction=(s.zeros / s.numel) if s.numel else 0.0,
-        nonfinite=s.nonfinite,
+        **same_named(s, "numel", "mean", "std", "abs_max", "nonfinite"),
     )
 
 
