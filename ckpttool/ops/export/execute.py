@@ -782,11 +782,20 @@ def export_checkpoint(
             given_adapter = read_adapter_config(Path(opts.adapter_config))
         elif opts.model_assets is not None and (Path(opts.model_assets) / "adapter_config.json").is_file():
             given_adapter = read_adapter_config(Path(opts.model_assets) / "adapter_config.json")
+    given = _Given(rules, model_config, given_adapter)
     # the open's objects stay out of the cyclic GC until the export ends (frozen for the writes: gc_held)
     with gc_held() as resume_frozen, open_source(source, opening) as ckpt:
-        return _export(
-            ckpt, output_location(out), opts, rules, model_config, given_adapter, progress, resume_frozen, phase
-        )
+        return _export(ckpt, output_location(out), opts, given, progress, resume_frozen, phase)
+
+
+@dataclass(frozen=True)
+class _Given:
+    """What the export's input files held, read before the checkpoint is opened: the key rules
+    (``rules``), ``config.json`` of ``model_assets`` and a given ``adapter_config.json``."""
+
+    rules: ExportRules
+    model_config: dict[str, Any] | None
+    adapter: dict[str, Any] | None
 
 
 @dataclass(frozen=True)
@@ -909,9 +918,7 @@ def _prepare(
     layout: ResolvedLayout,
     out_format: OutputFormat,
     opts: ExportOptions,
-    rules: ExportRules,
-    model_config: dict[str, Any] | None,
-    given_adapter: dict[str, Any] | None,
+    given: _Given,
     say: PhaseFn,
 ) -> _Prepared:
     """Select, plan and check everything an export can check before it writes (no output exists yet).
@@ -920,6 +927,7 @@ def _prepare(
         ExportError / ExportAccountingError / ModelMismatchError / UsageError: see :func:`export_checkpoint`.
     """
     reader, cat = ckpt.reader, ckpt.catalog
+    rules, model_config = given.rules, given.model_config
     model_adapter, selected, warnings, skipped = _select(ckpt, out_format, opts, rules, model_config)
     orders = expert_orders(selected, layout)
     num_experts = rules.num_experts_from_config(model_config) if model_config else None
@@ -946,7 +954,7 @@ def _prepare(
         )
     if log.isEnabledFor(logging.INFO):  # the totals walk every task: only when shown
         _log_plan(plan, opts, orders, tied, skipped)
-    request = PrepareRequest(plan, cat, reader, given_adapter, opts.lora_alpha, model_config)
+    request = PrepareRequest(plan, cat, reader, given.adapter, opts.lora_alpha, model_config)
     adapter = out_format.prepare(request)
     assets = _asset_files(Path(opts.model_assets), out_format) if opts.model_assets is not None else []
     check = None
@@ -987,9 +995,7 @@ def _export(
     ckpt: Checkpoint,
     out: Path,
     opts: ExportOptions,
-    rules: ExportRules,
-    model_config: dict[str, Any] | None,
-    given_adapter: dict[str, Any] | None,
+    given: _Given,
     progress: ProgressFn | None,
     resume_frozen: Callable[[], None],
     phase: PhaseFn | None = None,
@@ -1004,7 +1010,7 @@ def _export(
     reader = ckpt.reader
     reader.verify_crc = opts.verify_crc
     layout = ckpt.require_layout()
-    prep = _prepare(ckpt, layout, out_format, opts, rules, model_config, given_adapter, say)
+    prep = _prepare(ckpt, layout, out_format, opts, given, say)
     plan = prep.plan
     if opts.dry_run:  # the plan of this very export, checked up to the output directory: nothing written
         check_target(out, overwrite=opts.overwrite, source=ckpt.path)
