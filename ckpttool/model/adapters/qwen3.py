@@ -15,12 +15,11 @@ from __future__ import annotations
 from typing import Any
 
 from ckpttool.model.adapters.base import LAYER_RE, KeyMap, ModelAdapter, layer_map
+from ckpttool.model.adapters.llama3 import torchtitan_dense
 from ckpttool.model.adapters.registry import register_adapter
 
 __all__ = ["TorchtitanQwen3"]
 
-#: the regex of ``attention.qkv_linear.w<x>.weight`` (0.3) or ``attention.w<x>.weight`` (earlier)
-_QKV = r"attention\.(?:qkv_linear\.)?w{}\.weight"
 #: the regex of a grouped expert tensor ``moe.routed_experts.inner_experts.<w>_<dims>`` (0.3) or ``moe.experts.<w>``
 _EXP = r"moe\.(?:routed_experts\.inner_experts|experts)\.{}(?:_{})?"
 #: fqn fragments of Qwen3 that Llama 3 lacks (``q_norm``, grouped experts)
@@ -43,16 +42,9 @@ class TorchtitanQwen3(ModelAdapter):
         return bool(evidence.any_fqn_contains(*_QWEN3_ONLY))
 
     maps = (
-        KeyMap(r"tok_embeddings\.weight", "model.embed_tokens.weight", "tok_embeddings.weight"),
-        layer_map("attention.qkv_linear.wq.weight", "self_attn.q_proj.weight", read=_QKV.format("q")),
-        layer_map("attention.qkv_linear.wk.weight", "self_attn.k_proj.weight", read=_QKV.format("k")),
-        layer_map("attention.qkv_linear.wv.weight", "self_attn.v_proj.weight", read=_QKV.format("v")),
-        layer_map("attention.wo.weight", "self_attn.o_proj.weight"),
+        *torchtitan_dense(rope=False),
         layer_map("attention.q_norm.weight", "self_attn.q_norm.weight"),
         layer_map("attention.k_norm.weight", "self_attn.k_norm.weight"),
-        layer_map("feed_forward.w1.weight", "mlp.gate_proj.weight"),
-        layer_map("feed_forward.w3.weight", "mlp.up_proj.weight"),
-        layer_map("feed_forward.w2.weight", "mlp.down_proj.weight"),
         layer_map(
             "moe.routed_experts.inner_experts.w1_EFD",
             "mlp.experts.gate_up_proj",
@@ -82,8 +74,4 @@ class TorchtitanQwen3(ModelAdapter):
             reason="torchtitan load-balancing expert_bias buffer (no HF counterpart)",
         ),
         KeyMap(LAYER_RE + r"moe\.tokens_per_expert", None, kind="skip", reason="torchtitan routing statistics buffer"),
-        layer_map("attention_norm.weight", "input_layernorm.weight"),
-        layer_map("ffn_norm.weight", "post_attention_layernorm.weight"),
-        KeyMap(r"norm\.weight", "model.norm.weight", "norm.weight"),
-        KeyMap(r"(?:lm_head|output)\.weight", "lm_head.weight", "lm_head.weight"),
     )
