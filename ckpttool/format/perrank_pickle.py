@@ -14,13 +14,13 @@ naming it). numpy arrays (verl's RNG state) become :class:`Opaque` records, desc
 from __future__ import annotations
 
 import io
-import pickle
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ckpttool.errors import UnsafePickleError
 from ckpttool.format.archive import STORAGE_DTYPES
 from ckpttool.format.metadata import DTYPE_ITEMSIZE
+from ckpttool.format.unpickler import AllowListUnpickler
 
 __all__ = ["DTensorRec", "LocalTensor", "Opaque", "Placement", "RankUnpickler", "Record", "unpickle_rank"]
 
@@ -232,7 +232,7 @@ _ALLOWED[("torch", "UntypedStorage")] = ("storage_type", None)
 _ALLOWED[("torch.storage", "UntypedStorage")] = ("storage_type", None)
 
 
-class RankUnpickler(pickle.Unpickler):
+class RankUnpickler(AllowListUnpickler):
     """Unpickler of one rank's ``data.pkl``: tensors, DTensors and their specs as data (see the module docstring).
 
     Raises:
@@ -240,18 +240,7 @@ class RankUnpickler(pickle.Unpickler):
             not a storage record.
     """
 
-    def __init__(self, file: Any, *, source: str) -> None:
-        super().__init__(file)
-        self._source = source
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return _ALLOWED[(module, name)]
-        except (KeyError, TypeError):
-            raise UnsafePickleError(
-                f"{self._source}: refused to load pickle global {module}.{name} (not on the allow-list)",
-                path=self._source,
-            ) from None
+    allowed = _ALLOWED
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):

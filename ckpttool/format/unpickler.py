@@ -24,9 +24,10 @@ import pickle
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ckpttool.errors import (
+    CkptError,
     IntegerRangeError,
     MetadataError,
     ObjectGraphError,
@@ -51,6 +52,7 @@ __all__ = [
     "parse_metadata_owned",
     "gc_paused",
     "PrimitiveUnpickler",
+    "AllowListUnpickler",
     "MetadataUnpickler",
     "check_object_graph",
     "check_record_bound",
@@ -208,32 +210,53 @@ for _name in DTYPE_ITEMSIZE:
     _ALLOWED[("torch", _name)] = _DTypeStandIn(_name)
 
 
-class MetadataUnpickler(pickle.Unpickler):
-    """Unpickler that resolves only the globals torch writes into ``.metadata``.
+class AllowListUnpickler(pickle.Unpickler):
+    """Unpickler that resolves only the globals of its :attr:`allowed` table (``(module, name)`` -> the
+    stand-in returned) and names ``source`` in every refusal.
 
     Raises:
-        UnsafePickleError: on any other global or on a persistent id.
+        UnsafePickleError: on any other global (:meth:`refused`).
     """
 
-    def __init__(self, file: Any, *, source: str = ".metadata") -> None:
+    allowed: ClassVar[dict[tuple[str, str], Any]] = {}
+
+    def __init__(self, file: Any, *, source: str) -> None:
         super().__init__(file)
         self._source = source
 
     def find_class(self, module: str, name: str) -> Any:
         try:
-            return _ALLOWED[(module, name)]
+            return self.allowed[(module, name)]
         except (KeyError, TypeError):
-            if module == "torch" and isinstance(name, str) and _DTYPE_LIKE.match(name):
-                # Refused all the same (never resolved), but named for what it most likely is.
-                raise MetadataError(
-                    f"{self._source}: tensor dtype torch.{name} is not supported by this ckpttool",
-                    path=self._source,
-                    hint="upgrade ckpttool, or re-save the tensors in a supported dtype",
-                ) from None
-            raise UnsafePickleError(
-                f"{self._source}: refused to load pickle global {module}.{name} (not on the allow-list)",
+            raise self.refused(module, name) from None
+
+    def refused(self, module: str, name: str) -> CkptError:
+        """The error raised for global ``module.name``, which is not on the allow-list."""
+        return UnsafePickleError(
+            f"{self._source}: refused to load pickle global {module}.{name} (not on the allow-list)",
+            path=self._source,
+        )
+
+
+class MetadataUnpickler(AllowListUnpickler):
+    """Unpickler that resolves only the globals torch writes into ``.metadata``.
+
+    Raises:
+        UnsafePickleError: on any other global or on a persistent id.
+        MetadataError: a ``torch.<dtype>`` global of a dtype this version does not know.
+    """
+
+    allowed = _ALLOWED
+
+    def refused(self, module: str, name: str) -> CkptError:
+        if module == "torch" and isinstance(name, str) and _DTYPE_LIKE.match(name):
+            # Refused all the same (never resolved), but named for what it most likely is.
+            return MetadataError(
+                f"{self._source}: tensor dtype torch.{name} is not supported by this ckpttool",
                 path=self._source,
-            ) from None
+                hint="upgrade ckpttool, or re-save the tensors in a supported dtype",
+            )
+        return super().refused(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafePickleError(f"{self._source}: refused pickle persistent id", path=self._source)

@@ -20,7 +20,6 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "half.h"
 #ifdef CKPT_X86
@@ -35,16 +34,8 @@ typedef struct {
     int decay, small;
 } Hyper;
 
-static inline float bf16_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static inline uint16_t f32_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
+    uint32_t u = bits_of(f);
     if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
@@ -66,20 +57,12 @@ static inline float f16_f32(uint16_t h) {
         }
         u = sign | ((uint32_t)e << 23) | ((mant & 0x3FFu) << 13);
     }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint32_t bits_of(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
+    return float_of(u);
 }
 
 static inline float load_kind(const void *p, int kind, int64_t i) {
     if (kind == K_F32) return ((const float *)p)[i];
-    if (kind == K_BF16) return bf16_f32(((const uint16_t *)p)[i]);
+    if (kind == K_BF16) return bf16_float(((const uint16_t *)p)[i]);
     return f16_f32(((const uint16_t *)p)[i]);
 }
 

@@ -19,25 +19,14 @@
 /* no FP exception flags are read: lets the loops below be if-converted and vectorized (values unchanged) */
 #pragma GCC optimize("no-trapping-math")
 #include <stdint.h>
-#include <string.h>
+
+#include "half.h"
 
 #if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
 #define CKPT_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define CKPT_CLONES
 #endif
-
-static inline uint32_t bits_of(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-static inline float float_of(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* max of |w|'s bit patterns over n elements: NaN > infinity > every finite magnitude */
 static inline uint32_t amax_bits(const void *src, int bf16, int64_t at, int64_t n) {

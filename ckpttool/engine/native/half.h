@@ -1,8 +1,32 @@
-/* float32 -> float16 rounding shared by the native kernels (header only, static inline). */
+/* What the native kernels share (header only, static inline): IEEE bit-pattern reinterpretation,
+ * float32 -> float16 rounding, the AVX2 capability check. */
 #ifndef CKPT_HALF_H
 #define CKPT_HALF_H
 
 #include <stdint.h>
+#include <string.h>
+
+/* float32 <-> its bit pattern, float64 of its bit pattern (memcpy: no aliasing questions, one move) */
+static inline uint32_t bits_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float float_of(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline double double_of(uint64_t u) {
+    double f;
+    memcpy(&f, &u, 8);
+    return f;
+}
+
+/* bfloat16 bits -> float32, exact (bfloat16 is float32's upper half) */
+static inline float bf16_float(uint16_t h) { return float_of((uint32_t)h << 16); }
 
 /* float32 bit pattern -> float16 bits, round to nearest even, beyond float16's range to infinity
  * (as torch and numpy); u must not be a NaN. */

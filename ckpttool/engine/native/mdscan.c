@@ -201,28 +201,18 @@ static int extend(st *s, val v, int64_t x, uint32_t want) {
     return 0;
 }
 
-static int op_setitems(st *s, int marked) {
+/* SETITEMS/APPENDS (marked: the items above the last mark) and SETITEM/APPEND (one key-value pair or
+ * item): extend the dict (want T_DICT) or list (T_LIST) below the items with them */
+static int op_extend(st *s, int marked, uint32_t want) {
     int64_t x;
     if (marked) {
         if (!s->marks.n) FAIL(3);
         x = s->marks.p[--s->marks.n];
     } else {
-        x = s->stack.n - 2;
+        x = s->stack.n - (want == T_DICT ? 2 : 1);
     }
     if (x > s->stack.n || x <= fence(s) || x < 1) FAIL(3);
-    return extend(s, s->stack.p[x - 1], x, T_DICT);
-}
-
-static int op_appends(st *s, int marked) {
-    int64_t x;
-    if (marked) {
-        if (!s->marks.n) FAIL(3);
-        x = s->marks.p[--s->marks.n];
-    } else {
-        x = s->stack.n - 1;
-    }
-    if (x > s->stack.n || x <= fence(s) || x < 1) FAIL(3);
-    return extend(s, s->stack.p[x - 1], x, T_LIST);
+    return extend(s, s->stack.p[x - 1], x, want);
 }
 
 static int op_tuple(st *s, int64_t x) {
@@ -388,10 +378,10 @@ static int step(st *s, uint8_t op) {
     case 't': if (!s->marks.n) FAIL(3); return op_tuple(s, s->marks.p[--s->marks.n]);
     case '}': return new_cont(s, T_DICT);
     case ']': return new_cont(s, T_LIST);
-    case 's': return op_setitems(s, 0);
-    case 'u': return op_setitems(s, 1);
-    case 'a': return op_appends(s, 0);
-    case 'e': return op_appends(s, 1);
+    case 's': return op_extend(s, 0, T_DICT);
+    case 'u': return op_extend(s, 1, T_DICT);
+    case 'a': return op_extend(s, 0, T_LIST);
+    case 'e': return op_extend(s, 1, T_LIST);
     case 'K': NEED(1); r = push(s, (val){s->d[s->pos], 0, T_INT}); s->pos += 1; return r;
     case 'M': NEED(2); r = push(s, (val){(int64_t)rd(s->d + s->pos, 2), 0, T_INT}); s->pos += 2; return r;
     case 'J': NEED(4); r = push(s, (val){(int32_t)(uint32_t)rd(s->d + s->pos, 4), 0, T_INT}); s->pos += 4; return r;
@@ -539,46 +529,46 @@ static int walk_tensor(st *s, val key, val r) {
     return 0;
 }
 
-static int walk_entries(st *s, val sdm) {
-    if (sdm.t != T_DICT) FAIL(23);
-    cont *c = &s->conts.p[sdm.a];
+/* item(s, k, v) for each key-value pair of dict d, in insertion order (the first non-zero result
+ * returned); a d that is no dict fails with code, but an absent one (EMPTY, None) where optional */
+static int walk_dict(st *s, val d, int optional, int code, int (*item)(st *, val, val)) {
+    if (optional && (d.t == T_EMPTY || d.t == T_NONE)) return 0;
+    if (d.t != T_DICT) FAIL(code);
+    cont *c = &s->conts.p[d.a];
     for (int32_t g = c->head; g >= 0; g = s->segs.p[g].next)
         for (int64_t i = 0; i < s->segs.p[g].n; i += 2) {
-            val k = s->arena.p[s->segs.p[g].start + i], v = s->arena.p[s->segs.p[g].start + i + 1];
-            if (k.t != T_STR) FAIL(23);
-            if (is_rec(s, v, K_TSM)) {
-                int r = walk_tensor(s, k, v);
-                if (r) return r;
-            } else if (v.t == T_REC && s->recs.p[v.a].kind == K_BSM) {
-                int64_t kid;
-                SID(k, kid);
-                EMIT(ent, kid); EMIT(ent, -1); EMIT(ent, 0); EMIT(ent, 0); EMIT(ent, 0);
-            } else FAIL(23);
+            int r = item(s, s->arena.p[s->segs.p[g].start + i], s->arena.p[s->segs.p[g].start + i + 1]);
+            if (r) return r;
         }
     return 0;
 }
 
-static int walk_storage(st *s, val sd) {
-    if (sd.t == T_EMPTY || sd.t == T_NONE) return 0;
-    if (sd.t != T_DICT) FAIL(24);
-    cont *c = &s->conts.p[sd.a];
-    for (int32_t g = c->head; g >= 0; g = s->segs.p[g].next)
-        for (int64_t i = 0; i < s->segs.p[g].n; i += 2) {
-            val k = s->arena.p[s->segs.p[g].start + i], v = s->arena.p[s->segs.p[g].start + i + 1];
-            if (!is_rec(s, k, K_MI) || !is_rec(s, v, K_SI) || s->recs.p[k.a].keyed) FAIL(24);
-            s->recs.p[k.a].keyed = 1; /* the same index object twice is one key of the unpickled dict */
-            val fqn = field(s, k, 0), off = field(s, k, 1), rel = field(s, v, 0), o = field(s, v, 1);
-            val n = field(s, v, 2), td = field(s, v, 3);
-            int64_t oid = -1, fid, rid;
-            if (fqn.t != T_STR || rel.t != T_STR || o.t != T_INT || n.t != T_INT) FAIL(24);
-            SID(fqn, fid);
-            SID(rel, rid);
-            if (off.t != T_NONE && off.t != T_EMPTY && shape_id(s, off, &oid)) FAIL(24);
-            if (!(td.t == T_EMPTY || td.t == T_NONE || (td.t == T_TUPLE && td.b == 0) ||
-                  (td.t == T_LIST && s->conts.p[td.a].count == 0)))
-                FAIL(24);
-            EMIT(sto, fid); EMIT(sto, oid); EMIT(sto, rid); EMIT(sto, o.a); EMIT(sto, n.a);
-        }
+/* state_dict_metadata: key -> TensorStorageMetadata | BytesStorageMetadata */
+static int entry_item(st *s, val k, val v) {
+    if (k.t != T_STR) FAIL(23);
+    if (is_rec(s, v, K_TSM)) return walk_tensor(s, k, v);
+    if (!(v.t == T_REC && s->recs.p[v.a].kind == K_BSM)) FAIL(23);
+    int64_t kid;
+    SID(k, kid);
+    EMIT(ent, kid); EMIT(ent, -1); EMIT(ent, 0); EMIT(ent, 0); EMIT(ent, 0);
+    return 0;
+}
+
+/* storage_data: MetadataIndex -> _StorageInfo */
+static int storage_item(st *s, val k, val v) {
+    if (!is_rec(s, k, K_MI) || !is_rec(s, v, K_SI) || s->recs.p[k.a].keyed) FAIL(24);
+    s->recs.p[k.a].keyed = 1; /* the same index object twice is one key of the unpickled dict */
+    val fqn = field(s, k, 0), off = field(s, k, 1), rel = field(s, v, 0), o = field(s, v, 1);
+    val n = field(s, v, 2), td = field(s, v, 3);
+    int64_t oid = -1, fid, rid;
+    if (fqn.t != T_STR || rel.t != T_STR || o.t != T_INT || n.t != T_INT) FAIL(24);
+    SID(fqn, fid);
+    SID(rel, rid);
+    if (off.t != T_NONE && off.t != T_EMPTY && shape_id(s, off, &oid)) FAIL(24);
+    if (!(td.t == T_EMPTY || td.t == T_NONE || (td.t == T_TUPLE && td.b == 0) ||
+          (td.t == T_LIST && s->conts.p[td.a].count == 0)))
+        FAIL(24);
+    EMIT(sto, fid); EMIT(sto, oid); EMIT(sto, rid); EMIT(sto, o.a); EMIT(sto, n.a);
     return 0;
 }
 
@@ -599,24 +589,14 @@ static int walk_path_items(st *s, val key, const val *items, int64_t n) {
     return 0;
 }
 
-static int walk_planner(st *s, val pd) {
-    if (pd.t == T_EMPTY || pd.t == T_NONE) return 0;
-    if (pd.t != T_DICT) FAIL(25);
-    cont *c = &s->conts.p[pd.a];
-    for (int32_t g = c->head; g >= 0; g = s->segs.p[g].next)
-        for (int64_t i = 0; i < s->segs.p[g].n; i += 2) {
-            val k = s->arena.p[s->segs.p[g].start + i], v = s->arena.p[s->segs.p[g].start + i + 1];
-            int r;
-            if (k.t != T_STR) FAIL(25);
-            if (v.t == T_TUPLE) {
-                if ((r = walk_path_items(s, k, s->arena.p + v.a, v.b))) return r;
-            } else if (v.t == T_LIST) {
-                cont *l = &s->conts.p[v.a];
-                if (l->head != l->tail) FAIL(25); /* one APPENDS: items contiguous */
-                if ((r = walk_path_items(s, k, l->head >= 0 ? s->arena.p + s->segs.p[l->head].start : NULL, l->count))) return r;
-            } else FAIL(25);
-        }
-    return 0;
+/* planner_data: key -> tuple or list of path items */
+static int planner_item(st *s, val k, val v) {
+    if (k.t != T_STR) FAIL(25);
+    if (v.t == T_TUPLE) return walk_path_items(s, k, s->arena.p + v.a, v.b);
+    if (v.t != T_LIST) FAIL(25);
+    cont *l = &s->conts.p[v.a];
+    if (l->head != l->tail) FAIL(25); /* one APPENDS: items contiguous */
+    return walk_path_items(s, k, l->head >= 0 ? s->arena.p + s->segs.p[l->head].start : NULL, l->count);
 }
 
 /* top: version (off, len or -1), checkpoint id (kind 0 none / 1 str / 2 path; off or item start, len),
@@ -662,9 +642,9 @@ static int run(st *s) {
     val root = s->stack.p[s->stack.n - 1];
     if (!is_rec(s, root, K_MD)) FAIL(27);
     /* the parse's arenas stay: the walk reads them */
-    if ((r = walk_entries(s, field(s, root, 0)))) return r;
-    if ((r = walk_storage(s, field(s, root, 2)))) return r;
-    if ((r = walk_planner(s, field(s, root, 1)))) return r;
+    if ((r = walk_dict(s, field(s, root, 0), 0, 23, entry_item))) return r;
+    if ((r = walk_dict(s, field(s, root, 2), 1, 24, storage_item))) return r;
+    if ((r = walk_dict(s, field(s, root, 1), 1, 25, planner_item))) return r;
     return walk_top(s, root);
 }
 

@@ -22,7 +22,8 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "half.h"
 
 #define LANES 16
 #define BLOCK ((size_t)1 << 24) /* values per main pass (AVX2 lane counters: 32 bits) */
@@ -40,38 +41,17 @@ typedef struct {
     double abs_max, neg_min, beyond_max, s1, s2;
 } ckpt_slab_stats;
 
-static inline float bf16_value(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* float16 -> float32, exact for every finite pattern (subnormals included): the 15 value bits moved
  * to float32's position and rescaled by 2^112; the sign carried through the multiply. */
 static inline float f16_value(uint16_t h) {
     uint32_t u = ((uint32_t)(h & 0x8000u) << 16) | ((uint32_t)(h & 0x7fffu) << 13);
-    float f;
-    memcpy(&f, &u, 4);
-    return f * 0x1p112f;
+    return float_of(u) * 0x1p112f;
 }
 
 /* float16 -> float32 for every pattern (infinities and NaN too). */
 static inline float f16_full(uint16_t h) {
     if ((h & 0x7c00u) == 0x7c00u) return (h & 0x3ffu) ? NAN : ((h & 0x8000u) ? -INFINITY : INFINITY);
     return f16_value(h);
-}
-
-static inline float f32_value(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline double f64_value(uint64_t u) {
-    double f;
-    memcpy(&f, &u, 8);
-    return f;
 }
 
 static const uint64_t SIGN[4] = {0x8000u, 0x8000u, 0x80000000u, 0x8000000000000000ull};
@@ -89,9 +69,9 @@ typedef struct {
 } pass_out;
 
 static inline float decode_f(uint32_t pat, int dt) {
-    if (dt == DT_BF16) return bf16_value((uint16_t)pat);
+    if (dt == DT_BF16) return bf16_float((uint16_t)pat);
     if (dt == DT_F16) return f16_value((uint16_t)pat);
-    return f32_value(pat);
+    return float_of(pat);
 }
 
 static void pass32_scalar(const void *p, int dt, size_t n, int sums, double *a1, double *a2, pass_out *o) {
@@ -213,14 +193,14 @@ __attribute__((target_clones("avx2", "default"))) static void pass64(const uint6
         for (size_t i = 0; i < groups; i += LANES) { /* independent lanes: no reassociation needed */
             for (int j = 0; j < LANES; j++) {
                 uint64_t u = p[i + j];
-                double x = (u & MAG) < EXP ? f64_value(u) : 0.0;
+                double x = (u & MAG) < EXP ? double_of(u) : 0.0;
                 a1[j] += x;
                 a2[j] += x * x;
             }
         }
         for (size_t i = groups; i < n; i++) {
             uint64_t u = p[i];
-            double x = (u & MAG) < EXP ? f64_value(u) : 0.0;
+            double x = (u & MAG) < EXP ? double_of(u) : 0.0;
             a1[0] += x;
             a2[0] += x * x;
         }
@@ -245,10 +225,10 @@ static void pass(const void *p, int dt, size_t n, int sums, double *a1, double *
 /* The value of element i of a slab (finite or not). */
 static inline double value_at(const void *p, int dt, size_t i) {
     switch (dt) {
-    case DT_BF16: return bf16_value(((const uint16_t *)p)[i]);
+    case DT_BF16: return bf16_float(((const uint16_t *)p)[i]);
     case DT_F16: return f16_full(((const uint16_t *)p)[i]);
-    case DT_F32: return f32_value(((const uint32_t *)p)[i]);
-    default: return f64_value(((const uint64_t *)p)[i]);
+    case DT_F32: return float_of(((const uint32_t *)p)[i]);
+    default: return double_of(((const uint64_t *)p)[i]);
     }
 }
 
@@ -356,17 +336,17 @@ int32_t ckpt_stats_slab(ckpt_slab_stats *acc, const void *p, size_t n, int32_t d
 static inline float value32(const void *p, int dt, size_t i) {
     if (dt == DT_F32) {
         uint32_t u = ((const uint32_t *)p)[i];
-        return (u & 0x7fffffffu) < 0x7f800000u ? f32_value(u) : 0.0f;
+        return (u & 0x7fffffffu) < 0x7f800000u ? float_of(u) : 0.0f;
     }
     uint16_t h = ((const uint16_t *)p)[i];
-    if (dt == DT_BF16) return (h & 0x7fffu) < 0x7f80u ? bf16_value(h) : 0.0f;
+    if (dt == DT_BF16) return (h & 0x7fffu) < 0x7f80u ? bf16_float(h) : 0.0f;
     return (h & 0x7fffu) < 0x7c00u ? f16_value(h) : 0.0f;
 }
 
 static inline double value64(const void *p, int dt, size_t i) {
     if (dt != DT_F64) return value32(p, dt, i);
     uint64_t u = ((const uint64_t *)p)[i];
-    return (u & 0x7fffffffffffffffull) < 0x7ff0000000000000ull ? f64_value(u) : 0.0;
+    return (u & 0x7fffffffffffffffull) < 0x7ff0000000000000ull ? double_of(u) : 0.0;
 }
 
 static void update32_scalar(const void *m, int mdt, const void *v, int vdt, size_t n, float eps, int64_t *count,
@@ -536,9 +516,9 @@ int32_t ckpt_adam_update(const void *m, int32_t mdt, const void *v, int32_t vdt,
 
 /* Raw values (non-finite kept) for the moments check. */
 static inline float raw32(const void *p, int dt, size_t i) {
-    if (dt == DT_F32) return f32_value(((const uint32_t *)p)[i]);
+    if (dt == DT_F32) return float_of(((const uint32_t *)p)[i]);
     uint16_t h = ((const uint16_t *)p)[i];
-    return dt == DT_BF16 ? bf16_value(h) : f16_full(h);
+    return dt == DT_BF16 ? bf16_float(h) : f16_full(h);
 }
 
 static double ratio32_scalar(const void *m, int mdt, const void *v, int vdt, size_t n) {
@@ -604,7 +584,7 @@ static double ratio32(const void *m, int mdt, const void *v, int vdt, size_t n) 
 }
 
 static double raw64(const void *p, int dt, size_t i) {
-    return dt == DT_F64 ? f64_value(((const uint64_t *)p)[i]) : (double)raw32(p, dt, i);
+    return dt == DT_F64 ? double_of(((const uint64_t *)p)[i]) : (double)raw32(p, dt, i);
 }
 
 /* max over i of m[i] * m[i] / v[i] (the square in m's working precision, float32 unless m is float64,

@@ -26,7 +26,10 @@ __all__ = [
     "NativeTensor",
     "Skip",
     "KeyMap",
+    "HF_LAYER",
+    "LAYER_RE",
     "ModelAdapter",
+    "layer_map",
     "rope_to_hf_rows",
     "rope_from_hf_rows",
 ]
@@ -80,7 +83,26 @@ class AdapterConfig:
 
 
 @dataclass(frozen=True)
-class HFTensor:
+class _Placement:
+    """Where one tensor goes, and the element moves on the way (:class:`HFTensor`, :class:`NativeTensor`).
+
+    Attributes:
+        key: the destination key.
+        shape: the destination tensor's shape.
+        rope_heads: the RoPE row permutation (export) or its inverse (import) with this many heads
+            (``None``: rows as stored).
+        part, nparts: block ``part`` of ``nparts`` along dim 1 of a fused ``[E, nparts*A, B]``.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    rope_heads: int | None = None
+    part: int = 0
+    nparts: int = 1
+
+
+@dataclass(frozen=True)
+class HFTensor(_Placement):
     """Where one source tensor goes in the HF state dict.
 
     Attributes:
@@ -96,11 +118,6 @@ class HFTensor:
         fused_experts: those pieces are fused expert tensors ``[E, ...]`` (no per-expert split).
     """
 
-    key: str
-    shape: tuple[int, ...]
-    rope_heads: int | None = None
-    part: int = 0
-    nparts: int = 1
     per_expert: str | None = None
     pieces: tuple[tuple[str, tuple[int, ...]], ...] = ()
     runs: tuple[tuple[int, int, int, int], ...] = ()
@@ -108,7 +125,7 @@ class HFTensor:
 
 
 @dataclass(frozen=True)
-class NativeTensor:
+class NativeTensor(_Placement):
     """Where one HF tensor goes in the trainer's state dict (import): the inverse of :class:`HFTensor`.
 
     Attributes:
@@ -119,11 +136,6 @@ class NativeTensor:
         expert: the HF tensor is expert ``expert`` (``[A, B]``) of a native ``[E, A, B]``.
     """
 
-    key: str
-    shape: tuple[int, ...]
-    rope_heads: int | None = None
-    part: int = 0
-    nparts: int = 1
     expert: int | None = None
 
 
@@ -158,6 +170,30 @@ class KeyMap:
     @functools.cached_property
     def _re(self) -> re.Pattern[str]:  # compiled on first use: importing the adapters compiles no pattern
         return re.compile(self.native)
+
+
+#: A decoder layer's native fqn prefix ``layers.<N>.`` as a regex (group ``layer``).
+LAYER_RE = r"layers\.(?P<layer>\d+)\."
+#: A decoder layer's HF key prefix (``{layer}``).
+HF_LAYER = "model.layers.{layer}."
+
+
+def layer_map(
+    native: str, hf: str, kind: str = "copy", *, read: str | None = None, per_expert: str | None = None
+) -> KeyMap:
+    """The :class:`KeyMap` of a decoder-layer tensor: native ``layers.{layer}.<native>`` <-> HF
+    ``model.layers.{layer}.<hf>`` (``per_expert``: after the same prefix).
+
+    ``read``: the regex of the native names matched after ``layers.N.`` (also an older release's
+    spelling), by default ``native`` itself; ``native`` is what ``from_hf`` writes.
+    """
+    return KeyMap(
+        LAYER_RE + (re.escape(native) if read is None else read),
+        HF_LAYER + hf,
+        "layers.{layer}." + native,
+        kind,
+        per_expert=None if per_expert is None else HF_LAYER + per_expert,
+    )
 
 
 def _check_rope(key: str, shape: tuple[int, ...], heads: int | None, head_dim: int | None, what: str) -> int:

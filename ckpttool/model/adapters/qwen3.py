@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpttool.model.adapters.base import KeyMap, ModelAdapter
+from ckpttool.model.adapters.base import LAYER_RE, KeyMap, ModelAdapter, layer_map
+from ckpttool.model.adapters.llama3 import torchtitan_dense
 from ckpttool.model.adapters.registry import register_adapter
 
 __all__ = ["TorchtitanQwen3"]
 
-_L = r"layers\.(?P<layer>\d+)\."
-_EXP = r"moe\.(?:routed_experts\.inner_experts|experts)\."
-_HF = "model.layers.{layer}."
+#: the regex of a grouped expert tensor ``moe.routed_experts.inner_experts.<w>_<dims>`` (0.3) or ``moe.experts.<w>``
+_EXP = r"moe\.(?:routed_experts\.inner_experts|experts)\.{}(?:_{})?"
 #: fqn fragments of Qwen3 that Llama 3 lacks (``q_norm``, grouped experts)
 _QWEN3_ONLY = (".attention.q_norm.", ".moe.")
 
@@ -42,63 +42,36 @@ class TorchtitanQwen3(ModelAdapter):
         return bool(evidence.any_fqn_contains(*_QWEN3_ONLY))
 
     maps = (
-        KeyMap(r"tok_embeddings\.weight", "model.embed_tokens.weight", "tok_embeddings.weight"),
-        KeyMap(
-            _L + r"attention\.(?:qkv_linear\.)?wq\.weight",
-            _HF + "self_attn.q_proj.weight",
-            "layers.{layer}.attention.qkv_linear.wq.weight",
-        ),
-        KeyMap(
-            _L + r"attention\.(?:qkv_linear\.)?wk\.weight",
-            _HF + "self_attn.k_proj.weight",
-            "layers.{layer}.attention.qkv_linear.wk.weight",
-        ),
-        KeyMap(
-            _L + r"attention\.(?:qkv_linear\.)?wv\.weight",
-            _HF + "self_attn.v_proj.weight",
-            "layers.{layer}.attention.qkv_linear.wv.weight",
-        ),
-        KeyMap(_L + r"attention\.wo\.weight", _HF + "self_attn.o_proj.weight", "layers.{layer}.attention.wo.weight"),
-        KeyMap(
-            _L + r"attention\.q_norm\.weight", _HF + "self_attn.q_norm.weight", "layers.{layer}.attention.q_norm.weight"
-        ),
-        KeyMap(
-            _L + r"attention\.k_norm\.weight", _HF + "self_attn.k_norm.weight", "layers.{layer}.attention.k_norm.weight"
-        ),
-        KeyMap(_L + r"feed_forward\.w1\.weight", _HF + "mlp.gate_proj.weight", "layers.{layer}.feed_forward.w1.weight"),
-        KeyMap(_L + r"feed_forward\.w3\.weight", _HF + "mlp.up_proj.weight", "layers.{layer}.feed_forward.w3.weight"),
-        KeyMap(_L + r"feed_forward\.w2\.weight", _HF + "mlp.down_proj.weight", "layers.{layer}.feed_forward.w2.weight"),
-        KeyMap(
-            _L + _EXP + r"w1(?:_EFD)?",
-            _HF + "mlp.experts.gate_up_proj",
-            "layers.{layer}.moe.routed_experts.inner_experts.w1_EFD",
+        *torchtitan_dense(rope=False),
+        layer_map("attention.q_norm.weight", "self_attn.q_norm.weight"),
+        layer_map("attention.k_norm.weight", "self_attn.k_norm.weight"),
+        layer_map(
+            "moe.routed_experts.inner_experts.w1_EFD",
+            "mlp.experts.gate_up_proj",
             "gate",
-            per_expert=_HF + "mlp.experts.{j}.gate_proj.weight",
+            read=_EXP.format("w1", "EFD"),
+            per_expert="mlp.experts.{j}.gate_proj.weight",
         ),
-        KeyMap(
-            _L + _EXP + r"w3(?:_EFD)?",
-            _HF + "mlp.experts.gate_up_proj",
-            "layers.{layer}.moe.routed_experts.inner_experts.w3_EFD",
+        layer_map(
+            "moe.routed_experts.inner_experts.w3_EFD",
+            "mlp.experts.gate_up_proj",
             "up",
-            per_expert=_HF + "mlp.experts.{j}.up_proj.weight",
+            read=_EXP.format("w3", "EFD"),
+            per_expert="mlp.experts.{j}.up_proj.weight",
         ),
-        KeyMap(
-            _L + _EXP + r"w2(?:_EDF)?",
-            _HF + "mlp.experts.down_proj",
-            "layers.{layer}.moe.routed_experts.inner_experts.w2_EDF",
+        layer_map(
+            "moe.routed_experts.inner_experts.w2_EDF",
+            "mlp.experts.down_proj",
             "experts",
-            per_expert=_HF + "mlp.experts.{j}.down_proj.weight",
+            read=_EXP.format("w2", "EDF"),
+            per_expert="mlp.experts.{j}.down_proj.weight",
         ),
-        KeyMap(_L + r"moe\.router\.gate\.weight", _HF + "mlp.gate.weight", "layers.{layer}.moe.router.gate.weight"),
+        layer_map("moe.router.gate.weight", "mlp.gate.weight"),
         KeyMap(
-            _L + r"moe\.expert_bias(?:_E)?",
+            LAYER_RE + r"moe\.expert_bias(?:_E)?",
             None,
             kind="skip",
             reason="torchtitan load-balancing expert_bias buffer (no HF counterpart)",
         ),
-        KeyMap(_L + r"moe\.tokens_per_expert", None, kind="skip", reason="torchtitan routing statistics buffer"),
-        KeyMap(_L + r"attention_norm\.weight", _HF + "input_layernorm.weight", "layers.{layer}.attention_norm.weight"),
-        KeyMap(_L + r"ffn_norm\.weight", _HF + "post_attention_layernorm.weight", "layers.{layer}.ffn_norm.weight"),
-        KeyMap(r"norm\.weight", "model.norm.weight", "norm.weight"),
-        KeyMap(r"(?:lm_head|output)\.weight", "lm_head.weight", "lm_head.weight"),
+        KeyMap(LAYER_RE + r"moe\.tokens_per_expert", None, kind="skip", reason="torchtitan routing statistics buffer"),
     )

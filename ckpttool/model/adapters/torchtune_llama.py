@@ -13,15 +13,13 @@ Export only: ``ckpttool import`` writes torch-native or torchtitan keys, never t
 
 from __future__ import annotations
 
-from ckpttool.model.adapters.base import AdapterConfig, KeyMap, ModelAdapter, NativeTensor, Skip
+from ckpttool.model.adapters.base import AdapterConfig, KeyMap, ModelAdapter, NativeTensor, Skip, layer_map
 from ckpttool.model.adapters.registry import register_adapter
 
 __all__ = ["TorchtuneLlama"]
 
 #: fqn fragments a torchtune Llama never has (Qwen / Gemma q/k norms, MoE experts, LoRA adapters)
 _NOT_LLAMA = (".attn.q_norm.", ".attn.k_norm.", ".experts.", ".lora_", ".mlp.router.")
-
-_L = r"layers\.(?P<layer>\d+)\."
 
 
 @register_adapter
@@ -33,37 +31,15 @@ class TorchtuneLlama(ModelAdapter):
 
     maps = (
         KeyMap(r"tok_embeddings\.weight", "model.embed_tokens.weight", "tok_embeddings.weight"),
-        KeyMap(
-            _L + r"attn\.q_proj\.weight",
-            "model.layers.{layer}.self_attn.q_proj.weight",
-            "layers.{layer}.attn.q_proj.weight",
-            "rope_q",
-        ),
-        KeyMap(
-            _L + r"attn\.k_proj\.weight",
-            "model.layers.{layer}.self_attn.k_proj.weight",
-            "layers.{layer}.attn.k_proj.weight",
-            "rope_k",
-        ),
-        KeyMap(
-            _L + r"attn\.v_proj\.weight",
-            "model.layers.{layer}.self_attn.v_proj.weight",
-            "layers.{layer}.attn.v_proj.weight",
-        ),
-        KeyMap(
-            _L + r"attn\.output_proj\.weight",
-            "model.layers.{layer}.self_attn.o_proj.weight",
-            "layers.{layer}.attn.output_proj.weight",
-        ),
-        KeyMap(_L + r"mlp\.w1\.weight", "model.layers.{layer}.mlp.gate_proj.weight", "layers.{layer}.mlp.w1.weight"),
-        KeyMap(_L + r"mlp\.w3\.weight", "model.layers.{layer}.mlp.up_proj.weight", "layers.{layer}.mlp.w3.weight"),
-        KeyMap(_L + r"mlp\.w2\.weight", "model.layers.{layer}.mlp.down_proj.weight", "layers.{layer}.mlp.w2.weight"),
-        KeyMap(_L + r"sa_norm\.scale", "model.layers.{layer}.input_layernorm.weight", "layers.{layer}.sa_norm.scale"),
-        KeyMap(
-            _L + r"mlp_norm\.scale",
-            "model.layers.{layer}.post_attention_layernorm.weight",
-            "layers.{layer}.mlp_norm.scale",
-        ),
+        layer_map("attn.q_proj.weight", "self_attn.q_proj.weight", "rope_q"),
+        layer_map("attn.k_proj.weight", "self_attn.k_proj.weight", "rope_k"),
+        layer_map("attn.v_proj.weight", "self_attn.v_proj.weight"),
+        layer_map("attn.output_proj.weight", "self_attn.o_proj.weight"),
+        layer_map("mlp.w1.weight", "mlp.gate_proj.weight"),
+        layer_map("mlp.w3.weight", "mlp.up_proj.weight"),
+        layer_map("mlp.w2.weight", "mlp.down_proj.weight"),
+        layer_map("sa_norm.scale", "input_layernorm.weight"),
+        layer_map("mlp_norm.scale", "post_attention_layernorm.weight"),
         KeyMap(r"norm\.scale", "model.norm.weight", "norm.scale"),
         KeyMap(r"output\.weight", "lm_head.weight", "output.weight"),
     )

@@ -21,8 +21,8 @@ __all__ = [
     "Discovery",
     "FolderPair",
     "SchemaSpec",
-    "named_by_format",
     "canonical_model_key",
+    "per_rank_spec",
 ]
 
 #: The model prefix of the torch-native spelling ``model.<fqn>`` (what export rules match, whatever the schema).
@@ -147,9 +147,10 @@ class SchemaSpec:
         model_prefix, optimizer_prefix: the prefixes ``--schema <name>`` reads the keys with
             (default ``model.`` / ``optimizer.``, torch's ``{"model": ..., "optimizer": ...}``).
         model_container: the nesting of the model's state dict in the saved dict: ``()`` top
-            level, ``("model",)`` (default) for ``{"model": sd}``, ``(None, "model")`` for
-            ``{<any app>: {"model": sd}}`` (``None``: any name). Detection reads model-prefix
-            candidates from it (planner paths, else key prefixes).
+            level, ``("model",)`` for ``{"model": sd}``, ``(None, "model")`` for
+            ``{<any app>: {"model": sd}}`` (``None``: any name); by default the model prefix's
+            components (``model.``: ``("model",)``; ``""``: ``()``), read as :attr:`container`.
+            Detection reads model-prefix candidates from it (planner paths, else key prefixes).
         claims: detection predicate: is a checkpoint with these findings of this schema? Specs
             are asked in priority order; the first that claims it names it.
         priority: the order specs are asked in (lower first; the registry keeps ties in
@@ -172,7 +173,7 @@ class SchemaSpec:
     claims: Callable[[Detected], bool]
     model_prefix: str = "model."
     optimizer_prefix: str = "optimizer."
-    model_container: tuple[str | None, ...] = ("model",)
+    model_container: tuple[str | None, ...] | None = None
     priority: int = 50
     optimizer_heads: tuple[str, ...] = ("optimizer",)
     training_state_items: tuple[str, ...] = ()
@@ -186,6 +187,32 @@ class SchemaSpec:
     doc_written_by: str = ""
 
     @property
+    def container(self) -> tuple[str | None, ...]:
+        """:attr:`model_container`, or where not given the model prefix's components (``""``: ``()``)."""
+        if self.model_container is not None:
+            return self.model_container
+        return tuple(self.model_prefix.split(".")[:-1])
+
+    @property
     def choice(self) -> str:
         """The Python name of its ``--schema`` choice (``torch_native``)."""
         return self.name.replace("-", "_")
+
+
+def per_rank_spec(
+    name: str, *, priority: int, doc_optimizer: str, doc_written_by: str, discovery: Discovery = Discovery()
+) -> SchemaSpec:
+    """The spec of a trainer's per-rank ``torch.save`` files (not DCP), which
+    :mod:`ckpttool.format.perrank_formats` assembles into torch's flattened keys ``model.<fqn>``,
+    ``optimizer.state.<fqn>.<field>`` and ``lr_scheduler.<field>``: chosen by the file format
+    (:func:`named_by_format`), never by key detection."""
+    return SchemaSpec(
+        name=name,
+        claims=named_by_format,
+        priority=priority,
+        training_state_items=("lr_scheduler",),
+        discovery=discovery,
+        doc_model="`model.<fqn>` (assembled)",
+        doc_optimizer=doc_optimizer,
+        doc_written_by=doc_written_by,
+    )

@@ -182,7 +182,6 @@ def _claims(d: Detected) -> bool:
 SPEC = SchemaSpec(
     name="megatron",
     model_prefix="",
-    model_container=(),
     claims=_claims,
     priority=40,
     split_state_key=split_state_key,

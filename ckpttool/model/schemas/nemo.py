@@ -65,7 +65,6 @@ SPEC = SchemaSpec(
     name="nemo-automodel",
     model_prefix="",
     optimizer_prefix="optim.",
-    model_container=(),
     claims=_claims,
     priority=25,
     optimizer_heads=("optim",),

@@ -48,7 +48,7 @@ class Derived:
     Attributes:
         training_state_items: top-level training-state item names (generic ones and every spec's).
         optimizer_heads: top-level names of optimizer state dicts (every spec's, first-seen order).
-        containers: ``(container, spec)`` of the specs whose model is nested (``model_container`` non-empty), in priority order.
+        containers: ``(container, spec)`` of the specs whose model is nested (``container`` non-empty), in priority order.
         fixed_prefixes: model prefixes of the specs without a wildcard container, deduplicated, in priority order.
         step_re: the step-directory regex (``<word>[-_]?<N>``, case-insensitive).
         latest_files: files naming the last step; folder_pairs: model/optimizer folder pairs, in order.
@@ -135,8 +135,8 @@ def derived() -> Derived:
     d = Derived(
         training_state_items=frozenset(GENERIC_TRAINING_STATE_ITEMS).union(*(s.training_state_items for s in _SPECS)),
         optimizer_heads=_unique([h for s in _SPECS for h in s.optimizer_heads]),
-        containers=tuple((s.model_container, s) for s in _SPECS if s.model_container),
-        fixed_prefixes=_unique([s.model_prefix for s in _SPECS if None not in s.model_container]),
+        containers=tuple((s.container, s) for s in _SPECS if s.container),
+        fixed_prefixes=_unique([s.model_prefix for s in _SPECS if None not in s.container]),
         step_re=re.compile(rf"^(?:{'|'.join(map(re.escape, words))})[-_]?(\d+)$", re.I),
         latest_files=_unique([f for d in all_discovery for f in d.latest_files]),
         folder_pairs=tuple(p for d in all_discovery for p in d.folder_pairs),

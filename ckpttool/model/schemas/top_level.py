@@ -18,7 +18,6 @@ def _claims(d: Detected) -> bool:
 SPEC = SchemaSpec(
     name="top-level",
     model_prefix="",
-    model_container=(),
     claims=_claims,
     priority=100,
     doc_model="`<fqn>` (top level)",

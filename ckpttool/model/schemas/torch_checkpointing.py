@@ -8,17 +8,14 @@ per-rank format, never by key detection.
 
 from __future__ import annotations
 
-from ckpttool.model.schemas.base import SchemaSpec, named_by_format
+from ckpttool.model.schemas.base import per_rank_spec
 
 __all__ = ["SPEC"]
 
 
-SPEC = SchemaSpec(
-    name="torch-checkpointing",
-    claims=named_by_format,
+SPEC = per_rank_spec(
+    "torch-checkpointing",
     priority=91,
-    training_state_items=("lr_scheduler",),
-    doc_model="`model.<fqn>` (assembled)",
     doc_optimizer="`optimizer.state.<fqn>.<field>` (assembled)",
     doc_written_by="torch-checkpointing: per-rank `model_{rank}.pt`/`.safetensors`, `optimizer_{rank}.pt`, `metadata.pkl`",
 )

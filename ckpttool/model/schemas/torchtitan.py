@@ -25,7 +25,6 @@ def _claims(d: Detected) -> bool:
 SPEC = SchemaSpec(
     name="torchtitan",
     model_prefix="",
-    model_container=(),
     claims=_claims,
     priority=30,
     training_state_items=ITEMS,

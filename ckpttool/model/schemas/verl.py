@@ -9,18 +9,15 @@ format, never by key detection.
 
 from __future__ import annotations
 
-from ckpttool.model.schemas.base import Discovery, SchemaSpec, named_by_format
+from ckpttool.model.schemas.base import Discovery, per_rank_spec
 
 __all__ = ["SPEC"]
 
 
-SPEC = SchemaSpec(
-    name="verl",
-    claims=named_by_format,
+SPEC = per_rank_spec(
+    "verl",
     priority=90,
-    training_state_items=("lr_scheduler",),
     discovery=Discovery(step_words=("global_step",)),
-    doc_model="`model.<fqn>` (assembled)",
     doc_optimizer="`optimizer.state.<fqn>.<field>` (assembled; index -> fqn)",
     doc_written_by="verl's `FSDPCheckpointManager`: per-rank `{model,optim,extra_state}_world_size_W_rank_R.pt`",
 )
