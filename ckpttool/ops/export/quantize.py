@@ -827,8 +827,8 @@ class BlockQuantizer:
     def band(
         self, task: SourceTask, meta: TensorMeta, chunks: list[ChunkMeta], writer: ShardWriter, index: int
     ) -> None:
-        """Work unit ``index``: read its bands' output rows of one piece (one read per stored chunk), quantize and check
-        each band of ``B`` rows, write the FP8 bytes and the scales (one write each).
+        """Work unit ``index``: read, quantize and check each of its bands of ``B`` output rows of one piece in turn (one
+        read per stored chunk a band spans), then write the unit's FP8 bytes and its scales (one write each).
 
         The rows of a fused piece's band may come from several sources (``QuantTask.sources``). The CRC-32 of each
         record read is computed from these reads and checked once they cover it (:class:`_RecordCrcs`); a band
@@ -852,27 +852,26 @@ class BlockQuantizer:
         # the stored values as they are (the kernel widens them exactly), float32 to add a LoRA delta to
         same = all(m.dtype == meta.dtype for m, _ in metas)
         held = (merge is None and same and _held(meta.dtype.name)) or np.float32
-        band = self._buffers.get(f"band-{held.__name__}", held, (r1 - r0) * cols).reshape(r1 - r0, cols)
         touched: list[Any] = []  # the records read (checked whole before a band's error is reported)
-        for o0, s0, n, src in _source_ranges(qt.rows[k], r0, r1):
-            dest = band[o0 - r0 : o0 - r0 + n]
-            self._read_rows(qt.sources[src], *metas[src], s0, s0 + n, dest, touched)
-            if merge is not None:  # PEFT's (B @ A) * scaling, in FP32, before the one rounding (to FP8)
-                dest += (merge.b[s0 : s0 + n] @ merge.a) * np.float32(merge.scale)
         ncb = -(-cols // b)  # scales of a block band
-        per = len(band) if self.channel else (j1 - j0) * ncb  # the unit's scales
-        q = self._buffers.get("q", np.uint8, band.size)
+        per = r1 - r0 if self.channel else (j1 - j0) * ncb  # the unit's scales
+        q = self._buffers.get("q", np.uint8, (r1 - r0) * cols)
         scale = self._buffers.get("scale", np.float32, per)
         try:
-            for j in range(j0, j1):
-                a0, a1 = (j - j0) * b, min(len(band), (j - j0 + 1) * b)
+            for j in range(j0, j1):  # each band read just before it is quantized (still in the cache)
+                a0, a1 = (j - j0) * b, min(r1 - r0, (j - j0 + 1) * b)
+                band = self._buffers.get(f"band-{held.__name__}", held, (a1 - a0) * cols).reshape(a1 - a0, cols)
+                for o0, s0, n, src in _source_ranges(qt.rows[k], r0 + a0, r0 + a1):
+                    dest = band[o0 - r0 - a0 : o0 - r0 - a0 + n]
+                    self._read_rows(qt.sources[src], *metas[src], s0, s0 + n, dest, touched)
+                    if merge is not None:  # PEFT's (B @ A) * scaling, in FP32, before the one rounding (to FP8)
+                        dest += (merge.b[s0 : s0 + n] @ merge.a) * np.float32(merge.scale)
                 where = _Where(f"expert {e} " if len(weight.shape) > 2 else "", jj0 + j - j0, (jj0 + j - j0) * b)
                 s = scale[a0:a1] if self.channel else scale[(j - j0) * ncb : (j - j0 + 1) * ncb]
                 qb = q[a0 * cols : a1 * cols].reshape(a1 - a0, cols)
-                self._quantize(weight.name, where, band[a0:a1], qb, s)
+                self._quantize(weight.name, where, band, qb, s)
                 if merge is not None and not merge.changed:
-                    span = (r0 + a0, r0 + a1)
-                    merge.changed = self._merge_changed(task, meta, chunks, k, span, qb, s)
+                    merge.changed = self._merge_changed(task, meta, chunks, k, (r0 + a0, r0 + a1), qb, s)
         except QuantizationError:
             self._crcs.verify(touched)  # damaged bytes: their ChecksumError first
             raise
