@@ -59,7 +59,9 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def quantize_band(band: np.ndarray, block: int | None) -> BandResult:
+def quantize_band(
+    band: np.ndarray, block: int | None, q: np.ndarray | None = None, scale: np.ndarray | None = None
+) -> BandResult:
     """Quantize one band (``[rows, cols]``) to ``float8_e4m3fn`` and measure its error, with the native kernel.
 
     Args:
@@ -87,9 +89,18 @@ def quantize_band(band: np.ndarray, block: int | None) -> BandResult:
         raise TypeError(f"band of {band.dtype}: float32, float16 or uint16 (bfloat16 bits)")
     band = np.ascontiguousarray(band)
     n = rows if block is None else -(-cols // block)
-    q = _scratch.get("q", np.uint8, rows * cols).reshape(rows, cols)
-    scale, amax = _scratch.get("scale", np.float32, n), _scratch.get("amax", np.float32, n)
+    q = _scratch.get("q", np.uint8, rows * cols) if q is None else _out(q, np.uint8, rows * cols)
+    q = q.reshape(rows, cols)
+    scale = _scratch.get("scale", np.float32, n) if scale is None else _out(scale, np.float32, n)
+    amax = _scratch.get("amax", np.float32, n)
     fig = _scratch.get("figures", np.float64, 2)
     out = (q.ctypes.data, scale.ctypes.data, amax.ctypes.data, fig.ctypes.data)
     fn(band.ctypes.data, int(band.dtype == np.uint16), rows, cols, block or 0, *out)
     return BandResult(q, scale, amax, float(fig[0]), float(fig[1]))
+
+
+def _out(a: np.ndarray, dtype: Any, n: int) -> np.ndarray:
+    """``a`` as ``n`` elements of ``dtype`` the kernel may write; raises ValueError for any other array."""
+    if a.dtype != dtype or a.size != n or not a.flags.c_contiguous or not a.flags.writeable:
+        raise ValueError(f"output of {a.dtype} x {a.size}: the kernel writes {n} C-contiguous {np.dtype(dtype)}")
+    return a.reshape(-1)

@@ -2,8 +2,9 @@
  *
  * ckpt_fp8_band computes, for a band of [rows, cols] float32 or bfloat16 values, what the numpy
  * kernels fp8_block_quantize / fp8_channel_quantize, their dequantization and fp8_*_error compute
- * (ckpttool/engine/kernels.py), bit for bit, in one read of each 128-column block (or row) for the
- * amax and one cache-resident pass that quantizes, writes the bytes and measures the error:
+ * (ckpttool/engine/kernels.py), bit for bit, in one read of the band (per block: of each row, per
+ * column, reduced per block once) or of each row (per channel) for the amax, and one pass that
+ * quantizes, writes the bytes and measures the error:
  *
  *   amax  = max |w| over the block (row); NaN when it holds a NaN (a max of |w|'s bit patterns)
  *   scale = amax / 448 (float32 division), 1 for an all-zero block (row)
@@ -19,6 +20,8 @@
 /* no FP exception flags are read: lets the loops below be if-converted and vectorized (values unchanged) */
 #pragma GCC optimize("no-trapping-math")
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "half.h"
 
@@ -100,6 +103,74 @@ static inline void account(float amax, float err, float *worst, float *rel) {
     *rel = r > *rel ? r : *rel;
 }
 
+/* The block path over whole rows (the same figures, bit for bit: max is order-free): the amax and the error are
+ * kept per column (one contiguous vectorised pass over each row, no reduction per 128 values) and reduced per
+ * block once per band. Returns 0 (nothing done) when its per-column arrays cannot be allocated. */
+static inline int block_by_columns(const void *restrict src, int bf16, int64_t rows, int64_t cols, int64_t block,
+                                   uint8_t *restrict q, float *restrict scale, float *restrict amax, float *worst,
+                                   float *rel) {
+    uint32_t *colmax = calloc((size_t)cols, 4), *colerr = calloc((size_t)cols, 4);
+    if (colmax == NULL || colerr == NULL) {
+        free(colmax);
+        free(colerr);
+        return 0;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        if (bf16) {
+            const uint16_t *p = (const uint16_t *)src + r * cols;
+            for (int64_t c = 0; c < cols; c++) {
+                uint32_t a = (uint32_t)(p[c] & 0x7FFF) << 16;
+                colmax[c] = a > colmax[c] ? a : colmax[c];
+            }
+        } else {
+            const uint32_t *p = (const uint32_t *)src + r * cols;
+            for (int64_t c = 0; c < cols; c++) {
+                uint32_t a = p[c] & 0x7FFFFFFFu;
+                colmax[c] = a > colmax[c] ? a : colmax[c];
+            }
+        }
+    }
+    for (int64_t c0 = 0, j = 0; c0 < cols; c0 += block, j++) {
+        int64_t n = cols - c0 < block ? cols - c0 : block;
+        uint32_t mb = 0;
+        for (int64_t i = 0; i < n; i++)
+            mb = colmax[c0 + i] > mb ? colmax[c0 + i] : mb;
+        amax[j] = float_of(mb);
+        scale[j] = scale_of(amax[j]);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c0 = 0, j = 0; c0 < cols; c0 += block, j++) {
+            int64_t n = cols - c0 < block ? cols - c0 : block;
+            float s = scale[j];
+            uint32_t *e = colerr + c0;
+            uint8_t *qr = q + r * cols + c0;
+            if (bf16) {
+                const uint16_t *p = (const uint16_t *)src + r * cols + c0;
+                for (int64_t i = 0; i < n; i++) {
+                    uint32_t x = quantize_one((uint32_t)p[i] << 16, s, qr + i);
+                    e[i] = x > e[i] ? x : e[i];
+                }
+            } else {
+                const uint32_t *p = (const uint32_t *)src + r * cols + c0;
+                for (int64_t i = 0; i < n; i++) {
+                    uint32_t x = quantize_one(p[i], s, qr + i);
+                    e[i] = x > e[i] ? x : e[i];
+                }
+            }
+        }
+    }
+    for (int64_t c0 = 0, j = 0; c0 < cols; c0 += block, j++) {
+        int64_t n = cols - c0 < block ? cols - c0 : block;
+        uint32_t eb = 0;
+        for (int64_t i = 0; i < n; i++)
+            eb = colerr[c0 + i] > eb ? colerr[c0 + i] : eb;
+        account(amax[j], float_of(eb), worst, rel);
+    }
+    free(colmax);
+    free(colerr);
+    return 1;
+}
+
 /* Quantize one band of rows to float8_e4m3fn and measure its dequantization error.
  *
  * src: [rows, cols] C-contiguous, float32 (bf16 = 0) or bfloat16 bits (bf16 = 1); read only.
@@ -121,7 +192,7 @@ void ckpt_fp8_band(const void *restrict src, int32_t bf16, int64_t rows, int64_t
             scale[r] = s;
             account(m, err, &worst, &rel);
         }
-    } else {
+    } else if (!block_by_columns(src, bf16, rows, cols, block, q, scale, amax, &worst, &rel)) {
         for (int64_t c0 = 0, j = 0; c0 < cols; c0 += block, j++) {
             int64_t n = cols - c0 < block ? cols - c0 : block;
             uint32_t mb = 0;

@@ -48,6 +48,8 @@ from ckpttool.errors import ExportError, QuantizationError, UsageError
 from ckpttool.ops.export.outputs import OutputFormat, PieceContext, PiecesFn, SourcePieces
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import numpy as np
 
     from ckpttool.format.metadata import ChunkMeta, TensorMeta
@@ -630,8 +632,124 @@ class _Stats:
     zero_blocks: int = 0
 
 
+#: Source bytes a work unit of :class:`BlockQuantizer` reads (a run of bands of one matrix; at least one band): one
+#: read per stored chunk, one write of FP8 bytes and one of scales, one pool task per ~8 MiB.
+UNIT_BYTES = 8 << 20
+
+#: A stored record: ``(key, chunk offsets)``.
+_Mark = tuple[str, tuple[int, ...]]
+
+
+class _RecordCrcs:
+    """The CRC-32 of the records a quantized export reads, computed from the bands' own reads (thread-safe).
+
+    Work units read a record in pieces, out of order, on several threads: each piece's CRC-32 is kept
+    by its offset in the record and, once the pieces tile the record, they are combined in record order
+    (``crc32_combine``) and compared with the zip entry's (:meth:`ChunkLocation.check_crc`). A record
+    read only in part is read whole and checked when its task's last unit is done; a unit whose band
+    fails its checks has its records checked whole first (:meth:`verify`). Without ``crc32_combine``
+    (no isal), or where the entry's CRC covers more than the values, a record is read whole once before
+    its first rows are used. Nothing is checked when the reader's ``verify_crc`` is off.
+    """
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        from ckpttool.engine.crc import crc32, crc32_combine
+
+        self.reader, self.on = reader, bool(reader.verify_crc)
+        self._crc32, self._combine = crc32, crc32_combine
+        self._lock = threading.Lock()
+        self._pieces: dict[_Mark, dict[int, tuple[int, int]]] = {}  # record -> start -> (length, CRC-32)
+        self._covered: dict[_Mark, int] = {}  # record -> bytes in its pieces
+        self._done: set[_Mark] = set()  # records checked
+        self._open: dict[str, dict[_Mark, Any]] = {}  # task key -> the records its units read (locations)
+        self._left: dict[str, int] = {}  # task key -> its units not done
+
+    @staticmethod
+    def _mark(loc: Any) -> _Mark:
+        return (loc.key, tuple(loc.chunk.offsets))
+
+    def _by_pieces(self, loc: Any) -> bool:
+        """Whether ``loc``'s CRC-32 can come from pieces of its values (the entry's CRC covers exactly them)."""
+        return self._combine is not None and loc.record.member is not None and loc.record.compressed_size == loc.nbytes
+
+    def expect(self, task: str, units: int) -> None:
+        """Task ``task`` runs ``units`` work units (:meth:`unit_done` counts them down)."""
+        self._left[task] = units
+
+    def before_use(self, loc: Any) -> None:
+        """Check ``loc`` whole now when its CRC-32 cannot come from pieces (once per record)."""
+        if self.on and not self._by_pieces(loc):
+            self._verify_whole(loc)
+
+    def piece(self, loc: Any, start: int, data: Any) -> None:
+        """Bytes ``data`` read at ``start`` of ``loc``'s values; checks the record once its pieces tile it.
+
+        Raises:
+            ChecksumError: the record's CRC-32 does not match (E308).
+        """
+        if not self.on or not self._by_pieces(loc):
+            return
+        mark, n = self._mark(loc), len(data)
+        crc = int(self._crc32(data, 0))
+        with self._lock:
+            if mark in self._done:
+                return
+            pieces = self._pieces.setdefault(mark, {})
+            if start in pieces:  # a piece read again
+                return
+            pieces[start] = (n, crc)
+            self._covered[mark] = covered = self._covered.get(mark, 0) + n
+            if covered < loc.nbytes:
+                return
+            del self._pieces[mark], self._covered[mark]
+        whole, at = 0, 0
+        for s, (length, c) in sorted(pieces.items()):
+            if s != at:  # overlapping pieces: read it whole instead
+                self._verify_whole(loc)
+                return
+            whole, at = int(self._combine(whole, c, length)), at + length  # type: ignore[misc]
+        if at != loc.nbytes:
+            self._verify_whole(loc)
+            return
+        loc.check_crc(whole)
+        with self._lock:
+            self._done.add(mark)
+
+    def verify(self, locs: list[Any]) -> None:
+        """Check the records of ``locs`` not checked yet, each read whole (before a band's error is reported)."""
+        if self.on:
+            for loc in locs:
+                self._verify_whole(loc)
+
+    def unit_done(self, task: str, locs: list[Any]) -> None:
+        """One unit of ``task`` done, having read ``locs``; after its last, the records it read in part are checked."""
+        if not self.on:
+            return
+        with self._lock:
+            opened = self._open.setdefault(task, {})
+            for loc in locs:
+                opened.setdefault(self._mark(loc), loc)
+            self._left[task] -= 1
+            if self._left[task] > 0:
+                return
+            del self._open[task], self._left[task]
+        for loc in opened.values():
+            self._verify_whole(loc)
+
+    def _verify_whole(self, loc: Any) -> None:
+        mark = self._mark(loc)
+        with self._lock:
+            if mark in self._done:
+                return
+        self.reader.verify_record(loc)
+        with self._lock:
+            self._done.add(mark)
+            self._pieces.pop(mark, None)
+            self._covered.pop(mark, None)
+
+
 class BlockQuantizer:
-    """Quantizes the planned FP8 tasks of an export, one band of ``B`` output rows per call (thread-safe).
+    """Quantizes the planned FP8 tasks of an export, a run of bands of ``B`` output rows per call (thread-safe).
 
     Args:
         reader: the checkpoint reader.
@@ -651,14 +769,16 @@ class BlockQuantizer:
         # key -> (meta, checked chunks) of the sources a task reads besides its own (a fused piece's later sources)
         self.sources: dict[str, tuple[TensorMeta, list[ChunkMeta]]] = {}
         self.stats: dict[str, _Stats] = {}  # output weight name -> its figures
-        self._units_of: dict[str, list[tuple[int, int]]] = {}  # source key -> its work units
+        self._units_of: dict[str, list[tuple[int, int, int]]] = {}  # source key -> its work units
         self._lock = threading.Lock()
-        self._checked: set[tuple[str, tuple[int, ...]]] = set()  # records whose CRC-32 was checked (key, offsets)
+        self._locs: dict[tuple[str, tuple[int, ...]], Any] = {}  # (key, chunk offsets) -> its checked location
+        self._crcs = _RecordCrcs(reader)
         from ckpttool.engine import fp8_native
         from ckpttool.engine.kernels import Scratch
 
         #: whether the bands run torch's kernels (no native kernel): one torch thread per engine worker
         self.uses_torch = not fp8_native.available()
+        self._band_kernel: Callable[..., Any]
         if self.uses_torch:
             # imported here, while the export holds the GC (planning): torch's import under a running
             # collector over the plan's objects costs several times its own time
@@ -668,7 +788,7 @@ class BlockQuantizer:
         else:
             self._band_kernel = fp8_native.quantize_band
 
-        self._buffers = Scratch(min_items=1)  # per thread: the band (float32) and the bytes read (uint8)
+        self._buffers = Scratch(min_items=1)  # per thread: the bands, their FP8 bytes and scales, the bytes read
 
     @property
     def count(self) -> int:
@@ -680,74 +800,98 @@ class BlockQuantizer:
         """Source keys read by another source's task (:attr:`sources` must hold their checked chunks)."""
         return {k for t in self.tasks.values() for k in t.sources[1:]}
 
-    def _units(self, task: SourceTask) -> list[tuple[int, int]]:
-        """``(piece, band)`` of each work unit of ``task`` (computed once per task): ``ceil(rows / B)`` bands per
-        matrix (per expert of fused experts ``[E, rows, cols]``: bands never cross experts)."""
+    def _units(self, task: SourceTask) -> list[tuple[int, int, int]]:
+        """``(piece, first band, end band)`` of each work unit of ``task`` (computed once per task): ``ceil(rows / B)``
+        bands per matrix (per expert of fused experts ``[E, rows, cols]``), taken :data:`UNIT_BYTES` of source at a
+        time (a unit never crosses experts)."""
         units = self._units_of.get(task.source_key)
         if units is None:
-            b = self.block
+            from ckpttool.format.metadata import DTYPE_ITEMSIZE
+
+            b, item = self.block, DTYPE_ITEMSIZE.get(task.selected.source.dtype, 4)
             units = []
             for k in range(self.tasks[task.source_key].weights):
                 shape = task.pieces[2 * k].shape
-                units.extend((k, j) for j in range(_lead_rows(shape[:-1]) * -(-shape[-2] // b)))
+                per, group = -(-shape[-2] // b), max(1, UNIT_BYTES // (b * shape[-1] * item))
+                for e in range(_lead_rows(shape[:-1])):
+                    units.extend((k, e * per + j, e * per + min(per, j + group)) for j in range(0, per, group))
             with self._lock:
                 self._units_of[task.source_key] = units
+                self._crcs.expect(task.source_key, len(units))
         return units
 
     def bands(self, task: SourceTask) -> int:
-        """Work units of ``task``: ``ceil(rows / B)`` bands per quantized matrix."""
+        """Work units of ``task``: runs of consecutive bands of one quantized matrix (``ceil(rows / B)`` bands each)."""
         return len(self._units(task))
 
     def band(
         self, task: SourceTask, meta: TensorMeta, chunks: list[ChunkMeta], writer: ShardWriter, index: int
     ) -> None:
-        """Work unit ``index``: read ``B`` output rows of one piece, quantize, check and write them and their scales.
+        """Work unit ``index``: read, quantize and check each of its bands of ``B`` output rows of one piece in turn (one
+        read per stored chunk a band spans), then write the unit's FP8 bytes and its scales (one write each).
 
-        The rows of a fused piece's band may come from several sources (``QuantTask.sources``).
+        The rows of a fused piece's band may come from several sources (``QuantTask.sources``). The CRC-32 of each
+        record read is computed from these reads and checked once they cover it (:class:`_RecordCrcs`); a band
+        that fails its checks has its records checked whole first, so damaged bytes are reported as such.
 
         Raises:
             QuantizationError (E607): a block holding NaN / infinity, a zero or non-finite scale for a
                 non-zero block, or an error above :data:`MAX_BLOCK_REL_ERROR`.
+            ChecksumError (E308): a record read does not match its CRC-32 (unless ``verify_crc`` is off).
         """
         import numpy as np
 
-        k, j = self._units(task)[index]
+        k, j0, j1 = self._units(task)[index]
         b, qt = self.block, self.tasks[task.source_key]
         weight, scales = task.pieces[2 * k], task.pieces[2 * k + 1]
         rows, cols = weight.shape[-2:]
-        e, jj = divmod(j, -(-rows // b))  # expert (0 for a 2-D weight), band within it
-        r0, r1 = e * rows + jj * b, e * rows + min(rows, (jj + 1) * b)
-        where = _Where(f"expert {e} " if len(weight.shape) > 2 else "", jj, jj * b)
+        e, jj0 = divmod(j0, -(-rows // b))  # expert (0 for a 2-D weight), first band within it
+        r0, r1 = e * rows + jj0 * b, e * rows + min(rows, (jj0 + j1 - j0) * b)
         merge = self.merges.get(task.source_key)
         metas = [(meta, chunks), *(self.sources[key] for key in qt.sources[1:])]
         # the stored values as they are (the kernel widens them exactly), float32 to add a LoRA delta to
         same = all(m.dtype == meta.dtype for m, _ in metas)
         held = (merge is None and same and _held(meta.dtype.name)) or np.float32
-        band = self._buffers.get(f"band-{held.__name__}", held, (r1 - r0) * cols).reshape(r1 - r0, cols)
-        for o0, s0, n, src in _source_ranges(qt.rows[k], r0, r1):
-            dest = band[o0 - r0 : o0 - r0 + n]
-            self._read_rows(qt.sources[src], *metas[src], s0, s0 + n, dest)
-            if merge is not None:  # PEFT's (B @ A) * scaling, in FP32, before the one rounding (to FP8)
-                dest += (merge.b[s0 : s0 + n] @ merge.a) * np.float32(merge.scale)
-        q, scale, amax = self._quantize(weight.name, where, band)
-        if merge is not None and not merge.changed:
-            merge.changed = self._merge_changed(task, meta, chunks, k, (r0, r1), q, scale)
-        # numpy stubs: __buffer__ only on 3.12+
-        writer.write(weight.name, memoryview(q.reshape(-1)), r0 * cols)  # type: ignore[arg-type]
-        at = r0 * 4 if self.channel else j * scales.shape[-1] * 4
-        writer.write(scales.name, memoryview(scale.view(np.uint8)), at)  # type: ignore[arg-type]
-        with self._lock:
-            st = self.stats.setdefault(weight.name, _Stats())
-            st.blocks += len(scale)
-            st.zero_blocks += int((amax == 0).sum())
+        touched: list[Any] = []  # the records read (checked whole before a band's error is reported)
+        ncb = -(-cols // b)  # scales of a block band
+        per = r1 - r0 if self.channel else (j1 - j0) * ncb  # the unit's scales
+        q = self._buffers.get("q", np.uint8, (r1 - r0) * cols)
+        scale = self._buffers.get("scale", np.float32, per)
+        try:
+            for j in range(j0, j1):  # each band read just before it is quantized (still in the cache)
+                a0, a1 = (j - j0) * b, min(r1 - r0, (j - j0 + 1) * b)
+                band = self._buffers.get(f"band-{held.__name__}", held, (a1 - a0) * cols).reshape(a1 - a0, cols)
+                for o0, s0, n, src in _source_ranges(qt.rows[k], r0 + a0, r0 + a1):
+                    dest = band[o0 - r0 - a0 : o0 - r0 - a0 + n]
+                    self._read_rows(qt.sources[src], *metas[src], s0, s0 + n, dest, touched)
+                    if merge is not None:  # PEFT's (B @ A) * scaling, in FP32, before the one rounding (to FP8)
+                        dest += (merge.b[s0 : s0 + n] @ merge.a) * np.float32(merge.scale)
+                where = _Where(f"expert {e} " if len(weight.shape) > 2 else "", jj0 + j - j0, (jj0 + j - j0) * b)
+                s = scale[a0:a1] if self.channel else scale[(j - j0) * ncb : (j - j0 + 1) * ncb]
+                qb = q[a0 * cols : a1 * cols].reshape(a1 - a0, cols)
+                self._quantize(weight.name, where, band, qb, s)
+                if merge is not None and not merge.changed:
+                    merge.changed = self._merge_changed(task, meta, chunks, k, (r0 + a0, r0 + a1), qb, s)
+        except QuantizationError:
+            self._crcs.verify(touched)  # damaged bytes: their ChecksumError first
+            raise
+        writer.write(weight.name, memoryview(q), r0 * cols)
+        at = r0 * 4 if self.channel else j0 * scales.shape[-1] * 4
+        writer.write(scales.name, memoryview(scale.view(np.uint8)), at)
+        self._crcs.unit_done(task.source_key, touched)
 
-    def _quantize(self, name: str, where: _Where, band: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Quantize and check one band (``where``: its expert, band and first row) of output weight ``name``; record
-        its error figures.
+    def _quantize(self, name: str, where: _Where, band: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
+        """Quantize and check one band (``where``: its expert, band and first row) of output weight ``name`` into
+        ``q`` (``uint8`` ``[rows, cols]``) and ``scale`` (float32, one per block / row); record its figures."""
+        import numpy as np
 
-        The arrays returned are this thread's scratch (:func:`ckpttool.engine.fp8_native.quantize_band`)."""
-        r = self._band_kernel(band, None if self.channel else self.block)
-        q, scale, amax, worst, rel = r.q, r.scale, r.amax, r.worst, r.rel
+        if self.uses_torch:
+            r = self._band_kernel(band, None if self.channel else self.block)
+            np.copyto(q, r.q)
+            np.copyto(scale, r.scale)
+        else:
+            r = self._band_kernel(band, None if self.channel else self.block, q, scale)
+        amax, worst, rel = r.amax, r.worst, r.rel
         self._check_scales(name, where, scale, amax)
         if not rel <= MAX_BLOCK_REL_ERROR:
             r0 = where.row
@@ -756,11 +900,13 @@ class BlockQuantizer:
                 f"(bound {MAX_BLOCK_REL_ERROR:.4g})",
                 fqn=name,
             )
+        zero = int(np.count_nonzero(amax == 0))
         with self._lock:
             st = self.stats.setdefault(name, _Stats())
             st.max_abs_error = max(st.max_abs_error, worst)
             st.max_rel_error = max(st.max_rel_error, rel)
-        return q, scale, amax
+            st.blocks += len(scale)
+            st.zero_blocks += zero
 
     def _merge_changed(
         self,
@@ -780,7 +926,7 @@ class BlockQuantizer:
         r0, r1 = span
         base = np.empty_like(q, dtype=np.float32)
         for o0, s0, n, _ in _source_ranges(self.tasks[task.source_key].rows[k], r0, r1):
-            self._read_rows(task.source_key, meta, chunks, s0, s0 + n, base[o0 - r0 : o0 - r0 + n])
+            self._read_rows(task.source_key, meta, chunks, s0, s0 + n, base[o0 - r0 : o0 - r0 + n], None)
         if self.channel:
             q0, s0_, _ = kernels.fp8_channel_quantize(base)
         else:
@@ -805,10 +951,18 @@ class BlockQuantizer:
             )
 
     def _read_rows(
-        self, key: str, meta: TensorMeta, chunks: list[ChunkMeta], s0: int, s1: int, dest: np.ndarray
+        self,
+        key: str,
+        meta: TensorMeta,
+        chunks: list[ChunkMeta],
+        s0: int,
+        s1: int,
+        dest: np.ndarray,
+        touched: list[Any] | None,
     ) -> None:
         """Source rows ``[s0, s1)`` (over the leading dims: ``[prod(size[:-1]), size[-1]]``) as float32 into ``dest``
-        (``[s1 - s0, cols]``), from every chunk holding part of them."""
+        (``[s1 - s0, cols]``), from every chunk holding part of them; ``touched`` (``None``: a second read, not
+        counted towards the records' CRC-32) gets the records read."""
         size = meta.size
         lead = size[-2]
         r = s0
@@ -828,47 +982,41 @@ class BlockQuantizer:
                     local = local * cs[d] + (idx[d] - co[d])
                 crow = local * cs[-2] + (lo - co[-2])
                 at = r - s0 + lo - inner
-                self._read_chunk_rows(key, meta, c, crow, hi - lo, dest[at : at + hi - lo, co[-1] : co[-1] + cs[-1]])
+                dest_c = dest[at : at + hi - lo, co[-1] : co[-1] + cs[-1]]
+                self._read_chunk_rows(key, meta, c, crow, hi - lo, dest_c, touched)
             r += n
 
-    def _read_chunk_rows(self, key: str, meta: TensorMeta, c: ChunkMeta, row: int, n: int, dest: np.ndarray) -> None:
+    def _read_chunk_rows(
+        self, key: str, meta: TensorMeta, c: ChunkMeta, row: int, n: int, dest: np.ndarray, touched: list[Any] | None
+    ) -> None:
         """``n`` rows of stored chunk ``c`` from its row ``row`` (over its leading dims) as float32 into ``dest``."""
         import numpy as np
 
         item = meta.dtype.itemsize
         width = c.sizes[-1]
         start, nbytes = row * width * item, n * width * item
-        loc = self.reader.locate(key, c)
+        mark = (key, tuple(c.offsets))
+        loc = self._locs.get(mark)
+        if loc is None:
+            loc = self._locs[mark] = self.reader.locate(key, c)  # checked once per chunk (a race locates twice)
         if loc.raw:
             assert loc.record is not None
-            self._check_record(key, c, loc)
+            if touched is not None:
+                touched.append(loc)
+                self._crcs.before_use(loc)
             if dest.dtype == _held(meta.dtype.name) and dest.flags.c_contiguous:  # straight into the band
-                self.reader.pread_into(loc.info, loc.record.data_offset + start, dest.reshape(-1).view(np.uint8), key)
-                return
-            buf = self._buffers.get("raw", np.uint8, nbytes)
-            self.reader.pread_into(loc.info, loc.record.data_offset + start, buf, key)
-        else:  # a chunk the locator cannot map: decoded (whole) by the reader
-            from ckpttool.ops.export.transform import _decoded_chunk
-
-            buf = _decoded_chunk(self.reader, key, c)[start : start + nbytes]
-        _widen(buf, meta.dtype.name, dest)
-
-    def _check_record(self, key: str, c: ChunkMeta, loc: Any) -> None:
-        """Check the CRC-32 of the record behind chunk ``c`` once, before its first rows are used (bands read a
-        record in pieces, out of order, so the CRC cannot ride those reads).
-
-        Raises:
-            ChecksumError: the record's bytes do not match its CRC-32 (E308); off with ``verify_crc=False``.
-        """
-        if not self.reader.verify_crc:
+                buf = dest.reshape(-1).view(np.uint8)
+                self.reader.pread_into(loc.info, loc.record.data_offset + start, buf, key)
+            else:
+                buf = self._buffers.get("raw", np.uint8, nbytes)
+                self.reader.pread_into(loc.info, loc.record.data_offset + start, buf, key)
+                _widen(buf, meta.dtype.name, dest)
+            if touched is not None:
+                self._crcs.piece(loc, start, buf)
             return
-        mark = (key, tuple(c.offsets))
-        with self._lock:
-            if mark in self._checked:
-                return
-        self.reader.verify_record(loc)
-        with self._lock:
-            self._checked.add(mark)
+        from ckpttool.ops.export.transform import _decoded_chunk  # a chunk the locator cannot map: decoded (whole)
+
+        _widen(_decoded_chunk(self.reader, key, c)[start : start + nbytes], meta.dtype.name, dest)
 
     def summary(self) -> dict[str, Any]:
         """``--json`` ``quantization.tensors``: output weight name -> its error figures, sorted by name."""

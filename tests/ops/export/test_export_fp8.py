@@ -393,3 +393,38 @@ def test_flipped_bit_in_a_quantized_source_is_e308_nothing_published(tmp_path: P
     assert res.exit_code == 0, res.stderr
     got = _file_tensors(out)
     assert got[key].dtype == torch.float8_e4m3fn, sorted(got)
+
+
+def test_units_of_a_few_bands_check_each_record_from_their_reads(tmp_path: Path, monkeypatch: Any) -> None:
+    """Units of two bands read a record in three pieces: the same bytes as one unit; a flipped mantissa bit in the last
+    piece is E308 (the pieces' CRC-32 combined), a NaN there too (the record checked whole before the band's E607)."""
+    from ckpttool.format.reader import CheckpointReader
+    from ckpttool.ops.export import quantize
+    from tests.fixtures.damage import flip_value_bit
+
+    key = "model.model.layers.0.mlp.down_proj.weight"
+    src = tmp_path / "ckpt"
+    dcp.save(
+        {key: torch.randn(96, 40), "model.model.norm.weight": torch.ones(24)}, checkpoint_id=str(src), no_dist=True
+    )
+    args = ["--quantize", "fp8-block", "--quantize-block", "16"]
+    assert runner.invoke(app, ["export", str(src), str(tmp_path / "one"), *args]).exit_code == 0
+    monkeypatch.setattr(quantize, "UNIT_BYTES", 2 * 16 * 40 * 4)  # 6 bands of 16 rows: 3 units
+    res = runner.invoke(app, ["export", str(src), str(tmp_path / "three"), *args])
+    assert res.exit_code == 0, res.stderr
+    name = "model.safetensors"
+    assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "three" / name).read_bytes()
+    with CheckpointReader(src) as r:
+        loc = r.locate(key, r.tensor_meta(key).chunks[0])
+        path, nan_at = src / loc.info.relative_path, loc.data_start + 4 * 40 * 90
+    original = path.read_bytes()
+    flip_value_bit(src, key, at=4 * 40 * 80)  # the third unit's rows
+    for damaged in ("bit", "nan"):
+        if damaged == "nan":
+            data = bytearray(original)
+            data[nan_at : nan_at + 4] = np.array([np.nan], dtype=np.float32).tobytes()
+            path.write_bytes(bytes(data))
+        out = tmp_path / f"out_{damaged}"
+        res = runner.invoke(app, ["export", str(src), str(out), *args])
+        assert res.exit_code == 2 and "[E308]" in res.stderr and "Traceback" not in res.stderr, (damaged, res.stderr)
+        assert not out.exists()
