@@ -39,6 +39,9 @@ Transforming exports, each beside ``cp -r`` of its own output (the same output b
   output; wall and CPU seconds (user + system of the process); ``--many-baseline DIR`` runs another
   copy of the package (a worktree of an older revision) on the same checkpoint, alternated, and
   checks its output is byte-identical.
+- ``many-floor`` (``--only many-floor``, off by default): what a floor-cost export of those ``--many N``
+  tensors is made of, each step alone in process (CPU s): parsing ``.metadata`` (no cache / cache
+  hit), the safetensors header and index text, reading the data files and writing the output bytes.
 
 Every row carries the CPU seconds (user + system) of its process beside the wall time: on a
 shared machine the CPU is the figure to compare. ``--baseline DIR`` (a directory holding another
@@ -55,12 +58,14 @@ Usage::
                                  [--only preserve cast per-expert ... phases] [--skip-torch]
                                  [--baseline DIR]
     python bench/bench_export.py --only many --many 100000 [--many-baseline DIR] --repeat 2
+    python bench/bench_export.py --only many-floor --many 1000000
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -209,6 +214,82 @@ def _many_case(root: Path, n: int, repeat: int, baseline: Path | None) -> list[s
         lines.append(f"  output byte-identical to the baseline's: {same}")
     for _, _, out in trees:
         shutil.rmtree(out, ignore_errors=True)
+    return lines
+
+
+def _cpu_of(fn: Any) -> tuple[float, Any]:
+    """(CPU seconds of this process, user + system, spent in ``fn()``; its result)."""
+    t0 = time.process_time()
+    out = fn()
+    return time.process_time() - t0, out
+
+
+def _floor_documents(metas: Any, rows: list[tuple[str, float]]) -> int:
+    """The header and index steps of :func:`_many_floor` (their CPU seconds into ``rows``); the output's size."""
+    from ckpttool.format.safetensors import HeaderEntry, _layout
+
+    keys = [k for k in metas if k.startswith("model.")]
+    entries = [HeaderEntry(k[len("model.") :], metas[k].dtype.name, metas[k].size) for k in keys]
+    c, (prefix, _, _) = _cpu_of(lambda: _layout(entries, None))
+    rows.append((f"safetensors header, ckpttool's joined text ({len(prefix) / 1e6:.0f} MB)", c))
+    hdr: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for e in entries:
+        nb = 2 * math.prod(e.shape)  # BF16
+        hdr[e.name] = {"dtype": "BF16", "shape": list(e.shape), "data_offsets": [pos, pos + nb]}
+        pos += nb
+    c, _ = _cpu_of(lambda: json.dumps(hdr, separators=(",", ":")))
+    rows.append(("  the same header by json.dumps of the dict (dict built outside)", c))
+    c, _ = _cpu_of(lambda: json.dumps({"metadata": {}, "weight_map": {e.name: "model.safetensors" for e in entries}}))
+    rows.append(("index: json.dumps of the weight map", c))
+    return pos + len(prefix)
+
+
+def _many_floor(root: Path, n: int) -> list[str]:
+    """What a floor-cost export of ``n`` one-chunk tensors is made of, each step alone, in this process.
+
+    The steps every export of them needs, done by the cheapest code at hand: parsing ``.metadata``
+    (the native column reader, no cache; and the parsed-metadata cache hit that ``export`` uses,
+    with the catalog), the safetensors header text (ckpttool's joined JSON of ``n`` entries, and
+    ``json.dumps`` of the header dict), the index (``json.dumps`` of the weight map), and the
+    bytes: every data file read once through a 1 MiB buffer (``preadv``, the archives hold the
+    128-byte values 1.7 KB apart, so every page is read) and the output's bytes written in 1 MiB
+    ``pwrite`` s into a ``fallocate`` d file; beside ``cp -r`` of the export's output (CPU seconds
+    of that process).
+    """
+    from bench_inspect import make_many_entries_checkpoint
+
+    sys.path.insert(0, str(ROOT))
+    from ckpttool.format.mdscan import scan_metadata
+    from ckpttool.model.checkpoint import open_checkpoint
+
+    ckpt = root / f"many-{n}"
+    if not (ckpt / ".metadata").is_file():
+        make_many_entries_checkpoint(ckpt, n, 8, 0)
+    _warm(ckpt)
+    rows: list[tuple[str, float]] = []
+    raw = (ckpt / ".metadata").read_bytes()
+    c, md = _cpu_of(lambda: scan_metadata(raw, ".metadata"))
+    rows.append((f"parse .metadata, native column reader, no cache ({len(raw) / 2**20:.0f} MiB)", c))
+    del md
+    _run_cpu([sys.executable, "-c", "from ckpttool.cli import main; main()", "inspect", str(ckpt), "--json"], cwd=ROOT)
+    open_checkpoint(ckpt).close()  # the modules it imports, once
+    c, ck = _cpu_of(lambda: open_checkpoint(ckpt))
+    rows.append(("open: parsed-metadata cache hit + catalog (what export does)", c))
+    out_bytes = _floor_documents(ck.reader.metadata.entries, rows)
+    del ck
+    files = [p for p in ckpt.iterdir() if p.name.endswith(".distcp")]
+    nread, c_read, _ = _stream(files, lambda b: None)
+    rows.append((f"bytes: read every data file once, 1 MiB preadv ({nread / 1e9:.2f} GB)", c_read))
+    scratch = root / "many-floor"
+    scratch.mkdir(exist_ok=True)
+    c, _ = _write(scratch / "w.bin", out_bytes - out_bytes % (1 << 20), 1 << 20, allocate=True)
+    rows.append((f"bytes: write the output's {out_bytes / 1e6:.0f} MB, 1 MiB pwrite s", c))
+    shutil.rmtree(scratch, ignore_errors=True)
+    total = sum(c for label, c in rows if not label.startswith("  ") and "no cache" not in label)
+    lines = [f"many floor ({n} one-chunk tensors), CPU seconds of each step alone (load {os.getloadavg()[0]:.1f}):"]
+    lines += [f"  {label:72s} {c:7.2f} s CPU" for label, c in rows]
+    lines.append(f"  {'sum (cache hit, ckpttool header, index, bytes)':72s} {total:7.2f} s CPU")
     return lines
 
 
@@ -515,7 +596,7 @@ def main() -> None:
         " its export of every case runs interleaved with this one's, outputs compared byte for byte",
     )
     ap.add_argument(
-        "--only", nargs="*", help="cases to run: preserve cast master per-expert fused big small phases many"
+        "--only", nargs="*", help="cases to run: preserve cast master per-expert fused big small phases many many-floor"
     )
     ap.add_argument("--many", type=int, default=100_000, help="one-chunk tensors of the many case")
     ap.add_argument("--many-baseline", type=Path, default=None, help="another copy of the package for the many case")
@@ -573,6 +654,8 @@ def main() -> None:
         _export_case(args, table, notes, f"cast {args.big_gib:g} GB fp32->bf16", big, ["--save-dtype", "bfloat16"])
     if "many" in (args.only or []):
         notes += _many_case(root, args.many, args.repeat, args.many_baseline)
+    if "many-floor" in (args.only or []):
+        notes += _many_floor(root, args.many)
     if "small" in want:
         sample = root / "sample"
         if not (sample / ".metadata").is_file():
