@@ -32,7 +32,8 @@ Transforming exports, each beside ``cp -r`` of its own output (the same output b
 - ``phases``: CPU seconds per GB of each phase of a cast export on one thread, on the 1 GB FP32
   checkpoint's files: ``preadv`` into a 1 MiB buffer, CRC-32 (isal, zlib), the FP32 -> BF16
   kernel (numpy; torch's ``copy_``, with the CPU of ``import torch``), ``pwrite`` of 512 KiB with
-  and without ``fallocate``, 4 MiB, ``O_DIRECT`` (the disk itself).
+  and without ``fallocate``, 4 MiB, with write-behind (``sync_file_range`` every 8 MiB), ``O_DIRECT``
+  (the disk itself).
 - ``many`` (``--only many``, off by default): ``--many N`` one-chunk tensors (``bench_inspect.py``'s
   ``make_many_entries_checkpoint(..., sharded_every=0)``: 8 data files, each tensor ``[4, 16]``
   BF16 in its own ~1.9 KB ``torch.save`` archive), metadata cache warm, beside ``cp -r`` of the
@@ -498,9 +499,17 @@ def _stream(files: list[Path], per_block: Any) -> tuple[int, float, float]:
     return n, time.thread_time() - c0, time.perf_counter() - w0
 
 
-def _write(path: Path, nbytes: int, step: int, *, allocate: bool, direct: bool = False) -> tuple[float, float]:
-    """Write ``nbytes`` to a new file in ``step``-byte ``pwrite`` s; (CPU seconds of this thread, wall)."""
+def _write(
+    path: Path, nbytes: int, step: int, *, allocate: bool, direct: bool = False, behind: int = 0
+) -> tuple[float, float]:
+    """Write ``nbytes`` to a new file in ``step``-byte ``pwrite`` s; (CPU seconds of this thread, wall).
+
+    ``behind``: start the disk write-back of every ``behind`` bytes as they are written
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, :func:`ckpttool.engine.io.start_writeback`).
+    """
     import mmap
+
+    from ckpttool.engine.io import start_writeback
 
     buf = mmap.mmap(-1, step)  # page-aligned (O_DIRECT needs it)
     buf.write(b"\x5a" * step)
@@ -512,6 +521,8 @@ def _write(path: Path, nbytes: int, step: int, *, allocate: bool, direct: bool =
             os.posix_fallocate(fd, 0, nbytes)
         for off in range(0, nbytes - nbytes % step, step):
             os.pwrite(fd, buf, off)
+            if behind and (off + step) % behind == 0:
+                start_writeback(fd, off + step - behind, behind)
     finally:
         os.close(fd)
     out = time.thread_time() - c0, time.perf_counter() - w0
@@ -558,17 +569,18 @@ def phases(ckpt: Path, scratch: Path) -> None:
     half = n // 2 - (n // 2) % (1 << 20)
     scratch.mkdir(parents=True, exist_ok=True)
     variants = (
-        ("write 512 KiB pwrites, fallocate first (ckpttool)", 1 << 19, True, False),
-        ("write 512 KiB pwrites, no fallocate", 1 << 19, False, False),
-        ("write 4 MiB pwrites, fallocate first", 4 << 20, True, False),
-        ("write 4 MiB pwrites, O_DIRECT (the disk; 256 MiB)", 4 << 20, True, True),
+        ("write 512 KiB pwrites, fallocate first (ckpttool)", 1 << 19, True, False, 0),
+        ("write 512 KiB pwrites, no fallocate", 1 << 19, False, False, 0),
+        ("write 4 MiB pwrites, fallocate first", 4 << 20, True, False, 0),
+        ("write 512 KiB pwrites, write-behind every 8 MiB", 1 << 19, True, False, 8 << 20),
+        ("write 4 MiB pwrites, O_DIRECT (the disk; 256 MiB)", 4 << 20, True, True, 0),
     )
     got: dict[str, list[tuple[int, float, float]]] = {}
     for _ in range(3):  # interleaved, the least CPU of 3: a run that meets page reclaim costs several times more
-        for label, step, allocate, direct in variants:
-            size = min(half, 256 << 20) if direct else half
+        for label, step, allocate, direct, behind in variants:
+            size = min(half, 256 << 20) if direct or behind else half
             try:
-                c, w = _write(scratch / "phase.bin", size, step, allocate=allocate, direct=direct)
+                c, w = _write(scratch / "phase.bin", size, step, allocate=allocate, direct=direct, behind=behind)
             except OSError as e:
                 print(f"  {label}: {e.strerror}")
                 continue

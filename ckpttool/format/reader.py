@@ -213,10 +213,10 @@ class CheckpointReader(CheckpointDir):
         out: list[memoryview | None] = [None] * len(items)
         if self.remote is not None or self.metadata.serialization != "torch_save":
             return out
-        storage_for = self.metadata.storage_for
+        storage_get = self.metadata.storage.get  # storage_for(fqn, chunk), without a call per chunk
         order: list[tuple[str, int, int, int]] = []  # (file, offset, length, item index)
         for k, (fqn, chunk) in enumerate(items):
-            info = storage_for(fqn, chunk)
+            info = storage_get((fqn, chunk.offsets))
             if info is not None and not info.transform_descriptors:
                 order.append((info.relative_path, info.offset, info.length, k))
         order.sort()
