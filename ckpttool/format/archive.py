@@ -985,7 +985,7 @@ def match_template(tmpl: ArchiveTemplate, rows: Any, *, verify_crc: bool) -> Any
             ok &= (rows[:, v.start : v.start + v.size] < 0x80).all(axis=1)
         if with_crc:  # one crc32 call per row, on slices of one flat view (cheaper than numpy row indexing)
             want = fields[0].tolist()
-            flat = memoryview(np.ascontiguousarray(rows)).cast("B")
+            flat = np.ascontiguousarray(rows).reshape(-1).data  # uint8: a flat byte view
             n, a, b = rows.shape[1], v.start, v.start + v.size
             for i in np.flatnonzero(ok).tolist():
                 at = i * n
