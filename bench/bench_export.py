@@ -47,7 +47,9 @@ Transforming exports, each beside ``cp -r`` of its own output (the same output b
 Every row carries the CPU seconds (user + system) of its process beside the wall time: on a
 shared machine the CPU is the figure to compare. ``--baseline DIR`` (a directory holding another
 revision's ``ckpttool/``: ``git archive REV ckpttool | tar -x -C DIR``) runs that revision's export
-of every case interleaved with this one's and compares their outputs byte for byte (``cmp``).
+of every case interleaved with this one's and compares their outputs byte for byte (``cmp``);
+``--slab-bytes N ...`` runs this tree's export of every case with each slab size
+(``CKPTTOOL_SLAB_BYTES``; the default 1 MiB) interleaved too.
 
 Targets: transforming exports >= 80% of ``cp -r``'s throughput of the same output bytes at
 >= 4 GB, >= 50% at 1 GB; peak RSS <= 256 MiB + one slab per worker; the small export's fixed
@@ -285,7 +287,7 @@ def _many_floor(root: Path, n: int) -> list[str]:
     scratch = root / "many-floor"
     scratch.mkdir(exist_ok=True)
     c, _ = _write(scratch / "w.bin", out_bytes - out_bytes % (1 << 20), 1 << 20, allocate=True)
-    rows.append((f"bytes: write the output's {out_bytes / 1e6:.0f} MB, 1 MiB pwrite s", c))
+    rows.append((f"bytes: write model.safetensors ({out_bytes / 1e6:.0f} MB), 1 MiB pwrite s", c))
     shutil.rmtree(scratch, ignore_errors=True)
     total = sum(c for label, c in rows if not label.startswith("  ") and "no cache" not in label)
     lines = [f"many floor ({n} one-chunk tensors), CPU seconds of each step alone (load {os.getloadavg()[0]:.1f}):"]
@@ -414,10 +416,12 @@ def _export_case(
     variants = {"": _child_env(ROOT)}
     if args.baseline is not None:
         variants = {"before: ": _child_env(args.baseline.resolve()), "": variants[""]}
+    for n in args.slab_bytes or []:  # this tree with other slab sizes (CKPTTOOL_SLAB_BYTES), interleaved
+        variants[f"slab {n >> 10} KiB: "] = dict(_child_env(ROOT), CKPTTOOL_SLAB_BYTES=str(n))
     runs: dict[str, list[tuple[float, int, str, float]]] = {k: [] for k in variants}
     for i in range(args.repeat):  # interleaved: the same page-cache state and load on average
         for label, env in variants.items():
-            out = root / f"out{'-before' if label else ''}"
+            out = root / f"out{'-before' if label == 'before: ' else '-slab' if label else ''}"
             if i == 0 or out.exists():
                 shutil.rmtree(out, ignore_errors=True)
             _warm(ckpt)
@@ -439,6 +443,7 @@ def _export_case(
     if check is not None:
         notes.append(f"{case}: output equals torch's .to() bitwise: {check(out)}")
     shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(root / "out-slab", ignore_errors=True)
 
 
 def _torch_baselines(args: argparse.Namespace, table: Table, notes: list[str], llama: Path, shard_bytes: int) -> None:
@@ -609,6 +614,12 @@ def main() -> None:
     )
     ap.add_argument(
         "--only", nargs="*", help="cases to run: preserve cast master per-expert fused big small phases many many-floor"
+    )
+    ap.add_argument(
+        "--slab-bytes",
+        type=int,
+        nargs="*",
+        help="also run this tree's export of each case with these slab sizes (CKPTTOOL_SLAB_BYTES), interleaved",
     )
     ap.add_argument("--many", type=int, default=100_000, help="one-chunk tensors of the many case")
     ap.add_argument("--many-baseline", type=Path, default=None, help="another copy of the package for the many case")
