@@ -32,18 +32,24 @@ Transforming exports, each beside ``cp -r`` of its own output (the same output b
 - ``phases``: CPU seconds per GB of each phase of a cast export on one thread, on the 1 GB FP32
   checkpoint's files: ``preadv`` into a 1 MiB buffer, CRC-32 (isal, zlib), the FP32 -> BF16
   kernel (numpy; torch's ``copy_``, with the CPU of ``import torch``), ``pwrite`` of 512 KiB with
-  and without ``fallocate``, 4 MiB, ``O_DIRECT`` (the disk itself).
+  and without ``fallocate``, 4 MiB, with write-behind (``sync_file_range`` every 8 MiB), ``O_DIRECT``
+  (the disk itself).
 - ``many`` (``--only many``, off by default): ``--many N`` one-chunk tensors (``bench_inspect.py``'s
   ``make_many_entries_checkpoint(..., sharded_every=0)``: 8 data files, each tensor ``[4, 16]``
   BF16 in its own ~1.9 KB ``torch.save`` archive), metadata cache warm, beside ``cp -r`` of the
   output; wall and CPU seconds (user + system of the process); ``--many-baseline DIR`` runs another
   copy of the package (a worktree of an older revision) on the same checkpoint, alternated, and
   checks its output is byte-identical.
+- ``many-floor`` (``--only many-floor``, off by default): what a floor-cost export of those ``--many N``
+  tensors is made of, each step alone in process (CPU s): parsing ``.metadata`` (no cache / cache
+  hit), the safetensors header and index text, reading the data files and writing the output bytes.
 
 Every row carries the CPU seconds (user + system) of its process beside the wall time: on a
 shared machine the CPU is the figure to compare. ``--baseline DIR`` (a directory holding another
 revision's ``ckpttool/``: ``git archive REV ckpttool | tar -x -C DIR``) runs that revision's export
-of every case interleaved with this one's and compares their outputs byte for byte (``cmp``).
+of every case interleaved with this one's and compares their outputs byte for byte (``cmp``);
+``--slab-bytes N ...`` runs this tree's export of every case with each slab size
+(``CKPTTOOL_SLAB_BYTES``; the default 1 MiB) interleaved too.
 
 Targets: transforming exports >= 80% of ``cp -r``'s throughput of the same output bytes at
 >= 4 GB, >= 50% at 1 GB; peak RSS <= 256 MiB + one slab per worker; the small export's fixed
@@ -55,12 +61,14 @@ Usage::
                                  [--only preserve cast per-expert ... phases] [--skip-torch]
                                  [--baseline DIR]
     python bench/bench_export.py --only many --many 100000 [--many-baseline DIR] --repeat 2
+    python bench/bench_export.py --only many-floor --many 1000000
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -212,6 +220,82 @@ def _many_case(root: Path, n: int, repeat: int, baseline: Path | None) -> list[s
     return lines
 
 
+def _cpu_of(fn: Any) -> tuple[float, Any]:
+    """(CPU seconds of this process, user + system, spent in ``fn()``; its result)."""
+    t0 = time.process_time()
+    out = fn()
+    return time.process_time() - t0, out
+
+
+def _floor_documents(metas: Any, rows: list[tuple[str, float]]) -> int:
+    """The header and index steps of :func:`_many_floor` (their CPU seconds into ``rows``); the output's size."""
+    from ckpttool.format.safetensors import HeaderEntry, _layout
+
+    keys = [k for k in metas if k.startswith("model.")]
+    entries = [HeaderEntry(k[len("model.") :], metas[k].dtype.name, metas[k].size) for k in keys]
+    c, (prefix, _, _) = _cpu_of(lambda: _layout(entries, None))
+    rows.append((f"safetensors header, ckpttool's joined text ({len(prefix) / 1e6:.0f} MB)", c))
+    hdr: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for e in entries:
+        nb = 2 * math.prod(e.shape)  # BF16
+        hdr[e.name] = {"dtype": "BF16", "shape": list(e.shape), "data_offsets": [pos, pos + nb]}
+        pos += nb
+    c, _ = _cpu_of(lambda: json.dumps(hdr, separators=(",", ":")))
+    rows.append(("  the same header by json.dumps of the dict (dict built outside)", c))
+    c, _ = _cpu_of(lambda: json.dumps({"metadata": {}, "weight_map": {e.name: "model.safetensors" for e in entries}}))
+    rows.append(("index: json.dumps of the weight map", c))
+    return pos + len(prefix)
+
+
+def _many_floor(root: Path, n: int) -> list[str]:
+    """What a floor-cost export of ``n`` one-chunk tensors is made of, each step alone, in this process.
+
+    The steps every export of them needs, done by the cheapest code at hand: parsing ``.metadata``
+    (the native column reader, no cache; and the parsed-metadata cache hit that ``export`` uses,
+    with the catalog), the safetensors header text (ckpttool's joined JSON of ``n`` entries, and
+    ``json.dumps`` of the header dict), the index (``json.dumps`` of the weight map), and the
+    bytes: every data file read once through a 1 MiB buffer (``preadv``, the archives hold the
+    128-byte values 1.7 KB apart, so every page is read) and the output's bytes written in 1 MiB
+    ``pwrite`` s into a ``fallocate`` d file; beside ``cp -r`` of the export's output (CPU seconds
+    of that process).
+    """
+    from bench_inspect import make_many_entries_checkpoint
+
+    sys.path.insert(0, str(ROOT))
+    from ckpttool.format.mdscan import scan_metadata
+    from ckpttool.model.checkpoint import open_checkpoint
+
+    ckpt = root / f"many-{n}"
+    if not (ckpt / ".metadata").is_file():
+        make_many_entries_checkpoint(ckpt, n, 8, 0)
+    _warm(ckpt)
+    rows: list[tuple[str, float]] = []
+    raw = (ckpt / ".metadata").read_bytes()
+    c, md = _cpu_of(lambda: scan_metadata(raw, ".metadata"))
+    rows.append((f"parse .metadata, native column reader, no cache ({len(raw) / 2**20:.0f} MiB)", c))
+    del md
+    _run_cpu([sys.executable, "-c", "from ckpttool.cli import main; main()", "inspect", str(ckpt), "--json"], cwd=ROOT)
+    open_checkpoint(ckpt).close()  # the modules it imports, once
+    c, ck = _cpu_of(lambda: open_checkpoint(ckpt))
+    rows.append(("open: parsed-metadata cache hit + catalog (what export does)", c))
+    out_bytes = _floor_documents(ck.reader.metadata.entries, rows)
+    del ck
+    files = [p for p in ckpt.iterdir() if p.name.endswith(".distcp")]
+    nread, c_read, _ = _stream(files, lambda b: None)
+    rows.append((f"bytes: read every data file once, 1 MiB preadv ({nread / 1e9:.2f} GB)", c_read))
+    scratch = root / "many-floor"
+    scratch.mkdir(exist_ok=True)
+    c, _ = _write(scratch / "w.bin", out_bytes - out_bytes % (1 << 20), 1 << 20, allocate=True)
+    rows.append((f"bytes: write model.safetensors ({out_bytes / 1e6:.0f} MB), 1 MiB pwrite s", c))
+    shutil.rmtree(scratch, ignore_errors=True)
+    total = sum(c for label, c in rows if not label.startswith("  ") and "no cache" not in label)
+    lines = [f"many floor ({n} one-chunk tensors), CPU seconds of each step alone (load {os.getloadavg()[0]:.1f}):"]
+    lines += [f"  {label:72s} {c:7.2f} s CPU" for label, c in rows]
+    lines.append(f"  {'sum (cache hit, ckpttool header, index, bytes)':72s} {total:7.2f} s CPU")
+    return lines
+
+
 def _warm(path: Path) -> None:
     for p in path.rglob("*"):
         if p.is_file():
@@ -332,10 +416,12 @@ def _export_case(
     variants = {"": _child_env(ROOT)}
     if args.baseline is not None:
         variants = {"before: ": _child_env(args.baseline.resolve()), "": variants[""]}
+    for n in args.slab_bytes or []:  # this tree with other slab sizes (CKPTTOOL_SLAB_BYTES), interleaved
+        variants[f"slab {n >> 10} KiB: "] = dict(_child_env(ROOT), CKPTTOOL_SLAB_BYTES=str(n))
     runs: dict[str, list[tuple[float, int, str, float]]] = {k: [] for k in variants}
     for i in range(args.repeat):  # interleaved: the same page-cache state and load on average
         for label, env in variants.items():
-            out = root / f"out{'-before' if label else ''}"
+            out = root / f"out{'-before' if label == 'before: ' else '-slab' if label else ''}"
             if i == 0 or out.exists():
                 shutil.rmtree(out, ignore_errors=True)
             _warm(ckpt)
@@ -357,6 +443,7 @@ def _export_case(
     if check is not None:
         notes.append(f"{case}: output equals torch's .to() bitwise: {check(out)}")
     shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(root / "out-slab", ignore_errors=True)
 
 
 def _torch_baselines(args: argparse.Namespace, table: Table, notes: list[str], llama: Path, shard_bytes: int) -> None:
@@ -417,9 +504,17 @@ def _stream(files: list[Path], per_block: Any) -> tuple[int, float, float]:
     return n, time.thread_time() - c0, time.perf_counter() - w0
 
 
-def _write(path: Path, nbytes: int, step: int, *, allocate: bool, direct: bool = False) -> tuple[float, float]:
-    """Write ``nbytes`` to a new file in ``step``-byte ``pwrite`` s; (CPU seconds of this thread, wall)."""
+def _write(
+    path: Path, nbytes: int, step: int, *, allocate: bool, direct: bool = False, behind: int = 0
+) -> tuple[float, float]:
+    """Write ``nbytes`` to a new file in ``step``-byte ``pwrite`` s; (CPU seconds of this thread, wall).
+
+    ``behind``: start the disk write-back of every ``behind`` bytes as they are written
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, :func:`ckpttool.engine.io.start_writeback`).
+    """
     import mmap
+
+    from ckpttool.engine.io import start_writeback
 
     buf = mmap.mmap(-1, step)  # page-aligned (O_DIRECT needs it)
     buf.write(b"\x5a" * step)
@@ -431,6 +526,8 @@ def _write(path: Path, nbytes: int, step: int, *, allocate: bool, direct: bool =
             os.posix_fallocate(fd, 0, nbytes)
         for off in range(0, nbytes - nbytes % step, step):
             os.pwrite(fd, buf, off)
+            if behind and (off + step) % behind == 0:
+                start_writeback(fd, off + step - behind, behind)
     finally:
         os.close(fd)
     out = time.thread_time() - c0, time.perf_counter() - w0
@@ -477,17 +574,18 @@ def phases(ckpt: Path, scratch: Path) -> None:
     half = n // 2 - (n // 2) % (1 << 20)
     scratch.mkdir(parents=True, exist_ok=True)
     variants = (
-        ("write 512 KiB pwrites, fallocate first (ckpttool)", 1 << 19, True, False),
-        ("write 512 KiB pwrites, no fallocate", 1 << 19, False, False),
-        ("write 4 MiB pwrites, fallocate first", 4 << 20, True, False),
-        ("write 4 MiB pwrites, O_DIRECT (the disk; 256 MiB)", 4 << 20, True, True),
+        ("write 512 KiB pwrites, fallocate first (ckpttool)", 1 << 19, True, False, 0),
+        ("write 512 KiB pwrites, no fallocate", 1 << 19, False, False, 0),
+        ("write 4 MiB pwrites, fallocate first", 4 << 20, True, False, 0),
+        ("write 512 KiB pwrites, write-behind every 8 MiB", 1 << 19, True, False, 8 << 20),
+        ("write 4 MiB pwrites, O_DIRECT (the disk; 256 MiB)", 4 << 20, True, True, 0),
     )
     got: dict[str, list[tuple[int, float, float]]] = {}
     for _ in range(3):  # interleaved, the least CPU of 3: a run that meets page reclaim costs several times more
-        for label, step, allocate, direct in variants:
-            size = min(half, 256 << 20) if direct else half
+        for label, step, allocate, direct, behind in variants:
+            size = min(half, 256 << 20) if direct or behind else half
             try:
-                c, w = _write(scratch / "phase.bin", size, step, allocate=allocate, direct=direct)
+                c, w = _write(scratch / "phase.bin", size, step, allocate=allocate, direct=direct, behind=behind)
             except OSError as e:
                 print(f"  {label}: {e.strerror}")
                 continue
@@ -515,7 +613,13 @@ def main() -> None:
         " its export of every case runs interleaved with this one's, outputs compared byte for byte",
     )
     ap.add_argument(
-        "--only", nargs="*", help="cases to run: preserve cast master per-expert fused big small phases many"
+        "--only", nargs="*", help="cases to run: preserve cast master per-expert fused big small phases many many-floor"
+    )
+    ap.add_argument(
+        "--slab-bytes",
+        type=int,
+        nargs="*",
+        help="also run this tree's export of each case with these slab sizes (CKPTTOOL_SLAB_BYTES), interleaved",
     )
     ap.add_argument("--many", type=int, default=100_000, help="one-chunk tensors of the many case")
     ap.add_argument("--many-baseline", type=Path, default=None, help="another copy of the package for the many case")
@@ -573,6 +677,8 @@ def main() -> None:
         _export_case(args, table, notes, f"cast {args.big_gib:g} GB fp32->bf16", big, ["--save-dtype", "bfloat16"])
     if "many" in (args.only or []):
         notes += _many_case(root, args.many, args.repeat, args.many_baseline)
+    if "many-floor" in (args.only or []):
+        notes += _many_floor(root, args.many)
     if "small" in want:
         sample = root / "sample"
         if not (sample / ".metadata").is_file():

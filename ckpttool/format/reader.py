@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from ckpttool.engine.crc import crc32
-from ckpttool.engine.io import ShortReadError, read_exact, read_into
+from ckpttool.engine.io import ShortReadError, read_into
 from ckpttool.errors import (
     AllocationError,
     ChecksumError,
@@ -190,9 +190,9 @@ class CheckpointReader(CheckpointDir):
 
         The archives are taken in file order (data file, offset) whatever the order of ``items``;
         those that lie together (gaps under 64 KiB, runs up to ``span_cap`` bytes) are read at
-        once (:func:`ckpttool.engine.io.read_exact`). Each archive is then checked as
-        :meth:`locate` checks it, from its slice: the first archive of a layout (length, dtype,
-        shape) by :func:`~ckpttool.format.locator.locate_chunk`, the next ones of that layout
+        once into one buffer (:func:`ckpttool.engine.io.read_into`) that the values returned view.
+        Each archive is then checked as :meth:`locate` checks it, from its slice: the first archive
+        of a layout (length, dtype, shape) by :func:`~ckpttool.format.locator.locate_chunk`, the next ones of that layout
         by byte compares against it (:func:`~ckpttool.format.archive.match_template`, vectorised
         over the run), and its values' CRC-32 checked. For a million one-chunk tensors this
         replaces ~4 system calls, a thread-pool task and a zip parse per chunk by one read per
@@ -213,10 +213,10 @@ class CheckpointReader(CheckpointDir):
         out: list[memoryview | None] = [None] * len(items)
         if self.remote is not None or self.metadata.serialization != "torch_save":
             return out
-        storage_for = self.metadata.storage_for
+        storage_get = self.metadata.storage.get  # storage_for(fqn, chunk), without a call per chunk
         order: list[tuple[str, int, int, int]] = []  # (file, offset, length, item index)
         for k, (fqn, chunk) in enumerate(items):
-            info = storage_for(fqn, chunk)
+            info = storage_get((fqn, chunk.offsets))
             if info is not None and not info.transform_descriptors:
                 order.append((info.relative_path, info.offset, info.length, k))
         order.sort()
@@ -251,7 +251,9 @@ class CheckpointReader(CheckpointDir):
             if start + span > self.file_size(path):
                 return  # the per-chunk path names the short file
             fd = self.fd(path)
-            data = memoryview(read_exact(fd, span, start))
+            buf = bytearray(span)  # read in place: the values handed out are views of it
+            read_into(fd, buf, start)
+            data = memoryview(buf)
         except (EOFError, CkptError):  # the file shrank or is unreadable: the per-chunk path names it
             return
         entries = self.metadata.entries

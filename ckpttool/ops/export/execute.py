@@ -535,7 +535,7 @@ class _Executor:
                 h = writer.new_hasher()
                 h.update(values)
                 writer.note(name, at, len(values), h.hexdigest())
-            dest = writer.offset(name) + at
+            dest = writer.data_start + writer.spans[name][0] + at  # writer.offset(name), inlined (per chunk)
             if writer.fd != run_fd or dest != run_at + len(run):
                 if run:
                     write_all(run_fd, run, run_at)
@@ -616,8 +616,12 @@ class _Executor:
                     self.remaining[idx] = q.bands(task)
                     for b in range(q.bands(task)):
                         self._submit(pool, idx, q.band, task, meta, chunks, self.writers[task.shard], b)
-                elif task.direct and all(
-                    c.sizes == meta.size or contiguous_run(meta.size, c.offsets, c.sizes) is not None for c in chunks
+                elif task.direct and (
+                    (len(chunks) == 1 and chunks[0].sizes == meta.size)  # one whole chunk: most tensors at 10^6
+                    or all(
+                        c.sizes == meta.size or contiguous_run(meta.size, c.offsets, c.sizes) is not None
+                        for c in chunks
+                    )
                 ):
                     self._direct(pool, idx, task, meta, chunks)
                 else:
