@@ -1094,7 +1094,12 @@ class _SlabContext:
         p = self.p
         arith = "float32" if self.has_master else p.dtype
         moments = effective_rtol(self.rtol, p.moment_dtype, arith)
-        return effective_rtol(self.rtol, "float32", "float32"), moments, moments, effective_rtol(self.rtol, p.dtype, arith)
+        return (
+            effective_rtol(self.rtol, "float32", "float32"),
+            moments,
+            moments,
+            effective_rtol(self.rtol, p.dtype, arith),
+        )
 
     def _native_constants(self) -> Any:
         """The one-pass kernel's constants where it applies (one step, float64, CPU tensors of its dtypes), else ``None``."""

@@ -60,10 +60,11 @@ def _jitter(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 def _case(pdtype: torch.dtype, master: bool, fresh: bool, wd: float, mdtype: torch.dtype, nonfinite: bool) -> Any:
     g = torch.Generator().manual_seed(int(wd * 10) + 2 * fresh + master)
-    sub = 1e-40
 
     def _specials(t: torch.Tensor, g: torch.Generator, subnormal: float) -> torch.Tensor:
         return _special_values(t, g, subnormal, nonfinite)
+
+    sub = 1e-40
     theta = _specials(torch.randn(N, generator=g, dtype=torch.float64) * 0.05, g, sub)
     m0 = _specials(torch.randn(N, generator=g, dtype=torch.float64) * 1e-3, g, sub)
     v0 = _specials(torch.randn(N, generator=g, dtype=torch.float64).square() * 1e-6, g, sub)
@@ -164,15 +165,21 @@ def test_native_slab_agrees_on_clean_data() -> None:
     grad = (torch.randn(N, generator=g) * 1e-3).bfloat16()
     new_master, m1, v1, _ = reference_adamw_step(master, grad, m0, v0, 3.0, 1e-3, (0.9, 0.95), 1e-8, 0.1)
     saved = {"model.w": master.bfloat16(), "s.m": m0, "s.v": v0, "s.mw": master}
-    state = {f: TensorEntry(k, (N,), "float32", N, 0, (), (), ()) for f, k in (("exp_avg", "s.m"), ("exp_avg_sq", "s.v"))}
+    state = {
+        f: TensorEntry(k, (N,), "float32", N, 0, (), (), ()) for f, k in (("exp_avg", "s.m"), ("exp_avg_sq", "s.v"))
+    }
     state["master_weight"] = TensorEntry("s.mw", (N,), "float32", N, 0, (), (), ())
-    plan = ParamPlan("w", "model.w", (N,), "bfloat16", N, Hyper(0, 1e-3, 0.9, 0.95, 1e-8, 0.1), "full_fp32_adamw", state)
+    plan = ParamPlan(
+        "w", "model.w", (N,), "bfloat16", N, Hyper(0, 1e-3, 0.9, 0.95, 1e-8, 0.1), "full_fp32_adamw", state
+    )
     st = {"master_weight": new_master.float(), "exp_avg": m1.float(), "exp_avg_sq": v1.float()}
     param = new_master.float().bfloat16()
     outs = []
     for native in (True, False):
         r = ParamResult("w", (N,), "bfloat16", N, plan.optimizer_type, 0, 1e-3, 0.1, "loaded", False, 3.0)
-        c = _SlabContext(plan, r, param, st, [{"w": grad}], lambda k, mk: _Memory(saved[k]), 1, 1e-5, 1e-8, torch.float64)
+        c = _SlabContext(
+            plan, r, param, st, [{"w": grad}], lambda k, mk: _Memory(saved[k]), 1, 1e-5, 1e-8, torch.float64
+        )
         if not native:
             c.native = None
         outs.append(c.run((0, N)))
