@@ -27,7 +27,14 @@ from ckpttool.errors import DeviceUnavailableError, UsageError
 from ckpttool.format.jsonview import json_fields
 from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
 from ckpttool.ops.fields import same_named
-from ckpttool.ops.replay.compare import FieldError, compare_field, count_unequal, machine_eps, merge_field_errors
+from ckpttool.ops.replay.compare import (
+    FieldError,
+    compare_field,
+    count_unequal,
+    effective_rtol,
+    machine_eps,
+    merge_field_errors,
+)
 from ckpttool.ops.replay.plan import ITEMSIZE, Hyper, ParamPlan, make_batches, plan_replay
 from ckpttool.ops.replay.slabs import StackedSlabs, TensorSlabs
 from ckpttool.ops.state_checks import synthesized_params
@@ -677,6 +684,8 @@ def _replay(
 
 #: Elements per reference/comparison slab: a few dozen float64 temporaries of this size per worker.
 REFERENCE_SLAB = 1 << 16
+#: Elements per slab of the one-pass native kernel (``kernel.py``): only the saved values' reads are buffered.
+NATIVE_SLAB = 1 << 18
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
 
@@ -950,9 +959,7 @@ def _reference_pass(
                     param = params[member.fqn]
                     st = opt.state.get(param, {})
                     ctx = _SlabContext(member, r, param.detach(), st, grads, slabs, steps, rtol, atol, ref_dtype)
-                    bounds = [
-                        (a, min(a + REFERENCE_SLAB, member.numel)) for a in range(0, member.numel, REFERENCE_SLAB)
-                    ]
+                    bounds = [(a, min(a + ctx.slab, member.numel)) for a in range(0, member.numel, ctx.slab)]
                     parts = map_ordered(ctx.run, bounds, workers=workers)
                     ctx.finish(parts, dev)
                     if on_param is not None:
@@ -1075,6 +1082,40 @@ class _SlabContext:
         for f, entry in p.state.items():
             if f != "step":
                 self.saved[f] = slabs(entry.key, p.key)
+        self.native = self._native_constants()
+        self.slab = NATIVE_SLAB if self.native is not None else REFERENCE_SLAB
+
+    def _rtols(self) -> tuple[float, float, float, float]:
+        """Effective rtol of master, ``exp_avg``, ``exp_avg_sq``, parameter (as :meth:`_compare` passes them)."""
+        p = self.p
+        arith = "float32" if self.has_master else p.dtype
+        moments = effective_rtol(self.rtol, p.moment_dtype, arith)
+        return (
+            effective_rtol(self.rtol, "float32", "float32"),
+            moments,
+            moments,
+            effective_rtol(self.rtol, p.dtype, arith),
+        )
+
+    def _native_constants(self) -> Any:
+        """The one-pass kernel's constants where it applies (one step, float64, CPU tensors of its dtypes), else ``None``."""
+        import torch
+
+        from ckpttool.ops.replay.kernel import KINDS, constants, slab_kernel
+
+        if self.steps != 1 or self.ref_dtype != torch.float64 or slab_kernel() is None:
+            return None
+        if self.has_master and "master_weight" not in self.actual:
+            return None
+        live = [self.param, self.grads[0], *self.actual.values()]
+        if any(t.device.type != "cpu" or not t.is_contiguous() or str(t.dtype)[6:] not in KINDS for t in live):
+            return None
+        saved = [s.dtype for s in self.saved.values()]
+        if self.saved["param"].dtype != self.p.dtype or str(self.param.dtype)[6:] != self.p.dtype:
+            return None
+        if any(d not in KINDS for d in saved):
+            return None
+        return constants(self.p.hyper, self.r.step_before, self.atol, self._rtols())
 
     def _read(self, field: str, a: int, b: int) -> Any:
         import torch
@@ -1085,11 +1126,43 @@ class _SlabContext:
     def run(self, bounds: tuple[int, int]) -> dict[str, Any]:
         """Reference and comparison of elements ``[a, b)``; returns the slab's partial results."""
         a, b = bounds
+        if self.native is not None:
+            return self._run_native(a, b)
         res: dict[str, Any] = {}
         theta, m0, v0 = self._saved_start(a, b, res)
         rs, late = self._reference(theta, m0, v0, a, b)
         res["update"] = self._update_size(theta, rs)
         res["fields"] = self._compare(a, b, rs, late, res)
+        return res
+
+    def _run_native(self, a: int, b: int) -> dict[str, Any]:
+        """:meth:`run` in one native pass (``kernel.py``): the same partial results, the same bits."""
+        from ckpttool.ops.replay.kernel import run_slab
+
+        p = self.p
+        saved_param = self._read("param", a, b)
+        theta, sync = saved_param, None
+        if self.has_master and not p.fresh:
+            theta, sync = self._read("master_weight", a, b), saved_param
+        m0 = v0 = None
+        if not p.fresh:
+            m0, v0 = self._read("exp_avg", a, b), self._read("exp_avg_sq", a, b)
+        master = self.actual["master_weight"][a:b] if self.has_master else None
+        tensors = [theta, sync, m0, v0, self.grads[0][a:b], master]
+        tensors += [self.actual["exp_avg"][a:b], self.actual["exp_avg_sq"][a:b], self.param[a:b]]
+        o = run_slab(tensors, b - a, self.native, self._rtols())
+        res: dict[str, Any] = {}
+        if sync is not None:
+            res["sync_unequal"] = o.sync_unequal
+            if o.sync_unequal:
+                res["sync_diff"] = o.sync_diff
+        res["update"] = o.update
+        fields = {f: o.fields[f] for f in ("exp_avg", "exp_avg_sq", "param")}
+        if self.has_master:
+            fields = {"master_weight": o.fields["master_weight"], **fields}
+            res["writeback_unequal"] = o.writeback_unequal
+            res["param_vs_reference_unequal"] = o.param_vs_reference_unequal
+        res["fields"] = fields
         return res
 
     def _update_size(self, theta: Any, rs: dict[str, Any]) -> tuple[float, float, float]:
