@@ -419,7 +419,8 @@ def main() -> None:
         "(default 10^6 entries with --entries unset; sparse checkpoint)",
     )
     ap.add_argument(
-        "--baseline", help="with --first-run: another ckpttool tree run --no-cache and with the cache in the same rounds"
+        "--baseline",
+        help="with --first-run: another ckpttool tree run --no-cache and with the cache in the same rounds",
     )
     ap.add_argument(
         "--skip-torch", action="store_true", help="with --first-run: no torch read_metadata; ratios to the baseline"

@@ -173,9 +173,7 @@ def _metadata(cols: list[memoryview], strs: list[str]) -> CheckpointMetadata:
     )
 
 
-def _entries(
-    ent: memoryview, chk: memoryview, shapes: list[Any], strs: list[str]
-) -> dict[str, TensorMeta | BytesMeta]:
+def _entries(ent: memoryview, chk: memoryview, shapes: list[Any], strs: list[str]) -> dict[str, TensorMeta | BytesMeta]:
     """Entries from the entry and chunk columns, chunks and layouts built once per distinct value (as the unpickler path).
 
     The kernel has checked every chunk inside its tensor and every key given once.
