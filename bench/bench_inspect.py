@@ -274,15 +274,22 @@ def _built(workdir: Path, entries: int, ranks: int, sharded_every: int, sparse: 
 
 
 def bench_first_run(
-    workdir: Path, entries: int, ranks: int, sharded_every: int, repeat: int, baseline: str | None
+    workdir: Path,
+    entries: int,
+    ranks: int,
+    sharded_every: int,
+    repeat: int,
+    baseline: str | None,
+    skip_torch: bool = False,
 ) -> None:
     """``inspect --json`` without and with the parsed-metadata cache beside torch's ``read_metadata``, one run.
 
     Fresh processes, interleaved (torch, then each ckpttool variant), best of ``repeat`` by CPU
     seconds (user + system: the figure a loaded machine does not distort); peak RSS the largest
     seen. ``baseline``: another ckpttool tree (a ``git archive`` of the commit to compare with)
-    run ``--no-cache`` in the same rounds. The checkpoint is built sparse (``inspect`` reads no
-    tensor bytes).
+    run ``--no-cache`` and with the cache in the same rounds. ``skip_torch``: without torch's read
+    (~150 s of CPU at 10^6 entries), ratios against the baseline. The checkpoint is built sparse
+    (``inspect`` reads no tensor bytes).
     """
     ckpt = _built(workdir, entries, ranks, sharded_every, sparse=True)
     md_size = (ckpt / ".metadata").stat().st_size
@@ -301,7 +308,10 @@ def bench_first_run(
         cases.append(
             (f"baseline {baseline} --no-cache", [*cli, "--no-cache", "inspect", "--json", str(ckpt)], env_base)
         )
+        cases.append((f"baseline {baseline} (cache hit)", [*cli, "inspect", "--json", str(ckpt)], env_base))
     _run_usage(cases[2][1], env)  # page cache warm, cache entry written
+    if skip_torch:
+        cases.pop(0)
     runs: dict[str, list[tuple[float, float, float]]] = {label: [] for label, _, _ in cases}
     load = [os.getloadavg()[0]]
     for _ in range(repeat):
@@ -310,12 +320,13 @@ def bench_first_run(
             load.append(os.getloadavg()[0])
     best = {label: min(r, key=lambda x: x[1]) for label, r in runs.items()}
     rss = {label: max(x[2] for x in r) for label, r in runs.items()}
-    t_wall, t_cpu, _ = best[cases[0][0]]
+    ref = "torch" if not skip_torch else "base" if baseline else "first"
+    t_wall, t_cpu, _ = best[cases[-2][0] if skip_torch and baseline else cases[0][0]]
     print(
         f"\n{entries:,} entries ({n_chunks:,} chunks), .metadata {md_size / 2**20:.0f} MiB; "
         f"load average {min(load):.1f}-{max(load):.1f}; best of {repeat} by CPU, fresh processes"
     )
-    print(f"  {'':46s} {'wall s':>8s} {'CPU s':>8s} {'x torch CPU':>12s} {'x torch wall':>13s} {'peak RSS':>10s}")
+    print(f"  {'':46s} {'wall s':>8s} {'CPU s':>8s} {f'x {ref} CPU':>12s} {f'x {ref} wall':>13s} {'peak RSS':>10s}")
     for label, _, _ in cases:
         wall, cpu, _ = best[label]
         print(f"  {label:46s} {wall:8.2f} {cpu:8.2f} {cpu / t_cpu:12.2f} {wall / t_wall:13.2f} {rss[label]:6.0f} MiB")
@@ -407,11 +418,23 @@ def main() -> None:
         help="inspect --json --no-cache and cache hit beside torch's read_metadata, CPU seconds and peak RSS "
         "(default 10^6 entries with --entries unset; sparse checkpoint)",
     )
-    ap.add_argument("--baseline", help="with --first-run: another ckpttool tree run --no-cache in the same rounds")
+    ap.add_argument(
+        "--baseline",
+        help="with --first-run: another ckpttool tree run --no-cache and with the cache in the same rounds",
+    )
+    ap.add_argument(
+        "--skip-torch", action="store_true", help="with --first-run: no torch read_metadata; ratios to the baseline"
+    )
     args = ap.parse_args()
     if args.first_run:
         bench_first_run(
-            Path(args.workdir), args.entries or 1_000_000, args.ranks, args.sharded_every, args.repeat, args.baseline
+            Path(args.workdir),
+            args.entries or 1_000_000,
+            args.ranks,
+            args.sharded_every,
+            args.repeat,
+            args.baseline,
+            args.skip_torch,
         )
         return
     args.entries = args.entries or 100_000

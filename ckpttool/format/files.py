@@ -100,8 +100,10 @@ def read_regular(path: Path, cap: int, *, shown: str | os.PathLike[str] | None =
                 path=path,
             )
         chunks, got = [], 0
+        want = size + 1  # the whole file in one read (no second copy by the join), then to its end
         while True:
-            piece = os.read(fd, min(1 << 24, cap + 1 - got))
+            piece = os.read(fd, min(want, cap + 1 - got))
+            want = 1 << 24
             if not piece:
                 break
             chunks.append(piece)

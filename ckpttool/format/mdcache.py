@@ -20,7 +20,7 @@ import struct
 import sys
 from array import array
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import groupby, islice, repeat
 from pathlib import Path
 from typing import Any
@@ -247,7 +247,7 @@ def _check_entry(blob: bytes, digest: str, size: int) -> dict[str, Any]:
 
 
 def _decode_owned(taken: list[bytes], header: dict[str, Any]) -> CheckpointMetadata:
-    """Decode the entry in ``taken`` (a one-item list, emptied: the bytes are freed once the columns are read)."""
+    """Decode the entry in ``taken`` (a one-item list, emptied: the bytes are freed once the entry is decoded)."""
     try:
         return _decode(taken, header)
     except CorruptEntry:
@@ -256,13 +256,13 @@ def _decode_owned(taken: list[bytes], header: dict[str, Any]) -> CheckpointMetad
         raise CorruptEntry(f"{type(e).__name__}: {str(e)[:80]}") from e
 
 
-def _ids(values: list[int], lo: int, n: int, what: str) -> None:
+def _ids(values: Sequence[int], lo: int, n: int, what: str) -> None:
     """Every id in ``values`` lies in ``[lo, n)`` (C-speed ``min``/``max``)."""
     if values and (min(values) < lo or max(values) >= n):
         raise CorruptEntry(f"{what} id out of range")
 
 
-def _dims_ok(values: list[int]) -> None:
+def _dims_ok(values: Sequence[int]) -> None:
     if values and (min(values) < 0 or max(values) > MAX_DIM_SIZE):
         raise CorruptEntry("dims out of range")
 
@@ -311,13 +311,13 @@ def _decode(taken: list[bytes], header: dict[str, Any]) -> CheckpointMetadata:
     )
 
 
-def _columns(taken: list[bytes], header: dict[str, Any]) -> dict[str, list[int]]:
-    """The int64 columns of the entry in ``taken`` (emptied: the entry's bytes are freed here) by name.
+def _columns(taken: list[bytes], header: dict[str, Any]) -> dict[str, Sequence[int]]:
+    """The int64 columns of the entry in ``taken`` (emptied) by name: views of the entry's bytes (8 bytes a value,
+    no Python int per value; the bytes are freed with the last view) or, on a big-endian host, arrays.
 
     Checks the header's string table too (before the columns, as a corrupt entry fails first there).
     """
     blob = taken.pop()
-    mv = memoryview(blob)[:-_TRAILER]
     hlen = header["_body_at"] - 16
     strings = header["strings"]
     lengths = header["columns"]
@@ -329,34 +329,26 @@ def _columns(taken: list[bytes], header: dict[str, Any]) -> dict[str, list[int]]
         or not all(type(n) is int and n >= 0 for n in lengths)
     ):
         raise CorruptEntry("bad column lengths")
-    body = mv[16 + hlen :]
+    body = memoryview(blob)[16 + hlen : len(blob) - _TRAILER]
     if len(body) != 8 * sum(lengths):
         raise CorruptEntry("column bytes differ from their lengths")
-    col: dict[str, list[int]] = {}
-    if _LE:  # the columns straight from the entry's bytes (no 8-byte-per-value copy of the whole body)
+    ints: Sequence[int]
+    if _LE:  # the columns straight from the entry's bytes
         ints = body.cast("B").cast("q")
-        pos = 0
-        for name, n in zip(_COLUMNS, lengths):
-            col[name] = ints[pos : pos + n].tolist()
-            pos += n
-        ints.release()
     else:
-        arr = array("q")
-        arr.frombytes(body)
-        arr.byteswap()
-        pos = 0
-        for name, n in zip(_COLUMNS, lengths):
-            col[name] = arr[pos : pos + n].tolist()
-            pos += n
-        del arr
-    body.release()
-    mv.release()
-    del blob  # the caller handed its reference over: the entry's bytes are freed here
+        ints = array("q")
+        ints.frombytes(body)
+        ints.byteswap()
+    col: dict[str, Sequence[int]] = {}
+    pos = 0
+    for name, n in zip(_COLUMNS, lengths):
+        col[name] = ints[pos : pos + n]
+        pos += n
     return col
 
 
 def _decode_layouts(
-    col: dict[str, list[int]], strings: list[str], shared: dict[tuple[int, ...], tuple[int, ...]]
+    col: dict[str, Sequence[int]], strings: list[str], shared: dict[tuple[int, ...], tuple[int, ...]]
 ) -> list[_TensorMeta]:
     """The distinct tensor layouts, checked one by one (a few per checkpoint, at most one per entry)."""
     l_dtype, l_ndim, l_nch, l_dims = col["layout_dtype"], col["layout_ndim"], col["layout_nchunks"], col["layout_dims"]
@@ -395,7 +387,7 @@ def _decode_layouts(
 
 
 def _decode_entries(
-    col: dict[str, list[int]], strings: list[str], layouts: list[_TensorMeta]
+    col: dict[str, Sequence[int]], strings: list[str], layouts: list[_TensorMeta]
 ) -> dict[str, _TensorMeta | BytesMeta]:
     """Entries: key -> one of the layouts (frozen, so entries of one layout share it) or the bytes item."""
     e_key, e_layout = col["entry_key"], col["entry_layout"]
@@ -413,7 +405,7 @@ def _decode_entries(
 
 
 def _decode_tuples(
-    col: dict[str, list[int]], strings: list[str], shared: dict[tuple[int, ...], tuple[int, ...]]
+    col: dict[str, Sequence[int]], strings: list[str], shared: dict[tuple[int, ...], tuple[int, ...]]
 ) -> tuple[list[tuple[int, ...] | None], list[tuple[str, ...]]]:
     """The storage-offset tuples (index -1: ``None``) and the transform-descriptor tuples."""
     t_ndim, t_dims = col["tuple_ndim"], col["tuple_dims"]
@@ -440,7 +432,7 @@ def _decode_tuples(
 
 
 def _decode_storage(
-    col: dict[str, list[int]], strings: list[str], shared: dict[tuple[int, ...], tuple[int, ...]]
+    col: dict[str, Sequence[int]], strings: list[str], shared: dict[tuple[int, ...], tuple[int, ...]]
 ) -> dict[tuple[str, tuple[int, ...] | None], StorageInfo]:
     """Storage items: columns checked with min/max, then built in C (zip/map, tuple.__new__)."""
     tuples, descriptors = _decode_tuples(col, strings, shared)
@@ -464,7 +456,7 @@ def _decode_storage(
     return storage
 
 
-def _decode_planner(col: dict[str, list[int]], strings: list[str], raw: Any) -> dict[str, tuple[Any, ...]]:
+def _decode_planner(col: dict[str, Sequence[int]], strings: list[str], raw: Any) -> dict[str, tuple[Any, ...]]:
     """``planner_data``: the all-string paths from the columns, the others from the header (``raw``)."""
     ns = len(strings)
     p_key, p_len, p_items = col["planner_key"], col["planner_len"], col["planner_items"]

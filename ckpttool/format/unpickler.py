@@ -720,24 +720,24 @@ def parse_metadata_bytes(data: bytes, source: str = ".metadata") -> CheckpointMe
 def parse_metadata_owned(holder: list[bytes], source: str = ".metadata") -> CheckpointMetadata:
     """:func:`parse_metadata_bytes` of the bytes in ``holder`` (a one-item list, emptied).
 
-    The native column reader (:func:`ckpttool.format.mdscan.scan_metadata`) reads the bytes first;
-    where it declines them (or is not built) the allow-list unpickler does, and its result or
-    message is the answer. With the caller's only reference handed over, the bytes (~490 MB at
-    10^6 entries and 2.75 M chunks) are freed once unpickled, before the unpickled objects are
-    converted: they are never in memory beside the converted metadata.
+    The native column reader (:func:`ckpttool.format.mdscan.scan_metadata_owned`) reads the bytes
+    first; where it declines them (or is not built) the allow-list unpickler does, and its result or
+    message is the answer. With the caller's only reference handed over, the bytes (~465 MiB at
+    10^6 entries and 2.75 M chunks) are freed once read into columns (or unpickled), before the
+    objects are built: they are never in memory beside the converted metadata.
 
     Raises:
         as :func:`parse_metadata_bytes`.
     """
-    data = holder.pop()
-    if not data:
+    if not holder[0]:
         raise MetadataError(f"{source} is empty", path=source)
-    check_record_bound(data, source)
-    from ckpttool.format.mdscan import scan_metadata
+    check_record_bound(holder[0], source)
+    from ckpttool.format.mdscan import scan_metadata_owned
 
-    md = scan_metadata(data, source)  # the native column reader; None: the unpickler decides
+    md = scan_metadata_owned(holder, source)  # the native column reader (frees the bytes); None: the unpickler decides
     if md is not None:
         return md
+    data = holder.pop()
     obj = _unpickle(data, source)
     del data
     return _convert(obj, source)

@@ -159,3 +159,48 @@ def test_shared_references_that_multiply_rows_are_declined(monkeypatch: pytest.M
     planner = _shared_planner_paths(20_000)  # 1,280,000 path-item rows from 80 KB
     assert scan_metadata(planner, ".metadata") is None
     assert _parsed(planner) == _parsed_without_kernels(planner, monkeypatch)
+
+
+def _metadata_pickle(entries: dict[str, Any], planner: dict[str, Any] | None = None) -> bytes:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    return pickle.dumps(Metadata(state_dict_metadata=entries, planner_data=planner or {}), protocol=4)
+
+
+def _tensor(size: list[int], chunks: list[tuple[list[int], list[int]]]) -> Any:
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+
+    return TensorStorageMetadata(
+        properties=TensorProperties(dtype=torch.float32),
+        size=torch.Size(size),
+        chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks],
+    )
+
+
+def test_repeated_key_and_chunk_outside_its_tensor_are_declined(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key given twice (equal bytes, two string objects) and a chunk past its tensor's end: the kernel declines
+    both, and the unpickler path decides (the later value for the key; the message for the chunk)."""
+    data = _metadata_pickle({"k0": _tensor([4], [([0], [4])]), "k1": _tensor([2, 2], [([0, 0], [2, 2])])})
+    twice = data.replace(_op_str("k1"), _op_str("k0"), 1)
+    assert twice != data and scan_metadata(twice, ".metadata") is None
+    assert _parsed(twice) == _parsed_without_kernels(twice, monkeypatch)
+    assert list(_parsed(twice).entries) == ["k0"]
+    outside = _metadata_pickle({"k0": _tensor([4, 2], [([0, 0], [4, 2]), ([2, 0], [4, 2])])})
+    assert scan_metadata(outside, ".metadata") is None
+    ref = _parsed_without_kernels(outside, monkeypatch)
+    assert isinstance(ref, CkptError) and str(_parsed(outside)) == str(ref)
+
+
+def test_shapes_of_every_rank_and_int_paths_agree() -> None:
+    """Shapes interned by the kernel (0-d, 1-d, up to 64 dims, shared and repeated objects), planner paths of ints
+    only and of mixed items: the unpickler path's values."""
+    size = [1] * 64
+    entries = {
+        "scalar": _tensor([], [([], [])]),
+        "vec": _tensor([6], [([0], [3]), ([3], [3])]),
+        "deep": _tensor(size, [([0] * 64, size)]),
+        "empty": _tensor([0, 5], [([0, 0], [0, 5])]),
+    }
+    planner = {"scalar": (0, 1), "vec": ("m", 0, "w"), "deep": (2**62,), "empty": ("e",)}
+    assert _agrees(_metadata_pickle(entries, planner))

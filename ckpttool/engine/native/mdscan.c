@@ -14,13 +14,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { T_EMPTY, T_INT, T_STR, T_NONE, T_BOOL, T_TUPLE, T_LIST, T_DICT, T_REC, T_GLOBAL, T_INERT, T_PATH };
+/* T_SHAPE: a tuple of 1 to 64 ints in 0..2^62, interned at TUPLE as a shape id (a: id, b: length), no cells */
+enum { T_EMPTY, T_INT, T_STR, T_NONE, T_BOOL, T_TUPLE, T_LIST, T_DICT, T_REC, T_GLOBAL, T_INERT, T_PATH, T_SHAPE };
 enum { K_MD, K_TSM, K_TP, K_CSM, K_BSM, K_MI, K_SI, K_SM, N_KINDS };
 enum { G_SIZE = N_KINDS, G_LAYOUT, G_MEMFMT, G_PATH, G_DTYPE };
 
 typedef struct { int64_t a; uint32_t b; uint32_t t; } val;
 typedef struct { int64_t start; int32_t n; int32_t next; } seg;
-typedef struct { int32_t head, tail; int64_t count; uint8_t escaped, consumed, frozen, walked; } cont;
+typedef struct { int32_t head, tail; int64_t count; uint8_t escaped, consumed, frozen, walked, memod; } cont;
 typedef struct { int64_t fstart; uint8_t kind, built, keyed, pad; } rec;
 
 #define ARR(T) struct { T *p; int64_t n, cap; }
@@ -56,6 +57,11 @@ typedef struct {
     int64_t len, pos;
     vals stack, memo, arena, fields;
     i64s marks;
+    /* the memo: a slot is kept only where a GET names it (pass one marks `ref`); `filled` counts every
+     * slot written (MEMOIZE's index), `rank` maps a referenced slot to its cell in `memo` */
+    uint64_t *ref, *filled;
+    int64_t ref_words, filled_words, arena_pin;
+    int32_t *rank;
     ARR(seg) segs;
     ARR(cont) conts;
     ARR(rec) recs;
@@ -166,7 +172,7 @@ static int global_id(st *s, val mod, val name) {
 }
 
 static int new_cont(st *s, uint32_t t) {
-    cont c = {-1, -1, 0, 0, 0, 0, 0};
+    cont c = {-1, -1, 0, 0, 0, 0, 0, 0};
     if (PUSH(s->conts, c)) FAIL(9);
     return push(s, (val){s->conts.n - 1, 0, t});
 }
@@ -215,10 +221,21 @@ static int op_extend(st *s, int marked, uint32_t want) {
     return extend(s, s->stack.p[x - 1], x, want);
 }
 
+static int shape_cells(st *s, const val *a, int64_t n, int64_t *out);
+
 static int op_tuple(st *s, int64_t x) {
     if (x < fence(s) || x > s->stack.n) FAIL(3);
     int64_t n = s->stack.n - x, start = s->arena.n;
     if (n > INT32_MAX) FAIL(4);
+    int shape = n >= 1 && n <= 64;
+    for (int64_t i = x; shape && i < s->stack.n; i++)
+        shape = s->stack.p[i].t == T_INT && s->stack.p[i].a >= 0 && s->stack.p[i].a <= ((int64_t)1 << 62);
+    if (shape) { /* a shape (torch.Size's tuple, chunk offsets): one row of the shape table, no cells */
+        int64_t id;
+        if (shape_cells(s, s->stack.p + x, n, &id)) FAIL(9);
+        s->stack.n = x;
+        return push(s, (val){id, (uint32_t)n, T_SHAPE});
+    }
     if (grow((void **)&s->arena.p, &s->arena.cap, start + n, sizeof(val))) FAIL(9);
     if (n) memcpy(s->arena.p + start, s->stack.p + x, (size_t)n * sizeof(val));
     s->arena.n += n;
@@ -230,12 +247,16 @@ static int op_reduce(st *s) {
     val args, fn;
     int r;
     if ((r = pop(s, &args)) || (r = pop(s, &fn))) return r;
+    if (args.t == T_SHAPE && fn.t == T_GLOBAL && fn.a == G_MEMFMT && args.b == 1) return push(s, (val){0, 0, T_INERT});
     if (args.t != T_TUPLE || fn.t != T_GLOBAL) FAIL(5);
     val *a = s->arena.p + args.a;
     switch (fn.a) {
-    case G_SIZE: /* tuple(t) of a tuple is t itself */
-        if (args.b != 1 || a[0].t != T_TUPLE) FAIL(5);
-        return push(s, a[0]);
+    case G_SIZE: { /* tuple(t) of a tuple is t itself */
+        if (args.b != 1 || (a[0].t != T_TUPLE && a[0].t != T_SHAPE)) FAIL(5);
+        val t = a[0];
+        if (args.a >= s->arena_pin && args.a + 1 == s->arena.n) s->arena.n--; /* the args cell: no memo slot kept it */
+        return push(s, t);
+    }
     case G_LAYOUT:
         if (args.b != 1 || a[0].t != T_STR || a[0].b > 64 || a[0].b < 6 || memcmp(s->d + a[0].a, "torch.", 6)) FAIL(5);
         for (uint32_t i = 0; i < a[0].b; i++)
@@ -307,12 +328,36 @@ static int op_build(st *s) {
             s->segs.n--;
         }
     }
+    /* the last dict made, held by nothing else (no kept memo slot; not escaped): its slot is reused */
+    if (state.a == s->conts.n - 1 && !c->memod && (c->head < 0 || c->head >= s->segs.n)) s->conts.n--;
     return 0;
 }
 
+static int bit(const uint64_t *w, int64_t words, int64_t i) { return i >= 0 && (i >> 6) < words && ((w[i >> 6] >> (i & 63)) & 1); }
+
+static int set_bit(uint64_t **w, int64_t *words, int64_t i) {
+    int64_t need = (i >> 6) + 1;
+    if (need > *words) {
+        int64_t c = *words ? *words : 64;
+        while (c < need) c *= 2;
+        uint64_t *q = realloc(*w, (size_t)c * sizeof(uint64_t));
+        if (!q) return -1;
+        memset(q + *words, 0, (size_t)(c - *words) * sizeof(uint64_t));
+        *w = q;
+        *words = c;
+    }
+    (*w)[i >> 6] |= (uint64_t)1 << (i & 63);
+    return 0;
+}
+
+static int64_t memo_cell(st *s, int64_t i) { /* the cell of referenced slot i */
+    uint64_t below = s->ref[i >> 6] & (((uint64_t)1 << (i & 63)) - 1);
+    return s->rank[i >> 6] + __builtin_popcountll(below);
+}
+
 static int op_get(st *s, int64_t i) {
-    if (i < 0 || i >= s->memo.n || s->memo.p[i].t == T_EMPTY) FAIL(8);
-    val v = s->memo.p[i];
+    if (!bit(s->filled, s->filled_words, i)) FAIL(8);
+    val v = s->memo.p[memo_cell(s, i)];
     if (v.t == T_DICT || v.t == T_LIST) {
         cont *c = &s->conts.p[v.a];
         if (c->consumed) FAIL(8);
@@ -324,13 +369,15 @@ static int op_get(st *s, int64_t i) {
 static int op_put(st *s, int64_t i) {
     if (s->stack.n <= fence(s)) FAIL(3);
     if (i < 0 || i > s->len) FAIL(8);
-    if (i >= s->memo.n) {
-        if (grow((void **)&s->memo.p, &s->memo.cap, i + 1, sizeof(val))) FAIL(9);
-        memset(s->memo.p + s->memo.n, 0, (size_t)(i + 1 - s->memo.n) * sizeof(val));
-        s->memo.n = i + 1;
+    if (!bit(s->filled, s->filled_words, i)) {
+        if (set_bit(&s->filled, &s->filled_words, i)) FAIL(9);
+        s->memo_len++;
     }
-    if (s->memo.p[i].t == T_EMPTY) s->memo_len++;
-    s->memo.p[i] = s->stack.p[s->stack.n - 1];
+    if (!bit(s->ref, s->ref_words, i)) return 0; /* never read again: not kept */
+    val v = s->stack.p[s->stack.n - 1];
+    s->memo.p[memo_cell(s, i)] = v;
+    if (v.t == T_DICT || v.t == T_LIST) s->conts.p[v.a].memod = 1;
+    if ((v.t == T_TUPLE || v.t == T_PATH) && v.a + v.b > s->arena_pin) s->arena_pin = v.a + v.b;
     return 0;
 }
 
@@ -420,6 +467,59 @@ static int step(st *s, uint8_t op) {
     FAIL(11);
 }
 
+/* Pass one: the memo slots a GET names (`ref`), so that pass two keeps only those (pickle memoizes
+ * every tuple, record and torch.Size; a fraction is read again). It reads each opcode's argument
+ * lengths as `step` does; a stream it cannot follow is refused as `step` would refuse it. */
+static int mark_refs(st *s) {
+    int64_t p = 0, len = s->len;
+    const uint8_t *d = s->d;
+#define SKIP(n) do { if ((int64_t)(n) < 0 || len - p < (int64_t)(n)) FAIL(2); p += (int64_t)(n); } while (0)
+    while (1) {
+        if (p >= len) FAIL(2);
+        uint8_t op = d[p++];
+        int64_t i;
+        switch (op) {
+        case '.': goto done;
+        case 0x80: case 'K': case 'q': SKIP(1); break;
+        case 0x95: SKIP(8); break;
+        case 'M': SKIP(2); break;
+        case 'J': case 'r': SKIP(4); break;
+        case '(': case ')': case 0x85: case 0x86: case 0x87: case 't': case '}': case ']': case 's': case 'u':
+        case 'a': case 'e': case 'N': case 0x88: case 0x89: case 0x93: case 'R': case 0x81: case 'b': case 0x94: break;
+        case 0x8a: case 0x8c: SKIP(1); SKIP(d[p - 1]); break;
+        case 'X': SKIP(4); SKIP(rd(d + p - 4, 4)); break;
+        case 0x8d: { SKIP(8); uint64_t n = rd(d + p - 8, 8); if (n > (uint64_t)INT64_MAX) FAIL(2); SKIP(n); break; }
+        case 'c':
+            for (int line = 0; line < 2; line++) {
+                while (p < len && d[p] != '\n') p++;
+                SKIP(1);
+            }
+            break;
+        case 'h': SKIP(1); i = d[p - 1]; goto mark;
+        case 'j': SKIP(4); i = (int64_t)rd(d + p - 4, 4); goto mark;
+        default: FAIL(11);
+        }
+        continue;
+    mark:
+        if (i > len) FAIL(8); /* never a filled slot */
+        if (set_bit(&s->ref, &s->ref_words, i)) FAIL(9);
+    }
+#undef SKIP
+done:
+    s->rank = malloc((size_t)(s->ref_words ? s->ref_words : 1) * sizeof(int32_t));
+    if (!s->rank) FAIL(9);
+    int64_t n = 0;
+    for (int64_t w = 0; w < s->ref_words; w++) {
+        if (n > INT32_MAX) FAIL(9);
+        s->rank[w] = (int32_t)n;
+        n += __builtin_popcountll(s->ref[w]);
+    }
+    s->memo.p = calloc((size_t)(n ? n : 1), sizeof(val)); /* T_EMPTY cells */
+    if (!s->memo.p) FAIL(9);
+    s->memo.n = s->memo.cap = n;
+    return 0;
+}
+
 /* ------------------------------------------------------------------ the walk into columns */
 
 static uint64_t mix(uint64_t h) { /* splitmix64's finaliser: every input bit reaches the low bits */
@@ -429,10 +529,18 @@ static uint64_t mix(uint64_t h) { /* splitmix64's finaliser: every input bit rea
 }
 
 static int shape_id(st *s, val v, int64_t *out) {
+    if (v.t == T_SHAPE) {
+        *out = v.a;
+        return 0;
+    }
     if (v.t != T_TUPLE || v.b > 64) FAIL(20);
-    val *a = s->arena.p + v.a;
-    uint64_t h = 1469598103934665603ULL ^ v.b;
-    for (uint32_t i = 0; i < v.b; i++) {
+    return shape_cells(s, s->arena.p + v.a, v.b, out);
+}
+
+/* the id of the shape of the n cells at a (ints in 0..2^62, n <= 64) in the shape table */
+static int shape_cells(st *s, const val *a, int64_t n, int64_t *out) {
+    uint64_t h = 1469598103934665603ULL ^ (uint64_t)n;
+    for (int64_t i = 0; i < n; i++) {
         if (a[i].t != T_INT || a[i].a < 0 || a[i].a > ((int64_t)1 << 62)) FAIL(20);
         h = (h ^ (uint64_t)a[i].a) * 1099511628211ULL;
     }
@@ -442,9 +550,9 @@ static int shape_id(st *s, val v, int64_t *out) {
         if (!t) FAIL(9);
         for (int64_t i = 0; i < cap; i++) t[i] = -1;
         for (int64_t id = 0; id < s->shapes.n / 2; id++) {
-            int64_t st0 = s->shapes.p[2 * id], n = s->shapes.p[2 * id + 1];
-            uint64_t hh = 1469598103934665603ULL ^ (uint64_t)n;
-            for (int64_t i = 0; i < n; i++) hh = (hh ^ (uint64_t)s->ints.p[st0 + i]) * 1099511628211ULL;
+            int64_t st0 = s->shapes.p[2 * id], m = s->shapes.p[2 * id + 1];
+            uint64_t hh = 1469598103934665603ULL ^ (uint64_t)m;
+            for (int64_t i = 0; i < m; i++) hh = (hh ^ (uint64_t)s->ints.p[st0 + i]) * 1099511628211ULL;
             uint64_t j = mix(hh) & (uint64_t)(cap - 1);
             while (t[j] >= 0) j = (j + 1) & (uint64_t)(cap - 1);
             t[j] = id;
@@ -456,21 +564,28 @@ static int shape_id(st *s, val v, int64_t *out) {
     uint64_t j = mix(h) & (uint64_t)(s->hcap - 1);
     for (; s->hash[j] >= 0; j = (j + 1) & (uint64_t)(s->hcap - 1)) {
         int64_t id = s->hash[j], st0 = s->shapes.p[2 * id];
-        if (s->shapes.p[2 * id + 1] != v.b) continue;
-        uint32_t i = 0;
-        while (i < v.b && s->ints.p[st0 + i] == a[i].a) i++;
-        if (i == v.b) { *out = id; return 0; }
+        if (s->shapes.p[2 * id + 1] != n) continue;
+        int64_t i = 0;
+        while (i < n && s->ints.p[st0 + i] == a[i].a) i++;
+        if (i == n) { *out = id; return 0; }
     }
     int64_t id = s->shapes.n / 2;
-    if (PUSH(s->shapes, s->ints.n) || PUSH(s->shapes, (int64_t)v.b)) FAIL(9);
-    for (uint32_t i = 0; i < v.b; i++)
+    if (PUSH(s->shapes, s->ints.n) || PUSH(s->shapes, n)) FAIL(9);
+    for (int64_t i = 0; i < n; i++)
         if (PUSH(s->ints, a[i].a)) FAIL(9);
     s->hash[j] = id;
     *out = id;
     return 0;
 }
 
-/* the id of string v in the string table (one row, offset and length, per distinct offset) */
+static uint64_t str_hash(st *s, int64_t off, int64_t n) {
+    uint64_t h = 1469598103934665603ULL ^ (uint64_t)n;
+    for (int64_t i = 0; i < n; i++) h = (h ^ s->d[off + i]) * 1099511628211ULL;
+    return mix(h);
+}
+
+/* the id of string v in the string table: one row (offset and length of its first occurrence) per distinct
+ * string, so equal strings (a data file's name in every storage record) are decoded once */
 static int str_id(st *s, val v, int64_t *out) {
     if (v.t != T_STR) FAIL(20);
     if (s->strs.n >= s->scap) { /* rehash at half full */
@@ -479,7 +594,7 @@ static int str_id(st *s, val v, int64_t *out) {
         if (!t) FAIL(9);
         for (int64_t i = 0; i < cap; i++) t[i] = -1;
         for (int64_t id = 0; id < s->strs.n / 2; id++) {
-            uint64_t j = mix((uint64_t)s->strs.p[2 * id]) & (uint64_t)(cap - 1);
+            uint64_t j = str_hash(s, s->strs.p[2 * id], s->strs.p[2 * id + 1]) & (uint64_t)(cap - 1);
             while (t[j] >= 0) j = (j + 1) & (uint64_t)(cap - 1);
             t[j] = id;
         }
@@ -487,9 +602,14 @@ static int str_id(st *s, val v, int64_t *out) {
         s->shash = t;
         s->scap = cap;
     }
-    uint64_t j = mix((uint64_t)v.a) & (uint64_t)(s->scap - 1);
-    for (; s->shash[j] >= 0; j = (j + 1) & (uint64_t)(s->scap - 1))
-        if (s->strs.p[2 * s->shash[j]] == v.a) { *out = s->shash[j]; return 0; }
+    uint64_t j = str_hash(s, v.a, v.b) & (uint64_t)(s->scap - 1);
+    for (; s->shash[j] >= 0; j = (j + 1) & (uint64_t)(s->scap - 1)) {
+        int64_t id = s->shash[j], off = s->strs.p[2 * id];
+        if (off == v.a || (s->strs.p[2 * id + 1] == v.b && memcmp(s->d + off, s->d + v.a, v.b) == 0)) {
+            *out = id;
+            return 0;
+        }
+    }
     int64_t id = s->strs.n / 2;
     if (PUSH(s->strs, v.a) || PUSH(s->strs, (int64_t)v.b)) FAIL(9);
     s->shash[j] = id;
@@ -504,6 +624,16 @@ static val field(st *s, val r, int f) { return s->fields.p[s->recs.p[r.a].fstart
 static int is_rec(st *s, val v, int kind) { return v.t == T_REC && s->recs.p[v.a].kind == kind && s->recs.p[v.a].built; }
 
 #define EMIT(col, x) do { if (--s->values_left < 0) FAIL(28); if (PUSH(s->col, (int64_t)(x))) FAIL(9); } while (0)
+
+/* a chunk (offsets, sizes shape ids) inside its tensor (size shape id): the unpickler's conversion refuses any other */
+static int chunk_inside(st *s, int64_t size, int64_t off, int64_t sz) {
+    int64_t n = s->shapes.p[2 * size + 1];
+    if (s->shapes.p[2 * off + 1] != n || s->shapes.p[2 * sz + 1] != n) return 0;
+    const int64_t *d = s->ints.p + s->shapes.p[2 * size], *o = s->ints.p + s->shapes.p[2 * off], *z = s->ints.p + s->shapes.p[2 * sz];
+    for (int64_t i = 0; i < n; i++)
+        if (o[i] + z[i] > d[i]) return 0; /* each at most 2^62: no overflow */
+    return 1;
+}
 
 static int walk_tensor(st *s, val key, val r) {
     int64_t size, id2, chunk0 = s->chk.n / 2;
@@ -520,6 +650,7 @@ static int walk_tensor(st *s, val key, val r) {
             val ch = s->arena.p[s->segs.p[g].start + i];
             int64_t off;
             if (!is_rec(s, ch, K_CSM) || shape_id(s, field(s, ch, 0), &off) || shape_id(s, field(s, ch, 1), &id2)) FAIL(22);
+            if (!chunk_inside(s, size, off, id2)) FAIL(22);
             EMIT(chk, off);
             EMIT(chk, id2);
         }
@@ -552,6 +683,22 @@ static int entry_item(st *s, val k, val v) {
     SID(k, kid);
     EMIT(ent, kid); EMIT(ent, -1); EMIT(ent, 0); EMIT(ent, 0); EMIT(ent, 0);
     return 0;
+}
+
+/* the entries, then whether a key is given twice (equal strings share one id): the unpickled dict keeps one, so
+ * the caller's unpickler decides */
+static int walk_entries(st *s, val sdm) {
+    int r = walk_dict(s, sdm, 0, 23, entry_item);
+    if (r) return r;
+    uint8_t *seen = calloc((size_t)(s->strs.n / 2 + 1), 1);
+    if (!seen) FAIL(9);
+    for (int64_t row = 0; row < s->ent.n / 5 && !r; row++) {
+        int64_t k = s->ent.p[5 * row];
+        if (seen[k]) r = 23;
+        seen[k] = 1;
+    }
+    free(seen);
+    return r;
 }
 
 /* storage_data: MetadataIndex -> _StorageInfo */
@@ -589,10 +736,17 @@ static int walk_path_items(st *s, val key, const val *items, int64_t n) {
     return 0;
 }
 
-/* planner_data: key -> tuple or list of path items */
+/* planner_data: key -> tuple, list or (ints only) shape-table row of path items */
 static int planner_item(st *s, val k, val v) {
     if (k.t != T_STR) FAIL(25);
     if (v.t == T_TUPLE) return walk_path_items(s, k, s->arena.p + v.a, v.b);
+    if (v.t == T_SHAPE) { /* a path of ints only: its items from the shape table */
+        val items[64];
+        const int64_t *x = s->ints.p + s->shapes.p[2 * v.a];
+        if (v.b > 64) FAIL(25);
+        for (uint32_t i = 0; i < v.b; i++) items[i] = (val){x[i], 0, T_INT};
+        return walk_path_items(s, k, items, v.b);
+    }
     if (v.t != T_LIST) FAIL(25);
     cont *l = &s->conts.p[v.a];
     if (l->head != l->tail) FAIL(25); /* one APPENDS: items contiguous */
@@ -628,10 +782,12 @@ static int walk_top(st *s, val root) {
 static void release(st *s) {
     free(s->stack.p); free(s->memo.p); free(s->arena.p); free(s->fields.p); free(s->marks.p);
     free(s->segs.p); free(s->conts.p); free(s->recs.p); free(s->hash); free(s->shash);
+    free(s->ref); free(s->filled); free(s->rank);
 }
 
 static int run(st *s) {
     int r;
+    if ((r = mark_refs(s))) return r;
     while (1) {
         if (s->pos >= s->len) FAIL(2);
         uint8_t op = s->d[s->pos++];
@@ -642,7 +798,7 @@ static int run(st *s) {
     val root = s->stack.p[s->stack.n - 1];
     if (!is_rec(s, root, K_MD)) FAIL(27);
     /* the parse's arenas stay: the walk reads them */
-    if ((r = walk_dict(s, field(s, root, 0), 0, 23, entry_item))) return r;
+    if ((r = walk_entries(s, field(s, root, 0)))) return r;
     if ((r = walk_dict(s, field(s, root, 2), 1, 24, storage_item))) return r;
     if ((r = walk_dict(s, field(s, root, 1), 1, 25, planner_item))) return r;
     return walk_top(s, root);
