@@ -27,10 +27,10 @@ from ckpttool.ops.stats.compute import (
     AdamHyper,
     Moments,
     ValueSums,
-    add_moments,
     chunk_slices,
     chunk_sums,
     expert_sums,
+    moment_sums,
     pair_slabs,
     release_buffers,
     sum_squares,
@@ -117,13 +117,8 @@ def _run_work(ckpt: Checkpoint, w: _Work) -> tuple[ValueSums, ValueSums | None, 
         sums = chunk_sums(reader, w.key, chunk, lambda _, sq, e0: expert_sums(experts, sq, e0, inner, chunk.offsets[0]))
         sums.experts = experts
         return sums, None, None
-    sums, second, upd = ValueSums(), ValueSums(), Moments()
     v_chunk = ckpt.catalog.tensors[w.moment_key].chunks[w.chunk_index]
-    pair_slabs(
-        (reader, w.key, chunk),
-        (reader, w.moment_key, v_chunk),
-        lambda m_slab, v_slab: add_moments(sums, second, w.hyper, upd, m_slab, v_slab),
-    )
+    sums, second, upd = moment_sums((reader, w.key, chunk), (reader, w.moment_key, v_chunk), w.hyper)
     return sums, second, (upd if w.hyper is not None else None)
 
 
