@@ -17,6 +17,7 @@ import ctypes
 import functools
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from ckpttool.engine import native
 from ckpttool.engine.execute import lockstep_buffer
@@ -73,7 +74,7 @@ class ScanResult:
 
 
 @functools.cache
-def _kernel() -> tuple[object, int] | None:
+def _kernel() -> tuple[Any, int] | None:
     """``(ckpt_scan, the CRC-32 function's address)``, or ``None`` (not built, or no C CRC-32 to call)."""
     from ckpttool.engine.crc import crc32_c_function
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import struct
 import threading
 from collections.abc import Callable
@@ -149,6 +150,24 @@ class SlabStats:
     beyond: int = 0
     beyond_max: float = 0.0
     subnormal: int = 0
+
+    @property
+    def finite(self) -> int:
+        """Finite values seen."""
+        return self.numel - self.nonfinite
+
+    @property
+    def mean(self) -> float:
+        """The finite values' mean (NaN: none; needs :attr:`Need.sums`)."""
+        return self.s1 / self.finite if self.finite else math.nan
+
+    @property
+    def std(self) -> float:
+        """The finite values' population standard deviation (NaN: none; needs :attr:`Need.sums`)."""
+        if not self.finite:
+            return math.nan
+        m = self.mean
+        return math.sqrt(max(self.s2 / self.finite - m * m, 0.0))
 
     def merge(self, o: SlabStats) -> None:
         """Add another accumulator of the same tensor (other slabs, another chunk)."""

@@ -78,7 +78,7 @@ Slice = tuple[np.ndarray, str]
 @dataclass
 class ValueSums:
     """Float64 running sums of one tensor's values (mergeable): the engine's :class:`~ckpttool.engine.stats.SlabStats`
-    with the per-expert sums of squares."""
+    (``acc``: counts, sums, mean and standard deviation) with the per-expert sums of squares."""
 
     acc: SlabStats = field(default_factory=SlabStats)
     experts: dict[int, float] = field(default_factory=dict)
@@ -106,45 +106,6 @@ class ValueSums:
         self.acc.merge(o.acc)
         for e, v in o.experts.items():
             self.experts[e] = self.experts.get(e, 0.0) + v
-
-    @property
-    def numel(self) -> int:
-        return self.acc.numel
-
-    @property
-    def nonfinite(self) -> int:
-        return self.acc.nonfinite
-
-    @property
-    def zeros(self) -> int:
-        return self.acc.zeros
-
-    @property
-    def s1(self) -> float:
-        return self.acc.s1
-
-    @property
-    def s2(self) -> float:
-        return self.acc.s2
-
-    @property
-    def abs_max(self) -> float:
-        return self.acc.abs_max
-
-    @property
-    def finite(self) -> int:
-        return self.numel - self.nonfinite
-
-    @property
-    def mean(self) -> float:
-        return self.s1 / self.finite if self.finite else math.nan
-
-    @property
-    def std(self) -> float:
-        if not self.finite:
-            return math.nan
-        m = self.mean
-        return math.sqrt(max(self.s2 / self.finite - m * m, 0.0))
 
 
 @dataclass

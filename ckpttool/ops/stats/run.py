@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.engine.kernels import IEEE_BITS, float_values
 from ckpttool.engine.pool import map_ordered, worker_count
+from ckpttool.engine.stats import SlabStats
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.model.catalog import TensorEntry, match_filter
 from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
@@ -210,7 +211,7 @@ def _plan(
     return work, roles
 
 
-def _tensor_row(key: str, fqn: str, role: str, entry: TensorEntry, s: ValueSums) -> TensorValueStats:
+def _tensor_row(key: str, fqn: str, role: str, entry: TensorEntry, s: SlabStats) -> TensorValueStats:
     return TensorValueStats(
         key=key,
         fqn=fqn,
@@ -317,7 +318,7 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
             moments.setdefault(fqn, Moments()).merge(u)
             hypers[fqn] = w.hyper
     entries = ckpt.catalog.tensors
-    rows = [_tensor_row(k, roles[k][0], roles[k][1], entries[k], s) for k, s in sums.items()]
+    rows = [_tensor_row(k, roles[k][0], roles[k][1], entries[k], s.acc) for k, s in sums.items()]
     experts = tuple(
         ExpertNorms(
             k,
