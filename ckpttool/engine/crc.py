@@ -14,7 +14,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["crc32", "crc32_combine", "IMPLEMENTATION", "zlib_crc32"]
+__all__ = ["crc32", "crc32_c_function", "crc32_combine", "IMPLEMENTATION", "zlib_crc32"]
 
 zlib_crc32: Callable[[Any, int], int] = zlib.crc32
 
@@ -29,3 +29,20 @@ except ImportError:  # pragma: no cover - isal ships wheels for every platform t
     crc32 = zlib.crc32
     crc32_combine = None
     IMPLEMENTATION = "zlib"
+
+
+def crc32_c_function() -> int | None:
+    """The address of ISA-L's ``uint32_t crc32_gzip_refl(uint32_t crc, const unsigned char *buf, uint64_t len)``
+    (the function :data:`crc32` calls, exported by python-isal's extension) for the native kernels, or ``None``."""
+    if IMPLEMENTATION != "isal":
+        return None
+    import ctypes
+
+    from isal import isal_zlib
+
+    try:
+        fn = ctypes.CDLL(isal_zlib.__file__).crc32_gzip_refl
+    except (OSError, AttributeError):  # an isal build that does not export it: the Python loop runs
+        return None
+    address: int | None = ctypes.cast(fn, ctypes.c_void_p).value
+    return address

@@ -40,7 +40,15 @@ from ckpttool.engine.plan import (
 )
 from ckpttool.engine.pool import map_ordered, overlap
 
-__all__ = ["can_split", "release_lockstep_buffers", "run_item", "run_items", "run_lockstep", "run_split"]
+__all__ = [
+    "can_split",
+    "lockstep_buffer",
+    "release_lockstep_buffers",
+    "run_item",
+    "run_items",
+    "run_lockstep",
+    "run_split",
+]
 
 _local = threading.local()
 
@@ -352,6 +360,11 @@ class _LockstepBuffers(threading.local):
 
 class _Lockstep:
     bufs = _LockstepBuffers()
+
+
+def lockstep_buffer(slot: int, nbytes: int) -> Any:
+    """This thread's slab buffer of lockstep stream ``slot``: a ``uint8`` numpy array of ``nbytes`` (reused)."""
+    return _Lockstep.bufs.get(slot, nbytes)
 
 
 def release_lockstep_buffers() -> None:

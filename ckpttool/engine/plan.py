@@ -17,7 +17,9 @@ it to its sinks in order:
 
 A :class:`Lockstep` reads several streams of the same number of values together, slab by slab,
 and hands each group of slabs to one callback (a pair sink: AdamW moments, a parameter and its
-master copy, the same tensor of two checkpoints).
+master copy, the same tensor of two checkpoints); its :class:`Scan` says what the native kernels
+compute of the same slabs instead (statistics folds, :class:`PairKernel` s), one C call per window
+(:mod:`ckpttool.engine.scan`).
 
 Plans are plain frozen values; :mod:`ckpttool.engine.execute` runs them.
 """
@@ -38,7 +40,9 @@ __all__ = [
     "Feed",
     "Item",
     "Lockstep",
+    "PairKernel",
     "PairedSlabs",
+    "Scan",
     "Sink",
     "Stats",
     "Transform",
@@ -169,6 +173,40 @@ class Item:
 
 
 @dataclass(frozen=True, slots=True)
+class PairKernel:
+    """A native kernel over the slabs of streams ``a`` and ``b`` of a :class:`Lockstep` (indices).
+
+    - ``"adam"``: the AdamW update sizes ``u = a / (sqrt(max(b, 0)) + eps)`` of ``exp_avg`` ``a`` and
+      ``exp_avg_sq`` ``b`` (as :func:`~ckpttool.engine.stats.adam_sizes`): their count, ``sum u^2``, ``max |u|``.
+    - ``"ratio"``: ``max a * a / b`` (as :func:`~ckpttool.engine.stats.moment_ratio`; no float16 member);
+      a slab with a zero ``b`` or an overflowing square is handed back.
+    - ``"equal"``: ``a`` equals ``b`` rounded to ``a``'s dtype (bfloat16 or float16 from float32, or the
+      same dtype) bit for bit, every ``b`` finite; a slab where not is handed back.
+    """
+
+    kind: str
+    a: int
+    b: int
+    eps: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Scan:
+    """What the native scan computes of a :class:`Lockstep` 's slabs instead of calling ``each``.
+
+    ``dtypes``: each stream's IEEE float dtype; ``folds``: each stream's statistics request
+    (:class:`~ckpttool.engine.stats.Need`; ``None``: CRC-32 only); ``pairs``: the pair kernels;
+    ``handback(slabs, first, which)``: called with a slab group that pair kernels ``which`` (a bit
+    mask of indices into ``pairs``) hand back for the caller's exact path (the slabs' folds are done).
+    """
+
+    dtypes: tuple[str, ...]
+    folds: tuple[Need | None, ...]
+    pairs: tuple[PairKernel, ...] = ()
+    handback: Callable[[list[Any], int, int], object] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Lockstep:
     """Streams of the same number of values read together, slab-aligned.
 
@@ -176,13 +214,15 @@ class Lockstep:
     slab shorter) is read into this thread's buffer for the stream, its CRC-32 computed while it is
     in the CPU cache, then ``each(slabs, first)`` is called with the slabs (``uint8`` numpy arrays,
     valid during the call) and the index of their first value. Run by
-    :func:`~ckpttool.engine.execute.run_lockstep`; its result: each stream's CRC-32.
+    :func:`~ckpttool.engine.execute.run_lockstep`; its result: each stream's CRC-32. With ``scan``,
+    :func:`~ckpttool.engine.scan.run_scan` runs the native kernels over the same slabs instead.
     """
 
     streams: tuple[tuple[Window, ...], ...]
     itemsizes: tuple[int, ...]
     each: Callable[[list[Any], int], object]
     slab: int = 1 << 17
+    scan: Scan | None = None
 
     @property
     def numel(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import struct
 import threading
 from collections.abc import Callable
@@ -30,6 +31,8 @@ from ckpttool.engine.io import BLOCK_BYTES
 from ckpttool.engine.kernels import IEEE_BITS, Scratch
 
 __all__ = [
+    "NATIVE_DTYPE",
+    "CStats",
     "SUBNORMAL_DTYPES",
     "SUBNORMAL_STRIDE",
     "SUM_BLOCK",
@@ -38,7 +41,9 @@ __all__ = [
     "add_slab",
     "adam_sizes",
     "block_sum",
+    "c_flags",
     "fold_slab",
+    "merge_c",
     "moment_ratio",
     "native_stats",
     "release_scratch",
@@ -145,6 +150,24 @@ class SlabStats:
     beyond: int = 0
     beyond_max: float = 0.0
     subnormal: int = 0
+
+    @property
+    def finite(self) -> int:
+        """Finite values seen."""
+        return self.numel - self.nonfinite
+
+    @property
+    def mean(self) -> float:
+        """The finite values' mean (NaN: none; needs :attr:`Need.sums`)."""
+        return self.s1 / self.finite if self.finite else math.nan
+
+    @property
+    def std(self) -> float:
+        """The finite values' population standard deviation (NaN: none; needs :attr:`Need.sums`)."""
+        if not self.finite:
+            return math.nan
+        m = self.mean
+        return math.sqrt(max(self.s2 / self.finite - m * m, 0.0))
 
     def merge(self, o: SlabStats) -> None:
         """Add another accumulator of the same tensor (other slabs, another chunk)."""
@@ -378,11 +401,12 @@ def add_slab(
 
 # ------------------------------------------------------------------------------------------- native kernels
 
-_NATIVE_DTYPE = {"bfloat16": 0, "float16": 1, "float32": 2, "float64": 3}
+#: The native kernels' dtype codes (``DT_*`` of ``engine/native/stats.h``).
+NATIVE_DTYPE = {"bfloat16": 0, "float16": 1, "float32": 2, "float64": 3}
 _NEED_ZEROS, _NEED_NEGATIVE, _NEED_SUMS, _NEED_BOUND, _NEED_SUBNORMAL = 1, 2, 4, 8, 16
 
 
-class _CStats(ctypes.Structure):
+class CStats(ctypes.Structure):
     """``ckpt_slab_stats`` of ``engine/native/stats.c``: the native kernel's accumulator."""
 
     _fields_ = [
@@ -397,7 +421,7 @@ class _Native:
     def __init__(self) -> None:
         vp, i32, size = ctypes.c_void_p, ctypes.c_int32, ctypes.c_size_t
         self.slab = native.function(
-            "ckpt_stats_slab", i32, ctypes.POINTER(_CStats), vp, size, i32, i32, ctypes.c_uint64, ctypes.c_uint64
+            "ckpt_stats_slab", i32, ctypes.POINTER(CStats), vp, size, i32, i32, ctypes.c_uint64, ctypes.c_uint64
         )
         self.adam = native.function("ckpt_adam_update", i32, vp, i32, vp, i32, size, ctypes.c_double, vp)
         self.ratio = native.function("ckpt_moment_ratio", ctypes.c_double, vp, i32, vp, i32, size)
@@ -434,14 +458,15 @@ def use_native(on: bool) -> None:
 
 class _CLocal(threading.local):
     def __init__(self) -> None:
-        self.acc = _CStats()
+        self.acc = CStats()
         self.out = (ctypes.c_double * 3)()
 
 
 _c_local = _CLocal()
 
 
-def _flags(need: Need, dtype: str) -> tuple[int, int, int]:
+def c_flags(need: Need, dtype: str) -> tuple[int, int, int]:
+    """``(NEED_* flags, the bound's magnitude pattern, the subnormal stride)`` of ``need`` for the native kernels."""
     flags = (_NEED_ZEROS if need.zeros else 0) | (_NEED_NEGATIVE if need.negative else 0)
     flags |= _NEED_SUMS if need.sums else 0
     limit = 0
@@ -451,7 +476,8 @@ def _flags(need: Need, dtype: str) -> tuple[int, int, int]:
     return flags, limit, SUBNORMAL_STRIDE
 
 
-def _merge_c(acc: SlabStats, c: _CStats) -> None:
+def merge_c(acc: SlabStats, c: CStats) -> None:
+    """Add a native accumulator (``ckpt_slab_stats``) to ``acc``."""
     acc.numel += c.numel
     acc.nonfinite += c.nonfinite
     acc.all_zero = acc.all_zero and not c.nonzero
@@ -484,12 +510,12 @@ def fold_slab(acc: SlabStats, raw: np.ndarray, dtype: str, need: Need) -> None:
     if k is None or not (need.sums or need.zeros):  # bit-pattern maxima alone: numpy's two reductions are as fast
         add_slab(acc, raw, dtype, need)
         return
-    flags, limit, stride = _flags(need, dtype)
+    flags, limit, stride = c_flags(need, dtype)
     c = _c_local.acc
     ctypes.memset(ctypes.addressof(c), 0, ctypes.sizeof(c))
     n = raw.nbytes // _ITEMSIZE[dtype]
-    k.slab(c, raw.ctypes.data, n, _NATIVE_DTYPE[dtype], flags, limit, stride)
-    _merge_c(acc, c)
+    k.slab(c, raw.ctypes.data, n, NATIVE_DTYPE[dtype], flags, limit, stride)
+    merge_c(acc, c)
 
 
 def adam_sizes(
@@ -507,7 +533,7 @@ def adam_sizes(
         return None
     n = m_raw.size // _ITEMSIZE[m_dtype]
     out = _c_local.out
-    k.adam(m_raw.ctypes.data, _NATIVE_DTYPE[m_dtype], v_raw.ctypes.data, _NATIVE_DTYPE[v_dtype], n, eps_r, out)
+    k.adam(m_raw.ctypes.data, NATIVE_DTYPE[m_dtype], v_raw.ctypes.data, NATIVE_DTYPE[v_dtype], n, eps_r, out)
     return int(out[0]), out[1], out[2]
 
 
@@ -520,7 +546,7 @@ def moment_ratio(m_raw: np.ndarray, m_dtype: str, v_raw: np.ndarray, v_dtype: st
     if k is None or m_dtype == "float16" or v_dtype == "float16":
         return None
     n = m_raw.size // _ITEMSIZE[m_dtype]
-    return float(k.ratio(m_raw.ctypes.data, _NATIVE_DTYPE[m_dtype], v_raw.ctypes.data, _NATIVE_DTYPE[v_dtype], n))
+    return float(k.ratio(m_raw.ctypes.data, NATIVE_DTYPE[m_dtype], v_raw.ctypes.data, NATIVE_DTYPE[v_dtype], n))
 
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}

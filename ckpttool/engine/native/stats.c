@@ -30,16 +30,8 @@
 
 static int has_avx2(void);
 
-enum { DT_BF16 = 0, DT_F16 = 1, DT_F32 = 2, DT_F64 = 3 };
-enum { NEED_ZEROS = 1, NEED_NEGATIVE = 2, NEED_SUMS = 4, NEED_BOUND = 8, NEED_SUBNORMAL = 16 };
 
-/* The accumulator: merged into by every call (the caller zeroes it once). Mirrors SlabStats. */
-typedef struct {
-    int64_t numel, nonfinite, zeros, negative, beyond, subnormal;
-    int64_t nonzero;    /* 1: some value is not +-0 */
-    int64_t has_neg;    /* 1: neg_min is set */
-    double abs_max, neg_min, beyond_max, s1, s2;
-} ckpt_slab_stats;
+#include "stats.h"
 
 /* float16 -> float32, exact for every finite pattern (subnormals included): the 15 value bits moved
  * to float32's position and rescaled by 2^112; the sign carried through the multiply. */
@@ -291,6 +283,11 @@ static void subnormals(ckpt_slab_stats *acc, const void *p, int dt, size_t n, si
     int64_t k = 0;
     for (size_t i = 0; i < n; i++) k += is_subnormal(pattern_at(p, dt, i), dt);
     acc->subnormal += k;
+}
+
+/* The subnormal rule of ckpt_stats_slab alone (for a caller that folds a slab in pieces without it). */
+void ckpt_stats_subnormals(ckpt_slab_stats *acc, const void *p, size_t n, int32_t dt, uint64_t stride) {
+    if (dt >= 0 && dt <= 3 && stride) subnormals(acc, p, dt, n, (size_t)stride);
 }
 
 /* Fold n values of dtype dt at p into acc; need: NEED_* flags; limit: the bound's magnitude pattern

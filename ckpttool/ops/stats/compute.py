@@ -25,7 +25,8 @@ from ckpttool.engine.crc import crc32
 from ckpttool.engine.execute import release_lockstep_buffers, run_item, run_lockstep
 from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
 from ckpttool.engine.kernels import IEEE_BITS
-from ckpttool.engine.plan import Crc32, Item, Lockstep, Stats, Window
+from ckpttool.engine.plan import Crc32, Item, Lockstep, PairKernel, Scan, Stats, Window
+from ckpttool.engine.scan import ScanResult, run_scan
 from ckpttool.engine.stats import (
     Need,
     SlabStats,
@@ -77,7 +78,7 @@ Slice = tuple[np.ndarray, str]
 @dataclass
 class ValueSums:
     """Float64 running sums of one tensor's values (mergeable): the engine's :class:`~ckpttool.engine.stats.SlabStats`
-    with the per-expert sums of squares."""
+    (``acc``: counts, sums, mean and standard deviation) with the per-expert sums of squares."""
 
     acc: SlabStats = field(default_factory=SlabStats)
     experts: dict[int, float] = field(default_factory=dict)
@@ -105,45 +106,6 @@ class ValueSums:
         self.acc.merge(o.acc)
         for e, v in o.experts.items():
             self.experts[e] = self.experts.get(e, 0.0) + v
-
-    @property
-    def numel(self) -> int:
-        return self.acc.numel
-
-    @property
-    def nonfinite(self) -> int:
-        return self.acc.nonfinite
-
-    @property
-    def zeros(self) -> int:
-        return self.acc.zeros
-
-    @property
-    def s1(self) -> float:
-        return self.acc.s1
-
-    @property
-    def s2(self) -> float:
-        return self.acc.s2
-
-    @property
-    def abs_max(self) -> float:
-        return self.acc.abs_max
-
-    @property
-    def finite(self) -> int:
-        return self.numel - self.nonfinite
-
-    @property
-    def mean(self) -> float:
-        return self.s1 / self.finite if self.finite else math.nan
-
-    @property
-    def std(self) -> float:
-        if not self.finite:
-            return math.nan
-        m = self.mean
-        return math.sqrt(max(self.s2 / self.finite - m * m, 0.0))
 
 
 @dataclass
@@ -216,6 +178,12 @@ def chunk_sums(
         as :func:`chunk_slices`.
     """
     sums = ValueSums()
+    if each is None and native_stats():
+        scanned = _scan(((reader, key, chunk),), (_STATS,))
+        if scanned is not None:
+            assert scanned.stats[0] is not None
+            sums.acc = scanned.stats[0]
+            return sums
     loc = reader.locate(key, chunk)
     dtype = loc.meta.dtype.name
     if loc.raw and dtype in IEEE_BITS:
@@ -337,6 +305,78 @@ def read_pair(
 Member = tuple["CheckpointReader", str, ChunkMeta]
 
 
+def _streams(members: tuple[Member, ...]) -> tuple[list[Any], list[str], tuple[tuple[Window, ...], ...]] | None:
+    """The members' locations, dtypes and engine streams; ``None`` unless every one is a plain IEEE float record."""
+    locs = [r.locate(k, c) for r, k, c in members]
+    dtypes = [loc.meta.dtype.name for loc in locs]
+    if not all(loc.raw and d in IEEE_BITS for loc, d in zip(locs, dtypes)):
+        return None
+    streams = tuple(
+        (Window(m[0].fd(loc.info.relative_path), loc.data_start, m[2].numel * DTYPE_ITEMSIZE[d]),)
+        for m, loc, d in zip(members, locs, dtypes)
+    )
+    return locs, dtypes, streams
+
+
+def _checked(members: tuple[Member, ...], locs: list[Any], dtypes: list[str], crcs: tuple[int, ...]) -> None:
+    """Count the members' bytes read and check their records' CRC-32s."""
+    for m, loc, d, crc in zip(members, locs, dtypes, crcs):
+        m[0].count_read(m[2].numel * DTYPE_ITEMSIZE[d])
+        loc.check_crc(crc)
+
+
+def _scan(
+    members: tuple[Member, ...], folds: tuple[Need, ...], pairs: tuple[PairKernel, ...] = ()
+) -> ScanResult | None:
+    """The members' statistics (and ``pairs``) from one native scan of :data:`SLICE_VALUES`-value slabs
+    (:func:`~ckpttool.engine.scan.run_scan`), CRC-32s checked; ``None`` where it does not run (the
+    kernels not built, a member that is not a plain IEEE float record).
+
+    Raises:
+        as :func:`chunk_slices`.
+    """
+    located = _streams(members)
+    if located is None:
+        return None
+    locs, dtypes, streams = located
+    items = tuple(DTYPE_ITEMSIZE[d] for d in dtypes)
+    ls = Lockstep(streams, items, lambda s, _: None, SLICE_VALUES, Scan(tuple(dtypes), folds, pairs))
+    try:
+        res = run_scan(ls)
+    except ShortReadError:
+        loc = locs[0]
+        raise ChunkError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=members[0][1]) from None
+    if res is not None:
+        _checked(members, locs, dtypes, res.crcs)
+    return res
+
+
+def moment_sums(m: Member, v: Member, h: AdamHyper | None) -> tuple[ValueSums, ValueSums, Moments]:
+    """The statistics of an ``exp_avg`` / ``exp_avg_sq`` chunk pair of the same geometry and (``h``) the
+    update sizes (:func:`adam_update`'s formula): one native scan where it runs, else :func:`add_moments`
+    slab by slab.
+
+    Raises:
+        as :func:`chunk_slices`.
+    """
+    sums, second, upd = ValueSums(), ValueSums(), Moments()
+    r, c = _adam_scale(h) if h is not None else (1.0, 0.0)
+    pairs = (PairKernel("adam", 0, 1, h.eps * r),) if h is not None else ()
+    scanned = None
+    wide = [r.metadata.entries[k].dtype.name == "float64" for r, k, _ in (m, v)]  # type: ignore[union-attr]
+    if wide[0] == wide[1] and native_stats():  # as add_moments: one working precision
+        scanned = _scan((m, v), (_STATS, _SECOND_MOMENT), pairs)
+    if scanned is None:
+        pair_slabs(m, v, lambda m_slab, v_slab: add_moments(sums, second, h, upd, m_slab, v_slab))
+        return sums, second, upd
+    assert scanned.stats[0] is not None and scanned.stats[1] is not None
+    sums.acc, second.acc = scanned.stats[0], scanned.stats[1]
+    if pairs:
+        p = scanned.pairs[0]
+        upd.numel, upd.s2, upd.max = p.count, p.s2 * c * c, max(0.0, p.top * c)
+    return sums, second, upd
+
+
 def pair_slabs(a: Member, b: Member, each: Callable[[Slice, Slice], object]) -> None:
     """``each(slab_a, slab_b)`` for the slabs of :data:`SLICE_VALUES` values of two chunks of the same geometry
     (``(reader, key, chunk)`` each), in order: two plain records through the engine's
@@ -345,26 +385,20 @@ def pair_slabs(a: Member, b: Member, each: Callable[[Slice, Slice], object]) -> 
     Raises:
         as :func:`chunk_slices`.
     """
-    locs = [r.locate(k, c) for r, k, c in (a, b)]
-    dtypes = [loc.meta.dtype.name for loc in locs]
-    if not all(loc.raw and d in IEEE_BITS for loc, d in zip(locs, dtypes)):
+    located = _streams((a, b))
+    if located is None:
         for sa, sb in read_pair(a, b):
             each(sa, sb)
         return
-    items = [DTYPE_ITEMSIZE[d] for d in dtypes]
-    streams = tuple(
-        (Window(m[0].fd(loc.info.relative_path), loc.data_start, m[2].numel * item),)
-        for m, loc, item in zip((a, b), locs, items)
-    )
-    ls = Lockstep(streams, tuple(items), lambda s, _: each((s[0], dtypes[0]), (s[1], dtypes[1])), SLICE_VALUES)
+    locs, dtypes, streams = located
+    items = tuple(DTYPE_ITEMSIZE[d] for d in dtypes)
+    ls = Lockstep(streams, items, lambda s, _: each((s[0], dtypes[0]), (s[1], dtypes[1])), SLICE_VALUES)
     try:
         crcs = run_lockstep(ls)
     except ShortReadError:
         loc = locs[0]
         raise ChunkError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=a[1]) from None
-    for m, loc, item, crc in zip((a, b), locs, items, crcs):
-        m[0].count_read(m[2].numel * item)
-        loc.check_crc(crc)
+    _checked((a, b), locs, dtypes, crcs)
 
 
 def tensor_values(reader: CheckpointReader, key: str) -> Any:

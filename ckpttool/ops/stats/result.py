@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ckpttool.format.jsonview import json_fields
+
 __all__ = [
     "CheckpointStats",
     "ExpertNorms",
@@ -28,6 +30,12 @@ DOCUMENT = "ckpttool.stats/1"
 def _num(v: float | None) -> float | None:
     """JSON-safe float (NaN/inf become ``None``)."""
     return v if v is not None and math.isfinite(v) else None
+
+
+def _json(record: Any, *nums: str, **values: Any) -> dict[str, Any]:
+    """``record`` 's fields in order (:func:`~ckpttool.format.jsonview.json_fields`), the floats named in ``nums``
+    through :func:`_num`, ``values`` in place of their fields."""
+    return json_fields(record, **{n: _num(getattr(record, n)) for n in nums}, **values)
 
 
 @dataclass(frozen=True)
@@ -60,22 +68,7 @@ class TensorValueStats:
     nonfinite: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "fqn": self.fqn,
-            "role": self.role,
-            "layer": self.layer,
-            "module": self.module,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "numel": self.numel,
-            "mean": _num(self.mean),
-            "std": _num(self.std),
-            "abs_max": _num(self.abs_max),
-            "l2": _num(self.l2),
-            "zero_fraction": self.zero_fraction,
-            "nonfinite": self.nonfinite,
-        }
+        return _json(self, "mean", "std", "abs_max", "l2")
 
 
 @dataclass(frozen=True)
@@ -98,16 +91,7 @@ class UpdateStats:
     relative: float | None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "fqn": self.fqn,
-            "layer": self.layer,
-            "step": self.step,
-            "lr": self.lr,
-            "numel": self.numel,
-            "rms": _num(self.rms),
-            "max": _num(self.max),
-            "relative": _num(self.relative),
-        }
+        return _json(self, "rms", "max", "relative")
 
 
 @dataclass(frozen=True)
@@ -130,14 +114,7 @@ class GroupStats:
     update_rms: float | None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "params": self.params,
-            "norms": {k: _num(v) for k, v in self.norms.items()},
-            "abs_max": _num(self.abs_max),
-            "nonfinite": self.nonfinite,
-            "update_rms": _num(self.update_rms),
-        }
+        return _json(self, "abs_max", "update_rms", norms={k: _num(v) for k, v in self.norms.items()})
 
 
 @dataclass(frozen=True)
@@ -150,7 +127,7 @@ class ExpertNorms:
     norms: tuple[float, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "layer": self.layer, "module": self.module, "norms": [_num(v) for v in self.norms]}
+        return _json(self, norms=[_num(v) for v in self.norms])
 
 
 @dataclass(frozen=True)
@@ -178,19 +155,14 @@ class CheckpointStats:
     seconds: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "schema": self.schema,
-            "step": self.step,
-            "tensors": [t.to_dict() for t in self.tensors],
-            "layers": [g.to_dict() for g in self.layers],
-            "modules": [g.to_dict() for g in self.modules],
-            "experts": [e.to_dict() for e in self.experts],
-            "updates": [u.to_dict() for u in self.updates],
-            "notes": list(self.notes),
-            "bytes_read": self.bytes_read,
-            "seconds": self.seconds,
-        }
+        return _json(
+            self,
+            tensors=[t.to_dict() for t in self.tensors],
+            layers=[g.to_dict() for g in self.layers],
+            modules=[g.to_dict() for g in self.modules],
+            experts=[e.to_dict() for e in self.experts],
+            updates=[u.to_dict() for u in self.updates],
+        )
 
 
 @dataclass(frozen=True)
@@ -205,7 +177,7 @@ class LayerChange:
     tensors: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"a": self.a, "b": self.b, "layer": self.layer, "relative": _num(self.relative), "tensors": self.tensors}
+        return _json(self, "relative")
 
 
 @dataclass(frozen=True)
@@ -221,7 +193,7 @@ class StatsResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema": DOCUMENT,
-            "checkpoints": [c.to_dict() for c in self.checkpoints],
-            "changes": [c.to_dict() for c in self.changes],
-            "skipped": list(self.skipped),
+            **_json(
+                self, checkpoints=[c.to_dict() for c in self.checkpoints], changes=[c.to_dict() for c in self.changes]
+            ),
         }

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpttool.engine.kernels import IEEE_BITS, float_values
 from ckpttool.engine.pool import map_ordered, worker_count
+from ckpttool.engine.stats import SlabStats
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.model.catalog import TensorEntry, match_filter
 from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
@@ -28,10 +29,10 @@ from ckpttool.ops.stats.compute import (
     AdamHyper,
     Moments,
     ValueSums,
-    add_moments,
     chunk_slices,
     chunk_sums,
     expert_sums,
+    moment_sums,
     pair_slabs,
     release_buffers,
     sum_squares,
@@ -118,13 +119,8 @@ def _run_work(ckpt: Checkpoint, w: _Work) -> tuple[ValueSums, ValueSums | None, 
         sums = chunk_sums(reader, w.key, chunk, lambda _, sq, e0: expert_sums(experts, sq, e0, inner, chunk.offsets[0]))
         sums.experts = experts
         return sums, None, None
-    sums, second, upd = ValueSums(), ValueSums(), Moments()
     v_chunk = ckpt.catalog.tensors[w.moment_key].chunks[w.chunk_index]
-    pair_slabs(
-        (reader, w.key, chunk),
-        (reader, w.moment_key, v_chunk),
-        lambda m_slab, v_slab: add_moments(sums, second, w.hyper, upd, m_slab, v_slab),
-    )
+    sums, second, upd = moment_sums((reader, w.key, chunk), (reader, w.moment_key, v_chunk), w.hyper)
     return sums, second, (upd if w.hyper is not None else None)
 
 
@@ -216,7 +212,7 @@ def _plan(
     return work, roles
 
 
-def _tensor_row(key: str, fqn: str, role: str, entry: TensorEntry, s: ValueSums) -> TensorValueStats:
+def _tensor_row(key: str, fqn: str, role: str, entry: TensorEntry, s: SlabStats) -> TensorValueStats:
     return TensorValueStats(
         key=key,
         fqn=fqn,
@@ -319,7 +315,7 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
             moments.setdefault(fqn, Moments()).merge(u)
             hypers[fqn] = w.hyper
     entries = ckpt.catalog.tensors
-    rows = [_tensor_row(k, roles[k][0], roles[k][1], entries[k], s) for k, s in sums.items()]
+    rows = [_tensor_row(k, roles[k][0], roles[k][1], entries[k], s.acc) for k, s in sums.items()]
     experts = tuple(
         ExpertNorms(
             k,

@@ -25,8 +25,9 @@ from ckpttool.engine.crc import crc32
 from ckpttool.engine.execute import release_lockstep_buffers, run_lockstep
 from ckpttool.engine.io import BLOCK_BYTES, ShortReadError
 from ckpttool.engine.kernels import IEEE_BITS, Scratch, f32_to_bf16, f32_to_f16, float_values
-from ckpttool.engine.plan import Lockstep, Window
+from ckpttool.engine.plan import Lockstep, PairKernel, Scan, Window
 from ckpttool.engine.pool import map_ordered
+from ckpttool.engine.scan import run_scan
 from ckpttool.engine.stats import (
     SUBNORMAL_DTYPES,
     SUBNORMAL_STRIDE,
@@ -34,6 +35,7 @@ from ckpttool.engine.stats import (
     SlabStats,
     fold_slab,
     moment_ratio,
+    native_stats,
     release_scratch,
 )
 from ckpttool.errors import ChunkError, CkptError
@@ -387,7 +389,10 @@ def _stream_item(
     streams = tuple(
         (Window(ctx.reader.fd(loc.info.relative_path), loc.data_start, n * item),) for loc, item in zip(locs, items)
     )
-    crcs = _lockstep(Lockstep(streams, tuple(items), each, max(1, BLOCK_BYTES // max(items))), locs[0])
+    ls = Lockstep(streams, tuple(items), each, max(1, BLOCK_BYTES // max(items)))
+    crcs = _scanned(ctx, ls, keys, dtypes, digs, pairs, stats, counts, locs[0]) if native_stats() else None
+    if crcs is None:
+        crcs = _lockstep(ls, locs[0])
     read = n * sum(items)
     for loc, crc in zip(locs, crcs):
         loc.check_crc(crc)
@@ -395,6 +400,67 @@ def _stream_item(
         if dg is not None:
             stats[k].digests = dg.finish(n, crc)
     return stats, counts, read
+
+
+def _scanned(
+    ctx: Context,
+    ls: Lockstep,
+    keys: tuple[str, ...],
+    dtypes: list[str],
+    digs: list[_Digest | None],
+    pairs: list[PairStats],
+    stats: dict[str, TensorStats],
+    counts: dict[int, _PairCount],
+    loc: Any,
+) -> tuple[int, ...] | None:
+    """The chunk's members through the native scan (:func:`~ckpttool.engine.scan.run_scan`): the same slabs,
+    folds and comparisons as ``_stream_item``'s ``each``, one C call per window; a slab a comparison cannot
+    settle there (a difference, a non-finite master, a zero second moment) goes through :func:`_compare_np`.
+
+    Returns:
+        The members' CRC-32s, or ``None`` where the scan does not apply (integer or float8 members, ``step``
+        values kept, fused expert digests, float16 moments, or the kernels not built).
+    """
+    if any(d not in IEEE_BITS for d in dtypes) or any(_is_step(k) for k in keys):
+        return None
+    if any(dg is not None and dg.seg for dg in digs):
+        return None
+    slot = {k: i for i, k in enumerate(keys)}
+    kernels = []
+    for p in pairs:
+        ia, ib = slot[p.a], slot[p.b]
+        if p.kind == "moments" and "float16" in (dtypes[ia], dtypes[ib]):
+            return None
+        kernels.append(PairKernel("ratio" if p.kind == "moments" else "equal", ia, ib))
+    folds = tuple(_DEEP[k.endswith(".exp_avg_sq"), k in ctx.cat.model] for k in keys)
+
+    def exact(raws: list[Any], e0: int, which: int) -> None:
+        for j, p in enumerate(pairs):
+            if which >> j & 1:
+                ia, ib, c = slot[p.a], slot[p.b], _PairCount()
+                _compare_np(c, p.kind, raws[ia], dtypes[ia], raws[ib], dtypes[ib], False)
+                counts[j].mismatched += c.mismatched
+                counts[j].max_diff = max(counts[j].max_diff, c.max_diff)
+
+    scan = Scan(tuple(dtypes), folds, tuple(kernels), exact)
+    try:
+        res = run_scan(Lockstep(ls.streams, ls.itemsizes, ls.each, ls.slab, scan))
+    except ShortReadError:
+        raise ChunkError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=loc.key) from None
+    if res is None:
+        return None
+    n = ls.numel
+    for k, acc in zip(keys, res.stats):
+        assert acc is not None
+        st = stats[k]
+        st.numel, st.zero, st.nonfinite, st.negative = n, (acc.all_zero if n else None), acc.nonfinite, acc.negative
+        st.min = acc.neg_min
+        st.beyond, st.beyond_max, st.subnormal = acc.beyond, acc.beyond_max, acc.subnormal
+    for j, (p, r) in enumerate(zip(pairs, res.pairs)):
+        counts[j].numel += n
+        if p.kind == "moments" and r.top > 0:
+            counts[j].max_diff = max(counts[j].max_diff, math.sqrt(r.top))
+    return res.crcs
 
 
 class _Digest:

@@ -1,0 +1,160 @@
+/* The native lockstep scan of the byte engine (ckpttool/engine/scan.py calls it through ctypes).
+ *
+ * ckpt_scan reads streams of the same number of values together, slab by slab, from their file
+ * descriptors (pread), and while each piece of a slab is in the CPU cache: its CRC-32 (the caller's
+ * function, ISA-L's crc32_gzip_refl), the statistics fold of each stream (ckpt_stats_slab of
+ * stats.c, its flags per stream) and the pair kernels (AdamW update sizes, the moments' max m^2/v,
+ * bitwise equality of a value and another rounded to its dtype). One call covers many slabs: the
+ * interpreter runs per window, not per slab. A slab that a pair kernel cannot settle (a difference, a
+ * non-finite or zero second value) is handed back whole to the caller, which runs its exact path on
+ * the slab buffers and calls again from the next slab. Slabs are cut as the Python loop cuts them
+ * (the subnormal sample of a slab starts at the slab's first value); the folds run on pieces of a
+ * slab (PIECE_BYTES of the widest stream) so that the read, the CRC and the kernels share the cache.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "half.h"
+#include "stats.h"
+
+#define PIECE_BYTES ((size_t)128 << 10)
+
+typedef uint32_t (*ckpt_crc_fn)(uint32_t crc, const unsigned char *buf, uint64_t len);
+
+/* One stream: its file window, format, whether it is folded and with which flags (NEED_*), slab buffer, CRC and
+ * statistics. */
+typedef struct {
+    int64_t offset; /* file offset of the stream's value 0 */
+    int32_t fd, dt, fold, need;
+    uint64_t limit, stride; /* the bound's magnitude pattern (NEED_BOUND); the subnormal sample's stride */
+    uint8_t *buf;           /* slab values of this stream */
+    uint64_t crc;           /* running CRC-32 */
+    ckpt_slab_stats acc;
+} ckpt_scan_stream;
+
+enum { PAIR_ADAM = 0, PAIR_RATIO = 1, PAIR_EQUAL = 2 };
+
+/* A pair kernel over streams a and b. ADAM: count, s2 (sum u^2) and top (max |u|) of u = m / (sqrt(max(v, 0))
+ * + eps); RATIO: top = max m * m / v over the slabs settled (-inf: none); EQUAL: a equals b rounded to a's
+ * dtype, bit for bit, with b finite (count: values settled). */
+typedef struct {
+    int32_t kind, a, b, pad;
+    double eps, count, s2, top;
+} ckpt_scan_pair;
+
+static const size_t ITEM[4] = {2, 2, 4, 8};
+
+/* Fill n bytes at buf from offset of fd. Returns 0, or -1 with err = {errno or 0 (end of file), offset, missing}. */
+static int read_full(int fd, uint8_t *buf, size_t n, int64_t offset, int64_t *err) {
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = pread(fd, buf + got, n - got, (off_t)(offset + (int64_t)got));
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            err[0] = r < 0 ? errno : 0, err[1] = offset + (int64_t)got, err[2] = (int64_t)(n - got);
+            return -1;
+        }
+        got += (size_t)r;
+    }
+    return 0;
+}
+
+/* Whether a[i] == round(b[i]) for every i, every b finite (a: bfloat16, float16 or b's dtype; b: float32 when
+ * rounded). Integer operations only: the AVX2 clone gives the same answer. */
+__attribute__((target_clones("avx2", "default"))) static int equal_rounded(const void *a, int adt, const void *b, int bdt, size_t n) {
+    if (adt == bdt) {
+        if (memcmp(a, b, n * ITEM[adt]) != 0) return 0;
+        uint64_t exp_all = adt == DT_F64 ? 0x7ff0000000000000ull : (adt == DT_F32 ? 0x7f800000u : (adt == DT_F16 ? 0x7c00u : 0x7f80u));
+        for (size_t i = 0; i < n; i++) {
+            uint64_t u;
+            if (adt == DT_F64) u = ((const uint64_t *)b)[i] & 0x7fffffffffffffffull;
+            else if (adt == DT_F32) u = ((const uint32_t *)b)[i] & 0x7fffffffu;
+            else u = ((const uint16_t *)b)[i] & 0x7fffu;
+            if (u >= exp_all) return 0;
+        }
+        return 1;
+    }
+    const uint32_t *fb = (const uint32_t *)b;
+    const uint16_t *ha = (const uint16_t *)a;
+    uint32_t bad = 0;
+    if (adt == DT_BF16) {
+        for (size_t i = 0; i < n; i++) { /* round to nearest even (c10::BFloat16); vectorised */
+            uint32_t u = fb[i];
+            bad |= ((u & 0x7fffffffu) >= 0x7f800000u) | ((uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) != ha[i]);
+        }
+        return !bad;
+    }
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u = fb[i];
+        if ((u & 0x7fffffffu) >= 0x7f800000u || f32_f16_finite(u) != ha[i]) return 0;
+    }
+    return 1;
+}
+
+/* Run the pair kernels over values [lo, lo + n) of the slab buffers; sets bit j of *back for a pair that hands the
+ * slab back. */
+static void pairs_piece(ckpt_scan_stream *s, ckpt_scan_pair *p, int32_t np, size_t lo, size_t n, int64_t *back) {
+    for (int32_t j = 0; j < np; j++) {
+        ckpt_scan_pair *q = &p[j];
+        ckpt_scan_stream *a = &s[q->a], *b = &s[q->b];
+        const uint8_t *pa = a->buf + lo * ITEM[a->dt], *pb = b->buf + lo * ITEM[b->dt];
+        if (q->kind == PAIR_ADAM) {
+            double out[3];
+            ckpt_adam_update(pa, a->dt, pb, b->dt, n, q->eps, out);
+            q->count += out[0], q->s2 += out[1], q->top = out[2] > q->top ? out[2] : q->top;
+        } else if (q->kind == PAIR_RATIO) {
+            double r = ckpt_moment_ratio(pa, a->dt, pb, b->dt, n);
+            if (r == INFINITY) *back |= (int64_t)1 << j; /* a zero or overflowing moment: the exact path */
+            else if (r > q->top) q->top = r;
+        } else if (!equal_rounded(pa, a->dt, pb, b->dt, n)) {
+            *back |= (int64_t)1 << j;
+        }
+    }
+}
+
+/* Scan values [e0, e1) of ns streams (each of numel >= e1) in slabs of `slab` values cut at multiples of `slab`
+ * from value 0, with np pair kernels. Returns e1 when done; the first value of a slab handed back (*back: the
+ * pairs that handed it back, bits; the slab's values are in the buffers, its folds and CRCs done, the pairs'
+ * accumulators without it); -1 on a read error (err: errno or 0 for an early end of file, the file offset,
+ * the missing bytes); -2 on bad arguments. */
+int64_t ckpt_scan(ckpt_scan_stream *s, int32_t ns, ckpt_scan_pair *p, int32_t np, int64_t e0, int64_t e1,
+                  int64_t slab, ckpt_crc_fn crc, int64_t *back, int64_t *err) {
+    *back = 0;
+    if (ns <= 0 || np < 0 || np > 62 || slab <= 0 || e0 < 0 || e1 < e0 || e0 % slab) return -2;
+    size_t widest = 1;
+    for (int32_t i = 0; i < ns; i++) {
+        if (s[i].dt < 0 || s[i].dt > 3) return -2;
+        widest = ITEM[s[i].dt] > widest ? ITEM[s[i].dt] : widest;
+    }
+    for (int32_t j = 0; j < np; j++)
+        if (p[j].a < 0 || p[j].a >= ns || p[j].b < 0 || p[j].b >= ns || p[j].kind < 0 || p[j].kind > 2) return -2;
+    size_t piece = PIECE_BYTES / widest;
+    piece -= piece % 16; /* whole lane groups: the folds' lanes as in one call per slab */
+    for (int64_t e = e0; e < e1; e += slab) {
+        size_t m = (size_t)(e1 - e < slab ? e1 - e : slab);
+        int64_t hand = 0;
+        for (size_t lo = 0; lo < m; lo += piece) {
+            size_t k = m - lo < piece ? m - lo : piece;
+            for (int32_t i = 0; i < ns; i++) {
+                ckpt_scan_stream *t = &s[i];
+                size_t item = ITEM[t->dt];
+                uint8_t *at = t->buf + lo * item;
+                if (read_full(t->fd, at, k * item, t->offset + (e + (int64_t)lo) * (int64_t)item, err)) return -1;
+                t->crc = crc((uint32_t)t->crc, at, k * item);
+                if (t->fold) ckpt_stats_slab(&t->acc, at, k, t->dt, t->need & ~NEED_SUBNORMAL, t->limit, 0);
+            }
+            pairs_piece(s, p, np, lo, k, &hand);
+        }
+        for (int32_t i = 0; i < ns; i++)
+            if (s[i].fold && (s[i].need & NEED_SUBNORMAL)) ckpt_stats_subnormals(&s[i].acc, s[i].buf, m, s[i].dt, s[i].stride);
+        if (hand) {
+            *back = hand;
+            return e;
+        }
+    }
+    return e1;
+}

@@ -1,0 +1,123 @@
+"""The native lockstep scan (``engine/native/scan.c``, :func:`ckpttool.engine.scan.run_scan`) against numpy.
+
+Every stream's CRC-32 equals ``zlib.crc32`` of its bytes; its statistics equal the numpy kernel's
+(:func:`~ckpttool.engine.stats.add_slab`, slab by slab) exactly but for the sums (relative 1e-6); the
+pair kernels equal numpy's formulas, and hand back exactly the slabs numpy finds a difference,
+a non-finite master or a zero second moment in.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ckpttool.engine import stats
+from ckpttool.engine.io import ShortReadError
+from ckpttool.engine.kernels import f32_to_bf16
+from ckpttool.engine.plan import Lockstep, PairKernel, Scan, Window
+from ckpttool.engine.scan import run_scan
+from ckpttool.engine.stats import Need, SlabStats, add_slab
+
+pytestmark = pytest.mark.skipif(not stats.native_stats(), reason="native kernels not built or CKPTTOOL_NATIVE=0")
+
+N, SLAB = 5003, 512  # several slabs, a short last one
+_EXACT = (
+    "numel",
+    "nonfinite",
+    "all_zero",
+    "abs_max",
+    "zeros",
+    "negative",
+    "neg_min",
+    "beyond",
+    "beyond_max",
+    "subnormal",
+)
+_FOLDS = (Need(negative=True, bound=1e4), Need(zeros=True, sums=True), Need(zeros=True, sums=True), None)
+
+
+def _streams() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    master = (rng.standard_normal(N) * 0.02).astype(np.float32)
+    master[100:140] = 1e-39  # subnormals in slab 0
+    param = np.empty(N, np.uint16)
+    f32_to_bf16(master.view(np.uint32), param, use_torch=False)
+    param[1500] ^= 1  # slab 2: a parameter that is not its master rounded
+    master[3000] = np.nan  # slab 5: a non-finite master
+    param[4100] = 0x7F00  # slab 8: beyond the bound (a huge parameter)
+    m = (rng.standard_normal(N) * 1e-3).astype(np.float32)
+    v = (m * m * rng.uniform(0.5, 2.0, N)).astype(np.float32)
+    v[2100] = 0.0  # slab 4: a zero second moment under a non-zero first one
+    m[4700] = 3e19  # slab 9: a square that overflows float32
+    return {"param": param, "master": master, "m": m, "v": v}
+
+
+def _reference(arrs: list[np.ndarray], dtypes: tuple[str, ...]) -> tuple[list[SlabStats], set[int], set[int], float]:
+    """numpy's slab-by-slab statistics, the slabs the ``equal`` and ``ratio`` kernels must hand back, and the
+    ratio's maximum over the others."""
+    accs = [SlabStats() for _ in arrs]
+    equal_back, ratio_back, top = set(), set(), -np.inf
+    for k, e0 in enumerate(range(0, N, SLAB)):
+        sl = [a[e0 : e0 + SLAB] for a in arrs]
+        for acc, a, d, need in zip(accs, sl, dtypes, _FOLDS):
+            if need is not None:
+                add_slab(acc, a.view(np.uint8), d, need)
+        rounded = np.empty(sl[0].size, np.uint16)
+        f32_to_bf16(sl[1].view(np.uint32), rounded, canonical_nan=False, use_torch=False)
+        if (rounded != sl[0]).any() or not np.isfinite(sl[1]).all():
+            equal_back.add(k)
+        with np.errstate(all="ignore"):
+            r = (sl[2] * sl[2]) / sl[3]
+        if np.isinf(np.fmax.reduce(r)):
+            ratio_back.add(k)
+        else:
+            top = max(top, float(np.fmax.reduce(r)))
+    return accs, equal_back, ratio_back, top
+
+
+def test_scan_equals_numpy(tmp_path: Path) -> None:
+    arrs = _streams()
+    path = tmp_path / "data"
+    raw = [a.tobytes() for a in arrs.values()]
+    path.write_bytes(b"x" * 3 + b"".join(raw))  # an odd start
+    dtypes = ("bfloat16", "float32", "float32", "float32")
+    back: list[tuple[int, int, list[bytes]]] = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        offsets = np.cumsum([3] + [len(r) for r in raw])
+        streams = tuple((Window(fd, int(o), len(r)),) for o, r in zip(offsets, raw))
+        pairs = (PairKernel("equal", 0, 1), PairKernel("adam", 2, 3, 1e-8), PairKernel("ratio", 2, 3))
+        scan = Scan(dtypes, _FOLDS, pairs, lambda s, e0, which: back.append((e0, which, [bytes(x) for x in s])))
+        res = run_scan(Lockstep(streams, (2, 4, 4, 4), lambda s, _: None, SLAB, scan))
+        with pytest.raises(ShortReadError):
+            short = Scan(("bfloat16",), (Need(),))
+            run_scan(Lockstep(((Window(fd, len(raw[0]), 100 * N),),), (2,), lambda s, _: None, SLAB, short))
+    finally:
+        os.close(fd)
+    assert res is not None
+    assert res.crcs == tuple(zlib.crc32(r) for r in raw)
+    accs, equal_back, ratio_back, top = _reference(list(arrs.values()), dtypes)
+    for got, want, need in zip(res.stats, accs, _FOLDS):
+        if need is None:
+            continue
+        assert got is not None
+        assert {f: getattr(got, f) for f in _EXACT} == {f: getattr(want, f) for f in _EXACT}
+        assert got.s1 == pytest.approx(want.s1, rel=1e-6, abs=1e-12) and got.s2 == pytest.approx(want.s2, rel=1e-6)
+    assert res.stats[0] is not None and res.stats[0].subnormal == 40 and res.stats[0].beyond == 1
+    assert res.stats[3] is None
+    assert {e0 // SLAB for e0, which, _ in back if which & 1} == equal_back == {2, 5, 8}
+    assert {e0 // SLAB for e0, which, _ in back if which & 4} == ratio_back == {4, 9}
+    assert res.pairs[2].top == top
+    for e0, _, slabs in back:  # the handed-back slabs hold the values
+        assert slabs == [r[e0 * w : (e0 + SLAB) * w] for r, w in zip(raw, (2, 4, 4, 4))]
+    m, v = arrs["m"], arrs["v"]
+    with np.errstate(all="ignore"):
+        u = m / (np.sqrt(np.maximum(v, 0)) + np.float32(1e-8))
+    u = u[np.isfinite(u)]
+    assert res.pairs[1].count == u.size and res.pairs[1].top == float(np.abs(u).max())
+    with np.errstate(over="ignore"):  # each square in float32, as numpy's adam_update: 3e19 / ~1e-3 squared is inf
+        assert res.pairs[1].s2 == pytest.approx(float(np.sum((u * u).astype(np.float64))), rel=1e-6)
