@@ -37,6 +37,7 @@ from ckpttool.model.catalog import TensorEntry
 from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_checkpoint
 from ckpttool.model.schemas.base import canonical_group_key, canonical_state_key
 from ckpttool.ops.diff.compare import BLOCK_ELEMENTS, Metrics, ValueCompare, ValueDiff, compare_tensors, unravel
+from ckpttool.ops.diff.gather import gathered_values, short_tensor
 from ckpttool.ops.export.transform import Run
 
 __all__ = [
@@ -934,7 +935,7 @@ def _stream_values(a: Side, ia: Item, b: Side, ib: Item, how: dict[str, Any]) ->
     try:
         *crcs_a, crcs_b = run_item(PlanItem(wa, (*spans, pair)))
     except ShortReadError:
-        raise _short_tensor([(b, loc) for loc in lb] + [(a, loc) for loc in la]) from None
+        raise short_tensor([(b, loc) for loc in lb] + [(a, loc) for loc in la]) from None
     for side, locs, crcs in ((b, lb, crcs_b), (a, la, crcs_a)):
         side.reader.count_read(sum(loc.nbytes for loc in locs))
         for loc, crc in zip(locs, crcs) if side.reader.verify_crc else ():
@@ -950,12 +951,17 @@ def _loaded_values(a: Side, ia: Item, b: Side, ib: Item, how: dict[str, Any]) ->
         ta = a.load(ia)
     finally:
         tb = fut.result()
+    return compare_tensors(ta, tb, **_quant_how(a, ia, b, ib, how))
+
+
+def _quant_how(a: Side, ia: Item, b: Side, ib: Item, how: dict[str, Any]) -> dict[str, Any]:
+    """``how`` with a dequantized side's default tolerance when none is given (known once its scales are read)."""
     if how["rtol"] is None and how["atol"] is None and (ia.dequant or ib.dequant):  # one quantized side
-        from ckpttool.ops.diff.quantized import quant_tolerance  # its defaults: known once the weight is loaded
+        from ckpttool.ops.diff.quantized import quant_tolerance
 
         rtol, atol = quant_tolerance(ia, ib, a, b) or (None, None)
         how = {**how, "rtol": rtol, "atol": atol}
-    return compare_tensors(ta, tb, **how)
+    return how
 
 
 def _windows(side: Side, locs: list[ChunkLocation]) -> tuple[Window, ...]:
@@ -970,20 +976,6 @@ def _record_spans(locs: list[ChunkLocation]) -> tuple[tuple[int, int], ...]:
         out.append((pos, pos + loc.nbytes))
         pos += loc.nbytes
     return tuple(out)
-
-
-def _short_tensor(locs: list[tuple[Side, ChunkLocation]]) -> DataFileError:
-    """The reader's error for the first record whose data file now ends before it (the first record if none does)."""
-    side, loc = next(
-        (
-            (side, loc)
-            for side, loc in locs
-            if os.fstat(side.reader.fd(loc.info.relative_path)).st_size < loc.data_start + loc.nbytes
-        ),
-        locs[0],
-    )
-    rel = loc.info.relative_path
-    return DataFileError(f"{side.reader.path / rel}: short read of {loc.key!r}", path=rel, fqn=loc.key)
 
 
 def _short_read(locs: list[tuple[Side, ChunkLocation]]) -> DataFileError:
@@ -1038,6 +1030,8 @@ def _compare_pair(
         "atol": opts.atol,
     }
     vd = _stream_values(a, ia, b, ib, how)
+    if vd is None:
+        vd = gathered_values(a, ia, b, ib, how, lambda h: _quant_how(a, ia, b, ib, h))
     if vd is None:
         vd = _loaded_values(a, ia, b, ib, how)
     stat = _stat(name, ia, ib, vd)
