@@ -8,7 +8,8 @@ engine's ``PairedSlabs`` folding both sides slab by slab into the value comparis
 assembled values (:mod:`ckpttool.ops.diff.gather`): a torchtitan Llama checkpoint against its
 HF export (``bench_diff_adapter``'s case: q/k rows permuted by the model adapter's runs) and
 that export quantized (``--quantize fp8-block``) against the BF16 export (every projection
-dequantized). Each
+dequantized), and one 8192 x 8192 weight quantized against its BF16 export (the memory of
+a large dequantized value). Each
 tree runs in a fresh process with ``PYTHONPATH`` set to it, the trees alternating, warm page
 cache; wall seconds, CPU seconds (user + sys of the child), peak RSS and the load average beside each.
 
@@ -31,6 +32,29 @@ sys.path.insert(0, str(HERE.parent))
 
 from bench_diff import build_a, build_b, copy_of, nbytes, warm  # noqa: E402
 from bench_diff_adapter import build as build_titan  # noqa: E402
+
+
+def build_big(workdir: Path, n: int = 8192) -> tuple[Path, Path]:
+    """One ``n x n`` weight (``down_proj``) saved by ``dcp.save``, exported in BF16 and with ``--quantize fp8-block``."""
+    import json
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckpttool.ops.export import ExportOptions
+    from ckpttool.ops.export.execute import export_checkpoint
+
+    src, assets = workdir / f"big{n}", workdir / f"big{n}-assets"
+    out = {"bf16": workdir / f"big{n}-bf16", "fp8": workdir / f"big{n}-fp8"}
+    if not all((o / "model.safetensors").exists() for o in out.values()):
+        w = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        dcp.save({"model.layers.0.mlp.down_proj.weight": w}, checkpoint_id=str(src), no_dist=True)
+        assets.mkdir(exist_ok=True)
+        (assets / "config.json").write_text(json.dumps({"hidden_size": n}))
+        for name, quant in (("bf16", None), ("fp8", "fp8-block")):
+            opts = ExportOptions(model_assets=assets, shard_size=1 << 40, overwrite=True, quantize=quant)
+            export_checkpoint(src, out[name], opts)
+    return out["fp8"], out["bf16"]
 
 
 def build_fp8(src: Path, assets: Path, hf: Path) -> Path:
@@ -77,6 +101,7 @@ def main() -> None:
     b, a2 = build_b(a, args.workdir), copy_of(a, args.workdir)
     titan, hf, assets = build_titan(args.workdir, args.gb)
     fp8 = build_fp8(titan, assets, hf)
+    big_fp8, big_bf16 = build_big(args.workdir)
     trees = {"baseline": args.baseline.resolve(), "this tree": HERE.parent}
     print(f"A {nbytes(a) / 1e9:.2f} GB; {os.cpu_count()} CPUs; best of {args.repeat} (wall, and CPU of that run)")
     print(f"{'case':34s} {'tree':10s} {'wall s':>7s} {'CPU s':>7s} {'RSS MiB':>7s}  load")
@@ -87,6 +112,7 @@ def main() -> None:
         ("diff A A-copy --as-dtype float32", a, a2, ["--as-dtype", "float32"]),
         ("diff TITAN HF (adapter runs)", titan, hf, []),
         ("diff HF-FP8 HF (dequantized)", fp8, hf, []),
+        ("diff FP8 BF16, one 8192^2 weight", big_fp8, big_bf16, []),
     ):
         if args.only not in label:
             continue

@@ -38,24 +38,17 @@ from ckpttool.ops.export.transform import chunk_segments
 if TYPE_CHECKING:
     from ckpttool.format.locator import ChunkLocation
     from ckpttool.model.catalog import TensorEntry
-    from ckpttool.ops.diff.run import Item, Side
+    from ckpttool.ops.diff.result import Item
+    from ckpttool.ops.diff.run import Side
 
 __all__ = ["MAX_WINDOWS", "Stream", "gathered_values", "short_tensor", "value_stream"]
-
-#: The most windows one value is read through (a finer grid, e.g. a column-sharded embedding, is assembled).
-MAX_WINDOWS = 1 << 16
 
 
 @dataclass(frozen=True)
 class Stream:
-    """A value's stored bytes as engine windows, in the value's C order.
-
-    Attributes:
-        windows: the windows, concatenated: ``numel x width`` bytes.
-        width: stored bytes per value (1 for FP8).
-        decode: ``decode(slab bytes, first element)``: the slab's values as a 1-d torch tensor.
-        records: the ``(side, location)`` of every record read (a short read names one).
-    """
+    """A value's stored bytes as engine ``windows`` (concatenated: ``numel x width`` bytes, in the value's C order),
+    ``width`` stored bytes per value (1 for FP8), ``decode(slab bytes, first element)`` giving the slab's values as
+    a 1-d torch tensor, and the ``(side, location)`` ``records`` read (a short read names one)."""
 
     windows: tuple[Window, ...]
     width: int
@@ -66,6 +59,9 @@ class Stream:
     def nbytes(self) -> int:
         return sum(w.length for w in self.windows)
 
+
+#: The most windows one value is read through (a finer grid, e.g. a column-sharded embedding, is assembled).
+MAX_WINDOWS = 1 << 16
 
 _Segments = tuple[list[int], list[tuple[int, int, int, int]]]  # starts; (first element, elements, fd, byte offset)
 

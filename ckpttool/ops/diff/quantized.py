@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.model.quantized import block_size, find_quantized
 
 if TYPE_CHECKING:
-    from ckpttool.ops.diff.run import Item, Side
+    from ckpttool.ops.diff.result import Item
+    from ckpttool.ops.diff.run import Side
 
 __all__ = ["FP8_RTOL", "MXFP4_RTOL", "dequantize_items", "fp8_decoder", "load_dequantized", "note", "quant_tolerance"]
 
