@@ -80,7 +80,7 @@ def timed(tree: Path, args: list[str]) -> tuple[float, float, float]:
     with tempfile.NamedTemporaryFile("r") as rss:
         cmd = ["/usr/bin/time", "-f", "%M", "-o", rss.name, sys.executable, "-m", "ckpttool", *args]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, env=env, cwd=tree, stdout=subprocess.DEVNULL)  # -m: the cwd comes first
         _, status, ru = os.wait4(proc.pid, 0)
         dt = time.perf_counter() - t0
         if os.waitstatus_to_exitcode(status) != 0:

@@ -140,3 +140,24 @@ def test_hostile_fused_scales(folders: dict[str, Path], tmp_path: Path, name: st
         assert any("do not pair up" in n for n in doc["notes"]), doc["notes"]
     else:
         assert GU in {d["name"] for d in doc["differences"]} or DOWN in {d["name"] for d in doc["differences"]}
+
+
+def test_slab_cuts_give_transformers_values() -> None:
+    """The engine's slabs cut rows and experts anywhere: each cut decodes to transformers' dequantized values."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    from ckpttool.ops.diff.quantized import fp8_decoder
+    from ckpttool.ops.diff.result import Item
+
+    g = torch.Generator().manual_seed(3)
+    q = (torch.randn(3, 13, 11, generator=g) * 40).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 4, 3, generator=g) + 0.5
+    want = _dequantize_fp8_weight(q, scale, [4, 4], torch.float32).reshape(-1)
+    item = Item("w", "w", (3, 13, 11), "float32", "model", dequant=("fp8-experts", "w_scale_inv", (4, 4)))
+    decode = fp8_decoder(SimpleNamespace(), item, scale.numpy())  # type: ignore[arg-type]
+    raw = q.view(torch.uint8).reshape(-1).numpy()
+    for cut in (1, 7, 11, 50, 143, raw.size):
+        got = torch.cat([decode(raw[i : i + cut].data, i) for i in range(0, raw.size, cut)])
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), cut
