@@ -598,7 +598,7 @@ def _stream_values(a: Side, ia: Item, b: Side, ib: Item, how: dict[str, Any]) ->
     reads B's elements beside each slab of :data:`~ckpttool.ops.diff.compare.BLOCK_ELEMENTS`
     and folds the two into a :class:`~ckpttool.ops.diff.compare.ValueCompare`; a ``Crc32`` span
     per record of A and the sink's spans of B check every record. ``how``: ``as_dtype``,
-    ``rtol``, ``atol``. ``None``: another storage (the values are assembled by the reader).
+    ``rtol``, ``atol``. ``None``: another storage (:func:`~ckpttool.ops.diff.gather.gathered_values`).
 
     Raises:
         DataFileError: a data file ends first. ChecksumError: a record fails its CRC-32.
@@ -637,7 +637,9 @@ def _stream_values(a: Side, ia: Item, b: Side, ib: Item, how: dict[str, Any]) ->
 
 def _loaded_values(a: Side, ia: Item, b: Side, ib: Item, how: dict[str, Any]) -> ValueDiff:
     """The value comparison of two values assembled in memory (:meth:`Side.load`: the reader's global
-    tensors, permuted, cut, placed by an adapter's runs or dequantized); ``how`` as :func:`_stream_values`."""
+    tensors, permuted, cut, placed by an adapter's runs or dequantized), for what has no engine windows
+    (:mod:`ckpttool.ops.diff.gather`: records that are not raw, checked zip records, MXFP4); ``how`` as
+    :func:`_stream_values`."""
     fut = overlap(b.load, ib)  # both sides read at once
     try:
         ta = a.load(ia)
