@@ -6,6 +6,9 @@ Two conventions, as the readers that load them pair the keys:
   ``FineGrainedFP8``): ``x.weight`` ``float8_e4m3fn`` ``[out, in]`` and ``x.weight_scale_inv``
   ``float32`` ``[ceil(out / B0), ceil(in / B1)]``, ``(B0, B1)`` the config's
   ``quantization_config.weight_block_size`` (default ``128 x 128``); ``q * scale`` dequantizes.
+- fused block-FP8 experts (transformers' ``FP8Experts``; what ``export --quantize`` writes for
+  fused experts): ``x`` ``float8_e4m3fn`` ``[E, out, in]`` and ``x_scale_inv`` float32
+  ``[E, ceil(out / B0), ceil(in / B1)]``, each expert on its own block grid (kind ``fp8-experts``).
 - MXFP4 (gpt-oss; transformers' ``integrations/mxfp4.py``): ``x_blocks`` ``uint8``
   ``[E, N, G, B]`` (two FP4 values a byte) and ``x_scales`` ``uint8`` (or ``float8_e8m0fnu``)
   E8M0 exponents ``[E, N, G]``; dequantized ``x`` is ``[E, G * B * 2, N]`` (transformers'
@@ -26,6 +29,7 @@ __all__ = [
     "QuantPair",
     "block_size",
     "find_quantized",
+    "fused_experts",
 ]
 
 FP8_SCALE_SUFFIX = "_scale_inv"
@@ -38,7 +42,7 @@ class QuantPair:
     """A quantized weight and its scale.
 
     Attributes:
-        kind: ``"fp8-block"`` or ``"mxfp4"``.
+        kind: ``"fp8-block"``, ``"fp8-experts"`` (fused ``[E, out, in]``) or ``"mxfp4"``.
         weight, scale: the stored keys (``x.weight`` / ``x.weight_scale_inv``, ``x_blocks`` / ``x_scales``).
         name: the dequantized tensor's key (``x.weight``; ``x`` for MXFP4).
         shape: the dequantized shape; stored: the stored weight's shape.
@@ -96,6 +100,31 @@ def _mx_problem(key: str, scale: tuple[str, tuple[int, ...]], blocks: tuple[str,
     return None
 
 
+def fused_experts(
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]], block: tuple[int, int]
+) -> tuple[list[QuantPair], list[tuple[str, str]]]:
+    """Fused block-FP8 experts (kind ``fp8-experts``; the module docstring) and ``(scale key, why)`` for a scale of
+    such a weight that does not fit it (not float32, not ``[E, ceil(out/B0), ceil(in/B1)]``)."""
+    pairs: list[QuantPair] = []
+    problems: list[tuple[str, str]] = []
+    for key, (dt, shape) in sorted(tensors.items()):
+        scale = tensors.get(key + FP8_SCALE_SUFFIX)
+        if dt != "float8_e4m3fn" or len(shape) != 3 or scale is None:
+            continue
+        want = [shape[0], -(-shape[1] // block[0]), -(-shape[2] // block[1])]
+        if scale[0] != "float32" or list(scale[1]) != want:
+            problems.append(
+                (
+                    key + FP8_SCALE_SUFFIX,
+                    f"{key}{FP8_SCALE_SUFFIX}: {scale[0]} {list(scale[1])}, but fused experts {list(shape)} in "
+                    f"{block[0]}x{block[1]} blocks need float32 {want}",
+                )
+            )
+            continue
+        pairs.append(QuantPair("fp8-experts", key, key + FP8_SCALE_SUFFIX, key, tuple(shape), tuple(shape), block))
+    return pairs, problems
+
+
 def find_quantized(
     tensors: Mapping[str, tuple[str, tuple[int, ...]]], block: tuple[int, int] = (128, 128)
 ) -> tuple[list[QuantPair], list[tuple[str, str]]]:
@@ -106,8 +135,19 @@ def find_quantized(
         weight, a scale that is not float32 (e.g. ``F8_E8M0``) where float32 is expected, a
         weight of another dtype, shapes other than ``ceil(out / B0) x ceil(in / B1)``, a
         ``float8_e4m3fn`` ``*.weight`` without its scale, MXFP4 blocks without scales or with
-        shapes that do not fit.
+        shapes that do not fit; fused experts (``fp8-experts``) after the others, with their problems
+        (a 3-D weight with a scale is theirs, not a 2-D problem).
     """
+    pairs, problems = _pairs_2d(tensors, block)
+    fused, fused_problems = fused_experts(tensors, block)
+    theirs = {k for p in fused for k in (p.weight, p.scale)} | {k for k, _ in fused_problems}
+    return pairs + fused, [p for p in problems if p[0] not in theirs] + fused_problems
+
+
+def _pairs_2d(
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]], block: tuple[int, int]
+) -> tuple[list[QuantPair], list[tuple[str, str]]]:
+    """Block FP8 ``x.weight`` / ``x.weight_scale_inv`` and MXFP4 pairs, and the keys of theirs that do not fit."""
     pairs: list[QuantPair] = []
     problems: list[tuple[str, str]] = []
     for key in sorted(tensors):

@@ -79,11 +79,6 @@ def plan_dequantize(
     tensors = {k: (s.dtype, tuple(s.shape)) for k, s in sources.items()}
     block = block_size(config)
     pairs, problems = find_quantized(tensors, block)
-    fused, fused_problems = _fused_experts(tensors, block)
-    # a 3-D ``x.weight`` of fused experts (its ``x.weight_scale_inv`` is 3-D too) is the fused path's, not a 2-D problem
-    theirs = {k for p in fused for k in (p.weight, p.scale)} | {k for k, _ in fused_problems}
-    pairs = pairs + fused
-    problems = [p for p in problems if p[0] not in theirs] + fused_problems
     if problems:
         key, why = problems[0]
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -97,32 +92,6 @@ def plan_dequantize(
         if p.weight != p.name:
             consumed.append(p.weight)
     return plans, consumed
-
-
-def _fused_experts(
-    tensors: dict[str, tuple[str, tuple[int, ...]]], block: tuple[int, int]
-) -> tuple[list[QuantPair], list[tuple[str, str]]]:
-    """Fused block-FP8 experts (transformers' ``FP8Experts`` layout, what ``export --quantize`` writes for fused
-    experts): ``x`` ``float8_e4m3fn`` ``[E, out, in]`` with ``x_scale_inv`` float32 ``[E, ceil(out/B0), ceil(in/B1)]``
-    (kind ``fp8-experts``), and ``(key, why)`` for such a scale that does not fit its weight."""
-    pairs: list[QuantPair] = []
-    problems: list[tuple[str, str]] = []
-    for key, (dt, shape) in sorted(tensors.items()):
-        scale = tensors.get(key + "_scale_inv")
-        if dt != "float8_e4m3fn" or len(shape) != 3 or scale is None:
-            continue
-        want = [shape[0], -(-shape[1] // block[0]), -(-shape[2] // block[1])]
-        if scale[0] != "float32" or list(scale[1]) != want:
-            problems.append(
-                (
-                    key + "_scale_inv",
-                    f"{key}_scale_inv: {scale[0]} {list(scale[1])}, but fused experts {list(shape)} in "
-                    f"{block[0]}x{block[1]} blocks need float32 {want}",
-                )
-            )
-            continue
-        pairs.append(QuantPair("fp8-experts", key, key + "_scale_inv", key, shape, shape, block))
-    return pairs, problems
 
 
 class StagedFds(dict[str, int]):

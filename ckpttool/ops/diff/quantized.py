@@ -2,7 +2,9 @@
 
 A side's weight that pairs with a scale (:func:`ckpttool.model.quantized.find_quantized`; the
 block size from the side's ``config.json``, else 128) is compared as ``float32`` values: ``q * scale``
-(block FP8, as torch's ``QuantizedHuggingFaceStorageReader``) or ``FP4 * 2^(e - 127)`` dims 1 and 2
+(block FP8, as torch's ``QuantizedHuggingFaceStorageReader``; fused experts ``[E, out, in]`` each on
+its own block grid, as transformers' ``FP8Experts``), decoded slab by slab on the engine
+(:mod:`ckpttool.ops.diff.gather`), or ``FP4 * 2^(e - 127)`` dims 1 and 2
 swapped (MXFP4, as transformers' ``convert_moe_packed_tensors``); its scale is not compared on
 its own. Against an unquantized side, unless ``--rtol`` / ``--atol`` are given, an element is
 within tolerance when ``|a - b| <= atol + rtol * |b|`` with
@@ -19,6 +21,7 @@ Two quantized sides are compared dequantized, bitwise unless a tolerance is give
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,9 +29,10 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.model.quantized import block_size, find_quantized
 
 if TYPE_CHECKING:
-    from ckpttool.ops.diff.run import Item, Side
+    from ckpttool.ops.diff.result import Item
+    from ckpttool.ops.diff.run import Side
 
-__all__ = ["FP8_RTOL", "MXFP4_RTOL", "dequantize_items", "load_dequantized", "note", "quant_tolerance"]
+__all__ = ["FP8_RTOL", "MXFP4_RTOL", "dequantize_items", "fp8_decoder", "load_dequantized", "note", "quant_tolerance"]
 
 #: Default relative tolerance of a block-FP8 weight against an unquantized side: one e4m3 step (3 mantissa bits).
 FP8_RTOL = 2.0**-3
@@ -96,12 +100,9 @@ def load_dequantized(side: Side, item: Item) -> Any:
     kind, scale_key, block = item.dequant
     scale = side.tensor(scale_key).clone()  # side.tensor reuses one buffer: the weight is read next
     q = side.tensor(item.key).reshape(-1).view(torch.uint8).numpy()
-    if kind == "fp8-block":
-        s = scale.numpy()
-        vals = kernels.fp8_rows_dequantize(q.reshape(item.shape), s, 0, block)
-        top = float(np.nanmax(s)) if s.size else 0.0
-        side.quant_atol = _FP8_ATOL_STEPS * top
-        return torch.from_numpy(vals)
+    if kind != "mxfp4":
+        decode = fp8_decoder(side, item, scale.numpy())
+        return decode(memoryview(q), 0).reshape(item.shape)
     e = scale.view(torch.uint8).numpy().reshape(-1)
     experts, rows, n = item.shape
     g = e.size // experts // n
@@ -111,13 +112,57 @@ def load_dequantized(side: Side, item: Item) -> Any:
     return torch.from_numpy(np.ascontiguousarray(vals.transpose(0, 2, 1)))
 
 
+def fp8_decoder(side: Side, item: Item, scale: Any = None) -> Callable[[memoryview, int], Any]:
+    """``decode(e4m3fn bytes, first)``: float32 ``q * scale`` of the weight's flat elements ``[first, first + len)``.
+
+    ``item``: a block-FP8 weight :func:`dequantize_items` marked (``fp8-block`` ``[out, in]``, ``fp8-experts``
+    ``[E, out, in]``); ``scale``: its float32 scales (default: read from ``side``). Sets ``side.quant_atol``
+    from the largest scale. Rows are dequantized by :func:`~ckpttool.engine.kernels.fp8_rows_dequantize`
+    (a row a slab cuts is completed with zeros first), so any cut gives the values of the whole tensor.
+    """
+    import numpy as np
+    import torch
+
+    from ckpttool.engine import kernels
+
+    assert item.dequant is not None
+    _, scale_key, block = item.dequant
+    s = scale if scale is not None else side.tensor(scale_key).numpy().copy()
+    side.quant_atol = _FP8_ATOL_STEPS * (float(np.nanmax(s)) if s.size else 0.0)
+    *_, rows, cols = item.shape
+    grids = s.reshape(-1, *s.shape[-2:])  # one scale grid per expert (one for a 2-D weight)
+
+    def decode(raw: memoryview, first: int) -> Any:
+        q = np.frombuffer(raw, np.uint8)
+        out = np.empty(q.size, np.float32)
+        pos = 0
+        while pos < q.size:
+            e, r = divmod((first + pos) // cols, rows)
+            c = (first + pos) % cols
+            if c or q.size - pos < cols:  # part of a row: dequantized as a whole row
+                m = min(cols - c, q.size - pos)
+                row = np.zeros((1, cols), np.uint8)
+                row[0, c : c + m] = q[pos : pos + m]
+                out[pos : pos + m] = kernels.fp8_rows_dequantize(row, grids[e], r, block)[0, c : c + m]
+            else:
+                k = min(rows - r, (q.size - pos) // cols)
+                m = k * cols
+                out[pos : pos + m] = kernels.fp8_rows_dequantize(
+                    q[pos : pos + m].reshape(k, cols), grids[e], r, block
+                ).reshape(-1)
+            pos += m
+        return torch.from_numpy(out)
+
+    return decode
+
+
 def quant_tolerance(ia: Item, ib: Item, a: Side, b: Side) -> tuple[float, float] | None:
     """``(rtol, atol)`` of a pair with exactly one dequantized side (the defaults above), else ``None``."""
     if (ia.dequant is None) == (ib.dequant is None):
         return None
     side, it = (a, ia) if ia.dequant is not None else (b, ib)
     assert it.dequant is not None
-    rtol = FP8_RTOL if it.dequant[0] == "fp8-block" else MXFP4_RTOL
+    rtol = MXFP4_RTOL if it.dequant[0] == "mxfp4" else FP8_RTOL
     return rtol, side.quant_atol
 
 

@@ -3,7 +3,9 @@
 A ``x.weight_scale_inv`` (float32 ``[ceil(out / B), ceil(in / B)]``) scales the ``float8_e4m3fn``
 ``x.weight`` ``[out, in]`` per ``B x B`` block (``q * scale`` dequantizes: torch's
 ``QuantizedHuggingFaceStorageReader``, transformers' ``FineGrainedFP8``). ``B`` is the
-``--config`` ``quantization_config.weight_block_size`` when given, else 128.
+``--config`` ``quantization_config.weight_block_size`` when given, else 128. Fused experts
+``x`` ``[E, out, in]`` with ``x_scale_inv`` ``[E, ceil(out / B), ceil(in / B)]`` (transformers'
+``FP8Experts``, what ``export --quantize`` writes) are checked the same, expert by expert.
 
 With ``--deep``: ``M021`` reads the scales (a small fraction of the data; a weight again only
 where a scale is 0, to see that its block is all zero), ``M022`` takes the NaN-byte count of every
@@ -17,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ckpttool.errors import CkptError
-from ckpttool.model.quantized import QuantPair, block_size, find_quantized
+from ckpttool.model.quantized import QuantPair, block_size, find_quantized, fused_experts
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 
@@ -53,8 +55,11 @@ def _scale_problem(ctx: Context, key: str) -> str | None:
 
 @rule("M020")
 def fp8_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
+    tensors = {k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}
+    fused, fused_problems = fused_experts(tensors, block_size(ctx.config))
+    theirs = {k for p in fused for k in (p.weight, p.scale)} | {k for k, _ in fused_problems}
     for key in ctx.cat.model:
-        if key.endswith(".weight" + _SUFFIX):
+        if key.endswith(".weight" + _SUFFIX) and key not in theirs:
             problem = _scale_problem(ctx, key)
             if problem is not None:
                 yield key, problem
@@ -62,6 +67,7 @@ def fp8_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         if t.dtype == "float8_e4m3fn" and len(t.shape) == 2 and key.endswith(".weight"):
             if key + _SUFFIX not in ctx.cat.model and key + "_scale" not in ctx.cat.model:
                 yield key, f"{key}: a float8_e4m3fn weight with no {key + _SUFFIX!r} (nor a per-tensor weight_scale)"
+    yield from fused_problems
 
 
 def _pairs(ctx: Context) -> tuple[list[QuantPair], list[tuple[str, str]]]:
@@ -90,8 +96,8 @@ def _fp8_scale_values(ctx: Context, p: QuantPair) -> str | None:
         return None
     bad = np.argwhere(~np.isfinite(s) | (s < 0))
     if bad.size:
-        i, j = (int(x) for x in bad[0])
-        return f"{p.scale}: {len(bad)} scale(s) NaN, infinite or negative, e.g. block ({i}, {j}) = {float(s[i, j])!r}"
+        at = tuple(int(x) for x in bad[0])
+        return f"{p.scale}: {len(bad)} scale(s) NaN, infinite or negative, e.g. block {at} = {float(s[at])!r}"
     zero = np.argwhere(s == 0)
     if not zero.size:
         return None
@@ -99,7 +105,11 @@ def _fp8_scale_values(ctx: Context, p: QuantPair) -> str | None:
     if q is None:
         return None
     b0, b1 = p.block
-    nonzero = [(int(i), int(j)) for i, j in zero if (q[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1] & 0x7F).any()]
+    nonzero = [
+        tuple(int(x) for x in z)
+        for z in zero  # (i, j), or (expert, i, j) of fused experts
+        if (q[tuple(z[:-2]) + (slice(z[-2] * b0, (z[-2] + 1) * b0), slice(z[-1] * b1, (z[-1] + 1) * b1))] & 0x7F).any()
+    ]
     if nonzero:
         return f"{p.scale}: {len(nonzero)} block(s) have scale 0 but non-zero values, e.g. block {nonzero[0]}"
     return None
@@ -119,7 +129,7 @@ def _mxfp4_scale_values(ctx: Context, p: QuantPair) -> str | None:
 def quant_scale_values(ctx: Context) -> Iterator[tuple[str, str]]:
     pairs, _ = _pairs(ctx)
     for p in pairs:
-        why = _fp8_scale_values(ctx, p) if p.kind == "fp8-block" else _mxfp4_scale_values(ctx, p)
+        why = _fp8_scale_values(ctx, p) if p.kind != "mxfp4" else _mxfp4_scale_values(ctx, p)
         if why is not None:
             yield p.scale, why
 
