@@ -92,7 +92,8 @@ def run_scan(ls: Lockstep) -> ScanResult | None:
 
     Returns:
         The :class:`ScanResult`, or ``None`` where the native kernels are not in use (not built,
-        ``CKPTTOOL_NATIVE=0``, no ``ls.scan``, a stream of several windows): the caller then runs
+        ``CKPTTOOL_NATIVE=0``, no ``ls.scan``, a stream of several windows or of a window
+        other than ``numel`` items): the caller then runs
         :func:`~ckpttool.engine.execute.run_lockstep`, whose ``each`` computes the same in Python.
 
     Raises:
@@ -102,6 +103,8 @@ def run_scan(ls: Lockstep) -> ScanResult | None:
     k = _kernel() if native_stats() else None
     if k is None or sc is None or any(len(ws) != 1 for ws in ls.streams):
         return None
+    if any(ws[0].length != ls.numel * item for ws, item in zip(ls.streams, ls.itemsizes)):
+        return None  # a window of another length: the Python path reads it exactly (ShortReadError)
     fn, crc = k
     n, ns = ls.numel, len(ls.streams)
     streams = (_CStream * ns)()

@@ -190,6 +190,11 @@ def test_repeated_key_and_chunk_outside_its_tensor_are_declined(monkeypatch: pyt
     assert scan_metadata(outside, ".metadata") is None
     ref = _parsed_without_kernels(outside, monkeypatch)
     assert isinstance(ref, CkptError) and str(_parsed(outside)) == str(ref)
+    big = 2**62  # offset + size = 2^63: past int64, still outside the tensor
+    wrapped = _metadata_pickle({"k0": _tensor([4], [([big], [big])])})
+    assert scan_metadata(wrapped, ".metadata") is None
+    ref = _parsed_without_kernels(wrapped, monkeypatch)
+    assert isinstance(ref, CkptError) and str(_parsed(wrapped)) == str(ref)
 
 
 def test_shapes_of_every_rank_and_int_paths_agree() -> None:

@@ -25,11 +25,6 @@
 
 #include "half.h"
 
-#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__))
-#define CKPT_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define CKPT_CLONES
-#endif
 
 /* max of |w|'s bit patterns over n elements: NaN > infinity > every finite magnitude */
 static inline uint32_t amax_bits(const void *src, int bf16, int64_t at, int64_t n) {

@@ -75,4 +75,12 @@ static inline int ckpt_have_avx2(void) {
 }
 #endif
 
+/* CKPT_CLONES: an AVX2 build of a function beside the baseline one, picked at load time (GCC's
+ * target_clones, x86 ELF only); elsewhere the baseline build alone */
+#if defined(__GNUC__) && !defined(__clang__) && (defined(__x86_64__) || defined(__i386__)) && defined(__linux__)
+#define CKPT_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CKPT_CLONES
+#endif
+
 #endif

@@ -631,7 +631,7 @@ static int chunk_inside(st *s, int64_t size, int64_t off, int64_t sz) {
     if (s->shapes.p[2 * off + 1] != n || s->shapes.p[2 * sz + 1] != n) return 0;
     const int64_t *d = s->ints.p + s->shapes.p[2 * size], *o = s->ints.p + s->shapes.p[2 * off], *z = s->ints.p + s->shapes.p[2 * sz];
     for (int64_t i = 0; i < n; i++)
-        if (o[i] + z[i] > d[i]) return 0; /* each at most 2^62: no overflow */
+        if (z[i] > d[i] || o[i] > d[i] - z[i]) return 0; /* all >= 0: no overflow, even at 2^62 + 2^62 */
     return 1;
 }
 

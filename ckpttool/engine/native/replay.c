@@ -25,12 +25,7 @@
 
 #include "half.h"
 
-#if defined(CKPT_X86) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
-/* an AVX2 build of the block beside the baseline one, picked at load time (no FMA: AVX2 alone) */
-#define CKPT_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define CKPT_CLONES
-#endif
+/* CKPT_CLONES (half.h): an AVX2 build of the block beside the baseline one (no FMA: AVX2 alone) */
 /* the block's helpers are inlined into each build of it */
 #define INLINE static inline __attribute__((always_inline))
 

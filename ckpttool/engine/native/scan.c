@@ -65,7 +65,7 @@ static int read_full(int fd, uint8_t *buf, size_t n, int64_t offset, int64_t *er
 
 /* Whether a[i] == round(b[i]) for every i, every b finite (a: bfloat16, float16 or b's dtype; b: float32 when
  * rounded). Integer operations only: the AVX2 clone gives the same answer. */
-__attribute__((target_clones("avx2", "default"))) static int equal_rounded(const void *a, int adt, const void *b, int bdt, size_t n) {
+CKPT_CLONES static int equal_rounded(const void *a, int adt, const void *b, int bdt, size_t n) {
     if (adt == bdt) {
         if (memcmp(a, b, n * ITEM[adt]) != 0) return 0;
         uint64_t exp_all = adt == DT_F64 ? 0x7ff0000000000000ull : (adt == DT_F32 ? 0x7f800000u : (adt == DT_F16 ? 0x7c00u : 0x7f80u));

@@ -167,7 +167,7 @@ __attribute__((target("avx2"))) static void pass32_avx2(const void *p, int dt, s
 }
 #endif
 
-__attribute__((target_clones("avx2", "default"))) static void pass64(const uint64_t *p, size_t n, int sums,
+CKPT_CLONES static void pass64(const uint64_t *p, size_t n, int sums,
                                                                       double *a1, double *a2, pass_out *o) {
     const uint64_t EXP = 0x7ff0000000000000ull, MAG = 0x7fffffffffffffffull;
     uint64_t fm = 0, um = 0;
