@@ -21,22 +21,11 @@ from ckpttool.engine.kernels import f32_to_bf16
 from ckpttool.engine.plan import Lockstep, PairKernel, Scan, Window
 from ckpttool.engine.scan import run_scan
 from ckpttool.engine.stats import Need, SlabStats, add_slab
+from tests.engine.test_stats_native import _EXACT
 
 pytestmark = pytest.mark.skipif(not stats.native_stats(), reason="native kernels not built or CKPTTOOL_NATIVE=0")
 
 N, SLAB = 5003, 512  # several slabs, a short last one
-_EXACT = (
-    "numel",
-    "nonfinite",
-    "all_zero",
-    "abs_max",
-    "zeros",
-    "negative",
-    "neg_min",
-    "beyond",
-    "beyond_max",
-    "subnormal",
-)
 _FOLDS = (Need(negative=True, bound=1e4), Need(zeros=True, sums=True), Need(zeros=True, sums=True), None)
 
 

@@ -90,6 +90,13 @@ static inline float quantize_run(const void *restrict src, int bf16, int64_t at,
     return float_of(worst);
 }
 
+/* the largest of v[0..n) (0 for n = 0): a block's maximum of per-column maxima (bit patterns of |x| or errors) */
+static inline uint32_t max_u32(const uint32_t *v, int64_t n) {
+    uint32_t m = 0;
+    for (int64_t i = 0; i < n; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
 static inline float scale_of(float amax) { return amax == 0.0f ? 1.0f : amax / 448.0f; }
 
 static inline void account(float amax, float err, float *worst, float *rel) {
@@ -127,10 +134,7 @@ static inline int block_by_columns(const void *restrict src, int bf16, int64_t r
     }
     for (int64_t c0 = 0, j = 0; c0 < cols; c0 += block, j++) {
         int64_t n = cols - c0 < block ? cols - c0 : block;
-        uint32_t mb = 0;
-        for (int64_t i = 0; i < n; i++)
-            mb = colmax[c0 + i] > mb ? colmax[c0 + i] : mb;
-        amax[j] = float_of(mb);
+        amax[j] = float_of(max_u32(colmax + c0, n));
         scale[j] = scale_of(amax[j]);
     }
     for (int64_t r = 0; r < rows; r++) {
@@ -156,10 +160,7 @@ static inline int block_by_columns(const void *restrict src, int bf16, int64_t r
     }
     for (int64_t c0 = 0, j = 0; c0 < cols; c0 += block, j++) {
         int64_t n = cols - c0 < block ? cols - c0 : block;
-        uint32_t eb = 0;
-        for (int64_t i = 0; i < n; i++)
-            eb = colerr[c0 + i] > eb ? colerr[c0 + i] : eb;
-        account(amax[j], float_of(eb), worst, rel);
+        account(amax[j], float_of(max_u32(colerr + c0, n)), worst, rel);
     }
     free(colmax);
     free(colerr);
