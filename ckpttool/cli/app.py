@@ -164,6 +164,11 @@ def _global(*decls: str, callback: Any, help: str, **kwargs: Any) -> TyperOption
     )
 
 
+def _flag(*decls: str, callback: Any, help: str) -> TyperOption:
+    """One global on/off flag (off by default)."""
+    return _global(*decls, is_flag=True, default=False, callback=callback, help=help)
+
+
 def _global_options() -> list[Any]:
     """The options every command accepts, before or after its name (not passed to command functions)."""
     return [
@@ -175,11 +180,9 @@ def _global_options() -> list[Any]:
             callback=_set_verbose,
             help="Log decisions (schema, layout, dtype casts) and per-file timings to stderr; -vv: everything.",
         ),
-        _global(
+        _flag(
             "-q",
             "--quiet",
-            is_flag=True,
-            default=False,
             callback=_set_quiet,
             help="Only results, warnings and errors: no notes, no progress bars.",
         ),
@@ -190,29 +193,37 @@ def _global_options() -> list[Any]:
             callback=_set_color,
             help="Colour severities and verdicts: auto (a terminal, unless NO_COLOR is set), always, never.",
         ),
-        _global(
+        _flag(
             "--wide",
-            is_flag=True,
-            default=False,
             callback=_set_wide,
             help="Never narrow tables to the terminal width (no hidden columns, no folded keys).",
         ),
-        _global(
+        _flag(
             "--no-progress",
-            is_flag=True,
-            default=False,
             callback=_set_no_progress,
             help="No progress bars (notes and results as usual); progress is drawn only on a terminal anyway.",
         ),
-        _global(
+        _flag(
             "--no-cache",
-            is_flag=True,
-            default=False,
             callback=_set_no_cache,
             help="Use neither the parsed-metadata cache nor the model-shape cache of the shape checks "
             "(CKPTTOOL_CACHE_DIR, default ~/.cache/ckpttool; also CKPTTOOL_NO_CACHE=1).",
         ),
     ]
+
+
+#: The positive-count remote-storage options: flag, metavar, the :func:`ckpttool.format.storage.configure`
+#: field it sets, help.
+_REMOTE_COUNTS = (
+    ("--remote-workers", "N", "workers", "Parallel range requests / uploads for URLs [default: 16]."),
+    ("--remote-retries", "N", "retries", "Attempts per storage request on transient errors [default: 5]."),
+    (
+        "--remote-timeout",
+        "SECONDS",
+        "timeout_s",
+        "Connect and read timeout of each storage request attempt [default: 20].",
+    ),
+)
 
 
 def _remote_options() -> list[Any]:
@@ -228,29 +239,9 @@ def _remote_options() -> list[Any]:
             help="Option for the fsspec filesystem of a URL (repeatable; nested: client_kwargs.endpoint_url=URL). "
             "Never logged. docs/storage.md.",
         ),
-        _global(
-            "--remote-workers",
-            type=int,
-            default=None,
-            metavar="N",
-            callback=_set_remote("workers"),
-            help="Parallel range requests / uploads for URLs [default: 16].",
-        ),
-        _global(
-            "--remote-retries",
-            type=int,
-            default=None,
-            metavar="N",
-            callback=_set_remote("retries"),
-            help="Attempts per storage request on transient errors [default: 5].",
-        ),
-        _global(
-            "--remote-timeout",
-            type=int,
-            default=None,
-            metavar="SECONDS",
-            callback=_set_remote("timeout_s"),
-            help="Connect and read timeout of each storage request attempt [default: 20].",
+        *(
+            _global(flag, type=int, default=None, metavar=metavar, callback=_set_remote(field), help=help)
+            for flag, metavar, field, help in _REMOTE_COUNTS
         ),
         _global(
             "--remote-spool-size",
@@ -265,10 +256,8 @@ def _remote_options() -> list[Any]:
 
 def _json_option() -> Any:
     """``ckpttool --json CMD``: the root's spelling of a command's ``--json`` (a command without one refuses it)."""
-    return _global(
+    return _flag(
         "--json",
-        is_flag=True,
-        default=False,
         callback=_set_json,
         help="Write the command's result as one JSON document (= CMD --json).",
     )
