@@ -11,10 +11,13 @@ layout record and EP layouts, E5xx optimizer state, E6xx outputs, E7xx replay re
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from os import PathLike
+from typing import Generic, TypeVar
 
 __all__ = [
     "CkptError",
+    "Refusal",
     "PerRankError",
     "FormatVersionError",
     "UsageError",
@@ -451,3 +454,23 @@ def error_class(code: str) -> type[CkptError]:
         if cls.code == code and cls is not CkptError:
             return cls
     return CkptError
+
+
+E = TypeVar("E", bound=CkptError)
+
+
+@dataclass(frozen=True)
+class Refusal(Generic[E]):
+    """A module's one wording of its refusals of a file: ``refusal(path, why)`` builds the error.
+
+    ``Refusal(MetadataError, "{path}: not a valid X ({why})", hint="...")``: ``template`` is
+    formatted with ``path`` and ``why``; the error names ``path``; ``hint`` ``None`` keeps the
+    class's default hint.
+    """
+
+    error: type[E]
+    template: str
+    hint: str | None = None
+
+    def __call__(self, path: str | PathLike[str], why: str) -> E:
+        return self.error(self.template.format(path=path, why=why), path=path, hint=self.hint)

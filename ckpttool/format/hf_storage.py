@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import IncompleteCheckpointError, MetadataError
+from ckpttool.errors import IncompleteCheckpointError, MetadataError, Refusal
 from ckpttool.format.files import resolve_inside
 from ckpttool.format.jsonfile import unique_pairs
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo, TensorMeta
@@ -43,12 +43,11 @@ _OFFSETS_KEY = "saved_offsets"
 _SHARD_RE = re.compile(r"^shard-(\d+)-model-\d+-of-\d+\.safetensors$")
 
 
-def _bad(path: Path, what: str) -> MetadataError:
-    return MetadataError(
-        f"{path}: not a valid safetensors file ({what})",
-        path=path,
-        hint="the file is damaged or was not written by safetensors / HuggingFaceStorageWriter",
-    )
+_bad = Refusal(
+    MetadataError,
+    "{path}: not a valid safetensors file ({why})",
+    hint="the file is damaged or was not written by safetensors / HuggingFaceStorageWriter",
+)
 
 
 _HEADER_WORDS = {

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 from ckpttool.errors import UnsafePickleError
 from ckpttool.format.archive import STORAGE_DTYPES
 from ckpttool.format.metadata import DTYPE_ITEMSIZE
-from ckpttool.format.unpickler import AllowListUnpickler
+from ckpttool.format.unpickler import AllowListUnpickler, torch_globals
 
 __all__ = ["DTensorRec", "LocalTensor", "Opaque", "Placement", "RankUnpickler", "Record", "unpickle_rank"]
 
@@ -201,19 +201,13 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     (_TENSOR_MOD, "DTensor"): _DTENSOR,
     ("torch.distributed.tensor._api", "DTensor"): _DTENSOR,
     ("torch.distributed._tensor.api", "DTensor"): _DTENSOR,
-    (_SPEC_MOD, "DTensorSpec"): _kind("DTensorSpec"),
-    (_SPEC_MOD, "TensorMeta"): _kind("TensorMeta"),
-    (_SPEC_MOD, "ShardOrderEntry"): _kind("ShardOrderEntry"),
+    **{(_SPEC_MOD, n): _kind(n) for n in ("DTensorSpec", "TensorMeta", "ShardOrderEntry")},
     ("torch.distributed._tensor._dtensor_spec", "DTensorSpec"): _kind("DTensorSpec"),
     ("torch.distributed.device_mesh", "DeviceMesh"): _kind("DeviceMesh"),
     ("torch.distributed._mesh_layout", "_MeshLayout"): _kind("MeshLayout"),
     ("torch.distributed._mesh_layout", "_FlatLayout"): _kind("FlatLayout"),
-    ("torch", "Size"): tuple,
     ("torch", "device"): _device,
-    ("torch.serialization", "_get_layout"): _layout,
-    ("collections", "OrderedDict"): _StateDict,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
+    **torch_globals(size=tuple, layout=_layout, ordered_dict=_StateDict, dtype=str),
     # verl's RNG state: numpy's legacy random state (described, never built)
     ("numpy.core.multiarray", "_reconstruct"): _opaque,
     ("numpy._core.multiarray", "_reconstruct"): _opaque,
@@ -224,8 +218,6 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 for _mod in _PLACEMENTS:
     for _name in ("Shard", "_StridedShard", "Replicate", "Partial", "_Partial"):
         _ALLOWED[(_mod, _name)] = _kind(_name.lstrip("_"))
-for _name in DTYPE_ITEMSIZE:
-    _ALLOWED[("torch", _name)] = _name
 for _name, _dtype in STORAGE_DTYPES.items():
     _ALLOWED[("torch", _name)] = ("storage_type", _dtype)
 _ALLOWED[("torch", "UntypedStorage")] = ("storage_type", None)

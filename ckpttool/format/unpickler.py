@@ -32,6 +32,7 @@ from ckpttool.errors import (
     MetadataError,
     ObjectGraphError,
     PlannerDataError,
+    Refusal,
     SizeLimitError,
     UnsafePickleError,
 )
@@ -169,6 +170,22 @@ def _write_item_type(value: Any) -> int:
     return value
 
 
+def torch_globals(*, size: Any, layout: Any, ordered_dict: Any, dtype: Any) -> dict[tuple[str, str], Any]:
+    """The globals any torch pickle may name besides its own classes, for an allow-list table.
+
+    ``torch.Size``, ``torch.serialization._get_layout``, ``collections.OrderedDict`` and every
+    ``torch.<dtype>`` (``dtype(name)`` called once per name of :data:`DTYPE_ITEMSIZE`) map to the
+    given stand-ins; ``builtins.set``/``frozenset`` to themselves.
+    """
+    return {
+        ("torch", "Size"): size,
+        ("torch.serialization", "_get_layout"): layout,
+        ("collections", "OrderedDict"): ordered_dict,
+        **{("builtins", t.__name__): t for t in (set, frozenset)},
+        **{("torch", name): dtype(name) for name in DTYPE_ITEMSIZE},
+    }
+
+
 _DCP = "torch.distributed.checkpoint.metadata"
 _PLANNER = "torch.distributed.checkpoint.planner"
 _SHARD_MD = "torch.distributed._shard.sharded_tensor.metadata"
@@ -192,22 +209,13 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     # Megatron-core's torch_dist strategy attaches the savers' plans to the Metadata
     # (``Metadata.all_local_plans``, megatron/core/dist_checkpointing/strategies/torch.py): torch's
     # own planner dataclasses, kept as inert records and never read.
-    (_PLANNER, "SavePlan"): _kind("SavePlan"),
-    (_PLANNER, "WriteItem"): _kind("WriteItem"),
-    (_PLANNER, "TensorWriteData"): _kind("TensorWriteData"),
-    (_PLANNER, "BytesIOWriteData"): _kind("BytesIOWriteData"),
+    **{(_PLANNER, n): _kind(n) for n in ("SavePlan", "WriteItem", "TensorWriteData", "BytesIOWriteData")},
     (_PLANNER, "WriteItemType"): _write_item_type,
-    ("torch", "Size"): _SIZE,
-    ("torch.serialization", "_get_layout"): _get_layout,
     ("pathlib", "PosixPath"): _path,
     ("pathlib", "WindowsPath"): _path,
     ("pathlib", "PurePosixPath"): _path,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("collections", "OrderedDict"): dict,
+    **torch_globals(size=_SIZE, layout=_get_layout, ordered_dict=dict, dtype=_DTypeStandIn),
 }
-for _name in DTYPE_ITEMSIZE:
-    _ALLOWED[("torch", _name)] = _DTypeStandIn(_name)
 
 
 class AllowListUnpickler(pickle.Unpickler):
@@ -403,8 +411,7 @@ def _leaf(o: Any, where: str) -> None:
 
 
 # --------------------------------------------------------------------------- validation
-def _bad(source: str, what: str) -> MetadataError:
-    return MetadataError(f"{source}: {what}", path=source)
+_bad = Refusal(MetadataError, "{path}: {why}")
 
 
 _VALID_SHAPES: dict[tuple[int, ...], tuple[int, ...]] = {}

@@ -651,11 +651,7 @@ class MasterAdamWBase(torch.optim.Optimizer):
         missing = [f for f in expected if f not in fields]
         extra = [f for f in fields if f not in expected]
         if missing or extra:
-            parts = []
-            if missing:
-                parts.append(f"missing {', '.join(missing)}")
-            if extra:
-                parts.append(f"unexpected {', '.join(extra)}")
+            parts = [f"{word} {', '.join(fs)}" for word, fs in (("missing", missing), ("unexpected", extra)) if fs]
             raise OptimStateError(
                 f"optimizer state of {name}: {'; '.join(parts)} for {self.type_name}",
                 fqn=name,
