@@ -29,6 +29,7 @@ from ckpttool.format import limits
 from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, new_hasher
 from ckpttool.format.files import read_regular
 from ckpttool.format.jsonfile import check_json_graph, json_error
+from ckpttool.format.jsonview import JsonView
 from ckpttool.format.marker import MARKER_NAME, recording
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.format.reader import CheckpointReader
@@ -193,6 +194,14 @@ class ManifestProblem:
     message: str
 
 
+#: The ``--json`` document of :class:`ManifestResult`: its keys in order.
+_MANIFEST_VIEW = JsonView(
+    "ckpttool.manifest/1",
+    "checkpoint path algorithm entries bytes_hashed seconds:6 hash_seconds:6 gb_per_s:3 digest metadata_digest covers"
+    " warnings",
+)
+
+
 @dataclass(frozen=True)
 class ManifestResult:
     """What ``ckpttool manifest`` wrote (``--json``: schema ``ckpttool.manifest/1``)."""
@@ -215,21 +224,7 @@ class ManifestResult:
         return self.bytes_hashed / self.hash_seconds / 1e9 if self.hash_seconds > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": "ckpttool.manifest/1",
-            "checkpoint": self.checkpoint,
-            "path": self.path,
-            "algorithm": self.algorithm,
-            "entries": self.entries,
-            "bytes_hashed": self.bytes_hashed,
-            "seconds": round(self.seconds, 6),
-            "hash_seconds": round(self.hash_seconds, 6),
-            "gb_per_s": round(self.gb_per_s, 3),
-            "digest": self.digest,
-            "metadata_digest": self.metadata_digest,
-            "covers": self.covers,
-            "warnings": list(self.warnings),
-        }
+        return _MANIFEST_VIEW.render(self, warnings=list(self.warnings))
 
 
 def _check_algorithm(algorithm: str) -> None:
@@ -1220,6 +1215,13 @@ def _hash_fd(fd: int, offset: int, length: int, algorithm: str, path: Path, key:
 LISTED_PROBLEMS = 1000
 
 
+#: The ``--json`` document of :class:`ManifestCheck`: its keys in order.
+_CHECK_VIEW = JsonView(
+    "ckpttool.manifest-check/1",
+    "path manifest kind algorithm entries ok problems problems_omitted problem_counts source",
+)
+
+
 @dataclass(frozen=True)
 class ManifestCheck:
     """What ``ckpttool manifest DIR --verify`` found (``--json``: schema ``ckpttool.manifest-check/1``)."""
@@ -1232,23 +1234,21 @@ class ManifestCheck:
     problems: list[ManifestProblem]
     source: dict[str, Any] | None = None
 
+    @property
+    def ok(self) -> bool:
+        """No problem found."""
+        return not self.problems
+
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": "ckpttool.manifest-check/1",
-            "path": self.path,
-            "manifest": self.manifest,
-            "kind": self.kind,
-            "algorithm": self.algorithm,
-            "entries": self.entries,
-            "ok": not self.problems,
-            "problems": [
+        return _CHECK_VIEW.render(
+            self,
+            problems=[
                 {"kind": p.kind, "key": p.key, "offsets": list(p.offsets) if p.offsets else None, "message": p.message}
                 for p in self.problems[:LISTED_PROBLEMS]
             ],
-            "problems_omitted": max(0, len(self.problems) - LISTED_PROBLEMS),
-            "problem_counts": self.counts(),
-            "source": self.source,
-        }
+            problems_omitted=max(0, len(self.problems) - LISTED_PROBLEMS),
+            problem_counts=self.counts(),
+        )
 
     def counts(self) -> dict[str, int]:
         """Problems by kind."""
