@@ -33,7 +33,7 @@ from ckpttool.format.jsonview import JsonView
 from ckpttool.format.marker import MARKER_NAME, recording
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.format.reader import CheckpointReader
-from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
+from ckpttool.model.checkpoint import CheckpointOrPath, OpenOptions, open_source
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -583,7 +583,7 @@ def source_identity(reader: CheckpointReader, algorithm: str = DEFAULT_ALGORITHM
 
 
 def write_manifest(
-    source: Checkpoint | str | os.PathLike[str],
+    source: CheckpointOrPath,
     options: ManifestOptions | None = None,
     *,
     progress: Callable[[int, int], None] | None = None,

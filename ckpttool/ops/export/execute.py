@@ -47,7 +47,7 @@ from ckpttool.format.tiling import contiguous_run, tiling_problem
 from ckpttool.layouts.declaration import ResolvedLayout
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, detect_adapter, get_adapter
 from ckpttool.model.catalog import Catalog
-from ckpttool.model.checkpoint import Checkpoint, OpenOptions, gc_held, open_source
+from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, gc_held, open_source
 from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.ops import distributed
 from ckpttool.ops.export.expected import MISMATCH_KINDS, ModelCheck, compare_with_model
@@ -726,7 +726,7 @@ def _resolved(opts: ExportOptions, ckpt: Checkpoint) -> ExportOptions:
 
 
 def export_checkpoint(
-    source: Checkpoint | str | os.PathLike[str],
+    source: CheckpointOrPath,
     out: str | os.PathLike[str],
     options: ExportOptions | None = None,
     *,

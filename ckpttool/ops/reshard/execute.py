@@ -39,7 +39,7 @@ from ckpttool.format.tiling import contiguous_run
 from ckpttool.format.writer import DCPWriter, can_stream
 from ckpttool.layouts.record import SIDECAR_NAME
 from ckpttool.model.catalog import Catalog
-from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
+from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.ops import distributed
 from ckpttool.ops.fields import same_named
 from ckpttool.ops.manifest import MANIFEST_NAME, source_identity, write_output_manifest
@@ -465,7 +465,7 @@ def _copy_extra_files(src: Path, dst: Path) -> list[str]:
 
 
 def reshard(
-    source: Checkpoint | str | os.PathLike[str],
+    source: CheckpointOrPath,
     out: str | os.PathLike[str],
     options: ReshardOptions | None = None,
     *,
