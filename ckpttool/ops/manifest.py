@@ -813,18 +813,7 @@ def _manifest_files(doc: dict[str, Any], shown: str) -> list[dict[str, Any]]:
     raw_files = doc.get("files")
     if not isinstance(raw_files, list):
         raise _bad(shown, "files must be a list")
-    files: list[dict[str, Any]] = []
-    for j, f in enumerate(raw_files):
-        if (
-            not isinstance(f, dict)
-            or not isinstance(f.get("file"), str)
-            or type(f.get("header_length")) is not int
-            or not isinstance(f.get("header_digest"), str)
-            or not _is_hex(f["header_digest"])
-        ):
-            raise _bad(shown, f"files[{j}] must be an object with file, header_length and header_digest")
-        files.append({"file": f["file"], "header_length": f["header_length"], "header_digest": f["header_digest"]})
-    return files
+    return _objects(raw_files, "files", _FILE_FIELDS, shown, lambda f: _is_hex(f["header_digest"]))
 
 
 def _manifest_sidecars(doc: dict[str, Any], shown: str) -> tuple[dict[str, Any], ...] | None:
@@ -834,17 +823,32 @@ def _manifest_sidecars(doc: dict[str, Any], shown: str) -> tuple[dict[str, Any],
         return None
     if not isinstance(raw, list) or len(raw) > MAX_SIDECARS:
         raise _bad(shown, f"sidecars must be a list of at most {MAX_SIDECARS} files")
+    return tuple(_objects(raw, "sidecars", _SIDECAR_FIELDS, shown))
+
+
+#: The fields of an item of a manifest's ``files`` and ``sidecars`` lists, with their JSON types.
+_FILE_FIELDS: dict[str, type] = {"file": str, "header_length": int, "header_digest": str}
+_SIDECAR_FIELDS: dict[str, type] = {"file": str, "size": int, "digest": str}
+
+
+def _objects(
+    raw: list[Any],
+    name: str,
+    fields: dict[str, type],
+    shown: str,
+    valid: Callable[[dict[str, Any]], bool] | None = None,
+) -> list[dict[str, Any]]:
+    """Each item of the list ``name``: an object holding ``fields`` of exactly their types (and ``valid``), as a
+    dict of just those fields; the first item that is not, a :class:`ManifestError` naming it."""
     out = []
     for j, f in enumerate(raw):
-        if (
-            not isinstance(f, dict)
-            or not isinstance(f.get("file"), str)
-            or type(f.get("size")) is not int
-            or not isinstance(f.get("digest"), str)
+        if not (
+            isinstance(f, dict) and all(type(f.get(k)) is t for k, t in fields.items()) and (valid is None or valid(f))
         ):
-            raise _bad(shown, f"sidecars[{j}] must be an object with file, size and digest")
-        out.append({"file": f["file"], "size": f["size"], "digest": f["digest"]})
-    return tuple(out)
+            *head, last = fields
+            raise _bad(shown, f"{name}[{j}] must be an object with {', '.join(head)} and {last}")
+        out.append({k: f[k] for k in fields})
+    return out
 
 
 def load_manifest(path: str | os.PathLike[str]) -> Manifest:
