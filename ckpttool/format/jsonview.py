@@ -4,15 +4,19 @@ Most ``to_dict`` methods are the record's fields in declaration order with tuple
 :func:`json_fields` is that, once, and a record whose JSON differs (renamed keys, nested
 records, rounded timings) says only what differs. :func:`json_number` is the one rule for
 floats that JSON cannot hold (``inf``, ``nan`` written as the strings ``"inf"``, ``"nan"``).
+A document whose keys follow another order than the fields (a schema tag first, timings
+beside the sizes they rate) is declared as a :class:`JsonView`: its schema and key order, once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["json_fields", "json_number"]
+__all__ = ["JsonView", "json_counted", "json_fields", "json_number"]
 
 
 def json_fields(record: Any, **values: Any) -> dict[str, Any]:
@@ -39,3 +43,31 @@ def json_number(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
     return v
+
+
+def json_counted(groups: Mapping[str, Sequence[str]]) -> dict[str, dict[str, Any]]:
+    """``{name: {"count": len(keys), "keys": keys}}`` of a mapping of named key lists (skipped keys by reason)."""
+    return {k: {"count": len(v), "keys": v} for k, v in groups.items()}
+
+
+@dataclass(frozen=True)
+class JsonView:
+    """A ``--json`` document declared as data: ``{"schema": schema}``, then ``keys`` in their order.
+
+    Attributes:
+        schema: the document's ``schema`` tag (``"ckpttool.export/1"``).
+        keys: the keys, separated by white space; each is read from the record's attribute of that name
+            (a field or a property), ``name:N`` rounds it to ``N`` decimals (``round``).
+    """
+
+    schema: str
+    keys: str
+
+    def render(self, record: Any, **values: Any) -> dict[str, Any]:
+        """The document of ``record``; ``values`` give the keys that are not plain attributes (renamed, nested)."""
+        out: dict[str, Any] = {"schema": self.schema}
+        for spec in self.keys.split():
+            name, _, digits = spec.partition(":")
+            v = values[name] if name in values else getattr(record, name)
+            out[name] = round(v, int(digits)) if digits else v
+        return out

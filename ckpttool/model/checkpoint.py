@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import cast
+from typing import TypeAlias, cast
 
 from ckpttool.errors import (
     CkptError,
@@ -41,6 +41,7 @@ from ckpttool.model.schemas.keyschema import SchemaOverride
 
 __all__ = [
     "Checkpoint",
+    "CheckpointOrPath",
     "CheckpointSelection",
     "ExtraState",
     "OpenOptions",
@@ -379,9 +380,14 @@ class OpenOptions:
     selection: CheckpointSelection | None = None
 
 
+#: What every operation takes as its source: an opened :class:`Checkpoint`, or its path or URL
+#: (opened with the operation's :class:`OpenOptions` by :func:`open_source`).
+CheckpointOrPath: TypeAlias = "Checkpoint | str | os.PathLike[str]"
+
+
 @contextmanager
 def open_source(
-    source: Checkpoint | str | os.PathLike[str],
+    source: CheckpointOrPath,
     opening: OpenOptions | None = None,
     *,
     record_problems: bool = False,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.errors import ExportError, UsageError
 from ckpttool.format.files import open_regular, resolve_inside
 from ckpttool.format.hf_storage import ADAPTER_PREFIX, hf_storage_files, load_hf_storage_metadata
+from ckpttool.format.jsonview import JsonView, json_counted
 from ckpttool.format.marker import MARKER_NAME
 from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
 from ckpttool.format.outputs import check_target, output_location
@@ -87,6 +88,14 @@ class ImportOptions:
     dtype: str | None = None
 
 
+#: The ``--json`` document of :class:`ImportResult`: its keys in order (``key_schema``: the ``schema`` field).
+_IMPORT_VIEW = JsonView(
+    "ckpttool.import/1",
+    "source output key_schema adapter world_size ep_size ep_fsdp_size ep_tensors tensors bytes seconds:4 gb_per_s:4"
+    " files skipped warnings source_identity manifest dry_run dequantized",
+)
+
+
 @dataclass(frozen=True)
 class ImportResult:
     """What an import wrote (``--json``: :meth:`to_dict`, schema ``ckpttool.import/1``)."""
@@ -110,29 +119,13 @@ class ImportResult:
     dry_run: bool = False
     dequantized: dict[str, Any] | None = None
 
+    @property
+    def gb_per_s(self) -> float:
+        """Bytes written per second (``seconds``), in GB/s (10^9); 0 when no time was measured."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": "ckpttool.import/1",
-            "source": self.source,
-            "output": self.output,
-            "key_schema": self.schema,
-            "adapter": self.adapter,
-            "world_size": self.world_size,
-            "ep_size": self.ep_size,
-            "ep_fsdp_size": self.ep_fsdp_size,
-            "ep_tensors": self.ep_tensors,
-            "tensors": self.tensors,
-            "bytes": self.bytes,
-            "seconds": round(self.seconds, 4),
-            "gb_per_s": round(self.bytes / self.seconds / 1e9, 4) if self.seconds > 0 else 0.0,
-            "files": self.files,
-            "skipped": {k: {"count": len(v), "keys": v} for k, v in self.skipped.items()},
-            "warnings": self.warnings,
-            "source_identity": self.source_identity,
-            "manifest": self.manifest,
-            "dry_run": self.dry_run,
-            "dequantized": self.dequantized,
-        }
+        return _IMPORT_VIEW.render(self, key_schema=self.schema, skipped=json_counted(self.skipped))
 
 
 def torch_chunk_rows(rows: int, world_size: int) -> list[tuple[int, int]]:

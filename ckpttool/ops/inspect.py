@@ -26,7 +26,7 @@ from ckpttool.layouts.geometry import EPGeometry
 from ckpttool.layouts.record import EPTensorSpec
 from ckpttool.model.beside import TrainerState, read_training_state_beside
 from ckpttool.model.catalog import Catalog, ParamGroup, TensorEntry, group_by_prefix, leaf_key, match_filter
-from ckpttool.model.checkpoint import Checkpoint, ExtraState, OpenOptions, gc_held, open_source
+from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, ExtraState, OpenOptions, gc_held, open_source
 from ckpttool.model.discovery import Located
 from ckpttool.model.schemas.keyschema import KeySchema
 from ckpttool.model.schemas.nemo import hf_copies
@@ -791,7 +791,7 @@ def _storage_stats(ckpt: Checkpoint) -> dict[str, Any] | None:
 
 
 def inspect(
-    source: Checkpoint | str | os.PathLike[str],
+    source: CheckpointOrPath,
     options: InspectOptions | None = None,
     *,
     opening: OpenOptions | None = None,

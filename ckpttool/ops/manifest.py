@@ -29,10 +29,11 @@ from ckpttool.format import limits
 from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, new_hasher
 from ckpttool.format.files import read_regular
 from ckpttool.format.jsonfile import check_json_graph, json_error
+from ckpttool.format.jsonview import JsonView
 from ckpttool.format.marker import MARKER_NAME, recording
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.format.reader import CheckpointReader
-from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
+from ckpttool.model.checkpoint import CheckpointOrPath, OpenOptions, open_source
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -193,6 +194,14 @@ class ManifestProblem:
     message: str
 
 
+#: The ``--json`` document of :class:`ManifestResult`: its keys in order.
+_MANIFEST_VIEW = JsonView(
+    "ckpttool.manifest/1",
+    "checkpoint path algorithm entries bytes_hashed seconds:6 hash_seconds:6 gb_per_s:3 digest metadata_digest covers"
+    " warnings",
+)
+
+
 @dataclass(frozen=True)
 class ManifestResult:
     """What ``ckpttool manifest`` wrote (``--json``: schema ``ckpttool.manifest/1``)."""
@@ -215,21 +224,7 @@ class ManifestResult:
         return self.bytes_hashed / self.hash_seconds / 1e9 if self.hash_seconds > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": "ckpttool.manifest/1",
-            "checkpoint": self.checkpoint,
-            "path": self.path,
-            "algorithm": self.algorithm,
-            "entries": self.entries,
-            "bytes_hashed": self.bytes_hashed,
-            "seconds": round(self.seconds, 6),
-            "hash_seconds": round(self.hash_seconds, 6),
-            "gb_per_s": round(self.gb_per_s, 3),
-            "digest": self.digest,
-            "metadata_digest": self.metadata_digest,
-            "covers": self.covers,
-            "warnings": list(self.warnings),
-        }
+        return _MANIFEST_VIEW.render(self, warnings=list(self.warnings))
 
 
 def _check_algorithm(algorithm: str) -> None:
@@ -588,7 +583,7 @@ def source_identity(reader: CheckpointReader, algorithm: str = DEFAULT_ALGORITHM
 
 
 def write_manifest(
-    source: Checkpoint | str | os.PathLike[str],
+    source: CheckpointOrPath,
     options: ManifestOptions | None = None,
     *,
     progress: Callable[[int, int], None] | None = None,
@@ -818,18 +813,7 @@ def _manifest_files(doc: dict[str, Any], shown: str) -> list[dict[str, Any]]:
     raw_files = doc.get("files")
     if not isinstance(raw_files, list):
         raise _bad(shown, "files must be a list")
-    files: list[dict[str, Any]] = []
-    for j, f in enumerate(raw_files):
-        if (
-            not isinstance(f, dict)
-            or not isinstance(f.get("file"), str)
-            or type(f.get("header_length")) is not int
-            or not isinstance(f.get("header_digest"), str)
-            or not _is_hex(f["header_digest"])
-        ):
-            raise _bad(shown, f"files[{j}] must be an object with file, header_length and header_digest")
-        files.append({"file": f["file"], "header_length": f["header_length"], "header_digest": f["header_digest"]})
-    return files
+    return _objects(raw_files, "files", _FILE_FIELDS, shown, lambda f: _is_hex(f["header_digest"]))
 
 
 def _manifest_sidecars(doc: dict[str, Any], shown: str) -> tuple[dict[str, Any], ...] | None:
@@ -839,17 +823,32 @@ def _manifest_sidecars(doc: dict[str, Any], shown: str) -> tuple[dict[str, Any],
         return None
     if not isinstance(raw, list) or len(raw) > MAX_SIDECARS:
         raise _bad(shown, f"sidecars must be a list of at most {MAX_SIDECARS} files")
+    return tuple(_objects(raw, "sidecars", _SIDECAR_FIELDS, shown))
+
+
+#: The fields of an item of a manifest's ``files`` and ``sidecars`` lists, with their JSON types.
+_FILE_FIELDS: dict[str, type] = {"file": str, "header_length": int, "header_digest": str}
+_SIDECAR_FIELDS: dict[str, type] = {"file": str, "size": int, "digest": str}
+
+
+def _objects(
+    raw: list[Any],
+    name: str,
+    fields: dict[str, type],
+    shown: str,
+    valid: Callable[[dict[str, Any]], bool] | None = None,
+) -> list[dict[str, Any]]:
+    """Each item of the list ``name``: an object holding ``fields`` of exactly their types (and ``valid``), as a
+    dict of just those fields; the first item that is not, a :class:`ManifestError` naming it."""
     out = []
     for j, f in enumerate(raw):
-        if (
-            not isinstance(f, dict)
-            or not isinstance(f.get("file"), str)
-            or type(f.get("size")) is not int
-            or not isinstance(f.get("digest"), str)
+        if not (
+            isinstance(f, dict) and all(type(f.get(k)) is t for k, t in fields.items()) and (valid is None or valid(f))
         ):
-            raise _bad(shown, f"sidecars[{j}] must be an object with file, size and digest")
-        out.append({"file": f["file"], "size": f["size"], "digest": f["digest"]})
-    return tuple(out)
+            *head, last = fields
+            raise _bad(shown, f"{name}[{j}] must be an object with {', '.join(head)} and {last}")
+        out.append({k: f[k] for k in fields})
+    return out
 
 
 def load_manifest(path: str | os.PathLike[str]) -> Manifest:
@@ -1220,6 +1219,13 @@ def _hash_fd(fd: int, offset: int, length: int, algorithm: str, path: Path, key:
 LISTED_PROBLEMS = 1000
 
 
+#: The ``--json`` document of :class:`ManifestCheck`: its keys in order.
+_CHECK_VIEW = JsonView(
+    "ckpttool.manifest-check/1",
+    "path manifest kind algorithm entries ok problems problems_omitted problem_counts source",
+)
+
+
 @dataclass(frozen=True)
 class ManifestCheck:
     """What ``ckpttool manifest DIR --verify`` found (``--json``: schema ``ckpttool.manifest-check/1``)."""
@@ -1232,23 +1238,21 @@ class ManifestCheck:
     problems: list[ManifestProblem]
     source: dict[str, Any] | None = None
 
+    @property
+    def ok(self) -> bool:
+        """No problem found."""
+        return not self.problems
+
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": "ckpttool.manifest-check/1",
-            "path": self.path,
-            "manifest": self.manifest,
-            "kind": self.kind,
-            "algorithm": self.algorithm,
-            "entries": self.entries,
-            "ok": not self.problems,
-            "problems": [
+        return _CHECK_VIEW.render(
+            self,
+            problems=[
                 {"kind": p.kind, "key": p.key, "offsets": list(p.offsets) if p.offsets else None, "message": p.message}
                 for p in self.problems[:LISTED_PROBLEMS]
             ],
-            "problems_omitted": max(0, len(self.problems) - LISTED_PROBLEMS),
-            "problem_counts": self.counts(),
-            "source": self.source,
-        }
+            problems_omitted=max(0, len(self.problems) - LISTED_PROBLEMS),
+            problem_counts=self.counts(),
+        )
 
     def counts(self) -> dict[str, int]:
         """Problems by kind."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from ckpttool.layouts.declaration import LayoutDeclaration, load_layout_record
 from ckpttool.layouts.geometry import EPGeometry, dim_intervals
 from ckpttool.layouts.record import SIDECAR_NAME, parse_layout_record
 from ckpttool.model.catalog import Catalog
-from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
+from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.ops.reshard.plan import implied_optimizer, make_record
 
 __all__ = ["StampOptions", "StampResult", "stamp"]
@@ -74,7 +73,7 @@ class StampResult:
 
 
 def stamp(
-    source: Checkpoint | str | os.PathLike[str],
+    source: CheckpointOrPath,
     options: StampOptions | None = None,
     *,
     opening: OpenOptions | None = None,

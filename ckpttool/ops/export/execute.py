@@ -37,6 +37,7 @@ from ckpttool.format import limits
 from ckpttool.format.atomic import signals_deferred
 from ckpttool.format.digest import DEFAULT_ALGORITHM
 from ckpttool.format.files import copy_regular, read_regular, resolve_inside
+from ckpttool.format.jsonview import JsonView, json_counted
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
 from ckpttool.format.outputs import check_target, output_location
 from ckpttool.format.reader import CheckpointReader
@@ -46,7 +47,7 @@ from ckpttool.format.tiling import contiguous_run, tiling_problem
 from ckpttool.layouts.declaration import ResolvedLayout
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, detect_adapter, get_adapter
 from ckpttool.model.catalog import Catalog
-from ckpttool.model.checkpoint import Checkpoint, OpenOptions, gc_held, open_source
+from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, gc_held, open_source
 from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.ops import distributed
 from ckpttool.ops.export.expected import MISMATCH_KINDS, ModelCheck, compare_with_model
@@ -151,6 +152,15 @@ class ExportOptions:
     quant_format: str = "fp8"
 
 
+#: The ``--json`` document of :class:`ExportResult`: its keys in order (``docs/export.md``).
+_EXPORT_VIEW = JsonView(
+    "ckpttool.export/1",
+    "output format files tensors bytes bytes_read seconds:4 write_seconds:4 gb_per_s:4 save_dtype weights experts casts"
+    " narrowing_casts origins tied_embeddings layout assets skipped warnings adapter_config source_identity manifest"
+    " model_adapter model_check config_edits notes dry_run quantization",
+)
+
+
 @dataclass(frozen=True)
 class ExportResult:
     """What an export wrote (``--json``: :meth:`to_dict`, schema ``ckpttool.export/1`` in ``docs/export.md``)."""
@@ -191,38 +201,7 @@ class ExportResult:
         return self.bytes / self.write_seconds / 1e9 if self.write_seconds > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": "ckpttool.export/1",
-            "output": self.output,
-            "format": self.format,
-            "files": self.files,
-            "tensors": self.tensors,
-            "bytes": self.bytes,
-            "bytes_read": self.bytes_read,
-            "seconds": round(self.seconds, 4),
-            "write_seconds": round(self.write_seconds, 4),
-            "gb_per_s": round(self.gb_per_s, 4),
-            "save_dtype": self.save_dtype,
-            "weights": self.weights,
-            "experts": self.experts,
-            "casts": self.casts,
-            "narrowing_casts": self.narrowing_casts,
-            "origins": {k: {"count": len(v), "keys": v} for k, v in self.origins.items()},
-            "tied_embeddings": self.tied_embeddings,
-            "layout": self.layout,
-            "assets": self.assets,
-            "skipped": {k: {"count": len(v), "keys": v} for k, v in self.skipped.items()},
-            "warnings": self.warnings,
-            "adapter_config": self.adapter_config,
-            "source_identity": self.source_identity,
-            "manifest": self.manifest,
-            "model_adapter": self.model_adapter,
-            "model_check": self.model_check,
-            "config_edits": self.config_edits,
-            "notes": self.notes,
-            "dry_run": self.dry_run,
-            "quantization": self.quantization,
-        }
+        return _EXPORT_VIEW.render(self, origins=json_counted(self.origins), skipped=json_counted(self.skipped))
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -747,7 +726,7 @@ def _resolved(opts: ExportOptions, ckpt: Checkpoint) -> ExportOptions:
 
 
 def export_checkpoint(
-    source: Checkpoint | str | os.PathLike[str],
+    source: CheckpointOrPath,
     out: str | os.PathLike[str],
     options: ExportOptions | None = None,
     *,

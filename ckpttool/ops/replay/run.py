@@ -25,7 +25,7 @@ from typing import Any
 from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import DeviceUnavailableError, UsageError
 from ckpttool.format.jsonview import json_fields
-from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
+from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.ops.fields import same_named
 from ckpttool.ops.replay.compare import (
     FieldError,
@@ -406,7 +406,7 @@ class ReplayOptions:
 
 # ----------------------------------------------------------------------------- replay
 def replay_step(
-    source: Checkpoint | str | os.PathLike[str],
+    source: CheckpointOrPath,
     options: ReplayOptions | None = None,
     *,
     progress: Callable[[int, int], None] | None = None,

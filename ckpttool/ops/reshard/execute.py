@@ -27,7 +27,6 @@ from ckpttool.engine.pool import map_ordered, worker_count
 from ckpttool.errors import NotRegularFileError, ReshardError, SizeLimitError
 from ckpttool.format import limits
 from ckpttool.format.atomic import signals_deferred
-from ckpttool.format.digest import DEFAULT_ALGORITHM
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
 from ckpttool.format.files import copy_regular, resolve_inside
 from ckpttool.format.marker import MARKER_NAME
@@ -40,11 +39,11 @@ from ckpttool.format.tiling import contiguous_run
 from ckpttool.format.writer import DCPWriter, can_stream
 from ckpttool.layouts.record import SIDECAR_NAME
 from ckpttool.model.catalog import Catalog
-from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
+from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.ops import distributed
 from ckpttool.ops.fields import same_named
 from ckpttool.ops.manifest import MANIFEST_NAME, source_identity, write_output_manifest
-from ckpttool.ops.reshard.plan import ReshardPlan, TensorPlan, origin_world, plan_reshard
+from ckpttool.ops.reshard.plan import ReshardOptions, ReshardPlan, TensorPlan, origin_world, plan_reshard
 
 if TYPE_CHECKING:
     import torch
@@ -55,41 +54,6 @@ log = logging.getLogger(__name__)
 ProgressFn = Callable[[int, int], None]
 #: ``phase(text)``: the step that starts.
 PhaseFn = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class ReshardOptions:
-    """What ``reshard`` writes.
-
-    Attributes:
-        to: ``"canonical"`` (layout version 2) or ``"legacy"`` (version 1).
-        target_ep_size, target_ep_fsdp_size: target ``P``/``F`` (default: the source's).
-        with_optimizer: permute optimizer state of EP parameters too (required when there is some).
-        overwrite: replace a non-empty ``dst`` that looks like a previous output, once the new one is complete.
-        fsync: ``fsync`` the output files before renaming the directory into place (default);
-            ``False`` is as durable as ``cp -r`` (the page cache decides when data reaches disk).
-        threads: copy threads (default: CPU count, at most the number of target files).
-        verify_crc: check every source record's CRC-32: while copying archives verbatim, and by
-            one read before a record is streamed in pieces (default on: docs/performance.md).
-        manifest: write the output's ``manifest.json`` (every chunk's raw storage record digested as
-            it is written: ``covers: record``, ``docs/diff.md``), with the source's identity.
-        algorithm: the digest of the manifest and of the source identity (``converted_from.source``).
-        dry_run: plan and check (layout, target mesh, byte-item caps, whether ``dst`` may be
-            written) and return the result the run would give (``dry_run`` true; file ``bytes``
-            are the tensor data planned for each target rank file) without writing anything.
-    """
-
-    to: str = "canonical"
-    target_ep_size: int | None = None
-    target_ep_fsdp_size: int | None = None
-    with_optimizer: bool = False
-    overwrite: bool = False
-    fsync: bool = True
-    threads: int | None = None
-    verify_crc: bool = True
-    manifest: bool = False
-    algorithm: str = DEFAULT_ALGORITHM
-    dry_run: bool = False
 
 
 @dataclass(frozen=True)
@@ -287,11 +251,8 @@ def execute_plan(
     reader: CheckpointReader,
     out_dir: Path,
     checkpoint_id: Path,
+    options: ReshardOptions,
     progress: ProgressFn | None = None,
-    *,
-    threads: int | None = None,
-    fsync: bool = True,
-    digest: str | None = None,
 ) -> tuple[DCPWriter, dict[str, int]]:
     """Write the planned checkpoint into ``out_dir`` (data files + ``.metadata``).
 
@@ -306,10 +267,10 @@ def execute_plan(
         reader: reader of ``plan.source``.
         out_dir: an empty directory.
         checkpoint_id: the final path, recorded in the metadata.
+        options: its ``threads`` (worker threads; default: CPU count, at most the number of target files),
+            ``fsync`` (see :class:`~ckpttool.format.writer.DCPWriter`), and ``manifest``: digest every written
+            record with ``algorithm`` (``writer.manifest_entries()``).
         progress: called with ``(0, bytes total)`` first, then ``(bytes done, bytes total)`` (from worker threads).
-        threads: worker threads (default: CPU count, at most the number of target files).
-        fsync: ``fsync`` the output files (see :class:`~ckpttool.format.writer.DCPWriter`).
-        digest: digest every written record with this algorithm (``writer.manifest_entries()``).
 
     Returns:
         The finished writer (byte counts) and ``{"copied": n, "rewritten": n}`` chunk counts.
@@ -337,7 +298,8 @@ def execute_plan(
     owners = group.share(file_bytes)
     mine = {r for r in range(plan.world) if group.owns(owners[r])}
     reader.prefetch_keys(t.key for t in plan.tensors if any(oc.rank in mine for oc in t.chunks))  # remote
-    with DCPWriter(out_dir, checkpoint_id, fsync=fsync, digest=digest) as writer:
+    digest = options.algorithm if options.manifest else None
+    with DCPWriter(out_dir, checkpoint_id, fsync=options.fsync, digest=digest) as writer:
         writer.ensure_files(range(plan.world) if not group.active else sorted(mine))
         jobs: dict[int, list[_Job]] = {r: [] for r in range(plan.world)}
         fallback: list[tuple[TensorPlan, list[int]]] = []
@@ -346,7 +308,7 @@ def execute_plan(
             rest = _plan_jobs(tp, reader, jobs)
             if rest:
                 fallback.append((tp, rest))
-        _run_parallel(plan, jobs, mine, writer, tick, threads)
+        _run_parallel(plan, jobs, mine, writer, tick, options.threads)
         for tp, all_indices in fallback:
             indices = [i for i in all_indices if tp.chunks[i].rank in mine]
             if not indices:
@@ -503,7 +465,7 @@ def _copy_extra_files(src: Path, dst: Path) -> list[str]:
 
 
 def reshard(
-    source: Checkpoint | str | os.PathLike[str],
+    source: CheckpointOrPath,
     out: str | os.PathLike[str],
     options: ReshardOptions | None = None,
     *,
@@ -551,16 +513,8 @@ def _reshard(
     reader.verify_crc = opts.verify_crc
     layout = ckpt.require_layout()
     identity = source_identity(reader, opts.algorithm)
-    plan = plan_reshard(
-        cat,
-        reader,
-        layout,
-        to=opts.to,
-        target_ep_size=opts.target_ep_size,
-        target_ep_fsdp_size=opts.target_ep_fsdp_size,
-        with_optimizer=opts.with_optimizer,
-        source={k: v for k, v in identity.items() if k != "checkpoint"},  # content only: same bytes from anywhere
-    )
+    content = {k: v for k, v in identity.items() if k != "checkpoint"}  # content only: same bytes from anywhere
+    plan = plan_reshard(cat, reader, layout, opts, source=content)
     log.info(
         "plan: %s -> %s, ep_size %d, ep_fsdp_size %d, %d target rank(s), %d tensor(s) with a new expert order",
         layout.layout_name or "unversioned",
@@ -589,10 +543,8 @@ def _reshard(
                 reader,
                 tmp,
                 dst_p if is_url(dst_p) else dst_p.resolve(),
+                opts,
                 progress,
-                threads=opts.threads,
-                fsync=opts.fsync,
-                digest=opts.algorithm if opts.manifest else None,
             )
         except BaseException as e:
             if group.active and not distributed.agreed(e):

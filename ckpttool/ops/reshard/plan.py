@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import ChunkError, LayoutContradictionError, LayoutSizeError, ReshardError, UsageError
+from ckpttool.format.digest import DEFAULT_ALGORITHM
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, DType, TensorMeta
 from ckpttool.format.tiling import tiling_problem
@@ -34,6 +35,7 @@ __all__ = [
     "OutChunk",
     "TensorPlan",
     "BytesPlan",
+    "ReshardOptions",
     "ReshardPlan",
     "plan_reshard",
     "row_runs",
@@ -41,6 +43,41 @@ __all__ = [
     "make_record",
     "implied_optimizer",
 ]
+
+
+@dataclass(frozen=True)
+class ReshardOptions:
+    """What ``reshard`` writes.
+
+    Attributes:
+        to: ``"canonical"`` (layout version 2) or ``"legacy"`` (version 1).
+        target_ep_size, target_ep_fsdp_size: target ``P``/``F`` (default: the source's).
+        with_optimizer: permute optimizer state of EP parameters too (required when there is some).
+        overwrite: replace a non-empty ``dst`` that looks like a previous output, once the new one is complete.
+        fsync: ``fsync`` the output files before renaming the directory into place (default);
+            ``False`` is as durable as ``cp -r`` (the page cache decides when data reaches disk).
+        threads: copy threads (default: CPU count, at most the number of target files).
+        verify_crc: check every source record's CRC-32: while copying archives verbatim, and by
+            one read before a record is streamed in pieces (default on: docs/performance.md).
+        manifest: write the output's ``manifest.json`` (every chunk's raw storage record digested as
+            it is written: ``covers: record``, ``docs/diff.md``), with the source's identity.
+        algorithm: the digest of the manifest and of the source identity (``converted_from.source``).
+        dry_run: plan and check (layout, target mesh, byte-item caps, whether ``dst`` may be
+            written) and return the result the run would give (``dry_run`` true; file ``bytes``
+            are the tensor data planned for each target rank file) without writing anything.
+    """
+
+    to: str = "canonical"
+    target_ep_size: int | None = None
+    target_ep_fsdp_size: int | None = None
+    with_optimizer: bool = False
+    overwrite: bool = False
+    fsync: bool = True
+    threads: int | None = None
+    verify_crc: bool = True
+    manifest: bool = False
+    algorithm: str = DEFAULT_ALGORITHM
+    dry_run: bool = False
 
 
 @dataclass(frozen=True)
@@ -417,13 +454,10 @@ def _ep_state(cat: Catalog, layout: ResolvedLayout, with_optimizer: bool) -> dic
     return ep_state
 
 
-def _plan_entries(
-    plan: ReshardPlan,
-    ckpt: CheckpointDir,
-    layout: ResolvedLayout,
-    ep_state: dict[str, str],
-) -> None:
-    """Add every source entry to ``plan``: byte items and non-EP tensors pass through, EP tensors are cut."""
+def _plan_entries(plan: ReshardPlan, ckpt: CheckpointDir, ep_state: dict[str, str]) -> None:
+    """Add every source entry to ``plan``: byte items and non-EP tensors pass through, EP tensors are cut
+    (in ``plan.layout``)."""
+    layout = plan.layout
     to_version, p2, f2 = plan.to_version, plan.ep_size, plan.ep_fsdp_size
     md = ckpt.metadata
     for key, meta in md.entries.items():
@@ -464,8 +498,9 @@ def _plan_entries(
         )
 
 
-def _converted_record(plan: ReshardPlan, cat: Catalog, layout: ResolvedLayout, source: dict[str, Any] | None) -> None:
-    """The output's layout record (``converted_from`` the source) and its byte item, into ``plan``."""
+def _converted_record(plan: ReshardPlan, cat: Catalog, source: dict[str, Any] | None) -> None:
+    """The output's layout record (``converted_from`` the source, ``plan.layout``) and its byte item, into ``plan``."""
+    layout = plan.layout
     to_version, p2, f2 = plan.to_version, plan.ep_size, plan.ep_fsdp_size
     src_rec = layout.record.raw if layout.record is not None else None
     converted_from: dict[str, Any] = {
@@ -497,11 +532,8 @@ def plan_reshard(
     cat: Catalog,
     ckpt: CheckpointDir,
     layout: ResolvedLayout,
+    options: ReshardOptions | None = None,
     *,
-    to: str,
-    target_ep_size: int | None = None,
-    target_ep_fsdp_size: int | None = None,
-    with_optimizer: bool = False,
     source: dict[str, Any] | None = None,
 ) -> ReshardPlan:
     """Plan a reshard from metadata alone (no tensor data is read).
@@ -513,9 +545,9 @@ def plan_reshard(
         cat: catalog of the source.
         ckpt: the source directory (its metadata names each chunk's file).
         layout: the checkpoint's resolved layout.
-        to: ``"canonical"`` or ``"legacy"``.
-        target_ep_size, target_ep_fsdp_size: target mesh sizes (default: the source's).
-        with_optimizer: migrate optimizer state of EP parameters with them.
+        options: its ``to``, ``target_ep_size``, ``target_ep_fsdp_size`` and ``with_optimizer`` (default:
+            :class:`ReshardOptions`).
+        source: recorded as ``converted_from.source``.
 
     Returns:
         The :class:`ReshardPlan`.
@@ -527,12 +559,13 @@ def plan_reshard(
         ReshardError: optimizer state of EP parameters without ``with_optimizer`` (E602).
         ChunkError: source chunks that do not tile a tensor.
     """
-    to_version, p2, f2 = _target_mesh(cat, layout, to, target_ep_size, target_ep_fsdp_size)
+    o = options or ReshardOptions()
+    to_version, p2, f2 = _target_mesh(cat, layout, o.to, o.target_ep_size, o.target_ep_fsdp_size)
     # Optimizer state of EP parameters: migrate (with_optimizer) or refuse.
-    ep_state = _ep_state(cat, layout, with_optimizer)
+    ep_state = _ep_state(cat, layout, o.with_optimizer)
     plan = ReshardPlan(ckpt.path, layout, to_version, p2, f2, p2 * f2)
-    _plan_entries(plan, ckpt, layout, ep_state)
-    _converted_record(plan, cat, layout, source)
+    _plan_entries(plan, ckpt, ep_state)
+    _converted_record(plan, cat, source)
     return plan
 
 

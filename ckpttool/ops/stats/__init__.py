@@ -1,28 +1,11 @@
 """``ckpttool stats``: streaming per-tensor, per-layer and per-expert statistics of checkpoints
-(model weights, FP32 masters, Adam moments, the next update's size) and their change along a run."""
+(model weights, FP32 masters, Adam moments, the next update's size) and their change along a run.
 
-from ckpttool.ops.stats.result import (
-    CheckpointStats,
-    ExpertNorms,
-    GroupStats,
-    LayerChange,
-    StatsResult,
-    TensorValueStats,
-    UpdateStats,
-)
+The result records are declared once, in :mod:`ckpttool.ops.stats.result` (its ``__all__``)."""
+
+from ckpttool.ops.stats import result
+from ckpttool.ops.stats.result import *  # noqa: F403  (the result records, ``result.__all__``)
 from ckpttool.ops.stats.run import MAX_CHECKPOINTS, StatsOptions, collect_stats, layer_of, module_of
 
-__all__ = [
-    "MAX_CHECKPOINTS",
-    "CheckpointStats",
-    "ExpertNorms",
-    "GroupStats",
-    "LayerChange",
-    "StatsOptions",
-    "StatsResult",
-    "TensorValueStats",
-    "UpdateStats",
-    "collect_stats",
-    "layer_of",
-    "module_of",
-]
+__all__ = ["MAX_CHECKPOINTS", "StatsOptions", "collect_stats", "layer_of", "module_of"]
+__all__ += result.__all__

@@ -16,14 +16,14 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckpttool.engine.kernels import IEEE_BITS, float_values
 from ckpttool.engine.pool import map_ordered, worker_count
 from ckpttool.engine.stats import SlabStats
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.model.catalog import TensorEntry, match_filter
-from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_source
+from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.ops.fields import same_named
 from ckpttool.ops.stats.compute import (
     AdamHyper,
@@ -47,9 +47,6 @@ from ckpttool.ops.stats.result import (
     TensorValueStats,
     UpdateStats,
 )
-
-if TYPE_CHECKING:
-    import os
 
 __all__ = ["MAX_CHECKPOINTS", "StatsOptions", "collect_stats", "layer_of", "module_of"]
 
@@ -393,7 +390,7 @@ def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str
 
 
 def collect_stats(
-    sources: Sequence[Checkpoint | str | os.PathLike[str]],
+    sources: Sequence[CheckpointOrPath],
     options: StatsOptions,
     *,
     progress: Progress = None,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import AmbiguousCheckpointError, MetadataError, SchemaError, StepNotFoundError
-from ckpttool.model.checkpoint import Checkpoint, OpenOptions, gc_held, open_checkpoint
+from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, gc_held, open_checkpoint
 from ckpttool.model.hfconfig import read_hf_config
 from ckpttool.ops.validate import rules as _rules  # noqa: F401 - registers the rules
 from ckpttool.ops.validate.base import RULES, Finding, Rule, Severity, select_rules
@@ -222,7 +222,7 @@ def _validate_open(
 
 
 def validate(
-    source: Checkpoint | str | os.PathLike[str],
+    source: CheckpointOrPath,
     options: ValidateOptions | None = None,
     *,
     progress: Callable[[int, int], None] | None = None,
