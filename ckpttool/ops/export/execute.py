@@ -602,11 +602,26 @@ class _Executor:
     def run(self, only: set[int] | None = None) -> None:
         """Run the tasks of this process's files (``only``: those of these task indices)."""
         pool = Lane(self.workers)
+        # tasks of one layout share their (meta, chunks) pair (_checked_chunks): whether it is one whole
+        # small chunk, and its bytes, are worked out once per run of such tasks
+        last: object = None
+        small_whole = 0
         try:
             for idx, task in enumerate(self.plan.tasks):
                 if (self.files is not None and task.shard not in self.files) or (only is not None and idx not in only):
                     continue
-                meta, chunks = self.chunks[idx]
+                pair = self.chunks[idx]
+                if pair is not last:
+                    last, small_whole = pair, _small_whole(*pair)
+                if small_whole and task.direct and (self.quantizer is None or task.source_key not in self.quantizer.tasks):
+                    self.small.append((idx, task, pair[1][0], pair[0].size))  # batched: _copy_small
+                    self.small_bytes += small_whole
+                    if len(self.small) >= _SMALL_BATCH or self.small_bytes >= _SMALL_BATCH_BYTES:
+                        self._flush_small(pool)
+                    if not idx % 64:
+                        self._collect(block=False)
+                    continue
+                meta, chunks = pair
                 if not chunks:
                     self.remaining[idx] = 1
                     self.pending[pool.submit(lambda: None)] = idx
@@ -642,6 +657,14 @@ class _Executor:
             with signals_deferred():
                 pool.shutdown(cancel=True)
             self.pending.clear()
+
+
+def _small_whole(meta: TensorMeta, chunks: list[ChunkMeta]) -> int:
+    """The bytes of a tensor stored as one whole chunk of at most ``_SMALL_CHUNK`` bytes (``0``: not one)."""
+    if len(chunks) != 1 or chunks[0].sizes != meta.size:
+        return 0
+    nbytes = chunks[0].numel * meta.dtype.itemsize
+    return nbytes if 0 < nbytes <= _SMALL_CHUNK else 0
 
 
 def _run_batches(reader: CheckpointReader, plan: ExportPlan, mine: set[int], executor: _Executor) -> None:
