@@ -285,7 +285,9 @@ def _one_layout(
     if tag is None or any(e.dtype != dtype or e.shape != shape for e in ordered):
         return None
     names = [e.name for e in ordered]
-    spans = dict(zip(names, zip(offs := range(0, (len(names) + 1) * e0.nbytes, e0.nbytes), offs[1:])))
+    nbytes = e0.nbytes
+    offs: range | list[int] = range(0, (len(names) + 1) * nbytes, nbytes) if nbytes else [0] * (len(names) + 1)
+    spans = dict(zip(names, zip(offs, offs[1:])))
     if len(spans) != len(names) or "__metadata__" in spans:
         return None
     mid = ':{"dtype":"%s","shape":%s,"data_offsets":[' % (tag, json.dumps(list(shape), separators=(",", ":")))

@@ -517,15 +517,16 @@ class _Executor:
         the same output file are written together. Chunks that path does not take go through
         :meth:`_copy_chunk`.
         """
-        got = self.reader.read_small_chunks([(task.source_key, c) for _, task, c, _ in batch])
+        got = self.reader.read_small_chunks([(task.selected.source.key, c) for _, task, c, _ in batch])
         run_fd, run_at, run = -1, 0, bytearray()
+        writers = self.writers
         for (_, task, chunk, size), values in zip(batch, got):
             if values is None:
                 self._copy_chunk(task, chunk, size)
                 continue
-            writer = self.writers[task.shard]
+            writer = writers[task.shard]
             name = task.pieces[0].name
-            if chunk.sizes == size:  # the whole tensor
+            if chunk.sizes is size or chunk.sizes == size:  # the whole tensor
                 at = 0
             else:
                 span = contiguous_run(size, chunk.offsets, chunk.sizes)

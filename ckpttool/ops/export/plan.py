@@ -209,11 +209,10 @@ class ExportPlan:
 
     def weight_map(self) -> dict[str, str]:
         """Output key -> file name, sorted by key (``model.safetensors.index.json``)."""
-        out = {}
-        for k, ents in enumerate(self.entries):
-            for e in ents:
-                out[e.name] = self.files[k]
-        return dict(sorted(out.items()))
+        # output keys are unique across the files (build_plan refuses a key produced twice): sorted by key alone
+        pairs = [(e.name, name) for name, ents in zip(self.files, self.entries) for e in ents]
+        pairs.sort()
+        return dict(pairs)
 
 
 #: ``(selected, warnings, skipped, tags)`` of a selection (``tags``: LoRA output key -> adapter name).
