@@ -973,7 +973,7 @@ def _prepare(
     plan.warnings = warnings
     plan.skipped = skipped
     plan.tied = tied
-    missing = unaccounted_tensors(cat, plan, {s.model_key for s in selected if s.out_key in drop})
+    missing = unaccounted_tensors(cat, plan, {s.model_key for s in selected if s.out_key in drop} if drop else set())
     if missing:
         raise ExportAccountingError(
             f"{ckpt.path}: {len(missing)} tensor(s) would be neither exported nor listed as skipped "

@@ -596,5 +596,6 @@ def unaccounted_tensors(cat: Catalog, plan: ExportPlan, dropped: set[str]) -> li
         dropped: checkpoint keys left out on purpose and reported elsewhere (a tied ``lm_head``).
     """
     written = {t.selected.model_key for t in plan.tasks}
-    listed = {k for keys in plan.skipped.values() for k in keys}
-    return [k for k in (*cat.model, *cat.other_tensors) if k not in written and k not in listed and k not in dropped]
+    keys = (*cat.model, *cat.other_tensors)
+    left = set(keys).difference(written, *plan.skipped.values(), dropped)  # set operations, no Python loop per key
+    return [k for k in keys if k in left] if left else []
