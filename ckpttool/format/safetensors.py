@@ -290,7 +290,8 @@ def _one_layout(
     spans = dict(zip(names, zip(offs, offs[1:])))
     if len(spans) != len(names) or "__metadata__" in spans:
         return None
-    mid = ':{"dtype":"%s","shape":%s,"data_offsets":[' % (tag, json.dumps(list(shape), separators=(",", ":")))
+    shape_text = json.dumps(list(shape), separators=(",", ":"))
+    mid = f':{{"dtype":"{tag}","shape":{shape_text},"data_offsets":['
     keys = [_encode_key(k) for k in names]
     body = ",".join([head, *[f"{k}{mid}{a},{b}]}}" for k, a, b in zip(keys, offs, offs[1:])]])
     return _prefix(body), ordered, spans

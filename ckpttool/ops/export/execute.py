@@ -600,6 +600,29 @@ class _Executor:
             if len(self.small) >= _SMALL_BATCH or self.small_bytes >= _SMALL_BATCH_BYTES:
                 self._flush_small(pool)
 
+    def _dispatch(self, pool: Lane, idx: int, task: SourceTask, meta: TensorMeta, chunks: list[ChunkMeta]) -> None:
+        """Submit task ``idx``'s work: quantized bands, direct chunk copies, or streamed chunks."""
+        if not chunks:
+            self.remaining[idx] = 1
+            self.pending[pool.submit(lambda: None)] = idx
+            return
+        q = self.quantizer
+        if q is not None and task.source_key in q.tasks:
+            self.remaining[idx] = q.bands(task)
+            for b in range(q.bands(task)):
+                self._submit(pool, idx, q.band, task, meta, chunks, self.writers[task.shard], b)
+        elif task.direct and (
+            (len(chunks) == 1 and chunks[0].sizes == meta.size)  # one whole chunk: most tensors at 10^6
+            or all(c.sizes == meta.size or contiguous_run(meta.size, c.offsets, c.sizes) is not None for c in chunks)
+        ):
+            self._direct(pool, idx, task, meta, chunks)
+        else:
+            self.remaining[idx] = len(chunks)
+            runs = run_map(task, meta)
+            transform = self.merges.get(task.source_key) or value_transform(task)
+            for c in chunks:
+                self._submit(pool, idx, self._stream_chunk, task, c, meta, runs, transform)
+
     def run(self, only: set[int] | None = None) -> None:
         """Run the tasks of this process's files (``only``: those of these task indices)."""
         pool = Lane(self.workers)
@@ -614,38 +637,17 @@ class _Executor:
                 pair = self.chunks[idx]
                 if pair is not last:
                     last, small_whole = pair, _small_whole(*pair)
-                if small_whole and task.direct and (self.quantizer is None or task.source_key not in self.quantizer.tasks):
+                if (
+                    small_whole
+                    and task.direct
+                    and (self.quantizer is None or task.source_key not in self.quantizer.tasks)
+                ):
                     self.small.append((idx, task, pair[1][0], pair[0].size))  # batched: _copy_small
                     self.small_bytes += small_whole
                     if len(self.small) >= _SMALL_BATCH or self.small_bytes >= _SMALL_BATCH_BYTES:
                         self._flush_small(pool)
-                    if not idx % 64:
-                        self._collect(block=False)
-                    continue
-                meta, chunks = pair
-                if not chunks:
-                    self.remaining[idx] = 1
-                    self.pending[pool.submit(lambda: None)] = idx
-                    continue
-                q = self.quantizer
-                if q is not None and task.source_key in q.tasks:
-                    self.remaining[idx] = q.bands(task)
-                    for b in range(q.bands(task)):
-                        self._submit(pool, idx, q.band, task, meta, chunks, self.writers[task.shard], b)
-                elif task.direct and (
-                    (len(chunks) == 1 and chunks[0].sizes == meta.size)  # one whole chunk: most tensors at 10^6
-                    or all(
-                        c.sizes == meta.size or contiguous_run(meta.size, c.offsets, c.sizes) is not None
-                        for c in chunks
-                    )
-                ):
-                    self._direct(pool, idx, task, meta, chunks)
                 else:
-                    self.remaining[idx] = len(chunks)
-                    runs = run_map(task, meta)
-                    transform = self.merges.get(task.source_key) or value_transform(task)
-                    for c in chunks:
-                        self._submit(pool, idx, self._stream_chunk, task, c, meta, runs, transform)
+                    self._dispatch(pool, idx, task, *pair)
                 if not idx % 64:  # progress, and a worker's error early (_submit collects when the queue is full)
                     self._collect(block=False)
             self._flush_small(pool)
