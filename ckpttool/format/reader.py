@@ -20,7 +20,7 @@ import math
 import os
 import pickle
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -72,41 +72,6 @@ _MAX_TEMPLATES = 256
 # template's byte compares need numpy, whose import (~0.1 s) outweighs them below this (a small
 # export stays numpy-free)
 _TEMPLATE_MIN_ITEMS = 256
-
-
-def _runs(order: list[tuple[str, int, int, int]], span_cap: int) -> Iterator[tuple[int, int]]:
-    """``(i, j)``: the runs ``order[i:j]`` of neighbouring windows ``(file, offset, length, item)`` (sorted)
-    that one read serves: same file, each window starting at most ``_SMALL_GAP`` bytes after the one
-    before ends (never before), at most ``span_cap`` bytes from the run's first byte to its last."""
-    n = len(order)
-    if n < _TEMPLATE_MIN_ITEMS or "numpy" not in sys.modules:
-        i = 0
-        while i < n:
-            path, first, length, _ = order[i]
-            j, end = i + 1, first + length
-            while j < n:
-                p, offset, size, _ = order[j]
-                if p != path or not end <= offset <= end + _SMALL_GAP or offset + size - first > span_cap:
-                    break
-                end = offset + size
-                j += 1
-            yield i, j
-            i = j
-        return
-    import numpy as np
-
-    paths, offsets, lengths, _ = zip(*order)
-    at = np.array(offsets, dtype=np.int64)
-    ends = at + np.array(lengths, dtype=np.int64)
-    gap = at[1:] - ends[:-1]
-    cuts = (gap < 0) | (gap > _SMALL_GAP) | np.array([a != b for a, b in zip(paths, paths[1:])], dtype=bool)
-    bounds = [0, *(np.flatnonzero(cuts) + 1).tolist(), n]
-    for lo, hi in zip(bounds, bounds[1:]):  # each stretch of neighbours, cut where a run would pass span_cap
-        i = lo
-        while i < hi:
-            j = max(i + 1, min(hi, int(np.searchsorted(ends[i:hi], at[i] + span_cap, side="right")) + i))
-            yield i, j
-            i = j
 
 
 class CheckpointReader(CheckpointDir):
@@ -257,8 +222,18 @@ class CheckpointReader(CheckpointDir):
         ]
         order.sort()
         templates = len(items) >= _TEMPLATE_MIN_ITEMS or "numpy" in sys.modules
-        for i, j in _runs(order, span_cap):
+        i = 0
+        while i < len(order):
+            path, first, length, _ = order[i]
+            j, end = i + 1, first + length
+            while j < len(order):
+                p, offset, n, _ = order[j]
+                if p != path or not end <= offset <= end + _SMALL_GAP or offset + n - first > span_cap:
+                    break
+                end = offset + n
+                j += 1
             self._read_run(items, order[i:j], out, templates=templates)
+            i = j
         return out
 
     def _read_run(
