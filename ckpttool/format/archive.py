@@ -984,11 +984,9 @@ def match_template(tmpl: ArchiveTemplate, rows: Any, *, verify_crc: bool) -> Any
         if v.text:
             ok &= (rows[:, v.start : v.start + v.size] < 0x80).all(axis=1)
         if with_crc:  # one crc32 call per row, on slices of one flat view (cheaper than numpy row indexing)
-            want = fields[0].tolist()
             flat = np.ascontiguousarray(rows).reshape(-1).data  # uint8: a flat byte view
             n, a, b = rows.shape[1], v.start, v.start + v.size
-            for i in np.flatnonzero(ok).tolist():
-                at = i * n
-                if crc32(flat[at + a : at + b], 0) != want[i]:
-                    ok[i] = False
+            live = np.flatnonzero(ok)
+            got = [crc32(flat[at + a : at + b], 0) for at in (live * n).tolist()]
+            ok[live] &= np.array(got, dtype=np.uint32) == fields[0][live]
     return ok

@@ -214,11 +214,12 @@ class CheckpointReader(CheckpointDir):
         if self.remote is not None or self.metadata.serialization != "torch_save":
             return out
         storage_get = self.metadata.storage.get  # storage_for(fqn, chunk), without a call per chunk
-        order: list[tuple[str, int, int, int]] = []  # (file, offset, length, item index)
-        for k, (fqn, chunk) in enumerate(items):
-            info = storage_get((fqn, chunk.offsets))
-            if info is not None and not info.transform_descriptors:
-                order.append((info.relative_path, info.offset, info.length, k))
+        infos = [storage_get((fqn, chunk.offsets)) for fqn, chunk in items]
+        order = [  # (file, offset, length, item index)
+            (info.relative_path, info.offset, info.length, k)
+            for k, info in enumerate(infos)
+            if info is not None and not info.transform_descriptors
+        ]
         order.sort()
         templates = len(items) >= _TEMPLATE_MIN_ITEMS or "numpy" in sys.modules
         i = 0
@@ -256,21 +257,29 @@ class CheckpointReader(CheckpointDir):
             data = memoryview(buf)
         except (EOFError, CkptError):  # the file shrank or is unreadable: the per-chunk path names it
             return
-        entries = self.metadata.entries
+        entries_get = self.metadata.entries.get
         groups: dict[tuple[int, str, tuple[int, ...]], list[tuple[int, int]]] = {}
+        last: tuple[object, int, tuple[int, ...]] | None = None  # (meta, length, sizes) of the last layout seen
+        members: list[tuple[int, int]] = []
         for _, offset, length, k in run:
             fqn, chunk = items[k]
-            meta = entries.get(fqn)
+            meta = entries_get(fqn)
+            if last is not None and last[0] is meta and last[1] == length and last[2] == chunk.sizes:
+                members.append((offset - start, k))  # the layout of the item before (10^6 tensors of a few layouts)
+                continue
             if not isinstance(meta, TensorMeta):
                 continue
             layout = (length, meta.dtype.name, chunk.sizes)
             tmpl = self._templates.get(layout)
+            last = None
             if tmpl is None:  # the first archive of its layout: checked one by one, kept as the template
                 keep = layout if templates and len(self._templates) < _MAX_TEMPLATES else None
                 out[k] = self._locate_preread(fd, data, offset - start, length, fqn, chunk, keep)
                 continue
             if tmpl is not False:
-                groups.setdefault(layout, []).append((offset - start, k))
+                members = groups.setdefault(layout, [])
+                members.append((offset - start, k))
+                last = (meta, length, chunk.sizes)
             else:
                 out[k] = self._locate_preread(fd, data, offset - start, length, fqn, chunk, None)
         for layout, members in groups.items():
@@ -328,6 +337,11 @@ class CheckpointReader(CheckpointDir):
             rows = flat[at[:, None] + np.arange(n)]
         ok = match_template(tmpl, rows, verify_crc=self.verify_crc).tolist()
         first, nbytes = tmpl.record.data_offset, tmpl.values.size
+        if all(ok):  # every archive matches (the common case): one slice each, nothing else per item
+            for a, k in members:
+                out[k] = data[a + first : a + first + nbytes]
+            self.count_read(nbytes * len(members))
+            return
         taken = 0
         for (a, k), good in zip(members, ok):
             if good:

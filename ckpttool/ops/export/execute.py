@@ -496,15 +496,16 @@ class _Executor:
         the same output file are written together. Chunks that path does not take go through
         :meth:`_copy_chunk`.
         """
-        got = self.reader.read_small_chunks([(task.source_key, c) for _, task, c, _ in batch])
+        got = self.reader.read_small_chunks([(task.selected.source.key, c) for _, task, c, _ in batch])
         run_fd, run_at, run = -1, 0, bytearray()
+        writers = self.writers
         for (_, task, chunk, size), values in zip(batch, got):
             if values is None:
                 self._copy_chunk(task, chunk, size)
                 continue
-            writer = self.writers[task.shard]
+            writer = writers[task.shard]
             name = task.pieces[0].name
-            if chunk.sizes == size:  # the whole tensor
+            if chunk.sizes is size or chunk.sizes == size:  # the whole tensor
                 at = 0
             else:
                 span = contiguous_run(size, chunk.offsets, chunk.sizes)
@@ -578,37 +579,54 @@ class _Executor:
             if len(self.small) >= _SMALL_BATCH or self.small_bytes >= _SMALL_BATCH_BYTES:
                 self._flush_small(pool)
 
+    def _dispatch(self, pool: Lane, idx: int, task: SourceTask, meta: TensorMeta, chunks: list[ChunkMeta]) -> None:
+        """Submit task ``idx``'s work: quantized bands, direct chunk copies, or streamed chunks."""
+        if not chunks:
+            self.remaining[idx] = 1
+            self.pending[pool.submit(lambda: None)] = idx
+            return
+        q = self.quantizer
+        if q is not None and task.source_key in q.tasks:
+            self.remaining[idx] = q.bands(task)
+            for b in range(q.bands(task)):
+                self._submit(pool, idx, q.band, task, meta, chunks, self.writers[task.shard], b)
+        elif task.direct and (
+            (len(chunks) == 1 and chunks[0].sizes == meta.size)  # one whole chunk: most tensors at 10^6
+            or all(c.sizes == meta.size or contiguous_run(meta.size, c.offsets, c.sizes) is not None for c in chunks)
+        ):
+            self._direct(pool, idx, task, meta, chunks)
+        else:
+            self.remaining[idx] = len(chunks)
+            runs = run_map(task, meta)
+            transform = self.merges.get(task.source_key) or value_transform(task)
+            for c in chunks:
+                self._submit(pool, idx, self._stream_chunk, task, c, meta, runs, transform)
+
     def run(self, only: set[int] | None = None) -> None:
         """Run the tasks of this process's files (``only``: those of these task indices)."""
         pool = Lane(self.workers)
+        # tasks of one layout share their (meta, chunks) pair (_checked_chunks): whether it is one whole
+        # small chunk, and its bytes, are worked out once per run of such tasks
+        last: object = None
+        small_whole = 0
         try:
             for idx, task in enumerate(self.plan.tasks):
                 if (self.files is not None and task.shard not in self.files) or (only is not None and idx not in only):
                     continue
-                meta, chunks = self.chunks[idx]
-                if not chunks:
-                    self.remaining[idx] = 1
-                    self.pending[pool.submit(lambda: None)] = idx
-                    continue
-                q = self.quantizer
-                if q is not None and task.source_key in q.tasks:
-                    self.remaining[idx] = q.bands(task)
-                    for b in range(q.bands(task)):
-                        self._submit(pool, idx, q.band, task, meta, chunks, self.writers[task.shard], b)
-                elif task.direct and (
-                    (len(chunks) == 1 and chunks[0].sizes == meta.size)  # one whole chunk: most tensors at 10^6
-                    or all(
-                        c.sizes == meta.size or contiguous_run(meta.size, c.offsets, c.sizes) is not None
-                        for c in chunks
-                    )
+                pair = self.chunks[idx]
+                if pair is not last:
+                    last, small_whole = pair, _small_whole(*pair)
+                if (
+                    small_whole
+                    and task.direct
+                    and (self.quantizer is None or task.source_key not in self.quantizer.tasks)
                 ):
-                    self._direct(pool, idx, task, meta, chunks)
+                    self.small.append((idx, task, pair[1][0], pair[0].size))  # batched: _copy_small
+                    self.small_bytes += small_whole
+                    if len(self.small) >= _SMALL_BATCH or self.small_bytes >= _SMALL_BATCH_BYTES:
+                        self._flush_small(pool)
                 else:
-                    self.remaining[idx] = len(chunks)
-                    runs = run_map(task, meta)
-                    transform = self.merges.get(task.source_key) or value_transform(task)
-                    for c in chunks:
-                        self._submit(pool, idx, self._stream_chunk, task, c, meta, runs, transform)
+                    self._dispatch(pool, idx, task, *pair)
                 if not idx % 64:  # progress, and a worker's error early (_submit collects when the queue is full)
                     self._collect(block=False)
             self._flush_small(pool)
@@ -621,6 +639,14 @@ class _Executor:
             with signals_deferred():
                 pool.shutdown(cancel=True)
             self.pending.clear()
+
+
+def _small_whole(meta: TensorMeta, chunks: list[ChunkMeta]) -> int:
+    """The bytes of a tensor stored as one whole chunk of at most ``_SMALL_CHUNK`` bytes (``0``: not one)."""
+    if len(chunks) != 1 or chunks[0].sizes != meta.size:
+        return 0
+    nbytes = chunks[0].numel * meta.dtype.itemsize
+    return nbytes if 0 < nbytes <= _SMALL_CHUNK else 0
 
 
 def _run_batches(reader: CheckpointReader, plan: ExportPlan, mine: set[int], executor: _Executor) -> None:
@@ -928,7 +954,7 @@ def _prepare(
     plan.warnings = warnings
     plan.skipped = skipped
     plan.tied = tied
-    missing = unaccounted_tensors(cat, plan, {s.model_key for s in selected if s.out_key in drop})
+    missing = unaccounted_tensors(cat, plan, {s.model_key for s in selected if s.out_key in drop} if drop else set())
     if missing:
         raise ExportAccountingError(
             f"{ckpt.path}: {len(missing)} tensor(s) would be neither exported nor listed as skipped "

@@ -209,11 +209,10 @@ class ExportPlan:
 
     def weight_map(self) -> dict[str, str]:
         """Output key -> file name, sorted by key (``model.safetensors.index.json``)."""
-        out = {}
-        for k, ents in enumerate(self.entries):
-            for e in ents:
-                out[e.name] = self.files[k]
-        return dict(sorted(out.items()))
+        # output keys are unique across the files (build_plan refuses a key produced twice): sorted by key alone
+        pairs = [(e.name, name) for name, ents in zip(self.files, self.entries) for e in ents]
+        pairs.sort()
+        return dict(pairs)
 
 
 #: ``(selected, warnings, skipped, tags)`` of a selection (``tags``: LoRA output key -> adapter name).
@@ -401,6 +400,15 @@ class _Packer:
     def place(self, pieces: tuple[Piece, ...], runs: tuple[Run, ...] | None) -> int:
         """The file index of a source writing ``pieces`` (through ``runs``)."""
         first = pieces[0]
+        sizes = self.sizes
+        if runs is None and len(pieces) == 1 and not first.shared and sizes:  # one plain piece (10^6 tensors)
+            nbytes = _nbytes(first.dtype, first.shape)
+            if self.starts_file(sizes[-1], nbytes, self.shard_size):
+                sizes.append(0)
+                self.file_bytes.append(0)
+            sizes[-1] += nbytes
+            self.file_bytes[-1] += nbytes
+            return len(sizes) - 1
         nbytes = (
             _nbytes(first.dtype, first.shape) if len(pieces) == 1 else sum(_nbytes(p.dtype, p.shape) for p in pieces)
         )
@@ -426,6 +434,9 @@ def _header_entries(tasks: list[SourceTask], n_files: int) -> list[list[HeaderEn
     Raises:
         ExportError: an output key produced twice, or not UTF-8 text.
     """
+    plain = _plain_entries(tasks, n_files)
+    if plain is not None:
+        return plain
     entries: list[list[HeaderEntry]] = [[] for _ in range(n_files)]
     names_seen: set[str] = set()
     for t in tasks:
@@ -446,6 +457,23 @@ def _header_entries(tasks: list[SourceTask], n_files: int) -> list[list[HeaderEn
             _check_name(t.selected, name, names_seen)
             names_seen.add(name)
             shard_entries.append(HeaderEntry(name, p.dtype, p.shape))
+    return entries
+
+
+def _plain_entries(tasks: list[SourceTask], n_files: int) -> list[list[HeaderEntry]] | None:
+    """:func:`_header_entries` of tasks of one plain piece each, with ASCII names written once, as
+    comprehensions (10^6 tensors); ``None`` for anything else (the loop of ``_header_entries`` names the error)."""
+    pieces = [t.pieces for t in tasks]
+    if any(len(ps) != 1 or ps[0].shared for ps in pieces):
+        return None
+    names = [ps[0].name for ps in pieces]
+    if not "".join(names).isascii() or len(set(names)) != len(names):
+        return None
+    if n_files == 1:
+        return [[HeaderEntry(ps[0].name, ps[0].dtype, ps[0].shape) for ps in pieces]]
+    entries: list[list[HeaderEntry]] = [[] for _ in range(n_files)]
+    for t, ps in zip(tasks, pieces):
+        entries[t.shard].append(HeaderEntry(ps[0].name, ps[0].dtype, ps[0].shape))
     return entries
 
 
@@ -597,5 +625,6 @@ def unaccounted_tensors(cat: Catalog, plan: ExportPlan, dropped: set[str]) -> li
         dropped: checkpoint keys left out on purpose and reported elsewhere (a tied ``lm_head``).
     """
     written = {t.selected.model_key for t in plan.tasks}
-    listed = {k for keys in plan.skipped.values() for k in keys}
-    return [k for k in (*cat.model, *cat.other_tensors) if k not in written and k not in listed and k not in dropped]
+    keys = (*cat.model, *cat.other_tensors)
+    left = set(keys).difference(written, *plan.skipped.values(), dropped)  # set operations, no Python loop per key
+    return [k for k in keys if k in left] if left else []

@@ -118,6 +118,38 @@ def test_plan_file_bytes_are_the_tasks_bytes(same_layout_ckpt: Path) -> None:
             assert sum(plan.file_bytes()) == sum(t.out_nbytes for t in plan.tasks)
 
 
+def test_plain_entries_index_and_accounting_equal_the_per_key_code(same_layout_ckpt: Path) -> None:
+    # the comprehension path of the header entries, the index's sorted pairs and the set difference of
+    # the unaccounted tensors against the per-key loops they replace, over one and several files
+    from ckpttool.format.safetensors import HeaderEntry
+    from ckpttool.ops.export.plan import _header_entries, unaccounted_tensors
+
+    with open_checkpoint(same_layout_ckpt) as ck:
+        rules = load_rules(None)
+        selected = select_sources(ck.catalog, rules)[0]
+        for shard_size in (10**9, 100):
+            plan = build_plan(selected, rules, shard_size=shard_size)
+            want: list[list[HeaderEntry]] = [[] for _ in plan.files]
+            for t in plan.tasks:
+                want[t.shard] += [HeaderEntry(p.name, p.dtype, p.shape) for p in t.pieces]
+            assert plan.entries == want and (len(plan.files) == 1) == (shard_size > 100)
+            wm = {e.name: f for f, ents in zip(plan.files, plan.entries) for e in ents}
+            assert plan.weight_map() == dict(sorted(wm.items()))
+            assert unaccounted_tensors(ck.catalog, plan, set()) == []
+            gone = [KEYS[4], KEYS[1]]
+            plan.tasks = [t for t in plan.tasks if t.selected.model_key not in gone]
+            assert unaccounted_tensors(ck.catalog, plan, {KEYS[4]}) == [KEYS[1]]
+            plan.skipped = {"why": [KEYS[1]]}
+            assert unaccounted_tensors(ck.catalog, plan, set()) == [KEYS[4]]
+        # a name twice, or not ASCII: the loop names the error (or keeps a UTF-8 name), as before
+        plan = build_plan(selected, rules)
+        twice = [replace(t, pieces=(replace(t.pieces[0], name="x"),)) for t in plan.tasks[:2]]
+        with pytest.raises(CkptError, match="produced twice"):
+            _header_entries(twice, 1)
+        utf8 = [replace(plan.tasks[0], pieces=(replace(plan.tasks[0].pieces[0], name="ünï"),))]
+        assert [e.name for e in _header_entries(utf8, 1)[0]] == ["ünï"]
+
+
 def test_export_leaves_the_gc_as_it_found_it(same_layout_ckpt: Path, tmp_path: Path) -> None:
     # the open's and the plan's objects are frozen (gc.freeze) for the writes, and unfrozen afterwards;
     # a caller's own freeze is not undone

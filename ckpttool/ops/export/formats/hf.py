@@ -121,7 +121,8 @@ def index_json(total_size: int, weight_map: dict[str, str]) -> bytes:
         index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
         return (json.dumps(index, indent=2) + "\n").encode("utf-8")
     enc = encode_basestring_ascii
-    lines = ",\n".join([f"    {enc(k)}: {enc(v)}" for k, v in weight_map.items()])
+    files = {v: enc(v) for v in dict.fromkeys(weight_map.values())}  # a few file names, each escaped once
+    lines = ",\n".join([f"    {enc(k)}: {files[v]}" for k, v in weight_map.items()])
     head = f'{{\n  "metadata": {{\n    "total_size": {int(total_size)}\n  }},\n  "weight_map": {{\n'
     return (head + lines + "\n  }\n}\n").encode("utf-8")
 
