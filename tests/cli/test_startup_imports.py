@@ -89,3 +89,33 @@ def test_the_commands_load_when_looked_up_and_are_listed_in_order() -> None:
     assert group.list_commands(typer.Context(group)) == list(COMMANDS)  # type: ignore[attr-defined]
     assert "nope" not in group.commands and group.get_command(typer.Context(group), "nope") is None  # type: ignore[attr-defined]
     assert {c.name for c in app.registered_commands} == set(COMMANDS)
+
+
+def test_the_program_leaves_as_main_does_without_the_teardown(tmp_path: Path, sample_ckpt: Path) -> None:
+    # `ckpttool` / `python -m ckpttool` run cli.entry: main, the atexit handlers, then os._exit (no interpreter
+    # teardown); what it prints, its exit status and its atexit handlers are main's
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    probe = (
+        "import atexit, sys\n"
+        "mark = sys.argv.pop(1)\n"
+        "atexit.register(lambda: open(mark, 'w').write('ran'))\n"
+        "from ckpttool.cli import {}\n"
+        "sys.argv[0] = 'ckpttool'\n"
+        "{}()\n"
+    )
+    cases = (["inspect", str(sample_ckpt), "--json"], ["export", "--bogus"])
+    for argv in cases:
+        got = []
+        for name in ("main", "entry"):
+            mark = tmp_path / f"atexit-{name}"
+            proc = subprocess.run(
+                [sys.executable, "-c", probe.format(name, name), str(mark), *argv],
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd=tmp_path,
+                timeout=120,
+            )
+            got.append((proc.returncode, proc.stdout, proc.stderr, mark.read_text()))
+        assert got[0] == got[1], argv
+    assert [c[0] for c in got] == [2, 2]
