@@ -695,14 +695,14 @@ def main() -> None:
 
 
 def entry() -> None:
-    """The ``ckpttool`` program (console script, ``python -m ckpttool``): :func:`main`, then the process leaves
-    without the interpreter's teardown (module and object finalization, ~5% of an export of the sample and
-    ~10% of ``--help``, docs/performance.md "Start-up").
+    """The ``ckpttool`` program (console script, ``python -m ckpttool``): :func:`main`, then the process
+    leaves without the interpreter's teardown of its modules and objects (~11% of ``--help``'s
+    instructions, ~6% of ``inspect``'s; docs/performance.md, "Start-up").
 
-    It leaves that way only when nothing is left to finish: every other non-daemon thread ended (the pool's,
-    told to end by ``_run``, joined for up to a second) and stdout and stderr flushed; the ``atexit`` handlers (``logging.shutdown``, a library's) run first. Otherwise the
-    exit is the interpreter's own (``sys.exit``). :func:`main` itself raises ``SystemExit`` (for callers
-    that go on afterwards).
+    It leaves that way only when nothing is left to finish: every other non-daemon thread has ended (the
+    pool's, told to end by ``_run``, are joined for up to a second each) and stdout and stderr flush; the
+    ``atexit`` handlers (``logging.shutdown``, a library's) run first. Otherwise the exit is the
+    interpreter's own (``sys.exit``). :func:`main` raises ``SystemExit`` (for callers that go on).
     """
     try:
         main()
