@@ -77,6 +77,15 @@ def test_inspect_of_the_sample_imports_no_torch(tmp_path: Path) -> None:
         assert not any(m == "torch" or m.startswith("torch.") for m in modules), argv
 
 
+def test_an_export_of_the_sample_imports_no_yaml_numpy_nor_quantizer(tmp_path: Path, sample_ckpt: Path) -> None:
+    # the packaged rules are read as JSON (yaml only for --rules); the FP8 quantizer only for --quantize
+    modules, proc = modules_after(tmp_path, "export", str(sample_ckpt), str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    tops = ("yaml", "numpy", "torch", "rich", "ckpttool.ops.export.quantize")
+    assert sorted(m for m in modules if any(m == t or m.startswith(t + ".") for t in tops)) == []
+
+
 @pytest.mark.parametrize("name", COMMANDS)
 def test_the_root_help_summary_is_the_first_line_of_the_command_docstring(name: str) -> None:
     cmd = typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
