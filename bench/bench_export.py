@@ -409,7 +409,9 @@ def _export_case(
     """One transforming (or verbatim) export beside ``cp -r`` of its output; with ``--baseline``, the
     baseline package's export of the same case interleaved with this one (and its bytes compared)."""
     root: Path = args.root
-    cli = [sys.executable, "-c", "from ckpttool.cli import main; main()"]
+    # the program as installed (`-m`: its entry point); -P: the current directory (the repository) is not put
+    # before PYTHONPATH, where it would shadow --baseline's package
+    cli = [sys.executable, "-P", "-m", "ckpttool"]
     cmd = [*cli, "export", str(ckpt), "{out}", "--shard-size", args.shard_size, "--json", *flags]
     if args.workers:
         cmd += ["--workers", str(args.workers)]
@@ -448,7 +450,7 @@ def _export_case(
 
 def _torch_baselines(args: argparse.Namespace, table: Table, notes: list[str], llama: Path, shard_bytes: int) -> None:
     root: Path = args.root
-    cli = [sys.executable, "-c", "from ckpttool.cli import main; main()"]
+    cli = [sys.executable, "-P", "-m", "ckpttool"]
     outs = {n: root / n for n in ("ck", "a", "b")}
     _run([*cli, "export", str(llama), str(outs["ck"]), "--shard-size", args.shard_size])
     tmp_pt = root / "a.pt"
@@ -640,7 +642,7 @@ def main() -> None:
     want = set(args.only or ["preserve", "cast", "master", "per-expert", "fused", "big", "small", "phases"])
     table = Table()
     notes: list[str] = []
-    cli = [sys.executable, "-c", "from ckpttool.cli import main; main()"]
+    cli = [sys.executable, "-P", "-m", "ckpttool"]
     load0 = " ".join(f"{x:.2f}" for x in os.getloadavg())
 
     if want & {"preserve", "master"}:

@@ -1,6 +1,6 @@
 """``python -m ckpttool``: the same command line as the ``ckpttool`` script."""
 
-from ckpttool.cli import main
+from ckpttool.cli import entry
 
 if __name__ == "__main__":
-    main()
+    entry()

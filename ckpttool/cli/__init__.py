@@ -7,6 +7,6 @@ if "RANK" in os.environ:  # torchrun: a SIGTERM while the CLI loads is answered 
 
     catch_early_stop()
 
-from ckpttool.cli.app import app, main
+from ckpttool.cli.app import app, entry, main
 
-__all__ = ["app", "main"]
+__all__ = ["app", "entry", "main"]

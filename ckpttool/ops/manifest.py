@@ -20,9 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from ckpttool.engine.execute import run_item
 from ckpttool.engine.io import ShortReadError, read_upto
-from ckpttool.engine.plan import Feed, Item
 from ckpttool.engine.pool import imap_ordered, worker_count
 from ckpttool.errors import CkptError, DataFileError, ManifestError, UsageError
 from ckpttool.format import limits
@@ -241,10 +239,23 @@ def _hash_window(reader: CheckpointReader, info: StorageInfo, fqn: str, algorith
     return _hash_range(reader, info.relative_path, info.offset, info.length, fqn, algorithm)
 
 
+def _read_into(h: Any, fd: int, offset: int, length: int) -> None:
+    """Feed ``[offset, offset+length)`` of ``fd`` to ``h.update`` through the engine (imported here: an export,
+    which imports this module for :func:`source_identity`, does not need the engine's executor at start-up).
+
+    Raises:
+        ShortReadError: the file ends inside the window.
+    """
+    from ckpttool.engine.execute import run_item
+    from ckpttool.engine.plan import Feed, Item
+
+    run_item(Item.of(fd, offset, length, Feed(h.update)))
+
+
 def _hash_range(reader: CheckpointReader, rel: str, offset: int, length: int, fqn: str, algorithm: str) -> str:
     h = new_hasher(algorithm)
     try:
-        run_item(Item.of(reader.fd(rel), offset, length, Feed(h.update)))
+        _read_into(h, reader.fd(rel), offset, length)
     except ShortReadError:
         raise DataFileError(
             f"{reader.path / rel}: short read of {fqn!r} (the file ends inside its window)",
@@ -1209,7 +1220,7 @@ def _check_tiling(
 def _hash_fd(fd: int, offset: int, length: int, algorithm: str, path: Path, key: str) -> str:
     h = new_hasher(algorithm)
     try:
-        run_item(Item.of(fd, offset, length, Feed(h.update)))
+        _read_into(h, fd, offset, length)
     except ShortReadError:
         raise DataFileError(f"{path}: short read of {key!r} (the file ends inside it)", path=path, fqn=key) from None
     return h.hexdigest()

@@ -77,6 +77,15 @@ def test_inspect_of_the_sample_imports_no_torch(tmp_path: Path) -> None:
         assert not any(m == "torch" or m.startswith("torch.") for m in modules), argv
 
 
+def test_an_export_of_the_sample_imports_no_yaml_numpy_nor_quantizer(tmp_path: Path, sample_ckpt: Path) -> None:
+    # the packaged rules are read as JSON (yaml only for --rules); the FP8 quantizer only for --quantize
+    modules, proc = modules_after(tmp_path, "export", str(sample_ckpt), str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    tops = ("yaml", "numpy", "torch", "rich", "ckpttool.ops.export.quantize")
+    assert sorted(m for m in modules if any(m == t or m.startswith(t + ".") for t in tops)) == []
+
+
 @pytest.mark.parametrize("name", COMMANDS)
 def test_the_root_help_summary_is_the_first_line_of_the_command_docstring(name: str) -> None:
     cmd = typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
@@ -89,3 +98,33 @@ def test_the_commands_load_when_looked_up_and_are_listed_in_order() -> None:
     assert group.list_commands(typer.Context(group)) == list(COMMANDS)  # type: ignore[attr-defined]
     assert "nope" not in group.commands and group.get_command(typer.Context(group), "nope") is None  # type: ignore[attr-defined]
     assert {c.name for c in app.registered_commands} == set(COMMANDS)
+
+
+def test_the_program_leaves_as_main_does_without_the_teardown(tmp_path: Path, sample_ckpt: Path) -> None:
+    # `ckpttool` / `python -m ckpttool` run cli.entry: main, the atexit handlers, then os._exit (no interpreter
+    # teardown); what it prints, its exit status and its atexit handlers are main's
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    probe = (
+        "import atexit, sys\n"
+        "mark = sys.argv.pop(1)\n"
+        "atexit.register(lambda: open(mark, 'w').write('ran'))\n"
+        "from ckpttool.cli import {}\n"
+        "sys.argv[0] = 'ckpttool'\n"
+        "{}()\n"
+    )
+    cases = (["inspect", str(sample_ckpt), "--json"], ["export", "--bogus"])
+    for argv in cases:
+        got = []
+        for name in ("main", "entry"):
+            mark = tmp_path / f"atexit-{name}"
+            proc = subprocess.run(
+                [sys.executable, "-c", probe.format(name, name), str(mark), *argv],
+                capture_output=True,
+                text=True,
+                env=env,
+                cwd=tmp_path,
+                timeout=120,
+            )
+            got.append((proc.returncode, proc.stdout, proc.stderr, mark.read_text()))
+        assert got[0] == got[1], argv
+    assert [c[0] for c in got] == [2, 2]

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import stat
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -63,7 +64,6 @@ from ckpttool.ops.export.plan import (
     select_sources,
     unaccounted_tensors,
 )
-from ckpttool.ops.export.quantize import BlockQuantizer, QuantizedFormat, QuantSpec, recount_casts
 from ckpttool.ops.export.rules import ExportRules, load_rules
 from ckpttool.ops.export.transform import Cast, Run, RunMap, SlabTransform, env_slab_bytes, stream_chunk
 from ckpttool.ops.fields import same_named
@@ -71,6 +71,8 @@ from ckpttool.ops.manifest import MANIFEST_NAME, SOURCE_METADATA_KEY, safetensor
 
 if TYPE_CHECKING:
     import torch
+
+    from ckpttool.ops.export.quantize import BlockQuantizer, QuantSpec
 
 __all__ = ["ExportOptions", "ExportResult", "export_checkpoint", "ProgressFn"]
 
@@ -727,6 +729,8 @@ def _check_options(opts: ExportOptions) -> None:
 
 
 def _quant_spec(opts: ExportOptions) -> QuantSpec:
+    from ckpttool.ops.export.quantize import QuantSpec  # imported by quantized exports only (start-up)
+
     assert opts.quantize is not None
     return QuantSpec(opts.quantize, opts.quantize_block, opts.quantize_skip, opts.quant_format)
 
@@ -734,7 +738,11 @@ def _quant_spec(opts: ExportOptions) -> QuantSpec:
 def _output_format(opts: ExportOptions) -> OutputFormat:
     """``opts.fmt``'s registered format, wrapped by :class:`QuantizedFormat` when ``opts.quantize`` asks (one per export)."""
     base = get_format(opts.fmt)
-    return base if opts.quantize is None else QuantizedFormat(base, _quant_spec(opts))
+    if opts.quantize is None:
+        return base
+    from ckpttool.ops.export.quantize import QuantizedFormat
+
+    return QuantizedFormat(base, _quant_spec(opts))
 
 
 def _resolved(opts: ExportOptions, ckpt: Checkpoint) -> ExportOptions:
@@ -1104,6 +1112,10 @@ def _quantizer(
     Raises:
         UsageError: :meth:`QuantizedFormat.planned`'s.
     """
+    if "ckpttool.ops.export.quantize" not in sys.modules:  # not loaded: no format of it exists (start-up)
+        return None
+    from ckpttool.ops.export.quantize import BlockQuantizer, QuantizedFormat, recount_casts
+
     if not isinstance(out_format, QuantizedFormat):
         return None
     quantized = out_format.planned()

@@ -582,6 +582,18 @@ def test_rules_file_renames_and_skips(dense_ckpt: Path, tmp_path: Path) -> None:
     assert "model.layers.0.self_attn.q_proj.weight" in got  # the defaults still apply after the user's rules
 
 
+def test_packaged_default_rules_json_is_the_yaml_document() -> None:
+    # export reads default_rules.json (no `import yaml` at start-up); the commented YAML is the one users read
+    import yaml
+
+    from ckpttool.ops.export import rules
+
+    here = Path(rules.__file__).parent
+    with open(here / "default_rules.yaml", encoding="utf-8") as f:
+        want = yaml.safe_load(f)
+    assert json.loads((here / "default_rules.json").read_text(encoding="utf-8")) == want
+
+
 @pytest.mark.parametrize(
     "text,needle",
     [
