@@ -12,16 +12,22 @@
  * slab (PIECE_BYTES of the widest stream) so that the read, the CRC and the kernels share the cache.
  */
 #define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE /* madvise */
 #include <errno.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "half.h"
 #include "stats.h"
 
 #define PIECE_BYTES ((size_t)128 << 10)
+#define MAP_BYTES ((size_t)4 << 20) /* bytes of the widest stream mapped at once (mapped reads) */
+#define MAX_STREAMS 64
 
 typedef uint32_t (*ckpt_crc_fn)(uint32_t crc, const unsigned char *buf, uint64_t len);
 
@@ -116,15 +122,64 @@ static void pairs_piece(ckpt_scan_stream *s, ckpt_scan_pair *p, int32_t np, size
     }
 }
 
+/* Whether stream t is read through mappings for values [e0, e1): a regular file that holds every byte of them now,
+ * and CKPTTOOL_SCAN_MMAP is not "0". Mapped pages are read straight from the page cache (no copy into the slab
+ * buffer). A file truncated below them while they are read ends the process with SIGBUS (the size is checked here,
+ * once per call); the pread path, which reports a short read, serves every other case. */
+static int mappable(const ckpt_scan_stream *t, int64_t e0, int64_t e1) {
+    static int off = -1;
+    if (off < 0) { /* a benign race: every thread computes the same value */
+        const char *v = getenv("CKPTTOOL_SCAN_MMAP");
+        off = v != NULL && strcmp(v, "0") == 0;
+    }
+    struct stat st;
+    if (off || fstat(t->fd, &st) != 0 || !S_ISREG(st.st_mode)) return 0;
+    return (int64_t)st.st_size >= t->offset + e1 * (int64_t)ITEM[t->dt] && e1 > e0;
+}
+
+/* A read-only mapping of bytes [at, at + n) of fd: *base and *len to unmap; the bytes' address, or NULL. */
+static const uint8_t *map_span(int fd, int64_t at, size_t n, void **base, size_t *len) {
+    int64_t page = (int64_t)sysconf(_SC_PAGESIZE), start = at - at % page;
+    *len = n + (size_t)(at - start);
+    *base = mmap(NULL, *len, PROT_READ, MAP_SHARED, fd, (off_t)start);
+    if (*base == MAP_FAILED) return NULL;
+    madvise(*base, *len, MADV_SEQUENTIAL);
+    return (const uint8_t *)*base + (at - start);
+}
+
+/* One slab of values [e, e + m) of every stream (src[i]: mapped bytes of stream i at value e, or NULL: read into
+ * its buffer), in pieces: read, CRC-32, fold, pair kernels; then the subnormal rule. Returns 0, or -1 (err). */
+static int scan_slab(ckpt_scan_stream *s, int32_t ns, ckpt_scan_pair *p, int32_t np, int64_t e, size_t m,
+                     size_t piece, const uint8_t **src, ckpt_crc_fn crc, int64_t *hand, int64_t *err) {
+    ckpt_scan_stream view[MAX_STREAMS]; /* the pair kernels' view: each stream's slab where it lies */
+    for (int32_t i = 0; i < ns; i++) view[i] = s[i], view[i].buf = src[i] ? (uint8_t *)src[i] : s[i].buf;
+    for (size_t lo = 0; lo < m; lo += piece) {
+        size_t k = m - lo < piece ? m - lo : piece;
+        for (int32_t i = 0; i < ns; i++) {
+            ckpt_scan_stream *t = &s[i];
+            size_t item = ITEM[t->dt];
+            uint8_t *at = view[i].buf + lo * item;
+            if (!src[i] && read_full(t->fd, at, k * item, t->offset + (e + (int64_t)lo) * (int64_t)item, err)) return -1;
+            t->crc = crc((uint32_t)t->crc, at, k * item);
+            if (t->fold) ckpt_stats_slab(&t->acc, at, k, t->dt, t->need & ~NEED_SUBNORMAL, t->limit, 0);
+        }
+        pairs_piece(view, p, np, lo, k, hand);
+    }
+    for (int32_t i = 0; i < ns; i++)
+        if (s[i].fold && (s[i].need & NEED_SUBNORMAL)) ckpt_stats_subnormals(&s[i].acc, view[i].buf, m, s[i].dt, s[i].stride);
+    return 0;
+}
+
 /* Scan values [e0, e1) of ns streams (each of numel >= e1) in slabs of `slab` values cut at multiples of `slab`
- * from value 0, with np pair kernels. Returns e1 when done; the first value of a slab handed back (*back: the
- * pairs that handed it back, bits; the slab's values are in the buffers, its folds and CRCs done, the pairs'
- * accumulators without it); -1 on a read error (err: errno or 0 for an early end of file, the file offset,
- * the missing bytes); -2 on bad arguments. */
+ * from value 0, with np pair kernels. Streams in regular files that hold the values are read through read-only
+ * mappings of about MAP_BYTES (mappable), the others with pread into their slab buffers. Returns e1 when done; the
+ * first value of a slab handed back (*back: the pairs that handed it back, bits; the slab's values are in the
+ * buffers, its folds and CRCs done, the pairs' accumulators without it); -1 on a read error (err: errno or 0 for
+ * an early end of file, the file offset, the missing bytes); -2 on bad arguments. */
 int64_t ckpt_scan(ckpt_scan_stream *s, int32_t ns, ckpt_scan_pair *p, int32_t np, int64_t e0, int64_t e1,
                   int64_t slab, ckpt_crc_fn crc, int64_t *back, int64_t *err) {
     *back = 0;
-    if (ns <= 0 || np < 0 || np > 62 || slab <= 0 || e0 < 0 || e1 < e0 || e0 % slab) return -2;
+    if (ns <= 0 || ns > MAX_STREAMS || np < 0 || np > 62 || slab <= 0 || e0 < 0 || e1 < e0 || e0 % slab) return -2;
     size_t widest = 1;
     for (int32_t i = 0; i < ns; i++) {
         if (s[i].dt < 0 || s[i].dt > 3) return -2;
@@ -134,27 +189,38 @@ int64_t ckpt_scan(ckpt_scan_stream *s, int32_t ns, ckpt_scan_pair *p, int32_t np
         if (p[j].a < 0 || p[j].a >= ns || p[j].b < 0 || p[j].b >= ns || p[j].kind < 0 || p[j].kind > 2) return -2;
     size_t piece = PIECE_BYTES / widest;
     piece -= piece % 16; /* whole lane groups: the folds' lanes as in one call per slab */
-    for (int64_t e = e0; e < e1; e += slab) {
-        size_t m = (size_t)(e1 - e < slab ? e1 - e : slab);
-        int64_t hand = 0;
-        for (size_t lo = 0; lo < m; lo += piece) {
-            size_t k = m - lo < piece ? m - lo : piece;
-            for (int32_t i = 0; i < ns; i++) {
-                ckpt_scan_stream *t = &s[i];
-                size_t item = ITEM[t->dt];
-                uint8_t *at = t->buf + lo * item;
-                if (read_full(t->fd, at, k * item, t->offset + (e + (int64_t)lo) * (int64_t)item, err)) return -1;
-                t->crc = crc((uint32_t)t->crc, at, k * item);
-                if (t->fold) ckpt_stats_slab(&t->acc, at, k, t->dt, t->need & ~NEED_SUBNORMAL, t->limit, 0);
+    int mapped[MAX_STREAMS];
+    for (int32_t i = 0; i < ns; i++) mapped[i] = mappable(&s[i], e0, e1);
+    int64_t span = (int64_t)(MAP_BYTES / widest) / slab * slab;
+    span = span > 0 ? span : slab;
+    for (int64_t e = e0; e < e1; e += span) {
+        int64_t f = e1 - e < span ? e1 - e : span;
+        const uint8_t *src[MAX_STREAMS];
+        void *base[MAX_STREAMS];
+        size_t len[MAX_STREAMS];
+        for (int32_t i = 0; i < ns; i++) {
+            size_t item = ITEM[s[i].dt];
+            src[i] = mapped[i] ? map_span(s[i].fd, s[i].offset + e * (int64_t)item, (size_t)f * item, &base[i], &len[i]) : NULL;
+        }
+        int64_t at = e, rc = 0, hand = 0;
+        for (; at < e + f; at += slab) {
+            size_t m = (size_t)(e + f - at < slab ? e + f - at : slab);
+            const uint8_t *here[MAX_STREAMS];
+            for (int32_t i = 0; i < ns; i++) here[i] = src[i] ? src[i] + (at - e) * (int64_t)ITEM[s[i].dt] : NULL;
+            if (scan_slab(s, ns, p, np, at, m, piece, here, crc, &hand, err)) {
+                rc = -1;
+                break;
             }
-            pairs_piece(s, p, np, lo, k, &hand);
+            if (hand) { /* the caller's exact path reads the slab from the buffers */
+                for (int32_t i = 0; i < ns; i++)
+                    if (here[i]) memcpy(s[i].buf, here[i], m * ITEM[s[i].dt]);
+                *back = hand, rc = 1;
+                break;
+            }
         }
         for (int32_t i = 0; i < ns; i++)
-            if (s[i].fold && (s[i].need & NEED_SUBNORMAL)) ckpt_stats_subnormals(&s[i].acc, s[i].buf, m, s[i].dt, s[i].stride);
-        if (hand) {
-            *back = hand;
-            return e;
-        }
+            if (src[i]) munmap(base[i], len[i]);
+        if (rc) return rc < 0 ? -1 : at;
     }
     return e1;
 }
