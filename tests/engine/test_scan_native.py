@@ -3,7 +3,7 @@
 Every stream's CRC-32 equals ``zlib.crc32`` of its bytes; its statistics equal the numpy kernel's
 (:func:`~ckpttool.engine.stats.add_slab`, slab by slab) exactly but for the sums (relative 1e-6); the
 pair kernels equal numpy's formulas, and hand back exactly the slabs numpy finds a difference,
-a non-finite master or a zero second moment in.
+a non-finite master or a zero second moment in; through mappings of the file and through ``pread`` alike.
 """
 
 from __future__ import annotations
@@ -68,7 +68,9 @@ def _reference(arrs: list[np.ndarray], dtypes: tuple[str, ...]) -> tuple[list[Sl
     return accs, equal_back, ratio_back, top
 
 
-def test_scan_equals_numpy(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mapped", ["1", "0"])
+def test_scan_equals_numpy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mapped: str) -> None:
+    monkeypatch.setenv("CKPTTOOL_SCAN_MMAP", mapped)  # read-only mappings of the file, or pread into the buffers
     arrs = _streams()
     path = tmp_path / "data"
     raw = [a.tobytes() for a in arrs.values()]

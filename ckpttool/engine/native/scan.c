@@ -127,11 +127,8 @@ static void pairs_piece(ckpt_scan_stream *s, ckpt_scan_pair *p, int32_t np, size
  * buffer). A file truncated below them while they are read ends the process with SIGBUS (the size is checked here,
  * once per call); the pread path, which reports a short read, serves every other case. */
 static int mappable(const ckpt_scan_stream *t, int64_t e0, int64_t e1) {
-    static int off = -1;
-    if (off < 0) { /* a benign race: every thread computes the same value */
-        const char *v = getenv("CKPTTOOL_SCAN_MMAP");
-        off = v != NULL && strcmp(v, "0") == 0;
-    }
+    const char *v = getenv("CKPTTOOL_SCAN_MMAP");
+    int off = v != NULL && strcmp(v, "0") == 0;
     struct stat st;
     if (off || fstat(t->fd, &st) != 0 || !S_ISREG(st.st_mode)) return 0;
     return (int64_t)st.st_size >= t->offset + e1 * (int64_t)ITEM[t->dt] && e1 > e0;
