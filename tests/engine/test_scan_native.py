@@ -112,3 +112,40 @@ def test_scan_equals_numpy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mapp
     assert res.pairs[1].count == u.size and res.pairs[1].top == float(np.abs(u).max())
     with np.errstate(over="ignore"):  # each square in float32, as numpy's adam_update: 3e19 / ~1e-3 squared is inf
         assert res.pairs[1].s2 == pytest.approx(float(np.sum((u * u).astype(np.float64))), rel=1e-6)
+
+
+@pytest.mark.parametrize("mapped", ["1", "0"])
+def test_scan_hands_back_across_mappings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mapped: str) -> None:
+    """Slabs handed back in the first and in a later mapping of a window (4 MiB of FP32: 16 slabs of 64 Ki values)
+    come back whole, and the scan goes on after each; CRC-32s and the ratio's maximum as numpy's."""
+    monkeypatch.setenv("CKPTTOOL_SCAN_MMAP", mapped)
+    slab, n = 1 << 16, 19 * (1 << 16) + 100
+    rng = np.random.default_rng(3)
+    m = (rng.standard_normal(n) * 1e-3).astype(np.float32)
+    v = (m * m * rng.uniform(0.5, 2.0, n)).astype(np.float32)
+    v[3 * slab + 5] = v[17 * slab + 9] = 0.0  # slabs 3 and 17: zero second moments (the exact path)
+    raw = [m.tobytes(), v.tobytes()]
+    path = tmp_path / "data"
+    path.write_bytes(b"y" + b"".join(raw))
+    back: list[tuple[int, list[bytes]]] = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        streams = ((Window(fd, 1, len(raw[0])),), (Window(fd, 1 + len(raw[0]), len(raw[1])),))
+        scan = Scan(("float32", "float32"), (Need(zeros=True, sums=True), None), (PairKernel("ratio", 0, 1),),
+                    lambda s, e0, _: back.append((e0, [bytes(x) for x in s])))  # fmt: skip
+        res = run_scan(Lockstep(streams, (4, 4), lambda s, _: None, slab, scan))
+    finally:
+        os.close(fd)
+    assert res is not None and res.crcs == tuple(zlib.crc32(r) for r in raw)
+    assert [e0 // slab for e0, _ in back] == [3, 17]
+    for e0, slabs in back:
+        assert slabs == [r[e0 * 4 : (e0 + slab) * 4] for r in raw]
+    want = SlabStats()
+    for e0 in range(0, n, slab):
+        add_slab(want, m[e0 : e0 + slab].view(np.uint8), "float32", Need(zeros=True, sums=True))
+    got = res.stats[0]
+    assert got is not None and {f: getattr(got, f) for f in _EXACT} == {f: getattr(want, f) for f in _EXACT}
+    keep = np.ones(n, bool)
+    keep[3 * slab : 4 * slab] = keep[17 * slab : 18 * slab] = False
+    with np.errstate(divide="ignore"):
+        assert res.pairs[0].top == float(np.fmax.reduce((m * m / v)[keep]))
