@@ -1,7 +1,8 @@
 /* The native lockstep scan of the byte engine (ckpttool/engine/scan.py calls it through ctypes).
  *
  * ckpt_scan reads streams of the same number of values together, slab by slab, from their file
- * descriptors (pread), and while each piece of a slab is in the CPU cache: its CRC-32 (the caller's
+ * descriptors (read-only mappings of 4 MiB where the file is regular and holds the values, else
+ * pread into the slab buffers), and while each piece of a slab is in the CPU cache: its CRC-32 (the caller's
  * function, ISA-L's crc32_gzip_refl), the statistics fold of each stream (ckpt_stats_slab of
  * stats.c, its flags per stream) and the pair kernels (AdamW update sizes, the moments' max m^2/v,
  * bitwise equality of a value and another rounded to its dtype). One call covers many slabs: the
@@ -15,6 +16,9 @@
 #define _DEFAULT_SOURCE /* madvise */
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -124,8 +128,8 @@ static void pairs_piece(ckpt_scan_stream *s, ckpt_scan_pair *p, int32_t np, size
 
 /* Whether stream t is read through mappings for values [e0, e1): a regular file that holds every byte of them now,
  * and CKPTTOOL_SCAN_MMAP is not "0". Mapped pages are read straight from the page cache (no copy into the slab
- * buffer). A file truncated below them while they are read ends the process with SIGBUS (the size is checked here,
- * once per call); the pread path, which reports a short read, serves every other case. */
+ * buffer). A file truncated below them while they are read raises SIGBUS, which guarded_span turns into the short
+ * read error the pread path reports. */
 static int mappable(const ckpt_scan_stream *t, int64_t e0, int64_t e1) {
     const char *v = getenv("CKPTTOOL_SCAN_MMAP");
     int off = v != NULL && strcmp(v, "0") == 0;
@@ -167,6 +171,81 @@ static int scan_slab(ckpt_scan_stream *s, int32_t ns, ckpt_scan_pair *p, int32_t
     return 0;
 }
 
+/* A span of a call: the values [e, e + f) of every stream, mapped (src, base, len) or read into the buffers; at:
+ * the slab being scanned (memory the SIGBUS path reads after its jump). */
+typedef struct {
+    ckpt_scan_stream *s;
+    int32_t ns;
+    ckpt_scan_pair *p;
+    int32_t np;
+    int64_t e, f, slab;
+    size_t piece;
+    ckpt_crc_fn crc;
+    int64_t *back, *err;
+    int64_t at;
+    const uint8_t *src[MAX_STREAMS];
+    void *base[MAX_STREAMS];
+    size_t len[MAX_STREAMS];
+} span_ctx;
+
+/* The slabs of a span. Returns 0 (done), 1 (c->at handed back, its values copied to the buffers), -1 (a read error). */
+static int run_span(span_ctx *c) {
+    for (c->at = c->e; c->at < c->e + c->f; c->at += c->slab) {
+        size_t m = (size_t)(c->e + c->f - c->at < c->slab ? c->e + c->f - c->at : c->slab);
+        const uint8_t *here[MAX_STREAMS];
+        int64_t hand = 0;
+        for (int32_t i = 0; i < c->ns; i++)
+            here[i] = c->src[i] ? c->src[i] + (c->at - c->e) * (int64_t)ITEM[c->s[i].dt] : NULL;
+        if (scan_slab(c->s, c->ns, c->p, c->np, c->at, m, c->piece, here, c->crc, &hand, c->err)) return -1;
+        if (hand) { /* the caller's exact path reads the slab from the buffers */
+            for (int32_t i = 0; i < c->ns; i++)
+                if (here[i]) memcpy(c->s[i].buf, here[i], m * ITEM[c->s[i].dt]);
+            *c->back = hand;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* SIGBUS while a thread reads its mappings (a mapped file truncated under it): that thread jumps back to
+ * guarded_span, which reports a read error; any other SIGBUS goes to the action installed before ours. */
+static __thread sigjmp_buf *bus_jump;
+static struct sigaction bus_previous;
+static pthread_once_t bus_once = PTHREAD_ONCE_INIT;
+
+static void bus_handler(int sig, siginfo_t *info, void *uc) {
+    if (bus_jump != NULL) siglongjmp(*bus_jump, 1);
+    if ((bus_previous.sa_flags & SA_SIGINFO) && bus_previous.sa_sigaction != NULL) {
+        bus_previous.sa_sigaction(sig, info, uc);
+    } else if (bus_previous.sa_handler != SIG_DFL && bus_previous.sa_handler != SIG_IGN) {
+        bus_previous.sa_handler(sig);
+    } else { /* the default action: the faulting access runs again and ends the process */
+        signal(SIGBUS, SIG_DFL);
+    }
+}
+
+static void bus_install(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = bus_handler;
+    sa.sa_flags = SA_SIGINFO;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGBUS, &sa, &bus_previous);
+}
+
+/* run_span with SIGBUS caught: 2 when a mapped page could not be read. */
+static int guarded_span(span_ctx *c) {
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 1)) {
+        bus_jump = NULL;
+        return 2;
+    }
+    bus_jump = &jb;
+    int rc = run_span(c);
+    bus_jump = NULL;
+    return rc;
+}
+
 /* Scan values [e0, e1) of ns streams (each of numel >= e1) in slabs of `slab` values cut at multiples of `slab`
  * from value 0, with np pair kernels. Streams in regular files that hold the values are read through read-only
  * mappings of about MAP_BYTES (mappable), the others with pread into their slab buffers. Returns e1 when done; the
@@ -186,38 +265,33 @@ int64_t ckpt_scan(ckpt_scan_stream *s, int32_t ns, ckpt_scan_pair *p, int32_t np
         if (p[j].a < 0 || p[j].a >= ns || p[j].b < 0 || p[j].b >= ns || p[j].kind < 0 || p[j].kind > 2) return -2;
     size_t piece = PIECE_BYTES / widest;
     piece -= piece % 16; /* whole lane groups: the folds' lanes as in one call per slab */
-    int mapped[MAX_STREAMS];
-    for (int32_t i = 0; i < ns; i++) mapped[i] = mappable(&s[i], e0, e1);
+    int mapped[MAX_STREAMS], any = 0;
+    for (int32_t i = 0; i < ns; i++) any |= mapped[i] = mappable(&s[i], e0, e1);
+    if (any) pthread_once(&bus_once, bus_install);
     int64_t span = (int64_t)(MAP_BYTES / widest) / slab * slab;
     span = span > 0 ? span : slab;
     for (int64_t e = e0; e < e1; e += span) {
-        int64_t f = e1 - e < span ? e1 - e : span;
-        const uint8_t *src[MAX_STREAMS];
-        void *base[MAX_STREAMS];
-        size_t len[MAX_STREAMS];
+        span_ctx c = {s, ns, p, np, e, e1 - e < span ? e1 - e : span, slab, piece, crc, back, err, e, {0}, {0}, {0}};
         for (int32_t i = 0; i < ns; i++) {
             size_t item = ITEM[s[i].dt];
-            src[i] = mapped[i] ? map_span(s[i].fd, s[i].offset + e * (int64_t)item, (size_t)f * item, &base[i], &len[i]) : NULL;
+            c.src[i] = mapped[i] ? map_span(s[i].fd, s[i].offset + e * (int64_t)item, (size_t)c.f * item, &c.base[i], &c.len[i]) : NULL;
         }
-        int64_t at = e, rc = 0, hand = 0;
-        for (; at < e + f; at += slab) {
-            size_t m = (size_t)(e + f - at < slab ? e + f - at : slab);
-            const uint8_t *here[MAX_STREAMS];
-            for (int32_t i = 0; i < ns; i++) here[i] = src[i] ? src[i] + (at - e) * (int64_t)ITEM[s[i].dt] : NULL;
-            if (scan_slab(s, ns, p, np, at, m, piece, here, crc, &hand, err)) {
-                rc = -1;
-                break;
-            }
-            if (hand) { /* the caller's exact path reads the slab from the buffers */
-                for (int32_t i = 0; i < ns; i++)
-                    if (here[i]) memcpy(s[i].buf, here[i], m * ITEM[s[i].dt]);
-                *back = hand, rc = 1;
-                break;
-            }
-        }
+        int rc = guarded_span(&c);
         for (int32_t i = 0; i < ns; i++)
-            if (src[i]) munmap(base[i], len[i]);
-        if (rc) return rc < 0 ? -1 : at;
+            if (c.src[i]) munmap(c.base[i], c.len[i]);
+        if (rc == 2) { /* SIGBUS: a mapped file shrank under the scan (or its storage failed a read) */
+            err[0] = EIO, err[1] = s[0].offset + e1 * (int64_t)ITEM[s[0].dt], err[2] = 0;
+            for (int32_t i = 0; i < ns; i++) {
+                struct stat st;
+                int64_t end = s[i].offset + e1 * (int64_t)ITEM[s[i].dt];
+                if (mapped[i] && fstat(s[i].fd, &st) == 0 && (int64_t)st.st_size < end) {
+                    err[0] = 0, err[1] = (int64_t)st.st_size, err[2] = end - (int64_t)st.st_size;
+                    break;
+                }
+            }
+            return -1;
+        }
+        if (rc) return rc < 0 ? -1 : c.at;
     }
     return e1;
 }
