@@ -6,7 +6,13 @@ One run prints, on a checkpoint with FP32 optimizer state written by a real 4-ra
 
 - ``cat`` of the data files to ``/dev/null`` (a fresh process): the baseline;
 - ``ckpttool stats CKPT --json`` (a fresh process, start-up included): wall time, GB/s, peak RSS;
-- ``ckpttool validate --strict --deep --json`` (a fresh process), for scale.
+- ``ckpttool validate --strict --deep --json`` (a fresh process), for scale;
+- ``ckpttool stats --help`` (a fresh process): the start-up every command pays (imports, CLI);
+- the two scans again with ``CKPTTOOL_SCAN_MMAP=0`` (``[pread]``: slabs read with ``pread`` into the buffers
+  instead of read from read-only mappings of the files).
+
+Children run with compiled bytecode, as an installed package has it (``PYTHONPYCACHEPREFIX``: a cache
+for the run, warmed by one untimed round of every case).
 
 and, in this process, two measured bounds on the same bytes: ``read + CRC-32`` (the engine's
 1 MiB reads and the CRC every reader checks: the floor of any checked read) and ``bare numpy``
@@ -26,8 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -108,11 +116,23 @@ def main() -> None:
     subprocess.run(["cat", *files], check=True, stdout=subprocess.DEVNULL)  # warm the page cache
     exe = [sys.executable, "-m", "ckpttool"]
     here = str(Path(__file__).resolve().parents[1])
-    packages = [("", here)] + ([(" [baseline]", str(a.baseline.resolve()))] if a.baseline else [])
+    packages = [("", here, {})] + ([(" [baseline]", str(a.baseline.resolve()), {})] if a.baseline else [])
+    packages.append((" [pread]", here, {"CKPTTOOL_SCAN_MMAP": "0"}))  # this tree without mapped reads
     cases: list[tuple[str, list[str], dict[str, str] | None]] = [("cat (baseline)", ["cat", *files], None)]
-    for cmd in (["stats", str(ckpt), "--json"], ["validate", "--strict", "--deep", str(ckpt), "--json"]):
-        for tag, pkg in packages:
-            env = dict(os.environ, PYTHONPATH=pkg)
+    # compiled bytecode as an installed package has it (a bytecode cache per run, warmed by the first round)
+    pyc = tempfile.mkdtemp(prefix="ckpttool-bench-pyc-")
+    base_env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    base_env["PYTHONPYCACHEPREFIX"] = pyc
+    commands = (
+        ["stats", "--help"],
+        ["stats", str(ckpt), "--json"],
+        ["validate", "--strict", "--deep", str(ckpt), "--json"],
+    )
+    for cmd in commands:
+        for tag, pkg, extra in packages:
+            if tag == " [pread]" and cmd[1] == "--help":
+                continue
+            env = dict(base_env, PYTHONPATH=pkg, **extra)
             cases.append(
                 (
                     f"ckpttool {' '.join(cmd[:1] + [c for c in cmd[1:] if c.startswith('--')][:2])}{tag}",
@@ -121,6 +141,8 @@ def main() -> None:
                 )
             )
     runs: dict[str, list[tuple[float, int, float]]] = {name: [] for name, _, _ in cases}
+    for _name, argv, env in cases:  # warm-up: the bytecode cache, the page cache
+        _timed(argv, env)
     for _ in range(a.repeat):  # interleaved: every case once per round
         for name, argv, env in cases:
             runs[name].append(_timed(argv, env))
@@ -131,6 +153,7 @@ def main() -> None:
         for _ in range(a.repeat):
             for name, red in zip(bounds, (False, True)):
                 bounds[name].append(_bare(files, red))
+    shutil.rmtree(pyc, ignore_errors=True)
     rows = []
     for name, _, _ in cases:
         rs = runs[name]

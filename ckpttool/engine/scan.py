@@ -1,8 +1,11 @@
 """The native lockstep scan: a :class:`~ckpttool.engine.plan.Lockstep` 's reads, CRC-32s, statistics
 folds and pair kernels in one C call per window (``engine/native/scan.c``, GIL released).
 
-The C loop reads each slab of every stream with ``pread`` in pieces of 128 KiB of the widest
-stream, and while a piece is in the CPU cache computes its CRC-32 (ISA-L's ``crc32_gzip_refl``,
+The C loop reads each slab of every stream in pieces of 128 KiB of the widest stream, straight
+from read-only mappings of the file (4 MiB at a time; a file truncated under them is a
+:class:`~ckpttool.engine.io.ShortReadError`, caught as ``SIGBUS``) or, where the file is not a
+regular file holding the window or ``CKPTTOOL_SCAN_MMAP=0``, with ``pread`` into the slab
+buffers; while a piece is in the CPU cache it computes its CRC-32 (ISA-L's ``crc32_gzip_refl``,
 the function :data:`~ckpttool.engine.crc.crc32` calls), folds it into the stream's statistics
 (``ckpt_stats_slab``, as :func:`~ckpttool.engine.stats.fold_slab`) and runs the pair kernels; the
 interpreter runs once per window of :data:`WINDOW_BYTES`, not once per slab. Slabs are cut as

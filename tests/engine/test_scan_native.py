@@ -3,12 +3,13 @@
 Every stream's CRC-32 equals ``zlib.crc32`` of its bytes; its statistics equal the numpy kernel's
 (:func:`~ckpttool.engine.stats.add_slab`, slab by slab) exactly but for the sums (relative 1e-6); the
 pair kernels equal numpy's formulas, and hand back exactly the slabs numpy finds a difference,
-a non-finite master or a zero second moment in.
+a non-finite master or a zero second moment in; through mappings of the file and through ``pread`` alike.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import zlib
 from pathlib import Path
 
@@ -68,7 +69,9 @@ def _reference(arrs: list[np.ndarray], dtypes: tuple[str, ...]) -> tuple[list[Sl
     return accs, equal_back, ratio_back, top
 
 
-def test_scan_equals_numpy(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mapped", ["1", "0"])
+def test_scan_equals_numpy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mapped: str) -> None:
+    monkeypatch.setenv("CKPTTOOL_SCAN_MMAP", mapped)  # read-only mappings of the file, or pread into the buffers
     arrs = _streams()
     path = tmp_path / "data"
     raw = [a.tobytes() for a in arrs.values()]
@@ -110,3 +113,81 @@ def test_scan_equals_numpy(tmp_path: Path) -> None:
     assert res.pairs[1].count == u.size and res.pairs[1].top == float(np.abs(u).max())
     with np.errstate(over="ignore"):  # each square in float32, as numpy's adam_update: 3e19 / ~1e-3 squared is inf
         assert res.pairs[1].s2 == pytest.approx(float(np.sum((u * u).astype(np.float64))), rel=1e-6)
+
+
+@pytest.mark.parametrize("mapped", ["1", "0"])
+def test_scan_hands_back_across_mappings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mapped: str) -> None:
+    """Slabs handed back in the first and in a later mapping of a window (4 MiB of FP32: 16 slabs of 64 Ki values)
+    come back whole, and the scan goes on after each; CRC-32s and the ratio's maximum as numpy's."""
+    monkeypatch.setenv("CKPTTOOL_SCAN_MMAP", mapped)
+    slab, n = 1 << 16, 19 * (1 << 16) + 100
+    rng = np.random.default_rng(3)
+    m = (rng.standard_normal(n) * 1e-3).astype(np.float32)
+    v = (m * m * rng.uniform(0.5, 2.0, n)).astype(np.float32)
+    v[3 * slab + 5] = v[17 * slab + 9] = 0.0  # slabs 3 and 17: zero second moments (the exact path)
+    raw = [m.tobytes(), v.tobytes()]
+    path = tmp_path / "data"
+    path.write_bytes(b"y" + b"".join(raw))
+    back: list[tuple[int, list[bytes]]] = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        streams = ((Window(fd, 1, len(raw[0])),), (Window(fd, 1 + len(raw[0]), len(raw[1])),))
+        scan = Scan(("float32", "float32"), (Need(zeros=True, sums=True), None), (PairKernel("ratio", 0, 1),),
+                    lambda s, e0, _: back.append((e0, [bytes(x) for x in s])))  # fmt: skip
+        res = run_scan(Lockstep(streams, (4, 4), lambda s, _: None, slab, scan))
+    finally:
+        os.close(fd)
+    assert res is not None and res.crcs == tuple(zlib.crc32(r) for r in raw)
+    assert [e0 // slab for e0, _ in back] == [3, 17]
+    for e0, slabs in back:
+        assert slabs == [r[e0 * 4 : (e0 + slab) * 4] for r in raw]
+    want = SlabStats()
+    for e0 in range(0, n, slab):
+        add_slab(want, m[e0 : e0 + slab].view(np.uint8), "float32", Need(zeros=True, sums=True))
+    got = res.stats[0]
+    assert got is not None and {f: getattr(got, f) for f in _EXACT} == {f: getattr(want, f) for f in _EXACT}
+    keep = np.ones(n, bool)
+    keep[3 * slab : 4 * slab] = keep[17 * slab : 18 * slab] = False
+    with np.errstate(divide="ignore"):
+        assert res.pairs[0].top == float(np.fmax.reduce((m * m / v)[keep]))
+
+
+def test_scan_of_a_file_truncated_under_it(tmp_path: Path) -> None:
+    """A file cut short while it is scanned (its mapped pages gone: SIGBUS) gives the short-read error the
+    ``pread`` path gives, never a dead process; the scans before the cut and after a restore are whole."""
+    n = 1 << 20
+    data = np.arange(n, dtype=np.float32).tobytes()
+    path = tmp_path / "data"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDWR)
+    stop = threading.Event()
+
+    def cut() -> None:
+        while not stop.is_set():
+            os.ftruncate(fd, 4096)
+            os.pwrite(fd, data[4096:], 4096)
+
+    def scan() -> int:
+        ls = Lockstep(((Window(fd, 0, len(data)),),), (4,), lambda s, _: None, 1 << 15, Scan(("float32",), (Need(),)))
+        res = run_scan(ls)
+        assert res is not None
+        return res.crcs[0]
+
+    try:
+        assert scan() == zlib.crc32(data)
+        short = 0
+        t = threading.Thread(target=cut)
+        t.start()
+        try:
+            for _ in range(200):
+                try:
+                    scan()
+                except ShortReadError:
+                    short += 1
+        finally:
+            stop.set()
+            t.join()
+        os.pwrite(fd, data, 0)
+        assert short > 0 and scan() == zlib.crc32(data)
+    finally:
+        os.close(fd)

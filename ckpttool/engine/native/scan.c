@@ -1,7 +1,8 @@
 /* The native lockstep scan of the byte engine (ckpttool/engine/scan.py calls it through ctypes).
  *
  * ckpt_scan reads streams of the same number of values together, slab by slab, from their file
- * descriptors (pread), and while each piece of a slab is in the CPU cache: its CRC-32 (the caller's
+ * descriptors (read-only mappings of 4 MiB where the file is regular and holds the values, else
+ * pread into the slab buffers), and while each piece of a slab is in the CPU cache: its CRC-32 (the caller's
  * function, ISA-L's crc32_gzip_refl), the statistics fold of each stream (ckpt_stats_slab of
  * stats.c, its flags per stream) and the pair kernels (AdamW update sizes, the moments' max m^2/v,
  * bitwise equality of a value and another rounded to its dtype). One call covers many slabs: the
@@ -12,16 +13,25 @@
  * slab (PIECE_BYTES of the widest stream) so that the read, the CRC and the kernels share the cache.
  */
 #define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE /* madvise */
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "half.h"
 #include "stats.h"
 
 #define PIECE_BYTES ((size_t)128 << 10)
+#define MAP_BYTES ((size_t)4 << 20) /* bytes of the widest stream mapped at once (mapped reads) */
+#define MAX_STREAMS 64
 
 typedef uint32_t (*ckpt_crc_fn)(uint32_t crc, const unsigned char *buf, uint64_t len);
 
@@ -116,15 +126,136 @@ static void pairs_piece(ckpt_scan_stream *s, ckpt_scan_pair *p, int32_t np, size
     }
 }
 
+/* Whether stream t is read through mappings for values [e0, e1): a regular file that holds every byte of them now,
+ * and CKPTTOOL_SCAN_MMAP is not "0". Mapped pages are read straight from the page cache (no copy into the slab
+ * buffer). A file truncated below them while they are read raises SIGBUS, which guarded_span turns into the short
+ * read error the pread path reports. */
+static int mappable(const ckpt_scan_stream *t, int64_t e0, int64_t e1) {
+    const char *v = getenv("CKPTTOOL_SCAN_MMAP");
+    int off = v != NULL && strcmp(v, "0") == 0;
+    struct stat st;
+    if (off || fstat(t->fd, &st) != 0 || !S_ISREG(st.st_mode)) return 0;
+    return (int64_t)st.st_size >= t->offset + e1 * (int64_t)ITEM[t->dt] && e1 > e0;
+}
+
+/* A read-only mapping of bytes [at, at + n) of fd: *base and *len to unmap; the bytes' address, or NULL. */
+static const uint8_t *map_span(int fd, int64_t at, size_t n, void **base, size_t *len) {
+    int64_t page = (int64_t)sysconf(_SC_PAGESIZE), start = at - at % page;
+    *len = n + (size_t)(at - start);
+    *base = mmap(NULL, *len, PROT_READ, MAP_SHARED, fd, (off_t)start);
+    if (*base == MAP_FAILED) return NULL;
+    madvise(*base, *len, MADV_SEQUENTIAL);
+    return (const uint8_t *)*base + (at - start);
+}
+
+/* One slab of values [e, e + m) of every stream (src[i]: mapped bytes of stream i at value e, or NULL: read into
+ * its buffer), in pieces: read, CRC-32, fold, pair kernels; then the subnormal rule. Returns 0, or -1 (err). */
+static int scan_slab(ckpt_scan_stream *s, int32_t ns, ckpt_scan_pair *p, int32_t np, int64_t e, size_t m,
+                     size_t piece, const uint8_t **src, ckpt_crc_fn crc, int64_t *hand, int64_t *err) {
+    ckpt_scan_stream view[MAX_STREAMS]; /* the pair kernels' view: each stream's slab where it lies */
+    for (int32_t i = 0; i < ns; i++) view[i] = s[i], view[i].buf = src[i] ? (uint8_t *)src[i] : s[i].buf;
+    for (size_t lo = 0; lo < m; lo += piece) {
+        size_t k = m - lo < piece ? m - lo : piece;
+        for (int32_t i = 0; i < ns; i++) {
+            ckpt_scan_stream *t = &s[i];
+            size_t item = ITEM[t->dt];
+            uint8_t *at = view[i].buf + lo * item;
+            if (!src[i] && read_full(t->fd, at, k * item, t->offset + (e + (int64_t)lo) * (int64_t)item, err)) return -1;
+            t->crc = crc((uint32_t)t->crc, at, k * item);
+            if (t->fold) ckpt_stats_slab(&t->acc, at, k, t->dt, t->need & ~NEED_SUBNORMAL, t->limit, 0);
+        }
+        pairs_piece(view, p, np, lo, k, hand);
+    }
+    for (int32_t i = 0; i < ns; i++)
+        if (s[i].fold && (s[i].need & NEED_SUBNORMAL)) ckpt_stats_subnormals(&s[i].acc, view[i].buf, m, s[i].dt, s[i].stride);
+    return 0;
+}
+
+/* A span of a call: the values [e, e + f) of every stream, mapped (src, base, len) or read into the buffers; at:
+ * the slab being scanned (memory the SIGBUS path reads after its jump). */
+typedef struct {
+    ckpt_scan_stream *s;
+    int32_t ns;
+    ckpt_scan_pair *p;
+    int32_t np;
+    int64_t e, f, slab;
+    size_t piece;
+    ckpt_crc_fn crc;
+    int64_t *back, *err;
+    int64_t at;
+    const uint8_t *src[MAX_STREAMS];
+    void *base[MAX_STREAMS];
+    size_t len[MAX_STREAMS];
+} span_ctx;
+
+/* The slabs of a span. Returns 0 (done), 1 (c->at handed back, its values copied to the buffers), -1 (a read error). */
+static int run_span(span_ctx *c) {
+    for (c->at = c->e; c->at < c->e + c->f; c->at += c->slab) {
+        size_t m = (size_t)(c->e + c->f - c->at < c->slab ? c->e + c->f - c->at : c->slab);
+        const uint8_t *here[MAX_STREAMS];
+        int64_t hand = 0;
+        for (int32_t i = 0; i < c->ns; i++)
+            here[i] = c->src[i] ? c->src[i] + (c->at - c->e) * (int64_t)ITEM[c->s[i].dt] : NULL;
+        if (scan_slab(c->s, c->ns, c->p, c->np, c->at, m, c->piece, here, c->crc, &hand, c->err)) return -1;
+        if (hand) { /* the caller's exact path reads the slab from the buffers */
+            for (int32_t i = 0; i < c->ns; i++)
+                if (here[i]) memcpy(c->s[i].buf, here[i], m * ITEM[c->s[i].dt]);
+            *c->back = hand;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* SIGBUS while a thread reads its mappings (a mapped file truncated under it): that thread jumps back to
+ * guarded_span, which reports a read error; any other SIGBUS goes to the action installed before ours. */
+static __thread sigjmp_buf *bus_jump;
+static struct sigaction bus_previous;
+static pthread_once_t bus_once = PTHREAD_ONCE_INIT;
+
+static void bus_handler(int sig, siginfo_t *info, void *uc) {
+    if (bus_jump != NULL) siglongjmp(*bus_jump, 1);
+    if ((bus_previous.sa_flags & SA_SIGINFO) && bus_previous.sa_sigaction != NULL) {
+        bus_previous.sa_sigaction(sig, info, uc);
+    } else if (bus_previous.sa_handler != SIG_DFL && bus_previous.sa_handler != SIG_IGN) {
+        bus_previous.sa_handler(sig);
+    } else { /* the default action: the faulting access runs again and ends the process */
+        signal(SIGBUS, SIG_DFL);
+    }
+}
+
+static void bus_install(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = bus_handler;
+    sa.sa_flags = SA_SIGINFO;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGBUS, &sa, &bus_previous);
+}
+
+/* run_span with SIGBUS caught: 2 when a mapped page could not be read. */
+static int guarded_span(span_ctx *c) {
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 1)) {
+        bus_jump = NULL;
+        return 2;
+    }
+    bus_jump = &jb;
+    int rc = run_span(c);
+    bus_jump = NULL;
+    return rc;
+}
+
 /* Scan values [e0, e1) of ns streams (each of numel >= e1) in slabs of `slab` values cut at multiples of `slab`
- * from value 0, with np pair kernels. Returns e1 when done; the first value of a slab handed back (*back: the
- * pairs that handed it back, bits; the slab's values are in the buffers, its folds and CRCs done, the pairs'
- * accumulators without it); -1 on a read error (err: errno or 0 for an early end of file, the file offset,
- * the missing bytes); -2 on bad arguments. */
+ * from value 0, with np pair kernels. Streams in regular files that hold the values are read through read-only
+ * mappings of about MAP_BYTES (mappable), the others with pread into their slab buffers. Returns e1 when done; the
+ * first value of a slab handed back (*back: the pairs that handed it back, bits; the slab's values are in the
+ * buffers, its folds and CRCs done, the pairs' accumulators without it); -1 on a read error (err: errno or 0 for
+ * an early end of file, the file offset, the missing bytes); -2 on bad arguments. */
 int64_t ckpt_scan(ckpt_scan_stream *s, int32_t ns, ckpt_scan_pair *p, int32_t np, int64_t e0, int64_t e1,
                   int64_t slab, ckpt_crc_fn crc, int64_t *back, int64_t *err) {
     *back = 0;
-    if (ns <= 0 || np < 0 || np > 62 || slab <= 0 || e0 < 0 || e1 < e0 || e0 % slab) return -2;
+    if (ns <= 0 || ns > MAX_STREAMS || np < 0 || np > 62 || slab <= 0 || e0 < 0 || e1 < e0 || e0 % slab) return -2;
     size_t widest = 1;
     for (int32_t i = 0; i < ns; i++) {
         if (s[i].dt < 0 || s[i].dt > 3) return -2;
@@ -134,27 +265,33 @@ int64_t ckpt_scan(ckpt_scan_stream *s, int32_t ns, ckpt_scan_pair *p, int32_t np
         if (p[j].a < 0 || p[j].a >= ns || p[j].b < 0 || p[j].b >= ns || p[j].kind < 0 || p[j].kind > 2) return -2;
     size_t piece = PIECE_BYTES / widest;
     piece -= piece % 16; /* whole lane groups: the folds' lanes as in one call per slab */
-    for (int64_t e = e0; e < e1; e += slab) {
-        size_t m = (size_t)(e1 - e < slab ? e1 - e : slab);
-        int64_t hand = 0;
-        for (size_t lo = 0; lo < m; lo += piece) {
-            size_t k = m - lo < piece ? m - lo : piece;
-            for (int32_t i = 0; i < ns; i++) {
-                ckpt_scan_stream *t = &s[i];
-                size_t item = ITEM[t->dt];
-                uint8_t *at = t->buf + lo * item;
-                if (read_full(t->fd, at, k * item, t->offset + (e + (int64_t)lo) * (int64_t)item, err)) return -1;
-                t->crc = crc((uint32_t)t->crc, at, k * item);
-                if (t->fold) ckpt_stats_slab(&t->acc, at, k, t->dt, t->need & ~NEED_SUBNORMAL, t->limit, 0);
-            }
-            pairs_piece(s, p, np, lo, k, &hand);
+    int mapped[MAX_STREAMS], any = 0;
+    for (int32_t i = 0; i < ns; i++) any |= mapped[i] = mappable(&s[i], e0, e1);
+    if (any) pthread_once(&bus_once, bus_install);
+    int64_t span = (int64_t)(MAP_BYTES / widest) / slab * slab;
+    span = span > 0 ? span : slab;
+    for (int64_t e = e0; e < e1; e += span) {
+        span_ctx c = {s, ns, p, np, e, e1 - e < span ? e1 - e : span, slab, piece, crc, back, err, e, {0}, {0}, {0}};
+        for (int32_t i = 0; i < ns; i++) {
+            size_t item = ITEM[s[i].dt];
+            c.src[i] = mapped[i] ? map_span(s[i].fd, s[i].offset + e * (int64_t)item, (size_t)c.f * item, &c.base[i], &c.len[i]) : NULL;
         }
+        int rc = guarded_span(&c);
         for (int32_t i = 0; i < ns; i++)
-            if (s[i].fold && (s[i].need & NEED_SUBNORMAL)) ckpt_stats_subnormals(&s[i].acc, s[i].buf, m, s[i].dt, s[i].stride);
-        if (hand) {
-            *back = hand;
-            return e;
+            if (c.src[i]) munmap(c.base[i], c.len[i]);
+        if (rc == 2) { /* SIGBUS: a mapped file shrank under the scan (or its storage failed a read) */
+            err[0] = EIO, err[1] = s[0].offset + e1 * (int64_t)ITEM[s[0].dt], err[2] = 0;
+            for (int32_t i = 0; i < ns; i++) {
+                struct stat st;
+                int64_t end = s[i].offset + e1 * (int64_t)ITEM[s[i].dt];
+                if (mapped[i] && fstat(s[i].fd, &st) == 0 && (int64_t)st.st_size < end) {
+                    err[0] = 0, err[1] = (int64_t)st.st_size, err[2] = end - (int64_t)st.st_size;
+                    break;
+                }
+            }
+            return -1;
         }
+        if (rc) return rc < 0 ? -1 : c.at;
     }
     return e1;
 }

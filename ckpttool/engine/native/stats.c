@@ -115,8 +115,8 @@ __attribute__((target("avx2"), always_inline)) static inline __m256 lanes8(const
 }
 
 __attribute__((target("avx2"), always_inline)) static inline void pass32_body(const void *p, const int dt, size_t n,
-                                                                             const int sums, double *a1, double *a2,
-                                                                             pass_out *o) {
+                                                                             const int sums, const int neg, double *a1,
+                                                                             double *a2, pass_out *o) {
     __m256i fm = _mm256_setzero_si256(), um = fm, cfin = fm, cz = fm, zero = fm;
     __m256d s1[4], s2[4];
     for (int k = 0; k < 4; k++) s1[k] = _mm256_loadu_pd(a1 + 4 * k), s2[k] = _mm256_loadu_pd(a2 + 4 * k);
@@ -125,8 +125,8 @@ __attribute__((target("avx2"), always_inline)) static inline void pass32_body(co
         for (int h = 0; h < 2; h++) {
             __m256i pat, mag, fin;
             __m256 x = lanes8(p, dt, i + 8 * h, &pat, &mag, &fin);
-            fm = _mm256_max_epu32(fm, _mm256_and_si256(mag, fin));
-            um = _mm256_max_epu32(um, pat);
+            fm = _mm256_max_epu32(fm, mag); /* non-finite included: redone below where the block has one */
+            if (neg) um = _mm256_max_epu32(um, pat);
             cfin = _mm256_sub_epi32(cfin, fin);
             cz = _mm256_sub_epi32(cz, _mm256_cmpeq_epi32(mag, zero));
             if (sums) {
@@ -152,18 +152,27 @@ __attribute__((target("avx2"), always_inline)) static inline void pass32_body(co
         finite += c[k];
         zeros += z[k];
     }
+    if ((int64_t)groups != finite) { /* a non-finite value in the groups: their largest finite magnitude exactly */
+        pass_out again;
+        pass32_scalar(p, dt, groups, 0, a1, a2, &again);
+        fmax = again.fmax > tail.fmax ? again.fmax : tail.fmax;
+    }
     o->fmax = fmax, o->umax = umax, o->nonfinite = (int64_t)groups - finite + tail.nonfinite, o->zeros = zeros;
 }
 
-/* pass32_body specialised for each format and for sums on or off (constants: no branch in the loop). */
-__attribute__((target("avx2"))) static void pass32_avx2(const void *p, int dt, size_t n, int sums, double *a1,
-                                                        double *a2, pass_out *o) {
+/* pass32_body specialised for each format, sums on or off, the largest pattern (neg) kept or not (constants: no
+ * branch in the loop). */
+#define PASS32_SUMS_NEG(DT)                                                                                             \
+    (sums ? (neg ? pass32_body(p, DT, n, 1, 1, a1, a2, o) : pass32_body(p, DT, n, 1, 0, a1, a2, o))                     \
+          : (neg ? pass32_body(p, DT, n, 0, 1, a1, a2, o) : pass32_body(p, DT, n, 0, 0, a1, a2, o)))
+__attribute__((target("avx2"))) static void pass32_avx2(const void *p, int dt, size_t n, int sums, int neg,
+                                                        double *a1, double *a2, pass_out *o) {
     if (dt == DT_F32)
-        sums ? pass32_body(p, DT_F32, n, 1, a1, a2, o) : pass32_body(p, DT_F32, n, 0, a1, a2, o);
+        PASS32_SUMS_NEG(DT_F32);
     else if (dt == DT_BF16)
-        sums ? pass32_body(p, DT_BF16, n, 1, a1, a2, o) : pass32_body(p, DT_BF16, n, 0, a1, a2, o);
+        PASS32_SUMS_NEG(DT_BF16);
     else
-        sums ? pass32_body(p, DT_F16, n, 1, a1, a2, o) : pass32_body(p, DT_F16, n, 0, a1, a2, o);
+        PASS32_SUMS_NEG(DT_F16);
 }
 #endif
 
@@ -200,14 +209,15 @@ CKPT_CLONES static void pass64(const uint64_t *p, size_t n, int sums,
     o->fmax = fm, o->umax = um, o->nonfinite = nf, o->zeros = zc;
 }
 
-static void pass(const void *p, int dt, size_t n, int sums, double *a1, double *a2, pass_out *o) {
+/* The main pass; neg: the largest pattern (o->umax) is wanted (else it may be left 0). */
+static void pass(const void *p, int dt, size_t n, int sums, int neg, double *a1, double *a2, pass_out *o) {
     if (dt == DT_F64) {
         pass64(p, n, sums, a1, a2, o);
         return;
     }
 #ifdef HAVE_AVX2_PATH
     if (has_avx2()) {
-        pass32_avx2(p, dt, n, sums, a1, a2, o);
+        pass32_avx2(p, dt, n, sums, neg, a1, a2, o);
         return;
     }
 #endif
@@ -304,7 +314,7 @@ int32_t ckpt_stats_slab(ckpt_slab_stats *acc, const void *p, size_t n, int32_t d
     size_t item = dt == DT_F64 ? 8 : (dt == DT_F32 ? 4 : 2);
     for (size_t b = 0; b < n; b += BLOCK) { /* blocks: the AVX2 path's 32-bit lane counters never overflow */
         pass_out o;
-        pass((const char *)p + b * item, dt, n - b < BLOCK ? n - b : BLOCK, sums, a1, a2, &o);
+        pass((const char *)p + b * item, dt, n - b < BLOCK ? n - b : BLOCK, sums, (need & NEED_NEGATIVE) != 0, a1, a2, &o);
         fmax = o.fmax > fmax ? o.fmax : fmax;
         umax = o.umax > umax ? o.umax : umax;
         nonfinite += o.nonfinite;
