@@ -27,6 +27,8 @@ Transforming exports, each beside ``cp -r`` of its own output (the same output b
   ``--experts per-expert`` (128 pieces per tensor, experts in true order) and
   ``--experts fused`` (expert slabs un-permuted);
 - ``cast 6 GB`` (``--big-gib 6``, off by default: 6.1 GB FP32 model, 27 layers);
+- ``moe-big`` (``--only moe-big --big-gib 4``): the MoE checkpoint with as many layers as make
+  ``--big-gib`` GB (0.2 GB a layer), ``--experts per-expert`` and ``--experts fused``;
 - ``small``: the fixed cost of exporting the built-in sample (``ckpttool sample``) beside
   ``python -c pass``;
 - ``phases``: CPU seconds per GB of each phase of a cast export on one thread, on the 1 GB FP32
@@ -82,7 +84,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _ckpts import WORLD, build, dense_rank, layers_for, moe_legacy_rank  # noqa: E402
+from _ckpts import MOE_E, MOE_H, MOE_I, WORLD, build, dense_rank, layers_for, moe_legacy_rank  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ baselines
 
@@ -506,6 +508,23 @@ def _stream(files: list[Path], per_block: Any) -> tuple[int, float, float]:
     return n, time.thread_time() - c0, time.perf_counter() - w0
 
 
+def _mapped(files: list[Path], per_block: Any) -> tuple[int, float, float]:
+    """As :func:`_stream`, but each file mapped read-only (``mmap``) and ``per_block`` called on 1 MiB views of
+    the mapping: page faults map the page cache's pages instead of a copy into a buffer."""
+    import mmap
+
+    n, c0, w0 = 0, time.thread_time(), time.perf_counter()
+    for f in files:
+        with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            mv = memoryview(m)
+            size = len(mv)
+            for off in range(0, size, 1 << 20):
+                per_block(mv[off : min(size, off + (1 << 20))])
+            mv.release()
+            n += size
+    return n, time.thread_time() - c0, time.perf_counter() - w0
+
+
 def _write(
     path: Path, nbytes: int, step: int, *, allocate: bool, direct: bool = False, behind: int = 0
 ) -> tuple[float, float]:
@@ -557,8 +576,11 @@ def phases(ckpt: Path, scratch: Path) -> None:
     crc = [0]
     n, c, w = _stream(files, lambda b: crc.__setitem__(0, isal_zlib.crc32(b, crc[0])))
     _per_gb("  + CRC-32, isal", n, c - c_read, w, f"(read + CRC {c / (n / 1e9):.3f})")
+    c_crc = c / (n / 1e9)
     n, c, w = _stream(files, lambda b: crc.__setitem__(0, zlib.crc32(b, crc[0])))
     _per_gb("  + CRC-32, zlib", n, c - c_read, w)
+    n, c, w = _mapped(files, lambda b: crc.__setitem__(0, isal_zlib.crc32(b, crc[0])))
+    _per_gb("mmap read-only + CRC-32, isal (no read copy)", n, c, w, f"(against preadv + CRC {c_crc:.3f})")
     out = np.empty(1 << 19, dtype=np.uint16)
     native = native_lib() is not None
     if native:
@@ -677,6 +699,11 @@ def main() -> None:
         layers = layers_for(args.big_gib, 4)
         big = build(root / f"fp32-{args.big_gib:g}g", dense_rank, layers, "float32", False)
         _export_case(args, table, notes, f"cast {args.big_gib:g} GB fp32->bf16", big, ["--save-dtype", "bfloat16"])
+    if "moe-big" in (args.only or []) and args.big_gib > 0:
+        layers = max(1, round(args.big_gib * 1e9 / (3 * MOE_E * MOE_I * MOE_H * 2)))  # BF16 gate_up + down a layer
+        moe_big = build(root / f"moe-legacy-{args.big_gib:g}g", moe_legacy_rank, layers)
+        for experts in ("per-expert", "fused"):
+            _export_case(args, table, notes, f"MoE {args.big_gib:g} GB {experts}", moe_big, ["--experts", experts])
     if "many" in (args.only or []):
         notes += _many_case(root, args.many, args.repeat, args.many_baseline)
     if "many-floor" in (args.only or []):

@@ -6,8 +6,16 @@
  *   float16:  beyond float16's range to infinity; a NaN keeps its sign and its payload's top 10
  *             bits, 0x7C01 where those are zero (numpy's npy_floatbits_to_halfbits).
  * One pass, 16 (BF16) or 8 (FP16) elements per AVX2 step where the CPU has it.
+ *
+ * ckpt_stream_cast moves one stored record of a transforming export in one call: pread pieces of
+ * the record into a cache-sized buffer, the CRC-32 of each piece (the caller's function, ISA-L's
+ * crc32_gzip_refl) and its cast while it is in the CPU cache, the output gathered per destination
+ * run and written with large pwrites (ckpttool/ops/export/transform.py, stream_chunk).
  */
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
 #include <stdint.h>
+#include <unistd.h>
 
 #include "half.h"
 #ifdef CKPT_X86
@@ -86,4 +94,88 @@ void ckpt_f32_to_bf16_portable(const uint32_t *src, uint16_t *dst, int64_t n, in
 
 void ckpt_f32_to_f16_portable(const uint32_t *src, uint16_t *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = f16_bits(src[i]);
+}
+
+typedef uint32_t (*ckpt_crc_fn)(uint32_t crc, const unsigned char *buf, uint64_t len);
+
+enum { MOVE_COPY = 0, MOVE_BF16 = 1, MOVE_F16 = 2, MOVE_WIDEN = 3 };
+
+/* Source bytes per pread (the piece is checked and cast while it is in the CPU cache). */
+#define MOVE_PIECE ((int64_t)256 << 10)
+
+static int write_full(int fd, const uint8_t *p, int64_t n, int64_t at, int64_t *err) {
+    while (n > 0) {
+        ssize_t w = pwrite(fd, p, (size_t)n, (off_t)at);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) {
+            err[0] = w < 0 ? errno : 28 /* ENOSPC: a write that writes nothing */, err[1] = at, err[2] = n;
+            return -1;
+        }
+        p += w, n -= w, at += w;
+    }
+    return 0;
+}
+
+/* Move `nparts` runs of a stored record that starts at src_off of src_fd, in order: run j is parts[3j] values
+ * written at byte parts[3j + 2] of descriptor parts[3j + 1] (-1: not written, read for the CRC-32 only).
+ * kind: MOVE_COPY (values of `item` bytes as stored), MOVE_BF16 / MOVE_F16 (float32 in, 16-bit out, as
+ * ckpt_f32_to_bf16 with canonical NaNs / ckpt_f32_to_f16), MOVE_WIDEN (bfloat16 in, float32 out: exact). *crc_io: the running CRC-32 of the bytes read
+ * (crc NULL: none). buf: buf_bytes >= 3 * MOVE_PIECE of scratch; the output of each run is gathered after
+ * the first MOVE_PIECE bytes and written when that stage is full or the run ends.
+ * Returns 0; -1 a read failed or ended early (err: errno or 0 for the end of the file, the file offset, the
+ * bytes missing); -2 a write failed (err: errno, the file offset, the bytes not written); -3 bad arguments. */
+int32_t ckpt_stream_cast(int32_t src_fd, int64_t src_off, const int64_t *parts, int32_t nparts, int32_t kind,
+                         int32_t item, ckpt_crc_fn crc, uint32_t *crc_io, uint8_t *buf, int64_t buf_bytes,
+                         int64_t *err) {
+    if (kind < 0 || kind > 3 || item <= 0 || nparts < 0) return -3;
+    if ((kind == MOVE_BF16 || kind == MOVE_F16) && item != 4) return -3;
+    if (kind == MOVE_WIDEN && item != 2) return -3;
+    int64_t out_item = kind == MOVE_COPY ? item : (kind == MOVE_WIDEN ? 4 : 2);
+    int64_t piece = MOVE_PIECE - MOVE_PIECE % item;
+    int64_t stage_cap = buf_bytes - piece; /* output gathered before a pwrite */
+    stage_cap -= stage_cap % out_item;
+    if (stage_cap < piece * 2) return -3;
+    uint8_t *in = buf, *stage = buf + piece;
+    uint32_t c = crc_io ? *crc_io : 0;
+    int64_t pos = src_off; /* next source byte to read */
+    for (int32_t j = 0; j < nparts; j++) {
+        int64_t left = parts[3 * j] * item, fd = parts[3 * j + 1], at = parts[3 * j + 2];
+        if (left < 0) return -3;
+        int64_t staged = 0; /* bytes in stage, to be written at `at` */
+        while (left > 0) {
+            int64_t k = left < piece ? left : piece;
+            int direct = kind == MOVE_COPY && fd >= 0; /* a copy is read straight into the stage */
+            int64_t need = fd < 0 ? 0 : k / item * out_item;
+            if (staged + need > stage_cap) { /* no room: write what is gathered first */
+                if (write_full((int)fd, stage, staged, at, err)) return -2;
+                at += staged, staged = 0;
+            }
+            uint8_t *dst = direct ? stage + staged : in;
+            for (int64_t got = 0; got < k;) {
+                ssize_t r = pread(src_fd, dst + got, (size_t)(k - got), (off_t)(pos + got));
+                if (r < 0 && errno == EINTR) continue;
+                if (r <= 0) {
+                    err[0] = r < 0 ? errno : 0, err[1] = pos + got, err[2] = k - got;
+                    return -1;
+                }
+                got += r;
+            }
+            if (crc) c = crc(c, dst, (uint64_t)k);
+            pos += k, left -= k;
+            if (fd < 0) continue;
+            if (kind == MOVE_BF16) ckpt_f32_to_bf16((const uint32_t *)dst, (uint16_t *)(stage + staged), k / 4, 1);
+            else if (kind == MOVE_F16) ckpt_f32_to_f16((const uint32_t *)dst, (uint16_t *)(stage + staged), k / 4);
+            else if (kind == MOVE_WIDEN) {
+                const uint16_t *h = (const uint16_t *)dst;
+                uint32_t *w = (uint32_t *)(stage + staged);
+                for (int64_t i = 0; i < k / 2; i++) w[i] = (uint32_t)h[i] << 16;
+            }
+            staged += need;
+            if (left == 0 && staged) {
+                if (write_full((int)fd, stage, staged, at, err)) return -2;
+            }
+        }
+    }
+    if (crc_io) *crc_io = c;
+    return 0;
 }

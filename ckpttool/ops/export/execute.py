@@ -488,6 +488,8 @@ class _Executor:
             write,
             slab_bytes=slab_bytes,
             align=align,
+            # positional writes the native mover makes itself; a digested output takes every write's digest
+            targets=None if writer.digest is not None else [(writer.fd, writer.offset(n)) for n in names],
         )
 
     def _copy_small(self, batch: list[tuple[int, SourceTask, ChunkMeta, tuple[int, ...]]]) -> None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ckpttool.engine.crc import crc32
 from ckpttool.engine.io import BLOCK_BYTES
-from ckpttool.errors import ChunkError
+from ckpttool.errors import ChunkError, DataFileError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta
 
 if TYPE_CHECKING:
@@ -339,6 +339,7 @@ def stream_chunk(
     *,
     slab_bytes: int = SLAB_BYTES,
     align: int = 1,
+    targets: Sequence[tuple[int, int]] | None = None,
 ) -> int:
     """Stream one stored chunk through ``transform`` into the output, slab by slab (``docs/export.md``, "The transform path").
 
@@ -351,6 +352,9 @@ def stream_chunk(
         write: writes a slab part to an output piece (thread-safe).
         slab_bytes: source bytes per slab.
         align: slabs that cut a segment start at multiples of this many elements (e.g. the row length).
+        targets: per output piece, ``(descriptor, file offset of its byte 0)``: where given, a raw
+            record cast or copied by :mod:`ckpttool.engine.move` (no row permutation of small rows,
+            no other transform) is moved by one native call per window, not written through ``write``.
 
     The record's CRC-32 is computed slab by slab as its bytes are read (with ``reader.verify_crc``)
     and checked once the chunk is written: a mismatch raises before the export publishes anything.
@@ -370,6 +374,9 @@ def stream_chunk(
         per_slab -= per_slab % align
     seg, nseg, seg_start = chunk_segments(chunk, size)
     loc = reader.locate(key, chunk)
+    if targets is not None and loc.raw and _native_move(src_dtype, transform, runs, reader.verify_crc):
+        out_dtype = src_dtype if transform is None else transform.out_dtype
+        return _move_chunk(reader, loc, chunk, size, src_dtype, out_dtype, runs, targets)
     memory: Any = None
     if not loc.raw:
         memory = _decoded_chunk(reader, key, chunk)  # checked as it is decoded (read_chunk)
@@ -394,6 +401,116 @@ def stream_chunk(
         else:
             data = src_buf
         _write_slab(memoryview(data), ranges, runs, out_item, write)
+    if crc is not None:
+        loc.check_crc(crc)
+    return read
+
+
+#: Source bytes one native move call covers at most: progress and Ctrl-C granularity.
+_MOVE_WINDOW = 64 << 20
+
+
+def _native_move(src_dtype: str, transform: SlabTransform | None, runs: RunMap, crc: bool) -> bool:
+    """Whether :func:`_move_chunk` moves a chunk: a plain cast or copy the native kernel has, rows not gathered."""
+    from ckpttool.engine.move import available
+
+    if transform is not None and type(transform) is not Cast:
+        return False
+    out = src_dtype if transform is None else transform.out_dtype
+    if runs.rows is not None and runs.rows.row * DTYPE_ITEMSIZE[out] <= _SMALL_ROW_BYTES:
+        return False  # RoPE rows: gathered per block and written at once (_write_slab)
+    return available(src_dtype, out, crc=crc)
+
+
+#: A row permutation's rows of at most this many output bytes are gathered per block (``_write_slab``).
+_SMALL_ROW_BYTES = 1 << 16
+
+
+def _move_parts(
+    chunk: ChunkMeta, size: tuple[int, ...], runs: RunMap, out_item: int, targets: Sequence[tuple[int, int]]
+) -> Iterator[tuple[int, int, int]]:
+    """The chunk's storage in order as ``(values, descriptor, file offset)`` runs (``-1``: not written), merged
+    where one continues the previous one in the same file."""
+    seg, nseg, seg_start = chunk_segments(chunk, size)
+    last: list[int] | None = None
+    for i in range(nseg):
+        g = seg_start(i)
+        pos, end = g, g + seg
+        for off, n, piece, at in runs.parts(g, seg):
+            if g + off > pos:
+                if last is not None:
+                    yield last[0], last[1], last[2]
+                last = [g + off - pos, -1, 0]
+            fd, base = targets[piece]
+            dest = base + at * out_item
+            if last is not None and last[1] == fd and fd >= 0 and last[2] + last[0] * out_item == dest:
+                last[0] += n
+            else:
+                if last is not None:
+                    yield last[0], last[1], last[2]
+                last = [n, fd, dest]
+            pos = g + off + n
+        if end > pos:
+            if last is not None:
+                yield last[0], last[1], last[2]
+            last = [end - pos, -1, 0]
+    if last is not None:
+        yield last[0], last[1], last[2]
+
+
+def _move_chunk(
+    reader: CheckpointReader,
+    loc: ChunkLocation,
+    chunk: ChunkMeta,
+    size: tuple[int, ...],
+    src_dtype: str,
+    out_dtype: str,
+    runs: RunMap,
+    targets: Sequence[tuple[int, int]],
+) -> int:
+    """:func:`stream_chunk` of a raw record by :func:`ckpttool.engine.move.move_runs`, one call per window."""
+    from array import array
+
+    from ckpttool.engine.io import ShortReadError
+    from ckpttool.engine.move import move_runs
+
+    assert loc.record is not None
+    item, out_item = DTYPE_ITEMSIZE[src_dtype], DTYPE_ITEMSIZE[out_dtype]
+    fd = reader.fd(loc.info.relative_path)
+    start = loc.info.offset + loc.record.data_offset
+    crc: int | None = 0 if reader.verify_crc else None
+    per = max(1, _MOVE_WINDOW // item)
+    window, nvals, at = array("q"), 0, start
+    read = 0
+
+    def flush() -> None:
+        nonlocal crc, window, nvals, at, read
+        if not nvals:
+            return
+        try:
+            crc = move_runs(fd, at, window, src_dtype, out_dtype, item, crc)
+        except ShortReadError:
+            raise DataFileError(
+                f"{reader.path / loc.info.relative_path}: short read of {loc.key!r}",
+                path=loc.info.relative_path,
+                fqn=loc.key,
+            ) from None
+        reader.count_read(nvals * item)
+        read += nvals * item
+        at += nvals * item
+        window, nvals = array("q"), 0
+
+    for n, ofd, dest in _move_parts(chunk, size, runs, out_item, targets):
+        while n:
+            k = min(n, per - nvals)
+            window.extend((k, ofd, dest))
+            nvals += k
+            n -= k
+            if ofd >= 0:
+                dest += k * out_item
+            if nvals == per:
+                flush()
+    flush()
     if crc is not None:
         loc.check_crc(crc)
     return read

@@ -131,12 +131,23 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-@pytest.mark.parametrize("slab", ["16", "100", "4096"])
+def _slab_path_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turn the native record mover off (``engine/move.py``): every chunk goes through the Python slab loop."""
+    from ckpttool.engine import move
+
+    monkeypatch.setattr(move, "available", lambda *a, **k: False)
+
+
+@pytest.mark.parametrize("slab", ["16", "100", "4096", "native mover"])
 def test_inner_dim_chunks_cast_and_split_per_expert(
     ep_suite: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slab: str
 ) -> None:
-    """FSDP on dim 1 (uneven 3/2 shards): every slab is many partial-row segments that cross piece boundaries."""
-    monkeypatch.setenv("CKPTTOOL_SLAB_BYTES", slab)
+    """FSDP on dim 1 (uneven 3/2 shards): every slab is many partial-row segments that cross piece boundaries.
+
+    With a slab size the Python slab loop runs; ``native mover``: one native call per chunk where built."""
+    if slab.isdigit():
+        monkeypatch.setenv("CKPTTOOL_SLAB_BYTES", slab)
+        _slab_path_only(monkeypatch)
     src = ep_suite / "legacy_dim1"
     ref = _torch_model(src)
     out = tmp_path / "o"
@@ -163,13 +174,17 @@ def test_inner_dim_chunks_cast_and_split_per_expert(
     assert res.bytes_read == sum(t.numel() * t.element_size() for t in ref.values())
 
 
+@pytest.mark.parametrize("mover", [True, False])
 def test_legacy_unpermute_and_split_equal_the_true_state(
-    ep_suite: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ep_suite: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mover: bool
 ) -> None:
-    """Block-transposed expert slabs (P=2, F=2 on dim 0): experts come out in true order, fused and split."""
+    """Block-transposed expert slabs (P=2, F=2 on dim 0): experts come out in true order, fused and split
+    (by the native record mover where built, and by 64-byte slabs)."""
     from ckpttool.layouts.declaration import LayoutDeclaration
 
     monkeypatch.setenv("CKPTTOOL_SLAB_BYTES", "64")
+    if not mover:
+        _slab_path_only(monkeypatch)
     truth = true_state(8)
     decl = LayoutDeclaration(source_layout="legacy", ep_size=2, ep_fsdp_size=2)
     for experts in ("fused", "per-expert"):
