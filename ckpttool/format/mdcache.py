@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.format import cache, limits
-from ckpttool.format.mdstorage import DuplicateKeys, StorageTable
+from ckpttool.format.mdstorage import DuplicateKeys, StorageTable, compact
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo
 from ckpttool.format.metadata import TensorMeta as _TensorMeta
 from ckpttool.format.unpickler import (
@@ -212,12 +212,12 @@ def _encode_table(table: StorageTable, col: dict[str, array[int]], s: _Strings) 
         col["tds_len"].append(len(tds))
         col["tds_ids"].extend(s(x) for x in tds)
     col["storage_fqn"].extend(map(ids.__getitem__, table.fqn))
-    col["storage_tuple"].extend(table.tup)
+    col["storage_tuple"].extend(iter(table.tup))
     col["storage_path"].extend(map(ids.__getitem__, table.path))
-    col["storage_offset"].extend(table.offset)
-    col["storage_length"].extend(table.length)
+    col["storage_offset"].extend(iter(table.offset))
+    col["storage_length"].extend(iter(table.length))
     col["storage_tds"].extend(
-        table.tds if table.tds is not None and table.descriptors is not None else repeat(0, len(table))
+        iter(table.tds) if table.tds is not None and table.descriptors is not None else repeat(0, len(table))
     )
 
 
@@ -481,8 +481,11 @@ def _decode_storage(
         raise CorruptEntry("offsets tuples given twice")  # encode writes each once; keys compare by id
     if len(set(strings)) != ns:
         raise CorruptEntry("strings given twice")
+    # copies, not views of the entry, so that its bytes are freed with the decode; ids as 32-bit ints
+    tds = compact(s_tds) if max(s_tds) > 0 else None  # None: every record has no descriptors
+    fqn, tup, path = compact(s_fqn), compact(s_tup), compact(s_path)
     try:
-        return StorageTable(strings, offsets, descriptors, s_fqn, s_tup, s_path, s_off, s_len, s_tds)  # type: ignore[arg-type]
+        return StorageTable(strings, offsets, descriptors, fqn, tup, path, array("q", s_off), array("q", s_len), tds)  # type: ignore[arg-type]
     except DuplicateKeys as e:
         raise CorruptEntry("duplicate storage keys") from e
     except ValueError as e:  # an fqn or tuple id out of range

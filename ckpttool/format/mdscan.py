@@ -24,7 +24,7 @@ from typing import Any
 
 from ckpttool.engine import native
 from ckpttool.format import limits
-from ckpttool.format.mdstorage import StorageTable
+from ckpttool.format.mdstorage import StorageTable, compact
 from ckpttool.format.metadata import (
     DTYPE_ITEMSIZE,
     BytesMeta,
@@ -202,8 +202,9 @@ def _entries(ent: memoryview, chk: memoryview, shapes: list[Any], strs: list[str
 
 def _storage(sto: memoryview, shapes: list[Any], strs: list[str]) -> StorageTable | dict[Any, StorageInfo]:
     """Storage items from the (checked) storage columns: a :class:`StorageTable` of copies of the five columns
-    (the kernel's are freed after this), no object per item."""
+    (the kernel's are freed after this; ids as 32-bit ints, 28 bytes an item), no object per item."""
     if not sto:
         return {}
-    fqn, tup, path, offset, length = (memoryview(sto[i::5].tobytes()).cast("q") for i in range(5))
+    fqn, tup, path = (compact(sto[i::5]) for i in range(3))
+    offset, length = (memoryview(sto[i::5].tobytes()).cast("q") for i in (3, 4))
     return StorageTable(strs, shapes[:-1], None, fqn, tup, path, offset, length)

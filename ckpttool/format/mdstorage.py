@@ -89,8 +89,8 @@ def _flat(col: Sequence[int]) -> bool:
 
 def _q(col: Sequence[int]) -> memoryview:
     """``col`` as contiguous int64 bytes."""
-    if _flat(col):
-        return memoryview(col).cast("B")
+    if isinstance(col, memoryview) and _flat(col):
+        return col.cast("B")
     return memoryview(array("q", col)).cast("B")
 
 
@@ -121,6 +121,15 @@ def _group_python(
         first[s] = total
     ordered = list(map(keys.__getitem__, rows))
     return sum(map(int.__eq__, ordered[1:], ordered[:-1]))
+
+
+def compact(ids: Sequence[int]) -> Sequence[int]:
+    """An id column as 32-bit ints (4 bytes a value instead of 8; ids count strings or tuples, < 2^31).
+
+    Raises:
+        OverflowError: an id outside the 32-bit range.
+    """
+    return array("i", ids)
 
 
 class StorageTable(Mapping[Key, StorageInfo]):
@@ -183,8 +192,8 @@ class StorageTable(Mapping[Key, StorageInfo]):
     # ------------------------------------------------------------------ one record
     def row(self, key: Key) -> int:
         """The record number of ``key``, or ``-1``."""
-        s = self._sid.get(key[0])
-        t = self._tid.get(key[1], -2) if s is not None else -2
+        s = self._sid.get(key[0], -1)
+        t = self._tid.get(key[1], -2) if s >= 0 else -2
         if t == -2:
             return -1
         a, b = self._first[s], self._first[s + 1]
@@ -209,7 +218,7 @@ class StorageTable(Mapping[Key, StorageInfo]):
         return self.info(r)
 
     def __contains__(self, key: object) -> bool:
-        return type(key) is tuple and len(key) == 2 and self.row(key) >= 0  # type: ignore[arg-type]
+        return type(key) is tuple and len(key) == 2 and self.row(key) >= 0
 
     def __len__(self) -> int:
         return len(self.fqn)
