@@ -88,7 +88,12 @@ def test_a_key_given_twice_or_an_id_out_of_range_is_refused(kernels: str) -> Non
 def test_cache_entry_of_a_table_decodes_to_the_same_records(kernels: str) -> None:
     layout = TensorMeta(DType("float32"), (8, 4), (ChunkMeta((0, 0), (4, 4)), ChunkMeta((4, 0), (4, 4))))
     vec = TensorMeta(DType("float32"), (4,), (ChunkMeta((0,), (2,)), ChunkMeta((2,), (2,))))
-    entries: dict[str, TensorMeta | BytesMeta] = {"w": layout, "b": vec, "opt": BytesMeta(), "big": TensorMeta(DType("int8"), (4,), ())}
+    entries: dict[str, TensorMeta | BytesMeta] = {
+        "w": layout,
+        "b": vec,
+        "opt": BytesMeta(),
+        "big": TensorMeta(DType("int8"), (4,), ()),
+    }
     for storage in (_table(ROWS + BIG), _dict(ROWS + BIG)):
         md = CheckpointMetadata(entries=entries, storage=storage, version="1.0.0")
         blob = mdcache.encode(md, "0" * 64, 123)
