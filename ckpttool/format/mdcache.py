@@ -304,7 +304,7 @@ def _header(blob: bytes, digest: str, size: int) -> dict[str, Any]:
     (hlen,) = struct.unpack("<Q", mv[8:16])
     if hlen > len(mv) - 16:
         raise CorruptEntry("truncated header")
-    header = json.loads(bytes(mv[16 : 16 + hlen]).decode("ascii"))
+    header = json.loads(str(mv[16 : 16 + hlen], "ascii"))  # one copy, the text
     if type(header) is not dict or header.get("format") != 3 or header.get("parser") != PARSER_VERSION:
         raise CorruptEntry("other format or parser version")
     if header.get("sha256") != digest or header.get("size") != size:
@@ -565,7 +565,7 @@ def parse_metadata_taken(
 
     With the caller's only reference handed over and ``reread`` given (reads the same file
     again), a cache hit frees the ``.metadata`` bytes (hundreds of MB at 10^6 entries) as soon as
-    the entry's checksum and header match them, so they and the entry are never both decoded in
+    an entry under their digest is read, so they and the entry are never both decoded in
     memory. An entry that fails a later check is ignored as always: the file is read again and
     parsed (and cached only when its digest is still the one looked up).
 
@@ -574,6 +574,13 @@ def parse_metadata_taken(
     """
     with gc_paused():  # the format layer's one pause: ~10 acyclic objects per entry, decoded or unpickled
         return _parse_taken(holder, source, reread)
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # an unusable cache directory is never an error
+        return False
 
 
 def _parse_taken(holder: list[bytes], source: str, reread: Callable[[], bytes] | None) -> CheckpointMetadata:
@@ -587,12 +594,12 @@ def _parse_taken(holder: list[bytes], source: str, reread: Callable[[], bytes] |
     digest = hashlib.sha256(data).hexdigest()
     size = len(data)
     path = entry_path(digest)
+    if reread is not None and _is_file(path):
+        data = None  # an entry under this digest: the bytes are not needed unless it fails below (re-read then)
     blob = cache.read_entry(path, logger=log)
     if blob is not None:
         try:
             header = _check_entry(blob, digest, size)
-            if reread is not None:
-                data = None  # the entry is for these bytes: not needed unless it fails below
             taken = [blob]
             del blob
             md = _decode_owned(taken, header)

@@ -181,9 +181,8 @@ class StorageTable(Mapping[Key, StorageInfo]):
         self.strings, self.tuples, self.descriptors = strings, tuples, descriptors
         self.fqn, self.tup, self.path, self.offset, self.length, self.tds = fqn, tup, path, offset, length, tds
         self._first, self._order, self._tsorted = _group(fqn, tup, len(strings), len(tuples))
-        first = self._first
-        # fqn -> string id for the fqns that have records (C-level: no Python loop over the records)
-        used = [s for s in range(len(strings)) if first[s + 1] != first[s]] if len(fqn) else []
+        # fqn -> string id of the fqns that have records (C-level: no Python loop over the records)
+        used = set(fqn)
         self._sid: dict[str, int] = dict(zip(map(strings.__getitem__, used), used))
         self._tid: dict[tuple[int, ...] | None, int] = dict(zip(tuples, range(len(tuples))))
         self._tid[None] = -1
@@ -300,12 +299,23 @@ class StorageTable(Mapping[Key, StorageInfo]):
     def extents(self) -> dict[str, int]:
         """Data file -> the end of its last record (``offset + length``; files whose records all end at 0 left
         out), in the order of the first record ending past 0."""
-        ends: dict[int, int] = {}
-        get = ends.get
-        for p, end in zip(self.path, map(add, self.offset, self.length)):
-            if end > get(p, 0):
-                ends[p] = end
-        return {self.strings[p]: end for p, end in ends.items()}
+        kernel = native.function(
+            "ckpt_md_extents", ctypes.c_int64, *[ctypes.c_char_p] * 3, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 2
+        )
+        if kernel is None or not len(self):
+            ends: dict[int, int] = {}
+            get = ends.get
+            for p, end in zip(self.path, map(add, self.offset, self.length)):
+                if end > get(p, 0):
+                    ends[p] = end
+            return {self.strings[p]: end for p, end in ends.items()}
+        n, ns = len(self), len(self.strings)
+        end, first = _ints(ns), _ints(ns)
+        cols = (bytes(_q(self.path)), bytes(_q(self.offset)), bytes(_q(self.length)))
+        if kernel(*cols, n, ns, _address(end), _address(first)) != 0:
+            raise ValueError("storage path id out of range")
+        used = sorted((first[p], p) for p in set(self.path) if first[p] < n)
+        return {self.strings[p]: end[p] for _, p in used}
 
     def has_transforms(self) -> bool:
         """Whether any record names a stream transform."""

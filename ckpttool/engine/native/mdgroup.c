@@ -71,3 +71,24 @@ int64_t ckpt_md_find(const int64_t *first, const int64_t *order, const int64_t *
     }
     return missing;
 }
+
+/* How far each data file must reach: end[p] = the largest offset[i] + length[i] of the records with
+ * path[i] == p (0 where none ends past 0), first[p] = the first record ending past 0 (n where none).
+ * Ids in [0, npath) (-1 returned otherwise); end[] and first[] hold npath values. */
+int64_t ckpt_md_extents(const int64_t *path, const int64_t *offset, const int64_t *length, int64_t n, int64_t npath,
+                        int64_t *end, int64_t *first) {
+    for (int64_t p = 0; p < npath; p++) {
+        end[p] = 0;
+        first[p] = n;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        int64_t p = path[i];
+        if (p < 0 || p >= npath) return -1;
+        int64_t e = offset[i] + length[i]; /* both checked >= 0 and their sum within int64 by every builder */
+        if (e > end[p]) {
+            if (first[p] == n) first[p] = i;
+            end[p] = e;
+        }
+    }
+    return 0;
+}
