@@ -12,7 +12,6 @@ thread (positional reads). File layout: torch's ``FileSystemWriter``
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import re
 import stat
@@ -37,6 +36,7 @@ from ckpttool.format.digest import DEFAULT_ALGORITHM, digest_bytes
 from ckpttool.format.files import _kind, copy_regular, open_regular, read_regular, resolve_inside
 from ckpttool.format.hf_storage import hf_storage_files, load_hf_storage_metadata, shard_rank
 from ckpttool.format.mdcache import parse_metadata_taken
+from ckpttool.format.mdstorage import referenced_paths
 from ckpttool.format.metadata import CheckpointMetadata, ChunkMeta, StorageInfo
 from ckpttool.format.rank_local import merge_rank_metadata, rank_metadata_names
 from ckpttool.format.storage import RemoteStore, Spool, is_url, local_path
@@ -53,7 +53,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_relative_path = operator.itemgetter(0)  # StorageInfo.relative_path, at C speed
 DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 METADATA_NAME = ".metadata"
 
@@ -441,7 +440,7 @@ class CheckpointDir:
 
     def data_files(self) -> list[str]:
         """Relative paths referenced by ``storage_data`` (sorted, unique)."""
-        return sorted(set(map(_relative_path, self.metadata.storage.values())))
+        return sorted(referenced_paths(self.metadata.storage))
 
     def storage_info(self, fqn: str, chunk: ChunkMeta | None = None) -> StorageInfo:
         """Storage info of a chunk (or byte item), bounds-checked against its file.

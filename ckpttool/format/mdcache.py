@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.format import cache, limits
+from ckpttool.format.mdstorage import DuplicateKeys, StorageTable, compact
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo
 from ckpttool.format.metadata import TensorMeta as _TensorMeta
 from ckpttool.format.unpickler import (
@@ -168,6 +169,9 @@ def _encode_entries(md: CheckpointMetadata, col: dict[str, array[int]], s: _Stri
 
 def _encode_storage(md: CheckpointMetadata, col: dict[str, array[int]], s: _Strings) -> None:
     """The ``tuple_*``, ``tds_*`` and ``storage_*`` columns (distinct offsets and descriptor tuples once)."""
+    if isinstance(md.storage, StorageTable):
+        _encode_table(md.storage, col, s)
+        return
     tuples: dict[tuple[int, ...], int] = {}
     tds_ids: dict[tuple[str, ...], int] = {(): 0}
     col["tds_len"].append(0)
@@ -192,6 +196,29 @@ def _encode_storage(md: CheckpointMetadata, col: dict[str, array[int]], s: _Stri
             col["tds_len"].append(len(tds))
             col["tds_ids"].extend(s(t) for t in tds)
         col["storage_tds"].append(did)
+
+
+def _encode_table(table: StorageTable, col: dict[str, array[int]], s: _Strings) -> None:
+    """:func:`_encode_storage` of a :class:`StorageTable`: its columns with the string ids renumbered (C-level maps).
+
+    The table's tuples are distinct (its constructor's grouping relies on it), so they are written as they are.
+    """
+    ids = list(map(s, table.strings))
+    for t in table.tuples:
+        col["tuple_ndim"].append(len(t))
+        col["tuple_dims"].extend(t)
+    descriptors = table.descriptors if table.descriptors is not None and table.tds is not None else [()]
+    for tds in descriptors:
+        col["tds_len"].append(len(tds))
+        col["tds_ids"].extend(s(x) for x in tds)
+    col["storage_fqn"].extend(map(ids.__getitem__, table.fqn))
+    col["storage_tuple"].extend(iter(table.tup))
+    col["storage_path"].extend(map(ids.__getitem__, table.path))
+    col["storage_offset"].extend(iter(table.offset))
+    col["storage_length"].extend(iter(table.length))
+    col["storage_tds"].extend(
+        iter(table.tds) if table.tds is not None and table.descriptors is not None else repeat(0, len(table))
+    )
 
 
 def _encode_planner(md: CheckpointMetadata, col: dict[str, array[int]], s: _Strings) -> list[list[Any]]:
@@ -277,7 +304,7 @@ def _header(blob: bytes, digest: str, size: int) -> dict[str, Any]:
     (hlen,) = struct.unpack("<Q", mv[8:16])
     if hlen > len(mv) - 16:
         raise CorruptEntry("truncated header")
-    header = json.loads(bytes(mv[16 : 16 + hlen]).decode("ascii"))
+    header = json.loads(str(mv[16 : 16 + hlen], "ascii"))  # one copy, the text
     if type(header) is not dict or header.get("format") != 3 or header.get("parser") != PARSER_VERSION:
         raise CorruptEntry("other format or parser version")
     if header.get("sha256") != digest or header.get("size") != size:
@@ -433,8 +460,9 @@ def _decode_tuples(
 
 def _decode_storage(
     col: dict[str, Sequence[int]], strings: list[str], shared: dict[tuple[int, ...], tuple[int, ...]]
-) -> dict[tuple[str, tuple[int, ...] | None], StorageInfo]:
-    """Storage items: columns checked with min/max, then built in C (zip/map, tuple.__new__)."""
+) -> StorageTable | dict[tuple[str, tuple[int, ...] | None], StorageInfo]:
+    """Storage items: columns checked with min/max, then a :class:`StorageTable` over them (views of the entry:
+    no object per item)."""
     tuples, descriptors = _decode_tuples(col, strings, shared)
     ns = len(strings)
     s_fqn, s_tup, s_path = col["storage_fqn"], col["storage_tuple"], col["storage_path"]
@@ -442,18 +470,26 @@ def _decode_storage(
     n = len(s_fqn)
     if not n == len(s_tup) == len(s_path) == len(s_off) == len(s_len) == len(s_tds):
         raise CorruptEntry("storage columns differ in length")
-    _ids(s_fqn, 0, ns, "storage fqn string")
     _ids(s_path, 0, ns, "relative path string")
-    _ids(s_tup, -1, len(tuples) - 1, "offsets tuple")
     _ids(s_tds, 0, len(descriptors), "descriptor tuple")
     if n and (min(s_off) < 0 or min(s_len) < 0 or max(map(operator.add, s_off, s_len)) > MAX_OFFSET):
         raise CorruptEntry("storage range out of bounds")
-    keys = zip(map(strings.__getitem__, s_fqn), map(tuples.__getitem__, s_tup))
-    rows = zip(map(strings.__getitem__, s_path), s_off, s_len, map(descriptors.__getitem__, s_tds))
-    storage = dict(zip(keys, map(tuple.__new__, repeat(StorageInfo), rows)))
-    if len(storage) != n:
-        raise CorruptEntry("duplicate storage keys")
-    return storage
+    if not n:
+        return {}
+    offsets = tuples[:-1]  # index -1 (None) is the table's own
+    if len(set(offsets)) != len(offsets):
+        raise CorruptEntry("offsets tuples given twice")  # encode writes each once; keys compare by id
+    if len(set(strings)) != ns:
+        raise CorruptEntry("strings given twice")
+    # copies, not views of the entry, so that its bytes are freed with the decode; ids as 32-bit ints
+    tds = compact(s_tds) if max(s_tds) > 0 else None  # None: every record has no descriptors
+    fqn, tup, path = compact(s_fqn), compact(s_tup), compact(s_path)
+    try:
+        return StorageTable(strings, offsets, descriptors, fqn, tup, path, array("q", s_off), array("q", s_len), tds)  # type: ignore[arg-type]
+    except DuplicateKeys as e:
+        raise CorruptEntry("duplicate storage keys") from e
+    except ValueError as e:  # an fqn or tuple id out of range
+        raise CorruptEntry(f"storage {e}") from e
 
 
 def _decode_planner(col: dict[str, Sequence[int]], strings: list[str], raw: Any) -> dict[str, tuple[Any, ...]]:
@@ -529,7 +565,7 @@ def parse_metadata_taken(
 
     With the caller's only reference handed over and ``reread`` given (reads the same file
     again), a cache hit frees the ``.metadata`` bytes (hundreds of MB at 10^6 entries) as soon as
-    the entry's checksum and header match them, so they and the entry are never both decoded in
+    an entry under their digest is read, so they and the entry are never both decoded in
     memory. An entry that fails a later check is ignored as always: the file is read again and
     parsed (and cached only when its digest is still the one looked up).
 
@@ -538,6 +574,13 @@ def parse_metadata_taken(
     """
     with gc_paused():  # the format layer's one pause: ~10 acyclic objects per entry, decoded or unpickled
         return _parse_taken(holder, source, reread)
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # an unusable cache directory is never an error
+        return False
 
 
 def _parse_taken(holder: list[bytes], source: str, reread: Callable[[], bytes] | None) -> CheckpointMetadata:
@@ -551,12 +594,12 @@ def _parse_taken(holder: list[bytes], source: str, reread: Callable[[], bytes] |
     digest = hashlib.sha256(data).hexdigest()
     size = len(data)
     path = entry_path(digest)
+    if reread is not None and _is_file(path):
+        data = None  # an entry under this digest: the bytes are not needed unless it fails below (re-read then)
     blob = cache.read_entry(path, logger=log)
     if blob is not None:
         try:
             header = _check_entry(blob, digest, size)
-            if reread is not None:
-                data = None  # the entry is for these bytes: not needed unless it fails below
             taken = [blob]
             del blob
             md = _decode_owned(taken, header)

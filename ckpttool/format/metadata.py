@@ -12,6 +12,7 @@ produces them; nothing else in ckpttool reads the pickle.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -163,7 +164,8 @@ class CheckpointMetadata:
 
     Attributes:
         entries: flattened key -> :class:`TensorMeta` or :class:`BytesMeta`, in file order.
-        storage: ``(fqn, chunk offsets or None)`` -> :class:`StorageInfo`.
+        storage: ``(fqn, chunk offsets or None)`` -> :class:`StorageInfo`: a dict, or (native column reader,
+            parsed-metadata cache) a read-only :class:`~ckpttool.format.mdstorage.StorageTable` over columns.
         planner_data: flattened key -> tuple path in the original nested state dict, or ``{}``.
         version: DCP metadata version string (``"1.0.0"``) or ``None``.
         checkpoint_id: the path the checkpoint was saved to, as a string, if recorded.
@@ -174,7 +176,7 @@ class CheckpointMetadata:
     """
 
     entries: dict[str, TensorMeta | BytesMeta]
-    storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo]
+    storage: Mapping[tuple[str, tuple[int, ...] | None], StorageInfo]
     planner_data: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     version: str | None = None
     checkpoint_id: str | None = None

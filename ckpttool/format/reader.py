@@ -21,6 +21,7 @@ import os
 import pickle
 import sys
 from collections.abc import Callable
+from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -53,6 +54,7 @@ from ckpttool.format.archive import (
 )
 from ckpttool.format.directory import CheckpointDir
 from ckpttool.format.locator import ChunkLocation, decode_transforms, locate_chunk, tensor_meta
+from ckpttool.format.mdstorage import storage_infos
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.format.tiling import tiling_problem
 from ckpttool.format.unpickler import PrimitiveUnpickler, check_object_graph
@@ -66,6 +68,7 @@ __all__ = ["CheckpointReader", "SavedTensor", "load_saved_object", "SMALL_SPAN"]
 #: between neighbouring archives it reads through (docs/performance.md, export of 10^6 tensors).
 SMALL_SPAN = 1 << 20
 _SMALL_GAP = 64 << 10
+_FQN = itemgetter(0)  # the fqn of an (fqn, chunk) item
 #: The most archive layouts (length, dtype, shape) :meth:`CheckpointReader.read_small_chunks` keeps a template of.
 _MAX_TEMPLATES = 256
 # unless numpy is imported already, calls with fewer chunks check each archive one by one: the
@@ -213,8 +216,8 @@ class CheckpointReader(CheckpointDir):
         out: list[memoryview | None] = [None] * len(items)
         if self.remote is not None or self.metadata.serialization != "torch_save":
             return out
-        storage_get = self.metadata.storage.get  # storage_for(fqn, chunk), without a call per chunk
-        infos = [storage_get((fqn, chunk.offsets)) for fqn, chunk in items]
+        # storage_for(fqn, chunk) of every item, in bulk (one C lookup per item for a column table)
+        infos = storage_infos(self.metadata.storage, map(_FQN, items), (chunk.offsets for _, chunk in items))
         order = [  # (file, offset, length, item index)
             (info.relative_path, info.offset, info.length, k)
             for k, info in enumerate(infos)

@@ -16,7 +16,7 @@ import math
 import os
 import re
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from itertools import chain, compress, filterfalse, repeat
 from operator import add, and_, eq, getitem, is_, itemgetter, not_
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ckpttool.errors import CkptError, IndexedOptimizerStateError, OptimStateError, PlannerDataError
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.listing import FileListing, list_files
+from ckpttool.format.mdstorage import chunk_paths, referenced_paths
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.layouts.record import LAYOUT_KEY, SIDECAR_NAME
 from ckpttool.model.schemas import registry
@@ -427,8 +428,8 @@ class _EntryBuilder:
     object, data file), and an entry is its key joined to that tuple.
     """
 
-    def __init__(self, md_storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo]) -> None:
-        self.get = md_storage.get
+    def __init__(self, md_storage: Mapping[tuple[str, tuple[int, ...] | None], StorageInfo]) -> None:
+        self.storage, self.get = md_storage, md_storage.get
         self.by_path: dict[str | None, tuple[tuple[str, ...], tuple[str | None, ...], tuple[int, ...]]] = {}
         self.by_files: dict[tuple[str, ...], tuple[int, ...]] = {}
         self.numel: dict[int, tuple[tuple[int, ...], int]] = {}
@@ -486,7 +487,6 @@ class _EntryBuilder:
         layouts = dict(zip(map(id, metas), metas))
         if len(layouts) * 4 > len(metas):  # layouts not shared (metadata built by hand): one by one
             return dict(zip(keys, map(self, keys, metas)))
-        get = self.get
         offsets = {i: m.chunks[0].offsets for i, m in layouts.items() if len(m.chunks) == 1}
         tails = {i: _Tails(self, m) for i, m in layouts.items()}
         out: dict[str, Any] | None = None  # with tensors of zero or several chunks: every key, in order
@@ -498,7 +498,7 @@ class _EntryBuilder:
                 several[id(m)].append(k)
             for i, group in several.items():  # per layout: the data file of each chunk, column by column
                 chunks = layouts[i].chunks
-                cols = [map(_REL, map(get, zip(group, repeat(c.offsets)), repeat(_NO_RECORD))) for c in chunks]
+                cols = [chunk_paths(self.storage, group, repeat(c.offsets, len(group))) for c in chunks]
                 files = zip(*cols) if cols else repeat((), len(group))
                 out.update(
                     zip(
@@ -507,7 +507,7 @@ class _EntryBuilder:
                     )
                 )
             keys, metas = list(compress(keys, one)), list(compress(metas, one))
-        rels = map(_REL, map(get, zip(keys, map(offsets.__getitem__, map(id, metas))), repeat(_NO_RECORD)))
+        rels = chunk_paths(self.storage, keys, map(offsets.__getitem__, map(id, metas)))
         tails_of = map(tails.__getitem__, map(id, metas))
         built = map(_new_entry, repeat(TensorEntry), map(add, zip(keys), map(getitem, tails_of, rels)))
         if out is None:
@@ -542,8 +542,6 @@ class _Tails(dict[Any, tuple[Any, ...]]):
 
 
 _new_entry = tuple.__new__
-_REL = itemgetter(0)  # StorageInfo.relative_path
-_NO_RECORD = (None,)  # what _REL reads for a chunk without a storage record
 
 
 class _Inventory:
@@ -737,7 +735,7 @@ def build_catalog(
     del metas
     rest = _Sorter(cd, sch, planner, model, entry)
     rest.sort(compress(entries.items(), map(not_, is_model)))  # the rest, in order
-    referenced = set(map(_REL, md.storage.values()))
+    referenced = referenced_paths(md.storage)
     files = list_files(cd, referenced, SIDECAR_NAME)
     data_files, extra = _files(files, referenced)
     ranks = tuple(sorted({f.rank for f in data_files if f.rank is not None and f.referenced}))

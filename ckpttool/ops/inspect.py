@@ -22,6 +22,7 @@ from typing import Any
 
 from ckpttool.errors import CkptError, TrustRequiredError, UsageError
 from ckpttool.format.jsonview import json_fields
+from ckpttool.format.mdstorage import file_extents
 from ckpttool.layouts.geometry import EPGeometry
 from ckpttool.layouts.record import EPTensorSpec
 from ckpttool.model.beside import TrainerState, read_training_state_beside
@@ -580,13 +581,7 @@ def _layout_section(ckpt: Checkpoint) -> LayoutSummary | None:
 
 def _needed_bytes(ckpt: Checkpoint) -> dict[str, int]:
     """Bytes each data file must hold: the end of its last record (metadata only; no data read)."""
-    needed: dict[str, int] = {}
-    get = needed.get
-    for rel, offset, length, _ in ckpt.metadata.storage.values():
-        end = offset + length
-        if end > get(rel, 0):
-            needed[rel] = end
-    return needed
+    return file_extents(ckpt.metadata.storage)
 
 
 def _file_status(size: int | None, needed: int, referenced: bool) -> str:

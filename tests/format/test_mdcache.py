@@ -171,13 +171,28 @@ def _forge(md: CheckpointMetadata, data: bytes, edit: str) -> bytes:
         cols["storage_offset"][0] = -5
     elif edit == "chunk count":
         cols["layout_nchunks"][0] += 1
+    elif edit == "storage key twice":
+        cols["storage_fqn"][1], cols["storage_tuple"][1] = cols["storage_fqn"][0], cols["storage_tuple"][0]
+    elif edit == "storage fqn id":
+        cols["storage_fqn"][0] = len(header["strings"])
+    elif edit == "string twice":
+        header["strings"].append(header["strings"][cols["storage_fqn"][0]])
+    elif edit == "tuple twice":
+        n = cols["tuple_ndim"][0]
+        cols["tuple_ndim"].append(n)
+        cols["tuple_dims"].extend(cols["tuple_dims"][:n])
+    header["columns"] = [len(cols[n]) for n in mdcache._COLUMNS]
     head = json.dumps(header).encode()
     body = blob[:8] + len(head).to_bytes(8, "little") + head + b"".join(cols[n].tobytes() for n in mdcache._COLUMNS)
     return body + xxhash.xxh3_128_digest(body)
 
 
 @pytest.mark.parametrize(
-    "edit", ["string id", "huge dim", "dtype", "other bytes", "parser", "planner", "storage range", "chunk count"]
+    "edit",
+    [
+        *("string id", "huge dim", "dtype", "other bytes", "parser", "planner", "storage range", "chunk count"),
+        *("storage key twice", "storage fqn id", "string twice", "tuple twice"),
+    ],
 )
 def test_forged_entry_is_refused(edit: str, dense_ckpt: Path) -> None:
     data = (dense_ckpt / ".metadata").read_bytes()

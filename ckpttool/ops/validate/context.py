@@ -16,6 +16,7 @@ from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import CkptError, DataFileError, PathEscapeError
+from ckpttool.format.mdstorage import storage_infos
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.layouts.declaration import ResolvedLayout
 from ckpttool.model.catalog import Catalog, ParamGroup
@@ -113,9 +114,9 @@ def _storage_columns(md: CheckpointMetadata, distinct: dict[int, TensorMeta | By
         if list(map(_first, storage)) == keys and list(map(_second, storage)) == offsets:
             infos: list[StorageInfo | None] = list(storage.values())
         else:
-            infos = list(map(storage.get, zip(keys, offsets)))
+            infos = storage_infos(storage, keys, offsets)
     else:
-        infos = list(map(storage.get, zip(keys, offsets)))
+        infos = storage_infos(storage, keys, offsets)
     missing = None in infos
     transforms = any(map(_fourth, filter(None, infos)))
     return StorageColumns(keys, chunks, infos, needs, missing, transforms)
