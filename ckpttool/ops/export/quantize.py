@@ -855,7 +855,7 @@ class BlockQuantizer:
         touched: list[Any] = []  # the records read (checked whole before a band's error is reported)
         ncb = -(-cols // b)  # scales of a block band
         per = r1 - r0 if self.channel else (j1 - j0) * ncb  # the unit's scales
-        q = self._buffers.get("q", np.uint8, (r1 - r0) * cols)
+        q = _page_matched(self._buffers, "q", (r1 - r0) * cols, writer.offset(weight.name) + r0 * cols)
         scale = self._buffers.get("scale", np.float32, per)
         try:
             for j in range(j0, j1):  # each band read just before it is quantized (still in the cache)
@@ -1029,6 +1029,20 @@ class BlockQuantizer:
             }
             for k, v in sorted(self.stats.items())
         }
+
+
+def _page_matched(scratch: Any, name: str, n: int, offset: int) -> np.ndarray:
+    """``n`` bytes of ``scratch``'s buffer ``name`` starting at the same offset within a 4 KiB page as file offset
+    ``offset``: the kernel's copy into (or out of) the page cache runs ~3x slower per byte when the destination lies
+    a few bytes past the source modulo the page (``docs/performance.md``, "Quantized export")."""
+    import numpy as np
+
+    raw = scratch.get(name, np.uint8, n + _PAGE)
+    at = (offset - raw.ctypes.data) % _PAGE
+    return raw[at : at + n]
+
+
+_PAGE = 4096
 
 
 def _widen(raw: np.ndarray, dtype: str, dest: np.ndarray) -> None:
