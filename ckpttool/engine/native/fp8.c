@@ -1,6 +1,6 @@
-/* FP8 (float8_e4m3fn) quantization of one band of rows, checked as it goes (export --quantize).
+/* FP8 (float8_e4m3fn) quantization of bands of rows, checked as it goes (export --quantize).
  *
- * ckpt_fp8_band computes, for a band of [rows, cols] float32 or bfloat16 values, what the numpy
+ * ckpt_fp8_bands computes, for each band of [rows, cols] float32 or bfloat16 values, what the numpy
  * kernels fp8_block_quantize / fp8_channel_quantize, their dequantization and fp8_*_error compute
  * (ckpttool/engine/kernels.py), bit for bit, in one read of the band (per block: of each row, per
  * column, reduced per block once) or of each row (per channel) for the amax, and one pass that
@@ -14,7 +14,7 @@
  *   rel   = err / amax where amax > 0, else 0
  *
  * Every step is one IEEE float32 operation (built with -ffp-contract=off, no fast-math, FTZ/DAZ off),
- * so each clone below gives the same bits. The caller refuses a band whose scale is non-finite
+ * so each clone below, and the AVX2 kernel, gives the same bits. The caller refuses a band whose scale is non-finite
  * or zero for a non-zero block before it uses q or the error figures.
  */
 /* no FP exception flags are read: lets the loops below be if-converted and vectorized (values unchanged) */
@@ -364,7 +364,7 @@ AVX2 static void column_amax_avx2(const void *restrict src, int bf16, int64_t ro
     }
 }
 
-/* The band on AVX2 (the figures of ckpt_fp8_band): per channel row by row; per block the amax per column in
+/* The band on AVX2 (the figures of one_band): per channel row by row; per block the amax per column in
  * one pass over the rows, then row by row each block's run, its error maxima per lane. Returns 0 when its
  * per-column / per-block arrays cannot be allocated (the caller runs the scalar code). */
 AVX2 static int band_avx2(const void *restrict src, int bf16, int64_t rows, int64_t cols, int64_t block,
@@ -416,17 +416,10 @@ AVX2 static int band_avx2(const void *restrict src, int bf16, int64_t rows, int6
 }
 #endif
 
-/* Quantize one band of rows to float8_e4m3fn and measure its dequantization error.
- *
- * src: [rows, cols] C-contiguous, float32 (bf16 = 0) or bfloat16 bits (bf16 = 1); read only.
- * block: B of B x B blocks (rows <= B: one scale per column block, ceil(cols / B) of them), or 0 for
- *     one scale per row (compressed-tensors "channel").
- * q: [rows, cols] e4m3fn bytes out; scale, amax: float32 [ceil(cols / B)] or [rows] out.
- * figures: [2] out: max |q * scale - w| over the band, and the largest per-block (row) err / amax.
- */
+/* One band (ckpt_fp8_bands): figures[0..1] = max |q * scale - w|, the largest per-block (row) err / amax. */
 CKPT_CLONES
-void ckpt_fp8_band(const void *restrict src, int32_t bf16, int64_t rows, int64_t cols, int64_t block, uint8_t *restrict q,
-                   float *restrict scale, float *restrict amax, double *restrict figures) {
+static void one_band(const void *restrict src, int bf16, int64_t rows, int64_t cols, int64_t block, uint8_t *restrict q,
+                     float *restrict scale, float *restrict amax, double *restrict figures) {
     float worst = 0.0f, rel = 0.0f;
 #ifdef CKPT_X86
     if (ckpt_have_avx2() && band_avx2(src, bf16, rows, cols, block, q, scale, amax, &worst, &rel)) {
@@ -466,4 +459,24 @@ void ckpt_fp8_band(const void *restrict src, int32_t bf16, int64_t rows, int64_t
     }
     figures[0] = worst;
     figures[1] = rel;
+}
+
+/* Quantize consecutive bands of rows to float8_e4m3fn and measure each band's dequantization error.
+ *
+ * src: [rows, cols] C-contiguous, float32 (bf16 = 0) or bfloat16 bits (bf16 = 1); read only.
+ * band_rows: rows per band (> 0): bands [k * band_rows, min(rows, (k + 1) * band_rows)), nb = ceil(rows / band_rows).
+ * block: B of B x B blocks (band_rows <= B: one scale per column block of a band, ceil(cols / B) of them), or
+ *     0 for one scale per row (compressed-tensors "channel").
+ * q: [rows, cols] e4m3fn bytes out; scale, amax: float32 out, per band in order: [nb * ceil(cols / B)] or [rows].
+ * figures: [nb, 2] out: per band max |q * scale - w|, and its largest per-block (row) err / amax.
+ */
+void ckpt_fp8_bands(const void *restrict src, int32_t bf16, int64_t rows, int64_t cols, int64_t block,
+                    int64_t band_rows, uint8_t *restrict q, float *restrict scale, float *restrict amax,
+                    double *restrict figures) {
+    int64_t item = bf16 ? 2 : 4, per = block > 0 ? (cols + block - 1) / block : 0;
+    for (int64_t r0 = 0, k = 0; r0 < rows; r0 += band_rows, k++) {
+        int64_t n = rows - r0 < band_rows ? rows - r0 : band_rows, at = block > 0 ? k * per : r0;
+        one_band((const char *)src + r0 * cols * item, bf16, n, cols, block, q + r0 * cols, scale + at, amax + at,
+                 figures + 2 * k);
+    }
 }
