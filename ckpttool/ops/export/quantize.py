@@ -859,10 +859,11 @@ class BlockQuantizer:
         unit = self._buffers.get(f"rows-{held.__name__}", held, (r1 - r0) * cols).reshape(r1 - r0, cols)
         try:
             for o0, s0, n, src in _source_ranges(qt.rows[k], r0, r1):
-                dest = unit[o0 - r0 : o0 - r0 + n]
-                self._read_rows(qt.sources[src], *metas[src], s0, s0 + n, dest, touched)
-                if merge is not None:  # PEFT's (B @ A) * scaling, in FP32, before the one rounding (to FP8)
-                    dest += (merge.b[s0 : s0 + n] @ merge.a) * np.float32(merge.scale)
+                self._read_rows(qt.sources[src], *metas[src], s0, s0 + n, unit[o0 - r0 : o0 - r0 + n], touched)
+            if merge is not None:  # PEFT's (B @ A) * scaling, in FP32, before the one rounding (to FP8), band by band
+                for a0, a1, _, _ in self._band_spans(r1 - r0, cols):
+                    for o0, s0, n, _ in _source_ranges(qt.rows[k], r0 + a0, r0 + a1):
+                        unit[o0 - r0 : o0 - r0 + n] += (merge.b[s0 : s0 + n] @ merge.a) * np.float32(merge.scale)
             self._quantize(weight.name, f"expert {e} " if len(weight.shape) > 2 else "", jj0, unit, q2, scale)
             if merge is not None and not merge.changed:
                 merge.changed = any(
