@@ -22,7 +22,7 @@ import numpy as np
 from ckpttool.engine import native
 from ckpttool.engine.kernels import Scratch
 
-__all__ = ["BandResult", "available", "quantize_band"]
+__all__ = ["BandResult", "BandsResult", "available", "quantize_band", "quantize_bands"]
 
 
 @dataclass(frozen=True)
@@ -45,13 +45,32 @@ class BandResult:
     rel: float
 
 
+@dataclass(frozen=True)
+class BandsResult:
+    """Consecutive quantized bands (:func:`quantize_bands`; this thread's scratch, valid until its next call).
+
+    Attributes:
+        q: ``uint8`` ``[rows, cols]`` e4m3fn bytes.
+        scale: float32 scales, band after band: ``ceil(cols / block)`` per band, or one per row.
+        amax: float32 ``max |w|`` per block / row, as ``scale``.
+        worst: float64 ``[bands]``: each band's ``max |q * scale - w|``.
+        rel: float64 ``[bands]``: each band's largest ``max |q * scale - w| / amax`` of a block / row.
+    """
+
+    q: np.ndarray
+    scale: np.ndarray
+    amax: np.ndarray
+    worst: np.ndarray
+    rel: np.ndarray
+
+
 _scratch = Scratch(min_items=1)
 
 
 @cache
 def _kernel() -> Any:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    return native.function("ckpt_fp8_band", None, p, ctypes.c_int32, i64, i64, i64, p, p, p, p)
+    return native.function("ckpt_fp8_bands", None, p, ctypes.c_int32, i64, i64, i64, i64, p, p, p, p)
 
 
 def available() -> bool:
@@ -77,26 +96,54 @@ def quantize_band(
     Raises:
         RuntimeError: the native kernel is not available (check :func:`available` first).
     """
+    r = quantize_bands(band, block, max(1, band.shape[0]), q, scale)
+    return BandResult(r.q, r.scale, r.amax, float(r.worst[0]), float(r.rel[0]))
+
+
+def quantize_bands(
+    rows: np.ndarray, block: int | None, band_rows: int, q: np.ndarray | None = None, scale: np.ndarray | None = None
+) -> BandsResult:
+    """Quantize ``rows`` (``[n, cols]``) as bands of ``band_rows`` rows (the last may be shorter), in one native call.
+
+    Each band is what :func:`quantize_band` of it gives, bit for bit: one call per run of bands saves the
+    per-call Python work of a band.
+
+    Args:
+        rows: the source rows (read only): float32, float16 (widened to float32 first, exactly), or
+            ``uint16`` bfloat16 bit patterns.
+        block: ``B`` (``band_rows <= B``) or ``None`` (one scale per row), as for :func:`quantize_band`.
+        band_rows: rows per band (> 0).
+        q, scale: where to write the bytes (``uint8``, ``n * cols``) and the scales (float32, ``bands *
+            ceil(cols / B)`` or ``n``), C-contiguous; default: this thread's scratch.
+
+    Returns:
+        :class:`BandsResult`.
+
+    Raises:
+        RuntimeError: the native kernel is not available (check :func:`available` first).
+        ValueError: ``q`` or ``scale`` has the wrong dtype, size or layout.
+    """
     fn = _kernel()
     if fn is None:
         raise RuntimeError("the native FP8 kernel is not built or is turned off (CKPTTOOL_NATIVE=0)")
-    rows, cols = band.shape
-    if band.dtype == np.float16:  # widened exactly
-        wide = _scratch.get("wide", np.float32, band.size).reshape(rows, cols)
-        np.copyto(wide, band)
-        band = wide
-    elif band.dtype not in (np.float32, np.uint16):
-        raise TypeError(f"band of {band.dtype}: float32, float16 or uint16 (bfloat16 bits)")
-    band = np.ascontiguousarray(band)
-    n = rows if block is None else -(-cols // block)
-    q = _scratch.get("q", np.uint8, rows * cols) if q is None else _out(q, np.uint8, rows * cols)
-    q = q.reshape(rows, cols)
-    scale = _scratch.get("scale", np.float32, n) if scale is None else _out(scale, np.float32, n)
-    amax = _scratch.get("amax", np.float32, n)
-    fig = _scratch.get("figures", np.float64, 2)
+    n, cols = rows.shape
+    if rows.dtype == np.float16:  # widened exactly
+        wide = _scratch.get("wide", np.float32, rows.size).reshape(n, cols)
+        np.copyto(wide, rows)
+        rows = wide
+    elif rows.dtype not in (np.float32, np.uint16):
+        raise TypeError(f"band of {rows.dtype}: float32, float16 or uint16 (bfloat16 bits)")
+    rows = np.ascontiguousarray(rows)
+    bands = -(-n // band_rows)
+    per = n if block is None else bands * -(-cols // block)
+    q = _scratch.get("q", np.uint8, n * cols) if q is None else _out(q, np.uint8, n * cols)
+    q = q.reshape(n, cols)
+    scale = _scratch.get("scale", np.float32, per) if scale is None else _out(scale, np.float32, per)
+    amax = _scratch.get("amax", np.float32, per)
+    fig = _scratch.get("figures", np.float64, 2 * bands).reshape(-1, 2)
     out = (q.ctypes.data, scale.ctypes.data, amax.ctypes.data, fig.ctypes.data)
-    fn(band.ctypes.data, int(band.dtype == np.uint16), rows, cols, block or 0, *out)
-    return BandResult(q, scale, amax, float(fig[0]), float(fig[1]))
+    fn(rows.ctypes.data, int(rows.dtype == np.uint16), n, cols, block or 0, band_rows, *out)
+    return BandsResult(q, scale, amax, fig[:, 0], fig[:, 1])
 
 
 def _out(a: np.ndarray, dtype: Any, n: int) -> np.ndarray:

@@ -103,6 +103,30 @@ def test_native_band_of_stored_dtype_equals_widened(dtype: str, block: int | Non
     _assert_same(got, _reference(stored.float().numpy(), block))
 
 
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+@pytest.mark.parametrize("block", [16, None])
+def test_native_bands_equal_one_band_at_a_time_and_numpy(stored: str, block: int | None) -> None:
+    """``quantize_bands`` (one call for a run of bands, the last one shorter) gives each band what ``quantize_band``
+    and the numpy kernels give; the rows of the second half scale by 1e6 (scales >= 256: the dequantization then
+    multiplies by 2^120 and by the scale apart)."""
+    band = _band(37, 300, 11)
+    band[19:] = np.clip(band[19:], -1e30, 1e30) * np.float32(1e6)
+    held = band if stored == "float32" else torch.from_numpy(band).to(torch.bfloat16).view(torch.uint16).numpy()
+    wide = band if stored == "float32" else torch.from_numpy(held).view(torch.bfloat16).float().numpy()
+    got = fp8_native.quantize_bands(held, block, 16)
+    q, scale, amax = got.q.copy(), got.scale.copy(), got.amax.copy()
+    assert len(got.worst) == len(got.rel) == 3
+    per = 300 // 16 + 1
+    for i, r0 in enumerate(range(0, 37, 16)):
+        ref = _reference(wide[r0 : r0 + 16], block)
+        s0, s1 = (r0, r0 + len(ref[0])) if block is None else (i * per, (i + 1) * per)
+        _assert_same(
+            fp8_native.BandResult(q[r0 : r0 + 16], scale[s0:s1], amax[s0:s1], got.worst[i], got.rel[i]),
+            ref,
+        )
+    assert (scale >= 256).any() and (scale < 256).any()
+
+
 @pytest.mark.parametrize("block", [128, None])
 def test_native_band_nan_and_infinity_give_non_finite_scales(block: int | None) -> None:
     """A NaN or an infinity makes its block's (row's) amax and scale non-finite, as the torch kernel's (E607);

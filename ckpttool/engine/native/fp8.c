@@ -1,6 +1,6 @@
-/* FP8 (float8_e4m3fn) quantization of one band of rows, checked as it goes (export --quantize).
+/* FP8 (float8_e4m3fn) quantization of bands of rows, checked as it goes (export --quantize).
  *
- * ckpt_fp8_band computes, for a band of [rows, cols] float32 or bfloat16 values, what the numpy
+ * ckpt_fp8_bands computes, for each band of [rows, cols] float32 or bfloat16 values, what the numpy
  * kernels fp8_block_quantize / fp8_channel_quantize, their dequantization and fp8_*_error compute
  * (ckpttool/engine/kernels.py), bit for bit, in one read of the band (per block: of each row, per
  * column, reduced per block once) or of each row (per channel) for the amax, and one pass that
@@ -14,7 +14,7 @@
  *   rel   = err / amax where amax > 0, else 0
  *
  * Every step is one IEEE float32 operation (built with -ffp-contract=off, no fast-math, FTZ/DAZ off),
- * so each clone below gives the same bits. The caller refuses a band whose scale is non-finite
+ * so each clone below, and the AVX2 kernel, gives the same bits. The caller refuses a band whose scale is non-finite
  * or zero for a non-zero block before it uses q or the error figures.
  */
 /* no FP exception flags are read: lets the loops below be if-converted and vectorized (values unchanged) */
@@ -24,6 +24,9 @@
 #include <string.h>
 
 #include "half.h"
+#ifdef CKPT_X86
+#include <immintrin.h>
+#endif
 
 
 /* max of |w|'s bit patterns over n elements: NaN > infinity > every finite magnitude */
@@ -167,18 +170,264 @@ static inline int block_by_columns(const void *restrict src, int bf16, int64_t r
     return 1;
 }
 
-/* Quantize one band of rows to float8_e4m3fn and measure its dequantization error.
- *
- * src: [rows, cols] C-contiguous, float32 (bf16 = 0) or bfloat16 bits (bf16 = 1); read only.
- * block: B of B x B blocks (rows <= B: one scale per column block, ceil(cols / B) of them), or 0 for
- *     one scale per row (compressed-tensors "channel").
- * q: [rows, cols] e4m3fn bytes out; scale, amax: float32 [ceil(cols / B)] or [rows] out.
- * figures: [2] out: max |q * scale - w| over the band, and the largest per-block (row) err / amax.
- */
+#ifdef CKPT_X86
+/* The AVX2 band kernel: the scalar code's operations on 8 float32 lanes at a time (each an IEEE float32
+ * operation or exact integer arithmetic, so the same bits), 32 elements (one 32-byte store) per step.
+ * Differences in form only:
+ *   - it divides |w| by the scale and puts w's sign on the code afterwards (IEEE division is
+ *     sign-symmetric; the scale is positive); the signs of 32 elements come from one signed pack of w;
+ *   - it runs only where the scale is finite and positive (then no lane is NaN: a NaN or an infinity
+ *     in the block would have made its amax, hence its scale, non-finite); other blocks (rows) take
+ *     the scalar code;
+ *   - |q| * scale is v * (scale * 2^120) with v = |q| * 2^-120 (the code's bits shifted into a float32)
+ *     when scale * 2^120 is finite (scale < 256): both are the one rounding of the same product;
+ *   - the saturation is a min: above 0x43E80000 the normal path gives codes >= 0x7F;
+ *   - the error maxima stay per lane in a register across a block's columns, reduced once per band. */
+#define AVX2 __attribute__((target("avx2")))
+#define AVX2_INLINE __attribute__((target("avx2"), always_inline)) static inline
+
+/* e4m3fn magnitude codes (0 .. 0x7E) of 8 non-negative, non-NaN float32 lanes (to_e4m3fn of a magnitude) */
+AVX2_INLINE __m256i e4m3_mag8(__m256i mag) {
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(mag, 20), _mm256_set1_epi32(1));
+    const int32_t bias = (int32_t)(((uint32_t)(7 - 127) << 23) + 0x7FFFFu);
+    __m256i t = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(mag, lsb), _mm256_set1_epi32(bias)), 20);
+    __m256 sum = _mm256_add_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(16384.0f));
+    __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(sum), _mm256_set1_epi32((int32_t)(141u << 23)));
+    t = _mm256_blendv_epi8(t, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)(121u << 23)), mag));
+    return _mm256_min_epu32(t, _mm256_set1_epi32(0x7E));
+}
+
+/* the magnitude codes of 8 lanes of |w| (float32 bits) quantized with scale s; *err gets max | |q| * s - |w| |
+ * per lane; k: s * 2^120 (one) or 2^120 (not one: then times s) */
+AVX2_INLINE __m256i quantize_mag8(__m256i a, __m256 s, __m256 k, int one, __m256i *err) {
+    __m256i t = e4m3_mag8(_mm256_castps_si256(_mm256_div_ps(_mm256_castsi256_ps(a), s)));
+    __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(t, 20));
+    __m256 d = one ? _mm256_mul_ps(v, k) : _mm256_mul_ps(_mm256_mul_ps(v, k), s);
+    __m256i e = _mm256_and_si256(_mm256_castps_si256(_mm256_sub_ps(d, _mm256_castsi256_ps(a))),
+                                 _mm256_set1_epi32(0x7FFFFFFF));
+    *err = _mm256_max_epu32(*err, e);
+    return t;
+}
+
+/* 8 float32 lanes u (bit patterns) to 8 e4m3fn bytes at q (sign from u) */
+AVX2_INLINE void quantize8_store(__m256i u, __m256 s, __m256 k, int one, __m256i *err, uint8_t *q) {
+    __m256i t = quantize_mag8(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), s, k, one, err);
+    t = _mm256_or_si256(t, _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80)));
+    __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    _mm_storel_epi64((__m128i *)q, _mm_packus_epi16(w, w));
+}
+
+/* quantize_run's vector part on bfloat16 bits: returns how many of the n were done (a multiple of 8) */
+AVX2_INLINE int64_t run_bf16(const uint16_t *restrict p, int64_t n, float scale, int one, uint8_t *restrict q,
+                             __m256i *err) {
+    const __m256 s = _mm256_set1_ps(scale);
+    const __m256 k = _mm256_set1_ps(one ? scale * 1329227995784915872903807060280344576.0f
+                                        : 1329227995784915872903807060280344576.0f);
+    const __m256i m15 = _mm256_set1_epi16(0x7FFF), z = _mm256_setzero_si256();
+    __m256i acc = *err;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        /* unpack puts elements 0-3 and 8-11 in lo, 4-7 and 12-15 in hi (per 128-bit lane); packus undoes it */
+        __m256i v0 = _mm256_loadu_si256((const __m256i *)(p + i)), v1 = _mm256_loadu_si256((const __m256i *)(p + i + 16));
+        __m256i m0 = _mm256_and_si256(v0, m15), m1 = _mm256_and_si256(v1, m15);
+        __m256i t0 = quantize_mag8(_mm256_unpacklo_epi16(z, m0), s, k, one, &acc);
+        __m256i t1 = quantize_mag8(_mm256_unpackhi_epi16(z, m0), s, k, one, &acc);
+        __m256i t2 = quantize_mag8(_mm256_unpacklo_epi16(z, m1), s, k, one, &acc);
+        __m256i t3 = quantize_mag8(_mm256_unpackhi_epi16(z, m1), s, k, one, &acc);
+        __m256i codes = _mm256_packus_epi16(_mm256_packus_epi32(t0, t1), _mm256_packus_epi32(t2, t3));
+        __m256i signs = _mm256_and_si256(_mm256_packs_epi16(v0, v1), _mm256_set1_epi8((char)0x80));
+        _mm256_storeu_si256((__m256i *)(q + i), _mm256_permute4x64_epi64(_mm256_or_si256(codes, signs), 0xD8));
+    }
+    for (; i + 8 <= n; i += 8) {
+        __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + i))), 16);
+        quantize8_store(u, s, k, one, &acc, q + i);
+    }
+    *err = acc;
+    return i;
+}
+
+/* quantize_run's vector part on float32 bits: returns how many of the n were done (a multiple of 8) */
+AVX2_INLINE int64_t run_f32(const uint32_t *restrict p, int64_t n, float scale, int one, uint8_t *restrict q,
+                            __m256i *err) {
+    const __m256 s = _mm256_set1_ps(scale);
+    const __m256 k = _mm256_set1_ps(one ? scale * 1329227995784915872903807060280344576.0f
+                                        : 1329227995784915872903807060280344576.0f);
+    const __m256i m31 = _mm256_set1_epi32(0x7FFFFFFF), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256i acc = *err;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256i u0 = _mm256_loadu_si256((const __m256i *)(p + i)), u1 = _mm256_loadu_si256((const __m256i *)(p + i + 8));
+        __m256i u2 = _mm256_loadu_si256((const __m256i *)(p + i + 16)), u3 = _mm256_loadu_si256((const __m256i *)(p + i + 24));
+        __m256i t0 = quantize_mag8(_mm256_and_si256(u0, m31), s, k, one, &acc);
+        __m256i t1 = quantize_mag8(_mm256_and_si256(u1, m31), s, k, one, &acc);
+        __m256i t2 = quantize_mag8(_mm256_and_si256(u2, m31), s, k, one, &acc);
+        __m256i t3 = quantize_mag8(_mm256_and_si256(u3, m31), s, k, one, &acc);
+        __m256i codes = _mm256_packus_epi16(_mm256_packus_epi32(t0, t1), _mm256_packus_epi32(t2, t3));
+        __m256i signs = _mm256_packs_epi16(_mm256_packs_epi32(u0, u1), _mm256_packs_epi32(u2, u3));
+        signs = _mm256_and_si256(signs, _mm256_set1_epi8((char)0x80));
+        _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(_mm256_or_si256(codes, signs), order));
+    }
+    for (; i + 8 <= n; i += 8) quantize8_store(_mm256_loadu_si256((const __m256i *)(p + i)), s, k, one, &acc, q + i);
+    *err = acc;
+    return i;
+}
+
+/* quantize_run's vector part (see the comment above this section); 0 where the scale is not finite and positive */
+AVX2 static int64_t run_avx2(const void *restrict src, int bf16, int64_t at, int64_t n, float scale,
+                             uint8_t *restrict q, __m256i *err) {
+    if (!(scale > 0.0f && scale <= 3.40282347e38f)) return 0;
+    int one = scale < 256.0f; /* scale * 2^120 is finite */
+    if (bf16) return one ? run_bf16((const uint16_t *)src + at, n, scale, 1, q, err)
+                         : run_bf16((const uint16_t *)src + at, n, scale, 0, q, err);
+    return one ? run_f32((const uint32_t *)src + at, n, scale, 1, q, err)
+               : run_f32((const uint32_t *)src + at, n, scale, 0, q, err);
+}
+
+/* the largest of a vector's 8 uint32 lanes */
+AVX2_INLINE uint32_t hmax8(__m256i v) {
+    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4E));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1));
+    return (uint32_t)_mm_cvtsi128_si32(m);
+}
+
+/* quantize elements [i, n) of a run from src + at with scale into q one by one; returns the max of *worst and
+ * their errors' bit patterns */
+static inline uint32_t run_tail(const void *restrict src, int bf16, int64_t at, int64_t i, int64_t n, float scale,
+                                uint8_t *restrict q, uint32_t worst) {
+    for (; i < n; i++) {
+        uint32_t u = bf16 ? (uint32_t)((const uint16_t *)src)[at + i] << 16 : ((const uint32_t *)src)[at + i];
+        uint32_t e = quantize_one(u, scale, q + i);
+        worst = e > worst ? e : worst;
+    }
+    return worst;
+}
+
+/* max of |w|'s bit patterns over n elements (amax_bits), 16 (bfloat16) or 8 (float32) lanes at a time */
+AVX2 static uint32_t amax_bits_avx2(const void *src, int bf16, int64_t at, int64_t n) {
+    int64_t i = 0;
+    uint32_t m;
+    if (bf16) {
+        const uint16_t *p = (const uint16_t *)src + at;
+        __m256i acc = _mm256_setzero_si256(), mask = _mm256_set1_epi16(0x7FFF);
+        for (; i + 16 <= n; i += 16)
+            acc = _mm256_max_epu16(acc, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + i)), mask));
+        /* the uint16 lanes' max: of each uint32 lane's upper and lower halves */
+        m = hmax8(_mm256_max_epu32(_mm256_srli_epi32(acc, 16), _mm256_and_si256(acc, _mm256_set1_epi32(0xFFFF)))) << 16;
+    } else {
+        const uint32_t *p = (const uint32_t *)src + at;
+        __m256i acc = _mm256_setzero_si256(), mask = _mm256_set1_epi32(0x7FFFFFFF);
+        for (; i + 8 <= n; i += 8)
+            acc = _mm256_max_epu32(acc, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + i)), mask));
+        m = hmax8(acc);
+    }
+    uint32_t tail = amax_bits(src, bf16, at + i, n - i);
+    return tail > m ? tail : m;
+}
+
+/* max |w| per column of a band into colmax (bit patterns: uint16 for bfloat16, uint32 for float32) */
+AVX2 static void column_amax_avx2(const void *restrict src, int bf16, int64_t rows, int64_t cols, void *restrict colmax) {
+    if (bf16) {
+        uint16_t *cm = colmax;
+        memset(cm, 0, (size_t)cols * 2);
+        const __m256i mask = _mm256_set1_epi16(0x7FFF);
+        for (int64_t r = 0; r < rows; r++) {
+            const uint16_t *p = (const uint16_t *)src + r * cols;
+            int64_t c = 0;
+            for (; c + 16 <= cols; c += 16) {
+                __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + c)), mask);
+                __m256i *d = (__m256i *)(cm + c);
+                _mm256_storeu_si256(d, _mm256_max_epu16(_mm256_loadu_si256(d), a));
+            }
+            for (; c < cols; c++) {
+                uint16_t a = p[c] & 0x7FFF;
+                cm[c] = a > cm[c] ? a : cm[c];
+            }
+        }
+        return;
+    }
+    uint32_t *cm = colmax;
+    memset(cm, 0, (size_t)cols * 4);
+    const __m256i mask = _mm256_set1_epi32(0x7FFFFFFF);
+    for (int64_t r = 0; r < rows; r++) {
+        const uint32_t *p = (const uint32_t *)src + r * cols;
+        int64_t c = 0;
+        for (; c + 8 <= cols; c += 8) {
+            __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + c)), mask);
+            __m256i *d = (__m256i *)(cm + c);
+            _mm256_storeu_si256(d, _mm256_max_epu32(_mm256_loadu_si256(d), a));
+        }
+        for (; c < cols; c++) {
+            uint32_t a = p[c] & 0x7FFFFFFFu;
+            cm[c] = a > cm[c] ? a : cm[c];
+        }
+    }
+}
+
+/* The band on AVX2 (the figures of one_band): per channel row by row; per block the amax per column in
+ * one pass over the rows, then row by row each block's run, its error maxima per lane. Returns 0 when its
+ * per-column / per-block arrays cannot be allocated (the caller runs the scalar code). */
+AVX2 static int band_avx2(const void *restrict src, int bf16, int64_t rows, int64_t cols, int64_t block,
+                          uint8_t *restrict q, float *restrict scale, float *restrict amax, float *worst, float *rel) {
+    if (block <= 0) {
+        for (int64_t r = 0; r < rows; r++) {
+            float m = float_of(amax_bits_avx2(src, bf16, r * cols, cols));
+            float s = scale_of(m);
+            __m256i acc = _mm256_setzero_si256();
+            int64_t i = run_avx2(src, bf16, r * cols, cols, s, q + r * cols, &acc);
+            amax[r] = m;
+            scale[r] = s;
+            account(m, float_of(run_tail(src, bf16, r * cols, i, cols, s, q + r * cols, hmax8(acc))), worst, rel);
+        }
+        return 1;
+    }
+    int64_t nb = (cols + block - 1) / block;
+    void *colmax = malloc((size_t)cols * 4);
+    __m256i *errs = aligned_alloc(32, (size_t)nb * 32);
+    uint32_t *tails = calloc((size_t)nb, 4);
+    if (colmax == NULL || errs == NULL || tails == NULL) {
+        free(colmax);
+        free(errs);
+        free(tails);
+        return 0;
+    }
+    column_amax_avx2(src, bf16, rows, cols, colmax);
+    for (int64_t c0 = 0, j = 0; c0 < cols; c0 += block, j++) {
+        int64_t n = cols - c0 < block ? cols - c0 : block;
+        amax[j] = float_of(bf16 ? amax_bits(colmax, 1, c0, n) : max_u32((const uint32_t *)colmax + c0, n));
+        scale[j] = scale_of(amax[j]);
+        errs[j] = _mm256_setzero_si256();
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c0 = 0, j = 0; c0 < cols; c0 += block, j++) {
+            int64_t n = cols - c0 < block ? cols - c0 : block, at = r * cols + c0;
+            int64_t i = run_avx2(src, bf16, at, n, scale[j], q + at, &errs[j]);
+            tails[j] = run_tail(src, bf16, at, i, n, scale[j], q + at, tails[j]);
+        }
+    }
+    for (int64_t j = 0; j < nb; j++) {
+        uint32_t e = hmax8(errs[j]);
+        account(amax[j], float_of(e > tails[j] ? e : tails[j]), worst, rel);
+    }
+    free(colmax);
+    free(errs);
+    free(tails);
+    return 1;
+}
+#endif
+
+/* One band (ckpt_fp8_bands): figures[0..1] = max |q * scale - w|, the largest per-block (row) err / amax. */
 CKPT_CLONES
-void ckpt_fp8_band(const void *restrict src, int32_t bf16, int64_t rows, int64_t cols, int64_t block, uint8_t *restrict q,
-                   float *restrict scale, float *restrict amax, double *restrict figures) {
+static void one_band(const void *restrict src, int bf16, int64_t rows, int64_t cols, int64_t block, uint8_t *restrict q,
+                     float *restrict scale, float *restrict amax, double *restrict figures) {
     float worst = 0.0f, rel = 0.0f;
+#ifdef CKPT_X86
+    if (ckpt_have_avx2() && band_avx2(src, bf16, rows, cols, block, q, scale, amax, &worst, &rel)) {
+        figures[0] = worst;
+        figures[1] = rel;
+        return;
+    }
+#endif
     if (block <= 0) {
         for (int64_t r = 0; r < rows; r++) {
             float m = float_of(amax_bits(src, bf16, r * cols, cols));
@@ -210,4 +459,24 @@ void ckpt_fp8_band(const void *restrict src, int32_t bf16, int64_t rows, int64_t
     }
     figures[0] = worst;
     figures[1] = rel;
+}
+
+/* Quantize consecutive bands of rows to float8_e4m3fn and measure each band's dequantization error.
+ *
+ * src: [rows, cols] C-contiguous, float32 (bf16 = 0) or bfloat16 bits (bf16 = 1); read only.
+ * band_rows: rows per band (> 0): bands [k * band_rows, min(rows, (k + 1) * band_rows)), nb = ceil(rows / band_rows).
+ * block: B of B x B blocks (band_rows <= B: one scale per column block of a band, ceil(cols / B) of them), or
+ *     0 for one scale per row (compressed-tensors "channel").
+ * q: [rows, cols] e4m3fn bytes out; scale, amax: float32 out, per band in order: [nb * ceil(cols / B)] or [rows].
+ * figures: [nb, 2] out: per band max |q * scale - w|, and its largest per-block (row) err / amax.
+ */
+void ckpt_fp8_bands(const void *restrict src, int32_t bf16, int64_t rows, int64_t cols, int64_t block,
+                    int64_t band_rows, uint8_t *restrict q, float *restrict scale, float *restrict amax,
+                    double *restrict figures) {
+    int64_t item = bf16 ? 2 : 4, per = block > 0 ? (cols + block - 1) / block : 0;
+    for (int64_t r0 = 0, k = 0; r0 < rows; r0 += band_rows, k++) {
+        int64_t n = rows - r0 < band_rows ? rows - r0 : band_rows, at = block > 0 ? k * per : r0;
+        one_band((const char *)src + r0 * cols * item, bf16, n, cols, block, q + r0 * cols, scale + at, amax + at,
+                 figures + 2 * k);
+    }
 }

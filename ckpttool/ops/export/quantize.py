@@ -778,15 +778,14 @@ class BlockQuantizer:
 
         #: whether the bands run torch's kernels (no native kernel): one torch thread per engine worker
         self.uses_torch = not fp8_native.available()
-        self._band_kernel: Callable[..., Any]
+        self._band_kernel: Callable[..., Any] = fp8_native.quantize_band
+        self._bands_kernel: Callable[..., Any] = fp8_native.quantize_bands
         if self.uses_torch:
             # imported here, while the export holds the GC (planning): torch's import under a running
             # collector over the plan's objects costs several times its own time
             from ckpttool.engine import fp8
 
             self._band_kernel = fp8.quantize_band
-        else:
-            self._band_kernel = fp8_native.quantize_band
 
         self._buffers = Scratch(min_items=1)  # per thread: the bands, their FP8 bytes and scales, the bytes read
 
@@ -827,16 +826,16 @@ class BlockQuantizer:
     def band(
         self, task: SourceTask, meta: TensorMeta, chunks: list[ChunkMeta], writer: ShardWriter, index: int
     ) -> None:
-        """Work unit ``index``: read, quantize and check each of its bands of ``B`` output rows of one piece in turn (one
-        read per stored chunk a band spans), then write the unit's FP8 bytes and its scales (one write each).
+        """Work unit ``index``: read its rows (one read per stored chunk they span), quantize and check them as bands of
+        ``B`` output rows (one native call for the unit), then write the unit's FP8 bytes and its scales (one write each).
 
-        The rows of a fused piece's band may come from several sources (``QuantTask.sources``). The CRC-32 of each
-        record read is computed from these reads and checked once they cover it (:class:`_RecordCrcs`); a band
+        The rows of a fused piece may come from several sources (``QuantTask.sources``). The CRC-32 of each
+        record read is computed from these reads and checked once they cover it (:class:`_RecordCrcs`); a unit
         that fails its checks has its records checked whole first, so damaged bytes are reported as such.
 
         Raises:
             QuantizationError (E607): a block holding NaN / infinity, a zero or non-finite scale for a
-                non-zero block, or an error above :data:`MAX_BLOCK_REL_ERROR`.
+                non-zero block, or an error above :data:`MAX_BLOCK_REL_ERROR` (the unit's first such band).
             ChecksumError (E308): a record read does not match its CRC-32 (unless ``verify_crc`` is off).
         """
         import numpy as np
@@ -853,25 +852,24 @@ class BlockQuantizer:
         same = all(m.dtype == meta.dtype for m, _ in metas)
         held = (merge is None and same and _held(meta.dtype.name)) or np.float32
         touched: list[Any] = []  # the records read (checked whole before a band's error is reported)
-        ncb = -(-cols // b)  # scales of a block band
-        per = r1 - r0 if self.channel else (j1 - j0) * ncb  # the unit's scales
-        q = self._buffers.get("q", np.uint8, (r1 - r0) * cols)
+        per = r1 - r0 if self.channel else (j1 - j0) * -(-cols // b)  # the unit's scales
+        q = _page_matched(self._buffers, "q", (r1 - r0) * cols, writer.offset(weight.name) + r0 * cols)
+        q2 = q.reshape(r1 - r0, cols)
         scale = self._buffers.get("scale", np.float32, per)
+        unit = self._buffers.get(f"rows-{held.__name__}", held, (r1 - r0) * cols).reshape(r1 - r0, cols)
         try:
-            for j in range(j0, j1):  # each band read just before it is quantized (still in the cache)
-                a0, a1 = (j - j0) * b, min(r1 - r0, (j - j0 + 1) * b)
-                band = self._buffers.get(f"band-{held.__name__}", held, (a1 - a0) * cols).reshape(a1 - a0, cols)
-                for o0, s0, n, src in _source_ranges(qt.rows[k], r0 + a0, r0 + a1):
-                    dest = band[o0 - r0 - a0 : o0 - r0 - a0 + n]
-                    self._read_rows(qt.sources[src], *metas[src], s0, s0 + n, dest, touched)
-                    if merge is not None:  # PEFT's (B @ A) * scaling, in FP32, before the one rounding (to FP8)
-                        dest += (merge.b[s0 : s0 + n] @ merge.a) * np.float32(merge.scale)
-                where = _Where(f"expert {e} " if len(weight.shape) > 2 else "", jj0 + j - j0, (jj0 + j - j0) * b)
-                s = scale[a0:a1] if self.channel else scale[(j - j0) * ncb : (j - j0 + 1) * ncb]
-                qb = q[a0 * cols : a1 * cols].reshape(a1 - a0, cols)
-                self._quantize(weight.name, where, band, qb, s)
-                if merge is not None and not merge.changed:
-                    merge.changed = self._merge_changed(task, meta, chunks, k, (r0 + a0, r0 + a1), qb, s)
+            for o0, s0, n, src in _source_ranges(qt.rows[k], r0, r1):
+                self._read_rows(qt.sources[src], *metas[src], s0, s0 + n, unit[o0 - r0 : o0 - r0 + n], touched)
+            if merge is not None:  # PEFT's (B @ A) * scaling, in FP32, before the one rounding (to FP8), band by band
+                for a0, a1, _, _ in self._band_spans(r1 - r0, cols):
+                    for o0, s0, n, _ in _source_ranges(qt.rows[k], r0 + a0, r0 + a1):
+                        unit[o0 - r0 : o0 - r0 + n] += (merge.b[s0 : s0 + n] @ merge.a) * np.float32(merge.scale)
+            self._quantize(weight.name, f"expert {e} " if len(weight.shape) > 2 else "", jj0, unit, q2, scale)
+            if merge is not None and not merge.changed:
+                merge.changed = any(
+                    self._merge_changed(task, meta, chunks, k, (r0 + a0, r0 + a1), q2[a0:a1], scale[c0:c1])
+                    for a0, a1, c0, c1 in self._band_spans(r1 - r0, cols)
+                )
         except QuantizationError:
             self._crcs.verify(touched)  # damaged bytes: their ChecksumError first
             raise
@@ -880,31 +878,51 @@ class BlockQuantizer:
         writer.write(scales.name, memoryview(scale.view(np.uint8)), at)
         self._crcs.unit_done(task.source_key, touched)
 
-    def _quantize(self, name: str, where: _Where, band: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
-        """Quantize and check one band (``where``: its expert, band and first row) of output weight ``name`` into
-        ``q`` (``uint8`` ``[rows, cols]``) and ``scale`` (float32, one per block / row); record its figures."""
+    def _band_spans(self, n: int, cols: int) -> list[tuple[int, int, int, int]]:
+        """``(first row, end row, first scale, end scale)`` of each band of ``B`` rows of a unit of ``n`` rows."""
+        b, ncb = self.block, -(-cols // self.block)
+        return [
+            (a0, min(n, a0 + b), *((a0, min(n, a0 + b)) if self.channel else (i * ncb, (i + 1) * ncb)))
+            for i, a0 in enumerate(range(0, n, b))
+        ]
+
+    def _quantize(self, name: str, expert: str, band0: int, rows: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
+        """Quantize and check a unit's bands of ``B`` rows (``expert``: ``"expert 3 "`` or empty; ``band0``: the index of
+        its first band in the matrix) of output weight ``name`` into ``q`` (``uint8`` ``[rows, cols]``) and ``scale``
+        (float32, one per block / row, band after band); record their figures.
+
+        Raises:
+            QuantizationError (E607): the first band, in order, with a bad scale or an error above the bound.
+        """
         import numpy as np
 
-        if self.uses_torch:
-            r = self._band_kernel(band, None if self.channel else self.block)
-            np.copyto(q, r.q)
-            np.copyto(scale, r.scale)
+        block, spans = None if self.channel else self.block, self._band_spans(*rows.shape)
+        if self.uses_torch:  # one band at a time (its results are the kernel's scratch: copied out at once)
+            amax, worst, rel = np.empty_like(scale), np.empty(len(spans)), np.empty(len(spans))
+            for i, (a0, a1, c0, c1) in enumerate(spans):
+                t = self._band_kernel(rows[a0:a1], block)
+                np.copyto(q[a0:a1], t.q)
+                np.copyto(scale[c0:c1], t.scale)
+                np.copyto(amax[c0:c1], t.amax)
+                worst[i], rel[i] = t.worst, t.rel
         else:
-            r = self._band_kernel(band, None if self.channel else self.block, q, scale)
-        amax, worst, rel = r.amax, r.worst, r.rel
-        self._check_scales(name, where, scale, amax)
-        if not rel <= MAX_BLOCK_REL_ERROR:
-            r0 = where.row
-            raise QuantizationError(
-                f"{name}: {where.expert}rows {r0}..{r0 + len(band) - 1} dequantize with a relative error of {rel:.4g} "
-                f"(bound {MAX_BLOCK_REL_ERROR:.4g})",
-                fqn=name,
-            )
+            r = self._bands_kernel(rows, block, self.block, q, scale)
+            amax, worst, rel = r.amax, r.worst, r.rel
+        if not (np.isfinite(scale).all() and ((scale > 0) | (amax == 0)).all() and (rel <= MAX_BLOCK_REL_ERROR).all()):
+            for i, (a0, a1, c0, c1) in enumerate(spans):  # the first bad band, as one band at a time would find it
+                where = _Where(expert, band0 + i, (band0 + i) * self.block)
+                self._check_scales(name, where, scale[c0:c1], amax[c0:c1])
+                if not rel[i] <= MAX_BLOCK_REL_ERROR:
+                    raise QuantizationError(
+                        f"{name}: {expert}rows {where.row}..{where.row + a1 - a0 - 1} dequantize with a relative "
+                        f"error of {float(rel[i]):.4g} (bound {MAX_BLOCK_REL_ERROR:.4g})",
+                        fqn=name,
+                    )
         zero = int(np.count_nonzero(amax == 0))
         with self._lock:
             st = self.stats.setdefault(name, _Stats())
-            st.max_abs_error = max(st.max_abs_error, worst)
-            st.max_rel_error = max(st.max_rel_error, rel)
+            st.max_abs_error = max(st.max_abs_error, float(worst.max()))
+            st.max_rel_error = max(st.max_rel_error, float(rel.max()))
             st.blocks += len(scale)
             st.zero_blocks += zero
 
@@ -1029,6 +1047,20 @@ class BlockQuantizer:
             }
             for k, v in sorted(self.stats.items())
         }
+
+
+def _page_matched(scratch: Any, name: str, n: int, offset: int) -> Any:
+    """``n`` bytes of ``scratch``'s buffer ``name`` starting at the same offset within a 4 KiB page as file offset
+    ``offset``: the kernel's copy into (or out of) the page cache runs ~3x slower per byte when the destination lies
+    a few bytes past the source modulo the page (``docs/performance.md``, "Quantized export")."""
+    import numpy as np
+
+    raw = scratch.get(name, np.uint8, n + _PAGE)
+    at = (offset - raw.ctypes.data) % _PAGE
+    return raw[at : at + n]
+
+
+_PAGE = 4096
 
 
 def _widen(raw: np.ndarray, dtype: str, dest: np.ndarray) -> None:
