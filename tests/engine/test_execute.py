@@ -17,7 +17,9 @@ from ckpttool.engine.execute import can_split, run_item, run_items, run_split
 from ckpttool.engine.io import ShortReadError
 from ckpttool.engine.plan import Compare, CompareStream, Crc32, Feed, Item, PairedSlabs, Window, WriteAt
 
-_RNG = random.Random(20261202)  # fixed bytes: with os.urandom, B[1] == A[6000] one run in 256 moved the first difference
+_RNG = random.Random(
+    20261202
+)  # fixed bytes: with os.urandom, B[1] == A[6000] one run in 256 moved the first difference
 A = _RNG.randbytes(300_000)
 B = _RNG.randbytes(70_001)
 assert B[1] != A[6000]  # the stream differs from file a at its first byte past the first window

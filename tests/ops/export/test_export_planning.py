@@ -64,7 +64,8 @@ def test_checked_chunks_equal_the_per_key_checks(same_layout_ckpt: Path, monkeyp
         # the files are sized now: only the first key of each layout takes the full check
         assert calls == [KEYS[0], "model.model.norm.weight"]
 
-        storage = r.metadata.storage
+        storage = dict(r.metadata.storage)  # a plain mapping to forge records in (the parsed table is read-only)
+        object.__setattr__(r.metadata, "storage", storage)
         victim = (KEYS[3], (0, 0))
         good = storage[victim]
         size = (same_layout_ckpt / good.relative_path).stat().st_size
