@@ -9,6 +9,10 @@ a non-finite master or a zero second moment in; through mappings of the file and
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import zlib
 from pathlib import Path
@@ -191,3 +195,26 @@ def test_scan_of_a_file_truncated_under_it(tmp_path: Path) -> None:
         assert short > 0 and scan() == zlib.crc32(data)
     finally:
         os.close(fd)
+
+
+def test_a_sigbus_sent_after_a_mapped_scan_still_ends_the_process(tmp_path: Path) -> None:
+    """The scan's SIGBUS handler takes only faults on its own thread's mappings: ``kill -BUS`` after a mapped
+    scan ends the process as it would without ckpttool (before, the handler swallowed it)."""
+    (tmp_path / "data").write_bytes(np.arange(1 << 20, dtype=np.float32).tobytes())
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        from ckpttool.engine.plan import Lockstep, Scan, Window
+        from ckpttool.engine.scan import run_scan
+        from ckpttool.engine.stats import Need
+        fd = os.open({str(tmp_path / "data")!r}, os.O_RDONLY)
+        ls = Lockstep(((Window(fd, 0, 4 << 20),),), (4,), lambda s, _: None, 1 << 15, Scan(("float32",), (Need(),)))
+        assert run_scan(ls) is not None
+        os.kill(os.getpid(), signal.SIGBUS)
+        print("survived")
+        """
+    )
+    env = {**os.environ, "CKPTTOOL_SCAN_MMAP": "1"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == -signal.SIGBUS, (run.returncode, run.stdout, run.stderr)
+    assert "survived" not in run.stdout

@@ -207,20 +207,35 @@ static int run_span(span_ctx *c) {
     return 0;
 }
 
-/* SIGBUS while a thread reads its mappings (a mapped file truncated under it): that thread jumps back to
- * guarded_span, which reports a read error; any other SIGBUS goes to the action installed before ours. */
+/* SIGBUS from a fault on this thread's current mappings (a mapped file truncated under it): the thread jumps
+ * back to guarded_span, which reports a read error. Any other SIGBUS (another mapping's fault, a signal sent by
+ * a process: si_code <= 0) goes to the action installed before ours, or ends the process as the default does. */
 static __thread sigjmp_buf *bus_jump;
+static __thread const span_ctx *bus_span;
 static struct sigaction bus_previous;
 static pthread_once_t bus_once = PTHREAD_ONCE_INIT;
 
+static int bus_ours(const siginfo_t *info) {
+    const span_ctx *c = bus_span;
+    if (bus_jump == NULL || c == NULL || info == NULL || info->si_code <= 0) return 0;
+    const uint8_t *a = (const uint8_t *)info->si_addr;
+    for (int32_t i = 0; i < c->ns; i++)
+        if (c->src[i] && a >= (const uint8_t *)c->base[i] && a < (const uint8_t *)c->base[i] + c->len[i]) return 1;
+    return 0;
+}
+
 static void bus_handler(int sig, siginfo_t *info, void *uc) {
-    if (bus_jump != NULL) siglongjmp(*bus_jump, 1);
+    if (bus_ours(info)) siglongjmp(*bus_jump, 1);
+    int sent = info != NULL && info->si_code <= 0; /* kill/sigqueue: not re-raised by returning */
     if ((bus_previous.sa_flags & SA_SIGINFO) && bus_previous.sa_sigaction != NULL) {
         bus_previous.sa_sigaction(sig, info, uc);
-    } else if (bus_previous.sa_handler != SIG_DFL && bus_previous.sa_handler != SIG_IGN) {
+    } else if (bus_previous.sa_handler == SIG_IGN) {
+        if (!sent) signal(SIGBUS, SIG_DFL); /* a fault cannot be ignored: it runs again and ends the process */
+    } else if (bus_previous.sa_handler != SIG_DFL) {
         bus_previous.sa_handler(sig);
-    } else { /* the default action: the faulting access runs again and ends the process */
+    } else { /* the default action: a fault runs again and ends the process; a sent signal is raised again */
         signal(SIGBUS, SIG_DFL);
+        if (sent) raise(sig);
     }
 }
 
@@ -240,6 +255,7 @@ static int guarded_span(span_ctx *c) {
         bus_jump = NULL;
         return 2;
     }
+    bus_span = c;
     bus_jump = &jb;
     int rc = run_span(c);
     bus_jump = NULL;
@@ -279,8 +295,9 @@ int64_t ckpt_scan(ckpt_scan_stream *s, int32_t ns, ckpt_scan_pair *p, int32_t np
         int rc = guarded_span(&c);
         for (int32_t i = 0; i < ns; i++)
             if (c.src[i]) munmap(c.base[i], c.len[i]);
-        if (rc == 2) { /* SIGBUS: a mapped file shrank under the scan (or its storage failed a read) */
-            err[0] = EIO, err[1] = s[0].offset + e1 * (int64_t)ITEM[s[0].dt], err[2] = 0;
+        if (rc == 2) { /* SIGBUS: a mapped file shrank under the scan, or changed (cut and written again), or its
+                        * storage failed a read: reported as the read ending early at the span, unless a file is short */
+            err[0] = 0, err[1] = s[0].offset + c.e * (int64_t)ITEM[s[0].dt], err[2] = c.f * (int64_t)ITEM[s[0].dt];
             for (int32_t i = 0; i < ns; i++) {
                 struct stat st;
                 int64_t end = s[i].offset + e1 * (int64_t)ITEM[s[i].dt];
