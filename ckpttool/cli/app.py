@@ -710,7 +710,7 @@ def entry() -> None:
     atexit._run_exitfuncs()
     if not _flushed():
         sys.exit(code)
-    os._exit(code)
+    os._exit(code & 0xFF)  # the status the interpreter's exit gives (and no OverflowError past a C int)
 
 
 def _threads_ended() -> bool:
