@@ -435,6 +435,8 @@ def stale_verdict(entry: Path, target_name: str, *, source: Path | None) -> tupl
     doc = read_marker(entry)
     pid = int(m.group("pid"))
     if doc is None:
+        if _pid_alive(pid):  # a live run between creating its directory and writing its marker: leave it
+            return False, ""
         return False, f"it holds no {MARKER_NAME} proving ckpttool created it"
     if doc.get("token") != m.group("token") or doc.get("pid") != pid:
         return False, f"its {MARKER_NAME} names another run than its name (a copy?)"

@@ -210,3 +210,16 @@ def test_a_temporary_whose_pid_was_reused_is_removed(sample_ckpt: Path, tmp_path
     res = cli("export", sample_ckpt, tmp_path / "out")
     assert res.exit_code == 0, res.stderr
     assert temps(tmp_path) == [] and "warning" not in res.stderr
+
+
+def test_a_live_runs_temporary_without_its_marker_yet_is_kept_without_a_warning(tmp_path: Path) -> None:
+    """Between ``mkdir`` and the marker's write a concurrent run's temporary has no marker: its pid is alive,
+    so it is left alone without a warning (a dead pid's unmarked temporary is still reported, above)."""
+    from ckpttool.format.marker import stale_verdict
+
+    entry = tmp_path / f".out.ckpttool-tmp-{os.getpid()}-0a0b"
+    entry.mkdir()
+    assert stale_verdict(entry, "out", source=None) == (False, "")
+    dead = tmp_path / ".out.ckpttool-tmp-999999-0a0b"
+    dead.mkdir()
+    assert stale_verdict(dead, "out", source=None) == (False, f"it holds no {MARKER} proving ckpttool created it")
