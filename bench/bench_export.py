@@ -401,6 +401,7 @@ def _best(
                 out.mkdir()
         if warm is not None:
             _warm(warm)
+        os.sync()  # no dirty pages of an earlier run left for this one to write back
         runs.append(_run(cmd))
     return min(r[0] for r in runs), max(r[1] for r in runs), runs[-1][2], min(r[3] for r in runs)
 
@@ -429,6 +430,7 @@ def _export_case(
             if i == 0 or out.exists():
                 shutil.rmtree(out, ignore_errors=True)
             _warm(ckpt)
+            os.sync()  # no dirty pages of an earlier run left for this one to write back
             runs[label].append(_run([a.replace("{out}", str(out)) for a in cmd], env))
     out = root / "out"
     nbytes = _output_bytes(out)

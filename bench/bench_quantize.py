@@ -262,6 +262,7 @@ def main() -> None:
     for _ in range(args.repeat):
         for label, cmd_for, out, env in approaches:
             shutil.rmtree(out, ignore_errors=True)
+            os.sync()  # no dirty pages of an earlier run left for this one to write back
             runs[label].append(_run(cmd_for(out), env))
     nbytes = _output_bytes(quant_out)
     table = Table()
