@@ -2,9 +2,9 @@
  *
  * ckpt_scan reads streams of the same number of values together, slab by slab, from their file
  * descriptors (read-only mappings of 4 MiB where the file is regular and holds the values, else
- * pread into the slab buffers), and while each piece of a slab is in the CPU cache: its CRC-32 (the caller's
- * function, ISA-L's crc32_gzip_refl), the statistics fold of each stream (ckpt_stats_slab of
- * stats.c, its flags per stream) and the pair kernels (AdamW update sizes, the moments' max m^2/v,
+ * pread into the slab buffers), and while each piece of a slab is in the CPU cache: its CRC-32 (ckpt_crc32
+ * of crc.c: 256-bit folding where the CPU has VPCLMULQDQ, finished by the caller's function, ISA-L's
+ * crc32_gzip_refl), the statistics fold of each stream (ckpt_stats_slab of stats.c, its flags per stream) and the pair kernels (AdamW update sizes, the moments' max m^2/v,
  * bitwise equality of a value and another rounded to its dtype). One call covers many slabs: the
  * interpreter runs per window, not per slab. A slab that a pair kernel cannot settle (a difference, a
  * non-finite or zero second value) is handed back whole to the caller, which runs its exact path on
@@ -26,14 +26,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "crc.h"
 #include "half.h"
 #include "stats.h"
 
 #define PIECE_BYTES ((size_t)128 << 10)
 #define MAP_BYTES ((size_t)4 << 20) /* bytes of the widest stream mapped at once (mapped reads) */
 #define MAX_STREAMS 64
-
-typedef uint32_t (*ckpt_crc_fn)(uint32_t crc, const unsigned char *buf, uint64_t len);
 
 /* One stream: its file window, format, whether it is folded and with which flags (NEED_*), slab buffer, CRC and
  * statistics. */
@@ -161,7 +160,7 @@ static int scan_slab(ckpt_scan_stream *s, int32_t ns, ckpt_scan_pair *p, int32_t
             size_t item = ITEM[t->dt];
             uint8_t *at = view[i].buf + lo * item;
             if (!src[i] && read_full(t->fd, at, k * item, t->offset + (e + (int64_t)lo) * (int64_t)item, err)) return -1;
-            t->crc = crc((uint32_t)t->crc, at, k * item);
+            t->crc = ckpt_crc32(crc, (uint32_t)t->crc, at, k * item);
             if (t->fold) ckpt_stats_slab(&t->acc, at, k, t->dt, t->need & ~NEED_SUBNORMAL, t->limit, 0);
         }
         pairs_piece(view, p, np, lo, k, hand);
