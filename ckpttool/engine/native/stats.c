@@ -22,6 +22,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "half.h"
 
@@ -114,9 +115,14 @@ __attribute__((target("avx2"), always_inline)) static inline __m256 lanes8(const
     return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(bits, *fin)), _mm256_set1_ps(0x1p112f));
 }
 
+/* fast: the values are taken as they are, not masked to their finite ones, and the finite count is not kept (FP32
+ * and BF16 only, whose infinities and NaN stay non-finite as float32 values): the caller checks that every lane
+ * stayed finite (then no value was non-finite: an infinity or NaN makes its lane's sum of squares non-finite) and
+ * runs the block again without fast where one did not. */
 __attribute__((target("avx2"), always_inline)) static inline void pass32_body(const void *p, const int dt, size_t n,
-                                                                             const int sums, const int neg, double *a1,
-                                                                             double *a2, pass_out *o) {
+                                                                             const int sums, const int neg,
+                                                                             const int fast, double *a1, double *a2,
+                                                                             pass_out *o) {
     __m256i fm = _mm256_setzero_si256(), um = fm, cfin = fm, cz = fm, zero = fm;
     __m256d s1[4], s2[4];
     for (int k = 0; k < 4; k++) s1[k] = _mm256_loadu_pd(a1 + 4 * k), s2[k] = _mm256_loadu_pd(a2 + 4 * k);
@@ -124,10 +130,21 @@ __attribute__((target("avx2"), always_inline)) static inline void pass32_body(co
     for (size_t i = 0; i < groups; i += LANES) {
         for (int h = 0; h < 2; h++) {
             __m256i pat, mag, fin;
-            __m256 x = lanes8(p, dt, i + 8 * h, &pat, &mag, &fin);
+            __m256 x;
+            if (fast && dt == DT_F32) {
+                pat = _mm256_loadu_si256((const __m256i *)((const uint32_t *)p + i + 8 * h));
+                mag = _mm256_and_si256(pat, _mm256_set1_epi32(0x7fffffff));
+                x = _mm256_castsi256_ps(pat);
+            } else if (fast) {
+                pat = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i + 8 * h)));
+                mag = _mm256_and_si256(pat, _mm256_set1_epi32(0x7fff));
+                x = _mm256_castsi256_ps(_mm256_slli_epi32(pat, 16));
+            } else {
+                x = lanes8(p, dt, i + 8 * h, &pat, &mag, &fin);
+                cfin = _mm256_sub_epi32(cfin, fin);
+            }
             fm = _mm256_max_epu32(fm, mag); /* non-finite included: redone below where the block has one */
             if (neg) um = _mm256_max_epu32(um, pat);
-            cfin = _mm256_sub_epi32(cfin, fin);
             cz = _mm256_sub_epi32(cz, _mm256_cmpeq_epi32(mag, zero));
             if (sums) {
                 __m256 sq = _mm256_mul_ps(x, x);
@@ -152,6 +169,7 @@ __attribute__((target("avx2"), always_inline)) static inline void pass32_body(co
         finite += c[k];
         zeros += z[k];
     }
+    if (fast) finite = (int64_t)groups; /* checked by the caller */
     if ((int64_t)groups != finite) { /* a non-finite value in the groups: their largest finite magnitude exactly */
         pass_out again;
         pass32_scalar(p, dt, groups, 0, a1, a2, &again);
@@ -163,10 +181,30 @@ __attribute__((target("avx2"), always_inline)) static inline void pass32_body(co
 /* pass32_body specialised for each format, sums on or off, the largest pattern (neg) kept or not (constants: no
  * branch in the loop). */
 #define PASS32_SUMS_NEG(DT)                                                                                             \
-    (sums ? (neg ? pass32_body(p, DT, n, 1, 1, a1, a2, o) : pass32_body(p, DT, n, 1, 0, a1, a2, o))                     \
-          : (neg ? pass32_body(p, DT, n, 0, 1, a1, a2, o) : pass32_body(p, DT, n, 0, 0, a1, a2, o)))
+    (sums ? (neg ? pass32_body(p, DT, n, 1, 1, 0, a1, a2, o) : pass32_body(p, DT, n, 1, 0, 0, a1, a2, o))               \
+          : (neg ? pass32_body(p, DT, n, 0, 1, 0, a1, a2, o) : pass32_body(p, DT, n, 0, 0, 0, a1, a2, o)))
+#define PASS32_FAST(DT)                                                                                                 \
+    (neg ? pass32_body(p, DT, n, 1, 1, 1, a1, a2, o) : pass32_body(p, DT, n, 1, 0, 1, a1, a2, o))
+
+/* Whether every lane of the sums is finite. */
+static int lanes_finite(const double *a1, const double *a2) {
+    int ok = 1;
+    for (int j = 0; j < LANES; j++) ok &= isfinite(a1[j]) && isfinite(a2[j]);
+    return ok;
+}
+
 __attribute__((target("avx2"))) static void pass32_avx2(const void *p, int dt, size_t n, int sums, int neg,
                                                         double *a1, double *a2, pass_out *o) {
+    if (sums && (dt == DT_F32 || dt == DT_BF16) && lanes_finite(a1, a2)) { /* the fast pass, checked */
+        double b1[LANES], b2[LANES];
+        memcpy(b1, a1, sizeof b1), memcpy(b2, a2, sizeof b2);
+        if (dt == DT_F32)
+            PASS32_FAST(DT_F32);
+        else
+            PASS32_FAST(DT_BF16);
+        if (lanes_finite(a1, a2)) return;
+        memcpy(a1, b1, sizeof b1), memcpy(a2, b2, sizeof b2); /* a non-finite value (or a square beyond FLT_MAX) */
+    }
     if (dt == DT_F32)
         PASS32_SUMS_NEG(DT_F32);
     else if (dt == DT_BF16)
