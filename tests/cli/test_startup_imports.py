@@ -128,3 +128,14 @@ def test_the_program_leaves_as_main_does_without_the_teardown(tmp_path: Path, sa
             got.append((proc.returncode, proc.stdout, proc.stderr, mark.read_text()))
         assert got[0] == got[1], argv
     assert [c[0] for c in got] == [2, 2]
+
+
+@pytest.mark.parametrize("preset", [None, "20"])
+def test_the_cli_shortens_openblas_spinning_and_keeps_a_users_value(preset: str | None) -> None:
+    """The CLI sets ``OPENBLAS_THREAD_TIMEOUT=4`` before numpy loads (OpenBLAS reads it then), unless the user set it."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if preset is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = preset
+    code = "import sys, os, ckpttool.cli; print('numpy' in sys.modules, os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", preset or "4"]
