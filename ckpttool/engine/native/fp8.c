@@ -327,23 +327,23 @@ AVX2 static uint32_t amax_bits_avx2(const void *src, int bf16, int64_t at, int64
 
 /* max |w| per column of a band into colmax, one instance per element width (bit patterns: uint16 for
  * bfloat16, uint32 for float32; LANES of them per vector, ABS the mask that clears the sign bit) */
-#define COLUMN_AMAX_AVX2(NAME, T, LANES, ABS, SET1, MAX)                                  \
-    AVX2 static void NAME(const T *restrict src, int64_t rows, int64_t cols, T *restrict cm) { \
-        memset(cm, 0, (size_t)cols * sizeof(T));                                          \
-        const __m256i mask = SET1(ABS);                                                   \
-        for (int64_t r = 0; r < rows; r++) {                                              \
-            const T *p = src + r * cols;                                                  \
-            int64_t c = 0;                                                                \
-            for (; c + LANES <= cols; c += LANES) {                                       \
-                __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + c)), mask); \
-                __m256i *d = (__m256i *)(cm + c);                                         \
-                _mm256_storeu_si256(d, MAX(_mm256_loadu_si256(d), a));                    \
-            }                                                                             \
-            for (; c < cols; c++) {                                                       \
-                T a = p[c] & ABS;                                                         \
-                cm[c] = a > cm[c] ? a : cm[c];                                            \
-            }                                                                             \
-        }                                                                                 \
+#define COLUMN_AMAX_AVX2(NAME, T, LANES, ABS, SET1, MAX)                                                    \
+    AVX2 static void NAME(const T *restrict src, int64_t rows, int64_t cols, T *restrict cm) {              \
+        memset(cm, 0, (size_t)cols * sizeof(T));                                                            \
+        const __m256i mask = SET1(ABS);                                                                     \
+        for (int64_t r = 0; r < rows; r++) {                                                                \
+            const T *p = src + r * cols;                                                                    \
+            int64_t c = 0;                                                                                  \
+            for (; c + LANES <= cols; c += LANES) {                                                         \
+                __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + c)), mask);           \
+                __m256i *d = (__m256i *)(cm + c);                                                           \
+                _mm256_storeu_si256(d, MAX(_mm256_loadu_si256(d), a));                                      \
+            }                                                                                               \
+            for (; c < cols; c++) {                                                                         \
+                T a = p[c] & ABS;                                                                           \
+                cm[c] = a > cm[c] ? a : cm[c];                                                              \
+            }                                                                                               \
+        }                                                                                                   \
     }
 COLUMN_AMAX_AVX2(column_amax_bf16_avx2, uint16_t, 16, 0x7FFF, _mm256_set1_epi16, _mm256_max_epu16)
 COLUMN_AMAX_AVX2(column_amax_f32_avx2, uint32_t, 8, 0x7FFFFFFF, _mm256_set1_epi32, _mm256_max_epu32)
