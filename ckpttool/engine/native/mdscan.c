@@ -22,7 +22,8 @@ enum { G_SIZE = N_KINDS, G_LAYOUT, G_MEMFMT, G_PATH, G_DTYPE };
 typedef struct { int64_t a; uint32_t b; uint32_t t; } val;
 typedef struct { int64_t start; int32_t n; int32_t next; } seg;
 typedef struct { int32_t head, tail; int64_t count; uint8_t escaped, consumed, frozen, walked, memod; } cont;
-typedef struct { int64_t fstart; uint8_t kind, built, keyed, pad; } rec;
+/* fstart: the first field cell, in `fields` (wide) or `fields8`; -1 until BUILD */
+typedef struct { int32_t fstart; uint8_t kind, built, keyed, wide; } rec;
 
 #define ARR(T) struct { T *p; int64_t n, cap; }
 typedef ARR(val) vals;
@@ -56,6 +57,7 @@ typedef struct {
     const uint8_t *d;
     int64_t len, pos;
     vals stack, memo, arena, fields;
+    ARR(uint64_t) fields8; /* a record's fields where each fits 8 bytes (pack), else 16-byte cells in `fields` */
     i64s marks;
     /* the memo: a slot is kept only where a GET names it (pass one marks `ref`); `filled` counts every
      * slot written (MEMOIZE's index), `rank` maps a referenced slot to its cell in `memo` */
@@ -283,6 +285,52 @@ static int op_newobj(st *s) {
     return push(s, (val){s->recs.n - 1, 0, T_REC});
 }
 
+/* A cell in 8 bytes where its value fits: the type in bits 0-3, bit 4 the layout, then either `a` as a signed
+ * 59-bit int (b == 0) or `a` in 35 bits and `b` in 24 bits. unpack gives back the very cell; a value that does not
+ * fit returns 0 (its record keeps 16-byte cells). Records are most of the cells at 10^6 entries (8 fields a chunk). */
+static int pack(val v, uint64_t *out) {
+    if (v.t > 15) return 0;
+    if (v.b == 0) {
+        if (v.a < -((int64_t)1 << 58) || v.a >= ((int64_t)1 << 58)) return 0;
+        *out = ((uint64_t)v.a << 5) | v.t;
+        return 1;
+    }
+    if (v.a < 0 || v.a >= ((int64_t)1 << 35) || v.b >= (1u << 24)) return 0;
+    *out = ((uint64_t)v.a << 29) | ((uint64_t)v.b << 5) | 16u | v.t;
+    return 1;
+}
+
+static val unpack(uint64_t x) {
+    uint32_t t = (uint32_t)(x & 15);
+    if (!(x & 16)) return (val){(int64_t)x >> 5, 0, t};
+    return (val){(int64_t)(x >> 29), (uint32_t)((x >> 5) & 0xFFFFFF), t};
+}
+
+/* the nf fields f of record rc: 8 bytes each where every one fits, else 16-byte cells */
+static int store_fields(st *s, rec *rc, const val *f, int nf) {
+    uint64_t w[5];
+    int narrow = 1;
+    for (int i = 0; i < nf && narrow; i++) narrow = pack(f[i], &w[i]);
+    if (narrow) {
+        int64_t fs = s->fields8.n;
+        if (fs > INT32_MAX - 8) FAIL(9);
+        if (grow((void **)&s->fields8.p, &s->fields8.cap, fs + (nf ? nf : 1), sizeof(uint64_t))) FAIL(9);
+        if (nf) memcpy(s->fields8.p + fs, w, (size_t)nf * sizeof(uint64_t));
+        s->fields8.n += nf;
+        rc->fstart = (int32_t)fs;
+        rc->wide = 0;
+        return 0;
+    }
+    int64_t fs = s->fields.n;
+    if (fs > INT32_MAX - 8) FAIL(9);
+    if (grow((void **)&s->fields.p, &s->fields.cap, fs + nf, sizeof(val))) FAIL(9);
+    memcpy(s->fields.p + fs, f, (size_t)nf * sizeof(val));
+    s->fields.n += nf;
+    rc->fstart = (int32_t)fs;
+    rc->wide = 1;
+    return 0;
+}
+
 static int op_build(st *s) {
     val state;
     int r;
@@ -293,16 +341,13 @@ static int op_build(st *s) {
     rec *rc = &s->recs.p[inst.a];
     if (rc->built) FAIL(7);
     int nf = NFIELDS[rc->kind];
-    int64_t fs = s->fields.n;
-    if (grow((void **)&s->fields.p, &s->fields.cap, fs + (nf ? nf : 1), sizeof(val))) FAIL(9);
-    for (int i = 0; i < nf; i++) s->fields.p[fs + i] = (val){0, 0, T_EMPTY};
-    s->fields.n += nf;
-    rc->fstart = fs;
+    val fv[5];
+    for (int i = 0; i < nf; i++) fv[i] = (val){0, 0, T_EMPTY};
     rc->built = 1;
     if (rc->kind == K_TP) { /* TensorProperties.__setstate__: a tuple (dtype, layout, ...) */
         if (state.t != T_TUPLE || state.b < 1) FAIL(7);
-        s->fields.p[fs] = s->arena.p[state.a];
-        return 0;
+        fv[0] = s->arena.p[state.a];
+        return store_fields(s, rc, fv, nf);
     }
     if (state.t != T_DICT) FAIL(7);
     cont *c = &s->conts.p[state.a];
@@ -313,9 +358,10 @@ static int op_build(st *s) {
             val k = s->arena.p[sg->start + i];
             if (k.t != T_STR) FAIL(7);
             for (int f = 0; f < nf; f++)
-                if (str_is(s, k, FIELDS[rc->kind][f])) s->fields.p[fs + f] = s->arena.p[sg->start + i + 1];
+                if (str_is(s, k, FIELDS[rc->kind][f])) fv[f] = s->arena.p[sg->start + i + 1];
         }
     }
+    if ((r = store_fields(s, rc, fv, nf))) return r;
     if (c->escaped) {
         c->frozen = 1; /* copied into the record: a later change would not be seen there */
         return 0;
@@ -619,7 +665,10 @@ static int str_id(st *s, val v, int64_t *out) {
 
 #define SID(v, var) if (str_id(s, v, &var)) FAIL(20)
 
-static val field(st *s, val r, int f) { return s->fields.p[s->recs.p[r.a].fstart + f]; }
+static val field(st *s, val r, int f) {
+    const rec *rc = &s->recs.p[r.a];
+    return rc->wide ? s->fields.p[rc->fstart + f] : unpack(s->fields8.p[rc->fstart + f]);
+}
 
 static int is_rec(st *s, val v, int kind) { return v.t == T_REC && s->recs.p[v.a].kind == kind && s->recs.p[v.a].built; }
 
@@ -780,7 +829,7 @@ static int walk_top(st *s, val root) {
 }
 
 static void release(st *s) {
-    free(s->stack.p); free(s->memo.p); free(s->arena.p); free(s->fields.p); free(s->marks.p);
+    free(s->stack.p); free(s->memo.p); free(s->arena.p); free(s->fields.p); free(s->fields8.p); free(s->marks.p);
     free(s->segs.p); free(s->conts.p); free(s->recs.p); free(s->hash); free(s->shash);
     free(s->ref); free(s->filled); free(s->rank);
 }
@@ -797,6 +846,11 @@ static int run(st *s) {
     if (s->stack.n <= fence(s)) FAIL(3);
     val root = s->stack.p[s->stack.n - 1];
     if (!is_rec(s, root, K_MD)) FAIL(27);
+    /* the memo is the parse's alone: freed before the walk's columns grow */
+    free(s->memo.p);
+    free(s->rank);
+    s->memo.p = NULL;
+    s->rank = NULL;
     /* the parse's arenas stay: the walk reads them */
     if ((r = walk_entries(s, field(s, root, 0)))) return r;
     if ((r = walk_dict(s, field(s, root, 2), 1, 24, storage_item))) return r;
