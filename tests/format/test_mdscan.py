@@ -197,6 +197,23 @@ def test_repeated_key_and_chunk_outside_its_tensor_are_declined(monkeypatch: pyt
     assert isinstance(ref, CkptError) and str(_parsed(wrapped)) == str(ref)
 
 
+def test_values_past_the_packed_cells_agree() -> None:
+    """Values the kernel cannot pack into 8-byte cells (ints past 2^58 in a record's fields and in a path tuple,
+    negative ints beside strings) are kept exactly: the unpickler path's values, not a decline."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    entries = {"k0": _tensor([4], [([0], [4])]), "k1": _tensor([2], [([0], [2])])}
+    storage = {
+        MetadataIndex("k0", torch.Size([0])): _StorageInfo("__0_0.distcp", 2**62, 16),
+        MetadataIndex("k1", torch.Size([0])): _StorageInfo("__1_0.distcp", 2**58 - 1, 2**60),
+    }
+    planner = {"k0": ("m", 2**62, -(2**61)), "k1": ("n", -1, 2**58)}
+    data = pickle.dumps(Metadata(state_dict_metadata=entries, planner_data=planner, storage_data=storage), protocol=4)
+    assert _agrees(data)
+
+
 def test_shapes_of_every_rank_and_int_paths_agree() -> None:
     """Shapes interned by the kernel (0-d, 1-d, up to 64 dims, shared and repeated objects), planner paths of ints
     only and of mixed items: the unpickler path's values."""

@@ -325,44 +325,29 @@ AVX2 static uint32_t amax_bits_avx2(const void *src, int bf16, int64_t at, int64
     return tail > m ? tail : m;
 }
 
-/* max |w| per column of a band into colmax (bit patterns: uint16 for bfloat16, uint32 for float32) */
-AVX2 static void column_amax_avx2(const void *restrict src, int bf16, int64_t rows, int64_t cols, void *restrict colmax) {
-    if (bf16) {
-        uint16_t *cm = colmax;
-        memset(cm, 0, (size_t)cols * 2);
-        const __m256i mask = _mm256_set1_epi16(0x7FFF);
-        for (int64_t r = 0; r < rows; r++) {
-            const uint16_t *p = (const uint16_t *)src + r * cols;
-            int64_t c = 0;
-            for (; c + 16 <= cols; c += 16) {
-                __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + c)), mask);
-                __m256i *d = (__m256i *)(cm + c);
-                _mm256_storeu_si256(d, _mm256_max_epu16(_mm256_loadu_si256(d), a));
-            }
-            for (; c < cols; c++) {
-                uint16_t a = p[c] & 0x7FFF;
-                cm[c] = a > cm[c] ? a : cm[c];
-            }
-        }
-        return;
+/* max |w| per column of a band into colmax, one instance per element width (bit patterns: uint16 for
+ * bfloat16, uint32 for float32; LANES of them per vector, ABS the mask that clears the sign bit) */
+#define COLUMN_AMAX_AVX2(NAME, T, LANES, ABS, SET1, MAX)                                                    \
+    AVX2 static void NAME(const T *restrict src, int64_t rows, int64_t cols, T *restrict cm) {              \
+        memset(cm, 0, (size_t)cols * sizeof(T));                                                            \
+        const __m256i mask = SET1(ABS);                                                                     \
+        for (int64_t r = 0; r < rows; r++) {                                                                \
+            const T *p = src + r * cols;                                                                    \
+            int64_t c = 0;                                                                                  \
+            for (; c + LANES <= cols; c += LANES) {                                                         \
+                __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + c)), mask);           \
+                __m256i *d = (__m256i *)(cm + c);                                                           \
+                _mm256_storeu_si256(d, MAX(_mm256_loadu_si256(d), a));                                      \
+            }                                                                                               \
+            for (; c < cols; c++) {                                                                         \
+                T a = p[c] & ABS;                                                                           \
+                cm[c] = a > cm[c] ? a : cm[c];                                                              \
+            }                                                                                               \
+        }                                                                                                   \
     }
-    uint32_t *cm = colmax;
-    memset(cm, 0, (size_t)cols * 4);
-    const __m256i mask = _mm256_set1_epi32(0x7FFFFFFF);
-    for (int64_t r = 0; r < rows; r++) {
-        const uint32_t *p = (const uint32_t *)src + r * cols;
-        int64_t c = 0;
-        for (; c + 8 <= cols; c += 8) {
-            __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + c)), mask);
-            __m256i *d = (__m256i *)(cm + c);
-            _mm256_storeu_si256(d, _mm256_max_epu32(_mm256_loadu_si256(d), a));
-        }
-        for (; c < cols; c++) {
-            uint32_t a = p[c] & 0x7FFFFFFFu;
-            cm[c] = a > cm[c] ? a : cm[c];
-        }
-    }
-}
+COLUMN_AMAX_AVX2(column_amax_bf16_avx2, uint16_t, 16, 0x7FFF, _mm256_set1_epi16, _mm256_max_epu16)
+COLUMN_AMAX_AVX2(column_amax_f32_avx2, uint32_t, 8, 0x7FFFFFFF, _mm256_set1_epi32, _mm256_max_epu32)
+#undef COLUMN_AMAX_AVX2
 
 /* The band on AVX2 (the figures of one_band): per channel row by row; per block the amax per column in
  * one pass over the rows, then row by row each block's run, its error maxima per lane. Returns 0 when its
@@ -391,7 +376,10 @@ AVX2 static int band_avx2(const void *restrict src, int bf16, int64_t rows, int6
         free(tails);
         return 0;
     }
-    column_amax_avx2(src, bf16, rows, cols, colmax);
+    if (bf16)
+        column_amax_bf16_avx2(src, rows, cols, colmax);
+    else
+        column_amax_f32_avx2(src, rows, cols, colmax);
     for (int64_t c0 = 0, j = 0; c0 < cols; c0 += block, j++) {
         int64_t n = cols - c0 < block ? cols - c0 : block;
         amax[j] = float_of(bf16 ? amax_bits(colmax, 1, c0, n) : max_u32((const uint32_t *)colmax + c0, n));

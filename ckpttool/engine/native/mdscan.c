@@ -3,7 +3,8 @@
  * It runs the subset of the pickle machine (protocols 2-5) that pickle.dump writes for torch's
  * Metadata dataclasses, with CPython's own stack/mark/memo rules, and resolves only the globals
  * that ckpttool's allow-list unpickler resolves to records (ckpttool/format/unpickler.py). It
- * never builds Python objects: values are 16-byte cells in arenas, and the result is a set of
+ * never builds Python objects: values are 16-byte cells on the stack and in the memo, packed into 8 bytes in the
+ * arena and the records' fields (exactly, a value that does not fit kept beside), and the result is a set of
  * int64 columns (entries, chunks, storage items, planner paths, distinct shapes) that name strings
  * by their offset in the input. Every read is bounds-checked and every length is checked against
  * what remains. Anything it does not recognise, or that the unpickler would refuse, returns a
@@ -15,14 +16,15 @@
 #include <string.h>
 
 /* T_SHAPE: a tuple of 1 to 64 ints in 0..2^62, interned at TUPLE as a shape id (a: id, b: length), no cells */
-enum { T_EMPTY, T_INT, T_STR, T_NONE, T_BOOL, T_TUPLE, T_LIST, T_DICT, T_REC, T_GLOBAL, T_INERT, T_PATH, T_SHAPE };
+enum { T_EMPTY, T_INT, T_STR, T_NONE, T_BOOL, T_TUPLE, T_LIST, T_DICT, T_REC, T_GLOBAL, T_INERT, T_PATH, T_SHAPE, T_SIDE = 15 };
 enum { K_MD, K_TSM, K_TP, K_CSM, K_BSM, K_MI, K_SI, K_SM, N_KINDS };
 enum { G_SIZE = N_KINDS, G_LAYOUT, G_MEMFMT, G_PATH, G_DTYPE };
 
 typedef struct { int64_t a; uint32_t b; uint32_t t; } val;
 typedef struct { int64_t start; int32_t n; int32_t next; } seg;
 typedef struct { int32_t head, tail; int64_t count; uint8_t escaped, consumed, frozen, walked, memod; } cont;
-typedef struct { int64_t fstart; uint8_t kind, built, keyed, pad; } rec;
+/* fstart: the first field cell, in `fields` (wide) or `fields8`; -1 until BUILD */
+typedef struct { int32_t fstart; uint8_t kind, built, keyed, wide; } rec;
 
 #define ARR(T) struct { T *p; int64_t n, cap; }
 typedef ARR(val) vals;
@@ -55,7 +57,10 @@ static const char *FIELDS[N_KINDS][5] = {
 typedef struct {
     const uint8_t *d;
     int64_t len, pos;
-    vals stack, memo, arena, fields;
+    vals stack, memo, fields;
+    ARR(uint64_t) fields8; /* a record's fields where each fits 8 bytes (pack), else 16-byte cells in `fields` */
+    ARR(uint64_t) arena;   /* container and tuple items, packed (put/AR): 8 bytes a cell, `side` for what does not fit */
+    vals side;
     i64s marks;
     /* the memo: a slot is kept only where a GET names it (pass one marks `ref`); `filled` counts every
      * slot written (MEMOIZE's index), `rank` maps a referenced slot to its cell in `memo` */
@@ -171,6 +176,50 @@ static int global_id(st *s, val mod, val name) {
     return -1;
 }
 
+/* A cell in 8 bytes where its value fits: the type in bits 0-3, bit 4 the layout, then either `a` as a signed
+ * 59-bit int (b == 0) or `a` in 35 bits and `b` in 24 bits. unpack gives back the very cell; a value that does not
+ * fit returns 0 (a record keeps its 16-byte cells, an arena cell is kept in `side`). Records' fields and the arena are
+ * most of the cells at 10^6 entries (8 fields and ~5 arena cells a chunk). */
+static int pack(val v, uint64_t *out) {
+    if (v.t > 15) return 0;
+    if (v.b == 0) {
+        if (v.a < -((int64_t)1 << 58) || v.a >= ((int64_t)1 << 58)) return 0;
+        *out = ((uint64_t)v.a << 5) | v.t;
+        return 1;
+    }
+    if (v.a < 0 || v.a >= ((int64_t)1 << 35) || v.b >= (1u << 24)) return 0;
+    *out = ((uint64_t)v.a << 29) | ((uint64_t)v.b << 5) | 16u | v.t;
+    return 1;
+}
+
+static val unpack(uint64_t x) {
+    uint32_t t = (uint32_t)(x & 15);
+    if (!(x & 16)) return (val){(int64_t)x >> 5, 0, t};
+    return (val){(int64_t)(x >> 29), (uint32_t)((x >> 5) & 0xFFFFFF), t};
+}
+
+/* the arena cell of v: packed, or (T_SIDE) the index of a copy in `side` */
+static int put(st *s, val v, uint64_t *out) {
+    if (pack(v, out)) return 0;
+    if (PUSH(s->side, v)) FAIL(9);
+    return pack((val){s->side.n - 1, 0, T_SIDE}, out) ? 0 : 9;
+}
+
+static val AR(const st *s, int64_t i) {
+    val v = unpack(s->arena.p[i]);
+    return v.t == T_SIDE ? s->side.p[v.a] : v;
+}
+
+/* cells stack[x:x+n] appended to the arena */
+static int arena_put(st *s, int64_t x, int64_t n) {
+    int64_t start = s->arena.n;
+    if (grow((void **)&s->arena.p, &s->arena.cap, start + n, sizeof(uint64_t))) FAIL(9);
+    for (int64_t i = 0; i < n; i++)
+        if (put(s, s->stack.p[x + i], s->arena.p + start + i)) FAIL(9);
+    s->arena.n += n;
+    return 0;
+}
+
 static int new_cont(st *s, uint32_t t) {
     cont c = {-1, -1, 0, 0, 0, 0, 0, 0};
     if (PUSH(s->conts, c)) FAIL(9);
@@ -191,9 +240,7 @@ static int extend(st *s, val v, int64_t x, uint32_t want) {
     if (n) {
         if (n > INT32_MAX) FAIL(4);
         int64_t start = s->arena.n;
-        if (grow((void **)&s->arena.p, &s->arena.cap, start + n, sizeof(val))) FAIL(9);
-        memcpy(s->arena.p + start, s->stack.p + x, (size_t)n * sizeof(val));
-        s->arena.n += n;
+        if (arena_put(s, x, n)) FAIL(9);
         seg g = {start, (int32_t)n, -1};
         if (PUSH(s->segs, g)) FAIL(9);
         c = &s->conts.p[v.a];
@@ -236,9 +283,7 @@ static int op_tuple(st *s, int64_t x) {
         s->stack.n = x;
         return push(s, (val){id, (uint32_t)n, T_SHAPE});
     }
-    if (grow((void **)&s->arena.p, &s->arena.cap, start + n, sizeof(val))) FAIL(9);
-    if (n) memcpy(s->arena.p + start, s->stack.p + x, (size_t)n * sizeof(val));
-    s->arena.n += n;
+    if (arena_put(s, x, n)) FAIL(9);
     s->stack.n = x;
     return push(s, (val){n ? start : 0, (uint32_t)n, T_TUPLE});
 }
@@ -249,25 +294,25 @@ static int op_reduce(st *s) {
     if ((r = pop(s, &args)) || (r = pop(s, &fn))) return r;
     if (args.t == T_SHAPE && fn.t == T_GLOBAL && fn.a == G_MEMFMT && args.b == 1) return push(s, (val){0, 0, T_INERT});
     if (args.t != T_TUPLE || fn.t != T_GLOBAL) FAIL(5);
-    val *a = s->arena.p + args.a;
+    val a0 = args.b ? AR(s, args.a) : (val){0, 0, T_EMPTY};
     switch (fn.a) {
     case G_SIZE: { /* tuple(t) of a tuple is t itself */
-        if (args.b != 1 || (a[0].t != T_TUPLE && a[0].t != T_SHAPE)) FAIL(5);
-        val t = a[0];
+        if (args.b != 1 || (a0.t != T_TUPLE && a0.t != T_SHAPE)) FAIL(5);
+        val t = a0;
         if (args.a >= s->arena_pin && args.a + 1 == s->arena.n) s->arena.n--; /* the args cell: no memo slot kept it */
         return push(s, t);
     }
     case G_LAYOUT:
-        if (args.b != 1 || a[0].t != T_STR || a[0].b > 64 || a[0].b < 6 || memcmp(s->d + a[0].a, "torch.", 6)) FAIL(5);
-        for (uint32_t i = 0; i < a[0].b; i++)
-            if (s->d[a[0].a + i] >= 0x80) FAIL(5);
+        if (args.b != 1 || a0.t != T_STR || a0.b > 64 || a0.b < 6 || memcmp(s->d + a0.a, "torch.", 6)) FAIL(5);
+        for (uint32_t i = 0; i < a0.b; i++)
+            if (s->d[a0.a + i] >= 0x80) FAIL(5);
         return push(s, (val){0, 0, T_INERT});
     case G_MEMFMT:
-        if (args.b > 1 || (args.b == 1 && a[0].t != T_INT)) FAIL(5);
+        if (args.b > 1 || (args.b == 1 && a0.t != T_INT)) FAIL(5);
         return push(s, (val){0, 0, T_INERT});
     case G_PATH:
         for (uint32_t i = 0; i < args.b; i++)
-            if (a[i].t != T_STR) FAIL(5);
+            if (AR(s, args.a + i).t != T_STR) FAIL(5);
         return push(s, (val){args.a, args.b, T_PATH});
     }
     FAIL(5);
@@ -283,6 +328,31 @@ static int op_newobj(st *s) {
     return push(s, (val){s->recs.n - 1, 0, T_REC});
 }
 
+/* the nf fields f of record rc: 8 bytes each where every one fits, else 16-byte cells */
+static int store_fields(st *s, rec *rc, const val *f, int nf) {
+    uint64_t w[5];
+    int narrow = 1;
+    for (int i = 0; i < nf && narrow; i++) narrow = pack(f[i], &w[i]);
+    if (narrow) {
+        int64_t fs = s->fields8.n;
+        if (fs > INT32_MAX - 8) FAIL(9);
+        if (grow((void **)&s->fields8.p, &s->fields8.cap, fs + (nf ? nf : 1), sizeof(uint64_t))) FAIL(9);
+        if (nf) memcpy(s->fields8.p + fs, w, (size_t)nf * sizeof(uint64_t));
+        s->fields8.n += nf;
+        rc->fstart = (int32_t)fs;
+        rc->wide = 0;
+        return 0;
+    }
+    int64_t fs = s->fields.n;
+    if (fs > INT32_MAX - 8) FAIL(9);
+    if (grow((void **)&s->fields.p, &s->fields.cap, fs + nf, sizeof(val))) FAIL(9);
+    memcpy(s->fields.p + fs, f, (size_t)nf * sizeof(val));
+    s->fields.n += nf;
+    rc->fstart = (int32_t)fs;
+    rc->wide = 1;
+    return 0;
+}
+
 static int op_build(st *s) {
     val state;
     int r;
@@ -293,16 +363,13 @@ static int op_build(st *s) {
     rec *rc = &s->recs.p[inst.a];
     if (rc->built) FAIL(7);
     int nf = NFIELDS[rc->kind];
-    int64_t fs = s->fields.n;
-    if (grow((void **)&s->fields.p, &s->fields.cap, fs + (nf ? nf : 1), sizeof(val))) FAIL(9);
-    for (int i = 0; i < nf; i++) s->fields.p[fs + i] = (val){0, 0, T_EMPTY};
-    s->fields.n += nf;
-    rc->fstart = fs;
+    val fv[5];
+    for (int i = 0; i < nf; i++) fv[i] = (val){0, 0, T_EMPTY};
     rc->built = 1;
     if (rc->kind == K_TP) { /* TensorProperties.__setstate__: a tuple (dtype, layout, ...) */
         if (state.t != T_TUPLE || state.b < 1) FAIL(7);
-        s->fields.p[fs] = s->arena.p[state.a];
-        return 0;
+        fv[0] = AR(s, state.a);
+        return store_fields(s, rc, fv, nf);
     }
     if (state.t != T_DICT) FAIL(7);
     cont *c = &s->conts.p[state.a];
@@ -310,12 +377,13 @@ static int op_build(st *s) {
     for (int32_t g = c->head; g >= 0; g = s->segs.p[g].next) {
         seg *sg = &s->segs.p[g];
         for (int64_t i = 0; i < sg->n; i += 2) {
-            val k = s->arena.p[sg->start + i];
+            val k = AR(s, sg->start + i);
             if (k.t != T_STR) FAIL(7);
             for (int f = 0; f < nf; f++)
-                if (str_is(s, k, FIELDS[rc->kind][f])) s->fields.p[fs + f] = s->arena.p[sg->start + i + 1];
+                if (str_is(s, k, FIELDS[rc->kind][f])) fv[f] = AR(s, sg->start + i + 1);
         }
     }
+    if ((r = store_fields(s, rc, fv, nf))) return r;
     if (c->escaped) {
         c->frozen = 1; /* copied into the record: a later change would not be seen there */
         return 0;
@@ -534,7 +602,9 @@ static int shape_id(st *s, val v, int64_t *out) {
         return 0;
     }
     if (v.t != T_TUPLE || v.b > 64) FAIL(20);
-    return shape_cells(s, s->arena.p + v.a, v.b, out);
+    val a[64];
+    for (uint32_t i = 0; i < v.b; i++) a[i] = AR(s, v.a + i);
+    return shape_cells(s, a, v.b, out);
 }
 
 /* the id of the shape of the n cells at a (ints in 0..2^62, n <= 64) in the shape table */
@@ -619,7 +689,10 @@ static int str_id(st *s, val v, int64_t *out) {
 
 #define SID(v, var) if (str_id(s, v, &var)) FAIL(20)
 
-static val field(st *s, val r, int f) { return s->fields.p[s->recs.p[r.a].fstart + f]; }
+static val field(st *s, val r, int f) {
+    const rec *rc = &s->recs.p[r.a];
+    return rc->wide ? s->fields.p[rc->fstart + f] : unpack(s->fields8.p[rc->fstart + f]);
+}
 
 static int is_rec(st *s, val v, int kind) { return v.t == T_REC && s->recs.p[v.a].kind == kind && s->recs.p[v.a].built; }
 
@@ -647,7 +720,7 @@ static int walk_tensor(st *s, val key, val r) {
     c->walked = 1;
     for (int32_t g = c->head; g >= 0; g = s->segs.p[g].next)
         for (int64_t i = 0; i < s->segs.p[g].n; i++) {
-            val ch = s->arena.p[s->segs.p[g].start + i];
+            val ch = AR(s, s->segs.p[g].start + i);
             int64_t off;
             if (!is_rec(s, ch, K_CSM) || shape_id(s, field(s, ch, 0), &off) || shape_id(s, field(s, ch, 1), &id2)) FAIL(22);
             if (!chunk_inside(s, size, off, id2)) FAIL(22);
@@ -668,7 +741,7 @@ static int walk_dict(st *s, val d, int optional, int code, int (*item)(st *, val
     cont *c = &s->conts.p[d.a];
     for (int32_t g = c->head; g >= 0; g = s->segs.p[g].next)
         for (int64_t i = 0; i < s->segs.p[g].n; i += 2) {
-            int r = item(s, s->arena.p[s->segs.p[g].start + i], s->arena.p[s->segs.p[g].start + i + 1]);
+            int r = item(s, AR(s, s->segs.p[g].start + i), AR(s, s->segs.p[g].start + i + 1));
             if (r) return r;
         }
     return 0;
@@ -738,10 +811,14 @@ static int walk_path_items(st *s, val key, const val *items, int64_t n) {
 
 /* planner_data: key -> tuple, list or (ints only) shape-table row of path items */
 static int planner_item(st *s, val k, val v) {
+    val items[64];
     if (k.t != T_STR) FAIL(25);
-    if (v.t == T_TUPLE) return walk_path_items(s, k, s->arena.p + v.a, v.b);
+    if (v.t == T_TUPLE) {
+        if (v.b > 64) FAIL(25);
+        for (uint32_t i = 0; i < v.b; i++) items[i] = AR(s, v.a + i);
+        return walk_path_items(s, k, items, v.b);
+    }
     if (v.t == T_SHAPE) { /* a path of ints only: its items from the shape table */
-        val items[64];
         const int64_t *x = s->ints.p + s->shapes.p[2 * v.a];
         if (v.b > 64) FAIL(25);
         for (uint32_t i = 0; i < v.b; i++) items[i] = (val){x[i], 0, T_INT};
@@ -750,7 +827,9 @@ static int planner_item(st *s, val k, val v) {
     if (v.t != T_LIST) FAIL(25);
     cont *l = &s->conts.p[v.a];
     if (l->head != l->tail) FAIL(25); /* one APPENDS: items contiguous */
-    return walk_path_items(s, k, l->head >= 0 ? s->arena.p + s->segs.p[l->head].start : NULL, l->count);
+    if (l->count > 64) FAIL(25);
+    for (int64_t i = 0; i < l->count; i++) items[i] = AR(s, s->segs.p[l->head].start + i);
+    return walk_path_items(s, k, items, l->count);
 }
 
 /* top: version (off, len or -1), checkpoint id (kind 0 none / 1 str / 2 path; off or item start, len),
@@ -770,7 +849,7 @@ static int walk_top(st *s, val root) {
     if (cid.t == T_STR) { SID(cid, id); EMIT(top, 1); EMIT(top, id); EMIT(top, 0); }
     else if (cid.t == T_PATH) {
         EMIT(top, 2); EMIT(top, s->pit.n / 2); EMIT(top, cid.b);
-        for (uint32_t i = 0; i < cid.b; i++) { SID(s->arena.p[cid.a + i], id); EMIT(pit, 0); EMIT(pit, id); }
+        for (uint32_t i = 0; i < cid.b; i++) { SID(AR(s, cid.a + i), id); EMIT(pit, 0); EMIT(pit, id); }
     } else if (cid.t == T_NONE || cid.t == T_EMPTY) { EMIT(top, 0); EMIT(top, 0); EMIT(top, 0); }
     else FAIL(26);
     id = -1;
@@ -780,7 +859,7 @@ static int walk_top(st *s, val root) {
 }
 
 static void release(st *s) {
-    free(s->stack.p); free(s->memo.p); free(s->arena.p); free(s->fields.p); free(s->marks.p);
+    free(s->stack.p); free(s->memo.p); free(s->arena.p); free(s->fields.p); free(s->fields8.p); free(s->side.p); free(s->marks.p);
     free(s->segs.p); free(s->conts.p); free(s->recs.p); free(s->hash); free(s->shash);
     free(s->ref); free(s->filled); free(s->rank);
 }
@@ -797,6 +876,11 @@ static int run(st *s) {
     if (s->stack.n <= fence(s)) FAIL(3);
     val root = s->stack.p[s->stack.n - 1];
     if (!is_rec(s, root, K_MD)) FAIL(27);
+    /* the memo is the parse's alone: freed before the walk's columns grow */
+    free(s->memo.p);
+    free(s->rank);
+    s->memo.p = NULL;
+    s->rank = NULL;
     /* the parse's arenas stay: the walk reads them */
     if ((r = walk_entries(s, field(s, root, 0)))) return r;
     if ((r = walk_dict(s, field(s, root, 2), 1, 24, storage_item))) return r;
