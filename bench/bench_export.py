@@ -1,7 +1,9 @@
 """Benchmark `ckpttool export` against `cp -r` of its output and against the usual torch scripts.
 
 One run prints, side by side (warm page cache, every approach in its own process, wall seconds
-including interpreter start-up and imports, peak RSS from GNU ``/usr/bin/time -f %M``):
+including interpreter start-up and imports, peak RSS from GNU ``/usr/bin/time -f %M``; every timed
+run starts from the same page cache, :func:`_settle`: its input warm, nothing dirty, no other file
+this bench wrote cached):
 
 ``preserve`` — a Llama-style model (vocab 32000, hidden 2048, MLP 5632, 2 layers, 234M
 parameters) in BF16 plus FP32 optimizer state (``step``, ``master_weight``, ``exp_avg``,
@@ -195,12 +197,12 @@ def _many_case(root: Path, n: int, repeat: int, baseline: Path | None) -> list[s
     for _ in range(repeat):
         for label, tree, out in trees:
             shutil.rmtree(out, ignore_errors=True)
-            _warm(ckpt)
+            _settle(ckpt, root)  # the other tree's kept output not cached (_settle)
             env = dict(os.environ, PYTHONPATH=str(tree))
             runs.setdefault(label, []).append(_run_cpu([*cli, "export", str(ckpt), str(out)], env, tree))
         cp_out = root / "many-cp"
         shutil.rmtree(cp_out, ignore_errors=True)
-        _warm(trees[0][2])
+        _settle(trees[0][2], root)
         runs.setdefault("cp -r of the output (baseline)", []).append(
             _run_cpu(["cp", "-r", str(trees[0][2]), str(cp_out)])
         )
@@ -306,6 +308,49 @@ def _warm(path: Path) -> None:
                     pass
 
 
+def _settle(warm: Path | None, scope: Path | None) -> None:
+    """Put the page cache in the state every timed run starts from: no dirty pages (``os.sync``), none of the
+    files under ``scope`` cached but ``warm`` 's (read in), so free memory is the same for every run.
+
+    Without it a run finds cached whatever earlier runs left: another variant's kept output, earlier cases'
+    checkpoints. At 4 GB a case (24 GiB machine) the run that finds another 4 GB output cached gets its
+    page-cache folios from the DMA32 zone, wakes kswapd and stalls in compaction: a plain 4 GiB ``pwrite``
+    loop took 2.7-4.3 CPU s so against ~1 s, and the second variant of each interleaved pair ran ~2x the CPU
+    of the first with the same package in both (``docs/performance.md``, "Free memory between interleaved
+    runs"). Only pages of files under ``scope`` (what this bench wrote) are dropped
+    (``posix_fadvise(DONTNEED)`` of clean pages), not the machine's whole cache.
+    """
+    os.sync()  # no dirty pages of an earlier run left for this one to write back; clean pages can be dropped
+    if scope is not None and scope.is_dir():
+        keep = warm.resolve() if warm is not None else None
+        for p in scope.resolve().rglob("*"):
+            if keep is not None and (p == keep or keep in p.parents):
+                continue
+            try:
+                if p.is_file() and not p.is_symlink():
+                    fd = os.open(p, os.O_RDONLY)
+                    try:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    finally:
+                        os.close(fd)
+            except OSError:
+                pass  # removed under us, or not ours to read
+    if warm is not None:
+        _warm(warm)
+
+
+def _mem_free_gib() -> float:
+    """``MemFree`` of ``/proc/meminfo`` in GiB (0.0 where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemFree:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
 def _output_bytes(out: Path) -> int:
     return sum(p.stat().st_size for p in out.iterdir() if p.is_file())
 
@@ -390,18 +435,18 @@ def _child_env(package: Path) -> dict[str, str]:
 
 
 def _best(
-    cmd: list[str], out: Path | None, repeat: int, warm: Path | None, mkdir: bool = False
+    cmd: list[str], out: Path | None, repeat: int, warm: Path | None, mkdir: bool = False, scope: Path | None = None
 ) -> tuple[float, int, str, float]:
-    """Fastest wall of ``repeat`` runs, the largest peak RSS, the last stdout, the smallest CPU."""
+    """Fastest wall of ``repeat`` runs, the largest peak RSS, the last stdout, the smallest CPU.
+
+    Each run starts from :func:`_settle` (``warm`` cached, the rest of ``scope`` not)."""
     runs = []
     for _ in range(repeat):
         if out is not None:
             shutil.rmtree(out, ignore_errors=True)
             if mkdir:
                 out.mkdir()
-        if warm is not None:
-            _warm(warm)
-        os.sync()  # no dirty pages of an earlier run left for this one to write back
+        _settle(warm, scope)
         runs.append(_run(cmd))
     return min(r[0] for r in runs), max(r[1] for r in runs), runs[-1][2], min(r[3] for r in runs)
 
@@ -424,25 +469,30 @@ def _export_case(
     for n in args.slab_bytes or []:  # this tree with other slab sizes (CKPTTOOL_SLAB_BYTES), interleaved
         variants[f"slab {n >> 10} KiB: "] = dict(_child_env(ROOT), CKPTTOOL_SLAB_BYTES=str(n))
     runs: dict[str, list[tuple[float, int, str, float]]] = {k: [] for k in variants}
-    for i in range(args.repeat):  # interleaved: the same page-cache state and load on average
+    free: list[float] = []
+    for _ in range(args.repeat):  # interleaved: the same load on average
         for label, env in variants.items():
             out = root / f"out{'-before' if label == 'before: ' else '-slab' if label else ''}"
-            if i == 0 or out.exists():
-                shutil.rmtree(out, ignore_errors=True)
-            _warm(ckpt)
-            os.sync()  # no dirty pages of an earlier run left for this one to write back
+            shutil.rmtree(out, ignore_errors=True)
+            # the same page cache for every variant: the other variants' kept outputs and earlier cases'
+            # checkpoints dropped, this checkpoint warm (else the second variant of each pair runs short of memory)
+            _settle(ckpt, root)
+            free.append(_mem_free_gib())
             runs[label].append(_run([a.replace("{out}", str(out)) for a in cmd], env))
     out = root / "out"
     nbytes = _output_bytes(out)
-    c, crss, _, ccpu = _best(["cp", "-r", str(out), str(root / "out-cp")], root / "out-cp", args.repeat, out)
+    c, crss, _, ccpu = _best(
+        ["cp", "-r", str(out), str(root / "out-cp")], root / "out-cp", args.repeat, out, False, root
+    )
     shutil.rmtree(root / "out-cp", ignore_errors=True)
     for label, rs in runs.items():
         s, rss, cpu = min(r[0] for r in rs), max(r[1] for r in rs), min(r[3] for r in rs)
-        doc = json.loads(rs[-1][2])
+        doc = json.loads(min(rs, key=lambda r: r[0])[2])  # the fastest run's own figure
         note = f"{c / s:.0%} of cp -r; CPU {ccpu / cpu:.0%} of cp's"
         table.add(case, f"{label}ckpttool export {' '.join(flags)}".strip(), s, rss, nbytes, note, cpu)
         table.add(case, f"  {label}in-process (--json seconds)", doc["seconds"], 0, nbytes)
     table.add(case, "  cp -r of the output (baseline)", c, crss, nbytes, "", ccpu)
+    notes.append(f"{case}: free memory as the export runs started: {min(free):.1f}-{max(free):.1f} GiB")
     if args.baseline is not None:
         notes.append(f"{case}: output byte-identical to the baseline's (cmp): {_same_files(out, root / 'out-before')}")
         shutil.rmtree(root / "out-before", ignore_errors=True)
@@ -460,7 +510,7 @@ def _torch_baselines(args: argparse.Namespace, table: Table, notes: list[str], l
     tmp_pt = root / "a.pt"
     nbytes = _output_bytes(outs["ck"])
     s, rss, _, cpu = _best(
-        [sys.executable, "-c", BASELINE_A, str(llama), str(tmp_pt), str(outs["a"])], outs["a"], 1, llama, True
+        [sys.executable, "-c", BASELINE_A, str(llama), str(tmp_pt), str(outs["a"])], outs["a"], 1, llama, True, root
     )
     tmp_pt.unlink(missing_ok=True)
     table.add("preserve", "(a) dcp_to_torch_save + save_file", s, rss, nbytes, "", cpu)
@@ -470,6 +520,7 @@ def _torch_baselines(args: argparse.Namespace, table: Table, notes: list[str], l
         args.repeat,
         llama,
         True,
+        root,
     )
     table.add("preserve", "(b) per-shard dcp.load + save_file", s, rss, nbytes, "", cpu)
     notes.append(f"preserve: ckpttool output == (b) output: {_same_tensors(outs['ck'], outs['b'])}")
@@ -715,8 +766,10 @@ def main() -> None:
         if not (sample / ".metadata").is_file():
             _run([*cli, "sample", str(sample)])
         out = root / "out-small"
-        s, rss, _, cpu = _best([*cli, "export", str(sample), str(out), "--json"], out, max(args.repeat, 5), sample)
-        p, prss, _, pcpu = _best([sys.executable, "-c", "pass"], None, max(args.repeat, 5), None)
+        s, rss, _, cpu = _best(
+            [*cli, "export", str(sample), str(out), "--json"], out, max(args.repeat, 5), sample, False, root
+        )
+        p, prss, _, pcpu = _best([sys.executable, "-c", "pass"], None, max(args.repeat, 5), None, False, root)
         nbytes = _output_bytes(out)
         note = f"fixed cost {s - p:.3f} s (target <= 0.15 s)"
         table.add("small (sample)", "ckpttool export", s, rss, nbytes, note, cpu)

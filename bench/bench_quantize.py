@@ -47,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_export import _output_bytes, _same_tensors, _warm
+from bench_export import _output_bytes, _same_tensors, _settle, _warm
 
 _TIME = shutil.which("time", path="/usr/bin:/bin")
 
@@ -262,7 +262,8 @@ def main() -> None:
     for _ in range(args.repeat):
         for label, cmd_for, out, env in approaches:
             shutil.rmtree(out, ignore_errors=True)
-            os.sync()  # no dirty pages of an earlier run left for this one to write back
+            # every run from the same page cache: nothing dirty, no other approach's output cached, its input read in
+            _settle(quant_out if out.name == "out_cp" else ckpt, root)
             runs[label].append(_run(cmd_for(out), env))
     nbytes = _output_bytes(quant_out)
     table = Table()
