@@ -9,7 +9,9 @@ Creates everything it needs under ``--work`` (default ``$OUT`` or ``/tmp/ckpttoo
    accelerator tests);
 4. runs ``ckpttool replay-step --device <accelerator>`` on the samples and the 1 GiB checkpoint;
 5. measures torch's pinned host<->device copy bandwidth with buffers of the staging size;
-6. prints a short summary (pass/fail, step time, D2H/H2D GB/s achieved vs torch's copies)
+6. on an accelerator (``--replay-gb``, default 1.0 there): ``replay-step`` of a 491M-parameter BF16 model with
+   FP32 master and moments on the device, beside torch's ``AdamW(fused=True)`` on as many parameters there;
+7. prints a short summary (pass/fail, step time, D2H/H2D GB/s achieved vs torch's copies)
    and writes ``summary.json``.
 
 Every step runs in a subprocess under a timeout carved from one overall budget
@@ -138,12 +140,93 @@ def copy_bandwidth(device: str, chunk_bytes: int) -> dict[str, float]:
     return out
 
 
+def replay_big(
+    gb: float,
+    data: Path,
+    device: str,
+    budget: Budget,
+    logs: Path,
+    env: dict[str, str],
+    checks: dict[str, Any],
+    summary: dict[str, Any],
+) -> None:
+    """``replay-step --device DEVICE`` of a ``gb`` GB BF16 model with FP32 master and moments (491M parameters at
+    1 GB; ``bench/bench_validate.py``'s ``optim_checkpoint``), then ``bench/bench_optim.py`` with torch's
+    ``AdamW(fused=True)`` and ckpttool's fused ``full_fp32_adamw`` on as many BF16 parameters on the same device:
+    the replayed step's time beside torch's own fused step."""
+    build = (
+        f"import sys; from pathlib import Path; sys.path.insert(0, {str(REPO / 'bench')!r}); "
+        f"from bench_validate import optim_checkpoint; print(optim_checkpoint(Path({str(data / 'replay')!r}), {gb}))"
+    )
+    rc, out, t = run(py(build), timeout=min(240, budget.left(90)), log=logs / "build_replay.log", env=env)
+    ckpt = Path(out.strip().splitlines()[-1]) if rc == 0 and out.strip() else None
+    if ckpt is None or not (ckpt / ".metadata").is_file():
+        checks["replay_big"] = {"ok": False, "error": "checkpoint not built", "tail": out[-400:]}
+        print(f"replay-step {gb:g} GB: FAIL (checkpoint not built, rc={rc})", flush=True)
+        return
+    cmd = py(CLI) + ["replay-step", str(ckpt), "--device", device, "--json"]
+    rc, out, t = run(cmd, timeout=min(240, budget.left(45)), log=logs / "replay_big.log", env=env)
+    try:
+        d = json.loads(out.strip().splitlines()[0])
+    except (json.JSONDecodeError, IndexError):
+        checks["replay_big"] = {"ok": False, "rc": rc, "tail": out[-400:]}
+        print(f"replay-step {gb:g} GB: FAIL rc={rc}: {out.strip()[-300:]}", flush=True)
+        return
+    numel = sum(p["numel"] for p in d["params"])
+    checks["replay_big"] = {
+        "ok": rc == 0 and d["ok"],
+        "rc": rc,
+        "params": d["params_total"],
+        "numel": numel,
+        "step_s": d["timing"]["step_seconds"],
+        "total_s": d["timing"]["total_seconds"],
+        "wall_s": round(t, 1),
+    }
+    c = checks["replay_big"]
+    print(
+        f"replay-step {gb:g} GB ({numel / 1e6:.0f}M elements, full_fp32_adamw): {'PASS' if c['ok'] else 'FAIL'}; "
+        f"step {c['step_s'] * 1e3:.1f} ms, total {c['total_s']:.1f} s, wall {t:.1f} s",
+        flush=True,
+    )
+    if budget.left(5) < 30:
+        return
+    rc, out, t = run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "bench_optim.py"),
+            "--device",
+            device,
+            "--numel",
+            str(numel),
+            "--steps",
+            "3",
+            "--param-dtype",
+            "bfloat16",
+            "--only",
+            "AdamW fused",
+            "full_fp32_adamw fused",
+        ],
+        timeout=min(120, budget.left(5)),
+        log=logs / "bench_optim_replay.log",
+        env=env,
+    )
+    summary["replay_big_optim"] = {"rc": rc, "seconds": round(t, 1), "table": out.strip().splitlines()[-5:]}
+    print(f"torch fused AdamW vs full_fp32_adamw, {numel / 1e6:.0f}M BF16 params on {device}:", flush=True)
+    print("\n".join(out.strip().splitlines()[-5:]), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default=os.environ.get("OUT") or "/tmp/ckpttool-device-check")
     ap.add_argument("--budget", type=float, default=float(os.environ.get("DEVICE_CHECK_BUDGET", 220)))
     ap.add_argument("--big-gib", type=float, default=1.0, help="size of the CPU-offload checkpoint")
     ap.add_argument("--device", default=None, help="force a device (cpu to test the script without a GPU)")
+    ap.add_argument(
+        "--replay-gb",
+        type=float,
+        default=None,
+        help="GB of the BF16 model replayed beside torch's fused AdamW (default 1.0 on an accelerator, 0 on cpu: off)",
+    )
     ap.add_argument("--build-big", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--bandwidth", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -190,6 +273,8 @@ def main() -> int:
     fields = out.strip().splitlines()[-1].split("|") if out.strip() else []
     torch_version, acc, name = fields if len(fields) == 3 else ("?", "none", "-")
     device = args.device or (acc if acc != "none" else "cpu")
+    if args.replay_gb is None:
+        args.replay_gb = 0.0 if device == "cpu" else 1.0
     summary.update(torch=torch_version, accelerator=acc, device_name=name, device=device)
     print(f"torch {torch_version}; accelerator {acc} ({name}); checks run on --device {device}", flush=True)
     if device == "cpu":
@@ -350,6 +435,11 @@ def main() -> int:
         print(
             "bench_optim (64M BF16 params, fused vs foreach):\n" + "\n".join(out.strip().splitlines()[-12:]), flush=True
         )
+
+    # 6. replay-step of a ~0.5B-parameter checkpoint (FullFP32AdamW state, a 4-rank gloo dcp.save) on the
+    #    device, beside torch's fused AdamW step on as many BF16 parameters on the same device
+    if args.replay_gb > 0 and budget.left(5) > 60:
+        replay_big(args.replay_gb, data, device, budget, logs, env, checks, summary)
 
     ok = all(c.get("ok") for c in checks.values())
     summary["ok"] = ok
