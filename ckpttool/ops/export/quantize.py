@@ -653,10 +653,10 @@ class _RecordCrcs:
     """
 
     def __init__(self, reader: CheckpointReader) -> None:
-        from ckpttool.engine.crc import crc32, crc32_combine
+        from ckpttool.engine.crc import crc32_array, crc32_combine
 
         self.reader, self.on = reader, bool(reader.verify_crc)
-        self._crc32, self._combine = crc32, crc32_combine
+        self._crc32, self._combine = crc32_array, crc32_combine
         self._lock = threading.Lock()
         self._pieces: dict[_Mark, dict[int, tuple[int, int]]] = {}  # record -> start -> (length, CRC-32)
         self._covered: dict[_Mark, int] = {}  # record -> bytes in its pieces
@@ -682,7 +682,8 @@ class _RecordCrcs:
             self._verify_whole(loc)
 
     def piece(self, loc: Any, start: int, data: Any) -> None:
-        """Bytes ``data`` read at ``start`` of ``loc``'s values; checks the record once its pieces tile it.
+        """Bytes ``data`` (a ``uint8`` array) read at ``start`` of ``loc``'s values; checks the record once its pieces
+        tile it.
 
         Raises:
             ChecksumError: the record's CRC-32 does not match (E308).
@@ -690,7 +691,7 @@ class _RecordCrcs:
         if not self.on or not self._by_pieces(loc):
             return
         mark, n = self._mark(loc), len(data)
-        crc = int(self._crc32(data, 0))
+        crc = self._crc32(data, 0)
         with self._lock:
             if mark in self._done:
                 return
