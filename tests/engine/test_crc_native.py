@@ -46,3 +46,15 @@ def test_special_bytes() -> None:
         buf = np.full(70000, fill, np.uint8)
         for crc in (0, 0xFFFFFFFF):
             assert int(_FN(_ISAL, crc, buf.ctypes.data, buf.size)) == zlib.crc32(buf.tobytes(), crc)
+
+
+@pytest.mark.parametrize("n", [0, 1, 1000, (1 << 16) - 1, 1 << 16, (1 << 16) + 5, 1 << 21])
+def test_crc32_array_equals_zlib(n: int) -> None:
+    from ckpttool.engine.crc import crc32_array
+
+    a = _BYTES[3 : 3 + n]
+    for value in (0, 0xDEADBEEF):
+        assert crc32_array(a, value) == zlib.crc32(a.tobytes(), value), (n, value)
+    if n >= 8:  # other dtypes: their bytes
+        f = _BYTES[: n - n % 4].view(np.float32)
+        assert crc32_array(f, 7) == zlib.crc32(f.tobytes(), 7)

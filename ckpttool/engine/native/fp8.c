@@ -186,27 +186,61 @@ static inline int block_by_columns(const void *restrict src, int bf16, int64_t r
 #define AVX2 __attribute__((target("avx2")))
 #define AVX2_INLINE __attribute__((target("avx2"), always_inline)) static inline
 
-/* e4m3fn magnitude codes (0 .. 0x7E) of 8 non-negative, non-NaN float32 lanes (to_e4m3fn of a magnitude) */
-AVX2_INLINE __m256i e4m3_mag8(__m256i mag) {
+/* e4m3fn magnitude codes (0x08 .. 0x7E) of 8 non-negative, non-NaN float32 lanes of at least 2^-6 (the normal
+ * results of to_e4m3fn of a magnitude); sat: saturate (a min). Unneeded for w / scale with a normal scale =
+ * amax / 448 rounded: |w| / scale <= 448 / (1 - 2^-24) rounds below 464 (code 0x7E at most); a subnormal scale
+ * is not that close to amax / 448 */
+AVX2_INLINE __m256i e4m3_normal8(__m256i mag, int sat) {
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(mag, 20), _mm256_set1_epi32(1));
     const int32_t bias = (int32_t)(((uint32_t)(7 - 127) << 23) + 0x7FFFFu);
     __m256i t = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(mag, lsb), _mm256_set1_epi32(bias)), 20);
+    return sat ? _mm256_min_epu32(t, _mm256_set1_epi32(0x7E)) : t;
+}
+
+/* e4m3fn magnitude codes (0 .. 0x7E) of 8 non-negative, non-NaN float32 lanes (to_e4m3fn of a magnitude) */
+AVX2_INLINE __m256i e4m3_mag8(__m256i mag) {
     __m256 sum = _mm256_add_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(16384.0f));
     __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(sum), _mm256_set1_epi32((int32_t)(141u << 23)));
-    t = _mm256_blendv_epi8(t, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)(121u << 23)), mag));
-    return _mm256_min_epu32(t, _mm256_set1_epi32(0x7E));
+    /* the subnormal codes are <= 8: the saturating min of e4m3_normal8 leaves them as they are */
+    return _mm256_blendv_epi8(e4m3_normal8(mag, 1), sub, _mm256_cmpgt_epi32(_mm256_set1_epi32((int32_t)(121u << 23)), mag));
+}
+
+/* e4m3_mag8 of 4 x 8 lanes in place, the subnormal path (a float add, a subtract and a blend per 8 lanes) only
+ * when one of the 32 lanes needs it: below 2^-6, rare in a block scaled to its amax (~0.4% of 32-lane groups
+ * of Gaussian weights); the same codes either way */
+AVX2_INLINE void e4m3_mag32(__m256i *x, int sat) {
+    const __m256i lim = _mm256_set1_epi32((int32_t)(121u << 23));
+    __m256i low = _mm256_or_si256(_mm256_or_si256(_mm256_cmpgt_epi32(lim, x[0]), _mm256_cmpgt_epi32(lim, x[1])),
+                                  _mm256_or_si256(_mm256_cmpgt_epi32(lim, x[2]), _mm256_cmpgt_epi32(lim, x[3])));
+    if (_mm256_testz_si256(low, low)) {
+        for (int j = 0; j < 4; j++) x[j] = e4m3_normal8(x[j], sat);
+    } else {
+        for (int j = 0; j < 4; j++) x[j] = e4m3_mag8(x[j]);
+    }
 }
 
 /* the magnitude codes of 8 lanes of |w| (float32 bits) quantized with scale s; *err gets max | |q| * s - |w| |
  * per lane; k: s * 2^120 (one) or 2^120 (not one: then times s) */
-AVX2_INLINE __m256i quantize_mag8(__m256i a, __m256 s, __m256 k, int one, __m256i *err) {
-    __m256i t = e4m3_mag8(_mm256_castps_si256(_mm256_div_ps(_mm256_castsi256_ps(a), s)));
+/* *err gets max | |q| * s - |w| | per lane of 8 lanes of |w| (float32 bits a) and their magnitude codes t */
+AVX2_INLINE void error8(__m256i a, __m256i t, __m256 s, __m256 k, int one, __m256i *err) {
     __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(t, 20));
     __m256 d = one ? _mm256_mul_ps(v, k) : _mm256_mul_ps(_mm256_mul_ps(v, k), s);
     __m256i e = _mm256_and_si256(_mm256_castps_si256(_mm256_sub_ps(d, _mm256_castsi256_ps(a))),
                                  _mm256_set1_epi32(0x7FFFFFFF));
     *err = _mm256_max_epu32(*err, e);
+}
+
+AVX2_INLINE __m256i quantize_mag8(__m256i a, __m256 s, __m256 k, int one, __m256i *err) {
+    __m256i t = e4m3_mag8(_mm256_castps_si256(_mm256_div_ps(_mm256_castsi256_ps(a), s)));
+    error8(a, t, s, k, one, err);
     return t;
+}
+
+/* quantize_mag8 of 4 x 8 lanes of |w| (a[0..3]) into their codes t[0..3] (e4m3_mag32; sat: a subnormal scale) */
+AVX2_INLINE void quantize_mag32(const __m256i *a, __m256 s, __m256 k, int one, int sat, __m256i *err, __m256i *t) {
+    for (int j = 0; j < 4; j++) t[j] = _mm256_castps_si256(_mm256_div_ps(_mm256_castsi256_ps(a[j]), s));
+    e4m3_mag32(t, sat);
+    for (int j = 0; j < 4; j++) error8(a[j], t[j], s, k, one, err);
 }
 
 /* 8 float32 lanes u (bit patterns) to 8 e4m3fn bytes at q (sign from u) */
@@ -218,7 +252,7 @@ AVX2_INLINE void quantize8_store(__m256i u, __m256 s, __m256 k, int one, __m256i
 }
 
 /* quantize_run's vector part on bfloat16 bits: returns how many of the n were done (a multiple of 8) */
-AVX2_INLINE int64_t run_bf16(const uint16_t *restrict p, int64_t n, float scale, int one, uint8_t *restrict q,
+AVX2_INLINE int64_t run_bf16(const uint16_t *restrict p, int64_t n, float scale, int one, int sat, uint8_t *restrict q,
                              __m256i *err) {
     const __m256 s = _mm256_set1_ps(scale);
     const __m256 k = _mm256_set1_ps(one ? scale * 1329227995784915872903807060280344576.0f
@@ -229,12 +263,11 @@ AVX2_INLINE int64_t run_bf16(const uint16_t *restrict p, int64_t n, float scale,
     for (; i + 32 <= n; i += 32) {
         /* unpack puts elements 0-3 and 8-11 in lo, 4-7 and 12-15 in hi (per 128-bit lane); packus undoes it */
         __m256i v0 = _mm256_loadu_si256((const __m256i *)(p + i)), v1 = _mm256_loadu_si256((const __m256i *)(p + i + 16));
-        __m256i m0 = _mm256_and_si256(v0, m15), m1 = _mm256_and_si256(v1, m15);
-        __m256i t0 = quantize_mag8(_mm256_unpacklo_epi16(z, m0), s, k, one, &acc);
-        __m256i t1 = quantize_mag8(_mm256_unpackhi_epi16(z, m0), s, k, one, &acc);
-        __m256i t2 = quantize_mag8(_mm256_unpacklo_epi16(z, m1), s, k, one, &acc);
-        __m256i t3 = quantize_mag8(_mm256_unpackhi_epi16(z, m1), s, k, one, &acc);
-        __m256i codes = _mm256_packus_epi16(_mm256_packus_epi32(t0, t1), _mm256_packus_epi32(t2, t3));
+        __m256i m0 = _mm256_and_si256(v0, m15), m1 = _mm256_and_si256(v1, m15), t[4];
+        const __m256i a[4] = {_mm256_unpacklo_epi16(z, m0), _mm256_unpackhi_epi16(z, m0), _mm256_unpacklo_epi16(z, m1),
+                              _mm256_unpackhi_epi16(z, m1)};
+        quantize_mag32(a, s, k, one, sat, &acc, t);
+        __m256i codes = _mm256_packus_epi16(_mm256_packus_epi32(t[0], t[1]), _mm256_packus_epi32(t[2], t[3]));
         __m256i signs = _mm256_and_si256(_mm256_packs_epi16(v0, v1), _mm256_set1_epi8((char)0x80));
         _mm256_storeu_si256((__m256i *)(q + i), _mm256_permute4x64_epi64(_mm256_or_si256(codes, signs), 0xD8));
     }
@@ -247,7 +280,7 @@ AVX2_INLINE int64_t run_bf16(const uint16_t *restrict p, int64_t n, float scale,
 }
 
 /* quantize_run's vector part on float32 bits: returns how many of the n were done (a multiple of 8) */
-AVX2_INLINE int64_t run_f32(const uint32_t *restrict p, int64_t n, float scale, int one, uint8_t *restrict q,
+AVX2_INLINE int64_t run_f32(const uint32_t *restrict p, int64_t n, float scale, int one, int sat, uint8_t *restrict q,
                             __m256i *err) {
     const __m256 s = _mm256_set1_ps(scale);
     const __m256 k = _mm256_set1_ps(one ? scale * 1329227995784915872903807060280344576.0f
@@ -258,11 +291,11 @@ AVX2_INLINE int64_t run_f32(const uint32_t *restrict p, int64_t n, float scale, 
     for (; i + 32 <= n; i += 32) {
         __m256i u0 = _mm256_loadu_si256((const __m256i *)(p + i)), u1 = _mm256_loadu_si256((const __m256i *)(p + i + 8));
         __m256i u2 = _mm256_loadu_si256((const __m256i *)(p + i + 16)), u3 = _mm256_loadu_si256((const __m256i *)(p + i + 24));
-        __m256i t0 = quantize_mag8(_mm256_and_si256(u0, m31), s, k, one, &acc);
-        __m256i t1 = quantize_mag8(_mm256_and_si256(u1, m31), s, k, one, &acc);
-        __m256i t2 = quantize_mag8(_mm256_and_si256(u2, m31), s, k, one, &acc);
-        __m256i t3 = quantize_mag8(_mm256_and_si256(u3, m31), s, k, one, &acc);
-        __m256i codes = _mm256_packus_epi16(_mm256_packus_epi32(t0, t1), _mm256_packus_epi32(t2, t3));
+        __m256i t[4];
+        const __m256i a[4] = {_mm256_and_si256(u0, m31), _mm256_and_si256(u1, m31), _mm256_and_si256(u2, m31),
+                              _mm256_and_si256(u3, m31)};
+        quantize_mag32(a, s, k, one, sat, &acc, t);
+        __m256i codes = _mm256_packus_epi16(_mm256_packus_epi32(t[0], t[1]), _mm256_packus_epi32(t[2], t[3]));
         __m256i signs = _mm256_packs_epi16(_mm256_packs_epi32(u0, u1), _mm256_packs_epi32(u2, u3));
         signs = _mm256_and_si256(signs, _mm256_set1_epi8((char)0x80));
         _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(_mm256_or_si256(codes, signs), order));
@@ -276,11 +309,13 @@ AVX2_INLINE int64_t run_f32(const uint32_t *restrict p, int64_t n, float scale, 
 AVX2 static int64_t run_avx2(const void *restrict src, int bf16, int64_t at, int64_t n, float scale,
                              uint8_t *restrict q, __m256i *err) {
     if (!(scale > 0.0f && scale <= 3.40282347e38f)) return 0;
-    int one = scale < 256.0f; /* scale * 2^120 is finite */
-    if (bf16) return one ? run_bf16((const uint16_t *)src + at, n, scale, 1, q, err)
-                         : run_bf16((const uint16_t *)src + at, n, scale, 0, q, err);
-    return one ? run_f32((const uint32_t *)src + at, n, scale, 1, q, err)
-               : run_f32((const uint32_t *)src + at, n, scale, 0, q, err);
+    int one = scale < 256.0f, sat = scale < 1.17549435e-38f; /* scale * 2^120 is finite; a subnormal scale */
+    const uint16_t *h = (const uint16_t *)src + at;
+    const uint32_t *f = (const uint32_t *)src + at;
+    if (bf16) return sat ? run_bf16(h, n, scale, 1, 1, q, err) : one ? run_bf16(h, n, scale, 1, 0, q, err)
+                                                                   : run_bf16(h, n, scale, 0, 0, q, err);
+    return sat ? run_f32(f, n, scale, 1, 1, q, err) : one ? run_f32(f, n, scale, 1, 0, q, err)
+                                                          : run_f32(f, n, scale, 0, 0, q, err);
 }
 
 /* the largest of a vector's 8 uint32 lanes */

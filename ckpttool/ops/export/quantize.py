@@ -653,10 +653,10 @@ class _RecordCrcs:
     """
 
     def __init__(self, reader: CheckpointReader) -> None:
-        from ckpttool.engine.crc import crc32, crc32_combine
+        from ckpttool.engine.crc import crc32_array, crc32_combine
 
         self.reader, self.on = reader, bool(reader.verify_crc)
-        self._crc32, self._combine = crc32, crc32_combine
+        self._crc32, self._combine = crc32_array, crc32_combine
         self._lock = threading.Lock()
         self._pieces: dict[_Mark, dict[int, tuple[int, int]]] = {}  # record -> start -> (length, CRC-32)
         self._covered: dict[_Mark, int] = {}  # record -> bytes in its pieces
@@ -682,7 +682,8 @@ class _RecordCrcs:
             self._verify_whole(loc)
 
     def piece(self, loc: Any, start: int, data: Any) -> None:
-        """Bytes ``data`` read at ``start`` of ``loc``'s values; checks the record once its pieces tile it.
+        """Bytes ``data`` (a ``uint8`` array) read at ``start`` of ``loc``'s values; checks the record once its pieces
+        tile it.
 
         Raises:
             ChecksumError: the record's CRC-32 does not match (E308).
@@ -690,7 +691,7 @@ class _RecordCrcs:
         if not self.on or not self._by_pieces(loc):
             return
         mark, n = self._mark(loc), len(data)
-        crc = int(self._crc32(data, 0))
+        crc = self._crc32(data, 0)
         with self._lock:
             if mark in self._done:
                 return
@@ -772,6 +773,10 @@ class BlockQuantizer:
         self._units_of: dict[str, list[tuple[int, int, int]]] = {}  # source key -> its work units
         self._lock = threading.Lock()
         self._locs: dict[tuple[str, tuple[int, ...]], Any] = {}  # (key, chunk offsets) -> its checked location
+        # output file (its writer's id) -> the lock its units' writes take: ext4 serialises buffered writes to a
+        # file (i_rwsem) and a writer waiting for it spins in the kernel, ~16% of the export's CPU with two
+        # workers (docs/performance.md); a thread waiting here sleeps
+        self._write_locks: dict[int, threading.Lock] = {}
         self._crcs = _RecordCrcs(reader)
         from ckpttool.engine import fp8_native
         from ckpttool.engine.kernels import Scratch
@@ -873,9 +878,14 @@ class BlockQuantizer:
         except QuantizationError:
             self._crcs.verify(touched)  # damaged bytes: their ChecksumError first
             raise
-        writer.write(weight.name, memoryview(q), r0 * cols)
         at = r0 * 4 if self.channel else j0 * scales.shape[-1] * 4
-        writer.write(scales.name, memoryview(scale.view(np.uint8)), at)
+        lock = self._write_locks.get(id(writer))
+        if lock is None:
+            with self._lock:
+                lock = self._write_locks.setdefault(id(writer), threading.Lock())
+        with lock:
+            writer.write(weight.name, memoryview(q), r0 * cols)
+            writer.write(scales.name, memoryview(scale.view(np.uint8)), at)
         self._crcs.unit_done(task.source_key, touched)
 
     def _band_spans(self, n: int, cols: int) -> list[tuple[int, int, int, int]]:
