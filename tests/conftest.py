@@ -7,6 +7,7 @@ Fixture checkpoints are read-only by convention: a test that damages one works o
 from __future__ import annotations
 
 import os
+import signal
 import warnings
 from pathlib import Path
 
@@ -16,6 +17,12 @@ from tests.fixtures import builders
 from tests.fixtures.cache import cached_build
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+# A background job of a non-interactive shell starts with SIGINT ignored, and a child inherits an ignored
+# signal across exec: the tests that press Ctrl-C on a child (exit 130, nothing left behind) would then
+# see it run to the end. A handler is reset to the default at exec, so the children get Ctrl-C again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
