@@ -9,14 +9,17 @@
  * (folding preserves the remainder mod P), so fn finishes: the state of the 128 bytes from a zero state, then
  * the tail. The loop prefetches PF bytes ahead: the scan's pieces are first touched here, straight from page-cache
  * pages of a mapping, where the hardware prefetcher stops at each 4 KiB page (-8% of `stats`' CPU with it; four
- * accumulators or eight cost the same: VPCLMULQDQ's throughput bounds the loop). Elsewhere fn runs alone.
+ * accumulators or eight cost the same: VPCLMULQDQ's throughput bounds the loop). Elsewhere fn runs alone: on
+ * CPUs with AVX-512 (F, VL, BW, DQ) and VPCLMULQDQ ISA-L dispatches to its own 512-bit kernel, and compilers
+ * older than GCC 8 / clang 7 know neither the vpclmulqdq target nor its CPU feature name.
  */
 #include <stddef.h>
 #include <stdint.h>
 
 #include "crc.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 7 : (defined(__GNUC__) && __GNUC__ >= 8))
+#define CKPT_FOLD256 1
 #include <immintrin.h>
 
 #define PF 2048 /* bytes ahead prefetched (1024 to 4096: the same) */
@@ -25,8 +28,10 @@ static int have_vpclmul(void) {
     static int cached = -1;
     if (cached < 0) { /* a benign race: every thread computes the same value */
         __builtin_cpu_init();
+        int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                     __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
         cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("vpclmulqdq") &&
-                 __builtin_cpu_supports("pclmul");
+                 __builtin_cpu_supports("pclmul") && !avx512;
     }
     return cached;
 }
@@ -61,7 +66,7 @@ __attribute__((target("avx2,vpclmulqdq,pclmul"))) static uint32_t fold256(ckpt_c
 #endif
 
 uint32_t ckpt_crc32(ckpt_crc_fn fn, uint32_t crc, const uint8_t *buf, uint64_t len) {
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef CKPT_FOLD256
     if (len >= 256 && have_vpclmul()) return fold256(fn, crc, buf, len);
 #endif
     return fn(crc, buf, len);
