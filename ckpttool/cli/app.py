@@ -692,7 +692,12 @@ def entry() -> None:
     pool's, told to end by ``_run``, are joined for up to a second each) and stdout and stderr flush; the
     ``atexit`` handlers (``logging.shutdown``, a library's) run first. Otherwise the exit is the
     interpreter's own (``sys.exit``). :func:`main` raises ``SystemExit`` (for callers that go on).
+
+    numpy's OpenBLAS threads spin 2^28 cycles for work before they sleep (~0.07 CPU s of a command that
+    imports numpy; only the LoRA merge multiplies matrices): the program sets ``OPENBLAS_THREAD_TIMEOUT``
+    before numpy loads, keeping a value the user set. A library caller's environment is left alone.
     """
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     try:
         main()
         code: Any = 0

@@ -132,10 +132,19 @@ def test_the_program_leaves_as_main_does_without_the_teardown(tmp_path: Path, sa
 
 @pytest.mark.parametrize("preset", [None, "20"])
 def test_the_cli_shortens_openblas_spinning_and_keeps_a_users_value(preset: str | None) -> None:
-    """The CLI sets ``OPENBLAS_THREAD_TIMEOUT=4`` before numpy loads (OpenBLAS reads it then), unless the user set it."""
+    """The program sets ``OPENBLAS_THREAD_TIMEOUT=4`` before numpy loads (OpenBLAS reads it then), unless the
+    user set it; importing ``ckpttool.cli`` as a library leaves the environment alone."""
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
     if preset is not None:
         env["OPENBLAS_THREAD_TIMEOUT"] = preset
-    code = "import sys, os, ckpttool.cli; print('numpy' in sys.modules, os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    code = (
+        "import atexit, os, sys, ckpttool.cli\n"
+        "print('numpy' in sys.modules, os.environ.get('OPENBLAS_THREAD_TIMEOUT', '-'))\n"
+        "atexit.register(lambda: print(os.environ.get('OPENBLAS_THREAD_TIMEOUT', '-'), flush=True))\n"
+        "sys.argv = ['ckpttool', 'manifest', '--help']\n"
+        "ckpttool.cli.entry()\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", preset or "4"]
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["False", preset or "-"]
+    assert lines[-1] == (preset or "4")
