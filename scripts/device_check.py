@@ -140,6 +140,15 @@ def copy_bandwidth(device: str, chunk_bytes: int) -> dict[str, float]:
     return out
 
 
+def bench_optim(
+    device: str, numel: int, steps: int, only: list[str], timeout: float, log: Path, env: dict[str, str]
+) -> tuple[int, str, float]:
+    """``bench/bench_optim.py`` on ``device``: ``numel`` BF16 parameters, ``steps`` steps, the rows in ``only``."""
+    cmd = [sys.executable, str(REPO / "bench" / "bench_optim.py"), "--device", device, "--numel", str(numel)]
+    cmd += ["--steps", str(steps), "--param-dtype", "bfloat16", "--only", *only]
+    return run(cmd, timeout=timeout, log=log, env=env)
+
+
 def replay_big(
     gb: float,
     data: Path,
@@ -190,25 +199,14 @@ def replay_big(
     )
     if budget.left(5) < 30:
         return
-    rc, out, t = run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "bench_optim.py"),
-            "--device",
-            device,
-            "--numel",
-            str(numel),
-            "--steps",
-            "3",
-            "--param-dtype",
-            "bfloat16",
-            "--only",
-            "AdamW fused",
-            "full_fp32_adamw fused",
-        ],
-        timeout=min(120, budget.left(5)),
-        log=logs / "bench_optim_replay.log",
-        env=env,
+    rc, out, t = bench_optim(
+        device,
+        numel,
+        3,
+        ["AdamW fused", "full_fp32_adamw fused"],
+        min(120, budget.left(5)),
+        logs / "bench_optim_replay.log",
+        env,
     )
     summary["replay_big_optim"] = {"rc": rc, "seconds": round(t, 1), "table": out.strip().splitlines()[-5:]}
     print(f"torch fused AdamW vs full_fp32_adamw, {numel / 1e6:.0f}M BF16 params on {device}:", flush=True)
@@ -411,25 +409,8 @@ def main() -> int:
 
     # 5. informational: fused vs foreach optimizer steps on the device (bench/bench_optim.py)
     if device != "cpu" and budget.left(5) > 30:
-        rc, out, t = run(
-            [
-                sys.executable,
-                str(REPO / "bench" / "bench_optim.py"),
-                "--device",
-                device,
-                "--numel",
-                str(1 << 26),
-                "--steps",
-                "5",
-                "--param-dtype",
-                "bfloat16",
-                "--only",
-                "foreach",
-                "fused",
-            ],
-            timeout=min(60, budget.left(5)),
-            log=logs / "bench_optim.log",
-            env=env,
+        rc, out, t = bench_optim(
+            device, 1 << 26, 5, ["foreach", "fused"], min(60, budget.left(5)), logs / "bench_optim.log", env
         )
         summary["bench_optim"] = {"rc": rc, "seconds": round(t, 1), "table": out.strip().splitlines()[-12:]}
         print(
