@@ -1,8 +1,9 @@
 """One native call per stretch of a stored record: read, CRC-32, cast and write (``engine/native/cast.c``).
 
 :func:`move_runs` moves runs of a record that lies at a file offset into output files: the C loop
-``pread`` s the record in 256 KiB pieces, computes each piece's CRC-32 (ISA-L's
-``crc32_gzip_refl``, the function :data:`~ckpttool.engine.crc.crc32` calls) and casts it while it
+``pread`` s the record in 256 KiB pieces, computes each piece's CRC-32 (``ckpt_crc32``: 256-bit
+folding where the CPU has VPCLMULQDQ, finished by ISA-L's ``crc32_gzip_refl``, the function
+:data:`~ckpttool.engine.crc.crc32` calls) and casts it while it
 is in the CPU cache, gathers each run's output and writes it with ``pwrite`` s of up to
 :data:`STAGE_BYTES`; the interpreter runs once per call, not once per slab. The bytes are those
 of :func:`~ckpttool.engine.kernels.cast` (``ckpt_f32_to_bf16`` / ``ckpt_f32_to_f16``, the same

@@ -8,8 +8,8 @@
  * One pass, 16 (BF16) or 8 (FP16) elements per AVX2 step where the CPU has it.
  *
  * ckpt_stream_cast moves one stored record of a transforming export in one call: pread pieces of
- * the record into a cache-sized buffer, the CRC-32 of each piece (the caller's function, ISA-L's
- * crc32_gzip_refl) and its cast while it is in the CPU cache, the output gathered per destination
+ * the record into a cache-sized buffer, the CRC-32 of each piece (ckpt_crc32 of crc.c finishing with the
+ * caller's function, ISA-L's crc32_gzip_refl) and its cast while it is in the CPU cache, the output gathered per destination
  * run and written with large pwrites (ckpttool/ops/export/transform.py, stream_chunk).
  */
 #define _POSIX_C_SOURCE 200809L
@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <unistd.h>
 
+#include "crc.h"
 #include "half.h"
 #ifdef CKPT_X86
 #include <immintrin.h>
@@ -96,8 +97,6 @@ void ckpt_f32_to_f16_portable(const uint32_t *src, uint16_t *dst, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = f16_bits(src[i]);
 }
 
-typedef uint32_t (*ckpt_crc_fn)(uint32_t crc, const unsigned char *buf, uint64_t len);
-
 enum { MOVE_COPY = 0, MOVE_BF16 = 1, MOVE_F16 = 2, MOVE_WIDEN = 3 };
 
 /* Source bytes per pread (the piece is checked and cast while it is in the CPU cache). */
@@ -160,7 +159,7 @@ int32_t ckpt_stream_cast(int32_t src_fd, int64_t src_off, const int64_t *parts, 
                 }
                 got += r;
             }
-            if (crc) c = crc(c, dst, (uint64_t)k);
+            if (crc) c = ckpt_crc32(crc, c, dst, (uint64_t)k);
             pos += k, left -= k;
             if (fd < 0) continue;
             if (kind == MOVE_BF16) ckpt_f32_to_bf16((const uint32_t *)dst, (uint16_t *)(stage + staged), k / 4, 1);
