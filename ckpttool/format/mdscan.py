@@ -2,9 +2,9 @@
 
 The C kernel ``ckpt_mdscan`` (``ckpttool/engine/native/mdscan.c``) runs the subset of the pickle
 machine (protocols 2-5, frames, memo) that ``pickle.dump`` writes for torch's ``Metadata`` with
-CPython's stack, mark and memo rules, resolves only the allow-listed record classes, ``torch.Size``,
-the dtypes, ``_get_layout``, the memory-format encoding and ``pathlib`` paths, and fills int64
-columns: one row per entry, chunk, storage item and planner path, the distinct shapes once, and
+CPython's stack, mark and memo rules (and no read across a frame's end: ``format/pickleframes.py``),
+resolves only the allow-listed record classes, ``torch.Size``, the dtypes, ``_get_layout``, the
+memory-format encoding and ``pathlib`` paths, and fills int64 columns: one row per entry, chunk, storage item and planner path, the distinct shapes once, and
 strings as offsets into the input. It builds no object per record, so the unpickler's object graph
 (~12x the pickle, ``docs/performance.md``) is never in memory. Anything it does not recognise, or
 that the unpickler would refuse, returns ``None`` here; :func:`ckpttool.format.unpickler.parse_metadata_owned`

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import io
 import os
 import pickle
 import re
@@ -46,6 +45,7 @@ from ckpttool.format.metadata import (
     StorageInfo,
     TensorMeta,
 )
+from ckpttool.format.pickleframes import pickle_input
 
 __all__ = [
     "load_metadata",
@@ -769,7 +769,7 @@ def gc_paused() -> Iterator[None]:
 
 def _unpickle(data: bytes, source: str) -> Any:
     try:
-        return MetadataUnpickler(io.BytesIO(data), source=source).load()
+        return MetadataUnpickler(pickle_input(data), source=source).load()  # a read across a FRAME's end refused
     except UnsafePickleError:
         raise
     except MetadataError:

@@ -8,14 +8,16 @@ on anything else it returns ``None`` and the unpickler decides (its result or it
 from __future__ import annotations
 
 import pickle
+import pickletools
 import random
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ckpttool.engine import native
-from ckpttool.errors import CkptError
+from ckpttool.errors import CkptError, MetadataError
 from ckpttool.format.mdscan import scan_metadata
 from ckpttool.format.unpickler import _convert, _unpickle, parse_metadata_bytes
 
@@ -226,3 +228,180 @@ def test_shapes_of_every_rank_and_int_paths_agree() -> None:
     }
     planner = {"scalar": (0, 1), "vec": ("m", 0, "w"), "deep": (2**62,), "empty": ("e",)}
     assert _agrees(_metadata_pickle(entries, planner))
+
+
+# --------------------------------------------------------------------------- FRAME boundaries
+# A FRAME's bytes are the C unpickler's buffer: a read that starts inside them and ends past them (an argument
+# across the frame's end, never written by pickle.dump) is refused on both paths, with CPython's pure-Python
+# unpickler as the reference; a frame that ends between reads is read as every reader reads it.
+
+_CROSSING = "pickle exhausted before end of frame"
+
+
+def _frames(data: bytes) -> list[tuple[int, int]]:
+    """(offset of each FRAME opcode, its length) in ``data``."""
+    return [(pos, arg) for op, arg, pos in pickletools.genops(data) if op.name == "FRAME"]
+
+
+_LENGTH_FIELD = {
+    pickletools.TAKEN_FROM_ARGUMENT1: 1,
+    pickletools.TAKEN_FROM_ARGUMENT4U: 4,
+    pickletools.TAKEN_FROM_ARGUMENT8U: 8,
+}
+
+
+def _read_bounds(data: bytes) -> tuple[list[int], list[int]]:
+    """Offsets where a read of the pickle machine starts (an opcode, a length field, a payload, a line) and
+    offsets strictly inside a read of two bytes or more (from ``pickletools``' opcode table)."""
+    starts: list[int] = []
+    inside: list[int] = []
+    ops = list(pickletools.genops(data))
+    for (op, _, pos), nxt in zip(ops, [p for _, _, p in ops[1:]] + [len(data)]):
+        fields = [pos, pos + 1]
+        n = op.arg.n if op.arg is not None else 0
+        if n in _LENGTH_FIELD:
+            fields.append(pos + 1 + _LENGTH_FIELD[n])  # the payload's read starts after the length's
+        elif n == pickletools.UP_TO_NEWLINE:
+            fields += [i + 1 for i in range(pos + 1, nxt - 1) if data[i] == 10]
+        end = pos + 9 if op.name == "FRAME" else nxt
+        fields.append(end)
+        starts += fields[:-1]
+        for a, b in zip(fields, fields[1:]):
+            inside += range(a + 1, b)
+    return starts, inside
+
+
+def _frame_ending_at(data: bytes, frame: int, end: int) -> bytes:
+    """``data`` with the FRAME at ``frame`` made to end at offset ``end`` (its other bytes then follow unframed)."""
+    return data[: frame + 1] + (end - frame - 9).to_bytes(8, "little") + data[frame + 9 :]
+
+
+def _reframed(data: bytes, cuts: list[int]) -> bytes:
+    """The opcodes of ``data`` (without PROTO and FRAME) in frames that end at the offsets ``cuts`` of that stream."""
+    ops = list(pickletools.genops(data))
+    body = b"".join(
+        data[pos:nxt]
+        for (op, _, pos), nxt in zip(ops, [p for _, _, p in ops[1:]] + [len(data)])
+        if op.name not in ("PROTO", "FRAME")
+    )
+    bounds = [0, *sorted({c for c in cuts if 0 < c < len(body)}), len(body)]
+    return data[:2] + b"".join(
+        b"\x95" + (b - a).to_bytes(8, "little") + body[a:b] for a, b in zip(bounds, bounds[1:]) if b > a
+    )
+
+
+def _refused_on_both_paths(data: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel declines ``data``; with and without it the same line: E200, the frame named, a hint; CPython's
+    pure-Python unpickler refuses it too."""
+    assert scan_metadata(data, ".metadata") is None
+    err = _parsed(data)
+    assert isinstance(err, MetadataError) and err.code == "E200" and err.hint, err
+    assert err.message.startswith(f".metadata is not a readable pickle (UnpicklingError: {_CROSSING} (its end: byte ")
+    ref = _parsed_without_kernels(data, monkeypatch)
+    assert type(ref) is type(err) and str(ref) == str(err) and ref.hint == err.hint
+    with pytest.raises(pickle.UnpicklingError, match=_CROSSING):
+        pickle._loads(data)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("protocol", [4, 5])
+def test_frame_ending_inside_an_argument_is_refused_by_both_paths(
+    protocol: int, fsdp_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's metadata with its FRAME made to end inside a string, an int, a memo index: ``pickle.loads`` reads
+    on (the values the kernel used to give), ``pickle.load`` of a BytesIO skips the frame's rest; both paths refuse."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(fsdp_ckpt)).read_metadata()
+    data = pickle.dumps(md, protocol=protocol)
+    ((frame, n),) = _frames(data)[:1]
+    _, inside = _read_bounds(data)
+    inside = [i for i in inside if frame + 9 < i < frame + 9 + n]
+    for end in random.Random(protocol).sample(inside, 40):
+        bad = _frame_ending_at(data, frame, end)
+        assert pickle.loads(bad) == md  # the bytes are unchanged: a reader that ignores frames reads the save
+        _refused_on_both_paths(bad, monkeypatch)
+
+
+@pytest.mark.parametrize("protocol", [4, 5])
+def test_frame_ending_between_reads_is_read_by_both_paths(protocol: int, fsdp_ckpt: Path) -> None:
+    """The FRAME made to end where a read starts (between opcodes, after an opcode byte, between a string's length
+    and its bytes): every CPython reader reads the save, and so do both paths, the kernel included."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    data = pickle.dumps(FileSystemReader(str(fsdp_ckpt)).read_metadata(), protocol=protocol)
+    ref = _parsed(data)
+    ((frame, n),) = _frames(data)[:1]
+    starts, _ = _read_bounds(data)
+    for end in random.Random(protocol).sample([s for s in starts if frame + 9 < s < frame + 9 + n], 40):
+        ok = _frame_ending_at(data, frame, end)
+        pickle._loads(ok)  # type: ignore[attr-defined]  # the pure-Python unpickler accepts it
+        assert _agrees(ok) and scan_metadata(ok, ".metadata") == ref
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_frames_at_opcode_boundaries_agree_at_every_protocol(protocol: int, fsdp_ckpt: Path) -> None:
+    """Well-formed streams, framed and unframed at every protocol from 2 (frames of 1 byte to the whole stream,
+    protocols 2-3 given frames, 4-5 stripped of theirs): the kernel takes each, equal to the unpickler path."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    data = pickle.dumps(FileSystemReader(str(fsdp_ckpt)).read_metadata(), protocol=protocol)
+    ref = _parsed(data)
+    assert _agrees(data)
+    ops = [(op.name, pos) for op, _, pos in pickletools.genops(data)]
+    sizes = [q - p for (name, p), (_, q) in zip(ops, [*ops[1:], ("", len(data))]) if name not in ("PROTO", "FRAME")]
+    offsets = list(accumulate(sizes[:-1], initial=0))  # each opcode's offset in the stream without PROTO and FRAME
+    rng = random.Random(protocol)
+    for every in (1, 7, 100, len(offsets)):
+        framed = _reframed(data, offsets[::every] if every > 1 else offsets)
+        assert _agrees(framed) and scan_metadata(framed, ".metadata") == ref
+    unframed = _reframed(data, [])[:2] + _reframed(data, [])[11:]  # the one frame's header dropped
+    assert not _frames(unframed) and _agrees(unframed) and scan_metadata(unframed, ".metadata") == ref
+    randomly = _reframed(data, rng.sample(offsets, 20))
+    assert _agrees(randomly) and scan_metadata(randomly, ".metadata") == ref
+
+
+def test_random_frame_boundaries_agree_with_cpython(fsdp_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frames ending at random offsets of torch's metadata: where CPython's pure-Python unpickler finds a read across
+    a frame's end, both paths refuse with the same line; elsewhere the kernel's result is the unpickler path's."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    data = pickle.dumps(FileSystemReader(str(fsdp_ckpt)).read_metadata(), protocol=4)
+    size = len(_reframed(data, [])) - 11
+    rng = random.Random(7)
+    crossed = taken = 0
+    for _ in range(120):
+        framed = _reframed(data, rng.sample(range(1, size), rng.randrange(1, 4)))
+        try:
+            pickle._loads(framed)  # type: ignore[attr-defined]
+            reference = ""
+        except Exception as e:  # a cut between an opcode's reads puts the next header in its argument: any error
+            reference = str(e)
+        if reference == _CROSSING:
+            _refused_on_both_paths(framed, monkeypatch)
+            crossed += 1
+        else:
+            assert _CROSSING not in str(_parsed(framed))
+            taken += _agrees(framed)
+    assert crossed and taken
+
+
+def test_frame_inside_a_frame(fsdp_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A FRAME inside another frame's bytes: within them it is read on (as the C unpickler reads it, by both paths
+    alike); one that runs past them is refused by both."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    data = pickle.dumps(FileSystemReader(str(fsdp_ckpt)).read_metadata(), protocol=4)
+    ref = _parsed(data)
+    ((frame, n),) = _frames(data)[:1]
+    body = data[frame + 9 : frame + 9 + n]
+    starts, _ = _read_bounds(data)
+    cut = next(s for s in starts if s > frame + 9 + n // 2) - frame - 9  # an opcode's start in the frame
+    inner = b"\x95" + (n - cut).to_bytes(8, "little") + body[cut:]
+    nested = data[:frame] + b"\x95" + (n + 9).to_bytes(8, "little") + body[:cut] + inner + data[frame + 9 + n :]
+    assert _agrees(nested) and scan_metadata(nested, ".metadata") == ref
+    over = b"\x95" + (n - cut + 1).to_bytes(8, "little") + body[cut:]
+    past = data[:frame] + b"\x95" + (n + 9).to_bytes(8, "little") + body[:cut] + over + data[frame + 9 + n :] + b"."
+    assert scan_metadata(past, ".metadata") is None
+    err = _parsed(past)
+    assert isinstance(err, MetadataError) and f"UnpicklingError: {_CROSSING}" in str(err)
+    assert str(_parsed_without_kernels(past, monkeypatch)) == str(err)

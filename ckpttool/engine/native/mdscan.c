@@ -7,8 +7,8 @@
  * arena and the records' fields (exactly, a value that does not fit kept beside), and the result is a set of
  * int64 columns (entries, chunks, storage items, planner paths, distinct shapes) that name strings
  * by their offset in the input. Every read is bounds-checked and every length is checked against
- * what remains. Anything it does not recognise, or that the unpickler would refuse, returns a
- * non-zero code and no columns: the caller then runs the unpickler, which gives its own result or
+ * what remains, and no read crosses the end of the FRAME it starts in. Anything it does not
+ * recognise, or that the unpickler would refuse, returns a non-zero code and no columns: the caller then runs the unpickler, which gives its own result or
  * message. So a stream it accepts is one the unpickler accepts with the same values.
  */
 #include <stdint.h>
@@ -72,6 +72,7 @@ typedef struct {
     ARR(rec) recs;
     const char *dtypes;
     int64_t dtypes_len, memo_len;
+    int64_t fend; /* the end of the last FRAME's bytes (0: none yet); see NEED */
     int64_t values_left; /* output values the caller allows (a cap on what shared references can multiply) */
     /* output */
     i64s shapes, ints, ent, chk, sto, pln, pit, top;
@@ -88,8 +89,11 @@ typedef struct {
 } mdscan_out;
 
 #define FAIL(code) return (code)
+/* a read of n bytes at pos: within the input, and not across the end of the FRAME it starts in (fend). The C
+ * unpickler reading a file holds a frame's bytes as its buffer and, for a read across their end, skips their rest;
+ * pickle.loads reads on: the unpickler path refuses such a read (ckpttool/format/pickleframes.py), so it is declined */
 #define NEED(n) \
-    if ((int64_t)(n) < 0 || s->len - s->pos < (int64_t)(n)) FAIL(2)
+    if ((int64_t)(n) < 0 || s->len - s->pos < (int64_t)(n) || (s->pos < s->fend && s->fend - s->pos < (int64_t)(n))) FAIL(2)
 
 static int64_t fence(st *s) { return s->marks.n ? s->marks.p[s->marks.n - 1] : 0; }
 
@@ -460,7 +464,7 @@ static int op_str(st *s, int64_t n) {
 static int op_global_line(st *s, val *out) {
     int64_t i = s->pos;
     while (i < s->len && s->d[i] != '\n') i++;
-    if (i >= s->len) FAIL(2);
+    if (i >= s->len || (s->pos < s->fend && i >= s->fend)) FAIL(2); /* the line and its '\n' inside the frame */
     *out = (val){s->pos, (uint32_t)(i - s->pos), T_STR};
     if (i - s->pos > 1024 || !utf8_ok(s->d + s->pos, i - s->pos)) FAIL(2);
     s->pos = i + 1;
@@ -478,11 +482,17 @@ static int step(st *s, uint8_t op) {
     int r;
     switch (op) {
     case 0x80: NEED(1); if (s->d[s->pos] < 2 || s->d[s->pos] > 5) FAIL(2); s->pos++; return 0; /* PROTO */
-    case 0x95: { /* FRAME: the C unpickler only checks that the frame's bytes are there */
+    case 0x95: { /* FRAME: its bytes are there; one inside another's bytes ends within them (the C unpickler's
+                  * buffer stays the outer frame's), else its bytes are the next buffer */
         NEED(8);
         uint64_t n = rd(s->d + s->pos, 8);
         s->pos += 8;
         if (n > (uint64_t)(s->len - s->pos)) FAIL(2);
+        if (s->pos < s->fend) {
+            if ((int64_t)n > s->fend - s->pos) FAIL(2);
+        } else {
+            s->fend = s->pos + (int64_t)n;
+        }
         return 0;
     }
     case '(': return PUSH(s->marks, s->stack.n) ? 9 : 0;
