@@ -168,7 +168,7 @@ def diff_command(
     if plot is not None:
         from ckpttool.ui.plot import check_plot_target
 
-        check_plot_target(plot)
+        check_plot_target(plot, tuple(c for c in (a, b) if isinstance(c, Path)))
     with PhaseProgress.on_stderr("diff", not json_output and sys.stderr.isatty(), bar_text="comparing") as shown:
         res = diff_checkpoints(
             a,

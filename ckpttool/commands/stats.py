@@ -82,7 +82,7 @@ def stats_command(
     if plot is not None:
         from ckpttool.ui.plot import check_plot_target
 
-        check_plot_target(plot)
+        check_plot_target(plot, tuple(c for c in checkpoints if isinstance(c, Path)))
     options = StatsOptions(filters=tuple(filters or ()), workers=workers, optimizer=not no_optimizer)
     # phases named on stderr (measuring CKPT i/n, comparing steps); each checkpoint's byte bar from its total on
     with PhaseProgress.on_stderr("stats", not json_output and sys.stderr.isatty()) as shown:

@@ -70,21 +70,22 @@ def _render(res: ValidationResult) -> None:
 
 
 _JUNIT_HINT = (
-    "--junit takes the path of a file in an existing, writable directory "
-    "(an existing file is replaced), e.g. --junit reports/validate.xml"
+    "--junit takes the path of a file in an existing, writable directory outside the checkpoint "
+    "(a JUnit report ckpttool wrote there before is replaced), e.g. --junit reports/validate.xml"
 )
 
 
-def _check_junit_path(junit: Path) -> None:
-    """Refuse a ``--junit`` path that cannot be written before any checking is done.
+def _check_junit_path(junit: Path, checkpoint: PurePath, sel: CheckpointSelection | None, against: Path | None) -> None:
+    """Refuse a ``--junit`` path that cannot or must not be written, before any checking is done.
 
     Raises:
-        OutputError (E600): a directory, or a file whose parent directory does not exist.
+        OutputError (E600): a missing parent directory; a directory or non-regular file; a path inside the
+        checkpoint (its model and optimizer folders) or ``--against``; an existing file that is not a JUnit
+        report of ``ckpttool validate`` (:func:`~ckpttool.format.atomic.check_file_target`).
     """
-    from ckpttool.errors import OutputError
+    from ckpttool.errors import CkptError, OutputError
+    from ckpttool.format.atomic import check_file_target
 
-    if junit.is_dir():
-        raise OutputError(f"--junit {junit}: is a directory, not a file", path=junit, hint=_JUNIT_HINT)
     parent = junit.parent
     if not parent.is_dir():
         raise OutputError(
@@ -92,6 +93,26 @@ def _check_junit_path(junit: Path) -> None:
             path=junit,
             hint=f"create {parent} first, or {_JUNIT_HINT}",
         )
+    sources: list[Path] = [against] if against is not None else []
+    if isinstance(checkpoint, Path):
+        from ckpttool.model.discovery import locate
+
+        try:
+            found = locate(checkpoint, sel)
+        except CkptError:  # the run reports it
+            found = None
+        sources += [found.model] if found is not None else [checkpoint]
+        if found is not None and found.optimizer is not None:
+            sources.append(found.optimizer)
+        if sel is not None and sel.optimizer_dir is not None:
+            sources.append(Path(sel.optimizer_dir))
+    check_file_target(
+        junit, option="--junit", hint=_JUNIT_HINT, sources=tuple(sources), owned=lambda head: _JUNIT_MARK in head
+    )
+
+
+#: What every report of :func:`~ckpttool.ops.validate.junit_xml` holds in its first bytes.
+_JUNIT_MARK = b'<testsuites name="ckpttool validate"'
 
 
 StrictOpt = Annotated[
@@ -197,13 +218,12 @@ def validate_command(
     from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import run_validate, validation_error
     from ckpttool.ops.validate import ValidateOptions
-
-    if junit is not None:
-        _check_junit_path(junit)
     from ckpttool.ui.render import PhaseProgress
 
     decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
     sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
+    if junit is not None:
+        _check_junit_path(junit, checkpoint, sel, against)
     manifest_path = _manifest_path(manifest, checkpoint, sel)
     options = ValidateOptions(
         strict=strict,

@@ -37,6 +37,7 @@ __all__ = [
     "check_output_target",
     "foreign_output_error",
     "atomic_write_text",
+    "check_file_target",
     "signal_received",
     "signals_deferred",
     "stop_signals",
@@ -501,6 +502,71 @@ class AtomicOutputDir(OutputTarget):
                 if was_cwd:
                     with contextlib.suppress(OSError):
                         os.chdir(target)  # the old directory is gone: follow the new output
+
+
+#: Bytes of an existing file that :func:`check_file_target`'s ``owned`` sees.
+HEAD_BYTES = 4096
+
+
+def check_file_target(
+    path: str | os.PathLike[str],
+    *,
+    option: str,
+    hint: str,
+    sources: tuple[str | os.PathLike[str], ...] = (),
+    inside_ok: bool = False,
+    owned: Callable[[bytes], bool] | None = None,
+) -> None:
+    """Refuse a file path (a report, a manifest, a picture) where writing would destroy what ckpttool did not write.
+
+    The file is later written to a temporary name and renamed over ``path``, which would replace whatever is
+    there. Refused (``docs/security.md``, outputs): a directory, or anything that is not a regular file (a FIFO,
+    a device, a socket); a path inside one of ``sources`` (the checkpoints or directories being read) unless
+    ``inside_ok``; an existing non-empty regular file whose first :data:`HEAD_BYTES` bytes ``owned`` does not
+    recognise as an output of this kind (no ``owned``: any non-empty file is refused).
+
+    Args:
+        path: the file to be written; option: the flag that named it (for the message); hint: how to fix it.
+
+    Raises:
+        OutputError (E600): as above.
+    """
+    import stat
+
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise OutputError(f"{option} {p}: cannot be checked ({e.strerror})", path=p, hint=hint) from e
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, device or socket)"
+        raise OutputError(f"{option} {p}: is {kind}; ckpttool writes only regular files", path=p, hint=hint)
+    real = p.parent.resolve() / p.name
+    if st is not None:
+        real = p.resolve()
+    for src in sources:
+        root = Path(src).resolve()
+        if not inside_ok and (real == root or root in real.parents):
+            raise OutputError(
+                f"{option} {p}: lies inside {root}, which this command reads; ckpttool never writes into its source",
+                path=p,
+                hint=hint,
+            )
+    if st is None or st.st_size == 0:
+        return
+    try:
+        with open(p, "rb") as f:
+            head = f.read(HEAD_BYTES)
+    except OSError as e:
+        raise OutputError(f"{option} {p}: cannot be read to check what it is ({e.strerror})", path=p, hint=hint) from e
+    if owned is None or not owned(head):
+        raise OutputError(
+            f"{option} {p}: exists and is not an output of this kind that ckpttool wrote; it is left as it is",
+            path=p,
+            hint=hint,
+        )
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

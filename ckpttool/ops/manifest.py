@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from ckpttool.engine.io import ShortReadError, read_upto
 from ckpttool.engine.pool import imap_ordered, worker_count
 from ckpttool.errors import CkptError, DataFileError, ManifestError, UsageError
 from ckpttool.format import limits
+from ckpttool.format.atomic import check_file_target
 from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, new_hasher
 from ckpttool.format.files import read_regular
 from ckpttool.format.jsonfile import check_json_graph, json_error
@@ -635,6 +637,13 @@ def write_manifest(
                 progress(done[0], total)
 
         target = Path(out) if out is not None else Path(ckpt.located.model) / MANIFEST_NAME
+        check_file_target(
+            target,
+            option="manifest",
+            hint="write the manifest to a new file (--output FILE) or over one ckpttool wrote",
+            inside_ok=True,
+            owned=is_manifest_head,
+        )
         say("hashing")
         t_hash = time.perf_counter()
         step(0)
@@ -660,6 +669,11 @@ def write_manifest(
             covers=covers,
             hash_seconds=hash_seconds,
         )
+
+
+def is_manifest_head(head: bytes) -> bool:
+    """Whether ``head``, the first bytes of a file, begin a manifest ckpttool wrote (``"format": "ckpttool.manifest"``)."""
+    return re.match(rb'\s*\{\s*"format"\s*:\s*"' + re.escape(MANIFEST_FORMAT.encode()) + rb'"', head) is not None
 
 
 def _inside(root: Path, target: Path | str | None) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import UsageError
+from ckpttool.format.atomic import check_file_target
 
 if TYPE_CHECKING:
     from ckpttool.ops.diff import DiffResult
@@ -45,11 +46,13 @@ def _pyplot() -> Any:
     return plt
 
 
-def check_plot_target(path: Path) -> None:
-    """Refuse before any work: an unknown suffix, a missing parent directory, no matplotlib.
+def check_plot_target(path: Path, sources: tuple[Path, ...] = ()) -> None:
+    """Refuse before any work: an unknown suffix, a missing parent directory, no matplotlib, and a path where
+    writing would destroy what ckpttool did not write (:func:`~ckpttool.format.atomic.check_file_target`: not
+    a regular file, inside one of ``sources``, an existing picture that ckpttool did not draw).
 
     Raises:
-        UsageError: as above.
+        UsageError: an unknown suffix, a missing directory, no matplotlib; OutputError (E600): as above.
     """
     if path.suffix.lower() not in PLOT_SUFFIXES:
         raise UsageError(
@@ -59,7 +62,19 @@ def check_plot_target(path: Path) -> None:
         raise UsageError(f"--plot {path}: directory {path.parent} does not exist", hint="create it first")
     if path.is_dir():
         raise UsageError(f"--plot {path} is a directory", hint="give a file name ending in .png, .svg or .html")
+    check_file_target(
+        path,
+        option="--plot",
+        hint="give a new file name outside the checkpoints read, or one of an earlier --plot",
+        sources=sources,
+        owned=_drawn_here,
+    )
     _pyplot()
+
+
+def _drawn_here(head: bytes) -> bool:
+    """Whether a picture's first bytes name matplotlib (PNG ``Software`` text, SVG comment) or ckpttool's HTML title."""
+    return b"Matplotlib" in head or b"matplotlib" in head or b"<title>ckpttool:" in head
 
 
 def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str) -> bool:

@@ -134,7 +134,7 @@ def test_unwritable_junit_path_gets_a_validate_hint(broken: Path, tmp_path: Path
     err = res.stderr.splitlines()
     assert len(err) == 2, res.stderr
     if where == "dir":
-        assert err[0] == f"error: [E600] --junit {target}: is a directory, not a file"
+        assert err[0] == f"error: [E600] --junit {target}: is a directory; ckpttool writes only regular files"
     else:
         assert err[0] == f"error: [E600] --junit {target}: directory {target.parent} does not exist"
     assert err[1].startswith("hint: ") and "--junit takes the path of a file" in err[1]

@@ -211,6 +211,7 @@ def test_damaged_chunk_is_a_coded_error(dense_ckpt: Path, tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("suffix", [".png", ".svg", ".html"])
 def test_plot_files_are_written_and_decodable(suffix: str, run3: list[Path], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed: pip install -e '.[plot]'")
     paths = run3
     out = tmp_path / f"norms{suffix}"
     res = runner.invoke(app, ["stats", *map(str, paths), "--plot", str(out)])
@@ -255,6 +256,7 @@ def test_matplotlib_is_imported_only_by_the_plot_module() -> None:
 
 
 def test_diff_plot_and_its_per_layer_figures_agree_with_stats(run3: list[Path], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed: pip install -e '.[plot]'")
     """``diff B A`` per layer (||b - a|| / ||a||) is what ``stats A B`` calls the change from A to B."""
     from ckpttool.ops.diff import DiffOptions, diff_checkpoints
     from ckpttool.ui.plot import diff_layers

@@ -1,0 +1,112 @@
+"""File outputs (``validate --junit``, ``manifest [-o]``, ``stats/diff --plot``) never replace what ckpttool did not write.
+
+Each is written to a temporary name and renamed over its path, which would replace whatever is there: a
+checkpoint's own ``.metadata`` or data file, a FIFO or a device node, a user's file. Such paths are refused
+with E600 (exit 2) before any work, and the refused path is left byte for byte as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from tests.fixtures.cache import copy_checkpoint
+
+runner = CliRunner()
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+@pytest.fixture
+def ckpt(sample_ckpt: Path, tmp_path: Path) -> Path:
+    return copy_checkpoint(sample_ckpt, tmp_path / "ckpt")
+
+
+def _refused(res: object, needle: str) -> None:
+    out, err, code = res.stdout, res.stderr, res.exit_code  # type: ignore[attr-defined]
+    assert code == 2, (out, err)
+    lines = err.splitlines()
+    assert lines[0].startswith("error: [E600]") and needle in lines[0], err
+    assert lines[1].startswith("hint: ") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp", "report.xml"])
+def test_junit_inside_the_checkpoint_is_refused(ckpt: Path, name: str) -> None:
+    before = _digests(ckpt)
+    res = runner.invoke(app, ["validate", str(ckpt), "--junit", str(ckpt / name)])
+    _refused(res, "which this command reads")
+    assert _digests(ckpt) == before
+
+
+def test_junit_over_a_fifo_or_a_foreign_file_is_refused_and_ckpttools_own_is_replaced(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    fifo = tmp_path / "pipe.xml"
+    os.mkfifo(fifo)
+    _refused(runner.invoke(app, ["validate", str(ckpt), "--junit", str(fifo)]), "not a regular file")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+    foreign = tmp_path / "results.xml"
+    foreign.write_text('<?xml version="1.0"?>\n<testsuites name="pytest"><testsuite/></testsuites>\n')
+    _refused(runner.invoke(app, ["validate", str(ckpt), "--junit", str(foreign)]), "is not an output of this kind")
+    assert "pytest" in foreign.read_text()
+
+    own = tmp_path / "validate.xml"
+    own.write_bytes(b"")  # an empty file (mktemp) holds nothing to lose
+    for _ in range(2):  # then the report of the first run is replaced by the second's
+        res = runner.invoke(app, ["validate", str(ckpt), "--junit", str(own)])
+        assert res.exit_code == 0, res.stderr
+        assert '<testsuites name="ckpttool validate"' in own.read_text()
+
+
+def test_junit_inside_a_separate_optimizer_dir_or_against_dir_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    against = tmp_path / "hf"
+    against.mkdir()
+    res = runner.invoke(app, ["validate", str(ckpt), "--against", str(against), "--junit", str(against / "r.xml")])
+    _refused(res, "which this command reads")
+    assert list(against.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])
+def test_manifest_output_over_a_checkpoint_file_is_refused(ckpt: Path, name: str) -> None:
+    before = _digests(ckpt)
+    res = runner.invoke(app, ["manifest", str(ckpt), "-o", str(ckpt / name)])
+    _refused(res, "is not an output of this kind")
+    assert _digests(ckpt) == before
+    assert runner.invoke(app, ["validate", str(ckpt), "--strict"]).exit_code == 0
+
+
+def test_manifest_default_path_replaces_only_a_ckpttool_manifest(ckpt: Path, tmp_path: Path) -> None:
+    for _ in range(2):  # beside .metadata, and again over the manifest it wrote
+        res = runner.invoke(app, ["manifest", str(ckpt)])
+        assert res.exit_code == 0, res.stderr
+    assert runner.invoke(app, ["manifest", str(ckpt), "--verify"]).exit_code == 0
+
+    (ckpt / "manifest.json").write_text('{"files": ["written by another tool"]}\n')
+    res = runner.invoke(app, ["manifest", str(ckpt)])
+    _refused(res, "is not an output of this kind")
+    assert (ckpt / "manifest.json").read_text() == '{"files": ["written by another tool"]}\n'
+
+    fifo = tmp_path / "m.json"
+    os.mkfifo(fifo)
+    _refused(runner.invoke(app, ["manifest", str(ckpt), "-o", str(fifo)]), "not a regular file")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_plot_inside_a_checkpoint_or_over_a_foreign_picture_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    before = _digests(ckpt)
+    _refused(runner.invoke(app, ["stats", str(ckpt), "--plot", str(ckpt / "norms.png")]), "which this command reads")
+    assert _digests(ckpt) == before
+    photo = tmp_path / "holiday.png"
+    photo.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 64)
+    _refused(runner.invoke(app, ["stats", str(ckpt), "--plot", str(photo)]), "is not an output of this kind")
+    _refused(runner.invoke(app, ["diff", str(ckpt), str(ckpt), "--plot", str(photo)]), "is not an output of this kind")
+    assert photo.read_bytes() == b"\x89PNG\r\n\x1a\n" + b"\0" * 64
