@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,45 @@ def test_M001_layers_missing_stage_local(ck: Path) -> None:
     assert rc == 1 and codes(doc) == {"M001", "M010"}  # M010: the model class has layers 2..3 too
     msg = next(f["message"] for f in doc["findings"] if f["code"] == "M001")
     assert "missing 2..3" in msg and "stage-local" in msg
+
+
+def test_M001_M002_missing_ranges_are_computed_not_built() -> None:
+    """The missing indices of ``0..n-1`` (``n`` from config.json) as ranges, equal to the set difference."""
+    import random
+
+    from ckpttool.ops.validate.rules.model import _missing, _ranges
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        n, got = rng.randint(0, 40), set(rng.sample(range(50), rng.randint(0, 20)))
+        want = sorted(set(range(n)) - got)
+        assert _missing(got, n) == (_ranges(want) if want else "")
+    assert _missing({0, 1, 5}, 99_999_999_999) == "2..4, 6..99999999998"
+
+
+def test_config_with_10_to_11_layers_is_bounded(ck: Path, tmp_path: Path) -> None:
+    """A hostile config.json (10^11 layers and experts) ends in one E307 line, in bounded memory (RLIMIT_AS 3 GiB):
+    the layer rules never build ``range(num_hidden_layers)``."""
+    import resource
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 99_999_999_999, "num_experts": 99_999_999_999}))
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    p = subprocess.run(
+        [sys.executable, "-m", "ckpttool", "validate", str(ck), "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=cap,
+        env={**os.environ, "CKPTTOOL_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    assert p.returncode == 2 and p.stderr.startswith("error: [E307] config.json: num_hidden_layers"), p.stderr
+    assert "Traceback" not in p.stderr and "E999" not in p.stderr
 
 
 def test_M002_fused_experts_rows(ck: Path) -> None:

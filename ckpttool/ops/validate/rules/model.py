@@ -47,6 +47,20 @@ def _ranges(idx: list[int]) -> str:
     return ", ".join(parts[:6]) + (" ..." if len(parts) > 6 else "")
 
 
+def _missing(got: set[int], n: int) -> str:
+    """``_ranges`` of the indices in ``0..n-1`` that ``got`` lacks, without building them (``n`` comes from a
+    config.json and may be huge); ``""`` when none is missing."""
+    parts: list[str] = []
+    nxt = 0
+    for i in sorted(x for x in got if 0 <= x < n) + [n]:
+        if i > nxt:
+            parts.append(f"{nxt}" if i - 1 == nxt else f"{nxt}..{i - 1}")
+            if len(parts) > 6:
+                break
+        nxt = i + 1
+    return ", ".join(parts[:6]) + (" ..." if len(parts) > 6 else "")
+
+
 def _num_experts(ctx: Context) -> int | None:
     v = config_value(ctx.config, "num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
     return int(v) if isinstance(v, int) and v > 0 else None
@@ -73,16 +87,15 @@ def layer_coverage(ctx: Context) -> Iterator[tuple[str, str] | tuple[str, str, s
     hf_layers = ctx.cat.model_key("model.layers")  # HF causal LMs: model.layers.<N>, spelled by the key schema
     main = hf_layers if hf_layers in by_prefix else max(by_prefix, key=lambda p: len(by_prefix[p]))
     got = by_prefix[main]
-    want = set(range(n))
-    missing, extra = sorted(want - got), sorted(got - want)
+    missing, extra = _missing(got, n), sorted(i for i in got if not 0 <= i < n)
     if missing or extra:
         parts = []
         if missing:
-            parts.append(f"missing {_ranges(missing)}")
+            parts.append(f"missing {missing}")
         if extra:
             parts.append(f"out of range {_ranges(extra)}")
         note = ""
-        if missing and not extra and got == set(range(len(got))):
+        if missing and not extra and max(got) == len(got) - 1:  # 0..len-1: indices are >= 0 and distinct
             note = " (indices restart at 0: stage-local numbering of one pipeline stage?)"
         yield main, f"{main}: has layers {_ranges(sorted(got))}, config num_hidden_layers {n}: {'; '.join(parts)}{note}"
     for prefix, idx in by_prefix.items():
@@ -112,10 +125,10 @@ def expert_coverage(ctx: Context) -> Iterator[tuple[str, str]]:
             )
     reported: set[str] = set()
     for (prefix, rest), idx in sorted(per.items()):
-        missing, extra = sorted(set(range(e)) - idx), sorted(idx - set(range(e)))
+        missing, extra = _missing(idx, e), sorted(i for i in idx if not 0 <= i < e)
         if (missing or extra) and prefix not in reported:
             reported.add(prefix)
-            parts = ([f"missing {_ranges(missing)}"] if missing else []) + (
+            parts = ([f"missing {missing}"] if missing else []) + (
                 [f"out of range {_ranges(extra)}"] if extra else []
             )
             yield (
