@@ -583,11 +583,11 @@ def _storage_range(source: str, fqn: str, off: int, length: int) -> None:
             path=source,
             fqn=fqn,
         )
-        if off < 0 or length < 0:
-            raise _bad(
-                source,
-                f"storage entry for {fqn!r}: negative offset {short_repr(off)} or length {short_repr(length)}",
-            )
+    if off < 0 or length < 0:
+        raise _bad(
+            source,
+            f"storage entry for {fqn!r}: negative offset {short_repr(off)} or length {short_repr(length)}",
+        )
 
 
 def _convert(obj: Any, source: str) -> CheckpointMetadata:

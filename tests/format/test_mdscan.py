@@ -405,3 +405,21 @@ def test_frame_inside_a_frame(fsdp_ckpt: Path, monkeypatch: pytest.MonkeyPatch) 
     err = _parsed(past)
     assert isinstance(err, MetadataError) and f"UnpicklingError: {_CROSSING}" in str(err)
     assert str(_parsed_without_kernels(past, monkeypatch)) == str(err)
+
+
+@pytest.mark.parametrize("field", ["offset", "length"])
+def test_negative_storage_offset_or_length_is_refused_by_both_paths(
+    field: str, sample_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's own ``.metadata`` with one storage record's offset or length made negative: the kernel declines,
+    and both paths refuse with the same E200 line (reading at a negative offset was an internal error)."""
+    import dataclasses
+
+    md = pickle.loads((sample_ckpt / ".metadata").read_bytes())
+    key = next(iter(md.storage_data))
+    md.storage_data[key] = dataclasses.replace(md.storage_data[key], **{field: -100})
+    data = pickle.dumps(md, protocol=4)
+    assert scan_metadata(data, ".metadata") is None
+    ours, ref = _parsed(data), _parsed_without_kernels(data, monkeypatch)
+    assert isinstance(ref, MetadataError) and ref.code == "E200" and str(ours) == str(ref)
+    assert f"negative offset {-100 if field == 'offset' else md.storage_data[key].offset}" in str(ref)
