@@ -290,3 +290,23 @@ def test_per_expert_reference_matches_fused_tensors(sample_ckpt: Path, tmp_path:
     ref.write_text(json.dumps(keys))
     rc, doc = run(sample_ckpt, "--strict", "--against", ref)
     assert codes(doc) == {"M007"} and doc["findings"][0]["key"] == "model.model.layers.1.mlp.experts.down_proj"
+
+
+def test_K006_planner_path_changed_in_place(tmp_path: Path) -> None:
+    """torch's ``dcp.save`` of a nested state dict, then one path component of ``planner_data`` changed in the
+    ``.metadata`` bytes (same length: the pickle stays valid): K006 names the key; the healthy save is clean."""
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "ckpt"
+    state = {"model": {"layers": {str(i): {"w": torch.ones(4, 4) * i} for i in range(2)}, "norm": torch.ones(4)}}
+    dcp.save(state, checkpoint_id=str(src), no_dist=True)
+    assert "K006" not in codes(run(src, "--strict")[1])
+    md = src / ".metadata"
+    data = md.read_bytes()
+    old = b"\x8c\x06layers"  # SHORT_BINUNICODE 'layers' (memoized: the one object every path refers to)
+    assert data.count(old) == 1
+    md.write_bytes(data.replace(old, b"\x8c\x06layerz"))
+    rc, doc = run(src, "--strict")
+    assert rc == 1 and "K006" in codes(doc), doc["findings"]
+    f = next(f for f in doc["findings"] if f["code"] == "K006")
+    assert f["key"] == "model.layers.0.w" and "2 planner_data path(s)" in f["message"] and "layerz" in f["message"]

@@ -128,9 +128,7 @@ def expert_coverage(ctx: Context) -> Iterator[tuple[str, str]]:
         missing, extra = _missing(idx, e), sorted(i for i in idx if not 0 <= i < e)
         if (missing or extra) and prefix not in reported:
             reported.add(prefix)
-            parts = ([f"missing {missing}"] if missing else []) + (
-                [f"out of range {_ranges(extra)}"] if extra else []
-            )
+            parts = ([f"missing {missing}"] if missing else []) + ([f"out of range {_ranges(extra)}"] if extra else [])
             yield (
                 f"{prefix}.*.{rest}",
                 (f"{prefix}.<j>.{rest}: experts {_ranges(sorted(idx))} of num_experts {e}: {'; '.join(parts)}"),

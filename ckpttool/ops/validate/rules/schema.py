@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+from ckpttool.format.unpickler import short_repr
 from ckpttool.model.beside import read_training_state_beside
 from ckpttool.model.nested_state import describe_nested, nested_state_items
+from ckpttool.model.schemas.detect import planner_paths
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 
@@ -67,6 +69,21 @@ def state_of_split_parameter(ctx: Context) -> Iterator[tuple[str, str]]:
     if split:
         f, ps = split[0]
         yield f, f"{len(split)} parameter(s) stepped fused, stored split (e.g. {f} as {', '.join(ps.stored_as)})"
+
+
+@rule("K006")
+def planner_path_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
+    planner = ctx.reader.metadata.planner_data
+    kept = planner_paths(ctx.reader.metadata)
+    if len(kept) == len(planner):
+        return
+    bad = [k for k in planner if k not in kept]
+    k = bad[0]
+    yield (
+        k,
+        f"{len(bad)} planner_data path(s) do not flatten to their key: {k!r} has {short_repr(planner[k])}"
+        + (f" (+{len(bad) - 1} more: {_examples(bad[1:])})" if len(bad) > 1 else ""),
+    )
 
 
 @rule("K010")
