@@ -440,7 +440,25 @@ AVX2 static uint32_t amax_bits_avx2(const void *src, int bf16, int64_t at, int64
     AVX2 static void NAME(const T *restrict src, int64_t rows, int64_t cols, T *restrict cm) {              \
         memset(cm, 0, (size_t)cols * sizeof(T));                                                            \
         const __m256i mask = SET1(ABS);                                                                     \
-        for (int64_t r = 0; r < rows; r++) {                                                                \
+        int64_t r = 0;                                                                                      \
+        for (; r + 4 <= rows; r += 4) { /* four rows a step: a quarter of the loads and stores of cm */      \
+            const T *p = src + r * cols;                                                                    \
+            int64_t c = 0;                                                                                  \
+            for (; c + LANES <= cols; c += LANES) {                                                         \
+                __m256i a = MAX(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + c)), mask),       \
+                                _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + cols + c)), mask));\
+                __m256i b = MAX(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + 2 * cols + c)), mask), \
+                                _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + 3 * cols + c)), mask)); \
+                __m256i *d = (__m256i *)(cm + c);                                                           \
+                _mm256_storeu_si256(d, MAX(_mm256_loadu_si256(d), MAX(a, b)));                              \
+            }                                                                                               \
+            for (; c < cols; c++)                                                                           \
+                for (int k = 0; k < 4; k++) {                                                               \
+                    T a = p[k * cols + c] & ABS;                                                            \
+                    cm[c] = a > cm[c] ? a : cm[c];                                                          \
+                }                                                                                           \
+        }                                                                                                   \
+        for (; r < rows; r++) {                                                                             \
             const T *p = src + r * cols;                                                                    \
             int64_t c = 0;                                                                                  \
             for (; c + LANES <= cols; c += LANES) {                                                         \
