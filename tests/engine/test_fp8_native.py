@@ -127,6 +127,52 @@ def test_native_bands_equal_one_band_at_a_time_and_numpy(stored: str, block: int
     assert (scale >= 256).any() and (scale < 256).any()
 
 
+def _midpoint_band(cols: int, seed: int) -> np.ndarray:
+    """Rows whose quotients w / scale meet the kernel's division-free paths at their edges (a row per scale):
+    exact e4m3fn midpoints at exact scales (amax 448 * 2^k and 140 * 2^k: bfloat16 meets these often), float32
+    values within a few ulps of a midpoint at an inexact scale, values at the subnormal threshold scale * 2^-6
+    (a few ulps either side), and scales either side of 2^-64 and 2^64 (beyond them the kernel divides)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for k in (-20, 0, 7):  # integers times 2^k with amax 448 * 2^k: scale 2^k, ties at 17, 19, 34, ...
+        r = rng.integers(-448, 449, cols).astype(np.float32) * np.float32(2.0**k)
+        rows.append(np.concatenate([[np.float32(448 * 2.0**k)], r[1:]]))
+    r = (rng.integers(-140 * 16, 140 * 16 + 1, cols) / 16).astype(np.float32) * np.float32(2.0**-9)
+    rows.append(np.concatenate([[np.float32(140 * 2.0**-9)], r[1:]]))  # scale 0.3125 * 2^-9, exact
+    amax = np.float32(0.0372)
+    scale = amax / np.float32(448)
+    mids = np.float32([17, 19, 9.5, 0.59375, 232, 0.0185546875])  # e4m3fn midpoints
+    near = (mids[:, None] * scale).view(np.uint32).astype(np.int64) + np.arange(-6, 7)
+    r = np.resize(near.astype(np.uint32).view(np.float32).ravel() * np.float32(rng.choice([-1, 1])), cols)
+    rows.append(np.concatenate([[amax], r[1:]]))
+    thr = (scale * np.float32(2.0**-6)).view(np.uint32).astype(np.int64) + np.arange(-40, 41)
+    rows.append(np.concatenate([[amax], np.resize(thr.astype(np.uint32).view(np.float32), cols - 1)]))
+    for e in (-64, 64):
+        for f in (0.999, 1.0, 1.001):
+            rows.append(rng.standard_normal(cols).astype(np.float32) * np.float32(448 * 2.0**e * f / 4))
+            rows[-1][0] = np.float32(448 * 2.0**e * f)
+    return np.stack(rows).astype(np.float32)
+
+
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+@pytest.mark.parametrize("block", [128, None])
+def test_native_band_midpoints_thresholds_and_scale_ranges(stored: str, block: int | None) -> None:
+    """The division-free codes (bfloat16: Markstein's corrected quotient; float32: a product checked against the
+    midpoints) give the numpy kernels' figures and torch's cast, bit for bit, at their edges (:func:`_midpoint_band`);
+    with a block, each row is a band of its own (a scale per row's blocks)."""
+    band = _midpoint_band(300, 5)
+    if stored == "bfloat16":
+        held = torch.from_numpy(band).to(torch.bfloat16).view(torch.uint16).numpy()
+        band = torch.from_numpy(held).view(torch.bfloat16).float().numpy()
+    else:
+        held = band
+    for i in range(band.shape[0]) if block is not None else [slice(None)]:
+        rows, wide = held[i].reshape(-1, 300), band[i].reshape(-1, 300)
+        got = fp8_native.quantize_band(rows, block)
+        _assert_same(got, _reference(wide, block))
+        assert np.array_equal(got.q, _torch_cast(wide, got.scale, block))
+
+
 @pytest.mark.parametrize("block", [128, None])
 def test_native_band_nan_and_infinity_give_non_finite_scales(block: int | None) -> None:
     """A NaN or an infinity makes its block's (row's) amax and scale non-finite, as the torch kernel's (E607);

@@ -14,7 +14,8 @@
  *   rel   = err / amax where amax > 0, else 0
  *
  * Every step is one IEEE float32 operation (built with -ffp-contract=off, no fast-math, FTZ/DAZ off),
- * so each clone below, and the AVX2 kernel, gives the same bits. The caller refuses a band whose scale is non-finite
+ * so each clone below, and the AVX2 kernel, gives the same bits (the AVX2 kernel's division-free quotients
+ * included: see quantize_fma32 and quantize_near32). The caller refuses a band whose scale is non-finite
  * or zero for a non-zero block before it uses q or the error figures.
  */
 /* no FP exception flags are read: lets the loops below be if-converted and vectorized (values unchanged) */
@@ -182,9 +183,12 @@ static inline int block_by_columns(const void *restrict src, int bf16, int64_t r
  *   - |q| * scale is v * (scale * 2^120) with v = |q| * 2^-120 (the code's bits shifted into a float32)
  *     when scale * 2^120 is finite (scale < 256): both are the one rounding of the same product;
  *   - the saturation is a min: above 0x43E80000 the normal path gives codes >= 0x7F;
- *   - the error maxima stay per lane in a register across a block's columns, reduced once per band. */
-#define AVX2 __attribute__((target("avx2")))
-#define AVX2_INLINE __attribute__((target("avx2"), always_inline)) static inline
+ *   - the error maxima stay per lane in a register across a block's columns, reduced once per band;
+ *   - with a scale in [2^-64, 2^64], a group of 32 whose |w| are all at least scale * 2^-6 takes the quotient
+ *     |w| / scale without a division (bfloat16: quantize_fma32) or its code (float32: quantize_near32, which
+ *     divides the rare groups near a rounding midpoint): the same quotient, or the same code, bit for bit. */
+#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) static inline
 
 /* e4m3fn magnitude codes (0x08 .. 0x7E) of 8 non-negative, non-NaN float32 lanes of at least 2^-6 (the normal
  * results of to_e4m3fn of a magnitude); sat: saturate (a min). Unneeded for w / scale with a normal scale =
@@ -243,6 +247,62 @@ AVX2_INLINE void quantize_mag32(const __m256i *a, __m256 s, __m256 k, int one, i
     for (int j = 0; j < 4; j++) error8(a[j], t[j], s, k, one, err);
 }
 
+/* The codes without a division, for a scale s in [2^-64, 2^64] (then 1 / s, |w| * (1 / s) and the steps below are
+ * normal float32 numbers), where every |w| of the 32 is at least thr (bits in each uint16 lane for bfloat16, in each
+ * uint32 lane for float32: s * 2^-6, rounded up to a bfloat16): the quotient |w| / s, rounded, is then at least 2^-6
+ * and its code is e4m3_normal8's; a group with a lower |w| divides (quantize_mag32). rs = 1 / s, rounded. */
+typedef struct {
+    __m256 rs;
+    __m256i thr;
+} fast_t;
+
+/* fast (NULL: none) for scale; *store holds it */
+AVX2_INLINE const fast_t *fast_of(float scale, int bf16, fast_t *store) {
+    if (!(scale >= 5.42101086e-20f && scale <= 1.84467441e19f)) return NULL; /* 2^-64, 2^64 */
+    uint32_t thr = bits_of(scale * 0.015625f);                                 /* exact */
+    store->rs = _mm256_set1_ps(1.0f / scale);
+    store->thr = bf16 ? _mm256_set1_epi16((int16_t)((thr + 0xFFFFu) >> 16)) : _mm256_set1_epi32((int32_t)thr);
+    return store;
+}
+
+/* bfloat16 |w| (a[0..3]): q0 = |w| * rs is within an ulp or so of |w| / s, and q0 + (|w| - q0 * s) * rs, each step one
+ * fused rounding, is |w| / s rounded, bit for bit (Markstein's correction; checked for every bfloat16 significand
+ * against every float32 significand of s: the steps scale exactly by powers of two in the range above) */
+AVX2_INLINE void quantize_fma32(const __m256i *a, __m256 s, __m256 k, int one, const fast_t *fast, __m256i *err,
+                                __m256i *t) {
+    for (int j = 0; j < 4; j++) {
+        __m256 w = _mm256_castsi256_ps(a[j]);
+        __m256 q0 = _mm256_mul_ps(w, fast->rs);
+        __m256 q = _mm256_fmadd_ps(_mm256_fnmadd_ps(q0, s, w), fast->rs, q0);
+        t[j] = e4m3_normal8(_mm256_castps_si256(q), 0);
+        error8(a[j], t[j], s, k, one, err);
+    }
+}
+
+/* float32 |w| (a[0..3]): x = |w| * rs is within 3 ulps of |w| / s rounded (two roundings of at most 2^-24 against one),
+ * so where the lowest 20 bits of x lie at least NEAR from 0x80000 (e4m3fn's rounding midpoint) both round to the same
+ * code, x half up (no tie arises). Returns 0, having done nothing, when a lane is that close (~1 in 30000 lanes: the
+ * caller divides); bfloat16 sources meet exact midpoints far more often (~1 in 150), hence quantize_fma32. */
+#define NEAR 8
+AVX2_INLINE int quantize_near32(const __m256i *a, __m256 s, __m256 k, int one, const fast_t *fast, __m256i *err,
+                                __m256i *t) {
+    /* u = x + rebias + 0x80000 + NEAR: the code is u >> 20 where u's lowest 20 bits are 2 * NEAR or more */
+    const __m256i add = _mm256_set1_epi32((int32_t)(((uint32_t)(7 - 127) << 23) + 0x80000u + NEAR));
+    const __m256i low20 = _mm256_set1_epi32(0xFFFFF);
+    __m256i u[4];
+    for (int j = 0; j < 4; j++)
+        u[j] = _mm256_add_epi32(_mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(a[j]), fast->rs)), add);
+    __m256i m = _mm256_min_epi32(_mm256_min_epi32(_mm256_and_si256(u[0], low20), _mm256_and_si256(u[1], low20)),
+                                 _mm256_min_epi32(_mm256_and_si256(u[2], low20), _mm256_and_si256(u[3], low20)));
+    __m256i near = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * NEAR), m);
+    if (!_mm256_testz_si256(near, near)) return 0;
+    for (int j = 0; j < 4; j++) {
+        t[j] = _mm256_srli_epi32(u[j], 20);
+        error8(a[j], t[j], s, k, one, err);
+    }
+    return 1;
+}
+
 /* 8 float32 lanes u (bit patterns) to 8 e4m3fn bytes at q (sign from u) */
 AVX2_INLINE void quantize8_store(__m256i u, __m256 s, __m256 k, int one, __m256i *err, uint8_t *q) {
     __m256i t = quantize_mag8(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), s, k, one, err);
@@ -252,8 +312,8 @@ AVX2_INLINE void quantize8_store(__m256i u, __m256 s, __m256 k, int one, __m256i
 }
 
 /* quantize_run's vector part on bfloat16 bits: returns how many of the n were done (a multiple of 8) */
-AVX2_INLINE int64_t run_bf16(const uint16_t *restrict p, int64_t n, float scale, int one, int sat, uint8_t *restrict q,
-                             __m256i *err) {
+AVX2_INLINE int64_t run_bf16(const uint16_t *restrict p, int64_t n, float scale, int one, int sat, const fast_t *fast,
+                             uint8_t *restrict q, __m256i *err) {
     const __m256 s = _mm256_set1_ps(scale);
     const __m256 k = _mm256_set1_ps(one ? scale * 1329227995784915872903807060280344576.0f
                                         : 1329227995784915872903807060280344576.0f);
@@ -266,7 +326,12 @@ AVX2_INLINE int64_t run_bf16(const uint16_t *restrict p, int64_t n, float scale,
         __m256i m0 = _mm256_and_si256(v0, m15), m1 = _mm256_and_si256(v1, m15), t[4];
         const __m256i a[4] = {_mm256_unpacklo_epi16(z, m0), _mm256_unpackhi_epi16(z, m0), _mm256_unpacklo_epi16(z, m1),
                               _mm256_unpackhi_epi16(z, m1)};
-        quantize_mag32(a, s, k, one, sat, &acc, t);
+        /* a lane below the threshold (as int16: both are below 0x8000) */
+        __m256i low = fast == NULL ? z : _mm256_cmpgt_epi16(fast->thr, _mm256_min_epu16(m0, m1));
+        if (fast != NULL && _mm256_testz_si256(low, low))
+            quantize_fma32(a, s, k, one, fast, &acc, t);
+        else
+            quantize_mag32(a, s, k, one, sat, &acc, t);
         __m256i codes = _mm256_packus_epi16(_mm256_packus_epi32(t[0], t[1]), _mm256_packus_epi32(t[2], t[3]));
         __m256i signs = _mm256_and_si256(_mm256_packs_epi16(v0, v1), _mm256_set1_epi8((char)0x80));
         _mm256_storeu_si256((__m256i *)(q + i), _mm256_permute4x64_epi64(_mm256_or_si256(codes, signs), 0xD8));
@@ -280,8 +345,8 @@ AVX2_INLINE int64_t run_bf16(const uint16_t *restrict p, int64_t n, float scale,
 }
 
 /* quantize_run's vector part on float32 bits: returns how many of the n were done (a multiple of 8) */
-AVX2_INLINE int64_t run_f32(const uint32_t *restrict p, int64_t n, float scale, int one, int sat, uint8_t *restrict q,
-                            __m256i *err) {
+AVX2_INLINE int64_t run_f32(const uint32_t *restrict p, int64_t n, float scale, int one, int sat, const fast_t *fast,
+                            uint8_t *restrict q, __m256i *err) {
     const __m256 s = _mm256_set1_ps(scale);
     const __m256 k = _mm256_set1_ps(one ? scale * 1329227995784915872903807060280344576.0f
                                         : 1329227995784915872903807060280344576.0f);
@@ -294,7 +359,11 @@ AVX2_INLINE int64_t run_f32(const uint32_t *restrict p, int64_t n, float scale, 
         __m256i t[4];
         const __m256i a[4] = {_mm256_and_si256(u0, m31), _mm256_and_si256(u1, m31), _mm256_and_si256(u2, m31),
                               _mm256_and_si256(u3, m31)};
-        quantize_mag32(a, s, k, one, sat, &acc, t);
+        __m256i low = fast == NULL ? m31
+                                   : _mm256_cmpgt_epi32(fast->thr, _mm256_min_epu32(_mm256_min_epu32(a[0], a[1]),
+                                                                                    _mm256_min_epu32(a[2], a[3])));
+        if (fast == NULL || !_mm256_testz_si256(low, low) || !quantize_near32(a, s, k, one, fast, &acc, t))
+            quantize_mag32(a, s, k, one, sat, &acc, t);
         __m256i codes = _mm256_packus_epi16(_mm256_packus_epi32(t[0], t[1]), _mm256_packus_epi32(t[2], t[3]));
         __m256i signs = _mm256_packs_epi16(_mm256_packs_epi32(u0, u1), _mm256_packs_epi32(u2, u3));
         signs = _mm256_and_si256(signs, _mm256_set1_epi8((char)0x80));
@@ -305,17 +374,22 @@ AVX2_INLINE int64_t run_f32(const uint32_t *restrict p, int64_t n, float scale, 
     return i;
 }
 
-/* quantize_run's vector part (see the comment above this section); 0 where the scale is not finite and positive */
-AVX2 static int64_t run_avx2(const void *restrict src, int bf16, int64_t at, int64_t n, float scale,
+/* quantize_run's vector part (see the comment above this section); 0 where the scale is not finite and positive;
+ * fast: fast_of(scale) */
+AVX2 static int64_t run_avx2(const void *restrict src, int bf16, int64_t at, int64_t n, float scale, const fast_t *fast,
                              uint8_t *restrict q, __m256i *err) {
     if (!(scale > 0.0f && scale <= 3.40282347e38f)) return 0;
     int one = scale < 256.0f, sat = scale < 1.17549435e-38f; /* scale * 2^120 is finite; a subnormal scale */
     const uint16_t *h = (const uint16_t *)src + at;
     const uint32_t *f = (const uint32_t *)src + at;
-    if (bf16) return sat ? run_bf16(h, n, scale, 1, 1, q, err) : one ? run_bf16(h, n, scale, 1, 0, q, err)
-                                                                   : run_bf16(h, n, scale, 0, 0, q, err);
-    return sat ? run_f32(f, n, scale, 1, 1, q, err) : one ? run_f32(f, n, scale, 1, 0, q, err)
-                                                          : run_f32(f, n, scale, 0, 0, q, err);
+    if (fast != NULL) { /* then not sat */
+        if (bf16) return one ? run_bf16(h, n, scale, 1, 0, fast, q, err) : run_bf16(h, n, scale, 0, 0, fast, q, err);
+        return one ? run_f32(f, n, scale, 1, 0, fast, q, err) : run_f32(f, n, scale, 0, 0, fast, q, err);
+    }
+    if (bf16) return sat ? run_bf16(h, n, scale, 1, 1, NULL, q, err) : one ? run_bf16(h, n, scale, 1, 0, NULL, q, err)
+                                                                         : run_bf16(h, n, scale, 0, 0, NULL, q, err);
+    return sat ? run_f32(f, n, scale, 1, 1, NULL, q, err) : one ? run_f32(f, n, scale, 1, 0, NULL, q, err)
+                                                                : run_f32(f, n, scale, 0, 0, NULL, q, err);
 }
 
 /* the largest of a vector's 8 uint32 lanes */
@@ -366,7 +440,25 @@ AVX2 static uint32_t amax_bits_avx2(const void *src, int bf16, int64_t at, int64
     AVX2 static void NAME(const T *restrict src, int64_t rows, int64_t cols, T *restrict cm) {              \
         memset(cm, 0, (size_t)cols * sizeof(T));                                                            \
         const __m256i mask = SET1(ABS);                                                                     \
-        for (int64_t r = 0; r < rows; r++) {                                                                \
+        int64_t r = 0;                                                                                      \
+        for (; r + 4 <= rows; r += 4) { /* four rows a step: a quarter of the loads and stores of cm */      \
+            const T *p = src + r * cols;                                                                    \
+            int64_t c = 0;                                                                                  \
+            for (; c + LANES <= cols; c += LANES) {                                                         \
+                __m256i a = MAX(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + c)), mask),       \
+                                _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + cols + c)), mask));\
+                __m256i b = MAX(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + 2 * cols + c)), mask), \
+                                _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + 3 * cols + c)), mask)); \
+                __m256i *d = (__m256i *)(cm + c);                                                           \
+                _mm256_storeu_si256(d, MAX(_mm256_loadu_si256(d), MAX(a, b)));                              \
+            }                                                                                               \
+            for (; c < cols; c++)                                                                           \
+                for (int k = 0; k < 4; k++) {                                                               \
+                    T a = p[k * cols + c] & ABS;                                                            \
+                    cm[c] = a > cm[c] ? a : cm[c];                                                          \
+                }                                                                                           \
+        }                                                                                                   \
+        for (; r < rows; r++) {                                                                             \
             const T *p = src + r * cols;                                                                    \
             int64_t c = 0;                                                                                  \
             for (; c + LANES <= cols; c += LANES) {                                                         \
@@ -394,7 +486,8 @@ AVX2 static int band_avx2(const void *restrict src, int bf16, int64_t rows, int6
             float m = float_of(amax_bits_avx2(src, bf16, r * cols, cols));
             float s = scale_of(m);
             __m256i acc = _mm256_setzero_si256();
-            int64_t i = run_avx2(src, bf16, r * cols, cols, s, q + r * cols, &acc);
+            fast_t f;
+            int64_t i = run_avx2(src, bf16, r * cols, cols, s, fast_of(s, bf16, &f), q + r * cols, &acc);
             amax[r] = m;
             scale[r] = s;
             account(m, float_of(run_tail(src, bf16, r * cols, i, cols, s, q + r * cols, hmax8(acc))), worst, rel);
@@ -405,10 +498,14 @@ AVX2 static int band_avx2(const void *restrict src, int bf16, int64_t rows, int6
     void *colmax = malloc((size_t)cols * 4);
     __m256i *errs = aligned_alloc(32, (size_t)nb * 32);
     uint32_t *tails = calloc((size_t)nb, 4);
-    if (colmax == NULL || errs == NULL || tails == NULL) {
+    fast_t *fast = aligned_alloc(32, (size_t)nb * sizeof(fast_t));
+    const fast_t **fp = malloc((size_t)nb * sizeof(fast_t *));
+    if (colmax == NULL || errs == NULL || tails == NULL || fast == NULL || fp == NULL) {
         free(colmax);
         free(errs);
         free(tails);
+        free(fast);
+        free(fp);
         return 0;
     }
     if (bf16)
@@ -420,11 +517,18 @@ AVX2 static int band_avx2(const void *restrict src, int bf16, int64_t rows, int6
         amax[j] = float_of(bf16 ? amax_bits(colmax, 1, c0, n) : max_u32((const uint32_t *)colmax + c0, n));
         scale[j] = scale_of(amax[j]);
         errs[j] = _mm256_setzero_si256();
+        fp[j] = fast_of(scale[j], bf16, fast + j);
     }
+    int uniform = 1; /* every block division-free with scale < 256: run_bf16 / run_f32 inlined here, one instance */
+    for (int64_t j = 0; j < nb; j++) uniform &= fp[j] != NULL && scale[j] < 256.0f;
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t c0 = 0, j = 0; c0 < cols; c0 += block, j++) {
-            int64_t n = cols - c0 < block ? cols - c0 : block, at = r * cols + c0;
-            int64_t i = run_avx2(src, bf16, at, n, scale[j], q + at, &errs[j]);
+            int64_t n = cols - c0 < block ? cols - c0 : block, at = r * cols + c0, i;
+            if (uniform)
+                i = bf16 ? run_bf16((const uint16_t *)src + at, n, scale[j], 1, 0, fp[j], q + at, &errs[j])
+                         : run_f32((const uint32_t *)src + at, n, scale[j], 1, 0, fp[j], q + at, &errs[j]);
+            else
+                i = run_avx2(src, bf16, at, n, scale[j], fp[j], q + at, &errs[j]);
             tails[j] = run_tail(src, bf16, at, i, n, scale[j], q + at, tails[j]);
         }
     }
@@ -435,6 +539,8 @@ AVX2 static int band_avx2(const void *restrict src, int bf16, int64_t rows, int6
     free(colmax);
     free(errs);
     free(tails);
+    free(fast);
+    free(fp);
     return 1;
 }
 #endif
