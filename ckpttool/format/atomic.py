@@ -102,8 +102,11 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
             )
     if target.exists() or target.is_symlink():
         if not target.is_dir() or target.is_symlink():
+            what = "is a symbolic link" if target.is_symlink() else "exists and is not a directory"
             raise OutputError(
-                f"{target} exists and is not a directory", path=target, hint="choose a new or empty output directory"
+                f"{target} {what}: ckpttool writes a real directory there and replaces no link",
+                path=target,
+                hint="choose a new or empty output directory (the directory the link points at, if that is the one)",
             )
         try:
             non_empty = any(target.iterdir())

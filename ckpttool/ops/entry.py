@@ -73,7 +73,11 @@ def run_inspect(
 
 def data_file_warnings(result: InspectResult) -> list[str]:
     """Warning texts for data files that are missing, short or not referenced (``[]``: none)."""
-    what = {"missing": "is missing", "unreferenced": "is not referenced by .metadata"}
+    what = {
+        "missing": "is missing",
+        "unreferenced": "is not referenced by .metadata",
+        "outside": "lies outside the checkpoint directory (never read: a damaged or hostile .metadata)",
+    }
     bad = [
         f"data file {f.path} "
         + (what.get(f.status) or f"is shorter than its records need ({f.size} < {f.needed} bytes; truncated?)")

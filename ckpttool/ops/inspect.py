@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain, compress
 from json.encoder import encode_basestring_ascii as _enc  # what json.dumps uses for str (ensure_ascii)
+from pathlib import PurePosixPath
 from typing import Any
 
 from ckpttool.errors import CkptError, TrustRequiredError, UsageError
@@ -98,7 +99,7 @@ class FileRow:
     rank: int | None
     referenced: bool
     needed: int
-    status: str  # ok | missing | short | unreferenced
+    status: str  # ok | missing | short | unreferenced | outside
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -584,7 +585,10 @@ def _needed_bytes(ckpt: Checkpoint) -> dict[str, int]:
     return file_extents(ckpt.metadata.storage)
 
 
-def _file_status(size: int | None, needed: int, referenced: bool) -> str:
+def _file_status(path: str, size: int | None, needed: int, referenced: bool) -> str:
+    parts = PurePosixPath(path).parts
+    if not parts or parts[0] == "/" or ".." in parts:
+        return "outside"  # no reader opens it (PathEscapeError, E101): not "missing"
     if size is None:
         return "missing"
     if size < needed:
@@ -655,7 +659,7 @@ def _file_rows(cat: Catalog, needed: dict[str, int]) -> tuple[FileRow, ...]:
             f.rank,
             f.referenced,
             needed.get(f.relative_path, 0),
-            _file_status(f.size, needed.get(f.relative_path, 0), f.referenced),
+            _file_status(f.relative_path, f.size, needed.get(f.relative_path, 0), f.referenced),
         )
         for f in cat.data_files
     )

@@ -199,6 +199,25 @@ def test_short_and_unreferenced_data_files_are_flagged(tmp_path: Path, dense_ckp
     assert status == {"__0_0.distcp": ("short", size), "__7_0.distcp": ("unreferenced", 0)}
 
 
+def test_a_data_file_outside_the_checkpoint_is_named_so_not_missing(tmp_path: Path, dense_ckpt: Path) -> None:
+    """A tensor chunk's ``relative_path`` set to ``../../etc/passwd`` in torch's own ``.metadata``: inspect (which
+    reads no tensor data) says the file lies outside (status ``outside``), not that it is missing."""
+    import dataclasses
+    import pickle
+    import shutil
+
+    ck = shutil.copytree(dense_ckpt, tmp_path / "ck")
+    md = pickle.loads((ck / ".metadata").read_bytes())
+    key = next(k for k in md.storage_data if "layers.1" in k.fqn)
+    md.storage_data[key] = dataclasses.replace(md.storage_data[key], relative_path="../../etc/passwd")
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+    res = runner.invoke(app, ["inspect", str(ck)])
+    assert res.exit_code == 0 and "warning: data file ../../etc/passwd lies outside the checkpoint" in res.stderr
+    assert "is missing" not in res.stderr
+    status = {f["path"]: f["status"] for f in inspect_json(ck)["files"]}
+    assert status["../../etc/passwd"] == "outside"
+
+
 def test_filter_matching_nothing_is_an_error(dense_ckpt: Path) -> None:
     res = runner.invoke(app, ["inspect", str(dense_ckpt), "--filter", "nomatch*"])
     assert res.exit_code == 2 and res.stdout == ""
