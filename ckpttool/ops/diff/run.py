@@ -188,7 +188,8 @@ def _open_side(
             where, declaration=opening.declaration, trust_pickle=opening.trust_pickle, selection=opening.selection
         )
     except CkptError as e:
-        if e.code == "E200" and not (where / ".metadata").exists() and where.is_dir():
+        has_weights = where.is_dir() and any(where.glob("*.safetensors"))
+        if e.code == "E200" and not (where / ".metadata").exists() and where.is_dir() and not has_weights:
             raise DiffError(
                 f"{where}: neither a DCP checkpoint (.metadata) nor a safetensors directory",
                 path=where,

@@ -282,3 +282,18 @@ def test_short_read_of_a_raw_block_is_the_data_file_error_it_always_was(tmp_path
     e = ei.value
     assert e.message == "__0_0.distcp: 'model.w' chunk at (50,): short read" and e.fqn == "model.w"
     assert e.path == f.name and e.__cause__ is None and counted == [40, 40, 40, 40]
+
+
+def test_a_directory_that_is_neither_or_holds_a_damaged_safetensors_file(tmp_path: Path, dense_ckpt: Path) -> None:
+    """An empty directory is neither kind (E610); one whose weight file is damaged names that file's own error."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = CliRunner().invoke(app, ["diff", str(empty), str(dense_ckpt)])
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E610] {empty}: neither a DCP checkpoint")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes((2**63 - 1).to_bytes(8, "little") + b"{}")
+    res = CliRunner().invoke(app, ["diff", str(bad), str(dense_ckpt)])
+    assert res.exit_code == 2 and res.stderr.startswith(
+        f"error: [E200] {bad / 'model.safetensors'}: not a valid safetensors"
+    )
