@@ -309,4 +309,8 @@ def test_K006_planner_path_changed_in_place(tmp_path: Path) -> None:
     rc, doc = run(src, "--strict")
     assert rc == 1 and "K006" in codes(doc), doc["findings"]
     f = next(f for f in doc["findings"] if f["code"] == "K006")
-    assert f["key"] == "model.layers.0.w" and "2 planner_data path(s)" in f["message"] and "layerz" in f["message"]
+    assert (
+        f["key"] == "model.layers.0.w"
+        and "2 planner_data path(s) lead to no key" in f["message"]
+        and "layerz" in f["message"]
+    )

@@ -71,19 +71,32 @@ def state_of_split_parameter(ctx: Context) -> Iterator[tuple[str, str]]:
         yield f, f"{len(split)} parameter(s) stepped fused, stored split (e.g. {f} as {', '.join(ps.stored_as)})"
 
 
+def _leads_to(key: str, path: object) -> bool:
+    """Whether a prefix of ``path`` (a tuple) joins to ``key`` with ``.``: a custom planner may append its own
+    data to torch's path (the corpus' ``planner_data_torch_objects``), a damaged one joins to nothing."""
+    if not isinstance(path, tuple):
+        return False
+    joined = ""
+    for i, part in enumerate(path):
+        if not isinstance(part, (str, int)):
+            return False
+        joined = f"{joined}.{part}" if i else str(part)
+        if len(joined) >= len(key):
+            return joined == key
+    return False
+
+
 @rule("K006")
 def planner_path_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
-    planner = ctx.reader.metadata.planner_data
-    kept = planner_paths(ctx.reader.metadata)
-    if len(kept) == len(planner):
+    md = ctx.reader.metadata
+    kept = planner_paths(md)
+    if len(kept) == len(md.planner_data):
         return
-    bad = [k for k in planner if k not in kept]
-    k = bad[0]
-    yield (
-        k,
-        f"{len(bad)} planner_data path(s) do not flatten to their key: {k!r} has {short_repr(planner[k])}"
-        + (f" (+{len(bad) - 1} more: {_examples(bad[1:])})" if len(bad) > 1 else ""),
-    )
+    bad = [k for k, v in md.planner_data.items() if k not in kept and not _leads_to(k, v)]
+    if bad:
+        k = bad[0]
+        more = f" (+{len(bad) - 1} more: {_examples(bad[1:])})" if len(bad) > 1 else ""
+        yield k, f"{len(bad)} planner_data path(s) lead to no key: {k!r} has {short_repr(md.planner_data[k])}{more}"
 
 
 @rule("K010")
