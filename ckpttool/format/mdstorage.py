@@ -28,7 +28,19 @@ from typing import Any
 from ckpttool.engine import native
 from ckpttool.format.metadata import StorageInfo
 
-__all__ = ["StorageTable", "DuplicateKeys", "referenced_paths", "file_extents", "chunk_paths", "storage_infos"]
+__all__ = [
+    "StorageTable",
+    "DuplicateKeys",
+    "bounds",
+    "compact",
+    "int64s",
+    "record_end",
+    "referenced_paths",
+    "file_extents",
+    "chunk_paths",
+    "chunk_path_columns",
+    "storage_infos",
+]
 
 Key = tuple[str, "tuple[int, ...] | None"]
 #: Groups of at most this many records of one fqn are searched one by one, larger ones by bisection.
@@ -63,14 +75,16 @@ def _group(fqn: Sequence[int], tup: Sequence[int], nstr: int, ntup: int) -> tupl
     kernel = native.function(
         "ckpt_md_group",
         ctypes.c_int64,
-        *[ctypes.c_char_p] * 2,
+        *[ctypes.c_void_p] * 2,
         *[ctypes.c_int64] * 4,
         *[ctypes.c_void_p] * 3,
     )
     if kernel is not None:
         # contiguous copies (the columns may be strided, read-only views): 16 bytes a record, for this call only
-        f, t = bytes(_q(fqn)), bytes(_q(tup))
-        found = kernel(f, t, 1, n, nstr, ntup, *map(_address, (first, order, tsorted)))
+        f, t = int64s(fqn), int64s(tup)
+        found = kernel(
+            _address(memoryview(f)), _address(memoryview(t)), 1, n, nstr, ntup, *map(_address, (first, order, tsorted))
+        )
         del f, t
         if found == -2:
             raise MemoryError("grouping storage records")
@@ -87,11 +101,69 @@ def _flat(col: Sequence[int]) -> bool:
     return isinstance(col, memoryview) and col.format == "q" and col.c_contiguous
 
 
+def int64s(col: Sequence[int]) -> array[int]:
+    """A copy of ``col`` as a contiguous int64 array (C-level copies of int64 views and arrays, a native
+    widening of :func:`compact`'s 32-bit arrays; anything else value by value)."""
+    out = array("q")
+    if isinstance(col, memoryview) and col.format == "q":
+        out.frombytes(col.cast("B") if col.c_contiguous else col.tobytes())
+        return out
+    if isinstance(col, array) and col.typecode == "q":
+        return col[:]
+    if isinstance(col, array) and col.itemsize == 4 and col.typecode == "i":
+        kernel = native.function("ckpt_md_widen", None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+        if kernel is not None:
+            out = array("q", _ZERO) * len(col)
+            kernel(_address(memoryview(col)), len(col), _address(memoryview(out)))
+            return out
+    return array("q", col)
+
+
+_ZERO = (0,)
+
+
 def _q(col: Sequence[int]) -> memoryview:
-    """``col`` as contiguous int64 bytes."""
+    """``col`` as contiguous int64 bytes (a view of a flat int64 view, else of a copy: :func:`int64s`)."""
     if isinstance(col, memoryview) and _flat(col):
         return col.cast("B")
-    return memoryview(array("q", col)).cast("B")
+    return memoryview(int64s(col)).cast("B")
+
+
+def bounds(col: Sequence[int]) -> tuple[int, int]:
+    """``(min(col), max(col))`` of a non-empty int column (in C on a copy where the kernels are built).
+
+    Raises:
+        ValueError: ``col`` is empty.
+    """
+    if not len(col):
+        raise ValueError("bounds of an empty column")
+    kernel = native.function("ckpt_md_bounds", None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+    if kernel is None:
+        return min(col), max(col)
+    values, out = int64s(col), array("q", (0, 0))
+    kernel(_address(memoryview(values)), len(values), _address(memoryview(out)))
+    return out[0], out[1]
+
+
+def record_end(offset: Sequence[int], length: Sequence[int]) -> int:
+    """``max(offset[i] + length[i])`` of two aligned int64 columns (``0`` when empty), ``-1`` when a value is
+    negative (in C where the kernels are built).
+
+    Raises:
+        ValueError: the columns differ in length.
+    """
+    if len(offset) != len(length):
+        raise ValueError("storage columns differ in length")
+    if not len(offset):
+        return 0
+    kernel = native.function("ckpt_md_end", ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+    if kernel is None:
+        if min(offset) < 0 or min(length) < 0:
+            return -1
+        return max(map(add, offset, length))
+    off, lengths = int64s(offset), int64s(length)  # held through the call
+    end: int = kernel(_address(memoryview(off)), _address(memoryview(lengths)), len(off))
+    return end
 
 
 def _group_python(
@@ -129,7 +201,14 @@ def compact(ids: Sequence[int]) -> Sequence[int]:
     Raises:
         OverflowError: an id outside the 32-bit range.
     """
-    return array("i", ids)
+    kernel = native.function("ckpt_md_narrow", ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+    if kernel is None or not len(ids) or array("i").itemsize != 4:
+        return array("i", ids)
+    values = int64s(ids)
+    out = array("i", _ZERO) * len(values)
+    if kernel(_address(memoryview(values)), len(values), _address(memoryview(out))):
+        raise OverflowError("id out of the 32-bit range")
+    return out
 
 
 class StorageTable(Mapping[Key, StorageInfo]):
@@ -270,18 +349,47 @@ class StorageTable(Mapping[Key, StorageInfo]):
         )
         return out
 
+    def path_columns(
+        self, fqns: Sequence[str], offsets: Sequence[tuple[int, ...] | None]
+    ) -> list[Iterator[str | None]]:
+        """The ``relative_path`` of the record ``(fqn, offsets[j])`` of each fqn, one column per ``offsets[j]``
+        (``None`` where there is none): the chunks of tensors of one layout, each fqn looked up once."""
+        kernel = native.function(
+            "ckpt_md_find", ctypes.c_int64, *[ctypes.c_void_p] * 3, ctypes.c_int64, *[ctypes.c_void_p] * 4
+        )
+        if kernel is None or not fqns:
+            return [self.paths_of(fqns, repeat(o, len(fqns))) for o in offsets]
+        sids = array("q", map(self._sid.get, fqns, repeat(-1)))
+        index = [_address(c) for c in (self._first, self._order, self._tsorted)]
+        columns = []
+        for o in offsets:
+            tids = array("q", (self._tid.get(o, -2),)) * len(sids)
+            rows = array("q", _ZERO) * len(sids)
+            kernel(
+                *index,
+                len(self.strings),
+                *map(_address, map(memoryview, (sids, tids))),
+                len(sids),
+                _address(memoryview(rows)),
+            )
+            columns.append(self._paths_at(rows))
+        return columns
+
+    def _paths_at(self, rows: Sequence[int]) -> Iterator[str | None]:
+        """The ``relative_path`` of each record number (``None`` for ``-1``)."""
+        if not rows or bounds(rows)[0] >= 0:
+            return map(self.strings.__getitem__, map(self.path.__getitem__, rows))
+        return (self.strings[self.path[r]] if r >= 0 else None for r in rows)
+
     def paths_of(self, fqns: Iterable[str], offsets: Iterable[tuple[int, ...] | None]) -> Iterator[str | None]:
         """The ``relative_path`` of each ``(fqn, offsets)`` record, ``None`` where there is none (in C, but one
         index search per pair)."""
-        rows = self.rows(fqns, offsets)
-        if not rows or min(rows) >= 0:
-            return map(self.strings.__getitem__, map(self.path.__getitem__, rows))
-        return (self.strings[self.path[r]] if r >= 0 else None for r in rows)
+        return self._paths_at(self.rows(fqns, offsets))
 
     def infos_of(self, fqns: Iterable[str], offsets: Iterable[tuple[int, ...] | None]) -> list[StorageInfo | None]:
         """The :class:`StorageInfo` of each ``(fqn, offsets)`` record, ``None`` where there is none."""
         rows = self.rows(fqns, offsets)
-        if rows and min(rows) < 0:
+        if rows and bounds(rows)[0] < 0:
             return [self.info(r) if r >= 0 else None for r in rows]
         paths = map(self.strings.__getitem__, map(self.path.__getitem__, rows))
         offs, lens = map(self.offset.__getitem__, rows), map(self.length.__getitem__, rows)
@@ -381,6 +489,17 @@ def chunk_paths(
     if isinstance(storage, StorageTable):
         return storage.paths_of(fqns, offsets)
     return map(_REL, map(storage.get, zip(fqns, offsets), repeat(_NO_RECORD)))
+
+
+def chunk_path_columns(
+    storage: Mapping[Key, StorageInfo], fqns: Sequence[str], offsets: Sequence[tuple[int, ...] | None]
+) -> list[Iterator[str | None]]:
+    """:func:`chunk_paths` of every fqn with each of ``offsets``, one column per offsets tuple (the chunks
+    of tensors of one layout; for a :class:`StorageTable` each fqn is looked up once:
+    :meth:`StorageTable.path_columns`)."""
+    if isinstance(storage, StorageTable):
+        return storage.path_columns(fqns, offsets)
+    return [chunk_paths(storage, fqns, repeat(o, len(fqns))) for o in offsets]
 
 
 def storage_infos(

@@ -16,7 +16,7 @@ import math
 import os
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from itertools import chain, compress, filterfalse, repeat
 from operator import add, and_, eq, getitem, is_, itemgetter, not_
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ckpttool.errors import CkptError, IndexedOptimizerStateError, OptimStateError, PlannerDataError
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.listing import FileListing, list_files
-from ckpttool.format.mdstorage import chunk_paths, referenced_paths
+from ckpttool.format.mdstorage import chunk_path_columns, chunk_paths, referenced_paths
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.layouts.record import LAYOUT_KEY, SIDECAR_NAME
 from ckpttool.model.schemas import registry
@@ -489,31 +489,30 @@ class _EntryBuilder:
             return dict(zip(keys, map(self, keys, metas)))
         offsets = {i: m.chunks[0].offsets for i, m in layouts.items() if len(m.chunks) == 1}
         tails = {i: _Tails(self, m) for i, m in layouts.items()}
-        out: dict[str, Any] | None = None  # with tensors of zero or several chunks: every key, in order
-        if len(offsets) != len(layouts):
-            one = list(map(offsets.__contains__, map(id, metas)))
-            out = dict.fromkeys(keys)  # the order of ``keys``; every value is set below
-            several: dict[int, list[str]] = {i: [] for i in layouts if i not in offsets}
-            for k, m in zip(compress(keys, map(not_, one)), compress(metas, map(not_, one))):
-                several[id(m)].append(k)
-            for i, group in several.items():  # per layout: the data file of each chunk, column by column
-                chunks = layouts[i].chunks
-                cols = [chunk_paths(self.storage, group, repeat(c.offsets, len(group))) for c in chunks]
-                files = zip(*cols) if cols else repeat((), len(group))
-                out.update(
-                    zip(
-                        group,
-                        map(_new_entry, repeat(TensorEntry), map(add, zip(group), map(tails[i].__getitem__, files))),
-                    )
-                )
-            keys, metas = list(compress(keys, one)), list(compress(metas, one))
+        if len(offsets) == len(layouts):  # one chunk each
+            return dict(zip(keys, self._one_chunk(keys, metas, offsets, tails)))
+        # with tensors of zero or several chunks: one stream of entries per layout of those (each fqn looked up
+        # once for all its chunks), one for the one-chunk tensors, merged back in order by the layout of each key
+        one = list(map(offsets.__contains__, map(id, metas)))
+        several: dict[int, list[str]] = {i: [] for i in layouts if i not in offsets}
+        for k, m in zip(compress(keys, map(not_, one)), compress(metas, map(not_, one))):
+            several[id(m)].append(k)
+        streams: dict[int, Iterator[TensorEntry]] = {}
+        for i, group in several.items():  # per layout: the data file of each chunk, column by column
+            cols = chunk_path_columns(self.storage, group, [c.offsets for c in layouts[i].chunks])
+            files = zip(*cols) if cols else repeat((), len(group))
+            streams[i] = map(_new_entry, repeat(TensorEntry), map(add, zip(group), map(tails[i].__getitem__, files)))
+        single = self._one_chunk(list(compress(keys, one)), list(compress(metas, one)), offsets, tails)
+        streams.update(dict.fromkeys(offsets, single))
+        return dict(zip(keys, map(next, map(streams.__getitem__, map(id, metas)))))
+
+    def _one_chunk(
+        self, keys: list[str], metas: list[TensorMeta], offsets: dict[int, tuple[int, ...]], tails: dict[int, _Tails]
+    ) -> Iterator[TensorEntry]:
+        """The entries of one-chunk tensors (layouts by id in ``offsets`` and ``tails``), in order, built in C."""
         rels = chunk_paths(self.storage, keys, map(offsets.__getitem__, map(id, metas)))
         tails_of = map(tails.__getitem__, map(id, metas))
-        built = map(_new_entry, repeat(TensorEntry), map(add, zip(keys), map(getitem, tails_of, rels)))
-        if out is None:
-            return dict(zip(keys, built))
-        out.update(zip(keys, built))
-        return out
+        return map(_new_entry, repeat(TensorEntry), map(add, zip(keys), map(getitem, tails_of, rels)))
 
 
 class _Tails(dict[Any, tuple[Any, ...]]):
