@@ -483,14 +483,12 @@ def _decode_storage(
     offsets = tuples[:-1]  # index -1 (None) is the table's own
     if len(set(offsets)) != len(offsets):
         raise CorruptEntry("offsets tuples given twice")  # encode writes each once; keys compare by id
-    if len(set(strings)) != ns:
-        raise CorruptEntry("strings given twice")
     # copies, not views of the entry, so that its bytes are freed with the decode; ids as 32-bit ints
     tds = compact(s_tds) if tds_max > 0 else None  # None: every record has no descriptors
     fqn, tup, path = compact(s_fqn), compact(s_tup), compact(s_path)
     try:
         return StorageTable(strings, offsets, descriptors, fqn, tup, path, int64s(s_off), int64s(s_len), tds)  # type: ignore[arg-type]
-    except DuplicateKeys as e:
+    except DuplicateKeys as e:  # also an fqn given twice in the string table (keys compare by string id)
         raise CorruptEntry("duplicate storage keys") from e
     except ValueError as e:  # an fqn or tuple id out of range
         raise CorruptEntry(f"storage {e}") from e

@@ -223,7 +223,8 @@ class StorageTable(Mapping[Key, StorageInfo]):
             tuple id, string id, byte offset, byte length); ``tds``: descriptor ids, or ``None``.
 
     Raises:
-        DuplicateKeys: two records with one key (the unpickler path's dict would keep one).
+        DuplicateKeys: two records with one key (the unpickler path's dict would keep one), or one fqn
+            under two string ids.
         ValueError: an id out of range.
     """
 
@@ -263,6 +264,8 @@ class StorageTable(Mapping[Key, StorageInfo]):
         # fqn -> string id of the fqns that have records (C-level: no Python loop over the records)
         used = set(fqn)
         self._sid: dict[str, int] = dict(zip(map(strings.__getitem__, used), used))
+        if len(self._sid) != len(used):  # one fqn under two string ids: its records would be found under one
+            raise DuplicateKeys("an fqn given under two string ids")
         self._tid: dict[tuple[int, ...] | None, int] = dict(zip(tuples, range(len(tuples))))
         self._tid[None] = -1
         self._tuples: list[tuple[int, ...] | None] = [*tuples, None]  # id -1: None

@@ -94,6 +94,10 @@ def test_a_key_given_twice_or_an_id_out_of_range_is_refused(kernels: str) -> Non
     for bad in [(7, 0, 2, 0, 1, 0), (0, 4, 2, 0, 1, 0), (0, -2, 2, 0, 1, 0)]:
         with pytest.raises(ValueError):
             _table([*ROWS, bad])
+    # "w" under a second string id, with a record of another chunk: a lookup by "w" would miss one of them
+    cols = [array("q", c) for c in zip(*ROWS, (7, 3, 2, 500, 1, 0))]
+    with pytest.raises(DuplicateKeys):
+        StorageTable([*STRINGS, "w"], TUPLES, DESCRIPTORS, *cols)
 
 
 def test_cache_entry_of_a_table_decodes_to_the_same_records(kernels: str) -> None:
