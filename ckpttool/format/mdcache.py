@@ -323,6 +323,8 @@ def _decode(taken: list[bytes], header: dict[str, Any]) -> CheckpointMetadata:
     shared: dict[tuple[int, ...], tuple[int, ...]] = {}  # equal dims tuples built once
     entries = _decode_entries(col, strings, _decode_layouts(col, strings, shared))
     storage = _decode_storage(col, strings, shared)
+    if isinstance(storage, StorageTable):  # the catalog finds the entries' records by these ids (no dict lookups)
+        storage.hold_key_ids(entries, compact(col["entry_key"]))
     per_layout = Counter(col["entry_layout"])  # the parser's record count: entries, storage items, chunks
     chunks = sum(col["layout_nchunks"][i] * n for i, n in per_layout.items() if i >= 0)
     if len(entries) + len(storage) + chunks > limits.metadata_record_cap():

@@ -21,7 +21,7 @@ import ctypes
 from array import array
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import repeat
+from itertools import compress, repeat
 from operator import add, itemgetter
 from typing import Any
 
@@ -39,6 +39,7 @@ __all__ = [
     "file_extents",
     "chunk_paths",
     "chunk_path_columns",
+    "key_ids",
     "storage_infos",
 ]
 
@@ -160,10 +161,10 @@ def record_end(offset: Sequence[int], length: Sequence[int]) -> int:
     if kernel is None:
         if min(offset) < 0 or min(length) < 0:
             return -1
-        return max(map(add, offset, length))
+        end: int = max(map(add, offset, length))
+        return end
     off, lengths = int64s(offset), int64s(length)  # held through the call
-    end: int = kernel(_address(memoryview(off)), _address(memoryview(lengths)), len(off))
-    return end
+    return int(kernel(_address(memoryview(off)), _address(memoryview(lengths)), len(off)))
 
 
 def _group_python(
@@ -244,6 +245,7 @@ class StorageTable(Mapping[Key, StorageInfo]):
         "_sid",
         "_tid",
         "_tuples",
+        "_key_ids",
     )
 
     def __init__(
@@ -269,6 +271,7 @@ class StorageTable(Mapping[Key, StorageInfo]):
         self._tid: dict[tuple[int, ...] | None, int] = dict(zip(tuples, range(len(tuples))))
         self._tid[None] = -1
         self._tuples: list[tuple[int, ...] | None] = [*tuples, None]  # id -1: None
+        self._key_ids: tuple[Mapping[str, Any], Sequence[int]] | None = None
 
     # ------------------------------------------------------------------ one record
     def row(self, key: Key) -> int:
@@ -324,8 +327,13 @@ class StorageTable(Mapping[Key, StorageInfo]):
         return f"StorageTable({len(self)} records)"
 
     # ------------------------------------------------------------------ many records
-    def rows(self, fqns: Iterable[str], offsets: Iterable[tuple[int, ...] | None]) -> Sequence[int]:
+    def rows(
+        self, fqns: Iterable[str], offsets: Iterable[tuple[int, ...] | None], sids: Sequence[int] | None = None
+    ) -> Sequence[int]:
         """The record number of each ``(fqn, offsets)`` pair of the two aligned iterables, ``-1`` where none.
+
+        ``sids``: the string id of each fqn where the caller knows it (:meth:`key_ids`), a hint that
+        saves a dict lookup per fqn; a pair it finds no record for is looked up by its fqn.
 
         Raises:
             ValueError: the iterables differ in length.
@@ -333,16 +341,31 @@ class StorageTable(Mapping[Key, StorageInfo]):
         fqns, offsets = list(fqns), list(offsets)
         if len(fqns) != len(offsets):
             raise ValueError("fqns and offsets differ in length")
-        kernel = native.function(
-            "ckpt_md_find", ctypes.c_int64, *[ctypes.c_void_p] * 3, ctypes.c_int64, *[ctypes.c_void_p] * 4
-        )
+        kernel = _find_kernel()
         if kernel is None:
             return array("q", map(self.row, zip(fqns, offsets)))
-        sids = array("q", map(self._sid.get, fqns, repeat(-1)))
         tids = array("q", map(self._tid.get, offsets, repeat(-2)))
-        out = array("q", bytes(8 * len(sids)))
+        return self._found(kernel, fqns, self._sids(fqns, sids), tids, offsets.__getitem__, sids is not None)
+
+    def _sids(self, fqns: list[str] | Sequence[str], hint: Sequence[int] | None) -> array[int]:
+        if hint is not None and len(hint) == len(fqns):
+            return int64s(hint)
+        return array("q", map(self._sid.get, fqns, repeat(-1)))
+
+    def _found(
+        self,
+        kernel: Any,
+        fqns: Sequence[str],
+        sids: array[int],
+        tids: array[int],
+        offsets_of: Any,
+        hinted: bool,
+    ) -> array[int]:
+        """The records of the string ids ``sids`` with the tuple ids ``tids`` (``ckpt_md_find``); with ``hinted``
+        ids, the pairs not found again by their fqn strings (``offsets_of(k)``: the offsets of pair ``k``)."""
+        out = array("q", _ZERO) * len(sids)
         index = (self._first, self._order, self._tsorted)
-        kernel(
+        missing = kernel(
             *map(_address, index),
             len(self.strings),
             _address(memoryview(sids)),
@@ -350,33 +373,42 @@ class StorageTable(Mapping[Key, StorageInfo]):
             len(sids),
             _address(memoryview(out)),
         )
+        if missing and hinted:  # a key whose string has its records under another id (one id per fqn: see __init__)
+            for k in compress(range(len(out)), map(_MINUS_ONE.__eq__, out)):
+                out[k] = self.row((fqns[k], offsets_of(k)))
         return out
 
     def path_columns(
-        self, fqns: Sequence[str], offsets: Sequence[tuple[int, ...] | None]
+        self,
+        fqns: Sequence[str],
+        offsets: Sequence[tuple[int, ...] | None],
+        sids: Sequence[int] | None = None,
     ) -> list[Iterator[str | None]]:
         """The ``relative_path`` of the record ``(fqn, offsets[j])`` of each fqn, one column per ``offsets[j]``
-        (``None`` where there is none): the chunks of tensors of one layout, each fqn looked up once."""
-        kernel = native.function(
-            "ckpt_md_find", ctypes.c_int64, *[ctypes.c_void_p] * 3, ctypes.c_int64, *[ctypes.c_void_p] * 4
-        )
+        (``None`` where there is none): the chunks of tensors of one layout, each fqn looked up once
+        (``sids``: as :meth:`rows`)."""
+        kernel = _find_kernel()
         if kernel is None or not fqns:
             return [self.paths_of(fqns, repeat(o, len(fqns))) for o in offsets]
-        sids = array("q", map(self._sid.get, fqns, repeat(-1)))
-        index = [_address(c) for c in (self._first, self._order, self._tsorted)]
+        ids = self._sids(fqns, sids)
         columns = []
         for o in offsets:
-            tids = array("q", (self._tid.get(o, -2),)) * len(sids)
-            rows = array("q", _ZERO) * len(sids)
-            kernel(
-                *index,
-                len(self.strings),
-                *map(_address, map(memoryview, (sids, tids))),
-                len(sids),
-                _address(memoryview(rows)),
-            )
+            tids = array("q", (self._tid.get(o, -2),)) * len(ids)
+            rows = self._found(kernel, fqns, ids, tids, lambda _, o=o: o, sids is not None)
             columns.append(self._paths_at(rows))
         return columns
+
+    def key_ids(self, entries: Mapping[str, Any]) -> Sequence[int] | None:
+        """The string id of each key of ``entries``, in order, when this table was built beside exactly that
+        dict (the parsed-metadata cache's decode: :meth:`hold_key_ids`); ``None`` otherwise."""
+        held = self._key_ids
+        if held is None or held[0] is not entries or len(held[1]) != len(entries):
+            return None
+        return held[1]
+
+    def hold_key_ids(self, entries: Mapping[str, Any], ids: Sequence[int]) -> None:
+        """Keep ``ids``, the string id of each key of ``entries`` (:meth:`key_ids`)."""
+        self._key_ids = (entries, ids)
 
     def _paths_at(self, rows: Sequence[int]) -> Iterator[str | None]:
         """The ``relative_path`` of each record number (``None`` for ``-1``)."""
@@ -384,10 +416,12 @@ class StorageTable(Mapping[Key, StorageInfo]):
             return map(self.strings.__getitem__, map(self.path.__getitem__, rows))
         return (self.strings[self.path[r]] if r >= 0 else None for r in rows)
 
-    def paths_of(self, fqns: Iterable[str], offsets: Iterable[tuple[int, ...] | None]) -> Iterator[str | None]:
+    def paths_of(
+        self, fqns: Iterable[str], offsets: Iterable[tuple[int, ...] | None], sids: Sequence[int] | None = None
+    ) -> Iterator[str | None]:
         """The ``relative_path`` of each ``(fqn, offsets)`` record, ``None`` where there is none (in C, but one
-        index search per pair)."""
-        return self._paths_at(self.rows(fqns, offsets))
+        index search per pair; ``sids``: as :meth:`rows`)."""
+        return self._paths_at(self.rows(fqns, offsets, sids))
 
     def infos_of(self, fqns: Iterable[str], offsets: Iterable[tuple[int, ...] | None]) -> list[StorageInfo | None]:
         """The :class:`StorageInfo` of each ``(fqn, offsets)`` record, ``None`` where there is none."""
@@ -436,6 +470,13 @@ class StorageTable(Mapping[Key, StorageInfo]):
 
 
 _MISSING = object()
+_MINUS_ONE = -1
+
+
+def _find_kernel() -> Any:
+    return native.function(
+        "ckpt_md_find", ctypes.c_int64, *[ctypes.c_void_p] * 3, ctypes.c_int64, *[ctypes.c_void_p] * 4
+    )
 
 
 class _Values:
@@ -485,24 +526,37 @@ def file_extents(storage: Mapping[Key, StorageInfo]) -> dict[str, int]:
 
 
 def chunk_paths(
-    storage: Mapping[Key, StorageInfo], fqns: Iterable[str], offsets: Iterable[tuple[int, ...] | None]
+    storage: Mapping[Key, StorageInfo],
+    fqns: Iterable[str],
+    offsets: Iterable[tuple[int, ...] | None],
+    sids: Sequence[int] | None = None,
 ) -> Iterator[str | None]:
     """The data file of each ``(fqn, offsets)`` record (aligned iterables; ``None``: no record), in C for a
-    :class:`StorageTable` (:meth:`StorageTable.paths_of`) and for a dict."""
+    :class:`StorageTable` (:meth:`StorageTable.paths_of`; ``sids``: the fqns' string ids, :func:`key_ids`)
+    and for a dict."""
     if isinstance(storage, StorageTable):
-        return storage.paths_of(fqns, offsets)
+        return storage.paths_of(fqns, offsets, sids)
     return map(_REL, map(storage.get, zip(fqns, offsets), repeat(_NO_RECORD)))
 
 
 def chunk_path_columns(
-    storage: Mapping[Key, StorageInfo], fqns: Sequence[str], offsets: Sequence[tuple[int, ...] | None]
+    storage: Mapping[Key, StorageInfo],
+    fqns: Sequence[str],
+    offsets: Sequence[tuple[int, ...] | None],
+    sids: Sequence[int] | None = None,
 ) -> list[Iterator[str | None]]:
     """:func:`chunk_paths` of every fqn with each of ``offsets``, one column per offsets tuple (the chunks
     of tensors of one layout; for a :class:`StorageTable` each fqn is looked up once:
     :meth:`StorageTable.path_columns`)."""
     if isinstance(storage, StorageTable):
-        return storage.path_columns(fqns, offsets)
+        return storage.path_columns(fqns, offsets, sids)
     return [chunk_paths(storage, fqns, repeat(o, len(fqns))) for o in offsets]
+
+
+def key_ids(storage: Mapping[Key, StorageInfo], entries: Mapping[str, Any]) -> Sequence[int] | None:
+    """The string id of each key of ``entries`` in ``storage``'s table (:meth:`StorageTable.key_ids`), ``None``
+    when not known (a dict, or a table not built beside that ``entries``)."""
+    return storage.key_ids(entries) if isinstance(storage, StorageTable) else None
 
 
 def storage_infos(

@@ -18,6 +18,7 @@ from ckpttool.format.mdstorage import (
     compact,
     file_extents,
     int64s,
+    key_ids,
     record_end,
     referenced_paths,
     storage_infos,
@@ -173,3 +174,25 @@ def test_path_columns_are_the_chunk_paths_of_each_offsets_tuple(kernels: str) ->
         assert cols == [list(chunk_paths(_dict(rows), fqns, [o] * len(fqns))) for o in offsets]
         assert cols[0] == ["__0_0.distcp", None, "__0_0.distcp", None, None, "__0_0.distcp"]  # big: (0, 0) in BIG
         assert [list(c) for c in chunk_path_columns(storage, [], offsets)] == [[]] * len(offsets)
+
+
+def test_string_id_hints_find_what_the_strings_find(kernels: str) -> None:
+    rows = ROWS + BIG
+    table = _table(rows)
+    keys = [*_dict(rows), ("w", (8, 0)), ("nope", None)]
+    fqns, offsets = [k[0] for k in keys], [k[1] for k in keys]
+    plain = list(table.rows(fqns, offsets))
+    ids = [STRINGS.index(f) if f in STRINGS else -1 for f in fqns]
+    assert list(table.rows(fqns, offsets, ids)) == plain
+    # a hint naming an id with no records (a data file's name, -1, out of range: the fqn's string under an id
+    # no record uses): looked up by the string
+    wrong = [2, -1, len(STRINGS) + 5, 3, 2, 5, -1, 2, 5, -1, 2][: len(fqns)]
+    assert list(table.rows(fqns, offsets, wrong)) == plain
+    assert [list(c) for c in chunk_path_columns(table, fqns, offsets, wrong)] == [
+        list(chunk_paths(table, fqns, [o] * len(fqns))) for o in offsets
+    ]
+    entries = dict.fromkeys(STRINGS)
+    assert key_ids(table, entries) is None and key_ids(_dict(rows), entries) is None
+    table.hold_key_ids(entries, array("i", range(len(STRINGS))))
+    assert list(key_ids(table, entries) or ()) == list(range(len(STRINGS)))
+    assert key_ids(table, dict(entries)) is None  # another dict: not the one the ids are of
