@@ -130,8 +130,28 @@ def _q(col: Sequence[int]) -> memoryview:
     return memoryview(int64s(col)).cast("B")
 
 
+#: Values a block of a column is copied in for the kernels (512 KiB): no copy of a whole column beside it.
+_BLOCK = 1 << 16
+
+
+def _blocks(col: Sequence[int]) -> Iterator[tuple[bytes | int, int]]:
+    """``(pointer, count)`` of ``col``'s int64 values in blocks of :data:`_BLOCK` values (the same blocks for
+    any two columns of one length): an int64 array in place, other columns as copies (``bytes``, passed to
+    ctypes as they are)."""
+    base = _address(memoryview(col)) if isinstance(col, array) and col.typecode == "q" and len(col) else None
+    for start in range(0, len(col), _BLOCK):
+        if base is not None:
+            yield base + 8 * start, min(_BLOCK, len(col) - start)
+            continue
+        piece = col[start : start + _BLOCK]
+        if isinstance(piece, memoryview) and piece.format == "q":
+            yield piece.tobytes(), len(piece)
+        else:
+            yield array("q", piece).tobytes(), len(piece)
+
+
 def bounds(col: Sequence[int]) -> tuple[int, int]:
-    """``(min(col), max(col))`` of a non-empty int column (in C on a copy where the kernels are built).
+    """``(min(col), max(col))`` of a non-empty int column (in C where the kernels are built).
 
     Raises:
         ValueError: ``col`` is empty.
@@ -141,9 +161,13 @@ def bounds(col: Sequence[int]) -> tuple[int, int]:
     kernel = native.function("ckpt_md_bounds", None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
     if kernel is None:
         return min(col), max(col)
-    values, out = int64s(col), array("q", (0, 0))
-    kernel(_address(memoryview(values)), len(values), _address(memoryview(out)))
-    return out[0], out[1]
+    out, lo, hi = array("q", (0, 0)), None, None
+    for ptr, n in _blocks(col):
+        kernel(ptr, n, _address(memoryview(out)))
+        lo = out[0] if lo is None else min(lo, out[0])
+        hi = out[1] if hi is None else max(hi, out[1])
+    assert lo is not None and hi is not None
+    return lo, hi
 
 
 def record_end(offset: Sequence[int], length: Sequence[int]) -> int:
@@ -163,8 +187,31 @@ def record_end(offset: Sequence[int], length: Sequence[int]) -> int:
             return -1
         end: int = max(map(add, offset, length))
         return end
-    off, lengths = int64s(offset), int64s(length)  # held through the call
-    return int(kernel(_address(memoryview(off)), _address(memoryview(lengths)), len(off)))
+    end = 0
+    for (off, n), (lens, _) in zip(_blocks(offset), _blocks(length)):  # same lengths, so the same blocks
+        part = int(kernel(off, lens, n))
+        if part < 0:
+            return -1
+        end = max(end, part)
+    return end
+
+
+def compact(ids: Sequence[int]) -> Sequence[int]:
+    """An id column as 32-bit ints (4 bytes a value instead of 8; ids count strings or tuples, < 2^31).
+
+    Raises:
+        OverflowError: an id outside the 32-bit range.
+    """
+    kernel = native.function("ckpt_md_narrow", ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+    if kernel is None or not len(ids) or array("i").itemsize != 4:
+        return array("i", ids)
+    out = array("i", _ZERO) * len(ids)
+    at = _address(memoryview(out))
+    for ptr, n in _blocks(ids):
+        if kernel(ptr, n, at):
+            raise OverflowError("id out of the 32-bit range")
+        at += 4 * n
+    return out
 
 
 def _group_python(
@@ -194,22 +241,6 @@ def _group_python(
         first[s] = total
     ordered = list(map(keys.__getitem__, rows))
     return sum(map(int.__eq__, ordered[1:], ordered[:-1]))
-
-
-def compact(ids: Sequence[int]) -> Sequence[int]:
-    """An id column as 32-bit ints (4 bytes a value instead of 8; ids count strings or tuples, < 2^31).
-
-    Raises:
-        OverflowError: an id outside the 32-bit range.
-    """
-    kernel = native.function("ckpt_md_narrow", ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
-    if kernel is None or not len(ids) or array("i").itemsize != 4:
-        return array("i", ids)
-    values = int64s(ids)
-    out = array("i", _ZERO) * len(values)
-    if kernel(_address(memoryview(values)), len(values), _address(memoryview(out))):
-        raise OverflowError("id out of the 32-bit range")
-    return out
 
 
 class StorageTable(Mapping[Key, StorageInfo]):

@@ -131,7 +131,14 @@ def _columns(values: list[int]) -> list[Sequence[int]]:
 
 @pytest.mark.parametrize(
     "values",
-    [[5], [3, -1, 7, 0], [2**63 - 1, -(2**63), 0], [2**31, 2**31 - 1, -(2**31)], list(range(1000, -1000, -7))],
+    [
+        [5],
+        [3, -1, 7, 0],
+        [2**63 - 1, -(2**63), 0],
+        [2**31, 2**31 - 1, -(2**31)],
+        list(range(1000, -1000, -7)),
+        [(i * 7919) % 300007 - 150000 for i in range(200_000)],  # more than one block of the kernels' copies
+    ],
 )
 def test_column_helpers_give_what_the_builtins_give(kernels: str, values: list[int]) -> None:
     for col in _columns(values):
@@ -154,6 +161,8 @@ def test_column_helpers_give_what_the_builtins_give(kernels: str, values: list[i
         ([2**62, 5], [2**62 - 1, 1], 2**63 - 1),
         ([0, -1], [4, 4], -1),
         ([0, 4], [4, -4], -1),
+        ([i % 1000 for i in range(150_000)], [(i * 31) % 977 for i in range(150_000)], 1974),
+        ([0] * 140_000 + [-1], [1] * 140_001, -1),  # in the last block
     ],
 )
 def test_record_end_is_the_end_of_the_farthest_record(
