@@ -510,7 +510,9 @@ class _EntryBuilder:
             offs = [c.offsets for c in layouts[i].chunks]
             cols = chunk_path_columns(self.storage, group, offs, group_ids if sids is not None else None)
             files = zip(*cols) if cols else repeat((), len(group))
-            streams[i] = map(_new_entry, repeat(TensorEntry), map(add, zip(group), map(tails[i].__getitem__, files)))
+            # built now: the record numbers of the chunk columns are freed before the next layout's
+            built = list(map(_new_entry, repeat(TensorEntry), map(add, zip(group), map(tails[i].__getitem__, files))))
+            streams[i] = iter(built)
         single_ids = array("i", compress(sids, one)) if sids is not None else None
         single = self._one_chunk(list(compress(keys, one)), list(compress(metas, one)), offsets, tails, single_ids)
         streams.update(dict.fromkeys(offsets, single))
