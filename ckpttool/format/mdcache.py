@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import operator
 import struct
 import sys
 from array import array
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.format import cache, limits
-from ckpttool.format.mdstorage import DuplicateKeys, StorageTable, compact
+from ckpttool.format.mdstorage import DuplicateKeys, StorageTable, bounds, compact, int64s, record_end
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo
 from ckpttool.format.metadata import TensorMeta as _TensorMeta
 from ckpttool.format.unpickler import (
@@ -283,10 +282,15 @@ def _decode_owned(taken: list[bytes], header: dict[str, Any]) -> CheckpointMetad
         raise CorruptEntry(f"{type(e).__name__}: {str(e)[:80]}") from e
 
 
-def _ids(values: Sequence[int], lo: int, n: int, what: str) -> None:
-    """Every id in ``values`` lies in ``[lo, n)`` (C-speed ``min``/``max``)."""
-    if values and (min(values) < lo or max(values) >= n):
+def _ids(values: Sequence[int], lo: int, n: int, what: str) -> int:
+    """Every id in ``values`` lies in ``[lo, n)`` (:func:`~ckpttool.format.mdstorage.bounds`: in C); returns the
+    largest (``lo - 1`` when there is none)."""
+    if not values:
+        return lo - 1
+    low, high = bounds(values)
+    if low < lo or high >= n:
         raise CorruptEntry(f"{what} id out of range")
+    return high
 
 
 def _dims_ok(values: Sequence[int]) -> None:
@@ -319,6 +323,8 @@ def _decode(taken: list[bytes], header: dict[str, Any]) -> CheckpointMetadata:
     shared: dict[tuple[int, ...], tuple[int, ...]] = {}  # equal dims tuples built once
     entries = _decode_entries(col, strings, _decode_layouts(col, strings, shared))
     storage = _decode_storage(col, strings, shared)
+    if isinstance(storage, StorageTable):  # the catalog finds the entries' records by these ids (no dict lookups)
+        storage.hold_key_ids(entries, compact(col["entry_key"]))
     per_layout = Counter(col["entry_layout"])  # the parser's record count: entries, storage items, chunks
     chunks = sum(col["layout_nchunks"][i] * n for i, n in per_layout.items() if i >= 0)
     if len(entries) + len(storage) + chunks > limits.metadata_record_cap():
@@ -471,22 +477,20 @@ def _decode_storage(
     if not n == len(s_tup) == len(s_path) == len(s_off) == len(s_len) == len(s_tds):
         raise CorruptEntry("storage columns differ in length")
     _ids(s_path, 0, ns, "relative path string")
-    _ids(s_tds, 0, len(descriptors), "descriptor tuple")
-    if n and (min(s_off) < 0 or min(s_len) < 0 or max(map(operator.add, s_off, s_len)) > MAX_OFFSET):
+    tds_max = _ids(s_tds, 0, len(descriptors), "descriptor tuple")
+    if n and not 0 <= record_end(s_off, s_len) <= MAX_OFFSET:  # -1: a negative offset or length
         raise CorruptEntry("storage range out of bounds")
     if not n:
         return {}
     offsets = tuples[:-1]  # index -1 (None) is the table's own
     if len(set(offsets)) != len(offsets):
         raise CorruptEntry("offsets tuples given twice")  # encode writes each once; keys compare by id
-    if len(set(strings)) != ns:
-        raise CorruptEntry("strings given twice")
     # copies, not views of the entry, so that its bytes are freed with the decode; ids as 32-bit ints
-    tds = compact(s_tds) if max(s_tds) > 0 else None  # None: every record has no descriptors
+    tds = compact(s_tds) if tds_max > 0 else None  # None: every record has no descriptors
     fqn, tup, path = compact(s_fqn), compact(s_tup), compact(s_path)
     try:
-        return StorageTable(strings, offsets, descriptors, fqn, tup, path, array("q", s_off), array("q", s_len), tds)  # type: ignore[arg-type]
-    except DuplicateKeys as e:
+        return StorageTable(strings, offsets, descriptors, fqn, tup, path, int64s(s_off), int64s(s_len), tds)  # type: ignore[arg-type]
+    except DuplicateKeys as e:  # also an fqn given twice in the string table (keys compare by string id)
         raise CorruptEntry("duplicate storage keys") from e
     except ValueError as e:  # an fqn or tuple id out of range
         raise CorruptEntry(f"storage {e}") from e
@@ -496,17 +500,18 @@ def _decode_planner(col: dict[str, Sequence[int]], strings: list[str], raw: Any)
     """``planner_data``: the all-string paths from the columns, the others from the header (``raw``)."""
     ns = len(strings)
     p_key, p_len, p_items = col["planner_key"], col["planner_len"], col["planner_items"]
-    if len(p_key) != len(p_len) or (p_len and (min(p_len) < -1 or max(p_len) > MAX_NDIM)):
+    low, high = bounds(p_len) if p_len else (0, 0)
+    if len(p_key) != len(p_len) or low < -1 or high > MAX_NDIM:
         raise CorruptEntry("bad planner columns")
     _ids(p_key, 0, ns, "planner key string")
     _ids(p_items, 0, ns, "planner item string")
     others = iter(_planner(raw))
     paths: list[tuple[Any, ...]] = []
-    if sum(n for n in p_len if n > 0) != len(p_items):
+    if sum(filter((0).__lt__, p_len)) != len(p_items):  # the lengths > 0 (-1: a path in the header)
         raise CorruptEntry("planner items differ from their paths")
     items = map(strings.__getitem__, p_items)
     for n, run in groupby(p_len):  # runs of paths of one length, built in C (10^6 paths)
-        count = sum(1 for _ in run)
+        count = len(list(run))
         if n < 0:
             paths.extend(islice(others, count))
         elif n == 0:

@@ -21,14 +21,27 @@ import ctypes
 from array import array
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import repeat
+from itertools import compress, repeat
 from operator import add, itemgetter
 from typing import Any
 
 from ckpttool.engine import native
 from ckpttool.format.metadata import StorageInfo
 
-__all__ = ["StorageTable", "DuplicateKeys", "referenced_paths", "file_extents", "chunk_paths", "storage_infos"]
+__all__ = [
+    "StorageTable",
+    "DuplicateKeys",
+    "bounds",
+    "compact",
+    "int64s",
+    "record_end",
+    "referenced_paths",
+    "file_extents",
+    "chunk_paths",
+    "chunk_path_columns",
+    "key_ids",
+    "storage_infos",
+]
 
 Key = tuple[str, "tuple[int, ...] | None"]
 #: Groups of at most this many records of one fqn are searched one by one, larger ones by bisection.
@@ -63,14 +76,16 @@ def _group(fqn: Sequence[int], tup: Sequence[int], nstr: int, ntup: int) -> tupl
     kernel = native.function(
         "ckpt_md_group",
         ctypes.c_int64,
-        *[ctypes.c_char_p] * 2,
+        *[ctypes.c_void_p] * 2,
         *[ctypes.c_int64] * 4,
         *[ctypes.c_void_p] * 3,
     )
     if kernel is not None:
         # contiguous copies (the columns may be strided, read-only views): 16 bytes a record, for this call only
-        f, t = bytes(_q(fqn)), bytes(_q(tup))
-        found = kernel(f, t, 1, n, nstr, ntup, *map(_address, (first, order, tsorted)))
+        f, t = int64s(fqn), int64s(tup)
+        found = kernel(
+            _address(memoryview(f)), _address(memoryview(t)), 1, n, nstr, ntup, *map(_address, (first, order, tsorted))
+        )
         del f, t
         if found == -2:
             raise MemoryError("grouping storage records")
@@ -87,11 +102,116 @@ def _flat(col: Sequence[int]) -> bool:
     return isinstance(col, memoryview) and col.format == "q" and col.c_contiguous
 
 
+def int64s(col: Sequence[int]) -> array[int]:
+    """A copy of ``col`` as a contiguous int64 array (C-level copies of int64 views and arrays, a native
+    widening of :func:`compact`'s 32-bit arrays; anything else value by value)."""
+    out = array("q")
+    if isinstance(col, memoryview) and col.format == "q":
+        out.frombytes(col.cast("B") if col.c_contiguous else col.tobytes())
+        return out
+    if isinstance(col, array) and col.typecode == "q":
+        return col[:]
+    if isinstance(col, array) and col.itemsize == 4 and col.typecode == "i":
+        kernel = native.function("ckpt_md_widen", None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+        if kernel is not None:
+            out = array("q", _ZERO) * len(col)
+            kernel(_address(memoryview(col)), len(col), _address(memoryview(out)))
+            return out
+    return array("q", col)
+
+
+_ZERO = (0,)
+
+
 def _q(col: Sequence[int]) -> memoryview:
-    """``col`` as contiguous int64 bytes."""
+    """``col`` as contiguous int64 bytes (a view of a flat int64 view, else of a copy: :func:`int64s`)."""
     if isinstance(col, memoryview) and _flat(col):
         return col.cast("B")
-    return memoryview(array("q", col)).cast("B")
+    return memoryview(int64s(col)).cast("B")
+
+
+#: Values a block of a column is copied in for the kernels (512 KiB): no copy of a whole column beside it.
+_BLOCK = 1 << 16
+
+
+def _blocks(col: Sequence[int]) -> Iterator[tuple[bytes | int, int]]:
+    """``(pointer, count)`` of ``col``'s int64 values in blocks of :data:`_BLOCK` values (the same blocks for
+    any two columns of one length): an int64 array in place, other columns as copies (``bytes``, passed to
+    ctypes as they are)."""
+    base = _address(memoryview(col)) if isinstance(col, array) and col.typecode == "q" and len(col) else None
+    for start in range(0, len(col), _BLOCK):
+        if base is not None:
+            yield base + 8 * start, min(_BLOCK, len(col) - start)
+            continue
+        piece = col[start : start + _BLOCK]
+        if isinstance(piece, memoryview) and piece.format == "q":
+            yield piece.tobytes(), len(piece)
+        else:
+            yield array("q", piece).tobytes(), len(piece)
+
+
+def bounds(col: Sequence[int]) -> tuple[int, int]:
+    """``(min(col), max(col))`` of a non-empty int column (in C where the kernels are built).
+
+    Raises:
+        ValueError: ``col`` is empty.
+    """
+    if not len(col):
+        raise ValueError("bounds of an empty column")
+    kernel = native.function("ckpt_md_bounds", None, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+    if kernel is None:
+        return min(col), max(col)
+    out, lo, hi = array("q", (0, 0)), None, None
+    for ptr, n in _blocks(col):
+        kernel(ptr, n, _address(memoryview(out)))
+        lo = out[0] if lo is None else min(lo, out[0])
+        hi = out[1] if hi is None else max(hi, out[1])
+    assert lo is not None and hi is not None
+    return lo, hi
+
+
+def record_end(offset: Sequence[int], length: Sequence[int]) -> int:
+    """``max(offset[i] + length[i])`` of two aligned int64 columns (``0`` when empty), ``-1`` when a value is
+    negative (in C where the kernels are built).
+
+    Raises:
+        ValueError: the columns differ in length.
+    """
+    if len(offset) != len(length):
+        raise ValueError("storage columns differ in length")
+    if not len(offset):
+        return 0
+    kernel = native.function("ckpt_md_end", ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+    if kernel is None:
+        if min(offset) < 0 or min(length) < 0:
+            return -1
+        end: int = max(map(add, offset, length))
+        return end
+    end = 0
+    for (off, n), (lens, _) in zip(_blocks(offset), _blocks(length)):  # same lengths, so the same blocks
+        part = int(kernel(off, lens, n))
+        if part < 0:
+            return -1
+        end = max(end, part)
+    return end
+
+
+def compact(ids: Sequence[int]) -> Sequence[int]:
+    """An id column as 32-bit ints (4 bytes a value instead of 8; ids count strings or tuples, < 2^31).
+
+    Raises:
+        OverflowError: an id outside the 32-bit range.
+    """
+    kernel = native.function("ckpt_md_narrow", ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
+    if kernel is None or not len(ids) or array("i").itemsize != 4:
+        return array("i", ids)
+    out = array("i", _ZERO) * len(ids)
+    at = _address(memoryview(out))
+    for ptr, n in _blocks(ids):
+        if kernel(ptr, n, at):
+            raise OverflowError("id out of the 32-bit range")
+        at += 4 * n
+    return out
 
 
 def _group_python(
@@ -123,15 +243,6 @@ def _group_python(
     return sum(map(int.__eq__, ordered[1:], ordered[:-1]))
 
 
-def compact(ids: Sequence[int]) -> Sequence[int]:
-    """An id column as 32-bit ints (4 bytes a value instead of 8; ids count strings or tuples, < 2^31).
-
-    Raises:
-        OverflowError: an id outside the 32-bit range.
-    """
-    return array("i", ids)
-
-
 class StorageTable(Mapping[Key, StorageInfo]):
     """``(fqn, chunk offsets or None) -> StorageInfo`` over columns, in the file's order (read-only).
 
@@ -144,7 +255,8 @@ class StorageTable(Mapping[Key, StorageInfo]):
             tuple id, string id, byte offset, byte length); ``tds``: descriptor ids, or ``None``.
 
     Raises:
-        DuplicateKeys: two records with one key (the unpickler path's dict would keep one).
+        DuplicateKeys: two records with one key (the unpickler path's dict would keep one), or one fqn
+            under two string ids.
         ValueError: an id out of range.
     """
 
@@ -164,6 +276,7 @@ class StorageTable(Mapping[Key, StorageInfo]):
         "_sid",
         "_tid",
         "_tuples",
+        "_key_ids",
     )
 
     def __init__(
@@ -184,9 +297,12 @@ class StorageTable(Mapping[Key, StorageInfo]):
         # fqn -> string id of the fqns that have records (C-level: no Python loop over the records)
         used = set(fqn)
         self._sid: dict[str, int] = dict(zip(map(strings.__getitem__, used), used))
+        if len(self._sid) != len(used):  # one fqn under two string ids: its records would be found under one
+            raise DuplicateKeys("an fqn given under two string ids")
         self._tid: dict[tuple[int, ...] | None, int] = dict(zip(tuples, range(len(tuples))))
         self._tid[None] = -1
         self._tuples: list[tuple[int, ...] | None] = [*tuples, None]  # id -1: None
+        self._key_ids: tuple[Mapping[str, Any], Sequence[int]] | None = None
 
     # ------------------------------------------------------------------ one record
     def row(self, key: Key) -> int:
@@ -242,8 +358,13 @@ class StorageTable(Mapping[Key, StorageInfo]):
         return f"StorageTable({len(self)} records)"
 
     # ------------------------------------------------------------------ many records
-    def rows(self, fqns: Iterable[str], offsets: Iterable[tuple[int, ...] | None]) -> Sequence[int]:
+    def rows(
+        self, fqns: Iterable[str], offsets: Iterable[tuple[int, ...] | None], sids: Sequence[int] | None = None
+    ) -> Sequence[int]:
         """The record number of each ``(fqn, offsets)`` pair of the two aligned iterables, ``-1`` where none.
+
+        ``sids``: the string id of each fqn where the caller knows it (:meth:`key_ids`), a hint that
+        saves a dict lookup per fqn; a pair it finds no record for is looked up by its fqn.
 
         Raises:
             ValueError: the iterables differ in length.
@@ -251,16 +372,31 @@ class StorageTable(Mapping[Key, StorageInfo]):
         fqns, offsets = list(fqns), list(offsets)
         if len(fqns) != len(offsets):
             raise ValueError("fqns and offsets differ in length")
-        kernel = native.function(
-            "ckpt_md_find", ctypes.c_int64, *[ctypes.c_void_p] * 3, ctypes.c_int64, *[ctypes.c_void_p] * 4
-        )
+        kernel = _find_kernel()
         if kernel is None:
             return array("q", map(self.row, zip(fqns, offsets)))
-        sids = array("q", map(self._sid.get, fqns, repeat(-1)))
         tids = array("q", map(self._tid.get, offsets, repeat(-2)))
-        out = array("q", bytes(8 * len(sids)))
+        return self._found(kernel, fqns, self._sids(fqns, sids), tids, offsets.__getitem__, sids is not None)
+
+    def _sids(self, fqns: list[str] | Sequence[str], hint: Sequence[int] | None) -> array[int]:
+        if hint is not None and len(hint) == len(fqns):
+            return int64s(hint)
+        return array("q", map(self._sid.get, fqns, repeat(-1)))
+
+    def _found(
+        self,
+        kernel: Any,
+        fqns: Sequence[str],
+        sids: array[int],
+        tids: array[int],
+        offsets_of: Any,
+        hinted: bool,
+    ) -> array[int]:
+        """The records of the string ids ``sids`` with the tuple ids ``tids`` (``ckpt_md_find``); with ``hinted``
+        ids, the pairs not found again by their fqn strings (``offsets_of(k)``: the offsets of pair ``k``)."""
+        out = array("q", _ZERO) * len(sids)
         index = (self._first, self._order, self._tsorted)
-        kernel(
+        missing = kernel(
             *map(_address, index),
             len(self.strings),
             _address(memoryview(sids)),
@@ -268,20 +404,60 @@ class StorageTable(Mapping[Key, StorageInfo]):
             len(sids),
             _address(memoryview(out)),
         )
+        if missing and hinted:  # a key whose string has its records under another id (one id per fqn: see __init__)
+            for k in compress(range(len(out)), map(_MINUS_ONE.__eq__, out)):
+                out[k] = self.row((fqns[k], offsets_of(k)))
         return out
 
-    def paths_of(self, fqns: Iterable[str], offsets: Iterable[tuple[int, ...] | None]) -> Iterator[str | None]:
-        """The ``relative_path`` of each ``(fqn, offsets)`` record, ``None`` where there is none (in C, but one
-        index search per pair)."""
-        rows = self.rows(fqns, offsets)
-        if not rows or min(rows) >= 0:
+    def path_columns(
+        self,
+        fqns: Sequence[str],
+        offsets: Sequence[tuple[int, ...] | None],
+        sids: Sequence[int] | None = None,
+    ) -> list[Iterator[str | None]]:
+        """The ``relative_path`` of the record ``(fqn, offsets[j])`` of each fqn, one column per ``offsets[j]``
+        (``None`` where there is none): the chunks of tensors of one layout, each fqn looked up once
+        (``sids``: as :meth:`rows`)."""
+        kernel = _find_kernel()
+        if kernel is None or not fqns:
+            return [self.paths_of(fqns, repeat(o, len(fqns))) for o in offsets]
+        ids = self._sids(fqns, sids)
+        columns = []
+        for o in offsets:
+            tids = array("q", (self._tid.get(o, -2),)) * len(ids)
+            rows = self._found(kernel, fqns, ids, tids, lambda _, o=o: o, sids is not None)
+            columns.append(self._paths_at(rows))
+        return columns
+
+    def key_ids(self, entries: Mapping[str, Any]) -> Sequence[int] | None:
+        """The string id of each key of ``entries``, in order, when this table was built beside exactly that
+        dict (the parsed-metadata cache's decode: :meth:`hold_key_ids`); ``None`` otherwise."""
+        held = self._key_ids
+        if held is None or held[0] is not entries or len(held[1]) != len(entries):
+            return None
+        return held[1]
+
+    def hold_key_ids(self, entries: Mapping[str, Any], ids: Sequence[int]) -> None:
+        """Keep ``ids``, the string id of each key of ``entries`` (:meth:`key_ids`)."""
+        self._key_ids = (entries, ids)
+
+    def _paths_at(self, rows: Sequence[int]) -> Iterator[str | None]:
+        """The ``relative_path`` of each record number (``None`` for ``-1``)."""
+        if not rows or bounds(rows)[0] >= 0:
             return map(self.strings.__getitem__, map(self.path.__getitem__, rows))
         return (self.strings[self.path[r]] if r >= 0 else None for r in rows)
+
+    def paths_of(
+        self, fqns: Iterable[str], offsets: Iterable[tuple[int, ...] | None], sids: Sequence[int] | None = None
+    ) -> Iterator[str | None]:
+        """The ``relative_path`` of each ``(fqn, offsets)`` record, ``None`` where there is none (in C, but one
+        index search per pair; ``sids``: as :meth:`rows`)."""
+        return self._paths_at(self.rows(fqns, offsets, sids))
 
     def infos_of(self, fqns: Iterable[str], offsets: Iterable[tuple[int, ...] | None]) -> list[StorageInfo | None]:
         """The :class:`StorageInfo` of each ``(fqn, offsets)`` record, ``None`` where there is none."""
         rows = self.rows(fqns, offsets)
-        if rows and min(rows) < 0:
+        if rows and bounds(rows)[0] < 0:
             return [self.info(r) if r >= 0 else None for r in rows]
         paths = map(self.strings.__getitem__, map(self.path.__getitem__, rows))
         offs, lens = map(self.offset.__getitem__, rows), map(self.length.__getitem__, rows)
@@ -325,6 +501,13 @@ class StorageTable(Mapping[Key, StorageInfo]):
 
 
 _MISSING = object()
+_MINUS_ONE = -1
+
+
+def _find_kernel() -> Any:
+    return native.function(
+        "ckpt_md_find", ctypes.c_int64, *[ctypes.c_void_p] * 3, ctypes.c_int64, *[ctypes.c_void_p] * 4
+    )
 
 
 class _Values:
@@ -374,13 +557,37 @@ def file_extents(storage: Mapping[Key, StorageInfo]) -> dict[str, int]:
 
 
 def chunk_paths(
-    storage: Mapping[Key, StorageInfo], fqns: Iterable[str], offsets: Iterable[tuple[int, ...] | None]
+    storage: Mapping[Key, StorageInfo],
+    fqns: Iterable[str],
+    offsets: Iterable[tuple[int, ...] | None],
+    sids: Sequence[int] | None = None,
 ) -> Iterator[str | None]:
     """The data file of each ``(fqn, offsets)`` record (aligned iterables; ``None``: no record), in C for a
-    :class:`StorageTable` (:meth:`StorageTable.paths_of`) and for a dict."""
+    :class:`StorageTable` (:meth:`StorageTable.paths_of`; ``sids``: the fqns' string ids, :func:`key_ids`)
+    and for a dict."""
     if isinstance(storage, StorageTable):
-        return storage.paths_of(fqns, offsets)
+        return storage.paths_of(fqns, offsets, sids)
     return map(_REL, map(storage.get, zip(fqns, offsets), repeat(_NO_RECORD)))
+
+
+def chunk_path_columns(
+    storage: Mapping[Key, StorageInfo],
+    fqns: Sequence[str],
+    offsets: Sequence[tuple[int, ...] | None],
+    sids: Sequence[int] | None = None,
+) -> list[Iterator[str | None]]:
+    """:func:`chunk_paths` of every fqn with each of ``offsets``, one column per offsets tuple (the chunks
+    of tensors of one layout; for a :class:`StorageTable` each fqn is looked up once:
+    :meth:`StorageTable.path_columns`)."""
+    if isinstance(storage, StorageTable):
+        return storage.path_columns(fqns, offsets, sids)
+    return [chunk_paths(storage, fqns, repeat(o, len(fqns))) for o in offsets]
+
+
+def key_ids(storage: Mapping[Key, StorageInfo], entries: Mapping[str, Any]) -> Sequence[int] | None:
+    """The string id of each key of ``entries`` in ``storage``'s table (:meth:`StorageTable.key_ids`), ``None``
+    when not known (a dict, or a table not built beside that ``entries``)."""
+    return storage.key_ids(entries) if isinstance(storage, StorageTable) else None
 
 
 def storage_infos(

@@ -15,8 +15,9 @@ import fnmatch
 import math
 import os
 import re
+from array import array
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import chain, compress, filterfalse, repeat
 from operator import add, and_, eq, getitem, is_, itemgetter, not_
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ckpttool.errors import CkptError, IndexedOptimizerStateError, OptimStateError, PlannerDataError
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.listing import FileListing, list_files
-from ckpttool.format.mdstorage import chunk_paths, referenced_paths
+from ckpttool.format.mdstorage import chunk_path_columns, chunk_paths, key_ids, referenced_paths
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.layouts.record import LAYOUT_KEY, SIDECAR_NAME
 from ckpttool.model.schemas import registry
@@ -474,13 +475,17 @@ class _EntryBuilder:
             TensorEntry, (key, meta.size, meta.dtype.name, numel, nbytes, chunks, ranks, ufiles, chunk_files)
         )
 
-    def many(self, keys: list[str], metas: list[TensorMeta]) -> dict[str, TensorEntry]:
+    def many(
+        self, keys: list[str], metas: list[TensorMeta], sids: Sequence[int] | None = None
+    ) -> dict[str, TensorEntry]:
         """``{key: self(key, meta)}`` for the aligned lists ``keys`` and ``metas``, in their order.
 
         Built in C (``map``/``zip`` over the columns) when the tensors share their layout objects
         (the parser and the cache's decode share equal layouts): the chunk offsets of the layout give the storage
         keys, and the layout with the data files of the records gives the rest of an entry, one
         tuple per distinct (layout, files) (:class:`_Tails`), so an entry is its key joined to it.
+        ``sids``: the keys' string ids in the storage table, when known
+        (:func:`~ckpttool.format.mdstorage.key_ids`).
         """
         # layouts by id (the metas stay alive, held by the caller); ids are recomputed where used, not kept
         # (10^6 int objects: 32 MB)
@@ -489,31 +494,42 @@ class _EntryBuilder:
             return dict(zip(keys, map(self, keys, metas)))
         offsets = {i: m.chunks[0].offsets for i, m in layouts.items() if len(m.chunks) == 1}
         tails = {i: _Tails(self, m) for i, m in layouts.items()}
-        out: dict[str, Any] | None = None  # with tensors of zero or several chunks: every key, in order
-        if len(offsets) != len(layouts):
-            one = list(map(offsets.__contains__, map(id, metas)))
-            out = dict.fromkeys(keys)  # the order of ``keys``; every value is set below
-            several: dict[int, list[str]] = {i: [] for i in layouts if i not in offsets}
-            for k, m in zip(compress(keys, map(not_, one)), compress(metas, map(not_, one))):
-                several[id(m)].append(k)
-            for i, group in several.items():  # per layout: the data file of each chunk, column by column
-                chunks = layouts[i].chunks
-                cols = [chunk_paths(self.storage, group, repeat(c.offsets, len(group))) for c in chunks]
-                files = zip(*cols) if cols else repeat((), len(group))
-                out.update(
-                    zip(
-                        group,
-                        map(_new_entry, repeat(TensorEntry), map(add, zip(group), map(tails[i].__getitem__, files))),
-                    )
-                )
-            keys, metas = list(compress(keys, one)), list(compress(metas, one))
-        rels = chunk_paths(self.storage, keys, map(offsets.__getitem__, map(id, metas)))
+        if len(offsets) == len(layouts):  # one chunk each
+            return dict(zip(keys, self._one_chunk(keys, metas, offsets, tails, sids)))
+        # with tensors of zero or several chunks: one stream of entries per layout of those (each fqn looked up
+        # once for all its chunks), one for the one-chunk tensors, merged back in order by the layout of each key
+        one = list(map(offsets.__contains__, map(id, metas)))
+        several: dict[int, tuple[list[str], array[int]]] = {i: ([], array("i")) for i in layouts if i not in offsets}
+        ids = compress(sids, map(not_, one)) if sids is not None else repeat(-1)
+        for k, m, s in zip(compress(keys, map(not_, one)), compress(metas, map(not_, one)), ids):
+            group, group_ids = several[id(m)]
+            group.append(k)
+            group_ids.append(s)
+        streams: dict[int, Iterator[TensorEntry]] = {}
+        for i, (group, group_ids) in several.items():  # per layout: the data file of each chunk, column by column
+            offs = [c.offsets for c in layouts[i].chunks]
+            cols = chunk_path_columns(self.storage, group, offs, group_ids if sids is not None else None)
+            files = zip(*cols) if cols else repeat((), len(group))
+            # built now: the record numbers of the chunk columns are freed before the next layout's
+            built = list(map(_new_entry, repeat(TensorEntry), map(add, zip(group), map(tails[i].__getitem__, files))))
+            streams[i] = iter(built)
+        single_ids = array("i", compress(sids, one)) if sids is not None else None
+        single = self._one_chunk(list(compress(keys, one)), list(compress(metas, one)), offsets, tails, single_ids)
+        streams.update(dict.fromkeys(offsets, single))
+        return dict(zip(keys, map(next, map(streams.__getitem__, map(id, metas)))))
+
+    def _one_chunk(
+        self,
+        keys: list[str],
+        metas: list[TensorMeta],
+        offsets: dict[int, tuple[int, ...]],
+        tails: dict[int, _Tails],
+        sids: Sequence[int] | None,
+    ) -> Iterator[TensorEntry]:
+        """The entries of one-chunk tensors (layouts by id in ``offsets`` and ``tails``), in order, built in C."""
+        rels = chunk_paths(self.storage, keys, map(offsets.__getitem__, map(id, metas)), sids)
         tails_of = map(tails.__getitem__, map(id, metas))
-        built = map(_new_entry, repeat(TensorEntry), map(add, zip(keys), map(getitem, tails_of, rels)))
-        if out is None:
-            return dict(zip(keys, built))
-        out.update(zip(keys, built))
-        return out
+        return map(_new_entry, repeat(TensorEntry), map(add, zip(keys), map(getitem, tails_of, rels)))
 
 
 class _Tails(dict[Any, tuple[Any, ...]]):
@@ -731,7 +747,12 @@ def build_catalog(
     if split is not None:  # state keys of a schema with its own grammar are never model tensors
         is_model = [m and split(k) is None for k, m in zip(entries, is_model)]
     entry = _EntryBuilder(md.storage)
-    model: dict[str, TensorEntry] = entry.many(list(compress(entries, is_model)), list(compress(metas, is_model)))  # type: ignore[arg-type]
+    ids = key_ids(md.storage, entries)  # the keys' string ids in the storage table, when known (a cache hit)
+    model: dict[str, TensorEntry] = entry.many(
+        list(compress(entries, is_model)),
+        list(compress(metas, is_model)),  # type: ignore[arg-type]
+        array("i", compress(ids, is_model)) if ids is not None else None,
+    )
     del metas
     rest = _Sorter(cd, sch, planner, model, entry)
     rest.sort(compress(entries.items(), map(not_, is_model)))  # the rest, in order

@@ -175,8 +175,9 @@ def _forge(md: CheckpointMetadata, data: bytes, edit: str) -> bytes:
         cols["storage_fqn"][1], cols["storage_tuple"][1] = cols["storage_fqn"][0], cols["storage_tuple"][0]
     elif edit == "storage fqn id":
         cols["storage_fqn"][0] = len(header["strings"])
-    elif edit == "string twice":
+    elif edit == "string twice":  # record 0's fqn again, named by record 1: one fqn under two string ids
         header["strings"].append(header["strings"][cols["storage_fqn"][0]])
+        cols["storage_fqn"][1] = len(header["strings"]) - 1
     elif edit == "tuple twice":
         n = cols["tuple_ndim"][0]
         cols["tuple_ndim"].append(n)

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 
+from ckpttool.engine import native
 from ckpttool.format import mdcache
 from ckpttool.format.mdstorage import (
     DuplicateKeys,
     StorageTable,
+    bounds,
+    chunk_path_columns,
     chunk_paths,
+    compact,
     file_extents,
+    int64s,
+    key_ids,
+    record_end,
     referenced_paths,
     storage_infos,
 )
@@ -46,10 +53,15 @@ def _dict(rows: Sequence[tuple[int, ...]]) -> dict[tuple[str, tuple[int, ...] | 
 
 
 @pytest.fixture(params=["native", "python"])
-def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     if request.param == "python":
         monkeypatch.setenv("CKPTTOOL_NATIVE", "0")
-    return str(request.param)
+    native.lib.cache_clear()  # the loaded library is cached: read the setting again
+    if request.param == "python":
+        assert native.lib() is None
+    yield str(request.param)
+    monkeypatch.undo()
+    native.lib.cache_clear()
 
 
 def test_table_reads_as_the_dict_of_its_records(kernels: str) -> None:
@@ -83,6 +95,10 @@ def test_a_key_given_twice_or_an_id_out_of_range_is_refused(kernels: str) -> Non
     for bad in [(7, 0, 2, 0, 1, 0), (0, 4, 2, 0, 1, 0), (0, -2, 2, 0, 1, 0)]:
         with pytest.raises(ValueError):
             _table([*ROWS, bad])
+    # "w" under a second string id, with a record of another chunk: a lookup by "w" would miss one of them
+    cols = [array("q", c) for c in zip(*ROWS, (7, 3, 2, 500, 1, 0))]
+    with pytest.raises(DuplicateKeys):
+        StorageTable([*STRINGS, "w"], TUPLES, DESCRIPTORS, *cols)
 
 
 def test_cache_entry_of_a_table_decodes_to_the_same_records(kernels: str) -> None:
@@ -101,3 +117,91 @@ def test_cache_entry_of_a_table_decodes_to_the_same_records(kernels: str) -> Non
         assert isinstance(back.storage, StorageTable)
         assert back == md and list(back.storage.items()) == list(_dict(ROWS + BIG).items())
         assert mdcache.decode(mdcache.encode(back, "0" * 64, 123), "0" * 64, 123) == md
+
+
+def _columns(values: list[int]) -> list[Sequence[int]]:
+    """``values`` as every kind of column the helpers take: int64 views (contiguous, strided), arrays, a list."""
+    flat = memoryview(array("q", values).tobytes()).cast("q")  # read-only, as a cache entry's views
+    spread = memoryview(array("q", [v for v in values for _ in range(3)]).tobytes()).cast("q")[1::3]
+    cols: list[Sequence[int]] = [flat, spread, array("q", values), list(values)]
+    if all(-(2**31) <= v < 2**31 for v in values):
+        cols.append(array("i", values))
+    return cols
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [5],
+        [3, -1, 7, 0],
+        [2**63 - 1, -(2**63), 0],
+        [2**31, 2**31 - 1, -(2**31)],
+        list(range(1000, -1000, -7)),
+        [(i * 7919) % 300007 - 150000 for i in range(200_000)],  # more than one block of the kernels' copies
+    ],
+)
+def test_column_helpers_give_what_the_builtins_give(kernels: str, values: list[int]) -> None:
+    for col in _columns(values):
+        assert bounds(col) == (min(values), max(values))
+        assert int64s(col) == array("q", values) and int64s(col).typecode == "q"
+        if all(-(2**31) <= v < 2**31 for v in values):
+            assert compact(col) == array("i", values)
+        else:
+            with pytest.raises(OverflowError):
+                compact(col)
+    with pytest.raises(ValueError):
+        bounds(array("q"))
+
+
+@pytest.mark.parametrize(
+    ("offset", "length", "end"),
+    [
+        ([], [], 0),
+        ([0, 64, 8], [64, 0, 100], 108),
+        ([2**62, 5], [2**62 - 1, 1], 2**63 - 1),
+        ([0, -1], [4, 4], -1),
+        ([0, 4], [4, -4], -1),
+        ([i % 1000 for i in range(150_000)], [(i * 31) % 977 for i in range(150_000)], 1974),
+        ([0] * 140_000 + [-1], [1] * 140_001, -1),  # in the last block
+    ],
+)
+def test_record_end_is_the_end_of_the_farthest_record(
+    kernels: str, offset: list[int], length: list[int], end: int
+) -> None:
+    for off, n in zip(_columns(offset) if offset else [array("q")], _columns(length) if length else [array("q")]):
+        assert record_end(off, n) == end
+    with pytest.raises(ValueError):
+        record_end(array("q", [1]), array("q"))
+
+
+def test_path_columns_are_the_chunk_paths_of_each_offsets_tuple(kernels: str) -> None:
+    rows = ROWS + BIG
+    fqns = ["w", "b", "big", "nope", "opt", "w"]
+    offsets = [(0, 0), (4, 0), (0,), (2,), (3,), None, (9, 9)]
+    for storage in (_table(rows), _dict(rows)):
+        cols = [list(c) for c in chunk_path_columns(storage, fqns, offsets)]
+        assert cols == [list(chunk_paths(_dict(rows), fqns, [o] * len(fqns))) for o in offsets]
+        assert cols[0] == ["__0_0.distcp", None, "__0_0.distcp", None, None, "__0_0.distcp"]  # big: (0, 0) in BIG
+        assert [list(c) for c in chunk_path_columns(storage, [], offsets)] == [[]] * len(offsets)
+
+
+def test_string_id_hints_find_what_the_strings_find(kernels: str) -> None:
+    rows = ROWS + BIG
+    table = _table(rows)
+    keys = [*_dict(rows), ("w", (8, 0)), ("nope", None)]
+    fqns, offsets = [k[0] for k in keys], [k[1] for k in keys]
+    plain = list(table.rows(fqns, offsets))
+    ids = [STRINGS.index(f) if f in STRINGS else -1 for f in fqns]
+    assert list(table.rows(fqns, offsets, ids)) == plain
+    # a hint naming an id with no records (a data file's name, -1, out of range: the fqn's string under an id
+    # no record uses): looked up by the string
+    wrong = [2, -1, len(STRINGS) + 5, 3, 2, 5, -1, 2, 5, -1, 2][: len(fqns)]
+    assert list(table.rows(fqns, offsets, wrong)) == plain
+    assert [list(c) for c in chunk_path_columns(table, fqns, offsets, wrong)] == [
+        list(chunk_paths(table, fqns, [o] * len(fqns))) for o in offsets
+    ]
+    entries = dict.fromkeys(STRINGS)
+    assert key_ids(table, entries) is None and key_ids(_dict(rows), entries) is None
+    table.hold_key_ids(entries, array("i", range(len(STRINGS))))
+    assert list(key_ids(table, entries) or ()) == list(range(len(STRINGS)))
+    assert key_ids(table, dict(entries)) is None  # another dict: not the one the ids are of

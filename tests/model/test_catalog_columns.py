@@ -6,6 +6,8 @@ import random
 
 import pytest
 
+from ckpttool.format import mdcache
+from ckpttool.format.mdstorage import StorageTable, key_ids
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo, TensorMeta
 from ckpttool.model.catalog import TensorEntry, _EntryBuilder, _fqns_of
 from ckpttool.model.schemas.detect import planner_paths
@@ -53,6 +55,13 @@ def test_entries_built_by_columns_are_the_defined_ones(seed: int) -> None:
         assert type(entry) is TensorEntry
         assert tuple(entry) == _expected_entry(key, meta, storage)
         assert entry == _EntryBuilder(storage)(key, meta)  # the one-by-one path
+    # a cache hit: the storage as a table, the keys found by their string ids (key_ids) instead of by the strings
+    md = CheckpointMetadata(entries=dict(zip(keys, metas)), storage=storage, version="1.0.0")
+    back = mdcache.decode(mdcache.encode(md, "0" * 64, 1), "0" * 64, 1)
+    ids = key_ids(back.storage, back.entries)
+    assert (ids is not None) == isinstance(back.storage, StorageTable) == bool(storage)
+    hinted = _EntryBuilder(back.storage).many(list(back.entries), list(back.entries.values()), ids)  # type: ignore[arg-type]
+    assert list(hinted.items()) == list(built.items())
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -92,3 +92,49 @@ int64_t ckpt_md_extents(const int64_t *path, const int64_t *offset, const int64_
     }
     return 0;
 }
+
+/* The columns' checks and conversions of ckpttool/format/mdstorage.py (a parsed-metadata cache entry
+ * holds millions of values a column; a Python loop over them makes an int object per value). */
+
+/* out[0] = the smallest, out[1] = the largest of a[0 .. n) (n > 0; nothing written otherwise). */
+void ckpt_md_bounds(const int64_t *a, int64_t n, int64_t *out) {
+    if (n <= 0) return;
+    int64_t lo = a[0], hi = a[0];
+    for (int64_t i = 1; i < n; i++) {
+        int64_t v = a[i];
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+    out[0] = lo;
+    out[1] = hi;
+}
+
+/* out[i] = a[i] as a 32-bit int (i < n). Returns the number of values outside the 32-bit range
+ * (their out[i] are left unspecified). */
+int64_t ckpt_md_narrow(const int64_t *a, int64_t n, int32_t *out) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t v = a[i];
+        bad += v < INT32_MIN || v > INT32_MAX;
+        out[i] = (int32_t)v;
+    }
+    return bad;
+}
+
+/* out[i] = a[i] (i < n), 32 to 64 bits. */
+void ckpt_md_widen(const int32_t *a, int64_t n, int64_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = a[i];
+}
+
+/* The largest offset[i] + length[i] (i < n; 0 when n == 0), or -1 when an offset or a length is
+ * negative. Both are below 2^63, so their sum fits in 64 unsigned bits; a sum past INT64_MAX is
+ * returned as INT64_MAX. */
+int64_t ckpt_md_end(const int64_t *offset, const int64_t *length, int64_t n) {
+    uint64_t end = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (offset[i] < 0 || length[i] < 0) return -1;
+        uint64_t e = (uint64_t)offset[i] + (uint64_t)length[i];
+        end = e > end ? e : end;
+    }
+    return end > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)end;
+}
