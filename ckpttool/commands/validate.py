@@ -75,13 +75,19 @@ _JUNIT_HINT = (
 )
 
 
-def _check_junit_path(junit: Path, checkpoint: PurePath, sel: CheckpointSelection | None, against: Path | None) -> None:
+def _check_junit_path(
+    junit: Path, checkpoint: PurePath, sel: CheckpointSelection | None, against: Path | None
+) -> tuple[Path, ...]:
     """Refuse a ``--junit`` path that cannot or must not be written, before any checking is done.
 
+    Returns:
+        The directories read (checked again just before the report is written).
+
     Raises:
-        OutputError (E600): a missing parent directory; a directory or non-regular file; a path inside the
-        checkpoint (its model and optimizer folders) or ``--against``; an existing file that is not a JUnit
-        report of ``ckpttool validate`` (:func:`~ckpttool.format.atomic.check_file_target`).
+        OutputError (E600): a missing parent directory; a symbolic link, a directory or non-regular file; a path
+        inside the directory given, the checkpoint it resolves to (model and optimizer folders) or ``--against``;
+        an existing file that is not a JUnit report of ``ckpttool validate``
+        (:func:`~ckpttool.format.atomic.check_file_target`).
     """
     from ckpttool.errors import CkptError, OutputError
     from ckpttool.format.atomic import check_file_target
@@ -94,7 +100,8 @@ def _check_junit_path(junit: Path, checkpoint: PurePath, sel: CheckpointSelectio
             hint=f"create {parent} first, or {_JUNIT_HINT}",
         )
     sources: list[Path] = [against] if against is not None else []
-    if isinstance(checkpoint, Path):
+    if isinstance(checkpoint, Path):  # the directory given (a run root: every step in it) and what it resolves to
+        sources.append(checkpoint)
         from ckpttool.model.discovery import locate
 
         try:
@@ -106,13 +113,13 @@ def _check_junit_path(junit: Path, checkpoint: PurePath, sel: CheckpointSelectio
             sources.append(found.optimizer)
         if sel is not None and sel.optimizer_dir is not None:
             sources.append(Path(sel.optimizer_dir))
-    check_file_target(
-        junit, option="--junit", hint=_JUNIT_HINT, sources=tuple(sources), owned=lambda head: _JUNIT_MARK in head
-    )
+    check_file_target(junit, option="--junit", hint=_JUNIT_HINT, sources=tuple(sources), owned=_is_junit_report)
+    return tuple(sources)
 
 
-#: What every report of :func:`~ckpttool.ops.validate.junit_xml` holds in its first bytes.
-_JUNIT_MARK = b'<testsuites name="ckpttool validate"'
+def _is_junit_report(head: bytes) -> bool:
+    """Whether a file's first bytes are those every report of :func:`~ckpttool.ops.validate.junit_xml` starts with."""
+    return head.startswith(b'<?xml version="1.0" encoding="UTF-8"?>\n<testsuites name="ckpttool validate">')
 
 
 StrictOpt = Annotated[
@@ -222,8 +229,7 @@ def validate_command(
 
     decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
     sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
-    if junit is not None:
-        _check_junit_path(junit, checkpoint, sel, against)
+    sources = _check_junit_path(junit, checkpoint, sel, against) if junit is not None else ()
     manifest_path = _manifest_path(manifest, checkpoint, sel)
     options = ValidateOptions(
         strict=strict,
@@ -238,7 +244,7 @@ def validate_command(
 
     def report(res: ValidationResult) -> None:
         if junit is not None:
-            _write_junit(junit, res)
+            _write_junit(junit, res, sources)
         Output(json_output).result(res, _render)
 
     # --deep: phases named on stderr (opening, planning the deep pass, ...); the byte bar of the reading from its total on
@@ -287,12 +293,14 @@ def _manifest_path(manifest: str | None, checkpoint: PurePath, sel: CheckpointSe
     return Path(locate(checkpoint, sel).model) / MANIFEST_NAME
 
 
-def _write_junit(junit: Path, res: ValidationResult) -> None:
-    """The JUnit XML report of ``res`` written to ``junit`` (atomically; the hint of a failure names --junit)."""
+def _write_junit(junit: Path, res: ValidationResult, sources: tuple[Path, ...]) -> None:
+    """The JUnit XML report of ``res`` written to ``junit`` (checked again, then atomically; the hint of a failure
+    names --junit)."""
     from ckpttool.errors import OutputError
-    from ckpttool.format.atomic import atomic_write_text
+    from ckpttool.format.atomic import atomic_write_text, check_file_target
     from ckpttool.ops.validate import junit_xml
 
+    check_file_target(junit, option="--junit", hint=_JUNIT_HINT, sources=sources, owned=_is_junit_report)
     try:
         atomic_write_text(junit, junit_xml(res))
     except OutputError as e:

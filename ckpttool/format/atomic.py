@@ -36,6 +36,7 @@ __all__ = [
     "Terminated",
     "check_output_target",
     "foreign_output_error",
+    "atomic_write_bytes",
     "atomic_write_text",
     "check_file_target",
     "signal_received",
@@ -522,11 +523,14 @@ def check_file_target(
 ) -> None:
     """Refuse a file path (a report, a manifest, a picture) where writing would destroy what ckpttool did not write.
 
-    The file is later written to a temporary name and renamed over ``path``, which would replace whatever is
-    there. Refused (``docs/security.md``, outputs): a directory, or anything that is not a regular file (a FIFO,
-    a device, a socket); a path inside one of ``sources`` (the checkpoints or directories being read) unless
-    ``inside_ok``; an existing non-empty regular file whose first :data:`HEAD_BYTES` bytes ``owned`` does not
-    recognise as an output of this kind (no ``owned``: any non-empty file is refused).
+    The file is written by :func:`atomic_write_bytes`: a new temporary file in ``path``'s directory renamed over
+    ``path``, which replaces whatever entry is there. Refused (``docs/security.md``, outputs): a symbolic link
+    (the rename would replace the link, not what it names); a directory, or anything but a regular file (a FIFO,
+    a device, a socket); a path whose directory lies inside one of ``sources`` (the checkpoints or directories
+    being read; compared by device and inode, so links and bind mounts do not hide it) unless ``inside_ok``; an
+    existing regular file whose first :data:`HEAD_BYTES` bytes ``owned`` does not recognise as an output of this
+    kind (no ``owned``: any existing file). An empty file outside the sources is replaced (nothing is lost);
+    inside them (``inside_ok``) only an output of this kind is.
 
     Args:
         path: the file to be written; option: the flag that named it (for the message); hint: how to fix it.
@@ -538,26 +542,24 @@ def check_file_target(
 
     p = Path(path)
     try:
-        st = os.stat(p)
+        st = os.lstat(p)
     except FileNotFoundError:
         st = None
     except OSError as e:
         raise OutputError(f"{option} {p}: cannot be checked ({e.strerror})", path=p, hint=hint) from e
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        raise OutputError(f"{option} {p}: is a symbolic link; ckpttool replaces no link", path=p, hint=hint)
     if st is not None and not stat.S_ISREG(st.st_mode):
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, device or socket)"
         raise OutputError(f"{option} {p}: is {kind}; ckpttool writes only regular files", path=p, hint=hint)
-    real = p.parent.resolve() / p.name
-    if st is not None:
-        real = p.resolve()
-    for src in sources:
-        root = Path(src).resolve()
-        if not inside_ok and (real == root or root in real.parents):
-            raise OutputError(
-                f"{option} {p}: lies inside {root}, which this command reads; ckpttool never writes into its source",
-                path=p,
-                hint=hint,
-            )
-    if st is None or st.st_size == 0:
+    inside = _inside_any(p.parent, sources)
+    if inside is not None and not inside_ok:
+        raise OutputError(
+            f"{option} {p}: lies inside {inside}, which this command reads; ckpttool never writes into its source",
+            path=p,
+            hint=hint,
+        )
+    if st is None or (st.st_size == 0 and inside is None):
         return
     try:
         with open(p, "rb") as f:
@@ -572,23 +574,56 @@ def check_file_target(
         )
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write a small text file atomically (temp file in the same directory + ``os.replace``).
+def _inside_any(directory: Path, roots: tuple[str | os.PathLike[str], ...]) -> Path | None:
+    """The first of ``roots`` that ``directory`` is or lies below (by device and inode of it and its parents)."""
+    ids = {}
+    for r in roots:
+        try:
+            st = os.stat(r)
+        except OSError:
+            continue
+        ids[(st.st_dev, st.st_ino)] = Path(r)
+    if not ids:
+        return None
+    d = directory.resolve()
+    for a in (d, *d.parents):
+        try:
+            st = os.stat(a)
+        except OSError:
+            continue
+        hit = ids.get((st.st_dev, st.st_ino))
+        if hit is not None:
+            return hit
+    return None
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, fsync: bool = True) -> None:
+    """Write a small file whole: a new file of a random name beside ``path`` (``O_EXCL | O_NOFOLLOW``: never
+    through a link planted there), ``fsync`` ed unless told not, renamed over ``path``.
 
     Raises:
-        OutputError: the directory is not writable.
+        OutputError: the directory is not writable or the write failed (the temporary file is removed).
     """
     p = Path(path)
     tmp = p.parent / f".{p.name}.ckpttool-tmp-{os.getpid()}-{os.urandom(4).hex()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                os.fsync(f.fileno())
         os.replace(tmp, p)
     except OSError as e:
-        try:
+        with contextlib.suppress(OSError):
             tmp.unlink()
-        except OSError:
-            pass
         raise OutputError(f"{p}: cannot write ({e.strerror})", path=p) from e
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """:func:`atomic_write_bytes` of ``text`` in UTF-8.
+
+    Raises:
+        OutputError: the directory is not writable.
+    """
+    atomic_write_bytes(path, text.encode("utf-8"))

@@ -18,10 +18,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain, compress, islice, repeat
 from json.encoder import encode_basestring_ascii as _enc  # what json.dumps uses for str (ensure_ascii)
-from pathlib import PurePosixPath
+from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import CkptError, TrustRequiredError, UsageError
+from ckpttool.errors import CkptError, PathEscapeError, TrustRequiredError, UsageError
+from ckpttool.format.files import resolve_inside
 from ckpttool.format.jsonview import json_fields
 from ckpttool.format.mdstorage import file_extents
 from ckpttool.layouts.geometry import EPGeometry
@@ -600,15 +601,26 @@ def _needed_bytes(ckpt: Checkpoint) -> dict[str, int]:
     return file_extents(ckpt.metadata.storage)
 
 
-def _file_status(path: str, size: int | None, needed: int, referenced: bool) -> str:
-    parts = PurePosixPath(path).parts
-    if not parts or parts[0] == "/" or ".." in parts:
+def _file_status(root: str, path: str, size: int | None, needed: int, referenced: bool) -> str:
+    if _escapes(root, path):
         return "outside"  # no reader opens it (PathEscapeError, E101): not "missing"
     if size is None:
         return "missing"
     if size < needed:
         return "short"
     return "ok" if referenced else "unreferenced"
+
+
+def _escapes(root: str, path: str) -> bool:
+    """Whether the readers refuse ``path`` as leaving the checkpoint directory ``root`` (``resolve_inside``; a
+    remote checkpoint's names cannot leave their prefix)."""
+    if not os.path.isdir(root):
+        return False
+    try:
+        resolve_inside(Path(root), path, what="data file")
+    except PathEscapeError:
+        return True
+    return False
 
 
 def _checked(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
@@ -674,7 +686,7 @@ def _file_rows(cat: Catalog, needed: dict[str, int]) -> tuple[FileRow, ...]:
             f.rank,
             f.referenced,
             needed.get(f.relative_path, 0),
-            _file_status(f.relative_path, f.size, needed.get(f.relative_path, 0), f.referenced),
+            _file_status(str(cat.path), f.relative_path, f.size, needed.get(f.relative_path, 0), f.referenced),
         )
         for f in cat.data_files
     )

@@ -23,9 +23,9 @@ from typing import Any, cast
 
 from ckpttool.engine.io import ShortReadError, read_upto
 from ckpttool.engine.pool import imap_ordered, worker_count
-from ckpttool.errors import CkptError, DataFileError, ManifestError, UsageError
+from ckpttool.errors import CkptError, DataFileError, ManifestError, OutputError, UsageError
 from ckpttool.format import limits
-from ckpttool.format.atomic import check_file_target
+from ckpttool.format.atomic import atomic_write_bytes, check_file_target
 from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, new_hasher
 from ckpttool.format.files import read_regular
 from ckpttool.format.jsonfile import check_json_graph, json_error
@@ -33,7 +33,7 @@ from ckpttool.format.jsonview import JsonView
 from ckpttool.format.marker import MARKER_NAME, recording
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.format.reader import CheckpointReader
-from ckpttool.model.checkpoint import CheckpointOrPath, OpenOptions, open_source
+from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -637,13 +637,7 @@ def write_manifest(
                 progress(done[0], total)
 
         target = Path(out) if out is not None else Path(ckpt.located.model) / MANIFEST_NAME
-        check_file_target(
-            target,
-            option="manifest",
-            hint="write the manifest to a new file (--output FILE) or over one ckpttool wrote",
-            inside_ok=True,
-            owned=is_manifest_head,
-        )
+        _check_target(target, ckpt)
         say("hashing")
         t_hash = time.perf_counter()
         step(0)
@@ -687,6 +681,25 @@ def _inside(root: Path, target: Path | str | None) -> tuple[str, ...]:
     return () if rel.startswith("..") else (rel.replace(os.sep, "/"),)
 
 
+def _check_target(target: Path, ckpt: Checkpoint) -> None:
+    """Refuse a manifest path that would replace what ckpttool did not write (``check_file_target``): inside the
+    checkpoint only a new file, or a manifest ckpttool wrote, and never a name ``.metadata`` references.
+
+    Raises:
+        OutputError (E600): as above.
+    """
+    hint = "write the manifest to a new file (--output FILE) or over one ckpttool wrote"
+    root = Path(ckpt.located.model)
+    check_file_target(target, option="manifest", hint=hint, sources=(root,), inside_ok=True, owned=is_manifest_head)
+    rel = _inside(root, target)
+    if rel and (rel[0] == METADATA_NAME or rel[0] in ckpt.reader.data_files()):
+        raise OutputError(
+            f"manifest {target}: is a file of the checkpoint (named by its .metadata); it is left as it is",
+            path=target,
+            hint=hint,
+        )
+
+
 def _replace_file(target: Path, data: bytes) -> None:
     """Write ``data`` to a temporary name beside ``target``, ``fsync`` it, rename it into place.
 
@@ -695,32 +708,22 @@ def _replace_file(target: Path, data: bytes) -> None:
     Raises:
         OutputError: the file cannot be written.
     """
-    from ckpttool.errors import OutputError
-
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     created: list[Path] = []  # parents of `out` this run made: removed again if it fails
     try:
         missing = [p for p in target.parents if not p.exists()]
         for p in reversed(missing):
             p.mkdir()
             created.append(p)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except OSError as e:
-        for leftover in (tmp,):
-            try:
-                os.unlink(leftover)
-            except OSError:
-                pass
+        atomic_write_bytes(target, data)
+    except (OSError, OutputError) as e:
         for p in reversed(created):
             try:
                 p.rmdir()
             except OSError:
                 pass
-        raise OutputError(f"{target}: cannot write the manifest ({e.strerror})", path=target) from e
+        cause = e if isinstance(e, OSError) else e.__cause__
+        why = cause.strerror if isinstance(cause, OSError) else str(e)
+        raise OutputError(f"{target}: cannot write the manifest ({why})", path=target) from e
 
 
 # ---------------------------------------------------------------------------------------------- reading back

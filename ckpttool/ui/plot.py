@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import html
 import io
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import UsageError
-from ckpttool.format.atomic import check_file_target
+from ckpttool.format.atomic import atomic_write_bytes, check_file_target
 
 if TYPE_CHECKING:
     from ckpttool.ops.diff import DiffResult
@@ -72,9 +71,13 @@ def check_plot_target(path: Path, sources: tuple[Path, ...] = ()) -> None:
     _pyplot()
 
 
+#: What every picture ckpttool draws carries: the PNG ``Software`` text, the SVG's ``dc:creator``, the HTML title.
+_MARK = "ckpttool --plot"
+
+
 def _drawn_here(head: bytes) -> bool:
-    """Whether a picture's first bytes name matplotlib (PNG ``Software`` text, SVG comment) or ckpttool's HTML title."""
-    return b"Matplotlib" in head or b"matplotlib" in head or b"<title>ckpttool:" in head
+    """Whether a picture's first bytes hold the mark of one ckpttool drew (:data:`_MARK`)."""
+    return _MARK.encode() in head
 
 
 def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str) -> bool:
@@ -143,21 +146,17 @@ def _save(fig: Any, plt: Any, path: Path, title: str) -> None:
     """Write ``fig`` to ``path`` in its suffix's format, whole (a temporary file renamed into place)."""
     suffix = path.suffix.lower()
     buf = io.BytesIO()
-    fig.savefig(buf, format="svg" if suffix == ".html" else suffix[1:], dpi=120)
+    fmt = "svg" if suffix == ".html" else suffix[1:]
+    fig.savefig(buf, format=fmt, dpi=120, metadata={"Software" if fmt == "png" else "Creator": _MARK})
     plt.close(fig)
     data = buf.getvalue()
     if suffix == ".html":
         svg = data.decode("utf-8")
         data = (
-            f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>ckpttool: {html.escape(title)}</title></head>"
+            f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{_MARK}: {html.escape(title)}</title></head>"
             f"<body>\n{svg[svg.index('<svg') :]}\n</body></html>\n"
         ).encode()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write_bytes(path, data, fsync=False)
 
 
 def diff_layers(res: DiffResult) -> list[tuple[str, float | None, float]]:

@@ -110,3 +110,50 @@ def test_plot_inside_a_checkpoint_or_over_a_foreign_picture_is_refused(ckpt: Pat
     _refused(runner.invoke(app, ["stats", str(ckpt), "--plot", str(photo)]), "is not an output of this kind")
     _refused(runner.invoke(app, ["diff", str(ckpt), str(ckpt), "--plot", str(photo)]), "is not an output of this kind")
     assert photo.read_bytes() == b"\x89PNG\r\n\x1a\n" + b"\0" * 64
+
+
+def test_a_symbolic_link_is_never_replaced(ckpt: Path, tmp_path: Path) -> None:
+    """A link inside the checkpoint to an earlier report outside it, or a dangling link: the rename would put a
+    regular file where the link is, so the link is refused (and the checkpoint keeps its entries)."""
+    earlier = tmp_path / "earlier.xml"
+    assert runner.invoke(app, ["validate", str(ckpt), "--junit", str(earlier)]).exit_code == 0
+    (ckpt / "link.xml").symlink_to(earlier)
+    (tmp_path / "dangling.xml").symlink_to(tmp_path / "nowhere.xml")
+    for target in (ckpt / "link.xml", tmp_path / "dangling.xml"):
+        _refused(runner.invoke(app, ["validate", str(ckpt), "--junit", str(target)]), "is a symbolic link")
+        assert target.is_symlink()
+    assert runner.invoke(app, ["manifest", str(ckpt), "-o", str(tmp_path / "dangling.xml")]).exit_code == 2
+
+
+def test_junit_inside_a_run_roots_other_step_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    import shutil
+
+    run = tmp_path / "run"
+    for step in (100, 200):
+        shutil.copytree(ckpt, run / f"step-{step}")
+    target = run / "step-200" / "r.xml"
+    _refused(runner.invoke(app, ["validate", str(run), "--step", "100", "--junit", str(target)]), "which this command")
+    assert not target.exists()
+
+
+def test_manifest_never_lands_on_an_empty_file_of_the_checkpoint(ckpt: Path) -> None:
+    (ckpt / "empty.bin").write_bytes(b"")
+    _refused(runner.invoke(app, ["manifest", str(ckpt), "-o", str(ckpt / "empty.bin")]), "is not an output of this")
+    assert (ckpt / "empty.bin").read_bytes() == b""
+
+
+def test_plot_replaces_only_a_picture_ckpttool_drew(ckpt: Path, tmp_path: Path) -> None:
+    plt = pytest.importorskip("matplotlib.pyplot", reason="the plot extra is not installed: pip install -e '.[plot]'")
+    mine = tmp_path / "my_loss.png"
+    fig, ax = plt.subplots()
+    ax.plot([3, 2, 1])
+    fig.savefig(mine)  # the user's own matplotlib figure
+    plt.close(fig)
+    before = mine.read_bytes()
+    _refused(runner.invoke(app, ["stats", str(ckpt), "--plot", str(mine)]), "is not an output of this kind")
+    assert mine.read_bytes() == before
+    ours = tmp_path / "norms.png"
+    for _ in range(2):  # drawn, then drawn again over itself
+        res = runner.invoke(app, ["stats", str(ckpt), "--plot", str(ours)])
+        assert res.exit_code == 0, res.stderr
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
