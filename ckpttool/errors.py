@@ -116,8 +116,15 @@ class CkptError(Exception):
         fqn: str | None = None,
         param: str | None = None,
     ) -> None:
-        # Keep messages single-line whatever the caller passed in.
-        self.message = " ".join(str(message).split())
+        # Keep messages single-line whatever the caller passed in, but name ``path`` as it is: a path holding a
+        # newline or runs of spaces stays that path (the output escapes its control characters as \x0a).
+        text = str(message)
+        exact = str(path) if path is not None else ""
+        if exact and exact in text and exact != " ".join(exact.split()):
+            text = exact.join(" ".join(f"_{p}_".split())[1:-1] for p in text.split(exact)).strip()
+        else:
+            text = " ".join(text.split())
+        self.message = text
         self.hint = " ".join(str(hint if hint is not None else self.default_hint).split())
         self.path = str(path) if path is not None else None
         self.fqn = fqn

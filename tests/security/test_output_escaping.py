@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -91,3 +92,19 @@ def test_log_records_pass_the_sink(caplog: pytest.LogCaptureFixture) -> None:
 def test_safe_text_escapes_c1_bidi_and_separators() -> None:
     assert safe_text("\x9b2J\u202e\u2066\u2028x\udcff") == "\\x9b2J\\u202e\\u2066\\u2028x\\udcff"
     assert safe_text("a\tb\nc", keep_newlines=True) == "a\tb\nc"
+
+
+@pytest.mark.parametrize("name", ["new\nline", "two  spaces", "tab\there"])
+def test_an_error_line_names_the_path_as_it_is(name: str, sample_ckpt: Path, tmp_path: Path) -> None:
+    """A checkpoint directory whose name holds a newline, a tab or two spaces: the one error line names that
+    directory (control characters escaped as ``\\x0a``/``\\x09``), not a path with the whitespace squashed."""
+    import shutil
+
+    ck = tmp_path / name
+    shutil.copytree(sample_ckpt, ck)
+    (ck / ".metadata").write_bytes(b"not a pickle")
+    res = CliRunner().invoke(app, ["inspect", str(ck)])
+    assert res.exit_code == 2
+    lines = res.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: [E200]"), res.stderr
+    assert safe_text(str(ck)) in lines[0]
