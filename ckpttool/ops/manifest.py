@@ -682,17 +682,25 @@ def _inside(root: Path, target: Path | str | None) -> tuple[str, ...]:
 
 
 def _check_target(target: Path, ckpt: Checkpoint) -> None:
-    """Refuse a manifest path that would replace what ckpttool did not write (``check_file_target``): inside the
-    checkpoint only a new file, or a manifest ckpttool wrote, and never a name ``.metadata`` references.
+    """Refuse a manifest path that would replace or add what ckpttool must not (``check_file_target``): inside
+    the directories read (the one given, the checkpoint's model and optimizer folders) only the manifest's own
+    place, ``manifest.json`` beside ``.metadata``, new or a manifest ckpttool wrote.
 
     Raises:
         OutputError (E600): as above.
     """
-    hint = "write the manifest to a new file (--output FILE) or over one ckpttool wrote"
-    root = Path(ckpt.located.model)
-    check_file_target(target, option="manifest", hint=hint, sources=(root,), inside_ok=True, owned=is_manifest_head)
-    rel = _inside(root, target)
-    if rel and (rel[0] == METADATA_NAME or rel[0] in ckpt.reader.data_files()):
+    hint = "write the manifest beside .metadata (no --output) or to a file outside the checkpoint"
+    located = ckpt.located
+    root = Path(located.model)
+    sources = (Path(located.given), root, *((Path(located.optimizer),) if located.optimizer is not None else ()))
+    try:
+        own_place = target.name == MANIFEST_NAME and os.path.samefile(target.parent, root)
+    except OSError:
+        own_place = False
+    check_file_target(
+        target, option="manifest", hint=hint, sources=sources, inside_ok=own_place, owned=is_manifest_head
+    )
+    if own_place and MANIFEST_NAME in ckpt.reader.data_files():
         raise OutputError(
             f"manifest {target}: is a file of the checkpoint (named by its .metadata); it is left as it is",
             path=target,
@@ -1290,6 +1298,20 @@ class ManifestCheck:
         return out
 
 
+def _default_manifest(directory: str | os.PathLike[str], opening: OpenOptions | None) -> Path:
+    """``directory/manifest.json``, else the one :func:`write_manifest` writes by default: beside the ``.metadata``
+    of the checkpoint ``directory`` resolves to (a run root's step, a pair's model folder)."""
+    here = Path(directory) / MANIFEST_NAME
+    if here.is_file():
+        return here
+    from ckpttool.model.discovery import locate
+
+    try:
+        return Path(locate(directory, opening.selection if opening is not None else None).model) / MANIFEST_NAME
+    except CkptError:
+        return here
+
+
 def check_against_manifest(
     directory: str | os.PathLike[str],
     manifest_path: str | os.PathLike[str] | None = None,
@@ -1313,7 +1335,7 @@ def check_against_manifest(
         UsageError: no manifest; ManifestError: a malformed one; the readers' errors.
     """
     say = phase or (lambda text: None)
-    target = Path(manifest_path) if manifest_path is not None else Path(directory) / MANIFEST_NAME
+    target = Path(manifest_path) if manifest_path is not None else _default_manifest(directory, opening)
     say(f"reading manifest {target}")
     man = load_manifest(target)
     total, done = sum(e.length for e in man.entries), [0]

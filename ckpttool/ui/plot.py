@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import io
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,8 +77,19 @@ _MARK = "ckpttool --plot"
 
 
 def _drawn_here(head: bytes) -> bool:
-    """Whether a picture's first bytes hold the mark of one ckpttool drew (:data:`_MARK`)."""
-    return _MARK.encode() in head
+    """Whether a picture's first bytes carry :data:`_MARK` where ckpttool puts it: the PNG's ``Software`` text
+    chunk, the SVG's ``dc:creator`` agent, the HTML page's title (no other mention counts)."""
+    mark = _MARK.encode()
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        text = b"Software\x00" + mark  # the tEXt chunk: its length, type, then exactly this text
+        return len(text).to_bytes(4, "big") + b"tEXt" + text in head
+    if head.startswith(b"<!DOCTYPE html>\n"):
+        return head.startswith(b"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>" + mark + b": ")
+    if head.startswith(b"<?xml"):
+        return (
+            re.search(rb"<dc:creator>\s*<cc:Agent>\s*<dc:title>" + re.escape(mark) + rb"</dc:title>", head) is not None
+        )
+    return False
 
 
 def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str) -> bool:

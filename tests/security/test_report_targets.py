@@ -79,7 +79,7 @@ def test_junit_inside_a_separate_optimizer_dir_or_against_dir_is_refused(ckpt: P
 def test_manifest_output_over_a_checkpoint_file_is_refused(ckpt: Path, name: str) -> None:
     before = _digests(ckpt)
     res = runner.invoke(app, ["manifest", str(ckpt), "-o", str(ckpt / name)])
-    _refused(res, "is not an output of this kind")
+    _refused(res, "which this command reads")
     assert _digests(ckpt) == before
     assert runner.invoke(app, ["validate", str(ckpt), "--strict"]).exit_code == 0
 
@@ -138,7 +138,7 @@ def test_junit_inside_a_run_roots_other_step_is_refused(ckpt: Path, tmp_path: Pa
 
 def test_manifest_never_lands_on_an_empty_file_of_the_checkpoint(ckpt: Path) -> None:
     (ckpt / "empty.bin").write_bytes(b"")
-    _refused(runner.invoke(app, ["manifest", str(ckpt), "-o", str(ckpt / "empty.bin")]), "is not an output of this")
+    _refused(runner.invoke(app, ["manifest", str(ckpt), "-o", str(ckpt / "empty.bin")]), "which this command reads")
     assert (ckpt / "empty.bin").read_bytes() == b""
 
 
@@ -157,3 +157,39 @@ def test_plot_replaces_only_a_picture_ckpttool_drew(ckpt: Path, tmp_path: Path) 
         res = runner.invoke(app, ["stats", str(ckpt), "--plot", str(ours)])
         assert res.exit_code == 0, res.stderr
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_manifest_writes_inside_the_checkpoint_only_at_its_own_place(ckpt: Path, tmp_path: Path) -> None:
+    """Inside the directories read, only ``manifest.json`` beside ``.metadata``: not ``extra_state/``, not a new
+    folder, not a run root or another step; on a run root ``--verify`` finds the manifest where it was written."""
+    import shutil
+
+    before = _digests(ckpt)
+    for target in (ckpt / "extra_state" / "m.json", ckpt / "new" / "deep" / "m.json", ckpt / "layout.json"):
+        _refused(runner.invoke(app, ["manifest", str(ckpt), "-o", str(target)]), "which this command reads")
+        assert not target.exists()
+    assert _digests(ckpt) == before and not (ckpt / "new").exists()
+
+    run = tmp_path / "run"
+    for step in (100, 200):
+        shutil.copytree(ckpt, run / f"step-{step}")
+    for target in (run / "m.json", run / "step-100" / "manifest.json"):
+        res = runner.invoke(app, ["manifest", str(run), "--step", "latest", "-o", str(target)])
+        _refused(res, "which this command reads")
+    assert runner.invoke(app, ["manifest", str(run), "--step", "latest"]).exit_code == 0
+    assert (run / "step-200" / "manifest.json").is_file() and not (run / "step-100" / "manifest.json").exists()
+    res = runner.invoke(app, ["manifest", str(run), "--step", "latest", "--verify"])
+    assert res.exit_code == 0, res.stdout + res.stderr
+
+
+def test_plot_mark_counts_only_where_ckpttool_puts_it(ckpt: Path, tmp_path: Path) -> None:
+    notes = tmp_path / "notes.html"
+    notes.write_text("<!DOCTYPE html>\n<p>ran `ckpttool --plot` yesterday</p>\n")
+    _refused(runner.invoke(app, ["stats", str(ckpt), "--plot", str(notes)]), "is not an output of this kind")
+    assert "yesterday" in notes.read_text()
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed: pip install -e '.[plot]'")
+    for suffix in (".svg", ".html"):
+        ours = tmp_path / f"norms{suffix}"
+        for _ in range(2):
+            res = runner.invoke(app, ["stats", str(ckpt), "--plot", str(ours)])
+            assert res.exit_code == 0, res.stderr
