@@ -11,9 +11,13 @@ layout record and EP layouts, E5xx optimizer state, E6xx outputs, E7xx replay re
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from os import PathLike
 from typing import Generic, TypeVar
+
+#: A run of whitespace in an error message (squashed to one space, as ``str.split`` would split it).
+_SPACES = re.compile(r"\s+")
 
 __all__ = [
     "CkptError",
@@ -121,7 +125,7 @@ class CkptError(Exception):
         text = str(message)
         exact = str(path) if path is not None else ""
         if exact and exact in text and exact != " ".join(exact.split()):
-            text = exact.join(" ".join(f"_{p}_".split())[1:-1] for p in text.split(exact)).strip()
+            text = exact.join(_SPACES.sub(" ", part) for part in text.split(exact)).strip()
         else:
             text = " ".join(text.split())
         self.message = text

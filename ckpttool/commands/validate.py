@@ -106,11 +106,9 @@ def _check_junit_path(
 
         try:
             found = locate(checkpoint, sel)
+            sources += [found.model, *([found.optimizer] if found.optimizer is not None else [])]
         except CkptError:  # the run reports it
-            found = None
-        sources += [found.model] if found is not None else [checkpoint]
-        if found is not None and found.optimizer is not None:
-            sources.append(found.optimizer)
+            pass
         if sel is not None and sel.optimizer_dir is not None:
             sources.append(Path(sel.optimizer_dir))
     check_file_target(junit, option="--junit", hint=_JUNIT_HINT, sources=tuple(sources), owned=_is_junit_report)
