@@ -33,7 +33,7 @@ from ckpttool.errors import (
 from ckpttool.format import limits
 from ckpttool.format.dcp_safetensors import is_safetensors_serialized, resolve_safetensors_windows
 from ckpttool.format.digest import DEFAULT_ALGORITHM, digest_bytes
-from ckpttool.format.files import _kind, copy_regular, open_regular, read_regular, resolve_inside
+from ckpttool.format.files import _kind, copy_regular, open_regular, read_regular, read_regular_owned, resolve_inside
 from ckpttool.format.hf_storage import hf_storage_files, load_hf_storage_metadata, shard_rank
 from ckpttool.format.mdcache import parse_metadata_taken
 from ckpttool.format.mdstorage import referenced_paths
@@ -137,7 +137,7 @@ class CheckpointDir:
                 hint="pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files)",
             )
         self.metadata = parse_metadata_taken(
-            [self._read_metadata_bytes(md)], str(md), lambda: self._read_metadata_bytes(md)
+            [self._read_metadata_bytes(md, owned=True)], str(md), lambda: bytes(self._read_metadata_bytes(md))
         )
         self._resolve_serialization()
 
@@ -184,9 +184,23 @@ class CheckpointDir:
         if is_safetensors_serialized(self.metadata):
             self.metadata = resolve_safetensors_windows(self, self.metadata)
 
-    def _read_metadata_bytes(self, shown: str | os.PathLike[str]) -> bytes:
+    def _read_metadata_bytes(self, shown: str | os.PathLike[str], *, owned: bool = False) -> bytes | bytearray:
+        """``.metadata``'s bytes (``owned``: a local file's in a ``bytearray`` the parse may release as it reads)."""
+        cap = limits.current().max_metadata_bytes
         try:
-            data = self.read_file(METADATA_NAME, limits.current().max_metadata_bytes, what=".metadata")
+            if owned and self.remote is None:
+                try:
+                    data: bytes | bytearray = read_regular_owned(
+                        self.resolve(METADATA_NAME), cap, shown=self.path / METADATA_NAME, what=".metadata"
+                    )
+                except CkptError:
+                    raise
+                except OSError as e:
+                    raise DataFileError(
+                        f"{self.path / METADATA_NAME}: cannot read ({e.strerror})", path=METADATA_NAME
+                    ) from e
+            else:
+                data = self.read_file(METADATA_NAME, cap, what=".metadata")
         except DataFileError as e:
             raise MetadataError(e.message, path=shown) from e
         # digested as read (xxh3-128, cheap next to parsing): outputs name their source by it without a second read
@@ -241,7 +255,7 @@ class CheckpointDir:
                 )
             shown = store.path / METADATA_NAME
             self.metadata = parse_metadata_taken(
-                [self._read_metadata_bytes(shown)], str(shown), lambda: self._read_metadata_bytes(shown)
+                [self._read_metadata_bytes(shown)], str(shown), lambda: bytes(self._read_metadata_bytes(shown))
             )
             self._resolve_serialization()
         except BaseException:

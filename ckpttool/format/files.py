@@ -117,6 +117,46 @@ def read_regular(path: Path, cap: int, *, shown: str | os.PathLike[str] | None =
         os.close(fd)
 
 
+def read_regular_owned(
+    path: Path, cap: int, *, shown: str | os.PathLike[str] | None = None, what: str = "file"
+) -> bytearray:
+    """:func:`read_regular` into a ``bytearray`` of the caller's own (the native ``.metadata`` parse
+    releases its pages as it reads them: :func:`ckpttool.format.mdscan.scan_metadata_owned`).
+
+    Raises:
+        as :func:`read_regular`.
+    """
+    fd = open_regular(path, shown=shown)
+    try:
+        size = os.fstat(fd).st_size
+        if size > cap:
+            raise SizeLimitError(
+                f"{shown if shown is not None else path}: {what} of {size} bytes is over the cap of {limits.human(cap)}",
+                path=path,
+            )
+        buf = bytearray(size)
+        view, got = memoryview(buf), 0
+        try:
+            while got < size:
+                n = os.readv(fd, [view[got:]])
+                if not n:  # cut while being read
+                    break
+                got += n
+        finally:
+            view.release()
+        if got < size:
+            del buf[got:]
+        while more := os.read(fd, min(1 << 24, cap + 1 - len(buf))):  # grown while being read: to its end
+            buf += more
+            if len(buf) > cap:
+                raise SizeLimitError(
+                    f"{shown if shown is not None else path}: {what} is over the cap of {limits.human(cap)}", path=path
+                )
+        return buf
+    finally:
+        os.close(fd)
+
+
 def copy_regular(src: Path, dst: Path, *, shown: str | os.PathLike[str] | None = None) -> None:
     """Copy regular file ``src`` (checked on its open descriptor: never a device or FIFO) to a new file ``dst``.
 

@@ -564,7 +564,7 @@ def parse_metadata_cached(data: bytes, source: str = ".metadata") -> CheckpointM
 
 
 def parse_metadata_taken(
-    holder: list[bytes], source: str = ".metadata", reread: Callable[[], bytes] | None = None
+    holder: list[bytes | bytearray], source: str = ".metadata", reread: Callable[[], bytes] | None = None
 ) -> CheckpointMetadata:
     """:func:`parse_metadata_cached` of the bytes in ``holder`` (a one-item list, emptied).
 
@@ -588,13 +588,15 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-def _parse_taken(holder: list[bytes], source: str, reread: Callable[[], bytes] | None) -> CheckpointMetadata:
-    data: bytes | None = holder.pop()
+def _parse_taken(
+    holder: list[bytes | bytearray], source: str, reread: Callable[[], bytes] | None
+) -> CheckpointMetadata:
+    data: bytes | bytearray | None = holder.pop()
     assert data is not None
     if len(data) < MIN_CACHED_BYTES or not cache.cache_enabled():
         taken = [data]
         data = None  # handed over: freed once unpickled (when the caller handed its reference over too)
-        return parse_metadata_owned(taken, source)
+        return parse_metadata_owned(taken, source, reread)
     check_record_bound(data, source)  # as the parser does first: a hit is refused exactly when a parse is
     digest = hashlib.sha256(data).hexdigest()
     size = len(data)
@@ -605,9 +607,9 @@ def _parse_taken(holder: list[bytes], source: str, reread: Callable[[], bytes] |
     if blob is not None:
         try:
             header = _check_entry(blob, digest, size)
-            taken = [blob]
+            entry = [blob]
             del blob
-            md = _decode_owned(taken, header)
+            md = _decode_owned(entry, header)
             log.debug("%s: parsed metadata from the cache entry %s", source, path)
             return md
         except CorruptEntry as e:
@@ -620,6 +622,16 @@ def _parse_taken(holder: list[bytes], source: str, reread: Callable[[], bytes] |
             return parse_metadata_bytes(data, source)  # changed meanwhile: parsed, never cached under the old key
     taken = [data]
     data = None
-    md = parse_metadata_owned(taken, source)
+    changed: list[bool] = []
+
+    def reread_checked() -> bytes:  # the unpickler's bytes where the native parse declined a bytearray it released
+        assert reread is not None
+        again = reread()
+        changed.append(len(again) != size or hashlib.sha256(again).hexdigest() != digest)
+        return again
+
+    md = parse_metadata_owned(taken, source, reread_checked if reread is not None else None)
+    if any(changed):
+        return md  # changed meanwhile: parsed, never cached under the old key
     cache.store_entry(path, lambda: encode(md, digest, size), "metadata cache", logger=log)
     return md

@@ -5,7 +5,7 @@ machine (protocols 2-5, frames, memo) that ``pickle.dump`` writes for torch's ``
 CPython's stack, mark and memo rules (and no read across a frame's end: ``format/pickleframes.py``),
 resolves only the allow-listed record classes, ``torch.Size``, the dtypes, ``_get_layout``, the
 memory-format encoding and ``pathlib`` paths, and fills int64 columns: one row per entry, chunk, storage item and planner path, the distinct shapes once, and
-strings as offsets into the input. It builds no object per record, so the unpickler's object graph
+strings as offsets into a pool of their bytes, copied as they are read. It builds no object per record, so the unpickler's object graph
 (~12x the pickle, ``docs/performance.md``) is never in memory. Anything it does not recognise, or
 that the unpickler would refuse, returns ``None`` here; :func:`ckpttool.format.unpickler.parse_metadata_owned`
 then runs the allow-list unpickler, which gives its result or its own message. The checks of the
@@ -13,12 +13,19 @@ unpickler's conversion that need values (chunk inside its tensor, the record cap
 repeated keys) are made here on the columns, and where one fails the unpickler path runs too, so
 every error line is the unpickler's. Without the native kernels (not built, ``CKPTTOOL_NATIVE=0``)
 every read takes the unpickler path: the results are the same (``tests/format/test_mdscan.py``).
+
+Given its own ``bytearray`` of at least :data:`DROP_MIN_BYTES` and a way to read the file again, the
+kernel releases the buffer's pages behind the parse (``madvise(MADV_DONTNEED)``: nothing reads the
+input behind the opcode being read), so the ``.metadata`` bytes (~465 MiB at 10^6 entries and 2.75 M
+chunks) are not in memory beside the parse's cells and the columns; where it then declines the
+stream, the file is read again for the unpickler.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
 from operator import add
 from typing import Any
 
@@ -35,31 +42,41 @@ from ckpttool.format.metadata import (
     TensorMeta,
 )
 
-__all__ = ["scan_metadata", "scan_metadata_owned"]
+__all__ = ["DROP_MIN_BYTES", "scan_metadata", "scan_metadata_owned"]
 
 _MAX_OFFSET = 2**63 - 1
 _DTYPES = tuple(DTYPE_ITEMSIZE)
 _DTYPE_LIST = "\n".join(_DTYPES).encode()
 _N_COLS = 9
+#: the smallest ``bytearray`` whose pages the kernel releases behind the parse (smaller ones are kept whole)
+DROP_MIN_BYTES = 64 << 20
 
 
 class _Out(ctypes.Structure):
-    _fields_ = [("cols", ctypes.c_void_p * _N_COLS), ("lens", ctypes.c_int64 * _N_COLS)]
+    _fields_ = [
+        ("cols", ctypes.c_void_p * _N_COLS),
+        ("lens", ctypes.c_int64 * _N_COLS),
+        ("pool", ctypes.c_void_p),
+        ("pool_len", ctypes.c_int64),
+        ("dropped", ctypes.c_int64),
+    ]
 
 
-def _kernel() -> tuple[Any, Any] | None:
+def _kernel() -> tuple[Any, Any, Any] | None:
     scan = native.function(
         "ckpt_mdscan",
         ctypes.c_int,
-        ctypes.c_char_p,
+        ctypes.c_void_p,
         ctypes.c_int64,
         ctypes.c_char_p,
         ctypes.c_int64,
         ctypes.c_int64,
+        ctypes.c_int,
         ctypes.POINTER(_Out),
     )
     free = native.function("ckpt_mdscan_free", None, ctypes.POINTER(_Out))
-    return None if scan is None or free is None else (scan, free)
+    free_pool = native.function("ckpt_mdscan_free_pool", None, ctypes.POINTER(_Out))
+    return None if scan is None or free is None or free_pool is None else (scan, free, free_pool)
 
 
 #: Output values allowed per record of :func:`~ckpttool.format.limits.metadata_record_cap` (a real save
@@ -70,12 +87,23 @@ VALUES_PER_RECORD = 8
 class _Columns:
     """The kernel's nine columns, read in place (int64 ``memoryview``s, 8 bytes a value) until :meth:`free`."""
 
-    def __init__(self, free: Any, out: _Out) -> None:
-        self._free, self._out = free, out
+    def __init__(self, free: Any, free_pool: Any, out: _Out) -> None:
+        self._free, self._free_pool, self._out = free, free_pool, out
         self.cols = [
             memoryview((ctypes.c_int64 * n).from_address(p)).cast("B").cast("q") if n else memoryview(b"").cast("q")
             for p, n in zip(out.cols, out.lens)
         ]
+
+    def strings(self) -> list[str]:
+        """The string table, decoded from the pool (``surrogatepass``, as the unpickler decodes); frees the pool."""
+        n = self._out.pool_len
+        pool = memoryview((ctypes.c_char * n).from_address(self._out.pool)).cast("B") if n else memoryview(b"")
+        rows = self.cols[2]
+        try:
+            return [str(pool[o : o + k], "utf-8", "surrogatepass") for o, k in zip(rows[0::2], rows[1::2])]
+        finally:
+            pool.release()
+            self._free_pool(ctypes.byref(self._out))
 
     def free(self) -> None:
         for c in self.cols:
@@ -84,19 +112,28 @@ class _Columns:
         self._free(ctypes.byref(self._out))
 
 
-def _columns(data: bytes) -> _Columns | None:
-    """The kernel's columns of ``data``, or ``None`` (no kernel, or a stream it declines)."""
+def _columns(data: bytes | bytearray, drop: bool) -> _Columns | None:
+    """The kernel's columns of ``data``, or ``None`` (no kernel, or a stream it declines); with ``drop``
+    (``data`` is a ``bytearray`` the caller gives up), ``data``'s pages are released behind the parse."""
     k = _kernel()
     if k is None:
         return None
-    scan, free = k
+    scan, free, free_pool = k
     out = _Out()
     # row values (entries, chunks, storage, planner) within VALUES_PER_RECORD x the record cap: a pickle's shared
     # references could otherwise multiply a small file into huge columns (the unpickler path's dicts collapse them)
     cap = VALUES_PER_RECORD * limits.metadata_record_cap()
-    if scan(data, len(data), _DTYPE_LIST, len(_DTYPE_LIST), cap, ctypes.byref(out)) != 0:
-        return None
-    return _Columns(free, out)
+    address: int | None
+    if isinstance(data, bytearray):
+        view = (ctypes.c_char * len(data)).from_buffer(data)
+        address = ctypes.addressof(view)
+    else:
+        view, address = None, ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+    try:
+        rc = scan(address, len(data), _DTYPE_LIST, len(_DTYPE_LIST), cap, int(drop), ctypes.byref(out))
+    finally:
+        del view
+    return None if rc != 0 else _Columns(free, free_pool, out)
 
 
 def scan_metadata(data: bytes, source: str) -> CheckpointMetadata | None:
@@ -109,33 +146,51 @@ def scan_metadata(data: bytes, source: str) -> CheckpointMetadata | None:
     return scan_metadata_owned([data], source)
 
 
-def scan_metadata_owned(holder: list[bytes], source: str) -> CheckpointMetadata | None:
+def scan_metadata_owned(
+    holder: list[bytes | bytearray], source: str, reread: Callable[[], bytes] | None = None
+) -> CheckpointMetadata | None:
     """:func:`scan_metadata` of the bytes in ``holder`` (a one-item list).
 
-    Where a result is returned the list is emptied once the strings are decoded, before the
-    objects are built: with the caller's only reference handed over, the bytes (~465 MiB at 10^6
-    entries and 2.75 M chunks) are freed then. Where ``None`` is returned they are left in it.
+    Where a result is returned the list is emptied before the objects are built: with the
+    caller's only reference handed over, the bytes (~465 MiB at 10^6 entries and 2.75 M chunks)
+    are freed then. Where ``None`` is returned the list holds the file's bytes for the unpickler.
+    A ``bytearray`` with ``reread`` (reads the same file again) is the caller's to give up: from
+    :data:`DROP_MIN_BYTES` on, its pages are released as the parse passes them, and where the
+    stream is declined ``holder`` gets ``reread()``'s ``bytes`` in its place.
+
+    Raises:
+        as ``reread``, where it is called.
     """
-    data = holder[0]
-    found = _columns(data)
-    if found is None:
+    if _kernel() is None:
         return None
-    try:
-        cols = found.cols
-        ent, chk, sto = cols[3], cols[4], cols[5]
-        # the unpickler path's refusals that the kernel leaves to the columns: the record cap, storage ranges
-        # (chunks inside their tensor and a key given twice: the kernel declines them)
-        if len(ent) // 5 + len(sto) // 5 + len(chk) // 2 > limits.metadata_record_cap() or not _ranges_ok(sto):
-            return None
-        mv = memoryview(data)
-        str_rows = cols[2]
-        strs = [str(mv[o : o + n], "utf-8", "surrogatepass") for o, n in zip(str_rows[0::2], str_rows[1::2])]
-        mv.release()
-        del data
-        holder.clear()  # every refusal is behind: the bytes go before the objects are built
-        return _metadata(cols, strs)
-    finally:
-        found.free()
+    data = holder[0]
+    owned = reread is not None and isinstance(data, bytearray)
+    found = _columns(data, owned and len(data) >= DROP_MIN_BYTES)
+    del data
+    md = None
+    if found is not None:
+        try:
+            md = _read_columns(found, holder)
+        finally:
+            found.free()
+    if md is None and owned:
+        assert reread is not None
+        holder.clear()  # released behind the parse, or a bytearray the unpickler does not read: read again
+        holder.append(reread())
+    return md
+
+
+def _read_columns(found: _Columns, holder: list[Any]) -> CheckpointMetadata | None:
+    """The metadata of the kernel's columns, or ``None`` where the unpickler path would refuse a value."""
+    cols = found.cols
+    ent, chk, sto = cols[3], cols[4], cols[5]
+    # the unpickler path's refusals that the kernel leaves to the columns: the record cap, storage ranges
+    # (chunks inside their tensor and a key given twice: the kernel declines them)
+    if len(ent) // 5 + len(sto) // 5 + len(chk) // 2 > limits.metadata_record_cap() or not _ranges_ok(sto):
+        return None
+    strs = found.strings()
+    holder.clear()  # every refusal is behind: the bytes go before the objects are built
+    return _metadata(cols, strs)
 
 
 def _ranges_ok(sto: memoryview) -> bool:

@@ -21,7 +21,7 @@ import gc
 import os
 import pickle
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -460,7 +460,7 @@ def _too_many_records(source: str, what: str) -> SizeLimitError:
     )
 
 
-def check_record_bound(data: bytes, source: str) -> None:
+def check_record_bound(data: bytes | bytearray, source: str) -> None:
     """Refuse a ``.metadata`` whose pickle may build more records than :func:`~ckpttool.format.limits.metadata_record_cap`.
 
     Records are built only by ``NEWOBJ``/``NEWOBJ_EX`` (a call of a record class is refused), so
@@ -724,27 +724,34 @@ def parse_metadata_bytes(data: bytes, source: str = ".metadata") -> CheckpointMe
     return parse_metadata_owned([data], source)
 
 
-def parse_metadata_owned(holder: list[bytes], source: str = ".metadata") -> CheckpointMetadata:
+def parse_metadata_owned(
+    holder: list[bytes | bytearray], source: str = ".metadata", reread: Callable[[], bytes] | None = None
+) -> CheckpointMetadata:
     """:func:`parse_metadata_bytes` of the bytes in ``holder`` (a one-item list, emptied).
 
     The native column reader (:func:`ckpttool.format.mdscan.scan_metadata_owned`) reads the bytes
     first; where it declines them (or is not built) the allow-list unpickler does, and its result or
     message is the answer. With the caller's only reference handed over, the bytes (~465 MiB at
     10^6 entries and 2.75 M chunks) are freed once read into columns (or unpickled), before the
-    objects are built: they are never in memory beside the converted metadata.
+    objects are built: they are never in memory beside the converted metadata. A ``bytearray``
+    with ``reread`` (reads the same file again) is released behind the native parse instead, and
+    the file read again where the unpickler has to run.
 
     Raises:
-        as :func:`parse_metadata_bytes`.
+        as :func:`parse_metadata_bytes`, and as ``reread``.
     """
     if not holder[0]:
         raise MetadataError(f"{source} is empty", path=source)
     check_record_bound(holder[0], source)
     from ckpttool.format.mdscan import scan_metadata_owned
 
-    md = scan_metadata_owned(holder, source)  # the native column reader (frees the bytes); None: the unpickler decides
+    # the native column reader (frees the bytes); None: the unpickler decides
+    md = scan_metadata_owned(holder, source, reread)
     if md is not None:
         return md
     data = holder.pop()
+    if isinstance(data, bytearray):  # given without reread: pickle reads bytes
+        data = bytes(data)
     obj = _unpickle(data, source)
     del data
     return _convert(obj, source)

@@ -423,3 +423,109 @@ def test_negative_storage_offset_or_length_is_refused_by_both_paths(
     ours, ref = _parsed(data), _parsed_without_kernels(data, monkeypatch)
     assert isinstance(ref, MetadataError) and ref.code == "E200" and str(ours) == str(ref)
     assert f"negative offset {-100 if field == 'offset' else md.storage_data[key].offset}" in str(ref)
+
+
+# --------------------------------------------------------------------------- the input released behind the parse
+# A bytearray the caller gives up (a local .metadata read by CheckpointDir) is released page by page as the parse
+# passes it (madvise MADV_DONTNEED: its content reads as zeros after), and where the stream is then declined the
+# file is read again for the unpickler: the result or the error is the one the bytes path gives.
+
+
+def _many_entries(n: int) -> bytes:
+    """torch's own Metadata pickle of ``n`` one-chunk tensors with storage records (~100 bytes an entry)."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    entries = {f"model.layers.{i}.mlp.weight": _tensor([4, i + 1], [([0, 0], [4, i + 1])]) for i in range(n)}
+    storage = {
+        MetadataIndex(k, torch.Size([0, 0])): _StorageInfo(f"__{i % 4}_0.distcp", 64 * i, 16 * (i + 1))
+        for i, k in enumerate(entries)
+    }
+    return pickle.dumps(Metadata(state_dict_metadata=entries, storage_data=storage), protocol=4)
+
+
+def _owned_parse(data: bytes, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, bytearray, list[int]]:
+    """``parse_metadata_owned`` of ``data`` as a released bytearray (every size released): its result or error,
+    the bytearray after the parse (kept here only to look at it) and how often the file was read again."""
+    from ckpttool.format import mdscan
+    from ckpttool.format.unpickler import parse_metadata_owned
+
+    monkeypatch.setattr(mdscan, "DROP_MIN_BYTES", 0)
+    buf, reads = bytearray(data), [0]
+
+    def reread() -> bytes:
+        reads[0] += 1
+        return data
+
+    try:
+        got: Any = parse_metadata_owned([buf], ".metadata", reread)
+    except CkptError as e:
+        got = e
+    return got, buf, reads
+
+
+def test_released_input_gives_the_same_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = _many_entries(20_000)
+    assert len(data) > 1 << 20
+    ref = _parsed(data)
+    got, buf, reads = _owned_parse(data, monkeypatch)
+    assert got == ref and list(got.entries) == list(ref.entries) and list(got.storage) == list(ref.storage)
+    assert reads == [0]
+    # the pages were given back: all but the partial pages at both ends read as zeros now
+    assert buf.count(0) >= len(data) - 2 * 4096 > data.count(0)
+
+
+def test_released_input_declined_after_the_parse_is_read_again(
+    sample_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A value the kernel leaves to the columns (a negative storage offset) and a stream it declines in its first
+    pass: the file is read again once and the unpickler's error is the bytes path's."""
+    import dataclasses
+
+    md = pickle.loads((sample_ckpt / ".metadata").read_bytes())
+    key = next(iter(md.storage_data))
+    md.storage_data[key] = dataclasses.replace(md.storage_data[key], offset=-100)
+    negative = pickle.dumps(md, protocol=4)
+    for data in (negative, _many_entries(2_000)[:-1]):  # the last: no STOP opcode
+        ref = _parsed(data)
+        got, _, reads = _owned_parse(data, monkeypatch)
+        assert isinstance(ref, MetadataError) and str(got) == str(ref)
+        assert reads == [1]
+
+
+def test_checkpoint_dir_reads_its_metadata_released(
+    fsdp_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through CheckpointDir (the local .metadata read into a bytearray of its own): the bytes path's metadata
+    without the parsed-metadata cache, on a cache miss (stored) and on the hit after it; the file unchanged."""
+    from ckpttool.format import cache, mdcache, mdscan
+    from ckpttool.format.directory import CheckpointDir
+
+    raw = (fsdp_ckpt / ".metadata").read_bytes()
+    ref = _parsed(raw)
+    monkeypatch.setattr(mdscan, "DROP_MIN_BYTES", 0)
+    monkeypatch.setattr(mdcache, "MIN_CACHED_BYTES", 0)
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    try:
+        for enabled in (False, True, True):
+            cache.set_cache_enabled(enabled)
+            with CheckpointDir(fsdp_ckpt) as ckpt:
+                assert ckpt.metadata == ref
+        assert len(list((tmp_path / "cache").rglob("*"))) > 0
+    finally:
+        cache.set_cache_enabled(None)
+    assert (fsdp_ckpt / ".metadata").read_bytes() == raw
+
+
+def test_without_kernels_an_owned_bytearray_is_not_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = _many_entries(2_000)
+    ref = _parsed(data)
+    with monkeypatch.context() as m:
+        m.setenv("CKPTTOOL_NATIVE", "0")
+        native.lib.cache_clear()
+        try:
+            got, buf, reads = _owned_parse(data, monkeypatch)
+        finally:
+            native.lib.cache_clear()
+    assert got == ref and reads == [0] and buf == data

@@ -6,14 +6,18 @@
  * never builds Python objects: values are 16-byte cells on the stack and in the memo, packed into 8 bytes in the
  * arena and the records' fields (exactly, a value that does not fit kept beside), and the result is a set of
  * int64 columns (entries, chunks, storage items, planner paths, distinct shapes) that name strings
- * by their offset in the input. Every read is bounds-checked and every length is checked against
+ * by their offset in a pool of the strings' bytes, copied as they are read: the input is read once, front to back,
+ * after a first pass that marks the memo slots read again, and with `drop` its pages are released behind the parse. Every read is bounds-checked and every length is checked against
  * what remains, and no read crosses the end of the FRAME it starts in. Anything it does not
  * recognise, or that the unpickler would refuse, returns a non-zero code and no columns: the caller then runs the unpickler, which gives its own result or
  * message. So a stream it accepts is one the unpickler accepts with the same values.
  */
+#define _DEFAULT_SOURCE /* madvise */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 /* T_SHAPE: a tuple of 1 to 64 ints in 0..2^62, interned at TUPLE as a shape id (a: id, b: length), no cells */
 enum { T_EMPTY, T_INT, T_STR, T_NONE, T_BOOL, T_TUPLE, T_LIST, T_DICT, T_REC, T_GLOBAL, T_INERT, T_PATH, T_SHAPE, T_SIDE = 15 };
@@ -74,6 +78,12 @@ typedef struct {
     int64_t dtypes_len, memo_len;
     int64_t fend; /* the end of the last FRAME's bytes (0: none yet); see NEED */
     int64_t values_left; /* output values the caller allows (a cap on what shared references can multiply) */
+    /* a string's bytes are copied here as it is read (cells name strings by their offset in it), so nothing
+     * reads the input behind the opcode being read: with `drop`, its pages are released as the parse passes them */
+    ARR(uint8_t) pool;
+    int drop;
+    uintptr_t drop_from, drop_to; /* the input's pages in [drop_from, drop_to) are released */
+    int64_t drop_next;  /* input offset of the next release */
     /* output */
     i64s shapes, ints, ent, chk, sto, pln, pit, top;
     int64_t *hash, *shash;
@@ -86,6 +96,9 @@ typedef struct {
 typedef struct {
     int64_t *cols[N_COLS];
     int64_t lens[N_COLS];
+    uint8_t *pool;   /* the strings' bytes (the strings column's offsets are into it); ckpt_mdscan_free_pool frees it */
+    int64_t pool_len;
+    int64_t dropped; /* input bytes released (with `drop`), also when the parse is declined */
 } mdscan_out;
 
 #define FAIL(code) return (code)
@@ -136,7 +149,7 @@ static int utf8_ok(const uint8_t *p, int64_t n) {
 
 static int str_is(st *s, val v, const char *lit) {
     size_t n = strlen(lit);
-    return v.t == T_STR && v.b == n && memcmp(s->d + v.a, lit, n) == 0;
+    return v.t == T_STR && v.b == n && memcmp(s->pool.p + v.a, lit, n) == 0;
 }
 
 static int global_id(st *s, val mod, val name) {
@@ -172,7 +185,7 @@ static int global_id(st *s, val mod, val name) {
         while (i < s->dtypes_len) {
             int64_t j = i;
             while (j < s->dtypes_len && s->dtypes[j] != '\n') j++;
-            if (j - i == (int64_t)name.b && memcmp(s->dtypes + i, s->d + name.a, name.b) == 0) return G_DTYPE + (int)idx;
+            if (j - i == (int64_t)name.b && memcmp(s->dtypes + i, s->pool.p + name.a, name.b) == 0) return G_DTYPE + (int)idx;
             i = j + 1;
             idx++;
         }
@@ -307,9 +320,9 @@ static int op_reduce(st *s) {
         return push(s, t);
     }
     case G_LAYOUT:
-        if (args.b != 1 || a0.t != T_STR || a0.b > 64 || a0.b < 6 || memcmp(s->d + a0.a, "torch.", 6)) FAIL(5);
+        if (args.b != 1 || a0.t != T_STR || a0.b > 64 || a0.b < 6 || memcmp(s->pool.p + a0.a, "torch.", 6)) FAIL(5);
         for (uint32_t i = 0; i < a0.b; i++)
-            if (s->d[a0.a + i] >= 0x80) FAIL(5);
+            if (s->pool.p[a0.a + i] >= 0x80) FAIL(5);
         return push(s, (val){0, 0, T_INERT});
     case G_MEMFMT:
         if (args.b > 1 || (args.b == 1 && a0.t != T_INT)) FAIL(5);
@@ -453,10 +466,21 @@ static int op_put(st *s, int64_t i) {
     return 0;
 }
 
+/* the n bytes of a string at pos, copied to the pool: the offset of the copy in *at */
+static int pool_add(st *s, int64_t n, int64_t *at) {
+    if (grow((void **)&s->pool.p, &s->pool.cap, s->pool.n + n, 1)) FAIL(9);
+    if (n) memcpy(s->pool.p + s->pool.n, s->d + s->pos, (size_t)n);
+    *at = s->pool.n;
+    s->pool.n += n;
+    return 0;
+}
+
 static int op_str(st *s, int64_t n) {
     NEED(n);
     if (n > UINT32_MAX || !utf8_ok(s->d + s->pos, n)) FAIL(2);
-    int r = push(s, (val){s->pos, (uint32_t)n, T_STR});
+    int64_t at;
+    if (pool_add(s, n, &at)) FAIL(9);
+    int r = push(s, (val){at, (uint32_t)n, T_STR});
     s->pos += n;
     return r;
 }
@@ -465,8 +489,10 @@ static int op_global_line(st *s, val *out) {
     int64_t i = s->pos;
     while (i < s->len && s->d[i] != '\n') i++;
     if (i >= s->len || (s->pos < s->fend && i >= s->fend)) FAIL(2); /* the line and its '\n' inside the frame */
-    *out = (val){s->pos, (uint32_t)(i - s->pos), T_STR};
     if (i - s->pos > 1024 || !utf8_ok(s->d + s->pos, i - s->pos)) FAIL(2);
+    int64_t at;
+    if (pool_add(s, i - s->pos, &at)) FAIL(9);
+    *out = (val){at, (uint32_t)(i - s->pos), T_STR};
     s->pos = i + 1;
     return 0;
 }
@@ -660,7 +686,7 @@ static int shape_cells(st *s, const val *a, int64_t n, int64_t *out) {
 
 static uint64_t str_hash(st *s, int64_t off, int64_t n) {
     uint64_t h = 1469598103934665603ULL ^ (uint64_t)n;
-    for (int64_t i = 0; i < n; i++) h = (h ^ s->d[off + i]) * 1099511628211ULL;
+    for (int64_t i = 0; i < n; i++) h = (h ^ s->pool.p[off + i]) * 1099511628211ULL;
     return mix(h);
 }
 
@@ -685,7 +711,7 @@ static int str_id(st *s, val v, int64_t *out) {
     uint64_t j = str_hash(s, v.a, v.b) & (uint64_t)(s->scap - 1);
     for (; s->shash[j] >= 0; j = (j + 1) & (uint64_t)(s->scap - 1)) {
         int64_t id = s->shash[j], off = s->strs.p[2 * id];
-        if (off == v.a || (s->strs.p[2 * id + 1] == v.b && memcmp(s->d + off, s->d + v.a, v.b) == 0)) {
+        if (off == v.a || (s->strs.p[2 * id + 1] == v.b && memcmp(s->pool.p + off, s->pool.p + v.a, v.b) == 0)) {
             *out = id;
             return 0;
         }
@@ -868,6 +894,16 @@ static int walk_top(st *s, val root) {
     return 0;
 }
 
+/* With `drop`: release the input's whole pages below offset `end` (never read again: the parse reads on from
+ * `end`, the walk reads only the pool). A failed madvise leaves the pages as they are. */
+#define DROP_STEP ((int64_t)32 << 20)
+static void drop_before(st *s, int64_t end) {
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t hi = ((uintptr_t)s->d + (uintptr_t)end) & ~(page - 1);
+    if (hi > s->drop_to && madvise((void *)s->drop_to, hi - s->drop_to, MADV_DONTNEED) == 0) s->drop_to = hi;
+    s->drop_next = end + DROP_STEP;
+}
+
 static void release(st *s) {
     free(s->stack.p); free(s->memo.p); free(s->arena.p); free(s->fields.p); free(s->fields8.p); free(s->side.p); free(s->marks.p);
     free(s->segs.p); free(s->conts.p); free(s->recs.p); free(s->hash); free(s->shash);
@@ -877,8 +913,10 @@ static void release(st *s) {
 static int run(st *s) {
     int r;
     if ((r = mark_refs(s))) return r;
+    if (grow((void **)&s->pool.p, &s->pool.cap, 1, 1)) FAIL(9);
     while (1) {
         if (s->pos >= s->len) FAIL(2);
+        if (s->drop && s->pos >= s->drop_next) drop_before(s, s->pos);
         uint8_t op = s->d[s->pos++];
         if (op == '.') break;
         if ((r = step(s, op))) return r;
@@ -886,6 +924,7 @@ static int run(st *s) {
     if (s->stack.n <= fence(s)) FAIL(3);
     val root = s->stack.p[s->stack.n - 1];
     if (!is_rec(s, root, K_MD)) FAIL(27);
+    if (s->drop) drop_before(s, s->len);
     /* the memo is the parse's alone: freed before the walk's columns grow */
     free(s->memo.p);
     free(s->rank);
@@ -898,28 +937,45 @@ static int run(st *s) {
     return walk_top(s, root);
 }
 
-/* Parse `data` (len bytes); `dtypes`: the dtype names ckpttool knows, '\n'-separated (a global
+/* Parse `data` (len bytes; with `drop`, the caller's own writable buffer, whose whole pages are released with
+ * madvise(MADV_DONTNEED) as the parse passes them: its content is lost, also when the parse is declined, and
+ * out->dropped says how much); `dtypes`: the dtype names ckpttool knows, '\n'-separated (a global
  * torch.<name> is one of them or the stream is refused; at most `max_values` output values of the row
  * columns, else refused: shared references cannot multiply the output). Returns 0 and fills `out` with nine int64
  * columns of fixed-width rows, or a non-zero code and nothing to free:
- *   shapes (start in ints, ndim) per distinct shape; ints; strings (offset in data, byte length)
- *   per distinct string offset; entries (key string, dtype index or -1 for a byte item, size shape,
+ *   shapes (start in ints, ndim) per distinct shape; ints; strings (offset in out->pool, byte length)
+ *   per distinct string; entries (key string, dtype index or -1 for a byte item, size shape,
  *   first chunk, chunks); chunks (offsets shape, sizes shape); storage (fqn string, offsets shape or
  *   -1, path string, offset, length); planner (key string, first item, items); planner items
  *   (0 string / 1 int, its id or value); top (version string or -1, checkpoint id kind 0 none /
  *   1 string / 2 path, its string or first item, path items, save id string or -1). */
 int ckpt_mdscan(const uint8_t *data, int64_t len, const char *dtypes, int64_t dtypes_len, int64_t max_values,
-                mdscan_out *out) {
+                int drop, mdscan_out *out) {
     st s;
     memset(&s, 0, sizeof s);
     s.d = data;
     s.len = len;
+    s.drop = drop;
+    if (drop) {
+        uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+        s.drop_from = s.drop_to = ((uintptr_t)data + page - 1) & ~(page - 1);
+        s.drop_next = DROP_STEP;
+    }
     s.dtypes = dtypes;
     s.dtypes_len = dtypes_len;
     s.values_left = max_values;
     int r = run(&s);
     release(&s);
     i64s *cols[N_COLS] = {&s.shapes, &s.ints, &s.strs, &s.ent, &s.chk, &s.sto, &s.pln, &s.pit, &s.top};
+    out->dropped = (int64_t)(s.drop_to - s.drop_from);
+    if (r) {
+        free(s.pool.p);
+        out->pool = NULL;
+        out->pool_len = 0;
+    } else {
+        out->pool = s.pool.p;
+        out->pool_len = s.pool.n;
+    }
     for (int i = 0; i < N_COLS; i++) {
         if (r) {
             free(cols[i]->p);
@@ -933,7 +989,14 @@ int ckpt_mdscan(const uint8_t *data, int64_t len, const char *dtypes, int64_t dt
     return r;
 }
 
+void ckpt_mdscan_free_pool(mdscan_out *out) {
+    free(out->pool);
+    out->pool = NULL;
+    out->pool_len = 0;
+}
+
 void ckpt_mdscan_free(mdscan_out *out) {
+    ckpt_mdscan_free_pool(out);
     for (int i = 0; i < N_COLS; i++) {
         free(out->cols[i]);
         out->cols[i] = NULL;
