@@ -127,6 +127,35 @@ def test_compare_stream_against_other_windows(files, split: int | None) -> None:
         os.close(c)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_many_small_windows_and_record_spans(files, seed: int) -> None:
+    """Thousands of small windows on both sides and a CRC-32 span per record of each (as ``diff`` plans a
+    tensor stored in many chunks): every span's CRC and the first difference are a straight read's, whole,
+    in halves and from any block size (spans are fed only the pieces that reach them; the other side is read
+    on from where its last read ended)."""
+    tmp, fds = files
+    rng = random.Random(seed)
+    cuts_a = sorted({0, len(A), *rng.sample(range(1, len(A)), 3000)})
+    cuts_b = sorted({0, len(A), *rng.sample(range(1, len(A)), 2000)})
+    reads = tuple(Window(fds[0], x, y - x) for x, y in zip(cuts_a, cuts_a[1:]))
+    changed = bytearray(A)
+    at = rng.randrange(len(A)) if seed % 2 else None
+    if at is not None:
+        changed[at] ^= 0x01
+    (tmp / "c").write_bytes(bytes(changed))
+    c = os.open(tmp / "c", os.O_RDONLY)
+    try:
+        other = tuple(Window(c, x, y - x) for x, y in zip(cuts_b, cuts_b[1:]))
+        spans = [(x, y) for cuts in (cuts_a, cuts_b) for x, y in zip(cuts, cuts[1:])]
+        item = Item(reads, (CompareStream(other), *(Crc32(x, y) for x, y in spans)))
+        want = [at, *(zlib.crc32(A[x:y]) for x, y in spans)]
+        assert list(run_item(item, buf=memoryview(bytearray(rng.choice([7, 100, 4096]))))) == want
+        if crc32_combine is not None:
+            assert list(run_split(item, rng.randrange(1, len(A)))) == want
+    finally:
+        os.close(c)
+
+
 def test_transform_is_applied_before_the_sinks(files) -> None:
     tmp, fds = files
 
