@@ -684,13 +684,25 @@ def _print_rich_table(
     cells: list[list[Any]],
     least: int,
 ) -> None:
-    """The ``keep`` columns of ``cells`` as a rich table on ``con``, at least ``least`` cells wide."""
+    """The ``keep`` columns of ``cells`` as a rich table on ``con``, at least ``least`` cells wide.
+
+    A title wider than the table is printed on its own line above it, whole (rich would wrap it to the
+    table's width: a line of text cut in a pipe).
+    """
     t = _rich_table(title, [columns[i] for i in keep], [widths[i] for i in keep])
     key_text = _key_text_class()
     for r in cells:
         t.add_row(
             *(key_text(safe_text(r[i])) if columns[i].kind == "key" and isinstance(r[i], str) else r[i] for i in keep)
         )
+    if title:
+        from rich.cells import cell_len
+        from rich.measure import Measurement
+
+        shown = min(Measurement.get(con, con.options, t).maximum, max(con.width, least))
+        if cell_len(safe_text(title)) > shown:
+            t.title = None
+            con.print(styled((title, "bold")))
     _print_at_least(con, t, least)
 
 
@@ -710,7 +722,7 @@ def _plain_table(title: str, columns: list[Col], rows: list[list[Any]], width: i
         return None
     widths = [max([len(c.name)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
     total = sum(widths) + 3 * len(columns) + 1
-    if total > width or len(title) > total or not all(_plain_cell(c.name) for c in columns):
+    if total > width or not all(_plain_cell(c.name) for c in columns):
         return None
 
     def line(cells: list[str], edge: str, bar: str) -> str:

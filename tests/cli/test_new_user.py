@@ -1,0 +1,78 @@
+"""What a new user met on checkpoints saved with ``torch.distributed.checkpoint.save``, through the CLI:
+``stats`` keeps a long table title whole in a pipe, writes counts with separators and its notes on
+stderr; ``inspect`` says plainly when optimizer state is keyed by index and names ``--step`` as a flag;
+``export`` says when its output holds no ``config.json``; ``ckpttool --json schema`` is refused."""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from tests.fixtures.cache import copy_checkpoint
+
+runner = CliRunner()
+CHANGE_TITLE = "relative change ‖W_b − W_a‖ / ‖W_a‖ between consecutive checkpoints"
+
+
+def _save(state: dict, out: Path) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... single process"
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(out), no_dist=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_optimizer_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()})``: state keyed by index."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(OrderedDict(up=torch.nn.Linear(8, 8), down=torch.nn.Linear(8, 4)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    return _save(state, tmp_path_factory.mktemp("plain") / "ck")
+
+
+def test_stats_keeps_a_title_wider_than_its_table_whole_in_a_pipe(sample_ckpt: Path) -> None:
+    res = runner.invoke(app, ["stats", str(sample_ckpt), str(sample_ckpt)], env={"COLUMNS": ""})
+    assert res.exit_code == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert CHANGE_TITLE in lines  # one line, not cut to the two-column table's width
+    table = lines[lines.index(CHANGE_TITLE) + 1 :]
+    assert table[0].startswith("┏") and len(table[0]) < len(CHANGE_TITLE)
+    assert "│ model.model.layers.0 │    0 │" in table or any(r.startswith("│ model.layers.0 ") for r in table)
+
+
+def test_stats_writes_counts_with_thousands_separators(sample_ckpt: Path) -> None:
+    res = runner.invoke(app, ["stats", str(sample_ckpt)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.stderr
+    row = next(r for r in res.stdout.splitlines() if r.startswith("│ model.embed_tokens "))
+    assert row.split("│")[2].strip() == "4,096"  # 128x32 embedding
+    res = runner.invoke(app, ["stats", str(sample_ckpt), "--by", "tensor", "--filter", "*embed_tokens*"])
+    assert res.exit_code == 0, res.stderr
+    assert " 4,096 " in res.stdout and " 4096 " not in res.stdout
+
+
+def test_stats_notes_go_to_stderr_and_quiet_drops_them(tmp_path: Path) -> None:
+    import torch
+
+    w = torch.ones(4, 4)
+    state = {"exp_avg": w * 0.1, "exp_avg_sq": w * 0.01, "step": torch.tensor(3.0)}
+    ck = _save({"model": {"layers.0.w": w}, "optimizer": {"state": {"layers.0.w": state}}}, tmp_path / "ck")
+    res = runner.invoke(app, ["stats", str(ck)])
+    assert res.exit_code == 0, res.stderr
+    assert "note:" not in res.stdout and "no update size" not in res.stdout
+    assert res.stderr == (
+        f"note: {ck}: no update size: no param group or step saved: 1 parameter(s), e.g. layers.0.w\n"
+    )
+    res = runner.invoke(app, ["-q", "stats", str(ck)])
+    assert res.exit_code == 0 and res.stderr == "" and "layers.0" in res.stdout
