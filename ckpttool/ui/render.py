@@ -1079,10 +1079,18 @@ def _overview_model(con: Console, ov: InspectResult, max_rows: int) -> None:
 def _overview_optimizer(con: Console, ov: InspectResult) -> None:
     """The optimizer summary, its state fields, param groups and state of fqns not in the model."""
     o = ov.optimizer
-    con.print(
-        f"optimizer   flavor {o.flavor or ABSENT}; state for {o.params_with_state}/{o.params_total} params; "
-        f"implied type {o.implied_type or ABSENT}; declared type {o.declared_type or ABSENT}"
-    )
+    by_index = ov.schema is not None and ov.schema.optimizer_keying == "index"
+    if by_index:  # state keyed 0, 1, ...: no parameter of the model is matched, none is an orphan
+        con.print(
+            f"optimizer   flavor {o.flavor or ABSENT}; state of {plural(len(o.orphan_state), 'parameter')} keyed by "
+            "index (a plain optimizer.state_dict()), not by fqn: matched to no model parameter (validate: K003; "
+            "re-save with torch.distributed.checkpoint.state_dict.get_optimizer_state_dict)"
+        )
+    else:
+        con.print(
+            f"optimizer   flavor {o.flavor or ABSENT}; state for {o.params_with_state}/{o.params_total} params; "
+            f"implied type {o.implied_type or ABSENT}; declared type {o.declared_type or ABSENT}"
+        )
     if o.fields:
         print_table(
             con,
@@ -1124,7 +1132,7 @@ def _overview_optimizer(con: Console, ov: InspectResult) -> None:
             ],
             rows,
         )
-    if o.orphan_state:
+    if o.orphan_state and not by_index:
         con.print(f"state for fqns not in the model: {fmt_list(o.orphan_state, limit=10)}")
 
 

@@ -76,3 +76,15 @@ def test_stats_notes_go_to_stderr_and_quiet_drops_them(tmp_path: Path) -> None:
     )
     res = runner.invoke(app, ["-q", "stats", str(ck)])
     assert res.exit_code == 0 and res.stderr == "" and "layers.0" in res.stdout
+
+
+def test_inspect_says_index_keyed_optimizer_state_matches_no_parameter(plain_optimizer_ckpt: Path) -> None:
+    res = runner.invoke(app, ["inspect", str(plain_optimizer_ckpt)], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.stderr
+    lines = res.stdout.splitlines()
+    line = next(ln for ln in lines if ln.startswith("optimizer "))
+    assert line.startswith("optimizer   flavor nested; state of 4 parameters keyed by index")
+    assert "matched to no model parameter (validate: K003;" in line
+    assert "state for 0/0 params" not in res.stdout and "state for fqns not in the model" not in res.stdout
+    assert any(ln.startswith("│ 0     │      4 │") for ln in lines)  # the param group is still shown
+    assert runner.invoke(app, ["validate", str(plain_optimizer_ckpt), "--select", "K003"]).exit_code == 1
