@@ -957,10 +957,13 @@ def byte_progress(label: str, enabled: bool) -> Iterator[Callable[[int, int], No
         yield shown.progress if shown is not None else None
 
 
-def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
-    """Print ``inspect``'s result: a header, the model tensors, optimizer, layout and extra state."""
+def render_overview(ov: InspectResult, *, max_rows: int = 200, flags: Callable[[str], str] | None = None) -> None:
+    """Print ``inspect``'s result: a header, the model tensors, optimizer, layout and extra state.
+
+    ``flags`` names the library parameters in a text (`` `step` ``) by the running command's flags (``--step``).
+    """
     con = stdout_console()
-    _overview_header(con, ov)
+    _overview_header(con, ov, flags or (lambda text: text))
     _overview_model(con, ov, max_rows)
     _overview_optimizer(con, ov)
     _overview_layout(con, ov)
@@ -994,14 +997,14 @@ def _overview_training(con: Console, ov: InspectResult) -> None:
         con.print(f"hf copy     {', '.join(ov.hf_copies)} (compared with the checkpoint by validate --deep, D012)")
 
 
-def _overview_header(con: Console, ov: InspectResult) -> None:
+def _overview_header(con: Console, ov: InspectResult, flags: Callable[[str], str]) -> None:
     """Where the checkpoint was opened, its format, key schema, files, tensors and bytes."""
     s = ov.summary
     con.print(f"checkpoint  {ov.path}")
     loc = ov.location
     if loc is not None and (loc.model != loc.given or loc.optimizer is not None or loc.how != "the directory given"):
         pair = f" + optimizer {loc.optimizer}" if loc.optimizer is not None else ""
-        con.print(f"opened      {loc.model}{pair} ({loc.how})")
+        con.print(f"opened      {loc.model}{pair} ({flags(loc.how)})")
     con.print(
         f"dcp version {ov.dcp_version or ABSENT}"
         + ("; safetensors storage" if ov.serialization == "safetensors" else "")

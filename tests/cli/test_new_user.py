@@ -88,3 +88,15 @@ def test_inspect_says_index_keyed_optimizer_state_matches_no_parameter(plain_opt
     assert "state for 0/0 params" not in res.stdout and "state for fqns not in the model" not in res.stdout
     assert any(ln.startswith("│ 0     │      4 │") for ln in lines)  # the param group is still shown
     assert runner.invoke(app, ["validate", str(plain_optimizer_ckpt), "--select", "K003"]).exit_code == 1
+
+
+def test_inspect_names_the_step_it_opened_by_its_flag(sample_ckpt: Path, tmp_path: Path) -> None:
+    root = tmp_path / "my run"  # a space, as users' folders have
+    for step in (1, 2):
+        copy_checkpoint(sample_ckpt, root / f"step-{step}")
+    res = runner.invoke(app, ["inspect", str(root), "--step", "latest"], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.stderr
+    assert f"opened      {root / 'step-2'} (--step latest: step 2 (the highest step))" in res.stdout.splitlines()
+    res = runner.invoke(app, ["inspect", str(root), "--step", "1"], env={"COLUMNS": "300"})
+    assert f"opened      {root / 'step-1'} (--step 1)" in res.stdout.splitlines()
+    assert "`" not in res.stdout
