@@ -100,3 +100,11 @@ def test_inspect_names_the_step_it_opened_by_its_flag(sample_ckpt: Path, tmp_pat
     res = runner.invoke(app, ["inspect", str(root), "--step", "1"], env={"COLUMNS": "300"})
     assert f"opened      {root / 'step-1'} (--step 1)" in res.stdout.splitlines()
     assert "`" not in res.stdout
+
+
+def test_json_schema_list_is_refused_not_a_table(sample_ckpt: Path) -> None:
+    res = runner.invoke(app, ["--json", "schema"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.startswith("error: [E100] `ckpttool schema` without NAME lists the schemas as a table")
+    res = runner.invoke(app, ["--json", "schema", "stats"])
+    assert res.exit_code == 0 and res.stdout.startswith("{")
