@@ -233,6 +233,15 @@ def run_export(cli: ExportCLIOptions) -> None:
         sink.note(masters)
     for n in result.notes:
         sink.note(n)
+    if result.format != "lora" and "config.json" not in result.assets:  # a folder from_pretrained cannot load
+        held = f"{result.output} {'would hold' if result.dry_run else 'holds'} no config.json"
+        sink.note(
+            f"{held} (no --model-assets): transformers' from_pretrained needs one; pass --model-assets DIR, the "
+            "folder of the model's config.json and tokenizer files"
+            if cli.model_assets is None
+            else f"{held} ({cli.model_assets} has none): transformers' from_pretrained needs one; copy the model's "
+            f"config.json into {cli.model_assets}"
+        )
     sink.result(result, _render)
 
 

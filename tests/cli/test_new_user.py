@@ -108,3 +108,27 @@ def test_json_schema_list_is_refused_not_a_table(sample_ckpt: Path) -> None:
     assert res.stderr.startswith("error: [E100] `ckpttool schema` without NAME lists the schemas as a table")
     res = runner.invoke(app, ["--json", "schema", "stats"])
     assert res.exit_code == 0 and res.stdout.startswith("{")
+
+
+def test_export_without_a_config_says_from_pretrained_needs_one(sample_ckpt: Path, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "hf")])
+    assert res.exit_code == 0, res.stderr
+    assert not (tmp_path / "hf" / "config.json").exists()
+    assert (
+        f"note: {tmp_path / 'hf'} holds no config.json (no --model-assets): transformers' from_pretrained needs one; "
+        "pass --model-assets DIR, the folder of the model's config.json and tokenizer files\n"
+    ) in res.stderr
+    assert "config.json" not in res.stdout.split("files")[0]
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "d"), "--dry-run"])
+    assert res.exit_code == 0 and f"note: {tmp_path / 'd'} would hold no config.json" in res.stderr
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "e"), "--model-assets", str(assets)])
+    assert res.exit_code == 0, res.stderr
+    assert f"holds no config.json ({assets} has none): transformers' from_pretrained needs one" in res.stderr
+    res = runner.invoke(
+        app, ["export", str(sample_ckpt), str(tmp_path / "f"), "--model-assets", str(sample_ckpt / "model_assets")]
+    )
+    assert res.exit_code == 0 and "config.json" not in res.stderr and (tmp_path / "f" / "config.json").is_file()
+    res = runner.invoke(app, ["-q", "export", str(sample_ckpt), str(tmp_path / "g")])
+    assert res.exit_code == 0 and res.stderr == ""
