@@ -132,3 +132,19 @@ def test_export_without_a_config_says_from_pretrained_needs_one(sample_ckpt: Pat
     assert res.exit_code == 0 and "config.json" not in res.stderr and (tmp_path / "f" / "config.json").is_file()
     res = runner.invoke(app, ["-q", "export", str(sample_ckpt), str(tmp_path / "g")])
     assert res.exit_code == 0 and res.stderr == ""
+
+
+def test_diff_takes_export_rules_as_rules_like_export(sample_ckpt: Path, tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(
+        "format: ckpttool.export-rules\nversion: 1\nkeys:\n  - {match: '^model\\.lm_head\\.weight$', to: 'head.weight'}\n"
+    )
+    hf = tmp_path / "hf"
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(hf), "--rules", str(rules)]).exit_code == 0
+    plain = runner.invoke(app, ["diff", str(sample_ckpt), str(hf)])
+    assert plain.exit_code == 1  # lm_head.weight on one side, head.weight on the other
+    for flag in ("--rules", "--map"):  # export's name, and the old one
+        res = runner.invoke(app, ["diff", str(sample_ckpt), str(hf), flag, str(rules)])
+        assert res.exit_code == 0, res.stdout + res.stderr
+        assert "compared 33 tensors" in res.stdout
+    assert "--rules, --map FILE" in runner.invoke(app, ["diff", "--help"], env={"COLUMNS": "200"}).stdout
