@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Annotated
@@ -169,7 +170,7 @@ def _refuse_dcp_source(hf_dir: Path) -> None:
         raise UsageError(
             f"{hf_dir} is a DCP checkpoint ({what}), not a Hugging Face safetensors model",
             path=hf_dir,
-            hint=f"did you mean `ckpttool export {hf_dir} OUT` (DCP to safetensors)? "
+            hint=f"did you mean `ckpttool export {shlex.quote(str(hf_dir))} OUT` (DCP to safetensors)? "
             "import reads a directory of model*.safetensors files",
         )
 

@@ -148,3 +148,16 @@ def test_diff_takes_export_rules_as_rules_like_export(sample_ckpt: Path, tmp_pat
         assert res.exit_code == 0, res.stdout + res.stderr
         assert "compared 33 tensors" in res.stdout
     assert "--rules, --map FILE" in runner.invoke(app, ["diff", "--help"], env={"COLUMNS": "200"}).stdout
+
+
+def test_a_command_suggested_with_a_path_can_be_pasted_as_it_is(sample_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "my sample"
+    res = runner.invoke(app, ["sample", str(out), "--train-steps", "0"])
+    assert res.exit_code == 0, res.stderr
+    assert f"note: try: ckpttool inspect '{out}'\n" in res.stderr
+    spaced = copy_checkpoint(sample_ckpt, tmp_path / "a ckpt")
+    res = runner.invoke(app, ["import", str(spaced), str(tmp_path / "x")])
+    assert res.exit_code == 2
+    assert f"hint: did you mean `ckpttool export '{spaced}' OUT` (DCP to safetensors)?" in res.stderr
+    res = runner.invoke(app, ["sample", str(tmp_path / "plain"), "--train-steps", "0"])
+    assert f"note: try: ckpttool inspect {tmp_path / 'plain'}\n" in res.stderr  # nothing to quote
