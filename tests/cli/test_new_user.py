@@ -161,3 +161,16 @@ def test_a_command_suggested_with_a_path_can_be_pasted_as_it_is(sample_ckpt: Pat
     assert f"hint: did you mean `ckpttool export '{spaced}' OUT` (DCP to safetensors)?" in res.stderr
     res = runner.invoke(app, ["sample", str(tmp_path / "plain"), "--train-steps", "0"])
     assert f"note: try: ckpttool inspect {tmp_path / 'plain'}\n" in res.stderr  # nothing to quote
+
+
+def test_import_summary_lines_keep_one_value_column(sample_ckpt: Path, tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    assets = ["--model-assets", str(sample_ckpt / "model_assets")]
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(hf), *assets]).exit_code == 0
+    res = runner.invoke(app, ["import", str(hf), str(tmp_path / "ck"), "--ep-size", "2", "--world-size", "2"])
+    assert res.exit_code == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[1] == "key schema  torch-native; 2 ranks"
+    assert lines[2] == "EP layout   canonical (version 2), ep_size 2, ep_fsdp_size 1; 4 expert tensors"
+    res = runner.invoke(app, ["import", str(hf), str(tmp_path / "one")])
+    assert res.exit_code == 0 and res.stdout.splitlines()[1] == "key schema  torch-native; 1 rank"
