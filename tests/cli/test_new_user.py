@@ -174,3 +174,21 @@ def test_import_summary_lines_keep_one_value_column(sample_ckpt: Path, tmp_path:
     assert lines[2] == "EP layout   canonical (version 2), ep_size 2, ep_fsdp_size 1; 4 expert tensors"
     res = runner.invoke(app, ["import", str(hf), str(tmp_path / "one")])
     assert res.exit_code == 0 and res.stdout.splitlines()[1] == "key schema  torch-native; 1 rank"
+
+
+def test_manifest_verify_says_what_differs_from_what(sample_ckpt: Path, tmp_path: Path) -> None:
+    import re
+
+    ck = copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    assert runner.invoke(app, ["manifest", str(ck)]).exit_code == 0
+    ok = runner.invoke(app, ["manifest", str(ck), "--verify"])
+    assert ok.exit_code == 0
+    assert ok.stdout == f"{ck} (dcp) matches its manifest {ck / 'manifest.json'} (140 entries)\n"
+    data = ck / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    data.write_bytes(bytes(raw))
+    bad = runner.invoke(app, ["manifest", str(ck), "--verify"])
+    assert bad.exit_code == 1
+    last = bad.stdout.splitlines()[-1]
+    assert re.fullmatch(rf"{re.escape(str(ck))} \(dcp\) differs from its manifest .+ \(140 entries\): 1 problem", last)
