@@ -185,7 +185,9 @@ def _render(r: ImportResult) -> None:
         if r.dry_run
         else f"imported {plural(r.tensors, 'tensor')}, {human_bytes(r.bytes)} to {r.output} "
         f"({fmt_seconds(r.seconds)}, {fmt_rate(r.bytes, r.seconds)})",
-        f"key schema  {r.schema}" + (f"; adapter {r.adapter}" if r.adapter else "") + f"; {plural(r.world_size, 'rank')}",
+        f"key schema  {r.schema}"
+        + (f"; adapter {r.adapter}" if r.adapter else "")
+        + f"; {plural(r.world_size, 'rank')}",
     ]
     if r.ep_size is not None:
         lines.append(

@@ -192,3 +192,16 @@ def test_manifest_verify_says_what_differs_from_what(sample_ckpt: Path, tmp_path
     assert bad.exit_code == 1
     last = bad.stdout.splitlines()[-1]
     assert re.fullmatch(rf"{re.escape(str(ck))} \(dcp\) differs from its manifest .+ \(140 entries\): 1 problem", last)
+
+
+def test_replay_step_says_it_compared_with_torch_adamw(sample_ckpt: Path) -> None:
+    args = ["replay-step", str(sample_ckpt), "--filter", "*layers.0.mlp.gate.weight"]
+    res = runner.invoke(app, [*args, "--reference", "torch"], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.stderr
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("replay "))
+    assert line.startswith(
+        "replay      1 step vs a float64 reference and torch.optim.AdamW with the saved flags (bitwise, 1 of "
+        "1 parameter); tolerance"
+    )
+    res = runner.invoke(app, args, env={"COLUMNS": "300"})
+    assert res.exit_code == 0 and "torch.optim.AdamW" not in res.stdout
