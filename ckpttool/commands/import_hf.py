@@ -20,6 +20,7 @@ from ckpttool.ui.options import (
     OutputArg,
     OverwriteOpt,
     examples,
+    parse_dtype,
 )
 from ckpttool.ui.output import Output, command_boundary
 
@@ -76,7 +77,7 @@ DequantDtypeOpt = Annotated[
     str | None,
     typer.Option(
         "--dtype",
-        metavar="bfloat16|float32",
+        metavar="<bfloat16|float32>",
         help="Dtype of dequantized weights of a quantized checkpoint (block FP8 weight_scale_inv, MXFP4 "
         "_blocks/_scales) [default: bfloat16]. Other tensors keep their stored dtype.",
     ),
@@ -107,6 +108,7 @@ def import_command(
 ) -> None:
     """Import a Hugging Face safetensors model as a DCP checkpoint (streaming, bit-exact, atomic)."""
     from ckpttool.ops.import_hf import ImportOptions
+    from ckpttool.ops.import_quant import DEQUANT_DTYPES
     from ckpttool.ui.render import PhaseProgress
 
     _refuse_dcp_source(hf_dir)
@@ -129,7 +131,7 @@ def import_command(
                 manifest=manifest,
                 algorithm=hash_name,
                 dry_run=dry_run,
-                dtype=dtype,
+                dtype=None if dtype is None else parse_dtype(dtype, "--dtype", DEQUANT_DTYPES),
             ),
         )
     sink = Output(json_output)

@@ -205,3 +205,18 @@ def test_replay_step_says_it_compared_with_torch_adamw(sample_ckpt: Path) -> Non
     )
     res = runner.invoke(app, args, env={"COLUMNS": "300"})
     assert res.exit_code == 0 and "torch.optim.AdamW" not in res.stdout
+
+
+def test_import_dtype_takes_the_aliases_every_dtype_option_takes(sample_ckpt: Path, tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(hf)]).exit_code == 0
+    res = runner.invoke(app, ["import", str(hf), str(tmp_path / "a"), "--dtype", "bf16", "--dry-run"])
+    assert res.exit_code == 0, res.stderr
+    assert "warning: --dtype bfloat16 applies to quantized weights; the checkpoint has none" in res.stderr
+    res = runner.invoke(app, ["import", str(hf), str(tmp_path / "b"), "--dtype", "fp8"])
+    assert res.exit_code == 2 and res.stdout == "" and not (tmp_path / "b").exists()
+    assert res.stderr == (
+        "error: [E100] --dtype 'fp8' is not one of bfloat16, float32\n"
+        "hint: dtype aliases: bf16, fp16/half, fp32/float, fp64/double\n"
+    )
+    assert "--dtype <bfloat16|float32>" in runner.invoke(app, ["import", "--help"], env={"COLUMNS": "200"}).stdout
