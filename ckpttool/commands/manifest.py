@@ -36,7 +36,7 @@ def manifest_command(
         str,
         typer.Option(
             "--covers",
-            metavar="WHAT",
+            metavar="<window|record>",
             help="window: each chunk's whole stored window; record: its raw storage record only (what reshard digests while writing).",
         ),
     ] = "window",
