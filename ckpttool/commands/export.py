@@ -233,7 +233,8 @@ def run_export(cli: ExportCLIOptions) -> None:
         sink.note(masters)
     for n in result.notes:
         sink.note(n)
-    if result.format != "lora" and "config.json" not in result.assets:  # a folder from_pretrained cannot load
+    # a folder from_pretrained cannot load (--json says so by its `assets`, with no note beside the document)
+    if not cli.json_output and result.format != "lora" and "config.json" not in result.assets:
         held = f"{result.output} {'would hold' if result.dry_run else 'holds'} no config.json"
         sink.note(
             f"{held} (no --model-assets): transformers' from_pretrained needs one; pass --model-assets DIR, the "

@@ -5,6 +5,7 @@ stderr; ``inspect`` says plainly when optimizer state is keyed by index and name
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -220,3 +221,9 @@ def test_import_dtype_takes_the_aliases_every_dtype_option_takes(sample_ckpt: Pa
         "hint: dtype aliases: bf16, fp16/half, fp32/float, fp64/double\n"
     )
     assert "--dtype <bfloat16|float32>" in runner.invoke(app, ["import", "--help"], env={"COLUMNS": "200"}).stdout
+
+
+def test_export_json_has_no_config_note_beside_it(sample_ckpt: Path, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "hf"), "--json"])
+    assert res.exit_code == 0 and res.stderr == ""
+    assert "config.json" not in json.loads(res.stdout)["assets"]
