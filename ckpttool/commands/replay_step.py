@@ -281,7 +281,7 @@ def render_replay(result: ReplayResult, *, max_rows: int = 40) -> None:
             "result      ",
             (word, STYLES[word]),
             f": {len(result.params) - len(result.failed)} of {plural(len(result.params), 'parameter')} "
-            "match the reference step with a sane update"
+            f"{'matches' if len(result.params) == 1 else 'match'} the reference step with a sane update"
             + (
                 f"; {len(result.skipped)} stepped parameter(s) not replayed, e.g. {result.skipped[0]}"
                 if result.skipped

@@ -204,6 +204,7 @@ def test_replay_step_says_it_compared_with_torch_adamw(sample_ckpt: Path) -> Non
         "replay      1 step vs a float64 reference and torch.optim.AdamW with the saved flags (bitwise, 1 of "
         "1 parameter); tolerance"
     )
+    assert "result      OK: 1 of 1 parameter matches the reference step with a sane update" in res.stdout
     res = runner.invoke(app, args, env={"COLUMNS": "300"})
     assert res.exit_code == 0 and "torch.optim.AdamW" not in res.stdout
 
