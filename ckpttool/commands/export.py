@@ -43,7 +43,7 @@ from ckpttool.ui.options import (
     parse_size,
     selection,
 )
-from ckpttool.ui.output import Output, command_boundary
+from ckpttool.ui.output import Output, command_boundary, with_flags
 
 if TYPE_CHECKING:
     from ckpttool.model.checkpoint import Checkpoint
@@ -394,7 +394,10 @@ def _render(r: ExportResult) -> None:
         }.get(r.tied_embeddings, r.tied_embeddings)
         con.print(f"embeddings  {msg}")
     if r.skipped:
-        con.print("not exported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()))
+        reasons = (
+            f"{with_flags(reason)}: {len(keys)}" for reason, keys in r.skipped.items()
+        )  # `filter_glob`: --filter
+        con.print("not exported " + "; ".join(reasons))
     if r.assets:
         con.print(f"assets      {', '.join(r.assets)}")
     if r.config_edits:  # config.json made to match the written weights (ckpttool.ops.export.serving)

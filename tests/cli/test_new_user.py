@@ -228,3 +228,12 @@ def test_export_json_has_no_config_note_beside_it(sample_ckpt: Path, tmp_path: P
     res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "hf"), "--json"])
     assert res.exit_code == 0 and res.stderr == ""
     assert "config.json" not in json.loads(res.stdout)["assets"]
+
+
+def test_export_names_the_filter_by_its_flag_in_the_summary(sample_ckpt: Path, tmp_path: Path) -> None:
+    args = ["export", str(sample_ckpt), str(tmp_path / "hf"), "--filter", "model.layers.0.*"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.stderr
+    assert "not exported excluded by --filter: 18" in res.stdout.splitlines() and "`" not in res.stdout
+    doc = json.loads(runner.invoke(app, [*args[:2], str(tmp_path / "j"), *args[3:], "--json"]).stdout)
+    assert doc["skipped"]["excluded by `filter_glob`"]["count"] == 18  # the document keeps the library's reason
