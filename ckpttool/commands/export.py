@@ -394,9 +394,8 @@ def _render(r: ExportResult) -> None:
         }.get(r.tied_embeddings, r.tied_embeddings)
         con.print(f"embeddings  {msg}")
     if r.skipped:
-        reasons = (
-            f"{with_flags(reason)}: {len(keys)}" for reason, keys in r.skipped.items()
-        )  # `filter_glob`: --filter
+        # a reason naming a library parameter (`filter_glob`) names the command's flag (--filter)
+        reasons = (f"{with_flags(reason)}: {len(keys)}" for reason, keys in r.skipped.items())
         con.print("not exported " + "; ".join(reasons))
     if r.assets:
         con.print(f"assets      {', '.join(r.assets)}")
