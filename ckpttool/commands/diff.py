@@ -54,7 +54,10 @@ AsDtypeOpt = Annotated[
 MapOpt = Annotated[
     Path | None,
     typer.Option(
-        "--map", metavar="RULES", help="Export rules YAML mapping DCP keys to safetensors names (docs/export.md)."
+        "--rules",
+        "--map",
+        metavar="FILE",
+        help="Export rules YAML mapping DCP keys to safetensors names, as export --rules (docs/export.md).",
     ),
 ]
 WeightsOpt = Annotated[

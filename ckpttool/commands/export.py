@@ -43,7 +43,7 @@ from ckpttool.ui.options import (
     parse_size,
     selection,
 )
-from ckpttool.ui.output import Output, command_boundary
+from ckpttool.ui.output import Output, command_boundary, with_flags
 
 if TYPE_CHECKING:
     from ckpttool.model.checkpoint import Checkpoint
@@ -233,6 +233,16 @@ def run_export(cli: ExportCLIOptions) -> None:
         sink.note(masters)
     for n in result.notes:
         sink.note(n)
+    # a folder from_pretrained cannot load (--json says so by its `assets`, with no note beside the document)
+    if not cli.json_output and result.format != "lora" and "config.json" not in result.assets:
+        held = f"{result.output} {'would hold' if result.dry_run else 'holds'} no config.json"
+        sink.note(
+            f"{held} (no --model-assets): transformers' from_pretrained needs one; pass --model-assets DIR, the "
+            "folder of the model's config.json and tokenizer files"
+            if cli.model_assets is None
+            else f"{held} ({cli.model_assets} has none): transformers' from_pretrained needs one; copy the model's "
+            f"config.json into {cli.model_assets}"
+        )
     sink.result(result, _render)
 
 
@@ -384,7 +394,9 @@ def _render(r: ExportResult) -> None:
         }.get(r.tied_embeddings, r.tied_embeddings)
         con.print(f"embeddings  {msg}")
     if r.skipped:
-        con.print("not exported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()))
+        # a reason naming a library parameter (`filter_glob`) names the command's flag (--filter)
+        reasons = (f"{with_flags(reason)}: {len(keys)}" for reason, keys in r.skipped.items())
+        con.print("not exported " + "; ".join(reasons))
     if r.assets:
         con.print(f"assets      {', '.join(r.assets)}")
     if r.config_edits:  # config.json made to match the written weights (ckpttool.ops.export.serving)

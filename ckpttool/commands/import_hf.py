@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Annotated
@@ -19,6 +20,7 @@ from ckpttool.ui.options import (
     OutputArg,
     OverwriteOpt,
     examples,
+    parse_dtype,
 )
 from ckpttool.ui.output import Output, command_boundary
 
@@ -75,7 +77,7 @@ DequantDtypeOpt = Annotated[
     str | None,
     typer.Option(
         "--dtype",
-        metavar="bfloat16|float32",
+        metavar="<bfloat16|float32>",
         help="Dtype of dequantized weights of a quantized checkpoint (block FP8 weight_scale_inv, MXFP4 "
         "_blocks/_scales) [default: bfloat16]. Other tensors keep their stored dtype.",
     ),
@@ -106,6 +108,7 @@ def import_command(
 ) -> None:
     """Import a Hugging Face safetensors model as a DCP checkpoint (streaming, bit-exact, atomic)."""
     from ckpttool.ops.import_hf import ImportOptions
+    from ckpttool.ops.import_quant import DEQUANT_DTYPES
     from ckpttool.ui.render import PhaseProgress
 
     _refuse_dcp_source(hf_dir)
@@ -128,7 +131,7 @@ def import_command(
                 manifest=manifest,
                 algorithm=hash_name,
                 dry_run=dry_run,
-                dtype=dtype,
+                dtype=None if dtype is None else parse_dtype(dtype, "--dtype", DEQUANT_DTYPES),
             ),
         )
     sink = Output(json_output)
@@ -169,7 +172,7 @@ def _refuse_dcp_source(hf_dir: Path) -> None:
         raise UsageError(
             f"{hf_dir} is a DCP checkpoint ({what}), not a Hugging Face safetensors model",
             path=hf_dir,
-            hint=f"did you mean `ckpttool export {hf_dir} OUT` (DCP to safetensors)? "
+            hint=f"did you mean `ckpttool export {shlex.quote(str(hf_dir))} OUT` (DCP to safetensors)? "
             "import reads a directory of model*.safetensors files",
         )
 
@@ -184,11 +187,13 @@ def _render(r: ImportResult) -> None:
         if r.dry_run
         else f"imported {plural(r.tensors, 'tensor')}, {human_bytes(r.bytes)} to {r.output} "
         f"({fmt_seconds(r.seconds)}, {fmt_rate(r.bytes, r.seconds)})",
-        f"key schema  {r.schema}" + (f"; adapter {r.adapter}" if r.adapter else "") + f"; {r.world_size} rank(s)",
+        f"key schema  {r.schema}"
+        + (f"; adapter {r.adapter}" if r.adapter else "")
+        + f"; {plural(r.world_size, 'rank')}",
     ]
     if r.ep_size is not None:
         lines.append(
-            f"EP layout  canonical (version 2), ep_size {r.ep_size}, ep_fsdp_size {r.ep_fsdp_size}; "
+            f"EP layout   canonical (version 2), ep_size {r.ep_size}, ep_fsdp_size {r.ep_fsdp_size}; "
             f"{plural(r.ep_tensors, 'expert tensor')}"
         )
     if r.dequantized:

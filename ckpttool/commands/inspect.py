@@ -9,7 +9,7 @@ import typer
 
 from ckpttool.ui import options as opt
 from ckpttool.ui.options import declaration, examples, selection
-from ckpttool.ui.output import Output, command_boundary
+from ckpttool.ui.output import Output, command_boundary, with_flags
 
 if TYPE_CHECKING:
     from ckpttool.ops.inspect import InspectResult
@@ -53,7 +53,7 @@ def inspect_command(
         if not json_output:
             for line in data_file_warnings(result):
                 sink.warning(line)
-        sink.result(result, render_overview)
+        sink.result(result, lambda r: render_overview(r, flags=with_flags))
 
     run_inspect(
         checkpoint,

@@ -36,7 +36,7 @@ def manifest_command(
         str,
         typer.Option(
             "--covers",
-            metavar="WHAT",
+            metavar="<window|record>",
             help="window: each chunk's whole stored window; record: its raw storage record only (what reshard digests while writing).",
         ),
     ] = "window",
@@ -105,9 +105,11 @@ def _render_check(res: ManifestCheck) -> None:
     if len(res.problems) > SHOWN_PROBLEMS:
         kinds = ", ".join(f"{k} {n:,}" for k, n in sorted(res.counts().items()))
         con.print(f"... and {len(res.problems) - SHOWN_PROBLEMS:,} more ({kinds} in all; --json lists the first 1,000)")
-    verdict = "matches" if not res.problems else f"differs: {plural(len(res.problems), 'problem')}"
+    verdict = "matches" if not res.problems else "differs from"
+    problems = f": {plural(len(res.problems), 'problem')}" if res.problems else ""
     con.print(
-        f"{res.path} ({res.kind}) {verdict} its manifest {res.manifest} ({plural(res.entries, 'entry', 'entries')})"
+        f"{res.path} ({res.kind}) {verdict} its manifest {res.manifest} "
+        f"({plural(res.entries, 'entry', 'entries')}){problems}"
     )
 
 

@@ -281,7 +281,7 @@ def render_replay(result: ReplayResult, *, max_rows: int = 40) -> None:
             "result      ",
             (word, STYLES[word]),
             f": {len(result.params) - len(result.failed)} of {plural(len(result.params), 'parameter')} "
-            "match the reference step with a sane update"
+            f"{'matches' if len(result.params) == 1 else 'match'} the reference step with a sane update"
             + (
                 f"; {len(result.skipped)} stepped parameter(s) not replayed, e.g. {result.skipped[0]}"
                 if result.skipped
@@ -315,9 +315,16 @@ def _print_replay_header(con: Any, result: ReplayResult) -> None:
         + (f"file {g['path']}" if g["source"] == "file" else f"seeded (seed {g['seed']}, scale {g['scale']:g})")
     )
     rtol, atol = result.tolerance
+    torch_checked = sum(p.torch_unequal is not None for p in result.params)  # --reference torch
+    also = (
+        f" and torch.optim.AdamW with the saved flags (bitwise, {torch_checked} of "
+        f"{plural(len(result.params), 'parameter')})"
+        if torch_checked
+        else ""
+    )
     con.print(
-        f"replay      {plural(result.steps, 'step')} vs a {result.reference_dtype} reference; tolerance rtol {rtol:g} "
-        f"atol {atol:g} (BF16 values: 2 ulp); {plural(result.batches, 'batch', 'batches')} under "
+        f"replay      {plural(result.steps, 'step')} vs a {result.reference_dtype} reference{also}; tolerance rtol "
+        f"{rtol:g} atol {atol:g} (BF16 values: 2 ulp); {plural(result.batches, 'batch', 'batches')} under "
         f"{human_bytes(result.max_memory)}"
     )
     for n in result.notes:

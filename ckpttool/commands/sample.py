@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -60,7 +61,7 @@ def sample_command(
         directory, SampleOptions(steps=train_steps, seed=seed, optimizer=optimizer.value, overwrite=overwrite)
     ).path
     note(f"wrote sample checkpoint to {out}")
-    note(f"try: ckpttool inspect {out}")
+    note(f"try: ckpttool inspect {shlex.quote(str(out))}")  # a command to paste, spaces and all
 
 
 EPILOG = examples(

@@ -92,7 +92,15 @@ def schema_command(
     import sys
 
     if name is None:
-        from ckpttool.ui.render import Col, print_table, stdout_console
+        from ckpttool.errors import UsageError
+        from ckpttool.ui.render import UI, Col, print_table, stdout_console
+
+        if UI.json:  # `ckpttool --json schema`: the list is a table, never a JSON document
+            raise UsageError(
+                "`ckpttool schema` without NAME lists the schemas as a table, not as a JSON document",
+                hint="name one for JSON (`ckpttool schema inspect` prints the JSON Schema of inspect's document), "
+                "or list them without JSON output",
+            )
 
         print_table(
             stdout_console(),

@@ -97,7 +97,12 @@ def stats_command(
         from ckpttool.ui.plot import write_stats_plot
 
         write_stats_plot(res, plot)
-    deliver(res, lambda r: Output(json_output).result(r, lambda x: _render(x, by, plot)))
+    sink = Output(json_output)
+    if not json_output:  # --json: the notes are in the document
+        for c in res.checkpoints:
+            for n in c.notes:
+                sink.note(f"{c.path}: no update size: {n}")
+    deliver(res, lambda r: sink.result(r, lambda x: _render(x, by, plot)))
 
 
 def _g(v: float | None) -> str | None:
@@ -114,8 +119,6 @@ def _render(res: StatsResult, by: StatsView, plot: Path | None) -> None:
             f"checkpoint  {c.path} ({c.schema}{step}): {len(c.tensors)} tensors, {human_bytes(c.bytes_read)} read"
         )
         _table(con, c, by)
-        for n in c.notes:
-            con.print(f"note: no update size: {n}")
     if res.changes:
         _changes(con, res)
     for s in res.skipped:
@@ -125,7 +128,7 @@ def _render(res: StatsResult, by: StatsView, plot: Path | None) -> None:
 
 
 def _table(con: Console, c: CheckpointStats, by: StatsView) -> None:
-    from ckpttool.ui.render import Col, print_table
+    from ckpttool.ui.render import Col, fmt_count, print_table
 
     if by is StatsView.tensor:
         cols = [
@@ -145,7 +148,7 @@ def _table(con: Console, c: CheckpointStats, by: StatsView) -> None:
                 t.key,
                 t.role,
                 t.dtype,
-                t.numel,
+                fmt_count(t.numel),
                 _g(t.mean),
                 _g(t.std),
                 _g(t.abs_max),
@@ -166,7 +169,7 @@ def _table(con: Console, c: CheckpointStats, by: StatsView) -> None:
         Col("NaN/Inf", "num", hide_empty=True),
     ]
     rows = [
-        [g.name, g.params]
+        [g.name, fmt_count(g.params)]
         + [_g(g.norms.get(r)) for r in roles]
         + [_g(g.abs_max), _g(g.update_rms), g.nonfinite or None]
         for g in groups

@@ -39,6 +39,7 @@ __all__ = [
     "print_error",
     "sanitized",
     "warn",
+    "with_flags",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -142,6 +143,11 @@ def flag_names() -> dict[str, str]:
         if p.name and opts:
             out[p.name] = opts[0]
     return out
+
+
+def with_flags(text: str) -> str:
+    """``text`` with `` `param` `` named by the running command's flag (``--step``), ``docs/X.md`` by its URL."""
+    return _with_flags(text, flag_names())
 
 
 def _with_flags(text: str, flags: dict[str, str]) -> str:

@@ -684,13 +684,25 @@ def _print_rich_table(
     cells: list[list[Any]],
     least: int,
 ) -> None:
-    """The ``keep`` columns of ``cells`` as a rich table on ``con``, at least ``least`` cells wide."""
+    """The ``keep`` columns of ``cells`` as a rich table on ``con``, at least ``least`` cells wide.
+
+    A title wider than the table is printed on its own line above it, whole (rich would wrap it to the
+    table's width: a line of text cut in a pipe).
+    """
     t = _rich_table(title, [columns[i] for i in keep], [widths[i] for i in keep])
     key_text = _key_text_class()
     for r in cells:
         t.add_row(
             *(key_text(safe_text(r[i])) if columns[i].kind == "key" and isinstance(r[i], str) else r[i] for i in keep)
         )
+    if title:
+        from rich.cells import cell_len
+        from rich.measure import Measurement
+
+        shown = min(Measurement.get(con, con.options, t).maximum, max(con.width, least))
+        if cell_len(safe_text(title)) > shown:
+            t.title = None
+            con.print(styled((title, "bold")))
     _print_at_least(con, t, least)
 
 
@@ -710,7 +722,7 @@ def _plain_table(title: str, columns: list[Col], rows: list[list[Any]], width: i
         return None
     widths = [max([len(c.name)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
     total = sum(widths) + 3 * len(columns) + 1
-    if total > width or len(title) > total or not all(_plain_cell(c.name) for c in columns):
+    if total > width or not all(_plain_cell(c.name) for c in columns):
         return None
 
     def line(cells: list[str], edge: str, bar: str) -> str:
@@ -945,10 +957,13 @@ def byte_progress(label: str, enabled: bool) -> Iterator[Callable[[int, int], No
         yield shown.progress if shown is not None else None
 
 
-def render_overview(ov: InspectResult, *, max_rows: int = 200) -> None:
-    """Print ``inspect``'s result: a header, the model tensors, optimizer, layout and extra state."""
+def render_overview(ov: InspectResult, *, max_rows: int = 200, flags: Callable[[str], str] | None = None) -> None:
+    """Print ``inspect``'s result: a header, the model tensors, optimizer, layout and extra state.
+
+    ``flags`` names the library parameters in a text (`` `step` ``) by the running command's flags (``--step``).
+    """
     con = stdout_console()
-    _overview_header(con, ov)
+    _overview_header(con, ov, flags or (lambda text: text))
     _overview_model(con, ov, max_rows)
     _overview_optimizer(con, ov)
     _overview_layout(con, ov)
@@ -982,14 +997,14 @@ def _overview_training(con: Console, ov: InspectResult) -> None:
         con.print(f"hf copy     {', '.join(ov.hf_copies)} (compared with the checkpoint by validate --deep, D012)")
 
 
-def _overview_header(con: Console, ov: InspectResult) -> None:
+def _overview_header(con: Console, ov: InspectResult, flags: Callable[[str], str]) -> None:
     """Where the checkpoint was opened, its format, key schema, files, tensors and bytes."""
     s = ov.summary
     con.print(f"checkpoint  {ov.path}")
     loc = ov.location
     if loc is not None and (loc.model != loc.given or loc.optimizer is not None or loc.how != "the directory given"):
         pair = f" + optimizer {loc.optimizer}" if loc.optimizer is not None else ""
-        con.print(f"opened      {loc.model}{pair} ({loc.how})")
+        con.print(f"opened      {loc.model}{pair} ({flags(loc.how)})")
     con.print(
         f"dcp version {ov.dcp_version or ABSENT}"
         + ("; safetensors storage" if ov.serialization == "safetensors" else "")
@@ -1067,10 +1082,18 @@ def _overview_model(con: Console, ov: InspectResult, max_rows: int) -> None:
 def _overview_optimizer(con: Console, ov: InspectResult) -> None:
     """The optimizer summary, its state fields, param groups and state of fqns not in the model."""
     o = ov.optimizer
-    con.print(
-        f"optimizer   flavor {o.flavor or ABSENT}; state for {o.params_with_state}/{o.params_total} params; "
-        f"implied type {o.implied_type or ABSENT}; declared type {o.declared_type or ABSENT}"
-    )
+    by_index = ov.schema is not None and ov.schema.optimizer_keying == "index"
+    if by_index:  # state keyed 0, 1, ...: no parameter of the model is matched, none is an orphan
+        con.print(
+            f"optimizer   flavor {o.flavor or ABSENT}; state of {plural(len(o.orphan_state), 'parameter')} keyed by "
+            "index (a plain optimizer.state_dict()), not by fqn: matched to no model parameter (validate: K003; "
+            "re-save with torch.distributed.checkpoint.state_dict.get_optimizer_state_dict)"
+        )
+    else:
+        con.print(
+            f"optimizer   flavor {o.flavor or ABSENT}; state for {o.params_with_state}/{o.params_total} params; "
+            f"implied type {o.implied_type or ABSENT}; declared type {o.declared_type or ABSENT}"
+        )
     if o.fields:
         print_table(
             con,
@@ -1112,7 +1135,7 @@ def _overview_optimizer(con: Console, ov: InspectResult) -> None:
             ],
             rows,
         )
-    if o.orphan_state:
+    if o.orphan_state and not by_index:
         con.print(f"state for fqns not in the model: {fmt_list(o.orphan_state, limit=10)}")
 
 

@@ -1,0 +1,239 @@
+"""What a new user met on checkpoints saved with ``torch.distributed.checkpoint.save``, through the CLI:
+``stats`` keeps a long table title whole in a pipe, writes counts with separators and its notes on
+stderr; ``inspect`` says plainly when optimizer state is keyed by index and names ``--step`` as a flag;
+``export`` says when its output holds no ``config.json``; ``ckpttool --json schema`` is refused."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from tests.fixtures.cache import copy_checkpoint
+
+runner = CliRunner()
+CHANGE_TITLE = "relative change ‖W_b − W_a‖ / ‖W_a‖ between consecutive checkpoints"
+
+
+def _save(state: dict, out: Path) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... single process"
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(out), no_dist=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_optimizer_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()})``: state keyed by index."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(OrderedDict(up=torch.nn.Linear(8, 8), down=torch.nn.Linear(8, 4)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    return _save(state, tmp_path_factory.mktemp("plain") / "ck")
+
+
+def test_stats_keeps_a_title_wider_than_its_table_whole_in_a_pipe(sample_ckpt: Path) -> None:
+    res = runner.invoke(app, ["stats", str(sample_ckpt), str(sample_ckpt)], env={"COLUMNS": ""})
+    assert res.exit_code == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert CHANGE_TITLE in lines  # one line, not cut to the two-column table's width
+    table = lines[lines.index(CHANGE_TITLE) + 1 :]
+    assert table[0].startswith("┏") and len(table[0]) < len(CHANGE_TITLE)
+    assert "│ model.model.layers.0 │    0 │" in table or any(r.startswith("│ model.layers.0 ") for r in table)
+
+
+def test_stats_writes_counts_with_thousands_separators(sample_ckpt: Path) -> None:
+    res = runner.invoke(app, ["stats", str(sample_ckpt)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.stderr
+    row = next(r for r in res.stdout.splitlines() if r.startswith("│ model.embed_tokens "))
+    assert row.split("│")[2].strip() == "4,096"  # 128x32 embedding
+    res = runner.invoke(app, ["stats", str(sample_ckpt), "--by", "tensor", "--filter", "*embed_tokens*"])
+    assert res.exit_code == 0, res.stderr
+    assert " 4,096 " in res.stdout and " 4096 " not in res.stdout
+
+
+def test_stats_notes_go_to_stderr_and_quiet_drops_them(tmp_path: Path) -> None:
+    import torch
+
+    w = torch.ones(4, 4)
+    state = {"exp_avg": w * 0.1, "exp_avg_sq": w * 0.01, "step": torch.tensor(3.0)}
+    ck = _save({"model": {"layers.0.w": w}, "optimizer": {"state": {"layers.0.w": state}}}, tmp_path / "ck")
+    res = runner.invoke(app, ["stats", str(ck)])
+    assert res.exit_code == 0, res.stderr
+    assert "note:" not in res.stdout and "no update size" not in res.stdout
+    assert res.stderr == (
+        f"note: {ck}: no update size: no param group or step saved: 1 parameter(s), e.g. layers.0.w\n"
+    )
+    res = runner.invoke(app, ["-q", "stats", str(ck)])
+    assert res.exit_code == 0 and res.stderr == "" and "layers.0" in res.stdout
+
+
+def test_inspect_says_index_keyed_optimizer_state_matches_no_parameter(plain_optimizer_ckpt: Path) -> None:
+    res = runner.invoke(app, ["inspect", str(plain_optimizer_ckpt)], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.stderr
+    lines = res.stdout.splitlines()
+    line = next(ln for ln in lines if ln.startswith("optimizer "))
+    assert line.startswith("optimizer   flavor nested; state of 4 parameters keyed by index")
+    assert "matched to no model parameter (validate: K003;" in line
+    assert "state for 0/0 params" not in res.stdout and "state for fqns not in the model" not in res.stdout
+    assert any(ln.startswith("│ 0     │      4 │") for ln in lines)  # the param group is still shown
+    assert runner.invoke(app, ["validate", str(plain_optimizer_ckpt), "--select", "K003"]).exit_code == 1
+
+
+def test_inspect_names_the_step_it_opened_by_its_flag(sample_ckpt: Path, tmp_path: Path) -> None:
+    root = tmp_path / "my run"  # a space, as users' folders have
+    for step in (1, 2):
+        copy_checkpoint(sample_ckpt, root / f"step-{step}")
+    res = runner.invoke(app, ["inspect", str(root), "--step", "latest"], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.stderr
+    assert f"opened      {root / 'step-2'} (--step latest: step 2 (the highest step))" in res.stdout.splitlines()
+    res = runner.invoke(app, ["inspect", str(root), "--step", "1"], env={"COLUMNS": "300"})
+    assert f"opened      {root / 'step-1'} (--step 1)" in res.stdout.splitlines()
+    assert "`" not in res.stdout
+
+
+def test_json_schema_list_is_refused_not_a_table(sample_ckpt: Path) -> None:
+    res = runner.invoke(app, ["--json", "schema"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.startswith("error: [E100] `ckpttool schema` without NAME lists the schemas as a table")
+    res = runner.invoke(app, ["--json", "schema", "stats"])
+    assert res.exit_code == 0 and res.stdout.startswith("{")
+
+
+def test_export_without_a_config_says_from_pretrained_needs_one(sample_ckpt: Path, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "hf")])
+    assert res.exit_code == 0, res.stderr
+    assert not (tmp_path / "hf" / "config.json").exists()
+    assert (
+        f"note: {tmp_path / 'hf'} holds no config.json (no --model-assets): transformers' from_pretrained needs one; "
+        "pass --model-assets DIR, the folder of the model's config.json and tokenizer files\n"
+    ) in res.stderr
+    assert "config.json" not in res.stdout.split("files")[0]
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "d"), "--dry-run"])
+    assert res.exit_code == 0 and f"note: {tmp_path / 'd'} would hold no config.json" in res.stderr
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "e"), "--model-assets", str(assets)])
+    assert res.exit_code == 0, res.stderr
+    assert f"holds no config.json ({assets} has none): transformers' from_pretrained needs one" in res.stderr
+    res = runner.invoke(
+        app, ["export", str(sample_ckpt), str(tmp_path / "f"), "--model-assets", str(sample_ckpt / "model_assets")]
+    )
+    assert res.exit_code == 0 and "config.json" not in res.stderr and (tmp_path / "f" / "config.json").is_file()
+    res = runner.invoke(app, ["-q", "export", str(sample_ckpt), str(tmp_path / "g")])
+    assert res.exit_code == 0 and res.stderr == ""
+
+
+def test_diff_takes_export_rules_as_rules_like_export(sample_ckpt: Path, tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(
+        "format: ckpttool.export-rules\nversion: 1\nkeys:\n  - {match: '^model\\.lm_head\\.weight$', to: 'head.weight'}\n"
+    )
+    hf = tmp_path / "hf"
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(hf), "--rules", str(rules)]).exit_code == 0
+    plain = runner.invoke(app, ["diff", str(sample_ckpt), str(hf)])
+    assert plain.exit_code == 1  # lm_head.weight on one side, head.weight on the other
+    for flag in ("--rules", "--map"):  # export's name, and the old one
+        res = runner.invoke(app, ["diff", str(sample_ckpt), str(hf), flag, str(rules)])
+        assert res.exit_code == 0, res.stdout + res.stderr
+        assert "compared 33 tensors" in res.stdout
+    assert "--rules, --map FILE" in runner.invoke(app, ["diff", "--help"], env={"COLUMNS": "200"}).stdout
+
+
+def test_a_command_suggested_with_a_path_can_be_pasted_as_it_is(sample_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "my sample"
+    res = runner.invoke(app, ["sample", str(out), "--train-steps", "0"])
+    assert res.exit_code == 0, res.stderr
+    assert f"note: try: ckpttool inspect '{out}'\n" in res.stderr
+    spaced = copy_checkpoint(sample_ckpt, tmp_path / "a ckpt")
+    res = runner.invoke(app, ["import", str(spaced), str(tmp_path / "x")])
+    assert res.exit_code == 2
+    assert f"hint: did you mean `ckpttool export '{spaced}' OUT` (DCP to safetensors)?" in res.stderr
+    res = runner.invoke(app, ["sample", str(tmp_path / "plain"), "--train-steps", "0"])
+    assert f"note: try: ckpttool inspect {tmp_path / 'plain'}\n" in res.stderr  # nothing to quote
+
+
+def test_import_summary_lines_keep_one_value_column(sample_ckpt: Path, tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    assets = ["--model-assets", str(sample_ckpt / "model_assets")]
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(hf), *assets]).exit_code == 0
+    res = runner.invoke(app, ["import", str(hf), str(tmp_path / "ck"), "--ep-size", "2", "--world-size", "2"])
+    assert res.exit_code == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[1] == "key schema  torch-native; 2 ranks"
+    assert lines[2] == "EP layout   canonical (version 2), ep_size 2, ep_fsdp_size 1; 4 expert tensors"
+    res = runner.invoke(app, ["import", str(hf), str(tmp_path / "one")])
+    assert res.exit_code == 0 and res.stdout.splitlines()[1] == "key schema  torch-native; 1 rank"
+
+
+def test_manifest_verify_says_what_differs_from_what(sample_ckpt: Path, tmp_path: Path) -> None:
+    import re
+
+    ck = copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    assert runner.invoke(app, ["manifest", str(ck)]).exit_code == 0
+    ok = runner.invoke(app, ["manifest", str(ck), "--verify"])
+    assert ok.exit_code == 0
+    assert ok.stdout == f"{ck} (dcp) matches its manifest {ck / 'manifest.json'} (140 entries)\n"
+    data = ck / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    data.write_bytes(bytes(raw))
+    bad = runner.invoke(app, ["manifest", str(ck), "--verify"])
+    assert bad.exit_code == 1
+    last = bad.stdout.splitlines()[-1]
+    assert re.fullmatch(rf"{re.escape(str(ck))} \(dcp\) differs from its manifest .+ \(140 entries\): 1 problem", last)
+
+
+def test_replay_step_says_it_compared_with_torch_adamw(sample_ckpt: Path) -> None:
+    args = ["replay-step", str(sample_ckpt), "--filter", "*layers.0.mlp.gate.weight"]
+    res = runner.invoke(app, [*args, "--reference", "torch"], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.stderr
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("replay "))
+    assert line.startswith(
+        "replay      1 step vs a float64 reference and torch.optim.AdamW with the saved flags (bitwise, 1 of "
+        "1 parameter); tolerance"
+    )
+    assert "result      OK: 1 of 1 parameter matches the reference step with a sane update" in res.stdout
+    res = runner.invoke(app, args, env={"COLUMNS": "300"})
+    assert res.exit_code == 0 and "torch.optim.AdamW" not in res.stdout
+
+
+def test_import_dtype_takes_the_aliases_every_dtype_option_takes(sample_ckpt: Path, tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(hf)]).exit_code == 0
+    res = runner.invoke(app, ["import", str(hf), str(tmp_path / "a"), "--dtype", "bf16", "--dry-run"])
+    assert res.exit_code == 0, res.stderr
+    assert "warning: --dtype bfloat16 applies to quantized weights; the checkpoint has none" in res.stderr
+    res = runner.invoke(app, ["import", str(hf), str(tmp_path / "b"), "--dtype", "fp8"])
+    assert res.exit_code == 2 and res.stdout == "" and not (tmp_path / "b").exists()
+    assert res.stderr == (
+        "error: [E100] --dtype 'fp8' is not one of bfloat16, float32\n"
+        "hint: dtype aliases: bf16, fp16/half, fp32/float, fp64/double\n"
+    )
+    assert "--dtype <bfloat16|float32>" in runner.invoke(app, ["import", "--help"], env={"COLUMNS": "200"}).stdout
+
+
+def test_export_json_has_no_config_note_beside_it(sample_ckpt: Path, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "hf"), "--json"])
+    assert res.exit_code == 0 and res.stderr == ""
+    assert "config.json" not in json.loads(res.stdout)["assets"]
+
+
+def test_export_names_the_filter_by_its_flag_in_the_summary(sample_ckpt: Path, tmp_path: Path) -> None:
+    args = ["export", str(sample_ckpt), str(tmp_path / "hf"), "--filter", "model.layers.0.*"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.stderr
+    assert "not exported excluded by --filter: 18" in res.stdout.splitlines() and "`" not in res.stdout
+    doc = json.loads(runner.invoke(app, [*args[:2], str(tmp_path / "j"), *args[3:], "--json"]).stdout)
+    assert doc["skipped"]["excluded by `filter_glob`"]["count"] == 18  # the document keeps the library's reason
