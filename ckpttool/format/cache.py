@@ -22,7 +22,7 @@ import logging
 import os
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = [
@@ -90,8 +90,10 @@ def read_entry(path: Path, max_bytes: int | None = None, *, logger: logging.Logg
         return None
 
 
-def store_entry(path: Path, build: Callable[[], bytes], what: str, *, logger: logging.Logger = log) -> None:
-    """Write the entry ``build()`` at ``path`` (temporary file + rename), best effort.
+def store_entry(
+    path: Path, build: Callable[[], bytes | Sequence[bytes | memoryview]], what: str, *, logger: logging.Logger = log
+) -> None:
+    """Write the entry ``build()`` (its bytes, or its parts in order) at ``path`` (temporary file + rename), best effort.
 
     A failure to build it (``ValueError``, ``TypeError``, ``OverflowError``) or to write it
     (``OSError``) leaves no entry and no temporary file; it is logged to ``logger`` as
@@ -103,7 +105,8 @@ def store_entry(path: Path, build: Callable[[], bytes], what: str, *, logger: lo
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(blob)
+                for part in [blob] if isinstance(blob, bytes) else blob:
+                    f.write(part)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
