@@ -103,11 +103,15 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
             )
     if target.exists() or target.is_symlink():
         if not target.is_dir() or target.is_symlink():
-            what = "is a symbolic link" if target.is_symlink() else "exists and is not a directory"
+            link = target.is_symlink()
             raise OutputError(
-                f"{target} {what}: ckpttool writes a real directory there and replaces no link",
+                f"{target} is a symbolic link: ckpttool writes a real directory there and replaces no link"
+                if link
+                else f"{target} exists and is not a directory: ckpttool writes the output as a directory",
                 path=target,
-                hint="choose a new or empty output directory (the directory the link points at, if that is the one)",
+                hint="choose a new or empty output directory (the directory the link points at, if that is the one)"
+                if link
+                else "choose a new or empty output directory (OUT is a directory, not a file)",
             )
         try:
             non_empty = any(target.iterdir())

@@ -13,6 +13,7 @@ their common parent, each path confined to its part. Torch-free. ``docs/design.m
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -558,10 +559,11 @@ def _ambiguous(root: Path, units: list[_Unit], step: int | str | None) -> Ambigu
     if len(steps) > 1 and step is None:
         hint = (
             f"pick one with `step` N|latest (steps {', '.join(map(str, steps[:10]))}), "
-            f"or pass a directory, e.g. {units[-1].model if units[-1].optimizer is None else units[-1].model.parent}"
+            f"or pass a directory, e.g. "
+            f"{shlex.quote(str(units[-1].model if units[-1].optimizer is None else units[-1].model.parent))}"
         )
     else:
-        hint = f"pass one of them, e.g. {units[0].model}"
+        hint = f"pass one of them, e.g. {shlex.quote(str(units[0].model))}"
     return AmbiguousCheckpointError(
         f"{root}: no .metadata; {len(units)} checkpoints below it: {shown}",
         path=root,

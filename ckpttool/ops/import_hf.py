@@ -521,7 +521,8 @@ def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -
         raise UsageError(f"`world_size` must be an integer >= 1, got {opts.world_size!r}", param="world_size")
     src_dir = Path(hf_dir)
     if not src_dir.is_dir():
-        raise UsageError(f"{src_dir}: not a directory", path=src_dir, hint="pass a Hugging Face model directory")
+        what = "not a directory" if os.path.lexists(src_dir) else "no such directory"
+        raise UsageError(f"{src_dir}: {what}", path=src_dir, hint="pass a Hugging Face model directory")
     return src_dir
 
 

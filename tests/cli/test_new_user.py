@@ -237,3 +237,38 @@ def test_export_names_the_filter_by_its_flag_in_the_summary(sample_ckpt: Path, t
     assert "not exported excluded by --filter: 18" in res.stdout.splitlines() and "`" not in res.stdout
     doc = json.loads(runner.invoke(app, [*args[:2], str(tmp_path / "j"), *args[3:], "--json"]).stdout)
     assert doc["skipped"]["excluded by `filter_glob`"]["count"] == 18  # the document keeps the library's reason
+
+
+@pytest.fixture(scope="module")
+def dense_model_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``dcp.save({"model": model.state_dict()})`` of a dense model: no optimizer state, no experts."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(OrderedDict(up=torch.nn.Linear(8, 8), down=torch.nn.Linear(8, 4)))
+    return _save({"model": model.state_dict()}, tmp_path_factory.mktemp("dense") / "ck")
+
+
+def test_messages_name_what_is_wrong(dense_model_ckpt: Path, tmp_path: Path) -> None:
+    """reshard of a dense model, import of a missing folder, an export OUT that is a file, a model-only diff
+    of optimizer state: each line says what is wrong and what to do, exit 2, nothing written."""
+    res = runner.invoke(app, ["reshard", str(dense_model_ckpt), str(tmp_path / "o1"), "--to", "canonical"])
+    assert res.exit_code == 2 and "no expert-parallel tensor (a dense model)" in res.stderr
+    assert not (tmp_path / "o1").exists()
+    res = runner.invoke(app, ["import", str(tmp_path / "missing"), str(tmp_path / "o2")])
+    assert res.exit_code == 2 and f"{tmp_path / 'missing'}: no such directory" in res.stderr
+    (tmp_path / "afile").write_bytes(b"keep")
+    res = runner.invoke(app, ["export", str(dense_model_ckpt), str(tmp_path / "afile")])
+    assert res.exit_code == 2 and "exists and is not a directory" in res.stderr and "link" not in res.stderr
+    assert (tmp_path / "afile").read_bytes() == b"keep"
+    res = runner.invoke(app, ["diff", str(dense_model_ckpt), str(dense_model_ckpt), "--what", "optimizer"])
+    assert res.exit_code == 2 and "hold optimizer state, or compare the models with --what model" in res.stderr
+
+
+def test_several_checkpoints_hint_a_path_to_paste(dense_model_ckpt: Path, tmp_path: Path) -> None:
+    root = tmp_path / "my run"
+    for step in (100, 200):
+        copy_checkpoint(dense_model_ckpt, root / f"step-{step}")
+    res = runner.invoke(app, ["inspect", str(tmp_path)])
+    assert res.exit_code == 2, res.stdout
+    assert f"'{root / 'step-200'}'" in res.stderr  # quoted: the space is kept when pasted

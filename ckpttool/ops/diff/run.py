@@ -1216,6 +1216,8 @@ def _fail_closed(
                 else "a state pickled into byte items (as DefaultSavePlanner(flatten_state_dict=False) saves) has no "
                 "tensors to compare value by value: re-save it with the default planner"
             )
+        elif opts.what == "optimizer":
+            hint = "pass checkpoints that hold optimizer state, or compare the models with `what` model"
         else:
             hint = "pass checkpoints that hold model tensors (`ckpttool inspect` shows what each holds)"
     elif kept == (0, 0):

@@ -391,6 +391,11 @@ def _target_mesh(
         raise UsageError("give both `target_ep_size` and `target_ep_fsdp_size`, or neither (keep the source sizes)")
     p2 = target_ep_size if target_ep_size is not None else layout.ep_size
     f2 = target_ep_fsdp_size if target_ep_fsdp_size is not None else layout.ep_fsdp_size
+    if (p2 is None or f2 is None) and not layout.ep_tensors:
+        raise UsageError(
+            f"{cat.path}: no expert-parallel tensor (a dense model): there is no EP layout to reshard",
+            hint="`ckpttool inspect` lists the tensors; reshard applies to MoE checkpoints with stacked experts",
+        )
     if p2 is None or f2 is None:
         raise UsageError(
             f"{cat.path}: the source EP sizes are unknown (no layout record, no declaration)",
