@@ -20,8 +20,8 @@ Prints, in one run:
     processes beside ``python -c pass``, and whether torch was imported (target: <= 0.2 s,
     torch never imported).
 
-  * ``--first-run``: ``inspect --json`` with ``--no-cache`` (a first run: the allow-list parser) and
-    with a warm parsed-metadata cache beside torch's ``read_metadata`` (default 10^6 entries, 2.75 M
+  * ``--first-run``: ``inspect --json`` with ``--no-cache`` (a first run: the allow-list parser), with
+    the cache on and no entry yet (a first run that writes one), and with a warm parsed-metadata cache beside torch's ``read_metadata`` (default 10^6 entries, 2.75 M
     chunks), CPU seconds and peak RSS of each fresh process (``--baseline DIR``: another ckpttool tree
     in the same rounds).
 
@@ -35,6 +35,7 @@ import argparse
 import io
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import time
@@ -298,15 +299,21 @@ def bench_first_run(
     env.pop("CKPTTOOL_NO_CACHE", None)
     # 2.75 M chunks are 9.4 M records, over the default cap (a trusted input: raised as a user would)
     cli = [sys.executable, "-c", "from ckpttool.cli import main; main()", "--max-metadata-size", "2GiB"]
+    # a first run with the cache on: no entry yet (its directory removed before each such run), one written
+    env_miss = {**env, "CKPTTOOL_CACHE_DIR": str(workdir / "metadata-cache-miss")}
     cases = [
         ("torch FileSystemReader.read_metadata + keys", [sys.executable, "-c", TORCH_READ, str(ckpt)], env),
         ("ckpttool inspect --json --no-cache", [*cli, "--no-cache", "inspect", "--json", str(ckpt)], env),
+        ("ckpttool inspect --json (cache miss)", [*cli, "inspect", "--json", str(ckpt)], env_miss),
         ("ckpttool inspect --json (cache hit)", [*cli, "inspect", "--json", str(ckpt)], env),
     ]
     if baseline:
         env_base = {**env, "PYTHONPATH": os.path.abspath(baseline)}
         cases.append(
             (f"baseline {baseline} --no-cache", [*cli, "--no-cache", "inspect", "--json", str(ckpt)], env_base)
+        )
+        cases.append(
+            (f"baseline {baseline} (cache miss)", [*cli, "inspect", "--json", str(ckpt)], {**env_miss, **env_base})
         )
         cases.append((f"baseline {baseline} (cache hit)", [*cli, "inspect", "--json", str(ckpt)], env_base))
     _run_usage(cases[2][1], env)  # page cache warm, cache entry written
@@ -316,12 +323,14 @@ def bench_first_run(
     load = [os.getloadavg()[0]]
     for _ in range(repeat):
         for label, cmd, e in cases:
+            if label.endswith("(cache miss)"):
+                shutil.rmtree(e["CKPTTOOL_CACHE_DIR"], ignore_errors=True)
             runs[label].append(_run_usage(cmd, e))
             load.append(os.getloadavg()[0])
     best = {label: min(r, key=lambda x: x[1]) for label, r in runs.items()}
     rss = {label: max(x[2] for x in r) for label, r in runs.items()}
     ref = "torch" if not skip_torch else "base" if baseline else "first"
-    t_wall, t_cpu, _ = best[cases[-2][0] if skip_torch and baseline else cases[0][0]]
+    t_wall, t_cpu, _ = best[cases[-3][0] if skip_torch and baseline else cases[0][0]]
     print(
         f"\n{entries:,} entries ({n_chunks:,} chunks), .metadata {md_size / 2**20:.0f} MiB; "
         f"load average {min(load):.1f}-{max(load):.1f}; best of {repeat} by CPU, fresh processes"

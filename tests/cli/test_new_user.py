@@ -272,3 +272,27 @@ def test_several_checkpoints_hint_a_path_to_paste(dense_model_ckpt: Path, tmp_pa
     res = runner.invoke(app, ["inspect", str(tmp_path)])
     assert res.exit_code == 2, res.stdout
     assert f"'{root / 'step-200'}'" in res.stderr  # quoted: the space is kept when pasted
+
+
+def test_sequential_model_optimizer_state_by_index_and_by_fqn(tmp_path: Path) -> None:
+    """``nn.Sequential`` (fqns 0.weight, 1.weight): a plain ``opt.state_dict()`` is keyed by index (K003), the
+    state of ``get_optimizer_state_dict`` by fqn (0.weight.exp_avg) and validates clean."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    plain = _save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "plain")
+    by_fqn = _save({"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, opt)}, tmp_path / "fqn")
+    res = runner.invoke(app, ["--json", "inspect", str(plain)])
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["key_schema"]["optimizer_keying"] == "index"
+    res = runner.invoke(app, ["validate", "--strict", str(plain)])
+    assert res.exit_code == 1 and "K003" in res.stdout  # a finding: exit 1
+    res = runner.invoke(app, ["--json", "inspect", str(by_fqn)])
+    assert json.loads(res.stdout)["key_schema"]["optimizer_keying"] == "fqn"
+    res = runner.invoke(app, ["validate", "--strict", str(by_fqn)])
+    assert res.exit_code == 0, res.stdout

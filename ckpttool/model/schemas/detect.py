@@ -274,8 +274,11 @@ def _index_keyed(state: list[tuple[str, _Path]], state_prefix: str, model_fqns: 
         seen = True
         if path is not None and len(path) >= 4 and isinstance(path[-2], int):
             continue
-        head = key[len(state_prefix) :].split(".", 1)[0]
-        if not head.isdigit() or head in firsts:
+        rest = key[len(state_prefix) :]
+        head = rest.split(".", 1)[0]
+        # a model whose fqns start with digits (nn.Sequential: 0.weight): by fqn only where what precedes the
+        # field is one of them (state.0.weight.exp_avg), by index where it is the number alone (state.0.exp_avg)
+        if not head.isdigit() or (head in firsts and rest.rsplit(".", 1)[0] in model_fqns):
             return False
     return seen
 
