@@ -601,6 +601,12 @@ def test_packaged_default_rules_json_is_the_yaml_document() -> None:
         ("keys: [{match: 'a', to: '\\2'}]", "uses group 2"),
         ("bogus: 1", "unknown section"),
         ("keys: [: bad", "not valid YAML"),
+        # a template Match.expand refuses (a trailing backslash, an unknown escape, a bad group name)
+        ("keys: [{match: '^model\\.(.+)$', to: 'x\\'}]", "bad escape"),
+        ("keys: [{match: '^model\\.(.+)$', to: '\\q\\1'}]", "bad escape"),
+        ("keys: [{match: '^model\\.(.+)$', to: '\\g<1'}]", "unterminated name"),
+        ("keys: [{match: '^model\\.(.+)$', to: '\\g<-1>'}]", "bad character in group name"),
+        ("1: x\nnull: y", "unknown section(s) ['1', 'None']"),
     ],
 )
 def test_bad_rules_file_is_a_usage_error(dense_ckpt: Path, tmp_path: Path, text: str, needle: str) -> None:
