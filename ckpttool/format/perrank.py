@@ -37,8 +37,9 @@ from ckpttool.format.archive import STORED, ArchiveError, FileWindow, check_torc
 from ckpttool.format.files import open_regular, resolve_inside
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo, TensorMeta
 from ckpttool.format.perrank_pickle import DTensorRec, LocalTensor, Opaque, Placement, Record, unpickle_rank
+from ckpttool.format.pickleframes import MemoIndexError
 from ckpttool.format.reader import CheckpointReader
-from ckpttool.format.unpickler import check_object_graph
+from ckpttool.format.unpickler import UNREADABLE_PICKLE, check_object_graph
 
 __all__ = [
     "PerRankError",
@@ -147,7 +148,9 @@ def read_rank_file(root: Path, f: RankFile) -> RankObject:
             obj = check_object_graph(unpickle_rank(pkl, where), where)
         except CkptError:
             raise
-        except (ValueError, EOFError, pickle.UnpicklingError, TypeError, RecursionError, MemoryError) as e:
+        except MemoIndexError as e:
+            raise PerRankError(f"{where}: data.pkl {e}", path=where) from e
+        except UNREADABLE_PICKLE as e:
             raise PerRankError(f"{where}: data.pkl is not a readable pickle ({type(e).__name__})", path=where) from e
         records: dict[str, tuple[int, int]] = {}
         for name, m in archive.members.items():
