@@ -132,7 +132,9 @@ def _int_view(t: Any) -> Any:
 
 
 def _py(v: Any) -> float | int | bool:
-    x = v.item()
+    import torch
+
+    x = v.view(torch.uint8).item() if v.dtype == torch.float4_e2m1fn_x2 else v.item()  # FP4: the byte of two codes
     return float(x) if isinstance(x, float) and not math.isfinite(x) else x
 
 
@@ -232,7 +234,8 @@ class ValueCompare:
         self.same_bytes = True  # every block so far bitwise equal (no cast)
         self.tolerant = rtol is not None or atol is not None
         self.rt, self.at = rtol or 0.0, atol or 0.0
-        self.numeric = a_dtype != torch.bool and b_dtype != torch.bool
+        # bool, and packed FP4 (which torch converts to nothing): compared by value codes, no float metrics
+        self.numeric = not {a_dtype, b_dtype} & {torch.bool, torch.float4_e2m1fn_x2}
         self.sums = _Sums()
         self.mismatched = 0
         self.first: int | None = None
