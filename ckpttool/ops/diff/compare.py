@@ -167,6 +167,13 @@ class _Sums:
         return Metrics(self.max_abs, self.dd, self.aa, self.bb, self.ab)
 
 
+def _pairs(t: Any) -> Any:
+    """A (complex or real) 1-d block as float64 ``(real, imaginary)`` pairs, flattened."""
+    import torch
+
+    return torch.view_as_real(t.to(torch.complex128)).reshape(-1)
+
+
 def _errors(a: Any, b: Any) -> tuple[Any, Any, Any, Any]:
     """``a`` and ``b`` as float64, ``|a-b|`` (0 where equal, NaN where exactly one is NaN), ``both NaN``."""
     import torch
@@ -278,15 +285,18 @@ def _block_mismatch(
     """``(mismatched count, mask)`` of one block (``None``: equal bytes); a numeric block's sums are added to ``sums``."""
     import torch
 
+    cx = xa.is_complex() or xb.is_complex()  # (real, imaginary) pairs: a cast to float would drop the imaginary parts
     if xa.dtype == xb.dtype and same_bytes(xa, xb):
         if numeric:
-            sums.add_equal(xa.to(torch.float64))
+            sums.add_equal(_pairs(xa) if cx else xa.to(torch.float64))
         return 0, None
     if numeric:
-        a64, b64, diff, both_nan = _errors(xa, xb)
+        a64, b64, diff, both_nan = _errors(_pairs(xa), _pairs(xb)) if cx else _errors(xa, xb)
         sums.add(a64, b64, diff)
         if tolerant:
             bad = (diff > at + rt * b64.abs()) | (diff.isnan() & ~both_nan)
+            if cx:
+                bad = bad.view(-1, 2).any(1)  # an element is off when either part is
             return int(bad.sum()), bad
     ne = _int_view(xa) != _int_view(xb) if xa.dtype == xb.dtype else xa != xb
     return int(ne.sum()), ne
