@@ -198,7 +198,7 @@ def _compile(pattern: Any, where: str) -> re.Pattern[str]:
     if not isinstance(pattern, str) or not pattern:
         raise UsageError(f"{where}: 'match' must be a non-empty regular expression string", hint="fix the rules file")
     try:
-        return re.compile(pattern)
+        return re.compile(pattern, re.DOTALL)  # a key may hold a newline: `.` matches every character
     except re.error as e:
         raise UsageError(f"{where}: invalid regular expression {pattern!r} ({e})", hint="fix the rules file") from e
 

@@ -716,3 +716,17 @@ def test_key_rule_template_expands_as_match_expand(pattern: str, to: str, key: s
     m = rx.fullmatch(key)
     assert m is not None
     assert KeyRule(rx, to).apply(key) == (True, m.expand(to))
+
+
+def test_a_key_with_a_newline_is_exported_by_the_default_rules(tmp_path: Path) -> None:
+    # `.` in the rules matches every character of a key: 'a\nb.weight' was "not exported: no key rule matches"
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    w = torch.arange(4, dtype=torch.float32)
+    dcp.save({"model": {"a\nb.weight": w, "c.weight": w + 1}}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    res = export_cli(str(tmp_path / "ck"), str(tmp_path / "o"), "--json")
+    assert res.exit_code == 0, res.stderr
+    got, _ = read_export(tmp_path / "o")
+    assert sorted(got) == ["a\nb.weight", "c.weight"] and torch.equal(got["a\nb.weight"], w)
+    assert json.loads(res.stdout)["skipped"] == {}
