@@ -26,6 +26,7 @@ from ckpttool.engine.crc import crc32
 from ckpttool.errors import SizeLimitError, StorageTupleError, UnsafePickleError
 from ckpttool.format import limits
 from ckpttool.format.metadata import DTYPE_ITEMSIZE
+from ckpttool.format.pickleframes import MemoIndexError, pickle_input
 
 __all__ = [
     "Archive",
@@ -758,9 +759,11 @@ def _tensor_spec(pkl: bytes) -> tuple[Any, Any, Any, Any, Any]:
         ArchiveError: unreadable, or not one tensor rebuild.
     """
     try:
-        spec = _TensorPickle(io.BytesIO(pkl)).load()
+        spec = _TensorPickle(pickle_input(pkl)).load()
     except (UnsafePickleError, StorageTupleError):
         raise
+    except MemoIndexError as e:
+        raise ArchiveError(f"data.pkl {e}") from e
     except Exception as e:
         raise ArchiveError(f"data.pkl unreadable: {type(e).__name__}") from e
     if not (isinstance(spec, tuple) and len(spec) == 6 and spec[0] == "tensor"):

@@ -37,8 +37,9 @@ from ckpttool.format.archive import STORED, ArchiveError, FileWindow, check_torc
 from ckpttool.format.files import open_regular, resolve_inside
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo, TensorMeta
 from ckpttool.format.perrank_pickle import DTensorRec, LocalTensor, Opaque, Placement, Record, unpickle_rank
+from ckpttool.format.pickleframes import MemoIndexError
 from ckpttool.format.reader import CheckpointReader
-from ckpttool.format.unpickler import check_object_graph
+from ckpttool.format.unpickler import UNREADABLE_PICKLE, check_object_graph
 
 __all__ = [
     "PerRankError",
@@ -147,7 +148,9 @@ def read_rank_file(root: Path, f: RankFile) -> RankObject:
             obj = check_object_graph(unpickle_rank(pkl, where), where)
         except CkptError:
             raise
-        except (ValueError, EOFError, pickle.UnpicklingError, TypeError, RecursionError, MemoryError) as e:
+        except MemoIndexError as e:
+            raise PerRankError(f"{where}: data.pkl {e}", path=where) from e
+        except UNREADABLE_PICKLE as e:
             raise PerRankError(f"{where}: data.pkl is not a readable pickle ({type(e).__name__})", path=where) from e
         records: dict[str, tuple[int, int]] = {}
         for name, m in archive.members.items():
@@ -364,6 +367,8 @@ class Assembled:
         """Add one tensor of rank file ``ro`` under ``key``: a DTensor's local shard, a plain tensor
         placed by ``placed`` (a format's own sharding metadata), or a whole plain tensor."""
         where = f"{ro.file.relative_path}: {key!r:.100}"
+        if key in self.objects:
+            raise PerRankError(f"{where}: a tensor in one rank file, {_kind_of(self.objects[key])} in another", fqn=key)
         if isinstance(value, DTensorRec):
             if value.local is None:
                 raise PerRankError(f"{where}: a DTensor without its local tensor", fqn=key)
@@ -376,6 +381,9 @@ class Assembled:
             gsize = placed.size
             self.meshes.add(placed.mesh)
             self.placements.add("(" + ", ".join(map(str, placed.placements)) + ")")
+            for p in placed.placements:
+                if p.kind != "replicate" and not -len(gsize) <= p.dim < len(gsize):  # torch: Shard(-1) is the last dim
+                    raise PerRankError(f"{where}: {p} of a {len(gsize)}-d tensor", fqn=key)
             ranges = local_ranges(gsize, placed.placements, placed.mesh, placed.coord, placed.order)
         else:
             ranges = [[(0, n)] if n else [] for n in gsize]
@@ -426,6 +434,10 @@ class Assembled:
         Its storage entry names the rank file it was read from with an empty window: the bytes
         are served from memory (:meth:`PerRankReader.raw_bytes`), never read from that window.
         """
+        if key in self._meta:
+            raise PerRankError(
+                f"{ro.file.relative_path}: {key!r:.100}: a tensor in one rank file, {_kind_of(value)} here", fqn=key
+            )
         if key in self.objects and not _same(self.objects[key], value):
             raise PerRankError(
                 f"{key!r:.100} differs between rank files ({ro.file.relative_path})",
@@ -457,6 +469,12 @@ class Assembled:
                 self.entries[key] = TensorMeta(meta.dtype, meta.size, (z,))
                 self.storage[(key, z.offsets)] = StorageInfo(self.files[0] if self.files else "", 0, 0)
         return CheckpointMetadata(entries=self.entries, storage=self.storage, serialization="safetensors")
+
+
+def _kind_of(value: Any) -> str:
+    """``a str`` / ``an int``: what a rank file holds instead of a tensor (for messages)."""
+    name = type(value).__name__
+    return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
 
 
 def _same(a: Any, b: Any) -> bool:

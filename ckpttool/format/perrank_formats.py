@@ -16,12 +16,10 @@ Keys are assembled in torch's flattened spelling: ``model.<fqn>``,
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
 import os
-import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -47,8 +45,9 @@ from ckpttool.format.perrank import (
     registered_layouts,
 )
 from ckpttool.format.perrank_pickle import DTensorRec, LocalTensor, Placement
+from ckpttool.format.pickleframes import MemoIndexError, pickle_input
 from ckpttool.format.safetensors import SAFETENSORS_TAGS
-from ckpttool.format.unpickler import PrimitiveUnpickler, check_object_graph, short_repr
+from ckpttool.format.unpickler import UNREADABLE_PICKLE, PrimitiveUnpickler, check_object_graph, short_repr
 
 log = logging.getLogger(__name__)
 
@@ -275,10 +274,12 @@ def _tc_metadata(path: Path) -> dict[str, Any] | None:
     except OSError as e:
         raise DataFileError(f"{p}: cannot read ({e.strerror})", path=p) from e
     try:
-        obj = check_object_graph(PrimitiveUnpickler(io.BytesIO(data), source=str(p)).load(), str(p))
+        obj = check_object_graph(PrimitiveUnpickler(pickle_input(data), source=str(p)).load(), str(p))
     except CkptError:
         raise
-    except (ValueError, EOFError, pickle.UnpicklingError, TypeError, RecursionError, MemoryError) as e:
+    except MemoIndexError as e:
+        raise PerRankError(f"{p}: {e}", path=p) from e
+    except UNREADABLE_PICKLE as e:
         raise PerRankError(f"{p}: not a readable pickle ({type(e).__name__})", path=p) from e
     if not isinstance(obj, dict):
         raise PerRankError(f"{p}: not torch-checkpointing's DistributedMetadata dict", path=p)

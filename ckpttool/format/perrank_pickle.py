@@ -13,13 +13,13 @@ naming it). numpy arrays (verl's RNG state) become :class:`Opaque` records, desc
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ckpttool.errors import UnsafePickleError
 from ckpttool.format.archive import STORAGE_DTYPES
 from ckpttool.format.metadata import DTYPE_ITEMSIZE
+from ckpttool.format.pickleframes import pickle_input
 from ckpttool.format.unpickler import AllowListUnpickler, torch_globals
 
 __all__ = ["DTensorRec", "LocalTensor", "Opaque", "Placement", "RankUnpickler", "Record", "unpickle_rank"]
@@ -249,6 +249,7 @@ def unpickle_rank(pkl: bytes, source: str) -> Any:
 
     Raises:
         UnsafePickleError: a global off the allow-list.
-        ValueError, EOFError, pickle.UnpicklingError, TypeError, RecursionError: unreadable pickle.
+        MemoIndexError: a memo bomb (:func:`~ckpttool.format.pickleframes.check_memo`), before unpickling.
+        UNREADABLE_PICKLE (``ckpttool.format.unpickler``): any other unreadable pickle.
     """
-    return RankUnpickler(io.BytesIO(pkl), source=source).load()
+    return RankUnpickler(pickle_input(pkl), source=source).load()

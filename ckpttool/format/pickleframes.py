@@ -21,7 +21,7 @@ import pickle
 from functools import cache
 from typing import Any
 
-__all__ = ["FramedInput", "CROSSING", "pickle_input"]
+__all__ = ["FramedInput", "CROSSING", "MemoIndexError", "check_memo", "pickle_input"]
 
 #: The refusal's text (the pure-Python unpickler's words for it).
 CROSSING = "pickle exhausted before end of frame"
@@ -176,7 +176,11 @@ def pickle_input(data: bytes) -> Any:
     by more opcodes, never by such a length) leaves the unpickler no frame's buffer to read across,
     and ``io.BytesIO`` costs no Python call per opcode there. The bytes are searched at C speed; past
     ``64 + len(data) // 1024`` 0x95 bytes without a ``FRAME`` (a stream of them) :class:`FramedInput` reads it.
+
+    Raises:
+        MemoIndexError: from :func:`check_memo`, before any unpickler runs.
     """
+    check_memo(data)
     i, size, left = -1, len(data), 64 + (len(data) >> 10)
     while True:
         i = data.find(b"\x95", i + 1)
@@ -185,3 +189,70 @@ def pickle_input(data: bytes) -> Any:
         if left <= 0 or int.from_bytes(data[i + 1 : i + 9], "little") <= size - i - 9:
             return FramedInput(data)
         left -= 1
+
+
+#: Memo slots a pickle may name beyond the ones it wrote before (pickle.dump numbers them 0, 1, 2, ...)
+MEMO_SLACK = 256
+
+
+class MemoIndexError(pickle.UnpicklingError):
+    """A memo index far beyond the memo slots a pickle wrote before it (:func:`check_memo`)."""
+
+
+def check_memo(data: bytes) -> None:
+    """Refuse a ``PUT``/``LONG_BINPUT`` that names a memo slot far beyond the slots written before it.
+
+    CPython's C unpickler grows its memo to twice the index named and zeroes it: ``LONG_BINPUT``
+    of slot 2**31 (an 11-byte pickle) makes it touch 32 GiB before any other check can run. A pickle
+    written by ``pickle.dump`` or ``torch.save`` numbers its slots 0, 1, 2, ... in order, so an index
+    above the count of memo writes before it (plus :data:`MEMO_SLACK`) is refused: the memo stays
+    within 16 bytes per byte of the pickle. Walks the opcodes once (the stream's frames are walked
+    through); a stream that holds no ``p``/``r`` byte is not walked. Stops where the stream does not
+    parse (the unpickler then refuses it).
+
+    Raises:
+        MemoIndexError: a memo index beyond the bound (its value and position named).
+    """
+    if b"r" not in data and b"p" not in data:
+        return  # BINPUT's one-byte index and MEMOIZE are harmless
+    table = _reads()
+    n = len(data)
+    x = puts = 0
+    while x < n:
+        op = data[x]
+        x += 1
+        if op == 0x72 or op == 0x70 or op == 0x71 or op == 0x94:  # LONG_BINPUT, PUT, BINPUT, MEMOIZE
+            if op == 0x72:
+                idx, x = int.from_bytes(data[x : x + 4], "little"), x + 4
+            elif op == 0x70:
+                nl = data.find(b"\n", x)
+                if nl < 0:
+                    return
+                try:
+                    idx = int(data[x:nl])
+                except ValueError:
+                    return
+                x = nl + 1
+            else:
+                idx, x = puts, x + (op == 0x71)
+            if idx > puts + MEMO_SLACK:
+                raise MemoIndexError(f"memo index {idx} at byte {x} after {puts} memo writes (a memory bomb)")
+            puts += 1
+            continue
+        reads = table.get(op)
+        if reads is None or op == 0x2E:  # unknown opcode, STOP
+            return
+        for r in reads:
+            if r == _LINE:
+                nl = data.find(b"\n", x)
+                if nl < 0:
+                    return
+                x = nl + 1
+            elif r > 0:
+                x += r
+            else:
+                width = -r
+                size = int.from_bytes(data[x : x + width], "little", signed=width == 4 and op in (0x54, 0x8B))
+                if size < 0:
+                    return
+                x += width + size

@@ -18,7 +18,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import pickle
 import sys
 from collections.abc import Callable
 from operator import itemgetter
@@ -56,8 +55,9 @@ from ckpttool.format.directory import CheckpointDir
 from ckpttool.format.locator import ChunkLocation, decode_transforms, locate_chunk, tensor_meta
 from ckpttool.format.mdstorage import storage_infos
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, StorageInfo, TensorMeta
+from ckpttool.format.pickleframes import MemoIndexError, pickle_input
 from ckpttool.format.tiling import tiling_problem
-from ckpttool.format.unpickler import PrimitiveUnpickler, check_object_graph
+from ckpttool.format.unpickler import UNREADABLE_PICKLE, PrimitiveUnpickler, check_object_graph
 
 if TYPE_CHECKING:
     import torch
@@ -690,17 +690,19 @@ def load_saved_object(
     assert pkl is not None
     try:
         try:
-            obj = PrimitiveUnpickler(io.BytesIO(pkl), source=where).load()
+            obj = PrimitiveUnpickler(pickle_input(pkl), source=where).load()
         except UnsafePickleError:
             if tensors != "describe":
                 raise
-            obj = _StructureUnpickler(io.BytesIO(pkl), source=where).load()
+            obj = _StructureUnpickler(pickle_input(pkl), source=where).load()
         return check_object_graph(obj, where)
     except UnsafePickleError:
         pass  # needs torch's weights_only unpickler (tensors, ...)
     except CkptError:
         raise
-    except (ValueError, EOFError, pickle.UnpicklingError, MemoryError, RecursionError, TypeError) as e:
+    except MemoIndexError as e:
+        raise ChunkError(f"{where}: data.pkl {e}", fqn=fqn) from e  # before torch.load would run it
+    except UNREADABLE_PICKLE as e:
         raise ChunkError(f"{where}: data.pkl is not a readable pickle ({type(e).__name__})", fqn=fqn) from e
     import torch
 

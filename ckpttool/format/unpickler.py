@@ -48,6 +48,7 @@ from ckpttool.format.metadata import (
 from ckpttool.format.pickleframes import pickle_input
 
 __all__ = [
+    "UNREADABLE_PICKLE",
     "load_metadata",
     "parse_metadata_bytes",
     "parse_metadata_owned",
@@ -62,6 +63,21 @@ __all__ = [
 ]
 
 MAX_NDIM = 64
+#: What the C unpickler (and :func:`~ckpttool.format.pickleframes.check_memo`) raises on a pickle that is
+#: not readable: beyond ``UnpicklingError``, ``APPEND`` onto a set is an ``AttributeError``, a bad ``PUT``
+#: line a ``ValueError``, ``BINBYTES8`` past ``sys.maxsize`` an ``OverflowError``, ``SETITEM`` onto a list an ``IndexError``
+UNREADABLE_PICKLE = (
+    ValueError,
+    EOFError,
+    pickle.UnpicklingError,
+    TypeError,
+    RecursionError,
+    MemoryError,
+    AttributeError,
+    IndexError,
+    KeyError,
+    OverflowError,
+)
 _DTYPE_LIKE = re.compile(r"^(?:u?int\d+|float\d+(?:_[a-z0-9]+)*|bfloat\d+|complex\d+|q?u?int\d+x\d+|bits\w+)$")
 MAX_DIM_SIZE = 2**62
 MAX_OFFSET = 2**63 - 1  # torch stores offsets and lengths as int64

@@ -228,7 +228,7 @@ class ManifestResult:
 
 
 def _check_algorithm(algorithm: str) -> None:
-    if algorithm not in ALGORITHMS:
+    if type(algorithm) is not str or algorithm not in ALGORITHMS:  # a list or object is no dict key
         raise UsageError(
             f"`algorithm` {algorithm!r} is not one of {', '.join(ALGORITHMS)}",
             param="algorithm",
@@ -913,7 +913,7 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
             hint="upgrade ckpttool",
         )
     algorithm = doc.get("algorithm")
-    if algorithm not in ALGORITHMS:
+    if type(algorithm) is not str or algorithm not in ALGORITHMS:  # a list or object is no dict key
         raise _bad(shown, f"unknown digest algorithm {str(algorithm)[:40]!a} (known: {', '.join(ALGORITHMS)})")
     hexlen = len(digest_bytes(b"", algorithm))
     kind = doc.get("kind", "dcp") if version >= 2 else "dcp"

@@ -6,6 +6,7 @@ Answers are checked against what torch gathers from the live FSDP2 model and opt
 
 from __future__ import annotations
 
+import copy
 import json
 import pickle
 import shutil
@@ -277,3 +278,48 @@ def test_on_s3_is_refused_by_name(tc_root: Path, s3_server: Any, command: str) -
     assert res.exit_code == 2, res.output
     assert "E280" in res.output and "torch-checkpointing per-rank checkpoint" in res.output
     assert "read from a local directory only, not from a URL" in res.output
+
+
+def _edit_rank_file(src: Path, tmp_path: Path, edit: Any) -> Path:
+    """``w2/step-2`` with ``edit(state_dict)`` applied to ``model_1.pt`` (loaded and saved again by torch)."""
+    import torch
+
+    d = shutil.copytree(src / "w2" / "step-2", tmp_path / "step-2")
+    sd = torch.load(d / "model_1.pt", weights_only=False)
+    edit(sd)
+    torch.save(sd, d / "model_1.pt")
+    return d
+
+
+def _shard_dim(dim: int) -> Any:
+    def edit(sd: dict[str, Any]) -> None:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.placement_types import Shard
+
+        v = sd["model.embed_tokens.weight"]
+        spec = copy.copy(v._spec)
+        object.__setattr__(spec, "placements", (Shard(dim),))
+        sd["model.embed_tokens.weight"] = DTensor(v._local_tensor, spec, requires_grad=False)
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "text"),
+    [
+        # rank 0 saves a DTensor, rank 1 a string / an int / a list under the same key
+        (lambda sd: sd.__setitem__("model.embed_tokens.weight", "hello"), "a tensor in one rank file"),
+        (lambda sd: sd.__setitem__("model.embed_tokens.weight", 7), "a tensor in one rank file"),
+        (lambda sd: sd.__setitem__("model.embed_tokens.weight", [1, 2]), "a tensor in one rank file"),
+        # Shard(5) of a 2-d tensor
+        (_shard_dim(5), "Shard(5) of a 2-d tensor"),
+    ],
+)
+def test_rank_files_that_disagree_on_a_key_are_refused(tc_root: Path, tmp_path: Path, edit: Any, text: str) -> None:
+    d = _edit_rank_file(tc_root, tmp_path, edit)
+    for cmd in (["inspect", str(d)], ["export", str(d), str(tmp_path / "out")], ["validate", "--deep", str(d)]):
+        res = runner.invoke(app, cmd)
+        assert res.exit_code == 2, res.output
+        line = next(x for x in res.output.splitlines() if "[E" in x)
+        assert "[E280]" in line and "model.embed_tokens.weight" in line and text in line, res.output
+    assert not (tmp_path / "out").exists()

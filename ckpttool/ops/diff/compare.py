@@ -132,7 +132,9 @@ def _int_view(t: Any) -> Any:
 
 
 def _py(v: Any) -> float | int | bool:
-    x = v.item()
+    import torch
+
+    x = v.view(torch.uint8).item() if v.dtype == torch.float4_e2m1fn_x2 else v.item()  # FP4: the byte of two codes
     return float(x) if isinstance(x, float) and not math.isfinite(x) else x
 
 
@@ -163,6 +165,13 @@ class _Sums:
 
     def metrics(self) -> Metrics:
         return Metrics(self.max_abs, self.dd, self.aa, self.bb, self.ab)
+
+
+def _pairs(t: Any) -> Any:
+    """A (complex or real) 1-d block as float64 ``(real, imaginary)`` pairs, flattened."""
+    import torch
+
+    return torch.view_as_real(t.to(torch.complex128)).reshape(-1)
 
 
 def _errors(a: Any, b: Any) -> tuple[Any, Any, Any, Any]:
@@ -232,7 +241,8 @@ class ValueCompare:
         self.same_bytes = True  # every block so far bitwise equal (no cast)
         self.tolerant = rtol is not None or atol is not None
         self.rt, self.at = rtol or 0.0, atol or 0.0
-        self.numeric = a_dtype != torch.bool and b_dtype != torch.bool
+        # bool, and packed FP4 (which torch converts to nothing): compared by value codes, no float metrics
+        self.numeric = not {a_dtype, b_dtype} & {torch.bool, torch.float4_e2m1fn_x2}
         self.sums = _Sums()
         self.mismatched = 0
         self.first: int | None = None
@@ -275,15 +285,18 @@ def _block_mismatch(
     """``(mismatched count, mask)`` of one block (``None``: equal bytes); a numeric block's sums are added to ``sums``."""
     import torch
 
+    cx = xa.is_complex() or xb.is_complex()  # (real, imaginary) pairs: a cast to float would drop the imaginary parts
     if xa.dtype == xb.dtype and same_bytes(xa, xb):
         if numeric:
-            sums.add_equal(xa.to(torch.float64))
+            sums.add_equal(_pairs(xa) if cx else xa.to(torch.float64))
         return 0, None
     if numeric:
-        a64, b64, diff, both_nan = _errors(xa, xb)
+        a64, b64, diff, both_nan = _errors(_pairs(xa), _pairs(xb)) if cx else _errors(xa, xb)
         sums.add(a64, b64, diff)
         if tolerant:
             bad = (diff > at + rt * b64.abs()) | (diff.isnan() & ~both_nan)
+            if cx:
+                bad = bad.view(-1, 2).any(1)  # an element is off when either part is
             return int(bad.sum()), bad
     ne = _int_view(xa) != _int_view(xb) if xa.dtype == xb.dtype else xa != xb
     return int(ne.sum()), ne

@@ -198,7 +198,7 @@ def _compile(pattern: Any, where: str) -> re.Pattern[str]:
     if not isinstance(pattern, str) or not pattern:
         raise UsageError(f"{where}: 'match' must be a non-empty regular expression string", hint="fix the rules file")
     try:
-        return re.compile(pattern)
+        return re.compile(pattern, re.DOTALL)  # a key may hold a newline: `.` matches every character
     except re.error as e:
         raise UsageError(f"{where}: invalid regular expression {pattern!r} ({e})", hint="fix the rules file") from e
 
@@ -218,7 +218,7 @@ def parse_rules(doc: Any, source: str) -> dict[str, Any]:
     """
     if not isinstance(doc, dict):
         raise UsageError(f"{source}: export rules must be a YAML mapping", hint="see docs/export.md for the schema")
-    unknown = sorted(set(doc) - set(_SECTIONS))
+    unknown = sorted(str(k) for k in set(doc) - set(_SECTIONS))  # YAML keys may be ints, null, ...
     if unknown:
         raise UsageError(f"{source}: unknown section(s) {unknown}", hint=f"known sections: {', '.join(_SECTIONS[2:])}")
     fmt = doc.get("format", RULES_FORMAT)
@@ -357,6 +357,14 @@ def _check_template(pattern: re.Pattern[str], to: str, where: str) -> None:
             )
         if name and not name.isdigit() and name not in pattern.groupindex:
             raise UsageError(f"{where}: template {to!r} uses unknown group {name!r}", hint="fix the rules file")
+    # every other template error (a trailing backslash, \q, \g<1, \g<-1>) as Match.expand raises it, on an
+    # empty match of a pattern with the same groups (the real pattern may match no string we could make)
+    names = {i: n for n, i in pattern.groupindex.items()}
+    same_groups = "".join(f"(?P<{names[i]}>)" if i in names else "()" for i in range(1, pattern.groups + 1))
+    try:
+        re.fullmatch(same_groups, "").expand(to)  # type: ignore[union-attr]
+    except (re.error, IndexError) as e:
+        raise UsageError(f"{where}: invalid template {to!r} ({e})", hint="fix the rules file") from e
 
 
 def _read_yaml(text: str, source: str) -> Any:

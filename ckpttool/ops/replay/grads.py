@@ -80,7 +80,7 @@ class GradFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise GradientsError(
-                f"`grads` {self.path}: no such file",
+                f"`grads` {self.path}: {'not a regular file' if os.path.lexists(self.path) else 'no such file'}",
                 path=self.path,
                 hint="pass a safetensors file of gradients keyed by parameter fqn",
             )

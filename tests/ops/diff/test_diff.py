@@ -297,3 +297,44 @@ def test_a_directory_that_is_neither_or_holds_a_damaged_safetensors_file(tmp_pat
     assert res.exit_code == 2 and res.stderr.startswith(
         f"error: [E200] {bad / 'model.safetensors'}: not a valid safetensors"
     )
+
+
+@pytest.mark.parametrize("atol", [None, "0.1"])
+def test_packed_fp4_tensors_are_compared_by_their_codes(tmp_path: Path, atol: str | None) -> None:
+    # float4_e2m1fn_x2 (two E2M1 codes per byte): torch converts it to nothing, so values are compared as codes
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    codes = torch.arange(16, dtype=torch.uint8)
+    for name, c in (("a", codes), ("b", codes + 1), ("c", codes.clone())):
+        dcp.save({"model": {"w": c.view(torch.float4_e2m1fn_x2)}}, checkpoint_id=str(tmp_path / name), no_dist=True)
+    tol = [] if atol is None else ["--atol", atol]
+    res = runner.invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json", *tol])
+    assert res.exit_code == 1, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["equal"] is False and doc["tensors"][0]["mismatched"] == 16
+    res = runner.invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "c"), *tol])
+    assert res.exit_code == 0, res.stderr
+
+
+@pytest.mark.parametrize("atol", [None, "0.01"])
+def test_complex_tensors_differing_in_the_imaginary_part_differ(tmp_path: Path, atol: str | None) -> None:
+    # torchtitan saves RoPE's complex64 freqs_cis; a cast to float64 dropped the imaginary parts (--atol: "equal")
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    a = torch.tensor([1 + 1j, 2 + 2j], dtype=torch.complex64)
+    b = torch.tensor([1 + 5j, 2 + 2j], dtype=torch.complex64)
+    for name, t in (("a", a), ("b", b)):
+        dcp.save({"model": {"freqs_cis": t}}, checkpoint_id=str(tmp_path / name), no_dist=True)
+    tol = [] if atol is None else ["--atol", atol]
+    res = runner.invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json", *tol])
+    assert res.exit_code == 1, res.stderr
+    (t,) = json.loads(res.stdout)["tensors"]
+    assert t["mismatched"] == 1 and t["max_abs"] == 4.0
+    want_rel = float(
+        torch.linalg.vector_norm((a - b).to(torch.complex128)) / torch.linalg.vector_norm(b.to(torch.complex128))
+    )
+    assert abs(t["rel_l2"] - want_rel) < 1e-12
+    res = runner.invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--atol", "5"])
+    assert res.exit_code == 0, res.stderr

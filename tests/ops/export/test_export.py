@@ -601,6 +601,12 @@ def test_packaged_default_rules_json_is_the_yaml_document() -> None:
         ("keys: [{match: 'a', to: '\\2'}]", "uses group 2"),
         ("bogus: 1", "unknown section"),
         ("keys: [: bad", "not valid YAML"),
+        # a template Match.expand refuses (a trailing backslash, an unknown escape, a bad group name)
+        ("keys: [{match: '^model\\.(.+)$', to: 'x\\'}]", "bad escape"),
+        ("keys: [{match: '^model\\.(.+)$', to: '\\q\\1'}]", "bad escape"),
+        ("keys: [{match: '^model\\.(.+)$', to: '\\g<1'}]", "unterminated name"),
+        ("keys: [{match: '^model\\.(.+)$', to: '\\g<-1>'}]", "bad character in group name"),
+        ("1: x\nnull: y", "unknown section(s) ['1', 'None']"),
     ],
 )
 def test_bad_rules_file_is_a_usage_error(dense_ckpt: Path, tmp_path: Path, text: str, needle: str) -> None:
@@ -710,3 +716,17 @@ def test_key_rule_template_expands_as_match_expand(pattern: str, to: str, key: s
     m = rx.fullmatch(key)
     assert m is not None
     assert KeyRule(rx, to).apply(key) == (True, m.expand(to))
+
+
+def test_a_key_with_a_newline_is_exported_by_the_default_rules(tmp_path: Path) -> None:
+    # `.` in the rules matches every character of a key: 'a\nb.weight' was "not exported: no key rule matches"
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    w = torch.arange(4, dtype=torch.float32)
+    dcp.save({"model": {"a\nb.weight": w, "c.weight": w + 1}}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    res = export_cli(str(tmp_path / "ck"), str(tmp_path / "o"), "--json")
+    assert res.exit_code == 0, res.stderr
+    got, _ = read_export(tmp_path / "o")
+    assert sorted(got) == ["a\nb.weight", "c.weight"] and torch.equal(got["a\nb.weight"], w)
+    assert json.loads(res.stdout)["skipped"] == {}

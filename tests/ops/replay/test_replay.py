@@ -445,3 +445,18 @@ def test_source_checkpoint_is_not_modified(full_fx: Path) -> None:
     before = digest()
     assert run(full_fx / "ckpt", "--device", "cpu", "--steps", "2").exit_code == 0
     assert digest() == before
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "directory"])
+def test_gradient_file_that_is_not_a_regular_file_is_named_so(full_fx: Path, tmp_path: Path, kind: str) -> None:
+    from tests.fixtures.special_files import fails_instead_of_hanging, make_special
+
+    grads = tmp_path / "grads.safetensors"
+    if kind == "directory":
+        grads.mkdir()
+    else:
+        make_special(grads, kind)
+    with fails_instead_of_hanging():
+        res = run(full_fx / "ckpt", "--device", "cpu", "--grads", grads)
+    assert res.exit_code == 2, res.stderr
+    assert res.stderr.startswith(f"error: [E120] --grads {grads}: not a regular file"), res.stderr

@@ -65,3 +65,51 @@ def test_adam_update_is_the_formula() -> None:
     acc = Moments()
     adam_update(m, v, AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=0.0, step=1), acc)
     assert acc.numel == 5000 - 3  # eps 0: 0 / 0 and m / 0 (v = 0, v < 0) are not finite, left out
+
+
+def test_stats_reads_packed_fp4_as_its_e2m1_values(tmp_path: object) -> None:
+    # bytes 0..15: low nibbles are the 16 E2M1 codes (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), high nibbles 0
+    import json
+    import math
+    from pathlib import Path
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    ck = Path(str(tmp_path)) / "ck"
+    dcp.save(
+        {"model": {"w": torch.arange(16, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}},
+        checkpoint_id=str(ck),
+        no_dist=True,
+    )
+    res = CliRunner().invoke(app, ["stats", "--json", str(ck)])
+    assert res.exit_code == 0, res.stderr
+    (t,) = json.loads(res.stdout)["checkpoints"][0]["tensors"]
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    assert t["numel"] == 32 and t["abs_max"] == 6.0 and t["mean"] == 0.0
+    assert math.isclose(t["l2"], math.sqrt(2 * sum(v * v for v in e2m1)))
+
+
+def test_stats_of_a_complex_tensor_are_of_its_moduli(tmp_path: object) -> None:
+    # torchtitan saves RoPE's complex64 freqs_cis: a cast to float would drop the imaginary parts (and warn on stderr)
+    import json
+    import math
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    ck = f"{tmp_path}/ck"
+    c = torch.polar(torch.tensor([1.0, 2.0, 0.5]), torch.tensor([0.3, 2.0, -1.0]))
+    dcp.save({"model": {"freqs_cis": c}}, checkpoint_id=ck, no_dist=True)
+    res = CliRunner().invoke(app, ["stats", "--json", ck])
+    assert res.exit_code == 0 and res.stderr == "", res.stderr
+    (t,) = json.loads(res.stdout)["checkpoints"][0]["tensors"]
+    assert t["numel"] == 3
+    assert math.isclose(t["l2"], float(torch.linalg.vector_norm(c)), rel_tol=1e-6)
+    assert math.isclose(t["abs_max"], 2.0, rel_tol=1e-6)

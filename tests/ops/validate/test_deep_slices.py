@@ -100,3 +100,21 @@ def test_short_read_of_a_slice_is_the_chunk_error_it_always_was(tmp_path) -> Non
     e = ei.value
     assert e.message == f"{loc.where}: short read" and e.fqn == "model.w" and e.path == f.name
     assert e.__cause__ is None
+
+
+def test_deep_reads_packed_fp4_without_failing(tmp_path: object) -> None:
+    # float4_e2m1fn_x2 (two E2M1 values per byte, NVFP4/MXFP4 weights) saved by dcp.save: torch has no
+    # conversion of it to float, and E2M1 holds no NaN or infinity, so --deep reads it without value statistics
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    ck = Path(str(tmp_path)) / "ck"
+    w = torch.arange(16, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    dcp.save({"model": {"w": w, "norm": torch.ones(4)}}, checkpoint_id=str(ck), no_dist=True)
+    res = CliRunner().invoke(app, ["validate", "--deep", "--json", str(ck)])
+    assert res.exit_code == 0, res.stderr
+    assert "E999" not in res.stderr
