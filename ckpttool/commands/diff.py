@@ -287,8 +287,11 @@ def _header(con: Any, res: DiffResult) -> None:
         how = f"within rtol {o.rtol or 0:g}, atol {o.atol or 0:g}"
     if o.as_dtype:
         how += f" after casting to {o.as_dtype}"
-    con.print(f"A: {res.a.path} ({res.a.kind}, {res.a.schema}{', ' + res.a.layout if res.a.layout else ''})")
-    con.print(f"B: {res.b.path} ({res.b.kind}, {res.b.schema}{', ' + res.b.layout if res.b.layout else ''})")
+    for name, side in (("A", res.a), ("B", res.b)):
+        opened = f": opened {side.opened}" if side.opened else ""
+        con.print(
+            f"{name}: {side.path}{opened} ({side.kind}, {side.schema}{', ' + side.layout if side.layout else ''})"
+        )
     adapter = f", model adapter {res.model_adapter}" if res.model_adapter else ""
     only = f"; --filter {' '.join(o.filters)} left out {res.filtered_out:,} of both sides' keys" if o.filters else ""
     con.print(f"compared {o.what} ({res.naming} names{adapter}), {how}{only}")

@@ -296,3 +296,16 @@ def test_sequential_model_optimizer_state_by_index_and_by_fqn(tmp_path: Path) ->
     assert json.loads(res.stdout)["key_schema"]["optimizer_keying"] == "fqn"
     res = runner.invoke(app, ["validate", "--strict", str(by_fqn)])
     assert res.exit_code == 0, res.stdout
+
+
+def test_diff_names_the_steps_it_opened(dense_model_ckpt: Path, tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    for step in (1, 2):
+        copy_checkpoint(dense_model_ckpt, root / f"step-{step}")
+    res = runner.invoke(app, ["diff", str(root), str(root), "--a-step", "1", "--b-step", "2"])
+    assert res.exit_code == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith(f"A: {root}: opened {root / 'step-1'} (dcp")
+    assert lines[1].startswith(f"B: {root}: opened {root / 'step-2'} (dcp")
+    doc = json.loads(runner.invoke(app, ["--json", "diff", str(root / "step-1"), str(root), "--b-step", "2"]).stdout)
+    assert doc["a"]["opened"] is None and doc["b"]["opened"] == str(root / "step-2")

@@ -230,6 +230,8 @@ class SideInfo:
     schema: str
     layout: str | None
     tensors: int
+    #: the checkpoint directory opened where it is not ``path`` (a run root's step, a model/optimizer pair's model)
+    opened: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return json_fields(self)

@@ -79,12 +79,15 @@ class Side:
 
     def info(self) -> SideInfo:
         lay = self.ckpt.layout
+        where = getattr(self.ckpt, "located", None)
+        opened = None if where is None or where.model == where.given else str(where.model)
         return SideInfo(
             str(self.path),
             self.kind,
             self.ckpt.catalog.schema.id,
             lay.layout_name if lay is not None and lay.ep_tensors else None,
             len(self.tensor_keys()),
+            opened,
         )
 
     def tensor_keys(self) -> list[str]:
