@@ -230,6 +230,29 @@ def test_shapes_of_every_rank_and_int_paths_agree() -> None:
     assert _agrees(_metadata_pickle(entries, planner))
 
 
+
+def _kernel_bucket(s: bytes, cap: int = 4096) -> int:
+    """The bucket of ``s`` in the kernel's first string table (mdscan.c ``str_hash``: FNV-1a, splitmix64's finaliser)."""
+    m = (1 << 64) - 1
+    h = 1469598103934665603 ^ len(s)
+    for c in s:
+        h = ((h ^ c) * 1099511628211) & m
+    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & m
+    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & m
+    return (h ^ (h >> 31)) & (cap - 1)
+
+
+def test_empty_string_beside_a_string_in_its_bucket_agrees() -> None:
+    """An empty string copied to the pool has the next string's offset: a string after it that falls in its bucket
+    is still its own string (a planner path ('', name) was read as ('', ''))."""
+    empty = _kernel_bucket(b"")
+    names = [n for n in (f"m{i}" for i in range(100_000)) if _kernel_bucket(n.encode()) == empty][:3]
+    assert names
+    for name in names:
+        entries = {"a": _tensor([4], [([0], [4])]), "": _tensor([2], [([0], [2])]), name: _tensor([3], [([0], [3])])}
+        assert _agrees(_metadata_pickle(entries, {"a": ("", name), name: (name, "")}))
+
+
 # --------------------------------------------------------------------------- FRAME boundaries
 # A FRAME's bytes are the C unpickler's buffer: a read that starts inside them and ends past them (an argument
 # across the frame's end, never written by pickle.dump) is refused on both paths, with CPython's pure-Python
