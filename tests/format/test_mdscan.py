@@ -517,6 +517,26 @@ def test_released_input_declined_after_the_parse_is_read_again(
         assert reads == [1]
 
 
+@pytest.mark.parametrize("changed", ["more records", "empty"])
+def test_file_changed_before_it_is_read_again_is_checked_again(changed: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file read again for the unpickler (a declined stream) holds other bytes than the first read: they are
+    refused as the bytes path refuses them (the record bound counted on them, the empty file), not unpickled."""
+    from ckpttool.format import limits, mdscan
+    from ckpttool.format.unpickler import parse_metadata_owned
+
+    first = _many_entries(20)[:-1]  # no STOP opcode: declined by the kernel
+    again = _many_entries(400) if changed == "more records" else b""
+    monkeypatch.setattr(mdscan, "DROP_MIN_BYTES", 0)
+    cap = first.count(b"\x81") + 8  # the first read within the record bound, the second past it
+    with limits.limits(max_metadata_bytes=cap * limits.BYTES_PER_METADATA_RECORD):
+        ref = _parsed(again)
+        try:
+            got: Any = parse_metadata_owned([bytearray(first)], ".metadata", lambda: again)
+        except CkptError as e:
+            got = e
+    assert isinstance(ref, CkptError) and type(got) is type(ref) and str(got) == str(ref)
+
+
 def test_checkpoint_dir_reads_its_metadata_released(
     fsdp_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
