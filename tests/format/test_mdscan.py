@@ -230,7 +230,6 @@ def test_shapes_of_every_rank_and_int_paths_agree() -> None:
     assert _agrees(_metadata_pickle(entries, planner))
 
 
-
 def _kernel_bucket(s: bytes, cap: int = 4096) -> int:
     """The bucket of ``s`` in the kernel's first string table (mdscan.c ``str_hash``: FNV-1a, splitmix64's finaliser)."""
     m = (1 << 64) - 1
