@@ -296,3 +296,20 @@ def test_sequential_model_optimizer_state_by_index_and_by_fqn(tmp_path: Path) ->
     assert json.loads(res.stdout)["key_schema"]["optimizer_keying"] == "fqn"
     res = runner.invoke(app, ["validate", "--strict", str(by_fqn)])
     assert res.exit_code == 0, res.stdout
+
+
+def test_sequential_model_nested_optimizer_state_is_keyed_by_fqn(tmp_path: Path) -> None:
+    """``nn.Sequential`` fqns (0.weight) with optimizer state nested below each fqn (a dict per parameter, as
+    Shampoo-like optimizers keep: state.0.weight.shampoo.factor): keyed by fqn, not by index."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    state = {
+        fqn: {"shampoo": {"factor": torch.zeros_like(p), "inverse": torch.ones_like(p)}}
+        for fqn, p in model.state_dict().items()
+    }
+    groups = [{"lr": 0.1, "params": list(state)}]
+    ck = _save({"model": model.state_dict(), "optimizer": {"state": state, "param_groups": groups}}, tmp_path / "ck")
+    res = runner.invoke(app, ["--json", "inspect", str(ck)])
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["key_schema"]["optimizer_keying"] == "fqn"
