@@ -740,6 +740,12 @@ def parse_metadata_bytes(data: bytes, source: str = ".metadata") -> CheckpointMe
     return parse_metadata_owned([data], source)
 
 
+def _check_input(data: bytes | bytearray, source: str) -> None:
+    if not data:
+        raise MetadataError(f"{source} is empty", path=source)
+    check_record_bound(data, source)
+
+
 def parse_metadata_owned(
     holder: list[bytes | bytearray], source: str = ".metadata", reread: Callable[[], bytes] | None = None
 ) -> CheckpointMetadata:
@@ -756,9 +762,7 @@ def parse_metadata_owned(
     Raises:
         as :func:`parse_metadata_bytes`, and as ``reread``.
     """
-    if not holder[0]:
-        raise MetadataError(f"{source} is empty", path=source)
-    check_record_bound(holder[0], source)
+    _check_input(holder[0], source)
     from ckpttool.format.mdscan import scan_metadata_owned
 
     # the native column reader (frees the bytes); None: the unpickler decides
@@ -766,6 +770,8 @@ def parse_metadata_owned(
     if md is not None:
         return md
     data = holder.pop()
+    if reread is not None:  # maybe the file read again: its bytes checked as the first read's were
+        _check_input(data, source)
     if isinstance(data, bytearray):  # given without reread: pickle reads bytes
         data = bytes(data)
     obj = _unpickle(data, source)

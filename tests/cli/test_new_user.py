@@ -309,3 +309,20 @@ def test_diff_names_the_steps_it_opened(dense_model_ckpt: Path, tmp_path: Path) 
     assert lines[1].startswith(f"B: {root}: opened {root / 'step-2'} (dcp")
     doc = json.loads(runner.invoke(app, ["--json", "diff", str(root / "step-1"), str(root), "--b-step", "2"]).stdout)
     assert doc["a"]["opened"] is None and doc["b"]["opened"] == str(root / "step-2")
+
+
+def test_sequential_model_nested_optimizer_state_is_keyed_by_fqn(tmp_path: Path) -> None:
+    """``nn.Sequential`` fqns (0.weight) with optimizer state nested below each fqn (a dict per parameter, as
+    Shampoo-like optimizers keep: state.0.weight.shampoo.factor): keyed by fqn, not by index."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    state = {
+        fqn: {"shampoo": {"factor": torch.zeros_like(p), "inverse": torch.ones_like(p)}}
+        for fqn, p in model.state_dict().items()
+    }
+    groups = [{"lr": 0.1, "params": list(state)}]
+    ck = _save({"model": model.state_dict(), "optimizer": {"state": state, "param_groups": groups}}, tmp_path / "ck")
+    res = runner.invoke(app, ["--json", "inspect", str(ck)])
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["key_schema"]["optimizer_keying"] == "fqn"

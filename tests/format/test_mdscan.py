@@ -230,6 +230,28 @@ def test_shapes_of_every_rank_and_int_paths_agree() -> None:
     assert _agrees(_metadata_pickle(entries, planner))
 
 
+def _kernel_bucket(s: bytes, cap: int = 4096) -> int:
+    """The bucket of ``s`` in the kernel's first string table (mdscan.c ``str_hash``: FNV-1a, splitmix64's finaliser)."""
+    m = (1 << 64) - 1
+    h = 1469598103934665603 ^ len(s)
+    for c in s:
+        h = ((h ^ c) * 1099511628211) & m
+    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & m
+    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & m
+    return (h ^ (h >> 31)) & (cap - 1)
+
+
+def test_empty_string_beside_a_string_in_its_bucket_agrees() -> None:
+    """An empty string copied to the pool has the next string's offset: a string after it that falls in its bucket
+    is still its own string (a planner path ('', name) was read as ('', ''))."""
+    empty = _kernel_bucket(b"")
+    names = [n for n in (f"m{i}" for i in range(100_000)) if _kernel_bucket(n.encode()) == empty][:3]
+    assert names
+    for name in names:
+        entries = {"a": _tensor([4], [([0], [4])]), "": _tensor([2], [([0], [2])]), name: _tensor([3], [([0], [3])])}
+        assert _agrees(_metadata_pickle(entries, {"a": ("", name), name: (name, "")}))
+
+
 # --------------------------------------------------------------------------- FRAME boundaries
 # A FRAME's bytes are the C unpickler's buffer: a read that starts inside them and ends past them (an argument
 # across the frame's end, never written by pickle.dump) is refused on both paths, with CPython's pure-Python
@@ -492,6 +514,26 @@ def test_released_input_declined_after_the_parse_is_read_again(
         got, _, reads = _owned_parse(data, monkeypatch)
         assert isinstance(ref, MetadataError) and str(got) == str(ref)
         assert reads == [1]
+
+
+@pytest.mark.parametrize("changed", ["more records", "empty"])
+def test_file_changed_before_it_is_read_again_is_checked_again(changed: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file read again for the unpickler (a declined stream) holds other bytes than the first read: they are
+    refused as the bytes path refuses them (the record bound counted on them, the empty file), not unpickled."""
+    from ckpttool.format import limits, mdscan
+    from ckpttool.format.unpickler import parse_metadata_owned
+
+    first = _many_entries(20)[:-1]  # no STOP opcode: declined by the kernel
+    again = _many_entries(400) if changed == "more records" else b""
+    monkeypatch.setattr(mdscan, "DROP_MIN_BYTES", 0)
+    cap = first.count(b"\x81") + 8  # the first read within the record bound, the second past it
+    with limits.limits(max_metadata_bytes=cap * limits.BYTES_PER_METADATA_RECORD):
+        ref = _parsed(again)
+        try:
+            got: Any = parse_metadata_owned([bytearray(first)], ".metadata", lambda: again)
+        except CkptError as e:
+            got = e
+    assert isinstance(ref, CkptError) and type(got) is type(ref) and str(got) == str(ref)
 
 
 def test_checkpoint_dir_reads_its_metadata_released(

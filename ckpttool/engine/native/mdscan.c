@@ -711,7 +711,8 @@ static int str_id(st *s, val v, int64_t *out) {
     uint64_t j = str_hash(s, v.a, v.b) & (uint64_t)(s->scap - 1);
     for (; s->shash[j] >= 0; j = (j + 1) & (uint64_t)(s->scap - 1)) {
         int64_t id = s->shash[j], off = s->strs.p[2 * id];
-        if (off == v.a || (s->strs.p[2 * id + 1] == v.b && memcmp(s->pool.p + off, s->pool.p + v.a, v.b) == 0)) {
+        /* the length first: an empty string's pool offset is the next string's */
+        if (s->strs.p[2 * id + 1] == v.b && (off == v.a || memcmp(s->pool.p + off, s->pool.p + v.a, v.b) == 0)) {
             *out = id;
             return 0;
         }

@@ -264,6 +264,12 @@ def _candidate_test(known: Derived) -> Callable[[str, _Path], str | None]:
     return candidate
 
 
+def _starts_with_fqn(rest: str, model_fqns: set[str]) -> bool:
+    """Whether ``rest`` is a model fqn followed by at least one more dotted part (the state's field)."""
+    parts = rest.split(".")
+    return any(".".join(parts[:i]) in model_fqns for i in range(1, len(parts)))
+
+
 def _index_keyed(state: list[tuple[str, _Path]], state_prefix: str, model_fqns: set[str]) -> bool:
     """Optimizer state keyed by integer parameter ids (a plain ``optimizer.state_dict()``)."""
     firsts = {f.split(".", 1)[0] for f in model_fqns}
@@ -276,9 +282,10 @@ def _index_keyed(state: list[tuple[str, _Path]], state_prefix: str, model_fqns: 
             continue
         rest = key[len(state_prefix) :]
         head = rest.split(".", 1)[0]
-        # a model whose fqns start with digits (nn.Sequential: 0.weight): by fqn only where what precedes the
-        # field is one of them (state.0.weight.exp_avg), by index where it is the number alone (state.0.exp_avg)
-        if not head.isdigit() or (head in firsts and rest.rsplit(".", 1)[0] in model_fqns):
+        # a model whose fqns start with digits (nn.Sequential: 0.weight): by fqn only where the key starts with
+        # one of them (state.0.weight.exp_avg, nested state.0.weight.shampoo.factor), by index where it starts
+        # with the number alone (state.0.exp_avg)
+        if not head.isdigit() or (head in firsts and _starts_with_fqn(rest, model_fqns)):
             return False
     return seen
 
