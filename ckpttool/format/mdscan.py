@@ -112,12 +112,12 @@ class _Columns:
         self._free(ctypes.byref(self._out))
 
 
-def _columns(data: bytes | bytearray, drop: bool) -> _Columns | None:
-    """The kernel's columns of ``data``, or ``None`` (no kernel, or a stream it declines); with ``drop``
-    (``data`` is a ``bytearray`` the caller gives up), ``data``'s pages are released behind the parse."""
+def _columns(data: bytes | bytearray, drop: bool) -> tuple[_Columns | None, bool]:
+    """The kernel's columns of ``data``, or ``None`` (no kernel, or a stream it declines), and whether any
+    of ``data``'s pages were released (``drop``: ``data`` is a ``bytearray`` the caller gives up)."""
     k = _kernel()
     if k is None:
-        return None
+        return None, False
     scan, free, free_pool = k
     out = _Out()
     # row values (entries, chunks, storage, planner) within VALUES_PER_RECORD x the record cap: a pickle's shared
@@ -133,7 +133,7 @@ def _columns(data: bytes | bytearray, drop: bool) -> _Columns | None:
         rc = scan(address, len(data), _DTYPE_LIST, len(_DTYPE_LIST), cap, int(drop), ctypes.byref(out))
     finally:
         del view
-    return None if rc != 0 else _Columns(free, free_pool, out)
+    return (None if rc != 0 else _Columns(free, free_pool, out)), out.dropped > 0
 
 
 def scan_metadata(data: bytes, source: str) -> CheckpointMetadata | None:
@@ -156,7 +156,7 @@ def scan_metadata_owned(
     are freed then. Where ``None`` is returned the list holds the file's bytes for the unpickler.
     A ``bytearray`` with ``reread`` (reads the same file again) is the caller's to give up: from
     :data:`DROP_MIN_BYTES` on, its pages are released as the parse passes them, and where the
-    stream is declined ``holder`` gets ``reread()``'s ``bytes`` in its place.
+    stream is declined after a release ``holder`` gets ``reread()``'s ``bytes`` in its place.
 
     Raises:
         as ``reread``, where it is called.
@@ -165,7 +165,7 @@ def scan_metadata_owned(
         return None
     data = holder[0]
     owned = reread is not None and isinstance(data, bytearray)
-    found = _columns(data, owned and len(data) >= DROP_MIN_BYTES)
+    found, dropped = _columns(data, owned and len(data) >= DROP_MIN_BYTES)
     del data
     md = None
     if found is not None:
@@ -173,9 +173,9 @@ def scan_metadata_owned(
             md = _read_columns(found, holder)
         finally:
             found.free()
-    if md is None and owned:
+    if md is None and dropped:
         assert reread is not None
-        holder.clear()  # released behind the parse, or a bytearray the unpickler does not read: read again
+        holder.clear()  # its pages released behind the parse: read again for the unpickler
         holder.append(reread())
     return md
 

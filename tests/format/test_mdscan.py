@@ -453,15 +453,16 @@ def test_negative_storage_offset_or_length_is_refused_by_both_paths(
 # file is read again for the unpickler: the result or the error is the one the bytes path gives.
 
 
-def _many_entries(n: int) -> bytes:
-    """torch's own Metadata pickle of ``n`` one-chunk tensors with storage records (~100 bytes an entry)."""
+def _many_entries(n: int, first_offset: int = 0) -> bytes:
+    """torch's own Metadata pickle of ``n`` one-chunk tensors with storage records (~100 bytes an entry); the
+    first record at ``first_offset`` (negative: a value the kernel accepts and the columns' check declines)."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
     entries = {f"model.layers.{i}.mlp.weight": _tensor([4, i + 1], [([0, 0], [4, i + 1])]) for i in range(n)}
     storage = {
-        MetadataIndex(k, torch.Size([0, 0])): _StorageInfo(f"__{i % 4}_0.distcp", 64 * i, 16 * (i + 1))
+        MetadataIndex(k, torch.Size([0, 0])): _StorageInfo(f"__{i % 4}_0.distcp", 64 * i or first_offset, 16 * (i + 1))
         for i, k in enumerate(entries)
     }
     return pickle.dumps(Metadata(state_dict_metadata=entries, storage_data=storage), protocol=4)
@@ -501,19 +502,21 @@ def test_released_input_gives_the_same_metadata(monkeypatch: pytest.MonkeyPatch)
 def test_released_input_declined_after_the_parse_is_read_again(
     sample_ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A value the kernel leaves to the columns (a negative storage offset) and a stream it declines in its first
-    pass: the file is read again once and the unpickler's error is the bytes path's."""
+    """A value the kernel leaves to the columns (a negative storage offset): declined after the parse released
+    the pages, the file is read again once; a stream declined in the kernel's first pass (nothing released yet)
+    is not read again. The unpickler's error is the bytes path's."""
     import dataclasses
 
     md = pickle.loads((sample_ckpt / ".metadata").read_bytes())
     key = next(iter(md.storage_data))
     md.storage_data[key] = dataclasses.replace(md.storage_data[key], offset=-100)
     negative = pickle.dumps(md, protocol=4)
-    for data in (negative, _many_entries(2_000)[:-1]):  # the last: no STOP opcode
+    assert len(negative) > 3 * 4096
+    for data, again in ((negative, 1), (_many_entries(2_000)[:-1], 0)):  # the last: no STOP opcode
         ref = _parsed(data)
         got, _, reads = _owned_parse(data, monkeypatch)
         assert isinstance(ref, MetadataError) and str(got) == str(ref)
-        assert reads == [1]
+        assert reads == [again]
 
 
 @pytest.mark.parametrize("changed", ["more records", "empty"])
@@ -523,7 +526,7 @@ def test_file_changed_before_it_is_read_again_is_checked_again(changed: str, mon
     from ckpttool.format import limits, mdscan
     from ckpttool.format.unpickler import parse_metadata_owned
 
-    first = _many_entries(20)[:-1]  # no STOP opcode: declined by the kernel
+    first = _many_entries(200, first_offset=-100)  # declined after the parse released its pages
     again = _many_entries(400) if changed == "more records" else b""
     monkeypatch.setattr(mdscan, "DROP_MIN_BYTES", 0)
     cap = first.count(b"\x81") + 8  # the first read within the record bound, the second past it
