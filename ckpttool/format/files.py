@@ -83,6 +83,28 @@ def open_regular(path: Path, *, shown: str | os.PathLike[str] | None = None) -> 
     return fd
 
 
+def _open_capped(path: Path, cap: int, shown: str | os.PathLike[str] | None, what: str) -> tuple[int, int]:
+    """The descriptor and size of regular file ``path``, refused when larger than ``cap`` bytes."""
+    fd = open_regular(path, shown=shown)
+    try:
+        size = os.fstat(fd).st_size
+        if size > cap:
+            raise _over_cap(path, cap, shown, what, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, size
+
+
+def _over_cap(
+    path: Path, cap: int, shown: str | os.PathLike[str] | None, what: str, size: int | None = None
+) -> SizeLimitError:
+    of = f" of {size} bytes" if size is not None else ""  # without: the file grew while being read
+    return SizeLimitError(
+        f"{shown if shown is not None else path}: {what}{of} is over the cap of {limits.human(cap)}", path=path
+    )
+
+
 def read_regular(path: Path, cap: int, *, shown: str | os.PathLike[str] | None = None, what: str = "file") -> bytes:
     """The content of regular file ``path``, refused before reading when larger than ``cap`` bytes.
 
@@ -91,14 +113,8 @@ def read_regular(path: Path, cap: int, *, shown: str | os.PathLike[str] | None =
         SizeLimitError: larger than ``cap`` (``ckpttool --max-object-size`` raises the default).
         OSError: cannot be opened or read.
     """
-    fd = open_regular(path, shown=shown)
+    fd, size = _open_capped(path, cap, shown, what)
     try:
-        size = os.fstat(fd).st_size
-        if size > cap:
-            raise SizeLimitError(
-                f"{shown if shown is not None else path}: {what} of {size} bytes is over the cap of {limits.human(cap)}",
-                path=path,
-            )
         chunks, got = [], 0
         want = size + 1  # the whole file in one read (no second copy by the join), then to its end
         while True:
@@ -108,10 +124,8 @@ def read_regular(path: Path, cap: int, *, shown: str | os.PathLike[str] | None =
                 break
             chunks.append(piece)
             got += len(piece)
-            if got > cap:  # the file grew while being read
-                raise SizeLimitError(
-                    f"{shown if shown is not None else path}: {what} is over the cap of {limits.human(cap)}", path=path
-                )
+            if got > cap:
+                raise _over_cap(path, cap, shown, what)
         return b"".join(chunks)
     finally:
         os.close(fd)
@@ -126,14 +140,8 @@ def read_regular_owned(
     Raises:
         as :func:`read_regular`.
     """
-    fd = open_regular(path, shown=shown)
+    fd, size = _open_capped(path, cap, shown, what)
     try:
-        size = os.fstat(fd).st_size
-        if size > cap:
-            raise SizeLimitError(
-                f"{shown if shown is not None else path}: {what} of {size} bytes is over the cap of {limits.human(cap)}",
-                path=path,
-            )
         buf = bytearray(size)
         view, got = memoryview(buf), 0
         try:
@@ -149,9 +157,7 @@ def read_regular_owned(
         while more := os.read(fd, min(1 << 24, cap + 1 - len(buf))):  # grown while being read: to its end
             buf += more
             if len(buf) > cap:
-                raise SizeLimitError(
-                    f"{shown if shown is not None else path}: {what} is over the cap of {limits.human(cap)}", path=path
-                )
+                raise _over_cap(path, cap, shown, what)
         return buf
     finally:
         os.close(fd)
