@@ -16,6 +16,7 @@ is followed as the C unpickler follows it: its bytes within the outer frame's, e
 
 from __future__ import annotations
 
+import ctypes
 import io
 import pickle
 from functools import cache
@@ -215,6 +216,8 @@ def check_memo(data: bytes) -> None:
     """
     if b"r" not in data and b"p" not in data:
         return  # BINPUT's one-byte index and MEMOIZE are harmless
+    if _native_check(data):
+        return
     table = _reads()
     n = len(data)
     x = puts = 0
@@ -256,3 +259,40 @@ def check_memo(data: bytes) -> None:
                 if size < 0:
                     return
                 x += width + size
+
+
+@cache
+def _native_table() -> bytes:
+    """:func:`_reads` as the native walk's table: 3 signed bytes an opcode (count of reads or -1, the reads)."""
+    out = bytearray(b"\xff\x00\x00" * 256)
+    for op, reads in _reads().items():
+        out[3 * op : 3 * op + 1 + len(reads)] = bytes([len(reads), *(r & 0xFF for r in reads)])
+    return bytes(out)
+
+
+def _native_check(data: bytes) -> bool:
+    """:func:`check_memo`'s walk by the native kernel (``engine/native/pickmemo.c``): True where it found no
+    index beyond the bound, False where the Python walk decides (no kernel, or a text ``PUT``).
+
+    Raises:
+        MemoIndexError: as :func:`check_memo`.
+    """
+    from ckpttool.engine import native
+
+    fn = native.function(
+        "ckpt_pickle_memo_check",
+        ctypes.c_int64,
+        ctypes.c_char_p,
+        ctypes.c_int64,
+        ctypes.c_char_p,
+        ctypes.c_int64,
+        ctypes.POINTER(ctypes.c_int64),
+        ctypes.POINTER(ctypes.c_int64),
+    )
+    if fn is None:
+        return False
+    bad, before = ctypes.c_int64(), ctypes.c_int64()
+    x = fn(bytes(data), len(data), _native_table(), MEMO_SLACK, ctypes.byref(bad), ctypes.byref(before))
+    if x >= 0:
+        raise MemoIndexError(f"memo index {bad.value} at byte {x} after {before.value} memo writes (a memory bomb)")
+    return bool(x == -1)

@@ -138,3 +138,63 @@ def test_rank_file_data_pkl(tc_step: Path, tmp_path: Path, pkl: bytes, needle: s
     d = shutil.copytree(tc_step, tmp_path / "step-2")
     (d / "model_1.pt").write_bytes(_with_data_pkl((d / "model_1.pt").read_bytes(), pkl))
     _assert_refused(*_run("inspect", str(d)), "E280", needle)
+
+
+def _walk(data: bytes, monkeypatch: pytest.MonkeyPatch, native: bool) -> str:
+    """``check_memo(data)`` by the native walk or the Python one: ``ok``, the error, or ``python`` where the native
+    walk hands over (a text ``PUT``)."""
+    from ckpttool.format import pickleframes as pf
+
+    try:
+        if native:
+            if b"r" not in data and b"p" not in data:
+                return "ok"
+            return "ok" if pf._native_check(data) else "python"
+        with monkeypatch.context() as m:
+            m.setattr(pf, "_native_check", lambda d: False)
+            pf.check_memo(data)
+        return "ok"
+    except pf.MemoIndexError as e:
+        return str(e)
+
+
+def test_native_memo_walk_agrees_with_the_python_walk(sample_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real pickles (torch.save's data.pkl, .metadata, pickle.dump at protocols 0-5) mutated at random (bytes
+    changed, LONG_BINPUTs planted, cuts): the native walk gives the Python walk's verdict and message."""
+    import io
+    import random
+    import zipfile
+
+    import torch
+
+    from ckpttool.engine import native
+
+    if native.function("ckpt_pickle_memo_check", None) is None:
+        pytest.skip("native kernels not built")
+    buf = io.BytesIO()
+    torch.save({"a": torch.zeros(3), "b": [1, 2, {"c": "x" * 300}]}, buf)
+    zf = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    data_pkl = zf.read(next(n for n in zf.namelist() if n.endswith("data.pkl")))
+    obj = {"x": list(range(1000)), "y": ["s" * i for i in range(50)], "z": b"q" * 70_000}
+    bases = [data_pkl, (sample_ckpt / ".metadata").read_bytes(), *(pickle.dumps(obj, protocol=p) for p in range(6))]
+    assert _walk(MEMO_BOMB, monkeypatch, True) == _walk(MEMO_BOMB, monkeypatch, False) != "ok"
+    rng = random.Random(20261203)
+    verdicts = set()
+    for base in bases:
+        for _ in range(60):
+            d = bytearray(base)
+            for _ in range(rng.randint(1, 4)):
+                i, c = rng.randrange(len(d)), rng.random()
+                if c < 0.4:
+                    d[i] = rng.randrange(256)
+                elif c < 0.6:
+                    d[i : i + 5] = b"r" + struct.pack("<I", rng.choice([2**27, 300, 5000, rng.randrange(2**32)]))
+                elif c < 0.8:
+                    del d[i : i + rng.randint(1, 8)]
+                else:
+                    d = d[:i]
+            ours = _walk(bytes(d), monkeypatch, True)
+            verdicts.add(ours if ours in ("ok", "python") else "refused")
+            if ours != "python":
+                assert ours == _walk(bytes(d), monkeypatch, False), bytes(d)
+    assert verdicts == {"ok", "python", "refused"}
