@@ -43,6 +43,7 @@ from ckpttool.format.unpickler import UNREADABLE_PICKLE, check_object_graph
 
 __all__ = [
     "PerRankError",
+    "checked_pickle",
     "Placed",
     "PerRankReader",
     "RankFile",
@@ -144,14 +145,7 @@ def read_rank_file(root: Path, f: RankFile) -> RankObject:
         if bo == b"big":
             raise PerRankError(f"{where}: a big-endian archive (not read)", path=where)
         assert pkl is not None
-        try:
-            obj = check_object_graph(unpickle_rank(pkl, where), where)
-        except CkptError:
-            raise
-        except MemoIndexError as e:
-            raise PerRankError(f"{where}: data.pkl {e}", path=where) from e
-        except UNREADABLE_PICKLE as e:
-            raise PerRankError(f"{where}: data.pkl is not a readable pickle ({type(e).__name__})", path=where) from e
+        obj = checked_pickle(lambda: unpickle_rank(pkl, where), where, "data.pkl ")
         records: dict[str, tuple[int, int]] = {}
         for name, m in archive.members.items():
             if name.startswith("data/"):
@@ -631,3 +625,21 @@ class PerRankReader(CheckpointReader):
             if diff is not None:
                 bad.append(f"{key} at {list(offsets)}: {first.relative_path} != {other.relative_path} (byte {diff})")
         return bad
+
+
+def checked_pickle(load: Callable[[], Any], where: Any, member: str = "") -> Any:
+    """``check_object_graph(load())``, the pickle's own failures as :class:`PerRankError` (E280) naming ``where``
+    (and ``member``, the archive member it read): a memo bomb, or a pickle the unpickler fails on.
+
+    Raises:
+        PerRankError: as above; CkptError: as ``load`` and the object-graph check raise it.
+    """
+    try:
+        return check_object_graph(load(), str(where))
+    except CkptError:
+        raise
+    except MemoIndexError as e:
+        raise PerRankError(f"{where}: {member}{e}", path=where) from e
+    except UNREADABLE_PICKLE as e:
+        what = f"{member}is not" if member else "not"
+        raise PerRankError(f"{where}: {what} a readable pickle ({type(e).__name__})", path=where) from e

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import CkptError, DataFileError, FormatVersionError, IncompleteCheckpointError, PerRankError
+from ckpttool.errors import DataFileError, FormatVersionError, IncompleteCheckpointError, PerRankError
 from ckpttool.format import limits
 from ckpttool.format.files import read_regular, resolve_inside
 from ckpttool.format.hf_storage import read_safetensors_header
@@ -37,6 +37,7 @@ from ckpttool.format.perrank import (
     RankLayout,
     RankObject,
     assemble,
+    checked_pickle,
     describe,
     flatten,
     is_tensor,
@@ -45,9 +46,9 @@ from ckpttool.format.perrank import (
     registered_layouts,
 )
 from ckpttool.format.perrank_pickle import DTensorRec, LocalTensor, Placement
-from ckpttool.format.pickleframes import MemoIndexError, pickle_input
+from ckpttool.format.pickleframes import pickle_input
 from ckpttool.format.safetensors import SAFETENSORS_TAGS
-from ckpttool.format.unpickler import UNREADABLE_PICKLE, PrimitiveUnpickler, check_object_graph, short_repr
+from ckpttool.format.unpickler import PrimitiveUnpickler, short_repr
 
 log = logging.getLogger(__name__)
 
@@ -273,14 +274,7 @@ def _tc_metadata(path: Path) -> dict[str, Any] | None:
         data = read_regular(resolve_inside(path, TC_METADATA), limits.current().max_metadata_bytes, what=TC_METADATA)
     except OSError as e:
         raise DataFileError(f"{p}: cannot read ({e.strerror})", path=p) from e
-    try:
-        obj = check_object_graph(PrimitiveUnpickler(pickle_input(data), source=str(p)).load(), str(p))
-    except CkptError:
-        raise
-    except MemoIndexError as e:
-        raise PerRankError(f"{p}: {e}", path=p) from e
-    except UNREADABLE_PICKLE as e:
-        raise PerRankError(f"{p}: not a readable pickle ({type(e).__name__})", path=p) from e
+    obj = checked_pickle(lambda: PrimitiveUnpickler(pickle_input(data), source=str(p)).load(), p)
     if not isinstance(obj, dict):
         raise PerRankError(f"{p}: not torch-checkpointing's DistributedMetadata dict", path=p)
     version = obj.get("version", "1.0")
