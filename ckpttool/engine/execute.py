@@ -237,19 +237,20 @@ class _Paired:
     """A :class:`~ckpttool.engine.plan.PairedSlabs` sink: whole slabs straight from the block, a slab a
     block cuts short completed (copied) in this thread's slab buffer; the other stream's slab read beside it."""
 
-    __slots__ = ("s", "step", "hi", "filled", "spans")
+    __slots__ = ("s", "step", "hi", "filled", "spans", "fed", "cursor")
 
     def __init__(self, s: PairedSlabs, hi: int) -> None:
         self.s, self.step, self.hi, self.filled = s, s.slab * s.width, hi, 0
         self.spans = [_Span(a, b) for a, b in s.spans]
+        self.fed = _Spans(self.spans)  # the other stream's record spans, fed only the slabs that reach them
+        self.cursor = (0, 0)  # slabs come in order: the other stream is read on from its last window
 
     def _slab(self, mine: memoryview, at: int) -> None:
         s = self.s
         first = at // s.width
         theirs = _scratch("theirs", self.step // s.width * s.other_width)[: len(mine) // s.width * s.other_width]
-        _read_stream(s.reads, theirs, first * s.other_width)
-        for span in self.spans:
-            span.feed(theirs, first * s.other_width)
+        self.cursor = _read_stream(s.reads, theirs, first * s.other_width, self.cursor)
+        self.fed.feed(theirs, first * s.other_width)
         s.fn(mine, theirs, first)
 
     def feed(self, piece: memoryview, at: int) -> None:
@@ -422,12 +423,13 @@ def run_lockstep(ls: Lockstep) -> tuple[int, ...]:
     n = ls.numel
     bufs = _Lockstep.bufs
     crcs = [0] * len(ls.streams)
+    cursors = [(0, 0)] * len(ls.streams)  # each stream read in order: on from its last window
     for e0 in range(0, n, ls.slab):
         m = min(ls.slab, n - e0)
         slabs = []
         for i, (windows, item) in enumerate(zip(ls.streams, ls.itemsizes)):
             raw = bufs.get(i, m * item)
-            _read_stream(windows, raw, e0 * item)
+            cursors[i] = _read_stream(windows, raw, e0 * item, cursors[i])
             crcs[i] = crc32(raw, crcs[i])  # the slab is still in the CPU cache
             slabs.append(raw)
         ls.each(slabs, e0)

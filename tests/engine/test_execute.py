@@ -283,3 +283,36 @@ def test_paired_slabs_cut_at_multiples_and_pair_the_same_elements(tmp_path: Path
         k = min(slab, n - first)
         assert a == mine[2 * first : 2 * (first + k)] and b == theirs[4 * first : 4 * (first + k)]
     assert crcs == tuple(zlib.crc32(theirs[x:y]) for x, y in spans)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_paired_slabs_and_lockstep_over_many_windows(tmp_path: Path, seed: int) -> None:
+    """The other stream of a :class:`PairedSlabs` and each stream of a :class:`Lockstep` cut into thousands of
+    small windows, with a span per window: the same elements and CRC-32s as whole reads (the other stream is
+    read on from its last window, its spans fed only the slabs that reach them)."""
+    from ckpttool.engine.execute import run_lockstep
+    from ckpttool.engine.plan import Lockstep
+
+    rng = random.Random(seed)
+    n, slab = 20_000, rng.choice([7, 300, 4096])
+    mine, theirs = rng.randbytes(2 * n), rng.randbytes(4 * n)
+    (tmp_path / "m").write_bytes(mine)
+    (tmp_path / "t").write_bytes(theirs)
+    cuts = sorted({0, 4 * n, *rng.sample(range(1, 4 * n), 3000)})
+    fm, ft = os.open(tmp_path / "m", os.O_RDONLY), os.open(tmp_path / "t", os.O_RDONLY)
+    try:
+        windows = tuple(Window(ft, x, y - x) for x, y in zip(cuts, cuts[1:]))
+        spans = tuple(zip(cuts, cuts[1:]))
+        got: list[tuple[int, bytes, bytes]] = []
+        sink = PairedSlabs(windows, 2, 4, slab, lambda a, b, first: got.append((first, bytes(a), bytes(b))), spans)
+        (crcs,) = run_item(Item((Window(fm, 0, 2 * n),), (sink,)), buf=memoryview(bytearray(1000)))
+        assert b"".join(g[1] for g in got) == mine and b"".join(g[2] for g in got) == theirs
+        assert crcs == tuple(zlib.crc32(theirs[x:y]) for x, y in spans)
+        seen: list[bytes] = []
+        both = run_lockstep(
+            Lockstep(((Window(fm, 0, 2 * n),), windows), (2, 4), lambda s, e0: seen.append(bytes(s[1])), slab)
+        )
+        assert b"".join(seen) == theirs and both == (zlib.crc32(mine), zlib.crc32(theirs))
+    finally:
+        os.close(fm)
+        os.close(ft)
