@@ -326,3 +326,16 @@ def test_sequential_model_nested_optimizer_state_is_keyed_by_fqn(tmp_path: Path)
     res = runner.invoke(app, ["--json", "inspect", str(ck)])
     assert res.exit_code == 0, res.stderr
     assert json.loads(res.stdout)["key_schema"]["optimizer_keying"] == "fqn"
+
+
+def test_replay_filter_counts_only_the_tensors_it_selects(sample_ckpt: Path) -> None:
+    """The note of model tensors in no param group counts those the selection keeps: the sample's two MoE
+    router biases (buffers), one of them in layer 0."""
+    notes = {}
+    for args in ([], ["--filter", "*layers.0.mlp*"]):
+        res = runner.invoke(app, ["replay-step", str(sample_ckpt), *args])
+        assert res.exit_code == 0, res.stderr
+        out = res.stdout + res.stderr
+        notes[bool(args)] = next(line for line in out.splitlines() if "in no param group" in line)
+    assert "2 model tensor(s) in no param group" in notes[False]
+    assert "1 model tensor(s) in no param group" in notes[True]

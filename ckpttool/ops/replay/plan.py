@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -357,12 +357,15 @@ def _check_arguments(
     return rx
 
 
-def _membership(cat: Catalog, notes: list[str], head_dim: int | None = None) -> _Membership:
-    """Group membership and hyperparameters of the model tensors; notes what is not replayed."""
+def _membership(
+    cat: Catalog, notes: list[str], head_dim: int | None = None, wanted: Callable[[str], bool] | None = None
+) -> _Membership:
+    """Group membership and hyperparameters of the model tensors; notes what is not replayed (of the
+    tensors ``wanted`` keeps: the selection)."""
     model_fqns = cat.param_fqns
     grouped = {p for g in cat.param_groups for p in g.params}
     params_in_model = [f for f in model_fqns if cat.group_of(f) is not None]
-    skipped = len(model_fqns) - len(params_in_model)
+    skipped = sum(1 for f in model_fqns if cat.group_of(f) is None and (wanted is None or wanted(f)))
     if skipped:
         notes.append(f"{skipped} model tensor(s) in no param group (buffers, frozen parameters) are not replayed")
     orphans = sorted(f for f in grouped if cat.model_key(f) not in cat.model)
@@ -716,7 +719,13 @@ def plan_replay(
     """
     rx = _check_arguments(cat, select, optimizer, offload_patterns)
     notes: list[str] = []
-    members = _membership(cat, notes, head_dim)
+
+    def wanted(f: str) -> bool:  # the selection: select's regex and filter_glob over the canonical key
+        return (rx is None or rx.search(f) is not None) and (
+            filter_glob is None or match_filter(canonical_model_key(f), filter_glob)
+        )
+
+    members = _membership(cat, notes, head_dim, wanted)
     lost = lost_state(cat)  # the one check behind validate's O009
     selected = _select(cat, members, rx, select, filter_glob)
     frozen = [f for f in selected if f in cat.frozen]
@@ -734,11 +743,7 @@ def plan_replay(
     choice = _choose_type(cat, record, optimizer, selected, offload_patterns, notes)
     config = _configs(cat, selected, choice, chunk_size, notes)
     plans = _param_plans(cat, selected, members, choice, config, lost, notes)
-    skipped = [
-        f
-        for f in members.stepped_orphans
-        if (rx is None or rx.search(f)) and (filter_glob is None or match_filter(canonical_model_key(f), filter_glob))
-    ]
+    skipped = [f for f in members.stepped_orphans if wanted(f)]
     return ReplayPlan(plans, choice.type_name, choice.reason, config, notes, skipped, frozen)
 
 
