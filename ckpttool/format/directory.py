@@ -186,21 +186,8 @@ class CheckpointDir:
 
     def _read_metadata_bytes(self, shown: str | os.PathLike[str], *, owned: bool = False) -> bytes | bytearray:
         """``.metadata``'s bytes (``owned``: a local file's in a ``bytearray`` the parse may release as it reads)."""
-        cap = limits.current().max_metadata_bytes
         try:
-            if owned and self.remote is None:
-                try:
-                    data: bytes | bytearray = read_regular_owned(
-                        self.resolve(METADATA_NAME), cap, shown=self.path / METADATA_NAME, what=".metadata"
-                    )
-                except CkptError:
-                    raise
-                except OSError as e:
-                    raise DataFileError(
-                        f"{self.path / METADATA_NAME}: cannot read ({e.strerror})", path=METADATA_NAME
-                    ) from e
-            else:
-                data = self.read_file(METADATA_NAME, cap, what=".metadata")
+            data = self._read(METADATA_NAME, limits.current().max_metadata_bytes, ".metadata", owned)
         except DataFileError as e:
             raise MetadataError(e.message, path=shown) from e
         # digested as read (xxh3-128, cheap next to parsing): outputs name their source by it without a second read
@@ -385,11 +372,18 @@ class CheckpointDir:
             SizeLimitError: larger than ``cap``.
             DataFileError: missing or unreadable.
         """
+        data = self._read(relative_path, cap, what, owned=False)
+        assert isinstance(data, bytes)
+        return data
+
+    def _read(self, relative_path: str, cap: int, what: str, owned: bool) -> bytes | bytearray:
+        """:meth:`read_file`; ``owned``: a local file's bytes in a ``bytearray`` of the caller's own."""
         target = self.resolve(relative_path)
         if self.remote is not None:
             return self.remote.read_whole(relative_path, cap, what=what)
+        read = read_regular_owned if owned else read_regular
         try:
-            return read_regular(target, cap, shown=self.path / relative_path, what=what)
+            return read(target, cap, shown=self.path / relative_path, what=what)
         except CkptError:
             raise
         except OSError as e:

@@ -112,12 +112,9 @@ class _Columns:
         self._free(ctypes.byref(self._out))
 
 
-def _columns(data: bytes | bytearray, drop: bool) -> tuple[_Columns | None, bool]:
-    """The kernel's columns of ``data``, or ``None`` (no kernel, or a stream it declines), and whether any
-    of ``data``'s pages were released (``drop``: ``data`` is a ``bytearray`` the caller gives up)."""
-    k = _kernel()
-    if k is None:
-        return None, False
+def _columns(k: tuple[Any, Any, Any], data: bytes | bytearray, drop: bool) -> tuple[_Columns | None, bool]:
+    """Kernel ``k``'s columns of ``data``, or ``None`` (a stream it declines), and whether any of ``data``'s
+    pages were released (``drop``: ``data`` is a ``bytearray`` the caller gives up)."""
     scan, free, free_pool = k
     out = _Out()
     # row values (entries, chunks, storage, planner) within VALUES_PER_RECORD x the record cap: a pickle's shared
@@ -161,11 +158,12 @@ def scan_metadata_owned(
     Raises:
         as ``reread``, where it is called.
     """
-    if _kernel() is None:
+    k = _kernel()
+    if k is None:
         return None
     data = holder[0]
     owned = reread is not None and isinstance(data, bytearray)
-    found, dropped = _columns(data, owned and len(data) >= DROP_MIN_BYTES)
+    found, dropped = _columns(k, data, owned and len(data) >= DROP_MIN_BYTES)
     del data
     md = None
     if found is not None:

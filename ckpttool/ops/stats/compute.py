@@ -24,7 +24,7 @@ import numpy as np
 from ckpttool.engine.crc import crc32
 from ckpttool.engine.execute import release_lockstep_buffers, run_item, run_lockstep
 from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
-from ckpttool.engine.kernels import IEEE_BITS
+from ckpttool.engine.kernels import FP4_VALUES, IEEE_BITS
 from ckpttool.engine.plan import Crc32, Item, Lockstep, PairKernel, Scan, Stats, Window
 from ckpttool.engine.scan import ScanResult, run_scan
 from ckpttool.engine.stats import (
@@ -161,20 +161,14 @@ def chunk_slices(reader: CheckpointReader, key: str, chunk: ChunkMeta, *, slot: 
     import torch
 
     if t.dtype == torch.float4_e2m1fn_x2:  # two E2M1 values per byte, which torch converts to nothing
-        b, lut = t.view(torch.uint8).long(), torch.tensor(_E2M1)
+        b, lut = t.view(torch.uint8).long(), torch.from_numpy(FP4_VALUES)
         t, n = torch.stack((lut[b & 15], lut[b >> 4]), 1).reshape(-1), 2 * n
-    elif (
-        t.is_complex()
-    ):  # RoPE's freqs_cis: the moduli (the norm and abs max exact; a cast would drop the imaginary part)
+    elif t.is_complex():  # RoPE's freqs_cis: the moduli (norm and abs max exact; a cast drops the imaginary part)
         t = t.abs()
     work = torch.float32 if t.is_floating_point() and t.element_size() <= 4 else torch.float64
     name = "float32" if work == torch.float32 else "float64"
     for e0 in range(0, n, SLICE_VALUES):
         yield t[e0 : e0 + SLICE_VALUES].to(work).contiguous().numpy().view(np.uint8), name
-
-
-#: The 16 values of an E2M1 nibble (sign, 2 exponent bits, 1 mantissa bit; no infinity or NaN).
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def chunk_sums(

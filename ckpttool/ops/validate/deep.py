@@ -68,9 +68,8 @@ def _summarise(
     import torch
 
     st = TensorStats(key, dtype, numel=t.numel())
-    if (
-        t.numel() == 0 or dtype == "float4_e2m1fn_x2"
-    ):  # packed E2M1 pairs: torch converts them to nothing; no NaN or inf
+    # packed E2M1 pairs: torch converts them to nothing, and they hold no NaN or inf
+    if t.numel() == 0 or dtype == "float4_e2m1fn_x2":
         return st
     if keep_values:
         st.values = [float(v) for v in t.reshape(-1)[:64].tolist()]
