@@ -151,7 +151,7 @@ _HINTS: dict[str, str] = {
     "E120": "pass a safetensors file of gradients keyed by parameter fqn",
     "E121": "use --device auto or --device cpu",
     "E130": "raise --max-memory, or leave the parameter out with --filter",
-    "E140": "check the URL and --storage-option (docs/storage.md); pip install 'ckpttool[s3]' for s3://",
+    "E140": "check the URL and --storage-option (docs/storage.md)",
     "E141": "check the URL: the bucket and prefix of the checkpoint directory",
     "E142": "check the credentials (environment, config files, --storage-option) and the bucket policy",
     "E143": "retry later, or lower --remote-workers",

@@ -270,6 +270,18 @@ def confine_key(root: str, relative: str, *, shown: object, what: str = "storage
 
 
 # --------------------------------------------------------------------------- errors
+# credentials missing, wrong or expired: botocore's NoCredentialsError / PartialCredentialsError /
+# InvalidAccessKeyId / SignatureDoesNotMatch / ExpiredToken, google-auth's DefaultCredentialsError,
+# azure's ClientAuthenticationError, besides a plain 403
+_PERMISSION_WORDS = (
+    "accessdenied",
+    "forbidden",
+    "credentials",
+    "invalidaccesskeyid",
+    "signaturedoesnotmatch",
+    "expiredtoken",
+    "clientauthenticationerror",
+)
 _THROTTLE_WORDS = ("slowdown", "slow down", "throttl", "toomanyrequests", "too many requests", "requestlimitexceeded")
 
 
@@ -284,7 +296,7 @@ def _classify(e: BaseException) -> str:
     text = f"{type(e).__name__} {e}".lower()
     if any(w in text for w in _THROTTLE_WORDS) or " 429" in text or "(429)" in text:
         return "throttled"
-    if "accessdenied" in text or "forbidden" in text or " 403" in text:
+    if any(w in text for w in _PERMISSION_WORDS) or " 403" in text:
         return "permission"
     if "nosuchkey" in text or "nosuchbucket" in text or "not found" in text:
         return "not_found"

@@ -248,6 +248,23 @@ def test_missing_prefix_is_not_found(s3_server: Any) -> None:
     assert r.exit_code == 2 and "[E141]" in r.output
 
 
+def test_missing_credentials_are_a_permission_error(
+    s3_server: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """No credentials anywhere (botocore's NoCredentialsError): E142 with the credentials hint, no install hint."""
+    s3_server.bucket("ckpts")
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.fspath(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.fspath(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    r = runner.invoke(
+        app, ["--storage-option", f"client_kwargs.endpoint_url={s3_server.endpoint}", "inspect", "s3://ckpts/x"]
+    )
+    assert r.exit_code == 2 and "[E142]" in r.output and "credentials" in r.output
+    assert "pip install" not in r.output and "Traceback" not in r.output
+
+
 def test_file_url_is_the_local_path(sample_ckpt: Path) -> None:
     r = runner.invoke(app, ["inspect", "file://" + os.fspath(sample_ckpt), "--json"])
     assert r.exit_code == 0, r.output
