@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import string
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -301,6 +302,17 @@ def _check_part(p: Any, pattern: re.Pattern[str], where: str) -> None:
     """Refuse an expert part template that is not a string, uses unknown fields or lacks ``{j}``."""
     if not isinstance(p, str):
         raise UsageError(f"{where}: parts must be strings", hint="see docs/export.md")
+    try:
+        specs = [(spec, conv) for _, field, spec, conv in string.Formatter().parse(p) if field is not None]
+    except ValueError as e:
+        raise UsageError(
+            f"{where}: invalid template {p!r} ({e})", hint="use {j} and the named groups of 'match'"
+        ) from e
+    if any(spec or conv for spec, conv in specs):
+        raise UsageError(
+            f"{where}: template {p!r} gives a field a format spec or conversion; fields are plain",
+            hint="write {j} and the named groups of 'match' (e.g. {layer}) without ':' or '!'",
+        )
     try:
         p.format(j=0, **dict.fromkeys(pattern.groupindex, "x"))
     except (KeyError, IndexError, ValueError) as e:

@@ -607,6 +607,10 @@ def test_packaged_default_rules_json_is_the_yaml_document() -> None:
         ("keys: [{match: '^model\\.(.+)$', to: '\\g<1'}]", "unterminated name"),
         ("keys: [{match: '^model\\.(.+)$', to: '\\g<-1>'}]", "bad character in group name"),
         ("1: x\nnull: y", "unknown section(s) ['1', 'None']"),
+        # an expert part's format spec: a huge width (MemoryError before), a conversion, a broken brace
+        ("experts: [{match: '^(?P<l>.+)\\.w$', parts: ['{l}.{j:>99999999999}']}]", "fields are plain"),
+        ("experts: [{match: '^(?P<l>.+)\\.w$', parts: ['{l!r}.{j}']}]", "fields are plain"),
+        ("experts: [{match: '^(?P<l>.+)\\.w$', parts: ['{l}.{j']}]", "invalid template"),
     ],
 )
 def test_bad_rules_file_is_a_usage_error(dense_ckpt: Path, tmp_path: Path, text: str, needle: str) -> None:
