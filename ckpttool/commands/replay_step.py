@@ -90,7 +90,18 @@ MaxMemoryOpt = Annotated[
     ),
 ]
 ToleranceOpt = Annotated[
-    str, typer.Option("--tolerance", help="rtol,atol for FP32 values (widened to the dtype's rounding for BF16).")
+    str | None,
+    typer.Option(
+        "--tolerance",
+        metavar="RTOL,ATOL",
+        help="rtol,atol for FP32 values (widened to the dtype's rounding for BF16); default 1e-5,1e-8.",
+    ),
+]
+RtolOpt = Annotated[
+    float | None, typer.Option("--rtol", help="Relative tolerance alone (as diff's); the other keeps its default.")
+]
+AtolOpt = Annotated[
+    float | None, typer.Option("--atol", help="Absolute tolerance alone (as diff's); the other keeps its default.")
 ]
 ReferenceDtypeOpt = Annotated[
     str,
@@ -136,7 +147,9 @@ def replay_step_command(
     chunk_size: ChunkSizeOpt = None,
     steps: StepsOpt = 1,
     max_memory: MaxMemoryOpt = None,
-    tolerance: ToleranceOpt = "1e-5,1e-8",
+    tolerance: ToleranceOpt = None,
+    rtol: RtolOpt = None,
+    atol: AtolOpt = None,
     reference_dtype: ReferenceDtypeOpt = "float64",
     reference: ReferenceOpt = "formula",
     head_dim: HeadDimOpt = None,
@@ -171,7 +184,7 @@ def replay_step_command(
         chunk_size=chunk_size,
         steps=steps,
         max_memory=max_memory,
-        tolerance=tolerance,
+        tolerance=_tolerance(tolerance, rtol, atol),
         reference_dtype=reference_dtype,
         reference=reference,
         head_dim=head_dim,
@@ -198,6 +211,21 @@ def replay_step_command(
     if mismatch is not None:
         print_error(mismatch)
         raise typer.Exit(ReplayMismatchError.exit_code)
+
+
+def _tolerance(text: str | None, rtol: float | None, atol: float | None) -> str:
+    """The ``rtol,atol`` text of ``--tolerance`` or ``--rtol``/``--atol`` (each defaulting to 1e-5 / 1e-8).
+
+    Raises:
+        UsageError: ``--tolerance`` given with ``--rtol`` or ``--atol``.
+    """
+    if text is not None:
+        if rtol is not None or atol is not None:
+            raise UsageError(
+                "--tolerance and --rtol/--atol are exclusive", hint="give --rtol R --atol A, or --tolerance R,A"
+            )
+        return text
+    return f"{1e-5 if rtol is None else rtol!r},{1e-8 if atol is None else atol!r}"
 
 
 def _replay_options(

@@ -389,6 +389,23 @@ def test_non_finite_or_negative_tolerance_is_refused(full_fx: Path, tol: str, ne
     assert_no_traceback(res)
 
 
+def test_rtol_atol_are_the_tolerance_as_diff_names_it(full_fx: Path) -> None:
+    """``--rtol``/``--atol`` give the same run as ``--tolerance`` (the other number at its default)."""
+
+    def tol(*args: str) -> Any:
+        res = run(full_fx / "ckpt", "--device", "cpu", "--filter", "*", "--json", *args)
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout)["tolerance"]
+
+    assert tol("--rtol", "1e-3") == tol("--tolerance", "1e-3,1e-8") == {"rtol": 1e-3, "atol": 1e-8}
+    assert tol("--atol", "1e-6") == {"rtol": 1e-5, "atol": 1e-6}
+    assert tol("--rtol", "1e-4", "--atol", "1e-7") == {"rtol": 1e-4, "atol": 1e-7}
+    res = run(full_fx / "ckpt", "--device", "cpu", "--tolerance", "1e-5,1e-8", "--atol", "1e-6")
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.startswith("error: [E100] --tolerance and --rtol/--atol are exclusive")
+    assert_no_traceback(res)
+
+
 def test_library_refuses_an_infinite_tolerance(full_fx: Path) -> None:
     from ckpttool.errors import UsageError
     from ckpttool.ops.replay.run import replay_step
