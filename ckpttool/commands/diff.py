@@ -108,6 +108,17 @@ DiffStepOpt = Annotated[
     ),
 ]
 
+DiffPlotOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--plot",
+        metavar="FILE",
+        help="Also draw the relative difference per layer and the tensors that differ most to FILE "
+        "(.png, .svg or a self-contained .html). Needs matplotlib: pip install 'ckpttool[plot]'.",
+        show_default=False,
+    ),
+]
+
 
 @command_boundary
 def diff_command(
@@ -134,16 +145,10 @@ def diff_command(
     a_step: AStepOpt = None,
     b_step: BStepOpt = None,
     filters: DiffFilterOpt = None,
-    plot: Annotated[
-        Path | None,
-        typer.Option(
-            "--plot",
-            metavar="FILE",
-            help="Also draw the relative difference per layer and the tensors that differ most to FILE "
-            "(.png, .svg or a self-contained .html). Needs matplotlib: pip install 'ckpttool[plot]'.",
-            show_default=False,
-        ),
-    ] = None,
+    schema: opt.SchemaOpt = None,
+    model_prefix: opt.ModelPrefixOpt = None,
+    optimizer_prefix: opt.OptimizerPrefixOpt = None,
+    plot: DiffPlotOpt = None,
 ) -> None:
     """Compare two checkpoints tensor by tensor in bounded memory, whatever their sharding or format.
 
@@ -168,6 +173,7 @@ def diff_command(
     decl_a = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
     decl_b = declaration(b_source_layout, b_ep_size, b_ep_fsdp_size, b_no_ep)
     step_a, step_b = side_steps(a, b, step, a_step, b_step)
+    keys = (schema, model_prefix, optimizer_prefix)
     if plot is not None:
         from ckpttool.ui.plot import check_plot_target
 
@@ -179,8 +185,12 @@ def diff_command(
             opts,
             progress=shown.progress if shown else None,
             phase=shown.phase if shown else None,
-            opening_a=OpenOptions(declaration=decl_a, trust_pickle=trust_pickle, selection=selection(step_a)),
-            opening_b=OpenOptions(declaration=decl_b, trust_pickle=trust_pickle, selection=selection(step_b)),
+            opening_a=OpenOptions(
+                declaration=decl_a, trust_pickle=trust_pickle, selection=selection(step_a, None, *_dcp_keys(a, keys))
+            ),
+            opening_b=OpenOptions(
+                declaration=decl_b, trust_pickle=trust_pickle, selection=selection(step_b, None, *_dcp_keys(b, keys))
+            ),
         )
     if plot is not None:
         from ckpttool.ui.plot import write_diff_plot
@@ -198,6 +208,14 @@ class DiffProgress(PhaseProgress):
 
     def __init__(self, console: Any) -> None:
         super().__init__(console, "diff", bar_text="comparing")
+
+
+def _dcp_keys(path: Path, keys: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+    """``--schema/--model-prefix/--optimizer-prefix`` for a DCP side; none for a safetensors side (HF names)."""
+    hf = path.suffix == ".safetensors" or (
+        path.is_dir() and not (path / ".metadata").exists() and any(path.glob("*.safetensors"))
+    )
+    return (None, None, None) if hf else keys
 
 
 def _is_run_root(path: Path) -> bool:

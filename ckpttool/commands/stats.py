@@ -25,6 +25,27 @@ class StatsView(str, Enum):
     tensor = "tensor"
 
 
+StatsFilterOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--filter",
+        metavar="GLOB",
+        help="Only tensors whose fqn or key matches this glob (repeatable).",
+        show_default=False,
+    ),
+]
+StatsPlotOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--plot",
+        metavar="FILE",
+        help="Also draw per-layer norms (weights, moments, update size; experts as a heat map) to FILE "
+        "(.png, .svg or a self-contained .html). Needs matplotlib: pip install 'ckpttool[plot]'.",
+        show_default=False,
+    ),
+]
+
+
 @command_boundary
 def stats_command(
     checkpoints: Annotated[
@@ -40,34 +61,20 @@ def stats_command(
     by: Annotated[StatsView, typer.Option("--by", help="Rows of the table: per layer, module type or tensor.")] = (
         StatsView.layer
     ),
-    filters: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--filter",
-            metavar="GLOB",
-            help="Only tensors whose fqn or key matches this glob (repeatable).",
-            show_default=False,
-        ),
-    ] = None,
+    filters: StatsFilterOpt = None,
     no_optimizer: Annotated[
         bool, typer.Option("--no-optimizer", help="Measure the model tensors only (no moments, no update size).")
     ] = False,
-    plot: Annotated[
-        Path | None,
-        typer.Option(
-            "--plot",
-            metavar="FILE",
-            help="Also draw per-layer norms (weights, moments, update size; experts as a heat map) to FILE "
-            "(.png, .svg or a self-contained .html). Needs matplotlib: pip install 'ckpttool[plot]'.",
-            show_default=False,
-        ),
-    ] = None,
+    plot: StatsPlotOpt = None,
     workers: Annotated[
         int | None, typer.Option("--workers", min=1, help="Chunks read at once (default: CPU count).")
     ] = None,
     json_output: opt.JsonOpt = False,
     trust_pickle: opt.TrustPickleOpt = False,
     step: opt.StepOpt = None,
+    schema: opt.SchemaOpt = None,
+    model_prefix: opt.ModelPrefixOpt = None,
+    optimizer_prefix: opt.OptimizerPrefixOpt = None,
 ) -> None:
     """Streaming statistics of weights, FP32 masters and Adam moments, grouped per layer.
 
@@ -90,7 +97,9 @@ def stats_command(
             [str(c) for c in checkpoints],
             options,
             progress=shown.progress if shown is not None else None,
-            opening=OpenOptions(trust_pickle=trust_pickle, selection=selection(step)),
+            opening=OpenOptions(
+                trust_pickle=trust_pickle, selection=selection(step, None, schema, model_prefix, optimizer_prefix)
+            ),
             phase=shown.phase if shown is not None else None,
         )
     if plot is not None:

@@ -1211,7 +1211,15 @@ def _fail_closed(
     if seen == (0, 0):
         why = f"neither side has {_what_words(opts.what)}"
         hint = "the state is in byte items (pickled objects), which hold no comparable tensors"
-        if any(_byte_items(s) for s in (a, b)):
+        unknown = [s for s in (a, b) if s.kind == "dcp" and s.ckpt.catalog.schema.id == "unrecognized"]
+        if unknown and any(s.tensor_keys() for s in unknown):
+            side = unknown[0]
+            hint = (
+                f"the key schema of {side.label} is not recognised (keys like "
+                + ", ".join(repr(k) for k in side.tensor_keys()[:2])
+                + "): name it with `schema`, `model_prefix` and `optimizer_prefix` (`ckpttool inspect` shows the keys)"
+            )
+        elif any(_byte_items(s) for s in (a, b)):
             hint = (
                 "a state pickled into byte items (as DefaultSavePlanner(flatten_state_dict=False) saves) has no "
                 "tensors to compare: re-save with the default planner, or compare byte items with `what` all"

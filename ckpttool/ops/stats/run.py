@@ -281,10 +281,14 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
     notes: dict[str, list[str]] = {}
     work, roles = _plan(ckpt, opts, notes)
     if not work:
+        unknown = not opts.filters and ckpt.catalog.schema.id == "unrecognized"
         raise UsageError(
             f"{ckpt.catalog.path}: no tensor to measure"
-            + (f" matches {', '.join(opts.filters)}" if opts.filters else ""),
-            hint="check --filter against `ckpttool inspect` (globs match fqns and keys)",
+            + (f" matches {', '.join(opts.filters)}" if opts.filters else "")
+            + ("; its key schema is not recognised" if unknown else ""),
+            hint="name the keys with --schema, --model-prefix and --optimizer-prefix (`ckpttool inspect` shows them)"
+            if unknown
+            else "check --filter against `ckpttool inspect` (globs match fqns and keys)",
         )
     total = sum(_work_bytes(w) for w in work)
     done = [0]
