@@ -14,15 +14,58 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ckpttool.format.jsonview import json_fields
 
-__all__ = ["TrainerState", "read_training_state_beside", "training_state_beside"]
+__all__ = ["TrainerState", "read_training_state_beside", "training_state_beside", "unread_beside"]
 
 _RANK_PT = re.compile(r"^rank(\d+)\.pt$")
+
+#: Files of training state that trainers save beside the weights and ckpttool does not read:
+#: Hugging Face ``Trainer`` (``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state[_R].pth``,
+#: ``trainer_state.json``, ``training_args.bin``; ``trainer/trainer.py`` ``_save_checkpoint``), Accelerate
+#: (``optimizer[_N].bin``, ``scheduler[_N].bin``, ``scaler.pt``, ``sampler[_N].bin``,
+#: ``random_states_R.pkl``; ``accelerate/checkpointing.py``).
+_UNREAD_FILE = re.compile(
+    r"^(?:(?:optimizer|scheduler|scaler|sampler)(?:_\d+)?\.(?:pt|bin|pth)"
+    r"|rng_state(?:_\d+)?\.pth|random_states_\d+\.pkl|trainer_state\.json|training_args\.bin)$"
+)
+#: DeepSpeed's engine state (ZeRO optimizer partitions, ``mp_rank_*_model_states.pt``) in ``global_stepN/``
+_UNREAD_DIR = re.compile(r"^global_step\d+$")
+
+
+def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> tuple[str, ...]:
+    """Training-state files and folders saved beside the checkpoint that ckpttool does not read.
+
+    Looked for in ``model_dir`` and, where it is the model folder of a model/optimizer pair
+    (``pytorch_model_fsdp_0``, ``model``: the schemas' folder pairs), in the step directory above it;
+    a file in ``read`` (the checkpoint's own data files, resolved: a per-rank format's
+    ``optimizer_R.pt``) is not one. Names are relative to ``given`` (the directory the user passed)
+    where they lie below it; a folder ends in ``/``. ``()`` when there are none or a directory
+    cannot be listed.
+    """
+    own = {p.resolve() for p in read}
+    from ckpttool.model.schemas import registry
+
+    dirs = [model_dir]
+    if any(pair.model.match(model_dir.name) for pair in registry.derived().folder_pairs):
+        dirs.append(model_dir.parent)
+    out: list[str] = []
+    for d in dirs:
+        try:
+            with os.scandir(d) as it:
+                entries = sorted((e.name, e.is_dir(follow_symlinks=False)) for e in it)
+        except OSError:
+            continue
+        for name, is_dir in entries:
+            if (_UNREAD_DIR if is_dir else _UNREAD_FILE).match(name) and (d / name).resolve() not in own:
+                rel = os.path.relpath(d / name, given) if (d / name).is_relative_to(given) else str(d / name)
+                out.append(rel + ("/" if is_dir else ""))
+    return tuple(out)
 
 
 def training_state_beside(model_dir: Path) -> list[str]:

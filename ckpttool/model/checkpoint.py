@@ -28,6 +28,7 @@ from ckpttool.errors import (
     UsageError,
 )
 from ckpttool.format import limits
+from ckpttool.format.mdstorage import referenced_paths
 from ckpttool.format.metadata import CheckpointMetadata
 from ckpttool.format.perrank import PerRankError, PerRankReader
 from ckpttool.format.perrank_formats import detect_layout, layout_in_listing
@@ -35,6 +36,7 @@ from ckpttool.format.reader import CheckpointReader, load_saved_object
 from ckpttool.format.storage import RemoteStore, is_url, url_path
 from ckpttool.format.unpickler import gc_paused
 from ckpttool.layouts.declaration import LayoutDeclaration, ResolvedLayout, resolve_layout
+from ckpttool.model.beside import unread_beside
 from ckpttool.model.catalog import Catalog, ExtraStateFile, ParamGroup, build_catalog, load_param_groups
 from ckpttool.model.discovery import CheckpointSelection, Located, compose_pair, locate
 from ckpttool.model.schemas.keyschema import SchemaOverride
@@ -163,6 +165,12 @@ class Checkpoint:
             return ExtraState(f)
         step = next((obj[k] for k in _STEP_KEYS if type(obj.get(k)) is int), None)
         return ExtraState(f, tuple(sorted(map(str, obj))), step)
+
+    def unread_beside(self) -> tuple[str, ...]:
+        """Training state saved beside this checkpoint that ckpttool does not read (its own data files
+        excluded; :func:`ckpttool.model.beside.unread_beside`), relative to the directory given."""
+        own = [Path(self.path) / rel for rel in referenced_paths(self.metadata.storage)]
+        return unread_beside(Path(self.located.model), Path(self.located.given), own)
 
     def close(self) -> None:
         """Close the data files. Idempotent."""

@@ -272,6 +272,7 @@ class InspectResult:
     training_values: dict[str, int | float] | None = None
     hf_copies: tuple[str, ...] = ()
     trainer_state: tuple[TrainerState, ...] = ()
+    unread_beside: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document, schema ``ckpttool.inspect/1``."""
@@ -306,6 +307,7 @@ class InspectResult:
         d["training_values"] = dict(self.training_values or {})
         d["hf_copies"] = list(self.hf_copies)
         d["trainer_state"] = [t.to_dict() for t in self.trainer_state]
+        d["unread_beside"] = list(self.unread_beside)
         return d
 
     def json_chunks(self, rows_per_chunk: int = 8192) -> Iterator[str]:
@@ -737,6 +739,7 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         training_values=_training_values(ckpt),
         hf_copies=tuple(hf_copies(ckpt.reader.path, ckpt.located.model if ckpt.located is not None else None)),
         trainer_state=tuple(read_training_state_beside(ckpt.located.model)) if ckpt.located is not None else (),
+        unread_beside=ckpt.unread_beside(),
     )
 
 

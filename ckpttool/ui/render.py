@@ -993,6 +993,11 @@ def _overview_training(con: Console, ov: InspectResult) -> None:
     ]
     if trainer:
         con.print(f"trainer     {'; '.join(trainer)}")
+    if ov.unread_beside:
+        con.print(
+            f"not read    {', '.join(ov.unread_beside)} (training state beside the checkpoint, "
+            "which ckpttool does not read; validate K012)"
+        )
     if ov.hf_copies:
         con.print(f"hf copy     {', '.join(ov.hf_copies)} (compared with the checkpoint by validate --deep, D012)")
 

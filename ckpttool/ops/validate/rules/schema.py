@@ -118,3 +118,15 @@ def training_state_beside_checkpoint(ctx: Context) -> Iterator[tuple[str | None,
             f"{where}: {len(bad)} training-state file(s) beside {Path(located.model).name}/ not read: "
             + "; ".join(f"{s.file}: {s.error}" for s in bad[:3]),
         )
+
+
+@rule("K012")
+def training_state_not_read(ctx: Context) -> Iterator[tuple[str | None, str]]:
+    located = ctx.ckpt.located
+    unread = ctx.ckpt.unread_beside()
+    if unread:
+        shown = ", ".join(unread[:6]) + (f" (+{len(unread) - 6} more)" if len(unread) > 6 else "")
+        yield (
+            None,
+            f"{located.given}: training state beside {Path(located.model).name}/ that ckpttool does not read: {shown}",
+        )
