@@ -6,10 +6,11 @@
  * squares; then, only where that pass shows them present, the exact counts of negative values (and
  * the smallest), of finite values beyond a bound (and the largest) and of subnormals (the numpy
  * kernel's rule: counted only when every SUBNORMAL_STRIDE-th value from the slab's start shows one).
- * Counts and maxima equal the numpy kernel's exactly. Sums: each value in float32 (float64 for
- * float64 slabs), each square rounded in that precision (so a float32 square beyond FLT_MAX is inf
- * as numpy's is), both added in float64 over LANES independent accumulators, combined in a fixed
- * order: the same result on every clone, more accurate than numpy's float32 blocks of 1024.
+ * Counts and maxima equal the numpy kernel's exactly. Sums: each value (float32 for bfloat16, float16
+ * and float32 slabs: exact) and its square in float64 (exact for a float32 value: no overflow beyond
+ * FLT_MAX, no underflow below sqrt(FLT_MIN), no rounding; float64 slabs: rounded in float64), both
+ * added in float64 over LANES independent accumulators, combined in a fixed order: the same result on
+ * every clone.
  *
  * ckpt_adam_update: the AdamW update size over an exp_avg / exp_avg_sq slab pair, as engine/stats.py
  * adam_update: u = m / (sqrt(max(v, 0)) + eps_r) in the working precision (float32 unless one of
@@ -80,10 +81,10 @@ static void pass32_scalar(const void *p, int dt, size_t n, int sums, double *a1,
         nf += !fin;
         zc += mag == 0;
         if (sums) {
-            float x = fin ? decode_f(u, dt) : 0.0f, sq = x * x;
+            double x = fin ? (double)decode_f(u, dt) : 0.0;
             int j = i < groups ? (int)(i % LANES) : 0;
-            a1[j] += (double)x;
-            a2[j] += (double)sq;
+            a1[j] += x;
+            a2[j] += x * x; /* exact: a float32 value's square fits float64's significand and range */
         }
     }
     o->fmax = fm, o->umax = um, o->nonfinite = nf, o->zeros = zc;
@@ -146,18 +147,19 @@ __attribute__((target("avx2"), always_inline)) static inline void pass32_body(co
             fm = _mm256_max_epu32(fm, mag); /* non-finite included: redone below where the block has one */
             if (neg) um = _mm256_max_epu32(um, pat);
             cz = _mm256_sub_epi32(cz, _mm256_cmpeq_epi32(mag, zero));
-            if (sums && fast && dt == DT_F32) { /* the halves loaded as xmm registers: no lane extraction (-15%) */
-                __m128 xl = _mm_loadu_ps((const float *)p + i + 8 * h), xh = _mm_loadu_ps((const float *)p + i + 8 * h + 4);
-                s1[2 * h] = _mm256_add_pd(s1[2 * h], _mm256_cvtps_pd(xl));
-                s1[2 * h + 1] = _mm256_add_pd(s1[2 * h + 1], _mm256_cvtps_pd(xh));
-                s2[2 * h] = _mm256_add_pd(s2[2 * h], _mm256_cvtps_pd(_mm_mul_ps(xl, xl)));
-                s2[2 * h + 1] = _mm256_add_pd(s2[2 * h + 1], _mm256_cvtps_pd(_mm_mul_ps(xh, xh)));
-            } else if (sums) {
-                __m256 sq = _mm256_mul_ps(x, x);
-                s1[2 * h] = _mm256_add_pd(s1[2 * h], _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
-                s1[2 * h + 1] = _mm256_add_pd(s1[2 * h + 1], _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
-                s2[2 * h] = _mm256_add_pd(s2[2 * h], _mm256_cvtps_pd(_mm256_castps256_ps128(sq)));
-                s2[2 * h + 1] = _mm256_add_pd(s2[2 * h + 1], _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1)));
+            if (sums) { /* each value widened to float64 and squared there (exact), as the scalar code */
+                __m256d lo, hi;
+                if (fast && dt == DT_F32) { /* the halves loaded as xmm registers: no lane extraction (-15%) */
+                    lo = _mm256_cvtps_pd(_mm_loadu_ps((const float *)p + i + 8 * h));
+                    hi = _mm256_cvtps_pd(_mm_loadu_ps((const float *)p + i + 8 * h + 4));
+                } else {
+                    lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+                    hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+                }
+                s1[2 * h] = _mm256_add_pd(s1[2 * h], lo);
+                s1[2 * h + 1] = _mm256_add_pd(s1[2 * h + 1], hi);
+                s2[2 * h] = _mm256_add_pd(s2[2 * h], _mm256_mul_pd(lo, lo));
+                s2[2 * h + 1] = _mm256_add_pd(s2[2 * h + 1], _mm256_mul_pd(hi, hi));
             }
         }
     }
@@ -209,7 +211,7 @@ __attribute__((target("avx2"))) static void pass32_avx2(const void *p, int dt, s
         else
             PASS32_FAST(DT_BF16);
         if (lanes_finite(a1, a2)) return;
-        memcpy(a1, b1, sizeof b1), memcpy(a2, b2, sizeof b2); /* a non-finite value (or a square beyond FLT_MAX) */
+        memcpy(a1, b1, sizeof b1), memcpy(a2, b2, sizeof b2); /* a non-finite value */
     }
     if (dt == DT_F32)
         PASS32_SUMS_NEG(DT_F32);
