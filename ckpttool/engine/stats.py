@@ -532,7 +532,7 @@ def adam_sizes(
     left out), natively: ``(count, sum u^2, max |u|)``, or ``None`` (not built, or working precisions
     that differ: the caller's numpy path). ``u`` in float32 for bfloat16/float16/float32 pairs (``eps_r``
     rounded to float32, as numpy's in-place add does), float64 for float64 pairs, bit for bit numpy's;
-    ``sum u^2`` in float64 (numpy: float32 blocks, within a relative 1e-6).
+    ``sum u^2`` in float64, each square too (as numpy's :func:`sum_squares`: within a relative 1e-12).
     """
     k = _kernels()
     if k is None or (m_dtype == "float64") != (v_dtype == "float64"):

@@ -15,7 +15,7 @@
  * ckpt_adam_update: the AdamW update size over an exp_avg / exp_avg_sq slab pair, as engine/stats.py
  * adam_update: u = m / (sqrt(max(v, 0)) + eps_r) in the working precision (float32 unless one of
  * them is float64), non-finite m, v read as 0, non-finite u left out; its count, sum of squares
- * (float64 lanes) and largest |u|.
+ * (each square in float64, float64 lanes) and largest |u|.
  *
  * ckpt_moment_ratio: max over the slab pair of m * m / v (m * m in m's working precision, divided
  * in the wider one), NaN ignored, -inf when none: validate --deep's moments check.
@@ -415,8 +415,8 @@ static void update32_scalar(const void *m, int mdt, const void *v, int vdt, size
             float u = value32(m, mdt, i + j) / d;
             float au = fabsf(u);
             int fin = au <= 3.40282347e38f; /* false for inf and NaN */
-            float sq = fin ? u * u : 0.0f;
-            a2[j] += (double)sq;
+            double du = fin ? (double)u : 0.0;
+            a2[j] += du * du; /* exact in float64, as the value sums */
             top[j] = fin && au > top[j] ? au : top[j];
             c[j] = (uint32_t)fin;
         }
@@ -427,8 +427,8 @@ static void update32_scalar(const void *m, int mdt, const void *v, int vdt, size
         float d = sqrtf(vv > 0.0f ? vv : 0.0f) + eps;
         float u = value32(m, mdt, i) / d, au = fabsf(u);
         if (au <= 3.40282347e38f) {
-            float sq = u * u;
-            a2[0] += (double)sq;
+            double du = u;
+            a2[0] += du * du;
             top[0] = au > top[0] ? au : top[0];
             k++;
         }
@@ -460,9 +460,10 @@ __attribute__((target("avx2"), always_inline)) static inline void update32_body(
             __m256 u = _mm256_div_ps(xm, d);
             __m256 au = _mm256_and_ps(u, absmask);
             __m256 ok = _mm256_cmp_ps(au, big, _CMP_LE_OQ); /* finite: false for inf and NaN */
-            __m256 sq = _mm256_and_ps(_mm256_mul_ps(u, u), ok);
-            s[2 * h] = _mm256_add_pd(s[2 * h], _mm256_cvtps_pd(_mm256_castps256_ps128(sq)));
-            s[2 * h + 1] = _mm256_add_pd(s[2 * h + 1], _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1)));
+            __m256 uf = _mm256_and_ps(u, ok); /* non-finite u as 0 */
+            __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(uf)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(uf, 1));
+            s[2 * h] = _mm256_add_pd(s[2 * h], _mm256_mul_pd(lo, lo));
+            s[2 * h + 1] = _mm256_add_pd(s[2 * h + 1], _mm256_mul_pd(hi, hi));
             top = _mm256_max_ps(top, _mm256_and_ps(au, ok));
             cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(ok));
         }

@@ -117,3 +117,36 @@ def test_l2_std_and_expert_norms_equal_exact_references(
     e = values["mlp.experts.down_proj"]
     assert experts["norms"] == pytest.approx([_l2(e[i]) for i in range(3)], rel=1e-12)
     assert experts["norms"][1] > 0  # 1e-25 values: float32 squares were 0
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_update_rms_of_sizes_beyond_sqrt_flt_max(native: bool) -> None:
+    """``u = m / (sqrt(v) + eps)`` beyond 1.8e19 (a moment ``v`` of 1e-44 with ``eps`` 0): its float32 square overflowed
+    in the native kernel (RMS inf, numpy's finite): both now square in float64, as the float64 reference."""
+    from ckpttool.ops.stats.compute import AdamHyper, Moments, ValueSums, add_moments
+
+    if native and not engine_stats.native_stats():
+        pytest.skip("native kernels not built")
+    g = torch.Generator().manual_seed(1)
+    n = 4099
+    m = torch.randn(n, generator=g)
+    v = torch.full((n,), 1e-44)  # a float32 subnormal: sqrt(v) ~1e-22, u ~1e22
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=0.0, step=7.0)
+    upd = Moments()
+    engine_stats.use_native(native)
+    try:
+        add_moments(
+            ValueSums(),
+            ValueSums(),
+            h,
+            upd,
+            (m.view(torch.uint8).numpy(), "float32"),
+            (v.view(torch.uint8).numpy(), "float32"),
+        )
+    finally:
+        engine_stats.use_native(True)
+    bc1, bc2 = 1 - 0.9**7, 1 - 0.999**7
+    u = [float(x) for x in (m / v.sqrt())]  # float32 u, as the kernels compute it (eps 0)
+    c = 1e-3 * math.sqrt(bc2) / bc1
+    assert upd.numel == n
+    assert upd.s2 == pytest.approx(math.fsum(x * x for x in u) * c * c, rel=1e-12)
