@@ -7,8 +7,9 @@ reduced on its 16-bit patterns, half the bytes of its float32 values): the signe
 unsigned maximum give the largest ``|x|``, whether the slab is all ``±0`` and whether it holds
 a NaN/infinity or a negative value; exact counts (non-finite, negative, ``-0.0``) run only when
 those reductions find some. On request: zeros (``count_nonzero`` of the patterns), the finite
-values' sum and sum of squares (:func:`block_sum`: float32 partial sums of 1024 values added in
-float64), and for ``D013`` the values beyond a bound and the subnormals. numpy only, GIL released
+values' sum and sum of squares (added in float64, :func:`block_sum`; the squares of float32 values
+taken in float64, exact: no overflow, underflow or rounding), and for ``D013`` the values beyond a
+bound and the subnormals. numpy only, GIL released
 inside numpy, per-thread work arrays (:class:`~ckpttool.engine.kernels.Scratch`).
 ``docs/design.md`` §5, "The byte engine"; ``docs/performance.md``, "ckpttool stats".
 """
@@ -52,8 +53,7 @@ __all__ = [
     "work_array",
 ]
 
-#: Values per float32 partial sum of :func:`block_sum` (a block's relative error is ~1e-7; the
-#: partial sums are added in float64).
+#: Values per partial sum of :func:`block_sum` (float64 partial sums of float64 and integer arrays).
 SUM_BLOCK = 1024
 
 #: dtypes whose subnormals are counted (8 or 11 exponent bits: no weight comes near 1e-38;
@@ -86,9 +86,13 @@ def work_array(name: str, n: int, dtype: Any) -> np.ndarray:
 
 
 def block_sum(x: np.ndarray) -> float:
-    """``sum(x)`` of a 1-D float array: partial sums of :data:`SUM_BLOCK` values in ``x``'s precision
-    (``np.einsum``'s vectorised loop, no BLAS: its thread pool would fight the engine's workers), added
-    in float64. Relative error ~6e-7 at worst on float32 (1024 equal values), ~1e-9 on typical data."""
+    """``sum(x)`` of a 1-D array in float64: a float32 (or narrower) array widened exactly and added by numpy's
+    pairwise float64 sum; float64 and integer arrays in partial sums of :data:`SUM_BLOCK` values
+    (``np.einsum``'s vectorised loop, no BLAS: its thread pool would fight the engine's workers), added in
+    float64. A float32 sum rounded in float32 would lose ~1e-7 of ``sum |x|``: a mean far from 0 then costs a
+    standard deviation much smaller than it all its digits."""
+    if x.dtype.kind == "f" and x.dtype.itemsize < 8:
+        return float(np.add.reduce(x, dtype=np.float64))
     n = x.size
     k = n - n % SUM_BLOCK
     total = 0.0
@@ -101,9 +105,11 @@ def block_sum(x: np.ndarray) -> float:
 
 
 def sum_squares(x: np.ndarray) -> float:
-    """``sum(x * x)`` of a 1-D float array (squares in a per-thread work array, then :func:`block_sum`)."""
-    with np.errstate(over="ignore"):  # squares beyond the dtype's range: inf in the sum, as the values say
-        sq = np.multiply(x, x, out=work_array("ss" + x.dtype.char, x.size, x.dtype))
+    """``sum(x * x)`` of a 1-D float array in float64 (squares in a per-thread float64 work array, then
+    :func:`block_sum`): a float32 value's square is exact in float64 (no overflow beyond ``FLT_MAX``, no
+    underflow below ``sqrt(FLT_MIN)`` ~1e-19, where float32 squares made a finite norm inf or 0)."""
+    with np.errstate(over="ignore", under="ignore"):  # float64 arrays: squares beyond its range, inf as the values say
+        sq = np.multiply(x, x, out=work_array("ss", x.size, np.float64), dtype=np.float64)
     return block_sum(sq)
 
 
@@ -199,7 +205,7 @@ class _Format:
     decode: Callable[[bytes], tuple[float]]  # struct unpacking of a magnitude pattern's bytes
     width: int  # bytes of the decoded pattern
     shift: int  # left shift of a pattern before decoding (bfloat16: to float32's)
-    overflow: int  # magnitude patterns below it square without overflow in the working precision
+    overflow: int  # magnitude patterns below it square without overflow in float64
 
 
 def _format(dtype: str) -> _Format:
@@ -208,9 +214,8 @@ def _format(dtype: str) -> _Format:
     code, width, shift = {"bfloat16": ("<f", 4, 16), "float16": ("<e", 2, 0), "float32": ("<f", 4, 0)}.get(
         dtype, ("<d", 8, 0)
     )
-    root = float(np.sqrt(np.finfo(work).max))  # a square above it overflows
-    pattern = int(np.array(root, work).view(np.uint64 if work.itemsize == 8 else np.uint32))
-    overflow = pattern >> 16 if dtype == "bfloat16" else (1 << 16 if dtype == "float16" else pattern)
+    # float64: a square above sqrt(DBL_MAX) overflows; a float32 value's square never does (nor underflows)
+    overflow = int(np.array(np.sqrt(np.finfo(np.float64).max)).view(np.uint64)) if dtype == "float64" else exp_all
     return _Format(
         np.dtype(signed),
         np.dtype(unsigned),
@@ -358,9 +363,10 @@ def add_slab(
         slot: which work arrays to use (0-8; lockstep slabs of one thread use different slots).
 
     Returns:
-        With ``need.sums``: ``(values, squares)`` in the working precision (float32 for
-        bfloat16/float16/float32, float64 for float64), non-finite values set to 0 (positions
-        kept), valid until the next call of this thread with the same ``slot``; else ``None``.
+        With ``need.sums``: ``(values, squares)``, the values in the working precision (float32 for
+        bfloat16/float16/float32, float64 for float64), the squares in float64 (exact for float32 values),
+        non-finite values set to 0 (positions kept), valid until the next call of this thread with the
+        same ``slot``; else ``None``.
     """
     f = _FORMATS[dtype]
     bits = raw.view(f.unsigned)
@@ -389,12 +395,12 @@ def add_slab(
     if not need.sums:
         return None
     acc.s1 += block_sum(w)
-    sq = _Scratch.arrays.get(_SQUARES[slot] + f.work.char, f.work, n)
+    sq = _Scratch.arrays.get(_SQUARES[slot], np.float64, n)
     if top < f.overflow:
-        np.multiply(w, w, out=sq)
+        np.multiply(w, w, out=sq, dtype=np.float64)
     else:
-        with np.errstate(over="ignore"):  # squares beyond the working range: inf in the sum, as the values say
-            np.multiply(w, w, out=sq)
+        with np.errstate(over="ignore"):  # float64 squares beyond its range: inf in the sum, as the values say
+            np.multiply(w, w, out=sq, dtype=np.float64)
     acc.s2 += block_sum(sq)
     return w, sq
 
@@ -526,7 +532,7 @@ def adam_sizes(
     left out), natively: ``(count, sum u^2, max |u|)``, or ``None`` (not built, or working precisions
     that differ: the caller's numpy path). ``u`` in float32 for bfloat16/float16/float32 pairs (``eps_r``
     rounded to float32, as numpy's in-place add does), float64 for float64 pairs, bit for bit numpy's;
-    ``sum u^2`` in float64 (numpy: float32 blocks, within a relative 1e-6).
+    ``sum u^2`` in float64, each square too (as numpy's :func:`sum_squares`: within a relative 1e-12).
     """
     k = _kernels()
     if k is None or (m_dtype == "float64") != (v_dtype == "float64"):

@@ -6,7 +6,8 @@ the references, bit for bit:
 - block FP8: ``float32(q) * scale`` per element, then rounded to ``--dtype`` (nearest even),
   as torch's ``QuantizedHuggingFaceStorageReader._dequantize_tensor`` (``torch 2.13``); fused
   experts ``[E, out, in]`` with scales ``[E, ceil(out / B0), ceil(in / B1)]`` (transformers'
-  ``FP8Experts``) the same per expert, as transformers' ``_dequantize_fp8_weight``;
+  ``FP8Experts``) the same per expert, as transformers' load-time ``Fp8Dequantize`` (and its
+  ``_dequantize_fp8_weight`` in float32: with a BF16 dtype it rounds the scale to BF16 first);
 - MXFP4: ``FP4_VALUES[nibble] * 2^(e - 127)`` (float32, exact), rounded to ``--dtype``, dims 1
   and 2 transposed, as transformers' ``convert_moe_packed_tensors`` (the gpt-oss model's layout).
 

@@ -28,7 +28,8 @@ def adam_ratio_bound(step: float, beta1: float, beta2: float, *, bias_corrected:
         bias_corrected: bound the bias-corrected ratio (the update in units of lr) or the raw saved moments.
 
     Returns:
-        The bound; ``inf`` for betas outside ``[0, 1)`` (no bound is known).
+        The bound; ``inf`` for betas outside ``[0, 1)`` (no bound is known), and where it exceeds the float
+        range (``beta1^2 > beta2``: the bound grows as ``(beta1^2 / beta2)^(step / 2)``).
     """
     t = max(1, int(step))
     if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
@@ -36,6 +37,8 @@ def adam_ratio_bound(step: float, beta1: float, beta2: float, *, bias_corrected:
     if beta2 == 0:
         return math.inf if beta1 > 0 else 1.0
     q = beta1 * beta1 / beta2
+    if q > 1 and t * math.log(q) > 700:  # beyond float range (q**t would raise OverflowError): no finite bound
+        return math.inf
     series = float(t) if q == 1 else (1 - q**t) / (1 - q)
     raw = (1 - beta1) / math.sqrt(1 - beta2) * math.sqrt(series)
     if not bias_corrected:

@@ -55,7 +55,7 @@ def _values(kind: str, n: int, dtype: str) -> torch.Tensor:
         f[1::2] = -0.0
     elif kind == "negative":
         f = -np.abs(f) - 1e-3
-    elif kind == "huge":  # squares beyond float32's range: inf, as numpy's float32 squares are
+    elif kind == "huge":  # squares beyond float32's range (finite in float64, where the kernels square)
         f[::3] = 3e19
     return torch.from_numpy(f).to(getattr(torch, dtype))
 
@@ -88,8 +88,8 @@ def test_fold_slab_equals_the_numpy_kernel_and_torch(dtype: str, kind: str, n: i
     assert b.abs_max == (float(np.abs(fin).max()) if fin.size else 0.0)
     assert b.negative == int((ref < 0).sum())
     assert math.isclose(b.s1, float(fin.sum()), rel_tol=1e-9, abs_tol=1e-9 * float(np.abs(fin).sum()) + 1e-300)
-    squares = (t.float() if dtype != "float64" else t)[torch.isfinite(t)]  # squares rounded in the working precision
-    assert math.isclose(b.s2, float((squares * squares).double().sum()), rel_tol=1e-9)
+    finite = t.double()[torch.isfinite(t)]  # squares in float64: exact for float32 values (no overflow, no underflow)
+    assert math.isclose(b.s2, float((finite * finite).sum()), rel_tol=1e-9)
 
 
 def _moment_pair(dtype: str, n: int, damaged: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -172,12 +172,11 @@ def test_numpy_kernel_everywhere_when_turned_off() -> None:
 
 def _lane_sums(x: np.ndarray) -> tuple[float, float]:
     """The native fold's documented sums, bit for bit, computed sequentially in float64: value ``i + j`` of each
-    group of 16 into lane ``j`` (the tail after the groups into lane 0), non-finite read as 0, each square rounded
-    in ``x`` 's precision, the lanes added in order."""
+    group of 16 into lane ``j`` (the tail after the groups into lane 0), non-finite read as 0, each square taken
+    in float64 (exact for a float32 value: finite beyond FLT_MAX), the lanes added in order."""
     fin = np.where(np.isfinite(x), x, 0).astype(x.dtype)
-    with np.errstate(over="ignore"):  # squares beyond FLT_MAX are inf, as the kernel's
-        sq = (fin * fin).astype(np.float64)  # rounded in x's precision first
     v = fin.astype(np.float64)
+    sq = v * v
     g = v.size - v.size % 16
     out = []
     for w in (v, sq):
@@ -195,7 +194,8 @@ def _lane_sums(x: np.ndarray) -> tuple[float, float]:
 @pytest.mark.parametrize("kind", ["random", "special", "huge", "inf-late"])
 def test_fold_sums_are_the_documented_lane_sums_bit_for_bit(dtype: str, kind: str) -> None:
     """The AVX2 fold's fast pass (values unmasked, checked by the lanes staying finite) and its masked pass give
-    the same lane sums: bit-equal to the sequential reference with non-finite values and squares beyond FLT_MAX."""
+    the same lane sums: bit-equal to the sequential reference with non-finite values and values whose squares are
+    beyond FLT_MAX."""
     n = 70001
     t = _values("random" if kind == "inf-late" else kind, n, dtype)
     if kind == "inf-late":

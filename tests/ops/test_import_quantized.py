@@ -275,3 +275,36 @@ def test_fused_experts_named_weight_pair_with_their_3d_scale() -> None:
     sources[key + "_scale_inv"] = src("float32", (2, 2, 3))
     with pytest.raises(QuantizedSourceError, match="fused experts"):
         plan_dequantize(sources, None, "bfloat16")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_fp8_experts_equal_transformers_load_time_dequantization(tmp_path: Path, dtype: str) -> None:
+    """Fused block-FP8 experts import as transformers' load-time ``Fp8Dequantize`` (``dequantize=True``) gives them:
+    ``float32(q) * scale`` rounded once to ``dtype``; its backward helper ``_dequantize_fp8_weight`` with a BF16
+    dtype rounds the scale to BF16 first (an ulp off in many elements), so it is the reference in float32 only."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize, _dequantize_fp8_weight
+
+    g = torch.Generator().manual_seed(5)
+    p = "model.layers.0.mlp.experts."
+    t: dict[str, torch.Tensor] = {}
+    for name, (r, c) in {"gate_up_proj": (32, 48), "down_proj": (48, 16)}.items():
+        q = torch.randint(0, 256, (3, r, c), generator=g, dtype=torch.uint8)
+        q[(q & 0x7F) == 0x7F] = 0x7E
+        t[p + name] = q.view(torch.float8_e4m3fn)
+        t[p + name + "_scale_inv"] = torch.rand(3, r // 16, c // 16, generator=g) * 1e-2 + 1e-4
+    src = _write_folder(
+        tmp_path / "fp8x",
+        t,
+        {"model_type": "qwen3_moe", "quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}},
+    )
+    r = _import(src, tmp_path / "dcp", "--dtype", dtype)
+    assert r["dequantized"]["kinds"] == {"fp8-experts": 2}
+    ours = _torch_load(tmp_path / "dcp")
+    tdt = getattr(torch, dtype)
+    for name in ("gate_up_proj", "down_proj"):
+        q, s = t[p + name], t[p + name + "_scale_inv"]
+        want = Fp8Dequantize(None)._dequantize_one(q, s, tdt)
+        got = ours["model." + p + name]
+        assert got.dtype == tdt and torch.equal(_bits(got), _bits(want)), name
+        backward = _dequantize_fp8_weight(q.clone(), s.clone(), [16, 16], torch.float32).to(tdt)
+        assert torch.equal(_bits(got), _bits(backward)), name

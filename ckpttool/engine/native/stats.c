@@ -6,15 +6,16 @@
  * squares; then, only where that pass shows them present, the exact counts of negative values (and
  * the smallest), of finite values beyond a bound (and the largest) and of subnormals (the numpy
  * kernel's rule: counted only when every SUBNORMAL_STRIDE-th value from the slab's start shows one).
- * Counts and maxima equal the numpy kernel's exactly. Sums: each value in float32 (float64 for
- * float64 slabs), each square rounded in that precision (so a float32 square beyond FLT_MAX is inf
- * as numpy's is), both added in float64 over LANES independent accumulators, combined in a fixed
- * order: the same result on every clone, more accurate than numpy's float32 blocks of 1024.
+ * Counts and maxima equal the numpy kernel's exactly. Sums: each value (float32 for bfloat16, float16
+ * and float32 slabs: exact) and its square in float64 (exact for a float32 value: no overflow beyond
+ * FLT_MAX, no underflow below sqrt(FLT_MIN), no rounding; float64 slabs: rounded in float64), both
+ * added in float64 over LANES independent accumulators, combined in a fixed order: the same result on
+ * every clone.
  *
  * ckpt_adam_update: the AdamW update size over an exp_avg / exp_avg_sq slab pair, as engine/stats.py
  * adam_update: u = m / (sqrt(max(v, 0)) + eps_r) in the working precision (float32 unless one of
  * them is float64), non-finite m, v read as 0, non-finite u left out; its count, sum of squares
- * (float64 lanes) and largest |u|.
+ * (each square in float64, float64 lanes) and largest |u|.
  *
  * ckpt_moment_ratio: max over the slab pair of m * m / v (m * m in m's working precision, divided
  * in the wider one), NaN ignored, -inf when none: validate --deep's moments check.
@@ -80,10 +81,10 @@ static void pass32_scalar(const void *p, int dt, size_t n, int sums, double *a1,
         nf += !fin;
         zc += mag == 0;
         if (sums) {
-            float x = fin ? decode_f(u, dt) : 0.0f, sq = x * x;
+            double x = fin ? (double)decode_f(u, dt) : 0.0;
             int j = i < groups ? (int)(i % LANES) : 0;
-            a1[j] += (double)x;
-            a2[j] += (double)sq;
+            a1[j] += x;
+            a2[j] += x * x; /* exact: a float32 value's square fits float64's significand and range */
         }
     }
     o->fmax = fm, o->umax = um, o->nonfinite = nf, o->zeros = zc;
@@ -146,18 +147,19 @@ __attribute__((target("avx2"), always_inline)) static inline void pass32_body(co
             fm = _mm256_max_epu32(fm, mag); /* non-finite included: redone below where the block has one */
             if (neg) um = _mm256_max_epu32(um, pat);
             cz = _mm256_sub_epi32(cz, _mm256_cmpeq_epi32(mag, zero));
-            if (sums && fast && dt == DT_F32) { /* the halves loaded as xmm registers: no lane extraction (-15%) */
-                __m128 xl = _mm_loadu_ps((const float *)p + i + 8 * h), xh = _mm_loadu_ps((const float *)p + i + 8 * h + 4);
-                s1[2 * h] = _mm256_add_pd(s1[2 * h], _mm256_cvtps_pd(xl));
-                s1[2 * h + 1] = _mm256_add_pd(s1[2 * h + 1], _mm256_cvtps_pd(xh));
-                s2[2 * h] = _mm256_add_pd(s2[2 * h], _mm256_cvtps_pd(_mm_mul_ps(xl, xl)));
-                s2[2 * h + 1] = _mm256_add_pd(s2[2 * h + 1], _mm256_cvtps_pd(_mm_mul_ps(xh, xh)));
-            } else if (sums) {
-                __m256 sq = _mm256_mul_ps(x, x);
-                s1[2 * h] = _mm256_add_pd(s1[2 * h], _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
-                s1[2 * h + 1] = _mm256_add_pd(s1[2 * h + 1], _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
-                s2[2 * h] = _mm256_add_pd(s2[2 * h], _mm256_cvtps_pd(_mm256_castps256_ps128(sq)));
-                s2[2 * h + 1] = _mm256_add_pd(s2[2 * h + 1], _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1)));
+            if (sums) { /* each value widened to float64 and squared there (exact), as the scalar code */
+                __m256d lo, hi;
+                if (fast && dt == DT_F32) { /* the halves loaded as xmm registers: no lane extraction (-15%) */
+                    lo = _mm256_cvtps_pd(_mm_loadu_ps((const float *)p + i + 8 * h));
+                    hi = _mm256_cvtps_pd(_mm_loadu_ps((const float *)p + i + 8 * h + 4));
+                } else {
+                    lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+                    hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+                }
+                s1[2 * h] = _mm256_add_pd(s1[2 * h], lo);
+                s1[2 * h + 1] = _mm256_add_pd(s1[2 * h + 1], hi);
+                s2[2 * h] = _mm256_add_pd(s2[2 * h], _mm256_mul_pd(lo, lo));
+                s2[2 * h + 1] = _mm256_add_pd(s2[2 * h + 1], _mm256_mul_pd(hi, hi));
             }
         }
     }
@@ -209,7 +211,7 @@ __attribute__((target("avx2"))) static void pass32_avx2(const void *p, int dt, s
         else
             PASS32_FAST(DT_BF16);
         if (lanes_finite(a1, a2)) return;
-        memcpy(a1, b1, sizeof b1), memcpy(a2, b2, sizeof b2); /* a non-finite value (or a square beyond FLT_MAX) */
+        memcpy(a1, b1, sizeof b1), memcpy(a2, b2, sizeof b2); /* a non-finite value */
     }
     if (dt == DT_F32)
         PASS32_SUMS_NEG(DT_F32);
@@ -413,8 +415,8 @@ static void update32_scalar(const void *m, int mdt, const void *v, int vdt, size
             float u = value32(m, mdt, i + j) / d;
             float au = fabsf(u);
             int fin = au <= 3.40282347e38f; /* false for inf and NaN */
-            float sq = fin ? u * u : 0.0f;
-            a2[j] += (double)sq;
+            double du = fin ? (double)u : 0.0;
+            a2[j] += du * du; /* exact in float64, as the value sums */
             top[j] = fin && au > top[j] ? au : top[j];
             c[j] = (uint32_t)fin;
         }
@@ -425,8 +427,8 @@ static void update32_scalar(const void *m, int mdt, const void *v, int vdt, size
         float d = sqrtf(vv > 0.0f ? vv : 0.0f) + eps;
         float u = value32(m, mdt, i) / d, au = fabsf(u);
         if (au <= 3.40282347e38f) {
-            float sq = u * u;
-            a2[0] += (double)sq;
+            double du = u;
+            a2[0] += du * du;
             top[0] = au > top[0] ? au : top[0];
             k++;
         }
@@ -458,9 +460,10 @@ __attribute__((target("avx2"), always_inline)) static inline void update32_body(
             __m256 u = _mm256_div_ps(xm, d);
             __m256 au = _mm256_and_ps(u, absmask);
             __m256 ok = _mm256_cmp_ps(au, big, _CMP_LE_OQ); /* finite: false for inf and NaN */
-            __m256 sq = _mm256_and_ps(_mm256_mul_ps(u, u), ok);
-            s[2 * h] = _mm256_add_pd(s[2 * h], _mm256_cvtps_pd(_mm256_castps256_ps128(sq)));
-            s[2 * h + 1] = _mm256_add_pd(s[2 * h + 1], _mm256_cvtps_pd(_mm256_extractf128_ps(sq, 1)));
+            __m256 uf = _mm256_and_ps(u, ok); /* non-finite u as 0 */
+            __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(uf)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(uf, 1));
+            s[2 * h] = _mm256_add_pd(s[2 * h], _mm256_mul_pd(lo, lo));
+            s[2 * h + 1] = _mm256_add_pd(s[2 * h + 1], _mm256_mul_pd(hi, hi));
             top = _mm256_max_ps(top, _mm256_and_ps(au, ok));
             cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(ok));
         }

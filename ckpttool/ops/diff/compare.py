@@ -294,7 +294,10 @@ def _block_mismatch(
         a64, b64, diff, both_nan = _errors(_pairs(xa), _pairs(xb)) if cx else _errors(xa, xb)
         sums.add(a64, b64, diff)
         if tolerant:
-            bad = (diff > at + rt * b64.abs()) | (diff.isnan() & ~both_nan)
+            # an infinity is within only against the same infinity (diff 0 there): ``at + rt * |inf|`` is inf or
+            # NaN and would let any value, the other infinity included, compare within (numpy.isclose's rule)
+            off_inf = (a64.isinf() | b64.isinf()) & (diff != 0)
+            bad = (diff > at + rt * b64.abs()) | (diff.isnan() & ~both_nan) | off_inf
             if cx:
                 bad = bad.view(-1, 2).any(1)  # an element is off when either part is
             return int(bad.sum()), bad

@@ -24,7 +24,7 @@ from typing import Any
 
 from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import DeviceUnavailableError, UsageError
-from ckpttool.format.jsonview import json_fields
+from ckpttool.format.jsonview import json_fields, json_number
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.ops.fields import same_named
 from ckpttool.ops.replay.compare import (
@@ -83,7 +83,9 @@ class UpdateSize:
         return self.rel_to_param <= UPDATE_REL_BOUND and self.direction <= self.direction_bound * UPDATE_BOUND_SLACK
 
     def to_dict(self) -> dict[str, Any]:
-        return {**json_fields(self), "ok": self.ok}
+        """The fields (a non-finite one as ``"inf"`` / ``"nan"``: ``direction_bound`` is ``inf`` where no finite
+        bound exists, e.g. ``beta1^2 > beta2`` late in a run) and ``ok``."""
+        return {**{k: json_number(v) for k, v in json_fields(self).items()}, "ok": self.ok}
 
 
 @dataclass

@@ -285,6 +285,23 @@ def test_metric_edge_cases_and_blocks() -> None:
     assert compare.compare_tensors(flags, ~flags).metrics is None
 
 
+@pytest.mark.parametrize("tol", [("--atol", "1e-3"), ("--rtol", "1e-3"), ("--rtol", "1e-3", "--atol", "1e-3")])
+def test_tolerance_counts_infinities_as_torch_isclose(tmp_path: Path, tol: tuple[str, ...]) -> None:
+    """An infinity is within the tolerance only against the same infinity: ``atol + rtol * |inf|`` (inf, or NaN
+    with a zero rtol) must not let ``1.0`` against ``inf`` or ``-inf`` against ``inf`` pass, as torch.isclose."""
+    inf, nan = math.inf, math.nan
+    a = torch.tensor([1.0, 2.0, inf, nan, 5.0, -inf, 0.0, inf, -inf])
+    b = torch.tensor([inf, 2.0, inf, nan, nan, inf, -0.0, 7.0, -inf])
+    pa = _save({"model": {"w": a}}, tmp_path / "a")
+    pb = _save({"model": {"w": b}}, tmp_path / "b")
+    opts = dict(zip(tol[::2], map(float, tol[1::2]), strict=True))
+    ref = ~torch.isclose(a, b, rtol=opts.get("--rtol", 0.0), atol=opts.get("--atol", 0.0), equal_nan=True)
+    doc = diff_json(pa, pb, *tol, code=1)
+    (d,) = doc["differences"]
+    assert d["mismatched"] == int(ref.sum()) == 4
+    assert d["index"] == [int(ref.nonzero()[0, 0])] == [0]
+
+
 # ------------------------------------------------------------------------------------------ human output
 
 
