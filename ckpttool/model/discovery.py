@@ -418,7 +418,7 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
     if sel.step is not None:
         units, how = _of_step(root, units, sel.step, incomplete)
     if len(units) > 1:
-        raise _ambiguous(root, units, sel.step)
+        raise _ambiguous(root, units, sel.step, frozenset(i.step for i in incomplete))
     u = units[0]
     _refuse_unfinished_unit(root, u, sel.step, incomplete)
     if opt is not None and u.optimizer is not None:
@@ -552,15 +552,20 @@ def _of_step(
     return units_at, how or f"`step` {want}"
 
 
-def _ambiguous(root: Path, units: list[_Unit], step: int | str | None) -> AmbiguousCheckpointError:
-    """The error for several checkpoints below ``root`` (E204), listing them."""
+def _ambiguous(
+    root: Path, units: list[_Unit], step: int | str | None, incomplete: frozenset[int] = frozenset()
+) -> AmbiguousCheckpointError:
+    """The error for several checkpoints below ``root`` (E204), listing them (the steps whose save did not
+    finish, ``incomplete``, marked so and never the example)."""
     shown = "; ".join(u.label(root) for u in units[:10]) + (f" (+{len(units) - 10} more)" if len(units) > 10 else "")
     steps = sorted({u.step for u in units if u.step is not None})
     if len(steps) > 1 and step is None:
+        named = ", ".join(f"{s} (incomplete)" if s in incomplete else str(s) for s in steps[:10])
+        example = next((u for u in reversed(units) if u.step not in incomplete), units[-1])
         hint = (
-            f"pick one with `step` N|latest (steps {', '.join(map(str, steps[:10]))}), "
+            f"pick one with `step` N|latest (steps {named}), "
             f"or pass a directory, e.g. "
-            f"{shlex.quote(str(units[-1].model if units[-1].optimizer is None else units[-1].model.parent))}"
+            f"{shlex.quote(str(example.model if example.optimizer is None else example.model.parent))}"
         )
     else:
         hint = f"pass one of them, e.g. {shlex.quote(str(units[0].model))}"
