@@ -1007,7 +1007,7 @@ def _overview_header(con: Console, ov: InspectResult, flags: Callable[[str], str
         con.print(f"opened      {loc.model}{pair} ({flags(loc.how)})")
     con.print(
         f"dcp version {ov.dcp_version or ABSENT}"
-        + ("; safetensors storage" if ov.serialization == "safetensors" else "")
+        + {"safetensors": "; safetensors storage", "per_rank": "; per-rank files (not DCP)"}.get(ov.serialization, "")
     )
     if ov.schema is not None:
         sch = ov.schema

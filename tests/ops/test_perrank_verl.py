@@ -96,6 +96,19 @@ def test_found_from_run_root_step_dir_and_actor(verl_root: Path, where: str) -> 
     assert "verl-fsdp" in doc["location"]["how"]
 
 
+def test_inspect_names_the_format_not_a_command_line_override(verl_root: Path) -> None:
+    actor = _actor(verl_root, 2)
+    res = runner.invoke(app, ["inspect", str(actor)])
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    assert "dcp version -; per-rank files (not DCP)" in lines
+    assert "key schema  verl (format): model 'model.', optimizer 'optimizer.' by fqn, hf names; adapter hf" in lines
+    assert "            - implied by the format (verl-fsdp per-rank files): 21 model tensor(s)" in lines
+    assert "command line" not in res.stdout and "safetensors storage" not in res.stdout
+    doc = json.loads(runner.invoke(app, ["inspect", "--json", str(actor)]).stdout)
+    assert (doc["serialization"], doc["key_schema"]["source"]) == ("per_rank", "format")
+
+
 def test_validate_strict_deep_ok_and_reads_training_state(verl_root: Path) -> None:
     res = runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(_actor(verl_root, 2))])
     assert res.exit_code == 0, res.output
