@@ -144,6 +144,25 @@ def test_replicas_that_differ_are_refused(verl_root: Path, tmp_path: Path) -> No
     assert "1 of 1 elements differ (max |diff| 3); first at element 0: 2 against 5" in found[0]["message"]
 
 
+def test_export_names_the_saved_hf_config_and_the_dtype_fix(verl_root: Path, tmp_path: Path) -> None:
+    actor = _actor(verl_root, 2)
+    res = runner.invoke(app, ["export", str(verl_root / "w2"), str(tmp_path / "a"), "--quantize", "fp8-block"])
+    assert res.exit_code == 0, res.output
+    assert res.stderr.splitlines()[0] == (
+        f"note: {tmp_path / 'a'} holds no config.json (no --model-assets): transformers' from_pretrained needs one "
+        "(and the fp8-block weights' quantization_config goes into it: vLLM cannot load them without it); pass "
+        "--model-assets DIR, the folder of the model's config.json and tokenizer files (the trainer saved one "
+        f"beside the checkpoint: --model-assets {actor / 'huggingface'})"
+    )
+    # verl's config says bfloat16 over float32 shards: the hint names both ways out
+    res = runner.invoke(app, ["export", str(actor), str(tmp_path / "b"), "--model-assets", str(actor / "huggingface")])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E605]")
+    assert res.stderr.splitlines()[1] == (
+        "hint: only the dtype differs: --save-dtype bfloat16 writes the dtype config.json names; "
+        "--allow-mismatch dtype writes the tensors as stored"
+    )
+
+
 def test_export_matches_transformers_logits(verl_root: Path, tmp_path: Path) -> None:
     import torch
     from transformers import AutoConfig, LlamaForCausalLM

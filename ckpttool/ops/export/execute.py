@@ -1366,11 +1366,18 @@ def _check_against_model(plan: ExportPlan, config: dict[str, Any], opts: ExportO
         for kind, lines in refused.items():
             shown = "; ".join(lines[:3]) + (f" (+{len(lines) - 3} more)" if len(lines) > 3 else "")
             parts.append(f"{kind} {len(lines)}: {shown}")
+        want = config.get("dtype") or config.get("torch_dtype")
+        hint = (
+            f"only the dtype differs: `save_dtype` {want} writes the dtype config.json names; "
+            "`allow_mismatch` dtype writes the tensors as stored"
+            if set(refused) == {"dtype"} and isinstance(want, str) and want in ("bfloat16", "float16", "float32")
+            else "pass the config.json of the model this checkpoint was trained as (or the right `adapter`); "
+            f"`allow_mismatch` {','.join(refused)} writes it anyway"
+        )
         raise ModelMismatchError(
             f"the export does not fit {check.model_class} built from config.json: " + " | ".join(parts),
             param="model_assets",
-            hint="pass the config.json of the model this checkpoint was trained as (or the right `adapter`); "
-            f"`allow_mismatch` {','.join(refused)} writes it anyway",
+            hint=hint,
         )
     return check
 
