@@ -51,6 +51,29 @@ def test_not_a_directory(tmp_path: Path) -> None:
     assert_clean_failure(inspect(tmp_path / "nope"), "E100", "no such directory")
 
 
+def test_missing_path_hint_names_the_close_directory(tmp_path: Path) -> None:
+    """A typo'd path: the hint names the directory it most likely meant (the rest of the path kept), a file
+    given in place of the directory names that directory, and a path with nothing close lists what is there."""
+    (tmp_path / "run" / "checkpoint" / "step-100").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint" / "step-100" / ".metadata").write_bytes(b"")
+    res = inspect(tmp_path / "rnu" / "checkpoint")
+    assert res.stderr.splitlines() == [
+        f"error: [E100] {tmp_path / 'rnu' / 'checkpoint'}: no such directory",
+        f"hint: did you mean {tmp_path / 'run' / 'checkpoint'}?",
+    ]
+    res = inspect(tmp_path / "run" / "checkpoint" / "step-10")
+    assert res.stderr.splitlines()[1] == f"hint: did you mean {tmp_path / 'run' / 'checkpoint' / 'step-100'}?"
+    res = inspect(tmp_path / "run" / "checkpoint" / "step-100" / ".metadata")
+    assert res.stderr.splitlines()[1] == (
+        "hint: pass the checkpoint directory (the one holding .metadata), not a file in it: "
+        f"{tmp_path / 'run' / 'checkpoint' / 'step-100'}"
+    )
+    res = inspect(tmp_path / "zzzzzz" / "a")
+    assert res.stderr.splitlines()[1] == f"hint: pass the checkpoint directory; {tmp_path} holds run"
+    res = runner.invoke(app, ["import", str(tmp_path / "rnu"), str(tmp_path / "out")])
+    assert res.exit_code == 2 and res.stderr.splitlines()[1] == f"hint: did you mean {tmp_path / 'run'}?"
+
+
 def test_no_metadata(tmp_path: Path) -> None:
     assert_clean_failure(inspect(tmp_path), "E200", "no .metadata")
 
