@@ -489,8 +489,8 @@ def _nothing_below(root: Path, opt: Path | None) -> Located:
 def _incomplete_error(root: Path, inc: IncompleteStep, step: int | str) -> IncompleteCheckpointError:
     """E202 for ``step`` (a number or ``latest``) naming a step whose save did not finish."""
     return IncompleteCheckpointError(
-        f"{root}: `step` {step}: step {inc.step} is incomplete: {inc.path} has {inc.reason} "
-        "(a save that did not finish, or an async save still running)",
+        f"{root}: `step` {step}: step {inc.step} is incomplete (a save that did not finish, or an async save "
+        f"still running): {inc.path} has {inc.reason}",
         path=inc.path,
         param="step",
         hint="wait for the save to finish, or pick an earlier complete step with `step` N",

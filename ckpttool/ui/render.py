@@ -754,13 +754,20 @@ def _print_at_least(con: Console, t: Table, minimum: int) -> None:
 GROUP_KEYS = 3
 
 
-def print_findings(con: Console, title: str, findings: list[Any], style: str | None = None) -> None:
+def print_findings(
+    con: Console,
+    title: str,
+    findings: list[Any],
+    style: str | None = None,
+    flags: Callable[[str], str] = lambda text: text,
+) -> None:
     """Print ``validate``'s findings of one severity: a table (code, count, key, message, hint).
 
     Findings of one code (and hint) are one row: their count, the first :data:`GROUP_KEYS` keys
     and ``+N more``, the first message. When the hint column does not fit the width, each hint
     is printed once per code below the table as ``hint (CODE): ...``: never hidden.
-    ``findings``: objects with ``code``, ``error_code``, ``key``, ``message``, ``hint``.
+    ``findings``: objects with ``code``, ``error_code``, ``key``, ``message``, ``hint``; ``flags`` names the
+    backticked parameters of messages and hints by the command's flags (``--step``).
     """
     groups: dict[tuple[str, str | None, str], list[Any]] = {}
     for f in findings:
@@ -776,8 +783,8 @@ def print_findings(con: Console, title: str, findings: list[Any], style: str | N
                 styled((code + (f" {error_code}" if error_code else ""), style)),
                 fmt_count(len(fs)) if len(fs) > 1 else "",
                 key_cell(*keys[:GROUP_KEYS], more=more),
-                message,
-                hint,
+                flags(message),
+                flags(hint) if hint else hint,
             ]
         )
     columns = [
@@ -792,7 +799,7 @@ def print_findings(con: Console, title: str, findings: list[Any], style: str | N
         for (code, _, hint), _fs in groups.items():
             if hint and (code, hint) not in seen:
                 seen.add((code, hint))
-                con.print(f"hint ({code}): {hint}")
+                con.print(f"hint ({code}): {flags(hint)}")
 
 
 def table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:

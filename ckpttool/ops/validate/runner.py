@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import AmbiguousCheckpointError, MetadataError, SchemaError, StepNotFoundError
+from ckpttool.errors import (
+    AmbiguousCheckpointError,
+    IncompleteCheckpointError,
+    MetadataError,
+    SchemaError,
+    StepNotFoundError,
+)
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, gc_held, open_checkpoint
 from ckpttool.model.hfconfig import read_hf_config
 from ckpttool.ops.validate import rules as _rules  # noqa: F401 - registers the rules
@@ -282,10 +288,13 @@ def _validate_path(
     except MetadataError as e:  # includes unsafe pickles and incomplete saves
         rules = select_rules(opts.select, opts.ignore)
         s001 = RULES["S001"]
+        # an unfinished save is named by its directory (it may hold no .metadata to blame)
+        unfinished = isinstance(e, IncompleteCheckpointError)
+        key = str(e.path) if unfinished and e.path else ".metadata"
         statuses = [
-            RuleStatus(r, "failed", None, (s001.make(".metadata", e.message, e.hint or None, e.code),))
+            RuleStatus(r, "failed", None, (s001.make(key, e.message, e.hint or None, e.code),))
             if r is s001
-            else RuleStatus(r, "skipped", ".metadata is unusable")
+            else RuleStatus(r, "skipped", "the save did not finish" if unfinished else ".metadata is unusable")
             for r in rules
         ]
         return _finish(Path(path), opts, statuses, t0)
