@@ -13,6 +13,7 @@ their common parent, each path confined to its part. Torch-free. ``docs/design.m
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,7 +88,14 @@ class CheckpointSelection:
             elif text.isdigit():
                 step = int(text)
             else:
-                raise UsageError(f"`step` {step!r} is not a step number or 'latest'", param="step")
+                digits = re.search(r"(\d+)$", text)  # a step directory's name (step-200, iter_0000200)
+                raise UsageError(
+                    f"`step` {step!r} is not a step number or 'latest'",
+                    param="step",
+                    hint=f"give the step's number, `step` {int(digits.group(1))}, or pass that directory itself"
+                    if digits
+                    else "e.g. `step` 200, or `step` latest for the newest complete step",
+                )
         return cls(step, Path(optimizer_dir) if optimizer_dir is not None else None, schema)
 
 

@@ -74,6 +74,19 @@ def test_missing_path_hint_names_the_close_directory(tmp_path: Path) -> None:
     assert res.exit_code == 2 and res.stderr.splitlines()[1] == f"hint: did you mean {tmp_path / 'run'}?"
 
 
+def test_step_given_as_a_directory_name_hints_its_number(tmp_path: Path) -> None:
+    for given, hint in (
+        ("step-200", "hint: give the step's number, --step 200, or pass that directory itself"),
+        ("iter_0000200", "hint: give the step's number, --step 200, or pass that directory itself"),
+        ("lates", "hint: e.g. --step 200, or --step latest for the newest complete step"),
+    ):
+        res = runner.invoke(app, ["inspect", str(tmp_path), "--step", given])
+        assert res.exit_code == 2 and res.stderr.splitlines() == [
+            f"error: [E100] --step {given!r} is not a step number or 'latest'",
+            hint,
+        ]
+
+
 def test_no_metadata(tmp_path: Path) -> None:
     assert_clean_failure(inspect(tmp_path), "E200", "no .metadata")
 
