@@ -124,8 +124,8 @@ def _set_storage_options(ctx: Any, param: Any, value: tuple[str, ...]) -> None:
 
         try:
             opts = storage.parse_storage_options(value)
-        except CkptError as e:
-            raise typer.BadParameter(e.message, ctx=ctx, param=param) from None
+        except CkptError as e:  # click names the option: not its library name again
+            raise typer.BadParameter(e.message.removeprefix("`storage_options`: "), ctx=ctx, param=param) from None
         storage.configure(options={**storage.current().options, **opts})
 
 
@@ -148,8 +148,8 @@ def _set_spool_size(ctx: Any, param: Any, value: str | None) -> None:
 
         try:
             storage.configure(spool_bytes=parse_size(value, "--remote-spool-size"))
-        except CkptError as e:
-            raise typer.BadParameter(e.message, ctx=ctx, param=param) from None
+        except CkptError as e:  # click names the option: not its library name again
+            raise typer.BadParameter(e.message.removeprefix("`storage_options`: "), ctx=ctx, param=param) from None
 
 
 def _set_no_cache(ctx: Any, param: Any, value: bool) -> None:

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 from typer.testing import CliRunner
 
@@ -85,6 +86,30 @@ def test_step_given_as_a_directory_name_hints_its_number(tmp_path: Path) -> None
             f"error: [E100] --step {given!r} is not a step number or 'latest'",
             hint,
         ]
+
+
+def test_unknown_hash_is_named_by_its_flag_in_every_command(sample_ckpt: Path, tmp_path: Path) -> None:
+    """export/reshard/import --hash md7 was E999 (KeyError from the source identity), manifest's named `algorithm`."""
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"w": torch.zeros(2)}, str(hf / "model.safetensors"))
+    want = [
+        "error: [E100] --hash 'md7' is not one of xxh3-128, blake3, blake2b-256",
+        "hint: xxh3-128 is the fast default; blake3 is cryptographic",
+    ]
+    for args in (
+        ["manifest", str(sample_ckpt), "--hash", "md7"],
+        ["export", str(sample_ckpt), str(tmp_path / "o1"), "--manifest", "--hash", "md7"],
+        ["reshard", str(sample_ckpt), str(tmp_path / "o2"), "--to", "canonical", "--with-optimizer", "--hash", "md7"],
+        ["import", str(hf), str(tmp_path / "o3"), "--manifest", "--hash", "md7"],
+    ):
+        res = runner.invoke(app, args)
+        assert (res.exit_code, res.stderr.splitlines()) == (2, want), (args, res.stderr)
+    assert not [p.name for p in tmp_path.iterdir() if p.name != "hf"]
+    res = runner.invoke(app, ["--storage-option", "foo", "inspect", "s3://bucket/x"])
+    assert res.exit_code == 2 and "'--storage-option': 'foo' is not of the form key=value" in res.stderr
 
 
 def test_no_metadata(tmp_path: Path) -> None:
