@@ -392,10 +392,15 @@ def _membership(
             f"{', '.join(fused[f0][0])}): replayed on their parts assembled as the model fuses them"
         )
     if unknown:
+        rows_k = cat.model[_stackable_parts(cat, unknown[0])[1]].shape[0]
+        why = (
+            f"`head_dim` {head_dim} does not divide their k rows ({rows_k})"
+            if head_dim is not None
+            else "the head dim is not in the checkpoint (no q_norm/k_norm beside them)"
+        )
         notes.append(
-            f"{len(unknown)} fused parameter(s) (e.g. {unknown[0]}) interleave their parts per KV head, and the "
-            "head dim is not in the checkpoint (no q_norm/k_norm beside them): not replayed; pass `head_dim` N (the "
-            "model's hidden size / attention heads)"
+            f"{len(unknown)} fused parameter(s) (e.g. {unknown[0]}) interleave their parts per KV head, and {why}: "
+            "not replayed; pass `head_dim` N (the model's hidden size / attention heads)"
         )
     other_orphans = [f for f in orphans if f not in fused]
     stepped = [f for f in other_orphans if (ps := cat.optimizer_state.get(f)) is not None and ps.fields]

@@ -50,6 +50,8 @@ def test_torchtitan_fused_qkv_without_head_dim_says_what_to_pass(titan_root: Pat
     )
     doc = json.loads(runner.invoke(app, [*args, "--head-dim", "16", "--json"]).stdout)
     assert doc["ok"] and not any("in no param group" in n for n in doc["notes"])
+    res = runner.invoke(app, [*args, "--head-dim", "7"])  # given, but no head dim of these projections
+    assert res.exit_code == 1 and "and --head-dim 7 does not divide their k rows (64): not replayed" in res.stdout
 
 
 def test_torchtitan_moe(titan_root: Path) -> None:
