@@ -575,6 +575,43 @@ def _key_text_class() -> type:
     return KeyText
 
 
+@functools.cache
+def _prose_text_class() -> type:
+    from rich.containers import Lines
+    from rich.measure import Measurement
+    from rich.text import Text
+
+    class ProseText(Text):
+        """A table cell of prose that wraps at spaces and folds a word longer than the column (a key in a
+        message) at its ``.`` boundaries, as key cells fold, not mid-word."""
+
+        def wrap(self, console: Any, width: int, **kwargs: Any) -> Lines:
+            words = self.plain.split()
+            if all(len(w) <= width for w in words):
+                return super().wrap(console, width, **kwargs)
+            lines = Lines()
+            for line in self.plain.split("\n"):
+                cur = ""
+                for word in line.split():
+                    cuts = [0, *_dot_offsets(word, width), len(word)]
+                    for i, piece in enumerate(word[a:b] for a, b in zip(cuts, cuts[1:])):
+                        sep = " " if cur and i == 0 else ""
+                        if cur and len(cur) + len(sep) + len(piece) > width:
+                            lines.append(Text(cur))
+                            cur, sep = "", ""
+                        cur += sep + piece
+                lines.append(Text(cur))
+            return lines
+
+        def __rich_measure__(self, console: Any, options: Any) -> Measurement:
+            lines = self.plain.split("\n")
+            parts = [p for w in self.plain.split() for p in re.findall(r"[^.]*\.|[^.]+", w)]
+            longest = max((len(ln) for ln in lines), default=0)
+            return Measurement(min(longest, max((len(p) for p in parts), default=0)), longest)
+
+    return ProseText
+
+
 def key_cell(*keys: str, more: str = "") -> Any:
     """A table cell of ``keys``, one per line (then ``more``), that folds only at ``.`` boundaries."""
     text = "\n".join(safe_text(k) for k in keys) + (f"\n{safe_text(more)}" if more else "")
@@ -690,11 +727,17 @@ def _print_rich_table(
     table's width: a line of text cut in a pipe).
     """
     t = _rich_table(title, [columns[i] for i in keep], [widths[i] for i in keep])
-    key_text = _key_text_class()
+    key_text, prose = _key_text_class(), _prose_text_class()
+
+    def cell(c: Col, v: Any) -> Any:
+        if not isinstance(v, str):
+            return v
+        if c.kind == "key":
+            return key_text(safe_text(v))
+        return prose(safe_text(v)) if c.kind == "text" and v.isascii() and v.isprintable() else v
+
     for r in cells:
-        t.add_row(
-            *(key_text(safe_text(r[i])) if columns[i].kind == "key" and isinstance(r[i], str) else r[i] for i in keep)
-        )
+        t.add_row(*(cell(columns[i], r[i]) for i in keep))
     if title:
         from rich.cells import cell_len
         from rich.measure import Measurement
