@@ -360,15 +360,15 @@ def _epoch_near(p: Path, root: Path) -> int:
     return -1
 
 
-def _latest_step(root: Path) -> int | None:
-    """The step named by a ``latest`` file (DeepSpeed: ``global_step100``; Megatron: ``100``)."""
+def _latest_step(root: Path) -> tuple[int, str] | None:
+    """The step named by a ``latest`` file (DeepSpeed: ``global_step100``; Megatron: ``100``) and that file's name."""
     for name in registry.derived().latest_files:
         p = root / name
         try:
             if p.is_symlink():  # NeMo Automodel's LATEST: a relative symlink to the step directory
                 s = step_of(Path(os.readlink(p)).name)
                 if s is not None:
-                    return s
+                    return s, name
                 continue
             if not p.is_file() or p.stat().st_size > 256:
                 continue
@@ -377,7 +377,7 @@ def _latest_step(root: Path) -> int | None:
             continue
         s = int(text) if text.isdigit() else step_of(text) or step_of(Path(text).name)
         if s is not None:
-            return s
+            return s, name
     return None
 
 
@@ -522,8 +522,9 @@ def _of_step(
     want: int | str | None = step
     how = ""
     if want == "latest":
-        want = _latest_step(root)
-        source = "the `latest` file"
+        pointer = _latest_step(root)
+        want = pointer[0] if pointer is not None else None
+        source = f"named by {pointer[1]}" if pointer is not None else ""
         if want is None:
             steps = [u.step for u in units if u.step is not None] + list(bad)
             want = max(steps) if steps else None
