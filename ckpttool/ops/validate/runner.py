@@ -157,7 +157,15 @@ def _skip_reason(r: Rule, ctx: Context) -> str | None:
         return "needs --against"
     if "manifest" in r.needs and ctx.manifest is None:
         return "needs --manifest"
+    if r.code.startswith("O") and _model_only(ctx):  # never "passed" over state that is not there
+        return "no optimizer state (model weights only)"
     return None
+
+
+def _model_only(ctx: Context) -> bool:
+    """Model tensors, and neither optimizer state nor param groups (a model-only save: nothing to resume from)."""
+    cat = ctx.cat
+    return bool(cat.model) and not cat.optimizer_state and not cat.param_groups
 
 
 def _finish(
