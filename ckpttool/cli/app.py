@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
+import shutil
 import sys
 from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any
@@ -122,8 +124,8 @@ def _set_storage_options(ctx: Any, param: Any, value: tuple[str, ...]) -> None:
 
         try:
             opts = storage.parse_storage_options(value)
-        except CkptError as e:
-            raise typer.BadParameter(e.message, ctx=ctx, param=param) from None
+        except CkptError as e:  # click names the option: not its library name again
+            raise typer.BadParameter(e.message.removeprefix("`storage_options`: "), ctx=ctx, param=param) from None
         storage.configure(options={**storage.current().options, **opts})
 
 
@@ -146,8 +148,8 @@ def _set_spool_size(ctx: Any, param: Any, value: str | None) -> None:
 
         try:
             storage.configure(spool_bytes=parse_size(value, "--remote-spool-size"))
-        except CkptError as e:
-            raise typer.BadParameter(e.message, ctx=ctx, param=param) from None
+        except CkptError as e:  # click names the option: not its library name again
+            raise typer.BadParameter(e.message.removeprefix("`storage_options`: "), ctx=ctx, param=param) from None
 
 
 def _set_no_cache(ctx: Any, param: Any, value: bool) -> None:
@@ -406,6 +408,33 @@ def _hide_aliases(cmd: Any) -> None:
             p.get_help_record = record
 
 
+_CHOICES_RE = re.compile(r"<([^<>]*\|[^<>]*)>")
+
+
+def _fold_long_choices(cmd: Any) -> None:
+    """An option whose ``<a|b|...>`` metavar does not fit the terminal (``--schema`` at 60 columns) is shown as
+    ``--schema SCHEMA`` with ``One of: a, b, ...`` at the end of its help, which wraps; a terminal it fits keeps
+    the choices in place."""
+    for p in cmd.params:
+        if p.param_type_name != "option":
+            continue
+
+        def record(ctx: Any, p: Any = p, shown: Any = p.get_help_record) -> Any:
+            rec = shown(ctx)
+            if rec is None:
+                return rec
+            opts, text = rec
+            m = _CHOICES_RE.search(opts)
+            if m is None or len(opts) + 2 <= (ctx.terminal_width or shutil.get_terminal_size().columns):
+                return rec
+            name = max(p.opts, key=len).lstrip("-").rsplit("-", 1)[-1].upper()
+            main, sep, default = text.partition("  [default: ")  # the choices before click's default note
+            choices = f"{main} One of: {', '.join(m.group(1).split('|'))}.".lstrip()
+            return opts.replace(m.group(0), name), choices + sep + default
+
+        p.get_help_record = record
+
+
 def version_text() -> str:
     """``ckpttool 0.1.0 (torch 2.13.0, safetensors 0.8.0, Python 3.11.9)``, from package metadata.
 
@@ -437,6 +466,7 @@ def _load_command(name: str) -> Any:
     if _takes_urls(cmd):
         cmd.params.extend(_remote_options())
     _hide_aliases(cmd)
+    _fold_long_choices(cmd)
     _uppercase_metavars(cmd)
     _plain_usage(cmd)
     _optional_values(cmd)

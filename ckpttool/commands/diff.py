@@ -196,10 +196,18 @@ def diff_command(
         from ckpttool.ui.plot import write_diff_plot
 
         write_diff_plot(res, plot)
-        Output(json_output).note(f"wrote {plot}")
-    Output(json_output).result(res, render_diff)
+    Output(json_output).result(res, lambda r: _render_with_plot(r, plot))
     if not res.equal:
         raise typer.Exit(1)
+
+
+def _render_with_plot(res: Any, plot: Path | None) -> None:
+    """The result, then ``wrote FILE`` as its last line, as stats says it (a result: printed with -q too)."""
+    render_diff(res)
+    if plot is not None:
+        from ckpttool.ui.render import stdout_console
+
+        stdout_console().print(f"wrote {plot}")
 
 
 class DiffProgress(PhaseProgress):

@@ -13,7 +13,7 @@ import typer
 from ckpttool.errors import ReplayMismatchError, UsageError
 from ckpttool.ui import options as opt
 from ckpttool.ui.options import declaration, examples, parse_dtype, parse_size, parse_tolerance, selection
-from ckpttool.ui.output import Output, command_boundary, deprecated, print_error
+from ckpttool.ui.output import Output, command_boundary, deprecated, print_error, with_flags
 
 if TYPE_CHECKING:
     from ckpttool.ops.replay import ReplayOptions, ReplayResult
@@ -356,7 +356,7 @@ def _print_replay_header(con: Any, result: ReplayResult) -> None:
         f"{human_bytes(result.max_memory)}"
     )
     for n in result.notes:
-        con.print(f"note        {n}")
+        con.print(f"note        {with_flags(n)}")
 
 
 def _print_param_table(con: Any, shown: list[Any]) -> None:

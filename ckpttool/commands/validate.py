@@ -14,7 +14,7 @@ import typer
 
 from ckpttool.ui import options as opt
 from ckpttool.ui.options import declaration, examples, selection
-from ckpttool.ui.output import Output, command_boundary, print_error
+from ckpttool.ui.output import Output, command_boundary, print_error, with_flags
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -47,7 +47,7 @@ def _render(res: ValidationResult) -> None:
             "warning": "warnings" + ("" if res.strict else " (do not fail without --strict)"),
             "info": "info",
         }[sev]
-        print_findings(con, f"{title} ({len(rows)})", rows, STYLES.get(sev))
+        print_findings(con, f"{title} ({len(rows)})", rows, STYLES.get(sev), with_flags)
     c = res.counts
     ran = sum(1 for s in res.rules if s.status != "skipped")
     skipped = [s for s in res.rules if s.status == "skipped"]

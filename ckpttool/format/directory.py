@@ -33,7 +33,15 @@ from ckpttool.errors import (
 from ckpttool.format import limits
 from ckpttool.format.dcp_safetensors import is_safetensors_serialized, resolve_safetensors_windows
 from ckpttool.format.digest import DEFAULT_ALGORITHM, digest_bytes
-from ckpttool.format.files import _kind, copy_regular, open_regular, read_regular, read_regular_owned, resolve_inside
+from ckpttool.format.files import (
+    _kind,
+    copy_regular,
+    missing_path_hint,
+    open_regular,
+    read_regular,
+    read_regular_owned,
+    resolve_inside,
+)
 from ckpttool.format.hf_storage import hf_storage_files, load_hf_storage_metadata, shard_rank
 from ckpttool.format.mdcache import parse_metadata_taken
 from ckpttool.format.mdstorage import referenced_paths
@@ -105,12 +113,12 @@ class CheckpointDir:
         path = local_path(path)
         p = Path(path)
         if not p.exists():
-            raise UsageError(f"{p}: no such directory", path=p, hint="pass the checkpoint directory")
+            raise UsageError(f"{p}: no such directory", path=p, hint=missing_path_hint(p, "the checkpoint directory"))
         if not p.is_dir():
             raise UsageError(
                 f"{p} is not a directory",
                 path=p,
-                hint="pass the checkpoint directory (the one holding .metadata), not a file in it",
+                hint=f"pass the checkpoint directory (the one holding .metadata), not a file in it: {p.parent}",
             )
         self.path = p
         self.root = p.resolve()

@@ -18,7 +18,29 @@ from pathlib import Path
 from ckpttool.errors import NotRegularFileError, PathEscapeError, SizeLimitError
 from ckpttool.format import limits
 
-__all__ = ["resolve_inside", "open_regular", "read_regular", "copy_regular"]
+__all__ = ["resolve_inside", "open_regular", "read_regular", "copy_regular", "missing_path_hint"]
+
+
+def missing_path_hint(path: Path, what: str) -> str:
+    """A hint for a path that does not exist: the directories beside it with a close name (a typo), else
+    the nearest folder above it that exists and a few of its subdirectories; ``pass {what}`` when neither helps."""
+    import difflib
+
+    missing, parent, tail = path.name, path.parent, Path()
+    while not parent.is_dir() and parent != parent.parent:
+        missing, parent, tail = parent.name, parent.parent, Path(missing) / tail
+    try:
+        names = sorted(e.name for e in os.scandir(parent) if e.is_dir() and not e.name.startswith("."))
+    except OSError:
+        return f"pass {what}"
+    close = [parent / c for c in difflib.get_close_matches(missing, names, n=3, cutoff=0.6)]
+    whole = [c / tail for c in close if (c / tail).exists()]  # the rest of the path given, where it exists
+    if close:
+        return "did you mean " + " or ".join(map(str, whole or close)) + "?"
+    if not names:
+        return f"pass {what} ({parent} holds no directory)"
+    more = f", ... ({len(names)} in all)" if len(names) > 6 else ""
+    return f"pass {what}; {parent} holds {', '.join(names[:6])}{more}"
 
 
 _O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)

@@ -330,7 +330,7 @@ def _open_perrank(
             raise replica_error
     sel = selection or CheckpointSelection()
     if sel.schema is None:
-        sel = replace(sel, schema=SchemaOverride(schema=layout.schema))
+        sel = replace(sel, schema=SchemaOverride(schema=layout.schema, by=f"{layout.name} per-rank files"))
     how = f"{where.how}; {layout.name} per-rank files: " + "; ".join(assembled.notes)
     return reader, sel, replace(where, how=how), replica_error
 

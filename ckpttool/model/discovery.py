@@ -13,6 +13,7 @@ their common parent, each path confined to its part. Torch-free. ``docs/design.m
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,7 +88,14 @@ class CheckpointSelection:
             elif text.isdigit():
                 step = int(text)
             else:
-                raise UsageError(f"`step` {step!r} is not a step number or 'latest'", param="step")
+                digits = re.search(r"(\d+)$", text)  # a step directory's name (step-200, iter_0000200)
+                raise UsageError(
+                    f"`step` {step!r} is not a step number or 'latest'",
+                    param="step",
+                    hint=f"give the step's number, `step` {int(digits.group(1))}, or pass that directory itself"
+                    if digits
+                    else "e.g. `step` 200, or `step` latest for the newest complete step",
+                )
         return cls(step, Path(optimizer_dir) if optimizer_dir is not None else None, schema)
 
 
@@ -352,15 +360,15 @@ def _epoch_near(p: Path, root: Path) -> int:
     return -1
 
 
-def _latest_step(root: Path) -> int | None:
-    """The step named by a ``latest`` file (DeepSpeed: ``global_step100``; Megatron: ``100``)."""
+def _latest_step(root: Path) -> tuple[int, str] | None:
+    """The step named by a ``latest`` file (DeepSpeed: ``global_step100``; Megatron: ``100``) and that file's name."""
     for name in registry.derived().latest_files:
         p = root / name
         try:
             if p.is_symlink():  # NeMo Automodel's LATEST: a relative symlink to the step directory
                 s = step_of(Path(os.readlink(p)).name)
                 if s is not None:
-                    return s
+                    return s, name
                 continue
             if not p.is_file() or p.stat().st_size > 256:
                 continue
@@ -369,7 +377,7 @@ def _latest_step(root: Path) -> int | None:
             continue
         s = int(text) if text.isdigit() else step_of(text) or step_of(Path(text).name)
         if s is not None:
-            return s
+            return s, name
     return None
 
 
@@ -418,7 +426,7 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
     if sel.step is not None:
         units, how = _of_step(root, units, sel.step, incomplete)
     if len(units) > 1:
-        raise _ambiguous(root, units, sel.step)
+        raise _ambiguous(root, units, sel.step, frozenset(i.step for i in incomplete))
     u = units[0]
     _refuse_unfinished_unit(root, u, sel.step, incomplete)
     if opt is not None and u.optimizer is not None:
@@ -489,8 +497,8 @@ def _nothing_below(root: Path, opt: Path | None) -> Located:
 def _incomplete_error(root: Path, inc: IncompleteStep, step: int | str) -> IncompleteCheckpointError:
     """E202 for ``step`` (a number or ``latest``) naming a step whose save did not finish."""
     return IncompleteCheckpointError(
-        f"{root}: `step` {step}: step {inc.step} is incomplete: {inc.path} has {inc.reason} "
-        "(a save that did not finish, or an async save still running)",
+        f"{root}: `step` {step}: step {inc.step} is incomplete (a save that did not finish, or an async save "
+        f"still running): {inc.path} has {inc.reason}",
         path=inc.path,
         param="step",
         hint="wait for the save to finish, or pick an earlier complete step with `step` N",
@@ -514,8 +522,9 @@ def _of_step(
     want: int | str | None = step
     how = ""
     if want == "latest":
-        want = _latest_step(root)
-        source = "the `latest` file"
+        pointer = _latest_step(root)
+        want = pointer[0] if pointer is not None else None
+        source = f"named by {pointer[1]}" if pointer is not None else ""
         if want is None:
             steps = [u.step for u in units if u.step is not None] + list(bad)
             want = max(steps) if steps else None
@@ -552,15 +561,20 @@ def _of_step(
     return units_at, how or f"`step` {want}"
 
 
-def _ambiguous(root: Path, units: list[_Unit], step: int | str | None) -> AmbiguousCheckpointError:
-    """The error for several checkpoints below ``root`` (E204), listing them."""
+def _ambiguous(
+    root: Path, units: list[_Unit], step: int | str | None, incomplete: frozenset[int] = frozenset()
+) -> AmbiguousCheckpointError:
+    """The error for several checkpoints below ``root`` (E204), listing them (the steps whose save did not
+    finish, ``incomplete``, marked so and never the example)."""
     shown = "; ".join(u.label(root) for u in units[:10]) + (f" (+{len(units) - 10} more)" if len(units) > 10 else "")
     steps = sorted({u.step for u in units if u.step is not None})
     if len(steps) > 1 and step is None:
+        named = ", ".join(f"{s} (incomplete)" if s in incomplete else str(s) for s in steps[:10])
+        example = next((u for u in reversed(units) if u.step not in incomplete), units[-1])
         hint = (
-            f"pick one with `step` N|latest (steps {', '.join(map(str, steps[:10]))}), "
+            f"pick one with `step` N|latest (steps {named}), "
             f"or pass a directory, e.g. "
-            f"{shlex.quote(str(units[-1].model if units[-1].optimizer is None else units[-1].model.parent))}"
+            f"{shlex.quote(str(example.model if example.optimizer is None else example.model.parent))}"
         )
     else:
         hint = f"pass one of them, e.g. {shlex.quote(str(units[0].model))}"

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ExportError, UsageError
-from ckpttool.format.files import open_regular, resolve_inside
+from ckpttool.format.files import missing_path_hint, open_regular, resolve_inside
 from ckpttool.format.hf_storage import ADAPTER_PREFIX, hf_storage_files, load_hf_storage_metadata
 from ckpttool.format.jsonview import JsonView, json_counted
 from ckpttool.format.marker import MARKER_NAME
@@ -521,8 +521,17 @@ def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -
         raise UsageError(f"`world_size` must be an integer >= 1, got {opts.world_size!r}", param="world_size")
     src_dir = Path(hf_dir)
     if not src_dir.is_dir():
-        what = "not a directory" if os.path.lexists(src_dir) else "no such directory"
-        raise UsageError(f"{src_dir}: {what}", path=src_dir, hint="pass a Hugging Face model directory")
+        if os.path.lexists(src_dir):
+            raise UsageError(
+                f"{src_dir}: not a directory",
+                path=src_dir,
+                hint=f"pass the Hugging Face model directory, not a file in it: {src_dir.parent}",
+            )
+        raise UsageError(
+            f"{src_dir}: no such directory",
+            path=src_dir,
+            hint=missing_path_hint(src_dir, "a Hugging Face model directory"),
+        )
     return src_dir
 
 

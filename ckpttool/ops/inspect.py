@@ -25,6 +25,7 @@ from ckpttool.errors import CkptError, PathEscapeError, TrustRequiredError, Usag
 from ckpttool.format.files import resolve_inside
 from ckpttool.format.jsonview import json_fields
 from ckpttool.format.mdstorage import file_extents
+from ckpttool.format.perrank import PerRankReader
 from ckpttool.layouts.geometry import EPGeometry
 from ckpttool.layouts.record import EPTensorSpec
 from ckpttool.model.beside import TrainerState, read_training_state_beside
@@ -733,7 +734,7 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         training_state={k: tuple(v) for k, v in cat.training_state.items()},
         uncategorized_tensors=tuple(cat.uncategorized_tensors()),
         non_persistent_buffers=tuple(cat.non_persistent_buffers()),
-        serialization=ckpt.metadata.serialization,
+        serialization="per_rank" if isinstance(ckpt.reader, PerRankReader) else ckpt.metadata.serialization,
         storage=_storage_stats(ckpt),
         derived_from=_derived_from(ckpt),
         training_values=_training_values(ckpt),

@@ -563,6 +563,7 @@ def source_identity(reader: CheckpointReader, algorithm: str = DEFAULT_ALGORITHM
         the reader's errors for an unreadable ``.metadata``; SizeLimitError: an oversized manifest.
     """
 
+    _check_algorithm(algorithm)  # `hash` of export/reshard: E100, not a KeyError
     md: str | None = None
     size: int | None = None
     if not reader.parts:  # a model/optimizer pair has two: named by neither alone
@@ -1409,6 +1410,7 @@ def safetensors_source_identity(
     from ckpttool.format.files import open_regular, resolve_inside
     from ckpttool.format.hf_storage import read_safetensors_header
 
+    _check_algorithm(algorithm)  # `hash` of import: E100, not a KeyError
     h = new_hasher(algorithm)
     size = 0
     for name in sorted(files):

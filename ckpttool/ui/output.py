@@ -142,7 +142,14 @@ def flag_names() -> dict[str, str]:
         opts = [o for o in getattr(p, "opts", []) if o.startswith("--")]
         if p.name and opts:
             out[p.name] = opts[0]
+    for library, cli in _LIBRARY_NAMES.items():  # the library's name of a parameter the CLI names otherwise
+        if cli in out:
+            out.setdefault(library, out[cli])
     return out
+
+
+#: Parameter names of the library (in its messages) -> the CLI parameter that sets them.
+_LIBRARY_NAMES = {"algorithm": "hash_name", "storage_options": "storage_option"}
 
 
 def with_flags(text: str) -> str:

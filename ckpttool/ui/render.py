@@ -575,6 +575,43 @@ def _key_text_class() -> type:
     return KeyText
 
 
+@functools.cache
+def _prose_text_class() -> type:
+    from rich.containers import Lines
+    from rich.measure import Measurement
+    from rich.text import Text
+
+    class ProseText(Text):
+        """A table cell of prose that wraps at spaces and folds a word longer than the column (a key in a
+        message) at its ``.`` boundaries, as key cells fold, not mid-word."""
+
+        def wrap(self, console: Any, width: int, **kwargs: Any) -> Lines:
+            words = self.plain.split()
+            if all(len(w) <= width for w in words):
+                return super().wrap(console, width, **kwargs)
+            lines = Lines()
+            for line in self.plain.split("\n"):
+                cur = ""
+                for word in line.split():
+                    cuts = [0, *_dot_offsets(word, width), len(word)]
+                    for i, piece in enumerate(word[a:b] for a, b in zip(cuts, cuts[1:])):
+                        sep = " " if cur and i == 0 else ""
+                        if cur and len(cur) + len(sep) + len(piece) > width:
+                            lines.append(Text(cur))
+                            cur, sep = "", ""
+                        cur += sep + piece
+                lines.append(Text(cur))
+            return lines
+
+        def __rich_measure__(self, console: Any, options: Any) -> Measurement:
+            lines = self.plain.split("\n")
+            parts = [p for w in self.plain.split() for p in re.findall(r"[^.]*\.|[^.]+", w)]
+            longest = max((len(ln) for ln in lines), default=0)
+            return Measurement(min(longest, max((len(p) for p in parts), default=0)), longest)
+
+    return ProseText
+
+
 def key_cell(*keys: str, more: str = "") -> Any:
     """A table cell of ``keys``, one per line (then ``more``), that folds only at ``.`` boundaries."""
     text = "\n".join(safe_text(k) for k in keys) + (f"\n{safe_text(more)}" if more else "")
@@ -690,11 +727,17 @@ def _print_rich_table(
     table's width: a line of text cut in a pipe).
     """
     t = _rich_table(title, [columns[i] for i in keep], [widths[i] for i in keep])
-    key_text = _key_text_class()
+    key_text, prose = _key_text_class(), _prose_text_class()
+
+    def cell(c: Col, v: Any) -> Any:
+        if not isinstance(v, str):
+            return v
+        if c.kind == "key":
+            return key_text(safe_text(v))
+        return prose(safe_text(v)) if c.kind == "text" and v.isascii() and v.isprintable() else v
+
     for r in cells:
-        t.add_row(
-            *(key_text(safe_text(r[i])) if columns[i].kind == "key" and isinstance(r[i], str) else r[i] for i in keep)
-        )
+        t.add_row(*(cell(columns[i], r[i]) for i in keep))
     if title:
         from rich.cells import cell_len
         from rich.measure import Measurement
@@ -754,13 +797,20 @@ def _print_at_least(con: Console, t: Table, minimum: int) -> None:
 GROUP_KEYS = 3
 
 
-def print_findings(con: Console, title: str, findings: list[Any], style: str | None = None) -> None:
+def print_findings(
+    con: Console,
+    title: str,
+    findings: list[Any],
+    style: str | None = None,
+    flags: Callable[[str], str] = lambda text: text,
+) -> None:
     """Print ``validate``'s findings of one severity: a table (code, count, key, message, hint).
 
     Findings of one code (and hint) are one row: their count, the first :data:`GROUP_KEYS` keys
     and ``+N more``, the first message. When the hint column does not fit the width, each hint
     is printed once per code below the table as ``hint (CODE): ...``: never hidden.
-    ``findings``: objects with ``code``, ``error_code``, ``key``, ``message``, ``hint``.
+    ``findings``: objects with ``code``, ``error_code``, ``key``, ``message``, ``hint``; ``flags`` names the
+    backticked parameters of messages and hints by the command's flags (``--step``).
     """
     groups: dict[tuple[str, str | None, str], list[Any]] = {}
     for f in findings:
@@ -776,8 +826,8 @@ def print_findings(con: Console, title: str, findings: list[Any], style: str | N
                 styled((code + (f" {error_code}" if error_code else ""), style)),
                 fmt_count(len(fs)) if len(fs) > 1 else "",
                 key_cell(*keys[:GROUP_KEYS], more=more),
-                message,
-                hint,
+                flags(message),
+                flags(hint) if hint else hint,
             ]
         )
     columns = [
@@ -792,7 +842,7 @@ def print_findings(con: Console, title: str, findings: list[Any], style: str | N
         for (code, _, hint), _fs in groups.items():
             if hint and (code, hint) not in seen:
                 seen.add((code, hint))
-                con.print(f"hint ({code}): {hint}")
+                con.print(f"hint ({code}): {flags(hint)}")
 
 
 def table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
@@ -1012,7 +1062,7 @@ def _overview_header(con: Console, ov: InspectResult, flags: Callable[[str], str
         con.print(f"opened      {loc.model}{pair} ({flags(loc.how)})")
     con.print(
         f"dcp version {ov.dcp_version or ABSENT}"
-        + ("; safetensors storage" if ov.serialization == "safetensors" else "")
+        + {"safetensors": "; safetensors storage", "per_rank": "; per-rank files (not DCP)"}.get(ov.serialization, "")
     )
     if ov.schema is not None:
         sch = ov.schema

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 from typer.testing import CliRunner
 
@@ -49,6 +50,66 @@ def test_not_a_directory(tmp_path: Path) -> None:
     f.write_bytes(b"x")
     assert_clean_failure(inspect(f), "E100", "not a directory")
     assert_clean_failure(inspect(tmp_path / "nope"), "E100", "no such directory")
+
+
+def test_missing_path_hint_names_the_close_directory(tmp_path: Path) -> None:
+    """A typo'd path: the hint names the directory it most likely meant (the rest of the path kept), a file
+    given in place of the directory names that directory, and a path with nothing close lists what is there."""
+    (tmp_path / "run" / "checkpoint" / "step-100").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint" / "step-100" / ".metadata").write_bytes(b"")
+    res = inspect(tmp_path / "rnu" / "checkpoint")
+    assert res.stderr.splitlines() == [
+        f"error: [E100] {tmp_path / 'rnu' / 'checkpoint'}: no such directory",
+        f"hint: did you mean {tmp_path / 'run' / 'checkpoint'}?",
+    ]
+    res = inspect(tmp_path / "run" / "checkpoint" / "step-10")
+    assert res.stderr.splitlines()[1] == f"hint: did you mean {tmp_path / 'run' / 'checkpoint' / 'step-100'}?"
+    res = inspect(tmp_path / "run" / "checkpoint" / "step-100" / ".metadata")
+    assert res.stderr.splitlines()[1] == (
+        "hint: pass the checkpoint directory (the one holding .metadata), not a file in it: "
+        f"{tmp_path / 'run' / 'checkpoint' / 'step-100'}"
+    )
+    res = inspect(tmp_path / "zzzzzz" / "a")
+    assert res.stderr.splitlines()[1] == f"hint: pass the checkpoint directory; {tmp_path} holds run"
+    res = runner.invoke(app, ["import", str(tmp_path / "rnu"), str(tmp_path / "out")])
+    assert res.exit_code == 2 and res.stderr.splitlines()[1] == f"hint: did you mean {tmp_path / 'run'}?"
+
+
+def test_step_given_as_a_directory_name_hints_its_number(tmp_path: Path) -> None:
+    for given, hint in (
+        ("step-200", "hint: give the step's number, --step 200, or pass that directory itself"),
+        ("iter_0000200", "hint: give the step's number, --step 200, or pass that directory itself"),
+        ("lates", "hint: e.g. --step 200, or --step latest for the newest complete step"),
+    ):
+        res = runner.invoke(app, ["inspect", str(tmp_path), "--step", given])
+        assert res.exit_code == 2 and res.stderr.splitlines() == [
+            f"error: [E100] --step {given!r} is not a step number or 'latest'",
+            hint,
+        ]
+
+
+def test_unknown_hash_is_named_by_its_flag_in_every_command(sample_ckpt: Path, tmp_path: Path) -> None:
+    """export/reshard/import --hash md7 was E999 (KeyError from the source identity), manifest's named `algorithm`."""
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"w": torch.zeros(2)}, str(hf / "model.safetensors"))
+    want = [
+        "error: [E100] --hash 'md7' is not one of xxh3-128, blake3, blake2b-256",
+        "hint: xxh3-128 is the fast default; blake3 is cryptographic",
+    ]
+    for args in (
+        ["manifest", str(sample_ckpt), "--hash", "md7"],
+        ["export", str(sample_ckpt), str(tmp_path / "o1"), "--manifest", "--hash", "md7"],
+        ["reshard", str(sample_ckpt), str(tmp_path / "o2"), "--to", "canonical", "--with-optimizer", "--hash", "md7"],
+        ["import", str(hf), str(tmp_path / "o3"), "--manifest", "--hash", "md7"],
+    ):
+        res = runner.invoke(app, args)
+        assert (res.exit_code, res.stderr.splitlines()) == (2, want), (args, res.stderr)
+    assert not [p.name for p in tmp_path.iterdir() if p.name != "hf"]
+    res = runner.invoke(app, ["--storage-option", "foo", "inspect", "s3://bucket/x"])
+    assert res.exit_code == 2 and "'--storage-option': 'foo' is not of the form key=value" in res.stderr
 
 
 def test_no_metadata(tmp_path: Path) -> None:

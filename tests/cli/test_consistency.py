@@ -52,6 +52,18 @@ def test_metavars_are_uppercase_everywhere(name: str) -> None:
         assert missing.exit_code == 2 and re.search(r"Missing argument '[A-Z_]+'", missing.stderr), missing.stderr
 
 
+@pytest.mark.parametrize("name", COMMANDS)
+def test_help_fits_a_narrow_terminal(name: str) -> None:
+    """At 60 columns no help line is wider than the terminal (the examples aside: they stay whole to copy): a
+    ``<a|b|...>`` list that does not fit becomes ``--schema SCHEMA`` with ``One of: ...`` in the wrapped help."""
+    out = runner.invoke(app, [name, "--help"], terminal_width=60).stdout  # CliRunner fixes COLUMNS' width at 80
+    wide = [line for line in out.splitlines() if len(line) > 60 and not line.startswith("    ckpttool ")]
+    assert wide == [], wide
+    if name == "inspect":
+        assert "  --schema SCHEMA " in out and "One of: torchtune, olmo-core," in " ".join(out.split())
+        assert "--schema <torchtune|" in runner.invoke(app, [name, "--help"], env=WIDE).stdout
+
+
 def test_optimizer_dir_and_optimizer_type_with_hidden_old_spellings(sample_ckpt: Path) -> None:
     replay = runner.invoke(app, ["replay-step", "--help"], env=WIDE).stdout
     sample = runner.invoke(app, ["sample", "--help"], env=WIDE).stdout

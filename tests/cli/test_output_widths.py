@@ -136,3 +136,27 @@ def test_formatters() -> None:
     assert plural(1, "data file") == "1 data file" and plural(2, "batch", "batches") == "2 batches"
     assert fmt_rate(170_816, 0.0153) == "11.2 MB/s" and fmt_rate(2.5e9, 1.0) == "2.5 GB/s"
     assert fmt_rate(100, 0.0) == "-" and fmt_rate(999, 1.0) == "999 B/s"
+
+
+@pytest.mark.parametrize("width", [40, 50, 60, 80])
+def test_long_keys_in_message_cells_fold_at_dots(width: int) -> None:
+    """A key inside a text cell (validate's message naming parameters) that is wider than its column folds after
+    a ``.``, as key cells do, never mid-word (``input_layernorm.weig`` / ``ht``)."""
+    import io
+
+    from rich.console import Console
+
+    from ckpttool.ui.render import Col, print_table
+
+    words = (
+        "2 frozen parameter(s), no optimizer state: model.embed_tokens.weight, model.layers.0.input_layernorm.weight"
+    )
+    buf = io.StringIO()
+    con = Console(file=buf, width=width, color_system=None, legacy_windows=False)
+    print_table(con, "info", [Col("code", "code"), Col("key", "key"), Col("message", "text")], [["K021", "k", words]])
+    cells = [ln.split("│")[3].strip() for ln in buf.getvalue().splitlines() if ln.startswith("│")]
+    assert "".join(cells).replace(" ", "") == words.replace(" ", "")
+    whole = set(words.split())
+    for cell in cells[:-1]:
+        last = cell.split()[-1]
+        assert last.endswith(".") or last in whole, (width, cells)  # a break after a dot or between words

@@ -48,3 +48,13 @@ def test_replay_uses_common_pt(run: str, step: str, optimizer: str) -> None:
         assert p["step_before"] == float(chain["state"]["common_step"]) == common["iteration"]
         assert p["step_after"] == p["step_before"] + 1
         assert p["state"] == "loaded" and p["ok"], p
+
+
+def test_stats_update_size_uses_the_common_step() -> None:
+    """``stats`` reads megatron's step where replay-step does (the param group's ``common_step``): an update size
+    for every parameter, no "hyperparameters unreadable" note."""
+    r = runner.invoke(app, ["stats", "--json", str(DATA / "dense_tp2")])
+    assert r.exit_code == 0, r.output
+    assert "unreadable" not in r.stderr
+    layers = json.loads(r.stdout)["checkpoints"][0]["layers"]
+    assert layers and all(row["update_rms"] is not None and row["update_rms"] > 0 for row in layers), layers

@@ -56,6 +56,26 @@ def test_latest_follows_nemo_and_skips_the_unpublished_save(nemo_run: Path) -> N
     assert r.exit_code != 0 and "E202" in r.output and ".incomplete" in r.output
 
 
+def test_several_steps_hint_marks_the_unpublished_save_and_never_offers_it(nemo_run: Path) -> None:
+    r = runner.invoke(app, ["inspect", str(nemo_run)])
+    assert r.exit_code == 2 and r.stderr.startswith("error: [E204]")
+    assert r.stderr.splitlines()[1] == (
+        f"hint: pick one with --step N|latest (steps 2, 4, 6 (incomplete)), or pass a directory, e.g. "
+        f"{nemo_run / 'epoch_1_step_4'}"
+    )
+
+
+def test_validate_of_the_unpublished_step_names_it_and_the_flag(nemo_run: Path) -> None:
+    r = runner.invoke(app, ["validate", str(nemo_run), "--step", "6", "--wide"])
+    assert r.exit_code == 2
+    row = next(line for line in r.stdout.splitlines() if "S001 E202" in line)
+    assert f"│ {nemo_run / 'epoch_1_step_6'} │ {nemo_run}: --step 6: step 6 is incomplete (a save that did not " in row
+    assert "`step`" not in r.stdout and "(the trainer's marker of a save not yet published)" in row
+    assert "73 skipped (the save did not finish)" in r.stdout
+    doc = json.loads(runner.invoke(app, ["validate", str(nemo_run), "--step", "6", "--json"]).stdout)
+    assert [(f["code"], f["key"]) for f in doc["findings"]] == [("S001", str(nemo_run / "epoch_1_step_6"))]
+
+
 def test_latest_without_pointer_orders_by_step_then_epoch(nemo_run: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     for name in ("epoch_0_step_2", "epoch_1_step_4"):

@@ -96,6 +96,19 @@ def test_found_from_run_root_step_dir_and_actor(verl_root: Path, where: str) -> 
     assert "verl-fsdp" in doc["location"]["how"]
 
 
+def test_inspect_names_the_format_not_a_command_line_override(verl_root: Path) -> None:
+    actor = _actor(verl_root, 2)
+    res = runner.invoke(app, ["inspect", str(actor)])
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    assert "dcp version -; per-rank files (not DCP)" in lines
+    assert "key schema  verl (format): model 'model.', optimizer 'optimizer.' by fqn, hf names; adapter hf" in lines
+    assert "            - implied by the format (verl-fsdp per-rank files): 21 model tensor(s)" in lines
+    assert "command line" not in res.stdout and "safetensors storage" not in res.stdout
+    doc = json.loads(runner.invoke(app, ["inspect", "--json", str(actor)]).stdout)
+    assert (doc["serialization"], doc["key_schema"]["source"]) == ("per_rank", "format")
+
+
 def test_validate_strict_deep_ok_and_reads_training_state(verl_root: Path) -> None:
     res = runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(_actor(verl_root, 2))])
     assert res.exit_code == 0, res.output
@@ -129,6 +142,25 @@ def test_replicas_that_differ_are_refused(verl_root: Path, tmp_path: Path) -> No
     found = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "D014"]
     assert [f["key"] for f in found] == ["optimizer.state.model.embed_tokens.weight.step"], found  # state[0]
     assert "1 of 1 elements differ (max |diff| 3); first at element 0: 2 against 5" in found[0]["message"]
+
+
+def test_export_names_the_saved_hf_config_and_the_dtype_fix(verl_root: Path, tmp_path: Path) -> None:
+    actor = _actor(verl_root, 2)
+    res = runner.invoke(app, ["export", str(verl_root / "w2"), str(tmp_path / "a"), "--quantize", "fp8-block"])
+    assert res.exit_code == 0, res.output
+    assert res.stderr.splitlines()[0] == (
+        f"note: {tmp_path / 'a'} holds no config.json (no --model-assets): transformers' from_pretrained needs one "
+        "(and the fp8-block weights' quantization_config goes into it: vLLM cannot load them without it); pass "
+        "--model-assets DIR, the folder of the model's config.json and tokenizer files (the trainer saved one "
+        f"beside the checkpoint: --model-assets {actor / 'huggingface'})"
+    )
+    # verl's config says bfloat16 over float32 shards: the hint names both ways out
+    res = runner.invoke(app, ["export", str(actor), str(tmp_path / "b"), "--model-assets", str(actor / "huggingface")])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E605]")
+    assert res.stderr.splitlines()[1] == (
+        "hint: only the dtype differs: --save-dtype bfloat16 writes the dtype config.json names; "
+        "--allow-mismatch dtype writes the tensors as stored"
+    )
 
 
 def test_export_matches_transformers_logits(verl_root: Path, tmp_path: Path) -> None:

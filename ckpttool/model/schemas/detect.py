@@ -590,7 +590,8 @@ def _overridden(md: CheckpointMetadata, ov: SchemaOverride, tensors: list[str]) 
         )
         if v is not None
     )
-    reasons = (f"given on the command line ({given}): {len(model_keys)} model tensor(s)",)
+    said = f"implied by the format ({ov.by})" if ov.by else f"given on the command line ({given})"
+    reasons = (f"{said}: {len(model_keys)} model tensor(s)",)
     tops = {k.split(".", 1)[0] for k in md.entries}
     training = tuple(sorted(t for t in tops if t in registry.derived().training_state_items))
     return KeySchema(
@@ -599,7 +600,7 @@ def _overridden(md: CheckpointMetadata, ov: SchemaOverride, tensors: list[str]) 
         opt_prefix,
         keying,
         model_naming(fqns),
-        "override",
+        "format" if ov.by else "override",
         reasons,
         training,
         (),

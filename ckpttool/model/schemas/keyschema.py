@@ -32,11 +32,14 @@ class SchemaOverride:
         schema: a registered schema name (:func:`~ckpttool.model.schemas.registry.names`) or ``None``.
         model_prefix: the model keys' prefix (``""``: top level), overriding ``schema``'s.
         optimizer_prefix: the optimizer keys' prefix (``"optimizer."``), overriding ``schema``'s.
+        by: the checkpoint format that implies ``schema`` (``"verl-fsdp per-rank files"``); ``""``:
+            given on the command line.
     """
 
     schema: str | None = None
     model_prefix: str | None = None
     optimizer_prefix: str | None = None
+    by: str = ""
 
     @classmethod
     def from_options(
@@ -77,7 +80,8 @@ class KeySchema:
         optimizer_keying: ``"fqn"`` (state keyed by parameter name), ``"index"`` (a plain
             ``optimizer.state_dict()``: integer ids) or ``None`` (no optimizer state).
         naming: naming convention of the model fqns: ``"hf"``, ``"torchtitan"`` or ``"unknown"``.
-        source: ``"detected"`` or ``"override"``.
+        source: ``"detected"``, ``"override"`` (given on the command line) or ``"format"`` (implied by a
+            per-rank checkpoint format).
         reasons: why this schema (one line each, for ``inspect``).
         training_state: top-level training-state items present (``lr_scheduler``, ``train_state``, ...).
     """

@@ -712,6 +712,22 @@ def _check_options(opts: ExportOptions) -> None:
         raise UsageError(f"`weights` {opts.weights!r} is not one of params, master, auto", param="weights")
     if opts.quantize is not None:
         _quant_spec(opts).check(opts.fmt)
+    else:  # an FP8 setting alone would be ignored: the export would succeed in full precision
+        given = [
+            name
+            for name, value, default in (
+                ("quant_format", opts.quant_format, "fp8"),
+                ("quantize_block", opts.quantize_block, 128),
+                ("quantize_skip", tuple(opts.quantize_skip), ()),
+            )
+            if value != default
+        ]
+        if given:
+            raise UsageError(
+                f"`{given[0]}` is given without `quantize`: nothing would be quantized",
+                param=given[0],
+                hint=f"add `quantize` fp8-block (or fp8-channel) for FP8 weights, or drop `{given[0]}`",
+            )
     if opts.experts not in ("fused", "per-expert"):
         raise UsageError(f"`experts` {opts.experts!r} is not one of fused, per-expert", param="experts")
     if opts.workers is not None and opts.workers < 1:
@@ -1366,11 +1382,18 @@ def _check_against_model(plan: ExportPlan, config: dict[str, Any], opts: ExportO
         for kind, lines in refused.items():
             shown = "; ".join(lines[:3]) + (f" (+{len(lines) - 3} more)" if len(lines) > 3 else "")
             parts.append(f"{kind} {len(lines)}: {shown}")
+        want = config.get("dtype") or config.get("torch_dtype")
+        hint = (
+            f"only the dtype differs: `save_dtype` {want} writes the dtype config.json names; "
+            "`allow_mismatch` dtype writes the tensors as stored"
+            if set(refused) == {"dtype"} and isinstance(want, str) and want in ("bfloat16", "float16", "float32")
+            else "pass the config.json of the model this checkpoint was trained as (or the right `adapter`); "
+            f"`allow_mismatch` {','.join(refused)} writes it anyway"
+        )
         raise ModelMismatchError(
             f"the export does not fit {check.model_class} built from config.json: " + " | ".join(parts),
             param="model_assets",
-            hint="pass the config.json of the model this checkpoint was trained as (or the right `adapter`); "
-            f"`allow_mismatch` {','.join(refused)} writes it anyway",
+            hint=hint,
         )
     return check
 

@@ -76,6 +76,8 @@ class RuleKeys:
         if self.renamed:
             warnings.append(
                 f"{len(self.renamed)} key(s) outside the HF naming were exported as their fqn: {shown(self.renamed, 5)}"
+                f"; transformers and vLLM look for HF names (model.layers.N...): map these with `rules` FILE.yaml "
+                "(docs/export.md, 'Keys') or a model adapter (`adapter`)"
             )
 
 

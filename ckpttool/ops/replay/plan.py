@@ -365,10 +365,16 @@ def _membership(
     model_fqns = cat.param_fqns
     grouped = {p for g in cat.param_groups for p in g.params}
     params_in_model = [f for f in model_fqns if cat.group_of(f) is not None]
-    skipped = sum(1 for f in model_fqns if cat.group_of(f) is None and (wanted is None or wanted(f)))
+    orphans = sorted(f for f in grouped if cat.model_key(f) not in cat.model)
+    # the parts of a parameter stepped fused (wq/wk/wv of wqkv) are told apart by the fused notes below
+    parts_of_fused = {k for f in orphans if (ps := cat.optimizer_state.get(f)) for k in ps.stored_as}
+    skipped = sum(
+        1
+        for f in model_fqns
+        if cat.group_of(f) is None and cat.model_key(f) not in parts_of_fused and (wanted is None or wanted(f))
+    )
     if skipped:
         notes.append(f"{skipped} model tensor(s) in no param group (buffers, frozen parameters) are not replayed")
-    orphans = sorted(f for f in grouped if cat.model_key(f) not in cat.model)
     fused: dict[str, tuple[tuple[str, ...], int]] = {}
     unknown: list[str] = []
     for f in orphans:
@@ -386,9 +392,15 @@ def _membership(
             f"{', '.join(fused[f0][0])}): replayed on their parts assembled as the model fuses them"
         )
     if unknown:
+        rows_k = cat.model[_stackable_parts(cat, unknown[0])[1]].shape[0]
+        why = (
+            f"`head_dim` {head_dim} does not divide their k rows ({rows_k})"
+            if head_dim is not None
+            else "the head dim is not in the checkpoint (no q_norm/k_norm beside them)"
+        )
         notes.append(
-            f"{len(unknown)} fused parameter(s) (e.g. {unknown[0]}) interleave their parts per KV head, and the "
-            "head dim is not in the checkpoint (no q_norm/k_norm beside them): not replayed; pass `head_dim`"
+            f"{len(unknown)} fused parameter(s) (e.g. {unknown[0]}) interleave their parts per KV head, and {why}: "
+            "not replayed; pass `head_dim` N (the model's hidden size / attention heads)"
         )
     other_orphans = [f for f in orphans if f not in fused]
     stepped = [f for f in other_orphans if (ps := cat.optimizer_state.get(f)) is not None and ps.fields]

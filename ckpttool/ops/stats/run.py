@@ -140,8 +140,11 @@ def _hyper(ckpt: Checkpoint, fqn: str, notes: dict[str, list[str]]) -> AdamHyper
         b1, b2 = (float(betas[0]), float(betas[1])) if betas is not None else (0.9, 0.999)
         eps = float(v.get("eps", 1e-8))
         step_entry = ps.fields["step"]
-        key = cat.state_key(fqn, "step")
-        step = _step_value(ckpt, key, step_entry)
+        shared = v.get("step")  # saved once for the whole optimizer (Megatron's common_step), as replay-step reads it
+        if step_entry is None and isinstance(shared, (int, float)) and not isinstance(shared, bool):
+            step = float(shared)
+        else:
+            step = _step_value(ckpt, cat.state_key(fqn, "step"), step_entry)
     except (KeyError, TypeError, ValueError, IndexError, CkptError) as e:
         notes.setdefault(f"hyperparameters unreadable ({type(e).__name__})", []).append(fqn)
         return None

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import AmbiguousCheckpointError, MetadataError, SchemaError, StepNotFoundError
+from ckpttool.errors import (
+    AmbiguousCheckpointError,
+    IncompleteCheckpointError,
+    MetadataError,
+    SchemaError,
+    StepNotFoundError,
+)
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, gc_held, open_checkpoint
 from ckpttool.model.hfconfig import read_hf_config
 from ckpttool.ops.validate import rules as _rules  # noqa: F401 - registers the rules
@@ -151,7 +157,15 @@ def _skip_reason(r: Rule, ctx: Context) -> str | None:
         return "needs --against"
     if "manifest" in r.needs and ctx.manifest is None:
         return "needs --manifest"
+    if r.code.startswith("O") and _model_only(ctx):  # never "passed" over state that is not there
+        return "no optimizer state (model weights only)"
     return None
+
+
+def _model_only(ctx: Context) -> bool:
+    """Model tensors, and neither optimizer state nor param groups (a model-only save: nothing to resume from)."""
+    cat = ctx.cat
+    return bool(cat.model) and not cat.optimizer_state and not cat.param_groups
 
 
 def _finish(
@@ -282,10 +296,13 @@ def _validate_path(
     except MetadataError as e:  # includes unsafe pickles and incomplete saves
         rules = select_rules(opts.select, opts.ignore)
         s001 = RULES["S001"]
+        # an unfinished save is named by its directory (it may hold no .metadata to blame)
+        unfinished = isinstance(e, IncompleteCheckpointError)
+        key = str(e.path) if unfinished and e.path else ".metadata"
         statuses = [
-            RuleStatus(r, "failed", None, (s001.make(".metadata", e.message, e.hint or None, e.code),))
+            RuleStatus(r, "failed", None, (s001.make(key, e.message, e.hint or None, e.code),))
             if r is s001
-            else RuleStatus(r, "skipped", ".metadata is unusable")
+            else RuleStatus(r, "skipped", "the save did not finish" if unfinished else ".metadata is unusable")
             for r in rules
         ]
         return _finish(Path(path), opts, statuses, t0)

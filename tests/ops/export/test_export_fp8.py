@@ -279,6 +279,26 @@ def test_quantize_with_lora_format_is_usage_error(master_ckpt: Path, tmp_path: P
     assert res.exit_code == 2 and "fp8-block" in res.stderr and not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize(
+    ("flags", "flag"),
+    [
+        (["--quant-format", "compressed-tensors"], "--quant-format"),
+        (["--quantize-block", "64"], "--quantize-block"),
+        (["--quantize-skip", "*mlp*"], "--quantize-skip"),
+    ],
+)
+def test_fp8_setting_without_quantize_is_refused(
+    master_ckpt: Path, tmp_path: Path, flags: list[str], flag: str
+) -> None:
+    """An FP8 setting without --quantize was ignored: a full-precision export said 'exported' (exit 0)."""
+    res = runner.invoke(app, ["export", str(master_ckpt), str(tmp_path / "o"), *flags])
+    assert res.exit_code == 2 and not (tmp_path / "o").exists()
+    assert res.stderr.splitlines() == [
+        f"error: [E100] {flag} is given without --quantize: nothing would be quantized",
+        f"hint: add --quantize fp8-block (or fp8-channel) for FP8 weights, or drop {flag}",
+    ]
+
+
 def test_nan_weight_refused_nothing_published(tmp_path: Path) -> None:
     w = torch.randn(40, 24)
     w[33, 5] = float("nan")

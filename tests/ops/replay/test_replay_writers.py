@@ -37,6 +37,23 @@ def test_torchtitan_flattened_optimizer(titan_root: Path) -> None:
     assert all(p["step_before"] == 2 for p in doc["params"])
 
 
+def test_torchtitan_fused_qkv_without_head_dim_says_what_to_pass(titan_root: Path) -> None:
+    args = ["replay-step", str(titan_root / "llama3" / "checkpoint"), "--step", "2", "--device", "cpu"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 1
+    # wq/wk/wv are the parts of the fused wqkv, not buffers or frozen parameters
+    assert "in no param group" not in res.stdout
+    assert "not replayed; pass --head-dim N (the model's hidden size / attention heads)" in res.stdout
+    assert res.stderr.splitlines()[1] == (
+        "hint: not a mismatch: the notes say why they were left out and what replays them (a fused q/k/v: "
+        "--head-dim N); or leave them out of the run with --filter"
+    )
+    doc = json.loads(runner.invoke(app, [*args, "--head-dim", "16", "--json"]).stdout)
+    assert doc["ok"] and not any("in no param group" in n for n in doc["notes"])
+    res = runner.invoke(app, [*args, "--head-dim", "7"])  # given, but no head dim of these projections
+    assert res.exit_code == 1 and "and --head-dim 7 does not divide their k rows (64): not replayed" in res.stdout
+
+
 def test_torchtitan_moe(titan_root: Path) -> None:
     doc = replay(str(titan_root / "moe"))
     assert doc["ok"] and any("inner_experts.w1_EFD" in p["fqn"] for p in doc["params"])

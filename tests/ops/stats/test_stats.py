@@ -271,6 +271,9 @@ def test_diff_plot_and_its_per_layer_figures_agree_with_stats(run3: list[Path], 
     out = tmp_path / "diff.svg"
     cli = runner.invoke(app, ["diff", str(b), str(a), "--plot", str(out)])
     assert cli.exit_code == 1, cli.stderr  # the checkpoints differ
-    assert ET.fromstring(out.read_bytes()).tag.endswith("svg") and f"wrote {out}" in cli.stderr
+    # said as stats says it: the last line of the result, on stdout, with -q too
+    assert ET.fromstring(out.read_bytes()).tag.endswith("svg") and cli.stdout.splitlines()[-1] == f"wrote {out}"
+    quiet = runner.invoke(app, ["-q", "diff", str(b), str(a), "--plot", str(out)])
+    assert quiet.stdout.splitlines()[-1] == f"wrote {out}" and quiet.stderr == ""
     refused = runner.invoke(app, ["diff", str(b), str(a), "--plot", str(tmp_path / "x.jpg")])
     assert refused.exit_code == 2 and "unknown picture format" in refused.stderr

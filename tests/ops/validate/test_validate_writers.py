@@ -35,6 +35,20 @@ def failing(doc: dict[str, Any]) -> set[str]:
     return {f["code"] for f in doc["findings"] if f["fails"]}
 
 
+def test_model_only_save_skips_the_optimizer_rules_and_says_why(titan_root: Path) -> None:
+    """torchtitan's last_save_model_only step: the O rules are skipped with their reason, not "passed" over nothing."""
+    root = titan_root / "llama3" / "checkpoint"
+    rc, doc, _ = run(root, "--step", 3, "--strict", "--deep")
+    reasons = {s["code"]: s["reason"] for s in doc["rules"] if s["code"].startswith("O")}
+    assert rc == 0 and set(reasons.values()) == {"no optimizer state (model weights only)"}, reasons
+    rc, doc, _ = run(root, "--step", 2, "--strict")  # a full save: they run
+    assert rc == 0 and not [s for s in doc["rules"] if s["reason"] == "no optimizer state (model weights only)"]
+    res = runner.invoke(app, ["validate", str(root), "--step", "3"])
+    assert "skipped (needs --against; needs --config; needs --deep; needs --manifest; no optimizer state (model " in (
+        res.stdout
+    )
+
+
 def test_torchtitan_saves_pass(titan_root: Path) -> None:
     root = titan_root / "llama3" / "checkpoint"
     for step in (1, 2, 3):
