@@ -238,6 +238,28 @@ def test_hostile_mxfp4_nan_exponent(tmp_path: Path) -> None:
     assert not (tmp_path / "dcp").exists()
 
 
+def test_unscaled_float8_and_uint16_tensors_are_imported_as_stored(tmp_path: Path) -> None:
+    """float8 tensors no scale convention claims (1-D, fused experts without ``_scale_inv``, e5m2, a per-tensor
+    ``weight_scale``) and uint16 are copied as stored, in torch.save's v3 encoding: dcp.load gives the bits."""
+    g = torch.Generator().manual_seed(3)
+    t = {
+        "model.layers.0.mlp.experts.down_proj": torch.randint(0, 0x7E, (2, 4, 4), generator=g, dtype=torch.uint8),
+        "model.layers.0.bias8": torch.randint(0, 0x7E, (6,), generator=g, dtype=torch.uint8),
+        "model.layers.0.q.weight": torch.randint(0, 0x7E, (4, 8), generator=g, dtype=torch.uint8),
+    }
+    tensors = {k: v.view(torch.float8_e4m3fn) for k, v in t.items()}
+    tensors["model.layers.0.k.weight"] = t["model.layers.0.q.weight"].clone().view(torch.float8_e5m2)
+    tensors["model.layers.0.q.weight_scale"] = torch.ones(1)
+    tensors["model.ids"] = torch.arange(5, dtype=torch.int32).to(torch.uint16)
+    src = _write_folder(tmp_path / "src", tensors, {"model_type": "llama"})
+    r = _import(src, tmp_path / "dcp")
+    assert r["dequantized"] is None
+    sd = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in tensors.items()}}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    for k, v in tensors.items():
+        assert sd["model"][k].dtype == v.dtype and torch.equal(_bits(sd["model"][k]), _bits(v)), k
+
+
 def test_dtype_without_quantized_weights_warns(tmp_path: Path) -> None:
     src = _write_folder(tmp_path / "src", {"model.norm.weight": torch.ones(4)}, {"model_type": "llama"})
     r = _import(src, tmp_path / "dcp", "--dtype", "float32")
