@@ -740,6 +740,13 @@ def _import_plain(
     if adapters:  # PEFT adapter weights beside the model are not base weights (hf_storage_files leaves them out)
         warnings.append(f"{adapters[0]} (a PEFT adapter) was not imported: merge it into the model first to import it")
     sources = _hf_sources(src_dir, md)
+    if not sources:  # an empty checkpoint would load into no model; never "imported 0 tensors"
+        names = hf_storage_files(src_dir)
+        raise ExportError(
+            f"{src_dir / names[0]}: the safetensors file(s) hold no tensor ({len(names)} file(s), headers only)",
+            path=src_dir / names[0],
+            hint="the model folder is incomplete or not a model; download or copy the model's weights again",
+        )
     _check_index(src_dir, sources)
     real_files = sorted({s.file for s in sources.values()})
     plans = _dequantize_sources(src_dir, sources, config, opts, warnings)
