@@ -284,8 +284,8 @@ def _classify(e: BaseException) -> str:
     text = f"{type(e).__name__} {e}".lower()
     if any(w in text for w in _THROTTLE_WORDS) or " 429" in text or "(429)" in text:
         return "throttled"
-    if "accessdenied" in text or "forbidden" in text or " 403" in text:
-        return "permission"
+    if "accessdenied" in text or "forbidden" in text or " 403" in text or "nocredentials" in text:
+        return "permission"  # NoCredentialsError: botocore found no credentials to sign with
     if "nosuchkey" in text or "nosuchbucket" in text or "not found" in text:
         return "not_found"
     if isinstance(e, (ConnectionError, TimeoutError, OSError, EOFError)):
@@ -374,6 +374,12 @@ def _filesystem(scheme: str, options: Mapping[str, Any], shown: str, timeout_s: 
             f"{shown}: bad storage options for {scheme}:// ({redact(str(e), options)[:120]})",
             path=shown,
             hint="check --storage-option keys against the backend's documentation",
+        ) from e
+    except OSError as e:  # a filesystem that opens its target when built (zip://, tar://): not a checkpoint prefix
+        raise RemoteStorageError(
+            f"{shown}: cannot open a {scheme}:// filesystem here ({type(e).__name__}: {redact(str(e), options)[:120]})",
+            path=shown,
+            hint="pass the URL of the checkpoint prefix in an object store (s3://bucket/run/step-100)",
         ) from e
 
 

@@ -248,6 +248,27 @@ def test_missing_prefix_is_not_found(s3_server: Any) -> None:
     assert r.exit_code == 2 and "[E141]" in r.output
 
 
+def test_missing_credentials_are_a_permission_error() -> None:
+    """botocore's NoCredentialsError (no credentials to sign with) is E142, whose hint says to check them, not the
+    generic E140 "storage request failed"."""
+    from ckpttool.format.storage import _classify, _error_for
+
+    class NoCredentialsError(Exception):  # botocore.exceptions.NoCredentialsError's name and message
+        pass
+
+    e = NoCredentialsError("Unable to locate credentials")
+    assert _classify(e) == "permission"
+    assert _error_for(_classify(e), e, "s3://b/x", 1).code == "E142"
+
+
+@pytest.mark.parametrize("url", ["zip://x::s3://b/y", "tar://x::file:///nonexistent"])
+def test_chained_url_that_opens_a_file_is_one_error_line(url: str) -> None:
+    """zip:// and tar:// filesystems open their target when built: an E999 (IsADirectoryError) became E140."""
+    r = runner.invoke(app, ["inspect", url])
+    assert r.exit_code == 2 and "[E140]" in r.stderr and "E999" not in r.stderr, r.stderr
+    assert r.stderr.count("error:") == 1
+
+
 def test_file_url_is_the_local_path(sample_ckpt: Path) -> None:
     r = runner.invoke(app, ["inspect", "file://" + os.fspath(sample_ckpt), "--json"])
     assert r.exit_code == 0, r.output
