@@ -411,7 +411,7 @@ def fp8_block_quantize(band: np.ndarray, block: int) -> tuple[np.ndarray, np.nda
         amax = _block_max(np.abs(band), block).astype(np.float32)
     scale = amax / np.float32(E4M3FN_MAX)
     scale[amax == 0] = np.float32(1.0)
-    col_scale = np.repeat(scale, block)[:cols]
+    col_scale = np.repeat(scale, min(block, cols))[:cols]  # a block wider than the band: one scale for all of it
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         scaled = np.ascontiguousarray(band / col_scale, dtype=np.float32)
     q = np.empty((rows, cols), dtype=np.uint8)
@@ -423,9 +423,10 @@ def fp8_block_dequantize(q: np.ndarray, scale: np.ndarray, block: int) -> np.nda
     """``float32(q) * scale`` of one band (``q`` ``uint8`` e4m3fn ``[rows, cols]``, ``scale`` ``[ceil(cols / block)]``).
 
     The product is one float32 multiplication per element, as torch's ``QuantizedHuggingFaceStorageReader``.
+    A ``block`` wider than the band (a config's ``2**40``) repeats its one scale ``cols`` times, no more.
     """
     cols = q.shape[1]
-    return np.asarray(E4M3FN_VALUES[q] * np.repeat(scale, block)[:cols], dtype=np.float32)
+    return np.asarray(E4M3FN_VALUES[q] * np.repeat(scale, min(block, cols))[:cols], dtype=np.float32)
 
 
 def fp8_block_error(band: np.ndarray, deq: np.ndarray, amax: np.ndarray, block: int) -> tuple[float, float]:

@@ -497,10 +497,7 @@ class CheckpointReader(CheckpointDir):
         import torch
 
         meta = self.tensor_meta(fqn)
-        self.check_allocation(fqn, meta)
-        problem = tiling_problem(meta)
-        if problem is not None:
-            raise ChunkError(f"{self.path}: chunks of {fqn!r} do not tile the tensor ({problem})", fqn=fqn)
+        self.check_tiled(fqn, meta)
         if out is None:
             out = torch.empty(meta.size, dtype=meta.dtype.to_torch())
         for chunk in meta.chunks:
@@ -512,6 +509,19 @@ class CheckpointReader(CheckpointDir):
                     view = view.narrow(d, o, s)
             self.read_chunk(fqn, chunk, out=view)
         return out
+
+    def check_tiled(self, fqn: str, meta: TensorMeta) -> None:
+        """:meth:`check_allocation`, then that the chunks tile the tensor: what a reader of each chunk on its own
+        (statistics) checks first, or it would measure a tensor with a hole, or count values twice.
+
+        Raises:
+            AllocationError: see :meth:`check_allocation`.
+            ChunkError: the chunks leave a gap or overlap.
+        """
+        self.check_allocation(fqn, meta)
+        problem = tiling_problem(meta)
+        if problem is not None:
+            raise ChunkError(f"{self.path}: chunks of {fqn!r} do not tile the tensor ({problem})", fqn=fqn)
 
     def check_allocation(self, fqn: str, meta: TensorMeta) -> None:
         """Refuse sizes that the stored bytes cannot hold, before allocating.

@@ -387,6 +387,12 @@ def _filesystem(scheme: str, options: Mapping[str, Any], shown: str, timeout_s: 
             path=shown,
             hint="check --storage-option keys against the backend's documentation",
         ) from e
+    except OSError as e:  # a filesystem that opens its target when built (zip://, tar://): not a checkpoint prefix
+        raise RemoteStorageError(
+            f"{shown}: cannot open a {scheme}:// filesystem here ({type(e).__name__}: {redact(str(e), options)[:120]})",
+            path=shown,
+            hint="pass the URL of the checkpoint prefix in an object store (s3://bucket/run/step-100)",
+        ) from e
 
 
 # --------------------------------------------------------------------------- the store

@@ -632,8 +632,8 @@ class _ArchiveWindow(io.RawIOBase):
 
 
 # dtype name -> typed storage class that torch.save names in data.pkl (``_rebuild_tensor_v2``). Newer dtypes
-# (float8, uint16/32/64) are saved as ``_rebuild_tensor_v3`` + ``UntypedStorage``; those chunks are
-# written by torch.save itself (see ``can_stream``).
+# (float8, uint16/32/64) are saved as ``_rebuild_tensor_v3`` + ``UntypedStorage`` sized in bytes, with the
+# dtype as the last argument (:data:`_V3_DTYPES`; torch 2.6-2.15 write both the same way).
 _V2_DTYPES = (
     "float64",
     "float32",
@@ -649,11 +649,25 @@ _V2_DTYPES = (
     "complex64",
 )
 _STORAGE_CLASS = {v: k for k, v in STORAGE_DTYPES.items() if v in _V2_DTYPES}
+#: dtypes torch.save writes as ``_rebuild_tensor_v3(UntypedStorage, ..., torch.<dtype>)`` (a safetensors
+#: file can hold each of them: an import copies them as stored).
+_V3_DTYPES = frozenset(
+    (
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "uint16",
+        "uint32",
+        "uint64",
+    )
+)
 
 
 def can_stream(dtype: DType) -> bool:
-    """Whether :func:`write_tensor_archive` writes archives of this dtype (torch's v2 tensor encoding)."""
-    return dtype.name in _STORAGE_CLASS
+    """Whether :func:`write_tensor_archive` writes archives of this dtype (torch's v2 or v3 tensor encoding)."""
+    return dtype.name in _STORAGE_CLASS or dtype.name in _V3_DTYPES
 
 
 _ALIGN = 64  # torch.serialization: record data aligned to 64 bytes within the archive
@@ -688,7 +702,12 @@ def tensor_data_pkl(dtype: DType, sizes: tuple[int, ...]) -> bytes:
 
     ``torch._utils._rebuild_tensor_v2(storage, 0, size, stride, False, OrderedDict())`` with
     storage persistent id ``('storage', torch.<Type>Storage, '0', 'cpu', numel)``
-    (``torch/serialization.py`` ``_save.persistent_id``).
+    (``torch/serialization.py`` ``_save.persistent_id``); for the dtypes of :data:`_V3_DTYPES`
+    ``_rebuild_tensor_v3(storage, 0, size, stride, False, OrderedDict(), torch.<dtype>)`` with
+    ``('storage', torch.storage.UntypedStorage, '0', 'cpu', nbytes)``.
+
+    Raises:
+        KeyError: a dtype torch.save writes neither way (check :func:`can_stream` first).
     """
     numel = 1
     for s in sizes:
@@ -697,18 +716,22 @@ def tensor_data_pkl(dtype: DType, sizes: tuple[int, ...]) -> bytes:
     for s in reversed(sizes):
         stride.append(acc)
         acc *= max(s, 1)
-    storage = _Pid(("storage", _global("torch", _STORAGE_CLASS[dtype.name]), "0", "cpu", numel))
-    rebuild = _Call(
-        _global("torch._utils", "_rebuild_tensor_v2"),
-        (
-            storage,
-            0,
-            tuple(sizes),
-            tuple(reversed(stride)),
-            False,
-            _Call(_global("collections", "OrderedDict"), ()),
-        ),
+    v3 = dtype.name not in _STORAGE_CLASS and dtype.name in _V3_DTYPES
+    if v3:
+        storage = _Pid(("storage", _global("torch.storage", "UntypedStorage"), "0", "cpu", numel * dtype.itemsize))
+    else:
+        storage = _Pid(("storage", _global("torch", _STORAGE_CLASS[dtype.name]), "0", "cpu", numel))
+    args: tuple[Any, ...] = (
+        storage,
+        0,
+        tuple(sizes),
+        tuple(reversed(stride)),
+        False,
+        _Call(_global("collections", "OrderedDict"), ()),
     )
+    if v3:
+        args += (_global("torch", dtype.name),)
+    rebuild = _Call(_global("torch._utils", "_rebuild_tensor_v3" if v3 else "_rebuild_tensor_v2"), args)
     buf = io.BytesIO()
     _ProtoTwoPickler(buf, protocol=2).dump(rebuild)
     return buf.getvalue()

@@ -22,6 +22,7 @@ from ckpttool.errors import (
     LayoutConflictError,
     LayoutContradictionError,
     LayoutError,
+    LayoutSizeError,
     UsageError,
 )
 from ckpttool.format import limits
@@ -248,6 +249,13 @@ class ResolvedLayout:
             return None
         assert self.ep_size is not None and self.ep_fsdp_size is not None
         p, f = self.ep_size, self.ep_fsdp_size
+        if spec.num_experts % (p * f):  # before a list of P*F entries is built (a record's ep_size 2**62)
+            raise LayoutSizeError(
+                f"{key}: {spec.num_experts} experts do not divide into ep_size*ep_fsdp_size = {p}*{f} = {p * f} "
+                "equal slabs",
+                fqn=key,
+                hint="fix the layout record (layout.json, or declare --ep-size/--ep-fsdp-size) to the saving mesh",
+            )
         return legacy_to_canonical_perm(p * f, p, f)
 
     def geometry(self, cat: Catalog) -> list[EPGeometry]:

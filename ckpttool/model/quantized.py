@@ -28,6 +28,7 @@ __all__ = [
     "FP8_SCALE_SUFFIX",
     "QuantPair",
     "block_size",
+    "block_size_problem",
     "find_quantized",
     "fused_experts",
 ]
@@ -59,12 +60,26 @@ class QuantPair:
 
 
 def block_size(config: Mapping[str, Any] | None) -> tuple[int, int]:
-    """``quantization_config.weight_block_size`` of an HF config (two positive ints), else ``(128, 128)``."""
+    """``quantization_config.weight_block_size`` of an HF config (two positive ints), else ``(128, 128)``
+    (also for a value :func:`block_size_problem` refuses: whoever dequantizes checks that first)."""
     qc = (config or {}).get("quantization_config")
     wbs = qc.get("weight_block_size") if isinstance(qc, dict) else None
     if isinstance(wbs, list) and len(wbs) == 2 and all(type(b) is int and b > 0 for b in wbs):
         return wbs[0], wbs[1]
     return 128, 128
+
+
+def block_size_problem(config: Mapping[str, Any] | None) -> str | None:
+    """Why the config's ``quantization_config.weight_block_size`` cannot be used (``None``: absent, or two positive
+    ints). A value given but unreadable (``[192.0, 192.0]``, ``[0, 0]``, ``"128"``) is not replaced by the
+    default: dequantizing on another block grid than the quantizer's gives other values."""
+    qc = (config or {}).get("quantization_config")
+    if not isinstance(qc, dict) or "weight_block_size" not in qc:
+        return None
+    wbs = qc["weight_block_size"]
+    if isinstance(wbs, list) and len(wbs) == 2 and all(type(b) is int and b > 0 for b in wbs):
+        return None
+    return f"config.json quantization_config.weight_block_size is {wbs!r:.40}, not two positive integers"
 
 
 def _fp8_problem(
@@ -168,6 +183,9 @@ def _pairs_2d(
                 continue
             e, n, g, b = tensors[bkey][1]
             name = key[: -len(_MX_SCALES)]
+            if name in tensors:  # the dequantized tensor would replace (or be replaced by) the stored one
+                problems.append((key, f"{key}: MXFP4 {bkey!r} and its scales dequantize to {name!r}, also stored"))
+                continue
             pairs.append(QuantPair("mxfp4", bkey, key, name, (e, g * b * 2, n), (e, n, g, b), (1, 2 * b)))
         elif dt == "float8_e4m3fn" and key.endswith(".weight") and key + FP8_SCALE_SUFFIX not in tensors:
             if len(shape) == 2 and key + "_scale" not in tensors:

@@ -730,6 +730,21 @@ def _adapter_files(src_dir: Path) -> list[str]:
     return adapters
 
 
+def _check_not_empty(src_dir: Path, sources: dict[str, _Source]) -> None:
+    """Refuse safetensors files that hold no tensor: an empty checkpoint would load into no model.
+
+    Raises:
+        ExportError (E601): naming the first file.
+    """
+    if not sources:
+        names = hf_storage_files(src_dir)
+        raise ExportError(
+            f"{src_dir / names[0]}: the safetensors file(s) hold no tensor ({len(names)} file(s), headers only)",
+            path=src_dir / names[0],
+            hint="the model folder is incomplete or not a model; download or copy the model's weights again",
+        )
+
+
 def _import_plain(
     hf_dir: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -749,6 +764,7 @@ def _import_plain(
     if adapters:  # PEFT adapter weights beside the model are not base weights (hf_storage_files leaves them out)
         warnings.append(f"{adapters[0]} (a PEFT adapter) was not imported: merge it into the model first to import it")
     sources = _hf_sources(src_dir, md)
+    _check_not_empty(src_dir, sources)
     _check_index(src_dir, sources)
     real_files = sorted({s.file for s in sources.values()})
     plans = _dequantize_sources(src_dir, sources, config, opts, warnings)

@@ -31,7 +31,7 @@ from typing import Any
 
 from ckpttool.errors import QuantizedSourceError, UsageError
 from ckpttool.format.files import open_regular, resolve_inside
-from ckpttool.model.quantized import QuantPair, block_size, find_quantized
+from ckpttool.model.quantized import FP8_SCALE_SUFFIX, QuantPair, block_size, block_size_problem, find_quantized
 
 __all__ = ["DEQUANT_DTYPES", "STAGED_PREFIX", "Dequantized", "StagedFds", "plan_dequantize"]
 
@@ -78,8 +78,16 @@ def plan_dequantize(
     if out_dtype not in DEQUANT_DTYPES:
         raise UsageError(f"`dtype` {dtype!r} is not one of {', '.join(DEQUANT_DTYPES)}", param="dtype")
     tensors = {k: (s.dtype, tuple(s.shape)) for k, s in sources.items()}
-    block = block_size(config)
-    pairs, problems = find_quantized(tensors, block)
+    why = block_size_problem(config)
+    scale = next((k for k in sorted(tensors) if k.endswith(FP8_SCALE_SUFFIX)), None)
+    if why is not None and scale is not None:  # the block grid is unknown: never the default in its place
+        raise _bad(
+            f"{scale}: {why}",
+            scale,
+            hint="write the block size the weights were quantized with, e.g. [128, 128], into config.json "
+            "(or pass a corrected `config`)",
+        )
+    pairs, problems = find_quantized(tensors, block_size(config))
     if problems:
         key, why = problems[0]
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""

@@ -265,6 +265,14 @@ def test_missing_credentials_are_a_permission_error(
     assert "pip install" not in r.output and "Traceback" not in r.output
 
 
+@pytest.mark.parametrize("url", ["zip://x::s3://b/y", "tar://x::file:///nonexistent"])
+def test_chained_url_that_opens_a_file_is_one_error_line(url: str) -> None:
+    """zip:// and tar:// filesystems open their target when built: an E999 (IsADirectoryError) became E140."""
+    r = runner.invoke(app, ["inspect", url])
+    assert r.exit_code == 2 and "[E140]" in r.stderr and "E999" not in r.stderr, r.stderr
+    assert r.stderr.count("error:") == 1
+
+
 def test_file_url_is_the_local_path(sample_ckpt: Path) -> None:
     r = runner.invoke(app, ["inspect", "file://" + os.fspath(sample_ckpt), "--json"])
     assert r.exit_code == 0, r.output

@@ -21,8 +21,24 @@ from ckpttool.ops.reshard import ReshardOptions
 from ckpttool.ops.reshard.plan import row_runs
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.bool])
-@pytest.mark.parametrize("shape", [(4, 3, 2), (7,), (0, 5)])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.bfloat16,
+        torch.float32,
+        torch.float16,
+        torch.int64,
+        torch.bool,
+        # torch.save's v3 encoding (UntypedStorage sized in bytes, the dtype last)
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.float8_e8m0fnu,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+    ],
+)
+@pytest.mark.parametrize("shape", [(4, 3, 2), (7,), (0, 5), ()])
 def test_data_pkl_is_byte_identical_to_torch_save(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     buf = io.BytesIO()
     torch.save(torch.zeros(shape, dtype=dtype), buf)
@@ -30,8 +46,25 @@ def test_data_pkl_is_byte_identical_to_torch_save(dtype: torch.dtype, shape: tup
     assert tensor_data_pkl(DType.from_torch(dtype), shape) == want
 
 
-def test_newer_dtypes_are_left_to_torch_save() -> None:
-    assert can_stream(DType("bfloat16")) and not can_stream(DType("float8_e4m3fn")) and not can_stream(DType("uint16"))
+def test_v3_dtypes_stream_and_others_are_left_to_torch_save() -> None:
+    assert can_stream(DType("bfloat16")) and can_stream(DType("float8_e4m3fn")) and can_stream(DType("uint16"))
+    assert not can_stream(DType("qint8")) and not can_stream(DType("float4_e2m1fn_x2"))
+
+
+def test_streamed_float8_archive_loads_in_torch(tmp_path: Path) -> None:
+    """A float8 chunk streamed from a source file is a torch.save archive ``torch.load`` reads (weights_only)."""
+    w = (torch.arange(24, dtype=torch.float32).reshape(4, 6) / 8).to(torch.float8_e4m3fn)
+    src = tmp_path / "src.bin"
+    src.write_bytes(w.view(torch.uint8).numpy().tobytes())
+    out = tmp_path / "a.pt"
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        with open(out, "wb") as f:
+            write_tensor_archive(f, DType("float8_e4m3fn"), (4, 6), [(fd, 0, 24)], memoryview(bytearray(1 << 16)))
+    finally:
+        os.close(fd)
+    got = torch.load(out, weights_only=True)
+    assert got.dtype == torch.float8_e4m3fn and torch.equal(got.view(torch.uint8), w.view(torch.uint8))
 
 
 def test_float8_chunks_are_resharded_through_torch(tmp_path: Path) -> None:

@@ -500,3 +500,19 @@ def test_torchtitan_schema_ep_import_loads_into_torchtitans_own_moe_model(tmp_pa
     )  # fmt: skip
     assert (doc["adapter"], doc["world_size"], doc["ep_tensors"]) == ("torchtitan-qwen3", 4, 6)
     run_ranks(4, _titan_ep_rank, str(tmp_path))
+
+
+@pytest.mark.parametrize("meta", [None, {"format": "pt"}])
+def test_safetensors_without_tensors_are_refused(tmp_path: Path, meta: dict[str, str] | None) -> None:
+    """A model folder whose safetensors files hold no tensor (a header only) is E601, with or without
+    --dry-run: it was "imported 0 tensors", exit 0, an empty checkpoint that loads into no model."""
+    from safetensors.torch import save_file
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    save_file({}, str(d / "model.safetensors"), metadata=meta)
+    (d / "config.json").write_text('{"model_type": "llama"}')
+    for extra in ([], ["--dry-run"]):
+        res = runner.invoke(app, ["import", str(d), str(tmp_path / "o"), *extra])
+        assert res.exit_code == 2 and "[E601]" in res.stderr and "hold no tensor" in res.stderr, res.stderr
+        assert "model.safetensors" in res.stderr and not (tmp_path / "o").exists()

@@ -238,6 +238,62 @@ def test_hostile_mxfp4_nan_exponent(tmp_path: Path) -> None:
     assert not (tmp_path / "dcp").exists()
 
 
+@pytest.mark.parametrize("wbs", [[24.0, 24.0], [0, 0], [-1, 16], "16", [16], [True, True]])
+def test_unreadable_block_size_refused_not_replaced_by_the_default(tmp_path: Path, wbs: Any) -> None:
+    """A weight_block_size given but not two positive ints is E612: the default 128x128 grid would dequantize
+    a 48-row weight quantized in 24x24 blocks (scales [2, 2] either way for [48, 48]) to other values."""
+    t = {"l.weight": torch.randint(0, 0x7E, (48, 48), dtype=torch.uint8).view(torch.float8_e4m3fn)}
+    t["l.weight_scale_inv"] = torch.tensor([[1.0, 2.0], [4.0, 8.0]])
+    src = _write_folder(tmp_path / "src", t, {"quantization_config": {"weight_block_size": wbs}})
+    err = _import(src, tmp_path / "dcp", code=2)
+    assert "[E612]" in err and "weight_block_size" in err and "not two positive integers" in err, err
+    assert not (tmp_path / "dcp").exists()
+
+
+def test_huge_block_size_is_one_block_not_an_allocation(tmp_path: Path) -> None:
+    """weight_block_size [2**40, 2**40]: one block covers the weight (scale [1, 1]); the dequantization repeats
+    that scale once per column (it allocated 2**40 floats: E999 MemoryError), in import and in diff."""
+    q = torch.randint(0, 0x7E, (8, 8), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    t = {"l.weight": q, "l.weight_scale_inv": torch.tensor([[0.5]])}
+    src = _write_folder(tmp_path / "src", t, {"quantization_config": {"weight_block_size": [2**40, 2**40]}})
+    _import(src, tmp_path / "dcp", "--dtype", "float32")
+    assert torch.equal(_torch_load(tmp_path / "dcp")["model.l.weight"], q.float() * 0.5)
+    res = runner.invoke(app, ["diff", str(src), str(src)])
+    assert res.exit_code == 0, res.stderr
+
+
+def test_mxfp4_dequantized_name_also_stored_refused(tmp_path: Path) -> None:
+    """``x_blocks``/``x_scales`` beside a stored ``x``: one of the two was dropped silently; now E612 naming both."""
+    t = _mxfp4_tensors()
+    t["model.layers.0.mlp.experts.gate_up_proj"] = torch.zeros(3)
+    src = _write_folder(tmp_path / "src", t, {"model_type": "gpt_oss"})
+    err = _import(src, tmp_path / "dcp", code=2)
+    assert "[E612]" in err and "dequantize to 'model.layers.0.mlp.experts.gate_up_proj', also stored" in err, err
+    assert not (tmp_path / "dcp").exists()
+
+
+def test_unscaled_float8_and_uint16_tensors_are_imported_as_stored(tmp_path: Path) -> None:
+    """float8 tensors no scale convention claims (1-D, fused experts without ``_scale_inv``, e5m2, a per-tensor
+    ``weight_scale``) and uint16 are copied as stored, in torch.save's v3 encoding: dcp.load gives the bits."""
+    g = torch.Generator().manual_seed(3)
+    t = {
+        "model.layers.0.mlp.experts.down_proj": torch.randint(0, 0x7E, (2, 4, 4), generator=g, dtype=torch.uint8),
+        "model.layers.0.bias8": torch.randint(0, 0x7E, (6,), generator=g, dtype=torch.uint8),
+        "model.layers.0.q.weight": torch.randint(0, 0x7E, (4, 8), generator=g, dtype=torch.uint8),
+    }
+    tensors = {k: v.view(torch.float8_e4m3fn) for k, v in t.items()}
+    tensors["model.layers.0.k.weight"] = t["model.layers.0.q.weight"].clone().view(torch.float8_e5m2)
+    tensors["model.layers.0.q.weight_scale"] = torch.ones(1)
+    tensors["model.ids"] = torch.arange(5, dtype=torch.int32).to(torch.uint16)
+    src = _write_folder(tmp_path / "src", tensors, {"model_type": "llama"})
+    r = _import(src, tmp_path / "dcp")
+    assert r["dequantized"] is None
+    sd = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in tensors.items()}}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    for k, v in tensors.items():
+        assert sd["model"][k].dtype == v.dtype and torch.equal(_bits(sd["model"][k]), _bits(v)), k
+
+
 def test_dtype_without_quantized_weights_warns(tmp_path: Path) -> None:
     src = _write_folder(tmp_path / "src", {"model.norm.weight": torch.ones(4)}, {"model_type": "llama"})
     r = _import(src, tmp_path / "dcp", "--dtype", "float32")

@@ -181,6 +181,7 @@ def _plan(
     roles: dict[str, tuple[str, str]] = {}
 
     def add(key: str, fqn: str, role: str, entry: TensorEntry) -> None:
+        ckpt.reader.check_tiled(key, ckpt.reader.tensor_meta(key))  # each chunk is measured on its own
         roles[key] = (fqn, role)
         expert = _is_expert(fqn, entry)
         work.extend(_Work(key, i, entry, expert_dim=expert) for i in range(len(entry.chunks)))
@@ -204,6 +205,8 @@ def _plan(
             add(field_entry.key, fqn, name, field_entry)
         if paired:
             assert m is not None and v is not None
+            for moment in (m, v):
+                ckpt.reader.check_tiled(moment.key, ckpt.reader.tensor_meta(moment.key))
             roles[m.key], roles[v.key] = (fqn, "exp_avg"), (fqn, "exp_avg_sq")
             hyper = _hyper(ckpt, fqn, notes)
             work.extend(_Work(m.key, i, m, moment_key=v.key, hyper=hyper) for i in range(len(m.chunks)))

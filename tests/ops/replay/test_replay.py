@@ -135,6 +135,25 @@ def test_declared_legacy_same_dim_layout_replays_with_0d_steps(ep_suite: Path) -
     assert "result      OK: 8 of 8 parameters match the reference step" in res.stdout
 
 
+@pytest.mark.slow
+def test_legacy_layout_record_with_a_huge_ep_size_is_refused_not_built(ep_suite: Path, tmp_path: Path) -> None:
+    """A layout.json whose ep_size is 2**62 (8 experts): replay-step built the 2**63-entry expert permutation
+    (it hung); now E406 naming the key, before any list is built."""
+    import shutil
+
+    ckpt = tmp_path / "legacy"
+    shutil.copytree(ep_suite / "legacy", ckpt)
+    stamp = runner.invoke(
+        app, ["stamp", str(ckpt), "--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "2"]
+    )
+    assert stamp.exit_code == 0, stamp.stderr
+    record = json.loads((ckpt / "layout.json").read_text())
+    record["parallel"]["ep_size"] = 2**62
+    (ckpt / "layout.json").write_text(json.dumps(record))
+    res = run(ckpt, "--device", "cpu")
+    assert res.exit_code == 2 and "[E406]" in res.stderr and "8 experts do not divide" in res.stderr, res.stderr
+
+
 # ------------------------------------------------------------------ never-stepped leaf
 def test_never_stepped_leaf_replays_from_fresh_state_with_the_scheduled_lr(multi_optim_ckpt: Path) -> None:
     from ckpttool.format import CheckpointReader

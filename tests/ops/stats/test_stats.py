@@ -277,3 +277,15 @@ def test_diff_plot_and_its_per_layer_figures_agree_with_stats(run3: list[Path], 
     assert quiet.stdout.splitlines()[-1] == f"wrote {out}" and quiet.stderr == ""
     refused = runner.invoke(app, ["diff", str(b), str(a), "--plot", str(tmp_path / "x.jpg")])
     assert refused.exit_code == 2 and "unknown picture format" in refused.stderr
+
+
+@pytest.mark.parametrize(("name", "code"), [("chunks_gap", "[E303]"), ("chunks_overlap", "[E301]")])
+def test_chunks_that_do_not_tile_are_refused(sample_ckpt: Path, tmp_path: Path, name: str, code: str) -> None:
+    """stats measures chunk by chunk: chunks with a gap (rows [0, 3) and [5, 8) of 8) or an overlap were measured
+    as they are (a tensor with a hole, rows counted twice) and reported, exit 0; now refused as read_tensor does."""
+    from tests.fixtures.hostile import EXPERT_KEY, build_entry
+
+    entry = build_entry(tmp_path / "corpus", sample_ckpt, name)
+    res = runner.invoke(app, ["stats", str(entry.ckpt)])
+    assert res.exit_code == 2 and code in res.stderr and EXPERT_KEY in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and res.stdout == ""

@@ -54,6 +54,17 @@ def test_hostile_deepseek_folder(tmp_path: Path, name: str, code: str) -> None:
     assert rc == 1 and [c for c, _ in found] == code.split(), found
 
 
+def test_unreadable_block_size_is_one_m020(tmp_path: Path) -> None:
+    """--config whose weight_block_size is not two positive ints: one M020 naming it (no scale shape is judged
+    against a default grid the quantizer never used); [True, True] was read as 1x1 blocks."""
+    for wbs in ([16.0, 16.0], [True, True]):
+        cfg = {"quantization_config": {"weight_block_size": wbs}}
+        src = _write_folder(tmp_path / str(wbs), _deepseek_tensors(16), cfg)
+        rc, found = _findings(src, "--config", str(src / "config.json"))
+        assert rc == 1 and [c for c, _ in found] == ["M020"], found
+        assert "weight_block_size is" in found[0][1] and "not two positive integers" in found[0][1], found
+
+
 def test_mxfp4_folder(tmp_path: Path) -> None:
     t = _mxfp4_tensors()
     assert _findings(_write_folder(tmp_path / "ok", t, {"model_type": "gpt_oss"}))[1] == []

@@ -19,19 +19,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from ckpttool.errors import CkptError
-from ckpttool.model.quantized import QuantPair, block_size, find_quantized, fused_experts
+from ckpttool.model.quantized import QuantPair, block_size, block_size_problem, find_quantized, fused_experts
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 
 _SUFFIX = "_scale_inv"
-
-
-def _block(ctx: Context) -> tuple[int, int]:
-    qc = (ctx.config or {}).get("quantization_config")
-    wbs = qc.get("weight_block_size") if isinstance(qc, dict) else None
-    if isinstance(wbs, list) and len(wbs) == 2 and all(isinstance(b, int) and b > 0 for b in wbs):
-        return wbs[0], wbs[1]
-    return 128, 128
 
 
 def _scale_problem(ctx: Context, key: str) -> str | None:
@@ -46,7 +38,7 @@ def _scale_problem(ctx: Context, key: str) -> str | None:
         return f"{key}: its weight is {weight.dtype}, not float8_e4m3fn"
     if len(weight.shape) != 2 or len(scale.shape) != 2:
         return f"{key}: weight {list(weight.shape)} and scale {list(scale.shape)} are not both 2-D"
-    b0, b1 = _block(ctx)
+    b0, b1 = block_size(ctx.config)
     want = [-(-weight.shape[0] // b0), -(-weight.shape[1] // b1)]
     if list(scale.shape) != want:
         return f"{key}: shape {list(scale.shape)}, but weight {list(weight.shape)} in {b0}x{b1} blocks needs {want}"
@@ -56,6 +48,12 @@ def _scale_problem(ctx: Context, key: str) -> str | None:
 @rule("M020")
 def fp8_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     tensors = {k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}
+    why = block_size_problem(ctx.config)
+    if why is not None:
+        scale = next((k for k in sorted(ctx.cat.model) if k.endswith(_SUFFIX)), None)
+        if scale is not None:  # the block grid is unknown: no scale shape can be checked against it
+            yield scale, f"{scale}: {why}"
+            return
     fused, fused_problems = fused_experts(tensors, block_size(ctx.config))
     theirs = {k for p in fused for k in (p.weight, p.scale)} | {k for k, _ in fused_problems}
     for key in ctx.cat.model:
