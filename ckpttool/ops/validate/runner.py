@@ -282,8 +282,10 @@ def _validate_path(
     except MetadataError as e:  # includes unsafe pickles and incomplete saves
         rules = select_rules(opts.select, opts.ignore)
         s001 = RULES["S001"]
+        # the file the error names (a safetensors shard, a per-rank file), not ".metadata" for every format
+        key = Path(e.path).name if e.path else ".metadata"
         statuses = [
-            RuleStatus(r, "failed", None, (s001.make(".metadata", e.message, e.hint or None, e.code),))
+            RuleStatus(r, "failed", None, (s001.make(key or ".metadata", e.message, e.hint or None, e.code),))
             if r is s001
             else RuleStatus(r, "skipped", ".metadata is unusable")
             for r in rules
