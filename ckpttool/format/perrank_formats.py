@@ -94,13 +94,15 @@ def _verl_world(path: Path, files: list[RankFile]) -> int:
     if not any(f.role == "model" for f in files):
         raise IncompleteCheckpointError(f"{path}: verl rank files but no model_world_size_* file", path=path)
     cfg = path / "fsdp_config.json"
-    if cfg.is_file():
+    if os.path.lexists(cfg):  # confined and capped as every JSON file (a symlink out, a FIFO, 10 GB: refused)
         try:
-            data = json.loads(cfg.read_text()[:4096])
+            raw = read_regular(resolve_inside(path, cfg.name, what="verl config"), 1 << 20, what="fsdp_config.json")
+            data = parse_json(raw, str(cfg))
         except (OSError, ValueError) as e:
             raise PerRankError(f"{cfg}: not readable JSON ({type(e).__name__})", path=cfg) from e
-        if isinstance(data, dict) and data.get("world_size") not in (None, world):
-            raise PerRankError(f"{cfg}: world_size {data.get('world_size')!r:.20} but rank files of {world}", path=cfg)
+        if not isinstance(data, dict) or data.get("world_size") not in (None, world):
+            what = f"world_size {data.get('world_size')!r:.20}" if isinstance(data, dict) else "not a JSON object"
+            raise PerRankError(f"{cfg}: {what}, but rank files of {world} rank(s)", path=cfg)
     return world
 
 
