@@ -225,6 +225,11 @@ def check_hf_index(path: Path, files: list[str], storage: dict[tuple[str, Any], 
         return
     shown = path / HF_INDEX_NAME
     named = set(wm.values())
+    outside = sorted(n for n in named if not n or n != os.path.basename(n) or n in (".", "..") or "\0" in n)
+    if outside:  # "../other/model.safetensors", "/etc/x": never read, and not "missing" either
+        raise _index_mismatch(
+            shown, f"the index names {len(outside)} shard(s) that are not a file of this folder ({outside[0]!r:.80})"
+        )
     missing = sorted(named - set(files))
     if missing:
         n = sum(1 for v in wm.values() if v in missing)

@@ -84,23 +84,25 @@ def _verl_world(path: Path, files: list[RankFile]) -> int:
     world = worlds.pop()
     for role in ("model", "optimizer", "extra"):
         ranks = sorted(f.rank for f in files if f.role == role)
-        if ranks and ranks != list(range(world)):
-            missing = sorted(set(range(world)) - set(ranks))
+        if ranks and not _all_ranks(ranks, world):
+            missing = _missing_ranks(ranks, world)
             raise IncompleteCheckpointError(
-                f"{path}: {role} files of ranks {missing or ranks} missing or extra for world size {world}",
+                f"{path}: {role} files of ranks {missing or ranks[:8]} missing or extra for world size {world}",
                 path=path,
                 hint="the save did not finish on every rank; use an earlier step",
             )
     if not any(f.role == "model" for f in files):
         raise IncompleteCheckpointError(f"{path}: verl rank files but no model_world_size_* file", path=path)
     cfg = path / "fsdp_config.json"
-    if cfg.is_file():
+    if os.path.lexists(cfg):  # confined and capped as every JSON file (a symlink out, a FIFO, 10 GB: refused)
         try:
-            data = json.loads(cfg.read_text()[:4096])
+            raw = read_regular(resolve_inside(path, cfg.name, what="verl config"), 1 << 20, what="fsdp_config.json")
+            data = parse_json(raw, str(cfg))
         except (OSError, ValueError) as e:
             raise PerRankError(f"{cfg}: not readable JSON ({type(e).__name__})", path=cfg) from e
-        if isinstance(data, dict) and data.get("world_size") not in (None, world):
-            raise PerRankError(f"{cfg}: world_size {data.get('world_size')!r:.20} but rank files of {world}", path=cfg)
+        if not isinstance(data, dict) or data.get("world_size") not in (None, world):
+            what = f"world_size {data.get('world_size')!r:.20}" if isinstance(data, dict) else "not a JSON object"
+            raise PerRankError(f"{cfg}: {what}, but rank files of {world} rank(s)", path=cfg)
     return world
 
 
@@ -570,6 +572,23 @@ def _tc_unread(path: Path, read: set[str]) -> list[str]:
     return out
 
 
+def _all_ranks(ranks: list[int], world: Any) -> bool:
+    """``ranks`` (sorted) are exactly ``0..world-1``; compared by length first: a world size declared by a file
+    name or ``metadata.pkl`` (10**9) never becomes a list of that size."""
+    return type(world) is int and len(ranks) == world and ranks == list(range(len(ranks)))
+
+
+def _missing_ranks(ranks: list[int], world: Any, most: int = 8) -> list[int]:
+    """Up to ``most`` ranks below ``world`` that ``ranks`` lacks (at most ``len(ranks) + most`` steps)."""
+    present, missing = set(ranks), []
+    for r in range(world if type(world) is int else 0):
+        if r not in present:
+            missing.append(r)
+            if len(missing) == most:
+                break
+    return missing
+
+
 def _tc_assemble(path: Path, files: list[RankFile]) -> Assembled:
     if path.name.startswith(TC_STAGING_PREFIX):
         raise IncompleteCheckpointError(
@@ -583,9 +602,11 @@ def _tc_assemble(path: Path, files: list[RankFile]) -> Assembled:
     world = md["world_size"] if md is not None else max(f.rank for f in files) + 1
     for item in sorted({f.role for f in files}):
         have = sorted(f.rank for f in files if f.role == item)
-        if have != list(range(world)):
+        if not _all_ranks(have, world):
             raise IncompleteCheckpointError(
-                f"{path}: item {item!r} has files of ranks {have}, world size {world}", path=path
+                f"{path}: item {item!r} has files of ranks {have[:8]}{' ...' if len(have) > 8 else ''}, world size "
+                f"{world} (missing e.g. {_missing_ranks(have, world)})",
+                path=path,
             )
     objs = [_read_item(path, f, kinds.get(f.relative_path)) for f in files]
     a = Assembled("torch-checkpointing", "torch-checkpointing")

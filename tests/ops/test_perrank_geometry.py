@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -49,3 +50,62 @@ def test_ranges_equal_torch_split(size, placements, mesh) -> None:  # type: igno
         for d, ix in enumerate(idx):
             got = got.index_select(d, ix)
         assert torch.equal(got, want), (coord, ranges)
+
+
+_LIMITED_INSPECT = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a list of 10**9 ranks needs 8 GiB
+from ckpttool.cli.app import main
+sys.argv = ["ckpttool", "inspect", sys.argv[1]]
+main()
+"""
+
+
+@pytest.mark.parametrize("fmt", ["verl", "torch-checkpointing"])
+def test_a_declared_world_size_of_1e9_is_never_a_list(tmp_path: Path, fmt: str) -> None:
+    """A world size of 10**9 from a rank file's name (verl) or metadata.pkl (torch-checkpointing) with one rank's
+    files: E202 naming a few missing ranks. The rank check built list(range(world)) (the OOM killer; E999
+    MemoryError under a memory limit)."""
+    import pickle
+    import subprocess
+    import sys
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    if fmt == "verl":
+        for role in ("model", "optim", "extra_state"):
+            (d / f"{role}_world_size_1000000000_rank_0.pt").write_bytes(b"x")
+        want = "model files of ranks [1, 2, 3, 4, 5, 6, 7, 8] missing or extra for world size 1000000000"
+    else:
+        (d / "metadata.pkl").write_bytes(pickle.dumps({"metadata": {}, "world_size": 10**9, "version": "2.0"}))
+        (d / "model_0.pt").write_bytes(b"x")
+        want = "item 'model' has files of ranks [0], world size 1000000000 (missing e.g. [1, 2, 3, 4, 5, 6, 7, 8])"
+    r = subprocess.run([sys.executable, "-c", _LIMITED_INSPECT, str(d)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "[E202]" in r.stderr and want in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("kind", ["symlink_out", "fifo", "list"])
+def test_verl_fsdp_config_is_read_confined_and_checked(tmp_path: Path, kind: str) -> None:
+    """verl's fsdp_config.json is read as every JSON file: a symlink out of the checkpoint was followed and read
+    whole (no cap), a FIFO skipped, a JSON list ignored; now E101 / E102 / E280."""
+    import os
+
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    d = tmp_path / "actor"
+    d.mkdir()
+    for role in ("model", "optim", "extra_state"):
+        (d / f"{role}_world_size_1_rank_0.pt").write_bytes(b"x")
+    cfg = d / "fsdp_config.json"
+    if kind == "symlink_out":
+        (tmp_path / "outside.json").write_text('{"world_size": 1}')
+        cfg.symlink_to(tmp_path / "outside.json")
+    elif kind == "fifo":
+        os.mkfifo(cfg)
+    else:
+        cfg.write_text("[1]")
+    res = CliRunner().invoke(app, ["inspect", str(d)])
+    code = {"symlink_out": "[E101]", "fifo": "[E102]", "list": "[E280]"}[kind]
+    assert res.exit_code == 2 and code in res.stderr and "fsdp_config.json" in res.stderr, res.stderr

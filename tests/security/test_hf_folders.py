@@ -165,3 +165,18 @@ def test_a_folder_holding_only_a_peft_adapter_is_not_imported_as_a_model(tmp_pat
     res = runner.invoke(app, ["import", str(d), str(tmp_path / "out")])
     assert res.exit_code == 2 and "holds only a PEFT adapter" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["../other/model-00002-of-00002.safetensors", "/etc/passwd", "sub/model.safetensors"])
+def test_index_naming_a_file_outside_the_folder_says_so(export_dir: Path, tmp_path: Path, name: str) -> None:
+    """A weight_map value that is not a file of the folder: E200 naming it as such (it was E202 "missing", whose
+    hint says to download the missing shard), in validate and import; nothing outside is read."""
+    d = _copy(export_dir, tmp_path)
+    idx = _index(d)
+    key = next(iter(idx["weight_map"]))
+    idx["weight_map"][key] = name
+    (d / "model.safetensors.index.json").write_text(json.dumps(idx))
+    rc, out = _validate(d)
+    assert rc == 2 and "[E200]" in out and "not a file of this folder" in out and repr(name) in out, out
+    res = runner.invoke(app, ["import", str(d), str(tmp_path / "o")])
+    assert res.exit_code == 2 and "not a file of this folder" in res.stderr and not (tmp_path / "o").exists()

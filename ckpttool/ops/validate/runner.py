@@ -296,11 +296,12 @@ def _validate_path(
     except MetadataError as e:  # includes unsafe pickles and incomplete saves
         rules = select_rules(opts.select, opts.ignore)
         s001 = RULES["S001"]
-        # an unfinished save is named by its directory (it may hold no .metadata to blame)
+        # an unfinished save is named by its directory (it may hold no .metadata to blame); another error by
+        # the file it names (a safetensors shard, a per-rank file), not ".metadata" for every format
         unfinished = isinstance(e, IncompleteCheckpointError)
-        key = str(e.path) if unfinished and e.path else ".metadata"
+        key = (str(e.path) if unfinished else Path(e.path).name) if e.path else ".metadata"
         statuses = [
-            RuleStatus(r, "failed", None, (s001.make(key, e.message, e.hint or None, e.code),))
+            RuleStatus(r, "failed", None, (s001.make(key or ".metadata", e.message, e.hint or None, e.code),))
             if r is s001
             else RuleStatus(r, "skipped", "the save did not finish" if unfinished else ".metadata is unusable")
             for r in rules

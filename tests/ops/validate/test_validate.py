@@ -196,6 +196,21 @@ def test_S001_garbage_metadata_exits_2(dense_ckpt: Path, copy_of) -> None:
     assert err.startswith("error: [E200]") and "hint:" in err
 
 
+def test_S001_of_a_safetensors_folder_names_its_file_not_metadata(tmp_path: Path) -> None:
+    """An unreadable safetensors shard: the finding's key is the shard, and the error line reads as the other
+    commands' (it was `.metadata: <path>/model.safetensors: ...` for a folder that has no .metadata)."""
+    import struct
+
+    ck = tmp_path / "hf"
+    ck.mkdir()
+    header = json.dumps({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                         "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}).encode()  # fmt: skip
+    (ck / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(12))
+    rc, doc, err = run(ck, "--deep")
+    assert rc == 2 and codes(doc) == {"S001"} and doc["findings"][0]["key"] == "model.safetensors"
+    assert err.startswith(f"error: [E200] {ck / 'model.safetensors'}: not a valid safetensors file"), err
+
+
 def test_S001_unsafe_pickle_names_the_global(dense_ckpt: Path, copy_of) -> None:
     ck = copy_of(dense_ckpt)
     (ck / ".metadata").write_bytes(b"cos\nsystem\n(S'touch /tmp/ckpttool-pwned'\ntR.")
