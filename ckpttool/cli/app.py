@@ -54,7 +54,7 @@ _MODULE_OF = {"import": "import_hf"}
 #: Each command's line in ``ckpttool --help``: the first line of its function's docstring (a test holds them
 #: equal), here so that the root help imports no command module.
 SUMMARIES = {
-    "inspect": "Show what a checkpoint holds, from .metadata alone (reads no tensor data).",
+    "inspect": "Show what a checkpoint holds, from its metadata alone (reads no tensor data).",
     "validate": "Check a checkpoint with rules that have stable codes; exit 1 on findings that fail the run.",
     "export": "Export model weights as Hugging Face safetensors or a LoRA adapter (streaming, bit-exact by default).",
     "reshard": "Write a new DCP checkpoint with expert tensors in the target layout, one data file per target rank.",

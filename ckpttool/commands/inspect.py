@@ -41,7 +41,7 @@ def inspect_command(
     model_prefix: opt.ModelPrefixOpt = None,
     optimizer_prefix: opt.OptimizerPrefixOpt = None,
 ) -> None:
-    """Show what a checkpoint holds, from .metadata alone (reads no tensor data)."""
+    """Show what a checkpoint holds, from its metadata alone (reads no tensor data)."""
     from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import data_file_warnings, run_inspect
     from ckpttool.ops.inspect import InspectOptions

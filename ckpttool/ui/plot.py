@@ -94,6 +94,7 @@ def _drawn_here(head: bytes) -> bool:
 
 def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str) -> bool:
     drawn = False
+    shown: list[float] = []
     for i, c in enumerate(res.checkpoints):
         pts = [(g.name, value(g)) for g in c.layers]
         pts = [(n, v) for n, v in pts if v is not None and v > 0]
@@ -102,13 +103,21 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str) -> bool:
         label = f"step {c.step}" if c.step is not None else f"#{i + 1} {Path(c.path).name}"
         ax.plot(range(len(pts)), [v for _, v in pts], marker="o", markersize=3, label=label)
         ax.set_xticks(range(len(pts)), [n for n, _ in pts], rotation=90, fontsize=6)
+        shown.extend(v for _, v in pts)
         drawn = True
     ax.set_title(title, fontsize=9)
     if drawn:
-        ax.set_yscale("log")
+        # log across a decade or more; within one, a log axis labels its minor ticks alike (10x10^-4 ...):
+        # linear from 0, without an offset (values alike to 1e-8 would read as "1e-11+1e-3")
+        if max(shown) >= 10 * min(shown):
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(0, max(shown) * 1.05)
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
         ax.legend(fontsize=6)
     else:
         ax.text(0.5, 0.5, "not in the checkpoint", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
     return drawn
 
 
@@ -122,6 +131,7 @@ def _experts(ax: Any, res: StatsResult) -> None:
     if not rows:
         ax.text(0.5, 0.5, "no expert tensors ([E, ...] on dim 0)", ha="center", va="center", transform=ax.transAxes)
         ax.set_title("experts", fontsize=9)
+        ax.set_axis_off()  # a message, not an empty 0-1 plot
         return
     width = max(len(v) for v in rows.values())
     grid = [[(v[i] ** 0.5) if i < len(v) else float("nan") for i in range(width)] for v in rows.values()]
@@ -217,5 +227,6 @@ def write_diff_plot(res: DiffResult, path: Path) -> None:
         ax2.set_xscale("log")
     else:
         ax2.text(0.5, 0.5, "every compared tensor is equal", ha="center", va="center", transform=ax2.transAxes)
+        ax2.set_axis_off()
     ax2.set_title("tensors that differ most (relative L2)", fontsize=9)
     _save(fig, plt, path, f"diff {res.a.path} {res.b.path}")
