@@ -550,6 +550,9 @@ class CkptGroup(TyperGroup):
         storage = sys.modules.get("ckpttool.format.storage")  # not loaded yet: its defaults are in force
         if storage is not None:
             storage.configure(options={}, workers=16, retries=5)
+        cache = sys.modules.get("ckpttool.format.cache")  # --no-cache of an earlier invocation is not this one's
+        if cache is not None:
+            cache.set_cache_enabled(None)
         configure_logging(0)
         try:
             rv = super().main(

@@ -355,3 +355,13 @@ def test_a_special_file_as_entry_is_ignored_without_blocking(special: str, dense
     make_special(path, special)
     with fails_instead_of_hanging():
         assert CheckpointDir(dense_ckpt).metadata == parse_metadata_bytes(data)
+
+
+def test_no_cache_holds_for_its_own_invocation_only(sample_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--no-cache`` switches the caches off for the command it is given to; the next command in the same
+    process (a library user running the CLI in process, the test suite) has them on again."""
+    monkeypatch.delenv(usercache.NO_CACHE_ENV, raising=False)
+    assert CliRunner().invoke(app, ["--no-cache", "inspect", str(sample_ckpt)]).exit_code == 0
+    assert not usercache.cache_enabled()
+    assert CliRunner().invoke(app, ["inspect", str(sample_ckpt)]).exit_code == 0
+    assert usercache.cache_enabled()
