@@ -14,7 +14,7 @@ bytes and has no CRC-32. Readers check the record's CRC-32 as bytes pass
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -133,8 +133,11 @@ def tensor_meta(ckpt: CheckpointDir, key: str) -> TensorMeta:
     return meta
 
 
-def _raw_record(key: str, meta: TensorMeta, chunk: ChunkMeta, info: StorageInfo, where: str) -> TensorRecord:
-    """The record of a safetensors-stored chunk: its whole window, C order.
+def _raw_record(
+    key: str, meta: TensorMeta, chunk: ChunkMeta, info: StorageInfo, where: str, ckpt: Any = None
+) -> TensorRecord:
+    """The record of a safetensors-stored chunk: its whole window, C order; with the zip member and CRC-32
+    of a per-rank ``torch.save`` record the window is whole (``ckpt.record_member``), checked as a DCP record's.
 
     Raises:
         ChunkError: the window does not hold exactly the chunk's bytes.
@@ -146,9 +149,11 @@ def _raw_record(key: str, meta: TensorMeta, chunk: ChunkMeta, info: StorageInfo,
             path=info.relative_path,
             fqn=key,
         )
-    return TensorRecord(
+    raw = TensorRecord(
         meta.dtype.name, chunk.sizes, row_major_stride(chunk.sizes), 0, chunk.numel, 0, compressed_size=need
     )
+    member = ckpt.record_member(info) if hasattr(ckpt, "record_member") else None
+    return raw if member is None else replace(raw, crc32=member.crc32, member=member)
 
 
 def decode_transforms(ckpt: CheckpointDir, info: StorageInfo, fqn: str, cap: int, *, cap_is_limit: bool) -> bytes:
@@ -237,7 +242,7 @@ def locate_chunk(
     if serialization in ("safetensors", "dcp_safetensors") or (
         serialization == "mixed" and info.relative_path.endswith(".safetensors")  # a safetensors model + DCP optimizer
     ):
-        raw = _raw_record(key, meta, chunk, info, where)
+        raw = _raw_record(key, meta, chunk, info, where, ckpt)
         return ChunkLocation(
             key, chunk, meta, info, raw, file, FileWindow(ckpt.fd(info.relative_path), info.offset, info.length)
         )

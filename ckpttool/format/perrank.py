@@ -10,8 +10,9 @@ local shard in its global tensor from the DTensor's mesh and placements (``Shard
 ``compute_local_shape_and_global_offset`` gives). Every shard becomes a chunk of a
 :class:`~ckpttool.format.metadata.CheckpointMetadata` whose storage window is the shard's raw
 bytes inside the rank file (``serialization="safetensors"``: the chunk locator reads a window as
-the raw little-endian C-order record), so every command reads, streams and checks it through
-the one engine like a DCP chunk. Replicated shards (a ``Replicate`` mesh dim, optimizer ``step``
+the raw little-endian C-order record, checked against the ``torch.save`` record's zip CRC-32 where the
+window is the whole record: :meth:`PerRankReader.record_member`), so every command reads, streams
+and checks it through the one engine like a DCP chunk. Replicated shards (a ``Replicate`` mesh dim, optimizer ``step``
 scalars) are one chunk; the copies of the other ranks are compared with it byte for byte
 (:meth:`PerRankReader.check_replicas`). Non-tensor values (param-group hyperparameters, the
 scheduler) become byte items served from memory (:class:`PerRankReader`).
@@ -33,7 +34,7 @@ from typing import Any
 from ckpttool.engine.io import ShortReadError
 from ckpttool.errors import CkptError, DataFileError, PerRankError
 from ckpttool.format import limits
-from ckpttool.format.archive import STORED, ArchiveError, FileWindow, check_torch_records, parse_archive
+from ckpttool.format.archive import STORED, ArchiveError, FileWindow, Member, check_torch_records, parse_archive
 from ckpttool.format.files import open_regular, resolve_inside
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo, TensorMeta
 from ckpttool.format.perrank_pickle import DTensorRec, LocalTensor, Opaque, Placement, Record, unpickle_rank
@@ -114,6 +115,7 @@ class RankObject:
     file: RankFile
     obj: Any
     records: dict[str, tuple[int, int]]  # storage key -> (absolute data offset, bytes)
+    members: dict[str, Member] = field(default_factory=dict)  # storage key -> its zip member (torch.save files)
 
 
 def read_rank_file(root: Path, f: RankFile) -> RankObject:
@@ -147,12 +149,14 @@ def read_rank_file(root: Path, f: RankFile) -> RankObject:
         assert pkl is not None
         obj = checked_pickle(lambda: unpickle_rank(pkl, where), where, "data.pkl ")
         records: dict[str, tuple[int, int]] = {}
+        members: dict[str, Member] = {}
         for name, m in archive.members.items():
             if name.startswith("data/"):
                 if m.method != STORED:
                     raise PerRankError(f"{where}: record {name} is compressed (torch.save stores records)", path=where)
                 records[name[5:]] = (m.data_offset, m.size)
-        return RankObject(f, obj, records)
+                members[name[5:]] = m
+        return RankObject(f, obj, records, members)
     finally:
         os.close(fd)
 
@@ -326,6 +330,9 @@ class Assembled:
         entries, storage: as :class:`CheckpointMetadata`.
         objects: byte-item key -> its value (served from memory by :class:`PerRankReader`).
         replicas: ``(key, offsets, first storage, other rank's storage)`` pairs to compare.
+        members: ``(rank file, window offset)`` -> the ``torch.save`` zip member whose whole record a
+            chunk's window is (its CRC-32 is checked as a DCP record's; a window inside a larger
+            storage, e.g. a padded FSDP shard, has none).
         files: the rank files read (relative paths); meshes: mesh shapes seen; placements: placement strings seen.
         notes: one line each: what was read and decided (``inspect`` shows them).
         companions: full-model safetensors files saved beside the shards (relative paths), which
@@ -341,6 +348,7 @@ class Assembled:
 
     format: str
     schema: str
+    members: dict[tuple[str, int], Member] = field(default_factory=dict)
     entries: dict[str, TensorMeta | BytesMeta] = field(default_factory=dict)
     storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo] = field(default_factory=dict)
     objects: dict[str, Any] = field(default_factory=dict)
@@ -412,6 +420,11 @@ class Assembled:
         if begin + nbytes > rec_bytes or local.storage_numel * item != rec_bytes and rec is not None:
             raise PerRankError(f"{where}: the shard reaches past its storage record data/{local.key}", fqn=key)
         info = StorageInfo(ro.file.relative_path, off + begin, nbytes)
+        member = ro.members.get(local.key)
+        if member is not None and begin == 0 and nbytes == rec_bytes and nbytes > 0:
+            self.members[(info.relative_path, info.offset)] = (
+                member  # the window is the whole record: its CRC-32 applies
+            )
         have = self.storage.get((key, chunk.offsets))
         if have is not None:
             known = next(c for c in self._chunks[key] if c.offsets == chunk.offsets)
@@ -589,6 +602,11 @@ class PerRankReader(CheckpointReader):
         super().__init__(path, trust_pickle=trust_pickle, metadata=assembled.metadata())
         self.assembled = assembled
         self._saved: dict[str, bytes] = {}
+
+    def record_member(self, info: StorageInfo) -> Member | None:
+        """The zip member whose whole record ``info``'s window is, or ``None`` (its CRC-32 then unknown)."""
+        m = self.assembled.members.get((info.relative_path, info.offset))
+        return m if m is not None and m.size == info.length else None
 
     def raw_bytes(self, fqn: str, chunk: ChunkMeta | None = None) -> bytes | bytearray:
         if chunk is None and fqn in self.assembled.objects:

@@ -268,3 +268,28 @@ def test_run_prefix_on_s3_names_the_verl_folder(verl_root: Path, s3_server: Any)
     assert res.exit_code == 2, res.output
     assert f"{url}/global_step_2/actor: a verl-fsdp per-rank checkpoint" in res.output.replace("\n", "")
     assert "E280" in res.output
+
+
+def test_a_flipped_byte_in_a_rank_file_fails_its_crc(verl_root: Path, tmp_path: Path) -> None:
+    """A shard whose window is its whole torch.save record is checked against the record's zip CRC-32,
+    as a DCP chunk is: one byte changed inside it is a checksum error in every command that reads it."""
+    actor = shutil.copytree(_actor(verl_root, 2), tmp_path / "actor")
+    with open_checkpoint(actor) as ck:
+        members = ck.reader.assembled.members  # type: ignore[attr-defined]
+        whole = {(rel, off): m for (rel, off), m in members.items() if rel == "model_world_size_2_rank_1.pt"}
+        keys = [k for (k, _), info in ck.metadata.storage.items() if (info.relative_path, info.offset) in whole]
+    assert whole and keys
+    (rel, off), m = next(iter(whole.items()))
+    path = actor / rel
+    data = bytearray(path.read_bytes())
+    data[off + m.size // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    res = runner.invoke(app, ["validate", str(actor), "--deep", "--json"])
+    assert res.exit_code == 1, res.output
+    codes = {f["code"] for f in json.loads(res.stdout)["findings"]}
+    assert "S014" in codes, codes
+    for args in (["export", str(actor), str(tmp_path / "hf")], ["stats", str(actor)]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2 and "fails its CRC-32 check" in res.stderr, (args, res.output)
+        assert "Traceback" not in res.output
+    assert not (tmp_path / "hf").exists()
