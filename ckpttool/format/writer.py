@@ -716,7 +716,7 @@ def tensor_data_pkl(dtype: DType, sizes: tuple[int, ...]) -> bytes:
     for s in reversed(sizes):
         stride.append(acc)
         acc *= max(s, 1)
-    v3 = dtype.name not in _STORAGE_CLASS and dtype.name in _V3_DTYPES
+    v3 = dtype.name in _V3_DTYPES
     if v3:
         storage = _Pid(("storage", _global("torch.storage", "UntypedStorage"), "0", "cpu", numel * dtype.itemsize))
     else:

@@ -169,8 +169,11 @@ class Checkpoint:
     def unread_beside(self) -> tuple[str, ...]:
         """Training state saved beside this checkpoint that ckpttool does not read (its own data files
         excluded; :func:`ckpttool.model.beside.unread_beside`), relative to the directory given."""
+        model, given = Path(self.located.model), Path(self.located.given)
+        if not unread_beside(model, given):  # the usual case: no candidate, the storage's paths not listed
+            return ()
         own = [Path(self.path) / rel for rel in referenced_paths(self.metadata.storage)]
-        return unread_beside(Path(self.located.model), Path(self.located.given), own)
+        return unread_beside(model, given, own)
 
     def close(self) -> None:
         """Close the data files. Idempotent."""
