@@ -12,7 +12,7 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -48,7 +48,6 @@ from ckpttool.ui.output import Output, command_boundary, with_flags
 
 if TYPE_CHECKING:
     from ckpttool.model.checkpoint import Checkpoint
-    from ckpttool.model.discovery import CheckpointSelection
     from ckpttool.ops.export import ExportOptions, ExportResult
 
 
@@ -243,7 +242,7 @@ def run_export(cli: ExportCLIOptions) -> None:
             if cli.quantize is not None
             else ""
         )
-        beside = _trainer_config_dir(cli.checkpoint, sel) if cli.model_assets is None else None
+        beside = shlex.quote(result.config_beside) if result.config_beside else None
         sink.note(
             f"{held} (no --model-assets): {needs}; pass --model-assets DIR, the folder of the model's config.json "
             "and tokenizer files"
@@ -252,28 +251,6 @@ def run_export(cli: ExportCLIOptions) -> None:
             else f"{held} ({cli.model_assets} has none): {needs}; copy the model's config.json into {cli.model_assets}"
         )
     sink.result(result, _render)
-
-
-#: Where trainers save the model's HF config beside their checkpoint (relative to the model folder):
-#: NeMo Automodel's ``model/consolidated`` and ``model/.hf_metadata``, verl's ``actor/huggingface``.
-_TRAINER_CONFIG_DIRS = ("consolidated", ".hf_metadata", "huggingface")
-
-
-def _trainer_config_dir(checkpoint: PurePath, sel: CheckpointSelection | None) -> str | None:
-    """The folder with the model's ``config.json`` a trainer saved beside the checkpoint exported, if any."""
-    from ckpttool.errors import CkptError
-    from ckpttool.model.discovery import locate
-
-    if not isinstance(checkpoint, Path):  # a URL
-        return None
-    try:
-        model = locate(checkpoint, sel).model
-    except CkptError:
-        return None
-    for name in _TRAINER_CONFIG_DIRS:
-        if (model / name / "config.json").is_file():
-            return shlex.quote(str(model / name))
-    return None
 
 
 #: The flags that are :class:`~ckpttool.ops.export.ExportOptions` fields of the same name and value.

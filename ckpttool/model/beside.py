@@ -21,7 +21,7 @@ from typing import Any
 
 from ckpttool.format.jsonview import json_fields
 
-__all__ = ["TrainerState", "read_training_state_beside", "training_state_beside", "unread_beside"]
+__all__ = ["TrainerState", "hf_config_beside", "read_training_state_beside", "training_state_beside", "unread_beside"]
 
 _RANK_PT = re.compile(r"^rank(\d+)\.pt$")
 
@@ -66,6 +66,23 @@ def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> 
                 rel = os.path.relpath(d / name, given) if (d / name).is_relative_to(given) else str(d / name)
                 out.append(rel + ("/" if is_dir else ""))
     return tuple(out)
+
+
+#: Where trainers save the model's Hugging Face config beside their checkpoint, relative to the model
+#: folder: NeMo Automodel's ``model/consolidated/`` and ``model/.hf_metadata/``, verl's ``actor/huggingface/``.
+_HF_CONFIG_DIRS = ("consolidated", ".hf_metadata", "huggingface")
+
+
+def hf_config_beside(model_dir: Path) -> Path | None:
+    """The folder holding the model's ``config.json`` that the trainer saved beside ``model_dir``, if any
+    (:data:`_HF_CONFIG_DIRS`, first found); ``None`` when there is none or it cannot be listed."""
+    for name in _HF_CONFIG_DIRS:
+        try:
+            if (model_dir / name / "config.json").is_file():
+                return model_dir / name
+        except OSError:
+            continue
+    return None
 
 
 def training_state_beside(model_dir: Path) -> list[str]:

@@ -36,7 +36,7 @@ from ckpttool.format.reader import CheckpointReader, load_saved_object
 from ckpttool.format.storage import RemoteStore, is_url, url_path
 from ckpttool.format.unpickler import gc_paused
 from ckpttool.layouts.declaration import LayoutDeclaration, ResolvedLayout, resolve_layout
-from ckpttool.model.beside import unread_beside
+from ckpttool.model.beside import hf_config_beside, unread_beside
 from ckpttool.model.catalog import Catalog, ExtraStateFile, ParamGroup, build_catalog, load_param_groups
 from ckpttool.model.discovery import CheckpointSelection, Located, compose_pair, locate
 from ckpttool.model.schemas.keyschema import SchemaOverride
@@ -174,6 +174,12 @@ class Checkpoint:
             return ()
         own = [Path(self.path) / rel for rel in referenced_paths(self.metadata.storage)]
         return unread_beside(model, given, own)
+
+    def hf_config_beside(self) -> Path | None:
+        """The folder of the model's ``config.json`` the trainer saved beside this checkpoint (NeMo
+        Automodel's ``consolidated/``, verl's ``huggingface/``; :func:`ckpttool.model.beside.hf_config_beside`),
+        ``None`` for none or a URL."""
+        return None if is_url(str(self.located.model)) else hf_config_beside(Path(self.located.model))
 
     def close(self) -> None:
         """Close the data files. Idempotent."""

@@ -154,6 +154,26 @@ def test_export_names_the_saved_hf_config_and_the_dtype_fix(verl_root: Path, tmp
         "--model-assets DIR, the folder of the model's config.json and tokenizer files (the trainer saved one "
         f"beside the checkpoint: --model-assets {actor / 'huggingface'})"
     )
+    # --json carries the folder (no note beside the document); none once --model-assets is given
+    res = runner.invoke(app, ["export", str(verl_root / "w2"), str(tmp_path / "c"), "--dry-run", "--json"])
+    assert res.exit_code == 0 and res.stderr == "", res.output
+    assert json.loads(res.stdout)["config_beside"] == str(actor / "huggingface")
+    res = runner.invoke(
+        app,
+        [
+            "export",
+            str(actor),
+            str(tmp_path / "d"),
+            "--json",
+            "--dry-run",
+            "--model-assets",
+            str(actor / "huggingface"),
+            "--save-dtype",
+            "bfloat16",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["config_beside"] is None
     # verl's config says bfloat16 over float32 shards: the hint names both ways out
     res = runner.invoke(app, ["export", str(actor), str(tmp_path / "b"), "--model-assets", str(actor / "huggingface")])
     assert res.exit_code == 2 and res.stderr.startswith("error: [E605]")

@@ -159,7 +159,7 @@ _EXPORT_VIEW = JsonView(
     "ckpttool.export/1",
     "output format files tensors bytes bytes_read seconds:4 write_seconds:4 gb_per_s:4 save_dtype weights experts casts"
     " narrowing_casts origins tied_embeddings layout assets skipped warnings adapter_config source_identity manifest"
-    " model_adapter model_check config_edits notes dry_run quantization",
+    " model_adapter model_check config_edits notes dry_run quantization config_beside",
 )
 
 
@@ -195,6 +195,7 @@ class ExportResult:
     dry_run: bool = False
     quantization: dict[str, Any] | None = None
     write_seconds: float = 0.0
+    config_beside: str | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -845,6 +846,8 @@ class _Prepared:
         config: the ``config.json`` written (``serving.serving_config``) and its edits, ``None``
             when none is copied.
         notes: facts worth a ``note:`` line (no tokenizer among the assets).
+        config_beside: the folder of a ``config.json`` the trainer saved beside the checkpoint, when the
+            export writes none (a model format without ``model_assets``).
     """
 
     plan: ExportPlan
@@ -862,6 +865,7 @@ class _Prepared:
     config: tuple[bytes, dict[str, list[Any]]] | None = None
     notes: tuple[str, ...] = ()
     quantizer: BlockQuantizer | None = None
+    config_beside: str | None = None
 
 
 def _serving_assets(
@@ -1023,7 +1027,16 @@ def _prepare(
         config,
         notes,
         quantizer,
+        _config_beside(ckpt, opts, out_format),
     )
+
+
+def _config_beside(ckpt: Checkpoint, opts: ExportOptions, out_format: OutputFormat) -> str | None:
+    """:attr:`_Prepared.config_beside`: looked for only when a model format gets no ``model_assets``."""
+    if opts.model_assets is not None or not out_format.ties_embeddings:
+        return None
+    found = ckpt.hf_config_beside()
+    return str(found) if found is not None else None
 
 
 def _export(
@@ -1119,6 +1132,7 @@ def _export_result(
         notes=list(prep.notes),
         dry_run=opts.dry_run,
         quantization=_quantization(opts, prep),
+        config_beside=prep.config_beside,
     )
 
 
