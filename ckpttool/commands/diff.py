@@ -186,10 +186,10 @@ def diff_command(
             progress=shown.progress if shown else None,
             phase=shown.phase if shown else None,
             opening_a=OpenOptions(
-                declaration=decl_a, trust_pickle=trust_pickle, selection=selection(step_a, None, *_dcp_keys(a, keys))
+                declaration=decl_a, trust_pickle=trust_pickle, selection=selection(step_a, None, *keys)
             ),
             opening_b=OpenOptions(
-                declaration=decl_b, trust_pickle=trust_pickle, selection=selection(step_b, None, *_dcp_keys(b, keys))
+                declaration=decl_b, trust_pickle=trust_pickle, selection=selection(step_b, None, *keys)
             ),
         )
     if plot is not None:
@@ -216,14 +216,6 @@ class DiffProgress(PhaseProgress):
 
     def __init__(self, console: Any) -> None:
         super().__init__(console, "diff", bar_text="comparing")
-
-
-def _dcp_keys(path: Path, keys: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
-    """``--schema/--model-prefix/--optimizer-prefix`` for a DCP side; none for a safetensors side (HF names)."""
-    hf = path.suffix == ".safetensors" or (
-        path.is_dir() and not (path / ".metadata").exists() and any(path.glob("*.safetensors"))
-    )
-    return (None, None, None) if hf else keys
 
 
 def _is_run_root(path: Path) -> bool:

@@ -65,3 +65,13 @@ def test_diff_names_the_options_and_compares_once_named(custom: tuple[Path, torc
         res = runner.invoke(app, ["diff", str(a), str(b), "--model-prefix", "net.", "--json"])
         assert res.exit_code == 0, res.output
         assert json.loads(res.stdout)["counts"]["compared"] == 2
+    # the library decides it (a schema override on a safetensors side, file or folder, is not applied there)
+    from ckpttool.model.checkpoint import OpenOptions
+    from ckpttool.model.discovery import CheckpointSelection
+    from ckpttool.model.schemas.keyschema import SchemaOverride
+    from ckpttool.ops.diff import diff_checkpoints
+
+    named = OpenOptions(selection=CheckpointSelection(schema=SchemaOverride.from_options(None, "net.", None)))
+    for side in (out, out / "model.safetensors"):
+        res_lib = diff_checkpoints(root, side, opening_a=named, opening_b=named)
+        assert res_lib.equal and res_lib.to_dict()["counts"]["compared"] == 2

@@ -170,6 +170,13 @@ def _bits(t: Any) -> Any:
     return t.view(torch.uint8).numpy().view(f"V{size}")
 
 
+def _hf_side(where: Path, only_file: str | None) -> bool:
+    """A safetensors side (a file, or a directory of them without ``.metadata``), named as Hugging Face names it."""
+    return only_file is not None or (
+        where.is_dir() and not (where / ".metadata").exists() and any(where.glob("*.safetensors"))
+    )
+
+
 def _open_side(
     label: str,
     path: str | os.PathLike[str],
@@ -186,9 +193,12 @@ def _open_side(
                 hint="pass a DCP checkpoint directory, a safetensors directory or file, or a PEFT adapter directory",
             )
         where, only_file = p.parent, p.name
+    chosen = opening.selection
+    if chosen is not None and chosen.schema is not None and _hf_side(where, only_file):
+        chosen = replace(chosen, schema=None)  # HF names: a key-schema override is the DCP sides'
     try:
         ckpt = open_checkpoint(
-            where, declaration=opening.declaration, trust_pickle=opening.trust_pickle, selection=opening.selection
+            where, declaration=opening.declaration, trust_pickle=opening.trust_pickle, selection=chosen
         )
     except CkptError as e:
         has_weights = where.is_dir() and any(where.glob("*.safetensors"))
@@ -978,7 +988,8 @@ def diff_checkpoints(
         progress: ``progress(bytes done, bytes total)``: the stored bytes of both sides' values
             to compare, the total known before the first is read; called after each pair.
         opening_a, opening_b: how to open each side (EP layout declaration of an unversioned DCP
-            side, step / schema overrides, ``trust_pickle``).
+            side, step / schema overrides, ``trust_pickle``); a schema override applies to a DCP side
+            only (a safetensors side is named as Hugging Face names it).
         phase: ``phase(text)`` as each step before the comparison starts: ``opening A (PATH)``,
             ``opening B (PATH)``, ``matching names``; then ``progress(0, total)`` starts the
             comparison, and ``comparing hyperparameters`` follows it where there are any.
