@@ -137,10 +137,12 @@ def _raw_record(
     key: str, meta: TensorMeta, chunk: ChunkMeta, info: StorageInfo, where: str, ckpt: Any = None
 ) -> TensorRecord:
     """The record of a safetensors-stored chunk: its whole window, C order; with the zip member and CRC-32
-    of a per-rank ``torch.save`` record the window is whole (``ckpt.record_member``), checked as a DCP record's.
+    of a per-rank ``torch.save`` record the window is whole (``ckpt.record_member``), checked as a DCP record's
+    (a window that is part of its record: the whole record checked by ``record_member``).
 
     Raises:
         ChunkError: the window does not hold exactly the chunk's bytes.
+        ChecksumError: the per-rank record holding a partial window fails its CRC-32.
     """
     need = chunk.numel * meta.dtype.itemsize
     if info.length != need:
@@ -152,7 +154,7 @@ def _raw_record(
     raw = TensorRecord(
         meta.dtype.name, chunk.sizes, row_major_stride(chunk.sizes), 0, chunk.numel, 0, compressed_size=need
     )
-    member = ckpt.record_member(info) if hasattr(ckpt, "record_member") else None
+    member = ckpt.record_member(info, key) if hasattr(ckpt, "record_member") else None
     return raw if member is None else replace(raw, crc32=member.crc32, member=member)
 
 

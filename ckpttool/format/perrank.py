@@ -10,8 +10,9 @@ local shard in its global tensor from the DTensor's mesh and placements (``Shard
 ``compute_local_shape_and_global_offset`` gives). Every shard becomes a chunk of a
 :class:`~ckpttool.format.metadata.CheckpointMetadata` whose storage window is the shard's raw
 bytes inside the rank file (``serialization="safetensors"``: the chunk locator reads a window as
-the raw little-endian C-order record, checked against the ``torch.save`` record's zip CRC-32 where the
-window is the whole record: :meth:`PerRankReader.record_member`), so every command reads, streams
+the raw little-endian C-order record, checked against the ``torch.save`` record's zip CRC-32: on the
+bytes read where the window is the whole record, the whole record read once where it is part of it:
+:meth:`PerRankReader.record_member`), so every command reads, streams
 and checks it through the one engine like a DCP chunk. Replicated shards (a ``Replicate`` mesh dim, optimizer ``step``
 scalars) are one chunk; the copies of the other ranks are compared with it byte for byte
 (:meth:`PerRankReader.check_replicas`). Non-tensor values (param-group hyperparameters, the
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.engine.io import ShortReadError
-from ckpttool.errors import CkptError, DataFileError, PerRankError
+from ckpttool.errors import ChecksumError, CkptError, DataFileError, PerRankError
 from ckpttool.format import limits
 from ckpttool.format.archive import STORED, ArchiveError, FileWindow, Member, check_torch_records, parse_archive
 from ckpttool.format.files import open_regular, resolve_inside
@@ -330,9 +331,10 @@ class Assembled:
         entries, storage: as :class:`CheckpointMetadata`.
         objects: byte-item key -> its value (served from memory by :class:`PerRankReader`).
         replicas: ``(key, offsets, first storage, other rank's storage)`` pairs to compare.
-        members: ``(rank file, window offset)`` -> the ``torch.save`` zip member whose whole record a
-            chunk's window is (its CRC-32 is checked as a DCP record's; a window inside a larger
-            storage, e.g. a padded FSDP shard, has none).
+        members: ``(rank file, window offset)`` -> the ``torch.save`` zip member whose record holds a
+            chunk's window: the whole record (its CRC-32 is checked as a DCP record's, on the bytes
+            read) or a part of it (a padded FSDP shard, a piece of a strided shard: the whole record
+            is read and checked once, :meth:`PerRankReader.record_member`).
         files: the rank files read (relative paths); meshes: mesh shapes seen; placements: placement strings seen.
         notes: one line each: what was read and decided (``inspect`` shows them).
         companions: full-model safetensors files saved beside the shards (relative paths), which
@@ -421,10 +423,8 @@ class Assembled:
             raise PerRankError(f"{where}: the shard reaches past its storage record data/{local.key}", fqn=key)
         info = StorageInfo(ro.file.relative_path, off + begin, nbytes)
         member = ro.members.get(local.key)
-        if member is not None and begin == 0 and nbytes == rec_bytes and nbytes > 0:
-            self.members[(info.relative_path, info.offset)] = (
-                member  # the window is the whole record: its CRC-32 applies
-            )
+        if member is not None and nbytes > 0:  # the record holding the window: its CRC-32 applies
+            self.members[(info.relative_path, info.offset)] = member
         have = self.storage.get((key, chunk.offsets))
         if have is not None:
             known = next(c for c in self._chunks[key] if c.offsets == chunk.offsets)
@@ -602,11 +602,46 @@ class PerRankReader(CheckpointReader):
         super().__init__(path, trust_pickle=trust_pickle, metadata=assembled.metadata())
         self.assembled = assembled
         self._saved: dict[str, bytes] = {}
+        self._verified: set[tuple[str, int]] = set()  # (rank file, record offset) whose CRC-32 passed
 
-    def record_member(self, info: StorageInfo) -> Member | None:
-        """The zip member whose whole record ``info``'s window is, or ``None`` (its CRC-32 then unknown)."""
+    def record_member(self, info: StorageInfo, fqn: str | None = None) -> Member | None:
+        """The zip member whose whole record ``info``'s window is (its CRC-32 checked on the bytes read).
+
+        A window that is part of its record (a padded FSDP shard, a piece of a strided shard) gets
+        ``None`` once the whole record has passed its CRC-32 here (read once per record, on the
+        engine); a window of no ``torch.save`` record (a safetensors rank file) gets ``None``.
+
+        Raises:
+            ChecksumError: the record holding the window fails its CRC-32 (E308, naming ``fqn``).
+            DataFileError: the rank file is shorter than the record.
+        """
         m = self.assembled.members.get((info.relative_path, info.offset))
-        return m if m is not None and m.size == info.length else None
+        if m is None:
+            return None
+        if m.data_offset == info.offset and m.size == info.length:
+            return m
+        done = (info.relative_path, m.data_offset)
+        if done not in self._verified:
+            self._check_record(info.relative_path, m, fqn)
+            self._verified.add(done)
+        return None
+
+    def _check_record(self, rel: str, m: Member, fqn: str | None) -> None:
+        from ckpttool.engine.execute import run_item  # the engine's thread pool: loaded by the commands that read data
+        from ckpttool.engine.plan import Crc32, Item
+
+        where = f"{Path(self.path) / rel}: storage record data/{m.name.rpartition('/')[2]}"
+        try:
+            (crc,) = run_item(Item.of(self.fd(rel), m.data_offset, m.size, Crc32()))
+        except ShortReadError:
+            raise DataFileError(f"{where}: short read", path=rel, fqn=fqn) from None
+        if crc != m.crc32:
+            raise ChecksumError(
+                f"{where}{f' (of {fqn!r})' if fqn else ''} fails its CRC-32 check (stored {m.crc32:08x}, "
+                f"read {crc:08x}): the bytes changed after they were saved",
+                path=rel,
+                fqn=fqn,
+            )
 
     def raw_bytes(self, fqn: str, chunk: ChunkMeta | None = None) -> bytes | bytearray:
         if chunk is None and fqn in self.assembled.objects:

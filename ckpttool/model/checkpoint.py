@@ -29,11 +29,12 @@ from ckpttool.errors import (
 )
 from ckpttool.format import limits
 from ckpttool.format.mdstorage import referenced_paths
-from ckpttool.format.metadata import CheckpointMetadata
+from ckpttool.format.metadata import CheckpointMetadata, TensorMeta
 from ckpttool.format.perrank import PerRankError, PerRankReader
 from ckpttool.format.perrank_formats import detect_layout, layout_in_listing
 from ckpttool.format.reader import CheckpointReader, load_saved_object
 from ckpttool.format.storage import RemoteStore, is_url, url_path
+from ckpttool.format.tiling import tiling_problem
 from ckpttool.format.unpickler import gc_paused
 from ckpttool.layouts.declaration import LayoutDeclaration, ResolvedLayout, resolve_layout
 from ckpttool.model.beside import hf_config_beside, unread_beside
@@ -86,6 +87,8 @@ class Checkpoint:
         byte_item_errors: byte-item key -> error met while reading it (``record_problems`` mode).
         replica_error: per-rank files whose replicated shards differ between ranks
             (``record_problems`` mode; validate's ``D014``, others raise it).
+        tiling_error: per-rank files whose shards do not tile their tensors, such as a rank file
+            copied over another's (``record_problems`` mode; validate's ``S004``, others raise it).
         record_problems: the mode it was opened in.
         located: which directory (or model/optimizer pair) was opened, and why.
     """
@@ -109,6 +112,7 @@ class Checkpoint:
         self.byte_item_errors: dict[str, CkptError] = {}
         self.layout_error: CkptError | None = None
         self.replica_error: PerRankError | None = None
+        self.tiling_error: PerRankError | None = None
         self.layout: ResolvedLayout | None = None
         self._groups_loaded = False
         self._extra_state: list[ExtraState] | None = None
@@ -249,9 +253,9 @@ def open_checkpoint(
             if is_url(path) or where.optimizer is not None
             else _open_perrank(where, trust_pickle, selection, record_problems)
         )
-        replica_error = None
+        problems: tuple[PerRankError | None, PerRankError | None] = (None, None)
         if perrank is not None:
-            reader, selection, where, replica_error = perrank
+            reader, selection, where, problems = perrank
         elif where.optimizer is None:
             reader = _open_reader(where.model, trust_pickle, remote=is_url(path))
         else:
@@ -263,7 +267,7 @@ def open_checkpoint(
             ckpt = Checkpoint(
                 reader, declaration=declaration, record_problems=record_problems, selection=selection, located=where
             )
-            ckpt.replica_error = replica_error
+            ckpt.replica_error, ckpt.tiling_error = problems
         except BaseException:
             reader.close()
             raise
@@ -305,14 +309,15 @@ def _refuse_remote_perrank(url: Path) -> None:
 
 def _open_perrank(
     where: Located, trust_pickle: bool, selection: CheckpointSelection | None, record_problems: bool = False
-) -> tuple[CheckpointReader, CheckpointSelection, Located, PerRankError | None] | None:
+) -> tuple[CheckpointReader, CheckpointSelection, Located, tuple[PerRankError | None, PerRankError | None]] | None:
     """A per-rank checkpoint (verl FSDP, torch-checkpointing: :mod:`ckpttool.format.perrank`) assembled
-    into a reader, read with its format's key schema, and the error of replicated shards that differ
-    between ranks when ``record_problems`` (else raised); ``None`` when ``where`` is not one.
+    into a reader, read with its format's key schema, and the errors ``(replicated shards that differ
+    between ranks, shards that do not tile their tensors)`` when ``record_problems`` (else raised);
+    ``None`` when ``where`` is not one.
 
     Raises:
-        PerRankError: the rank files do not fit together, or replicated shards differ between ranks
-            (not with ``record_problems``).
+        PerRankError: the rank files do not fit together, replicated shards differ between ranks, or
+            the shards leave a gap in (or overlap within) a tensor (the last two not with ``record_problems``).
         IncompleteCheckpointError, UnsafePickleError, DataFileError: as the format reads its files.
     """
     found = detect_layout(where.model)
@@ -337,11 +342,43 @@ def _open_perrank(
         if not record_problems:
             reader.close()
             raise replica_error
+    tiling_error = _perrank_tiling(where.model, reader)
+    if tiling_error is not None and not record_problems:
+        reader.close()
+        raise tiling_error
     sel = selection or CheckpointSelection()
     if sel.schema is None:
         sel = replace(sel, schema=SchemaOverride(schema=layout.schema, by=f"{layout.name} per-rank files"))
     how = f"{where.how}; {layout.name} per-rank files: " + "; ".join(assembled.notes)
-    return reader, sel, replace(where, how=how), replica_error
+    return reader, sel, replace(where, how=how), (replica_error, tiling_error)
+
+
+def _perrank_tiling(model: Path, reader: PerRankReader) -> PerRankError | None:
+    """The error of per-rank shards that do not tile their tensors (``None``: every tensor is covered once).
+
+    Each rank file's DTensor names its own mesh coordinate; a rank file copied over another's (or
+    renamed) repeats a coordinate, so one shard is held twice and another by no file.
+    """
+    bad = {
+        key: problem
+        for key, meta in reader.metadata.entries.items()
+        if isinstance(meta, TensorMeta) and (problem := tiling_problem(meta)) is not None
+    }
+    if not bad:
+        return None
+    first = next(iter(bad))
+    held_twice = sorted(
+        {f"{a.relative_path} and {b.relative_path}" for key, _, a, b in reader.assembled.replicas if key in bad}
+    )
+    return PerRankError(
+        f"{model}: the rank files' shards do not tile {len(bad)} tensor(s): {first}: {bad[first]}"
+        + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+        + (f"; {held_twice[0]} hold the same shards" if held_twice else ""),
+        path=model,
+        fqn=first,
+        hint="each rank's file must hold its own shard: a rank file was copied over another's, renamed, or "
+        "comes from another save; restore the files of one save",
+    )
 
 
 def _log_opened(ckpt: Checkpoint, read_s: float, model_s: float) -> None:

@@ -637,6 +637,8 @@ def _checked(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         raise next(iter(ckpt.byte_item_errors.values()))
     if ckpt.replica_error is not None:  # which rank's copy would it show? an error, as for every reader
         raise ckpt.replica_error
+    if ckpt.tiling_error is not None:  # a tensor no file holds whole: an error, as for every reader
+        raise ckpt.tiling_error
     return _build(ckpt, opts)
 
 

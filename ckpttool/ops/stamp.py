@@ -111,8 +111,9 @@ def _stamp(ckpt: Checkpoint, declaration: LayoutDeclaration | None) -> StampResu
         raise UsageError(
             "stamp needs a layout declaration (`source_layout`, `ep_size`, `ep_fsdp_size`)", param="source_layout"
         )
-    if ckpt.replica_error is not None:
-        raise ckpt.replica_error
+    for problem in (ckpt.replica_error, ckpt.tiling_error):
+        if problem is not None:
+            raise problem
     p, cat = ckpt.path, ckpt.catalog
     sidecar = p / SIDECAR_NAME
     err = ckpt.layout_error

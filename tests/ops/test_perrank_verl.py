@@ -116,6 +116,29 @@ def test_validate_strict_deep_ok_and_reads_training_state(verl_root: Path) -> No
     assert doc["ok"] is True
 
 
+def test_rank_file_copied_over_another_is_refused(verl_root: Path, tmp_path: Path) -> None:
+    """Rank 0's model file copied over rank 1's: each DTensor names mesh coordinate 0 twice, so rank 1's
+    rows are held by no file. Every reader refuses it (E280) and validate lists each tensor (S004)."""
+    actor = shutil.copytree(_actor(verl_root, 2), tmp_path / "actor")
+    shutil.copyfile(actor / "model_world_size_2_rank_0.pt", actor / "model_world_size_2_rank_1.pt")
+    before = (actor / "model_world_size_2_rank_1.pt").read_bytes()
+    for cmd in (["inspect"], ["manifest"], ["stats"], ["export", str(tmp_path / "out")]):
+        res = runner.invoke(app, [cmd[0], str(actor), *cmd[1:]])
+        assert res.exit_code == 2, (cmd, res.output)
+        assert res.stderr.startswith(
+            f"error: [E280] {actor}: the rank files' shards do not tile 21 tensor(s): "
+            "model.model.embed_tokens.weight: gap: no chunk covers [32, 64) of dim 0 (and 20 more); "
+            "model_world_size_2_rank_0.pt and model_world_size_2_rank_1.pt hold the same shards\n"
+        ), res.stderr
+        assert res.stdout == ""
+    assert not (actor / "manifest.json").exists() and not (tmp_path / "out").exists()
+    res = runner.invoke(app, ["validate", str(actor), "--json"])
+    assert res.exit_code == 1
+    s004 = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "S004"]
+    assert len(s004) == 21 and all("gap" in f["message"] for f in s004)
+    assert (actor / "model_world_size_2_rank_1.pt").read_bytes() == before
+
+
 def test_missing_rank_file_is_incomplete(verl_root: Path, tmp_path: Path) -> None:
     actor = shutil.copytree(_actor(verl_root, 2), tmp_path / "actor")
     (actor / "optim_world_size_2_rank_1.pt").unlink()
