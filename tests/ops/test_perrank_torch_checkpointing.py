@@ -170,6 +170,24 @@ def test_unknown_metadata_version_is_refused_by_name(tc_root: Path, tmp_path: Pa
     assert "E281" in res.output and "'3.7'" in res.output
 
 
+def test_rank_file_copied_over_another_is_refused(tc_root: Path, tmp_path: Path) -> None:
+    """model_0.pt copied over model_1.pt: rank 1's rows are in no file; every reader says so (E280),
+    validate lists the tensors (S004)."""
+    d = shutil.copytree(tc_root / "w2" / "step-2", tmp_path / "step-2")
+    shutil.copyfile(d / "model_0.pt", d / "model_1.pt")
+    for cmd in (["inspect"], ["manifest"], ["stats"], ["export", str(tmp_path / "out")]):
+        res = runner.invoke(app, [cmd[0], str(d), *cmd[1:]])
+        assert res.exit_code == 2 and res.stdout == "", (cmd, res.output)
+        assert res.stderr.startswith(
+            f"error: [E280] {d}: the rank files' shards do not tile 21 tensor(s): model.model.embed_tokens.weight: "
+            "gap: no chunk covers [32, 64) of dim 0 (and 20 more); model_0.pt and model_1.pt hold the same shards\n"
+        ), res.stderr
+    assert not (d / "manifest.json").exists() and not (tmp_path / "out").exists()
+    res = runner.invoke(app, ["validate", str(d), "--json"])
+    assert res.exit_code == 1
+    assert len([f for f in json.loads(res.stdout)["findings"] if f["code"] == "S004"]) == 21
+
+
 def test_missing_rank_file_is_incomplete(tc_root: Path, tmp_path: Path) -> None:
     d = shutil.copytree(tc_root / "w2" / "step-2", tmp_path / "step-2")
     (d / "lr_scheduler_1.pt").unlink()
