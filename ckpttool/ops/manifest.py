@@ -30,8 +30,9 @@ from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, 
 from ckpttool.format.files import read_regular
 from ckpttool.format.jsonfile import check_json_graph, json_error
 from ckpttool.format.jsonview import JsonView
+from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.marker import MARKER_NAME, recording
-from ckpttool.format.metadata import BytesMeta, ChunkMeta, StorageInfo, TensorMeta
+from ckpttool.format.metadata import BytesMeta, ChunkMeta, TensorMeta
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 
@@ -236,28 +237,46 @@ def _check_algorithm(algorithm: str) -> None:
         )
 
 
-def _hash_window(reader: CheckpointReader, info: StorageInfo, fqn: str, algorithm: str) -> str:
-    """Digest of ``[offset, offset+length)`` of ``info``'s data file, read in blocks."""
-    return _hash_range(reader, info.relative_path, info.offset, info.length, fqn, algorithm)
-
-
-def _read_into(h: Any, fd: int, offset: int, length: int) -> None:
+def _read_into(h: Any, fd: int, offset: int, length: int, crc_span: tuple[int, int] | None = None) -> int | None:
     """Feed ``[offset, offset+length)`` of ``fd`` to ``h.update`` through the engine (imported here: an export,
-    which imports this module for :func:`source_identity`, does not need the engine's executor at start-up).
+    which imports this module for :func:`source_identity`, does not need the engine's executor at start-up);
+    with ``crc_span`` ``(start, end)`` (relative to ``offset``) also the CRC-32 of those bytes, from the same read.
 
     Raises:
         ShortReadError: the file ends inside the window.
     """
     from ckpttool.engine.execute import run_item
-    from ckpttool.engine.plan import Feed, Item
+    from ckpttool.engine.plan import Crc32, Feed, Item
 
-    run_item(Item.of(fd, offset, length, Feed(h.update)))
+    if crc_span is None:
+        run_item(Item.of(fd, offset, length, Feed(h.update)))
+        return None
+    return int(run_item(Item.of(fd, offset, length, Feed(h.update), Crc32(*crc_span)))[1])
 
 
-def _hash_range(reader: CheckpointReader, rel: str, offset: int, length: int, fqn: str, algorithm: str) -> str:
+def _hash_range(
+    reader: CheckpointReader,
+    rel: str,
+    offset: int,
+    length: int,
+    fqn: str,
+    algorithm: str,
+    loc: ChunkLocation | None = None,
+) -> str:
+    """Digest of ``[offset, offset+length)`` of data file ``rel``; with ``loc`` (a chunk whose storage record
+    lies in that range and has a zip CRC-32) the record's CRC-32 is checked on the same read.
+
+    Raises:
+        DataFileError: the file ends inside the range.
+        ChecksumError: the record fails its CRC-32 (E308: a manifest is never written over damaged bytes).
+    """
     h = new_hasher(algorithm)
+    span = None
+    if loc is not None and loc.record.member is not None and not loc.record.deflated:
+        start = loc.data_start - offset
+        span = (start, start + loc.record.compressed_size)
     try:
-        _read_into(h, reader.fd(rel), offset, length)
+        crc = _read_into(h, reader.fd(rel), offset, length, span)
     except ShortReadError:
         raise DataFileError(
             f"{reader.path / rel}: short read of {fqn!r} (the file ends inside its window)",
@@ -265,6 +284,8 @@ def _hash_range(reader: CheckpointReader, rel: str, offset: int, length: int, fq
             fqn=fqn,
         ) from None
     reader.count_read(length)
+    if crc is not None and loc is not None:
+        loc.check_crc(crc)
     return h.hexdigest()
 
 
@@ -346,15 +367,21 @@ def _view_problem(reader: CheckpointReader, e: ManifestEntry, chunk: ChunkMeta) 
 
 
 def _hash_entry(
-    reader: CheckpointReader, key: str, chunk: ChunkMeta | None, covers: str, algorithm: str
+    reader: CheckpointReader,
+    key: str,
+    chunk: ChunkMeta | None,
+    covers: str,
+    algorithm: str,
+    loc: ChunkLocation | None = None,
 ) -> tuple[str, str]:
-    """``(covers, digest)`` of one entry; ``record`` falls back to ``window`` where a chunk has no stored record."""
+    """``(covers, digest)`` of one entry; ``record`` falls back to ``window`` where a chunk has no stored record.
+    ``loc``: the chunk's location when it lies in its data file as is (its record's CRC-32 checked on the read)."""
     info = reader.storage_info(key, chunk)
     if covers == "record" and chunk is not None:
         span = record_span(reader, key, chunk)
         if span is not None:
-            return "record", _hash_range(reader, info.relative_path, span[0], span[1], key, algorithm)
-    return "window", _hash_window(reader, info, key, algorithm)
+            return "record", _hash_range(reader, info.relative_path, span[0], span[1], key, algorithm, loc)
+    return "window", _hash_range(reader, info.relative_path, info.offset, info.length, key, algorithm, loc)
 
 
 def _items(reader: CheckpointReader) -> list[tuple[str, ChunkMeta | None]]:
@@ -418,16 +445,19 @@ def build_manifest(
     """
     _check_algorithm(algorithm)
     _check_covers(covers)
-    safetensors = reader.metadata.serialization != "torch_save"
 
     def one(item: tuple[str, ChunkMeta | None]) -> ManifestEntry:
         key, chunk = item
         info = reader.storage_info(key, chunk)
         crc: str | None = None
-        if chunk is not None and not safetensors and chunk.numel > 0:
-            rec = reader.locate(key, chunk).record
-            crc = f"{rec.crc32:08x}" if rec.member is not None else None
-        kind, digest = _hash_entry(reader, key, chunk, covers, algorithm)
+        loc = None
+        if chunk is not None and chunk.numel > 0:
+            loc = reader.locate(key, chunk)  # a per-rank shard's record member too (its CRC-32 checked)
+            if loc.record.member is not None:  # a torch.save record's (DCP, per-rank), not a safetensors window
+                crc = f"{loc.record.crc32:08x}"
+            if not loc.in_file:
+                loc = None  # behind a stream transform: the locator checked the decoded record
+        kind, digest = _hash_entry(reader, key, chunk, covers, algorithm, loc)
         view = None
         if kind == "record" and chunk is not None:  # recorded when not the view ckpttool writes (checked then)
             view = record_view(reader, key, chunk)

@@ -359,3 +359,27 @@ def test_a_flipped_byte_in_a_rank_file_fails_its_crc(tc_root: Path, tmp_path: Pa
     res = runner.invoke(app, ["export", str(ckpt), str(tmp_path / "hf")])
     assert res.exit_code == 2 and "[E308]" in res.stderr and "fails its CRC-32 check" in res.stderr, res.output
     assert not (tmp_path / "hf").exists()
+
+
+def test_manifest_records_each_shards_zip_crc(tc_root: Path, tmp_path: Path) -> None:
+    """A per-rank shard's manifest entry carries its torch.save record's CRC-32 (as zipfile reads it), and a
+    changed byte in a record gets no manifest (E308)."""
+    import zipfile
+
+    d = shutil.copytree(tc_root / "w2" / "step-2", tmp_path / "step-2")
+    res = runner.invoke(app, ["manifest", str(d), "-o", str(tmp_path / "m.json")])
+    assert res.exit_code == 0, res.output
+    entries = json.loads((tmp_path / "m.json").read_text())["entries"]
+    crcs = {}
+    for name in ("model_0.pt", "model_1.pt", "optimizer_0.pt", "optimizer_1.pt"):
+        with zipfile.ZipFile(d / name) as z:
+            crcs[name] = {f"{i.CRC:08x}" for i in z.infolist() if "/data/" in i.filename}
+    recorded = [e for e in entries if e["crc32"] is not None]
+    assert len(recorded) >= 42 and all(e["crc32"] in crcs[e["file"]] for e in recorded)
+    e = next(e for e in recorded if e["file"] == "model_1.pt" and e["length"] >= 64)
+    data = bytearray((d / "model_1.pt").read_bytes())
+    data[e["offset"] + 8] ^= 0x01
+    (d / "model_1.pt").write_bytes(data)
+    res = runner.invoke(app, ["manifest", str(d), "-o", str(tmp_path / "m2.json")])
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E308] {d / 'model_1.pt'}"), res.output
+    assert not (tmp_path / "m2.json").exists()

@@ -163,3 +163,25 @@ def test_oversized_manifest_is_refused_before_reading(dense_ckpt: Path, tmp_path
         f.truncate(2 << 20)
     res = invoke("--max-object-size", "1MiB", "validate", dense_ckpt, "--manifest", bad)
     assert res.exit_code == 2 and "over the cap" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("covers", ["window", "record"])
+def test_a_record_failing_its_crc_gets_no_manifest(dense_ckpt: Path, tmp_path: Path, covers: str) -> None:
+    """A value bit flipped in a dcp.save record (its zip CRC-32 left as saved): writing a manifest of it
+    would certify damaged bytes; E308 names the file and key, nothing is written."""
+    from tests.fixtures.damage import flip_value_bit
+
+    ck = copy_checkpoint(dense_ckpt, tmp_path / "ck")
+    key = next(k for k, v in CheckpointReader(ck).metadata.entries.items() if hasattr(v, "chunks") and v.numel > 100)
+    flip_value_bit(ck, key)
+    if covers == "window":  # the command's
+        res = runner.invoke(app, ["manifest", str(ck)])
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        assert res.stderr.startswith(f"error: [E308] {ck}/") and f"{key!r} chunk at" in res.stderr, res.stderr
+        assert "storage record fails its CRC-32 check" in res.stderr
+    else:  # what reshard --manifest computes
+        from ckpttool.errors import ChecksumError
+
+        with pytest.raises(ChecksumError, match="storage record fails its CRC-32 check"):
+            write_manifest(ck, ManifestOptions(covers="record"))
+    assert not (ck / "manifest.json").exists()
