@@ -387,7 +387,9 @@ def _filesystem(scheme: str, options: Mapping[str, Any], shown: str, timeout_s: 
             path=shown,
             hint="check --storage-option keys against the backend's documentation",
         ) from e
-    except OSError as e:  # a filesystem that opens its target when built (zip://, tar://): not a checkpoint prefix
+    # a filesystem that opens its target when built (zip://, tar://: OSError) or wraps another one it is not
+    # given (dir://: AttributeError from its None path): not a checkpoint prefix
+    except (OSError, AttributeError, LookupError, RuntimeError) as e:
         raise RemoteStorageError(
             f"{shown}: cannot open a {scheme}:// filesystem here ({type(e).__name__}: {redact(str(e), options)[:120]})",
             path=shown,

@@ -265,9 +265,10 @@ def test_missing_credentials_are_a_permission_error(
     assert "pip install" not in r.output and "Traceback" not in r.output
 
 
-@pytest.mark.parametrize("url", ["zip://x::s3://b/y", "tar://x::file:///nonexistent"])
+@pytest.mark.parametrize("url", ["zip://x::s3://b/y", "tar://x::file:///nonexistent", "dir://x/y"])
 def test_chained_url_that_opens_a_file_is_one_error_line(url: str) -> None:
-    """zip:// and tar:// filesystems open their target when built: an E999 (IsADirectoryError) became E140."""
+    """zip:// and tar:// filesystems open their target when built: an E999 (IsADirectoryError) became E140;
+    dir:// (a wrapper of a filesystem and path it is not given) raised AttributeError when built: E999 too."""
     r = runner.invoke(app, ["inspect", url])
     assert r.exit_code == 2 and "[E140]" in r.stderr and "E999" not in r.stderr, r.stderr
     assert r.stderr.count("error:") == 1
