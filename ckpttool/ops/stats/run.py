@@ -305,13 +305,17 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
     notes: dict[str, list[str]] = {}
     work, roles = _plan(ckpt, opts, notes)
     if not work:
-        unknown = not opts.filters and ckpt.catalog.schema.id == "unrecognized"
+        empty = not ckpt.catalog.tensors  # no key schema would find one: not a schema to name
+        unknown = not opts.filters and not empty and ckpt.catalog.schema.id == "unrecognized"
         raise UsageError(
             f"{ckpt.catalog.path}: no tensor to measure"
             + (f" matches {', '.join(opts.filters)}" if opts.filters else "")
-            + ("; its key schema is not recognised" if unknown else ""),
+            + ("; its key schema is not recognised" if unknown else "")
+            + ("; the checkpoint holds no tensor" if empty else ""),
             hint="name the keys with --schema, --model-prefix and --optimizer-prefix (`ckpttool inspect` shows them)"
             if unknown
+            else "pass a checkpoint that holds tensors (`ckpttool inspect` shows what this one holds)"
+            if empty
             else "check --filter against `ckpttool inspect` (globs match fqns and keys)",
         )
     total = sum(_work_bytes(w) for w in work)
