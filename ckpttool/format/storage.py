@@ -282,6 +282,7 @@ _PERMISSION_WORDS = (
     "expiredtoken",
     "clientauthenticationerror",
 )
+_URL_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]*")
 _THROTTLE_WORDS = ("slowdown", "slow down", "throttl", "toomanyrequests", "too many requests", "requestlimitexceeded")
 
 
@@ -293,7 +294,9 @@ def _classify(e: BaseException) -> str:
         return "not_found"
     if isinstance(e, PermissionError):
         return "permission"
-    text = f"{type(e).__name__} {e}".lower()
+    # the words are looked for in the error, not in the URL it may quote: a connection error to
+    # ".../credentials-eval/step-100" or "s3://forbidden-planet/..." is no permission error
+    text = _URL_RE.sub(" ", f"{type(e).__name__} {e}").lower()
     if any(w in text for w in _THROTTLE_WORDS) or " 429" in text or "(429)" in text:
         return "throttled"
     if any(w in text for w in _PERMISSION_WORDS) or " 403" in text:

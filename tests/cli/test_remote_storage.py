@@ -454,3 +454,18 @@ def test_spool_is_bounded_and_evicted(sample_ckpt: Path, s3_server: Any, tmp_pat
             assert spool is not None and spool.held <= byte_items < spool.peak
         finally:
             ck.close()
+
+
+def test_a_word_in_the_url_does_not_classify_the_error() -> None:
+    """A connection error quotes the endpoint URL: a prefix named credentials-eval or forbidden-planet made it a
+    permission error (E142, never retried); the words are looked for in the error itself."""
+    from botocore.exceptions import ClientError, ConnectTimeoutError, EndpointConnectionError, NoCredentialsError
+
+    from ckpttool.format.storage import _classify
+
+    url = "https://s3.us-east-1.amazonaws.com/forbidden-planet/credentials-eval/step-100/.metadata"
+    assert _classify(EndpointConnectionError(endpoint_url=url)) == "transient"
+    assert _classify(ConnectTimeoutError(endpoint_url=url)) == "transient"
+    assert _classify(NoCredentialsError()) == "permission"
+    denied = ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"}}, "GetObject")
+    assert _classify(denied) == "permission"
