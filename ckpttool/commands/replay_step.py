@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 from enum import Enum
 from pathlib import Path
@@ -225,6 +226,13 @@ def _tolerance(text: str | None, rtol: float | None, atol: float | None) -> str:
                 "--tolerance and --rtol/--atol are exclusive", hint="give --rtol R --atol A, or --tolerance R,A"
             )
         return text
+    for flag, value, example in (("--rtol", rtol, "1e-5"), ("--atol", atol, "1e-8")):
+        if value is not None and not (math.isfinite(value) and value >= 0):  # named by the flag given
+            raise UsageError(
+                f"{flag} {value!r}: must be a finite number >= 0 (an infinite or NaN tolerance accepts any result, "
+                "so the check could never fail)",
+                hint=f"e.g. {flag} {example} (widen it for a looser check)",
+            )
     return f"{1e-5 if rtol is None else rtol!r},{1e-8 if atol is None else atol!r}"
 
 

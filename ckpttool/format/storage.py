@@ -282,6 +282,7 @@ _PERMISSION_WORDS = (
     "expiredtoken",
     "clientauthenticationerror",
 )
+_URL_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]*")
 _THROTTLE_WORDS = ("slowdown", "slow down", "throttl", "toomanyrequests", "too many requests", "requestlimitexceeded")
 
 
@@ -293,7 +294,9 @@ def _classify(e: BaseException) -> str:
         return "not_found"
     if isinstance(e, PermissionError):
         return "permission"
-    text = f"{type(e).__name__} {e}".lower()
+    # the words are looked for in the error, not in the URL it may quote: a connection error to
+    # ".../credentials-eval/step-100" or "s3://forbidden-planet/..." is no permission error
+    text = _URL_RE.sub(" ", f"{type(e).__name__} {e}").lower()
     if any(w in text for w in _THROTTLE_WORDS) or " 429" in text or "(429)" in text:
         return "throttled"
     if any(w in text for w in _PERMISSION_WORDS) or " 403" in text:
@@ -387,7 +390,9 @@ def _filesystem(scheme: str, options: Mapping[str, Any], shown: str, timeout_s: 
             path=shown,
             hint="check --storage-option keys against the backend's documentation",
         ) from e
-    except OSError as e:  # a filesystem that opens its target when built (zip://, tar://): not a checkpoint prefix
+    # a filesystem that opens its target when built (zip://, tar://: OSError) or wraps another one it is not
+    # given (dir://: AttributeError from its None path): not a checkpoint prefix
+    except (OSError, AttributeError, LookupError, RuntimeError) as e:
         raise RemoteStorageError(
             f"{shown}: cannot open a {scheme}:// filesystem here ({type(e).__name__}: {redact(str(e), options)[:120]})",
             path=shown,

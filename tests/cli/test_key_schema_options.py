@@ -47,6 +47,18 @@ def test_stats_measures_a_custom_schema_once_named(custom: tuple[Path, torch.nn.
     assert norms["weight"] == pytest.approx(m.weight.detach().double().norm().item(), rel=1e-6)
 
 
+def test_stats_of_a_folder_with_no_tensor_names_no_key_schema(tmp_path: Path) -> None:
+    """A safetensors file of headers only holds no tensor: no --schema would find one (the hint named them)."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "empty").mkdir()
+    save_file({}, str(tmp_path / "empty" / "model.safetensors"))
+    res = runner.invoke(app, ["stats", str(tmp_path / "empty")])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.startswith(f"error: [E100] {tmp_path / 'empty'}: no tensor to measure; the checkpoint holds no")
+    assert "not recognised" not in res.stderr and "--schema" not in res.stderr
+
+
 def test_diff_names_the_options_and_compares_once_named(custom: tuple[Path, torch.nn.Module], tmp_path: Path) -> None:
     root, m = custom
     bad = runner.invoke(app, ["diff", str(root), str(root)])

@@ -265,9 +265,10 @@ def test_missing_credentials_are_a_permission_error(
     assert "pip install" not in r.output and "Traceback" not in r.output
 
 
-@pytest.mark.parametrize("url", ["zip://x::s3://b/y", "tar://x::file:///nonexistent"])
+@pytest.mark.parametrize("url", ["zip://x::s3://b/y", "tar://x::file:///nonexistent", "dir://x/y"])
 def test_chained_url_that_opens_a_file_is_one_error_line(url: str) -> None:
-    """zip:// and tar:// filesystems open their target when built: an E999 (IsADirectoryError) became E140."""
+    """zip:// and tar:// filesystems open their target when built: an E999 (IsADirectoryError) became E140;
+    dir:// (a wrapper of a filesystem and path it is not given) raised AttributeError when built: E999 too."""
     r = runner.invoke(app, ["inspect", url])
     assert r.exit_code == 2 and "[E140]" in r.stderr and "E999" not in r.stderr, r.stderr
     assert r.stderr.count("error:") == 1
@@ -453,3 +454,18 @@ def test_spool_is_bounded_and_evicted(sample_ckpt: Path, s3_server: Any, tmp_pat
             assert spool is not None and spool.held <= byte_items < spool.peak
         finally:
             ck.close()
+
+
+def test_a_word_in_the_url_does_not_classify_the_error() -> None:
+    """A connection error quotes the endpoint URL: a prefix named credentials-eval or forbidden-planet made it a
+    permission error (E142, never retried); the words are looked for in the error itself."""
+    from botocore.exceptions import ClientError, ConnectTimeoutError, EndpointConnectionError, NoCredentialsError
+
+    from ckpttool.format.storage import _classify
+
+    url = "https://s3.us-east-1.amazonaws.com/forbidden-planet/credentials-eval/step-100/.metadata"
+    assert _classify(EndpointConnectionError(endpoint_url=url)) == "transient"
+    assert _classify(ConnectTimeoutError(endpoint_url=url)) == "transient"
+    assert _classify(NoCredentialsError()) == "permission"
+    denied = ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"}}, "GetObject")
+    assert _classify(denied) == "permission"

@@ -11,8 +11,8 @@ within tolerance when ``|a - b| <= atol + rtol * |b|`` with
 
 - block FP8: ``rtol`` :data:`FP8_RTOL` (``2^-3``: one e4m3 step, twice the rounding error of round
   to nearest on 3 mantissa bits, which leaves room for the other side's BF16 rounding) and ``atol``
-  ``2^-9`` times the tensor's largest scale (one e4m3fn subnormal step: values quantized to the
-  subnormal range);
+  ``2^-9`` times the tensor's largest finite scale (one e4m3fn subnormal step: values quantized to the
+  subnormal range; an infinite scale's block dequantizes to infinities and NaN, all outside);
 - MXFP4: ``rtol`` :data:`MXFP4_RTOL` (``2^-1``, one E2M1 step) and ``atol`` ``2^-1`` times the largest
   group scale ``2^(e - 127)``.
 
@@ -128,7 +128,8 @@ def fp8_decoder(side: Side, item: Item, scale: Any = None) -> Callable[[memoryvi
     assert item.dequant is not None
     _, scale_key, block = item.dequant
     s = scale if scale is not None else side.tensor(scale_key).numpy().copy()
-    side.quant_atol = _FP8_ATOL_STEPS * (float(np.nanmax(s)) if s.size else 0.0)
+    finite = s[np.isfinite(s)]  # an infinite scale (damaged) would make every element of the tensor "within"
+    side.quant_atol = _FP8_ATOL_STEPS * (float(finite.max()) if finite.size else 0.0)
     *_, rows, cols = item.shape
     grids = s.reshape(-1, *s.shape[-2:])  # one scale grid per expert (one for a 2-D weight)
 

@@ -959,8 +959,13 @@ def _check_options(opts: DiffOptions) -> None:
     if opts.weights not in ("params", "master"):
         raise UsageError(f"`weights` {opts.weights!r} is not one of params, master", param="weights")
     for p, v in (("rtol", opts.rtol), ("atol", opts.atol)):
-        if v is not None and not (v >= 0):
-            raise UsageError(f"`{p}` must be a non-negative number, got {v}", param=p)
+        if v is not None and not (math.isfinite(v) and v >= 0):  # inf: every value within (and no JSON number)
+            raise UsageError(
+                f"`{p}` must be a finite number >= 0, got {v} (an infinite or NaN tolerance accepts any values, so "
+                "no difference could be found)",
+                param=p,
+                hint=f"give a finite tolerance, e.g. `{p}` {'1e-3' if p == 'rtol' else '1e-6'} (widen it for a looser check)",
+            )
     if opts.as_dtype is not None and opts.as_dtype not in ("bfloat16", "float16", "float32", "float64"):
         raise UsageError(
             f"`as_dtype` {opts.as_dtype!r} is not one of bfloat16, float16, float32, float64", param="as_dtype"

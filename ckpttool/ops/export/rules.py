@@ -303,15 +303,16 @@ def _check_part(p: Any, pattern: re.Pattern[str], where: str) -> None:
     if not isinstance(p, str):
         raise UsageError(f"{where}: parts must be strings", hint="see docs/export.md")
     try:
-        specs = [(spec, conv) for _, field, spec, conv in string.Formatter().parse(p) if field is not None]
+        fields = [(field, spec, conv) for _, field, spec, conv in string.Formatter().parse(p) if field is not None]
     except ValueError as e:
         raise UsageError(
             f"{where}: invalid template {p!r} ({e})", hint="use {j} and the named groups of 'match'"
         ) from e
-    if any(spec or conv for spec, conv in specs):
+    # a spec (:>99999999999), a conversion (!r), an index or attribute ({j[0]}, {l.__class__}): not a plain name
+    if any(spec or conv or not field.isidentifier() for field, spec, conv in fields):
         raise UsageError(
-            f"{where}: template {p!r} gives a field a format spec or conversion; fields are plain",
-            hint="write {j} and the named groups of 'match' (e.g. {layer}) without ':' or '!'",
+            f"{where}: template {p!r} gives a field a format spec, conversion, index or attribute; fields are plain",
+            hint="write {j} and the named groups of 'match' (e.g. {layer}) without ':', '!', '[' or '.'",
         )
     try:
         p.format(j=0, **dict.fromkeys(pattern.groupindex, "x"))

@@ -24,7 +24,7 @@ import numpy as np
 from ckpttool.engine.crc import crc32
 from ckpttool.engine.execute import release_lockstep_buffers, run_item, run_lockstep
 from ckpttool.engine.io import BLOCK_BYTES, ShortReadError, read_into
-from ckpttool.engine.kernels import FP4_VALUES, IEEE_BITS
+from ckpttool.engine.kernels import FP4_VALUES, IEEE_BITS, float_values
 from ckpttool.engine.plan import Crc32, Item, Lockstep, PairKernel, Scan, Stats, Window
 from ckpttool.engine.scan import ScanResult, run_scan
 from ckpttool.engine.stats import (
@@ -53,6 +53,7 @@ __all__ = [
     "adam_update",
     "add_moments",
     "block_sum",
+    "centered_squares",
     "chunk_slices",
     "chunk_sums",
     "expert_sums",
@@ -209,6 +210,24 @@ def chunk_sums(
             each(values, squares, first)
         first += values.size
     return sums
+
+
+def centered_squares(reader: CheckpointReader, key: str, chunks: tuple[ChunkMeta, ...], mean: float) -> float:
+    """``sum((x - mean)^2)`` over the finite values of ``key``'s ``chunks``, in float64, read again slice by
+    slice (:func:`chunk_slices`): the spread of values far larger than it, which ``sum x^2 / n - mean^2`` loses
+    to rounding (float64 keeps ~16 digits of ``mean^2``: a spread 1e-7 of the mean, 1e-14 of its square, is
+    gone, and an FP32 LayerNorm weight of 1.0 +- 1 ulp reads as std 0).
+
+    Raises:
+        as :func:`chunk_slices`.
+    """
+    total = 0.0
+    for chunk in chunks:
+        for raw, dt in chunk_slices(reader, key, chunk):
+            x = float_values(raw, dt)
+            d = x[np.isfinite(x)].astype(np.float64) - mean
+            total += sum_squares(d)
+    return total
 
 
 def expert_sums(experts: dict[int, float], sq: np.ndarray, e0: int, inner: int, first_expert: int) -> None:

@@ -29,6 +29,7 @@ from ckpttool.ops.stats.compute import (
     AdamHyper,
     Moments,
     ValueSums,
+    centered_squares,
     chunk_slices,
     chunk_sums,
     expert_sums,
@@ -215,7 +216,23 @@ def _plan(
     return work, roles
 
 
-def _tensor_row(key: str, fqn: str, role: str, entry: TensorEntry, s: SlabStats) -> TensorValueStats:
+#: A variance ``sum x^2 / n - mean^2`` below this fraction of ``sum x^2 / n`` (a spread under 1e-3 of the values'
+#: RMS) has lost digits to rounding: the standard deviation is taken about the mean in a second read.
+CANCELLING_VARIANCE = 1e-6
+
+
+def _std(ckpt: Checkpoint, key: str, s: SlabStats) -> float:
+    """The finite values' standard deviation: :attr:`SlabStats.std`, or where its one-pass formula cancels
+    (:data:`CANCELLING_VARIANCE`), ``sqrt(sum (x - mean)^2 / n)`` from a second read of the tensor."""
+    if s.finite < 2 or s.s2 <= 0 or not math.isfinite(s.s2):
+        return s.std
+    ms = s.s2 / s.finite
+    if ms - s.mean * s.mean > CANCELLING_VARIANCE * ms:
+        return s.std
+    return math.sqrt(centered_squares(ckpt.reader, key, ckpt.catalog.tensors[key].chunks, s.mean) / s.finite)
+
+
+def _tensor_row(key: str, fqn: str, role: str, entry: TensorEntry, s: SlabStats, std: float) -> TensorValueStats:
     return TensorValueStats(
         key=key,
         fqn=fqn,
@@ -226,7 +243,8 @@ def _tensor_row(key: str, fqn: str, role: str, entry: TensorEntry, s: SlabStats)
         shape=entry.shape,
         l2=math.sqrt(s.s2),
         zero_fraction=(s.zeros / s.numel) if s.numel else 0.0,
-        **same_named(s, "numel", "mean", "std", "abs_max", "nonfinite"),
+        std=std,
+        **same_named(s, "numel", "mean", "abs_max", "nonfinite"),
     )
 
 
@@ -287,13 +305,17 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
     notes: dict[str, list[str]] = {}
     work, roles = _plan(ckpt, opts, notes)
     if not work:
-        unknown = not opts.filters and ckpt.catalog.schema.id == "unrecognized"
+        empty = not ckpt.catalog.tensors  # no key schema would find one: not a schema to name
+        unknown = not opts.filters and not empty and ckpt.catalog.schema.id == "unrecognized"
         raise UsageError(
             f"{ckpt.catalog.path}: no tensor to measure"
             + (f" matches {', '.join(opts.filters)}" if opts.filters else "")
-            + ("; its key schema is not recognised" if unknown else ""),
+            + ("; its key schema is not recognised" if unknown else "")
+            + ("; the checkpoint holds no tensor" if empty else ""),
             hint="name the keys with --schema, --model-prefix and --optimizer-prefix (`ckpttool inspect` shows them)"
             if unknown
+            else "pass a checkpoint that holds tensors (`ckpttool inspect` shows what this one holds)"
+            if empty
             else "check --filter against `ckpttool inspect` (globs match fqns and keys)",
         )
     total = sum(_work_bytes(w) for w in work)
@@ -322,7 +344,7 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
             moments.setdefault(fqn, Moments()).merge(u)
             hypers[fqn] = w.hyper
     entries = ckpt.catalog.tensors
-    rows = [_tensor_row(k, roles[k][0], roles[k][1], entries[k], s.acc) for k, s in sums.items()]
+    rows = [_tensor_row(k, roles[k][0], roles[k][1], entries[k], s.acc, _std(ckpt, k, s.acc)) for k, s in sums.items()]
     experts = tuple(
         ExpertNorms(
             k,

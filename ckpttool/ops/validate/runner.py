@@ -218,6 +218,7 @@ def _validate_open(
         say("planning the deep pass")
         ctx.deep_result = run_deep(ctx, opts.workers, progress)
         bytes_read, deep_seconds = ctx.deep_result.bytes_read, ctx.deep_result.seconds
+        rules = _with_read_error_rules(rules, ctx.deep_result.read_errors, opts.ignore)
         log.info("deep pass: read %d bytes in %.3f s", bytes_read, deep_seconds)
     say("checking rules")
     statuses: list[RuleStatus] = []
@@ -233,6 +234,19 @@ def _validate_open(
         failing = any(_fails(f, opts.strict) for f in found)
         statuses.append(RuleStatus(r, "failed" if failing else ("reported" if found else "passed"), None, tuple(found)))
     return _finish(ckpt.path, opts, statuses, t0, bytes_read, deep_seconds)
+
+
+def _with_read_error_rules(rules: list[Rule], errors: dict[str, Any], ignore: Sequence[str] | None) -> list[Rule]:
+    """``rules`` with ``S010`` / ``S014`` where the deep pass could not read a chunk, whatever ``select`` chose
+    (unless ``ignore`` names them): a selected rule (``D001``) passes over a chunk it could not read, and the run
+    would say OK of data it never saw."""
+    from ckpttool.errors import ChecksumError
+    from ckpttool.ops.validate.base import _split_codes
+
+    ign = _split_codes(ignore)
+    want = {"S014" if isinstance(e, ChecksumError) else "S010" for e in errors.values()}
+    add = [RULES[c] for c in sorted(want) if RULES[c] not in rules and not any(c.startswith(p) for p in ign)]
+    return sorted([*rules, *add], key=lambda r: r.code) if add else rules
 
 
 def validate(

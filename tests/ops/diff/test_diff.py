@@ -246,6 +246,15 @@ def test_unusable_inputs_exit_2_with_one_error(dense_ckpt: Path, tmp_path: Path)
     assert res.exit_code == 2 and "--as-dtype" in res.stderr
 
 
+@pytest.mark.parametrize("flag, value", [("--rtol", "inf"), ("--atol", "1e400"), ("--atol", "nan")])
+def test_a_tolerance_that_is_not_finite_is_refused(dense_ckpt: Path, flag: str, value: str) -> None:
+    """An infinite tolerance passes any values (1.0 vs 200.0 'equal') and --json died on it with E999 (JSON has no
+    inf): refused as replay-step refuses it."""
+    res = cli(dense_ckpt, dense_ckpt, flag, value, "--json")
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    assert res.stderr.startswith(f"error: [E100] {flag} must be a finite number >= 0"), res.stderr
+
+
 def test_short_read_of_a_raw_block_is_the_data_file_error_it_always_was(tmp_path: Path) -> None:
     import os
     from types import SimpleNamespace

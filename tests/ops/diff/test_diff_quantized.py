@@ -108,3 +108,33 @@ def test_mxfp4_against_transformers_values(tmp_path: Path) -> None:
     assert _statuses(doc)[p + "gate_up_proj"] in ("equal", "within_tolerance")
     row = next(x for x in doc["tensors"] if x["name"] == p + "gate_up_proj")
     assert row["max_abs"] == 0.0 and row["shape"] == [2, 96, 6]  # bf16 of exact values: equal
+
+
+def test_an_infinite_fp8_scale_does_not_make_the_other_blocks_within(tmp_path: Path) -> None:
+    """The default atol is a subnormal step times the largest *finite* scale: an infinite one (damaged) made it
+    inf, and every finite value of the other blocks compared "within" (only the inf block was counted)."""
+    torch.manual_seed(0)
+    w, b = torch.randn(256, 256), 128
+    q = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
+    s = torch.empty(2, 2)
+    for i in range(2):
+        for j in range(2):
+            blk = w[i * b : (i + 1) * b, j * b : (j + 1) * b]
+            s[i, j] = blk.abs().max() / 448.0
+            q[i * b : (i + 1) * b, j * b : (j + 1) * b] = (blk / s[i, j]).to(torch.float8_e4m3fn)
+    ref = q.float() * s.repeat_interleave(b, 0).repeat_interleave(b, 1)
+    ref[200:, 200:] *= 50  # block (1, 1): 56 x 56 values far outside any FP8 tolerance
+    damaged = s.clone()
+    damaged[0, 0] = float("inf")  # block (0, 0) dequantizes to +-inf / NaN
+    key = "model.layers.0.mlp.down_proj.weight"
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    for name, tensors, config in (
+        ("q8", {key: q, key + "_scale_inv": damaged}, {**cfg, "quantization_config": {"weight_block_size": [b, b]}}),
+        ("ref", {key: ref}, cfg),
+    ):
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    doc = _diff(tmp_path / "q8", tmp_path / "ref", code=1)
+    (row,) = doc["tensors"]
+    assert row["status"] == "differ" and row["mismatched"] == b * b + 56 * 56

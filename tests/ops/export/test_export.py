@@ -611,6 +611,9 @@ def test_packaged_default_rules_json_is_the_yaml_document() -> None:
         ("experts: [{match: '^(?P<l>.+)\\.w$', parts: ['{l}.{j:>99999999999}']}]", "fields are plain"),
         ("experts: [{match: '^(?P<l>.+)\\.w$', parts: ['{l!r}.{j}']}]", "fields are plain"),
         ("experts: [{match: '^(?P<l>.+)\\.w$', parts: ['{l}.{j']}]", "invalid template"),
+        # an index or attribute of a field: {j[0]} was E999 TypeError; {l.__class__} wrote "<class 'str'>" keys
+        ("experts: [{match: '^(?P<l>.+)\\.w$', parts: ['{l}.{j[0]}']}]", "fields are plain"),
+        ("experts: [{match: '^(?P<l>.+)\\.w$', parts: ['{l.__class__}.{j}']}]", "fields are plain"),
     ],
 )
 def test_bad_rules_file_is_a_usage_error(dense_ckpt: Path, tmp_path: Path, text: str, needle: str) -> None:

@@ -378,6 +378,10 @@ def test_gradient_file_problems_exit_2(full_fx: Path, tmp_path: Path) -> None:
             "error: [E100] --grads and --grad-seed/--grad-scale are exclusive",
         ),
         (["--tolerance", "1e-5"], "error: [E100] --tolerance '1e-5' is not 'rtol,atol'"),
+        # --rtol/--atol are named as given (was "--tolerance 'nan,1e-08'", a flag nobody passed)
+        (["--rtol", "nan"], "error: [E100] --rtol nan: must be a finite number >= 0"),
+        (["--atol", "inf"], "error: [E100] --atol inf: must be a finite number >= 0"),
+        (["--atol", "-1"], "error: [E100] --atol -1.0: must be a finite number >= 0"),
         (["--max-memory", "lots"], "error: [E100] --max-memory 'lots' is not a size"),
         (["--filter", "*", "--select", "("], "error: [E100] --select and --filter are exclusive"),
     ],

@@ -3,8 +3,10 @@
 Squares of float32 values beyond ``sqrt(FLT_MAX)`` ~1.8e19 overflow float32 and below ``sqrt(FLT_MIN)``
 ~1e-19 underflow (an ``exp_avg_sq`` of 1e-20 is common): a finite L2 came out ``null`` or 0. A mean far
 from 0 (a norm weight near 1 with small deviations) lost the standard deviation's digits to float32
-sums. The reference is ``math.fsum`` of the exact float64 squares; both the native kernel and numpy's
-(``CKPTTOOL_NATIVE=0``) are checked, per tensor, per expert and for the optimizer moments.
+sums, and still loses them to ``sum x^2 / n - mean^2`` in float64 when the spread is an ulp or two of
+the mean (such a tensor is read again: the squares about the mean). The reference is ``math.fsum`` of
+the exact float64 squares; both the native kernel and numpy's (``CKPTTOOL_NATIVE=0``) are checked, per
+tensor, per expert and for the optimizer moments.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ def _values(g: torch.Generator) -> dict[str, torch.Tensor]:
         "tiny.weight": torch.randn(n, generator=g) * 1e-25,  # float32 squares underflow
         "norm.weight": 1.0 + torch.randn(n, generator=g) * 1e-4,  # mean 1, std 1e-4
         "offset.weight": 1e4 + torch.randn(n, generator=g),
+        # spreads of an ulp or two: sum x^2 / n - mean^2 cancels to 0 (std 0 reported) or to a wrong figure;
+        # the std is taken about the mean in a second read
+        "ulp.weight": 1.0 + (torch.rand(n, generator=g) < 0.5) * 2.0**-23,  # mean 1, std 6e-8
+        "far.weight": 100.0 + torch.randint(0, 3, (n,), generator=g) * 2.0**-17,  # mean 100, std 6e-6
         "max.weight": torch.full((4096,), 3.0e38),  # float32 sums of 1024 of them overflow
         "mlp.experts.down_proj": torch.randn(3, 7, 11, generator=g) * torch.tensor([1e25, 1e-25, 1.0]).view(3, 1, 1),
     }

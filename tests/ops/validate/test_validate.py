@@ -302,6 +302,18 @@ def test_S010_corrupt_chunk_needs_deep(dense_ckpt: Path, copy_of) -> None:
     assert doc["findings"][0]["key"] == "model.model.layers.0.mlp.up_proj.weight"
 
 
+def test_a_chunk_the_deep_pass_cannot_read_is_reported_whatever_select_chose(dense_ckpt: Path, copy_of) -> None:
+    """``--select D001`` over a chunk whose CRC-32 fails said OK (D001 passed over values it never read): the
+    deep pass's read errors bring S014 / S010 in; only ``--ignore`` leaves them out."""
+    ck = copy_of(dense_ckpt)
+    damage.flip_value_bit(ck, "model.model.layers.0.mlp.up_proj.weight")
+    rc, doc, _ = run(ck, "--deep", "--select", "D001")
+    assert rc == 1 and codes(doc) == {"S014"}, doc["findings"]
+    assert doc["findings"][0]["key"] == "model.model.layers.0.mlp.up_proj.weight"
+    rc, doc, _ = run(ck, "--deep", "--select", "D001", "--ignore", "S014")
+    assert rc == 0 and codes(doc) == set()
+
+
 def test_S011_byte_item_needing_trust_pickle(dense_ckpt: Path, copy_of) -> None:
     ck = copy_of(dense_ckpt)
     damage.set_byte_item(ck, "optimizer.param_groups.0.lr", datetime.date(2020, 1, 1))
