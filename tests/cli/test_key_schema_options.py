@@ -57,6 +57,10 @@ def test_stats_of_a_folder_with_no_tensor_names_no_key_schema(tmp_path: Path) ->
     assert res.exit_code == 2 and res.stdout == ""
     assert res.stderr.startswith(f"error: [E100] {tmp_path / 'empty'}: no tensor to measure; the checkpoint holds no")
     assert "not recognised" not in res.stderr and "--schema" not in res.stderr
+    res = runner.invoke(app, ["export", str(tmp_path / "empty"), str(tmp_path / "out")])  # no "(e.g. )", no "optimizer"
+    assert res.exit_code == 2 and res.stderr.splitlines()[0] == (
+        f"error: [E601] {tmp_path / 'empty'}: no model tensors to export (the checkpoint holds no keys at all)"
+    ), res.stderr
 
 
 def test_diff_names_the_options_and_compares_once_named(custom: tuple[Path, torch.nn.Module], tmp_path: Path) -> None:

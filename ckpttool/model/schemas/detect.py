@@ -447,6 +447,9 @@ def _closing_reasons(
         return reasons
     if model_prefix is None and opt_prefix is None:
         entries = md.entries
+        if not entries:
+            reasons.append("the checkpoint holds no keys at all")
+            return reasons
         reasons.append(
             f"no model tensors or optimizer state recognised among {len(entries)} key(s) "
             f"(e.g. {', '.join(repr(k) for k in list(entries)[:3])})"
@@ -454,7 +457,7 @@ def _closing_reasons(
     if model_prefix is not None:
         where = f"under {model_prefix!r}" if model_prefix else "at the top level of the saved dict"
         reasons.append(f"{n_model} model tensor(s) {where}" + (f", found by {how}" if use_paths or not planner else ""))
-    else:
+    elif opt_prefix is not None:
         reasons.append("no model tensors: optimizer state only (pair it with its model checkpoint)")
     if opt_prefix is not None:
         if keying == "index":
