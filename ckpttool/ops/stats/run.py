@@ -172,6 +172,31 @@ def _step_value(ckpt: Checkpoint, key: str, entry: TensorEntry | None) -> float:
     return float(raw.reshape(-1)[0]) if hasattr(raw, "reshape") else float(raw)
 
 
+#: Why a quantized weight and its scale are not measured (a ``note:`` and a ``skipped`` reason).
+QUANTIZED_NOTE = "quantized weights left out (their stored FP8/FP4 codes and scales are not the weights' values)"
+_FP8_SCALES = ("_scale_inv", "_scale")
+
+
+def quantized_keys(model: dict[str, TensorEntry]) -> dict[str, str]:
+    """Model keys that hold quantized weights or their scales -> the weight's key.
+
+    Block/channel FP8 (a ``float8_*`` tensor beside ``<key>_scale_inv`` or ``<key>_scale``, as
+    DeepSeek-V3, ``export --quantize`` and compressed-tensors store it) and MXFP4 (``x_blocks``
+    ``uint8`` beside ``x_scales``): measured as stored, the codes would be reported as weights
+    (an ``abs max`` of 448, the e4m3fn maximum). A ``float8`` tensor with no scale is its own value.
+    """
+    out: dict[str, str] = {}
+    for key, e in model.items():
+        if e.dtype.startswith("float8"):
+            scales = [key + sfx for sfx in _FP8_SCALES if key + sfx in model]
+            if scales:
+                out[key] = key
+                out.update(dict.fromkeys(scales, key))
+        elif key.endswith("_blocks") and e.dtype == "uint8" and key[: -len("_blocks")] + "_scales" in model:
+            out[key] = out[key[: -len("_blocks")] + "_scales"] = key
+    return out
+
+
 def _plan(
     ckpt: Checkpoint, opts: StatsOptions, notes: dict[str, list[str]]
 ) -> tuple[list[_Work], dict[str, tuple[str, str]]]:
@@ -188,10 +213,16 @@ def _plan(
 
     if cat.optimizer_state and opts.optimizer:
         ckpt.param_groups()
+    quantized = quantized_keys(cat.model)
     for key, entry in cat.model.items():
         fqn = cat.fqn_of(key)
-        if _selected(fqn, key, opts.filters):
-            add(key, fqn, "weight", entry)
+        if not _selected(fqn, key, opts.filters):
+            continue
+        if key in quantized:
+            if quantized[key] == key:
+                notes.setdefault(QUANTIZED_NOTE, []).append(fqn)
+            continue
+        add(key, fqn, "weight", entry)
     if not opts.optimizer:
         return work, roles
     for fqn, ps in cat.optimizer_state.items():
@@ -372,12 +403,18 @@ def _pair_sums(a: Checkpoint, ka: str, b: Checkpoint, kb: str) -> tuple[float, f
 
 def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str]) -> list[LayerChange]:
     ca, cb = a.catalog, b.catalog
+    qa, qb = quantized_keys(ca.model), quantized_keys(cb.model)
     pairs: list[tuple[str, str, str]] = []
     for ka, ea in ca.model.items():
         fqn = ca.fqn_of(ka)
         if not _selected(fqn, ka, opts.filters):
             continue
         eb = cb.model_entry(fqn)
+        side, q, key = (ca, qa, ka) if ka in qa else (cb, qb, eb.key if eb is not None else "")
+        if key in q:
+            if q[key] == key:  # the weight (its scale is left out silently)
+                skipped.append(f"{fqn}: quantized in {side.path} (stored codes and scales, not values)")
+            continue
         if eb is None or eb.shape != ea.shape:
             skipped.append(f"{fqn}: {'missing in' if eb is None else 'another shape in'} {cb.path}")
         elif ea.chunks != eb.chunks and max(ea.nbytes, eb.nbytes) > WHOLE_PAIR_BYTES:
