@@ -327,3 +327,27 @@ def test_quantized_weights_are_left_out_not_measured_as_their_codes(tmp_path: Pa
     res = runner.invoke(app, ["stats", str(fp8)])
     assert res.exit_code == 0 and "448" not in res.stdout
     assert res.stderr.startswith(f"note: {fp8}: quantized weights left out"), res.stderr
+
+
+def test_expert_norms_and_changes_are_in_true_expert_order_for_a_legacy_layout(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    # a legacy EP layout stores experts permuted on dim 0: stats listed their norms in stored order
+    # (expert 2's norm was expert 4's) and measured a change of 0.19 between a checkpoint and its
+    # reshard, which hold the same values
+    legacy = tmp_path / "legacy"
+    res = runner.invoke(
+        app,
+        ["reshard", str(sample_ckpt), str(legacy), "--to", "legacy", "--target-ep-size", "2",
+         "--target-ep-fsdp-size", "2", "--with-optimizer", "-q"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.stderr
+    res = runner.invoke(app, ["stats", "--json", str(sample_ckpt), str(legacy)])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, load_schema("stats"))
+    canon, leg = ({e["key"]: e["norms"] for e in c["experts"]} for c in doc["checkpoints"])
+    assert canon and leg == canon
+    assert len(set(next(iter(canon.values())))) > 1  # distinct norms: a permutation would show
+    assert doc["changes"] and all(c["relative"] == 0 for c in doc["changes"]), doc["changes"]
+    assert doc["skipped"] == []
