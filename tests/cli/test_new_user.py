@@ -341,3 +341,19 @@ def test_replay_filter_counts_only_the_tensors_it_selects(sample_ckpt: Path) -> 
         notes[bool(args)] = next(line for line in out.splitlines() if "in no param group" in line)
     assert "2 model tensor(s) in no param group" in notes[False]
     assert "1 model tensor(s) in no param group" in notes[True]
+
+
+def test_import_says_it_wrote_a_manifest(sample_ckpt: Path, tmp_path: Path) -> None:
+    # `import --manifest` wrote OUT/manifest.json without a word (reshard --manifest names it)
+    hf = tmp_path / "hf"
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(hf)]).exit_code == 0
+    out = tmp_path / "dcp"
+    res = runner.invoke(app, ["import", str(hf), str(out), "--manifest"])
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout.splitlines()[-1] == f"manifest    {out}/manifest.json (storage records digested as written)"
+    assert runner.invoke(app, ["manifest", str(out), "--verify"]).exit_code == 0
+    res = runner.invoke(app, ["import", str(hf), str(tmp_path / "dry"), "--manifest", "--dry-run"])
+    assert res.exit_code == 0 and not (tmp_path / "dry").exists()
+    assert res.stdout.splitlines()[-1].startswith(f"manifest    would write {tmp_path / 'dry'}/manifest.json")
+    res = runner.invoke(app, ["import", str(hf), str(tmp_path / "plain")])
+    assert res.exit_code == 0 and "manifest" not in res.stdout
