@@ -203,6 +203,10 @@ def _render(r: ImportResult) -> None:
         )
     if r.skipped:
         lines.append("not imported " + "; ".join(f"{reason}: {len(keys)}" for reason, keys in r.skipped.items()))
+    if r.manifest is not None:
+        lines.append(
+            f"manifest    {'would write ' if r.dry_run else ''}{r.output}/{r.manifest} (storage records digested as written)"
+        )
     if not sys.stdout.isatty():  # a pipe: whole lines, no wrapping; rich (and its start-up) is not needed
         for line in lines:
             typer.echo(line)

@@ -28,7 +28,9 @@ ToOpt = Annotated[
 TargetEpSizeOpt = Annotated[
     int | None,
     typer.Option(
-        "--target-ep-size", min=1, help="EP size of the job that will load the output (default: the source's)."
+        "--target-ep-size",
+        min=1,
+        help="EP size of the job that will load the output (with --target-ep-fsdp-size; both or neither, default: the source's).",
     ),
 ]
 TargetEpFsdpSizeOpt = Annotated[
@@ -36,7 +38,7 @@ TargetEpFsdpSizeOpt = Annotated[
     typer.Option(
         "--target-ep-fsdp-size",
         min=1,
-        help="EP-FSDP size of the job that will load the output (default: the source's).",
+        help="EP-FSDP size of the job that will load the output (with --target-ep-size; both or neither, default: the source's).",
     ),
 ]
 WithOptimizerOpt = Annotated[

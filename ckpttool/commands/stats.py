@@ -84,6 +84,7 @@ def stats_command(
     from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import deliver
     from ckpttool.ops.stats import StatsOptions, collect_stats
+    from ckpttool.ops.stats.run import QUANTIZED_NOTE, STORED_ORDER_NOTE
     from ckpttool.ui.render import PhaseProgress
 
     if plot is not None:
@@ -110,7 +111,8 @@ def stats_command(
     if not json_output:  # --json: the notes are in the document
         for c in res.checkpoints:
             for n in c.notes:
-                sink.note(f"{c.path}: no update size: {n}")
+                plain = n.startswith((QUANTIZED_NOTE, STORED_ORDER_NOTE))
+                sink.note(f"{c.path}: {'' if plain else 'no update size: '}{n}")
     deliver(res, lambda r: sink.result(r, lambda x: _render(x, by, plot)))
 
 

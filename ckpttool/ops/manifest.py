@@ -70,6 +70,9 @@ COVERS = ("window", "record")
 SOURCE_METADATA_KEY = "ckpttool.source"
 MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"
+#: the ``metadata.file`` of a manifest of safetensors storage without ``.metadata``: the digest is
+#: of its data files' headers (names, dtypes, shapes, offsets, ``__metadata__``), in name order.
+HEADERS_NAME = "safetensors headers"
 _WORKERS = 2  # reader/digest threads of build_manifest
 log = logging.getLogger(__name__)
 #: ``on_entry(length)``: called with the bytes of each entry once it is hashed or checked (progress).
@@ -148,6 +151,8 @@ class Manifest:
     sidecars: tuple[dict[str, Any], ...] | None = None
     #: the file it was read from (:func:`load_manifest`), left out of the sidecars checked.
     path: str | None = None
+    #: what ``metadata_digest`` digests: ``.metadata``, or :data:`HEADERS_NAME`.
+    metadata_file: str = METADATA_NAME
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -156,7 +161,7 @@ class Manifest:
             "kind": self.kind,
             "algorithm": self.algorithm,
             "metadata": (
-                {"file": METADATA_NAME, "size": self.metadata_size, "digest": self.metadata_digest}
+                {"file": self.metadata_file, "size": self.metadata_size, "digest": self.metadata_digest}
                 if self.metadata_digest is not None
                 else None
             ),
@@ -395,12 +400,51 @@ def _items(reader: CheckpointReader) -> list[tuple[str, ChunkMeta | None]]:
 
 
 def _metadata_digest(reader: CheckpointReader, algorithm: str) -> tuple[str | None, int | None]:
-    if reader.parts or not (reader.path / METADATA_NAME).exists():
-        return None, None  # safetensors storage (headers are in the data files) or a composed pair
+    if reader.parts:
+        return None, None  # a composed model/optimizer pair has two
+    if not (reader.path / METADATA_NAME).exists():
+        return _headers_digest(reader, algorithm)
     known = reader.metadata_file_digest(algorithm)  # digested as read at open: no second read
     if known is not None:
         return known
     return _reread_metadata_digest(reader, algorithm)
+
+
+def _headers_digest(reader: CheckpointReader, algorithm: str) -> tuple[str | None, int | None]:
+    """Digest and size of the headers of a local safetensors storage's data files (``(None, None)``: not one).
+
+    The headers hold what ``.metadata`` holds for DCP (dtypes, shapes, offsets): a dtype changed
+    in a header leaves every data window's bytes as they were.
+    """
+    if reader.metadata.serialization == "torch_save" or reader.remote is not None:
+        return None, None
+    files = sorted({reader.storage_info(k, c).relative_path for k, c in _items(reader) if _has_storage(reader, k, c)})
+    h = new_hasher(algorithm)
+    size = _digest_headers(Path(reader.path), files, h)
+    return h.hexdigest(), size
+
+
+def _digest_headers(directory: Path, files: list[str], h: Any) -> int:
+    """Feed the header (length prefix and JSON) of each of ``files`` to ``h``, in name order; their bytes.
+
+    Raises:
+        MetadataError, NotRegularFileError, PathEscapeError: unreadable files.
+    """
+    from ckpttool.format.files import open_regular, resolve_inside
+    from ckpttool.format.hf_storage import read_safetensors_header
+
+    size = 0
+    for name in sorted(files):
+        path = resolve_inside(directory, name, what="safetensors file")
+        _, data_start = read_safetensors_header(path)
+        fd = open_regular(path)
+        try:
+            head = read_upto(fd, data_start, 0)
+        finally:
+            os.close(fd)
+        h.update(head)
+        size += len(head)
+    return size
 
 
 def _reread_metadata_digest(reader: CheckpointReader, algorithm: str) -> tuple[str, int]:
@@ -492,7 +536,8 @@ def build_manifest(
     if reader.remote is None and not reader.parts:
         skip = {METADATA_NAME, MANIFEST_NAME, *(e.file for e in entries), *(exclude or ())}
         sidecars = tuple(sidecar_digests(Path(reader.path), skip, algorithm))
-    return Manifest(algorithm, tuple(entries), md, size, sidecars=sidecars)
+    md_file = METADATA_NAME if md is None or (reader.path / METADATA_NAME).exists() else HEADERS_NAME
+    return Manifest(algorithm, tuple(entries), md, size, sidecars=sidecars, metadata_file=md_file)
 
 
 #: Files a manifest's ``sidecars`` may list; a directory holding more is refused (``E307``).
@@ -1040,14 +1085,7 @@ def verify_manifest(reader: CheckpointReader, manifest: Manifest, *, on_entry: O
             key, offs = ident
             where = f"{key!r}" + (f" chunk at {list(offs)}" if offs is not None else " (byte item)")
             problems.append(ManifestProblem("extra", key, offs, f"{where} is stored but not in the manifest"))
-    if manifest.metadata_digest is not None:
-        md, _ = _metadata_digest(reader, manifest.algorithm)
-        if md is not None and md != manifest.metadata_digest:
-            problems.append(
-                ManifestProblem(
-                    "metadata", METADATA_NAME, None, ".metadata differs from the one the manifest was made of"
-                )
-            )
+    problems.extend(_metadata_problems(reader, manifest))
     if manifest.sidecars is not None and reader.remote is None and not reader.parts:
         root = Path(reader.path)
         skip = {METADATA_NAME, MANIFEST_NAME, *(e.file for e in manifest.entries), *_inside(root, manifest.path)}
@@ -1056,6 +1094,22 @@ def verify_manifest(reader: CheckpointReader, manifest: Manifest, *, on_entry: O
         )
         problems.extend(_sidecar_problems(root, manifest.sidecars, skip, manifest.algorithm))
     return problems
+
+
+def _metadata_problems(reader: CheckpointReader, manifest: Manifest) -> list[ManifestProblem]:
+    """A changed ``.metadata`` (or, for safetensors storage, changed headers): one problem, else none."""
+    if manifest.metadata_digest is None:
+        return []
+    md, _ = _metadata_digest(reader, manifest.algorithm)
+    if md is None or md == manifest.metadata_digest:
+        return []
+    if (reader.path / METADATA_NAME).exists():
+        return [
+            ManifestProblem("metadata", METADATA_NAME, None, ".metadata differs from the one the manifest was made of")
+        ]
+    return [
+        ManifestProblem("metadata", HEADERS_NAME, None, f"{HEADERS_NAME} differ from the ones the manifest was made of")
+    ]
 
 
 def _counted(entries: Iterable[ManifestEntry], on_entry: OnEntry) -> Iterator[ManifestEntry]:
@@ -1437,22 +1491,11 @@ def safetensors_source_identity(
     Raises:
         MetadataError, NotRegularFileError, PathEscapeError: unreadable files.
     """
-    from ckpttool.format.files import open_regular, resolve_inside
-    from ckpttool.format.hf_storage import read_safetensors_header
+    from ckpttool.format.files import resolve_inside
 
     _check_algorithm(algorithm)  # `hash` of import: E100, not a KeyError
     h = new_hasher(algorithm)
-    size = 0
-    for name in sorted(files):
-        path = resolve_inside(directory, name, what="safetensors file")
-        _, data_start = read_safetensors_header(path)
-        fd = open_regular(path)
-        try:
-            head = read_upto(fd, data_start, 0)
-        finally:
-            os.close(fd)
-        h.update(head)
-        size += len(head)
+    size = _digest_headers(directory, files, h)
     man: str | None = None
     mpath = directory / MANIFEST_NAME
     if mpath.is_file():

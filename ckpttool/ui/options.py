@@ -266,6 +266,7 @@ def parse_size(text: str | int, flag: str) -> int:
 
 
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+_ALIASES = {"bfloat16": "bf16", "float16": "fp16/half", "float32": "fp32/float", "float64": "fp64/double"}
 
 
 def parse_dtype(text: str, flag: str, allowed: tuple[str, ...] = _FLOAT_DTYPES, extra: tuple[str, ...] = ()) -> str:
@@ -273,6 +274,7 @@ def parse_dtype(text: str, flag: str, allowed: tuple[str, ...] = _FLOAT_DTYPES, 
 
     Aliases (case-insensitive, optional ``torch.`` prefix): ``bf16``; ``fp16``/``half``;
     ``fp32``/``float``; ``fp64``/``double``. ``extra`` words (``preserve``) are returned as given.
+    The refusal's hint names the aliases of ``allowed`` only.
 
     Raises:
         UsageError: not one of ``allowed`` (the message names ``flag``).
@@ -282,9 +284,10 @@ def parse_dtype(text: str, flag: str, allowed: tuple[str, ...] = _FLOAT_DTYPES, 
         return word
     name = dtype_name(word) if word else ""
     if name not in allowed:
+        aliases = [_ALIASES[a] for a in _FLOAT_DTYPES if a in allowed]  # of the dtypes this option takes only
         raise UsageError(
             f"{flag} {text!r} is not one of {', '.join((*extra, *allowed))}",
-            hint="dtype aliases: bf16, fp16/half, fp32/float, fp64/double",
+            hint=f"dtype aliases: {', '.join(aliases)}" if aliases else None,
         )
     return name
 

@@ -219,8 +219,10 @@ def test_import_dtype_takes_the_aliases_every_dtype_option_takes(sample_ckpt: Pa
     assert res.exit_code == 2 and res.stdout == "" and not (tmp_path / "b").exists()
     assert res.stderr == (
         "error: [E100] --dtype 'fp8' is not one of bfloat16, float32\n"
-        "hint: dtype aliases: bf16, fp16/half, fp32/float, fp64/double\n"
+        "hint: dtype aliases: bf16, fp32/float\n"  # not fp16/half or fp64/double, which it refuses too
     )
+    res = runner.invoke(app, ["import", str(hf), str(tmp_path / "b"), "--dtype", "half"])
+    assert res.exit_code == 2 and res.stderr.endswith("hint: dtype aliases: bf16, fp32/float\n"), res.stderr
     assert "--dtype <bfloat16|float32>" in runner.invoke(app, ["import", "--help"], env={"COLUMNS": "200"}).stdout
 
 
@@ -339,3 +341,19 @@ def test_replay_filter_counts_only_the_tensors_it_selects(sample_ckpt: Path) -> 
         notes[bool(args)] = next(line for line in out.splitlines() if "in no param group" in line)
     assert "2 model tensor(s) in no param group" in notes[False]
     assert "1 model tensor(s) in no param group" in notes[True]
+
+
+def test_import_says_it_wrote_a_manifest(sample_ckpt: Path, tmp_path: Path) -> None:
+    # `import --manifest` wrote OUT/manifest.json without a word (reshard --manifest names it)
+    hf = tmp_path / "hf"
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(hf)]).exit_code == 0
+    out = tmp_path / "dcp"
+    res = runner.invoke(app, ["import", str(hf), str(out), "--manifest"])
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout.splitlines()[-1] == f"manifest    {out}/manifest.json (storage records digested as written)"
+    assert runner.invoke(app, ["manifest", str(out), "--verify"]).exit_code == 0
+    res = runner.invoke(app, ["import", str(hf), str(tmp_path / "dry"), "--manifest", "--dry-run"])
+    assert res.exit_code == 0 and not (tmp_path / "dry").exists()
+    assert res.stdout.splitlines()[-1].startswith(f"manifest    would write {tmp_path / 'dry'}/manifest.json")
+    res = runner.invoke(app, ["import", str(hf), str(tmp_path / "plain")])
+    assert res.exit_code == 0 and "manifest" not in res.stdout

@@ -1,7 +1,8 @@
 """``diff`` of quantized sides: block-FP8 / MXFP4 weights compared by their dequantized values.
 
 A side's weight that pairs with a scale (:func:`ckpttool.model.quantized.find_quantized`; the
-block size from the side's ``config.json``, else 128) is compared as ``float32`` values: ``q * scale``
+block size from the side's ``config.json``, else 128; a compressed-tensors ``x.weight_scale`` plays
+``x.weight_scale_inv``, its block from ``config_groups``) is compared as ``float32`` values: ``q * scale``
 (block FP8, as torch's ``QuantizedHuggingFaceStorageReader``; fused experts ``[E, out, in]`` each on
 its own block grid, as transformers' ``FP8Experts``), decoded slab by slab on the engine
 (:mod:`ckpttool.ops.diff.gather`), or ``FP4 * 2^(e - 127)`` dims 1 and 2
@@ -52,6 +53,37 @@ def _side_config(side: Side) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
+#: The column block of a per-channel (one scale per output row) weight: wider than any row.
+_WHOLE_ROW = 1 << 62
+
+
+def _compressed_tensors_block(config: dict[str, Any] | None) -> tuple[int, int] | None:
+    """The FP8 block of a compressed-tensors ``quantization_config`` (``None``: not one, or not block/channel FP8).
+
+    ``strategy`` ``block``: its ``block_structure``; ``channel``: one scale per output row (a block of
+    one row as wide as the weight).
+    """
+    qc = (config or {}).get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        return None
+    groups = qc.get("config_groups")
+    found: set[tuple[int, int]] = set()
+    for g in groups.values() if isinstance(groups, dict) else ():
+        w = g.get("weights") if isinstance(g, dict) else None
+        if not isinstance(w, dict) or w.get("type") != "float" or w.get("num_bits") != 8:
+            return None
+        bs = w.get("block_structure")
+        if w.get("strategy") == "block" and isinstance(bs, list) and len(bs) == 2:
+            if not all(type(b) is int and b > 0 for b in bs):
+                return None
+            found.add((bs[0], bs[1]))
+        elif w.get("strategy") == "channel":
+            found.add((1, _WHOLE_ROW))
+        else:
+            return None
+    return found.pop() if len(found) == 1 else None
+
+
 def dequantize_items(side: Side, items: list[Item], notes: list[str] | None = None) -> tuple[list[Item], int]:
     """``items`` of ``side`` with each quantized weight replaced by its dequantized float32 value and its scale dropped.
 
@@ -63,7 +95,16 @@ def dequantize_items(side: Side, items: list[Item], notes: list[str] | None = No
     tensors = {n: (i.dtype, tuple(i.shape)) for n, i in direct.items()}
     if not any(d in ("float8_e4m3fn", "uint8") for d, _ in tensors.values()):
         return items, 0
-    block = block_size(_side_config(side))
+    config = _side_config(side)
+    block = block_size(config)
+    ct_block = _compressed_tensors_block(config)
+    if ct_block is not None:  # `x.weight_scale` (llm-compressor's name) plays `x.weight_scale_inv`: q * scale too
+        block = ct_block
+        aliases = {n + "_inv": n for n in tensors if n.endswith(".weight_scale") and n + "_inv" not in tensors}
+        direct.update({a: direct[n] for a, n in aliases.items()})
+        tensors = {a: tensors[n] for a, n in aliases.items()} | {
+            n: v for n, v in tensors.items() if n + "_inv" not in aliases
+        }
     pairs, problems = find_quantized(tensors, block)
     if problems and notes is not None:
         notes.append(
@@ -74,7 +115,7 @@ def dequantize_items(side: Side, items: list[Item], notes: list[str] | None = No
     if not pairs:
         return items, 0
     by_weight = {p.weight: p for p in pairs}
-    scales = {p.scale for p in pairs}
+    scales = {direct[p.scale].name for p in pairs}
     out: list[Item] = []
     for i in items:
         if i.name in scales and i.direct:

@@ -473,6 +473,14 @@ def _pair_names(a: Side, b: Side, opts: DiffOptions) -> tuple[list[Item], list[I
             )
         return _stored_items(a), _stored_items(b), [], [], "stored"
     dcp, st = (a, b) if a.kind == "dcp" else (b, a)
+    if opts.what == "optimizer":
+        raise DiffError(
+            f"{st.path}: `what` optimizer but {st.label} is a {'PEFT adapter' if st.kind == 'lora' else 'safetensors'} "
+            "input with no optimizer state: nothing to compare it with",
+            path=st.path,
+            param="what",
+            hint="compare the model against it with `what` model, or the optimizer against another DCP checkpoint",
+        )
     st_items = _stored_items(st)
     other = {i.name for i in st_items}
     if st.kind == "lora" and not any(".lora_" in n for n in other):

@@ -226,7 +226,8 @@ def _read_model_config(assets: Path | None) -> dict[str, Any] | None:
 
 
 def _asset_files(assets: Path, out_format: OutputFormat) -> list[tuple[str, Path]]:
-    """Top-level regular files of ``--model-assets`` to copy (no weights, no index, none the format skips).
+    """Top-level regular files of ``--model-assets`` to copy (no weights, no index, no ``manifest.json``: it
+    describes that folder's files, not the export's; none the format skips).
 
     Each is confined to the directory: a symlink is followed only when its target stays inside
     it, and devices, FIFOs and sockets are refused (they are checked again on the open
@@ -240,6 +241,8 @@ def _asset_files(assets: Path, out_format: OutputFormat) -> list[tuple[str, Path
     for p in sorted(assets.iterdir()):
         name = p.name
         if name.startswith(".") or name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json"):
+            continue
+        if name == MANIFEST_NAME:
             continue
         if out_format.skips_asset(name):
             continue

@@ -388,7 +388,19 @@ def _target_mesh(
                 hint="the record or declaration does not describe how this checkpoint was saved; fix it before resharding",
             )
     if (target_ep_size is None) != (target_ep_fsdp_size is None):
-        raise UsageError("give both `target_ep_size` and `target_ep_fsdp_size`, or neither (keep the source sizes)")
+        given, missing, keep = (
+            ("target_ep_size", "target_ep_fsdp_size", layout.ep_fsdp_size)
+            if target_ep_size is not None
+            else ("target_ep_fsdp_size", "target_ep_size", layout.ep_size)
+        )
+        raise UsageError(
+            f"give both `target_ep_size` and `target_ep_fsdp_size`, or neither (keep the source sizes): `{given}` "
+            f"alone does not say the other size of the target mesh",
+            param=missing,
+            hint=f"add `{missing}` {keep} to keep the source's"
+            if keep is not None
+            else f"add `{missing}`, the size of the job that will load the output",
+        )
     p2 = target_ep_size if target_ep_size is not None else layout.ep_size
     f2 = target_ep_fsdp_size if target_ep_fsdp_size is not None else layout.ep_fsdp_size
     if (p2 is None or f2 is None) and not layout.ep_tensors:

@@ -173,6 +173,31 @@ def _step_value(ckpt: Checkpoint, key: str, entry: TensorEntry | None) -> float:
     return float(raw.reshape(-1)[0]) if hasattr(raw, "reshape") else float(raw)
 
 
+#: Why a quantized weight and its scale are not measured (a ``note:`` and a ``skipped`` reason).
+QUANTIZED_NOTE = "quantized weights left out (their stored FP8/FP4 codes and scales are not the weights' values)"
+_FP8_SCALES = ("_scale_inv", "_scale")
+
+
+def quantized_keys(model: dict[str, TensorEntry]) -> dict[str, str]:
+    """Model keys that hold quantized weights or their scales -> the weight's key.
+
+    Block/channel FP8 (a ``float8_*`` tensor beside ``<key>_scale_inv`` or ``<key>_scale``, as
+    DeepSeek-V3, ``export --quantize`` and compressed-tensors store it) and MXFP4 (``x_blocks``
+    ``uint8`` beside ``x_scales``): measured as stored, the codes would be reported as weights
+    (an ``abs max`` of 448, the e4m3fn maximum). A ``float8`` tensor with no scale is its own value.
+    """
+    out: dict[str, str] = {}
+    for key, e in model.items():
+        if e.dtype.startswith("float8"):
+            scales = [key + sfx for sfx in _FP8_SCALES if key + sfx in model]
+            if scales:
+                out[key] = key
+                out.update(dict.fromkeys(scales, key))
+        elif key.endswith("_blocks") and e.dtype == "uint8" and key[: -len("_blocks")] + "_scales" in model:
+            out[key] = out[key[: -len("_blocks")] + "_scales"] = key
+    return out
+
+
 def _plan(
     ckpt: Checkpoint, opts: StatsOptions, notes: dict[str, list[str]]
 ) -> tuple[list[_Work], dict[str, tuple[str, str]]]:
@@ -189,10 +214,16 @@ def _plan(
 
     if cat.optimizer_state and opts.optimizer:
         ckpt.param_groups()
+    quantized = quantized_keys(cat.model)
     for key, entry in cat.model.items():
         fqn = cat.fqn_of(key)
-        if _selected(fqn, key, opts.filters):
-            add(key, fqn, "weight", entry)
+        if not _selected(fqn, key, opts.filters):
+            continue
+        if key in quantized:
+            if quantized[key] == key:
+                notes.setdefault(QUANTIZED_NOTE, []).append(fqn)
+            continue
+        add(key, fqn, "weight", entry)
     if not opts.optimizer:
         return work, roles
     for fqn, ps in cat.optimizer_state.items():
@@ -350,7 +381,7 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
             k,
             layer_of(roles[k][0]),
             module_of(roles[k][0]),
-            tuple(math.sqrt(s.experts.get(e, 0.0)) for e in range(entries[k].shape[0])),
+            _true_order(ckpt, k, tuple(math.sqrt(s.experts.get(e, 0.0)) for e in range(entries[k].shape[0])), notes),
         )
         for k, s in sums.items()
         if s.experts and roles[k][1] == "weight"
@@ -372,8 +403,52 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
     )
 
 
-def _pair_sums(a: Checkpoint, ka: str, b: Checkpoint, kb: str) -> tuple[float, float]:
-    """``(sum (b - a)^2, sum a^2)`` of one tensor of two checkpoints (float64, non-finite as 0)."""
+#: Why per-expert norms are in stored order (a ``note:``).
+STORED_ORDER_NOTE = "per-expert norms in stored order (the EP layout is not known: declare it with `ckpttool stamp`)"
+
+
+def _true_order(
+    ckpt: Checkpoint, key: str, stored: tuple[float, ...], notes: dict[str, list[str]]
+) -> tuple[float, ...]:
+    """Per-expert figures of ``key`` in true expert order (a legacy EP layout stores experts permuted on dim 0).
+
+    Where the layout cannot say (an unversioned checkpoint sharded on the expert dim by EP and
+    EP-FSDP, ``E405``), the stored order is kept and the key noted.
+    """
+    try:
+        order = _expert_order(ckpt, key, len(stored))
+    except CkptError:
+        notes.setdefault(STORED_ORDER_NOTE, []).append(ckpt.catalog.fqn_of(key))
+        return stored
+    return stored if order is None else tuple(stored[order[j]] for j in range(len(stored)))
+
+
+def _expert_order(ckpt: Checkpoint, key: str, n: int) -> tuple[int, ...] | None:
+    """``order[j]``: the dim-0 index of ``key`` holding true expert ``j`` (``None``: stored in true order).
+
+    Raises:
+        LayoutError (E405): an unversioned checkpoint whose order cannot be told.
+    """
+    from ckpttool.layouts.permute import legacy_to_canonical_perm
+
+    layout = ckpt.layout
+    if layout is None or not layout.ep_tensors:
+        return None
+    spec = layout.spec_for(key)
+    if spec is None or spec.ep_dim != 0 or spec.num_experts != n or layout.canonical_perm(key) is None:
+        return None
+    assert layout.ep_size is not None and layout.ep_fsdp_size is not None
+    return tuple(legacy_to_canonical_perm(n, layout.ep_size, layout.ep_fsdp_size))
+
+
+def _pair_sums(
+    a: Checkpoint, ka: str, b: Checkpoint, kb: str, orders: tuple[Any, Any] = (None, None)
+) -> tuple[float, float]:
+    """``(sum (b - a)^2, sum a^2)`` of one tensor of two checkpoints (float64, non-finite as 0).
+
+    ``orders``: each side's expert order (:func:`_expert_order`) where they differ: both tensors are
+    then read whole and compared in true expert order.
+    """
     ea, eb = a.catalog.model[ka], b.catalog.model[kb]
     acc = [0.0, 0.0]
 
@@ -382,35 +457,66 @@ def _pair_sums(a: Checkpoint, ka: str, b: Checkpoint, kb: str) -> tuple[float, f
         acc[0] += sum_squares(y - x)
         acc[1] += float(sq.sum())
 
-    if ea.chunks == eb.chunks:
+    if ea.chunks == eb.chunks and orders == (None, None):
         for ca, cb in zip(ea.chunks, eb.chunks):
             pair_slabs((a.reader, ka, ca), (b.reader, kb, cb), one)
         return acc[0], acc[1]
-    x, _ = ValueSums().add_slice(tensor_values(a.reader, ka), slot=0)
-    y, _ = ValueSums().add_slice(tensor_values(b.reader, kb), slot=1)
+
+    def values(c: Checkpoint, k: str, order: Any) -> Any:
+        v = tensor_values(c.reader, k)
+        return v if order is None else v.reshape(len(order), -1)[list(order)].reshape(-1)
+
+    x, _ = ValueSums().add_slice(values(a, ka, orders[0]), slot=0)
+    y, _ = ValueSums().add_slice(values(b, kb, orders[1]), slot=1)
     d = y - x
     return sum_squares(d), sum_squares(x)
 
 
+def _pair_orders(a: Checkpoint, ka: str, b: Checkpoint, kb: str, shape: tuple[int, ...]) -> tuple[Any, Any] | None:
+    """Both sides' expert orders where they differ, ``(None, None)`` where they agree; ``None``: not known."""
+    if not shape:
+        return (None, None)
+    try:
+        oa, ob = _expert_order(a, ka, shape[0]), _expert_order(b, kb, shape[0])
+    except CkptError:
+        return None
+    ident = tuple(range(shape[0]))
+    return (None, None) if (oa or ident) == (ob or ident) else (oa, ob)
+
+
 def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str]) -> list[LayerChange]:
     ca, cb = a.catalog, b.catalog
-    pairs: list[tuple[str, str, str]] = []
+    qa, qb = quantized_keys(ca.model), quantized_keys(cb.model)
+    pairs: list[tuple[str, str, str, tuple[Any, Any]]] = []
     for ka, ea in ca.model.items():
         fqn = ca.fqn_of(ka)
         if not _selected(fqn, ka, opts.filters):
             continue
         eb = cb.model_entry(fqn)
+        side, q, key = (ca, qa, ka) if ka in qa else (cb, qb, eb.key if eb is not None else "")
+        if key in q:
+            if q[key] == key:  # the weight (its scale is left out silently)
+                skipped.append(f"{fqn}: quantized in {side.path} (stored codes and scales, not values)")
+            continue
         if eb is None or eb.shape != ea.shape:
             skipped.append(f"{fqn}: {'missing in' if eb is None else 'another shape in'} {cb.path}")
+            continue
+        orders = _pair_orders(a, ka, b, eb.key, ea.shape)
+        if orders is None:
+            skipped.append(f"{fqn}: the EP layout of {ca.path} or {cb.path} does not say its expert order")
+        elif orders != (None, None) and max(ea.nbytes, eb.nbytes) > WHOLE_PAIR_BYTES:
+            skipped.append(
+                f"{fqn}: experts stored in another order in {cb.path} and larger than {WHOLE_PAIR_BYTES >> 20} MiB"
+            )
         elif ea.chunks != eb.chunks and max(ea.nbytes, eb.nbytes) > WHOLE_PAIR_BYTES:
             skipped.append(f"{fqn}: stored with other chunks in {cb.path} and larger than {WHOLE_PAIR_BYTES >> 20} MiB")
         else:
-            pairs.append((fqn, ka, eb.key))
+            pairs.append((fqn, ka, eb.key, orders))
     got = map_ordered(
-        lambda p: _pair_sums(a, p[1], b, p[2]), pairs, workers=worker_count(opts.workers, max(1, len(pairs)))
+        lambda p: _pair_sums(a, p[1], b, p[2], p[3]), pairs, workers=worker_count(opts.workers, max(1, len(pairs)))
     )
     per: dict[str, list[float]] = {}
-    for (fqn, _, _), (d2, a2) in zip(pairs, got):
+    for (fqn, _, _, _), (d2, a2) in zip(pairs, got):
         acc = per.setdefault(layer_of(fqn), [0.0, 0.0, 0])
         acc[0] += d2
         acc[1] += a2

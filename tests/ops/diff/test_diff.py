@@ -347,3 +347,15 @@ def test_complex_tensors_differing_in_the_imaginary_part_differ(tmp_path: Path, 
     assert abs(t["rel_l2"] - want_rel) < 1e-12
     res = runner.invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--atol", "5"])
     assert res.exit_code == 0, res.stderr
+
+
+def test_what_optimizer_against_a_safetensors_side_is_refused_not_equal(dense_ckpt: Path, tmp_path: Path) -> None:
+    # it compared the model tensors and said "equal" although only the optimizer was asked for
+    export_checkpoint(dense_ckpt, tmp_path / "hf", ExportOptions())
+    for args in ([dense_ckpt, tmp_path / "hf"], [tmp_path / "hf", dense_ckpt]):
+        res = cli(*args, "--what", "optimizer")
+        assert res.exit_code == 2 and res.stdout == "", res.stdout
+        err = res.stderr.splitlines()
+        assert len(err) == 2 and err[0].startswith(f"error: [E610] {tmp_path / 'hf'}: --what optimizer but "), err
+        assert "no optimizer state" in err[0] and err[1].startswith("hint: ")
+    assert diff_json(dense_ckpt, tmp_path / "hf", "--what", "all", code=0)["counts"]["compared"] > 0

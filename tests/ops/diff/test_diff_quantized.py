@@ -41,7 +41,13 @@ def exports(fixture_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     root = tmp_path_factory.mktemp("dq")
     out = {"master": master}
     assets = ["--model-assets", str(master / "model_assets")]  # config.json: the FP8 block size
-    for name, args in (("fp8", ["--quantize", "fp8-block", "--quantize-block", "16"]), ("bf16", [])):
+    ct = ["--quant-format", "compressed-tensors"]
+    for name, args in (
+        ("fp8", ["--quantize", "fp8-block", "--quantize-block", "16"]),
+        ("bf16", []),
+        ("ct-block", ["--quantize", "fp8-block", "--quantize-block", "16", *ct]),
+        ("ct-channel", ["--quantize", "fp8-channel", *ct]),
+    ):
         res = runner.invoke(app, ["export", str(master), str(root / name), *assets, *args])
         assert res.exit_code == 0, res.stderr
         out[name] = root / name
@@ -89,6 +95,28 @@ def test_fp8_against_fp8_is_bitwise_dequantized(exports: dict[str, Path], tmp_pa
         doc = _diff(bad, other, code=1)
         d = [x for x in doc["differences"] if x["kind"] == "values"]
         assert [x["name"] for x in d] == ["model.layers.0.mlp.up_proj.weight"] and d[0]["index"] == [3, 5], d
+
+
+@pytest.mark.parametrize("name", ["ct-block", "ct-channel"])
+def test_compressed_tensors_export_is_compared_dequantized(exports: dict[str, Path], name: str, tmp_path: Path) -> None:
+    # its `weight_scale` did not pair: the e4m3fn codes were compared as values (max abs 448) and
+    # every scale was a name only in the export
+    doc = _diff(exports[name], exports["bf16"], code=0)
+    st = _statuses(doc)
+    assert sum(s == "within_tolerance" for s in st.values()) == 14 and not any("_scale" in n for n in st)
+    assert not doc["differences"] and any("compared dequantized (14 in A" in n for n in doc["notes"])
+    if name == "ct-block":  # the same codes and scales as the fp8 export, under llm-compressor's names
+        assert set(_statuses(_diff(exports[name], exports["fp8"], code=0)).values()) == {"equal"}
+    bad = tmp_path / "bad"
+    shutil.copytree(exports[name], bad)
+    f = next(p for p in sorted(bad.glob("*.safetensors")) if "model.layers.0.mlp.up_proj.weight" in load_file(p))
+    t = load_file(f)
+    w = t["model.layers.0.mlp.up_proj.weight"].view(torch.uint8).clone()
+    w[3, 5] ^= 0x40
+    t["model.layers.0.mlp.up_proj.weight"] = w.view(torch.float8_e4m3fn)
+    save_file(t, str(f), metadata={"format": "pt"})
+    d = [x for x in _diff(bad, exports["bf16"], code=1)["differences"] if x["kind"] == "values"]
+    assert [x["name"] for x in d] == ["model.layers.0.mlp.up_proj.weight"] and d[0]["index"] == [3, 5], d
 
 
 def test_mxfp4_against_transformers_values(tmp_path: Path) -> None:

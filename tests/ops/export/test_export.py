@@ -670,6 +670,24 @@ def test_filter_and_model_assets(dense_ckpt: Path, tmp_path: Path) -> None:
     assert_clean_failure(res, "E601", "matched none")
 
 
+def test_a_manifest_of_the_model_assets_folder_is_not_copied(dense_ckpt: Path, tmp_path: Path) -> None:
+    # the assets folder's own manifest.json was copied: `manifest --verify OUT` then checked the
+    # export against a manifest of other files (37 problems), and `assets` listed it as copied
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (assets / "manifest.json").write_text('{"format": "ckpttool.manifest", "version": 2}')
+    res = export_cli(str(dense_ckpt), str(tmp_path / "o"), "--model-assets", str(assets), "--json")
+    assert res.exit_code == 0, res.stderr
+    assert not (tmp_path / "o" / "manifest.json").exists()
+    assert "manifest.json" not in json.loads(res.stdout)["assets"]
+    res = export_cli(str(dense_ckpt), str(tmp_path / "m"), "--model-assets", str(assets), "--manifest")
+    assert res.exit_code == 0, res.stderr
+    assert "manifest.json" not in next(ln for ln in res.stdout.splitlines() if ln.startswith("assets"))
+    check = runner.invoke(app, ["manifest", str(tmp_path / "m"), "--verify"])
+    assert check.exit_code == 0, check.stdout
+
+
 def test_json_output_is_alone_on_stdout(dense_ckpt: Path, tmp_path: Path) -> None:
     res = export_cli(str(dense_ckpt), str(tmp_path / "o"), "--json")
     assert res.exit_code == 0

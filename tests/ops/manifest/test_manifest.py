@@ -185,3 +185,31 @@ def test_a_record_failing_its_crc_gets_no_manifest(dense_ckpt: Path, tmp_path: P
         with pytest.raises(ChecksumError, match="storage record fails its CRC-32 check"):
             write_manifest(ck, ManifestOptions(covers="record"))
     assert not (ck / "manifest.json").exists()
+
+
+def test_a_dtype_changed_in_a_safetensors_header_is_a_problem(tmp_path: Path) -> None:
+    # the manifest of a safetensors folder digested the data windows only: a header whose dtype
+    # was rewritten (F32 -> I32, same bytes, same sizes) verified as "matches"
+    import struct
+
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"lm_head.weight": torch.randn(8, 4), "model.norm.weight": torch.ones(4)}, str(hf / "model.safetensors"))
+    res = invoke("manifest", hf)
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads((hf / "manifest.json").read_text())
+    assert doc["metadata"]["file"] == "safetensors headers" and doc["metadata"]["size"] > 8
+    assert invoke("manifest", hf, "--verify").exit_code == 0
+    data = bytearray((hf / "model.safetensors").read_bytes())
+    n = struct.unpack("<Q", data[:8])[0]
+    head = data[8 : 8 + n].decode()
+    new = head.replace('"lm_head.weight":{"dtype":"F32"', '"lm_head.weight":{"dtype":"I32"', 1)
+    assert new != head and len(new) == len(head)
+    data[8 : 8 + n] = new.encode()
+    (hf / "model.safetensors").write_bytes(bytes(data))
+    res = invoke("manifest", hf, "--verify")
+    assert res.exit_code == 1, res.stdout
+    assert res.stdout.splitlines()[0] == "metadata safetensors headers differ from the ones the manifest was made of"
+    assert [f["key"] for f in s015(hf, hf / "manifest.json")] == ["safetensors headers"]

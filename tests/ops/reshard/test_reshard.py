@@ -320,6 +320,20 @@ def test_unversioned_unambiguous_source_needs_target_sizes(ep_suite: Path, tmp_p
         ep_suite / "legacy_dim1", tmp_path / "o", "--to", "canonical", "--with-optimizer", "--target-ep-size", "2"
     )
     assert res.exit_code == 2 and "give both --target-ep-size and --target-ep-fsdp-size" in res.stderr
+    # the hint names the missing option (it said only "run the command with --help")
+    assert (
+        res.stderr.splitlines()[1] == "hint: add --target-ep-fsdp-size, the size of the job that will load the output"
+    )
+
+
+def test_one_target_size_alone_is_refused_with_the_source_size_to_keep(sample_ckpt: Path, tmp_path: Path) -> None:
+    res = cli(sample_ckpt, tmp_path / "o", "--to", "legacy", "--with-optimizer", "--target-ep-size", "2")
+    assert res.exit_code == 2 and res.stdout == "" and not (tmp_path / "o").exists()
+    assert res.stderr.splitlines() == [
+        "error: [E100] give both --target-ep-size and --target-ep-fsdp-size, or neither (keep the source sizes): "
+        "--target-ep-size alone does not say the other size of the target mesh",
+        "hint: add --target-ep-fsdp-size 1 to keep the source's",
+    ]
 
 
 def test_existing_output_needs_overwrite_and_source_is_untouched(ep_suite: Path, tmp_path: Path) -> None:

@@ -289,3 +289,65 @@ def test_chunks_that_do_not_tile_are_refused(sample_ckpt: Path, tmp_path: Path, 
     res = runner.invoke(app, ["stats", str(entry.ckpt)])
     assert res.exit_code == 2 and code in res.stderr and EXPERT_KEY in res.stderr, res.stderr
     assert "Traceback" not in res.stderr and res.stdout == ""
+
+
+def test_quantized_weights_are_left_out_not_measured_as_their_codes(tmp_path: Path) -> None:
+    # an FP8 export's weights were measured as their e4m3fn codes (abs max 448) and their scales as weights
+    from safetensors.torch import save_file
+
+    w = torch.randn(32, 16) * 0.02
+    scale = (w.abs().amax() / 448).reshape(1, 1)
+    fp8 = tmp_path / "fp8"
+    fp8.mkdir()
+    save_file(
+        {
+            "model.layers.0.mlp.up_proj.weight": (w / scale).to(torch.float8_e4m3fn),
+            "model.layers.0.mlp.up_proj.weight_scale_inv": scale,
+            "model.norm.weight": torch.ones(16),
+        },
+        str(fp8 / "model.safetensors"),
+    )
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    save_file(
+        {"model.layers.0.mlp.up_proj.weight": w, "model.norm.weight": torch.ones(16)}, str(plain / "model.safetensors")
+    )
+    res = runner.invoke(app, ["stats", "--json", str(plain), str(fp8)])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, load_schema("stats"))
+    assert [t["key"] for t in doc["checkpoints"][1]["tensors"]] == ["model.norm.weight"]
+    assert doc["checkpoints"][1]["notes"] == [
+        "quantized weights left out (their stored FP8/FP4 codes and scales are not the weights' values): "
+        "1 parameter(s), e.g. model.layers.0.mlp.up_proj.weight"
+    ]
+    assert doc["skipped"] == [
+        f"model.layers.0.mlp.up_proj.weight: quantized in {fp8} (stored codes and scales, not values)"
+    ]
+    res = runner.invoke(app, ["stats", str(fp8)])
+    assert res.exit_code == 0 and "448" not in res.stdout
+    assert res.stderr.startswith(f"note: {fp8}: quantized weights left out"), res.stderr
+
+
+def test_expert_norms_and_changes_are_in_true_expert_order_for_a_legacy_layout(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    # a legacy EP layout stores experts permuted on dim 0: stats listed their norms in stored order
+    # (expert 2's norm was expert 4's) and measured a change of 0.19 between a checkpoint and its
+    # reshard, which hold the same values
+    legacy = tmp_path / "legacy"
+    res = runner.invoke(
+        app,
+        ["reshard", str(sample_ckpt), str(legacy), "--to", "legacy", "--target-ep-size", "2",
+         "--target-ep-fsdp-size", "2", "--with-optimizer", "-q"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.stderr
+    res = runner.invoke(app, ["stats", "--json", str(sample_ckpt), str(legacy)])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, load_schema("stats"))
+    canon, leg = ({e["key"]: e["norms"] for e in c["experts"]} for c in doc["checkpoints"])
+    assert canon and leg == canon
+    assert len(set(next(iter(canon.values())))) > 1  # distinct norms: a permutation would show
+    assert doc["changes"] and all(c["relative"] == 0 for c in doc["changes"]), doc["changes"]
+    assert doc["skipped"] == []
