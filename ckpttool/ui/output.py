@@ -283,10 +283,16 @@ class Output:
         """Print ``result``: its ``to_dict()`` as JSON, or ``render(result)`` as human text.
 
         Handed over through :func:`~ckpttool.ops.entry.deliver`, which owns the GC policy of printing.
+        A closed stdout ends the printing quietly; the command still exits with its verdict.
         """
         from ckpttool.ops.entry import deliver
 
-        deliver(result, render if not self.json else _write_json)
+        try:
+            deliver(result, render if not self.json else _write_json)
+        except BrokenPipeError:
+            # The reader of stdout went away (`| head -1`): the command goes on to its exit code, so
+            # a verdict already known (diff: different, manifest --verify: changed) is not lost.
+            _silence_stdout()
 
     def warning(self, text: str) -> None:
         """A ``warning: ...`` line on stderr (never changes the exit code)."""

@@ -259,6 +259,31 @@ def test_closed_stdout_is_not_a_failure(argv: list[str], sample_ckpt: Path) -> N
     assert "Traceback" not in err and "error" not in err
 
 
+@pytest.mark.parametrize("json_output", [False, True])
+def test_closed_stdout_keeps_the_verdict(json_output: bool, sample_ckpt: Path, tmp_path: Path) -> None:
+    """`ckpttool diff A B | head -1` under `set -o pipefail`: the reader going away does not turn
+    "different" (exit 1) into 0; equal stays 0."""
+    import subprocess
+    import sys
+
+    from ckpttool.ops.sample import SampleOptions, write_sample
+
+    other = tmp_path / "other"
+    write_sample(other, SampleOptions(seed=1))
+    for b, code in ((other, 1), (sample_ckpt, 0)):
+        argv = ["diff", str(sample_ckpt), str(b), *(["--json"] if json_output else [])]
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from ckpttool.cli import main; main()", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # the reader is gone before the first write
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == code, err
+        assert "Traceback" not in err and "error" not in err
+
+
 def test_finalizer_noise_from_an_interrupt_is_not_printed(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
