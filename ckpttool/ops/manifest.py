@@ -418,7 +418,13 @@ def _headers_digest(reader: CheckpointReader, algorithm: str) -> tuple[str | Non
     """
     if reader.metadata.serialization == "torch_save" or reader.remote is not None:
         return None, None
-    files = sorted({reader.storage_info(k, c).relative_path for k, c in _items(reader) if _has_storage(reader, k, c)})
+    files = sorted(
+        name
+        for name in {reader.storage_info(k, c).relative_path for k, c in _items(reader) if _has_storage(reader, k, c)}
+        if name.endswith(".safetensors")  # a per-rank checkpoint's torch.save rank files have no such header
+    )
+    if not files:
+        return None, None
     h = new_hasher(algorithm)
     size = _digest_headers(Path(reader.path), files, h)
     return h.hexdigest(), size
