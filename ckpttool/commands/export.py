@@ -409,6 +409,10 @@ def _render(r: ExportResult) -> None:
     if r.config_edits:  # config.json made to match the written weights (ckpttool.ops.export.serving)
         edits = "; ".join(f"{k} {json.dumps(old)} -> {json.dumps(new)}" for k, (old, new) in r.config_edits.items())
         con.print(f"config.json {edits}")
+    if r.manifest is not None:
+        con.print(
+            f"manifest    {'would write ' if r.dry_run else ''}{r.output}/{r.manifest} (every byte digested as written)"
+        )
 
 
 def _counts(d: dict[str, int]) -> str:

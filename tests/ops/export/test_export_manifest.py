@@ -64,6 +64,10 @@ def test_llama_manifest_matches_the_bytes_transformers_loads(
     assert verify_safetensors_manifest(out, man) == []
     res = runner.invoke(app, ["manifest", str(out), "--verify"])
     assert res.exit_code == 0, res.stdout + res.stderr
+    # the human summary says where it went
+    res = runner.invoke(app, ["export", str(llama_ckpt), str(tmp_path / "again"), "--manifest", *args])
+    assert res.exit_code == 0, res.output
+    assert f"manifest    {tmp_path / 'again'}/manifest.json (every byte digested as written)" in res.stdout.splitlines()
     # the source identity: in the manifest and in every file's __metadata__
     md = digest_bytes((llama_ckpt / ".metadata").read_bytes(), man.algorithm)
     assert man.source is not None and man.source["metadata_digest"] == md
