@@ -196,7 +196,10 @@ def diff_command(
         from ckpttool.ui.plot import write_diff_plot
 
         write_diff_plot(res, plot)
-    Output(json_output).result(res, lambda r: _render_with_plot(r, plot))
+    sink = Output(json_output)
+    sink.result(res, lambda r: _render_with_plot(r, plot))
+    if json_output and plot is not None:  # the document has no place for it: stderr says where the picture went
+        sink.note(f"wrote {plot}")
     if not res.equal:
         raise typer.Exit(1)
 

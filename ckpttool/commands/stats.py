@@ -114,6 +114,8 @@ def stats_command(
                 plain = n.startswith((QUANTIZED_NOTE, STORED_ORDER_NOTE))
                 sink.note(f"{c.path}: {'' if plain else 'no update size: '}{n}")
     deliver(res, lambda r: sink.result(r, lambda x: _render(x, by, plot)))
+    if json_output and plot is not None:  # the document has no place for it: stderr says where the picture went
+        sink.note(f"wrote {plot}")
 
 
 def _g(v: float | None) -> str | None:

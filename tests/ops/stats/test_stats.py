@@ -277,6 +277,10 @@ def test_diff_plot_and_its_per_layer_figures_agree_with_stats(run3: list[Path], 
     assert quiet.stdout.splitlines()[-1] == f"wrote {out}" and quiet.stderr == ""
     refused = runner.invoke(app, ["diff", str(b), str(a), "--plot", str(tmp_path / "x.jpg")])
     assert refused.exit_code == 2 and "unknown picture format" in refused.stderr
+    # --json: the document on stdout, where the picture went on stderr (diff and stats alike)
+    for argv in (["diff", str(b), str(a)], ["stats", str(a)]):
+        js = runner.invoke(app, [*argv, "--plot", str(out), "--json"])
+        assert json.loads(js.stdout) and js.stderr.splitlines()[-1] == f"note: wrote {out}", js.stderr
 
 
 @pytest.mark.parametrize(("name", "code"), [("chunks_gap", "[E303]"), ("chunks_overlap", "[E301]")])
