@@ -196,12 +196,17 @@ def diff_command(
         from ckpttool.ui.plot import write_diff_plot
 
         write_diff_plot(res, plot)
-    sink = Output(json_output)
-    sink.result(res, lambda r: _render_with_plot(r, plot))
-    if json_output and plot is not None:  # the document has no place for it: stderr says where the picture went
-        sink.note(f"wrote {plot}")
+    _print_result(res, plot, json_output)
     if not res.equal:
         raise typer.Exit(1)
+
+
+def _print_result(res: Any, plot: Path | None, json_output: bool) -> None:
+    """The result (JSON or text); with ``--json`` a ``--plot`` file is named on stderr (the document has no place)."""
+    sink = Output(json_output)
+    sink.result(res, lambda r: _render_with_plot(r, plot))
+    if json_output and plot is not None:
+        sink.note(f"wrote {plot}")
 
 
 def _render_with_plot(res: Any, plot: Path | None) -> None:
