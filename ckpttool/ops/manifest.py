@@ -1035,7 +1035,7 @@ def verify_manifest(reader: CheckpointReader, manifest: Manifest, *, on_entry: O
         ``changed`` chunks and a changed ``.metadata``; empty when the checkpoint matches.
 
     Raises:
-        the reader's errors for windows outside their files.
+        the reader's errors for a damaged archive (a data file missing or cut short is a problem).
     """
     problems: list[ManifestProblem] = []
     stored = {(k, c.offsets if c is not None else None): c for k, c in _items(reader)}
@@ -1048,44 +1048,9 @@ def verify_manifest(reader: CheckpointReader, manifest: Manifest, *, on_entry: O
                 )
             )
             continue
-        chunk = stored[e.ident]
-        info = reader.storage_info(e.key, chunk)
-        if chunk is not None and e.sizes is not None and tuple(chunk.sizes) != e.sizes:
-            problems.append(
-                ManifestProblem(
-                    "changed",
-                    e.key,
-                    e.offsets,
-                    f"{e.where()}: sizes {list(chunk.sizes)}, the manifest says {list(e.sizes)}",
-                )
-            )
-            continue
-        kind, digest = _hash_entry(reader, e.key, chunk, e.covers, manifest.algorithm)
-        if kind != e.covers:
-            problems.append(
-                ManifestProblem(
-                    "changed",
-                    e.key,
-                    e.offsets,
-                    f"{e.where()} in {info.relative_path}: the manifest digests its storage record, but the chunk "
-                    "has no stored record now (stream transform)",
-                )
-            )
-            continue
-        if digest != e.digest:
-            problems.append(
-                ManifestProblem(
-                    "changed",
-                    e.key,
-                    e.offsets,
-                    f"{e.where()} in {info.relative_path}: stored bytes differ from the manifest "
-                    f"({manifest.algorithm} {digest[:16]}..., manifest {e.digest[:16]}...)",
-                )
-            )
-        elif kind == "record" and chunk is not None:
-            view = _view_problem(reader, e, chunk)
-            if view is not None:
-                problems.append(ManifestProblem("changed", e.key, e.offsets, f"{e.where()}: {view}"))
+        problem = _stored_entry_problem(reader, e, stored[e.ident], manifest.algorithm)
+        if problem is not None:
+            problems.append(problem)
     for ident in stored:
         if ident not in listed:
             key, offs = ident
@@ -1100,6 +1065,45 @@ def verify_manifest(reader: CheckpointReader, manifest: Manifest, *, on_entry: O
         )
         problems.extend(_sidecar_problems(root, manifest.sidecars, skip, manifest.algorithm))
     return problems
+
+
+def _stored_entry_problem(
+    reader: CheckpointReader, e: ManifestEntry, chunk: ChunkMeta | None, algorithm: str
+) -> ManifestProblem | None:
+    """What differs between a manifest entry and the chunk (or byte item) stored under its key, if anything:
+    other sizes, its data file deleted (``missing``) or cut short, another digest, a record's view."""
+    if chunk is not None and e.sizes is not None and tuple(chunk.sizes) != e.sizes:
+        return ManifestProblem(
+            "changed", e.key, e.offsets, f"{e.where()}: sizes {list(chunk.sizes)}, the manifest says {list(e.sizes)}"
+        )
+    try:
+        info = reader.storage_info(e.key, chunk)
+        kind, digest = _hash_entry(reader, e.key, chunk, e.covers, algorithm)
+    except DataFileError as err:  # a data file deleted or cut short since: this entry's bytes are not there
+        gone = reader.remote is None and not (Path(reader.path) / e.file).exists()
+        said = f"{e.where()} in {e.file}: " + ("its data file is missing" if gone else err.message)
+        return ManifestProblem("missing" if gone else "changed", e.key, e.offsets, said)
+    if kind != e.covers:
+        return ManifestProblem(
+            "changed",
+            e.key,
+            e.offsets,
+            f"{e.where()} in {info.relative_path}: the manifest digests its storage record, but the chunk "
+            "has no stored record now (stream transform)",
+        )
+    if digest != e.digest:
+        return ManifestProblem(
+            "changed",
+            e.key,
+            e.offsets,
+            f"{e.where()} in {info.relative_path}: stored bytes differ from the manifest "
+            f"({algorithm} {digest[:16]}..., manifest {e.digest[:16]}...)",
+        )
+    if kind == "record" and chunk is not None:
+        view = _view_problem(reader, e, chunk)
+        if view is not None:
+            return ManifestProblem("changed", e.key, e.offsets, f"{e.where()}: {view}")
+    return None
 
 
 def _metadata_problems(reader: CheckpointReader, manifest: Manifest) -> list[ManifestProblem]:
@@ -1442,7 +1446,7 @@ def check_against_manifest(
         shown = str(directory)
     else:
         say(f"opening {directory}")
-        with open_source(directory, opening) as ckpt:
+        with open_source(directory, opening, record_problems=True) as ckpt:  # a data file gone: entries say so
             step(0)
             problems = verify_manifest(ckpt.reader, man, on_entry=step)
             shown = str(ckpt.path)

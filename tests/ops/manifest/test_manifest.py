@@ -213,3 +213,26 @@ def test_a_dtype_changed_in_a_safetensors_header_is_a_problem(tmp_path: Path) ->
     assert res.exit_code == 1, res.stdout
     assert res.stdout.splitlines()[0] == "metadata safetensors headers differ from the ones the manifest was made of"
     assert [f["key"] for f in s015(hf, hf / "manifest.json")] == ["safetensors headers"]
+
+
+def test_verify_lists_the_entries_of_a_deleted_or_cut_data_file(sample_ckpt: Path, tmp_path: Path) -> None:
+    """A data file deleted (or cut short) after the manifest was written: each of its entries is a problem
+    (missing / changed) and the verdict is exit 1, not an E300 stop with no verdict."""
+    for damage in ("delete", "truncate"):
+        ck = copy_checkpoint(sample_ckpt, tmp_path / damage)
+        assert invoke("manifest", ck).exit_code == 0
+        data = ck / "__0_0.distcp"
+        if damage == "delete":
+            data.unlink()
+        else:
+            data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+        res = invoke("manifest", ck, "--verify", "--json")
+        assert res.exit_code == 1, res.output
+        problems = json.loads(res.stdout)["problems"]
+        kinds = {p["kind"] for p in problems}
+        assert kinds == ({"missing"} if damage == "delete" else {"changed"}), kinds
+        if damage == "delete":
+            assert len(problems) == len(load_manifest(ck / "manifest.json").entries)
+            assert problems[0]["message"].endswith("in __0_0.distcp: its data file is missing")
+        else:
+            assert all("truncated?" in p["message"] for p in problems)
