@@ -758,7 +758,10 @@ def _threads_ended() -> bool:
         return True
     for t in threading.enumerate():
         if not t.daemon and t is not threading.main_thread():
-            t.join(timeout=1.0)
+            try:
+                t.join(timeout=1.0)
+            except RuntimeError:  # its start() was cut short by a signal (SIGINT): not joinable, left to the exit
+                return False
             if t.is_alive():
                 return False
     return True

@@ -17,6 +17,7 @@ the two tensors is a few blocks (float64 copies of one block at a time).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,13 +187,18 @@ def _errors(a: Any, b: Any) -> tuple[Any, Any, Any, Any]:
     return a64, b64, diff, both_nan
 
 
+#: ``atol(positions)``: the absolute tolerance of each element at those flat positions of the tensor
+#: (int64 tensor in, float64 tensor out).
+AtolAt = Callable[[Any], Any]
+
+
 def compare_tensors(
     a: Any,
     b: Any,
     *,
     as_dtype: Any = None,
     rtol: float | None = None,
-    atol: float | None = None,
+    atol: float | AtolAt | None = None,
 ) -> ValueDiff:
     """Compare two tensors of the same shape (see the module docstring).
 
@@ -204,7 +210,8 @@ def compare_tensors(
         a, b: CPU tensors of one shape (contiguous or not); same dtype unless ``as_dtype``
             or a tolerance is given.
         as_dtype: a ``torch.dtype`` both are cast to first.
-        rtol, atol: tolerance comparison (either may be ``None`` = 0); both ``None``: bitwise.
+        rtol, atol: tolerance comparison (either may be ``None`` = 0); both ``None``: bitwise. ``atol`` may
+            be an :data:`AtolAt`, one value per element (a block-FP8 side: each block's own scale).
 
     Returns:
         :class:`ValueDiff` (``metrics`` :data:`IDENTICAL` when the bytes are equal, ``None`` for booleans).
@@ -232,7 +239,13 @@ class ValueCompare:
     """
 
     def __init__(
-        self, a_dtype: Any, b_dtype: Any, *, as_dtype: Any = None, rtol: float | None = None, atol: float | None = None
+        self,
+        a_dtype: Any,
+        b_dtype: Any,
+        *,
+        as_dtype: Any = None,
+        rtol: float | None = None,
+        atol: float | AtolAt | None = None,
     ) -> None:
         import torch
 
@@ -252,7 +265,8 @@ class ValueCompare:
         """Fold one block: ``xa``, ``xb`` the 1-d elements ``[start, start + len)`` of each side."""
         if self.as_dtype is not None:
             xa, xb = xa.to(self.as_dtype), xb.to(self.as_dtype)
-        cnt, ne = _block_mismatch(xa, xb, self.tolerant, self.rt, self.at, self.numeric, self.sums)
+        at = self.at if not callable(self.at) else (lambda i: self.at(i + start))  # type: ignore[operator]
+        cnt, ne = _block_mismatch(xa, xb, self.tolerant, self.rt, at, self.numeric, self.sums)
         self.same_bytes = self.same_bytes and ne is None
         if cnt:
             if self.first is None:
@@ -280,9 +294,11 @@ class ValueCompare:
 
 
 def _block_mismatch(
-    xa: Any, xb: Any, tolerant: bool, rt: float, at: float, numeric: bool, sums: _Sums
+    xa: Any, xb: Any, tolerant: bool, rt: float, at: float | AtolAt, numeric: bool, sums: _Sums
 ) -> tuple[int, Any]:
-    """``(mismatched count, mask)`` of one block (``None``: equal bytes); a numeric block's sums are added to ``sums``."""
+    """``(mismatched count, mask)`` of one block (``None``: equal bytes); a numeric block's sums are added to ``sums``.
+    ``at``: a number, or an :data:`AtolAt` of the block's element positions (asked only for the elements
+    outside ``rt`` alone)."""
     import torch
 
     cx = xa.is_complex() or xb.is_complex()  # (real, imaginary) pairs: a cast to float would drop the imaginary parts
@@ -297,7 +313,14 @@ def _block_mismatch(
             # an infinity is within only against the same infinity (diff 0 there): ``at + rt * |inf|`` is inf or
             # NaN and would let any value, the other infinity included, compare within (numpy.isclose's rule)
             off_inf = (a64.isinf() | b64.isinf()) & (diff != 0)
-            bad = (diff > at + rt * b64.abs()) | (diff.isnan() & ~both_nan) | off_inf
+            if callable(at):  # per-element atol (real values only: a dequantized side is float32)
+                bad = diff > rt * b64.abs()
+                near = (bad & diff.isfinite()).nonzero().flatten()
+                if near.numel():
+                    bad[near] = diff[near] > at(near) + rt * b64[near].abs()
+                bad = bad | (diff.isnan() & ~both_nan) | off_inf
+            else:
+                bad = (diff > at + rt * b64.abs()) | (diff.isnan() & ~both_nan) | off_inf
             if cx:
                 bad = bad.view(-1, 2).any(1)  # an element is off when either part is
             return int(bad.sum()), bad

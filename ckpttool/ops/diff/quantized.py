@@ -12,7 +12,7 @@ within tolerance when ``|a - b| <= atol + rtol * |b|`` with
 
 - block FP8: ``rtol`` :data:`FP8_RTOL` (``2^-3``: one e4m3 step, twice the rounding error of round
   to nearest on 3 mantissa bits, which leaves room for the other side's BF16 rounding) and ``atol``
-  ``2^-9`` times the tensor's largest finite scale (one e4m3fn subnormal step: values quantized to the
+  ``2^-9`` times the element's own block scale (one e4m3fn subnormal step: values quantized to the
   subnormal range; an infinite scale's block dequantizes to infinities and NaN, all outside);
 - MXFP4: ``rtol`` :data:`MXFP4_RTOL` (``2^-1``, one E2M1 step) and ``atol`` ``2^-1`` times the largest
   group scale ``2^(e - 127)``.
@@ -173,6 +173,7 @@ def fp8_decoder(side: Side, item: Item, scale: Any = None) -> Callable[[memoryvi
     side.quant_atol = _FP8_ATOL_STEPS * (float(finite.max()) if finite.size else 0.0)
     *_, rows, cols = item.shape
     grids = s.reshape(-1, *s.shape[-2:])  # one scale grid per expert (one for a 2-D weight)
+    side.quant_atol_at = _fp8_atol_at(grids, rows, cols, block)
 
     def decode(raw: memoryview, first: int) -> Any:
         q = np.frombuffer(raw, np.uint8)
@@ -198,14 +199,33 @@ def fp8_decoder(side: Side, item: Item, scale: Any = None) -> Callable[[memoryvi
     return decode
 
 
-def quant_tolerance(ia: Item, ib: Item, a: Side, b: Side) -> tuple[float, float] | None:
-    """``(rtol, atol)`` of a pair with exactly one dequantized side (the defaults above), else ``None``."""
+def _fp8_atol_at(grids: Any, rows: int, cols: int, block: tuple[int, int]) -> Callable[[Any], Any]:
+    """``atol(flat positions)`` of a block-FP8 weight ``[E, rows, cols]``: ``2^-9`` times the scale of each
+    element's own block (an infinite scale counts 0: its block dequantizes to infinities, outside anyway)."""
+    import numpy as np
+    import torch
+
+    g = torch.from_numpy(np.where(np.isfinite(grids), grids, 0.0).astype(np.float64)) * _FP8_ATOL_STEPS
+    br, bc = block
+
+    def at(pos: Any) -> Any:
+        e, rem = pos // (rows * cols), pos % (rows * cols)
+        return g[e, (rem // cols) // br, (rem % cols) // bc]
+
+    return at
+
+
+def quant_tolerance(ia: Item, ib: Item, a: Side, b: Side) -> tuple[float, Any] | None:
+    """``(rtol, atol)`` of a pair with exactly one dequantized side (the defaults above), else ``None``;
+    a block-FP8 side's ``atol`` is per element (each block's own scale: one block's large scale does not
+    widen the others')."""
     if (ia.dequant is None) == (ib.dequant is None):
         return None
     side, it = (a, ia) if ia.dequant is not None else (b, ib)
     assert it.dequant is not None
-    rtol = MXFP4_RTOL if it.dequant[0] == "mxfp4" else FP8_RTOL
-    return rtol, side.quant_atol
+    if it.dequant[0] == "mxfp4":
+        return MXFP4_RTOL, side.quant_atol
+    return FP8_RTOL, side.quant_atol_at if side.quant_atol_at is not None else side.quant_atol
 
 
 def note(counts: tuple[int, int]) -> str | None:

@@ -72,6 +72,7 @@ class Side:
         self._buf: Any = None  # one reusable byte buffer: no page faults on every tensor
         self.adapter: str | None = None  # the model adapter that named this side (export naming)
         self.quant_atol = 0.0  # the default atol of the last dequantized weight (ops/diff/quantized.py)
+        self.quant_atol_at: Any = None  # its per-element atol where it is block FP8 (ops/diff/quantized.py)
 
     @property
     def reader(self) -> Any:

@@ -166,3 +166,39 @@ def test_an_infinite_fp8_scale_does_not_make_the_other_blocks_within(tmp_path: P
     doc = _diff(tmp_path / "q8", tmp_path / "ref", code=1)
     (row,) = doc["tensors"]
     assert row["status"] == "differ" and row["mismatched"] == b * b + 56 * 56
+
+
+def test_one_huge_fp8_scale_does_not_widen_the_other_blocks(tmp_path: Path) -> None:
+    """The default atol is a subnormal step of each element's *own* block scale: a zero block with a scale
+    of 1e38 (its values dequantize to 0, whatever the scale) made the tensor-wide atol 2e35, and a block that
+    differs 50x compared "equal" (exit 0)."""
+    torch.manual_seed(0)
+    w, b = torch.randn(256, 256), 128
+    q = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
+    s = torch.empty(2, 2)
+    for i in range(2):
+        for j in range(2):
+            blk = w[i * b : (i + 1) * b, j * b : (j + 1) * b]
+            s[i, j] = blk.abs().max() / 448.0
+            q[i * b : (i + 1) * b, j * b : (j + 1) * b] = (blk / s[i, j]).to(torch.float8_e4m3fn)
+    q[:b, :b] = torch.zeros(b, b).to(torch.float8_e4m3fn)
+    huge = s.clone()
+    huge[0, 0] = 1e38  # a zero block: dequantizes to 0
+    ref = q.float() * s.repeat_interleave(b, 0).repeat_interleave(b, 1)
+    ref[200:, 200:] *= 50  # block (1, 1): 56 x 56 values far outside any FP8 tolerance
+    key = "model.layers.0.mlp.down_proj.weight"
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    for name, tensors, config in (
+        ("q8", {key: q, key + "_scale_inv": huge}, {**cfg, "quantization_config": {"weight_block_size": [b, b]}}),
+        ("ref", {key: ref}, cfg),
+    ):
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    moved = ref[200:, 200:]
+    within = int((moved.abs() * (1 - 1 / 50) <= 2.0**-9 * float(s[1, 1]) + 2.0**-3 * moved.abs()).sum())
+    doc = _diff(tmp_path / "q8", tmp_path / "ref", code=1)
+    (row,) = doc["tensors"]
+    assert row["status"] == "differ" and row["mismatched"] == 56 * 56 - within, row
+    doc = _diff(tmp_path / "ref", tmp_path / "q8", code=1)  # the quantized side as B: the same per-block atol
+    assert doc["tensors"][0]["mismatched"] > 0
