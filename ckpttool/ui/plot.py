@@ -54,14 +54,14 @@ def check_plot_target(path: Path, sources: tuple[Path, ...] = ()) -> None:
     Raises:
         UsageError: an unknown suffix, a missing directory, no matplotlib; OutputError (E600): as above.
     """
+    if path.is_dir():
+        raise UsageError(f"--plot {path} is a directory", hint="give a file name ending in .png, .svg or .html")
     if path.suffix.lower() not in PLOT_SUFFIXES:
         raise UsageError(
             f"--plot {path}: unknown picture format {path.suffix or '(none)'}", hint="use .png, .svg or .html"
         )
     if not path.parent.is_dir():
         raise UsageError(f"--plot {path}: directory {path.parent} does not exist", hint="create it first")
-    if path.is_dir():
-        raise UsageError(f"--plot {path} is a directory", hint="give a file name ending in .png, .svg or .html")
     check_file_target(
         path,
         option="--plot",

@@ -234,6 +234,8 @@ def test_plot_files_are_written_and_decodable(suffix: str, run3: list[Path], tmp
 def test_plot_refused_before_any_work(dense_ckpt: Path, tmp_path: Path) -> None:
     res = runner.invoke(app, ["stats", str(dense_ckpt), "--plot", str(tmp_path / "x.gif")])
     assert res.exit_code == 2 and "unknown picture format" in res.stderr
+    res = runner.invoke(app, ["stats", str(dense_ckpt), "--plot", str(tmp_path)])  # a directory: said so
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E100] --plot {tmp_path} is a directory\n")
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"
         "from ckpttool.cli import main\n"
