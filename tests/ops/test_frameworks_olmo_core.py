@@ -109,6 +109,26 @@ def test_trainer_state_is_read_and_checked(olmo_root: Path, tmp_path: Path) -> N
     assert runner.invoke(app, ["validate", str(step), "--strict"]).exit_code == 1
 
 
+@pytest.mark.parametrize("link", ["train/rank1.pt", "train"])
+def test_trainer_state_symlinked_out_of_the_step_is_not_read(olmo_root: Path, tmp_path: Path, link: str) -> None:
+    """train/rank1.pt (or train/ itself) a symlink to a file outside the step directory: it was followed and read
+    (its counters shown, R002 passed, validate --strict OK); now not read, named by K011 with E101."""
+    import shutil
+
+    step = tmp_path / "step2"
+    shutil.copytree(olmo_root / "run" / "step2", step)
+    outside = tmp_path / "elsewhere"
+    shutil.move(step / link, outside)
+    (step / link).symlink_to(outside)
+    doc = json.loads(cli("inspect", str(step), "--json"))
+    got = {t["file"]: t for t in doc["trainer_state"]}
+    assert got["train/rank1.pt"]["values"] == {} and "[E101]" in got["train/rank1.pt"]["error"]
+    res = runner.invoke(app, ["validate", str(step), "--strict", "--deep", "--json"])
+    found = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "K011"]
+    assert res.exit_code == 1 and len(found) == 1, res.stdout
+    assert "train/rank1.pt: [E101]" in found[0]["message"] and "resolves outside" in found[0]["message"]
+
+
 def test_export_and_reference(olmo_root: Path, tmp_path: Path) -> None:
     import torch
     from olmo_core.distributed.checkpoint import load_keys
