@@ -82,3 +82,23 @@ def test_common_pt_is_read_confined(tmp_path: Path, kind: str) -> None:
         assert r.exit_code == 2, (cmd, r.output)
         assert f"[{code}]" in r.stderr and "common.pt" in r.stderr and text in r.stderr, r.stderr
     assert outside.read_bytes() == (DATA / "dense_tp2" / "iter_0000003" / "common.pt").read_bytes()
+
+
+def test_common_pt_iteration_other_than_its_directory_fails_r002(tmp_path: Path) -> None:
+    """common.pt's iteration (what megatron resumes from) other than the iter_NNNNNNN directory megatron named by
+    it: validate --deep passed it; now R002 names common.pt and both values. The real save passes."""
+    import shutil
+
+    r = runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(DATA / "dense_tp2")])
+    assert r.exit_code == 0, r.output
+    run = shutil.copytree(DATA / "dense_tp2", tmp_path / "run")
+    common = run / "iter_0000003" / "common.pt"
+    obj = torch.load(common, weights_only=False)
+    assert obj["iteration"] == 3
+    obj["iteration"] = 99
+    torch.save(obj, common)
+    r = runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(run)])
+    found = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "R002"]
+    assert r.exit_code == 1 and len(found) == 1, r.stdout
+    assert found[0]["key"] == "common.pt"
+    assert found[0]["message"] == "common.pt iteration = 99 but its directory is iter_0000003 (step 3)"
