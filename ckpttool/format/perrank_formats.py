@@ -84,12 +84,14 @@ def _verl_world(path: Path, files: list[RankFile]) -> int:
     world = worlds.pop()
     for role in ("model", "optimizer", "extra"):
         ranks = sorted(f.rank for f in files if f.role == role)
-        if ranks and not _all_ranks(ranks, world):
-            missing = _missing_ranks(ranks, world)
-            raise IncompleteCheckpointError(
-                f"{path}: {role} files of ranks {missing or ranks[:8]} missing or extra for world size {world}",
-                path=path,
-                hint="the save did not finish on every rank; use an earlier step",
+        if ranks:
+            _check_ranks(
+                path,
+                f"{role} files",
+                ranks,
+                world,
+                "their names",
+                "the save did not finish on every rank; use an earlier step",
             )
     if not any(f.role == "model" for f in files):
         raise IncompleteCheckpointError(f"{path}: verl rank files but no model_world_size_* file", path=path)
@@ -578,6 +580,38 @@ def _all_ranks(ranks: list[int], world: Any) -> bool:
     return type(world) is int and len(ranks) == world and ranks == list(range(len(ranks)))
 
 
+def _check_ranks(path: Path, what: str, ranks: list[int], world: Any, source: str, hint: str | None = None) -> None:
+    """``ranks`` (sorted: the rank of each file of one item) are exactly ``0..world-1``.
+
+    Raises:
+        IncompleteCheckpointError: a rank has no file (a save that did not finish).
+        PerRankError: a file of a rank at or past the world size, or two files of one rank (files
+            of another save mixed in).
+    """
+    if _all_ranks(ranks, world):
+        return
+    missing = _missing_ranks(ranks, world)
+    if missing:
+        raise IncompleteCheckpointError(
+            f"{path}: {what} of ranks {missing}{' ...' if len(missing) == 8 else ''} missing for world size {world} "
+            f"(from {source}; files of ranks {ranks[:8]}{' ...' if len(ranks) > 8 else ''})",
+            path=path,
+            hint=hint
+            or "the save did not finish on every rank (crashed, or an async save still running); use an earlier checkpoint",
+        )
+    extra = sorted({r for r in ranks if type(world) is not int or r >= world})[:8]
+    twice = sorted({r for i, r in enumerate(ranks) if i and ranks[i - 1] == r})[:8]
+    parts = [f"files of ranks {extra} past world size {world} (from {source})"] if extra else []
+    if twice:
+        parts.append(f"more than one file of rank(s) {twice}")
+    raise PerRankError(
+        f"{path}: {what}: {'; '.join(parts) or f'ranks {ranks[:8]} for world size {world}'}",
+        path=path,
+        hint="files of another save are mixed in (a run with another world size, or a second copy of a rank's "
+        "file): move them out of the checkpoint directory, or copy the save again",
+    )
+
+
 def _missing_ranks(ranks: list[int], world: Any, most: int = 8) -> list[int]:
     """Up to ``most`` ranks below ``world`` that ``ranks`` lacks (at most ``len(ranks) + most`` steps)."""
     present, missing = set(ranks), []
@@ -602,12 +636,7 @@ def _tc_assemble(path: Path, files: list[RankFile]) -> Assembled:
     world = md["world_size"] if md is not None else max(f.rank for f in files) + 1
     for item in sorted({f.role for f in files}):
         have = sorted(f.rank for f in files if f.role == item)
-        if not _all_ranks(have, world):
-            raise IncompleteCheckpointError(
-                f"{path}: item {item!r} has files of ranks {have[:8]}{' ...' if len(have) > 8 else ''}, world size "
-                f"{world} (missing e.g. {_missing_ranks(have, world)})",
-                path=path,
-            )
+        _check_ranks(path, f"item {item!r}", have, world, TC_METADATA if md is not None else "the highest rank")
     objs = [_read_item(path, f, kinds.get(f.relative_path)) for f in files]
     a = Assembled("torch-checkpointing", "torch-checkpointing")
     a.files = [f.relative_path for f in files]

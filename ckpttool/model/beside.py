@@ -125,19 +125,21 @@ def read_training_state_beside(model_dir: Path) -> list[TrainerState]:
 
     Each file is read whole up to the object cap (``--max-object-size``) and loaded by
     :func:`ckpttool.format.reader.load_saved_object` with ``tensors="describe"``: a pickle that
-    needs a global outside the allow-list is not run (its ``error`` says so).
+    needs a global outside the allow-list is not run, a file (or ``train/``) that is a symlink out
+    of the step directory is not read (its ``error`` says so).
     """
     from ckpttool.errors import CkptError
     from ckpttool.format import limits
-    from ckpttool.format.files import read_regular
+    from ckpttool.format.files import read_regular, resolve_inside
     from ckpttool.format.reader import load_saved_object
 
     out = []
     for rel in training_state_beside(model_dir):
         path = model_dir.parent / rel
         try:
+            src = resolve_inside(model_dir.parent, rel, what="trainer state")  # a symlink out of the step: refused
             obj = load_saved_object(
-                read_regular(path, limits.current().max_object_bytes, what="trainer state"),
+                read_regular(src, limits.current().max_object_bytes, shown=path, what="trainer state"),
                 str(path),
                 tensors="describe",
             )

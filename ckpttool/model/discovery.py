@@ -248,7 +248,8 @@ _METADATA_TMP = METADATA_NAME + ".tmp"
 
 
 def _unfinished(path: Path) -> str | None:
-    """What shows that the save in ``path`` did not finish (data files or ``.metadata.tmp``, no ``.metadata``)."""
+    """What shows that the save in ``path`` did not finish (data files or ``.metadata.tmp``, no ``.metadata``;
+    a trainer's in-progress marker, or the file it writes last missing)."""
     try:
         names = os.listdir(path)
     except OSError:
@@ -256,6 +257,9 @@ def _unfinished(path: Path) -> str | None:
     marker = next((m for m in registry.derived().incomplete_markers if m in names), None)
     if marker is not None:
         return f"{marker} (the trainer's marker of a save not yet published)"
+    for last, holds in registry.derived().publish_markers:
+        if last not in names and all(h in names for h in holds):
+            return f"{', '.join(h + '/' for h in holds)} but no {last} (the trainer writes it last, when the save is complete)"
     if METADATA_NAME in names:
         return None
     data = sum(1 for n in names if DATA_FILE_RE.match(n))
@@ -272,7 +276,9 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH) -> list[IncompleteSt
     """Step directories below ``root`` holding a save that did not finish, by step.
 
     A directory counts when it (or one of its folders, ``step-8/model``) holds ``__R_N.distcp``
-    files or ``.metadata.tmp`` but no ``.metadata``, and a step-named directory is on its path
+    files or ``.metadata.tmp`` but no ``.metadata``, or a trainer's marker of an unpublished save
+    (a file it leaves until the save is published, or lacks the file it writes last: a schema's
+    ``incomplete_markers`` / ``publish_markers``), and a step-named directory is on its path
     below ``root``; or it is torch-checkpointing's ``tmp_<name>`` staging directory, ``<name>``
     naming the step (:func:`~ckpttool.format.perrank_formats.staging_of`). Hidden and symlinked directories are skipped; at most 10,000 are visited.
     """

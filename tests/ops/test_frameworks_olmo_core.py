@@ -48,6 +48,33 @@ def test_found_from_run_root_and_step_dir(olmo_root: Path) -> None:
         assert doc["summary"]["model_tensor_count"] == 21
 
 
+def test_a_step_without_its_metadata_json_is_not_latest(olmo_root: Path, tmp_path: Path) -> None:
+    """OLMo-core's Checkpointer writes stepN/.metadata.json last (after train/ and model_and_optim/) and its
+    find_checkpoints skips a step directory without it. A newer step whose save stopped before it was
+    `--step latest` (validated OK, exported) although the trainer resumes from the step before; now it is
+    skipped and named, `--step 3` is E202, and a run root holding only such a step is E202."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(olmo_root / "run", run)
+    shutil.copytree(run / "step2", run / "step3")
+    (run / "step3" / ".metadata.json").unlink()
+    doc = json.loads(cli("inspect", str(run), "--step", "latest", "--json"))
+    assert doc["location"]["model"] == str(run / "step2" / "model_and_optim")
+    assert "step 3 is incomplete: model_and_optim/, train/ but no .metadata.json" in doc["location"]["how"]
+    doc = json.loads(cli("validate", "--strict", str(run), "--step", "latest", "--json", code=1))
+    (r001,) = [f for f in doc["findings"] if f["code"] == "R001"]  # the newer step is named, never passed over
+    assert doc["path"] == str(run / "step2" / "model_and_optim") and "no .metadata.json" in r001["message"]
+    res = runner.invoke(app, ["export", str(run), str(tmp_path / "hf"), "--step", "3"])
+    assert res.exit_code == 2 and "[E202]" in res.stderr and "no .metadata.json" in res.stderr
+    assert not (tmp_path / "hf").exists()
+    shutil.rmtree(run / "step2")
+    res = runner.invoke(app, ["validate", "--strict", str(run)])
+    assert res.exit_code != 0 and "no .metadata.json" in res.output, res.output
+    doc = json.loads(cli("inspect", str(run / "step3" / "model_and_optim"), "--json"))  # named: its data is complete
+    assert doc["summary"]["model_tensor_count"] == 21
+
+
 def test_trainer_state_is_read_and_checked(olmo_root: Path, tmp_path: Path) -> None:
     """train/rankR.pt is read (allow-list unpickler, OLMo-core never imported): inspect shows its counters,
     R002 compares global_step with the optimizer's step, K011 names a file that cannot be read."""
@@ -80,6 +107,26 @@ def test_trainer_state_is_read_and_checked(olmo_root: Path, tmp_path: Path) -> N
     found = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "K011"]
     assert len(found) == 1 and "train/rank1.pt" in found[0]["message"] and "rank0" not in found[0]["message"]
     assert runner.invoke(app, ["validate", str(step), "--strict"]).exit_code == 1
+
+
+@pytest.mark.parametrize("link", ["train/rank1.pt", "train"])
+def test_trainer_state_symlinked_out_of_the_step_is_not_read(olmo_root: Path, tmp_path: Path, link: str) -> None:
+    """train/rank1.pt (or train/ itself) a symlink to a file outside the step directory: it was followed and read
+    (its counters shown, R002 passed, validate --strict OK); now not read, named by K011 with E101."""
+    import shutil
+
+    step = tmp_path / "step2"
+    shutil.copytree(olmo_root / "run" / "step2", step)
+    outside = tmp_path / "elsewhere"
+    shutil.move(step / link, outside)
+    (step / link).symlink_to(outside)
+    doc = json.loads(cli("inspect", str(step), "--json"))
+    got = {t["file"]: t for t in doc["trainer_state"]}
+    assert got["train/rank1.pt"]["values"] == {} and "[E101]" in got["train/rank1.pt"]["error"]
+    res = runner.invoke(app, ["validate", str(step), "--strict", "--deep", "--json"])
+    found = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "K011"]
+    assert res.exit_code == 1 and len(found) == 1, res.stdout
+    assert "train/rank1.pt: [E101]" in found[0]["message"] and "resolves outside" in found[0]["message"]
 
 
 def test_export_and_reference(olmo_root: Path, tmp_path: Path) -> None:

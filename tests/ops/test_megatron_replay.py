@@ -58,3 +58,47 @@ def test_stats_update_size_uses_the_common_step() -> None:
     assert "unreadable" not in r.stderr
     layers = json.loads(r.stdout)["checkpoints"][0]["layers"]
     assert layers and all(row["update_rms"] is not None and row["update_rms"] > 0 for row in layers), layers
+
+
+@pytest.mark.parametrize("kind", ["symlink_out", "fifo"])
+def test_common_pt_is_read_confined(tmp_path: Path, kind: str) -> None:
+    """common.pt is read as every file of the checkpoint: a symlink to a file outside it was followed and read
+    (its param groups and step shown by inspect, used by replay-step; validate OK), a FIFO of that name passed
+    over as "no common.pt"; now E101 / E102 naming it."""
+    import os
+    import shutil
+
+    run = shutil.copytree(DATA / "dense_tp2", tmp_path / "run")
+    common = run / "iter_0000003" / "common.pt"
+    outside = tmp_path / "elsewhere.pt"
+    shutil.move(common, outside)
+    if kind == "symlink_out":
+        common.symlink_to(outside)
+    else:
+        os.mkfifo(common)
+    code, text = ("E101", "resolves outside") if kind == "symlink_out" else ("E102", "is a FIFO, not a regular file")
+    for cmd in (["inspect"], ["validate", "--strict", "--deep"], ["replay-step", "--device", "cpu"], ["stats"]):
+        r = runner.invoke(app, [*cmd, str(run)])
+        assert r.exit_code == 2, (cmd, r.output)
+        assert f"[{code}]" in r.stderr and "common.pt" in r.stderr and text in r.stderr, r.stderr
+    assert outside.read_bytes() == (DATA / "dense_tp2" / "iter_0000003" / "common.pt").read_bytes()
+
+
+def test_common_pt_iteration_other_than_its_directory_fails_r002(tmp_path: Path) -> None:
+    """common.pt's iteration (what megatron resumes from) other than the iter_NNNNNNN directory megatron named by
+    it: validate --deep passed it; now R002 names common.pt and both values. The real save passes."""
+    import shutil
+
+    r = runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(DATA / "dense_tp2")])
+    assert r.exit_code == 0, r.output
+    run = shutil.copytree(DATA / "dense_tp2", tmp_path / "run")
+    common = run / "iter_0000003" / "common.pt"
+    obj = torch.load(common, weights_only=False)
+    assert obj["iteration"] == 3
+    obj["iteration"] = 99
+    torch.save(obj, common)
+    r = runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(run)])
+    found = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "R002"]
+    assert r.exit_code == 1 and len(found) == 1, r.stdout
+    assert found[0]["key"] == "common.pt"
+    assert found[0]["message"] == "common.pt iteration = 99 but its directory is iter_0000003 (step 3)"

@@ -195,6 +195,26 @@ def test_missing_rank_file_is_incomplete(tc_root: Path, tmp_path: Path) -> None:
     assert res.exit_code != 0 and "E202" in res.output
 
 
+@pytest.mark.parametrize(
+    ("copy_to", "text"),
+    [
+        ("model_2.pt", "item 'model': files of ranks [2] past world size 2 (from metadata.pkl)"),
+        ("model_1.bin", "item 'model': more than one file of rank(s) [1]"),
+    ],
+)
+def test_a_rank_file_of_another_save_is_named_as_extra(tc_root: Path, tmp_path: Path, copy_to: str, text: str) -> None:
+    """A rank file past metadata.pkl's world size, or a second file of one rank: E280 naming the extra rank and
+    saying another save's files are mixed in (it said E202 'missing e.g. []' with the hint 'the save did not finish')."""
+    d = shutil.copytree(tc_root / "w2" / "step-2", tmp_path / "step-2")
+    shutil.copyfile(d / "model_1.pt", d / copy_to)
+    for cmd in (["inspect"], ["validate", "--strict", "--deep"], ["export", str(tmp_path / "out")]):
+        res = runner.invoke(app, [*cmd[:1], str(d), *cmd[1:]])
+        assert res.exit_code == 2, res.output
+        assert f"error: [E280] {d}: {text}" in res.output.replace("\n", "")
+        assert "another save" in res.output and "missing e.g. []" not in res.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_metadata_shape_disagreeing_with_the_shards_is_refused(tc_root: Path, tmp_path: Path) -> None:
     d = shutil.copytree(tc_root / "w2" / "step-2", tmp_path / "step-2")
     md = pickle.loads((d / "metadata.pkl").read_bytes())

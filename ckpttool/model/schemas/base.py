@@ -94,6 +94,10 @@ class Discovery:
             group and an optional ``epoch`` group (NeMo Automodel's ``epoch_<E>_step_<S>``), ordered
             by step, then epoch.
         incomplete_markers: files a trainer leaves in a step directory until its save is published.
+        publish_markers: files a trainer writes into a step directory last, when its save is complete:
+            ``(marker, holds)``, a step directory holding every name of ``holds`` but not ``marker``
+            is a save not yet published (OLMo-core's ``.metadata.json`` beside ``model_and_optim/``
+            and ``train/``).
     """
 
     step_words: tuple[str, ...] = ()
@@ -101,6 +105,7 @@ class Discovery:
     folder_pairs: tuple[FolderPair, ...] = ()
     step_patterns: tuple[re.Pattern[str], ...] = ()
     incomplete_markers: tuple[str, ...] = ()
+    publish_markers: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 #: Layouts that belong to no key schema (DeepSpeed / Megatron-style step directories, split saves).

@@ -22,6 +22,7 @@ Torch-free; :func:`read_common` reads ``common.pt`` with ckpttool's safe loader.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,16 +141,20 @@ def read_common(ckpt_dir: Path) -> MegatronCommon | None:
     by a no-globals unpickler, tensors through ``torch.load(weights_only=True)``).
 
     Raises:
-        CkptError: the file is not a readable ``torch.save`` archive, needs ``--trust-pickle``, or is over the caps.
+        CkptError: the file is not a readable ``torch.save`` archive, needs ``--trust-pickle``, or is over the caps;
+            a symlink out of the checkpoint (``PathEscapeError``), not a regular file.
     """
     from ckpttool.format import limits
-    from ckpttool.format.files import read_regular
+    from ckpttool.format.files import read_regular, resolve_inside
     from ckpttool.format.reader import load_saved_object
 
     p = ckpt_dir / COMMON_FILE
-    if not p.is_file():
+    if not os.path.lexists(p):
         return None
-    data = read_regular(p, limits.current().max_object_bytes, what=COMMON_FILE)
+    # confined and capped as every file of the checkpoint: a symlink out of it is refused (E101),
+    # a FIFO or a directory of that name is named (it was passed over as "no common.pt")
+    src = resolve_inside(ckpt_dir, COMMON_FILE, what=COMMON_FILE)
+    data = read_regular(src, limits.current().max_object_bytes, shown=p, what=COMMON_FILE)
     obj = load_saved_object(data, str(p))
     if not isinstance(obj, dict):
         return MegatronCommon()

@@ -65,6 +65,7 @@ class Derived:
     fused_rules: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...]
     step_patterns: tuple[re.Pattern[str], ...] = ()
     incomplete_markers: tuple[str, ...] = ()
+    publish_markers: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 _DERIVED: list[Derived] = []
@@ -143,6 +144,7 @@ def derived() -> Derived:
         fused_rules=tuple(r for s in _SPECS for r in s.fused_rules),
         step_patterns=tuple(p for d in all_discovery for p in d.step_patterns),
         incomplete_markers=_unique([m for d in all_discovery for m in d.incomplete_markers]),
+        publish_markers=tuple(dict.fromkeys(m for d in all_discovery for m in d.publish_markers)),
     )
     _DERIVED.append(d)
     return d

@@ -100,6 +100,7 @@ def _optimizer_step(ctx: Context) -> _Counter | None:
 
 @rule("R002")
 def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
+    yield from _megatron_iteration(ctx)
     if synthesized_from_stats(ctx):
         return  # saved before the first optimizer step (D005): the counters of no step to compare
     opt = _optimizer_step(ctx)
@@ -121,3 +122,21 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         e = by_item.get(c.key.rsplit(".", 1)[0])
         if e is not None and c.value != e.value + 1:
             yield c.key, f"LR scheduler {c.key} = {c.value} but {e.key} = {e.value} (expected last_epoch + 1)"
+
+
+def _megatron_iteration(ctx: Context) -> Iterator[tuple[str, str]]:
+    """Megatron's ``common.pt`` ``iteration`` against the ``iter_NNNNNNN`` directory it was saved in (megatron
+    names the directory by the iteration it saves; a resume continues from ``common.pt``'s)."""
+    if ctx.cat.schema.id != "megatron" or ctx.ckpt.located is None:
+        return
+    from ckpttool.model.discovery import step_of
+    from ckpttool.model.schemas.megatron import COMMON_FILE, read_common
+
+    d = Path(ctx.ckpt.located.model)
+    named = step_of(d.name)
+    try:
+        common = read_common(d)
+    except CkptError:
+        return  # named by the rules that read it
+    if named is not None and common is not None and common.iteration is not None and common.iteration != named:
+        yield COMMON_FILE, f"{COMMON_FILE} iteration = {common.iteration} but its directory is {d.name} (step {named})"
