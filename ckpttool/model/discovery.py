@@ -367,7 +367,12 @@ def _epoch_near(p: Path, root: Path) -> int:
 
 
 def _latest_step(root: Path) -> tuple[int, str] | None:
-    """The step named by a ``latest`` file (DeepSpeed: ``global_step100``; Megatron: ``100``) and that file's name."""
+    """The step named by a ``latest`` file (DeepSpeed: ``global_step100``; Megatron: ``100``) and that file's name.
+
+    Raises:
+        StepNotFoundError: a ``latest`` file that names no step (neither a number, a step name nor
+            Megatron's ``release``): the trainer's own resume stops on it.
+    """
     for name in registry.derived().latest_files:
         p = root / name
         try:
@@ -376,14 +381,24 @@ def _latest_step(root: Path) -> tuple[int, str] | None:
                 if s is not None:
                     return s, name
                 continue
-            if not p.is_file() or p.stat().st_size > 256:
+            if not p.is_file():
                 continue
-            text = p.read_text(errors="replace").strip()
+            size = p.stat().st_size
+            text = p.read_text(errors="replace").strip() if size <= 256 else f"{size} bytes"
         except OSError:
             continue
         s = int(text) if text.isdigit() else step_of(text) or step_of(Path(text).name)
         if s is not None:
             return s, name
+        if text != "release":  # Megatron's release checkpoint: no step; anything else names none
+            raise StepNotFoundError(
+                f"{p}: holds {text[:40]!r}, which names no step (the trainer's resume stops on it: "
+                "Megatron's 'Invalid metadata file', DeepSpeed's missing tag directory)",
+                path=p,
+                param="step",
+                hint=f"write the step into {name} (Megatron: the iteration, e.g. 100; DeepSpeed: global_step100), "
+                "remove it, or pass `step` N",
+            )
     return None
 
 
