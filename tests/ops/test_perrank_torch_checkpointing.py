@@ -249,6 +249,19 @@ def test_diff_pt_and_safetensors_saves_of_one_state_are_equal(tc_root: Path) -> 
     assert "equal" in res.output
 
 
+@pytest.mark.parametrize(("what", "prefix"), [("model", "model."), ("optimizer", "optimizer.")])
+def test_diff_what_compares_the_model_or_the_optimizer_state(tc_root: Path, what: str, prefix: str) -> None:
+    # a per-rank save was taken for a safetensors folder: --what model compared its optimizer state too
+    # (stored names), --what optimizer was E610 'neither side is a DCP checkpoint with optimizer state'
+    a, b = tc_root / "w2" / "step-2", tc_root / "w2st" / "step-2"
+    res = runner.invoke(app, ["diff", "--what", what, "--json", str(a), str(b)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    names = [t["name"] for t in doc["tensors"]]
+    assert names and all(n.startswith(prefix) for n in names), names
+    assert doc["naming"] == "torch-native" and doc["equal"] is True
+
+
 def test_manifest_then_validate_names_a_changed_shard(tc_root: Path, tmp_path: Path) -> None:
     d = shutil.copytree(tc_root / "w2" / "step-2", tmp_path / "step-2")
     out = tmp_path / "m.json"
