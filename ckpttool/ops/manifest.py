@@ -1447,6 +1447,9 @@ def check_against_manifest(
     else:
         say(f"opening {directory}")
         with open_source(directory, opening, record_problems=True) as ckpt:  # a data file gone: entries say so
+            for err in (ckpt.replica_error, ckpt.tiling_error):  # per-rank files that do not fit: raised as
+                if err is not None:  # every command but validate does (a rank's replica is in no entry)
+                    raise err
             step(0)
             problems = verify_manifest(ckpt.reader, man, on_entry=step)
             shown = str(ckpt.path)
