@@ -33,6 +33,7 @@ from ckpttool.format.jsonview import JsonView
 from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.marker import MARKER_NAME, recording
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, TensorMeta
+from ckpttool.format.perrank import PerRankReader
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 
@@ -73,6 +74,9 @@ METADATA_NAME = ".metadata"
 #: the ``metadata.file`` of a manifest of safetensors storage without ``.metadata``: the digest is
 #: of its data files' headers (names, dtypes, shapes, offsets, ``__metadata__``), in name order.
 HEADERS_NAME = "safetensors headers"
+#: the ``metadata.file`` of a manifest of a per-rank save (no ``.metadata``; dtypes, shapes and placements are in
+#: each rank file's pickle): the digest is of the assembled tensors' dtypes, shapes and chunks, in key order.
+PERRANK_NAME = "per-rank tensor metadata"
 _WORKERS = 2  # reader/digest threads of build_manifest
 log = logging.getLogger(__name__)
 #: ``on_entry(length)``: called with the bytes of each entry once it is hashed or checked (progress).
@@ -399,9 +403,31 @@ def _items(reader: CheckpointReader) -> list[tuple[str, ChunkMeta | None]]:
     return out
 
 
+def _metadata_file(reader: CheckpointReader) -> str:
+    """What :func:`_metadata_digest` digests for ``reader``: ``.metadata``, :data:`PERRANK_NAME` or :data:`HEADERS_NAME`."""
+    if isinstance(reader, PerRankReader):
+        return PERRANK_NAME
+    return METADATA_NAME if (reader.path / METADATA_NAME).exists() else HEADERS_NAME
+
+
+def _perrank_digest(reader: CheckpointReader, algorithm: str) -> tuple[str, int]:
+    """Digest and size of a per-rank save's assembled tensor metadata: each tensor's key, dtype, shape and
+    chunks, in key order (what ``.metadata`` records for DCP; the shards' windows do not show a dtype changed
+    in a rank file's pickle)."""
+    rows = [
+        [key, meta.dtype.name, list(meta.size), [[list(c.offsets), list(c.sizes)] for c in meta.chunks]]
+        for key, meta in sorted(reader.metadata.entries.items())
+        if isinstance(meta, TensorMeta)
+    ]
+    data = json.dumps(rows, separators=(",", ":")).encode()
+    return digest_bytes(data, algorithm), len(data)
+
+
 def _metadata_digest(reader: CheckpointReader, algorithm: str) -> tuple[str | None, int | None]:
     if reader.parts:
         return None, None  # a composed model/optimizer pair has two
+    if isinstance(reader, PerRankReader):
+        return _perrank_digest(reader, algorithm)
     if not (reader.path / METADATA_NAME).exists():
         return _headers_digest(reader, algorithm)
     known = reader.metadata_file_digest(algorithm)  # digested as read at open: no second read
@@ -542,7 +568,7 @@ def build_manifest(
     if reader.remote is None and not reader.parts:
         skip = {METADATA_NAME, MANIFEST_NAME, *(e.file for e in entries), *(exclude or ())}
         sidecars = tuple(sidecar_digests(Path(reader.path), skip, algorithm))
-    md_file = METADATA_NAME if md is None or (reader.path / METADATA_NAME).exists() else HEADERS_NAME
+    md_file = METADATA_NAME if md is None else _metadata_file(reader)
     return Manifest(algorithm, tuple(entries), md, size, sidecars=sidecars, metadata_file=md_file)
 
 
@@ -1113,9 +1139,19 @@ def _metadata_problems(reader: CheckpointReader, manifest: Manifest) -> list[Man
     md, _ = _metadata_digest(reader, manifest.algorithm)
     if md is None or md == manifest.metadata_digest:
         return []
-    if (reader.path / METADATA_NAME).exists():
+    name = _metadata_file(reader)
+    if name == METADATA_NAME:
         return [
             ManifestProblem("metadata", METADATA_NAME, None, ".metadata differs from the one the manifest was made of")
+        ]
+    if name == PERRANK_NAME:
+        return [
+            ManifestProblem(
+                "metadata",
+                name,
+                None,
+                f"the rank files' tensor dtypes, shapes or chunks differ from the manifest's ({name})",
+            )
         ]
     return [
         ManifestProblem("metadata", HEADERS_NAME, None, f"{HEADERS_NAME} differ from the ones the manifest was made of")
@@ -1447,6 +1483,9 @@ def check_against_manifest(
     else:
         say(f"opening {directory}")
         with open_source(directory, opening, record_problems=True) as ckpt:  # a data file gone: entries say so
+            for err in (ckpt.replica_error, ckpt.tiling_error):  # per-rank files that do not fit: raised as
+                if err is not None:  # every command but validate does (a rank's replica is in no entry)
+                    raise err
             step(0)
             problems = verify_manifest(ckpt.reader, man, on_entry=step)
             shown = str(ckpt.path)

@@ -73,3 +73,23 @@ def test_rank_that_skipped_a_step(tc_root: Path, tmp_path: Path) -> None:
     assert not [x for x in doc["findings"] if x["code"] == "S001"]  # the other rules ran
     res = runner.invoke(app, ["inspect", str(ck)])  # every other reader refuses it
     assert res.exit_code != 0 and "E280" in res.output and "replicated shards differ" in res.output
+
+
+def test_manifest_verify_refuses_replicas_that_differ(tc_root: Path, tmp_path: Path) -> None:
+    """A rank's copy of a replicated value is in no manifest entry (the first rank's is): opened to
+    list a deleted data file's entries, the replicas' E280 was kept aside and the verdict 'matches'."""
+    import torch
+
+    ck = shutil.copytree(tc_root / "w2" / "step-2", tmp_path / "step-2")
+    res = runner.invoke(app, ["manifest", str(ck)])
+    assert res.exit_code == 0, res.output
+    f = ck / "optimizer_1.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DeviceMesh unpickled without a process group
+        sd = torch.load(f, weights_only=False)
+    for st in sd["state"].values():
+        st["step"] = st["step"] - 1  # rank 1 skipped one of the two steps
+    torch.save(sd, f)
+    res = runner.invoke(app, ["manifest", "--verify", str(ck)])
+    assert res.exit_code == 2 and "E280" in res.stderr and "replicated shards differ" in res.stderr, res.output
+    assert "matches" not in res.stdout

@@ -249,6 +249,19 @@ def test_diff_pt_and_safetensors_saves_of_one_state_are_equal(tc_root: Path) -> 
     assert "equal" in res.output
 
 
+@pytest.mark.parametrize(("what", "prefix"), [("model", "model."), ("optimizer", "optimizer.")])
+def test_diff_what_compares_the_model_or_the_optimizer_state(tc_root: Path, what: str, prefix: str) -> None:
+    # a per-rank save was taken for a safetensors folder: --what model compared its optimizer state too
+    # (stored names), --what optimizer was E610 'neither side is a DCP checkpoint with optimizer state'
+    a, b = tc_root / "w2" / "step-2", tc_root / "w2st" / "step-2"
+    res = runner.invoke(app, ["diff", "--what", what, "--json", str(a), str(b)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    names = [t["name"] for t in doc["tensors"]]
+    assert names and all(n.startswith(prefix) for n in names), names
+    assert doc["naming"] == "torch-native" and doc["equal"] is True
+
+
 def test_manifest_then_validate_names_a_changed_shard(tc_root: Path, tmp_path: Path) -> None:
     d = shutil.copytree(tc_root / "w2" / "step-2", tmp_path / "step-2")
     out = tmp_path / "m.json"
@@ -403,3 +416,32 @@ def test_manifest_records_each_shards_zip_crc(tc_root: Path, tmp_path: Path) -> 
     res = runner.invoke(app, ["manifest", str(d), "-o", str(tmp_path / "m2.json")])
     assert res.exit_code == 2 and res.stderr.startswith(f"error: [E308] {d / 'model_1.pt'}"), res.output
     assert not (tmp_path / "m2.json").exists()
+
+
+def test_manifest_verify_names_a_dtype_changed_in_the_rank_files(tc_root: Path, tmp_path: Path) -> None:
+    """A per-rank manifest had no metadata digest: a parameter relabelled float32 -> int32 in every rank file
+    (the same bytes in each shard's window) verified as 'matches', exit 0."""
+    import warnings
+
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    d = shutil.copytree(tc_root / "w2" / "step-2", tmp_path / "step-2")
+    res = runner.invoke(app, ["manifest", str(d)])
+    assert res.exit_code == 0, res.output
+    assert json.loads((d / "manifest.json").read_text())["metadata"]["file"] == "per-rank tensor metadata"
+    res = runner.invoke(app, ["manifest", "--verify", str(d)])
+    assert res.exit_code == 0, res.output
+    for name in ("model_0.pt", "model_1.pt"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DeviceMesh unpickled without a process group
+            sd = torch.load(d / name, weights_only=False)
+        key = next(k for k, v in sd.items() if isinstance(v, DTensor) and v.dtype == torch.float32)
+        s = sd[key]._spec
+        spec = DTensorSpec(s.mesh, s.placements, TensorMeta(s.tensor_meta.shape, s.tensor_meta.stride, torch.int32))
+        sd[key] = DTensor(sd[key]._local_tensor.view(torch.int32), spec, requires_grad=False)
+        torch.save(sd, d / name)
+    res = runner.invoke(app, ["manifest", "--verify", str(d)])
+    assert res.exit_code == 1, res.output
+    assert "metadata the rank files' tensor dtypes, shapes or chunks differ" in res.stdout, res.stdout

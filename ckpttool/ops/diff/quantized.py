@@ -158,7 +158,7 @@ def fp8_decoder(side: Side, item: Item, scale: Any = None) -> Callable[[memoryvi
 
     ``item``: a block-FP8 weight :func:`dequantize_items` marked (``fp8-block`` ``[out, in]``, ``fp8-experts``
     ``[E, out, in]``); ``scale``: its float32 scales (default: read from ``side``). Sets ``side.quant_atol``
-    from the largest scale. Rows are dequantized by :func:`~ckpttool.engine.kernels.fp8_rows_dequantize`
+    from the largest finite scale and ``side.quant_atol_at`` from each block's own. Rows are dequantized by :func:`~ckpttool.engine.kernels.fp8_rows_dequantize`
     (a row a slab cuts is completed with zeros first), so any cut gives the values of the whole tensor.
     """
     import numpy as np
@@ -236,5 +236,5 @@ def note(counts: tuple[int, int]) -> str | None:
     return (
         f"quantized weights compared dequantized ({sides}; scales not compared on their own); against an "
         f"unquantized side within rtol {FP8_RTOL} (FP8) / {MXFP4_RTOL} (MXFP4) and atol one subnormal step times "
-        "the tensor's largest scale, unless `rtol` / `atol` are given"
+        "each element's block scale (FP8) / the tensor's largest group scale (MXFP4), unless `rtol` / `atol` are given"
     )

@@ -29,6 +29,7 @@ from ckpttool.engine.pool import overlap
 from ckpttool.errors import CkptError, DataFileError, DiffError, NothingComparedError, UsageError
 from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.metadata import TensorMeta
+from ckpttool.format.perrank import PerRankReader
 from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.catalog import TensorEntry
@@ -211,8 +212,8 @@ def _open_side(
             ) from e
         raise
     model_dir = Path(ckpt.located.model)
-    if ckpt.metadata.serialization != "safetensors":
-        kind = "dcp"
+    if ckpt.metadata.serialization != "safetensors" or isinstance(ckpt.reader, PerRankReader):
+        kind = "dcp"  # a per-rank save (raw shard windows) has torch-native keys and optimizer state as a DCP
     elif (model_dir / "adapter_config.json").is_file() or (model_dir / "adapter_model.safetensors").is_file():
         kind = "lora"
     else:

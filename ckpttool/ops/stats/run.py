@@ -263,6 +263,36 @@ def _std(ckpt: Checkpoint, key: str, s: SlabStats) -> float:
     return math.sqrt(centered_squares(ckpt.reader, key, ckpt.catalog.tensors[key].chunks, s.mean) / s.finite)
 
 
+def _nothing_to_measure(ckpt: Checkpoint, opts: StatsOptions, notes: dict[str, list[str]]) -> UsageError:
+    """The error of a plan with no tensor: no match for ``--filter``, an unknown key schema, no tensor at
+    all, or only quantized weights (their codes and scales are left out, :data:`QUANTIZED_NOTE`)."""
+    empty = not ckpt.catalog.tensors  # no key schema would find one: not a schema to name
+    quantized = len(notes.get(QUANTIZED_NOTE, ()))
+    unknown = not opts.filters and not empty and not quantized and ckpt.catalog.schema.id == "unrecognized"
+    if quantized:
+        hint = "measure the unquantized checkpoint it was made from, or `ckpttool import` it (weights dequantized)" + (
+            ", or widen --filter" if opts.filters else ""
+        )
+    elif unknown:
+        hint = "name the keys with --schema, --model-prefix and --optimizer-prefix (`ckpttool inspect` shows them)"
+    elif empty:
+        hint = "pass a checkpoint that holds tensors (`ckpttool inspect` shows what this one holds)"
+    else:
+        hint = "check --filter against `ckpttool inspect` (globs match fqns and keys)"
+    return UsageError(
+        f"{ckpt.catalog.path}: no tensor to measure"
+        + (f" matches {', '.join(opts.filters)}" if opts.filters else "")
+        + ("; its key schema is not recognised" if unknown else "")
+        + ("; the checkpoint holds no tensor" if empty else "")
+        + (
+            f"; its {quantized} quantized weight(s) are left out (FP8/FP4 codes and scales, not values)"
+            if quantized
+            else ""
+        ),
+        hint=hint,
+    )
+
+
 def _tensor_row(key: str, fqn: str, role: str, entry: TensorEntry, s: SlabStats, std: float) -> TensorValueStats:
     return TensorValueStats(
         key=key,
@@ -336,19 +366,7 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
     notes: dict[str, list[str]] = {}
     work, roles = _plan(ckpt, opts, notes)
     if not work:
-        empty = not ckpt.catalog.tensors  # no key schema would find one: not a schema to name
-        unknown = not opts.filters and not empty and ckpt.catalog.schema.id == "unrecognized"
-        raise UsageError(
-            f"{ckpt.catalog.path}: no tensor to measure"
-            + (f" matches {', '.join(opts.filters)}" if opts.filters else "")
-            + ("; its key schema is not recognised" if unknown else "")
-            + ("; the checkpoint holds no tensor" if empty else ""),
-            hint="name the keys with --schema, --model-prefix and --optimizer-prefix (`ckpttool inspect` shows them)"
-            if unknown
-            else "pass a checkpoint that holds tensors (`ckpttool inspect` shows what this one holds)"
-            if empty
-            else "check --filter against `ckpttool inspect` (globs match fqns and keys)",
-        )
+        raise _nothing_to_measure(ckpt, opts, notes)
     total = sum(_work_bytes(w) for w in work)
     done = [0]
     if progress is not None:  # the total, before the first byte is read

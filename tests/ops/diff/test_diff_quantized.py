@@ -202,3 +202,6 @@ def test_one_huge_fp8_scale_does_not_widen_the_other_blocks(tmp_path: Path) -> N
     assert row["status"] == "differ" and row["mismatched"] == 56 * 56 - within, row
     doc = _diff(tmp_path / "ref", tmp_path / "q8", code=1)  # the quantized side as B: the same per-block atol
     assert doc["tensors"][0]["mismatched"] > 0
+    # the note states the tolerance used: each block's own scale, not the tensor's largest
+    (said,) = [n for n in doc["notes"] if "compared dequantized" in n]
+    assert "each element's block scale (FP8)" in said and "the tensor's largest scale," not in said, said

@@ -335,6 +335,30 @@ def test_quantized_weights_are_left_out_not_measured_as_their_codes(tmp_path: Pa
     assert res.stderr.startswith(f"note: {fp8}: quantized weights left out"), res.stderr
 
 
+def test_a_checkpoint_of_quantized_weights_only_says_so(tmp_path: Path) -> None:
+    # every weight left out as quantized: the error was 'no tensor to measure' with the hint to check a
+    # --filter never given, and nothing said the weights were left out
+    from safetensors.torch import save_file
+
+    w = torch.randn(32, 16) * 0.02
+    scale = (w.abs().amax() / 448).reshape(1, 1)
+    (tmp_path / "fp8").mkdir()
+    save_file(
+        {
+            "model.layers.0.mlp.up_proj.weight": (w / scale).to(torch.float8_e4m3fn),
+            "model.layers.0.mlp.up_proj.weight_scale_inv": scale,
+        },
+        str(tmp_path / "fp8" / "model.safetensors"),
+    )
+    res = runner.invoke(app, ["stats", str(tmp_path / "fp8")])
+    assert res.exit_code == 2 and "Traceback" not in res.stderr
+    assert res.stderr.splitlines() == [
+        f"error: [E100] {tmp_path / 'fp8'}: no tensor to measure; its 1 quantized weight(s) are left out "
+        "(FP8/FP4 codes and scales, not values)",
+        "hint: measure the unquantized checkpoint it was made from, or `ckpttool import` it (weights dequantized)",
+    ]
+
+
 def test_expert_norms_and_changes_are_in_true_expert_order_for_a_legacy_layout(
     sample_ckpt: Path, tmp_path: Path
 ) -> None:
