@@ -706,9 +706,20 @@ def _join_distributed() -> Any:
     return group
 
 
+def _open_closed_streams() -> None:
+    """A program started with stdout or stderr closed (``ckpttool ... >&-``; Python sets ``sys.stdout`` to
+    ``None``) writes that stream to ``/dev/null``: every print failed (E999, or exit 1 with no line),
+    not the verdict's exit code. The descriptor is taken too, so that no file the command opens gets
+    descriptor 1 or 2 and a stray write lands in an output."""
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))  # kept until the exit
+
+
 def main() -> None:
     """Console-script entry point (also ``python -m ckpttool``; under torchrun, one rank of a distributed run)."""
     sys.unraisablehook = _unraisable
+    _open_closed_streams()
     group = _join_distributed()
     if group is None:
         _run()

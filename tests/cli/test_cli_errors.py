@@ -371,3 +371,31 @@ def test_ctrl_c_before_the_command_runs_says_interrupted(tmp_path: Path, script:
     assert proc.returncode == 130, proc.stderr
     assert proc.stdout == ""
     assert proc.stderr == "error: interrupted\n"
+
+
+@pytest.mark.parametrize("closed", [">&-", "2>&-", ">&- 2>&-"], ids=["stdout", "stderr", "both"])
+def test_a_closed_stdout_or_stderr_keeps_the_verdict(sample_ckpt: Path, tmp_path: Path, closed: str) -> None:
+    """Started with stdout or stderr closed (Python's ``sys.stdout`` is ``None``): every command failed with
+    E999 ('NoneType' object has no attribute 'write', exit 2) or exited 1 with no line. The exit code is the
+    verdict's, as with a reader that went away."""
+    import subprocess
+    import sys
+
+    from ckpttool.ops.sample import SampleOptions, write_sample
+
+    other = tmp_path / "other"
+    write_sample(other, SampleOptions(seed=1))
+    cases = [
+        (["inspect", str(sample_ckpt)], 0),
+        (["diff", str(sample_ckpt), str(other)], 1),
+        (["inspect", str(tmp_path / "missing")], 2),
+    ]
+    for argv, code in cases:
+        proc = subprocess.run(
+            ["sh", "-c", f'exec "$@" {closed}', "sh", sys.executable, "-m", "ckpttool", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == code, (argv, proc.stderr)
+        assert "E999" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
