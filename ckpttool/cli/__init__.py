@@ -1,12 +1,17 @@
 """The CLI layer: the Typer app, shared options and parsers, the output sink, one module per command."""
 
 import os
+import sys
 
 if "RANK" in os.environ:  # torchrun: a SIGTERM while the CLI loads is answered when the rank joins (E150)
     from ckpttool.ops.distributed import catch_early_stop
 
     catch_early_stop()
 
-from ckpttool.cli.app import app, entry, main
+try:
+    from ckpttool.cli.app import app, entry, main
+except KeyboardInterrupt:  # Ctrl-C while the program loads (``ckpttool`` imports this before ``entry`` runs)
+    sys.stderr.write("error: interrupted\n")
+    sys.exit(130)
 
 __all__ = ["app", "entry", "main"]

@@ -506,6 +506,11 @@ class _LazyCommands(MutableMapping[str, Any]):
         return len(COMMANDS) + sum(n not in COMMANDS for n in self._loaded)
 
 
+class _Interrupted(BaseException):
+    """Ctrl-C outside a command's own handling (parsing the arguments, importing the command's modules),
+    carried past Typer, which turns a ``KeyboardInterrupt`` there into a silent exit 130."""
+
+
 class CkptGroup(TyperGroup):
     """The root command group: usage errors follow ckpttool's error contract.
 
@@ -528,6 +533,18 @@ class CkptGroup(TyperGroup):
         rows = [(name, SUMMARIES[name]) for name in COMMANDS]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().make_context(*args, **kwargs)
+        except KeyboardInterrupt as e:
+            raise _Interrupted from e
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as e:
+            raise _Interrupted from e
 
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
         name, cmd, rest = super().resolve_command(ctx, args)
@@ -571,6 +588,8 @@ class CkptGroup(TyperGroup):
         except typer.Abort:
             sys.stderr.write("error: interrupted\n")
             code = 130
+        except _Interrupted:
+            raise KeyboardInterrupt from None  # the caller's Ctrl-C handling (:func:`_run`: its line, exit 130)
         if standalone_mode:
             sys.exit(code)
         return code
@@ -687,9 +706,20 @@ def _join_distributed() -> Any:
     return group
 
 
+def _open_closed_streams() -> None:
+    """A program started with stdout or stderr closed (``ckpttool ... >&-``; Python sets ``sys.stdout`` to
+    ``None``) writes that stream to ``/dev/null``: every print failed (E999, or exit 1 with no line),
+    not the verdict's exit code. The descriptor is taken too, so that no file the command opens gets
+    descriptor 1 or 2 and a stray write lands in an output."""
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))  # kept until the exit
+
+
 def main() -> None:
     """Console-script entry point (also ``python -m ckpttool``; under torchrun, one rank of a distributed run)."""
     sys.unraisablehook = _unraisable
+    _open_closed_streams()
     group = _join_distributed()
     if group is None:
         _run()

@@ -52,7 +52,7 @@ _signal_received = False  # set by AtomicOutputDir's handler, never cleared: the
 
 
 class Terminated(KeyboardInterrupt):
-    """Raised in the main thread on SIGTERM while an output directory is open.
+    """Raised in the main thread on SIGTERM (or SIGHUP) while an output directory is open.
 
     A ``KeyboardInterrupt``, so every layer that handles Ctrl-C (exit 130) handles it too.
     """
@@ -137,7 +137,7 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
 
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
-    """Defer SIGINT/SIGTERM for the body; one that arrived meanwhile is raised on exit.
+    """Defer SIGINT/SIGTERM/SIGHUP for the body; one that arrived meanwhile is raised on exit.
 
     For the steps that must not be cut short: the final renames, removing a temporary
     directory or a superseded output, waiting for worker threads before their files are
@@ -165,13 +165,14 @@ def signals_deferred() -> Iterator[None]:
 
 
 def signal_received() -> bool:
-    """Whether a :func:`stop_signals` handler (an open output) has seen SIGINT/SIGTERM in this process."""
+    """Whether a :func:`stop_signals` handler (an open output) has seen SIGINT/SIGTERM/SIGHUP in this process."""
     return _signal_received
 
 
 def stop_signals(on_signal: Callable[[], None] | None = None) -> dict[int, Any]:
-    """Make SIGTERM (and SIGINT, unless an embedding app set its own) raise :class:`Terminated` /
-    ``KeyboardInterrupt`` in the main thread, deferred inside :func:`signals_deferred`.
+    """Make SIGTERM and SIGHUP (and SIGINT, unless an embedding app set its own; SIGHUP unless ignored, as
+    under ``nohup``) raise :class:`Terminated` / ``KeyboardInterrupt`` in the main thread, deferred inside
+    :func:`signals_deferred`.
 
     ``on_signal`` is called first (from the handler). Returns the previous handlers, for
     :func:`restore_signals`; off the main thread nothing is installed (``{}``).
@@ -190,6 +191,9 @@ def stop_signals(on_signal: Callable[[], None] | None = None) -> dict[int, Any]:
     old: dict[int, Any] = {}
     try:
         old[signal.SIGTERM] = signal.signal(signal.SIGTERM, handler)
+        hup = getattr(signal, "SIGHUP", None)  # the terminal closed; left alone under nohup (ignored)
+        if hup is not None and signal.getsignal(hup) is signal.SIG_DFL:
+            old[hup] = signal.signal(hup, handler)
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # leave an embedding app's own
             old[signal.SIGINT] = signal.signal(signal.SIGINT, handler)
     except ValueError:  # not the main thread

@@ -15,7 +15,7 @@ import os
 import stat
 from pathlib import Path
 
-from ckpttool.errors import NotRegularFileError, PathEscapeError, SizeLimitError
+from ckpttool.errors import DataFileError, NotRegularFileError, PathEscapeError, SizeLimitError
 from ckpttool.format import limits
 
 __all__ = ["resolve_inside", "open_regular", "read_regular", "copy_regular", "missing_path_hint"]
@@ -190,11 +190,20 @@ def copy_regular(src: Path, dst: Path, *, shown: str | os.PathLike[str] | None =
 
     Raises:
         NotRegularFileError: ``src`` is not a regular file.
+        DataFileError: ``src`` cannot be opened (moved or deleted since it was listed).
         OSError: reading or writing failed.
     """
     from ckpttool.format.copy import copy_range
 
-    fd = open_regular(src, shown=shown)
+    try:
+        fd = open_regular(src, shown=shown)
+    except OSError as e:
+        raise DataFileError(
+            f"{shown if shown is not None else src}: cannot read ({e.strerror}); was it moved or deleted while it "
+            "was read?",
+            path=src,
+            hint="leave the source in place until the command ends, then run it again",
+        ) from e
     try:
         size = os.fstat(fd).st_size
         out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)

@@ -325,3 +325,77 @@ def test_a_thread_whose_start_a_signal_cut_short_does_not_break_the_exit() -> No
         assert _threads_ended() is False
     finally:
         del threading._limbo[t]  # type: ignore[attr-defined]
+
+
+_INTERRUPT_WHILE_LOADING_THE_COMMAND = """
+import importlib
+import sys
+
+app = importlib.import_module("ckpttool.cli.app")
+
+def load(name):
+    raise KeyboardInterrupt  # Ctrl-C while the command's modules import (torch: most of a run's start-up)
+
+app._load_command = load
+sys.argv = ["ckpttool", "inspect", sys.argv[1]]
+app.entry()
+"""
+
+_INTERRUPT_WHILE_THE_CLI_IMPORTS = """
+import sys
+
+class Finder:
+    def find_spec(self, name, path=None, target=None):
+        if name == "ckpttool.ui.output":
+            raise KeyboardInterrupt  # Ctrl-C while `ckpttool` (the console script) imports the CLI
+        return None
+
+sys.meta_path.insert(0, Finder())
+sys.argv = ["ckpttool", "inspect", sys.argv[1]]
+from ckpttool.cli import entry
+entry()
+"""
+
+
+@pytest.mark.parametrize(
+    "script", [_INTERRUPT_WHILE_LOADING_THE_COMMAND, _INTERRUPT_WHILE_THE_CLI_IMPORTS], ids=["command", "cli"]
+)
+def test_ctrl_c_before_the_command_runs_says_interrupted(tmp_path: Path, script: str) -> None:
+    """Ctrl-C while a command's modules load was turned by Typer into a silent exit 130 (no line on
+    stderr); while the CLI itself imported, a KeyboardInterrupt traceback. Both now print the one
+    ``error: interrupted`` line and exit 130."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr == "error: interrupted\n"
+
+
+@pytest.mark.parametrize("closed", [">&-", "2>&-", ">&- 2>&-"], ids=["stdout", "stderr", "both"])
+def test_a_closed_stdout_or_stderr_keeps_the_verdict(sample_ckpt: Path, tmp_path: Path, closed: str) -> None:
+    """Started with stdout or stderr closed (Python's ``sys.stdout`` is ``None``): every command failed with
+    E999 ('NoneType' object has no attribute 'write', exit 2) or exited 1 with no line. The exit code is the
+    verdict's, as with a reader that went away."""
+    import subprocess
+    import sys
+
+    from ckpttool.ops.sample import SampleOptions, write_sample
+
+    other = tmp_path / "other"
+    write_sample(other, SampleOptions(seed=1))
+    cases = [
+        (["inspect", str(sample_ckpt)], 0),
+        (["diff", str(sample_ckpt), str(other)], 1),
+        (["inspect", str(tmp_path / "missing")], 2),
+    ]
+    for argv, code in cases:
+        proc = subprocess.run(
+            ["sh", "-c", f'exec "$@" {closed}', "sh", sys.executable, "-m", "ckpttool", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == code, (argv, proc.stderr)
+        assert "E999" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

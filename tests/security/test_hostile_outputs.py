@@ -169,7 +169,9 @@ def readonly_runner(d: Path) -> list[str] | None:
 
 # --------------------------------------------------------------------------- AtomicOutputDir
 @pytest.mark.parametrize("with_old", [False, True], ids=["new-out", "overwrite-existing"])
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "SIGINT", "SIGHUP"]
+)  # SIGHUP (the terminal closed) killed the run and left the temporary directory
 def test_atomic_dir_interrupted(sig: int, with_old: bool, tmp_path: Path) -> None:
     out = tmp_path / "out"
     old = existing_out(out) if with_old else None

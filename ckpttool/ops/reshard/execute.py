@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.engine.pool import map_ordered, worker_count
-from ckpttool.errors import NotRegularFileError, ReshardError, SizeLimitError
+from ckpttool.errors import DataFileError, NotRegularFileError, ReshardError, SizeLimitError
 from ckpttool.format import limits
 from ckpttool.format.atomic import signals_deferred
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
@@ -428,6 +428,23 @@ def _copy_extra_remote(reader: CheckpointReader, dst: Path) -> list[str]:
     return sorted(set(copied))
 
 
+def _listed(d: str | os.PathLike[str]) -> list[os.DirEntry[str]]:
+    """The entries of the source directory ``d`` by name.
+
+    Raises:
+        DataFileError: it cannot be listed (moved or deleted while the checkpoint was read).
+    """
+    try:
+        with os.scandir(d) as it:
+            return sorted(it, key=lambda e: e.name)
+    except OSError as e:
+        raise DataFileError(
+            f"{d}: cannot list the checkpoint's files ({e.strerror}); was it moved or deleted while it was read?",
+            path=Path(d),
+            hint="leave the checkpoint in place until the command ends, then run it again",
+        ) from e
+
+
 def _copy_extra_files(src: Path, dst: Path) -> list[str]:
     """Copy files beside the checkpoint (not ``.metadata``, data files, the sidecar or the source's manifest).
 
@@ -448,7 +465,7 @@ def _copy_extra_files(src: Path, dst: Path) -> list[str]:
             os.symlink(os.readlink(entry.path), out)
         elif entry.is_dir(follow_symlinks=False):
             out.mkdir()
-            for child in sorted(os.scandir(entry.path), key=lambda e: e.name):
+            for child in _listed(entry.path):
                 copy_entry(child, f"{rel}/{child.name}", out / child.name)
         elif entry.is_file(follow_symlinks=False):
             copy_regular(Path(entry.path), out, shown=src / rel)
@@ -456,7 +473,7 @@ def _copy_extra_files(src: Path, dst: Path) -> list[str]:
         else:
             raise NotRegularFileError(f"{src / rel} is a device, FIFO or socket, not a regular file", path=src / rel)
 
-    for entry in sorted(os.scandir(src), key=lambda e: e.name):
+    for entry in _listed(src):
         if entry.name in (METADATA_NAME, SIDECAR_NAME, MANIFEST_NAME, MARKER_NAME) or _source_file(entry.name):
             continue
         copy_entry(entry, entry.name, dst / entry.name)
@@ -590,7 +607,7 @@ def _extra_names(src: Path, reader: CheckpointReader) -> list[str]:
     if reader.remote is not None:
         names = {rel.split("/", 1)[0] for rel in reader.remote.sizes() if rel not in skip}
         return sorted(n for n in names if not _source_file(n))
-    return sorted(e.name for e in os.scandir(src) if e.name not in skip and not _source_file(e.name))
+    return [e.name for e in _listed(src) if e.name not in skip and not _source_file(e.name)]
 
 
 def _planned_files(plan: ReshardPlan) -> tuple[list[dict[str, Any]], dict[str, int]]:

@@ -755,3 +755,29 @@ def test_a_key_with_a_newline_is_exported_by_the_default_rules(tmp_path: Path) -
     got, _ = read_export(tmp_path / "o")
     assert sorted(got) == ["a\nb.weight", "c.weight"] and torch.equal(got["a\nb.weight"], w)
     assert json.loads(res.stdout)["skipped"] == {}
+
+
+def test_an_asset_deleted_mid_run_is_named_not_an_internal_error(
+    sample_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `--model-assets` file deleted (or the folder moved) between the plan and its copy into the output:
+    E999 FileNotFoundError. Now E300 naming the file, and no output."""
+    from ckpttool.ops.export import execute
+
+    assets = tmp_path / "assets"
+    shutil.copytree(sample_ckpt / "model_assets", assets)
+    (assets / "tokenizer.json").write_text("{}")
+    real = execute._write_root_files
+
+    def deleted_first(*args: Any, **kwargs: Any) -> Any:
+        (assets / "tokenizer.json").unlink()  # another process removes it as the run reaches the assets
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(execute, "_write_root_files", deleted_first)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["export", str(sample_ckpt), str(out), "--model-assets", str(assets)])
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert lines[0].startswith(f"error: [E300] {assets / 'tokenizer.json'}: cannot read"), res.stderr
+    assert len(lines) == 2 and lines[1].startswith("hint: "), res.stderr
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["assets"]

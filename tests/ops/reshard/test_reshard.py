@@ -631,3 +631,30 @@ def test_reshard_chain_is_proven_equal_by_diff_and_replay_step(
         assert set(fields) == set(after[fqn]), fqn
         for f, v in fields.items():
             assert torch.equal(_bits(v), _bits(after[fqn][f])), (fqn, f)
+
+
+def test_a_source_moved_away_mid_run_is_named_not_an_internal_error(
+    sample_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The source directory moved (or deleted) after the data files were read, before the files beside
+    them were listed: E999 FileNotFoundError. Now E300 naming the directory, and no output."""
+    import shutil
+
+    from ckpttool.ops.reshard import execute
+
+    src = tmp_path / "src"
+    shutil.copytree(sample_ckpt, src)
+    real = execute._root_files
+
+    def moved_first(src_p: Path, *args: object, **kwargs: object) -> object:
+        src.rename(tmp_path / "moved")  # another process renames the checkpoint as the run reaches its extra files
+        return real(src_p, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(execute, "_root_files", moved_first)
+    out = tmp_path / "out"
+    res = cli(src, out, "--to", "legacy", "--with-optimizer")
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert lines[0].startswith(f"error: [E300] {src}: cannot list the checkpoint's files"), res.stderr
+    assert len(lines) == 2 and lines[1].startswith("hint: "), res.stderr
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["moved"]
