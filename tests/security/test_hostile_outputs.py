@@ -175,7 +175,8 @@ def readonly_runner(d: Path) -> list[str] | None:
 def test_atomic_dir_interrupted(sig: int, with_old: bool, tmp_path: Path) -> None:
     out = tmp_path / "out"
     old = existing_out(out) if with_old else None
-    proc = run_writer("wait", out, overwrite=with_old)
+    # the writer as a terminal starts it: a test run under nohup (SIGHUP ignored, inherited) would leave it alone
+    proc = run_writer("wait", out, overwrite=with_old, preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
     assert proc.stdout is not None and proc.stdout.readline().strip() == "READY", proc.stderr.read()  # type: ignore[union-attr]
     assert len(tmp_siblings(out)) == 1  # mid-way: the temporary directory exists
     proc.send_signal(sig)
