@@ -52,17 +52,23 @@ def test_clean_two_rank_saves_are_silent(tc_root: Path, name: str) -> None:
     assert rc == 0 and not d014(doc), doc["findings"]
 
 
-def test_rank_that_skipped_a_step(tc_root: Path, tmp_path: Path) -> None:
+def _rank_1_skips_a_step(ck: Path) -> dict[str, Any]:
+    """Rewrite rank 1's optimizer file with every ``step`` one lower (rank 1 skipped one of the two steps)."""
     import torch
 
-    ck = shutil.copytree(tc_root / "w2" / "step-2", tmp_path / "step-2")
     f = ck / "optimizer_1.pt"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DeviceMesh unpickled without a process group
         sd = torch.load(f, weights_only=False)
     for st in sd["state"].values():
-        st["step"] = st["step"] - 1  # rank 1 skipped one of the two steps
+        st["step"] = st["step"] - 1
     torch.save(sd, f)
+    return sd
+
+
+def test_rank_that_skipped_a_step(tc_root: Path, tmp_path: Path) -> None:
+    ck = shutil.copytree(tc_root / "w2" / "step-2", tmp_path / "step-2")
+    sd = _rank_1_skips_a_step(ck)
     rc, doc = validate(ck)  # not a --deep rule: the open compares the replicas
     found = d014(doc)
     assert rc == 1 and len(found) == len(sd["state"]), doc["findings"]
@@ -78,18 +84,10 @@ def test_rank_that_skipped_a_step(tc_root: Path, tmp_path: Path) -> None:
 def test_manifest_verify_refuses_replicas_that_differ(tc_root: Path, tmp_path: Path) -> None:
     """A rank's copy of a replicated value is in no manifest entry (the first rank's is): opened to
     list a deleted data file's entries, the replicas' E280 was kept aside and the verdict 'matches'."""
-    import torch
-
     ck = shutil.copytree(tc_root / "w2" / "step-2", tmp_path / "step-2")
     res = runner.invoke(app, ["manifest", str(ck)])
     assert res.exit_code == 0, res.output
-    f = ck / "optimizer_1.pt"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DeviceMesh unpickled without a process group
-        sd = torch.load(f, weights_only=False)
-    for st in sd["state"].values():
-        st["step"] = st["step"] - 1  # rank 1 skipped one of the two steps
-    torch.save(sd, f)
+    _rank_1_skips_a_step(ck)
     res = runner.invoke(app, ["manifest", "--verify", str(ck)])
     assert res.exit_code == 2 and "E280" in res.stderr and "replicated shards differ" in res.stderr, res.output
     assert "matches" not in res.stdout

@@ -138,63 +138,61 @@ def test_mxfp4_against_transformers_values(tmp_path: Path) -> None:
     assert row["max_abs"] == 0.0 and row["shape"] == [2, 96, 6]  # bf16 of exact values: equal
 
 
-def test_an_infinite_fp8_scale_does_not_make_the_other_blocks_within(tmp_path: Path) -> None:
-    """The default atol is a subnormal step times the largest *finite* scale: an infinite one (damaged) made it
-    inf, and every finite value of the other blocks compared "within" (only the inf block was counted)."""
+B = 128  # the block of the two FP8 folders below
+
+
+def _fp8_folders(zero_first_block: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scales, ref)``: a 256 x 256 weight quantized in 128 x 128 blocks (DeepSeek-V3's recipe), and its
+    dequantized values with block (1, 1)'s last 56 x 56 values made 50x (far outside any FP8 tolerance)."""
     torch.manual_seed(0)
-    w, b = torch.randn(256, 256), 128
+    w = torch.randn(256, 256)
     q = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
     s = torch.empty(2, 2)
     for i in range(2):
         for j in range(2):
-            blk = w[i * b : (i + 1) * b, j * b : (j + 1) * b]
+            blk = w[i * B : (i + 1) * B, j * B : (j + 1) * B]
             s[i, j] = blk.abs().max() / 448.0
-            q[i * b : (i + 1) * b, j * b : (j + 1) * b] = (blk / s[i, j]).to(torch.float8_e4m3fn)
-    ref = q.float() * s.repeat_interleave(b, 0).repeat_interleave(b, 1)
-    ref[200:, 200:] *= 50  # block (1, 1): 56 x 56 values far outside any FP8 tolerance
-    damaged = s.clone()
-    damaged[0, 0] = float("inf")  # block (0, 0) dequantizes to +-inf / NaN
+            q[i * B : (i + 1) * B, j * B : (j + 1) * B] = (blk / s[i, j]).to(torch.float8_e4m3fn)
+    if zero_first_block:
+        q[:B, :B] = torch.zeros(B, B).to(torch.float8_e4m3fn)
+    ref = q.float() * s.repeat_interleave(B, 0).repeat_interleave(B, 1)
+    ref[200:, 200:] *= 50
+    return q, s, ref
+
+
+def _write_pair(tmp_path: Path, q: torch.Tensor, scales: torch.Tensor, ref: torch.Tensor) -> None:
+    """``tmp_path/q8`` (the FP8 weight and its ``weight_scale_inv``) and ``tmp_path/ref`` (the values), HF folders."""
     key = "model.layers.0.mlp.down_proj.weight"
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
     for name, tensors, config in (
-        ("q8", {key: q, key + "_scale_inv": damaged}, {**cfg, "quantization_config": {"weight_block_size": [b, b]}}),
+        ("q8", {key: q, key + "_scale_inv": scales}, {**cfg, "quantization_config": {"weight_block_size": [B, B]}}),
         ("ref", {key: ref}, cfg),
     ):
         (tmp_path / name).mkdir()
         save_file(tensors, str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
         (tmp_path / name / "config.json").write_text(json.dumps(config))
+
+
+def test_an_infinite_fp8_scale_does_not_make_the_other_blocks_within(tmp_path: Path) -> None:
+    """The default atol is a subnormal step times the largest *finite* scale: an infinite one (damaged) made it
+    inf, and every finite value of the other blocks compared "within" (only the inf block was counted)."""
+    q, s, ref = _fp8_folders()
+    damaged = s.clone()
+    damaged[0, 0] = float("inf")  # block (0, 0) dequantizes to +-inf / NaN
+    _write_pair(tmp_path, q, damaged, ref)
     doc = _diff(tmp_path / "q8", tmp_path / "ref", code=1)
     (row,) = doc["tensors"]
-    assert row["status"] == "differ" and row["mismatched"] == b * b + 56 * 56
+    assert row["status"] == "differ" and row["mismatched"] == B * B + 56 * 56
 
 
 def test_one_huge_fp8_scale_does_not_widen_the_other_blocks(tmp_path: Path) -> None:
     """The default atol is a subnormal step of each element's *own* block scale: a zero block with a scale
     of 1e38 (its values dequantize to 0, whatever the scale) made the tensor-wide atol 2e35, and a block that
     differs 50x compared "equal" (exit 0)."""
-    torch.manual_seed(0)
-    w, b = torch.randn(256, 256), 128
-    q = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
-    s = torch.empty(2, 2)
-    for i in range(2):
-        for j in range(2):
-            blk = w[i * b : (i + 1) * b, j * b : (j + 1) * b]
-            s[i, j] = blk.abs().max() / 448.0
-            q[i * b : (i + 1) * b, j * b : (j + 1) * b] = (blk / s[i, j]).to(torch.float8_e4m3fn)
-    q[:b, :b] = torch.zeros(b, b).to(torch.float8_e4m3fn)
+    q, s, ref = _fp8_folders(zero_first_block=True)
     huge = s.clone()
     huge[0, 0] = 1e38  # a zero block: dequantizes to 0
-    ref = q.float() * s.repeat_interleave(b, 0).repeat_interleave(b, 1)
-    ref[200:, 200:] *= 50  # block (1, 1): 56 x 56 values far outside any FP8 tolerance
-    key = "model.layers.0.mlp.down_proj.weight"
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
-    for name, tensors, config in (
-        ("q8", {key: q, key + "_scale_inv": huge}, {**cfg, "quantization_config": {"weight_block_size": [b, b]}}),
-        ("ref", {key: ref}, cfg),
-    ):
-        (tmp_path / name).mkdir()
-        save_file(tensors, str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
-        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    _write_pair(tmp_path, q, huge, ref)
     moved = ref[200:, 200:]
     within = int((moved.abs() * (1 - 1 / 50) <= 2.0**-9 * float(s[1, 1]) + 2.0**-3 * moved.abs()).sum())
     doc = _diff(tmp_path / "q8", tmp_path / "ref", code=1)
