@@ -439,7 +439,7 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
     found = find_checkpoints(root)
     incomplete = find_incomplete(root)
     if not found:
-        if incomplete and sel.step is not None:
+        if incomplete:  # the only saves below did not finish: said so, not "no checkpoint"
             raise _incomplete_error(root, incomplete[-1], sel.step)
         return _nothing_below(root, opt)
     units = _units(root, found)
@@ -486,7 +486,7 @@ def _refuse_unfinished_unit(root: Path, u: _Unit, step: int | str | None, incomp
     if step is None and u.step is not None:
         inc = next((i for i in incomplete if i.step == u.step), None)
         if inc is not None:
-            raise _incomplete_error(root, inc, u.step)
+            raise _incomplete_error(root, inc, None)
 
 
 def _latest_epoch(units: list[_Unit]) -> list[_Unit]:
@@ -515,10 +515,12 @@ def _nothing_below(root: Path, opt: Path | None) -> Located:
     )
 
 
-def _incomplete_error(root: Path, inc: IncompleteStep, step: int | str) -> IncompleteCheckpointError:
-    """E202 for ``step`` (a number or ``latest``) naming a step whose save did not finish."""
+def _incomplete_error(root: Path, inc: IncompleteStep, step: int | str | None) -> IncompleteCheckpointError:
+    """E202 for ``step`` (a number, ``latest``, or ``None`` when none was given) naming a step whose save did
+    not finish."""
+    given = f"`step` {step}: " if step is not None else ""
     return IncompleteCheckpointError(
-        f"{root}: `step` {step}: step {inc.step} is incomplete (a save that did not finish, or an async save "
+        f"{root}: {given}step {inc.step} is incomplete (a save that did not finish, or an async save "
         f"still running): {inc.path} has {inc.reason}",
         path=inc.path,
         param="step",

@@ -80,6 +80,18 @@ def test_step_of_an_incomplete_save_says_incomplete(run_root: Path) -> None:
     assert res.exit_code == 2 and "E202" in res.stderr and "not found" not in res.stderr
 
 
+def test_a_run_whose_only_save_did_not_finish_says_so(run_root: Path) -> None:
+    """No ``--step`` and only an unfinished step below: E202 naming it, not "no DCP checkpoint below" (E200),
+    and no ``--step N`` in the message that was never given."""
+    for s in (1, 2):
+        shutil.rmtree(run_root / f"step-{s}")
+    with pytest.raises(IncompleteCheckpointError) as ei:
+        locate(run_root)
+    assert ei.value.message.startswith(f"{run_root}: step 8 is incomplete (a save that did not finish")
+    res = runner.invoke(app, ["inspect", str(run_root)])
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E202] {run_root}: step 8 is incomplete"), res.stderr
+
+
 def test_metadata_tmp_of_a_crashed_save(run_root: Path) -> None:
     shutil.rmtree(run_root / "step-8")
     shutil.copytree(run_root / "step-2", run_root / "step-9")
