@@ -249,6 +249,16 @@ def test_diff_pt_and_safetensors_saves_of_one_state_are_equal(tc_root: Path) -> 
     assert "equal" in res.output
 
 
+def test_diff_schema_override_applies_to_a_safetensors_rank_file_save(tc_root: Path) -> None:
+    # model_{rank}.safetensors rank files made the side look like a Hugging Face folder: the
+    # --schema override was dropped for it (torch-checkpointing) and kept for the .pt save
+    a, b = tc_root / "w2st" / "step-2", tc_root / "w2" / "step-2"
+    res = runner.invoke(app, ["diff", "--json", "--schema", "torch-native", str(a), str(b)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert (doc["a"]["schema"], doc["b"]["schema"]) == ("torch-native", "torch-native"), (doc["a"], doc["b"])
+
+
 @pytest.mark.parametrize(("what", "prefix"), [("model", "model."), ("optimizer", "optimizer.")])
 def test_diff_what_compares_the_model_or_the_optimizer_state(tc_root: Path, what: str, prefix: str) -> None:
     # a per-rank save was taken for a safetensors folder: --what model compared its optimizer state too

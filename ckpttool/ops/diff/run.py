@@ -30,6 +30,7 @@ from ckpttool.errors import CkptError, DataFileError, DiffError, NothingCompared
 from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.format.perrank import PerRankReader
+from ckpttool.format.perrank_formats import detect_layout
 from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.catalog import TensorEntry
@@ -173,9 +174,14 @@ def _bits(t: Any) -> Any:
 
 
 def _hf_side(where: Path, only_file: str | None) -> bool:
-    """A safetensors side (a file, or a directory of them without ``.metadata``), named as Hugging Face names it."""
+    """A safetensors side (a file, or a directory of them without ``.metadata``), named as Hugging Face
+    names it; a per-rank save whose rank files are safetensors (torch-checkpointing's
+    ``model_{rank}.safetensors``) has torch-native keys, so it is not one."""
     return only_file is not None or (
-        where.is_dir() and not (where / ".metadata").exists() and any(where.glob("*.safetensors"))
+        where.is_dir()
+        and not (where / ".metadata").exists()
+        and any(where.glob("*.safetensors"))
+        and detect_layout(where) is None
     )
 
 
