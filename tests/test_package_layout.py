@@ -40,3 +40,21 @@ def test_metadata_only_layers_import_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
+
+
+def test_positional_reads_outside_the_engine_are_the_archive_windows_only() -> None:
+    """``os.pread``/``os.preadv`` are the engine's (``engine/io.py``): the safetensors header reader and
+    writer's read-back use its helpers; only the archive window's file-object ``readinto`` reads itself."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "ckpttool"
+    sites = set()
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            f = node.func if isinstance(node, ast.Call) else None
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "os":
+                if f.attr in ("pread", "preadv", "pwrite") and not rel.startswith("engine/"):
+                    sites.add(rel)
+    assert sites == {"format/archive.py"}

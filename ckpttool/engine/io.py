@@ -1,7 +1,7 @@
 """The one read helper: positional reads that fill a buffer or stream a byte range block by block.
 
-Every read of checkpoint data goes through :func:`read_into` or :func:`read_blocks` (the
-archive and safetensors header parsers read their few header bytes themselves). Reads use
+Every read of checkpoint data goes through :func:`read_into` or :func:`read_blocks` (only
+the archive window's file-object ``readinto``, one read that may be short, reads itself). Reads use
 ``os.preadv`` on shared descriptors: no file position, safe from several threads, and the GIL
 is released while the kernel copies. A block is :data:`BLOCK_BYTES` (1 MiB): it stays in the
 CPU cache between the read and whatever consumes it (a CRC-32, a digest, a ``pwrite``, a
