@@ -47,6 +47,7 @@ from ckpttool.ops.diff.result import (
     SideInfo,
     TensorStat,
 )
+from ckpttool.ops.diff.sides import side_openings
 from ckpttool.ops.export.transform import Run
 
 __all__ = ["Namer", "Side", "diff_checkpoints"]
@@ -1013,20 +1014,22 @@ def diff_checkpoints(
         :class:`DiffResult` (``equal``: exit 0, else 1).
 
     Raises:
-        UsageError: bad options. DiffError (E610): an input of no known kind, nothing in common.
+        UsageError: bad options (a step that selects nothing: :func:`~ckpttool.ops.diff.sides.side_openings`).
+            DiffError (E610): an input of no known kind, nothing in common.
         NothingComparedError (E611): no tensor value compared and no difference found (never "equal").
         LayoutError (E405): an undeclared ambiguous EP layout.
         plus the reader's errors for damaged inputs (E1xx-E3xx).
     """
     opts = options or DiffOptions()
     _check_options(opts)
+    opening_a, opening_b = side_openings(a, b, opts, opening_a or OpenOptions(), opening_b or OpenOptions())
     t0 = time.perf_counter()
     say = phase or (lambda text: None)
     say(f"opening A ({a})")
-    sa = _open_side("A", a, opening_a or OpenOptions())
+    sa = _open_side("A", a, opening_a)
     try:
         say(f"opening B ({b})")
-        sb = _open_side("B", b, opening_b or OpenOptions())
+        sb = _open_side("B", b, opening_b)
     except BaseException:
         sa.close()
         raise
