@@ -32,7 +32,7 @@ from ckpttool.format.metadata import TensorMeta
 from ckpttool.format.perrank import PerRankReader
 from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_KEY
-from ckpttool.model.catalog import TensorEntry
+from ckpttool.model.catalog import TensorEntry, match_filter
 from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_checkpoint
 from ckpttool.model.schemas.base import canonical_group_key, canonical_state_key
 from ckpttool.ops.diff.compare import BLOCK_ELEMENTS, Metrics, ValueCompare, ValueDiff, compare_tensors, unravel
@@ -1043,13 +1043,8 @@ def diff_checkpoints(
 
 
 def _matches(globs: tuple[str, ...], *names: str) -> bool:
-    import fnmatch
-
-    for n in names:
-        for cand in (n, n.removeprefix("model.")):
-            if any(fnmatch.fnmatchcase(cand, g) for g in globs):
-                return True
-    return False
+    """Whether a name matches a glob, with or without the canonical ``model.`` prefix (as every ``--filter``)."""
+    return any(match_filter(n, g) for n in names for g in globs)
 
 
 def _filter(
