@@ -58,3 +58,16 @@ def test_positional_reads_outside_the_engine_are_the_archive_windows_only() -> N
                 if f.attr in ("pread", "preadv", "pwrite") and not rel.startswith("engine/"):
                     sites.add(rel)
     assert sites == {"format/archive.py"}
+
+
+def test_the_optimizer_type_choices_are_the_optimizer_state_schemas() -> None:
+    """`sample --optimizer-type` and `replay-step --optimizer-type` offer the types of one list
+    (`ckpttool.optim_state.schema.OPTIMIZER_TYPES`), not copies of it."""
+    from ckpttool.commands.replay_step import OptimizerChoice
+    from ckpttool.commands.sample import SampleOptimizer
+    from ckpttool.ops.sample import SAMPLE_OPTIMIZERS
+    from ckpttool.optim_state.schema import OPTIMIZER_TYPES
+
+    assert SAMPLE_OPTIMIZERS is OPTIMIZER_TYPES
+    assert [c.value for c in SampleOptimizer] == list(OPTIMIZER_TYPES)
+    assert [c.value for c in OptimizerChoice] == ["auto", *OPTIMIZER_TYPES]
