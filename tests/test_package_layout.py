@@ -71,3 +71,16 @@ def test_the_optimizer_type_choices_are_the_optimizer_state_schemas() -> None:
     assert SAMPLE_OPTIMIZERS is OPTIMIZER_TYPES
     assert [c.value for c in SampleOptimizer] == list(OPTIMIZER_TYPES)
     assert [c.value for c in OptimizerChoice] == ["auto", *OPTIMIZER_TYPES]
+
+
+def test_the_float8_dtypes_are_one_list() -> None:
+    """Every float8 dtype the dtype table knows is in `FLOAT8_DTYPES`, and the floating set, the writer's
+    v3-archive dtypes and validate's low-precision steps are built from it."""
+    from ckpttool.format.metadata import DTYPE_ITEMSIZE, FLOAT8_DTYPES, FLOATING_DTYPES
+    from ckpttool.format.writer import _V3_DTYPES
+    from ckpttool.ops.validate.rules.optimizer import LOW_PRECISION
+
+    assert FLOAT8_DTYPES == tuple(d for d in DTYPE_ITEMSIZE if d.startswith("float8_"))
+    assert FLOATING_DTYPES == {"float64", "float32", "float16", "bfloat16", *FLOAT8_DTYPES}
+    assert _V3_DTYPES == {*FLOAT8_DTYPES, "uint16", "uint32", "uint64"}
+    assert LOW_PRECISION == ("bfloat16", "float16", *FLOAT8_DTYPES)
