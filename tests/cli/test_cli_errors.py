@@ -399,3 +399,11 @@ def test_a_closed_stdout_or_stderr_keeps_the_verdict(sample_ckpt: Path, tmp_path
         )
         assert proc.returncode == code, (argv, proc.stderr)
         assert "E999" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_an_interrupt_ends_the_same_way_wherever_it_lands(capsys: pytest.CaptureFixture[str]) -> None:
+    """One function decides what Ctrl-C ends with, for the program's start and for a running command alike."""
+    from ckpttool.ui.output import interrupted
+
+    assert interrupted() == 130
+    assert capsys.readouterr().err == "error: interrupted\n"
