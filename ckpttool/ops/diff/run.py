@@ -146,7 +146,7 @@ class Side:
         from ckpttool.engine.kernels import place_runs
 
         assert item.runs is not None
-        out = torch.empty(_numel(item.shape), dtype=_torch_dtype(item.dtype))
+        out = torch.empty(math.prod(item.shape), dtype=_torch_dtype(item.dtype))
         for e, runs in item.runs:
             flat = self.tensor(e.key).reshape(-1)
             if flat.dtype != out.dtype:  # values cast as a tensor assignment casts them
@@ -424,7 +424,7 @@ def _adapter_items(task: Any, assembled: dict[str, Item], items: list[Item]) -> 
     src = task.selected.source
     for k, p in enumerate(task.pieces):
         if task.runs is None:
-            runs: tuple[Run, ...] = (Run(0, _numel(src.shape), 0, 0),)
+            runs: tuple[Run, ...] = (Run(0, math.prod(src.shape), 0, 0),)
         else:
             runs = tuple(Run(r.src, r.length, 0, r.dst) for r in task.runs if r.piece == k)
         if task.runs is None and len(task.pieces) == 1 and tuple(p.shape) == tuple(src.shape):
@@ -558,7 +558,7 @@ def _row_blocks(side: Side, e: TensorEntry) -> list[ChunkLocation] | None:
     compared as byte streams whatever their chunk boundaries. ``None``: another split.
     """
     chunks = sorted((c for c in e.chunks if c.numel), key=lambda c: c.offsets)
-    if not chunks and _numel(e.shape) == 0:
+    if not chunks and math.prod(e.shape) == 0:
         return []
     pos = 0
     for c in chunks:
@@ -631,7 +631,7 @@ def _stream_values(a: Side, ia: Item, b: Side, ib: Item, how: dict[str, Any]) ->
     import torch
 
     ea, eb = ia.entry, ib.entry
-    if not (ia.direct and ib.direct) or ea is None or eb is None or _numel(ia.shape) == 0:
+    if not (ia.direct and ib.direct) or ea is None or eb is None or math.prod(ia.shape) == 0:
         return None
     for side, e in ((a, ea), (b, eb)):
         meta = side.ckpt.metadata.entries[e.key]
@@ -781,7 +781,7 @@ def _stat(name: str, ia: Item, ib: Item, vd: ValueDiff, *, raw: bool = False) ->
         ia.shape,
         ia.dtype,
         ib.dtype,
-        _numel(ia.shape),
+        math.prod(ia.shape),
         status,
         vd.mismatched,
         max_abs,
@@ -822,7 +822,7 @@ def _values_difference(name: str, ia: Item, ib: Item, vd: ValueDiff, tolerant: b
             break
     where = f" = {stored['side']}'s {stored['key']}{stored['index']}" if stored is not None else ""
     msg = (
-        f"{name}: {vd.mismatched} of {_numel(ia.shape)} element(s) {how}; first at {idx}{where} "
+        f"{name}: {vd.mismatched} of {math.prod(ia.shape)} element(s) {how}; first at {idx}{where} "
         f"(A {vd.a_value!r}, B {vd.b_value!r})"
     )
     if vd.max_abs_error is not None:
@@ -835,7 +835,7 @@ def _values_difference(name: str, ia: Item, ib: Item, vd: ValueDiff, tolerant: b
         ib.key,
         idx,
         vd.mismatched,
-        _numel(ia.shape),
+        math.prod(ia.shape),
         vd.max_abs_error,
         vd.max_rel_error,
         vd.a_value,
@@ -845,13 +845,6 @@ def _values_difference(name: str, ia: Item, ib: Item, vd: ValueDiff, tolerant: b
 
 
 _FLOATING = {"float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _compare_objects(name: str, a: Side, ia: Item, b: Side, ib: Item) -> Difference | None:
@@ -1067,7 +1060,7 @@ def _item_bytes(side: Side, item: Item) -> int:
         return 0
     from ckpttool.format.metadata import DType
 
-    return _numel(item.shape) * DType(item.dtype).itemsize
+    return math.prod(item.shape) * DType(item.dtype).itemsize
 
 
 class _Tally:
