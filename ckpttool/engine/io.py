@@ -68,13 +68,21 @@ def read_into(fd: int, buf: Any, offset: int) -> int:
     """
     mv = memoryview(buf).cast("B")
     n = len(mv)
-    got = 0
+    got = _fill(fd, mv, offset)
+    if got < n:
+        raise ShortReadError(offset + got, n - got)
+    return n
+
+
+def _fill(fd: int, mv: memoryview, offset: int) -> int:
+    """Read into ``mv`` (bytes) from ``offset`` of ``fd`` until it is full or the file ends; the bytes read."""
+    got, n = 0, len(mv)
     while got < n:
         r = os.preadv(fd, [mv[got:]], offset + got)
         if r <= 0:
-            raise ShortReadError(offset + got, n - got)
+            break
         got += r
-    return n
+    return got
 
 
 def read_exact(fd: int, n: int, offset: int) -> bytes:
@@ -90,15 +98,8 @@ def read_exact(fd: int, n: int, offset: int) -> bytes:
 
 def read_upto(fd: int, n: int, offset: int) -> bytes:
     """Up to ``n`` bytes from ``offset`` of ``fd``: fewer only where the file ends first (never raises for that)."""
-    buf = bytearray(n)
-    mv = memoryview(buf)
-    got = 0
-    while got < n:
-        r = os.preadv(fd, [mv[got:]], offset + got)
-        if r <= 0:
-            break
-        got += r
-    return bytes(mv[:got])
+    mv = memoryview(bytearray(n))
+    return bytes(mv[: _fill(fd, mv, offset)])
 
 
 def write_all(fd: int, data: Any, offset: int) -> None:
