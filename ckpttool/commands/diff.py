@@ -216,14 +216,6 @@ def _render_with_plot(res: Any, plot: Path | None) -> None:
         stdout_console().print(f"wrote {plot}")
 
 
-class DiffProgress(PhaseProgress):
-    """What ``diff`` is doing, on stderr (:class:`~ckpttool.ui.render.PhaseProgress` labelled ``diff``):
-    each phase by name, then the byte bar of the comparison, drawn once its total is known."""
-
-    def __init__(self, console: Any) -> None:
-        super().__init__(console, "diff", bar_text="comparing")
-
-
 _ROWS = 40
 _DETAILS = 5
 _STATUS = {"equal": "equal", "within_tolerance": "within tol", "differ": "DIFFER"}

@@ -208,12 +208,12 @@ def test_phases_are_named_and_the_bar_starts_with_its_total(runs: Path) -> None:
 
     from rich.console import Console
 
-    from ckpttool.commands.diff import DiffProgress
+    from ckpttool.ui.render import PhaseProgress
 
     a, b = runs / "run1" / "step-1", runs / "run2" / "step-3"
     events: list[Any] = []
     buf = io.StringIO()
-    shown = DiffProgress(Console(file=buf, force_terminal=True, width=120))
+    shown = PhaseProgress(Console(file=buf, force_terminal=True, width=120), "diff", bar_text="comparing")
     try:
         diff_checkpoints(
             a,
