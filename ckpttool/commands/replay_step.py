@@ -273,8 +273,8 @@ def _replay_options(
         select=select,
         filter_glob=filter_glob,
         grads=grads,
-        grad_seed=0 if grad_seed is None else grad_seed,
-        grad_scale=1e-3 if grad_scale is None else grad_scale,
+        grad_seed=ReplayOptions.grad_seed if grad_seed is None else grad_seed,  # the library's defaults
+        grad_scale=ReplayOptions.grad_scale if grad_scale is None else grad_scale,
         optimizer=optimizer.value,
         offload_patterns=offload_patterns or None,
         chunk_size=chunk_size,

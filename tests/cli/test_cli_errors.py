@@ -407,3 +407,25 @@ def test_an_interrupt_ends_the_same_way_wherever_it_lands(capsys: pytest.Capture
 
     assert interrupted() == 130
     assert capsys.readouterr().err == "error: interrupted\n"
+
+
+def test_replay_step_without_grad_flags_takes_the_librarys_generator_defaults() -> None:
+    from ckpttool.commands.replay_step import DeviceChoice, OptimizerChoice, _replay_options
+    from ckpttool.ops.replay import ReplayOptions
+
+    opts = _replay_options(
+        device=DeviceChoice.auto,
+        filter_glob=None,
+        select=None,
+        grads=None,
+        grad_seed=None,
+        grad_scale=None,
+        optimizer=OptimizerChoice["auto"],
+        offload_patterns=None,
+        chunk_size=None,
+        steps=1,
+        max_memory=None,
+        tolerance="1e-5,1e-8",
+        reference_dtype="float64",
+    )
+    assert (opts.grad_seed, opts.grad_scale) == (ReplayOptions().grad_seed, ReplayOptions().grad_scale)
