@@ -40,3 +40,47 @@ def test_metadata_only_layers_import_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
+
+
+def test_positional_reads_outside_the_engine_are_the_archive_windows_only() -> None:
+    """``os.pread``/``os.preadv`` are the engine's (``engine/io.py``): the safetensors header reader and
+    writer's read-back use its helpers; only the archive window's file-object ``readinto`` reads itself."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "ckpttool"
+    sites = set()
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            f = node.func if isinstance(node, ast.Call) else None
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "os":
+                if f.attr in ("pread", "preadv", "pwrite") and not rel.startswith("engine/"):
+                    sites.add(rel)
+    assert sites == {"format/archive.py"}
+
+
+def test_the_optimizer_type_choices_are_the_optimizer_state_schemas() -> None:
+    """`sample --optimizer-type` and `replay-step --optimizer-type` offer the types of one list
+    (`ckpttool.optim_state.schema.OPTIMIZER_TYPES`), not copies of it."""
+    from ckpttool.commands.replay_step import OptimizerChoice
+    from ckpttool.commands.sample import SampleOptimizer
+    from ckpttool.ops.sample import SAMPLE_OPTIMIZERS
+    from ckpttool.optim_state.schema import OPTIMIZER_TYPES
+
+    assert SAMPLE_OPTIMIZERS is OPTIMIZER_TYPES
+    assert [c.value for c in SampleOptimizer] == list(OPTIMIZER_TYPES)
+    assert [c.value for c in OptimizerChoice] == ["auto", *OPTIMIZER_TYPES]
+
+
+def test_the_float8_dtypes_are_one_list() -> None:
+    """Every float8 dtype the dtype table knows is in `FLOAT8_DTYPES`, and the floating set, the writer's
+    v3-archive dtypes and validate's low-precision steps are built from it."""
+    from ckpttool.format.metadata import DTYPE_ITEMSIZE, FLOAT8_DTYPES, FLOATING_DTYPES
+    from ckpttool.format.writer import _V3_DTYPES
+    from ckpttool.ops.validate.rules.optimizer import LOW_PRECISION
+
+    assert FLOAT8_DTYPES == tuple(d for d in DTYPE_ITEMSIZE if d.startswith("float8_"))
+    assert FLOATING_DTYPES == {"float64", "float32", "float16", "bfloat16", *FLOAT8_DTYPES}
+    assert _V3_DTYPES == {*FLOAT8_DTYPES, "uint16", "uint32", "uint64"}
+    assert LOW_PRECISION == ("bfloat16", "float16", *FLOAT8_DTYPES)

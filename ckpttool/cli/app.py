@@ -26,7 +26,7 @@ from typer.core import TyperGroup, TyperOption
 
 from ckpttool.cli.completion import add_completions
 from ckpttool.errors import CkptError, UsageError
-from ckpttool.ui.output import configure_logging, print_error
+from ckpttool.ui.output import configure_logging, interrupted, print_error
 from ckpttool.ui.render import UI
 
 __all__ = ["app", "main", "entry", "version_text", "GLOBAL_OPTIONS"]
@@ -830,16 +830,7 @@ def _run() -> None:
     try:
         app(prog_name="ckpttool")
     except KeyboardInterrupt:
-        from ckpttool.ops import distributed
-
-        lost = distributed.current().lost_peer()  # torchrun stopping the run because a rank ended
-        if lost is not None:
-            print_error(lost)
-            sys.exit(lost.exit_code)
-        if distributed.current().note is not None:  # a rank lost after rank 0 published: not an error
-            sys.exit(0)
-        sys.stderr.write("error: interrupted\n")
-        sys.exit(130)
+        sys.exit(interrupted())
     finally:
         pool = sys.modules.get("ckpttool.engine.pool")  # loaded only by commands that used it
         if pool is not None:

@@ -169,11 +169,13 @@ def diff_command(
         weights=weights.value,
         adapter=adapter,
         filters=tuple(filters or ()),
+        step=step,
+        a_step=a_step,
+        b_step=b_step,
     )
     decl_a = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
     decl_b = declaration(b_source_layout, b_ep_size, b_ep_fsdp_size, b_no_ep)
-    step_a, step_b = side_steps(a, b, step, a_step, b_step)
-    keys = (schema, model_prefix, optimizer_prefix)
+    keys = selection(None, None, schema, model_prefix, optimizer_prefix)
     if plot is not None:
         from ckpttool.ui.plot import check_plot_target
 
@@ -185,12 +187,8 @@ def diff_command(
             opts,
             progress=shown.progress if shown else None,
             phase=shown.phase if shown else None,
-            opening_a=OpenOptions(
-                declaration=decl_a, trust_pickle=trust_pickle, selection=selection(step_a, None, *keys)
-            ),
-            opening_b=OpenOptions(
-                declaration=decl_b, trust_pickle=trust_pickle, selection=selection(step_b, None, *keys)
-            ),
+            opening_a=OpenOptions(declaration=decl_a, trust_pickle=trust_pickle, selection=keys),
+            opening_b=OpenOptions(declaration=decl_b, trust_pickle=trust_pickle, selection=keys),
         )
     if plot is not None:
         from ckpttool.ui.plot import write_diff_plot
@@ -216,50 +214,6 @@ def _render_with_plot(res: Any, plot: Path | None) -> None:
         from ckpttool.ui.render import stdout_console
 
         stdout_console().print(f"wrote {plot}")
-
-
-class DiffProgress(PhaseProgress):
-    """What ``diff`` is doing, on stderr (:class:`~ckpttool.ui.render.PhaseProgress` labelled ``diff``):
-    each phase by name, then the byte bar of the comparison, drawn once its total is known."""
-
-    def __init__(self, console: Any) -> None:
-        super().__init__(console, "diff", bar_text="comparing")
-
-
-def _is_run_root(path: Path) -> bool:
-    """A directory that is no checkpoint itself (no ``.metadata``, no safetensors): ``--step`` picks below it."""
-    from ckpttool.model.discovery import is_checkpoint_dir
-
-    return path.is_dir() and not is_checkpoint_dir(path)
-
-
-def side_steps(
-    a: Path, b: Path, step: str | None, a_step: str | None, b_step: str | None
-) -> tuple[str | None, str | None]:
-    """The step of each side: its own ``--a-step``/``--b-step``, else ``--step`` where it is a run's root.
-
-    A checkpoint or an HF directory never gets ``--step``; an explicit ``--a-step`` there is refused.
-
-    Raises:
-        UsageError: ``--step`` given but neither side is a run's checkpoint root; ``--a-step``/``--b-step``
-            given for a side that is a checkpoint itself (named as that option, not ``--step``).
-    """
-    from ckpttool.errors import UsageError
-
-    for side, path, own in (("a", a, a_step), ("b", b, b_step)):
-        if own is not None and path.is_dir() and not _is_run_root(path):  # named as the user wrote it
-            raise UsageError(
-                f"--{side}-step {own} given, but {path} is a checkpoint itself",
-                hint=f"pass the directory that holds the step directories, or drop --{side}-step",
-            )
-    sa = a_step if a_step is not None else (step if _is_run_root(a) else None)
-    sb = b_step if b_step is not None else (step if _is_run_root(b) else None)
-    if step is not None and a_step is None and b_step is None and sa is None and sb is None:
-        raise UsageError(
-            f"--step {step} given, but neither {a} nor {b} is a directory of several checkpoints",
-            hint="drop --step, or pass a run's checkpoint root (the directory above its step directories)",
-        )
-    return sa, sb
 
 
 _ROWS = 40

@@ -47,7 +47,6 @@ from ckpttool.ui.options import (
 from ckpttool.ui.output import Output, command_boundary, with_flags
 
 if TYPE_CHECKING:
-    from ckpttool.model.checkpoint import Checkpoint
     from ckpttool.ops.export import ExportOptions, ExportResult
 
 
@@ -206,7 +205,7 @@ def run_export(cli: ExportCLIOptions) -> None:
     """Export model weights as Hugging Face safetensors or a LoRA adapter (streaming, bit-exact by default)."""
     from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import run_writing
-    from ckpttool.ops.export import export_checkpoint
+    from ckpttool.ops.export import export_checkpoint, masters_note
     from ckpttool.ui.render import PhaseProgress
 
     decl = declaration(cli.source_layout, cli.ep_size, cli.ep_fsdp_size, cli.no_ep)
@@ -224,7 +223,7 @@ def run_export(cli: ExportCLIOptions) -> None:
             opening=OpenOptions(declaration=decl, trust_pickle=cli.trust_pickle, selection=sel),
             progress=lambda: contextlib.nullcontext(shown.progress if shown is not None else None),
             phase=shown.phase if shown is not None else None,
-            note=_masters_note,
+            note=masters_note,
             hold_gc=True,
         )
     sink = Output(cli.json_output)
@@ -319,29 +318,6 @@ def _typer_command(options_type: type[Any], run: Callable[[Any], None]) -> Calla
     command.__doc__ = run.__doc__
     command.__name__ = command.__qualname__ = getattr(run, "__name__", "command")
     return command
-
-
-def _masters_note(ckpt: Checkpoint, r: ExportResult) -> str | None:
-    """Said once when ``--weights params`` left FP32 ``master_weight`` copies of exported parameters behind."""
-    if r.weights != "params" or r.format != "hf":
-        return None
-    exported = set(r.origins.get("params", []))
-    if not exported:
-        return None
-    with_master = [
-        fqn for fqn, ps in ckpt.catalog.optimizer_state.items() if "master_weight" in ps.fields and ps.in_model
-    ]
-    if not with_master:
-        return None
-    record = ckpt.layout.record if ckpt.layout is not None else None
-    declared = (record.optimizer or {}).get("type") if record is not None else None
-    dtypes = sorted({e.dtype for e in map(ckpt.catalog.model_entry, with_master) if e is not None})
-    return (
-        f"{len(with_master)} parameter(s) also have an FP32 optimizer master_weight"
-        + (f" ({declared})" if declared else "")
-        + f"; this export holds the stored {'/'.join(dtypes) or 'parameter'} values; "
-        "export the FP32 masters with --weights master (add --save-dtype bf16 to cast them)"
-    )
 
 
 def _render(r: ExportResult) -> None:

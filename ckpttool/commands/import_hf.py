@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Annotated
@@ -111,8 +110,6 @@ def import_command(
     from ckpttool.ops.import_quant import DEQUANT_DTYPES
     from ckpttool.ui.render import PhaseProgress
 
-    _refuse_dcp_source(hf_dir)
-
     # phases named on stderr (reading headers, planning, writing, ...); the byte bar of the writing from its total on
     with PhaseProgress.on_stderr("import", not json_output and sys.stderr.isatty()) as shown:
         res = _run(
@@ -147,34 +144,6 @@ def _run(hf_dir: Path, out: PurePath, shown: PhaseProgress | None, options: Impo
     if shown is None:
         return import_hf(hf_dir, out, options)
     return import_hf(hf_dir, out, options, progress=shown.progress, phase=shown.phase)
-
-
-def _refuse_dcp_source(hf_dir: Path) -> None:
-    """A DCP checkpoint given as HF_DIR is named as one, with the command that converts it (``export``).
-
-    Raises:
-        UsageError (E100): ``hf_dir`` holds no ``*.safetensors`` file but ``.metadata`` (or a run root
-            with DCP checkpoints below it).
-    """
-    from ckpttool.errors import UsageError
-    from ckpttool.model.discovery import find_checkpoints
-
-    try:
-        if not hf_dir.is_dir() or any(hf_dir.glob("*.safetensors")):
-            return
-        what = "it holds .metadata" if (hf_dir / ".metadata").is_file() else None
-        if what is None:
-            below = [p for p in find_checkpoints(hf_dir) if (p / ".metadata").is_file()]
-            what = f"{below[0].relative_to(hf_dir)}/.metadata is below it" if below else None
-    except OSError:
-        return  # unreadable: import names the problem
-    if what is not None:
-        raise UsageError(
-            f"{hf_dir} is a DCP checkpoint ({what}), not a Hugging Face safetensors model",
-            path=hf_dir,
-            hint=f"did you mean `ckpttool export {shlex.quote(str(hf_dir))} OUT` (DCP to safetensors)? "
-            "import reads a directory of model*.safetensors files",
-        )
 
 
 def _render(r: ImportResult) -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from ckpttool.errors import ReplayMismatchError, UsageError
+from ckpttool.optim_state.schema import OPTIMIZER_TYPES
 from ckpttool.ui import options as opt
 from ckpttool.ui.options import declaration, examples, parse_dtype, parse_size, parse_tolerance, selection
 from ckpttool.ui.output import Output, command_boundary, deprecated, print_error, with_flags
@@ -29,12 +30,10 @@ class DeviceChoice(str, Enum):
     npu = "npu"
 
 
-class OptimizerChoice(str, Enum):
-    auto = "auto"
-    adamw = "adamw"
-    full_fp32_adamw = "full_fp32_adamw"
-    master_fp32_adamw = "master_fp32_adamw"
-    cpu_offload_adamw = "cpu_offload_adamw"
+#: ``--optimizer-type`` choices: ``auto`` and the optimizer-state schema's types
+OptimizerChoice = Enum(  # type: ignore[misc]  # built from the registry
+    "OptimizerChoice", {"auto": "auto", **{name: name for name in OPTIMIZER_TYPES}}, type=str
+)
 
 
 DeviceOpt = Annotated[
@@ -143,7 +142,7 @@ def replay_step_command(
     grads: GradsOpt = None,
     grad_seed: GradSeedOpt = None,
     grad_scale: GradScaleOpt = None,
-    optimizer: OptimizerOpt = OptimizerChoice.auto,
+    optimizer: OptimizerOpt = OptimizerChoice["auto"],
     offload_patterns: OffloadPatternsOpt = None,
     chunk_size: ChunkSizeOpt = None,
     steps: StepsOpt = 1,
@@ -274,8 +273,8 @@ def _replay_options(
         select=select,
         filter_glob=filter_glob,
         grads=grads,
-        grad_seed=0 if grad_seed is None else grad_seed,
-        grad_scale=1e-3 if grad_scale is None else grad_scale,
+        grad_seed=ReplayOptions.grad_seed if grad_seed is None else grad_seed,  # the library's defaults
+        grad_scale=ReplayOptions.grad_scale if grad_scale is None else grad_scale,
         optimizer=optimizer.value,
         offload_patterns=offload_patterns or None,
         chunk_size=chunk_size,

@@ -9,17 +9,12 @@ from typing import Annotated
 
 import typer
 
+from ckpttool.optim_state.schema import OPTIMIZER_TYPES
 from ckpttool.ui.options import OverwriteOpt, examples
 from ckpttool.ui.output import command_boundary, deprecated, note
 
-
-class SampleOptimizer(str, Enum):
-    """``SampleOptions.optimizer`` choices (:data:`ckpttool.ops.sample.SAMPLE_OPTIMIZERS`)."""
-
-    adamw = "adamw"
-    full_fp32_adamw = "full_fp32_adamw"
-    master_fp32_adamw = "master_fp32_adamw"
-    cpu_offload_adamw = "cpu_offload_adamw"
+#: ``SampleOptions.optimizer`` choices: the optimizer-state schema's types (:data:`ckpttool.ops.sample.SAMPLE_OPTIMIZERS`)
+SampleOptimizer = Enum("SampleOptimizer", {name: name for name in OPTIMIZER_TYPES}, type=str)  # type: ignore[misc]
 
 
 @command_boundary
@@ -48,7 +43,7 @@ def sample_command(
             help="adamw: torch AdamW on FP32 parameters; full_fp32_adamw, master_fp32_adamw (BF16 moments), "
             "cpu_offload_adamw: BF16 parameters with FP32 master weights.",
         ),
-    ] = SampleOptimizer.adamw,
+    ] = SampleOptimizer["adamw"],
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Write a tiny MoE causal LM checkpoint (HF Dots1 names, fused experts, a router buffer, layout record)."""

@@ -51,20 +51,12 @@ _PRINTED_BY = {
 }
 
 
-class SchemaName(str, Enum):
-    inspect = "inspect"
-    validate = "validate"
-    export = "export"
-    reshard = "reshard"
-    stamp = "stamp"
-    replay = "replay"
-    replay_step = "replay-step"
-    rules = "rules"
-    diff = "diff"
-    manifest = "manifest"
-    manifest_check = "manifest-check"
-    import_ = "import"
-    stats = "stats"
+#: ``NAME`` choices: :data:`SCHEMA_NAMES`, with ``replay-step`` (the command's name) beside ``replay``
+SchemaName = Enum(  # type: ignore[misc]  # built from SCHEMA_NAMES
+    "SchemaName",
+    {c: c for n in SCHEMA_NAMES for c in ((n, "replay-step") if n == "replay" else (n,))},
+    type=str,
+)
 
 
 def load_schema(name: str) -> dict[str, Any]:

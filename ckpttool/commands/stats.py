@@ -84,7 +84,7 @@ def stats_command(
     from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import deliver
     from ckpttool.ops.stats import StatsOptions, collect_stats
-    from ckpttool.ops.stats.run import QUANTIZED_NOTE, STORED_ORDER_NOTE
+    from ckpttool.ops.stats.run import note_line
     from ckpttool.ui.render import PhaseProgress
 
     if plot is not None:
@@ -111,8 +111,7 @@ def stats_command(
     if not json_output:  # --json: the notes are in the document
         for c in res.checkpoints:
             for n in c.notes:
-                plain = n.startswith((QUANTIZED_NOTE, STORED_ORDER_NOTE))
-                sink.note(f"{c.path}: {'' if plain else 'no update size: '}{n}")
+                sink.note(f"{c.path}: {note_line(n)}")
     deliver(res, lambda r: sink.result(r, lambda x: _render(x, by, plot)))
     if json_output and plot is not None:  # the document has no place for it: stderr says where the picture went
         sink.note(f"wrote {plot}")

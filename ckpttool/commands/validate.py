@@ -228,7 +228,6 @@ def validate_command(
     decl = declaration(source_layout, ep_size, ep_fsdp_size, no_ep)
     sel = selection(step, optimizer_dir, schema, model_prefix, optimizer_prefix)
     sources = _check_junit_path(junit, checkpoint, sel, against) if junit is not None else ()
-    manifest_path = _manifest_path(manifest, checkpoint, sel)
     options = ValidateOptions(
         strict=strict,
         deep=deep,
@@ -237,7 +236,7 @@ def validate_command(
         config=config,
         against=against,
         workers=workers,
-        manifest=manifest_path,
+        manifest=manifest,
     )
 
     def report(res: ValidationResult) -> None:
@@ -267,28 +266,6 @@ def _after(shown: PhaseProgress | None, report: Callable[[ValidationResult], Non
     if shown is not None:
         shown.close()
     report(res)
-
-
-def _manifest_path(manifest: str | None, checkpoint: PurePath, sel: CheckpointSelection | None) -> Path | None:
-    """The manifest file of ``--manifest [FILE|DIR]``: FILE; DIR/manifest.json; without a value, the one
-    beside the checkpoint's ``.metadata`` (the step ``--step`` selects in a run root)."""
-    from ckpttool.ops.manifest import MANIFEST_NAME
-
-    if manifest is None:
-        return None
-    if manifest:
-        path = Path(manifest)
-        return path / MANIFEST_NAME if path.is_dir() else path
-    if not isinstance(checkpoint, Path):  # a URL: the manifest is read locally
-        from ckpttool.errors import UsageError
-
-        raise UsageError(
-            f"--manifest without a value needs a local checkpoint, not {checkpoint}",
-            hint="pass the manifest file: --manifest FILE",
-        )
-    from ckpttool.model.discovery import locate
-
-    return Path(locate(checkpoint, sel).model) / MANIFEST_NAME
 
 
 def _write_junit(junit: Path, res: ValidationResult, sources: tuple[Path, ...]) -> None:

@@ -1,7 +1,7 @@
 """The one read helper: positional reads that fill a buffer or stream a byte range block by block.
 
-Every read of checkpoint data goes through :func:`read_into` or :func:`read_blocks` (the
-archive and safetensors header parsers read their few header bytes themselves). Reads use
+Every read of checkpoint data goes through :func:`read_into` or :func:`read_blocks` (only
+the archive window's file-object ``readinto``, one read that may be short, reads itself). Reads use
 ``os.preadv`` on shared descriptors: no file position, safe from several threads, and the GIL
 is released while the kernel copies. A block is :data:`BLOCK_BYTES` (1 MiB): it stays in the
 CPU cache between the read and whatever consumes it (a CRC-32, a digest, a ``pwrite``, a
@@ -68,13 +68,21 @@ def read_into(fd: int, buf: Any, offset: int) -> int:
     """
     mv = memoryview(buf).cast("B")
     n = len(mv)
-    got = 0
+    got = _fill(fd, mv, offset)
+    if got < n:
+        raise ShortReadError(offset + got, n - got)
+    return n
+
+
+def _fill(fd: int, mv: memoryview, offset: int) -> int:
+    """Read into ``mv`` (bytes) from ``offset`` of ``fd`` until it is full or the file ends; the bytes read."""
+    got, n = 0, len(mv)
     while got < n:
         r = os.preadv(fd, [mv[got:]], offset + got)
         if r <= 0:
-            raise ShortReadError(offset + got, n - got)
+            break
         got += r
-    return n
+    return got
 
 
 def read_exact(fd: int, n: int, offset: int) -> bytes:
@@ -90,15 +98,8 @@ def read_exact(fd: int, n: int, offset: int) -> bytes:
 
 def read_upto(fd: int, n: int, offset: int) -> bytes:
     """Up to ``n`` bytes from ``offset`` of ``fd``: fewer only where the file ends first (never raises for that)."""
-    buf = bytearray(n)
-    mv = memoryview(buf)
-    got = 0
-    while got < n:
-        r = os.preadv(fd, [mv[got:]], offset + got)
-        if r <= 0:
-            break
-        got += r
-    return bytes(mv[:got])
+    mv = memoryview(bytearray(n))
+    return bytes(mv[: _fill(fd, mv, offset)])
 
 
 def write_all(fd: int, data: Any, offset: int) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ckpttool.engine.crc import crc32
+from ckpttool.engine.io import ShortReadError, read_exact
 from ckpttool.errors import SizeLimitError, StorageTupleError, UnsafePickleError
 from ckpttool.format import limits
 from ckpttool.format.metadata import DTYPE_ITEMSIZE
@@ -105,14 +106,10 @@ class FileWindow(io.RawIOBase):
         """
         if offset < 0 or n < 0 or offset + n > self._len:
             raise ArchiveError(f"read of [{offset}, {offset + n}) leaves the archive's {self._len} bytes")
-        buf = bytearray(n)
-        mv, got = memoryview(buf), 0
-        while got < n:
-            r = os.preadv(self.fd, [mv[got:]], self.start + offset + got)
-            if r <= 0:
-                raise ArchiveError(f"data file ends inside the archive (at {self.start + offset + got})")
-            got += r
-        return bytes(buf)
+        try:
+            return read_exact(self.fd, n, self.start + offset)
+        except ShortReadError as e:
+            raise ArchiveError(f"data file ends inside the archive (at {e.offset})") from None
 
     def readable(self) -> bool:
         return True

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 from ckpttool.errors import UsageError
 
 __all__ = [
+    "FLOAT8_DTYPES",
     "FLOATING_DTYPES",
     "dtype_name",
     "DType",
@@ -68,20 +69,16 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     **{f"int{n}": 1 for n in range(1, 8)},
     **{f"uint{n}": 1 for n in range(1, 8)},
 }
-#: Floating-point dtype names (what a ``--save-dtype`` cast applies to).
-FLOATING_DTYPES: frozenset[str] = frozenset(
-    {
-        "float64",
-        "float32",
-        "float16",
-        "bfloat16",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-        "float8_e8m0fnu",
-    }
+#: The float8 dtype names torch has (``torch.float8_*``), in torch's order.
+FLOAT8_DTYPES: tuple[str, ...] = (
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
 )
+#: Floating-point dtype names (what a ``--save-dtype`` cast applies to).
+FLOATING_DTYPES: frozenset[str] = frozenset({"float64", "float32", "float16", "bfloat16", *FLOAT8_DTYPES})
 
 
 @dataclass(frozen=True, slots=True)

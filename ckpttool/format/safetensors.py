@@ -21,6 +21,7 @@ from json.encoder import encode_basestring_ascii as _encode_key
 from pathlib import Path
 from typing import Any
 
+from ckpttool.engine.io import ShortReadError, read_into, read_upto, write_all
 from ckpttool.errors import ExportError, OutputError
 from ckpttool.format import limits
 from ckpttool.format.files import open_regular
@@ -147,7 +148,7 @@ def read_header(path: Path, size: int | None = None) -> tuple[dict[str, Any], in
     try:
         if size is None:
             size = os.fstat(fd).st_size
-        head = os.pread(fd, 8, 0)
+        head = read_upto(fd, 8, 0)
         if len(head) < 8:
             raise HeaderError("short", size=size)
         (n,) = struct.unpack("<Q", head)
@@ -156,7 +157,7 @@ def read_header(path: Path, size: int | None = None) -> tuple[dict[str, Any], in
             raise HeaderError("too_long", size=size, length=n, cap=cap)
         if n > size - 8:
             raise HeaderError("past_end", size=size, length=n, cap=cap)
-        raw = os.pread(fd, n, 8)
+        raw = read_upto(fd, n, 8)
     finally:
         os.close(fd)
     if len(raw) != n:
@@ -341,7 +342,7 @@ class ShardWriter:
         self.fd = -1
         try:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-            self._pwrite_all(memoryview(prefix), 0)
+            write_all(self.fd, prefix, 0)
             if self.size > self.data_start:
                 try:
                     os.posix_fallocate(self.fd, 0, self.size)
@@ -366,7 +367,7 @@ class ShardWriter:
         """Write ``data`` at byte ``at`` of tensor ``name`` (thread-safe: positional write)."""
         begin, end = self.spans[name]
         assert at + len(data) <= end - begin, f"{name}: write past the tensor's end"
-        self._pwrite_all(data, self.data_start + begin + at)
+        write_all(self.fd, data, self.data_start + begin + at)
         if self.digest is not None:
             h = self.new_hasher()
             h.update(data.cast("B") if data.format != "B" else data)
@@ -390,18 +391,10 @@ class ShardWriter:
         """Read tensor ``name``'s bytes back into ``dest`` (exactly its size)."""
         begin, end = self.spans[name]
         assert len(dest) == end - begin
-        pos = 0
-        while pos < end - begin:
-            got = os.preadv(self.fd, [dest[pos:]], self.data_start + begin + pos)
-            if got <= 0:
-                raise OutputError(f"{self.path}: short read of {name!r} from the output", path=self.path)
-            pos += got
-
-    def _pwrite_all(self, data: memoryview, offset: int) -> None:
-        mv = data.cast("B") if data.format != "B" else data
-        pos = 0
-        while pos < len(mv):
-            pos += os.pwrite(self.fd, mv[pos:], offset + pos)
+        try:
+            read_into(self.fd, dest, self.data_start + begin)
+        except ShortReadError:
+            raise OutputError(f"{self.path}: short read of {name!r} from the output", path=self.path) from None
 
     def close(self) -> None:
         """Close the file. Idempotent."""

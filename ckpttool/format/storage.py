@@ -374,17 +374,11 @@ def _filesystem(scheme: str, options: Mapping[str, Any], shown: str, timeout_s: 
             path=shown,
             hint="pip install 'ckpttool[s3]' for s3://, gcsfs for gs://, adlfs for az://",
         ) from e
-    except ValueError as e:
-        if "protocol" in str(e).lower():
+    except (ValueError, TypeError) as e:
+        if isinstance(e, ValueError) and "protocol" in str(e).lower():
             raise RemoteStorageError(
                 f"{shown}: fsspec knows no {scheme}:// filesystem", path=shown, hint="use a URL fsspec resolves"
             ) from e
-        raise RemoteStorageError(
-            f"{shown}: bad storage options for {scheme}:// ({redact(str(e), options)[:120]})",
-            path=shown,
-            hint="check --storage-option keys against the backend's documentation",
-        ) from e
-    except TypeError as e:
         raise RemoteStorageError(
             f"{shown}: bad storage options for {scheme}:// ({redact(str(e), options)[:120]})",
             path=shown,

@@ -34,7 +34,7 @@ from ckpttool.engine.plan import Crc32, Feed, Item, Window, WriteAt
 from ckpttool.errors import DataFileError, OutputError
 from ckpttool.format.archive import STORAGE_DTYPES
 from ckpttool.format.copy import copy_range
-from ckpttool.format.metadata import ChunkMeta, DType, StorageInfo
+from ckpttool.format.metadata import FLOAT8_DTYPES, ChunkMeta, DType, StorageInfo
 
 if TYPE_CHECKING:
     import torch
@@ -651,18 +651,7 @@ _V2_DTYPES = (
 _STORAGE_CLASS = {v: k for k, v in STORAGE_DTYPES.items() if v in _V2_DTYPES}
 #: dtypes torch.save writes as ``_rebuild_tensor_v3(UntypedStorage, ..., torch.<dtype>)`` (a safetensors
 #: file can hold each of them: an import copies them as stored).
-_V3_DTYPES = frozenset(
-    (
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-        "float8_e8m0fnu",
-        "uint16",
-        "uint32",
-        "uint64",
-    )
-)
+_V3_DTYPES = frozenset((*FLOAT8_DTYPES, "uint16", "uint32", "uint64"))
 
 
 def can_stream(dtype: DType) -> bool:

@@ -95,7 +95,11 @@ def invert_permutation(perm: list[int]) -> list[int]:
 
 
 def compose_permutations(first: list[int], then: list[int]) -> list[int]:
-    """The gather permutation of applying ``first`` and then ``then``: ``out[i] = in[first[then[i]]]``."""
+    """The gather permutation of applying ``first`` and then ``then``: ``out[i] = in[first[then[i]]]``.
+
+    Raises:
+        ValueError: the two have different lengths.
+    """
     if len(first) != len(then):
         raise ValueError(f"permutations of different lengths ({len(first)} and {len(then)})")
     return [first[j] for j in then]

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -397,16 +398,45 @@ def import_hf(
         :class:`ImportResult`.
 
     Raises:
-        UsageError: bad options, no config where the adapter needs one.
+        UsageError: bad options, no config where the adapter needs one; ``hf_dir`` a DCP checkpoint
+            (``.metadata`` in it or below it, no ``*.safetensors``: E100, naming ``export``).
         MetadataError: unreadable or malformed safetensors headers; an index naming tensors the files lack.
         ExportError (E601): keys the adapter does not know, per-expert tensors that do not cover the experts.
         OutputError: ``out`` exists (no ``overwrite``) or cannot be written.
     """
+    _refuse_dcp_source(Path(hf_dir))
     opts = options or ImportOptions()
     report = _Report(progress or _no_progress, phase or _no_phase)
     if opts.ep_size is None and opts.ep_fsdp_size is None:
         return _import_plain(hf_dir, out, opts, report=report)
     return _import_ep(hf_dir, out, opts, report)
+
+
+def _refuse_dcp_source(hf_dir: Path) -> None:
+    """A DCP checkpoint given as ``hf_dir`` is named as one, with the command that converts it (``export``).
+
+    Raises:
+        UsageError (E100): ``hf_dir`` holds no ``*.safetensors`` file but ``.metadata`` (or a run root
+            with DCP checkpoints below it).
+    """
+    from ckpttool.model.discovery import find_checkpoints
+
+    try:
+        if not hf_dir.is_dir() or any(hf_dir.glob("*.safetensors")):
+            return
+        what = "it holds .metadata" if (hf_dir / ".metadata").is_file() else None
+        if what is None:
+            below = [p for p in find_checkpoints(hf_dir) if (p / ".metadata").is_file()]
+            what = f"{below[0].relative_to(hf_dir)}/.metadata is below it" if below else None
+    except OSError:
+        return  # unreadable: the import names the problem
+    if what is not None:
+        raise UsageError(
+            f"{hf_dir} is a DCP checkpoint ({what}), not a Hugging Face safetensors model",
+            path=hf_dir,
+            hint=f"did you mean `ckpttool export {shlex.quote(str(hf_dir))} OUT` (DCP to safetensors)? "
+            "import reads a directory of model*.safetensors files",
+        )
 
 
 def _import_ep(

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckpttool.optim_state.schema import OPTIMIZER_TYPES
+
 if TYPE_CHECKING:
     from typing import TypedDict
 
@@ -287,8 +289,9 @@ def layout_record_for(
 
 
 #: ``SampleOptions.optimizer`` choices: torch AdamW on FP32 parameters (the default), or a
-#: ckpttool FP32-master optimizer on BF16 parameters (experts offloaded for cpu_offload_adamw).
-SAMPLE_OPTIMIZERS = ("adamw", "full_fp32_adamw", "master_fp32_adamw", "cpu_offload_adamw")
+#: ckpttool FP32-master optimizer on BF16 parameters (experts offloaded for cpu_offload_adamw):
+#: every type of the optimizer-state schema (:data:`~ckpttool.optim_state.schema.OPTIMIZER_TYPES`).
+SAMPLE_OPTIMIZERS = OPTIMIZER_TYPES
 
 
 def sample_optimizer_record(optimizer: str) -> dict[str, Any]:

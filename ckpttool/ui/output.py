@@ -216,6 +216,26 @@ def print_error(err: CkptError) -> None:
     stderr.flush()
 
 
+def interrupted() -> int:
+    """The exit code of a run stopped by Ctrl-C or by torchrun, its line written on stderr.
+
+    Returns:
+        A peer rank's loss (torchrun stopping the run because a rank ended): that error, printed, and its
+        exit code; a rank lost after rank 0 published the output: 0, nothing said; else 130 after
+        ``error: interrupted``.
+    """
+    from ckpttool.ops import distributed
+
+    lost = distributed.current().lost_peer()
+    if lost is not None:
+        print_error(lost)
+        return lost.exit_code
+    if distributed.current().note is not None:
+        return 0
+    _stderr().write(_line("error", "interrupted"))
+    return 130
+
+
 def warn(text: str) -> None:
     """A ``warning: ...`` line on stderr (printed with ``-q`` too; never changes the exit code)."""
     _stderr().write(_line("warning", _with_flags(text, flag_names())))
@@ -334,16 +354,7 @@ def command_boundary(func: F) -> F:
             print_error(e)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
-            from ckpttool.ops import distributed
-
-            lost = distributed.current().lost_peer()  # torchrun stopping the run because a rank ended
-            if lost is not None:
-                print_error(lost)
-                raise typer.Exit(lost.exit_code) from None
-            if distributed.current().note is not None:  # a rank lost after rank 0 published: not an error
-                raise typer.Exit(0) from None
-            _stderr().write(_line("error", "interrupted"))
-            raise typer.Exit(130) from None
+            raise typer.Exit(interrupted()) from None
         except BrokenPipeError:
             # The reader of stdout went away (`| head -1`): stop quietly with 0. Point stdout at
             # /dev/null so the interpreter's final flush does not fail again.

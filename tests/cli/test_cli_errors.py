@@ -399,3 +399,33 @@ def test_a_closed_stdout_or_stderr_keeps_the_verdict(sample_ckpt: Path, tmp_path
         )
         assert proc.returncode == code, (argv, proc.stderr)
         assert "E999" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_an_interrupt_ends_the_same_way_wherever_it_lands(capsys: pytest.CaptureFixture[str]) -> None:
+    """One function decides what Ctrl-C ends with, for the program's start and for a running command alike."""
+    from ckpttool.ui.output import interrupted
+
+    assert interrupted() == 130
+    assert capsys.readouterr().err == "error: interrupted\n"
+
+
+def test_replay_step_without_grad_flags_takes_the_librarys_generator_defaults() -> None:
+    from ckpttool.commands.replay_step import DeviceChoice, OptimizerChoice, _replay_options
+    from ckpttool.ops.replay import ReplayOptions
+
+    opts = _replay_options(
+        device=DeviceChoice.auto,
+        filter_glob=None,
+        select=None,
+        grads=None,
+        grad_seed=None,
+        grad_scale=None,
+        optimizer=OptimizerChoice["auto"],
+        offload_patterns=None,
+        chunk_size=None,
+        steps=1,
+        max_memory=None,
+        tolerance="1e-5,1e-8",
+        reference_dtype="float64",
+    )
+    assert (opts.grad_seed, opts.grad_scale) == (ReplayOptions().grad_seed, ReplayOptions().grad_scale)

@@ -333,3 +333,19 @@ def test_inspect_filter_takes_the_same_globs_as_replay_step(sample_ckpt: Path) -
         "model.model.layers.0.mlp.experts.down_proj",
         "model.model.layers.1.mlp.experts.down_proj",
     ]
+
+
+def test_the_fp32_masters_note_is_the_librarys(masters_ckpt: Path, tmp_path: Path) -> None:
+    """The export library words the masters note from the opened checkpoint and the result (the command prints it)."""
+    from ckpttool.model.checkpoint import open_checkpoint
+    from ckpttool.ops.export import ExportOptions, export_checkpoint, masters_note
+
+    with open_checkpoint(masters_ckpt) as ckpt:
+        params = export_checkpoint(ckpt, tmp_path / "a", ExportOptions())
+        note = masters_note(ckpt, params)
+        master = export_checkpoint(ckpt, tmp_path / "b", ExportOptions(weights="master"))
+        assert masters_note(ckpt, master) is None
+    assert note is not None and note.startswith(
+        "31 parameter(s) also have an FP32 optimizer master_weight (master_fp32_adamw); "
+        "this export holds the stored bfloat16 values; export the FP32 masters with --weights master"
+    )

@@ -145,3 +145,14 @@ def test_manifest_verify_json_of_an_hf_export(sample_ckpt: Path, tmp_path: Path)
     assert res.exit_code == 0, res.stderr
     doc = validated("manifest-check", ["manifest", str(out), "--verify", "--json"])
     assert doc["ok"] and doc["kind"] == "safetensors" and doc["entries"] > 0
+
+
+def test_the_name_choices_are_the_schema_table() -> None:
+    """`ckpttool schema NAME` offers the names of SCHEMA_NAMES (and `replay-step` beside `replay`), each with a
+    'printed by' line."""
+    from ckpttool.commands.schema import _PRINTED_BY, SchemaName
+
+    assert [c.value for c in SchemaName] == [
+        c for n in SCHEMA_NAMES for c in ((n, "replay-step") if n == "replay" else (n,))
+    ]
+    assert _PRINTED_BY.keys() == SCHEMA_NAMES.keys()

@@ -469,3 +469,23 @@ def test_a_word_in_the_url_does_not_classify_the_error() -> None:
     assert _classify(NoCredentialsError()) == "permission"
     denied = ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"}}, "GetObject")
     assert _classify(denied) == "permission"
+
+
+@pytest.mark.parametrize(
+    ("scheme", "options", "said"),
+    [
+        ("reference", {}, "bad storage options for reference:// (ReferenceFileSystem.__init__() missing"),  # TypeError
+        ("nosuchproto", {}, "fsspec knows no nosuchproto:// filesystem"),
+    ],
+)
+def test_a_filesystem_fsspec_refuses_is_named_with_its_options(scheme: str, options: dict[str, Any], said: str) -> None:
+    from ckpttool.format.storage import _filesystem
+
+    with pytest.raises(RemoteStorageError) as info:
+        _filesystem(scheme, options, f"{scheme}://b/k")
+    assert said in str(info.value)
+    assert info.value.hint == (
+        "use a URL fsspec resolves"
+        if "knows no" in said
+        else "check --storage-option keys against the backend's documentation"
+    )

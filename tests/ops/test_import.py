@@ -516,3 +516,16 @@ def test_safetensors_without_tensors_are_refused(tmp_path: Path, meta: dict[str,
         res = runner.invoke(app, ["import", str(d), str(tmp_path / "o"), *extra])
         assert res.exit_code == 2 and "[E601]" in res.stderr and "hold no tensor" in res.stderr, res.stderr
         assert "model.safetensors" in res.stderr and not (tmp_path / "o").exists()
+
+
+def test_the_library_names_a_dcp_checkpoint_given_as_the_hf_directory(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`import_hf` itself (not only the command) refuses a DCP checkpoint with E100 and points at export."""
+    from ckpttool.errors import UsageError
+    from ckpttool.ops.import_hf import import_hf
+
+    with pytest.raises(UsageError) as info:
+        import_hf(sample_ckpt, tmp_path / "out")
+    assert info.value.code == "E100"
+    assert f"] {sample_ckpt} is a DCP checkpoint (it holds .metadata)" in str(info.value)
+    assert f"ckpttool export {sample_ckpt} OUT" in (info.value.hint or "")
+    assert not (tmp_path / "out").exists()

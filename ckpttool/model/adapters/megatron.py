@@ -244,10 +244,6 @@ _GATHERED = {
 _EXTRA_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
 def _missing(hf_key: str) -> ExportError:
     return ExportError(
         f"{hf_key}: missing from the HF model (megatron stacks every layer into one tensor)",
@@ -265,10 +261,10 @@ def _qkv_rows(layer_keys: dict[str, tuple[int, ...]], pre: str, kind: str, cfg: 
     for key in (q, k, v):
         if key not in layer_keys:
             raise _missing(key)
-    row = 1 if kind == "bias" else _numel(layer_keys[q][1:])
+    row = 1 if kind == "bias" else math.prod(layer_keys[q][1:])
     for key, heads in ((q, nq), (k, nkv), (v, nkv)):
         s = layer_keys[key]
-        if s[0] != heads * hd or len(s) != (1 if kind == "bias" else 2) or _numel(s[1:]) != row:
+        if s[0] != heads * hd or len(s) != (1 if kind == "bias" else 2) or math.prod(s[1:]) != row:
             raise ExportError(
                 f"{key}: shape {list(layer_keys[key])} does not fit {heads} heads of {hd} (config.json)",
                 fqn=key,
@@ -289,7 +285,7 @@ def _layer_tensors(
     rest = {k[len(pre) :]: s for k, s in keys.items()}
     for hf, mg in _FROM_HF.items():
         if hf in rest:
-            out[mg] = (rest[hf], ((pre + hf, 0, _numel(rest[hf])),))
+            out[mg] = (rest[hf], ((pre + hf, 0, math.prod(rest[hf])),))
     for kind, mg in (("weight", _QKV), ("bias", _QKV_BIAS)):
         if f"self_attn.q_proj.{kind}" in rest:
             runs = _qkv_rows(keys, pre, kind, cfg)
@@ -303,7 +299,7 @@ def _layer_tensors(
                 raise _missing(key)
         if keys[g] != keys[u] or len(keys[g]) != 2:
             raise ExportError(f"{g}: gate_proj {list(keys[g])} and up_proj {list(keys[u])} differ", fqn=g)
-        n = _numel(keys[g])
+        n = math.prod(keys[g])
         out["mlp.linear_fc1.weight"] = ((2 * keys[g][0], keys[g][1]), ((g, 0, n), (u, 0, n)))
     if experts is not None:
         _per_expert(pre, keys, experts, out)
@@ -327,7 +323,7 @@ def _per_expert(pre: str, keys: dict[str, tuple[int, ...]], n: int, out: dict[st
                     shape = keys[key]
                 if keys[key] != shape or len(shape) != 2:
                     raise ExportError(f"{key}: shape {list(keys[key])}, not the [A, B] of the other experts", fqn=key)
-                runs.append((key, 0, _numel(shape)))
+                runs.append((key, 0, math.prod(shape)))
         assert shape is not None
         out[mg] = ((n, shape[0] * len(parts), shape[1]), tuple(runs))
 
@@ -364,7 +360,7 @@ def megatron_from_hf(
             if key == "lm_head.weight" and tie:
                 skipped.setdefault("tied to the embedding (share_embeddings_and_output_weights)", []).append(key)
             elif key in inverse_top:
-                top.append(StackedNative(inverse_top[key], shape, (((key, 0, _numel(shape)),),)))
+                top.append(StackedNative(inverse_top[key], shape, (((key, 0, math.prod(shape)),),)))
             else:
                 raise _unknown(key, shape)
             continue

@@ -1,7 +1,7 @@
 """The registered key schemas, in priority order: the one place detection, discovery and the CLI ask.
 
-The built-in schemas (``torch-native``, ``app-state``, ``torchtitan``, ``top-level``) are
-registered at import; :func:`register` adds another (one module with a
+The built-in schemas (one module each in this package, its ``SPEC`` in the tuple at the end
+of this module) are registered at import; :func:`register` adds another (one module with a
 :class:`~ckpttool.model.schemas.base.SchemaSpec`), :func:`unregister` removes it. What the
 specs contribute together (training-state items, optimizer heads, step-directory names, fused
 parameters) is derived once per change of the registry (:func:`derived`). Torch-free.

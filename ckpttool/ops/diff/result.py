@@ -42,6 +42,10 @@ class DiffOptions:
         filters: globs (``fnmatch``: ``*`` also matches dots); when given, only names matching one
             are compared, on both sides: a common name, a side's stored key, or either without its
             ``model.`` prefix. A pair is kept when either side's item matches.
+        step: the step (an integer >= 0 or ``latest``) of each side that is a run's checkpoint root (a
+            directory that is no checkpoint itself); an error where neither side is one.
+        a_step, b_step: the step of side A / B, overriding ``step`` (an error on a side that is a checkpoint
+            itself). A step chosen replaces the one in that side's ``opening_a``/``opening_b`` selection.
     """
 
     what: str = "model"
@@ -53,6 +57,9 @@ class DiffOptions:
     adapter: str | None = None
     max_differences: int = 1000
     filters: tuple[str, ...] = ()
+    step: str | None = None
+    a_step: str | None = None
+    b_step: str | None = None
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from ckpttool.format.perrank import PerRankReader
 from ckpttool.format.perrank_formats import detect_layout
 from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_KEY
-from ckpttool.model.catalog import TensorEntry
+from ckpttool.model.catalog import TensorEntry, match_filter
 from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_checkpoint
 from ckpttool.model.schemas.base import canonical_group_key, canonical_state_key
 from ckpttool.ops.diff.compare import BLOCK_ELEMENTS, Metrics, ValueCompare, ValueDiff, compare_tensors, unravel
@@ -48,6 +48,7 @@ from ckpttool.ops.diff.result import (
     SideInfo,
     TensorStat,
 )
+from ckpttool.ops.diff.sides import side_openings
 from ckpttool.ops.export.transform import Run
 
 __all__ = ["Namer", "Side", "diff_checkpoints"]
@@ -146,7 +147,7 @@ class Side:
         from ckpttool.engine.kernels import place_runs
 
         assert item.runs is not None
-        out = torch.empty(_numel(item.shape), dtype=_torch_dtype(item.dtype))
+        out = torch.empty(math.prod(item.shape), dtype=_torch_dtype(item.dtype))
         for e, runs in item.runs:
             flat = self.tensor(e.key).reshape(-1)
             if flat.dtype != out.dtype:  # values cast as a tensor assignment casts them
@@ -429,7 +430,7 @@ def _adapter_items(task: Any, assembled: dict[str, Item], items: list[Item]) -> 
     src = task.selected.source
     for k, p in enumerate(task.pieces):
         if task.runs is None:
-            runs: tuple[Run, ...] = (Run(0, _numel(src.shape), 0, 0),)
+            runs: tuple[Run, ...] = (Run(0, math.prod(src.shape), 0, 0),)
         else:
             runs = tuple(Run(r.src, r.length, 0, r.dst) for r in task.runs if r.piece == k)
         if task.runs is None and len(task.pieces) == 1 and tuple(p.shape) == tuple(src.shape):
@@ -563,7 +564,7 @@ def _row_blocks(side: Side, e: TensorEntry) -> list[ChunkLocation] | None:
     compared as byte streams whatever their chunk boundaries. ``None``: another split.
     """
     chunks = sorted((c for c in e.chunks if c.numel), key=lambda c: c.offsets)
-    if not chunks and _numel(e.shape) == 0:
+    if not chunks and math.prod(e.shape) == 0:
         return []
     pos = 0
     for c in chunks:
@@ -636,7 +637,7 @@ def _stream_values(a: Side, ia: Item, b: Side, ib: Item, how: dict[str, Any]) ->
     import torch
 
     ea, eb = ia.entry, ib.entry
-    if not (ia.direct and ib.direct) or ea is None or eb is None or _numel(ia.shape) == 0:
+    if not (ia.direct and ib.direct) or ea is None or eb is None or math.prod(ia.shape) == 0:
         return None
     for side, e in ((a, ea), (b, eb)):
         meta = side.ckpt.metadata.entries[e.key]
@@ -786,7 +787,7 @@ def _stat(name: str, ia: Item, ib: Item, vd: ValueDiff, *, raw: bool = False) ->
         ia.shape,
         ia.dtype,
         ib.dtype,
-        _numel(ia.shape),
+        math.prod(ia.shape),
         status,
         vd.mismatched,
         max_abs,
@@ -827,7 +828,7 @@ def _values_difference(name: str, ia: Item, ib: Item, vd: ValueDiff, tolerant: b
             break
     where = f" = {stored['side']}'s {stored['key']}{stored['index']}" if stored is not None else ""
     msg = (
-        f"{name}: {vd.mismatched} of {_numel(ia.shape)} element(s) {how}; first at {idx}{where} "
+        f"{name}: {vd.mismatched} of {math.prod(ia.shape)} element(s) {how}; first at {idx}{where} "
         f"(A {vd.a_value!r}, B {vd.b_value!r})"
     )
     if vd.max_abs_error is not None:
@@ -840,7 +841,7 @@ def _values_difference(name: str, ia: Item, ib: Item, vd: ValueDiff, tolerant: b
         ib.key,
         idx,
         vd.mismatched,
-        _numel(ia.shape),
+        math.prod(ia.shape),
         vd.max_abs_error,
         vd.max_rel_error,
         vd.a_value,
@@ -850,13 +851,6 @@ def _values_difference(name: str, ia: Item, ib: Item, vd: ValueDiff, tolerant: b
 
 
 _FLOATING = {"float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _compare_objects(name: str, a: Side, ia: Item, b: Side, ib: Item) -> Difference | None:
@@ -1019,20 +1013,22 @@ def diff_checkpoints(
         :class:`DiffResult` (``equal``: exit 0, else 1).
 
     Raises:
-        UsageError: bad options. DiffError (E610): an input of no known kind, nothing in common.
+        UsageError: bad options (a step that selects nothing: :func:`~ckpttool.ops.diff.sides.side_openings`).
+            DiffError (E610): an input of no known kind, nothing in common.
         NothingComparedError (E611): no tensor value compared and no difference found (never "equal").
         LayoutError (E405): an undeclared ambiguous EP layout.
         plus the reader's errors for damaged inputs (E1xx-E3xx).
     """
     opts = options or DiffOptions()
     _check_options(opts)
+    opening_a, opening_b = side_openings(a, b, opts, opening_a or OpenOptions(), opening_b or OpenOptions())
     t0 = time.perf_counter()
     say = phase or (lambda text: None)
     say(f"opening A ({a})")
-    sa = _open_side("A", a, opening_a or OpenOptions())
+    sa = _open_side("A", a, opening_a)
     try:
         say(f"opening B ({b})")
-        sb = _open_side("B", b, opening_b or OpenOptions())
+        sb = _open_side("B", b, opening_b)
     except BaseException:
         sa.close()
         raise
@@ -1046,13 +1042,8 @@ def diff_checkpoints(
 
 
 def _matches(globs: tuple[str, ...], *names: str) -> bool:
-    import fnmatch
-
-    for n in names:
-        for cand in (n, n.removeprefix("model.")):
-            if any(fnmatch.fnmatchcase(cand, g) for g in globs):
-                return True
-    return False
+    """Whether a name matches a glob, with or without the canonical ``model.`` prefix (as every ``--filter``)."""
+    return any(match_filter(n, g) for n in names for g in globs)
 
 
 def _filter(
@@ -1075,7 +1066,7 @@ def _item_bytes(side: Side, item: Item) -> int:
         return 0
     from ckpttool.format.metadata import DType
 
-    return _numel(item.shape) * DType(item.dtype).itemsize
+    return math.prod(item.shape) * DType(item.dtype).itemsize
 
 
 class _Tally:

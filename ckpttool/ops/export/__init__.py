@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ckpttool.ops.export import formats  # noqa: F401
 
 if TYPE_CHECKING:
-    from ckpttool.ops.export.execute import ExportOptions, ExportResult, ProgressFn, export_checkpoint
+    from ckpttool.ops.export.execute import ExportOptions, ExportResult, ProgressFn, export_checkpoint, masters_note
     from ckpttool.ops.export.plan import SAVE_DTYPES, ExportPlan, build_plan, select_sources
     from ckpttool.ops.export.rules import ExportRules, load_rules
 
@@ -29,6 +29,7 @@ _LAZY = {
     "ExportResult": "execute",
     "ProgressFn": "execute",
     "export_checkpoint": "execute",
+    "masters_note": "execute",
     "SAVE_DTYPES": "plan",
     "ExportPlan": "plan",
     "build_plan": "plan",
@@ -55,5 +56,6 @@ __all__ = [
     "build_plan",
     "export_checkpoint",
     "load_rules",
+    "masters_note",
     "select_sources",
 ]

@@ -781,6 +781,39 @@ def _resolved(opts: ExportOptions, ckpt: Checkpoint) -> ExportOptions:
     return dataclasses.replace(opts, weights=weights, save_dtype=save_dtype)
 
 
+def masters_note(ckpt: Checkpoint, r: ExportResult) -> str | None:
+    """The note said once when an ``hf`` export of the stored parameters (``weights`` ``params``) left FP32
+    ``master_weight`` copies of exported parameters behind; ``None`` when it did not.
+
+    Args:
+        ckpt: the exported checkpoint (its catalog's optimizer state and layout record's optimizer type).
+        r: the export's result.
+
+    Returns:
+        One line naming how many parameters have a master, the declared optimizer type, the stored
+        dtypes exported and the flags that export the masters instead.
+    """
+    if r.weights != "params" or r.format != "hf":
+        return None
+    exported = set(r.origins.get("params", []))
+    if not exported:
+        return None
+    with_master = [
+        fqn for fqn, ps in ckpt.catalog.optimizer_state.items() if "master_weight" in ps.fields and ps.in_model
+    ]
+    if not with_master:
+        return None
+    record = ckpt.layout.record if ckpt.layout is not None else None
+    declared = (record.optimizer or {}).get("type") if record is not None else None
+    dtypes = sorted({e.dtype for e in map(ckpt.catalog.model_entry, with_master) if e is not None})
+    return (
+        f"{len(with_master)} parameter(s) also have an FP32 optimizer master_weight"
+        + (f" ({declared})" if declared else "")
+        + f"; this export holds the stored {'/'.join(dtypes) or 'parameter'} values; "
+        "export the FP32 masters with --weights master (add --save-dtype bf16 to cast them)"
+    )
+
+
 def export_checkpoint(
     source: CheckpointOrPath,
     out: str | os.PathLike[str],

@@ -227,6 +227,9 @@ def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 
 
 def filtered(key: str, canonical: str, out_key: str, glob: str | None, prefix: str | None) -> bool:
+    """Whether ``filter_glob`` ``glob`` leaves the tensor out: it matches none of its checkpoint ``key`` (with or
+    without the schema's model ``prefix``), its ``canonical`` ``model.<fqn>`` key (with or without ``model.``)
+    and its output name ``out_key`` (``False`` without a glob)."""
     if not glob:
         return False
     return not (match_filter(key, glob, prefix) or match_filter(canonical, glob) or fnmatch.fnmatchcase(out_key, glob))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import threading
@@ -276,7 +277,7 @@ def execute_plan(
         The finished writer (byte counts) and ``{"copied": n, "rewritten": n}`` chunk counts.
     """
     counts = {"copied": 0, "rewritten": 0}
-    total = sum(t.dtype.itemsize * _numel(t.shape) for t in plan.tensors)
+    total = sum(t.dtype.itemsize * math.prod(t.shape) for t in plan.tensors)
     state = {"done": 0}
     lock = threading.Lock()
     if progress is not None:  # the total, before the first byte is written
@@ -359,13 +360,6 @@ def _run_parallel(
     map_ordered(
         lambda r: _run_jobs(r, jobs[r], writer, tick, stop), ranks, workers=workers, stop=stop, guard=signals_deferred
     )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _source_file(name: str) -> bool:

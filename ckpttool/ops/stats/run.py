@@ -49,7 +49,7 @@ from ckpttool.ops.stats.result import (
     UpdateStats,
 )
 
-__all__ = ["MAX_CHECKPOINTS", "StatsOptions", "collect_stats", "layer_of", "module_of"]
+__all__ = ["MAX_CHECKPOINTS", "StatsOptions", "collect_stats", "layer_of", "module_of", "note_line"]
 
 #: The most checkpoints one call compares (each stays open for the change pass).
 MAX_CHECKPOINTS = 64
@@ -423,6 +423,12 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
 
 #: Why per-expert norms are in stored order (a ``note:``).
 STORED_ORDER_NOTE = "per-expert norms in stored order (the EP layout is not known: declare it with `ckpttool stamp`)"
+
+
+def note_line(note: str) -> str:
+    """A checkpoint's note as a line for people: why no update size was computed, said as such (the notes of
+    quantized weights and of experts in stored order are about the weights, not the update)."""
+    return note if note.startswith((QUANTIZED_NOTE, STORED_ORDER_NOTE)) else f"no update size: {note}"
 
 
 def _true_order(

@@ -640,6 +640,11 @@ def run_deep(
 
     Returns:
         The :class:`DeepResult`.
+
+    Raises:
+        Exception: the first exception of a work item, in item order, other than a ``CkptError`` (a chunk
+            whose read raises one is recorded in ``read_errors``, a finding); the items not started are
+            skipped. Under torchrun every rank agrees on it (:meth:`~ckpttool.ops.distributed.Group.agree`).
     """
     reader = ctx.reader
     t0 = time.perf_counter()

@@ -21,6 +21,7 @@ from ckpttool.errors import (
     MetadataError,
     SchemaError,
     StepNotFoundError,
+    UsageError,
 )
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, gc_held, open_checkpoint
 from ckpttool.model.hfconfig import read_hf_config
@@ -47,7 +48,9 @@ class ValidateOptions:
         config: HF ``config.json`` (path, or its dict) for the ``M00x`` config rules.
         against: reference model (HF directory, ``.safetensors``, JSON key list) for ``M005..M008``.
         workers: threads of the deep pass (``None``: ``min(8, max(2, CPU count))``).
-        manifest: an integrity manifest (``ckpttool manifest``) to verify every chunk against (``S015``).
+        manifest: an integrity manifest (``ckpttool manifest``) to verify every chunk against (``S015``):
+            its file, a directory holding ``manifest.json``, or ``""`` for the checkpoint's own (the
+            ``manifest.json`` beside the opened checkpoint's ``.metadata``; a local checkpoint only).
     """
 
     strict: bool = False
@@ -206,7 +209,7 @@ def _validate_open(
     if opts.manifest is not None:
         from ckpttool.ops.manifest import load_manifest
 
-        man = load_manifest(opts.manifest)
+        man = load_manifest(_manifest_file(opts.manifest, Path(ckpt.located.model)))
     say("reading param groups and extra state")
     ckpt.param_groups()
     ckpt.extra_state()
@@ -281,11 +284,40 @@ def validate(
         SchemaError: a key-schema override that matches nothing.
     """
     opts = options or ValidateOptions()
+    if opts.manifest == "":
+        _refuse_own_manifest_of_url(source.located.given if isinstance(source, Checkpoint) else source)
     say = phase or (lambda text: None)
     with gc_held():  # one pause for open + rules: each re-enable triggers a full collection
         if isinstance(source, Checkpoint):
             return _validate_open(source, opts, progress, say)
         return _validate_path(source, opts, opening or OpenOptions(), progress, say)
+
+
+def _refuse_own_manifest_of_url(source: str | os.PathLike[str]) -> None:
+    """The checkpoint's own manifest (``manifest`` ``""``) is read beside a local checkpoint only.
+
+    Raises:
+        UsageError (E100): ``source`` is a URL.
+    """
+    from ckpttool.format.storage import is_url
+
+    if is_url(source):
+        raise UsageError(
+            f"`manifest` without a value needs a local checkpoint, not {source}",
+            param="manifest",
+            hint="pass the manifest file: `manifest` FILE",
+        )
+
+
+def _manifest_file(manifest: str | os.PathLike[str], checkpoint_dir: Path) -> Path:
+    """The manifest file of :attr:`ValidateOptions.manifest`: a file; ``DIR/manifest.json`` of a directory; for
+    ``""``, the one in ``checkpoint_dir`` (the opened checkpoint's, the step ``selection`` chose in a run root)."""
+    from ckpttool.ops.manifest import MANIFEST_NAME
+
+    if manifest == "":
+        return checkpoint_dir / MANIFEST_NAME
+    path = Path(manifest)
+    return path / MANIFEST_NAME if path.is_dir() else path
 
 
 def _validate_path(

@@ -208,12 +208,12 @@ def test_phases_are_named_and_the_bar_starts_with_its_total(runs: Path) -> None:
 
     from rich.console import Console
 
-    from ckpttool.commands.diff import DiffProgress
+    from ckpttool.ui.render import PhaseProgress
 
     a, b = runs / "run1" / "step-1", runs / "run2" / "step-3"
     events: list[Any] = []
     buf = io.StringIO()
-    shown = DiffProgress(Console(file=buf, force_terminal=True, width=120))
+    shown = PhaseProgress(Console(file=buf, force_terminal=True, width=120), "diff", bar_text="comparing")
     try:
         diff_checkpoints(
             a,
@@ -454,3 +454,15 @@ def test_no_common_name_and_nothing_matching_are_errors(runs: Path, tmp_path: Pa
     assert line.startswith(
         "error: [E611] nothing compared, so no verdict: --filter nothing.* matched none of the 22 names of A and 22 of B;"
     )
+
+
+def test_the_library_picks_each_sides_step(runs: Path) -> None:
+    """`diff_checkpoints` itself applies `step` to the sides that are run roots and refuses a side step on a checkpoint."""
+    from ckpttool.errors import UsageError
+    from ckpttool.ops.diff import DiffOptions, diff_checkpoints
+
+    res = diff_checkpoints(runs / "run1", runs / "run1" / "step-3", DiffOptions(step="3"))
+    assert res.equal and res.a.opened and "step-3" in res.a.opened
+    with pytest.raises(UsageError) as info:
+        diff_checkpoints(runs / "run1" / "step-3", runs / "run1", DiffOptions(a_step="3"))
+    assert info.value.param == "a_step" and "`a_step` 3 given, but" in str(info.value)

@@ -381,3 +381,13 @@ def test_expert_norms_and_changes_are_in_true_expert_order_for_a_legacy_layout(
     assert len(set(next(iter(canon.values())))) > 1  # distinct norms: a permutation would show
     assert doc["changes"] and all(c["relative"] == 0 for c in doc["changes"]), doc["changes"]
     assert doc["skipped"] == []
+
+
+def test_a_note_says_no_update_size_only_where_it_explains_one() -> None:
+    from ckpttool.ops.stats.run import QUANTIZED_NOTE, STORED_ORDER_NOTE, note_line
+
+    assert note_line("no param group or step saved: 1 parameter(s)") == (
+        "no update size: no param group or step saved: 1 parameter(s)"
+    )
+    assert note_line(f"{QUANTIZED_NOTE}: 2 tensor(s)") == f"{QUANTIZED_NOTE}: 2 tensor(s)"
+    assert note_line(STORED_ORDER_NOTE) == STORED_ORDER_NOTE

@@ -17,7 +17,7 @@ from itertools import filterfalse
 from typing import Any
 
 from ckpttool.errors import CkptError
-from ckpttool.format.metadata import dtype_name
+from ckpttool.format.metadata import FLOAT8_DTYPES, dtype_name
 from ckpttool.model.catalog import TensorEntry, lost_state
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
@@ -29,15 +29,7 @@ from ckpttool.optim_state.schema import (
     infer_optimizer_type,
 )
 
-LOW_PRECISION = (
-    "bfloat16",
-    "float16",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-)
+LOW_PRECISION = ("bfloat16", "float16", *FLOAT8_DTYPES)
 _CORE = ("step", "exp_avg", "exp_avg_sq")
 
 

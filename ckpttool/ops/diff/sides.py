@@ -1,0 +1,63 @@
+"""Which step of each side ``diff`` opens: a side's own step, else the shared one where the side is a run's root."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from ckpttool.errors import UsageError
+from ckpttool.model.checkpoint import OpenOptions
+from ckpttool.model.discovery import CheckpointSelection, is_checkpoint_dir
+from ckpttool.ops.diff.result import DiffOptions
+
+__all__ = ["side_openings"]
+
+
+def _is_run_root(path: Path) -> bool:
+    """A directory that is no checkpoint itself (no ``.metadata``, no safetensors): a step is picked below it."""
+    return path.is_dir() and not is_checkpoint_dir(path)
+
+
+def side_openings(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    opts: DiffOptions,
+    opening_a: OpenOptions,
+    opening_b: OpenOptions,
+) -> tuple[OpenOptions, OpenOptions]:
+    """Each side's :class:`OpenOptions` with its step: ``a_step``/``b_step``, else ``step`` where the side is a run's
+    checkpoint root (a checkpoint or an HF directory never gets ``step``); a side with neither keeps its opening.
+
+    Raises:
+        UsageError (E100): ``a_step``/``b_step`` given for a side that is a checkpoint itself; ``step`` given but
+            neither side is a run's checkpoint root; a step that is neither an integer >= 0 nor ``latest``.
+    """
+    pa, pb = Path(a), Path(b)
+    for side, path, own in (("a", pa, opts.a_step), ("b", pb, opts.b_step)):
+        if own is not None and path.is_dir() and not _is_run_root(path):
+            raise UsageError(
+                f"`{side}_step` {own} given, but {path} is a checkpoint itself",
+                param=f"{side}_step",
+                hint=f"pass the directory that holds the step directories, or drop `{side}_step`",
+            )
+    sa = opts.a_step if opts.a_step is not None else (opts.step if _is_run_root(pa) else None)
+    sb = opts.b_step if opts.b_step is not None else (opts.step if _is_run_root(pb) else None)
+    if opts.step is not None and opts.a_step is None and opts.b_step is None and sa is None and sb is None:
+        raise UsageError(
+            f"`step` {opts.step} given, but neither {pa} nor {pb} is a directory of several checkpoints",
+            param="step",
+            hint="drop `step`, or pass a run's checkpoint root (the directory above its step directories)",
+        )
+    return _with_step(opening_a, sa), _with_step(opening_b, sb)
+
+
+def _with_step(opening: OpenOptions, step: str | None) -> OpenOptions:
+    """``opening`` with ``step`` in its selection (unchanged when ``step`` is ``None``)."""
+    if step is None:
+        return opening
+    sel = opening.selection
+    chosen = CheckpointSelection.from_options(
+        step, sel.optimizer_dir if sel is not None else None, sel.schema if sel is not None else None
+    )
+    return replace(opening, selection=chosen)
