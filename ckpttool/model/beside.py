@@ -21,7 +21,14 @@ from typing import Any
 
 from ckpttool.format.jsonview import json_fields
 
-__all__ = ["TrainerState", "hf_config_beside", "read_training_state_beside", "training_state_beside", "unread_beside"]
+__all__ = [
+    "TrainerState",
+    "hf_config_beside",
+    "read_training_state_beside",
+    "trainer_state_missing",
+    "training_state_beside",
+    "unread_beside",
+]
 
 _RANK_PT = re.compile(r"^rank(\d+)\.pt$")
 
@@ -98,6 +105,29 @@ def training_state_beside(model_dir: Path) -> list[str]:
         return []
     ranks = sorted((int(m.group(1)), n) for n in names if (m := _RANK_PT.match(n)))
     return [f"train/{n}" for _, n in ranks]
+
+
+def trainer_state_missing(model_dir: Path) -> str | None:
+    """Why OLMo-core's load would find no trainer state beside ``model_dir`` (``None``: it would).
+
+    OLMo-core's ``Checkpointer.load`` reads ``train/rank{R}.pt``, else ``train/rank0.pt`` (a
+    different world size), and without either loads no trainer state: the run restarts at step 0
+    with the saved weights and moments. Its ``dir_is_checkpoint`` (behind ``latest_checkpoint``)
+    requires ``train/rank0.pt``. Said for a step directory its ``Checkpointer`` wrote (it holds
+    ``.metadata.json`` or ``train/``) that lacks that file.
+    """
+    step = model_dir.parent
+    if not (os.path.lexists(step / ".metadata.json") or os.path.lexists(step / "train")):
+        return None
+    if os.path.lexists(step / "train" / "rank0.pt"):
+        return None
+    others = training_state_beside(model_dir)
+    held = f"train/ holds {', '.join(others[:4])}" if others else "no train/rank*.pt"
+    return (
+        f"{step}: train/rank0.pt missing ({held}): OLMo-core's load falls back to it and, without it, "
+        "restores no trainer state (the step, tokens seen and data loader restart from 0 over the saved "
+        "weights and moments); its latest_checkpoint skips this directory"
+    )
 
 
 @dataclass(frozen=True)
