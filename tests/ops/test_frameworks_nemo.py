@@ -82,3 +82,64 @@ def test_optimizer_state_matches_torch_reader(nemo_root: Path) -> None:
     sd = {key: torch.zeros_like(want["model"][names[3]])}
     dcp.load(sd, checkpoint_id=str(nemo_root / "run" / "epoch_0_step_2" / "optim"))
     assert sd[key].equal(want["optim"]["state"][3]["exp_avg"])
+
+
+def _save_with_scheduler_ahead(root: Path, extra: int) -> Path:
+    """NeMo's own ``Checkpointer`` saves a model trained two AdamW steps, its optimizer and a ``LambdaLR``
+    stepped ``extra`` more times than the optimizer (a scheduler of another step saved beside it)."""
+    import torch
+    from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        optim.zero_grad()
+        model(torch.randint(0, 64, (1, 8), generator=gen)).logits.float().pow(2).mean().backward()
+        optim.step()
+        sched.step()
+    for _ in range(extra):
+        sched.step()
+    config = CheckpointingConfig(
+        checkpoint_dir=str(root),
+        model_save_format="safetensors",
+        save_consolidated=False,
+        model_repo_id=None,
+        model_cache_dir=None,
+        is_peft=False,
+        model_state_dict_keys=list(model.state_dict()),
+    )
+    ckpt = Checkpointer(config, dp_rank=0, tp_rank=0, pp_rank=0)
+    step = root / "epoch_0_step_1"
+    ckpt.save_model(model, str(step))
+    ckpt.save_optimizer(optim, model, str(step), sched)
+    return step
+
+
+def test_scheduler_of_another_step_fails_r002(nemo_root: Path, tmp_path: Path) -> None:
+    """NeMo Automodel saves its LR scheduler as ``sched`` in ``optim/``; R002 compared only items named
+    ``lr_scheduler``/``scheduler``, so a scheduler three steps ahead of the optimizer passed validate --deep.
+    Now its ``last_epoch`` is compared with the optimizer's step; NeMo's own save of a run in step passes."""
+    ok = _save_with_scheduler_ahead(tmp_path / "ok", 0)
+    doc = json.loads(cli("validate", "--strict", "--deep", "--json", str(ok)))
+    assert doc["ok"] and "R002" not in {f["code"] for f in doc["findings"]}, doc["findings"]
+    bad = _save_with_scheduler_ahead(tmp_path / "bad", 3)
+    doc = json.loads(cli("validate", "--strict", "--deep", "--json", str(bad), code=1))
+    (r002,) = [f for f in doc["findings"] if f["code"] == "R002"]
+    assert r002["key"] == "sched.last_epoch"
+    assert r002["message"].startswith("LR scheduler sched.last_epoch = 5 but optim.state.") and r002[
+        "message"
+    ].endswith(".step = 2")

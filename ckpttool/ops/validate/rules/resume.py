@@ -46,7 +46,8 @@ TRAIN_STEP_KEYS = (
     "iteration",
     "step",
 )
-_SCHEDULER_ITEMS = ("lr_scheduler", "lr_schedulers", "scheduler", "schedulers")
+#: LR scheduler items (NeMo Automodel saves its scheduler as ``sched`` in ``optim/``).
+_SCHEDULER_ITEMS = ("lr_scheduler", "lr_schedulers", "scheduler", "schedulers", "sched")
 
 
 @dataclass(frozen=True)
