@@ -22,6 +22,8 @@ from typing import Any
 from ckpttool.format.jsonview import json_fields
 
 __all__ = [
+    "NEMO_STEP_SCHEDULER",
+    "TRAINER_STEP_KEY",
     "TrainerState",
     "hf_config_beside",
     "read_training_state_beside",
@@ -31,6 +33,13 @@ __all__ = [
 ]
 
 _RANK_PT = re.compile(r"^rank(\d+)\.pt$")
+#: NeMo Automodel's recipes ``torch.save`` their ``StepScheduler`` state, ``{"step", "epoch"}``, into the step
+#: directory beside ``model/`` and ``optim/`` (``recipes/base_recipe.py`` ``save_checkpoint``); its ``step``
+#: counts the optimizer steps taken (``state_dict``: the yielded step + 1).
+NEMO_STEP_SCHEDULER = "step_scheduler.pt"
+#: The trainer's step in each kind of file :func:`training_state_beside` lists (OLMo-core's rank files:
+#: ``global_step``).
+TRAINER_STEP_KEY = {NEMO_STEP_SCHEDULER: "step"}
 
 #: Files of training state that trainers save beside the weights and ckpttool does not read:
 #: Hugging Face ``Trainer`` (``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state[_R].pth``,
@@ -95,16 +104,20 @@ def hf_config_beside(model_dir: Path) -> Path | None:
 def training_state_beside(model_dir: Path) -> list[str]:
     """Paths (relative to the opened directory's parent) of training-state files saved beside it.
 
-    ``train/rank{R}.pt`` files (OLMo-core), by rank; ``[]`` when there are none or the parent
-    cannot be listed.
+    ``train/rank{R}.pt`` files (OLMo-core), by rank, and NeMo Automodel's ``step_scheduler.pt``
+    beside a ``model/`` folder; ``[]`` when there are none or the parent cannot be listed.
     """
+    out: list[str] = []
     train = model_dir.parent / "train"
     try:
         names = os.listdir(train)
     except OSError:
-        return []
+        names = []
     ranks = sorted((int(m.group(1)), n) for n in names if (m := _RANK_PT.match(n)))
-    return [f"train/{n}" for _, n in ranks]
+    out += [f"train/{n}" for _, n in ranks]
+    if model_dir.name == "model" and os.path.lexists(model_dir.parent / NEMO_STEP_SCHEDULER):
+        out.append(NEMO_STEP_SCHEDULER)  # NeMo Automodel's recipe, beside model/ and optim/
+    return out
 
 
 def trainer_state_missing(model_dir: Path) -> str | None:

@@ -143,3 +143,39 @@ def test_scheduler_of_another_step_fails_r002(nemo_root: Path, tmp_path: Path) -
     assert r002["message"].startswith("LR scheduler sched.last_epoch = 5 but optim.state.") and r002[
         "message"
     ].endswith(".step = 2")
+
+
+def _step_scheduler_state(yields: int) -> dict:
+    """NeMo's own ``StepScheduler`` state as its recipe saves it (``torch.save(step_scheduler.state_dict())``
+    inside the training loop) after ``yields`` optimizer steps."""
+    from nemo_automodel.components.training.step_scheduler import StepScheduler
+
+    sched = StepScheduler(
+        global_batch_size=1, local_batch_size=1, dp_size=1, dataloader=list(range(10)), preemption_signal=None
+    )
+    for i, _ in enumerate(sched):
+        if i + 1 == yields:
+            return sched.state_dict()
+    raise AssertionError("too few batches")
+
+
+def test_recipe_step_scheduler_beside_is_read_and_compared(nemo_root: Path, tmp_path: Path) -> None:
+    """NeMo Automodel's recipes save their StepScheduler (``step``, ``epoch``) as ``step_scheduler.pt`` beside
+    ``model/`` and ``optim/``; a resume continues from its ``step``. It was not read at all: one from another
+    step passed validate --deep. Now inspect shows it (``trainer_state``) and R002 compares its step with the
+    optimizer's."""
+    import torch
+
+    step = _save_with_scheduler_ahead(tmp_path / "run", 0)  # NeMo names it epoch_0_step_1 after 2 optimizer steps
+    torch.save(_step_scheduler_state(2), step / "step_scheduler.pt")
+    doc = json.loads(cli("inspect", "--json", str(step)))
+    assert doc["trainer_state"][0]["file"] == "step_scheduler.pt"
+    assert doc["trainer_state"][0]["values"] == {"step": 2, "epoch": 0}
+    doc = json.loads(cli("validate", "--strict", "--deep", "--json", str(step)))
+    assert doc["ok"] and "R002" not in {f["code"] for f in doc["findings"]}, doc["findings"]
+    torch.save(_step_scheduler_state(5), step / "step_scheduler.pt")  # the state of a later step
+    doc = json.loads(cli("validate", "--strict", "--deep", "--json", str(step), code=1))
+    r002 = {f["key"]: f["message"] for f in doc["findings"] if f["code"] == "R002"}
+    assert r002.pop("sched.last_epoch") == "LR scheduler sched.last_epoch = 2 but step_scheduler.pt:step = 5"
+    ((key, message),) = r002.items()
+    assert key.startswith("optim.state.") and message.endswith(", the largest) but step_scheduler.pt:step = 5")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import BytesMeta
-from ckpttool.model.beside import read_training_state_beside
+from ckpttool.model.beside import TRAINER_STEP_KEY, read_training_state_beside
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.data import saved_steps, synthesized_from_stats
@@ -72,11 +72,12 @@ def _train_steps(ctx: Context) -> list[_Counter]:
     for st in ctx.ckpt.extra_state():
         if st.global_step is not None:
             out.append(_Counter(st.file.relative_path, st.global_step))
-    if ctx.ckpt.located is not None:  # OLMo-core's train/rankR.pt beside the checkpoint
+    if ctx.ckpt.located is not None:  # OLMo-core's train/rankR.pt, NeMo's step_scheduler.pt beside the checkpoint
         for ts in read_training_state_beside(Path(ctx.ckpt.located.model)):
-            gs = ts.values.get("global_step")
+            name = TRAINER_STEP_KEY.get(ts.file, "global_step")
+            gs = ts.values.get(name)
             if isinstance(gs, int):
-                out.append(_Counter(f"{ts.file}:global_step", gs))
+                out.append(_Counter(f"{ts.file}:{name}", gs))
     return out
 
 
