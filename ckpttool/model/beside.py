@@ -21,9 +21,25 @@ from typing import Any
 
 from ckpttool.format.jsonview import json_fields
 
-__all__ = ["TrainerState", "hf_config_beside", "read_training_state_beside", "training_state_beside", "unread_beside"]
+__all__ = [
+    "NEMO_STEP_SCHEDULER",
+    "TRAINER_STEP_KEY",
+    "TrainerState",
+    "hf_config_beside",
+    "read_training_state_beside",
+    "trainer_state_missing",
+    "training_state_beside",
+    "unread_beside",
+]
 
 _RANK_PT = re.compile(r"^rank(\d+)\.pt$")
+#: NeMo Automodel's recipes ``torch.save`` their ``StepScheduler`` state, ``{"step", "epoch"}``, into the step
+#: directory beside ``model/`` and ``optim/`` (``recipes/base_recipe.py`` ``save_checkpoint``); its ``step``
+#: counts the optimizer steps taken (``state_dict``: the yielded step + 1).
+NEMO_STEP_SCHEDULER = "step_scheduler.pt"
+#: The trainer's step in each kind of file :func:`training_state_beside` lists (OLMo-core's rank files:
+#: ``global_step``).
+TRAINER_STEP_KEY = {NEMO_STEP_SCHEDULER: "step"}
 
 #: Files of training state that trainers save beside the weights and ckpttool does not read:
 #: Hugging Face ``Trainer`` (``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state[_R].pth``,
@@ -88,16 +104,43 @@ def hf_config_beside(model_dir: Path) -> Path | None:
 def training_state_beside(model_dir: Path) -> list[str]:
     """Paths (relative to the opened directory's parent) of training-state files saved beside it.
 
-    ``train/rank{R}.pt`` files (OLMo-core), by rank; ``[]`` when there are none or the parent
-    cannot be listed.
+    ``train/rank{R}.pt`` files (OLMo-core), by rank, and NeMo Automodel's ``step_scheduler.pt``
+    beside a ``model/`` folder; ``[]`` when there are none or the parent cannot be listed.
     """
+    out: list[str] = []
     train = model_dir.parent / "train"
     try:
         names = os.listdir(train)
     except OSError:
-        return []
+        names = []
     ranks = sorted((int(m.group(1)), n) for n in names if (m := _RANK_PT.match(n)))
-    return [f"train/{n}" for _, n in ranks]
+    out += [f"train/{n}" for _, n in ranks]
+    if model_dir.name == "model" and os.path.lexists(model_dir.parent / NEMO_STEP_SCHEDULER):
+        out.append(NEMO_STEP_SCHEDULER)  # NeMo Automodel's recipe, beside model/ and optim/
+    return out
+
+
+def trainer_state_missing(model_dir: Path) -> str | None:
+    """Why OLMo-core's load would find no trainer state beside ``model_dir`` (``None``: it would).
+
+    OLMo-core's ``Checkpointer.load`` reads ``train/rank{R}.pt``, else ``train/rank0.pt`` (a
+    different world size), and without either loads no trainer state: the run restarts at step 0
+    with the saved weights and moments. Its ``dir_is_checkpoint`` (behind ``latest_checkpoint``)
+    requires ``train/rank0.pt``. Said for a step directory its ``Checkpointer`` wrote (it holds
+    ``.metadata.json`` or ``train/``) that lacks that file.
+    """
+    step = model_dir.parent
+    if not (os.path.lexists(step / ".metadata.json") or os.path.lexists(step / "train")):
+        return None
+    if os.path.lexists(step / "train" / "rank0.pt"):
+        return None
+    others = training_state_beside(model_dir)
+    held = f"train/ holds {', '.join(others[:4])}" if others else "no train/rank*.pt"
+    return (
+        f"{step}: train/rank0.pt missing ({held}): OLMo-core's load falls back to it and, without it, "
+        "restores no trainer state (the step, tokens seen and data loader restart from 0 over the saved "
+        "weights and moments); its latest_checkpoint skips this directory"
+    )
 
 
 @dataclass(frozen=True)

@@ -233,7 +233,8 @@ def find_checkpoints(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
 
     def visit(p: Path) -> bool:
         if is_checkpoint_dir(p):
-            if staging_of(p) is None:  # torch-checkpointing's tmp_ dir of an unfinished save: find_incomplete's
+            # torch-checkpointing's tmp_ dir, a Megatron iter_N without metadata.json: find_incomplete's
+            if staging_of(p) is None and _unpublished(p) is None:
                 found.append(p)
             return False
         return True
@@ -247,6 +248,23 @@ def find_checkpoints(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
 _METADATA_TMP = METADATA_NAME + ".tmp"
 
 
+def _unpublished(path: Path, names: list[str] | None = None) -> str | None:
+    """What shows that the trainer has not published the save in ``path``: it holds every name of a
+    schema's ``publish_markers`` entry but not the file the trainer writes last (OLMo-core's
+    ``.metadata.json`` beside ``model_and_optim/`` and ``train/``; megatron-core's ``metadata.json``
+    beside ``common.pt``), else ``None``."""
+    if names is None:
+        try:
+            names = os.listdir(path)
+        except OSError:
+            return None
+    for last, holds in registry.derived().publish_markers:
+        if last not in names and all(h in names for h in holds):
+            held = ", ".join(h + "/" if (path / h).is_dir() else h for h in holds)
+            return f"{held} but no {last} (the trainer writes it last, when the save is complete)"
+    return None
+
+
 def _unfinished(path: Path) -> str | None:
     """What shows that the save in ``path`` did not finish (data files or ``.metadata.tmp``, no ``.metadata``;
     a trainer's in-progress marker, or the file it writes last missing)."""
@@ -257,9 +275,9 @@ def _unfinished(path: Path) -> str | None:
     marker = next((m for m in registry.derived().incomplete_markers if m in names), None)
     if marker is not None:
         return f"{marker} (the trainer's marker of a save not yet published)"
-    for last, holds in registry.derived().publish_markers:
-        if last not in names and all(h in names for h in holds):
-            return f"{', '.join(h + '/' for h in holds)} but no {last} (the trainer writes it last, when the save is complete)"
+    unpublished = _unpublished(path, names)
+    if unpublished is not None:
+        return unpublished
     if METADATA_NAME in names:
         return None
     data = sum(1 for n in names if DATA_FILE_RE.match(n))
@@ -292,6 +310,10 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH) -> list[IncompleteSt
                 found.setdefault(step, IncompleteStep(step, p, "torch-checkpointing's staging files, not renamed"))
             return False
         if is_checkpoint_dir(p):
+            why = _unpublished(p)  # a Megatron iter_N whose metadata.json was never written
+            step = _step_near(p, root)
+            if why is not None and step is not None:
+                found.setdefault(step, IncompleteStep(step, p, why))
             return False
         why = _unfinished(p)
         step = _step_near(p, root)
@@ -467,9 +489,17 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
 
 
 def _refuse_marked(root: Path) -> None:
-    """E202 when ``root`` (or the step directory above a model folder) holds a trainer's in-progress marker."""
+    """E202 when ``root`` (or the step directory above a model folder) holds a trainer's in-progress marker,
+    or ``root`` is a checkpoint whose trainer has not written the file it writes last (:func:`_unpublished`)."""
     if not root.is_dir():
         return
+    unpublished = _unpublished(root) if is_checkpoint_dir(root) else None
+    if unpublished is not None:
+        raise IncompleteCheckpointError(
+            f"{root}: holds {unpublished}: a save that did not finish, which the trainer's own load refuses",
+            path=root,
+            hint="wait for the save to finish, or open an earlier complete step (`step` N on the run directory)",
+        )
     for where in (root, root.parent):
         marker = _marker(where)
         if marker is not None:

@@ -10,6 +10,7 @@ minutes). Every answer is checked against torch's own reading (``FileSystemReade
 
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
 from pathlib import Path
@@ -229,3 +230,28 @@ def test_generator_writes_what_is_committed(tmp_path: Path) -> None:
     assert (tmp_path / "dense1" / "latest_checkpointed_iteration.txt").read_text() == "3"
     r = runner.invoke(app, ["validate", "--strict", "--deep", str(tmp_path / "dense1")])
     assert r.exit_code == 0, r.output
+
+
+def test_iteration_without_metadata_json_is_an_unfinished_save(tmp_path: Path) -> None:
+    """megatron-core's ``dist_checkpointing.save`` writes ``common.pt``, then the shards (``.metadata``), then
+    ``metadata.json`` "only if the checkpoint is complete"; its load refuses a directory without it ("is not a
+    distributed checkpoint"). Such an ``iter_N`` was opened as a checkpoint: ``--step latest`` (no tracker file)
+    chose it, ``validate --strict`` of it passed. Now it is an unfinished save: E202 opened directly or by
+    ``--step N``, passed over by ``--step latest`` (R001 names it)."""
+    run = shutil.copytree(DATA / "dense1", tmp_path / "run")
+    (run / "latest_checkpointed_iteration.txt").unlink()  # Megatron-LM writes it after a save completes
+    cut = shutil.copytree(run / "iter_0000003", run / "iter_0000005")
+    (cut / "metadata.json").unlink()
+    r = runner.invoke(app, ["validate", "--strict", str(cut)])
+    assert r.exit_code == 2, r.output
+    assert "[E202]" in r.stderr and "common.pt but no metadata.json" in r.stderr
+    r = runner.invoke(app, ["validate", "--strict", str(run), "--step", "5"])
+    assert r.exit_code == 2 and "[E202]" in r.stderr and "step 5 is incomplete" in r.stderr, r.output
+    r = runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"])
+    assert r.exit_code == 0, r.output
+    loc = json.loads(r.stdout)["location"]
+    assert loc["model"] == str(run / "iter_0000003") and loc["step"] == 3
+    assert [i["step"] for i in loc["newer_incomplete"]] == [5]
+    r = runner.invoke(app, ["validate", "--strict", "--json", str(run), "--step", "latest"])
+    assert r.exit_code == 1, r.output
+    assert [f["code"] for f in json.loads(r.stdout)["findings"]] == ["R001"]

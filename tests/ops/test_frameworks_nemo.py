@@ -82,3 +82,100 @@ def test_optimizer_state_matches_torch_reader(nemo_root: Path) -> None:
     sd = {key: torch.zeros_like(want["model"][names[3]])}
     dcp.load(sd, checkpoint_id=str(nemo_root / "run" / "epoch_0_step_2" / "optim"))
     assert sd[key].equal(want["optim"]["state"][3]["exp_avg"])
+
+
+def _save_with_scheduler_ahead(root: Path, extra: int) -> Path:
+    """NeMo's own ``Checkpointer`` saves a model trained two AdamW steps, its optimizer and a ``LambdaLR``
+    stepped ``extra`` more times than the optimizer (a scheduler of another step saved beside it)."""
+    import torch
+    from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
+    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        optim.zero_grad()
+        model(torch.randint(0, 64, (1, 8), generator=gen)).logits.float().pow(2).mean().backward()
+        optim.step()
+        sched.step()
+    for _ in range(extra):
+        sched.step()
+    config = CheckpointingConfig(
+        checkpoint_dir=str(root),
+        model_save_format="safetensors",
+        save_consolidated=False,
+        model_repo_id=None,
+        model_cache_dir=None,
+        is_peft=False,
+        model_state_dict_keys=list(model.state_dict()),
+    )
+    ckpt = Checkpointer(config, dp_rank=0, tp_rank=0, pp_rank=0)
+    step = root / "epoch_0_step_1"
+    ckpt.save_model(model, str(step))
+    ckpt.save_optimizer(optim, model, str(step), sched)
+    return step
+
+
+def test_scheduler_of_another_step_fails_r002(nemo_root: Path, tmp_path: Path) -> None:
+    """NeMo Automodel saves its LR scheduler as ``sched`` in ``optim/``; R002 compared only items named
+    ``lr_scheduler``/``scheduler``, so a scheduler three steps ahead of the optimizer passed validate --deep.
+    Now its ``last_epoch`` is compared with the optimizer's step; NeMo's own save of a run in step passes."""
+    ok = _save_with_scheduler_ahead(tmp_path / "ok", 0)
+    doc = json.loads(cli("validate", "--strict", "--deep", "--json", str(ok)))
+    assert doc["ok"] and "R002" not in {f["code"] for f in doc["findings"]}, doc["findings"]
+    bad = _save_with_scheduler_ahead(tmp_path / "bad", 3)
+    doc = json.loads(cli("validate", "--strict", "--deep", "--json", str(bad), code=1))
+    (r002,) = [f for f in doc["findings"] if f["code"] == "R002"]
+    assert r002["key"] == "sched.last_epoch"
+    assert r002["message"].startswith("LR scheduler sched.last_epoch = 5 but optim.state.") and r002[
+        "message"
+    ].endswith(".step = 2")
+
+
+def _step_scheduler_state(yields: int) -> dict:
+    """NeMo's own ``StepScheduler`` state as its recipe saves it (``torch.save(step_scheduler.state_dict())``
+    inside the training loop) after ``yields`` optimizer steps."""
+    from nemo_automodel.components.training.step_scheduler import StepScheduler
+
+    sched = StepScheduler(
+        global_batch_size=1, local_batch_size=1, dp_size=1, dataloader=list(range(10)), preemption_signal=None
+    )
+    for i, _ in enumerate(sched):
+        if i + 1 == yields:
+            return sched.state_dict()
+    raise AssertionError("too few batches")
+
+
+def test_recipe_step_scheduler_beside_is_read_and_compared(nemo_root: Path, tmp_path: Path) -> None:
+    """NeMo Automodel's recipes save their StepScheduler (``step``, ``epoch``) as ``step_scheduler.pt`` beside
+    ``model/`` and ``optim/``; a resume continues from its ``step``. It was not read at all: one from another
+    step passed validate --deep. Now inspect shows it (``trainer_state``) and R002 compares its step with the
+    optimizer's."""
+    import torch
+
+    step = _save_with_scheduler_ahead(tmp_path / "run", 0)  # NeMo names it epoch_0_step_1 after 2 optimizer steps
+    torch.save(_step_scheduler_state(2), step / "step_scheduler.pt")
+    doc = json.loads(cli("inspect", "--json", str(step)))
+    assert doc["trainer_state"][0]["file"] == "step_scheduler.pt"
+    assert doc["trainer_state"][0]["values"] == {"step": 2, "epoch": 0}
+    doc = json.loads(cli("validate", "--strict", "--deep", "--json", str(step)))
+    assert doc["ok"] and "R002" not in {f["code"] for f in doc["findings"]}, doc["findings"]
+    torch.save(_step_scheduler_state(5), step / "step_scheduler.pt")  # the state of a later step
+    doc = json.loads(cli("validate", "--strict", "--deep", "--json", str(step), code=1))
+    r002 = {f["key"]: f["message"] for f in doc["findings"] if f["code"] == "R002"}
+    assert r002.pop("sched.last_epoch") == "LR scheduler sched.last_epoch = 2 but step_scheduler.pt:step = 5"
+    ((key, message),) = r002.items()
+    assert key.startswith("optim.state.") and message.endswith(", the largest) but step_scheduler.pt:step = 5")

@@ -48,6 +48,28 @@ def test_found_from_run_root_and_step_dir(olmo_root: Path) -> None:
         assert doc["summary"]["model_tensor_count"] == 21
 
 
+def test_a_step_without_train_rank0_is_named(olmo_root: Path, tmp_path: Path) -> None:
+    """OLMo-core's load reads train/rank{R}.pt, else train/rank0.pt, and without either restores no trainer state
+    (a resume restarts at step 0 over the saved weights and moments); its latest_checkpoint skips such a
+    directory. validate --strict --deep passed a step whose train/rank0.pt was lost; now K011 names it. A
+    missing train/rank1.pt is what OLMo-core reads rank 0's file for (another world size): not reported."""
+    import shutil
+
+    run = shutil.copytree(olmo_root / "run", tmp_path / "run")
+    (run / "step2" / "train" / "rank1.pt").unlink()
+    doc = json.loads(cli("validate", "--strict", "--deep", str(run), "--json"))
+    assert doc["ok"] and not doc["findings"], doc["findings"]
+    shutil.copy(olmo_root / "run" / "step2" / "train" / "rank1.pt", run / "step2" / "train" / "rank1.pt")
+    (run / "step2" / "train" / "rank0.pt").unlink()
+    doc = json.loads(cli("validate", "--strict", "--deep", str(run), "--json", code=1))
+    (k011,) = [f for f in doc["findings"] if f["code"] == "K011"]
+    assert k011["message"].startswith(f"{run / 'step2'}: train/rank0.pt missing (train/ holds train/rank1.pt): ")
+    assert "restores no trainer state" in k011["message"]
+    shutil.rmtree(run / "step2" / "train")
+    doc = json.loads(cli("validate", "--strict", str(run), "--json", code=1))
+    assert [f["code"] for f in doc["findings"]] == ["K011"] and "(no train/rank*.pt)" in doc["findings"][0]["message"]
+
+
 def test_a_step_without_its_metadata_json_is_not_latest(olmo_root: Path, tmp_path: Path) -> None:
     """OLMo-core's Checkpointer writes stepN/.metadata.json last (after train/ and model_and_optim/) and its
     find_checkpoints skips a step directory without it. A newer step whose save stopped before it was

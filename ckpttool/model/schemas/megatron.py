@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttool.model.schemas.base import Detected, SchemaSpec
+from ckpttool.model.schemas.base import Detected, Discovery, SchemaSpec
 
 __all__ = [
     "COMMON_FILE",
@@ -194,6 +194,10 @@ SPEC = SchemaSpec(
     doc_optimizer="`[chained_N.]optimizer.state.<field>.<key>` (field first); groups in `common.pt`",
     doc_written_by="megatron-core `dist_checkpointing.save` (`torch_dist`), Megatron-LM `iter_N/`",
     import_help="megatron-core torch_dist GPTModel keys (stacked layers, fused linear_qkv/linear_fc1)",
+    # dist_checkpointing.save writes common.pt first, then the shards (.metadata), then metadata.json
+    # "only if the checkpoint is complete"; its load refuses a directory without it ("is not a
+    # distributed checkpoint"), and Megatron-LM writes latest_checkpointed_iteration.txt after it
+    discovery=Discovery(step_words=("iter",), publish_markers=((METADATA_JSON, (COMMON_FILE,)),)),
 )
 
 

@@ -357,6 +357,36 @@ def _check_arguments(
     return rx
 
 
+def _ungrouped(
+    cat: Catalog,
+    model_fqns: Sequence[str],
+    parts_of_fused: set[str],
+    notes: list[str],
+    wanted: Callable[[str], bool] | None,
+) -> list[str]:
+    """Notes the selected model tensors in no param group; returns those with saved state (stepped).
+
+    A tensor in no param group but with saved state was stepped: never passed over as a buffer
+    (validate's ``P004``; Megatron's chained optimizer whose groups ckpttool cannot assign).
+    """
+    ungrouped = [
+        f
+        for f in model_fqns
+        if cat.group_of(f) is None and cat.model_key(f) not in parts_of_fused and (wanted is None or wanted(f))
+    ]
+    stepped = [f for f in ungrouped if (ps := cat.optimizer_state.get(f)) is not None and ps.fields]
+    if len(ungrouped) > len(stepped):
+        notes.append(
+            f"{len(ungrouped) - len(stepped)} model tensor(s) in no param group (buffers, frozen parameters) are not replayed"
+        )
+    if stepped:
+        notes.append(
+            f"{len(stepped)} parameter(s) with saved optimizer state are in no param group, so their "
+            f"hyperparameters are unknown: not replayed, e.g. {stepped[0]} (validate: P004)"
+        )
+    return stepped
+
+
 def _membership(
     cat: Catalog, notes: list[str], head_dim: int | None = None, wanted: Callable[[str], bool] | None = None
 ) -> _Membership:
@@ -368,13 +398,7 @@ def _membership(
     orphans = sorted(f for f in grouped if cat.model_key(f) not in cat.model)
     # the parts of a parameter stepped fused (wq/wk/wv of wqkv) are told apart by the fused notes below
     parts_of_fused = {k for f in orphans if (ps := cat.optimizer_state.get(f)) for k in ps.stored_as}
-    skipped = sum(
-        1
-        for f in model_fqns
-        if cat.group_of(f) is None and cat.model_key(f) not in parts_of_fused and (wanted is None or wanted(f))
-    )
-    if skipped:
-        notes.append(f"{skipped} model tensor(s) in no param group (buffers, frozen parameters) are not replayed")
+    ungrouped_stepped = _ungrouped(cat, model_fqns, parts_of_fused, notes, wanted)
     fused: dict[str, tuple[tuple[str, ...], int]] = {}
     unknown: list[str] = []
     for f in orphans:
@@ -404,6 +428,7 @@ def _membership(
         )
     other_orphans = [f for f in orphans if f not in fused]
     stepped = [f for f in other_orphans if (ps := cat.optimizer_state.get(f)) is not None and ps.fields]
+    stepped += ungrouped_stepped
     other_orphans = [f for f in other_orphans if f not in unknown]
     if other_orphans:
         notes.append(

@@ -11,13 +11,17 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import BytesMeta
-from ckpttool.model.beside import read_training_state_beside
+from ckpttool.model.beside import TRAINER_STEP_KEY, read_training_state_beside
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.data import saved_steps, synthesized_from_stats
+
+if TYPE_CHECKING:
+    from ckpttool.model.schemas.megatron import MegatronCommon
 
 
 @rule("R001")
@@ -42,7 +46,8 @@ TRAIN_STEP_KEYS = (
     "iteration",
     "step",
 )
-_SCHEDULER_ITEMS = ("lr_scheduler", "lr_schedulers", "scheduler", "schedulers")
+#: LR scheduler items (NeMo Automodel saves its scheduler as ``sched`` in ``optim/``).
+_SCHEDULER_ITEMS = ("lr_scheduler", "lr_schedulers", "scheduler", "schedulers", "sched")
 
 
 @dataclass(frozen=True)
@@ -67,11 +72,12 @@ def _train_steps(ctx: Context) -> list[_Counter]:
     for st in ctx.ckpt.extra_state():
         if st.global_step is not None:
             out.append(_Counter(st.file.relative_path, st.global_step))
-    if ctx.ckpt.located is not None:  # OLMo-core's train/rankR.pt beside the checkpoint
+    if ctx.ckpt.located is not None:  # OLMo-core's train/rankR.pt, NeMo's step_scheduler.pt beside the checkpoint
         for ts in read_training_state_beside(Path(ctx.ckpt.located.model)):
-            gs = ts.values.get("global_step")
+            name = TRAINER_STEP_KEY.get(ts.file, "global_step")
+            gs = ts.values.get(name)
             if isinstance(gs, int):
-                out.append(_Counter(f"{ts.file}:global_step", gs))
+                out.append(_Counter(f"{ts.file}:{name}", gs))
     return out
 
 
@@ -138,5 +144,30 @@ def _megatron_iteration(ctx: Context) -> Iterator[tuple[str, str]]:
         common = read_common(d)
     except CkptError:
         return  # named by the rules that read it
-    if named is not None and common is not None and common.iteration is not None and common.iteration != named:
+    if common is None:
+        return
+    if named is not None and common.iteration is not None and common.iteration != named:
         yield COMMON_FILE, f"{COMMON_FILE} iteration = {common.iteration} but its directory is {d.name} (step {named})"
+    yield from _megatron_common_steps(common)
+
+
+def _megatron_common_steps(common: MegatronCommon) -> Iterator[tuple[str, str]]:
+    """The optimizers' ``common_step`` of ``common.pt``: megatron's ``ChainedOptimizer`` steps every chained
+    optimizer together (one skip decision for all), and an optimizer never steps more often than the
+    iterations run (a step skipped for a loss-scale overflow, or a resume with ``--no-load-optim``,
+    leaves it behind; nothing puts it ahead)."""
+    from ckpttool.model.schemas.megatron import COMMON_FILE
+
+    steps = {i: int(s) for i, s in enumerate(common.common_step) if s is not None and math.isfinite(s)}
+    if len(set(steps.values())) > 1:
+        shown = ", ".join(f"optimizer {i}: {s}" for i, s in steps.items())
+        yield (
+            f"{COMMON_FILE}:optimizer",
+            f"{COMMON_FILE}: the chained optimizers' common_step differ ({shown}); megatron steps them together",
+        )
+    top = max(steps.values(), default=None)
+    if top is not None and common.iteration is not None and top > common.iteration:
+        yield (
+            f"{COMMON_FILE}:optimizer",
+            f"{COMMON_FILE}: optimizer common_step {top} is ahead of iteration {common.iteration}",
+        )

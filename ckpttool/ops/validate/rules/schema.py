@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ckpttool.format.unpickler import short_repr
-from ckpttool.model.beside import read_training_state_beside
+from ckpttool.model.beside import read_training_state_beside, trainer_state_missing
 from ckpttool.model.nested_state import describe_nested, nested_state_items
 from ckpttool.model.schemas.detect import planner_paths
 from ckpttool.ops.validate.base import rule
@@ -110,6 +110,8 @@ def nested_state_in_byte_items(ctx: Context) -> Iterator[tuple[str | None, str]]
 @rule("K011")
 def training_state_beside_checkpoint(ctx: Context) -> Iterator[tuple[str | None, str]]:
     located = ctx.ckpt.located
+    if ctx.cat.schema.id == "olmo-core" and (missing := trainer_state_missing(Path(located.model))) is not None:
+        yield None, missing
     bad = [s for s in read_training_state_beside(Path(located.model)) if s.error is not None]
     if bad:
         where = Path(located.model).parent
