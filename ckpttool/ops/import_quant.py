@@ -16,7 +16,8 @@ The scales are not imported. Each dequantized tensor is staged in an anonymous i
 import's memory is bounded by the largest dequantized tensor. Refused (E612, nothing
 published): a scale that does not fit its weight (missing weight, not float32, shape other
 than ``ceil(out / B0) x ceil(in / B1)``), a NaN / infinite / negative scale, a zero scale of
-a block that is not all zero, NaN bytes in an FP8 weight, an MXFP4 exponent ``0xFF``.
+a block that is not all zero, NaN bytes in an FP8 weight, an MXFP4 exponent ``0xFF``, finite pieces
+whose product is beyond the range of ``--dtype`` (torch's reader would load infinity there).
 ``docs/import.md``, "Quantized checkpoints".
 """
 
@@ -173,6 +174,32 @@ def _encode(vals: Any, dtype: str) -> Any:
     return out.view(np.uint8)
 
 
+def _overflow_check(encoded: Any, dtype: str, p: QuantPair, where: str, first: int, shape: tuple[int, ...]) -> None:
+    """Refuse dequantized values that are infinite in ``dtype``: finite pieces whose product overflows it.
+
+    Args:
+        encoded: the ``uint8`` bytes :func:`_encode` made of one band (``shape``: its ``[rows, cols]``).
+        first: the band's first row in the tensor (for the message).
+
+    Raises:
+        QuantizedSourceError (E612): a value beyond the dtype's range (torch's reader gives infinity there).
+    """
+    import numpy as np
+
+    if dtype == "float32":
+        bad = np.flatnonzero((encoded.view(np.uint32) & 0x7F800000) == 0x7F800000)
+    else:
+        bad = np.flatnonzero((encoded.view(np.uint16) & 0x7F80) == 0x7F80)
+    if not bad.size:
+        return
+    r, c = divmod(int(bad[0]), shape[-1])
+    raise _bad(
+        f"{p.weight}: {bad.size} value(s) of {where}rows {first}..{first + shape[0] - 1} dequantize beyond the "
+        f"{dtype} range (infinity), e.g. row {first + r}, column {c}: a scale too large for its values",
+        p.weight,
+    )
+
+
 def read_scales(fds: StagedFds, plan: Dequantized) -> Any:
     """The whole scale tensor, checked: float32 finite and >= 0 (FP8), exponents other than ``0xFF`` (MXFP4).
 
@@ -238,8 +265,9 @@ def _stage_fp8(fds: StagedFds, plan: Dequantized, fd: int) -> None:
                     raise _bad(
                         f"{p.scale}: {where}block ({r0 // b0}, {int(j)}) has scale 0 but non-zero values", p.scale
                     )
-            vals = fp8_rows_dequantize(q, s_e, r0, p.block)
-            write_all(fd, _encode(vals, plan.dtype), (at + r0 * cols) * item)
+            vals = _encode(fp8_rows_dequantize(q, s_e, r0, p.block), plan.dtype)
+            _overflow_check(vals, plan.dtype, p, where, r0, (n, cols))
+            write_all(fd, vals, (at + r0 * cols) * item)
 
 
 def _stage_mxfp4(fds: StagedFds, plan: Dequantized, fd: int) -> None:
@@ -254,8 +282,9 @@ def _stage_mxfp4(fds: StagedFds, plan: Dequantized, fd: int) -> None:
     per = n * g * b
     for j in range(e):
         blocks = _read(fds, plan.weight_at, j * per, per).reshape(n * g, b)
-        vals = mxfp4_dequantize(blocks, exps[j]).reshape(n, g * 2 * b).T
-        write_all(fd, _encode(vals, plan.dtype), j * n * g * 2 * b * item)
+        vals = _encode(mxfp4_dequantize(blocks, exps[j]).reshape(n, g * 2 * b).T, plan.dtype)
+        _overflow_check(vals, plan.dtype, p, f"expert {j} ", 0, (g * 2 * b, n))
+        write_all(fd, vals, j * n * g * 2 * b * item)
 
 
 _STAGERS: dict[str, Callable[[StagedFds, Dequantized, int], None]] = {

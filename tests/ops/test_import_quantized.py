@@ -364,3 +364,35 @@ def test_fused_fp8_experts_equal_transformers_load_time_dequantization(tmp_path:
         assert got.dtype == tdt and torch.equal(_bits(got), _bits(want)), name
         backward = _dequantize_fp8_weight(q.clone(), s.clone(), [16, 16], torch.float32).to(tdt)
         assert torch.equal(_bits(got), _bits(backward)), name
+
+
+@pytest.mark.parametrize(
+    ("case", "dtype"),
+    [("fp8-f32", "float32"), ("fp8-bf16", "bfloat16"), ("fp8-bf16-only", "bfloat16"), ("mxfp4", "bfloat16")],
+)
+def test_finite_pieces_whose_product_overflows_refused(tmp_path: Path, case: str, dtype: str) -> None:
+    """Finite scales whose product with the values is beyond ``--dtype`` (a scale of 3e38, an E8M0 exponent 254,
+    float32 values near 3.4e38 that round to a BF16 infinity) were imported as infinite weights, exit 0;
+    now E612 naming the weight, nothing published."""
+    q = torch.full((32, 32), 0x7E, dtype=torch.uint8)  # 448, the largest e4m3fn value
+    if case == "mxfp4":
+        t = {
+            "e.gate_up_proj_blocks": torch.full((1, 2, 1, 16), 0x77, dtype=torch.uint8),  # FP4 6.0
+            "e.gate_up_proj_scales": torch.full((1, 2, 1), 254, dtype=torch.uint8),  # 2^127
+        }
+        key, config = "e.gate_up_proj_blocks", {"model_type": "gpt_oss"}
+    else:
+        # fp8-bf16-only: 448 * (3.4e38 / 448) is finite in float32 and rounds to infinity in BF16
+        scale = 3.4e38 / 448 if case == "fp8-bf16-only" else 3e38
+        t = {"l.weight": q.view(torch.float8_e4m3fn), "l.weight_scale_inv": torch.full((2, 2), scale)}
+        key, config = "l.weight", _DS_CONFIG
+    src = _write_folder(tmp_path / "src", t, config)
+    err = _import(src, tmp_path / "dcp", "--dtype", dtype, code=2)
+    assert f"[E612] {key}:" in err and f"beyond the {dtype} range (infinity)" in err, err
+    assert "Traceback" not in err and "RuntimeWarning" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # nothing published, no leftovers
+    if case == "fp8-bf16-only":  # the same folder is finite in float32: imported, values as torch's reader
+        _import(src, tmp_path / "f32", "--dtype", "float32")
+        got = _torch_load(tmp_path / "f32")["model.l.weight"]
+        assert torch.equal(got, q.view(torch.float8_e4m3fn).float() * torch.tensor(3.4e38 / 448))
+        assert torch.isfinite(got).all()
