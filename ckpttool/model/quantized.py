@@ -1,6 +1,6 @@
 """Quantized weights beside their scales, found by name, dtype and shape (torch-free; readers of FP8 checkpoints).
 
-Two conventions, as the readers that load them pair the keys:
+The conventions, as the readers that load them pair the keys:
 
 - block FP8 (DeepSeek-V3; torch's ``QuantizedHuggingFaceStorageReader``, transformers'
   ``FineGrainedFP8``): ``x.weight`` ``float8_e4m3fn`` ``[out, in]`` and ``x.weight_scale_inv``
@@ -29,6 +29,7 @@ __all__ = [
     "QuantPair",
     "block_size",
     "block_size_problem",
+    "compressed_tensors_fp8",
     "find_quantized",
     "fused_experts",
 ]
@@ -192,4 +193,82 @@ def _pairs_2d(
                 problems.append((key, f"{key}: a float8_e4m3fn weight with no {key + FP8_SCALE_SUFFIX!r}"))
         elif key.endswith(_MX_BLOCKS) and dt == "uint8" and key[: -len(_MX_BLOCKS)] + _MX_SCALES not in tensors:
             problems.append((key, f"{key}: MXFP4 blocks with no {key[: -len(_MX_BLOCKS)] + _MX_SCALES!r}"))
+    return pairs, problems
+
+
+CT_SCALE_SUFFIX = "_scale"
+
+
+def _ct_block(ws: tuple[int, ...], ss: tuple[int, ...], schemes: list[dict[str, Any]]) -> tuple[int, int] | None:
+    """The block grid of a compressed-tensors FP8 weight ``ws`` whose scale is ``ss``: the first weight scheme
+    of the config whose strategy gives that scale shape (``None``: none does)."""
+    out, inn = ws
+    for w in schemes:
+        if w.get("num_bits") != 8 or w.get("type") != "float" or w.get("symmetric") is False:
+            continue
+        strategy = w.get("strategy")
+        bs = w.get("block_structure")
+        if strategy == "block" and isinstance(bs, list) and len(bs) == 2 and all(type(b) is int and b > 0 for b in bs):
+            if list(ss) == [-(-out // bs[0]), -(-inn // bs[1])]:
+                return bs[0], bs[1]
+        elif strategy == "channel" and list(ss) == [out, 1]:
+            return 1, max(inn, 1)
+        elif strategy == "tensor" and list(ss) in ([], [1], [1, 1]):
+            return max(out, 1), max(inn, 1)
+    return None
+
+
+def compressed_tensors_fp8(
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]], config: Mapping[str, Any] | None
+) -> tuple[list[QuantPair], list[tuple[str, str]]]:
+    """compressed-tensors FP8 weights (kind ``fp8-compressed-tensors``; the module docstring) and ``(key, why)``
+    for a weight stored compressed that cannot be dequantized as the config describes.
+
+    Only under a config whose ``quantization_config.quant_method`` is ``compressed-tensors``; every
+    ``float8_e4m3fn`` ``x.weight`` with an ``x.weight_scale`` is one: a format other than ``float-quantized``,
+    a scale that is not float32, an ``x.weight_zero_point`` (asymmetric) or a scale shape no weight scheme of
+    the config's ``config_groups`` gives is a problem (never a weight imported as its raw FP8 bytes).
+    """
+    qc = (config or {}).get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        return [], []
+    keys = [
+        k
+        for k, (dt, _) in sorted(tensors.items())
+        if k.endswith(".weight")
+        and dt == "float8_e4m3fn"
+        and k + CT_SCALE_SUFFIX in tensors
+        and k + FP8_SCALE_SUFFIX not in tensors  # block FP8's own pair (find_quantized)
+    ]
+    groups = qc.get("config_groups")
+    listed = [g.get("weights") for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
+    schemes: list[dict[str, Any]] = [w for w in listed if isinstance(w, dict)]
+    pairs: list[QuantPair] = []
+    problems: list[tuple[str, str]] = []
+    for key in keys:
+        skey = key + CT_SCALE_SUFFIX
+        ws, (sd, ss) = tuple(tensors[key][1]), tensors[skey]
+        ss = tuple(ss)
+        if qc.get("format") != "float-quantized":
+            why = f"config.json quantization_config is compressed-tensors format {str(qc.get('format'))[:40]!r}, "
+            problems.append((skey, f"{skey}: {why}not float-quantized (FP8 weights times their scale)"))
+        elif sd != "float32" or len(ws) != 2:
+            problems.append(
+                (skey, f"{skey}: {sd} {list(ss)} for weight {list(ws)}: not a float32 scale of a 2-D weight")
+            )
+        elif key + "_zero_point" in tensors:
+            problems.append(
+                (skey, f"{skey}: {key}_zero_point is stored (asymmetric), which import does not dequantize")
+            )
+        else:
+            block = _ct_block(ws, ss, schemes)
+            if block is None:
+                problems.append(
+                    (
+                        skey,
+                        f"{skey}: shape {list(ss)} fits no weight scheme of the config's config_groups for {list(ws)}",
+                    )
+                )
+                continue
+            pairs.append(QuantPair("fp8-compressed-tensors", key, skey, key, ws, ws, block))
     return pairs, problems

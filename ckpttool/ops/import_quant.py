@@ -8,6 +8,8 @@ the references, bit for bit:
   experts ``[E, out, in]`` with scales ``[E, ceil(out / B0), ceil(in / B1)]`` (transformers'
   ``FP8Experts``) the same per expert, as transformers' load-time ``Fp8Dequantize`` (and its
   ``_dequantize_fp8_weight`` in float32: with a BF16 dtype it rounds the scale to BF16 first);
+- compressed-tensors FP8 (``x.weight_scale``, block / channel / tensor as the config's weight scheme says):
+  ``float32(q) * scale``, rounded to ``--dtype``, as its decompression;
 - MXFP4: ``FP4_VALUES[nibble] * 2^(e - 127)`` (float32, exact), rounded to ``--dtype``, dims 1
   and 2 transposed, as transformers' ``convert_moe_packed_tensors`` (the gpt-oss model's layout).
 
@@ -32,7 +34,14 @@ from typing import Any
 
 from ckpttool.errors import QuantizedSourceError, UsageError
 from ckpttool.format.files import open_regular, resolve_inside
-from ckpttool.model.quantized import FP8_SCALE_SUFFIX, QuantPair, block_size, block_size_problem, find_quantized
+from ckpttool.model.quantized import (
+    FP8_SCALE_SUFFIX,
+    QuantPair,
+    block_size,
+    block_size_problem,
+    compressed_tensors_fp8,
+    find_quantized,
+)
 
 __all__ = ["DEQUANT_DTYPES", "STAGED_PREFIX", "Dequantized", "StagedFds", "plan_dequantize"]
 
@@ -89,6 +98,8 @@ def plan_dequantize(
             "(or pass a corrected `config`)",
         )
     pairs, problems = find_quantized(tensors, block_size(config))
+    ct_pairs, ct_problems = compressed_tensors_fp8(tensors, config)
+    pairs, problems = pairs + ct_pairs, problems + ct_problems
     if problems:
         key, why = problems[0]
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -290,5 +301,6 @@ def _stage_mxfp4(fds: StagedFds, plan: Dequantized, fd: int) -> None:
 _STAGERS: dict[str, Callable[[StagedFds, Dequantized, int], None]] = {
     "fp8-block": _stage_fp8,
     "fp8-experts": _stage_fp8,
+    "fp8-compressed-tensors": _stage_fp8,
     "mxfp4": _stage_mxfp4,
 }
