@@ -8,7 +8,7 @@ the references, bit for bit:
   experts ``[E, out, in]`` with scales ``[E, ceil(out / B0), ceil(in / B1)]`` (transformers'
   ``FP8Experts``) the same per expert, as transformers' load-time ``Fp8Dequantize`` (and its
   ``_dequantize_fp8_weight`` in float32: with a BF16 dtype it rounds the scale to BF16 first);
-- compressed-tensors FP8 (``x.weight_scale``, block / channel / tensor as the config's weight scheme says):
+- compressed-tensors FP8 (``x.weight_scale``, block or channel as the config's weight scheme says):
   ``float32(q) * scale``, rounded to ``--dtype``, as its decompression;
 - MXFP4: ``FP4_VALUES[nibble] * 2^(e - 127)`` (float32, exact), rounded to ``--dtype``, dims 1
   and 2 transposed, as transformers' ``convert_moe_packed_tensors`` (the gpt-oss model's layout).
