@@ -77,8 +77,9 @@ DequantDtypeOpt = Annotated[
     typer.Option(
         "--dtype",
         metavar="<bfloat16|float32>",
-        help="Dtype of dequantized weights of a quantized checkpoint (block FP8 weight_scale_inv, MXFP4 "
-        "_blocks/_scales) [default: bfloat16]. Other tensors keep their stored dtype.",
+        help="Dtype of dequantized weights of a quantized checkpoint (block FP8 weight_scale_inv, "
+        "compressed-tensors FP8 weight_scale, MXFP4 _blocks/_scales) [default: bfloat16]. Other tensors keep "
+        "their stored dtype.",
     ),
 ]
 HashOpt = Annotated[

@@ -424,9 +424,11 @@ def fp8_block_dequantize(q: np.ndarray, scale: np.ndarray, block: int) -> np.nda
 
     The product is one float32 multiplication per element, as torch's ``QuantizedHuggingFaceStorageReader``.
     A ``block`` wider than the band (a config's ``2**40``) repeats its one scale ``cols`` times, no more.
+    A product beyond float32 is infinity, as torch's (the callers refuse it).
     """
     cols = q.shape[1]
-    return np.asarray(E4M3FN_VALUES[q] * np.repeat(scale, min(block, cols))[:cols], dtype=np.float32)
+    with np.errstate(over="ignore"):
+        return np.asarray(E4M3FN_VALUES[q] * np.repeat(scale, min(block, cols))[:cols], dtype=np.float32)
 
 
 def fp8_block_error(band: np.ndarray, deq: np.ndarray, amax: np.ndarray, block: int) -> tuple[float, float]:

@@ -186,9 +186,23 @@ def _read_columns(found: _Columns, holder: list[Any]) -> CheckpointMetadata | No
     # (chunks inside their tensor and a key given twice: the kernel declines them)
     if len(ent) // 5 + len(sto) // 5 + len(chk) // 2 > limits.metadata_record_cap() or not _ranges_ok(sto):
         return None
+    if _repeated_storage_keys(sto):  # a dict key given twice (unpickled, the last wins, as torch's pickle.load)
+        return None
     strs = found.strings()
     holder.clear()  # every refusal is behind: the bytes go before the objects are built
     return _metadata(cols, strs)
+
+
+def _repeated_storage_keys(sto: memoryview) -> bool:
+    """Whether two storage records share one ``(fqn, offsets)`` key (string and tuple ids; a ``.metadata``
+    written with two entries for two empty chunks at one offset): the unpickler path reads such a stream."""
+    if len(sto) < 10:
+        return False
+    import numpy as np
+
+    cols = np.frombuffer(sto, dtype=np.int64).reshape(-1, 5)
+    keys = (cols[:, 0] << 32) | (cols[:, 1] & 0xFFFFFFFF)
+    return bool(np.unique(keys).size != keys.size)
 
 
 def _ranges_ok(sto: memoryview) -> bool:

@@ -424,8 +424,12 @@ class DCPWriter:
                 storage[_metadata_index(key, None, None)] = _storage_info(item.byte_info)
                 continue
             chunks = []
+            stored: set[tuple[int, ...]] = set()
             for i, (c, info) in enumerate(sorted(item.chunks, key=lambda ci: ci[0].offsets)):
                 chunks.append(_new("ChunkStorageMetadata", {"offsets": _size(c.offsets), "sizes": _size(c.sizes)}))
+                if c.offsets in stored and 0 in c.sizes:
+                    continue  # an empty chunk at another's offsets: one storage record per key, as torch's dict keeps
+                stored.add(tuple(c.offsets))
                 storage[_metadata_index(key, c.offsets, i)] = _storage_info(info)
             props = _new(
                 "TensorProperties",

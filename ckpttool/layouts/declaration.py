@@ -26,7 +26,13 @@ from ckpttool.errors import (
     UsageError,
 )
 from ckpttool.format import limits
-from ckpttool.layouts.geometry import EPGeometry, ep_split_candidates, infer_fsdp_dim, tensor_geometry
+from ckpttool.layouts.geometry import (
+    EPGeometry,
+    dim_intervals,
+    ep_split_candidates,
+    infer_fsdp_dim,
+    tensor_geometry,
+)
 from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_KEY, SIDECAR_NAME, EPTensorSpec, LayoutRecord, parse_layout_record
 
@@ -284,6 +290,36 @@ def detect_ep_tensors(cat: Catalog) -> dict[str, EPTensorSpec]:
     return out
 
 
+def _check_record_lists_ep_tensors(cat: Catalog, rec: LayoutRecord, where: str) -> None:
+    """A record of an EP mesh lists every fused expert tensor split on its expert dim.
+
+    Only the tensors a record lists are un-permuted or re-chunked (``export``, ``reshard``); an expert
+    tensor it leaves out would be copied in the saved order while the output claims another.
+
+    Raises:
+        LayoutError (E400): a record with ``ep_size * ep_fsdp_size > 1`` and a fused expert tensor
+            (by name, as :func:`detect_ep_tensors`) whose expert dim is split into several blocks,
+            not in its ``extra_parallel``.
+    """
+    if rec.ep_size * rec.ep_fsdp_size <= 1:
+        return
+    missing = [
+        k
+        for k, spec in detect_ep_tensors(cat).items()
+        if k not in rec.extra_parallel and len(dim_intervals(cat.model[k], spec.ep_dim)) > 1
+    ]
+    if missing:
+        more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise LayoutError(
+            f"{where}: the layout record (ep_size {rec.ep_size}, ep_fsdp_size {rec.ep_fsdp_size}) does not list "
+            f"the expert tensor {missing[0]!r} in extra_parallel{more}, whose experts are split over ranks: "
+            "their order is not known",
+            fqn=missing[0],
+            hint="list every expert tensor in the record's extra_parallel (or delete layout.json and "
+            "`ckpttool stamp` the checkpoint again)",
+        )
+
+
 def _check_declaration_against_record(decl: LayoutDeclaration, rec: LayoutRecord, where: str) -> None:
     diffs = []
     if decl.no_ep:
@@ -360,6 +396,9 @@ def resolve_layout(
         if declaration is not None:
             _check_declaration_against_record(declaration, rec, where)
         source = "embedded" if cat.has_layout_item else "sidecar"
+        _check_record_lists_ep_tensors(
+            cat, rec, f"{where}: byte item 'layout'" if source == "embedded" else str(cat.path / SIDECAR_NAME)
+        )
         ep = dict(rec.extra_parallel)
         return ResolvedLayout(
             rec.version, source, rec, rec.ep_size, rec.ep_fsdp_size, ep, declaration, model_prefix=mp, state_prefix=sp

@@ -1,6 +1,6 @@
 """Quantized weights beside their scales, found by name, dtype and shape (torch-free; readers of FP8 checkpoints).
 
-Two conventions, as the readers that load them pair the keys:
+The conventions, as the readers that load them pair the keys:
 
 - block FP8 (DeepSeek-V3; torch's ``QuantizedHuggingFaceStorageReader``, transformers'
   ``FineGrainedFP8``): ``x.weight`` ``float8_e4m3fn`` ``[out, in]`` and ``x.weight_scale_inv``
@@ -29,6 +29,8 @@ __all__ = [
     "QuantPair",
     "block_size",
     "block_size_problem",
+    "compressed_tensors_block",
+    "compressed_tensors_fp8",
     "find_quantized",
     "fused_experts",
 ]
@@ -192,4 +194,93 @@ def _pairs_2d(
                 problems.append((key, f"{key}: a float8_e4m3fn weight with no {key + FP8_SCALE_SUFFIX!r}"))
         elif key.endswith(_MX_BLOCKS) and dt == "uint8" and key[: -len(_MX_BLOCKS)] + _MX_SCALES not in tensors:
             problems.append((key, f"{key}: MXFP4 blocks with no {key[: -len(_MX_BLOCKS)] + _MX_SCALES!r}"))
+    return pairs, problems
+
+
+CT_SCALE_SUFFIX = "_scale"
+#: The column block of a per-channel (one scale per output row) weight: wider than any row.
+WHOLE_ROW = 1 << 62
+
+
+def compressed_tensors_block(config: Mapping[str, Any] | None) -> tuple[int, int] | None:
+    """The FP8 block of a compressed-tensors ``quantization_config`` (``None``: not one, or not block/channel FP8).
+
+    ``strategy`` ``block``: its ``block_structure``; ``channel``: one scale per output row (a block of
+    one row as wide as the weight, :data:`WHOLE_ROW`). Every config group must give the same one.
+    """
+    qc = (config or {}).get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        return None
+    groups = qc.get("config_groups")
+    found: set[tuple[int, int]] = set()
+    for g in groups.values() if isinstance(groups, dict) else ():
+        w = g.get("weights") if isinstance(g, dict) else None
+        if not isinstance(w, dict) or w.get("type") != "float" or w.get("num_bits") != 8:
+            return None
+        bs = w.get("block_structure")
+        if w.get("strategy") == "block" and isinstance(bs, list) and len(bs) == 2:
+            if not all(type(b) is int and b > 0 for b in bs):
+                return None
+            found.add((bs[0], bs[1]))
+        elif w.get("strategy") == "channel":
+            found.add((1, WHOLE_ROW))
+        else:
+            return None
+    return found.pop() if len(found) == 1 else None
+
+
+def compressed_tensors_fp8(
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]], config: Mapping[str, Any] | None
+) -> tuple[list[QuantPair], list[tuple[str, str]]]:
+    """compressed-tensors FP8 weights (kind ``fp8-compressed-tensors``; the module docstring) and ``(key, why)``
+    for a weight stored compressed that cannot be dequantized as the config describes.
+
+    Only under a config whose ``quantization_config.quant_method`` is ``compressed-tensors``; every
+    ``float8_e4m3fn`` ``x.weight`` with an ``x.weight_scale`` (and no ``x.weight_scale_inv``) is one: a format
+    other than ``float-quantized``, config groups that do not give one block or channel FP8 scheme
+    (:func:`compressed_tensors_block`), a scale that is not float32 of the shape that scheme gives, or an
+    ``x.weight_zero_point`` (asymmetric) is a problem (never a weight imported as its raw FP8 bytes).
+    """
+    qc = (config or {}).get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+        return [], []
+    block = compressed_tensors_block(config)
+    pairs: list[QuantPair] = []
+    problems: list[tuple[str, str]] = []
+    for key in sorted(tensors):
+        skey = key + CT_SCALE_SUFFIX
+        dt, ws = tensors[key]
+        if (
+            not key.endswith(".weight")
+            or dt != "float8_e4m3fn"
+            or skey not in tensors
+            or key + FP8_SCALE_SUFFIX in tensors
+        ):
+            continue
+        sd, ss = tensors[skey]
+        want = None if block is None or len(ws) != 2 else [-(-ws[0] // block[0]), -(-ws[1] // block[1])]
+        if qc.get("format") != "float-quantized":
+            why = f"config.json quantization_config is compressed-tensors format {str(qc.get('format'))[:40]!r}, "
+            problems.append((skey, f"{skey}: {why}not float-quantized (FP8 weights times their scale)"))
+        elif block is None:
+            problems.append(
+                (
+                    skey,
+                    f"{skey}: config.json quantization_config's config_groups give no one block or channel FP8 scheme",
+                )
+            )
+        elif key + "_zero_point" in tensors:
+            problems.append(
+                (skey, f"{skey}: {key}_zero_point is stored (asymmetric), which import does not dequantize")
+            )
+        elif sd != "float32" or list(ss) != want:
+            scheme = "channel" if block[1] == WHOLE_ROW else f"{block[0]}x{block[1]} block"
+            problems.append(
+                (
+                    skey,
+                    f"{skey}: {sd} {list(ss)}, but weight {list(ws)} with the config's {scheme} scheme needs float32 {want}",
+                )
+            )
+        else:
+            pairs.append(QuantPair("fp8-compressed-tensors", key, skey, key, tuple(ws), tuple(ws), block))
     return pairs, problems

@@ -8,6 +8,8 @@ the references, bit for bit:
   experts ``[E, out, in]`` with scales ``[E, ceil(out / B0), ceil(in / B1)]`` (transformers'
   ``FP8Experts``) the same per expert, as transformers' load-time ``Fp8Dequantize`` (and its
   ``_dequantize_fp8_weight`` in float32: with a BF16 dtype it rounds the scale to BF16 first);
+- compressed-tensors FP8 (``x.weight_scale``, block or channel as the config's weight scheme says):
+  ``float32(q) * scale``, rounded to ``--dtype``, as its decompression;
 - MXFP4: ``FP4_VALUES[nibble] * 2^(e - 127)`` (float32, exact), rounded to ``--dtype``, dims 1
   and 2 transposed, as transformers' ``convert_moe_packed_tensors`` (the gpt-oss model's layout).
 
@@ -16,7 +18,8 @@ The scales are not imported. Each dequantized tensor is staged in an anonymous i
 import's memory is bounded by the largest dequantized tensor. Refused (E612, nothing
 published): a scale that does not fit its weight (missing weight, not float32, shape other
 than ``ceil(out / B0) x ceil(in / B1)``), a NaN / infinite / negative scale, a zero scale of
-a block that is not all zero, NaN bytes in an FP8 weight, an MXFP4 exponent ``0xFF``.
+a block that is not all zero, NaN bytes in an FP8 weight, an MXFP4 exponent ``0xFF``, finite pieces
+whose product is beyond the range of ``--dtype`` (torch's reader would load infinity there).
 ``docs/import.md``, "Quantized checkpoints".
 """
 
@@ -31,7 +34,14 @@ from typing import Any
 
 from ckpttool.errors import QuantizedSourceError, UsageError
 from ckpttool.format.files import open_regular, resolve_inside
-from ckpttool.model.quantized import FP8_SCALE_SUFFIX, QuantPair, block_size, block_size_problem, find_quantized
+from ckpttool.model.quantized import (
+    FP8_SCALE_SUFFIX,
+    QuantPair,
+    block_size,
+    block_size_problem,
+    compressed_tensors_fp8,
+    find_quantized,
+)
 
 __all__ = ["DEQUANT_DTYPES", "STAGED_PREFIX", "Dequantized", "StagedFds", "plan_dequantize"]
 
@@ -88,6 +98,8 @@ def plan_dequantize(
             "(or pass a corrected `config`)",
         )
     pairs, problems = find_quantized(tensors, block_size(config))
+    ct_pairs, ct_problems = compressed_tensors_fp8(tensors, config)
+    pairs, problems = pairs + ct_pairs, problems + ct_problems
     if problems:
         key, why = problems[0]
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -173,6 +185,32 @@ def _encode(vals: Any, dtype: str) -> Any:
     return out.view(np.uint8)
 
 
+def _overflow_check(encoded: Any, dtype: str, p: QuantPair, where: str, first: int, shape: tuple[int, ...]) -> None:
+    """Refuse dequantized values that are infinite in ``dtype``: finite pieces whose product overflows it.
+
+    Args:
+        encoded: the ``uint8`` bytes :func:`_encode` made of one band (``shape``: its ``[rows, cols]``).
+        first: the band's first row in the tensor (for the message).
+
+    Raises:
+        QuantizedSourceError (E612): a value beyond the dtype's range (torch's reader gives infinity there).
+    """
+    import numpy as np
+
+    if dtype == "float32":
+        bad = np.flatnonzero((encoded.view(np.uint32) & 0x7F800000) == 0x7F800000)
+    else:
+        bad = np.flatnonzero((encoded.view(np.uint16) & 0x7F80) == 0x7F80)
+    if not bad.size:
+        return
+    r, c = divmod(int(bad[0]), shape[-1])
+    raise _bad(
+        f"{p.weight}: {bad.size} value(s) of {where}rows {first}..{first + shape[0] - 1} dequantize beyond the "
+        f"{dtype} range (infinity), e.g. row {first + r}, column {c}: a scale too large for its values",
+        p.weight,
+    )
+
+
 def read_scales(fds: StagedFds, plan: Dequantized) -> Any:
     """The whole scale tensor, checked: float32 finite and >= 0 (FP8), exponents other than ``0xFF`` (MXFP4).
 
@@ -238,8 +276,9 @@ def _stage_fp8(fds: StagedFds, plan: Dequantized, fd: int) -> None:
                     raise _bad(
                         f"{p.scale}: {where}block ({r0 // b0}, {int(j)}) has scale 0 but non-zero values", p.scale
                     )
-            vals = fp8_rows_dequantize(q, s_e, r0, p.block)
-            write_all(fd, _encode(vals, plan.dtype), (at + r0 * cols) * item)
+            vals = _encode(fp8_rows_dequantize(q, s_e, r0, p.block), plan.dtype)
+            _overflow_check(vals, plan.dtype, p, where, r0, (n, cols))
+            write_all(fd, vals, (at + r0 * cols) * item)
 
 
 def _stage_mxfp4(fds: StagedFds, plan: Dequantized, fd: int) -> None:
@@ -254,12 +293,14 @@ def _stage_mxfp4(fds: StagedFds, plan: Dequantized, fd: int) -> None:
     per = n * g * b
     for j in range(e):
         blocks = _read(fds, plan.weight_at, j * per, per).reshape(n * g, b)
-        vals = mxfp4_dequantize(blocks, exps[j]).reshape(n, g * 2 * b).T
-        write_all(fd, _encode(vals, plan.dtype), j * n * g * 2 * b * item)
+        vals = _encode(mxfp4_dequantize(blocks, exps[j]).reshape(n, g * 2 * b).T, plan.dtype)
+        _overflow_check(vals, plan.dtype, p, f"expert {j} ", 0, (g * 2 * b, n))
+        write_all(fd, vals, j * n * g * 2 * b * item)
 
 
 _STAGERS: dict[str, Callable[[StagedFds, Dequantized, int], None]] = {
     "fp8-block": _stage_fp8,
     "fp8-experts": _stage_fp8,
+    "fp8-compressed-tensors": _stage_fp8,
     "mxfp4": _stage_mxfp4,
 }

@@ -574,3 +574,43 @@ def test_without_kernels_an_owned_bytearray_is_not_read_again(monkeypatch: pytes
         finally:
             native.lib.cache_clear()
     assert got == ref and reads == [0] and buf == data
+
+
+def test_storage_key_given_twice_is_declined_to_the_unpickler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's ``Metadata`` whose ``storage_data`` dict is pickled with one ``MetadataIndex`` twice (two equal
+    objects, as a writer that lists two empty chunks at one offset writes it): the column reader raised
+    ``DuplicateKeys`` out of every command (E999); it declines it now, and the unpickler path reads what torch's
+    ``pickle.load`` does (the later record for the key)."""
+    import copy
+    import io
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckpttool.format import CheckpointReader
+
+    dcp.save({"model": {"w": torch.arange(6.0)}}, checkpoint_id=str(tmp_path), no_dist=True)
+    md = pickle.loads((tmp_path / ".metadata").read_bytes())
+
+    class Twice(dict):  # type: ignore[type-arg]
+        pass
+
+    def save_twice(self: Any, obj: Twice) -> None:
+        self.write(pickle.EMPTY_DICT)
+        self.memoize(obj)
+        items = list(obj.items())
+        self._batch_setitems(iter([*items, copy.deepcopy(items[0])]))
+
+    class Pickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+        dispatch = {**pickle._Pickler.dispatch, Twice: save_twice}  # type: ignore[attr-defined]
+
+    md.storage_data = Twice(md.storage_data)
+    buf = io.BytesIO()
+    Pickler(buf, protocol=4).dump(md)
+    data = buf.getvalue()
+    assert len(pickle.loads(data).storage_data) == 1
+    assert scan_metadata(data, ".metadata") is None
+    assert _parsed(data) == _parsed_without_kernels(data, monkeypatch)
+    (tmp_path / ".metadata").write_bytes(data)
+    with CheckpointReader(tmp_path) as r:
+        assert torch.equal(r.read_tensor("model.w"), torch.arange(6.0))

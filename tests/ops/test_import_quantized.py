@@ -364,3 +364,96 @@ def test_fused_fp8_experts_equal_transformers_load_time_dequantization(tmp_path:
         assert got.dtype == tdt and torch.equal(_bits(got), _bits(want)), name
         backward = _dequantize_fp8_weight(q.clone(), s.clone(), [16, 16], torch.float32).to(tdt)
         assert torch.equal(_bits(got), _bits(backward)), name
+
+
+@pytest.mark.parametrize(
+    ("case", "dtype"),
+    [("fp8-f32", "float32"), ("fp8-bf16", "bfloat16"), ("fp8-bf16-only", "bfloat16"), ("mxfp4", "bfloat16")],
+)
+def test_finite_pieces_whose_product_overflows_refused(tmp_path: Path, case: str, dtype: str) -> None:
+    """Finite scales whose product with the values is beyond ``--dtype`` (a scale of 3e38, an E8M0 exponent 254,
+    float32 values near 3.4e38 that round to a BF16 infinity) were imported as infinite weights, exit 0;
+    now E612 naming the weight, nothing published."""
+    q = torch.full((32, 32), 0x7E, dtype=torch.uint8)  # 448, the largest e4m3fn value
+    if case == "mxfp4":
+        t = {
+            "e.gate_up_proj_blocks": torch.full((1, 2, 1, 16), 0x77, dtype=torch.uint8),  # FP4 6.0
+            "e.gate_up_proj_scales": torch.full((1, 2, 1), 254, dtype=torch.uint8),  # 2^127
+        }
+        key, config = "e.gate_up_proj_blocks", {"model_type": "gpt_oss"}
+    else:
+        # fp8-bf16-only: 448 * (3.4e38 / 448) is finite in float32 and rounds to infinity in BF16
+        scale = 3.4e38 / 448 if case == "fp8-bf16-only" else 3e38
+        t = {"l.weight": q.view(torch.float8_e4m3fn), "l.weight_scale_inv": torch.full((2, 2), scale)}
+        key, config = "l.weight", _DS_CONFIG
+    src = _write_folder(tmp_path / "src", t, config)
+    err = _import(src, tmp_path / "dcp", "--dtype", dtype, code=2)
+    assert f"[E612] {key}:" in err and f"beyond the {dtype} range (infinity)" in err, err
+    assert "Traceback" not in err and "RuntimeWarning" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # nothing published, no leftovers
+    if case == "fp8-bf16-only":  # the same folder is finite in float32: imported, values as torch's reader
+        _import(src, tmp_path / "f32", "--dtype", "float32")
+        got = _torch_load(tmp_path / "f32")["model.l.weight"]
+        assert torch.equal(got, q.view(torch.float8_e4m3fn).float() * torch.tensor(3.4e38 / 448))
+        assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("method", ["fp8-block", "fp8-channel"])
+def test_compressed_tensors_export_imports_dequantized(fixture_root: Path, tmp_path: Path, method: str) -> None:
+    """``export --quant-format compressed-tensors`` then ``import``: the FP8 weights were imported as their raw
+    float8 bytes beside ``weight_scale`` tensors (dcp.load into a BF16 model copies them unscaled) with exit 0,
+    and ``--dtype`` warned that the checkpoint had no quantized weights. Now they are dequantized,
+    ``float32(q) * weight_scale`` bit for bit, and (block) equal to the import of the ``--quant-format fp8`` export."""
+    from safetensors import safe_open
+
+    master = cached_build(fixture_root, "export_master", hf_models.build_master)
+    base = ["export", str(master), "--quantize", method, "--quantize-block", "16"]
+    base += ["--model-assets", str(master / "model_assets")]
+    res = runner.invoke(app, [*base[:2], str(tmp_path / "ct"), *base[2:], "--quant-format", "compressed-tensors"])
+    assert res.exit_code == 0, res.stderr
+    r = _import(tmp_path / "ct", tmp_path / "dcp", "--dtype", "float32")
+    assert r["dequantized"]["kinds"] == {"fp8-compressed-tensors": 14}
+    assert not any("applies to quantized weights" in w for w in r["warnings"])
+    ours = _torch_load(tmp_path / "dcp")
+    assert not any(k.endswith("_scale") for k in ours)
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as f:
+        for name in r["dequantized"]["tensors"]:
+            q, s = f.get_tensor(name).float(), f.get_tensor(name + "_scale")
+            if method == "fp8-block":
+                s = s.repeat_interleave(16, 0)[: q.shape[0]].repeat_interleave(16, 1)[:, : q.shape[1]]
+            got = ours["model." + name]
+            assert got.dtype == torch.float32 and torch.equal(_bits(got), _bits(q * s)), name
+    if method == "fp8-block":
+        res = runner.invoke(app, [*base[:2], str(tmp_path / "fp8"), *base[2:]])
+        assert res.exit_code == 0, res.stderr
+        _import(tmp_path / "fp8", tmp_path / "dcp8", "--dtype", "float32")
+        ref = _torch_load(tmp_path / "dcp8")
+        assert set(ref) == set(ours) and all(torch.equal(_bits(ours[k]), _bits(ref[k])) for k in ref)
+
+
+def test_compressed_tensors_weights_it_cannot_dequantize_are_refused(tmp_path: Path) -> None:
+    """A compressed-tensors FP8 weight whose scale does not fit the config's scheme, or of a format other than
+    float-quantized: E612, never the raw FP8 bytes imported as the weight."""
+    q = torch.randint(0, 0x70, (32, 32), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scheme = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "block_structure": [16, 16]}
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"g": {"weights": scheme}},
+    }
+    t = {"l.weight": q, "l.weight_scale": torch.ones(2, 3)}
+    src = _write_folder(tmp_path / "src", t, {"quantization_config": qc})
+    err = _import(src, tmp_path / "dcp", code=2)
+    assert (
+        "[E612] l.weight_scale: float32 [2, 3], but weight [32, 32] with the config's 16x16 block scheme needs" in err
+    )
+    src = _write_folder(
+        tmp_path / "src2",
+        {"l.weight": q, "l.weight_scale": torch.ones(2, 2)},
+        {"quantization_config": {**qc, "format": "naive-quantized"}},
+    )
+    err = _import(src, tmp_path / "dcp", code=2)
+    assert (
+        "[E612] l.weight_scale: config.json quantization_config is compressed-tensors format 'naive-quantized'" in err
+    )
+    assert not (tmp_path / "dcp").exists()

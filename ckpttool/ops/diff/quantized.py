@@ -27,7 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.model.quantized import block_size, find_quantized
+from ckpttool.model.quantized import block_size, compressed_tensors_block, find_quantized
 
 if TYPE_CHECKING:
     from ckpttool.ops.diff.result import Item
@@ -53,37 +53,6 @@ def _side_config(side: Side) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-#: The column block of a per-channel (one scale per output row) weight: wider than any row.
-_WHOLE_ROW = 1 << 62
-
-
-def _compressed_tensors_block(config: dict[str, Any] | None) -> tuple[int, int] | None:
-    """The FP8 block of a compressed-tensors ``quantization_config`` (``None``: not one, or not block/channel FP8).
-
-    ``strategy`` ``block``: its ``block_structure``; ``channel``: one scale per output row (a block of
-    one row as wide as the weight).
-    """
-    qc = (config or {}).get("quantization_config")
-    if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
-        return None
-    groups = qc.get("config_groups")
-    found: set[tuple[int, int]] = set()
-    for g in groups.values() if isinstance(groups, dict) else ():
-        w = g.get("weights") if isinstance(g, dict) else None
-        if not isinstance(w, dict) or w.get("type") != "float" or w.get("num_bits") != 8:
-            return None
-        bs = w.get("block_structure")
-        if w.get("strategy") == "block" and isinstance(bs, list) and len(bs) == 2:
-            if not all(type(b) is int and b > 0 for b in bs):
-                return None
-            found.add((bs[0], bs[1]))
-        elif w.get("strategy") == "channel":
-            found.add((1, _WHOLE_ROW))
-        else:
-            return None
-    return found.pop() if len(found) == 1 else None
-
-
 def dequantize_items(side: Side, items: list[Item], notes: list[str] | None = None) -> tuple[list[Item], int]:
     """``items`` of ``side`` with each quantized weight replaced by its dequantized float32 value and its scale dropped.
 
@@ -97,7 +66,7 @@ def dequantize_items(side: Side, items: list[Item], notes: list[str] | None = No
         return items, 0
     config = _side_config(side)
     block = block_size(config)
-    ct_block = _compressed_tensors_block(config)
+    ct_block = compressed_tensors_block(config)
     if ct_block is not None:  # `x.weight_scale` (llm-compressor's name) plays `x.weight_scale_inv`: q * scale too
         block = ct_block
         aliases = {n + "_inv": n for n in tensors if n.endswith(".weight_scale") and n + "_inv" not in tensors}

@@ -272,11 +272,51 @@ class Cast:
             from ckpttool.engine.kernels import cast
 
             cast(src, out, s, o)
-            return
-        import torch
+        else:
+            import torch
 
-        src_t = torch.from_numpy(src).view(getattr(torch, s))
-        torch.from_numpy(out).view(getattr(torch, o)).copy_(src_t)
+            src_t = torch.from_numpy(src).view(getattr(torch, s))
+            torch.from_numpy(out).view(getattr(torch, o)).copy_(src_t)
+        if o == "float16" and s in ("float32", "bfloat16", "float64"):
+            _refuse_float16_overflow(src, out, s, where)
+
+
+#: Bit patterns of a non-finite value (infinity or NaN): exponent bits all ones.
+_NONFINITE = {"float16": (0x7C00, "uint16"), "bfloat16": (0x7F80, "uint16"), "float32": (0x7F800000, "uint32")}
+
+
+def _refuse_float16_overflow(src: np.ndarray, out: np.ndarray, src_dtype: str, where: SlabWhere) -> None:
+    """Refuse a cast to float16 that made finite values infinite (beyond +-65504; torch's ``to`` gives infinity).
+
+    Raises:
+        ExportError (E601): names the tensor, the count and the first such value.
+    """
+    import numpy as np
+
+    def nonfinite(raw: np.ndarray, dtype: str) -> Any:
+        if dtype == "float64":
+            return ~np.isfinite(raw.view(np.float64))
+        mask, bits = _NONFINITE[dtype]
+        return (raw.view(bits) & mask) == mask
+
+    bad = nonfinite(out, "float16")
+    if not bad.any():
+        return
+    bad &= ~nonfinite(src, src_dtype)  # an infinity or NaN stored as such stays one
+    hit = np.flatnonzero(bad)
+    if not hit.size:
+        return
+    from ckpttool.errors import ExportError
+
+    slab_at = int(hit[0])
+    flat = next((g + slab_at - at for at, g, n in where.ranges if at <= slab_at < at + n), None)
+    index = list(np.unravel_index(flat, where.shape)) if flat is not None and where.shape else None
+    raise ExportError(
+        f"{where.key}: {hit.size} finite {src_dtype} value(s) are beyond float16's range (+-65504) and would be "
+        f"written as infinity" + (f", e.g. at {[int(i) for i in index]}" if index is not None else ""),
+        fqn=where.key,
+        hint="export with `save_dtype` bfloat16 (float32's range) or preserve; float16 holds values up to 65504",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- streaming
@@ -419,6 +459,8 @@ def _native_move(src_dtype: str, transform: SlabTransform | None, runs: RunMap, 
     out = src_dtype if transform is None else transform.out_dtype
     if runs.rows is not None and runs.rows.row * DTYPE_ITEMSIZE[out] <= _SMALL_ROW_BYTES:
         return False  # RoPE rows: gathered per block and written at once (_write_slab)
+    if out == "float16" and src_dtype != out:
+        return False  # slab by slab: Cast refuses finite values float16 cannot hold (never written as infinity)
     return available(src_dtype, out, crc=crc)
 
 

@@ -628,6 +628,8 @@ def _plan_ep_tensor(
     index = _ChunkIndex([c for c in meta.chunks if c.numel], spec.ep_dim)
     chunks = []
     for rank, offs, sizes in _target_boxes(spec, meta.size, to_version, p2, f2):
+        if not math.prod(sizes):
+            continue  # an empty piece (torch.chunk's short tail) is not stored: several would share one storage key
         pieces = _pieces(offs, sizes, spec.ep_dim, runs, index)
         assert sum(pc.numel for pc in pieces) == math.prod(sizes), (key, offs, sizes)
         chunks.append(OutChunk(ChunkMeta(offs, sizes), rank, pieces))

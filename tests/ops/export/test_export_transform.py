@@ -59,9 +59,17 @@ def test_cast_kernels_equal_torch_bitwise(src: str, dst: str) -> None:
     cast = Cast(src, dst)
     assert cast.fast == (src != "float64")
     out = torch.empty_like(want)
-    cast(
-        x.view(torch.uint8).numpy(), out.view(torch.uint8).numpy(), SlabWhere("k", tuple(x.shape), ((0, 0, x.numel()),))
-    )
+    src_np, out_np = x.view(torch.uint8).numpy(), out.view(torch.uint8).numpy()
+    where = SlabWhere("k", tuple(x.shape), ((0, 0, x.numel()),))
+    if dst == "float16":  # the edges hold finite values beyond 65504: Cast refuses them, the kernel casts as torch
+        from ckpttool.engine.kernels import cast as kernel_cast
+        from ckpttool.errors import ExportError
+
+        with pytest.raises(ExportError, match=r"^\[E601\] k: \d+ finite \w+ value\(s\) are beyond float16's range"):
+            cast(src_np, out_np, where)
+        kernel_cast(src_np, out_np, src, dst)
+    else:
+        cast(src_np, out_np, where)
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(out), nan), "NaN stays NaN, nothing else becomes NaN"
     keep = ~nan
@@ -249,3 +257,37 @@ def test_cast_export_checks_each_record_crc(sample_ckpt: Path, tmp_path: Path) -
     assert not (tmp_path / "o").exists()
     export_checkpoint(ckpt, tmp_path / "o", ExportOptions(save_dtype="bfloat16", verify_crc=False))
     assert (tmp_path / "o" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("mover", [True, False])
+def test_float16_export_refuses_finite_values_beyond_its_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mover: bool
+) -> None:
+    """``--save-dtype float16`` of FP32 / BF16 values beyond +-65504 wrote infinity (torch's ``to``), exit 0 with a
+    generic "narrowing" note; now E601 naming the tensor and the first such element, nothing published. Values
+    stored as infinity or NaN stay what they are, and a model within range exports as before."""
+    from ckpttool.errors import ExportError
+
+    if not mover:
+        _slab_path_only(monkeypatch)
+    big = torch.zeros(64, 1024)
+    big[3, 7] = 7e4
+    ok = torch.randn(64, 1024)
+    ok[0, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    for dtype in (torch.float32, torch.bfloat16):
+        src = tmp_path / f"src-{dtype}"
+        sd = {"model": {"model.norm.weight": big.to(dtype), "model.embed_tokens.weight": ok.to(dtype)}}
+        dcp.save(sd, checkpoint_id=str(src), no_dist=True)
+        out = tmp_path / f"out-{dtype}"
+        with pytest.raises(
+            ExportError, match=r"^\[E601\] model\.model\.norm\.weight: 1 finite .* float16's range .* at \[3, 7\]"
+        ):
+            export_checkpoint(src, out, ExportOptions(save_dtype="float16"))
+        assert not out.exists()
+        del sd["model"]["model.norm.weight"]
+        src2 = tmp_path / f"src2-{dtype}"
+        dcp.save(sd, checkpoint_id=str(src2), no_dist=True)
+        export_checkpoint(src2, out, ExportOptions(save_dtype="float16"))
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            got = f.get_tensor("model.embed_tokens.weight")
+        assert torch.equal(_bits(got), _bits(ok.to(dtype).to(torch.float16)))

@@ -658,3 +658,28 @@ def test_a_source_moved_away_mid_run_is_named_not_an_internal_error(
     assert lines[0].startswith(f"error: [E300] {src}: cannot list the checkpoint's files"), res.stderr
     assert len(lines) == 2 and lines[1].startswith("hint: "), res.stderr
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["moved"]
+
+
+def test_target_sizes_with_empty_pieces_write_one_storage_record_per_key(ep_suite: Path, tmp_path: Path) -> None:
+    """--target-ep-size 2 --target-ep-fsdp-size 3 over 8 experts: each EP group's 4 experts chunk as [2, 2, 0], so two
+    empty pieces lie at one offset. Both were written as storage records of one key; every ckpttool command then
+    failed on the output with E999 (DuplicateKeys). One record per key now, as torch's storage dict holds; the output
+    reads through the column reader, validates strictly and holds the true experts."""
+    from ckpttool.format.mdscan import scan_metadata
+
+    out = tmp_path / "out"
+    res = cli(ep_suite / "legacy", out, "--to", "canonical", "--with-optimizer", *DECL)
+    res = cli(
+        ep_suite / "legacy", out, "--to", "canonical", "--with-optimizer", *DECL,
+        "--target-ep-size", "2", "--target-ep-fsdp-size", "3", "--overwrite",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.stderr
+    assert scan_metadata((out / ".metadata").read_bytes(), ".metadata") is not None
+    for cmd in (["inspect", str(out)], ["validate", "--strict", str(out)]):
+        r = runner.invoke(app, cmd)
+        assert r.exit_code == 0, (cmd, r.stdout, r.stderr)
+    truth = true_state(8)
+    with CheckpointReader(out) as r:
+        for key, t in truth.items():
+            if key.startswith("model.") and is_ep(key):
+                assert torch.equal(_bits(r.read_tensor(key)), _bits(t)), key

@@ -218,3 +218,39 @@ def test_stamp_refuses_sizes_the_writing_ranks_cannot_confirm(tmp_path: Path) ->
     assert res.stdout.startswith(
         f"wrote {ck / 'layout.json'}: layout version 2 (canonical), ep_size 1, ep_fsdp_size 1, 2 EP tensors"
     )
+
+
+@pytest.mark.parametrize("listed", [["model.model.layers.0.mlp.experts.gate_up_proj"], None])
+def test_a_record_that_leaves_out_split_expert_tensors_is_refused(
+    legacy_copy: Path, tmp_path: Path, listed: list[str] | None
+) -> None:
+    """A layout.json of the saving mesh (legacy, 2x2) listing one expert tensor (or none: no extra_parallel):
+    reshard --to canonical un-permuted only the listed ones and copied the other expert tensors block-transposed
+    under a canonical record, and export wrote them so to HF, both exit 0. Now E400 naming the first left out,
+    nothing written; stamping the full record after deleting layout.json reshards to the true experts."""
+    rec: dict[str, object] = {"format": "ckpttool.layout", "version": 1, "parallel": {"ep_size": 2, "ep_fsdp_size": 2}}
+    if listed is not None:
+        rec["extra_parallel"] = {k: {"ep_dim": 0, "fsdp_dim": 0, "num_experts": 8} for k in listed}
+    (legacy_copy / "layout.json").write_text(json.dumps(rec))
+    first = "model.model.layers.0.mlp.experts.down_proj" if listed else "model.model.layers.0.mlp.experts.gate_up_proj"
+    for cmd in (
+        ["reshard", str(legacy_copy), str(tmp_path / "out"), "--to", "canonical", "--with-optimizer"],
+        ["export", str(legacy_copy), str(tmp_path / "out")],
+    ):
+        res = runner.invoke(app, cmd)
+        assert res.exit_code == 2, (cmd, res.stdout, res.stderr)
+        assert res.stderr.startswith(f"error: [E400] {legacy_copy / 'layout.json'}: the layout record"), res.stderr
+        assert f"does not list the expert tensor {first!r}" in res.stderr and "Traceback" not in res.stderr
+        assert not (tmp_path / "out").exists()
+    (legacy_copy / "layout.json").unlink()
+    assert runner.invoke(app, ["stamp", str(legacy_copy), *LEGACY]).exit_code == 0
+    res = runner.invoke(
+        app, ["reshard", str(legacy_copy), str(tmp_path / "out"), "--to", "canonical", "--with-optimizer"]
+    )
+    assert res.exit_code == 0, res.stderr
+    truth = true_state(8)
+    with CheckpointReader(tmp_path / "out") as r:
+        for n in range(2):
+            for w in ("gate_up_proj", "down_proj"):
+                key = f"model.model.layers.{n}.mlp.experts.{w}"
+                assert torch.equal(r.read_tensor(key), truth[key]), key
