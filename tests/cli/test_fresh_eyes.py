@@ -82,3 +82,31 @@ def test_inspect_names_the_param_group_items_once_and_the_rest_as_other(sample_c
     lines = [ln.rstrip() for ln in res.stdout.splitlines()]
     assert "byte items  13 param-group items (17.4 KiB)" in lines
     assert "other byte items" in lines and "byte items" not in lines  # no second heading of the same name
+
+
+@pytest.mark.parametrize("name", ["", *COMMANDS])
+@pytest.mark.parametrize("columns", ["40", "60", "80"])
+def test_help_never_splits_a_word(name: str, columns: str) -> None:
+    """Option descriptions wrap at spaces: ``docs/ex`` / ``port.md``, ``app-`` / ``state`` (a choice name),
+    ``--source-`` / ``layout`` and ``CK`` / ``PTTOOL_CACHE_DIR`` were split at 60 or 80 columns. A word longer
+    than the column is split after a ``.``, ``/``, ``(``, ``=`` or ``_`` only (``torch.load(`` /
+    ``weights_only=False)``)."""
+    args = [name, "--help"] if name else ["--help"]
+    words = re.compile(r"[^\s,|<>]+")  # a choice list folded at a narrow width reads `SCHEMA ... One of: a, b.`
+    narrow = words.findall(runner.invoke(app, args, env={"COLUMNS": columns}).stdout)
+    wide = set(words.findall(runner.invoke(app, args, env={"COLUMNS": "400"}).stdout))
+    i, split = 0, []
+    while i < len(narrow):
+        w, j = narrow[i], i + 1
+        if w in wide or w.rstrip(".") in wide or w.isupper() or w in ("One", "of:"):
+            i = j
+            continue
+        joined = w  # a long word split after punctuation: its pieces join to a word of the wide help
+        while j < len(narrow) and joined not in wide and joined[-1] in "./(=_":
+            joined, j = joined + narrow[j], j + 1
+        if joined in wide or joined.rstrip(".") in wide:
+            i = j
+            continue
+        split.append(w)
+        i += 1
+    assert split == []
