@@ -627,7 +627,12 @@ def compose_pair(
     """
     a, b = model_dir.resolve(), optim_dir.resolve()
     if a == b:
-        raise UsageError(f"`optimizer_dir` {optim_dir} is the model checkpoint itself", param="optimizer_dir")
+        raise UsageError(
+            f"`optimizer_dir` {optim_dir} is the model checkpoint itself",
+            param="optimizer_dir",
+            hint="`optimizer_dir` names a separate optimizer checkpoint (e.g. checkpoint-N/optimizer_0); "
+            "leave it out when the checkpoint holds its optimizer state",
+        )
     root = Path(os.path.commonpath([a, b]))
     pa, pb = str(a.relative_to(root)), str(b.relative_to(root))
     if pa in (".", "") or pb in (".", ""):

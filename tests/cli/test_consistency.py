@@ -224,3 +224,13 @@ def test_cli_md_lists_every_schema_and_every_command_that_takes_a_url() -> None:
     assert remote is not None
     takes_urls = [n for n in COMMANDS if "--storage-option" in runner.invoke(app, [n, "--help"], env=WIDE).stdout]
     assert sorted(re.findall(r"`([^`]+)`", remote.group(1))) == sorted(takes_urls)
+
+
+def test_optimizer_dir_that_is_the_checkpoint_itself_says_what_to_do(sample_ckpt: Path) -> None:
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--optimizer-dir", str(sample_ckpt)])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [
+        f"error: [E100] --optimizer-dir {sample_ckpt} is the model checkpoint itself",
+        "hint: --optimizer-dir names a separate optimizer checkpoint (e.g. checkpoint-N/optimizer_0); "
+        "leave it out when the checkpoint holds its optimizer state",
+    ]
