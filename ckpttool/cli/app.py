@@ -230,6 +230,7 @@ def _global_options() -> list[Any]:
             "-v",
             "--verbose",
             count=True,
+            type=int,  # not click's IntRange(min=0): Typer's help would show it as "[x>=0]"
             default=0,
             callback=_set_verbose,
             help="Log decisions (schema, layout, dtype casts) and per-file timings to stderr; -vv: everything.",

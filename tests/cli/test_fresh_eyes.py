@@ -110,3 +110,12 @@ def test_help_never_splits_a_word(name: str, columns: str) -> None:
         split.append(w)
         i += 1
     assert split == []
+
+
+def test_verbose_help_shows_no_range_and_still_counts(sample_ckpt: Path) -> None:
+    """``-v, --verbose ... -vv: everything.  [x>=0]``: Typer showed the count's range, which says nothing."""
+    for args in (["--help"], ["inspect", "--help"]):
+        assert "[x>=0]" not in runner.invoke(app, args, env={"COLUMNS": "100"}).stdout
+    one = runner.invoke(app, ["-v", "validate", str(sample_ckpt)]).stderr
+    two = runner.invoke(app, ["validate", str(sample_ckpt), "-vv"]).stderr
+    assert "info: [" in one and "debug: [" not in one and "debug: [" in two
