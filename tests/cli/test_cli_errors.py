@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -120,6 +121,18 @@ def test_incomplete_save(tmp_path: Path, dense_ckpt: Path) -> None:
     ck = shutil.copytree(dense_ckpt, tmp_path / "ck")
     (ck / ".metadata").unlink()
     assert_clean_failure(inspect(ck), "E202", "incomplete save")
+
+
+def test_validate_of_an_incomplete_save_names_its_directory_once(tmp_path: Path, dense_ckpt: Path) -> None:
+    """validate printed ``error: [E202] CK/.metadata: CK: has .distcp data files ...``: the path twice, the
+    first of a file that does not exist; the finding's key is the directory, and the lines are inspect's."""
+    ck = shutil.copytree(dense_ckpt, tmp_path / "ck")
+    (ck / ".metadata").unlink()
+    res = runner.invoke(app, ["validate", str(ck)])
+    assert res.exit_code == 2 and res.stderr == runner.invoke(app, ["inspect", str(ck)]).stderr
+    assert res.stderr.startswith(f"error: [E202] {ck}: has .distcp data files but no .metadata (incomplete save)\n")
+    doc = json.loads(runner.invoke(app, ["validate", str(ck), "--json"]).stdout)
+    assert [(f["code"], f["key"]) for f in doc["findings"]] == [("S001", str(ck))]
 
 
 @pytest.mark.parametrize(
