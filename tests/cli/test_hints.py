@@ -178,3 +178,22 @@ def test_every_printed_flag_exists_on_the_command(scenarios: list[tuple[str, lis
                 problems.append(f"{argv}: {line}")
     assert not problems, "\n".join(problems)
     assert seen > 10  # the scenarios do print flags
+
+
+def test_lora_export_options_of_the_hf_format_say_what_to_do(sample_ckpt: Path, tmp_path: Path) -> None:
+    """``--format lora`` with ``--experts per-expert`` or a model adapter was refused with the generic
+    ``run the command with --help``."""
+    for extra, hint in (
+        (
+            ["--experts", "per-expert"],
+            "hint: a LoRA adapter has no expert tensors to split: leave --experts out, or export with --format hf",
+        ),
+        (
+            ["--adapter", "torchtitan-llama3"],
+            "hint: a LoRA adapter keeps PEFT's names: leave --adapter out, or export with --format hf",
+        ),
+    ):
+        res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "out"), "--format", "lora", *extra])
+        assert res.exit_code == 2 and res.stdout == "" and res.stderr.splitlines()[1] == hint, res.stderr
+        assert res.stderr.startswith(f"error: [E100] {extra[0]} {extra[1]} applies to the hf format only\n")
+    assert not (tmp_path / "out").exists()
