@@ -53,6 +53,22 @@ def test_not_a_directory(tmp_path: Path) -> None:
     assert_clean_failure(inspect(tmp_path / "nope"), "E100", "no such directory")
 
 
+def test_a_torch_save_file_is_not_sent_to_its_directory(tmp_path: Path, dense_ckpt: Path) -> None:
+    """``inspect model.pt`` hinted ``pass the checkpoint directory ..., not a file in it: DIR`` for a DIR that
+    holds no checkpoint; only a file inside a checkpoint (here a data file) names its directory."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "model.pt")
+    res = inspect(tmp_path / "model.pt")
+    assert res.exit_code == 2 and res.stderr.splitlines() == [
+        f"error: [E100] {tmp_path / 'model.pt'} is not a directory",
+        f"hint: pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files; {tmp_path} "
+        "holds none): a single torch.save file (.pt, .bin) is not a distributed checkpoint",
+    ]
+    res = inspect(dense_ckpt / "__0_0.distcp")
+    assert res.stderr.splitlines()[1] == (
+        f"hint: pass the checkpoint directory (the one holding .metadata), not a file in it: {dense_ckpt}"
+    )
+
+
 def test_missing_path_hint_names_the_close_directory(tmp_path: Path) -> None:
     """A typo'd path: the hint names the directory it most likely meant (the rest of the path kept), a file
     given in place of the directory names that directory, and a path with nothing close lists what is there."""
