@@ -119,3 +119,30 @@ def test_verbose_help_shows_no_range_and_still_counts(sample_ckpt: Path) -> None
     one = runner.invoke(app, ["-v", "validate", str(sample_ckpt)]).stderr
     two = runner.invoke(app, ["validate", str(sample_ckpt), "-vv"]).stderr
     assert "info: [" in one and "debug: [" not in one and "debug: [" in two
+
+
+def test_replay_step_help_names_every_cause_of_exit_1(tmp_path: Path) -> None:
+    """The help said ``1: a mismatch beyond tolerance``; a zeroed exp_avg_sq that matches the reference
+    exits 1 too (an update beyond its bound, R003), as docs/replay.md says."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    text = " ".join(runner.invoke(app, ["replay-step", "--help"], env={"COLUMNS": "100"}).stdout.split())
+    assert "1: a mismatch beyond tolerance, an update beyond its bound (R003) or a stepped parameter" in text
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    osd["state"]["weight"]["exp_avg_sq"].zero_()
+    with warnings.catch_warnings():  # torch: no process group, saving in one process
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    res = runner.invoke(app, ["replay-step", str(tmp_path / "ck")])
+    assert res.exit_code == 1 and "update size [R003]" in res.stderr
