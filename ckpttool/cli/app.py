@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import sys
+import textwrap
 from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any
 
@@ -79,6 +80,57 @@ _CLICK_USAGE_ERROR = next(
 _CLICK_EXCEPTION = next(
     c for c in typer.BadParameter.__mro__ if issubclass(c, typer.TyperException) and c.__name__ == "ClickException"
 )
+
+
+class _HelpWrapper(textwrap.TextWrapper):
+    """Wraps at spaces; a word longer than the whole column (``torch.load(weights_only=False)`` at 60
+    columns) is split after a ``.``, ``/``, ``(`` or ``=`` (else after a ``_``), never inside a name; one
+    with no such place runs past the column."""
+
+    def _handle_long_word(self, reversed_chunks: list[str], cur_line: list[str], cur_len: int, width: int) -> None:
+        chunk = reversed_chunks[-1]
+        room = max(width - cur_len, 1)
+        cut = max(chunk.rfind(c, 0, room) for c in "./(=") + 1 or chunk.rfind("_", 0, room) + 1
+        if cut > 0:
+            cur_line.append(chunk[:cut])
+            reversed_chunks[-1] = chunk[cut:]
+        elif not cur_line:
+            cur_line.append(reversed_chunks.pop())
+
+
+class _HelpFormatter(typer.Context.formatter_class):  # type: ignore[misc,valid-type]
+    """Help whose option descriptions never split a flag, path or choice name (``--source-layout``,
+    ``torch-checkpointing``, ``docs/export.md``) inside a word, as click's wrapping does (at hyphens, and
+    mid-word where a word does not fit): see :class:`_HelpWrapper`."""
+
+    def write_dl(self, rows: Any, col_max: int = 30, col_spacing: int = 2) -> None:
+        rows = list(rows)
+        first_col = min(max((len(first) for first, _ in rows), default=0), col_max) + col_spacing
+        for first, second in rows:
+            self.write(f"{'':>{self.current_indent}}{first}")
+            if not second:
+                self.write("\n")
+                continue
+            if len(first) <= first_col - col_spacing:
+                self.write(" " * (first_col - len(first)))
+            else:
+                self.write("\n" + " " * (first_col + self.current_indent))
+            width = max(self.width - first_col - 2, 10)
+            lines = [
+                line
+                for paragraph in second.split("\n\n")
+                for line in _HelpWrapper(width, replace_whitespace=False, break_on_hyphens=False).wrap(
+                    " ".join(paragraph.splitlines())
+                )
+            ] or [""]
+            self.write(f"{lines[0]}\n")
+            for line in lines[1:]:
+                self.write(f"{'':>{first_col + self.current_indent}}{line}\n")
+
+
+class _Context(typer.Context):
+    formatter_class = _HelpFormatter
+
 
 _COLORS = ("auto", "always", "never")
 
@@ -178,6 +230,7 @@ def _global_options() -> list[Any]:
             "-v",
             "--verbose",
             count=True,
+            type=int,  # not click's IntRange(min=0): Typer's help would show it as "[x>=0]"
             default=0,
             callback=_set_verbose,
             help="Log decisions (schema, layout, dtype casts) and per-file timings to stderr; -vv: everything.",
@@ -462,6 +515,7 @@ def _load_command(name: str) -> Any:
     module = importlib.import_module(f"ckpttool.commands.{_MODULE_OF.get(name, stem)}")
     info = CommandInfo(name=name, callback=getattr(module, f"{stem}_command"), epilog=module.EPILOG)
     cmd = get_command_from_info(info, pretty_exceptions_short=app.pretty_exceptions_short, rich_markup_mode=None)
+    cmd.context_class = _Context
     cmd.params.extend(_global_options())
     if _takes_urls(cmd):
         cmd.params.extend(_remote_options())
@@ -520,6 +574,8 @@ class CkptGroup(TyperGroup):
     Bare ``ckpttool`` prints the help and exits 0. Every command gets the global options.
     Commands load lazily (:class:`_LazyCommands`): the root ``--help`` lists :data:`SUMMARIES`.
     """
+
+    context_class = _Context
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -167,7 +167,8 @@ def replay_step_command(
 ) -> None:
     """Replay the next optimizer step from the saved state on --device and compare with an independent reference.
 
-    Exit 0: every parameter matches; 1: a mismatch beyond tolerance; 2: unusable input.
+    Exit 0: every parameter matches with a sane update; 1: a mismatch beyond tolerance, an update beyond its
+    bound (R003) or a stepped parameter that could not be replayed; 2: unusable input.
     """
     from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import replay_mismatch, run_replay

@@ -450,6 +450,13 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
             hint="pass the optimizer folder that dcp.save wrote (e.g. checkpoint-N/optimizer_0)",
         )
     _refuse_marked(root)
+    if root.is_file() and not is_checkpoint_dir(root.parent):  # (a file inside a checkpoint: the reader names it)
+        raise UsageError(
+            f"{root} is not a directory",
+            path=root,
+            hint=f"pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files; {root.parent} "
+            "holds none): a single torch.save file (.pt, .bin) is not a distributed checkpoint",
+        )
     if not root.is_dir() or is_checkpoint_dir(root):
         if sel.step is not None and root.is_dir():
             raise UsageError(
@@ -657,7 +664,12 @@ def compose_pair(
     """
     a, b = model_dir.resolve(), optim_dir.resolve()
     if a == b:
-        raise UsageError(f"`optimizer_dir` {optim_dir} is the model checkpoint itself", param="optimizer_dir")
+        raise UsageError(
+            f"`optimizer_dir` {optim_dir} is the model checkpoint itself",
+            param="optimizer_dir",
+            hint="`optimizer_dir` names a separate optimizer checkpoint (e.g. checkpoint-N/optimizer_0); "
+            "leave it out when the checkpoint holds its optimizer state",
+        )
     root = Path(os.path.commonpath([a, b]))
     pa, pb = str(a.relative_to(root)), str(b.relative_to(root))
     if pa in (".", "") or pb in (".", ""):

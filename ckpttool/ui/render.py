@@ -535,15 +535,16 @@ class Col:
 
 
 def _dot_offsets(line: str, width: int) -> list[int]:
-    """Where to break ``line`` (a key) to lines of at most ``width`` cells: after a ``.``, else (a longer
-    component) every ``width`` characters."""
+    """Where to break ``line`` (a key) to lines of at most ``width`` cells: after a ``.``; a component longer
+    than ``width`` (``post_attention_layernorm.`` at 40 columns) after its last ``_`` or ``/`` that fits, and
+    only one without either every ``width`` characters."""
     offsets, col, pos = [], 0, 0
     for piece in re.findall(r"[^.]*\.|[^.]+", line):
         if col and col + len(piece) > width:
             offsets.append(pos)
             col = 0
         while col + len(piece) > width:
-            cut = width - col
+            cut = max(piece.rfind("_", 0, width - col), piece.rfind("/", 0, width - col)) + 1 or width - col
             pos, piece, col = pos + cut, piece[cut:], 0
             offsets.append(pos)
         pos += len(piece)

@@ -126,3 +126,23 @@ def test_no_progress_before_or_after_the_command(sample_ckpt: Path) -> None:
         assert rc == 0, out
         assert "validate --deep" not in out and "OK: 0 errors" in ANSI.sub("", out)
     assert "--no-progress" in runner.invoke(app, ["rules", "--help"]).stdout
+
+
+def test_a_key_component_wider_than_the_column_folds_after_an_underscore(sample_ckpt: Path) -> None:
+    """At 40 columns the key column is 16 wide and ``post_attention_layernorm.`` is 25: it was cut
+    mid-word (``post_attention_l`` / ``ayernorm.weight``); it folds after its last ``_`` that fits."""
+    out = runner.invoke(app, ["inspect", str(sample_ckpt)], env=_env(40)).stdout
+    doc = json.loads(runner.invoke(app, ["inspect", str(sample_ckpt), "--json"]).stdout)
+    _, rows = tables(out)["model tensors"]
+    keys, current = [], ""
+    for row in rows:
+        if row[1]:
+            keys.append(current)
+            current = row[0]
+        else:
+            assert current[-1] in "._", (current, row[0])  # folded after a dot or an underscore
+            current += row[0]
+    assert keys[1:] + [current] == [m["key"] for m in doc["model"]]
+    assert "post_attention_" in [r[0] for r in rows]
+    rules = runner.invoke(app, ["rules"], env=_env(40)).stdout
+    assert "(get_optimizer_" in rules.replace("│", " ").split()  # prose: a long identifier folds the same way

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -50,6 +51,22 @@ def test_not_a_directory(tmp_path: Path) -> None:
     f.write_bytes(b"x")
     assert_clean_failure(inspect(f), "E100", "not a directory")
     assert_clean_failure(inspect(tmp_path / "nope"), "E100", "no such directory")
+
+
+def test_a_torch_save_file_is_not_sent_to_its_directory(tmp_path: Path, dense_ckpt: Path) -> None:
+    """``inspect model.pt`` hinted ``pass the checkpoint directory ..., not a file in it: DIR`` for a DIR that
+    holds no checkpoint; only a file inside a checkpoint (here a data file) names its directory."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "model.pt")
+    res = inspect(tmp_path / "model.pt")
+    assert res.exit_code == 2 and res.stderr.splitlines() == [
+        f"error: [E100] {tmp_path / 'model.pt'} is not a directory",
+        f"hint: pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files; {tmp_path} "
+        "holds none): a single torch.save file (.pt, .bin) is not a distributed checkpoint",
+    ]
+    res = inspect(dense_ckpt / "__0_0.distcp")
+    assert res.stderr.splitlines()[1] == (
+        f"hint: pass the checkpoint directory (the one holding .metadata), not a file in it: {dense_ckpt}"
+    )
 
 
 def test_missing_path_hint_names_the_close_directory(tmp_path: Path) -> None:
@@ -120,6 +137,18 @@ def test_incomplete_save(tmp_path: Path, dense_ckpt: Path) -> None:
     ck = shutil.copytree(dense_ckpt, tmp_path / "ck")
     (ck / ".metadata").unlink()
     assert_clean_failure(inspect(ck), "E202", "incomplete save")
+
+
+def test_validate_of_an_incomplete_save_names_its_directory_once(tmp_path: Path, dense_ckpt: Path) -> None:
+    """validate printed ``error: [E202] CK/.metadata: CK: has .distcp data files ...``: the path twice, the
+    first of a file that does not exist; the finding's key is the directory, and the lines are inspect's."""
+    ck = shutil.copytree(dense_ckpt, tmp_path / "ck")
+    (ck / ".metadata").unlink()
+    res = runner.invoke(app, ["validate", str(ck)])
+    assert res.exit_code == 2 and res.stderr == runner.invoke(app, ["inspect", str(ck)]).stderr
+    assert res.stderr.startswith(f"error: [E202] {ck}: has .distcp data files but no .metadata (incomplete save)\n")
+    doc = json.loads(runner.invoke(app, ["validate", str(ck), "--json"]).stdout)
+    assert [(f["code"], f["key"]) for f in doc["findings"]] == [("S001", str(ck))]
 
 
 @pytest.mark.parametrize(

@@ -212,3 +212,25 @@ def test_verbose_never_prints_none(titan_like: Path, sample_ckpt: Path) -> None:
     assert not re.search(r"\bNone\b", res.stderr + res.stdout)
     res = runner.invoke(app, ["inspect", str(sample_ckpt), "-v"])
     assert "(ep_size 1, ep_fsdp_size 1)" in res.stderr and not re.search(r"\bNone\b", res.stderr)
+
+
+def test_cli_md_lists_every_schema_and_every_command_that_takes_a_url() -> None:
+    from ckpttool.commands.schema import SCHEMA_NAMES
+
+    text = " ".join((Path(__file__).parents[2] / "docs" / "cli.md").read_text().split())
+    listed = re.search(r"JSON Schema of a `--json` document \(([^)]*)\)", text)
+    assert listed is not None and sorted(re.findall(r"`([^`]+)`", listed.group(1))) == sorted(SCHEMA_NAMES)
+    remote = re.search(r"on the commands that take a URL \(([^)]*)\)", text)
+    assert remote is not None
+    takes_urls = [n for n in COMMANDS if "--storage-option" in runner.invoke(app, [n, "--help"], env=WIDE).stdout]
+    assert sorted(re.findall(r"`([^`]+)`", remote.group(1))) == sorted(takes_urls)
+
+
+def test_optimizer_dir_that_is_the_checkpoint_itself_says_what_to_do(sample_ckpt: Path) -> None:
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--optimizer-dir", str(sample_ckpt)])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [
+        f"error: [E100] --optimizer-dir {sample_ckpt} is the model checkpoint itself",
+        "hint: --optimizer-dir names a separate optimizer checkpoint (e.g. checkpoint-N/optimizer_0); "
+        "leave it out when the checkpoint holds its optimizer state",
+    ]

@@ -82,3 +82,67 @@ def test_inspect_names_the_param_group_items_once_and_the_rest_as_other(sample_c
     lines = [ln.rstrip() for ln in res.stdout.splitlines()]
     assert "byte items  13 param-group items (17.4 KiB)" in lines
     assert "other byte items" in lines and "byte items" not in lines  # no second heading of the same name
+
+
+@pytest.mark.parametrize("name", ["", *COMMANDS])
+@pytest.mark.parametrize("columns", ["40", "60", "80"])
+def test_help_never_splits_a_word(name: str, columns: str) -> None:
+    """Option descriptions wrap at spaces: ``docs/ex`` / ``port.md``, ``app-`` / ``state`` (a choice name),
+    ``--source-`` / ``layout`` and ``CK`` / ``PTTOOL_CACHE_DIR`` were split at 60 or 80 columns. A word longer
+    than the column is split after a ``.``, ``/``, ``(``, ``=`` or ``_`` only (``torch.load(`` /
+    ``weights_only=False)``)."""
+    args = [name, "--help"] if name else ["--help"]
+    words = re.compile(r"[^\s,|<>]+")  # a choice list folded at a narrow width reads `SCHEMA ... One of: a, b.`
+    narrow = words.findall(runner.invoke(app, args, env={"COLUMNS": columns}).stdout)
+    wide = set(words.findall(runner.invoke(app, args, env={"COLUMNS": "400"}).stdout))
+    i, split = 0, []
+    while i < len(narrow):
+        w, j = narrow[i], i + 1
+        if w in wide or w.rstrip(".") in wide or w.isupper() or w in ("One", "of:"):
+            i = j
+            continue
+        joined = w  # a long word split after punctuation: its pieces join to a word of the wide help
+        while j < len(narrow) and joined not in wide and joined[-1] in "./(=_":
+            joined, j = joined + narrow[j], j + 1
+        if joined in wide or joined.rstrip(".") in wide:
+            i = j
+            continue
+        split.append(w)
+        i += 1
+    assert split == []
+
+
+def test_verbose_help_shows_no_range_and_still_counts(sample_ckpt: Path) -> None:
+    """``-v, --verbose ... -vv: everything.  [x>=0]``: Typer showed the count's range, which says nothing."""
+    for args in (["--help"], ["inspect", "--help"]):
+        assert "[x>=0]" not in runner.invoke(app, args, env={"COLUMNS": "100"}).stdout
+    one = runner.invoke(app, ["-v", "validate", str(sample_ckpt)]).stderr
+    two = runner.invoke(app, ["validate", str(sample_ckpt), "-vv"]).stderr
+    assert "info: [" in one and "debug: [" not in one and "debug: [" in two
+
+
+def test_replay_step_help_names_every_cause_of_exit_1(tmp_path: Path) -> None:
+    """The help said ``1: a mismatch beyond tolerance``; a zeroed exp_avg_sq that matches the reference
+    exits 1 too (an update beyond its bound, R003), as docs/replay.md says."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    text = " ".join(runner.invoke(app, ["replay-step", "--help"], env={"COLUMNS": "100"}).stdout.split())
+    assert "1: a mismatch beyond tolerance, an update beyond its bound (R003) or a stepped parameter" in text
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    osd["state"]["weight"]["exp_avg_sq"].zero_()
+    with warnings.catch_warnings():  # torch: no process group, saving in one process
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    res = runner.invoke(app, ["replay-step", str(tmp_path / "ck")])
+    assert res.exit_code == 1 and "update size [R003]" in res.stderr

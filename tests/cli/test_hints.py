@@ -178,3 +178,35 @@ def test_every_printed_flag_exists_on_the_command(scenarios: list[tuple[str, lis
                 problems.append(f"{argv}: {line}")
     assert not problems, "\n".join(problems)
     assert seen > 10  # the scenarios do print flags
+
+
+def test_lora_export_options_of_the_hf_format_say_what_to_do(sample_ckpt: Path, tmp_path: Path) -> None:
+    """``--format lora`` with ``--experts per-expert`` or a model adapter was refused with the generic
+    ``run the command with --help``."""
+    for extra, hint in (
+        (
+            ["--experts", "per-expert"],
+            "hint: a LoRA adapter has no expert tensors to split: leave --experts out, or export with --format hf",
+        ),
+        (
+            ["--adapter", "torchtitan-llama3"],
+            "hint: a LoRA adapter keeps PEFT's names: leave --adapter out, or export with --format hf",
+        ),
+    ):
+        res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "out"), "--format", "lora", *extra])
+        assert res.exit_code == 2 and res.stdout == "" and res.stderr.splitlines()[1] == hint, res.stderr
+        assert res.stderr.startswith(f"error: [E100] {extra[0]} {extra[1]} applies to the hf format only\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_lora_settings_without_a_lora_format_are_refused_not_ignored(sample_ckpt: Path, tmp_path: Path) -> None:
+    """``export --lora-alpha 16`` (no ``--format lora``) wrote a plain HF export and said nothing."""
+    for extra in (["--lora-alpha", "16"], ["--format", "hf", "--adapter-config", str(tmp_path / "a.json")]):
+        res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "out"), *extra])
+        flag = next(a for a in extra if a in ("--lora-alpha", "--adapter-config"))
+        assert res.exit_code == 2 and res.stdout == ""
+        assert res.stderr.splitlines() == [
+            f"error: [E100] {flag} is given with --format hf, which writes no LoRA adapter: it would be ignored",
+            f"hint: use --format lora (a PEFT adapter) or hf-merged (the LoRA merged into the weights), or drop {flag}",
+        ]
+    assert not (tmp_path / "out").exists()

@@ -732,6 +732,15 @@ def _check_options(opts: ExportOptions) -> None:
                 param=given[0],
                 hint=f"add `quantize` fp8-block (or fp8-channel) for FP8 weights, or drop `{given[0]}`",
             )
+    if not out_format.reads_adapter_config:  # a LoRA setting alone would be ignored: a plain export, silently
+        lora = [name for name in ("lora_alpha", "adapter_config") if getattr(opts, name) is not None]
+        if lora:
+            raise UsageError(
+                f"`{lora[0]}` is given with `fmt` {opts.fmt}, which writes no LoRA adapter: it would be ignored",
+                param=lora[0],
+                hint=f"use `fmt` lora (a PEFT adapter) or hf-merged (the LoRA merged into the weights), "
+                f"or drop `{lora[0]}`",
+            )
     if opts.experts not in ("fused", "per-expert"):
         raise UsageError(f"`experts` {opts.experts!r} is not one of fused, per-expert", param="experts")
     if opts.workers is not None and opts.workers < 1:

@@ -157,6 +157,14 @@ def _float(value: Any, what: str, fqn: str) -> float:
 def _hyper(group: Any, fqn: str, group_id: int | str) -> Hyper:
     values = group.values
     missing = [h for h in ("lr", "betas", "eps", "weight_decay") if h not in values]
+    if "betas" in missing:  # every Adam-family group saves betas: this one was saved by another optimizer
+        raise HyperparameterError(
+            f"param group of {fqn} has no betas (keys {', '.join(sorted(group.keys))}): it is not an Adam/AdamW "
+            "group (an SGD group has momentum, dampening, nesterov)",
+            fqn=fqn,
+            hint="replay-step replays AdamW steps only; `ckpttool validate` and `ckpttool inspect` read checkpoints "
+            "of any optimizer",
+        )
     if missing:
         raise HyperparameterError(
             f"param group of {fqn} lacks {', '.join(missing)} (keys {', '.join(sorted(group.keys))})",

@@ -345,7 +345,10 @@ def _validate_path(
         # an unfinished save is named by its directory (it may hold no .metadata to blame); another error by
         # the file it names (a safetensors shard, a per-rank file), not ".metadata" for every format
         unfinished = isinstance(e, IncompleteCheckpointError)
-        key = (str(e.path) if unfinished else Path(e.path).name) if e.path else ".metadata"
+        where = Path(e.path) if e.path else None
+        if unfinished and where is not None and where.name == ".metadata":  # the missing file: its directory
+            where = where.parent
+        key = (str(where) if unfinished else where.name) if where is not None else ".metadata"
         statuses = [
             RuleStatus(r, "failed", None, (s001.make(key or ".metadata", e.message, e.hint or None, e.code),))
             if r is s001

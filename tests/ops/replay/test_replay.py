@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -500,3 +501,29 @@ def test_gradient_file_that_is_not_a_regular_file_is_named_so(full_fx: Path, tmp
         res = run(full_fx / "ckpt", "--device", "cpu", "--grads", grads)
     assert res.exit_code == 2, res.stderr
     assert res.stderr.startswith(f"error: [E120] --grads {grads}: not a regular file"), res.stderr
+
+
+def test_sgd_checkpoint_is_named_as_not_adamw(tmp_path: Path) -> None:
+    """An SGD checkpoint was refused with 'lacks betas, eps' and the hint that the checkpoint must save them, as
+    if it were damaged; it is a checkpoint of another optimizer, which replay-step does not replay."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():  # torch: no process group, saving in one process
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    res = run(tmp_path / "ck")
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [
+        "error: [E514] param group of weight has no betas (keys dampening, differentiable, foreach, fused, lr, maximize, "
+        "momentum, nesterov, params, weight_decay): it is not an Adam/AdamW group (an SGD group has momentum, "
+        "dampening, nesterov)",
+        "hint: replay-step replays AdamW steps only; `ckpttool validate` and `ckpttool inspect` read checkpoints of "
+        "any optimizer",
+    ]

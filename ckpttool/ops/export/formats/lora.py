@@ -39,12 +39,20 @@ class LoraFormat(ModelFormat):
     def check_options(self, experts: str) -> None:
         """Raises UsageError: ``experts`` per-expert (a LoRA adapter has no expert tensors to split)."""
         if experts != "fused":
-            raise UsageError("`experts` per-expert applies to the hf format only", param="experts")
+            raise UsageError(
+                "`experts` per-expert applies to the hf format only",
+                param="experts",
+                hint="a LoRA adapter has no expert tensors to split: leave `experts` out, or export with `fmt` hf",
+            )
 
     def check_model_adapter(self, adapter: ModelAdapter) -> None:
         """Raises UsageError: a non-identity model adapter (LoRA names are PEFT's)."""
         if not adapter.identity:
-            raise UsageError(f"`adapter` {adapter.name} applies to the hf format only", param="adapter")
+            raise UsageError(
+                f"`adapter` {adapter.name} applies to the hf format only",
+                param="adapter",
+                hint="a LoRA adapter keeps PEFT's names: leave `adapter` out, or export with `fmt` hf",
+            )
 
     def check_names(self, cat: Catalog, adapter: ModelAdapter | None) -> None:
         """Raises ExportNamingError (E603): torchtitan names; ExportError: no model tensor."""

@@ -272,10 +272,18 @@ def unrecognized_state(ctx: Context) -> Iterator[tuple[str, str]]:
 
 
 # ------------------------------------------------------------------------------------------ param groups
+#: Param-group keys of torch's non-Adam optimizers (SGD, RMSprop, Adagrad, Adadelta); no Adam-family group has them.
+_OTHER_OPTIMIZER_KEYS = frozenset(
+    ("momentum", "dampening", "nesterov", "alpha", "centered", "lr_decay", "initial_accumulator_value", "rho")
+)
+
+
 @rule("P001")
 def group_missing_hyperparameter(ctx: Context) -> Iterator[tuple[str, str]]:
     for g in ctx.cat.param_groups:
         missing = [h for h in HYPERPARAMETERS if h not in g.keys]
+        if "betas" in missing and _OTHER_OPTIMIZER_KEYS.intersection(g.keys):
+            missing = [h for h in missing if h in ("lr", "weight_decay")]  # another optimizer's group: no betas, eps
         if missing:
             yield (
                 ctx.cat.group_key(g.group_id),
