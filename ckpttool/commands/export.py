@@ -285,7 +285,7 @@ def export_options(cli: ExportCLIOptions) -> ExportOptions:
     return ExportOptions(
         fmt="hf-merged" if cli.merge_lora else cli.fmt.value,
         save_dtype=parse_dtype(cli.save_dtype, "--save-dtype", ("bfloat16", "float16", "float32"), extra=("preserve",)),
-        weights=cli.weights.value if cli.weights is not None else ("auto" if cli.quantize else "params"),
+        weights=cli.weights.value if cli.weights is not None else None,
         shard_size=parse_size(cli.shard_size, "--shard-size"),
         experts=cli.experts.value,
         lora_alpha=alpha,

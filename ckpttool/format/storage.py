@@ -375,7 +375,7 @@ def _filesystem(scheme: str, options: Mapping[str, Any], shown: str, timeout_s: 
             hint="pip install 'ckpttool[s3]' for s3://, gcsfs for gs://, adlfs for az://",
         ) from e
     except (ValueError, TypeError) as e:
-        if isinstance(e, ValueError) and "protocol" in str(e).lower():
+        if isinstance(e, ValueError) and str(e).startswith("Protocol not known"):  # fsspec's registry lookup
             raise RemoteStorageError(
                 f"{shown}: fsspec knows no {scheme}:// filesystem", path=shown, hint="use a URL fsspec resolves"
             ) from e

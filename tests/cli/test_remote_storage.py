@@ -476,6 +476,8 @@ def test_a_word_in_the_url_does_not_classify_the_error() -> None:
     [
         ("reference", {}, "bad storage options for reference:// (ReferenceFileSystem.__init__() missing"),  # TypeError
         ("nosuchproto", {}, "fsspec knows no nosuchproto:// filesystem"),
+        # a known filesystem whose message mentions a protocol option it lacks is not an unknown one
+        ("cached", {}, "bad storage options for cached:// (Please provide filesystem instance(fs) or target_protocol"),
     ],
 )
 def test_a_filesystem_fsspec_refuses_is_named_with_its_options(scheme: str, options: dict[str, Any], said: str) -> None:

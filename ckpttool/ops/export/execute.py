@@ -98,7 +98,7 @@ class ExportOptions:
             (floating tensors only).
         weights: ``"params"``, ``"master"`` (FP32 ``master_weight`` where present) or ``"auto"``
             (``master`` when the checkpoint holds any ``master_weight``, else ``params``; the result
-            says which).
+            says which). ``None`` (the default): ``"auto"`` when ``quantize`` is given, else ``"params"``.
         shard_size: max bytes per output file (default 5*10^9, the Hugging Face ``"5GB"``).
         experts: ``"fused"`` (``[E, 2I, H]`` as stored) or ``"per-expert"`` (HF ``experts.{j}.*`` keys).
         rules: a YAML rules file merged over the packaged defaults.
@@ -132,7 +132,7 @@ class ExportOptions:
 
     fmt: str = "hf"
     save_dtype: str = "preserve"
-    weights: str = "params"
+    weights: str | None = None
     shard_size: int = 5 * 10**9
     experts: str = "fused"
     rules: Path | None = None
@@ -712,7 +712,7 @@ def _check_options(opts: ExportOptions) -> None:
     out_format = get_format(opts.fmt)
     if opts.save_dtype not in SAVE_DTYPES:
         raise UsageError(f"`save_dtype` {opts.save_dtype!r} is not one of {', '.join(SAVE_DTYPES)}", param="save_dtype")
-    if opts.weights not in ("params", "master", "auto"):
+    if opts.weights not in (None, "params", "master", "auto"):
         raise UsageError(f"`weights` {opts.weights!r} is not one of params, master, auto", param="weights")
     if opts.quantize is not None:
         _quant_spec(opts).check(opts.fmt)
@@ -777,9 +777,9 @@ def _output_format(opts: ExportOptions) -> OutputFormat:
 
 
 def _resolved(opts: ExportOptions, ckpt: Checkpoint) -> ExportOptions:
-    """``weights`` ``auto`` resolved (``master`` when any parameter has a ``master_weight``); ``save_dtype``
+    """``weights`` ``None`` / ``auto`` resolved (``master`` when any parameter has a ``master_weight``); ``save_dtype``
     ``preserve`` is ``bfloat16`` for the tensors a quantized export leaves unquantized."""
-    weights, save_dtype = opts.weights, opts.save_dtype
+    weights, save_dtype = opts.weights or ("auto" if opts.quantize is not None else "params"), opts.save_dtype
     if weights == "auto":
         states = ckpt.catalog.optimizer_state.values()
         weights = "master" if any("master_weight" in ps.fields for ps in states) else "params"
@@ -958,6 +958,7 @@ def _select(
         ExportError: nothing selected, and the format's refusals (:meth:`OutputFormat.check_selection`).
     """
     cat = ckpt.catalog
+    assert opts.weights is not None, "resolved by _resolved"
     model_adapter = export_adapter(cat, opts, model_config)
     selected, warnings, skipped, tags = select_sources(
         cat,

@@ -147,6 +147,16 @@ def test_fp8_block_from_masters_read_by_torch(master_ckpt: Path, tmp_path: Path)
     assert _validate(out, "--config", str(out / "config.json"))[1] == []  # M020: every scale fits its weight
 
 
+def test_library_default_weights_follow_quantize(master_ckpt: Path, tmp_path: Path) -> None:
+    """The library's default is the CLI's: the FP32 masters with ``quantize`` (auto), the stored parameters without."""
+    from ckpttool.ops.export import ExportOptions, export_checkpoint
+
+    q = export_checkpoint(master_ckpt, tmp_path / "q", ExportOptions(quantize="fp8-block", quantize_block=16))
+    assert (q.weights, q.quantization is not None and q.quantization["source"]) == ("master", "master")
+    plain = export_checkpoint(master_ckpt, tmp_path / "p", ExportOptions())
+    assert plain.weights == "params"
+
+
 def test_fp8_config_accepted_by_transformers_and_logits_close(master_ckpt: Path, tmp_path: Path) -> None:
     """AutoConfig reads quantization_config with no warning; dequantized logits vs the BF16 export's."""
     from transformers import AutoConfig, LlamaForCausalLM
