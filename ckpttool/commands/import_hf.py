@@ -42,7 +42,8 @@ AdapterOpt = Annotated[
     typer.Option(
         "--adapter",
         metavar=adapter_metavar(identity=False),
-        help="Model adapter for --schema torchtitan [default: from config.json model_type].",
+        help="Model adapter for --schema torchtitan or megatron (one of that schema's naming) "
+        "[default: from config.json model_type].",
     ),
 ]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", help="config.json [default: HF_DIR/config.json].")]
