@@ -585,28 +585,7 @@ def _of_step(
         pointer = _latest_step(root)
         if pointer is not None and pointer[0] == RELEASE:
             return _release_units(root, units, pointer[1])
-        want = pointer[0] if pointer is not None else None
-        source = f"named by {pointer[1]}" if pointer is not None else ""
-        if want is None:
-            steps = [u.step for u in units if u.step is not None] + list(bad)
-            want = max(steps) if steps else None
-            source = "the highest step"
-        if want is not None and want in bad:
-            done = [u.step for u in units if u.step is not None and u.step < want and u.step not in bad]
-            if not done:
-                raise _incomplete_error(root, bad[want], step)
-            skipped = bad[want]
-            want = max(done)
-            source = f"the highest complete step; step {skipped.step} is incomplete: {skipped.reason}"
-        if want is None:
-            raise StepNotFoundError(
-                f"{root}: `step` latest, but no checkpoint below it is in a step directory "
-                f"(found {', '.join(u.label(root) for u in units[:6])})",
-                path=root,
-                param="step",
-                hint="pass one of the listed directories",
-            )
-        how = f"`step` latest: step {want} ({source})"
+        want, how = _latest_of(root, units, bad, pointer)
     elif want in bad:
         raise _incomplete_error(root, bad[want], step)
     units_at = [u for u in units if u.step == want]
@@ -621,6 +600,35 @@ def _of_step(
             param="step",
         )
     return units_at, how or f"`step` {want}"
+
+
+def _latest_of(
+    root: Path, units: list[_Unit], bad: dict[int, IncompleteStep], pointer: tuple[int | str, str] | None
+) -> tuple[int, str]:
+    """The step ``latest`` means (the ``latest`` file's ``pointer``, else the highest; the highest complete
+    step below an incomplete one) and how it was chosen."""
+    want = pointer[0] if pointer is not None else None
+    source = f"named by {pointer[1]}" if pointer is not None else ""
+    if want is None:
+        steps = [u.step for u in units if u.step is not None] + list(bad)
+        want = max(steps) if steps else None
+        source = "the highest step"
+    if isinstance(want, int) and want in bad:
+        done = [u.step for u in units if u.step is not None and u.step < want and u.step not in bad]
+        if not done:
+            raise _incomplete_error(root, bad[want], "latest")
+        skipped = bad[want]
+        want = max(done)
+        source = f"the highest complete step; step {skipped.step} is incomplete: {skipped.reason}"
+    if not isinstance(want, int):
+        raise StepNotFoundError(
+            f"{root}: `step` latest, but no checkpoint below it is in a step directory "
+            f"(found {', '.join(u.label(root) for u in units[:6])})",
+            path=root,
+            param="step",
+            hint="pass one of the listed directories",
+        )
+    return want, f"`step` latest: step {want} ({source})"
 
 
 def _release_units(root: Path, units: list[_Unit], pointer: str) -> tuple[list[_Unit], str]:
