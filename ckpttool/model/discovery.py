@@ -388,8 +388,14 @@ def _epoch_near(p: Path, root: Path) -> int:
     return -1
 
 
-def _latest_step(root: Path) -> tuple[int, str] | None:
-    """The step named by a ``latest`` file (DeepSpeed: ``global_step100``; Megatron: ``100``) and that file's name.
+#: What Megatron-LM's ``latest_checkpointed_iteration.txt`` holds for a release checkpoint: it loads
+#: ``<save>/release/`` (``megatron/training/checkpointing.py``, ``get_checkpoint_name(..., release=True)``).
+RELEASE = "release"
+
+
+def _latest_step(root: Path) -> tuple[int | str, str] | None:
+    """The step named by a ``latest`` file (DeepSpeed: ``global_step100``; Megatron: ``100``, or
+    :data:`RELEASE` for its ``release/`` directory) and that file's name.
 
     Raises:
         StepNotFoundError: a ``latest`` file that names no step (neither a number, a step name nor
@@ -412,15 +418,16 @@ def _latest_step(root: Path) -> tuple[int, str] | None:
         s = int(text) if text.isdigit() else step_of(text) or step_of(Path(text).name)
         if s is not None:
             return s, name
-        if text != "release":  # Megatron's release checkpoint: no step; anything else names none
-            raise StepNotFoundError(
-                f"{p}: holds {text[:40]!r}, which names no step (the trainer's resume stops on it: "
-                "Megatron's 'Invalid metadata file', DeepSpeed's missing tag directory)",
-                path=p,
-                param="step",
-                hint=f"write the step into {name} (Megatron: the iteration, e.g. 100; DeepSpeed: global_step100), "
-                "remove it, or pass `step` N",
-            )
+        if text == RELEASE:  # Megatron's release checkpoint: <root>/release, no step
+            return RELEASE, name
+        raise StepNotFoundError(  # anything else names none
+            f"{p}: holds {text[:40]!r}, which names no step (the trainer's resume stops on it: "
+            "Megatron's 'Invalid metadata file', DeepSpeed's missing tag directory)",
+            path=p,
+            param="step",
+            hint=f"write the step into {name} (Megatron: the iteration, e.g. 100; DeepSpeed: global_step100), "
+            "remove it, or pass `step` N",
+        )
     return None
 
 
@@ -583,28 +590,9 @@ def _of_step(
     how = ""
     if want == "latest":
         pointer = _latest_step(root)
-        want = pointer[0] if pointer is not None else None
-        source = f"named by {pointer[1]}" if pointer is not None else ""
-        if want is None:
-            steps = [u.step for u in units if u.step is not None] + list(bad)
-            want = max(steps) if steps else None
-            source = "the highest step"
-        if want is not None and want in bad:
-            done = [u.step for u in units if u.step is not None and u.step < want and u.step not in bad]
-            if not done:
-                raise _incomplete_error(root, bad[want], step)
-            skipped = bad[want]
-            want = max(done)
-            source = f"the highest complete step; step {skipped.step} is incomplete: {skipped.reason}"
-        if want is None:
-            raise StepNotFoundError(
-                f"{root}: `step` latest, but no checkpoint below it is in a step directory "
-                f"(found {', '.join(u.label(root) for u in units[:6])})",
-                path=root,
-                param="step",
-                hint="pass one of the listed directories",
-            )
-        how = f"`step` latest: step {want} ({source})"
+        if pointer is not None and pointer[0] == RELEASE:
+            return _release_units(root, units, pointer[1])
+        want, how = _latest_of(root, units, bad, pointer)
     elif want in bad:
         raise _incomplete_error(root, bad[want], step)
     units_at = [u for u in units if u.step == want]
@@ -619,6 +607,54 @@ def _of_step(
             param="step",
         )
     return units_at, how or f"`step` {want}"
+
+
+def _latest_of(
+    root: Path, units: list[_Unit], bad: dict[int, IncompleteStep], pointer: tuple[int | str, str] | None
+) -> tuple[int, str]:
+    """The step ``latest`` means (the ``latest`` file's ``pointer``, else the highest; the highest complete
+    step below an incomplete one) and how it was chosen."""
+    want = pointer[0] if pointer is not None else None
+    source = f"named by {pointer[1]}" if pointer is not None else ""
+    if want is None:
+        steps = [u.step for u in units if u.step is not None] + list(bad)
+        want = max(steps) if steps else None
+        source = "the highest step"
+    if isinstance(want, int) and want in bad:
+        done = [u.step for u in units if u.step is not None and u.step < want and u.step not in bad]
+        if not done:
+            raise _incomplete_error(root, bad[want], "latest")
+        skipped = bad[want]
+        want = max(done)
+        source = f"the highest complete step; step {skipped.step} is incomplete: {skipped.reason}"
+    if not isinstance(want, int):
+        raise StepNotFoundError(
+            f"{root}: `step` latest, but no checkpoint below it is in a step directory "
+            f"(found {', '.join(u.label(root) for u in units[:6])})",
+            path=root,
+            param="step",
+            hint="pass one of the listed directories",
+        )
+    return want, f"`step` latest: step {want} ({source})"
+
+
+def _release_units(root: Path, units: list[_Unit], pointer: str) -> tuple[list[_Unit], str]:
+    """The checkpoint in ``root/release`` that a ``latest`` file holding ``release`` names (Megatron-LM loads it).
+
+    Raises:
+        StepNotFoundError: no checkpoint there.
+    """
+    release = root / RELEASE
+    found = [u for u in units if u.model == release or release in u.model.parents]
+    if not found:
+        raise StepNotFoundError(
+            f"{root / pointer}: names the release checkpoint, but {release} holds none "
+            f"(found {', '.join(u.label(root) for u in units[:6])})",
+            path=root / pointer,
+            param="step",
+            hint=f"write the iteration into {pointer} (e.g. 100), or pass `step` N",
+        )
+    return found, f"`step` latest: {RELEASE}/ (named by {pointer})"
 
 
 def _ambiguous(

@@ -80,14 +80,16 @@ def test_latest_file_wins(titan_root: Path, tmp_path: Path) -> None:
     loc = locate(tmp_path, CheckpointSelection(step="latest"))
     assert loc.how == "`step` latest: step 2 (named by latest_checkpointed_iteration.txt)"
     # a tracker that names no step: Megatron's resume stops on it ("Invalid metadata file"), so does this
-    # (it was passed over: the highest step chosen, "the highest step"); Megatron's "release" names none and is no error
+    # (it was passed over: the highest step chosen, "the highest step"); Megatron's "release" names <root>/release
     for text, said in (("abc", "'abc'"), ("", "''"), ("9" * 100_000, "'100000 bytes'")):
         (tmp_path / "latest_checkpointed_iteration.txt").write_text(text)
         with pytest.raises(StepNotFoundError) as ei:
             locate(tmp_path, CheckpointSelection(step="latest"))
         assert ei.value.code == "E205" and f"holds {said}, which names no step" in ei.value.message
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("release")
-    assert locate(tmp_path, CheckpointSelection(step="latest")).step == 2
+    with pytest.raises(StepNotFoundError) as ei:  # no release/ checkpoint: Megatron's resume finds nothing there
+        locate(tmp_path, CheckpointSelection(step="latest"))
+    assert ei.value.code == "E205" and "names the release checkpoint" in ei.value.message
 
 
 def test_single_checkpoint_below_is_used(titan_root: Path) -> None:

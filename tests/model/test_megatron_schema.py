@@ -255,3 +255,23 @@ def test_iteration_without_metadata_json_is_an_unfinished_save(tmp_path: Path) -
     r = runner.invoke(app, ["validate", "--strict", "--json", str(run), "--step", "latest"])
     assert r.exit_code == 1, r.output
     assert [f["code"] for f in json.loads(r.stdout)["findings"]] == ["R001"]
+
+
+def test_latest_release_opens_the_release_directory(tmp_path: Path) -> None:
+    """Megatron-LM's latest_checkpointed_iteration.txt holding ``release`` makes its resume load ``<save>/release/``;
+    ``--step latest`` passed over the word and opened the highest iter_N instead (and with release/ alone
+    was E205 'no checkpoint in a step directory'). Now it opens release/ and says why; a tracker naming a
+    release/ that holds no checkpoint is E205 naming the tracker."""
+    run = tmp_path / "run"
+    shutil.copytree(DATA / "dense1" / "iter_0000003", run / "iter_0000003")
+    shutil.copytree(DATA / "dense1" / "iter_0000003", run / "release")
+    (run / "latest_checkpointed_iteration.txt").write_text("release")
+    r = runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"])
+    assert r.exit_code == 0, r.output
+    loc = json.loads(r.stdout)["location"]
+    assert loc["model"] == str(run / "release")
+    assert loc["how"] == "`step` latest: release/ (named by latest_checkpointed_iteration.txt)"
+    shutil.rmtree(run / "release")
+    r = runner.invoke(app, ["validate", str(run), "--step", "latest"])
+    assert r.exit_code == 2 and "[E205]" in r.stderr, r.output
+    assert "latest_checkpointed_iteration.txt: names the release checkpoint" in r.stderr

@@ -336,3 +336,29 @@ def test_a_flipped_byte_in_a_rank_file_fails_its_crc(verl_root: Path, tmp_path: 
         assert res.exit_code == 2 and "fails its CRC-32 check" in res.stderr, (args, res.output)
         assert "Traceback" not in res.output
     assert not (tmp_path / "hf").exists()
+
+
+def test_no_optimizer_state_after_steps_fails_r002(verl_root: Path, tmp_path: Path) -> None:
+    """Every rank's optimizer file holding its param groups and no state (the ``state_dict()`` of an optimizer
+    rebuilt before the save: it never stepped) beside an LR scheduler at ``last_epoch`` 2: every parameter
+    read as frozen / a never-stepped leaf, and validate --strict --deep passed a resume that restarts the
+    moments from zero. Now R002 names it; the real save passes."""
+    import torch
+
+    doc = json.loads(runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(verl_root / "w2")]).stdout)
+    assert doc["ok"] and "R002" not in {f["code"] for f in doc["findings"]}
+    run = shutil.copytree(verl_root / "w2", tmp_path / "w2")
+    actor = run / "global_step_2" / "actor"
+    for rank in (0, 1):
+        path = actor / f"optim_world_size_2_rank_{rank}.pt"
+        saved = torch.load(path, weights_only=False)
+        saved["state"] = {}
+        torch.save(saved, path)
+    res = runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(run)])
+    assert res.exit_code == 1, res.output
+    (r002,) = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "R002"]
+    assert r002["key"] == "optimizer.state"
+    assert r002["message"] == (
+        "no optimizer state for any of the 21 parameter(s) of the param groups (an optimizer that never stepped) "
+        "but lr_scheduler.last_epoch = 2: the moments of 2 step(s) were not saved"
+    )

@@ -112,6 +112,7 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     opt = _optimizer_step(ctx)
     trains = _train_steps(ctx)
     epochs, counts = _scheduler_counters(ctx)
+    yield from _no_optimizer_state(ctx, trains + epochs)
     ref = trains[0] if trains else (opt if opt is not None else (epochs[0] if epochs else None))
     if ref is None:
         return
@@ -128,6 +129,29 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         e = by_item.get(c.key.rsplit(".", 1)[0])
         if e is not None and c.value != e.value + 1:
             yield c.key, f"LR scheduler {c.key} = {c.value} but {e.key} = {e.value} (expected last_epoch + 1)"
+
+
+def _no_optimizer_state(ctx: Context, counters: list[_Counter]) -> Iterator[tuple[str, str]]:
+    """Param groups saved but no state for any parameter (an optimizer that never stepped: step 0) while the
+    trainer's step or the scheduler's ``last_epoch`` counts steps taken: the moments of those steps were
+    lost (an optimizer rebuilt before the save, a state file of a fresh optimizer); a resume restarts them
+    from zero. Megatron keeps its step in ``common.pt`` (its moments are state: not this case)."""
+    if opt_state_saved(ctx) or not ctx.cat.param_groups:
+        return
+    top = max(counters, key=lambda c: c.value, default=None)
+    if top is not None and top.value > 0:
+        n = len({p for g in ctx.cat.param_groups for p in g.params})
+        key = f"{ctx.cat.schema.optimizer_prefix or ''}state"
+        yield (
+            key,
+            f"no optimizer state for any of the {n} parameter(s) of the param groups (an optimizer that never "
+            f"stepped) but {top.key} = {top.value}: the moments of {top.value} step(s) were not saved",
+        )
+
+
+def opt_state_saved(ctx: Context) -> bool:
+    """Some parameter has saved optimizer state (any field)."""
+    return any(ps.fields for ps in ctx.cat.optimizer_state.values())
 
 
 def _megatron_iteration(ctx: Context) -> Iterator[tuple[str, str]]:
