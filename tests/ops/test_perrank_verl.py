@@ -342,7 +342,7 @@ def test_no_optimizer_state_after_steps_fails_r002(verl_root: Path, tmp_path: Pa
     """Every rank's optimizer file holding its param groups and no state (the ``state_dict()`` of an optimizer
     rebuilt before the save: it never stepped) beside an LR scheduler at ``last_epoch`` 2: every parameter
     read as frozen / a never-stepped leaf, and validate --strict --deep passed a resume that restarts the
-    moments from zero. Now R002 names it; the real save passes."""
+    moments from zero. Now R002 names it and replay-step fails on it; the real save passes both."""
     import torch
 
     doc = json.loads(runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(verl_root / "w2")]).stdout)
@@ -362,3 +362,16 @@ def test_no_optimizer_state_after_steps_fails_r002(verl_root: Path, tmp_path: Pa
         "no optimizer state for any of the 21 parameter(s) of the param groups (an optimizer that never stepped) "
         "but lr_scheduler.last_epoch = 2: the moments of 2 step(s) were not saved"
     )
+    # replay-step replayed every parameter from fresh state and said OK; now it fails on the same finding
+    ok = json.loads(runner.invoke(app, ["replay-step", "--json", str(verl_root / "w2")]).stdout)
+    assert ok["ok"] and ok["problems"] == []
+    res = runner.invoke(app, ["replay-step", "--json", str(run)])
+    assert res.exit_code == 1, res.output
+    doc = json.loads(res.stdout)
+    assert not doc["ok"] and doc["params_failed"] == 0 and doc["params_total"] == 21
+    assert doc["problems"] == [
+        r002["message"] + "; every parameter replayed from fresh state (`ckpttool validate --deep` reports R002)"
+    ]
+    assert "[E700] no optimizer state for any of the 21 parameter(s)" in res.stderr
+    text = runner.invoke(app, ["replay-step", str(run)])
+    assert text.exit_code == 1 and "FAILED" in text.stdout and "problem     no optimizer state" in text.stdout

@@ -26,6 +26,7 @@ from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import DeviceUnavailableError, UsageError
 from ckpttool.format.jsonview import json_fields, json_number
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
+from ckpttool.model.counters import lost_optimizer_state
 from ckpttool.ops.fields import same_named
 from ckpttool.ops.replay.compare import (
     FieldError,
@@ -195,6 +196,10 @@ class ReplayResult:
         skipped: selected parameters with saved state that were not replayed (``ok`` is then False).
         frozen: selected parameters without optimizer state that the format shows are frozen
             (``requires_grad=False``): not replayed, counted apart from ``params``.
+        problems: findings about the saved state as a whole (``ok`` is then False): param groups with
+            no optimizer state for any parameter while the trainer or LR scheduler counted steps
+            (:func:`~ckpttool.model.counters.lost_optimizer_state`; a resume would restart the moments
+            from zero, which a replay from fresh state cannot tell from a first step).
     """
 
     path: str
@@ -213,11 +218,13 @@ class ReplayResult:
     timing: dict[str, float]
     skipped: tuple[str, ...] = ()
     frozen: tuple[str, ...] = ()
+    problems: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
-        """Every parameter passed and no selected parameter with saved state was left out."""
-        return all(p.ok for p in self.params) and not self.skipped
+        """Every parameter passed, no selected parameter with saved state was left out, and the saved
+        state as a whole has no problem."""
+        return all(p.ok for p in self.params) and not self.skipped and not self.problems
 
     @property
     def failed(self) -> list[ParamResult]:
@@ -242,6 +249,7 @@ class ReplayResult:
             "params_failed": len(self.failed),
             "params_skipped": list(self.skipped),
             "params_frozen": list(self.frozen),
+            "problems": list(self.problems),
             "params": [p.to_dict() for p in self.params],
             "notes": self.notes,
             "batches": self.batches,
@@ -681,7 +689,16 @@ def _replay(
         timing=timing,
         skipped=tuple(plan.skipped),
         frozen=tuple(plan.frozen),
+        problems=_state_problems(ckpt, plan),
     )
+
+
+def _state_problems(ckpt: Checkpoint, plan: Any) -> tuple[str, ...]:
+    """The saved state's problems as a whole (:attr:`ReplayResult.problems`)."""
+    lost = lost_optimizer_state(ckpt) if plan.params else None
+    if lost is None:
+        return ()
+    return (f"{lost[1]}; every parameter replayed from fresh state (`ckpttool validate --deep` reports R002)",)
 
 
 #: Elements per reference/comparison slab: a few dozen float64 temporaries of this size per worker.

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckpttool.errors import CkptError
-from ckpttool.format.metadata import BytesMeta
-from ckpttool.model.beside import TRAINER_STEP_KEY, read_training_state_beside
+from ckpttool.model.counters import Counter, lost_optimizer_state, scheduler_counters, trainer_steps
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.data import saved_steps, synthesized_from_stats
@@ -35,72 +33,13 @@ def newer_step_incomplete(ctx: Context) -> Iterator[tuple[str, str]]:
         )
 
 
-#: Training-state items holding the trainer's step count (item -> key suffix below the item).
-#: torchtitan: ``train_state.step``; Megatron: ``iteration``; HF-style: ``global_step``.
-TRAIN_STEP_KEYS = (
-    "train_state.step",
-    "trainer_state.global_step",
-    "training_state.step",
-    "training_state.global_step",
-    "global_step",
-    "iteration",
-    "step",
-)
-#: LR scheduler items (NeMo Automodel saves its scheduler as ``sched`` in ``optim/``).
-_SCHEDULER_ITEMS = ("lr_scheduler", "lr_schedulers", "scheduler", "schedulers", "sched")
-
-
-@dataclass(frozen=True)
-class _Counter:
-    key: str
-    value: int
-
-
-def _int_item(ctx: Context, key: str) -> int | None:
-    meta = ctx.reader.metadata.entries.get(key)
-    if not isinstance(meta, BytesMeta) or not ctx.storage_ok(key):
-        return None
-    try:
-        v = ctx.reader.read_object(key)
-    except CkptError:
-        return None  # reported by the storage rules
-    return v if type(v) is int else None
-
-
-def _train_steps(ctx: Context) -> list[_Counter]:
-    out = [_Counter(k, v) for k in TRAIN_STEP_KEYS if (v := _int_item(ctx, k)) is not None]
-    for st in ctx.ckpt.extra_state():
-        if st.global_step is not None:
-            out.append(_Counter(st.file.relative_path, st.global_step))
-    if ctx.ckpt.located is not None:  # OLMo-core's train/rankR.pt, NeMo's step_scheduler.pt beside the checkpoint
-        for ts in read_training_state_beside(Path(ctx.ckpt.located.model)):
-            name = TRAINER_STEP_KEY.get(ts.file, "global_step")
-            gs = ts.values.get(name)
-            if isinstance(gs, int):
-                out.append(_Counter(f"{ts.file}:{name}", gs))
-    return out
-
-
-def _scheduler_counters(ctx: Context) -> tuple[list[_Counter], list[_Counter]]:
-    """``(last_epoch counters, _step_count counters)`` of the saved LR schedulers."""
-    epochs, counts = [], []
-    for key, meta in ctx.reader.metadata.entries.items():
-        if not isinstance(meta, BytesMeta) or key.split(".", 1)[0] not in _SCHEDULER_ITEMS:
-            continue
-        if key.endswith(".last_epoch") and (v := _int_item(ctx, key)) is not None:
-            epochs.append(_Counter(key, v))
-        elif key.endswith("._step_count") and (v := _int_item(ctx, key)) is not None:
-            counts.append(_Counter(key, v))
-    return epochs, counts
-
-
-def _optimizer_step(ctx: Context) -> _Counter | None:
+def _optimizer_step(ctx: Context) -> Counter | None:
     """The largest saved optimizer ``step`` (parameters that missed gradients count fewer)."""
-    best: _Counter | None = None
+    best: Counter | None = None
     for key, values, _ in saved_steps(ctx):
         for v in values or ():
             if math.isfinite(v) and v >= 0 and v == int(v) and (best is None or v > best.value):
-                best = _Counter(key, int(v))
+                best = Counter(key, int(v))
     return best
 
 
@@ -110,8 +49,8 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     if synthesized_from_stats(ctx):
         return  # saved before the first optimizer step (D005): the counters of no step to compare
     opt = _optimizer_step(ctx)
-    trains = _train_steps(ctx)
-    epochs, counts = _scheduler_counters(ctx)
+    trains = trainer_steps(ctx.ckpt)
+    epochs, counts = scheduler_counters(ctx.ckpt)
     yield from _no_optimizer_state(ctx, trains + epochs)
     ref = trains[0] if trains else (opt if opt is not None else (epochs[0] if epochs else None))
     if ref is None:
@@ -131,27 +70,11 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
             yield c.key, f"LR scheduler {c.key} = {c.value} but {e.key} = {e.value} (expected last_epoch + 1)"
 
 
-def _no_optimizer_state(ctx: Context, counters: list[_Counter]) -> Iterator[tuple[str, str]]:
-    """Param groups saved but no state for any parameter (an optimizer that never stepped: step 0) while the
-    trainer's step or the scheduler's ``last_epoch`` counts steps taken: the moments of those steps were
-    lost (an optimizer rebuilt before the save, a state file of a fresh optimizer); a resume restarts them
-    from zero. Megatron keeps its step in ``common.pt`` (its moments are state: not this case)."""
-    if opt_state_saved(ctx) or not ctx.cat.param_groups:
-        return
-    top = max(counters, key=lambda c: c.value, default=None)
-    if top is not None and top.value > 0:
-        n = len({p for g in ctx.cat.param_groups for p in g.params})
-        key = f"{ctx.cat.schema.optimizer_prefix or ''}state"
-        yield (
-            key,
-            f"no optimizer state for any of the {n} parameter(s) of the param groups (an optimizer that never "
-            f"stepped) but {top.key} = {top.value}: the moments of {top.value} step(s) were not saved",
-        )
-
-
-def opt_state_saved(ctx: Context) -> bool:
-    """Some parameter has saved optimizer state (any field)."""
-    return any(ps.fields for ps in ctx.cat.optimizer_state.values())
+def _no_optimizer_state(ctx: Context, counters: list[Counter]) -> Iterator[tuple[str, str]]:
+    """Steps counted but no optimizer state saved (:func:`~ckpttool.model.counters.lost_optimizer_state`)."""
+    lost = lost_optimizer_state(ctx.ckpt, counters)
+    if lost is not None:
+        yield lost
 
 
 def _megatron_iteration(ctx: Context) -> Iterator[tuple[str, str]]:

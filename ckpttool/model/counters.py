@@ -1,0 +1,108 @@
+"""The step counters a trainer and its LR schedulers saved beside the optimizer state.
+
+Read from small byte items of the checkpoint (torchtitan ``train_state.step``, Megatron
+``iteration``, HF-style ``global_step``, each scheduler's ``last_epoch`` / ``_step_count``), from
+``extra_state/*.pt`` and from the training-state files a trainer keeps beside the checkpoint
+(OLMo-core ``train/rankR.pt``, NeMo Automodel ``step_scheduler.pt``). Used by ``validate`` (R002)
+and ``replay-step``; ``docs/rules.md``, R002.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ckpttool.errors import CkptError
+from ckpttool.format.metadata import BytesMeta
+from ckpttool.model.beside import TRAINER_STEP_KEY, read_training_state_beside
+
+if TYPE_CHECKING:
+    from ckpttool.model.checkpoint import Checkpoint
+
+#: Training-state items holding the trainer's step count (item -> key suffix below the item).
+#: torchtitan: ``train_state.step``; Megatron: ``iteration``; HF-style: ``global_step``.
+TRAIN_STEP_KEYS = (
+    "train_state.step",
+    "trainer_state.global_step",
+    "training_state.step",
+    "training_state.global_step",
+    "global_step",
+    "iteration",
+    "step",
+)
+#: LR scheduler items (NeMo Automodel saves its scheduler as ``sched`` in ``optim/``).
+SCHEDULER_ITEMS = ("lr_scheduler", "lr_schedulers", "scheduler", "schedulers", "sched")
+
+
+@dataclass(frozen=True)
+class Counter:
+    """One saved counter: where it is (a key, or ``file:name``) and its integer value."""
+
+    key: str
+    value: int
+
+
+def _int_item(ckpt: Checkpoint, key: str) -> int | None:
+    """Byte item ``key`` when it is stored and holds an ``int``; ``None`` otherwise (never raises:
+    a damaged or missing item is the storage checks' finding)."""
+    meta = ckpt.reader.metadata.entries.get(key)
+    if not isinstance(meta, BytesMeta):
+        return None
+    try:
+        ckpt.reader.storage_info(key)
+        v = ckpt.reader.read_object(key)
+    except CkptError:
+        return None
+    return v if type(v) is int else None
+
+
+def trainer_steps(ckpt: Checkpoint) -> list[Counter]:
+    """The trainer's step counters, in :data:`TRAIN_STEP_KEYS` order, then ``extra_state`` files'
+    ``global_step``, then the training-state files beside the checkpoint."""
+    out = [Counter(k, v) for k in TRAIN_STEP_KEYS if (v := _int_item(ckpt, k)) is not None]
+    for st in ckpt.extra_state():
+        if st.global_step is not None:
+            out.append(Counter(st.file.relative_path, st.global_step))
+    if ckpt.located is not None:  # OLMo-core's train/rankR.pt, NeMo's step_scheduler.pt beside the checkpoint
+        for ts in read_training_state_beside(Path(ckpt.located.model)):
+            name = TRAINER_STEP_KEY.get(ts.file, "global_step")
+            gs = ts.values.get(name)
+            if isinstance(gs, int):
+                out.append(Counter(f"{ts.file}:{name}", gs))
+    return out
+
+
+def scheduler_counters(ckpt: Checkpoint) -> tuple[list[Counter], list[Counter]]:
+    """``(last_epoch counters, _step_count counters)`` of the saved LR schedulers."""
+    epochs, counts = [], []
+    for key, meta in ckpt.reader.metadata.entries.items():
+        if not isinstance(meta, BytesMeta) or key.split(".", 1)[0] not in SCHEDULER_ITEMS:
+            continue
+        if key.endswith(".last_epoch") and (v := _int_item(ckpt, key)) is not None:
+            epochs.append(Counter(key, v))
+        elif key.endswith("._step_count") and (v := _int_item(ckpt, key)) is not None:
+            counts.append(Counter(key, v))
+    return epochs, counts
+
+
+def lost_optimizer_state(ckpt: Checkpoint, counters: list[Counter] | None = None) -> tuple[str, str] | None:
+    """``(key, message)`` when param groups are saved with no optimizer state for any parameter (an
+    optimizer that never stepped: step 0) while a trainer step or scheduler ``last_epoch`` (``counters``;
+    default: those read here) counts steps taken: the moments of those steps were lost (an optimizer
+    rebuilt before the save, the state file of a fresh optimizer), and a resume restarts them from zero.
+    ``None`` otherwise. Megatron keeps its step in ``common.pt`` (its moments are state: not this case)."""
+    cat = ckpt.catalog
+    if any(ps.fields for ps in cat.optimizer_state.values()) or not cat.param_groups:
+        return None
+    if counters is None:
+        counters = [*trainer_steps(ckpt), *scheduler_counters(ckpt)[0]]
+    top = max(counters, key=lambda c: c.value, default=None)
+    if top is None or top.value <= 0:
+        return None
+    n = len({p for g in cat.param_groups for p in g.params})
+    return (
+        f"{cat.schema.optimizer_prefix or ''}state",
+        f"no optimizer state for any of the {n} parameter(s) of the param groups (an optimizer that never "
+        f"stepped) but {top.key} = {top.value}: the moments of {top.value} step(s) were not saved",
+    )
