@@ -31,7 +31,7 @@ from typing import Any
 
 from ckpttool.engine import native
 from ckpttool.format import limits
-from ckpttool.format.mdstorage import StorageTable, compact
+from ckpttool.format.mdstorage import DuplicateKeys, StorageTable, check_unique_keys, compact
 from ckpttool.format.metadata import (
     DTYPE_ITEMSIZE,
     BytesMeta,
@@ -186,23 +186,25 @@ def _read_columns(found: _Columns, holder: list[Any]) -> CheckpointMetadata | No
     # (chunks inside their tensor and a key given twice: the kernel declines them)
     if len(ent) // 5 + len(sto) // 5 + len(chk) // 2 > limits.metadata_record_cap() or not _ranges_ok(sto):
         return None
-    if _repeated_storage_keys(sto):  # a dict key given twice (unpickled, the last wins, as torch's pickle.load)
-        return None
-    strs = found.strings()
+    if _repeated_storage_keys(sto, len(strs := found.strings()), len(cols[0]) // 2):
+        return None  # a dict key given twice: unpickled, the last record wins (torch's pickle.load)
     holder.clear()  # every refusal is behind: the bytes go before the objects are built
     return _metadata(cols, strs)
 
 
-def _repeated_storage_keys(sto: memoryview) -> bool:
-    """Whether two storage records share one ``(fqn, offsets)`` key (string and tuple ids; a ``.metadata``
-    written with two entries for two empty chunks at one offset): the unpickler path reads such a stream."""
+def _repeated_storage_keys(sto: memoryview, nstr: int, ntup: int) -> bool:
+    """Whether two storage records share one ``(fqn, offsets)`` key (string and tuple ids, equal values interned
+    to one id; a ``.metadata`` written with two records for two empty chunks at one offset): the unpickler path
+    reads such a stream. The grouping :class:`~ckpttool.format.mdstorage.StorageTable` does, run first."""
     if len(sto) < 10:
         return False
-    import numpy as np
-
-    cols = np.frombuffer(sto, dtype=np.int64).reshape(-1, 5)
-    keys = (cols[:, 0] << 32) | (cols[:, 1] & 0xFFFFFFFF)
-    return bool(np.unique(keys).size != keys.size)
+    try:
+        check_unique_keys(compact(sto[0::5]), compact(sto[1::5]), nstr, ntup)
+    except DuplicateKeys:
+        return True
+    except (ValueError, OverflowError):  # ids out of range: the conversion refuses them as before
+        return False
+    return False
 
 
 def _ranges_ok(sto: memoryview) -> bool:

@@ -32,6 +32,7 @@ __all__ = [
     "StorageTable",
     "DuplicateKeys",
     "bounds",
+    "check_unique_keys",
     "compact",
     "int64s",
     "record_end",
@@ -59,6 +60,16 @@ def _ints(n: int) -> memoryview:
 
 def _address(col: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(col)) if len(col) else 0
+
+
+def check_unique_keys(fqn: Sequence[int], tup: Sequence[int], nstr: int, ntup: int) -> None:
+    """The check :class:`StorageTable` makes of its key columns, alone.
+
+    Raises:
+        DuplicateKeys: a ``(fqn id, tuple id)`` pair given twice.
+        ValueError: an id out of range.
+    """
+    _group(fqn, tup, nstr, ntup)
 
 
 def _group(fqn: Sequence[int], tup: Sequence[int], nstr: int, ntup: int) -> tuple[memoryview, memoryview, memoryview]:
