@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeAlias, cast
+from typing import Any, TypeAlias, cast
 
 from ckpttool.errors import (
     CkptError,
@@ -184,6 +184,21 @@ class Checkpoint:
         Automodel's ``consolidated/``, verl's ``huggingface/``; :func:`ckpttool.model.beside.hf_config_beside`),
         ``None`` for none or a URL."""
         return None if is_url(str(self.located.model)) else hf_config_beside(Path(self.located.model))
+
+    def own_hf_config(self) -> dict[str, Any] | None:
+        """The ``config.json`` in the checkpoint's own folder (a Hugging Face safetensors folder's, with its
+        ``quantization_config``), read capped; ``None`` when there is none, or for a URL.
+
+        Raises:
+            UsageError, NotRegularFileError, SizeLimitError, PathEscapeError: as
+            :func:`~ckpttool.model.hfconfig.read_hf_config`.
+        """
+        where = str(self.located.model)
+        if is_url(where) or not (Path(where) / "config.json").is_file():
+            return None
+        from ckpttool.model.hfconfig import read_hf_config
+
+        return read_hf_config(Path(where) / "config.json")
 
     def close(self) -> None:
         """Close the data files. Idempotent."""

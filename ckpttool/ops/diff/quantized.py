@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.model.quantized import block_size, compressed_tensors_block, find_quantized
@@ -44,13 +43,7 @@ _MXFP4_ATOL_STEPS = 2.0**-1  # the E2M1 subnormal step, in units of the group sc
 
 
 def _side_config(side: Side) -> dict[str, Any] | None:
-    cfg = Path(side.ckpt.located.model) / "config.json"
-    if not cfg.is_file():
-        return None
-    from ckpttool.model.hfconfig import read_hf_config
-
-    doc = read_hf_config(cfg)
-    return doc if isinstance(doc, dict) else None
+    return side.ckpt.own_hf_config()
 
 
 def dequantize_items(side: Side, items: list[Item], notes: list[str] | None = None) -> tuple[list[Item], int]:

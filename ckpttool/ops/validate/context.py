@@ -170,6 +170,18 @@ class Context:
         return self.ckpt.layout
 
     @property
+    def quant_config(self) -> dict[str, Any] | None:
+        """The config that gives quantized weights their block size: ``--config``, else the ``config.json`` in
+        the checkpoint's own folder (an FP8 Hugging Face folder's ``quantization_config``), else ``None``
+        (128); an unreadable own ``config.json`` counts as none (the block rules' hint asks for ``--config``)."""
+        if self.config is not None:
+            return self.config
+        try:
+            return self.ckpt.own_hf_config()
+        except CkptError:
+            return None
+
+    @property
     def layout_error(self) -> CkptError | None:
         return self.ckpt.layout_error
 

@@ -34,6 +34,12 @@ def test_clean_deepseek_folder(tmp_path: Path) -> None:
     """A zero scale on an all-zero block is fine; nothing else to report."""
     src = _write_folder(tmp_path / "fp8", _deepseek_tensors(16), _DS_CONFIG)
     assert _findings(src, "--config", str(src / "config.json"))[1] == []
+    # without --config the folder's own config.json gives the 16x16 blocks (it was 128: two false M020)
+    assert _findings(src) == (0, [])
+    cfg = tmp_path / "other.json"
+    cfg.write_text(json.dumps({"quantization_config": {"weight_block_size": [128, 128]}}))
+    rc, found = _findings(src, "--config", str(cfg))  # --config still decides when given
+    assert rc == 1 and [c for c, _ in found] == ["M020", "M020"], found
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@
 A ``x.weight_scale_inv`` (float32 ``[ceil(out / B), ceil(in / B)]``) scales the ``float8_e4m3fn``
 ``x.weight`` ``[out, in]`` per ``B x B`` block (``q * scale`` dequantizes: torch's
 ``QuantizedHuggingFaceStorageReader``, transformers' ``FineGrainedFP8``). ``B`` is the
-``--config`` ``quantization_config.weight_block_size`` when given, else 128. Fused experts
+``quantization_config.weight_block_size`` of ``--config`` when given, else of the folder's own
+``config.json``, else 128. Fused experts
 ``x`` ``[E, out, in]`` with ``x_scale_inv`` ``[E, ceil(out / B), ceil(in / B)]`` (transformers'
 ``FP8Experts``, what ``export --quantize`` writes) are checked the same, expert by expert.
 
@@ -38,7 +39,7 @@ def _scale_problem(ctx: Context, key: str) -> str | None:
         return f"{key}: its weight is {weight.dtype}, not float8_e4m3fn"
     if len(weight.shape) != 2 or len(scale.shape) != 2:
         return f"{key}: weight {list(weight.shape)} and scale {list(scale.shape)} are not both 2-D"
-    b0, b1 = block_size(ctx.config)
+    b0, b1 = block_size(ctx.quant_config)
     want = [-(-weight.shape[0] // b0), -(-weight.shape[1] // b1)]
     if list(scale.shape) != want:
         return f"{key}: shape {list(scale.shape)}, but weight {list(weight.shape)} in {b0}x{b1} blocks needs {want}"
@@ -48,13 +49,13 @@ def _scale_problem(ctx: Context, key: str) -> str | None:
 @rule("M020")
 def fp8_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     tensors = {k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}
-    why = block_size_problem(ctx.config)
+    why = block_size_problem(ctx.quant_config)
     if why is not None:
         scale = next((k for k in sorted(ctx.cat.model) if k.endswith(_SUFFIX)), None)
         if scale is not None:  # the block grid is unknown: no scale shape can be checked against it
             yield scale, f"{scale}: {why}"
             return
-    fused, fused_problems = fused_experts(tensors, block_size(ctx.config))
+    fused, fused_problems = fused_experts(tensors, block_size(ctx.quant_config))
     theirs = {k for p in fused for k in (p.weight, p.scale)} | {k for k, _ in fused_problems}
     for key in ctx.cat.model:
         if key.endswith(".weight" + _SUFFIX) and key not in theirs:
@@ -70,7 +71,7 @@ def fp8_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
 
 def _pairs(ctx: Context) -> tuple[list[QuantPair], list[tuple[str, str]]]:
     tensors = {k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}
-    return find_quantized(tensors, block_size(ctx.config))
+    return find_quantized(tensors, block_size(ctx.quant_config))
 
 
 def _read(ctx: Context, key: str) -> Any | None:
