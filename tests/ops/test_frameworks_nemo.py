@@ -88,23 +88,10 @@ def _save_with_scheduler_ahead(root: Path, extra: int) -> Path:
     """NeMo's own ``Checkpointer`` saves a model trained two AdamW steps, its optimizer and a ``LambdaLR``
     stepped ``extra`` more times than the optimizer (a scheduler of another step saved beside it)."""
     import torch
-    from nemo_automodel.components.checkpoint.checkpointing import Checkpointer
-    from nemo_automodel.components.checkpoint.config import CheckpointingConfig
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0 / (1 + s))
+    from tests.fixtures.nemo_writer import nemo_checkpointer, tiny_llama
+
+    model, optim, sched = tiny_llama(small=True, decay=True)
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
         optim.zero_grad()
@@ -113,16 +100,7 @@ def _save_with_scheduler_ahead(root: Path, extra: int) -> Path:
         sched.step()
     for _ in range(extra):
         sched.step()
-    config = CheckpointingConfig(
-        checkpoint_dir=str(root),
-        model_save_format="safetensors",
-        save_consolidated=False,
-        model_repo_id=None,
-        model_cache_dir=None,
-        is_peft=False,
-        model_state_dict_keys=list(model.state_dict()),
-    )
-    ckpt = Checkpointer(config, dp_rank=0, tp_rank=0, pp_rank=0)
+    ckpt = nemo_checkpointer(model, root, consolidated=False)
     step = root / "epoch_0_step_1"
     ckpt.save_model(model, str(step))
     ckpt.save_optimizer(optim, model, str(step), sched)
