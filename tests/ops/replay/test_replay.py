@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -506,18 +505,9 @@ def test_gradient_file_that_is_not_a_regular_file_is_named_so(full_fx: Path, tmp
 def test_sgd_checkpoint_is_named_as_not_adamw(tmp_path: Path) -> None:
     """An SGD checkpoint was refused with 'lacks betas, eps' and the hint that the checkpoint must save them, as
     if it were damaged; it is a checkpoint of another optimizer, which replay-step does not replay."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from tests.fixtures.builders import build_sgd
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.randn(3, 4)).sum().backward()
-    opt.step()
-    msd, osd = get_state_dict(model, opt)
-    with warnings.catch_warnings():  # torch: no process group, saving in one process
-        warnings.simplefilter("ignore")
-        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    build_sgd(tmp_path / "ck")
     res = run(tmp_path / "ck")
     assert res.exit_code == 2 and res.stdout == ""
     assert res.stderr.splitlines() == [

@@ -545,20 +545,10 @@ def test_deep_pass_of_fp32_state_never_imports_torch(master_ckpt: Path) -> None:
 def test_P001_sgd_group_needs_no_betas(tmp_path: Path) -> None:
     """A plain SGD checkpoint failed `validate` with P001 'missing betas, eps' and the hint to save the full param
     groups, which it does; its momentum_buffer is still unknown state (O008: a warning, so --strict fails)."""
-    import warnings
 
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from tests.fixtures.builders import build_sgd
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.randn(3, 4)).sum().backward()
-    opt.step()
-    msd, osd = get_state_dict(model, opt)
-    with warnings.catch_warnings():  # torch: no process group, saving in one process
-        warnings.simplefilter("ignore")
-        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "sgd"))
+    build_sgd(tmp_path / "sgd")
     rc, doc, _ = run(tmp_path / "sgd")
     assert rc == 0 and codes(doc) == {"O008"}
     rc, doc, _ = run(tmp_path / "sgd", "--strict")
