@@ -25,11 +25,11 @@ pytestmark = pytest.mark.skipif(
 _HEAD = 4096 + 12  # the record starts at an unaligned offset, as inside a zip archive
 
 
-def _source(tmp_path: Path, n: int) -> tuple[int, np.ndarray]:
+def _source(tmp_path: Path, n: int, big: float = 3.4e38) -> tuple[int, np.ndarray]:
     rng = np.random.default_rng(5)
     vals = rng.standard_normal(n).astype(np.float32)
     vals[7] = np.nan
-    vals[n // 2] = np.float32(3.4e38)
+    vals[n // 2] = np.float32(big)
     path = tmp_path / "src.bin"
     path.write_bytes(b"\x01" * _HEAD + vals.tobytes() + b"\x02" * 100)
     return os.open(path, os.O_RDONLY), vals
@@ -40,7 +40,8 @@ def _source(tmp_path: Path, n: int) -> tuple[int, np.ndarray]:
     [("float32", "bfloat16"), ("float32", "float16"), ("float32", "float32"), ("bfloat16", "float32")],
 )
 def test_runs_equal_the_slab_cast_and_crc(tmp_path: Path, src_dtype: str, out_dtype: str) -> None:
-    fd, vals = _source(tmp_path, 700_001)  # 2.8 MB: many read pieces and write stages
+    # float16 holds no 3.4e38 (test_float16_overflow_is_refused): its source has an infinity there instead
+    fd, vals = _source(tmp_path, 700_001, np.inf if out_dtype == "float16" else 3.4e38)  # 2.8 MB: many pieces
     item, out_item = (4, 4 if out_dtype == "float32" else 2) if src_dtype == "float32" else (2, 4)
     n = vals.nbytes // item  # bfloat16: the same bytes as twice as many values
     want = np.empty(n * out_item, dtype=np.uint8)
@@ -100,3 +101,18 @@ def test_short_source_and_failed_write_raise(tmp_path: Path) -> None:
     finally:
         os.close(fd)
         os.close(ro)
+
+
+def test_float16_overflow_is_refused(tmp_path: Path) -> None:
+    """A finite float32 value beyond +-65504 (which the cast makes infinite) stops the move, naming its run, its
+    index in the run and its bits; an infinity stored as such is cast as it is (the test above)."""
+    fd, vals = _source(tmp_path, 700_001)
+    fa = os.open(tmp_path / "a", os.O_RDWR | os.O_CREAT)
+    parts = array("q", [1000, -1, 0, 300_000, fa, 0, 399_001, fa, 600_000])
+    try:
+        with pytest.raises(move.Float16Overflow) as info:
+            move.move_runs(fd, _HEAD, parts, "float32", "float16", 4, 0)
+    finally:
+        os.close(fd), os.close(fa)
+    e = info.value
+    assert (e.run, e.index, e.bits) == (2, 350_000 - 301_000, int(vals[350_000:350_001].view(np.uint32)[0]))

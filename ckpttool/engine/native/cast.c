@@ -102,6 +102,17 @@ enum { MOVE_COPY = 0, MOVE_BF16 = 1, MOVE_F16 = 2, MOVE_WIDEN = 3 };
 /* Source bytes per pread (the piece is checked and cast while it is in the CPU cache). */
 #define MOVE_PIECE ((int64_t)256 << 10)
 
+/* Index of the first float16 infinity in h[0, n) whose float32 source s[i] is finite (a value beyond +-65504
+ * that the cast rounded to infinity), or -1. The first loop is a branch-free test of the whole piece. */
+static int64_t f16_first_overflow(const uint32_t *s, const uint16_t *h, int64_t n) {
+    int any = 0;
+    for (int64_t i = 0; i < n; i++) any |= (h[i] & 0x7FFF) == 0x7C00;
+    if (!any) return -1;
+    for (int64_t i = 0; i < n; i++)
+        if ((h[i] & 0x7FFF) == 0x7C00 && (s[i] & 0x7FFFFFFF) != 0x7F800000) return i;
+    return -1;
+}
+
 static int write_full(int fd, const uint8_t *p, int64_t n, int64_t at, int64_t *err) {
     while (n > 0) {
         ssize_t w = pwrite(fd, p, (size_t)n, (off_t)at);
@@ -122,7 +133,9 @@ static int write_full(int fd, const uint8_t *p, int64_t n, int64_t at, int64_t *
  * (crc NULL: none). buf: buf_bytes >= 3 * MOVE_PIECE of scratch; the output of each run is gathered after
  * the first MOVE_PIECE bytes and written when that stage is full or the run ends.
  * Returns 0; -1 a read failed or ended early (err: errno or 0 for the end of the file, the file offset, the
- * bytes missing); -2 a write failed (err: errno, the file offset, the bytes not written); -3 bad arguments. */
+ * bytes missing); -2 a write failed (err: errno, the file offset, the bytes not written); -3 bad arguments;
+ * -4 (MOVE_F16) a finite float32 value beyond float16's range, which the cast made infinite (err: the run j,
+ * the value's index within run j, its float32 bits); nothing after that piece is written. */
 int32_t ckpt_stream_cast(int32_t src_fd, int64_t src_off, const int64_t *parts, int32_t nparts, int32_t kind,
                          int32_t item, ckpt_crc_fn crc, uint32_t *crc_io, uint8_t *buf, int64_t buf_bytes,
                          int64_t *err) {
@@ -143,6 +156,7 @@ int32_t ckpt_stream_cast(int32_t src_fd, int64_t src_off, const int64_t *parts, 
         int64_t staged = 0; /* bytes in stage, to be written at `at` */
         while (left > 0) {
             int64_t k = left < piece ? left : piece;
+            int64_t run_at = parts[3 * j] - left / item; /* index in run j of the piece's first value */
             int direct = kind == MOVE_COPY && fd >= 0; /* a copy is read straight into the stage */
             int64_t need = fd < 0 ? 0 : k / item * out_item;
             if (staged + need > stage_cap) { /* no room: write what is gathered first */
@@ -163,7 +177,14 @@ int32_t ckpt_stream_cast(int32_t src_fd, int64_t src_off, const int64_t *parts, 
             pos += k, left -= k;
             if (fd < 0) continue;
             if (kind == MOVE_BF16) ckpt_f32_to_bf16((const uint32_t *)dst, (uint16_t *)(stage + staged), k / 4, 1);
-            else if (kind == MOVE_F16) ckpt_f32_to_f16((const uint32_t *)dst, (uint16_t *)(stage + staged), k / 4);
+            else if (kind == MOVE_F16) {
+                ckpt_f32_to_f16((const uint32_t *)dst, (uint16_t *)(stage + staged), k / 4);
+                int64_t bad = f16_first_overflow((const uint32_t *)dst, (const uint16_t *)(stage + staged), k / 4);
+                if (bad >= 0) {
+                    err[0] = j, err[1] = run_at + bad, err[2] = ((const uint32_t *)dst)[bad];
+                    return -4;
+                }
+            }
             else if (kind == MOVE_WIDEN) {
                 const uint16_t *h = (const uint16_t *)dst;
                 uint32_t *w = (uint32_t *)(stage + staged);

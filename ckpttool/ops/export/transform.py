@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import math
 import os
+import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ckpttool.engine.crc import crc32
 from ckpttool.engine.io import BLOCK_BYTES
-from ckpttool.errors import ChunkError, DataFileError
+from ckpttool.errors import ChunkError, DataFileError, ExportError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta
 
 if TYPE_CHECKING:
@@ -289,7 +290,7 @@ def _refuse_float16_overflow(src: np.ndarray, out: np.ndarray, src_dtype: str, w
     """Refuse a cast to float16 that made finite values infinite (beyond +-65504; torch's ``to`` gives infinity).
 
     Raises:
-        ExportError (E601): names the tensor, the count and the first such value.
+        ExportError (E601): :func:`float16_overflow_error` of the slab's first such value.
     """
     import numpy as np
 
@@ -306,17 +307,41 @@ def _refuse_float16_overflow(src: np.ndarray, out: np.ndarray, src_dtype: str, w
     hit = np.flatnonzero(bad)
     if not hit.size:
         return
-    from ckpttool.errors import ExportError
-
     slab_at = int(hit[0])
     flat = next((g + slab_at - at for at, g, n in where.ranges if at <= slab_at < at + n), None)
-    index = list(np.unravel_index(flat, where.shape)) if flat is not None and where.shape else None
-    raise ExportError(
-        f"{where.key}: {hit.size} finite {src_dtype} value(s) are beyond float16's range (+-65504) and would be "
-        f"written as infinity" + (f", e.g. at {[int(i) for i in index]}" if index is not None else ""),
-        fqn=where.key,
+    value = float(_as_float(src, src_dtype)[slab_at])
+    raise float16_overflow_error(where.key, src_dtype, value, where.shape, flat)
+
+
+def _as_float(raw: np.ndarray, dtype: str) -> Any:
+    """``raw`` bytes as float32 / float64 values (bfloat16 widened exactly)."""
+    import numpy as np
+
+    if dtype == "bfloat16":
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return raw.view(np.float64 if dtype == "float64" else np.float32)
+
+
+def float16_overflow_error(
+    key: str, src_dtype: str, value: float, shape: tuple[int, ...], flat: int | None
+) -> ExportError:
+    """E601 for a finite ``src_dtype`` ``value`` at global flat index ``flat`` of tensor ``key`` (``shape``)
+    that a cast to float16 (largest finite 65504) would write as infinity."""
+    at = f" at {[int(i) for i in _unravel(flat, shape)]}" if flat is not None and shape else ""
+    return ExportError(
+        f"{key}: finite {src_dtype} value(s) beyond float16's range (+-65504) would be written as infinity, "
+        f"e.g. {value:g}{at}",
+        fqn=key,
         hint="export with `save_dtype` bfloat16 (float32's range) or preserve; float16 holds values up to 65504",
     )
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
+    out = []
+    for d in reversed(shape):
+        flat, r = divmod(flat, d)
+        out.append(r)
+    return out[::-1]
 
 
 # ---------------------------------------------------------------------------------------------- streaming
@@ -459,8 +484,6 @@ def _native_move(src_dtype: str, transform: SlabTransform | None, runs: RunMap, 
     out = src_dtype if transform is None else transform.out_dtype
     if runs.rows is not None and runs.rows.row * DTYPE_ITEMSIZE[out] <= _SMALL_ROW_BYTES:
         return False  # RoPE rows: gathered per block and written at once (_write_slab)
-    if out == "float16" and src_dtype != out:
-        return False  # slab by slab: Cast refuses finite values float16 cannot hold (never written as infinity)
     return available(src_dtype, out, crc=crc)
 
 
@@ -514,7 +537,7 @@ def _move_chunk(
     from array import array
 
     from ckpttool.engine.io import ShortReadError
-    from ckpttool.engine.move import move_runs
+    from ckpttool.engine.move import Float16Overflow, move_runs
 
     assert loc.record is not None
     item, out_item = DTYPE_ITEMSIZE[src_dtype], DTYPE_ITEMSIZE[out_dtype]
@@ -531,6 +554,13 @@ def _move_chunk(
             return
         try:
             crc = move_runs(fd, at, window, src_dtype, out_dtype, item, crc)
+        except Float16Overflow as e:  # a finite value the cast made infinite: the chunk's index of it
+            local = (at - start) // item + sum(window[3 * j] for j in range(e.run)) + e.index
+            seg, _, seg_start = chunk_segments(chunk, size)
+            value = struct.unpack("<f", e.bits.to_bytes(4, "little"))[0]
+            raise float16_overflow_error(
+                loc.key, src_dtype, value, size, seg_start(local // seg) + local % seg
+            ) from None
         except ShortReadError:
             raise DataFileError(
                 f"{reader.path / loc.info.relative_path}: short read of {loc.key!r}",

@@ -65,7 +65,7 @@ def test_cast_kernels_equal_torch_bitwise(src: str, dst: str) -> None:
         from ckpttool.engine.kernels import cast as kernel_cast
         from ckpttool.errors import ExportError
 
-        with pytest.raises(ExportError, match=r"^\[E601\] k: \d+ finite \w+ value\(s\) are beyond float16's range"):
+        with pytest.raises(ExportError, match=r"^\[E601\] k: finite \w+ value\(s\) beyond float16's range"):
             cast(src_np, out_np, where)
         kernel_cast(src_np, out_np, src, dst)
     else:
@@ -280,7 +280,9 @@ def test_float16_export_refuses_finite_values_beyond_its_range(
         dcp.save(sd, checkpoint_id=str(src), no_dist=True)
         out = tmp_path / f"out-{dtype}"
         with pytest.raises(
-            ExportError, match=r"^\[E601\] model\.model\.norm\.weight: 1 finite .* float16's range .* at \[3, 7\]"
+            ExportError,
+            match=r"^\[E601\] model\.model\.norm\.weight: finite \w+ value\(s\) beyond float16's range .* "
+            r"e\.g\. 70\d+ at \[3, 7\]$",
         ):
             export_checkpoint(src, out, ExportOptions(save_dtype="float16"))
         assert not out.exists()
@@ -291,3 +293,26 @@ def test_float16_export_refuses_finite_values_beyond_its_range(
         with safe_open(str(out / "model.safetensors"), "pt") as f:
             got = f.get_tensor("model.embed_tokens.weight")
         assert torch.equal(_bits(got), _bits(ok.to(dtype).to(torch.float16)))
+
+
+@pytest.mark.parametrize("mover", [True, False])
+def test_float16_overflow_named_at_its_index_past_the_first_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mover: bool
+) -> None:
+    """The native mover's index of an overflowing value (a later 64 MiB window, a later 256 KiB piece) is the
+    element's own: both paths name the same value at the same index."""
+    from ckpttool.errors import ExportError
+
+    if not mover:
+        _slab_path_only(monkeypatch)
+    w = torch.zeros(4200, 4096)
+    w[4150, 5] = -1e5
+    src = tmp_path / "src"
+    dcp.save({"model": {"model.layers.0.mlp.up_proj.weight": w}}, checkpoint_id=str(src), no_dist=True)
+    with pytest.raises(ExportError) as info:
+        export_checkpoint(src, tmp_path / "out", ExportOptions(save_dtype="float16"))
+    assert info.value.message == (
+        "model.model.layers.0.mlp.up_proj.weight: finite float32 value(s) beyond float16's range (+-65504) would be "
+        "written as infinity, e.g. -100000 at [4150, 5]"
+    )
+    assert not (tmp_path / "out").exists()
