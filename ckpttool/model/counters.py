@@ -18,6 +18,7 @@ from ckpttool.format.metadata import BytesMeta
 from ckpttool.model.beside import TRAINER_STEP_KEY, read_training_state_beside
 
 if TYPE_CHECKING:
+    from ckpttool.model.catalog import ParamGroup
     from ckpttool.model.checkpoint import Checkpoint
 
 #: Training-state items holding the trainer's step count (item -> key suffix below the item).
@@ -86,15 +87,29 @@ def scheduler_counters(ckpt: Checkpoint) -> tuple[list[Counter], list[Counter]]:
     return epochs, counts
 
 
+def _keeps_no_state(group: ParamGroup) -> bool:
+    """A param group of torch's ``SGD`` with ``momentum`` 0: its steps keep no per-parameter state
+    (``optimizer.state`` stays empty however many steps it took)."""
+    m = group.values.get("momentum")
+    return "betas" not in group.values and type(m) in (int, float) and m == 0
+
+
 def lost_optimizer_state(ckpt: Checkpoint, counters: list[Counter] | None = None) -> tuple[str, str] | None:
     """``(key, message)`` when param groups are saved with no optimizer state for any parameter (an
     optimizer that never stepped: step 0) while a trainer step or scheduler ``last_epoch`` (``counters``;
     default: those read here) counts steps taken: the moments of those steps were lost (an optimizer
     rebuilt before the save, the state file of a fresh optimizer), and a resume restarts them from zero.
-    ``None`` otherwise. Megatron keeps its step in ``common.pt`` (its moments are state: not this case)."""
+    ``None`` otherwise, and for param groups of plain SGD (``momentum`` 0), which keeps no state.
+    Megatron keeps its step in ``common.pt`` (its moments are state: not this case)."""
     cat = ckpt.catalog
     if any(ps.fields for ps in cat.optimizer_state.values()) or not cat.param_groups:
         return None
+    try:
+        groups = ckpt.param_groups()
+    except CkptError:  # an unreadable group item is the storage checks' finding
+        groups = cat.param_groups
+    if all(_keeps_no_state(g) for g in groups):
+        return None  # plain SGD steps without any per-parameter state: nothing was lost
     if counters is None:
         counters = [*trainer_steps(ckpt), *scheduler_counters(ckpt)[0]]
     top = max(counters, key=lambda c: c.value, default=None)

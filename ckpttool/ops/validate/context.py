@@ -155,6 +155,7 @@ class Context:
     _patterns: set[str] = field(default_factory=set)
     _layers: set[str | None] = field(default_factory=set)
     _modules: set[str] = field(default_factory=set)
+    _own_config: tuple[dict[str, Any] | None] | None = None
 
     # ------------------------------------------------------------------ shortcuts
     @property
@@ -176,10 +177,12 @@ class Context:
         (128); an unreadable own ``config.json`` counts as none (the block rules' hint asks for ``--config``)."""
         if self.config is not None:
             return self.config
-        try:
-            return self.ckpt.own_hf_config()
-        except CkptError:
-            return None
+        if self._own_config is None:  # read once: the rules ask for it per scale tensor
+            try:
+                self._own_config = (self.ckpt.own_hf_config(),)
+            except CkptError:
+                self._own_config = (None,)
+        return self._own_config[0]
 
     @property
     def layout_error(self) -> CkptError | None:

@@ -557,3 +557,56 @@ def test_P001_sgd_group_needs_no_betas(tmp_path: Path) -> None:
     rc, doc, _ = run(tmp_path / "sgd")  # lr is still required
     p001 = [f["message"] for f in doc["findings"] if f["code"] == "P001"]
     assert rc == 1 and len(p001) == 1 and p001[0].startswith("param group 0: missing lr (has dampening, ")
+
+
+@pytest.mark.parametrize("name", ["Adafactor", "Rprop"])
+def test_P001_other_torch_optimizers_need_no_betas(tmp_path: Path, name: str) -> None:
+    """torch's Adafactor (beta2_decay, d) and Rprop (etas, step_sizes; no weight_decay) save their full param groups:
+    P001 failed them with 'missing betas' (Rprop also 'eps, weight_decay'); their state is unknown (O008)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = getattr(torch.optim, name)(model.parameters(), lr=0.01)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():  # torch: no process group, saving in one process
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    rc, doc, _ = run(tmp_path / "ck")
+    assert rc == 0 and codes(doc) == {"O008"}, doc["findings"]
+    damage.drop_keys(tmp_path / "ck", lambda k: k == "optimizer.param_groups.0.lr")
+    rc, doc, _ = run(tmp_path / "ck")  # lr is still required
+    p001 = [f["message"] for f in doc["findings"] if f["code"] == "P001"]
+    assert rc == 1 and len(p001) == 1 and p001[0].startswith("param group 0: missing lr (has "), p001
+
+
+def test_R002_plain_sgd_keeps_no_state(tmp_path: Path) -> None:
+    """torch's SGD with momentum 0 steps without any per-parameter state: its empty optimizer.state beside
+    train_state.step 3 and a scheduler's last_epoch 3 is not lost state (R002 failed a correct checkpoint).
+    Groups of a stateful optimizer with no state are still R002 (tests/ops/test_perrank_verl.py)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+    for _ in range(3):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        sched.step()
+    msd, osd = get_state_dict(model, opt)
+    assert osd["state"] == {}
+    with warnings.catch_warnings():  # torch: no process group, saving in one process
+        warnings.simplefilter("ignore")
+        state = {"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict(), "train_state": {"step": 3}}
+        dcp.save(state, checkpoint_id=str(tmp_path / "sgd"))
+    rc, doc, _ = run(tmp_path / "sgd", "--deep")
+    assert rc == 0 and "R002" not in codes(doc), doc["findings"]

@@ -42,6 +42,25 @@ def test_clean_deepseek_folder(tmp_path: Path) -> None:
     assert rc == 1 and [c for c, _ in found] == ["M020", "M020"], found
 
 
+def test_own_config_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The folder's own config.json is read once per validate, not once per scale tensor (a DeepSeek-V3
+    folder has tens of thousands)."""
+    import ckpttool.model.hfconfig as hfconfig
+
+    src = _write_folder(tmp_path / "fp8", _deepseek_tensors(16), _DS_CONFIG)
+    n_scales = sum(1 for k in _deepseek_tensors(16) if k.endswith("_scale_inv"))
+    assert n_scales > 1
+    real, reads = hfconfig.read_hf_config, []
+
+    def counting(path: Any, **kw: Any) -> dict[str, Any]:
+        reads.append(Path(path).name)
+        return real(path, **kw)
+
+    monkeypatch.setattr(hfconfig, "read_hf_config", counting)
+    assert _findings(src) == (0, [])
+    assert reads.count("config.json") == 1, reads
+
+
 @pytest.mark.parametrize(
     ("name", "code"),
     [
