@@ -74,6 +74,9 @@ KNOWN_NON_PERSISTENT_BUFFERS = (
 )
 #: (names, ".name" suffixes) of :data:`KNOWN_NON_PERSISTENT_BUFFERS`: one set lookup and one ``endswith`` per key.
 _NON_PERSISTENT = (frozenset(KNOWN_NON_PERSISTENT_BUFFERS), tuple("." + b for b in KNOWN_NON_PERSISTENT_BUFFERS))
+#: Names that are a non-persistent buffer only as a mask of 2 or more dims (GPT-2's causal
+#: ``attn.bias`` ``[1, 1, n, n]``): a 1-D ``attn.bias`` is the bias of a module called ``attn``.
+_MASK_ONLY = ("attn.bias",)
 #: Param-group items whose values define a leaf (everything but membership lists).
 _MEMBERSHIP_ITEMS = ("params", "param_names")
 _EXTRA_STATE_RE = re.compile(r"(\d+)")
@@ -286,7 +289,11 @@ class Catalog:
         return [k for k in self.other_tensors if self.category(k) == "other"]
 
     def non_persistent_buffers(self) -> list[str]:
-        """Model keys of buffers models register as non-persistent (:data:`KNOWN_NON_PERSISTENT_BUFFERS`)."""
+        """Model keys of buffers models register as non-persistent (:data:`KNOWN_NON_PERSISTENT_BUFFERS`).
+
+        A key with optimizer state is a parameter whatever its name (a ``Linear`` called ``attn``
+        has an ``attn.bias``), and ``attn.bias`` is GPT-2's mask only with 2 or more dims.
+        """
         names, suffixes = _NON_PERSISTENT
         fqns = self.param_fqns
         # a name or a ".name" suffix ends with the name: test that first, for every fqn at C speed
@@ -294,7 +301,14 @@ class Catalog:
         if not hits:
             return []
         keys = list(self.model)
-        return [keys[i] for i in hits if fqns[i] in names or fqns[i].endswith(suffixes)]
+        state, model = self.optimizer_state, self.model
+        return [
+            keys[i]
+            for i in hits
+            if (fqns[i] in names or fqns[i].endswith(suffixes))
+            and fqns[i] not in state  # optimizer state: a trained parameter, not a buffer
+            and not (fqns[i].endswith(_MASK_ONLY) and len(model[keys[i]].shape) < 2)
+        ]
 
     @property
     def tensors(self) -> dict[str, TensorEntry]:

@@ -286,7 +286,8 @@ class DiffResult:
         def top(ts: list[TensorStat], value: Callable[[TensorStat], float], sign: float) -> tuple[str | None, Any]:
             if not ts:
                 return None, None
-            best = max(ts, key=lambda t: math.inf if math.isnan(value(t)) else sign * value(t))
+            # on a tie (0 for a bitwise-only difference: -0.0 against 0.0, two NaN payloads) a tensor that differs
+            best = max(ts, key=lambda t: (math.inf if math.isnan(value(t)) else sign * value(t), t.status != "equal"))
             return best.name, _num(value(best))
 
         out: dict[str, Any] = {"tensors": len(self.tensors), "values": self.values, **by_status}

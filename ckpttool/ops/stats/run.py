@@ -468,32 +468,34 @@ def _expert_order(ckpt: Checkpoint, key: str, n: int) -> tuple[int, ...] | None:
 def _pair_sums(
     a: Checkpoint, ka: str, b: Checkpoint, kb: str, orders: tuple[Any, Any] = (None, None)
 ) -> tuple[float, float]:
-    """``(sum (b - a)^2, sum a^2)`` of one tensor of two checkpoints (float64, non-finite as 0).
+    """``(sum (b - a)^2, sum a^2)`` of one tensor of two checkpoints (float64); the first is NaN when
+    either side holds a NaN or infinity (a tensor that diverged has no finite change).
 
     ``orders``: each side's expert order (:func:`_expert_order`) where they differ: both tensors are
     then read whole and compared in true expert order.
     """
     ea, eb = a.catalog.model[ka], b.catalog.model[kb]
     acc = [0.0, 0.0]
+    va, vb = ValueSums(), ValueSums()
 
     def one(sa: tuple[Any, str], sb: tuple[Any, str]) -> None:
-        (x, sq), (y, _) = ValueSums().add_raw(*sa, slot=0), ValueSums().add_raw(*sb, slot=1)
+        (x, sq), (y, _) = va.add_raw(*sa, slot=0), vb.add_raw(*sb, slot=1)
         acc[0] += sum_squares(y - x)
         acc[1] += float(sq.sum())
 
     if ea.chunks == eb.chunks and orders == (None, None):
         for ca, cb in zip(ea.chunks, eb.chunks):
             pair_slabs((a.reader, ka, ca), (b.reader, kb, cb), one)
-        return acc[0], acc[1]
+        return (math.nan if va.acc.nonfinite or vb.acc.nonfinite else acc[0]), acc[1]
 
     def values(c: Checkpoint, k: str, order: Any) -> Any:
         v = tensor_values(c.reader, k)
         return v if order is None else v.reshape(len(order), -1)[list(order)].reshape(-1)
 
-    x, _ = ValueSums().add_slice(values(a, ka, orders[0]), slot=0)
-    y, _ = ValueSums().add_slice(values(b, kb, orders[1]), slot=1)
+    x, _ = va.add_slice(values(a, ka, orders[0]), slot=0)
+    y, _ = vb.add_slice(values(b, kb, orders[1]), slot=1)
     d = y - x
-    return sum_squares(d), sum_squares(x)
+    return (math.nan if va.acc.nonfinite or vb.acc.nonfinite else sum_squares(d)), sum_squares(x)
 
 
 def _pair_orders(a: Checkpoint, ka: str, b: Checkpoint, kb: str, shape: tuple[int, ...]) -> tuple[Any, Any] | None:

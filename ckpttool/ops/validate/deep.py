@@ -469,44 +469,58 @@ class _Digest:
 
     A chunk that spans whole rows (every dim but 0 complete) is one run of global C order;
     with ``seg`` (elements per expert of a fused expert tensor) the runs are cut at the expert
-    boundaries, each with its own CRC (computed while the slice is in the CPU cache).
+    boundaries, each with its own CRC (computed while the slice is in the CPU cache). A fused
+    expert chunk cut on dim 1 too (EP-FSDP on dim 1: ``[e, i, H]`` of ``[E, I, H]``) is one run
+    per expert it holds: ``seg`` is then that run's length in the chunk and ``stride`` the
+    elements per expert (a run starting at chunk element ``p`` is at global
+    ``base + p // seg * stride``).
     """
 
-    __slots__ = ("base", "seg", "runs", "start", "length", "crc")
+    __slots__ = ("base", "seg", "stride", "runs", "start", "length", "crc")
 
-    def __init__(self, base: int, seg: int) -> None:
-        self.base, self.seg = base, seg
+    def __init__(self, base: int, seg: int, stride: int = 0) -> None:
+        self.base, self.seg, self.stride = base, seg, stride
         self.runs: list[tuple[int, int, int]] = []
-        self.start, self.length, self.crc = base, 0, 0
+        self.start, self.length, self.crc = (0 if stride else base), 0, 0
+
+    def _at(self, p: int) -> int:
+        """Global flat start of the run whose first element is ``p`` (global, or chunk-local with ``stride``)."""
+        return self.base + p // self.seg * self.stride if self.stride else p
 
     def add(self, raw: Any, e0: int, item: int) -> None:
         pos, n = 0, raw.size // item
         while pos < n:
-            g = self.base + e0 + pos
+            g = (0 if self.stride else self.base) + e0 + pos
             take = min(n - pos, self.seg - g % self.seg)
             self.crc = crc32(raw[pos * item : (pos + take) * item], self.crc)
             self.length += take
             pos += take
             if (g + take) % self.seg == 0:
-                self.runs.append((self.start, self.length, self.crc))
+                self.runs.append((self._at(self.start), self.length, self.crc))
                 self.start, self.length, self.crc = g + take, 0, 0
 
     def finish(self, n: int, chunk_crc: int) -> list[tuple[int, int, int]]:
         if not self.seg:
             return [(self.base, n, chunk_crc)]
         if self.length:
-            self.runs.append((self.start, self.length, self.crc))
+            self.runs.append((self._at(self.start), self.length, self.crc))
         return self.runs
 
 
 def _digest_plan(ctx: Context, key: str, meta: TensorMeta, chunk: ChunkMeta) -> _Digest | None:
-    """A :class:`_Digest` for a floating model tensor's chunk that spans whole rows, else ``None``."""
+    """A :class:`_Digest` for a floating model tensor's chunk that spans whole rows (of fused experts: whole
+    rows of each expert's matrix, dims 2.. complete), else ``None``."""
     if key not in ctx.cat.model or meta.dtype.name not in IEEE_BITS or not meta.size:
-        return None
-    if tuple(chunk.sizes[1:]) != tuple(meta.size[1:]) or any(chunk.offsets[1:]):
         return None
     row = meta.numel // meta.size[0] if meta.size[0] else 0
     e = expert_count(key, tuple(meta.size))
+    if tuple(chunk.sizes[1:]) != tuple(meta.size[1:]) or any(chunk.offsets[1:]):
+        if not e or tuple(chunk.sizes[2:]) != tuple(meta.size[2:]) or any(chunk.offsets[2:]):
+            return None
+        row2 = row // meta.size[1] if meta.size[1] else 0
+        if not chunk.sizes[1] * row2:
+            return None
+        return _Digest(chunk.offsets[0] * row + chunk.offsets[1] * row2, chunk.sizes[1] * row2, row)
     return _Digest(chunk.offsets[0] * row, meta.numel // e if e else 0)
 
 

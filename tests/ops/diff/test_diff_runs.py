@@ -466,3 +466,17 @@ def test_the_library_picks_each_sides_step(runs: Path) -> None:
     with pytest.raises(UsageError) as info:
         diff_checkpoints(runs / "run1" / "step-3", runs / "run1", DiffOptions(a_step="3"))
     assert info.value.param == "a_step" and "`a_step` 3 given, but" in str(info.value)
+
+
+def test_bitwise_only_difference_is_named_in_the_summary(tmp_path: Path) -> None:
+    """-0.0 against 0.0: every metric is 0 for all tensors; the summary names the tensor that differs."""
+    base = {f"w{i}": torch.full((2, 2), float(i + 1)) for i in range(3)}
+    pos = dict(base, w2=torch.zeros(2, 2))
+    neg = dict(base, w2=torch.zeros(2, 2).neg())
+    a, b = _save({"model": pos}, tmp_path / "a"), _save({"model": neg}, tmp_path / "b")
+    doc = diff_json(a, b, code=1)
+    s = doc["summary"]
+    assert (s["differ"], s["max_rel_l2_name"], s["max_abs_name"], s["min_cosine_name"]) == (1, *["model.w2"] * 3)
+    res = cli(a, b)
+    assert res.exit_code == 1
+    assert "max rel L2 0 (model.w2); max abs 0 (model.w2); min cosine 1 (model.w2)" in res.stdout.replace("\n", " ")

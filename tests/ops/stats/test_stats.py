@@ -391,3 +391,30 @@ def test_a_note_says_no_update_size_only_where_it_explains_one() -> None:
     )
     assert note_line(f"{QUANTIZED_NOTE}: 2 tensor(s)") == f"{QUANTIZED_NOTE}: 2 tensor(s)"
     assert note_line(STORED_ORDER_NOTE) == STORED_ORDER_NOTE
+
+
+def test_change_of_a_layer_that_became_nan_is_not_a_number(tmp_path: Path) -> None:
+    # a NaN was read as 0: a layer whose weight diverged showed a finite relative change (0.25 here)
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    def save(out: Path, w1: torch.Tensor) -> Path:
+        state = {"model": {"layers.0.w": torch.ones(4, 4), "layers.1.w": w1}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, checkpoint_id=str(out), no_dist=True)
+        return out
+
+    w = torch.ones(4, 4)
+    bad = w.clone()
+    bad[1, 2] = float("nan")
+    a, b = save(tmp_path / "a", w), save(tmp_path / "b", bad)
+    res = runner.invoke(app, ["stats", "--json", str(a), str(b)])
+    assert res.exit_code == 0, res.stderr
+    assert [(c["layer"], c["relative"]) for c in json.loads(res.stdout)["changes"]] == [
+        ("layers.0", 0.0),
+        ("layers.1", None),
+    ]
+    table = runner.invoke(app, ["stats", str(a), str(b)]).stdout
+    assert re.search(r"│ layers\.1 +│ +nan │", table), table

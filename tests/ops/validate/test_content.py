@@ -72,6 +72,28 @@ def test_ep_rank_slice_written_for_all(ep_suite: Path, tmp_path: Path) -> None:
     assert rc == 1
 
 
+def test_expert_copy_under_ep_fsdp_on_dim_1(ep_suite: Path, tmp_path: Path) -> None:
+    """EP-FSDP shards dim 1 ([4, 4, 5] and uneven [4, 3, 4] / [4, 2, 4] chunks): each expert's rows are still compared."""
+    src = ep_suite / "legacy_dim1"
+    rc, doc = run(src, "--deep", "--strict", "--ignore", "L003")
+    assert rc == 0 and not findings(doc, "D009"), doc["findings"]
+    ck = copy_checkpoint(src, tmp_path / "ck")
+
+    def copy_1_to_6(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t[6] = t[1]
+        return t
+
+    for key in ("model.model.layers.0.mlp.experts.gate_up_proj", "model.model.layers.1.mlp.experts.down_proj"):
+        damage.rewrite_tensor(ck, key, copy_1_to_6)
+    rc, doc = run(ck, "--deep", "--strict", "--ignore", "L003")
+    assert rc == 1
+    assert [(f["key"], f["message"].split(": ", 1)[1]) for f in findings(doc, "D009")] == [
+        (k, "2 of 8 expert slices are bitwise copies of another: experts 1, 6")
+        for k in ("model.model.layers.0.mlp.experts.gate_up_proj", "model.model.layers.1.mlp.experts.down_proj")
+    ]
+
+
 def test_torchtitan_moe_expert_copies(titan_root: Path, tmp_path: Path) -> None:
     src = titan_root / "moe" / "checkpoint" / "step-1"
     ck = copy_checkpoint(src, tmp_path / "ck")
