@@ -34,7 +34,14 @@ from ckpttool.format.perrank_formats import detect_layout
 from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.catalog import TensorEntry, match_filter
-from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_checkpoint, open_source
+from ckpttool.model.checkpoint import (
+    Checkpoint,
+    CheckpointOrPath,
+    OpenOptions,
+    check_source,
+    open_checkpoint,
+    open_source,
+)
 from ckpttool.model.schemas.base import canonical_group_key, canonical_state_key
 from ckpttool.ops.diff.compare import BLOCK_ELEMENTS, Metrics, ValueCompare, ValueDiff, compare_tensors, unravel
 from ckpttool.ops.diff.gather import gathered_values, short_tensor
@@ -50,6 +57,7 @@ from ckpttool.ops.diff.result import (
 )
 from ckpttool.ops.diff.sides import side_openings
 from ckpttool.ops.export.transform import Run
+from ckpttool.ops.fields import options_of
 
 __all__ = ["Namer", "Side", "diff_checkpoints"]
 
@@ -1033,9 +1041,9 @@ def diff_checkpoints(
         LayoutError (E405): an undeclared ambiguous EP layout.
         plus the reader's errors for damaged inputs (E1xx-E3xx).
     """
-    opts = options or DiffOptions()
+    opts = options_of(options, DiffOptions)
     _check_options(opts)
-    opening_a, opening_b = side_openings(a, b, opts, opening_a or OpenOptions(), opening_b or OpenOptions())
+    opening_a, opening_b = side_openings(a, b, opts, check_source(a, opening_a), check_source(b, opening_b))
     t0 = time.perf_counter()
     say = phase or (lambda text: None)
     say(f"opening A ({a.path if isinstance(a, Checkpoint) else a})")
