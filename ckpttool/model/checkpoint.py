@@ -201,8 +201,13 @@ class Checkpoint:
 
         return read_hf_config(Path(where) / "config.json")
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called: an operation given it, or a read of a data file, is ``UsageError``."""
+        return bool(getattr(self.reader, "closed", False))
+
     def close(self) -> None:
-        """Close the data files. Idempotent."""
+        """Close the data files. Idempotent; reading them afterwards is ``UsageError`` (E100)."""
         self.reader.close()
 
     def __enter__(self) -> Checkpoint:
@@ -460,7 +465,8 @@ def check_source(source: object, opening: object) -> OpenOptions:
 
     Raises:
         UsageError (E100): ``source`` is no :class:`Checkpoint`, path or URL; ``opening`` is no
-            :class:`OpenOptions`; or ``opening`` is given with an already opened checkpoint (its
+            :class:`OpenOptions`; ``source`` is a closed :class:`Checkpoint`; or ``opening`` is given
+            with an already opened checkpoint (its
             declaration, ``trust_pickle`` and selection were fixed when it was opened).
     """
     if not isinstance(source, (Checkpoint, str, os.PathLike)):
@@ -474,6 +480,13 @@ def check_source(source: object, opening: object) -> OpenOptions:
             f"`opening` must be an OpenOptions, got {type(opening).__name__} {opening!r:.80}",
             param="opening",
             hint="pass ckpttool.OpenOptions(declaration=..., trust_pickle=..., selection=...)",
+        )
+    if isinstance(source, Checkpoint) and source.closed:
+        raise UsageError(
+            f"{source.path}: the checkpoint was closed",
+            path=source.path,
+            param="source",
+            hint="run the operation inside its `with ckpttool.open_checkpoint(...)` block, or pass the path",
         )
     if isinstance(source, Checkpoint) and opening is not None and opening != OpenOptions():
         raise UsageError(

@@ -198,3 +198,30 @@ def test_a_wrong_source_options_or_opening_is_a_usage_error_naming_it(dense_ckpt
         with open_checkpoint(dense_ckpt) as ck, pytest.raises(UsageError, match="open already"):
             op(ck, None, OpenOptions(trust_pickle=True))
     assert not out.exists() and sorted(p.name for p in dense_ckpt.iterdir() if p.name == "m.json") == []
+
+
+def test_a_closed_checkpoint_is_a_usage_error_for_every_operation_and_read(dense_ckpt: Path, tmp_path: Path) -> None:
+    """After close() a read reopened the data files (descriptors nobody closed) and validate reported every
+    chunk's file as a finding (S011, exit 1): an operation given a closed checkpoint, or a read, is E100."""
+    import ckpttool
+    from ckpttool.model.checkpoint import open_checkpoint
+
+    with open_checkpoint(dense_ckpt, record_problems=True) as ck:
+        key = next(k for k in ck.catalog.model)
+        assert not ck.closed
+    assert ck.closed
+    out = tmp_path / "out"
+    for op in (
+        lambda: ckpttool.inspect(ck),
+        lambda: ckpttool.validate(ck),
+        lambda: ckpttool.export_checkpoint(ck, out),
+        lambda: ckpttool.write_manifest(ck, ckpttool.ManifestOptions(out=str(tmp_path / "m.json"))),
+        lambda: ckpttool.replay_step(ck),
+        lambda: ckpttool.diff_checkpoints(dense_ckpt, ck),
+    ):
+        with pytest.raises(UsageError, match=f"^\\[E100\\] {dense_ckpt}: the checkpoint was closed$") as e:
+            op()
+        assert e.value.code == "E100"
+    with pytest.raises(UsageError, match="the checkpoint was closed; cannot read"):
+        ck.reader.read_tensor(key)
+    assert ck.reader._fds == {} and not out.exists() and not (tmp_path / "m.json").exists()
