@@ -84,3 +84,22 @@ def test_the_float8_dtypes_are_one_list() -> None:
     assert FLOATING_DTYPES == {"float64", "float32", "float16", "bfloat16", *FLOAT8_DTYPES}
     assert _V3_DTYPES == {*FLOAT8_DTYPES, "uint16", "uint32", "uint64"}
     assert LOW_PRECISION == ("bfloat16", "float16", *FLOAT8_DTYPES)
+
+
+def test_the_optimizer_state_public_api_block_of_the_docs_imports_as_written() -> None:
+    """``docs/optim_state.md``'s import block runs verbatim, and ``__all__`` names exactly what it imports."""
+    import re
+    from pathlib import Path
+
+    import ckpttool.optim_state as optim_state
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "optim_state.md").read_text()
+    block = re.search(r"```python\n(from ckpttool\.optim_state import \(.*?\)\n)", text, re.S)
+    assert block is not None
+    namespace: dict[str, object] = {}
+    exec(block.group(1), namespace)
+    names = set(re.findall(r"\b(\w+),", block.group(1).split("(", 1)[1]))
+    assert names == set(optim_state.__all__)
+    assert (
+        namespace["infer_optimizer_type"]({"step": "float32", "exp_avg": "float32", "exp_avg_sq": "float32"}) == "adamw"
+    )

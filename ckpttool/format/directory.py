@@ -102,6 +102,7 @@ class CheckpointDir:
         self._resolved: dict[str, Path] = {}
         self._sizes: dict[str, int] = {}
         self._fds: dict[str, int] = {}
+        self.closed = False  # after close(): no data file is opened again (a read is UsageError, not a leak)
         self._lock = threading.Lock()
         self.parts: dict[str, Path] = dict(parts or {})
         self.metadata: CheckpointMetadata
@@ -259,8 +260,10 @@ class CheckpointDir:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Close every data file descriptor (and delete a remote checkpoint's spool). Idempotent."""
+        """Close every data file descriptor (and delete a remote checkpoint's spool). Idempotent; a read of a
+        data file afterwards is :class:`UsageError`."""
         with self._lock:
+            self.closed = True
             if self.spool is None:
                 for fd in self._fds.values():
                     os.close(fd)
@@ -434,7 +437,14 @@ class CheckpointDir:
 
         Raises:
             PathEscapeError, DataFileError: escaping, missing or unreadable file.
+            UsageError (E100): the checkpoint was closed.
         """
+        if self.closed:
+            raise UsageError(
+                f"{self.path}: the checkpoint was closed; cannot read {relative_path}",
+                path=self.path,
+                hint="use it inside its `with ckpttool.open_checkpoint(...)` block, or open it again",
+            )
         fd = self._fds.get(relative_path)
         if fd is None and self.spool is not None:
             fd = self.spool.fd(relative_path, self.file_size(relative_path))

@@ -101,6 +101,12 @@ class CheckpointReader(CheckpointDir):
         metadata: CheckpointMetadata | None = None,
         parts: dict[str, Path] | None = None,
     ) -> None:
+        if not isinstance(trust_pickle, bool):  # "no" is truthy: it would run the checkpoint's pickles
+            raise UsageError(
+                f"`trust_pickle` must be True or False, got {type(trust_pickle).__name__} {trust_pickle!r:.40}",
+                param="trust_pickle",
+                hint="pass trust_pickle=True only for a checkpoint you trust (it runs code from it)",
+            )
         super().__init__(path, metadata=metadata, parts=parts)
         self.trust_pickle = trust_pickle
         self.verify_crc = verify_crc

@@ -50,6 +50,7 @@ __all__ = [
     "OpenOptions",
     "gc_held",
     "open_checkpoint",
+    "check_source",
     "open_source",
 ]
 
@@ -200,8 +201,13 @@ class Checkpoint:
 
         return read_hf_config(Path(where) / "config.json")
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called: an operation given it, or a read of a data file, is ``UsageError``."""
+        return bool(getattr(self.reader, "closed", False))
+
     def close(self) -> None:
-        """Close the data files. Idempotent."""
+        """Close the data files. Idempotent; reading them afterwards is ``UsageError`` (E100)."""
         self.reader.close()
 
     def __enter__(self) -> Checkpoint:
@@ -454,6 +460,44 @@ class OpenOptions:
 CheckpointOrPath: TypeAlias = "Checkpoint | str | os.PathLike[str]"
 
 
+def check_source(source: object, opening: object) -> OpenOptions:
+    """The :class:`OpenOptions` an operation opens ``source`` with (``OpenOptions()`` for ``None``).
+
+    Raises:
+        UsageError (E100): ``source`` is no :class:`Checkpoint`, path or URL; ``opening`` is no
+            :class:`OpenOptions`; ``source`` is a closed :class:`Checkpoint`; or ``opening`` is given
+            with an already opened checkpoint (its
+            declaration, ``trust_pickle`` and selection were fixed when it was opened).
+    """
+    if not isinstance(source, (Checkpoint, str, os.PathLike)):
+        raise UsageError(
+            f"`source` must be an opened Checkpoint, a path or a URL, got {type(source).__name__} {source!r:.80}",
+            param="source",
+            hint="pass the checkpoint directory, or what ckpttool.open_checkpoint returned",
+        )
+    if opening is not None and not isinstance(opening, OpenOptions):
+        raise UsageError(
+            f"`opening` must be an OpenOptions, got {type(opening).__name__} {opening!r:.80}",
+            param="opening",
+            hint="pass ckpttool.OpenOptions(declaration=..., trust_pickle=..., selection=...)",
+        )
+    if isinstance(source, Checkpoint) and source.closed:
+        raise UsageError(
+            f"{source.path}: the checkpoint was closed",
+            path=source.path,
+            param="source",
+            hint="run the operation inside its `with ckpttool.open_checkpoint(...)` block, or pass the path",
+        )
+    if isinstance(source, Checkpoint) and opening is not None and opening != OpenOptions():
+        raise UsageError(
+            f"{source.path}: declaration/trust_pickle/selection apply when opening a path; this Checkpoint is "
+            "open already",
+            param="opening",
+            hint="drop `opening`, or pass them to ckpttool.open_checkpoint",
+        )
+    return opening or OpenOptions()
+
+
 @contextmanager
 def open_source(
     source: CheckpointOrPath,
@@ -465,17 +509,13 @@ def open_source(
     (and closed after). How every operation accepts either: ``with open_source(src, opening) as ckpt: ...``.
 
     Raises:
-        ValueError: ``opening`` given with an already opened checkpoint (fixed when it was opened).
+        UsageError (E100): see :func:`check_source`.
         plus those of :func:`open_checkpoint`.
     """
+    o = check_source(source, opening)
     if isinstance(source, Checkpoint):
-        if opening is not None and opening != OpenOptions():
-            raise ValueError(
-                "declaration/trust_pickle/selection apply when opening a path; this Checkpoint is open already"
-            )
         yield source
         return
-    o = opening or OpenOptions()
     with open_checkpoint(
         source,
         declaration=o.declaration,

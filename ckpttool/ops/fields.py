@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["same_named"]
+from ckpttool.errors import UsageError
+
+__all__ = ["options_of", "same_named"]
+
+Opts = TypeVar("Opts")
+
+
+def options_of(options: Opts | None, cls: type[Opts]) -> Opts:
+    """An operation's ``options``: ``cls()`` for ``None``, else ``options`` itself.
+
+    Raises:
+        UsageError (E100): ``options`` is not a ``cls`` (a dict, a path given where the options go).
+    """
+    if options is None:
+        return cls()
+    if not isinstance(options, cls):
+        raise UsageError(
+            f"`options` must be a {cls.__name__}, got {type(options).__name__} {options!r:.80}",
+            param="options",
+            hint=f"pass ckpttool.{cls.__name__}(...) (outputs and the source go before it)",
+        )
+    return options
 
 
 def same_named(source: object, *names: str) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import canonical_model_key
 from ckpttool.ops import distributed
+from ckpttool.ops.fields import options_of
 
 if TYPE_CHECKING:
     from ckpttool.layouts.record import EPTensorSpec
@@ -405,7 +406,7 @@ def import_hf(
         OutputError: ``out`` exists (no ``overwrite``) or cannot be written.
     """
     _refuse_dcp_source(Path(hf_dir))
-    opts = options or ImportOptions()
+    opts = options_of(options, ImportOptions)
     report = _Report(progress or _no_progress, phase or _no_phase)
     if opts.ep_size is None and opts.ep_fsdp_size is None:
         return _import_plain(hf_dir, out, opts, report=report)

@@ -34,6 +34,7 @@ from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, ExtraState, 
 from ckpttool.model.discovery import Located
 from ckpttool.model.schemas.keyschema import KeySchema
 from ckpttool.model.schemas.nemo import hf_copies
+from ckpttool.ops.fields import options_of
 from ckpttool.optim_state.schema import HYPERPARAMETERS
 
 log = logging.getLogger(__name__)
@@ -847,4 +848,4 @@ def inspect(
         plus those of :func:`~ckpttool.model.checkpoint.open_checkpoint` (unusable ``.metadata``).
     """
     with gc_held(), open_source(source, opening, record_problems=True) as ckpt:
-        return _checked(ckpt, options or InspectOptions())
+        return _checked(ckpt, options_of(options, InspectOptions))

@@ -36,6 +36,7 @@ from ckpttool.format.metadata import BytesMeta, ChunkMeta, TensorMeta
 from ckpttool.format.perrank import PerRankReader
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
+from ckpttool.ops.fields import options_of
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -727,7 +728,7 @@ def write_manifest(
         UsageError: unknown ``algorithm`` or ``covers``; OutputError: ``out`` cannot be written;
         plus the reader's errors for damaged checkpoints.
     """
-    opts = options or ManifestOptions()
+    opts = options_of(options, ManifestOptions)
     algorithm, covers, out = opts.algorithm, opts.covers, opts.out
     _check_algorithm(algorithm)
     _check_covers(covers)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ckpttool.ops.fields import options_of
 from ckpttool.optim_state.schema import OPTIMIZER_TYPES
 
 if TYPE_CHECKING:
@@ -425,7 +426,7 @@ def write_sample(path: str | os.PathLike[str], options: SampleOptions | None = N
     from ckpttool.errors import UsageError
     from ckpttool.format.atomic import AtomicOutputDir
 
-    opts = options or SampleOptions()
+    opts = options_of(options, SampleOptions)
     steps, seed, optimizer = opts.steps, opts.seed, opts.optimizer
     if optimizer not in SAMPLE_OPTIMIZERS:
         raise UsageError(f"unknown sample optimizer {optimizer!r}", hint=f"use one of {', '.join(SAMPLE_OPTIMIZERS)}")

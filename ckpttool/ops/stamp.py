@@ -30,6 +30,7 @@ from ckpttool.layouts.geometry import EPGeometry, dim_intervals
 from ckpttool.layouts.record import SIDECAR_NAME, parse_layout_record
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
+from ckpttool.ops.fields import options_of
 from ckpttool.ops.reshard.plan import implied_optimizer, make_record
 
 __all__ = ["StampOptions", "StampResult", "stamp"]
@@ -95,7 +96,7 @@ def stamp(
             sidecar disagreeing (E403), an invalid record (E400-E402), nothing to verify (E400).
         OutputError: the directory is not writable.
     """
-    declaration = (options or StampOptions()).declaration
+    declaration = options_of(options, StampOptions).declaration
     if isinstance(source, Checkpoint):
         with open_source(source, opening) as ckpt:
             return _stamp(ckpt, declaration or ckpt.declaration)

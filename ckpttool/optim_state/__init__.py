@@ -19,6 +19,8 @@ __all__ = [
     "CPUOffloadAdamW",
     "MultiOptimizer",
     "build_optimizer",
+    "expected_state_dtypes",
+    "infer_optimizer_type",
     "check_saved_state",
     "CheckedLoadPlanner",
     "reference",
@@ -31,6 +33,8 @@ _WHERE = {
     "CPUOffloadAdamW": "ckpttool.optim_state.offload",
     "MultiOptimizer": "ckpttool.optim_state.multi",
     "build_optimizer": "ckpttool.optim_state.factory",
+    "expected_state_dtypes": "ckpttool.optim_state.schema",
+    "infer_optimizer_type": "ckpttool.optim_state.schema",
     "check_saved_state": "ckpttool.optim_state.checkpoint",
     "CheckedLoadPlanner": "ckpttool.optim_state.checkpoint",
 }
@@ -42,6 +46,7 @@ if TYPE_CHECKING:
     from ckpttool.optim_state.factory import build_optimizer
     from ckpttool.optim_state.multi import MultiOptimizer
     from ckpttool.optim_state.offload import CPUOffloadAdamW
+    from ckpttool.optim_state.schema import expected_state_dtypes, infer_optimizer_type
 
 
 __getattr__, __dir__ = lazy_attributes(__name__, _WHERE, __all__, submodules=("reference", "device"))

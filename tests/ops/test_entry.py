@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpttool.errors import ReplayMismatchError
+from ckpttool.errors import ReplayMismatchError, UsageError
 from ckpttool.model.checkpoint import OpenOptions
 from ckpttool.ops.entry import (
     data_file_warnings,
@@ -120,7 +120,7 @@ def test_ops_take_an_opened_checkpoint_or_a_path(dense_ckpt: Path) -> None:
     with open_checkpoint(dense_ckpt, record_problems=True) as ck:
         assert inspect(ck).to_dict() == inspect(dense_ckpt).to_dict()
         assert validate(ck).counts == validate(dense_ckpt, opening=OpenOptions()).counts
-        with pytest.raises(ValueError, match="open already"):
+        with pytest.raises(UsageError, match="open already"):
             inspect(ck, opening=OpenOptions(trust_pickle=True))
 
 
@@ -165,3 +165,63 @@ def test_replay_mismatch_names_the_worst() -> None:
     assert err.message == ("1 of 2 parameter(s) do not reproduce the reference step; worst w: exp_avg beyond tolerance")
     R.ok = True
     assert replay_mismatch(R()) is None  # type: ignore[arg-type]
+
+
+def test_a_wrong_source_options_or_opening_is_a_usage_error_naming_it(dense_ckpt: Path, tmp_path: Path) -> None:
+    """A path where the options go, a dict of options, an int source: E100 naming the parameter, before anything
+    is opened or written (these were AttributeError / TypeError from deep inside); an opened checkpoint given
+    an `opening` is refused by every operation alike (validate ignored it)."""
+    import ckpttool
+    from ckpttool.model.checkpoint import open_checkpoint
+
+    out = tmp_path / "out"
+    ops = {
+        "inspect": lambda src, o, op: ckpttool.inspect(src, o, opening=op),
+        "validate": lambda src, o, op: ckpttool.validate(src, o, opening=op),
+        "export": lambda src, o, op: ckpttool.export_checkpoint(src, out, o, opening=op),
+        "reshard": lambda src, o, op: ckpttool.reshard(src, out, o, opening=op),
+        "manifest": lambda src, o, op: ckpttool.write_manifest(src, o, opening=op),
+        "replay": lambda src, o, op: ckpttool.replay_step(src, o, opening=op),
+        "stamp": lambda src, o, op: ckpttool.stamp(src, o, opening=op),
+        "diff": lambda src, o, op: ckpttool.diff_checkpoints(src, dense_ckpt, o, opening_a=op),
+    }
+    for name, op in ops.items():
+        for src, o, opening, param in (
+            (dense_ckpt, str(tmp_path / "m.json"), None, "`options` must be a "),
+            (dense_ckpt, {"strict": True}, None, "`options` must be a "),
+            (5, None, None, "`source` must be an opened Checkpoint, a path or a URL, got int 5"),
+            (dense_ckpt, None, {"trust_pickle": True}, "`opening` must be an OpenOptions, got dict"),
+        ):
+            with pytest.raises(UsageError, match=param) as e:
+                op(src, o, opening)
+            assert e.value.code == "E100", name
+        with open_checkpoint(dense_ckpt) as ck, pytest.raises(UsageError, match="open already"):
+            op(ck, None, OpenOptions(trust_pickle=True))
+    assert not out.exists() and sorted(p.name for p in dense_ckpt.iterdir() if p.name == "m.json") == []
+
+
+def test_a_closed_checkpoint_is_a_usage_error_for_every_operation_and_read(dense_ckpt: Path, tmp_path: Path) -> None:
+    """After close() a read reopened the data files (descriptors nobody closed) and validate reported every
+    chunk's file as a finding (S011, exit 1): an operation given a closed checkpoint, or a read, is E100."""
+    import ckpttool
+    from ckpttool.model.checkpoint import open_checkpoint
+
+    with open_checkpoint(dense_ckpt, record_problems=True) as ck:
+        key = next(k for k in ck.catalog.model)
+        assert not ck.closed
+    assert ck.closed
+    out = tmp_path / "out"
+    for op in (
+        lambda: ckpttool.inspect(ck),
+        lambda: ckpttool.validate(ck),
+        lambda: ckpttool.export_checkpoint(ck, out),
+        lambda: ckpttool.write_manifest(ck, ckpttool.ManifestOptions(out=str(tmp_path / "m.json"))),
+        lambda: ckpttool.replay_step(ck),
+        lambda: ckpttool.diff_checkpoints(dense_ckpt, ck),
+    ):
+        with pytest.raises(UsageError, match=f"^\\[E100\\] {dense_ckpt}: the checkpoint was closed$") as e:
+            op()
+        assert e.value.code == "E100"
+    with pytest.raises(UsageError, match="the checkpoint was closed; cannot read"):
+        ck.reader.read_tensor(key)
+    assert ck.reader._fds == {} and not out.exists() and not (tmp_path / "m.json").exists()

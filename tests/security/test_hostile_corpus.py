@@ -190,3 +190,25 @@ def test_round4_attacks_are_live_against_the_reference_readers(
     forged = corpus["temp_named_forged_marker"].ckpt
     doc = json.loads((forged / ".ckpttool-output.json").read_text())
     assert forged.name == f".{hostile.TMP_OUT}.ckpttool-tmp-999999-{doc['token']}" and doc["pid"] == 999999
+
+
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None])
+def test_a_trust_pickle_that_is_not_a_bool_is_refused_and_runs_nothing(
+    tmp_path: Path, sample_ckpt: Path, value: object
+) -> None:
+    """``OpenOptions(trust_pickle="no")`` was truthy: the library ran the checkpoint's pickle (the canary appeared)."""
+    import ckpttool
+    from ckpttool.errors import UsageError
+
+    entries = hostile.build_corpus(tmp_path / "corpus", sample_ckpt, ("byte_item_canary",))
+    live = tmp_path / "corpus" / hostile.CANARY_DIRNAME
+    ckpt = entries["byte_item_canary"].ckpt
+    for op in (
+        lambda: ckpttool.inspect(ckpt, opening=ckpttool.OpenOptions(trust_pickle=value)),  # type: ignore[arg-type]
+        lambda: ckpttool.open_checkpoint(ckpt, trust_pickle=value),  # type: ignore[arg-type]
+        lambda: ckpttool.CheckpointReader(ckpt, trust_pickle=value),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(UsageError, match="`trust_pickle` must be True or False") as e:
+            op()
+        assert e.value.code == "E100"
+    assert list(live.iterdir()) == []

@@ -34,7 +34,14 @@ from ckpttool.format.perrank_formats import detect_layout
 from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.catalog import TensorEntry, match_filter
-from ckpttool.model.checkpoint import Checkpoint, OpenOptions, open_checkpoint
+from ckpttool.model.checkpoint import (
+    Checkpoint,
+    CheckpointOrPath,
+    OpenOptions,
+    check_source,
+    open_checkpoint,
+    open_source,
+)
 from ckpttool.model.schemas.base import canonical_group_key, canonical_state_key
 from ckpttool.ops.diff.compare import BLOCK_ELEMENTS, Metrics, ValueCompare, ValueDiff, compare_tensors, unravel
 from ckpttool.ops.diff.gather import gathered_values, short_tensor
@@ -50,6 +57,7 @@ from ckpttool.ops.diff.result import (
 )
 from ckpttool.ops.diff.sides import side_openings
 from ckpttool.ops.export.transform import Run
+from ckpttool.ops.fields import options_of
 
 __all__ = ["Namer", "Side", "diff_checkpoints"]
 
@@ -65,8 +73,12 @@ class Side:
         only_file: a single ``.safetensors`` file given: only its tensors belong to the side.
     """
 
-    def __init__(self, label: str, path: Path, ckpt: Checkpoint, kind: str, only_file: str | None) -> None:
+    def __init__(
+        self, label: str, path: Path, ckpt: Checkpoint, kind: str, only_file: str | None, *, owned: bool = True
+    ) -> None:
         self.label = label
+        self.owned = owned  # opened here (closed by close()), not the caller's opened Checkpoint
+        self.read_before = ckpt.reader.bytes_read  # what an opened Checkpoint had read before this diff
         self.path = path
         self.ckpt = ckpt
         self.kind = kind
@@ -160,7 +172,8 @@ class Side:
 
     def close(self) -> None:
         self._cached = self._buf = None
-        self.ckpt.close()
+        if self.owned:
+            self.ckpt.close()
 
 
 def _bits(t: Any) -> Any:
@@ -188,9 +201,12 @@ def _hf_side(where: Path, only_file: str | None) -> bool:
 
 def _open_side(
     label: str,
-    path: str | os.PathLike[str],
+    path: CheckpointOrPath,
     opening: OpenOptions,
 ) -> Side:
+    if isinstance(path, Checkpoint):  # the caller's, opened already: used as it is and left open
+        with open_source(path, opening) as ckpt:
+            return Side(label, Path(ckpt.path), ckpt, _side_kind(ckpt), None, owned=False)
     p = Path(path)
     only_file = None
     where = p
@@ -218,14 +234,17 @@ def _open_side(
                 hint="pass a DCP checkpoint directory, a safetensors directory or file, or a PEFT adapter directory",
             ) from e
         raise
+    return Side(label, p, ckpt, _side_kind(ckpt), only_file)
+
+
+def _side_kind(ckpt: Checkpoint) -> str:
+    """``dcp``, ``lora`` (a PEFT adapter directory) or ``safetensors``: how an opened side is named."""
     model_dir = Path(ckpt.located.model)
     if ckpt.metadata.serialization != "safetensors" or isinstance(ckpt.reader, PerRankReader):
-        kind = "dcp"  # a per-rank save (raw shard windows) has torch-native keys and optimizer state as a DCP
-    elif (model_dir / "adapter_config.json").is_file() or (model_dir / "adapter_model.safetensors").is_file():
-        kind = "lora"
-    else:
-        kind = "safetensors"
-    return Side(label, p, ckpt, kind, only_file)
+        return "dcp"  # a per-rank save (raw shard windows) has torch-native keys and optimizer state as a DCP
+    if (model_dir / "adapter_config.json").is_file() or (model_dir / "adapter_model.safetensors").is_file():
+        return "lora"
+    return "safetensors"
 
 
 # ---------------------------------------------------------------------------------------------- naming
@@ -969,7 +988,9 @@ def _check_options(opts: DiffOptions) -> None:
     if opts.weights not in ("params", "master"):
         raise UsageError(f"`weights` {opts.weights!r} is not one of params, master", param="weights")
     for p, v in (("rtol", opts.rtol), ("atol", opts.atol)):
-        if v is not None and not (math.isfinite(v) and v >= 0):  # inf: every value within (and no JSON number)
+        if v is not None and (  # inf: every value within (and no JSON number)
+            not isinstance(v, (int, float)) or isinstance(v, bool) or not (math.isfinite(v) and v >= 0)
+        ):
             raise UsageError(
                 f"`{p}` must be a finite number >= 0, got {v} (an infinite or NaN tolerance accepts any values, so "
                 "no difference could be found)",
@@ -985,8 +1006,8 @@ def _check_options(opts: DiffOptions) -> None:
 
 
 def diff_checkpoints(
-    a: str | os.PathLike[str],
-    b: str | os.PathLike[str],
+    a: CheckpointOrPath,
+    b: CheckpointOrPath,
     options: DiffOptions | None = None,
     *,
     progress: Callable[[int, int], None] | None = None,
@@ -998,7 +1019,8 @@ def diff_checkpoints(
 
     Args:
         a, b: each a DCP checkpoint directory (or a directory above one), a safetensors
-            directory or file, or a PEFT adapter directory.
+            directory or file, or a PEFT adapter directory; or an opened :class:`Checkpoint` of
+            one (used as it is, left open; its side then takes no ``opening_*`` or step).
         options: :class:`DiffOptions`.
         progress: ``progress(bytes done, bytes total)``: the stored bytes of both sides' values
             to compare, the total known before the first is read; called after each pair.
@@ -1019,15 +1041,15 @@ def diff_checkpoints(
         LayoutError (E405): an undeclared ambiguous EP layout.
         plus the reader's errors for damaged inputs (E1xx-E3xx).
     """
-    opts = options or DiffOptions()
+    opts = options_of(options, DiffOptions)
     _check_options(opts)
-    opening_a, opening_b = side_openings(a, b, opts, opening_a or OpenOptions(), opening_b or OpenOptions())
+    opening_a, opening_b = side_openings(a, b, opts, check_source(a, opening_a), check_source(b, opening_b))
     t0 = time.perf_counter()
     say = phase or (lambda text: None)
-    say(f"opening A ({a})")
+    say(f"opening A ({a.path if isinstance(a, Checkpoint) else a})")
     sa = _open_side("A", a, opening_a)
     try:
-        say(f"opening B ({b})")
+        say(f"opening B ({b.path if isinstance(b, Checkpoint) else b})")
         sb = _open_side("B", b, opening_b)
     except BaseException:
         sa.close()
@@ -1147,7 +1169,7 @@ def _diff(
         tally.count,
         excluded,
         notes,
-        a.reader.bytes_read + b.reader.bytes_read,
+        a.reader.bytes_read - a.read_before + (b.reader.bytes_read - b.read_before if b.reader is not a.reader else 0),
         seconds,
         a.adapter or b.adapter,
         sorted(tally.stats, key=lambda t: t.order),

@@ -2,26 +2,31 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 
 from ckpttool.errors import UsageError
-from ckpttool.model.checkpoint import OpenOptions
+from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions
 from ckpttool.model.discovery import CheckpointSelection, is_checkpoint_dir
 from ckpttool.ops.diff.result import DiffOptions
 
 __all__ = ["side_openings"]
 
 
-def _is_run_root(path: Path) -> bool:
-    """A directory that is no checkpoint itself (no ``.metadata``, no safetensors): a step is picked below it."""
-    return path.is_dir() and not is_checkpoint_dir(path)
+def _is_run_root(path: Path | None) -> bool:
+    """A directory that is no checkpoint itself (no ``.metadata``, no safetensors): a step is picked below it
+    (``None``: an opened :class:`Checkpoint`, whose step was chosen when it was opened)."""
+    return path is not None and path.is_dir() and not is_checkpoint_dir(path)
+
+
+def _path_of(side: CheckpointOrPath) -> Path | None:
+    """The side's path, ``None`` for an opened :class:`Checkpoint`."""
+    return None if isinstance(side, Checkpoint) else Path(side)
 
 
 def side_openings(
-    a: str | os.PathLike[str],
-    b: str | os.PathLike[str],
+    a: CheckpointOrPath,
+    b: CheckpointOrPath,
     opts: DiffOptions,
     opening_a: OpenOptions,
     opening_b: OpenOptions,
@@ -33,11 +38,12 @@ def side_openings(
         UsageError (E100): ``a_step``/``b_step`` given for a side that is a checkpoint itself; ``step`` given but
             neither side is a run's checkpoint root; a step that is neither an integer >= 0 nor ``latest``.
     """
-    pa, pb = Path(a), Path(b)
+    pa, pb = _path_of(a), _path_of(b)
     for side, path, own in (("a", pa, opts.a_step), ("b", pb, opts.b_step)):
-        if own is not None and path.is_dir() and not _is_run_root(path):
+        if own is not None and (path is None or (path.is_dir() and not _is_run_root(path))):
+            where = "the opened Checkpoint" if path is None else path
             raise UsageError(
-                f"`{side}_step` {own} given, but {path} is a checkpoint itself",
+                f"`{side}_step` {own} given, but {where} is a checkpoint itself",
                 param=f"{side}_step",
                 hint=f"pass the directory that holds the step directories, or drop `{side}_step`",
             )
@@ -45,11 +51,15 @@ def side_openings(
     sb = opts.b_step if opts.b_step is not None else (opts.step if _is_run_root(pb) else None)
     if opts.step is not None and opts.a_step is None and opts.b_step is None and sa is None and sb is None:
         raise UsageError(
-            f"`step` {opts.step} given, but neither {pa} nor {pb} is a directory of several checkpoints",
+            f"`step` {opts.step} given, but neither {_shown(a)} nor {_shown(b)} is a directory of several checkpoints",
             param="step",
             hint="drop `step`, or pass a run's checkpoint root (the directory above its step directories)",
         )
     return _with_step(opening_a, sa), _with_step(opening_b, sb)
+
+
+def _shown(side: CheckpointOrPath) -> str:
+    return str(side.path) if isinstance(side, Checkpoint) else str(side)
 
 
 def _with_step(opening: OpenOptions, step: str | None) -> OpenOptions:

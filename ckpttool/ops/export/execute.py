@@ -66,7 +66,7 @@ from ckpttool.ops.export.plan import (
 )
 from ckpttool.ops.export.rules import ExportRules, load_rules
 from ckpttool.ops.export.transform import Cast, Run, RunMap, SlabTransform, env_slab_bytes, stream_chunk
-from ckpttool.ops.fields import same_named
+from ckpttool.ops.fields import options_of, same_named
 from ckpttool.ops.manifest import MANIFEST_NAME, SOURCE_METADATA_KEY, safetensors_manifest, source_identity
 
 if TYPE_CHECKING:
@@ -853,7 +853,7 @@ def export_checkpoint(
         LayoutError: an undeclared ambiguous EP layout (E405), conflicting records (E403/E404).
         plus the reader's errors for damaged checkpoints (E2xx/E3xx).
     """
-    opts = options or ExportOptions()
+    opts = options_of(options, ExportOptions)
     _check_options(opts)
     rules = load_rules(opts.rules)
     model_config = _read_model_config(opts.model_assets)

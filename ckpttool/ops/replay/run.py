@@ -27,7 +27,7 @@ from ckpttool.errors import DeviceUnavailableError, UsageError
 from ckpttool.format.jsonview import json_fields, json_number
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.model.counters import lost_optimizer_state
-from ckpttool.ops.fields import same_named
+from ckpttool.ops.fields import options_of, same_named
 from ckpttool.ops.replay.compare import (
     FieldError,
     compare_field,
@@ -447,7 +447,7 @@ def replay_step(
             tensor when gradients come from a file.
         CkptError: unreadable or unsafe checkpoint.
     """
-    opts = options or ReplayOptions()
+    opts = options_of(options, ReplayOptions)
     opts.check()
     with open_source(source, opening) as ckpt:
         return _replay(ckpt, opts, on_param, progress, phase or (lambda text: None))

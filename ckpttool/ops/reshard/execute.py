@@ -42,7 +42,7 @@ from ckpttool.layouts.record import SIDECAR_NAME
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.ops import distributed
-from ckpttool.ops.fields import same_named
+from ckpttool.ops.fields import options_of, same_named
 from ckpttool.ops.manifest import MANIFEST_NAME, source_identity, write_output_manifest
 from ckpttool.ops.reshard.plan import ReshardOptions, ReshardPlan, TensorPlan, origin_world, plan_reshard
 
@@ -503,7 +503,7 @@ def reshard(
         UsageError, LayoutError, ReshardError, ChunkError: see
             :func:`~ckpttool.ops.reshard.plan.plan_reshard`; OutputError: bad target.
     """
-    opts = options or ReshardOptions()
+    opts = options_of(options, ReshardOptions)
     with open_source(source, opening) as ckpt:
         return _reshard(ckpt, output_location(out), opts, progress, phase or (lambda text: None))
 

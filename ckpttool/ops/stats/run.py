@@ -11,6 +11,7 @@ Memory: one slice per worker and lockstep member, plus the per-tensor sums.
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +25,7 @@ from ckpttool.engine.stats import SlabStats
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.model.catalog import TensorEntry, match_filter
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
-from ckpttool.ops.fields import same_named
+from ckpttool.ops.fields import options_of, same_named
 from ckpttool.ops.stats.compute import (
     AdamHyper,
     Moments,
@@ -554,24 +555,31 @@ def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str
 
 
 def collect_stats(
-    sources: Sequence[CheckpointOrPath],
-    options: StatsOptions,
+    sources: CheckpointOrPath | Sequence[CheckpointOrPath],
+    options: StatsOptions | None = None,
     *,
     progress: Progress = None,
     opening: OpenOptions | None = None,
     phase: Callable[[str], None] | None = None,
 ) -> StatsResult:
-    """Statistics of each checkpoint of ``sources`` (in order) and the per-layer change between
-    consecutive ones.
+    """Statistics of each checkpoint of ``sources`` (in order; one checkpoint or path alone is a
+    sequence of one) and the per-layer change between consecutive ones.
 
     ``progress(done_bytes, total_bytes)`` per checkpoint measured (``(0, total)`` once planned, then
     after each chunk); ``phase(text)`` as each step starts: ``opening PATH i/n``, ``measuring PATH i/n``,
     ``comparing steps``.
 
     Raises:
-        UsageError: no source, more than :data:`MAX_CHECKPOINTS`, or nothing to measure (filters).
+        UsageError: no source, more than :data:`MAX_CHECKPOINTS`, ``options`` that are no
+            :class:`StatsOptions`, ``filters`` that are no sequence of non-empty globs, or nothing
+            to measure (filters).
         CkptError: a checkpoint cannot be opened or a chunk is damaged (as for every reader).
     """
+    if isinstance(sources, (str, os.PathLike, Checkpoint)):
+        sources = [sources]
+    options = options_of(options, StatsOptions)
+    if isinstance(options.filters, str) or any(not isinstance(g, str) or not g for g in options.filters):
+        raise UsageError(f"`filters` {options.filters!r} is not a sequence of non-empty globs", param="filters")
     if not sources:
         raise UsageError("no checkpoint given", hint="ckpttool stats CKPT [CKPT ...]")
     if len(sources) > MAX_CHECKPOINTS:

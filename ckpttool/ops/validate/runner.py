@@ -23,8 +23,9 @@ from ckpttool.errors import (
     StepNotFoundError,
     UsageError,
 )
-from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, gc_held, open_checkpoint
+from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, check_source, gc_held, open_checkpoint
 from ckpttool.model.hfconfig import read_hf_config
+from ckpttool.ops.fields import options_of
 from ckpttool.ops.validate import rules as _rules  # noqa: F401 - registers the rules
 from ckpttool.ops.validate.base import RULES, Finding, Rule, Severity, select_rules
 from ckpttool.ops.validate.context import Context
@@ -283,14 +284,15 @@ def validate(
         AmbiguousCheckpointError, StepNotFoundError: which checkpoint below ``source`` is not clear.
         SchemaError: a key-schema override that matches nothing.
     """
-    opts = options or ValidateOptions()
+    opts = options_of(options, ValidateOptions)
+    opening = check_source(source, opening)
     if opts.manifest == "":
         _refuse_own_manifest_of_url(source.located.given if isinstance(source, Checkpoint) else source)
     say = phase or (lambda text: None)
     with gc_held():  # one pause for open + rules: each re-enable triggers a full collection
         if isinstance(source, Checkpoint):
             return _validate_open(source, opts, progress, say)
-        return _validate_path(source, opts, opening or OpenOptions(), progress, say)
+        return _validate_path(source, opts, opening, progress, say)
 
 
 def _refuse_own_manifest_of_url(source: str | os.PathLike[str]) -> None:

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
 from ckpttool.commands.schema import load_schema
+from ckpttool.errors import UsageError
 from ckpttool.format import CheckpointReader
 from ckpttool.model.checkpoint import OpenOptions
 from ckpttool.ops.diff import DiffOptions, diff_checkpoints
@@ -359,3 +360,33 @@ def test_what_optimizer_against_a_safetensors_side_is_refused_not_equal(dense_ck
         assert len(err) == 2 and err[0].startswith(f"error: [E610] {tmp_path / 'hf'}: --what optimizer but "), err
         assert "no optimizer state" in err[0] and err[1].startswith("hint: ")
     assert diff_json(dense_ckpt, tmp_path / "hf", "--what", "all", code=0)["counts"]["compared"] > 0
+
+
+def test_an_opened_checkpoint_is_compared_as_its_path_is_and_left_open(dense_ckpt: Path, tmp_path: Path) -> None:
+    """Every operation takes an opened Checkpoint (docs/design.md §5); diff raised a TypeError on one."""
+    from ckpttool.model.checkpoint import open_checkpoint
+
+    changed = resave(dense_ckpt, tmp_path / "changed", (DOWN, (0, 0)))
+
+    def doc(a: Any, b: Any) -> dict[str, Any]:
+        d = diff_checkpoints(a, b, DiffOptions(what="all")).to_dict()
+        d.pop("seconds")
+        return json.loads(json.dumps(d))
+
+    want_same, want_changed = doc(dense_ckpt, dense_ckpt), doc(dense_ckpt, changed)
+    with open_checkpoint(dense_ckpt) as ckpt:
+        assert doc(ckpt, dense_ckpt) == want_same
+        both = doc(ckpt, ckpt)  # one reader for both sides
+        assert {**both, "bytes_read": 0} == {**want_same, "bytes_read": 0} and 0 < both["bytes_read"]
+        got = doc(ckpt, changed)  # bytes_read: this diff's reads (items loaded once are not read again), not the
+        assert {**got, "bytes_read": 0} == {**want_changed, "bytes_read": 0}  # handle's earlier reads as well
+        assert 0 < got["bytes_read"] <= want_changed["bytes_read"]
+        assert ckpt.reader.read_tensor(DOWN).shape == ckpt.metadata.entries[DOWN].size  # still open
+        with pytest.raises(UsageError, match="a_step"):
+            diff_checkpoints(ckpt, changed, DiffOptions(a_step="latest"))
+
+
+@pytest.mark.parametrize("field", ["rtol", "atol"])
+def test_a_tolerance_of_another_type_is_a_usage_error(dense_ckpt: Path, field: str) -> None:
+    with pytest.raises(UsageError, match=f"`{field}` must be a finite number"):
+        diff_checkpoints(dense_ckpt, dense_ckpt, DiffOptions(**{field: "1e-3"}))  # type: ignore[arg-type]

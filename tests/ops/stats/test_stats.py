@@ -418,3 +418,22 @@ def test_change_of_a_layer_that_became_nan_is_not_a_number(tmp_path: Path) -> No
     ]
     table = runner.invoke(app, ["stats", str(a), str(b)]).stdout
     assert re.search(r"│ layers\.1 +│ +nan │", table), table
+
+
+def test_one_source_and_no_options_are_the_list_of_one_and_the_defaults(dense_ckpt: Path) -> None:
+    """``collect_stats("ckpt/")`` split the path into characters ("c: no such directory"), ``options=None``
+    was an AttributeError, and a str ``filters`` was globbed character by character."""
+    from ckpttool.errors import UsageError
+    from ckpttool.model.checkpoint import open_checkpoint
+
+    def measured(res: Any) -> str:
+        return re.sub(r'"seconds": [0-9.e-]+', "", json.dumps(res.to_dict()["checkpoints"]))
+
+    want = measured(collect_stats([dense_ckpt], StatsOptions()))
+    assert measured(collect_stats(str(dense_ckpt))) == want
+    with open_checkpoint(dense_ckpt) as ck:
+        assert measured(collect_stats(ck)) == want
+    with pytest.raises(UsageError, match="`filters` 'model.\\*' is not a sequence of non-empty globs"):
+        collect_stats([dense_ckpt], StatsOptions(filters="model.*"))  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="`options` must be a StatsOptions, got dict"):
+        collect_stats([dense_ckpt], {})  # type: ignore[arg-type]
