@@ -15,6 +15,15 @@ from ckpttool.format.metadata import ChunkMeta, TensorMeta
 __all__ = ["row_major_stride", "contiguous_run", "tiling_problem", "MAX_SHARDED_DIMS"]
 
 
+def unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
+    """The index in ``shape`` (C order) of flat element ``flat`` (``[]`` for a 0-d shape)."""
+    out = []
+    for d in reversed(shape):
+        flat, r = divmod(flat, d) if d else (flat, 0)
+        out.append(r)
+    return out[::-1]
+
+
 def row_major_stride(size: tuple[int, ...]) -> tuple[int, ...]:
     """Strides (elements) of a contiguous C-order tensor of ``size`` (torch's ``Tensor.stride()``).
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpttool.engine.memcmp import memcmp
+from ckpttool.format.tiling import unravel
 
 __all__ = [
     "BLOCK_ELEMENTS",
@@ -98,15 +99,6 @@ class ValueDiff:
     a_value: float | int | bool | None = None
     b_value: float | int | bool | None = None
     metrics: Metrics | None = IDENTICAL
-
-
-def unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
-    """The index in ``shape`` (C order) of flat element ``flat``."""
-    out = []
-    for s in reversed(shape):
-        flat, r = divmod(flat, s) if s else (flat, 0)
-        out.append(r)
-    return out[::-1]
 
 
 def same_bytes(a: Any, b: Any) -> bool:

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ExportError, QuantizationError, UsageError
+from ckpttool.format.tiling import unravel
 from ckpttool.ops.export.outputs import OutputFormat, PieceContext, PiecesFn, SourcePieces
 
 if TYPE_CHECKING:
@@ -997,7 +998,7 @@ class BlockQuantizer:
         while r < s1:
             outer, inner = divmod(r, lead)
             n = min(s1 - r, lead - inner)
-            idx = _unravel(outer, size[:-2])
+            idx = tuple(unravel(outer, size[:-2]))
             for c in chunks:
                 co, cs = c.offsets, c.sizes
                 if any(not co[d] <= idx[d] < co[d] + cs[d] for d in range(len(idx))):
@@ -1094,15 +1095,6 @@ def _held(dtype: str) -> Any:
     import numpy as np
 
     return {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}.get(dtype)
-
-
-def _unravel(flat: int, dims: tuple[int, ...]) -> tuple[int, ...]:
-    """C-order index of ``flat`` in ``dims`` (``()`` for no dims)."""
-    out = []
-    for d in reversed(dims):
-        flat, i = divmod(flat, d)
-        out.append(i)
-    return tuple(reversed(out))
 
 
 def _source_ranges(segments: tuple[Segment, ...], r0: int, r1: int) -> list[Segment]:

@@ -26,6 +26,7 @@ from ckpttool.engine.crc import crc32
 from ckpttool.engine.io import BLOCK_BYTES
 from ckpttool.errors import ChunkError, DataFileError, ExportError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta
+from ckpttool.format.tiling import unravel
 
 if TYPE_CHECKING:
     import numpy as np
@@ -327,21 +328,13 @@ def float16_overflow_error(
 ) -> ExportError:
     """E601 for a finite ``src_dtype`` ``value`` at global flat index ``flat`` of tensor ``key`` (``shape``)
     that a cast to float16 (largest finite 65504) would write as infinity."""
-    at = f" at {[int(i) for i in _unravel(flat, shape)]}" if flat is not None and shape else ""
+    at = f" at {[int(i) for i in unravel(flat, shape)]}" if flat is not None and shape else ""
     return ExportError(
         f"{key}: finite {src_dtype} value(s) beyond float16's range (+-65504) would be written as infinity, "
         f"e.g. {value:g}{at}",
         fqn=key,
         hint="export with `save_dtype` bfloat16 (float32's range) or preserve; float16 holds values up to 65504",
     )
-
-
-def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
-    out = []
-    for d in reversed(shape):
-        flat, r = divmod(flat, d)
-        out.append(r)
-    return out[::-1]
 
 
 # ---------------------------------------------------------------------------------------------- streaming
