@@ -197,13 +197,16 @@ class Scan:
     ``dtypes``: each stream's IEEE float dtype; ``folds``: each stream's statistics request
     (:class:`~ckpttool.engine.stats.Need`; ``None``: CRC-32 only); ``pairs``: the pair kernels;
     ``handback(slabs, first, which)``: called with a slab group that pair kernels ``which`` (a bit
-    mask of indices into ``pairs``) hand back for the caller's exact path (the slabs' folds are done).
+    mask of indices into ``pairs``) hand back for the caller's exact path (the slabs' folds are done);
+    ``crcs``: which streams' CRC-32s the caller uses (``None``: all; a stream not folded always has it):
+    a DCP data file stores no CRC-32 of its raw tensor bytes, so computing one there checks nothing.
     """
 
     dtypes: tuple[str, ...]
     folds: tuple[Need | None, ...]
     pairs: tuple[PairKernel, ...] = ()
     handback: Callable[[list[Any], int, int], object] | None = None
+    crcs: tuple[bool, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

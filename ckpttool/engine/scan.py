@@ -43,6 +43,8 @@ class _CStream(ctypes.Structure):
         ("dt", ctypes.c_int32),
         ("fold", ctypes.c_int32),
         ("need", ctypes.c_int32),
+        ("crc_on", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
         ("limit", ctypes.c_uint64),
         ("stride", ctypes.c_uint64),
         ("buf", ctypes.c_void_p),
@@ -69,9 +71,10 @@ class PairResult:
 
 @dataclass
 class ScanResult:
-    """:func:`run_scan` 's result: each stream's CRC-32 and statistics (``None``: not folded), each pair's result."""
+    """:func:`run_scan` 's result: each stream's CRC-32 (``None``: not asked for, :attr:`Scan.crcs`) and
+    statistics (``None``: not folded), each pair's result."""
 
-    crcs: tuple[int, ...]
+    crcs: tuple[int | None, ...]
     stats: tuple[SlabStats | None, ...]
     pairs: tuple[PairResult, ...]
 
@@ -117,6 +120,7 @@ def run_scan(ls: Lockstep) -> ScanResult | None:
         bufs.append(buf)
         s = streams[i]
         s.offset, s.fd, s.dt, s.buf = ws[0].offset, ws[0].fd, NATIVE_DTYPE[dtype], buf.ctypes.data
+        s.crc_on = sc.crcs is None or sc.crcs[i] or need is None
         if need is not None:
             s.fold = 1
             s.need, s.limit, s.stride = c_flags(need, dtype)
@@ -149,4 +153,5 @@ def run_scan(ls: Lockstep) -> ScanResult | None:
             merge_c(acc, s.acc)
         stats.append(acc)
     results = tuple(PairResult(int(p.count), p.s2, p.top) for p, _ in zip(pairs, sc.pairs))
-    return ScanResult(tuple(int(s.crc) for s in streams), tuple(stats), results)
+    crcs = tuple(int(s.crc) if s.crc_on else None for s in streams)
+    return ScanResult(crcs, tuple(stats), results)

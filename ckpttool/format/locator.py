@@ -97,6 +97,13 @@ class ChunkLocation:
         )
 
     @property
+    def has_crc(self) -> bool:
+        """The record is a zip entry of a ``torch.save`` archive (what ``dcp.save`` writes per chunk), which
+        stores the CRC-32 of its bytes (:meth:`check_crc` compares it); a safetensors-stored chunk (torch's
+        Hugging Face storage writer, NeMo Automodel) and an empty storage have none."""
+        return self.record.member is not None
+
+    @property
     def data_start(self) -> int:
         """Absolute offset in the data file of the raw storage record's first byte (``in_file`` locations)."""
         return self.info.offset + self.record.data_offset
@@ -106,13 +113,15 @@ class ChunkLocation:
         """``'<file>: '<key>' chunk at <offsets>'`` for messages."""
         return f"{self.file}: {self.key!r} chunk at {self.chunk.offsets}"
 
-    def check_crc(self, crc: int) -> None:
-        """Compare the CRC-32 of the record's bytes as read with the one its zip entry holds.
+    def check_crc(self, crc: int | None) -> None:
+        """Compare the CRC-32 of the record's bytes as read with the one its zip entry holds (``crc``
+        ``None``: not computed, for a record without one: :attr:`has_crc` false).
 
         Raises:
             ChecksumError: they differ (the stored values are not the ones that were saved).
         """
-        if self.record.member is not None and crc != self.record.crc32:
+        assert crc is not None or not self.has_crc, "a record with a stored CRC-32 read without computing one"
+        if self.has_crc and crc != self.record.crc32:
             raise ChecksumError(
                 f"{self.where}: storage record fails its CRC-32 check (stored {self.record.crc32:08x}, "
                 f"read {crc:08x}): the bytes changed after they were saved",

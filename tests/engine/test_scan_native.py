@@ -89,13 +89,19 @@ def test_scan_equals_numpy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mapp
         pairs = (PairKernel("equal", 0, 1), PairKernel("adam", 2, 3, 1e-8), PairKernel("ratio", 2, 3))
         scan = Scan(dtypes, _FOLDS, pairs, lambda s, e0, which: back.append((e0, which, [bytes(x) for x in s])))
         res = run_scan(Lockstep(streams, (2, 4, 4, 4), lambda s, _: None, SLAB, scan))
+        # the streams whose CRC-32 is not asked for: the same statistics and pairs, no CRC-32
+        part = Scan(dtypes, _FOLDS, pairs, lambda *_: None, (True, False, False, True))
+        some = run_scan(Lockstep(streams, (2, 4, 4, 4), lambda s, _: None, SLAB, part))
         with pytest.raises(ShortReadError):
             short = Scan(("bfloat16",), (Need(),))
             run_scan(Lockstep(((Window(fd, len(raw[0]), 100 * N),),), (2,), lambda s, _: None, SLAB, short))
     finally:
         os.close(fd)
-    assert res is not None
+    assert res is not None and some is not None
     assert res.crcs == tuple(zlib.crc32(r) for r in raw)
+    assert some.crcs == (res.crcs[0], None, None, res.crcs[3])
+    assert some.stats == res.stats
+    assert some.pairs == res.pairs
     accs, equal_back, ratio_back, top = _reference(list(arrs.values()), dtypes)
     for got, want, need in zip(res.stats, accs, _FOLDS):
         if need is None:

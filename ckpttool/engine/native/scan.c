@@ -39,6 +39,7 @@
 typedef struct {
     int64_t offset; /* file offset of the stream's value 0 */
     int32_t fd, dt, fold, need;
+    int32_t crc_on, pad;    /* crc_on: compute the CRC-32 (0: the stream has no stored CRC-32 to check) */
     uint64_t limit, stride; /* the bound's magnitude pattern (NEED_BOUND); the subnormal sample's stride */
     uint8_t *buf;           /* slab values of this stream */
     uint64_t crc;           /* running CRC-32 */
@@ -160,7 +161,7 @@ static int scan_slab(ckpt_scan_stream *s, int32_t ns, ckpt_scan_pair *p, int32_t
             size_t item = ITEM[t->dt];
             uint8_t *at = view[i].buf + lo * item;
             if (!src[i] && read_full(t->fd, at, k * item, t->offset + (e + (int64_t)lo) * (int64_t)item, err)) return -1;
-            t->crc = ckpt_crc32(crc, (uint32_t)t->crc, at, k * item);
+            if (t->crc_on) t->crc = ckpt_crc32(crc, (uint32_t)t->crc, at, k * item);
             if (t->fold) ckpt_stats_slab(&t->acc, at, k, t->dt, t->need & ~NEED_SUBNORMAL, t->limit, 0);
         }
         pairs_piece(view, p, np, lo, k, hand);

@@ -342,7 +342,7 @@ def _streams(members: tuple[Member, ...]) -> tuple[list[Any], list[str], tuple[t
     return locs, dtypes, streams
 
 
-def _checked(members: tuple[Member, ...], locs: list[Any], dtypes: list[str], crcs: tuple[int, ...]) -> None:
+def _checked(members: tuple[Member, ...], locs: list[Any], dtypes: list[str], crcs: tuple[int | None, ...]) -> None:
     """Count the members' bytes read and check their records' CRC-32s."""
     for m, loc, d, crc in zip(members, locs, dtypes, crcs):
         m[0].count_read(m[2].numel * DTYPE_ITEMSIZE[d])
@@ -364,7 +364,8 @@ def _scan(
         return None
     locs, dtypes, streams = located
     items = tuple(DTYPE_ITEMSIZE[d] for d in dtypes)
-    ls = Lockstep(streams, items, lambda s, _: None, SLICE_VALUES, Scan(tuple(dtypes), folds, pairs))
+    scan = Scan(tuple(dtypes), folds, pairs, crcs=tuple(loc.has_crc for loc in locs))
+    ls = Lockstep(streams, items, lambda s, _: None, SLICE_VALUES, scan)
     try:
         res = run_scan(ls)
     except ShortReadError:

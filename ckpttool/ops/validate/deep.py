@@ -27,7 +27,7 @@ from ckpttool.engine.io import BLOCK_BYTES, ShortReadError
 from ckpttool.engine.kernels import IEEE_BITS, Scratch, f32_to_bf16, f32_to_f16, float_values
 from ckpttool.engine.plan import Lockstep, PairKernel, Scan, Window
 from ckpttool.engine.pool import map_ordered
-from ckpttool.engine.scan import run_scan
+from ckpttool.engine.scan import ScanResult, run_scan
 from ckpttool.engine.stats import (
     SUBNORMAL_DTYPES,
     SUBNORMAL_STRIDE,
@@ -391,7 +391,9 @@ def _stream_item(
         (Window(ctx.reader.fd(loc.info.relative_path), loc.data_start, n * item),) for loc, item in zip(locs, items)
     )
     ls = Lockstep(streams, tuple(items), each, max(1, BLOCK_BYTES // max(items)))
-    crcs = _scanned(ctx, ls, keys, dtypes, digs, pairs, stats, counts, locs[0]) if native_stats() else None
+    crcs: tuple[int | None, ...] | None = None
+    if native_stats():
+        crcs = _scanned(ctx, ls, keys, dtypes, digs, pairs, stats, counts, locs)
     if crcs is None:
         crcs = _lockstep(ls, locs[0])
     read = n * sum(items)
@@ -399,6 +401,7 @@ def _stream_item(
         loc.check_crc(crc)
     for k, dg, crc in zip(keys, digs, crcs):
         if dg is not None:
+            assert crc is not None
             stats[k].digests = dg.finish(n, crc)
     return stats, counts, read
 
@@ -412,14 +415,15 @@ def _scanned(
     pairs: list[PairStats],
     stats: dict[str, TensorStats],
     counts: dict[int, _PairCount],
-    loc: Any,
-) -> tuple[int, ...] | None:
+    locs: list[Any],
+) -> tuple[int | None, ...] | None:
     """The chunk's members through the native scan (:func:`~ckpttool.engine.scan.run_scan`): the same slabs,
     folds and comparisons as ``_stream_item``'s ``each``, one C call per window; a slab a comparison cannot
     settle there (a difference, a non-finite master, a zero second moment) goes through :func:`_compare_np`.
 
     Returns:
-        The members' CRC-32s, or ``None`` where the scan does not apply (integer or float8 members, ``step``
+        The members' CRC-32s (``None`` for a member whose record stores none and that has no digest: not
+        computed), or ``None`` where the scan does not apply (integer or float8 members, ``step``
         values kept, fused expert digests, float16 moments, or the kernels not built).
     """
     if any(d not in IEEE_BITS for d in dtypes) or any(_is_step(k) for k in keys):
@@ -443,14 +447,28 @@ def _scanned(
                 counts[j].mismatched += c.mismatched
                 counts[j].max_diff = max(counts[j].max_diff, c.max_diff)
 
-    scan = Scan(tuple(dtypes), folds, tuple(kernels), exact)
+    wanted = tuple(loc.has_crc or dg is not None for loc, dg in zip(locs, digs))
+    scan = Scan(tuple(dtypes), folds, tuple(kernels), exact, wanted)
     try:
         res = run_scan(Lockstep(ls.streams, ls.itemsizes, ls.each, ls.slab, scan))
     except ShortReadError:
+        loc = locs[0]
         raise ChunkError(f"{loc.where}: short read", path=loc.info.relative_path, fqn=loc.key) from None
     if res is None:
         return None
-    n = ls.numel
+    _fold_scan(res, ls.numel, keys, pairs, stats, counts)
+    return res.crcs
+
+
+def _fold_scan(
+    res: ScanResult,
+    n: int,
+    keys: tuple[str, ...],
+    pairs: list[PairStats],
+    stats: dict[str, TensorStats],
+    counts: dict[int, _PairCount],
+) -> None:
+    """A native scan's per-member statistics and pair results (``n`` values each) into ``stats``/``counts``."""
     for k, acc in zip(keys, res.stats):
         assert acc is not None
         st = stats[k]
@@ -461,7 +479,6 @@ def _scanned(
         counts[j].numel += n
         if p.kind == "moments" and r.top > 0:
             counts[j].max_diff = max(counts[j].max_diff, math.sqrt(r.top))
-    return res.crcs
 
 
 class _Digest:
