@@ -26,6 +26,7 @@ from ckpttool.errors import (
     PathEscapeError,
     TrustRequiredError,
     UsageError,
+    check_field_types,
 )
 from ckpttool.format import limits
 from ckpttool.format.mdstorage import referenced_paths
@@ -465,7 +466,7 @@ def check_source(source: object, opening: object) -> OpenOptions:
 
     Raises:
         UsageError (E100): ``source`` is no :class:`Checkpoint`, path or URL; ``opening`` is no
-            :class:`OpenOptions`; ``source`` is a closed :class:`Checkpoint`; or ``opening`` is given
+            :class:`OpenOptions` (or ``trust_pickle`` in it is no bool); ``source`` is a closed :class:`Checkpoint`; or ``opening`` is given
             with an already opened checkpoint (its
             declaration, ``trust_pickle`` and selection were fixed when it was opened).
     """
@@ -481,6 +482,8 @@ def check_source(source: object, opening: object) -> OpenOptions:
             param="opening",
             hint="pass ckpttool.OpenOptions(declaration=..., trust_pickle=..., selection=...)",
         )
+    if opening is not None:
+        check_field_types(opening)
     if isinstance(source, Checkpoint) and source.closed:
         raise UsageError(
             f"{source.path}: the checkpoint was closed",
