@@ -1405,6 +1405,9 @@ class ManifestCheck:
     entries: int
     problems: list[ManifestProblem]
     source: dict[str, Any] | None = None
+    #: What the directory is (the text output's label; not in ``--json``): ``dcp``, ``safetensors`` (a Hugging
+    #: Face folder, or an export), or a per-rank format's name (``verl-fsdp``). ``None``: ``kind``.
+    folder: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -1477,6 +1480,7 @@ def check_against_manifest(
         if progress is not None:
             progress(done[0], total)
 
+    folder: str | None = None
     if man.kind == "safetensors":
         step(0)
         problems = verify_safetensors_manifest(directory, man, on_entry=step)
@@ -1490,7 +1494,18 @@ def check_against_manifest(
             step(0)
             problems = verify_manifest(ckpt.reader, man, on_entry=step)
             shown = str(ckpt.path)
-    return ManifestCheck(shown, str(target), man.kind, man.algorithm, len(man.entries), problems, man.source)
+            folder = _folder_kind(ckpt.reader)
+    return ManifestCheck(
+        shown, str(target), man.kind, man.algorithm, len(man.entries), problems, man.source, folder=folder
+    )
+
+
+def _folder_kind(reader: CheckpointReader) -> str:
+    """What the opened directory is: ``dcp`` (a ``.metadata``), ``safetensors`` (a Hugging Face folder: its
+    headers are its metadata) or the per-rank format's name."""
+    if isinstance(reader, PerRankReader):
+        return reader.assembled.format
+    return "dcp" if _metadata_file(reader) == METADATA_NAME else "safetensors"
 
 
 def write_output_manifest(writer: Any, out: Path, algorithm: str, identity: dict[str, Any] | None) -> None:

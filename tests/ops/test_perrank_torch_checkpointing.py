@@ -443,6 +443,7 @@ def test_manifest_verify_names_a_dtype_changed_in_the_rank_files(tc_root: Path, 
     assert json.loads((d / "manifest.json").read_text())["metadata"]["file"] == "per-rank tensor metadata"
     res = runner.invoke(app, ["manifest", "--verify", str(d)])
     assert res.exit_code == 0, res.output
+    assert res.stdout.startswith(f"{d} (torch-checkpointing) matches its manifest ")  # was "(dcp)"
     for name in ("model_0.pt", "model_1.pt"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DeviceMesh unpickled without a process group
