@@ -234,3 +234,38 @@ def test_optimizer_dir_that_is_the_checkpoint_itself_says_what_to_do(sample_ckpt
         "hint: --optimizer-dir names a separate optimizer checkpoint (e.g. checkpoint-N/optimizer_0); "
         "leave it out when the checkpoint holds its optimizer state",
     ]
+
+
+def _docs(name: str) -> str:
+    return (Path(__file__).parents[2] / "docs" / name).read_text()
+
+
+def _code_range(text: str) -> set[str]:
+    """``E141-E144, E601`` -> {E141, E142, E143, E144, E601} (codes of a range that have no class left out)."""
+    from ckpttool.errors import CkptError, error_class
+
+    out: set[str] = set()
+    for lo, hi in re.findall(r"E(\d{3})(?:-E(\d{3}))?", text):
+        out |= {f"E{n}" for n in range(int(lo), int(hi or lo) + 1) if error_class(f"E{n}") is not CkptError}
+    return out
+
+
+def test_errors_md_lists_every_error_code_with_the_class_that_raises_it() -> None:
+    """docs/errors.md has one row per error code, naming the class ``error_class(code)`` returns; every class is
+    raised somewhere in the package; the groups the page says one ``except`` catches are subclasses."""
+    import ckpttool.errors as errors
+
+    classes = {cls.code: cls for cls in errors._all_classes() if cls is not errors.CkptError}
+    text = _docs("errors.md")
+    rows = re.findall(r"^\| (E\d{3}) \| (\w+) \|", text, re.M)
+    assert len(rows) == len({c for c, _ in rows}), "a code listed twice"
+    assert sorted(c for c, _ in rows) == sorted(classes)
+    assert [(c, classes[c].__name__) for c, _ in rows] == rows
+    package = Path(errors.__file__).parent
+    sources = "\n".join(p.read_text() for p in package.rglob("*.py") if p.name != "errors.py")
+    assert [c for c, cls in classes.items() if not re.search(rf"\b{cls.__name__}\(", sources)] == []
+    groups = re.findall(r"`(\w+)` \(((?:E\d{3}(?:-E\d{3})?(?:, )?)+)\)", " ".join(text.split()))
+    assert len(groups) >= 10
+    for name, codes in groups:
+        parent = getattr(errors, name)
+        assert _code_range(codes) == {c for c, cls in classes.items() if cls is not parent and issubclass(cls, parent)}
