@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 
@@ -103,3 +104,24 @@ def test_the_optimizer_state_public_api_block_of_the_docs_imports_as_written() -
     assert (
         namespace["infer_optimizer_type"]({"step": "float32", "exp_avg": "float32", "exp_avg_sq": "float32"}) == "adamw"
     )
+
+
+def test_every_options_class_docs_design_md_names_is_public_with_its_operation() -> None:
+    """docs/design.md §5 "Results" names each operation's ``XOptions``; each one, and the operation that takes it, is
+    an attribute of ``ckpttool`` (README: everything a command does is callable from Python). ``StatsOptions`` and
+    ``collect_stats`` were missing."""
+    from pathlib import Path
+
+    import ckpttool
+
+    text = " ".join((Path(__file__).parents[1] / "docs" / "design.md").read_text().split())
+    results = text[text.index("- **Results.**") :]
+    named = [n for n in re.findall(r"`(\w+Options)`", results[: results.index("returns a frozen")]) if n != "XOptions"]
+    assert len(named) >= 11 and set(named) <= set(ckpttool.__all__), named
+    operations = {"Inspect": "inspect", "Validate": "validate", "Export": "export_checkpoint", "Reshard": "reshard"}
+    operations |= {"Replay": "replay_step", "Diff": "diff_checkpoints", "Stamp": "stamp", "Manifest": "write_manifest"}
+    operations |= {"Import": "import_hf", "Sample": "write_sample", "Stats": "collect_stats"}
+    assert {n.removesuffix("Options") for n in named} == set(operations)
+    for name, op in operations.items():
+        result = "ValidationResult" if name == "Validate" else f"{name}Result"
+        assert callable(getattr(ckpttool, op)) and result in ckpttool.__all__, name
