@@ -25,6 +25,9 @@ def validated(name: str, argv: list[str], exit_codes: tuple[int, ...] = (0,)) ->
     errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(doc), key=lambda e: list(e.path))
     assert not errors, [(list(e.path), e.message[:200]) for e in errors[:5]]
     assert doc["schema"] == SCHEMA_NAMES[name]
+    # A schema may leave its documents' fields open (consumers ignore what they do not know), but every field the
+    # document has is declared, so `ckpttool schema CMD` describes it: inspect's key_schema, location, ... were not.
+    assert sorted(set(doc) - set(schema["properties"])) == [], name
     return doc
 
 
