@@ -291,3 +291,19 @@ def test_every_option_shown_in_help_is_documented() -> None:
         if flag.startswith("--") and flag != "--help" and not re.search(re.escape(flag) + r"(?![\w-])", text)
     ]
     assert missing == []
+
+
+@pytest.mark.parametrize(
+    "flag", ["--filter", "--select", "--train-steps", "--steps", "--dry-run", "--overwrite", "--ep-size"]
+)
+def test_cli_md_vocabulary_names_every_command_with_the_option(flag: str) -> None:
+    """docs/cli.md's "One vocabulary" table names, for an option, exactly the commands whose --help shows it
+    (deprecated spellings, hidden, aside)."""
+    shown = re.compile(r"^  (?:-\w, )?" + re.escape(flag) + r"(?![\w-])", re.M)  # an option line of --help
+    having = {n for n in COMMANDS if shown.search(runner.invoke(app, [n, "--help"], env=WIDE).stdout)}
+    rows = [
+        r for r in _docs("cli.md").splitlines() if r.startswith("| ") and re.search(f"`{flag}[ `]", r.split(" | ")[1])
+    ]
+    assert len(rows) == 1, rows
+    named = set(re.findall(r"`([a-z-]+)`", rows[0].split(" | ")[2])) & set(COMMANDS)
+    assert named == having
