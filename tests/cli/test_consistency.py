@@ -307,3 +307,26 @@ def test_cli_md_vocabulary_names_every_command_with_the_option(flag: str) -> Non
     assert len(rows) == 1, rows
     named = set(re.findall(r"`([a-z-]+)`", rows[0].split(" | ")[2])) & set(COMMANDS)
     assert named == having
+
+
+def test_synopses_in_the_docs_list_the_choices_help_lists() -> None:
+    """A command's synopsis in docs/ (a code block starting ``ckpttool CMD``) lists for ``--opt a|b|c`` exactly the
+    choices ``--help`` shows as ``--opt <a|b|c>``."""
+    blocks = [
+        (page.name, block)
+        for page in sorted((Path(__file__).parents[2] / "docs").glob("*.md"))
+        for block in re.findall(r"```\n(ckpttool [a-z-]+ .*?)```", page.read_text(), re.S)
+    ]
+    checked, wrong = 0, []
+    for page, block in blocks:
+        name = block.split()[1]
+        if name not in COMMANDS:
+            continue
+        shown = runner.invoke(app, [name, "--help"], env={"COLUMNS": "400"}).stdout
+        choices = dict(re.findall(r"^  (?:-\w, )?(--[\w-]+) <([^>]+)>", shown, re.M))
+        for flag, values in re.findall(r"(--[\w-]+)[ =]([\w.-]+(?:\|[\w.-]+)+)", block):
+            if flag in choices:
+                checked += 1
+                if set(values.split("|")) != set(choices[flag].split("|")):
+                    wrong.append(f"{page} {name} {flag} {values} (--help: {choices[flag]})")
+    assert checked >= 15 and wrong == []
