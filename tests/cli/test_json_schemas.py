@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -183,3 +184,39 @@ def test_the_name_choices_are_the_schema_table() -> None:
         c for n in SCHEMA_NAMES for c in ((n, "replay-step") if n == "replay" else (n,))
     ]
     assert _PRINTED_BY.keys() == SCHEMA_NAMES.keys()
+
+
+def _without_parentheses(text: str) -> str:
+    while re.search(r"\([^()]*\)", text):
+        text = re.sub(r"\([^()]*\)", "", text)
+    return text
+
+
+@pytest.mark.parametrize(
+    "name, page, anchor",
+    [
+        ("reshard", "layouts.md", "`--json` prints `ckpttool.reshard/1`:"),
+        ("stamp", "layouts.md", "`--json` prints `ckpttool.stamp/1`:"),
+        ("manifest-check", "diff.md", "schema `ckpttool.manifest-check/1`:"),
+    ],
+)
+def test_field_lists_in_the_docs_are_the_schemas_fields(name: str, page: str, anchor: str) -> None:
+    """Where a page lists a document's fields in a sentence, it lists exactly the fields its JSON Schema declares."""
+    text = " ".join((Path(__file__).parents[2] / "docs" / page).read_text().split())
+    sentence = _without_parentheses(text[text.index(anchor) + len(anchor) :]).split(". ")[0]
+    assert set(re.findall(r"`(\w+)`", sentence)) == set(load_schema(name)["properties"]) - {"schema"}
+
+
+def test_inspect_md_field_table_is_the_schemas_fields() -> None:
+    """docs/inspect.md's field table has a row for each field of the inspect schema (``storage``, only present for a
+    checkpoint read from object storage, in the text below it), and no row for a field the schema lacks."""
+    text = (Path(__file__).parents[2] / "docs" / "inspect.md").read_text()
+    schema = load_schema("inspect")["properties"]
+    rows = re.findall(r"^\| `([\w.\[\]]+)`(?: / `[\w.\[\]]+`)? \|", text, re.M)
+    tops = {re.split(r"[.\[]", r)[0] for r in rows}
+    assert tops | {"storage"} == set(schema) and "`storage` (only for a checkpoint read from object storage" in text
+    for row in rows:
+        top, _, sub = row.replace("[]", "").partition(".")
+        if sub:
+            node = schema[top]
+            assert sub.split(".")[0] in node.get("properties", {}), row
