@@ -198,6 +198,7 @@ def _without_parentheses(text: str) -> str:
         ("reshard", "layouts.md", "`--json` prints `ckpttool.reshard/1`:"),
         ("stamp", "layouts.md", "`--json` prints `ckpttool.stamp/1`:"),
         ("manifest-check", "diff.md", "schema `ckpttool.manifest-check/1`:"),
+        ("manifest", "diff.md", "`--json` prints schema `ckpttool.manifest/1`:"),
     ],
 )
 def test_field_lists_in_the_docs_are_the_schemas_fields(name: str, page: str, anchor: str) -> None:
