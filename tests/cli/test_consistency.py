@@ -330,3 +330,36 @@ def test_synopses_in_the_docs_list_the_choices_help_lists() -> None:
                 if set(values.split("|")) != set(choices[flag].split("|")):
                     wrong.append(f"{page} {name} {flag} {values} (--help: {choices[flag]})")
     assert checked >= 15 and wrong == []
+
+
+def test_command_lines_in_the_docs_use_options_of_their_command() -> None:
+    """Every ``ckpttool CMD ...`` line of the README and docs/ (in backticks, a code block, or after ``python -m`` /
+    ``torchrun ... -m``) passes only options that CMD (or the root) takes."""
+    group = typer.main.get_command(app)
+    flags = {n: {o for p in group.commands[n].params for o in [*p.opts, *p.secondary_opts]} for n in COMMANDS}  # type: ignore[attr-defined]
+    root_flags = {o for p in group.params for o in [*p.opts, *p.secondary_opts]} | {"--help"}
+    root = Path(__file__).parents[2]
+    wrong, seen = [], 0
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = page.read_text()
+        lines = re.findall(r"`ckpttool ([^`]+)`", text)
+        lines += re.findall(r"^\s*\$?\s*ckpttool ([a-z-].*)$", text, re.M)
+        lines += re.findall(r"-m ckpttool ([^`\n]+)", text)
+        for line in lines:
+            words = line.split()
+            while words and words[0].startswith("-"):  # global options before the command, with their value
+                words = (
+                    words[2:]
+                    if len(words) > 1 and not words[1].startswith("-") and words[1] not in COMMANDS
+                    else words[1:]
+                )
+            if not words or words[0] not in COMMANDS:
+                continue
+            seen += 1
+            for word in words[1:]:
+                if word in ("|", "&&", ";") or word.startswith("#"):
+                    break
+                flag = re.match(r"--[a-z][a-z0-9-]*", word)
+                if flag and flag.group(0) not in flags[words[0]] | root_flags:
+                    wrong.append(f"{page.name}: {words[0]} {flag.group(0)} in {line!r}")
+    assert seen > 100 and wrong == []
