@@ -1036,7 +1036,8 @@ def diff_checkpoints(
 
     Raises:
         UsageError: bad options (a step that selects nothing: :func:`~ckpttool.ops.diff.sides.side_openings`).
-            DiffError (E610): an input of no known kind, nothing in common.
+        DiffError (E610): an input of no known kind, ``what`` ``optimizer`` with a side that holds no optimizer
+            state (safetensors, a PEFT adapter), a legacy EP layout on an expert dim other than 0.
         NothingComparedError (E611): no tensor value compared and no difference found (never "equal").
         LayoutError (E405): an undeclared ambiguous EP layout.
         plus the reader's errors for damaged inputs (E1xx-E3xx).
