@@ -210,6 +210,8 @@ def _extra(a: Assembled, ro: RankObject) -> None:
         raise PerRankError(f"{where}: extra state is not a dict", path=where)
     for k, v in obj.items():
         if k == "rng":
+            if where not in a.partial:  # the RNG bytes are in no entry: the file is digested whole
+                a.partial.append(where)
             if ro.file.rank == 0:
                 a.notes.append(f"RNG state read (per rank, not exported): {describe(v)}")
             continue

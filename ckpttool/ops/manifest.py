@@ -568,9 +568,15 @@ def build_manifest(
     sidecars = None
     if reader.remote is None and not reader.parts:
         skip = {METADATA_NAME, MANIFEST_NAME, *(e.file for e in entries), *(exclude or ())}
+        skip -= set(_partial_files(reader))  # state in no entry (verl's RNG): the whole file is digested
         sidecars = tuple(sidecar_digests(Path(reader.path), skip, algorithm))
     md_file = METADATA_NAME if md is None else _metadata_file(reader)
     return Manifest(algorithm, tuple(entries), md, size, sidecars=sidecars, metadata_file=md_file)
+
+
+def _partial_files(reader: CheckpointReader) -> list[str]:
+    """Data files holding state that no entry covers (a per-rank save's RNG state): digested whole as sidecars."""
+    return list(getattr(getattr(reader, "assembled", None), "partial", ()))
 
 
 #: Files a manifest's ``sidecars`` may list; a directory holding more is refused (``E307``).
@@ -1090,6 +1096,8 @@ def verify_manifest(reader: CheckpointReader, manifest: Manifest, *, on_entry: O
         skip.update(
             reader.storage_info(k, c).relative_path for (k, _), c in stored.items() if _has_storage(reader, k, c)
         )
+        listed_files = {f["file"] for f in manifest.sidecars}
+        skip -= {f for f in _partial_files(reader) if f in listed_files}  # an older manifest did not list them
         problems.extend(_sidecar_problems(root, manifest.sidecars, skip, manifest.algorithm))
     return problems
 

@@ -375,3 +375,31 @@ def test_no_optimizer_state_after_steps_fails_r002(verl_root: Path, tmp_path: Pa
     assert "[E700] no optimizer state for any of the 21 parameter(s)" in res.stderr
     text = runner.invoke(app, ["replay-step", str(run)])
     assert text.exit_code == 1 and "FAILED" in text.stdout and "problem     no optimizer state" in text.stdout
+
+
+def test_manifest_covers_the_rng_state_of_every_rank(verl_root: Path, tmp_path: Path) -> None:
+    """Each rank's RNG state in ``extra_state_*.pt`` is described, never assembled into an entry: rank 0's file
+    holds the scheduler's entries, so it was left out of the sidecars too, and a byte changed in its RNG
+    record passed ``manifest --verify``. Files holding state in no entry are now digested whole."""
+    actor = shutil.copytree(_actor(verl_root, 2), tmp_path / "actor")
+    res = runner.invoke(app, ["manifest", str(actor)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((actor / "manifest.json").read_text())
+    sidecars = [f["file"] for f in doc["sidecars"]]
+    assert "extra_state_world_size_2_rank_0.pt" in sidecars and "extra_state_world_size_2_rank_1.pt" in sidecars
+    assert runner.invoke(app, ["manifest", str(actor), "--verify"]).exit_code == 0
+    import zipfile
+
+    path = actor / "extra_state_world_size_2_rank_0.pt"
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo("extra_state_world_size_2_rank_0/data/0")  # the CPU RNG state's record
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = (
+        int.from_bytes(data[info.header_offset + 26 : info.header_offset + 28], "little"),
+        int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little"),
+    )
+    data[info.header_offset + 30 + name_len + extra_len + 100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    res = runner.invoke(app, ["manifest", str(actor), "--verify"])
+    assert res.exit_code == 1, res.output
+    assert "changed  extra_state_world_size_2_rank_0.pt: differs from the manifest" in res.stdout
