@@ -157,3 +157,24 @@ def test_recipe_step_scheduler_beside_is_read_and_compared(nemo_root: Path, tmp_
     assert r002.pop("sched.last_epoch") == "LR scheduler sched.last_epoch = 2 but step_scheduler.pt:step = 5"
     ((key, message),) = r002.items()
     assert key.startswith("optim.state.") and message.endswith(", the largest) but step_scheduler.pt:step = 5")
+
+
+def test_manifest_covers_the_recipe_step_scheduler(nemo_root: Path, tmp_path: Path) -> None:
+    """``step_scheduler.pt`` beside ``model/`` and ``optim/`` (the step a NeMo recipe resumes from) was in no
+    manifest: one of another step passed ``manifest --verify``. Now it is digested, and checked on verify."""
+    import shutil
+
+    import torch
+
+    step = shutil.copytree(nemo_root / "run" / "epoch_0_step_2", tmp_path / "epoch_0_step_2")
+    torch.save(_step_scheduler_state(2), step / "step_scheduler.pt")
+    cli("manifest", str(step))
+    doc = json.loads((step / "model" / "manifest.json").read_text())
+    assert [f["file"] for f in doc["training_state"]] == ["step_scheduler.pt"]
+    cli("manifest", str(step), "--verify")
+    torch.save(_step_scheduler_state(5), step / "step_scheduler.pt")  # the state of a later step
+    out = cli("manifest", str(step), "--verify", code=1)
+    assert "changed  step_scheduler.pt: differs from the manifest" in out
+    (step / "step_scheduler.pt").unlink()
+    out = cli("manifest", str(step), "--verify", code=1)
+    assert "missing  step_scheduler.pt: in the manifest, not on disk" in out
