@@ -478,3 +478,22 @@ def test_tied_embeddings_are_one_parameter(verl_root: Path, tmp_path_factory: py
     got = load_file(out / "model.safetensors")
     assert sorted(got) == sorted(k for k in ref["model"] if k != "lm_head.weight")
     assert all(torch.equal(got[k], ref["model"][k]) for k in got)
+
+
+def test_verl_rank_files_beside_a_dcp_checkpoint_are_named(verl_root: Path, tmp_path: Path) -> None:
+    """verl's rank files in a folder that also holds a DCP checkpoint were passed over in silence
+    (validate --strict OK); K012 now names them. verl's own save (replicas on rank 1 included) names none."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    mixed = tmp_path / "mixed"
+    dcp.save({"model": {"w": torch.arange(6.0).reshape(2, 3)}}, checkpoint_id=str(mixed))
+    for f in _actor(verl_root, 2).glob("*_world_size_2_rank_*.pt"):
+        shutil.copy(f, mixed / f.name)
+    res = runner.invoke(app, ["validate", "--strict", "--json", str(mixed)])
+    assert res.exit_code == 1, res.output
+    (k012,) = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "K012"]
+    assert "extra_state_world_size_2_rank_0.pt, extra_state_world_size_2_rank_1.pt" in k012["message"]
+    for world in (1, 2):
+        doc = json.loads(runner.invoke(app, ["inspect", "--json", str(_actor(verl_root, world))]).stdout)
+        assert doc["unread_beside"] == []
