@@ -575,7 +575,7 @@ def build_manifest(
                 on_entry(entry.length)
     md, size = _metadata_digest(reader, algorithm)
     sidecars = None
-    if reader.remote is None and not reader.parts:
+    if reader.remote is None and _parts_below(reader):
         skip = {METADATA_NAME, MANIFEST_NAME, *(e.file for e in entries), *(exclude or ())}
         skip -= set(_partial_files(reader))  # state in no entry (verl's RNG): the whole file is digested
         sidecars = tuple(sidecar_digests(Path(reader.path), skip, algorithm))
@@ -610,6 +610,14 @@ def training_state_digests(model_dir: Path, algorithm: str) -> list[dict[str, An
         finally:
             os.close(fd)
     return out
+
+
+def _parts_below(reader: CheckpointReader) -> bool:
+    """Whether every folder of a model/optimizer pair lies directly in the reader's directory (NeMo's
+    ``model/`` + ``optim/``, Accelerate's ``pytorch_model_fsdp_0/`` + ``optimizer_0/``): its sidecars are
+    then the step directory's other files, the folders' ``.metadata`` included. Always for one checkpoint."""
+    root = Path(reader.path).resolve()
+    return all(p.resolve().parent == root for p in reader.parts.values())
 
 
 def _partial_files(reader: CheckpointReader) -> list[str]:
@@ -1145,7 +1153,7 @@ def verify_manifest(
             where = f"{key!r}" + (f" chunk at {list(offs)}" if offs is not None else " (byte item)")
             problems.append(ManifestProblem("extra", key, offs, f"{where} is stored but not in the manifest"))
     problems.extend(_metadata_problems(reader, manifest))
-    if manifest.sidecars is not None and reader.remote is None and not reader.parts:
+    if manifest.sidecars is not None and reader.remote is None and _parts_below(reader):
         root = Path(reader.path)
         skip = {METADATA_NAME, MANIFEST_NAME, *(e.file for e in manifest.entries), *_inside(root, manifest.path)}
         skip.update(

@@ -178,3 +178,31 @@ def test_manifest_covers_the_recipe_step_scheduler(nemo_root: Path, tmp_path: Pa
     (step / "step_scheduler.pt").unlink()
     out = cli("manifest", str(step), "--verify", code=1)
     assert "missing  step_scheduler.pt: in the manifest, not on disk" in out
+
+
+def test_manifest_of_the_pair_digests_its_metadata_and_assets(nemo_root: Path, tmp_path: Path) -> None:
+    """A model/optimizer pair's manifest had no ``sidecars`` and a ``null`` metadata digest: a changed byte in
+    ``optim/.metadata`` (a planner_data path: torch's load then unflattens the key elsewhere) or in the HF
+    config NeMo saved passed ``manifest --verify``. The step directory's other files are now digested."""
+    import shutil
+
+    step = shutil.copytree(nemo_root / "run" / "epoch_0_step_2", tmp_path / "epoch_0_step_2")
+    cli("manifest", str(step))
+    doc = json.loads((step / "model" / "manifest.json").read_text())
+    assert [f["file"] for f in doc["sidecars"]] == [
+        "model/consolidate.sh",
+        "model/.hf_metadata/config.json",
+        "model/.hf_metadata/fqn_to_file_index_mapping.json",
+        "model/.hf_metadata/generation_config.json",
+        "optim/.metadata",
+    ]
+    cli("manifest", str(step), "--verify")
+    md = step / "optim" / ".metadata"
+    data = bytearray(md.read_bytes())
+    at = data.index(b"param_groups.model.layers.0.mlp.gate_proj.weight.decoupled_weight_decay")
+    data[at + 7] = ord("'")
+    md.write_bytes(bytes(data))
+    (step / "model" / ".hf_metadata" / "config.json").write_text("{}")
+    out = cli("manifest", str(step), "--verify", code=1)
+    assert "changed  optim/.metadata: differs from the manifest" in out
+    assert "changed  model/.hf_metadata/config.json: differs from the manifest" in out
