@@ -1164,7 +1164,8 @@ def verify_manifest(
         problems.extend(_sidecar_problems(root, manifest.sidecars, skip, manifest.algorithm))
     if manifest.training_state is not None and beside_of is not None and reader.remote is None:
         now = {f["file"]: f for f in training_state_digests(beside_of, manifest.algorithm)}
-        problems.extend(_file_problems(manifest.training_state, now))
+        said = {(p.kind, p.key) for p in problems}  # a pair's step_scheduler.pt is a sidecar too
+        problems.extend(p for p in _file_problems(manifest.training_state, now) if (p.kind, p.key) not in said)
     return problems
 
 
