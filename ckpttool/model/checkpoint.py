@@ -179,6 +179,11 @@ class Checkpoint:
         if not unread_beside(model, given):  # the usual case: no candidate, the storage's paths not listed
             return ()
         own = [Path(self.path) / rel for rel in referenced_paths(self.metadata.storage)]
+        assembled = getattr(self.reader, "assembled", None)
+        if assembled is not None:  # a per-rank save: every rank file it read (replicas too) and its metadata
+            from ckpttool.format.perrank_formats import TC_METADATA
+
+            own += [Path(self.path) / rel for rel in (*assembled.files, TC_METADATA)]
         return unread_beside(model, given, own)
 
     def hf_config_beside(self) -> Path | None:

@@ -227,7 +227,14 @@ def _open_side(
         )
     except CkptError as e:
         has_weights = where.is_dir() and any(where.glob("*.safetensors"))
-        if e.code == "E200" and not (where / ".metadata").exists() and where.is_dir() and not has_weights:
+        about_where = e.path is None or Path(e.path).resolve() == where.resolve()  # not a damaged file below it
+        if (
+            e.code == "E200"
+            and about_where
+            and not (where / ".metadata").exists()
+            and where.is_dir()
+            and not has_weights
+        ):
             raise DiffError(
                 f"{where}: neither a DCP checkpoint (.metadata) nor a safetensors directory",
                 path=where,
