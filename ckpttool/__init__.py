@@ -11,7 +11,8 @@ Public API (names load lazily, so ``import ckpttool`` does not import torch)::
 
 Layers (``docs/design.md`` §5, held by import-linter): :mod:`ckpttool.cli` >
 :mod:`ckpttool.commands` > :mod:`ckpttool.ui` > :mod:`ckpttool.ops` > :mod:`ckpttool.model` >
-:mod:`ckpttool.optim_state` | :mod:`ckpttool.layouts` > :mod:`ckpttool.format` > :mod:`ckpttool.errors`.
+:mod:`ckpttool.optim_state` | :mod:`ckpttool.layouts` > :mod:`ckpttool.format` > :mod:`ckpttool.engine` >
+:mod:`ckpttool.errors`.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ _WHERE = {
     "ReplayOptions": "ckpttool.ops.replay",
     "ReplayResult": "ckpttool.ops.replay",
     "replay_step": "ckpttool.ops.replay",
+    "StatsOptions": "ckpttool.ops.stats",
+    "StatsResult": "ckpttool.ops.stats",
+    "collect_stats": "ckpttool.ops.stats",
     "SampleOptions": "ckpttool.ops.sample",
     "SampleResult": "ckpttool.ops.sample",
     "write_sample": "ckpttool.ops.sample",

@@ -11,6 +11,7 @@ layout record and EP layouts, E5xx optimizer state, E6xx outputs, E7xx replay re
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from os import PathLike
@@ -82,6 +83,8 @@ __all__ = [
     "ReshardError",
     "ReplayMismatchError",
     "error_class",
+    "check_bool",
+    "check_field_types",
 ]
 
 
@@ -485,3 +488,43 @@ class Refusal(Generic[E]):
 
     def __call__(self, path: str | PathLike[str], why: str) -> E:
         return self.error(self.template.format(path=path, why=why), path=path, hint=self.hint)
+
+
+# --------------------------------------------------------------------------- option types
+#: The hint of a bool parameter whose wrong value is a hazard of its own (by name); else "pass True or False".
+_BOOL_HINTS = {"trust_pickle": "pass trust_pickle=True only for a checkpoint you trust (it runs code from it)"}
+
+
+def check_bool(value: object, param: str) -> None:
+    """Refuse a bool parameter that is not ``True``/``False`` (``"no"`` is truthy, ``None`` and ``0`` falsy).
+
+    Raises:
+        UsageError (E100): naming ``param``.
+    """
+    if not isinstance(value, bool):
+        raise UsageError(
+            f"`{param}` must be True or False, got {type(value).__name__} {value!r:.40}",
+            param=param,
+            hint=_BOOL_HINTS.get(param, "pass True or False"),
+        )
+
+
+def check_field_types(options: object) -> None:
+    """Refuse an options dataclass whose ``bool`` field is not a bool, or whose ``int`` (``int | None``)
+    field is a bool or not an int (``"2"``, ``2.0``, ``True``): the one type check of every options class.
+
+    Raises:
+        UsageError (E100): naming the first such field.
+    """
+    for f in dataclasses.fields(options):  # type: ignore[arg-type]
+        value = getattr(options, f.name)
+        if f.type in ("bool", bool):
+            check_bool(value, f.name)
+        elif f.type in ("int", int, "int | None") and not (
+            (value is None and f.type == "int | None") or (isinstance(value, int) and not isinstance(value, bool))
+        ):
+            raise UsageError(
+                f"`{f.name}` must be an integer, got {type(value).__name__} {value!r:.40}",
+                param=f.name,
+                hint=f"pass a Python int{' or None' if f.type == 'int | None' else ''}",
+            )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 
@@ -103,3 +104,49 @@ def test_the_optimizer_state_public_api_block_of_the_docs_imports_as_written() -
     assert (
         namespace["infer_optimizer_type"]({"step": "float32", "exp_avg": "float32", "exp_avg_sq": "float32"}) == "adamw"
     )
+
+
+def test_every_options_class_docs_design_md_names_is_public_with_its_operation() -> None:
+    """docs/design.md §5 "Results" names each operation's ``XOptions``; each one, and the operation that takes it, is
+    an attribute of ``ckpttool`` (README: everything a command does is callable from Python). ``StatsOptions`` and
+    ``collect_stats`` were missing."""
+    from pathlib import Path
+
+    import ckpttool
+
+    text = " ".join((Path(__file__).parents[1] / "docs" / "design.md").read_text().split())
+    results = text[text.index("- **Results.**") :]
+    named = [n for n in re.findall(r"`(\w+Options)`", results[: results.index("returns a frozen")]) if n != "XOptions"]
+    assert len(named) >= 11 and set(named) <= set(ckpttool.__all__), named
+    operations = {"Inspect": "inspect", "Validate": "validate", "Export": "export_checkpoint", "Reshard": "reshard"}
+    operations |= {"Replay": "replay_step", "Diff": "diff_checkpoints", "Stamp": "stamp", "Manifest": "write_manifest"}
+    operations |= {"Import": "import_hf", "Sample": "write_sample", "Stats": "collect_stats"}
+    assert {n.removesuffix("Options") for n in named} == set(operations)
+    for name, op in operations.items():
+        result = "ValidationResult" if name == "Validate" else f"{name}Result"
+        assert callable(getattr(ckpttool, op)) and result in ckpttool.__all__, name
+
+
+def test_docs_design_md_layers_are_the_import_linter_contract_and_the_package_tree() -> None:
+    """docs/design.md §5: its layer order is pyproject's import-linter ``layers`` contract, and its tree lists each
+    package of ``ckpttool`` (and ``errors.py``) and nothing that is not there."""
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    text = (root / "docs" / "design.md").read_text()
+    order = re.search(r"The layers, top to bottom: (.*?)\. Each imports", " ".join(text.split()))
+    assert order is not None
+    layers = [[n.split()[0].strip("`") for n in part.split("|")] for part in order.group(1).split(" > ")]
+    contract = re.search(r'type = "layers"\nlayers = \[(.*?)\]', (root / "pyproject.toml").read_text(), re.S)
+    assert contract is not None
+    assert [[f"ckpttool.{n}" for n in names] for names in layers] == [
+        [m.strip() for m in layer.split("|")] for layer in re.findall(r'"([^"]+)"', contract.group(1))
+    ]
+    tree = text[text.index("## §5 Layers") :]
+    tree = tree[tree.index("```\nckpttool/\n") : tree.index("```", tree.index("```\nckpttool/\n") + 3)]
+    listed = set(re.findall(r"^  (\w+)(?:/|\.py)", tree, re.M))
+    packages = {p.name for p in (root / "ckpttool").iterdir() if p.is_dir() and not p.name.startswith("_")}
+    packages = {n for n in packages if n != "schemas" and (root / "ckpttool" / n / "__init__.py").exists()} | {
+        "schemas"
+    }
+    assert listed == packages | {"errors"}

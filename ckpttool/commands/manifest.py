@@ -108,7 +108,7 @@ def _render_check(res: ManifestCheck) -> None:
     verdict = "matches" if not res.problems else "differs from"
     problems = f": {plural(len(res.problems), 'problem')}" if res.problems else ""
     con.print(
-        f"{res.path} ({res.kind}) {verdict} its manifest {res.manifest} "
+        f"{res.path} ({res.folder or res.kind}) {verdict} its manifest {res.manifest} "
         f"({plural(res.entries, 'entry', 'entries')}){problems}"
     )
 

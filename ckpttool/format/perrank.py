@@ -346,6 +346,8 @@ class Assembled:
             state only for parameters it stepped, so in a whole ``optimizer.state_dict()`` saved
             per rank this is not lost state (rule ``O009`` and ``replay-step`` skip them, rule
             ``K021`` lists them).
+        partial: rank files holding state that no entry covers (verl's RNG state in each
+            ``extra_state`` file: described, never assembled); ``manifest`` digests them whole.
     """
 
     format: str
@@ -362,6 +364,7 @@ class Assembled:
     companions: list[str] = field(default_factory=list)
     unread: list[str] = field(default_factory=list)
     frozen: list[str] = field(default_factory=list)
+    partial: list[str] = field(default_factory=list)
     _chunks: dict[str, list[ChunkMeta]] = field(default_factory=dict)
     _meta: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
 

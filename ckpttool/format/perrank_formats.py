@@ -109,12 +109,20 @@ def _verl_world(path: Path, files: list[RankFile]) -> int:
 
 
 def _param_order(obj: dict[str, Any]) -> list[str]:
-    """The model's parameters in ``model.parameters()`` order: its DTensor entries, a tied one once."""
-    seen: set[int] = set()
+    """The model's parameters in ``model.parameters()`` order: its DTensor entries, a tied one once.
+
+    A tied parameter (``lm_head.weight`` is ``embed_tokens.weight``) is pickled as two DTensors over one
+    local tensor: the same view of the same storage record, which no two distinct parameters share.
+    """
+    seen: set[Any] = set()
     out = []
     for k, v in obj.items():
-        if isinstance(v, DTensorRec) and id(v) not in seen:
-            seen.add(id(v))
+        if not isinstance(v, DTensorRec):
+            continue
+        loc = v.local
+        ident = (loc.key, loc.storage_offset, loc.size, loc.stride) if loc is not None else id(v)
+        if ident not in seen:
+            seen.add(ident)
             out.append(k)
     return out
 
@@ -210,6 +218,8 @@ def _extra(a: Assembled, ro: RankObject) -> None:
         raise PerRankError(f"{where}: extra state is not a dict", path=where)
     for k, v in obj.items():
         if k == "rng":
+            if where not in a.partial:  # the RNG bytes are in no entry: the file is digested whole
+                a.partial.append(where)
             if ro.file.rank == 0:
                 a.notes.append(f"RNG state read (per rank, not exported): {describe(v)}")
             continue

@@ -36,6 +36,7 @@ from ckpttool.errors import (
     TrustRequiredError,
     UnsafePickleError,
     UsageError,
+    check_bool,
 )
 from ckpttool.format import limits
 from ckpttool.format.archive import (
@@ -101,12 +102,7 @@ class CheckpointReader(CheckpointDir):
         metadata: CheckpointMetadata | None = None,
         parts: dict[str, Path] | None = None,
     ) -> None:
-        if not isinstance(trust_pickle, bool):  # "no" is truthy: it would run the checkpoint's pickles
-            raise UsageError(
-                f"`trust_pickle` must be True or False, got {type(trust_pickle).__name__} {trust_pickle!r:.40}",
-                param="trust_pickle",
-                hint="pass trust_pickle=True only for a checkpoint you trust (it runs code from it)",
-            )
+        check_bool(trust_pickle, "trust_pickle")  # "no" is truthy: it would run the checkpoint's pickles
         super().__init__(path, metadata=metadata, parts=parts)
         self.trust_pickle = trust_pickle
         self.verify_crc = verify_crc

@@ -46,9 +46,13 @@ TRAINER_STEP_KEY = {NEMO_STEP_SCHEDULER: "step"}
 #: ``trainer_state.json``, ``training_args.bin``; ``trainer/trainer.py`` ``_save_checkpoint``), Accelerate
 #: (``optimizer[_N].bin``, ``scheduler[_N].bin``, ``scaler.pt``, ``sampler[_N].bin``,
 #: ``random_states_R.pkl``; ``accelerate/checkpointing.py``).
+#: And the rank files of the per-rank formats, left beside a checkpoint of another format (two trainers'
+#: saves in one folder): verl's ``(model|optim|extra_state)_world_size_W_rank_R.pt``, torch-checkpointing's
+#: ``metadata.pkl`` and ``model_R.pt`` / ``lr_scheduler_R.pt`` items.
 _UNREAD_FILE = re.compile(
     r"^(?:(?:optimizer|scheduler|scaler|sampler)(?:_\d+)?\.(?:pt|bin|pth)"
-    r"|rng_state(?:_\d+)?\.pth|random_states_\d+\.pkl|trainer_state\.json|training_args\.bin)$"
+    r"|rng_state(?:_\d+)?\.pth|random_states_\d+\.pkl|trainer_state\.json|training_args\.bin"
+    r"|(?:model|optim|extra_state)_world_size_\d+_rank_\d+\.pt|metadata\.pkl|(?:model|lr_scheduler)_\d+\.pt)$"
 )
 #: DeepSpeed's engine state (ZeRO optimizer partitions, ``mp_rank_*_model_states.pt``) in ``global_stepN/``
 _UNREAD_DIR = re.compile(r"^global_step\d+$")

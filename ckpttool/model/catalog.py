@@ -53,6 +53,8 @@ __all__ = [
     "match_filter",
     "group_by_prefix",
     "KNOWN_NON_PERSISTENT_BUFFERS",
+    "adapter_frozen",
+    "frozen_params",
     "lost_state",
 ]
 
@@ -925,6 +927,48 @@ def _group_fqns(cat: Catalog, group: ParamGroup) -> list[str]:
     return [fqns[int(i)] for i in group.params]
 
 
+#: A name component of a LoRA / DoRA adapter parameter: PEFT's ``lora_A``/``lora_B``/``lora_embedding_A``/
+#: ``lora_embedding_B``/``lora_magnitude_vector``, torchtune's and torchtitan's ``lora_a``/``lora_b``, torchtune
+#: DoRA's ``magnitude``.
+_ADAPTER_PARAM = re.compile(r"(?:^|\.)(?:lora_[aAbB]|lora_embedding_[AB]|lora_magnitude_vector|magnitude)(?:\.|$)")
+
+
+def _stateless_in_stepped_leaves(cat: Catalog) -> Iterator[tuple[str, list[str], list[str]]]:
+    """``(label, fqns with state, model tensors without state)`` of each leaf that stepped (some state in it);
+    ``cat.frozen`` left out."""
+    stepped = {f for f, ps in cat.optimizer_state.items() if ps.fields}
+    model = cat.model
+    for label, _, fqns in cat.leaves():
+        if stepped.isdisjoint(fqns):
+            continue
+        without = [f for f in fqns if f not in stepped and f not in cat.frozen and cat.model_key(f) in model]
+        yield label, [f for f in fqns if f in stepped], without
+
+
+def adapter_frozen(cat: Catalog) -> list[str]:
+    """The frozen base weights of an adapter (LoRA) setup, in leaf order: in a leaf whose parameters with
+    state are all adapter parameters (:data:`_ADAPTER_PARAM`: ``lora_A``, ``lora_b``, ``magnitude``, ...),
+    the other parameters without state.
+
+    torchtune's LoRA recipes (and a plain ``AdamW(model.parameters())`` over a model with
+    ``requires_grad_(False)`` base weights) pass the frozen weights to the optimizer, which never gives
+    them state: never stepped, not lost state. An adapter parameter without state is not counted (lost),
+    nor is any parameter of a leaf where a non-adapter parameter has state. Needs
+    :func:`load_param_groups` for flattened leaves.
+    """
+    out: list[str] = []
+    for _, with_state, without in _stateless_in_stepped_leaves(cat):
+        if all(_ADAPTER_PARAM.search(f) for f in with_state):
+            out.extend(f for f in without if not _ADAPTER_PARAM.search(f))
+    return out
+
+
+def frozen_params(cat: Catalog) -> frozenset[str]:
+    """Parameters known never stepped, not lost state: ``cat.frozen`` (a format that shows it) and
+    :func:`adapter_frozen`."""
+    return cat.frozen | frozenset(adapter_frozen(cat))
+
+
 def lost_state(cat: Catalog) -> dict[str, str]:
     """Parameters with no optimizer state in a leaf whose other parameters have state (the leaf stepped).
 
@@ -932,21 +976,18 @@ def lost_state(cat: Catalog) -> dict[str, str]:
     (:meth:`Catalog.leaves`: a nested param group, or flattened parameters with equal saved
     hyperparameters) steps all its parameters together, so a member without state lost it
     (or never got a gradient, and a resume would then bias-correct it as step 1). Only model
-    tensors count, not ``cat.frozen`` (a format that shows they were never stepped); needs
-    :func:`load_param_groups` for flattened leaves.
+    tensors count, not ``cat.frozen`` (a format that shows they were never stepped) nor the frozen
+    base weights of an adapter setup (:func:`adapter_frozen`); needs :func:`load_param_groups`
+    for flattened leaves.
 
     Returns:
         fqn -> the label of its leaf, in leaf order.
     """
     out: dict[str, str] = {}
-
-    stepped = {f for f, ps in cat.optimizer_state.items() if ps.fields}
-    model = cat.model
-    for label, _, fqns in cat.leaves():
-        if stepped.isdisjoint(fqns):
-            continue
-        for f in fqns:
-            if f not in stepped and f not in cat.frozen and cat.model_key(f) in model:
+    for label, with_state, without in _stateless_in_stepped_leaves(cat):
+        adapter_only = all(_ADAPTER_PARAM.search(f) for f in with_state)
+        for f in without:
+            if not adapter_only or _ADAPTER_PARAM.search(f):
                 out[f] = label
     return out
 

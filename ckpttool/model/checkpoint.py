@@ -26,6 +26,7 @@ from ckpttool.errors import (
     PathEscapeError,
     TrustRequiredError,
     UsageError,
+    check_field_types,
 )
 from ckpttool.format import limits
 from ckpttool.format.mdstorage import referenced_paths
@@ -178,6 +179,11 @@ class Checkpoint:
         if not unread_beside(model, given):  # the usual case: no candidate, the storage's paths not listed
             return ()
         own = [Path(self.path) / rel for rel in referenced_paths(self.metadata.storage)]
+        assembled = getattr(self.reader, "assembled", None)
+        if assembled is not None:  # a per-rank save: every rank file it read (replicas too) and its metadata
+            from ckpttool.format.perrank_formats import TC_METADATA
+
+            own += [Path(self.path) / rel for rel in (*assembled.files, TC_METADATA)]
         return unread_beside(model, given, own)
 
     def hf_config_beside(self) -> Path | None:
@@ -465,7 +471,7 @@ def check_source(source: object, opening: object) -> OpenOptions:
 
     Raises:
         UsageError (E100): ``source`` is no :class:`Checkpoint`, path or URL; ``opening`` is no
-            :class:`OpenOptions`; ``source`` is a closed :class:`Checkpoint`; or ``opening`` is given
+            :class:`OpenOptions` (or ``trust_pickle`` in it is no bool); ``source`` is a closed :class:`Checkpoint`; or ``opening`` is given
             with an already opened checkpoint (its
             declaration, ``trust_pickle`` and selection were fixed when it was opened).
     """
@@ -481,6 +487,8 @@ def check_source(source: object, opening: object) -> OpenOptions:
             param="opening",
             hint="pass ckpttool.OpenOptions(declaration=..., trust_pickle=..., selection=...)",
         )
+    if opening is not None:
+        check_field_types(opening)
     if isinstance(source, Checkpoint) and source.closed:
         raise UsageError(
             f"{source.path}: the checkpoint was closed",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from ckpttool.errors import UsageError
+from ckpttool.errors import UsageError, check_field_types
 
 __all__ = ["options_of", "same_named"]
 
@@ -15,7 +15,8 @@ def options_of(options: Opts | None, cls: type[Opts]) -> Opts:
     """An operation's ``options``: ``cls()`` for ``None``, else ``options`` itself.
 
     Raises:
-        UsageError (E100): ``options`` is not a ``cls`` (a dict, a path given where the options go).
+        UsageError (E100): ``options`` is not a ``cls`` (a dict, a path given where the options go), or a field
+            of it has the wrong type (:func:`~ckpttool.errors.check_field_types`: ``strict="no"``, ``workers="2"``).
     """
     if options is None:
         return cls()
@@ -25,6 +26,7 @@ def options_of(options: Opts | None, cls: type[Opts]) -> Opts:
             param="options",
             hint=f"pass ckpttool.{cls.__name__}(...) (outputs and the source go before it)",
         )
+    check_field_types(options)
     return options
 
 

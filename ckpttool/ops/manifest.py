@@ -158,6 +158,10 @@ class Manifest:
     path: str | None = None
     #: what ``metadata_digest`` digests: ``.metadata``, or :data:`HEADERS_NAME`.
     metadata_file: str = METADATA_NAME
+    #: ``{"file", "size", "digest"}`` of the training-state files the trainer saved beside the checkpoint
+    #: (OLMo-core's ``train/rankR.pt``, NeMo Automodel's ``step_scheduler.pt``; names relative to the step
+    #: directory); ``None``: none were there (or an older ckpttool): such files are then not checked.
+    training_state: tuple[dict[str, Any], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -176,6 +180,8 @@ class Manifest:
             out["files"] = [dict(f) for f in self.files]
         if self.sidecars is not None:
             out["sidecars"] = [dict(f) for f in self.sidecars]
+        if self.training_state is not None:
+            out["training_state"] = [dict(f) for f in self.training_state]
         if self.source is not None:
             out["source"] = self.source
         return out
@@ -506,6 +512,7 @@ def build_manifest(
     covers: str = "window",
     on_entry: Callable[[int], None] | None = None,
     exclude: tuple[str, ...] = (),
+    beside_of: Path | None = None,
 ) -> Manifest:
     """Digest every chunk window and byte item of an open checkpoint (each byte read once).
 
@@ -515,6 +522,8 @@ def build_manifest(
         covers: ``window`` (whole chunk windows) or ``record`` (chunks' raw storage records;
             byte items and chunks without a stored record are still ``window`` entries).
         on_entry: called with the bytes of each entry as it is hashed (progress).
+        beside_of: the checkpoint's model folder: the training-state files saved beside it
+            (:func:`~ckpttool.model.beside.training_state_beside`) are digested too.
 
     Raises:
         UsageError: unknown ``algorithm``.
@@ -566,11 +575,54 @@ def build_manifest(
                 on_entry(entry.length)
     md, size = _metadata_digest(reader, algorithm)
     sidecars = None
-    if reader.remote is None and not reader.parts:
+    if reader.remote is None and _parts_below(reader):
         skip = {METADATA_NAME, MANIFEST_NAME, *(e.file for e in entries), *(exclude or ())}
+        skip -= set(_partial_files(reader))  # state in no entry (verl's RNG): the whole file is digested
         sidecars = tuple(sidecar_digests(Path(reader.path), skip, algorithm))
     md_file = METADATA_NAME if md is None else _metadata_file(reader)
-    return Manifest(algorithm, tuple(entries), md, size, sidecars=sidecars, metadata_file=md_file)
+    training = tuple(training_state_digests(beside_of, algorithm)) if beside_of and reader.remote is None else ()
+    return Manifest(algorithm, tuple(entries), md, size, None, "dcp", (), sidecars, None, md_file, training or None)
+
+
+def training_state_digests(model_dir: Path, algorithm: str) -> list[dict[str, Any]]:
+    """``{"file", "size", "digest"}`` of each training-state file saved beside ``model_dir`` (OLMo-core's
+    ``train/rankR.pt``, NeMo Automodel's ``step_scheduler.pt``), named relative to the step directory; a
+    symlink is listed (``"digest": "symlink"``), never followed.
+
+    Raises:
+        DataFileError: a file that cannot be read.
+    """
+    import stat
+
+    from ckpttool.format.files import open_regular
+    from ckpttool.model.beside import training_state_beside
+
+    out: list[dict[str, Any]] = []
+    for rel in training_state_beside(model_dir):
+        full = model_dir.parent / rel
+        st = os.lstat(full)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+            out.append({"file": rel, "size": 0, "digest": "symlink" if stat.S_ISLNK(st.st_mode) else "special"})
+            continue
+        fd = open_regular(full)
+        try:
+            out.append({"file": rel, "size": st.st_size, "digest": _hash_fd(fd, 0, st.st_size, algorithm, full, rel)})
+        finally:
+            os.close(fd)
+    return out
+
+
+def _parts_below(reader: CheckpointReader) -> bool:
+    """Whether every folder of a model/optimizer pair lies directly in the reader's directory (NeMo's
+    ``model/`` + ``optim/``, Accelerate's ``pytorch_model_fsdp_0/`` + ``optimizer_0/``): its sidecars are
+    then the step directory's other files, the folders' ``.metadata`` included. Always for one checkpoint."""
+    root = Path(reader.path).resolve()
+    return all(p.resolve().parent == root for p in reader.parts.values())
+
+
+def _partial_files(reader: CheckpointReader) -> list[str]:
+    """Data files holding state that no entry covers (a per-rank save's RNG state): digested whole as sidecars."""
+    return list(getattr(getattr(reader, "assembled", None), "partial", ()))
 
 
 #: Files a manifest's ``sidecars`` may list; a directory holding more is refused (``E307``).
@@ -625,7 +677,11 @@ def _sidecar_problems(
     """Sidecars missing, changed or added since the manifest (none when it lists none: an older manifest)."""
     if listed is None:
         return []
-    now = {f["file"]: f for f in sidecar_digests(root, skip, algorithm)}
+    return _file_problems(listed, {f["file"]: f for f in sidecar_digests(root, skip, algorithm)})
+
+
+def _file_problems(listed: tuple[dict[str, Any], ...], now: dict[str, dict[str, Any]]) -> list[ManifestProblem]:
+    """Files of ``listed`` missing from ``now`` or different there, and files of ``now`` not listed."""
     problems: list[ManifestProblem] = []
     for f in listed:
         got = now.pop(f["file"], None)
@@ -751,7 +807,12 @@ def write_manifest(
         t_hash = time.perf_counter()
         step(0)
         man = build_manifest(
-            reader, algorithm, covers=covers, on_entry=step, exclude=_inside(Path(reader.path), target)
+            reader,
+            algorithm,
+            covers=covers,
+            on_entry=step,
+            exclude=_inside(Path(reader.path), target),
+            beside_of=Path(ckpt.located.model) if ckpt.located is not None else None,
         )
         hash_seconds = time.perf_counter() - t_hash
         say(f"writing {target}")
@@ -943,7 +1004,7 @@ def _read_doc(p: Path, shown: str) -> dict[str, Any]:
     return doc
 
 
-_LISTS = ("entries", "sidecars", "files")
+_LISTS = ("entries", "sidecars", "files", "training_state")
 
 
 def _bounded_int(text: str) -> int:
@@ -961,14 +1022,14 @@ def _manifest_files(doc: dict[str, Any], shown: str) -> list[dict[str, Any]]:
     return _objects(raw_files, "files", _FILE_FIELDS, shown, lambda f: _is_hex(f["header_digest"]))
 
 
-def _manifest_sidecars(doc: dict[str, Any], shown: str) -> tuple[dict[str, Any], ...] | None:
-    """The ``sidecars`` list (``None``: absent, a manifest of an older ckpttool), checked."""
-    raw = doc.get("sidecars")
+def _manifest_sidecars(doc: dict[str, Any], shown: str, name: str = "sidecars") -> tuple[dict[str, Any], ...] | None:
+    """The ``sidecars`` (or ``training_state``) list (``None``: absent, a manifest of an older ckpttool), checked."""
+    raw = doc.get(name)
     if raw is None:
         return None
     if not isinstance(raw, list) or len(raw) > MAX_SIDECARS:
-        raise _bad(shown, f"sidecars must be a list of at most {MAX_SIDECARS} files")
-    return tuple(_objects(raw, "sidecars", _SIDECAR_FIELDS, shown))
+        raise _bad(shown, f"{name} must be a list of at most {MAX_SIDECARS} files")
+    return tuple(_objects(raw, name, _SIDECAR_FIELDS, shown))
 
 
 #: The fields of an item of a manifest's ``files`` and ``sidecars`` lists, with their JSON types.
@@ -1051,11 +1112,19 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     if source is not None and not isinstance(source, dict):
         raise _bad(shown, "source must be an object")
     sidecars = _manifest_sidecars(doc, shown)
-    return Manifest(algorithm, entries, md_digest, md_size, source, kind, tuple(files), sidecars, shown)
+    training = _manifest_sidecars(doc, shown, "training_state")
+    return Manifest(
+        algorithm, entries, md_digest, md_size, source, kind, tuple(files), sidecars, shown, training_state=training
+    )
 
 
-def verify_manifest(reader: CheckpointReader, manifest: Manifest, *, on_entry: OnEntry = None) -> list[ManifestProblem]:
+def verify_manifest(
+    reader: CheckpointReader, manifest: Manifest, *, on_entry: OnEntry = None, beside_of: Path | None = None
+) -> list[ManifestProblem]:
     """Check every chunk and byte item of a checkpoint against a manifest (each window read once; ``on_entry``: progress).
+
+    ``beside_of`` (the checkpoint's model folder): the training-state files the manifest lists are
+    checked against the ones saved beside it now.
 
     Returns:
         The problems, in manifest order then checkpoint order: ``missing``, ``extra``,
@@ -1084,13 +1153,19 @@ def verify_manifest(reader: CheckpointReader, manifest: Manifest, *, on_entry: O
             where = f"{key!r}" + (f" chunk at {list(offs)}" if offs is not None else " (byte item)")
             problems.append(ManifestProblem("extra", key, offs, f"{where} is stored but not in the manifest"))
     problems.extend(_metadata_problems(reader, manifest))
-    if manifest.sidecars is not None and reader.remote is None and not reader.parts:
+    if manifest.sidecars is not None and reader.remote is None and _parts_below(reader):
         root = Path(reader.path)
         skip = {METADATA_NAME, MANIFEST_NAME, *(e.file for e in manifest.entries), *_inside(root, manifest.path)}
         skip.update(
             reader.storage_info(k, c).relative_path for (k, _), c in stored.items() if _has_storage(reader, k, c)
         )
+        listed_files = {f["file"] for f in manifest.sidecars}
+        skip -= {f for f in _partial_files(reader) if f in listed_files}  # an older manifest did not list them
         problems.extend(_sidecar_problems(root, manifest.sidecars, skip, manifest.algorithm))
+    if manifest.training_state is not None and beside_of is not None and reader.remote is None:
+        now = {f["file"]: f for f in training_state_digests(beside_of, manifest.algorithm)}
+        said = {(p.kind, p.key) for p in problems}  # a pair's step_scheduler.pt is a sidecar too
+        problems.extend(p for p in _file_problems(manifest.training_state, now) if (p.kind, p.key) not in said)
     return problems
 
 
@@ -1405,6 +1480,9 @@ class ManifestCheck:
     entries: int
     problems: list[ManifestProblem]
     source: dict[str, Any] | None = None
+    #: What the directory is (the text output's label; not in ``--json``): ``dcp``, ``safetensors`` (a Hugging
+    #: Face folder, or an export), or a per-rank format's name (``verl-fsdp``). ``None``: ``kind``.
+    folder: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -1477,6 +1555,7 @@ def check_against_manifest(
         if progress is not None:
             progress(done[0], total)
 
+    folder: str | None = None
     if man.kind == "safetensors":
         step(0)
         problems = verify_safetensors_manifest(directory, man, on_entry=step)
@@ -1488,9 +1567,21 @@ def check_against_manifest(
                 if err is not None:  # every command but validate does (a rank's replica is in no entry)
                     raise err
             step(0)
-            problems = verify_manifest(ckpt.reader, man, on_entry=step)
+            beside = Path(ckpt.located.model) if ckpt.located is not None else None
+            problems = verify_manifest(ckpt.reader, man, on_entry=step, beside_of=beside)
             shown = str(ckpt.path)
-    return ManifestCheck(shown, str(target), man.kind, man.algorithm, len(man.entries), problems, man.source)
+            folder = _folder_kind(ckpt.reader)
+    return ManifestCheck(
+        shown, str(target), man.kind, man.algorithm, len(man.entries), problems, man.source, folder=folder
+    )
+
+
+def _folder_kind(reader: CheckpointReader) -> str:
+    """What the opened directory is: ``dcp`` (a ``.metadata``), ``safetensors`` (a Hugging Face folder: its
+    headers are its metadata) or the per-rank format's name."""
+    if isinstance(reader, PerRankReader):
+        return reader.assembled.format
+    return "dcp" if _metadata_file(reader) == METADATA_NAME else "safetensors"
 
 
 def write_output_manifest(writer: Any, out: Path, algorithm: str, identity: dict[str, Any] | None) -> None:

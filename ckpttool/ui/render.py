@@ -459,15 +459,15 @@ def fmt_rate(nbytes: int | float, seconds: float) -> str:
         return ABSENT
     rate = nbytes / seconds
     for unit in ("B/s", "kB/s", "MB/s", "GB/s"):
-        if rate < 1000 or unit == "GB/s":
-            return f"{rate:.3g} {unit}" if rate < 1000 else f"{rate:,.0f} {unit}"
+        if rate < 999.5 or unit == "GB/s":  # from 999.5 on, 3 significant digits would print 1e+03
+            return f"{rate:.3g} {unit}" if rate < 999.5 else f"{rate:,.0f} {unit}"
         rate /= 1000
     return ABSENT  # pragma: no cover
 
 
 def fmt_seconds(seconds: float) -> str:
     """``0.0123`` -> ``'12 ms'``; ``2.5`` -> ``'2.50 s'``."""
-    if seconds < 1:
+    if seconds < 0.9995:  # from 999.5 ms on, 3 significant digits would print 1e+03 ms
         return f"{seconds * 1e3:.3g} ms"
     return f"{seconds:.2f} s"
 

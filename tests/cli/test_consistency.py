@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import COMMANDS, app
@@ -234,3 +235,131 @@ def test_optimizer_dir_that_is_the_checkpoint_itself_says_what_to_do(sample_ckpt
         "hint: --optimizer-dir names a separate optimizer checkpoint (e.g. checkpoint-N/optimizer_0); "
         "leave it out when the checkpoint holds its optimizer state",
     ]
+
+
+def _docs(name: str) -> str:
+    return (Path(__file__).parents[2] / "docs" / name).read_text()
+
+
+def _code_range(text: str) -> set[str]:
+    """``E141-E144, E601`` -> {E141, E142, E143, E144, E601} (codes of a range that have no class left out)."""
+    from ckpttool.errors import CkptError, error_class
+
+    out: set[str] = set()
+    for lo, hi in re.findall(r"E(\d{3})(?:-E(\d{3}))?", text):
+        out |= {f"E{n}" for n in range(int(lo), int(hi or lo) + 1) if error_class(f"E{n}") is not CkptError}
+    return out
+
+
+def test_errors_md_lists_every_error_code_with_the_class_that_raises_it() -> None:
+    """docs/errors.md has one row per error code, naming the class ``error_class(code)`` returns; every class is
+    raised somewhere in the package; the groups the page says one ``except`` catches are subclasses."""
+    import ckpttool.errors as errors
+
+    # the classes of ckpttool.errors (ops/distributed.py's private carrier of another rank's error has no code)
+    classes = {
+        c.code: c for c in errors._all_classes() if c is not errors.CkptError and c.__module__ == errors.__name__
+    }
+    text = _docs("errors.md")
+    rows = re.findall(r"^\| (E\d{3}) \| (\w+) \|", text, re.M)
+    assert len(rows) == len({c for c, _ in rows}), "a code listed twice"
+    assert sorted(c for c, _ in rows) == sorted(classes)
+    assert [(c, classes[c].__name__) for c, _ in rows] == rows
+    package = Path(errors.__file__).parent
+    sources = "\n".join(p.read_text() for p in package.rglob("*.py") if p.name != "errors.py")
+    assert [c for c, cls in classes.items() if not re.search(rf"\b{cls.__name__}\(", sources)] == []
+    groups = re.findall(r"`(\w+)` \(((?:E\d{3}(?:-E\d{3})?(?:, )?)+)\)", " ".join(text.split()))
+    assert len(groups) >= 10
+    for name, codes in groups:
+        parent = getattr(errors, name)
+        assert _code_range(codes) == {c for c, cls in classes.items() if cls is not parent and issubclass(cls, parent)}
+
+
+def test_every_option_shown_in_help_is_documented() -> None:
+    """Each option ``--help`` shows (the root's and every command's, ``--x/--no-x`` both) appears in the README or
+    a page of docs/: an option added without a word in the documentation fails here."""
+    root = Path(__file__).parents[2]
+    text = "\n".join(p.read_text() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
+    group = typer.main.get_command(app)
+    commands = [group, *(group.commands[name] for name in COMMANDS)]  # type: ignore[attr-defined]
+    missing = [
+        f"{cmd.name} {flag}"
+        for cmd in commands
+        for param in cmd.params
+        if not getattr(param, "hidden", True)
+        for flag in [*param.opts, *param.secondary_opts]
+        if flag.startswith("--") and flag != "--help" and not re.search(re.escape(flag) + r"(?![\w-])", text)
+    ]
+    assert missing == []
+
+
+@pytest.mark.parametrize(
+    "flag", ["--filter", "--select", "--train-steps", "--steps", "--dry-run", "--overwrite", "--ep-size"]
+)
+def test_cli_md_vocabulary_names_every_command_with_the_option(flag: str) -> None:
+    """docs/cli.md's "One vocabulary" table names, for an option, exactly the commands whose --help shows it
+    (deprecated spellings, hidden, aside)."""
+    shown = re.compile(r"^  (?:-\w, )?" + re.escape(flag) + r"(?![\w-])", re.M)  # an option line of --help
+    having = {n for n in COMMANDS if shown.search(runner.invoke(app, [n, "--help"], env=WIDE).stdout)}
+    rows = [
+        r for r in _docs("cli.md").splitlines() if r.startswith("| ") and re.search(f"`{flag}[ `]", r.split(" | ")[1])
+    ]
+    assert len(rows) == 1, rows
+    named = set(re.findall(r"`([a-z-]+)`", rows[0].split(" | ")[2])) & set(COMMANDS)
+    assert named == having
+
+
+def test_synopses_in_the_docs_list_the_choices_help_lists() -> None:
+    """A command's synopsis in docs/ (a code block starting ``ckpttool CMD``) lists for ``--opt a|b|c`` exactly the
+    choices ``--help`` shows as ``--opt <a|b|c>``."""
+    blocks = [
+        (page.name, block)
+        for page in sorted((Path(__file__).parents[2] / "docs").glob("*.md"))
+        for block in re.findall(r"```\n(ckpttool [a-z-]+ .*?)```", page.read_text(), re.S)
+    ]
+    checked, wrong = 0, []
+    for page, block in blocks:
+        name = block.split()[1]
+        if name not in COMMANDS:
+            continue
+        shown = runner.invoke(app, [name, "--help"], env={"COLUMNS": "400"}).stdout
+        choices = dict(re.findall(r"^  (?:-\w, )?(--[\w-]+) <([^>]+)>", shown, re.M))
+        for flag, values in re.findall(r"(--[\w-]+)[ =]([\w.-]+(?:\|[\w.-]+)+)", block):
+            if flag in choices:
+                checked += 1
+                if set(values.split("|")) != set(choices[flag].split("|")):
+                    wrong.append(f"{page} {name} {flag} {values} (--help: {choices[flag]})")
+    assert checked >= 15 and wrong == []
+
+
+def test_command_lines_in_the_docs_use_options_of_their_command() -> None:
+    """Every ``ckpttool CMD ...`` line of the README and docs/ (in backticks, a code block, or after ``python -m`` /
+    ``torchrun ... -m``) passes only options that CMD (or the root) takes."""
+    group = typer.main.get_command(app)
+    flags = {n: {o for p in group.commands[n].params for o in [*p.opts, *p.secondary_opts]} for n in COMMANDS}  # type: ignore[attr-defined]
+    root_flags = {o for p in group.params for o in [*p.opts, *p.secondary_opts]} | {"--help"}
+    root = Path(__file__).parents[2]
+    wrong, seen = [], 0
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = page.read_text()
+        lines = re.findall(r"`ckpttool ([^`]+)`", text)
+        lines += re.findall(r"^\s*\$?\s*ckpttool ([a-z-].*)$", text, re.M)
+        lines += re.findall(r"-m ckpttool ([^`\n]+)", text)
+        for line in lines:
+            words = line.split()
+            while words and words[0].startswith("-"):  # global options before the command, with their value
+                words = (
+                    words[2:]
+                    if len(words) > 1 and not words[1].startswith("-") and words[1] not in COMMANDS
+                    else words[1:]
+                )
+            if not words or words[0] not in COMMANDS:
+                continue
+            seen += 1
+            for word in words[1:]:
+                if word in ("|", "&&", ";") or word.startswith("#"):
+                    break
+                flag = re.match(r"--[a-z][a-z0-9-]*", word)
+                if flag and flag.group(0) not in flags[words[0]] | root_flags:
+                    wrong.append(f"{page.name}: {words[0]} {flag.group(0)} in {line!r}")
+    assert seen > 100 and wrong == []

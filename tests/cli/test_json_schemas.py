@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -25,7 +26,34 @@ def validated(name: str, argv: list[str], exit_codes: tuple[int, ...] = (0,)) ->
     errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(doc), key=lambda e: list(e.path))
     assert not errors, [(list(e.path), e.message[:200]) for e in errors[:5]]
     assert doc["schema"] == SCHEMA_NAMES[name]
+    # A schema may leave its documents' fields open (consumers ignore what they do not know), but every field the
+    # document has is declared, so `ckpttool schema CMD` describes it: inspect's key_schema, location, ... were not.
+    assert sorted(undeclared(doc, schema, schema, name)) == [], name
     return doc
+
+
+def undeclared(doc: object, node: object, root: dict, path: str) -> set[str]:  # type: ignore[type-arg]
+    """Paths of the fields of ``doc`` that an object schema with ``properties`` (and no ``additionalProperties``)
+    in ``node`` does not declare, through ``$ref``, ``anyOf``/``oneOf``/``allOf``, ``items`` and maps."""
+    while isinstance(node, dict) and "$ref" in node:
+        target: object = root
+        for part in node["$ref"].split("/")[1:]:
+            target = target[part]  # type: ignore[index]
+        node = target
+    if not isinstance(node, dict):
+        return set()
+    out = {
+        p for key in ("anyOf", "oneOf", "allOf") for sub in node.get(key, ()) for p in undeclared(doc, sub, root, path)
+    }
+    props, more = node.get("properties"), node.get("additionalProperties")
+    if isinstance(doc, dict) and props is not None:
+        out |= {f"{path}.{k}" for k in doc if k not in props and not more}
+        out |= {p for k, v in doc.items() if k in props for p in undeclared(v, props[k], root, f"{path}.{k}")}
+    elif isinstance(doc, dict) and isinstance(more, dict):
+        out |= {p for k, v in doc.items() for p in undeclared(v, more, root, f"{path}.*")}
+    if isinstance(doc, list) and "items" in node:
+        out |= {p for v in doc for p in undeclared(v, node["items"], root, f"{path}[]")}
+    return out
 
 
 @pytest.mark.parametrize("name", [*SCHEMA_NAMES, "replay-step"])
@@ -156,3 +184,40 @@ def test_the_name_choices_are_the_schema_table() -> None:
         c for n in SCHEMA_NAMES for c in ((n, "replay-step") if n == "replay" else (n,))
     ]
     assert _PRINTED_BY.keys() == SCHEMA_NAMES.keys()
+
+
+def _without_parentheses(text: str) -> str:
+    while re.search(r"\([^()]*\)", text):
+        text = re.sub(r"\([^()]*\)", "", text)
+    return text
+
+
+@pytest.mark.parametrize(
+    "name, page, anchor",
+    [
+        ("reshard", "layouts.md", "`--json` prints `ckpttool.reshard/1`:"),
+        ("stamp", "layouts.md", "`--json` prints `ckpttool.stamp/1`:"),
+        ("manifest-check", "diff.md", "schema `ckpttool.manifest-check/1`:"),
+        ("manifest", "diff.md", "`--json` prints schema `ckpttool.manifest/1`:"),
+    ],
+)
+def test_field_lists_in_the_docs_are_the_schemas_fields(name: str, page: str, anchor: str) -> None:
+    """Where a page lists a document's fields in a sentence, it lists exactly the fields its JSON Schema declares."""
+    text = " ".join((Path(__file__).parents[2] / "docs" / page).read_text().split())
+    sentence = _without_parentheses(text[text.index(anchor) + len(anchor) :]).split(". ")[0]
+    assert set(re.findall(r"`(\w+)`", sentence)) == set(load_schema(name)["properties"]) - {"schema"}
+
+
+def test_inspect_md_field_table_is_the_schemas_fields() -> None:
+    """docs/inspect.md's field table has a row for each field of the inspect schema (``storage``, only present for a
+    checkpoint read from object storage, in the text below it), and no row for a field the schema lacks."""
+    text = (Path(__file__).parents[2] / "docs" / "inspect.md").read_text()
+    schema = load_schema("inspect")["properties"]
+    rows = re.findall(r"^\| `([\w.\[\]]+)`(?: / `[\w.\[\]]+`)? \|", text, re.M)
+    tops = {re.split(r"[.\[]", r)[0] for r in rows}
+    assert tops | {"storage"} == set(schema) and "`storage` (only for a checkpoint read from object storage" in text
+    for row in rows:
+        top, _, sub = row.replace("[]", "").partition(".")
+        if sub:
+            node = schema[top]
+            assert sub.split(".")[0] in node.get("properties", {}), row

@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
-from ckpttool.ui.render import PIPE_WIDTH, fmt_dict, fmt_rate, fmt_shape, fmt_value, plural
+from ckpttool.ui.render import PIPE_WIDTH, fmt_dict, fmt_rate, fmt_seconds, fmt_shape, fmt_value, plural
 from tests.cli.tables import column, tables
 from tests.fixtures import damage
 from tests.fixtures.cache import copy_checkpoint
@@ -136,6 +136,12 @@ def test_formatters() -> None:
     assert plural(1, "data file") == "1 data file" and plural(2, "batch", "batches") == "2 batches"
     assert fmt_rate(170_816, 0.0153) == "11.2 MB/s" and fmt_rate(2.5e9, 1.0) == "2.5 GB/s"
     assert fmt_rate(100, 0.0) == "-" and fmt_rate(999, 1.0) == "999 B/s"
+    # just under a unit's 1000: never "1e+03" (a time near 1 s printed "1e+03 ms", which the README check's
+    # timing mask does not match)
+    assert fmt_rate(999.7, 1.0) == "1 kB/s" and fmt_rate(999.7e9, 1.0) == "1,000 GB/s"
+    assert fmt_rate(999.4e6, 1.0) == "999 MB/s" and fmt_rate(2.5e12, 1.0) == "2,500 GB/s"
+    assert fmt_seconds(0.9996) == "1.00 s" and fmt_seconds(0.9994) == "999 ms" and fmt_seconds(0.0123) == "12.3 ms"
+    assert fmt_seconds(2.5) == "2.50 s"
 
 
 @pytest.mark.parametrize("width", [40, 50, 60, 80])

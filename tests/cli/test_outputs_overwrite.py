@@ -1,4 +1,4 @@
-"""``--overwrite`` replaces only a directory ckpttool provably wrote (docs/security.md, "Outputs").
+"""``--overwrite`` replaces only a directory ckpttool provably wrote (docs/security.md, "Ownership of outputs").
 
 Every output directory carries ``.ckpttool-output.json`` (written by ckpttool: kind, version, token,
 every file with its size and digest). Through the real CLI, each kind of foreign directory is

@@ -367,7 +367,8 @@ def test_signal_during_upload_publishes_nothing_and_cleans_up(
     env = {**os.environ, "TMPDIR": str(tmpdir)}
     env.pop("CKPTTOOL_DEBUG", None)
     cmd = [sys.executable, "-m", "ckpttool", *opts, "--remote-workers", "2", "export", url, out, "--shard-size", "20KB"]
-    proxy.delay_s = 0.01  # a slow link throughout, so the upload phase cannot be missed under load
+    # the link stalls at the first upload to the temporary output (a PUT naming it) ...
+    proxy.hold_on = lambda piece: piece.startswith(b"PUT ") and b"ckpttool-tmp" in piece.split(b"\r\n", 1)[0]
     try:
         proc = subprocess.Popen(
             cmd,
@@ -379,15 +380,11 @@ def test_signal_during_upload_publishes_nothing_and_cleans_up(
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         try:
-            # slow the link only once the run is uploading (its first object is under the temporary prefix)
-            def uploading() -> bool:
-                if any("ckpttool-tmp" in k for k in s3_server.keys("ckpts")):
-                    proxy.delay_s = 0.05
-                    return True
-                return False
-
-            _interrupt_when(proc, uploading, getattr(signal, signame))
-            _, err = proc.communicate(timeout=120)
+            # ... so the run is still uploading when the signal lands, however busy the machine (before, a test
+            # that polled the server too late found the run done); then the link runs again, for the cleanup
+            _interrupt_when(proc, proxy.held.is_set, getattr(signal, signame), timeout_s=300)
+            proxy.release.set()
+            _, err = proc.communicate(timeout=300)  # a hang guard
         finally:
             if proc.poll() is None:
                 proc.kill()

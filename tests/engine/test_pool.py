@@ -60,15 +60,22 @@ def test_first_error_in_item_order_cancels_the_rest_and_sets_stop() -> None:
     started: list[int] = []
     lock = threading.Lock()
 
+    seven_raised = threading.Event()
+
+    # No timing: item 5 raises after item 7 did (7 is later in item order: not the one raised), and the
+    # items after 5 hold their worker until the call sets ``stop``, so the 200 items cannot all have
+    # started before the error is seen however the threads are scheduled (the waits are hang guards).
     def fn(i: int) -> int:
         with lock:
             started.append(i)
         if i == 5:
-            time.sleep(0.02)
+            assert seven_raised.wait(60)
             raise ValueError("item 5")
         if i == 7:
-            raise KeyError("item 7")  # later in item order: not the one raised
-        time.sleep(0.005)
+            seven_raised.set()
+            raise KeyError("item 7")
+        if i > 5:
+            assert stop.wait(60)
         return i
 
     with pytest.raises(ValueError, match="item 5"):
@@ -106,17 +113,24 @@ def test_keyboard_interrupt_in_an_item_propagates_after_running_items_end_under_
         entered.append(True)
         yield
 
+    stop = threading.Event()
+
+    # No timing: item 0 is interrupted while item 1 runs, and every later item holds its worker until the
+    # call sets ``stop`` (the waits are hang guards), so the 50 cannot all have run whatever the scheduling.
     def fn(i: int) -> int:
         if i == 0:
-            running.wait(1)
+            assert running.wait(60)
             raise KeyboardInterrupt
         running.set()
-        time.sleep(0.05)
+        if i == 1:
+            time.sleep(0.05)
+        else:
+            assert stop.wait(60)
         finished.append(i)
         return i
 
     with pytest.raises(KeyboardInterrupt):
-        map_ordered(fn, range(50), workers=2, guard=guard)
+        map_ordered(fn, range(50), workers=2, stop=stop, guard=guard)
     assert entered == [True]
     assert finished and len(finished) < 49  # the running one ended; the rest never started
 
@@ -137,8 +151,25 @@ def test_nested_calls_run_inline_and_never_deadlock() -> None:
 
 def test_imap_ordered_yields_in_order_and_closing_early_stops() -> None:
     g = _Gauge()
-    it = imap_ordered(lambda i: g.run(i, 0.002), range(100), workers=2)
+    gate = threading.Event()
+
+    def fn(i: int) -> int:
+        if i >= 5:  # held until the iterator is closed (a hang guard): 100 items cannot all run first
+            assert gate.wait(60)
+        return g.run(i, 0.002)
+
+    it = imap_ordered(fn, range(100), workers=2)
     assert [next(it) for _ in range(3)] == [0, 1, 4]
+    run = it.gi_frame.f_locals["run"]  # type: ignore[union-attr]  # the call's state: released once it is closed
+
+    def release() -> None:
+        for _ in range(60_000):
+            if run.closed:
+                break
+            time.sleep(0.001)
+        gate.set()
+
+    threading.Thread(target=release, daemon=True).start()
     it.close()
     n = len(g.ran)
     time.sleep(0.02)
@@ -156,9 +187,17 @@ def test_lane_bounds_concurrency_and_cancels_the_queue_on_shutdown() -> None:
     assert g.peak <= 2
     block = threading.Event()
     lane2 = Lane(1)
-    first = lane2.submit(block.wait, 1)
+    first = lane2.submit(block.wait, 60)
     queued = [lane2.submit(g.run, i) for i in range(5)]
-    threading.Timer(0.02, block.set).start()
+
+    def release() -> None:  # once shutdown has cancelled the queue (not after a delay: the main thread may lag)
+        for _ in range(60_000):
+            if all(f.cancelled() for f in queued):
+                break
+            time.sleep(0.001)
+        block.set()
+
+    threading.Thread(target=release, daemon=True).start()
     lane2.shutdown(cancel=True)
     assert first.result() is True
     assert all(f.cancelled() for f in queued)

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,12 +26,30 @@ from tests.fixtures.s3 import free_port
 TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable))
 
 
-def torchrun(n: int, *args: str) -> subprocess.CompletedProcess[str]:
+def torchrun_cmd(n: int) -> list[str]:
+    """``torchrun`` of ``n`` ranks on a port free now (another process may take it before torchrun listens)."""
     assert TORCHRUN is not None
+    return [TORCHRUN, "--nproc-per-node", str(n), "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+
+
+def port_taken(stderr: str) -> bool:
+    """torchrun could not listen on its port (taken since :func:`free_port`): it exits 1 before any rank starts."""
+    return "EADDRINUSE" in stderr and "failed to listen" in stderr
+
+
+def run_torchrun(n: int, args: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run`` of ``torchrun_cmd(n) + args``, on another port when the port was taken (no rank ran)."""
+    for _ in range(4):
+        r = subprocess.run([*torchrun_cmd(n), *args], capture_output=True, text=True, timeout=300, **kwargs)
+        if not port_taken(r.stderr):
+            break
+    return r
+
+
+def torchrun(n: int, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("CKPTTOOL_DEBUG", None)
-    cmd = [TORCHRUN, "--nproc-per-node", str(n), "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    return subprocess.run([*cmd, "-m", "ckpttool", *args], capture_output=True, text=True, env=env, timeout=300)
+    return run_torchrun(n, ["-m", "ckpttool", *args], env=env)
 
 
 def single(*args: str) -> subprocess.CompletedProcess[str]:
@@ -250,14 +269,7 @@ def test_import_rank_failure_fails_every_rank_and_leaves_no_output(hf_dir: Path,
     assert TORCHRUN is not None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK_LIMITED": str(failing), "LIMIT": "4096"}
     env.pop("CKPTTOOL_DEBUG", None)
-    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    r = subprocess.run(
-        [*cmd, str(script), "import", str(hf_dir), str(out), "--world-size", "2"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    r = run_torchrun(2, [str(script), "import", str(hf_dir), str(out), "--world-size", "2"], env=env)
     assert r.returncode != 0
     assert r.stderr.count("exitcode  : ") == 2, r.stderr[-3000:]  # both ranks failed, not just the limited one
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
@@ -275,7 +287,7 @@ if os.environ["RANK"] == "1":
     from ckpttool.ops.export import execute
 
     run = execute._Executor.run
-    execute._Executor.run = lambda self, *a, **k: (time.sleep(120), run(self, *a, **k))[1]
+    execute._Executor.run = lambda self, *a, **k: (time.sleep(3600), run(self, *a, **k))[1]
 sys.argv = ["ckpttool", *sys.argv[1:]]
 runpy.run_module("ckpttool", run_name="__main__")
 """
@@ -294,30 +306,37 @@ def test_ctrl_c_of_torchrun_publishes_nothing_and_removes_the_temporary_output(
     assert TORCHRUN is not None
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("CKPTTOOL_DEBUG", None)
-    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    cmd += [str(script), "export", str(sample_ckpt), str(out), "--shard-size", "20KB"]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not a test runner's SIG_IGN
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]:
-            assert proc.poll() is None, "the run ended before it opened its output"
-            if time.monotonic() > deadline:  # a hang guard, not a speed check
-                pytest.fail("the run never opened its output")
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGINT)  # Ctrl-C of torchrun: it stops every rank (SIGTERM)
-        # The ranks stop at once, not at gloo's timeout (30 min): a run still going after 60 s fails the
-        # test here (TimeoutExpired), a generous bound that leaves no doubt about which of the two happened.
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    args = [str(script), "export", str(sample_ckpt), str(out), "--shard-size", "20KB"]
+    interrupted = False
+    for _ in range(4):
+        proc = subprocess.Popen(
+            [*torchrun_cmd(2), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # not a test runner's SIG_IGN
+        )
+        try:
+            deadline = time.monotonic() + 300
+            while not [p for p in tmp_path.iterdir() if "ckpttool-tmp" in p.name]:
+                if proc.poll() is not None:
+                    break
+                if time.monotonic() > deadline:  # a hang guard, not a speed check
+                    pytest.fail("the run never opened its output")
+                time.sleep(0.02)
+            else:
+                proc.send_signal(signal.SIGINT)  # Ctrl-C of torchrun: it stops every rank (SIGTERM)
+                interrupted = True
+            # The ranks stop at once, not at gloo's timeout (30 min): a run still going after 300 s fails the
+            # test here (TimeoutExpired), a generous bound that leaves no doubt about which of the two happened.
+            _, err = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        if not port_taken(err):  # torchrun's port was taken before it listened: again on another
+            break
+    assert interrupted, "the run ended before it opened its output: " + err[-3000:]
     assert proc.returncode != 0  # torchrun's own exit status (1) on a signal; the ranks exit 130
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert errors == ["error: interrupted"], err[-3000:]

@@ -225,3 +225,48 @@ def test_a_closed_checkpoint_is_a_usage_error_for_every_operation_and_read(dense
     with pytest.raises(UsageError, match="the checkpoint was closed; cannot read"):
         ck.reader.read_tensor(key)
     assert ck.reader._fds == {} and not out.exists() and not (tmp_path / "m.json").exists()
+
+
+def test_every_bool_and_int_option_of_the_wrong_type_is_a_usage_error_naming_it(
+    dense_ckpt: Path, tmp_path: Path
+) -> None:
+    """Only `trust_pickle` was type-checked: `ValidateOptions(strict="no")` ran a strict validation ("no" is
+    truthy), `InspectOptions(depth="2")` ended in a TypeError. Every bool field of every options class must be
+    True/False and every int field an int (not a bool): E100 naming the field, before anything is read or written."""
+    import dataclasses
+
+    import ckpttool
+    from ckpttool.ops.stats import StatsOptions, collect_stats
+
+    out = tmp_path / "out"
+    ops: dict[type, object] = {
+        ckpttool.InspectOptions: lambda o: ckpttool.inspect(dense_ckpt, o),
+        ckpttool.ValidateOptions: lambda o: ckpttool.validate(dense_ckpt, o),
+        ckpttool.ExportOptions: lambda o: ckpttool.export_checkpoint(dense_ckpt, out, o),
+        ckpttool.ReshardOptions: lambda o: ckpttool.reshard(dense_ckpt, out, o),
+        ckpttool.ReplayOptions: lambda o: ckpttool.replay_step(dense_ckpt, o),
+        ckpttool.DiffOptions: lambda o: ckpttool.diff_checkpoints(dense_ckpt, dense_ckpt, o),
+        ckpttool.ImportOptions: lambda o: ckpttool.import_hf(tmp_path / "hf", out, o),
+        ckpttool.SampleOptions: lambda o: ckpttool.write_sample(out, o),
+        StatsOptions: lambda o: collect_stats(dense_ckpt, o),
+        ckpttool.OpenOptions: lambda o: ckpttool.inspect(dense_ckpt, opening=o),
+    }
+    checked = []
+    for cls, op in ops.items():
+        for f in dataclasses.fields(cls):
+            bad: tuple[object, ...] = {
+                "bool": ("no", 0, None),
+                "int": ("2", True, 2.0),
+                "int | None": ("2", False),
+            }.get(str(f.type), ())
+            for value in bad:
+                with pytest.raises(UsageError) as e:
+                    op(cls(**{f.name: value}))  # type: ignore[operator]
+                kind = "True or False" if f.type == "bool" else "an integer"
+                assert (e.value.code, e.value.param) == ("E100", f.name)
+                assert e.value.message == f"`{f.name}` must be {kind}, got {type(value).__name__} {value!r}", cls
+                checked.append(f"{cls.__name__}.{f.name}")
+    assert len(set(checked)) == 39  # every bool and int field of the options classes above
+    assert not out.exists()
+    ok = ckpttool.validate(dense_ckpt, ckpttool.ValidateOptions(strict=True, workers=None))
+    assert ok.strict is True

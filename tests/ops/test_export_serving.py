@@ -1,4 +1,4 @@
-"""Serving-ready exports: ``config.json`` follows the weights written (docs/export.md, "config.json").
+"""Serving-ready exports: ``config.json`` follows the weights written (docs/export.md, "`--model-assets DIR`").
 
 The model assets are what transformers' own ``save_pretrained`` writes for the FP32 model (``"dtype":
 "float32"``); exported with ``--save-dtype bf16``, ``AutoModelForCausalLM.from_pretrained(out,

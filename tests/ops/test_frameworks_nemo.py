@@ -157,3 +157,52 @@ def test_recipe_step_scheduler_beside_is_read_and_compared(nemo_root: Path, tmp_
     assert r002.pop("sched.last_epoch") == "LR scheduler sched.last_epoch = 2 but step_scheduler.pt:step = 5"
     ((key, message),) = r002.items()
     assert key.startswith("optim.state.") and message.endswith(", the largest) but step_scheduler.pt:step = 5")
+
+
+def test_manifest_covers_the_recipe_step_scheduler(nemo_root: Path, tmp_path: Path) -> None:
+    """``step_scheduler.pt`` beside ``model/`` and ``optim/`` (the step a NeMo recipe resumes from) was in no
+    manifest: one of another step passed ``manifest --verify``. Now it is digested, and checked on verify."""
+    import shutil
+
+    import torch
+
+    step = shutil.copytree(nemo_root / "run" / "epoch_0_step_2", tmp_path / "epoch_0_step_2")
+    torch.save(_step_scheduler_state(2), step / "step_scheduler.pt")
+    cli("manifest", str(step))
+    doc = json.loads((step / "model" / "manifest.json").read_text())
+    assert [f["file"] for f in doc["training_state"]] == ["step_scheduler.pt"]
+    cli("manifest", str(step), "--verify")
+    torch.save(_step_scheduler_state(5), step / "step_scheduler.pt")  # the state of a later step
+    out = cli("manifest", str(step), "--verify", code=1)
+    assert "changed  step_scheduler.pt: differs from the manifest" in out
+    (step / "step_scheduler.pt").unlink()
+    out = cli("manifest", str(step), "--verify", code=1)
+    assert out.count("missing  step_scheduler.pt: in the manifest, not on disk") == 1, out
+
+
+def test_manifest_of_the_pair_digests_its_metadata_and_assets(nemo_root: Path, tmp_path: Path) -> None:
+    """A model/optimizer pair's manifest had no ``sidecars`` and a ``null`` metadata digest: a changed byte in
+    ``optim/.metadata`` (a planner_data path: torch's load then unflattens the key elsewhere) or in the HF
+    config NeMo saved passed ``manifest --verify``. The step directory's other files are now digested."""
+    import shutil
+
+    step = shutil.copytree(nemo_root / "run" / "epoch_0_step_2", tmp_path / "epoch_0_step_2")
+    cli("manifest", str(step))
+    doc = json.loads((step / "model" / "manifest.json").read_text())
+    assert [f["file"] for f in doc["sidecars"]] == [
+        "model/consolidate.sh",
+        "model/.hf_metadata/config.json",
+        "model/.hf_metadata/fqn_to_file_index_mapping.json",
+        "model/.hf_metadata/generation_config.json",
+        "optim/.metadata",
+    ]
+    cli("manifest", str(step), "--verify")
+    md = step / "optim" / ".metadata"
+    data = bytearray(md.read_bytes())
+    at = data.index(b"param_groups.model.layers.0.mlp.gate_proj.weight.decoupled_weight_decay")
+    data[at + 7] = ord("'")
+    md.write_bytes(bytes(data))
+    (step / "model" / ".hf_metadata" / "config.json").write_text("{}")
+    out = cli("manifest", str(step), "--verify", code=1)
+    assert "changed  optim/.metadata: differs from the manifest" in out
+    assert "changed  model/.hf_metadata/config.json: differs from the manifest" in out

@@ -7,6 +7,7 @@ and OLMo-core's own reader (``olmo_core.distributed.checkpoint.load_keys``).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,28 @@ def test_export_of_non_hf_names_says_what_serving_needs(olmo_root: Path, tmp_pat
         "; transformers and vLLM look for HF names (model.layers.N...): map these with --rules FILE.yaml "
         "(https://github.com/ckpttool/ckpttool/tree/main/docs/export.md, 'Keys') or a model adapter (--adapter)"
     )
+
+
+def test_manifest_covers_the_trainer_state_of_every_rank(olmo_root: Path, tmp_path: Path) -> None:
+    """``train/rankR.pt`` (each rank's step, tokens seen, RNG and data loader, what OLMo-core's load restores)
+    lies beside ``model_and_optim/``: the manifest written there did not list it, and a rank file changed,
+    deleted or added passed ``manifest --verify`` and ``validate --manifest``. Now each is digested."""
+    import torch
+
+    run = shutil.copytree(olmo_root / "run", tmp_path / "run")
+    cli("manifest", str(run))
+    doc = json.loads((run / "step2" / "model_and_optim" / "manifest.json").read_text())
+    assert [f["file"] for f in doc["training_state"]] == ["train/rank0.pt", "train/rank1.pt"]
+    cli("manifest", str(run), "--verify")
+    train = run / "step2" / "train"
+    state = torch.load(train / "rank1.pt", weights_only=False)
+    state["global_train_tokens_seen"] += 1
+    torch.save(state, train / "rank1.pt")
+    shutil.copy(train / "rank0.pt", train / "rank2.pt")
+    out = cli("manifest", str(run), "--verify", code=1)
+    assert "changed  train/rank1.pt: differs from the manifest" in out
+    assert "extra    train/rank2.pt: a file the manifest does not list (added)" in out
+    (train / "rank0.pt").unlink()
+    doc = json.loads(cli("validate", str(run), "--manifest", "--json", code=1))
+    s015 = sorted((f["key"], f["message"].split(":")[0]) for f in doc["findings"] if f["code"] == "S015")
+    assert s015 == [("train/rank0.pt", "missing"), ("train/rank1.pt", "changed"), ("train/rank2.pt", "extra")]

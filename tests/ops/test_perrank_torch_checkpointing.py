@@ -443,6 +443,7 @@ def test_manifest_verify_names_a_dtype_changed_in_the_rank_files(tc_root: Path, 
     assert json.loads((d / "manifest.json").read_text())["metadata"]["file"] == "per-rank tensor metadata"
     res = runner.invoke(app, ["manifest", "--verify", str(d)])
     assert res.exit_code == 0, res.output
+    assert res.stdout.startswith(f"{d} (torch-checkpointing) matches its manifest ")  # was "(dcp)"
     for name in ("model_0.pt", "model_1.pt"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DeviceMesh unpickled without a process group
@@ -455,3 +456,33 @@ def test_manifest_verify_names_a_dtype_changed_in_the_rank_files(tc_root: Path, 
     res = runner.invoke(app, ["manifest", "--verify", str(d)])
     assert res.exit_code == 1, res.output
     assert "metadata the rank files' tensor dtypes, shapes or chunks differ" in res.stdout, res.stdout
+
+
+def test_a_per_rank_save_beside_a_dcp_checkpoint_is_named(tc_root: Path, tmp_path: Path) -> None:
+    """Two trainers' saves in one folder: a DCP checkpoint with torch-checkpointing's rank files beside it
+    opens as the DCP checkpoint; of the other save only ``optimizer_R.pt`` (an Accelerate-like name) was
+    named, and ``model_R.pt``, ``lr_scheduler_R.pt`` and ``metadata.pkl`` were passed over in silence. Now
+    ``inspect`` and ``validate`` (K012) name every one; the per-rank save itself names none of its own."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    mixed = tmp_path / "mixed"
+    dcp.save({"model": {"w": torch.arange(6.0).reshape(2, 3)}}, checkpoint_id=str(mixed))
+    for f in (tc_root / "w2" / "step-2").iterdir():
+        shutil.copy(f, mixed / f.name)
+    doc = json.loads(runner.invoke(app, ["inspect", "--json", str(mixed)]).stdout)
+    assert doc["unread_beside"] == [
+        "lr_scheduler_0.pt",
+        "lr_scheduler_1.pt",
+        "metadata.pkl",
+        "model_0.pt",
+        "model_1.pt",
+        "optimizer_0.pt",
+        "optimizer_1.pt",
+    ]
+    res = runner.invoke(app, ["validate", "--strict", "--json", str(mixed)])
+    assert res.exit_code == 1, res.output
+    (k012,) = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "K012"]
+    assert "metadata.pkl, model_0.pt, model_1.pt, optimizer_0.pt (+1 more)" in k012["message"]
+    doc = json.loads(runner.invoke(app, ["inspect", "--json", str(tc_root / "w2")]).stdout)
+    assert doc["unread_beside"] == []

@@ -375,3 +375,125 @@ def test_no_optimizer_state_after_steps_fails_r002(verl_root: Path, tmp_path: Pa
     assert "[E700] no optimizer state for any of the 21 parameter(s)" in res.stderr
     text = runner.invoke(app, ["replay-step", str(run)])
     assert text.exit_code == 1 and "FAILED" in text.stdout and "problem     no optimizer state" in text.stdout
+
+
+def test_manifest_covers_the_rng_state_of_every_rank(verl_root: Path, tmp_path: Path) -> None:
+    """Each rank's RNG state in ``extra_state_*.pt`` is described, never assembled into an entry: rank 0's file
+    holds the scheduler's entries, so it was left out of the sidecars too, and a byte changed in its RNG
+    record passed ``manifest --verify``. Files holding state in no entry are now digested whole."""
+    actor = shutil.copytree(_actor(verl_root, 2), tmp_path / "actor")
+    res = runner.invoke(app, ["manifest", str(actor)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((actor / "manifest.json").read_text())
+    sidecars = [f["file"] for f in doc["sidecars"]]
+    assert "extra_state_world_size_2_rank_0.pt" in sidecars and "extra_state_world_size_2_rank_1.pt" in sidecars
+    assert runner.invoke(app, ["manifest", str(actor), "--verify"]).exit_code == 0
+    import zipfile
+
+    path = actor / "extra_state_world_size_2_rank_0.pt"
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo("extra_state_world_size_2_rank_0/data/0")  # the CPU RNG state's record
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = (
+        int.from_bytes(data[info.header_offset + 26 : info.header_offset + 28], "little"),
+        int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little"),
+    )
+    data[info.header_offset + 30 + name_len + extra_len + 100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    res = runner.invoke(app, ["manifest", str(actor), "--verify"])
+    assert res.exit_code == 1, res.output
+    assert "changed  extra_state_world_size_2_rank_0.pt: differs from the manifest" in res.stdout
+
+
+def _tied_rank(rank: int, world: int, root: str) -> None:
+    """verl's FSDPCheckpointManager saving a tied-embedding Llama (``tie_word_embeddings``, as Qwen2.5-0.5B)."""
+    import warnings
+
+    import torch
+    from omegaconf import DictConfig
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+
+    from tests.fixtures.perrank import _reference, _train
+
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg)
+    model.config.architectures = ["LlamaForCausalLM"]
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    _train(model, opt, sched, rank, 2)
+    mgr = FSDPCheckpointManager(
+        model, opt, lr_scheduler=sched, checkpoint_config=DictConfig({"save_contents": ["model", "optimizer", "extra"]})
+    )
+    mgr.save_checkpoint(str(Path(root) / "global_step_2" / "actor"), global_step=2)
+    ref = _reference(model, opt)
+    if rank == 0:
+        torch.save(ref, Path(root) / "reference.pt")
+        model.config.save_pretrained(Path(root) / "assets")
+
+
+def test_tied_embeddings_are_one_parameter(verl_root: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A tied model's state dict pickles ``lm_head.weight`` as a second DTensor over the embedding's local
+    tensor (two objects, one storage record), while the optimizer counts the parameter once: every command
+    refused verl's own save with E280 ("the optimizer steps 20 parameters, the model file holds 21"). The
+    tie is now found by the shared storage view; the tensors and moments are torch's, export omits the head."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.fixtures.distributed import run_ranks
+
+    root = tmp_path_factory.mktemp("verl_tied")
+    run_ranks(2, _tied_rank, str(root))
+    actor = root / "global_step_2" / "actor"
+    ref = torch.load(root / "reference.pt", weights_only=False)
+    assert len(ref["names"]) == 20 and len(ref["model"]) == 21  # lm_head.weight is model.embed_tokens.weight
+    with open_checkpoint(actor) as ck:
+        for k, t in ref["model"].items():
+            assert torch.equal(ck.reader.read_tensor(f"model.{k}"), t), k
+        for k in ref["names"]:
+            assert torch.equal(ck.reader.read_tensor(f"optimizer.state.{k}.exp_avg"), ref["exp_avg"][k]), k
+        assert not any(k.startswith("optimizer.state.lm_head.") for k in ck.metadata.entries)
+    res = runner.invoke(app, ["validate", str(actor), "--strict", "--deep", "--json"])
+    assert res.exit_code == 0, res.output
+    out = tmp_path_factory.mktemp("verl_tied_hf") / "hf"
+    res = runner.invoke(app, ["export", str(actor), str(out), "--model-assets", str(root / "assets")])
+    assert res.exit_code == 0, res.output
+    got = load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(k for k in ref["model"] if k != "lm_head.weight")
+    assert all(torch.equal(got[k], ref["model"][k]) for k in got)
+
+
+def test_verl_rank_files_beside_a_dcp_checkpoint_are_named(verl_root: Path, tmp_path: Path) -> None:
+    """verl's rank files in a folder that also holds a DCP checkpoint were passed over in silence
+    (validate --strict OK); K012 now names them. verl's own save (replicas on rank 1 included) names none."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    mixed = tmp_path / "mixed"
+    dcp.save({"model": {"w": torch.arange(6.0).reshape(2, 3)}}, checkpoint_id=str(mixed))
+    for f in _actor(verl_root, 2).glob("*_world_size_2_rank_*.pt"):
+        shutil.copy(f, mixed / f.name)
+    res = runner.invoke(app, ["validate", "--strict", "--json", str(mixed)])
+    assert res.exit_code == 1, res.output
+    (k012,) = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "K012"]
+    assert "extra_state_world_size_2_rank_0.pt, extra_state_world_size_2_rank_1.pt" in k012["message"]
+    for world in (1, 2):
+        doc = json.loads(runner.invoke(app, ["inspect", "--json", str(_actor(verl_root, world))]).stdout)
+        assert doc["unread_beside"] == []

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.s3 import free_port
-from tests.ops.test_distributed import TORCHRUN, files_of, single
+from tests.ops.test_distributed import files_of, run_torchrun, single
 
 # Run by torchrun in place of `-m ckpttool`: rank KILL_RANK SIGKILLs itself at KILL_AT:
 # start (when it would join the run), opened (right after the temporary output was
@@ -59,16 +58,12 @@ def _killed_run(
 ) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "kill.py"
     script.write_text(_KILL)
-    assert TORCHRUN is not None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KILL_RANK": str(rank), "KILL_AT": point}
     env.pop("CKPTTOOL_DEBUG", None)
-    cmd = [TORCHRUN, "--nproc-per-node", str(n), "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    return subprocess.run(
-        [*cmd, str(script), "reshard", str(src), str(out), *ARGS],
-        capture_output=True,
-        text=True,
+    return run_torchrun(
+        n,
+        [str(script), "reshard", str(src), str(out), *ARGS],
         env=env,
-        timeout=300,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 

@@ -227,7 +227,14 @@ def _open_side(
         )
     except CkptError as e:
         has_weights = where.is_dir() and any(where.glob("*.safetensors"))
-        if e.code == "E200" and not (where / ".metadata").exists() and where.is_dir() and not has_weights:
+        about_where = e.path is None or Path(e.path).resolve() == where.resolve()  # not a damaged file below it
+        if (
+            e.code == "E200"
+            and about_where
+            and not (where / ".metadata").exists()
+            and where.is_dir()
+            and not has_weights
+        ):
             raise DiffError(
                 f"{where}: neither a DCP checkpoint (.metadata) nor a safetensors directory",
                 path=where,
@@ -1036,7 +1043,8 @@ def diff_checkpoints(
 
     Raises:
         UsageError: bad options (a step that selects nothing: :func:`~ckpttool.ops.diff.sides.side_openings`).
-            DiffError (E610): an input of no known kind, nothing in common.
+        DiffError (E610): an input of no known kind, ``what`` ``optimizer`` with a side that holds no optimizer
+            state (safetensors, a PEFT adapter), a legacy EP layout on an expert dim other than 0.
         NothingComparedError (E611): no tensor value compared and no difference found (never "equal").
         LayoutError (E405): an undeclared ambiguous EP layout.
         plus the reader's errors for damaged inputs (E1xx-E3xx).

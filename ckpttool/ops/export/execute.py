@@ -28,6 +28,7 @@ from ckpttool.engine.io import write_all
 from ckpttool.engine.pool import Lane
 from ckpttool.errors import (
     ChunkError,
+    CkptError,
     ExportAccountingError,
     ExportError,
     ModelMismatchError,
@@ -50,6 +51,7 @@ from ckpttool.model.adapters import AdapterConfig, ModelAdapter, detect_adapter,
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, gc_held, open_source
 from ckpttool.model.hfconfig import config_value, read_hf_config
+from ckpttool.model.schemas.detect import detect_schema
 from ckpttool.ops import distributed
 from ckpttool.ops.export.expected import MISMATCH_KINDS, ModelCheck, compare_with_model
 from ckpttool.ops.export.experts import expert_orders
@@ -977,7 +979,37 @@ def _select(
             hint="check the keys with `ckpttool inspect`" + (" and the `filter_glob` glob" if opts.filter_glob else ""),
         )
     out_format.check_selection(cat, tags, warnings)
+    wrapped = _wrapper_kept(ckpt, selected)
+    if wrapped is not None:
+        warnings.append(wrapped)
     return model_adapter, selected, warnings, skipped
+
+
+def _wrapper_kept(ckpt: Checkpoint, selected: list[Selected]) -> str | None:
+    """The warning for a key schema given by the user that reads the model above where detection finds it, so
+    that every key written keeps the wrapper's prefix (``--schema torchtitan`` on ``{"model": hf_model.state_dict()}``:
+    ``model.model.embed_tokens.weight``, which transformers does not load); ``None`` otherwise."""
+    given = ckpt.catalog.schema
+    if given.source != "override" or given.model_prefix is None:
+        return None
+    try:
+        found = detect_schema(ckpt.metadata)
+    except CkptError:
+        return None
+    prefix = found.model_prefix
+    if prefix is None or prefix == given.model_prefix or not prefix.startswith(given.model_prefix):
+        return None
+    kept = prefix[len(given.model_prefix) :]
+    if not all(s.out_key.startswith(kept) for s in selected):
+        return None  # loose keys beside the detected prefix: the user's reading may well be the right one
+    shown = ", ".join(s.out_key for s in selected[:2])
+    return (
+        f"the key schema given ({given.id}: model keys {f'under {given.model_prefix!r}' if given.model_prefix else 'at the top level'}) "
+        f"differs from the detected one ({found.id}: model under {prefix!r}): every key written starts with "
+        f"{kept!r} ({shown}{', ...' if len(selected) > 2 else ''}), a wrapper's prefix that transformers' "
+        f"from_pretrained does not load; leave out the override (`schema`, `model_prefix`), or give `model_prefix` "
+        f"{prefix!r}, to write the model's own names"
+    )
 
 
 def _tied(

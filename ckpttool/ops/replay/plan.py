@@ -30,7 +30,7 @@ from ckpttool.errors import (
 )
 from ckpttool.format.metadata import dtype_name
 from ckpttool.layouts.record import LayoutRecord
-from ckpttool.model.catalog import Catalog, TensorEntry, leaf_key, lost_state, match_filter
+from ckpttool.model.catalog import Catalog, TensorEntry, frozen_params, leaf_key, lost_state, match_filter
 from ckpttool.model.schemas.base import canonical_model_key
 from ckpttool.optim_state.schema import OPTIMIZER_TYPES, expected_state_dtypes, infer_optimizer_type
 
@@ -127,8 +127,9 @@ class ReplayPlan:
         skipped: selected parameters with saved optimizer state that are not replayed (state
             for an fqn the model does not hold, fused state whose parts do not stack): a
             replay that skips a stepped parameter is never OK.
-        frozen: selected parameters the checkpoint's format shows were never stepped
-            (``Catalog.frozen``: no optimizer state, ``requires_grad=False``), not replayed.
+        frozen: selected parameters known never stepped (:func:`~ckpttool.model.catalog.frozen_params`:
+            no optimizer state, ``requires_grad=False``, as the checkpoint's format shows or as the
+            frozen base weights of an adapter setup), not replayed.
     """
 
     params: list[ParamPlan]
@@ -773,9 +774,10 @@ def plan_replay(
     members = _membership(cat, notes, head_dim, wanted)
     lost = lost_state(cat)  # the one check behind validate's O009
     selected = _select(cat, members, rx, select, filter_glob)
-    frozen = [f for f in selected if f in cat.frozen]
+    known_frozen = frozen_params(cat)
+    frozen = [f for f in selected if f in known_frozen]
     if frozen:
-        selected = [f for f in selected if f not in cat.frozen]
+        selected = [f for f in selected if f not in known_frozen]
         notes.append(
             f"{len(frozen)} frozen parameter(s) not replayed (no optimizer state, requires_grad=False: "
             f"a step leaves them unchanged): {', '.join(frozen[:4])}{' ...' if len(frozen) > 4 else ''}"

@@ -309,6 +309,20 @@ def test_a_directory_that_is_neither_or_holds_a_damaged_safetensors_file(tmp_pat
     )
 
 
+def test_a_run_root_whose_step_has_a_damaged_metadata_names_it(tmp_path: Path, dense_ckpt: Path) -> None:
+    """A run root (an OLMo-core ``stepN/``, a NeMo ``epoch_E_step_S/``) holds no ``.metadata`` itself: the
+    error of the damaged ``.metadata`` found below it was replaced by E610 "neither a DCP checkpoint nor a
+    safetensors directory"; inspect and export name the file. diff now names it too."""
+    import shutil
+
+    step = tmp_path / "run" / "step-1"
+    shutil.copytree(dense_ckpt, step)
+    md = step / ".metadata"
+    md.write_bytes(md.read_bytes()[: md.stat().st_size // 2])
+    res = CliRunner().invoke(app, ["diff", str(tmp_path / "run"), str(dense_ckpt)])
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E200] {md} is not a readable pickle"), res.stderr
+
+
 @pytest.mark.parametrize("atol", [None, "0.1"])
 def test_packed_fp4_tensors_are_compared_by_their_codes(tmp_path: Path, atol: str | None) -> None:
     # float4_e2m1fn_x2 (two E2M1 codes per byte): torch converts it to nothing, so values are compared as codes

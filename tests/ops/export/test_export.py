@@ -497,9 +497,30 @@ def test_truncated_data_file_fails_cleanly(tmp_path: Path, dense_ckpt: Path) -> 
     no_leftovers(tmp_path, "o")
 
 
+# The CLI with a slow disk after the 8th chunk (64 MiB of the large fixture's 48 chunks): each later chunk takes
+# 2 s more (80 s in all), so the export is still running when the test's signal lands after the first 64 MiB,
+# however busy the machine (before, the rest took ~3 s: a test process held off the CPU that long found it done).
+_SLOW_AFTER_64_MIB = """\
+import time
+from ckpttool.ops.export import execute
+
+stream, done = execute._Executor._stream_chunk, [0]
+
+def slow(self, *args, **kwargs):
+    stream(self, *args, **kwargs)
+    done[0] += 1
+    if done[0] >= 8:
+        time.sleep(2)
+
+execute._Executor._stream_chunk = slow
+from ckpttool.cli import main
+main()
+"""
+
+
 def _wait_reading(proc: subprocess.Popen, tmp: Path, name: str, min_bytes: int) -> None:
     """Wait until the export has created its temporary dir and read ``min_bytes`` of data."""
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300  # a hang guard, not a speed check
     while time.monotonic() < deadline:
         assert proc.poll() is None, "export finished before it could be interrupted"
         has_tmp = any(p.name.startswith(f".{name}.ckpttool-tmp-") for p in tmp.iterdir())
@@ -517,7 +538,7 @@ def test_interrupted_export_leaves_nothing(large_ckpt: Path, tmp_path: Path, sig
     cmd = [
         sys.executable,
         "-c",
-        "from ckpttool.cli import main; main()",
+        _SLOW_AFTER_64_MIB,
         "export",
         str(large_ckpt),
         str(out),
@@ -529,7 +550,7 @@ def test_interrupted_export_leaves_nothing(large_ckpt: Path, tmp_path: Path, sig
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_reading(proc, tmp_path, "o", 64 << 20)
     proc.send_signal(sig)
-    stdout, stderr = proc.communicate(timeout=60)
+    stdout, stderr = proc.communicate(timeout=300)  # a hang guard
     assert proc.returncode == 130, (proc.returncode, stderr)
     assert "error: interrupted" in stderr and "Traceback" not in stderr
     assert stdout == ""
@@ -542,7 +563,7 @@ def test_killed_export_leaves_no_stray_temp_after_next_run(large_ckpt: Path, tmp
     cmd = [
         sys.executable,
         "-c",
-        "from ckpttool.cli import main; main()",
+        _SLOW_AFTER_64_MIB,
         "export",
         str(large_ckpt),
         str(out),
@@ -554,7 +575,7 @@ def test_killed_export_leaves_no_stray_temp_after_next_run(large_ckpt: Path, tmp
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_reading(proc, tmp_path, "o", 64 << 20)
     proc.kill()
-    proc.wait(timeout=30)
+    proc.wait(timeout=300)
     assert not out.exists()
     assert any(p.name.startswith(".o.ckpttool-tmp-") for p in tmp_path.iterdir())  # SIGKILL cannot clean up
     res = export_cli(str(large_ckpt), str(out), "--filter", "model.layers.0.*")

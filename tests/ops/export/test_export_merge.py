@@ -84,3 +84,34 @@ def test_merge_that_changes_nothing_is_refused(lora_ckpt: Path, tmp_path: Path) 
 def test_plain_hf_export_of_a_peft_checkpoint_is_refused(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
     res = export_cli(str(lora_ckpt), str(tmp_path / "o"))
     assert_clean_failure(res, "E601", "PEFT LoRA checkpoint", "base_layer")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_merge_beyond_float16s_range_is_refused_naming_the_value(
+    lora_ckpt: Path,  # noqa: F811
+    tmp_path: Path,
+    dtype: str,
+) -> None:
+    """The base weight fits float16; W + s * B @ A does not: E601 naming the tensor, the merged value and its
+    index, as the plain cast does, and no output (a stored float16 checkpoint, and float32 with --save-dtype float16)."""
+    import torch.distributed.checkpoint as dcp
+
+    md = dcp.FileSystemReader(str(lora_ckpt)).read_metadata()
+    sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()}
+    dcp.load(sd, checkpoint_id=str(lora_ckpt), no_dist=True)
+    b = next(k for k in sd if ".q_proj.lora_B." in k and ".layers.0." in k)
+    sd[b] = torch.zeros_like(sd[b])
+    sd[b][3, :] = 3000.0  # row 3 of B @ A: 3000 * 3 * r; scale alpha / r
+    sd[b.replace("lora_B", "lora_A")] = torch.full_like(sd[b.replace("lora_B", "lora_A")], 3.0)
+    src = tmp_path / "src"
+    dcp.save(
+        {"model": {k[len("model.") :]: v.to(getattr(torch, dtype)) for k, v in sd.items()}}, checkpoint_id=str(src)
+    )
+    out = tmp_path / "merged"
+    res = export_cli(str(src), str(out), "--merge-lora", "--lora-alpha", "16", "--save-dtype", "float16")
+    assert_clean_failure(res, "E601", "q_proj.base_layer.weight: finite float32 value(s) beyond float16's range")
+    value = (
+        float(sd[b.replace("lora_B.default", "base_layer")][3, 0]) + 16 / hf_models.LORA_R * 3000 * 3 * hf_models.LORA_R
+    )
+    assert res.stderr.splitlines()[-2].endswith(f"e.g. {value:.6g} at [3, 0]"), res.stderr
+    assert not out.exists()

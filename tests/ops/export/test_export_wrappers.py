@@ -58,3 +58,33 @@ def test_lora_keys_peft_would_not_match_are_refused(wrapped: Path, tmp_path: Pat
         str(tmp_path / "adapter_config.json"),
     )
     assert_clean_failure(res, "E601", "would not be loaded by PEFT", "target_modules")
+
+
+def test_a_schema_given_above_the_detected_model_prefix_warns_naming_the_keys(wrapped: Path, tmp_path: Path) -> None:
+    """`--schema torchtitan` (top-level model keys) on torch's `dcp.save({"model": hf_model.state_dict()})` wrote
+    `model.model.*` / `model.lm_head.weight` without a word: transformers loads none of them."""
+    from safetensors import safe_open
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    src = wrapped / "llama_plain"
+    runner = CliRunner()
+    for args, schema in ((["--schema", "torchtitan"], "torchtitan"), (["--model-prefix", ""], "custom")):
+        out = tmp_path / schema
+        res = runner.invoke(app, ["export", str(src), str(out), "-q", *args])
+        assert res.exit_code == 0, res.stderr
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            keys = sorted(f.keys())
+        assert keys[0] == "model.lm_head.weight" and all(k.startswith("model.") for k in keys)
+        assert res.stderr == (
+            f"warning: the key schema given ({schema}: model keys at the top level) differs from the detected one "
+            "(torch-native: model under 'model.'): every key written starts with 'model.' "
+            "(model.model.embed_tokens.weight, model.model.layers.0.self_attn.q_proj.weight, ...), a wrapper's "
+            "prefix that transformers' from_pretrained does not load; leave out the override (--schema, "
+            "--model-prefix), or give --model-prefix 'model.', to write the model's own names\n"
+        )
+    res = runner.invoke(app, ["export", str(src), str(tmp_path / "detected"), "-q", "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["warnings"] == [], res.stderr
+    res = runner.invoke(app, ["export", str(src), str(tmp_path / "same"), "-q", "--json", "--schema", "torch-native"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["warnings"] == [], res.stderr

@@ -215,6 +215,24 @@ def test_a_dtype_changed_in_a_safetensors_header_is_a_problem(tmp_path: Path) ->
     assert [f["key"] for f in s015(hf, hf / "manifest.json")] == ["safetensors headers"]
 
 
+def test_verify_names_what_the_folder_is_not_the_manifest_format(tmp_path: Path) -> None:
+    """`manifest --verify` of a Hugging Face safetensors folder printed "(dcp)": the manifest of a folder has the
+    DCP manifest's entries, but the folder is no DCP checkpoint (no .metadata). The label names the folder;
+    --json keeps `kind`, the manifest's format."""
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"lm_head.weight": torch.randn(8, 4), "model.norm.weight": torch.ones(4)}, str(hf / "model.safetensors"))
+    assert invoke("manifest", hf).exit_code == 0
+    res = invoke("manifest", hf, "--verify")
+    assert (
+        res.exit_code == 0
+        and res.stdout == f"{hf} (safetensors) matches its manifest {hf / 'manifest.json'} (2 entries)\n"
+    )
+    assert json.loads(invoke("manifest", hf, "--verify", "--json").stdout)["kind"] == "dcp"
+
+
 def test_verify_lists_the_entries_of_a_deleted_or_cut_data_file(sample_ckpt: Path, tmp_path: Path) -> None:
     """A data file deleted (or cut short) after the manifest was written: each of its entries is a problem
     (missing / changed) and the verdict is exit 1, not an E300 stop with no verdict."""

@@ -504,7 +504,7 @@ def test_ctrl_c_stops_the_copy_within_a_chunk(tmp_path: Path, monkeypatch: pytes
     (a scheduler's SIGTERM grace period is short), and nothing is left behind."""
     import os
     import signal
-    import time
+    import sys
 
     import torch.distributed.checkpoint as dcp
 
@@ -523,8 +523,11 @@ def test_ctrl_c_stops_the_copy_within_a_chunk(tmp_path: Path, monkeypatch: pytes
         real(self, *args, **kwargs)
         calls.append(1)
         if len(calls) == 1:
+            stop = sys._getframe(1).f_locals["stop"]  # the copy loop's own stop event (execute._run_jobs)
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C after the first chunk
-            time.sleep(0.5)  # the main thread handles it meanwhile (tiny chunks: the rest would take < 1 ms)
+            # the main thread handles it meanwhile and sets the workers' stop event (tiny chunks: the rest would
+            # take < 1 ms): wait for that, not for a fixed delay a busy machine may outlast (a hang guard)
+            assert stop.wait(60)
 
     monkeypatch.setattr(writer_mod.DCPWriter, "copy_archive", copy_then_interrupt)
     with pytest.raises(KeyboardInterrupt):

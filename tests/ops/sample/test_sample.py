@@ -160,7 +160,7 @@ app()
 def test_interrupted_leaves_nothing(sig: str, tmp_path: Path) -> None:
     out = tmp_path / "s"
     res = subprocess.run(
-        [sys.executable, "-c", INTERRUPTED, sig, str(out)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", INTERRUPTED, sig, str(out)], capture_output=True, text=True, timeout=300
     )
     assert res.returncode == 130, res.stderr
     assert "error: interrupted" in res.stderr and "Traceback" not in res.stderr

@@ -1,4 +1,5 @@
-"""Per-rank rules: what a per-rank checkpoint (:mod:`ckpttool.format.perrank`) keeps beside its rank files."""
+"""Per-rank rules: what a per-rank checkpoint (:mod:`ckpttool.format.perrank`) keeps beside its rank files, and
+its frozen parameters (K021, which also lists an adapter setup's frozen base weights in any checkpoint)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Iterator
 
 from ckpttool.errors import ChecksumError
 from ckpttool.format.files import resolve_inside
+from ckpttool.model.catalog import adapter_frozen
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 
@@ -67,3 +69,12 @@ def frozen_parameters(ctx: Context) -> Iterator[tuple[str | None, str]]:
     if frozen:
         more = f" and {len(frozen) - 4} more" if len(frozen) > 4 else ""
         yield frozen[0], f"{len(frozen)} frozen parameter(s), no optimizer state: {', '.join(frozen[:4])}{more}"
+    if not any(g.flavor == "nested" and g.keys.get("params") in ctx.byte_item_errors for g in ctx.cat.param_groups):
+        base = adapter_frozen(ctx.cat)  # membership known (else S011 says why)
+        if base:
+            more = f" and {len(base) - 4} more" if len(base) > 4 else ""
+            yield (
+                base[0],
+                f"{len(base)} frozen base weight(s) of an adapter setup, no optimizer state (in param groups whose "
+                f"only parameters with state are LoRA/DoRA adapter parameters): {', '.join(base[:4])}{more}",
+            )

@@ -14,6 +14,7 @@ import math
 import operator
 from collections import defaultdict
 from collections.abc import Iterator
+from pathlib import Path
 from typing import cast
 
 from ckpttool.errors import ChecksumError, DataFileError, PathEscapeError, TrustRequiredError
@@ -302,6 +303,8 @@ def manifest_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
             )
         problems = verify_safetensors_manifest(ctx.reader.path, ctx.manifest)
     else:
-        problems = verify_manifest(ctx.reader, ctx.manifest)
+        located = ctx.ckpt.located
+        beside = Path(located.model) if located is not None else None
+        problems = verify_manifest(ctx.reader, ctx.manifest, beside_of=beside)
     for p in problems:
         yield p.key, f"{p.kind}: {p.message}"
