@@ -239,10 +239,7 @@ def color_enabled(stream: Any) -> bool:
         return True
     if UI.color == "never" or os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
         return False
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False
+    return _isatty(stream)
 
 
 def output_width(stream: Any) -> int:
