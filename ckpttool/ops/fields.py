@@ -1,12 +1,21 @@
-"""Passing an options or result object's fields on under the same names (``docs/design.md`` §5)."""
+"""The operations' shared conventions (``docs/design.md`` §5): the progress and phase callbacks, and passing
+an options or result object's fields on under the same names."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ckpttool.errors import UsageError, check_field_types
 
-__all__ = ["options_of", "same_named"]
+__all__ = ["PhaseFn", "ProgressFn", "options_of", "same_named"]
+
+#: ``progress(done_bytes, total_bytes)``: ``(0, total)`` once planned, then as bytes are written or
+#: checked; called from the calling thread.
+ProgressFn = Callable[[int, int], None]
+#: ``phase(text)``: the step an operation starts (``planning``, ``checking chunks``, ``writing``, ...),
+#: called from the calling thread.
+PhaseFn = Callable[[str], None]
 
 Opts = TypeVar("Opts")
 

@@ -19,7 +19,6 @@ import os
 import re
 import shlex
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,7 +37,7 @@ from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import canonical_model_key
 from ckpttool.ops import distributed
-from ckpttool.ops.fields import options_of
+from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of
 
 if TYPE_CHECKING:
     from ckpttool.layouts.record import EPTensorSpec
@@ -352,12 +351,6 @@ def _segments(n: _Native, start: int, length: int, fds: dict[str, int]) -> list[
             else:
                 segs.append((fd, off, nb))
     return segs
-
-
-#: ``progress(bytes written, bytes total)``: ``(0, total)`` once planned, then after each chunk written.
-ProgressFn = Callable[[int, int], None]
-#: ``phase(text)``: the step that starts (``reading headers``, ``planning``, ``writing``, ...).
-PhaseFn = Callable[[str], None]
 
 
 def _no_progress(done: int, total: int) -> None:

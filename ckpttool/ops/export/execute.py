@@ -68,7 +68,7 @@ from ckpttool.ops.export.plan import (
 )
 from ckpttool.ops.export.rules import ExportRules, load_rules
 from ckpttool.ops.export.transform import Cast, Run, RunMap, SlabTransform, env_slab_bytes, stream_chunk
-from ckpttool.ops.fields import options_of, same_named
+from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of, same_named
 from ckpttool.ops.manifest import MANIFEST_NAME, SOURCE_METADATA_KEY, safetensors_manifest, source_identity
 
 if TYPE_CHECKING:
@@ -80,11 +80,6 @@ __all__ = ["ExportOptions", "ExportResult", "export_checkpoint", "ProgressFn"]
 
 log = logging.getLogger(__name__)
 
-#: ``progress(done_bytes, total_bytes)``, called from the calling thread.
-ProgressFn = Callable[[int, int], None]
-#: ``phase(text)``: the step an export starts (``planning``, ``building model class transformers.X``,
-#: ``checking chunks``, ``writing``), called from the calling thread.
-PhaseFn = Callable[[str], None]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".distcp")
 

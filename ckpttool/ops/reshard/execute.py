@@ -42,7 +42,7 @@ from ckpttool.layouts.record import SIDECAR_NAME
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.ops import distributed
-from ckpttool.ops.fields import options_of, same_named
+from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of, same_named
 from ckpttool.ops.manifest import MANIFEST_NAME, source_identity, write_output_manifest
 from ckpttool.ops.reshard.plan import ReshardOptions, ReshardPlan, TensorPlan, origin_world, plan_reshard
 
@@ -51,10 +51,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ReshardOptions", "ReshardResult", "reshard", "execute_plan"]
 log = logging.getLogger(__name__)
-
-ProgressFn = Callable[[int, int], None]
-#: ``phase(text)``: the step that starts.
-PhaseFn = Callable[[str], None]
 
 
 @dataclass(frozen=True)
