@@ -18,6 +18,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, TypeVar
 
 from ckpttool.model.checkpoint import gc_held, open_source
+from ckpttool.ops.fields import PhaseFn
 
 if TYPE_CHECKING:
     from ckpttool.errors import CkptError, ReplayMismatchError
@@ -104,7 +105,7 @@ def run_validate(
     opening: OpenOptions,
     progress: Progress,
     report: Callable[[ValidationResult], None],
-    phase: Callable[[str], None] | None = None,
+    phase: PhaseFn | None = None,
 ) -> ValidationResult:
     """:func:`~ckpttool.ops.validate.validate` the checkpoint and ``report`` the result, under one GC pause
     (``phase``: as for :func:`~ckpttool.ops.validate.validate`).
@@ -137,7 +138,7 @@ def run_replay(
     *,
     opening: OpenOptions,
     progress: Progress,
-    phase: Callable[[str], None] | None = None,
+    phase: PhaseFn | None = None,
 ) -> ReplayResult:
     """Open the checkpoint and :func:`~ckpttool.ops.replay.replay_step` it.
 
@@ -185,7 +186,7 @@ def run_writing(
     *,
     opening: OpenOptions,
     progress: Callable[[], AbstractContextManager[Progress]],
-    phase: Callable[[str], None] | None = None,
+    phase: PhaseFn | None = None,
     note: Callable[[Checkpoint, R], str | None] | None = None,
     hold_gc: bool = False,
 ) -> tuple[R, str | None]:

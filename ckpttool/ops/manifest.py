@@ -36,7 +36,7 @@ from ckpttool.format.metadata import BytesMeta, ChunkMeta, TensorMeta
 from ckpttool.format.perrank import PerRankReader
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
-from ckpttool.ops.fields import options_of
+from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -764,9 +764,9 @@ def write_manifest(
     source: CheckpointOrPath,
     options: ManifestOptions | None = None,
     *,
-    progress: Callable[[int, int], None] | None = None,
+    progress: ProgressFn | None = None,
     opening: OpenOptions | None = None,
-    phase: Callable[[str], None] | None = None,
+    phase: PhaseFn | None = None,
 ) -> ManifestResult:
     """Write ``manifest.json`` for a checkpoint (beside ``.metadata`` unless ``out`` names a file).
 
@@ -1527,8 +1527,8 @@ def check_against_manifest(
     manifest_path: str | os.PathLike[str] | None = None,
     *,
     opening: OpenOptions | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    phase: Callable[[str], None] | None = None,
+    progress: ProgressFn | None = None,
+    phase: PhaseFn | None = None,
 ) -> ManifestCheck:
     """Verify a DCP checkpoint or a safetensors export directory against its manifest.
 

@@ -57,7 +57,7 @@ from ckpttool.ops.diff.result import (
 )
 from ckpttool.ops.diff.sides import side_openings
 from ckpttool.ops.export.transform import Run
-from ckpttool.ops.fields import options_of
+from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of
 
 __all__ = ["Namer", "Side", "diff_checkpoints"]
 
@@ -1017,10 +1017,10 @@ def diff_checkpoints(
     b: CheckpointOrPath,
     options: DiffOptions | None = None,
     *,
-    progress: Callable[[int, int], None] | None = None,
+    progress: ProgressFn | None = None,
     opening_a: OpenOptions | None = None,
     opening_b: OpenOptions | None = None,
-    phase: Callable[[str], None] | None = None,
+    phase: PhaseFn | None = None,
 ) -> DiffResult:
     """Compare two checkpoints (see the module docstring). Neither input is modified.
 
@@ -1130,7 +1130,7 @@ def _diff(
     a: Side,
     b: Side,
     opts: DiffOptions,
-    progress: Callable[[int, int], None] | None,
+    progress: ProgressFn | None,
     t0: float,
     say: Callable[[str], None],
 ) -> DiffResult:
@@ -1206,7 +1206,7 @@ def _compare_pairs(
     pairs: list[tuple[Item, Item | None]],
     opts: DiffOptions,
     tally: _Tally,
-    progress: Callable[[int, int], None] | None,
+    progress: ProgressFn | None,
     say: Callable[[str], None],
 ) -> None:
     """Compare every pair (an item without a partner is ``only_a``); progress in stored bytes of both sides."""

@@ -27,7 +27,7 @@ from ckpttool.errors import DeviceUnavailableError, UsageError
 from ckpttool.format.jsonview import json_fields, json_number
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.model.counters import lost_optimizer_state
-from ckpttool.ops.fields import options_of, same_named
+from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of, same_named
 from ckpttool.ops.replay.compare import (
     FieldError,
     compare_field,
@@ -419,10 +419,10 @@ def replay_step(
     source: CheckpointOrPath,
     options: ReplayOptions | None = None,
     *,
-    progress: Callable[[int, int], None] | None = None,
+    progress: ProgressFn | None = None,
     opening: OpenOptions | None = None,
     on_param: Callable[[str, dict[str, Any]], None] | None = None,
-    phase: Callable[[str], None] | None = None,
+    phase: PhaseFn | None = None,
 ) -> ReplayResult:
     """Replay ``steps`` optimizer steps from a checkpoint and compare with an independent reference.
 
@@ -560,7 +560,7 @@ def _run_batches(
     ref_dtype: Any,
     timing: dict[str, float],
     on_param: Callable[[str, dict[str, Any]], None] | None,
-    progress: Callable[[int, int], None] | None,
+    progress: ProgressFn | None,
     say: Callable[[str], None],
 ) -> tuple[list[ParamResult], int]:
     """Replay the batches in order (:func:`_replay_batch`); returns the results and the bytes read."""
@@ -620,7 +620,7 @@ def _replay(
     ckpt: Checkpoint,
     opts: ReplayOptions,
     on_param: Callable[[str, dict[str, Any]], None] | None,
-    progress: Callable[[int, int], None] | None,
+    progress: ProgressFn | None,
     say: Callable[[str], None],
 ) -> ReplayResult:
     import torch

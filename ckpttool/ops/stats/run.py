@@ -25,7 +25,7 @@ from ckpttool.engine.stats import SlabStats
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.model.catalog import TensorEntry, match_filter
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
-from ckpttool.ops.fields import options_of, same_named
+from ckpttool.ops.fields import PhaseFn, options_of, same_named
 from ckpttool.ops.stats.compute import (
     AdamHyper,
     Moments,
@@ -560,7 +560,7 @@ def collect_stats(
     *,
     progress: Progress = None,
     opening: OpenOptions | None = None,
-    phase: Callable[[str], None] | None = None,
+    phase: PhaseFn | None = None,
 ) -> StatsResult:
     """Statistics of each checkpoint of ``sources`` (in order; one checkpoint or path alone is a
     sequence of one) and the per-layer change between consecutive ones.

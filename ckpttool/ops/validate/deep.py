@@ -17,7 +17,6 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +43,7 @@ from ckpttool.format.tiling import tiling_problem
 from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.hfconfig import config_value
 from ckpttool.ops import distributed
+from ckpttool.ops.fields import ProgressFn
 from ckpttool.ops.validate.stats import UNINIT_BOUND, DeepResult, PairStats, TensorStats, expert_count
 
 if TYPE_CHECKING:
@@ -658,9 +658,7 @@ def _merge_ranks(
     return total
 
 
-def run_deep(
-    ctx: Context, workers: int | None = None, progress: Callable[[int, int], None] | None = None
-) -> DeepResult:
+def run_deep(ctx: Context, workers: int | None = None, progress: ProgressFn | None = None) -> DeepResult:
     """Read every tensor chunk (and byte item) of the checkpoint once and summarise it.
 
     Args:
@@ -783,7 +781,7 @@ class _DeepRun:
         metas: dict[str, TensorMeta],
         res: DeepResult,
         total: int,
-        progress: Callable[[int, int], None] | None,
+        progress: ProgressFn | None,
     ) -> None:
         self.ctx, self.reader, self.metas, self.res = ctx, ctx.reader, metas, res
         self.pairs_by_key: dict[str, list[PairStats]] = {}

@@ -25,7 +25,7 @@ from ckpttool.errors import (
 )
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, check_source, gc_held, open_checkpoint
 from ckpttool.model.hfconfig import read_hf_config
-from ckpttool.ops.fields import options_of
+from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of
 from ckpttool.ops.validate import rules as _rules  # noqa: F401 - registers the rules
 from ckpttool.ops.validate.base import RULES, Finding, Rule, Severity, select_rules
 from ckpttool.ops.validate.context import Context
@@ -198,7 +198,7 @@ def _finish(
 def _validate_open(
     ckpt: Checkpoint,
     opts: ValidateOptions,
-    progress: Callable[[int, int], None] | None,
+    progress: ProgressFn | None,
     say: Callable[[str], None] = lambda text: None,
 ) -> ValidationResult:
     """Check an opened checkpoint against the rules (see :func:`validate`)."""
@@ -257,9 +257,9 @@ def validate(
     source: CheckpointOrPath,
     options: ValidateOptions | None = None,
     *,
-    progress: Callable[[int, int], None] | None = None,
+    progress: ProgressFn | None = None,
     opening: OpenOptions | None = None,
-    phase: Callable[[str], None] | None = None,
+    phase: PhaseFn | None = None,
 ) -> ValidationResult:
     """Check a checkpoint against the rules of ``docs/rules.md`` (a damaged one gives findings).
 
@@ -326,7 +326,7 @@ def _validate_path(
     path: str | os.PathLike[str],
     opts: ValidateOptions,
     opening: OpenOptions,
-    progress: Callable[[int, int], None] | None,
+    progress: ProgressFn | None,
     say: Callable[[str], None],
 ) -> ValidationResult:
     t0 = time.perf_counter()
