@@ -240,4 +240,8 @@ def test_export_refuses_a_parameter_retagged_as_integer(nemo_root: Path, tmp_pat
     assert "Traceback" not in res.stderr and not (tmp_path / "hf").exists()
     assert hashlib.sha256(shard.read_bytes()).hexdigest() == before
     doc = json.loads(cli("validate", str(step), "--json", code=1))
-    assert any(f["code"] == "O005" and f["key"] == "model.norm.weight" for f in doc["findings"]), doc["findings"]
+    o005 = [f["message"] for f in doc["findings"] if f["code"] == "O005"]
+    assert o005 == [
+        "model.norm.weight: the parameter model.norm.weight is stored as int32, a dtype no optimizer steps, while "
+        "its exp_avg is float32: the parameter's dtype record is wrong (a changed header?)"
+    ]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ckpttool.errors import ExportError, StateDtypeError, UsageError
-from ckpttool.format.metadata import DTYPE_ITEMSIZE, FLOATING_DTYPES
+from ckpttool.format.metadata import DTYPE_ITEMSIZE, FLOATING_DTYPES, TRAINABLE_DTYPES
 from ckpttool.format.safetensors import HeaderEntry, is_narrowing
 from ckpttool.model.adapters import AdapterConfig, HFTensor, ModelAdapter, rope_to_hf_rows
 from ckpttool.model.catalog import Catalog, TensorEntry, match_filter
@@ -51,9 +51,6 @@ __all__ = [
 ]
 
 SAVE_DTYPES = ("preserve", "bfloat16", "float16", "float32")
-#: Dtypes a tensor that requires grad can have (torch refuses ``requires_grad`` on any other): what an
-#: optimizer steps. A model tensor stored in another dtype while it has optimizer state is misrecorded.
-TRAINABLE_DTYPES: frozenset[str] = FLOATING_DTYPES | {"complex32", "complex64", "complex128"}
 
 
 def shard_file_names(n: int, stem: str = "model") -> list[str]:
