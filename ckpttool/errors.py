@@ -383,7 +383,8 @@ class StateFieldsError(OptimStateError, code="E510"):
 
 
 class StateDtypeError(OptimStateError, code="E511"):
-    """A saved state field violates the dtype policy of its optimizer type."""
+    """A saved state field violates the dtype policy of its optimizer type (``replay-step``), or a parameter's
+    stored dtype is one its floating optimizer state refutes (``export``)."""
 
 
 class StateShapeError(OptimStateError, code="E512"):

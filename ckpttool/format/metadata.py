@@ -21,6 +21,7 @@ from ckpttool.errors import UsageError
 __all__ = [
     "FLOAT8_DTYPES",
     "FLOATING_DTYPES",
+    "TRAINABLE_DTYPES",
     "dtype_name",
     "DType",
     "ChunkMeta",
@@ -79,6 +80,9 @@ FLOAT8_DTYPES: tuple[str, ...] = (
 )
 #: Floating-point dtype names (what a ``--save-dtype`` cast applies to).
 FLOATING_DTYPES: frozenset[str] = frozenset({"float64", "float32", "float16", "bfloat16", *FLOAT8_DTYPES})
+#: Dtypes a tensor that requires grad can have (torch refuses ``requires_grad`` on any other): what an
+#: optimizer steps. A model tensor stored in another dtype while it has optimizer state is misrecorded.
+TRAINABLE_DTYPES: frozenset[str] = FLOATING_DTYPES | {"complex32", "complex64", "complex128"}
 
 
 @dataclass(frozen=True, slots=True)

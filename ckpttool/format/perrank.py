@@ -336,6 +336,7 @@ class Assembled:
             read) or a part of it (a padded FSDP shard, a piece of a strided shard: the whole record
             is read and checked once, :meth:`PerRankReader.record_member`).
         files: the rank files read (relative paths); meshes: mesh shapes seen; placements: placement strings seen.
+        file_ranks: rank file (relative path) -> the rank that saved it (:meth:`read_files`).
         notes: one line each: what was read and decided (``inspect`` shows them).
         companions: full-model safetensors files saved beside the shards (relative paths), which
             ``validate --deep`` compares with the assembled tensors (rule ``D006``).
@@ -358,6 +359,7 @@ class Assembled:
     objects: dict[str, Any] = field(default_factory=dict)
     replicas: list[tuple[str, tuple[int, ...], StorageInfo, StorageInfo]] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
+    file_ranks: dict[str, int] = field(default_factory=dict)
     meshes: set[tuple[int, ...]] = field(default_factory=set)
     placements: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
@@ -367,6 +369,11 @@ class Assembled:
     partial: list[str] = field(default_factory=list)
     _chunks: dict[str, list[ChunkMeta]] = field(default_factory=dict)
     _meta: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+
+    def read_files(self, files: list[RankFile]) -> None:
+        """Record the rank files read: :attr:`files` and :attr:`file_ranks`."""
+        self.files = [f.relative_path for f in files]
+        self.file_ranks = {f.relative_path: f.rank for f in files}
 
     def add_tensor(
         self, key: str, value: LocalTensor | DTensorRec, ro: RankObject, placed: Placed | None = None
@@ -545,7 +552,7 @@ def assemble(
     """
     objs = [read_rank_file(root, f) for f in files]
     a = Assembled(name, schema)
-    a.files = [f.relative_path for f in files]
+    a.read_files(files)
     build(a, objs)
     a.describe_placements()
     log.info("%s: %s", root, "; ".join(a.notes))

@@ -649,7 +649,7 @@ def _tc_assemble(path: Path, files: list[RankFile]) -> Assembled:
         _check_ranks(path, f"item {item!r}", have, world, TC_METADATA if md is not None else "the highest rank")
     objs = [_read_item(path, f, kinds.get(f.relative_path)) for f in files]
     a = Assembled("torch-checkpointing", "torch-checkpointing")
-    a.files = [f.relative_path for f in files]
+    a.read_files(files)
     _tc_build(a, objs, md, kinds)
     a.describe_placements()
     log.info("%s: %s", path, "; ".join(a.notes))

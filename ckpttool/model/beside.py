@@ -23,6 +23,8 @@ from ckpttool.format.jsonview import json_fields
 
 __all__ = [
     "NEMO_STEP_SCHEDULER",
+    "OLMO_CORE_METADATA",
+    "files_beside",
     "TRAINER_STEP_KEY",
     "TrainerState",
     "hf_config_beside",
@@ -37,6 +39,9 @@ _RANK_PT = re.compile(r"^rank(\d+)\.pt$")
 #: directory beside ``model/`` and ``optim/`` (``recipes/base_recipe.py`` ``save_checkpoint``); its ``step``
 #: counts the optimizer steps taken (``state_dict``: the yielded step + 1).
 NEMO_STEP_SCHEDULER = "step_scheduler.pt"
+#: OLMo-core's own metadata of a step (``{"version", "ephemeral"}``, a ``CheckpointMetadata``), written last
+#: beside ``model_and_optim/`` and ``train/``: its presence publishes the save; ``ephemeral`` marks it for removal.
+OLMO_CORE_METADATA = ".metadata.json"
 #: The trainer's step in each kind of file :func:`training_state_beside` lists (OLMo-core's rank files:
 #: ``global_step``).
 TRAINER_STEP_KEY = {NEMO_STEP_SCHEDULER: "step"}
@@ -121,6 +126,19 @@ def training_state_beside(model_dir: Path) -> list[str]:
     out += [f"train/{n}" for _, n in ranks]
     if model_dir.name == "model" and os.path.lexists(model_dir.parent / NEMO_STEP_SCHEDULER):
         out.append(NEMO_STEP_SCHEDULER)  # NeMo Automodel's recipe, beside model/ and optim/
+    return out
+
+
+def files_beside(model_dir: Path) -> list[str]:
+    """Paths (relative to the opened directory's parent) of every file a trainer saved beside it that a
+    restore reads: :func:`training_state_beside`, then OLMo-core's ``stepN/.metadata.json`` (beside
+    ``model_and_optim/`` or ``train/``); what ``manifest`` digests beside the checkpoint."""
+    out = training_state_beside(model_dir)
+    step = model_dir.parent
+    if os.path.lexists(step / OLMO_CORE_METADATA) and (
+        model_dir.name == "model_and_optim" or os.path.isdir(step / "train")
+    ):
+        out.append(OLMO_CORE_METADATA)
     return out
 
 

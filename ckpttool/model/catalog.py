@@ -17,7 +17,7 @@ import os
 import re
 from array import array
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import chain, compress, filterfalse, repeat
 from operator import add, and_, eq, getitem, is_, itemgetter, not_
@@ -445,8 +445,13 @@ class _EntryBuilder:
     object, data file), and an entry is its key joined to that tuple.
     """
 
-    def __init__(self, md_storage: Mapping[tuple[str, tuple[int, ...] | None], StorageInfo]) -> None:
+    def __init__(
+        self,
+        md_storage: Mapping[tuple[str, tuple[int, ...] | None], StorageInfo],
+        rank_of: Callable[[str], int | None] = _rank,
+    ) -> None:
         self.storage, self.get = md_storage, md_storage.get
+        self.rank_of = rank_of
         self.by_path: dict[str | None, tuple[tuple[str, ...], tuple[str | None, ...], tuple[int, ...]]] = {}
         self.by_files: dict[tuple[str, ...], tuple[int, ...]] = {}
         self.numel: dict[int, tuple[tuple[int, ...], int]] = {}
@@ -454,7 +459,7 @@ class _EntryBuilder:
     def _ranks(self, ufiles: tuple[str, ...]) -> tuple[int, ...]:
         r = self.by_files.get(ufiles)
         if r is None:
-            r = self.by_files[ufiles] = tuple(sorted({r for r in map(_rank, ufiles) if r is not None}))
+            r = self.by_files[ufiles] = tuple(sorted({r for r in map(self.rank_of, ufiles) if r is not None}))
         return r
 
     def one_file(self, rel: str | None) -> tuple[tuple[str, ...], tuple[str | None, ...], tuple[int, ...]]:
@@ -724,8 +729,10 @@ class _Sorter:
         g.keys[hyper] = key
 
 
-def _files(listing: FileListing, referenced: set[str]) -> tuple[list[DataFile], list[ExtraStateFile]]:
-    data_files = [DataFile(rel, size, rank_of_file(rel), rel in referenced) for rel, size in listing.data_files.items()]
+def _files(
+    listing: FileListing, referenced: set[str], rank_of: Callable[[str], int | None] = rank_of_file
+) -> tuple[list[DataFile], list[ExtraStateFile]]:
+    data_files = [DataFile(rel, size, rank_of(rel), rel in referenced) for rel, size in listing.data_files.items()]
     extra = []
     for rel, size, stem in listing.extra_state:
         m = _EXTRA_STATE_RE.findall(stem)
@@ -762,7 +769,10 @@ def build_catalog(
     split = _state_splitter(sch)
     if split is not None:  # state keys of a schema with its own grammar are never model tensors
         is_model = [m and split(k) is None for k, m in zip(entries, is_model)]
-    entry = _EntryBuilder(md.storage)
+    # a per-rank save: the rank of each file is the one its format read it as (not in DCP's file names)
+    saved_by = getattr(getattr(cd, "assembled", None), "file_ranks", None)
+    rank_of = saved_by.get if saved_by else None
+    entry = _EntryBuilder(md.storage, rank_of or _rank)
     ids = key_ids(md.storage, entries)  # the keys' string ids in the storage table, when known (a cache hit)
     model: dict[str, TensorEntry] = entry.many(
         list(compress(entries, is_model)),
@@ -774,7 +784,7 @@ def build_catalog(
     rest.sort(compress(entries.items(), map(not_, is_model)))  # the rest, in order
     referenced = referenced_paths(md.storage)
     files = list_files(cd, referenced, SIDECAR_NAME)
-    data_files, extra = _files(files, referenced)
+    data_files, extra = _files(files, referenced, rank_of or rank_of_file)
     ranks = tuple(sorted({f.rank for f in data_files if f.rank is not None and f.referenced}))
     flavors = rest.flavors
     groups = sorted(rest.groups.values(), key=lambda g: (isinstance(g.group_id, str), g.group_id))

@@ -585,9 +585,10 @@ def build_manifest(
 
 
 def training_state_digests(model_dir: Path, algorithm: str) -> list[dict[str, Any]]:
-    """``{"file", "size", "digest"}`` of each training-state file saved beside ``model_dir`` (OLMo-core's
-    ``train/rankR.pt``, NeMo Automodel's ``step_scheduler.pt``), named relative to the step directory; a
-    symlink is listed (``"digest": "symlink"``), never followed.
+    """``{"file", "size", "digest"}`` of each file a trainer saved beside ``model_dir`` (OLMo-core's
+    ``train/rankR.pt`` and ``.metadata.json``, NeMo Automodel's ``step_scheduler.pt``:
+    :func:`~ckpttool.model.beside.files_beside`), named relative to the step directory; a symlink is
+    listed (``"digest": "symlink"``), never followed.
 
     Raises:
         DataFileError: a file that cannot be read.
@@ -595,10 +596,10 @@ def training_state_digests(model_dir: Path, algorithm: str) -> list[dict[str, An
     import stat
 
     from ckpttool.format.files import open_regular
-    from ckpttool.model.beside import training_state_beside
+    from ckpttool.model.beside import files_beside
 
     out: list[dict[str, Any]] = []
-    for rel in training_state_beside(model_dir):
+    for rel in files_beside(model_dir):
         full = model_dir.parent / rel
         st = os.lstat(full)
         if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):

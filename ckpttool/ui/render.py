@@ -162,10 +162,11 @@ def _safe_console_class() -> type[Console]:
             return super().render_str(safe_text(text), **kwargs)
 
         def print(self, *objects: Any, **kwargs: Any) -> None:
-            # A label/value line wrapped on a terminal keeps the value's indent (a pipe keeps lines whole).
+            # A label/value line wrapped on a terminal keeps the value's indent (a pipe keeps lines whole); a
+            # word longer than the room (a path) is never folded mid-token by rich: the terminal wraps it.
             if len(objects) == 1 and isinstance(objects[0], str) and not self.soft_wrap and "soft_wrap" not in kwargs:
                 text = hanging_indent(safe_text(objects[0]), self.width)
-                if "\n" in text:
+                if "\n" in text or len(text) > self.width:  # a word longer than the room: the terminal wraps it
                     from rich.text import Text
 
                     super().print(Text(text), soft_wrap=True, **kwargs)

@@ -103,6 +103,21 @@ def test_wrapped_label_lines_keep_their_indent(sample_ckpt: Path) -> None:
     assert all(len(ln) <= 60 for ln in lines[i : i + 2] + lines[j : j + 2])
 
 
+def test_a_path_longer_than_the_line_is_never_cut_mid_token(sample_ckpt: Path, tmp_path: Path) -> None:
+    """At 40 columns ``checkpoint  PATH`` (a path with no space, wider than the room) was cut by rich: the label
+    alone on a line, then the path folded every 40 characters, so a copied path was broken. It stays one token
+    after its label, as the ``opened`` line's did (the terminal wraps it)."""
+    import shutil
+
+    ckpt = shutil.copytree(sample_ckpt, tmp_path / "a_checkpoint_directory_name_longer_than_the_line")
+    rc, out = run_in_pty(["inspect", str(ckpt)], 40)
+    assert rc == 0, out
+    lines = ANSI.sub("", out).replace("\r", "").splitlines()
+    assert f"checkpoint  {ckpt}" in lines, lines[:4]
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("key schema  "))
+    assert lines[i + 1].startswith(" " * 12) and all(len(ln) <= 40 for ln in lines[i : i + 2])  # words still wrap
+
+
 def test_json_is_a_global_option_too(sample_ckpt: Path) -> None:
     after = runner.invoke(app, ["inspect", str(sample_ckpt), "--json"])
     before = runner.invoke(app, ["--json", "inspect", str(sample_ckpt)])

@@ -206,3 +206,42 @@ def test_manifest_of_the_pair_digests_its_metadata_and_assets(nemo_root: Path, t
     out = cli("manifest", str(step), "--verify", code=1)
     assert "changed  optim/.metadata: differs from the manifest" in out
     assert "changed  model/.hf_metadata/config.json: differs from the manifest" in out
+
+
+def _retag_safetensors(path: Path, key: str, old: str, new: str) -> None:
+    """Change ``key``'s dtype tag in a safetensors header in place (same length, same byte size)."""
+    import struct
+
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    assert header[key]["dtype"] == old and len(old) == len(new)
+    header[key]["dtype"] = new
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    path.write_bytes(data[:8] + text + data[8 + n :])
+
+
+def test_export_refuses_a_parameter_retagged_as_integer(nemo_root: Path, tmp_path: Path) -> None:
+    """A model file's header retagged ``F32`` -> ``I32`` (same byte size; the header is the only record of the
+    dtype) was exported as an int32 tensor with exit 0. Its optimizer state (float32 moments of its shape)
+    refutes the dtype: export refuses with E511 naming the file and key, writes nothing, changes nothing."""
+    import hashlib
+    import shutil
+
+    step = shutil.copytree(nemo_root / "run" / "epoch_0_step_2", tmp_path / "epoch_0_step_2")
+    shard = step / "model" / "shard-00001-model-00001-of-00001.safetensors"
+    _retag_safetensors(shard, "model.norm.weight", "F32", "I32")
+    before = hashlib.sha256(shard.read_bytes()).hexdigest()
+    res = runner.invoke(app, ["export", str(step), str(tmp_path / "hf")])
+    assert res.exit_code == 2 and res.stdout == "", (res.stdout, res.stderr)
+    first = res.stderr.splitlines()[0]
+    assert first.startswith(f"error: [E511] {shard}: 'model.norm.weight' is stored as int32, but its optimizer ")
+    assert "'optim.state.model.norm.weight.exp_avg' is float32" in first
+    assert "Traceback" not in res.stderr and not (tmp_path / "hf").exists()
+    assert hashlib.sha256(shard.read_bytes()).hexdigest() == before
+    doc = json.loads(cli("validate", str(step), "--json", code=1))
+    o005 = [f["message"] for f in doc["findings"] if f["code"] == "O005"]
+    assert o005 == [
+        "model.norm.weight: the parameter model.norm.weight is stored as int32, a dtype no optimizer steps, while "
+        "its exp_avg is float32: the parameter's dtype record is wrong (a changed header?)"
+    ]

@@ -215,7 +215,7 @@ def test_manifest_covers_the_trainer_state_of_every_rank(olmo_root: Path, tmp_pa
     run = shutil.copytree(olmo_root / "run", tmp_path / "run")
     cli("manifest", str(run))
     doc = json.loads((run / "step2" / "model_and_optim" / "manifest.json").read_text())
-    assert [f["file"] for f in doc["training_state"]] == ["train/rank0.pt", "train/rank1.pt"]
+    assert [f["file"] for f in doc["training_state"]] == ["train/rank0.pt", "train/rank1.pt", ".metadata.json"]
     cli("manifest", str(run), "--verify")
     train = run / "step2" / "train"
     state = torch.load(train / "rank1.pt", weights_only=False)
@@ -229,3 +229,24 @@ def test_manifest_covers_the_trainer_state_of_every_rank(olmo_root: Path, tmp_pa
     doc = json.loads(cli("validate", str(run), "--manifest", "--json", code=1))
     s015 = sorted((f["key"], f["message"].split(":")[0]) for f in doc["findings"] if f["code"] == "S015")
     assert s015 == [("train/rank0.pt", "missing"), ("train/rank1.pt", "changed"), ("train/rank2.pt", "extra")]
+
+
+def test_manifest_covers_olmo_cores_metadata_json(olmo_root: Path, tmp_path: Path) -> None:
+    """``stepN/.metadata.json`` (OLMo-core's ``CheckpointMetadata``: its version, and ``ephemeral``, which makes
+    its checkpointer remove the step once a later one is saved) lies beside ``model_and_optim/``: no manifest
+    listed it, and a changed one passed ``manifest --verify``. Now it is digested with the trainer state."""
+    run = shutil.copytree(olmo_root / "run", tmp_path / "run")
+    meta = run / "step2" / ".metadata.json"
+    assert json.loads(meta.read_text())["ephemeral"] is False  # as OLMo-core wrote it
+    cli("manifest", str(run))
+    doc = json.loads((run / "step2" / "model_and_optim" / "manifest.json").read_text())
+    listed = {f["file"]: f for f in doc["training_state"]}
+    assert listed[".metadata.json"]["size"] == meta.stat().st_size
+    cli("manifest", str(run), "--verify")
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "ephemeral": True}))
+    out = cli("manifest", str(run), "--verify", code=1)
+    assert "changed  .metadata.json: differs from the manifest" in out
+    doc = json.loads(cli("validate", str(run), "--manifest", "--json", code=1))
+    assert [(f["key"], f["message"].split(":")[0]) for f in doc["findings"] if f["code"] == "S015"] == [
+        (".metadata.json", "changed")
+    ]

@@ -486,3 +486,26 @@ def test_a_per_rank_save_beside_a_dcp_checkpoint_is_named(tc_root: Path, tmp_pat
     assert "metadata.pkl, model_0.pt, model_1.pt, optimizer_0.pt (+1 more)" in k012["message"]
     doc = json.loads(runner.invoke(app, ["inspect", "--json", str(tc_root / "w2")]).stdout)
     assert doc["unread_beside"] == []
+
+
+@pytest.mark.parametrize("name", ["w2", "w2x"])
+def test_inspect_reports_the_ranks_that_saved_the_files(tc_root: Path, name: str) -> None:
+    """``inspect`` of a per-rank save showed ``ranks: []`` (summary, files and tensors: ranks were read from
+    ``__R_N.distcp`` names only) although each file is one rank's. Now the rank each file was saved by:
+    from its name (``model_1.pt``) or from the path ``metadata.pkl`` gives it (``shards/rank-1/...``)."""
+    import re
+
+    step = tc_root / name / "step-2"
+    res = runner.invoke(app, ["inspect", "--json", str(step)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["summary"]["ranks"] == [0, 1]
+    files = {f["path"]: f["rank"] for f in doc["files"]}
+    assert any("/" in p for p in files) == (name == "w2x")
+    for path, rank in files.items():
+        m = re.search(r"_(\d+)\.\w+$", path) or re.search(r"rank-(\d+)/", path)
+        assert m is not None and rank == int(m.group(1)), (path, rank)
+    sharded = [t for t in doc["model"] if t["chunks"] == 2]
+    assert sharded and all(t["ranks"] == [0, 1] for t in sharded)
+    out = runner.invoke(app, ["inspect", str(step)]).stdout
+    assert f"files       {len(files)} data files from ranks 0,1, " in out

@@ -107,6 +107,9 @@ def test_inspect_names_the_format_not_a_command_line_override(verl_root: Path) -
     assert "command line" not in res.stdout and "safetensors storage" not in res.stdout
     doc = json.loads(runner.invoke(app, ["inspect", "--json", str(actor)]).stdout)
     assert (doc["serialization"], doc["key_schema"]["source"]) == ("per_rank", "format")
+    # the rank each file was saved by (verl's *_rank_R.pt), not [] / null as when read from __R_N.distcp names only
+    assert doc["summary"]["ranks"] == [0, 1] and "files       5 data files from ranks 0,1, " in res.stdout
+    assert all(f["rank"] == int(f["path"].rsplit("_rank_", 1)[1][:-3]) for f in doc["files"]), doc["files"]
 
 
 def test_validate_strict_deep_ok_and_reads_training_state(verl_root: Path) -> None:

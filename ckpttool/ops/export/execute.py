@@ -63,6 +63,7 @@ from ckpttool.ops.export.plan import (
     Selected,
     SourceTask,
     build_plan,
+    check_trainable_dtypes,
     select_sources,
     unaccounted_tensors,
 )
@@ -1041,6 +1042,7 @@ def _prepare(
     reader, cat = ckpt.reader, ckpt.catalog
     rules, model_config = given.rules, given.model_config
     model_adapter, selected, warnings, skipped = _select(ckpt, out_format, opts, rules, model_config)
+    check_trainable_dtypes(str(ckpt.path), cat, selected)
     orders = expert_orders(selected, layout)
     num_experts = rules.num_experts_from_config(model_config) if model_config else None
     embed, lm_head, tied, drop = _tied(selected, rules, model_config, out_format)

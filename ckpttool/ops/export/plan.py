@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ckpttool.errors import ExportError, UsageError
-from ckpttool.format.metadata import DTYPE_ITEMSIZE, FLOATING_DTYPES
+from ckpttool.errors import ExportError, StateDtypeError, UsageError
+from ckpttool.format.metadata import DTYPE_ITEMSIZE, FLOATING_DTYPES, TRAINABLE_DTYPES
 from ckpttool.format.safetensors import HeaderEntry, is_narrowing
 from ckpttool.model.adapters import AdapterConfig, HFTensor, ModelAdapter, rope_to_hf_rows
 from ckpttool.model.catalog import Catalog, TensorEntry, match_filter
@@ -40,6 +40,7 @@ __all__ = [
     "check_expert_dim",
     "per_expert_pieces",
     "require_model_tensors",
+    "check_trainable_dtypes",
     "filtered",
     "stored_pieces",
     "shard_file_names",
@@ -260,6 +261,46 @@ def require_model_tensors(cat: Catalog) -> None:
             f"{cat.path}: no model tensors to export ({why})",
             hint="pass the model checkpoint (or the folder holding model and optimizer); `ckpttool inspect` "
             "shows the keys, `model_prefix` says where the weights are",
+        )
+
+
+def check_trainable_dtypes(root: str, cat: Catalog, selected: list[Selected]) -> None:
+    """Refuse a parameter to export whose stored dtype its optimizer state refutes.
+
+    A parameter an optimizer steps has a floating (or complex) dtype, as its moments of its shape do; one
+    stored as an integer or bool beside floating moments has a misrecorded dtype (a safetensors header
+    edited from ``F32`` to ``I32``, same byte size, where the header is the only record of the dtype, as in
+    NeMo Automodel's and torch's ``HuggingFaceStorageWriter`` model files). ``validate`` reports it as
+    ``O005``; written as stored, the output would hold the float bits as integers.
+
+    Raises:
+        StateDtypeError (E511): the first such parameter, naming its data file, key and the state field.
+    """
+    trainable = TRAINABLE_DTYPES
+    if not cat.optimizer_state or all(s.source.dtype in trainable for s in selected):
+        return
+    states: dict[str, list[TensorEntry]] = {}
+    for fqn, ps in cat.optimizer_state.items():
+        if ps.in_model and ps.fields:
+            fields = [t for name, t in ps.fields.items() if t is not None and name != "step"]
+            for key in ps.stored_as or (cat.schema.model_key(fqn),):
+                states[key] = fields
+    for s in selected:
+        src = s.source
+        if src.dtype in trainable:
+            continue
+        moment = next((t for t in states.get(src.key, ()) if t.dtype in trainable and t.shape == src.shape), None)
+        if moment is None:
+            continue
+        where = f"{root}/{src.files[0]}" if src.files else root
+        raise StateDtypeError(
+            f"{where}: {src.key!r} is stored as {src.dtype}, but its optimizer state {moment.key!r} is "
+            f"{moment.dtype} of the same shape: an optimizer steps floating-point parameters only, so the "
+            f"stored dtype is wrong (a damaged header?); nothing was exported",
+            hint="the data file's dtype record was changed after the save; use an intact copy or an earlier "
+            "checkpoint (`ckpttool validate --strict` reports it as O005)",
+            path=where,
+            fqn=src.key,
         )
 
 

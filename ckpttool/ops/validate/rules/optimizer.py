@@ -17,7 +17,7 @@ from itertools import filterfalse
 from typing import Any
 
 from ckpttool.errors import CkptError
-from ckpttool.format.metadata import FLOAT8_DTYPES, dtype_name
+from ckpttool.format.metadata import FLOAT8_DTYPES, TRAINABLE_DTYPES, dtype_name
 from ckpttool.model.catalog import TensorEntry, lost_state
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
@@ -148,7 +148,21 @@ def state_dtype_policy(ctx: Context) -> Iterator[tuple[str, str]]:
         want, source = policy
         bad = _policy_violations(dts, want, source, check_step=check_step, any_master=any_master)
         if bad:
-            yield fqn, f"{fqn}: {'; '.join(bad)} ({source})"
+            yield fqn, _untrainable(fqn, fields, param) or f"{fqn}: {'; '.join(bad)} ({source})"
+
+
+def _untrainable(fqn: str, fields: dict[str, TensorEntry | None], param: TensorEntry | None) -> str | None:
+    """The message for a parameter stored in a dtype no optimizer steps (an integer, bool) beside a floating
+    moment of its shape: the parameter's dtype record is what is wrong, not its state's; else ``None``."""
+    if param is None or param.dtype in TRAINABLE_DTYPES:
+        return None
+    for name, t in fields.items():
+        if t is not None and name != "step" and t.dtype in TRAINABLE_DTYPES and t.shape == param.shape:
+            return (
+                f"{fqn}: the parameter {param.key} is stored as {param.dtype}, a dtype no optimizer steps, while its "
+                f"{name} is {t.dtype}: the parameter's dtype record is wrong (a changed header?)"
+            )
+    return None
 
 
 def _dtype_policy(
