@@ -12,6 +12,7 @@ layout record and EP layouts, E5xx optimizer state, E6xx outputs, E7xx replay re
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 from dataclasses import dataclass
 from os import PathLike
@@ -496,13 +497,19 @@ class Refusal(Generic[E]):
 _BOOL_HINTS = {"trust_pickle": "pass trust_pickle=True only for a checkpoint you trust (it runs code from it)"}
 
 
+def _numpy_bool(value: object) -> bool:
+    """``value`` is a NumPy bool scalar (``np.True_``: what a comparison or a mask element gives)."""
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+
+
 def check_bool(value: object, param: str) -> None:
-    """Refuse a bool parameter that is not ``True``/``False`` (``"no"`` is truthy, ``None`` and ``0`` falsy).
+    """Refuse a bool parameter that is not ``True``/``False`` or a NumPy bool (``"no"`` is truthy, ``None`` and
+    ``0`` falsy).
 
     Raises:
         UsageError (E100): naming ``param``.
     """
-    if not isinstance(value, bool):
+    if not isinstance(value, bool) and not _numpy_bool(value):
         raise UsageError(
             f"`{param}` must be True or False, got {type(value).__name__} {value!r:.40}",
             param=param,
@@ -510,22 +517,46 @@ def check_bool(value: object, param: str) -> None:
         )
 
 
-def check_field_types(options: object) -> None:
+def _as_int(value: object) -> int | None:
+    """``value`` as an ``int``: an int or an integer scalar that says it is one (``__index__``: a NumPy
+    ``int64``), not a bool (NumPy's either) nor a float or string; else ``None``."""
+    if isinstance(value, bool) or _numpy_bool(value) or not hasattr(type(value), "__index__"):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+Opts = TypeVar("Opts")
+
+
+def check_field_types(options: Opts) -> Opts:
     """Refuse an options dataclass whose ``bool`` field is not a bool, or whose ``int`` (``int | None``)
     field is a bool or not an int (``"2"``, ``2.0``, ``True``): the one type check of every options class.
+
+    Returns:
+        ``options``, or a copy with a NumPy bool or integer (``np.True_``, ``np.int64(4)``) given as the
+        Python ``bool``/``int`` of the same value (so results and JSON documents hold plain values).
 
     Raises:
         UsageError (E100): naming the first such field.
     """
+    plain: dict[str, object] = {}
     for f in dataclasses.fields(options):  # type: ignore[arg-type]
         value = getattr(options, f.name)
         if f.type in ("bool", bool):
             check_bool(value, f.name)
-        elif f.type in ("int", int, "int | None") and not (
-            (value is None and f.type == "int | None") or (isinstance(value, int) and not isinstance(value, bool))
-        ):
-            raise UsageError(
-                f"`{f.name}` must be an integer, got {type(value).__name__} {value!r:.40}",
-                param=f.name,
-                hint=f"pass a Python int{' or None' if f.type == 'int | None' else ''}",
-            )
+            if not isinstance(value, bool):
+                plain[f.name] = bool(value)
+        elif f.type in ("int", int, "int | None") and not (value is None and f.type == "int | None"):
+            number = _as_int(value)
+            if number is None:
+                raise UsageError(
+                    f"`{f.name}` must be an integer, got {type(value).__name__} {value!r:.40}",
+                    param=f.name,
+                    hint=f"pass a Python int{' or None' if f.type == 'int | None' else ''}",
+                )
+            if type(value) is not int:
+                plain[f.name] = number
+    return dataclasses.replace(options, **plain) if plain else options  # type: ignore[type-var]

@@ -488,7 +488,7 @@ def check_source(source: object, opening: object) -> OpenOptions:
             hint="pass ckpttool.OpenOptions(declaration=..., trust_pickle=..., selection=...)",
         )
     if opening is not None:
-        check_field_types(opening)
+        opening = check_field_types(opening)
     if isinstance(source, Checkpoint) and source.closed:
         raise UsageError(
             f"{source.path}: the checkpoint was closed",

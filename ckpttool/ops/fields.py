@@ -21,7 +21,8 @@ Opts = TypeVar("Opts")
 
 
 def options_of(options: Opts | None, cls: type[Opts]) -> Opts:
-    """An operation's ``options``: ``cls()`` for ``None``, else ``options`` itself.
+    """An operation's ``options``: ``cls()`` for ``None``, else ``options`` itself (a copy holding the plain
+    ``bool``/``int`` of a NumPy one a field was given: :func:`~ckpttool.errors.check_field_types`).
 
     Raises:
         UsageError (E100): ``options`` is not a ``cls`` (a dict, a path given where the options go), or a field
@@ -35,8 +36,7 @@ def options_of(options: Opts | None, cls: type[Opts]) -> Opts:
             param="options",
             hint=f"pass ckpttool.{cls.__name__}(...) (outputs and the source go before it)",
         )
-    check_field_types(options)
-    return options
+    return check_field_types(options)
 
 
 def same_named(source: object, *names: str) -> dict[str, Any]:

@@ -270,3 +270,31 @@ def test_every_bool_and_int_option_of_the_wrong_type_is_a_usage_error_naming_it(
     assert not out.exists()
     ok = ckpttool.validate(dense_ckpt, ckpttool.ValidateOptions(strict=True, workers=None))
     assert ok.strict is True
+
+
+def test_numpy_bool_and_integer_options_are_taken_as_their_plain_values(dense_ckpt: Path) -> None:
+    """`ValidateOptions(workers=np.int64(2))`, `InspectOptions(depth=np.int64(1))`, `strict=np.True_` ran
+    before the one type check of the options classes, which refused them as no int / no bool: a NumPy
+    integer or bool is its plain value (results and JSON hold Python ints/bools); a NumPy float or a NumPy
+    bool for an int field is still E100."""
+    import json
+
+    import numpy as np
+
+    import ckpttool
+    from ckpttool.ops.stats import StatsOptions, collect_stats
+
+    res = ckpttool.validate(dense_ckpt, ckpttool.ValidateOptions(strict=np.True_, workers=np.int64(2)))
+    assert res.strict is True and res.fatal is None
+    json.dumps(res.to_dict())
+    info = ckpttool.inspect(dense_ckpt, ckpttool.InspectOptions(depth=np.int64(1)))
+    json.dumps(info.to_dict())
+    stats = collect_stats(dense_ckpt, StatsOptions(workers=np.int32(1), optimizer=np.False_))
+    json.dumps(stats.to_dict())
+    opened = ckpttool.inspect(dense_ckpt, opening=ckpttool.OpenOptions(trust_pickle=np.False_))
+    json.dumps(opened.to_dict())
+    for bad, name in ((np.float64(2.0), "workers"), (np.True_, "workers")):
+        with pytest.raises(UsageError) as e:
+            ckpttool.validate(dense_ckpt, ckpttool.ValidateOptions(**{name: bad}))
+        assert (e.value.code, e.value.param) == ("E100", name)
+        assert e.value.message.startswith("`workers` must be an integer, got ")
