@@ -1482,7 +1482,8 @@ class ManifestCheck:
     problems: list[ManifestProblem]
     source: dict[str, Any] | None = None
     #: What the directory is (the text output's label; not in ``--json``): ``dcp``, ``safetensors`` (a Hugging
-    #: Face folder, or an export), or a per-rank format's name (``verl-fsdp``). ``None``: ``kind``.
+    #: Face folder, or an export), a per-rank format's name (``verl-fsdp``), or a model/optimizer pair's parts
+    #: (``safetensors + dcp``: NeMo's). ``None``: ``kind``.
     folder: str | None = None
 
     @property
@@ -1579,9 +1580,13 @@ def check_against_manifest(
 
 def _folder_kind(reader: CheckpointReader) -> str:
     """What the opened directory is: ``dcp`` (a ``.metadata``), ``safetensors`` (a Hugging Face folder: its
-    headers are its metadata) or the per-rank format's name."""
+    headers are its metadata), the per-rank format's name, or a model/optimizer pair's parts (``dcp`` for
+    Accelerate's two DCP folders, ``safetensors + dcp`` for NeMo's safetensors model and DCP optimizer)."""
     if isinstance(reader, PerRankReader):
         return reader.assembled.format
+    if reader.parts:
+        kinds = ["dcp" if (part / METADATA_NAME).exists() else "safetensors" for part in reader.parts.values()]
+        return " + ".join(dict.fromkeys(sorted(kinds, reverse=True)))
     return "dcp" if _metadata_file(reader) == METADATA_NAME else "safetensors"
 
 

@@ -245,3 +245,14 @@ def test_export_refuses_a_parameter_retagged_as_integer(nemo_root: Path, tmp_pat
         "model.norm.weight: the parameter model.norm.weight is stored as int32, a dtype no optimizer steps, while "
         "its exp_avg is float32: the parameter's dtype record is wrong (a changed header?)"
     ]
+
+
+def test_verify_names_the_pair_safetensors_model_and_dcp_optimizer(nemo_root: Path, tmp_path: Path) -> None:
+    """``manifest --verify`` of a NeMo step printed ``(safetensors)``: the label took the step directory without
+    a ``.metadata`` for a Hugging Face folder, though its optimizer is a DCP checkpoint (``optim/.metadata``)."""
+    import shutil
+
+    step = shutil.copytree(nemo_root / "run" / "epoch_0_step_2", tmp_path / "epoch_0_step_2")
+    cli("manifest", str(step))
+    out = cli("manifest", str(step), "--verify")
+    assert out.startswith(f"{step} (safetensors + dcp) matches its manifest "), out

@@ -233,6 +233,18 @@ def test_verify_names_what_the_folder_is_not_the_manifest_format(tmp_path: Path)
     assert json.loads(invoke("manifest", hf, "--verify", "--json").stdout)["kind"] == "dcp"
 
 
+def test_verify_names_a_pair_of_dcp_folders_dcp(acc_root: Path, tmp_path: Path) -> None:
+    """An Accelerate ``checkpoint-N/`` (``pytorch_model_fsdp_0/`` and ``optimizer_0/``, two DCP checkpoints) was
+    labelled ``(safetensors)`` by ``manifest --verify``: the step directory has no ``.metadata`` of its own."""
+    import shutil
+
+    step = shutil.copytree(acc_root / "accelerate" / "checkpoint-1", tmp_path / "checkpoint-1")
+    out = tmp_path / "m.json"
+    assert invoke("manifest", step, "-o", out).exit_code == 0
+    res = invoke("manifest", step, "--verify", "-o", out)
+    assert res.exit_code == 0 and res.stdout.startswith(f"{step} (dcp) matches its manifest {out} "), res.stdout
+
+
 def test_verify_lists_the_entries_of_a_deleted_or_cut_data_file(sample_ckpt: Path, tmp_path: Path) -> None:
     """A data file deleted (or cut short) after the manifest was written: each of its entries is a problem
     (missing / changed) and the verdict is exit 1, not an E300 stop with no verdict."""
