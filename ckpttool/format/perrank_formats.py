@@ -562,6 +562,19 @@ def _tc_files(
 
 
 _MAX_WALK = 10_000
+#: ``ckpttool manifest DIR`` writes its manifest here (``ops.manifest.MANIFEST_NAME``); it begins with this field
+_MANIFEST_NAME, _MANIFEST_HEAD = "manifest.json", b'{"format":"ckpttool.manifest"'
+
+
+def _own_manifest(path: Path) -> list[str]:
+    """``[manifest.json]`` when the directory holds ckpttool's own manifest (``ckpttool manifest DIR``'s default
+    output, which ``validate --manifest`` then reads): a file of the tool's, not a state file left unread."""
+    try:
+        with open(path / _MANIFEST_NAME, "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return []
+    return [_MANIFEST_NAME] if head.startswith(_MANIFEST_HEAD) else []
 
 
 def _tc_unread(path: Path, read: set[str]) -> list[str]:
@@ -653,7 +666,7 @@ def _tc_assemble(path: Path, files: list[RankFile]) -> Assembled:
     _tc_build(a, objs, md, kinds)
     a.describe_placements()
     log.info("%s: %s", path, "; ".join(a.notes))
-    a.unread = _tc_unread(path, {*a.files, TC_METADATA})
+    a.unread = _tc_unread(path, {*a.files, TC_METADATA, *_own_manifest(path)})
     if a.unread:
         a.notes.append(f"{len(a.unread)} file(s) no item names, not read: {', '.join(a.unread[:4])}")
     items = sorted({f.role for f in files})

@@ -291,6 +291,22 @@ def test_manifest_then_validate_names_a_changed_shard(tc_root: Path, tmp_path: P
     assert res.exit_code != 0 and "model.model.norm.weight" in res.output
 
 
+def test_manifest_written_beside_the_rank_files_is_not_a_file_left_unread(tc_root: Path, tmp_path: Path) -> None:
+    """`ckpttool manifest DIR` writes DIR/manifest.json; `validate --strict --manifest DIR/manifest.json` then
+    failed on K020 '1 file(s) not read: manifest.json' (the walk for files no item names took the tool's own
+    manifest for the save's state). Another manifest.json (not ckpttool's) is still reported."""
+    d = shutil.copytree(tc_root / "w2" / "step-2", tmp_path / "step-2")
+    assert runner.invoke(app, ["manifest", str(d)]).exit_code == 0
+    res = runner.invoke(app, ["validate", "--strict", "--json", "--manifest", str(d / "manifest.json"), str(d)])
+    assert res.exit_code == 0, res.output
+    assert "K020" not in {f["code"] for f in json.loads(res.stdout)["findings"]}
+    (d / "manifest.json").write_text('{"files": []}\n')
+    res = runner.invoke(app, ["validate", "--strict", "--json", str(d)])
+    assert res.exit_code == 1
+    k020 = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "K020"]
+    assert [f["message"] for f in k020] == ["1 file(s) not read: manifest.json"], k020
+
+
 def test_torchtitan_torch_checkpointing_step_dirs(tc_root: Path) -> None:
     """titan/: torchtitan's TorchCheckpointingManager layout (<dump>/checkpoint/step-N; its save is a stub
     in torchtitan 0.3.0, see tests/fixtures/perrank.py _titan_tc_save) found from the dump folder like
