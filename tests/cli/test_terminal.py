@@ -59,7 +59,10 @@ def test_tables_fit_the_terminal_width_and_numbers_never_wrap(columns: int, samp
     assert rc == 0, out
     plain = ANSI.sub("", out)
     lines = plain.splitlines()
-    assert max(len(line) for line in lines) <= columns, max(lines, key=len)
+    # Every line fits but a label line whose value is one token (the checkpoint's path) wider than the
+    # room: that one is printed whole, for the terminal to wrap, never folded mid-token.
+    wide = [line for line in lines if len(line) > columns]
+    assert all(line.split() == [line.split()[0], str(sample_ckpt)] for line in wide), wide
     assert not [line for line in lines if line != line.rstrip()]
     model = tables(plain)["model tensors"]
     shapes = column(model, "shape")
