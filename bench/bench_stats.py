@@ -24,7 +24,11 @@ package: ``git archive REV ckpttool | tar -x -C DIR``) runs both ckpttool rows w
 too, interleaved with this one, for a before/after in the same run. Each row also gives the
 child's CPU time (user + sys), the figure to compare on a loaded machine.
 
-Usage: python bench/bench_stats.py [--gb 4] [--workdir /tmp/ckpttool-bench] [--baseline DIR]
+``--hf-storage``: the checkpoint is instead FP32 weights (``[4096, 4096]`` each) saved by ``dcp.save``
+with torch's ``HuggingFaceStorageWriter`` (safetensors data files, which store no CRC-32: the scan
+computes none there). Rounds alternate the order of the cases (ABBA), so no tree always runs first.
+
+Usage: python bench/bench_stats.py [--gb 4] [--workdir /tmp/ckpttool-bench] [--baseline DIR] [--hf-storage]
 """
 
 from __future__ import annotations
@@ -99,19 +103,42 @@ def _bare(files: list[str], reductions: bool) -> tuple[float, float]:
     return time.perf_counter() - w0, time.process_time() - c0
 
 
+def _hf_storage(out: Path, gb: float) -> Path:
+    """``out``: FP32 ``[4096, 4096]`` weights, ``gb`` GB in all, saved by ``dcp.save`` through torch's
+    ``HuggingFaceStorageWriter`` (one process); built once, then reused."""
+    if (out / ".built").exists():
+        return out
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    shutil.rmtree(out, ignore_errors=True)
+    gen = torch.Generator().manual_seed(0)
+    n = max(1, round(gb * 1e9 / (4096 * 4096 * 4)))
+    sd = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(4096, 4096, generator=gen) * 0.02 for i in range(n)}
+    dcp.save(sd, storage_writer=HuggingFaceStorageWriter(str(out), save_distributed=True), no_dist=True)
+    (out / ".built").touch()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=4.0, help="total checkpoint size, GB (parameters ~1/7 of it)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/ckpttool-bench"))
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--baseline", type=Path, help="another revision's package directory, run beside this one")
+    ap.add_argument("--hf-storage", action="store_true", help="FP32 weights saved with HuggingFaceStorageWriter")
     a = ap.parse_args()
     from _ckpts import build, dense_rank, layers_for
 
-    # BF16 params (2 B) + FP32 master, exp_avg, exp_avg_sq (12 B): 14 B a parameter
-    layers = layers_for(a.gb * 2 / 14, 2)
-    ckpt = build(a.workdir / f"stats-bf16-{a.gb:g}gb-fp32-state", dense_rank, layers, "bfloat16", True)
-    files = sorted(str(p) for p in ckpt.glob("*.distcp"))
+    if a.hf_storage:
+        ckpt = _hf_storage(a.workdir / f"stats-hf-storage-fp32-{a.gb:g}gb", a.gb)
+        files = sorted(str(p) for p in ckpt.glob("*.safetensors"))
+    else:
+        # BF16 params (2 B) + FP32 master, exp_avg, exp_avg_sq (12 B): 14 B a parameter
+        layers = layers_for(a.gb * 2 / 14, 2)
+        ckpt = build(a.workdir / f"stats-bf16-{a.gb:g}gb-fp32-state", dense_rank, layers, "bfloat16", True)
+        files = sorted(str(p) for p in ckpt.glob("*.distcp"))
     size = sum(os.path.getsize(f) for f in files)
     subprocess.run(["cat", *files], check=True, stdout=subprocess.DEVNULL)  # warm the page cache
     exe = [sys.executable, "-m", "ckpttool"]
@@ -143,8 +170,8 @@ def main() -> None:
     runs: dict[str, list[tuple[float, int, float]]] = {name: [] for name, _, _ in cases}
     for _name, argv, env in cases:  # warm-up: the bytecode cache, the page cache
         _timed(argv, env)
-    for _ in range(a.repeat):  # interleaved: every case once per round
-        for name, argv, env in cases:
+    for r in range(a.repeat):  # interleaved: every case once per round, every other round in reverse
+        for name, argv, env in cases if r % 2 == 0 else cases[:1] + cases[:0:-1]:
             runs[name].append(_timed(argv, env))
     bounds: dict[str, list[tuple[float, float]]] = {"read + CRC-32 (bound)": [], "bare numpy (bound)": []}
     import numpy as np
