@@ -35,7 +35,15 @@ from typing import Any
 from ckpttool.engine.io import ShortReadError
 from ckpttool.errors import ChecksumError, CkptError, DataFileError, PerRankError
 from ckpttool.format import limits
-from ckpttool.format.archive import STORED, ArchiveError, FileWindow, Member, check_torch_records, parse_archive
+from ckpttool.format.archive import (
+    STORED,
+    ArchiveChecksumError,
+    ArchiveError,
+    FileWindow,
+    Member,
+    check_torch_records,
+    parse_archive,
+)
 from ckpttool.format.files import open_regular, resolve_inside
 from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo, TensorMeta
 from ckpttool.format.perrank_pickle import DTensorRec, LocalTensor, Opaque, Placement, Record, unpickle_rank
@@ -141,6 +149,8 @@ def read_rank_file(root: Path, f: RankFile) -> RankObject:
             bo = check_torch_records(archive, window)
             cap = limits.current().max_metadata_bytes
             pkl = archive.read(window, "data.pkl", cap, what=f"{where}: data.pkl")
+        except ArchiveChecksumError as e:  # bit rot in a member read here (data.pkl, a small record): not a misfit
+            raise ChecksumError(f"{where}: {e}: the bytes changed after they were saved", path=where) from e
         except ArchiveError as e:
             raise PerRankError(f"{where}: not a torch.save archive torch reads the same way ({e})", path=where) from e
         except ShortReadError:

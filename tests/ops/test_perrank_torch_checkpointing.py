@@ -420,6 +420,29 @@ def test_a_flipped_byte_in_a_rank_file_fails_its_crc(tc_root: Path, tmp_path: Pa
     assert not (tmp_path / "hf").exists()
 
 
+def test_a_flipped_byte_in_a_rank_files_pickle_is_a_crc_error_not_a_misfit(tc_root: Path, tmp_path: Path) -> None:
+    """A changed byte in a rank file's ``data.pkl`` (read when the checkpoint opens) fails its zip CRC-32: E308
+    naming the file, not E280's "the per-rank files do not fit together" (whose hint is to re-save)."""
+    import zipfile
+
+    ckpt = shutil.copytree(tc_root / "w2" / "step-2", tmp_path / "step-2")
+    rank_file = next(p for p in sorted(ckpt.iterdir()) if p.name.startswith("model_1") and p.suffix == ".pt")
+    with zipfile.ZipFile(rank_file) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+    data = bytearray(rank_file.read_bytes())
+    name_len, extra_len = (
+        int.from_bytes(data[info.header_offset + 26 : info.header_offset + 28], "little"),
+        int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little"),
+    )
+    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x01  # inside the pickle
+    rank_file.write_bytes(bytes(data))
+    for cmd in (["inspect", str(ckpt)], ["export", str(ckpt), str(tmp_path / "hf")]):
+        res = runner.invoke(app, cmd)
+        assert res.exit_code == 2 and res.stderr.startswith(f"error: [E308] {rank_file}: "), res.output
+        assert "data.pkl does not match its CRC-32" in res.stderr and "Traceback" not in res.output, res.output
+    assert not (tmp_path / "hf").exists()
+
+
 def test_manifest_records_each_shards_zip_crc(tc_root: Path, tmp_path: Path) -> None:
     """A per-rank shard's manifest entry carries its torch.save record's CRC-32 (as zipfile reads it), and a
     changed byte in a record gets no manifest (E308)."""
