@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
 from ckpttool.model.checkpoint import open_checkpoint
+from tests.fixtures import damage
 from tests.fixtures.cache import cached_build
 
 runner = CliRunner()
@@ -429,13 +430,7 @@ def test_a_flipped_byte_in_a_rank_files_pickle_is_a_crc_error_not_a_misfit(tc_ro
     rank_file = next(p for p in sorted(ckpt.iterdir()) if p.name.startswith("model_1") and p.suffix == ".pt")
     with zipfile.ZipFile(rank_file) as z:
         info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
-    data = bytearray(rank_file.read_bytes())
-    name_len, extra_len = (
-        int.from_bytes(data[info.header_offset + 26 : info.header_offset + 28], "little"),
-        int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little"),
-    )
-    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x01  # inside the pickle
-    rank_file.write_bytes(bytes(data))
+    damage.flip_member_byte(rank_file, info.filename, info.file_size // 2)  # inside the pickle
     for cmd in (["inspect", str(ckpt)], ["export", str(ckpt), str(tmp_path / "hf")]):
         res = runner.invoke(app, cmd)
         assert res.exit_code == 2 and res.stderr.startswith(f"error: [E308] {rank_file}: "), res.output

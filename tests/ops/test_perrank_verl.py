@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
 from ckpttool.model.checkpoint import open_checkpoint
+from tests.fixtures import damage
 from tests.fixtures.cache import cached_build
 
 runner = CliRunner()
@@ -391,18 +392,9 @@ def test_manifest_covers_the_rng_state_of_every_rank(verl_root: Path, tmp_path: 
     sidecars = [f["file"] for f in doc["sidecars"]]
     assert "extra_state_world_size_2_rank_0.pt" in sidecars and "extra_state_world_size_2_rank_1.pt" in sidecars
     assert runner.invoke(app, ["manifest", str(actor), "--verify"]).exit_code == 0
-    import zipfile
 
     path = actor / "extra_state_world_size_2_rank_0.pt"
-    with zipfile.ZipFile(path) as z:
-        info = z.getinfo("extra_state_world_size_2_rank_0/data/0")  # the CPU RNG state's record
-    data = bytearray(path.read_bytes())
-    name_len, extra_len = (
-        int.from_bytes(data[info.header_offset + 26 : info.header_offset + 28], "little"),
-        int.from_bytes(data[info.header_offset + 28 : info.header_offset + 30], "little"),
-    )
-    data[info.header_offset + 30 + name_len + extra_len + 100] ^= 0xFF
-    path.write_bytes(bytes(data))
+    damage.flip_member_byte(path, "extra_state_world_size_2_rank_0/data/0", 100, 0xFF)  # the CPU RNG state's record
     res = runner.invoke(app, ["manifest", str(actor), "--verify"])
     assert res.exit_code == 1, res.output
     assert "changed  extra_state_world_size_2_rank_0.pt: differs from the manifest" in res.stdout
@@ -416,24 +408,13 @@ def _tied_rank(rank: int, world: int, root: str) -> None:
     from omegaconf import DictConfig
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaConfig, LlamaForCausalLM
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 
     from tests.fixtures.perrank import _reference, _train
+    from tests.fixtures.writers import hf_llama
 
     warnings.filterwarnings("ignore")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-    )
-    model = LlamaForCausalLM(cfg)
+    model = hf_llama(tie=True)
     model.config.architectures = ["LlamaForCausalLM"]
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     for layer in model.model.layers:
