@@ -29,6 +29,7 @@ from ckpttool.format import limits
 from ckpttool.format.files import read_regular, resolve_inside
 from ckpttool.format.hf_storage import read_safetensors_header
 from ckpttool.format.jsonfile import parse_json
+from ckpttool.format.manifest_file import MANIFEST_NAME, is_manifest_head
 from ckpttool.format.metadata import DType, TensorMeta
 from ckpttool.format.perrank import (
     Assembled,
@@ -562,19 +563,17 @@ def _tc_files(
 
 
 _MAX_WALK = 10_000
-#: ``ckpttool manifest DIR`` writes its manifest here (``ops.manifest.MANIFEST_NAME``); it begins with this field
-_MANIFEST_NAME, _MANIFEST_HEAD = "manifest.json", b'{"format":"ckpttool.manifest"'
 
 
 def _own_manifest(path: Path) -> list[str]:
     """``[manifest.json]`` when the directory holds ckpttool's own manifest (``ckpttool manifest DIR``'s default
     output, which ``validate --manifest`` then reads): a file of the tool's, not a state file left unread."""
     try:
-        with open(path / _MANIFEST_NAME, "rb") as f:
+        with open(path / MANIFEST_NAME, "rb") as f:
             head = f.read(256)
     except OSError:
         return []
-    return [_MANIFEST_NAME] if head.startswith(_MANIFEST_HEAD) else []
+    return [MANIFEST_NAME] if is_manifest_head(head) else []
 
 
 def _tc_unread(path: Path, read: set[str]) -> list[str]:

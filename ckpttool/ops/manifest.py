@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from ckpttool.format.files import read_regular
 from ckpttool.format.jsonfile import check_json_graph, json_error
 from ckpttool.format.jsonview import JsonView
 from ckpttool.format.locator import ChunkLocation
+from ckpttool.format.manifest_file import MANIFEST_FORMAT, MANIFEST_NAME, is_manifest_head
 from ckpttool.format.marker import MARKER_NAME, recording
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, TensorMeta
 from ckpttool.format.perrank import PerRankReader
@@ -65,12 +65,10 @@ __all__ = [
     "safetensors_source_identity",
 ]
 
-MANIFEST_FORMAT = "ckpttool.manifest"
 MANIFEST_VERSION = 2
 COVERS = ("window", "record")
 #: safetensors ``__metadata__`` key holding the source identity (a JSON string) of an export.
 SOURCE_METADATA_KEY = "ckpttool.source"
-MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"
 #: the ``metadata.file`` of a manifest of safetensors storage without ``.metadata``: the digest is
 #: of its data files' headers (names, dtypes, shapes, offsets, ``__metadata__``), in name order.
@@ -159,8 +157,8 @@ class Manifest:
     #: what ``metadata_digest`` digests: ``.metadata``, or :data:`HEADERS_NAME`.
     metadata_file: str = METADATA_NAME
     #: ``{"file", "size", "digest"}`` of the training-state files the trainer saved beside the checkpoint
-    #: (OLMo-core's ``train/rankR.pt``, NeMo Automodel's ``step_scheduler.pt``; names relative to the step
-    #: directory); ``None``: none were there (or an older ckpttool): such files are then not checked.
+    #: (OLMo-core's ``train/rankR.pt`` and ``.metadata.json``, NeMo Automodel's ``step_scheduler.pt``; names
+    #: relative to the step directory); ``None``: none were there (or an older ckpttool): such files are then not checked.
     training_state: tuple[dict[str, Any], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -581,7 +579,9 @@ def build_manifest(
         sidecars = tuple(sidecar_digests(Path(reader.path), skip, algorithm))
     md_file = METADATA_NAME if md is None else _metadata_file(reader)
     training = tuple(training_state_digests(beside_of, algorithm)) if beside_of and reader.remote is None else ()
-    return Manifest(algorithm, tuple(entries), md, size, None, "dcp", (), sidecars, None, md_file, training or None)
+    return Manifest(
+        algorithm, tuple(entries), md, size, sidecars=sidecars, metadata_file=md_file, training_state=training or None
+    )
 
 
 def training_state_digests(model_dir: Path, algorithm: str) -> list[dict[str, Any]]:
@@ -813,7 +813,7 @@ def write_manifest(
             covers=covers,
             on_entry=step,
             exclude=_inside(Path(reader.path), target),
-            beside_of=Path(ckpt.located.model) if ckpt.located is not None else None,
+            beside_of=Path(ckpt.located.model),
         )
         hash_seconds = time.perf_counter() - t_hash
         say(f"writing {target}")
@@ -834,11 +834,6 @@ def write_manifest(
             covers=covers,
             hash_seconds=hash_seconds,
         )
-
-
-def is_manifest_head(head: bytes) -> bool:
-    """Whether ``head``, the first bytes of a file, begin a manifest ckpttool wrote (``"format": "ckpttool.manifest"``)."""
-    return re.match(rb'\s*\{\s*"format"\s*:\s*"' + re.escape(MANIFEST_FORMAT.encode()) + rb'"', head) is not None
 
 
 def _inside(root: Path, target: Path | str | None) -> tuple[str, ...]:
@@ -1569,8 +1564,7 @@ def check_against_manifest(
                 if err is not None:  # every command but validate does (a rank's replica is in no entry)
                     raise err
             step(0)
-            beside = Path(ckpt.located.model) if ckpt.located is not None else None
-            problems = verify_manifest(ckpt.reader, man, on_entry=step, beside_of=beside)
+            problems = verify_manifest(ckpt.reader, man, on_entry=step, beside_of=Path(ckpt.located.model))
             shown = str(ckpt.path)
             folder = _folder_kind(ckpt.reader)
     return ManifestCheck(
