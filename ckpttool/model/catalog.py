@@ -28,7 +28,7 @@ from ckpttool.errors import CkptError, IndexedOptimizerStateError, OptimStateErr
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.listing import FileListing, list_files
 from ckpttool.format.mdstorage import chunk_path_columns, chunk_paths, key_ids, referenced_paths
-from ckpttool.format.metadata import DTYPE_ITEMSIZE, BytesMeta, ChunkMeta, StorageInfo, TensorMeta
+from ckpttool.format.metadata import DTYPE_ITEMSIZE, TRAINABLE_DTYPES, BytesMeta, ChunkMeta, StorageInfo, TensorMeta
 from ckpttool.layouts.record import LAYOUT_KEY, SIDECAR_NAME
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import CANONICAL_MODEL_PREFIX
@@ -56,6 +56,7 @@ __all__ = [
     "adapter_frozen",
     "frozen_params",
     "lost_state",
+    "dtype_refuted_by",
 ]
 
 #: Buffers models register with ``persistent=False`` (recomputed at load, never in a state dict
@@ -977,6 +978,22 @@ def frozen_params(cat: Catalog) -> frozenset[str]:
     """Parameters known never stepped, not lost state: ``cat.frozen`` (a format that shows it) and
     :func:`adapter_frozen`."""
     return cat.frozen | frozenset(adapter_frozen(cat))
+
+
+def dtype_refuted_by(
+    param: TensorEntry | None, fields: Mapping[str, TensorEntry | None]
+) -> tuple[str, TensorEntry] | None:
+    """``(field name, entry)`` of a floating optimizer-state field (not ``step``) of ``param``'s shape when
+    ``param`` is stored in a dtype no optimizer steps (an integer, bool; :data:`TRAINABLE_DTYPES`): the
+    parameter's dtype record is then the wrong one (a safetensors header changed from ``F32`` to ``I32``);
+    ``None`` otherwise. Used by ``validate`` (``O005``) and ``export`` (``E511``).
+    """
+    if param is None or param.dtype in TRAINABLE_DTYPES:
+        return None
+    for name, t in fields.items():
+        if t is not None and name != "step" and t.dtype in TRAINABLE_DTYPES and t.shape == param.shape:
+            return name, t
+    return None
 
 
 def lost_state(cat: Catalog) -> dict[str, str]:

@@ -13,7 +13,7 @@ legacy EP layouts, ``docs/layouts.md``).
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,7 +21,7 @@ from ckpttool.errors import ExportError, StateDtypeError, UsageError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, FLOATING_DTYPES, TRAINABLE_DTYPES
 from ckpttool.format.safetensors import HeaderEntry, is_narrowing
 from ckpttool.model.adapters import AdapterConfig, HFTensor, ModelAdapter, rope_to_hf_rows
-from ckpttool.model.catalog import Catalog, TensorEntry, match_filter
+from ckpttool.model.catalog import Catalog, TensorEntry, dtype_refuted_by, match_filter
 from ckpttool.ops.export.rules import ExpertRule, ExportRules
 from ckpttool.ops.export.transform import Run
 
@@ -276,22 +276,19 @@ def check_trainable_dtypes(root: str, cat: Catalog, selected: list[Selected]) ->
     Raises:
         StateDtypeError (E511): the first such parameter, naming its data file, key and the state field.
     """
-    trainable = TRAINABLE_DTYPES
-    if not cat.optimizer_state or all(s.source.dtype in trainable for s in selected):
+    if not cat.optimizer_state or all(s.source.dtype in TRAINABLE_DTYPES for s in selected):
         return
-    states: dict[str, list[TensorEntry]] = {}
+    states: dict[str, Mapping[str, TensorEntry | None]] = {}
     for fqn, ps in cat.optimizer_state.items():
         if ps.in_model and ps.fields:
-            fields = [t for name, t in ps.fields.items() if t is not None and name != "step"]
             for key in ps.stored_as or (cat.schema.model_key(fqn),):
-                states[key] = fields
+                states[key] = ps.fields
     for s in selected:
         src = s.source
-        if src.dtype in trainable:
+        refuted = dtype_refuted_by(src, states.get(src.key, {}))
+        if refuted is None:
             continue
-        moment = next((t for t in states.get(src.key, ()) if t.dtype in trainable and t.shape == src.shape), None)
-        if moment is None:
-            continue
+        moment = refuted[1]
         where = f"{root}/{src.files[0]}" if src.files else root
         raise StateDtypeError(
             f"{where}: {src.key!r} is stored as {src.dtype}, but its optimizer state {moment.key!r} is "

@@ -17,8 +17,8 @@ from itertools import filterfalse
 from typing import Any
 
 from ckpttool.errors import CkptError
-from ckpttool.format.metadata import FLOAT8_DTYPES, TRAINABLE_DTYPES, dtype_name
-from ckpttool.model.catalog import TensorEntry, lost_state
+from ckpttool.format.metadata import FLOAT8_DTYPES, dtype_name
+from ckpttool.model.catalog import TensorEntry, dtype_refuted_by, lost_state
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.optim_state.schema import (
@@ -153,16 +153,16 @@ def state_dtype_policy(ctx: Context) -> Iterator[tuple[str, str]]:
 
 def _untrainable(fqn: str, fields: dict[str, TensorEntry | None], param: TensorEntry | None) -> str | None:
     """The message for a parameter stored in a dtype no optimizer steps (an integer, bool) beside a floating
-    moment of its shape: the parameter's dtype record is what is wrong, not its state's; else ``None``."""
-    if param is None or param.dtype in TRAINABLE_DTYPES:
+    moment of its shape (:func:`~ckpttool.model.catalog.dtype_refuted_by`): the parameter's dtype record is
+    what is wrong, not its state's; else ``None``."""
+    refuted = dtype_refuted_by(param, fields)
+    if refuted is None or param is None:
         return None
-    for name, t in fields.items():
-        if t is not None and name != "step" and t.dtype in TRAINABLE_DTYPES and t.shape == param.shape:
-            return (
-                f"{fqn}: the parameter {param.key} is stored as {param.dtype}, a dtype no optimizer steps, while its "
-                f"{name} is {t.dtype}: the parameter's dtype record is wrong (a changed header?)"
-            )
-    return None
+    name, t = refuted
+    return (
+        f"{fqn}: the parameter {param.key} is stored as {param.dtype}, a dtype no optimizer steps, while its "
+        f"{name} is {t.dtype}: the parameter's dtype record is wrong (a changed header?)"
+    )
 
 
 def _dtype_policy(
