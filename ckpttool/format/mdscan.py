@@ -30,22 +30,14 @@ from operator import add
 from typing import Any
 
 from ckpttool.engine import native
-from ckpttool.format import limits
+from ckpttool.format import limits, metadata
 from ckpttool.format.mdstorage import DuplicateKeys, StorageTable, check_unique_keys, compact
-from ckpttool.format.metadata import (
-    DTYPE_ITEMSIZE,
-    BytesMeta,
-    CheckpointMetadata,
-    ChunkMeta,
-    DType,
-    StorageInfo,
-    TensorMeta,
-)
+from ckpttool.format.metadata import BytesMeta, CheckpointMetadata, ChunkMeta, DType, StorageInfo, TensorMeta
 
 __all__ = ["DROP_MIN_BYTES", "scan_metadata", "scan_metadata_owned"]
 
 _MAX_OFFSET = 2**63 - 1
-_DTYPES = tuple(DTYPE_ITEMSIZE)
+_DTYPES = tuple(metadata.DTYPE_ITEMSIZE)
 _DTYPE_LIST = "\n".join(_DTYPES).encode()
 _N_COLS = 9
 #: the smallest ``bytearray`` whose pages the kernel releases behind the parse (smaller ones are kept whole)

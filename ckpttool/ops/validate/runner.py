@@ -15,14 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import (
-    AmbiguousCheckpointError,
-    IncompleteCheckpointError,
-    MetadataError,
-    SchemaError,
-    StepNotFoundError,
-    UsageError,
-)
+from ckpttool import errors
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, check_source, gc_held, open_checkpoint
 from ckpttool.model.hfconfig import read_hf_config
 from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of
@@ -304,7 +297,7 @@ def _refuse_own_manifest_of_url(source: str | os.PathLike[str]) -> None:
     from ckpttool.format.storage import is_url
 
     if is_url(source):
-        raise UsageError(
+        raise errors.UsageError(
             f"`manifest` without a value needs a local checkpoint, not {source}",
             param="manifest",
             hint="pass the manifest file: `manifest` FILE",
@@ -339,14 +332,14 @@ def _validate_path(
             record_problems=True,
             selection=opening.selection,
         )
-    except (AmbiguousCheckpointError, StepNotFoundError, SchemaError):
+    except (errors.AmbiguousCheckpointError, errors.StepNotFoundError, errors.SchemaError):
         raise  # which checkpoint, or how to read its keys: the user's to say, not a finding
-    except MetadataError as e:  # includes unsafe pickles and incomplete saves
+    except errors.MetadataError as e:  # includes unsafe pickles and incomplete saves
         rules = select_rules(opts.select, opts.ignore)
         s001 = RULES["S001"]
         # an unfinished save is named by its directory (it may hold no .metadata to blame); another error by
         # the file it names (a safetensors shard, a per-rank file), not ".metadata" for every format
-        unfinished = isinstance(e, IncompleteCheckpointError)
+        unfinished = isinstance(e, errors.IncompleteCheckpointError)
         where = Path(e.path) if e.path else None
         if unfinished and where is not None and where.name == ".metadata":  # the missing file: its directory
             where = where.parent

@@ -149,13 +149,8 @@ def tied_head_differs(ctx: Context) -> Iterator[tuple[str, str]]:
     dr = ctx.deep_result
     for p in dr.pairs if dr is not None else ():
         if p.kind == "tied" and p.compared and p.mismatched:
-            yield (
-                head,
-                (
-                    f"{head}: differs from {emb} in {p.mismatched} of {p.numel} elements (max |diff| "
-                    f"{p.max_diff:.4g}) although tie_word_embeddings is true"
-                ),
-            )
+            where = f"in {p.mismatched} of {p.numel} elements (max |diff| {p.max_diff:.4g})"
+            yield head, f"{head}: differs from {emb} {where} although tie_word_embeddings is true"
 
 
 @rule("M004")

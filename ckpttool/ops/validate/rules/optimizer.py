@@ -121,11 +121,8 @@ def state_shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         want = (rows, *parts[0].shape[1:]) if parts[0].shape else ()
         for name, t in ps.fields.items():
             if t is not None and name in STATE_FIELDS and name != "step" and t.shape != want:
-                yield (
-                    t.key,
-                    f"{t.key}: shape {list(t.shape)} differs from its parts {', '.join(ps.stored_as)} stacked "
-                    f"({list(want)})",
-                )
+                shape, stacked = list(t.shape), ", ".join(ps.stored_as)
+                yield t.key, f"{t.key}: shape {shape} differs from its parts {stacked} stacked ({list(want)})"
 
 
 @rule("O005")

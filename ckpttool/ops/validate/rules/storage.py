@@ -140,13 +140,8 @@ def chunk_larger_than_record(ctx: Context) -> Iterator[tuple[str, str]]:
         need = n * meta.dtype.itemsize
         if need > info.length:
             reported.add(key)
-            yield (
-                key,
-                (
-                    f"{key}: chunk at {list(c.offsets)} declares {list(c.sizes)} x {meta.dtype} = {need} bytes "
-                    f"but its record in {info.relative_path} has {info.length}"
-                ),
-            )
+            declared = f"{key}: chunk at {list(c.offsets)} declares {list(c.sizes)} x {meta.dtype} = {need} bytes"
+            yield key, f"{declared} but its record in {info.relative_path} has {info.length}"
 
 
 @rule("S008")
