@@ -18,6 +18,24 @@ from ckpttool.model.adapters.registry import register_adapter
 
 __all__ = ["TorchtuneLlama"]
 
+#: torchtune's names of a layer's tensors copied as stored -> HF's (``_FROM_HF`` inverted)
+_COPIED = {
+    "attn.v_proj.weight": "self_attn.v_proj.weight",
+    "attn.output_proj.weight": "self_attn.o_proj.weight",
+    "mlp.w1.weight": "mlp.gate_proj.weight",
+    "mlp.w3.weight": "mlp.up_proj.weight",
+    "mlp.w2.weight": "mlp.down_proj.weight",
+    "sa_norm.scale": "input_layernorm.weight",
+    "mlp_norm.scale": "post_attention_layernorm.weight",
+}
+_MAPS = (
+    KeyMap(r"tok_embeddings\.weight", "model.embed_tokens.weight", "tok_embeddings.weight"),
+    layer_map("attn.q_proj.weight", "self_attn.q_proj.weight", "rope_q"),
+    layer_map("attn.k_proj.weight", "self_attn.k_proj.weight", "rope_k"),
+    *(layer_map(ours, hf) for ours, hf in _COPIED.items()),
+    KeyMap(r"norm\.scale", "model.norm.weight", "norm.scale"),
+    KeyMap(r"output\.weight", "lm_head.weight", "output.weight"),
+)
 #: fqn fragments a torchtune Llama never has (Qwen / Gemma q/k norms, MoE experts, LoRA adapters)
 _NOT_LLAMA = (".attn.q_norm.", ".attn.k_norm.", ".experts.", ".lora_", ".mlp.router.")
 
@@ -29,20 +47,7 @@ class TorchtuneLlama(ModelAdapter):
 
     naming, model_types, foreign = "torchtune", (None, "llama"), _NOT_LLAMA
 
-    maps = (
-        KeyMap(r"tok_embeddings\.weight", "model.embed_tokens.weight", "tok_embeddings.weight"),
-        layer_map("attn.q_proj.weight", "self_attn.q_proj.weight", "rope_q"),
-        layer_map("attn.k_proj.weight", "self_attn.k_proj.weight", "rope_k"),
-        layer_map("attn.v_proj.weight", "self_attn.v_proj.weight"),
-        layer_map("attn.output_proj.weight", "self_attn.o_proj.weight"),
-        layer_map("mlp.w1.weight", "mlp.gate_proj.weight"),
-        layer_map("mlp.w3.weight", "mlp.up_proj.weight"),
-        layer_map("mlp.w2.weight", "mlp.down_proj.weight"),
-        layer_map("sa_norm.scale", "input_layernorm.weight"),
-        layer_map("mlp_norm.scale", "post_attention_layernorm.weight"),
-        KeyMap(r"norm\.scale", "model.norm.weight", "norm.scale"),
-        KeyMap(r"output\.weight", "lm_head.weight", "output.weight"),
-    )
+    maps = _MAPS
 
     def from_hf(self, hf_key: str, shape: tuple[int, ...], cfg: AdapterConfig) -> list[NativeTensor] | Skip | None:
         """Not an import target (export only): a torchtitan import must not get torchtune's names."""

@@ -186,6 +186,10 @@ def _claims(d: Detected) -> bool:
 
 SPEC = SchemaSpec(
     name="megatron",
+    # dist_checkpointing.save writes common.pt first, then the shards (.metadata), then metadata.json
+    # "only if the checkpoint is complete"; its load refuses a directory without it ("is not a
+    # distributed checkpoint"), and Megatron-LM writes latest_checkpointed_iteration.txt after it
+    discovery=Discovery(step_words=("iter",), publish_markers=((METADATA_JSON, (COMMON_FILE,)),)),
     model_prefix="",
     claims=_claims,
     priority=40,
@@ -194,10 +198,6 @@ SPEC = SchemaSpec(
     doc_optimizer="`[chained_N.]optimizer.state.<field>.<key>` (field first); groups in `common.pt`",
     doc_written_by="megatron-core `dist_checkpointing.save` (`torch_dist`), Megatron-LM `iter_N/`",
     import_help="megatron-core torch_dist GPTModel keys (stacked layers, fused linear_qkv/linear_fc1)",
-    # dist_checkpointing.save writes common.pt first, then the shards (.metadata), then metadata.json
-    # "only if the checkpoint is complete"; its load refuses a directory without it ("is not a
-    # distributed checkpoint"), and Megatron-LM writes latest_checkpointed_iteration.txt after it
-    discovery=Discovery(step_words=("iter",), publish_markers=((METADATA_JSON, (COMMON_FILE,)),)),
 )
 
 
