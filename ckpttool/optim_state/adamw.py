@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -30,7 +30,10 @@ from ckpttool.errors import OptimStateError, UsageError
 from ckpttool.format.metadata import dtype_name
 from ckpttool.optim_state.onepass import NativeCall, StepChunk, native_call, run_native
 
-__all__ = ["FullFP32AdamW", "MasterFP32AdamW", "MasterAdamWBase", "FUSED_CHUNK"]
+if TYPE_CHECKING:  # Unpack of a TypedDict in **kwargs: typing 3.11+
+    from typing_extensions import Unpack
+
+__all__ = ["AdamWArgs", "FullFP32AdamW", "MasterFP32AdamW", "MasterAdamWBase", "FUSED_CHUNK"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,18 @@ _ALLOWED_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 #: Elements per chunk of the fused CPU step: master, gradient, moments and parameter chunks
 #: (~5 MiB together for FP32) stay in the CPU cache between the update and the rounding copy.
 FUSED_CHUNK = 1 << 18
+
+
+class AdamWArgs(TypedDict, total=False):
+    """The keywords a subclass of :class:`MasterAdamWBase` passes on to it unchanged: the
+    hyperparameters and the implementation switch (defaults and ranges in its docstring)."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    foreach: bool | None
+    fused: bool | None
 
 
 @dataclass(frozen=True)
@@ -757,12 +772,9 @@ class MasterFP32AdamW(MasterAdamWBase):
 
     Args:
         params: parameters, ``(name, parameter)`` pairs or param-group dicts.
-        lr: learning rate. Default ``1e-3``.
-        betas: ``(beta1, beta2)``. Default ``(0.9, 0.999)``.
-        eps: denominator term. Default ``1e-8``.
-        weight_decay: decoupled weight decay. Default ``1e-2``.
         moment_dtype: ``torch.bfloat16`` (default) or ``torch.float32`` (names accepted).
-        foreach, fused: the implementation (see :class:`MasterAdamWBase`).
+        **hyper: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``foreach``, ``fused`` by keyword,
+            as for :class:`MasterAdamWBase` (same defaults).
 
     Raises:
         UsageError: a hyperparameter out of range or another moment dtype.
@@ -771,19 +783,10 @@ class MasterFP32AdamW(MasterAdamWBase):
     type_name = "master_fp32_adamw"
 
     def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        *,
-        moment_dtype: torch.dtype | str = torch.bfloat16,
-        foreach: bool | None = None,
-        fused: bool | None = None,
+        self, params: Iterable[Any], *, moment_dtype: torch.dtype | str = torch.bfloat16, **hyper: Unpack[AdamWArgs]
     ) -> None:
         self._moment_dtype = _as_dtype(moment_dtype, "moment_dtype")
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach, fused=fused)
+        super().__init__(params, **hyper)
 
     def moment_dtype(self, param: torch.Tensor) -> torch.dtype:
         return self._moment_dtype

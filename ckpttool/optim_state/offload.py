@@ -15,13 +15,14 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ckpttool.errors import UsageError
 from ckpttool.optim_state.adamw import (
     _F32,
+    AdamWArgs,
     AdamWHyper,
     FusedScratch,
     MasterAdamWBase,
@@ -33,6 +34,9 @@ from ckpttool.optim_state.adamw import (
 )
 from ckpttool.optim_state.device import TransferStream, is_accelerator, pinned_empty
 from ckpttool.optim_state.onepass import StepChunk
+
+if TYPE_CHECKING:  # Unpack of a TypedDict in **kwargs: typing 3.11+
+    from typing_extensions import Unpack
 
 __all__ = ["CPUOffloadAdamW", "StagingBuffers"]
 
@@ -168,17 +172,15 @@ class CPUOffloadAdamW(MasterAdamWBase):
 
     Args:
         params: ``(name, parameter)`` pairs or param-group dicts of such pairs.
-        lr: learning rate. Default ``1e-3``.
-        betas: ``(beta1, beta2)``. Default ``(0.9, 0.999)``.
-        eps: denominator term. Default ``1e-8``.
-        weight_decay: decoupled weight decay. Default ``1e-2``.
         cpu_offload_param_patterns: non-empty list of regular expressions.
         resident_moment_dtype: moments of non-offloaded parameters, ``float32`` (default) or ``bfloat16``.
         cpu_moment_dtype: moments of offloaded parameters, ``float32`` (default) or ``bfloat16``.
         chunk_size: elements per staged chunk, > 0. Default ``1 << 22``.
         cpu_offload: ``False`` keeps every parameter resident (patterns unused). Default ``True``.
         num_staging_slots: pinned buffers per transfer direction, >= 1. Default 2.
-        foreach, fused: the implementation; ``fused=True`` runs torch's fused AdamW kernel on the
+        **hyper: ``lr``, ``betas``, ``eps``, ``weight_decay`` by keyword, as for
+            :class:`~ckpttool.optim_state.adamw.MasterAdamWBase` (same defaults), and
+            ``foreach``/``fused``, the implementation; ``fused=True`` runs torch's fused AdamW kernel on the
             host chunks of offloaded parameters (a BF16 gradient chunk widened in a scratch
             buffer; ``chunk_size`` rounded up to a multiple of 64 elements, so that the result
             does not depend on it) and on the resident parameters (see
@@ -194,10 +196,6 @@ class CPUOffloadAdamW(MasterAdamWBase):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
         *,
         cpu_offload_param_patterns: Sequence[str],
         resident_moment_dtype: torch.dtype | str = torch.float32,
@@ -205,8 +203,7 @@ class CPUOffloadAdamW(MasterAdamWBase):
         chunk_size: int = 1 << 22,
         cpu_offload: bool = True,
         num_staging_slots: int = 2,
-        foreach: bool | None = None,
-        fused: bool | None = None,
+        **hyper: Unpack[AdamWArgs],
     ) -> None:
         if isinstance(cpu_offload_param_patterns, str) or not cpu_offload_param_patterns:
             raise UsageError(
@@ -229,7 +226,7 @@ class CPUOffloadAdamW(MasterAdamWBase):
         self._offload: dict[torch.Tensor, bool] = {}
         self._staging = StagingBuffers(chunk_size, num_staging_slots)
         self._streams: dict[torch.device, TransferStream] = {}
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach, fused=fused)
+        super().__init__(params, **hyper)
         n_off = sum(self._offload.values())
         logger.info("CPUOffloadAdamW: %d of %d parameter(s) offloaded", n_off, len(self._offload))
 
