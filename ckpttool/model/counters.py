@@ -65,12 +65,11 @@ def trainer_steps(ckpt: Checkpoint) -> list[Counter]:
     for st in ckpt.extra_state():
         if st.global_step is not None:
             out.append(Counter(st.file.relative_path, st.global_step))
-    if ckpt.located is not None:  # OLMo-core's train/rankR.pt, NeMo's step_scheduler.pt beside the checkpoint
-        for ts in read_training_state_beside(Path(ckpt.located.model)):
-            name = TRAINER_STEP_KEY.get(ts.file, "global_step")
-            gs = ts.values.get(name)
-            if isinstance(gs, int):
-                out.append(Counter(f"{ts.file}:{name}", gs))
+    for ts in read_training_state_beside(Path(ckpt.located.model)):  # OLMo-core's train/rankR.pt, NeMo's
+        name = TRAINER_STEP_KEY.get(ts.file, "global_step")  # step_scheduler.pt beside the checkpoint
+        gs = ts.values.get(name)
+        if isinstance(gs, int):
+            out.append(Counter(f"{ts.file}:{name}", gs))
     return out
 
 

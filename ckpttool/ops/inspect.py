@@ -741,8 +741,8 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         storage=_storage_stats(ckpt),
         derived_from=_derived_from(ckpt),
         training_values=_training_values(ckpt),
-        hf_copies=tuple(hf_copies(ckpt.reader.path, ckpt.located.model if ckpt.located is not None else None)),
-        trainer_state=tuple(read_training_state_beside(ckpt.located.model)) if ckpt.located is not None else (),
+        hf_copies=tuple(hf_copies(ckpt.reader.path, ckpt.located.model)),
+        trainer_state=tuple(read_training_state_beside(ckpt.located.model)),
         unread_beside=ckpt.unread_beside(),
     )
 
@@ -756,8 +756,8 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
         return None  # the dtypes first, in C: no row per tensor for a checkpoint without quantized weights
     tensors = {k: (t.dtype, tuple(t.shape)) for k, t in cat.model.items()}
     config = None
-    cfg = os.path.join(ckpt.located.model, "config.json") if ckpt.located is not None else ""
-    if cfg and os.path.isfile(cfg):
+    cfg = os.path.join(ckpt.located.model, "config.json")
+    if os.path.isfile(cfg):
         from ckpttool.model.hfconfig import read_hf_config
 
         config = read_hf_config(cfg)

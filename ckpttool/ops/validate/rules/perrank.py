@@ -17,8 +17,7 @@ def hf_copy_differs(ctx: Context) -> Iterator[tuple[str, str]]:
     from ckpttool.model.schemas.nemo import hf_copies
 
     assembled = getattr(ctx.reader, "assembled", None)
-    located = ctx.ckpt.located
-    nemo = hf_copies(ctx.reader.path, located.model if located is not None else None)  # NeMo's consolidated/
+    nemo = hf_copies(ctx.reader.path, ctx.ckpt.located.model)  # NeMo's consolidated/
     copies = [*getattr(assembled, "companions", ()), *nemo]
     if not copies:  # the usual case: nothing to compare, torch not imported (~1.5 s of start-up)
         return

@@ -80,7 +80,7 @@ def _no_optimizer_state(ctx: Context, counters: list[Counter]) -> Iterator[tuple
 def _megatron_iteration(ctx: Context) -> Iterator[tuple[str, str]]:
     """Megatron's ``common.pt`` ``iteration`` against the ``iter_NNNNNNN`` directory it was saved in (megatron
     names the directory by the iteration it saves; a resume continues from ``common.pt``'s)."""
-    if ctx.cat.schema.id != "megatron" or ctx.ckpt.located is None:
+    if ctx.cat.schema.id != "megatron":
         return
     from ckpttool.model.discovery import step_of
     from ckpttool.model.schemas.megatron import COMMON_FILE, read_common

@@ -298,8 +298,6 @@ def manifest_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
             )
         problems = verify_safetensors_manifest(ctx.reader.path, ctx.manifest)
     else:
-        located = ctx.ckpt.located
-        beside = Path(located.model) if located is not None else None
-        problems = verify_manifest(ctx.reader, ctx.manifest, beside_of=beside)
+        problems = verify_manifest(ctx.reader, ctx.manifest, beside_of=Path(ctx.ckpt.located.model))
     for p in problems:
         yield p.key, f"{p.kind}: {p.message}"
