@@ -1,14 +1,24 @@
-"""The operations' shared conventions (``docs/design.md`` §5): the progress and phase callbacks, and passing
-an options or result object's fields on under the same names."""
+"""The operations' shared conventions (``docs/design.md`` §5): the progress and phase callbacks and the keyword
+arguments that carry them (:class:`Hooks`), and passing an options or result object's fields on under the same
+names."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 from ckpttool.errors import UsageError, check_field_types
 
-__all__ = ["PhaseFn", "ProgressFn", "options_of", "same_named"]
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # torch requires typing_extensions
+    from typing_extensions import Unpack
+
+if TYPE_CHECKING:
+    from ckpttool.model.checkpoint import OpenOptions
+
+__all__ = ["Hooks", "PhaseFn", "ProgressFn", "Unpack", "hooks_of", "options_of", "same_named"]
 
 #: ``progress(done_bytes, total_bytes)``: ``(0, total)`` once planned, then as bytes are written or
 #: checked; called from the calling thread.
@@ -16,6 +26,36 @@ ProgressFn = Callable[[int, int], None]
 #: ``phase(text)``: the step an operation starts (``planning``, ``checking chunks``, ``writing``, ...),
 #: called from the calling thread.
 PhaseFn = Callable[[str], None]
+
+
+class Hooks(TypedDict, total=False):
+    """The keyword arguments an operation that opens a source and reports its progress takes after its options,
+    declared once: ``op(source, [out,] options=None, **hooks: Unpack[Hooks])`` (each one optional, ``None``
+    the same as left out).
+
+    Keys:
+        opening: how a path/URL ``source`` is opened (:class:`~ckpttool.model.checkpoint.OpenOptions`); none
+            with an opened ``Checkpoint``.
+        progress: ``progress(done_bytes, total_bytes)`` (:data:`ProgressFn`); each operation says when it calls it.
+        phase: ``phase(text)`` as each step starts (:data:`PhaseFn`); each operation names its steps.
+    """
+
+    opening: OpenOptions | None
+    progress: ProgressFn | None
+    phase: PhaseFn | None
+
+
+def hooks_of(op: str, hooks: Hooks) -> tuple[OpenOptions | None, ProgressFn | None, PhaseFn | None]:
+    """``(opening, progress, phase)`` of the ``**hooks`` the operation ``op`` was called with.
+
+    Raises:
+        TypeError: a keyword that is not one of :class:`Hooks` (as Python says of a misspelt keyword argument).
+    """
+    unknown = sorted(hooks.keys() - Hooks.__annotations__.keys())
+    if unknown:
+        raise TypeError(f"{op}() got an unexpected keyword argument {unknown[0]!r}")
+    return hooks.get("opening"), hooks.get("progress"), hooks.get("phase")
+
 
 Opts = TypeVar("Opts")
 

@@ -824,10 +824,7 @@ def _storage_stats(ckpt: Checkpoint) -> dict[str, Any] | None:
 
 
 def inspect(
-    source: CheckpointOrPath,
-    options: InspectOptions | None = None,
-    *,
-    opening: OpenOptions | None = None,
+    source: CheckpointOrPath, options: InspectOptions | None = None, *, opening: OpenOptions | None = None
 ) -> InspectResult:
     """Metadata-only overview of a checkpoint (``ckpttool inspect``).
 

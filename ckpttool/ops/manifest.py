@@ -36,7 +36,7 @@ from ckpttool.format.metadata import BytesMeta, ChunkMeta, TensorMeta
 from ckpttool.format.perrank import PerRankReader
 from ckpttool.format.reader import CheckpointReader
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
-from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of
+from ckpttool.ops.fields import Hooks, PhaseFn, ProgressFn, Unpack, hooks_of, options_of
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -762,12 +762,7 @@ def source_identity(reader: CheckpointReader, algorithm: str = DEFAULT_ALGORITHM
 
 
 def write_manifest(
-    source: CheckpointOrPath,
-    options: ManifestOptions | None = None,
-    *,
-    progress: ProgressFn | None = None,
-    opening: OpenOptions | None = None,
-    phase: PhaseFn | None = None,
+    source: CheckpointOrPath, options: ManifestOptions | None = None, **hooks: Unpack[Hooks]
 ) -> ManifestResult:
     """Write ``manifest.json`` for a checkpoint (beside ``.metadata`` unless ``out`` names a file).
 
@@ -785,6 +780,7 @@ def write_manifest(
         UsageError: unknown ``algorithm`` or ``covers``; OutputError: ``out`` cannot be written;
         plus the reader's errors for damaged checkpoints.
     """
+    opening, progress, phase = hooks_of("write_manifest", hooks)
     opts = options_of(options, ManifestOptions)
     algorithm, covers, out = opts.algorithm, opts.covers, opts.out
     _check_algorithm(algorithm)

@@ -74,10 +74,7 @@ class StampResult:
 
 
 def stamp(
-    source: CheckpointOrPath,
-    options: StampOptions | None = None,
-    *,
-    opening: OpenOptions | None = None,
+    source: CheckpointOrPath, options: StampOptions | None = None, *, opening: OpenOptions | None = None
 ) -> StampResult:
     """Write ``layout.json`` for a declared layout after checking it against the chunk geometry.
 

@@ -200,6 +200,23 @@ def test_a_wrong_source_options_or_opening_is_a_usage_error_naming_it(dense_ckpt
     assert not out.exists() and sorted(p.name for p in dense_ckpt.iterdir() if p.name == "m.json") == []
 
 
+def test_a_misspelt_keyword_is_a_type_error_before_anything_is_opened(tmp_path: Path) -> None:
+    """The operations taking ``**hooks: Unpack[Hooks]`` refuse a keyword that is not one of ``Hooks`` as a
+    function with named keywords would (a misspelt ``progress`` is not passed over in silence)."""
+    import ckpttool
+
+    missing, out = tmp_path / "missing", tmp_path / "out"
+    for name, op in (
+        ("validate", lambda: ckpttool.validate(missing, progres=print)),
+        ("write_manifest", lambda: ckpttool.write_manifest(missing, phases=print)),
+        ("export_checkpoint", lambda: ckpttool.export_checkpoint(missing, out, openning=None)),
+        ("reshard", lambda: ckpttool.reshard(missing, out, progres=print)),
+    ):
+        with pytest.raises(TypeError, match=rf"^{name}\(\) got an unexpected keyword argument '\w+'$"):
+            op()
+    assert not out.exists()
+
+
 def test_a_closed_checkpoint_is_a_usage_error_for_every_operation_and_read(dense_ckpt: Path, tmp_path: Path) -> None:
     """After close() a read reopened the data files (descriptors nobody closed) and validate reported every
     chunk's file as a finding (S011, exit 1): an operation given a closed checkpoint, or a read, is E100."""

@@ -185,12 +185,7 @@ AtolAt = Callable[[Any], Any]
 
 
 def compare_tensors(
-    a: Any,
-    b: Any,
-    *,
-    as_dtype: Any = None,
-    rtol: float | None = None,
-    atol: float | AtolAt | None = None,
+    a: Any, b: Any, *, as_dtype: Any = None, rtol: float | None = None, atol: float | AtolAt | None = None
 ) -> ValueDiff:
     """Compare two tensors of the same shape (see the module docstring).
 

@@ -49,7 +49,7 @@ from ckpttool.format.tiling import contiguous_run, tiling_problem
 from ckpttool.layouts.declaration import ResolvedLayout
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, detect_adapter, get_adapter
 from ckpttool.model.catalog import Catalog
-from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, gc_held, open_source
+from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, gc_held, open_source
 from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.model.schemas.detect import detect_schema
 from ckpttool.ops import distributed
@@ -69,7 +69,7 @@ from ckpttool.ops.export.plan import (
 )
 from ckpttool.ops.export.rules import ExportRules, load_rules
 from ckpttool.ops.export.transform import Cast, Run, RunMap, SlabTransform, env_slab_bytes, stream_chunk
-from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of, same_named
+from ckpttool.ops.fields import Hooks, PhaseFn, ProgressFn, Unpack, hooks_of, options_of, same_named
 from ckpttool.ops.manifest import MANIFEST_NAME, SOURCE_METADATA_KEY, safetensors_manifest, source_identity
 
 if TYPE_CHECKING:
@@ -822,13 +822,7 @@ def masters_note(ckpt: Checkpoint, r: ExportResult) -> str | None:
 
 
 def export_checkpoint(
-    source: CheckpointOrPath,
-    out: str | os.PathLike[str],
-    options: ExportOptions | None = None,
-    *,
-    progress: ProgressFn | None = None,
-    opening: OpenOptions | None = None,
-    phase: PhaseFn | None = None,
+    source: CheckpointOrPath, out: str | os.PathLike[str], options: ExportOptions | None = None, **hooks: Unpack[Hooks]
 ) -> ExportResult:
     """Export a DCP checkpoint's model weights as Hugging Face safetensors or a PEFT LoRA adapter.
 
@@ -851,6 +845,7 @@ def export_checkpoint(
         LayoutError: an undeclared ambiguous EP layout (E405), conflicting records (E403/E404).
         plus the reader's errors for damaged checkpoints (E2xx/E3xx).
     """
+    opening, progress, phase = hooks_of("export_checkpoint", hooks)
     opts = options_of(options, ExportOptions)
     _check_options(opts)
     rules = load_rules(opts.rules)

@@ -79,20 +79,21 @@ class GradFile:
 
         self.path = Path(path)
         if not self.path.is_file():
-            raise GradientsError(
-                f"`grads` {self.path}: {'not a regular file' if os.path.lexists(self.path) else 'no such file'}",
-                path=self.path,
+            raise self._error(
+                f": {'not a regular file' if os.path.lexists(self.path) else 'no such file'}",
                 hint="pass a safetensors file of gradients keyed by parameter fqn",
             )
         try:
             self._file = cast("_SafeOpen", safe_open(str(self.path), framework="pt", device="cpu"))
             self._keys = set(self._file.keys())
         except (SafetensorError, OSError, ValueError) as e:
-            raise GradientsError(
-                f"`grads` {self.path}: not a readable safetensors file ({str(e)[:80]})",
-                path=self.path,
-                hint="write it with safetensors.torch.save_file",
+            raise self._error(
+                f": not a readable safetensors file ({str(e)[:80]})", hint="write it with safetensors.torch.save_file"
             ) from e
+
+    def _error(self, says: str, *, fqn: str | None = None, hint: str | None = None) -> GradientsError:
+        """The error about this file (E120, naming ``path``): its message is ``says`` after "`grads` PATH"."""
+        return GradientsError(f"`grads` {self.path}{says}", path=self.path, fqn=fqn, hint=hint)
 
     def _key(self, fqn: str) -> str | None:
         for k in (fqn, canonical_model_key(fqn)):
@@ -112,22 +113,18 @@ class GradFile:
         """
         key = self._key(fqn)
         if key is None:
-            raise GradientsError(
-                f"`grads` {self.path} has no gradient for {fqn}",
-                path=self.path,
+            raise self._error(
+                f" has no gradient for {fqn}",
                 fqn=fqn,
                 hint="key every selected parameter by its fqn, or narrow the selection with `filter_glob`",
             )
         t = self._file.get_tensor(key)
         if tuple(t.shape) != tuple(shape):
-            raise GradientsError(
-                f"`grads` {self.path}: gradient {key} has shape {list(t.shape)}, the parameter has {list(shape)}",
-                path=self.path,
+            raise self._error(
+                f": gradient {key} has shape {list(t.shape)}, the parameter has {list(shape)}",
                 fqn=fqn,
                 hint="gradients must have the parameter's global shape (true expert order)",
             )
         if not t.is_floating_point():
-            raise GradientsError(
-                f"`grads` {self.path}: gradient {key} is {t.dtype}, expected a floating dtype", path=self.path, fqn=fqn
-            )
+            raise self._error(f": gradient {key} is {t.dtype}, expected a floating dtype", fqn=fqn)
         return t if t.dtype == dtype else t.to(dtype)

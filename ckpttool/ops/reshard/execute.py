@@ -40,9 +40,9 @@ from ckpttool.format.tiling import contiguous_run
 from ckpttool.format.writer import DCPWriter, can_stream
 from ckpttool.layouts.record import SIDECAR_NAME
 from ckpttool.model.catalog import Catalog
-from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
+from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, open_source
 from ckpttool.ops import distributed
-from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of, same_named
+from ckpttool.ops.fields import Hooks, PhaseFn, ProgressFn, Unpack, hooks_of, options_of, same_named
 from ckpttool.ops.manifest import MANIFEST_NAME, source_identity, write_output_manifest
 from ckpttool.ops.reshard.plan import ReshardOptions, ReshardPlan, TensorPlan, origin_world, plan_reshard
 
@@ -472,13 +472,7 @@ def _copy_extra_files(src: Path, dst: Path) -> list[str]:
 
 
 def reshard(
-    source: CheckpointOrPath,
-    out: str | os.PathLike[str],
-    options: ReshardOptions | None = None,
-    *,
-    progress: ProgressFn | None = None,
-    opening: OpenOptions | None = None,
-    phase: PhaseFn | None = None,
+    source: CheckpointOrPath, out: str | os.PathLike[str], options: ReshardOptions | None = None, **hooks: Unpack[Hooks]
 ) -> ReshardResult:
     """Write a new DCP checkpoint whose EP tensors are in the ``options.to`` layout for the target mesh.
 
@@ -499,6 +493,7 @@ def reshard(
         UsageError, LayoutError, ReshardError, ChunkError: see
             :func:`~ckpttool.ops.reshard.plan.plan_reshard`; OutputError: bad target.
     """
+    opening, progress, phase = hooks_of("reshard", hooks)
     opts = options_of(options, ReshardOptions)
     with open_source(source, opening) as ckpt:
         return _reshard(ckpt, output_location(out), opts, progress, phase or (lambda text: None))

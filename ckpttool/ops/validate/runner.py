@@ -18,7 +18,7 @@ from typing import Any
 from ckpttool import errors
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, check_source, gc_held, open_checkpoint
 from ckpttool.model.hfconfig import read_hf_config
-from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of
+from ckpttool.ops.fields import Hooks, ProgressFn, Unpack, hooks_of, options_of
 from ckpttool.ops.validate import rules as _rules  # noqa: F401 - registers the rules
 from ckpttool.ops.validate.base import RULES, Finding, Rule, Severity, select_rules
 from ckpttool.ops.validate.context import Context
@@ -247,12 +247,7 @@ def _with_read_error_rules(rules: list[Rule], errors: dict[str, Any], ignore: Se
 
 
 def validate(
-    source: CheckpointOrPath,
-    options: ValidateOptions | None = None,
-    *,
-    progress: ProgressFn | None = None,
-    opening: OpenOptions | None = None,
-    phase: PhaseFn | None = None,
+    source: CheckpointOrPath, options: ValidateOptions | None = None, **hooks: Unpack[Hooks]
 ) -> ValidationResult:
     """Check a checkpoint against the rules of ``docs/rules.md`` (a damaged one gives findings).
 
@@ -277,6 +272,7 @@ def validate(
         AmbiguousCheckpointError, StepNotFoundError: which checkpoint below ``source`` is not clear.
         SchemaError: a key-schema override that matches nothing.
     """
+    opening, progress, phase = hooks_of("validate", hooks)
     opts = options_of(options, ValidateOptions)
     opening = check_source(source, opening)
     if opts.manifest == "":
