@@ -192,13 +192,8 @@ class MultiOptimizer:
                     if keys is not None and fqn not in saved_fields:
                         continue  # never stepped when saved: load no state
                     template = _state_template(opt, group, p)
-                    if keys is not None and saved_fields[fqn] != set(template):
-                        raise OptimStateError(
-                            f"optimizer state of {fqn} was saved with field(s) {', '.join(sorted(saved_fields[fqn]))}; "
-                            f"the {type(opt).__name__} leaf expects {', '.join(template)}",
-                            fqn=fqn,
-                            hint="build the leaf with the optimizer type that saved the checkpoint",
-                        )
+                    if keys is not None:
+                        _check_saved_fields(opt, fqn, saved_fields[fqn], template)
                     for field, value in template.items():
                         out[f"state.{fqn}.{field}"] = value
         if isinstance(saved, Mapping):
@@ -264,6 +259,21 @@ class MultiOptimizer:
                 f"state dict has {len(leftover)} key(s) no leaf uses, e.g. {', '.join(leftover[:3])}",
                 hint="the checkpoint was saved with other parameters or leaves",
             )
+
+
+def _check_saved_fields(opt: torch.optim.Optimizer, fqn: str, saved: set[str], template: Mapping[str, Any]) -> None:
+    """Refuse a leaf whose state fields for ``fqn`` are not the ones the checkpoint saved.
+
+    Raises:
+        OptimStateError: another set of fields (the checkpoint was saved by another optimizer type).
+    """
+    if saved != set(template):
+        raise OptimStateError(
+            f"optimizer state of {fqn} was saved with field(s) {', '.join(sorted(saved))}; "
+            f"the {type(opt).__name__} leaf expects {', '.join(template)}",
+            fqn=fqn,
+            hint="build the leaf with the optimizer type that saved the checkpoint",
+        )
 
 
 def _state_template(
