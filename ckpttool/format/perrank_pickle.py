@@ -29,11 +29,15 @@ class LocalTensor(NamedTuple):
     """A plain tensor in the pickle: a view of storage record ``data/<key>`` (elements)."""
 
     dtype: str
+    """The storage's dtype name (an untyped storage takes the tensor's)."""
     key: str
     storage_numel: int
+    """Elements of the whole storage record."""
     storage_offset: int
+    """The view's first element in the storage (elements, not bytes)."""
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    """Per dim, in elements."""
 
 
 class Placement(NamedTuple):

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "FP8_SCALE_SUFFIX",
+    "QuantKind",
     "QuantPair",
     "block_size",
     "block_size_problem",
@@ -36,6 +37,8 @@ __all__ = [
 ]
 
 FP8_SCALE_SUFFIX = "_scale_inv"
+#: A :class:`QuantPair`'s convention (the module docstring; ``fp8-compressed-tensors``: :func:`compressed_tensors_fp8`).
+QuantKind = Literal["fp8-block", "fp8-experts", "mxfp4", "fp8-compressed-tensors"]
 _MX_BLOCKS, _MX_SCALES = "_blocks", "_scales"
 _E8M0 = ("uint8", "float8_e8m0fnu")
 
@@ -45,14 +48,15 @@ class QuantPair:
     """A quantized weight and its scale.
 
     Attributes:
-        kind: ``"fp8-block"``, ``"fp8-experts"`` (fused ``[E, out, in]``) or ``"mxfp4"``.
+        kind: ``"fp8-block"``, ``"fp8-experts"`` (fused ``[E, out, in]``), ``"mxfp4"`` or
+            ``"fp8-compressed-tensors"``.
         weight, scale: the stored keys (``x.weight`` / ``x.weight_scale_inv``, ``x_blocks`` / ``x_scales``).
         name: the dequantized tensor's key (``x.weight``; ``x`` for MXFP4).
         shape: the dequantized shape; stored: the stored weight's shape.
         block: ``(B0, B1)`` of block FP8 (``(1, 32)``-like group size for MXFP4: ``(1, 2 * B)``).
     """
 
-    kind: str
+    kind: QuantKind
     weight: str
     scale: str
     name: str

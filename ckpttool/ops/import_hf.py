@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ExportError, UsageError
+from ckpttool.format.digest import DEFAULT_ALGORITHM
 from ckpttool.format.files import missing_path_hint, open_regular, resolve_inside
 from ckpttool.format.hf_storage import ADAPTER_PREFIX, hf_storage_files, load_hf_storage_metadata
 from ckpttool.format.jsonview import JsonView, json_counted
@@ -84,7 +85,7 @@ class ImportOptions:
     overwrite: bool = False
     fsync: bool = True
     manifest: bool = False
-    algorithm: str = "xxh3-128"
+    algorithm: str = DEFAULT_ALGORITHM
     dry_run: bool = False
     dtype: str | None = None
 

@@ -36,6 +36,7 @@ from ckpttool.errors import QuantizedSourceError, UsageError
 from ckpttool.format.files import open_regular, resolve_inside
 from ckpttool.model.quantized import (
     FP8_SCALE_SUFFIX,
+    QuantKind,
     QuantPair,
     block_size,
     block_size_problem,
@@ -298,7 +299,7 @@ def _stage_mxfp4(fds: StagedFds, plan: Dequantized, fd: int) -> None:
         write_all(fd, vals, j * n * g * 2 * b * item)
 
 
-_STAGERS: dict[str, Callable[[StagedFds, Dequantized, int], None]] = {
+_STAGERS: dict[QuantKind, Callable[[StagedFds, Dequantized, int], None]] = {
     "fp8-block": _stage_fp8,
     "fp8-experts": _stage_fp8,
     "fp8-compressed-tensors": _stage_fp8,

@@ -126,14 +126,19 @@ class Summary:
     """Counts and byte totals of the whole checkpoint."""
 
     files: int
+    """Data files the ``.metadata`` refers to."""
     ranks: tuple[int, ...]
     bytes_on_disk: int
+    """Bytes of all data files present (their sizes on disk)."""
     tensor_count: int
     model_tensor_count: int
     byte_item_count: int
     numel_model: int
+    """Elements of all model tensors."""
     bytes_by_dtype: dict[str, int]
+    """Logical bytes (``numel`` x item size) of all tensors, by dtype name."""
     bytes_by_category: dict[str, int]
+    """Logical bytes by ``model``, ``optimizer_state``, ``other``."""
 
     def to_dict(self) -> dict[str, Any]:
         return json_fields(self)
@@ -168,17 +173,25 @@ class OptimizerSummary:
     """Optimizer coverage, state fields, implied/declared type and param groups."""
 
     flavor: str | None
+    """Param-group key flavor: ``nested``, ``flattened``, ``mixed`` (``None``: no groups)."""
     params_total: int
+    """Parameters: model keys in a param group (all model keys when there are no groups)."""
     params_with_state: int
     fields: dict[str, dict[str, int]]
+    """State field -> dtype name -> parameters holding it in that dtype."""
     implied_type: str | None
     implied_types: dict[str, int]
+    """Optimizer type implied by a parameter's fields -> parameters (``implied_type``: the most common)."""
     declared_type: str | None
+    """``optimizer.type`` of the layout record."""
     param_groups: tuple[GroupRow, ...]
     params_without_state: tuple[str, ...]
     never_stepped_with_hyperparameters: tuple[str, ...]
+    """Fqns with no state but with hyperparameters saved (members of a param group)."""
     orphan_state: tuple[str, ...]
+    """Fqns with state that are not model keys."""
     buffers: tuple[str, ...]
+    """Model keys in no param group (persistent buffers)."""
 
     def to_dict(self) -> dict[str, Any]:
         return json_fields(self, param_groups=[g.to_dict() for g in self.param_groups])
@@ -250,14 +263,18 @@ class InspectResult:
 
     path: str
     dcp_version: str | None
+    """``Metadata.version`` of the ``.metadata`` file."""
     summary: Summary
     files: tuple[FileRow, ...]
     model: tuple[TensorEntry, ...]
+    """Model tensors after ``filter_glob``, in ``sort`` order."""
     optimizer: OptimizerSummary
     layout: LayoutSummary | None
     layout_error: CkptError | None
+    """Why the layout record is invalid (``None``: valid or absent)."""
     extra_state: tuple[ExtraStateRow, ...]
     byte_items: tuple[tuple[str, int], ...]
+    """``(key, stored size in bytes)`` of every byte item."""
     other_keys: tuple[str, ...]
     other_tensors: tuple[TensorEntry, ...]
     tree: tuple[TreeRow, ...] | None = None

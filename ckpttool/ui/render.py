@@ -16,14 +16,16 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from typing import IO, TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Iterable, Iterator
+from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
 
 if TYPE_CHECKING:  # rich is slow to import: only commands that print tables pay for it
     from rich.console import Console
     from rich.table import Table
 
-    from ckpttool.ops.inspect import InspectResult
+    from ckpttool.layouts.geometry import EPGeometry
+    from ckpttool.model.catalog import TensorEntry
+    from ckpttool.ops.inspect import GroupRow, InspectResult
 
 __all__ = [
     "ABSENT",
@@ -32,6 +34,7 @@ __all__ = [
     "STYLES",
     "UI",
     "Col",
+    "Columns",
     "PhaseProgress",
     "byte_progress",
     "color_enabled",
@@ -49,6 +52,7 @@ __all__ = [
     "output_width",
     "plural",
     "print_findings",
+    "print_records",
     "print_table",
     "render_overview",
     "safe_text",
@@ -711,6 +715,16 @@ def print_table(con: Console | PlainConsole, title: str, columns: list[Col], row
     return hidden
 
 
+R = TypeVar("R")
+#: A table as data: each column with the cell it takes from a record (:func:`print_records`).
+Columns = tuple[tuple[Col, Callable[[R], str]], ...]
+
+
+def print_records(con: Console | PlainConsole, title: str, columns: Columns[R], records: Iterable[R]) -> list[str]:
+    """:func:`print_table` of a row per record, its cells taken by ``columns``; the hidden columns."""
+    return print_table(con, title, [c for c, _ in columns], [[cell(r) for _, cell in columns] for r in records])
+
+
 def _print_rich_table(
     con: Console,
     title: str,
@@ -1087,6 +1101,25 @@ def _overview_header(con: Console, ov: InspectResult, flags: Callable[[str], str
     con.print(f"by dtype    {by_dtype}")
 
 
+def _tensor_notes(t: TensorEntry) -> str:
+    """The ``notes`` cell of a model tensor: ``uneven``, ``N zero-size``."""
+    notes = ["uneven"] if t.uneven else []
+    if t.zero_size_chunks:
+        notes.append(f"{t.zero_size_chunks} zero-size")
+    return " ".join(notes)
+
+
+_TENSOR_TABLE: Columns[TensorEntry] = (
+    (Col("key", "key"), lambda t: t.key),
+    (Col("shape", "code"), lambda t: fmt_shape(t.shape)),
+    (Col("dtype", "code"), lambda t: t.dtype),
+    (Col("numel", "num", drop=3), lambda t: fmt_count(t.numel)),
+    (Col("chunks", "num", drop=2), lambda t: str(len(t.chunks))),
+    (Col("ranks", "code", drop=4), lambda t: fmt_ranks(t.ranks)),
+    (Col("notes", "text", drop=1, hide_empty=True), _tensor_notes),
+)
+
+
 def _overview_model(con: Console, ov: InspectResult, max_rows: int) -> None:
     """The model tree (``--depth``) or the first ``max_rows`` model tensors."""
     if ov.tree is not None:
@@ -1097,40 +1130,22 @@ def _overview_model(con: Console, ov: InspectResult, max_rows: int) -> None:
             [[r.prefix, fmt_count(r.tensors), fmt_count(r.numel), human_bytes(r.nbytes)] for r in ov.tree],
         )
     else:
-        rows = []
-        for t in ov.model[:max_rows]:
-            notes = []
-            if t.uneven:
-                notes.append("uneven")
-            if t.zero_size_chunks:
-                notes.append(f"{t.zero_size_chunks} zero-size")
-            rows.append(
-                [
-                    t.key,
-                    fmt_shape(t.shape),
-                    t.dtype,
-                    fmt_count(t.numel),
-                    str(len(t.chunks)),
-                    fmt_ranks(t.ranks),
-                    " ".join(notes),
-                ]
-            )
-        print_table(
-            con,
-            "model tensors",
-            [
-                Col("key", "key"),
-                Col("shape", "code"),
-                Col("dtype", "code"),
-                Col("numel", "num", drop=3),
-                Col("chunks", "num", drop=2),
-                Col("ranks", "code", drop=4),
-                Col("notes", "text", drop=1, hide_empty=True),
-            ],
-            rows,
-        )
+        print_records(con, "model tensors", _TENSOR_TABLE, ov.model[:max_rows])
         if len(ov.model) > max_rows:
             con.print(f"... {len(ov.model) - max_rows:,} more (use --filter, --depth or --json)")
+
+
+_GROUP_TABLE: Columns[GroupRow] = (
+    (Col("group", "key"), lambda g: str(g.id)),
+    (Col("params", "num"), lambda g: fmt_count(g.params)),
+    (Col("lr", "num"), lambda g: fmt_value(g.values["lr"])),
+    (Col("weight_decay", "num", drop=3), lambda g: fmt_value(g.values["weight_decay"])),
+    (Col("betas", "code", drop=4), lambda g: fmt_value(g.values["betas"])),
+    (Col("eps", "num", drop=5), lambda g: fmt_value(g.values["eps"])),
+    (Col("initial_lr", "num", drop=6), lambda g: fmt_value(g.values["initial_lr"])),
+    (Col("state", "text"), lambda g: "yes" if g.has_state else "no state (never stepped)"),
+    (Col("missing", "text", hide_empty=True), lambda g: fmt_list(g.missing)),
+)
 
 
 def _overview_optimizer(con: Console, ov: InspectResult) -> None:
@@ -1156,41 +1171,22 @@ def _overview_optimizer(con: Console, ov: InspectResult) -> None:
             [[f, ", ".join(f"{d} ({n})" for d, n in c.items())] for f, c in o.fields.items()],
         )
     if o.param_groups:
-        rows = []
-        for g in o.param_groups:
-            v = g.values
-            state = "yes" if g.has_state else "no state (never stepped)"
-            rows.append(
-                [
-                    str(g.id),
-                    fmt_count(g.params),
-                    fmt_value(v["lr"]),
-                    fmt_value(v["weight_decay"]),
-                    fmt_value(v["betas"]),
-                    fmt_value(v["eps"]),
-                    fmt_value(v["initial_lr"]),
-                    state,
-                    fmt_list(g.missing),
-                ]
-            )
-        print_table(
-            con,
-            "param groups",
-            [
-                Col("group", "key"),
-                Col("params", "num"),
-                Col("lr", "num"),
-                Col("weight_decay", "num", drop=3),
-                Col("betas", "code", drop=4),
-                Col("eps", "num", drop=5),
-                Col("initial_lr", "num", drop=6),
-                Col("state", "text"),
-                Col("missing", "text", hide_empty=True),
-            ],
-            rows,
-        )
+        print_records(con, "param groups", _GROUP_TABLE, o.param_groups)
     if o.orphan_state and not by_index:
         con.print(f"state for fqns not in the model: {fmt_list(o.orphan_state, limit=10)}")
+
+
+_GEOMETRY_TABLE: Columns[EPGeometry] = (
+    (Col("key", "key"), lambda g: g.key),
+    (Col("shape", "code"), lambda g: fmt_shape(g.shape)),
+    (Col("experts", "num"), lambda g: str(g.num_experts)),
+    (Col("ep_dim", "num", drop=3), lambda g: str(g.ep_dim)),
+    (Col("fsdp_dim", "num", drop=2), lambda g: fmt_value(g.fsdp_dim)),
+    (Col("blocks per dim", "code", drop=4), lambda g: fmt_shape(g.blocks_per_dim)),
+    (Col("ranks", "code", drop=5), lambda g: fmt_ranks(g.ranks)),
+    (Col("same dim", "code", drop=1), lambda g: fmt_value(g.same_dim)),
+    (Col("problems", "text", hide_empty=True), lambda g: "; ".join(g.problems)),
+)
 
 
 def _overview_layout(con: Console, ov: InspectResult) -> None:
@@ -1208,35 +1204,7 @@ def _overview_layout(con: Console, ov: InspectResult) -> None:
             f"{plural(len(lay.extra_parallel), 'EP tensor')}{step}"
         )
         if lay.geometry:
-            print_table(
-                con,
-                "EP geometry",
-                [
-                    Col("key", "key"),
-                    Col("shape", "code"),
-                    Col("experts", "num"),
-                    Col("ep_dim", "num", drop=3),
-                    Col("fsdp_dim", "num", drop=2),
-                    Col("blocks per dim", "code", drop=4),
-                    Col("ranks", "code", drop=5),
-                    Col("same dim", "code", drop=1),
-                    Col("problems", "text", hide_empty=True),
-                ],
-                [
-                    [
-                        g.key,
-                        fmt_shape(g.shape),
-                        str(g.num_experts),
-                        str(g.ep_dim),
-                        fmt_value(g.fsdp_dim),
-                        fmt_shape(g.blocks_per_dim),
-                        fmt_ranks(g.ranks),
-                        fmt_value(g.same_dim),
-                        "; ".join(g.problems),
-                    ]
-                    for g in lay.geometry
-                ],
-            )
+            print_records(con, "EP geometry", _GEOMETRY_TABLE, lay.geometry)
         if lay.ambiguous:
             pairs = sorted({tuple(pf) for c in (lay.candidates or {}).values() for pf in c})
             fits = ", ".join(f"{p}x{f}" for p, f in pairs[:6])

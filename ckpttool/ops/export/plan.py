@@ -15,7 +15,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from ckpttool.errors import ExportError, StateDtypeError, UsageError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, FLOATING_DTYPES, TRAINABLE_DTYPES
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SAVE_DTYPES",
+    "Origin",
     "Selected",
     "Piece",
     "SourceTask",
@@ -51,6 +52,8 @@ __all__ = [
 ]
 
 SAVE_DTYPES = ("preserve", "bfloat16", "float16", "float32")
+#: What an exported tensor was read from: the parameter, or its FP32 ``master_weight``.
+Origin = Literal["params", "master"]
 
 
 def shard_file_names(n: int, stem: str = "model") -> list[str]:
@@ -90,12 +93,13 @@ class Selected:
         source: the tensor entry read (the parameter, or its ``master_weight``).
         origin: ``"params"`` or ``"master"``.
         hf: where a model adapter puts it (``None``: the key rules' output key, as stored).
+        merge: the LoRA factors merged into it (``hf-merged``; ``None``: no merge).
     """
 
     model_key: str
     out_key: str
     source: TensorEntry
-    origin: str
+    origin: Origin
     hf: HFTensor | None = None
     merge: LoraPair | None = None
 

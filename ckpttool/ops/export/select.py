@@ -20,6 +20,7 @@ from ckpttool.model.wrappers import strip_wrapper_segments
 from ckpttool.ops.export.plan import (
     SKIP_OUTSIDE_SCHEMA,
     SKIP_TRAINING_STATE,
+    Origin,
     Selected,
     SelectResult,
     filtered,
@@ -182,6 +183,7 @@ def select_model(cat: Catalog, keys: KeyMap, *, weights: str, filter_glob: str |
             continue
         if tag is not None:
             tags[out_key] = tag
+        origin: Origin
         source, origin = entry, "params"
         if master:
             mw = _master_weight(cat, param_fqn, entry)

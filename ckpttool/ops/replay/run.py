@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ckpttool.engine.pool import map_ordered
 from ckpttool.errors import DeviceUnavailableError, UsageError
@@ -123,7 +123,7 @@ class ParamResult:
     group_id: int | str
     lr: float
     weight_decay: float
-    state: str
+    state: Literal["loaded", "fresh"]
     offloaded: bool
     step_before: float
     step_after: float | None = None
