@@ -247,10 +247,33 @@ def test_staging_buffers_wait_before_reuse_and_grow():
     assert ev2.synced and staging.grow_count == 2 and staging.nbytes == 64
 
 
+def _each_variant(**hyper):  # type: ignore[no-untyped-def]
+    """The three optimizers over the same parameters with the same hyperparameter keywords."""
+    named = [(f"p{i}", p) for i, p in enumerate(make_params(torch.float32))]
+    yield FullFP32AdamW(named, **hyper)
+    yield MasterFP32AdamW(named, moment_dtype="float32", **hyper)
+    yield CPUOffloadAdamW(named, cpu_offload_param_patterns=["p0"], **hyper)
+
+
 @pytest.mark.parametrize("hyper", [{"lr": -1.0}, {"betas": (0.9, 1.0)}, {"eps": -1.0}, {"weight_decay": -0.1}])
 def test_hyperparameters_validated(hyper):
+    for make in (FullFP32AdamW, MasterFP32AdamW):
+        with pytest.raises(UsageError):
+            make(make_params(torch.float32), **hyper)
     with pytest.raises(UsageError):
-        FullFP32AdamW(make_params(torch.float32), **hyper)
+        CPUOffloadAdamW([("p0", make_params(torch.float32)[0])], cpu_offload_param_patterns=["p0"], **hyper)
+
+
+def test_variants_take_torch_adamw_defaults_and_the_given_hyperparameters():
+    """Every variant's param group holds ``torch.optim.AdamW``'s defaults, or the keywords it was given."""
+    torch_defaults = {
+        k: torch.optim.AdamW([torch.zeros(1)]).defaults[k] for k in ("lr", "betas", "eps", "weight_decay")
+    }
+    for opt in _each_variant():
+        assert {k: opt.param_groups[0][k] for k in torch_defaults} == torch_defaults, type(opt).__name__
+    given = {"lr": 0.25, "betas": (0.5, 0.75), "eps": 1e-6, "weight_decay": 0.0}
+    for opt in _each_variant(fused=True, **given):
+        assert {k: opt.param_groups[0][k] for k in given} == given and opt.fused, type(opt).__name__
 
 
 def test_build_optimizer_factory():
