@@ -233,15 +233,14 @@ def _validate_open(
     return _finish(ckpt.path, opts, statuses, t0, bytes_read, deep_seconds)
 
 
-def _with_read_error_rules(rules: list[Rule], errors: dict[str, Any], ignore: Sequence[str] | None) -> list[Rule]:
+def _with_read_error_rules(rules: list[Rule], read_errors: dict[str, Any], ignore: Sequence[str] | None) -> list[Rule]:
     """``rules`` with ``S010`` / ``S014`` where the deep pass could not read a chunk, whatever ``select`` chose
     (unless ``ignore`` names them): a selected rule (``D001``) passes over a chunk it could not read, and the run
     would say OK of data it never saw."""
-    from ckpttool.errors import ChecksumError
     from ckpttool.ops.validate.base import _split_codes
 
     ign = _split_codes(ignore)
-    want = {"S014" if isinstance(e, ChecksumError) else "S010" for e in errors.values()}
+    want = {"S014" if isinstance(e, errors.ChecksumError) else "S010" for e in read_errors.values()}
     add = [RULES[c] for c in sorted(want) if RULES[c] not in rules and not any(c.startswith(p) for p in ign)]
     return sorted([*rules, *add], key=lambda r: r.code) if add else rules
 
