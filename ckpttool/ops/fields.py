@@ -1,14 +1,16 @@
 """The operations' shared conventions (``docs/design.md`` §5): the progress and phase callbacks and the keyword
-arguments that carry them (:class:`Hooks`), and passing an options or result object's fields on under the same
-names."""
+arguments that carry them (:class:`Hooks`), the options of every operation that writes a new output
+(:class:`OutputOptions`), and passing an options or result object's fields on under the same names."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 from ckpttool.errors import UsageError, check_field_types
+from ckpttool.format.digest import DEFAULT_ALGORITHM
 
 if sys.version_info >= (3, 11):
     from typing import Unpack
@@ -18,7 +20,7 @@ else:  # torch requires typing_extensions
 if TYPE_CHECKING:
     from ckpttool.model.checkpoint import OpenOptions
 
-__all__ = ["Hooks", "PhaseFn", "ProgressFn", "Unpack", "hooks_of", "options_of", "same_named"]
+__all__ = ["Hooks", "OutputOptions", "PhaseFn", "ProgressFn", "Unpack", "hooks_of", "options_of", "same_named"]
 
 #: ``progress(done_bytes, total_bytes)``: ``(0, total)`` once planned, then as bytes are written or
 #: checked; called from the calling thread.
@@ -43,6 +45,29 @@ class Hooks(TypedDict, total=False):
     opening: OpenOptions | None
     progress: ProgressFn | None
     phase: PhaseFn | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputOptions:
+    """The options of every operation that writes a new output directory (export, reshard, import), declared
+    once; each operation's options class adds its own (keyword-only here, so theirs keep their positions).
+
+    Attributes:
+        overwrite: replace an existing non-empty output, once the new one is complete, where it is provably
+            a ckpttool output (its ``.ckpttool-output.json`` marker agrees with its files); any other
+            directory or prefix is refused (``ForeignOutputError``, E606).
+        manifest: also write the output's ``manifest.json``, every byte range digested as it is written,
+            with the source's identity (``docs/diff.md``).
+        algorithm: the digest of the manifest and of the source identity (``xxh3-128``, ``blake3``, ...).
+        dry_run: plan and check everything, whether the output may be written included, and return the
+            result the run would give (``dry_run`` true; each operation says what its planned sizes are)
+            without writing anything.
+    """
+
+    overwrite: bool = False
+    manifest: bool = False
+    algorithm: str = DEFAULT_ALGORITHM
+    dry_run: bool = False
 
 
 def hooks_of(op: str, hooks: Hooks) -> tuple[OpenOptions | None, ProgressFn | None, PhaseFn | None]:

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import ExportError, UsageError
-from ckpttool.format.digest import DEFAULT_ALGORITHM
 from ckpttool.format.files import missing_path_hint, open_regular, resolve_inside
 from ckpttool.format.hf_storage import ADAPTER_PREFIX, hf_storage_files, load_hf_storage_metadata
 from ckpttool.format.jsonview import JsonView, json_counted
@@ -38,7 +37,7 @@ from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import canonical_model_key
 from ckpttool.ops import distributed
-from ckpttool.ops.fields import PhaseFn, ProgressFn, options_of
+from ckpttool.ops.fields import OutputOptions, PhaseFn, ProgressFn, options_of
 
 if TYPE_CHECKING:
     from ckpttool.layouts.record import EPTensorSpec
@@ -52,8 +51,12 @@ SCHEMAS = tuple(s.name for s in registry.import_targets())
 
 
 @dataclass(frozen=True)
-class ImportOptions:
-    """Options of :func:`import_hf` (the flags of ``ckpttool import``).
+class ImportOptions(OutputOptions):
+    """Options of :func:`import_hf` (the flags of ``ckpttool import``): those of every writing operation
+    (:class:`~ckpttool.ops.fields.OutputOptions`: ``overwrite``, ``manifest``, ``algorithm``, ``dry_run``) and
+    its own. Here the manifest digests every record as it is written, with the source directory's identity
+    (its headers' and manifest's digests); a dry run checks the sources, the index, the adapter and the EP
+    placement, and its file ``bytes`` are the tensor data planned for each rank file.
 
     Attributes:
         schema: ``torch-native``, ``torchtitan`` or ``megatron``.
@@ -63,15 +66,8 @@ class ImportOptions:
         world_size: ranks to pre-shard for (one data file per rank; chunks along dim 0 as ``Shard(0)``).
         ep_size, ep_fsdp_size: pre-shard MoE expert tensors for an EP x EP-FSDP mesh (``P`` x ``F``
             ranks, canonical order, a layout record); ``None``: no EP. ``world_size`` is then ``P * F``.
-        overwrite: replace an existing output.
         fsync: ``fsync`` the data files and ``.metadata`` before the output is moved into place
             (survives a power loss; its cost: docs/performance.md).
-        manifest: write the output's ``manifest.json`` (every record digested as it is written,
-            ``docs/diff.md``), with the source directory's identity (its headers' and manifest's digests).
-        algorithm: the digest algorithm of the manifest.
-        dry_run: plan and check (sources, index, adapter, EP placement, whether the output may be
-            written) and return the result the import would give (``dry_run`` true; file ``bytes``
-            are the tensor data planned for each rank file) without writing anything.
         dtype: what quantized weights (block FP8, MXFP4) are dequantized to: ``bfloat16`` (``None``)
             or ``float32`` (:mod:`ckpttool.ops.import_quant`).
     """
@@ -82,11 +78,7 @@ class ImportOptions:
     world_size: int = 1
     ep_size: int | None = None
     ep_fsdp_size: int | None = None
-    overwrite: bool = False
     fsync: bool = True
-    manifest: bool = False
-    algorithm: str = DEFAULT_ALGORITHM
-    dry_run: bool = False
     dtype: str | None = None
 
 

@@ -315,3 +315,41 @@ def test_numpy_bool_and_integer_options_are_taken_as_their_plain_values(dense_ck
             ckpttool.validate(dense_ckpt, ckpttool.ValidateOptions(**{name: bad}))
         assert (e.value.code, e.value.param) == ("E100", name)
         assert e.value.message.startswith("`workers` must be an integer, got ")
+
+
+def test_the_writing_operations_share_their_output_options(sample_ckpt: Path, tmp_path: Path) -> None:
+    """export, reshard and import take ``overwrite``/``manifest``/``algorithm``/``dry_run`` from one base,
+    with one meaning: a dry run writes nothing, ``overwrite`` never replaces a directory ckpttool did not
+    write (E606), an unknown ``algorithm`` is E100; each class's own fields keep their positions."""
+    from dataclasses import replace
+
+    import ckpttool
+    from ckpttool.errors import ForeignOutputError
+    from ckpttool.ops.fields import OutputOptions
+
+    hf = tmp_path / "hf"
+    ckpttool.export_checkpoint(sample_ckpt, hf, ckpttool.ExportOptions())
+    ops = {
+        ckpttool.ExportOptions: lambda out, o: ckpttool.export_checkpoint(sample_ckpt, out, o),
+        ckpttool.ReshardOptions: lambda out, o: ckpttool.reshard(sample_ckpt, out, replace(o, with_optimizer=True)),
+        ckpttool.ImportOptions: lambda out, o: ckpttool.import_hf(hf, out, o),
+    }
+    own_first = {ckpttool.ExportOptions: ("fmt", "lora"), ckpttool.ReshardOptions: ("to", "legacy")}
+    own_first[ckpttool.ImportOptions] = ("schema", "torchtitan")
+    foreign = tmp_path / "training-run"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("not ckpttool's")
+    for cls, op in ops.items():
+        assert issubclass(cls, OutputOptions)
+        name, value = own_first[cls]
+        assert getattr(cls(value), name) == value  # type: ignore[call-arg]
+        planned = op(tmp_path / f"dry-{cls.__name__}", cls(dry_run=True, manifest=True))
+        assert planned.dry_run is True and not (tmp_path / f"dry-{cls.__name__}").exists()
+        with pytest.raises(ForeignOutputError) as e:
+            op(foreign, cls(overwrite=True))
+        assert e.value.code == "E606"
+        with pytest.raises(UsageError) as u:
+            op(tmp_path / "never", cls(manifest=True, algorithm="md5"))
+        assert u.value.code == "E100" and "md5" in u.value.message
+        assert not (tmp_path / "never").exists()
+    assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]

@@ -37,7 +37,6 @@ from ckpttool.errors import (
 )
 from ckpttool.format import limits
 from ckpttool.format.atomic import signals_deferred
-from ckpttool.format.digest import DEFAULT_ALGORITHM
 from ckpttool.format.files import copy_regular, read_regular, resolve_inside
 from ckpttool.format.jsonview import JsonView, json_counted
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, ChunkMeta, TensorMeta
@@ -69,7 +68,7 @@ from ckpttool.ops.export.plan import (
 )
 from ckpttool.ops.export.rules import ExportRules, load_rules
 from ckpttool.ops.export.transform import Cast, Run, RunMap, SlabTransform, env_slab_bytes, stream_chunk
-from ckpttool.ops.fields import Hooks, PhaseFn, ProgressFn, Unpack, hooks_of, options_of, same_named
+from ckpttool.ops.fields import Hooks, OutputOptions, PhaseFn, ProgressFn, Unpack, hooks_of, options_of, same_named
 from ckpttool.ops.manifest import MANIFEST_NAME, SOURCE_METADATA_KEY, safetensors_manifest, source_identity
 
 if TYPE_CHECKING:
@@ -86,8 +85,13 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msg
 
 
 @dataclass(frozen=True)
-class ExportOptions:
-    """Options of :func:`export_checkpoint` (the CLI flags of ``ckpttool export``).
+class ExportOptions(OutputOptions):
+    """Options of :func:`export_checkpoint` (the CLI flags of ``ckpttool export``): those of every writing
+    operation (:class:`~ckpttool.ops.fields.OutputOptions`: ``overwrite``, ``manifest``, ``algorithm``,
+    ``dry_run``) and its own. Here the manifest is of kind ``safetensors`` (every byte range written); the
+    source identity is also recorded in every output file's safetensors ``__metadata__``
+    (``ckpttool.source``); a dry run checks the options, selection, casts, the model check and every
+    chunk's tiling, and its file sizes are planned sizes without headers.
 
     Attributes:
         fmt: a registered output format (:data:`ckpttool.ops.export.outputs.OUTPUT_FORMATS`): ``"hf"``
@@ -103,22 +107,14 @@ class ExportOptions:
         model_assets: directory with ``config.json`` / tokenizer files to copy (and read).
         filter_glob: only keys matching this glob (checkpoint key with or without ``model.``, or output key).
         workers: reader threads (``None``: ``min(8, CPU count)``).
-        overwrite: replace an existing non-empty ``OUT``.
         adapter_config: ``adapter_config.json`` to write (LoRA).
         lora_alpha: LoRA ``lora_alpha`` when no adapter config is given.
         verify_crc: check every stored record's CRC-32 as it is copied or read (default on;
             its cost: docs/performance.md).
-        manifest: write the output's ``manifest.json`` (kind ``safetensors``: every byte range
-            written, digested as it was written; ``docs/diff.md``).
-        algorithm: the digest of the manifest and of the source identity, which every output
-            file records in its safetensors ``__metadata__`` (``ckpttool.source``).
         adapter: a model adapter name (:data:`ckpttool.model.adapters.ADAPTERS`); ``None``:
             detected from the key names (torchtitan names -> a torchtitan adapter).
         allow_mismatch: kinds of difference from the model class built from ``config.json``
             (``missing``, ``unexpected``, ``shape``, ``dtype``) reported as warnings instead of refused.
-        dry_run: plan and check everything (options, selection, casts, the model check, every
-            chunk's tiling, whether ``OUT`` may be written) and return the result of the export
-            that would run (``dry_run`` true, planned file sizes without headers) without writing.
         quantize: ``"fp8-block"``: qualifying 2-D weights as block FP8 + ``weight_scale_inv``
             (:mod:`ckpttool.ops.export.quantize`); the rest in ``save_dtype`` (``preserve`` means
             ``bfloat16`` then); ``None``: no quantization.
@@ -137,15 +133,11 @@ class ExportOptions:
     model_assets: Path | None = None
     filter_glob: str | None = None
     workers: int | None = None
-    overwrite: bool = False
     adapter_config: Path | None = None
     lora_alpha: float | None = None
     verify_crc: bool = True
-    manifest: bool = False
-    algorithm: str = DEFAULT_ALGORITHM
     adapter: str | None = None
     allow_mismatch: tuple[str, ...] = ()
-    dry_run: bool = False
     quantize: str | None = None
     quantize_block: int = 128
     quantize_skip: tuple[str, ...] = ()

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import ChunkError, LayoutContradictionError, LayoutSizeError, ReshardError, UsageError
-from ckpttool.format.digest import DEFAULT_ALGORITHM
 from ckpttool.format.directory import CheckpointDir, rank_of_file
 from ckpttool.format.metadata import BytesMeta, ChunkMeta, DType, TensorMeta
 from ckpttool.format.tiling import tiling_problem
@@ -29,6 +28,7 @@ from ckpttool.layouts.geometry import nested_shard_intervals, tensor_geometry
 from ckpttool.layouts.permute import canonical_to_legacy_perm, legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_FORMAT, LAYOUT_KEY, EPTensorSpec, parse_layout_record
 from ckpttool.model.catalog import Catalog
+from ckpttool.ops.fields import OutputOptions
 
 __all__ = [
     "Piece",
@@ -46,38 +46,32 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class ReshardOptions:
-    """What ``reshard`` writes.
+class ReshardOptions(OutputOptions):
+    """What ``reshard`` writes: the options of every writing operation
+    (:class:`~ckpttool.ops.fields.OutputOptions`: ``overwrite``, ``manifest``, ``algorithm``, ``dry_run``) and
+    its own. Here the manifest digests every chunk's raw storage record as it is written (``covers:
+    record``) and the layout record names the source identity (``converted_from.source``); a dry run checks
+    the layout, the target mesh and the byte-item caps, and its file ``bytes`` are the tensor data planned
+    for each target rank file.
 
     Attributes:
         to: ``"canonical"`` (layout version 2) or ``"legacy"`` (version 1).
         target_ep_size, target_ep_fsdp_size: target ``P``/``F`` (default: the source's).
         with_optimizer: permute optimizer state of EP parameters too (required when there is some).
-        overwrite: replace a non-empty ``dst`` that looks like a previous output, once the new one is complete.
         fsync: ``fsync`` the output files before renaming the directory into place (default);
             ``False`` is as durable as ``cp -r`` (the page cache decides when data reaches disk).
         threads: copy threads (default: CPU count, at most the number of target files).
         verify_crc: check every source record's CRC-32: while copying archives verbatim, and by
             one read before a record is streamed in pieces (default on: docs/performance.md).
-        manifest: write the output's ``manifest.json`` (every chunk's raw storage record digested as
-            it is written: ``covers: record``, ``docs/diff.md``), with the source's identity.
-        algorithm: the digest of the manifest and of the source identity (``converted_from.source``).
-        dry_run: plan and check (layout, target mesh, byte-item caps, whether ``dst`` may be
-            written) and return the result the run would give (``dry_run`` true; file ``bytes``
-            are the tensor data planned for each target rank file) without writing anything.
     """
 
     to: str = "canonical"
     target_ep_size: int | None = None
     target_ep_fsdp_size: int | None = None
     with_optimizer: bool = False
-    overwrite: bool = False
     fsync: bool = True
     threads: int | None = None
     verify_crc: bool = True
-    manifest: bool = False
-    algorithm: str = DEFAULT_ALGORITHM
-    dry_run: bool = False
 
 
 @dataclass(frozen=True)
