@@ -1147,10 +1147,15 @@ def verify_manifest(
     problems.extend(_metadata_problems(reader, manifest))
     if manifest.sidecars is not None and reader.remote is None and _parts_below(reader):
         root = Path(reader.path)
-        skip = {METADATA_NAME, MANIFEST_NAME, *(e.file for e in manifest.entries), *_inside(root, manifest.path)}
-        skip.update(
-            reader.storage_info(k, c).relative_path for (k, _), c in stored.items() if _has_storage(reader, k, c)
-        )
+        held = {
+            (k, offs): reader.storage_info(k, c).relative_path
+            for (k, offs), c in stored.items()
+            if _has_storage(reader, k, c)
+        }
+        # An entry's own ``file`` is trusted only for a chunk the checkpoint no longer stores (reported above):
+        # a stored chunk's file is the one the checkpoint names, so a manifest cannot hide a file by naming it.
+        unheld = (e.file for e in manifest.entries if e.ident not in held)
+        skip = {METADATA_NAME, MANIFEST_NAME, *unheld, *held.values(), *_inside(root, manifest.path)}
         listed_files = {f["file"] for f in manifest.sidecars}
         skip -= {f for f in _partial_files(reader) if f in listed_files}  # an older manifest did not list them
         problems.extend(_sidecar_problems(root, manifest.sidecars, skip, manifest.algorithm))

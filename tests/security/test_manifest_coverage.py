@@ -88,6 +88,22 @@ def test_an_added_sidecar_file_is_found(sample_ckpt: Path, tmp_path: Path) -> No
     _verify_fails(d)
 
 
+def test_an_added_file_named_by_a_stored_chunks_entry_is_still_found(sample_ckpt: Path, tmp_path: Path) -> None:
+    """A hostile manifest cannot hide an added file by writing its name into a stored chunk's ``file``: the
+    chunk's data file is the one ``.metadata`` names, and the added file is still ``extra``."""
+    d = tmp_path / "d"
+    shutil.copytree(sample_ckpt, d)
+    _ok("manifest", str(d))
+    added = "extra_state/extra_state_rank_9.pt"
+    (d / added).write_bytes((d / "extra_state" / "extra_state_rank_0.pt").read_bytes())
+    doc = json.loads((d / "manifest.json").read_text())
+    doc["entries"][0]["file"] = added
+    (d / "manifest.json").write_text(json.dumps(doc))
+    _verify_fails(d)
+    res = runner.invoke(app, ["manifest", str(d), "--verify"])
+    assert f"extra    {added}: a file the manifest does not list" in res.stdout, res.stdout
+
+
 @pytest.fixture
 def hf_export(sample_ckpt: Path, tmp_path: Path) -> Path:
     out = tmp_path / "hf"
