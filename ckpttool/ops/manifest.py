@@ -1338,7 +1338,7 @@ def verify_safetensors_manifest(
                 )
             tensors = {k: v for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
             spans = _check_extents(
-                fd, path, name, tensors, by_file.get(name, []), manifest.algorithm, problems, on_entry
+                fd, path, name, tensors, by_file.get(name, []), manifest.algorithm, problems, on_entry, data_start
             )
             _check_tiling(name, data_start, tensors, spans, problems)
         finally:
@@ -1357,10 +1357,12 @@ def _check_extents(
     algorithm: str,
     problems: list[ManifestProblem],
     on_entry: Callable[[int], None] | None = None,
+    data_start: int = 0,
 ) -> dict[str, list[tuple[int, int]]]:
     """Digest every listed extent of one safetensors file; the ``(offset, length)`` extents of each tensor.
 
-    More extents than an export writes (:func:`_extent_budget`) are one problem, none of them read.
+    More extents than an export writes (:func:`_extent_budget`) are one problem, none of them read. An
+    extent outside its tensor's bytes (``data_start``: where the file's data begins) is ``changed``, not read.
     """
     spans: dict[str, list[tuple[int, int]]] = {}
     budget = _extent_budget(tensors)
@@ -1384,6 +1386,25 @@ def _check_extents(
                 ManifestProblem("missing", e.key, None, f"{e.key!r} in {name}: in the manifest, not in the file")
             )
             continue
+        spans.setdefault(e.key, []).append((e.offset, e.length))
+        offs = t.get("data_offsets")
+        if not (
+            isinstance(offs, list)
+            and len(offs) == 2
+            and all(type(x) is int for x in offs)
+            and data_start + offs[0] <= e.offset
+            and e.offset + e.length <= data_start + offs[1]
+        ):
+            problems.append(
+                ManifestProblem(
+                    "changed",
+                    e.key,
+                    None,
+                    f"{e.key!r} in {name}: the manifest's extent at byte {e.offset}+{e.length} lies outside the "
+                    "tensor's bytes; not read",
+                )
+            )
+            continue
         digest = _hash_fd(fd, e.offset, e.length, algorithm, path, e.key)
         if digest != e.digest:
             problems.append(
@@ -1395,7 +1416,6 @@ def _check_extents(
                     f"differ from the manifest ({algorithm} {digest[:16]}..., manifest {e.digest[:16]}...)",
                 )
             )
-        spans.setdefault(e.key, []).append((e.offset, e.length))
     return spans
 
 

@@ -166,3 +166,18 @@ def test_a_manifest_of_many_one_byte_extents_is_bounded_and_grouped(hf_export: P
     res = runner.invoke(app, ["manifest", str(hf_export), "--verify", "--json"])
     out = json.loads(res.stdout)
     assert len(out["problems"]) <= 1000 and sum(out["problem_counts"].values()) >= 1
+
+
+@pytest.mark.parametrize("field", ["offset", "length"])
+def test_an_extent_past_its_tensor_is_changed_not_a_damaged_file(hf_export: Path, field: str) -> None:
+    """A hostile manifest's extent beyond the end of the file is the manifest's problem (``changed``, exit 1),
+    not read, and never reported as a truncated export (E300)."""
+    doc = json.loads((hf_export / "manifest.json").read_text())
+    entry = doc["entries"][0]
+    entry[field] = 10**18
+    (hf_export / "manifest.json").write_text(json.dumps(doc))
+    res = runner.invoke(app, ["manifest", str(hf_export), "--verify"])
+    assert res.exit_code == 1 and "E300" not in res.stderr, res.stdout + res.stderr
+    assert f"{entry['key']!r} in {entry['file']}: the manifest's extent at byte" in res.stdout, res.stdout
+    assert "lies outside the tensor's bytes; not read" in res.stdout, res.stdout
+    _verify_fails(hf_export)
