@@ -1021,7 +1021,16 @@ def _manifest_sidecars(doc: dict[str, Any], shown: str, name: str = "sidecars") 
         return None
     if not isinstance(raw, list) or len(raw) > MAX_SIDECARS:
         raise _bad(shown, f"{name} must be a list of at most {MAX_SIDECARS} files")
-    return tuple(_objects(raw, name, _SIDECAR_FIELDS, shown))
+    out = _objects(raw, name, _SIDECAR_FIELDS, shown)
+    seen: set[str] = set()
+    for j, f in enumerate(out):  # names as sidecar_digests writes them: relative, '/'-separated, each part a name
+        file = f["file"]
+        if "\0" in file or any(part in ("", ".", "..") for part in file.split("/")):
+            raise _bad(shown, f"{name}[{j}] ({file[:200]!a}) is not a file name inside the directory")
+        if file in seen:
+            raise _bad(shown, f"{name}[{j}] ({file[:200]!a}) is listed twice")
+        seen.add(file)
+    return tuple(out)
 
 
 #: The fields of an item of a manifest's ``files`` and ``sidecars`` lists, with their JSON types.

@@ -181,3 +181,32 @@ def test_an_extent_past_its_tensor_is_changed_not_a_damaged_file(hf_export: Path
     assert f"{entry['key']!r} in {entry['file']}: the manifest's extent at byte" in res.stdout, res.stdout
     assert "lies outside the tensor's bytes; not read" in res.stdout, res.stdout
     _verify_fails(hf_export)
+
+
+@pytest.mark.parametrize(
+    ("listing", "name", "said"),
+    [
+        ("sidecars", "../../etc/hostname", "is not a file name inside the directory"),
+        ("sidecars", "/etc/hostname", "is not a file name inside the directory"),
+        ("sidecars", "./layout.json", "is not a file name inside the directory"),
+        ("training_state", "../secret.txt", "is not a file name inside the directory"),
+        ("sidecars", None, "is listed twice"),
+    ],
+)
+def test_a_hostile_sidecar_listing_is_an_unusable_manifest(
+    sample_ckpt: Path, tmp_path: Path, listing: str, name: str | None, said: str
+) -> None:
+    """A sidecar named outside the directory or listed twice is a malformed manifest (E260, exit 2), not a
+    ``missing`` file that is on disk."""
+    d = tmp_path / "d"
+    shutil.copytree(sample_ckpt, d)
+    _ok("manifest", str(d))
+    doc = json.loads((d / "manifest.json").read_text())
+    first = doc["sidecars"][0]
+    doc.setdefault(listing, []).append(dict(first) if name is None else {**first, "file": name})
+    (d / "manifest.json").write_text(json.dumps(doc))
+    res = runner.invoke(app, ["manifest", str(d), "--verify"])
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stdout + res.stderr
+    lines = res.stderr.splitlines()
+    assert lines[0].startswith("error: [E260] ") and said in lines[0], res.stderr
+    assert len(lines) == 2 and lines[1].startswith("hint: "), res.stderr
