@@ -177,3 +177,31 @@ def test_config_bombs_are_refused_before_the_model_is_built(
     # num_experts: export's expert check (E601) may see it first; either way nothing is built
     want = {"E307"} if field == "num_hidden_layers" else {"E307", "E601"}
     assert _refused_or_valid(argv, sample_ckpt, out, want) in want
+
+
+def test_megatron_import_of_a_config_claiming_1e18_layers_is_refused_at_once(hf_dirs: Path, tmp_path: Path) -> None:
+    """``num_hidden_layers: 10**18`` made ``import --schema megatron`` build one layer record per claimed layer
+    (no end, memory growing); the first layer the files lack is reported missing (E601) instead."""
+    import subprocess
+    import sys
+
+    d = tmp_path / "hf"
+    shutil.copytree(hf_dirs / "llama", d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_hidden_layers"] = 10**18
+    (d / "config.json").write_text(json.dumps(cfg))
+    before = _snapshot(d)
+    out = tmp_path / "o"
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "ckpttool", "import", str(d), str(out), "--schema", "megatron"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("import --schema megatron did not end within 60 s")
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 2, res.stderr
+    assert lines[0].startswith("error: [E601] model.layers.") and "missing from the HF model" in lines[0], res.stderr
+    assert lines[1].startswith("hint: ") and not out.exists() and _snapshot(d) == before

@@ -383,7 +383,13 @@ def megatron_from_hf(
             hint="pass the config.json of this model",
         )
     per_expert = (cfg.num_experts or max(expert_ids) + 1) if expert_ids else None
-    layers = [_layer_tensors(f"model.layers.{i}.", by_layer.get(i, {}), cfg, per_expert) for i in range(n_layers)]
+    # Layers past the first absent one are never built: that layer is missing (E601 from _stack), however many
+    # more the config claims (``num_hidden_layers: 10**18`` looped and grew a list without end).
+    first_gap = next((i for i in range(n_layers) if i not in by_layer), n_layers)  # at most len(by_layer) + 1 steps
+    if not by_layer and n_layers > 0:
+        raise _missing("model.layers.0.*")
+    built = min(n_layers, first_gap + 1)
+    layers = [_layer_tensors(f"model.layers.{i}.", by_layer.get(i, {}), cfg, per_expert) for i in range(built)]
     tensors = top + _stack(layers)
     n_exp = next((t.shape[1] for t in tensors if "mlp.experts.experts." in t.key), None)
     return MegatronImport(
