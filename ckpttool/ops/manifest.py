@@ -41,6 +41,7 @@ from ckpttool.ops.fields import Hooks, PhaseFn, ProgressFn, Unpack, hooks_of, op
 __all__ = [
     "MANIFEST_FORMAT",
     "MANIFEST_NAME",
+    "own_manifest",
     "ManifestEntry",
     "Manifest",
     "ManifestProblem",
@@ -1540,13 +1541,28 @@ def _default_manifest(directory: str | os.PathLike[str], opening: OpenOptions | 
     of the checkpoint ``directory`` resolves to (a run root's step, a pair's model folder)."""
     here = Path(directory) / MANIFEST_NAME
     if here.is_file():
-        return here
+        return own_manifest(here)
     from ckpttool.model.discovery import locate
 
     try:
-        return Path(locate(directory, opening.selection if opening is not None else None).model) / MANIFEST_NAME
+        located = Path(locate(directory, opening.selection if opening is not None else None).model) / MANIFEST_NAME
     except CkptError:
-        return here
+        return own_manifest(here)
+    return own_manifest(located)
+
+
+def own_manifest(path: Path) -> Path:
+    """``path``, a checkpoint's own ``manifest.json`` (part of the untrusted checkpoint, not named by the user),
+    unchanged; refused when it is a symlink that leaves its folder, as a symlinked ``layout.json`` is.
+
+    Raises:
+        PathEscapeError (E101): the manifest resolves outside the checkpoint's folder.
+    """
+    from ckpttool.format.files import resolve_inside
+
+    if os.path.lexists(path):
+        resolve_inside(path.parent, path.name, what="manifest")
+    return path
 
 
 def check_against_manifest(

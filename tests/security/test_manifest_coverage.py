@@ -210,3 +210,25 @@ def test_a_hostile_sidecar_listing_is_an_unusable_manifest(
     lines = res.stderr.splitlines()
     assert lines[0].startswith("error: [E260] ") and said in lines[0], res.stderr
     assert len(lines) == 2 and lines[1].startswith("hint: "), res.stderr
+
+
+@pytest.mark.parametrize("command", ["manifest --verify", "validate --manifest"])
+def test_a_checkpoints_own_manifest_symlinked_outside_is_refused(
+    sample_ckpt: Path, tmp_path: Path, command: str
+) -> None:
+    """``DIR/manifest.json`` is part of the untrusted checkpoint: a symlink out of it is E101, never read
+    (it was followed: a manifest kept outside the checkpoint verified it, exit 0)."""
+    d = tmp_path / "d"
+    shutil.copytree(sample_ckpt, d)
+    _ok("manifest", str(d))
+    outside = tmp_path / "outside.json"
+    (d / "manifest.json").rename(outside)
+    (d / "manifest.json").symlink_to(outside)
+    argv = ["manifest", str(d), "--verify"] if command == "manifest --verify" else ["validate", str(d), "--manifest"]
+    res = runner.invoke(app, argv)
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 2, res.stdout + res.stderr
+    assert lines[0].startswith("error: [E101] ") and "manifest 'manifest.json' resolves outside" in lines[0]
+    assert lines[1].startswith("hint: ")
+    res = runner.invoke(app, ["manifest", str(d), "--verify", "--output", str(outside)])  # named by the user: read
+    assert res.exit_code == 0, res.stdout + res.stderr

@@ -302,10 +302,10 @@ def _refuse_own_manifest_of_url(source: str | os.PathLike[str]) -> None:
 def _manifest_file(manifest: str | os.PathLike[str], checkpoint_dir: Path) -> Path:
     """The manifest file of :attr:`ValidateOptions.manifest`: a file; ``DIR/manifest.json`` of a directory; for
     ``""``, the one in ``checkpoint_dir`` (the opened checkpoint's, the step ``selection`` chose in a run root)."""
-    from ckpttool.ops.manifest import MANIFEST_NAME
+    from ckpttool.ops.manifest import MANIFEST_NAME, own_manifest
 
     if manifest == "":
-        return checkpoint_dir / MANIFEST_NAME
+        return own_manifest(checkpoint_dir / MANIFEST_NAME)
     path = Path(manifest)
     return path / MANIFEST_NAME if path.is_dir() else path
 
