@@ -61,6 +61,13 @@ _UNREAD_FILE = re.compile(
 )
 #: DeepSpeed's engine state (ZeRO optimizer partitions, ``mp_rank_*_model_states.pt``) in ``global_stepN/``
 _UNREAD_DIR = re.compile(r"^global_step\d+$")
+#: Any other pickle beside the weights (``torch.save``/``pickle.dump`` suffixes: a trainer's own
+#: ``trainer_state.pt``, Accelerate's ``dl_state_dict.bin`` and ``custom_checkpoint_N.pkl``): ckpttool reads
+#: none of them, so it is named too, unless it is a file ckpttool reads (:data:`_READ_BESIDE`).
+_PICKLE_FILE = re.compile(r"\.(?:pt|pth|bin|pkl|pickle|ckpt)$")
+#: Pickles beside a checkpoint that ckpttool reads: NeMo Automodel's ``step_scheduler.pt`` (beside ``model/``).
+#: Megatron's ``common.pt`` is read with its key schema: the checkpoint passes it in ``read``.
+_READ_BESIDE = frozenset({NEMO_STEP_SCHEDULER})
 
 
 def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> tuple[str, ...]:
@@ -87,7 +94,12 @@ def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> 
         except OSError:
             continue
         for name, is_dir in entries:
-            if (_UNREAD_DIR if is_dir else _UNREAD_FILE).match(name) and (d / name).resolve() not in own:
+            unread = (
+                _UNREAD_DIR.match(name)
+                if is_dir
+                else _UNREAD_FILE.match(name) or (_PICKLE_FILE.search(name) and name not in _READ_BESIDE)
+            )
+            if unread and (d / name).resolve() not in own:
                 rel = os.path.relpath(d / name, given) if (d / name).is_relative_to(given) else str(d / name)
                 out.append(rel + ("/" if is_dir else ""))
     return tuple(out)
