@@ -65,6 +65,9 @@ _UNREAD_DIR = re.compile(r"^global_step\d+$")
 #: ``trainer_state.pt``, Accelerate's ``dl_state_dict.bin`` and ``custom_checkpoint_N.pkl``): ckpttool reads
 #: none of them, so it is named too, unless it is a file ckpttool reads (:data:`_READ_BESIDE`).
 _PICKLE_FILE = re.compile(r"\.(?:pt|pth|bin|pkl|pickle|ckpt)$")
+#: A folder of the checkpoint holding this file is a DCP checkpoint of its own (optimizer state saved into a
+#: subfolder, another save): not read with the one opened (``--optimizer-dir`` refuses a folder inside it).
+_DCP_METADATA = ".metadata"
 #: Pickles beside a checkpoint that ckpttool reads: NeMo Automodel's ``step_scheduler.pt`` (beside ``model/``).
 #: Megatron's ``common.pt`` is read with its key schema: the checkpoint passes it in ``read``.
 _READ_BESIDE = frozenset({NEMO_STEP_SCHEDULER})
@@ -76,7 +79,8 @@ def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> 
     Looked for in ``model_dir`` and, where it is the model folder of a model/optimizer pair
     (``pytorch_model_fsdp_0``, ``model``: the schemas' folder pairs), in the step directory above it;
     a file in ``read`` (the checkpoint's own data files, resolved: a per-rank format's
-    ``optimizer_R.pt``) is not one. Names are relative to ``given`` (the directory the user passed)
+    ``optimizer_R.pt``) is not one; a folder of ``model_dir`` holding a ``.metadata`` (a DCP
+    checkpoint of its own) is one. Names are relative to ``given`` (the directory the user passed)
     where they lie below it; a folder ends in ``/``. ``()`` when there are none or a directory
     cannot be listed.
     """
@@ -95,7 +99,7 @@ def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> 
             continue
         for name, is_dir in entries:
             unread = (
-                _UNREAD_DIR.match(name)
+                _UNREAD_DIR.match(name) or (d == model_dir and os.path.lexists(d / name / _DCP_METADATA))
                 if is_dir
                 else _UNREAD_FILE.match(name) or (_PICKLE_FILE.search(name) and name not in _READ_BESIDE)
             )
