@@ -368,6 +368,9 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
     work, roles = _plan(ckpt, opts, notes)
     if not work:
         raise _nothing_to_measure(ckpt, opts, notes)
+    complex_keys = [k for k in roles if ckpt.catalog.tensors[k].dtype.startswith("complex")]
+    if complex_keys:  # chunk_slices measures |z|: said, its figures are not the values'
+        notes[COMPLEX_NOTE] = complex_keys
     total = sum(_work_bytes(w) for w in work)
     done = [0]
     if progress is not None:  # the total, before the first byte is read
@@ -422,6 +425,8 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
     )
 
 
+#: Complex tensors (RoPE's ``freqs_cis``) are measured by their moduli ``|z|``: said, not passed off as their values.
+COMPLEX_NOTE = "complex tensors measured by their moduli |z| (mean and std are of |z|; abs max, L2 and zeros exact)"
 #: Why per-expert norms are in stored order (a ``note:``).
 STORED_ORDER_NOTE = "per-expert norms in stored order (the EP layout is not known: declare it with `ckpttool stamp`)"
 
@@ -429,7 +434,7 @@ STORED_ORDER_NOTE = "per-expert norms in stored order (the EP layout is not know
 def note_line(note: str) -> str:
     """A checkpoint's note as a line for people: why no update size was computed, said as such (the notes of
     quantized weights and of experts in stored order are about the weights, not the update)."""
-    return note if note.startswith((QUANTIZED_NOTE, STORED_ORDER_NOTE)) else f"no update size: {note}"
+    return note if note.startswith((QUANTIZED_NOTE, STORED_ORDER_NOTE, COMPLEX_NOTE)) else f"no update size: {note}"
 
 
 def _true_order(
@@ -527,6 +532,9 @@ def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str
             continue
         if eb is None or eb.shape != ea.shape:
             skipped.append(f"{fqn}: {'missing in' if eb is None else 'another shape in'} {cb.path}")
+            continue
+        if ea.dtype.startswith("complex") != eb.dtype.startswith("complex"):
+            skipped.append(f"{fqn}: {ea.dtype} in {ca.path}, {eb.dtype} in {cb.path}")
             continue
         orders = _pair_orders(a, ka, b, eb.key, ea.shape)
         if orders is None:
