@@ -127,6 +127,11 @@ def _selected(fqn: str, key: str, filters: tuple[str, ...]) -> bool:
     return not filters or any(match_filter(fqn, f, None) or match_filter(key, f, None) for f in filters)
 
 
+#: A group whose next step is not AdamW's: saved with amsgrad (the denominator is max_exp_avg_sq), or by torch's
+#: RAdam or NAdam (``decoupled_weight_decay`` without ``amsgrad``, which Adam's and AdamW's groups always hold).
+NOT_ADAMW_NOTE = "not an AdamW param group (amsgrad, RAdam or NAdam: another step)"
+
+
 def _hyper(ckpt: Checkpoint, fqn: str, notes: dict[str, list[str]]) -> AdamHyper | None:
     """The hyperparameters and saved step of parameter ``fqn`` (``None``, with a note, when unknown)."""
     cat = ckpt.catalog
@@ -136,6 +141,9 @@ def _hyper(ckpt: Checkpoint, fqn: str, notes: dict[str, list[str]]) -> AdamHyper
         notes.setdefault("no param group or step saved", []).append(fqn)
         return None
     v = group.values
+    if v.get("amsgrad") or ("decoupled_weight_decay" in v and ("amsgrad" not in v or "momentum_decay" in v)):
+        notes.setdefault(NOT_ADAMW_NOTE, []).append(fqn)  # as replay-step refuses them (E514)
+        return None
     betas = v.get("betas")
     try:
         lr = float(v["lr"])

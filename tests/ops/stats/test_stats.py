@@ -475,3 +475,33 @@ def test_complex_tensors_are_said_to_be_moduli_and_change_with_their_phase(tmp_p
     ]
     text = runner.invoke(app, ["stats", str(a)])
     assert text.exit_code == 0 and "note: " in text.stderr and "moduli |z|" in text.stderr, text.stderr
+
+
+@pytest.mark.parametrize("optimizer", ["RAdam", "AdamW-amsgrad"])
+def test_no_update_size_for_a_group_whose_step_is_not_adamw(tmp_path: Path, optimizer: str) -> None:
+    """RAdam (and AdamW with amsgrad) save AdamW's moments: the update size was the AdamW step's, a step their
+    trainer never takes. As replay-step refuses such groups (E514), stats leaves the update out with a note."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    params = model.parameters()
+    opt = torch.optim.RAdam(params, lr=1e-2) if optimizer == "RAdam" else torch.optim.AdamW(params, amsgrad=True)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    res = runner.invoke(app, ["stats", "--json", str(tmp_path / "ck")])
+    assert res.exit_code == 0, res.stderr
+    (doc,) = json.loads(res.stdout)["checkpoints"]
+    assert doc["updates"] == []
+    assert doc["notes"] == [
+        "not an AdamW param group (amsgrad, RAdam or NAdam: another step): 2 parameter(s), e.g. weight"
+    ]
