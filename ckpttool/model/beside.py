@@ -61,6 +61,16 @@ _UNREAD_FILE = re.compile(
 )
 #: DeepSpeed's engine state (ZeRO optimizer partitions, ``mp_rank_*_model_states.pt``) in ``global_stepN/``
 _UNREAD_DIR = re.compile(r"^global_step\d+$")
+#: Any other pickle beside the weights (``torch.save``/``pickle.dump`` suffixes: a trainer's own
+#: ``trainer_state.pt``, Accelerate's ``dl_state_dict.bin`` and ``custom_checkpoint_N.pkl``): ckpttool reads
+#: none of them, so it is named too, unless it is a file ckpttool reads (:data:`_READ_BESIDE`).
+_PICKLE_FILE = re.compile(r"\.(?:pt|pth|bin|pkl|pickle|ckpt)$")
+#: A folder of the checkpoint holding this file is a DCP checkpoint of its own (optimizer state saved into a
+#: subfolder, another save): not read with the one opened (``--optimizer-dir`` refuses a folder inside it).
+_DCP_METADATA = ".metadata"
+#: Pickles beside a checkpoint that ckpttool reads: NeMo Automodel's ``step_scheduler.pt`` (beside ``model/``).
+#: Megatron's ``common.pt`` is read with its key schema: the checkpoint passes it in ``read``.
+_READ_BESIDE = frozenset({NEMO_STEP_SCHEDULER})
 
 
 def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> tuple[str, ...]:
@@ -69,7 +79,8 @@ def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> 
     Looked for in ``model_dir`` and, where it is the model folder of a model/optimizer pair
     (``pytorch_model_fsdp_0``, ``model``: the schemas' folder pairs), in the step directory above it;
     a file in ``read`` (the checkpoint's own data files, resolved: a per-rank format's
-    ``optimizer_R.pt``) is not one. Names are relative to ``given`` (the directory the user passed)
+    ``optimizer_R.pt``) is not one; a folder of ``model_dir`` holding a ``.metadata`` (a DCP
+    checkpoint of its own) is one. Names are relative to ``given`` (the directory the user passed)
     where they lie below it; a folder ends in ``/``. ``()`` when there are none or a directory
     cannot be listed.
     """
@@ -87,7 +98,12 @@ def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> 
         except OSError:
             continue
         for name, is_dir in entries:
-            if (_UNREAD_DIR if is_dir else _UNREAD_FILE).match(name) and (d / name).resolve() not in own:
+            unread = (
+                _UNREAD_DIR.match(name) or (d == model_dir and os.path.lexists(d / name / _DCP_METADATA))
+                if is_dir
+                else _UNREAD_FILE.match(name) or (_PICKLE_FILE.search(name) and name not in _READ_BESIDE)
+            )
+            if unread and (d / name).resolve() not in own:
                 rel = os.path.relpath(d / name, given) if (d / name).is_relative_to(given) else str(d / name)
                 out.append(rel + ("/" if is_dir else ""))
     return tuple(out)

@@ -184,6 +184,10 @@ class Checkpoint:
             from ckpttool.format.perrank_formats import TC_METADATA
 
             own += [Path(self.path) / rel for rel in (*assembled.files, TC_METADATA)]
+        if self.catalog.schema.id == "megatron":  # its param groups and step: read with the key schema
+            from ckpttool.model.schemas.megatron import COMMON_FILE
+
+            own.append(Path(self.path) / COMMON_FILE)
         return unread_beside(model, given, own)
 
     def hf_config_beside(self) -> Path | None:

@@ -182,6 +182,17 @@ def _hyper(group: Any, fqn: str, group_id: int | str) -> Hyper:
                 fqn=fqn,
                 hint=f"replay only parameters of groups without {switch} (`filter_glob`)",
             )
+    if "decoupled_weight_decay" in values and ("amsgrad" not in values or "momentum_decay" in values):
+        # torch's Adam and AdamW groups always save amsgrad; RAdam's and NAdam's (same moments, another step)
+        # save decoupled_weight_decay without it, NAdam's momentum_decay too
+        other = "NAdam" if "momentum_decay" in values else "RAdam"
+        raise HyperparameterError(
+            f"param group of {fqn} was saved by torch.optim.{other} (decoupled_weight_decay without amsgrad; "
+            f"keys {', '.join(sorted(group.keys))}); replay-step replays AdamW",
+            fqn=fqn,
+            hint="replay-step replays AdamW steps only; `ckpttool validate` and `ckpttool inspect` read checkpoints "
+            "of any optimizer",
+        )
     if values.get("decoupled_weight_decay") is False and values.get("weight_decay"):
         raise HyperparameterError(
             f"param group of {fqn} uses L2 weight decay (torch.optim.Adam); replay-step replays AdamW",

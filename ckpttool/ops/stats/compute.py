@@ -129,10 +129,14 @@ def release_buffers() -> None:
     release_lockstep_buffers()
 
 
-def chunk_slices(reader: CheckpointReader, key: str, chunk: ChunkMeta, *, slot: int = 0) -> Iterator[Slice]:
+def chunk_slices(
+    reader: CheckpointReader, key: str, chunk: ChunkMeta, *, slot: int = 0, parts: bool = False
+) -> Iterator[Slice]:
     """The values of one chunk of ``key`` in C order, slices of :data:`SLICE_VALUES` elements as
     ``(raw bytes, dtype)`` (valid until the next slice of this ``slot``): plain records as stored,
-    the others (read by torch) as float32 (floats of 4 bytes or less) or float64.
+    the others (read by torch) as float32 (floats of 4 bytes or less) or float64. A complex chunk
+    gives its moduli ``|z|``, or with ``parts`` its real and imaginary parts interleaved (two values
+    each: what a difference of two chunks needs, a phase change included).
 
     Raises:
         ChunkError / ChecksumError / DataFileError: the chunk's record is damaged or does not
@@ -164,6 +168,8 @@ def chunk_slices(reader: CheckpointReader, key: str, chunk: ChunkMeta, *, slot: 
     if t.dtype == torch.float4_e2m1fn_x2:  # two E2M1 values per byte, which torch converts to nothing
         b, lut = t.view(torch.uint8).long(), torch.from_numpy(FP4_VALUES)
         t, n = torch.stack((lut[b & 15], lut[b >> 4]), 1).reshape(-1), 2 * n
+    elif t.is_complex() and parts:  # a difference: both parts (its L2 is the complex one)
+        t, n = torch.view_as_real(t).reshape(-1), 2 * n
     elif t.is_complex():  # RoPE's freqs_cis: the moduli (norm and abs max exact; a cast drops the imaginary part)
         t = t.abs()
     work = torch.float32 if t.is_floating_point() and t.element_size() <= 4 else torch.float64
@@ -322,8 +328,9 @@ def add_moments(m: ValueSums, v: ValueSums, h: AdamHyper | None, upd: Moments, m
 def read_pair(
     a: tuple[CheckpointReader, str, ChunkMeta], b: tuple[CheckpointReader, str, ChunkMeta]
 ) -> Iterator[tuple[Slice, Slice]]:
-    """Slices of two chunks of the same geometry (``(reader, key, chunk)`` each), in lockstep."""
-    yield from zip(chunk_slices(*a, slot=0), chunk_slices(*b, slot=1))
+    """Slices of two chunks of the same geometry (``(reader, key, chunk)`` each), in lockstep (complex
+    ones as their real and imaginary parts)."""
+    yield from zip(chunk_slices(*a, slot=0, parts=True), chunk_slices(*b, slot=1, parts=True))
 
 
 Member = tuple["CheckpointReader", str, ChunkMeta]
@@ -427,7 +434,11 @@ def pair_slabs(a: Member, b: Member, each: Callable[[Slice, Slice], object]) -> 
 
 
 def tensor_values(reader: CheckpointReader, key: str) -> Any:
-    """A whole tensor as a flat float64 numpy array (the fallback of differently sharded pairs)."""
+    """A whole tensor as a flat float64 numpy array (the fallback of differently sharded pairs); a complex
+    one as its real and imaginary parts interleaved (as :func:`read_pair`)."""
     import torch
 
-    return reader.read_tensor(key).reshape(-1).to(torch.float64).numpy().copy()
+    t = reader.read_tensor(key)
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.reshape(-1).to(torch.float64).numpy().copy()

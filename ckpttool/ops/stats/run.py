@@ -127,6 +127,11 @@ def _selected(fqn: str, key: str, filters: tuple[str, ...]) -> bool:
     return not filters or any(match_filter(fqn, f, None) or match_filter(key, f, None) for f in filters)
 
 
+#: A group whose next step is not AdamW's: saved with amsgrad (the denominator is max_exp_avg_sq), or by torch's
+#: RAdam or NAdam (``decoupled_weight_decay`` without ``amsgrad``, which Adam's and AdamW's groups always hold).
+NOT_ADAMW_NOTE = "not an AdamW param group (amsgrad, RAdam or NAdam: another step)"
+
+
 def _hyper(ckpt: Checkpoint, fqn: str, notes: dict[str, list[str]]) -> AdamHyper | None:
     """The hyperparameters and saved step of parameter ``fqn`` (``None``, with a note, when unknown)."""
     cat = ckpt.catalog
@@ -136,6 +141,9 @@ def _hyper(ckpt: Checkpoint, fqn: str, notes: dict[str, list[str]]) -> AdamHyper
         notes.setdefault("no param group or step saved", []).append(fqn)
         return None
     v = group.values
+    if v.get("amsgrad") or ("decoupled_weight_decay" in v and ("amsgrad" not in v or "momentum_decay" in v)):
+        notes.setdefault(NOT_ADAMW_NOTE, []).append(fqn)  # as replay-step refuses them (E514)
+        return None
     betas = v.get("betas")
     try:
         lr = float(v["lr"])
@@ -368,6 +376,9 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
     work, roles = _plan(ckpt, opts, notes)
     if not work:
         raise _nothing_to_measure(ckpt, opts, notes)
+    complex_keys = [k for k in roles if ckpt.catalog.tensors[k].dtype.startswith("complex")]
+    if complex_keys:  # chunk_slices measures |z|: said, its figures are not the values'
+        notes[COMPLEX_NOTE] = complex_keys
     total = sum(_work_bytes(w) for w in work)
     done = [0]
     if progress is not None:  # the total, before the first byte is read
@@ -422,6 +433,8 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
     )
 
 
+#: Complex tensors (RoPE's ``freqs_cis``) are measured by their moduli ``|z|``: said, not passed off as their values.
+COMPLEX_NOTE = "complex tensors measured by their moduli |z| (mean and std are of |z|; abs max, L2 and zeros exact)"
 #: Why per-expert norms are in stored order (a ``note:``).
 STORED_ORDER_NOTE = "per-expert norms in stored order (the EP layout is not known: declare it with `ckpttool stamp`)"
 
@@ -429,7 +442,7 @@ STORED_ORDER_NOTE = "per-expert norms in stored order (the EP layout is not know
 def note_line(note: str) -> str:
     """A checkpoint's note as a line for people: why no update size was computed, said as such (the notes of
     quantized weights and of experts in stored order are about the weights, not the update)."""
-    return note if note.startswith((QUANTIZED_NOTE, STORED_ORDER_NOTE)) else f"no update size: {note}"
+    return note if note.startswith((QUANTIZED_NOTE, STORED_ORDER_NOTE, COMPLEX_NOTE)) else f"no update size: {note}"
 
 
 def _true_order(
@@ -527,6 +540,9 @@ def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str
             continue
         if eb is None or eb.shape != ea.shape:
             skipped.append(f"{fqn}: {'missing in' if eb is None else 'another shape in'} {cb.path}")
+            continue
+        if ea.dtype.startswith("complex") != eb.dtype.startswith("complex"):
+            skipped.append(f"{fqn}: {ea.dtype} in {ca.path}, {eb.dtype} in {cb.path}")
             continue
         orders = _pair_orders(a, ka, b, eb.key, ea.shape)
         if orders is None:

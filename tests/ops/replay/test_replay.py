@@ -502,6 +502,44 @@ def test_gradient_file_that_is_not_a_regular_file_is_named_so(full_fx: Path, tmp
     assert res.stderr.startswith(f"error: [E120] --grads {grads}: not a regular file"), res.stderr
 
 
+@pytest.mark.parametrize("optimizer", ["RAdam", "NAdam"])
+def test_radam_and_nadam_checkpoints_are_named_as_not_adamw(tmp_path: Path, optimizer: str) -> None:
+    """RAdam saves exp_avg, exp_avg_sq and step as AdamW does and a group with betas, eps, weight_decay: replay-step
+    stepped it as AdamW and said 'OK: 2 of 2 parameters match the reference step' for a step RAdam never takes.
+    Its group (as NAdam's) saves decoupled_weight_decay but no amsgrad, which Adam's and AdamW's always hold."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = getattr(torch.optim, optimizer)(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():  # torch: no process group, saving in one process
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    res = run(tmp_path / "ck", "--device", "cpu")
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    first = res.stderr.splitlines()[0]
+    assert first.startswith(f"error: [E514] param group of weight was saved by torch.optim.{optimizer} "), first
+    assert first.endswith("replay-step replays AdamW"), first
+    # an AdamW group of the same torch holds both keys: replayed
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 4)).pow(2).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    assert "decoupled_weight_decay" in osd["param_groups"][0] and "amsgrad" in osd["param_groups"][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "adamw"))
+    assert run(tmp_path / "adamw", "--device", "cpu").exit_code == 0
+
+
 def test_sgd_checkpoint_is_named_as_not_adamw(tmp_path: Path) -> None:
     """An SGD checkpoint was refused with 'lacks betas, eps' and the hint that the checkpoint must save them, as
     if it were damaged; it is a checkpoint of another optimizer, which replay-step does not replay."""

@@ -437,3 +437,71 @@ def test_one_source_and_no_options_are_the_list_of_one_and_the_defaults(dense_ck
         collect_stats([dense_ckpt], StatsOptions(filters="model.*"))  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="`options` must be a StatsOptions, got dict"):
         collect_stats([dense_ckpt], {})  # type: ignore[arg-type]
+
+
+def test_complex_tensors_are_said_to_be_moduli_and_change_with_their_phase(tmp_path: Path) -> None:
+    """RoPE's ``freqs_cis`` (complex64, torchtitan's ``precompute_freqs_cis``): ``stats`` measures its moduli and
+    says so; the change between two checkpoints compares the complex values (a change of RoPE theta moves only
+    the phase: the moduli are all 1, and the change was reported as 0.0)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    def freqs_cis(theta: float) -> torch.Tensor:
+        freqs = 1.0 / (theta ** (torch.arange(0, 8, 2).float() / 8))
+        return torch.polar(torch.ones(16, 4), torch.outer(torch.arange(16).float(), freqs))
+
+    def save(out: Path, theta: float) -> Path:
+        state = {"model": {"freqs_cis": freqs_cis(theta), "layers.0.w": torch.ones(4, 4)}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, checkpoint_id=str(out), no_dist=True)
+        return out
+
+    a, b = save(tmp_path / "a", 10000.0), save(tmp_path / "b", 500000.0)
+    res = runner.invoke(app, ["stats", "--json", str(a), str(b)])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    za, zb = freqs_cis(10000.0).to(torch.complex128), freqs_cis(500000.0).to(torch.complex128)
+    want = float((zb - za).abs().norm() / za.abs().norm())
+    (change,) = [c for c in doc["changes"] if c["layer"] == "freqs_cis"]
+    assert change["relative"] is not None and math.isclose(change["relative"], want, rel_tol=1e-6), change
+    assert want > 0.1
+    row = next(t for t in doc["checkpoints"][0]["tensors"] if t["fqn"] == "freqs_cis")
+    assert close(row["l2"], float(za.abs().norm())) and close(row["mean"], 1.0)
+    assert [n for n in doc["checkpoints"][0]["notes"] if "moduli" in n] == [
+        "complex tensors measured by their moduli |z| (mean and std are of |z|; abs max, L2 and zeros exact): "
+        "1 parameter(s), e.g. model.freqs_cis"
+    ]
+    text = runner.invoke(app, ["stats", str(a)])
+    assert text.exit_code == 0 and "note: " in text.stderr and "moduli |z|" in text.stderr, text.stderr
+
+
+@pytest.mark.parametrize("optimizer", ["RAdam", "AdamW-amsgrad"])
+def test_no_update_size_for_a_group_whose_step_is_not_adamw(tmp_path: Path, optimizer: str) -> None:
+    """RAdam (and AdamW with amsgrad) save AdamW's moments: the update size was the AdamW step's, a step their
+    trainer never takes. As replay-step refuses such groups (E514), stats leaves the update out with a note."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    params = model.parameters()
+    opt = torch.optim.RAdam(params, lr=1e-2) if optimizer == "RAdam" else torch.optim.AdamW(params, amsgrad=True)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    res = runner.invoke(app, ["stats", "--json", str(tmp_path / "ck")])
+    assert res.exit_code == 0, res.stderr
+    (doc,) = json.loads(res.stdout)["checkpoints"]
+    assert doc["updates"] == []
+    assert doc["notes"] == [
+        "not an AdamW param group (amsgrad, RAdam or NAdam: another step): 2 parameter(s), e.g. weight"
+    ]

@@ -101,3 +101,39 @@ def test_state_beside_a_model_optimizer_pair_is_named(tmp_path: Path, beside: st
     assert code == 1 and k012["message"].endswith(f"does not read: {beside}")
     doc = json.loads(runner.invoke(app, ["inspect", str(step), "--json"]).stdout)
     assert doc["location"]["optimizer"] is not None and doc["unread_beside"] == [beside]
+
+
+def test_any_pickle_beside_a_dcp_checkpoint_is_named(tmp_path: Path) -> None:
+    """Training state under a name no list knows (a trainer's own ``torch.save`` of its counters, the
+    ``custom_checkpoint_N.pkl`` Accelerate's ``save_custom_state`` writes for an object registered for
+    checkpointing) is not read either: named by its pickle suffix, never passed over as OK."""
+    model, opt, sched = _trained()
+    msd, osd = get_state_dict(model, opt)
+    ckpt = tmp_path / "step-1"
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(ckpt))
+    code, findings = validate(str(ckpt))
+    assert code == 0 and not [f for f in findings if f["code"] == "K012"], findings
+    torch.save({"step": 1, "rng": torch.get_rng_state()}, ckpt / "trainer_state.pt")
+    torch.save(sched.state_dict(), ckpt / "custom_checkpoint_0.pkl")  # as Accelerate's save_custom_state names it
+    code, findings = validate(str(ckpt))
+    (k012,) = [f for f in findings if f["code"] == "K012"]
+    assert code == 1 and k012["message"].endswith("does not read: custom_checkpoint_0.pkl, trainer_state.pt")
+    doc = json.loads(runner.invoke(app, ["inspect", str(ckpt), "--json"]).stdout)
+    assert doc["unread_beside"] == ["custom_checkpoint_0.pkl", "trainer_state.pt"]
+
+
+def test_a_dcp_checkpoint_in_a_subfolder_is_named(tmp_path: Path) -> None:
+    """The optimizer state ``dcp.save``d into a folder of the model's checkpoint is a checkpoint of its own, not
+    read with it: named (K012, ``unread_beside``) rather than validated OK over the model alone."""
+    model, opt, _ = _trained()
+    msd, osd = get_state_dict(model, opt)
+    ckpt = tmp_path / "step-1"
+    dcp.save({"model": msd}, checkpoint_id=str(ckpt))
+    code, findings = validate(str(ckpt))
+    assert code == 0 and not [f for f in findings if f["code"] == "K012"], findings
+    dcp.save({"optimizer": osd}, checkpoint_id=str(ckpt / "optim"))
+    code, findings = validate(str(ckpt))
+    (k012,) = [f for f in findings if f["code"] == "K012"]
+    assert code == 1 and k012["message"].endswith("does not read: optim/")
+    assert json.loads(runner.invoke(app, ["inspect", str(ckpt), "--json"]).stdout)["unread_beside"] == ["optim/"]
+    assert validate(str(ckpt), "--ignore", "K012")[0] == 0
