@@ -601,6 +601,14 @@ class CkptGroup(TyperGroup):
             return super().invoke(ctx)
         except KeyboardInterrupt as e:
             raise _Interrupted from e
+        except _CLICK_USAGE_ERROR as e:
+            # click raises some errors of a command's arguments without its context (`Option '--filter'
+            # requires an argument.`): the hint then names the command's --help, not the root's
+            error: Any = e  # click's UsageError(message, ctx)
+            if error.ctx is None and ctx.invoked_subcommand:
+                name = ctx.invoked_subcommand
+                error.ctx = self.context_class(self.commands[name], info_name=name, parent=ctx)
+            raise
 
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
         name, cmd, rest = super().resolve_command(ctx, args)

@@ -258,6 +258,24 @@ def test_usage_errors_follow_the_error_contract(argv: list[str], needle: str) ->
     assert "--help" in res.stderr.splitlines()[1]
 
 
+@pytest.mark.parametrize(
+    "argv, help_line",
+    [
+        (["inspect", "X", "--filter"], "hint: see `ckpttool inspect --help`"),
+        (["-v", "export", "X", "OUT", "--shard-size"], "hint: see `ckpttool export --help`"),
+        (["validate", "--select"], "hint: see `ckpttool validate --help`"),
+        (["--color"], "hint: see `ckpttool --help`"),
+    ],
+)
+def test_an_option_without_its_value_hints_its_commands_help(argv: list[str], help_line: str) -> None:
+    """``inspect X --filter`` (the value left out) hinted ``see `ckpttool --help```, whose help lists no
+    ``--filter``: click raises that error without the command's context. The hint names the command whose
+    option it is; a root option's own missing value still names the root's help."""
+    res = runner.invoke(app, argv)
+    assert_clean_failure(res, "E100", f"Option '{argv[-1]}' requires an argument.")
+    assert res.stderr.splitlines()[1] == help_line
+
+
 def test_no_cache_help_names_both_caches() -> None:
     res = runner.invoke(app, ["--help"])
     text = " ".join(res.stdout.split())
