@@ -615,7 +615,8 @@ class CkptGroup(TyperGroup):
         # `schema NAME` prints a JSON Schema anyway
         if UI.json and cmd is not None and name != "schema" and not any(p.name == "json_output" for p in cmd.params):
             usage_error: Any = _CLICK_USAGE_ERROR  # click's UsageError(message, ctx)
-            raise usage_error(f"`ckpttool {name}` has no JSON output (--json)", ctx=ctx)
+            sub_ctx = self.context_class(cmd, info_name=name, parent=ctx)  # the hint names `ckpttool NAME --help`
+            raise usage_error(f"`ckpttool {name}` has no JSON output (--json)", ctx=sub_ctx)
         return name, cmd, rest
 
     def main(
