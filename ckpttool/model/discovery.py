@@ -559,10 +559,14 @@ def _nothing_below(root: Path, opt: Path | None) -> Located:
         partial = True
     if partial:
         return Located(root, root, opt)
+    # a folder inside a checkpoint (its model_assets/, extra_state/): the checkpoint is the directory to pass
+    above = next((p for p in (root.parent, root.parent.parent) if p != root and is_checkpoint_dir(p)), None)
     raise MetadataError(
         f"{root}: no .metadata, and no DCP checkpoint in the {MAX_DEPTH} directory levels below it",
         path=root,
-        hint="pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files), "
+        hint=f"pass the checkpoint directory {above} ({root.relative_to(above)}/ is a folder inside it)"
+        if above is not None
+        else "pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files), "
         "or the run's checkpoint folder above the step directories",
     )
 

@@ -92,6 +92,22 @@ def test_missing_path_hint_names_the_close_directory(tmp_path: Path) -> None:
     assert res.exit_code == 2 and res.stderr.splitlines()[1] == f"hint: did you mean {tmp_path / 'run'}?"
 
 
+@pytest.mark.parametrize("cmd", ["inspect", "validate", "export", "stats"])
+def test_a_folder_inside_a_checkpoint_hints_the_checkpoint(cmd: str, sample_ckpt: Path, tmp_path: Path) -> None:
+    """``export CKPT/model_assets OUT`` (the assets folder given for the checkpoint) hinted ``pass the
+    directory that dcp.save wrote ...``, though the checkpoint is right above: the hint names it. A folder
+    with no checkpoint above it keeps the general hint."""
+    extra = [str(tmp_path / "out")] if cmd == "export" else []
+    res = runner.invoke(app, [cmd, str(sample_ckpt / "model_assets"), *extra])
+    assert res.exit_code == 2 and not (tmp_path / "out").exists(), res.stderr
+    err, hint = res.stderr.splitlines()[-2:]
+    assert err.startswith(f"error: [E200] {sample_ckpt / 'model_assets'}: no .metadata"), err
+    assert hint == f"hint: pass the checkpoint directory {sample_ckpt} (model_assets/ is a folder inside it)", hint
+    (tmp_path / "plain").mkdir()
+    res = runner.invoke(app, [cmd, str(tmp_path / "plain"), *extra])
+    assert res.stderr.splitlines()[-1].startswith("hint: pass the directory that dcp.save wrote"), res.stderr
+
+
 def test_step_given_as_a_directory_name_hints_its_number(tmp_path: Path) -> None:
     for given, hint in (
         ("step-200", "hint: give the step's number, --step 200, or pass that directory itself"),
