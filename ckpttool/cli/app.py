@@ -440,7 +440,8 @@ def _summary(cmd: Any) -> None:
 
 
 def _hide_aliases(cmd: Any) -> None:
-    """Leave :data:`HIDDEN_ALIASES` out of the help and the completions of ``cmd``'s options (they still parse)."""
+    """Leave :data:`HIDDEN_ALIASES` out of the help, the completions and the error messages of ``cmd``'s options
+    (they still parse)."""
     complete = cmd.shell_complete
     cmd.shell_complete = lambda ctx, incomplete: [
         c for c in complete(ctx, incomplete) if getattr(c, "value", c) not in HIDDEN_ALIASES
@@ -459,6 +460,8 @@ def _hide_aliases(cmd: Any) -> None:
                     p.opts = opts
 
             p.get_help_record = record
+            # errors name the option as the help does: `Invalid value for '--optimizer-type'`
+            p.get_error_hint = lambda ctx, shown=shown: " / ".join(f"'{o}'" for o in shown)
 
 
 _CHOICES_RE = re.compile(r"<([^<>]*\|[^<>]*)>")

@@ -292,6 +292,16 @@ def test_an_option_without_its_value_hints_its_commands_help(argv: list[str], he
     assert res.stderr.splitlines()[1] == help_line
 
 
+@pytest.mark.parametrize("cmd", ["sample", "replay-step"])
+def test_a_bad_value_names_the_option_as_help_shows_it(cmd: str, tmp_path: Path) -> None:
+    """``sample DIR --optimizer-type sgd`` said ``Invalid value for '--optimizer-type' / '--optimizer'``,
+    naming the deprecated spelling that --help leaves out; the error names the option as --help does."""
+    for flag in ("--optimizer-type", "--optimizer"):
+        res = runner.invoke(app, [cmd, str(tmp_path / "x"), flag, "sgd"])
+        assert_clean_failure(res, "E100", "Invalid value for '--optimizer-type': 'sgd' is not one of")
+        assert "'--optimizer'" not in res.stderr and not (tmp_path / "x").exists()
+
+
 def test_no_cache_help_names_both_caches() -> None:
     res = runner.invoke(app, ["--help"])
     text = " ".join(res.stdout.split())
