@@ -302,6 +302,24 @@ def test_a_bad_value_names_the_option_as_help_shows_it(cmd: str, tmp_path: Path)
         assert "'--optimizer'" not in res.stderr and not (tmp_path / "x").exists()
 
 
+def test_export_option_errors_hint_a_fix_not_the_help(sample_ckpt: Path, tmp_path: Path) -> None:
+    """``export --allow-mismatch shapes`` and a missing ``--adapter-config`` file were hinted only ``run the
+    command with --help``: the hints name the fix."""
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(out), "--allow-mismatch", "shapes"])
+    assert_clean_failure(res, "E100", "--allow-mismatch 'shapes' is not one of missing, unexpected, shape, dtype")
+    assert res.stderr.splitlines()[1] == (
+        "hint: did you mean 'shape'? give a comma list of missing, unexpected, shape, dtype, "
+        "e.g. --allow-mismatch shape,dtype"
+    )
+    cfg = tmp_path / "adapter_config.json"
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(out), "--format", "lora", "--adapter-config", str(cfg)])
+    assert_clean_failure(res, "E100", f"{cfg}: cannot read adapter config")
+    hint = res.stderr.splitlines()[1]
+    assert hint.startswith("hint: pass the adapter_config.json that PEFT wrote") and "--adapter-config" in hint
+    assert not out.exists()
+
+
 def test_no_cache_help_names_both_caches() -> None:
     res = runner.invoke(app, ["--help"])
     text = " ".join(res.stdout.split())
