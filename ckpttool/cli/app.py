@@ -440,7 +440,8 @@ def _summary(cmd: Any) -> None:
 
 
 def _hide_aliases(cmd: Any) -> None:
-    """Leave :data:`HIDDEN_ALIASES` out of the help and the completions of ``cmd``'s options (they still parse)."""
+    """Leave :data:`HIDDEN_ALIASES` out of the help, the completions and the error messages of ``cmd``'s options
+    (they still parse)."""
     complete = cmd.shell_complete
     cmd.shell_complete = lambda ctx, incomplete: [
         c for c in complete(ctx, incomplete) if getattr(c, "value", c) not in HIDDEN_ALIASES
@@ -459,6 +460,8 @@ def _hide_aliases(cmd: Any) -> None:
                     p.opts = opts
 
             p.get_help_record = record
+            # errors name the option as the help does: `Invalid value for '--optimizer-type'`
+            p.get_error_hint = lambda ctx, shown=shown: " / ".join(f"'{o}'" for o in shown)
 
 
 _CHOICES_RE = re.compile(r"<([^<>]*\|[^<>]*)>")
@@ -601,13 +604,22 @@ class CkptGroup(TyperGroup):
             return super().invoke(ctx)
         except KeyboardInterrupt as e:
             raise _Interrupted from e
+        except _CLICK_USAGE_ERROR as e:
+            # click raises some errors of a command's arguments without its context (`Option '--filter'
+            # requires an argument.`): the hint then names the command's --help, not the root's
+            error: Any = e  # click's UsageError(message, ctx)
+            if error.ctx is None and ctx.invoked_subcommand:
+                name = ctx.invoked_subcommand
+                error.ctx = self.context_class(self.commands[name], info_name=name, parent=ctx)
+            raise
 
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
         name, cmd, rest = super().resolve_command(ctx, args)
         # `schema NAME` prints a JSON Schema anyway
         if UI.json and cmd is not None and name != "schema" and not any(p.name == "json_output" for p in cmd.params):
             usage_error: Any = _CLICK_USAGE_ERROR  # click's UsageError(message, ctx)
-            raise usage_error(f"`ckpttool {name}` has no JSON output (--json)", ctx=ctx)
+            sub_ctx = self.context_class(cmd, info_name=name, parent=ctx)  # the hint names `ckpttool NAME --help`
+            raise usage_error(f"`ckpttool {name}` has no JSON output (--json)", ctx=sub_ctx)
         return name, cmd, rest
 
     def main(

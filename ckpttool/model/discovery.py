@@ -443,13 +443,21 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
         files, unless nothing was found: then ``model`` is ``path`` and opening it reports why).
 
     Raises:
-        UsageError: ``path`` is not a directory; ``optimizer_dir`` is not a checkpoint directory.
+        UsageError: ``path`` is not a directory; ``optimizer_dir`` does not exist or is not a checkpoint directory.
         AmbiguousCheckpointError (E204): several checkpoints below ``path`` and no ``step`` that picks one.
         StepNotFoundError (E205): no checkpoint below ``path`` has ``step``.
     """
     root = Path(path)
     sel = selection or CheckpointSelection()
     opt = sel.optimizer_dir
+    if opt is not None and not opt.exists():
+        from ckpttool.format.files import missing_path_hint
+
+        raise UsageError(
+            f"`optimizer_dir` {opt}: no such directory",
+            param="optimizer_dir",
+            hint=missing_path_hint(opt, "the optimizer folder that dcp.save wrote (e.g. checkpoint-N/optimizer_0)"),
+        )
     if opt is not None and not is_checkpoint_dir(opt):
         raise UsageError(
             f"`optimizer_dir` {opt}: not a DCP checkpoint directory (no .metadata)",
@@ -551,10 +559,14 @@ def _nothing_below(root: Path, opt: Path | None) -> Located:
         partial = True
     if partial:
         return Located(root, root, opt)
+    # a folder inside a checkpoint (its model_assets/, extra_state/): the checkpoint is the directory to pass
+    above = next((p for p in (root.parent, root.parent.parent) if p != root and is_checkpoint_dir(p)), None)
     raise MetadataError(
         f"{root}: no .metadata, and no DCP checkpoint in the {MAX_DEPTH} directory levels below it",
         path=root,
-        hint="pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files), "
+        hint=f"pass the checkpoint directory {above} ({root.relative_to(above)}/ is a folder inside it)"
+        if above is not None
+        else "pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files), "
         "or the run's checkpoint folder above the step directories",
     )
 

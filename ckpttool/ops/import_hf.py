@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import ExportError, UsageError
+from ckpttool.errors import ExportError, MetadataError, UsageError
 from ckpttool.format.files import missing_path_hint, open_regular, resolve_inside
 from ckpttool.format.hf_storage import ADAPTER_PREFIX, hf_storage_files, load_hf_storage_metadata
 from ckpttool.format.jsonview import JsonView, json_counted
@@ -531,7 +531,7 @@ def _row_chunks(shape: tuple[int, ...], rows: list[tuple[int, int]]) -> list[tup
 
 
 def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -> Path:
-    """``schema`` and ``world_size`` usable and ``hf_dir`` a directory; returns it."""
+    """``schema`` and ``world_size`` usable and ``hf_dir`` a directory holding safetensors files; returns it."""
     if opts.schema not in SCHEMAS:
         raise UsageError(f"`schema` {opts.schema!r} is not one of {', '.join(SCHEMAS)}", param="schema")
     if isinstance(opts.world_size, bool) or not isinstance(opts.world_size, int) or opts.world_size < 1:
@@ -548,6 +548,16 @@ def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -
             f"{src_dir}: no such directory",
             path=src_dir,
             hint=missing_path_hint(src_dir, "a Hugging Face model directory"),
+        )
+    if not hf_storage_files(src_dir):
+        pickled = sorted(n for n in os.listdir(src_dir) if n.endswith((".bin", ".pt", ".pth")))
+        raise MetadataError(
+            f"{src_dir}: no .metadata and no .safetensors files",
+            path=src_dir,
+            hint=f"import reads safetensors files only ({pickled[0]} is a torch.save file): load the model with "
+            "transformers and save it again with save_pretrained (it writes safetensors), then import that"
+            if pickled
+            else "pass the Hugging Face model directory, the one holding model*.safetensors and config.json",
         )
     return src_dir
 

@@ -132,6 +132,15 @@ def test_json_is_a_global_option_too(sample_ckpt: Path) -> None:
     assert "error: [E100] `ckpttool sample` has no JSON output (--json)" in res.stderr
 
 
+def test_json_before_a_command_without_json_hints_that_commands_help() -> None:
+    """``ckpttool --json sample x`` hinted ``see `ckpttool --help```; the help that shows what ``sample``
+    takes (no --json) is ``ckpttool sample --help``, as for ``ckpttool sample x --json``."""
+    before = runner.invoke(app, ["--json", "sample", "x"])
+    after = runner.invoke(app, ["sample", "x", "--json"])
+    assert before.exit_code == after.exit_code == 2
+    assert before.stderr.splitlines()[1] == after.stderr.splitlines()[1] == "hint: see `ckpttool sample --help`"
+
+
 def test_no_progress_before_or_after_the_command(sample_ckpt: Path) -> None:
     for argv in (
         ["--no-progress", "validate", str(sample_ckpt), "--deep"],

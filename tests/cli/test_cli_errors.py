@@ -92,6 +92,22 @@ def test_missing_path_hint_names_the_close_directory(tmp_path: Path) -> None:
     assert res.exit_code == 2 and res.stderr.splitlines()[1] == f"hint: did you mean {tmp_path / 'run'}?"
 
 
+@pytest.mark.parametrize("cmd", ["inspect", "validate", "export", "stats"])
+def test_a_folder_inside_a_checkpoint_hints_the_checkpoint(cmd: str, sample_ckpt: Path, tmp_path: Path) -> None:
+    """``export CKPT/model_assets OUT`` (the assets folder given for the checkpoint) hinted ``pass the
+    directory that dcp.save wrote ...``, though the checkpoint is right above: the hint names it. A folder
+    with no checkpoint above it keeps the general hint."""
+    extra = [str(tmp_path / "out")] if cmd == "export" else []
+    res = runner.invoke(app, [cmd, str(sample_ckpt / "model_assets"), *extra])
+    assert res.exit_code == 2 and not (tmp_path / "out").exists(), res.stderr
+    err, hint = res.stderr.splitlines()[-2:]
+    assert err.startswith(f"error: [E200] {sample_ckpt / 'model_assets'}: no .metadata"), err
+    assert hint == f"hint: pass the checkpoint directory {sample_ckpt} (model_assets/ is a folder inside it)", hint
+    (tmp_path / "plain").mkdir()
+    res = runner.invoke(app, [cmd, str(tmp_path / "plain"), *extra])
+    assert res.stderr.splitlines()[-1].startswith("hint: pass the directory that dcp.save wrote"), res.stderr
+
+
 def test_step_given_as_a_directory_name_hints_its_number(tmp_path: Path) -> None:
     for given, hint in (
         ("step-200", "hint: give the step's number, --step 200, or pass that directory itself"),
@@ -256,6 +272,52 @@ def test_usage_errors_follow_the_error_contract(argv: list[str], needle: str) ->
     res = runner.invoke(app, argv)
     assert_clean_failure(res, "E100", needle)
     assert "--help" in res.stderr.splitlines()[1]
+
+
+@pytest.mark.parametrize(
+    "argv, help_line",
+    [
+        (["inspect", "X", "--filter"], "hint: see `ckpttool inspect --help`"),
+        (["-v", "export", "X", "OUT", "--shard-size"], "hint: see `ckpttool export --help`"),
+        (["validate", "--select"], "hint: see `ckpttool validate --help`"),
+        (["--color"], "hint: see `ckpttool --help`"),
+    ],
+)
+def test_an_option_without_its_value_hints_its_commands_help(argv: list[str], help_line: str) -> None:
+    """``inspect X --filter`` (the value left out) hinted ``see `ckpttool --help```, whose help lists no
+    ``--filter``: click raises that error without the command's context. The hint names the command whose
+    option it is; a root option's own missing value still names the root's help."""
+    res = runner.invoke(app, argv)
+    assert_clean_failure(res, "E100", f"Option '{argv[-1]}' requires an argument.")
+    assert res.stderr.splitlines()[1] == help_line
+
+
+@pytest.mark.parametrize("cmd", ["sample", "replay-step"])
+def test_a_bad_value_names_the_option_as_help_shows_it(cmd: str, tmp_path: Path) -> None:
+    """``sample DIR --optimizer-type sgd`` said ``Invalid value for '--optimizer-type' / '--optimizer'``,
+    naming the deprecated spelling that --help leaves out; the error names the option as --help does."""
+    for flag in ("--optimizer-type", "--optimizer"):
+        res = runner.invoke(app, [cmd, str(tmp_path / "x"), flag, "sgd"])
+        assert_clean_failure(res, "E100", "Invalid value for '--optimizer-type': 'sgd' is not one of")
+        assert "'--optimizer'" not in res.stderr and not (tmp_path / "x").exists()
+
+
+def test_export_option_errors_hint_a_fix_not_the_help(sample_ckpt: Path, tmp_path: Path) -> None:
+    """``export --allow-mismatch shapes`` and a missing ``--adapter-config`` file were hinted only ``run the
+    command with --help``: the hints name the fix."""
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(out), "--allow-mismatch", "shapes"])
+    assert_clean_failure(res, "E100", "--allow-mismatch 'shapes' is not one of missing, unexpected, shape, dtype")
+    assert res.stderr.splitlines()[1] == (
+        "hint: did you mean 'shape'? give a comma list of missing, unexpected, shape, dtype, "
+        "e.g. --allow-mismatch shape,dtype"
+    )
+    cfg = tmp_path / "adapter_config.json"
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(out), "--format", "lora", "--adapter-config", str(cfg)])
+    assert_clean_failure(res, "E100", f"{cfg}: cannot read adapter config")
+    hint = res.stderr.splitlines()[1]
+    assert hint.startswith("hint: pass the adapter_config.json that PEFT wrote") and "--adapter-config" in hint
+    assert not out.exists()
 
 
 def test_no_cache_help_names_both_caches() -> None:

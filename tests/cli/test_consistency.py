@@ -81,7 +81,9 @@ def test_optimizer_dir_and_optimizer_type_with_hidden_old_spellings(sample_ckpt:
     res = runner.invoke(app, ["replay-step", str(sample_ckpt), "--optimizer-type", "sgd"])
     assert res.exit_code == 2 and "'sgd' is not one of 'auto', 'adamw'" in res.stderr
     res = runner.invoke(app, ["validate", str(sample_ckpt), "--optimizer", str(sample_ckpt / "nothing")])
-    assert res.exit_code == 2 and f"--optimizer-dir {sample_ckpt / 'nothing'}: not a DCP checkpoint" in res.stderr
+    assert res.exit_code == 2 and f"--optimizer-dir {sample_ckpt / 'nothing'}: no such directory" in res.stderr
+    res = runner.invoke(app, ["validate", str(sample_ckpt), "--optimizer", str(sample_ckpt / "model_assets")])
+    assert res.exit_code == 2 and f"--optimizer-dir {sample_ckpt / 'model_assets'}: not a DCP checkpoint" in res.stderr
 
 
 def test_command_summaries_are_not_cut() -> None:

@@ -66,3 +66,14 @@ def test_parent_without_checkpoints_says_what_it_searched(tmp_path: Path) -> Non
 def test_optimizer_dir_that_is_not_a_checkpoint(cmd: str, dense_ckpt: Path, tmp_path: Path) -> None:
     err, hint = fail(cmd, str(dense_ckpt), "--optimizer-dir", str(tmp_path))
     assert err.startswith(f"error: [E100] --optimizer-dir {tmp_path}: not a DCP checkpoint directory"), err
+
+
+@pytest.mark.parametrize("cmd", ["inspect", "validate", "replay-step"])
+def test_optimizer_dir_that_does_not_exist(cmd: str, dense_ckpt: Path, tmp_path: Path) -> None:
+    """A mistyped --optimizer-dir was reported as ``not a DCP checkpoint directory (no .metadata)``, which
+    reads as if the folder were there: it says the path does not exist and offers the folder beside it with
+    a close name."""
+    (tmp_path / "optimizer_0").mkdir()
+    err, hint = fail(cmd, str(dense_ckpt), "--optimizer-dir", str(tmp_path / "optimzer_0"))
+    assert err == f"error: [E100] --optimizer-dir {tmp_path / 'optimzer_0'}: no such directory", err
+    assert hint == f"hint: did you mean {tmp_path / 'optimizer_0'}?", hint

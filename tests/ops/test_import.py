@@ -518,6 +518,28 @@ def test_safetensors_without_tensors_are_refused(tmp_path: Path, meta: dict[str,
         assert "model.safetensors" in res.stderr and not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("ep", [[], ["--ep-size", "2"]])
+def test_a_folder_without_safetensors_hints_an_hf_model_folder_not_metadata(tmp_path: Path, ep: list[str]) -> None:
+    """A folder with no safetensors file hinted ``restore .metadata from a good copy``, a fix for a DCP
+    checkpoint, not for the Hugging Face model import reads: the hint names the folder import wants, or, for
+    a pickled ``pytorch_model.bin``, how to get safetensors from it."""
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "llama"}')
+    res = runner.invoke(app, ["import", str(d), str(tmp_path / "o"), *ep])
+    assert res.exit_code == 2 and res.stdout == "" and not (tmp_path / "o").exists()
+    assert res.stderr.splitlines() == [
+        f"error: [E200] {d}: no .metadata and no .safetensors files",
+        "hint: pass the Hugging Face model directory, the one holding model*.safetensors and config.json",
+    ]
+    (d / "pytorch_model.bin").write_bytes(b"")
+    res = runner.invoke(app, ["import", str(d), str(tmp_path / "o"), *ep])
+    err, hint = res.stderr.splitlines()
+    assert res.exit_code == 2 and err.startswith("error: [E200]")
+    assert hint.startswith("hint: import reads safetensors files only (pytorch_model.bin is a torch.save file)")
+    assert "save_pretrained" in hint and ".metadata" not in hint
+
+
 def test_the_library_names_a_dcp_checkpoint_given_as_the_hf_directory(sample_ckpt: Path, tmp_path: Path) -> None:
     """`import_hf` itself (not only the command) refuses a DCP checkpoint with E100 and points at export."""
     from ckpttool.errors import UsageError

@@ -212,10 +212,15 @@ def _open_side(
     where = p
     if p.is_file():
         if p.suffix != ".safetensors":
+            from ckpttool.model.discovery import is_checkpoint_dir
+
+            inside = is_checkpoint_dir(p.parent)  # .metadata, a data file, config.json of a checkpoint
             raise DiffError(
                 f"{p}: a file that is not a .safetensors file",
                 path=p,
-                hint="pass a DCP checkpoint directory, a safetensors directory or file, or a PEFT adapter directory",
+                hint=f"pass the checkpoint directory, not a file in it: {p.parent}"
+                if inside
+                else "pass a DCP checkpoint directory, a safetensors directory or file, or a PEFT adapter directory",
             )
         where, only_file = p.parent, p.name
     chosen = opening.selection

@@ -743,8 +743,14 @@ def _check_options(opts: ExportOptions) -> None:
         )
     bad = [k for k in opts.allow_mismatch if k not in MISMATCH_KINDS]
     if bad:
+        import difflib
+
+        close = difflib.get_close_matches(bad[0], MISMATCH_KINDS, n=1)
         raise UsageError(
-            f"`allow_mismatch` {bad[0]!r} is not one of {', '.join(MISMATCH_KINDS)}", param="allow_mismatch"
+            f"`allow_mismatch` {bad[0]!r} is not one of {', '.join(MISMATCH_KINDS)}",
+            param="allow_mismatch",
+            hint=(f"did you mean {close[0]!r}? " if close else "")
+            + f"give a comma list of {', '.join(MISMATCH_KINDS)}, e.g. `allow_mismatch` shape,dtype",
         )
     out_format.check_options(opts.experts)
 

@@ -42,7 +42,12 @@ def read_adapter_config(path: Path) -> dict[str, Any]:
     try:
         data = parse_json(read_regular(path, current().max_object_bytes, what="adapter config"), str(path))
     except OSError as e:
-        raise UsageError(f"{path}: cannot read adapter config ({e.strerror})", path=path) from e
+        raise UsageError(
+            f"{path}: cannot read adapter config ({e.strerror})",
+            path=path,
+            hint="pass the adapter_config.json that PEFT wrote for this adapter, or leave `adapter_config` out "
+            "to take the one in `model_assets` or one inferred from the tensors",
+        ) from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(
             f"{path}: adapter config is not valid JSON ({e})",

@@ -247,6 +247,20 @@ def test_unusable_inputs_exit_2_with_one_error(dense_ckpt: Path, tmp_path: Path)
     assert res.exit_code == 2 and "--as-dtype" in res.stderr
 
 
+def test_a_file_inside_a_checkpoint_is_sent_to_its_directory(dense_ckpt: Path, tmp_path: Path) -> None:
+    """``diff A A/.metadata`` hinted the kinds of input diff takes; like every other command, it names the
+    directory to pass instead. A file in a folder that holds no checkpoint keeps the general hint."""
+    for name in (".metadata", "__0_0.distcp"):
+        res = cli(dense_ckpt, dense_ckpt / name)
+        assert res.exit_code == 2 and res.stdout == "", res.stderr
+        err, hint = res.stderr.splitlines()
+        assert err == f"error: [E610] {dense_ckpt / name}: a file that is not a .safetensors file", err
+        assert hint == f"hint: pass the checkpoint directory, not a file in it: {dense_ckpt}", hint
+    (tmp_path / "f.txt").write_text("x")
+    res = cli(dense_ckpt, tmp_path / "f.txt")
+    assert res.stderr.splitlines()[1].startswith("hint: pass a DCP checkpoint directory, a safetensors"), res.stderr
+
+
 @pytest.mark.parametrize("flag, value", [("--rtol", "inf"), ("--atol", "1e400"), ("--atol", "nan")])
 def test_a_tolerance_that_is_not_finite_is_refused(dense_ckpt: Path, flag: str, value: str) -> None:
     """An infinite tolerance passes any values (1.0 vs 200.0 'equal') and --json died on it with E999 (JSON has no

@@ -336,6 +336,22 @@ def test_S013_extra_state_refused_by_weights_only(sample_ckpt: Path, copy_of) ->
     assert doc["findings"][0]["key"] == "extra_state/extra_state_rank_0.pt"
 
 
+def test_S013_a_damaged_extra_state_file_gets_a_hint_about_that_file(sample_ckpt: Path, copy_of) -> None:
+    """A damaged extra_state file (its zip records broken) was hinted ``the data file is damaged or does not
+    belong to this .metadata``, the hint of a data file: extra_state files are no data file of .metadata."""
+    ck = copy_of(sample_ckpt)
+    f = ck / "extra_state" / "extra_state_rank_0.pt"
+    raw = bytearray(f.read_bytes())
+    raw[-30] ^= 1  # in the zip end records
+    f.write_bytes(bytes(raw))
+    doc = only(ck, "S013")
+    (finding,) = [f for f in doc["findings"] if f["code"] == "S013"]
+    assert finding["key"] == "extra_state/extra_state_rank_0.pt" and "not a torch.save archive" in finding["message"]
+    assert finding["hint"] == (
+        "the extra_state file is damaged: copy it again from a good source, or use an earlier checkpoint"
+    )
+
+
 # ------------------------------------------------------------------------------------------ optimizer
 Q = "model.layers.0.self_attn.q_proj.weight"
 

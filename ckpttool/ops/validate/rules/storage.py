@@ -262,7 +262,10 @@ def extra_state_unreadable(ctx: Context) -> Iterator[Finding]:
     r = RULES["S013"]
     for st in ctx.ckpt.extra_state():
         if st.error is not None:
-            yield r.make(st.file.relative_path, st.error.message, st.error.hint or None, st.error.code)
+            hint = st.error.hint or None
+            if st.error.code in ("E301", "E308") and hint == st.error.default_hint:  # the hint of a data file
+                hint = "the extra_state file is damaged: copy it again from a good source, or use an earlier checkpoint"
+            yield r.make(st.file.relative_path, st.error.message, hint, st.error.code)
 
 
 @rule("S010")
