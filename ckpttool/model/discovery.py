@@ -46,6 +46,7 @@ __all__ = [
     "is_checkpoint_dir",
     "locate",
     "step_of",
+    "unpublished",
 ]
 
 #: How deep below ``DIR`` checkpoints are searched (``DIR/run/step-3/model`` is depth 3).
@@ -197,6 +198,17 @@ def _marker(path: Path) -> str | None:
     return None
 
 
+def _renamed_to(path: Path) -> str | None:
+    """The step directory's name that the trainer gives directory ``path`` when its save finishes:
+    ``path`` is named ``<step directory><suffix>`` for a schema's ``staging_suffixes`` (OLMo-core's
+    ``stepN-tmp``, renamed to ``stepN`` after every rank has written), else ``None``."""
+    for suffix in registry.derived().staging_suffixes:
+        final = path.name[: -len(suffix)] if path.name.endswith(suffix) else ""
+        if final and step_of(final) is not None:
+            return final
+    return None
+
+
 def _walk(root: Path, max_depth: int, visit: Callable[[Path], bool]) -> None:
     """Visit the directories below ``root`` breadth first, sorted by name; descend into those for
     which ``visit(path)`` is true. Hidden and symlinked directories are skipped; at most
@@ -232,6 +244,8 @@ def find_checkpoints(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
     found: list[Path] = []
 
     def visit(p: Path) -> bool:
+        if _renamed_to(p) is not None:  # OLMo-core's stepN-tmp: find_incomplete's
+            return False
         if is_checkpoint_dir(p):
             # torch-checkpointing's tmp_ dir, a Megatron iter_N without metadata.json: find_incomplete's
             if staging_of(p) is None and _unpublished(p) is None:
@@ -263,6 +277,15 @@ def _unpublished(path: Path, names: list[str] | None = None) -> str | None:
             held = ", ".join(h + "/" if (path / h).is_dir() else h for h in holds)
             return f"{held} but no {last} (the trainer writes it last, when the save is complete)"
     return None
+
+
+def unpublished(path: Path) -> str | None:
+    """What shows that the step directory ``path`` holds a save its trainer has not published (the file the
+    trainer writes last missing, :func:`_unpublished`; its staging directory, :func:`_renamed_to`), else ``None``."""
+    final = _renamed_to(path)
+    if final is not None:
+        return f"the trainer's staging files, not renamed to {final}"
+    return _unpublished(path)
 
 
 def _unfinished(path: Path) -> str | None:
@@ -308,6 +331,12 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH) -> list[IncompleteSt
             step = _step_near(p.parent / final, root)
             if step is not None:
                 found.setdefault(step, IncompleteStep(step, p, "torch-checkpointing's staging files, not renamed"))
+            return False
+        final = _renamed_to(p)
+        if final is not None:
+            step = _step_near(p.parent / final, root)
+            if step is not None:
+                found.setdefault(step, IncompleteStep(step, p, f"the trainer's staging files, not renamed to {final}"))
             return False
         if is_checkpoint_dir(p):
             why = _unpublished(p)  # a Megatron iter_N whose metadata.json was never written
@@ -515,13 +544,25 @@ def _refuse_marked(root: Path) -> None:
     or ``root`` is a checkpoint whose trainer has not written the file it writes last (:func:`_unpublished`)."""
     if not root.is_dir():
         return
-    unpublished = _unpublished(root) if is_checkpoint_dir(root) else None
+    # the checkpoint itself (a Megatron iter_N) or the step directory opened (OLMo-core's stepN/ of
+    # model_and_optim/ and train/, no .metadata.json: as `step` N); its model_and_optim/ opened directly is
+    # read (OLMo-core's load reads it too) and named by validate (K011)
+    unpublished = _unpublished(root)
     if unpublished is not None:
         raise IncompleteCheckpointError(
-            f"{root}: holds {unpublished}: a save that did not finish, which the trainer's own load refuses",
+            f"{root}: holds {unpublished}: a save that did not finish, which the trainer neither loads nor resumes from",
             path=root,
             hint="wait for the save to finish, or open an earlier complete step (`step` N on the run directory)",
         )
+    for where in (root, root.parent):
+        final = _renamed_to(where)
+        if final is not None:
+            raise IncompleteCheckpointError(
+                f"{where}: the trainer's staging directory of a save not yet renamed to {final} (a save still "
+                "running, or one that was interrupted), which the trainer's own load never finds",
+                path=where,
+                hint="wait for the save to finish, or open an earlier complete step (`step` N on the run directory)",
+            )
     for where in (root, root.parent):
         marker = _marker(where)
         if marker is not None:

@@ -98,6 +98,45 @@ def test_a_step_without_its_metadata_json_is_not_latest(olmo_root: Path, tmp_pat
     assert doc["summary"]["model_tensor_count"] == 21
 
 
+def test_an_unpublished_or_staged_step_opened_directly_is_not_ok(olmo_root: Path, tmp_path: Path) -> None:
+    """A step directory without the .metadata.json OLMo-core writes last was E202 only with `--step N`: opened
+    as `stepN/` (or its model_and_optim/) validate --strict said OK and export wrote it. OLMo-core's local save
+    goes to `stepN-tmp/`, renamed to `stepN/` after every rank has written: opened directly it was OK too, and
+    from the run root it was listed as a checkpoint (E204) or passed over unnamed. Now `stepN/` and `stepN-tmp/`
+    are E202, `stepN/model_and_optim/` is read and named by K011, and the run root names step N incomplete."""
+    run = shutil.copytree(olmo_root / "run", tmp_path / "run")
+    shutil.copytree(run / "step2", run / "step3")
+    (run / "step3" / ".metadata.json").unlink()
+    for given in ("step3", "step3/model_and_optim"):
+        res = runner.invoke(app, ["validate", "--strict", str(run / given)])
+        assert res.exit_code != 0 and "no .metadata.json" in res.output, (given, res.output)
+    res = runner.invoke(app, ["export", str(run / "step3"), str(tmp_path / "hf")])
+    assert res.exit_code == 2 and "[E202]" in res.stderr and "no .metadata.json" in res.stderr
+    assert not (tmp_path / "hf").exists()
+    doc = json.loads(cli("validate", str(run / "step3" / "model_and_optim"), "--json"))
+    (k011,) = doc["findings"]
+    assert k011["code"] == "K011" and "a save not yet published" in k011["message"]
+    shutil.rmtree(run / "step3")
+    # a save cut while it wrote into step4-tmp/ (train/ first, then model_and_optim/; .metadata.json never there)
+    shutil.copytree(run / "step2", run / "step4-tmp")
+    (run / "step4-tmp" / ".metadata.json").unlink()
+    for given in ("step4-tmp", "step4-tmp/model_and_optim"):
+        for cmd in ("validate", "export"):
+            argv = [cmd, str(run / given)] + (["--strict"] if cmd == "validate" else [str(tmp_path / "hf")])
+            res = runner.invoke(app, argv)
+            assert res.exit_code == 2 and "[E202]" in res.stderr, (given, cmd, res.output)
+    assert not (tmp_path / "hf").exists()
+    shutil.rmtree(run / "step4-tmp" / "model_and_optim")  # only train/ written yet
+    res = runner.invoke(app, ["inspect", str(run / "step4-tmp")])
+    assert res.exit_code == 2 and "staging directory of a save not yet renamed to step4" in res.stderr
+    doc = json.loads(cli("validate", "--strict", str(run), "--json", code=1))
+    assert doc["path"] == str(run / "step2" / "model_and_optim")
+    (r001,) = [f for f in doc["findings"] if f["code"] == "R001"]
+    assert "step4-tmp" in r001["message"] and [f["code"] for f in doc["findings"]] == ["R001"]
+    res = runner.invoke(app, ["validate", str(run), "--step", "4"])
+    assert res.exit_code == 2 and "[E202]" in res.stderr and "not renamed to step4" in res.stderr
+
+
 def test_trainer_state_is_read_and_checked(olmo_root: Path, tmp_path: Path) -> None:
     """train/rankR.pt is read (allow-list unpickler, OLMo-core never imported): inspect shows its counters,
     R002 compares global_step with the optimizer's step, K011 names a file that cannot be read."""

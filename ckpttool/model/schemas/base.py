@@ -98,6 +98,9 @@ class Discovery:
             ``(marker, holds)``, a step directory holding every name of ``holds`` but not ``marker``
             is a save not yet published (OLMo-core's ``.metadata.json`` beside ``model_and_optim/``
             and ``train/``).
+        staging_suffixes: suffixes of the directory a trainer saves a step into before renaming it to
+            the step's name: ``<step directory><suffix>`` is a save not yet renamed (OLMo-core's
+            ``Checkpointer`` saves ``stepN-tmp/`` and renames it to ``stepN/`` when every rank has written).
     """
 
     step_words: tuple[str, ...] = ()
@@ -106,6 +109,7 @@ class Discovery:
     step_patterns: tuple[re.Pattern[str], ...] = ()
     incomplete_markers: tuple[str, ...] = ()
     publish_markers: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    staging_suffixes: tuple[str, ...] = ()
 
 
 #: Layouts that belong to no key schema (DeepSpeed / Megatron-style step directories, split saves).

@@ -28,8 +28,13 @@ SPEC = SchemaSpec(
     priority=5,
     optimizer_heads=("optim",),
     # Checkpointer.save writes train/ first, then model_and_optim/ (async: in the background), then
-    # .metadata.json when both are done; its find_checkpoints skips a step directory without it.
-    discovery=Discovery(step_words=("step",), publish_markers=((".metadata.json", ("model_and_optim", "train")),)),
+    # .metadata.json when both are done; its find_checkpoints skips a step directory without it. A local
+    # save is written into stepN-tmp/ (Checkpointer._temporary_wd), renamed to stepN/ after a barrier.
+    discovery=Discovery(
+        step_words=("step",),
+        publish_markers=((".metadata.json", ("model_and_optim", "train")),),
+        staging_suffixes=("-tmp",),
+    ),
     doc_model="`model.<fqn>`",
     doc_optimizer="`optim.state.<fqn>.<field>`, `optim.param_groups.<fqn>.<hyper>` (flattened)",
     doc_written_by="OLMo-core's `Checkpointer` (`stepN/model_and_optim/`, beside `train/rankR.pt`)",

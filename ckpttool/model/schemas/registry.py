@@ -66,6 +66,7 @@ class Derived:
     step_patterns: tuple[re.Pattern[str], ...] = ()
     incomplete_markers: tuple[str, ...] = ()
     publish_markers: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    staging_suffixes: tuple[str, ...] = ()
 
 
 _DERIVED: list[Derived] = []
@@ -145,6 +146,7 @@ def derived() -> Derived:
         step_patterns=tuple(p for d in all_discovery for p in d.step_patterns),
         incomplete_markers=_unique([m for d in all_discovery for m in d.incomplete_markers]),
         publish_markers=tuple(dict.fromkeys(m for d in all_discovery for m in d.publish_markers)),
+        staging_suffixes=_unique([x for d in all_discovery for x in d.staging_suffixes]),
     )
     _DERIVED.append(d)
     return d

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ckpttool.format.unpickler import short_repr
 from ckpttool.model.beside import read_training_state_beside, trainer_state_missing
+from ckpttool.model.discovery import unpublished
 from ckpttool.model.nested_state import describe_nested, nested_state_items
 from ckpttool.model.schemas.detect import planner_paths
 from ckpttool.ops.validate.base import rule
@@ -112,6 +113,14 @@ def training_state_beside_checkpoint(ctx: Context) -> Iterator[tuple[str | None,
     located = ctx.ckpt.located
     if ctx.cat.schema.id == "olmo-core" and (missing := trainer_state_missing(Path(located.model))) is not None:
         yield None, missing
+    step = Path(located.model).parent
+    if ctx.cat.schema.id == "olmo-core" and (why := unpublished(step)) is not None:
+        yield (  # model_and_optim/ opened directly (the step directory or `--step N` is E202)
+            None,
+            f"{step}: holds {why}: a save not yet published (OLMo-core's Checkpointer writes .metadata.json "
+            f"last; its latest_checkpoint skips this directory): {Path(located.model).name}/ was read, the save may "
+            "still be running or was interrupted",
+        )
     bad = [s for s in read_training_state_beside(Path(located.model)) if s.error is not None]
     if bad:
         where = Path(located.model).parent
