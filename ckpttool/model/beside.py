@@ -80,7 +80,8 @@ def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> 
     (``pytorch_model_fsdp_0``, ``model``: the schemas' folder pairs), in the step directory above it;
     a file in ``read`` (the checkpoint's own data files, resolved: a per-rank format's
     ``optimizer_R.pt``) is not one; a folder of ``model_dir`` holding a ``.metadata`` (a DCP
-    checkpoint of its own) is one. Names are relative to ``given`` (the directory the user passed)
+    checkpoint of its own) is one, and so is a folder of the step directory holding a pickle (NeMo
+    Automodel's ``rng/``, ``dataloader/``). Names are relative to ``given`` (the directory the user passed)
     where they lie below it; a folder ends in ``/``. ``()`` when there are none or a directory
     cannot be listed.
     """
@@ -99,7 +100,9 @@ def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> 
             continue
         for name, is_dir in entries:
             unread = (
-                _UNREAD_DIR.match(name) or (d == model_dir and os.path.lexists(d / name / _DCP_METADATA))
+                _UNREAD_DIR.match(name)
+                or (d == model_dir and os.path.lexists(d / name / _DCP_METADATA))
+                or (d != model_dir and _holds_pickles(d / name))
                 if is_dir
                 else _UNREAD_FILE.match(name) or (_PICKLE_FILE.search(name) and name not in _READ_BESIDE)
             )
@@ -107,6 +110,29 @@ def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> 
                 rel = os.path.relpath(d / name, given) if (d / name).is_relative_to(given) else str(d / name)
                 out.append(rel + ("/" if is_dir else ""))
     return tuple(out)
+
+
+#: At most this many entries of a folder beside the checkpoint are looked at for pickles.
+_FOLDER_SCAN = 1000
+
+
+def _holds_pickles(folder: Path) -> bool:
+    """``folder`` (in the step directory above a model/optimizer pair) holds a pickle at its top level
+    (:data:`_PICKLE_FILE`): training state saved per rank into a folder of its own, NeMo Automodel's
+    ``rng/rng_global_rank_R.pt`` and ``dataloader/dataloader_dp_rank_R.pt`` (``Checkpointer.save_on_global_ranks``
+    / ``save_on_dp_ranks``). Hidden folders are not looked into; ``False`` when it cannot be listed."""
+    if folder.name.startswith("."):
+        return False
+    try:
+        with os.scandir(folder) as it:
+            for i, e in enumerate(it):
+                if i >= _FOLDER_SCAN:
+                    break
+                if _PICKLE_FILE.search(e.name) and e.is_file(follow_symlinks=False):
+                    return True
+    except OSError:
+        return False
+    return False
 
 
 #: Where trainers save the model's Hugging Face config beside their checkpoint, relative to the model

@@ -159,6 +159,39 @@ def test_recipe_step_scheduler_beside_is_read_and_compared(nemo_root: Path, tmp_
     assert key.startswith("optim.state.") and message.endswith(", the largest) but step_scheduler.pt:step = 5")
 
 
+def test_recipe_rng_and_dataloader_folders_beside_are_named(nemo_root: Path, tmp_path: Path) -> None:
+    """NeMo Automodel's recipes save their RNG (``Checkpointer.save_on_global_ranks``:
+    ``rng/rng_global_rank_R.pt``) and data loader (``save_on_dp_ranks``: ``dataloader/dataloader_dp_rank_R.pt``)
+    into folders of the step directory, beside ``model/`` and ``optim/``; a resume loads them. ckpttool reads
+    neither, and validate --strict said OK over them (only files beside the pair were named). Now K012 names
+    the folders."""
+    import shutil
+
+    from nemo_automodel.components.training.rng import StatefulRNG
+
+    from tests.fixtures.nemo_writer import nemo_checkpointer, tiny_llama
+
+    run = shutil.copytree(nemo_root / "run", tmp_path / "run")
+    step = run / "epoch_0_step_2"
+    model, _, _ = tiny_llama(small=True, decay=False)
+    ckpt = nemo_checkpointer(model, run, consolidated=False)
+    ckpt.save_on_global_ranks(StatefulRNG(seed=1), "rng", str(step))
+    doc = json.loads(cli("validate", "--strict", "--json", str(run), code=1))
+    (k012,) = [f for f in doc["findings"] if f["code"] == "K012"]
+    assert k012["message"].endswith("training state beside model/ that ckpttool does not read: epoch_0_step_2/rng/")
+
+    class Loader:  # a stateful data loader's state_dict(), as torchdata's StatefulDataLoader gives
+        def state_dict(self) -> dict[str, int]:
+            return {"_num_yielded": 2, "_sampler_iter_yielded": 2}
+
+    ckpt.save_on_dp_ranks(Loader(), "dataloader", str(step))
+    doc = json.loads(cli("inspect", "--json", str(step)))
+    assert doc["unread_beside"] == ["dataloader/", "rng/"]
+    doc = json.loads(cli("validate", "--strict", "--json", str(step / "model"), code=1))  # model/ alone
+    (k012,) = [f for f in doc["findings"] if f["code"] == "K012"]
+    assert k012["message"].endswith(f"does not read: {step / 'dataloader'}/, {step / 'rng'}/")
+
+
 def test_manifest_covers_the_recipe_step_scheduler(nemo_root: Path, tmp_path: Path) -> None:
     """``step_scheduler.pt`` beside ``model/`` and ``optim/`` (the step a NeMo recipe resumes from) was in no
     manifest: one of another step passed ``manifest --verify``. Now it is digested, and checked on verify."""
