@@ -369,6 +369,32 @@ class _Unit:
         return rel
 
 
+def _lone_models(
+    root: Path, units: list[_Unit], incomplete: list[IncompleteStep]
+) -> tuple[list[_Unit], list[IncompleteStep]]:
+    """``units`` less the model folders of a pair saved without their optimizer folder in a run whose other
+    steps hold both (Accelerate's ``save_state`` writes ``optimizer_0/`` after ``pytorch_model_fsdp_0/``: a
+    save cut between the two, which its ``load_state`` cannot resume), and ``incomplete`` with their steps."""
+    paired = {u.model.name for u in units if u.optimizer is not None}
+    lone: dict[int, IncompleteStep] = {}
+    kept: list[_Unit] = []
+    for u in units:
+        m = next(((pr, m) for pr in registry.derived().folder_pairs if (m := pr.model.match(u.model.name))), None)
+        if u.optimizer is None and u.step is not None and u.model.name in paired and m is not None:
+            want = m[0].optimizer.format(*m[1].groups())
+            if not os.path.lexists(u.model.parent / want):
+                why = (
+                    f"{u.model.name}/ but no {want}/ (the run's other steps hold both: a save cut before its optimizer)"
+                )
+                lone.setdefault(u.step, IncompleteStep(u.step, u.model.parent, why))
+                continue
+        kept.append(u)
+    if not lone:
+        return units, incomplete
+    known = {i.step for i in incomplete}
+    return kept, sorted([*incomplete, *(i for s, i in lone.items() if s not in known)], key=lambda i: i.step)
+
+
 def _rel(p: Path, root: Path) -> str:
     try:
         return str(p.relative_to(root))
@@ -516,6 +542,7 @@ def locate(path: str | os.PathLike[str], selection: CheckpointSelection | None =
             raise _incomplete_error(root, incomplete[-1], sel.step)
         return _nothing_below(root, opt)
     units = _units(root, found)
+    units, incomplete = _lone_models(root, units, incomplete)
     how = ""
     if sel.step is not None:
         units, how = _of_step(root, units, sel.step, incomplete)

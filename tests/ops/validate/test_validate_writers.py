@@ -84,6 +84,28 @@ def test_accelerate_pairs(acc_root: Path) -> None:
     assert rc == 0, doc["findings"]
 
 
+def test_a_newest_step_without_its_optimizer_folder_is_not_latest(acc_root: Path, tmp_path: Path) -> None:
+    """Accelerate's save_state writes pytorch_model_fsdp_0/ then optimizer_0/: a save cut between the two
+    leaves a step of the model folder alone, which its load_state cannot resume. `--step latest` opened it as a
+    model-only checkpoint (validate --strict OK, export wrote it); now, where the run's other steps hold both
+    folders, it is step N incomplete: passed over and named by R001, `--step N` is E202."""
+    import shutil
+
+    run_dir = shutil.copytree(acc_root / "accelerate", tmp_path / "accelerate")
+    shutil.copytree(
+        run_dir / "checkpoint-1" / "pytorch_model_fsdp_0", run_dir / "checkpoint-2" / "pytorch_model_fsdp_0"
+    )
+    rc, doc, _ = run(run_dir, "--step", "latest", "--strict")
+    assert rc == 1 and doc["path"] == str(run_dir / "checkpoint-1")
+    (r001,) = [f for f in doc["findings"] if f["code"] == "R001"]
+    assert "checkpoint-2" in r001["message"] and failing(doc) == {"R001"}
+    res = runner.invoke(app, ["export", str(run_dir), str(tmp_path / "hf"), "--step", "2"])
+    assert res.exit_code == 2 and "[E202]" in res.stderr and "pytorch_model_fsdp_0/ but no optimizer_0/" in res.stderr
+    assert not (tmp_path / "hf").exists()
+    rc, doc, _ = run(run_dir / "checkpoint-2", "--strict")  # opened itself: a model-only save of its own
+    assert rc == 0, doc["findings"]
+
+
 def test_app_state_and_hf_storage_pass(acc_root: Path) -> None:
     for where in ("app_state", "hf_sharded", "hf_consolidated", "moe_fsdp2"):
         rc, doc, _ = run(acc_root / where, "--strict", "--deep")
