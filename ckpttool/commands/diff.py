@@ -34,8 +34,8 @@ _SIDE_HELP = (
     "A DCP checkpoint directory (or a directory above one), a safetensors directory or file, "
     "or a PEFT adapter directory."
 )
-SideA = Annotated[Path, typer.Argument(metavar="A", help=_SIDE_HELP, show_default=False)]
-SideB = Annotated[Path, typer.Argument(metavar="B", help="The other side (same kinds as A).", show_default=False)]
+SideA = Annotated[str, typer.Argument(metavar="A", help=_SIDE_HELP, show_default=False)]
+SideB = Annotated[str, typer.Argument(metavar="B", help="The other side (same kinds as A).", show_default=False)]
 
 
 WhatOpt = Annotated[
@@ -179,7 +179,7 @@ def diff_command(
     if plot is not None:
         from ckpttool.ui.plot import check_plot_target
 
-        check_plot_target(plot, tuple(c for c in (a, b) if isinstance(c, Path)))
+        check_plot_target(plot, tuple(Path(c) for c in (a, b)))
     with PhaseProgress.on_stderr("diff", not json_output and sys.stderr.isatty(), bar_text="comparing") as shown:
         res = diff_checkpoints(
             a,

@@ -626,6 +626,12 @@ def _choose_adapter(opts: ImportOptions, config: Any) -> ModelAdapter | None:
                 param="adapter",
                 hint="pass `adapter` torchtitan-llama3 or torchtitan-qwen3 (and `config`)",
             )
+        if not name.startswith("torchtitan-"):  # another naming: its keys are not torchtitan's
+            raise UsageError(
+                f"`schema` torchtitan imports through a torchtitan adapter, not {name}",
+                param="adapter",
+                hint="pass `adapter` torchtitan-llama3 or torchtitan-qwen3, or leave it out (the config's model_type)",
+            )
         adapter = get_adapter(name)
     elif opts.schema == "megatron":
         if opts.adapter not in (None, "megatron-gpt"):

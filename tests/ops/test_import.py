@@ -551,3 +551,21 @@ def test_the_library_names_a_dcp_checkpoint_given_as_the_hf_directory(sample_ckp
     assert f"] {sample_ckpt} is a DCP checkpoint (it holds .metadata)" in str(info.value)
     assert f"ckpttool export {sample_ckpt} OUT" in (info.value.hint or "")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("adapter", ["torchtune-llama", "megatron-gpt", "hf"])
+def test_schema_torchtitan_with_an_adapter_of_another_naming_is_a_usage_error(
+    hf_dirs: Path, tmp_path: Path, adapter: str
+) -> None:
+    """``--schema torchtitan --adapter torchtune-llama`` (or ``megatron-gpt``) ran the import and failed on the
+    first HF key with E601 'not a key of the torchtune-llama adapter': the adapter names another schema's keys."""
+    res = runner.invoke(
+        app, ["import", str(hf_dirs / "llama"), str(tmp_path / "o"), "--schema", "torchtitan", "--adapter", adapter]
+    )
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    err, hint = res.stderr.splitlines()
+    assert err == f"error: [E100] --schema torchtitan imports through a torchtitan adapter, not {adapter}", err
+    assert hint == (
+        "hint: pass --adapter torchtitan-llama3 or torchtitan-qwen3, or leave it out (the config's model_type)"
+    ), hint
+    assert not (tmp_path / "o").exists()

@@ -31,6 +31,7 @@ from ckpttool.format.locator import ChunkLocation
 from ckpttool.format.metadata import TensorMeta
 from ckpttool.format.perrank import PerRankReader
 from ckpttool.format.perrank_formats import detect_layout
+from ckpttool.format.storage import is_url, local_path
 from ckpttool.layouts.permute import legacy_to_canonical_perm
 from ckpttool.layouts.record import LAYOUT_KEY
 from ckpttool.model.catalog import TensorEntry, match_filter
@@ -207,7 +208,12 @@ def _open_side(
     if isinstance(path, Checkpoint):  # the caller's, opened already: used as it is and left open
         with open_source(path, opening) as ckpt:
             return Side(label, Path(ckpt.path), ckpt, _side_kind(ckpt), None, owned=False)
-    p = Path(path)
+    if is_url(path):  # Path() would fold 's3://b/k' into the local path 's3:/b/k'
+        raise DiffError(
+            f"{path}: a URL; diff compares local checkpoints only",
+            hint="copy the checkpoint to a local directory and compare that",
+        )
+    p = Path(local_path(path))
     only_file = None
     where = p
     if p.is_file():

@@ -323,6 +323,23 @@ def test_a_directory_that_is_neither_or_holds_a_damaged_safetensors_file(tmp_pat
     )
 
 
+@pytest.mark.parametrize("url", ["s3://bucket/run/step-100", "memory://ckpt"])
+def test_a_url_side_is_refused_by_its_url(dense_ckpt: Path, url: str) -> None:
+    """diff reads local paths only (docs/storage.md): a URL was folded into a local path ('s3:/bucket/...')
+    and refused as a missing directory (E100) with a hint listing the working directory."""
+    for args in ((url, dense_ckpt), (dense_ckpt, url)):
+        res = cli(*args)
+        assert res.exit_code == 2 and res.stdout == "", res.output
+        err, hint = res.stderr.splitlines()
+        assert err == f"error: [E610] {url}: a URL; diff compares local checkpoints only", err
+        assert hint == "hint: copy the checkpoint to a local directory and compare that", hint
+
+
+def test_a_file_url_side_is_its_local_path(dense_ckpt: Path) -> None:
+    """``file://PATH`` is the local path, as for every command that takes a URL (docs/storage.md)."""
+    assert diff_json(f"file://{dense_ckpt}", dense_ckpt, code=0)["equal"] is True
+
+
 def test_a_run_root_whose_step_has_a_damaged_metadata_names_it(tmp_path: Path, dense_ckpt: Path) -> None:
     """A run root (an OLMo-core ``stepN/``, a NeMo ``epoch_E_step_S/``) holds no ``.metadata`` itself: the
     error of the damaged ``.metadata`` found below it was replaced by E610 "neither a DCP checkpoint nor a
