@@ -574,31 +574,27 @@ def _refuse_marked(root: Path) -> None:
     # the checkpoint itself (a Megatron iter_N) or the step directory opened (OLMo-core's stepN/ of
     # model_and_optim/ and train/, no .metadata.json: as `step` N); its model_and_optim/ opened directly is
     # read (OLMo-core's load reads it too) and named by validate (K011)
+    running = "(a save still running, or one that was interrupted)"
     unpublished = _unpublished(root)
-    if unpublished is not None:
+    found = [
+        (root, f"holds {unpublished}: a save that did not finish, which the trainer neither loads nor resumes from")
+    ]
+    if unpublished is None:
+        staged = ((w, _renamed_to(w)) for w in (root, root.parent))
+        staging = "the trainer's staging directory of a save not yet renamed to {} " + running
+        found = [
+            (w, staging.format(final) + ", which the trainer's own load never finds") for w, final in staged if final
+        ]
+    if not found:
+        marked = ((w, _marker(w)) for w in (root, root.parent))
+        found = [(w, f"holds {m}, the trainer's marker of a save not yet published {running}") for w, m in marked if m]
+    if found:
+        where, what = found[0]
         raise IncompleteCheckpointError(
-            f"{root}: holds {unpublished}: a save that did not finish, which the trainer neither loads nor resumes from",
-            path=root,
+            f"{where}: {what}",
+            path=where,
             hint="wait for the save to finish, or open an earlier complete step (`step` N on the run directory)",
         )
-    for where in (root, root.parent):
-        final = _renamed_to(where)
-        if final is not None:
-            raise IncompleteCheckpointError(
-                f"{where}: the trainer's staging directory of a save not yet renamed to {final} (a save still "
-                "running, or one that was interrupted), which the trainer's own load never finds",
-                path=where,
-                hint="wait for the save to finish, or open an earlier complete step (`step` N on the run directory)",
-            )
-    for where in (root, root.parent):
-        marker = _marker(where)
-        if marker is not None:
-            raise IncompleteCheckpointError(
-                f"{where}: holds {marker}, the trainer's marker of a save not yet published "
-                "(a save still running, or one that was interrupted)",
-                path=where,
-                hint="wait for the save to finish, or open an earlier complete step (`step` N on the run directory)",
-            )
 
 
 def _refuse_unfinished_unit(root: Path, u: _Unit, step: int | str | None, incomplete: list[IncompleteStep]) -> None:
