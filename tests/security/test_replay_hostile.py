@@ -66,3 +66,22 @@ def test_hyperparameter_outside_adamw_domain_names_the_param_group(
     # was E100 "invalid learning rate -1.0" (a bad-option code naming no group, key or file)
     bad = resave(full_fx / "ckpt", tmp_path / "bad", lambda d: d.__setitem__(GROUP + entry, value))
     _assert_one_error(_replay(bad), "E514", "param group of model.embed_tokens.weight: " + needle)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_gradient_file_with_non_finite_values_is_e120_not_blamed_on_the_state(
+    full_fx: Path, tmp_path: Path, value: float
+) -> None:
+    # was exit 1, E700 "parameter differs from master_weight.to(bfloat16) in 1 element(s)" (NaN != NaN) with the
+    # hint that the saved optimizer state does not reproduce the next step: the checkpoint blamed for the gradients
+    from safetensors.torch import load_file, save_file
+
+    grads = load_file(str(full_fx / "grads.safetensors"))
+    grads[FQN][3, 5] = value
+    save_file(grads, str(tmp_path / "bad.safetensors"))
+    res = _replay(full_fx / "ckpt", "--grads", str(tmp_path / "bad.safetensors"))
+    _assert_one_error(
+        res,
+        "E120",
+        f"--grads {tmp_path / 'bad.safetensors'}: gradient {FQN} holds 1 of 1024 value(s) that are not finite",
+    )
