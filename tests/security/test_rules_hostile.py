@@ -50,3 +50,16 @@ def test_alias_bomb_under_a_mapping_value_is_not_expanded(sample_ckpt: Path, tmp
     assert res.exit_code == 2
     assert res.stderr.startswith(f"error: [E100] {rules}: format is <dict of 1 items>, expected")
     assert len(res.stderr) < 500
+
+
+@pytest.mark.parametrize("warn, shown", [("'no'", "'no'"), ("[x]", "['x']"), ("0", "0")])
+def test_key_rule_warn_that_is_not_a_boolean_is_refused(
+    sample_ckpt: Path, tmp_path: Path, warn: str, shown: str
+) -> None:
+    # was accepted as bool(value): the quoted string 'no' turned the warning on
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(f"keys:\n  - {{match: '^model\\.x$', to: 'x', warn: {warn}}}\n")
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "out"), "--rules", str(rules), "--dry-run"])
+    assert res.exit_code == 2
+    assert res.stderr.startswith(f"error: [E100] {rules}: keys[0]: 'warn' is {shown}, expected true or false")
+    assert not (tmp_path / "out").exists()

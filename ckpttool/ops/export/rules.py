@@ -263,7 +263,12 @@ def _parse_keys(items: Any, source: str) -> tuple[KeyRule, ...]:
             raise UsageError(f"{where}: 'to' must be a string template or null", hint="see docs/export.md")
         if to is not None:
             _check_template(pattern, to, where)
-        rules.append(KeyRule(pattern, to, bool(item.get("warn", False))))
+        warn = item.get("warn", False)
+        if not isinstance(warn, bool):  # bool('no') is True: a quoted 'no' or a list would turn warnings on
+            raise UsageError(
+                f"{where}: 'warn' is {short_repr(warn)}, expected true or false", hint="see docs/export.md"
+            )
+        rules.append(KeyRule(pattern, to, warn))
     return tuple(rules)
 
 
