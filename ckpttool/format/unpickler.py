@@ -92,7 +92,10 @@ def short_repr(v: Any, width: int = 60) -> str:
         return f"<int of {v.bit_length()} bits>"
     if isinstance(v, (list, tuple, dict, set, frozenset)) and not (
         len(v) <= 8
-        and all(type(x) in (str, int, float, bool) and not (type(x) is int and x.bit_length() > 64) for x in v)
+        and all(
+            type(x) in (str, int, float, bool) and not (type(x) is int and x.bit_length() > 64)
+            for x in ([*v, *v.values()] if isinstance(v, dict) else v)  # a dict's values may be the bomb
+        )
     ):
         return f"<{type(v).__name__} of {len(v)} items>"  # never repr a container: it may be a pickle bomb
     try:

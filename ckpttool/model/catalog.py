@@ -900,7 +900,7 @@ def load_param_groups(cat: Catalog, reader: CheckpointReader, errors: dict[str, 
             if hyper in g.values or (hyper == "params" and g.params):
                 continue  # loaded already
             try:
-                value = reader.read_object(key)
+                value = _group_value(reader, key)
             except CkptError as e:
                 if errors is None:
                     raise
@@ -913,6 +913,20 @@ def load_param_groups(cat: Catalog, reader: CheckpointReader, errors: dict[str, 
                         g.params = _group_fqns(cat, g)
                 continue
             g.values[hyper] = value
+
+
+def _group_value(reader: CheckpointReader, key: str) -> Any:
+    """One param-group entry: a byte item, or a tensor entry (``torch.optim.AdamW(lr=torch.tensor(...))`` saves
+    its ``lr`` as a 0-d tensor, which ``dcp.save`` stores as a tensor): one element read as a Python number,
+    a larger tensor described (``SavedTensor``), never read."""
+    from ckpttool.format.reader import SavedTensor
+
+    meta = reader.metadata.entries.get(key)
+    if isinstance(meta, TensorMeta):
+        if meta.numel == 1:
+            return reader.read_tensor(key).reshape(()).item()
+        return SavedTensor(str(meta.dtype), tuple(meta.size))
+    return reader.read_object(key)
 
 
 def _group_fqns(cat: Catalog, group: ParamGroup) -> list[str]:

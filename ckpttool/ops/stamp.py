@@ -120,12 +120,25 @@ def _stamp(ckpt: Checkpoint, declaration: LayoutDeclaration | None) -> StampResu
     layout = ckpt.require_layout()
     geo = layout.geometry(cat)
     same = sum(1 for g in geo if g.same_dim)
+    bad = [g for g in geo if g.problems]
     if layout.record is not None:
-        # The record already says what was declared (resolve_layout refuses contradictions).
+        # The record already says what was declared (resolve_layout refuses contradictions); "already
+        # recorded" is said only of a record the chunks confirm, as a new one would be (reshard refuses the rest)
+        if bad:
+            where = "the checkpoint's embedded layout item" if layout.source == "embedded" else str(sidecar)
+            raise LayoutContradictionError(
+                f"{bad[0].key}: the chunk geometry contradicts the layout record in {where}: {bad[0].problems[0]}",
+                fqn=bad[0].key,
+                path=sidecar if layout.source != "embedded" else p,
+                hint=(
+                    "the embedded record cannot be replaced; write a new checkpoint with `ckpttool reshard`"
+                    if layout.source == "embedded"
+                    else f"the record is wrong: delete {sidecar} and stamp again with the right declaration"
+                ),
+            )
         if layout.source == "embedded":
             return StampResult(str(p), False, layout.record.raw, len(layout.ep_tensors), same, "embedded")
         return StampResult(str(sidecar), False, layout.record.raw, len(layout.ep_tensors), same, "sidecar")
-    bad = [g for g in geo if g.problems]
     if bad:  # resolve_layout checked the declaration already; a programmer error if this fires
         raise LayoutContradictionError(f"{bad[0].key}: {bad[0].problems[0]}", fqn=bad[0].key)
     assert declaration.version is not None and declaration.ep_size is not None and declaration.ep_fsdp_size is not None

@@ -29,6 +29,7 @@ from typing import Any
 from ckpttool.errors import UsageError
 from ckpttool.format import limits
 from ckpttool.format.files import read_regular
+from ckpttool.format.unpickler import short_repr
 
 __all__ = [
     "KeyRule",
@@ -224,11 +225,12 @@ def parse_rules(doc: Any, source: str) -> dict[str, Any]:
         raise UsageError(f"{source}: unknown section(s) {unknown}", hint=f"known sections: {', '.join(_SECTIONS[2:])}")
     fmt = doc.get("format", RULES_FORMAT)
     if fmt != RULES_FORMAT:
-        raise UsageError(f"{source}: format is {fmt!r}, expected {RULES_FORMAT!r}", hint="see docs/export.md")
+        # short_repr: YAML aliases make a nested list of 9**9 items out of 100 lines; repr would expand it
+        raise UsageError(f"{source}: format is {short_repr(fmt)}, expected {RULES_FORMAT!r}", hint="see docs/export.md")
     version = doc.get("version", _RULES_VERSION)
     if version != _RULES_VERSION:
         raise UsageError(
-            f"{source}: rules version {version!r} is not supported (expected {_RULES_VERSION})",
+            f"{source}: rules version {short_repr(version)} is not supported (expected {_RULES_VERSION})",
             hint="upgrade ckpttool or fix the rules file",
         )
     return {section: parse(doc[section], source) for section, parse in _PARSERS.items() if section in doc}
@@ -261,7 +263,12 @@ def _parse_keys(items: Any, source: str) -> tuple[KeyRule, ...]:
             raise UsageError(f"{where}: 'to' must be a string template or null", hint="see docs/export.md")
         if to is not None:
             _check_template(pattern, to, where)
-        rules.append(KeyRule(pattern, to, bool(item.get("warn", False))))
+        warn = item.get("warn", False)
+        if not isinstance(warn, bool):  # bool('no') is True: a quoted 'no' or a list would turn warnings on
+            raise UsageError(
+                f"{where}: 'warn' is {short_repr(warn)}, expected true or false", hint="see docs/export.md"
+            )
+        rules.append(KeyRule(pattern, to, warn))
     return tuple(rules)
 
 

@@ -109,8 +109,11 @@ class GradFile:
         """The gradient of ``fqn``, shape-checked and cast to ``dtype`` (CPU).
 
         Raises:
-            UsageError (E120): no gradient for ``fqn``, wrong shape, or a non-floating dtype.
+            UsageError (E120): no gradient for ``fqn``, wrong shape, a non-floating dtype, or values that are
+                not finite (after the cast).
         """
+        import torch
+
         key = self._key(fqn)
         if key is None:
             raise self._error(
@@ -127,4 +130,14 @@ class GradFile:
             )
         if not t.is_floating_point():
             raise self._error(f": gradient {key} is {t.dtype}, expected a floating dtype", fqn=fqn)
-        return t if t.dtype == dtype else t.to(dtype)
+        cast_to = "" if t.dtype == dtype else f" as {str(dtype).removeprefix('torch.')}"  # a cast may overflow
+        t = t if t.dtype == dtype else t.to(dtype)
+        # a NaN or infinite gradient makes every field NaN: the comparison could only blame the saved state
+        bad = int(t.numel() - torch.isfinite(t).sum().item())
+        if bad:
+            raise self._error(
+                f": gradient {key} holds {bad} of {t.numel()} value(s) that are not finite (NaN or infinity){cast_to}",
+                fqn=fqn,
+                hint="pass finite gradients (the trainer skips a step whose gradients overflow)",
+            )
+        return t

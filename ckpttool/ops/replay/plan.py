@@ -207,7 +207,7 @@ def _hyper(group: Any, fqn: str, group_id: int | str) -> Hyper:
             and isinstance(v, (bool, int, float, str, type(None)))
         )
     )
-    return Hyper(
+    hyper = Hyper(
         group_id,
         _float(values["lr"], "lr", fqn),
         _float(betas[0], "betas[0]", fqn),
@@ -216,6 +216,21 @@ def _hyper(group: Any, fqn: str, group_id: int | str) -> Hyper:
         _float(values["weight_decay"], "weight_decay", fqn),
         extra,
     )
+    # AdamW's own domain (torch.optim.AdamW refuses the same values): named here, not as a bare option error
+    for what, value, ok, domain in (
+        ("lr", hyper.lr, hyper.lr >= 0.0, "lr >= 0"),
+        ("betas[0]", hyper.beta1, 0.0 <= hyper.beta1 < 1.0, "0 <= betas[0] < 1"),
+        ("betas[1]", hyper.beta2, 0.0 <= hyper.beta2 < 1.0, "0 <= betas[1] < 1"),
+        ("eps", hyper.eps, hyper.eps >= 0.0, "eps >= 0"),
+        ("weight_decay", hyper.weight_decay, hyper.weight_decay >= 0.0, "weight_decay >= 0"),
+    ):
+        if not ok:
+            raise HyperparameterError(
+                f"param group of {fqn}: {what} is {value!r}; AdamW needs {domain}",
+                fqn=fqn,
+                hint="run `ckpttool validate --strict` on the checkpoint to see every problem",
+            )
+    return hyper
 
 
 def _shared_step(group: Any) -> float | None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ckpttool.engine.pool import map_ordered
-from ckpttool.errors import DeviceUnavailableError, UsageError
+from ckpttool.errors import DeviceUnavailableError, StateDtypeError, UsageError
 from ckpttool.format.jsonview import json_fields, json_number
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
 from ckpttool.model.counters import lost_optimizer_state
@@ -766,6 +766,12 @@ def _load_batch(
     for p in batch:
         t = loaded[p.fqn]
         step_before = float(t["step"].item()) if "step" in t else 0.0
+        if not (math.isfinite(step_before) and step_before >= 0.0):  # a count of steps taken: Adam's bias
+            raise StateDtypeError(  # corrections of a negative, infinite or NaN step are complex or NaN
+                f"optimizer state {p.fqn}.step is {step_before:g}, not a count of steps taken (a finite number >= 0)",
+                fqn=p.fqn,
+                hint="run `ckpttool validate --strict --deep` on the checkpoint to see every problem",
+            )
         r = ParamResult(
             p.fqn,
             p.shape,

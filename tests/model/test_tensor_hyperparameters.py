@@ -1,0 +1,51 @@
+"""A param group whose ``lr`` is a tensor (``torch.optim.AdamW(lr=torch.tensor(...))``): ``dcp.save`` stores it
+as a tensor entry, not a byte item; every command reads it as the number it is."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def tensor_lr_ckpt(tmp_path: Path) -> Path:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(2e-3), weight_decay=0.0)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    assert isinstance(osd["param_groups"][0]["lr"], torch.Tensor)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ckpt"))
+    return tmp_path / "ckpt"
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["stats"], ["validate"], ["replay-step", "--device", "cpu"]])
+def test_tensor_lr_is_read_as_a_number(tensor_lr_ckpt: Path, command: list[str]) -> None:
+    # was E100 "'optimizer.param_groups.0.lr' is not a byte item of the checkpoint", hint "run the command with --help"
+    res = runner.invoke(app, [command[0], str(tensor_lr_ckpt), *command[1:]])
+    assert res.exit_code == 0, res.stderr
+    assert "error" not in res.stderr
+
+
+def test_replay_uses_the_tensor_lr(tensor_lr_ckpt: Path) -> None:
+    res = runner.invoke(app, ["replay-step", str(tensor_lr_ckpt), "--device", "cpu", "--json", "--reference", "torch"])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["ok"] and [p["lr"] for p in doc["params"]] == pytest.approx([2e-3, 2e-3])
+    assert all(p["torch_unequal"] is not None and not any(p["torch_unequal"].values()) for p in doc["params"])

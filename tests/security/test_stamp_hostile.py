@@ -1,0 +1,60 @@
+"""``stamp`` over a hostile sidecar ``layout.json`` that agrees with the declaration but not with the chunks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from tests.fixtures.cache import copy_checkpoint
+
+runner = CliRunner()
+LEGACY = ["--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "2"]
+GATE_UP = "model.model.layers.0.mlp.experts.gate_up_proj"
+EP_KEYS = [f"model.model.layers.{i}.mlp.experts.{n}" for i in (0, 1) for n in ("gate_up_proj", "down_proj")]
+
+
+def _record(**entry: Any) -> dict[str, Any]:
+    spec = {"ep_dim": 0, "fsdp_dim": 0, "num_experts": 8}
+    extra = {k: dict(spec) for k in EP_KEYS}
+    extra.update(entry)
+    return {
+        "format": "ckpttool.layout",
+        "version": 1,
+        "parallel": {"ep_size": 2, "ep_fsdp_size": 2},
+        "extra_parallel": extra,
+    }
+
+
+@pytest.mark.parametrize(
+    "record, key, problem",
+    [
+        (_record(**{GATE_UP: {"ep_dim": 0, "fsdp_dim": 0, "num_experts": 3}}), GATE_UP, "num_experts is 3"),
+        (_record(**{GATE_UP: {"ep_dim": 9, "fsdp_dim": 0, "num_experts": 8}}), GATE_UP, "ep_dim 9 is not a dim"),
+        (
+            _record(**{"model.model.nope.experts.w": {"ep_dim": 0, "fsdp_dim": 0, "num_experts": 8}}),
+            "model.model.nope.experts.w",
+            "named by the layout but not in the checkpoint",
+        ),
+    ],
+)
+def test_stamp_does_not_call_a_sidecar_the_chunks_contradict_already_recorded(
+    ep_suite: Path, tmp_path: Path, record: dict[str, Any], key: str, problem: str
+) -> None:
+    # was exit 0 "already recorded in .../layout.json, nothing written" (reshard then refused the record: E404)
+    ck = copy_checkpoint(ep_suite / "legacy", tmp_path / "legacy")
+    sidecar = ck / "layout.json"
+    sidecar.write_text(json.dumps(record))
+    before = sidecar.read_bytes()
+    res = runner.invoke(app, ["stamp", str(ck), *LEGACY])
+    assert res.exit_code == 2 and res.stdout == ""
+    lines = res.stderr.splitlines()
+    assert lines[0].startswith(f"error: [E404] {key}: the chunk geometry contradicts the layout record in {sidecar}")
+    assert problem in lines[0]
+    assert lines[1] == f"hint: the record is wrong: delete {sidecar} and stamp again with the right declaration"
+    assert "Traceback" not in res.stderr
+    assert sidecar.read_bytes() == before
