@@ -379,9 +379,10 @@ def _lone_models(
     lone: dict[int, IncompleteStep] = {}
     kept: list[_Unit] = []
     for u in units:
-        m = next(((pr, m) for pr in registry.derived().folder_pairs if (m := pr.model.match(u.model.name))), None)
-        if u.optimizer is None and u.step is not None and u.model.name in paired and m is not None:
-            want = m[0].optimizer.format(*m[1].groups())
+        matches = (pr.model.match(u.model.name) for pr in registry.derived().folder_pairs)
+        pair = next(((pr, m) for pr, m in zip(registry.derived().folder_pairs, matches) if m), None)
+        if u.optimizer is None and u.step is not None and u.model.name in paired and pair is not None:
+            want = pair[0].optimizer.format(*pair[1].groups())
             if not os.path.lexists(u.model.parent / want):
                 why = (
                     f"{u.model.name}/ but no {want}/ (the run's other steps hold both: a save cut before its optimizer)"

@@ -23,6 +23,7 @@ __all__ = [
     "HYPERPARAMETERS",
     "expected_state_dtypes",
     "infer_optimizer_type",
+    "other_adam_family",
 ]
 
 #: Type names accepted by ``build_optimizer`` and written into the layout record.
@@ -111,6 +112,18 @@ def expected_state_dtypes(
         f"unknown optimizer type {type_name!r}",
         hint=f"use one of {', '.join(OPTIMIZER_TYPES)}",
     )
+
+
+def other_adam_family(group: Mapping[str, Any]) -> str | None:
+    """The torch optimizer of the Adam family other than Adam/AdamW whose param group ``group`` (key -> saved
+    value) is: ``"NAdam"`` (it saves ``momentum_decay``) or ``"RAdam"`` (``decoupled_weight_decay`` without
+    ``amsgrad``, which every Adam and AdamW group holds: ``torch/optim/adam.py``, ``radam.py``, ``nadam.py``
+    defaults); ``None`` otherwise. Their moments are AdamW's fields, their step is not."""
+    if "decoupled_weight_decay" not in group:
+        return None
+    if "momentum_decay" in group:
+        return "NAdam"
+    return "RAdam" if "amsgrad" not in group else None
 
 
 def infer_optimizer_type(fields: Mapping[str, Any]) -> str:

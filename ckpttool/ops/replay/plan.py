@@ -32,7 +32,7 @@ from ckpttool.format.metadata import dtype_name
 from ckpttool.layouts.record import LayoutRecord
 from ckpttool.model.catalog import Catalog, TensorEntry, frozen_params, leaf_key, lost_state, match_filter
 from ckpttool.model.schemas.base import canonical_model_key
-from ckpttool.optim_state.schema import OPTIMIZER_TYPES, expected_state_dtypes, infer_optimizer_type
+from ckpttool.optim_state.schema import OPTIMIZER_TYPES, expected_state_dtypes, infer_optimizer_type, other_adam_family
 
 __all__ = [
     "Hyper",
@@ -182,10 +182,8 @@ def _hyper(group: Any, fqn: str, group_id: int | str) -> Hyper:
                 fqn=fqn,
                 hint=f"replay only parameters of groups without {switch} (`filter_glob`)",
             )
-    if "decoupled_weight_decay" in values and ("amsgrad" not in values or "momentum_decay" in values):
-        # torch's Adam and AdamW groups always save amsgrad; RAdam's and NAdam's (same moments, another step)
-        # save decoupled_weight_decay without it, NAdam's momentum_decay too
-        other = "NAdam" if "momentum_decay" in values else "RAdam"
+    other = other_adam_family(values)
+    if other is not None:
         raise HyperparameterError(
             f"param group of {fqn} was saved by torch.optim.{other} (decoupled_weight_decay without amsgrad; "
             f"keys {', '.join(sorted(group.keys))}); replay-step replays AdamW",

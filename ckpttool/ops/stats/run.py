@@ -49,6 +49,7 @@ from ckpttool.ops.stats.result import (
     TensorValueStats,
     UpdateStats,
 )
+from ckpttool.optim_state.schema import other_adam_family
 
 __all__ = ["MAX_CHECKPOINTS", "StatsOptions", "collect_stats", "layer_of", "module_of", "note_line"]
 
@@ -141,7 +142,7 @@ def _hyper(ckpt: Checkpoint, fqn: str, notes: dict[str, list[str]]) -> AdamHyper
         notes.setdefault("no param group or step saved", []).append(fqn)
         return None
     v = group.values
-    if v.get("amsgrad") or ("decoupled_weight_decay" in v and ("amsgrad" not in v or "momentum_decay" in v)):
+    if v.get("amsgrad") or other_adam_family(v) is not None:
         notes.setdefault(NOT_ADAMW_NOTE, []).append(fqn)  # as replay-step refuses them (E514)
         return None
     betas = v.get("betas")
