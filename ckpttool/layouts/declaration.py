@@ -205,6 +205,25 @@ class ResolvedLayout:
                 hint=self.ambiguity_hint(),
             )
 
+    def require_geometry(self, cat: Catalog, hint: str) -> None:
+        """Raise unless the chunks of every EP tensor this layout names agree with it (metadata only).
+
+        Args:
+            cat: the checkpoint's catalog.
+            hint: what the user should do about a contradiction (the caller's operation).
+
+        Raises:
+            LayoutContradictionError (E404): the first tensor whose chunk geometry contradicts the layout
+                (expert count, ``ep_size`` divisibility, block boundaries) or that the checkpoint lacks.
+        """
+        for geo in self.geometry(cat):
+            if geo.problems:
+                raise LayoutContradictionError(
+                    f"{geo.key}: the chunk geometry contradicts the {self.source} layout: {geo.problems[0]}",
+                    fqn=geo.key,
+                    hint=hint,
+                )
+
     def spec_for(self, key: str) -> EPTensorSpec | None:
         """EP spec of a model key, or of an ``optimizer.state.<fqn>.<field>`` key of an EP parameter."""
         spec = self.ep_tensors.get(key)

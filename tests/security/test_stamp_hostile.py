@@ -58,3 +58,37 @@ def test_stamp_does_not_call_a_sidecar_the_chunks_contradict_already_recorded(
     assert lines[1] == f"hint: the record is wrong: delete {sidecar} and stamp again with the right declaration"
     assert "Traceback" not in res.stderr
     assert sidecar.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    "record, key, problem",
+    [
+        (_record(**{GATE_UP: {"ep_dim": 0, "fsdp_dim": 0, "num_experts": 3}}), GATE_UP, "num_experts is 3"),
+        (
+            _record(**{"model.model.nope.experts.w": {"ep_dim": 0, "fsdp_dim": 0, "num_experts": 8}}),
+            "model.model.nope.experts.w",
+            "named by the layout but not in the checkpoint",
+        ),
+        (
+            {**_record(), "parallel": {"ep_size": 3, "ep_fsdp_size": 1}},
+            "model.model.layers.0.mlp.experts.gate_up_proj",
+            "num_experts 8 is not divisible by ep_size 3",
+        ),
+    ],
+)
+def test_export_refuses_a_sidecar_the_chunks_contradict(
+    ep_suite: Path, tmp_path: Path, record: dict[str, Any], key: str, problem: str
+) -> None:
+    # was exit 0 for the record naming an absent tensor and for ep_size 3 (export trusted the record;
+    # reshard and stamp refused it), and E601 for a wrong num_experts: now E404 like reshard, nothing written
+    ck = copy_checkpoint(ep_suite / "legacy", tmp_path / "legacy")
+    (ck / "layout.json").write_text(json.dumps(record))
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["export", str(ck), str(out)])
+    assert res.exit_code == 2 and res.stdout == ""
+    lines = res.stderr.splitlines()
+    assert lines[0].startswith(f"error: [E404] {key}: the chunk geometry contradicts the sidecar layout: "), lines
+    assert problem in lines[0]
+    assert lines[1].startswith("hint: the layout record or declaration does not describe how this checkpoint was saved")
+    assert "Traceback" not in res.stderr
+    assert not out.exists()

@@ -46,6 +46,7 @@ from ckpttool.format.safetensors import ShardWriter
 from ckpttool.format.storage import is_url
 from ckpttool.format.tiling import contiguous_run, tiling_problem
 from ckpttool.layouts.declaration import ResolvedLayout
+from ckpttool.layouts.record import SIDECAR_NAME
 from ckpttool.model.adapters import AdapterConfig, ModelAdapter, detect_adapter, get_adapter
 from ckpttool.model.catalog import Catalog
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, gc_held, open_source
@@ -81,6 +82,11 @@ __all__ = ["ExportOptions", "ExportResult", "export_checkpoint", "ProgressFn"]
 log = logging.getLogger(__name__)
 
 
+#: What to do about a layout record or declaration that the chunks contradict (E404).
+_LAYOUT_HINT = (
+    "the layout record or declaration does not describe how this checkpoint was saved: correct the declaration, "
+    f"or delete the wrong {SIDECAR_NAME} and `ckpttool stamp` the right one"
+)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".distcp")
 
 
@@ -1036,6 +1042,8 @@ def _prepare(
     rules, model_config = given.rules, given.model_config
     model_adapter, selected, warnings, skipped = _select(ckpt, out_format, opts, rules, model_config)
     check_trainable_dtypes(str(ckpt.path), cat, selected)
+    if layout.source != "none":  # a record or declaration un-permutes experts: the chunks must confirm it
+        layout.require_geometry(cat, _LAYOUT_HINT)
     orders = expert_orders(selected, layout)
     num_experts = rules.num_experts_from_config(model_config) if model_config else None
     embed, lm_head, tied, drop = _tied(selected, rules, model_config, out_format)

@@ -374,13 +374,9 @@ def _target_mesh(
         raise UsageError(f"`to` must be canonical or legacy, got {to!r}", param="to")
     to_version = LAYOUT_VERSIONS[to]
     layout.require_unambiguous()
-    for geo in layout.geometry(cat):
-        if geo.problems:
-            raise LayoutContradictionError(
-                f"{geo.key}: the chunk geometry contradicts the {layout.source} layout: {geo.problems[0]}",
-                fqn=geo.key,
-                hint="the record or declaration does not describe how this checkpoint was saved; fix it before resharding",
-            )
+    layout.require_geometry(
+        cat, "the record or declaration does not describe how this checkpoint was saved; fix it before resharding"
+    )
     if (target_ep_size is None) != (target_ep_fsdp_size is None):
         given, missing, keep = (
             ("target_ep_size", "target_ep_fsdp_size", layout.ep_fsdp_size)

@@ -246,7 +246,7 @@ def test_layout_record_expert_count_must_match(qwen_legacy_ckpt: Path, tmp_path:
     res = runner.invoke(app, ["export", str(ck), str(tmp_path / "o"), "--experts", "per-expert"])
     assert res.exit_code == 2 and res.stdout == ""
     first = res.stderr.splitlines()[0]
-    assert first.startswith("error: [E601] model.model.layers.0.mlp.experts.") and "num_experts=4" in first
+    assert first.startswith("error: [E404] model.model.layers.0.mlp.experts.") and "num_experts is 4" in first
     assert not (tmp_path / "o").exists()
 
 
