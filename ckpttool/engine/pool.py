@@ -22,7 +22,17 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-__all__ = ["Lane", "imap_ordered", "map_ordered", "on_pool_thread", "overlap", "pool_size", "shutdown", "worker_count"]
+__all__ = [
+    "Lane",
+    "imap_ordered",
+    "map_ordered",
+    "on_pool_thread",
+    "overlap",
+    "pool_size",
+    "shutdown",
+    "wait_exception",
+    "worker_count",
+]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -181,8 +191,8 @@ def _result(slot: Future[R]) -> R:
             continue
 
 
-def _exception(slot: Future[Any]) -> BaseException | None:
-    """``slot.exception()``, waking like :func:`_result`."""
+def wait_exception(slot: Future[Any]) -> BaseException | None:
+    """``slot.exception()`` (waits for a running slot), waking like :func:`_result`: Ctrl-C is handled at once."""
     while True:
         try:
             return slot.exception(timeout=_POLL_S)
@@ -240,7 +250,7 @@ def map_ordered(
     run = _Run(fn, seq, max(1, min(workers, len(seq))))
     try:
         if finish_all:
-            errors = [_exception(slot) for slot in run.slots]
+            errors = [wait_exception(slot) for slot in run.slots]
             first = next((e for e in errors if e is not None), None)
             if first is not None:
                 raise first
@@ -251,7 +261,7 @@ def map_ordered(
         started = run.close()
         with guard() if guard is not None else contextlib.nullcontext():
             for slot in started:
-                _exception(slot)  # waits; its own error, if any, is not the one raised
+                wait_exception(slot)  # waits; its own error, if any, is not the one raised
         raise
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from ckpttool.engine.io import write_all
-from ckpttool.engine.pool import Lane
+from ckpttool.engine.pool import Lane, wait_exception
 from ckpttool.errors import (
     ChunkError,
     CkptError,
@@ -533,9 +533,10 @@ class _Executor:
         if not self.pending:
             return
         done, _ = wait(list(self.pending), timeout=None if block else 0, return_when=FIRST_COMPLETED)
+        if any(fut.exception() is not None for fut in done):
+            raise self._earliest_error(done)
         for fut in done:
             what = self.pending.pop(fut)
-            fut.result()  # re-raises a worker's error here
             if isinstance(what, _Bytes):  # chunks of direct tasks: source bytes = output bytes
                 self.bytes_read += what.n
                 self.done += what.n
@@ -543,6 +544,20 @@ class _Executor:
                     self.progress(self.done, self.total)
             else:
                 self._chunk_done(what)
+
+    def _earliest_error(self, done: set[Future[None]]) -> BaseException:
+        """The error of the earliest submitted work unit that fails, whichever failed first in time.
+
+        The units submitted before the first failed one of ``done`` are waited for (the later ones are
+        cancelled by :meth:`run`): units are submitted in plan order, so the tensor an export names is
+        the same at every run and worker count (two tensors with a NaN: always the first in the plan).
+        """
+        for fut in self.pending:  # insertion order: submission order
+            if fut in done or not fut.cancelled():
+                err = wait_exception(fut)  # waits for a unit still running
+                if err is not None:
+                    return err
+        raise AssertionError("a failed work unit is pending")
 
     def _chunk_done(self, idx: int) -> None:
         """Count one finished chunk of task ``idx`` (its bytes and the progress once the task is complete)."""

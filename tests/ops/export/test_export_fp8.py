@@ -458,3 +458,24 @@ def test_units_of_a_few_bands_check_each_record_from_their_reads(tmp_path: Path,
         res = runner.invoke(app, ["export", str(src), str(out), *args])
         assert res.exit_code == 2 and "[E308]" in res.stderr and "Traceback" not in res.stderr, (damaged, res.stderr)
         assert not out.exists()
+
+
+def test_nan_in_two_weights_names_the_first_in_the_plan(tmp_path: Path) -> None:
+    """Two weights with a NaN: the error named whichever work unit failed first in time. The large
+    first weight's NaN sits in its last 8 MiB unit, the small second weight's in its first row, so the
+    second failed first at 2 workers and was named; now the first in the plan is, at every worker count."""
+    big = torch.randn(4096, 2048)
+    big[4095, 7] = float("nan")
+    small = torch.randn(32, 32)
+    small[0, 0] = float("nan")
+    sd = {"model.model.layers.0.mlp.down_proj.weight": big, "model.model.layers.1.mlp.down_proj.weight": small}
+    src = tmp_path / "ckpt"
+    dcp.save(sd, checkpoint_id=str(src), no_dist=True)
+    for workers in ("2", "1", "2"):
+        out = tmp_path / f"out{workers}"
+        res = runner.invoke(app, ["export", str(src), str(out), "--quantize", "fp8-block", "--workers", workers])
+        assert res.exit_code != 0 and "Traceback" not in res.stderr
+        first = res.stderr.splitlines()[0]
+        assert first.startswith("error: [E607]") and "model.layers.0.mlp.down_proj.weight" in first, first
+        assert "model.layers.1." not in res.stderr
+        assert not out.exists()
