@@ -533,7 +533,7 @@ class _Executor:
         if not self.pending:
             return
         done, _ = wait(list(self.pending), timeout=None if block else 0, return_when=FIRST_COMPLETED)
-        if any(fut.exception() is not None for fut in done):
+        if any(not fut.cancelled() and fut.exception() is not None for fut in done):
             raise self._earliest_error(done)
         for fut in done:
             what = self.pending.pop(fut)
@@ -553,7 +553,7 @@ class _Executor:
         the same at every run and worker count (two tensors with a NaN: always the first in the plan).
         """
         for fut in self.pending:  # insertion order: submission order
-            if fut in done or not fut.cancelled():
+            if not fut.cancelled():
                 err = wait_exception(fut)  # waits for a unit still running
                 if err is not None:
                     return err
