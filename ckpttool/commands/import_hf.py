@@ -41,7 +41,7 @@ AdapterOpt = Annotated[
     str | None,
     typer.Option(
         "--adapter",
-        metavar=adapter_metavar(identity=False),
+        metavar=adapter_metavar(identity=False, importable=True),
         help="Model adapter for --schema torchtitan or megatron (one of that schema's naming) "
         "[default: from config.json model_type].",
     ),

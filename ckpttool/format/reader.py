@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import struct
 import sys
 from collections.abc import Callable
 from operator import itemgetter
@@ -512,6 +513,33 @@ class CheckpointReader(CheckpointDir):
             self.read_chunk(fqn, chunk, out=view)
         return out
 
+    def read_scalar(self, fqn: str) -> int | float | bool | None:
+        """The value of the one-element tensor ``fqn`` decoded from its stored bytes without torch.
+
+        ``None`` where that needs torch: more than one element, a dtype :mod:`struct` does not decode
+        (complex, FP8), or a record that is not the plain value in the data file (compressed, big-endian,
+        a view into a larger storage, a stream transform): :meth:`read_tensor` reads those.
+
+        Raises:
+            UsageError: ``fqn`` is not a tensor entry.
+            as :meth:`read_chunk` (a record disagreeing with the metadata, a CRC-32 mismatch).
+        """
+        meta = self.tensor_meta(fqn)
+        fmt = _SCALAR_FORMATS.get(meta.dtype.name)
+        chunk = next((c for c in meta.chunks if c.numel), None)
+        if meta.numel != 1 or fmt is None or chunk is None:
+            return None
+        loc = self.locate(fqn, chunk)
+        if not loc.raw:
+            return None
+        buf = bytearray(meta.dtype.itemsize)
+        self.pread_into(loc.info, loc.record.data_offset, buf, fqn)
+        if self.verify_crc:
+            loc.check_crc(crc32(buf, 0))
+        if meta.dtype.name == "bfloat16":  # the upper half of a float32
+            return float(struct.unpack("<f", b"\0\0" + bytes(buf))[0])
+        return struct.unpack(fmt, buf)[0]  # type: ignore[no-any-return]
+
     def check_tiled(self, fqn: str, meta: TensorMeta) -> None:
         """:meth:`check_allocation`, then that the chunks tile the tensor: what a reader of each chunk on its own
         (statistics) checks first, or it would measure a tensor with a hole, or count values twice.
@@ -625,6 +653,22 @@ class SavedTensor(NamedTuple):
 
     dtype: str
     shape: tuple[int, ...]
+
+
+#: :mod:`struct` formats of the dtypes :meth:`CheckpointReader.read_scalar` decodes (little-endian records;
+#: bfloat16 as the upper half of a float32).
+_SCALAR_FORMATS = {
+    "float64": "<d",
+    "float32": "<f",
+    "float16": "<e",
+    "bfloat16": "<f",
+    "int64": "<q",
+    "int32": "<i",
+    "int16": "<h",
+    "int8": "<b",
+    "uint8": "<B",
+    "bool": "<?",
+}
 
 
 def _describe_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> SavedTensor:

@@ -917,14 +917,16 @@ def load_param_groups(cat: Catalog, reader: CheckpointReader, errors: dict[str, 
 
 def _group_value(reader: CheckpointReader, key: str) -> Any:
     """One param-group entry: a byte item, or a tensor entry (``torch.optim.AdamW(lr=torch.tensor(...))`` saves
-    its ``lr`` as a 0-d tensor, which ``dcp.save`` stores as a tensor): one element read as a Python number,
-    a larger tensor described (``SavedTensor``), never read."""
+    its ``lr`` as a 0-d tensor, which ``dcp.save`` stores as a tensor): one element read as a Python number
+    (from its stored bytes, without torch, where :meth:`~CheckpointReader.read_scalar` can), a larger tensor
+    described (``SavedTensor``), never read."""
     from ckpttool.format.reader import SavedTensor
 
     meta = reader.metadata.entries.get(key)
     if isinstance(meta, TensorMeta):
         if meta.numel == 1:
-            return reader.read_tensor(key).reshape(()).item()
+            value = reader.read_scalar(key)
+            return value if value is not None else reader.read_tensor(key).reshape(()).item()
         return SavedTensor(str(meta.dtype), tuple(meta.size))
     return reader.read_object(key)
 

@@ -266,16 +266,23 @@ def _unpublished(path: Path, names: list[str] | None = None) -> str | None:
     """What shows that the trainer has not published the save in ``path``: it holds every name of a
     schema's ``publish_markers`` entry but not the file the trainer writes last (OLMo-core's
     ``.metadata.json`` beside ``model_and_optim/`` and ``train/``; megatron-core's ``metadata.json``
-    beside ``common.pt``), else ``None``."""
+    beside ``common.pt``), or only some of those names and no checkpoint among them or in ``path``
+    itself (OLMo-core's async save: ``train/`` written, ``model_and_optim/`` not yet), else ``None``."""
     if names is None:
         try:
             names = os.listdir(path)
         except OSError:
             return None
     for last, holds in registry.derived().publish_markers:
-        if last not in names and all(h in names for h in holds):
-            held = ", ".join(h + "/" if (path / h).is_dir() else h for h in holds)
-            return f"{held} but no {last} (the trainer writes it last, when the save is complete)"
+        present = [h for h in holds if h in names]
+        if last in names or not present:
+            continue
+        # a part of the save only: unless it is itself a checkpoint (or ``path`` is), ``path`` is not another
+        # framework's step directory that happens to hold a folder of that name
+        if len(present) < len(holds) and (is_checkpoint_dir(path) or any(is_checkpoint_dir(path / h) for h in present)):
+            continue
+        held = ", ".join(h + "/" if (path / h).is_dir() else h for h in present)
+        return f"{held} but no {last} (the trainer writes it last, when the save is complete)"
     return None
 
 
@@ -576,7 +583,7 @@ def _refuse_marked(root: Path) -> None:
     # model_and_optim/ and train/, no .metadata.json: as `step` N); its model_and_optim/ opened directly is
     # read (OLMo-core's load reads it too) and named by validate (K011)
     running = "(a save still running, or one that was interrupted)"
-    unpublished = _unpublished(root)
+    unpublished = None if _renamed_to(root) is not None else _unpublished(root)  # stepN-tmp/: named as staging
     found = [
         (root, f"holds {unpublished}: a save that did not finish, which the trainer neither loads nor resumes from")
     ]

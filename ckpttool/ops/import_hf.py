@@ -32,7 +32,16 @@ from ckpttool.format.metadata import ChunkMeta, DType, TensorMeta
 from ckpttool.format.outputs import check_target, output_location
 from ckpttool.format.storage import is_url
 from ckpttool.format.writer import DCPWriter
-from ckpttool.model.adapters import AdapterConfig, ModelAdapter, NativeTensor, Skip, get_adapter, rope_from_hf_rows
+from ckpttool.model.adapters import (
+    ADAPTERS,
+    AdapterConfig,
+    ModelAdapter,
+    NativeTensor,
+    Skip,
+    get_adapter,
+    import_adapters,
+    rope_from_hf_rows,
+)
 from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import canonical_model_key
@@ -607,7 +616,22 @@ def _check_index(src_dir: Path, sources: dict[str, _Source]) -> None:
 
 
 def _choose_adapter(opts: ImportOptions, config: Any) -> ModelAdapter | None:
-    """The adapter of ``schema`` torchtitan (``adapter``, else from ``model_type``); ``None`` for torch-native."""
+    """The adapter of ``schema`` torchtitan (``adapter``, else from ``model_type``); ``None`` for torch-native.
+
+    ``adapter`` must be one import writes through (:func:`~ckpttool.model.adapters.import_adapters`, the
+    registry's :attr:`~ckpttool.model.adapters.ModelAdapter.import_schema`) and one of ``schema``.
+    """
+    importable = import_adapters()
+    if opts.adapter is not None and opts.adapter not in importable:
+        names = ", ".join(import_adapters(identity=False))
+        raise UsageError(
+            f"`adapter` {opts.adapter!r} is export only; import writes through {names}"
+            if opts.adapter in ADAPTERS
+            else f"`adapter` {opts.adapter!r} is not one of {names}",
+            param="adapter",
+            hint="omit it to take the adapter from the config's model_type",
+        )
+    own = import_adapters(opts.schema, identity=False)
     adapter: ModelAdapter | None = None
     if opts.schema == "torchtitan":
         name = opts.adapter
@@ -624,21 +648,22 @@ def _choose_adapter(opts: ImportOptions, config: Any) -> ModelAdapter | None:
             raise UsageError(
                 "`schema` torchtitan needs a model adapter: the config's model_type does not name a built-in one",
                 param="adapter",
-                hint="pass `adapter` torchtitan-llama3 or torchtitan-qwen3 (and `config`)",
+                hint=f"pass `adapter` {' or '.join(own)} (and `config`)",
             )
-        if not name.startswith("torchtitan-"):  # another naming: its keys are not torchtitan's
+        if name not in own:  # another naming: its keys are not torchtitan's
             raise UsageError(
                 f"`schema` torchtitan imports through a torchtitan adapter, not {name}",
                 param="adapter",
-                hint="pass `adapter` torchtitan-llama3 or torchtitan-qwen3, or leave it out (the config's model_type)",
+                hint=f"pass `adapter` {' or '.join(own)}, or leave it out (the config's model_type)",
             )
         adapter = get_adapter(name)
     elif opts.schema == "megatron":
-        if opts.adapter not in (None, "megatron-gpt"):
-            raise UsageError("`schema` megatron imports through the megatron-gpt adapter", param="adapter")
-        adapter = get_adapter("megatron-gpt")
-    elif opts.adapter not in (None, "hf"):
-        raise UsageError("`adapter` applies to `schema` torchtitan", param="adapter")
+        if opts.adapter is not None and opts.adapter not in own:
+            raise UsageError(f"`schema` megatron imports through the {' or '.join(own)} adapter", param="adapter")
+        adapter = get_adapter(opts.adapter or next(iter(own)))
+    elif opts.adapter is not None and importable[opts.adapter].import_schema != opts.schema:
+        others = dict.fromkeys(str(cls.import_schema) for cls in importable.values() if not cls.identity)
+        raise UsageError(f"`adapter` applies to `schema` {' or '.join(others)}", param="adapter")
     return adapter
 
 

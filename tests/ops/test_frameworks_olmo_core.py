@@ -98,6 +98,28 @@ def test_a_step_without_its_metadata_json_is_not_latest(olmo_root: Path, tmp_pat
     assert doc["summary"]["model_tensor_count"] == 21
 
 
+def test_a_step_holding_only_train_is_named_incomplete(olmo_root: Path, tmp_path: Path) -> None:
+    """OLMo-core's async save writes ``stepN/train/rankR.pt`` first, then ``model_and_optim/``, then
+    ``.metadata.json``. A newest step holding only ``train/`` was passed over silently by ``--step latest``
+    (``validate --strict`` exit 0, no R001) and ``--step 3`` said "no checkpoint of step 3" (E205). Now it is
+    named like the other unpublished steps: R001 (``--strict`` fails), ``--step 3`` and ``step3/`` are E202."""
+    run = shutil.copytree(olmo_root / "run", tmp_path / "run")
+    (run / "step3").mkdir()
+    shutil.copytree(run / "step2" / "train", run / "step3" / "train")
+    doc = json.loads(cli("validate", "--strict", str(run), "--step", "latest", "--json", code=1))
+    assert doc["path"] == str(run / "step2" / "model_and_optim")
+    (r001,) = [f for f in doc["findings"] if f["code"] == "R001"]
+    assert [f["code"] for f in doc["findings"]] == ["R001"]
+    assert "step 3 is newer than the checked step 2 but incomplete (train/ but no .metadata.json" in r001["message"]
+    doc = json.loads(cli("inspect", str(run), "--step", "latest", "--json"))
+    assert doc["location"]["model"] == str(run / "step2" / "model_and_optim")
+    assert "step 3 is incomplete: train/ but no .metadata.json" in doc["location"]["how"]
+    for argv in (["export", str(run), str(tmp_path / "hf"), "--step", "3"], ["inspect", str(run / "step3")]):
+        res = runner.invoke(app, argv)
+        assert res.exit_code == 2 and "[E202]" in res.stderr and "train/ but no .metadata.json" in res.stderr, argv
+    assert not (tmp_path / "hf").exists()
+
+
 def test_an_unpublished_or_staged_step_opened_directly_is_not_ok(olmo_root: Path, tmp_path: Path) -> None:
     """A step directory without the .metadata.json OLMo-core writes last was E202 only with `--step N`: opened
     as `stepN/` (or its model_and_optim/) validate --strict said OK and export wrote it. OLMo-core's local save

@@ -553,12 +553,12 @@ def test_the_library_names_a_dcp_checkpoint_given_as_the_hf_directory(sample_ckp
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("adapter", ["torchtune-llama", "megatron-gpt", "hf"])
+@pytest.mark.parametrize("adapter", ["megatron-gpt", "hf"])
 def test_schema_torchtitan_with_an_adapter_of_another_naming_is_a_usage_error(
     hf_dirs: Path, tmp_path: Path, adapter: str
 ) -> None:
-    """``--schema torchtitan --adapter torchtune-llama`` (or ``megatron-gpt``) ran the import and failed on the
-    first HF key with E601 'not a key of the torchtune-llama adapter': the adapter names another schema's keys."""
+    """``--schema torchtitan --adapter megatron-gpt`` (or ``hf``) ran the import and failed on the first HF key
+    with E601 'not a key of the ... adapter': the adapter names another schema's keys."""
     res = runner.invoke(
         app, ["import", str(hf_dirs / "llama"), str(tmp_path / "o"), "--schema", "torchtitan", "--adapter", adapter]
     )
@@ -568,4 +568,39 @@ def test_schema_torchtitan_with_an_adapter_of_another_naming_is_a_usage_error(
     assert hint == (
         "hint: pass --adapter torchtitan-llama3 or torchtitan-qwen3, or leave it out (the config's model_type)"
     ), hint
+    assert not (tmp_path / "o").exists()
+
+
+def test_import_offers_only_the_adapters_it_writes_through() -> None:
+    """``import --help`` listed every registered adapter, ``torchtune-llama`` (export only: no import schema takes it)
+    among them; it lists those whose registry entry names an import schema. Export's list is unchanged."""
+    wide = {"COLUMNS": "400"}
+    imp = runner.invoke(app, ["import", "--help"], env=wide)
+    assert imp.exit_code == 0, imp.output
+    assert "--adapter <torchtitan-llama3|torchtitan-qwen3|megatron-gpt>" in imp.stdout, imp.stdout
+    assert "torchtune-llama" not in imp.stdout
+    exp = runner.invoke(app, ["export", "--help"], env=wide)
+    assert exp.exit_code == 0, exp.output
+    assert "--adapter <torchtitan-llama3|torchtitan-qwen3|megatron-gpt|torchtune-llama|hf>" in exp.stdout, exp.stdout
+
+
+@pytest.mark.parametrize("schema", ["torch-native", "torchtitan", "megatron"])
+@pytest.mark.parametrize(
+    ("adapter", "message"),
+    [
+        ("torchtune-llama", "--adapter 'torchtune-llama' is export only; import writes through "),
+        ("nope", "--adapter 'nope' is not one of "),
+    ],
+)
+def test_import_refuses_an_adapter_it_does_not_write_through(
+    hf_dirs: Path, tmp_path: Path, schema: str, adapter: str, message: str
+) -> None:
+    """``--adapter torchtune-llama`` (export only) or an unknown name: E100 naming import's own adapters
+    (an unknown name under ``--schema torchtitan`` listed every registered adapter, torchtune-llama too)."""
+    res = runner.invoke(
+        app, ["import", str(hf_dirs / "llama"), str(tmp_path / "o"), "--schema", schema, "--adapter", adapter]
+    )
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    err = res.stderr.splitlines()[0]
+    assert err == f"error: [E100] {message}torchtitan-llama3, torchtitan-qwen3, megatron-gpt", err
     assert not (tmp_path / "o").exists()

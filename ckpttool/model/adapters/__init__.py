@@ -35,6 +35,7 @@ from ckpttool.model.adapters.registry import (
     adapter_metavar,
     detect_adapter,
     get_adapter,
+    import_adapters,
     register_adapter,
 )
 
@@ -50,6 +51,7 @@ __all__ = [
     "adapter_metavar",
     "detect_adapter",
     "get_adapter",
+    "import_adapters",
     "register_adapter",
     "rope_from_hf_rows",
     "rope_to_hf_rows",

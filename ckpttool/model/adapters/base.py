@@ -247,6 +247,8 @@ class ModelAdapter:
             :func:`~ckpttool.model.adapters.registry.register_adapter`, detected by :meth:`detects`.
         description: one line for ``inspect`` and the docs.
         maps: the key maps, first match wins.
+        import_schema: the ``ckpttool import --schema`` whose keys :meth:`from_hf` writes (``None``:
+            export only; ``import --adapter`` neither lists nor takes it).
         naming, model_types, foreign: what the default :meth:`detects` asks (see there).
     """
 
@@ -255,6 +257,7 @@ class ModelAdapter:
     maps: tuple[KeyMap, ...] = ()
     #: keys and tensors as stored (the HF naming itself): no native names to import from
     identity = False
+    import_schema: str | None = None
     naming: str | None = None
     model_types: tuple[str | None, ...] | None = None
     foreign: tuple[str, ...] = ()

@@ -12,6 +12,7 @@ __all__ = ["HFIdentity"]
 class HFIdentity(ModelAdapter):
     name = "hf"
     description = "Hugging Face names (identity: keys and tensors as stored, the export key rules apply)"
+    import_schema = "torch-native"
     maps = (KeyMap(r".+", "{fqn}", "{fqn}"),)
     identity = True
     naming = "hf"

@@ -46,6 +46,7 @@ def torchtitan_dense(*, rope: bool) -> tuple[KeyMap, ...]:
 class TorchtitanLlama3(ModelAdapter):
     name = "torchtitan-llama3"
     description = "torchtitan Llama 3 (dense, GQA; RoPE q/k row permutation) <-> HF LlamaForCausalLM"
+    import_schema = "torchtitan"
 
     naming, model_types, foreign = "torchtitan", (None, "llama"), _NOT_LLAMA3
 

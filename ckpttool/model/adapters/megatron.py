@@ -126,6 +126,7 @@ def _qkv(fqn: str, shape: tuple[int, ...], cfg: AdapterConfig) -> HFTensor:
 class MegatronGPT(ModelAdapter):
     name = "megatron-gpt"
     description = "Megatron-core GPTModel dense / MoE (stacked layers) -> HF LlamaForCausalLM / MixtralForCausalLM"
+    import_schema = "megatron"
 
     naming = "megatron"
 

@@ -30,6 +30,7 @@ _QWEN3_ONLY = (".attention.q_norm.", ".moe.")
 class TorchtitanQwen3(ModelAdapter):
     name = "torchtitan-qwen3"
     description = "torchtitan Qwen3 dense / MoE <-> HF Qwen3ForCausalLM / Qwen3MoeForCausalLM (fused or per-expert)"
+    import_schema = "torchtitan"
 
     @classmethod
     def detects(cls, evidence: Any) -> bool:

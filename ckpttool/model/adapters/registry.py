@@ -15,7 +15,15 @@ from typing import Any
 from ckpttool.errors import UsageError
 from ckpttool.model.adapters.base import AdapterConfig, ModelAdapter
 
-__all__ = ["ADAPTERS", "Evidence", "adapter_metavar", "detect_adapter", "get_adapter", "register_adapter"]
+__all__ = [
+    "ADAPTERS",
+    "Evidence",
+    "adapter_metavar",
+    "detect_adapter",
+    "get_adapter",
+    "import_adapters",
+    "register_adapter",
+]
 
 #: name -> adapter class, in registration order (the order ``--adapter`` lists them).
 ADAPTERS: dict[str, type[ModelAdapter]] = {}
@@ -79,6 +87,24 @@ def detect_adapter(naming: str, fqns: Sequence[str], config: dict[str, Any] | No
     return claims[0]() if claims else None
 
 
-def adapter_metavar(*, identity: bool = True) -> str:
-    """``<name|name|...>`` of the registered adapters for a CLI option (``identity`` False: without ``hf``)."""
-    return "<" + "|".join(n for n, cls in ADAPTERS.items() if identity or not cls.identity) + ">"
+def import_adapters(schema: str | None = None, *, identity: bool = True) -> dict[str, type[ModelAdapter]]:
+    """The adapters ``ckpttool import`` writes through (:attr:`ModelAdapter.import_schema` set), in registration order.
+
+    ``schema``: only those of that import ``--schema``; ``identity`` False: without ``hf``.
+    """
+    return {
+        n: cls
+        for n, cls in ADAPTERS.items()
+        if cls.import_schema is not None
+        and (schema is None or cls.import_schema == schema)
+        and (identity or not cls.identity)
+    }
+
+
+def adapter_metavar(*, identity: bool = True, importable: bool = False) -> str:
+    """``<name|name|...>`` of the registered adapters for a CLI option.
+
+    ``identity`` False: without ``hf``; ``importable``: only those ``import`` writes through (:func:`import_adapters`).
+    """
+    pool = import_adapters() if importable else ADAPTERS
+    return "<" + "|".join(n for n, cls in pool.items() if identity or not cls.identity) + ">"

@@ -97,7 +97,7 @@ class Discovery:
         publish_markers: files a trainer writes into a step directory last, when its save is complete:
             ``(marker, holds)``, a step directory holding every name of ``holds`` but not ``marker``
             is a save not yet published (OLMo-core's ``.metadata.json`` beside ``model_and_optim/``
-            and ``train/``).
+            and ``train/``); so is one holding some of them, none a checkpoint (``train/`` alone).
         staging_suffixes: suffixes of the directory a trainer saves a step into before renaming it to
             the step's name: ``<step directory><suffix>`` is a save not yet renamed (OLMo-core's
             ``Checkpointer`` saves ``stepN-tmp/`` and renames it to ``stepN/`` when every rank has written).

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.format.jsonview import json_fields
+from ckpttool.format.jsonview import json_fields, json_number
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +57,8 @@ class FieldError:
         return self.bad == 0
 
     def to_dict(self) -> dict[str, Any]:
-        return json_fields(self)
+        """The fields (a non-finite one as ``"inf"`` / ``"nan"``: a NaN saved value makes the errors infinite)."""
+        return {k: json_number(v) for k, v in json_fields(self).items()}
 
 
 def compare_field(

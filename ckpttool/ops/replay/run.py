@@ -705,6 +705,8 @@ def _state_problems(ckpt: Checkpoint, plan: Any) -> tuple[str, ...]:
 REFERENCE_SLAB = 1 << 16
 #: Elements per slab of the one-pass native kernel (``kernel.py``): only the saved values' reads are buffered.
 NATIVE_SLAB = 1 << 18
+#: dtypes of saved fields whose values :meth:`_SlabContext._nonfinite_saved` checks for NaN and infinity
+_FLOAT_FIELDS = frozenset({"float64", "float32", "bfloat16", "float16"})
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
 
@@ -1340,6 +1342,7 @@ class _SlabContext:
                     f"{f}: {err.bad} element(s) beyond tolerance (max abs {err.max_abs:.3g}, max rel {err.max_rel:.3g}, "
                     f"rtol {err.rtol:.3g})"
                 )
+        r.problems[:0] = self._nonfinite_saved()  # the cause first: every later difference follows from it
         # Placement: the parameter on the device; master/moments on the CPU when offloaded, else beside it.
         want_state = "cpu" if p.offloaded else dev.type
         if self.param.device.type != dev.type:
@@ -1349,6 +1352,41 @@ class _SlabContext:
                 r.problems.append(
                     f"{f} is on {st[f].device}, expected {want_state}" + (" (offloaded)" if p.offloaded else "")
                 )
+
+    def _nonfinite_saved(self) -> list[str]:
+        """A ``D001`` problem for each saved field (moments, master, parameter) holding NaN or infinity.
+
+        Read again slab by slab only for a parameter that failed (``[]`` without reading for one that passes so
+        far): a non-finite saved value, not the replay, is then why the master, moments and parameter differ from
+        the reference (NaN never equals NaN).
+        """
+        import torch
+
+        out: list[str] = []
+        if not self.r.problems:
+            return out
+        n = self.p.numel
+        for f in ("exp_avg_sq", "exp_avg", "master_weight", "param"):
+            if f not in self.saved or self.saved[f].dtype not in _FLOAT_FIELDS:
+                continue
+            nan = inf = 0
+            first: int | None = None
+            for a in range(0, n, self.slab):
+                t = self._read(f, a, min(a + self.slab, n))
+                bad = ~torch.isfinite(t)
+                if bad.any():
+                    nan += int(t.isnan().sum())
+                    inf += int(bad.sum()) - int(t.isnan().sum())
+                    if first is None:
+                        first = a + int(bad.nonzero()[0, 0])
+            if first is not None:
+                what = ", ".join(x for x in (f"{nan} NaN" if nan else "", f"{inf} infinite" if inf else "") if x)
+                out.append(
+                    f"saved {f} holds non-finite values [D001]: {what} of {n} element(s), the first at flat index "
+                    f"{first}; AdamW's step from it is not finite (the differences below follow from it, not from "
+                    "the replay)"
+                )
+        return out
 
     def _check_update(self, parts: list[dict[str, Any]]) -> None:
         """Merge the slabs' update sizes into the result; beyond the bounds is an ``R003`` problem."""

@@ -256,6 +256,50 @@ def test_corrupt_second_moment_values_are_a_mismatch(full_fx: Path, tmp_path: Pa
     assert_no_traceback(res)
 
 
+def test_a_nan_in_the_saved_second_moment_is_named_as_the_cause(full_fx: Path, tmp_path: Path) -> None:
+    """A NaN in one saved exp_avg_sq element failed the replay (exit 1, right) but E700 blamed a divergence
+    of the FP32 master and the parameter ('parameter differs from master_weight.to(bfloat16) in 1 element(s)
+    after the step'); now the first problem, and E700's cause, is the non-finite saved value (D001)."""
+
+    def mutate(d: dict[str, Any]) -> None:
+        d[_state_key(DENSE_FQN, "exp_avg_sq")][1, 1] = float("nan")
+
+    bad = resave(full_fx / "ckpt", tmp_path / "bad", mutate)
+    res = run(bad, "--device", "cpu")
+    assert res.exit_code == 1, res.output
+    n = 32 * 32  # q_proj of the fixture's model: element [1, 1] is flat index 33
+    assert res.stderr.startswith(
+        f"error: [E700] 1 of 17 parameter(s) do not reproduce the reference step; worst {DENSE_FQN}: saved "
+        f"exp_avg_sq holds non-finite values [D001]: 1 NaN of {n} element(s), the first at flat index 33; "
+    ), res.stderr
+    assert "master_weight" not in res.stderr.splitlines()[0]
+    assert_no_traceback(res)
+    result, _ = replay_collect(bad)
+    (worst,) = result.failed
+    assert worst.fqn == DENSE_FQN and worst.problems[0].startswith("saved exp_avg_sq holds non-finite values [D001]")
+    assert not any("non-finite" in p for p in worst.problems[1:])  # exp_avg, master, param: saved finite
+
+
+def test_json_of_a_replay_with_non_finite_errors_is_valid_json(full_fx: Path, tmp_path: Path) -> None:
+    """With a NaN saved in exp_avg_sq the field errors are infinite: `--json` was E999 'Out of range float values
+    are not JSON compliant' (exit 2, no document); now the errors are the string "inf", as `update`'s are."""
+    import jsonschema
+
+    from ckpttool.commands.schema import load_schema
+
+    def mutate(d: dict[str, Any]) -> None:
+        d[_state_key(DENSE_FQN, "exp_avg_sq")][1, 1] = float("nan")
+
+    bad = resave(full_fx / "ckpt", tmp_path / "bad", mutate)
+    res = run(bad, "--device", "cpu", "--json")
+    assert res.exit_code == 1 and "[E700]" in res.stderr, res.output
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, load_schema("replay"))
+    worst = doc["params"][0]
+    assert worst["fqn"] == DENSE_FQN and worst["errors"]["exp_avg_sq"]["max_abs"] == "inf"
+    assert worst["errors"]["exp_avg_sq"]["bad"] == 1 and isinstance(worst["errors"]["exp_avg"]["max_abs"], float)
+
+
 def test_lost_state_in_a_stepped_leaf_is_not_treated_as_fresh(full_fx: Path, tmp_path: Path) -> None:
     def mutate(d: dict[str, Any]) -> None:
         for f in ("step", "master_weight", "exp_avg", "exp_avg_sq"):
