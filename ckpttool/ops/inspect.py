@@ -794,18 +794,15 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
 #: Training-state leaves whose value ``inspect`` shows: the step counters (``train_state.step``,
 #: a scheduler's ``last_epoch``/``_step_count``) and torchtitan's token count.
 _TRAINING_LEAVES = ("step", "last_epoch", "_step_count", "ntokens_seen", "global_step", "epoch")
-_SCALAR_FORMATS = {"int64": "<q", "int32": "<i", "float32": "<f", "float64": "<d"}
 
 
 def _training_values(ckpt: Checkpoint) -> dict[str, int | float]:
     """The values of the step counters among the training-state keys (a few bytes each).
 
     A byte item holding a plain number (read with the no-globals unpickler), or a one-element
-    integer/float tensor stored uncompressed (its record's bytes decoded without torch). A key
-    whose value cannot be read that way is left out (its key is still listed).
+    integer/float tensor stored as its plain value (:meth:`~ckpttool.format.reader.CheckpointReader.read_scalar`,
+    no torch). A key whose value cannot be read that way is left out (its key is still listed).
     """
-    import struct
-
     cat, reader, out = ckpt.catalog, ckpt.reader, {}
     for key in chain.from_iterable(cat.training_state.values()):
         if key.rsplit(".", 1)[-1] not in _TRAINING_LEAVES:
@@ -813,17 +810,10 @@ def _training_values(ckpt: Checkpoint) -> dict[str, int | float]:
         try:
             if key in cat.byte_items:
                 value = reader.read_object(key)
+            elif key in cat.tensors:
+                value = reader.read_scalar(key)
             else:
-                t = cat.tensors.get(key)
-                fmt = _SCALAR_FORMATS.get(t.dtype) if t is not None else None
-                if t is None or fmt is None or t.numel != 1 or len(t.chunks) != 1:
-                    continue
-                loc = reader.locate(key, t.chunks[0])
-                rec = loc.record
-                if rec.deflated or rec.big_endian:
-                    continue
-                n = struct.calcsize(fmt)
-                value = struct.unpack(fmt, loc.window.pread(rec.data_offset + rec.storage_offset * n, n))[0]
+                continue
         except (CkptError, TrustRequiredError):
             continue
         if type(value) in (int, float):
