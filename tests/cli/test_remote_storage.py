@@ -488,3 +488,49 @@ def test_a_filesystem_fsspec_refuses_is_named_with_its_options(scheme: str, opti
         if "knows no" in said
         else "check --storage-option keys against the backend's documentation"
     )
+
+
+def test_training_state_beside_a_remote_checkpoint_is_named_as_locally(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """HF Trainer / DeepSpeed files, a pickle and a DCP subfolder in the prefix: K012 and inspect's
+    ``unread_beside`` as for the same directory (a URL said OK, exit 0 under --strict)."""
+    ck = copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state_0.pth", "trainer_state.json", "my_state.pkl"):
+        (ck / name).write_bytes(b"x" * 8)
+    (ck / "global_step3").mkdir()
+    (ck / "global_step3" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (ck / "optim").mkdir()
+    (ck / "optim" / ".metadata").write_bytes((ck / ".metadata").read_bytes())
+    url = upload(s3_server, ck)
+    local = runner.invoke(app, ["validate", "--strict", "--json", str(ck)])
+    remote = cli(s3_server, "validate", "--strict", "--json", url)
+    assert local.exit_code == remote.exit_code == 1, remote.output
+    named = [
+        (f["code"], f["message"].split("does not read: ", 1)[1])
+        for f in json.loads(remote.stdout)["findings"]
+        if f["code"] == "K012"
+    ]
+    assert named == [
+        (f["code"], f["message"].split("does not read: ", 1)[1])
+        for f in json.loads(local.stdout)["findings"]
+        if f["code"] == "K012"
+    ]
+    assert "global_step3/" in named[0][1] and "optim/" in named[0][1] and "my_state.pkl" in named[0][1]
+    li = json.loads(runner.invoke(app, ["inspect", "--json", str(ck)]).stdout)["unread_beside"]
+    ri = json.loads(cli(s3_server, "inspect", "--json", url).stdout)["unread_beside"]
+    assert (
+        ri
+        == li
+        == [
+            "global_step3/",
+            "my_state.pkl",
+            "optim/",
+            "optimizer.pt",
+            "rng_state_0.pth",
+            "scheduler.pt",
+            "trainer_state.json",
+        ]
+    )
+    clean = cli(s3_server, "validate", "--strict", upload(s3_server, sample_ckpt))
+    assert clean.exit_code == 0, clean.output
