@@ -534,3 +534,20 @@ def test_training_state_beside_a_remote_checkpoint_is_named_as_locally(
     )
     clean = cli(s3_server, "validate", "--strict", upload(s3_server, sample_ckpt))
     assert clean.exit_code == 0, clean.output
+
+
+def test_validate_of_an_unreadable_remote_metadata_names_the_url(s3_server: Any) -> None:
+    """The report of a URL whose .metadata is garbage names the URL (was '/bucket/prefix': the scheme lost)."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    c = s3_server.client()
+    s3_server.bucket("ckpts")
+    c.put_object(Bucket="ckpts", Key=f"{prefix}/.metadata", Body=b"not a pickle")
+    c.put_object(Bucket="ckpts", Key=f"{prefix}/__0_0.distcp", Body=b"xx")
+    url = f"s3://ckpts/{prefix}"
+    r = cli(s3_server, "validate", "--json", url)
+    assert r.exit_code == 2, r.output
+    doc = json.loads(r.stdout)
+    assert doc["path"] == url
+    assert [(f["code"], f["error_code"]) for f in doc["findings"]] == [("S001", "E200")]
+    table = cli(s3_server, "validate", url)
+    assert table.stdout.splitlines()[0].split() == ["checkpoint", url]
