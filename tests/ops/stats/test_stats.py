@@ -236,6 +236,14 @@ def test_plot_refused_before_any_work(dense_ckpt: Path, tmp_path: Path) -> None:
     assert res.exit_code == 2 and "unknown picture format" in res.stderr
     res = runner.invoke(app, ["stats", str(dense_ckpt), "--plot", str(tmp_path)])  # a directory: said so
     assert res.exit_code == 2 and res.stderr.startswith(f"error: [E100] --plot {tmp_path} is a directory\n")
+    # a URL: said so (was 'directory s3:/bucket does not exist', hint 'create it first'), for diff too
+    res = runner.invoke(app, ["stats", str(dense_ckpt), "--plot", "s3://bucket/run/norms.png"])
+    assert res.exit_code == 2 and res.stderr == (
+        "error: [E100] --plot s3://bucket/run/norms.png: a URL; --plot writes a local file only\n"
+        "hint: give a local file name and copy the picture to object storage yourself\n"
+    )
+    res = runner.invoke(app, ["diff", str(dense_ckpt), str(dense_ckpt), "--plot", "gs://b/d.svg"])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E100] --plot gs://b/d.svg: a URL;")
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"
         "from ckpttool.cli import main\n"
