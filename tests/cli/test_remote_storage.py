@@ -551,3 +551,24 @@ def test_validate_of_an_unreadable_remote_metadata_names_the_url(s3_server: Any)
     assert [(f["code"], f["error_code"]) for f in doc["findings"]] == [("S001", "E200")]
     table = cli(s3_server, "validate", url)
     assert table.stdout.splitlines()[0].split() == ["checkpoint", url]
+
+
+def test_an_object_cut_short_after_the_listing_is_a_data_file_error(sample_ckpt: Path, s3_server: Any) -> None:
+    """The data object replaced by a shorter one between the listing and the chunk reads: E300 naming the object,
+    said to have changed, at once (was retried --remote-retries times, then E144 'check the network')."""
+    from ckpttool.errors import DataFileError
+    from ckpttool.model.checkpoint import open_checkpoint
+
+    url = upload(s3_server, sample_ckpt)
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    with storage_config(options=s3_server.options(), retries=3, backoff_s=5.0):
+        with open_checkpoint(url) as ckpt:  # the listing and .metadata read
+            data = (sample_ckpt / "__0_0.distcp").read_bytes()
+            s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/__0_0.distcp", Body=data[:1000])
+            fqn = "model.lm_head.weight"
+            with pytest.raises(DataFileError) as got:
+                ckpt.reader.read_tensor(fqn)
+            requests = ckpt.reader.remote.requests
+    assert f"{url}/__0_0.distcp" in got.value.message and "shorter than when it was listed" in got.value.message
+    assert "run again once it is finished" in got.value.hint
+    assert requests == 3  # the listing, .metadata, one range request: not retried
