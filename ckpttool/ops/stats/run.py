@@ -556,6 +556,13 @@ def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str
             skipped.append(f"{fqn}: stored with other chunks in {cb.path} and larger than {WHOLE_PAIR_BYTES >> 20} MiB")
         else:
             pairs.append((fqn, ka, eb.key, orders))
+    for kb in cb.model:  # a tensor new in b (a layer added, a key renamed): not compared, and said so
+        fqn = cb.fqn_of(kb)
+        if not _selected(fqn, kb, opts.filters) or ca.model_entry(fqn) is not None:
+            continue
+        if kb in qb and qb[kb] != kb:  # a scale of a quantized weight: left out with its weight
+            continue
+        skipped.append(f"{fqn}: missing in {ca.path}")
     got = map_ordered(
         lambda p: _pair_sums(a, p[1], b, p[2], p[3]), pairs, workers=worker_count(opts.workers, max(1, len(pairs)))
     )

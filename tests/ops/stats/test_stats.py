@@ -513,3 +513,28 @@ def test_no_update_size_for_a_group_whose_step_is_not_adamw(tmp_path: Path, opti
     assert doc["notes"] == [
         "not an AdamW param group (amsgrad, RAdam or NAdam: another step): 2 parameter(s), e.g. weight"
     ]
+
+
+def test_a_tensor_new_in_the_later_checkpoint_is_named_as_not_compared(tmp_path: Path) -> None:
+    """A tensor only in B (a layer added, a key renamed) was silently left out of the change; one only in A
+    was named: both are listed in ``skipped`` and on the 'not compared' lines."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    w0, w1 = torch.randn(8, 8), torch.randn(4, 8)
+    sides = {
+        "a": {"layers.0.weight": w0, "layers.1.weight": w1, "emb.weight": torch.randn(4, 4)},
+        "b": {"layers.0.weight": w0 + 0.01, "layers.1.weight": w1, "head.weight": torch.randn(3, 4)},
+    }
+    for name, sd in sides.items():
+        dcp.save({"model": sd}, checkpoint_id=str(tmp_path / name))
+    a, b = tmp_path / "a", tmp_path / "b"
+    res = runner.invoke(app, ["stats", "--json", str(a), str(b)])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, load_schema("stats"))
+    assert doc["skipped"] == [f"emb.weight: missing in {b}", f"head.weight: missing in {a}"]
+    assert [(c["layer"], c["tensors"]) for c in doc["changes"]] == [("layers.0", 1), ("layers.1", 1)]
+    table = runner.invoke(app, ["stats", str(a), str(b)])
+    assert f"not compared: head.weight: missing in {a}" in table.stdout
+    assert runner.invoke(app, ["stats", "--json", "--filter", "layers.*", str(a), str(b)]).stdout.count("missing") == 0
