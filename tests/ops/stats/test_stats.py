@@ -538,3 +538,23 @@ def test_a_tensor_new_in_the_later_checkpoint_is_named_as_not_compared(tmp_path:
     table = runner.invoke(app, ["stats", str(a), str(b)])
     assert f"not compared: head.weight: missing in {a}" in table.stdout
     assert runner.invoke(app, ["stats", "--json", "--filter", "layers.*", str(a), str(b)]).stdout.count("missing") == 0
+
+
+def test_a_tensor_with_no_finite_value_has_no_abs_max(tmp_path: Path) -> None:
+    """An all-inf/NaN weight: abs max null in JSON and nan in the table, for the tensor and its layer (was 0.0:
+    the engine's 'none', shown as if the largest value were 0)."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"layers.0.weight": torch.full((4, 4), math.inf), "layers.1.weight": torch.full((4,), math.nan)}
+    sd["layers.1.bias"] = torch.tensor([0.5, -2.0])
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "c"))
+    res = runner.invoke(app, ["stats", "--json", "--by", "tensor", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, load_schema("stats"))
+    got = {t["fqn"]: (t["abs_max"], t["nonfinite"]) for t in doc["checkpoints"][0]["tensors"]}
+    assert got == {"layers.0.weight": (None, 16), "layers.1.weight": (None, 4), "layers.1.bias": (2.0, 0)}
+    layers = {g["name"]: g["abs_max"] for g in doc["checkpoints"][0]["layers"]}
+    assert layers == {"layers.0": None, "layers.1": 2.0}
+    table = runner.invoke(app, ["stats", "--wide", str(tmp_path / "c")]).stdout
+    assert re.search(r"│ layers\.0 +│ +16 │ +0 │ +nan │ +16 │", table), table
