@@ -572,3 +572,27 @@ def test_an_object_cut_short_after_the_listing_is_a_data_file_error(sample_ckpt:
     assert f"{url}/__0_0.distcp" in got.value.message and "shorter than when it was listed" in got.value.message
     assert "run again once it is finished" in got.value.hint
     assert requests == 3  # the listing, .metadata, one range request: not retried
+
+
+def test_an_object_rewritten_after_the_listing_is_said_to_have_changed(sample_ckpt: Path, s3_server: Any) -> None:
+    """A whole-object read (.metadata, layout.json, extra_state) of an object rewritten longer or shorter since
+    the listing: E300 'it changed while being read' (a longer .metadata was cut at the listed size and parsed:
+    E200 'not a readable pickle', hint 're-save the checkpoint')."""
+    from ckpttool.errors import DataFileError
+    from ckpttool.format.storage import RemoteStore
+
+    url = upload(s3_server, sample_ckpt)
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    md = (sample_ckpt / ".metadata").read_bytes()
+    with storage_config(options=s3_server.options()):
+        store = RemoteStore(url)
+        assert store.read_whole(".metadata", 1 << 30) == md  # unchanged: its bytes, exactly
+        assert store.bytes_requested == len(md)
+        for body in (md + b"\0" * 100, md[:-100]):
+            s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/.metadata", Body=body)
+            with pytest.raises(DataFileError) as got:
+                store.read_whole(".metadata", 1 << 30)
+            assert (
+                got.value.message.startswith(f"{url}/.metadata: ") and "changed while being read" in got.value.message
+            )
+            assert f"the listing said {len(md)}" in got.value.message
