@@ -287,7 +287,8 @@ _THROTTLE_WORDS = ("slowdown", "slow down", "throttl", "toomanyrequests", "too m
 
 
 def _classify(e: BaseException) -> str:
-    """``not_found`` | ``permission`` | ``throttled`` | ``transient`` | ``fatal`` for a backend exception."""
+    """``not_found`` | ``permission`` | ``throttled`` | ``changed`` | ``transient`` | ``fatal`` for a backend
+    exception."""
     if isinstance(e, CkptError):
         return "fatal"
     if isinstance(e, FileNotFoundError):
@@ -303,6 +304,10 @@ def _classify(e: BaseException) -> str:
         return "permission"
     if "nosuchkey" in text or "nosuchbucket" in text or "not found" in text:
         return "not_found"
+    # a range past the object's end (HTTP 416, S3's InvalidRange): the object is shorter than the listing said,
+    # it changed since; s3fs raises it as an OSError (EINVAL), which a retry cannot mend
+    if "range is not satisfiable" in text or "invalidrange" in text or " 416" in text:
+        return "changed"
     if isinstance(e, (ConnectionError, TimeoutError, OSError, EOFError)):
         return "transient"
     name = type(e).__name__
@@ -323,6 +328,13 @@ def _error_for(
         return RemotePermissionError(f"{where}: permission denied ({detail})", path=where)
     if kind == "throttled":
         return RemoteThrottledError(f"{where}: still throttled after {attempts} attempt(s) ({detail})", path=where)
+    if kind == "changed":
+        return DataFileError(
+            f"{where}: the bytes asked lie past the object's end: it is shorter than when it was listed "
+            f"(it changed while being read) ({detail})",
+            path=where,
+            hint="a save or copy may still be writing this checkpoint: run again once it is finished and unchanged",
+        )
     if kind == "transient":
         return RemoteTransientError(f"{where}: failed after {attempts} attempt(s) ({detail})", path=where)
     return RemoteStorageError(f"{where}: storage request failed ({detail})", path=where)
@@ -527,7 +539,21 @@ class RemoteStore:
             raise SizeLimitError(
                 f"{where}: {what} of {size} bytes is over the cap of {limits.human(cap)}", path=relative
             )
-        return self.read_range(relative, 0, size) if size else b""
+        if not size:
+            return b""
+        # one byte past the listed size: an object rewritten since the listing (longer, or shorter) is told by
+        # its length, not parsed as a cut-off copy of the new one
+        key = self.key(relative)
+        data = self.call(str(where), self.fs.cat_file, key, start=0, end=size + 1)
+        self._count(len(data))
+        if len(data) != size:
+            raise DataFileError(
+                f"{where}: {len(data) if len(data) <= size else 'more than ' + str(size)} bytes, the listing said "
+                f"{size}: it changed while being read",
+                path=relative,
+                hint="a save or copy may still be writing this checkpoint: run again once it is finished and unchanged",
+            )
+        return bytes(data)
 
     # ---------------------------------------------------------------- writes
     def put_file(self, local: Path, relative: str) -> None:

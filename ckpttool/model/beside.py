@@ -32,6 +32,7 @@ __all__ = [
     "trainer_state_missing",
     "training_state_beside",
     "unread_beside",
+    "unread_in_listing",
 ]
 
 _RANK_PT = re.compile(r"^rank(\d+)\.pt$")
@@ -109,6 +110,39 @@ def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> 
             if unread and (d / name).resolve() not in own:
                 rel = os.path.relpath(d / name, given) if (d / name).is_relative_to(given) else str(d / name)
                 out.append(rel + ("/" if is_dir else ""))
+    return tuple(out)
+
+
+def unread_in_listing(names: Collection[str], read: Collection[str] = ()) -> tuple[str, ...]:
+    """:func:`unread_beside` for an object-store prefix: its one listing ``names`` (every object below the
+    prefix, relative to it) instead of a directory scan.
+
+    The same names as a local directory of those files gives: a top-level object matching the training-state
+    or pickle patterns (not one in ``read``: the checkpoint's own data objects), a top-level folder named like
+    DeepSpeed's ``global_stepN/`` or holding a ``.metadata`` of its own (a folder ends in ``/``). Only the
+    prefix itself is looked in (a URL names the checkpoint's own prefix: no model/optimizer pair above it).
+    """
+    own = set(read)
+    files: set[str] = set()
+    dirs: set[str] = set()
+    nested: set[str] = set()
+    for name in names:
+        top, sep, rest = name.partition("/")
+        if not sep:
+            files.add(name)
+            continue
+        dirs.add(top)
+        if rest == _DCP_METADATA:
+            nested.add(top)
+    out = [
+        d + "/" if d in dirs else d
+        for d in sorted(files | dirs)
+        if (
+            (_UNREAD_DIR.match(d) or d in nested)
+            if d in dirs
+            else (_UNREAD_FILE.match(d) or (_PICKLE_FILE.search(d) and d not in _READ_BESIDE)) and d not in own
+        )
+    ]
     return tuple(out)
 
 

@@ -38,7 +38,7 @@ from ckpttool.format.storage import RemoteStore, is_url, url_path
 from ckpttool.format.tiling import tiling_problem
 from ckpttool.format.unpickler import gc_paused
 from ckpttool.layouts.declaration import LayoutDeclaration, ResolvedLayout, resolve_layout
-from ckpttool.model.beside import hf_config_beside, unread_beside
+from ckpttool.model.beside import hf_config_beside, unread_beside, unread_in_listing
 from ckpttool.model.catalog import Catalog, ExtraStateFile, ParamGroup, build_catalog, load_param_groups
 from ckpttool.model.discovery import CheckpointSelection, Located, compose_pair, locate
 from ckpttool.model.schemas.keyschema import SchemaOverride
@@ -175,6 +175,14 @@ class Checkpoint:
     def unread_beside(self) -> tuple[str, ...]:
         """Training state saved beside this checkpoint that ckpttool does not read (its own data files
         excluded; :func:`ckpttool.model.beside.unread_beside`), relative to the directory given."""
+        remote = getattr(self.reader, "remote", None)
+        if remote is not None:  # an object-store prefix: its one listing, not a directory scan
+            read = set(referenced_paths(self.metadata.storage))
+            if self.catalog.schema.id == "megatron":
+                from ckpttool.model.schemas.megatron import COMMON_FILE
+
+                read.add(COMMON_FILE)
+            return unread_in_listing(list(remote.sizes()), read)
         model, given = Path(self.located.model), Path(self.located.given)
         if not unread_beside(model, given):  # the usual case: no candidate, the storage's paths not listed
             return ()

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 __all__ = ["PLOT_SUFFIXES", "check_plot_target", "write_diff_plot", "write_stats_plot"]
 
 PLOT_SUFFIXES = (".png", ".svg", ".html")
+#: A URL given as ``--plot`` (``s3://b/x.png``, which ``Path`` folds to ``s3:/b/x.png``): its scheme, then ``:/``.
+_URL_AS_PATH = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/+")
 
 
 def _pyplot() -> Any:
@@ -61,6 +63,12 @@ def check_plot_target(path: Path, sources: tuple[Path, ...] = ()) -> None:
             f"--plot {path}: unknown picture format {path.suffix or '(none)'}", hint="use .png, .svg or .html"
         )
     if not path.parent.is_dir():
+        if _URL_AS_PATH.match(str(path)):  # s3://b/x.png reached here as the Path s3:/b/x.png
+            url = _URL_AS_PATH.sub(r"\1://", str(path), count=1)
+            raise UsageError(
+                f"--plot {url}: a URL; --plot writes a local file only",
+                hint="give a local file name and copy the picture to object storage yourself",
+            )
         raise UsageError(f"--plot {path}: directory {path.parent} does not exist", hint="create it first")
     check_file_target(
         path,

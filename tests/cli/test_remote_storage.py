@@ -488,3 +488,111 @@ def test_a_filesystem_fsspec_refuses_is_named_with_its_options(scheme: str, opti
         if "knows no" in said
         else "check --storage-option keys against the backend's documentation"
     )
+
+
+def test_training_state_beside_a_remote_checkpoint_is_named_as_locally(
+    sample_ckpt: Path, s3_server: Any, tmp_path: Path
+) -> None:
+    """HF Trainer / DeepSpeed files, a pickle and a DCP subfolder in the prefix: K012 and inspect's
+    ``unread_beside`` as for the same directory (a URL said OK, exit 0 under --strict)."""
+    ck = copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state_0.pth", "trainer_state.json", "my_state.pkl"):
+        (ck / name).write_bytes(b"x" * 8)
+    (ck / "global_step3").mkdir()
+    (ck / "global_step3" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (ck / "optim").mkdir()
+    (ck / "optim" / ".metadata").write_bytes((ck / ".metadata").read_bytes())
+    url = upload(s3_server, ck)
+    local = runner.invoke(app, ["validate", "--strict", "--json", str(ck)])
+    remote = cli(s3_server, "validate", "--strict", "--json", url)
+    assert local.exit_code == remote.exit_code == 1, remote.output
+    named = [
+        (f["code"], f["message"].split("does not read: ", 1)[1])
+        for f in json.loads(remote.stdout)["findings"]
+        if f["code"] == "K012"
+    ]
+    assert named == [
+        (f["code"], f["message"].split("does not read: ", 1)[1])
+        for f in json.loads(local.stdout)["findings"]
+        if f["code"] == "K012"
+    ]
+    assert "global_step3/" in named[0][1] and "optim/" in named[0][1] and "my_state.pkl" in named[0][1]
+    li = json.loads(runner.invoke(app, ["inspect", "--json", str(ck)]).stdout)["unread_beside"]
+    ri = json.loads(cli(s3_server, "inspect", "--json", url).stdout)["unread_beside"]
+    assert (
+        ri
+        == li
+        == [
+            "global_step3/",
+            "my_state.pkl",
+            "optim/",
+            "optimizer.pt",
+            "rng_state_0.pth",
+            "scheduler.pt",
+            "trainer_state.json",
+        ]
+    )
+    clean = cli(s3_server, "validate", "--strict", upload(s3_server, sample_ckpt))
+    assert clean.exit_code == 0, clean.output
+
+
+def test_validate_of_an_unreadable_remote_metadata_names_the_url(s3_server: Any) -> None:
+    """The report of a URL whose .metadata is garbage names the URL (was '/bucket/prefix': the scheme lost)."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    c = s3_server.client()
+    s3_server.bucket("ckpts")
+    c.put_object(Bucket="ckpts", Key=f"{prefix}/.metadata", Body=b"not a pickle")
+    c.put_object(Bucket="ckpts", Key=f"{prefix}/__0_0.distcp", Body=b"xx")
+    url = f"s3://ckpts/{prefix}"
+    r = cli(s3_server, "validate", "--json", url)
+    assert r.exit_code == 2, r.output
+    doc = json.loads(r.stdout)
+    assert doc["path"] == url
+    assert [(f["code"], f["error_code"]) for f in doc["findings"]] == [("S001", "E200")]
+    table = cli(s3_server, "validate", url)
+    assert table.stdout.splitlines()[0].split() == ["checkpoint", url]
+
+
+def test_an_object_cut_short_after_the_listing_is_a_data_file_error(sample_ckpt: Path, s3_server: Any) -> None:
+    """The data object replaced by a shorter one between the listing and the chunk reads: E300 naming the object,
+    said to have changed, at once (was retried --remote-retries times, then E144 'check the network')."""
+    from ckpttool.errors import DataFileError
+    from ckpttool.model.checkpoint import open_checkpoint
+
+    url = upload(s3_server, sample_ckpt)
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    with storage_config(options=s3_server.options(), retries=3, backoff_s=5.0):
+        with open_checkpoint(url) as ckpt:  # the listing and .metadata read
+            data = (sample_ckpt / "__0_0.distcp").read_bytes()
+            s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/__0_0.distcp", Body=data[:1000])
+            fqn = "model.lm_head.weight"
+            with pytest.raises(DataFileError) as got:
+                ckpt.reader.read_tensor(fqn)
+            requests = ckpt.reader.remote.requests
+    assert f"{url}/__0_0.distcp" in got.value.message and "shorter than when it was listed" in got.value.message
+    assert "run again once it is finished" in got.value.hint
+    assert requests == 3  # the listing, .metadata, one range request: not retried
+
+
+def test_an_object_rewritten_after_the_listing_is_said_to_have_changed(sample_ckpt: Path, s3_server: Any) -> None:
+    """A whole-object read (.metadata, layout.json, extra_state) of an object rewritten longer or shorter since
+    the listing: E300 'it changed while being read' (a longer .metadata was cut at the listed size and parsed:
+    E200 'not a readable pickle', hint 're-save the checkpoint')."""
+    from ckpttool.errors import DataFileError
+    from ckpttool.format.storage import RemoteStore
+
+    url = upload(s3_server, sample_ckpt)
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    md = (sample_ckpt / ".metadata").read_bytes()
+    with storage_config(options=s3_server.options()):
+        store = RemoteStore(url)
+        assert store.read_whole(".metadata", 1 << 30) == md  # unchanged: its bytes, exactly
+        assert store.bytes_requested == len(md)
+        for body in (md + b"\0" * 100, md[:-100]):
+            s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/.metadata", Body=body)
+            with pytest.raises(DataFileError) as got:
+                store.read_whole(".metadata", 1 << 30)
+            assert (
+                got.value.message.startswith(f"{url}/.metadata: ") and "changed while being read" in got.value.message
+            )
+            assert f"the listing said {len(md)}" in got.value.message

@@ -315,7 +315,9 @@ def _tensor_row(key: str, fqn: str, role: str, entry: TensorEntry, s: SlabStats,
         l2=math.sqrt(s.s2),
         zero_fraction=(s.zeros / s.numel) if s.numel else 0.0,
         std=std,
-        **same_named(s, "numel", "mean", "abs_max", "nonfinite"),
+        # no finite value (an all-NaN/inf tensor): no largest one either (the engine's 0.0), null in JSON
+        abs_max=s.abs_max if s.nonfinite < s.numel else math.nan,
+        **same_named(s, "numel", "mean", "nonfinite"),
     )
 
 
@@ -323,7 +325,7 @@ class _Group:
     def __init__(self) -> None:
         self.params = 0
         self.s2: dict[str, float] = {}
-        self.abs_max = 0.0
+        self.abs_max = math.nan  # until a model tensor with a finite value
         self.nonfinite = 0
         self.upd = Moments()
 
@@ -332,7 +334,8 @@ class _Group:
         self.nonfinite += row.nonfinite
         if row.role == "weight":
             self.params += row.numel
-            self.abs_max = max(self.abs_max, row.abs_max)
+            if not math.isnan(row.abs_max):
+                self.abs_max = row.abs_max if math.isnan(self.abs_max) else max(self.abs_max, row.abs_max)
 
     def result(self, name: str) -> GroupStats:
         rms = math.sqrt(self.upd.s2 / self.upd.numel) if self.upd.numel else None
@@ -556,6 +559,13 @@ def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str
             skipped.append(f"{fqn}: stored with other chunks in {cb.path} and larger than {WHOLE_PAIR_BYTES >> 20} MiB")
         else:
             pairs.append((fqn, ka, eb.key, orders))
+    for kb in cb.model:  # a tensor new in b (a layer added, a key renamed): not compared, and said so
+        fqn = cb.fqn_of(kb)
+        if not _selected(fqn, kb, opts.filters) or ca.model_entry(fqn) is not None:
+            continue
+        if kb in qb and qb[kb] != kb:  # a scale of a quantized weight: left out with its weight
+            continue
+        skipped.append(f"{fqn}: missing in {ca.path}")
     got = map_ordered(
         lambda p: _pair_sums(a, p[1], b, p[2], p[3]), pairs, workers=worker_count(opts.workers, max(1, len(pairs)))
     )

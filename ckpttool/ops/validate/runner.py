@@ -13,9 +13,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ckpttool import errors
+from ckpttool.format.storage import is_url, url_path
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, check_source, gc_held, open_checkpoint
 from ckpttool.model.hfconfig import read_hf_config
 from ckpttool.ops.fields import Hooks, ProgressFn, Unpack, hooks_of, options_of
@@ -345,6 +346,7 @@ def _validate_path(
             else RuleStatus(r, "skipped", "the save did not finish" if unfinished else ".metadata is unusable")
             for r in rules
         ]
-        return _finish(Path(path), opts, statuses, t0)
+        shown = cast(Path, url_path(path)) if is_url(path) else Path(path)  # a UrlPath prints as the URL
+        return _finish(shown, opts, statuses, t0)
     with ckpt:
         return _validate_open(ckpt, opts, progress, say)

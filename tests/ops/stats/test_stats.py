@@ -236,6 +236,14 @@ def test_plot_refused_before_any_work(dense_ckpt: Path, tmp_path: Path) -> None:
     assert res.exit_code == 2 and "unknown picture format" in res.stderr
     res = runner.invoke(app, ["stats", str(dense_ckpt), "--plot", str(tmp_path)])  # a directory: said so
     assert res.exit_code == 2 and res.stderr.startswith(f"error: [E100] --plot {tmp_path} is a directory\n")
+    # a URL: said so (was 'directory s3:/bucket does not exist', hint 'create it first'), for diff too
+    res = runner.invoke(app, ["stats", str(dense_ckpt), "--plot", "s3://bucket/run/norms.png"])
+    assert res.exit_code == 2 and res.stderr == (
+        "error: [E100] --plot s3://bucket/run/norms.png: a URL; --plot writes a local file only\n"
+        "hint: give a local file name and copy the picture to object storage yourself\n"
+    )
+    res = runner.invoke(app, ["diff", str(dense_ckpt), str(dense_ckpt), "--plot", "gs://b/d.svg"])
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E100] --plot gs://b/d.svg: a URL;")
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"
         "from ckpttool.cli import main\n"
@@ -505,3 +513,48 @@ def test_no_update_size_for_a_group_whose_step_is_not_adamw(tmp_path: Path, opti
     assert doc["notes"] == [
         "not an AdamW param group (amsgrad, RAdam or NAdam: another step): 2 parameter(s), e.g. weight"
     ]
+
+
+def test_a_tensor_new_in_the_later_checkpoint_is_named_as_not_compared(tmp_path: Path) -> None:
+    """A tensor only in B (a layer added, a key renamed) was silently left out of the change; one only in A
+    was named: both are listed in ``skipped`` and on the 'not compared' lines."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    w0, w1 = torch.randn(8, 8), torch.randn(4, 8)
+    sides = {
+        "a": {"layers.0.weight": w0, "layers.1.weight": w1, "emb.weight": torch.randn(4, 4)},
+        "b": {"layers.0.weight": w0 + 0.01, "layers.1.weight": w1, "head.weight": torch.randn(3, 4)},
+    }
+    for name, sd in sides.items():
+        dcp.save({"model": sd}, checkpoint_id=str(tmp_path / name))
+    a, b = tmp_path / "a", tmp_path / "b"
+    res = runner.invoke(app, ["stats", "--json", str(a), str(b)])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, load_schema("stats"))
+    assert doc["skipped"] == [f"emb.weight: missing in {b}", f"head.weight: missing in {a}"]
+    assert [(c["layer"], c["tensors"]) for c in doc["changes"]] == [("layers.0", 1), ("layers.1", 1)]
+    table = runner.invoke(app, ["stats", str(a), str(b)])
+    assert f"not compared: head.weight: missing in {a}" in table.stdout
+    assert runner.invoke(app, ["stats", "--json", "--filter", "layers.*", str(a), str(b)]).stdout.count("missing") == 0
+
+
+def test_a_tensor_with_no_finite_value_has_no_abs_max(tmp_path: Path) -> None:
+    """An all-inf/NaN weight: abs max null in JSON and nan in the table, for the tensor and its layer (was 0.0:
+    the engine's 'none', shown as if the largest value were 0)."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"layers.0.weight": torch.full((4, 4), math.inf), "layers.1.weight": torch.full((4,), math.nan)}
+    sd["layers.1.bias"] = torch.tensor([0.5, -2.0])
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "c"))
+    res = runner.invoke(app, ["stats", "--json", "--by", "tensor", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    jsonschema.validate(doc, load_schema("stats"))
+    got = {t["fqn"]: (t["abs_max"], t["nonfinite"]) for t in doc["checkpoints"][0]["tensors"]}
+    assert got == {"layers.0.weight": (None, 16), "layers.1.weight": (None, 4), "layers.1.bias": (2.0, 0)}
+    layers = {g["name"]: g["abs_max"] for g in doc["checkpoints"][0]["layers"]}
+    assert layers == {"layers.0": None, "layers.1": 2.0}
+    table = runner.invoke(app, ["stats", "--wide", str(tmp_path / "c")]).stdout
+    assert re.search(r"│ layers\.0 +│ +16 │ +0 │ +nan │ +16 │", table), table
