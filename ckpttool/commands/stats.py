@@ -79,7 +79,7 @@ def stats_command(
     """Streaming statistics of weights, FP32 masters and Adam moments, grouped per layer.
 
     Per tensor: numel, mean, std, abs max, L2 norm, zero fraction, NaN/Inf count; for AdamW the
-    size of the next update (lr * |m_hat| / (sqrt(v_hat) + eps)). Reads every chunk once, in bounded memory.
+    size of the last update (lr * |m_hat| / (sqrt(v_hat) + eps), from the saved moments). Reads every chunk once, in bounded memory.
     """
     from ckpttool.model.checkpoint import OpenOptions
     from ckpttool.ops.entry import deliver

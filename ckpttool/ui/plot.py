@@ -2,7 +2,7 @@
 extra; nothing else imports it).
 
 ``write_stats_plot`` draws per-layer L2 norms of the weights, the Adam moments and the RMS of the
-next update, one line per checkpoint, and the per-expert weight norms of the last checkpoint as
+last update, one line per checkpoint, and the per-expert weight norms of the last checkpoint as
 a heat map (layer x expert). ``write_diff_plot`` draws the relative difference per layer and the
 tensors that differ most. Formats by suffix: ``.png``, ``.svg``, or ``.html`` (the SVG inline in
 one self-contained page).

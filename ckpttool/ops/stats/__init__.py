@@ -1,5 +1,5 @@
 """``ckpttool stats``: streaming per-tensor, per-layer and per-expert statistics of checkpoints
-(model weights, FP32 masters, Adam moments, the next update's size) and their change along a run.
+(model weights, FP32 masters, Adam moments, the last update's size) and their change along a run.
 
 The result records are declared once, in :mod:`ckpttool.ops.stats.result` (its ``__all__``)."""
 

@@ -73,7 +73,7 @@ class TensorValueStats:
 
 @dataclass(frozen=True)
 class UpdateStats:
-    """The size of the next AdamW update of one parameter, from its saved moments.
+    """The size of the last AdamW update of one parameter (the one that produced the saved weights), from its saved moments.
 
     ``u = lr * |m_hat| / (sqrt(v_hat) + eps)`` per element, ``m_hat = exp_avg / (1 - beta1^step)``,
     ``v_hat = exp_avg_sq / (1 - beta2^step)`` (Loshchilov & Hutter, "Decoupled Weight Decay

@@ -2,7 +2,7 @@
 
 One pass over each checkpoint's data (chunks in parallel on the engine's pool, each byte read
 once): per-tensor statistics of the model tensors and the optimizer state, sums per layer and
-per module type, per-expert norms of ``[E, ...]`` expert tensors, and the size of the next AdamW
+per module type, per-expert norms of ``[E, ...]`` expert tensors, and the size of the last AdamW
 update from the saved moments and param groups. With two or more checkpoints, a second pass reads
 the model tensors of each consecutive pair together for the per-layer relative change.
 Memory: one slice per worker and lockstep member, plus the per-tensor sums.
