@@ -1241,6 +1241,7 @@ def _files_beside(side: Side) -> dict[str, str] | None:
         return None
     md = side.ckpt.metadata
     skip = {".metadata", MANIFEST_NAME, "layout.json", *(info.relative_path for info in md.storage.values())}
+    skip.add("model.safetensors.index.json")  # how the files are cut, not what they hold
     skip -= set(getattr(getattr(reader, "assembled", None), "partial", ()))  # rank files of state in no item
     if reader.parts:
         skip |= {f"{name}/.metadata" for name in (p.name for p in reader.parts.values())}
@@ -1251,9 +1252,10 @@ def _files_beside(side: Side) -> dict[str, str] | None:
 
 
 def _beside_notes(a: Side, b: Side, opts: DiffOptions) -> list[str]:
-    """With ``what`` all of two DCP sides: the files beside the checkpoints' items that are on one side only or
-    differ (byte for byte), which no item comparison covers; a note each, so that "equal" does not hide them."""
-    if opts.what != "all" or a.kind != "dcp" or b.kind != "dcp":
+    """With ``what`` all of two DCP sides (or two safetensors folders): the files beside the checkpoints' items
+    (``extra_state/``; an HF folder's ``config.json``) that are on one side only or differ (byte for byte), which
+    no item comparison covers; a note each, so that "equal" does not hide them."""
+    if opts.what != "all" or a.kind != b.kind or a.kind not in ("dcp", "safetensors") or a.only_file or b.only_file:
         return []
     fa, fb = _files_beside(a), _files_beside(b)
     if fa is None or fb is None:

@@ -85,6 +85,16 @@ def test_what_all_names_files_beside_two_dcp_checkpoints(tmp_path: Path) -> None
     assert "beside" not in model_only.output
 
 
+def test_what_all_names_a_differing_config_of_two_hf_folders(tmp_path: Path) -> None:
+    for side, theta in (("a", 10000.0), ("b", 1.0)):
+        (tmp_path / side).mkdir()
+        save_file(weights(), str(tmp_path / side / "model.safetensors"))
+        (tmp_path / side / "config.json").write_text(json.dumps({"model_type": "llama", "rope_theta": theta}))
+    res = invoke("diff", tmp_path / "a", tmp_path / "b", "--what", "all")
+    assert res.exit_code == 0, res.output
+    assert "not compared as items: 1 differ (config.json)" in res.output
+
+
 def test_tied_head_is_compared_whichever_side_the_dcp_checkpoint_is(tmp_path: Path) -> None:
     w = weights()
     head = w["model.embed_tokens.weight"].clone()
