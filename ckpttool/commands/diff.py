@@ -251,6 +251,13 @@ def render_diff(res: DiffResult, *, max_rows: int = _ROWS) -> None:
     _findings(con, res, max_rows)
     con.print(_summary_line(res))
     verdict = "equal" if res.equal else f"DIFFERENT: {_plural(res.difference_count, 'difference')}"
+    within = sum(t.status == "within_tolerance" for t in res.tensors)
+    if res.equal and within:  # not bitwise: "equal" alone would claim more than was found
+        verdict = f"equal within tolerance: {_plural(within, 'tensor')} not bitwise equal"
+    from ckpttool.ops.diff.result import BESIDE_NOTE
+
+    if res.equal and any(n.startswith(BESIDE_NOTE) for n in res.notes):
+        verdict += "; files beside the checkpoints differ (note above)"
     con.print(f"{verdict} ({res.seconds:.2f} s)")
 
 
@@ -267,6 +274,8 @@ def _header(con: Any, res: DiffResult) -> None:
         how = f"within rtol {o.rtol or 0:g}, atol {o.atol or 0:g}"
     if o.as_dtype:
         how += f" after casting to {o.as_dtype}"
+    if o.rtol is None and o.atol is None and any(t.status == "within_tolerance" for t in res.tensors):
+        how += "; quantized weights against unquantized ones within their quantization step (note below)"
     for name, side in (("A", res.a), ("B", res.b)):
         opened = f": opened {side.opened}" if side.opened else ""
         con.print(
@@ -331,12 +340,20 @@ def _first_element(d: Any) -> str:
     where = f" = {d.stored['side']}'s {d.stored['key']}{d.stored['index']}" if d.stored is not None else ""
     return (
         f"{d.name}: {d.mismatched:,} of {d.numel:,} elements {how}; first at {d.index}{where} "
-        f"(A {_value(d.a_value)}, B {_value(d.b_value)})"
+        f"(A {_value(d.a_value, d.b_value)}, B {_value(d.b_value, d.a_value)})"
     )
 
 
-def _value(v: Any) -> str:
-    return f"{v:.6g}" if isinstance(v, float) else repr(v)
+def _value(v: Any, other: Any = None) -> str:
+    """``v`` with 6 significant digits, or as many more as tell it apart from ``other`` (``A 1, B 1`` would hide
+    a difference in the 7th digit)."""
+    if not isinstance(v, float):
+        return repr(v)
+    for digits in (6, 9, 12, 17):
+        shown = f"{v:.{digits}g}"
+        if not isinstance(other, float) or other == v or shown != f"{other:.{digits}g}":
+            return shown
+    return repr(v)
 
 
 def _findings(con: Any, res: DiffResult, max_rows: int) -> None:

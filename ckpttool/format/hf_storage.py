@@ -146,11 +146,13 @@ def shard_rank(name: str) -> int | None:
     return int(m.group(1)) - 1 if m else None
 
 
-def load_hf_storage_metadata(path: Path) -> CheckpointMetadata:
+def load_hf_storage_metadata(path: Path, files: list[str] | None = None) -> CheckpointMetadata:
     """Build the DCP metadata of a ``HuggingFaceStorageWriter`` checkpoint from its safetensors headers.
 
     Args:
         path: the directory holding the ``*.safetensors`` files.
+        files: only these files of ``path`` (one ``.safetensors`` file given on its own, as ``diff`` takes it:
+            its neighbours and the folder's index are not read); default: :func:`hf_storage_files`.
 
     Returns:
         A :class:`CheckpointMetadata` with ``serialization="safetensors"``: one chunk per
@@ -163,13 +165,15 @@ def load_hf_storage_metadata(path: Path) -> CheckpointMetadata:
             bad sharding info, two tensors whose ``data_offsets`` overlap), or two files storing
             the same chunk of a key.
     """
-    files = hf_storage_files(path)
+    alone = files is not None
+    files = hf_storage_files(path) if files is None else files
     if not files:
         raise MetadataError(f"{path}: no .metadata and no .safetensors files", path=path)
     found = _Found()
     for name in files:
         _read_file(path, name, found)
-    check_hf_index(path, files, found.storage)
+    if not alone:  # the index describes the folder, not one file taken on its own
+        check_hf_index(path, files, found.storage)
     entries: dict[str, TensorMeta | BytesMeta] = {}
     for key, cs in found.chunks.items():
         ndim = len(cs[0].sizes)
@@ -295,13 +299,26 @@ def _read_file(path: Path, name: str, found: _Found) -> None:
             if got is None or len(got) != len(shape) or any(o + d > MAX_DIM_SIZE for o, d in zip(got, shape)):
                 raise _bad(p, f"{_SHARDING_KEY} of {key!r:.80} is not a list of {len(shape)} offsets below 2^62")
             offsets = got
+        if (key, offsets) in found.storage:  # two valid files of one folder, each holding the tensor
+            raise _twice(path, p, key, found.storage[(key, offsets)].relative_path, offsets)
         if found.dtypes.setdefault(key, dtype) != dtype:
             raise _bad(p, f"{key!r:.80} is {dtype} here but {found.dtypes[key]} in another file")
-        if (key, offsets) in found.storage:
-            raise _bad(p, f"{key!r:.80} chunk at {list(offsets)} is stored in two files")
         found.chunks.setdefault(key, []).append(ChunkMeta(offsets, shape))
         found.storage[(key, offsets)] = StorageInfo(name, data_start + begin, end - begin)
     _check_tiling(p, spans, data_len)
+
+
+def _twice(path: Path, p: Path, key: str, other: str, offsets: tuple[int, ...]) -> MetadataError:
+    """Two safetensors files of one folder that both hold ``key`` (at ``offsets``): a folder of two saves (a
+    ``model.safetensors`` beside the sharded files of another save, a copy under another name), not a damaged file."""
+    chunk = f" (chunk at {list(offsets)})" if any(offsets) else ""
+    return MetadataError(
+        f"{path}: {key!r:.80}{chunk} is stored in two files, {other} and {p.name}: the folder holds more than one "
+        "save's weights",
+        path=p,
+        hint="a model folder holds one save (one model.safetensors, or the files its index lists): move the other "
+        "file(s) out of the folder; to compare two single files, pass each .safetensors file to `ckpttool diff`",
+    )
 
 
 def _check_tiling(p: Path, spans: list[tuple[int, int, str]], data_len: int) -> None:

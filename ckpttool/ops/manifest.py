@@ -1542,11 +1542,23 @@ def _default_manifest(directory: str | os.PathLike[str], opening: OpenOptions | 
     here = Path(directory) / MANIFEST_NAME
     if here.is_file():
         return own_manifest(here)
+    from ckpttool.format.storage import is_url
+
+    if not is_url(directory) and not Path(directory).exists():  # not "DIR/manifest.json: no such manifest file"
+        from ckpttool.format.files import missing_path_hint
+
+        raise UsageError(
+            f"{directory}: no such directory",
+            path=directory,
+            hint=missing_path_hint(Path(directory), "the checkpoint directory"),
+        )
     from ckpttool.model.discovery import locate
 
     try:
         located = Path(locate(directory, opening.selection if opening is not None else None).model) / MANIFEST_NAME
     except CkptError:
+        if not os.path.lexists(here):  # a run root of several steps, a step not found: say that (with its hint),
+            raise  # not "no such manifest file, write one" (`ckpttool manifest DIR` would refuse the same way)
         return own_manifest(here)
     return own_manifest(located)
 

@@ -22,6 +22,10 @@ from ckpttool.ops.export.transform import Run
 #: ``DiffOptions.what`` values (``--what``).
 WHAT = ("model", "optimizer", "all")
 
+#: How a note on the files beside two DCP checkpoints (``what`` all) begins: files on one side only or differing,
+#: which no item comparison covers (``extra_state/``, a trainer's state file).
+BESIDE_NOTE = "files beside the checkpoint, not compared as items"
+
 
 @dataclass(frozen=True)
 class DiffOptions:

@@ -43,10 +43,12 @@ from ckpttool.model.checkpoint import (
     open_checkpoint,
     open_source,
 )
+from ckpttool.model.discovery import CheckpointSelection
 from ckpttool.model.schemas.base import canonical_group_key, canonical_state_key
 from ckpttool.ops.diff.compare import BLOCK_ELEMENTS, Metrics, ValueCompare, ValueDiff, compare_tensors, unravel
 from ckpttool.ops.diff.gather import gathered_values, short_tensor
 from ckpttool.ops.diff.result import (
+    BESIDE_NOTE,
     WHAT,
     Difference,
     DiffOptions,
@@ -233,9 +235,12 @@ def _open_side(
     if chosen is not None and chosen.schema is not None and _hf_side(where, only_file):
         chosen = replace(chosen, schema=None)  # HF names: a key-schema override is the DCP sides'
     try:
-        ckpt = open_checkpoint(
-            where, declaration=opening.declaration, trust_pickle=opening.trust_pickle, selection=chosen
-        )
+        if only_file is not None and not (where / ".metadata").exists() and detect_layout(where) is None:
+            ckpt = _open_one_file(where, only_file, opening, chosen)
+        else:
+            ckpt = open_checkpoint(
+                where, declaration=opening.declaration, trust_pickle=opening.trust_pickle, selection=chosen
+            )
     except CkptError as e:
         has_weights = where.is_dir() and any(where.glob("*.safetensors"))
         about_where = e.path is None or Path(e.path).resolve() == where.resolve()  # not a damaged file below it
@@ -253,6 +258,23 @@ def _open_side(
             ) from e
         raise
     return Side(label, p, ckpt, _side_kind(ckpt), only_file)
+
+
+def _open_one_file(where: Path, name: str, opening: OpenOptions, chosen: CheckpointSelection | None) -> Checkpoint:
+    """The single safetensors file ``where/name`` as a checkpoint of its own: the other ``.safetensors`` files of
+    its folder (another save, a copy under another name) and the folder's index are not read, so they neither
+    mix into the side nor make it fail."""
+    from ckpttool.format.hf_storage import load_hf_storage_metadata
+    from ckpttool.format.reader import CheckpointReader
+
+    reader = CheckpointReader(
+        where, trust_pickle=opening.trust_pickle, metadata=load_hf_storage_metadata(where, [name])
+    )
+    try:
+        return Checkpoint(reader, declaration=opening.declaration, selection=chosen)
+    except BaseException:
+        reader.close()
+        raise
 
 
 def _side_kind(ckpt: Checkpoint) -> str:
@@ -1163,6 +1185,11 @@ def _diff(
             continue
         seen_b.add(ia.name)
         pairs.append((ia, ib))
+    by_a = {i.name: i for i in items_a}
+    for ib in items_b:  # B's tied head (B the DCP side) against A's embedding: the pair export_items announced
+        if ib.against is not None and ib.name not in names_a and ib.against in by_a:
+            pairs.append((replace(by_a[ib.against], name=ib.name), ib))
+            names_a.add(ib.name)
     _compare_pairs(a, b, pairs, opts, tally, progress, say)
     a.drop_cache()
     b.drop_cache()
@@ -1174,6 +1201,8 @@ def _diff(
         _compare_hyperparameters(a, b, opts, tally)
     kept = (len(items_a), len(items_b))
     _fail_closed(a, b, opts, tally, seen, kept, len(pairs) - sum(ib is None for _, ib in pairs))
+    notes.extend(_cross_dtype_notes(tally.stats, opts))
+    notes.extend(_beside_notes(a, b, opts))
     seconds = time.perf_counter() - t0
     log.info("diff: %d compared (%d raw), %d differences in %.3f s", tally.compared, tally.raw, tally.count, seconds)
     return DiffResult(
@@ -1195,6 +1224,75 @@ def _diff(
         tally.values,
         filtered_out,
     )
+
+
+def _files_beside(side: Side) -> dict[str, str] | None:
+    """``{relative name: digest}`` of the files below a local DCP side's directory that hold no item of it
+    (``extra_state/``, a trainer's ``trainer_state.json``, unreferenced data files) and of the training state a
+    trainer saved beside it (OLMo-core's ``train/rankR.pt``): what ``manifest`` lists as sidecars and training
+    state. ``None``: not a local checkpoint of one folder (a URL, a model/optimizer pair in other folders)."""
+    from ckpttool.format.manifest_file import MANIFEST_NAME
+    from ckpttool.ops.manifest import sidecar_digests, training_state_digests
+
+    reader = side.ckpt.reader
+    if reader.remote is not None or any(
+        p.resolve().parent != Path(reader.path).resolve() for p in reader.parts.values()
+    ):
+        return None
+    md = side.ckpt.metadata
+    skip = {".metadata", MANIFEST_NAME, "layout.json", *(info.relative_path for info in md.storage.values())}
+    skip.add("model.safetensors.index.json")  # how the files are cut, not what they hold
+    skip -= set(getattr(getattr(reader, "assembled", None), "partial", ()))  # rank files of state in no item
+    if reader.parts:
+        skip |= {f"{name}/.metadata" for name in (p.name for p in reader.parts.values())}
+    out = {f["file"]: f"{f['size']}:{f['digest']}" for f in sidecar_digests(Path(reader.path), skip, "xxh3-128")}
+    for f in training_state_digests(Path(side.ckpt.located.model), "xxh3-128"):
+        out[f"../{f['file']}"] = f"{f['size']}:{f['digest']}"
+    return out
+
+
+def _beside_notes(a: Side, b: Side, opts: DiffOptions) -> list[str]:
+    """With ``what`` all of two DCP sides (or two safetensors folders): the files beside the checkpoints' items
+    (``extra_state/``; an HF folder's ``config.json``) that are on one side only or differ (byte for byte), which
+    no item comparison covers; a note each, so that "equal" does not hide them."""
+    if opts.what != "all" or a.kind != b.kind or a.kind not in ("dcp", "safetensors") or a.only_file or b.only_file:
+        return []
+    fa, fb = _files_beside(a), _files_beside(b)
+    if fa is None or fb is None:
+        return []
+
+    def shown(names: list[str]) -> str:
+        return ", ".join(names[:5]) + (f", ... (+{len(names) - 5} more)" if len(names) > 5 else "")
+
+    out = []
+    for label, names in (
+        ("only in A", sorted(set(fa) - set(fb))),
+        ("only in B", sorted(set(fb) - set(fa))),
+        ("differ", sorted(n for n in set(fa) & set(fb) if fa[n] != fb[n])),
+    ):
+        if names:
+            out.append(f"{BESIDE_NOTE}: {len(names)} {label} ({shown(names)})")
+    return out
+
+
+def _cross_dtype_notes(stats: list[TensorStat], opts: DiffOptions) -> list[str]:
+    """One note per pair of dtypes whose values were compared across them (``as_dtype``, a tolerance, a quantized
+    weight dequantized): the tensors are not a ``dtype`` difference then, but the sides do not store them alike,
+    which an "equal" verdict must not hide."""
+    pairs: dict[tuple[str, str], list[str]] = {}
+    for t in stats:
+        if t.a_dtype != t.b_dtype:
+            pairs.setdefault((t.a_dtype, t.b_dtype), []).append(t.name)
+    how = f"cast to {opts.as_dtype}" if opts.as_dtype else "within the tolerance"
+    out = []
+    for (da, db), names in pairs.items():
+        shown = ", ".join(names[:3]) + (f", ... (+{len(names) - 3} more)" if len(names) > 3 else "")
+        n = len(names)
+        out.append(
+            f"stored dtypes differ: {da} in A, {db} in B: {n} tensor{'s' if n != 1 else ''} ({shown}), "
+            f"values compared {how}"
+        )
+    return out
 
 
 def _dequantized(

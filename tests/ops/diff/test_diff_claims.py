@@ -1,0 +1,120 @@
+"""`diff` and `manifest --verify` say no more than they compared: a single .safetensors file beside others, values
+compared across dtypes or within a tolerance, files beside two DCP checkpoints, a tied head on either side, a run
+root verified without a step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from ckpttool.commands.schema import load_schema
+
+runner = CliRunner()
+
+
+def invoke(*args: object) -> Any:
+    return runner.invoke(app, [*map(str, args)])
+
+
+def weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model.embed_tokens.weight": torch.randn(16, 8, generator=g),
+        "model.norm.weight": torch.ones(8),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(12, 8, generator=g),
+    }
+
+
+def test_single_file_is_read_alone_beside_other_saves_in_its_folder(tmp_path: Path) -> None:
+    a = weights()
+    b = {k: v.clone() for k, v in a.items()}
+    b["model.norm.weight"][0] = 1 + 2**-23  # one ulp: shown with the digits that tell it apart
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in a.items()}, str(tmp_path / "c.safetensors"))  # another save
+    res = invoke("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    assert res.exit_code == 1, res.output
+    assert "model.norm.weight: 1 of 8 elements differ; first at [0] (A 1, B 1.00000012)" in res.output
+    same = invoke("diff", tmp_path / "a.safetensors", tmp_path / "a.safetensors")
+    assert same.exit_code == 0 and "compared 3 tensors" in same.output, same.output
+
+
+def test_a_folder_of_two_saves_names_both_files_not_a_damaged_one(tmp_path: Path) -> None:
+    save_file(weights(), str(tmp_path / "model.safetensors"))
+    save_file(weights(), str(tmp_path / "model-copy.safetensors"))
+    res = invoke("diff", tmp_path, tmp_path / "model.safetensors")
+    assert res.exit_code == 2
+    assert "is stored in two files, model-copy.safetensors and model.safetensors" in res.stderr
+    assert "damaged" not in res.stderr and "move the other file(s) out" in res.stderr
+
+
+def test_values_compared_across_dtypes_or_within_a_tolerance_are_said_so(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    save_file(weights(), str(tmp_path / "a" / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in weights().items()}, str(tmp_path / "b" / "model.safetensors"))
+    res = invoke("diff", tmp_path / "a", tmp_path / "b", "--rtol", "0.01")
+    assert res.exit_code == 0, res.output
+    assert "note: stored dtypes differ: float32 in A, bfloat16 in B: 3 tensors" in res.output
+    assert "equal within tolerance: 2 tensors not bitwise equal" in res.output  # norm.weight (ones) is exact
+    doc = json.loads(invoke("diff", tmp_path / "a", tmp_path / "b", "--as-dtype", "bfloat16", "--json").stdout)
+    jsonschema.validate(doc, load_schema("diff"))
+    assert doc["equal"] and any(n.startswith("stored dtypes differ") for n in doc["notes"])
+
+
+def test_what_all_names_files_beside_two_dcp_checkpoints(tmp_path: Path) -> None:
+    for side in ("a", "b"):
+        dcp.save({"model": weights()}, checkpoint_id=tmp_path / side)
+    (tmp_path / "b" / "extra_state").mkdir()
+    (tmp_path / "b" / "extra_state" / "extra_state_rank_0.pt").write_bytes(b"rng")
+    res = invoke("diff", tmp_path / "a", tmp_path / "b", "--what", "all")
+    assert res.exit_code == 0, res.output
+    assert "files beside the checkpoint, not compared as items: 1 only in B (extra_state/extra_state_rank_0.pt)" in (
+        res.output
+    )
+    assert "equal; files beside the checkpoints differ" in res.output
+    model_only = invoke("diff", tmp_path / "a", tmp_path / "b")
+    assert "beside" not in model_only.output
+
+
+def test_what_all_names_a_differing_config_of_two_hf_folders(tmp_path: Path) -> None:
+    for side, theta in (("a", 10000.0), ("b", 1.0)):
+        (tmp_path / side).mkdir()
+        save_file(weights(), str(tmp_path / side / "model.safetensors"))
+        (tmp_path / side / "config.json").write_text(json.dumps({"model_type": "llama", "rope_theta": theta}))
+    res = invoke("diff", tmp_path / "a", tmp_path / "b", "--what", "all")
+    assert res.exit_code == 0, res.output
+    assert "not compared as items: 1 differ (config.json)" in res.output
+
+
+def test_tied_head_is_compared_whichever_side_the_dcp_checkpoint_is(tmp_path: Path) -> None:
+    w = weights()
+    head = w["model.embed_tokens.weight"].clone()
+    head[3, 4] += 1
+    dcp.save({"model": {**w, "lm_head.weight": head}}, checkpoint_id=tmp_path / "dcp")
+    (tmp_path / "hf").mkdir()
+    save_file(w, str(tmp_path / "hf" / "model.safetensors"))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    for a, b in (("dcp", "hf"), ("hf", "dcp")):
+        res = invoke("diff", tmp_path / a, tmp_path / b, "--json")
+        assert res.exit_code == 1, res.output
+        doc = json.loads(res.stdout)
+        assert [d["kind"] for d in doc["differences"]] == ["values"], doc["differences"]
+        assert doc["differences"][0]["name"] == "lm_head.weight" and doc["differences"][0]["index"] == [3, 4]
+
+
+def test_manifest_verify_of_a_run_root_asks_for_a_step(tmp_path: Path) -> None:
+    for step in (1, 2):
+        dcp.save({"model": weights()}, checkpoint_id=tmp_path / f"step-{step}")
+    res = invoke("manifest", tmp_path, "--verify")
+    assert res.exit_code == 2 and "[E204]" in res.stderr and "--step" in res.stderr, res.stderr
+    gone = invoke("manifest", tmp_path / "nowhere", "--verify")
+    assert gone.exit_code == 2 and "no such directory" in gone.stderr, gone.stderr
