@@ -384,7 +384,10 @@ def _render(r: ExportResult) -> None:
     if r.assets:
         con.print(f"assets      {', '.join(r.assets)}")
     if r.config_edits:  # config.json made to match the written weights (ckpttool.ops.export.serving)
-        edits = "; ".join(f"{k} {json.dumps(old)} -> {json.dumps(new)}" for k, (old, new) in r.config_edits.items())
+        edits = "; ".join(
+            f"{k} {'(unset)' if old is None else json.dumps(old)} -> {json.dumps(new)}"
+            for k, (old, new) in r.config_edits.items()
+        )
         con.print(f"config.json {edits}")
     if r.manifest is not None:
         con.print(

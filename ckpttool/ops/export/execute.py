@@ -936,9 +936,11 @@ def _serving_assets(
     assets: list[tuple[str, Path]],
     pair: tuple[Selected | None, Selected | None],
     model_config: dict[str, Any] | None,
+    check: ModelCheck | None = None,
 ) -> tuple[tuple[bytes, dict[str, list[Any]]] | None, tuple[str, ...]]:
     """The ``config.json`` to write beside the weights (``ckpttool.ops.export.serving``) and the notes on the
-    assets, for a model format (``hf``, ``hf-merged``) given ``--model-assets``."""
+    assets, for a model format (``hf``, ``hf-merged``) given ``--model-assets`` (``check``: the model class
+    check, whose class a config without ``architectures`` gets)."""
     from ckpttool.ops.export.serving import dominant_dtype, serving_config, tokenizer_note
 
     if opts.model_assets is None or not out_format.ties_embeddings:
@@ -957,6 +959,7 @@ def _serving_assets(
         dtype=dominant_dtype(e for entries in plan.entries for e in entries),
         lm_head_written=lm_head is not None and lm_head.out_key in names,
         embedding_written=embed is not None and embed.out_key in names,
+        architecture=check.model_class if check is not None and check.checked and not check.findings else None,
     )
     return config, notes
 
@@ -1102,7 +1105,7 @@ def _prepare(
     merges = out_format.transforms(request)
     if quantizer is not None:  # a merged weight that is quantized: its delta is added to each band (quantize.py)
         quantizer.merges = {k: m for k, m in merges.items() if k in quantizer.tasks}
-    config, notes = _serving_assets(opts, out_format, plan, assets, (embed, lm_head), model_config)
+    config, notes = _serving_assets(opts, out_format, plan, assets, (embed, lm_head), model_config, check)
     # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
     say("checking chunks")
     chunks = _checked_chunks(reader, [t.selected.source.key for t in plan.tasks])
