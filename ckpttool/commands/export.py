@@ -98,12 +98,13 @@ class ExportCLIOptions:
         ),
     ] = "5GB"
     experts: Annotated[
-        Experts,
+        Experts | None,
         typer.Option(
             "--experts",
-            help="fused: experts.gate_up_proj [E,2I,H] as stored (transformers v5); per-expert: experts.{j}.*_proj.weight.",
+            help="fused: experts.gate_up_proj [E,2I,H] as stored (transformers v5); per-expert: experts.{j}.*_proj.weight "
+            "[default: fused; with --quantize: per-expert, the FP8 layout vLLM reads].",
         ),
-    ] = Experts.fused
+    ] = None
     rules: Annotated[
         Path | None,
         typer.Option("--rules", help="YAML key/expert rules merged over the packaged defaults (docs/export.md)."),
@@ -287,7 +288,7 @@ def export_options(cli: ExportCLIOptions) -> ExportOptions:
         save_dtype=parse_dtype(cli.save_dtype, "--save-dtype", ("bfloat16", "float16", "float32"), extra=("preserve",)),
         weights=cli.weights.value if cli.weights is not None else None,
         shard_size=parse_size(cli.shard_size, "--shard-size"),
-        experts=cli.experts.value,
+        experts=cli.experts.value if cli.experts is not None else None,
         lora_alpha=alpha,
         algorithm=cli.hash_name,
         allow_mismatch=tuple(k.strip() for k in (cli.allow_mismatch or "").split(",") if k.strip()),
@@ -383,7 +384,10 @@ def _render(r: ExportResult) -> None:
     if r.assets:
         con.print(f"assets      {', '.join(r.assets)}")
     if r.config_edits:  # config.json made to match the written weights (ckpttool.ops.export.serving)
-        edits = "; ".join(f"{k} {json.dumps(old)} -> {json.dumps(new)}" for k, (old, new) in r.config_edits.items())
+        edits = "; ".join(
+            f"{k} {'(unset)' if old is None else json.dumps(old)} -> {json.dumps(new)}"
+            for k, (old, new) in r.config_edits.items()
+        )
         con.print(f"config.json {edits}")
     if r.manifest is not None:
         con.print(

@@ -118,3 +118,20 @@ def test_dominant_dtype_and_text_config() -> None:
     new, edits = serving_config(data, "c", dtype="bfloat16", lm_head_written=False, embedding_written=True)
     assert edits == {"torch_dtype": [None, "bfloat16"], "text_config.dtype": ["float32", "bfloat16"]}
     assert json.loads(new)["text_config"] == {"dtype": "bfloat16", "tie_word_embeddings": True}
+
+
+def test_a_config_without_architectures_gets_the_checked_class(llama_ckpt: Path, tmp_path: Path) -> None:
+    """A config saved from a bare ``LlamaConfig`` (no ``architectures``, no dtype key): vLLM refuses it ("No model
+    architectures are specified"), so the copy names the class the tensors were checked against, as
+    ``save_pretrained`` would; the human summary says the keys it adds were unset (not ``null``)."""
+    assets = llama_ckpt / "model_assets"
+    assert "architectures" not in json.loads((assets / "config.json").read_text())
+    res = export(llama_ckpt, tmp_path / "out", "--model-assets", assets, "--json")
+    assert json.loads(res.stdout)["config_edits"]["architectures"] == [None, ["LlamaForCausalLM"]]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    human = export(llama_ckpt, tmp_path / "h", "--model-assets", assets)
+    assert 'architectures (unset) -> ["LlamaForCausalLM"]' in human.stdout and "null" not in human.stdout
+    # a config that names its class keeps it (a saved model's config: nothing about architectures changes)
+    data = json.dumps({"model_type": "llama", "architectures": ["MyLlama"]}).encode()
+    _, edits = serving_config(data, "c", dtype=None, lm_head_written=True, embedding_written=True, architecture="X")
+    assert "architectures" not in edits

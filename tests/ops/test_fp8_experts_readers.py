@@ -45,7 +45,10 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     assets.mkdir()
     (assets / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 20}))
     out = {"ckpt": root / "ckpt"}
-    for name, args in (("fp8", ["--quantize", "fp8-block", "--quantize-block", "8"]), ("bf16", [])):
+    for name, args in (
+        ("fp8", ["--quantize", "fp8-block", "--quantize-block", "8", "--experts", "fused"]),
+        ("bf16", []),
+    ):
         res = runner.invoke(app, ["export", str(root / "ckpt"), str(root / name), "--model-assets", str(assets), *args])
         assert res.exit_code == 0, res.stderr
         out[name] = root / name

@@ -109,6 +109,8 @@ class ExportOptions(OutputOptions):
             says which). ``None`` (the default): ``"auto"`` when ``quantize`` is given, else ``"params"``.
         shard_size: max bytes per output file (default 5*10^9, the Hugging Face ``"5GB"``).
         experts: ``"fused"`` (``[E, 2I, H]`` as stored) or ``"per-expert"`` (HF ``experts.{j}.*`` keys).
+            ``None`` (the default): ``"per-expert"`` when ``quantize`` is given (the layout vLLM, torch's
+            reader and transformers without a GPU read block FP8 experts in), else ``"fused"``.
         rules: a YAML rules file merged over the packaged defaults.
         model_assets: directory with ``config.json`` / tokenizer files to copy (and read).
         filter_glob: only keys matching this glob (checkpoint key with or without ``model.``, or output key).
@@ -134,7 +136,7 @@ class ExportOptions(OutputOptions):
     save_dtype: str = "preserve"
     weights: str | None = None
     shard_size: int = 5 * 10**9
-    experts: str = "fused"
+    experts: str | None = None
     rules: Path | None = None
     model_assets: Path | None = None
     filter_glob: str | None = None
@@ -752,7 +754,7 @@ def _check_options(opts: ExportOptions) -> None:
                 hint=f"use `fmt` lora (a PEFT adapter) or hf-merged (the LoRA merged into the weights), "
                 f"or drop `{lora[0]}`",
             )
-    if opts.experts not in ("fused", "per-expert"):
+    if opts.experts not in (None, "fused", "per-expert"):
         raise UsageError(f"`experts` {opts.experts!r} is not one of fused, per-expert", param="experts")
     if opts.workers is not None and opts.workers < 1:
         raise UsageError(f"`workers` must be >= 1, got {opts.workers}", param="workers")
@@ -773,7 +775,27 @@ def _check_options(opts: ExportOptions) -> None:
             hint=(f"did you mean {close[0]!r}? " if close else "")
             + f"give a comma list of {', '.join(MISMATCH_KINDS)}, e.g. `allow_mismatch` shape,dtype",
         )
-    out_format.check_options(opts.experts)
+    out_format.check_options(_experts(opts))
+
+
+def _experts(opts: ExportOptions) -> str:
+    """``experts`` as the export applies it: ``None`` is ``per-expert`` with ``quantize`` (fused FP8 experts load
+    only in transformers' GPU ``FP8Experts``: vLLM and torch's reader refuse them, transformers' CPU path
+    drops their scales), else ``fused``."""
+    if opts.experts is not None:
+        return opts.experts
+    return "per-expert" if opts.quantize is not None else "fused"
+
+
+def _resolved_experts(opts: ExportOptions, selected: list[Selected]) -> ExportOptions:
+    """``opts`` with ``experts`` ``None`` resolved (:func:`_experts`), ``fused`` where a model adapter writes fused
+    expert tensors only (megatron's stacked experts) and nothing else could be split."""
+    if opts.experts is not None:
+        return opts
+    experts = _experts(opts)
+    if experts == "per-expert" and any(x.hf is not None and x.hf.fused_experts for x in selected):
+        experts = "fused"
+    return dataclasses.replace(opts, experts=experts)
 
 
 def _quant_spec(opts: ExportOptions) -> QuantSpec:
@@ -795,7 +817,8 @@ def _output_format(opts: ExportOptions) -> OutputFormat:
 
 def _resolved(opts: ExportOptions, ckpt: Checkpoint) -> ExportOptions:
     """``weights`` ``None`` / ``auto`` resolved (``master`` when any parameter has a ``master_weight``); ``save_dtype``
-    ``preserve`` is ``bfloat16`` for the tensors a quantized export leaves unquantized."""
+    ``preserve`` is ``bfloat16`` for the tensors a quantized export leaves unquantized (``experts`` ``None`` is
+    resolved by :func:`_prepare`, which knows whether a model adapter writes fused experts only)."""
     weights, save_dtype = opts.weights or ("auto" if opts.quantize is not None else "params"), opts.save_dtype
     if weights == "auto":
         states = ckpt.catalog.optimizer_state.values()
@@ -905,6 +928,7 @@ class _Prepared:
         notes: facts worth a ``note:`` line (no tokenizer among the assets).
         config_beside: the folder of a ``config.json`` the trainer saved beside the checkpoint, when the
             export writes none (a model format without ``model_assets``).
+        experts: ``experts`` as planned (``None`` resolved: :func:`_resolved_experts`).
     """
 
     plan: ExportPlan
@@ -923,6 +947,7 @@ class _Prepared:
     notes: tuple[str, ...] = ()
     quantizer: BlockQuantizer | None = None
     config_beside: str | None = None
+    experts: str = "fused"
 
 
 def _serving_assets(
@@ -932,9 +957,11 @@ def _serving_assets(
     assets: list[tuple[str, Path]],
     pair: tuple[Selected | None, Selected | None],
     model_config: dict[str, Any] | None,
+    check: ModelCheck | None = None,
 ) -> tuple[tuple[bytes, dict[str, list[Any]]] | None, tuple[str, ...]]:
     """The ``config.json`` to write beside the weights (``ckpttool.ops.export.serving``) and the notes on the
-    assets, for a model format (``hf``, ``hf-merged``) given ``--model-assets``."""
+    assets, for a model format (``hf``, ``hf-merged``) given ``--model-assets`` (``check``: the model class
+    check, whose class a config without ``architectures`` gets)."""
     from ckpttool.ops.export.serving import dominant_dtype, serving_config, tokenizer_note
 
     if opts.model_assets is None or not out_format.ties_embeddings:
@@ -953,6 +980,7 @@ def _serving_assets(
         dtype=dominant_dtype(e for entries in plan.entries for e in entries),
         lm_head_written=lm_head is not None and lm_head.out_key in names,
         embedding_written=embed is not None and embed.out_key in names,
+        architecture=check.model_class if check is not None and check.checked and not check.findings else None,
     )
     return config, notes
 
@@ -1029,6 +1057,11 @@ def _tied(
     embed, lm_head, tie = _tied_pair(selected, rules, config) if out_format.ties_embeddings else (None, None, False)
     drop: set[str] = set()
     tied: str | None = None
+    if tie and embed is not None and lm_head is not None and lm_head.origin == "master" and embed.origin != "master":
+        # one tied parameter, its FP32 master kept under the lm_head's fqn: the embedding written is that master
+        # (_check_tied compares the two stored parameters, which must be the same tensor)
+        at = next(i for i, x in enumerate(selected) if x is embed)
+        embed = selected[at] = dataclasses.replace(embed, source=lm_head.source, origin="master")
     if tie:
         if lm_head is None:
             tied = "absent"
@@ -1056,6 +1089,7 @@ def _prepare(
     reader, cat = ckpt.reader, ckpt.catalog
     rules, model_config = given.rules, given.model_config
     model_adapter, selected, warnings, skipped = _select(ckpt, out_format, opts, rules, model_config)
+    opts = _resolved_experts(opts, selected)
     check_trainable_dtypes(str(ckpt.path), cat, selected)
     if layout.source != "none":  # a record or declaration un-permutes experts: the chunks must confirm it
         layout.require_geometry(cat, _LAYOUT_HINT)
@@ -1094,7 +1128,7 @@ def _prepare(
     merges = out_format.transforms(request)
     if quantizer is not None:  # a merged weight that is quantized: its delta is added to each band (quantize.py)
         quantizer.merges = {k: m for k, m in merges.items() if k in quantizer.tasks}
-    config, notes = _serving_assets(opts, out_format, plan, assets, (embed, lm_head), model_config)
+    config, notes = _serving_assets(opts, out_format, plan, assets, (embed, lm_head), model_config, check)
     # Every source's chunks tile it and fit their stored bytes: checked before any output exists.
     say("checking chunks")
     chunks = _checked_chunks(reader, [t.selected.source.key for t in plan.tasks])
@@ -1119,6 +1153,7 @@ def _prepare(
         notes,
         quantizer,
         _config_beside(ckpt, opts, out_format),
+        opts.experts or "fused",
     )
 
 
@@ -1199,7 +1234,8 @@ def _export_result(
         bytes_read=bytes_read,
         seconds=seconds[0],
         write_seconds=seconds[1],
-        **same_named(opts, "save_dtype", "weights", "experts"),
+        **same_named(opts, "save_dtype", "weights"),
+        experts=prep.experts,
         casts=plan.casts,
         narrowing_casts=plan.narrowing,
         origins=plan.origins,
@@ -1527,7 +1563,10 @@ def _check_tied(
     """Refuse a tied export whose lm_head differs from the embedding (compared bitwise, as stored).
 
     The lm_head source is read once here; the embedding is compared as written when it
-    was copied bit-exact, else read again from the checkpoint.
+    was copied bit-exact, else read again from the checkpoint. With FP32 masters (``weights`` master), a tied
+    parameter has one ``master_weight``, kept under one of its two fqns: when the pair's sources are not two
+    tensors of one kind (a master beside a stored parameter, or one master written for both), the two stored
+    parameters are compared instead: equal, they are the one tied parameter whose master was written.
 
     Returns:
         Bytes read from the checkpoint.
@@ -1535,6 +1574,19 @@ def _check_tied(
     Raises:
         ExportError: shapes, dtypes or bytes differ.
     """
+    if embed.origin != lm_head.origin or embed.source is lm_head.source:
+        head, emb = _read_whole(reader, lm_head.model_key), _read_whole(reader, embed.model_key)
+        equal = _bitwise_equal(head, emb)
+        read = sum(t.numel() * t.element_size() for t in (head, emb))
+        del head, emb
+        if not equal:
+            raise ExportError(
+                f"{lm_head.model_key} differs from {embed.model_key} but config.json says tie_word_embeddings: true",
+                fqn=lm_head.model_key,
+                hint="set tie_word_embeddings to false in the `model_assets` config.json to export both, "
+                "or use the config the model was trained with",
+            )
+        return read
     head = _read_whole(reader, lm_head.source.key)
     read = lm_head.source.nbytes
     task = next(t for t in plan.tasks if t.selected is embed)

@@ -574,8 +574,9 @@ class QuantizedFormat(OutputFormat):
             return []
         return [
             f"{len(self._experts[1])} fused expert tensor(s) quantized as [E, out, in] FP8 with "
-            "[E, ceil(out/B), ceil(in/B)] scales (transformers' FP8Experts layout); vLLM and torch's "
-            "QuantizedHuggingFaceStorageReader read block FP8 experts per expert: export with `experts` per-expert for them"
+            "[E, ceil(out/B), ceil(in/B)] scales (transformers' FP8Experts layout, loaded on a GPU only); vLLM and "
+            "torch's QuantizedHuggingFaceStorageReader refuse them and transformers without a GPU loads their FP8 values "
+            "without the scales (wrong weights): export with `experts` per-expert (the default with `quantize`) for them"
         ]
 
     def edited_assets(self, model_config: dict[str, Any] | None) -> dict[str, bytes]:

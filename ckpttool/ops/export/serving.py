@@ -10,6 +10,9 @@ config, the copy is edited (``docs/export.md``, "config.json"):
   preserve`` of FP32 norms beside BF16 matrices) the dtype holding the most bytes is written,
   the one ``dtype="auto"`` should build the model in. FP8/FP4 tensors (quantized weights) do not
   count, as in transformers' ``get_state_dict_dtype``.
+- ``architectures``, when the config has none (a config saved from a bare ``XConfig``, not from a model), names
+  the class the export was checked against (``export``'s model check): vLLM picks the model from it and
+  refuses a config without one; ``save_pretrained`` always writes it.
 - ``tie_word_embeddings`` is made explicit when the config leaves it to the model class's
   default: ``false`` when ``lm_head`` was written, ``true`` when only the embedding was (so the
   class never builds an untrained ``lm_head``, nor ties away the one written).
@@ -58,7 +61,13 @@ def dominant_dtype(entries: Iterable[Any]) -> str | None:
 
 
 def serving_config(
-    data: bytes, source: str, *, dtype: str | None, lm_head_written: bool, embedding_written: bool
+    data: bytes,
+    source: str,
+    *,
+    dtype: str | None,
+    lm_head_written: bool,
+    embedding_written: bool,
+    architecture: str | None = None,
 ) -> tuple[bytes, dict[str, list[Any]]]:
     """``config.json`` bytes as they should be beside the written weights, and what was changed.
 
@@ -68,6 +77,8 @@ def serving_config(
         dtype: :func:`dominant_dtype` of the written tensors (``None``: leave the dtype keys).
         lm_head_written: the export wrote the output-embedding tensor (``lm_head.weight``).
         embedding_written: it wrote the input embedding.
+        architecture: the model class the tensors were checked against (``None``: not checked), written as
+            ``architectures`` when the config names none.
 
     Returns:
         ``(bytes, edits)``: ``data`` itself when nothing changes (``edits`` ``{}``), else the edited
@@ -95,6 +106,8 @@ def serving_config(
             for key in ("torch_dtype", "dtype"):
                 if key in text:
                     put(text, key, dtype, "text_config.")
+    if architecture is not None and not doc.get("architectures"):
+        put(doc, "architectures", [architecture])
     text = doc.get("text_config")
     scopes = [doc, *([text] if isinstance(text, dict) else [])]
     if all(s.get("tie_word_embeddings") is None for s in scopes):

@@ -361,6 +361,54 @@ def test_weights_master_exports_fp32_masters(master_ckpt: Path, tmp_path: Path) 
     )
 
 
+def _save_nested(flat: dict[str, torch.Tensor], out: Path) -> Path:
+    """``dcp.save`` of ``{"model": {fqn: t}, "optimizer": {"state": {fqn: {field: t}}}}`` from torch_load's flat keys."""
+    model = {k[len("model.") :]: v for k, v in flat.items() if k.startswith("model.")}
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in flat.items():
+        if k.startswith("optimizer.state."):
+            fqn, _, field = k[len("optimizer.state.") :].rpartition(".")
+            state.setdefault(fqn, {})[field] = v
+    dcp.save({"model": model, "optimizer": {"state": state}}, checkpoint_id=str(out), no_dist=True)
+    return out
+
+
+@pytest.mark.parametrize("master_under", ["model.embed_tokens.weight", "lm_head.weight"])
+def test_weights_master_of_tied_embeddings_writes_the_one_master(
+    fixture_root: Path, tmp_path: Path, master_under: str
+) -> None:
+    """A tied parameter has one master, kept under one of its two fqns (get_state_dict: the embedding's): the
+    embedding is written from it and the lm_head left out, not refused as 'lm_head differs from the master'
+    (which made --weights master, and --quantize's default auto, fail on every tied model with masters)."""
+    built = cached_build(fixture_root, "export_master_tied", hf_models.build_master_tied)
+    assets = built / "model_assets"
+    flat = torch_load(built)
+    if master_under != "model.embed_tokens.weight":  # the same state, the master keyed by the lm_head's fqn
+        flat = {
+            k.replace("optimizer.state.model.embed_tokens.weight", f"optimizer.state.{master_under}"): v
+            for k, v in flat.items()
+        }
+    src = _save_nested(flat, tmp_path / "ck")
+    master = flat[f"optimizer.state.{master_under}.master_weight"]
+    assert torch.equal(flat["model.lm_head.weight"], flat["model.model.embed_tokens.weight"])
+    assert not torch.equal(master, flat["model.model.embed_tokens.weight"].float())  # the master is the finer one
+    for args in (["--weights", "master"], ["--weights", "master", "--save-dtype", "bf16"]):
+        out = tmp_path / f"out{len(args)}"
+        res = export_cli(str(src), str(out), *args, "--model-assets", str(assets), "--json")
+        assert res.exit_code == 0, res.stderr
+        got, _ = read_export(out)
+        assert "lm_head.weight" not in got and json.loads(res.stdout)["tied_embeddings"] == "omitted"
+        want = master if len(args) == 2 else master.to(torch.bfloat16)
+        assert bitwise_equal(got["model.embed_tokens.weight"], want)
+    # a tied pair whose stored parameters differ is still refused, masters or not
+    flat["model.lm_head.weight"] = flat["model.lm_head.weight"].clone()
+    flat["model.lm_head.weight"][0, 0] += 1
+    bad = _save_nested(flat, tmp_path / "bad")
+    res = export_cli(str(bad), str(tmp_path / "refused"), "--weights", "master", "--model-assets", str(assets))
+    assert_clean_failure(res, "E601", "model.lm_head.weight differs from model.model.embed_tokens.weight")
+    assert not (tmp_path / "refused").exists()
+
+
 def test_weights_master_without_masters_is_an_error(dense_ckpt: Path, tmp_path: Path) -> None:
     res = export_cli(str(dense_ckpt), str(tmp_path / "o"), "--weights", "master")
     assert_clean_failure(res, "E601", "master_weight")

@@ -115,3 +115,17 @@ def test_a_merge_beyond_float16s_range_is_refused_naming_the_value(
     )
     assert res.stderr.splitlines()[-2].endswith(f"e.g. {value:.6g} at [3, 0]"), res.stderr
     assert not out.exists()
+
+
+def test_filtered_merge_reports_unmerged_factors_as_filtered(lora_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    """--filter on layer 0: layer 1's LoRA factors were merged into nothing; they are listed as excluded by the
+    filter, not as 'merged into its base weight'."""
+    res = export_cli(
+        str(lora_ckpt), str(tmp_path / "o"), "--merge-lora", "--lora-alpha", str(hf_models.LORA_ALPHA),
+        "--filter", "*layers.0.*", "--json",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.stderr
+    skipped = json.loads(res.stdout)["skipped"]
+    merged = skipped["LoRA factor merged into its base weight"]["keys"]
+    assert merged and all(".layers.0." in k for k in merged)
+    assert any(".layers.1." in k and ".lora_A." in k for k in skipped["excluded by `filter_glob`"]["keys"])

@@ -41,7 +41,10 @@ def _tf_dequantize() -> Any:
 
 
 def _export(src: Path, out: Path, *args: str) -> tuple[int, dict[str, Any], str]:
-    res = runner.invoke(app, ["export", str(src), str(out), "--quantize", "fp8-block", "--json", *args])
+    """A fused quantized export (``--experts fused``: with ``--quantize`` the default is ``per-expert``)."""
+    res = runner.invoke(
+        app, ["export", str(src), str(out), "--quantize", "fp8-block", "--experts", "fused", "--json", *args]
+    )
     return res.exit_code, json.loads(res.stdout) if res.exit_code == 0 else {}, res.stderr
 
 
@@ -184,3 +187,36 @@ def test_import_refuses_fused_fp8_scales_that_do_not_fit(tmp_path: Path, scale: 
     res = runner.invoke(app, ["import", str(src), str(tmp_path / "out")])
     assert res.exit_code == 2 and "[E612]" in res.stderr and needle in res.stderr, res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "out").exists()
+
+
+def test_quantize_writes_experts_per_expert_by_default(fixture_root: Path, tmp_path: Path) -> None:
+    """``--quantize`` without ``--experts``: per-expert FP8 (what vLLM, torch's reader and transformers on any device
+    read), not the fused layout transformers' CPU path loads without its scales (weights ~500x off, a load report of
+    UNEXPECTED ``*_scale_inv`` keys the only sign); transformers' dequantized experts stay within the FP8 bound."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    src = cached_build(fixture_root, "export_qwen_moe", hf_models.build_qwen_moe)
+    out = tmp_path / "q"
+    args = ["export", str(src), str(out), "--quantize", "fp8-block", "--quantize-block", "8", "--json"]
+    res = runner.invoke(app, [*args, "--model-assets", str(src / "model_assets")])
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["experts"] == "per-expert" and "fused expert tensor(s)" not in res.stderr
+    names = set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"])
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight_scale_inv" in names
+    assert not any(n.endswith("experts.gate_up_proj") for n in names)
+    hf_logging.set_verbosity_error()
+    loaded = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in _metadata(src).items()}
+    dcp.load(loaded, checkpoint_id=str(src), no_dist=True)
+    model, info = AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert not any(info.values()), info
+    sd = model.state_dict()
+    for name in ("gate_up_proj", "down_proj"):
+        key = f"model.layers.0.mlp.experts.{name}"
+        want = loaded["model." + key].float()
+        err = (sd[key].float() - want).abs().amax() / want.abs().amax()
+        assert err <= 2 * MAX_BLOCK_REL_ERROR, (key, float(err))
+    # --experts fused still writes transformers' FP8Experts layout, with the warning naming who cannot read it
+    res = runner.invoke(app, [*args[:2], str(tmp_path / "f"), *args[3:], "--experts", "fused"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["experts"] == "fused"
+    assert "transformers without a GPU loads their FP8 values without the scales" in res.stderr

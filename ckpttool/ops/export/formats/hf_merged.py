@@ -95,6 +95,13 @@ class HFMergedFormat(HFFormat):
             )
         if req.weights == "master":
             raise ExportError("`weights` master is not supported with `fmt` hf-merged", param="weights")
+        if orphan:  # (a filter) the factors of a module whose base weight is not exported were merged into nothing
+            factors = {k for m in orphan for k in pairs[m].values()}
+            merged = skipped.get(_MERGED, [])
+            skipped[_MERGED] = [k for k in merged if k not in factors]
+            if not skipped[_MERGED]:
+                del skipped[_MERGED]
+            skipped.setdefault("excluded by `filter_glob`", []).extend(k for k in merged if k in factors)
         skip_other_tensors(cat, skipped)
         return selected, [], skipped, {}
 
@@ -118,6 +125,9 @@ class HFMergedFormat(HFFormat):
         unchanged = [k for k, m in live if not getattr(m, "changed", False)]
         if unchanged:
             plan.warnings.append(f"{len(unchanged)} merged weight(s) equal their base bitwise: {unchanged[0]}")
+
+
+_MERGED = "LoRA factor merged into its base weight"
 
 
 def _lora_pairs(cat: Catalog) -> tuple[dict[str, dict[str, str]], str]:
@@ -167,7 +177,7 @@ def _merged_key(
     """``(output key, plain model key, LoRA module or None)`` of model tensor ``key``; ``None``: skipped (recorded)."""
     canonical = strip_wrapper_segments(cat.schema.canonical_key(key))[0]
     if _PEFT_RE.match(canonical):
-        skipped.setdefault("LoRA factor merged into its base weight", []).append(key)
+        skipped.setdefault(_MERGED, []).append(key)
         return None
     plain = canonical_model_key(canonical[len(_PEFT_BASE) :]) if canonical.startswith(_PEFT_BASE) else canonical
     if ".original_module." in plain:
