@@ -123,6 +123,29 @@ def test_ep_rank_moments_written_for_all_while_the_parameter_is_right(ep_suite: 
     ], doc["findings"]
 
 
+def test_copies_in_a_legacy_layout_name_the_true_experts(ep_suite: Path, tmp_path: Path) -> None:
+    """A legacy (ep_fsdp, ep) save with FSDP on the expert dim stores slab ``f*P + e`` at the place of true slab
+    ``e*F + f`` (docs/layouts.md): stored experts 4 and 7 of P=2, F=2 are the model's experts 2 and 7."""
+    ck = copy_checkpoint(ep_suite / "legacy", tmp_path / "ck")
+    key = "model.model.layers.0.mlp.experts.down_proj"
+
+    def stored_4_to_7(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t[7] = t[4]
+        return t
+
+    damage.rewrite_tensor(ck, key, stored_4_to_7)
+    decl = ["--ep-size", "2", "--ep-fsdp-size", "2"]
+    rc, doc = run(ck, "--deep", "--source-layout", "legacy", *decl)
+    assert [f["message"].split(": ", 1)[1] for f in findings(doc, "D009")] == [
+        "2 of 8 expert slices are bitwise copies of another: experts 2, 7"
+    ], doc["findings"]
+    rc, doc = run(ck, "--deep", "--source-layout", "canonical", *decl)  # stored in true order: the same places
+    assert [f["message"].split(": ", 1)[1] for f in findings(doc, "D009")] == [
+        "2 of 8 expert slices are bitwise copies of another: experts 4, 7"
+    ], doc["findings"]
+
+
 def test_torchtitan_moe_expert_copies(titan_root: Path, tmp_path: Path) -> None:
     src = titan_root / "moe" / "checkpoint" / "step-1"
     ck = copy_checkpoint(src, tmp_path / "ck")

@@ -14,9 +14,10 @@ from __future__ import annotations
 import re
 import zlib
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from ckpttool.errors import CkptError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, TensorMeta
 from ckpttool.model.catalog import TensorEntry
 from ckpttool.ops.validate.base import rule
@@ -73,6 +74,19 @@ def _zero_crc(nbytes: int, _cache: dict[int, int] = {}) -> int:  # noqa: B006 - 
     return _cache[nbytes]
 
 
+def _true_expert(ctx: Context, key: str, experts: int) -> Callable[[int], int]:
+    """Stored expert position -> true expert index: a legacy layout (version 1, EP and EP-FSDP on the expert dim)
+    stores the slabs block-transposed (docs/layouts.md), so the findings name the experts the model has."""
+    try:
+        perm = ctx.layout.canonical_perm(key) if ctx.layout is not None else None
+    except CkptError:  # ambiguous or contradicted: L003/L00x say so; stored positions it is
+        perm = None
+    if not perm or experts % len(perm):
+        return lambda i: i
+    per, slab_of = experts // len(perm), {s: j for j, s in enumerate(perm)}
+    return lambda i: slab_of[i // per] * per + i % per
+
+
 def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
     state = ctx.expert_state_keys()
@@ -88,7 +102,8 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
         if not e:
             continue
         pe = meta.numel // e
-        digests = {i: _slice_digest(st.digests, i * pe, pe) for i in range(e)}
+        true = _true_expert(ctx, key, e)
+        digests = {true(i): _slice_digest(st.digests, i * pe, pe) for i in range(e)}
         if key in state:  # experts that never got a gradient have all-zero moments: not copies
             item = DTYPE_ITEMSIZE[meta.dtype.name]
             digests = {i: d for i, d in digests.items() if d is None or any(c != _zero_crc(n * item) for _, n, c in d)}
