@@ -22,6 +22,7 @@ from ckpttool.layouts.declaration import ResolvedLayout
 from ckpttool.model.catalog import Catalog, ParamGroup
 from ckpttool.model.checkpoint import Checkpoint
 from ckpttool.ops.validate.reference import Reference
+from ckpttool.ops.validate.stats import expert_count
 
 if TYPE_CHECKING:
     from ckpttool.format.reader import CheckpointReader
@@ -156,6 +157,7 @@ class Context:
     _layers: set[str | None] = field(default_factory=set)
     _modules: set[str] = field(default_factory=set)
     _own_config: tuple[dict[str, Any] | None] | None = None
+    _expert_state: dict[str, str | None] | None = None
 
     # ------------------------------------------------------------------ shortcuts
     @property
@@ -241,6 +243,21 @@ class Context:
         return self._storage_columns
 
     # ------------------------------------------------------------------ optimizer helpers
+    def expert_state_keys(self) -> dict[str, str | None]:
+        """Keys of the ``master_weight``/``exp_avg``/``exp_avg_sq`` of fused expert parameters (``[E, ...]``) -> the
+        parameter's model key (``None`` when the checkpoint has no model entry for it): their expert slices are
+        digested and compared like the parameter's (``D009``)."""
+        if self._expert_state is None:
+            out: dict[str, str | None] = {}
+            for fqn, ps in self.cat.optimizer_state.items():
+                for name in ("master_weight", "exp_avg", "exp_avg_sq"):
+                    t = ps.fields.get(name)
+                    if t is not None and expert_count(t.key, tuple(t.shape)):
+                        param = self.cat.model_entry(fqn)
+                        out[t.key] = param.key if param is not None else None
+            self._expert_state = out
+        return self._expert_state
+
     @property
     def has_optimizer(self) -> bool:
         return bool(self.cat.optimizer_state or self.cat.param_groups)

@@ -526,8 +526,13 @@ class _Digest:
 
 def _digest_plan(ctx: Context, key: str, meta: TensorMeta, chunk: ChunkMeta) -> _Digest | None:
     """A :class:`_Digest` for a floating model tensor's chunk that spans whole rows (of fused experts: whole
-    rows of each expert's matrix, dims 2.. complete), else ``None``."""
-    if key not in ctx.cat.model or meta.dtype.name not in IEEE_BITS or not meta.size:
+    rows of each expert's matrix, dims 2.. complete; also the master weight and moments of fused experts), else
+    ``None``."""
+    if (
+        (key not in ctx.cat.model and key not in ctx.expert_state_keys())
+        or meta.dtype.name not in IEEE_BITS
+        or not meta.size
+    ):
         return None
     row = meta.numel // meta.size[0] if meta.size[0] else 0
     e = expert_count(key, tuple(meta.size))

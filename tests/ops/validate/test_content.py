@@ -94,6 +94,58 @@ def test_expert_copy_under_ep_fsdp_on_dim_1(ep_suite: Path, tmp_path: Path) -> N
     ]
 
 
+def test_ep_rank_moments_written_for_all_while_the_parameter_is_right(ep_suite: Path, tmp_path: Path) -> None:
+    """A save that wrote EP rank 0's exp_avg/exp_avg_sq slice for every EP rank (the parameter itself intact): the
+    resume would step experts 4..7 with experts 0..3's moments. Experts that never got a gradient (all-zero
+    moments, equal to each other) are not copies."""
+    src = ep_suite / "legacy_dim1"  # EP-FSDP on dim 1: each expert's rows in two ranks' chunks
+    ck = copy_checkpoint(src, tmp_path / "ck")
+    base = "optimizer.state.model.layers.0.mlp.experts.down_proj"
+    for fld in ("exp_avg", "exp_avg_sq"):
+        damage.rewrite_tensor(ck, f"{base}.{fld}", _rank0_for_all(f"{base}.{fld}", 2))
+
+    def dead_experts(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t[5:8] = 0
+        return t
+
+    dead = "optimizer.state.model.layers.1.mlp.experts.gate_up_proj"
+    for fld in ("exp_avg", "exp_avg_sq"):
+        damage.rewrite_tensor(ck, f"{dead}.{fld}", dead_experts)
+    rc, doc = run(ck, "--deep", "--strict", "--ignore", "L003")
+    assert rc == 1
+    assert [(f["key"], f["message"].split(": ", 1)[1]) for f in findings(doc, "D009")] == [
+        (
+            f"{base}.{fld}",
+            "8 of 8 expert slices are bitwise copies of another: experts 0, 4; experts 1, 5; experts 2, 6 (+1 more groups)",
+        )
+        for fld in ("exp_avg", "exp_avg_sq")
+    ], doc["findings"]
+
+
+def test_copies_in_a_legacy_layout_name_the_true_experts(ep_suite: Path, tmp_path: Path) -> None:
+    """A legacy (ep_fsdp, ep) save with FSDP on the expert dim stores slab ``f*P + e`` at the place of true slab
+    ``e*F + f`` (docs/layouts.md): stored experts 4 and 7 of P=2, F=2 are the model's experts 2 and 7."""
+    ck = copy_checkpoint(ep_suite / "legacy", tmp_path / "ck")
+    key = "model.model.layers.0.mlp.experts.down_proj"
+
+    def stored_4_to_7(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t[7] = t[4]
+        return t
+
+    damage.rewrite_tensor(ck, key, stored_4_to_7)
+    decl = ["--ep-size", "2", "--ep-fsdp-size", "2"]
+    rc, doc = run(ck, "--deep", "--source-layout", "legacy", *decl)
+    assert [f["message"].split(": ", 1)[1] for f in findings(doc, "D009")] == [
+        "2 of 8 expert slices are bitwise copies of another: experts 2, 7"
+    ], doc["findings"]
+    rc, doc = run(ck, "--deep", "--source-layout", "canonical", *decl)  # stored in true order: the same places
+    assert [f["message"].split(": ", 1)[1] for f in findings(doc, "D009")] == [
+        "2 of 8 expert slices are bitwise copies of another: experts 4, 7"
+    ], doc["findings"]
+
+
 def test_torchtitan_moe_expert_copies(titan_root: Path, tmp_path: Path) -> None:
     src = titan_root / "moe" / "checkpoint" / "step-1"
     ck = copy_checkpoint(src, tmp_path / "ck")

@@ -12,11 +12,13 @@ shows no training step (sparse upcycling and depth up-scaling copy weights on pu
 from __future__ import annotations
 
 import re
+import zlib
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from ckpttool.format.metadata import TensorMeta
+from ckpttool.errors import CkptError
+from ckpttool.format.metadata import DTYPE_ITEMSIZE, TensorMeta
 from ckpttool.model.catalog import TensorEntry
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
@@ -66,19 +68,48 @@ def _describe(groups: list[list[int]], what: str) -> str:
     return shown + (f" (+{len(groups) - 3} more groups)" if len(groups) > 3 else "")
 
 
+def _zero_crc(nbytes: int, _cache: dict[int, int] = {}) -> int:  # noqa: B006 - a cache
+    if nbytes not in _cache:
+        _cache[nbytes] = zlib.crc32(bytes(nbytes))
+    return _cache[nbytes]
+
+
+def _true_expert(ctx: Context, key: str, experts: int) -> Callable[[int], int]:
+    """Stored expert position -> true expert index: a legacy layout (version 1, EP and EP-FSDP on the expert dim)
+    stores the slabs block-transposed (docs/layouts.md), so the findings name the experts the model has."""
+    try:
+        perm = ctx.layout.canonical_perm(key) if ctx.layout is not None else None
+    except CkptError:  # ambiguous or contradicted: L003/L00x say so; stored positions it is
+        perm = None
+    if not perm or experts % len(perm):
+        return lambda i: i
+    per, slab_of = experts // len(perm), {s: j for j, s in enumerate(perm)}
+    return lambda i: slab_of[i // per] * per + i % per
+
+
 def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
-    for key in ctx.cat.model:
+    state = ctx.expert_state_keys()
+    flagged: set[str] = set()
+    for key in [*ctx.cat.model, *state]:
         meta = ctx.reader.metadata.entries.get(key)
         st = ctx.deep_result.stats.get(key)
         if not isinstance(meta, TensorMeta) or st is None or st.zero or not st.digests:
             continue
+        if key in state and state[key] in flagged:
+            continue  # the parameter's finding says it (a rank's slice written for all: its state too)
         e = expert_count(key, tuple(meta.size))
         if not e:
             continue
         pe = meta.numel // e
-        groups = _groups({i: _slice_digest(st.digests, i * pe, pe) for i in range(e)})
+        true = _true_expert(ctx, key, e)
+        digests = {true(i): _slice_digest(st.digests, i * pe, pe) for i in range(e)}
+        if key in state:  # experts that never got a gradient have all-zero moments: not copies
+            item = DTYPE_ITEMSIZE[meta.dtype.name]
+            digests = {i: d for i, d in digests.items() if d is None or any(c != _zero_crc(n * item) for _, n, c in d)}
+        groups = _groups(digests)
         if groups:
+            flagged.add(key)
             n = sum(len(g) for g in groups)
             yield key, f"{key}: {n} of {e} expert slices are bitwise copies of another: {_describe(groups, 'expert')}"
 
