@@ -667,3 +667,23 @@ def test_every_registered_expert_form_has_its_row_in_docs_import() -> None:
     doc = (Path(__file__).parents[2] / "docs" / "import.md").read_text()
     for name, form in FORMS.items():
         assert f"| `{name}` | {', '.join(f'`{t}`' for t in form.model_types) if form.model_types else 'any'} |" in doc
+
+
+def test_mixtral_per_expert_export_loads_into_mixtral_with_identical_logits(tmp_path: Path) -> None:
+    """`export --experts per-expert` of a Mixtral wrote Qwen's `experts.{j}.gate_proj/up_proj/down_proj.weight`:
+    transformers' Mixtral loader converts only `w1`/`w3`/`w2`, so `from_pretrained` left the experts randomly
+    initialised (4 missing, 24 unexpected keys) after an export that reported success. Now the family's names
+    (`ckpttool.model.hf_forms`), which `from_pretrained` fuses back: every tensor bitwise, identical logits."""
+    from transformers import MixtralForCausalLM
+
+    _, want, ids, logits = _mixtral(tmp_path / "hf")
+    cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    out = tmp_path / "pe"
+    cli("export", str(tmp_path / "dcp"), str(out), "--model-assets", str(tmp_path / "hf"), "--experts", "per-expert")
+    got, _ = read_export(out)
+    assert "model.layers.1.mlp.experts.3.w3.weight" in got and not any("gate_proj" in k for k in got)
+    back, info = MixtralForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert all(bitwise(back.state_dict()[k], want[k]) for k in want)
+    with torch.no_grad():
+        assert torch.equal(back.eval()(ids).logits, logits)
