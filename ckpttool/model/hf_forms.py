@@ -88,17 +88,30 @@ register_form(
         reference="transformers/conversion_mapping.py 'qwen2_moe'",
     )
 )
-# transformers' "mixtral" conversion: `.block_sparse_moe.` -> `.mlp.` (the router `gate.weight` too), w1 = gate,
-# w3 = up, w2 = down.
+# transformers' "mixtral" conversion (also MiniMax's, `_MODEL_TO_CONVERSION_PATTERN`): `.block_sparse_moe.` ->
+# `.mlp.` (the router `gate.weight` too), w1 = gate, w3 = up, w2 = down.
 register_form(
     ExpertForm(
         "mixtral",
-        ("mixtral",),
+        ("mixtral", "minimax", "minimax_m2"),
         "w1",
         "w3",
         "w2",
         module=r".+\.block_sparse_moe",
         renames=((".block_sparse_moe.", ".mlp."),),
         reference="transformers/conversion_mapping.py 'mixtral'",
+    )
+)
+# transformers' "phimoe" conversion: Mixtral's, and the router `gate.weight` is the model's `router.weight`.
+register_form(
+    ExpertForm(
+        "phimoe",
+        ("phimoe",),
+        "w1",
+        "w3",
+        "w2",
+        module=r".+\.block_sparse_moe",
+        renames=((".block_sparse_moe.", ".mlp."), (".gate.weight", ".router.weight")),
+        reference="transformers/conversion_mapping.py 'phimoe'",
     )
 )

@@ -606,17 +606,23 @@ def test_import_refuses_an_adapter_it_does_not_write_through(
     assert not (tmp_path / "o").exists()
 
 
-def _mixtral(d: Path) -> tuple[Any, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-    """A tiny `MixtralForCausalLM` saved with transformers' own `save_pretrained` (which writes the legacy
-    `block_sparse_moe.experts.{j}.w1/w2/w3.weight` names); its config, state_dict, input ids and logits."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+#: the families whose `save_pretrained` writes Mixtral's legacy expert names (transformers' "mixtral" and
+#: "phimoe" conversions), by config class
+MIXTRAL_FORMS = ["MixtralConfig", "MiniMaxConfig", "MiniMaxM2Config", "PhimoeConfig"]
 
-    cfg = MixtralConfig(
+
+def _mixtral(d: Path, config: str = "MixtralConfig") -> tuple[Any, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """A tiny Mixtral-style model saved with transformers' own `save_pretrained` (which writes the legacy
+    `block_sparse_moe.experts.{j}.w1/w2/w3.weight` names); its config, state_dict, input ids and logits."""
+    import transformers
+
+    cfg = getattr(transformers, config)(
         vocab_size=64, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     torch.manual_seed(11)
-    model = MixtralForCausalLM(cfg).eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     model.save_pretrained(d)
     ids = torch.randint(0, 64, (2, 7))
     with torch.no_grad():
@@ -624,18 +630,19 @@ def _mixtral(d: Path) -> tuple[Any, dict[str, torch.Tensor], torch.Tensor, torch
     return cfg, {k: v.clone() for k, v in model.state_dict().items()}, ids, logits
 
 
-def test_mixtral_legacy_per_expert_names_import_as_the_models_own_fused_keys(tmp_path: Path) -> None:
+@pytest.mark.parametrize("config", MIXTRAL_FORMS)
+def test_mixtral_legacy_per_expert_names_import_as_the_models_own_fused_keys(tmp_path: Path, config: str) -> None:
     """transformers 5 saves Mixtral's experts as `block_sparse_moe.experts.{j}.w1/w2/w3.weight`; the import wrote
     those names ("imported 41 tensors", exit 0) and `dcp.load` into the model's `state_dict()` (fused
     `mlp.experts.gate_up_proj` / `down_proj`, `mlp.gate.weight`) failed. Now: the model's own keys, each tensor
     bitwise what the model held (transformers' conversion: w1 gate then w3 up along dim 1), identical logits."""
-    from transformers import MixtralForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    cfg, want, ids, logits = _mixtral(tmp_path / "hf")
+    cfg, want, ids, logits = _mixtral(tmp_path / "hf", config)
     assert any(".block_sparse_moe.experts.0.w1.weight" in k for k in hf_tensors(tmp_path / "hf"))
     doc = cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
     assert doc["tensors"] == len(want)
-    fresh = MixtralForCausalLM(cfg)
+    fresh = AutoModelForCausalLM.from_config(cfg)
     sd = {"model": fresh.state_dict()}
     dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)  # every key of the model must be there
     assert set(torch_load(tmp_path / "dcp")) == {f"model.{k}" for k in want}
@@ -645,7 +652,7 @@ def test_mixtral_legacy_per_expert_names_import_as_the_models_own_fused_keys(tmp
         assert torch.equal(fresh.eval()(ids).logits, logits)
     # and back: the export loads with transformers' own from_pretrained, identical logits
     cli("export", str(tmp_path / "dcp"), str(tmp_path / "back"), "--model-assets", str(tmp_path / "hf"))
-    back = MixtralForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
     assert all(bitwise(back.state_dict()[k], want[k]) for k in want)
     with torch.no_grad():
         assert torch.equal(back(ids).logits, logits)
@@ -669,20 +676,21 @@ def test_every_registered_expert_form_has_its_row_in_docs_import() -> None:
         assert f"| `{name}` | {', '.join(f'`{t}`' for t in form.model_types) if form.model_types else 'any'} |" in doc
 
 
-def test_mixtral_per_expert_export_loads_into_mixtral_with_identical_logits(tmp_path: Path) -> None:
+@pytest.mark.parametrize("config", MIXTRAL_FORMS)
+def test_mixtral_per_expert_export_loads_into_mixtral_with_identical_logits(tmp_path: Path, config: str) -> None:
     """`export --experts per-expert` of a Mixtral wrote Qwen's `experts.{j}.gate_proj/up_proj/down_proj.weight`:
     transformers' Mixtral loader converts only `w1`/`w3`/`w2`, so `from_pretrained` left the experts randomly
     initialised (4 missing, 24 unexpected keys) after an export that reported success. Now the family's names
     (`ckpttool.model.hf_forms`), which `from_pretrained` fuses back: every tensor bitwise, identical logits."""
-    from transformers import MixtralForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    _, want, ids, logits = _mixtral(tmp_path / "hf")
+    _, want, ids, logits = _mixtral(tmp_path / "hf", config)
     cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
     out = tmp_path / "pe"
     cli("export", str(tmp_path / "dcp"), str(out), "--model-assets", str(tmp_path / "hf"), "--experts", "per-expert")
     got, _ = read_export(out)
     assert "model.layers.1.mlp.experts.3.w3.weight" in got and not any("gate_proj" in k for k in got)
-    back, info = MixtralForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    back, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert all(bitwise(back.state_dict()[k], want[k]) for k in want)
     with torch.no_grad():
