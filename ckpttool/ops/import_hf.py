@@ -284,6 +284,33 @@ def _fuse_per_expert(sources: dict[str, _Source], out: dict[str, _Native], acfg:
     return used
 
 
+def _generic_expert_names(sources: dict[str, _Source], acfg: AdapterConfig) -> dict[str, _Source]:
+    """``sources`` with the keys of a family's own per-expert form (Mixtral's ``block_sparse_moe.experts.<j>.w1``)
+    under the generic form's names (``mlp.experts.<j>.gate_proj``) and the form's renames applied to the rest:
+    the names the megatron import reads. Keys of a form that does not apply to the model type are refused.
+
+    Raises:
+        ExportError (E601): as :func:`_refuse_unmapped_forms`; two stored keys of one name.
+    """
+    forms = forms_for(acfg.model_type)
+    _refuse_unmapped_forms(sources, acfg.model_type, forms)
+    generic = next(f for f in FORMS.values() if f.model_types is None)
+    out: dict[str, _Source] = {}
+    for k, src in sources.items():
+        name = k
+        for form in forms:
+            m = form.pattern.match(name) if form is not generic else None
+            if m is not None:
+                as_generic = dict(zip((form.gate, form.up, form.down), (generic.gate, generic.up, generic.down)))
+                name = form.rename(f"{m['p']}.experts.{m['j']}.{as_generic[m['proj']]}.weight")
+            else:
+                name = form.rename(name)
+        if name in out:
+            raise ExportError(f"{k}: stored beside another tensor named {name!r}", fqn=k)
+        out[name] = replace(src, key=name)
+    return out
+
+
 def _model_name(key: str, acfg: AdapterConfig) -> str:
     """The model's own name of a stored HF key: the renames of the checkpoint forms of its ``model_type``."""
     for form in forms_for(acfg.model_type):
@@ -377,7 +404,7 @@ def _megatron_tensors(
     if "lm_head.weight" in sources and "lm_head.weight" not in md.entries:
         del sources["lm_head.weight"]
         warnings.remove("tied lm_head.weight written from model.embed_tokens.weight (tie_word_embeddings)")
-    tensors, skipped, objects = megatron_natives(sources, config, acfg)
+    tensors, skipped, objects = megatron_natives(_generic_expert_names(sources, acfg), config, acfg)
     return [_Native(t.key, t.dtype, t.shape, t.rows, (t.key,), flat=t.flat) for t in tensors], skipped, objects
 
 
