@@ -230,16 +230,19 @@ def _refuse_unmapped_forms(sources: dict[str, _Source], model_type: str | None, 
     for form in FORMS.values():
         if form in forms:
             continue
-        for k in sorted(sources):
-            if form.pattern.match(k) and not any(f.pattern.match(k) for f in forms):
-                kinds = ", ".join(form.model_types or ())
-                raise ExportError(
-                    f"{k}: a per-expert key of the {form.name} checkpoint form ({kinds}), but the config's model_type "
-                    f"is {model_type!r}: import cannot map it to the model's fused expert tensors",
-                    fqn=k,
-                    hint="pass the model's own config.json (`config`); the import knows the per-expert forms of "
-                    + ", ".join(f"{f.name} ({', '.join(f.model_types or ('any',))})" for f in FORMS.values()),
-                )
+        hits = [k for k in sources if form.pattern.match(k) and not any(f.pattern.match(k) for f in forms)]
+        if not hits:
+            continue
+        k = min(hits)  # the first in name order (sorted only on the way to an error: 10^6 keys otherwise)
+        kinds = ", ".join(form.model_types or ())
+        said = f"the config's model_type is {model_type!r}" if model_type else "no config.json gives its model_type"
+        raise ExportError(
+            f"{k}: a per-expert key of the {form.name} checkpoint form ({kinds}), but {said}: import cannot map it "
+            "to the model's fused expert tensors",
+            fqn=k,
+            hint="pass the model's own config.json (`config`); the import knows the per-expert forms of "
+            + ", ".join(f"{f.name} ({', '.join(f.model_types or ('any',))})" for f in FORMS.values()),
+        )
 
 
 def _fuse_per_expert(sources: dict[str, _Source], out: dict[str, _Native], acfg: AdapterConfig) -> set[str]:

@@ -665,6 +665,7 @@ def test_mixtral_per_expert_names_without_the_mixtral_config_are_refused(tmp_pat
     res = runner.invoke(app, ["import", str(tmp_path / "hf"), str(tmp_path / "o")])
     assert res.exit_code == 2 and "[E601]" in res.stderr, res.stderr
     assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in res.stderr and "mixtral" in res.stderr
+    assert "no config.json gives its model_type" in res.stderr and "--config" in res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "o").exists()
 
 
