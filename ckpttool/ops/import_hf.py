@@ -16,7 +16,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import shlex
 import time
 from dataclasses import dataclass, field, replace
@@ -42,6 +41,7 @@ from ckpttool.model.adapters import (
     import_adapters,
     rope_from_hf_rows,
 )
+from ckpttool.model.hf_forms import FORMS, ExpertForm, forms_for
 from ckpttool.model.hfconfig import config_value, read_hf_config
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.base import canonical_model_key
@@ -220,39 +220,105 @@ def _expert_matrix(what: str, fqn: str, src: _Source) -> tuple[int, int]:
     return src.shape[0], src.shape[1]
 
 
-_PER_EXPERT_RE = re.compile(r"^(?P<p>.+\.experts)\.(?P<j>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+def _refuse_unmapped_forms(sources: dict[str, _Source], model_type: str | None, forms: list[ExpertForm]) -> None:
+    """Per-expert keys of a registered checkpoint form that does not apply to this ``model_type`` are refused:
+    written as stored, they would be keys the model's ``state_dict()`` does not have.
 
-
-def _fuse_per_expert(sources: dict[str, _Source], out: dict[str, _Native], num_experts: int | None) -> set[str]:
-    """HF per-expert keys -> transformers v5 fused ``experts.gate_up_proj`` ``[E, 2I, H]`` / ``experts.down_proj``.
-
-    Returns the source keys consumed. Raises ExportError when the experts do not cover ``0..E-1``.
+    Raises:
+        ExportError (E601): naming the first such key.
     """
-    groups: dict[str, dict[str, dict[int, _Source]]] = {}
-    for k, src in sources.items():
-        m = _PER_EXPERT_RE.match(k)
-        if m:
-            groups.setdefault(m["p"], {}).setdefault(m["proj"], {})[int(m["j"])] = src
+    for form in FORMS.values():
+        if form in forms:
+            continue
+        hits = [k for k in sources if form.pattern.match(k) and not any(f.pattern.match(k) for f in forms)]
+        if not hits:
+            continue
+        k = min(hits)  # the first in name order (sorted only on the way to an error: 10^6 keys otherwise)
+        kinds = ", ".join(form.model_types or ())
+        said = f"the config's model_type is {model_type!r}" if model_type else "no config.json gives its model_type"
+        raise ExportError(
+            f"{k}: a per-expert key of the {form.name} checkpoint form ({kinds}), but {said}: import cannot map it "
+            "to the model's fused expert tensors",
+            fqn=k,
+            hint="pass the model's own config.json (`config`); the import knows the per-expert forms of "
+            + ", ".join(f"{f.name} ({', '.join(f.model_types or ('any',))})" for f in FORMS.values()),
+        )
+
+
+def _fuse_per_expert(sources: dict[str, _Source], out: dict[str, _Native], acfg: AdapterConfig) -> set[str]:
+    """HF per-expert keys -> the model's fused ``experts.gate_up_proj`` ``[E, 2I, H]`` / ``experts.down_proj``.
+
+    Through the registered checkpoint forms that apply to the config's ``model_type``
+    (:mod:`ckpttool.model.hf_forms`: Qwen-style ``experts.<j>.gate_proj``, Mixtral's ``block_sparse_moe.experts.<j>.w1``),
+    the fused key renamed as the form says. Returns the source keys consumed.
+
+    Raises:
+        ExportError: experts that do not cover ``0..E-1``, parts of different shapes, per-expert keys of a form
+            that does not apply to the model type.
+    """
+    forms = forms_for(acfg.model_type)
+    _refuse_unmapped_forms(sources, acfg.model_type, forms)
     used: set[str] = set()
-    for prefix, projs in groups.items():
-        for fused, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
-            got = [projs.get(p, {}) for p in parts]
-            if not any(got):
-                continue  # none of this fused tensor's parts (only down_proj experts): nothing to fuse
-            widest = max(got, key=len)
-            n = num_experts or max(widest) + 1
-            for p, g in zip(parts, got):
-                _expert_count(f"{prefix}.*.{p}.weight", f"{prefix}.0.{p}.weight", g, n)
-            first = got[0][0]
-            if any(s.shape != first.shape or s.dtype != first.dtype for g in got for s in g.values()):
-                raise ExportError(f"{prefix}: per-expert {fused} parts differ in shape or dtype", fqn=prefix)
-            a, b = _expert_matrix(prefix, f"{prefix}.0.{parts[0]}.weight", first)
-            nb = DType(first.dtype).itemsize * a * b
-            rows = [[(g[j].file, g[j].offset, nb) for g in got] for j in range(n)]
-            key = canonical_model_key(f"{prefix}.{fused}")
-            out[key] = _Native(key, first.dtype, (n, a * len(parts), b), rows, ("model", f"{prefix}.{fused}"))
-            used.update(s.key for g in got for s in g.values())
+    for form in forms:
+        groups: dict[str, dict[str, dict[int, _Source]]] = {}
+        for k, src in sources.items():
+            m = form.pattern.match(k)
+            if m and k not in used:
+                groups.setdefault(m["p"], {}).setdefault(m["proj"], {})[int(m["j"])] = src
+        for prefix, projs in groups.items():
+            for fused, parts in form.fused():
+                got = [projs.get(p, {}) for p in parts]
+                if not any(got):
+                    continue  # none of this fused tensor's parts (only down_proj experts): nothing to fuse
+                widest = max(got, key=len)
+                n = acfg.num_experts or max(widest) + 1
+                for p, g in zip(parts, got):
+                    _expert_count(f"{prefix}.experts.*.{p}.weight", f"{prefix}.experts.0.{p}.weight", g, n)
+                first = got[0][0]
+                if any(s.shape != first.shape or s.dtype != first.dtype for g in got for s in g.values()):
+                    raise ExportError(f"{prefix}: per-expert {fused} parts differ in shape or dtype", fqn=prefix)
+                a, b = _expert_matrix(prefix, f"{prefix}.experts.0.{parts[0]}.weight", first)
+                nb = DType(first.dtype).itemsize * a * b
+                rows = [[(g[j].file, g[j].offset, nb) for g in got] for j in range(n)]
+                name = form.rename(f"{prefix}.experts.{fused}")
+                key = canonical_model_key(name)
+                out[key] = _Native(key, first.dtype, (n, a * len(parts), b), rows, ("model", name))
+                used.update(s.key for g in got for s in g.values())
     return used
+
+
+def _generic_expert_names(sources: dict[str, _Source], acfg: AdapterConfig) -> dict[str, _Source]:
+    """``sources`` with the keys of a family's own per-expert form (Mixtral's ``block_sparse_moe.experts.<j>.w1``)
+    under the generic form's names (``mlp.experts.<j>.gate_proj``) and the form's renames applied to the rest:
+    the names the megatron import reads. Keys of a form that does not apply to the model type are refused.
+
+    Raises:
+        ExportError (E601): as :func:`_refuse_unmapped_forms`; two stored keys of one name.
+    """
+    forms = forms_for(acfg.model_type)
+    _refuse_unmapped_forms(sources, acfg.model_type, forms)
+    generic = next(f for f in FORMS.values() if f.model_types is None)
+    out: dict[str, _Source] = {}
+    for k, src in sources.items():
+        name = k
+        for form in forms:
+            m = form.pattern.match(name) if form is not generic else None
+            if m is not None:
+                as_generic = dict(zip((form.gate, form.up, form.down), (generic.gate, generic.up, generic.down)))
+                name = form.rename(f"{m['p']}.experts.{m['j']}.{as_generic[m['proj']]}.weight")
+            else:
+                name = form.rename(name)
+        if name in out:
+            raise ExportError(f"{k}: stored beside another tensor named {name!r}", fqn=k)
+        out[name] = replace(src, key=name)
+    return out
+
+
+def _model_name(key: str, acfg: AdapterConfig) -> str:
+    """The model's own name of a stored HF key: the renames of the checkpoint forms of its ``model_type``."""
+    for form in forms_for(acfg.model_type):
+        key = form.rename(key)
+    return key
 
 
 def _native_tensors(
@@ -261,14 +327,21 @@ def _native_tensors(
     skipped: dict[str, list[str]] = {}
     out: dict[str, _Native] = {}
     stacked: dict[str, dict[int, _Source]] = {}
-    fused = _fuse_per_expert(sources, out, acfg.num_experts) if adapter is None else set()
+    fused = _fuse_per_expert(sources, out, acfg) if adapter is None else set()
     for key in sorted(sources, key=lambda k: (sources[k].file, sources[k].offset)):
         src = sources[key]
         if key in fused:
             continue
         if adapter is None:
-            nk = canonical_model_key(key)
-            out[nk] = _plain(nk, src, src.shape, ("model", key))
+            name = _model_name(key, acfg)
+            nk = canonical_model_key(name)
+            if nk in out:  # two stored keys of one model key (a legacy name beside its renamed one)
+                raise ExportError(
+                    f"{key}: stored beside another tensor of the model key {name!r}",
+                    fqn=key,
+                    hint="the folder mixes two naming forms of one model; re-save it with save_pretrained",
+                )
+            out[nk] = _plain(nk, src, src.shape, ("model", name))
             continue
         targets = adapter.from_hf(key, src.shape, acfg)
         if isinstance(targets, Skip):
@@ -334,7 +407,7 @@ def _megatron_tensors(
     if "lm_head.weight" in sources and "lm_head.weight" not in md.entries:
         del sources["lm_head.weight"]
         warnings.remove("tied lm_head.weight written from model.embed_tokens.weight (tie_word_embeddings)")
-    tensors, skipped, objects = megatron_natives(sources, config, acfg)
+    tensors, skipped, objects = megatron_natives(_generic_expert_names(sources, acfg), config, acfg)
     return [_Native(t.key, t.dtype, t.shape, t.rows, (t.key,), flat=t.flat) for t in tensors], skipped, objects
 
 

@@ -604,3 +604,95 @@ def test_import_refuses_an_adapter_it_does_not_write_through(
     err = res.stderr.splitlines()[0]
     assert err == f"error: [E100] {message}torchtitan-llama3, torchtitan-qwen3, megatron-gpt", err
     assert not (tmp_path / "o").exists()
+
+
+#: the families whose `save_pretrained` writes Mixtral's legacy expert names (transformers' "mixtral" and
+#: "phimoe" conversions), by config class
+MIXTRAL_FORMS = ["MixtralConfig", "MiniMaxConfig", "MiniMaxM2Config", "PhimoeConfig"]
+
+
+def _mixtral(d: Path, config: str = "MixtralConfig") -> tuple[Any, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """A tiny Mixtral-style model saved with transformers' own `save_pretrained` (which writes the legacy
+    `block_sparse_moe.experts.{j}.w1/w2/w3.weight` names); its config, state_dict, input ids and logits."""
+    import transformers
+
+    cfg = getattr(transformers, config)(
+        vocab_size=64, hidden_size=16, intermediate_size=8, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(11)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model.save_pretrained(d)
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        logits = model(ids).logits
+    return cfg, {k: v.clone() for k, v in model.state_dict().items()}, ids, logits
+
+
+@pytest.mark.parametrize("config", MIXTRAL_FORMS)
+def test_mixtral_legacy_per_expert_names_import_as_the_models_own_fused_keys(tmp_path: Path, config: str) -> None:
+    """transformers 5 saves Mixtral's experts as `block_sparse_moe.experts.{j}.w1/w2/w3.weight`; the import wrote
+    those names ("imported 41 tensors", exit 0) and `dcp.load` into the model's `state_dict()` (fused
+    `mlp.experts.gate_up_proj` / `down_proj`, `mlp.gate.weight`) failed. Now: the model's own keys, each tensor
+    bitwise what the model held (transformers' conversion: w1 gate then w3 up along dim 1), identical logits."""
+    from transformers import AutoModelForCausalLM
+
+    cfg, want, ids, logits = _mixtral(tmp_path / "hf", config)
+    assert any(".block_sparse_moe.experts.0.w1.weight" in k for k in hf_tensors(tmp_path / "hf"))
+    doc = cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    assert doc["tensors"] == len(want)
+    fresh = AutoModelForCausalLM.from_config(cfg)
+    sd = {"model": fresh.state_dict()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)  # every key of the model must be there
+    assert set(torch_load(tmp_path / "dcp")) == {f"model.{k}" for k in want}
+    assert all(bitwise(sd["model"][k], want[k]) for k in want)
+    fresh.load_state_dict(sd["model"])
+    with torch.no_grad():
+        assert torch.equal(fresh.eval()(ids).logits, logits)
+    # and back: the export loads with transformers' own from_pretrained, identical logits
+    cli("export", str(tmp_path / "dcp"), str(tmp_path / "back"), "--model-assets", str(tmp_path / "hf"))
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    assert all(bitwise(back.state_dict()[k], want[k]) for k in want)
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, logits)
+
+
+def test_mixtral_per_expert_names_without_the_mixtral_config_are_refused(tmp_path: Path) -> None:
+    """Without a config saying `mixtral` the legacy names cannot be mapped: E601 naming the key, no output."""
+    _mixtral(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").unlink()
+    res = runner.invoke(app, ["import", str(tmp_path / "hf"), str(tmp_path / "o")])
+    assert res.exit_code == 2 and "[E601]" in res.stderr, res.stderr
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in res.stderr and "mixtral" in res.stderr
+    assert "no config.json gives its model_type" in res.stderr and "--config" in res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "o").exists()
+
+
+def test_every_registered_expert_form_has_its_row_in_docs_import() -> None:
+    from ckpttool.model.hf_forms import FORMS
+
+    doc = (Path(__file__).parents[2] / "docs" / "import.md").read_text()
+    for name, form in FORMS.items():
+        assert f"| `{name}` | {', '.join(f'`{t}`' for t in form.model_types) if form.model_types else 'any'} |" in doc
+
+
+@pytest.mark.parametrize("config", MIXTRAL_FORMS)
+def test_mixtral_per_expert_export_loads_into_mixtral_with_identical_logits(tmp_path: Path, config: str) -> None:
+    """`export --experts per-expert` of a Mixtral wrote Qwen's `experts.{j}.gate_proj/up_proj/down_proj.weight`:
+    transformers' Mixtral loader converts only `w1`/`w3`/`w2`, so `from_pretrained` left the experts randomly
+    initialised (4 missing, 24 unexpected keys) after an export that reported success. Now the family's names
+    (`ckpttool.model.hf_forms`), which `from_pretrained` fuses back: every tensor bitwise, identical logits."""
+    from transformers import AutoModelForCausalLM
+
+    _, want, ids, logits = _mixtral(tmp_path / "hf", config)
+    cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    out = tmp_path / "pe"
+    cli("export", str(tmp_path / "dcp"), str(out), "--model-assets", str(tmp_path / "hf"), "--experts", "per-expert")
+    got, _ = read_export(out)
+    assert "model.layers.1.mlp.experts.3.w3.weight" in got and not any("gate_proj" in k for k in got)
+    back, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert all(bitwise(back.state_dict()[k], want[k]) for k in want)
+    with torch.no_grad():
+        assert torch.equal(back.eval()(ids).logits, logits)

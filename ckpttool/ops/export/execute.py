@@ -890,8 +890,9 @@ def export_checkpoint(
     opening, progress, phase = hooks_of("export_checkpoint", hooks)
     opts = options_of(options, ExportOptions)
     _check_options(opts)
-    rules = load_rules(opts.rules)
     model_config = _read_model_config(opts.model_assets)
+    mt = model_config.get("model_type") if model_config is not None else None
+    rules = load_rules(opts.rules, mt if isinstance(mt, str) else None)
     given_adapter = None
     if get_format(opts.fmt).reads_adapter_config:
         if opts.adapter_config is not None:

@@ -397,11 +397,34 @@ def _read_yaml(text: str, source: str) -> Any:
         raise UsageError(f"{source}: not valid YAML ({str(e).splitlines()[0]})", hint="fix the rules file") from e
 
 
-def load_rules(user_file: str | Path | None = None) -> ExportRules:
+def _form_rules(model_type: str | None) -> tuple[ExpertRule, ...]:
+    """The expert split rules of the per-expert checkpoint forms of ``model_type`` that name their own
+    projections (the loader's names: ``<prefix>.experts.{j}.<gate|up|down>.weight``, which transformers'
+    conversion fuses on load)."""
+    from ckpttool.model.hf_forms import forms_for
+
+    out: list[ExpertRule] = []
+    for form in forms_for(model_type):
+        if form.model_types is None:
+            continue  # the generic form: the default rules' names
+        for fused, parts in form.fused():
+            out.append(
+                ExpertRule(
+                    re.compile(rf"^(?P<prefix>.+\.experts)\.{fused}$"),
+                    tuple(f"{{prefix}}.{{j}}.{p}.weight" for p in parts),
+                )
+            )
+    return tuple(out)
+
+
+def load_rules(user_file: str | Path | None = None, model_type: str | None = None) -> ExportRules:
     """Packaged default rules, merged with an optional user rules file.
 
     Args:
         user_file: a ``--rules FILE.yaml`` path or ``None``.
+        model_type: the ``config.json`` ``model_type`` of the model: where the family's per-expert checkpoint
+            form has its own names (:mod:`ckpttool.model.hf_forms`: Mixtral's ``w1`` / ``w3`` / ``w2``), its
+            expert split rules come first (unless the user file gives an ``experts`` section).
 
     Returns:
         The merged :class:`ExportRules`.
@@ -427,11 +450,13 @@ def load_rules(user_file: str | Path | None = None) -> ExportRules:
         for section, value in user.items():
             merged[section] = value + merged["keys"] if section == "keys" else value
         sources.append(str(p))
+        if "experts" in user:
+            model_type = None  # the user's split rules replace the defaults, the family's too
     return ExportRules(
         keys=merged["keys"],
         tied_embedding=merged["tied_embeddings"][0],
         tied_lm_head=merged["tied_embeddings"][1],
-        experts=merged["experts"],
+        experts=_form_rules(model_type) + merged["experts"],
         num_experts_config_keys=merged["num_experts_config_keys"],
         lora_pattern=merged["lora"],
         sources=tuple(sources),
