@@ -348,28 +348,8 @@ def _render(r: ExportResult) -> None:
     con.print(f"save dtype  {r.save_dtype}" + (f"; casts: {_counts(r.casts)}" if r.casts else "; no casts"))
     if r.narrowing_casts:
         con.print(f"narrowing casts (precision or range lost): {_counts(r.narrowing_casts)}")
-    params = r.origins.get("params", [])
-    master = r.origins.get("master", [])
-    if r.weights == "master":
-        con.print(
-            f"weights     {len(master)} from FP32 master_weight, {len(params)} from stored parameters (no master)"
-            + (f": {', '.join(params[:5])}{' ...' if len(params) > 5 else ''}" if params else "")
-        )
-    q = r.quantization
-    if q is not None:
-        con.print(
-            f"quantized   {q['quantized']} weight(s) {q['method']} "
-            + (f"({q['block_size']}x{q['block_size']} blocks) " if q["method"] == "fp8-block" else "(per output row) ")
-            + f"as {q['format']} from "
-            + ("FP32 master weights" if q["source"] == "master" else "the stored parameters")
-            + f"; max error {q['max_rel_error']:.4g} of the block amax (bound {q['max_rel_error_bound']:.4g})"
-        )
-    if r.experts == "per-expert" or r.layout.get("unpermuted"):
-        un = r.layout.get("unpermuted") or []
-        con.print(
-            f"experts     {r.experts}"
-            + (f"; {plural(len(un), 'tensor')} un-permuted from the legacy EP layout" if un else "")
-        )
+    for line in _source_lines(r):
+        con.print(line)
     if r.tied_embeddings:
         msg = {
             "omitted": "tied: lm_head omitted (bitwise equal to the embedding)",
@@ -393,6 +373,36 @@ def _render(r: ExportResult) -> None:
         con.print(
             f"manifest    {'would write ' if r.dry_run else ''}{r.output}/{r.manifest} (every byte digested as written)"
         )
+
+
+def _source_lines(r: ExportResult) -> list[str]:
+    """The summary lines on where the written weights come from: masters, quantization, expert layout."""
+    from ckpttool.ui.render import plural
+
+    out: list[str] = []
+    params = r.origins.get("params", [])
+    master = r.origins.get("master", [])
+    if r.weights == "master":
+        out.append(
+            f"weights     {len(master)} from FP32 master_weight, {len(params)} from stored parameters (no master)"
+            + (f": {', '.join(params[:5])}{' ...' if len(params) > 5 else ''}" if params else "")
+        )
+    q = r.quantization
+    if q is not None:
+        out.append(
+            f"quantized   {q['quantized']} weight(s) {q['method']} "
+            + (f"({q['block_size']}x{q['block_size']} blocks) " if q["method"] == "fp8-block" else "(per output row) ")
+            + f"as {q['format']} from "
+            + ("FP32 master weights" if q["source"] == "master" else "the stored parameters")
+            + f"; max error {q['max_rel_error']:.4g} of the block amax (bound {q['max_rel_error_bound']:.4g})"
+        )
+    if r.experts == "per-expert" or r.layout.get("unpermuted"):
+        un = r.layout.get("unpermuted") or []
+        out.append(
+            f"experts     {r.experts}"
+            + (f"; {plural(len(un), 'tensor')} un-permuted from the legacy EP layout" if un else "")
+        )
+    return out
 
 
 def _counts(d: dict[str, int]) -> str:

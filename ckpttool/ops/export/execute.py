@@ -1092,9 +1092,7 @@ def _prepare(
     model_adapter, selected, warnings, skipped = _select(ckpt, out_format, opts, rules, model_config)
     opts = _resolved_experts(opts, selected)
     check_trainable_dtypes(str(ckpt.path), cat, selected)
-    if layout.source != "none":  # a record or declaration un-permutes experts: the chunks must confirm it
-        layout.require_geometry(cat, _LAYOUT_HINT)
-    orders = expert_orders(selected, layout)
+    orders = _expert_orders(cat, layout, selected)
     num_experts = rules.num_experts_from_config(model_config) if model_config else None
     embed, lm_head, tied, drop = _tied(selected, rules, model_config, out_format)
     plan = build_plan(
@@ -1156,6 +1154,18 @@ def _prepare(
         _config_beside(ckpt, opts, out_format),
         opts.experts or "fused",
     )
+
+
+def _expert_orders(cat: Catalog, layout: ResolvedLayout, selected: list[Selected]) -> dict[str, tuple[int, ...]]:
+    """:func:`~ckpttool.ops.export.experts.expert_orders`, once the chunks confirm a recorded or declared layout.
+
+    Raises:
+        LayoutContradictionError (E404): the record or declaration that un-permutes the experts is contradicted
+            by the chunks (a wrong expert count, sizes not dividing it, a tensor the checkpoint lacks).
+    """
+    if layout.source != "none":
+        layout.require_geometry(cat, _LAYOUT_HINT)
+    return expert_orders(selected, layout)
 
 
 def _config_beside(ckpt: Checkpoint, opts: ExportOptions, out_format: OutputFormat) -> str | None:

@@ -11,6 +11,7 @@ shows no training step (sparse upcycling and depth up-scaling copy weights on pu
 
 from __future__ import annotations
 
+import functools
 import re
 import zlib
 from collections import defaultdict
@@ -68,10 +69,17 @@ def _describe(groups: list[list[int]], what: str) -> str:
     return shown + (f" (+{len(groups) - 3} more groups)" if len(groups) > 3 else "")
 
 
-def _zero_crc(nbytes: int, _cache: dict[int, int] = {}) -> int:  # noqa: B006 - a cache
-    if nbytes not in _cache:
-        _cache[nbytes] = zlib.crc32(bytes(nbytes))
-    return _cache[nbytes]
+_ZEROS = bytes(1 << 16)
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_crc(nbytes: int) -> int:
+    """The CRC-32 of ``nbytes`` zero bytes (a digest span of an all-zero slice), in 64 KiB pieces."""
+    crc, left = 0, nbytes
+    while left:
+        n = min(left, len(_ZEROS))
+        crc, left = zlib.crc32(memoryview(_ZEROS)[:n], crc), left - n
+    return crc
 
 
 def _true_expert(ctx: Context, key: str, experts: int) -> Callable[[int], int]:
