@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
+from tests.fixtures.torch_free import run_without_torch
 
 runner = CliRunner()
 
@@ -54,18 +55,7 @@ def test_replay_uses_the_tensor_lr(tensor_lr_ckpt: Path) -> None:
 def test_inspect_reads_the_tensor_lr_without_importing_torch(tensor_lr_ckpt: Path) -> None:
     """``inspect`` is torch-free, but a tensor ``lr`` was read with ``read_tensor`` (torch imported, 1-3 s); its
     value is now decoded from the stored bytes of the 0-d tensor (the same number torch reads)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys\n"
-        "from ckpttool.cli import main\n"
-        "sys.argv = ['ckpttool', 'inspect', sys.argv[1], '--json']\n"
-        "try:\n    main()\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
-        "assert 'torch' not in sys.modules, 'torch was imported'\n"
-    )
-    r = subprocess.run([sys.executable, "-c", code, str(tensor_lr_ckpt)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_without_torch("inspect", str(tensor_lr_ckpt), "--json")
     (group,) = json.loads(r.stdout)["optimizer"]["param_groups"]
     assert group["lr"] == pytest.approx(2e-3) and group["lr"] == float(__import__("torch").tensor(2e-3).item())
 

@@ -30,16 +30,22 @@ def _record(**entry: Any) -> dict[str, Any]:
     }
 
 
+#: Records the chunks contradict: (record, the tensor named, the problem), for stamp and export alike.
+CONTRADICTED = [
+    (_record(**{GATE_UP: {"ep_dim": 0, "fsdp_dim": 0, "num_experts": 3}}), GATE_UP, "num_experts is 3"),
+    (
+        _record(**{"model.model.nope.experts.w": {"ep_dim": 0, "fsdp_dim": 0, "num_experts": 8}}),
+        "model.model.nope.experts.w",
+        "named by the layout but not in the checkpoint",
+    ),
+]
+
+
 @pytest.mark.parametrize(
     "record, key, problem",
     [
-        (_record(**{GATE_UP: {"ep_dim": 0, "fsdp_dim": 0, "num_experts": 3}}), GATE_UP, "num_experts is 3"),
+        *CONTRADICTED,
         (_record(**{GATE_UP: {"ep_dim": 9, "fsdp_dim": 0, "num_experts": 8}}), GATE_UP, "ep_dim 9 is not a dim"),
-        (
-            _record(**{"model.model.nope.experts.w": {"ep_dim": 0, "fsdp_dim": 0, "num_experts": 8}}),
-            "model.model.nope.experts.w",
-            "named by the layout but not in the checkpoint",
-        ),
     ],
 )
 def test_stamp_does_not_call_a_sidecar_the_chunks_contradict_already_recorded(
@@ -63,15 +69,10 @@ def test_stamp_does_not_call_a_sidecar_the_chunks_contradict_already_recorded(
 @pytest.mark.parametrize(
     "record, key, problem",
     [
-        (_record(**{GATE_UP: {"ep_dim": 0, "fsdp_dim": 0, "num_experts": 3}}), GATE_UP, "num_experts is 3"),
-        (
-            _record(**{"model.model.nope.experts.w": {"ep_dim": 0, "fsdp_dim": 0, "num_experts": 8}}),
-            "model.model.nope.experts.w",
-            "named by the layout but not in the checkpoint",
-        ),
+        *CONTRADICTED,
         (
             {**_record(), "parallel": {"ep_size": 3, "ep_fsdp_size": 1}},
-            "model.model.layers.0.mlp.experts.gate_up_proj",
+            GATE_UP,
             "num_experts 8 is not divisible by ep_size 3",
         ),
     ],

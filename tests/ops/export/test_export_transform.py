@@ -8,8 +8,6 @@ are forced small so every chunk spans many slabs, segments and runs.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +21,7 @@ from ckpttool.model.checkpoint import OpenOptions
 from ckpttool.ops.export import ExportOptions, export_checkpoint
 from ckpttool.ops.export.transform import Cast, Run, RunMap, SlabWhere, chunk_segments
 from tests.fixtures.moe_ep import true_state
+from tests.fixtures.torch_free import run_without_torch
 
 _PAIRS = [
     ("float32", "bfloat16"),
@@ -224,15 +223,9 @@ def test_legacy_unpermute_and_split_equal_the_true_state(
 
 def test_cast_export_never_imports_torch(sample_ckpt: Path, tmp_path: Path) -> None:
     """A float32 -> bfloat16 export with per-expert split runs on numpy only (start-up and memory)."""
-    code = (
-        "import sys\n"
-        "from ckpttool.cli import main\n"
-        "sys.argv = ['ckpttool', 'export', sys.argv[1], sys.argv[2], '--save-dtype', 'bfloat16', "
-        "'--experts', 'per-expert', '--json']\n"
-        "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    run_without_torch(
+        "export", str(sample_ckpt), str(tmp_path / "o"), "--save-dtype", "bfloat16", "--experts", "per-expert", "--json"
     )
-    subprocess.run([sys.executable, "-c", code, str(sample_ckpt), str(tmp_path / "o")], check=True, capture_output=True)
     got = _read_out(tmp_path / "o")
     ref = _torch_model(sample_ckpt)
     w = ref["model.model.embed_tokens.weight"]

@@ -20,6 +20,7 @@ from ckpttool.cli.app import app
 from ckpttool.ops.validate import RULES, ValidateOptions, validate
 from tests.fixtures import damage
 from tests.fixtures.cache import cached_build, copy_checkpoint
+from tests.fixtures.torch_free import run_without_torch
 
 runner = CliRunner()
 
@@ -542,18 +543,7 @@ def test_deep_bit_pattern_summary_matches_torch(dtype: torch.dtype, special: flo
 def test_deep_pass_of_fp32_state_never_imports_torch(master_ckpt: Path) -> None:
     """``validate --strict --deep`` of BF16 parameters with FP32 masters and moments runs on numpy only
     (torch's import is 1-3 s and ~200 MiB, more than the pass itself)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys\n"
-        "from ckpttool.cli import main\n"
-        "sys.argv = ['ckpttool', 'validate', sys.argv[1], '--strict', '--deep', '--json']\n"
-        "try:\n    main()\nexcept SystemExit as e:\n    assert e.code in (0, 1), e.code\n"
-        "assert 'torch' not in sys.modules, 'torch was imported'\n"
-    )
-    r = subprocess.run([sys.executable, "-c", code, str(master_ckpt)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_without_torch("validate", str(master_ckpt), "--strict", "--deep", "--json", exit_codes=(0, 1))
     doc = json.loads(r.stdout)
     assert doc["deep"] and doc["stats"]["bytes_read"] > 0
 
