@@ -227,10 +227,11 @@ def _refuse_unmapped_forms(sources: dict[str, _Source], model_type: str | None, 
     Raises:
         ExportError (E601): naming the first such key.
     """
+    expert_keys = [k for k in sources if ".experts." in k]  # every form's pattern has it: one substring test per key
     for form in FORMS.values():
         if form in forms:
             continue
-        hits = [k for k in sources if form.pattern.match(k) and not any(f.pattern.match(k) for f in forms)]
+        hits = [k for k in expert_keys if form.pattern.match(k) and not any(f.pattern.match(k) for f in forms)]
         if not hits:
             continue
         k = min(hits)  # the first in name order (sorted only on the way to an error: 10^6 keys otherwise)
@@ -259,9 +260,11 @@ def _fuse_per_expert(sources: dict[str, _Source], out: dict[str, _Native], acfg:
     forms = forms_for(acfg.model_type)
     _refuse_unmapped_forms(sources, acfg.model_type, forms)
     used: set[str] = set()
+    expert_keys = [k for k in sources if ".experts." in k]  # every form's pattern has it
     for form in forms:
         groups: dict[str, dict[str, dict[int, _Source]]] = {}
-        for k, src in sources.items():
+        for k in expert_keys:
+            src = sources[k]
             m = form.pattern.match(k)
             if m and k not in used:
                 groups.setdefault(m["p"], {}).setdefault(m["proj"], {})[int(m["j"])] = src
