@@ -1375,8 +1375,8 @@ class _SlabContext:
                 t = self._read(f, a, min(a + self.slab, n))
                 bad = ~torch.isfinite(t)
                 if bad.any():
-                    nan += int(t.isnan().sum())
-                    inf += int(bad.sum()) - int(t.isnan().sum())
+                    nans = int(t.isnan().sum())
+                    nan, inf = nan + nans, inf + int(bad.sum()) - nans
                     if first is None:
                         first = a + int(bad.nonzero()[0, 0])
             if first is not None:
