@@ -74,6 +74,18 @@ _DCP_METADATA = ".metadata"
 _READ_BESIDE = frozenset({NEMO_STEP_SCHEDULER})
 
 
+def _unread_file(name: str) -> bool:
+    """A file named ``name`` beside the checkpoint is training state ckpttool does not read (the one
+    test :func:`unread_beside` and :func:`unread_in_listing` share)."""
+    return bool(_UNREAD_FILE.match(name) or (_PICKLE_FILE.search(name) and name not in _READ_BESIDE))
+
+
+def _unread_folder(name: str, holds_metadata: bool) -> bool:
+    """A folder named ``name`` beside the checkpoint is one ckpttool does not read: DeepSpeed's
+    ``global_stepN/``, or a DCP checkpoint of its own (``holds_metadata``: a ``.metadata`` at its top)."""
+    return bool(_UNREAD_DIR.match(name)) or holds_metadata
+
+
 def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> tuple[str, ...]:
     """Training-state files and folders saved beside the checkpoint that ckpttool does not read.
 
@@ -101,11 +113,10 @@ def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> 
             continue
         for name, is_dir in entries:
             unread = (
-                _UNREAD_DIR.match(name)
-                or (d == model_dir and os.path.lexists(d / name / _DCP_METADATA))
+                _unread_folder(name, d == model_dir and os.path.lexists(d / name / _DCP_METADATA))
                 or (d != model_dir and _holds_pickles(d / name))
                 if is_dir
-                else _UNREAD_FILE.match(name) or (_PICKLE_FILE.search(name) and name not in _READ_BESIDE)
+                else _unread_file(name)
             )
             if unread and (d / name).resolve() not in own:
                 rel = os.path.relpath(d / name, given) if (d / name).is_relative_to(given) else str(d / name)
@@ -137,11 +148,7 @@ def unread_in_listing(names: Collection[str], read: Collection[str] = ()) -> tup
     out = [
         d + "/" if d in dirs else d
         for d in sorted(files | dirs)
-        if (
-            (_UNREAD_DIR.match(d) or d in nested)
-            if d in dirs
-            else (_UNREAD_FILE.match(d) or (_PICKLE_FILE.search(d) and d not in _READ_BESIDE)) and d not in own
-        )
+        if (_unread_folder(d, d in nested) if d in dirs else _unread_file(d) and d not in own)
     ]
     return tuple(out)
 
