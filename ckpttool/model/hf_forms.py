@@ -56,6 +56,13 @@ class ExpertForm:
             key = key.replace(old, new)
         return key
 
+    def saved_name(self, key: str) -> str:
+        """The name ``save_pretrained`` writes for the model's own ``key``: the renames reversed, last first
+        (transformers' ``revert_weight_conversion``; Mixtral's ``.mlp.gate.weight`` -> ``.block_sparse_moe.gate.weight``)."""
+        for old, new in reversed(self.renames):
+            key = key.replace(new, old)
+        return key
+
     def fused(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """The fused tensors and their per-expert parts, in concatenation order (dim 1 of ``[E, ., .]``)."""
         return (("gate_up_proj", (self.gate, self.up)), ("down_proj", (self.down,)))

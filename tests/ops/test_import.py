@@ -677,12 +677,28 @@ def test_every_registered_expert_form_has_its_row_in_docs_import() -> None:
         assert f"| `{name}` | {', '.join(f'`{t}`' for t in form.model_types) if form.model_types else 'any'} |" in doc
 
 
+@pytest.mark.parametrize("config", ["MixtralConfig", "PhimoeConfig"])
+def test_diff_of_an_imported_mixtral_against_its_hf_folder_compares_every_tensor(tmp_path: Path, config: str) -> None:
+    """`diff DCP HF` of a Mixtral imported from transformers' own `save_pretrained` folder reported the folder's
+    `block_sparse_moe.*` tensors as only in B (the DCP side was named `mlp.experts.{j}.gate_proj...`, the router
+    `mlp.gate.weight`). Now the family's names: every tensor compared and equal, in both directions."""
+    _, want, _, _ = _mixtral(tmp_path / "hf", config)
+    cli("import", str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    n = len(hf_tensors(tmp_path / "hf"))
+    for a, b in (("dcp", "hf"), ("hf", "dcp")):
+        doc = cli("diff", str(tmp_path / a), str(tmp_path / b))
+        assert doc["equal"] is True and doc["differences"] == [], doc["differences"][:3]
+        assert doc["counts"]["compared"] == doc["counts"]["equal"] == n
+
+
 @pytest.mark.parametrize("config", MIXTRAL_FORMS)
 def test_mixtral_per_expert_export_loads_into_mixtral_with_identical_logits(tmp_path: Path, config: str) -> None:
     """`export --experts per-expert` of a Mixtral wrote Qwen's `experts.{j}.gate_proj/up_proj/down_proj.weight`:
     transformers' Mixtral loader converts only `w1`/`w3`/`w2`, so `from_pretrained` left the experts randomly
-    initialised (4 missing, 24 unexpected keys) after an export that reported success. Now the family's names
-    (`ckpttool.model.hf_forms`), which `from_pretrained` fuses back: every tensor bitwise, identical logits."""
+    initialised (4 missing, 24 unexpected keys) after an export that reported success. Then it wrote the w1/w3/w2
+    names under the model's `mlp.` (`mlp.experts.{j}.w1.weight`, `mlp.gate.weight`): transformers renamed them
+    back, but vLLM's Mixtral loader looks for `block_sparse_moe.`. Now the names `save_pretrained` writes, every
+    one (the family's renames reversed, `ckpttool.model.hf_forms`): every tensor bitwise, identical logits."""
     from transformers import AutoModelForCausalLM
 
     _, want, ids, logits = _mixtral(tmp_path / "hf", config)
@@ -690,7 +706,9 @@ def test_mixtral_per_expert_export_loads_into_mixtral_with_identical_logits(tmp_
     out = tmp_path / "pe"
     cli("export", str(tmp_path / "dcp"), str(out), "--model-assets", str(tmp_path / "hf"), "--experts", "per-expert")
     got, _ = read_export(out)
-    assert "model.layers.1.mlp.experts.3.w3.weight" in got and not any("gate_proj" in k for k in got)
+    saved = hf_tensors(tmp_path / "hf")  # what transformers' own save_pretrained wrote
+    assert set(got) == set(saved)
+    assert all(bitwise(got[k], saved[k]) for k in saved)
     back, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert all(bitwise(back.state_dict()[k], want[k]) for k in want)

@@ -394,7 +394,10 @@ def export_items(
     from ckpttool.ops.export.rules import load_rules
 
     cat = side.ckpt.catalog
-    rules = load_rules(Path(opts.map_rules) if opts.map_rules is not None else None)
+    mt = config.get("model_type") if config is not None else None
+    rules = load_rules(
+        Path(opts.map_rules) if opts.map_rules is not None else None, mt if isinstance(mt, str) else None
+    )
     adapter = side_adapter(side, opts, fmt, config)
     selected, warnings, skipped, _ = select_sources(
         cat,
@@ -479,8 +482,10 @@ def _task_items(tasks: Any, split_tasks: dict[str, Any], other: set[str]) -> tup
                 )
             n_split += 1
             continue
-        perm = task.expert_order
-        items.append(Item(s.out_key, src.key, src.shape, src.dtype, "model", perm, None, src))
+        perm, name = task.expert_order, s.out_key
+        if split is not None and name not in other and len(split.pieces) == 1 and split.pieces[0].name in other:
+            name = split.pieces[0].name  # the per-expert form's own name (Mixtral's `block_sparse_moe.gate.weight`)
+        items.append(Item(name, src.key, src.shape, src.dtype, "model", perm, None, src))
     return items, n_split
 
 

@@ -1501,7 +1501,7 @@ def written_tensors(plan: ExportPlan) -> dict[str, tuple[tuple[int, ...], str]]:
             out[s.out_key] = (s.source.shape, dtype)
         else:
             for p in t.pieces:
-                out[p.name] = (p.shape, p.dtype)
+                out[plan.model_names.get(p.name, p.name)] = (p.shape, p.dtype)
     return out
 
 

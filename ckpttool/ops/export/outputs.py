@@ -16,7 +16,7 @@ when ``ckpttool.ops.export`` is imported. This module imports nothing heavy (the
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckpttool.errors import UsageError
@@ -62,12 +62,15 @@ class PieceContext:
         per_expert: ``--experts per-expert``.
         orders: model key -> stored position of each true expert (legacy EP un-permutation).
         num_experts: expected expert count (``--model-assets`` config), checked against dim 0.
+        model_names: filled by the planning: output name -> the model's own key, where a per-expert export
+            names a tensor as the family's ``save_pretrained`` does (:func:`~ckpttool.ops.export.plan.saved_names`).
     """
 
     rules: ExportRules
     per_expert: bool
     orders: dict[str, tuple[int, ...]]
     num_experts: int | None
+    model_names: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 from ckpttool.errors import ExportError, StateDtypeError, UsageError
@@ -44,6 +44,7 @@ __all__ = [
     "check_trainable_dtypes",
     "filtered",
     "stored_pieces",
+    "saved_names",
     "shard_file_names",
     "check_exportable_names",
     "unaccounted_tensors",
@@ -175,6 +176,8 @@ class ExportPlan:
         origins: ``"params"``/``"master"`` -> output keys taken from there.
         skipped: reason -> checkpoint keys not exported.
         tied: ``None`` (untied / no config), ``"omitted"`` or ``"absent"`` (see docs/export.md).
+        model_names: output name -> the model's own key, for the names a per-expert export takes from the
+            family's ``save_pretrained`` (Mixtral's ``block_sparse_moe.gate.weight`` -> ``mlp.gate.weight``).
     """
 
     format: str
@@ -187,6 +190,7 @@ class ExportPlan:
     origins: dict[str, list[str]] = field(default_factory=dict)
     skipped: dict[str, list[str]] = field(default_factory=dict)
     tied: str | None = None
+    model_names: dict[str, str] = field(default_factory=dict)
     _file_bytes: tuple[tuple[int, int], list[int]] | None = field(default=None, repr=False, compare=False)
 
     def file_bytes(self) -> list[int]:
@@ -416,9 +420,29 @@ def build_plan(
     files = out_format.file_names(max(len(packer.sizes), 1))
     # the output names, after every check of the loop above (their errors come after those, as they always did)
     entries = _header_entries(tasks, len(files))
-    plan = ExportPlan(fmt, tasks, files, entries, casts=casts, narrowing=narrowing, origins=origins)
+    plan = ExportPlan(
+        fmt, tasks, files, entries, casts=casts, narrowing=narrowing, origins=origins, model_names=ctx.model_names
+    )
     plan._file_bytes = ((id(tasks), len(tasks)), packer.file_bytes or [0] * len(files))
     return plan
+
+
+def saved_names(got: SourcePieces, ctx: PieceContext) -> SourcePieces:
+    """``got`` with every piece named as the family's ``save_pretrained`` names it (a per-expert export,
+    ``ctx.rules.saved_name``: Mixtral's ``block_sparse_moe``); each name it changes is recorded in
+    ``ctx.model_names`` (new -> the model's own)."""
+    saved_name = ctx.rules.saved_name
+    if not ctx.per_expert or saved_name is None:
+        return got
+    pieces, runs, order, counted = got
+    out = []
+    for p in pieces:
+        name = saved_name(p.name)
+        if name != p.name:
+            ctx.model_names[name] = p.name
+            p = replace(p, name=name)
+        out.append(p)
+    return tuple(out), runs, order, [saved_name(n) for n in counted]
 
 
 def _count_cast(casts: dict[str, int], narrowing: dict[str, int], tag: str, narrows: bool, n: int) -> None:

@@ -124,6 +124,10 @@ class ExportRules:
     num_experts_config_keys: tuple[str, ...]
     lora_pattern: re.Pattern[str]
     sources: tuple[str, ...] = ()
+    saved_name: Callable[[str], str] | None = None
+    """The model family's per-expert checkpoint form's renames, reversed (:meth:`ExpertForm.saved_name`): a
+    per-expert export names every tensor as ``save_pretrained`` does (Mixtral's ``block_sparse_moe``); ``None``
+    where the form renames nothing."""
 
     def map_key(self, key: str) -> tuple[str | None, bool, bool]:
         """Map a checkpoint key to its output key.
@@ -397,6 +401,13 @@ def _read_yaml(text: str, source: str) -> Any:
         raise UsageError(f"{source}: not valid YAML ({str(e).splitlines()[0]})", hint="fix the rules file") from e
 
 
+def _saved_name(model_type: str | None) -> Callable[[str], str] | None:
+    """:meth:`ExpertForm.saved_name` of the family form of ``model_type`` that renames keys, or ``None``."""
+    from ckpttool.model.hf_forms import forms_for
+
+    return next((f.saved_name for f in forms_for(model_type) if f.model_types is not None and f.renames), None)
+
+
 def _form_rules(model_type: str | None) -> tuple[ExpertRule, ...]:
     """The expert split rules of the per-expert checkpoint forms of ``model_type`` that name their own
     projections (the loader's names: ``<prefix>.experts.{j}.<gate|up|down>.weight``, which transformers'
@@ -424,7 +435,8 @@ def load_rules(user_file: str | Path | None = None, model_type: str | None = Non
         user_file: a ``--rules FILE.yaml`` path or ``None``.
         model_type: the ``config.json`` ``model_type`` of the model: where the family's per-expert checkpoint
             form has its own names (:mod:`ckpttool.model.hf_forms`: Mixtral's ``w1`` / ``w3`` / ``w2``), its
-            expert split rules come first (unless the user file gives an ``experts`` section).
+            expert split rules come first and its renames name a per-expert export (unless the user file gives
+            an ``experts`` section).
 
     Returns:
         The merged :class:`ExportRules`.
@@ -460,4 +472,5 @@ def load_rules(user_file: str | Path | None = None, model_type: str | None = Non
         num_experts_config_keys=merged["num_experts_config_keys"],
         lora_pattern=merged["lora"],
         sources=tuple(sources),
+        saved_name=_saved_name(model_type),
     )

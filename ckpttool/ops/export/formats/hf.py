@@ -86,10 +86,14 @@ class HFFormat(ModelFormat):
         return select_model(cat, keys, weights=req.weights, filter_glob=req.filter_glob)
 
     def pieces_planner(self) -> PiecesFn:
-        """An adapter's pieces and runs (RoPE rows, fused halves), else as stored or split by an expert rule."""
-        from ckpttool.ops.export.plan import Piece, adapter_pieces, stored_pieces
+        """An adapter's pieces and runs (RoPE rows, fused halves), else as stored or split by an expert rule;
+        per expert, named as the family's ``save_pretrained`` names them (:func:`~ckpttool.ops.export.plan.saved_names`)."""
+        from ckpttool.ops.export.plan import Piece, adapter_pieces, saved_names, stored_pieces
 
         def hf_pieces(s: Selected, dtype: str, ctx: PieceContext) -> SourcePieces:
+            return saved_names(as_planned(s, dtype, ctx), ctx) if ctx.per_expert else as_planned(s, dtype, ctx)
+
+        def as_planned(s: Selected, dtype: str, ctx: PieceContext) -> SourcePieces:
             hf = s.hf
             if hf is not None:
                 order = ctx.orders.get(s.model_key) if ctx.orders else None
