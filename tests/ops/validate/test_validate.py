@@ -7,6 +7,7 @@ the run, with exit codes and output streams checked through the CLI.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 from pathlib import Path
@@ -679,3 +680,51 @@ def test_amsgrad_adamw_checkpoint_passes_strict_and_its_max_exp_avg_sq_is_checke
 
     _save_amsgrad(tmp_path / "plain", amsgrad=False, change=add)
     only(tmp_path / "plain", "O008")
+
+
+@pytest.mark.parametrize("kind", ["sequential", "chained"])
+def test_R002_counts_a_sequential_scheduler_by_its_own_last_epoch_not_its_phases(tmp_path: Path, kind: str) -> None:
+    """A clean run with torch's SequentialLR (LinearLR warmup for 5 steps, then cosine) saved at step 10 failed
+    `validate --deep` with R002 'lr_scheduler._schedulers.0.last_epoch = 4 but train_state.step = 10': each phase
+    counts only its own steps; the SequentialLR's own last_epoch counts the run's. A scheduler saved one step
+    behind is still R002, for SequentialLR (its own counter) and ChainedScheduler (no counter of its own: its
+    children each step every step)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.optim import lr_scheduler as lrs
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    warmup = lrs.LinearLR(opt, start_factor=0.1, total_iters=5)
+    if kind == "sequential":
+        sched: Any = lrs.SequentialLR(opt, [warmup, lrs.CosineAnnealingLR(opt, T_max=100)], milestones=[5])
+    else:
+        sched = lrs.ChainedScheduler([warmup, lrs.ExponentialLR(opt, 0.99)])
+    behind: dict[str, Any] = {}
+    for step in range(1, 11):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+        opt.step()
+        sched.step()
+        if step == 9:
+            behind = copy.deepcopy(sched.state_dict())
+    msd, osd = get_state_dict(model, opt)
+    for name, sd in (("clean", sched.state_dict()), ("behind", behind)):
+        with warnings.catch_warnings():  # torch: no process group, saving in one process
+            warnings.simplefilter("ignore")
+            state = {"model": msd, "optimizer": osd, "lr_scheduler": sd, "train_state": {"step": 10}}
+            dcp.save(state, checkpoint_id=str(tmp_path / name))
+    rc, doc, _ = run(tmp_path / "clean", "--deep", "--strict")
+    assert rc == 0 and "R002" not in codes(doc), doc["findings"]
+    rc, doc, _ = run(tmp_path / "behind", "--deep", "--strict")
+    r002 = sorted(f["message"] for f in doc["findings"] if f["code"] == "R002")
+    if kind == "sequential":
+        assert r002 == ["LR scheduler lr_scheduler.last_epoch = 9 but train_state.step = 10"], r002
+    else:
+        assert r002 == [
+            f"LR scheduler lr_scheduler._schedulers.{i}.last_epoch = 9 but train_state.step = 10" for i in (0, 1)
+        ], r002
+    assert rc == 1
