@@ -9,6 +9,7 @@ and ``replay-step``; ``docs/rules.md``, R002.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -73,11 +74,27 @@ def trainer_steps(ckpt: Checkpoint) -> list[Counter]:
     return out
 
 
+def _phase_of_a_sequence(key: str, entries: Mapping[str, object]) -> bool:
+    """``key`` is a counter of a scheduler nested in ``<parent>._schedulers.<i>.`` whose parent saves its own
+    ``last_epoch``: torch's ``SequentialLR`` (warmup, then cosine) steps one child at a time and keeps the run's
+    count itself, so a child's ``last_epoch`` counts only its own phase. ``ChainedScheduler`` saves no counter of
+    its own and steps every child each step: its children's count the run's steps."""
+    parts = key.split(".")
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i] == "_schedulers" and ".".join([*parts[:i], "last_epoch"]) in entries:
+            return True
+    return False
+
+
 def scheduler_counters(ckpt: Checkpoint) -> tuple[list[Counter], list[Counter]]:
-    """``(last_epoch counters, _step_count counters)`` of the saved LR schedulers."""
+    """``(last_epoch counters, _step_count counters)`` of the saved LR schedulers (not those of the phases of a
+    ``SequentialLR``, which count their own phase: :func:`_phase_of_a_sequence`)."""
     epochs, counts = [], []
-    for key, meta in ckpt.reader.metadata.entries.items():
+    entries = ckpt.reader.metadata.entries
+    for key, meta in entries.items():
         if not isinstance(meta, BytesMeta) or key.split(".", 1)[0] not in SCHEDULER_ITEMS:
+            continue
+        if "._schedulers." in key and _phase_of_a_sequence(key, entries):
             continue
         if key.endswith(".last_epoch") and (v := _int_item(ckpt, key)) is not None:
             epochs.append(Counter(key, v))

@@ -67,8 +67,9 @@ class UpdateSize:
     Attributes:
         max_update: ``max |theta_after - theta_before|`` over the K steps.
         max_param: ``max |theta_before|`` (saved master, else parameter).
-        rel_to_param: ``max_update / max_param`` (0 when ``max_param`` is 0: a zero-initialised
-            tensor has no scale to compare with).
+        rel_to_param: ``max_update / max_param`` (0 when the tensor has no scale to compare with: ``max_param``
+            is 0, or no larger than ``step_before * lr * direction_bound * UPDATE_BOUND_SLACK``, the distance its
+            saved steps can have moved it from zero, as a zero-initialised bias early in training).
         direction: ``max |m_hat| / (sqrt(v_hat) + eps)`` of the last step (the update in units of lr).
         direction_bound: :func:`~ckpttool.optim_state.bounds.adam_ratio_bound` at that step.
     """
@@ -1396,9 +1397,13 @@ class _SlabContext:
             return
         d, pmax, u = (max(x[i] for x in ups) for i in range(3))
         t = r.step_before + self.steps
-        r.update = UpdateSize(
-            d, pmax, d / pmax if pmax > 0 else 0.0, u, adam_ratio_bound(t, p.hyper.beta1, p.hyper.beta2)
-        )
+        bound = adam_ratio_bound(t, p.hyper.beta1, p.hyper.beta2)
+        # A tensor no larger than the distance its saved steps can have moved it from zero (each step moves an
+        # element by at most lr * bound, with the slack) may have started at zero (biases, norm biases, LoRA B):
+        # its size is the updates' own, so it is no scale to judge the next update by (as an all-zero tensor).
+        reach = r.step_before * abs(p.hyper.lr) * bound * UPDATE_BOUND_SLACK
+        rel = d / pmax if pmax > 0 and not pmax <= reach else 0.0
+        r.update = UpdateSize(d, pmax, rel, u, bound)
         if r.update.ok:
             return
         why = []

@@ -599,3 +599,47 @@ def test_sgd_checkpoint_is_named_as_not_adamw(tmp_path: Path) -> None:
         "hint: replay-step replays AdamW steps only; `ckpttool validate` and `ckpttool inspect` read checkpoints of "
         "any optimizer",
     ]
+
+
+def test_zero_initialised_bias_early_in_training_is_not_an_update_size_failure(tmp_path: Path) -> None:
+    """A clean torch.optim.AdamW run saved after its first step failed replay-step with R003 on its LayerNorm bias
+    ('max |update| 0.001 on a tensor whose largest saved value is 0.001'): a zero-initialised tensor is one update
+    in size after one step, and the next update is as large. Such a tensor has no scale of its own to judge by."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1, "lr": 2e-3}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-3
+    )
+    gen = torch.Generator().manual_seed(1)
+
+    def backward() -> None:
+        model(torch.randn(6, 8, generator=gen)).pow(2).mean().backward()
+
+    backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():  # torch: no process group, saving in one process
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    opt.zero_grad()
+    backward()
+    names = {p: n for n, p in model.named_parameters()}
+    save_file({n: p.grad.clone() for p, n in names.items()}, str(tmp_path / "g.safetensors"))
+    opt.step()  # torch's own next step: the reference
+    res, got = replay_collect(tmp_path / "ck", grads=str(tmp_path / "g.safetensors"), reference="torch")
+    assert sorted(got) == sorted(names.values())
+    for p, n in names.items():
+        assert torch.equal(got[n]["param"], p.detach()), n
+        assert torch.equal(got[n]["exp_avg_sq"], opt.state[p]["exp_avg_sq"]), n
+    bias = next(r for r in res.params if r.fqn == "1.bias")
+    assert bias.update.max_update >= bias.update.max_param > 0  # the case: one update moves it by its own size
+    assert bias.update.rel_to_param == 0.0 and bias.problems == []
+    assert res.ok, [(r.fqn, r.problems) for r in res.params if r.problems]

@@ -7,6 +7,7 @@ the run, with exit codes and output streams checked through the CLI.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 from pathlib import Path
@@ -616,3 +617,114 @@ def test_R002_plain_sgd_keeps_no_state(tmp_path: Path) -> None:
         dcp.save(state, checkpoint_id=str(tmp_path / "sgd"))
     rc, doc, _ = run(tmp_path / "sgd", "--deep")
     assert rc == 0 and "R002" not in codes(doc), doc["findings"]
+
+
+def _save_amsgrad(out: Path, *, amsgrad: bool = True, change: Any = None) -> None:
+    """A torch.optim.AdamW run (two groups: decay, no_decay) saved with ``dcp.save`` after 3 steps; ``change``
+    edits the optimizer state dict before the save."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-3, amsgrad=amsgrad
+    )
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    if change is not None:
+        change(osd["state"])
+    with warnings.catch_warnings():  # torch: no process group, saving in one process
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd, "train_state": {"step": 3}}, checkpoint_id=str(out))
+
+
+def test_amsgrad_adamw_checkpoint_passes_strict_and_its_max_exp_avg_sq_is_checked(tmp_path: Path) -> None:
+    """A clean torch.optim.AdamW(amsgrad=True) checkpoint failed `validate --strict` with O008 'unknown state
+    field max_exp_avg_sq', and O001/O004/O005 skipped every one of its parameters as not AdamW state. The field
+    is AdamW's own where the param group says amsgrad=True: checked against exp_avg_sq (present, shape, dtype)."""
+    _save_amsgrad(tmp_path / "clean")
+    rc, doc, _ = run(tmp_path / "clean", "--strict", "--deep")
+    assert rc == 0 and doc["findings"] == [], doc["findings"]
+    passed = {r["code"] for r in doc["rules"] if r["status"] == "passed"}
+    assert {"O001", "O004", "O005", "O008"} <= passed
+
+    def to_bf16(state: dict[str, Any]) -> None:
+        state["0.weight"]["max_exp_avg_sq"] = state["0.weight"]["max_exp_avg_sq"].to(torch.bfloat16)
+
+    _save_amsgrad(tmp_path / "bf16", change=to_bf16)
+    doc = only(tmp_path / "bf16", "O005")
+    assert [f["message"] for f in doc["findings"]] == [
+        "optimizer.state.0.weight.max_exp_avg_sq: bfloat16 but exp_avg_sq is float32 (amsgrad keeps their running "
+        "maximum in its dtype)"
+    ]
+
+    def drop(state: dict[str, Any]) -> None:
+        del state["2.bias"]["max_exp_avg_sq"]
+
+    _save_amsgrad(tmp_path / "lacks", change=drop)
+    doc = only(tmp_path / "lacks", "O001")
+    assert [f["message"] for f in doc["findings"]] == [
+        "2.bias: optimizer state lacks max_exp_avg_sq, which its amsgrad=True param group keeps"
+    ]
+
+    def add(state: dict[str, Any]) -> None:  # the field without amsgrad: not torch's AdamW state
+        state["0.weight"]["max_exp_avg_sq"] = state["0.weight"]["exp_avg_sq"].clone()
+
+    _save_amsgrad(tmp_path / "plain", amsgrad=False, change=add)
+    only(tmp_path / "plain", "O008")
+
+
+@pytest.mark.parametrize("kind", ["sequential", "chained"])
+def test_R002_counts_a_sequential_scheduler_by_its_own_last_epoch_not_its_phases(tmp_path: Path, kind: str) -> None:
+    """A clean run with torch's SequentialLR (LinearLR warmup for 5 steps, then cosine) saved at step 10 failed
+    `validate --deep` with R002 'lr_scheduler._schedulers.0.last_epoch = 4 but train_state.step = 10': each phase
+    counts only its own steps; the SequentialLR's own last_epoch counts the run's. A scheduler saved one step
+    behind is still R002, for SequentialLR (its own counter) and ChainedScheduler (no counter of its own: its
+    children each step every step)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.optim import lr_scheduler as lrs
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    warmup = lrs.LinearLR(opt, start_factor=0.1, total_iters=5)
+    if kind == "sequential":
+        sched: Any = lrs.SequentialLR(opt, [warmup, lrs.CosineAnnealingLR(opt, T_max=100)], milestones=[5])
+    else:
+        sched = lrs.ChainedScheduler([warmup, lrs.ExponentialLR(opt, 0.99)])
+    behind: dict[str, Any] = {}
+    for step in range(1, 11):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+        opt.step()
+        sched.step()
+        if step == 9:
+            behind = copy.deepcopy(sched.state_dict())
+    msd, osd = get_state_dict(model, opt)
+    for name, sd in (("clean", sched.state_dict()), ("behind", behind)):
+        with warnings.catch_warnings():  # torch: no process group, saving in one process
+            warnings.simplefilter("ignore")
+            state = {"model": msd, "optimizer": osd, "lr_scheduler": sd, "train_state": {"step": 10}}
+            dcp.save(state, checkpoint_id=str(tmp_path / name))
+    rc, doc, _ = run(tmp_path / "clean", "--deep", "--strict")
+    assert rc == 0 and "R002" not in codes(doc), doc["findings"]
+    rc, doc, _ = run(tmp_path / "behind", "--deep", "--strict")
+    r002 = sorted(f["message"] for f in doc["findings"] if f["code"] == "R002")
+    if kind == "sequential":
+        assert r002 == ["LR scheduler lr_scheduler.last_epoch = 9 but train_state.step = 10"], r002
+    else:
+        assert r002 == [
+            f"LR scheduler lr_scheduler._schedulers.{i}.last_epoch = 9 but train_state.step = 10" for i in (0, 1)
+        ], r002
+    assert rc == 1

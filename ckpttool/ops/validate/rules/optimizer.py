@@ -31,13 +31,52 @@ from ckpttool.optim_state.schema import (
 
 LOW_PRECISION = ("bfloat16", "float16", *FLOAT8_DTYPES)
 _CORE = ("step", "exp_avg", "exp_avg_sq")
+#: The running maximum of ``exp_avg_sq`` that ``torch.optim.Adam``/``AdamW`` keep with ``amsgrad=True``
+#: (``torch/optim/adam.py``: ``torch.zeros_like(p)``, as ``exp_avg_sq``).
+AMSGRAD_FIELD = "max_exp_avg_sq"
+
+
+def _amsgrad(ctx: Context, fqn: str) -> bool:
+    """The parameter's param group was saved with ``amsgrad=True`` (its state then holds :data:`AMSGRAD_FIELD`)."""
+    g = ctx.cat.group_of(fqn)
+    return g is not None and g.values.get("amsgrad") is True
 
 
 def _states(ctx: Context) -> Iterator[tuple[str, dict[str, TensorEntry | None], TensorEntry | None]]:
-    """``(fqn, fields, model entry)`` of every parameter with state that is in the model."""
+    """``(fqn, fields, model entry)`` of every parameter with state that is in the model; the ``max_exp_avg_sq``
+    of a parameter of an ``amsgrad`` group is left out of ``fields`` (:func:`_amsgrad_problems` checks it)."""
     for fqn, ps in ctx.cat.optimizer_state.items():
         if ps.fields and ps.in_model:
-            yield fqn, ps.fields, ctx.cat.model_entry(fqn)
+            fields = ps.fields
+            if AMSGRAD_FIELD in fields and _amsgrad(ctx, fqn):
+                fields = {k: v for k, v in fields.items() if k != AMSGRAD_FIELD}
+            yield fqn, fields, ctx.cat.model_entry(fqn)
+
+
+def _amsgrad_problems(ctx: Context, fqn: str, what: str) -> Iterator[tuple[str, str]]:
+    """The ``max_exp_avg_sq`` of a parameter of an ``amsgrad`` group against ``exp_avg_sq`` (torch creates both
+    with ``zeros_like(p)``): ``what`` is ``present`` (O001), ``shape`` (O004: a tensor of its shape) or ``dtype``
+    (O005: its dtype)."""
+    fields = ctx.cat.optimizer_state[fqn].fields
+    if not _amsgrad(ctx, fqn) or "exp_avg_sq" not in fields:
+        return
+    key = ctx.cat.state_key(fqn, AMSGRAD_FIELD)
+    t, v = fields.get(AMSGRAD_FIELD), fields["exp_avg_sq"]
+    if what == "present" and AMSGRAD_FIELD not in fields:
+        yield fqn, f"{fqn}: optimizer state lacks {AMSGRAD_FIELD}, which its amsgrad=True param group keeps"
+    elif AMSGRAD_FIELD not in fields or v is None:
+        return
+    elif what == "shape" and (t is None or t.shape != v.shape):
+        yield (
+            key,
+            (
+                f"{key}: saved as a Python object, not a tensor"
+                if t is None
+                else f"{key}: shape {list(t.shape)} differs from exp_avg_sq's {list(v.shape)}"
+            ),
+        )
+    elif what == "dtype" and t is not None and t.dtype != v.dtype:
+        yield key, f"{key}: {t.dtype} but exp_avg_sq is {v.dtype} (amsgrad keeps their running maximum in its dtype)"
 
 
 def _membership_known(ctx: Context) -> bool:
@@ -61,6 +100,8 @@ def partial_state(ctx: Context) -> Iterator[tuple[str, str]]:
         missing = [f for f in _CORE if f not in fields]
         if missing:
             yield fqn, f"{fqn}: optimizer state lacks {', '.join(missing)} (has {', '.join(sorted(fields))})"
+        else:
+            yield from _amsgrad_problems(ctx, fqn, "present")
 
 
 @rule("O002")
@@ -113,6 +154,7 @@ def state_shape_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
                     yield t.key, f"{t.key}: step has shape {list(t.shape)}, expected a 0-d tensor"
             elif param is not None and t.shape != param.shape:
                 yield t.key, f"{t.key}: shape {list(t.shape)} differs from the parameter's {list(param.shape)}"
+        yield from _amsgrad_problems(ctx, fqn, "shape")
     for ps in ctx.cat.optimizer_state.values():
         if not ps.stored_as:
             continue
@@ -134,9 +176,10 @@ def state_dtype_policy(ctx: Context) -> Iterator[tuple[str, str]]:
     for fqn, fields, param in _states(ctx):
         if set(fields) - set(STATE_FIELDS) or any(f not in fields for f in _CORE):
             continue  # O008 / O001
-        dts = {k: d for k, d in ctx.cat.optimizer_state[fqn].field_dtypes.items() if d != "bytes"}
+        dts = {k: d for k, d in ctx.cat.optimizer_state[fqn].field_dtypes.items() if d != "bytes" and k in fields}
         if "step" not in dts:
             continue
+        yield from _amsgrad_problems(ctx, fqn, "dtype")
         check_step = dts["step"] not in LOW_PRECISION  # P003 reports low-precision steps
         policy = _dtype_policy(fqn, dts, param, declared, cfg)
         if isinstance(policy, str):
