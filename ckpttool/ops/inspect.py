@@ -35,7 +35,7 @@ from ckpttool.model.discovery import Located
 from ckpttool.model.schemas.keyschema import KeySchema
 from ckpttool.model.schemas.nemo import hf_copies
 from ckpttool.ops.fields import options_of
-from ckpttool.optim_state.schema import HYPERPARAMETERS
+from ckpttool.optim_state.schema import HYPERPARAMETERS, missing_hyperparameters
 
 log = logging.getLogger(__name__)
 
@@ -464,7 +464,7 @@ def _group_row(g: ParamGroup, gid: int | str, params: int, examples: list[str], 
         params,
         tuple(examples),
         has_state,
-        tuple(sorted(h for h in HYPERPARAMETERS if h not in g.keys)),
+        tuple(sorted(missing_hyperparameters(g.keys))),
     )
 
 

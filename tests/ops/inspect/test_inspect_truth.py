@@ -1,0 +1,72 @@
+"""`ckpttool inspect` checked against what torch itself saved and reads (the optimizer's own ``state_dict()``)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+
+runner = CliRunner()
+
+
+def inspect_json(path: Path) -> dict:
+    res = runner.invoke(app, ["inspect", "--json", str(path)])
+    assert res.exit_code == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def _save_stepped(out: Path, make_optim: Any, steps: int = 2) -> dict[str, Any]:
+    """A ``Linear(4, 2)`` stepped ``steps`` times by ``make_optim(params)``, saved by ``dcp.save`` through
+    ``get_state_dict``; returns the optimizer's own ``state_dict()``."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = make_optim(model.parameters())
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():  # torch: no process group, saving in one process
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(out))
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["SGD", "SGD-momentum", "RMSprop", "Adagrad", "AdamW"],
+)
+def test_param_group_missing_names_only_what_the_optimizer_has(tmp_path: Path, name: str) -> None:
+    """A torch SGD/RMSprop/Adagrad group (no betas, eps: those optimizers have none) was shown by inspect as
+    `missing betas, eps` (json `missing`), while `validate` (P001) found nothing missing; `missing` now names only
+    hyperparameters the torch optimizer's own param group has and the checkpoint lacks: none here."""
+    import torch
+
+    makers = {
+        "SGD": lambda p: torch.optim.SGD(p, lr=0.1),
+        "SGD-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-4),
+        "RMSprop": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5),
+        "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+        "AdamW": lambda p: torch.optim.AdamW(p, lr=1e-3),
+    }
+    ref = _save_stepped(tmp_path / "ck", makers[name])
+    (group,) = inspect_json(tmp_path / "ck")["optimizer"]["param_groups"]
+    (ref_group,) = ref["param_groups"]
+    assert group["missing"] == []
+    for h in ("lr", "weight_decay", "eps"):
+        assert group[h] == ref_group.get(h)
+    assert group["betas"] == (list(ref_group["betas"]) if "betas" in ref_group else None)
+    human = runner.invoke(app, ["inspect", str(tmp_path / "ck")], env={"COLUMNS": "200"})
+    assert human.exit_code == 0
+    header = next(line for line in human.stdout.splitlines() if " group " in line and " lr " in line)
+    assert "missing" not in header
