@@ -70,3 +70,23 @@ def test_param_group_missing_names_only_what_the_optimizer_has(tmp_path: Path, n
     assert human.exit_code == 0
     header = next(line for line in human.stdout.splitlines() if " group " in line and " lr " in line)
     assert "missing" not in header
+
+
+def test_plain_sgd_that_stepped_is_not_shown_never_stepped(tmp_path: Path) -> None:
+    """torch's SGD with momentum 0 keeps no per-parameter state however many steps it takes (its own
+    ``state_dict()['state']`` is empty after 3 steps): inspect showed its group `no state (never stepped)` and listed
+    every parameter in `never_stepped_with_hyperparameters`; now `keeps_no_state`, `none kept (SGD, momentum 0)`,
+    and no parameter is claimed never stepped (a never-stepped leaf: test_inspect's multi_optim tests)."""
+    import torch
+
+    ref = _save_stepped(tmp_path / "plain", lambda p: torch.optim.SGD(p, lr=0.1), steps=3)
+    assert ref["state"] == {}  # torch: stepped 3 times, no state
+    opt = inspect_json(tmp_path / "plain")["optimizer"]
+    (group,) = opt["param_groups"]
+    assert group["has_state"] is False and group["keeps_no_state"] is True
+    assert opt["params_with_state"] == len(ref["state"]) == 0
+    assert opt["params_without_state"] == ["bias", "weight"]
+    assert opt["never_stepped_with_hyperparameters"] == []
+    human = runner.invoke(app, ["inspect", str(tmp_path / "plain")], env={"COLUMNS": "200"})
+    assert human.exit_code == 0
+    assert "none kept (SGD, momentum 0)" in human.stdout and "never stepped" not in human.stdout
