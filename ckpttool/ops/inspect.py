@@ -670,6 +670,8 @@ def _checked(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
 
 def _summary(cat: Catalog, tensors: Mapping[str, TensorEntry]) -> Summary:
     """Counts and bytes of the checkpoint (by dtype, by category) for the summary."""
+    if cat.group_tensors:  # param-group entries saved as tensors: tensors of the checkpoint too
+        tensors = {**tensors, **cat.group_tensors}
     dtypes, sizes = list(map(_dtype, tensors.values())), list(map(_nbytes, tensors.values()))
     bytes_by_dtype = {d: sum(compress(sizes, map(d.__eq__, dtypes))) for d in dict.fromkeys(dtypes)}  # a few dtypes
     state_bytes = sum(t.nbytes for ps in cat.optimizer_state.values() for t in ps.fields.values() if t)
@@ -685,7 +687,7 @@ def _summary(cat: Catalog, tensors: Mapping[str, TensorEntry]) -> Summary:
         bytes_by_category={
             "model": sum(map(_nbytes, cat.model.values())),
             "optimizer_state": state_bytes,
-            "other": sum(map(_nbytes, cat.other_tensors.values())),
+            "other": sum(map(_nbytes, cat.other_tensors.values())) + sum(map(_nbytes, cat.group_tensors.values())),
         },
     )
 

@@ -90,3 +90,49 @@ def test_plain_sgd_that_stepped_is_not_shown_never_stepped(tmp_path: Path) -> No
     human = runner.invoke(app, ["inspect", str(tmp_path / "plain")], env={"COLUMNS": "200"})
     assert human.exit_code == 0
     assert "none kept (SGD, momentum 0)" in human.stdout and "never stepped" not in human.stdout
+
+
+def test_tensor_hyperparameters_are_counted_as_torch_reads_them(tmp_path: Path) -> None:
+    """``AdamW(lr=torch.tensor(...))`` with a scheduler: ``dcp.save`` stores the group's ``lr`` and ``initial_lr`` as
+    0-d tensors. inspect's summary left them out (8 tensors, float32 128 B, where torch's metadata has 10 tensors and
+    136 B); now every tensor torch's ``read_metadata()`` lists is counted (in ``other``), and the values still shown."""
+    import math
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    def make(params: Any) -> Any:
+        opt = torch.optim.AdamW(params, lr=torch.tensor(1e-3), weight_decay=0.05)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+        opt.step = _then(opt.step, sched.step)  # type: ignore[method-assign]
+        return opt
+
+    ref = _save_stepped(tmp_path / "ck", make)
+    md = FileSystemReader(str(tmp_path / "ck")).read_metadata().state_dict_metadata
+    tensors = {k: v for k, v in md.items() if isinstance(v, TensorStorageMetadata)}
+    assert isinstance(tensors["optimizer.param_groups.0.lr"], TensorStorageMetadata)  # torch stored it as a tensor
+    by_dtype: dict[str, int] = {}
+    for v in tensors.values():
+        name = str(v.properties.dtype).removeprefix("torch.")
+        by_dtype[name] = by_dtype.get(name, 0) + math.prod(v.size) * v.properties.dtype.itemsize
+    doc = inspect_json(tmp_path / "ck")
+    s = doc["summary"]
+    assert s["tensor_count"] == len(tensors) == 10
+    assert s["byte_item_count"] == sum(isinstance(v, BytesStorageMetadata) for v in md.values())
+    assert s["bytes_by_dtype"] == by_dtype
+    assert sum(s["bytes_by_category"].values()) == sum(by_dtype.values())
+    assert s["bytes_by_category"]["other"] == 8  # lr, initial_lr: 0-d float32
+    (group,) = doc["optimizer"]["param_groups"]
+    (ref_group,) = ref["param_groups"]
+    assert group["lr"] == pytest.approx(ref_group["lr"].item()) and group["initial_lr"] == pytest.approx(1e-3)
+    assert doc["other_tensors"] == [] and doc["uncategorized_tensors"] == []
+
+
+def _then(first: Any, second: Any) -> Any:
+    def both(*a: Any, **k: Any) -> Any:
+        out = first(*a, **k)
+        second()
+        return out
+
+    return both
