@@ -136,3 +136,38 @@ def _then(first: Any, second: Any) -> Any:
         return out
 
     return both
+
+
+def test_other_keys_and_tensors_are_what_the_docs_say(tmp_path: Path) -> None:
+    """docs/inspect.md said `other_keys` / `other_tensors` are keys and tensors 'outside the schema', but they hold
+    the training-state items' keys and tensors too (a scheduler's, a train state's 0-d step), which the key schema
+    lists as understood and `uncategorized_tensors` leaves out; the rows now say what the JSON holds."""
+    import re
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {
+                "model": model.state_dict(),
+                "lr_scheduler": sched.state_dict(),
+                "train_state": {"step": torch.tensor(3)},
+                "extra": torch.zeros(2),
+            },
+            checkpoint_id=str(tmp_path / "ck"),
+        )
+    doc = inspect_json(tmp_path / "ck")
+    training = {k for keys in doc["training_state"].values() for k in keys}
+    assert {f"lr_scheduler.{k}" for k in sched.state_dict()} | {"train_state.step"} == training
+    assert set(doc["other_keys"]) == training | {"extra"}
+    assert {t["key"] for t in doc["other_tensors"]} == {"train_state.step", "extra"}
+    assert doc["uncategorized_tensors"] == ["extra"]
+    text = (Path(__file__).parents[3] / "docs" / "inspect.md").read_text()
+    rows = {m[0]: m[1] for m in re.findall(r"^\| `(other_keys|other_tensors\[\])` \|[^|]*\| ([^\n]*)$", text, re.M)}
+    assert "training-state" in rows["other_keys"] and "training-state tensors" in rows["other_tensors[]"]
