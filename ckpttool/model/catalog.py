@@ -200,7 +200,9 @@ class Catalog:
 
     Attributes (besides the obvious): ``schema`` the key schema it was built through;
     ``training_state`` keys of training-state items (scheduler, data loader, step) by item;
-    ``other_tensors`` every tensor that is neither a model tensor nor optimizer state.
+    ``other_tensors`` every tensor that is neither a model tensor nor optimizer state nor a param-group entry;
+    ``group_tensors`` param-group entries saved as tensors (``torch.optim.AdamW(lr=torch.tensor(...))``: its
+    ``lr`` and a scheduler's ``initial_lr`` are 0-d tensors, which ``dcp.save`` stores as tensors, not byte items).
     """
 
     path: Path
@@ -219,6 +221,7 @@ class Catalog:
     schema: KeySchema = field(default_factory=lambda: KeySchema("torch-native", "model.", "optimizer."))
     training_state: dict[str, list[str]] = field(default_factory=dict)
     frozen: frozenset[str] = frozenset()  # fqns its format knows were never stepped (per-rank: Assembled.frozen)
+    group_tensors: dict[str, TensorEntry] = field(default_factory=dict)
     _group_index: dict[str, ParamGroup] | None = field(default=None, repr=False, compare=False)
     _group_index_size: int = field(default=-1, repr=False, compare=False)
     _fqns: tuple[tuple[int, int, str | None], list[str]] | None = field(default=None, repr=False, compare=False)
@@ -632,6 +635,7 @@ class _Sorter:
         self.flavors: set[str] = set()
         self.byte_items: dict[str, int] = {}
         self.other_tensors: dict[str, TensorEntry] = {}
+        self.group_tensors: dict[str, TensorEntry] = {}
         self.training: dict[str, list[str]] = {}
 
     def sort(self, items: Iterable[tuple[str, TensorMeta | BytesMeta]]) -> None:
@@ -651,6 +655,8 @@ class _Sorter:
                 self._state(key, meta, path, state_prefix)
             elif groups_prefix is not None and key.startswith(groups_prefix):
                 self._group(key, path, groups_prefix)
+                if isinstance(meta, TensorMeta):  # a tensor hyperparameter (lr=torch.tensor(...))
+                    self.group_tensors[key] = self.entry(key, meta)
             elif key != LAYOUT_KEY:
                 top = path[0] if path and isinstance(path[0], str) else key.split(".", 1)[0]
                 if top in self.training_items:
@@ -810,6 +816,7 @@ def build_catalog(
         ranks=ranks,
         schema=sch,
         training_state=rest.training,
+        group_tensors=rest.group_tensors,
         _paths=planner,
     )
 

@@ -103,7 +103,7 @@ def scheduler_counters(ckpt: Checkpoint) -> tuple[list[Counter], list[Counter]]:
     return epochs, counts
 
 
-def _keeps_no_state(group: ParamGroup) -> bool:
+def keeps_no_state(group: ParamGroup) -> bool:
     """A param group of torch's ``SGD`` with ``momentum`` 0: its steps keep no per-parameter state
     (``optimizer.state`` stays empty however many steps it took)."""
     m = group.values.get("momentum")
@@ -124,7 +124,7 @@ def lost_optimizer_state(ckpt: Checkpoint, counters: list[Counter] | None = None
         groups = ckpt.param_groups()
     except CkptError:  # an unreadable group item is the storage checks' finding
         groups = cat.param_groups
-    if all(_keeps_no_state(g) for g in groups):
+    if all(keeps_no_state(g) for g in groups):
         return None  # plain SGD steps without any per-parameter state: nothing was lost
     if counters is None:
         counters = [*trainer_steps(ckpt), *scheduler_counters(ckpt)[0]]

@@ -31,11 +31,12 @@ from ckpttool.layouts.record import EPTensorSpec
 from ckpttool.model.beside import TrainerState, read_training_state_beside
 from ckpttool.model.catalog import Catalog, ParamGroup, TensorEntry, group_by_prefix, leaf_key, match_filter
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, ExtraState, OpenOptions, gc_held, open_source
+from ckpttool.model.counters import keeps_no_state
 from ckpttool.model.discovery import Located
 from ckpttool.model.schemas.keyschema import KeySchema
 from ckpttool.model.schemas.nemo import hf_copies
 from ckpttool.ops.fields import options_of
-from ckpttool.optim_state.schema import HYPERPARAMETERS
+from ckpttool.optim_state.schema import HYPERPARAMETERS, missing_hyperparameters
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,8 @@ class GroupRow:
     example_params: tuple[str, ...]
     has_state: bool
     missing: tuple[str, ...]
+    keeps_no_state: bool = False
+    """torch's SGD with ``momentum`` 0: its steps keep no per-parameter state (no state is not 'never stepped')."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -165,6 +168,7 @@ class GroupRow:
             "example_params": list(self.example_params),
             "has_state": self.has_state,
             "missing": list(self.missing),
+            "keeps_no_state": self.keeps_no_state,
         }
 
 
@@ -464,7 +468,8 @@ def _group_row(g: ParamGroup, gid: int | str, params: int, examples: list[str], 
         params,
         tuple(examples),
         has_state,
-        tuple(sorted(h for h in HYPERPARAMETERS if h not in g.keys)),
+        tuple(sorted(missing_hyperparameters(g.keys))),
+        keeps_no_state(g),
     )
 
 
@@ -510,6 +515,9 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
     without = sorted(f for f in params if f not in stepped) if stepped else sorted(params)
     # the members of a group among `without` (all of them when every fqn is grouped); sorted already
     never_stepped = tuple(without) if grouped is None else tuple(filter(grouped.__contains__, without))
+    stateless = {f for g in cat.param_groups if keeps_no_state(g) for f in g.params}
+    if stateless:  # plain SGD's parameters have no state however many steps it took: not 'never stepped'
+        never_stepped = tuple(f for f in never_stepped if f not in stateless)
     field_dtypes: dict[str, Counter[str]] = defaultdict(Counter)
     implied: Counter[str] = Counter()
     for fqn in with_state:
@@ -662,6 +670,8 @@ def _checked(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
 
 def _summary(cat: Catalog, tensors: Mapping[str, TensorEntry]) -> Summary:
     """Counts and bytes of the checkpoint (by dtype, by category) for the summary."""
+    if cat.group_tensors:  # param-group entries saved as tensors: tensors of the checkpoint too
+        tensors = {**tensors, **cat.group_tensors}
     dtypes, sizes = list(map(_dtype, tensors.values())), list(map(_nbytes, tensors.values()))
     bytes_by_dtype = {d: sum(compress(sizes, map(d.__eq__, dtypes))) for d in dict.fromkeys(dtypes)}  # a few dtypes
     state_bytes = sum(t.nbytes for ps in cat.optimizer_state.values() for t in ps.fields.values() if t)
@@ -677,7 +687,7 @@ def _summary(cat: Catalog, tensors: Mapping[str, TensorEntry]) -> Summary:
         bytes_by_category={
             "model": sum(map(_nbytes, cat.model.values())),
             "optimizer_state": state_bytes,
-            "other": sum(map(_nbytes, cat.other_tensors.values())),
+            "other": sum(map(_nbytes, cat.other_tensors.values())) + sum(map(_nbytes, cat.group_tensors.values())),
         },
     )
 

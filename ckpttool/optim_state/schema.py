@@ -11,7 +11,7 @@ readers and the optimizers share it.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ckpttool.errors import OptimStateError, UsageError
@@ -23,6 +23,7 @@ __all__ = [
     "HYPERPARAMETERS",
     "expected_state_dtypes",
     "infer_optimizer_type",
+    "missing_hyperparameters",
     "other_adam_family",
 ]
 
@@ -34,6 +35,30 @@ STATE_FIELDS: tuple[str, ...] = ("step", "master_weight", "exp_avg", "exp_avg_sq
 
 #: Param-group hyperparameters every ckpttool optimizer saves (torch's AdamW saves more).
 HYPERPARAMETERS: tuple[str, ...] = ("lr", "betas", "eps", "weight_decay")
+
+#: Param-group keys of torch's Rprop and LBFGS, which have no ``weight_decay``.
+_NO_WEIGHT_DECAY_KEYS = frozenset(("etas", "step_sizes", "max_iter", "history_size", "line_search_fn"))
+#: Param-group keys of torch's non-Adam optimizers (SGD, RMSprop, Adagrad, Adadelta, ASGD, Adafactor, Rprop,
+#: LBFGS); no Adam-family group has them.
+_OTHER_OPTIMIZER_KEYS = _NO_WEIGHT_DECAY_KEYS | frozenset(
+    ("momentum", "dampening", "nesterov", "alpha", "centered", "lr_decay", "initial_accumulator_value", "rho")
+    + ("lambd", "t0", "beta2_decay", "d")
+)
+
+
+def missing_hyperparameters(keys: Iterable[str]) -> list[str]:
+    """The :data:`HYPERPARAMETERS` a param group saved with ``keys`` lacks, in that order.
+
+    A group of another torch optimizer (SGD, RMSprop, Adagrad, ...: one of its own keys saved) has no
+    ``betas``/``eps`` to lack, and Rprop's and LBFGS's no ``weight_decay``: only ``lr`` (and
+    ``weight_decay``) are asked of those.
+    """
+    have = set(keys)
+    missing = [h for h in HYPERPARAMETERS if h not in have]
+    if "betas" in missing and not _OTHER_OPTIMIZER_KEYS.isdisjoint(have):
+        asked = ("lr",) if not _NO_WEIGHT_DECAY_KEYS.isdisjoint(have) else ("lr", "weight_decay")
+        missing = [h for h in missing if h in asked]
+    return missing
 
 
 def _name(dtype: Any) -> str:

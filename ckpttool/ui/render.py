@@ -1135,6 +1135,9 @@ def _overview_model(con: Console, ov: InspectResult, max_rows: int) -> None:
             con.print(f"... {len(ov.model) - max_rows:,} more (use --filter, --depth or --json)")
 
 
+#: The state column of a group without state: never stepped, or torch's SGD with momentum 0 (which keeps none).
+_NO_STATE = {False: "no state (never stepped)", True: "none kept (SGD, momentum 0)"}
+
 _GROUP_TABLE: Columns[GroupRow] = (
     (Col("group", "key"), lambda g: str(g.id)),
     (Col("params", "num"), lambda g: fmt_count(g.params)),
@@ -1143,7 +1146,7 @@ _GROUP_TABLE: Columns[GroupRow] = (
     (Col("betas", "code", drop=4), lambda g: fmt_value(g.values["betas"])),
     (Col("eps", "num", drop=5), lambda g: fmt_value(g.values["eps"])),
     (Col("initial_lr", "num", drop=6), lambda g: fmt_value(g.values["initial_lr"])),
-    (Col("state", "text"), lambda g: "yes" if g.has_state else "no state (never stepped)"),
+    (Col("state", "text"), lambda g: "yes" if g.has_state else _NO_STATE[g.keeps_no_state]),
     (Col("missing", "text", hide_empty=True), lambda g: fmt_list(g.missing)),
 )
 

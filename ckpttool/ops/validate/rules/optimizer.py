@@ -22,11 +22,11 @@ from ckpttool.model.catalog import TensorEntry, dtype_refuted_by, lost_state
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.optim_state.schema import (
-    HYPERPARAMETERS,
     OPTIMIZER_TYPES,
     STATE_FIELDS,
     expected_state_dtypes,
     infer_optimizer_type,
+    missing_hyperparameters,
 )
 
 LOW_PRECISION = ("bfloat16", "float16", *FLOAT8_DTYPES)
@@ -326,23 +326,10 @@ def unrecognized_state(ctx: Context) -> Iterator[tuple[str, str]]:
 
 
 # ------------------------------------------------------------------------------------------ param groups
-#: Param-group keys of torch's Rprop and LBFGS, which have no ``weight_decay``.
-_NO_WEIGHT_DECAY_KEYS = frozenset(("etas", "step_sizes", "max_iter", "history_size", "line_search_fn"))
-#: Param-group keys of torch's non-Adam optimizers (SGD, RMSprop, Adagrad, Adadelta, ASGD, Adafactor, Rprop,
-#: LBFGS); no Adam-family group has them.
-_OTHER_OPTIMIZER_KEYS = _NO_WEIGHT_DECAY_KEYS | frozenset(
-    ("momentum", "dampening", "nesterov", "alpha", "centered", "lr_decay", "initial_accumulator_value", "rho")
-    + ("lambd", "t0", "beta2_decay", "d")
-)
-
-
 @rule("P001")
 def group_missing_hyperparameter(ctx: Context) -> Iterator[tuple[str, str]]:
     for g in ctx.cat.param_groups:
-        missing = [h for h in HYPERPARAMETERS if h not in g.keys]
-        if "betas" in missing and _OTHER_OPTIMIZER_KEYS.intersection(g.keys):
-            asked = ("lr",) if _NO_WEIGHT_DECAY_KEYS.intersection(g.keys) else ("lr", "weight_decay")
-            missing = [h for h in missing if h in asked]  # another optimizer's group: no betas, eps
+        missing = missing_hyperparameters(g.keys)
         if missing:
             yield (
                 ctx.cat.group_key(g.group_id),

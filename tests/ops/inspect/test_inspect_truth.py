@@ -1,0 +1,173 @@
+"""`ckpttool inspect` checked against what torch itself saved and reads (the optimizer's own ``state_dict()``)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+
+runner = CliRunner()
+
+
+def inspect_json(path: Path) -> dict:
+    res = runner.invoke(app, ["inspect", "--json", str(path)])
+    assert res.exit_code == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def _save_stepped(out: Path, make_optim: Any, steps: int = 2) -> dict[str, Any]:
+    """A ``Linear(4, 2)`` stepped ``steps`` times by ``make_optim(params)``, saved by ``dcp.save`` through
+    ``get_state_dict``; returns the optimizer's own ``state_dict()``."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = make_optim(model.parameters())
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():  # torch: no process group, saving in one process
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(out))
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["SGD", "SGD-momentum", "RMSprop", "Adagrad", "AdamW"],
+)
+def test_param_group_missing_names_only_what_the_optimizer_has(tmp_path: Path, name: str) -> None:
+    """A torch SGD/RMSprop/Adagrad group (no betas, eps: those optimizers have none) was shown by inspect as
+    `missing betas, eps` (json `missing`), while `validate` (P001) found nothing missing; `missing` now names only
+    hyperparameters the torch optimizer's own param group has and the checkpoint lacks: none here."""
+    import torch
+
+    makers = {
+        "SGD": lambda p: torch.optim.SGD(p, lr=0.1),
+        "SGD-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-4),
+        "RMSprop": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5),
+        "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+        "AdamW": lambda p: torch.optim.AdamW(p, lr=1e-3),
+    }
+    ref = _save_stepped(tmp_path / "ck", makers[name])
+    (group,) = inspect_json(tmp_path / "ck")["optimizer"]["param_groups"]
+    (ref_group,) = ref["param_groups"]
+    assert group["missing"] == []
+    for h in ("lr", "weight_decay", "eps"):
+        assert group[h] == ref_group.get(h)
+    assert group["betas"] == (list(ref_group["betas"]) if "betas" in ref_group else None)
+    human = runner.invoke(app, ["inspect", str(tmp_path / "ck")], env={"COLUMNS": "200"})
+    assert human.exit_code == 0
+    header = next(line for line in human.stdout.splitlines() if " group " in line and " lr " in line)
+    assert "missing" not in header
+
+
+def test_plain_sgd_that_stepped_is_not_shown_never_stepped(tmp_path: Path) -> None:
+    """torch's SGD with momentum 0 keeps no per-parameter state however many steps it takes (its own
+    ``state_dict()['state']`` is empty after 3 steps): inspect showed its group `no state (never stepped)` and listed
+    every parameter in `never_stepped_with_hyperparameters`; now `keeps_no_state`, `none kept (SGD, momentum 0)`,
+    and no parameter is claimed never stepped (a never-stepped leaf: test_inspect's multi_optim tests)."""
+    import torch
+
+    ref = _save_stepped(tmp_path / "plain", lambda p: torch.optim.SGD(p, lr=0.1), steps=3)
+    assert ref["state"] == {}  # torch: stepped 3 times, no state
+    opt = inspect_json(tmp_path / "plain")["optimizer"]
+    (group,) = opt["param_groups"]
+    assert group["has_state"] is False and group["keeps_no_state"] is True
+    assert opt["params_with_state"] == len(ref["state"]) == 0
+    assert opt["params_without_state"] == ["bias", "weight"]
+    assert opt["never_stepped_with_hyperparameters"] == []
+    human = runner.invoke(app, ["inspect", str(tmp_path / "plain")], env={"COLUMNS": "200"})
+    assert human.exit_code == 0
+    assert "none kept (SGD, momentum 0)" in human.stdout and "never stepped" not in human.stdout
+
+
+def test_tensor_hyperparameters_are_counted_as_torch_reads_them(tmp_path: Path) -> None:
+    """``AdamW(lr=torch.tensor(...))`` with a scheduler: ``dcp.save`` stores the group's ``lr`` and ``initial_lr`` as
+    0-d tensors. inspect's summary left them out (8 tensors, float32 128 B, where torch's metadata has 10 tensors and
+    136 B); now every tensor torch's ``read_metadata()`` lists is counted (in ``other``), and the values still shown."""
+    import math
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    def make(params: Any) -> Any:
+        opt = torch.optim.AdamW(params, lr=torch.tensor(1e-3), weight_decay=0.05)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+        opt.step = _then(opt.step, sched.step)  # type: ignore[method-assign]
+        return opt
+
+    ref = _save_stepped(tmp_path / "ck", make)
+    md = FileSystemReader(str(tmp_path / "ck")).read_metadata().state_dict_metadata
+    tensors = {k: v for k, v in md.items() if isinstance(v, TensorStorageMetadata)}
+    assert isinstance(tensors["optimizer.param_groups.0.lr"], TensorStorageMetadata)  # torch stored it as a tensor
+    by_dtype: dict[str, int] = {}
+    for v in tensors.values():
+        name = str(v.properties.dtype).removeprefix("torch.")
+        by_dtype[name] = by_dtype.get(name, 0) + math.prod(v.size) * v.properties.dtype.itemsize
+    doc = inspect_json(tmp_path / "ck")
+    s = doc["summary"]
+    assert s["tensor_count"] == len(tensors) == 10
+    assert s["byte_item_count"] == sum(isinstance(v, BytesStorageMetadata) for v in md.values())
+    assert s["bytes_by_dtype"] == by_dtype
+    assert sum(s["bytes_by_category"].values()) == sum(by_dtype.values())
+    assert s["bytes_by_category"]["other"] == 8  # lr, initial_lr: 0-d float32
+    (group,) = doc["optimizer"]["param_groups"]
+    (ref_group,) = ref["param_groups"]
+    assert group["lr"] == pytest.approx(ref_group["lr"].item()) and group["initial_lr"] == pytest.approx(1e-3)
+    assert doc["other_tensors"] == [] and doc["uncategorized_tensors"] == []
+
+
+def _then(first: Any, second: Any) -> Any:
+    def both(*a: Any, **k: Any) -> Any:
+        out = first(*a, **k)
+        second()
+        return out
+
+    return both
+
+
+def test_other_keys_and_tensors_are_what_the_docs_say(tmp_path: Path) -> None:
+    """docs/inspect.md said `other_keys` / `other_tensors` are keys and tensors 'outside the schema', but they hold
+    the training-state items' keys and tensors too (a scheduler's, a train state's 0-d step), which the key schema
+    lists as understood and `uncategorized_tensors` leaves out; the rows now say what the JSON holds."""
+    import re
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {
+                "model": model.state_dict(),
+                "lr_scheduler": sched.state_dict(),
+                "train_state": {"step": torch.tensor(3)},
+                "extra": torch.zeros(2),
+            },
+            checkpoint_id=str(tmp_path / "ck"),
+        )
+    doc = inspect_json(tmp_path / "ck")
+    training = {k for keys in doc["training_state"].values() for k in keys}
+    assert {f"lr_scheduler.{k}" for k in sched.state_dict()} | {"train_state.step"} == training
+    assert set(doc["other_keys"]) == training | {"extra"}
+    assert {t["key"] for t in doc["other_tensors"]} == {"train_state.step", "extra"}
+    assert doc["uncategorized_tensors"] == ["extra"]
+    text = (Path(__file__).parents[3] / "docs" / "inspect.md").read_text()
+    rows = {m[0]: m[1] for m in re.findall(r"^\| `(other_keys|other_tensors\[\])` \|[^|]*\| ([^\n]*)$", text, re.M)}
+    assert "training-state" in rows["other_keys"] and "training-state tensors" in rows["other_tensors[]"]
