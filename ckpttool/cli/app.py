@@ -101,7 +101,28 @@ class _HelpWrapper(textwrap.TextWrapper):
 class _HelpFormatter(typer.Context.formatter_class):  # type: ignore[misc,valid-type]
     """Help whose option descriptions never split a flag, path or choice name (``--source-layout``,
     ``torch-checkpointing``, ``docs/export.md``) inside a word, as click's wrapping does (at hyphens, and
-    mid-word where a word does not fit): see :class:`_HelpWrapper`."""
+    mid-word where a word does not fit): see :class:`_HelpWrapper`; a command's description paragraphs
+    wrap the same way (click's ``write_text`` parted ``--ep-`` / ``size`` and ``bit-`` / ``exact``)."""
+
+    def write_text(self, text: str) -> None:
+        indent = " " * self.current_indent
+        out = []
+        for paragraph in re.split(r"\n[ \t]*\n", text.expandtabs()):
+            lines = paragraph.splitlines()
+            if not lines:
+                continue
+            if lines[0].strip() == "\b":  # click's marker: printed as written
+                out.append("\n".join(f"{indent}{line}" for line in lines[1:]))
+                continue
+            extra = " " * (len(lines[0]) - len(lines[0].lstrip()))
+            wrapper = _HelpWrapper(
+                max(self.width - len(indent) - len(extra), 11),
+                replace_whitespace=False,
+                break_on_hyphens=False,
+            )
+            out.append("\n".join(indent + extra + line for line in wrapper.wrap(" ".join(ln.strip() for ln in lines))))
+        self.write("\n\n".join(out))
+        self.write("\n")
 
     def write_dl(self, rows: Any, col_max: int = 30, col_spacing: int = 2) -> None:
         rows = list(rows)
