@@ -20,7 +20,7 @@ import shutil
 import sys
 import textwrap
 from collections.abc import Iterator, MutableMapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 from typer.core import TyperGroup, TyperOption
@@ -589,6 +589,15 @@ class _Interrupted(BaseException):
     carried past Typer, which turns a ``KeyboardInterrupt`` there into a silent exit 130."""
 
 
+def _closed_stdout() -> NoReturn:
+    """The reader of stdout went away while help or the version was printed: stop quietly with 0, as a
+    command's output does (docs/errors.md); click's own handling exits 1."""
+    from ckpttool.ui.output import _silence_stdout
+
+    _silence_stdout()
+    raise typer.Exit(0)
+
+
 class CkptGroup(TyperGroup):
     """The root command group: usage errors follow ckpttool's error contract.
 
@@ -619,12 +628,16 @@ class CkptGroup(TyperGroup):
             return super().make_context(*args, **kwargs)
         except KeyboardInterrupt as e:
             raise _Interrupted from e
+        except BrokenPipeError:
+            _closed_stdout()  # `ckpttool --help | ...`, `-V`: the reader went away
 
     def invoke(self, ctx: Any) -> Any:
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt as e:
             raise _Interrupted from e
+        except BrokenPipeError:
+            _closed_stdout()  # `ckpttool CMD --help | ...` (a command's own output: its command_boundary)
         except _CLICK_USAGE_ERROR as e:
             # click raises some errors of a command's arguments without its context (`Option '--filter'
             # requires an argument.`): the hint then names the command's --help, not the root's
