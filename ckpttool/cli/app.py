@@ -20,7 +20,7 @@ import shutil
 import sys
 import textwrap
 from collections.abc import Iterator, MutableMapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 from typer.core import TyperGroup, TyperOption
@@ -101,7 +101,28 @@ class _HelpWrapper(textwrap.TextWrapper):
 class _HelpFormatter(typer.Context.formatter_class):  # type: ignore[misc,valid-type]
     """Help whose option descriptions never split a flag, path or choice name (``--source-layout``,
     ``torch-checkpointing``, ``docs/export.md``) inside a word, as click's wrapping does (at hyphens, and
-    mid-word where a word does not fit): see :class:`_HelpWrapper`."""
+    mid-word where a word does not fit): see :class:`_HelpWrapper`; a command's description paragraphs
+    wrap the same way (click's ``write_text`` parted ``--ep-`` / ``size`` and ``bit-`` / ``exact``)."""
+
+    def write_text(self, text: str) -> None:
+        indent = " " * self.current_indent
+        out = []
+        for paragraph in re.split(r"\n[ \t]*\n", text.expandtabs()):
+            lines = paragraph.splitlines()
+            if not lines:
+                continue
+            if lines[0].strip() == "\b":  # click's marker: printed as written
+                out.append("\n".join(f"{indent}{line}" for line in lines[1:]))
+                continue
+            extra = " " * (len(lines[0]) - len(lines[0].lstrip()))
+            wrapper = _HelpWrapper(
+                max(self.width - len(indent) - len(extra), 11),
+                replace_whitespace=False,
+                break_on_hyphens=False,
+            )
+            out.append("\n".join(indent + extra + line for line in wrapper.wrap(" ".join(ln.strip() for ln in lines))))
+        self.write("\n\n".join(out))
+        self.write("\n")
 
     def write_dl(self, rows: Any, col_max: int = 30, col_spacing: int = 2) -> None:
         rows = list(rows)
@@ -568,6 +589,15 @@ class _Interrupted(BaseException):
     carried past Typer, which turns a ``KeyboardInterrupt`` there into a silent exit 130."""
 
 
+def _closed_stdout() -> NoReturn:
+    """The reader of stdout went away while help or the version was printed: stop quietly with 0, as a
+    command's output does (docs/errors.md); click's own handling exits 1."""
+    from ckpttool.ui.output import _silence_stdout
+
+    _silence_stdout()
+    raise typer.Exit(0)
+
+
 class CkptGroup(TyperGroup):
     """The root command group: usage errors follow ckpttool's error contract.
 
@@ -598,12 +628,16 @@ class CkptGroup(TyperGroup):
             return super().make_context(*args, **kwargs)
         except KeyboardInterrupt as e:
             raise _Interrupted from e
+        except BrokenPipeError:
+            _closed_stdout()  # `ckpttool --help | ...`, `-V`: the reader went away
 
     def invoke(self, ctx: Any) -> Any:
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt as e:
             raise _Interrupted from e
+        except BrokenPipeError:
+            _closed_stdout()  # `ckpttool CMD --help | ...` (a command's own output: its command_boundary)
         except _CLICK_USAGE_ERROR as e:
             # click raises some errors of a command's arguments without its context (`Option '--filter'
             # requires an argument.`): the hint then names the command's --help, not the root's

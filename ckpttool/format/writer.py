@@ -16,6 +16,7 @@ temporary directory), so a failed run leaves nothing that looks complete.
 
 from __future__ import annotations
 
+import errno
 import functools
 import io
 import os
@@ -91,6 +92,43 @@ class WrittenItem:
     byte_info: StorageInfo | None = None
 
 
+def _create(path: Path) -> BinaryIO:
+    """``open(path, "wb")``; out of file descriptors (``EMFILE``: the output has a data file per target rank,
+    all open while written, and 1024 ranks reach a common soft limit), the soft limit is raised to the hard
+    one once and the open tried again."""
+    try:
+        return open(path, "wb")
+    except OSError as e:
+        if e.errno != errno.EMFILE or not _raise_open_file_limit():
+            raise
+    return open(path, "wb")
+
+
+def _resource_module() -> Any:
+    """:mod:`resource` (``None`` where there is none), imported before the output's files are opened: out of file
+    descriptors, importing its extension module would fail too."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return None
+    return resource
+
+
+def _raise_open_file_limit() -> bool:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit: whether it rose."""
+    resource = _resource_module()
+    if resource is None:
+        return False
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft >= hard:
+        return False
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 class DCPWriter:
     """Append tensor chunks and byte items to per-rank data files, then write ``.metadata``.
 
@@ -110,6 +148,7 @@ class DCPWriter:
     def __init__(self, directory: Path, checkpoint_id: Path, *, fsync: bool = True, digest: str | None = None) -> None:
         self.fsync = fsync
         self.digest = digest
+        _resource_module()  # loaded now: see _create
         #: ``(key, chunk offsets | None) -> (covers, digest, crc32 hex | None)``, filled as the bytes pass
         #: (``digest`` set): chunks digest their raw storage record, byte items their whole window.
         self.digests: dict[tuple[str, tuple[int, ...] | None], tuple[str, str, str | None]] = {}
@@ -135,9 +174,17 @@ class DCPWriter:
         if f is None:
             path = self.directory / self.file_name(rank)
             try:
-                f = open(path, "wb")
+                f = _create(path)
             except OSError as e:
-                raise OutputError(f"{path}: cannot create ({e.strerror})", path=path) from e
+                if e.errno != errno.EMFILE:
+                    raise OutputError(f"{path}: cannot create ({e.strerror})", path=path) from e
+                raise OutputError(
+                    f"{path}: cannot create ({e.strerror}): {len(self._files)} data files of the output, one per "
+                    "target rank, are open while they are written",
+                    path=path,
+                    hint="raise the open-file limit above the number of target ranks (e.g. `ulimit -n 65536`; "
+                    "`ulimit -Hn` shows the most it may be) and run again",
+                ) from e
             with self._lock:
                 self._files[rank] = f
         return f

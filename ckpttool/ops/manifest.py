@@ -860,6 +860,11 @@ def _check_target(target: Path, ckpt: Checkpoint) -> None:
         own_place = target.name == MANIFEST_NAME and os.path.samefile(target.parent, root)
     except OSError:
         own_place = False
+    if own_place:  # the default place itself is taken: "no --output" is what was run
+        hint = (
+            f"the checkpoint's {MANIFEST_NAME} was not written by ckpttool and is kept; write this manifest to a "
+            "file outside the checkpoint with --output FILE (verify with --verify --output FILE)"
+        )
     check_file_target(
         target, option="manifest", hint=hint, sources=sources, inside_ok=own_place, owned=is_manifest_head
     )

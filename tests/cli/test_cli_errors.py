@@ -350,6 +350,21 @@ def test_closed_stdout_is_not_a_failure(argv: list[str], sample_ckpt: Path) -> N
     assert "Traceback" not in err and "error" not in err
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["-V"], ["inspect", "--help"], ["export", "-h"]])
+def test_closed_stdout_during_help_or_version_is_not_a_failure(argv: list[str]) -> None:
+    """`ckpttool --help | ...` with the reader gone: click's own EPIPE handling exited 1 (no line) where a
+    command's output exits 0 (docs/errors.md)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "ckpttool", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first write
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert err == ""
+
+
 @pytest.mark.parametrize("json_output", [False, True])
 def test_closed_stdout_keeps_the_verdict(json_output: bool, sample_ckpt: Path, tmp_path: Path) -> None:
     """`ckpttool diff A B | head -1` under `set -o pipefail`: the reader going away does not turn

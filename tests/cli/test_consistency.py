@@ -41,6 +41,32 @@ def test_import_of_a_dcp_checkpoint_says_so_and_suggests_export(sample_ckpt: Pat
     assert res.exit_code == 2 and "is a DCP checkpoint (step-10/.metadata is below it)" in res.stderr
 
 
+def test_inspect_of_an_import_for_more_ranks_than_rows_warns_only_about_what_validate_reports(
+    tmp_path: Path,
+) -> None:
+    """`import --world-size 64` of a model with 8 rows writes an empty file for each rank without a chunk (as
+    dcp.save does); `inspect` warned 'data file __R_0.distcp is not referenced by .metadata' for each of them
+    while `validate --strict` (S006) rightly reports none. A non-empty unreferenced file is still warned about."""
+    import torch
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"model.norm.weight": torch.ones(8)}, str(hf / "model.safetensors"))
+    out = tmp_path / "dcp"
+    assert runner.invoke(app, ["import", str(hf), str(out), "--world-size", "64", "--no-fsync"]).exit_code == 0
+    assert (out / "__63_0.distcp").stat().st_size == 0
+    res = runner.invoke(app, ["inspect", str(out)])
+    assert res.exit_code == 0 and res.stderr == "", res.stderr
+    assert runner.invoke(app, ["validate", str(out), "--strict"]).exit_code == 0
+    (out / "__63_0.distcp").write_bytes(b"leftover")
+    res = runner.invoke(app, ["inspect", str(out)])
+    assert res.stderr.splitlines() == [
+        "warning: data file __63_0.distcp is not referenced by .metadata",
+        "warning: run `ckpttool validate --strict` for the full list of problems",
+    ]
+
+
 @pytest.mark.parametrize("name", COMMANDS)
 def test_metavars_are_uppercase_everywhere(name: str) -> None:
     res = runner.invoke(app, [name, "--help"], env=WIDE)

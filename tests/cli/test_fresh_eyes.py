@@ -112,6 +112,25 @@ def test_help_never_splits_a_word(name: str, columns: str) -> None:
     assert split == []
 
 
+@pytest.mark.parametrize("name", ["", *COMMANDS])
+@pytest.mark.parametrize("columns", ["40", "60", "80", "100"])
+def test_help_description_never_parts_a_word_at_its_hyphen(name: str, columns: str) -> None:
+    """A command's description paragraphs wrapped as click does, at hyphens: ``diff --help`` at 80 columns
+    read ``--source-layout/--ep-`` / ``size/--ep-fsdp-size`` and ``import --help`` ``bit-`` / ``exact``
+    (the test above compares with the help at 400 columns, which click also wraps at 80)."""
+    args = [name, "--help"] if name else ["--help"]
+    res = runner.invoke(app, args, env={"COLUMNS": columns})
+    assert res.exit_code == 0
+    parted = [line for line in res.stdout.splitlines() if re.search(r"[A-Za-z]-$", line)]
+    assert parted == []
+
+
+def test_diff_help_keeps_its_layout_flags_whole_at_80_columns() -> None:
+    res = runner.invoke(app, ["diff", "--help"], env={"COLUMNS": "80"})
+    assert "--source-layout/--ep-size/--ep-fsdp-size/--no-ep" in res.stdout
+    assert "bit-exact" in runner.invoke(app, ["import", "--help"], env={"COLUMNS": "80"}).stdout
+
+
 def test_verbose_help_shows_no_range_and_still_counts(sample_ckpt: Path) -> None:
     """``-v, --verbose ... -vv: everything.  [x>=0]``: Typer showed the count's range, which says nothing."""
     for args in (["--help"], ["inspect", "--help"]):

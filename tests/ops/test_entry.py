@@ -130,7 +130,13 @@ def test_data_file_warnings() -> None:
             self.path, self.status, self.size, self.needed = path, status, size, needed
 
     class R:
-        files = [F("a", "ok"), F("b", "missing"), F("c", "unreferenced"), F("d", "short", 5, 9)]
+        files = [
+            F("a", "ok"),
+            F("b", "missing"),
+            F("c", "unreferenced", 7),
+            F("d", "short", 5, 9),
+            F("e", "unreferenced"),
+        ]
 
     assert data_file_warnings(R()) == [  # type: ignore[arg-type]
         "data file b is missing",

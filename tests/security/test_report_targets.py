@@ -94,6 +94,12 @@ def test_manifest_default_path_replaces_only_a_ckpttool_manifest(ckpt: Path, tmp
     res = runner.invoke(app, ["manifest", str(ckpt)])
     _refused(res, "is not an output of this kind")
     assert (ckpt / "manifest.json").read_text() == '{"files": ["written by another tool"]}\n'
+    # the hint names a way out, not "no --output", which is what was run
+    hint = res.stderr.splitlines()[1]
+    assert "--output FILE" in hint and "no --output" not in hint, hint
+    out = tmp_path / "elsewhere.json"
+    assert runner.invoke(app, ["manifest", str(ckpt), "--output", str(out)]).exit_code == 0
+    assert runner.invoke(app, ["manifest", str(ckpt), "--verify", "--output", str(out)]).exit_code == 0
 
     fifo = tmp_path / "m.json"
     os.mkfifo(fifo)
