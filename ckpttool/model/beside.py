@@ -92,7 +92,9 @@ def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> 
     Looked for in ``model_dir`` and, where it is the model folder of a model/optimizer pair
     (``pytorch_model_fsdp_0``, ``model``: the schemas' folder pairs), in the step directory above it;
     a file in ``read`` (the checkpoint's own data files, resolved: a per-rank format's
-    ``optimizer_R.pt``) is not one; a folder of ``model_dir`` holding a ``.metadata`` (a DCP
+    ``optimizer_R.pt``) is not one; the checkpoint folder of a step directory (the schemas' ``step_folders``:
+    OLMo-core's ``model_and_optim``, verl's ``actor``) is looked beside too, the names the trainer saves
+    beside it that are read left out; a folder of ``model_dir`` holding a ``.metadata`` (a DCP
     checkpoint of its own) is one, and so is a folder of the step directory holding a pickle (NeMo
     Automodel's ``rng/``, ``dataloader/``). Names are relative to ``given`` (the directory the user passed)
     where they lie below it; a folder ends in ``/``. ``()`` when there are none or a directory
@@ -102,8 +104,14 @@ def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> 
     from ckpttool.model.schemas import registry
 
     dirs = [model_dir]
+    known: set[str] = set()  # names of the step directory read with the checkpoint or opened on their own
     if any(pair.model.match(model_dir.name) for pair in registry.derived().folder_pairs):
         dirs.append(model_dir.parent)
+    for folder, beside in registry.derived().step_folders:
+        if model_dir.name == folder:  # the checkpoint folder of a step directory (verl's actor/)
+            dirs.append(model_dir.parent)
+            known.update((folder, *beside))
+            break
     out: list[str] = []
     for d in dirs:
         try:
@@ -112,6 +120,8 @@ def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> 
         except OSError:
             continue
         for name, is_dir in entries:
+            if d != model_dir and name in known:
+                continue
             unread = (
                 _unread_folder(name, d == model_dir and os.path.lexists(d / name / _DCP_METADATA))
                 or (d != model_dir and _holds_pickles(d / name))

@@ -606,11 +606,26 @@ def _refuse_marked(root: Path) -> None:
 
 
 def _refuse_unfinished_unit(root: Path, u: _Unit, step: int | str | None, incomplete: list[IncompleteStep]) -> None:
-    """E202 when the one checkpoint found (no ``step`` given) belongs to a step whose save did not finish."""
+    """E202 when the one checkpoint found (no ``step`` given) belongs to a step whose save did not finish, or
+    is a model folder whose optimizer folder beside it holds a save that did not finish (the step directory
+    opened itself: NeMo Automodel's ``optim/``, Accelerate's ``optimizer_0/`` with data files, no ``.metadata``)."""
     if step is None and u.step is not None:
         inc = next((i for i in incomplete if i.step == u.step), None)
         if inc is not None:
             raise _incomplete_error(root, inc, None)
+    if u.optimizer is not None:
+        return
+    for pair in registry.derived().folder_pairs:
+        m = pair.model.match(u.model.name)
+        partner = u.model.parent / pair.optimizer.format(*m.groups()) if m is not None else None
+        why = _unfinished(partner) if partner is not None and partner.is_dir() else None
+        if partner is not None and why is not None:
+            raise IncompleteCheckpointError(
+                f"{root}: {u.model.name}/ was saved with {partner.name}/, whose save did not finish (or is still "
+                f"running): {partner} has {why}",
+                path=partner,
+                hint="wait for the save to finish, or open an earlier complete step (`step` N on the run directory)",
+            )
 
 
 def _latest_epoch(units: list[_Unit]) -> list[_Unit]:

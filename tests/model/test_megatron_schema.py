@@ -275,3 +275,38 @@ def test_latest_release_opens_the_release_directory(tmp_path: Path) -> None:
     r = runner.invoke(app, ["validate", str(run), "--step", "latest"])
     assert r.exit_code == 2 and "[E205]" in r.stderr, r.output
     assert "latest_checkpointed_iteration.txt: names the release checkpoint" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        '{"sharded_backend": "zarr", "sharded_backend_version": 1, "common_backend": "torch"}',
+        '{"sharded_backend": "torch_dist", "sharded_backend_version": 2}',
+        '{"sharded_backend": "torch_dist", "common_backend": "zarr"}',
+        '{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "fully_parallel": true}',
+        '{"sharded_backend_version": 1, "common_backend": "torch"}',
+        '["torch_dist", 1]',
+        '{"sharded_backend": "torch_dist", "sharded_backend_version": 1',
+    ],
+)
+def test_metadata_json_megatron_cannot_load_from_is_named(tmp_path: Path, config: str) -> None:
+    """A metadata.json megatron-core's own dist_checkpointing.load refuses (another backend or version, a field
+    its CheckpointingConfig lacks, no sharded_backend, not a JSON object) passed validate --strict --deep (OK):
+    its content was never looked at. K013 now names the file; the config megatron-core writes passes."""
+    from megatron.core.dist_checkpointing.validation import verify_checkpoint_and_load_strategy
+
+    run = shutil.copytree(DATA / "dense1", tmp_path / "dense1")
+    it = run / RUNS["dense1"]
+    verify_checkpoint_and_load_strategy(str(it))  # megatron's own load reads the saved config
+    (it / "metadata.json").write_text(config)
+    with pytest.raises(Exception):  # noqa: B017  (JSONDecodeError, TypeError, CheckpointingException)
+        verify_checkpoint_and_load_strategy(str(it))
+    r = runner.invoke(app, ["validate", "--strict", "--deep", "--json", str(run)])
+    assert r.exit_code == 1, r.output
+    findings = json.loads(r.stdout)["findings"]
+    assert [f["code"] for f in findings] == ["K013"], findings
+    assert findings[0]["key"] == "metadata.json" and findings[0]["message"].startswith(f"{it / 'metadata.json'}: ")
+    (it / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')  # the other fields default
+    verify_checkpoint_and_load_strategy(str(it))
+    r = runner.invoke(app, ["validate", "--strict", "--json", str(run)])
+    assert r.exit_code == 0, r.output

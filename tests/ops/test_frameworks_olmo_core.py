@@ -71,6 +71,26 @@ def test_a_step_without_train_rank0_is_named(olmo_root: Path, tmp_path: Path) ->
     assert [f["code"] for f in doc["findings"]] == ["K011"] and "(no train/rank*.pt)" in doc["findings"][0]["message"]
 
 
+def test_training_state_beside_model_and_optim_is_named(olmo_root: Path, tmp_path: Path) -> None:
+    """A pickle of training state saved into stepN/ beside model_and_optim/ and train/ (a callback's
+    torch.save, a folder of per-rank data loader states) was passed over in silence: validate --strict OK
+    from the run root, the step or model_and_optim/. K012 and inspect's unread_beside now name them;
+    OLMo-core's own train/ (read) and .metadata.json are not named."""
+    import torch
+
+    run = shutil.copytree(olmo_root / "run", tmp_path / "run")
+    torch.save({"tokens_seen": 7}, run / "step2" / "callback_state.pt")
+    (run / "step2" / "loader").mkdir()
+    torch.save({"position": 3}, run / "step2" / "loader" / "rank0.pt")
+    for given, rel in ((run, "step2/"), (run / "step2", ""), (run / "step2" / "model_and_optim", f"{run / 'step2'}/")):
+        doc = json.loads(cli("validate", "--strict", str(given), "--json", code=1))
+        (k012,) = [f for f in doc["findings"] if f["code"] == "K012"]
+        assert k012["message"].endswith(f"does not read: {rel}callback_state.pt, {rel}loader/"), k012
+        doc = json.loads(cli("inspect", str(given), "--json"))
+        assert doc["unread_beside"] == [f"{rel}callback_state.pt", f"{rel}loader/"]
+    assert json.loads(cli("inspect", str(olmo_root / "run"), "--json"))["unread_beside"] == []
+
+
 def test_a_step_without_its_metadata_json_is_not_latest(olmo_root: Path, tmp_path: Path) -> None:
     """OLMo-core's Checkpointer writes stepN/.metadata.json last (after train/ and model_and_optim/) and its
     find_checkpoints skips a step directory without it. A newer step whose save stopped before it was

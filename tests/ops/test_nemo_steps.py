@@ -106,3 +106,23 @@ def test_consolidated_copy_is_compared_with_the_shards(nemo_run: Path, tmp_path:
     assert r.exit_code == 1
     found = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "D012"]
     assert len(found) == 1 and "model.norm.weight" in found[0]["message"]
+
+
+def test_a_step_whose_optim_save_did_not_finish_is_not_ok(nemo_run: Path, tmp_path: Path) -> None:
+    """A step directory whose optim/ holds NeMo's DCP data files but no .metadata (the save killed before the
+    coordinator wrote it) opened itself: validate --strict opened model/ alone and said OK ("model weights
+    only"). Now E202 names optim/ and what it lacks; from the run root --step latest passes over the step."""
+    run = shutil.copytree(nemo_run, tmp_path / "run")
+    step = run / "epoch_1_step_4"
+    (step / "optim" / ".metadata").unlink()
+    for cmd in (["validate", "--strict"], ["inspect"], ["stats"]):
+        res = runner.invoke(app, [*cmd, str(step)])
+        assert res.exit_code == 2, (cmd, res.output)
+        assert res.stderr.startswith(
+            f"error: [E202] {step}: model/ was saved with optim/, whose save did not finish (or is still running): "
+            f"{step / 'optim'} has 1 data file(s), no .metadata\n"
+        ), res.stderr
+        assert "Traceback" not in res.output
+    assert _inspect(str(run), "--step", "latest")["location"]["model"] == str(run / "epoch_0_step_2" / "model")
+    shutil.copy(nemo_run / "epoch_1_step_4" / "optim" / ".metadata", step / "optim" / ".metadata")
+    assert runner.invoke(app, ["validate", "--strict", str(step)]).exit_code == 0

@@ -481,3 +481,28 @@ def test_verl_rank_files_beside_a_dcp_checkpoint_are_named(verl_root: Path, tmp_
     for world in (1, 2):
         doc = json.loads(runner.invoke(app, ["inspect", "--json", str(_actor(verl_root, world))]).stdout)
         assert doc["unread_beside"] == []
+
+
+def test_verl_data_loader_state_beside_actor_is_named(verl_root: Path, tmp_path: Path) -> None:
+    """verl's trainer saves global_step_N/data.pt (torch.save of the data loader's state_dict, loaded on
+    resume) beside actor/: validate --strict was OK over it from the run root, the step or actor/, which
+    ckpttool never reads. K012 and inspect's unread_beside now name it; a critic/ checkpoint beside actor/
+    (opened on its own) is not named."""
+    import torch
+
+    run = shutil.copytree(_actor(verl_root, 2).parent.parent, tmp_path / "run")
+    step = run / "global_step_2"
+    torch.save({"_num_yielded": 4, "_sampler_iter_yielded": 4}, step / "data.pt")
+    for given, rel in ((step / "actor", str(step / "data.pt")), (step, "data.pt"), (run, "global_step_2/data.pt")):
+        res = runner.invoke(app, ["validate", "--strict", "--json", str(given)])
+        assert res.exit_code == 1, res.output
+        (k012,) = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "K012"]
+        assert k012["message"].endswith(f"does not read: {rel}"), k012
+        doc = json.loads(runner.invoke(app, ["inspect", "--json", str(given)]).stdout)
+        assert doc["unread_beside"] == [rel]
+    shutil.copytree(step / "actor", step / "critic")
+    doc = json.loads(runner.invoke(app, ["inspect", "--json", str(step / "actor")]).stdout)
+    assert doc["unread_beside"] == [str(step / "data.pt")]
+    (step / "data.pt").unlink()
+    res = runner.invoke(app, ["validate", "--strict", "--json", str(step / "actor")])
+    assert res.exit_code == 0, res.output

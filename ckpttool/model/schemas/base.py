@@ -101,6 +101,12 @@ class Discovery:
         staging_suffixes: suffixes of the directory a trainer saves a step into before renaming it to
             the step's name: ``<step directory><suffix>`` is a save not yet renamed (OLMo-core's
             ``Checkpointer`` saves ``stepN-tmp/`` and renames it to ``stepN/`` when every rank has written).
+        step_folders: ``(folder, beside)``: a folder of a step directory that is the checkpoint, and the
+            names the trainer saves beside it that ckpttool reads or opens as a checkpoint of its own.
+            Any other training state in the step directory (a pickle, a folder of pickles) is named as
+            not read (rule ``K012``), as for a model/optimizer pair: OLMo-core's ``model_and_optim/``
+            beside ``train/`` (read); verl's ``actor/`` beside ``critic/`` (a checkpoint of its own),
+            its ``data.pt`` (the data loader's state, which verl's resume loads) named.
     """
 
     step_words: tuple[str, ...] = ()
@@ -110,6 +116,7 @@ class Discovery:
     incomplete_markers: tuple[str, ...] = ()
     publish_markers: tuple[tuple[str, tuple[str, ...]], ...] = ()
     staging_suffixes: tuple[str, ...] = ()
+    step_folders: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 #: Layouts that belong to no key schema (DeepSpeed / Megatron-style step directories, split saves).

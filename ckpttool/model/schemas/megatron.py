@@ -34,6 +34,7 @@ __all__ = [
     "COMMON_FILE",
     "MegatronCommon",
     "SPEC",
+    "config_problem",
     "is_megatron_dir",
     "no_weight_decay",
     "read_common",
@@ -110,6 +111,59 @@ def is_megatron_dir(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(doc, dict) and doc.get("sharded_backend") == "torch_dist"
+
+
+#: The ``metadata.json`` megatron-core 0.16's ``dist_checkpointing.load`` reads a checkpoint with: its
+#: ``CheckpointingConfig`` fields with their defaults (``core.py``), the backends and versions its default load
+#: strategies are registered for (``strategies/torch.py``: ``torch_dist`` 1; ``strategies/common.py``: ``torch`` 1).
+_CONFIG_LOADED = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+_CONFIG_CAP = 1 << 16
+
+
+def config_problem(ckpt_dir: Path) -> str | None:
+    """Why megatron-core's ``dist_checkpointing.load`` would refuse ``<ckpt_dir>/metadata.json``, else ``None``
+    (a file absent is a save not published: named by discovery, ``E202`` / ``R001``).
+
+    Its ``maybe_load_config`` ``json.load`` s the file into ``CheckpointingConfig(**config)`` (no other field,
+    ``sharded_backend`` required) and ``verify_checkpoint_and_load_strategy`` looks the default load strategies
+    up by backend and version: only ``torch_dist`` 1 and ``torch`` 1 are registered; any other config leaves the
+    shards ckpttool read unloadable by megatron (a ``TypeError``, or no strategy for the backend).
+
+    Raises:
+        CkptError: a symlink out of the checkpoint (``PathEscapeError``), not a regular file.
+    """
+    from ckpttool.format.files import read_regular, resolve_inside
+
+    p = ckpt_dir / METADATA_JSON
+    if not os.path.lexists(p):
+        return None
+    src = resolve_inside(ckpt_dir, METADATA_JSON, what=METADATA_JSON)
+    data = read_regular(src, _CONFIG_CAP, shown=p, what=METADATA_JSON)
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        return f"is not JSON ({str(e)[:80]}): megatron-core's load fails reading it"
+    if not isinstance(doc, dict):
+        return f"holds a JSON {type(doc).__name__}, not the object of megatron-core's CheckpointingConfig"
+    unknown = sorted(str(k) for k in doc if k not in _CONFIG_LOADED)
+    if unknown:
+        return f"holds field(s) {', '.join(map(repr, unknown[:4]))} megatron-core's CheckpointingConfig does not have"
+    if "sharded_backend" not in doc:
+        return "lacks sharded_backend, which megatron-core's CheckpointingConfig requires"
+    got = {**{k: v for k, v in _CONFIG_LOADED.items() if k != "sharded_backend"}, **doc}
+    bad = [k for k, v in _CONFIG_LOADED.items() if got[k] != v]
+    if bad:
+        shown = ", ".join(f"{k} {got[k]!r}" for k in bad)
+        return (
+            f"names {shown}; megatron-core's load has strategies for sharded_backend 'torch_dist' 1 and "
+            "common_backend 'torch' 1 only (the .metadata shards read here are torch_dist's)"
+        )
+    return None
 
 
 def _step_value(v: Any) -> float | None:

@@ -34,6 +34,7 @@ SPEC = SchemaSpec(
         step_words=("step",),
         publish_markers=((".metadata.json", ("model_and_optim", "train")),),
         staging_suffixes=("-tmp",),
+        step_folders=(("model_and_optim", ("train",)),),
     ),
     doc_model="`model.<fqn>`",
     doc_optimizer="`optim.state.<fqn>.<field>`, `optim.param_groups.<fqn>.<hyper>` (flattened)",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from ckpttool.model.schemas import (
     app_state,
@@ -24,7 +25,13 @@ from ckpttool.model.schemas import (
     torchtune,
     verl,
 )
-from ckpttool.model.schemas.base import GENERIC_DISCOVERY, GENERIC_TRAINING_STATE_ITEMS, FolderPair, SchemaSpec
+from ckpttool.model.schemas.base import (
+    GENERIC_DISCOVERY,
+    GENERIC_TRAINING_STATE_ITEMS,
+    Discovery,
+    FolderPair,
+    SchemaSpec,
+)
 
 __all__ = [
     "Derived",
@@ -51,7 +58,8 @@ class Derived:
         containers: ``(container, spec)`` of the specs whose model is nested (``container`` non-empty), in priority order.
         fixed_prefixes: model prefixes of the specs without a wildcard container, deduplicated, in priority order.
         step_re: the step-directory regex (``<word>[-_]?<N>``, case-insensitive).
-        latest_files: files naming the last step; folder_pairs: model/optimizer folder pairs, in order.
+        latest_files: files naming the last step; folder_pairs: model/optimizer folder pairs, in order;
+        step_folders: the checkpoint folders of step directories, with the names beside them that are read.
         fused_rules: every spec's fused-parameter rules.
     """
 
@@ -67,6 +75,7 @@ class Derived:
     incomplete_markers: tuple[str, ...] = ()
     publish_markers: tuple[tuple[str, tuple[str, ...]], ...] = ()
     staging_suffixes: tuple[str, ...] = ()
+    step_folders: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 _DERIVED: list[Derived] = []
@@ -128,6 +137,11 @@ def _unique(items: list[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(items))
 
 
+def _joined(discovery: list[Discovery], attr: str) -> tuple[Any, ...]:
+    """Every discovery's ``attr`` items, in order."""
+    return tuple(x for d in discovery for x in getattr(d, attr))
+
+
 def derived() -> Derived:
     """What the registered specs contribute together (rebuilt after :func:`register` / :func:`unregister`)."""
     if _DERIVED:
@@ -141,12 +155,13 @@ def derived() -> Derived:
         fixed_prefixes=_unique([s.model_prefix for s in _SPECS if None not in s.container]),
         step_re=re.compile(rf"^(?:{'|'.join(map(re.escape, words))})[-_]?(\d+)$", re.I),
         latest_files=_unique([f for d in all_discovery for f in d.latest_files]),
-        folder_pairs=tuple(p for d in all_discovery for p in d.folder_pairs),
+        folder_pairs=_joined(all_discovery, "folder_pairs"),
         fused_rules=tuple(r for s in _SPECS for r in s.fused_rules),
-        step_patterns=tuple(p for d in all_discovery for p in d.step_patterns),
+        step_patterns=_joined(all_discovery, "step_patterns"),
         incomplete_markers=_unique([m for d in all_discovery for m in d.incomplete_markers]),
         publish_markers=tuple(dict.fromkeys(m for d in all_discovery for m in d.publish_markers)),
         staging_suffixes=_unique([x for d in all_discovery for x in d.staging_suffixes]),
+        step_folders=_joined(all_discovery, "step_folders"),
     )
     _DERIVED.append(d)
     return d

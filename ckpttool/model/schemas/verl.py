@@ -17,7 +17,12 @@ __all__ = ["SPEC"]
 SPEC = per_rank_spec(
     "verl",
     priority=90,
-    discovery=Discovery(step_words=("global_step",)),
+    # ray_trainer._save_checkpoint: global_step_N/actor/, global_step_N/critic/ (each a checkpoint of its
+    # own), then global_step_N/data.pt (torch.save of the data loader's state_dict, loaded on resume).
+    discovery=Discovery(
+        step_words=("global_step",),
+        step_folders=(("actor", ("critic",)), ("critic", ("actor",))),
+    ),
     doc_optimizer="`optimizer.state.<fqn>.<field>` (assembled; index -> fqn)",
     doc_written_by="verl's `FSDPCheckpointManager`: per-rank `{model,optim,extra_state}_world_size_W_rank_R.pt`",
 )

@@ -141,3 +141,19 @@ def training_state_not_read(ctx: Context) -> Iterator[tuple[str | None, str]]:
             None,
             f"{located.given}: training state beside {Path(located.model).name}/ that ckpttool does not read: {shown}",
         )
+
+
+@rule("K013")
+def megatron_config(ctx: Context) -> Iterator[tuple[str | None, str]]:
+    if ctx.cat.schema.id != "megatron":
+        return
+    from ckpttool.errors import CkptError
+    from ckpttool.model.schemas.megatron import METADATA_JSON, config_problem
+
+    d = Path(ctx.ckpt.located.model)
+    try:
+        problem = config_problem(d)
+    except CkptError as e:
+        problem = e.message
+    if problem is not None:
+        yield METADATA_JSON, f"{d / METADATA_JSON}: {problem}"
