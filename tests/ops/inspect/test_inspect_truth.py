@@ -171,3 +171,37 @@ def test_other_keys_and_tensors_are_what_the_docs_say(tmp_path: Path) -> None:
     text = (Path(__file__).parents[3] / "docs" / "inspect.md").read_text()
     rows = {m[0]: m[1] for m in re.findall(r"^\| `(other_keys|other_tensors\[\])` \|[^|]*\| ([^\n]*)$", text, re.M)}
     assert "training-state" in rows["other_keys"] and "training-state tensors" in rows["other_tensors[]"]
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "RAdam", "AdamW-amsgrad", "SGD-momentum", "Adagrad", "SGD"])
+def test_implied_type_is_one_the_docs_name(tmp_path: Path, name: str) -> None:
+    """docs/inspect.md named the implied types `adamw`, `full_fp32_adamw`, `master_fp32_adamw`; inspect also prints
+    `unknown` (torch's SGD momentum, Adagrad, AdamW with amsgrad) and null (no state: SGD with momentum 0). Every
+    value inspect gives for these torch optimizers is now one the row names, and torch's Adam/RAdam, which save
+    AdamW's fields, are named there as reading `adamw`."""
+    import re
+
+    import torch
+
+    makers = {
+        "AdamW": lambda p: torch.optim.AdamW(p, lr=1e-3),
+        "Adam": lambda p: torch.optim.Adam(p, lr=1e-3, weight_decay=0.1),
+        "RAdam": lambda p: torch.optim.RAdam(p, lr=1e-3),
+        "AdamW-amsgrad": lambda p: torch.optim.AdamW(p, lr=1e-3, amsgrad=True),
+        "SGD-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+        "SGD": lambda p: torch.optim.SGD(p, lr=0.1),
+    }
+    ref = _save_stepped(tmp_path / "ck", makers[name])
+    opt = inspect_json(tmp_path / "ck")["optimizer"]
+    text = (Path(__file__).parents[3] / "docs" / "inspect.md").read_text()
+    (row,) = re.findall(r"^\| `optimizer\.implied_type` / `implied_types` \|([^\n]*)$", text, re.M)
+    named = set(re.findall(r"`(\w+)`", row))
+    if not ref["state"]:
+        assert opt["implied_type"] is None and "null" in row
+        return
+    assert opt["implied_type"] in named and set(opt["implied_types"]) <= named
+    fields = {f for st in ref["state"].values() for f in st}
+    assert (opt["implied_type"] == "adamw") == (fields == {"step", "exp_avg", "exp_avg_sq"})
+    if name in ("Adam", "RAdam"):
+        assert name in row
