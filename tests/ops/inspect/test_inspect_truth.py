@@ -205,3 +205,53 @@ def test_implied_type_is_one_the_docs_name(tmp_path: Path, name: str) -> None:
     assert (opt["implied_type"] == "adamw") == (fields == {"step", "exp_avg", "exp_avg_sq"})
     if name in ("Adam", "RAdam"):
         assert name in row
+
+
+def test_state_keyed_by_sequential_fqns_is_not_read_as_by_index(tmp_path: Path) -> None:
+    """An nn.Sequential's optimizer state from ``get_state_dict`` (keys '0.weight', ...) saved beside model keys
+    under another prefix (``_orig_mod.``, a compiled model's state_dict) was read as a plain
+    ``optimizer.state_dict()`` keyed by index: inspect said 'keyed by index ... re-save with
+    get_optimizer_state_dict' and validate K003, though torch's planner_data holds the state's own string keys.
+    Now by fqn: the state is shown for fqns not in the model, as torch keyed it, and validate reports O003."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(seq.parameters(), lr=1e-3)
+    seq(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    _, osd = get_state_dict(seq, opt)
+    wrapper = torch.nn.Module()
+    wrapper._orig_mod = seq
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": wrapper.state_dict(), "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    assert sorted(osd["state"]) == ["0.bias", "0.weight", "1.bias", "1.weight"]  # torch keyed it by name
+    paths = FileSystemReader(str(tmp_path / "ck")).read_metadata().planner_data
+    assert paths["optimizer.state.0.weight.exp_avg"] == ("optimizer", "state", "0.weight", "exp_avg")
+    doc = inspect_json(tmp_path / "ck")
+    assert doc["key_schema"]["optimizer_keying"] == "fqn"
+    assert doc["optimizer"]["orphan_state"] == sorted(osd["state"])
+    res = runner.invoke(app, ["validate", "--json", str(tmp_path / "ck")])
+    codes = {f["code"] for f in json.loads(res.stdout)["findings"]}
+    assert res.exit_code == 1 and "O003" in codes and "K003" not in codes
+
+
+def test_a_plain_optimizer_state_dict_is_still_by_index(tmp_path: Path) -> None:
+    """The other side: ``optimizer.state_dict()`` saved as is (state keys the ints 0, 1, ..., '0' in planner_data)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(seq.parameters(), lr=1e-3)
+    seq(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    assert sorted(opt.state_dict()["state"]) == [0, 1, 2, 3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": seq.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=str(tmp_path / "ck"))
+    assert inspect_json(tmp_path / "ck")["key_schema"]["optimizer_keying"] == "index"
