@@ -509,7 +509,7 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
         grouped = set(chain.from_iterable(g.params for g in cat.param_groups))
         nested_known = bool(grouped)
         params = [f for f in shown if f in grouped or f in state] if nested_known else shown
-        buffers = [f for f in fqns if f not in grouped and f not in state] if nested_known else []
+        buffers = [f for f in shown if f not in grouped and f not in state] if nested_known else []
     with_state = [f for f in filter(state.__contains__, params) if state[f].fields]
     stepped = set(with_state)
     without = sorted(f for f in params if f not in stepped) if stepped else sorted(params)

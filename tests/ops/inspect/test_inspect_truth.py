@@ -255,3 +255,32 @@ def test_a_plain_optimizer_state_dict_is_still_by_index(tmp_path: Path) -> None:
         warnings.simplefilter("ignore")
         dcp.save({"model": seq.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=str(tmp_path / "ck"))
     assert inspect_json(tmp_path / "ck")["key_schema"]["optimizer_keying"] == "index"
+
+
+def test_filter_narrows_the_buffers_as_it_does_the_parameters(tmp_path: Path) -> None:
+    """With ``--filter 'model.0.*'`` inspect counted only the selected parameters (params_total 2) but listed every
+    buffer of the model in `optimizer.buffers` (the running stats of layer 1 too); buffers now follow the filter:
+    the model keys it selects that no torch param group lists."""
+    import fnmatch
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    grouped = {p for g in osd["param_groups"] for p in g["params"]}
+    for glob in ("model.0.*", "model.*"):
+        res = runner.invoke(app, ["inspect", "--json", str(tmp_path / "ck"), "--filter", glob])
+        assert res.exit_code == 0, res.stderr
+        opt_doc = json.loads(res.stdout)["optimizer"]
+        selected = [k for k in msd if fnmatch.fnmatchcase(f"model.{k}", glob)]
+        assert opt_doc["params_total"] == len([k for k in selected if k in grouped])
+        assert sorted(opt_doc["buffers"]) == sorted(k for k in selected if k not in grouped)
