@@ -21,9 +21,10 @@ def inspect_json(path: Path) -> dict:
     return json.loads(res.stdout)
 
 
-def _save_stepped(out: Path, make_optim: Any, steps: int = 2) -> dict[str, Any]:
-    """A ``Linear(4, 2)`` stepped ``steps`` times by ``make_optim(params)``, saved by ``dcp.save`` through
-    ``get_state_dict``; returns the optimizer's own ``state_dict()``."""
+def _save_stepped(out: Path, make_optim: Any, steps: int = 2, make_sched: Any = None) -> dict[str, Any]:
+    """A ``Linear(4, 2)`` stepped ``steps`` times by ``make_optim(params)`` (and ``make_sched(optimizer)``'s
+    scheduler after each step), saved by ``dcp.save`` through ``get_state_dict``; returns the optimizer's own
+    ``state_dict()``."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -31,10 +32,13 @@ def _save_stepped(out: Path, make_optim: Any, steps: int = 2) -> dict[str, Any]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = make_optim(model.parameters())
+    sched = make_sched(opt) if make_sched is not None else None
     for _ in range(steps):
         opt.zero_grad()
         model(torch.randn(3, 4)).sum().backward()
         opt.step()
+        if sched is not None:
+            sched.step()
     msd, osd = get_state_dict(model, opt)
     with warnings.catch_warnings():  # torch: no process group, saving in one process
         warnings.simplefilter("ignore")
@@ -102,13 +106,11 @@ def test_tensor_hyperparameters_are_counted_as_torch_reads_them(tmp_path: Path) 
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    def make(params: Any) -> Any:
-        opt = torch.optim.AdamW(params, lr=torch.tensor(1e-3), weight_decay=0.05)
-        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
-        opt.step = _then(opt.step, sched.step)  # type: ignore[method-assign]
-        return opt
-
-    ref = _save_stepped(tmp_path / "ck", make)
+    ref = _save_stepped(
+        tmp_path / "ck",
+        lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-3), weight_decay=0.05),
+        make_sched=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5),
+    )
     md = FileSystemReader(str(tmp_path / "ck")).read_metadata().state_dict_metadata
     tensors = {k: v for k, v in md.items() if isinstance(v, TensorStorageMetadata)}
     assert isinstance(tensors["optimizer.param_groups.0.lr"], TensorStorageMetadata)  # torch stored it as a tensor
@@ -127,15 +129,6 @@ def test_tensor_hyperparameters_are_counted_as_torch_reads_them(tmp_path: Path) 
     (ref_group,) = ref["param_groups"]
     assert group["lr"] == pytest.approx(ref_group["lr"].item()) and group["initial_lr"] == pytest.approx(1e-3)
     assert doc["other_tensors"] == [] and doc["uncategorized_tensors"] == []
-
-
-def _then(first: Any, second: Any) -> Any:
-    def both(*a: Any, **k: Any) -> Any:
-        out = first(*a, **k)
-        second()
-        return out
-
-    return both
 
 
 def test_other_keys_and_tensors_are_what_the_docs_say(tmp_path: Path) -> None:
