@@ -515,8 +515,10 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
     without = sorted(f for f in params if f not in stepped) if stepped else sorted(params)
     # the members of a group among `without` (all of them when every fqn is grouped); sorted already
     never_stepped = tuple(without) if grouped is None else tuple(filter(grouped.__contains__, without))
-    stateless = {f for g in cat.param_groups if keeps_no_state(g) for f in g.params}
-    if stateless:  # plain SGD's parameters have no state however many steps it took: not 'never stepped'
+    # plain SGD's parameters have no state however many steps it took: not 'never stepped' (the groups are
+    # looked at only when some parameter lacks state: 10^6 flattened groups of a stepped AdamW are not)
+    stateless = {f for g in cat.param_groups if keeps_no_state(g) for f in g.params} if never_stepped else set()
+    if stateless:
         never_stepped = tuple(f for f in never_stepped if f not in stateless)
     field_dtypes: dict[str, Counter[str]] = defaultdict(Counter)
     implied: Counter[str] = Counter()
