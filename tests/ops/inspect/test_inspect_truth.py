@@ -233,8 +233,10 @@ def test_state_keyed_by_sequential_fqns_is_not_read_as_by_index(tmp_path: Path) 
     assert res.exit_code == 1 and "O003" in codes and "K003" not in codes
 
 
-def test_a_plain_optimizer_state_dict_is_still_by_index(tmp_path: Path) -> None:
-    """The other side: ``optimizer.state_dict()`` saved as is (state keys the ints 0, 1, ..., '0' in planner_data)."""
+@pytest.mark.parametrize("container", [(), ("state",)])
+def test_a_plain_optimizer_state_dict_is_still_by_index(tmp_path: Path, container: tuple[str, ...]) -> None:
+    """The other side: ``optimizer.state_dict()`` saved as is (state keys the ints 0, 1, ..., '0' in planner_data),
+    at the top level or inside an app dict itself named ``state``."""
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -246,7 +248,10 @@ def test_a_plain_optimizer_state_dict_is_still_by_index(tmp_path: Path) -> None:
     assert sorted(opt.state_dict()["state"]) == [0, 1, 2, 3]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"model": seq.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=str(tmp_path / "ck"))
+        sd: dict[str, Any] = {"model": seq.state_dict(), "optimizer": opt.state_dict()}
+        for name in container:
+            sd = {name: sd}
+        dcp.save(sd, checkpoint_id=str(tmp_path / "ck"))
     assert inspect_json(tmp_path / "ck")["key_schema"]["optimizer_keying"] == "index"
 
 
