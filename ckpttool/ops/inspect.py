@@ -497,6 +497,15 @@ def _param_group_rows(cat: Catalog, filt: str | None) -> list[GroupRow]:
     return [_group_row(first[sig], fqns[0], len(fqns), fqns[:3], sig[1]) for sig, fqns in members.items()]
 
 
+def _never_stepped(cat: Catalog, without: list[str], grouped: set[str] | None) -> tuple[str, ...]:
+    """The members of a param group among ``without`` (sorted; all of them when ``grouped`` is ``None``: every fqn
+    is grouped), less those of torch's SGD with momentum 0, which keeps no state however many steps it took (the
+    groups are looked at only when some parameter lacks state: 10^6 flattened groups of a stepped AdamW are not)."""
+    never_stepped = tuple(without) if grouped is None else tuple(filter(grouped.__contains__, without))
+    stateless = {f for g in cat.param_groups if keeps_no_state(g) for f in g.params} if never_stepped else set()
+    return tuple(f for f in never_stepped if f not in stateless) if stateless else never_stepped
+
+
 def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> OptimizerSummary:
     # Param groups name the real parameters (nested: `params` lists; flattened: one group per
     # parameter); model tensors in no group are buffers.
@@ -509,15 +518,11 @@ def _optimizer_section(cat: Catalog, filt: str | None, declared: str | None) -> 
         grouped = set(chain.from_iterable(g.params for g in cat.param_groups))
         nested_known = bool(grouped)
         params = [f for f in shown if f in grouped or f in state] if nested_known else shown
-        buffers = [f for f in fqns if f not in grouped and f not in state] if nested_known else []
+        buffers = [f for f in shown if f not in grouped and f not in state] if nested_known else []
     with_state = [f for f in filter(state.__contains__, params) if state[f].fields]
     stepped = set(with_state)
     without = sorted(f for f in params if f not in stepped) if stepped else sorted(params)
-    # the members of a group among `without` (all of them when every fqn is grouped); sorted already
-    never_stepped = tuple(without) if grouped is None else tuple(filter(grouped.__contains__, without))
-    stateless = {f for g in cat.param_groups if keeps_no_state(g) for f in g.params}
-    if stateless:  # plain SGD's parameters have no state however many steps it took: not 'never stepped'
-        never_stepped = tuple(f for f in never_stepped if f not in stateless)
+    never_stepped = _never_stepped(cat, without, grouped)
     field_dtypes: dict[str, Counter[str]] = defaultdict(Counter)
     implied: Counter[str] = Counter()
     for fqn in with_state:

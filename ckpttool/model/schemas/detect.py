@@ -280,6 +280,12 @@ def _index_keyed(state: list[tuple[str, _Path]], state_prefix: str, model_fqns: 
         seen = True
         if path is not None and len(path) >= 4 and isinstance(path[-2], int):
             continue
+        if path is not None and "state" in (above := path[:-2]):
+            param = path[len(above) - above[::-1].index("state")]  # after the optimizer's own (last) "state"
+            if isinstance(param, str) and not param.isdigit():
+                # planner_data holds the state dict's own key: a name ('0.weight' of an nn.Sequential whose
+                # model keys carry another prefix), not the integer id of a plain optimizer.state_dict() ('0')
+                return False
         rest = key[len(state_prefix) :]
         head = rest.split(".", 1)[0]
         # a model whose fqns start with digits (nn.Sequential: 0.weight): by fqn only where the key starts with

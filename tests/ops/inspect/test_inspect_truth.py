@@ -21,9 +21,10 @@ def inspect_json(path: Path) -> dict:
     return json.loads(res.stdout)
 
 
-def _save_stepped(out: Path, make_optim: Any, steps: int = 2) -> dict[str, Any]:
-    """A ``Linear(4, 2)`` stepped ``steps`` times by ``make_optim(params)``, saved by ``dcp.save`` through
-    ``get_state_dict``; returns the optimizer's own ``state_dict()``."""
+def _save_stepped(out: Path, make_optim: Any, steps: int = 2, make_sched: Any = None) -> dict[str, Any]:
+    """A ``Linear(4, 2)`` stepped ``steps`` times by ``make_optim(params)`` (and ``make_sched(optimizer)``'s
+    scheduler after each step), saved by ``dcp.save`` through ``get_state_dict``; returns the optimizer's own
+    ``state_dict()``."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -31,10 +32,13 @@ def _save_stepped(out: Path, make_optim: Any, steps: int = 2) -> dict[str, Any]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = make_optim(model.parameters())
+    sched = make_sched(opt) if make_sched is not None else None
     for _ in range(steps):
         opt.zero_grad()
         model(torch.randn(3, 4)).sum().backward()
         opt.step()
+        if sched is not None:
+            sched.step()
     msd, osd = get_state_dict(model, opt)
     with warnings.catch_warnings():  # torch: no process group, saving in one process
         warnings.simplefilter("ignore")
@@ -102,13 +106,11 @@ def test_tensor_hyperparameters_are_counted_as_torch_reads_them(tmp_path: Path) 
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    def make(params: Any) -> Any:
-        opt = torch.optim.AdamW(params, lr=torch.tensor(1e-3), weight_decay=0.05)
-        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
-        opt.step = _then(opt.step, sched.step)  # type: ignore[method-assign]
-        return opt
-
-    ref = _save_stepped(tmp_path / "ck", make)
+    ref = _save_stepped(
+        tmp_path / "ck",
+        lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-3), weight_decay=0.05),
+        make_sched=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5),
+    )
     md = FileSystemReader(str(tmp_path / "ck")).read_metadata().state_dict_metadata
     tensors = {k: v for k, v in md.items() if isinstance(v, TensorStorageMetadata)}
     assert isinstance(tensors["optimizer.param_groups.0.lr"], TensorStorageMetadata)  # torch stored it as a tensor
@@ -127,15 +129,6 @@ def test_tensor_hyperparameters_are_counted_as_torch_reads_them(tmp_path: Path) 
     (ref_group,) = ref["param_groups"]
     assert group["lr"] == pytest.approx(ref_group["lr"].item()) and group["initial_lr"] == pytest.approx(1e-3)
     assert doc["other_tensors"] == [] and doc["uncategorized_tensors"] == []
-
-
-def _then(first: Any, second: Any) -> Any:
-    def both(*a: Any, **k: Any) -> Any:
-        out = first(*a, **k)
-        second()
-        return out
-
-    return both
 
 
 def test_other_keys_and_tensors_are_what_the_docs_say(tmp_path: Path) -> None:
@@ -171,3 +164,121 @@ def test_other_keys_and_tensors_are_what_the_docs_say(tmp_path: Path) -> None:
     text = (Path(__file__).parents[3] / "docs" / "inspect.md").read_text()
     rows = {m[0]: m[1] for m in re.findall(r"^\| `(other_keys|other_tensors\[\])` \|[^|]*\| ([^\n]*)$", text, re.M)}
     assert "training-state" in rows["other_keys"] and "training-state tensors" in rows["other_tensors[]"]
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "RAdam", "AdamW-amsgrad", "SGD-momentum", "Adagrad", "SGD"])
+def test_implied_type_is_one_the_docs_name(tmp_path: Path, name: str) -> None:
+    """docs/inspect.md named the implied types `adamw`, `full_fp32_adamw`, `master_fp32_adamw`; inspect also prints
+    `unknown` (torch's SGD momentum, Adagrad, AdamW with amsgrad) and null (no state: SGD with momentum 0). Every
+    value inspect gives for these torch optimizers is now one the row names, and torch's Adam/RAdam, which save
+    AdamW's fields, are named there as reading `adamw`."""
+    import re
+
+    import torch
+
+    makers = {
+        "AdamW": lambda p: torch.optim.AdamW(p, lr=1e-3),
+        "Adam": lambda p: torch.optim.Adam(p, lr=1e-3, weight_decay=0.1),
+        "RAdam": lambda p: torch.optim.RAdam(p, lr=1e-3),
+        "AdamW-amsgrad": lambda p: torch.optim.AdamW(p, lr=1e-3, amsgrad=True),
+        "SGD-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+        "SGD": lambda p: torch.optim.SGD(p, lr=0.1),
+    }
+    ref = _save_stepped(tmp_path / "ck", makers[name])
+    opt = inspect_json(tmp_path / "ck")["optimizer"]
+    text = (Path(__file__).parents[3] / "docs" / "inspect.md").read_text()
+    (row,) = re.findall(r"^\| `optimizer\.implied_type` / `implied_types` \|([^\n]*)$", text, re.M)
+    named = set(re.findall(r"`(\w+)`", row))
+    if not ref["state"]:
+        assert opt["implied_type"] is None and "null" in row
+        return
+    assert opt["implied_type"] in named and set(opt["implied_types"]) <= named
+    fields = {f for st in ref["state"].values() for f in st}
+    assert (opt["implied_type"] == "adamw") == (fields == {"step", "exp_avg", "exp_avg_sq"})
+    if name in ("Adam", "RAdam"):
+        assert name in row
+
+
+def test_state_keyed_by_sequential_fqns_is_not_read_as_by_index(tmp_path: Path) -> None:
+    """An nn.Sequential's optimizer state from ``get_state_dict`` (keys '0.weight', ...) saved beside model keys
+    under another prefix (``_orig_mod.``, a compiled model's state_dict) was read as a plain
+    ``optimizer.state_dict()`` keyed by index: inspect said 'keyed by index ... re-save with
+    get_optimizer_state_dict' and validate K003, though torch's planner_data holds the state's own string keys.
+    Now by fqn: the state is shown for fqns not in the model, as torch keyed it, and validate reports O003."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(seq.parameters(), lr=1e-3)
+    seq(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    _, osd = get_state_dict(seq, opt)
+    wrapper = torch.nn.Module()
+    wrapper._orig_mod = seq
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": wrapper.state_dict(), "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    assert sorted(osd["state"]) == ["0.bias", "0.weight", "1.bias", "1.weight"]  # torch keyed it by name
+    paths = FileSystemReader(str(tmp_path / "ck")).read_metadata().planner_data
+    assert paths["optimizer.state.0.weight.exp_avg"] == ("optimizer", "state", "0.weight", "exp_avg")
+    doc = inspect_json(tmp_path / "ck")
+    assert doc["key_schema"]["optimizer_keying"] == "fqn"
+    assert doc["optimizer"]["orphan_state"] == sorted(osd["state"])
+    res = runner.invoke(app, ["validate", "--json", str(tmp_path / "ck")])
+    codes = {f["code"] for f in json.loads(res.stdout)["findings"]}
+    assert res.exit_code == 1 and "O003" in codes and "K003" not in codes
+
+
+@pytest.mark.parametrize("container", [(), ("state",)])
+def test_a_plain_optimizer_state_dict_is_still_by_index(tmp_path: Path, container: tuple[str, ...]) -> None:
+    """The other side: ``optimizer.state_dict()`` saved as is (state keys the ints 0, 1, ..., '0' in planner_data),
+    at the top level or inside an app dict itself named ``state``."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(seq.parameters(), lr=1e-3)
+    seq(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    assert sorted(opt.state_dict()["state"]) == [0, 1, 2, 3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sd: dict[str, Any] = {"model": seq.state_dict(), "optimizer": opt.state_dict()}
+        for name in container:
+            sd = {name: sd}
+        dcp.save(sd, checkpoint_id=str(tmp_path / "ck"))
+    assert inspect_json(tmp_path / "ck")["key_schema"]["optimizer_keying"] == "index"
+
+
+def test_filter_narrows_the_buffers_as_it_does_the_parameters(tmp_path: Path) -> None:
+    """With ``--filter 'model.0.*'`` inspect counted only the selected parameters (params_total 2) but listed every
+    buffer of the model in `optimizer.buffers` (the running stats of layer 1 too); buffers now follow the filter:
+    the model keys it selects that no torch param group lists."""
+    import fnmatch
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    grouped = {p for g in osd["param_groups"] for p in g["params"]}
+    for glob in ("model.0.*", "model.*"):
+        res = runner.invoke(app, ["inspect", "--json", str(tmp_path / "ck"), "--filter", glob])
+        assert res.exit_code == 0, res.stderr
+        opt_doc = json.loads(res.stdout)["optimizer"]
+        selected = [k for k in msd if fnmatch.fnmatchcase(f"model.{k}", glob)]
+        assert opt_doc["params_total"] == len([k for k in selected if k in grouped])
+        assert sorted(opt_doc["buffers"]) == sorted(k for k in selected if k not in grouped)
