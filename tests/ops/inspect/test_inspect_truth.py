@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
+from tests.fixtures.builders import build_linear_stepped
 
 runner = CliRunner()
 
@@ -19,31 +20,6 @@ def inspect_json(path: Path) -> dict:
     res = runner.invoke(app, ["inspect", "--json", str(path)])
     assert res.exit_code == 0, res.stderr
     return json.loads(res.stdout)
-
-
-def _save_stepped(out: Path, make_optim: Any, steps: int = 2, make_sched: Any = None) -> dict[str, Any]:
-    """A ``Linear(4, 2)`` stepped ``steps`` times by ``make_optim(params)`` (and ``make_sched(optimizer)``'s
-    scheduler after each step), saved by ``dcp.save`` through ``get_state_dict``; returns the optimizer's own
-    ``state_dict()``."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    opt = make_optim(model.parameters())
-    sched = make_sched(opt) if make_sched is not None else None
-    for _ in range(steps):
-        opt.zero_grad()
-        model(torch.randn(3, 4)).sum().backward()
-        opt.step()
-        if sched is not None:
-            sched.step()
-    msd, osd = get_state_dict(model, opt)
-    with warnings.catch_warnings():  # torch: no process group, saving in one process
-        warnings.simplefilter("ignore")
-        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(out))
-    return opt.state_dict()
 
 
 @pytest.mark.parametrize(
@@ -63,7 +39,7 @@ def test_param_group_missing_names_only_what_the_optimizer_has(tmp_path: Path, n
         "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
         "AdamW": lambda p: torch.optim.AdamW(p, lr=1e-3),
     }
-    ref = _save_stepped(tmp_path / "ck", makers[name])
+    ref = build_linear_stepped(tmp_path / "ck", makers[name], steps=2)
     (group,) = inspect_json(tmp_path / "ck")["optimizer"]["param_groups"]
     (ref_group,) = ref["param_groups"]
     assert group["missing"] == []
@@ -83,7 +59,7 @@ def test_plain_sgd_that_stepped_is_not_shown_never_stepped(tmp_path: Path) -> No
     and no parameter is claimed never stepped (a never-stepped leaf: test_inspect's multi_optim tests)."""
     import torch
 
-    ref = _save_stepped(tmp_path / "plain", lambda p: torch.optim.SGD(p, lr=0.1), steps=3)
+    ref = build_linear_stepped(tmp_path / "plain", lambda p: torch.optim.SGD(p, lr=0.1), steps=3)
     assert ref["state"] == {}  # torch: stepped 3 times, no state
     opt = inspect_json(tmp_path / "plain")["optimizer"]
     (group,) = opt["param_groups"]
@@ -106,9 +82,10 @@ def test_tensor_hyperparameters_are_counted_as_torch_reads_them(tmp_path: Path) 
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    ref = _save_stepped(
+    ref = build_linear_stepped(
         tmp_path / "ck",
         lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-3), weight_decay=0.05),
+        steps=2,
         make_sched=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5),
     )
     md = FileSystemReader(str(tmp_path / "ck")).read_metadata().state_dict_metadata
@@ -185,7 +162,7 @@ def test_implied_type_is_one_the_docs_name(tmp_path: Path, name: str) -> None:
         "Adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
         "SGD": lambda p: torch.optim.SGD(p, lr=0.1),
     }
-    ref = _save_stepped(tmp_path / "ck", makers[name])
+    ref = build_linear_stepped(tmp_path / "ck", makers[name], steps=2)
     opt = inspect_json(tmp_path / "ck")["optimizer"]
     text = (Path(__file__).parents[3] / "docs" / "inspect.md").read_text()
     (row,) = re.findall(r"^\| `optimizer\.implied_type` / `implied_types` \|([^\n]*)$", text, re.M)
