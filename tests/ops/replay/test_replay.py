@@ -643,3 +643,24 @@ def test_zero_initialised_bias_early_in_training_is_not_an_update_size_failure(t
     assert bias.update.max_update >= bias.update.max_param > 0  # the case: one update moves it by its own size
     assert bias.update.rel_to_param == 0.0 and bias.problems == []
     assert res.ok, [(r.fqn, r.problems) for r in res.params if r.problems]
+
+
+def test_a_newer_incomplete_step_of_the_run_root_is_named(full_fx: Path, tmp_path: Path) -> None:
+    """replay-step of a run root replayed its newest complete step and said OK with no word of a newer step whose
+    save did not finish (torch's .metadata.tmp beside the data files), which validate fails as R001: the check
+    before a resume passed silently while the run's newest save was broken. It is now a warning note."""
+    import shutil
+
+    root = tmp_path / "run"
+    shutil.copytree(full_fx / "ckpt", root / "step-3")
+    shutil.copytree(full_fx / "ckpt", root / "step-4")
+    (root / "step-4" / ".metadata").rename(root / "step-4" / ".metadata.tmp")
+    res = run(root, "--device", "cpu", "--json")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["checkpoint"] == str(root / "step-3") and doc["ok"]
+    incomplete = [n for n in doc["notes"] if "step 4" in n]
+    assert incomplete == [
+        f"warning: step 4 ({root / 'step-4'}) is newer than the replayed step 3 but its save did not finish "
+        "(1 data file(s), .metadata.tmp, no .metadata); `ckpttool validate` reports it (R001)"
+    ], doc["notes"]
