@@ -728,3 +728,34 @@ def test_R002_counts_a_sequential_scheduler_by_its_own_last_epoch_not_its_phases
             f"LR scheduler lr_scheduler._schedulers.{i}.last_epoch = 9 but train_state.step = 10" for i in (0, 1)
         ], r002
     assert rc == 1
+
+
+def test_D007_moments_of_a_real_run_beside_a_step_reset_to_0(tmp_path: Path) -> None:
+    """A torch.optim.AdamW run of 20 steps saved with every `step` reset to 0 (a converter or resume that reset the
+    counter) passed `validate --strict --deep` (exit 0): D007 skipped steps below 1, yet after no step Adam's
+    moments are zero. The next step bias-corrects them as step 1 (exp_avg * 10). Now D007 names each parameter;
+    the unreset save is clean."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(20):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():  # torch: no process group, saving in one process
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "clean"))
+        for st in osd["state"].values():
+            st["step"] = torch.tensor(0.0)
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "reset"))
+    rc, doc, _ = run(tmp_path / "clean", "--strict", "--deep")
+    assert rc == 0 and doc["findings"] == [], doc["findings"]
+    doc = only(tmp_path / "reset", "D007", "--deep")
+    assert sorted(f["message"].split(":")[0] for f in doc["findings"]) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    assert all("at step 0, before any Adam step" in f["message"] for f in doc["findings"])
