@@ -664,3 +664,35 @@ def test_a_newer_incomplete_step_of_the_run_root_is_named(full_fx: Path, tmp_pat
         f"warning: step 4 ({root / 'step-4'}) is newer than the replayed step 3 but its save did not finish "
         "(1 data file(s), .metadata.tmp, no .metadata); `ckpttool validate` reports it (R001)"
     ], doc["notes"]
+
+
+def test_a_saved_lr_far_beyond_the_weights_is_still_an_update_size_failure(tmp_path: Path) -> None:
+    """The zero-initialised exemption (a tensor within reach of its saved updates from zero has no scale of its
+    own) must not swallow a saved lr far beyond the weights' scale: after 100 steps at lr 1e-3 every tensor is
+    within 100 * lr' * bound of zero for a saved lr' of 10, and replay-step said OK. Only tensors of the order of
+    lr are exempt; here the weights (largest values 0.3-1) move by about 5 per step: R003."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(100):
+        opt.zero_grad()
+        model(torch.randn(3, 16)).pow(2).sum().backward()
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    for lr, name in ((1e-3, "clean"), (10.0, "lr10")):
+        for g in osd["param_groups"]:
+            g["lr"] = lr
+        with warnings.catch_warnings():  # torch: no process group, saving in one process
+            warnings.simplefilter("ignore")
+            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / name))
+    assert replay_step(tmp_path / "clean", ReplayOptions(device="cpu")).ok
+    res = replay_step(tmp_path / "lr10", ReplayOptions(device="cpu"))
+    failed = {r.fqn for r in res.params if not r.ok}
+    assert not res.ok and {"0.weight", "2.weight"} <= failed, [(r.fqn, r.problems) for r in res.params]
+    w = next(r for r in res.params if r.fqn == "0.weight")
+    assert w.update.rel_to_param > 1 and w.problems[0].startswith("update size [R003]: max |update|"), w.problems
