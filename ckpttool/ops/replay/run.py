@@ -1428,10 +1428,17 @@ class _SlabContext:
                 f"max |m_hat|/(sqrt(v_hat)+eps) {u:.3g} (update/lr) beyond {r.update.direction_bound:.3g}, the most "
                 f"Adam's moments allow at step {t:g}"
             )
-        r.problems.append(
-            "update size [R003]: " + "; ".join(why) + " (the saved moments or step cannot be Adam's own: a zeroed or "
-            "stale exp_avg_sq, a reset step; run `ckpttool validate --deep`)"
-        )
+        if u > r.update.direction_bound * UPDATE_BOUND_SLACK:
+            cause = (
+                "the saved moments or step cannot be Adam's own: a zeroed or stale exp_avg_sq, a reset step; run "
+                "`ckpttool validate --deep`"
+            )
+        else:  # the moments are Adam's: the step is lr-sized, and lr is beyond the tensor's scale
+            cause = (
+                f"the moments are within Adam's bound, so the saved lr {p.hyper.lr:.3g} is beyond the tensor's "
+                "scale: a wrong lr in the saved param group (a scheduler or conversion bug)"
+            )
+        r.problems.append("update size [R003]: " + "; ".join(why) + f" ({cause})")
 
 
 def _bytes_per_step(p: ParamPlan) -> int:

@@ -696,3 +696,8 @@ def test_a_saved_lr_far_beyond_the_weights_is_still_an_update_size_failure(tmp_p
     assert not res.ok and {"0.weight", "2.weight"} <= failed, [(r.fqn, r.problems) for r in res.params]
     w = next(r for r in res.params if r.fqn == "0.weight")
     assert w.update.rel_to_param > 1 and w.problems[0].startswith("update size [R003]: max |update|"), w.problems
+    # the moments are Adam's own: the message names the lr, not a zeroed exp_avg_sq
+    assert w.problems[0].endswith(
+        "(the moments are within Adam's bound, so the saved lr 10 is beyond the tensor's scale: a wrong lr in the "
+        "saved param group (a scheduler or conversion bug))"
+    ), w.problems
