@@ -56,6 +56,9 @@ TORCH_FLAGS = ("fused", "foreach", "capturable", "maximize", "amsgrad")
 
 #: ``R003``: a step that moves a tensor by more than this fraction of its largest saved magnitude.
 UPDATE_REL_BOUND = 1.0
+#: ``R003``: a tensor within reach of its saved updates from zero has no scale of its own (``rel_to_param`` 0) when
+#: its largest value is at least this fraction of ``lr`` (Adam's first step moves each element by about ``lr``).
+UPDATE_ZERO_INIT_FLOOR = 0.1
 #: ``R003``: slack on the Adam direction bound (moments stored in BF16/FP32 round; the bound is rarely approached).
 UPDATE_BOUND_SLACK = 1.1
 
@@ -68,8 +71,9 @@ class UpdateSize:
         max_update: ``max |theta_after - theta_before|`` over the K steps.
         max_param: ``max |theta_before|`` (saved master, else parameter).
         rel_to_param: ``max_update / max_param`` (0 when the tensor has no scale to compare with: ``max_param``
-            is 0, or no larger than ``step_before * lr * direction_bound * UPDATE_BOUND_SLACK``, the distance its
-            saved steps can have moved it from zero, as a zero-initialised bias early in training).
+            is 0, or between ``UPDATE_ZERO_INIT_FLOOR * lr`` and ``step_before * lr * direction_bound *
+            UPDATE_BOUND_SLACK``, the distance its saved steps can have moved it from zero, as a zero-initialised
+            bias early in training).
         direction: ``max |m_hat| / (sqrt(v_hat) + eps)`` of the last step (the update in units of lr).
         direction_bound: :func:`~ckpttool.optim_state.bounds.adam_ratio_bound` at that step.
     """
@@ -480,6 +484,13 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
         **same_named(opts, "select", "filter_glob", "optimizer", "offload_patterns", "chunk_size", "head_dim"),
     )
     notes = list(plan.notes)
+    loc = ckpt.located
+    if loc.newer_incomplete:  # validate's R001: the run's newest save is broken, the replay proves an older one
+        inc = loc.newer_incomplete[0]
+        notes.append(
+            f"warning: step {inc.step} ({inc.path}) is newer than the replayed step {loc.step} but its save did not "
+            f"finish ({inc.reason}); `ckpttool validate` reports it (R001)"
+        )
     synth = synthesized_params(reader, cat, [p.fqn for p in plan.params if p.state])
     if synth:
         notes.append(
@@ -1401,8 +1412,11 @@ class _SlabContext:
         # A tensor no larger than the distance its saved steps can have moved it from zero (each step moves an
         # element by at most lr * bound, with the slack) may have started at zero (biases, norm biases, LoRA B):
         # its size is the updates' own, so it is no scale to judge the next update by (as an all-zero tensor).
-        reach = r.step_before * abs(p.hyper.lr) * bound * UPDATE_BOUND_SLACK
-        rel = d / pmax if pmax > 0 and not pmax <= reach else 0.0
+        # Such a tensor is of the order of lr (Adam's first step moves each element by about lr); one far smaller
+        # than lr is not (a saved lr far beyond the weights' scale: judged).
+        lr = abs(p.hyper.lr)
+        reach = r.step_before * lr * bound * UPDATE_BOUND_SLACK
+        rel = d / pmax if pmax > 0 and not lr * UPDATE_ZERO_INIT_FLOOR <= pmax <= reach else 0.0
         r.update = UpdateSize(d, pmax, rel, u, bound)
         if r.update.ok:
             return
@@ -1414,10 +1428,17 @@ class _SlabContext:
                 f"max |m_hat|/(sqrt(v_hat)+eps) {u:.3g} (update/lr) beyond {r.update.direction_bound:.3g}, the most "
                 f"Adam's moments allow at step {t:g}"
             )
-        r.problems.append(
-            "update size [R003]: " + "; ".join(why) + " (the saved moments or step cannot be Adam's own: a zeroed or "
-            "stale exp_avg_sq, a reset step; run `ckpttool validate --deep`)"
-        )
+        if u > r.update.direction_bound * UPDATE_BOUND_SLACK:
+            cause = (
+                "the saved moments or step cannot be Adam's own: a zeroed or stale exp_avg_sq, a reset step; run "
+                "`ckpttool validate --deep`"
+            )
+        else:  # the moments are Adam's: the step is lr-sized, and lr is beyond the tensor's scale
+            cause = (
+                f"the moments are within Adam's bound, so the saved lr {p.hyper.lr:.3g} is beyond the tensor's "
+                "scale: a wrong lr in the saved param group (a scheduler or conversion bug)"
+            )
+        r.problems.append("update size [R003]: " + "; ".join(why) + f" ({cause})")
 
 
 def _bytes_per_step(p: ParamPlan) -> int:

@@ -643,3 +643,61 @@ def test_zero_initialised_bias_early_in_training_is_not_an_update_size_failure(t
     assert bias.update.max_update >= bias.update.max_param > 0  # the case: one update moves it by its own size
     assert bias.update.rel_to_param == 0.0 and bias.problems == []
     assert res.ok, [(r.fqn, r.problems) for r in res.params if r.problems]
+
+
+def test_a_newer_incomplete_step_of_the_run_root_is_named(full_fx: Path, tmp_path: Path) -> None:
+    """replay-step of a run root replayed its newest complete step and said OK with no word of a newer step whose
+    save did not finish (torch's .metadata.tmp beside the data files), which validate fails as R001: the check
+    before a resume passed silently while the run's newest save was broken. It is now a warning note."""
+    import shutil
+
+    root = tmp_path / "run"
+    shutil.copytree(full_fx / "ckpt", root / "step-3")
+    shutil.copytree(full_fx / "ckpt", root / "step-4")
+    (root / "step-4" / ".metadata").rename(root / "step-4" / ".metadata.tmp")
+    res = run(root, "--device", "cpu", "--json")
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["checkpoint"] == str(root / "step-3") and doc["ok"]
+    incomplete = [n for n in doc["notes"] if "step 4" in n]
+    assert incomplete == [
+        f"warning: step 4 ({root / 'step-4'}) is newer than the replayed step 3 but its save did not finish "
+        "(1 data file(s), .metadata.tmp, no .metadata); `ckpttool validate` reports it (R001)"
+    ], doc["notes"]
+
+
+def test_a_saved_lr_far_beyond_the_weights_is_still_an_update_size_failure(tmp_path: Path) -> None:
+    """The zero-initialised exemption (a tensor within reach of its saved updates from zero has no scale of its
+    own) must not swallow a saved lr far beyond the weights' scale: after 100 steps at lr 1e-3 every tensor is
+    within 100 * lr' * bound of zero for a saved lr' of 10, and replay-step said OK. Only tensors of the order of
+    lr are exempt; here the weights (largest values 0.3-1) move by about 5 per step: R003."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(100):
+        opt.zero_grad()
+        model(torch.randn(3, 16)).pow(2).sum().backward()
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    for lr, name in ((1e-3, "clean"), (10.0, "lr10")):
+        for g in osd["param_groups"]:
+            g["lr"] = lr
+        with warnings.catch_warnings():  # torch: no process group, saving in one process
+            warnings.simplefilter("ignore")
+            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / name))
+    assert replay_step(tmp_path / "clean", ReplayOptions(device="cpu")).ok
+    res = replay_step(tmp_path / "lr10", ReplayOptions(device="cpu"))
+    failed = {r.fqn for r in res.params if not r.ok}
+    assert not res.ok and {"0.weight", "2.weight"} <= failed, [(r.fqn, r.problems) for r in res.params]
+    w = next(r for r in res.params if r.fqn == "0.weight")
+    assert w.update.rel_to_param > 1 and w.problems[0].startswith("update size [R003]: max |update|"), w.problems
+    # the moments are Adam's own: the message names the lr, not a zeroed exp_avg_sq
+    assert w.problems[0].endswith(
+        "(the moments are within Adam's bound, so the saved lr 10 is beyond the tensor's scale: a wrong lr in the "
+        "saved param group (a scheduler or conversion bug))"
+    ), w.problems

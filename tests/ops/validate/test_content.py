@@ -234,3 +234,38 @@ def test_lora_at_init_is_silent(tmp_path: Path) -> None:
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "step-1"))
     rc, doc = run(tmp_path / "step-1", "--deep", "--strict")
     assert rc == 0, doc["findings"]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_one_module_used_at_two_depths_is_not_a_copied_layer(tmp_path: Path, shared: bool) -> None:
+    """A clean run whose model uses one block at every depth (ALBERT-style sharing: nn.ModuleList([block] * 2))
+    failed `validate --deep --strict` with D010 'model.layers.1.*: every tensor is bitwise identical to
+    model.layers.0.*': state_dict keeps both names of the one parameter set, named_parameters (so the optimizer
+    state) only layers.0. Separate layers, each with its own state, written as copies are still D010."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    blocks = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
+    model = torch.nn.ModuleDict(
+        {"embed": torch.nn.Embedding(16, 8), "layers": torch.nn.ModuleList([blocks[0]] * 2 if shared else blocks)}
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        h = model["embed"](torch.randint(0, 16, (4,)))
+        for layer in model["layers"]:
+            h = layer(h).tanh()
+        h.pow(2).sum().backward()
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    assert ("layers.1.weight" in osd["state"]) is not shared
+    if not shared:  # a save that wrote layer 0 for layer 1
+        msd = {
+            k: (msd[k.replace("layers.1.", "layers.0.")] if k.startswith("layers.1.") else v) for k, v in msd.items()
+        }
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    rc, doc = run(tmp_path / "ck", "--deep", "--strict")
+    if shared:
+        assert rc == 0 and doc["findings"] == [], doc["findings"]
+    else:
+        assert rc == 1 and [f["key"] for f in findings(doc, "D010")] == ["model.layers.1"], doc["findings"]

@@ -728,3 +728,81 @@ def test_R002_counts_a_sequential_scheduler_by_its_own_last_epoch_not_its_phases
             f"LR scheduler lr_scheduler._schedulers.{i}.last_epoch = 9 but train_state.step = 10" for i in (0, 1)
         ], r002
     assert rc == 1
+
+
+def test_D007_moments_of_a_real_run_beside_a_step_reset_to_0(tmp_path: Path) -> None:
+    """A torch.optim.AdamW run of 20 steps saved with every `step` reset to 0 (a converter or resume that reset the
+    counter) passed `validate --strict --deep` (exit 0): D007 skipped steps below 1, yet after no step Adam's
+    moments are zero. The next step bias-corrects them as step 1 (exp_avg * 10). Now D007 names each parameter;
+    the unreset save is clean."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(20):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():  # torch: no process group, saving in one process
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "clean"))
+        for st in osd["state"].values():
+            st["step"] = torch.tensor(0.0)
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "reset"))
+    rc, doc, _ = run(tmp_path / "clean", "--strict", "--deep")
+    assert rc == 0 and doc["findings"] == [], doc["findings"]
+    doc = only(tmp_path / "reset", "D007", "--deep")
+    assert sorted(f["message"].split(":")[0] for f in doc["findings"]) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    assert all("at step 0, before any Adam step" in f["message"] for f in doc["findings"])
+
+
+def test_R002_optimizer_steps_skipped_by_a_grad_scaler_are_not_a_mismatch(tmp_path: Path) -> None:
+    """A clean fp16 AMP run (torch.amp.GradScaler, torch's recipe: scaler.step(opt); scaler.update(); sched.step())
+    saved with its scaler failed `validate --deep` with R002 'optimizer step 18 ... but train_state.step = 30': the
+    scaler skips the optimizer step of an iteration whose scaled gradients overflow while the trainer and the
+    scheduler count it. With a saved GradScaler the optimizer may be behind; ahead is still R002, and so is behind
+    without a scaler."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)  # overflows at first: skipped steps
+    for _ in range(30):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(3, 4)).pow(2).sum()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+    taken = int(opt.state[model.weight]["step"])
+    assert 0 < taken < 30
+    msd, osd = get_state_dict(model, opt)
+    base = {"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict()}
+    saves = {
+        "amp": {**base, "scaler": scaler.state_dict(), "train_state": {"step": 30}},
+        "ahead": {**base, "scaler": scaler.state_dict(), "train_state": {"step": taken - 1}},
+        "no_scaler": {**base, "train_state": {"step": 30}},
+    }
+    for name, state in saves.items():
+        with warnings.catch_warnings():  # torch: no process group, saving in one process
+            warnings.simplefilter("ignore")
+            dcp.save(state, checkpoint_id=str(tmp_path / name))
+    rc, doc, _ = run(tmp_path / "amp", "--deep", "--strict")
+    assert rc == 0 and doc["findings"] == [], doc["findings"]
+    for name, ref in (("ahead", f"train_state.step = {taken - 1}"), ("no_scaler", "train_state.step = 30")):
+        rc, doc, _ = run(tmp_path / name, "--deep")
+        opt_msgs = [f["message"] for f in doc["findings"] if f["code"] == "R002" and f["message"].startswith("opt")]
+        assert rc == 1 and opt_msgs == [
+            f"optimizer step {taken} (optimizer.state.weight.step, the largest) but {ref}"
+        ], doc["findings"]

@@ -160,12 +160,30 @@ def identical_layers(ctx: Context) -> Iterator[tuple[str, str]]:
                 continue
             parts = tuple((rel, _tensor_digest(ctx, k)) for rel, k in sorted(members.items()))
             sig[i] = parts if all(d is not None for _, d in parts) else None
-        for g in _groups(sig):
+        for g in filter(None, (_separate_parameters(ctx, by_index, g) for g in _groups(sig))):
             yield (
                 f"{prefix}{g[1]}",
                 f"{prefix}{g[1]}.*: every tensor is bitwise identical to {prefix}{g[0]}.* "
                 f"({_describe([g], 'layer')}, {len(by_index[g[0]])} tensors each)",
             )
+
+
+def _separate_parameters(ctx: Context, by_index: dict[int, dict[str, str]], group: list[int]) -> list[int] | None:
+    """The layers of ``group`` (bitwise identical) that are separate parameters, when two or more are; else ``None``.
+
+    One module used at several depths (ALBERT-style sharing, ``nn.ModuleList([block] * n)``) is one set of
+    parameters under several names: ``state_dict`` keeps every name, ``named_parameters`` (hence the optimizer
+    state) only the first. Identical layers of which only one has optimizer state are that, not a copy; layers
+    that each have their own state are separate parameters that should have diverged."""
+    state = ctx.cat.optimizer_state
+
+    def stepped(i: int) -> bool:
+        return any((ps := state.get(ctx.cat.fqn_of(k))) is not None and ps.fields for k in by_index[i].values())
+
+    own = [i for i in group if stepped(i)]
+    if not own:
+        return group  # no optimizer state to tell aliases from copies (a model-only save)
+    return own if len(own) > 1 else None
 
 
 #: Model tensors whose own initialisation is zero (``D011`` leaves them alone), matched on the key's

@@ -155,6 +155,13 @@ def moments_beyond_adam_bound(ctx: Context) -> Iterator[tuple[str, str]]:
         if p is None or p.max_diff <= 0:
             continue
         step = _step_value(ctx, fqn)
+        if step == 0:  # the bound after no step is 0: both moments start at zero and change only in a step
+            yield (
+                p.b,
+                f"{fqn}: exp_avg and exp_avg_sq are non-zero (max |exp_avg|/sqrt(exp_avg_sq) {p.max_diff:.4g}) at "
+                "step 0, before any Adam step: a step counter reset beside moments of a real run",
+            )
+            continue
         group = ctx.cat.group_of(fqn)
         betas = group.values.get("betas") if group is not None else None
         if step is None or step < 1 or not isinstance(betas, (list, tuple)) or len(betas) != 2:

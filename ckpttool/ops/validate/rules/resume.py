@@ -59,7 +59,8 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         if c.value != ref.value:
             yield c.key, f"{c.key} = {c.value} but {ref.key} = {ref.value}"
     if opt is not None and opt is not ref and opt.value != ref.value:
-        yield opt.key, f"optimizer step {opt.value} ({opt.key}, the largest) but {ref.key} = {ref.value}"
+        if not (opt.value < ref.value and _grad_scaler(ctx)):
+            yield opt.key, f"optimizer step {opt.value} ({opt.key}, the largest) but {ref.key} = {ref.value}"
     for c in epochs:
         if c is not ref and c.value != ref.value:
             yield c.key, f"LR scheduler {c.key} = {c.value} but {ref.key} = {ref.value}"
@@ -68,6 +69,24 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         e = by_item.get(c.key.rsplit(".", 1)[0])
         if e is not None and c.value != e.value + 1:
             yield c.key, f"LR scheduler {c.key} = {c.value} but {e.key} = {e.value} (expected last_epoch + 1)"
+
+
+#: The entries of a saved ``torch.amp.GradScaler`` (``state_dict()``: ``scale``, ``growth_factor``, ``backoff_factor``,
+#: ``growth_interval``, ``_growth_tracker``), as the last components of its flattened keys.
+_GRAD_SCALER_KEYS = ("scale", "backoff_factor", "_growth_tracker")
+
+
+def _grad_scaler(ctx: Context) -> bool:
+    """The checkpoint saves a loss scaler's state (``torch.amp.GradScaler``, any item name): ``scaler.step(opt)``
+    skips the optimizer step of an iteration whose gradients hold inf/NaN, while the trainer's step and the LR
+    scheduler count it, so the optimizer's ``step`` is legitimately behind them (never ahead)."""
+    entries = ctx.ckpt.reader.metadata.entries
+    for key in entries:
+        if key.endswith("._growth_tracker"):
+            item = key[: -len("._growth_tracker")]
+            if all(f"{item}.{k}" in entries for k in _GRAD_SCALER_KEYS):
+                return True
+    return False
 
 
 def _no_optimizer_state(ctx: Context, counters: list[Counter]) -> Iterator[tuple[str, str]]:
