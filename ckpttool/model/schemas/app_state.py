@@ -30,6 +30,7 @@ def _notes(model_prefix: str | None, optimizer_prefix: str | None) -> tuple[str,
 
 SPEC = SchemaSpec(
     name="app-state",
+    scheduler_per_step=False,  # the tutorial AppState of any training loop
     model_prefix="app.model.",
     optimizer_prefix="app.optim.",
     model_container=(None, "model"),

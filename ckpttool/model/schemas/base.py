@@ -182,6 +182,9 @@ class SchemaSpec:
         split_state_key: for a schema whose optimizer keys are not ``<prefix>state.<fqn>.<field>``
             (Megatron-core: ``[chained_N.]optimizer.state.<field>.<key>``): key -> ``(fqn, field)``
             of an optimizer state key, ``None`` for any other key.
+        scheduler_per_step: its trainer steps the LR scheduler once per optimizer step, so a saved
+            ``last_epoch`` behind the step is a stale scheduler (``R002``); ``False`` where the trainer is not
+            known (plain ``dcp.save``: a scheduler stepped once per epoch is as likely, ``R004``).
         doc_model, doc_optimizer, doc_written_by: its row of the ``docs/design.md`` §2 table (markdown).
     """
 
@@ -198,6 +201,7 @@ class SchemaSpec:
     discovery: Discovery = Discovery()
     import_help: str | None = None
     split_state_key: Callable[[str], tuple[str, str] | None] | None = None
+    scheduler_per_step: bool = True
     doc_model: str = ""
     doc_optimizer: str = ""
     doc_written_by: str = ""

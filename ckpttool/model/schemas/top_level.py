@@ -17,6 +17,7 @@ def _claims(d: Detected) -> bool:
 
 SPEC = SchemaSpec(
     name="top-level",
+    scheduler_per_step=False,  # a bare state dict: the trainer is not known
     model_prefix="",
     claims=_claims,
     priority=100,

@@ -23,6 +23,7 @@ def _claims(d: Detected) -> bool:
 
 SPEC = SchemaSpec(
     name="torch-native",
+    scheduler_per_step=False,  # plain dcp.save: the trainer is not known
     claims=_claims,
     priority=10,
     optimizer_heads=("optimizer", "optim", "optimizers"),

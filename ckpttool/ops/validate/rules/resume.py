@@ -2,7 +2,8 @@
 
 ``R001`` looks at the run root the checkpoint was chosen from (:mod:`ckpttool.model.discovery`);
 ``R002`` compares the step counters that the optimizer, the trainer and the LR scheduler saved
-(values from the ``--deep`` pass and the small training-state byte items). ``docs/rules.md``.
+(values from the ``--deep`` pass and the small training-state byte items); ``R004`` names a scheduler behind
+them where the trainer's convention is not known (per-epoch or stale). ``docs/rules.md``.
 """
 
 from __future__ import annotations
@@ -61,14 +62,42 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     if opt is not None and opt is not ref and opt.value != ref.value:
         if not (opt.value < ref.value and _grad_scaler(ctx)):
             yield opt.key, f"optimizer step {opt.value} ({opt.key}, the largest) but {ref.key} = {ref.value}"
+    per_step = _scheduler_per_step(ctx)
     for c in epochs:
-        if c is not ref and c.value != ref.value:
+        if c is not ref and c.value != ref.value and (per_step or c.value > ref.value):
             yield c.key, f"LR scheduler {c.key} = {c.value} but {ref.key} = {ref.value}"
     by_item = {e.key.rsplit(".", 1)[0]: e for e in epochs}
     for c in counts:
         e = by_item.get(c.key.rsplit(".", 1)[0])
         if e is not None and c.value != e.value + 1:
             yield c.key, f"LR scheduler {c.key} = {c.value} but {e.key} = {e.value} (expected last_epoch + 1)"
+
+
+@rule("R004")
+def scheduler_behind_step(ctx: Context) -> Iterator[tuple[str, str]]:
+    if _scheduler_per_step(ctx) or synthesized_from_stats(ctx):
+        return  # R002 compares them
+    trains = trainer_steps(ctx.ckpt)
+    epochs, _ = scheduler_counters(ctx.ckpt)
+    ref = trains[0] if trains else _optimizer_step(ctx)
+    for c in epochs:
+        if ref is not None and c.value < ref.value:
+            yield (
+                c.key,
+                f"LR scheduler {c.key} = {c.value} but {ref.key} = {ref.value}: a scheduler stepped once per epoch, "
+                "or one restored from an older step",
+            )
+
+
+def _scheduler_per_step(ctx: Context) -> bool:
+    """The checkpoint's trainer steps its LR scheduler once per optimizer step (:attr:`SchemaSpec.scheduler_per_step`;
+    ``False`` for a schema ckpttool has no spec of)."""
+    from ckpttool.model.schemas import registry
+
+    try:
+        return registry.get(ctx.cat.schema.id).scheduler_per_step
+    except KeyError:
+        return False
 
 
 #: The entries of a saved ``torch.amp.GradScaler`` (``state_dict()``: ``scale``, ``growth_factor``, ``backoff_factor``,
