@@ -152,7 +152,11 @@ def read_rank_file(root: Path, f: RankFile) -> RankObject:
         except ArchiveChecksumError as e:  # bit rot in a member read here (data.pkl, a small record): not a misfit
             raise ChecksumError(f"{where}: {e}: the bytes changed after they were saved", path=where) from e
         except ArchiveError as e:
-            raise PerRankError(f"{where}: not a torch.save archive torch reads the same way ({e})", path=where) from e
+            raise PerRankError(
+                f"{where}: not a torch.save archive torch reads the same way ({e})",
+                path=where,
+                hint="the file is truncated or damaged (an interrupted save or copy): copy it again, or use an earlier step",
+            ) from e
         except ShortReadError:
             raise DataFileError(f"{where}: short read", path=where) from None
         if bo == b"big":

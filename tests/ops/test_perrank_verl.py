@@ -506,3 +506,18 @@ def test_verl_data_loader_state_beside_actor_is_named(verl_root: Path, tmp_path:
     (step / "data.pt").unlink()
     res = runner.invoke(app, ["validate", "--strict", "--json", str(step / "actor")])
     assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("rel", ["model_world_size_2_rank_1.pt", "optim_world_size_2_rank_0.pt"])
+def test_a_truncated_rank_file_says_so(verl_root: Path, tmp_path: Path, rel: str) -> None:
+    """A rank file cut short (a copy or save interrupted) was E280 with the hint "the per-rank files do not fit
+    together (placements, shapes, replicas)", which sends the user after a misfit that is not there; the hint
+    now says the file is truncated or damaged. Every command refuses it the same way, exit 2, no traceback."""
+    actor = shutil.copytree(_actor(verl_root, 2), tmp_path / "actor")
+    damage.truncate(actor, rel)
+    for cmd in (["inspect"], ["validate", "--strict", "--deep"], ["stats"], ["diff", str(_actor(verl_root, 2))]):
+        res = runner.invoke(app, [*cmd, str(actor)])
+        assert res.exit_code == 2, (cmd, res.output)
+        assert res.stderr.startswith(f"error: [E280] {actor / rel}: not a torch.save archive"), res.stderr
+        assert "hint: the file is truncated or damaged (an interrupted save or copy)" in res.stderr, res.stderr
+        assert "Traceback" not in res.output
