@@ -88,12 +88,15 @@ class RankLayout:
         schema: the key schema (``model/schemas/``) its assembled keys are read with.
         claims: ``claims(directory, names)`` -> the rank files, or ``None`` when not this format.
         assemble: builds the :class:`Assembled` checkpoint from the directory and its rank files.
+        unfinished: ``unfinished(directory, rank files)`` -> why the save did not finish, from the file
+            names alone (a rank's file missing), else ``None``; discovery passes such a step over.
     """
 
     name: str
     schema: str
     claims: Callable[[Path, list[str]], list[RankFile] | None]
     assemble: Callable[[Path, list[RankFile]], Assembled]
+    unfinished: Callable[[Path, list[RankFile]], str | None] | None = None
 
 
 _LAYOUTS: list[RankLayout] = []
