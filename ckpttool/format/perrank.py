@@ -88,12 +88,15 @@ class RankLayout:
         schema: the key schema (``model/schemas/``) its assembled keys are read with.
         claims: ``claims(directory, names)`` -> the rank files, or ``None`` when not this format.
         assemble: builds the :class:`Assembled` checkpoint from the directory and its rank files.
+        unfinished: ``unfinished(directory, rank files)`` -> why the save did not finish, from the file
+            names alone (a rank's file missing), else ``None``; discovery passes such a step over.
     """
 
     name: str
     schema: str
     claims: Callable[[Path, list[str]], list[RankFile] | None]
     assemble: Callable[[Path, list[RankFile]], Assembled]
+    unfinished: Callable[[Path, list[RankFile]], str | None] | None = None
 
 
 _LAYOUTS: list[RankLayout] = []
@@ -152,7 +155,11 @@ def read_rank_file(root: Path, f: RankFile) -> RankObject:
         except ArchiveChecksumError as e:  # bit rot in a member read here (data.pkl, a small record): not a misfit
             raise ChecksumError(f"{where}: {e}: the bytes changed after they were saved", path=where) from e
         except ArchiveError as e:
-            raise PerRankError(f"{where}: not a torch.save archive torch reads the same way ({e})", path=where) from e
+            raise PerRankError(
+                f"{where}: not a torch.save archive torch reads the same way ({e})",
+                path=where,
+                hint="the file is truncated or damaged (an interrupted save or copy): copy it again, or use an earlier step",
+            ) from e
         except ShortReadError:
             raise DataFileError(f"{where}: short read", path=where) from None
         if bo == b"big":

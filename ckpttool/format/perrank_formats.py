@@ -53,7 +53,15 @@ from ckpttool.format.unpickler import PrimitiveUnpickler, short_repr
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TC_METADATA", "VERL_FILE_RE", "VERL_HF_DIR", "detect_layout", "layout_in_listing", "staging_of"]
+__all__ = [
+    "TC_METADATA",
+    "VERL_FILE_RE",
+    "VERL_HF_DIR",
+    "detect_layout",
+    "layout_in_listing",
+    "staging_of",
+    "unfinished_layout",
+]
 
 VERL_FILE_RE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
 VERL_HF_DIR = "huggingface"
@@ -252,7 +260,30 @@ def _verl_assemble(path: Path, files: list[RankFile]) -> Assembled:
     return a
 
 
-register_layout(RankLayout("verl-fsdp", "verl", _verl_claims, _verl_assemble))
+def _verl_unfinished(path: Path, files: list[RankFile]) -> str | None:
+    """A rank's file of a role missing for the one world size the names give (verl writes every rank's files
+    straight into ``actor/``, no staging: a save killed part way leaves some), else ``None``."""
+    worlds = {int(m.group(2)) for f in files if (m := VERL_FILE_RE.match(f.relative_path))}
+    if len(worlds) != 1:
+        return None  # several saves mixed: the reader's E280
+    world = worlds.pop()
+    for role in ("model", "optimizer", "extra"):
+        missing = _missing_ranks(sorted(f.rank for f in files if f.role == role), world)
+        if missing and any(f.role == role for f in files):
+            return f"{role} files of ranks {missing} missing for world size {world}"
+    return None if any(f.role == "model" for f in files) else "rank files but no model_world_size_* file"
+
+
+def unfinished_layout(path: Path) -> str | None:
+    """Why the per-rank save in directory ``path`` did not finish, from its file names (the format's
+    ``unfinished``), else ``None`` (not a per-rank save, or a complete one)."""
+    found = detect_layout(path)
+    if found is None or found[0].unfinished is None:
+        return None
+    return found[0].unfinished(path, found[1])
+
+
+register_layout(RankLayout("verl-fsdp", "verl", _verl_claims, _verl_assemble, _verl_unfinished))
 
 
 # --------------------------------------------------------------------------- torch-checkpointing

@@ -31,7 +31,7 @@ from ckpttool.errors import (
 from ckpttool.format.directory import DATA_FILE_RE, METADATA_NAME
 from ckpttool.format.hf_storage import hf_storage_files
 from ckpttool.format.metadata import CheckpointMetadata, StorageInfo
-from ckpttool.format.perrank_formats import detect_layout, staging_of
+from ckpttool.format.perrank_formats import detect_layout, staging_of, unfinished_layout
 from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.keyschema import SchemaOverride
 
@@ -248,7 +248,7 @@ def find_checkpoints(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
             return False
         if is_checkpoint_dir(p):
             # torch-checkpointing's tmp_ dir, a Megatron iter_N without metadata.json: find_incomplete's
-            if staging_of(p) is None and _unpublished(p) is None:
+            if staging_of(p) is None and _unpublished(p) is None and unfinished_layout(p) is None:
                 found.append(p)
             return False
         return True
@@ -331,6 +331,11 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH) -> list[IncompleteSt
     naming the step (:func:`~ckpttool.format.perrank_formats.staging_of`). Hidden and symlinked directories are skipped; at most 10,000 are visited.
     """
     found: dict[int, IncompleteStep] = {}
+    root_step = step_of(root.name)  # a step directory given itself: what is unfinished below it is of its step
+
+    def near(p: Path) -> int | None:
+        s = _step_near(p, root)
+        return root_step if s is None else s
 
     def visit(p: Path) -> bool:
         final = staging_of(p)
@@ -346,8 +351,9 @@ def find_incomplete(root: Path, max_depth: int = MAX_DEPTH) -> list[IncompleteSt
                 found.setdefault(step, IncompleteStep(step, p, f"the trainer's staging files, not renamed to {final}"))
             return False
         if is_checkpoint_dir(p):
-            why = _unpublished(p)  # a Megatron iter_N whose metadata.json was never written
-            step = _step_near(p, root)
+            # a Megatron iter_N whose metadata.json was never written; verl's actor/ missing a rank's file
+            why = _unpublished(p) or unfinished_layout(p)
+            step = near(p)
             if why is not None and step is not None:
                 found.setdefault(step, IncompleteStep(step, p, why))
             return False

@@ -506,3 +506,45 @@ def test_verl_data_loader_state_beside_actor_is_named(verl_root: Path, tmp_path:
     (step / "data.pt").unlink()
     res = runner.invoke(app, ["validate", "--strict", "--json", str(step / "actor")])
     assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("rel", ["model_world_size_2_rank_1.pt", "optim_world_size_2_rank_0.pt"])
+def test_a_truncated_rank_file_says_so(verl_root: Path, tmp_path: Path, rel: str) -> None:
+    """A rank file cut short (a copy or save interrupted) was E280 with the hint "the per-rank files do not fit
+    together (placements, shapes, replicas)", which sends the user after a misfit that is not there; the hint
+    now says the file is truncated or damaged. Every command refuses it the same way, exit 2, no traceback."""
+    actor = shutil.copytree(_actor(verl_root, 2), tmp_path / "actor")
+    damage.truncate(actor, rel)
+    for cmd in (["inspect"], ["validate", "--strict", "--deep"], ["stats"], ["diff", str(_actor(verl_root, 2))]):
+        res = runner.invoke(app, [*cmd, str(actor)])
+        assert res.exit_code == 2, (cmd, res.output)
+        assert res.stderr.startswith(f"error: [E280] {actor / rel}: not a torch.save archive"), res.stderr
+        assert "hint: the file is truncated or damaged (an interrupted save or copy)" in res.stderr, res.stderr
+        assert "Traceback" not in res.output
+
+
+def test_a_newer_step_missing_a_rank_file_is_passed_over(verl_root: Path, tmp_path: Path) -> None:
+    """verl writes each rank's files straight into global_step_N/actor/: a save killed part way leaves a rank's
+    file missing. From the run root (no latest_checkpointed_iteration.txt: verl's async save writes none) the
+    newest step was chosen and refused (E202), and the E204 hint offered it; global_step_N/ given was E200 'no
+    DCP checkpoint'. Now the step is incomplete as a DCP save without .metadata is: --step latest and the run
+    root pass over it to the complete step and R001 names it; --step N and global_step_N/ are E202."""
+    run = tmp_path / "run"
+    shutil.copytree(_actor(verl_root, 2).parent, run / "global_step_2")
+    shutil.copytree(_actor(verl_root, 2).parent, run / "global_step_4")
+    (run / "global_step_4" / "actor" / "optim_world_size_2_rank_1.pt").unlink()
+    why = "optimizer files of ranks [1] missing for world size 2"
+    for args in ([str(run)], [str(run), "--step", "latest"]):
+        res = runner.invoke(app, ["validate", "--json", *args])
+        assert res.exit_code == 0, res.output
+        doc = json.loads(res.stdout)
+        (r001,) = [f for f in doc["findings"] if f["code"] == "R001"]
+        assert r001["message"] == (
+            f"{run / 'global_step_4' / 'actor'}: step 4 is newer than the checked step 2 but incomplete ({why})"
+        )
+        loc = json.loads(runner.invoke(app, ["inspect", "--json", *args]).stdout)["location"]
+        assert loc["model"] == str(run / "global_step_2" / "actor")
+    for args in ([str(run), "--step", "4"], [str(run / "global_step_4")]):
+        res = runner.invoke(app, ["validate", *args])
+        assert res.exit_code == 2, res.output
+        assert res.stderr.startswith("error: [E202] ") and f"{run / 'global_step_4' / 'actor'} has {why}" in res.stderr
