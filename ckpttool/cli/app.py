@@ -483,6 +483,29 @@ def _hide_aliases(cmd: Any) -> None:
             p.get_help_record = record
             # errors name the option as the help does: `Invalid value for '--optimizer-type'`
             p.get_error_hint = lambda ctx, shown=shown: " / ".join(f"'{o}'" for o in shown)
+    # a hidden alias still parses but is removed in the next release (docs/cli.md): say so, as the
+    # deprecated `replay-step --select` and `sample --steps` do (`--optimizer` was taken silently)
+    new_name = {
+        o: next(x for x in p.opts if x not in HIDDEN_ALIASES)
+        for p in cmd.params
+        for o in getattr(p, "opts", ())
+        if o in HIDDEN_ALIASES and len(p.opts) > 1
+    }
+    if not new_name:
+        return
+    parse = cmd.parse_args
+
+    def parse_args(ctx: Any, args: list[str]) -> Any:
+        given = args[: args.index("--")] if "--" in args else args
+        used = [o for o in new_name if any(a == o or a.startswith(f"{o}=") for a in given)]
+        rest = parse(ctx, args)
+        from ckpttool.ui.output import deprecated
+
+        for o in used:
+            deprecated(f"{cmd.name} {o}", new_name[o])
+        return rest
+
+    cmd.parse_args = parse_args
 
 
 _CHOICES_RE = re.compile(r"<([^<>]*\|[^<>]*)>")
