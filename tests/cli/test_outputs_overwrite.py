@@ -282,3 +282,15 @@ def test_the_current_directory_as_out_is_refused_and_left_in_place(
     res = runner.invoke(app, ["export", str(sample_ckpt), "..", "--overwrite"])
     assert res.exit_code == 2 and "is the current directory or holds it" in res.stderr
     assert sorted(p.name for p in Path(".").iterdir()) == before and os.path.samefile(".", here / "hf")
+
+
+@pytest.mark.parametrize("name", ["export", "import", "reshard", "sample"])
+def test_overwrite_help_says_it_replaces_only_what_ckpttool_wrote(name: str) -> None:
+    """--help said "Replace an existing non-empty output directory once the new output is complete", which the
+    command refuses (E606) for any directory ckpttool did not write."""
+    text = " ".join(runner.invoke(app, [name, "--help"], env={"COLUMNS": "200"}).stdout.split())
+    assert "Replace an existing non-empty output directory" not in text
+    assert (
+        "--overwrite Replace an earlier output of ckpttool in the output directory once the new output is complete "
+        "(never a directory ckpttool did not write: E606)." in text
+    )
