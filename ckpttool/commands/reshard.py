@@ -166,8 +166,8 @@ def _render(res: ReshardResult) -> None:
 
 
 EPILOG = examples(
-    "ckpttool reshard ckpt/ out/ --to canonical",
+    "ckpttool reshard ckpt/ out/ --to canonical --with-optimizer",
     "ckpttool reshard ckpt/ out/ --to canonical --with-optimizer --target-ep-size 4 --target-ep-fsdp-size 2",
-    "ckpttool reshard old/ new/ --to canonical --source-layout legacy --ep-size 4 --ep-fsdp-size 2",
-    "ckpttool reshard ckpt/ out/ --to canonical --manifest --hash blake3",
+    "ckpttool reshard old/ new/ --to canonical --with-optimizer --source-layout legacy --ep-size 4 --ep-fsdp-size 2",
+    "ckpttool reshard ckpt/ out/ --to canonical --with-optimizer --manifest --hash blake3",
 )

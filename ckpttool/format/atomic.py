@@ -101,6 +101,19 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
                 path=target,
                 hint="write the output to a directory outside the checkpoint",
             )
+    try:
+        cwd: Path | None = Path.cwd().resolve()
+    except OSError:  # the working directory was removed
+        cwd = None
+    if cwd is not None and (t == cwd or t in cwd.parents) and target.is_dir() and not target.is_symlink():
+        # the output is written beside OUT and renamed over it: the shell would be left in a removed directory
+        # (`export CKPT .` in an empty folder "wrote nothing" there, and the next command failed E999)
+        raise OutputError(
+            f"{target}: is the current directory{'' if t == cwd else ' or holds it'}; ckpttool writes the output "
+            "beside it and renames it into place, which would leave this shell in a removed directory",
+            path=target,
+            hint="name a new directory for the output (e.g. ./hf), or run ckpttool from another directory",
+        )
     if target.exists() or target.is_symlink():
         if not target.is_dir() or target.is_symlink():
             link = target.is_symlink()

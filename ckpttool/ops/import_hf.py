@@ -766,6 +766,46 @@ def _check_ep(src_dir: Path, natives: list[_Native], ep: tuple[int, int] | None)
                 )
 
 
+def _warn_plain_fsdp_experts(
+    natives: list[_Native], opts: ImportOptions, ep: tuple[int, int] | None, warnings: list[str]
+) -> None:
+    """``world_size`` without EP sizes cuts fused expert tensors by ``Shard(0)`` and writes no layout record: where
+    those blocks are also what some EP x EP-FSDP mesh writes, ckpttool's own ``validate --strict`` (L003),
+    ``export``, ``reshard`` and ``diff`` (E405) find the expert order unknown. Say so, and how to avoid it: with
+    ``num_experts`` divisible by ``world_size``, ``ep_fsdp_size`` = ``world_size`` writes the same chunks and a
+    layout record (docs/import.md)."""
+    if ep is not None or opts.world_size < 2 or opts.schema == "megatron":
+        return
+    from ckpttool.layouts.declaration import EP_NAME_RE
+    from ckpttool.layouts.geometry import nested_shard_intervals
+
+    def ambiguous(experts: int) -> bool:
+        got = {iv for iv in torch_chunk_rows(experts, opts.world_size) if iv[1]}
+        blocks = len(got)
+        return any(
+            not blocks % p
+            and blocks // p >= 2
+            and not experts % p
+            and {iv for iv in nested_shard_intervals(experts, (p, blocks // p)) if iv[1]} == got
+            for p in range(2, blocks // 2 + 1)
+        )
+
+    hit = [n for n in natives if len(n.shape) >= 2 and EP_NAME_RE.search(n.key) and ambiguous(n.shape[0])]
+    if not hit:
+        return
+    w = opts.world_size
+    same = all(n.shape[0] % w == 0 for n in hit)
+    warnings.append(
+        f"{hit[0].key}{f' (and {len(hit) - 1} more)' if len(hit) > 1 else ''}: `world_size` {w} cuts the expert "
+        "dim into blocks that validate, export, reshard and diff cannot tell from an EP layout (L003, E405)"
+        + (
+            f"; import with `ep_fsdp_size` {w} instead: the same chunks, with a layout record"
+            if same
+            else "; pass --no-ep to them (plain FSDP: experts in true order)"
+        )
+    )
+
+
 def _open_sources(src_dir: Path, natives: list[_Native], fds: dict[str, int]) -> None:
     """Open every safetensors file the tensors read from into ``fds`` (file name -> fd; the caller closes them)."""
     for n in natives:
@@ -916,6 +956,7 @@ def _import_plain(
     else:
         natives, skipped = _native_tensors(sources, opts, adapter, acfg)
     _check_ep(src_dir, natives, ep)
+    _warn_plain_fsdp_experts(natives, opts, ep, warnings)
     fds: dict[str, int] = {} if not plans else _staged_fds(src_dir, plans)
     ep_specs: dict[str, EPTensorSpec] = {}
     try:

@@ -245,6 +245,7 @@ def _geometry_suggestion(cat: Catalog, key: str | None) -> str:
     if blocks[0] > 1:
         return (
             f"the chunks of {key} split the expert dim into {blocks[0]} piece(s): ep_size x ep_fsdp_size must "
-            f"be {blocks[0]} (e.g. `ep_size` {blocks[0]} `ep_fsdp_size` 1 when EP alone splits it); "
+            f"be {blocks[0]} (e.g. `ep_size` {blocks[0]} `ep_fsdp_size` 1 when EP alone splits it, `ep_size` 1 "
+            f"`ep_fsdp_size` {blocks[0]} when FSDP alone does, a save without expert parallelism); "
         )
     return f"the chunks of {key} do not split it, which fits `ep_size` 1 `ep_fsdp_size` 1; "

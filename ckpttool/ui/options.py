@@ -155,7 +155,11 @@ FsyncOpt = Annotated[
 ]
 OverwriteOpt = Annotated[
     bool,
-    typer.Option("--overwrite", help="Replace an existing non-empty output directory once the new output is complete."),
+    typer.Option(
+        "--overwrite",
+        help="Replace an earlier output of ckpttool in the output directory once the new output is complete "
+        "(never a directory ckpttool did not write: E606).",
+    ),
 ]
 DryRunOpt = Annotated[
     bool,

@@ -535,3 +535,20 @@ def test_replay_step_without_grad_flags_takes_the_librarys_generator_defaults() 
         reference_dtype="float64",
     )
     assert (opts.grad_seed, opts.grad_scale) == (ReplayOptions().grad_seed, ReplayOptions().grad_scale)
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (["import", "hf", "out", "--world-size", "2.5"], "Invalid value for '--world-size': '2.5' is not an integer."),
+        (["validate", "ckpt", "--workers", "four"], "Invalid value for '--workers': 'four' is not an integer."),
+        (["sample", "out", "--seed", "x"], "Invalid value for '--seed': 'x' is not an integer."),
+        (["diff", "a", "b", "--rtol", "tight"], "Invalid value for '--rtol': 'tight' is not a number."),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_named_plainly(argv: list[str], want: str) -> None:
+    """A non-integer for a bounded integer option read "'2.5' is not a valid int range." (click's type name),
+    as if a range such as 1-4 were asked for."""
+    res = runner.invoke(app, argv)
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines()[0] == f"error: [E100] {want}"

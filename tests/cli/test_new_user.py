@@ -357,3 +357,54 @@ def test_import_says_it_wrote_a_manifest(sample_ckpt: Path, tmp_path: Path) -> N
     assert res.stdout.splitlines()[-1].startswith(f"manifest    would write {tmp_path / 'dry'}/manifest.json")
     res = runner.invoke(app, ["import", str(hf), str(tmp_path / "plain")])
     assert res.exit_code == 0 and "manifest" not in res.stdout
+
+
+def test_reshard_help_examples_run_on_a_checkpoint_with_optimizer_state(sample_ckpt: Path, tmp_path: Path) -> None:
+    """The first reshard example, `ckpttool reshard ckpt/ out/ --to canonical`, was refused (E602: EP optimizer
+    state needs --with-optimizer) on any training checkpoint, the sample included; so was the --manifest one.
+    Each example that fits the sample's mesh runs on it as printed (the legacy 4x2 one declares another mesh)."""
+    import shlex
+
+    from ckpttool.commands.reshard import EPILOG
+
+    lines = [ln.strip() for ln in EPILOG.splitlines() if ln.strip().startswith("ckpttool reshard")]
+    assert len(lines) == 4
+    ran = 0
+    for i, line in enumerate(lines):
+        argv = shlex.split(line)[1:]
+        if "--source-layout" in argv:
+            assert "--with-optimizer" in argv
+            continue
+        argv = [str(sample_ckpt) if a == "ckpt/" else str(tmp_path / f"out{i}") if a == "out/" else a for a in argv]
+        res = runner.invoke(app, argv)
+        assert res.exit_code == 0, (line, res.stderr)
+        ran += 1
+    assert ran == 3
+
+
+def test_import_for_fsdp_ranks_of_a_moe_says_how_to_keep_its_own_checks_clean(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    """`import hf/ ckpt/ --world-size 4` of a MoE (the sample's 8 experts) wrote expert chunks that some EP x
+    EP-FSDP mesh (2 x 2) writes too, and no layout record: ckpttool's own `validate --strict` failed (L003) and
+    `export` refused (E405), without a word from the import. It now warns, naming `--ep-fsdp-size 4`, which
+    writes the same chunks with a record; that output passes `validate --strict` and exports."""
+    hf = tmp_path / "hf"
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(hf), "-q"]).exit_code == 0
+    plain, recorded = tmp_path / "plain", tmp_path / "recorded"
+    res = runner.invoke(app, ["import", str(hf), str(plain), "--world-size", "4", "--no-fsync"])
+    assert res.exit_code == 0, res.stderr
+    assert res.stderr.splitlines() == [
+        "warning: model.model.layers.0.mlp.experts.gate_up_proj (and 3 more): --world-size 4 cuts the expert dim "
+        "into blocks that validate, export, reshard and diff cannot tell from an EP layout (L003, E405); import "
+        "with --ep-fsdp-size 4 instead: the same chunks, with a layout record"
+    ]
+    assert runner.invoke(app, ["validate", str(plain), "--strict"]).exit_code == 1  # what the warning foretells
+    res = runner.invoke(app, ["import", str(hf), str(recorded), "--ep-fsdp-size", "4", "--no-fsync"])
+    assert res.exit_code == 0 and res.stderr == "", res.stderr
+    assert runner.invoke(app, ["validate", str(recorded), "--strict"]).exit_code == 0
+    assert runner.invoke(app, ["export", str(recorded), str(tmp_path / "back"), "-q"]).exit_code == 0
+    res = runner.invoke(app, ["diff", str(plain), str(recorded), "--no-ep"])
+    assert res.exit_code == 0, res.stdout  # the same values; the chunks are the same records
+    res = runner.invoke(app, ["import", str(hf), str(tmp_path / "two"), "--world-size", "2", "--no-fsync"])
+    assert res.exit_code == 0 and res.stderr == ""  # 2 blocks: no EP mesh of both sizes > 1 writes them

@@ -248,3 +248,49 @@ def test_a_foreign_prefix_in_object_storage_is_refused(
     assert runner.invoke(app, [*opts, "export", str(sample_ckpt), out]).exit_code == 0
     res = runner.invoke(app, [*opts, "export", str(sample_ckpt), out, "--overwrite"])
     assert res.exit_code == 0, res.output
+
+
+def test_the_current_directory_as_out_is_refused_and_left_in_place(
+    sample_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cd empty/ && ckpttool export CKPT .` wrote the output beside the folder and renamed it over it: the
+    shell was left in a removed directory (`ls` showed nothing, as if nothing was exported) and the next
+    command there failed E999 (FileNotFoundError). `--overwrite` of a ckpttool output one stands in did the
+    same. Now E600 names the current directory; the folder keeps its inode and its files."""
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    ino = os.stat(here).st_ino
+    for argv in (["export", str(sample_ckpt), "."], ["sample", "."], ["export", str(sample_ckpt), str(here)]):
+        res = runner.invoke(app, argv)
+        assert res.exit_code == 2 and res.stdout == "", (argv, res.stderr)
+        lines = res.stderr.splitlines()
+        assert lines[0] == (
+            f"error: [E600] {here}: is the current directory; ckpttool writes the output beside it and renames "
+            "it into place, which would leave this shell in a removed directory"
+        )
+        assert lines[1].startswith("hint: name a new directory for the output (e.g. ./hf)")
+    assert os.stat(here).st_ino == ino and list(here.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here"]
+
+    res = runner.invoke(app, ["export", str(sample_ckpt), "hf"])  # what the hint says
+    assert res.exit_code == 0, res.stderr
+    monkeypatch.chdir(here / "hf")
+    before = sorted(p.name for p in Path(".").iterdir())
+    res = runner.invoke(app, ["export", str(sample_ckpt), ".", "--overwrite"])
+    assert res.exit_code == 2 and "is the current directory" in res.stderr
+    res = runner.invoke(app, ["export", str(sample_ckpt), "..", "--overwrite"])
+    assert res.exit_code == 2 and "is the current directory or holds it" in res.stderr
+    assert sorted(p.name for p in Path(".").iterdir()) == before and os.path.samefile(".", here / "hf")
+
+
+@pytest.mark.parametrize("name", ["export", "import", "reshard", "sample"])
+def test_overwrite_help_says_it_replaces_only_what_ckpttool_wrote(name: str) -> None:
+    """--help said "Replace an existing non-empty output directory once the new output is complete", which the
+    command refuses (E606) for any directory ckpttool did not write."""
+    text = " ".join(runner.invoke(app, [name, "--help"], env={"COLUMNS": "200"}).stdout.split())
+    assert "Replace an existing non-empty output directory" not in text
+    assert (
+        "--overwrite Replace an earlier output of ckpttool in the output directory once the new output is complete "
+        "(never a directory ckpttool did not write: E606)." in text
+    )

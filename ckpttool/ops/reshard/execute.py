@@ -366,7 +366,8 @@ def _source_file(name: str) -> bool:
 
 #: what reshard says of a checkpoint whose chunks are not ``torch.save`` archives, by ``serialization``
 _NOT_ARCHIVES = {
-    "safetensors": "a HuggingFaceStorageWriter checkpoint (safetensors files, no .metadata)",
+    "safetensors": "a safetensors checkpoint (a Hugging Face model folder or HuggingFaceStorageWriter output: "
+    "safetensors files, no .metadata)",
     "dcp_safetensors": "a DCP checkpoint saved with FileSystemWriter(serialization_format=SerializationFormat."
     "SAFETENSORS) (each data file a safetensors blob, not torch.save archives)",
     "mixed": "a safetensors model folder paired with a DCP optimizer folder (NeMo Automodel's model/ + optim/)",
@@ -396,7 +397,10 @@ def _refuse_kind(ckpt: Checkpoint) -> None:
         return
     raise ReshardError(
         f"{src_p}: {what}; reshard rewrites and copies the torch.save chunk archives of FileSystemWriter checkpoints",
-        hint="export it with `ckpttool export`, or re-save it with dcp.save's default FileSystemWriter",
+        hint="`ckpttool import` it, which writes a DCP checkpoint for the mesh you name (--world-size, or --ep-size "
+        "and --ep-fsdp-size)"
+        if kind == "safetensors" and getattr(reader, "assembled", None) is None
+        else "export it with `ckpttool export`, or re-save it with dcp.save's default FileSystemWriter",
     )
 
 

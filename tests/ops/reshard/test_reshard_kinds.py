@@ -69,3 +69,18 @@ def test_other_kinds_are_refused_naming_the_kind(fixture_root: Path, tmp_path: P
         res = runner.invoke(app, ["reshard", str(src), str(out), "--to", "canonical", "--with-optimizer"])
         assert res.exit_code == 2 and res.stderr.startswith("error: [E602]") and words in res.stderr, res.stderr
         assert not out.exists()
+
+
+def test_a_hugging_face_model_folder_is_refused_pointing_to_import(sample_ckpt: Path, tmp_path: Path) -> None:
+    """`reshard hf/ out/` of a model folder (here ckpttool's own export) called it "a HuggingFaceStorageWriter
+    checkpoint" and hinted `ckpttool export` it or re-save it with dcp.save: neither applies to a model folder;
+    `ckpttool import` writes the DCP checkpoint for a mesh."""
+    hf = tmp_path / "hf"
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(hf)]).exit_code == 0
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["reshard", str(hf), str(out), "--to", "canonical", "--with-optimizer"])
+    assert res.exit_code == 2 and res.stdout == ""
+    lines = res.stderr.splitlines()
+    assert lines[0].startswith(f"error: [E602] {hf}: a safetensors checkpoint (a Hugging Face model folder or ")
+    assert lines[1].startswith("hint: `ckpttool import` it") and "ckpttool export" not in lines[1]
+    assert not out.exists()

@@ -254,3 +254,20 @@ def test_a_record_that_leaves_out_split_expert_tensors_is_refused(
             for w in ("gate_up_proj", "down_proj"):
                 key = f"model.model.layers.{n}.mlp.experts.{w}"
                 assert torch.equal(r.read_tensor(key), truth[key]), key
+
+
+def test_a_plain_fsdp_save_is_told_the_sizes_that_record_it(sample_ckpt: Path, tmp_path: Path) -> None:
+    """A MoE saved by plain FSDP over 4 ranks (here through `import --world-size 4`, which cuts it as FSDP2's
+    Shard(0) does): `stamp --ep-size 1 --ep-fsdp-size 1` is refused, and the hint named only `--ep-size 4
+    --ep-fsdp-size 1` (EP alone), not the sizes of a save without EP. It now names `--ep-size 1 --ep-fsdp-size 4`,
+    which records it: validate --strict then passes."""
+    hf, ckpt = tmp_path / "hf", tmp_path / "ckpt"
+    assert runner.invoke(app, ["export", str(sample_ckpt), str(hf), "-q"]).exit_code == 0
+    assert runner.invoke(app, ["import", str(hf), str(ckpt), "--world-size", "4", "--no-fsync"]).exit_code == 0
+    args = ["stamp", str(ckpt), "--source-layout", "canonical", "--ep-size", "1", "--ep-fsdp-size", "1"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E404]")
+    assert "--ep-size 1 --ep-fsdp-size 4 when FSDP alone does" in res.stderr.splitlines()[1]
+    args[-1] = "4"
+    assert runner.invoke(app, args).exit_code == 0
+    assert runner.invoke(app, ["validate", str(ckpt), "--strict"]).exit_code == 0
