@@ -80,11 +80,12 @@ def test_existing_non_empty_refused(tmp_path: Path) -> None:
     assert os.listdir(d) == ["keep.txt"] and leftovers(tmp_path) == []
 
 
-def test_cwd_and_existing_empty_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_existing_empty_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An existing empty directory given by a relative path (not the current directory itself: E600)."""
     d = tmp_path / "d"
     d.mkdir()
-    monkeypatch.chdir(d)
-    res = sample(".")
+    monkeypatch.chdir(tmp_path)
+    res = sample("d")
     assert res.exit_code == 0, res.stderr
     assert sorted(os.listdir(d)) == [
         ".ckpttool-output.json",
@@ -94,7 +95,7 @@ def test_cwd_and_existing_empty_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         "model_assets",
     ]
     assert leftovers(tmp_path) == [] and leftovers(d) == []
-    res = runner.invoke(app, ["inspect", ".", "--json"])
+    res = runner.invoke(app, ["inspect", "d", "--json"])
     assert res.exit_code == 0, res.stderr
 
 
