@@ -310,3 +310,24 @@ def test_metadata_json_megatron_cannot_load_from_is_named(tmp_path: Path, config
     verify_checkpoint_and_load_strategy(str(it))
     r = runner.invoke(app, ["validate", "--strict", "--json", str(run)])
     assert r.exit_code == 0, r.output
+
+
+def test_a_missing_common_pt_is_named(tmp_path: Path) -> None:
+    """With iter_N/common.pt missing, validate --strict gave ten O001/P004 findings (state without param groups)
+    and never said the file is missing; megatron-core's own load_common_state_dict fails without it. K014 names it;
+    the save with it has no K014."""
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+    run = shutil.copytree(DATA / "dense1", tmp_path / "dense1")
+    it = run / RUNS["dense1"]
+    assert isinstance(load_common_state_dict(str(it)), dict)
+    r = runner.invoke(app, ["validate", "--strict", "--json", str(run)])
+    assert r.exit_code == 0 and json.loads(r.stdout)["findings"] == [], r.output
+    (it / "common.pt").unlink()
+    with pytest.raises(Exception):  # noqa: B017  (megatron-core's own load of the common state)
+        load_common_state_dict(str(it))
+    r = runner.invoke(app, ["validate", "--strict", "--json", str(run)])
+    assert r.exit_code == 1, r.output
+    [f] = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "K014"]
+    assert f["key"] == "common.pt" and f["severity"] == "error"
+    assert f["message"].startswith(f"{it / 'common.pt'}: missing; megatron-core's dist_checkpointing.load")

@@ -7,6 +7,7 @@ known category fail ``--strict``: validation fails closed on what it did not und
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -157,3 +158,18 @@ def megatron_config(ctx: Context) -> Iterator[tuple[str | None, str]]:
         problem = e.message
     if problem is not None:
         yield METADATA_JSON, f"{d / METADATA_JSON}: {problem}"
+
+
+@rule("K014")
+def megatron_common_missing(ctx: Context) -> Iterator[tuple[str | None, str]]:
+    if ctx.cat.schema.id != "megatron":
+        return
+    from ckpttool.model.schemas.megatron import COMMON_FILE
+
+    d = Path(ctx.ckpt.located.model)
+    if not os.path.lexists(d / COMMON_FILE):
+        yield (
+            COMMON_FILE,
+            f"{d / COMMON_FILE}: missing; megatron-core's dist_checkpointing.load reads the common state from it "
+            "(the iteration, the optimizers' param groups and step, the run's args) and fails without it",
+        )
