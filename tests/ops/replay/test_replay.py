@@ -551,22 +551,16 @@ def test_radam_and_nadam_checkpoints_are_named_as_not_adamw(tmp_path: Path, opti
     """RAdam saves exp_avg, exp_avg_sq and step as AdamW does and a group with betas, eps, weight_decay: replay-step
     stepped it as AdamW and said 'OK: 2 of 2 parameters match the reference step' for a step RAdam never takes.
     Its group (as NAdam's) saves decoupled_weight_decay but no amsgrad, which Adam's and AdamW's always hold."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = getattr(torch.optim, optimizer)(model.parameters(), lr=1e-2)
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.randn(3, 4)).pow(2).sum().backward()
-        opt.step()
+    train_steps(model, opt, 3, loss="square")
     msd, osd = get_state_dict(model, opt)
-    with warnings.catch_warnings():  # torch: no process group, saving in one process
-        warnings.simplefilter("ignore")
-        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "ck"))
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "ck")
     res = run(tmp_path / "ck", "--device", "cpu")
     assert res.exit_code == 2 and res.stdout == "", res.output
     first = res.stderr.splitlines()[0]
@@ -578,9 +572,7 @@ def test_radam_and_nadam_checkpoints_are_named_as_not_adamw(tmp_path: Path, opti
     opt.step()
     msd, osd = get_state_dict(model, opt)
     assert "decoupled_weight_decay" in osd["param_groups"][0] and "amsgrad" in osd["param_groups"][0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "adamw"))
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "adamw")
     assert run(tmp_path / "adamw", "--device", "cpu").exit_code == 0
 
 
@@ -671,25 +663,19 @@ def test_a_saved_lr_far_beyond_the_weights_is_still_an_update_size_failure(tmp_p
     own) must not swallow a saved lr far beyond the weights' scale: after 100 steps at lr 1e-3 every tensor is
     within 100 * lr' * bound of zero for a saved lr' of 10, and replay-step said OK. Only tensors of the order of
     lr are exempt; here the weights (largest values 0.3-1) move by about 5 per step: R003."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(100):
-        opt.zero_grad()
-        model(torch.randn(3, 16)).pow(2).sum().backward()
-        opt.step()
+    train_steps(model, opt, 100, loss="square")
     msd, osd = get_state_dict(model, opt)
     for lr, name in ((1e-3, "clean"), (10.0, "lr10")):
         for g in osd["param_groups"]:
             g["lr"] = lr
-        with warnings.catch_warnings():  # torch: no process group, saving in one process
-            warnings.simplefilter("ignore")
-            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / name))
+        save_quiet({"model": msd, "optimizer": osd}, tmp_path / name)
     assert replay_step(tmp_path / "clean", ReplayOptions(device="cpu")).ok
     res = replay_step(tmp_path / "lr10", ReplayOptions(device="cpu"))
     failed = {r.fqn for r in res.params if not r.ok}

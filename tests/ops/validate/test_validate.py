@@ -775,25 +775,19 @@ def test_D007_moments_of_a_real_run_beside_a_step_reset_to_0(tmp_path: Path) -> 
     counter) passed `validate --strict --deep` (exit 0): D007 skipped steps below 1, yet after no step Adam's
     moments are zero. The next step bias-corrects them as step 1 (exp_avg * 10). Now D007 names each parameter;
     the unreset save is clean."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(20):
-        opt.zero_grad()
-        model(torch.randn(3, 4)).pow(2).sum().backward()
-        opt.step()
+    train_steps(model, opt, 20, loss="square")
     msd, osd = get_state_dict(model, opt)
-    with warnings.catch_warnings():  # torch: no process group, saving in one process
-        warnings.simplefilter("ignore")
-        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "clean"))
-        for st in osd["state"].values():
-            st["step"] = torch.tensor(0.0)
-        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "reset"))
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "clean")
+    for st in osd["state"].values():
+        st["step"] = torch.tensor(0.0)
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "reset")
     rc, doc, _ = run(tmp_path / "clean", "--strict", "--deep")
     assert rc == 0 and doc["findings"] == [], doc["findings"]
     doc = only(tmp_path / "reset", "D007", "--deep")
