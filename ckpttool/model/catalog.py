@@ -874,9 +874,8 @@ def _index_mapped(
 
 def _state_splitter(sch: KeySchema) -> Any:
     """The schema's own state-key splitter (:attr:`SchemaSpec.split_state_key`), or ``None``."""
-    if sch.id in registry.names():
-        return registry.get(sch.id).split_state_key
-    return None
+    spec = registry.find(sch.id)
+    return spec.split_state_key if spec is not None else None
 
 
 def leaf_key(group: ParamGroup) -> str:

@@ -177,26 +177,27 @@ class Checkpoint:
         excluded; :func:`ckpttool.model.beside.unread_beside`), relative to the directory given."""
         remote = getattr(self.reader, "remote", None)
         if remote is not None:  # an object-store prefix: its one listing, not a directory scan
-            read = set(referenced_paths(self.metadata.storage))
-            if self.catalog.schema.id == "megatron":
-                from ckpttool.model.schemas.megatron import COMMON_FILE
-
-                read.add(COMMON_FILE)
-            return unread_in_listing(list(remote.sizes()), read)
+            return unread_in_listing(list(remote.sizes()), self._files_read())
         model, given = Path(self.located.model), Path(self.located.given)
         if not unread_beside(model, given):  # the usual case: no candidate, the storage's paths not listed
             return ()
-        own = [Path(self.path) / rel for rel in referenced_paths(self.metadata.storage)]
+        return unread_beside(model, given, [Path(self.path) / rel for rel in self._files_read()])
+
+    def _files_read(self) -> set[str]:
+        """The files of this checkpoint's folder it reads, relative to it: the data files, a per-rank save's rank
+        files (replicas too) and its metadata, and the files its key schema reads (``SchemaSpec.files_read``)."""
+        from ckpttool.model.schemas import registry
+
+        read = set(referenced_paths(self.metadata.storage))
         assembled = getattr(self.reader, "assembled", None)
-        if assembled is not None:  # a per-rank save: every rank file it read (replicas too) and its metadata
+        if assembled is not None:
             from ckpttool.format.perrank_formats import TC_METADATA
 
-            own += [Path(self.path) / rel for rel in (*assembled.files, TC_METADATA)]
-        if self.catalog.schema.id == "megatron":  # its param groups and step: read with the key schema
-            from ckpttool.model.schemas.megatron import COMMON_FILE
-
-            own.append(Path(self.path) / COMMON_FILE)
-        return unread_beside(model, given, own)
+            read.update((*assembled.files, TC_METADATA))
+        spec = registry.find(self.catalog.schema.id)
+        if spec is not None:  # a schema given by its prefixes alone reads no files of its own
+            read.update(spec.files_read)
+        return read
 
     def hf_config_beside(self) -> Path | None:
         """The folder of the model's ``config.json`` the trainer saved beside this checkpoint (NeMo

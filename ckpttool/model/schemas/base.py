@@ -182,6 +182,8 @@ class SchemaSpec:
         split_state_key: for a schema whose optimizer keys are not ``<prefix>state.<fqn>.<field>``
             (Megatron-core: ``[chained_N.]optimizer.state.<field>.<key>``): key -> ``(fqn, field)``
             of an optimizer state key, ``None`` for any other key.
+        files_read: files of the checkpoint folder besides the data files that the schema reads (Megatron's
+            ``common.pt``: its param groups and step): never named as training state not read.
         scheduler_per_step: its trainer steps the LR scheduler once per optimizer step, so a saved
             ``last_epoch`` behind the step is a stale scheduler (``R002``); ``False`` where the trainer is not
             known (plain ``dcp.save``: a scheduler stepped once per epoch is as likely, ``R004``).
@@ -201,6 +203,7 @@ class SchemaSpec:
     discovery: Discovery = Discovery()
     import_help: str | None = None
     split_state_key: Callable[[str], tuple[str, str] | None] | None = None
+    files_read: tuple[str, ...] = ()
     scheduler_per_step: bool = True
     doc_model: str = ""
     doc_optimizer: str = ""

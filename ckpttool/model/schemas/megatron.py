@@ -248,6 +248,7 @@ SPEC = SchemaSpec(
     claims=_claims,
     priority=40,
     split_state_key=split_state_key,
+    files_read=(COMMON_FILE,),
     doc_model="`<key>` (top level, layers stacked: `decoder.layers.<...> [L, ...]`)",
     doc_optimizer="`[chained_N.]optimizer.state.<field>.<key>` (field first); groups in `common.pt`",
     doc_written_by="megatron-core `dist_checkpointing.save` (`torch_dist`), Megatron-LM `iter_N/`",

@@ -36,6 +36,7 @@ from ckpttool.model.schemas.base import (
 __all__ = [
     "Derived",
     "derived",
+    "find",
     "get",
     "import_targets",
     "names",
@@ -122,10 +123,15 @@ def get(name: str) -> SchemaSpec:
     Raises:
         KeyError: no spec of that name.
     """
-    for s in _SPECS:
-        if s.name == name:
-            return s
-    raise KeyError(name)
+    spec = find(name)
+    if spec is None:
+        raise KeyError(name)
+    return spec
+
+
+def find(name: str) -> SchemaSpec | None:
+    """The spec named ``name``, or ``None`` (a schema given by its prefixes alone has none)."""
+    return next((s for s in _SPECS if s.name == name), None)
 
 
 def import_targets() -> tuple[SchemaSpec, ...]:

@@ -94,10 +94,8 @@ def _scheduler_per_step(ctx: Context) -> bool:
     ``False`` for a schema ckpttool has no spec of)."""
     from ckpttool.model.schemas import registry
 
-    try:
-        return registry.get(ctx.cat.schema.id).scheduler_per_step
-    except KeyError:
-        return False
+    spec = registry.find(ctx.cat.schema.id)
+    return spec is not None and spec.scheduler_per_step
 
 
 #: The entries of a saved ``torch.amp.GradScaler`` (``state_dict()``: ``scale``, ``growth_factor``, ``backoff_factor``,
