@@ -842,6 +842,21 @@ def _join_distributed() -> Any:
     return group
 
 
+def _refuse_removed_cwd() -> None:
+    """A shell left in a removed directory (removed from another shell): a relative path names nothing
+    there and ``import torch`` aborts the process (oneMKL's ``FATAL ERROR: Cannot load libtorch_cpu.so``,
+    exit 2, no code). Every command is refused with one line (E100, exit 2) before it reads anything."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        err = UsageError(
+            "the current directory no longer exists (it was removed after this shell entered it)",
+            hint="cd to an existing directory and run the command again",
+        )
+        print_error(err)
+        sys.exit(err.exit_code)
+
+
 def _open_closed_streams() -> None:
     """A program started with stdout or stderr closed (``ckpttool ... >&-``; Python sets ``sys.stdout`` to
     ``None``) writes that stream to ``/dev/null``: every print failed (E999, or exit 1 with no line),
@@ -856,6 +871,7 @@ def main() -> None:
     """Console-script entry point (also ``python -m ckpttool``; under torchrun, one rank of a distributed run)."""
     sys.unraisablehook = _unraisable
     _open_closed_streams()
+    _refuse_removed_cwd()
     group = _join_distributed()
     if group is None:
         _run()

@@ -14,6 +14,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -282,6 +284,27 @@ def test_the_current_directory_as_out_is_refused_and_left_in_place(
     res = runner.invoke(app, ["export", str(sample_ckpt), "..", "--overwrite"])
     assert res.exit_code == 2 and "is the current directory or holds it" in res.stderr
     assert sorted(p.name for p in Path(".").iterdir()) == before and os.path.samefile(".", here / "hf")
+
+
+def test_a_removed_current_directory_is_one_line_before_anything_is_read(sample_ckpt: Path, tmp_path: Path) -> None:
+    """In a shell whose directory was removed from another shell, `sample OUT` died in torch's import
+    ("Intel oneMKL FATAL ERROR: Cannot load .../libtorch_cpu.so", exit 2, no code) and `inspect .` said E200
+    "no .metadata". Every command is now refused with one E100 line; an absolute output is not created."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    for argv in (["sample", str(out)], ["inspect", "."], ["export", str(sample_ckpt), str(out)]):
+        script = 'cd "$1" && rmdir "$1" && shift && exec "$@"'
+        cmd = ["sh", "-c", script, "sh", str(gone), sys.executable, "-m", "ckpttool", *argv]
+        gone.mkdir(exist_ok=True)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert res.returncode == 2 and res.stdout == "", (argv, res.stderr)
+        assert res.stderr.splitlines() == [
+            "error: [E100] the current directory no longer exists (it was removed after this shell entered it)",
+            "hint: cd to an existing directory and run the command again",
+        ], argv
+        assert not out.exists() and not gone.exists()
 
 
 @pytest.mark.parametrize("name", ["export", "import", "reshard", "sample"])
