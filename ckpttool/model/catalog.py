@@ -629,6 +629,7 @@ class _Sorter:
         )  # every model key starts with the prefix (model_test)
         self.opt_head = tuple(sch.optimizer_prefix[:-1].split(".")) if sch.optimizer_prefix else ()
         self.training_items = registry.derived().training_state_items
+        self.root = sch.state_root
         self.optimizer_state: dict[str, ParamState] = {}
         self.model_set: set[str] | None = None
         self.groups: dict[Any, ParamGroup] = {}
@@ -658,11 +659,21 @@ class _Sorter:
                 if isinstance(meta, TensorMeta):  # a tensor hyperparameter (lr=torch.tensor(...))
                     self.group_tensors[key] = self.entry(key, meta)
             elif key != LAYOUT_KEY:
-                top = path[0] if path and isinstance(path[0], str) else key.split(".", 1)[0]
+                top = self._item(key, path)
                 if top in self.training_items:
                     self.training.setdefault(top, []).append(key)
                 if isinstance(meta, TensorMeta):
                     self.other_tensors[key] = self.entry(key, meta)
+
+    def _item(self, key: str, path: tuple[Any, ...] | None) -> str | None:
+        """The item ``key`` belongs to below the schema's :attr:`~KeySchema.state_root` (``lr_scheduler`` of
+        ``lr_scheduler.last_epoch``; ``scheduler`` of ``app.scheduler.last_epoch`` in an app-state save)."""
+        root = self.root
+        if not root:
+            return path[0] if path and isinstance(path[0], str) else key.split(".", 1)[0]
+        if not key.startswith(root):
+            return None
+        return path[1] if path and len(path) > 1 and isinstance(path[1], str) else key[len(root) :].split(".", 1)[0]
 
     def _item_of(self, path: tuple[Any, ...] | None, part: str) -> tuple[Any, Any] | None:
         """``(id, name)`` when ``path`` is ``(*optimizer head, part, id, name)``, else ``None``."""

@@ -112,6 +112,18 @@ class KeySchema:
         """``<optimizer prefix>param_groups.`` (``None``: no optimizer)."""
         return None if self.optimizer_prefix is None else f"{self.optimizer_prefix}param_groups."
 
+    @property
+    def state_root(self) -> str:
+        """The prefix the trainer's other items (LR scheduler, step, data loader) are saved under beside the model
+        and the optimizer: ``""`` (the top level), or ``"<app>."`` for a schema whose model sits in
+        ``{<any app>: {"model": ...}}`` (``app-state``: torch's DCP tutorial saves ``{"app": AppState(...)}``,
+        whose ``state_dict()`` holds ``model``, ``optim`` and whatever else the loop adds, e.g. ``scheduler``)."""
+        spec = registry.find(self.id)
+        p = self.model_prefix
+        if spec is None or not p or len(spec.container) < 2 or spec.container[0] is not None:
+            return ""
+        return p.split(".", 1)[0] + "."
+
     def fqn_of(self, key: str) -> str:
         """The parameter fqn of a model key (the key without the model prefix)."""
         p = self.model_prefix or ""

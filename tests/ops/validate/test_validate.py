@@ -619,6 +619,53 @@ def test_R002_plain_sgd_keeps_no_state(tmp_path: Path) -> None:
     assert rc == 0 and "R002" not in codes(doc), doc["findings"]
 
 
+def _save_app_state(out: Path, app_step: int) -> None:
+    """torch's DCP tutorial: ``dcp.save({"app": AppState(model, optimizer)})``, its ``state_dict()`` adding the LR
+    scheduler and the loop's step, as training loops built on the tutorial do; AdamW and StepLR stepped 3 times."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    train_steps(model, opt, 3, sched=sched)
+
+    class AppState(Stateful):
+        def state_dict(self) -> dict[str, Any]:
+            msd, osd = get_state_dict(model, opt)
+            return {"model": msd, "optim": osd, "scheduler": sched.state_dict(), "step": app_step}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            raise NotImplementedError
+
+    save_quiet({"app": AppState()}, out)
+
+
+def test_app_state_scheduler_and_step_are_read_as_training_state(tmp_path: Path) -> None:
+    """An AppState save keeps its scheduler and step under ``app.``: they were "other keys", never compared, so
+    ``app.step`` 7 beside optimizer step 3 passed ``validate --strict --deep``. They are now training state
+    (inspect lists them with their counters) and R002 compares them, as it does top-level ones."""
+    _save_app_state(tmp_path / "ok", 3)
+    rc, doc, _ = run(tmp_path / "ok", "--deep", "--strict")
+    assert rc == 0 and not codes(doc) & {"R002", "R004"}, doc["findings"]
+    res = runner.invoke(app, ["inspect", str(tmp_path / "ok"), "--json"])
+    ov = json.loads(res.stdout)
+    assert sorted(ov["training_state"]) == ["scheduler", "step"]
+    assert ov["training_state"]["step"] == ["app.step"]
+    assert "app.scheduler.last_epoch" in ov["training_state"]["scheduler"]
+    assert ov["training_values"]["app.scheduler.last_epoch"] == 3 and ov["training_values"]["app.step"] == 3
+    text = runner.invoke(app, ["inspect", str(tmp_path / "ok")], env={"COLUMNS": "200"}).stdout
+    assert "training    scheduler: 8 keys, last_epoch 3, _step_count 4; step: 1 key, value 3" in text
+
+    _save_app_state(tmp_path / "stale", 7)
+    rc, doc, _ = run(tmp_path / "stale", "--deep")
+    r002 = [f for f in doc["findings"] if f["code"] == "R002"]
+    assert rc == 1 and len(r002) == 1 and r002[0]["message"].endswith("but app.step = 7"), doc["findings"]
+
+
 def _save_amsgrad(out: Path, *, amsgrad: bool = True, change: Any = None) -> None:
     """A torch.optim.AdamW run (two groups: decay, no_decay) saved with ``dcp.save`` after 3 steps; ``change``
     edits the optimizer state dict before the save."""
