@@ -214,6 +214,8 @@ def validate_command(
     if list_rules:
         from ckpttool.commands.rules import print_rules
 
+        if checkpoint is not None:  # the listing checks nothing: never let it pass for a check of CHECKPOINT
+            Output(json_output).warning(f"{checkpoint} was not checked: --list-rules lists the rules and exits")
         print_rules(json_output)
         return
     if checkpoint is None and manifest:  # `validate --manifest DIR`: the option took the checkpoint as its value

@@ -119,6 +119,16 @@ def test_list_rules_json(tmp_path: Path) -> None:
     assert {r["code"] for r in rows if r["fatal"]} == {"S001", "S009"}
 
 
+def test_list_rules_with_a_checkpoint_says_it_was_not_checked(broken: Path) -> None:
+    """`validate --list-rules CKPT` printed the rules and exited 0 with no word on CKPT (broken here), which reads
+    like a pass in a script; stderr now says CKPT was not checked. The listing on stdout is unchanged."""
+    alone = runner.invoke(app, ["validate", "--list-rules", "--json"])
+    res = runner.invoke(app, ["validate", "--list-rules", str(broken), "--json"])
+    assert res.exit_code == 0 and res.stdout == alone.stdout
+    assert res.stderr == f"warning: {broken} was not checked: --list-rules lists the rules and exits\n"
+    assert alone.stderr == ""
+
+
 def test_source_checkpoint_is_not_modified(broken: Path) -> None:
     before = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in broken.iterdir()}
     runner.invoke(app, ["validate", str(broken), "--deep", "--strict"])
