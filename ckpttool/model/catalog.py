@@ -669,10 +669,8 @@ class _Sorter:
         """The item ``key`` belongs to below the schema's :attr:`~KeySchema.state_root` (``lr_scheduler`` of
         ``lr_scheduler.last_epoch``; ``scheduler`` of ``app.scheduler.last_epoch`` in an app-state save)."""
         root = self.root
-        if not root:
+        if not root or not key.startswith(root):  # top-level items beside an app's are read too
             return path[0] if path and isinstance(path[0], str) else key.split(".", 1)[0]
-        if not key.startswith(root):
-            return None
         return path[1] if path and len(path) > 1 and isinstance(path[1], str) else key[len(root) :].split(".", 1)[0]
 
     def _item_of(self, path: tuple[Any, ...] | None, part: str) -> tuple[Any, Any] | None:

@@ -62,8 +62,9 @@ def _int_item(ckpt: Checkpoint, key: str) -> int | None:
 def trainer_steps(ckpt: Checkpoint) -> list[Counter]:
     """The trainer's step counters, in :data:`TRAIN_STEP_KEYS` order, then ``extra_state`` files'
     ``global_step``, then the training-state files beside the checkpoint."""
-    root = ckpt.catalog.schema.state_root  # "app." in an app-state save
-    out = [Counter(root + k, v) for k in TRAIN_STEP_KEYS if (v := _int_item(ckpt, root + k)) is not None]
+    root = ckpt.catalog.schema.state_root  # "app." in an app-state save; top-level items are read too
+    keys = [root + k for k in TRAIN_STEP_KEYS] + (list(TRAIN_STEP_KEYS) if root else [])
+    out = [Counter(k, v) for k in keys if (v := _int_item(ckpt, k)) is not None]
     for st in ckpt.extra_state():
         if st.global_step is not None:
             out.append(Counter(st.file.relative_path, st.global_step))
@@ -92,11 +93,11 @@ def scheduler_counters(ckpt: Checkpoint) -> tuple[list[Counter], list[Counter]]:
     ``SequentialLR``, which count their own phase: :func:`_phase_of_a_sequence`)."""
     epochs, counts = [], []
     entries = ckpt.reader.metadata.entries
-    root = ckpt.catalog.schema.state_root  # "app." in an app-state save
+    root = ckpt.catalog.schema.state_root  # "app." in an app-state save; top-level items are read too
     for key, meta in entries.items():
-        if not isinstance(meta, BytesMeta) or not key.startswith(root):
+        if not isinstance(meta, BytesMeta):
             continue
-        if key[len(root) :].split(".", 1)[0] not in SCHEDULER_ITEMS:
+        if key[len(root) if key.startswith(root) else 0 :].split(".", 1)[0] not in SCHEDULER_ITEMS:
             continue
         if "._schedulers." in key and _phase_of_a_sequence(key, entries):
             continue

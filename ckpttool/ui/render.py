@@ -1043,10 +1043,14 @@ def _training_keys(ov: InspectResult) -> set[str]:
 def _overview_training(con: Console, ov: InspectResult) -> None:
     """The training-state items (scheduler, train state, data loader) once, with their step counters."""
     values = ov.training_values or {}
-    root = len(ov.schema.state_root) if ov.schema is not None else 0  # "app." of an app-state save
+    root = ov.schema.state_root if ov.schema is not None else ""  # "app." of an app-state save
     parts = []
     for item, keys in (ov.training_state or {}).items():
-        shown = [f"{k[root + len(item) + 1 :] or 'value'} {fmt_value(values[k])}" for k in keys if k in values]
+        shown = [
+            f"{k[len(root if k.startswith(root) else '') + len(item) + 1 :] or 'value'} {fmt_value(values[k])}"
+            for k in keys
+            if k in values
+        ]
         parts.append(f"{item}: {plural(len(keys), 'key')}" + "".join(f", {v}" for v in shown))
     if parts:
         con.print(f"training    {'; '.join(parts)}")

@@ -619,7 +619,7 @@ def test_R002_plain_sgd_keeps_no_state(tmp_path: Path) -> None:
     assert rc == 0 and "R002" not in codes(doc), doc["findings"]
 
 
-def _save_app_state(out: Path, app_step: int) -> None:
+def _save_app_state(out: Path, app_step: int, **beside: Any) -> None:
     """torch's DCP tutorial: ``dcp.save({"app": AppState(model, optimizer)})``, its ``state_dict()`` adding the LR
     scheduler and the loop's step, as training loops built on the tutorial do; AdamW and StepLR stepped 3 times."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -641,7 +641,7 @@ def _save_app_state(out: Path, app_step: int) -> None:
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
             raise NotImplementedError
 
-    save_quiet({"app": AppState()}, out)
+    save_quiet({"app": AppState(), **beside}, out)
 
 
 def test_app_state_scheduler_and_step_are_read_as_training_state(tmp_path: Path) -> None:
@@ -664,6 +664,11 @@ def test_app_state_scheduler_and_step_are_read_as_training_state(tmp_path: Path)
     rc, doc, _ = run(tmp_path / "stale", "--deep")
     r002 = [f for f in doc["findings"] if f["code"] == "R002"]
     assert rc == 1 and len(r002) == 1 and r002[0]["message"].endswith("but app.step = 7"), doc["findings"]
+
+    _save_app_state(tmp_path / "beside", 3, step=9)  # a top-level item beside the app's is read too
+    rc, doc, _ = run(tmp_path / "beside", "--deep")
+    r002 = [f["message"] for f in doc["findings"] if f["code"] == "R002"]
+    assert rc == 1 and len(r002) == 1 and "step = 9" in r002[0], doc["findings"]
 
 
 def _save_amsgrad(out: Path, *, amsgrad: bool = True, change: Any = None) -> None:
