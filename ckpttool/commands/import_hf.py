@@ -83,6 +83,15 @@ DequantDtypeOpt = Annotated[
         "their stored dtype.",
     ),
 ]
+AllowMismatchOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--allow-mismatch",
+        metavar="KINDS",
+        help="Import even if the tensors differ from the model class transformers builds from config.json "
+        "(--schema torch-native): comma list of missing, shape. Keys the model lacks are a warning.",
+    ),
+]
 HashOpt = Annotated[
     str,
     typer.Option("--hash", metavar="ALGO", help="Digest of the manifest: xxh3-128, blake3 or blake2b-256."),
@@ -105,6 +114,7 @@ def import_command(
     manifest: ManifestOpt = False,
     hash_name: HashOpt = "xxh3-128",
     dtype: DequantDtypeOpt = None,
+    allow_mismatch: AllowMismatchOpt = None,
     json_output: JsonOpt = False,
 ) -> None:
     """Import a Hugging Face safetensors model as a DCP checkpoint (streaming, bit-exact, atomic)."""
@@ -131,6 +141,7 @@ def import_command(
                 algorithm=hash_name,
                 dry_run=dry_run,
                 dtype=None if dtype is None else parse_dtype(dtype, "--dtype", DEQUANT_DTYPES),
+                allow_mismatch=tuple(k.strip() for k in (allow_mismatch or "").split(",") if k.strip()),
             ),
         )
     sink = Output(json_output)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.errors import ExportError, MetadataError, UsageError
+from ckpttool.errors import ExportError, MetadataError, ModelMismatchError, UsageError
 from ckpttool.format.files import missing_path_hint, open_regular, resolve_inside
 from ckpttool.format.hf_storage import ADAPTER_PREFIX, hf_storage_files, load_hf_storage_metadata
 from ckpttool.format.jsonview import JsonView, json_counted
@@ -50,6 +50,7 @@ from ckpttool.ops.fields import OutputOptions, PhaseFn, ProgressFn, options_of
 
 if TYPE_CHECKING:
     from ckpttool.layouts.record import EPTensorSpec
+    from ckpttool.ops.export.expected import ModelCheck
 
 # The EP pieces (expert-name pattern, layout record, nested intervals) are imported where EP sizes are
 # given: a dense import's start-up does not pay for the reshard planner and the layout declarations.
@@ -79,6 +80,8 @@ class ImportOptions(OutputOptions):
             (survives a power loss; its cost: docs/performance.md).
         dtype: what quantized weights (block FP8, MXFP4) are dequantized to: ``bfloat16`` (``None``)
             or ``float32`` (:mod:`ckpttool.ops.import_quant`).
+        allow_mismatch: kinds of difference from the model class built from the config (``missing``,
+            ``shape``) imported anyway, as warnings (:func:`check_against_model`).
     """
 
     schema: str = SCHEMAS[0]
@@ -89,13 +92,14 @@ class ImportOptions(OutputOptions):
     ep_fsdp_size: int | None = None
     fsync: bool = True
     dtype: str | None = None
+    allow_mismatch: tuple[str, ...] = ()
 
 
 #: The ``--json`` document of :class:`ImportResult`: its keys in order (``key_schema``: the ``schema`` field).
 _IMPORT_VIEW = JsonView(
     "ckpttool.import/1",
     "source output key_schema adapter world_size ep_size ep_fsdp_size ep_tensors tensors bytes seconds:4 gb_per_s:4"
-    " files skipped warnings source_identity manifest dry_run dequantized",
+    " files skipped warnings source_identity manifest dry_run dequantized model_check",
 )
 
 
@@ -121,6 +125,7 @@ class ImportResult:
     manifest: str | None = None
     dry_run: bool = False
     dequantized: dict[str, Any] | None = None
+    model_check: dict[str, Any] | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -647,6 +652,80 @@ def _check_import_options(hf_dir: str | os.PathLike[str], opts: ImportOptions) -
     return src_dir
 
 
+#: What :func:`check_against_model` may be told to allow: ``dcp.load`` into the model fails on a missing key
+#: or another shape; it leaves a key the model lacks unread (a warning) and casts values to the model's dtypes.
+IMPORT_MISMATCH_KINDS = ("missing", "shape")
+
+
+def check_against_model(
+    tensors: dict[str, tuple[tuple[int, ...], str]], config: dict[str, Any], allow: tuple[str, ...], warnings: list[str]
+) -> ModelCheck:
+    """Compare the tensors a ``torch-native`` import writes (model key -> (shape, dtype), experts in the model's
+    own form) with the model class transformers builds from ``config`` on the meta device, before anything is
+    written (``export``'s comparison, :func:`~ckpttool.ops.export.expected.compare_with_model`). Keys the model
+    lacks are a warning (``dcp.load`` leaves them unread); dtypes are not compared (it casts).
+
+    Raises:
+        UsageError (E100): a kind in ``allow`` that is not one of :data:`IMPORT_MISMATCH_KINDS`.
+        ModelMismatchError (E605): keys the model has and the folder lacks, or of another shape, unless ``allow``
+            names the kind (then a warning).
+    """
+    from ckpttool.errors import SizeLimitError
+    from ckpttool.ops.export.expected import ModelCheck, compare_with_model
+
+    bad = [k for k in allow if k not in IMPORT_MISMATCH_KINDS]
+    if bad:
+        raise UsageError(
+            f"`allow_mismatch` {bad[0]!r} is not one of {', '.join(IMPORT_MISMATCH_KINDS)}",
+            param="allow_mismatch",
+            hint="keys the model lacks are a warning, and dcp.load casts dtypes: neither needs allowing",
+        )
+    try:
+        check = compare_with_model(tensors, config)
+    except SizeLimitError as e:  # a config far larger than the folder (its model class is not built)
+        check = ModelCheck(False, not_checked=e.message)
+    if not check.checked:
+        warnings.append(f"keys and shapes were not checked against the model class: {check.not_checked}")
+        return check
+    check.findings.pop("dtype", None)
+    refused = {k: v for k, v in check.findings.items() if k in IMPORT_MISMATCH_KINDS and k not in allow}
+    for kind, lines in check.findings.items():
+        if kind not in refused:
+            why = "allowed" if kind in allow else "dcp.load into the model leaves them unread"
+            warnings.append(f"{len(lines)} {kind} key(s) against {check.model_class} ({why}): {lines[0]}")
+    if refused:
+        parts = []
+        for kind, lines in refused.items():
+            shown = "; ".join(lines[:3]) + (f" (+{len(lines) - 3} more)" if len(lines) > 3 else "")
+            parts.append(f"{kind} {len(lines)}: {shown}")
+        raise ModelMismatchError(
+            f"the import does not fit {check.model_class} built from config.json: " + " | ".join(parts),
+            param="config",
+            hint="dcp.load into this model would fail; pass the model's own config.json (`config`) or a complete "
+            f"model directory; `allow_mismatch` {','.join(refused)} imports it anyway",
+        )
+    return check
+
+
+def _tie_lm_head(sources: dict[str, _Source], config: Any, warnings: list[str]) -> None:
+    """Under ``tie_word_embeddings``, a ``lm_head.weight`` the folder does not store is written from the embedding
+    (``save_pretrained`` leaves the tied copy out; the model's ``state_dict()`` has it)."""
+    tie = config_value(config, "tie_word_embeddings") is True
+    if tie and "lm_head.weight" not in sources and "model.embed_tokens.weight" in sources:
+        e = sources["model.embed_tokens.weight"]
+        sources["lm_head.weight"] = _Source("lm_head.weight", e.file, e.offset, e.dtype, e.shape)
+        warnings.append("tied lm_head.weight written from model.embed_tokens.weight (tie_word_embeddings)")
+
+
+def _model_check(natives: list[_Native], config: Any, opts: ImportOptions, warnings: list[str]) -> ModelCheck | None:
+    """:func:`check_against_model` of a ``torch-native`` import with a config (the keys ``dcp.load`` into the HF
+    model class asks for: ``model.<key>``, planner path ``("model", key)``); ``None`` otherwise."""
+    if config is None or opts.schema != "torch-native":
+        return None
+    model = {n.planner[1]: (n.shape, n.dtype) for n in natives if len(n.planner) == 2 and n.planner[0] == "model"}
+    return check_against_model(model, config, opts.allow_mismatch, warnings)
+
+
 def _hf_sources(src_dir: Path, md: Any) -> dict[str, _Source]:
     """The stored HF tensors by key (whole tensors only: per-rank shards raise E601)."""
     sources: dict[str, _Source] = {}
@@ -942,11 +1021,7 @@ def _import_plain(
     _check_index(src_dir, sources)
     real_files = sorted({s.file for s in sources.values()})
     plans = _dequantize_sources(src_dir, sources, config, opts, warnings)
-    tie = config_value(config, "tie_word_embeddings") is True
-    if tie and "lm_head.weight" not in sources and "model.embed_tokens.weight" in sources:
-        e = sources["model.embed_tokens.weight"]
-        sources["lm_head.weight"] = _Source("lm_head.weight", e.file, e.offset, e.dtype, e.shape)
-        warnings.append("tied lm_head.weight written from model.embed_tokens.weight (tie_word_embeddings)")
+    _tie_lm_head(sources, config, warnings)
     adapter = _choose_adapter(opts, config)
     acfg = AdapterConfig.from_hf_config(config)
     report.phase("planning")
@@ -955,6 +1030,7 @@ def _import_plain(
         natives, skipped, objects = _megatron_tensors(sources, md, warnings, config, acfg, ep)
     else:
         natives, skipped = _native_tensors(sources, opts, adapter, acfg)
+    check = _model_check(natives, config, opts, warnings)
     _check_ep(src_dir, natives, ep)
     _warn_plain_fsdp_experts(natives, opts, ep, warnings)
     fds: dict[str, int] = {} if not plans else _staged_fds(src_dir, plans)
@@ -998,6 +1074,7 @@ def _import_plain(
         manifest="manifest.json" if opts.manifest else None,
         dry_run=opts.dry_run,
         dequantized=_dequantized_summary(plans),
+        model_check=check.to_dict() if check is not None else None,
     )
 
 

@@ -182,6 +182,44 @@ def test_missing_shard_is_refused(hf_dirs: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "o").exists()
 
 
+def test_a_folder_missing_a_layer_is_refused_before_dcp_load_would_fail(hf_dirs: Path, tmp_path: Path) -> None:
+    """A single-file folder without layer 1 (no index to name it) imported "OK"; torch's own dcp.load into the
+    model then failed on the missing keys. Import now compares the folder with the model class of its
+    config.json first (E605, nothing written); `--allow-mismatch missing` imports it with a warning."""
+    import transformers
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    d = tmp_path / "partial"
+    d.mkdir()
+    (d / "config.json").write_bytes((hf_dirs / "llama" / "config.json").read_bytes())
+    full = hf_tensors(hf_dirs / "llama")
+    save_file({k: v for k, v in full.items() if ".layers.1." not in k}, str(d / "model.safetensors"))
+    n_missing = sum(".layers.1." in k for k in full)
+    cli("import", str(d), str(tmp_path / "forced"), "--allow-mismatch", "missing")
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(d))
+    with pytest.raises(CheckpointException) as raised:  # the reference: what the trainer's own load meets
+        dcp.load({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "forced"), no_dist=True)
+    assert "Missing key in checkpoint state_dict: model.model.layers.1." in str(raised.value.failures)
+
+    res = runner.invoke(app, ["import", str(d), str(tmp_path / "o")])
+    assert res.exit_code == 2 and not (tmp_path / "o").exists()
+    err = res.stderr.splitlines()
+    assert err[0].startswith(
+        f"error: [E605] the import does not fit LlamaForCausalLM built from config.json: missing {n_missing}: "
+        "model.layers.1."
+    ), err
+    assert err[1].startswith("hint: dcp.load into this model would fail;") and "--allow-mismatch missing" in err[1]
+    doc = cli("import", str(d), str(tmp_path / "o"), "--allow-mismatch", "missing")
+    assert doc["model_check"]["model_class"] == "LlamaForCausalLM"
+    assert len(doc["model_check"]["findings"]["missing"]) == n_missing
+    assert doc["warnings"][0].startswith(f"{n_missing} missing key(s) against LlamaForCausalLM (allowed): ")
+    doc = cli("import", str(hf_dirs / "qwen_moe"), str(tmp_path / "moe"))  # per-expert keys, fused in the model
+    assert doc["model_check"] == {
+        "checked": True, "model_class": "Qwen3MoeForCausalLM", "not_checked": None, "findings": {}
+    } and doc["warnings"] == []  # fmt: skip
+
+
 def _titan_load_rank(rank: int, world: int, root: str) -> None:
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, default_adamw

@@ -58,7 +58,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _import(src: Path, out: Path, *args: str, code: int = 0) -> Any:
-    res = runner.invoke(app, ["import", str(src), str(out), "--json", *args])
+    # the folders hold a few tensors under a whole model's config (its quantization_config): not the model class
+    res = runner.invoke(app, ["import", str(src), str(out), "--json", "--allow-mismatch", "missing,shape", *args])
     assert res.exit_code == code, (res.stdout, res.stderr)
     return json.loads(res.stdout) if code == 0 else res.stderr
 
