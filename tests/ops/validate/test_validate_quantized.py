@@ -197,3 +197,44 @@ def test_tensor_subclass_in_byte_item_named_not_loaded(tmp_path: Path) -> None:
         "refuses: a tensor subclass ckpttool_test_float8.WeightWithDynamicFloat8CastTensor (not loaded)"
     ), found
     assert "ckpttool_test_float8" not in sys.modules
+
+
+def _ct_folder(path: Path, scale: torch.Tensor, strategy: str = "block") -> Path:
+    """A compressed-tensors FP8 folder (llm-compressor's float-quantized layout): ``l.weight`` [32, 32] + ``weight_scale``."""
+    q = torch.randint(1, 0x70, (32, 32), generator=torch.Generator().manual_seed(5), dtype=torch.uint8)
+    scheme: dict[str, Any] = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy}
+    if strategy == "block":
+        scheme["block_structure"] = [16, 16]
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"g": {"weights": scheme}},
+    }
+    t = {
+        "model.layers.0.mlp.up_proj.weight": q.view(torch.float8_e4m3fn),
+        "model.layers.0.mlp.up_proj.weight_scale": scale,
+    }
+    return _write_folder(path, t, {"model_type": "llama", "quantization_config": qc})
+
+
+def test_compressed_tensors_scales_checked_as_import_checks_them(tmp_path: Path) -> None:
+    """import refuses a compressed-tensors ``weight_scale`` that is negative, zero over non-zero codes or of the
+    wrong shape (E612, its hint: 'check it with validate --deep'), but validate --deep passed them (exit 0; a NaN
+    scale only as D001 'training diverged'): M021 / M020 now report them as for ``weight_scale_inv``."""
+    good = torch.full((2, 2), 0.01)
+    assert _findings(_ct_folder(tmp_path / "ok", good)) == (0, [])
+    assert _findings(_ct_folder(tmp_path / "ch", torch.full((32, 1), 0.01), "channel")) == (0, [])
+    key = "model.layers.0.mlp.up_proj.weight_scale"
+    for name, value, want in (("neg", -1.0, "NaN, infinite or negative"), ("zero", 0.0, "scale 0 but non-zero")):
+        s = good.clone()
+        s[1, 0] = value
+        rc, found = _findings(_ct_folder(tmp_path / name, s))
+        assert rc == 1 and [c for c, _ in found] == ["M021"] and found[0][1].startswith(key) and want in found[0][1]
+        err = runner.invoke(app, ["import", str(tmp_path / name), str(tmp_path / f"{name}-dcp")]).stderr
+        assert "[E612]" in err and want in err
+    s = torch.full((32, 1), 0.01)
+    s[3, 0] = -2.0
+    rc, found = _findings(_ct_folder(tmp_path / "ch-neg", s, "channel"))
+    assert rc == 1 and [c for c, _ in found] == ["M021"] and "(3, 0) = -2.0" in found[0][1], found
+    rc, found = _findings(_ct_folder(tmp_path / "shape", torch.full((2, 3), 0.01)))
+    assert rc == 1 and [c for c, _ in found] == ["M020"] and "16x16 block scheme needs float32 [2, 2]" in found[0][1]

@@ -11,7 +11,9 @@ A ``x.weight_scale_inv`` (float32 ``[ceil(out / B), ceil(in / B)]``) scales the 
 With ``--deep``: ``M021`` reads the scales (a small fraction of the data; a weight again only
 where a scale is 0, to see that its block is all zero), ``M022`` takes the NaN-byte count of every
 ``float8_e4m3fn`` tensor from the deep pass (:mod:`ckpttool.ops.validate.deep`, one read of the
-weights). ``M023``: MXFP4 ``x_blocks`` / ``x_scales`` pairs (gpt-oss) that do not fit.
+weights). ``M023``: MXFP4 ``x_blocks`` / ``x_scales`` pairs (gpt-oss) that do not fit. compressed-tensors
+FP8 ``x.weight_scale`` (under its ``quantization_config``) is checked as ``import`` checks it: ``M020`` its
+shape and scheme (:func:`~ckpttool.model.quantized.compressed_tensors_fp8`), ``M021`` its values.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from ckpttool.errors import CkptError
-from ckpttool.model.quantized import QuantPair, block_size, block_size_problem, find_quantized, fused_experts
+from ckpttool.model.quantized import (
+    QuantPair,
+    block_size,
+    block_size_problem,
+    compressed_tensors_fp8,
+    find_quantized,
+    fused_experts,
+)
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 
@@ -67,11 +76,20 @@ def fp8_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
             if key + _SUFFIX not in ctx.cat.model and key + "_scale" not in ctx.cat.model:
                 yield key, f"{key}: a float8_e4m3fn weight with no {key + _SUFFIX!r} (nor a per-tensor weight_scale)"
     yield from fused_problems
+    yield from _compressed_tensors(ctx)[1]
+
+
+def _compressed_tensors(ctx: Context) -> tuple[list[QuantPair], list[tuple[str, str]]]:
+    """compressed-tensors FP8 ``x.weight`` + ``x.weight_scale`` under the config's scheme, and those import refuses."""
+    tensors = {k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}
+    return compressed_tensors_fp8(tensors, ctx.quant_config)
 
 
 def _pairs(ctx: Context) -> tuple[list[QuantPair], list[tuple[str, str]]]:
+    """Every scaled pair import dequantizes (block FP8, fused experts, MXFP4, compressed-tensors FP8)."""
     tensors = {k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}
-    return find_quantized(tensors, block_size(ctx.quant_config))
+    pairs, problems = find_quantized(tensors, block_size(ctx.quant_config))
+    return pairs + _compressed_tensors(ctx)[0], problems
 
 
 def _read(ctx: Context, key: str) -> Any | None:
