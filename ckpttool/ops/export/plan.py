@@ -41,6 +41,7 @@ __all__ = [
     "check_expert_dim",
     "per_expert_pieces",
     "require_model_tensors",
+    "check_quantized_sources",
     "check_trainable_dtypes",
     "filtered",
     "stored_pieces",
@@ -306,6 +307,43 @@ def check_trainable_dtypes(root: str, cat: Catalog, selected: list[Selected]) ->
             "checkpoint (`ckpttool validate --strict` reports it as O005)",
             path=where,
             fqn=src.key,
+        )
+
+
+#: The scale beside a quantized weight ``x`` (block FP8 ``x_scale_inv``, compressed-tensors ``x_scale``) and
+#: MXFP4's ``x_blocks`` / ``x_scales`` (:mod:`ckpttool.model.quantized`).
+_SCALE_SUFFIXES = ("_scale_inv", "_scale")
+
+
+def check_quantized_sources(root: str, selected: list[Selected], save_dtype: str, quantize: str | None) -> None:
+    """Refuse a cast (``save_dtype`` other than ``preserve``) or a ``quantize`` of weights already stored quantized.
+
+    A ``float8`` weight beside its scale (``x.weight_scale_inv``, ``x.weight_scale``) holds codes, not values:
+    cast on their own they become the codes times 1 (hundreds of times the weights) and the scales stray
+    tensors; MXFP4 ``x_blocks`` / ``x_scales`` would pass through a ``quantize`` untouched. ``preserve``
+    copies them as stored (a valid quantized folder); ``ckpttool import`` dequantizes them.
+
+    Raises:
+        ExportError (E601): the first such weight and its scale; nothing is written.
+    """
+    if save_dtype == "preserve" and quantize is None:
+        return
+    keys = {s.out_key for s in selected}
+    for s in selected:
+        scale = None
+        if s.source.dtype.startswith("float8"):
+            scale = next((s.out_key + x for x in _SCALE_SUFFIXES if s.out_key + x in keys), None)
+        elif s.out_key.endswith("_blocks") and s.out_key[: -len("_blocks")] + "_scales" in keys:
+            scale = s.out_key[: -len("_blocks")] + "_scales"
+        if scale is None:
+            continue
+        what = f"`quantize` {quantize}" if quantize is not None else f"`save_dtype` {save_dtype}"
+        raise ExportError(
+            f"{root}: {s.out_key!r} is stored quantized ({s.source.dtype} beside its scale {scale!r}): {what} "
+            "would treat the stored codes as the weights' values; nothing was exported",
+            hint="export it without `quantize` and with `save_dtype` preserve, the default (copied as stored), or "
+            "dequantize it with `ckpttool import` (--dtype bfloat16|float32) and export that",
+            fqn=s.model_key,
         )
 
 
