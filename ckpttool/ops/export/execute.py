@@ -1020,7 +1020,7 @@ def _select(
             hint="check the keys with `ckpttool inspect`" + (" and the `filter_glob` glob" if opts.filter_glob else ""),
         )
     out_format.check_selection(cat, tags, warnings)
-    check_quantized_sources(str(ckpt.path), selected, opts.save_dtype, opts.quantize)
+    check_quantized_sources(str(ckpt.path), selected, opts.save_dtype, opts.quantize, opts.experts or _experts(opts))
     wrapped = _wrapper_kept(ckpt, selected)
     if wrapped is not None:
         warnings.append(wrapped)

@@ -315,8 +315,11 @@ def check_trainable_dtypes(root: str, cat: Catalog, selected: list[Selected]) ->
 _SCALE_SUFFIXES = ("_scale_inv", "_scale")
 
 
-def check_quantized_sources(root: str, selected: list[Selected], save_dtype: str, quantize: str | None) -> None:
-    """Refuse a cast (``save_dtype`` other than ``preserve``) or a ``quantize`` of weights already stored quantized.
+def check_quantized_sources(
+    root: str, selected: list[Selected], save_dtype: str, quantize: str | None, experts: str = "fused"
+) -> None:
+    """Refuse a cast (``save_dtype`` other than ``preserve``) or a ``quantize`` of weights already stored quantized,
+    and a per-expert split (``experts`` ``per-expert``) of fused FP8 experts stored beside their ``[E, ...]`` scales.
 
     A ``float8`` weight beside its scale (``x.weight_scale_inv``, ``x.weight_scale``) holds codes, not values:
     cast on their own they become the codes times 1 (hundreds of times the weights) and the scales stray
@@ -326,7 +329,8 @@ def check_quantized_sources(root: str, selected: list[Selected], save_dtype: str
     Raises:
         ExportError (E601): the first such weight and its scale; nothing is written.
     """
-    if save_dtype == "preserve" and quantize is None:
+    cast = save_dtype != "preserve" or quantize is not None
+    if not cast and experts != "per-expert":
         return
     keys = {s.out_key for s in selected}
     for s in selected:
@@ -335,14 +339,19 @@ def check_quantized_sources(root: str, selected: list[Selected], save_dtype: str
             scale = next((s.out_key + x for x in _SCALE_SUFFIXES if s.out_key + x in keys), None)
         elif s.out_key.endswith("_blocks") and s.out_key[: -len("_blocks")] + "_scales" in keys:
             scale = s.out_key[: -len("_blocks")] + "_scales"
-        if scale is None:
+        if scale is None or not (cast or len(s.source.shape) == 3):
             continue
-        what = f"`quantize` {quantize}" if quantize is not None else f"`save_dtype` {save_dtype}"
+        if quantize is not None:
+            what = f"`quantize` {quantize} would treat the stored codes as the weights' values"
+        elif cast:
+            what = f"`save_dtype` {save_dtype} would treat the stored codes as the weights' values"
+        else:
+            what = "`experts` per-expert would split the codes per expert and leave the scale fused (no scale each)"
         raise ExportError(
-            f"{root}: {s.out_key!r} is stored quantized ({s.source.dtype} beside its scale {scale!r}): {what} "
-            "would treat the stored codes as the weights' values; nothing was exported",
-            hint="export it without `quantize` and with `save_dtype` preserve, the default (copied as stored), or "
-            "dequantize it with `ckpttool import` (--dtype bfloat16|float32) and export that",
+            f"{root}: {s.out_key!r} is stored quantized ({s.source.dtype} beside its scale {scale!r}): {what}; "
+            "nothing was exported",
+            hint="export it without `quantize`, with `save_dtype` preserve and `experts` fused, the defaults (copied "
+            "as stored), or dequantize it with `ckpttool import` (--dtype bfloat16|float32) and export that",
             fqn=s.model_key,
         )
 
