@@ -277,6 +277,21 @@ def test_quantize_skip_and_lm_head_kept(master_ckpt: Path, tmp_path: Path) -> No
     assert (
         "model.layers.1.self_attn.q_proj" in qc["modules_to_not_convert"] and "lm_head" in qc["modules_to_not_convert"]
     )
+    assert r["warnings"] == []  # both globs match an output tensor
+
+
+def test_quantize_skip_matching_nothing_warns(master_ckpt: Path, tmp_path: Path) -> None:
+    """A skip glob in the checkpoint's spelling ('model.model.layers.0.*') matched no output key and quantized
+    every weight it was meant to keep, without a word; now a warning names the glob and an output key."""
+    r = _export(master_ckpt, tmp_path / "fp8", "--quantize-skip", "model.model.layers.0.*")
+    assert r["quantization"]["quantized"] == 14
+    (w,) = r["warnings"]
+    assert "`quantize_skip` 'model.model.layers.0.*' matches no output tensor" in w, w
+    assert "e.g. 'model.layers.0." in w, w
+    res = runner.invoke(
+        app, ["export", str(master_ckpt), str(tmp_path / "cli"), "--quantize", "fp8-block", "--quantize-skip", "x*"]
+    )
+    assert res.exit_code == 0 and "warning: --quantize-skip 'x*' matches no output tensor" in res.stderr, res.stderr
 
 
 def test_quantize_with_lora_format_is_usage_error(master_ckpt: Path, tmp_path: Path) -> None:
