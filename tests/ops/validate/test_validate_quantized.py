@@ -238,3 +238,22 @@ def test_compressed_tensors_scales_checked_as_import_checks_them(tmp_path: Path)
     assert rc == 1 and [c for c, _ in found] == ["M021"] and "(3, 0) = -2.0" in found[0][1], found
     rc, found = _findings(_ct_folder(tmp_path / "shape", torch.full((2, 3), 0.01)))
     assert rc == 1 and [c for c, _ in found] == ["M020"] and "16x16 block scheme needs float32 [2, 2]" in found[0][1]
+
+
+def test_scale_whose_product_overflows_float32(tmp_path: Path) -> None:
+    """A finite scale of 3e38 times the block's codes is infinity in float32 (what torch's reader loads; import
+    refuses it, E612), but validate --deep passed it (exit 0, only D013 'uninitialised' as a warning). On an
+    all-zero block the same scale is harmless (exact zeros)."""
+    t = _deepseek_tensors(16)
+    s = "model.layers.0.mlp.up_proj.weight_scale_inv"
+    t[s][0, 0] = 3e38  # block (0, 0) is all zero
+    assert _findings(_write_folder(tmp_path / "zero", t, _DS_CONFIG))[0] == 0
+    t[s][2, 1] = 3e38
+    rc, found = _findings(_write_folder(tmp_path / "over", t, _DS_CONFIG))
+    assert rc == 1 and [c for c, _ in found] == ["M021"], found
+    assert (
+        found[0][1] == f"{s}: 1 block(s) whose values times the scale overflow float32 (torch's reader loads "
+        "infinity there), e.g. block (2, 1) = " + repr(float(torch.tensor(3e38)))
+    )
+    err = runner.invoke(app, ["import", str(tmp_path / "over"), str(tmp_path / "dcp"), "--dtype", "float32"]).stderr
+    assert "[E612]" in err and "beyond the float32 range" in err, err

@@ -108,6 +108,8 @@ def _read(ctx: Context, key: str) -> Any | None:
 def _fp8_scale_values(ctx: Context, p: QuantPair) -> str | None:
     import numpy as np
 
+    from ckpttool.engine.kernels import E4M3FN_MAX, E4M3FN_VALUES
+
     s = _read(ctx, p.scale)
     if s is None:
         return None
@@ -116,19 +118,31 @@ def _fp8_scale_values(ctx: Context, p: QuantPair) -> str | None:
         at = tuple(int(x) for x in bad[0])
         return f"{p.scale}: {len(bad)} scale(s) NaN, infinite or negative, e.g. block {at} = {float(s[at])!r}"
     zero = np.argwhere(s == 0)
-    if not zero.size:
+    huge = np.argwhere(s > np.finfo(np.float32).max / E4M3FN_MAX)  # only these can overflow: |q| <= 448
+    if not zero.size and not huge.size:
         return None
-    q = _read(ctx, p.weight)  # only a weight with zero scales is read again (a zero scale must scale a zero block)
+    q = _read(ctx, p.weight)  # read again only for such scales (a zero scale must scale a zero block)
     if q is None:
         return None
     b0, b1 = p.block
-    nonzero = [
-        tuple(int(x) for x in z)
-        for z in zero  # (i, j), or (expert, i, j) of fused experts
-        if (q[tuple(z[:-2]) + (slice(z[-2] * b0, (z[-2] + 1) * b0), slice(z[-1] * b1, (z[-1] + 1) * b1))] & 0x7F).any()
-    ]
+
+    def codes(z: Any) -> Any:  # the block's codes: (i, j), or (expert, i, j) of fused experts
+        return q[tuple(z[:-2]) + (slice(z[-2] * b0, (z[-2] + 1) * b0), slice(z[-1] * b1, (z[-1] + 1) * b1))]
+
+    nonzero = [tuple(int(x) for x in z) for z in zero if (codes(z) & 0x7F).any()]
     if nonzero:
         return f"{p.scale}: {len(nonzero)} block(s) have scale 0 but non-zero values, e.g. block {nonzero[0]}"
+    with np.errstate(over="ignore"):
+        over = [
+            tuple(int(x) for x in z)
+            for z in huge
+            if np.isinf(E4M3FN_VALUES[codes(z)].astype(np.float32) * np.float32(s[tuple(z)])).any()
+        ]
+    if over:
+        return (
+            f"{p.scale}: {len(over)} block(s) whose values times the scale overflow float32 (torch's reader loads "
+            f"infinity there), e.g. block {over[0]} = {float(s[over[0]])!r}"
+        )
     return None
 
 
