@@ -1020,7 +1020,9 @@ def _select(
             hint="check the keys with `ckpttool inspect`" + (" and the `filter_glob` glob" if opts.filter_glob else ""),
         )
     out_format.check_selection(cat, tags, warnings)
-    check_quantized_sources(str(ckpt.path), selected, opts.save_dtype, opts.quantize, opts.experts or _experts(opts))
+    check_quantized_sources(
+        str(ckpt.path), selected, opts.save_dtype, opts.quantize, opts.experts or _experts(opts), cat.model
+    )
     wrapped = _wrapper_kept(ckpt, selected)
     if wrapped is not None:
         warnings.append(wrapped)

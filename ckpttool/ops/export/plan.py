@@ -316,10 +316,17 @@ _SCALE_SUFFIXES = ("_scale_inv", "_scale")
 
 
 def check_quantized_sources(
-    root: str, selected: list[Selected], save_dtype: str, quantize: str | None, experts: str = "fused"
+    root: str,
+    selected: list[Selected],
+    save_dtype: str,
+    quantize: str | None,
+    experts: str = "fused",
+    stored: Mapping[str, object] | None = None,
 ) -> None:
     """Refuse a cast (``save_dtype`` other than ``preserve``) or a ``quantize`` of weights already stored quantized,
-    and a per-expert split (``experts`` ``per-expert``) of fused FP8 experts stored beside their ``[E, ...]`` scales.
+    a per-expert split (``experts`` ``per-expert``) of fused FP8 experts stored beside their ``[E, ...]`` scales,
+    and a ``float8`` weight exported without the scale ``stored`` (the model keys) holds for it (left out by
+    ``filter_glob`` or a key rule: FP8 codes no reader can scale).
 
     A ``float8`` weight beside its scale (``x.weight_scale_inv``, ``x.weight_scale``) holds codes, not values:
     cast on their own they become the codes times 1 (hundreds of times the weights) and the scales stray
@@ -330,9 +337,22 @@ def check_quantized_sources(
         ExportError (E601): the first such weight and its scale; nothing is written.
     """
     cast = save_dtype != "preserve" or quantize is not None
+    keys = {s.out_key for s in selected}
+    chosen = {s.model_key for s in selected}
+    held = stored if stored is not None else {}
+    for s in selected:
+        left = [s.model_key + x for x in _SCALE_SUFFIXES if s.model_key + x in held and s.model_key + x not in chosen]
+        if s.source.dtype.startswith("float8") and left:
+            raise ExportError(
+                f"{root}: {s.out_key!r} is stored quantized ({s.source.dtype}) but its scale {left[0]!r} is not "
+                "exported (`filter_glob` or a key rule left it out): the FP8 codes alone are not the weights; "
+                "nothing was exported",
+                hint=f"select the scales too (a `filter_glob` that also matches {left[0]!r}), or dequantize the "
+                "folder with `ckpttool import` and export that",
+                fqn=s.model_key,
+            )
     if not cast and experts != "per-expert":
         return
-    keys = {s.out_key for s in selected}
     for s in selected:
         scale = None
         if s.source.dtype.startswith("float8"):

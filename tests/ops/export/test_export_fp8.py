@@ -520,3 +520,21 @@ def test_casting_an_already_quantized_source_is_refused(
     res = runner.invoke(app, ["export", str(fp8), str(tmp_path / "copy")])
     assert res.exit_code == 0, res.stderr
     assert _file_tensors(tmp_path / "copy").keys() == _file_tensors(fp8).keys()
+
+
+def test_fp8_weight_exported_without_its_scale_is_refused(master_ckpt: Path, tmp_path: Path) -> None:
+    """``--filter '*q_proj.weight'`` on an FP8 folder wrote the FP8 codes without their ``weight_scale_inv`` (exit 0):
+    no reader can scale them. Now E601 naming the weight and the scale left out; a glob taking both exports."""
+    fp8 = tmp_path / "fp8"
+    _export(master_ckpt, fp8, "--quantize-block", "16")
+    res = runner.invoke(app, ["export", str(fp8), str(tmp_path / "q"), "--filter", "*q_proj.weight"])
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "error: [E601]" in res.stderr and "'model.layers.0.self_attn.q_proj.weight_scale_inv' is not exported" in (
+        res.stderr
+    )
+    assert not (tmp_path / "q").exists()
+    res = runner.invoke(app, ["export", str(fp8), str(tmp_path / "q"), "--filter", "*q_proj.weight*"])
+    assert res.exit_code == 0, res.stderr
+    assert sorted(_file_tensors(tmp_path / "q")) == [
+        f"model.layers.{i}.self_attn.q_proj.weight{x}" for i in (0, 1) for x in ("", "_scale_inv")
+    ]
