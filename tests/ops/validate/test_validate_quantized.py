@@ -257,3 +257,23 @@ def test_scale_whose_product_overflows_float32(tmp_path: Path) -> None:
     )
     err = runner.invoke(app, ["import", str(tmp_path / "over"), str(tmp_path / "dcp"), "--dtype", "float32"]).stderr
     assert "[E612]" in err and "beyond the float32 range" in err, err
+
+
+def test_mxfp4_exponent_whose_product_overflows_float32(tmp_path: Path) -> None:
+    """E8M0 exponent 254 (2^127) under FP4 values of 2 or more is infinity in float32; import refuses it (E612),
+    validate --deep passed it (exit 0). A group of exponent 254 holding only values below 2 stays clean."""
+    t = _mxfp4_tensors()
+    s, b = "model.layers.0.mlp.experts.gate_up_proj_scales", "model.layers.0.mlp.experts.gate_up_proj_blocks"
+    t[b][1, 2, 0] = 0x11  # two FP4 values of 0.5: 0.5 * 2^127 is finite
+    t[s][1, 2, 0] = 254
+    assert _findings(_write_folder(tmp_path / "fine", t, {"model_type": "gpt_oss"})) == (0, [])
+    t[b][0, 4, 1, 3] = 0x70  # 6.0 (high nibble 7) beside 0 in group (0, 4, 1)
+    t[s][0, 4, 1] = 254
+    rc, found = _findings(_write_folder(tmp_path / "over", t, {"model_type": "gpt_oss"}))
+    assert rc == 1 and [c for c, _ in found] == ["M021"], found
+    assert (
+        found[0][1] == f"{s}: 1 group(s) whose FP4 values times 2^(e-127) overflow float32 (infinity), "
+        "e.g. group (0, 4, 1) with exponent 254"
+    )
+    err = runner.invoke(app, ["import", str(tmp_path / "over"), str(tmp_path / "dcp")]).stderr
+    assert "[E612]" in err, err

@@ -152,8 +152,27 @@ def _mxfp4_scale_values(ctx: Context, p: QuantPair) -> str | None:
     e = _read(ctx, p.scale)
     if e is None:
         return None
-    n = int(np.count_nonzero(e.view(np.uint8) == 0xFF))
-    return f"{p.scale}: {n} E8M0 exponent(s) are 0xFF (NaN)" if n else None
+    e = e.view(np.uint8)
+    n = int(np.count_nonzero(e == 0xFF))
+    if n:
+        return f"{p.scale}: {n} E8M0 exponent(s) are 0xFF (NaN)"
+    big = np.flatnonzero(e.reshape(-1) >= 253)  # 2^126 and up: an FP4 value of 2 or more overflows float32 (6 * 2^126)
+    if not big.size:
+        return None
+    blocks = _read(ctx, p.weight)
+    if blocks is None:
+        return None
+    from ckpttool.engine.kernels import mxfp4_dequantize
+
+    groups = blocks.reshape(-1, blocks.shape[-1])[big]
+    over = np.isinf(mxfp4_dequantize(groups, e.reshape(-1)[big])).any(axis=1)
+    if not over.any():
+        return None
+    at = tuple(int(x) for x in np.unravel_index(int(big[np.argmax(over)]), e.shape))
+    return (
+        f"{p.scale}: {int(over.sum())} group(s) whose FP4 values times 2^(e-127) overflow float32 (infinity), "
+        f"e.g. group {at} with exponent {int(e[at])}"
+    )
 
 
 @rule("M021")
