@@ -277,3 +277,33 @@ def test_mxfp4_exponent_whose_product_overflows_float32(tmp_path: Path) -> None:
     )
     err = runner.invoke(app, ["import", str(tmp_path / "over"), str(tmp_path / "dcp")]).stderr
     assert "[E612]" in err, err
+
+
+def test_inspect_names_compressed_tensors_weights(tmp_path: Path) -> None:
+    """inspect said nothing of a compressed-tensors FP8 folder (``quantized`` null): its FP8 weights looked like
+    plain float8 tensors. Now its pairs are listed with the config's scheme, and its problems named."""
+    import jsonschema
+
+    from ckpttool.commands.schema import load_schema
+
+    for name, scale, strategy, scheme in (
+        ("blk", torch.full((2, 2), 0.01), "block", "block 16x16"),
+        ("ch", torch.full((32, 1), 0.01), "channel", "channel"),
+    ):
+        src = _ct_folder(tmp_path / name, scale, strategy)
+        doc = json.loads(runner.invoke(app, ["inspect", str(src), "--json"]).stdout)
+        jsonschema.validate(doc, load_schema("inspect"))
+        q = doc["quantized"]
+        assert q["compressed_tensors"] == scheme and q["problems"] == []
+        assert [(p["kind"], p["weight"], p["scale"]) for p in q["pairs"]] == [
+            (
+                "fp8-compressed-tensors",
+                "model.layers.0.mlp.up_proj.weight",
+                "model.layers.0.mlp.up_proj.weight_scale",
+            )
+        ]
+        text = runner.invoke(app, ["inspect", str(src)]).stdout
+        assert f"quantized   1 fp8-compressed-tensors weight(s) with scales (compressed-tensors {scheme})" in text
+    src = _ct_folder(tmp_path / "bad", torch.full((2, 3), 0.01))
+    q = json.loads(runner.invoke(app, ["inspect", str(src), "--json"]).stdout)["quantized"]
+    assert q["pairs"] == [] and "needs float32 [2, 2]" in q["problems"][0]["message"]
