@@ -424,10 +424,11 @@ def fp8_block_dequantize(q: np.ndarray, scale: np.ndarray, block: int) -> np.nda
 
     The product is one float32 multiplication per element, as torch's ``QuantizedHuggingFaceStorageReader``.
     A ``block`` wider than the band (a config's ``2**40``) repeats its one scale ``cols`` times, no more.
-    A product beyond float32 is infinity, as torch's (the callers refuse it).
+    A product beyond float32 is infinity, and an infinite scale times a zero code NaN, as torch's (the callers
+    refuse or report them; numpy's warnings would reach the command line's stderr).
     """
     cols = q.shape[1]
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         return np.asarray(E4M3FN_VALUES[q] * np.repeat(scale, min(block, cols))[:cols], dtype=np.float32)
 
 
@@ -468,8 +469,9 @@ def fp8_channel_quantize(band: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
 
 def fp8_channel_dequantize(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """``float32(q) * scale[row]`` (``q`` ``uint8`` e4m3fn ``[rows, cols]``, ``scale`` float32 ``[rows]``), one float32
-    multiplication per element as compressed-tensors' ``dequantize``."""
-    return np.asarray(E4M3FN_VALUES[q] * scale[:, None], dtype=np.float32)
+    multiplication per element as compressed-tensors' ``dequantize`` (beyond float32: infinity; ``inf * 0``: NaN)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.asarray(E4M3FN_VALUES[q] * scale[:, None], dtype=np.float32)
 
 
 def fp8_channel_error(band: np.ndarray, deq: np.ndarray, amax: np.ndarray) -> tuple[float, float]:

@@ -1243,7 +1243,10 @@ def _overview_provenance(con: Console, ov: InspectResult) -> None:
             if q["problems"]
             else ""
         )
-        con.print(f"quantized   {what} weight(s) with scales ({q['block'][0]}x{q['block'][1]} blocks for FP8){bad}")
+        grid = f"{q['block'][0]}x{q['block'][1]} blocks for FP8"
+        if "compressed_tensors" in q:  # compressed-tensors' own scheme, from its config_groups
+            grid = f"compressed-tensors {q['compressed_tensors']}" + (f"; {grid}" if len(kinds) > 1 else "")
+        con.print(f"quantized   {what} weight(s) with scales ({grid}){bad}")
     if ov.derived_from is not None:
         src = ov.derived_from
         con.print(

@@ -63,6 +63,7 @@ from ckpttool.ops.export.plan import (
     Selected,
     SourceTask,
     build_plan,
+    check_quantized_sources,
     check_trainable_dtypes,
     select_sources,
     unaccounted_tensors,
@@ -996,7 +997,8 @@ def _select(
     """The model adapter and the format's selection: ``(adapter, selected, warnings, skipped)``.
 
     Raises:
-        ExportError: nothing selected, and the format's refusals (:meth:`OutputFormat.check_selection`).
+        ExportError: nothing selected, the format's refusals (:meth:`OutputFormat.check_selection`), a cast or
+            `quantize` of weights stored quantized (:func:`check_quantized_sources`).
     """
     cat = ckpt.catalog
     assert opts.weights is not None, "resolved by _resolved"
@@ -1018,6 +1020,9 @@ def _select(
             hint="check the keys with `ckpttool inspect`" + (" and the `filter_glob` glob" if opts.filter_glob else ""),
         )
     out_format.check_selection(cat, tags, warnings)
+    check_quantized_sources(
+        str(ckpt.path), selected, opts.save_dtype, opts.quantize, opts.experts or _experts(opts), cat.model
+    )
     wrapped = _wrapper_kept(ckpt, selected)
     if wrapped is not None:
         warnings.append(wrapped)

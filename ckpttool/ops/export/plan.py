@@ -41,6 +41,7 @@ __all__ = [
     "check_expert_dim",
     "per_expert_pieces",
     "require_model_tensors",
+    "check_quantized_sources",
     "check_trainable_dtypes",
     "filtered",
     "stored_pieces",
@@ -306,6 +307,72 @@ def check_trainable_dtypes(root: str, cat: Catalog, selected: list[Selected]) ->
             "checkpoint (`ckpttool validate --strict` reports it as O005)",
             path=where,
             fqn=src.key,
+        )
+
+
+#: The scale beside a quantized weight ``x`` (block FP8 ``x_scale_inv``, compressed-tensors ``x_scale``) and
+#: MXFP4's ``x_blocks`` / ``x_scales`` (:mod:`ckpttool.model.quantized`).
+_SCALE_SUFFIXES = ("_scale_inv", "_scale")
+
+
+def check_quantized_sources(
+    root: str,
+    selected: list[Selected],
+    save_dtype: str,
+    quantize: str | None,
+    experts: str = "fused",
+    stored: Mapping[str, object] | None = None,
+) -> None:
+    """Refuse a cast (``save_dtype`` other than ``preserve``) or a ``quantize`` of weights already stored quantized,
+    a per-expert split (``experts`` ``per-expert``) of fused FP8 experts stored beside their ``[E, ...]`` scales,
+    and a ``float8`` weight exported without the scale ``stored`` (the model keys) holds for it (left out by
+    ``filter_glob`` or a key rule: FP8 codes no reader can scale).
+
+    A ``float8`` weight beside its scale (``x.weight_scale_inv``, ``x.weight_scale``) holds codes, not values:
+    cast on their own they become the codes times 1 (hundreds of times the weights) and the scales stray
+    tensors; MXFP4 ``x_blocks`` / ``x_scales`` would pass through a ``quantize`` untouched. ``preserve``
+    copies them as stored (a valid quantized folder); ``ckpttool import`` dequantizes them.
+
+    Raises:
+        ExportError (E601): the first such weight and its scale; nothing is written.
+    """
+    cast = save_dtype != "preserve" or quantize is not None
+    keys = {s.out_key for s in selected}
+    chosen = {s.model_key for s in selected}
+    held = stored if stored is not None else {}
+    for s in selected:
+        left = [s.model_key + x for x in _SCALE_SUFFIXES if s.model_key + x in held and s.model_key + x not in chosen]
+        if s.source.dtype.startswith("float8") and left:
+            raise ExportError(
+                f"{root}: {s.out_key!r} is stored quantized ({s.source.dtype}) but its scale {left[0]!r} is not "
+                "exported (`filter_glob` or a key rule left it out): the FP8 codes alone are not the weights; "
+                "nothing was exported",
+                hint=f"select the scales too (a `filter_glob` that also matches {left[0]!r}), or dequantize the "
+                "folder with `ckpttool import` and export that",
+                fqn=s.model_key,
+            )
+    if not cast and experts != "per-expert":
+        return
+    for s in selected:
+        scale = None
+        if s.source.dtype.startswith("float8"):
+            scale = next((s.out_key + x for x in _SCALE_SUFFIXES if s.out_key + x in keys), None)
+        elif s.out_key.endswith("_blocks") and s.out_key[: -len("_blocks")] + "_scales" in keys:
+            scale = s.out_key[: -len("_blocks")] + "_scales"
+        if scale is None or not (cast or len(s.source.shape) == 3):
+            continue
+        if quantize is not None:
+            what = f"`quantize` {quantize} would treat the stored codes as the weights' values"
+        elif cast:
+            what = f"`save_dtype` {save_dtype} would treat the stored codes as the weights' values"
+        else:
+            what = "`experts` per-expert would split the codes per expert and leave the scale fused (no scale each)"
+        raise ExportError(
+            f"{root}: {s.out_key!r} is stored quantized ({s.source.dtype} beside its scale {scale!r}): {what}; "
+            "nothing was exported",
+            hint="export it without `quantize`, with `save_dtype` preserve and `experts` fused, the defaults (copied "
+            "as stored), or dequantize it with `ckpttool import` (--dtype bfloat16|float32) and export that",
+            fqn=s.model_key,
         )
 
 

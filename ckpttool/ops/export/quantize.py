@@ -394,6 +394,7 @@ class QuantizedFormat(OutputFormat):
         self.kept: list[str] = []  # modules of 2-D weights (and of fused experts) left unquantized
         self._shared: dict[str, _Shared] = {}  # fused piece written by several sources -> its plan so far
         self._experts: tuple[list[str], list[str]] = ([], [])  # (kept, quantized) fused expert tensors
+        self._names: set[str] = set()  # every output tensor planned (what the `quantize_skip` globs are matched to)
 
     # delegated hooks
     def check_options(self, experts: str) -> None:
@@ -450,6 +451,7 @@ class QuantizedFormat(OutputFormat):
 
         def fp8_pieces(s: Selected, dtype: str, ctx: PieceContext) -> SourcePieces:
             pieces, runs, order, counted = base_fn(s, dtype, ctx)
+            self._names.update(p.name for p in pieces)
             if len(pieces) == 1 and pieces[0].shared:
                 return self._shared_piece(s, pieces[0], runs, counted)
             key = s.source.key
@@ -569,10 +571,18 @@ class QuantizedFormat(OutputFormat):
         return self.quantized
 
     def warnings(self) -> list[str]:
-        """Plan warnings: fused expert tensors quantized (the layout vLLM and torch's reader do not read)."""
+        """Plan warnings: a `quantize_skip` glob that matches no output tensor (a typo, or a checkpoint key's
+        spelling: it quantized what was meant to be kept), fused expert tensors quantized (the layout vLLM and
+        torch's reader do not read)."""
+        out = [
+            f"`quantize_skip` {g!r} matches no output tensor, so it kept nothing unquantized (the globs match output "
+            f"keys as written, e.g. {min(self._names, key=lambda n: ('.layers.' not in n, n))!r})"
+            for g in self.spec.skip
+            if self._names and not any(fnmatch.fnmatchcase(n, g) for n in self._names)
+        ]
         if not self._experts[1]:
-            return []
-        return [
+            return out
+        return out + [
             f"{len(self._experts[1])} fused expert tensor(s) quantized as [E, out, in] FP8 with "
             "[E, ceil(out/B), ceil(in/B)] scales (transformers' FP8Experts layout, loaded on a GPU only); vLLM and "
             "torch's QuantizedHuggingFaceStorageReader refuse them and transformers without a GPU loads their FP8 values "

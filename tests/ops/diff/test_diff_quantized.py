@@ -203,3 +203,24 @@ def test_one_huge_fp8_scale_does_not_widen_the_other_blocks(tmp_path: Path) -> N
     # the note states the tolerance used: each block's own scale, not the tensor's largest
     (said,) = [n for n in doc["notes"] if "compared dequantized" in n]
     assert "each element's block scale (FP8)" in said and "the tensor's largest scale," not in said, said
+
+
+def test_an_infinite_fp8_scale_over_zero_codes_prints_no_numpy_warning(tmp_path: Path) -> None:
+    """``inf * 0`` (a zero FP8 code in a block whose scale is infinite) is NaN, as torch's reader gives: the
+    command line printed numpy's ``RuntimeWarning: invalid value encountered in multiply`` and the source line."""
+    import subprocess
+    import sys
+
+    q, s, ref = _fp8_folders()
+    q[0, :4] = torch.zeros(4).to(torch.float8_e4m3fn)
+    damaged = s.clone()
+    damaged[0, 0] = float("inf")
+    _write_pair(tmp_path, q, damaged, ref)
+    res = subprocess.run(
+        [sys.executable, "-m", "ckpttool", "diff", str(tmp_path / "q8"), str(tmp_path / "q8")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "Warning" not in res.stderr and "kernels.py" not in res.stderr, res.stderr

@@ -277,6 +277,21 @@ def test_quantize_skip_and_lm_head_kept(master_ckpt: Path, tmp_path: Path) -> No
     assert (
         "model.layers.1.self_attn.q_proj" in qc["modules_to_not_convert"] and "lm_head" in qc["modules_to_not_convert"]
     )
+    assert r["warnings"] == []  # both globs match an output tensor
+
+
+def test_quantize_skip_matching_nothing_warns(master_ckpt: Path, tmp_path: Path) -> None:
+    """A skip glob in the checkpoint's spelling ('model.model.layers.0.*') matched no output key and quantized
+    every weight it was meant to keep, without a word; now a warning names the glob and an output key."""
+    r = _export(master_ckpt, tmp_path / "fp8", "--quantize-skip", "model.model.layers.0.*")
+    assert r["quantization"]["quantized"] == 14
+    (w,) = r["warnings"]
+    assert "`quantize_skip` 'model.model.layers.0.*' matches no output tensor" in w, w
+    assert "e.g. 'model.layers.0." in w, w
+    res = runner.invoke(
+        app, ["export", str(master_ckpt), str(tmp_path / "cli"), "--quantize", "fp8-block", "--quantize-skip", "x*"]
+    )
+    assert res.exit_code == 0 and "warning: --quantize-skip 'x*' matches no output tensor" in res.stderr, res.stderr
 
 
 def test_quantize_with_lora_format_is_usage_error(master_ckpt: Path, tmp_path: Path) -> None:
@@ -479,3 +494,47 @@ def test_nan_in_two_weights_names_the_first_in_the_plan(tmp_path: Path) -> None:
         assert first.startswith("error: [E607]") and "model.layers.0.mlp.down_proj.weight" in first, first
         assert "model.layers.1." not in res.stderr
         assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("--save-dtype", "bfloat16"), ("--save-dtype", "float32"), ("--quantize", "fp8-block", "--quantize-block", "16")],
+)
+def test_casting_an_already_quantized_source_is_refused(
+    master_ckpt: Path, tmp_path: Path, args: tuple[str, ...]
+) -> None:
+    """An FP8 export exported again with a cast (or ``--quantize``) cast the float8 codes to BF16 without their
+    scales ('float8_e4m3fn->bfloat16 x14', 'quantized 0 weight(s)'): every weight ~448x its value, and the
+    ``weight_scale_inv`` tensors kept as BF16 strays, exit 0. Now E601 naming the weight and its scale; nothing
+    is written. ``preserve`` still copies the folder bit for bit."""
+    fp8 = tmp_path / "fp8"
+    _export(master_ckpt, fp8, "--quantize-block", "16")
+    src_files = {p.name: p.read_bytes() for p in fp8.iterdir() if p.is_file()}
+    out = tmp_path / "again"
+    res = runner.invoke(app, ["export", str(fp8), str(out), *args])
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "error: [E601]" in res.stderr and "'model.layers.0.self_attn.q_proj.weight'" in res.stderr, res.stderr
+    assert "q_proj.weight_scale_inv" in res.stderr and "ckpttool import" in res.stderr
+    assert not out.exists() and not list(tmp_path.glob(".again*"))
+    assert {p.name: p.read_bytes() for p in fp8.iterdir() if p.is_file()} == src_files
+    res = runner.invoke(app, ["export", str(fp8), str(tmp_path / "copy")])
+    assert res.exit_code == 0, res.stderr
+    assert _file_tensors(tmp_path / "copy").keys() == _file_tensors(fp8).keys()
+
+
+def test_fp8_weight_exported_without_its_scale_is_refused(master_ckpt: Path, tmp_path: Path) -> None:
+    """``--filter '*q_proj.weight'`` on an FP8 folder wrote the FP8 codes without their ``weight_scale_inv`` (exit 0):
+    no reader can scale them. Now E601 naming the weight and the scale left out; a glob taking both exports."""
+    fp8 = tmp_path / "fp8"
+    _export(master_ckpt, fp8, "--quantize-block", "16")
+    res = runner.invoke(app, ["export", str(fp8), str(tmp_path / "q"), "--filter", "*q_proj.weight"])
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "error: [E601]" in res.stderr and "'model.layers.0.self_attn.q_proj.weight_scale_inv' is not exported" in (
+        res.stderr
+    )
+    assert not (tmp_path / "q").exists()
+    res = runner.invoke(app, ["export", str(fp8), str(tmp_path / "q"), "--filter", "*q_proj.weight*"])
+    assert res.exit_code == 0, res.stderr
+    assert sorted(_file_tensors(tmp_path / "q")) == [
+        f"model.layers.{i}.self_attn.q_proj.weight{x}" for i in (0, 1) for x in ("", "_scale_inv")
+    ]

@@ -415,3 +415,14 @@ def test_quant_format_choices_are_the_registry() -> None:
     assert res.exit_code == 0
     assert f"<{'|'.join(QUANT_FORMATS)}>" in res.stdout
     assert f"<{'|'.join(QUANT_METHODS)}>" in res.stdout
+
+
+def test_channel_summary_names_the_row_amax(master_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    """The fp8-channel summary said 'max error ... of the block amax': its error is relative to each row's amax
+    (--json max_rel_error, docs/export.md); fp8-block keeps 'block'."""
+    ct = ["--quant-format", "compressed-tensors"]
+    res = runner.invoke(app, ["export", str(master_ckpt), str(tmp_path / "ch"), "--quantize", "fp8-channel", *ct])
+    assert res.exit_code == 0 and "(per output row)" in res.stdout, res.stderr
+    assert "of the row amax (bound" in res.stdout and "block amax" not in res.stdout, res.stdout
+    res = runner.invoke(app, ["export", str(master_ckpt), str(tmp_path / "blk"), "--quantize", "fp8-block", *ct])
+    assert res.exit_code == 0 and "of the block amax (bound" in res.stdout, res.stdout

@@ -220,3 +220,21 @@ def test_quantize_writes_experts_per_expert_by_default(fixture_root: Path, tmp_p
     res = runner.invoke(app, [*args[:2], str(tmp_path / "f"), *args[3:], "--experts", "fused"])
     assert res.exit_code == 0 and json.loads(res.stdout)["experts"] == "fused"
     assert "transformers without a GPU loads their FP8 values without the scales" in res.stderr
+
+
+def test_splitting_stored_fp8_fused_experts_is_refused(fixture_root: Path, tmp_path: Path) -> None:
+    """A fused FP8 export (``x`` [E, out, in] + ``x_scale_inv`` [E, ...]) exported again with ``--experts per-expert``
+    (no cast) split the FP8 codes per expert and left the fused scales as they were: 56 weights without a scale
+    that import refuses (E612) and validate fails (M020), exit 0. Now E601 naming the tensor and its scale."""
+    src = cached_build(fixture_root, "export_qwen_moe", hf_models.build_qwen_moe)
+    fused = tmp_path / "fused"
+    rc, _, err = _export(src, fused, "--quantize-block", "16")
+    assert rc == 0, err
+    out = tmp_path / "split"
+    res = runner.invoke(app, ["export", str(fused), str(out), "--experts", "per-expert"])
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "error: [E601]" in res.stderr and "'model.layers.0.mlp.experts.gate_up_proj'" in res.stderr, res.stderr
+    assert "gate_up_proj_scale_inv" in res.stderr and "--experts per-expert" in res.stderr
+    assert not out.exists()
+    res = runner.invoke(app, ["export", str(fused), str(tmp_path / "copy")])  # fused, as stored
+    assert res.exit_code == 0, res.stderr

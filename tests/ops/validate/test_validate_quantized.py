@@ -197,3 +197,113 @@ def test_tensor_subclass_in_byte_item_named_not_loaded(tmp_path: Path) -> None:
         "refuses: a tensor subclass ckpttool_test_float8.WeightWithDynamicFloat8CastTensor (not loaded)"
     ), found
     assert "ckpttool_test_float8" not in sys.modules
+
+
+def _ct_folder(path: Path, scale: torch.Tensor, strategy: str = "block") -> Path:
+    """A compressed-tensors FP8 folder (llm-compressor's float-quantized layout): ``l.weight`` [32, 32] + ``weight_scale``."""
+    q = torch.randint(1, 0x70, (32, 32), generator=torch.Generator().manual_seed(5), dtype=torch.uint8)
+    scheme: dict[str, Any] = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy}
+    if strategy == "block":
+        scheme["block_structure"] = [16, 16]
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"g": {"weights": scheme}},
+    }
+    t = {
+        "model.layers.0.mlp.up_proj.weight": q.view(torch.float8_e4m3fn),
+        "model.layers.0.mlp.up_proj.weight_scale": scale,
+    }
+    return _write_folder(path, t, {"model_type": "llama", "quantization_config": qc})
+
+
+def test_compressed_tensors_scales_checked_as_import_checks_them(tmp_path: Path) -> None:
+    """import refuses a compressed-tensors ``weight_scale`` that is negative, zero over non-zero codes or of the
+    wrong shape (E612, its hint: 'check it with validate --deep'), but validate --deep passed them (exit 0; a NaN
+    scale only as D001 'training diverged'): M021 / M020 now report them as for ``weight_scale_inv``."""
+    good = torch.full((2, 2), 0.01)
+    assert _findings(_ct_folder(tmp_path / "ok", good)) == (0, [])
+    assert _findings(_ct_folder(tmp_path / "ch", torch.full((32, 1), 0.01), "channel")) == (0, [])
+    key = "model.layers.0.mlp.up_proj.weight_scale"
+    for name, value, want in (("neg", -1.0, "NaN, infinite or negative"), ("zero", 0.0, "scale 0 but non-zero")):
+        s = good.clone()
+        s[1, 0] = value
+        rc, found = _findings(_ct_folder(tmp_path / name, s))
+        assert rc == 1 and [c for c, _ in found] == ["M021"] and found[0][1].startswith(key) and want in found[0][1]
+        err = runner.invoke(app, ["import", str(tmp_path / name), str(tmp_path / f"{name}-dcp")]).stderr
+        assert "[E612]" in err and want in err
+    s = torch.full((32, 1), 0.01)
+    s[3, 0] = -2.0
+    rc, found = _findings(_ct_folder(tmp_path / "ch-neg", s, "channel"))
+    assert rc == 1 and [c for c, _ in found] == ["M021"] and "(3, 0) = -2.0" in found[0][1], found
+    rc, found = _findings(_ct_folder(tmp_path / "shape", torch.full((2, 3), 0.01)))
+    assert rc == 1 and [c for c, _ in found] == ["M020"] and "16x16 block scheme needs float32 [2, 2]" in found[0][1]
+
+
+def test_scale_whose_product_overflows_float32(tmp_path: Path) -> None:
+    """A finite scale of 3e38 times the block's codes is infinity in float32 (what torch's reader loads; import
+    refuses it, E612), but validate --deep passed it (exit 0, only D013 'uninitialised' as a warning). On an
+    all-zero block the same scale is harmless (exact zeros)."""
+    t = _deepseek_tensors(16)
+    s = "model.layers.0.mlp.up_proj.weight_scale_inv"
+    t[s][0, 0] = 3e38  # block (0, 0) is all zero
+    assert _findings(_write_folder(tmp_path / "zero", t, _DS_CONFIG))[0] == 0
+    t[s][2, 1] = 3e38
+    rc, found = _findings(_write_folder(tmp_path / "over", t, _DS_CONFIG))
+    assert rc == 1 and [c for c, _ in found] == ["M021"], found
+    assert (
+        found[0][1] == f"{s}: 1 block(s) whose values times the scale overflow float32 (torch's reader loads "
+        "infinity there), e.g. block (2, 1) = " + repr(float(torch.tensor(3e38)))
+    )
+    err = runner.invoke(app, ["import", str(tmp_path / "over"), str(tmp_path / "dcp"), "--dtype", "float32"]).stderr
+    assert "[E612]" in err and "beyond the float32 range" in err, err
+
+
+def test_mxfp4_exponent_whose_product_overflows_float32(tmp_path: Path) -> None:
+    """E8M0 exponent 254 (2^127) under FP4 values of 2 or more is infinity in float32; import refuses it (E612),
+    validate --deep passed it (exit 0). A group of exponent 254 holding only values below 2 stays clean."""
+    t = _mxfp4_tensors()
+    s, b = "model.layers.0.mlp.experts.gate_up_proj_scales", "model.layers.0.mlp.experts.gate_up_proj_blocks"
+    t[b][1, 2, 0] = 0x11  # two FP4 values of 0.5: 0.5 * 2^127 is finite
+    t[s][1, 2, 0] = 254
+    assert _findings(_write_folder(tmp_path / "fine", t, {"model_type": "gpt_oss"})) == (0, [])
+    t[b][0, 4, 1, 3] = 0x70  # 6.0 (high nibble 7) beside 0 in group (0, 4, 1)
+    t[s][0, 4, 1] = 254
+    rc, found = _findings(_write_folder(tmp_path / "over", t, {"model_type": "gpt_oss"}))
+    assert rc == 1 and [c for c, _ in found] == ["M021"], found
+    assert (
+        found[0][1] == f"{s}: 1 group(s) whose FP4 values times 2^(e-127) overflow float32 (infinity), "
+        "e.g. group (0, 4, 1) with exponent 254"
+    )
+    err = runner.invoke(app, ["import", str(tmp_path / "over"), str(tmp_path / "dcp")]).stderr
+    assert "[E612]" in err, err
+
+
+def test_inspect_names_compressed_tensors_weights(tmp_path: Path) -> None:
+    """inspect said nothing of a compressed-tensors FP8 folder (``quantized`` null): its FP8 weights looked like
+    plain float8 tensors. Now its pairs are listed with the config's scheme, and its problems named."""
+    import jsonschema
+
+    from ckpttool.commands.schema import load_schema
+
+    for name, scale, strategy, scheme in (
+        ("blk", torch.full((2, 2), 0.01), "block", "block 16x16"),
+        ("ch", torch.full((32, 1), 0.01), "channel", "channel"),
+    ):
+        src = _ct_folder(tmp_path / name, scale, strategy)
+        doc = json.loads(runner.invoke(app, ["inspect", str(src), "--json"]).stdout)
+        jsonschema.validate(doc, load_schema("inspect"))
+        q = doc["quantized"]
+        assert q["compressed_tensors"] == scheme and q["problems"] == []
+        assert [(p["kind"], p["weight"], p["scale"]) for p in q["pairs"]] == [
+            (
+                "fp8-compressed-tensors",
+                "model.layers.0.mlp.up_proj.weight",
+                "model.layers.0.mlp.up_proj.weight_scale",
+            )
+        ]
+        text = runner.invoke(app, ["inspect", str(src)]).stdout
+        assert f"quantized   1 fp8-compressed-tensors weight(s) with scales (compressed-tensors {scheme})" in text
+    src = _ct_folder(tmp_path / "bad", torch.full((2, 3), 0.01))
+    q = json.loads(runner.invoke(app, ["inspect", str(src), "--json"]).stdout)["quantized"]
+    assert q["pairs"] == [] and "needs float32 [2, 2]" in q["problems"][0]["message"]

@@ -11,7 +11,9 @@ A ``x.weight_scale_inv`` (float32 ``[ceil(out / B), ceil(in / B)]``) scales the 
 With ``--deep``: ``M021`` reads the scales (a small fraction of the data; a weight again only
 where a scale is 0, to see that its block is all zero), ``M022`` takes the NaN-byte count of every
 ``float8_e4m3fn`` tensor from the deep pass (:mod:`ckpttool.ops.validate.deep`, one read of the
-weights). ``M023``: MXFP4 ``x_blocks`` / ``x_scales`` pairs (gpt-oss) that do not fit.
+weights). ``M023``: MXFP4 ``x_blocks`` / ``x_scales`` pairs (gpt-oss) that do not fit. compressed-tensors
+FP8 ``x.weight_scale`` (under its ``quantization_config``) is checked as ``import`` checks it: ``M020`` its
+shape and scheme (:func:`~ckpttool.model.quantized.compressed_tensors_fp8`), ``M021`` its values.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from ckpttool.errors import CkptError
-from ckpttool.model.quantized import QuantPair, block_size, block_size_problem, find_quantized, fused_experts
+from ckpttool.model.quantized import (
+    QuantPair,
+    block_size,
+    block_size_problem,
+    compressed_tensors_fp8,
+    find_quantized,
+    fused_experts,
+)
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 
@@ -67,11 +76,20 @@ def fp8_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
             if key + _SUFFIX not in ctx.cat.model and key + "_scale" not in ctx.cat.model:
                 yield key, f"{key}: a float8_e4m3fn weight with no {key + _SUFFIX!r} (nor a per-tensor weight_scale)"
     yield from fused_problems
+    yield from _compressed_tensors(ctx)[1]
+
+
+def _compressed_tensors(ctx: Context) -> tuple[list[QuantPair], list[tuple[str, str]]]:
+    """compressed-tensors FP8 ``x.weight`` + ``x.weight_scale`` under the config's scheme, and those import refuses."""
+    tensors = {k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}
+    return compressed_tensors_fp8(tensors, ctx.quant_config)
 
 
 def _pairs(ctx: Context) -> tuple[list[QuantPair], list[tuple[str, str]]]:
+    """Every scaled pair import dequantizes (block FP8, fused experts, MXFP4, compressed-tensors FP8)."""
     tensors = {k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}
-    return find_quantized(tensors, block_size(ctx.quant_config))
+    pairs, problems = find_quantized(tensors, block_size(ctx.quant_config))
+    return pairs + _compressed_tensors(ctx)[0], problems
 
 
 def _read(ctx: Context, key: str) -> Any | None:
@@ -90,6 +108,8 @@ def _read(ctx: Context, key: str) -> Any | None:
 def _fp8_scale_values(ctx: Context, p: QuantPair) -> str | None:
     import numpy as np
 
+    from ckpttool.engine.kernels import E4M3FN_MAX, E4M3FN_VALUES
+
     s = _read(ctx, p.scale)
     if s is None:
         return None
@@ -98,19 +118,31 @@ def _fp8_scale_values(ctx: Context, p: QuantPair) -> str | None:
         at = tuple(int(x) for x in bad[0])
         return f"{p.scale}: {len(bad)} scale(s) NaN, infinite or negative, e.g. block {at} = {float(s[at])!r}"
     zero = np.argwhere(s == 0)
-    if not zero.size:
+    huge = np.argwhere(s > np.finfo(np.float32).max / E4M3FN_MAX)  # only these can overflow: |q| <= 448
+    if not zero.size and not huge.size:
         return None
-    q = _read(ctx, p.weight)  # only a weight with zero scales is read again (a zero scale must scale a zero block)
+    q = _read(ctx, p.weight)  # read again only for such scales (a zero scale must scale a zero block)
     if q is None:
         return None
     b0, b1 = p.block
-    nonzero = [
-        tuple(int(x) for x in z)
-        for z in zero  # (i, j), or (expert, i, j) of fused experts
-        if (q[tuple(z[:-2]) + (slice(z[-2] * b0, (z[-2] + 1) * b0), slice(z[-1] * b1, (z[-1] + 1) * b1))] & 0x7F).any()
-    ]
+
+    def codes(z: Any) -> Any:  # the block's codes: (i, j), or (expert, i, j) of fused experts
+        return q[tuple(z[:-2]) + (slice(z[-2] * b0, (z[-2] + 1) * b0), slice(z[-1] * b1, (z[-1] + 1) * b1))]
+
+    nonzero = [tuple(int(x) for x in z) for z in zero if (codes(z) & 0x7F).any()]
     if nonzero:
         return f"{p.scale}: {len(nonzero)} block(s) have scale 0 but non-zero values, e.g. block {nonzero[0]}"
+    with np.errstate(over="ignore"):
+        over = [
+            tuple(int(x) for x in z)
+            for z in huge
+            if np.isinf(E4M3FN_VALUES[codes(z)].astype(np.float32) * np.float32(s[tuple(z)])).any()
+        ]
+    if over:
+        return (
+            f"{p.scale}: {len(over)} block(s) whose values times the scale overflow float32 (torch's reader loads "
+            f"infinity there), e.g. block {over[0]} = {float(s[over[0]])!r}"
+        )
     return None
 
 
@@ -120,8 +152,27 @@ def _mxfp4_scale_values(ctx: Context, p: QuantPair) -> str | None:
     e = _read(ctx, p.scale)
     if e is None:
         return None
-    n = int(np.count_nonzero(e.view(np.uint8) == 0xFF))
-    return f"{p.scale}: {n} E8M0 exponent(s) are 0xFF (NaN)" if n else None
+    e = e.view(np.uint8)
+    n = int(np.count_nonzero(e == 0xFF))
+    if n:
+        return f"{p.scale}: {n} E8M0 exponent(s) are 0xFF (NaN)"
+    big = np.flatnonzero(e.reshape(-1) >= 253)  # 2^126 and up: an FP4 value of 2 or more overflows float32 (6 * 2^126)
+    if not big.size:
+        return None
+    blocks = _read(ctx, p.weight)
+    if blocks is None:
+        return None
+    from ckpttool.engine.kernels import mxfp4_dequantize
+
+    groups = blocks.reshape(-1, blocks.shape[-1])[big]
+    over = np.isinf(mxfp4_dequantize(groups, e.reshape(-1)[big])).any(axis=1)
+    if not over.any():
+        return None
+    at = tuple(int(x) for x in np.unravel_index(int(big[np.argmax(over)]), e.shape))
+    return (
+        f"{p.scale}: {int(over.sum())} group(s) whose FP4 values times 2^(e-127) overflow float32 (infinity), "
+        f"e.g. group {at} with exponent {int(e[at])}"
+    )
 
 
 @rule("M021")
