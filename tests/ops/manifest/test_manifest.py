@@ -281,3 +281,31 @@ def test_validate_reads_the_checkpoints_own_manifest_given_as_empty(fsdp_ckpt: P
         assert {s.rule.code: s.status for s in res.rules}["S015"] == "passed" and res.exit_code == 0
     with pytest.raises(UsageError, match="`manifest` without a value needs a local checkpoint, not memory://x/ck"):
         validate("memory://x/ck", ValidateOptions(manifest=""))
+
+
+def test_verify_with_a_manifest_without_sidecars_names_the_files_it_did_not_check(
+    fsdp_ckpt: Path, tmp_path: Path
+) -> None:
+    """A manifest without ``sidecars`` (an older ckpttool's, or one with the list cut out) cannot vouch for
+    ``layout.json`` or an added file: --verify said "matches" over files it never read; it now names them."""
+    ck = copy_checkpoint(fsdp_ckpt, tmp_path / "c")
+    (ck / "layout.json").write_text('{"format": "ckpttool.layout", "version": 2}\n')
+    assert invoke("manifest", ck).exit_code == 0
+    doc = json.loads((ck / "manifest.json").read_text())
+    assert [f["file"] for f in doc.pop("sidecars")] == ["layout.json"]
+    (ck / "manifest.json").write_text(json.dumps(doc))
+    (ck / "layout.json").write_text('{"format": "ckpttool.layout", "version": 2, "parallel": {"ep_size": 4}}\n')
+    (ck / "added.pt").write_bytes(b"x")
+    res = invoke("manifest", ck, "--verify")
+    assert res.exit_code == 0, res.stderr  # the chunks match; the files beside them are unknown, not "changed"
+    warning = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "2 files there not checked (added.pt, layout.json)" in warning[0], res.stderr
+    assert "matches" in res.stdout and "not checked" in res.stdout
+    res = invoke("manifest", ck, "--verify", "--json")
+    got = json.loads(res.stdout)
+    jsonschema.validate(got, load_schema("manifest-check"))
+    assert got["ok"] and len(got["warnings"]) == 1 and "added.pt, layout.json" in got["warnings"][0]
+    # A manifest with its sidecars (every one this ckpttool writes) checks them: no warning.
+    assert invoke("manifest", ck).exit_code == 0
+    res = invoke("manifest", ck, "--verify", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["warnings"] == [] and "warning" not in res.stderr
