@@ -1237,9 +1237,20 @@ def _stored_entry_problem(
 
 
 def _metadata_problems(reader: CheckpointReader, manifest: Manifest) -> list[ManifestProblem]:
-    """A changed ``.metadata`` (or, for safetensors storage, changed headers): one problem, else none."""
+    """A changed ``.metadata`` (or, for safetensors storage, changed headers): one problem, else none.
+
+    A manifest without a ``.metadata`` digest (``null``: a model/optimizer pair's, whose two are sidecars) over a
+    checkpoint that has one cannot vouch for it (every manifest ckpttool wrote of such a checkpoint holds its
+    digest): a ``metadata`` problem, not a silent pass over dtypes and chunks it never saw.
+    """
     if manifest.metadata_digest is None:
-        return []
+        if reader.parts or reader.remote is not None or _metadata_file(reader) != METADATA_NAME:
+            return []  # no .metadata to digest (a pair), or headers/rank files an older manifest did not digest
+        return [
+            ManifestProblem(
+                "metadata", METADATA_NAME, None, "the manifest records no digest of .metadata: it was not checked"
+            )
+        ]
     md, _ = _metadata_digest(reader, manifest.algorithm)
     if md is None or md == manifest.metadata_digest:
         return []

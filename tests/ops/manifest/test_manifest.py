@@ -309,3 +309,26 @@ def test_verify_with_a_manifest_without_sidecars_names_the_files_it_did_not_chec
     assert invoke("manifest", ck).exit_code == 0
     res = invoke("manifest", ck, "--verify", "--json")
     assert res.exit_code == 0 and json.loads(res.stdout)["warnings"] == [] and "warning" not in res.stderr
+
+
+def test_verify_with_a_manifest_whose_metadata_digest_is_cut_out_does_not_pass(fsdp_ckpt: Path, tmp_path: Path) -> None:
+    """``"metadata": null`` (a model/optimizer pair's) in the manifest of a checkpoint with a ``.metadata``:
+    --verify said "matches" over a dtype changed in .metadata (every window intact, the values reinterpreted)."""
+    from tests.fixtures.metadata_edit import load_md, save_md
+
+    ck = copy_checkpoint(fsdp_ckpt, tmp_path / "c")
+    assert invoke("manifest", ck).exit_code == 0
+    doc = json.loads((ck / "manifest.json").read_text())
+    assert doc["metadata"]["file"] == ".metadata"
+    doc["metadata"] = None
+    (ck / "manifest.json").write_text(json.dumps(doc))
+    md = load_md(ck)
+    key, meta = next((k, m) for k, m in md.state_dict_metadata.items() if getattr(m, "properties", None) is not None)
+    assert meta.properties.dtype == torch.float32
+    meta.properties.dtype = torch.int32
+    save_md(ck, md)
+    res = invoke("manifest", ck, "--verify", "--json")
+    assert res.exit_code == 1, res.stdout
+    got = json.loads(res.stdout)
+    assert not got["ok"] and [(p["kind"], p["key"]) for p in got["problems"]] == [("metadata", ".metadata")]
+    assert "records no digest of .metadata" in got["problems"][0]["message"]
