@@ -1696,7 +1696,9 @@ def _folder_kind(reader: CheckpointReader) -> str:
     if reader.parts:
         kinds = ["dcp" if (part / METADATA_NAME).exists() else "safetensors" for part in reader.parts.values()]
         return " + ".join(dict.fromkeys(sorted(kinds, reverse=True)))
-    return "dcp" if _metadata_file(reader) == METADATA_NAME else "safetensors"
+    if _metadata_file(reader) == METADATA_NAME or reader.metadata.serialization == "torch_save":
+        return "dcp"  # torch.save archives: rank-local __R.metadata (use_collectives=False) have no .metadata
+    return "safetensors"
 
 
 def write_output_manifest(writer: Any, out: Path, algorithm: str, identity: dict[str, Any] | None) -> None:

@@ -332,3 +332,13 @@ def test_verify_with_a_manifest_whose_metadata_digest_is_cut_out_does_not_pass(f
     got = json.loads(res.stdout)
     assert not got["ok"] and [(p["kind"], p["key"]) for p in got["problems"]] == [("metadata", ".metadata")]
     assert "records no digest of .metadata" in got["problems"][0]["message"]
+
+
+def test_verify_names_a_rank_local_dcp_save_dcp_not_safetensors(ep_suite: Path, tmp_path: Path) -> None:
+    """dcp.save(..., use_collectives=False) writes __R.metadata and no .metadata: the verdict called it safetensors."""
+    ck = copy_checkpoint(ep_suite / "legacy_rank_local", tmp_path / "c")
+    assert not (ck / ".metadata").exists() and (ck / "__0.metadata").is_file()
+    assert invoke("manifest", ck).exit_code == 0
+    res = invoke("manifest", ck, "--verify")
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1].startswith(f"{ck} (dcp) matches its manifest"), res.stdout
