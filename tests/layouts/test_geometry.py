@@ -174,6 +174,28 @@ def test_ep_ranks_that_stored_several_chunks_accept_the_true_declaration(ep_mult
     assert ei.value.code == "E404"
 
 
+@pytest.mark.parametrize("order", ["legacy", "canonical"])
+def test_a_mesh_of_more_ranks_than_wrote_the_blocks_contradicts_the_chunks(
+    ep_multichunk_ckpt: Path, tmp_path: Path, order: str
+) -> None:
+    """2 EP ranks each saved their 4 experts as 2 chunks (4 blocks, 2 writers). A declared 2 x 2 mesh was
+    accepted: reshard --source-layout legacy un-permuted the experts of a save that never was block-transposed
+    (exit 0, "1 with a new expert order"). Each rank of a 2 x 2 mesh saves one block: E404, nothing written."""
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    key = "model.model.layers.0.mlp.experts.down_proj"
+    with pytest.raises(LayoutError) as ei:
+        resolved(ep_multichunk_ckpt, LayoutDeclaration.from_options(order, 2, 2))
+    assert ei.value.code == "E404" and "rank 0 stored experts of two blocks of dim 0" in ei.value.message
+    out = tmp_path / "out"
+    decl = ["--source-layout", order, "--ep-size", "2", "--ep-fsdp-size", "2"]
+    res = CliRunner().invoke(app, ["reshard", str(ep_multichunk_ckpt), str(out), "--to", "canonical", *decl])
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E404] {key}: "), res.stderr
+    assert not out.exists()
+
+
 def test_refinement_needs_one_writer_per_block() -> None:
     from ckpttool.layouts.geometry import refines
 
