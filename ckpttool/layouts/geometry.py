@@ -195,7 +195,7 @@ def ep_split_candidates(entry: TensorEntry, spec: EPTensorSpec) -> list[tuple[in
         if f < 2 or spec.num_experts % p:
             continue
         want = {iv for iv in nested_shard_intervals(n, (p, f)) if iv[1]}
-        if want == got:
+        if want == got and not _one_block_per_rank(entry, spec.ep_dim, want):  # p*f ranks wrote the p*f blocks
             out.append((p, f))
     return out
 
