@@ -74,7 +74,10 @@ def manifest_command(
                 progress=shown.progress if shown is not None else None,
                 phase=shown.phase if shown is not None else None,
             )
-        Output(json_output).result(checked, _render_check)
+        out = Output(json_output)
+        for line in checked.warnings:
+            out.warning(line)
+        out.result(checked, _render_check)
         if checked.problems:
             raise typer.Exit(1)
         return
@@ -107,6 +110,8 @@ def _render_check(res: ManifestCheck) -> None:
         con.print(f"... and {len(res.problems) - SHOWN_PROBLEMS:,} more ({kinds} in all; --json lists the first 1,000)")
     verdict = "matches" if not res.problems else "differs from"
     problems = f": {plural(len(res.problems), 'problem')}" if res.problems else ""
+    if res.warnings:  # what "matches" does not cover: said on stdout too, beside the stderr warning
+        problems += "; files beside the data not checked (see the warning)"
     con.print(
         f"{res.path} ({res.folder or res.kind}) {verdict} its manifest {res.manifest} "
         f"({plural(res.entries, 'entry', 'entries')}){problems}"

@@ -638,7 +638,13 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, fsync: bool
     except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        raise OutputError(f"{p}: cannot write ({e.strerror})", path=p) from e
+        # Not E600's "another output directory or --overwrite": the place is the caller's (stamp's layout.json).
+        hint = (
+            f"{p} is a directory; move it away and run again"
+            if isinstance(e, IsADirectoryError) or p.is_dir()
+            else f"check that {p.parent} is a writable directory with free space"
+        )
+        raise OutputError(f"{p}: cannot write ({e.strerror})", path=p, hint=hint) from e
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

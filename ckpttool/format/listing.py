@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass
+from pathlib import Path
 
 from ckpttool.errors import CkptError, NotRegularFileError
 from ckpttool.format.directory import DATA_FILE_RE, CheckpointDir
@@ -110,5 +111,12 @@ def list_files(cd: CheckpointDir, referenced: set[str], sidecar_name: str) -> Fi
         data_files[rel] = size
     if listing is None:
         extra = _local_extra_state(cd)
-    sidecar = (sidecar_name in listing) if listing is not None else (cd.path / sidecar_name).is_file()
+    sidecar = (sidecar_name in listing) if listing is not None else _sidecar_present(cd.path / sidecar_name)
     return FileListing(data_files, tuple(extra), sidecar)
+
+
+def _sidecar_present(path: Path) -> bool:
+    """Whether something that claims to be the layout sidecar is there: a regular file, and also a symlink
+    (dangling or leaving the checkpoint) or a FIFO/device, which reading then refuses (E101/E102/E400)
+    instead of taking the checkpoint for unversioned; a plain directory of that name is no record."""
+    return os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path))

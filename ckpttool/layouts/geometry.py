@@ -195,7 +195,7 @@ def ep_split_candidates(entry: TensorEntry, spec: EPTensorSpec) -> list[tuple[in
         if f < 2 or spec.num_experts % p:
             continue
         want = {iv for iv in nested_shard_intervals(n, (p, f)) if iv[1]}
-        if want == got:
+        if want == got and not _one_block_per_rank(entry, spec.ep_dim, want):  # p*f ranks wrote the p*f blocks
             out.append((p, f))
     return out
 
@@ -278,8 +278,35 @@ def tensor_geometry(entry: TensorEntry | None, key: str, spec: EPTensorSpec, lay
                         f"dim {d} is split into {len(got)} chunk interval(s) {sorted(got)[:4]}, "
                         f"ep_size {ep_size} x ep_fsdp_size {ep_fsdp_size} gives {len(want)} {sorted(want)[:4]}"
                     )
+            if not problems:
+                problems.extend(_one_block_per_rank(entry, spec.ep_dim, expected.get(spec.ep_dim, set())))
     elif spec.fsdp_dim is None and any(b > 1 for d, b in enumerate(blocks) if d != spec.ep_dim):
         problems.append("chunks split a dim other than ep_dim but the layout names no fsdp_dim")
     return EPGeometry(
         key, shape, spec.ep_dim, spec.fsdp_dim, spec.num_experts, blocks, entry.ranks, same_dim, tuple(problems)
     )
+
+
+def _one_block_per_rank(entry: TensorEntry, ep_dim: int, want: set[tuple[int, int]]) -> list[str]:
+    """A rank that stored experts of two expected blocks of the expert dim (``want``): no mesh of these sizes
+    does that (each rank saves its own block, one piece of it per EP-FSDP rank), so the declaration is wrong
+    (e.g. 2 EP ranks that each saved their 4 experts as 2 chunks, declared as a 2 x 2 mesh of 4 ranks)."""
+    if len(want) < 2:
+        return []
+    ordered = sorted(want)
+    seen: dict[int, tuple[int, int]] = {}
+    for i, c in enumerate(entry.chunks):
+        rank = entry.chunk_rank(i)
+        if not c.numel or rank is None:
+            continue
+        o, n = c.offsets[ep_dim], c.sizes[ep_dim]
+        block = next((w for w in ordered if w[0] <= o and o + n <= w[0] + w[1]), None)
+        if block is None:
+            continue  # a chunk across blocks: refines() said so already
+        first = seen.setdefault(rank, block)
+        if first != block:
+            return [
+                f"rank {rank} stored experts of two blocks of dim {ep_dim}, {first} and {block} "
+                f"(offset, size), but each rank of that mesh saves one"
+            ]
+    return []

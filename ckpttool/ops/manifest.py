@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any, cast
 
@@ -648,29 +649,44 @@ def sidecar_digests(root: Path, skip: set[str], algorithm: str) -> list[dict[str
     from ckpttool.format.files import open_regular
 
     out: list[dict[str, Any]] = []
+    for full, rel in _files_below(root, skip):
+        if len(out) >= MAX_SIDECARS:
+            raise SizeLimitError(f"{root}: more than {MAX_SIDECARS:,} files beside the checkpoint's data", path=root)
+        st = os.lstat(full)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+            kind = "symlink" if stat.S_ISLNK(st.st_mode) else "special"
+            out.append({"file": rel, "size": 0, "digest": kind})
+            continue
+        fd = open_regular(Path(full))
+        try:
+            digest = _hash_fd(fd, 0, st.st_size, algorithm, Path(full), rel)
+        finally:
+            os.close(fd)
+        out.append({"file": rel, "size": st.st_size, "digest": digest})
+    return out
+
+
+def _files_below(root: Path, skip: set[str]) -> Iterator[tuple[str, str]]:
+    """``(path, name relative to root)`` of every file below ``root`` (a symlinked folder as one file, never
+    followed) but ``skip`` and ckpttool's output marker, in name order: what ``sidecars`` lists."""
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         dirnames.sort()
         for name in sorted(filenames) + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
             full = os.path.join(dirpath, name)
             rel = os.path.relpath(full, root).replace(os.sep, "/")
-            if rel in skip or rel == MARKER_NAME:
-                continue
-            if len(out) >= MAX_SIDECARS:
-                raise SizeLimitError(
-                    f"{root}: more than {MAX_SIDECARS:,} files beside the checkpoint's data", path=root
-                )
-            st = os.lstat(full)
-            if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
-                kind = "symlink" if stat.S_ISLNK(st.st_mode) else "special"
-                out.append({"file": rel, "size": 0, "digest": kind})
-                continue
-            fd = open_regular(Path(full))
-            try:
-                digest = _hash_fd(fd, 0, st.st_size, algorithm, Path(full), rel)
-            finally:
-                os.close(fd)
-            out.append({"file": rel, "size": st.st_size, "digest": digest})
-    return out
+            if rel not in skip and rel != MARKER_NAME:
+                yield full, rel
+
+
+def unchecked_beside(reader: CheckpointReader, manifest: Manifest) -> list[str]:
+    """Files beside a local checkpoint's data that ``manifest`` cannot vouch for because it has no ``sidecars``
+    list (written by an older ckpttool): ``layout.json``, ``extra_state/``, added files (at most 1,000 names)."""
+    if manifest.sidecars is not None or reader.remote is not None or not _parts_below(reader):
+        return []
+    root = Path(reader.path)
+    held = {reader.storage_info(k, c).relative_path for k, c in _items(reader) if _has_storage(reader, k, c)}
+    skip = {METADATA_NAME, MANIFEST_NAME, *held, *(e.file for e in manifest.entries), *_inside(root, manifest.path)}
+    return [rel for _, rel in islice(_files_below(root, skip), 1000)]
 
 
 def _sidecar_problems(
@@ -1221,9 +1237,20 @@ def _stored_entry_problem(
 
 
 def _metadata_problems(reader: CheckpointReader, manifest: Manifest) -> list[ManifestProblem]:
-    """A changed ``.metadata`` (or, for safetensors storage, changed headers): one problem, else none."""
+    """A changed ``.metadata`` (or, for safetensors storage, changed headers): one problem, else none.
+
+    A manifest without a ``.metadata`` digest (``null``: a model/optimizer pair's, whose two are sidecars) over a
+    checkpoint that has one cannot vouch for it (every manifest ckpttool wrote of such a checkpoint holds its
+    digest): a ``metadata`` problem, not a silent pass over dtypes and chunks it never saw.
+    """
     if manifest.metadata_digest is None:
-        return []
+        if reader.parts or reader.remote is not None or _metadata_file(reader) != METADATA_NAME:
+            return []  # no .metadata to digest (a pair), or headers/rank files an older manifest did not digest
+        return [
+            ManifestProblem(
+                "metadata", METADATA_NAME, None, "the manifest records no digest of .metadata: it was not checked"
+            )
+        ]
     md, _ = _metadata_digest(reader, manifest.algorithm)
     if md is None or md == manifest.metadata_digest:
         return []
@@ -1497,7 +1524,7 @@ LISTED_PROBLEMS = 1000
 #: The ``--json`` document of :class:`ManifestCheck`: its keys in order.
 _CHECK_VIEW = JsonView(
     "ckpttool.manifest-check/1",
-    "path manifest kind algorithm entries ok problems problems_omitted problem_counts source",
+    "path manifest kind algorithm entries ok problems problems_omitted problem_counts source warnings",
 )
 
 
@@ -1516,6 +1543,8 @@ class ManifestCheck:
     #: Face folder, or an export), a per-rank format's name (``verl-fsdp``), or a model/optimizer pair's parts
     #: (``safetensors + dcp``: NeMo's). ``None``: ``kind``.
     folder: str | None = None
+    #: Files the verdict does not cover (a manifest without ``sidecars``): ``warning:`` lines on stderr.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -1529,6 +1558,7 @@ class ManifestCheck:
                 {"kind": p.kind, "key": p.key, "offsets": list(p.offsets) if p.offsets else None, "message": p.message}
                 for p in self.problems[:LISTED_PROBLEMS]
             ],
+            warnings=list(self.warnings),
             problems_omitted=max(0, len(self.problems) - LISTED_PROBLEMS),
             problem_counts=self.counts(),
         )
@@ -1616,6 +1646,7 @@ def check_against_manifest(
             progress(done[0], total)
 
     folder: str | None = None
+    unchecked: list[str] = []
     if man.kind == "safetensors":
         step(0)
         problems = verify_safetensors_manifest(directory, man, on_entry=step)
@@ -1630,9 +1661,30 @@ def check_against_manifest(
             problems = verify_manifest(ckpt.reader, man, on_entry=step, beside_of=Path(ckpt.located.model))
             shown = str(ckpt.path)
             folder = _folder_kind(ckpt.reader)
+            unchecked = unchecked_beside(ckpt.reader, man)
+    warnings = []
+    if man.kind == "dcp" and unchecked:
+        more = ", ..." if len(unchecked) > 5 else ""
+        warnings.append(
+            f"{target} lists no files beside the checkpoint's data (written by an older ckpttool): "
+            f"{_plural_files(len(unchecked))} there not checked ({', '.join(unchecked[:5])}{more}); "
+            "it cannot vouch for them"
+        )
     return ManifestCheck(
-        shown, str(target), man.kind, man.algorithm, len(man.entries), problems, man.source, folder=folder
+        shown,
+        str(target),
+        man.kind,
+        man.algorithm,
+        len(man.entries),
+        problems,
+        man.source,
+        folder=folder,
+        warnings=warnings,
     )
+
+
+def _plural_files(n: int) -> str:
+    return f"{n:,} file" + ("" if n == 1 else "s") + (" or more" if n >= 1000 else "")
 
 
 def _folder_kind(reader: CheckpointReader) -> str:
@@ -1644,7 +1696,9 @@ def _folder_kind(reader: CheckpointReader) -> str:
     if reader.parts:
         kinds = ["dcp" if (part / METADATA_NAME).exists() else "safetensors" for part in reader.parts.values()]
         return " + ".join(dict.fromkeys(sorted(kinds, reverse=True)))
-    return "dcp" if _metadata_file(reader) == METADATA_NAME else "safetensors"
+    if _metadata_file(reader) == METADATA_NAME or reader.metadata.serialization == "torch_save":
+        return "dcp"  # torch.save archives: rank-local __R.metadata (use_collectives=False) have no .metadata
+    return "safetensors"
 
 
 def write_output_manifest(writer: Any, out: Path, algorithm: str, identity: dict[str, Any] | None) -> None:

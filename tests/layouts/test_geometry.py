@@ -166,12 +166,35 @@ def test_invalid_sidecar_records(ep_suite: Path, tmp_path: Path, mutate, code: s
 def test_ep_ranks_that_stored_several_chunks_accept_the_true_declaration(ep_multichunk_ckpt: Path) -> None:
     key = "model.model.layers.0.mlp.experts.down_proj"
     cat, lay = resolved(ep_multichunk_ckpt)
-    assert lay.ambiguous == [key] and lay.candidates[key] == ((2, 2),)  # 4 blocks: EP 2 x EP-FSDP 2 fits too
+    # 4 blocks from 2 ranks: no EP 2 x EP-FSDP 2 mesh (4 ranks, one block each) wrote them, so not ambiguous
+    assert lay.ambiguous == [] and not lay.candidates.get(key)
     _, lay = resolved(ep_multichunk_ckpt, LayoutDeclaration.from_options("canonical", 2, 1))
     assert lay.version == 2 and lay.ep_size == 2 and lay.geometry(cat)[0].problems == ()
     with pytest.raises(LayoutError) as ei:  # 2 blocks per rank cannot be one EP rank's block of 4 experts each
         resolved(ep_multichunk_ckpt, LayoutDeclaration.from_options("canonical", 1, 1))
     assert ei.value.code == "E404"
+
+
+@pytest.mark.parametrize("order", ["legacy", "canonical"])
+def test_a_mesh_of_more_ranks_than_wrote_the_blocks_contradicts_the_chunks(
+    ep_multichunk_ckpt: Path, tmp_path: Path, order: str
+) -> None:
+    """2 EP ranks each saved their 4 experts as 2 chunks (4 blocks, 2 writers). A declared 2 x 2 mesh was
+    accepted: reshard --source-layout legacy un-permuted the experts of a save that never was block-transposed
+    (exit 0, "1 with a new expert order"). Each rank of a 2 x 2 mesh saves one block: E404, nothing written."""
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    key = "model.model.layers.0.mlp.experts.down_proj"
+    with pytest.raises(LayoutError) as ei:
+        resolved(ep_multichunk_ckpt, LayoutDeclaration.from_options(order, 2, 2))
+    assert ei.value.code == "E404" and "rank 0 stored experts of two blocks of dim 0" in ei.value.message
+    out = tmp_path / "out"
+    decl = ["--source-layout", order, "--ep-size", "2", "--ep-fsdp-size", "2"]
+    res = CliRunner().invoke(app, ["reshard", str(ep_multichunk_ckpt), str(out), "--to", "canonical", *decl])
+    assert res.exit_code == 2 and res.stderr.startswith(f"error: [E404] {key}: "), res.stderr
+    assert not out.exists()
 
 
 def test_refinement_needs_one_writer_per_block() -> None:

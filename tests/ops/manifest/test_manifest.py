@@ -281,3 +281,64 @@ def test_validate_reads_the_checkpoints_own_manifest_given_as_empty(fsdp_ckpt: P
         assert {s.rule.code: s.status for s in res.rules}["S015"] == "passed" and res.exit_code == 0
     with pytest.raises(UsageError, match="`manifest` without a value needs a local checkpoint, not memory://x/ck"):
         validate("memory://x/ck", ValidateOptions(manifest=""))
+
+
+def test_verify_with_a_manifest_without_sidecars_names_the_files_it_did_not_check(
+    fsdp_ckpt: Path, tmp_path: Path
+) -> None:
+    """A manifest without ``sidecars`` (an older ckpttool's, or one with the list cut out) cannot vouch for
+    ``layout.json`` or an added file: --verify said "matches" over files it never read; it now names them."""
+    ck = copy_checkpoint(fsdp_ckpt, tmp_path / "c")
+    (ck / "layout.json").write_text('{"format": "ckpttool.layout", "version": 2}\n')
+    assert invoke("manifest", ck).exit_code == 0
+    doc = json.loads((ck / "manifest.json").read_text())
+    assert [f["file"] for f in doc.pop("sidecars")] == ["layout.json"]
+    (ck / "manifest.json").write_text(json.dumps(doc))
+    (ck / "layout.json").write_text('{"format": "ckpttool.layout", "version": 2, "parallel": {"ep_size": 4}}\n')
+    (ck / "added.pt").write_bytes(b"x")
+    res = invoke("manifest", ck, "--verify")
+    assert res.exit_code == 0, res.stderr  # the chunks match; the files beside them are unknown, not "changed"
+    warning = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "2 files there not checked (added.pt, layout.json)" in warning[0], res.stderr
+    assert "matches" in res.stdout and "not checked" in res.stdout
+    res = invoke("manifest", ck, "--verify", "--json")
+    got = json.loads(res.stdout)
+    jsonschema.validate(got, load_schema("manifest-check"))
+    assert got["ok"] and len(got["warnings"]) == 1 and "added.pt, layout.json" in got["warnings"][0]
+    # A manifest with its sidecars (every one this ckpttool writes) checks them: no warning.
+    assert invoke("manifest", ck).exit_code == 0
+    res = invoke("manifest", ck, "--verify", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["warnings"] == [] and "warning" not in res.stderr
+
+
+def test_verify_with_a_manifest_whose_metadata_digest_is_cut_out_does_not_pass(fsdp_ckpt: Path, tmp_path: Path) -> None:
+    """``"metadata": null`` (a model/optimizer pair's) in the manifest of a checkpoint with a ``.metadata``:
+    --verify said "matches" over a dtype changed in .metadata (every window intact, the values reinterpreted)."""
+    from tests.fixtures.metadata_edit import load_md, save_md
+
+    ck = copy_checkpoint(fsdp_ckpt, tmp_path / "c")
+    assert invoke("manifest", ck).exit_code == 0
+    doc = json.loads((ck / "manifest.json").read_text())
+    assert doc["metadata"]["file"] == ".metadata"
+    doc["metadata"] = None
+    (ck / "manifest.json").write_text(json.dumps(doc))
+    md = load_md(ck)
+    key, meta = next((k, m) for k, m in md.state_dict_metadata.items() if getattr(m, "properties", None) is not None)
+    assert meta.properties.dtype == torch.float32
+    meta.properties.dtype = torch.int32
+    save_md(ck, md)
+    res = invoke("manifest", ck, "--verify", "--json")
+    assert res.exit_code == 1, res.stdout
+    got = json.loads(res.stdout)
+    assert not got["ok"] and [(p["kind"], p["key"]) for p in got["problems"]] == [("metadata", ".metadata")]
+    assert "records no digest of .metadata" in got["problems"][0]["message"]
+
+
+def test_verify_names_a_rank_local_dcp_save_dcp_not_safetensors(ep_suite: Path, tmp_path: Path) -> None:
+    """dcp.save(..., use_collectives=False) writes __R.metadata and no .metadata: the verdict called it safetensors."""
+    ck = copy_checkpoint(ep_suite / "legacy_rank_local", tmp_path / "c")
+    assert not (ck / ".metadata").exists() and (ck / "__0.metadata").is_file()
+    assert invoke("manifest", ck).exit_code == 0
+    res = invoke("manifest", ck, "--verify")
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1].startswith(f"{ck} (dcp) matches its manifest"), res.stdout

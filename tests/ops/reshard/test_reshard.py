@@ -686,3 +686,32 @@ def test_target_sizes_with_empty_pieces_write_one_storage_record_per_key(ep_suit
         for key, t in truth.items():
             if key.startswith("model.") and is_ep(key):
                 assert torch.equal(_bits(r.read_tensor(key)), _bits(t)), key
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dangling", "device"])
+def test_a_layout_json_that_is_not_a_regular_file_is_refused_not_ignored(
+    ep_suite: Path, tmp_path: Path, kind: str
+) -> None:
+    """A layout.json that is a FIFO, a dangling symlink or a link to a device was taken for no record at all
+    (the listing asked is_file()): the checkpoint read as unversioned and was resharded (exit 0) as if it had
+    none. Something of that name that cannot be read is now refused, as a symlink leaving the checkpoint was."""
+    import os
+
+    from tests.fixtures.cache import copy_checkpoint
+
+    ck = copy_checkpoint(ep_suite / "legacy_dim1", tmp_path / "ck")
+    sidecar = ck / "layout.json"
+    if kind == "fifo":
+        os.mkfifo(sidecar)
+    elif kind == "dangling":
+        sidecar.symlink_to("layout-of-step-100.json")
+    else:
+        sidecar.symlink_to("/dev/zero")
+    out = tmp_path / "out"
+    res = cli(ck, out, "--to", "canonical", "--target-ep-size", 2, "--target-ep-fsdp-size", 1, "--with-optimizer")
+    code = {"fifo": "E102", "dangling": "E400", "device": "E101"}[kind]
+    assert res.exit_code == 2 and res.stdout == "", res.stdout
+    assert res.stderr.startswith(f"error: [{code}] ") and "layout.json" in res.stderr.splitlines()[0], res.stderr
+    assert not out.exists() and os.path.lexists(sidecar)
+    res = runner.invoke(app, ["inspect", str(ck)])  # a malformed record is the layout's error there (E400)
+    assert f"[{code}]" in (res.stdout if code == "E400" else res.stderr), res.stdout

@@ -271,3 +271,15 @@ def test_a_plain_fsdp_save_is_told_the_sizes_that_record_it(sample_ckpt: Path, t
     args[-1] = "4"
     assert runner.invoke(app, args).exit_code == 0
     assert runner.invoke(app, ["validate", str(ckpt), "--strict"]).exit_code == 0
+
+
+def test_stamp_over_a_layout_json_directory_hints_at_the_directory(legacy_copy: Path) -> None:
+    """stamp has no --overwrite and no output directory to choose, yet E600's hint named both."""
+    (legacy_copy / "layout.json").mkdir()
+    res = runner.invoke(app, ["stamp", str(legacy_copy), *LEGACY])
+    assert res.exit_code == 2 and res.stdout == ""
+    lines = res.stderr.splitlines()
+    assert lines[0] == f"error: [E600] {legacy_copy / 'layout.json'}: cannot write (Is a directory)", res.stderr
+    assert lines[1] == f"hint: {legacy_copy / 'layout.json'} is a directory; move it away and run again"
+    assert "--overwrite" not in res.stderr and (legacy_copy / "layout.json").is_dir()
+    assert sorted(p.name for p in legacy_copy.iterdir() if p.name.startswith(".")) == [".metadata"]  # no temp files
