@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import io
+import math
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -100,21 +101,39 @@ def _drawn_here(head: bytes) -> bool:
     return False
 
 
+def layer_axis(res: StatsResult) -> list[str]:
+    """The layers of every checkpoint of ``res`` in model order: each checkpoint's order, a layer that only a
+    later checkpoint holds placed after the layer it follows there (one x axis for every line)."""
+    order: list[str] = []
+    for c in res.checkpoints:
+        at = -1
+        for g in c.layers:
+            if g.name in order:
+                at = order.index(g.name)
+            else:
+                at += 1
+                order.insert(at, g.name)
+    return order
+
+
 def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str) -> bool:
-    drawn = False
-    shown: list[float] = []
+    """One line per checkpoint of ``value(layer)`` over the layers of :func:`layer_axis` that have one: each value
+    at its own layer's position (a layer without a value in a checkpoint, say one whose parameters were frozen, is
+    a gap in that line, not a shift of the values after it)."""
+    series: list[tuple[str, dict[str, float]]] = []
     for i, c in enumerate(res.checkpoints):
-        pts = [(g.name, value(g)) for g in c.layers]
-        pts = [(n, v) for n, v in pts if v is not None and v > 0]
-        if not pts:
-            continue
+        pts = {g.name: v for g in c.layers if (v := value(g)) is not None and v > 0}
         label = f"step {c.step}" if c.step is not None else f"#{i + 1} {Path(c.path).name}"
-        ax.plot(range(len(pts)), [v for _, v in pts], marker="o", markersize=3, label=label)
-        ax.set_xticks(range(len(pts)), [n for n, _ in pts], rotation=90, fontsize=6)
-        shown.extend(v for _, v in pts)
-        drawn = True
+        series.append((label, pts))
+    names = [n for n in layer_axis(res) if any(n in pts for _, pts in series)]
+    shown = [v for _, pts in series for v in pts.values()]
+    for label, pts in series:
+        if pts:
+            ax.plot(range(len(names)), [pts.get(n, math.nan) for n in names], marker="o", markersize=3, label=label)
+    drawn = bool(shown)
     ax.set_title(title, fontsize=9)
     if drawn:
+        ax.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
         # log across a decade or more; within one, a log axis labels its minor ticks alike (10x10^-4 ...):
         # linear from 0, without an offset (values alike to 1e-8 would read as "1e-11+1e-3")
         if max(shown) >= 10 * min(shown):

@@ -1,0 +1,74 @@
+"""``stats --plot`` and ``diff --plot``: what the pictures put where (read back from matplotlib's own axes)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from ckpttool.ops.stats import StatsOptions, collect_stats
+from tests.fixtures.builders import save_quiet, train_steps
+
+pytest.importorskip("matplotlib", reason="the plot extra is not installed: pip install -e '.[plot]'")
+
+
+@pytest.fixture(scope="module")
+def unfrozen(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Two checkpoints of one run of three Linear layers: layer 1 frozen until the first save (no optimizer state
+    for it there), trained with the others after it."""
+    root = tmp_path_factory.mktemp("unfrozen")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    m[1].requires_grad_(False)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    out = []
+    for step, frozen in ((2, True), (4, False)):
+        m[1].requires_grad_(not frozen)
+        train_steps(m, opt, 2)
+        msd, osd = get_state_dict(m, opt)
+        save_quiet({"model": msd, "optimizer": osd}, root / f"step-{step}")
+        out.append(root / f"step-{step}")
+    return out
+
+
+def _drawn(ax: Any) -> dict[str, dict[str, float]]:
+    """Each line's legend label -> {x tick label: y} of its finite points."""
+    ticks = {round(t): lbl.get_text() for t, lbl in zip(ax.get_xticks(), ax.get_xticklabels())}
+    return {
+        line.get_label(): {ticks[round(x)]: float(y) for x, y in line.get_xydata() if math.isfinite(y)}
+        for line in ax.get_lines()
+    }
+
+
+def test_each_value_is_drawn_at_its_own_layer_when_a_checkpoint_lacks_a_layer(unfrozen: list[Path]) -> None:
+    """step-2 has no exp_avg (no update size) for frozen layer 1: its layer-2 value was drawn at the position
+    labelled "1" (the positions counted per line, the labels of the last line), a line that said layer 1 had
+    moments it never had; now every line is drawn over one axis of layers, layer 1 a gap in step-2's."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from ckpttool.ui.plot import _layer_lines
+
+    res = collect_stats(unfrozen, StatsOptions())
+    first, second = res.checkpoints
+    assert "exp_avg" not in next(g for g in first.layers if g.name == "1").norms  # the premise: frozen in step-2
+    values: list[Callable[[Any], float | None]] = [
+        lambda g: g.norms.get("exp_avg"),
+        lambda g: g.update_rms,
+        lambda g: g.norms.get("weight"),
+    ]
+    for value in values:
+        fig, ax = plt.subplots()
+        assert _layer_lines(ax, res, value, "t")
+        drawn = _drawn(ax)
+        plt.close(fig)
+        for i, c in enumerate(res.checkpoints):
+            want = {g.name: value(g) for g in c.layers if value(g) is not None}
+            assert drawn[f"#{i + 1} {Path(c.path).name}"] == pytest.approx(want), (i, drawn)
