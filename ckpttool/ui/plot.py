@@ -209,7 +209,7 @@ def _save(fig: Any, plt: Any, path: Path, title: str) -> None:
 
 
 def diff_layers(res: DiffResult) -> list[tuple[str, float | None, float]]:
-    """Per layer (:func:`~ckpttool.ops.stats.layer_of` of the compared names, in first-seen order):
+    """Per layer (:func:`~ckpttool.ops.stats.layer_of` of the compared names, in A's order, the model's):
     ``(layer, relative L2 over its decoded tensors, largest relative L2 of its tensors)``.
 
     The relative L2 of a layer is ``sqrt(sum ||a-b||^2) / sqrt(sum ||b||^2)`` over its tensors whose
@@ -218,7 +218,8 @@ def diff_layers(res: DiffResult) -> list[tuple[str, float | None, float]]:
     from ckpttool.ops.stats import layer_of
 
     acc: dict[str, list[float]] = {}
-    for t in res.tensors:
+    rank = {name: i for i, name in reversed(list(enumerate(res.compared_order)))}
+    for t in sorted(res.tensors, key=lambda t: rank.get(t.name, len(rank))):  # not by difference: an x axis of layers
         a = acc.setdefault(layer_of(t.name), [0.0, 0.0, 0.0])
         if t.diff_l2 is not None and t.b_l2 is not None:
             a[0] += t.diff_l2 * t.diff_l2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from ckpttool.ops.stats import StatsOptions, collect_stats
+from ckpttool.ops.stats import StatsOptions, collect_stats, layer_of
 from tests.fixtures.builders import save_quiet, train_steps
 
 pytest.importorskip("matplotlib", reason="the plot extra is not installed: pip install -e '.[plot]'")
@@ -72,3 +73,30 @@ def test_each_value_is_drawn_at_its_own_layer_when_a_checkpoint_lacks_a_layer(un
         for i, c in enumerate(res.checkpoints):
             want = {g.name: value(g) for g in c.layers if value(g) is not None}
             assert drawn[f"#{i + 1} {Path(c.path).name}"] == pytest.approx(want), (i, drawn)
+
+
+def test_diff_plot_draws_the_layers_in_the_models_order(tmp_path: Path) -> None:
+    """The per-layer line of ``diff --plot`` took its layers in the order of ``tensors[]`` (most different first):
+    a deeper layer that moved more was drawn left of layer 0, the line zig-zagging over an axis in no order; now
+    the layers are in the checkpoint's order (the order ``stats`` draws them in)."""
+    from ckpttool.ops.diff import DiffOptions, diff_checkpoints
+    from ckpttool.ui.plot import diff_layers, write_diff_plot
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(3)))
+    save_quiet({"model": m.state_dict()}, tmp_path / "a")
+    with torch.no_grad():
+        for i, layer in enumerate(m):  # the deeper, the larger the change: ranked 2, 1, 0
+            layer.weight.add_(0.1 * (i + 1))
+    save_quiet({"model": m.state_dict()}, tmp_path / "b")
+    res = diff_checkpoints(str(tmp_path / "b"), str(tmp_path / "a"), DiffOptions())
+    assert [layer_of(t.name) for t in res.tensors][:3] == ["model.2", "model.1", "model.0"]  # the premise: ranked
+    layers = diff_layers(res)
+    assert [name for name, _, _ in layers] == ["model.0", "model.1", "model.2"]
+    rel = [r for _, r, _ in layers]
+    assert rel == sorted(rel) and all(r is not None and r > 0 for r in rel)
+    write_diff_plot(res, tmp_path / "d.svg")
+    # matplotlib's SVG names each text it draws in a comment: the x tick labels come first, then the y ticks' (math)
+    texts = re.findall(r"<!-- (.*?) -->", (tmp_path / "d.svg").read_text())
+    drawn = texts[: next(i for i, x in enumerate(texts) if x.startswith("$"))]
+    assert drawn == ["model.0", "model.1", "model.2"]
