@@ -22,7 +22,7 @@ from ckpttool.format.atomic import atomic_write_bytes, check_file_target
 
 if TYPE_CHECKING:
     from ckpttool.ops.diff import DiffResult
-    from ckpttool.ops.stats import StatsResult
+    from ckpttool.ops.stats import CheckpointStats, StatsResult
 
 __all__ = ["PLOT_SUFFIXES", "check_plot_target", "write_diff_plot", "write_stats_plot"]
 
@@ -116,15 +116,14 @@ def layer_axis(res: StatsResult) -> list[str]:
     return order
 
 
-def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str) -> bool:
+def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str) -> bool:
     """One line per checkpoint of ``value(layer)`` over the layers of :func:`layer_axis` that have one: each value
     at its own layer's position (a layer without a value in a checkpoint, say one whose parameters were frozen, is
     a gap in that line, not a shift of the values after it)."""
     series: list[tuple[str, dict[str, float]]] = []
     for i, c in enumerate(res.checkpoints):
         pts = {g.name: v for g in c.layers if (v := value(g)) is not None and v > 0}
-        label = f"step {c.step}" if c.step is not None else f"#{i + 1} {Path(c.path).name}"
-        series.append((label, pts))
+        series.append((_label(i, c), pts))
     names = [n for n in layer_axis(res) if any(n in pts for _, pts in series)]
     shown = [v for _, pts in series for v in pts.values()]
     for label, pts in series:
@@ -134,6 +133,8 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str) -> bool:
     ax.set_title(title, fontsize=9)
     if drawn:
         ax.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
+        ax.set_xlabel("layer", fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
         # log across a decade or more; within one, a log axis labels its minor ticks alike (10x10^-4 ...):
         # linear from 0, without an offset (values alike to 1e-8 would read as "1e-11+1e-3")
         if max(shown) >= 10 * min(shown):
@@ -146,6 +147,11 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str) -> bool:
         ax.text(0.5, 0.5, "not in the checkpoint", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
     return drawn
+
+
+def _label(i: int, c: CheckpointStats) -> str:
+    """A checkpoint in a legend or title: its step where known, else its place and folder name."""
+    return f"step {c.step}" if c.step is not None else f"#{i + 1} {Path(c.path).name}"
 
 
 def _experts(ax: Any, res: StatsResult) -> None:
@@ -166,8 +172,9 @@ def _experts(ax: Any, res: StatsResult) -> None:
     ax.set_yticks(range(len(rows)), list(rows), fontsize=6)
     ax.set_xticks(range(width), [str(i) for i in range(width)], fontsize=6)
     ax.set_xlabel("expert", fontsize=8)
-    ax.set_title("expert weight L2 (last checkpoint)", fontsize=9)
-    ax.figure.colorbar(im, ax=ax)
+    ax.set_ylabel("layer", fontsize=8)
+    ax.set_title(f"expert weight L2 per layer and expert ({_label(len(res.checkpoints) - 1, last)})", fontsize=9)
+    ax.figure.colorbar(im, ax=ax).set_label("L2 norm of the expert's weights", fontsize=8)
 
 
 def write_stats_plot(res: StatsResult, path: Path) -> None:
@@ -179,14 +186,11 @@ def write_stats_plot(res: StatsResult, path: Path) -> None:
     check_plot_target(path)
     plt = _pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
-    _layer_lines(axes[0][0], res, lambda g: g.norms.get("weight"), "weight L2 per layer")
+    _layer_lines(axes[0][0], res, lambda g: g.norms.get("weight"), "weight L2 per layer", "L2 norm")
+    _layer_lines(axes[0][1], res, lambda g: g.norms.get("exp_avg"), "exp_avg L2 per layer", "L2 norm")
     _layer_lines(
-        axes[0][1],
-        res,
-        lambda g: g.norms.get("exp_avg"),
-        "exp_avg L2 per layer",
+        axes[1][0], res, lambda g: g.update_rms, "AdamW update RMS per layer", "RMS of lr*|m_hat|/(sqrt(v_hat)+eps)"
     )
-    _layer_lines(axes[1][0], res, lambda g: g.update_rms, "AdamW update RMS per layer")
     _experts(axes[1][1], res)
     _save(fig, plt, path, ", ".join(Path(c.path).name for c in res.checkpoints))
 
@@ -245,6 +249,8 @@ def write_diff_plot(res: DiffResult, path: Path) -> None:
     ax1.plot(x, [max(m, floor) for _, _, m in layers], marker="x", markersize=3, linestyle=":", label="largest tensor")
     ax1.set_xticks(list(x), [n for n, _, _ in layers], rotation=90, fontsize=6)
     ax1.set_yscale("log")
+    ax1.set_xlabel("layer", fontsize=8)
+    ax1.set_ylabel("||a-b|| / ||b||", fontsize=8)
     ax1.set_title(f"relative L2 difference per layer (values <= {floor:g}: equal)", fontsize=9)
     ax1.legend(fontsize=7)
     top = [t for t in res.tensors if t.rel_l2 is not None and t.rel_l2 > 0][:30]
@@ -253,8 +259,10 @@ def write_diff_plot(res: DiffResult, path: Path) -> None:
         ax2.set_yticks(range(len(top)), [t.name for t in top], fontsize=6)
         ax2.invert_yaxis()
         ax2.set_xscale("log")
+        ax2.set_xlabel("||a-b|| / ||b||", fontsize=8)
     else:
         ax2.text(0.5, 0.5, "every compared tensor is equal", ha="center", va="center", transform=ax2.transAxes)
         ax2.set_axis_off()
     ax2.set_title("tensors that differ most (relative L2)", fontsize=9)
+    fig.suptitle(f"a = {res.a.path}\nb = {res.b.path} (the reference)", fontsize=9)
     _save(fig, plt, path, f"diff {res.a.path} {res.b.path}")

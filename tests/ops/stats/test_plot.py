@@ -67,7 +67,7 @@ def test_each_value_is_drawn_at_its_own_layer_when_a_checkpoint_lacks_a_layer(un
     ]
     for value in values:
         fig, ax = plt.subplots()
-        assert _layer_lines(ax, res, value, "t")
+        assert _layer_lines(ax, res, value, "t", "y")
         drawn = _drawn(ax)
         plt.close(fig)
         for i, c in enumerate(res.checkpoints):
@@ -96,7 +96,44 @@ def test_diff_plot_draws_the_layers_in_the_models_order(tmp_path: Path) -> None:
     rel = [r for _, r, _ in layers]
     assert rel == sorted(rel) and all(r is not None and r > 0 for r in rel)
     write_diff_plot(res, tmp_path / "d.svg")
-    # matplotlib's SVG names each text it draws in a comment: the x tick labels come first, then the y ticks' (math)
-    texts = re.findall(r"<!-- (.*?) -->", (tmp_path / "d.svg").read_text())
-    drawn = texts[: next(i for i, x in enumerate(texts) if x.startswith("$"))]
+    # the x tick labels come first, then the axis label or the y ticks' (math)
+    texts = _svg_texts(tmp_path / "d.svg")
+    drawn = texts[: next(i for i, x in enumerate(texts) if x == "layer" or x.startswith("$"))]
     assert drawn == ["model.0", "model.1", "model.2"]
+
+
+def _svg_texts(path: Path) -> list[str]:
+    """The texts a matplotlib SVG draws (it names each in a comment), ``&lt;`` and ``&gt;`` unescaped."""
+    return [t.replace("&lt;", "<").replace("&gt;", ">") for t in re.findall(r"<!-- (.*?) -->", path.read_text())]
+
+
+def test_pictures_label_their_axes_and_name_what_they_compare(unfrozen: list[Path], tmp_path: Path) -> None:
+    """The pictures had titles only: no axis said what it counts (layers, L2 norms, the update's RMS), the heat
+    map's colour bar had no unit, and diff's picture never said which checkpoint is a and which b."""
+    from ckpttool.ops.stats import collect_stats
+    from ckpttool.ui.plot import write_diff_plot, write_stats_plot
+
+    out = tmp_path / "s.svg"
+    write_stats_plot(collect_stats(unfrozen, StatsOptions()), out)
+    texts = _svg_texts(out)
+    assert texts.count("layer") == 3 and texts.count("L2 norm") == 2, texts
+    assert "RMS of lr*|m_hat|/(sqrt(v_hat)+eps)" in texts
+    from ckpttool.ops.diff import DiffOptions, diff_checkpoints
+
+    a, b = unfrozen[1], unfrozen[0]
+    write_diff_plot(diff_checkpoints(str(a), str(b), DiffOptions()), tmp_path / "d.svg")
+    texts = _svg_texts(tmp_path / "d.svg")
+    assert f"a = {a}" in texts and f"b = {b} (the reference)" in texts, texts
+    assert texts.count("||a-b|| / ||b||") == 2 and "layer" in texts
+
+
+def test_the_experts_heat_map_names_its_axes_and_its_colour_scale(sample_ckpt: Path, tmp_path: Path) -> None:
+    from ckpttool.ops.stats import collect_stats
+    from ckpttool.ui.plot import write_stats_plot
+
+    out = tmp_path / "s.svg"
+    write_stats_plot(collect_stats([sample_ckpt], StatsOptions()), out)
+    texts = [t.replace("&#39;", "'").replace("&apos;", "'") for t in _svg_texts(out)]
+    assert "expert" in texts and texts.count("layer") == 4, texts  # three line panels and the heat map
+    assert "L2 norm of the expert's weights" in texts
+    assert f"expert weight L2 per layer and expert (#1 {sample_ckpt.name})" in texts
