@@ -132,7 +132,7 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str)
     drawn = bool(shown)
     ax.set_title(title, fontsize=9)
     if drawn:
-        ax.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
+        ax.set_xticks(range(len(names)), [_plain(n) for n in names], rotation=90, fontsize=6)
         ax.set_xlabel("layer", fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
         # log across a decade or more; within one, a log axis labels its minor ticks alike (10x10^-4 ...):
@@ -149,9 +149,15 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str)
     return drawn
 
 
+def _plain(text: str) -> str:
+    """A name from a checkpoint (a key, a path) as matplotlib draws it literally: its ``$`` escaped, which would
+    otherwise start mathtext (``a$x$b`` drawn in italics, ``$\\nocmd$`` a ValueError that ended the command E999)."""
+    return text.replace("$", r"\$")
+
+
 def _label(i: int, c: CheckpointStats) -> str:
     """A checkpoint in a legend or title: its step where known, else its place and folder name."""
-    return f"step {c.step}" if c.step is not None else f"#{i + 1} {Path(c.path).name}"
+    return f"step {c.step}" if c.step is not None else f"#{i + 1} {_plain(Path(c.path).name)}"
 
 
 def _experts(ax: Any, res: StatsResult) -> None:
@@ -169,7 +175,7 @@ def _experts(ax: Any, res: StatsResult) -> None:
     width = max(len(v) for v in rows.values())
     grid = [[(v[i] ** 0.5) if i < len(v) else float("nan") for i in range(width)] for v in rows.values()]
     im = ax.imshow(grid, aspect="auto", interpolation="nearest")
-    ax.set_yticks(range(len(rows)), list(rows), fontsize=6)
+    ax.set_yticks(range(len(rows)), [_plain(n) for n in rows], fontsize=6)
     ax.set_xticks(range(width), [str(i) for i in range(width)], fontsize=6)
     ax.set_xlabel("expert", fontsize=8)
     ax.set_ylabel("layer", fontsize=8)
@@ -247,7 +253,7 @@ def write_diff_plot(res: DiffResult, path: Path) -> None:
     floor = 1e-12  # zero on a log axis
     ax1.plot(x, [max(r or 0.0, floor) for _, r, _ in layers], marker="o", markersize=3, label="layer ||a-b|| / ||b||")
     ax1.plot(x, [max(m, floor) for _, _, m in layers], marker="x", markersize=3, linestyle=":", label="largest tensor")
-    ax1.set_xticks(list(x), [n for n, _, _ in layers], rotation=90, fontsize=6)
+    ax1.set_xticks(list(x), [_plain(n) for n, _, _ in layers], rotation=90, fontsize=6)
     ax1.set_yscale("log")
     ax1.set_xlabel("layer", fontsize=8)
     ax1.set_ylabel("||a-b|| / ||b||", fontsize=8)
@@ -256,7 +262,7 @@ def write_diff_plot(res: DiffResult, path: Path) -> None:
     top = [t for t in res.tensors if t.rel_l2 is not None and t.rel_l2 > 0][:30]
     if top:
         ax2.barh(range(len(top)), [min(t.rel_l2 or 0.0, 1e300) for t in top])
-        ax2.set_yticks(range(len(top)), [t.name for t in top], fontsize=6)
+        ax2.set_yticks(range(len(top)), [_plain(t.name) for t in top], fontsize=6)
         ax2.invert_yaxis()
         ax2.set_xscale("log")
         ax2.set_xlabel("||a-b|| / ||b||", fontsize=8)
@@ -264,5 +270,5 @@ def write_diff_plot(res: DiffResult, path: Path) -> None:
         ax2.text(0.5, 0.5, "every compared tensor is equal", ha="center", va="center", transform=ax2.transAxes)
         ax2.set_axis_off()
     ax2.set_title("tensors that differ most (relative L2)", fontsize=9)
-    fig.suptitle(f"a = {res.a.path}\nb = {res.b.path} (the reference)", fontsize=9)
+    fig.suptitle(f"a = {_plain(res.a.path)}\nb = {_plain(res.b.path)} (the reference)", fontsize=9)
     _save(fig, plt, path, f"diff {res.a.path} {res.b.path}")

@@ -137,3 +137,26 @@ def test_the_experts_heat_map_names_its_axes_and_its_colour_scale(sample_ckpt: P
     assert "expert" in texts and texts.count("layer") == 4, texts  # three line panels and the heat map
     assert "L2 norm of the expert's weights" in texts
     assert f"expert weight L2 per layer and expert (#1 {sample_ckpt.name})" in texts
+
+
+def test_names_with_dollar_signs_are_drawn_as_written(tmp_path: Path) -> None:
+    """matplotlib reads text between two ``$`` as mathtext: a key ``emb$\\nocmd{$.weight`` ended ``stats --plot``
+    and ``diff --plot`` with ``E999 internal error: ValueError`` (and ``a$x$b`` would be drawn in italics); names
+    from a checkpoint (keys, layers, folder names, paths) are now drawn literally."""
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    key = "emb$\\nocmd{$.weight"
+    a, b = tmp_path / "ck$x$-1", tmp_path / "ck$x$-2"
+    for scale, out in ((1.0, a), (2.0, b)):
+        save_quiet({"model": {key: torch.ones(3) * scale, "layers.0.w": torch.ones(2)}}, out)
+    runner = CliRunner()
+    res = runner.invoke(app, ["stats", str(a), str(b), "--plot", str(tmp_path / "s.svg")])
+    assert res.exit_code == 0, res.stderr
+    texts = _svg_texts(tmp_path / "s.svg")
+    assert "emb$\\nocmd{$" in texts and f"#1 {a.name}" in texts and f"#2 {b.name}" in texts, texts
+    res = runner.invoke(app, ["diff", str(b), str(a), "--plot", str(tmp_path / "d.svg")])
+    assert res.exit_code == 1, res.stderr  # they differ
+    texts = _svg_texts(tmp_path / "d.svg")
+    assert f"model.{key}" in texts and f"a = {b}" in texts, texts
