@@ -576,9 +576,16 @@ def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str
         acc[1] += a2
         acc[2] += 1
     return [
-        LayerChange(str(ca.path), str(cb.path), layer, (math.sqrt(d2) / math.sqrt(a2)) if a2 > 0 else None, int(n))
-        for layer, (d2, a2, n) in per.items()
+        LayerChange(str(ca.path), str(cb.path), layer, _relative(d2, a2), int(n)) for layer, (d2, a2, n) in per.items()
     ]
+
+
+def _relative(d2: float, a2: float) -> float:
+    """``sqrt(d2) / sqrt(a2)``; of a layer all zero in A (a zero-initialised LoRA B, an AdaLN-Zero gate) 0 where it
+    stayed zero and ``inf`` where it moved (not a figure left out); NaN where either side held a NaN or infinity."""
+    if a2 > 0 or math.isnan(d2):
+        return math.sqrt(d2) / math.sqrt(a2) if a2 > 0 else math.nan
+    return 0.0 if d2 == 0 else math.inf
 
 
 def collect_stats(

@@ -558,3 +558,28 @@ def test_a_tensor_with_no_finite_value_has_no_abs_max(tmp_path: Path) -> None:
     assert layers == {"layers.0": None, "layers.1": 2.0}
     table = runner.invoke(app, ["stats", "--wide", str(tmp_path / "c")]).stdout
     assert re.search(r"│ layers\.0 +│ +16 │ +0 │ +nan │ +16 │", table), table
+
+
+def test_change_of_a_layer_all_zero_in_the_earlier_checkpoint_is_inf_or_0(tmp_path: Path) -> None:
+    """A zero-initialised layer (a LoRA B, an AdaLN-Zero gate) has ||W_a|| = 0: its change was None, a blank `-` in
+    the table, as if not computed, whether it moved or not; now `inf` where it moved (JSON null), 0 where it stayed."""
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with torch.no_grad():
+        m[1].weight.zero_()
+        m[1].bias.zero_()
+    m.register_buffer("still", torch.zeros(3))  # layer "still": zero in both
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    save_quiet({"model": m.state_dict()}, tmp_path / "a")
+    train_steps(m, opt, 2)
+    save_quiet({"model": m.state_dict()}, tmp_path / "b")
+    rel = {ch.layer: ch.relative for ch in collect_stats([tmp_path / "a", tmp_path / "b"]).changes}
+    assert rel["1"] == math.inf and rel["still"] == 0.0 and rel["0"] is not None and 0 < rel["0"] < 1, rel
+    res = runner.invoke(app, ["stats", str(tmp_path / "a"), str(tmp_path / "b")])
+    assert res.exit_code == 0, res.stderr
+    rows = {ln.split("│")[1].strip(): ln.split("│")[2].strip() for ln in res.stdout.splitlines() if ln.count("│") == 3}
+    assert rows["1"] == "inf" and rows["still"] == "0", res.stdout
+    doc = json.loads(runner.invoke(app, ["stats", "--json", str(tmp_path / "a"), str(tmp_path / "b")]).stdout)
+    assert {c["layer"]: c["relative"] for c in doc["changes"]}["1"] is None
