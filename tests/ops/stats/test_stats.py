@@ -583,3 +583,27 @@ def test_change_of_a_layer_all_zero_in_the_earlier_checkpoint_is_inf_or_0(tmp_pa
     assert rows["1"] == "inf" and rows["still"] == "0", res.stdout
     doc = json.loads(runner.invoke(app, ["stats", "--json", str(tmp_path / "a"), str(tmp_path / "b")]).stdout)
     assert {c["layer"]: c["relative"] for c in doc["changes"]}["1"] is None
+
+
+def test_per_layer_table_fits_a_60_column_terminal(tmp_path: Path) -> None:
+    """At 60 columns the per-layer table of a checkpoint with moments was 72 cells wide (only `abs max` could give
+    way, the layer names were too short to fold), so the terminal wrapped every line of it; the second moments'
+    norm now gives way too, named below the table."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    train_steps(m, opt, 2)
+    msd, osd = get_state_dict(m, opt)
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "ck")
+    res = runner.invoke(app, ["stats", str(tmp_path / "ck")], env={"COLUMNS": "60"})
+    assert res.exit_code == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert max(len(ln) for ln in lines if ln[:1] in "┏┃┡│└") <= 60, res.stdout
+    assert "  (not shown at 60 columns: abs max, ‖exp_avg_sq‖; see --wide or --json)" in lines
+    assert "‖exp_avg‖" in res.stdout and "update rms" in res.stdout
+    wide = runner.invoke(app, ["stats", str(tmp_path / "ck")], env={"COLUMNS": "200"})
+    assert "‖exp_avg_sq‖" in wide.stdout and "abs max" in wide.stdout and "not shown" not in wide.stdout
