@@ -607,3 +607,19 @@ def test_per_layer_table_fits_a_60_column_terminal(tmp_path: Path) -> None:
     assert "‖exp_avg‖" in res.stdout and "update rms" in res.stdout
     wide = runner.invoke(app, ["stats", str(tmp_path / "ck")], env={"COLUMNS": "200"})
     assert "‖exp_avg_sq‖" in wide.stdout and "abs max" in wide.stdout and "not shown" not in wide.stdout
+
+
+def test_checkpoints_of_different_models_are_said_to_be_so_once(dense_ckpt: Path, sample_ckpt: Path) -> None:
+    """Two checkpoints of different models given together: a `not compared` line per tensor (40 here, `another
+    shape` or `missing`) and no word on why nothing was; now one line first says they share no tensor."""
+    res = runner.invoke(app, ["stats", str(dense_ckpt), str(sample_ckpt), "--no-optimizer"])
+    assert res.exit_code == 0, res.stderr
+    skipped = [ln for ln in res.stdout.splitlines() if ln.startswith("not compared: ")]
+    assert skipped[0] == (
+        f"not compared: {dense_ckpt} and {sample_ckpt} have no model tensor of one name and shape in common: "
+        "checkpoints of different models? (the change is between checkpoints of one run)"
+    )
+    assert len(skipped) > 20 and "relative change" not in res.stdout
+    # checkpoints of one model: nothing skipped, no such line
+    doc = collect_stats([dense_ckpt, dense_ckpt], StatsOptions(optimizer=False))
+    assert doc.changes and not doc.skipped
