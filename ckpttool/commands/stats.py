@@ -106,7 +106,7 @@ def stats_command(
     if plot is not None:
         from ckpttool.ui.plot import write_stats_plot
 
-        write_stats_plot(res, plot)
+        write_stats_plot(res, plot, optimizer=not no_optimizer)
     sink = Output(json_output)
     if not json_output:  # --json: the notes are in the document
         for c in res.checkpoints:

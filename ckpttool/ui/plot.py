@@ -116,7 +116,7 @@ def layer_axis(res: StatsResult) -> list[str]:
     return order
 
 
-def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str) -> bool:
+def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str, empty: str = "") -> bool:
     """One line per checkpoint of ``value(layer)`` over the layers of :func:`layer_axis` that have one: each value
     at its own layer's position (a layer without a value in a checkpoint, say one whose parameters were frozen, is
     a gap in that line, not a shift of the values after it)."""
@@ -144,7 +144,7 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str)
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
         ax.legend(fontsize=6)
     else:
-        ax.text(0.5, 0.5, "not in the checkpoint", ha="center", va="center", transform=ax.transAxes)
+        ax.text(0.5, 0.5, empty or "not in the checkpoint", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
     return drawn
 
@@ -183,8 +183,9 @@ def _experts(ax: Any, res: StatsResult) -> None:
     ax.figure.colorbar(im, ax=ax).set_label("L2 norm of the expert's weights", fontsize=8)
 
 
-def write_stats_plot(res: StatsResult, path: Path) -> None:
-    """Draw ``res`` into ``path`` (written whole: a temporary file renamed into place).
+def write_stats_plot(res: StatsResult, path: Path, *, optimizer: bool = True) -> None:
+    """Draw ``res`` into ``path`` (written whole: a temporary file renamed into place); ``optimizer``: whether the
+    optimizer state was measured (``--no-optimizer``: its panels say so, not that the checkpoint has none).
 
     Raises:
         UsageError: matplotlib missing, or an unknown suffix.
@@ -193,9 +194,24 @@ def write_stats_plot(res: StatsResult, path: Path) -> None:
     plt = _pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
     _layer_lines(axes[0][0], res, lambda g: g.norms.get("weight"), "weight L2 per layer", "L2 norm")
-    _layer_lines(axes[0][1], res, lambda g: g.norms.get("exp_avg"), "exp_avg L2 per layer", "L2 norm")
+    skipped = "not measured (--no-optimizer)"
     _layer_lines(
-        axes[1][0], res, lambda g: g.update_rms, "AdamW update RMS per layer", "RMS of lr*|m_hat|/(sqrt(v_hat)+eps)"
+        axes[0][1],
+        res,
+        lambda g: g.norms.get("exp_avg"),
+        "exp_avg L2 per layer",
+        "L2 norm",
+        "no exp_avg in the checkpoint" if optimizer else skipped,
+    )
+    _layer_lines(
+        axes[1][0],
+        res,
+        lambda g: g.update_rms,
+        "AdamW update RMS per layer",
+        "RMS of lr*|m_hat|/(sqrt(v_hat)+eps)",
+        "no update size\n(it needs exp_avg, exp_avg_sq, step\nand an AdamW param group: see the notes)"
+        if optimizer
+        else skipped,
     )
     _experts(axes[1][1], res)
     _save(fig, plt, path, ", ".join(Path(c.path).name for c in res.checkpoints))

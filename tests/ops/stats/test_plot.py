@@ -160,3 +160,23 @@ def test_names_with_dollar_signs_are_drawn_as_written(tmp_path: Path) -> None:
     assert res.exit_code == 1, res.stderr  # they differ
     texts = _svg_texts(tmp_path / "d.svg")
     assert f"model.{key}" in texts and f"a = {b}" in texts, texts
+
+
+def test_no_optimizer_panels_say_not_measured_not_absent(sample_ckpt: Path, tmp_path: Path) -> None:
+    """With --no-optimizer the exp_avg and update panels said "not in the checkpoint" of a checkpoint that holds
+    both; they now say they were not measured (and, measured and absent, what an update size needs)."""
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["stats", str(sample_ckpt), "--no-optimizer", "--plot", str(tmp_path / "s.svg")])
+    assert res.exit_code == 0, res.stderr
+    texts = _svg_texts(tmp_path / "s.svg")
+    assert texts.count("not measured (- -no-optimizer)") == 2 and "not in the checkpoint" not in texts, texts
+    model_only = tmp_path / "model-only"
+    save_quiet({"model": {"layers.0.w": torch.ones(4)}}, model_only)
+    res = runner.invoke(app, ["stats", str(model_only), "--plot", str(tmp_path / "m.svg")])
+    assert res.exit_code == 0, res.stderr
+    texts = _svg_texts(tmp_path / "m.svg")
+    assert "no exp_avg in the checkpoint" in texts and "no update size" in texts, texts
