@@ -132,7 +132,8 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str,
     drawn = bool(shown)
     ax.set_title(title, fontsize=9)
     if drawn:
-        ax.set_xticks(range(len(names)), [_plain(n) for n in names], rotation=90, fontsize=6)
+        at = _every(len(names), 64)
+        ax.set_xticks(at, [_plain(names[i]) for i in at], rotation=90, fontsize=6)
         ax.set_xlabel("layer", fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
         # log across a decade or more; within one, a log axis labels its minor ticks alike (10x10^-4 ...):
@@ -147,6 +148,12 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str,
         ax.text(0.5, 0.5, empty or "not in the checkpoint", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
     return drawn
+
+
+def _every(n: int, most: int) -> list[int]:
+    """Positions ``0..n-1`` to label, at most about ``most`` of them (every k-th): 128 experts or 94 layers labelled
+    each at 6 points overlap into a black band."""
+    return list(range(0, n, max(1, math.ceil(n / most))))
 
 
 def _plain(text: str) -> str:
@@ -175,8 +182,11 @@ def _experts(ax: Any, res: StatsResult) -> None:
     width = max(len(v) for v in rows.values())
     grid = [[(v[i] ** 0.5) if i < len(v) else float("nan") for i in range(width)] for v in rows.values()]
     im = ax.imshow(grid, aspect="auto", interpolation="nearest")
-    ax.set_yticks(range(len(rows)), [_plain(n) for n in rows], fontsize=6)
-    ax.set_xticks(range(width), [str(i) for i in range(width)], fontsize=6)
+    names = list(rows)
+    at = _every(len(names), 48)
+    ax.set_yticks(at, [_plain(names[i]) for i in at], fontsize=6)
+    at = _every(width, 16)
+    ax.set_xticks(at, [str(i) for i in at], fontsize=6)
     ax.set_xlabel("expert", fontsize=8)
     ax.set_ylabel("layer", fontsize=8)
     ax.set_title(f"expert weight L2 per layer and expert ({_label(len(res.checkpoints) - 1, last)})", fontsize=9)

@@ -180,3 +180,24 @@ def test_no_optimizer_panels_say_not_measured_not_absent(sample_ckpt: Path, tmp_
     assert res.exit_code == 0, res.stderr
     texts = _svg_texts(tmp_path / "m.svg")
     assert "no exp_avg in the checkpoint" in texts and "no update size" in texts, texts
+
+
+def test_many_experts_and_layers_are_labelled_every_kth_not_into_a_black_band(tmp_path: Path) -> None:
+    """128 experts were each labelled at 6 points below a heat map 5 inches wide: the numbers ran into one black
+    band; now about 16 of them (every 8th), and at most about 48 layers (every k-th) on its other axis."""
+    sd = {}
+    for layer in range(100):
+        sd[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.full((128, 2, 2), 1.0 + layer)
+    save_quiet({"model": sd}, tmp_path / "ck")
+    out = tmp_path / "s.svg"
+    from ckpttool.ui.plot import write_stats_plot
+
+    write_stats_plot(collect_stats([tmp_path / "ck"], StatsOptions()), out)
+    texts = _svg_texts(out)
+    i = texts.index("expert weight L2 per layer and expert (#1 ck)")
+    experts = [t for t in texts[:i] if t.isdigit()]  # the heat map's tick labels come before its title
+    assert experts[:3] == ["0", "8", "16"] and len(experts) == 16, experts
+    layers = [t for t in texts[:i] if t.startswith("model.layers.")]
+    # the weight panel labels every 2nd of 100 layers (50), the heat map every 3rd (34)
+    assert len(layers) == 50 + 34 and layers[:2] == ["model.layers.0", "model.layers.2"], layers
+    assert layers[50:52] == ["model.layers.0", "model.layers.3"], layers
