@@ -201,3 +201,16 @@ def test_many_experts_and_layers_are_labelled_every_kth_not_into_a_black_band(tm
     # the weight panel labels every 2nd of 100 layers (50), the heat map every 3rd (34)
     assert len(layers) == 50 + 34 and layers[:2] == ["model.layers.0", "model.layers.2"], layers
     assert layers[50:52] == ["model.layers.0", "model.layers.3"], layers
+
+
+def test_diff_plot_of_many_layers_labels_every_kth(tmp_path: Path) -> None:
+    """diff --plot labelled each of 100 layers at 6 points: the names overlapped; now every 2nd (at most ~64)."""
+    from ckpttool.ops.diff import DiffOptions, diff_checkpoints
+    from ckpttool.ui.plot import write_diff_plot
+
+    for scale, name in ((1.0, "a"), (2.0, "b")):
+        save_quiet({"model": {f"layers.{i}.w": torch.full((2,), scale + i) for i in range(100)}}, tmp_path / name)
+    write_diff_plot(diff_checkpoints(str(tmp_path / "b"), str(tmp_path / "a"), DiffOptions()), tmp_path / "d.svg")
+    texts = _svg_texts(tmp_path / "d.svg")
+    ticks = texts[: texts.index("layer")]
+    assert ticks[:2] == ["model.layers.0", "model.layers.2"] and len(ticks) == 50, ticks
