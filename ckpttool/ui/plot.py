@@ -189,7 +189,14 @@ def _experts(ax: Any, res: StatsResult) -> None:
     ax.set_xticks(at, [str(i) for i in at], fontsize=6)
     ax.set_xlabel("expert", fontsize=8)
     ax.set_ylabel("layer", fontsize=8)
-    ax.set_title(f"expert weight L2 per layer and expert ({_label(len(res.checkpoints) - 1, last)})", fontsize=9)
+    from ckpttool.ops.stats.run import STORED_ORDER_NOTE
+
+    stored = any(n.startswith(STORED_ORDER_NOTE) for n in last.notes)  # the EP layout does not say the true order
+    ax.set_title(
+        f"expert weight L2 per layer and expert ({_label(len(res.checkpoints) - 1, last)})"
+        + ("\nexperts in stored order: the EP layout is not known (ckpttool stamp declares it)" if stored else ""),
+        fontsize=9,
+    )
     ax.figure.colorbar(im, ax=ax).set_label("L2 norm of the expert's weights", fontsize=8)
 
 

@@ -214,3 +214,15 @@ def test_diff_plot_of_many_layers_labels_every_kth(tmp_path: Path) -> None:
     texts = _svg_texts(tmp_path / "d.svg")
     ticks = texts[: texts.index("layer")]
     assert ticks[:2] == ["model.layers.0", "model.layers.2"] and len(ticks) == 50, ticks
+
+
+def test_heat_map_says_when_its_experts_are_in_stored_order(ep_suite: Path, tmp_path: Path) -> None:
+    """An unversioned EP save whose expert order cannot be told: the note on stderr said the per-expert norms are
+    in stored order, the heat map (drawn in that order) did not; its title now says so."""
+    from ckpttool.ui.plot import write_stats_plot
+
+    order = "experts in stored order: the EP layout is not known (ckpttool stamp declares it)"
+    for name, stored in (("legacy", True), ("p4f1", False)):  # p4f1: a version-1 record, un-permuted
+        res = collect_stats([ep_suite / name], StatsOptions(optimizer=False))
+        write_stats_plot(res, tmp_path / f"{name}.svg")
+        assert (order in _svg_texts(tmp_path / f"{name}.svg")) is stored, name
