@@ -269,7 +269,15 @@ def diff_layers(res: DiffResult) -> list[tuple[str, float | None, float]]:
             a[1] += t.b_l2 * t.b_l2
         if t.rel_l2 is not None:
             a[2] = max(a[2], t.rel_l2)
-    return [(k, (v[0] ** 0.5 / v[1] ** 0.5) if v[1] > 0 else None, v[2]) for k, v in acc.items()]
+    return [(k, _over(v[0], v[1]), v[2]) for k, v in acc.items()]
+
+
+def _over(d2: float, b2: float) -> float | None:
+    """``sqrt(d2 / b2)``; where ``||b|| = 0`` (a zero-initialised layer as the reference) ``inf`` if ``a`` differs,
+    ``None`` if it does not."""
+    if b2 > 0:
+        return math.sqrt(d2) / math.sqrt(b2)
+    return None if d2 == 0 else math.inf
 
 
 def write_diff_plot(res: DiffResult, path: Path) -> None:
@@ -284,8 +292,18 @@ def write_diff_plot(res: DiffResult, path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 6), constrained_layout=True)
     x = range(len(layers))
     floor = 1e-12  # zero on a log axis
-    ax1.plot(x, [max(r or 0.0, floor) for _, r, _ in layers], marker="o", markersize=3, label="layer ||a-b|| / ||b||")
-    ax1.plot(x, [max(m, floor) for _, _, m in layers], marker="x", markersize=3, linestyle=":", label="largest tensor")
+    # infinite (||b|| = 0, a differs): drawn at the top, marked; a log axis has no place for it
+    finite = [v for _, r, m in layers for v in (r, m) if v is not None and floor < v < math.inf]
+    ceiling = 10 * max(finite, default=floor)
+
+    def y(v: float | None) -> float:
+        return ceiling if v == math.inf else max(v or 0.0, floor)
+
+    ax1.plot(x, [y(r) for _, r, _ in layers], marker="o", markersize=3, label="layer ||a-b|| / ||b||")
+    ax1.plot(x, [y(m) for _, _, m in layers], marker="x", markersize=3, linestyle=":", label="largest tensor")
+    inf = [i for i, (_, r, m) in enumerate(layers) if math.inf in (r, m)]
+    if inf:
+        ax1.plot(inf, [ceiling] * len(inf), "r^", label="infinite: ||b|| = 0 where a differs")
     at = _every(len(layers), 64)
     ax1.set_xticks(at, [_plain(layers[i][0]) for i in at], rotation=90, fontsize=6)
     ax1.set_yscale("log")
@@ -295,7 +313,11 @@ def write_diff_plot(res: DiffResult, path: Path) -> None:
     ax1.legend(fontsize=7)
     top = [t for t in res.tensors if t.rel_l2 is not None and t.rel_l2 > 0][:30]
     if top:
-        ax2.barh(range(len(top)), [min(t.rel_l2 or 0.0, 1e300) for t in top])
+        ax2.barh(
+            range(len(top)),
+            [y(t.rel_l2) for t in top],
+            color=["tab:red" if t.rel_l2 == math.inf else "tab:blue" for t in top],
+        )
         ax2.set_yticks(range(len(top)), [_plain(t.name) for t in top], fontsize=6)
         ax2.invert_yaxis()
         ax2.set_xscale("log")

@@ -226,3 +226,18 @@ def test_heat_map_says_when_its_experts_are_in_stored_order(ep_suite: Path, tmp_
         res = collect_stats([ep_suite / name], StatsOptions(optimizer=False))
         write_stats_plot(res, tmp_path / f"{name}.svg")
         assert (order in _svg_texts(tmp_path / f"{name}.svg")) is stored, name
+
+
+def test_diff_plot_marks_a_layer_whose_reference_is_zero_as_infinite_not_equal(tmp_path: Path) -> None:
+    """diff A B with a layer all zero in B (the reference: a zero-initialised LoRA B at step 0) and not in A: the
+    layer's ||a-b|| / ||b|| was None and drawn at the floor, as equal; it is now infinite, drawn at the top and
+    marked as such."""
+    from ckpttool.ops.diff import DiffOptions, diff_checkpoints
+    from ckpttool.ui.plot import diff_layers, write_diff_plot
+
+    save_quiet({"model": {"layers.0.w": torch.ones(4), "layers.1.lora_b": torch.full((4,), 0.5)}}, tmp_path / "a")
+    save_quiet({"model": {"layers.0.w": torch.ones(4) * 2, "layers.1.lora_b": torch.zeros(4)}}, tmp_path / "b")
+    res = diff_checkpoints(str(tmp_path / "a"), str(tmp_path / "b"), DiffOptions())
+    assert {n: r for n, r, _ in diff_layers(res)} == {"model.layers.0": 0.5, "model.layers.1": math.inf}
+    write_diff_plot(res, tmp_path / "d.svg")
+    assert "infinite: ||b|| = 0 where a differs" in _svg_texts(tmp_path / "d.svg")
