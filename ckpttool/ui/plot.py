@@ -22,7 +22,7 @@ from ckpttool.format.atomic import atomic_write_bytes, check_file_target
 
 if TYPE_CHECKING:
     from ckpttool.ops.diff import DiffResult
-    from ckpttool.ops.stats import CheckpointStats, StatsResult
+    from ckpttool.ops.stats import StatsResult
 
 __all__ = ["PLOT_SUFFIXES", "check_plot_target", "write_diff_plot", "write_stats_plot"]
 
@@ -123,7 +123,7 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str,
     series: list[tuple[str, dict[str, float]]] = []
     for i, c in enumerate(res.checkpoints):
         pts = {g.name: v for g in c.layers if (v := value(g)) is not None and v > 0}
-        series.append((_label(i, c), pts))
+        series.append((_label(res, i), pts))
     names = [n for n in layer_axis(res) if any(n in pts for _, pts in series)]
     shown = [v for _, pts in series for v in pts.values()]
     for label, pts in series:
@@ -162,9 +162,21 @@ def _plain(text: str) -> str:
     return text.replace("$", r"\$")
 
 
-def _label(i: int, c: CheckpointStats) -> str:
-    """A checkpoint in a legend or title: its step where known, else its place and folder name."""
-    return f"step {c.step}" if c.step is not None else f"#{i + 1} {_plain(Path(c.path).name)}"
+def _label(res: StatsResult, i: int) -> str:
+    """Checkpoint ``i`` of ``res`` in a legend or title: ``step N`` where every checkpoint's step is known and
+    differs, else its place and the shortest end of its path that tells it from the others (two runs at one
+    step: ``#1 runA/step-5 (step 5)``, ``#2 runB/step-5 (step 5)``)."""
+    cks = res.checkpoints
+    steps = [c.step for c in cks]
+    if None not in steps and len(set(steps)) == len(steps):
+        return f"step {steps[i]}"
+    parts = [Path(c.path).parts for c in cks]
+    for k in range(1, max(len(p) for p in parts) + 1):
+        names = ["/".join(p[-k:]) for p in parts]
+        if len(set(names)) == len(names) or k == len(parts[i]):
+            break
+    step = f" (step {steps[i]})" if steps[i] is not None else ""
+    return f"#{i + 1} {_plain(names[i])}{step}"
 
 
 def _experts(ax: Any, res: StatsResult) -> None:
@@ -193,7 +205,7 @@ def _experts(ax: Any, res: StatsResult) -> None:
 
     stored = any(n.startswith(STORED_ORDER_NOTE) for n in last.notes)  # the EP layout does not say the true order
     ax.set_title(
-        f"expert weight L2 per layer and expert ({_label(len(res.checkpoints) - 1, last)})"
+        f"expert weight L2 per layer and expert ({_label(res, len(res.checkpoints) - 1)})"
         + ("\nexperts in stored order: the EP layout is not known (ckpttool stamp declares it)" if stored else ""),
         fontsize=9,
     )

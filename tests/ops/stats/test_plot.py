@@ -241,3 +241,25 @@ def test_diff_plot_marks_a_layer_whose_reference_is_zero_as_infinite_not_equal(t
     assert {n: r for n, r, _ in diff_layers(res)} == {"model.layers.0": 0.5, "model.layers.1": math.inf}
     write_diff_plot(res, tmp_path / "d.svg")
     assert "infinite: ||b|| = 0 where a differs" in _svg_texts(tmp_path / "d.svg")
+
+
+def test_two_runs_at_one_step_are_told_apart_in_the_legend(tmp_path: Path) -> None:
+    """`stats runA runB --step 5 --plot`: both lines were labelled "step 5"; each now names its run."""
+    from typer.testing import CliRunner
+
+    from ckpttool.cli.app import app
+
+    for run, scale in (("runA", 1.0), ("runB", 2.0)):
+        save_quiet({"model": {"layers.0.w": torch.ones(4) * scale}}, tmp_path / run / "step-5")
+    out = tmp_path / "s.svg"
+    res = CliRunner().invoke(
+        app,
+        ["stats", str(tmp_path / "runA"), str(tmp_path / "runB"), "--step", "5"]
+        + [
+            "--plot",
+            str(out),
+        ],
+    )
+    assert res.exit_code == 0, res.stderr
+    texts = _svg_texts(out)
+    assert "#1 runA/step-5 (step 5)" in texts and "#2 runB/step-5 (step 5)" in texts, texts
