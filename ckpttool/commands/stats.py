@@ -106,7 +106,7 @@ def stats_command(
     if plot is not None:
         from ckpttool.ui.plot import write_stats_plot
 
-        write_stats_plot(res, plot)
+        write_stats_plot(res, plot, optimizer=not no_optimizer)
     sink = Output(json_output)
     if not json_output:  # --json: the notes are in the document
         for c in res.checkpoints:
@@ -174,7 +174,9 @@ def _table(con: Console, c: CheckpointStats, by: StatsView) -> None:
         return
     groups = c.layers if by is StatsView.layer else c.modules
     roles = [r for r in ("weight", "master_weight", "exp_avg", "exp_avg_sq") if any(r in g.norms for g in groups)]
-    cols = [Col(by.value, "key"), Col("params", "num")] + [Col(f"‖{r}‖", "num") for r in roles]
+    # narrow terminals: abs max, then the norms of the second moments and of the masters give way (named below)
+    cols = [Col(by.value, "key"), Col("params", "num")]
+    cols += [Col(f"‖{r}‖", "num", drop=int(r in ("master_weight", "exp_avg_sq"))) for r in roles]
     cols += [
         Col("abs max", "num", drop=1),
         Col("update rms", "num", hide_empty=True),

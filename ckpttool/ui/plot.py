@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import io
+import math
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -100,21 +101,41 @@ def _drawn_here(head: bytes) -> bool:
     return False
 
 
-def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str) -> bool:
-    drawn = False
-    shown: list[float] = []
+def layer_axis(res: StatsResult) -> list[str]:
+    """The layers of every checkpoint of ``res`` in model order: each checkpoint's order, a layer that only a
+    later checkpoint holds placed after the layer it follows there (one x axis for every line)."""
+    order: list[str] = []
+    for c in res.checkpoints:
+        at = -1
+        for g in c.layers:
+            if g.name in order:
+                at = order.index(g.name)
+            else:
+                at += 1
+                order.insert(at, g.name)
+    return order
+
+
+def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str, ylabel: str, empty: str = "") -> bool:
+    """One line per checkpoint of ``value(layer)`` over the layers of :func:`layer_axis` that have one: each value
+    at its own layer's position (a layer without a value in a checkpoint, say one whose parameters were frozen, is
+    a gap in that line, not a shift of the values after it)."""
+    series: list[tuple[str, dict[str, float]]] = []
     for i, c in enumerate(res.checkpoints):
-        pts = [(g.name, value(g)) for g in c.layers]
-        pts = [(n, v) for n, v in pts if v is not None and v > 0]
-        if not pts:
-            continue
-        label = f"step {c.step}" if c.step is not None else f"#{i + 1} {Path(c.path).name}"
-        ax.plot(range(len(pts)), [v for _, v in pts], marker="o", markersize=3, label=label)
-        ax.set_xticks(range(len(pts)), [n for n, _ in pts], rotation=90, fontsize=6)
-        shown.extend(v for _, v in pts)
-        drawn = True
+        pts = {g.name: v for g in c.layers if (v := value(g)) is not None and v > 0}
+        series.append((_label(res, i), pts))
+    names = [n for n in layer_axis(res) if any(n in pts for _, pts in series)]
+    shown = [v for _, pts in series for v in pts.values()]
+    for label, pts in series:
+        if pts:
+            ax.plot(range(len(names)), [pts.get(n, math.nan) for n in names], marker="o", markersize=3, label=label)
+    drawn = bool(shown)
     ax.set_title(title, fontsize=9)
     if drawn:
+        at = _every(len(names), 64)
+        ax.set_xticks(at, [_plain(names[i]) for i in at], rotation=90, fontsize=6)
+        ax.set_xlabel("layer", fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
         # log across a decade or more; within one, a log axis labels its minor ticks alike (10x10^-4 ...):
         # linear from 0, without an offset (values alike to 1e-8 would read as "1e-11+1e-3")
         if max(shown) >= 10 * min(shown):
@@ -124,9 +145,38 @@ def _layer_lines(ax: Any, res: StatsResult, value: Any, title: str) -> bool:
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
         ax.legend(fontsize=6)
     else:
-        ax.text(0.5, 0.5, "not in the checkpoint", ha="center", va="center", transform=ax.transAxes)
+        ax.text(0.5, 0.5, empty or "not in the checkpoint", ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
     return drawn
+
+
+def _every(n: int, most: int) -> list[int]:
+    """Positions ``0..n-1`` to label, at most about ``most`` of them (every k-th): 128 experts or 94 layers labelled
+    each at 6 points overlap into a black band."""
+    return list(range(0, n, max(1, math.ceil(n / most))))
+
+
+def _plain(text: str) -> str:
+    """A name from a checkpoint (a key, a path) as matplotlib draws it literally: its ``$`` escaped, which would
+    otherwise start mathtext (``a$x$b`` drawn in italics, ``$\\nocmd$`` a ValueError that ended the command E999)."""
+    return text.replace("$", r"\$")
+
+
+def _label(res: StatsResult, i: int) -> str:
+    """Checkpoint ``i`` of ``res`` in a legend or title: ``step N`` where every checkpoint's step is known and
+    differs, else its place and the shortest end of its path that tells it from the others (two runs at one
+    step: ``#1 runA/step-5 (step 5)``, ``#2 runB/step-5 (step 5)``)."""
+    cks = res.checkpoints
+    steps = [c.step for c in cks]
+    if None not in steps and len(set(steps)) == len(steps):
+        return f"step {steps[i]}"
+    parts = [Path(c.path).parts for c in cks]
+    for k in range(1, max(len(p) for p in parts) + 1):
+        names = ["/".join(p[-k:]) for p in parts]
+        if len(set(names)) == len(names) or k == len(parts[i]):
+            break
+    step = f" (step {steps[i]})" if steps[i] is not None else ""
+    return f"#{i + 1} {_plain(names[i])}{step}"
 
 
 def _experts(ax: Any, res: StatsResult) -> None:
@@ -144,15 +194,27 @@ def _experts(ax: Any, res: StatsResult) -> None:
     width = max(len(v) for v in rows.values())
     grid = [[(v[i] ** 0.5) if i < len(v) else float("nan") for i in range(width)] for v in rows.values()]
     im = ax.imshow(grid, aspect="auto", interpolation="nearest")
-    ax.set_yticks(range(len(rows)), list(rows), fontsize=6)
-    ax.set_xticks(range(width), [str(i) for i in range(width)], fontsize=6)
+    names = list(rows)
+    at = _every(len(names), 48)
+    ax.set_yticks(at, [_plain(names[i]) for i in at], fontsize=6)
+    at = _every(width, 16)
+    ax.set_xticks(at, [str(i) for i in at], fontsize=6)
     ax.set_xlabel("expert", fontsize=8)
-    ax.set_title("expert weight L2 (last checkpoint)", fontsize=9)
-    ax.figure.colorbar(im, ax=ax)
+    ax.set_ylabel("layer", fontsize=8)
+    from ckpttool.ops.stats.run import STORED_ORDER_NOTE
+
+    stored = any(n.startswith(STORED_ORDER_NOTE) for n in last.notes)  # the EP layout does not say the true order
+    ax.set_title(
+        f"expert weight L2 per layer and expert ({_label(res, len(res.checkpoints) - 1)})"
+        + ("\nexperts in stored order: the EP layout is not known (ckpttool stamp declares it)" if stored else ""),
+        fontsize=9,
+    )
+    ax.figure.colorbar(im, ax=ax).set_label("L2 norm of the expert's weights", fontsize=8)
 
 
-def write_stats_plot(res: StatsResult, path: Path) -> None:
-    """Draw ``res`` into ``path`` (written whole: a temporary file renamed into place).
+def write_stats_plot(res: StatsResult, path: Path, *, optimizer: bool = True) -> None:
+    """Draw ``res`` into ``path`` (written whole: a temporary file renamed into place); ``optimizer``: whether the
+    optimizer state was measured (``--no-optimizer``: its panels say so, not that the checkpoint has none).
 
     Raises:
         UsageError: matplotlib missing, or an unknown suffix.
@@ -160,14 +222,26 @@ def write_stats_plot(res: StatsResult, path: Path) -> None:
     check_plot_target(path)
     plt = _pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
-    _layer_lines(axes[0][0], res, lambda g: g.norms.get("weight"), "weight L2 per layer")
+    _layer_lines(axes[0][0], res, lambda g: g.norms.get("weight"), "weight L2 per layer", "L2 norm")
+    skipped = "not measured (--no-optimizer)"
     _layer_lines(
         axes[0][1],
         res,
         lambda g: g.norms.get("exp_avg"),
         "exp_avg L2 per layer",
+        "L2 norm",
+        "no exp_avg in the checkpoint" if optimizer else skipped,
     )
-    _layer_lines(axes[1][0], res, lambda g: g.update_rms, "AdamW update RMS per layer")
+    _layer_lines(
+        axes[1][0],
+        res,
+        lambda g: g.update_rms,
+        "AdamW update RMS per layer",
+        "RMS of lr*|m_hat|/(sqrt(v_hat)+eps)",
+        "no update size\n(it needs exp_avg, exp_avg_sq, step\nand an AdamW param group: see the notes)"
+        if optimizer
+        else skipped,
+    )
     _experts(axes[1][1], res)
     _save(fig, plt, path, ", ".join(Path(c.path).name for c in res.checkpoints))
 
@@ -190,7 +264,7 @@ def _save(fig: Any, plt: Any, path: Path, title: str) -> None:
 
 
 def diff_layers(res: DiffResult) -> list[tuple[str, float | None, float]]:
-    """Per layer (:func:`~ckpttool.ops.stats.layer_of` of the compared names, in first-seen order):
+    """Per layer (:func:`~ckpttool.ops.stats.layer_of` of the compared names, in A's order, the model's):
     ``(layer, relative L2 over its decoded tensors, largest relative L2 of its tensors)``.
 
     The relative L2 of a layer is ``sqrt(sum ||a-b||^2) / sqrt(sum ||b||^2)`` over its tensors whose
@@ -199,14 +273,23 @@ def diff_layers(res: DiffResult) -> list[tuple[str, float | None, float]]:
     from ckpttool.ops.stats import layer_of
 
     acc: dict[str, list[float]] = {}
-    for t in res.tensors:
+    rank = {name: i for i, name in reversed(list(enumerate(res.compared_order)))}
+    for t in sorted(res.tensors, key=lambda t: rank.get(t.name, len(rank))):  # not by difference: an x axis of layers
         a = acc.setdefault(layer_of(t.name), [0.0, 0.0, 0.0])
         if t.diff_l2 is not None and t.b_l2 is not None:
             a[0] += t.diff_l2 * t.diff_l2
             a[1] += t.b_l2 * t.b_l2
         if t.rel_l2 is not None:
             a[2] = max(a[2], t.rel_l2)
-    return [(k, (v[0] ** 0.5 / v[1] ** 0.5) if v[1] > 0 else None, v[2]) for k, v in acc.items()]
+    return [(k, _over(v[0], v[1]), v[2]) for k, v in acc.items()]
+
+
+def _over(d2: float, b2: float) -> float | None:
+    """``sqrt(d2 / b2)``; where ``||b|| = 0`` (a zero-initialised layer as the reference) ``inf`` if ``a`` differs,
+    ``None`` if it does not."""
+    if b2 > 0:
+        return math.sqrt(d2) / math.sqrt(b2)
+    return None if d2 == 0 else math.inf
 
 
 def write_diff_plot(res: DiffResult, path: Path) -> None:
@@ -221,20 +304,39 @@ def write_diff_plot(res: DiffResult, path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 6), constrained_layout=True)
     x = range(len(layers))
     floor = 1e-12  # zero on a log axis
-    ax1.plot(x, [max(r or 0.0, floor) for _, r, _ in layers], marker="o", markersize=3, label="layer ||a-b|| / ||b||")
-    ax1.plot(x, [max(m, floor) for _, _, m in layers], marker="x", markersize=3, linestyle=":", label="largest tensor")
-    ax1.set_xticks(list(x), [n for n, _, _ in layers], rotation=90, fontsize=6)
+    # infinite (||b|| = 0, a differs): drawn at the top, marked; a log axis has no place for it
+    finite = [v for _, r, m in layers for v in (r, m) if v is not None and floor < v < math.inf]
+    ceiling = 10 * max(finite, default=floor)
+
+    def y(v: float | None) -> float:
+        return ceiling if v == math.inf else max(v or 0.0, floor)
+
+    ax1.plot(x, [y(r) for _, r, _ in layers], marker="o", markersize=3, label="layer ||a-b|| / ||b||")
+    ax1.plot(x, [y(m) for _, _, m in layers], marker="x", markersize=3, linestyle=":", label="largest tensor")
+    inf = [i for i, (_, r, m) in enumerate(layers) if math.inf in (r, m)]
+    if inf:
+        ax1.plot(inf, [ceiling] * len(inf), "r^", label="infinite: ||b|| = 0 where a differs")
+    at = _every(len(layers), 64)
+    ax1.set_xticks(at, [_plain(layers[i][0]) for i in at], rotation=90, fontsize=6)
     ax1.set_yscale("log")
+    ax1.set_xlabel("layer", fontsize=8)
+    ax1.set_ylabel("||a-b|| / ||b||", fontsize=8)
     ax1.set_title(f"relative L2 difference per layer (values <= {floor:g}: equal)", fontsize=9)
     ax1.legend(fontsize=7)
     top = [t for t in res.tensors if t.rel_l2 is not None and t.rel_l2 > 0][:30]
     if top:
-        ax2.barh(range(len(top)), [min(t.rel_l2 or 0.0, 1e300) for t in top])
-        ax2.set_yticks(range(len(top)), [t.name for t in top], fontsize=6)
+        ax2.barh(
+            range(len(top)),
+            [y(t.rel_l2) for t in top],
+            color=["tab:red" if t.rel_l2 == math.inf else "tab:blue" for t in top],
+        )
+        ax2.set_yticks(range(len(top)), [_plain(t.name) for t in top], fontsize=6)
         ax2.invert_yaxis()
         ax2.set_xscale("log")
+        ax2.set_xlabel("||a-b|| / ||b||", fontsize=8)
     else:
         ax2.text(0.5, 0.5, "every compared tensor is equal", ha="center", va="center", transform=ax2.transAxes)
         ax2.set_axis_off()
     ax2.set_title("tensors that differ most (relative L2)", fontsize=9)
+    fig.suptitle(f"a = {_plain(res.a.path)}\nb = {_plain(res.b.path)} (the reference)", fontsize=9)
     _save(fig, plt, path, f"diff {res.a.path} {res.b.path}")

@@ -273,6 +273,8 @@ class DiffResult:
     tensors: list[TensorStat] = field(default_factory=list)
     values: int = 0
     filtered_out: int = 0
+    #: The names of ``tensors`` in A's order (the checkpoint's, as compared): the order of layers in a picture.
+    compared_order: tuple[str, ...] = ()
 
     @property
     def equal(self) -> bool:

@@ -1228,6 +1228,7 @@ def _diff(
         sorted(tally.stats, key=lambda t: t.order),
         tally.values,
         filtered_out,
+        tuple(t.name for t in tally.stats),
     )
 
 

@@ -168,7 +168,8 @@ class CheckpointStats:
 @dataclass(frozen=True)
 class LayerChange:
     """Relative change of one layer's model tensors between two checkpoints of a run:
-    ``||W_b - W_a|| / ||W_a||`` (L2 over the layer's tensors present in both with equal shapes)."""
+    ``||W_b - W_a|| / ||W_a||`` (L2 over the layer's tensors present in both with equal shapes); a layer all zero
+    in A: 0 where it stayed zero, ``inf`` where it moved; NaN where either side holds a NaN or infinity."""
 
     a: str
     b: str

@@ -532,6 +532,7 @@ def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str
     ca, cb = a.catalog, b.catalog
     qa, qb = quantized_keys(ca.model), quantized_keys(cb.model)
     pairs: list[tuple[str, str, str, tuple[Any, Any]]] = []
+    first, alike, selected = len(skipped), 0, 0
     for ka, ea in ca.model.items():
         fqn = ca.fqn_of(ka)
         if not _selected(fqn, ka, opts.filters):
@@ -542,9 +543,11 @@ def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str
             if q[key] == key:  # the weight (its scale is left out silently)
                 skipped.append(f"{fqn}: quantized in {side.path} (stored codes and scales, not values)")
             continue
+        selected += 1
         if eb is None or eb.shape != ea.shape:
             skipped.append(f"{fqn}: {'missing in' if eb is None else 'another shape in'} {cb.path}")
             continue
+        alike += 1
         if ea.dtype.startswith("complex") != eb.dtype.startswith("complex"):
             skipped.append(f"{fqn}: {ea.dtype} in {ca.path}, {eb.dtype} in {cb.path}")
             continue
@@ -566,6 +569,12 @@ def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str
         if kb in qb and qb[kb] != kb:  # a scale of a quantized weight: left out with its weight
             continue
         skipped.append(f"{fqn}: missing in {ca.path}")
+    if selected and not alike:  # said once, before the tensors: not two checkpoints of one run
+        skipped.insert(
+            first,
+            f"{ca.path} and {cb.path} have no model tensor of one name and shape in common: checkpoints of "
+            "different models? (the change is between checkpoints of one run)",
+        )
     got = map_ordered(
         lambda p: _pair_sums(a, p[1], b, p[2], p[3]), pairs, workers=worker_count(opts.workers, max(1, len(pairs)))
     )
@@ -576,9 +585,16 @@ def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str
         acc[1] += a2
         acc[2] += 1
     return [
-        LayerChange(str(ca.path), str(cb.path), layer, (math.sqrt(d2) / math.sqrt(a2)) if a2 > 0 else None, int(n))
-        for layer, (d2, a2, n) in per.items()
+        LayerChange(str(ca.path), str(cb.path), layer, _relative(d2, a2), int(n)) for layer, (d2, a2, n) in per.items()
     ]
+
+
+def _relative(d2: float, a2: float) -> float:
+    """``sqrt(d2) / sqrt(a2)``; of a layer all zero in A (a zero-initialised LoRA B, an AdaLN-Zero gate) 0 where it
+    stayed zero and ``inf`` where it moved (not a figure left out); NaN where either side held a NaN or infinity."""
+    if a2 > 0 or math.isnan(d2):
+        return math.sqrt(d2) / math.sqrt(a2) if a2 > 0 else math.nan
+    return 0.0 if d2 == 0 else math.inf
 
 
 def collect_stats(

@@ -558,3 +558,68 @@ def test_a_tensor_with_no_finite_value_has_no_abs_max(tmp_path: Path) -> None:
     assert layers == {"layers.0": None, "layers.1": 2.0}
     table = runner.invoke(app, ["stats", "--wide", str(tmp_path / "c")]).stdout
     assert re.search(r"│ layers\.0 +│ +16 │ +0 │ +nan │ +16 │", table), table
+
+
+def test_change_of_a_layer_all_zero_in_the_earlier_checkpoint_is_inf_or_0(tmp_path: Path) -> None:
+    """A zero-initialised layer (a LoRA B, an AdaLN-Zero gate) has ||W_a|| = 0: its change was None, a blank `-` in
+    the table, as if not computed, whether it moved or not; now `inf` where it moved (JSON null), 0 where it stayed."""
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with torch.no_grad():
+        m[1].weight.zero_()
+        m[1].bias.zero_()
+    m.register_buffer("still", torch.zeros(3))  # layer "still": zero in both
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    save_quiet({"model": m.state_dict()}, tmp_path / "a")
+    train_steps(m, opt, 2)
+    save_quiet({"model": m.state_dict()}, tmp_path / "b")
+    rel = {ch.layer: ch.relative for ch in collect_stats([tmp_path / "a", tmp_path / "b"]).changes}
+    assert rel["1"] == math.inf and rel["still"] == 0.0 and rel["0"] is not None and 0 < rel["0"] < 1, rel
+    res = runner.invoke(app, ["stats", str(tmp_path / "a"), str(tmp_path / "b")])
+    assert res.exit_code == 0, res.stderr
+    rows = {ln.split("│")[1].strip(): ln.split("│")[2].strip() for ln in res.stdout.splitlines() if ln.count("│") == 3}
+    assert rows["1"] == "inf" and rows["still"] == "0", res.stdout
+    doc = json.loads(runner.invoke(app, ["stats", "--json", str(tmp_path / "a"), str(tmp_path / "b")]).stdout)
+    assert {c["layer"]: c["relative"] for c in doc["changes"]}["1"] is None
+
+
+def test_per_layer_table_fits_a_60_column_terminal(tmp_path: Path) -> None:
+    """At 60 columns the per-layer table of a checkpoint with moments was 72 cells wide (only `abs max` could give
+    way, the layer names were too short to fold), so the terminal wrapped every line of it; the second moments'
+    norm now gives way too, named below the table."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    train_steps(m, opt, 2)
+    msd, osd = get_state_dict(m, opt)
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "ck")
+    res = runner.invoke(app, ["stats", str(tmp_path / "ck")], env={"COLUMNS": "60"})
+    assert res.exit_code == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert max(len(ln) for ln in lines if ln[:1] in "┏┃┡│└") <= 60, res.stdout
+    assert "  (not shown at 60 columns: abs max, ‖exp_avg_sq‖; see --wide or --json)" in lines
+    assert "‖exp_avg‖" in res.stdout and "update rms" in res.stdout
+    wide = runner.invoke(app, ["stats", str(tmp_path / "ck")], env={"COLUMNS": "200"})
+    assert "‖exp_avg_sq‖" in wide.stdout and "abs max" in wide.stdout and "not shown" not in wide.stdout
+
+
+def test_checkpoints_of_different_models_are_said_to_be_so_once(dense_ckpt: Path, sample_ckpt: Path) -> None:
+    """Two checkpoints of different models given together: a `not compared` line per tensor (40 here, `another
+    shape` or `missing`) and no word on why nothing was; now one line first says they share no tensor."""
+    res = runner.invoke(app, ["stats", str(dense_ckpt), str(sample_ckpt), "--no-optimizer"])
+    assert res.exit_code == 0, res.stderr
+    skipped = [ln for ln in res.stdout.splitlines() if ln.startswith("not compared: ")]
+    assert skipped[0] == (
+        f"not compared: {dense_ckpt} and {sample_ckpt} have no model tensor of one name and shape in common: "
+        "checkpoints of different models? (the change is between checkpoints of one run)"
+    )
+    assert len(skipped) > 20 and "relative change" not in res.stdout
+    # checkpoints of one model: nothing skipped, no such line
+    doc = collect_stats([dense_ckpt, dense_ckpt], StatsOptions(optimizer=False))
+    assert doc.changes and not doc.skipped
