@@ -429,9 +429,38 @@ def export_items(
             f"{_other(side)} has no {rules.tied_lm_head} (tied embeddings): {side.label}'s {head.key} is compared "
             f"with {_other(side)}'s {rules.tied_embedding}"
         )
+        if opts.weights == "master":
+            notes.extend(_tied_master(side, selected, rules, items))
     if opts.what != "model" and cat.optimizer_state:
         notes.append(f"{_other(side)} has no optimizer state: {side.label}'s optimizer state is not compared")
     return items, excluded, notes, "lora" if fmt == "lora" else "export"
+
+
+def _tied_master(side: Side, selected: Any, rules: Any, items: list[Item]) -> list[str]:
+    """``weights`` master of a tied pair: one FP32 master, kept under one of its two fqns, which ``export`` writes as
+    the embedding (``_tied`` there). The one of the two without a master of its own is compared from that master
+    (``items`` edited in place) when the two stored parameters are bitwise equal, i.e. one tied parameter; else it
+    stays the stored parameter (and a difference shows). Returns the note saying so (or none)."""
+    by_out = {s.out_key: s for s in selected}
+    emb, head = by_out.get(rules.tied_embedding), by_out.get(rules.tied_lm_head)
+    if emb is None or head is None or emb.origin == head.origin:
+        return []
+    master, plain = (emb, head) if emb.origin == "master" else (head, emb)
+    at = next((i for i, it in enumerate(items) if it.name == plain.out_key), None)
+    if at is None or not items[at].direct:
+        return []
+    cat = side.ckpt.catalog
+    pm, pp = cat.model[master.model_key], cat.model[plain.model_key]
+    if (pm.dtype, pm.shape) != (pp.dtype, pp.shape):
+        return []
+    if _raw_equal(side, _entry_item(master.model_key, pm, "model"), side, _entry_item(plain.model_key, pp, "model")):
+        src = master.source
+        items[at] = replace(items[at], key=src.key, shape=src.shape, dtype=src.dtype, entry=src)
+        return [
+            f"{side.label}'s {plain.model_key} has no master_weight of its own: it is the tied parameter (equal to "
+            f"{master.model_key}), compared from {src.key}, as export writes it"
+        ]
+    return []
 
 
 def _export_plans(side: Side, selected: Any, rules: Any, fmt: str) -> tuple[Any, dict[str, Any]]:
