@@ -963,7 +963,7 @@ def _serving_assets(
     """The ``config.json`` to write beside the weights (``ckpttool.ops.export.serving``) and the notes on the
     assets, for a model format (``hf``, ``hf-merged``) given ``--model-assets`` (``check``: the model class
     check, whose class a config without ``architectures`` gets)."""
-    from ckpttool.ops.export.serving import dominant_dtype, serving_config, tokenizer_note
+    from ckpttool.ops.export.serving import dominant_dtype, rounded_on_load, serving_config, tokenizer_note
 
     if opts.model_assets is None or not out_format.ties_embeddings:
         return None, ()
@@ -975,10 +975,14 @@ def _serving_assets(
     data = edited.get("config.json") or read_regular(path, limits.current().max_object_bytes, what="config.json")
     names = {e.name for entries in plan.entries for e in entries}
     embed, lm_head = pair
+    dtype = dominant_dtype(e for entries in plan.entries for e in entries)
+    rounded = rounded_on_load(dtype, (e for entries in plan.entries for e in entries))
+    if rounded:
+        notes += (rounded,)
     config = serving_config(
         data,
         str(path),
-        dtype=dominant_dtype(e for entries in plan.entries for e in entries),
+        dtype=dtype,
         lm_head_written=lm_head is not None and lm_head.out_key in names,
         embedding_written=embed is not None and embed.out_key in names,
         architecture=check.model_class if check is not None and check.checked and not check.findings else None,
