@@ -121,8 +121,16 @@ class AdapterKeys:
         )
 
 
+#: A PEFT ``modules_to_save`` copy (a module trained in full beside the LoRA factors, e.g. ``lm_head``):
+#: ``peft.get_peft_model_state_dict`` saves it with ``modules_to_save.<adapter>.`` removed.
+_MODULES_TO_SAVE_RE = re.compile(
+    r"^model\.(?P<module>base_model\.model\..+)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<name>[^.]+)$"
+)
+
+
 class LoraKeys:
-    """PEFT LoRA adapter keys (the rules' ``lora`` pattern), tagged with their adapter name."""
+    """PEFT LoRA adapter keys (the rules' ``lora`` pattern) and ``modules_to_save`` copies, tagged with their adapter
+    name."""
 
     def __init__(self, rules: ExportRules) -> None:
         self.lora_output_key = rules.lora_output_key
@@ -130,6 +138,10 @@ class LoraKeys:
 
     def __call__(self, key: str, fqn: str, canonical: str, entry: TensorEntry) -> Mapped | None:
         hit = self.lora_output_key(canonical)
+        if hit is None and ".modules_to_save." in canonical:
+            m = _MODULES_TO_SAVE_RE.fullmatch(canonical)
+            if m is not None:
+                return f"{m.group('module')}.{m.group('name')}", None, m.group("adapter")
         if hit is None:
             self.skipped.setdefault("not a LoRA adapter tensor", []).append(key)
             return None

@@ -281,6 +281,71 @@ def test_lora_adapter_loads_in_peft_with_identical_logits(lora_ckpt: Path, tmp_p
     assert_same_logits(PeftModel.from_pretrained(base, out), lora_ckpt)
 
 
+def test_lora_adapter_keeps_a_modules_to_save_copy(tmp_path: Path) -> None:
+    """A PEFT model with a fully trained ``lm_head`` (``modules_to_save``), saved with dcp.save: the adapter exported
+    holds what PEFT's own ``save_pretrained`` writes (the copy as ``base_model.model.lm_head.weight``, listed in
+    ``modules_to_save``) and loads with the original logits; before, the copy was left out with a warning and the
+    adapter loaded the base model's lm_head."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(7)
+    cfg = hf_models.llama_config()
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    base = LlamaForCausalLM.from_pretrained(tmp_path / "base")
+    lcfg = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"], init_lora_weights=False
+    )
+    model = get_peft_model(base, lcfg)
+    with torch.no_grad():
+        model.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.5)  # the trained head
+    model.eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+    src = tmp_path / "ckpt"
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(src))
+    model.save_pretrained(tmp_path / "peft")  # PEFT's own adapter, the reference
+    res = runner.invoke(app, ["export", str(src), str(tmp_path / "out"), "--format", "lora", "--lora-alpha", "8"])
+    assert res.exit_code == 0, res.stderr
+    assert "modules_to_save" not in res.stderr
+    ours, peft = load_file(tmp_path / "out" / "adapter_model.safetensors"), load_file(tmp_path / "peft" / ADAPTER)
+    assert sorted(ours) == sorted(peft) and all(torch.equal(ours[k], peft[k]) for k in peft)
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head"]
+    loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=1e-5)
+    # PEFT's adapter_config.json (it lists lm_head) is taken as is; one without modules_to_save is refused
+    given = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    res = runner.invoke(
+        app,
+        [
+            "export",
+            str(src),
+            str(tmp_path / "o2"),
+            "--format",
+            "lora",
+            "--adapter-config",
+            str(tmp_path / "peft" / "adapter_config.json"),
+        ],
+    )
+    assert res.exit_code == 0, res.stderr
+    given["modules_to_save"] = None
+    (tmp_path / "bad.json").write_text(json.dumps(given))
+    res = runner.invoke(
+        app,
+        ["export", str(src), str(tmp_path / "o3"), "--format", "lora", "--adapter-config", str(tmp_path / "bad.json")],
+    )
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E601]") and "'lm_head'" in res.stderr
+    assert not (tmp_path / "o3").exists()
+
+
+ADAPTER = "adapter_model.safetensors"
+
+
 def test_lora_needs_alpha_or_adapter_config(lora_ckpt: Path, tmp_path: Path) -> None:
     res = runner.invoke(app, ["export", str(lora_ckpt), str(tmp_path / "o"), "--format", "lora"])
     assert res.exit_code == 2 and res.stderr.startswith("error: [E601]") and "--lora-alpha" in res.stderr
