@@ -1432,13 +1432,7 @@ def _fail_closed(
         hint = "names look like " + ", ".join(repr(n) for n in _examples(a, b)) + "; `ckpttool inspect` lists them"
     elif common == 0:
         why = f"no name in common ({kept[0]} in A, {kept[1]} in B)"
-        hint = (
-            "A's names look like "
-            + ", ".join(repr(n) for n in _examples(a))
-            + ", B's like "
-            + ", ".join(repr(n) for n in _examples(b))
-            + "; for an export with other names pass its rules (`map_rules`) or a model adapter (`adapter`)"
-        )
+        hint = _no_common_name_hint(a, b, kept, opts)
     else:
         why = f"{common} name(s) in common, byte items only (equal as stored bytes), no tensor"
         hint = (
@@ -1446,6 +1440,25 @@ def _fail_closed(
             "compared value by value: re-save with the default planner to compare them"
         )
     raise NothingComparedError(f"nothing compared, so no verdict: {why}; {held}", hint=hint)
+
+
+def _no_common_name_hint(a: Side, b: Side, kept: tuple[int, int], opts: DiffOptions) -> str:
+    """The hint of E611 when no name is common: ``filters`` that kept one side's names only, else a naming mismatch."""
+    if opts.filters and 0 in kept:
+        none, some = (b, a) if kept[1] == 0 else (a, b)
+        return (
+            f"`filters` {' '.join(opts.filters)} kept names of {some.label} only: {none.label} holds no name matching "
+            f"it ({none.label}'s names look like " + ", ".join(repr(n) for n in _examples(none)) + "); widen the "
+            f"filter, or check that {none.label} holds those tensors (an export written with a filter holds only its "
+            "part)"
+        )
+    return (
+        "A's names look like "
+        + ", ".join(repr(n) for n in _examples(a))
+        + ", B's like "
+        + ", ".join(repr(n) for n in _examples(b))
+        + "; for an export with other names pass its rules (`map_rules`) or a model adapter (`adapter`)"
+    )
 
 
 def _byte_items(side: Side) -> list[str]:
