@@ -1015,11 +1015,20 @@ def _select(
         adapter_config=AdapterConfig.from_hf_config(model_config),
     )
     if not selected:
+        per_expert = opts.filter_glob is not None and _experts(opts) == "per-expert"
         raise ExportError(
             f"{ckpt.path}: no {out_format.tensors_noun} to export"
             + (f" (`filter_glob` {opts.filter_glob!r} matched none)" if opts.filter_glob else ""),
             param="filter_glob" if opts.filter_glob else None,
-            hint="check the keys with `ckpttool inspect`" + (" and the `filter_glob` glob" if opts.filter_glob else ""),
+            hint="check the keys with `ckpttool inspect`"
+            + (" and the `filter_glob` glob" if opts.filter_glob else "")
+            + (
+                "; it is matched against the checkpoint's tensors, before fused experts are split: a fused tensor "
+                "is selected by its own name (e.g. '*.layers.0.mlp.experts.*'), not by a per-expert name "
+                "('*.experts.0.*'), and is written whole"
+                if per_expert
+                else ""
+            ),
         )
     out_format.check_selection(cat, tags, warnings)
     wrapped = _wrapper_kept(ckpt, selected)

@@ -157,6 +157,20 @@ def test_qwen3_moe_loads_with_identical_logits(qwen_ckpt: Path, tmp_path: Path, 
     assert_same_logits(load_hf(out, Qwen3MoeForCausalLM), qwen_ckpt)
 
 
+def test_per_expert_filter_names_the_fused_tensor(qwen_ckpt: Path, tmp_path: Path) -> None:
+    """--filter is matched before the per-expert split: a glob naming one expert matches nothing (E601), and the
+    hint says which name selects the expert tensors; that glob writes every expert of the layer."""
+    res = runner.invoke(
+        app, ["export", str(qwen_ckpt), str(tmp_path / "one"), "--experts", "per-expert", "--filter", "*.experts.0.*"]
+    )
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E601]")
+    assert "before fused experts are split" in res.stderr and "'*.layers.0.mlp.experts.*'" in res.stderr
+    assert not (tmp_path / "one").exists()
+    doc = export(qwen_ckpt, tmp_path / "layer0", "--experts", "per-expert", "--filter", "*.layers.0.mlp.experts.*")
+    assert doc["tensors"] == 3 * hf_models.MOE_EXPERTS
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in weight_keys(tmp_path / "layer0")
+
+
 @pytest.mark.parametrize("experts", ["fused", "per-expert"])
 def test_unversioned_legacy_ep_checkpoint_is_refused(qwen_legacy_ckpt: Path, tmp_path: Path, experts: str) -> None:
     res = runner.invoke(app, ["export", str(qwen_legacy_ckpt), str(tmp_path / "o"), "--experts", experts])
