@@ -1210,8 +1210,11 @@ def _export(
     layout = ckpt.require_layout()
     prep = _prepare(ckpt, layout, out_format, opts, given, say)
     plan = prep.plan
+    sources = ckpt.output_sources()
+    for source in sources[1:]:  # the output directory below checks the first
+        check_target(out, overwrite=opts.overwrite, source=source)
     if opts.dry_run:  # the plan of this very export, checked up to the output directory: nothing written
-        check_target(out, overwrite=opts.overwrite, source=ckpt.path)
+        check_target(out, overwrite=opts.overwrite, source=sources[0])
         planned = [
             {"name": name, "bytes": size, "tensors": len(entries)}
             for name, size, entries in zip(plan.files, plan.file_bytes(), plan.entries)
@@ -1341,7 +1344,7 @@ def _write(
 ) -> tuple[list[dict[str, Any]], int]:
     """Write this process's files in a temporary directory beside ``out``, then (root) the documents and
     assets, and publish it: ``(files_info, bytes_read)`` of all processes."""
-    reader, checkpoint, plan, merges = ckpt.reader, ckpt.path, prep.plan, prep.merges
+    reader, checkpoint, plan, merges = ckpt.reader, ckpt.output_sources()[0], prep.plan, prep.merges
     file_bytes = plan.file_bytes()
     tied, embed, lm_head = prep.tied, prep.embed, prep.lm_head
     with contextlib.ExitStack() as stack:

@@ -534,6 +534,32 @@ def test_output_inside_the_source_is_refused(tmp_path: Path, dense_ckpt: Path) -
     assert not (ck / "hf").exists()
 
 
+def test_optimizer_dir_elsewhere_does_not_make_their_common_parent_the_source(tmp_path: Path) -> None:
+    """A model checkpoint and an --optimizer-dir in two places (torch's own dcp.save of each): the output was
+    refused 'overlaps the source checkpoint <their common parent>' anywhere below it (``/`` for two file systems:
+    no output at all); only the two checkpoints themselves are the source."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd}, checkpoint_id=str(tmp_path / "run" / "model"))
+    dcp.save({"optimizer": osd}, checkpoint_id=str(tmp_path / "elsewhere" / "optim"))
+    src, opt = str(tmp_path / "run" / "model"), str(tmp_path / "elsewhere" / "optim")
+    res = export_cli(src, str(tmp_path / "hf"), "--optimizer-dir", opt)
+    assert res.exit_code == 0, res.stderr
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("0.weight"), msd["0.weight"])
+    for inside in (tmp_path / "run" / "model" / "hf", tmp_path / "elsewhere" / "optim" / "hf"):
+        assert_clean_failure(export_cli(src, str(inside), "--optimizer-dir", opt), "E600", "overlaps the source")
+        assert not inside.exists()
+    res = export_cli(src, str(tmp_path / "elsewhere"), "--optimizer-dir", opt, "--overwrite", "--dry-run")
+    assert res.exit_code == 2 and "overlaps the source" in res.stderr
+
+
 def test_truncated_data_file_fails_cleanly(tmp_path: Path, dense_ckpt: Path) -> None:
     ck = copy_checkpoint(dense_ckpt, tmp_path / "ck")
     data = sorted(ck.glob("*.distcp"))[0]
