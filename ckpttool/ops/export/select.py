@@ -204,6 +204,15 @@ def select_model(cat: Catalog, keys: KeyMap, *, weights: str, filter_glob: str |
                 masters_found += 1
         add(Selected(key, out_key, source, origin, hf))
     if master and masters_found == 0:
+        if filter_glob and selected and any("master_weight" in ps.fields for ps in cat.optimizer_state.values()):
+            raise ExportError(
+                f"{cat.path}: `weights` master but none of the {len(selected)} tensor(s) `filter_glob` "
+                f"{filter_glob!r} selects has an optimizer.state.<fqn>.master_weight (e.g. {selected[0].model_key})",
+                param="filter_glob",
+                hint="the checkpoint keeps FP32 masters for other parameters (a frozen parameter or buffer has none; "
+                "a tied lm_head's master is kept under the embedding's fqn): export these with `weights` params, "
+                "or widen `filter_glob`",
+            )
         raise ExportError(
             f"{cat.path}: `weights` master but no parameter has an optimizer.state.<fqn>.master_weight",
             hint="this checkpoint's optimizer keeps no FP32 masters (e.g. torch AdamW); export with `weights` params",

@@ -413,6 +413,18 @@ def test_weights_master_without_masters_is_an_error(dense_ckpt: Path, tmp_path: 
     res = export_cli(str(dense_ckpt), str(tmp_path / "o"), "--weights", "master")
     assert_clean_failure(res, "E601", "master_weight")
     assert not (tmp_path / "o").exists()
+
+
+def test_weights_master_with_a_filter_that_selects_no_master_says_so(fixture_root: Path, tmp_path: Path) -> None:
+    """A checkpoint with FP32 masters, --filter selecting only tensors without one (the frozen norm; the tied
+    lm_head, whose master is kept under the embedding's fqn): the error said the checkpoint keeps no masters
+    ('e.g. torch AdamW'); it now names the filter and what it selected."""
+    built = cached_build(fixture_root, "export_master_tied", hf_models.build_master_tied)
+    for glob, key in (("lm_head*", "model.lm_head.weight"), ("model.norm*", "model.model.norm.weight")):
+        res = export_cli(str(built), str(tmp_path / "o"), "--weights", "master", "--filter", glob)
+        assert_clean_failure(res, "E601", f"none of the 1 tensor(s) --filter '{glob}' selects", key)
+        assert "torch AdamW" not in res.stderr and "--weights params" in res.stderr
+        assert not (tmp_path / "o").exists()
     no_leftovers(tmp_path, "o")
 
 
