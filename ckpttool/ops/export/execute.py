@@ -787,6 +787,24 @@ def _experts(opts: ExportOptions) -> str:
     return "per-expert" if opts.quantize is not None else "fused"
 
 
+def _fused_experts_note(
+    selected: list[Selected], rules: ExportRules, opts: ExportOptions, out_format: OutputFormat
+) -> tuple[str, ...]:
+    """The note of a default (``experts`` not given) export that writes fused expert tensors an ``experts`` rule
+    could split: transformers >= 5 loads them, but ``save_pretrained`` of a fresh model, vLLM's MoE loaders and
+    transformers 4.x use the per-expert names."""
+    if opts.experts is not None or _experts(opts) != "fused" or not out_format.ties_embeddings:
+        return ()
+    fused = [s.out_key for s in selected if (s.hf is None or not s.hf.fused_experts) and rules.expert_rule(s.out_key)]
+    if not fused:
+        return ()
+    return (
+        f"{len(fused)} fused expert tensor(s) written as stored (e.g. {fused[0]}), the layout transformers >= 5 "
+        "loads; save_pretrained, vLLM's MoE loaders and transformers 4.x use per-expert names "
+        "(experts.N.gate_proj.weight, ...): `experts` per-expert writes those",
+    )
+
+
 def _resolved_experts(opts: ExportOptions, selected: list[Selected]) -> ExportOptions:
     """``opts`` with ``experts`` ``None`` resolved (:func:`_experts`), ``fused`` where a model adapter writes fused
     expert tensors only (megatron's stacked experts) and nothing else could be split."""
@@ -1100,9 +1118,9 @@ def _prepare(
     Raises:
         ExportError / ExportAccountingError / ModelMismatchError / UsageError: see :func:`export_checkpoint`.
     """
-    reader, cat = ckpt.reader, ckpt.catalog
-    rules, model_config = given.rules, given.model_config
+    reader, cat, rules, model_config = ckpt.reader, ckpt.catalog, given.rules, given.model_config
     model_adapter, selected, warnings, skipped = _select(ckpt, out_format, opts, rules, model_config)
+    fused_note = _fused_experts_note(selected, rules, opts, out_format)  # before `experts` is resolved
     opts = _resolved_experts(opts, selected)
     check_trainable_dtypes(str(ckpt.path), cat, selected)
     orders = _expert_orders(cat, layout, selected)
@@ -1162,7 +1180,7 @@ def _prepare(
         chunks,
         model_config,
         config,
-        notes,
+        notes + fused_note,
         quantizer,
         _config_beside(ckpt, opts, out_format),
         opts.experts or "fused",

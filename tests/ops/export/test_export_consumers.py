@@ -157,6 +157,24 @@ def test_qwen3_moe_loads_with_identical_logits(qwen_ckpt: Path, tmp_path: Path, 
     assert_same_logits(load_hf(out, Qwen3MoeForCausalLM), qwen_ckpt)
 
 
+def test_default_fused_experts_export_notes_the_per_expert_names(qwen_ckpt: Path, tmp_path: Path) -> None:
+    """Without --experts the fused tensors are written as stored; transformers' own save_pretrained of the model
+    writes per-expert names (what vLLM reads): a note says so, and not when --experts is given."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, Qwen3MoeForCausalLM
+
+    hf_models._quiet()
+    Qwen3MoeForCausalLM(AutoConfig.from_pretrained(qwen_ckpt / "model_assets")).save_pretrained(tmp_path / "sp")
+    with safe_open(str(tmp_path / "sp" / "model.safetensors"), "pt") as f:
+        assert "model.layers.0.mlp.experts.0.gate_proj.weight" in f.keys()
+    doc = export(qwen_ckpt, tmp_path / "default")
+    (note,) = [n for n in doc["notes"] if "fused expert tensor(s)" in n]
+    assert note.startswith("4 fused expert tensor(s) written as stored") and "per-expert writes those" in note
+    for experts in ("fused", "per-expert"):
+        doc = export(qwen_ckpt, tmp_path / experts, "--experts", experts)
+        assert not [n for n in doc["notes"] if "fused expert tensor(s)" in n]
+
+
 def test_per_expert_filter_names_the_fused_tensor(qwen_ckpt: Path, tmp_path: Path) -> None:
     """--filter is matched before the per-expert split: a glob naming one expert matches nothing (E601), and the
     hint says which name selects the expert tensors; that glob writes every expert of the layer."""
