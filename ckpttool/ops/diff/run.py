@@ -590,9 +590,36 @@ def _pair_names(a: Side, b: Side, opts: DiffOptions) -> tuple[list[Item], list[I
     d_items, excluded, notes, naming = export_items(
         dcp, other, opts, "lora" if st.kind == "lora" else "hf", tied=_tied_config(st), config=_hf_config(st, dcp)
     )
+    notes.extend(_master_export_note(dcp, d_items, st_items, opts))
     if a is dcp:
         return d_items, st_items, excluded, notes, naming
     return st_items, d_items, excluded, notes, naming
+
+
+def _master_export_note(dcp: Side, d_items: list[Item], st_items: list[Item], opts: DiffOptions) -> list[str]:
+    """A note when the safetensors side holds float32 where the DCP side's parameters, which have FP32 masters, are
+    stored narrower: an ``export --weights master``, compared without ``weights`` master (dtype differences)."""
+    if opts.weights == "master":
+        return []
+    state = dcp.ckpt.catalog.optimizer_state
+    fqn_of = dcp.ckpt.catalog.fqn_of
+    st_dtype = {i.name: i.dtype for i in st_items}
+    hits = [
+        i.name
+        for i in d_items
+        if i.dtype != "float32"
+        and st_dtype.get(i.match) == "float32"
+        and i.entry is not None
+        and i.key in dcp.ckpt.catalog.model
+        and "master_weight" in getattr(state.get(fqn_of(i.key)), "fields", {})
+    ]
+    if not hits:
+        return []
+    return [
+        f"{dcp.label} keeps FP32 master weights, and {_other(dcp)} holds float32 where {dcp.label}'s parameters are "
+        f"stored narrower ({len(hits)} tensor(s), e.g. {hits[0]}): compare an export of the master weights "
+        "(export --weights master) with --weights master"
+    ]
 
 
 def _hf_config(st: Side, dcp: Side) -> dict[str, Any] | None:

@@ -221,6 +221,21 @@ def test_tied_master_export_equals_its_checkpoint_with_weights_master(fixture_ro
     ]
 
 
+def test_a_master_export_compared_without_weights_master_says_how(fixture_root: Path, tmp_path: Path) -> None:
+    """BF16 parameters with FP32 masters against `export --weights master`: without --weights master every
+    parameter is a dtype difference and the hint offered only --as-dtype / --rtol (which then compare the BF16
+    parameters with the masters); a note names --weights master. Not against a params export."""
+    src = cached_build(fixture_root, "export_master", hf_models.build_master)
+    export_checkpoint(src, tmp_path / "m", ExportOptions(weights="master"))
+    export_checkpoint(src, tmp_path / "p", ExportOptions())
+    doc = diff_json(src, tmp_path / "m", code=1)
+    (note,) = [n for n in doc["notes"] if "master weights" in n]
+    assert note.startswith("A keeps FP32 master weights, and B holds float32 where A's parameters are stored")
+    assert "20 tensor(s)" in note and note.endswith("with --weights master")
+    assert not [n for n in diff_json(src, tmp_path / "p", code=0)["notes"] if "master weights" in n]
+    assert not [n for n in diff_json(src, tmp_path / "m", "--weights", "master", code=0)["notes"] if "master" in n]
+
+
 @pytest.mark.parametrize("experts", ["fused", "per-expert"])
 def test_legacy_ep_checkpoint_equals_its_export(qwen_legacy_ckpt: Path, tmp_path: Path, experts: str) -> None:
     from ckpttool.layouts.declaration import LayoutDeclaration
