@@ -131,6 +131,22 @@ class Checkpoint:
         """The validated ``.metadata``."""
         return self.reader.metadata
 
+    def output_sources(self) -> tuple[Path, ...]:
+        """The directories an output written from this checkpoint may not overlap.
+
+        The checkpoint's folder; for a model and an optimizer checkpoint given apart (``--optimizer-dir``), each of
+        the two: the folder the reader reads them from is their common parent, which may hold anything (``/`` for
+        two file systems), and an output beside them is none of the checkpoint's.
+        """
+        root = Path(self.reader.path)
+        where = self.located
+        if where.optimizer is None or is_url(str(root)):
+            return (root,)
+        given = Path(where.given).resolve()
+        if root.resolve() == given or given in root.resolve().parents:
+            return (root,)  # a pair found in the directory given (checkpoint-N/model + optimizer): that directory
+        return (Path(where.model), Path(where.optimizer))
+
     def require_layout(self) -> ResolvedLayout:
         """The resolved layout.
 

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
 from ckpttool.format.safetensors import HeaderEntry
-from ckpttool.ops.export.serving import dominant_dtype, serving_config
+from ckpttool.ops.export.serving import dominant_dtype, rounded_on_load, serving_config
 from tests.fixtures import hf_models
 from tests.fixtures.cache import cached_build
 
@@ -135,3 +135,43 @@ def test_a_config_without_architectures_gets_the_checked_class(llama_ckpt: Path,
     data = json.dumps({"model_type": "llama", "architectures": ["MyLlama"]}).encode()
     _, edits = serving_config(data, "c", dtype=None, lm_head_written=True, embedding_written=True, architecture="X")
     assert "architectures" not in edits
+
+
+def test_a_mixed_export_says_which_tensors_dtype_auto_rounds(llama_ckpt: Path, tmp_path: Path) -> None:
+    """BF16 matrices beside FP32 norms (a real dcp.save): config.json can name one dtype (the dominant, bfloat16),
+    and ``from_pretrained(dtype="auto")`` rounds the FP32 norms to it; the export says so (a config naming
+    bfloat16 itself is refused E605 ``dtype`` for the same tensors). Widening (BF16 beside FP32) needs no note."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(5)
+    cfg = hf_models.llama_config()
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape) * 0.01)  # values BF16 cannot hold
+    for mod in model.modules():
+        if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)):
+            mod.to(torch.bfloat16)
+    src = tmp_path / "mixed"
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(src))
+    cfg.save_pretrained(tmp_path / "assets")
+    res = export(src, tmp_path / "out", "--model-assets", tmp_path / "assets", "--json")
+    doc = json.loads(res.stdout)
+    assert doc["config_edits"]["torch_dtype"] == [None, "bfloat16"]
+    (note,) = [n for n in doc["notes"] if "config.json names bfloat16" in n]
+    assert "5 float32 tensor(s) (model.layers.0.input_layernorm.weight" in note and "dtype=torch.float32" in note
+    assert "note: config.json names bfloat16" in res.stderr
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="auto").state_dict()
+    norm = "model.norm.weight"
+    assert loaded[norm].dtype == torch.bfloat16 and not torch.equal(loaded[norm].float(), model.state_dict()[norm])
+    # one dtype (or BF16 widened exactly into an FP32 config): no such note
+    res = export(llama_ckpt, tmp_path / "one", "--model-assets", llama_ckpt / "model_assets", "--json")
+    assert not [n for n in json.loads(res.stdout)["notes"] if "config.json names" in n]
+    res = export(src, tmp_path / "f32", "--model-assets", tmp_path / "assets", "--save-dtype", "fp32", "--json")
+    assert not [n for n in json.loads(res.stdout)["notes"] if "config.json names" in n]
+    assert rounded_on_load("float32", [HeaderEntry("n", "bfloat16", (4,)), HeaderEntry("w", "float32", (9,))]) is None
+    assert rounded_on_load("bfloat16", [HeaderEntry("n", "float16", (4,))]) is not None  # F16 -> BF16 rounds

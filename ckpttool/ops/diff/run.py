@@ -429,9 +429,38 @@ def export_items(
             f"{_other(side)} has no {rules.tied_lm_head} (tied embeddings): {side.label}'s {head.key} is compared "
             f"with {_other(side)}'s {rules.tied_embedding}"
         )
+        if opts.weights == "master":
+            notes.extend(_tied_master(side, selected, rules, items))
     if opts.what != "model" and cat.optimizer_state:
         notes.append(f"{_other(side)} has no optimizer state: {side.label}'s optimizer state is not compared")
     return items, excluded, notes, "lora" if fmt == "lora" else "export"
+
+
+def _tied_master(side: Side, selected: Any, rules: Any, items: list[Item]) -> list[str]:
+    """``weights`` master of a tied pair: one FP32 master, kept under one of its two fqns, which ``export`` writes as
+    the embedding (``_tied`` there). The one of the two without a master of its own is compared from that master
+    (``items`` edited in place) when the two stored parameters are bitwise equal, i.e. one tied parameter; else it
+    stays the stored parameter (and a difference shows). Returns the note saying so (or none)."""
+    by_out = {s.out_key: s for s in selected}
+    emb, head = by_out.get(rules.tied_embedding), by_out.get(rules.tied_lm_head)
+    if emb is None or head is None or emb.origin == head.origin:
+        return []
+    master, plain = (emb, head) if emb.origin == "master" else (head, emb)
+    at = next((i for i, it in enumerate(items) if it.name == plain.out_key), None)
+    if at is None or not items[at].direct:
+        return []
+    cat = side.ckpt.catalog
+    pm, pp = cat.model[master.model_key], cat.model[plain.model_key]
+    if (pm.dtype, pm.shape) != (pp.dtype, pp.shape):
+        return []
+    if _raw_equal(side, _entry_item(master.model_key, pm, "model"), side, _entry_item(plain.model_key, pp, "model")):
+        src = master.source
+        items[at] = replace(items[at], key=src.key, shape=src.shape, dtype=src.dtype, entry=src)
+        return [
+            f"{side.label}'s {plain.model_key} has no master_weight of its own: it is the tied parameter (equal to "
+            f"{master.model_key}), compared from {src.key}, as export writes it"
+        ]
+    return []
 
 
 def _export_plans(side: Side, selected: Any, rules: Any, fmt: str) -> tuple[Any, dict[str, Any]]:
@@ -561,9 +590,36 @@ def _pair_names(a: Side, b: Side, opts: DiffOptions) -> tuple[list[Item], list[I
     d_items, excluded, notes, naming = export_items(
         dcp, other, opts, "lora" if st.kind == "lora" else "hf", tied=_tied_config(st), config=_hf_config(st, dcp)
     )
+    notes.extend(_master_export_note(dcp, d_items, st_items, opts))
     if a is dcp:
         return d_items, st_items, excluded, notes, naming
     return st_items, d_items, excluded, notes, naming
+
+
+def _master_export_note(dcp: Side, d_items: list[Item], st_items: list[Item], opts: DiffOptions) -> list[str]:
+    """A note when the safetensors side holds float32 where the DCP side's parameters, which have FP32 masters, are
+    stored narrower: an ``export --weights master``, compared without ``weights`` master (dtype differences)."""
+    if opts.weights == "master":
+        return []
+    state = dcp.ckpt.catalog.optimizer_state
+    fqn_of = dcp.ckpt.catalog.fqn_of
+    st_dtype = {i.name: i.dtype for i in st_items}
+    hits = [
+        i.name
+        for i in d_items
+        if i.dtype != "float32"
+        and st_dtype.get(i.match) == "float32"
+        and i.entry is not None
+        and i.key in dcp.ckpt.catalog.model
+        and "master_weight" in getattr(state.get(fqn_of(i.key)), "fields", {})
+    ]
+    if not hits:
+        return []
+    return [
+        f"{dcp.label} keeps FP32 master weights, and {_other(dcp)} holds float32 where {dcp.label}'s parameters are "
+        f"stored narrower ({len(hits)} tensor(s), e.g. {hits[0]}): compare an export of the master weights "
+        "(export --weights master) with --weights master"
+    ]
 
 
 def _hf_config(st: Side, dcp: Side) -> dict[str, Any] | None:
@@ -1404,13 +1460,7 @@ def _fail_closed(
         hint = "names look like " + ", ".join(repr(n) for n in _examples(a, b)) + "; `ckpttool inspect` lists them"
     elif common == 0:
         why = f"no name in common ({kept[0]} in A, {kept[1]} in B)"
-        hint = (
-            "A's names look like "
-            + ", ".join(repr(n) for n in _examples(a))
-            + ", B's like "
-            + ", ".join(repr(n) for n in _examples(b))
-            + "; for an export with other names pass its rules (`map_rules`) or a model adapter (`adapter`)"
-        )
+        hint = _no_common_name_hint(a, b, kept, opts)
     else:
         why = f"{common} name(s) in common, byte items only (equal as stored bytes), no tensor"
         hint = (
@@ -1418,6 +1468,25 @@ def _fail_closed(
             "compared value by value: re-save with the default planner to compare them"
         )
     raise NothingComparedError(f"nothing compared, so no verdict: {why}; {held}", hint=hint)
+
+
+def _no_common_name_hint(a: Side, b: Side, kept: tuple[int, int], opts: DiffOptions) -> str:
+    """The hint of E611 when no name is common: ``filters`` that kept one side's names only, else a naming mismatch."""
+    if opts.filters and 0 in kept:
+        none, some = (b, a) if kept[1] == 0 else (a, b)
+        return (
+            f"`filters` {' '.join(opts.filters)} kept names of {some.label} only: {none.label} holds no name matching "
+            f"it ({none.label}'s names look like " + ", ".join(repr(n) for n in _examples(none)) + "); widen the "
+            f"filter, or check that {none.label} holds those tensors (an export written with a filter holds only its "
+            "part)"
+        )
+    return (
+        "A's names look like "
+        + ", ".join(repr(n) for n in _examples(a))
+        + ", B's like "
+        + ", ".join(repr(n) for n in _examples(b))
+        + "; for an export with other names pass its rules (`map_rules`) or a model adapter (`adapter`)"
+    )
 
 
 def _byte_items(side: Side) -> list[str]:

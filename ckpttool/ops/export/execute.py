@@ -788,6 +788,24 @@ def _experts(opts: ExportOptions) -> str:
     return "per-expert" if opts.quantize is not None else "fused"
 
 
+def _fused_experts_note(
+    selected: list[Selected], rules: ExportRules, opts: ExportOptions, out_format: OutputFormat
+) -> tuple[str, ...]:
+    """The note of a default (``experts`` not given) export that writes fused expert tensors an ``experts`` rule
+    could split: transformers >= 5 loads them, but ``save_pretrained`` of a fresh model, vLLM's MoE loaders and
+    transformers 4.x use the per-expert names."""
+    if opts.experts is not None or _experts(opts) != "fused" or not out_format.ties_embeddings:
+        return ()
+    fused = [s.out_key for s in selected if (s.hf is None or not s.hf.fused_experts) and rules.expert_rule(s.out_key)]
+    if not fused:
+        return ()
+    return (
+        f"{len(fused)} fused expert tensor(s) written as stored (e.g. {fused[0]}), the layout transformers >= 5 "
+        "loads; save_pretrained, vLLM's MoE loaders and transformers 4.x use per-expert names "
+        "(experts.N.gate_proj.weight, ...): `experts` per-expert writes those",
+    )
+
+
 def _resolved_experts(opts: ExportOptions, selected: list[Selected]) -> ExportOptions:
     """``opts`` with ``experts`` ``None`` resolved (:func:`_experts`), ``fused`` where a model adapter writes fused
     expert tensors only (megatron's stacked experts) and nothing else could be split."""
@@ -964,7 +982,7 @@ def _serving_assets(
     """The ``config.json`` to write beside the weights (``ckpttool.ops.export.serving``) and the notes on the
     assets, for a model format (``hf``, ``hf-merged``) given ``--model-assets`` (``check``: the model class
     check, whose class a config without ``architectures`` gets)."""
-    from ckpttool.ops.export.serving import dominant_dtype, serving_config, tokenizer_note
+    from ckpttool.ops.export.serving import dominant_dtype, rounded_on_load, serving_config, tokenizer_note
 
     if opts.model_assets is None or not out_format.ties_embeddings:
         return None, ()
@@ -976,10 +994,14 @@ def _serving_assets(
     data = edited.get("config.json") or read_regular(path, limits.current().max_object_bytes, what="config.json")
     names = {e.name for entries in plan.entries for e in entries}
     embed, lm_head = pair
+    dtype = dominant_dtype(e for entries in plan.entries for e in entries)
+    rounded = rounded_on_load(dtype, (e for entries in plan.entries for e in entries))
+    if rounded:
+        notes += (rounded,)
     config = serving_config(
         data,
         str(path),
-        dtype=dominant_dtype(e for entries in plan.entries for e in entries),
+        dtype=dtype,
         lm_head_written=lm_head is not None and lm_head.out_key in names,
         embedding_written=embed is not None and embed.out_key in names,
         architecture=check.model_class if check is not None and check.checked and not check.findings else None,
@@ -1013,11 +1035,20 @@ def _select(
         adapter_config=AdapterConfig.from_hf_config(model_config),
     )
     if not selected:
+        per_expert = opts.filter_glob is not None and _experts(opts) == "per-expert"
         raise ExportError(
             f"{ckpt.path}: no {out_format.tensors_noun} to export"
             + (f" (`filter_glob` {opts.filter_glob!r} matched none)" if opts.filter_glob else ""),
             param="filter_glob" if opts.filter_glob else None,
-            hint="check the keys with `ckpttool inspect`" + (" and the `filter_glob` glob" if opts.filter_glob else ""),
+            hint="check the keys with `ckpttool inspect`"
+            + (" and the `filter_glob` glob" if opts.filter_glob else "")
+            + (
+                "; it is matched against the checkpoint's tensors, before fused experts are split: a fused tensor "
+                "is selected by its own name (e.g. '*.layers.0.mlp.experts.*'), not by a per-expert name "
+                "('*.experts.0.*'), and is written whole"
+                if per_expert
+                else ""
+            ),
         )
     out_format.check_selection(cat, tags, warnings)
     check_quantized_sources(
@@ -1092,9 +1123,9 @@ def _prepare(
     Raises:
         ExportError / ExportAccountingError / ModelMismatchError / UsageError: see :func:`export_checkpoint`.
     """
-    reader, cat = ckpt.reader, ckpt.catalog
-    rules, model_config = given.rules, given.model_config
+    reader, cat, rules, model_config = ckpt.reader, ckpt.catalog, given.rules, given.model_config
     model_adapter, selected, warnings, skipped = _select(ckpt, out_format, opts, rules, model_config)
+    fused_note = _fused_experts_note(selected, rules, opts, out_format)  # before `experts` is resolved
     opts = _resolved_experts(opts, selected)
     check_trainable_dtypes(str(ckpt.path), cat, selected)
     orders = _expert_orders(cat, layout, selected)
@@ -1154,7 +1185,7 @@ def _prepare(
         chunks,
         model_config,
         config,
-        notes,
+        notes + fused_note,
         quantizer,
         _config_beside(ckpt, opts, out_format),
         opts.experts or "fused",
@@ -1202,8 +1233,11 @@ def _export(
     layout = ckpt.require_layout()
     prep = _prepare(ckpt, layout, out_format, opts, given, say)
     plan = prep.plan
+    sources = ckpt.output_sources()
+    for source in sources[1:]:  # the output directory below checks the first
+        check_target(out, overwrite=opts.overwrite, source=source)
     if opts.dry_run:  # the plan of this very export, checked up to the output directory: nothing written
-        check_target(out, overwrite=opts.overwrite, source=ckpt.path)
+        check_target(out, overwrite=opts.overwrite, source=sources[0])
         planned = [
             {"name": name, "bytes": size, "tensors": len(entries)}
             for name, size, entries in zip(plan.files, plan.file_bytes(), plan.entries)
@@ -1333,7 +1367,7 @@ def _write(
 ) -> tuple[list[dict[str, Any]], int]:
     """Write this process's files in a temporary directory beside ``out``, then (root) the documents and
     assets, and publish it: ``(files_info, bytes_read)`` of all processes."""
-    reader, checkpoint, plan, merges = ckpt.reader, ckpt.path, prep.plan, prep.merges
+    reader, checkpoint, plan, merges = ckpt.reader, ckpt.output_sources()[0], prep.plan, prep.merges
     file_bytes = plan.file_bytes()
     tied, embed, lm_head = prep.tied, prep.embed, prep.lm_head
     with contextlib.ExitStack() as stack:

@@ -84,8 +84,9 @@ def adapter_config(
         ExportError: no ``lora_alpha`` anywhere, or ``given["r"]`` disagreeing with the tensors.
     """
     ranks, dora = _ranks(plan, cat)
+    saved = _modules_to_save(plan, ranks)
     if given is not None:
-        return _checked_given(given, ranks, lora_alpha)
+        return _checked_given(given, ranks, lora_alpha, saved)
     if lora_alpha is None:
         raise ExportError(
             f"{cat.path}: lora_alpha cannot be inferred from the adapter weights",
@@ -112,7 +113,7 @@ def adapter_config(
         "fan_in_fan_out": False,
         "use_rslora": False,
         "use_dora": dora,
-        "modules_to_save": None,
+        "modules_to_save": saved or None,
         "rank_pattern": rank_pattern,
         "alpha_pattern": {},
         "init_lora_weights": True,
@@ -143,14 +144,41 @@ def _ranks(plan: ExportPlan, cat: Catalog) -> tuple[dict[str, int], bool]:
     return ranks, dora
 
 
-def _checked_given(given: dict[str, Any], ranks: dict[str, int], lora_alpha: float | None) -> dict[str, Any]:
+def _modules_to_save(plan: ExportPlan, ranks: dict[str, int]) -> list[str]:
+    """The paths (under ``base_model.model.``) of the ``modules_to_save`` copies written: the output modules that are
+    not LoRA modules (``base_model.model.lm_head.weight`` -> ``lm_head``)."""
+    out: set[str] = set()
+    for task in plan.tasks:
+        for p in task.pieces:
+            if _ADAPTER_PART_RE.search(p.name) or ".lora_" in p.name:
+                continue
+            module = p.name.rsplit(".", 1)[0]
+            if module not in ranks and module.startswith(_PEFT_PREFIX):
+                out.add(module[len(_PEFT_PREFIX) :])
+    return sorted(out)
+
+
+def _checked_given(
+    given: dict[str, Any], ranks: dict[str, int], lora_alpha: float | None, saved: list[str]
+) -> dict[str, Any]:
     """A given adapter config, checked against the tensors' ranks and modules, ``lora_alpha`` applied.
 
     Raises:
         ExportError: its ``r`` disagrees with a module's rank (no ``rank_pattern``), PEFT would not
-            load a module, or no ``lora_alpha`` anywhere.
+            load a module (a LoRA module outside ``target_modules``, a ``modules_to_save`` copy outside
+            ``modules_to_save``), or no ``lora_alpha`` anywhere.
     """
     cfg = dict(given)
+    listed = cfg.get("modules_to_save") or []
+    unlisted = [m for m in saved if not any(isinstance(t, str) and (m == t or m.endswith("." + t)) for t in listed)]
+    if unlisted:
+        raise ExportError(
+            f"the adapter config's modules_to_save {cfg.get('modules_to_save')!r} does not name {unlisted[0]!r}, "
+            "whose trained copy the checkpoint holds: PEFT would load the adapter without it",
+            fqn=_PEFT_PREFIX + unlisted[0],
+            hint="pass the adapter_config.json that belongs to this checkpoint (PEFT lists modules_to_save there), "
+            "or leave `adapter_config` out to infer one",
+        )
     r = cfg.get("r")
     pattern = cfg.get("rank_pattern") or {}
     if r is not None and not pattern and any(v != r for v in ranks.values()):

@@ -121,8 +121,16 @@ class AdapterKeys:
         )
 
 
+#: A PEFT ``modules_to_save`` copy (a module trained in full beside the LoRA factors, e.g. ``lm_head``):
+#: ``peft.get_peft_model_state_dict`` saves it with ``modules_to_save.<adapter>.`` removed.
+_MODULES_TO_SAVE_RE = re.compile(
+    r"^model\.(?P<module>base_model\.model\..+)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<name>[^.]+)$"
+)
+
+
 class LoraKeys:
-    """PEFT LoRA adapter keys (the rules' ``lora`` pattern), tagged with their adapter name."""
+    """PEFT LoRA adapter keys (the rules' ``lora`` pattern) and ``modules_to_save`` copies, tagged with their adapter
+    name."""
 
     def __init__(self, rules: ExportRules) -> None:
         self.lora_output_key = rules.lora_output_key
@@ -130,6 +138,10 @@ class LoraKeys:
 
     def __call__(self, key: str, fqn: str, canonical: str, entry: TensorEntry) -> Mapped | None:
         hit = self.lora_output_key(canonical)
+        if hit is None and ".modules_to_save." in canonical:
+            m = _MODULES_TO_SAVE_RE.fullmatch(canonical)
+            if m is not None:
+                return f"{m.group('module')}.{m.group('name')}", None, m.group("adapter")
         if hit is None:
             self.skipped.setdefault("not a LoRA adapter tensor", []).append(key)
             return None
@@ -192,6 +204,15 @@ def select_model(cat: Catalog, keys: KeyMap, *, weights: str, filter_glob: str |
                 masters_found += 1
         add(Selected(key, out_key, source, origin, hf))
     if master and masters_found == 0:
+        if filter_glob and selected and any("master_weight" in ps.fields for ps in cat.optimizer_state.values()):
+            raise ExportError(
+                f"{cat.path}: `weights` master but none of the {len(selected)} tensor(s) `filter_glob` "
+                f"{filter_glob!r} selects has an optimizer.state.<fqn>.master_weight (e.g. {selected[0].model_key})",
+                param="filter_glob",
+                hint="the checkpoint keeps FP32 masters for other parameters (a frozen parameter or buffer has none; "
+                "a tied lm_head's master is kept under the embedding's fqn): export these with `weights` params, "
+                "or widen `filter_glob`",
+            )
         raise ExportError(
             f"{cat.path}: `weights` master but no parameter has an optimizer.state.<fqn>.master_weight",
             hint="this checkpoint's optimizer keeps no FP32 masters (e.g. torch AdamW); export with `weights` params",

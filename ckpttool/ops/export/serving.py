@@ -29,7 +29,7 @@ from typing import Any
 from ckpttool.format.jsonfile import parse_json
 from ckpttool.format.metadata import DTYPE_ITEMSIZE
 
-__all__ = ["TOKENIZER_FILES", "dominant_dtype", "serving_config", "tokenizer_note"]
+__all__ = ["TOKENIZER_FILES", "dominant_dtype", "rounded_on_load", "serving_config", "tokenizer_note"]
 
 #: Files a tokenizer is loaded from (``AutoTokenizer``: a fast tokenizer's JSON, or a slow one's vocabulary).
 TOKENIZER_FILES = (
@@ -58,6 +58,43 @@ def dominant_dtype(entries: Iterable[Any]) -> str | None:
     if not total:
         return None
     return max(total, key=lambda k: total[k])  # max keeps the first of equal counts
+
+
+#: ``(stored, loaded)`` pairs whose cast keeps every value: a narrower float widened.
+_EXACT_WIDENING = {
+    ("float32", "float64"),
+    ("bfloat16", "float64"),
+    ("float16", "float64"),
+    ("bfloat16", "float32"),
+    ("float16", "float32"),
+}
+
+
+def rounded_on_load(dtype: str | None, entries: Iterable[Any]) -> str | None:
+    """A note when the config's ``dtype`` (:func:`dominant_dtype` of a mixed export) cannot hold every tensor written.
+
+    ``from_pretrained(dtype="auto")`` builds the whole model in the config's dtype, so a float32 tensor written
+    beside bfloat16 ones (``--save-dtype preserve`` of FP32 norms) is rounded when loaded: the export is bit-exact, the
+    loaded model is not. ``None`` when every floating tensor converts to ``dtype`` exactly.
+    """
+    if dtype is None:
+        return None
+    lost: dict[str, list[str]] = {}
+    for e in entries:
+        if e.dtype in _FLOATING and e.dtype != dtype and (e.dtype, dtype) not in _EXACT_WIDENING:
+            lost.setdefault(e.dtype, []).append(e.name)
+    if not lost:
+        return None
+    parts = "; ".join(
+        f"{len(ks)} {d} tensor(s) ({', '.join(ks[:2])}{f', +{len(ks) - 2} more' if len(ks) > 2 else ''})"
+        for d, ks in lost.items()
+    )
+    first = next(iter(lost))
+    return (
+        f"config.json names {dtype}, the dtype of most of the weights, beside {parts}: from_pretrained(..., "
+        f'dtype="auto") loads every tensor as {dtype}, rounding those; load with dtype=torch.{first} '
+        f"to keep them, or export one dtype with --save-dtype"
+    )
 
 
 def serving_config(

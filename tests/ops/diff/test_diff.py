@@ -198,6 +198,44 @@ def test_tied_head_is_compared_with_the_embedding(
     ]
 
 
+def test_tied_master_export_equals_its_checkpoint_with_weights_master(fixture_root: Path, tmp_path: Path) -> None:
+    """A tied parameter has one FP32 master (under the embedding's fqn); export writes the embedding from it and
+    omits lm_head: diff --weights master compares A's lm_head from that master too, not the BF16 parameter."""
+    from safetensors.torch import load_file, save_file
+
+    src = cached_build(fixture_root, "export_master_tied", hf_models.build_master_tied)
+    hf = tmp_path / "hf"
+    export_checkpoint(src, hf, ExportOptions(weights="master", model_assets=src / "model_assets"))
+    doc = diff_json(src, hf, "--weights", "master", code=0)
+    assert doc["counts"]["compared"] == doc["b"]["tensors"] + 1  # B's embedding stands for both
+    assert any("lm_head.weight has no master_weight of its own" in n for n in doc["notes"])
+    doc = diff_json(hf, src, "--weights", "master", code=0)  # the DCP side as B
+    # one element of the exported embedding changed: both A tensors it stands for differ there
+    tensors = load_file(hf / "model.safetensors")
+    tensors["model.embed_tokens.weight"][3, 1] += 0.5
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    doc = diff_json(src, hf, "--weights", "master", code=1)
+    assert sorted((d["name"], d["index"]) for d in doc["differences"]) == [
+        ("lm_head.weight", [3, 1]),
+        ("model.embed_tokens.weight", [3, 1]),
+    ]
+
+
+def test_a_master_export_compared_without_weights_master_says_how(fixture_root: Path, tmp_path: Path) -> None:
+    """BF16 parameters with FP32 masters against `export --weights master`: without --weights master every
+    parameter is a dtype difference and the hint offered only --as-dtype / --rtol (which then compare the BF16
+    parameters with the masters); a note names --weights master. Not against a params export."""
+    src = cached_build(fixture_root, "export_master", hf_models.build_master)
+    export_checkpoint(src, tmp_path / "m", ExportOptions(weights="master"))
+    export_checkpoint(src, tmp_path / "p", ExportOptions())
+    doc = diff_json(src, tmp_path / "m", code=1)
+    (note,) = [n for n in doc["notes"] if "master weights" in n]
+    assert note.startswith("A keeps FP32 master weights, and B holds float32 where A's parameters are stored")
+    assert "20 tensor(s)" in note and note.endswith("with --weights master")
+    assert not [n for n in diff_json(src, tmp_path / "p", code=0)["notes"] if "master weights" in n]
+    assert not [n for n in diff_json(src, tmp_path / "m", "--weights", "master", code=0)["notes"] if "master" in n]
+
+
 @pytest.mark.parametrize("experts", ["fused", "per-expert"])
 def test_legacy_ep_checkpoint_equals_its_export(qwen_legacy_ckpt: Path, tmp_path: Path, experts: str) -> None:
     from ckpttool.layouts.declaration import LayoutDeclaration

@@ -456,6 +456,28 @@ def test_no_common_name_and_nothing_matching_are_errors(runs: Path, tmp_path: Pa
     )
 
 
+def test_a_filter_matching_one_side_only_says_so(tmp_path: Path) -> None:
+    """A checkpoint against an export written with --filter: a diff --filter that matches only the checkpoint's
+    names is E611 with a hint naming the filter, not a naming mismatch (--rules / --adapter)."""
+    from ckpttool.ops.export import ExportOptions
+    from ckpttool.ops.export.execute import export_checkpoint
+    from tests.fixtures import hf_models
+
+    src = tmp_path / "ckpt"
+    torch.manual_seed(3)
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    _save({"model": dict(LlamaForCausalLM(hf_models.llama_config()).state_dict())}, src)
+    export_checkpoint(src, tmp_path / "norms", ExportOptions(filter_glob="*norm*"))
+    res = cli(src, tmp_path / "norms", "--filter", "*mlp*")
+    assert res.exit_code == 2 and res.stdout == ""
+    err = res.stderr.splitlines()
+    assert err[0].startswith("error: [E611] nothing compared, so no verdict: no name in common (6 in A, 0 in B)")
+    assert err[1].startswith("hint: --filter *mlp* kept names of A only: B holds no name matching it")
+    assert "--rules" not in err[1]
+
+
 def test_the_library_picks_each_sides_step(runs: Path) -> None:
     """`diff_checkpoints` itself applies `step` to the sides that are run roots and refuses a side step on a checkpoint."""
     from ckpttool.errors import UsageError

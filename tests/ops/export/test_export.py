@@ -413,6 +413,18 @@ def test_weights_master_without_masters_is_an_error(dense_ckpt: Path, tmp_path: 
     res = export_cli(str(dense_ckpt), str(tmp_path / "o"), "--weights", "master")
     assert_clean_failure(res, "E601", "master_weight")
     assert not (tmp_path / "o").exists()
+
+
+def test_weights_master_with_a_filter_that_selects_no_master_says_so(fixture_root: Path, tmp_path: Path) -> None:
+    """A checkpoint with FP32 masters, --filter selecting only tensors without one (the frozen norm; the tied
+    lm_head, whose master is kept under the embedding's fqn): the error said the checkpoint keeps no masters
+    ('e.g. torch AdamW'); it now names the filter and what it selected."""
+    built = cached_build(fixture_root, "export_master_tied", hf_models.build_master_tied)
+    for glob, key in (("lm_head*", "model.lm_head.weight"), ("model.norm*", "model.model.norm.weight")):
+        res = export_cli(str(built), str(tmp_path / "o"), "--weights", "master", "--filter", glob)
+        assert_clean_failure(res, "E601", f"none of the 1 tensor(s) --filter '{glob}' selects", key)
+        assert "torch AdamW" not in res.stderr and "--weights params" in res.stderr
+        assert not (tmp_path / "o").exists()
     no_leftovers(tmp_path, "o")
 
 
@@ -532,6 +544,32 @@ def test_output_inside_the_source_is_refused(tmp_path: Path, dense_ckpt: Path) -
     ck = copy_checkpoint(dense_ckpt, tmp_path / "ck")
     assert_clean_failure(export_cli(str(ck), str(ck / "hf")), "E600", "overlaps the source")
     assert not (ck / "hf").exists()
+
+
+def test_optimizer_dir_elsewhere_does_not_make_their_common_parent_the_source(tmp_path: Path) -> None:
+    """A model checkpoint and an --optimizer-dir in two places (torch's own dcp.save of each): the output was
+    refused 'overlaps the source checkpoint <their common parent>' anywhere below it (``/`` for two file systems:
+    no output at all); only the two checkpoints themselves are the source."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd}, checkpoint_id=str(tmp_path / "run" / "model"))
+    dcp.save({"optimizer": osd}, checkpoint_id=str(tmp_path / "elsewhere" / "optim"))
+    src, opt = str(tmp_path / "run" / "model"), str(tmp_path / "elsewhere" / "optim")
+    res = export_cli(src, str(tmp_path / "hf"), "--optimizer-dir", opt)
+    assert res.exit_code == 0, res.stderr
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("0.weight"), msd["0.weight"])
+    for inside in (tmp_path / "run" / "model" / "hf", tmp_path / "elsewhere" / "optim" / "hf"):
+        assert_clean_failure(export_cli(src, str(inside), "--optimizer-dir", opt), "E600", "overlaps the source")
+        assert not inside.exists()
+    res = export_cli(src, str(tmp_path / "elsewhere"), "--optimizer-dir", opt, "--overwrite", "--dry-run")
+    assert res.exit_code == 2 and "overlaps the source" in res.stderr
 
 
 def test_truncated_data_file_fails_cleanly(tmp_path: Path, dense_ckpt: Path) -> None:

@@ -157,6 +157,38 @@ def test_qwen3_moe_loads_with_identical_logits(qwen_ckpt: Path, tmp_path: Path, 
     assert_same_logits(load_hf(out, Qwen3MoeForCausalLM), qwen_ckpt)
 
 
+def test_default_fused_experts_export_notes_the_per_expert_names(qwen_ckpt: Path, tmp_path: Path) -> None:
+    """Without --experts the fused tensors are written as stored; transformers' own save_pretrained of the model
+    writes per-expert names (what vLLM reads): a note says so, and not when --experts is given."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, Qwen3MoeForCausalLM
+
+    hf_models._quiet()
+    Qwen3MoeForCausalLM(AutoConfig.from_pretrained(qwen_ckpt / "model_assets")).save_pretrained(tmp_path / "sp")
+    with safe_open(str(tmp_path / "sp" / "model.safetensors"), "pt") as f:
+        assert "model.layers.0.mlp.experts.0.gate_proj.weight" in f.keys()
+    doc = export(qwen_ckpt, tmp_path / "default")
+    (note,) = [n for n in doc["notes"] if "fused expert tensor(s)" in n]
+    assert note.startswith("4 fused expert tensor(s) written as stored") and "per-expert writes those" in note
+    for experts in ("fused", "per-expert"):
+        doc = export(qwen_ckpt, tmp_path / experts, "--experts", experts)
+        assert not [n for n in doc["notes"] if "fused expert tensor(s)" in n]
+
+
+def test_per_expert_filter_names_the_fused_tensor(qwen_ckpt: Path, tmp_path: Path) -> None:
+    """--filter is matched before the per-expert split: a glob naming one expert matches nothing (E601), and the
+    hint says which name selects the expert tensors; that glob writes every expert of the layer."""
+    res = runner.invoke(
+        app, ["export", str(qwen_ckpt), str(tmp_path / "one"), "--experts", "per-expert", "--filter", "*.experts.0.*"]
+    )
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E601]")
+    assert "before fused experts are split" in res.stderr and "'*.layers.0.mlp.experts.*'" in res.stderr
+    assert not (tmp_path / "one").exists()
+    doc = export(qwen_ckpt, tmp_path / "layer0", "--experts", "per-expert", "--filter", "*.layers.0.mlp.experts.*")
+    assert doc["tensors"] == 3 * hf_models.MOE_EXPERTS
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in weight_keys(tmp_path / "layer0")
+
+
 @pytest.mark.parametrize("experts", ["fused", "per-expert"])
 def test_unversioned_legacy_ep_checkpoint_is_refused(qwen_legacy_ckpt: Path, tmp_path: Path, experts: str) -> None:
     res = runner.invoke(app, ["export", str(qwen_legacy_ckpt), str(tmp_path / "o"), "--experts", experts])
@@ -279,6 +311,71 @@ def test_lora_adapter_loads_in_peft_with_identical_logits(lora_ckpt: Path, tmp_p
     assert summary["tensors"] == 8
     base = load_hf(lora_ckpt / "base", LlamaForCausalLM)
     assert_same_logits(PeftModel.from_pretrained(base, out), lora_ckpt)
+
+
+def test_lora_adapter_keeps_a_modules_to_save_copy(tmp_path: Path) -> None:
+    """A PEFT model with a fully trained ``lm_head`` (``modules_to_save``), saved with dcp.save: the adapter exported
+    holds what PEFT's own ``save_pretrained`` writes (the copy as ``base_model.model.lm_head.weight``, listed in
+    ``modules_to_save``) and loads with the original logits; before, the copy was left out with a warning and the
+    adapter loaded the base model's lm_head."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    hf_models._quiet()
+    torch.manual_seed(7)
+    cfg = hf_models.llama_config()
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    base = LlamaForCausalLM.from_pretrained(tmp_path / "base")
+    lcfg = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"], init_lora_weights=False
+    )
+    model = get_peft_model(base, lcfg)
+    with torch.no_grad():
+        model.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.5)  # the trained head
+    model.eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+    src = tmp_path / "ckpt"
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(src))
+    model.save_pretrained(tmp_path / "peft")  # PEFT's own adapter, the reference
+    res = runner.invoke(app, ["export", str(src), str(tmp_path / "out"), "--format", "lora", "--lora-alpha", "8"])
+    assert res.exit_code == 0, res.stderr
+    assert "modules_to_save" not in res.stderr
+    ours, peft = load_file(tmp_path / "out" / "adapter_model.safetensors"), load_file(tmp_path / "peft" / ADAPTER)
+    assert sorted(ours) == sorted(peft) and all(torch.equal(ours[k], peft[k]) for k in peft)
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head"]
+    loaded = PeftModel.from_pretrained(load_hf(tmp_path / "base", LlamaForCausalLM), tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=1e-5)
+    # PEFT's adapter_config.json (it lists lm_head) is taken as is; one without modules_to_save is refused
+    given = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    res = runner.invoke(
+        app,
+        [
+            "export",
+            str(src),
+            str(tmp_path / "o2"),
+            "--format",
+            "lora",
+            "--adapter-config",
+            str(tmp_path / "peft" / "adapter_config.json"),
+        ],
+    )
+    assert res.exit_code == 0, res.stderr
+    given["modules_to_save"] = None
+    (tmp_path / "bad.json").write_text(json.dumps(given))
+    res = runner.invoke(
+        app,
+        ["export", str(src), str(tmp_path / "o3"), "--format", "lora", "--adapter-config", str(tmp_path / "bad.json")],
+    )
+    assert res.exit_code == 2 and res.stderr.startswith("error: [E601]") and "'lm_head'" in res.stderr
+    assert not (tmp_path / "o3").exists()
+
+
+ADAPTER = "adapter_model.safetensors"
 
 
 def test_lora_needs_alpha_or_adapter_config(lora_ckpt: Path, tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """``--format lora``: a PEFT LoRA adapter, ``adapter_model.safetensors`` + ``adapter_config.json``.
 
 Selection by the rules' ``lora`` pattern (``base_model.model.<module>.lora_A.weight``, the
-adapter name removed); one file, never sharded; ``adapter_config.json`` given or inferred
+adapter name removed) and PEFT's ``modules_to_save`` copies (``base_model.model.<module>.weight``, as
+``get_peft_model_state_dict`` saves them); one file, never sharded; ``adapter_config.json`` given or inferred
 (:mod:`ckpttool.ops.export.lora`); the base model's ``config.json`` /
 ``generation_config.json`` are not copied.
 """
@@ -72,7 +73,7 @@ class LoraFormat(ModelFormat):
         return select_model(req.cat, LoraKeys(req.rules), weights=req.weights, filter_glob=req.filter_glob)
 
     def check_selection(self, cat: Catalog, tags: dict[str, str], warnings: list[str]) -> None:
-        """Raises ExportError: several adapters selected; warns about ``modules_to_save`` copies left out."""
+        """Raises ExportError: several adapters selected."""
         names = sorted(set(tags.values()))
         if len(names) > 1:
             raise ExportError(
@@ -80,9 +81,6 @@ class LoraFormat(ModelFormat):
                 param="filter_glob",
                 hint="export one of them: `filter_glob` '*.<adapter name>.*'",
             )
-        dropped = [k for k in cat.model if ".modules_to_save." in k]
-        if dropped:
-            warnings.append(f"{len(dropped)} modules_to_save tensor(s) not exported (not LoRA weights): {dropped[0]}")
 
     def starts_file(self, packed: int, nbytes: int, shard_size: int) -> bool:
         return False
