@@ -337,12 +337,12 @@ def check_quantized_sources(
         ExportError (E601): the first such weight and its scale; nothing is written.
     """
     cast = save_dtype != "preserve" or quantize is not None
-    keys = {s.out_key for s in selected}
-    chosen = {s.model_key for s in selected}
+    fp8 = [s for s in selected if s.source.dtype.startswith("float8")]  # (10^6 plain tensors: no set built)
+    chosen = {s.model_key for s in selected} if fp8 else set()
     held = stored if stored is not None else {}
-    for s in selected:
+    for s in fp8:
         left = [s.model_key + x for x in _SCALE_SUFFIXES if s.model_key + x in held and s.model_key + x not in chosen]
-        if s.source.dtype.startswith("float8") and left:
+        if left:
             raise ExportError(
                 f"{root}: {s.out_key!r} is stored quantized ({s.source.dtype}) but its scale {left[0]!r} is not "
                 "exported (`filter_glob` or a key rule left it out): the FP8 codes alone are not the weights; "
@@ -353,6 +353,7 @@ def check_quantized_sources(
             )
     if not cast and experts != "per-expert":
         return
+    keys = {s.out_key for s in selected}
     for s in selected:
         scale = None
         if s.source.dtype.startswith("float8"):
