@@ -57,10 +57,11 @@ def _render(res: StampResult) -> None:
         what = f"already recorded in the checkpoint's embedded layout item, nothing written: {res.path}"
     else:
         what = f"already recorded in {res.path}, nothing written"
+    fsdp = rec["parallel"].get("ep_fsdp_size", 1)
     stdout_console().print(
         f"{what}: layout version {rec['version']} ({name}), ep_size {rec['parallel'].get('ep_size', 1)}, "
-        f"ep_fsdp_size {rec['parallel'].get('ep_fsdp_size', 1)}, {plural(res.ep_tensors, 'EP tensor')} "
-        f"({res.same_dim} with EP and FSDP on the expert dim)"
+        f"ep_fsdp_size {fsdp}, {plural(res.ep_tensors, 'EP tensor')}"
+        + (f" ({res.same_dim} with EP and FSDP on the expert dim)" if fsdp != 1 else "")  # no FSDP split at 1
     )
 
 

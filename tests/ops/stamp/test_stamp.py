@@ -47,6 +47,16 @@ def test_stamp_writes_a_valid_sidecar_and_nothing_else(legacy_copy: Path) -> Non
     assert sorted(p.name for p in legacy_copy.iterdir() if p.name.startswith(".")) == [".metadata"]  # no temp files
 
 
+def test_stamp_without_ep_fsdp_names_no_fsdp_split(legacy_copy: Path) -> None:
+    """`--ep-fsdp-size 1` printed "4 EP tensors (4 with EP and FSDP on the expert dim)": no FSDP split is declared,
+    so the count of tensors split by EP and FSDP on one dim says nothing; the line now ends at the tensor count."""
+    res = runner.invoke(
+        app, ["stamp", str(legacy_copy), "--source-layout", "canonical", "--ep-size", "4", "--ep-fsdp-size", "1"]
+    )
+    assert res.exit_code == 0, res.stderr
+    assert res.stdout.rstrip().endswith("ep_size 4, ep_fsdp_size 1, 4 EP tensors"), res.stdout
+
+
 def test_stamped_checkpoint_is_resolved_and_reshards_without_declaration(legacy_copy: Path, tmp_path: Path) -> None:
     assert runner.invoke(app, ["stamp", str(legacy_copy), *LEGACY]).exit_code == 0
     ov = json.loads(runner.invoke(app, ["inspect", "--json", str(legacy_copy)]).stdout)
