@@ -311,6 +311,24 @@ def test_verify_with_a_manifest_without_sidecars_names_the_files_it_did_not_chec
     assert res.exit_code == 0 and json.loads(res.stdout)["warnings"] == [] and "warning" not in res.stderr
 
 
+def test_validate_manifest_without_sidecars_warns_S016(fsdp_ckpt: Path, tmp_path: Path) -> None:
+    """`validate --manifest` with a manifest without ``sidecars`` said OK (S015 checks the data only) over a file
+    added beside the data that nothing read; S016 now names it (a warning: `--strict` fails)."""
+    ck = copy_checkpoint(fsdp_ckpt, tmp_path / "c")
+    assert invoke("manifest", ck).exit_code == 0
+    res = invoke("validate", ck, "--manifest", "--strict", "--json")
+    assert res.exit_code == 0 and "S016" not in {f["code"] for f in json.loads(res.stdout)["findings"]}, res.stdout
+    doc = json.loads((ck / "manifest.json").read_text())
+    doc.pop("sidecars")
+    (ck / "manifest.json").write_text(json.dumps(doc))
+    (ck / "notes.txt").write_text("kept beside the data\n")
+    res = invoke("validate", ck, "--manifest", "--json")
+    s016 = [f for f in json.loads(res.stdout)["findings"] if f["code"] == "S016"]
+    assert res.exit_code == 0 and len(s016) == 1 and s016[0]["severity"] == "warning", res.stdout
+    assert s016[0]["message"].endswith("lists no files beside the data; 1 there not checked: notes.txt")
+    assert invoke("validate", ck, "--manifest", "--strict").exit_code == 1
+
+
 def test_verify_with_a_manifest_whose_metadata_digest_is_cut_out_does_not_pass(fsdp_ckpt: Path, tmp_path: Path) -> None:
     """``"metadata": null`` (a model/optimizer pair's) in the manifest of a checkpoint with a ``.metadata``:
     --verify said "matches" over a dtype changed in .metadata (every window intact, the values reinterpreted)."""

@@ -304,3 +304,16 @@ def manifest_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         problems = verify_manifest(ctx.reader, ctx.manifest, beside_of=Path(ctx.ckpt.located.model))
     for p in problems:
         yield p.key, f"{p.kind}: {p.message}"
+
+
+@rule("S016")
+def manifest_beside_unchecked(ctx: Context) -> Iterator[tuple[str | None, str]]:
+    from ckpttool.ops.manifest import unchecked_beside
+
+    if ctx.manifest.kind == "safetensors":  # an export's manifest lists its files itself
+        return
+    names = unchecked_beside(ctx.reader, ctx.manifest)
+    if names:
+        shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+        where = ctx.manifest.path or "the manifest"
+        yield None, f"{where}: lists no files beside the data; {len(names)} there not checked: {shown}"
