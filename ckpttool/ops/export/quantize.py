@@ -81,8 +81,11 @@ __all__ = [
 QUANT_METHODS = ("fp8-block", "fp8-channel")
 #: The quantized weights' dtype (safetensors ``F8_E4M3``).
 FP8_DTYPE = "float8_e4m3fn"
-#: Output keys left unquantized by default (globs over the output key): embeddings, norms, lm_head, router gates.
-DEFAULT_SKIP = ("*embed*", "*wte*", "*wpe*", "*norm*", "lm_head.weight", "*.gate.weight", "*router*")
+#: Output keys left unquantized by default (globs over the output key): embeddings, norms, lm_head, router gates and
+#: Qwen2-MoE's ``shared_expert_gate`` (vLLM builds both gates unquantized; llm-compressor's MoE recipes ignore them).
+DEFAULT_SKIP = (
+    "*embed*", "*wte*", "*wpe*", "*norm*", "lm_head.weight", "*.gate.weight", "*router*", "*shared_expert_gate*",
+)  # fmt: skip
 #: Source dtypes that are quantized (others are written as the save dtype says).
 _QUANTIZABLE = ("float32", "bfloat16", "float16")
 #: The largest error allowed, per block, relative to the block's amax: half an e4m3fn ulp at the top of the range

@@ -538,3 +538,36 @@ def test_fp8_weight_exported_without_its_scale_is_refused(master_ckpt: Path, tmp
     assert sorted(_file_tensors(tmp_path / "q")) == [
         f"model.layers.{i}.self_attn.q_proj.weight{x}" for i in (0, 1) for x in ("", "_scale_inv")
     ]
+
+
+def test_shared_expert_gate_stays_unquantized_by_default(tmp_path: Path) -> None:
+    """Qwen2-MoE's ``mlp.shared_expert_gate.weight`` ``[1, H]`` (a gate, as the router) was quantized by default:
+    vLLM builds it as a plain, unquantized linear and llm-compressor's MoE recipes ignore it. It is now left in
+    BF16, like ``mlp.gate.weight``; the experts and the shared expert are still quantized."""
+    import transformers
+
+    from tests.fixtures.builders import save_quiet
+
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2MoeForCausalLM(cfg)
+    save_quiet({"model": model.state_dict()}, tmp_path / "ck")
+    assets = tmp_path / "assets"
+    cfg.save_pretrained(assets)
+    res = runner.invoke(
+        app, ["export", str(tmp_path / "ck"), str(tmp_path / "fp8"), "--quantize", "fp8-block", "--model-assets",
+              str(assets), "--experts", "per-expert"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.stderr
+    with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        gate = f.get_tensor("model.layers.0.mlp.shared_expert_gate.weight")
+        shared = f.get_tensor("model.layers.0.mlp.shared_expert.up_proj.weight")
+    assert gate.dtype == torch.bfloat16 and "model.layers.0.mlp.shared_expert_gate.weight_scale_inv" not in keys
+    assert shared.dtype == torch.float8_e4m3fn and "model.layers.0.mlp.shared_expert.up_proj.weight_scale_inv" in keys
+    qc = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.mlp.shared_expert_gate" in qc["modules_to_not_convert"]
