@@ -34,11 +34,12 @@ __all__ = [
     "compressed_tensors_fp8",
     "find_quantized",
     "fused_experts",
+    "per_tensor_fp8",
 ]
 
 FP8_SCALE_SUFFIX = "_scale_inv"
 #: A :class:`QuantPair`'s convention (the module docstring; ``fp8-compressed-tensors``: :func:`compressed_tensors_fp8`).
-QuantKind = Literal["fp8-block", "fp8-experts", "mxfp4", "fp8-compressed-tensors"]
+QuantKind = Literal["fp8-block", "fp8-experts", "mxfp4", "fp8-compressed-tensors", "fp8-tensor"]
 _MX_BLOCKS, _MX_SCALES = "_blocks", "_scales"
 _E8M0 = ("uint8", "float8_e8m0fnu")
 
@@ -48,8 +49,8 @@ class QuantPair:
     """A quantized weight and its scale.
 
     Attributes:
-        kind: ``"fp8-block"``, ``"fp8-experts"`` (fused ``[E, out, in]``), ``"mxfp4"`` or
-            ``"fp8-compressed-tensors"``.
+        kind: ``"fp8-block"``, ``"fp8-experts"`` (fused ``[E, out, in]``), ``"mxfp4"``,
+            ``"fp8-compressed-tensors"`` or ``"fp8-tensor"`` (:func:`per_tensor_fp8`).
         weight, scale: the stored keys (``x.weight`` / ``x.weight_scale_inv``, ``x_blocks`` / ``x_scales``).
         name: the dequantized tensor's key (``x.weight``; ``x`` for MXFP4).
         shape: the dequantized shape; stored: the stored weight's shape.
@@ -287,4 +288,38 @@ def compressed_tensors_fp8(
             )
         else:
             pairs.append(QuantPair("fp8-compressed-tensors", key, skey, key, tuple(ws), tuple(ws), block))
+    return pairs, problems
+
+
+def per_tensor_fp8(
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]], config: Mapping[str, Any] | None
+) -> tuple[list[QuantPair], list[tuple[str, str]]]:
+    """Per-tensor FP8 weights of vLLM's ``fp8`` convention (kind ``fp8-tensor``) and ``(key, why)`` for a scale that
+    does not fit.
+
+    Only under a config whose ``quantization_config.quant_method`` is ``fp8`` without ``weight_block_size`` (what
+    vLLM's ``Fp8Config`` reads and llm-compressor's / AutoFP8's per-tensor checkpoints carry): ``x.weight``
+    ``float8_e4m3fn`` 2-D with ``x.weight_scale`` ``float32`` of one element (shape ``[]`` or ``[1]``), the
+    multiplier vLLM's ``Fp8LinearMethod`` applies (``q * scale``); a block of the whole weight
+    (:data:`WHOLE_ROW` x :data:`WHOLE_ROW`). ``x.input_scale`` (the activations' scale) is left as stored.
+    """
+    qc = (config or {}).get("quantization_config")
+    if not isinstance(qc, dict) or qc.get("quant_method") != "fp8" or qc.get("weight_block_size") is not None:
+        return [], []
+    pairs: list[QuantPair] = []
+    problems: list[tuple[str, str]] = []
+    for key in sorted(tensors):
+        dt, ws = tensors[key]
+        skey = key + CT_SCALE_SUFFIX
+        if not key.endswith(".weight") or dt != "float8_e4m3fn" or skey not in tensors:
+            continue
+        if key + FP8_SCALE_SUFFIX in tensors or len(ws) != 2:
+            continue  # block FP8 (find_quantized's), or not a linear weight
+        sd, ss = tensors[skey]
+        if sd != "float32" or len(ss) > 1 or (ss and ss[0] != 1):
+            problems.append(
+                (skey, f"{skey}: {sd} {list(ss)}, but a per-tensor FP8 scale (quant_method fp8) is one float32")
+            )
+            continue
+        pairs.append(QuantPair("fp8-tensor", key, skey, key, tuple(ws), tuple(ws), (WHOLE_ROW, WHOLE_ROW)))
     return pairs, problems

@@ -10,6 +10,8 @@ the references, bit for bit:
   ``_dequantize_fp8_weight`` in float32: with a BF16 dtype it rounds the scale to BF16 first);
 - compressed-tensors FP8 (``x.weight_scale``, block or channel as the config's weight scheme says):
   ``float32(q) * scale``, rounded to ``--dtype``, as its decompression;
+- per-tensor FP8 of vLLM's ``fp8`` convention (``quant_method`` ``fp8`` without ``weight_block_size``: one
+  float32 ``x.weight_scale``): ``float32(q) * scale``, rounded to ``--dtype``, as vLLM's ``Fp8LinearMethod``;
 - MXFP4: ``FP4_VALUES[nibble] * 2^(e - 127)`` (float32, exact), rounded to ``--dtype``, dims 1
   and 2 transposed, as transformers' ``convert_moe_packed_tensors`` (the gpt-oss model's layout).
 
@@ -42,6 +44,7 @@ from ckpttool.model.quantized import (
     block_size_problem,
     compressed_tensors_fp8,
     find_quantized,
+    per_tensor_fp8,
 )
 
 __all__ = ["DEQUANT_DTYPES", "STAGED_PREFIX", "Dequantized", "StagedFds", "plan_dequantize"]
@@ -100,7 +103,8 @@ def plan_dequantize(
         )
     pairs, problems = find_quantized(tensors, block_size(config))
     ct_pairs, ct_problems = compressed_tensors_fp8(tensors, config)
-    pairs, problems = pairs + ct_pairs, problems + ct_problems
+    pt_pairs, pt_problems = per_tensor_fp8(tensors, config)
+    pairs, problems = pairs + ct_pairs + pt_pairs, problems + ct_problems + pt_problems
     if problems:
         key, why = problems[0]
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -263,10 +267,11 @@ def _stage_fp8(fds: StagedFds, plan: Dequantized, fd: int) -> None:
     b0, b1 = p.block
     item = 2 if plan.dtype == "bfloat16" else 4
     experts = lead[0] if lead else 1  # fused experts ``fp8-experts``: each expert on its own grid
+    band = b0 if b0 < rows else 128  # one block over every row (a per-tensor scale): bands of 128 rows of it
     for e in range(experts):
         s_e, at, where = (scale[e], e * rows * cols, f"expert {e} ") if lead else (scale, 0, "")
-        for r0 in range(0, rows, b0):
-            n = min(b0, rows - r0)
+        for r0 in range(0, rows, band):
+            n = min(band, rows - r0)
             q = _read(fds, plan.weight_at, at + r0 * cols, n * cols).reshape(n, cols)
             nan = e4m3fn_nan_count(q)
             if nan:
@@ -303,5 +308,6 @@ _STAGERS: dict[QuantKind, Callable[[StagedFds, Dequantized, int], None]] = {
     "fp8-block": _stage_fp8,
     "fp8-experts": _stage_fp8,
     "fp8-compressed-tensors": _stage_fp8,
+    "fp8-tensor": _stage_fp8,
     "mxfp4": _stage_mxfp4,
 }

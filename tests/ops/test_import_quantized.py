@@ -458,3 +458,36 @@ def test_compressed_tensors_weights_it_cannot_dequantize_are_refused(tmp_path: P
         "[E612] l.weight_scale: config.json quantization_config is compressed-tensors format 'naive-quantized'" in err
     )
     assert not (tmp_path / "dcp").exists()
+
+
+def test_per_tensor_fp8_of_vllms_fp8_convention_is_dequantized(tmp_path: Path) -> None:
+    """A per-tensor FP8 folder (``quant_method: fp8`` without ``weight_block_size``: one float32 ``x.weight_scale`` a
+    weight, ``x.input_scale`` for the activations, as vLLM's ``Fp8Config`` reads them) was imported with its
+    FP8 codes as the weights' values: ``dcp.load`` into a BF16 model copied codes up to 448 in place of weights
+    ~0.05. Each weight is now ``float32(q) * scale`` rounded to ``--dtype`` (vLLM's ``Fp8LinearMethod``),
+    checked here against torch's own arithmetic on the stored tensors; a scale of another shape is E612."""
+    g = torch.Generator().manual_seed(3)
+    tensors: dict[str, torch.Tensor] = {}
+    want: dict[str, torch.Tensor] = {}
+    for name, (r, c) in {"model.layers.0.mlp.up_proj": (300, 64), "model.layers.0.self_attn.q_proj": (32, 64)}.items():
+        w = torch.randn(r, c, generator=g) * 0.05
+        scale = w.abs().max() / 448
+        q = (w / scale).to(torch.float8_e4m3fn)
+        tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"] = q, scale.reshape(())
+        tensors[f"{name}.input_scale"] = torch.tensor(0.02)
+        want[f"{name}.weight"] = q.to(torch.float32) * scale
+    tensors["model.norm.weight"] = torch.ones(64, dtype=torch.bfloat16)
+    cfg = {"model_type": "llama", "quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}}
+    src = _write_folder(tmp_path / "src", tensors, cfg)
+    for dtype in ("float32", "bfloat16"):
+        doc = _import(src, tmp_path / dtype, "--dtype", dtype)
+        assert doc["dequantized"]["kinds"] == {"fp8-tensor": 2}, doc["dequantized"]
+        got = _torch_load(tmp_path / dtype)
+        for k, v in want.items():
+            assert torch.equal(got[f"model.{k}"].view(torch.uint8), v.to(getattr(torch, dtype)).view(torch.uint8)), k
+        assert f"model.{next(iter(want))}_scale" not in got  # the scale is not imported; input_scale is, as stored
+        assert torch.equal(got["model.model.layers.0.mlp.up_proj.input_scale"], torch.tensor(0.02))
+    tensors["model.layers.0.mlp.up_proj.weight_scale"] = torch.ones(2)  # not one element: not per-tensor
+    bad = _write_folder(tmp_path / "bad", tensors, cfg)
+    err = _import(bad, tmp_path / "x", code=2)
+    assert "[E612] model.layers.0.mlp.up_proj.weight_scale: float32 [2], but a per-tensor FP8 scale" in err, err
