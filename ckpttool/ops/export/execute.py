@@ -796,6 +796,8 @@ def _fused_experts_note(
     transformers 4.x use the per-expert names."""
     if opts.experts is not None or _experts(opts) != "fused" or not out_format.ties_embeddings:
         return ()
+    if not any(len(s.source.shape) > 2 for s in selected):  # no [E, out, in] weight: no regex over 10^6 dense keys
+        return ()
     fused = [s.out_key for s in selected if (s.hf is None or not s.hf.fused_experts) and rules.expert_rule(s.out_key)]
     if not fused:
         return ()

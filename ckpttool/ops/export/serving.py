@@ -28,6 +28,7 @@ from typing import Any
 
 from ckpttool.format.jsonfile import parse_json
 from ckpttool.format.metadata import DTYPE_ITEMSIZE
+from ckpttool.format.safetensors import is_narrowing
 
 __all__ = ["TOKENIZER_FILES", "dominant_dtype", "rounded_on_load", "serving_config", "tokenizer_note"]
 
@@ -60,16 +61,6 @@ def dominant_dtype(entries: Iterable[Any]) -> str | None:
     return max(total, key=lambda k: total[k])  # max keeps the first of equal counts
 
 
-#: ``(stored, loaded)`` pairs whose cast keeps every value: a narrower float widened.
-_EXACT_WIDENING = {
-    ("float32", "float64"),
-    ("bfloat16", "float64"),
-    ("float16", "float64"),
-    ("bfloat16", "float32"),
-    ("float16", "float32"),
-}
-
-
 def rounded_on_load(dtype: str | None, entries: Iterable[Any]) -> str | None:
     """A note when the config's ``dtype`` (:func:`dominant_dtype` of a mixed export) cannot hold every tensor written.
 
@@ -81,7 +72,7 @@ def rounded_on_load(dtype: str | None, entries: Iterable[Any]) -> str | None:
         return None
     lost: dict[str, list[str]] = {}
     for e in entries:
-        if e.dtype in _FLOATING and e.dtype != dtype and (e.dtype, dtype) not in _EXACT_WIDENING:
+        if e.dtype in _FLOATING and is_narrowing(e.dtype, dtype):
             lost.setdefault(e.dtype, []).append(e.name)
     if not lost:
         return None
