@@ -76,20 +76,14 @@ def fp8_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
             if key + _SUFFIX not in ctx.cat.model and key + "_scale" not in ctx.cat.model:
                 yield key, f"{key}: a float8_e4m3fn weight with no {key + _SUFFIX!r} (nor a per-tensor weight_scale)"
     yield from fused_problems
-    yield from _compressed_tensors(ctx)[1]
-
-
-def _compressed_tensors(ctx: Context) -> tuple[list[QuantPair], list[tuple[str, str]]]:
-    """compressed-tensors FP8 ``x.weight`` + ``x.weight_scale`` under the config's scheme, and those import refuses."""
-    tensors = {k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}
-    return compressed_tensors_fp8(tensors, ctx.quant_config)
+    yield from compressed_tensors_fp8(tensors, ctx.quant_config)[1]
 
 
 def _pairs(ctx: Context) -> tuple[list[QuantPair], list[tuple[str, str]]]:
     """Every scaled pair import dequantizes (block FP8, fused experts, MXFP4, compressed-tensors FP8)."""
     tensors = {k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}
     pairs, problems = find_quantized(tensors, block_size(ctx.quant_config))
-    return pairs + _compressed_tensors(ctx)[0], problems
+    return pairs + compressed_tensors_fp8(tensors, ctx.quant_config)[0], problems
 
 
 def _read(ctx: Context, key: str) -> Any | None:
