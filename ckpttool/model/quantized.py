@@ -14,8 +14,9 @@ The conventions, as the readers that load them pair the keys:
   E8M0 exponents ``[E, N, G]``; dequantized ``x`` is ``[E, G * B * 2, N]`` (transformers'
   ``convert_moe_packed_tensors`` transposes dims 1 and 2).
 
-:func:`find_quantized` returns the usable pairs and, for each key that looks quantized but does
-not fit, one line saying why (the callers raise or report it with their own code).
+:func:`scaled_pairs` returns the usable pairs of every convention a ``config.json`` admits and, for each
+key that looks quantized but does not fit, one line saying why (the callers raise or report it with their
+own code); ``import``, ``inspect``, ``validate`` and ``diff`` pair keys through it alone.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "find_quantized",
     "fused_experts",
     "per_tensor_fp8",
+    "scaled_pairs",
 ]
 
 FP8_SCALE_SUFFIX = "_scale_inv"
@@ -322,4 +324,22 @@ def per_tensor_fp8(
             )
             continue
         pairs.append(QuantPair("fp8-tensor", key, skey, key, tuple(ws), tuple(ws), (WHOLE_ROW, WHOLE_ROW)))
+    return pairs, problems
+
+
+def scaled_pairs(
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]], config: Mapping[str, Any] | None
+) -> tuple[list[QuantPair], list[tuple[str, str]]]:
+    """Every quantized pair among ``tensors`` (key -> ``(dtype name, shape)``) under ``config`` (a ``config.json``
+    or ``None``), and ``(key, why)`` for each that does not fit.
+
+    Block FP8, fused experts and MXFP4 (:func:`find_quantized`, the block from :func:`block_size`), then
+    compressed-tensors FP8 (:func:`compressed_tensors_fp8`) and vLLM's per-tensor FP8
+    (:func:`per_tensor_fp8`), which only their ``quantization_config`` admits. The caller checks
+    :func:`block_size_problem` first where a wrong grid must not fall back to the default.
+    """
+    pairs, problems = find_quantized(tensors, block_size(config))
+    for found in (compressed_tensors_fp8(tensors, config), per_tensor_fp8(tensors, config)):
+        pairs += found[0]
+        problems += found[1]
     return pairs, problems

@@ -1,6 +1,6 @@
 """``import`` of a quantized HF checkpoint: block FP8 and MXFP4 weights dequantized to a BF16 or FP32 DCP.
 
-Which keys pair up: :func:`ckpttool.model.quantized.find_quantized`. The values are those of
+Which keys pair up: :func:`ckpttool.model.quantized.scaled_pairs`. The values are those of
 the references, bit for bit:
 
 - block FP8: ``float32(q) * scale`` per element, then rounded to ``--dtype`` (nearest even),
@@ -40,11 +40,8 @@ from ckpttool.model.quantized import (
     FP8_SCALE_SUFFIX,
     QuantKind,
     QuantPair,
-    block_size,
     block_size_problem,
-    compressed_tensors_fp8,
-    find_quantized,
-    per_tensor_fp8,
+    scaled_pairs,
 )
 
 __all__ = ["DEQUANT_DTYPES", "STAGED_PREFIX", "Dequantized", "StagedFds", "plan_dequantize"]
@@ -101,10 +98,7 @@ def plan_dequantize(
             hint="write the block size the weights were quantized with, e.g. [128, 128], into config.json "
             "(or pass a corrected `config`)",
         )
-    pairs, problems = find_quantized(tensors, block_size(config))
-    ct_pairs, ct_problems = compressed_tensors_fp8(tensors, config)
-    pt_pairs, pt_problems = per_tensor_fp8(tensors, config)
-    pairs, problems = pairs + ct_pairs + pt_pairs, problems + ct_problems + pt_problems
+    pairs, problems = scaled_pairs(tensors, config)
     if problems:
         key, why = problems[0]
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""

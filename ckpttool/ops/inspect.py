@@ -780,16 +780,9 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
 
 
 def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
-    """Quantized model weights and their scales (block FP8, MXFP4: :func:`ckpttool.model.quantized.find_quantized`;
-    compressed-tensors FP8: :func:`~ckpttool.model.quantized.compressed_tensors_fp8`),
-    ``None`` when there are none; the block size from a ``config.json`` beside the checkpoint, else 128."""
-    from ckpttool.model.quantized import (
-        WHOLE_ROW,
-        block_size,
-        compressed_tensors_block,
-        compressed_tensors_fp8,
-        find_quantized,
-    )
+    """Quantized model weights and their scales (every convention :func:`ckpttool.model.quantized.scaled_pairs`
+    pairs), ``None`` when there are none; the block size from a ``config.json`` beside the checkpoint, else 128."""
+    from ckpttool.model.quantized import WHOLE_ROW, block_size, compressed_tensors_block, scaled_pairs
 
     if {*map(_dtype, cat.model.values())}.isdisjoint(("float8_e4m3fn", "uint8", "float8_e8m0fnu")):
         return None  # the dtypes first, in C: no row per tensor for a checkpoint without quantized weights
@@ -801,13 +794,11 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
 
         config = read_hf_config(cfg)
     block = block_size(config)
-    pairs, problems = find_quantized(tensors, block)
-    ct_pairs, ct_problems = compressed_tensors_fp8(tensors, config)  # `x.weight_scale` under its config
-    pairs, problems = pairs + ct_pairs, problems + ct_problems
+    pairs, problems = scaled_pairs(tensors, config)
     if not pairs and not problems:
         return None
     extra: dict[str, Any] = {}
-    ct = compressed_tensors_block(config) if ct_pairs or ct_problems else None
+    ct = compressed_tensors_block(config)
     if ct is not None:
         extra["compressed_tensors"] = "channel" if ct[1] == WHOLE_ROW else f"block {ct[0]}x{ct[1]}"
     return {

@@ -1243,9 +1243,12 @@ def _overview_provenance(con: Console, ov: InspectResult) -> None:
             if q["problems"]
             else ""
         )
-        grid = f"{q['block'][0]}x{q['block'][1]} blocks for FP8"
-        if "compressed_tensors" in q:  # compressed-tensors' own scheme, from its config_groups
-            grid = f"compressed-tensors {q['compressed_tensors']}" + (f"; {grid}" if len(kinds) > 1 else "")
+        schemes = [f"compressed-tensors {q['compressed_tensors']}"] if "compressed_tensors" in q else []
+        if "fp8-tensor" in kinds:  # vLLM's per-tensor FP8: one scale a weight, no grid
+            schemes.append("one FP8 scale per tensor")
+        if not schemes or kinds.keys() - {"fp8-compressed-tensors", "fp8-tensor"}:
+            schemes.append(f"{q['block'][0]}x{q['block'][1]} blocks for FP8")
+        grid = "; ".join(schemes)
         con.print(f"quantized   {what} weight(s) with scales ({grid}){bad}")
     if ov.derived_from is not None:
         src = ov.derived_from

@@ -153,7 +153,7 @@ def _windows(side: Side, ranges: list[tuple[TensorEntry, int, int]], width: int)
 def value_stream(side: Side, item: Item) -> Stream | None:
     """The engine stream of ``item``'s value on ``side`` (see the module docstring), or ``None``.
 
-    A dequantized block-FP8 weight reads its scales first (small) and sets ``side.quant_atol``.
+    A dequantized FP8 weight reads its scales first (small) and sets ``side.quant_atol``.
 
     Raises:
         AllocationError: a chunk claims more bytes than its file holds (as the reader refuses it).
@@ -164,7 +164,7 @@ def value_stream(side: Side, item: Item) -> Stream | None:
 
     if item.dtype == "bytes" or math.prod(item.shape) == 0:
         return None
-    if item.dequant is not None and item.dequant[0] not in ("fp8-block", "fp8-experts"):
+    if item.dequant is not None and item.dequant[0] == "mxfp4":
         return None
     width = 1 if item.dequant is not None else DType(item.dtype).itemsize
     ranges = _ranges(item)

@@ -1,8 +1,9 @@
 """``diff`` of quantized sides: block-FP8 / MXFP4 weights compared by their dequantized values.
 
-A side's weight that pairs with a scale (:func:`ckpttool.model.quantized.find_quantized`; the
+A side's weight that pairs with a scale (:func:`ckpttool.model.quantized.scaled_pairs`; the
 block size from the side's ``config.json``, else 128; a compressed-tensors ``x.weight_scale`` plays
-``x.weight_scale_inv``, its block from ``config_groups``) is compared as ``float32`` values: ``q * scale``
+``x.weight_scale_inv``, its block from ``config_groups``; vLLM's per-tensor ``x.weight_scale`` is one block of
+the whole weight) is compared as ``float32`` values: ``q * scale``
 (block FP8, as torch's ``QuantizedHuggingFaceStorageReader``; fused experts ``[E, out, in]`` each on
 its own block grid, as transformers' ``FP8Experts``), decoded slab by slab on the engine
 (:mod:`ckpttool.ops.diff.gather`), or ``FP4 * 2^(e - 127)`` dims 1 and 2
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.model.quantized import block_size, compressed_tensors_block, find_quantized
+from ckpttool.model.quantized import scaled_pairs
 
 if TYPE_CHECKING:
     from ckpttool.ops.diff.result import Item
@@ -57,22 +58,12 @@ def dequantize_items(side: Side, items: list[Item], notes: list[str] | None = No
     tensors = {n: (i.dtype, tuple(i.shape)) for n, i in direct.items()}
     if not any(d in ("float8_e4m3fn", "uint8") for d, _ in tensors.values()):
         return items, 0
-    config = _side_config(side)
-    block = block_size(config)
-    ct_block = compressed_tensors_block(config)
-    if ct_block is not None:  # `x.weight_scale` (llm-compressor's name) plays `x.weight_scale_inv`: q * scale too
-        block = ct_block
-        aliases = {n + "_inv": n for n in tensors if n.endswith(".weight_scale") and n + "_inv" not in tensors}
-        direct.update({a: direct[n] for a, n in aliases.items()})
-        tensors = {a: tensors[n] for a, n in aliases.items()} | {
-            n: v for n, v in tensors.items() if n + "_inv" not in aliases
-        }
-    pairs, problems = find_quantized(tensors, block)
-    if problems and notes is not None:
+    pairs, problems = scaled_pairs(tensors, _side_config(side))
+    if problems and notes is not None:  # each problem names the grid or scheme it was checked against
         notes.append(
-            f"{side.label}: {len(problems)} quantized weight(s) or scale(s) do not pair up in {block[0]}x{block[1]} "
-            f"blocks, compared as stored (e.g. {problems[0][1]}); a config.json with quantization_config."
-            "weight_block_size beside the side gives the block size"
+            f"{side.label}: {len(problems)} quantized weight(s) or scale(s) do not pair up, compared as stored "
+            f"(e.g. {problems[0][1]}); a config.json with the quantization_config the weights were quantized with "
+            "(weight_block_size, config_groups) beside the side gives their scheme"
         )
     if not pairs:
         return items, 0
@@ -118,8 +109,8 @@ def load_dequantized(side: Side, item: Item) -> Any:
 def fp8_decoder(side: Side, item: Item, scale: Any = None) -> Callable[[memoryview, int], Any]:
     """``decode(e4m3fn bytes, first)``: float32 ``q * scale`` of the weight's flat elements ``[first, first + len)``.
 
-    ``item``: a block-FP8 weight :func:`dequantize_items` marked (``fp8-block`` ``[out, in]``, ``fp8-experts``
-    ``[E, out, in]``); ``scale``: its float32 scales (default: read from ``side``). Sets ``side.quant_atol``
+    ``item``: an FP8 weight :func:`dequantize_items` marked (``fp8-block``, ``fp8-compressed-tensors`` or
+    ``fp8-tensor`` ``[out, in]``, ``fp8-experts`` ``[E, out, in]``); ``scale``: its float32 scales (default: read from ``side``). Sets ``side.quant_atol``
     from the largest finite scale and ``side.quant_atol_at`` from each block's own. Rows are dequantized by :func:`~ckpttool.engine.kernels.fp8_rows_dequantize`
     (a row a slab cuts is completed with zeros first), so any cut gives the values of the whole tensor.
     """
@@ -129,8 +120,10 @@ def fp8_decoder(side: Side, item: Item, scale: Any = None) -> Callable[[memoryvi
     from ckpttool.engine import kernels
 
     assert item.dequant is not None
-    _, scale_key, block = item.dequant
+    kind, scale_key, block = item.dequant
     s = scale if scale is not None else side.tensor(scale_key).numpy().copy()
+    if kind == "fp8-tensor":  # one scale ([] or [1]): the grid of one block
+        s = s.reshape(1, 1)
     finite = s[np.isfinite(s)]  # an infinite scale (damaged) would make every element of the tensor "within"
     side.quant_atol = _FP8_ATOL_STEPS * (float(finite.max()) if finite.size else 0.0)
     *_, rows, cols = item.shape

@@ -13,7 +13,9 @@ where a scale is 0, to see that its block is all zero), ``M022`` takes the NaN-b
 ``float8_e4m3fn`` tensor from the deep pass (:mod:`ckpttool.ops.validate.deep`, one read of the
 weights). ``M023``: MXFP4 ``x_blocks`` / ``x_scales`` pairs (gpt-oss) that do not fit. compressed-tensors
 FP8 ``x.weight_scale`` (under its ``quantization_config``) is checked as ``import`` checks it: ``M020`` its
-shape and scheme (:func:`~ckpttool.model.quantized.compressed_tensors_fp8`), ``M021`` its values.
+shape and scheme (:func:`~ckpttool.model.quantized.compressed_tensors_fp8`), ``M021`` its values; so is
+vLLM's per-tensor FP8 ``x.weight_scale`` (one float32 a weight under ``quant_method`` ``fp8`` without
+``weight_block_size``: :func:`~ckpttool.model.quantized.per_tensor_fp8`).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from ckpttool.model.quantized import (
     block_size,
     block_size_problem,
     compressed_tensors_fp8,
-    find_quantized,
     fused_experts,
+    per_tensor_fp8,
+    scaled_pairs,
 )
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
@@ -77,13 +80,12 @@ def fp8_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
                 yield key, f"{key}: a float8_e4m3fn weight with no {key + _SUFFIX!r} (nor a per-tensor weight_scale)"
     yield from fused_problems
     yield from compressed_tensors_fp8(tensors, ctx.quant_config)[1]
+    yield from per_tensor_fp8(tensors, ctx.quant_config)[1]
 
 
 def _pairs(ctx: Context) -> tuple[list[QuantPair], list[tuple[str, str]]]:
-    """Every scaled pair import dequantizes (block FP8, fused experts, MXFP4, compressed-tensors FP8)."""
-    tensors = {k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}
-    pairs, problems = find_quantized(tensors, block_size(ctx.quant_config))
-    return pairs + compressed_tensors_fp8(tensors, ctx.quant_config)[0], problems
+    """Every scaled pair import dequantizes (:func:`~ckpttool.model.quantized.scaled_pairs`)."""
+    return scaled_pairs({k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}, ctx.quant_config)
 
 
 def _read(ctx: Context, key: str) -> Any | None:
@@ -107,6 +109,8 @@ def _fp8_scale_values(ctx: Context, p: QuantPair) -> str | None:
     s = _read(ctx, p.scale)
     if s is None:
         return None
+    if p.kind == "fp8-tensor":  # one scale ([] or [1]): the grid of one block
+        s = s.reshape(1, 1)
     bad = np.argwhere(~np.isfinite(s) | (s < 0))
     if bad.size:
         at = tuple(int(x) for x in bad[0])
