@@ -36,7 +36,9 @@ __all__ = [
     "find_quantized",
     "fused_experts",
     "per_tensor_fp8",
+    "scale_grid",
     "scaled_pairs",
+    "scheme_name",
 ]
 
 FP8_SCALE_SUFFIX = "_scale_inv"
@@ -205,15 +207,37 @@ def _pairs_2d(
 
 
 CT_SCALE_SUFFIX = "_scale"
-#: The column block of a per-channel (one scale per output row) weight: wider than any row.
+#: The column block of a per-channel (one scale per output row) weight: wider than any row; a block of
+#: ``WHOLE_ROW`` x ``WHOLE_ROW`` is the whole weight (one scale per tensor).
 WHOLE_ROW = 1 << 62
+_PER_TENSOR = (WHOLE_ROW, WHOLE_ROW)
+
+
+def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The FP8 scale grid of a weight ``[..., out, in]`` in ``block``: ``[..., ceil(out / B0), ceil(in / B1)]``
+    (``[1, 1]`` for one scale per tensor, whose stored shape is ``[]`` or ``[1]``)."""
+    *lead, out, inn = shape
+    return (*lead, -(-out // block[0]), -(-inn // block[1]))
+
+
+def scheme_name(block: tuple[int, int]) -> str:
+    """``tensor``, ``channel`` or ``block B0xB1``: how an FP8 weight's scales cover it."""
+    if block == _PER_TENSOR:
+        return "tensor"
+    return "channel" if block[1] == WHOLE_ROW else f"block {block[0]}x{block[1]}"
+
+
+def _one_scale(dtype: str, shape: tuple[int, ...]) -> bool:
+    """A single float32 scale, stored as ``[]`` or ``[1]`` (vLLM's and compressed-tensors' per-tensor scales)."""
+    return dtype == "float32" and len(shape) <= 1 and all(d == 1 for d in shape)
 
 
 def compressed_tensors_block(config: Mapping[str, Any] | None) -> tuple[int, int] | None:
     """The FP8 block of a compressed-tensors ``quantization_config`` (``None``: not one, or not block/channel FP8).
 
     ``strategy`` ``block``: its ``block_structure``; ``channel``: one scale per output row (a block of
-    one row as wide as the weight, :data:`WHOLE_ROW`). Every config group must give the same one.
+    one row as wide as the weight, :data:`WHOLE_ROW`); ``tensor`` (llm-compressor's ``FP8`` preset): one
+    scale for the whole weight. Every config group must give the same one.
     """
     qc = (config or {}).get("quantization_config")
     if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
@@ -231,6 +255,8 @@ def compressed_tensors_block(config: Mapping[str, Any] | None) -> tuple[int, int
             found.add((bs[0], bs[1]))
         elif w.get("strategy") == "channel":
             found.add((1, WHOLE_ROW))
+        elif w.get("strategy") == "tensor":
+            found.add(_PER_TENSOR)
         else:
             return None
     return found.pop() if len(found) == 1 else None
@@ -244,7 +270,7 @@ def compressed_tensors_fp8(
 
     Only under a config whose ``quantization_config.quant_method`` is ``compressed-tensors``; every
     ``float8_e4m3fn`` ``x.weight`` with an ``x.weight_scale`` (and no ``x.weight_scale_inv``) is one: a format
-    other than ``float-quantized``, config groups that do not give one block or channel FP8 scheme
+    other than ``float-quantized``, config groups that do not give one block, channel or tensor FP8 scheme
     (:func:`compressed_tensors_block`), a scale that is not float32 of the shape that scheme gives, or an
     ``x.weight_zero_point`` (asymmetric) is a problem (never a weight imported as its raw FP8 bytes).
     """
@@ -265,7 +291,7 @@ def compressed_tensors_fp8(
         ):
             continue
         sd, ss = tensors[skey]
-        want = None if block is None or len(ws) != 2 else [-(-ws[0] // block[0]), -(-ws[1] // block[1])]
+        want = None if block is None or len(ws) != 2 else list(scale_grid(tuple(ws), block))
         if qc.get("format") != "float-quantized":
             why = f"config.json quantization_config is compressed-tensors format {str(qc.get('format'))[:40]!r}, "
             problems.append((skey, f"{skey}: {why}not float-quantized (FP8 weights times their scale)"))
@@ -273,20 +299,18 @@ def compressed_tensors_fp8(
             problems.append(
                 (
                     skey,
-                    f"{skey}: config.json quantization_config's config_groups give no one block or channel FP8 scheme",
+                    f"{skey}: config.json quantization_config's config_groups give no one block, channel or tensor FP8 scheme",
                 )
             )
         elif key + "_zero_point" in tensors:
             problems.append(
                 (skey, f"{skey}: {key}_zero_point is stored (asymmetric), which import does not dequantize")
             )
-        elif sd != "float32" or list(ss) != want:
-            scheme = "channel" if block[1] == WHOLE_ROW else f"{block[0]}x{block[1]} block"
+        elif not (sd == "float32" and list(ss) == want) and not (block == _PER_TENSOR and _one_scale(sd, tuple(ss))):
+            need = "one float32" if block == _PER_TENSOR else f"float32 {want}"
+            scheme = f"{block[0]}x{block[1]} block" if block[1] != WHOLE_ROW else scheme_name(block)
             problems.append(
-                (
-                    skey,
-                    f"{skey}: {sd} {list(ss)}, but weight {list(ws)} with the config's {scheme} scheme needs float32 {want}",
-                )
+                (skey, f"{skey}: {sd} {list(ss)}, but weight {list(ws)} with the config's {scheme} scheme needs {need}")
             )
         else:
             pairs.append(QuantPair("fp8-compressed-tensors", key, skey, key, tuple(ws), tuple(ws), block))
@@ -318,12 +342,12 @@ def per_tensor_fp8(
         if key + FP8_SCALE_SUFFIX in tensors or len(ws) != 2:
             continue  # block FP8 (find_quantized's), or not a linear weight
         sd, ss = tensors[skey]
-        if sd != "float32" or len(ss) > 1 or (ss and ss[0] != 1):
+        if not _one_scale(sd, tuple(ss)):
             problems.append(
                 (skey, f"{skey}: {sd} {list(ss)}, but a per-tensor FP8 scale (quant_method fp8) is one float32")
             )
             continue
-        pairs.append(QuantPair("fp8-tensor", key, skey, key, tuple(ws), tuple(ws), (WHOLE_ROW, WHOLE_ROW)))
+        pairs.append(QuantPair("fp8-tensor", key, skey, key, tuple(ws), tuple(ws), _PER_TENSOR))
     return pairs, problems
 
 

@@ -8,7 +8,7 @@ the references, bit for bit:
   experts ``[E, out, in]`` with scales ``[E, ceil(out / B0), ceil(in / B1)]`` (transformers'
   ``FP8Experts``) the same per expert, as transformers' load-time ``Fp8Dequantize`` (and its
   ``_dequantize_fp8_weight`` in float32: with a BF16 dtype it rounds the scale to BF16 first);
-- compressed-tensors FP8 (``x.weight_scale``, block or channel as the config's weight scheme says):
+- compressed-tensors FP8 (``x.weight_scale``, block, channel or tensor as the config's weight scheme says):
   ``float32(q) * scale``, rounded to ``--dtype``, as its decompression;
 - per-tensor FP8 of vLLM's ``fp8`` convention (``quant_method`` ``fp8`` without ``weight_block_size``: one
   float32 ``x.weight_scale``): ``float32(q) * scale``, rounded to ``--dtype``, as vLLM's ``Fp8LinearMethod``;
@@ -41,6 +41,7 @@ from ckpttool.model.quantized import (
     QuantKind,
     QuantPair,
     block_size_problem,
+    scale_grid,
     scaled_pairs,
 )
 
@@ -244,8 +245,7 @@ def read_scales(fds: StagedFds, plan: Dequantized) -> Any:
 
 def _scale_shape(p: QuantPair) -> tuple[int, ...]:
     """``[ceil(out / B0), ceil(in / B1)]``, with the experts' dim in front for ``fp8-experts``."""
-    *lead, out, inn = p.shape
-    return (*lead, -(-out // p.block[0]), -(-inn // p.block[1]))
+    return scale_grid(p.shape, p.block)
 
 
 def _stage_fp8(fds: StagedFds, plan: Dequantized, fd: int) -> None:

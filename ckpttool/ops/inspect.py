@@ -782,7 +782,7 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
 def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
     """Quantized model weights and their scales (every convention :func:`ckpttool.model.quantized.scaled_pairs`
     pairs), ``None`` when there are none; the block size from a ``config.json`` beside the checkpoint, else 128."""
-    from ckpttool.model.quantized import WHOLE_ROW, block_size, compressed_tensors_block, scaled_pairs
+    from ckpttool.model.quantized import block_size, compressed_tensors_block, scaled_pairs, scheme_name
 
     if {*map(_dtype, cat.model.values())}.isdisjoint(("float8_e4m3fn", "uint8", "float8_e8m0fnu")):
         return None  # the dtypes first, in C: no row per tensor for a checkpoint without quantized weights
@@ -800,7 +800,7 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
     extra: dict[str, Any] = {}
     ct = compressed_tensors_block(config)
     if ct is not None:
-        extra["compressed_tensors"] = "channel" if ct[1] == WHOLE_ROW else f"block {ct[0]}x{ct[1]}"
+        extra["compressed_tensors"] = scheme_name(ct)
     return {
         **extra,
         "block": list(block),

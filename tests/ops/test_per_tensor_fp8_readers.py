@@ -1,11 +1,13 @@
-"""`inspect`, `validate --deep` and `diff` of per-tensor FP8 folders (vLLM's ``fp8`` convention).
+"""Per-tensor FP8 folders read by `inspect`, `validate --deep`, `diff` and `import`.
 
-``quant_method: fp8`` without ``weight_block_size``: each 2-D ``x.weight`` ``float8_e4m3fn`` with one float32
-``x.weight_scale`` (vLLM's ``Fp8LinearMethod`` multiplies ``q * scale``), ``x.input_scale`` for the
-activations. The folder is written by ``safetensors.torch.save_file`` from weights torch quantized itself;
-the reference for the dequantized values is torch's own ``q.to(float32) * scale``. Before, ``inspect`` listed
-no quantized weights, ``validate --strict --deep`` passed a NaN scale, and ``diff`` against the BF16 weights
-compared FP8 codes as a dtype difference.
+Two conventions: vLLM's ``fp8`` (``quant_method: fp8`` without ``weight_block_size``: each 2-D ``x.weight``
+``float8_e4m3fn`` with one float32 ``x.weight_scale``, which vLLM's ``Fp8LinearMethod`` multiplies), written by
+``safetensors.torch.save_file`` from weights torch quantized itself, the reference being torch's own
+``q.to(float32) * scale``; and compressed-tensors' ``strategy: tensor`` (llm-compressor's ``FP8`` preset, the
+common FP8 checkpoint on the Hub), written by compressed-tensors' own ``ModelCompressor``, the reference being
+its own ``FloatQuantizationCompressor.decompress``. Before, ``inspect`` listed no quantized weights of the
+first, ``validate --strict --deep`` passed a NaN scale, ``diff`` against the BF16 weights compared FP8 codes
+as a dtype difference, and ``import`` refused the second (E612, "no one block or channel FP8 scheme").
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
+from tests.cli.test_json_schemas import validated
 
 runner = CliRunner()
 UP = "model.layers.0.mlp.up_proj"
@@ -68,7 +71,7 @@ def _json(args: list[str], code: int) -> Any:
 
 
 def test_inspect_lists_the_pairs(folders: dict[str, Path]) -> None:
-    q = _json(["inspect", str(folders["fp8"])], 0)["quantized"]
+    q = validated("inspect", ["inspect", str(folders["fp8"]), "--json"])["quantized"]
     assert [(p["kind"], p["weight"], p["scale"]) for p in q["pairs"]] == [
         ("fp8-tensor", f"{UP}.weight", f"{UP}.weight_scale"),
         ("fp8-tensor", f"{Q}.weight", f"{Q}.weight_scale"),
@@ -115,3 +118,94 @@ def test_validate_deep_checks_the_scale(
     assert any(want in f["message"] for f in doc["findings"]), doc["findings"]
     doc = _json(["diff", str(folders["exact"]), str(_damaged(folders, tmp_path / "d", scale))], 1)
     assert doc["equal"] is False, doc
+
+
+def _compressed_tensors_fp8(root: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A tiny Llama quantized with llm-compressor's ``FP8`` preset (weights ``strategy: tensor``) and saved compressed
+    by compressed-tensors' own ``ModelCompressor``; and the model's unquantized weights."""
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    assert ct.__version__
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    source = {k: v.clone() for k, v in model.state_dict().items()}
+    scheme = preset_name_to_scheme("FP8", ["Linear"])
+    assert scheme.weights is not None and scheme.weights.strategy == "tensor"
+    qc = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        ignore=["lm_head"],
+        format="float-quantized",
+        quantization_status=QuantizationStatus.FROZEN,
+    )
+    apply_quantization_config(model, qc)
+    for mod in model.modules():
+        if hasattr(mod, "weight_scale"):  # what llm-compressor's min-max observer computes for a static scheme
+            w = mod.weight.data
+            scale, _ = calculate_qparams(w.amin().reshape(1), w.amax().reshape(1), mod.quantization_scheme.weights)
+            mod.weight_scale.data.copy_(scale.reshape(mod.weight_scale.shape))
+            mod.input_scale.data.fill_(0.02)
+    mc = ModelCompressor.from_pretrained_model(model, quantization_format="float-quantized")
+    mc.compress_model(model)
+    out = root / "ct"
+    model.config.save_pretrained(out)
+    mc.update_config(str(out))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+    return out, source
+
+
+def test_compressed_tensors_per_tensor_preset(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from compressed_tensors.compressors.naive_quantized import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from torch.distributed.checkpoint import FileSystemReader
+
+    src, source = _compressed_tensors_fp8(tmp_path)
+    files = load_file(str(src / "model.safetensors"))
+    assert files[f"{Q}.weight_scale"].shape == (1,) and files[f"{Q}.weight"].dtype == torch.float8_e4m3fn
+    q = validated("inspect", ["inspect", str(src), "--json"])["quantized"]
+    assert q["compressed_tensors"] == "tensor" and q["problems"] == [], q
+    assert {p["kind"] for p in q["pairs"]} == {"fp8-compressed-tensors"} and len(q["pairs"]) == 7, q
+    assert _json(["validate", str(src), "--strict", "--deep"], 0)["findings"] == []
+    # import: the values compressed-tensors' own decompression gives, bit for bit
+    res = runner.invoke(app, ["import", str(src), str(tmp_path / "dcp"), "--dtype", "float32", "--json"])
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["dequantized"]["kinds"] == {"fp8-compressed-tensors": 7}
+    md = FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata
+    got = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items() if k.endswith("proj.weight")}
+    dcp.load(got, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    cfg = json.loads((src / "config.json").read_text())["quantization_config"]
+    scheme = QuantizationConfig.model_validate(cfg).config_groups["group_0"]
+    for k, v in got.items():
+        key = k.removeprefix("model.")
+        ref = FloatQuantizationCompressor.decompress(
+            {"weight": files[key], "weight_scale": files[key + "_scale"]}, scheme
+        )
+        assert torch.equal(v.view(torch.int32), ref["weight"].to(torch.float32).view(torch.int32)), k
+    assert len(got) == 7
+    # diff against the unquantized weights: within one e4m3 step
+    ref_dir = _write(tmp_path / "src", {k: v for k, v in source.items() if k != "lm_head.weight"}, None)
+    doc = _json(["diff", str(src), str(ref_dir)], 1)  # lm_head only in A
+    rows = {t["name"]: t["status"] for t in doc["tensors"]}
+    assert rows[f"{Q}.weight"] == "within_tolerance" and sum(s == "within_tolerance" for s in rows.values()) == 7, rows
+    # a zero scale over non-zero values is found by validate --deep and refused by import
+    files[f"{Q}.weight_scale"] = torch.zeros(1)
+    bad = _write(tmp_path / "bad", files, None)
+    shutil.copy(src / "config.json", bad / "config.json")
+    doc = _json(["validate", str(bad), "--strict", "--deep"], 1)
+    assert [(f["code"], f["key"]) for f in doc["findings"]] == [("M021", f"{Q}.weight_scale")], doc["findings"]
+    res = runner.invoke(app, ["import", str(bad), str(tmp_path / "x")])
+    assert res.exit_code == 2 and f"[E612] {Q}.weight_scale: block (0, 0) has scale 0" in res.stderr, res.stderr
+    assert not (tmp_path / "x").exists()

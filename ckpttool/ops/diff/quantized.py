@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ckpttool.model.quantized import scaled_pairs
+from ckpttool.model.quantized import scale_grid, scaled_pairs
 
 if TYPE_CHECKING:
     from ckpttool.ops.diff.result import Item
@@ -120,10 +120,9 @@ def fp8_decoder(side: Side, item: Item, scale: Any = None) -> Callable[[memoryvi
     from ckpttool.engine import kernels
 
     assert item.dequant is not None
-    kind, scale_key, block = item.dequant
+    _, scale_key, block = item.dequant
     s = scale if scale is not None else side.tensor(scale_key).numpy().copy()
-    if kind == "fp8-tensor":  # one scale ([] or [1]): the grid of one block
-        s = s.reshape(1, 1)
+    s = s.reshape(scale_grid(item.shape, block))  # one scale per tensor ([] or [1]): a grid of one block
     finite = s[np.isfinite(s)]  # an infinite scale (damaged) would make every element of the tensor "within"
     side.quant_atol = _FP8_ATOL_STEPS * (float(finite.max()) if finite.size else 0.0)
     *_, rows, cols = item.shape

@@ -31,6 +31,7 @@ from ckpttool.model.quantized import (
     compressed_tensors_fp8,
     fused_experts,
     per_tensor_fp8,
+    scale_grid,
     scaled_pairs,
 )
 from ckpttool.ops.validate.base import rule
@@ -109,8 +110,7 @@ def _fp8_scale_values(ctx: Context, p: QuantPair) -> str | None:
     s = _read(ctx, p.scale)
     if s is None:
         return None
-    if p.kind == "fp8-tensor":  # one scale ([] or [1]): the grid of one block
-        s = s.reshape(1, 1)
+    s = s.reshape(scale_grid(p.shape, p.block))  # one scale per tensor ([] or [1]): a grid of one block
     bad = np.argwhere(~np.isfinite(s) | (s < 0))
     if bad.size:
         at = tuple(int(x) for x in bad[0])
