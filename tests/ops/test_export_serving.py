@@ -131,6 +131,14 @@ def test_a_config_without_architectures_gets_the_checked_class(llama_ckpt: Path,
     assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     human = export(llama_ckpt, tmp_path / "h", "--model-assets", assets)
     assert 'architectures (unset) -> ["LlamaForCausalLM"]' in human.stdout and "null" not in human.stdout
+    # an export `--allow-mismatch` accepted with findings names the class too (vLLM refuses a config without one)
+    more = tmp_path / "more_layers"
+    more.mkdir()
+    cfg = json.loads((assets / "config.json").read_text())
+    (more / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": cfg["num_hidden_layers"] + 1}))
+    res = export(llama_ckpt, tmp_path / "m", "--model-assets", more, "--json", "--allow-mismatch", "missing")
+    doc = json.loads(res.stdout)
+    assert doc["model_check"]["findings"] and doc["config_edits"]["architectures"] == [None, ["LlamaForCausalLM"]]
     # a config that names its class keeps it (a saved model's config: nothing about architectures changes)
     data = json.dumps({"model_type": "llama", "architectures": ["MyLlama"]}).encode()
     _, edits = serving_config(data, "c", dtype=None, lm_head_written=True, embedding_written=True, architecture="X")

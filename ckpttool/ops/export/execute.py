@@ -983,7 +983,8 @@ def _serving_assets(
 ) -> tuple[tuple[bytes, dict[str, list[Any]]] | None, tuple[str, ...]]:
     """The ``config.json`` to write beside the weights (``ckpttool.ops.export.serving``) and the notes on the
     assets, for a model format (``hf``, ``hf-merged``) given ``--model-assets`` (``check``: the model class
-    check, whose class a config without ``architectures`` gets)."""
+    check, whose class a config without ``architectures`` gets, also where ``--allow-mismatch`` let findings
+    through: that is the class the export was accepted for)."""
     from ckpttool.ops.export.serving import dominant_dtype, rounded_on_load, serving_config, tokenizer_note
 
     if opts.model_assets is None or not out_format.ties_embeddings:
@@ -1006,7 +1007,7 @@ def _serving_assets(
         dtype=dtype,
         lm_head_written=lm_head is not None and lm_head.out_key in names,
         embedding_written=embed is not None and embed.out_key in names,
-        architecture=check.model_class if check is not None and check.checked and not check.findings else None,
+        architecture=check.model_class if check is not None and check.checked else None,
     )
     return config, notes
 
