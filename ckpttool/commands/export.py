@@ -353,7 +353,7 @@ def _render(r: ExportResult) -> None:
     if r.tied_embeddings:
         msg = {
             "omitted": "tied: lm_head omitted (bitwise equal to the embedding)",
-            "absent": "tied: the checkpoint has no lm_head",
+            "absent": "tied: no lm_head exported (none selected; from_pretrained ties it to the embedding)",
             "embedding-not-exported": "tied: embedding not exported, lm_head written",
         }.get(r.tied_embeddings, r.tied_embeddings)
         con.print(f"embeddings  {msg}")

@@ -112,6 +112,11 @@ def test_llama_tied_writes_the_embedding_once(llama_tied_ckpt: Path, tmp_path: P
     model = load_hf(out, LlamaForCausalLM)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert_same_logits(model, llama_tied_ckpt)
+    # --filter leaving the lm_head out: "absent" said "the checkpoint has no lm_head", which it has
+    args = ["--filter", "*embed*", "--model-assets", str(llama_tied_ckpt / "model_assets")]
+    res = runner.invoke(app, ["export", str(llama_tied_ckpt), str(tmp_path / "f"), *args])
+    assert res.exit_code == 0, res.stderr
+    assert "embeddings  tied: no lm_head exported (none selected; from_pretrained ties it to" in res.stdout, res.stdout
 
 
 def test_tied_config_with_differing_lm_head_is_refused(llama_tied_differ_ckpt: Path, tmp_path: Path) -> None:
