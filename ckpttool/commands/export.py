@@ -184,7 +184,7 @@ class ExportCLIOptions:
         ),
     ] = None
     quantize_block: Annotated[
-        int, typer.Option("--quantize-block", min=1, metavar="N", help="FP8 block size (N x N blocks).")
+        int, typer.Option("--quantize-block", min=1, metavar="N", help="FP8 block size of fp8-block (N x N blocks).")
     ] = 128
     quantize_skip: Annotated[
         list[str] | None,

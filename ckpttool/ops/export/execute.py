@@ -1347,7 +1347,7 @@ def _quantization(opts: ExportOptions, prep: _Prepared) -> dict[str, Any] | None
     return {
         "method": opts.quantize,
         "format": opts.quant_format,
-        "block_size": q.block,
+        "block_size": None if opts.quantize == "fp8-channel" else q.block,  # one scale per row: no block
         "source": opts.weights,
         "max_rel_error_bound": MAX_BLOCK_REL_ERROR,
         "quantized": q.count,

@@ -143,8 +143,8 @@ class QuantSpec:
 
     Attributes:
         method: one of :data:`QUANT_METHODS`.
-        block: ``B`` of the ``B x B`` blocks (``--quantize-block``, default 128); with ``fp8-channel``
-            the rows of a work unit.
+        block: ``B`` of the ``B x B`` blocks (``--quantize-block``, default 128); ``fp8-channel`` takes only
+            the default (the rows of a work unit there).
         skip: ``--quantize-skip`` globs over the output keys, added to :data:`DEFAULT_SKIP`.
         fmt: ``--quant-format``, a key of :data:`QUANT_FORMATS`.
     """
@@ -156,7 +156,7 @@ class QuantSpec:
 
     def check(self, fmt: str) -> None:
         """Raises UsageError: an unknown method or quant format, a method the quant format cannot write, a block < 1,
-        or a format that writes no model weights (``lora``)."""
+        a block other than 128 with ``fp8-channel``, or a format that writes no model weights (``lora``)."""
         if self.method not in QUANT_METHODS:
             raise UsageError(f"`quantize` {self.method!r} is not one of {', '.join(QUANT_METHODS)}", param="quantize")
         qf = QUANT_FORMATS.get(self.fmt)
@@ -172,6 +172,12 @@ class QuantSpec:
             )
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
             raise UsageError(f"`quantize_block` must be a positive integer, got {self.block!r}", param="quantize_block")
+        if self.channel and self.block != 128:  # a block size fp8-channel would not write: never taken silently
+            raise UsageError(
+                f"`quantize_block` {self.block} sets the blocks of fp8-block; fp8-channel writes one scale per output row",
+                param="quantize_block",
+                hint="drop `quantize_block`, or quantize with `quantize` fp8-block",
+            )
         if fmt == "lora":
             raise UsageError(
                 "`quantize` applies to model weights; `fmt` lora writes an adapter",

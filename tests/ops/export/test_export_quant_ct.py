@@ -126,9 +126,9 @@ def test_compressed_tensors_export_decompressed_by_compressed_tensors(
 
     out = tmp_path / "ct"
     block = 16
-    r = _export(
-        master_ckpt, out, "--quantize", method, "--quant-format", "compressed-tensors", "--quantize-block", str(block)
-    )
+    blocks = ["--quantize-block", str(block)] if method == "fp8-block" else []  # fp8-channel has no blocks
+    r = _export(master_ckpt, out, "--quantize", method, "--quant-format", "compressed-tensors", *blocks)
+    assert r["quantization"]["block_size"] == (block if method == "fp8-block" else None)
     q = r["quantization"]
     assert q["format"] == "compressed-tensors" and q["method"] == method and q["quantized"] == 14
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -396,8 +396,7 @@ def test_nan_in_one_expert_refused_nothing_published(tmp_path: Path, method: str
             method,
             "--quant-format",
             "compressed-tensors",
-            "--quantize-block",
-            "8",
+            *(["--quantize-block", "8"] if method == "fp8-block" else []),
         ],
     )
     assert res.exit_code == 2 and "Traceback" not in res.stderr, res.stderr
@@ -405,6 +404,18 @@ def test_nan_in_one_expert_refused_nothing_published(tmp_path: Path, method: str
     assert f"layers.0.mlp.experts.2.down_proj.weight: {where} holds NaN" in res.stderr, res.stderr
     assert res.stderr.startswith("error: [E607] ")
     assert not out.exists() and not list(tmp_path.glob("out*"))
+
+
+def test_channel_refuses_a_block_size(master_ckpt: Path, tmp_path: Path) -> None:  # noqa: F811
+    """``--quantize-block 64`` with ``fp8-channel`` was taken silently (it only sized the work units) and ``--json``
+    reported ``block_size: 64`` of an export that has one scale per row: now E100, nothing written."""
+    args = ["--quantize", "fp8-channel", "--quant-format", "compressed-tensors", "--quantize-block", "64"]
+    res = runner.invoke(app, ["export", str(master_ckpt), str(tmp_path / "out"), *args])
+    assert res.exit_code == 2, res.stderr
+    assert res.stderr.startswith("error: [E100] --quantize-block 64 sets the blocks of fp8-block; fp8-channel"), (
+        res.stderr
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_quant_format_choices_are_the_registry() -> None:
