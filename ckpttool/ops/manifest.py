@@ -689,6 +689,17 @@ def unchecked_beside(reader: CheckpointReader, manifest: Manifest) -> list[str]:
     return [rel for _, rel in islice(_files_below(root, skip), 1000)]
 
 
+def unchecked_training_state(reader: CheckpointReader, manifest: Manifest, model_dir: Path) -> list[str]:
+    """Training-state files a trainer saved beside a local checkpoint's model folder ``model_dir``
+    (:func:`~ckpttool.model.beside.files_beside`: OLMo-core's ``train/rankR.pt``, NeMo Automodel's
+    ``step_scheduler.pt``) that ``manifest`` cannot vouch for because it has no ``training_state`` list."""
+    from ckpttool.model.beside import files_beside
+
+    if manifest.kind != "dcp" or manifest.training_state is not None or reader.remote is not None:
+        return []
+    return files_beside(model_dir)
+
+
 def _sidecar_problems(
     root: Path, listed: tuple[dict[str, Any], ...] | None, skip: set[str], algorithm: str
 ) -> list[ManifestProblem]:
@@ -1647,6 +1658,7 @@ def check_against_manifest(
 
     folder: str | None = None
     unchecked: list[str] = []
+    untracked: list[str] = []
     if man.kind == "safetensors":
         step(0)
         problems = verify_safetensors_manifest(directory, man, on_entry=step)
@@ -1662,14 +1674,19 @@ def check_against_manifest(
             shown = str(ckpt.path)
             folder = _folder_kind(ckpt.reader)
             unchecked = unchecked_beside(ckpt.reader, man)
+            untracked = unchecked_training_state(ckpt.reader, man, Path(ckpt.located.model))
     warnings = []
-    if man.kind == "dcp" and unchecked:
-        more = ", ..." if len(unchecked) > 5 else ""
-        warnings.append(
-            f"{target} lists no files beside the checkpoint's data (written by an older ckpttool): "
-            f"{_plural_files(len(unchecked))} there not checked ({', '.join(unchecked[:5])}{more}); "
-            "it cannot vouch for them"
-        )
+    for files, what in (
+        (unchecked if man.kind == "dcp" else [], "files beside the checkpoint's data"),
+        (untracked, "training_state (the trainer's files beside the checkpoint)"),
+    ):
+        if files:
+            more = ", ..." if len(files) > 5 else ""
+            warnings.append(
+                f"{target} lists no {what} (written by an older ckpttool, or edited): "
+                f"{_plural_files(len(files))} there not checked ({', '.join(files[:5])}{more}); "
+                "it cannot vouch for them"
+            )
     return ManifestCheck(
         shown,
         str(target),

@@ -314,6 +314,27 @@ def test_manifest_covers_the_trainer_state_of_every_rank(olmo_root: Path, tmp_pa
     assert s015 == [("train/rank0.pt", "missing"), ("train/rank1.pt", "changed"), ("train/rank2.pt", "extra")]
 
 
+def test_manifest_without_training_state_says_what_it_left_unchecked(olmo_root: Path, tmp_path: Path) -> None:
+    """A manifest whose ``training_state`` list is gone (an older ckpttool's, or edited) verified OLMo-core's
+    ``train/rankR.pt`` files as nothing at all, exit 0 without a word: it now warns, naming them."""
+    run = shutil.copytree(olmo_root / "run", tmp_path / "run")
+    cli("manifest", str(run))
+    path = run / "step2" / "model_and_optim" / "manifest.json"
+    doc = json.loads(path.read_text())
+    del doc["training_state"]
+    path.write_text(json.dumps(doc))
+    res = runner.invoke(app, ["manifest", str(run), "--verify", "--json"])
+    assert res.exit_code == 0, res.stderr
+    warnings = json.loads(res.stdout)["warnings"]
+    assert len(warnings) == 1 and "lists no training_state (the trainer's files beside the checkpoint)" in warnings[0]
+    assert "3 files there not checked (train/rank0.pt, train/rank1.pt, .metadata.json)" in warnings[0], warnings
+    doc = json.loads(cli("validate", str(run), "--manifest", "--json"))  # S016: a warning, as for sidecars
+    s016 = [f["message"] for f in doc["findings"] if f["code"] == "S016"]
+    assert s016 == [
+        f"{path}: lists no training_state; 3 there not checked: train/rank0.pt, train/rank1.pt, .metadata.json"
+    ]
+
+
 def test_manifest_covers_olmo_cores_metadata_json(olmo_root: Path, tmp_path: Path) -> None:
     """``stepN/.metadata.json`` (OLMo-core's ``CheckpointMetadata``: its version, and ``ephemeral``, which makes
     its checkpointer remove the step once a later one is saved) lies beside ``model_and_optim/``: no manifest

@@ -308,12 +308,15 @@ def manifest_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
 
 @rule("S016")
 def manifest_beside_unchecked(ctx: Context) -> Iterator[tuple[str | None, str]]:
-    from ckpttool.ops.manifest import unchecked_beside
+    from ckpttool.ops.manifest import unchecked_beside, unchecked_training_state
 
     if ctx.manifest.kind == "safetensors":  # an export's manifest lists its files itself
         return
-    names = unchecked_beside(ctx.reader, ctx.manifest)
-    if names:
-        shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
-        where = ctx.manifest.path or "the manifest"
-        yield None, f"{where}: lists no files beside the data; {len(names)} there not checked: {shown}"
+    where = ctx.manifest.path or "the manifest"
+    for what, names in (
+        ("files beside the data", unchecked_beside(ctx.reader, ctx.manifest)),
+        ("training_state", unchecked_training_state(ctx.reader, ctx.manifest, Path(ctx.ckpt.located.model))),
+    ):
+        if names:
+            shown = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+            yield None, f"{where}: lists no {what}; {len(names)} there not checked: {shown}"
