@@ -233,10 +233,12 @@ class CheckpointDir:
                 return
             if METADATA_NAME not in sizes:
                 if not sizes:
+                    obj = store.names_object()  # e.g. the URL of the .metadata object itself
                     raise RemoteNotFoundError(
-                        f"{store.path}: no object below this prefix",
+                        f"{store.path}: " + ("an object, not a prefix" if obj else "no object below this prefix"),
                         path=store.path,
-                        hint="pass the URL of the checkpoint directory (the prefix holding .metadata)",
+                        hint="pass the URL of the checkpoint directory (the prefix holding .metadata)"
+                        + (f": {store.path.parent}" if obj else ""),
                     )
                 if any(DATA_FILE_RE.match(n) for n in sizes):
                     raise IncompleteCheckpointError(

@@ -502,6 +502,21 @@ class RemoteStore:
         """Whether any object lies below the prefix."""
         return bool(self.sizes())
 
+    def names_object(self) -> bool:
+        """Whether the URL itself is an object (a file of a checkpoint, not its prefix): one request.
+
+        Raises:
+            as :meth:`call` (but not-found: ``False``).
+        """
+        from ckpttool.errors import RemoteNotFoundError
+
+        try:
+            found = bool(self.call(f"{self.path}: info", self.fs.isfile, self.root))
+        except RemoteNotFoundError:
+            found = False
+        self._count()
+        return found
+
     def size(self, relative: str) -> int | None:
         """Size of ``relative`` from the listing, ``None`` when absent."""
         self.key(relative)

@@ -248,6 +248,16 @@ def test_missing_prefix_is_not_found(s3_server: Any) -> None:
     assert r.exit_code == 2 and "[E141]" in r.output
 
 
+def test_url_of_an_object_names_its_prefix(sample_ckpt: Path, s3_server: Any) -> None:
+    """The URL of a checkpoint's ``.metadata`` (copied from a console listing) said "no object below this prefix":
+    it now says the URL is an object and names the prefix to pass."""
+    url = upload(s3_server, sample_ckpt)
+    r = cli(s3_server, "inspect", f"{url}/.metadata")
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.stderr.startswith(f"error: [E141] {url}/.metadata: an object, not a prefix"), r.stderr
+    assert f"hint: pass the URL of the checkpoint directory (the prefix holding .metadata): {url}" in r.stderr
+
+
 def test_missing_credentials_are_a_permission_error(
     s3_server: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
