@@ -197,9 +197,13 @@ def _changes(con: Console, res: StatsResult) -> None:
     pairs = list(dict.fromkeys((ch.a, ch.b) for ch in res.changes))
     layers = list(dict.fromkeys(ch.layer for ch in res.changes))
     rel = {(ch.a, ch.b, ch.layer): ch.relative for ch in res.changes}
-    cols = [Col("layer", "key")] + [Col(f"Δ{i + 1}→{i + 2}", "num") for i in range(len(pairs))]
+    steps = [c.step for c in res.checkpoints]  # pair i: checkpoints i and i + 1, in the order given
+    known = len(pairs) == len(steps) - 1 and None not in steps and len(set(steps)) == len(steps)
+    names = [str(s) for s in steps] if known else [f"#{i + 1}" for i in range(len(steps))]
+    cols = [Col("layer", "key")] + [Col(f"Δ{names[i]}→{names[i + 1]}", "num") for i in range(len(pairs))]
     rows: list[list[Any]] = [[layer, *(_g(rel.get((a, b, layer))) for a, b in pairs)] for layer in layers]
-    print_table(con, "relative change ‖W_b − W_a‖ / ‖W_a‖ between consecutive checkpoints", cols, rows)
+    by = "steps" if known else "#N: the Nth checkpoint given"
+    print_table(con, f"relative change ‖W_b − W_a‖ / ‖W_a‖ between consecutive checkpoints ({by})", cols, rows)
 
 
 EPILOG = examples(

@@ -159,6 +159,15 @@ def test_relative_change_between_checkpoints_matches_torch(run3: list[Path], tmp
     assert all(ch.relative and ch.relative > 0 for ch in res.changes)
 
 
+def test_change_columns_say_what_they_count(run3: list[Path]) -> None:
+    """The change columns were headed ``Δ1→2``, ``Δ2→3`` (positions) over checkpoints named ``step-1``...: a reader
+    took them for steps. Without known steps they are ``#N`` (the Nth checkpoint given), and the title says so."""
+    res = runner.invoke(app, ["stats", *map(str, reversed(run3))], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.stderr
+    assert "between consecutive checkpoints (#N: the Nth checkpoint given)" in res.stdout, res.stdout
+    assert "Δ#1→#2" in res.stdout and "Δ#2→#3" in res.stdout and "Δ1→2" not in res.stdout, res.stdout
+
+
 def test_nan_and_inf_are_counted_and_left_out_of_the_sums(tmp_path: Path) -> None:
     key = "model.layers.0.mlp.shared_experts.up_proj.weight"
     (path,) = _run(tmp_path, 1, nan_at=key)
