@@ -162,6 +162,15 @@ def _hyper(ckpt: Checkpoint, fqn: str, notes: dict[str, list[str]]) -> AdamHyper
     return AdamHyper(lr=lr, beta1=b1, beta2=b2, eps=eps, step=step)
 
 
+def _saved_step(ckpt: Checkpoint) -> int | None:
+    """The step the trainer saved (``train_state.step``, ``iteration``, ``global_step``, OLMo-core's
+    ``train/rankR.pt``: :func:`~ckpttool.model.counters.trainer_steps`) when its counters agree; else ``None``."""
+    from ckpttool.model.counters import trainer_steps
+
+    values = {c.value for c in trainer_steps(ckpt)}
+    return values.pop() if len(values) == 1 else None
+
+
 def _step_value(ckpt: Checkpoint, key: str, entry: TensorEntry | None) -> float:
     """A saved ``step``: a floating tensor's first value through :func:`chunk_slices` (numpy, no torch
     import), else torch's read (integer tensors) or the byte item's value (old optimizers).
@@ -425,7 +434,7 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
     return CheckpointStats(
         path=str(ckpt.catalog.path),
         schema=ckpt.catalog.schema.id,
-        step=ckpt.located.step,
+        step=ckpt.located.step if ckpt.located.step is not None else _saved_step(ckpt),
         tensors=tuple(rows),
         layers=_groups(rows, moments, layer_of),
         modules=_groups(rows, moments, module_of),

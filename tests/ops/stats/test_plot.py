@@ -132,11 +132,13 @@ def test_the_experts_heat_map_names_its_axes_and_its_colour_scale(sample_ckpt: P
     from ckpttool.ui.plot import write_stats_plot
 
     out = tmp_path / "s.svg"
-    write_stats_plot(collect_stats([sample_ckpt], StatsOptions()), out)
+    res = collect_stats([sample_ckpt], StatsOptions())
+    write_stats_plot(res, out)
     texts = [t.replace("&#39;", "'").replace("&apos;", "'") for t in _svg_texts(out)]
     assert "expert" in texts and texts.count("layer") == 4, texts  # three line panels and the heat map
     assert "L2 norm of the expert's weights" in texts
-    assert f"expert weight L2 per layer and expert (#1 {sample_ckpt.name})" in texts
+    assert res.checkpoints[0].step == 3  # the sample's train_state.step
+    assert "expert weight L2 per layer and expert (step 3)" in texts, texts
 
 
 def test_names_with_dollar_signs_are_drawn_as_written(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from typer.testing import CliRunner
 
 from ckpttool.cli.app import app
@@ -166,6 +167,22 @@ def test_change_columns_say_what_they_count(run3: list[Path]) -> None:
     assert res.exit_code == 0, res.stderr
     assert "between consecutive checkpoints (#N: the Nth checkpoint given)" in res.stdout, res.stdout
     assert "Δ#1→#2" in res.stdout and "Δ#2→#3" in res.stdout and "Δ1→2" not in res.stdout, res.stdout
+
+
+def test_steps_the_trainer_saved_name_the_checkpoints(tmp_path: Path) -> None:
+    """Step directories opened one by one had ``step: null`` though each saved ``train_state.step`` (torchtitan's
+    item): the step is now the trainer's when its counters agree, and the change columns are headed by it."""
+    paths = []
+    for s in (100, 200):
+        sd = {"model": {"layers.0.w": torch.full((4, 4), s / 100.0)}, "train_state": {"step": s}}
+        with pytest.warns(UserWarning):  # "torch.distributed is disabled ... single process"
+            dcp.save(sd, checkpoint_id=str(tmp_path / f"s{s}"))
+        paths.append(str(tmp_path / f"s{s}"))
+    res = runner.invoke(app, ["stats", *paths, "--json"])
+    assert res.exit_code == 0, res.stderr
+    assert [c["step"] for c in json.loads(res.stdout)["checkpoints"]] == [100, 200]
+    res = runner.invoke(app, ["stats", *paths], env={"COLUMNS": "200"})
+    assert "Δ100→200" in res.stdout and "consecutive checkpoints (steps)" in res.stdout, res.stdout
 
 
 def test_nan_and_inf_are_counted_and_left_out_of_the_sums(tmp_path: Path) -> None:
