@@ -1243,7 +1243,8 @@ def _overview_provenance(con: Console, ov: InspectResult) -> None:
             if q["problems"]
             else ""
         )
-        schemes = [f"compressed-tensors {q['compressed_tensors']}"] if "compressed_tensors" in q else []
+        ct = q.get("compressed_tensors")
+        schemes = [f"compressed-tensors {'one scale per tensor' if ct == 'tensor' else ct}"] if ct else []
         if "fp8-tensor" in kinds:  # vLLM's per-tensor FP8: one scale a weight, no grid
             schemes.append("one FP8 scale per tensor")
         if not schemes or kinds.keys() - {"fp8-compressed-tensors", "fp8-tensor"}:

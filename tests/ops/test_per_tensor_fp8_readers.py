@@ -177,6 +177,8 @@ def test_compressed_tensors_per_tensor_preset(tmp_path: Path) -> None:
     assert files[f"{Q}.weight_scale"].shape == (1,) and files[f"{Q}.weight"].dtype == torch.float8_e4m3fn
     q = validated("inspect", ["inspect", str(src), "--json"])["quantized"]
     assert q["compressed_tensors"] == "tensor" and q["problems"] == [], q
+    res = runner.invoke(app, ["inspect", str(src)], env={"COLUMNS": "200"})
+    assert "7 fp8-compressed-tensors weight(s) with scales (compressed-tensors one scale per tensor)" in res.stdout
     assert {p["kind"] for p in q["pairs"]} == {"fp8-compressed-tensors"} and len(q["pairs"]) == 7, q
     assert _json(["validate", str(src), "--strict", "--deep"], 0)["findings"] == []
     # import: the values compressed-tensors' own decompression gives, bit for bit
