@@ -21,6 +21,7 @@ from typing import Any
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, TensorMeta
 from ckpttool.model.catalog import TensorEntry
+from ckpttool.ops.state_checks import MOMENTS
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.data import synthesized_from_stats
@@ -95,9 +96,52 @@ def _true_expert(ctx: Context, key: str, experts: int) -> Callable[[int], int]:
     return lambda i: slab_of[i // per] * per + i % per
 
 
+def _moment_keys(ctx: Context) -> dict[str, list[str]]:
+    """Model key of a parameter -> the keys of its ``exp_avg`` and ``exp_avg_sq`` (both saved)."""
+    out: dict[str, list[str]] = {}
+    for fqn, ps in ctx.cat.optimizer_state.items():
+        fields = [ps.fields.get(m) for m in MOMENTS]
+        param = ctx.cat.model_entry(fqn)
+        if param is not None and all(isinstance(f, TensorEntry) for f in fields):
+            out[param.key] = [f.key for f in fields if isinstance(f, TensorEntry)]
+    return out
+
+
+def _zero_slice(ctx: Context, key: str, start: int, length: int) -> bool:
+    """``key``'s values in ``[start, start + length)`` (flat, C order; ``length`` 0: all of them) are known to be
+    all zero."""
+    assert ctx.deep_result is not None
+    st = ctx.deep_result.stats.get(key)
+    meta = ctx.reader.metadata.entries.get(key)
+    if st is None or not isinstance(meta, TensorMeta) or not st.numel:
+        return False
+    if st.zero and st.numel == meta.numel:
+        return True
+    if not length:
+        return False
+    d = _slice_digest(st.digests, start, length) if st.digests else None
+    item = DTYPE_ITEMSIZE[meta.dtype.name]
+    return d is not None and all(c == _zero_crc(n * item) for _, n, c in d)
+
+
+def _never_stepped_experts(ctx: Context, moments: list[str], e: int) -> set[int]:
+    """Experts (true indices) whose ``exp_avg`` and ``exp_avg_sq`` slices are all zero: they never got a gradient
+    (no token routed to them), so an upcycled model still holds them as the copies it made at step 0."""
+    out: set[int] | None = None
+    for key in moments:
+        meta = ctx.reader.metadata.entries.get(key)
+        if not isinstance(meta, TensorMeta) or meta.numel % e:
+            return set()
+        pe, true = meta.numel // e, _true_expert(ctx, key, e)
+        zero = {true(i) for i in range(e) if _zero_slice(ctx, key, i * pe, pe)}
+        out = zero if out is None else out & zero
+    return out or set()
+
+
 def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
     state = ctx.expert_state_keys()
+    moments = _moment_keys(ctx)
     flagged: set[str] = set()
     for key in [*ctx.cat.model, *state]:
         meta = ctx.reader.metadata.entries.get(key)
@@ -112,6 +156,9 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
         pe = meta.numel // e
         true = _true_expert(ctx, key, e)
         digests = {true(i): _slice_digest(st.digests, i * pe, pe) for i in range(e)}
+        if key in moments:  # experts that never got a gradient keep their initial values: upcycled copies
+            for i in _never_stepped_experts(ctx, moments[key], e):
+                digests.pop(i, None)
         if key in state:  # experts that never got a gradient have all-zero moments: not copies
             item = DTYPE_ITEMSIZE[meta.dtype.name]
             digests = {i: d for i, d in digests.items() if d is None or any(c != _zero_crc(n * item) for _, n, c in d)}
@@ -124,11 +171,20 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
 
 def _per_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
     by_pattern: dict[str, dict[int, str]] = defaultdict(dict)
+    moments = _moment_keys(ctx)
+
+    def never_stepped(key: str) -> bool:  # all-zero moments: no token was routed to it
+        return all(_zero_slice(ctx, k, 0, 0) for k in moments[key])
+
     for key, entry in ctx.cat.model.items():
         m = _EXPERT_RE.search(key)
         if m is not None and isinstance(entry, TensorEntry) and entry.numel > 0:
             by_pattern[key[: m.start()] + "#" + key[m.end() :]][int(m.group())] = key
     for pattern, keys in by_pattern.items():
+        if any(k in moments for k in keys.values()):
+            # experts that never got a gradient (no state, as torch leaves a parameter whose grad stays None, or
+            # all-zero moments) keep their initial values: in an upcycled MoE the copies it made at step 0
+            keys = {i: k for i, k in keys.items() if k in moments and not never_stepped(k)}
         if len(keys) < 2:
             continue
         groups = _groups({i: _tensor_digest(ctx, k) for i, k in keys.items()})
