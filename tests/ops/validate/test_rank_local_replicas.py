@@ -3,7 +3,8 @@
 Each rank writes ``__R.metadata`` and ``__R_0.distcp`` with its own copy of everything, and each rank's
 ``dcp.load`` reads its own ``__R.metadata`` and file. ckpttool reads the lowest rank's copies; the higher ranks'
 files are still data files of the checkpoint: not "unreferenced" (``S006``) when intact, ``S002``/``S003`` when
-missing or short (rank 1's resume would fail on them). Written by 2 real gloo ranks.
+missing or short (rank 1's resume would fail on them), and with ``--deep`` a copy whose values differ from the lowest
+rank's is ``D014`` (rank 1 would resume from other weights). Written by 2 real gloo ranks.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.slow  # a 2-rank gloo job
 runner = CliRunner()
 
 
-def _rank(rank: int, world: int, out: str) -> None:
+def _rank(rank: int, world: int, out: str, drift: bool = False) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -38,6 +39,10 @@ def _rank(rank: int, world: int, out: str) -> None:
         model(torch.randn(4, 8, generator=torch.Generator().manual_seed(7))).square().mean().backward()
         opt.step()
         opt.zero_grad()
+    if drift and rank == 1:  # a parameter left out of the gradient all-reduce; a rank that skipped a step
+        with torch.no_grad():
+            model[1].weight.add_(0.5)
+        opt.state[model[0].bias]["step"] -= 1
     msd, osd = get_state_dict(model, opt)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -46,6 +51,7 @@ def _rank(rank: int, world: int, out: str) -> None:
 
 def _build(out: Path) -> None:
     run_ranks(2, _rank, str(out / "ckpt"))
+    run_ranks(2, _rank, str(out / "drift"), True)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +60,8 @@ def replicated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cached_build(root, "rank_local_replicated", _build) / "ckpt"
 
 
-def _validate(ck: Path) -> tuple[int, list[tuple[str, str | None, str]]]:
-    res = runner.invoke(app, ["validate", str(ck), "--strict", "--json"])
+def _validate(ck: Path, *more: str) -> tuple[int, list[tuple[str, str | None, str]]]:
+    res = runner.invoke(app, ["validate", str(ck), "--strict", "--json", *more])
     doc: dict[str, Any] = json.loads(res.stdout)
     return res.exit_code, [(f["code"], f["error_code"], f["message"]) for f in doc["findings"]]
 
@@ -68,6 +74,22 @@ def test_clean_replicated_save_has_no_unreferenced_file(replicated: Path) -> Non
         "__1_0.distcp",
     ]
     assert _validate(replicated) == (0, [])
+    assert _validate(replicated, "--deep") == (0, [])
+
+
+def test_a_rank_whose_copy_drifted_is_d014_with_deep(replicated: Path) -> None:
+    drift = replicated.parent / "drift"
+    assert _validate(drift) == (0, [])  # the lowest rank's copies are what is read: only --deep compares
+    rc, found = _validate(drift, "--deep")
+    assert rc == 1 and [(c, e) for c, e, _ in found] == [("D014", None)] * 2, found
+    msgs = sorted(m for _, _, m in found)
+    assert msgs[0].startswith(
+        "model.1.weight at [0, 0]: __1_0.distcp against __0_0.distcp: 32 of 32 elements differ (max |diff| 0.5); "
+    ), msgs
+    assert msgs[1] == (
+        "optim.state.0.bias.step at []: __1_0.distcp against __0_0.distcp: 1 of 1 elements differ (max |diff| 1); "
+        "first at element 0: 2 against 1"
+    ), msgs
 
 
 def test_a_higher_rank_file_missing_or_short_is_found(replicated: Path, tmp_path: Path) -> None:

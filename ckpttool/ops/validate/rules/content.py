@@ -16,7 +16,7 @@ import re
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, TensorMeta
@@ -346,8 +346,58 @@ def _replica_difference(ctx: Context, key: str, offsets: tuple[int, ...], first:
     return f"{where}: {differ} of {numel} elements differ (max |diff| {top:.4g}){example}"
 
 
+class _StorageOf:
+    """``reader`` whose storage entry of every chunk is ``info`` (a higher rank's copy, :func:`_rank_local_replicas`)."""
+
+    def __init__(self, reader: Any, info: Any) -> None:
+        self._reader, self._info = reader, info
+
+    def storage_info(self, fqn: str, chunk: Any = None) -> Any:
+        return self._info
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)
+
+
+def _rank_local_replicas(ctx: Context) -> Iterator[tuple[str, str]]:
+    """The copies a ``dcp.save(use_collectives=False)`` save's higher ranks wrote of a chunk a lower rank wrote too
+    (each rank's ``dcp.load`` reads its own), compared with the lowest rank's on their values (``--deep``)."""
+    from ckpttool.format.locator import locate_chunk
+    from ckpttool.format.metadata import StorageInfo
+
+    md = ctx.reader.metadata
+    read_errors = ctx.deep_result.read_errors if ctx.deep_result is not None else {}
+    for key, offsets, info in md.replicas:
+        meta = md.entries.get(key)
+        if not isinstance(meta, TensorMeta) or offsets is None or key in read_errors:
+            continue
+        chunk = next((c for c in meta.chunks if c.offsets == offsets), None)
+        if chunk is None or not chunk.numel:
+            continue
+        try:
+            mine, other = (
+                ctx.reader.locate(key, chunk),
+                locate_chunk(cast(Any, _StorageOf(ctx.reader, info)), key, chunk),
+            )
+            if not (mine.raw and other.raw):  # compressed or strided records: not compared
+                continue
+            msg = _replica_difference(
+                ctx,
+                key,
+                offsets,
+                StorageInfo(mine.info.relative_path, mine.data_start, mine.nbytes),
+                StorageInfo(other.info.relative_path, other.data_start, other.nbytes),
+            )
+        except CkptError:  # a copy that cannot be read: S002/S003 name its file
+            continue
+        if msg is not None:
+            yield key, msg
+
+
 @rule("D014")
 def replicas_differ(ctx: Context) -> Iterator[tuple[str | None, str]]:
+    if ctx.deep_result is not None:
+        yield from _rank_local_replicas(ctx)
     err = ctx.ckpt.replica_error
     if err is None:
         return
