@@ -88,7 +88,7 @@ def test_a_rank_whose_copy_drifted_is_d014_with_deep(replicated: Path) -> None:
     ), msgs
     assert msgs[1] == (
         "optim.state.0.bias.step at []: __1_0.distcp against __0_0.distcp: 1 of 1 elements differ (max |diff| 1); "
-        "first at element 0: 2 against 1"
+        "first at element 0: 1 against 2"
     ), msgs
 
 

@@ -339,7 +339,7 @@ def _replica_difference(ctx: Context, key: str, offsets: tuple[int, ...], first:
             top = max(top, float(d.max())) if d.size else top
             if not example:
                 i = int(np.flatnonzero(ne)[0])
-                example = f"; first at element {pos // item + i}: {va[i]:.6g} against {vb[i]:.6g}"
+                example = f"; first at element {pos // item + i}: {vb[i]:.6g} against {va[i]:.6g}"  # other, first
             differ += k
     if not differ:
         return None
