@@ -335,6 +335,17 @@ def test_a_chunk_the_deep_pass_cannot_read_is_reported_whatever_select_chose(den
     assert rc == 0 and codes(doc) == set()
 
 
+def test_S011_corrupt_byte_item_does_not_hint_trust_pickle(dense_ckpt: Path, copy_of) -> None:
+    """A damaged byte item (E301) got S011's hint for one that needs trust ("if the checkpoint is trusted, pass
+    --trust-pickle"): no option reads a corrupt archive, and that one would unpickle it unchecked."""
+    ck = copy_of(dense_ckpt)
+    damage.corrupt_chunk_bytes(ck, "optimizer.param_groups.0.lr")
+    doc = only(ck, "S011")
+    f = doc["findings"][0]
+    assert f["error_code"] == "E301" and f["key"] == "optimizer.param_groups.0.lr"
+    assert "damaged" in f["hint"] and "does not read a corrupt item" in f["hint"], f["hint"]
+
+
 def test_S011_byte_item_needing_trust_pickle(dense_ckpt: Path, copy_of) -> None:
     ck = copy_of(dense_ckpt)
     damage.set_byte_item(ck, "optimizer.param_groups.0.lr", datetime.date(2020, 1, 1))

@@ -266,8 +266,15 @@ def byte_item_unreadable(ctx: Context) -> Iterator[Finding]:
     for key, e in ctx.byte_item_errors.items():
         if isinstance(e, (DataFileError, PathEscapeError)):
             continue  # reported by S002/S003/S009
-        hint = e.hint if isinstance(e, TrustRequiredError) else None
+        # --trust-pickle is the way only for an item weights_only refuses: a corrupt one it would not mend
+        hint = e.hint if isinstance(e, TrustRequiredError) else _DAMAGED_ITEM_HINT
         yield r.make(key, e.message, hint, e.code)
+
+
+_DAMAGED_ITEM_HINT = (
+    "the stored bytes are damaged (a file cut, overwritten or copied from another save): copy the checkpoint "
+    "again from a good source, or use an earlier checkpoint; --trust-pickle does not read a corrupt item"
+)
 
 
 @rule("S013")
