@@ -174,6 +174,10 @@ class CheckpointMetadata:
         serialization: how chunks are stored: ``"torch_save"`` (``FileSystemWriter``: each chunk
             a ``torch.save`` archive) or ``"safetensors"`` (``HuggingFaceStorageWriter``: each
             chunk's window is its raw little-endian C-order bytes, :mod:`ckpttool.format.hf_storage`).
+        replicas: ``(fqn, chunk offsets or None, storage)`` of the copies a ``use_collectives=False`` save's
+            higher ranks wrote of a chunk or byte item a lower rank wrote too (:mod:`.rank_local`): not read
+            (``storage`` names the lowest rank's), but each rank's ``dcp.load`` reads its own, so they are
+            data files of the checkpoint all the same.
     """
 
     entries: dict[str, TensorMeta | BytesMeta]
@@ -183,6 +187,7 @@ class CheckpointMetadata:
     checkpoint_id: str | None = None
     save_id: str | None = None
     serialization: str = "torch_save"
+    replicas: tuple[tuple[str, tuple[int, ...] | None, StorageInfo], ...] = ()
 
     def storage_for(self, fqn: str, chunk: ChunkMeta | None = None) -> StorageInfo | None:
         """Storage info of a tensor chunk (``chunk`` given) or of a byte item."""

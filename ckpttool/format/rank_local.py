@@ -34,7 +34,8 @@ def merge_rank_metadata(parts: list[tuple[int, CheckpointMetadata]], where: str)
     Returns:
         The entries in first-seen order (lowest rank first), each tensor's chunks the union of
         the ranks' (duplicates by ``offsets`` kept once, from the lowest rank), storage from the
-        rank that supplied each chunk, ``planner_data`` merged, ``save_id`` ``None`` (one per rank).
+        rank that supplied each chunk, ``planner_data`` merged, ``save_id`` ``None`` (one per rank), and
+        the higher ranks' copies of what a lower rank wrote too in ``replicas``.
 
     Raises:
         MetadataError: the ranks disagree on a key's kind, dtype or global size, or on the DCP version.
@@ -43,6 +44,7 @@ def merge_rank_metadata(parts: list[tuple[int, CheckpointMetadata]], where: str)
     chunks: dict[str, dict[tuple[int, ...], ChunkMeta]] = {}
     storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo] = {}
     planner: dict[str, tuple[object, ...]] = {}
+    replicas: list[tuple[str, tuple[int, ...] | None, StorageInfo]] = []
     versions = {md.version for _, md in parts}
     if len(versions) > 1:
         raise MetadataError(
@@ -66,13 +68,18 @@ def merge_rank_metadata(parts: list[tuple[int, CheckpointMetadata]], where: str)
             if isinstance(meta, TensorMeta):
                 mine = chunks.setdefault(key, {})
                 for c in meta.chunks:
+                    info = md.storage.get((key, c.offsets))
                     if c.offsets not in mine:
                         mine[c.offsets] = c
-                        info = md.storage.get((key, c.offsets))
                         if info is not None:
                             storage[(key, c.offsets)] = info
-            elif (key, None) not in storage and (key, None) in md.storage:
-                storage[(key, None)] = md.storage[(key, None)]
+                    elif info is not None:
+                        replicas.append((key, c.offsets, info))
+            elif (key, None) in md.storage:
+                if (key, None) not in storage:
+                    storage[(key, None)] = md.storage[(key, None)]
+                else:
+                    replicas.append((key, None, md.storage[(key, None)]))
         for key, path in md.planner_data.items():
             planner.setdefault(key, path)
     for key, got in chunks.items():
@@ -88,6 +95,7 @@ def merge_rank_metadata(parts: list[tuple[int, CheckpointMetadata]], where: str)
         checkpoint_id=first.checkpoint_id,
         save_id=None,
         serialization=first.serialization,
+        replicas=tuple(replicas),
     )
 
 

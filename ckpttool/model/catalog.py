@@ -798,7 +798,7 @@ def build_catalog(
     del metas
     rest = _Sorter(cd, sch, planner, model, entry)
     rest.sort(compress(entries.items(), map(not_, is_model)))  # the rest, in order
-    referenced = referenced_paths(md.storage)
+    referenced = referenced_paths(md.storage) | {info.relative_path for _, _, info in md.replicas}
     files = list_files(cd, referenced, SIDECAR_NAME)
     data_files, extra = _files(files, referenced, rank_of or rank_of_file)
     ranks = tuple(sorted({f.rank for f in data_files if f.rank is not None and f.referenced}))

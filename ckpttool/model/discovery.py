@@ -693,6 +693,7 @@ def _of_step(
     bad = {i.step: i for i in incomplete or ()}
     want: int | str | None = step
     how = ""
+    pointer = None
     if want == "latest":
         pointer = _latest_step(root)
         if pointer is not None and pointer[0] == RELEASE:
@@ -705,9 +706,18 @@ def _of_step(
         units_at = _latest_epoch(units_at)
     if not units_at:
         steps_found = sorted({u.step for u in units if u.step is not None})
+        found = ", ".join(map(str, steps_found[:20])) or "none"
+        if pointer is not None:  # the trainer's own resume stops on it too (DeepSpeed: missing tag directory)
+            raise StepNotFoundError(
+                f"{root / pointer[1]}: names step {want}, but no checkpoint of step {want} is below {root}; "
+                f"steps found: {found}",
+                path=root / pointer[1],
+                param="step",
+                hint=f"the trainer's resume fails on it too: write an existing step into {pointer[1]} (or remove it "
+                "to make `step` latest the highest complete step), or pass `step` N",
+            )
         raise StepNotFoundError(
-            f"{root}: no checkpoint of step {want} below it; steps found: "
-            f"{', '.join(map(str, steps_found[:20])) or 'none'}",
+            f"{root}: no checkpoint of step {want} below it; steps found: {found}",
             path=root,
             param="step",
         )

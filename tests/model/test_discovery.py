@@ -92,6 +92,23 @@ def test_latest_file_wins(titan_root: Path, tmp_path: Path) -> None:
     assert ei.value.code == "E205" and "names the release checkpoint" in ei.value.message
 
 
+def test_latest_file_naming_a_missing_step_says_so(titan_root: Path, tmp_path: Path) -> None:
+    """DeepSpeed's ``latest`` naming ``global_step30`` that is not there (a save cut before its directory, a copy
+    without it): the error named the run directory and hinted ``step`` latest, the option just given."""
+    src = titan_root / "llama3" / "checkpoint"
+    for s in (1, 2):
+        shutil.copytree(src / f"step-{s}", tmp_path / f"global_step{s}")
+    (tmp_path / "latest").write_text("global_step30\n")
+    with pytest.raises(StepNotFoundError) as ei:
+        locate(tmp_path, CheckpointSelection(step="latest"))
+    e = ei.value
+    assert e.code == "E205" and e.path == str(tmp_path / "latest")
+    assert e.message == f"{tmp_path / 'latest'}: names step 30, but no checkpoint of step 30 is below {tmp_path}; " + (
+        "steps found: 1, 2"
+    )
+    assert e.hint is not None and "write an existing step into latest" in e.hint and "or pass `step` N" in e.hint
+
+
 def test_single_checkpoint_below_is_used(titan_root: Path) -> None:
     loc = locate(titan_root / "moe")
     assert loc.model == titan_root / "moe" / "checkpoint" / "step-1" and loc.step == 1

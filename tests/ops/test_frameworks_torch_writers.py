@@ -189,3 +189,21 @@ def test_safetensors_blob_damage_is_refused(tw_root: Path, tmp_path: Path) -> No
         assert res.exit_code == 2 and res.stderr.startswith("error: [E2"), res.stderr
         assert rel in res.stderr and "safetensors" in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("variant", ["default", "safetensors"])
+def test_data_file_cut_short_is_s003_in_either_serialization(tw_root: Path, tmp_path: Path, variant: str) -> None:
+    """A data file cut in half (a crashed or still-running save): S003 / E300 naming the file, exit 1, the other rules
+    run. The SAFETENSORS serialization said "not a valid safetensors file" (S001 E200, exit 2, everything skipped)."""
+    import os
+
+    from tests.fixtures.cache import copy_checkpoint
+
+    ck = copy_checkpoint(tw_root / variant, tmp_path / "c")
+    size = (ck / "__0_0.distcp").stat().st_size
+    os.truncate(ck / "__0_0.distcp", size // 2)
+    res = runner.invoke(app, ["validate", str(ck), "--strict", "--json"])
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 1 and not res.stderr, res.stderr
+    assert [(f["code"], f["error_code"], f["key"]) for f in doc["findings"]] == [("S003", "E300", "__0_0.distcp")]
+    assert f"end past the end of the file ({size // 2} bytes, needs {size})" in doc["findings"][0]["message"]

@@ -853,6 +853,13 @@ class _DeepRun:
         return tensors
 
     def _fail(self, it: _Item, e: CkptError) -> None:
+        if len(it.keys) > 1:
+            # keys read together (a moment pair, a parameter and its master weight): the error is one key's, so each
+            # is read again alone, and only the ones that fail are reported (an intact exp_avg_sq beside a corrupt
+            # exp_avg is not "unreadable", and its values are still checked); their pair is not compared
+            for k in it.keys:
+                self._work_on(_Item((k,), it.chunk, it.order, 0))
+            return
         with self.lock:
             for k in it.keys:
                 self.res.read_errors.setdefault(k, e)

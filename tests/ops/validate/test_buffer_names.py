@@ -88,3 +88,52 @@ def test_gpt2_style_attn_bias_mask_stays_a_buffer(tmp_path: Path) -> None:
 
     rc, found = _findings(_save(tmp_path / "mask", optimizer=False, edit=mask))
     assert (rc, found) == (0, [("M009", "model.layers.0.attn.bias")])
+
+
+def _mask_model(out: Path, *, fill: float, token: bool = False) -> Path:
+    """A model with a persistent additive causal mask (``register_buffer("causal_mask", full(-inf).triu(1))``,
+    ``fill`` above the diagonal), trained 2 steps; ``token``: also a learned ``mask_token`` parameter holding -inf."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.q = nn.Linear(8, 8)
+            self.register_buffer("causal_mask", torch.full((6, 6), float("-inf")).triu(1))
+            self.mask_token = nn.Parameter(torch.zeros(8))
+
+        def forward(self, x: Any) -> Any:
+            h = self.emb(x) + self.mask_token
+            return ((self.q(h) @ h.transpose(1, 2) + self.causal_mask).softmax(-1) @ h).sum()
+
+    m = Model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    for _ in range(2):
+        m(torch.randint(0, 16, (2, 6))).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        m.causal_mask.copy_(torch.full((6, 6), fill).triu(1))
+        if token:
+            m.mask_token[0] = float("-inf")
+    msd, osd = get_state_dict(m, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(out))
+    return out
+
+
+def test_persistent_additive_mask_holding_minus_inf_is_no_divergence(tmp_path: Path) -> None:
+    """-inf above the diagonal is what an additive causal mask holds: not D001 (an error saying training diverged).
+    NaN or +inf in it, and -inf in a learned parameter named ``mask_token``, still are."""
+    assert _findings(_mask_model(tmp_path / "mask", fill=float("-inf"))) == (0, [])
+    for fill in (float("nan"), float("inf")):
+        assert _findings(_mask_model(tmp_path / f"bad{fill}", fill=fill)) == (1, [("D001", "model.causal_mask")])
+    rc, found = _findings(_mask_model(tmp_path / "token", fill=float("-inf"), token=True))
+    assert (rc, found) == (1, [("D001", "model.mask_token")])

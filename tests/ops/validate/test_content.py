@@ -269,3 +269,70 @@ def test_one_module_used_at_two_depths_is_not_a_copied_layer(tmp_path: Path, sha
         assert rc == 0 and doc["findings"] == [], doc["findings"]
     else:
         assert rc == 1 and [f["key"] for f in findings(doc, "D010")] == ["model.layers.1"], doc["findings"]
+
+
+class _Top1Moe(torch.nn.Module):
+    """Sparse-upcycled experts (every expert a copy of one dense MLP), top-1 routing: fused ``[E, ...]`` expert
+    parameters, or per-expert ``experts.N.weight`` ones."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        dense = torch.randn(6, 6) * 0.3
+        self.gate = torch.nn.Linear(6, 4, bias=False)
+        with torch.no_grad():
+            self.gate.weight[2:] = -5.0  # experts 2 and 3 get no token
+        self.fused = fused
+        if fused:
+            self.experts = torch.nn.Parameter(dense.expand(4, 6, 6).clone())
+        else:
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(6, 6, bias=False) for _ in range(4))
+            for lin in self.experts:
+                lin.weight.data.copy_(dense)
+
+    def weight(self, e: int) -> torch.Tensor:
+        return self.experts[e] if self.fused else self.experts[e].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.gate(x).softmax(-1)
+        idx = probs.argmax(-1)
+        return torch.stack([probs[i, e] * (x[i] @ self.weight(int(e)).T) for i, e in enumerate(idx)])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_upcycled_moe_whose_unrouted_experts_are_still_copies(tmp_path: Path, fused: bool) -> None:
+    """An upcycled MoE a few steps in, two experts never routed to: their weights are still the step-0 copies and
+    their moments all zero (no gradient). That is not a bad save; experts copied with their state still are."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": _Top1Moe(fused)})])})
+    moe = model["layers"][0]["mlp"]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        moe(torch.randn(16, 6, generator=gen).abs()).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(moe.weight(2), moe.weight(3)) and not torch.equal(moe.weight(0), moe.weight(1))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "step-3"))
+    rc, doc = run(tmp_path / "step-3", "--deep", "--strict")
+    if fused:
+        assert rc == 0 and not doc["findings"], doc["findings"]
+    else:  # torch gives the unrouted experts no state at all (their grad stays None): O009 says so, D009 not
+        assert [f["code"] for f in doc["findings"]] == ["O009"], doc["findings"]
+        assert "experts.2.weight and 1 more" in doc["findings"][0]["message"]
+
+    ck = copy_checkpoint(tmp_path / "step-3", tmp_path / "ck" / "step-3")
+    if fused:  # expert 0 written over expert 1, state included
+        key = "model.layers.0.mlp.experts"
+        for k in (key, *(f"optim.state.layers.0.mlp.experts.{m}" for m in ("exp_avg", "exp_avg_sq"))):
+            damage.rewrite_tensor(ck, k, lambda t: torch.cat([t[:1], t[:1], t[2:]]))
+        want = f"{key}: 2 of 4 expert slices are bitwise copies of another: experts 0, 1"
+    else:  # expert 0's weight and state written for expert 1
+        state = "optim.state.layers.0.mlp.experts.{}.weight"
+        for k in ("model.layers.0.mlp.experts.{}.weight", f"{state}.exp_avg", f"{state}.exp_avg_sq"):
+            damage.rewrite_tensor(ck, k.format(1), lambda _t, k=k: damage.read_tensor(ck, k.format(0)))
+        want = "model.layers.0.mlp.experts.#.weight: bitwise copies across experts: experts 0, 1"
+    rc, doc = run(ck, "--deep")
+    assert [f["message"] for f in findings(doc, "D009")] == [want], doc["findings"]

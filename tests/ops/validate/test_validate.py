@@ -304,6 +304,25 @@ def test_S010_corrupt_chunk_needs_deep(dense_ckpt: Path, copy_of) -> None:
     assert doc["findings"][0]["key"] == "model.model.layers.0.mlp.up_proj.weight"
 
 
+def test_S010_names_only_the_moment_that_is_corrupt(dense_ckpt: Path, copy_of) -> None:
+    """``exp_avg`` and ``exp_avg_sq`` are read together: a corrupt ``exp_avg`` chunk was reported for the intact
+    ``exp_avg_sq`` too (with ``exp_avg``'s message), whose values then went unchecked. Now each is read again alone."""
+    ck = copy_of(dense_ckpt)
+    base = "optimizer.state.model.layers.0.mlp.up_proj.weight"
+
+    def nan_at_0(t: Any) -> Any:
+        t.view(-1)[0] = float("nan")
+        return t
+
+    damage.rewrite_tensor(ck, f"{base}.exp_avg_sq", nan_at_0)
+    damage.corrupt_chunk_bytes(ck, f"{base}.exp_avg")
+    rc, doc, _ = run(ck, "--deep")
+    assert rc == 1
+    found = [(f["code"], f["key"]) for f in doc["findings"] if f["code"] != "M009"]  # the fixture's inv_freq
+    assert found == [("D001", f"{base}.exp_avg_sq"), ("S010", f"{base}.exp_avg")], found
+    assert f"'{base}.exp_avg' chunk at" in next(f["message"] for f in doc["findings"] if f["code"] == "S010")
+
+
 def test_a_chunk_the_deep_pass_cannot_read_is_reported_whatever_select_chose(dense_ckpt: Path, copy_of) -> None:
     """``--select D001`` over a chunk whose CRC-32 fails said OK (D001 passed over values it never read): the
     deep pass's read errors bring S014 / S010 in; only ``--ignore`` leaves them out."""
@@ -314,6 +333,17 @@ def test_a_chunk_the_deep_pass_cannot_read_is_reported_whatever_select_chose(den
     assert doc["findings"][0]["key"] == "model.model.layers.0.mlp.up_proj.weight"
     rc, doc, _ = run(ck, "--deep", "--select", "D001", "--ignore", "S014")
     assert rc == 0 and codes(doc) == set()
+
+
+def test_S011_corrupt_byte_item_does_not_hint_trust_pickle(dense_ckpt: Path, copy_of) -> None:
+    """A damaged byte item (E301) got S011's hint for one that needs trust ("if the checkpoint is trusted, pass
+    --trust-pickle"): no option reads a corrupt archive, and that one would unpickle it unchecked."""
+    ck = copy_of(dense_ckpt)
+    damage.corrupt_chunk_bytes(ck, "optimizer.param_groups.0.lr")
+    doc = only(ck, "S011")
+    f = doc["findings"][0]
+    assert f["error_code"] == "E301" and f["key"] == "optimizer.param_groups.0.lr"
+    assert "damaged" in f["hint"] and "does not read a corrupt item" in f["hint"], f["hint"]
 
 
 def test_S011_byte_item_needing_trust_pickle(dense_ckpt: Path, copy_of) -> None:

@@ -16,11 +16,12 @@ import re
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from ckpttool.errors import CkptError
 from ckpttool.format.metadata import DTYPE_ITEMSIZE, TensorMeta
 from ckpttool.model.catalog import TensorEntry
+from ckpttool.ops.state_checks import MOMENTS
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.data import synthesized_from_stats
@@ -95,9 +96,52 @@ def _true_expert(ctx: Context, key: str, experts: int) -> Callable[[int], int]:
     return lambda i: slab_of[i // per] * per + i % per
 
 
+def _moment_keys(ctx: Context) -> dict[str, list[str]]:
+    """Model key of a parameter -> the keys of its ``exp_avg`` and ``exp_avg_sq`` (both saved)."""
+    out: dict[str, list[str]] = {}
+    for fqn, ps in ctx.cat.optimizer_state.items():
+        fields = [ps.fields.get(m) for m in MOMENTS]
+        param = ctx.cat.model_entry(fqn)
+        if param is not None and all(isinstance(f, TensorEntry) for f in fields):
+            out[param.key] = [f.key for f in fields if isinstance(f, TensorEntry)]
+    return out
+
+
+def _zero_slice(ctx: Context, key: str, start: int, length: int) -> bool:
+    """``key``'s values in ``[start, start + length)`` (flat, C order; ``length`` 0: all of them) are known to be
+    all zero."""
+    assert ctx.deep_result is not None
+    st = ctx.deep_result.stats.get(key)
+    meta = ctx.reader.metadata.entries.get(key)
+    if st is None or not isinstance(meta, TensorMeta) or not st.numel:
+        return False
+    if st.zero and st.numel == meta.numel:
+        return True
+    if not length:
+        return False
+    d = _slice_digest(st.digests, start, length) if st.digests else None
+    item = DTYPE_ITEMSIZE[meta.dtype.name]
+    return d is not None and all(c == _zero_crc(n * item) for _, n, c in d)
+
+
+def _never_stepped_experts(ctx: Context, moments: list[str], e: int) -> set[int]:
+    """Experts (true indices) whose ``exp_avg`` and ``exp_avg_sq`` slices are all zero: they never got a gradient
+    (no token routed to them), so an upcycled model still holds them as the copies it made at step 0."""
+    out: set[int] | None = None
+    for key in moments:
+        meta = ctx.reader.metadata.entries.get(key)
+        if not isinstance(meta, TensorMeta) or meta.numel % e:
+            return set()
+        pe, true = meta.numel // e, _true_expert(ctx, key, e)
+        zero = {true(i) for i in range(e) if _zero_slice(ctx, key, i * pe, pe)}
+        out = zero if out is None else out & zero
+    return out or set()
+
+
 def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
     state = ctx.expert_state_keys()
+    moments = _moment_keys(ctx)
     flagged: set[str] = set()
     for key in [*ctx.cat.model, *state]:
         meta = ctx.reader.metadata.entries.get(key)
@@ -112,6 +156,9 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
         pe = meta.numel // e
         true = _true_expert(ctx, key, e)
         digests = {true(i): _slice_digest(st.digests, i * pe, pe) for i in range(e)}
+        if key in moments:  # experts that never got a gradient keep their initial values: upcycled copies
+            for i in _never_stepped_experts(ctx, moments[key], e):
+                digests.pop(i, None)
         if key in state:  # experts that never got a gradient have all-zero moments: not copies
             item = DTYPE_ITEMSIZE[meta.dtype.name]
             digests = {i: d for i, d in digests.items() if d is None or any(c != _zero_crc(n * item) for _, n, c in d)}
@@ -124,11 +171,20 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
 
 def _per_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
     by_pattern: dict[str, dict[int, str]] = defaultdict(dict)
+    moments = _moment_keys(ctx)
+
+    def never_stepped(key: str) -> bool:  # all-zero moments: no token was routed to it
+        return all(_zero_slice(ctx, k, 0, 0) for k in moments[key])
+
     for key, entry in ctx.cat.model.items():
         m = _EXPERT_RE.search(key)
         if m is not None and isinstance(entry, TensorEntry) and entry.numel > 0:
             by_pattern[key[: m.start()] + "#" + key[m.end() :]][int(m.group())] = key
     for pattern, keys in by_pattern.items():
+        if any(k in moments for k in keys.values()):
+            # experts that never got a gradient (no state, as torch leaves a parameter whose grad stays None, or
+            # all-zero moments) keep their initial values: in an upcycled MoE the copies it made at step 0
+            keys = {i: k for i, k in keys.items() if k in moments and not never_stepped(k)}
         if len(keys) < 2:
             continue
         groups = _groups({i: _tensor_digest(ctx, k) for i, k in keys.items()})
@@ -283,15 +339,65 @@ def _replica_difference(ctx: Context, key: str, offsets: tuple[int, ...], first:
             top = max(top, float(d.max())) if d.size else top
             if not example:
                 i = int(np.flatnonzero(ne)[0])
-                example = f"; first at element {pos // item + i}: {va[i]:.6g} against {vb[i]:.6g}"
+                example = f"; first at element {pos // item + i}: {vb[i]:.6g} against {va[i]:.6g}"  # other, first
             differ += k
     if not differ:
         return None
     return f"{where}: {differ} of {numel} elements differ (max |diff| {top:.4g}){example}"
 
 
+class _StorageOf:
+    """``reader`` whose storage entry of every chunk is ``info`` (a higher rank's copy, :func:`_rank_local_replicas`)."""
+
+    def __init__(self, reader: Any, info: Any) -> None:
+        self._reader, self._info = reader, info
+
+    def storage_info(self, fqn: str, chunk: Any = None) -> Any:
+        return self._info
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)
+
+
+def _rank_local_replicas(ctx: Context) -> Iterator[tuple[str, str]]:
+    """The copies a ``dcp.save(use_collectives=False)`` save's higher ranks wrote of a chunk a lower rank wrote too
+    (each rank's ``dcp.load`` reads its own), compared with the lowest rank's on their values (``--deep``)."""
+    from ckpttool.format.locator import locate_chunk
+    from ckpttool.format.metadata import StorageInfo
+
+    md = ctx.reader.metadata
+    read_errors = ctx.deep_result.read_errors if ctx.deep_result is not None else {}
+    for key, offsets, info in md.replicas:
+        meta = md.entries.get(key)
+        if not isinstance(meta, TensorMeta) or offsets is None or key in read_errors:
+            continue
+        chunk = next((c for c in meta.chunks if c.offsets == offsets), None)
+        if chunk is None or not chunk.numel:
+            continue
+        try:
+            mine, other = (
+                ctx.reader.locate(key, chunk),
+                locate_chunk(cast(Any, _StorageOf(ctx.reader, info)), key, chunk),
+            )
+            if not (mine.raw and other.raw):  # compressed or strided records: not compared
+                continue
+            msg = _replica_difference(
+                ctx,
+                key,
+                offsets,
+                StorageInfo(mine.info.relative_path, mine.data_start, mine.nbytes),
+                StorageInfo(other.info.relative_path, other.data_start, other.nbytes),
+            )
+        except CkptError:  # a copy that cannot be read: S002/S003 name its file
+            continue
+        if msg is not None:
+            yield key, msg
+
+
 @rule("D014")
 def replicas_differ(ctx: Context) -> Iterator[tuple[str | None, str]]:
+    if ctx.deep_result is not None:
+        yield from _rank_local_replicas(ctx)
     err = ctx.ckpt.replica_error
     if err is None:
         return

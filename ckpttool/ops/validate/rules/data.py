@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 
+from ckpttool.errors import CkptError
+from ckpttool.format.metadata import TensorMeta
 from ckpttool.model.catalog import TensorEntry
 from ckpttool.ops.state_checks import MOMENTS, is_synthesized
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
 from ckpttool.ops.validate.rules.optimizer import _num
-from ckpttool.ops.validate.stats import PairStats
+from ckpttool.ops.validate.stats import PairStats, TensorStats
 from ckpttool.optim_state.bounds import adam_ratio_bound
 
 
@@ -20,7 +23,48 @@ def non_finite_values(ctx: Context) -> Iterator[tuple[str, str]]:
     buffers = set(ctx.cat.non_persistent_buffers())  # masks hold -inf by design: M009 reports them
     for key, st in ctx.deep_result.stats.items():
         if st.nonfinite and not key.endswith(".step") and key not in buffers and st.dtype != "float8_e4m3fn":  # M022
-            yield key, f"{key}: {st.nonfinite} of {st.numel} values are NaN or infinite"
+            if not _additive_mask(ctx, key, st):
+                yield key, f"{key}: {st.nonfinite} of {st.numel} values are NaN or infinite"
+
+
+#: The last name component of a model buffer that may hold ``-inf`` by design: an additive attention mask.
+_MASK_NAME = re.compile(r"(^|[._])\w*mask\w*$", re.IGNORECASE)
+
+
+def _additive_mask(ctx: Context, key: str, st: TensorStats) -> bool:
+    """``key`` is a persistent additive attention mask (``register_buffer("causal_mask", full(-inf).triu(1))``):
+    a model tensor named ``*mask*`` without optimizer state (a buffer, not a parameter such as a ``mask_token``)
+    whose non-finite values are all ``-inf`` (no NaN, no ``+inf``)."""
+    entry = ctx.cat.model.get(key)
+    if entry is None or not _MASK_NAME.search(key) or ctx.cat.fqn_of(key) in ctx.cat.optimizer_state:
+        return False
+    if entry.nbytes > _MASK_READ_BYTES or (ctx.deep_result is not None and key in ctx.deep_result.read_errors):
+        return False
+    import numpy as np
+
+    from ckpttool.engine.kernels import IEEE_BITS, float_values
+
+    meta = ctx.reader.metadata.entries.get(key)
+    if not isinstance(meta, TensorMeta) or meta.dtype.name not in IEEE_BITS:
+        return False
+    try:  # a mask is small (sequence x sequence): read again to tell -inf from NaN / +inf
+        for chunk in meta.chunks:
+            loc = ctx.reader.locate(key, chunk)
+            if not loc.raw:
+                return False
+            buf = np.empty(loc.nbytes, np.uint8)
+            ctx.reader.fetch(loc.info)  # a remote checkpoint: its window requested now
+            ctx.reader.pread_into(loc.info, loc.record.data_offset, buf, key)
+            v = float_values(buf, meta.dtype.name)
+            if np.isnan(v).any() or np.isposinf(v).any():
+                return False
+    except CkptError:
+        return False
+    return True
+
+
+#: The largest mask ``D001`` reads a second time (a 8192 x 8192 float32 mask).
+_MASK_READ_BYTES = 1 << 28
 
 
 @rule("D002")

@@ -53,11 +53,13 @@ def path_escapes(ctx: Context) -> Iterator[tuple[str, str]]:
 
 @rule("S002")
 def data_file_missing(ctx: Context) -> Iterator[tuple[str, str]]:
-    missing = [rel for rel in ctx.data_files() if isinstance(ctx.file_error(rel), DataFileError)]
+    replicas = ctx.reader.metadata.replicas  # a use_collectives=False save: each rank loads its own copies
+    files = dict.fromkeys([*ctx.data_files(), *(info.relative_path for _, _, info in replicas)])
+    missing = [rel for rel in files if isinstance(ctx.file_error(rel), DataFileError)]
     if not missing:
         return
     users: dict[str, int] = defaultdict(int)
-    for _, _, info in ctx.storage_items():
+    for _, _, info in [*ctx.storage_items(), *replicas]:
         if info is not None:
             users[info.relative_path] += 1
     for rel in missing:
@@ -70,7 +72,7 @@ def chunk_past_eof(ctx: Context) -> Iterator[tuple[str, str]]:
         return
     by_file: dict[str, list[tuple[str, int]]] = defaultdict(list)
     sizes: dict[str, int | None] = {}  # relative path -> size (None: the file is unusable, another rule's)
-    for key, _, info in ctx.storage_items():
+    for key, _, info in [*ctx.storage_items(), *_bounded_replicas(ctx)]:
         if info is None:
             continue
         rel = info.relative_path
@@ -101,7 +103,18 @@ def _any_past_eof(ctx: Context) -> bool:
         rel: math.inf if ctx.file_error(rel) is not None else ctx.reader.file_size(rel) for rel in dict.fromkeys(paths)
     }
     ends = map(operator.add, map(_offset, infos), map(_length, infos))
-    return any(map(operator.gt, ends, map(limit.__getitem__, paths)))
+    return any(map(operator.gt, ends, map(limit.__getitem__, paths))) or any(
+        ctx.file_error(info.relative_path) is None
+        and info.offset + info.length > ctx.reader.file_size(info.relative_path)
+        for _, _, info in _bounded_replicas(ctx)
+    )
+
+
+def _bounded_replicas(ctx: Context) -> list[tuple[str, tuple[int, ...] | None, StorageInfo]]:
+    """The higher ranks' copies of a ``use_collectives=False`` save (each rank's ``dcp.load`` reads its own) whose
+    windows are known from the metadata (``torch.save`` chunks: a safetensors-serialized save's come from headers)."""
+    md = ctx.reader.metadata
+    return list(md.replicas) if md.serialization == "torch_save" else []
 
 
 @rule("S004")
@@ -253,8 +266,15 @@ def byte_item_unreadable(ctx: Context) -> Iterator[Finding]:
     for key, e in ctx.byte_item_errors.items():
         if isinstance(e, (DataFileError, PathEscapeError)):
             continue  # reported by S002/S003/S009
-        hint = e.hint if isinstance(e, TrustRequiredError) else None
+        # --trust-pickle is the way only for an item weights_only refuses: a corrupt one it would not mend
+        hint = e.hint if isinstance(e, TrustRequiredError) else _DAMAGED_ITEM_HINT
         yield r.make(key, e.message, hint, e.code)
+
+
+_DAMAGED_ITEM_HINT = (
+    "the stored bytes are damaged (a file cut, overwritten or copied from another save): copy the checkpoint "
+    "again from a good source, or use an earlier checkpoint; --trust-pickle does not read a corrupt item"
+)
 
 
 @rule("S013")

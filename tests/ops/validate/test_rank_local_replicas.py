@@ -1,0 +1,107 @@
+"""`validate` on a ``dcp.save(..., use_collectives=False)`` save of a replicated model (every rank saves every tensor).
+
+Each rank writes ``__R.metadata`` and ``__R_0.distcp`` with its own copy of everything, and each rank's
+``dcp.load`` reads its own ``__R.metadata`` and file. ckpttool reads the lowest rank's copies; the higher ranks'
+files are still data files of the checkpoint: not "unreferenced" (``S006``) when intact, ``S002``/``S003`` when
+missing or short (rank 1's resume would fail on them), and with ``--deep`` a copy whose values differ from the lowest
+rank's is ``D014`` (rank 1 would resume from other weights). Written by 2 real gloo ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from tests.fixtures.cache import cached_build, copy_checkpoint
+from tests.fixtures.distributed import run_ranks
+
+pytestmark = pytest.mark.slow  # a 2-rank gloo job
+
+runner = CliRunner()
+
+
+def _rank(rank: int, world: int, out: str, drift: bool = False) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(7))).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    if drift and rank == 1:  # a parameter left out of the gradient all-reduce; a rank that skipped a step
+        with torch.no_grad():
+            model[1].weight.add_(0.5)
+        opt.state[model[0].bias]["step"] -= 1
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=out, use_collectives=False)
+
+
+def _build(out: Path) -> None:
+    run_ranks(2, _rank, str(out / "ckpt"))
+    run_ranks(2, _rank, str(out / "drift"), True)
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = Path(os.environ.get("CKPTTOOL_FIXTURE_CACHE") or tmp_path_factory.mktemp("fx"))
+    return cached_build(root, "rank_local_replicated", _build) / "ckpt"
+
+
+def _validate(ck: Path, *more: str) -> tuple[int, list[tuple[str, str | None, str]]]:
+    res = runner.invoke(app, ["validate", str(ck), "--strict", "--json", *more])
+    doc: dict[str, Any] = json.loads(res.stdout)
+    return res.exit_code, [(f["code"], f["error_code"], f["message"]) for f in doc["findings"]]
+
+
+def test_clean_replicated_save_has_no_unreferenced_file(replicated: Path) -> None:
+    assert sorted(p.name for p in replicated.iterdir()) == [
+        "__0.metadata",
+        "__0_0.distcp",
+        "__1.metadata",
+        "__1_0.distcp",
+    ]
+    assert _validate(replicated) == (0, [])
+    assert _validate(replicated, "--deep") == (0, [])
+
+
+def test_a_rank_whose_copy_drifted_is_d014_with_deep(replicated: Path) -> None:
+    drift = replicated.parent / "drift"
+    assert _validate(drift) == (0, [])  # the lowest rank's copies are what is read: only --deep compares
+    rc, found = _validate(drift, "--deep")
+    assert rc == 1 and [(c, e) for c, e, _ in found] == [("D014", None)] * 2, found
+    msgs = sorted(m for _, _, m in found)
+    assert msgs[0].startswith(
+        "model.1.weight at [0, 0]: __1_0.distcp against __0_0.distcp: 32 of 32 elements differ (max |diff| 0.5); "
+    ), msgs
+    assert msgs[1] == (
+        "optim.state.0.bias.step at []: __1_0.distcp against __0_0.distcp: 1 of 1 elements differ (max |diff| 1); "
+        "first at element 0: 1 against 2"
+    ), msgs
+
+
+def test_a_higher_rank_file_missing_or_short_is_found(replicated: Path, tmp_path: Path) -> None:
+    ck = copy_checkpoint(replicated, tmp_path / "short")
+    size = (ck / "__1_0.distcp").stat().st_size
+    os.truncate(ck / "__1_0.distcp", 1000)
+    rc, found = _validate(ck)
+    assert rc == 1 and [(c, e) for c, e, _ in found] == [("S003", "E300")], found
+    assert found[0][2].startswith(f"__1_0.distcp: 28 chunk(s) end past the end of the file (1000 bytes, needs {size})")
+    (ck / "__1_0.distcp").unlink()
+    rc, found = _validate(ck)
+    assert (rc, found) == (
+        1,
+        [("S002", "E300", "__1_0.distcp: data file missing; 28 chunks/byte items are stored in it")],
+    )
