@@ -817,6 +817,8 @@ def write_manifest(
 
         target = Path(out) if out is not None else Path(ckpt.located.model) / MANIFEST_NAME
         _check_target(target, ckpt)
+        if reader.remote is None:
+            _check_writable(target)  # before hashing every byte: a read-only checkpoint is told at once
         say("hashing")
         t_hash = time.perf_counter()
         step(0)
@@ -892,6 +894,36 @@ def _check_target(target: Path, ckpt: Checkpoint) -> None:
         )
 
 
+#: The hint of a manifest that cannot be written where it was to go (manifest has no --overwrite to suggest).
+UNWRITABLE_HINT = (
+    "write it to a writable place with --output FILE (check the checkpoint against it later with "
+    "`ckpttool manifest DIR --verify --output FILE`)"
+)
+
+
+def _check_writable(target: Path) -> None:
+    """Refuse a manifest path whose nearest existing folder cannot be written (a read-only mount or folder).
+
+    Raises:
+        OutputError (E600): as above.
+    """
+    existing = next((p for p in target.parents if p.exists()), None)
+    if existing is not None and existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+        why = "read-only file system" if _read_only_fs(existing) else "permission denied"
+        raise OutputError(
+            f"{target}: cannot write the manifest ({existing} is not writable: {why}); nothing was hashed",
+            path=target,
+            hint=UNWRITABLE_HINT,
+        )
+
+
+def _read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
+
+
 def _replace_file(target: Path, data: bytes) -> None:
     """Write ``data`` to a temporary name beside ``target``, ``fsync`` it, rename it into place.
 
@@ -915,7 +947,7 @@ def _replace_file(target: Path, data: bytes) -> None:
                 pass
         cause = e if isinstance(e, OSError) else e.__cause__
         why = cause.strerror if isinstance(cause, OSError) else str(e)
-        raise OutputError(f"{target}: cannot write the manifest ({why})", path=target) from e
+        raise OutputError(f"{target}: cannot write the manifest ({why})", path=target, hint=UNWRITABLE_HINT) from e
 
 
 # ---------------------------------------------------------------------------------------------- reading back

@@ -1,0 +1,67 @@
+"""Output locations a new user gives by mistake or by circumstance: a read-only checkpoint folder for
+``manifest``, an empty mount point (a container's volume) as ``OUT``. Each is refused on one line with a hint
+that names an option the command has, before any work is done, and nothing of the user's is touched."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+from tests.fixtures.cache import copy_checkpoint
+
+runner = CliRunner()
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _in_mount_namespace(script: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (sh) in a private mount namespace (``unshare -rm``), so that it can mount without touching
+    the machine's mounts; skip where that is not allowed."""
+    if shutil.which("unshare") is None or sys.platform != "linux":
+        pytest.skip("needs util-linux unshare on Linux (a private mount namespace)")
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare -rm is not allowed here: {probe.stderr.strip()}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(["unshare", "-rm", "sh", "-ec", script], capture_output=True, text=True, env=env)
+
+
+def test_manifest_that_cannot_be_written_hints_output_not_overwrite(sample_ckpt: Path, tmp_path: Path) -> None:
+    if not Path("/proc/self").is_dir():
+        pytest.skip("needs /proc (a place no manifest can be written)")
+    ck = copy_checkpoint(sample_ckpt, tmp_path / "ck")
+    res = runner.invoke(app, ["manifest", str(ck), "--output", "/proc/manifest.json"])
+    assert res.exit_code == 2, res.output
+    assert res.stdout == ""
+    lines = res.stderr.splitlines()
+    assert lines[0].startswith("error: [E600] /proc/manifest.json: cannot write the manifest (")
+    assert "--overwrite" not in res.stderr  # manifest has no such option
+    assert lines[1].startswith("hint: write it to a writable place with --output FILE")
+    assert len(lines) == 2 and "Traceback" not in res.output
+
+
+def test_manifest_of_a_read_only_checkpoint_is_refused_before_hashing(sample_ckpt: Path, tmp_path: Path) -> None:
+    ck = copy_checkpoint(sample_ckpt, tmp_path / "ro ckpt ü")
+    before = _tree(ck)
+    res = _in_mount_namespace(
+        f'mount --bind "{ck}" "{ck}"; mount -o remount,ro,bind "{ck}"; '
+        f'exec "{sys.executable}" -m ckpttool --no-progress manifest "{ck}"'
+    )
+    assert res.returncode == 2, res.stderr
+    assert res.stdout == ""
+    assert res.stderr.splitlines() == [
+        f"error: [E600] {ck}/manifest.json: cannot write the manifest ({ck} is not writable: read-only file "
+        "system); nothing was hashed",
+        "hint: write it to a writable place with --output FILE (check the checkpoint against it later with "
+        "`ckpttool manifest DIR --verify --output FILE`)",
+    ]
+    assert _tree(ck) == before
