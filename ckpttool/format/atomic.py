@@ -133,6 +133,7 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
                 f"{target}: cannot write there ({e.strerror})", path=target, hint="choose a writable output location"
             ) from e
         if not non_empty:
+            _refuse_mount_point(target)
             return
         found = marker.ownership(target)
         if not overwrite:
@@ -146,6 +147,23 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
             )
         if not found.owned:
             raise foreign_output_error(target, found)
+        _refuse_mount_point(target)
+
+
+def _refuse_mount_point(target: Path) -> None:
+    """Refuse an output directory that is a mount point (a container's volume, a mounted disk): the output,
+    written beside it, could not be renamed over it (EBUSY), which was found only after all the work.
+
+    Raises:
+        OutputError: ``target`` is a mount point.
+    """
+    if os.path.ismount(target):
+        raise OutputError(
+            f"{target} is a mount point: ckpttool writes the output beside it and renames it into place, "
+            "which a mount point does not allow",
+            path=target,
+            hint=f"name a new directory inside it for the output (e.g. {target / 'out'})",
+        )
 
 
 @contextlib.contextmanager

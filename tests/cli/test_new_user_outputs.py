@@ -65,3 +65,26 @@ def test_manifest_of_a_read_only_checkpoint_is_refused_before_hashing(sample_ckp
         "`ckpttool manifest DIR --verify --output FILE`)",
     ]
     assert _tree(ck) == before
+
+
+@pytest.mark.parametrize(
+    "argv", [["export", "{ck}", "{out}"], ["export", "{ck}", "{out}", "--dry-run"], ["sample", "{out}"]]
+)
+def test_an_empty_mount_point_as_out_is_refused_before_writing(
+    sample_ckpt: Path, tmp_path: Path, argv: list[str]
+) -> None:
+    out = tmp_path / "volume"
+    out.mkdir()
+    args = " ".join(f'"{a.format(ck=sample_ckpt, out=out)}"' for a in argv)
+    res = _in_mount_namespace(
+        f'mount -t tmpfs tmpfs "{out}"; "{sys.executable}" -m ckpttool --no-progress {args} || rc=$?; '
+        f'ls -A "{out}"; exit ${{rc:-0}}'
+    )
+    assert res.returncode == 2, res.stderr
+    assert res.stdout == ""  # nothing planned or written, and nothing inside the mount
+    assert res.stderr.splitlines() == [
+        f"error: [E600] {out} is a mount point: ckpttool writes the output beside it and renames it into place, "
+        "which a mount point does not allow",
+        f"hint: name a new directory inside it for the output (e.g. {out}/out)",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["volume"]  # no staging directory left beside it
