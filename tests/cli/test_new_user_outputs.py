@@ -88,3 +88,25 @@ def test_an_empty_mount_point_as_out_is_refused_before_writing(
         f"hint: name a new directory inside it for the output (e.g. {out}/out)",
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["volume"]  # no staging directory left beside it
+
+
+def test_a_safetensors_file_given_for_a_directory_hints_its_folder_by_its_safetensors(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    hf = tmp_path / "hf model"
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(hf)])
+    assert res.exit_code == 0, res.output
+    f = hf / "model.safetensors"
+    for argv in (["inspect", str(f)], ["validate", str(f)], ["export", str(f), str(tmp_path / "again")]):
+        res = runner.invoke(app, argv)
+        assert res.exit_code == 2, res.output
+        assert res.stdout == ""
+        assert res.stderr.splitlines() == [
+            f"error: [E100] {f} is not a directory",
+            f"hint: pass the checkpoint directory (the one holding the .safetensors files), not a file in it: {hf}",
+        ]  # not "(the one holding .metadata)": this folder has none
+    res = runner.invoke(app, ["inspect", str(sample_ckpt / ".metadata")])
+    assert res.exit_code == 2
+    assert res.stderr.splitlines()[1] == (
+        f"hint: pass the checkpoint directory (the one holding .metadata), not a file in it: {sample_ckpt}"
+    )
