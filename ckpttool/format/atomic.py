@@ -35,6 +35,7 @@ __all__ = [
     "OutputTarget",
     "Terminated",
     "check_output_target",
+    "unwritable_reason",
     "foreign_output_error",
     "atomic_write_bytes",
     "atomic_write_text",
@@ -591,6 +592,9 @@ def check_file_target(
     if st is not None and not stat.S_ISREG(st.st_mode):
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, device or socket)"
         raise OutputError(f"{option} {p}: is {kind}; ckpttool writes only regular files", path=p, hint=hint)
+    why = unwritable_reason(p.parent)
+    if why is not None:  # before the command's work (a --deep pass, statistics), not after it
+        raise OutputError(f"{option} {p}: cannot write there ({p.parent} is not writable: {why})", path=p, hint=hint)
     inside = _inside_any(p.parent, sources)
     if inside is not None and not inside_ok:
         raise OutputError(
@@ -611,6 +615,22 @@ def check_file_target(
             path=p,
             hint=hint,
         )
+
+
+def unwritable_reason(directory: Path) -> str | None:
+    """Why files cannot be created in the existing directory ``directory`` (``read-only file system``,
+    ``permission denied``), else ``None`` (also for a directory that does not exist: its creation reports it).
+    ``access(2)``: a root user is refused only by a read-only mount."""
+    try:
+        if not directory.is_dir() or os.access(directory, os.W_OK | os.X_OK):
+            return None
+    except OSError:
+        return None
+    try:
+        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        read_only = False
+    return "read-only file system" if read_only else "permission denied"
 
 
 def _inside_any(directory: Path, roots: tuple[str | os.PathLike[str], ...]) -> Path | None:

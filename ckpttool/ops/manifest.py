@@ -25,7 +25,7 @@ from ckpttool.engine.io import ShortReadError, read_upto
 from ckpttool.engine.pool import imap_ordered, worker_count
 from ckpttool.errors import CkptError, DataFileError, ManifestError, OutputError, UsageError
 from ckpttool.format import limits
-from ckpttool.format.atomic import atomic_write_bytes, check_file_target
+from ckpttool.format.atomic import atomic_write_bytes, check_file_target, unwritable_reason
 from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, new_hasher
 from ckpttool.format.files import read_regular
 from ckpttool.format.jsonfile import check_json_graph, json_error
@@ -816,9 +816,9 @@ def write_manifest(
                 progress(done[0], total)
 
         target = Path(out) if out is not None else Path(ckpt.located.model) / MANIFEST_NAME
-        _check_target(target, ckpt)
         if reader.remote is None:
             _check_writable(target)  # before hashing every byte: a read-only checkpoint is told at once
+        _check_target(target, ckpt)
         say("hashing")
         t_hash = time.perf_counter()
         step(0)
@@ -908,20 +908,13 @@ def _check_writable(target: Path) -> None:
         OutputError (E600): as above.
     """
     existing = next((p for p in target.parents if p.exists()), None)
-    if existing is not None and existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
-        why = "read-only file system" if _read_only_fs(existing) else "permission denied"
+    why = unwritable_reason(existing) if existing is not None else None
+    if existing is not None and why is not None:
         raise OutputError(
             f"{target}: cannot write the manifest ({existing} is not writable: {why}); nothing was hashed",
             path=target,
             hint=UNWRITABLE_HINT,
         )
-
-
-def _read_only_fs(path: Path) -> bool:
-    try:
-        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-    except (OSError, AttributeError):
-        return False
 
 
 def _replace_file(target: Path, data: bytes) -> None:

@@ -110,3 +110,31 @@ def test_a_safetensors_file_given_for_a_directory_hints_its_folder_by_its_safete
     assert res.stderr.splitlines()[1] == (
         f"hint: pass the checkpoint directory (the one holding .metadata), not a file in it: {sample_ckpt}"
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "option", "hint"),
+    [
+        (["validate", "--deep", "{ck}", "--junit", "{file}.xml"], "--junit", "hint: --junit takes the path of a file"),
+        (["stats", "{ck}", "--plot", "{file}.png"], "--plot", "hint: give a new file name"),
+    ],
+)
+def test_a_report_into_a_read_only_folder_is_refused_before_the_work(
+    sample_ckpt: Path, tmp_path: Path, argv: list[str], option: str, hint: str
+) -> None:
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    args = " ".join(f'"{a.format(ck=sample_ckpt, file=reports / "r")}"' for a in argv)
+    res = _in_mount_namespace(
+        f'mount --bind "{reports}" "{reports}"; mount -o remount,ro,bind "{reports}"; '
+        f'exec "{sys.executable}" -m ckpttool --no-progress {args}'
+    )
+    assert res.returncode == 2, res.stderr
+    assert res.stdout == ""  # no validation report, no statistics: nothing was run before the refusal
+    lines = res.stderr.splitlines()
+    suffix = argv[-1].rsplit(".", 1)[1]
+    assert lines[0] == (
+        f"error: [E600] {option} {reports}/r.{suffix}: cannot write there ({reports} is not writable: "
+        "read-only file system)"
+    )
+    assert len(lines) == 2 and lines[1].startswith(hint)
