@@ -138,3 +138,27 @@ def test_a_report_into_a_read_only_folder_is_refused_before_the_work(
         "read-only file system)"
     )
     assert len(lines) == 2 and lines[1].startswith(hint)
+
+
+def test_export_without_model_assets_names_the_config_saved_with_the_checkpoint(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "hf"), "--json"])
+    assert res.exit_code == 0, res.output
+    import json
+
+    assert json.loads(res.stdout)["config_beside"] == str(sample_ckpt / "model_assets")  # ckpttool sample's own
+    # a Hugging Face folder given as the source holds its config.json itself: the note names that folder
+    hf = tmp_path / "hf model"
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(hf), "--model-assets", str(sample_ckpt / "model_assets")])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["export", str(hf), str(tmp_path / "again")])
+    assert res.exit_code == 0, res.output
+    assert (
+        f"note: {tmp_path / 'again'} holds no config.json (no --model-assets): transformers' from_pretrained needs "
+        "one; pass --model-assets DIR, the folder of the model's config.json and tokenizer files (the checkpoint's "
+        f"folder holds one: --model-assets '{hf}')\n"
+    ) in res.stderr
+    res = runner.invoke(app, ["export", str(hf), str(tmp_path / "third"), "--model-assets", str(hf)])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "third" / "config.json").read_bytes() == (hf / "config.json").read_bytes()
