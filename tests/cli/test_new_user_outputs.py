@@ -162,3 +162,37 @@ def test_export_without_model_assets_names_the_config_saved_with_the_checkpoint(
     res = runner.invoke(app, ["export", str(hf), str(tmp_path / "third"), "--model-assets", str(hf)])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "third" / "config.json").read_bytes() == (hf / "config.json").read_bytes()
+
+
+def test_a_model_folder_without_safetensors_gets_a_hint_that_fits_it(sample_ckpt: Path, tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    hf = tmp_path / "hf"
+    res = runner.invoke(app, ["export", str(sample_ckpt), str(hf), "--model-assets", str(sample_ckpt / "model_assets")])
+    assert res.exit_code == 0, res.output
+    old = tmp_path / "old style"  # what save_pretrained(safe_serialization=False) of transformers 4 wrote
+    old.mkdir()
+    shutil.copy(hf / "config.json", old / "config.json")
+    torch.save(load_file(hf / "model.safetensors"), old / "pytorch_model.bin")
+    before = _tree(old)
+    for argv in (["inspect", str(old)], ["validate", str(old)], ["export", str(old), str(tmp_path / "o")]):
+        res = runner.invoke(app, argv)
+        assert res.exit_code == 2, res.output
+        lines = res.stderr.splitlines()
+        assert (
+            lines[0] == f"error: [E200] {old}: no .metadata, and no DCP checkpoint in the 3 directory levels below it"
+        )
+        assert lines[1] == (
+            "hint: pytorch_model.bin is a torch.save file, which ckpttool does not read: it reads DCP checkpoints "
+            "and safetensors folders; load the model with transformers and save it again with save_pretrained "
+            "(it writes safetensors), then pass that folder"
+        )
+    assert _tree(old) == before and not (tmp_path / "o").exists()
+    (old / "pytorch_model.bin").unlink()  # a folder of config.json alone: the --model-assets of an export
+    res = runner.invoke(app, ["inspect", str(old)])
+    assert res.exit_code == 2
+    assert res.stderr.splitlines()[1] == (
+        "hint: it holds config.json but no weights (a model's config folder: pass it to export as --model-assets); "
+        "pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files)"
+    )
