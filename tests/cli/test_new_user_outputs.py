@@ -196,3 +196,23 @@ def test_a_model_folder_without_safetensors_gets_a_hint_that_fits_it(sample_ckpt
         "hint: it holds config.json but no weights (a model's config folder: pass it to export as --model-assets); "
         "pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files)"
     )
+
+
+def test_notes_wrap_at_spaces_on_a_narrow_terminal_and_stay_whole_in_a_pipe(sample_ckpt: Path, tmp_path: Path) -> None:
+    from tests.cli.test_terminal import ANSI, run_in_pty
+
+    out = tmp_path / "hf"
+    rc, text = run_in_pty(["--no-progress", "export", str(sample_ckpt), str(out)], 60)
+    assert rc == 0, text
+    lines = ANSI.sub("", text).splitlines()
+    first = lines.index(next(line for line in lines if line.startswith("note: 4 fused expert tensor(s)")))
+    note = [lines[first]]
+    for line in lines[first + 1 :]:
+        if not line.startswith("      ") or line.startswith("      -"):
+            break
+        note.append(line)
+    assert len(note) > 1 and all(len(line) <= 60 for line in note), note  # not cut mid-word by the terminal
+    piped = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "piped")], env={"COLUMNS": "60"})
+    whole = next(line for line in piped.stderr.splitlines() if line.startswith("note: 4 fused expert tensor(s)"))
+    assert len(whole) > 60  # a pipe keeps the line whole, for grep
+    assert " ".join(line.strip() for line in note) == whole
