@@ -216,3 +216,25 @@ def test_notes_wrap_at_spaces_on_a_narrow_terminal_and_stay_whole_in_a_pipe(samp
     whole = next(line for line in piped.stderr.splitlines() if line.startswith("note: 4 fused expert tensor(s)"))
     assert len(whole) > 60  # a pipe keeps the line whole, for grep
     assert " ".join(line.strip() for line in note) == whole
+
+
+def test_stamp_of_a_read_only_checkpoint_hints_the_declaration_on_each_command(ep_suite: Path, tmp_path: Path) -> None:
+    ck = copy_checkpoint(ep_suite / "legacy", tmp_path / "legacy")
+    before = _tree(ck)
+    declared = ["--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "2"]
+    res = _in_mount_namespace(
+        f'mount --bind "{ck}" "{ck}"; mount -o remount,ro,bind "{ck}"; '
+        f'exec "{sys.executable}" -m ckpttool stamp "{ck}" {" ".join(declared)}'
+    )
+    assert res.returncode == 2, res.stderr
+    assert res.stdout == ""
+    assert res.stderr.splitlines() == [
+        f"error: [E600] {ck}/layout.json: cannot write ({ck} is not writable: read-only file system); "
+        "nothing was written",
+        "hint: the checkpoint's folder cannot be written; declare the layout on each command instead "
+        "(--source-layout legacy --ep-size 2 --ep-fsdp-size 2), or stamp a writable copy of the checkpoint",
+    ]
+    assert _tree(ck) == before
+    res = runner.invoke(app, ["inspect", str(ck), *declared])  # the hint's way out works
+    assert res.exit_code == 0, res.output
+    assert "layout      version 1 (legacy, declared); parallel ep_size=2, ep_fsdp_size=2; 4 EP tensors" in res.stdout
