@@ -102,19 +102,7 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
                 path=target,
                 hint="write the output to a directory outside the checkpoint",
             )
-    try:
-        cwd: Path | None = Path.cwd().resolve()
-    except OSError:  # the working directory was removed
-        cwd = None
-    if cwd is not None and (t == cwd or t in cwd.parents) and target.is_dir() and not target.is_symlink():
-        # the output is written beside OUT and renamed over it: the shell would be left in a removed directory
-        # (`export CKPT .` in an empty folder "wrote nothing" there, and the next command failed E999)
-        raise OutputError(
-            f"{target}: is the current directory{'' if t == cwd else ' or holds it'}; ckpttool writes the output "
-            "beside it and renames it into place, which would leave this shell in a removed directory",
-            path=target,
-            hint="name a new directory for the output (e.g. ./hf), or run ckpttool from another directory",
-        )
+    _refuse_unusable_place(target, t)
     if target.exists() or target.is_symlink():
         if not target.is_dir() or target.is_symlink():
             link = target.is_symlink()
@@ -149,6 +137,38 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
         if not found.owned:
             raise foreign_output_error(target, found)
         _refuse_mount_point(target)
+
+
+def _refuse_unusable_place(target: Path, t: Path) -> None:
+    """Refuse an output ``target`` (resolved: ``t``) that is or holds the current directory, or whose nearest
+    existing folder cannot be written.
+
+    Raises:
+        OutputError: as above.
+    """
+    try:
+        cwd: Path | None = Path.cwd().resolve()
+    except OSError:  # the working directory was removed
+        cwd = None
+    if cwd is not None and (t == cwd or t in cwd.parents) and target.is_dir() and not target.is_symlink():
+        # the output is written beside OUT and renamed over it: the shell would be left in a removed directory
+        # (`export CKPT .` in an empty folder "wrote nothing" there, and the next command failed E999)
+        raise OutputError(
+            f"{target}: is the current directory{'' if t == cwd else ' or holds it'}; ckpttool writes the output "
+            "beside it and renames it into place, which would leave this shell in a removed directory",
+            path=target,
+            hint="name a new directory for the output (e.g. ./hf), or run ckpttool from another directory",
+        )
+    # the output is written beside OUT (in its parent, made first if missing) and renamed over it: --dry-run says
+    # what the run would meet there, and the run says it before any work
+    holder = next((a for a in target.parents if a.exists()), None)
+    why = unwritable_reason(holder) if holder is not None else None
+    if holder is not None and why is not None:
+        raise OutputError(
+            f"{target}: cannot write there ({holder} is not writable: {why})",
+            path=target,
+            hint="choose a writable output location",
+        )
 
 
 def _refuse_mount_point(target: Path) -> None:

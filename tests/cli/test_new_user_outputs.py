@@ -238,3 +238,24 @@ def test_stamp_of_a_read_only_checkpoint_hints_the_declaration_on_each_command(e
     res = runner.invoke(app, ["inspect", str(ck), *declared])  # the hint's way out works
     assert res.exit_code == 0, res.output
     assert "layout      version 1 (legacy, declared); parallel ep_size=2, ep_fsdp_size=2; 4 EP tensors" in res.stdout
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_export_below_a_read_only_folder_is_refused_and_dry_run_says_so(
+    sample_ckpt: Path, tmp_path: Path, dry_run: bool
+) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    out = ro / "hf"
+    flag = " --dry-run" if dry_run else ""
+    res = _in_mount_namespace(
+        f'mount --bind "{ro}" "{ro}"; mount -o remount,ro,bind "{ro}"; '
+        f'exec "{sys.executable}" -m ckpttool -q export "{sample_ckpt}" "{out}"{flag}'
+    )
+    assert res.returncode == 2, res.stdout + res.stderr  # --dry-run said the export would be written
+    assert res.stdout == ""
+    assert res.stderr.splitlines() == [
+        f"error: [E600] {out}: cannot write there ({ro} is not writable: read-only file system)",
+        "hint: choose a writable output location",
+    ]
+    assert list(ro.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["ro"]
