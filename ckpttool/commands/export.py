@@ -246,11 +246,18 @@ def run_export(cli: ExportCLIOptions) -> None:
         sink.note(
             f"{held} (no --model-assets): {needs}; pass --model-assets DIR, the folder of the model's config.json "
             "and tokenizer files"
-            + (f" (the trainer saved one beside the checkpoint: --model-assets {beside})" if beside else "")
+            + (f" ({_saved_with(result.config_beside)}: --model-assets {beside})" if result.config_beside else "")
             if cli.model_assets is None
             else f"{held} ({cli.model_assets} has none): {needs}; copy the model's config.json into {cli.model_assets}"
         )
     sink.result(result, _render)
+
+
+def _saved_with(folder: str) -> str:
+    """How the note names the folder of a ``config.json`` found with the checkpoint (``config_beside``)."""
+    if Path(folder).name in ("model_assets", "consolidated", ".hf_metadata", "huggingface"):
+        return "the trainer saved one beside the checkpoint"
+    return "the checkpoint's folder holds one"
 
 
 #: The flags that are :class:`~ckpttool.ops.export.ExportOptions` fields of the same name and value.

@@ -35,6 +35,7 @@ __all__ = [
     "OutputTarget",
     "Terminated",
     "check_output_target",
+    "unwritable_reason",
     "foreign_output_error",
     "atomic_write_bytes",
     "atomic_write_text",
@@ -101,19 +102,7 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
                 path=target,
                 hint="write the output to a directory outside the checkpoint",
             )
-    try:
-        cwd: Path | None = Path.cwd().resolve()
-    except OSError:  # the working directory was removed
-        cwd = None
-    if cwd is not None and (t == cwd or t in cwd.parents) and target.is_dir() and not target.is_symlink():
-        # the output is written beside OUT and renamed over it: the shell would be left in a removed directory
-        # (`export CKPT .` in an empty folder "wrote nothing" there, and the next command failed E999)
-        raise OutputError(
-            f"{target}: is the current directory{'' if t == cwd else ' or holds it'}; ckpttool writes the output "
-            "beside it and renames it into place, which would leave this shell in a removed directory",
-            path=target,
-            hint="name a new directory for the output (e.g. ./hf), or run ckpttool from another directory",
-        )
+    _refuse_unusable_place(target, t)
     if target.exists() or target.is_symlink():
         if not target.is_dir() or target.is_symlink():
             link = target.is_symlink()
@@ -133,6 +122,7 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
                 f"{target}: cannot write there ({e.strerror})", path=target, hint="choose a writable output location"
             ) from e
         if not non_empty:
+            _refuse_mount_point(target)
             return
         found = marker.ownership(target)
         if not overwrite:
@@ -146,6 +136,55 @@ def check_output_target(target: Path, *, overwrite: bool, source: Path | None = 
             )
         if not found.owned:
             raise foreign_output_error(target, found)
+        _refuse_mount_point(target)
+
+
+def _refuse_unusable_place(target: Path, t: Path) -> None:
+    """Refuse an output ``target`` (resolved: ``t``) that is or holds the current directory, or whose nearest
+    existing folder cannot be written.
+
+    Raises:
+        OutputError: as above.
+    """
+    try:
+        cwd: Path | None = Path.cwd().resolve()
+    except OSError:  # the working directory was removed
+        cwd = None
+    if cwd is not None and (t == cwd or t in cwd.parents) and target.is_dir() and not target.is_symlink():
+        # the output is written beside OUT and renamed over it: the shell would be left in a removed directory
+        # (`export CKPT .` in an empty folder "wrote nothing" there, and the next command failed E999)
+        raise OutputError(
+            f"{target}: is the current directory{'' if t == cwd else ' or holds it'}; ckpttool writes the output "
+            "beside it and renames it into place, which would leave this shell in a removed directory",
+            path=target,
+            hint="name a new directory for the output (e.g. ./hf), or run ckpttool from another directory",
+        )
+    # the output is written beside OUT (in its parent, made first if missing) and renamed over it: --dry-run says
+    # what the run would meet there, and the run says it before any work
+    holder = next((a for a in target.parents if a.exists()), None)
+    why = unwritable_reason(holder) if holder is not None else None
+    if holder is not None and why is not None:
+        raise OutputError(
+            f"{target}: cannot write there ({holder} is not writable: {why})",
+            path=target,
+            hint="choose a writable output location",
+        )
+
+
+def _refuse_mount_point(target: Path) -> None:
+    """Refuse an output directory that is a mount point (a container's volume, a mounted disk): the output,
+    written beside it, could not be renamed over it (EBUSY), which was found only after all the work.
+
+    Raises:
+        OutputError: ``target`` is a mount point.
+    """
+    if os.path.ismount(target):
+        raise OutputError(
+            f"{target} is a mount point: ckpttool writes the output beside it and renames it into place, "
+            "which a mount point does not allow",
+            path=target,
+            hint=f"name a new directory inside it for the output (e.g. {target / 'out'})",
+        )
 
 
 @contextlib.contextmanager
@@ -573,6 +612,9 @@ def check_file_target(
     if st is not None and not stat.S_ISREG(st.st_mode):
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, device or socket)"
         raise OutputError(f"{option} {p}: is {kind}; ckpttool writes only regular files", path=p, hint=hint)
+    why = unwritable_reason(p.parent)
+    if why is not None:  # before the command's work (a --deep pass, statistics), not after it
+        raise OutputError(f"{option} {p}: cannot write there ({p.parent} is not writable: {why})", path=p, hint=hint)
     inside = _inside_any(p.parent, sources)
     if inside is not None and not inside_ok:
         raise OutputError(
@@ -593,6 +635,22 @@ def check_file_target(
             path=p,
             hint=hint,
         )
+
+
+def unwritable_reason(directory: Path) -> str | None:
+    """Why files cannot be created in the existing directory ``directory`` (``read-only file system``,
+    ``permission denied``), else ``None`` (also for a directory that does not exist: its creation reports it).
+    ``access(2)``: a root user is refused only by a read-only mount."""
+    try:
+        if not directory.is_dir() or os.access(directory, os.W_OK | os.X_OK):
+            return None
+    except OSError:
+        return None
+    try:
+        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        read_only = False
+    return "read-only file system" if read_only else "permission denied"
 
 
 def _inside_any(directory: Path, roots: tuple[str | os.PathLike[str], ...]) -> Path | None:

@@ -71,6 +71,16 @@ def rank_of_file(relative_path: str) -> int | None:
     return int(m.group(1)) if m else shard_rank(relative_path)
 
 
+def _holding(directory: Path) -> str:
+    """What the checkpoint directory ``directory`` is known by, for a hint: its safetensors files when it holds
+    no ``.metadata`` but safetensors (a Hugging Face folder), else ``.metadata``."""
+    try:
+        safetensors = not os.path.lexists(directory / METADATA_NAME) and bool(hf_storage_files(directory))
+    except OSError:
+        safetensors = False
+    return "the one holding the .safetensors files" if safetensors else "the one holding .metadata"
+
+
 class CheckpointDir:
     """A DCP checkpoint directory with its validated metadata (torch-free).
 
@@ -119,7 +129,7 @@ class CheckpointDir:
             raise UsageError(
                 f"{p} is not a directory",
                 path=p,
-                hint=f"pass the checkpoint directory (the one holding .metadata), not a file in it: {p.parent}",
+                hint=f"pass the checkpoint directory ({_holding(p.parent)}), not a file in it: {p.parent}",
             )
         self.path = p
         self.root = p.resolve()

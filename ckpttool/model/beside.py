@@ -186,18 +186,20 @@ def _holds_pickles(folder: Path) -> bool:
     return False
 
 
-#: Where trainers save the model's Hugging Face config beside their checkpoint, relative to the model
-#: folder: NeMo Automodel's ``model/consolidated/`` and ``model/.hf_metadata/``, verl's ``actor/huggingface/``.
-_HF_CONFIG_DIRS = ("consolidated", ".hf_metadata", "huggingface")
+#: Where the model's Hugging Face config is saved with a checkpoint, relative to the model folder: the folder
+#: itself (a Hugging Face model folder, safetensors and config.json), NeMo Automodel's ``model/consolidated/``
+#: and ``model/.hf_metadata/``, verl's ``actor/huggingface/``, ``model_assets/`` (``ckpttool sample``, VeOmni).
+_HF_CONFIG_DIRS = (".", "consolidated", ".hf_metadata", "huggingface", "model_assets")
 
 
 def hf_config_beside(model_dir: Path) -> Path | None:
-    """The folder holding the model's ``config.json`` that the trainer saved beside ``model_dir``, if any
+    """The folder holding the model's ``config.json`` that was saved with ``model_dir``, if any
     (:data:`_HF_CONFIG_DIRS`, first found); ``None`` when there is none or it cannot be listed."""
     for name in _HF_CONFIG_DIRS:
+        folder = model_dir if name == "." else model_dir / name
         try:
-            if (model_dir / name / "config.json").is_file():
-                return model_dir / name
+            if (folder / "config.json").is_file():
+                return folder
         except OSError:
             continue
     return None

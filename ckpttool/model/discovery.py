@@ -659,9 +659,32 @@ def _nothing_below(root: Path, opt: Path | None) -> Located:
         path=root,
         hint=f"pass the checkpoint directory {above} ({root.relative_to(above)}/ is a folder inside it)"
         if above is not None
-        else "pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files), "
+        else _model_folder_hint(root)
+        or "pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files), "
         "or the run's checkpoint folder above the step directories",
     )
+
+
+def _model_folder_hint(root: Path) -> str | None:
+    """The hint for a Hugging Face model folder without safetensors (``save_pretrained`` of old, weights in
+    ``pytorch_model.bin``) or a folder of ``config.json`` alone, else ``None``."""
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return None
+    pickled = [n for n in names if n.endswith((".bin", ".pt", ".pth")) and not n.startswith(".")]
+    if pickled:
+        return (
+            f"{pickled[0]} is a torch.save file, which ckpttool does not read: it reads DCP checkpoints and "
+            "safetensors folders; load the model with transformers and save it again with save_pretrained "
+            "(it writes safetensors), then pass that folder"
+        )
+    if "config.json" in names:
+        return (
+            "it holds config.json but no weights (a model's config folder: pass it to export as --model-assets); "
+            "pass the directory that dcp.save wrote (it holds .metadata and __R_N.distcp files)"
+        )
+    return None
 
 
 def _incomplete_error(root: Path, inc: IncompleteStep, step: int | str | None) -> IncompleteCheckpointError:

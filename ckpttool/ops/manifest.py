@@ -25,7 +25,7 @@ from ckpttool.engine.io import ShortReadError, read_upto
 from ckpttool.engine.pool import imap_ordered, worker_count
 from ckpttool.errors import CkptError, DataFileError, ManifestError, OutputError, UsageError
 from ckpttool.format import limits
-from ckpttool.format.atomic import atomic_write_bytes, check_file_target
+from ckpttool.format.atomic import atomic_write_bytes, check_file_target, unwritable_reason
 from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, new_hasher
 from ckpttool.format.files import read_regular
 from ckpttool.format.jsonfile import check_json_graph, json_error
@@ -827,6 +827,8 @@ def write_manifest(
                 progress(done[0], total)
 
         target = Path(out) if out is not None else Path(ckpt.located.model) / MANIFEST_NAME
+        if reader.remote is None:
+            _check_writable(target)  # before hashing every byte: a read-only checkpoint is told at once
         _check_target(target, ckpt)
         say("hashing")
         t_hash = time.perf_counter()
@@ -903,6 +905,29 @@ def _check_target(target: Path, ckpt: Checkpoint) -> None:
         )
 
 
+#: The hint of a manifest that cannot be written where it was to go (manifest has no --overwrite to suggest).
+UNWRITABLE_HINT = (
+    "write it to a writable place with --output FILE (check the checkpoint against it later with "
+    "`ckpttool manifest DIR --verify --output FILE`)"
+)
+
+
+def _check_writable(target: Path) -> None:
+    """Refuse a manifest path whose nearest existing folder cannot be written (a read-only mount or folder).
+
+    Raises:
+        OutputError (E600): as above.
+    """
+    existing = next((p for p in target.parents if p.exists()), None)
+    why = unwritable_reason(existing) if existing is not None else None
+    if existing is not None and why is not None:
+        raise OutputError(
+            f"{target}: cannot write the manifest ({existing} is not writable: {why}); nothing was hashed",
+            path=target,
+            hint=UNWRITABLE_HINT,
+        )
+
+
 def _replace_file(target: Path, data: bytes) -> None:
     """Write ``data`` to a temporary name beside ``target``, ``fsync`` it, rename it into place.
 
@@ -926,7 +951,7 @@ def _replace_file(target: Path, data: bytes) -> None:
                 pass
         cause = e if isinstance(e, OSError) else e.__cause__
         why = cause.strerror if isinstance(cause, OSError) else str(e)
-        raise OutputError(f"{target}: cannot write the manifest ({why})", path=target) from e
+        raise OutputError(f"{target}: cannot write the manifest ({why})", path=target, hint=UNWRITABLE_HINT) from e
 
 
 # ---------------------------------------------------------------------------------------------- reading back

@@ -17,13 +17,14 @@ Stamping what is already recorded is a no-op.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttool.errors import CkptError, LayoutContradictionError, LayoutError, UsageError
-from ckpttool.format.atomic import atomic_write_text
+from ckpttool.errors import CkptError, LayoutContradictionError, LayoutError, OutputError, UsageError
+from ckpttool.format.atomic import atomic_write_text, unwritable_reason
 from ckpttool.format.marker import recording
 from ckpttool.layouts.declaration import LayoutDeclaration, load_layout_record
 from ckpttool.layouts.geometry import EPGeometry, dim_intervals
@@ -156,9 +157,30 @@ def _stamp(ckpt: Checkpoint, declaration: LayoutDeclaration | None) -> StampResu
     if ckpt.reader.remote is not None:  # object storage: one PUT of the sidecar (docs/storage.md)
         ckpt.reader.remote.write_bytes(SIDECAR_NAME, text.encode())
     else:
-        with recording(sidecar.parent, sidecar.name):  # an output of ckpttool: its marker lists the sidecar
-            atomic_write_text(sidecar, text)
+        why = unwritable_reason(sidecar.parent)
+        if why is not None:  # a checkpoint on a read-only mount or of another user: the declaration still works
+            raise OutputError(
+                f"{sidecar}: cannot write ({p} is not writable: {why}); nothing was written",
+                path=sidecar,
+                hint=_declare_instead(declaration),
+            )
+        try:
+            with recording(sidecar.parent, sidecar.name):  # an output of ckpttool: its marker lists the sidecar
+                atomic_write_text(sidecar, text)
+        except OutputError as e:
+            cause = e.__cause__
+            if isinstance(cause, OSError) and cause.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                e.hint = _declare_instead(declaration)
+            raise
     return StampResult(str(sidecar), True, record, len(layout.ep_tensors), same)
+
+
+def _declare_instead(decl: LayoutDeclaration) -> str:
+    """The hint where ``layout.json`` cannot be written: the same declaration on each command does what it would."""
+    return (
+        f"the checkpoint's folder cannot be written; declare the layout on each command instead "
+        f"({_decl_text(decl)}), or stamp a writable copy of the checkpoint"
+    )
 
 
 def _decl_text(decl: LayoutDeclaration) -> str:

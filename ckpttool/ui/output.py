@@ -197,13 +197,30 @@ def _stderr() -> Any:
 
 
 def _line(prefix: str, text: str) -> str:
-    """``prefix: text`` escaped, the prefix coloured when stderr is a colour terminal."""
+    """``prefix: text`` escaped, the prefix coloured when stderr is a colour terminal; a ``note:`` or
+    ``warning:`` line wider than a terminal wrapped at spaces under its text (a pipe keeps it whole)."""
     from ckpttool.ui.render import color_enabled
 
     body = safe_text(text)
+    if prefix in ("note", "warning"):
+        body = _wrapped_on_terminal(body, len(prefix) + 2)
     if color_enabled(sys.stderr):
         return f"{_SGR[prefix]}{prefix}:\x1b[0m {body}\n"
     return f"{prefix}: {body}\n"
+
+
+def _wrapped_on_terminal(body: str, indent: int) -> str:
+    """``body`` (after an ``indent``-wide prefix) wrapped at spaces to stderr's terminal width, continuation lines
+    indented under it; as it is in a pipe, with ``--wide``, or when it fits. A word longer than the room (a path)
+    is never cut (the terminal wraps it), nor a number parted from its unit (``333.6 KiB``)."""
+    from ckpttool.ui.render import _isatty, hanging_indent, output_width
+
+    if not _isatty(_stderr()):
+        return body
+    width = output_width(_stderr())
+    if indent + len(body) <= width:
+        return body
+    return hanging_indent(" " * indent + body, width)[indent:]
 
 
 def print_error(err: CkptError) -> None:

@@ -117,7 +117,8 @@ def test_export_without_a_config_says_from_pretrained_needs_one(sample_ckpt: Pat
     assert not (tmp_path / "hf" / "config.json").exists()
     assert (
         f"note: {tmp_path / 'hf'} holds no config.json (no --model-assets): transformers' from_pretrained needs one; "
-        "pass --model-assets DIR, the folder of the model's config.json and tokenizer files\n"
+        "pass --model-assets DIR, the folder of the model's config.json and tokenizer files (the trainer saved one "
+        f"beside the checkpoint: --model-assets {sample_ckpt / 'model_assets'})\n"
     ) in res.stderr
     assert "config.json" not in res.stdout.split("files")[0]
     res = runner.invoke(app, ["export", str(sample_ckpt), str(tmp_path / "d"), "--dry-run"])
