@@ -919,6 +919,41 @@ def test_R002_optimizer_steps_skipped_by_a_grad_scaler_are_not_a_mismatch(tmp_pa
     for name, ref in (("ahead", f"train_state.step = {taken - 1}"), ("no_scaler", "train_state.step = 30")):
         rc, doc, _ = run(tmp_path / name, "--deep")
         opt_msgs = [f["message"] for f in doc["findings"] if f["code"] == "R002" and f["message"].startswith("opt")]
-        assert rc == 1 and opt_msgs == [
-            f"optimizer step {taken} (optimizer.state.weight.step, the largest) but {ref}"
+        one_ahead = "; one ahead, as after a save before the first step" if name == "ahead" else ""
+        assert rc == 1 and [m.split(": get_state_dict")[0] for m in opt_msgs] == [
+            f"optimizer step {taken} (optimizer.state.weight.step, the largest) but {ref}{one_ahead}"
         ], doc["findings"]
+
+
+def test_an_optimizer_one_step_ahead_after_a_step_0_save_says_why(tmp_path: Path) -> None:
+    """A run that saved at step 0 (``get_state_dict`` before any ``optimizer.step()``) and again at step 3: torch's
+    ``_init_optim_state`` took a zero-lr step to create the state, and the live optimizer kept it, so step 3's save
+    says optimizer step 4. R002 was right but gave no cause; it now says what leaves an optimizer one ahead."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():  # torch: no process group, saving in one process
+        warnings.simplefilter("ignore")
+        for step in range(4):
+            if step in (0, 3):
+                msd, osd = get_state_dict(model, opt)
+                state = {"model": msd, "optimizer": osd, "train_state": {"step": step}}
+                dcp.save(state, checkpoint_id=str(tmp_path / f"s{step}"))
+            if step < 3:
+                model(torch.randn(5, 4)).pow(2).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    assert int(opt.state[model[0].weight]["step"]) == 4  # the zero-lr step of the step-0 save, then 3 real ones
+    rc, doc, _ = run(tmp_path / "s3", "--deep")
+    msgs = [f["message"] for f in doc["findings"] if f["code"] == "R002"]
+    assert rc == 1 and len(msgs) == 1 and msgs[0].startswith("optimizer step 4 ("), doc["findings"]
+    assert msgs[0].endswith(
+        "but train_state.step = 3; one ahead, as after a save before the first step: get_state_dict on an optimizer "
+        "with no state yet takes one zero-lr step to create it (torch's _init_optim_state) and the live optimizer "
+        "keeps counting from it"
+    ), msgs

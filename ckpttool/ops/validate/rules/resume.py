@@ -61,7 +61,11 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
             yield c.key, f"{c.key} = {c.value} but {ref.key} = {ref.value}"
     if opt is not None and opt is not ref and opt.value != ref.value:
         if not (opt.value < ref.value and _grad_scaler(ctx)):
-            yield opt.key, f"optimizer step {opt.value} ({opt.key}, the largest) but {ref.key} = {ref.value}"
+            yield (
+                opt.key,
+                f"optimizer step {opt.value} ({opt.key}, the largest) but {ref.key} = {ref.value}"
+                + (_ONE_AHEAD if opt.value == ref.value + 1 else ""),
+            )
     per_step = _scheduler_per_step(ctx)
     for c in epochs:
         if c is not ref and c.value != ref.value and (per_step or c.value > ref.value):
@@ -71,6 +75,15 @@ def train_step_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
         e = by_item.get(c.key.rsplit(".", 1)[0])
         if e is not None and c.value != e.value + 1:
             yield c.key, f"LR scheduler {c.key} = {c.value} but {e.key} = {e.value} (expected last_epoch + 1)"
+
+
+#: Why an optimizer's step is one ahead of the trainer's in every save of a run: torch's ``_init_optim_state``
+#: (``torch/distributed/checkpoint/state_dict.py``), which ``get_state_dict`` runs on an optimizer with no state,
+#: takes one zero-lr step with zero gradients to create it, and the live optimizer keeps that step.
+_ONE_AHEAD = (
+    "; one ahead, as after a save before the first step: get_state_dict on an optimizer with no state yet takes "
+    "one zero-lr step to create it (torch's _init_optim_state) and the live optimizer keeps counting from it"
+)
 
 
 @rule("R004")
