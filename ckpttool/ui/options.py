@@ -64,9 +64,16 @@ class SourceLayout(str, Enum):
 
 
 def location(value: str | PurePath) -> PurePath:
-    """A path argument that may also be an fsspec URL (``s3://bucket/prefix``: a ``UrlPath``; docs/storage.md)."""
+    """A path argument that may also be an fsspec URL (``s3://bucket/prefix``: a ``UrlPath``; docs/storage.md).
+
+    Raises:
+        typer.BadParameter (E100): an empty string (``Path("")`` is the current directory: an unset shell
+            variable, ``"$CKPT"``, would read or write there).
+    """
     if isinstance(value, PurePath):
         return value
+    if not value:
+        raise typer.BadParameter("an empty path (an unset shell variable?); pass '.' for the current directory")
     from ckpttool.format.storage import is_url, local_path, url_path
 
     return url_path(value) if is_url(value) else Path(local_path(value))

@@ -552,3 +552,12 @@ def test_a_value_of_the_wrong_type_is_named_plainly(argv: list[str], want: str) 
     res = runner.invoke(app, argv)
     assert res.exit_code == 2 and res.stdout == ""
     assert res.stderr.splitlines()[0] == f"error: [E100] {want}"
+
+
+@pytest.mark.parametrize("argv", [["inspect", ""], ["validate", ""], ["export", "{ckpt}", ""], ["stats", ""]])
+def test_an_empty_path_is_refused_not_taken_as_the_current_directory(sample_ckpt: Path, argv: list[str]) -> None:
+    """``ckpttool inspect ""`` (an unset ``$CKPT``) read the current directory, and ``export CKPT ""`` named it as
+    the output: an empty path is now E100, exit 2, before anything is read or written."""
+    res = runner.invoke(app, [a.format(ckpt=sample_ckpt) for a in argv])
+    assert res.exit_code == 2, res.output
+    assert "[E100]" in res.stderr and "an empty path (an unset shell variable?)" in res.stderr, res.stderr
