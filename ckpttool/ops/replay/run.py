@@ -32,6 +32,7 @@ from ckpttool.ops.replay.compare import (
     FieldError,
     compare_field,
     count_unequal,
+    count_unequal_nan_equal,
     effective_rtol,
     machine_eps,
     merge_field_errors,
@@ -891,10 +892,10 @@ def _torch_reference(
             theta.grad = None
         mine, ref = state_of[p.fqn], opt.state[theta]
         r = results[p.fqn]
-        r.torch_unequal = {"param": count_unequal(params[p.fqn].detach().cpu(), theta.detach().cpu())}
+        r.torch_unequal = {"param": count_unequal_nan_equal(params[p.fqn].detach().cpu(), theta.detach().cpu())}
         for f in ("exp_avg", "exp_avg_sq", "step"):
             if f in mine and f in ref:
-                r.torch_unequal[f] = count_unequal(
+                r.torch_unequal[f] = count_unequal_nan_equal(
                     mine[f].detach().cpu().reshape(-1), ref[f].detach().cpu().reshape(-1)
                 )
         bad = {f: n for f, n in r.torch_unequal.items() if n}

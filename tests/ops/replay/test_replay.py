@@ -687,3 +687,46 @@ def test_a_saved_lr_far_beyond_the_weights_is_still_an_update_size_failure(tmp_p
         "(the moments are within Adam's bound, so the saved lr 10 is beyond the tensor's scale: a wrong lr in the "
         "saved param group (a scheduler or conversion bug))"
     ), w.problems
+
+
+def _adamw_linear_with(tmp_path: Path, mutate: Any, make_optim: Any = None) -> tuple[Path, Path, Any, Any]:
+    """A ``torch.nn.Linear(8, 4)`` stepped 3 times by ``torch.optim.AdamW`` (or ``make_optim(params)``), its
+    ``get_state_dict`` optimizer state changed by ``mutate(osd)`` and saved with ``dcp.save``; gradients of the next
+    step in ``g.safetensors``. Returns (checkpoint, gradients file, model, optimizer) before that step."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = (make_optim or (lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)))(model.parameters())
+    train_steps(model, opt, 3, loss="square")
+    msd, osd = get_state_dict(model, opt)
+    mutate(osd)
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "ck")
+    gen = torch.Generator().manual_seed(7)
+    save_file(
+        {n: torch.randn(p.shape, generator=gen) * 1e-2 for n, p in model.named_parameters()},
+        str(tmp_path / "g.safetensors"),
+    )
+    return tmp_path / "ck", tmp_path / "g.safetensors", model, opt
+
+
+def test_a_nan_saved_state_is_not_called_a_difference_from_torch(tmp_path: Path) -> None:
+    """With a NaN saved in exp_avg_sq, --reference torch said the replay 'differs bitwise from torch.optim.AdamW(...)
+    on the saved state: param in 1 element(s), exp_avg_sq in 1 element(s)': torch's own step gives NaN at the same
+    elements (NaN != NaN). The replay reproduces torch there; the failure is the saved NaN (D001) alone."""
+
+    def mutate(osd: dict[str, Any]) -> None:
+        osd["state"]["weight"]["exp_avg_sq"][1, 2] = float("nan")
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, mutate)
+    res = run(ck, "--device", "cpu", "--grads", grads, "--reference", "torch", "--json")
+    assert res.exit_code == 1, res.output
+    doc = json.loads(res.stdout)
+    weight = next(p for p in doc["params"] if p["fqn"] == "weight")
+    assert weight["torch_unequal"] == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0}
+    assert weight["problems"][0].startswith("saved exp_avg_sq holds non-finite values [D001]: 1 NaN of 32 element(s)")
+    assert not any("torch.optim.AdamW" in p for p in weight["problems"]), weight["problems"]
+    assert_no_traceback(res)
