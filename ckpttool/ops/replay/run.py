@@ -1367,7 +1367,8 @@ class _SlabContext:
                 )
 
     def _nonfinite_saved(self) -> list[str]:
-        """A ``D001`` problem for each saved field (moments, master, parameter) holding NaN or infinity.
+        """A ``D001`` problem for each saved field (moments, master, parameter) holding NaN or infinity (``D002``
+        for a negative saved ``exp_avg_sq``).
 
         Read again slab by slab only for a parameter that failed (``[]`` without reading for one that passes so
         far): a non-finite saved value, not the replay, is then why the master, moments and parameter differ from
@@ -1399,7 +1400,35 @@ class _SlabContext:
                     f"{first}; AdamW's step from it is not finite (the differences below follow from it, not from "
                     "the replay)"
                 )
+            if f == "exp_avg_sq":
+                out.extend(self._negative_saved(f))
         return out
+
+    def _negative_saved(self, f: str) -> list[str]:
+        """A ``D002`` problem when the saved second moment holds negative values (as ``validate --deep``).
+
+        Adam's ``exp_avg_sq`` is a running mean of squares; the square root of a negative one is NaN, so the step
+        of those elements is not finite, whatever the replay does.
+        """
+        n = self.p.numel
+        count = 0
+        lowest = 0.0
+        first: int | None = None
+        for a in range(0, n, self.slab):
+            t = self._read(f, a, min(a + self.slab, n))
+            neg = t < 0
+            if neg.any():
+                count += int(neg.sum())
+                lowest = min(lowest, float(t[neg].min()))
+                if first is None:
+                    first = a + int(neg.nonzero()[0, 0])
+        if first is None:
+            return []
+        return [
+            f"saved {f} holds negative values [D002]: {count} of {n} element(s) (min {lowest:.3g}), the first at "
+            f"flat index {first}; the square root of a negative second moment is NaN, so AdamW's step from it is "
+            "not finite (the differences below follow from it, not from the replay)"
+        ]
 
     def _check_update(self, parts: list[dict[str, Any]]) -> None:
         """Merge the slabs' update sizes into the result; beyond the bounds is an ``R003`` problem."""

@@ -730,3 +730,26 @@ def test_a_nan_saved_state_is_not_called_a_difference_from_torch(tmp_path: Path)
     assert weight["problems"][0].startswith("saved exp_avg_sq holds non-finite values [D001]: 1 NaN of 32 element(s)")
     assert not any("torch.optim.AdamW" in p for p in weight["problems"]), weight["problems"]
     assert_no_traceback(res)
+
+
+def test_a_negative_saved_second_moment_is_named_as_the_cause(tmp_path: Path) -> None:
+    """A negative saved exp_avg_sq (validate --deep's D002) failed the replay (right) with only its consequences:
+    'update size [R003]: max |m_hat|/(sqrt(v_hat)+eps) inf ...' and 'param: 1 element(s) beyond tolerance (max abs
+    inf ...)', E700 blaming the update size. The first problem, and E700's cause, is now the negative saved value."""
+
+    def mutate(osd: dict[str, Any]) -> None:
+        osd["state"]["weight"]["exp_avg_sq"][1, 2] = -1e-4
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, mutate)
+    res = run(ck, "--device", "cpu", "--grads", grads)
+    assert res.exit_code == 1, res.output
+    assert res.stderr.startswith(
+        "error: [E700] 1 of 2 parameter(s) do not reproduce the reference step; worst weight: saved exp_avg_sq holds "
+        "negative values [D002]: 1 of 32 element(s) (min -0.0001), the first at flat index 10; "
+    ), res.stderr
+    assert_no_traceback(res)
+    result, _ = replay_collect(ck, grads=str(grads), reference="torch")
+    (worst,) = result.failed
+    assert worst.problems[0].startswith("saved exp_avg_sq holds negative values [D002]")
+    assert not any("D002" in p or "D001" in p for p in worst.problems[1:]), worst.problems
+    assert worst.torch_unequal == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0}
