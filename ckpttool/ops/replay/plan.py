@@ -58,6 +58,9 @@ class Hyper:
         group_id: nested group index, or the leaf's first fqn (flattened flavor).
         lr, beta1, beta2, eps, weight_decay: Python floats.
         extra: other saved group entries (``amsgrad``, ``foreach``, ...), JSON-able.
+        lr_dtype: the dtype of ``lr`` where the group saved it as a tensor
+            (``torch.optim.AdamW(lr=torch.tensor(...))``), else ``None``: ``torch.optim.AdamW`` computes its step
+            with a tensor ``lr`` in that dtype, so the replay of an ``adamw`` parameter passes it as one.
     """
 
     group_id: int | str
@@ -67,6 +70,7 @@ class Hyper:
     eps: float
     weight_decay: float
     extra: tuple[tuple[str, Any], ...] = ()
+    lr_dtype: str | None = None
 
     def as_kwargs(self) -> dict[str, Any]:
         """Constructor keywords of every ckpttool optimizer: ``lr, betas, eps, weight_decay``."""
@@ -155,7 +159,7 @@ def _float(value: Any, what: str, fqn: str) -> float:
     return out
 
 
-def _hyper(group: Any, fqn: str, group_id: int | str) -> Hyper:
+def _hyper(group: Any, fqn: str, group_id: int | str, lr_dtype: str | None = None) -> Hyper:
     values = group.values
     missing = [h for h in ("lr", "betas", "eps", "weight_decay") if h not in values]
     if "betas" in missing:  # every Adam-family group saves betas: this one was saved by another optimizer
@@ -213,6 +217,7 @@ def _hyper(group: Any, fqn: str, group_id: int | str) -> Hyper:
         _float(values["eps"], "eps", fqn),
         _float(values["weight_decay"], "weight_decay", fqn),
         extra,
+        lr_dtype,
     )
     # AdamW's own domain (torch.optim.AdamW refuses the same values): named here, not as a bare option error
     for what, value, ok, domain in (
@@ -469,8 +474,14 @@ def _membership(
         )
     params = params_in_model + list(fused)
     group_of = {f: g for f in params if (g := cat.group_of(f)) is not None}
-    hypers = {f: _hyper(group_of[f], f, group_of[f].group_id) for f in params}
+    hypers = {f: _hyper(group_of[f], f, group_of[f].group_id, _lr_dtype(cat, group_of[f])) for f in params}
     return _Membership(grouped, params, group_of, hypers, fused, stepped)
+
+
+def _lr_dtype(cat: Catalog, group: Any) -> str | None:
+    """The dtype of the group's ``lr`` where it is saved as a one-element tensor (``Catalog.group_tensors``)."""
+    entry = cat.group_tensors.get(group.keys.get("lr", ""))
+    return str(entry.dtype) if entry is not None else None
 
 
 def _part_groups(cat: Catalog, fqn: str, parts: tuple[str, ...], head_dim: int | None) -> int | None:

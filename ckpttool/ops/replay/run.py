@@ -827,8 +827,10 @@ def _build_optimizers(
     optimizers: list[tuple[Any, list[ParamPlan], bool]] = []
     for (type_name, hyper, offloaded), members in buckets.items():
         group = {"params": [(m.fqn, params[m.fqn]) for m in members], **hyper.as_kwargs()}
-        if type_name == "adamw" and "fused" not in plan_config.get(type_name, {}):
-            group.update(saved_flags(hyper, dev, ("fused", "foreach", "capturable")))  # the run's implementation
+        if type_name == "adamw":
+            if "fused" not in plan_config.get(type_name, {}):
+                group.update(saved_flags(hyper, dev, ("fused", "foreach", "capturable")))  # the run's implementation
+            group["lr"] = torch_lr(hyper, dev, {**group, **plan_config.get(type_name, {})})
         opt = build_optimizer(type_name, [group], **plan_config.get(type_name, {}))
         saved_group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
         saved_group["params"] = list(range(len(members)))
@@ -838,6 +840,19 @@ def _build_optimizers(
         opt.load_state_dict({"state": state, "param_groups": [saved_group]})
         optimizers.append((opt, members, offloaded and dev.type != "cpu"))
     return params, optimizers
+
+
+def torch_lr(hyper: Hyper, dev: Any, flags: dict[str, bool]) -> Any:
+    """The ``lr`` to build ``torch.optim.AdamW`` with ``flags``: the saved float, or a 0-d tensor of the saved dtype
+    where the group saved one (torch then computes ``lr * weight_decay`` and the step size with the tensor: a float
+    gives results an ulp away from the run's own step). A float where torch refuses a tensor (``foreach`` without
+    ``capturable``: a run captured on an accelerator, replayed on the CPU)."""
+    if hyper.lr_dtype is None or (flags.get("foreach") and not flags.get("capturable")):
+        return hyper.lr
+    import torch
+
+    dtype = getattr(torch, hyper.lr_dtype)
+    return torch.tensor(hyper.lr, dtype=dtype, device=dev if flags.get("capturable") else "cpu")
 
 
 def saved_flags(hyper: Hyper, dev: Any, names: Sequence[str] = TORCH_FLAGS) -> dict[str, bool]:
@@ -880,7 +895,7 @@ def _torch_reference(
             continue
         flags = saved_flags(p.hyper, dev)
         theta = torch.nn.Parameter(saved["param"].to(dev, copy=True))
-        kwargs: dict[str, Any] = {**p.hyper.as_kwargs(), **flags}
+        kwargs: dict[str, Any] = {**p.hyper.as_kwargs(), **flags, "lr": torch_lr(p.hyper, dev, flags)}
         opt = torch.optim.AdamW([theta], **kwargs)
         if not p.fresh:
             st = {k: v.to(dev) if k != "step" else v for k, v in saved.items() if k != "param"}

@@ -753,3 +753,27 @@ def test_a_negative_saved_second_moment_is_named_as_the_cause(tmp_path: Path) ->
     assert worst.problems[0].startswith("saved exp_avg_sq holds negative values [D002]")
     assert not any("D002" in p or "D001" in p for p in worst.problems[1:]), worst.problems
     assert worst.torch_unequal == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0}
+
+
+def test_a_tensor_lr_replays_torchs_own_step_bitwise(tmp_path: Path) -> None:
+    """torch.optim.AdamW(lr=torch.tensor(0.01)) saves its lr as a 0-d tensor; replay-step built AdamW with the float
+    and said 'OK' with --reference torch (torch_unequal 0, its reference built the same way) while the run's own next
+    step differs from it by an ulp in some elements (torch computes lr * weight_decay and the step size with the
+    tensor). Both now take the saved tensor: the replay equals torch's own step bitwise."""
+    from safetensors.torch import load_file
+
+    ck, grads, model, opt = _adamw_linear_with(
+        tmp_path, lambda osd: None, lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-2), weight_decay=0.1)
+    )
+    assert torch.is_tensor(opt.param_groups[0]["lr"])
+    g = load_file(str(grads))
+    for n, p in model.named_parameters():
+        p.grad = g[n].clone()
+    opt.step()  # the run's own next step
+    res, got = replay_collect(ck, grads=str(grads), reference="torch")
+    assert res.ok, [(r.fqn, r.problems) for r in res.params]
+    for n, p in model.named_parameters():
+        assert torch.equal(got[n]["param"], p.detach()), n
+        assert torch.equal(got[n]["exp_avg"], opt.state[p]["exp_avg"]), n
+        assert torch.equal(got[n]["exp_avg_sq"], opt.state[p]["exp_avg_sq"]), n
+    assert all(r.torch_unequal == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0} for r in res.params)
