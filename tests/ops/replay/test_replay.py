@@ -777,3 +777,25 @@ def test_a_tensor_lr_replays_torchs_own_step_bitwise(tmp_path: Path) -> None:
         assert torch.equal(got[n]["exp_avg"], opt.state[p]["exp_avg"]), n
         assert torch.equal(got[n]["exp_avg_sq"], opt.state[p]["exp_avg_sq"]), n
     assert all(r.torch_unequal == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0} for r in res.params)
+
+
+def test_state_of_a_tensor_in_no_group_and_not_in_the_model_is_a_skip(tmp_path: Path) -> None:
+    """Optimizer state for an fqn that is neither a model tensor nor in a param group (validate's O003: a renamed or
+    removed parameter) was passed over without a word: 'OK: 2 of 2 parameters match'. It was stepped and is not
+    replayed: it is listed in params_skipped with a note, and the result is not OK (exit 1), as for the same state
+    listed in a param group."""
+
+    def mutate(osd: dict[str, Any]) -> None:
+        osd["state"]["old.weight"] = {k: v.clone() for k, v in osd["state"]["weight"].items()}
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, mutate)
+    res = run(ck, "--device", "cpu", "--grads", grads, "--json")
+    assert res.exit_code == 1, res.output
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is False and doc["params_skipped"] == ["old.weight"] and doc["params_total"] == 2
+    assert any("neither model tensors nor in a param group" in n and "old.weight" in n for n in doc["notes"])
+    assert res.stderr.startswith(
+        "error: [E700] 1 parameter(s) with saved optimizer state were not replayed (e.g. old.weight)"
+    )
+    # left out on purpose, it is not a skip
+    assert run(ck, "--device", "cpu", "--grads", grads, "--filter", "weight").exit_code == 0
