@@ -488,7 +488,36 @@ def _membership(
     params = params_in_model + list(fused)
     group_of = {f: g for f in params if (g := cat.group_of(f)) is not None}
     hypers = {f: _hyper(group_of[f], f, group_of[f].group_id, _lr_dtype(cat, group_of[f])) for f in params}
+    _check_listed_once(cat, hypers, wanted)
     return _Membership(grouped, params, group_of, hypers, fused, stepped)
+
+
+def _check_listed_once(cat: Catalog, hypers: dict[str, Hyper], wanted: Callable[[str], bool] | None) -> None:
+    """Refuse a selected parameter listed in two param groups with different hyperparameters (E514).
+
+    ``torch.optim`` refuses to build such an optimizer ("some parameters appear in more than one parameter group"),
+    so no run saved it; the catalog takes the first group, and which ``lr`` stepped the parameter is unknown.
+    """
+    if sum(len(g.params) for g in cat.param_groups) == len(cat.group_index()):
+        return  # every fqn listed once (the common case, at C speed)
+    first: dict[str, Hyper] = {}
+    for g in cat.param_groups:
+        for f in g.params:
+            h = hypers.get(f)
+            if h is None or (wanted is not None and not wanted(f)):
+                continue
+            if f not in first:
+                first[f] = h
+                continue
+            other = _hyper(g, f, g.group_id, _lr_dtype(cat, g))
+            if other.as_kwargs() != h.as_kwargs():
+                raise HyperparameterError(
+                    f"parameter {f} is listed in param groups {h.group_id} (lr {h.lr:g}, weight_decay "
+                    f"{h.weight_decay:g}) and {g.group_id} (lr {other.lr:g}, weight_decay {other.weight_decay:g}): "
+                    "torch.optim never builds a parameter into two groups, so which hyperparameters step it is unknown",
+                    fqn=f,
+                    hint="the param groups were merged or edited wrongly; leave the parameter out with `filter_glob`",
+                )
 
 
 def _lr_dtype(cat: Catalog, group: Any) -> str | None:

@@ -799,3 +799,23 @@ def test_state_of_a_tensor_in_no_group_and_not_in_the_model_is_a_skip(tmp_path: 
     )
     # left out on purpose, it is not a skip
     assert run(ck, "--device", "cpu", "--grads", grads, "--filter", "weight").exit_code == 0
+
+
+def test_a_parameter_listed_in_two_param_groups_is_refused(tmp_path: Path) -> None:
+    """A saved optimizer whose param groups list one parameter twice with different lr (torch.optim refuses to build
+    that; a bad merge of groups writes it) replayed with the first group's lr and said 'OK: 2 of 2'; validate --strict
+    said OK too. Which lr stepped it is unknown: E514 (exit 2) names both groups; --filter leaves it out."""
+
+    def mutate(osd: dict[str, Any]) -> None:
+        osd["param_groups"].append({**osd["param_groups"][0], "params": ["weight"], "lr": 0.5})
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, mutate)
+    res = run(ck, "--device", "cpu", "--grads", grads)
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    assert res.stderr.splitlines() == [
+        "error: [E514] parameter weight is listed in param groups 0 (lr 0.01, weight_decay 0.1) and 1 (lr 0.5, "
+        "weight_decay 0.1): torch.optim never builds a parameter into two groups, so which hyperparameters step it "
+        "is unknown",
+        "hint: the param groups were merged or edited wrongly; leave the parameter out with --filter",
+    ]
+    assert run(ck, "--device", "cpu", "--grads", grads, "--filter", "bias").exit_code == 0
