@@ -781,9 +781,12 @@ def _load_batch(
     for p in batch:
         t = loaded[p.fqn]
         step_before = float(t["step"].item()) if "step" in t else 0.0
-        if not (math.isfinite(step_before) and step_before >= 0.0):  # a count of steps taken: Adam's bias
-            raise StateDtypeError(  # corrections of a negative, infinite or NaN step are complex or NaN
-                f"optimizer state {p.fqn}.step is {step_before:g}, not a count of steps taken (a finite number >= 0)",
+        # a count of steps taken: Adam's bias corrections of a negative, infinite or NaN step are complex or NaN,
+        # and a fractional one (2.5) is no step torch takes (its counter adds 1.0 to a float32 whole number)
+        if not (math.isfinite(step_before) and step_before >= 0.0 and step_before.is_integer()):
+            raise StateDtypeError(
+                f"optimizer state {p.fqn}.step is {step_before:g}, not a count of steps taken (a finite whole number "
+                ">= 0)",
                 fqn=p.fqn,
                 hint="run `ckpttool validate --strict --deep` on the checkpoint to see every problem",
             )

@@ -819,3 +819,19 @@ def test_a_parameter_listed_in_two_param_groups_is_refused(tmp_path: Path) -> No
         "hint: the param groups were merged or edited wrongly; leave the parameter out with --filter",
     ]
     assert run(ck, "--device", "cpu", "--grads", grads, "--filter", "bias").exit_code == 0
+
+
+def test_a_fractional_saved_step_is_refused(tmp_path: Path) -> None:
+    """A saved step of 2.5 (no torch optimizer counts so: its counter adds 1.0 to a whole number) replayed with bias
+    corrections at step 3.5 and said 'OK: 2 of 2', as negative and NaN steps no longer did (E511)."""
+
+    def mutate(osd: dict[str, Any]) -> None:
+        osd["state"]["weight"]["step"] = torch.tensor(2.5)
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, mutate)
+    res = run(ck, "--device", "cpu", "--grads", grads)
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    assert res.stderr.startswith(
+        "error: [E511] optimizer state weight.step is 2.5, not a count of steps taken (a finite whole number >= 0)\n"
+    ), res.stderr
+    assert_no_traceback(res)
