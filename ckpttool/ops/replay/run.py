@@ -498,6 +498,15 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
             f"warning: {len(synth)} parameter(s) have synthesized state (step 1, all-zero exp_avg/exp_avg_sq: the "
             f"optimizer never stepped before the save), e.g. {synth[0]}; `ckpttool validate --deep` reports D005"
         )
+    if opts.reference == "torch":
+        masters = [p for p in plan.params if p.optimizer_type != "adamw"]
+        if masters:
+            types = ", ".join(sorted({p.optimizer_type for p in masters}))
+            notes.append(
+                f"`reference` torch: {len(masters)} of {len(plan.params)} parameter(s) ({types}: an FP32 master "
+                "torch.optim.AdamW does not keep) are compared with the formula reference only, e.g. "
+                f"{masters[0].fqn}"
+            )
     grad_file = GradFile(opts.grads) if opts.grads is not None else None
     if grad_file is not None:
         for p in plan.params:

@@ -835,3 +835,19 @@ def test_a_fractional_saved_step_is_refused(tmp_path: Path) -> None:
         "error: [E511] optimizer state weight.step is 2.5, not a count of steps taken (a finite whole number >= 0)\n"
     ), res.stderr
     assert_no_traceback(res)
+
+
+def test_reference_torch_says_which_parameters_it_does_not_cover(full_fx: Path) -> None:
+    """`--reference torch` on a checkpoint of FP32-master AdamW (full_fp32_adamw) printed the same 'replay  1 step vs a
+    float64 reference' line as without it and 'OK': nothing said the torch comparison asked for ran on no parameter.
+    A note now names how many parameters it leaves to the formula reference and why."""
+    res = run(full_fx / "ckpt", "--device", "cpu", "--reference", "torch")
+    assert res.exit_code == 0, res.output
+    notes = [line for line in res.stdout.splitlines() if line.startswith("note ")]
+    assert any(
+        "--reference torch: 17 of 17 parameter(s) (full_fp32_adamw: an FP32 master torch.optim.AdamW does not keep) "
+        "are compared with the formula reference only" in n
+        for n in notes
+    ), notes
+    plain = run(full_fx / "ckpt", "--device", "cpu")
+    assert "--reference torch" not in plain.stdout
