@@ -741,6 +741,19 @@ def _configs(
         notes.append(
             "cpu_offload_adamw without offload patterns (record or --offload-patterns): every parameter resident"
         )
+    unused = [
+        name
+        for name, given in (
+            ("`offload_patterns`", choice.base_cfg.get("offload_patterns")),
+            ("`chunk_size`", chunk_size),
+        )
+        if given is not None and given != [] and "cpu_offload_adamw" not in config
+    ]
+    if unused:
+        notes.append(
+            f"warning: {' and '.join(unused)} ignored: options of cpu_offload_adamw, and the replay runs "
+            f"{', '.join(sorted(types_used))} (from {choice.reason}); `optimizer` cpu_offload_adamw replays with them"
+        )
     return config
 
 

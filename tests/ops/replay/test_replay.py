@@ -851,3 +851,25 @@ def test_reference_torch_says_which_parameters_it_does_not_cover(full_fx: Path) 
     ), notes
     plain = run(full_fx / "ckpt", "--device", "cpu")
     assert "--reference torch" not in plain.stdout
+
+
+def test_offload_options_that_no_parameter_uses_are_named(full_fx: Path, tmp_path: Path) -> None:
+    """--offload-patterns and --chunk-size configure cpu_offload_adamw only; on a checkpoint whose layout record says
+    full_fp32_adamw (or a torch.optim.AdamW one) they were dropped without a word and the report looked like an
+    offload replay that passed. A warning note now says they were ignored and what would use them."""
+    res = run(full_fx / "ckpt", "--device", "cpu", "--offload-patterns", "experts", "--chunk-size", "100")
+    assert res.exit_code == 0, res.output
+    notes = [line for line in res.stdout.splitlines() if line.startswith("note ")]
+    assert (
+        "note        warning: --offload-patterns and --chunk-size ignored: options of cpu_offload_adamw, and the "
+        "replay runs full_fp32_adamw (from layout record optimizer.type); --optimizer-type cpu_offload_adamw "
+        "replays with them"
+    ) in notes, notes
+    res = run(
+        full_fx / "ckpt", "--device", "cpu", "--offload-patterns", "experts", "--optimizer-type", "cpu_offload_adamw"
+    )
+    assert res.exit_code == 0, res.output
+    assert "ignored" not in res.stdout
+    ck, _, _, _ = _adamw_linear_with(tmp_path, lambda osd: None)
+    doc = json.loads(run(ck, "--device", "cpu", "--chunk-size", "7", "--json").stdout)
+    assert doc["ok"] is True and any(n.startswith("warning: `chunk_size` ignored") for n in doc["notes"]), doc["notes"]
