@@ -32,7 +32,13 @@ from ckpttool.format.metadata import dtype_name
 from ckpttool.layouts.record import LayoutRecord
 from ckpttool.model.catalog import Catalog, TensorEntry, frozen_params, leaf_key, lost_state, match_filter
 from ckpttool.model.schemas.base import canonical_model_key
-from ckpttool.optim_state.schema import OPTIMIZER_TYPES, expected_state_dtypes, infer_optimizer_type, other_adam_family
+from ckpttool.optim_state.schema import (
+    OPTIMIZER_TYPES,
+    STATE_FIELDS,
+    expected_state_dtypes,
+    infer_optimizer_type,
+    other_adam_family,
+)
 
 __all__ = [
     "Hyper",
@@ -639,7 +645,10 @@ def _infer_type(
             try:
                 inferred[f] = infer_optimizer_type(saved)
             except OptimStateError as e:
-                raise StateDtypeError(
+                # a missing or unknown field is E510, as against a declared type (_check_policy); a dtype E511
+                keys = set(saved)
+                fields_wrong = not {"step", "exp_avg", "exp_avg_sq"} <= keys or not keys <= set(STATE_FIELDS)
+                raise (StateFieldsError if fields_wrong else StateDtypeError)(
                     f"optimizer state of {f}: {e.message}",
                     fqn=f,
                     hint="run `ckpttool validate --strict` on the checkpoint; pass `optimizer` to declare the type",

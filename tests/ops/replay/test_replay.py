@@ -873,3 +873,28 @@ def test_offload_options_that_no_parameter_uses_are_named(full_fx: Path, tmp_pat
     ck, _, _, _ = _adamw_linear_with(tmp_path, lambda osd: None)
     doc = json.loads(run(ck, "--device", "cpu", "--chunk-size", "7", "--json").stdout)
     assert doc["ok"] is True and any(n.startswith("warning: `chunk_size` ignored") for n in doc["notes"]), doc["notes"]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda st: st.pop("step"), "optimizer state lacks field(s) step (have exp_avg, exp_avg_sq)"),
+        (lambda st: st.pop("exp_avg"), "optimizer state lacks field(s) exp_avg (have exp_avg_sq, step)"),
+        (
+            lambda st: st.__setitem__("max_exp_avg_sq", st["exp_avg_sq"].clone()),
+            "unknown optimizer state field(s) max_exp_avg_sq",
+        ),
+    ],
+)
+def test_missing_or_unknown_fields_without_a_record_are_e510(tmp_path: Path, mutate: Any, message: str) -> None:
+    """docs/replay.md: a missing or extra state field is E510. A torch.optim.AdamW checkpoint (no layout record, the
+    type inferred from the fields) without its step, or with an extra field, was E511, the dtype-policy code."""
+
+    def change(osd: dict[str, Any]) -> None:
+        mutate(osd["state"]["weight"])
+
+    ck, _, _, _ = _adamw_linear_with(tmp_path, change)
+    res = run(ck, "--device", "cpu")
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    assert res.stderr.startswith(f"error: [E510] optimizer state of weight: {message}"), res.stderr
+    assert_no_traceback(res)
