@@ -431,6 +431,22 @@ def _ungrouped(
     return stepped
 
 
+def _stray_state(cat: Catalog, grouped: set[str], notes: list[str], wanted: Callable[[str], bool] | None) -> list[str]:
+    """Notes and returns the fqns with saved state that neither the model nor any param group holds (validate's
+    ``O003``): stepped, and not replayable (a renamed or removed parameter); never passed over."""
+    stray = sorted(
+        f
+        for f, ps in cat.optimizer_state.items()
+        if ps.fields and not ps.in_model and not ps.stored_as and f not in grouped and (wanted is None or wanted(f))
+    )
+    if stray:
+        notes.append(
+            f"{len(stray)} parameter(s) with saved optimizer state are neither model tensors nor in a param group: "
+            f"not replayed, e.g. {stray[0]} (validate: O003)"
+        )
+    return stray
+
+
 def _membership(
     cat: Catalog, notes: list[str], head_dim: int | None = None, wanted: Callable[[str], bool] | None = None
 ) -> _Membership:
@@ -473,19 +489,7 @@ def _membership(
     other_orphans = [f for f in orphans if f not in fused]
     stepped = [f for f in other_orphans if (ps := cat.optimizer_state.get(f)) is not None and ps.fields]
     stepped += ungrouped_stepped
-    # state for an fqn neither the model nor any param group holds (validate's O003): something was stepped
-    # that this replay cannot step (a renamed or removed parameter), never passed over
-    stray = sorted(
-        f
-        for f, ps in cat.optimizer_state.items()
-        if ps.fields and not ps.in_model and not ps.stored_as and f not in grouped and (wanted is None or wanted(f))
-    )
-    if stray:
-        notes.append(
-            f"{len(stray)} parameter(s) with saved optimizer state are neither model tensors nor in a param group: "
-            f"not replayed, e.g. {stray[0]} (validate: O003)"
-        )
-    stepped += stray
+    stepped += _stray_state(cat, grouped, notes, wanted)
     other_orphans = [f for f in other_orphans if f not in unknown]
     if other_orphans:
         notes.append(
