@@ -32,7 +32,13 @@ from ckpttool.format.metadata import dtype_name
 from ckpttool.layouts.record import LayoutRecord
 from ckpttool.model.catalog import Catalog, TensorEntry, frozen_params, leaf_key, lost_state, match_filter
 from ckpttool.model.schemas.base import canonical_model_key
-from ckpttool.optim_state.schema import OPTIMIZER_TYPES, expected_state_dtypes, infer_optimizer_type, other_adam_family
+from ckpttool.optim_state.schema import (
+    OPTIMIZER_TYPES,
+    STATE_FIELDS,
+    expected_state_dtypes,
+    infer_optimizer_type,
+    other_adam_family,
+)
 
 __all__ = [
     "Hyper",
@@ -58,6 +64,9 @@ class Hyper:
         group_id: nested group index, or the leaf's first fqn (flattened flavor).
         lr, beta1, beta2, eps, weight_decay: Python floats.
         extra: other saved group entries (``amsgrad``, ``foreach``, ...), JSON-able.
+        lr_dtype: the dtype of ``lr`` where the group saved it as a tensor
+            (``torch.optim.AdamW(lr=torch.tensor(...))``), else ``None``: ``torch.optim.AdamW`` computes its step
+            with a tensor ``lr`` in that dtype, so the replay of an ``adamw`` parameter passes it as one.
     """
 
     group_id: int | str
@@ -67,6 +76,7 @@ class Hyper:
     eps: float
     weight_decay: float
     extra: tuple[tuple[str, Any], ...] = ()
+    lr_dtype: str | None = None
 
     def as_kwargs(self) -> dict[str, Any]:
         """Constructor keywords of every ckpttool optimizer: ``lr, betas, eps, weight_decay``."""
@@ -155,7 +165,7 @@ def _float(value: Any, what: str, fqn: str) -> float:
     return out
 
 
-def _hyper(group: Any, fqn: str, group_id: int | str) -> Hyper:
+def _hyper(group: Any, fqn: str, group_id: int | str, lr_dtype: str | None = None) -> Hyper:
     values = group.values
     missing = [h for h in ("lr", "betas", "eps", "weight_decay") if h not in values]
     if "betas" in missing:  # every Adam-family group saves betas: this one was saved by another optimizer
@@ -213,6 +223,7 @@ def _hyper(group: Any, fqn: str, group_id: int | str) -> Hyper:
         _float(values["eps"], "eps", fqn),
         _float(values["weight_decay"], "weight_decay", fqn),
         extra,
+        lr_dtype,
     )
     # AdamW's own domain (torch.optim.AdamW refuses the same values): named here, not as a bare option error
     for what, value, ok, domain in (
@@ -420,6 +431,22 @@ def _ungrouped(
     return stepped
 
 
+def _stray_state(cat: Catalog, grouped: set[str], notes: list[str], wanted: Callable[[str], bool] | None) -> list[str]:
+    """Notes and returns the fqns with saved state that neither the model nor any param group holds (validate's
+    ``O003``): stepped, and not replayable (a renamed or removed parameter); never passed over."""
+    stray = sorted(
+        f
+        for f, ps in cat.optimizer_state.items()
+        if ps.fields and not ps.in_model and not ps.stored_as and f not in grouped and (wanted is None or wanted(f))
+    )
+    if stray:
+        notes.append(
+            f"{len(stray)} parameter(s) with saved optimizer state are neither model tensors nor in a param group: "
+            f"not replayed, e.g. {stray[0]} (validate: O003)"
+        )
+    return stray
+
+
 def _membership(
     cat: Catalog, notes: list[str], head_dim: int | None = None, wanted: Callable[[str], bool] | None = None
 ) -> _Membership:
@@ -462,6 +489,7 @@ def _membership(
     other_orphans = [f for f in orphans if f not in fused]
     stepped = [f for f in other_orphans if (ps := cat.optimizer_state.get(f)) is not None and ps.fields]
     stepped += ungrouped_stepped
+    stepped += _stray_state(cat, grouped, notes, wanted)
     other_orphans = [f for f in other_orphans if f not in unknown]
     if other_orphans:
         notes.append(
@@ -469,8 +497,43 @@ def _membership(
         )
     params = params_in_model + list(fused)
     group_of = {f: g for f in params if (g := cat.group_of(f)) is not None}
-    hypers = {f: _hyper(group_of[f], f, group_of[f].group_id) for f in params}
+    hypers = {f: _hyper(group_of[f], f, group_of[f].group_id, _lr_dtype(cat, group_of[f])) for f in params}
+    _check_listed_once(cat, hypers, wanted)
     return _Membership(grouped, params, group_of, hypers, fused, stepped)
+
+
+def _check_listed_once(cat: Catalog, hypers: dict[str, Hyper], wanted: Callable[[str], bool] | None) -> None:
+    """Refuse a selected parameter listed in two param groups with different hyperparameters (E514).
+
+    ``torch.optim`` refuses to build such an optimizer ("some parameters appear in more than one parameter group"),
+    so no run saved it; the catalog takes the first group, and which ``lr`` stepped the parameter is unknown.
+    """
+    if sum(len(g.params) for g in cat.param_groups) == len(cat.group_index()):
+        return  # every fqn listed once (the common case, at C speed)
+    first: dict[str, Hyper] = {}
+    for g in cat.param_groups:
+        for f in g.params:
+            h = hypers.get(f)
+            if h is None or (wanted is not None and not wanted(f)):
+                continue
+            if f not in first:
+                first[f] = h
+                continue
+            other = _hyper(g, f, g.group_id, _lr_dtype(cat, g))
+            if other.as_kwargs() != h.as_kwargs():
+                raise HyperparameterError(
+                    f"parameter {f} is listed in param groups {h.group_id} (lr {h.lr:g}, weight_decay "
+                    f"{h.weight_decay:g}) and {g.group_id} (lr {other.lr:g}, weight_decay {other.weight_decay:g}): "
+                    "torch.optim never builds a parameter into two groups, so which hyperparameters step it is unknown",
+                    fqn=f,
+                    hint="the param groups were merged or edited wrongly; leave the parameter out with `filter_glob`",
+                )
+
+
+def _lr_dtype(cat: Catalog, group: Any) -> str | None:
+    """The dtype of the group's ``lr`` where it is saved as a one-element tensor (``Catalog.group_tensors``)."""
+    entry = cat.group_tensors.get(group.keys.get("lr", ""))
+    return str(entry.dtype) if entry is not None else None
 
 
 def _part_groups(cat: Catalog, fqn: str, parts: tuple[str, ...], head_dim: int | None) -> int | None:
@@ -586,7 +649,10 @@ def _infer_type(
             try:
                 inferred[f] = infer_optimizer_type(saved)
             except OptimStateError as e:
-                raise StateDtypeError(
+                # a missing or unknown field is E510, as against a declared type (_check_policy); a dtype E511
+                keys = set(saved)
+                fields_wrong = not {"step", "exp_avg", "exp_avg_sq"} <= keys or not keys <= set(STATE_FIELDS)
+                raise (StateFieldsError if fields_wrong else StateDtypeError)(
                     f"optimizer state of {f}: {e.message}",
                     fqn=f,
                     hint="run `ckpttool validate --strict` on the checkpoint; pass `optimizer` to declare the type",
@@ -687,6 +753,19 @@ def _configs(
     if "cpu_offload_adamw" in config and not config["cpu_offload_adamw"]["cpu_offload"]:
         notes.append(
             "cpu_offload_adamw without offload patterns (record or --offload-patterns): every parameter resident"
+        )
+    unused = [
+        name
+        for name, given in (
+            ("`offload_patterns`", choice.base_cfg.get("offload_patterns")),
+            ("`chunk_size`", chunk_size),
+        )
+        if given is not None and given != [] and "cpu_offload_adamw" not in config
+    ]
+    if unused:
+        notes.append(
+            f"warning: {' and '.join(unused)} ignored: options of cpu_offload_adamw, and the replay runs "
+            f"{', '.join(sorted(types_used))} (from {choice.reason}); `optimizer` cpu_offload_adamw replays with them"
         )
     return config
 

@@ -32,6 +32,7 @@ from ckpttool.ops.replay.compare import (
     FieldError,
     compare_field,
     count_unequal,
+    count_unequal_nan_equal,
     effective_rtol,
     machine_eps,
     merge_field_errors,
@@ -497,6 +498,15 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
             f"warning: {len(synth)} parameter(s) have synthesized state (step 1, all-zero exp_avg/exp_avg_sq: the "
             f"optimizer never stepped before the save), e.g. {synth[0]}; `ckpttool validate --deep` reports D005"
         )
+    if opts.reference == "torch":
+        masters = [p for p in plan.params if p.optimizer_type != "adamw"]
+        if masters:
+            types = ", ".join(sorted({p.optimizer_type for p in masters}))
+            notes.append(
+                f"`reference` torch: {len(masters)} of {len(plan.params)} parameter(s) ({types}: an FP32 master "
+                "torch.optim.AdamW does not keep) are compared with the formula reference only, e.g. "
+                f"{masters[0].fqn}"
+            )
     grad_file = GradFile(opts.grads) if opts.grads is not None else None
     if grad_file is not None:
         for p in plan.params:
@@ -780,9 +790,12 @@ def _load_batch(
     for p in batch:
         t = loaded[p.fqn]
         step_before = float(t["step"].item()) if "step" in t else 0.0
-        if not (math.isfinite(step_before) and step_before >= 0.0):  # a count of steps taken: Adam's bias
-            raise StateDtypeError(  # corrections of a negative, infinite or NaN step are complex or NaN
-                f"optimizer state {p.fqn}.step is {step_before:g}, not a count of steps taken (a finite number >= 0)",
+        # a count of steps taken: Adam's bias corrections of a negative, infinite or NaN step are complex or NaN,
+        # and a fractional one (2.5) is no step torch takes (its counter adds 1.0 to a float32 whole number)
+        if not (math.isfinite(step_before) and step_before >= 0.0 and step_before.is_integer()):
+            raise StateDtypeError(
+                f"optimizer state {p.fqn}.step is {step_before:g}, not a count of steps taken (a finite whole number "
+                ">= 0)",
                 fqn=p.fqn,
                 hint="run `ckpttool validate --strict --deep` on the checkpoint to see every problem",
             )
@@ -826,8 +839,10 @@ def _build_optimizers(
     optimizers: list[tuple[Any, list[ParamPlan], bool]] = []
     for (type_name, hyper, offloaded), members in buckets.items():
         group = {"params": [(m.fqn, params[m.fqn]) for m in members], **hyper.as_kwargs()}
-        if type_name == "adamw" and "fused" not in plan_config.get(type_name, {}):
-            group.update(saved_flags(hyper, dev, ("fused", "foreach", "capturable")))  # the run's implementation
+        if type_name == "adamw":
+            if "fused" not in plan_config.get(type_name, {}):
+                group.update(saved_flags(hyper, dev, ("fused", "foreach", "capturable")))  # the run's implementation
+            group["lr"] = torch_lr(hyper, dev, {**group, **plan_config.get(type_name, {})})
         opt = build_optimizer(type_name, [group], **plan_config.get(type_name, {}))
         saved_group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
         saved_group["params"] = list(range(len(members)))
@@ -837,6 +852,19 @@ def _build_optimizers(
         opt.load_state_dict({"state": state, "param_groups": [saved_group]})
         optimizers.append((opt, members, offloaded and dev.type != "cpu"))
     return params, optimizers
+
+
+def torch_lr(hyper: Hyper, dev: Any, flags: dict[str, bool]) -> Any:
+    """The ``lr`` to build ``torch.optim.AdamW`` with ``flags``: the saved float, or a 0-d tensor of the saved dtype
+    where the group saved one (torch then computes ``lr * weight_decay`` and the step size with the tensor: a float
+    gives results an ulp away from the run's own step). A float where torch refuses a tensor (``foreach`` without
+    ``capturable``: a run captured on an accelerator, replayed on the CPU)."""
+    if hyper.lr_dtype is None or (flags.get("foreach") and not flags.get("capturable")):
+        return hyper.lr
+    import torch
+
+    dtype = getattr(torch, hyper.lr_dtype)
+    return torch.tensor(hyper.lr, dtype=dtype, device=dev if flags.get("capturable") else "cpu")
 
 
 def saved_flags(hyper: Hyper, dev: Any, names: Sequence[str] = TORCH_FLAGS) -> dict[str, bool]:
@@ -879,7 +907,7 @@ def _torch_reference(
             continue
         flags = saved_flags(p.hyper, dev)
         theta = torch.nn.Parameter(saved["param"].to(dev, copy=True))
-        kwargs: dict[str, Any] = {**p.hyper.as_kwargs(), **flags}
+        kwargs: dict[str, Any] = {**p.hyper.as_kwargs(), **flags, "lr": torch_lr(p.hyper, dev, flags)}
         opt = torch.optim.AdamW([theta], **kwargs)
         if not p.fresh:
             st = {k: v.to(dev) if k != "step" else v for k, v in saved.items() if k != "param"}
@@ -891,10 +919,10 @@ def _torch_reference(
             theta.grad = None
         mine, ref = state_of[p.fqn], opt.state[theta]
         r = results[p.fqn]
-        r.torch_unequal = {"param": count_unequal(params[p.fqn].detach().cpu(), theta.detach().cpu())}
+        r.torch_unequal = {"param": count_unequal_nan_equal(params[p.fqn].detach().cpu(), theta.detach().cpu())}
         for f in ("exp_avg", "exp_avg_sq", "step"):
             if f in mine and f in ref:
-                r.torch_unequal[f] = count_unequal(
+                r.torch_unequal[f] = count_unequal_nan_equal(
                     mine[f].detach().cpu().reshape(-1), ref[f].detach().cpu().reshape(-1)
                 )
         bad = {f: n for f, n in r.torch_unequal.items() if n}
@@ -1366,7 +1394,8 @@ class _SlabContext:
                 )
 
     def _nonfinite_saved(self) -> list[str]:
-        """A ``D001`` problem for each saved field (moments, master, parameter) holding NaN or infinity.
+        """A ``D001`` problem for each saved field (moments, master, parameter) holding NaN or infinity (``D002``
+        for a negative saved ``exp_avg_sq``).
 
         Read again slab by slab only for a parameter that failed (``[]`` without reading for one that passes so
         far): a non-finite saved value, not the replay, is then why the master, moments and parameter differ from
@@ -1398,7 +1427,35 @@ class _SlabContext:
                     f"{first}; AdamW's step from it is not finite (the differences below follow from it, not from "
                     "the replay)"
                 )
+            if f == "exp_avg_sq":
+                out.extend(self._negative_saved(f))
         return out
+
+    def _negative_saved(self, f: str) -> list[str]:
+        """A ``D002`` problem when the saved second moment holds negative values (as ``validate --deep``).
+
+        Adam's ``exp_avg_sq`` is a running mean of squares; the square root of a negative one is NaN, so the step
+        of those elements is not finite, whatever the replay does.
+        """
+        n = self.p.numel
+        count = 0
+        lowest = 0.0
+        first: int | None = None
+        for a in range(0, n, self.slab):
+            t = self._read(f, a, min(a + self.slab, n))
+            neg = t < 0
+            if neg.any():
+                count += int(neg.sum())
+                lowest = min(lowest, float(t[neg].min()))
+                if first is None:
+                    first = a + int(neg.nonzero()[0, 0])
+        if first is None:
+            return []
+        return [
+            f"saved {f} holds negative values [D002]: {count} of {n} element(s) (min {lowest:.3g}), the first at "
+            f"flat index {first}; the square root of a negative second moment is NaN, so AdamW's step from it is "
+            "not finite (the differences below follow from it, not from the replay)"
+        ]
 
     def _check_update(self, parts: list[dict[str, Any]]) -> None:
         """Merge the slabs' update sizes into the result; beyond the bounds is an ``R003`` problem."""

@@ -687,3 +687,214 @@ def test_a_saved_lr_far_beyond_the_weights_is_still_an_update_size_failure(tmp_p
         "(the moments are within Adam's bound, so the saved lr 10 is beyond the tensor's scale: a wrong lr in the "
         "saved param group (a scheduler or conversion bug))"
     ), w.problems
+
+
+def _adamw_linear_with(tmp_path: Path, mutate: Any, make_optim: Any = None) -> tuple[Path, Path, Any, Any]:
+    """A ``torch.nn.Linear(8, 4)`` stepped 3 times by ``torch.optim.AdamW`` (or ``make_optim(params)``), its
+    ``get_state_dict`` optimizer state changed by ``mutate(osd)`` and saved with ``dcp.save``; gradients of the next
+    step in ``g.safetensors``. Returns (checkpoint, gradients file, model, optimizer) before that step."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = (make_optim or (lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)))(model.parameters())
+    train_steps(model, opt, 3, loss="square")
+    msd, osd = get_state_dict(model, opt)
+    mutate(osd)
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "ck")
+    gen = torch.Generator().manual_seed(7)
+    save_file(
+        {n: torch.randn(p.shape, generator=gen) * 1e-2 for n, p in model.named_parameters()},
+        str(tmp_path / "g.safetensors"),
+    )
+    return tmp_path / "ck", tmp_path / "g.safetensors", model, opt
+
+
+def test_a_nan_saved_state_is_not_called_a_difference_from_torch(tmp_path: Path) -> None:
+    """With a NaN saved in exp_avg_sq, --reference torch said the replay 'differs bitwise from torch.optim.AdamW(...)
+    on the saved state: param in 1 element(s), exp_avg_sq in 1 element(s)': torch's own step gives NaN at the same
+    elements (NaN != NaN). The replay reproduces torch there; the failure is the saved NaN (D001) alone."""
+
+    def mutate(osd: dict[str, Any]) -> None:
+        osd["state"]["weight"]["exp_avg_sq"][1, 2] = float("nan")
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, mutate)
+    res = run(ck, "--device", "cpu", "--grads", grads, "--reference", "torch", "--json")
+    assert res.exit_code == 1, res.output
+    doc = json.loads(res.stdout)
+    weight = next(p for p in doc["params"] if p["fqn"] == "weight")
+    assert weight["torch_unequal"] == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0}
+    assert weight["problems"][0].startswith("saved exp_avg_sq holds non-finite values [D001]: 1 NaN of 32 element(s)")
+    assert not any("torch.optim.AdamW" in p for p in weight["problems"]), weight["problems"]
+    assert_no_traceback(res)
+
+
+def test_a_negative_saved_second_moment_is_named_as_the_cause(tmp_path: Path) -> None:
+    """A negative saved exp_avg_sq (validate --deep's D002) failed the replay (right) with only its consequences:
+    'update size [R003]: max |m_hat|/(sqrt(v_hat)+eps) inf ...' and 'param: 1 element(s) beyond tolerance (max abs
+    inf ...)', E700 blaming the update size. The first problem, and E700's cause, is now the negative saved value."""
+
+    def mutate(osd: dict[str, Any]) -> None:
+        osd["state"]["weight"]["exp_avg_sq"][1, 2] = -1e-4
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, mutate)
+    res = run(ck, "--device", "cpu", "--grads", grads)
+    assert res.exit_code == 1, res.output
+    assert res.stderr.startswith(
+        "error: [E700] 1 of 2 parameter(s) do not reproduce the reference step; worst weight: saved exp_avg_sq holds "
+        "negative values [D002]: 1 of 32 element(s) (min -0.0001), the first at flat index 10; "
+    ), res.stderr
+    assert_no_traceback(res)
+    result, _ = replay_collect(ck, grads=str(grads), reference="torch")
+    (worst,) = result.failed
+    assert worst.problems[0].startswith("saved exp_avg_sq holds negative values [D002]")
+    assert not any("D002" in p or "D001" in p for p in worst.problems[1:]), worst.problems
+    assert worst.torch_unequal == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0}
+
+
+def test_a_tensor_lr_replays_torchs_own_step_bitwise(tmp_path: Path) -> None:
+    """torch.optim.AdamW(lr=torch.tensor(0.01)) saves its lr as a 0-d tensor; replay-step built AdamW with the float
+    and said 'OK' with --reference torch (torch_unequal 0, its reference built the same way) while the run's own next
+    step differs from it by an ulp in some elements (torch computes lr * weight_decay and the step size with the
+    tensor). Both now take the saved tensor: the replay equals torch's own step bitwise."""
+    from safetensors.torch import load_file
+
+    ck, grads, model, opt = _adamw_linear_with(
+        tmp_path, lambda osd: None, lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-2), weight_decay=0.1)
+    )
+    assert torch.is_tensor(opt.param_groups[0]["lr"])
+    g = load_file(str(grads))
+    for n, p in model.named_parameters():
+        p.grad = g[n].clone()
+    opt.step()  # the run's own next step
+    res, got = replay_collect(ck, grads=str(grads), reference="torch")
+    assert res.ok, [(r.fqn, r.problems) for r in res.params]
+    for n, p in model.named_parameters():
+        assert torch.equal(got[n]["param"], p.detach()), n
+        assert torch.equal(got[n]["exp_avg"], opt.state[p]["exp_avg"]), n
+        assert torch.equal(got[n]["exp_avg_sq"], opt.state[p]["exp_avg_sq"]), n
+    assert all(r.torch_unequal == {"param": 0, "exp_avg": 0, "exp_avg_sq": 0, "step": 0} for r in res.params)
+
+
+def test_state_of_a_tensor_in_no_group_and_not_in_the_model_is_a_skip(tmp_path: Path) -> None:
+    """Optimizer state for an fqn that is neither a model tensor nor in a param group (validate's O003: a renamed or
+    removed parameter) was passed over without a word: 'OK: 2 of 2 parameters match'. It was stepped and is not
+    replayed: it is listed in params_skipped with a note, and the result is not OK (exit 1), as for the same state
+    listed in a param group."""
+
+    def mutate(osd: dict[str, Any]) -> None:
+        osd["state"]["old.weight"] = {k: v.clone() for k, v in osd["state"]["weight"].items()}
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, mutate)
+    res = run(ck, "--device", "cpu", "--grads", grads, "--json")
+    assert res.exit_code == 1, res.output
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is False and doc["params_skipped"] == ["old.weight"] and doc["params_total"] == 2
+    assert any("neither model tensors nor in a param group" in n and "old.weight" in n for n in doc["notes"])
+    assert res.stderr.startswith(
+        "error: [E700] 1 parameter(s) with saved optimizer state were not replayed (e.g. old.weight)"
+    )
+    # left out on purpose, it is not a skip
+    assert run(ck, "--device", "cpu", "--grads", grads, "--filter", "weight").exit_code == 0
+
+
+def test_a_parameter_listed_in_two_param_groups_is_refused(tmp_path: Path) -> None:
+    """A saved optimizer whose param groups list one parameter twice with different lr (torch.optim refuses to build
+    that; a bad merge of groups writes it) replayed with the first group's lr and said 'OK: 2 of 2'; validate --strict
+    said OK too. Which lr stepped it is unknown: E514 (exit 2) names both groups; --filter leaves it out."""
+
+    def mutate(osd: dict[str, Any]) -> None:
+        osd["param_groups"].append({**osd["param_groups"][0], "params": ["weight"], "lr": 0.5})
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, mutate)
+    res = run(ck, "--device", "cpu", "--grads", grads)
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    assert res.stderr.splitlines() == [
+        "error: [E514] parameter weight is listed in param groups 0 (lr 0.01, weight_decay 0.1) and 1 (lr 0.5, "
+        "weight_decay 0.1): torch.optim never builds a parameter into two groups, so which hyperparameters step it "
+        "is unknown",
+        "hint: the param groups were merged or edited wrongly; leave the parameter out with --filter",
+    ]
+    assert run(ck, "--device", "cpu", "--grads", grads, "--filter", "bias").exit_code == 0
+
+
+def test_a_fractional_saved_step_is_refused(tmp_path: Path) -> None:
+    """A saved step of 2.5 (no torch optimizer counts so: its counter adds 1.0 to a whole number) replayed with bias
+    corrections at step 3.5 and said 'OK: 2 of 2', as negative and NaN steps no longer did (E511)."""
+
+    def mutate(osd: dict[str, Any]) -> None:
+        osd["state"]["weight"]["step"] = torch.tensor(2.5)
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, mutate)
+    res = run(ck, "--device", "cpu", "--grads", grads)
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    assert res.stderr.startswith(
+        "error: [E511] optimizer state weight.step is 2.5, not a count of steps taken (a finite whole number >= 0)\n"
+    ), res.stderr
+    assert_no_traceback(res)
+
+
+def test_reference_torch_says_which_parameters_it_does_not_cover(full_fx: Path) -> None:
+    """`--reference torch` on a checkpoint of FP32-master AdamW (full_fp32_adamw) printed the same 'replay  1 step vs a
+    float64 reference' line as without it and 'OK': nothing said the torch comparison asked for ran on no parameter.
+    A note now names how many parameters it leaves to the formula reference and why."""
+    res = run(full_fx / "ckpt", "--device", "cpu", "--reference", "torch")
+    assert res.exit_code == 0, res.output
+    notes = [line for line in res.stdout.splitlines() if line.startswith("note ")]
+    assert any(
+        "--reference torch: 17 of 17 parameter(s) (full_fp32_adamw: an FP32 master torch.optim.AdamW does not keep) "
+        "are compared with the formula reference only" in n
+        for n in notes
+    ), notes
+    plain = run(full_fx / "ckpt", "--device", "cpu")
+    assert "--reference torch" not in plain.stdout
+
+
+def test_offload_options_that_no_parameter_uses_are_named(full_fx: Path, tmp_path: Path) -> None:
+    """--offload-patterns and --chunk-size configure cpu_offload_adamw only; on a checkpoint whose layout record says
+    full_fp32_adamw (or a torch.optim.AdamW one) they were dropped without a word and the report looked like an
+    offload replay that passed. A warning note now says they were ignored and what would use them."""
+    res = run(full_fx / "ckpt", "--device", "cpu", "--offload-patterns", "experts", "--chunk-size", "100")
+    assert res.exit_code == 0, res.output
+    notes = [line for line in res.stdout.splitlines() if line.startswith("note ")]
+    assert (
+        "note        warning: --offload-patterns and --chunk-size ignored: options of cpu_offload_adamw, and the "
+        "replay runs full_fp32_adamw (from layout record optimizer.type); --optimizer-type cpu_offload_adamw "
+        "replays with them"
+    ) in notes, notes
+    res = run(
+        full_fx / "ckpt", "--device", "cpu", "--offload-patterns", "experts", "--optimizer-type", "cpu_offload_adamw"
+    )
+    assert res.exit_code == 0, res.output
+    assert "ignored" not in res.stdout
+    ck, _, _, _ = _adamw_linear_with(tmp_path, lambda osd: None)
+    doc = json.loads(run(ck, "--device", "cpu", "--chunk-size", "7", "--json").stdout)
+    assert doc["ok"] is True and any(n.startswith("warning: `chunk_size` ignored") for n in doc["notes"]), doc["notes"]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda st: st.pop("step"), "optimizer state lacks field(s) step (have exp_avg, exp_avg_sq)"),
+        (lambda st: st.pop("exp_avg"), "optimizer state lacks field(s) exp_avg (have exp_avg_sq, step)"),
+        (
+            lambda st: st.__setitem__("max_exp_avg_sq", st["exp_avg_sq"].clone()),
+            "unknown optimizer state field(s) max_exp_avg_sq",
+        ),
+    ],
+)
+def test_missing_or_unknown_fields_without_a_record_are_e510(tmp_path: Path, mutate: Any, message: str) -> None:
+    """docs/replay.md: a missing or extra state field is E510. A torch.optim.AdamW checkpoint (no layout record, the
+    type inferred from the fields) without its step, or with an extra field, was E511, the dtype-policy code."""
+
+    def change(osd: dict[str, Any]) -> None:
+        mutate(osd["state"]["weight"])
+
+    ck, _, _, _ = _adamw_linear_with(tmp_path, change)
+    res = run(ck, "--device", "cpu")
+    assert res.exit_code == 2 and res.stdout == "", res.output
+    assert res.stderr.startswith(f"error: [E510] optimizer state of weight: {message}"), res.stderr
+    assert_no_traceback(res)
