@@ -25,7 +25,16 @@ __all__ = [
     "infer_optimizer_type",
     "missing_hyperparameters",
     "other_adam_family",
+    "step_dtype_ok",
 ]
+
+
+def step_dtype_ok(type_name: str, dtype: str) -> bool:
+    """Whether a saved ``step`` of ``dtype`` (a name) fits optimizer type ``type_name``: float32, or for plain
+    ``adamw`` float64 too (``torch.optim`` makes its step counter in float64 when the run's default dtype is
+    float64: ``_get_scalar_dtype`` in ``torch/optim/optimizer.py``)."""
+    return dtype == "float32" or (type_name == "adamw" and dtype == "float64")
+
 
 #: Type names accepted by ``build_optimizer`` and written into the layout record.
 OPTIMIZER_TYPES: tuple[str, ...] = ("adamw", "full_fp32_adamw", "master_fp32_adamw", "cpu_offload_adamw")
@@ -184,8 +193,11 @@ def infer_optimizer_type(fields: Mapping[str, Any]) -> str:
     missing = [f for f in ("step", "exp_avg", "exp_avg_sq") if f not in names]
     if missing:
         raise OptimStateError(f"optimizer state lacks field(s) {', '.join(missing)} (have {', '.join(sorted(names))})")
-    if names["step"] != "float32":
-        raise OptimStateError(f"step is {names['step']}, every AdamW variant saves a float32 step")
+    if not step_dtype_ok("adamw" if "master_weight" not in names else "master", names["step"]):
+        raise OptimStateError(
+            f"step is {names['step']}, every AdamW variant saves a float32 step (torch.optim.AdamW a float64 one "
+            "under a float64 default dtype)"
+        )
     m, v = names["exp_avg"], names["exp_avg_sq"]
     if m != v:
         raise OptimStateError(f"exp_avg is {m} but exp_avg_sq is {v}; no ckpttool optimizer mixes moment dtypes")

@@ -38,6 +38,7 @@ from ckpttool.optim_state.schema import (
     expected_state_dtypes,
     infer_optimizer_type,
     other_adam_family,
+    step_dtype_ok,
 )
 
 __all__ = [
@@ -324,7 +325,7 @@ def _check_policy(p: ParamPlan, cfg: dict[str, Any], saved: dict[str, str]) -> N
             "run `ckpttool validate --strict` to see every problem",
         )
     for f, want in expected.items():
-        if saved[f] != want:
+        if saved[f] != want and not (f == "step" and step_dtype_ok(p.optimizer_type, saved[f])):
             raise StateDtypeError(
                 f"optimizer state {p.fqn}.{f} is {saved[f]} but {p.optimizer_type} saves {want} "
                 f"(dtype policy violated; the parameter is {p.dtype})",

@@ -957,3 +957,47 @@ def test_an_optimizer_one_step_ahead_after_a_step_0_save_says_why(tmp_path: Path
         "with no state yet takes one zero-lr step to create it (torch's _init_optim_state) and the live optimizer "
         "keeps counting from it"
     ), msgs
+
+
+def test_a_float64_step_of_a_float64_default_dtype_run_is_adamws_own(tmp_path: Path) -> None:
+    """``torch.optim.AdamW`` makes its step counter float64 when the run's default dtype is float64
+    (``_get_scalar_dtype``): a clean run saved so was O005 in validate ("step is float64 (expected float32)") and E511
+    in replay-step ("every AdamW variant saves a float32 step"). Both now take it; replay-step equals torch's step."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(3):
+            model(torch.randn(5, 4)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.state[model[0].weight]["step"].dtype == torch.float64
+        msd, osd = get_state_dict(model, opt)
+    finally:
+        torch.set_default_dtype(before)
+    with warnings.catch_warnings():  # torch: no process group, saving in one process
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "c"))
+    rc, doc, _ = run(tmp_path / "c", "--strict", "--deep")
+    assert rc == 0 and doc["findings"] == [], doc["findings"]
+    res = runner.invoke(app, ["replay-step", str(tmp_path / "c"), "--reference", "torch", "--json"])
+    assert res.exit_code == 0, res.stderr
+    params = json.loads(res.stdout)["params"]
+    assert len(params) == 4 and all(
+        p["torch_unequal"] == dict.fromkeys(("param", "exp_avg", "exp_avg_sq", "step"), 0) for p in params
+    )
+    # a master-weight type's float64 step is still not one any of its writers saves
+    from ckpttool.errors import OptimStateError
+    from ckpttool.optim_state.schema import infer_optimizer_type
+
+    with pytest.raises(OptimStateError, match="every AdamW variant saves a float32 step"):
+        infer_optimizer_type(
+            {"step": "float64", "master_weight": "float32", "exp_avg": "float32", "exp_avg_sq": "float32"}
+        )

@@ -27,6 +27,7 @@ from ckpttool.optim_state.schema import (
     expected_state_dtypes,
     infer_optimizer_type,
     missing_hyperparameters,
+    step_dtype_ok,
 )
 
 LOW_PRECISION = ("bfloat16", "float16", *FLOAT8_DTYPES)
@@ -244,13 +245,18 @@ def _policy_violations(
     bad = [
         f"{k} is {dts[k]} (expected {want[k]})"
         for k in STATE_FIELDS
-        if k in want and k in dts and dts[k] != want[k] and (k != "step" or check_step)
+        if k in want and k in dts and dts[k] != want[k] and (k != "step" or check_step and not _step_ok(dts[k], want))
     ]
     extra = [k for k in dts if k not in want]
     bad += [f"{k} present but {source} has none" for k in extra]
     if "master_weight" in want and "master_weight" not in dts and not any_master:
         bad.append("master_weight missing (no parameter has one)")  # partial coverage: O006
     return bad
+
+
+def _step_ok(dtype: str, want: dict[str, str]) -> bool:
+    """A saved step of ``dtype`` fits the policy ``want`` (torch.optim.AdamW's float64 step: no master_weight)."""
+    return step_dtype_ok("adamw" if "master_weight" not in want else "master", dtype)
 
 
 def _fmt(d: dict[str, str]) -> str:
