@@ -39,7 +39,7 @@ from ckpttool.ops.replay.compare import (
 )
 from ckpttool.ops.replay.plan import ITEMSIZE, Hyper, ParamPlan, make_batches, plan_replay
 from ckpttool.ops.replay.slabs import StackedSlabs, TensorSlabs
-from ckpttool.ops.state_checks import synthesized_params
+from ckpttool.ops.state_checks import MOMENTS, synthesized_params
 from ckpttool.ops.tensors import to_canonical
 from ckpttool.optim_state.bounds import adam_ratio_bound
 
@@ -142,6 +142,7 @@ class ParamResult:
     problems: list[str] = field(default_factory=list)
     update: UpdateSize | None = None
     torch_unequal: dict[str, int] | None = None
+    moments_zero: bool = False  # saved exp_avg and exp_avg_sq all zero at step >= 2 (a note, validate's D008)
 
     @property
     def ok(self) -> bool:
@@ -555,6 +556,18 @@ def _step_mismatch_note(results: list[ParamResult], record: Any, notes: list[str
             break
 
 
+def _zero_moments_note(results: list[ParamResult], notes: list[str]) -> None:
+    """Note the parameters whose saved moments are all zero though their step is 2 or more (``validate --deep``'s
+    ``D008``): the update from them looks sane, but the state of the steps taken was lost."""
+    zero = [r for r in results if r.moments_zero]
+    if zero:
+        notes.append(
+            f"warning: {len(zero)} parameter(s) have all-zero exp_avg and exp_avg_sq at a saved step of 2 or more "
+            f"(moments reset, e.g. by a resume that re-initialised the optimizer but kept the step), e.g. "
+            f"{zero[0].fqn} at step {zero[0].step_before:g}; `ckpttool validate --deep` reports D008"
+        )
+
+
 def _finish_timing(timing: dict[str, float], t_start: float, bytes_read: int) -> None:
     """Add the rates, the total seconds and the bytes read to ``timing``."""
     st = timing["step_seconds"]
@@ -692,6 +705,7 @@ def _replay(
         say=say,
     )
     _step_mismatch_note(results, layout.record, notes)
+    _zero_moments_note(results, notes)
     results.sort(key=lambda r: (r.ok, -r.worst_ratio, r.fqn))
     _finish_timing(timing, t_start, bytes_read)
     return ReplayResult(
@@ -813,6 +827,7 @@ def _load_batch(
             step_before,
         )
         r.expected_step = step_before + steps
+        r.moments_zero = step_before >= 2 and all(f in t and not bool(t[f].any()) for f in MOMENTS)
         results[p.fqn] = r
     timing["load_seconds"] += time.perf_counter() - t0
     return loaded, results

@@ -898,3 +898,30 @@ def test_missing_or_unknown_fields_without_a_record_are_e510(tmp_path: Path, mut
     assert res.exit_code == 2 and res.stdout == "", res.output
     assert res.stderr.startswith(f"error: [E510] optimizer state of weight: {message}"), res.stderr
     assert_no_traceback(res)
+
+
+def test_moments_reset_at_a_later_step_are_noted(tmp_path: Path) -> None:
+    """exp_avg and exp_avg_sq zeroed at step 3 (a resume that re-initialised the optimizer but kept the step) replayed
+    'OK' without a word: the update from zero moments looks sane. It is now a warning naming them (validate's D008);
+    the replay itself still equals torch's own step from that state."""
+
+    def mutate(osd: dict[str, Any]) -> None:
+        for f in ("exp_avg", "exp_avg_sq"):
+            osd["state"]["weight"][f].zero_()
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, mutate)
+    res = run(ck, "--device", "cpu", "--grads", grads, "--reference", "torch", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    notes = [n for n in doc["notes"] if "all-zero exp_avg and exp_avg_sq" in n]
+    assert notes == [
+        "warning: 1 parameter(s) have all-zero exp_avg and exp_avg_sq at a saved step of 2 or more (moments reset, "
+        "e.g. by a resume that re-initialised the optimizer but kept the step), e.g. weight at step 3; "
+        "`ckpttool validate --deep` reports D008"
+    ], doc["notes"]
+    assert all(
+        p["torch_unequal"] == dict.fromkeys(("param", "exp_avg", "exp_avg_sq", "step"), 0) for p in doc["params"]
+    )
+    clean, _, _, _ = _adamw_linear_with(tmp_path / "clean", lambda osd: None)
+    doc = json.loads(run(clean, "--device", "cpu", "--json").stdout)
+    assert not any("all-zero" in n for n in doc["notes"]), doc["notes"]
