@@ -17,7 +17,7 @@ from ckpttool.cli.app import app
 from tests.fixtures.cache import copy_checkpoint
 
 runner = CliRunner()
-CHANGE_TITLE = "relative change ‖W_b − W_a‖ / ‖W_a‖ between consecutive checkpoints"
+CHANGE_TITLE = "relative change ‖W_b − W_a‖ / ‖W_a‖ between consecutive checkpoints (#N: the Nth checkpoint given)"
 
 
 def _save(state: dict, out: Path) -> Path:

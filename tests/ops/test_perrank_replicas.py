@@ -75,7 +75,7 @@ def test_rank_that_skipped_a_step(tc_root: Path, tmp_path: Path) -> None:
     by_key = {x["key"]: x for x in found}
     msg = by_key["optimizer.state.model.embed_tokens.weight.step"]["message"]
     assert "optimizer_1.pt against optimizer_0.pt: 1 of 1 elements differ (max |diff| 1)" in msg
-    assert "2 against 1" in msg and found[0]["severity"] == "error"
+    assert "1 against 2" in msg and found[0]["severity"] == "error"  # rank 1's value against rank 0's
     assert not [x for x in doc["findings"] if x["code"] == "S001"]  # the other rules ran
     res = runner.invoke(app, ["inspect", str(ck)])  # every other reader refuses it
     assert res.exit_code != 0 and "E280" in res.output and "replicated shards differ" in res.output
