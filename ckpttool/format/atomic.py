@@ -35,6 +35,7 @@ __all__ = [
     "OutputTarget",
     "Terminated",
     "check_output_target",
+    "nearest_unwritable",
     "unwritable_reason",
     "foreign_output_error",
     "atomic_write_bytes",
@@ -161,11 +162,10 @@ def _refuse_unusable_place(target: Path, t: Path) -> None:
         )
     # the output is written beside OUT (in its parent, made first if missing) and renamed over it: --dry-run says
     # what the run would meet there, and the run says it before any work
-    holder = next((a for a in target.parents if a.exists()), None)
-    why = unwritable_reason(holder) if holder is not None else None
-    if holder is not None and why is not None:
+    found = nearest_unwritable(target)
+    if found is not None:
         raise OutputError(
-            f"{target}: cannot write there ({holder} is not writable: {why})",
+            f"{target}: cannot write there ({found[0]} is not writable: {found[1]})",
             path=target,
             hint="choose a writable output location",
         )
@@ -635,6 +635,14 @@ def check_file_target(
             path=p,
             hint=hint,
         )
+
+
+def nearest_unwritable(target: Path) -> tuple[Path, str] | None:
+    """``(folder, why)`` when the nearest existing folder above ``target`` (where ``target`` and anything made on
+    the way to it would be created) cannot be written (:func:`unwritable_reason`), else ``None``."""
+    holder = next((a for a in target.parents if a.exists()), None)
+    why = unwritable_reason(holder) if holder is not None else None
+    return (holder, why) if holder is not None and why is not None else None
 
 
 def unwritable_reason(directory: Path) -> str | None:

@@ -25,7 +25,7 @@ from ckpttool.engine.io import ShortReadError, read_upto
 from ckpttool.engine.pool import imap_ordered, worker_count
 from ckpttool.errors import CkptError, DataFileError, ManifestError, OutputError, UsageError
 from ckpttool.format import limits
-from ckpttool.format.atomic import atomic_write_bytes, check_file_target, unwritable_reason
+from ckpttool.format.atomic import atomic_write_bytes, check_file_target, nearest_unwritable
 from ckpttool.format.digest import ALGORITHMS, DEFAULT_ALGORITHM, digest_bytes, new_hasher
 from ckpttool.format.files import read_regular
 from ckpttool.format.jsonfile import check_json_graph, json_error
@@ -918,11 +918,10 @@ def _check_writable(target: Path) -> None:
     Raises:
         OutputError (E600): as above.
     """
-    existing = next((p for p in target.parents if p.exists()), None)
-    why = unwritable_reason(existing) if existing is not None else None
-    if existing is not None and why is not None:
+    found = nearest_unwritable(target)
+    if found is not None:
         raise OutputError(
-            f"{target}: cannot write the manifest ({existing} is not writable: {why}); nothing was hashed",
+            f"{target}: cannot write the manifest ({found[0]} is not writable: {found[1]}); nothing was hashed",
             path=target,
             hint=UNWRITABLE_HINT,
         )
