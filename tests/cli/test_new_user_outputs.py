@@ -35,6 +35,14 @@ def _in_mount_namespace(script: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["unshare", "-rm", "sh", "-ec", script], capture_output=True, text=True, env=env)
 
 
+def _ckpttool_on_read_only(folder: Path, args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m ckpttool ARGS`` (``args``: shell words) with ``folder`` bind-mounted read-only over itself."""
+    return _in_mount_namespace(
+        f'mount --bind "{folder}" "{folder}"; mount -o remount,ro,bind "{folder}"; '
+        f'exec "{sys.executable}" -m ckpttool {args}'
+    )
+
+
 def test_manifest_that_cannot_be_written_hints_output_not_overwrite(sample_ckpt: Path, tmp_path: Path) -> None:
     if not Path("/proc/self").is_dir():
         pytest.skip("needs /proc (a place no manifest can be written)")
@@ -52,10 +60,7 @@ def test_manifest_that_cannot_be_written_hints_output_not_overwrite(sample_ckpt:
 def test_manifest_of_a_read_only_checkpoint_is_refused_before_hashing(sample_ckpt: Path, tmp_path: Path) -> None:
     ck = copy_checkpoint(sample_ckpt, tmp_path / "ro ckpt ü")
     before = _tree(ck)
-    res = _in_mount_namespace(
-        f'mount --bind "{ck}" "{ck}"; mount -o remount,ro,bind "{ck}"; '
-        f'exec "{sys.executable}" -m ckpttool --no-progress manifest "{ck}"'
-    )
+    res = _ckpttool_on_read_only(ck, f'--no-progress manifest "{ck}"')
     assert res.returncode == 2, res.stderr
     assert res.stdout == ""
     assert res.stderr.splitlines() == [
@@ -125,10 +130,7 @@ def test_a_report_into_a_read_only_folder_is_refused_before_the_work(
     reports = tmp_path / "reports"
     reports.mkdir()
     args = " ".join(f'"{a.format(ck=sample_ckpt, file=reports / "r")}"' for a in argv)
-    res = _in_mount_namespace(
-        f'mount --bind "{reports}" "{reports}"; mount -o remount,ro,bind "{reports}"; '
-        f'exec "{sys.executable}" -m ckpttool --no-progress {args}'
-    )
+    res = _ckpttool_on_read_only(reports, f"--no-progress {args}")
     assert res.returncode == 2, res.stderr
     assert res.stdout == ""  # no validation report, no statistics: nothing was run before the refusal
     lines = res.stderr.splitlines()
@@ -222,10 +224,7 @@ def test_stamp_of_a_read_only_checkpoint_hints_the_declaration_on_each_command(e
     ck = copy_checkpoint(ep_suite / "legacy", tmp_path / "legacy")
     before = _tree(ck)
     declared = ["--source-layout", "legacy", "--ep-size", "2", "--ep-fsdp-size", "2"]
-    res = _in_mount_namespace(
-        f'mount --bind "{ck}" "{ck}"; mount -o remount,ro,bind "{ck}"; '
-        f'exec "{sys.executable}" -m ckpttool stamp "{ck}" {" ".join(declared)}'
-    )
+    res = _ckpttool_on_read_only(ck, f'stamp "{ck}" {" ".join(declared)}')
     assert res.returncode == 2, res.stderr
     assert res.stdout == ""
     assert res.stderr.splitlines() == [
@@ -248,10 +247,7 @@ def test_export_below_a_read_only_folder_is_refused_and_dry_run_says_so(
     ro.mkdir()
     out = ro / "hf"
     flag = " --dry-run" if dry_run else ""
-    res = _in_mount_namespace(
-        f'mount --bind "{ro}" "{ro}"; mount -o remount,ro,bind "{ro}"; '
-        f'exec "{sys.executable}" -m ckpttool -q export "{sample_ckpt}" "{out}"{flag}'
-    )
+    res = _ckpttool_on_read_only(ro, f'-q export "{sample_ckpt}" "{out}"{flag}')
     assert res.returncode == 2, res.stdout + res.stderr  # --dry-run said the export would be written
     assert res.stdout == ""
     assert res.stderr.splitlines() == [
