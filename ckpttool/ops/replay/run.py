@@ -773,6 +773,10 @@ def _reuse_freed_memory() -> Iterator[None]:
             malloc_trim(0)
 
 
+#: The last whole number a float32 ``step`` reaches by adding 1.0 (``torch.optim``'s counter): 2^24.
+_FLOAT32_COUNT_LIMIT = 1 << 24
+
+
 def _load_batch(
     reader: Any,
     batch: list[ParamPlan],
@@ -810,6 +814,13 @@ def _load_batch(
             raise StateDtypeError(
                 f"optimizer state {p.fqn}.step is {step_before:g}, not a count of steps taken (a finite whole number "
                 ">= 0)",
+                fqn=p.fqn,
+                hint="run `ckpttool validate --strict --deep` on the checkpoint to see every problem",
+            )
+        if "step" in t and t["step"].dtype == torch.float32 and step_before > _FLOAT32_COUNT_LIMIT:
+            raise StateDtypeError(  # 2^24 + 1.0 rounds back to 2^24: a float32 counter stops there
+                f"optimizer state {p.fqn}.step is {step_before:g}, beyond what a float32 step counter reaches by "
+                f"adding 1.0 ({_FLOAT32_COUNT_LIMIT:,}: 2^24 + 1 rounds back to 2^24), so not a count of steps taken",
                 fqn=p.fqn,
                 hint="run `ckpttool validate --strict --deep` on the checkpoint to see every problem",
             )

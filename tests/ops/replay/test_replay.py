@@ -837,6 +837,25 @@ def test_a_fractional_saved_step_is_refused(tmp_path: Path) -> None:
     assert_no_traceback(res)
 
 
+@pytest.mark.parametrize(("step", "code"), [(1e30, 2), (2.0**24 + 2, 2), (2.0**24 - 1, 0)])
+def test_a_float32_step_beyond_what_its_counter_reaches_is_refused(tmp_path: Path, step: float, code: int) -> None:
+    """A float32 step of 1e30 replayed 'OK' (bias corrections of 1): torch's float32 counter adds 1.0 and stops at
+    2^24 (2^24 + 1 rounds back to it), so no run counted past it. Beyond it is E511; below it the replay runs."""
+
+    def mutate(osd: dict[str, Any]) -> None:
+        osd["state"]["weight"]["step"] = torch.tensor(step, dtype=torch.float32)
+
+    ck, grads, _, _ = _adamw_linear_with(tmp_path, mutate)
+    res = run(ck, "--device", "cpu", "--grads", grads)
+    assert res.exit_code == code, res.output
+    if code:
+        assert res.stderr.startswith(
+            f"error: [E511] optimizer state weight.step is {float(torch.tensor(step, dtype=torch.float32)):g}, "
+            "beyond what a float32 step counter reaches by adding 1.0 (16,777,216: 2^24 + 1 rounds back to 2^24)"
+        ), res.stderr
+        assert_no_traceback(res)
+
+
 def test_reference_torch_says_which_parameters_it_does_not_cover(full_fx: Path) -> None:
     """`--reference torch` on a checkpoint of FP32-master AdamW (full_fp32_adamw) printed the same 'replay  1 step vs a
     float64 reference' line as without it and 'OK': nothing said the torch comparison asked for ran on no parameter.
