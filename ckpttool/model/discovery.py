@@ -313,11 +313,35 @@ def _unfinished(path: Path) -> str | None:
     data = sum(1 for n in names if DATA_FILE_RE.match(n))
     tmp = _METADATA_TMP in names
     if not data and not tmp:
-        return None
+        # a step directory the save created and then wrote nothing into (DCP's writer makes the folder first)
+        return _EMPTY_STEP if step_of(path.name) is not None and _holds_no_file(path) else None
     parts = [f"{data} data file(s)"] if data else []
     if tmp:
         parts.append(_METADATA_TMP)
     return f"{', '.join(parts)}, no {METADATA_NAME}"
+
+
+_EMPTY_STEP = "no file (the save created the directory and wrote nothing into it)"
+
+
+def _holds_no_file(path: Path, limit: int = 64) -> bool:
+    """Whether ``path`` and the folders below it hold no file at all (at most ``limit`` folders are
+    looked at; more counts as holding files). Symlinks count as files."""
+    todo = [path]
+    seen = 0
+    while todo:
+        seen += 1
+        if seen > limit:
+            return False
+        try:
+            entries = list(os.scandir(todo.pop()))
+        except OSError:
+            return False
+        for e in entries:
+            if not e.is_dir(follow_symlinks=False):
+                return False
+            todo.append(Path(e.path))
+    return True
 
 
 def find_incomplete(root: Path, max_depth: int = MAX_DEPTH) -> list[IncompleteStep]:
@@ -654,6 +678,14 @@ def _nothing_below(root: Path, opt: Path | None) -> Located:
         return Located(root, root, opt)
     # a folder inside a checkpoint (its model_assets/, extra_state/): the checkpoint is the directory to pass
     above = next((p for p in (root.parent, root.parent.parent) if p != root and is_checkpoint_dir(p)), None)
+    if above is None and step_of(root.name) is not None and _holds_no_file(root):
+        raise MetadataError(
+            f"{root}: an empty directory (no .metadata, no data files, in it or below it)",
+            path=root,
+            hint="a save that stopped right after creating its step directory leaves it so; pass a directory "
+            "that dcp.save finished writing (it holds .metadata and __R_N.distcp files), or the run's checkpoint "
+            "folder above the step directories",
+        )
     raise MetadataError(
         f"{root}: no .metadata, and no DCP checkpoint in the {MAX_DEPTH} directory levels below it",
         path=root,

@@ -178,3 +178,31 @@ def test_moments_reset_but_step_kept(titan_root: Path, tmp_path: Path) -> None:
         damage.rewrite_tensor(ck, f"optimizer.state.{W1}.{f}", torch.zeros_like)
     rc, doc = run(ck, "--deep", "--strict")
     assert rc == 1 and "D008" in codes(doc) and "D006" not in codes(doc), doc["findings"]
+
+
+def test_empty_newer_step_directory(run_root: Path) -> None:
+    """A save that died right after creating its step directory (torch's writer makes the folder first) leaves
+    it empty, or holding empty folders only: R001 names it, and ``--step 9`` says incomplete, not "not found"."""
+    shutil.rmtree(run_root / "step-8")
+    (run_root / "step-9" / "model").mkdir(parents=True)
+    loc = locate(run_root, CheckpointSelection(step="latest"))
+    assert loc.step == 2 and [i.step for i in loc.newer_incomplete] == [9]
+    assert "no file (the save created the directory" in loc.newer_incomplete[0].reason
+    rc, doc = run(run_root, "--step", "latest", "--strict")
+    assert rc == 1 and {f["code"] for f in doc["findings"] if f["fails"]} == {"R001"}
+    res = runner.invoke(app, ["validate", str(run_root), "--step", "9"])
+    assert res.exit_code == 2 and "E202" in res.stderr and "step 9 is incomplete" in res.stderr, res.stderr
+    # a folder that is not step-named stays out of it (a run's logs/ or tb/ directory, empty)
+    shutil.rmtree(run_root / "step-9")
+    (run_root / "tb").mkdir()
+    assert locate(run_root, CheckpointSelection(step="latest")).newer_incomplete == ()
+
+
+def test_empty_step_directory_given_itself(tmp_path: Path) -> None:
+    (tmp_path / "step-9").mkdir()
+    res = runner.invoke(app, ["inspect", str(tmp_path / "step-9")])
+    lines = res.stderr.splitlines()
+    assert res.exit_code == 2 and lines[0] == f"error: [E200] {tmp_path / 'step-9'}: an empty directory " + (
+        "(no .metadata, no data files, in it or below it)"
+    )
+    assert lines[1].startswith("hint: a save that stopped right after creating its step directory leaves it so")
