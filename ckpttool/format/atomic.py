@@ -179,11 +179,14 @@ def _refuse_mount_point(target: Path) -> None:
         OutputError: ``target`` is a mount point.
     """
     if os.path.ismount(target):
+        inside = nearest_unwritable(target / "out")
         raise OutputError(
             f"{target} is a mount point: ckpttool writes the output beside it and renames it into place, "
             "which a mount point does not allow",
             path=target,
-            hint=f"name a new directory inside it for the output (e.g. {target / 'out'})",
+            hint=f"name a new directory inside it for the output (e.g. {target / 'out'})"
+            if inside is None
+            else f"choose a writable output location (the mount point itself is not writable: {inside[1]})",
         )
 
 

@@ -95,6 +95,24 @@ def test_an_empty_mount_point_as_out_is_refused_before_writing(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["volume"]  # no staging directory left beside it
 
 
+def test_an_empty_read_only_mount_point_as_out_is_not_told_to_write_inside_it(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "volume"
+    out.mkdir()
+    res = _in_mount_namespace(
+        f'mount -t tmpfs -o ro tmpfs "{out}"; '
+        f'exec "{sys.executable}" -m ckpttool --no-progress export "{sample_ckpt}" "{out}"'
+    )
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.splitlines() == [
+        f"error: [E600] {out} is a mount point: ckpttool writes the output beside it and renames it into place, "
+        "which a mount point does not allow",
+        "hint: choose a writable output location (the mount point itself is not writable: read-only file system)",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["volume"]
+
+
 def test_a_safetensors_file_given_for_a_directory_hints_its_folder_by_its_safetensors(
     sample_ckpt: Path, tmp_path: Path
 ) -> None:
