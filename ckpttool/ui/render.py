@@ -104,7 +104,7 @@ def hanging_indent(line: str, width: int) -> str:
 
     A line with no label (no value column) wraps at the left margin; a line that fits is returned
     as it is; a word longer than the room is never cut (the terminal wraps it); a number is never
-    parted from its unit.
+    parted from its unit, nor a flag from the word after it.
     """
     if len(line) <= width or "\n" in line:
         return line
@@ -114,7 +114,8 @@ def hanging_indent(line: str, width: int) -> str:
         return line
     import textwrap
 
-    glued = _NUMBER_UNIT_RE.sub("\\1\x00", line[indent:])  # a number stays with its unit (333.6 KiB)
+    # a number stays with its unit (333.6 KiB), a flag with the word after it (--step 8)
+    glued = _FLAG_VALUE_RE.sub("\\1\x00", _NUMBER_UNIT_RE.sub("\\1\x00", line[indent:]))
     body = textwrap.wrap(glued, width - indent, break_long_words=False, break_on_hyphens=False, drop_whitespace=True)
     return line[:indent] + ("\n" + " " * indent).join(b.replace("\x00", " ") for b in body)
 
@@ -144,6 +145,8 @@ def hanging_text(text: Any, width: int) -> Any:
 
 
 #: ``<number> <unit>`` (``333.6 KiB``, ``0 B``, ``45 ms``, ``16.2 MB/s``): the space a wrap never breaks.
+#: ``--flag value`` (``--step 8``, ``--save-dtype preserve``): a wrap keeps the value on the flag's line.
+_FLAG_VALUE_RE = re.compile(r"((?<!\S)--[a-z][a-z0-9-]*) (?=[^\s(-])")
 _NUMBER_UNIT_RE = re.compile(r"(\d) (?=(?:[KMGTP]i?B|[kMGTP]B|B|ms|µs|s|min|h)(?:/s)?(?![\w/]))")
 
 

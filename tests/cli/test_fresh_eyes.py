@@ -52,6 +52,16 @@ def test_a_number_stays_with_its_unit_when_a_line_wraps() -> None:
     )
 
 
+def test_a_flag_stays_with_its_value_when_a_line_wraps() -> None:
+    assert hanging_indent("pick an earlier step with --step N, or wait", 33) == (
+        "pick an earlier step with\n--step N, or wait"
+    )
+    # a flag followed by another flag or a parenthesis is not glued to it
+    assert hanging_indent("pick an earlier step with --deep --strict (both)", 33) == (
+        "pick an earlier step with --deep\n--strict (both)"
+    )
+
+
 def test_export_at_50_columns_bar_on_one_line_summary_wrapped_whole(sample_ckpt: Path, tmp_path: Path) -> None:
     rc, out = run_in_pty(["export", str(sample_ckpt), str(tmp_path / "hf"), "--save-dtype", "bf16"], 50)
     assert rc == 0, out

@@ -228,7 +228,7 @@ def test_notes_wrap_at_spaces_on_a_narrow_terminal_and_stay_whole_in_a_pipe(samp
     first = lines.index(next(line for line in lines if line.startswith("note: 4 fused expert tensor(s)")))
     note = [lines[first]]
     for line in lines[first + 1 :]:
-        if not line.startswith("      ") or line.startswith("      -"):
+        if not line.startswith("      ") or line.startswith("      - "):
             break
         note.append(line)
     assert len(note) > 1 and all(len(line) <= 60 for line in note), note  # not cut mid-word by the terminal
