@@ -16,10 +16,23 @@ import operator
 import re
 from dataclasses import dataclass
 from os import PathLike
+from pathlib import PurePath
 from typing import Generic, TypeVar
 
 #: A run of whitespace in an error message (squashed to one space, as ``str.split`` would split it).
 _SPACES = re.compile(r"\s+")
+
+
+def _folded(text: str, path: str) -> str:
+    """``text`` on one line, runs of whitespace as one space, but ``path`` and its folders (where their names hold
+    whitespace other than single spaces) kept as they are."""
+    kept = [a for a in (path, *(str(p) for p in PurePath(path).parents)) if a and a != " ".join(a.split())]
+    kept = [a for a in sorted(set(kept), key=len, reverse=True) if a in text]
+    if not kept:
+        return " ".join(text.split())
+    parts = re.split("(" + "|".join(map(re.escape, kept)) + ")", text)
+    return "".join(part if i % 2 else _SPACES.sub(" ", part) for i, part in enumerate(parts)).strip()
+
 
 __all__ = [
     "CkptError",
@@ -126,13 +139,8 @@ class CkptError(Exception):
     ) -> None:
         # Keep messages single-line whatever the caller passed in, but name ``path`` as it is: a path holding a
         # newline or runs of spaces stays that path (the output escapes its control characters as \x0a).
-        text = str(message)
-        exact = str(path) if path is not None else ""
-        if exact and exact in text and exact != " ".join(exact.split()):
-            text = exact.join(_SPACES.sub(" ", part) for part in text.split(exact)).strip()
-        else:
-            text = " ".join(text.split())
-        self.message = text
+        # Its folders are kept as they are too: a message names the run root of a step directory it is about.
+        self.message = _folded(str(message), str(path) if path is not None else "")
         self.hint = " ".join(str(hint if hint is not None else self.default_hint).split())
         self.path = str(path) if path is not None else None
         self.fqn = fqn

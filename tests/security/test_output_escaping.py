@@ -108,3 +108,16 @@ def test_an_error_line_names_the_path_as_it_is(name: str, sample_ckpt: Path, tmp
     lines = res.stderr.splitlines()
     assert len(lines) == 2 and lines[0].startswith("error: [E200]"), res.stderr
     assert safe_text(str(ck)) in lines[0]
+
+
+def test_an_error_line_keeps_the_folders_of_its_path_as_they_are(tmp_path: Path) -> None:
+    """The message names the run root as well as the step directory (its own path): both keep the newline
+    (escaped), not a root with the newline turned into a space."""
+    root = tmp_path / "run\nroot"
+    (root / "step-3").mkdir(parents=True)  # a save that stopped right after creating its folder
+    res = CliRunner().invoke(app, ["inspect", str(root)])
+    assert res.exit_code == 2
+    lines = res.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"error: [E202] {safe_text(str(root))}: step 3 is incomplete")
+    assert f"{safe_text(str(root / 'step-3'))} has no file" in lines[0]
+    assert str(root).replace("\n", " ") not in lines[0]
