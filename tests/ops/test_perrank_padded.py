@@ -35,7 +35,7 @@ def uneven(fixture_root: Path) -> Path:
     from tests.fixtures import perrank
 
     if importlib.util.find_spec("verl") is None or importlib.util.find_spec("ray") is None:
-        pytest.skip("verl is not installed (WRITERS.md)")
+        pytest.skip("verl is not installed (.ci/run installs it)")
     return cached_build(fixture_root, "perrank_verl_uneven", perrank.build_verl_uneven)
 
 

@@ -35,7 +35,7 @@ def verl_root(fixture_root: Path) -> Path:
 
     if importlib.util.find_spec("verl") is None or importlib.util.find_spec("ray") is None:
         pytest.skip(
-            "verl is not installed (pip install --no-deps verl==0.9.1 ray==2.60.0 tensordict==0.15.3; WRITERS.md)"
+            "verl is not installed (pip install --no-deps verl==0.9.1 ray==2.60.0 tensordict==0.15.3, as .ci/run does)"
         )
     return cached_build(fixture_root, "perrank_verl", perrank.build_verl)
 
