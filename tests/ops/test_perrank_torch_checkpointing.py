@@ -557,3 +557,13 @@ def test_stats_of_a_step_directory_given_itself_names_its_step(tc_root: Path) ->
     r = runner.invoke(app, ["stats", "--json", str(tune)])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["checkpoints"][0]["step"] is None
+
+
+def test_stats_takes_no_step_from_torchtunes_epoch_directory() -> None:
+    """stats of torchtune's run root (--step latest, or its one checkpoint found below it) said step 0: the 0 of
+    dist_epoch_0, an epoch (the optimizer took steps in it); the step is unknown (null) now."""
+    run = Path(__file__).resolve().parents[1] / "fixtures" / "torchtune_data" / "run_fsdp2"
+    for extra in ([], ["--step", "latest"]):
+        r = runner.invoke(app, ["stats", "--json", str(run), *extra])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["checkpoints"][0]["step"] is None, extra

@@ -169,30 +169,40 @@ _EPOCH_DIR = re.compile(r"^(?:dist_)?epoch[-_]?\d+$")
 
 
 def _saved_step(ckpt: Checkpoint, located: Located) -> int | None:
-    """The step the trainer saved (``train_state.step``, ``iteration``, ``global_step``, OLMo-core's
-    ``train/rankR.pt``: :func:`~ckpttool.model.counters.trainer_steps`) when its counters agree; else the step
-    the trainer named its step directory by (verl's ``global_step_2/actor``, NeMo's ``epoch_0_step_2/model``,
-    ``step-2``), the directory given or one between it and the checkpoint; else ``None``."""
+    """The step of the checkpoint: ``--step``'s on a run root; else the one the trainer saved
+    (``train_state.step``, ``iteration``, ``global_step``, OLMo-core's ``train/rankR.pt``:
+    :func:`~ckpttool.model.counters.trainer_steps`) when its counters agree; else the step the trainer named its
+    step directory by (verl's ``global_step_2/actor``, NeMo's ``epoch_0_step_2/model``, ``step-2``); else ``None``.
+    A directory named by an epoch (torchtune's ``dist_epoch_N``) names no step, with ``--step`` too."""
     from ckpttool.model.counters import trainer_steps
 
+    named, epoch = _named_step(located)
+    if located.step is not None and not epoch:
+        return located.step
     values = {c.value for c in trainer_steps(ckpt)}
     if values:
         return values.pop() if len(values) == 1 else None
+    return named
+
+
+def _named_step(located: Located) -> tuple[int | None, bool]:
+    """``(step, named by an epoch)`` of the nearest step-named directory from the checkpoint up to the directory
+    given (its parent when the checkpoint folder of a step directory is given itself: verl's ``actor/``)."""
     from ckpttool.model.schemas import registry
 
     given, q = PurePath(located.given), PurePath(located.model)
     d = registry.derived()
-    if given == q and (  # the checkpoint folder of a step directory given itself (verl's actor/, NeMo's model/)
+    if given == q and (
         any(folder == q.name for folder, _ in d.step_folders) or any(p.model.match(q.name) for p in d.folder_pairs)
     ):
         given = q.parent
     while q.is_relative_to(given):
         if (s := step_of(q.name)) is not None:
-            return None if _EPOCH_DIR.match(q.name) else s  # torchtune's dist_epoch_N counts epochs, not steps
+            return (None, True) if _EPOCH_DIR.match(q.name) else (s, False)
         if q == given or q == q.parent:
             break
         q = q.parent
-    return None
+    return None, False
 
 
 def _step_value(ckpt: Checkpoint, key: str, entry: TensorEntry | None) -> float:
@@ -458,7 +468,7 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
     return CheckpointStats(
         path=str(ckpt.catalog.path),
         schema=ckpt.catalog.schema.id,
-        step=ckpt.located.step if ckpt.located.step is not None else _saved_step(ckpt, ckpt.located),
+        step=_saved_step(ckpt, ckpt.located),
         tensors=tuple(rows),
         layers=_groups(rows, moments, layer_of),
         modules=_groups(rows, moments, module_of),
