@@ -828,8 +828,20 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
 
 
 #: Training-state leaves whose value ``inspect`` shows: the step counters (``train_state.step``,
-#: a scheduler's ``last_epoch``/``_step_count``) and torchtitan's token count.
-_TRAINING_LEAVES = ("step", "last_epoch", "_step_count", "ntokens_seen", "global_step", "epoch")
+#: a scheduler's ``last_epoch``/``_step_count``), torchtitan's token count and torchtune's recipe counters
+#: (``epochs_run``, ``steps_run``, ``total_epochs``, ``max_steps_per_epoch``).
+_TRAINING_LEAVES = (
+    "step",
+    "last_epoch",
+    "_step_count",
+    "ntokens_seen",
+    "global_step",
+    "epoch",
+    "epochs_run",
+    "steps_run",
+    "total_epochs",
+    "max_steps_per_epoch",
+)
 
 
 def _training_values(ckpt: Checkpoint) -> dict[str, int | float]:

@@ -133,3 +133,14 @@ def test_several_epochs_below_the_output_dir(tmp_path: Path) -> None:
     assert doc["location"]["model"].endswith("dist_epoch_1") and doc["key_schema"]["id"] == "torchtune"
     doc = json.loads(cli("inspect", str(tmp_path), "--step", "0", "--json"))
     assert doc["location"]["model"].endswith("dist_epoch_0")
+
+
+def test_inspect_shows_the_recipe_counters() -> None:
+    """inspect listed torchtune's epochs_run, total_epochs and max_steps_per_epoch as '1 key' without their values
+    (where the run stands); their values are shown now."""
+    ckpt = DATA / "run_fsdp2" / "dist_epoch_0"
+    r = runner.invoke(app, ["inspect", "--json", str(ckpt)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["training_values"] == {"epochs_run": 1, "total_epochs": 2, "max_steps_per_epoch": 3}
+    r = runner.invoke(app, ["inspect", str(ckpt)], terminal_width=200)
+    assert "epochs_run: 1 key, value 1" in r.stdout, r.stdout
