@@ -305,3 +305,12 @@ def test_model_folder_opened_alone_names_its_optimizer_folder(nemo_root: Path) -
     (k012,) = [f for f in doc["findings"] if f["code"] == "K012"]
     assert k012["message"].endswith(f"open {step} to read them together"), k012
     assert json.loads(cli("inspect", "--json", str(step)))["unread_beside"] == []  # the pair: both read
+
+
+def test_replay_of_the_model_folder_alone_names_the_step_directory(nemo_root: Path) -> None:
+    """replay-step of model/ alone (E514) hinted at --optimizer-dir in general; the hint names optim/ beside it
+    and the step directory that holds both."""
+    step = nemo_root / "run" / "epoch_0_step_2"
+    res = runner.invoke(app, ["replay-step", "--device", "cpu", str(step / "model")])
+    assert res.exit_code == 2 and "[E514]" in res.stderr, res.output
+    assert f"hint: its optimizer folder {step / 'optim'}/ lies beside it: pass the step directory {step}," in res.stderr
