@@ -26,7 +26,7 @@ from ckpttool.engine.stats import SlabStats
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.model.catalog import TensorEntry, match_filter
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
-from ckpttool.model.discovery import Located, step_of
+from ckpttool.model.discovery import EPOCH_DIR, Located, step_of
 from ckpttool.ops.fields import PhaseFn, options_of, same_named
 from ckpttool.ops.stats.compute import (
     AdamHyper,
@@ -164,10 +164,6 @@ def _hyper(ckpt: Checkpoint, fqn: str, notes: dict[str, list[str]]) -> AdamHyper
     return AdamHyper(lr=lr, beta1=b1, beta2=b2, eps=eps, step=step)
 
 
-#: A directory named by the epoch it ends (torchtune's ``dist_epoch_N``, ``epoch_N``): no step number.
-_EPOCH_DIR = re.compile(r"^(?:dist_)?epoch[-_]?\d+$")
-
-
 def _saved_step(ckpt: Checkpoint, located: Located) -> int | None:
     """The step of the checkpoint: ``--step``'s on a run root; else the one the trainer saved
     (``train_state.step``, ``iteration``, ``global_step``, OLMo-core's ``train/rankR.pt``:
@@ -198,7 +194,7 @@ def _named_step(located: Located) -> tuple[int | None, bool]:
         given = q.parent
     while q.is_relative_to(given):
         if (s := step_of(q.name)) is not None:
-            return (None, True) if _EPOCH_DIR.match(q.name) else (s, False)
+            return (None, True) if EPOCH_DIR.match(q.name) else (s, False)
         if q == given or q == q.parent:
             break
         q = q.parent
