@@ -31,6 +31,7 @@ __all__ = [
     "read_training_state_beside",
     "trainer_state_missing",
     "training_state_beside",
+    "unpaired_optimizer",
     "unread_beside",
     "unread_in_listing",
 ]
@@ -132,6 +133,24 @@ def unread_beside(model_dir: Path, given: Path, read: Collection[Path] = ()) -> 
                 rel = os.path.relpath(d / name, given) if (d / name).is_relative_to(given) else str(d / name)
                 out.append(rel + ("/" if is_dir else ""))
     return tuple(out)
+
+
+def unpaired_optimizer(model_dir: Path, given: Path) -> str | None:
+    """The optimizer folder saved beside ``model_dir`` when ``model_dir`` is the model folder of a model/optimizer
+    pair (NeMo Automodel's ``model/`` + ``optim/``, Accelerate's ``pytorch_model_fsdp_0/`` + ``optimizer_0/``: the
+    schemas' folder pairs) opened alone: a DCP checkpoint (``.metadata``) the opened one does not read. Named
+    relative to ``given`` where it lies below it (as :func:`unread_beside` names), with a trailing ``/``;
+    ``None`` when there is none."""
+    from ckpttool.model.schemas import registry
+
+    for pair in registry.derived().folder_pairs:
+        m = pair.model.fullmatch(model_dir.name)
+        if m is None:
+            continue
+        opt = model_dir.parent / pair.optimizer.format(*m.groups())
+        if opt != model_dir and os.path.isfile(opt / _DCP_METADATA):
+            return (os.path.relpath(opt, given) if opt.is_relative_to(given) else str(opt)) + "/"
+    return None
 
 
 def unread_in_listing(names: Collection[str], read: Collection[str] = ()) -> tuple[str, ...]:

@@ -38,7 +38,7 @@ from ckpttool.format.storage import RemoteStore, is_url, url_path
 from ckpttool.format.tiling import tiling_problem
 from ckpttool.format.unpickler import gc_paused
 from ckpttool.layouts.declaration import LayoutDeclaration, ResolvedLayout, resolve_layout
-from ckpttool.model.beside import hf_config_beside, unread_beside, unread_in_listing
+from ckpttool.model.beside import hf_config_beside, unpaired_optimizer, unread_beside, unread_in_listing
 from ckpttool.model.catalog import Catalog, ExtraStateFile, ParamGroup, build_catalog, load_param_groups
 from ckpttool.model.discovery import CheckpointSelection, Located, compose_pair, locate
 from ckpttool.model.schemas.keyschema import SchemaOverride
@@ -195,9 +195,12 @@ class Checkpoint:
         if remote is not None:  # an object-store prefix: its one listing, not a directory scan
             return unread_in_listing(list(remote.sizes()), self._files_read())
         model, given = Path(self.located.model), Path(self.located.given)
+        # the optimizer folder of a model folder opened alone (NeMo's optim/ beside model/): not read with it
+        opt = unpaired_optimizer(model, given) if self.located.optimizer is None else None
+        paired = (opt,) if opt is not None else ()
         if not unread_beside(model, given):  # the usual case: no candidate, the storage's paths not listed
-            return ()
-        return unread_beside(model, given, [Path(self.path) / rel for rel in self._files_read()])
+            return paired
+        return (*unread_beside(model, given, [Path(self.path) / rel for rel in self._files_read()]), *paired)
 
     def _files_read(self) -> set[str]:
         """The files of this checkpoint's folder it reads, relative to it: the data files, a per-rank save's rank

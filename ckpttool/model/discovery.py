@@ -36,6 +36,7 @@ from ckpttool.model.schemas import registry
 from ckpttool.model.schemas.keyschema import SchemaOverride
 
 __all__ = [
+    "EPOCH_DIR",
     "MAX_DEPTH",
     "CheckpointSelection",
     "IncompleteStep",
@@ -776,7 +777,29 @@ def _of_step(
             path=root,
             param="step",
         )
-    return units_at, how or f"`step` {want}"
+    return units_at, _epoch_words(root, units_at, how or f"`step` {want}", want)
+
+
+#: A directory named by the epoch it ends (torchtune's ``dist_epoch_N``): its number orders the saves like a step
+#: but counts epochs, not optimizer steps.
+EPOCH_DIR = re.compile(r"^(?:dist_)?epoch[-_]?\d+$")
+
+
+def _epoch_words(root: Path, units: list[_Unit], how: str, want: int | str | None) -> str:
+    """``how`` with ``step N`` said as ``epoch N`` where the chosen saves lie in directories named by an epoch
+    (``--step latest: step 0`` of torchtune's ``dist_epoch_0`` read as the step count, 0, of a trained model)."""
+    names = set()
+    for u in units:
+        q = u.model
+        while q != root and q != q.parent and step_of(q.name) is None:
+            q = q.parent
+        names.add(q.name if q != root else "")
+    if not names or not all(EPOCH_DIR.match(n) for n in names):
+        return how
+    shown = ", ".join(sorted(names))
+    return how.replace(f"step {want} (the highest step)", f"epoch {want} ({shown}, the highest epoch)", 1).replace(
+        f"`step` {want}", f"`step` {want} (epoch {want}: {shown})", 1
+    )
 
 
 def _latest_of(

@@ -774,9 +774,25 @@ def _build(ckpt: Checkpoint, opts: InspectOptions) -> InspectResult:
         derived_from=_derived_from(ckpt),
         training_values=_training_values(ckpt),
         hf_copies=tuple(hf_copies(ckpt.reader.path, ckpt.located.model)),
-        trainer_state=tuple(read_training_state_beside(ckpt.located.model)),
+        trainer_state=(*_megatron_common(ckpt), *read_training_state_beside(ckpt.located.model)),
         unread_beside=ckpt.unread_beside(),
     )
+
+
+def _megatron_common(ckpt: Checkpoint) -> tuple[TrainerState, ...]:
+    """Megatron's ``common.pt`` (its ``iteration``: the step a resume continues from) as a trainer-state row;
+    ``()`` for other schemas and a checkpoint without one."""
+    if ckpt.catalog.schema.id != "megatron":
+        return ()
+    from ckpttool.model.schemas.megatron import COMMON_FILE, read_common
+
+    try:
+        common = read_common(Path(ckpt.located.model))
+    except CkptError as e:
+        return (TrainerState(COMMON_FILE, error=str(e).splitlines()[0][:300]),)
+    if common is None:
+        return ()
+    return (TrainerState(COMMON_FILE, dict(common.values), common.keys),)
 
 
 def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
@@ -812,8 +828,20 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
 
 
 #: Training-state leaves whose value ``inspect`` shows: the step counters (``train_state.step``,
-#: a scheduler's ``last_epoch``/``_step_count``) and torchtitan's token count.
-_TRAINING_LEAVES = ("step", "last_epoch", "_step_count", "ntokens_seen", "global_step", "epoch")
+#: a scheduler's ``last_epoch``/``_step_count``), torchtitan's token count and torchtune's recipe counters
+#: (``epochs_run``, ``steps_run``, ``total_epochs``, ``max_steps_per_epoch``).
+_TRAINING_LEAVES = (
+    "step",
+    "last_epoch",
+    "_step_count",
+    "ntokens_seen",
+    "global_step",
+    "epoch",
+    "epochs_run",
+    "steps_run",
+    "total_epochs",
+    "max_steps_per_epoch",
+)
 
 
 def _training_values(ckpt: Checkpoint) -> dict[str, int | float]:

@@ -189,7 +189,10 @@ def test_recipe_rng_and_dataloader_folders_beside_are_named(nemo_root: Path, tmp
     assert doc["unread_beside"] == ["dataloader/", "rng/"]
     doc = json.loads(cli("validate", "--strict", "--json", str(step / "model"), code=1))  # model/ alone
     (k012,) = [f for f in doc["findings"] if f["code"] == "K012"]
-    assert k012["message"].endswith(f"does not read: {step / 'dataloader'}/, {step / 'rng'}/")
+    assert k012["message"].endswith(
+        f"does not read: {step / 'dataloader'}/, {step / 'rng'}/, {step / 'optim'}/; {step / 'optim'}/ is the "
+        f"optimizer folder of model/: open {step} to read them together"
+    )
 
 
 def test_manifest_covers_the_recipe_step_scheduler(nemo_root: Path, tmp_path: Path) -> None:
@@ -289,3 +292,25 @@ def test_verify_names_the_pair_safetensors_model_and_dcp_optimizer(nemo_root: Pa
     cli("manifest", str(step))
     out = cli("manifest", str(step), "--verify")
     assert out.startswith(f"{step} (safetensors + dcp) matches its manifest "), out
+
+
+def test_model_folder_opened_alone_names_its_optimizer_folder(nemo_root: Path) -> None:
+    """model/ of a NeMo step opened alone read the weights, said "state for 0/21 params" and validate --strict
+    passed, optim/ beside it (the step's AdamW state, a DCP checkpoint) never mentioned; now inspect names it
+    (not read) and K012 says to open the step directory."""
+    step = nemo_root / "run" / "epoch_0_step_2"
+    doc = json.loads(cli("inspect", "--json", str(step / "model")))
+    assert doc["unread_beside"] == [f"{step / 'optim'}/"]
+    doc = json.loads(cli("validate", "--strict", "--json", str(step / "model"), code=1))
+    (k012,) = [f for f in doc["findings"] if f["code"] == "K012"]
+    assert k012["message"].endswith(f"open {step} to read them together"), k012
+    assert json.loads(cli("inspect", "--json", str(step)))["unread_beside"] == []  # the pair: both read
+
+
+def test_replay_of_the_model_folder_alone_names_the_step_directory(nemo_root: Path) -> None:
+    """replay-step of model/ alone (E514) hinted at --optimizer-dir in general; the hint names optim/ beside it
+    and the step directory that holds both."""
+    step = nemo_root / "run" / "epoch_0_step_2"
+    res = runner.invoke(app, ["replay-step", "--device", "cpu", str(step / "model")])
+    assert res.exit_code == 2 and "[E514]" in res.stderr, res.output
+    assert f"hint: its optimizer folder {step / 'optim'}/ lies beside it: pass the step directory {step}," in res.stderr

@@ -133,3 +133,25 @@ def test_several_epochs_below_the_output_dir(tmp_path: Path) -> None:
     assert doc["location"]["model"].endswith("dist_epoch_1") and doc["key_schema"]["id"] == "torchtune"
     doc = json.loads(cli("inspect", str(tmp_path), "--step", "0", "--json"))
     assert doc["location"]["model"].endswith("dist_epoch_0")
+
+
+def test_inspect_shows_the_recipe_counters() -> None:
+    """inspect listed torchtune's epochs_run, total_epochs and max_steps_per_epoch as '1 key' without their values
+    (where the run stands); their values are shown now."""
+    ckpt = DATA / "run_fsdp2" / "dist_epoch_0"
+    r = runner.invoke(app, ["inspect", "--json", str(ckpt)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["training_values"] == {"epochs_run": 1, "total_epochs": 2, "max_steps_per_epoch": 3}
+    r = runner.invoke(app, ["inspect", str(ckpt)], terminal_width=200)
+    assert "epochs_run: 1 key, value 1" in r.stdout, r.stdout
+
+
+def test_step_of_an_epoch_directory_is_said_as_an_epoch() -> None:
+    """--step latest over torchtune's run said 'step 0 (the highest step)': the 0 of dist_epoch_0, an epoch of a
+    trained model (its optimizer had stepped); it says epoch 0 now, with --step 0 too."""
+    run = DATA / "run_fsdp2"
+    r = runner.invoke(app, ["inspect", "--json", str(run), "--step", "latest"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["location"]["how"] == "`step` latest: epoch 0 (dist_epoch_0, the highest epoch)"
+    r = runner.invoke(app, ["inspect", "--json", str(run), "--step", "0"])
+    assert json.loads(r.stdout)["location"]["how"] == "`step` 0 (epoch 0: dist_epoch_0)"

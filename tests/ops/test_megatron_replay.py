@@ -168,3 +168,37 @@ def test_stepped_parameters_of_unassigned_groups_fail_the_replay(tmp_path: Path)
     r = runner.invoke(app, ["replay-step", "--device", "cpu", "--json", "--filter", "*self_attention*", str(run)])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["ok"]
+
+
+def test_inspect_and_stats_name_the_iteration_of_common_pt() -> None:
+    """Megatron keeps its step in common.pt (``iteration``): inspect showed no step and stats' step was null for
+    a real iter_0000003; inspect's trainer line names common.pt's iteration and stats' step is 3."""
+    ckpt = DATA / "dense1" / "iter_0000003"
+    r = runner.invoke(app, ["inspect", "--json", str(ckpt)])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)["trainer_state"]
+    assert rows[0]["file"] == "common.pt" and rows[0]["values"]["iteration"] == 3 and rows[0]["error"] is None
+    r = runner.invoke(app, ["inspect", str(ckpt)], terminal_width=200)
+    assert "trainer     common.pt: iteration 3" in r.stdout, r.stdout
+    r = runner.invoke(app, ["stats", "--json", str(ckpt)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["checkpoints"][0]["step"] == 3
+
+
+def test_a_latest_file_naming_no_checkpoint_is_r005(tmp_path: Path) -> None:
+    """latest_checkpointed_iteration.txt naming iteration 5 beside the one save iter_0000003: validate of the run
+    root checked iter_0000003 and said OK, though Megatron-LM's resume follows the file and fails (inspect
+    --step latest is E205). Now R005 names the file; the real run passes."""
+    import shutil
+
+    r = runner.invoke(app, ["validate", "--strict", "--json", str(DATA / "dense1")])
+    assert r.exit_code == 0 and not json.loads(r.stdout)["findings"], r.stdout
+    run = shutil.copytree(DATA / "dense1", tmp_path / "run")
+    (run / "latest_checkpointed_iteration.txt").write_text("5")
+    r = runner.invoke(app, ["validate", "--strict", "--json", str(run)])
+    (f,) = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "R005"]
+    assert r.exit_code == 1 and f["severity"] == "warning", r.stdout
+    assert f["message"] == (
+        f"{run / 'latest_checkpointed_iteration.txt'}: names step 5, but no checkpoint of step 5 is below {run}; "
+        "steps found: 3"
+    )

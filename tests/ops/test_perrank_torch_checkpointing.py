@@ -543,3 +543,27 @@ def test_inspect_reports_the_ranks_that_saved_the_files(tc_root: Path, name: str
     assert sharded and all(t["ranks"] == [0, 1] for t in sharded)
     out = runner.invoke(app, ["inspect", str(step)]).stdout
     assert f"files       {len(files)} data files from ranks 0,1, " in out
+
+
+def test_stats_of_a_step_directory_given_itself_names_its_step(tc_root: Path) -> None:
+    """stats of step-2/ given itself had step null (no trainer counter saved) while stats of the run root
+    said step 2; the step the trainer named the directory by is the step now. torchtune's dist_epoch_0 counts
+    epochs: no step is made of it."""
+    for path in (tc_root / "w2x" / "step-2", tc_root / "w2x"):
+        r = runner.invoke(app, ["stats", "--json", str(path)])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["checkpoints"][0]["step"] == 2, path
+    tune = Path(__file__).resolve().parents[1] / "fixtures" / "torchtune_data" / "run_fsdp2" / "dist_epoch_0"
+    r = runner.invoke(app, ["stats", "--json", str(tune)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["checkpoints"][0]["step"] is None
+
+
+def test_stats_takes_no_step_from_torchtunes_epoch_directory() -> None:
+    """stats of torchtune's run root (--step latest, or its one checkpoint found below it) said step 0: the 0 of
+    dist_epoch_0, an epoch (the optimizer took steps in it); the step is unknown (null) now."""
+    run = Path(__file__).resolve().parents[1] / "fixtures" / "torchtune_data" / "run_fsdp2"
+    for extra in ([], ["--step", "latest"]):
+        r = runner.invoke(app, ["stats", "--json", str(run), *extra])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["checkpoints"][0]["step"] is None, extra

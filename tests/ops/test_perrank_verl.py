@@ -550,3 +550,12 @@ def test_a_newer_step_missing_a_rank_file_is_passed_over(verl_root: Path, tmp_pa
         res = runner.invoke(app, ["validate", *args])
         assert res.exit_code == 2, res.output
         assert res.stderr.startswith("error: [E202] ") and f"{run / 'global_step_4' / 'actor'} has {why}" in res.stderr
+
+
+@pytest.mark.parametrize("where", ["step", "actor"])
+def test_stats_names_the_step_of_global_step_n(verl_root: Path, where: str) -> None:
+    """stats of global_step_2/ (or its actor/) had step null: verl saves no step counter, only the directory name."""
+    actor = _actor(verl_root, 2)
+    r = runner.invoke(app, ["stats", "--json", str(actor if where == "actor" else actor.parent)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["checkpoints"][0]["step"] == 2

@@ -92,6 +92,7 @@ class MegatronCommon:
         scheduler: ``opt_param_scheduler`` (``max_lr``, ``num_steps``, ...), or ``{}``.
         iteration: the saved ``iteration``, or ``None``.
         keys: the top-level keys of ``common.pt``.
+        values: its top-level numbers (``iteration``, ``checkpoint_version``, ``num_floating_point_operations_so_far``).
     """
 
     groups: tuple[tuple[dict[str, Any], ...], ...] = ()
@@ -99,6 +100,7 @@ class MegatronCommon:
     scheduler: dict[str, Any] = field(default_factory=dict)
     iteration: int | None = None
     keys: tuple[str, ...] = ()
+    values: dict[str, int | float] = field(default_factory=dict)
 
 
 def is_megatron_dir(path: Path) -> bool:
@@ -231,6 +233,7 @@ def read_common(ckpt_dir: Path) -> MegatronCommon | None:
         scheduler=dict(sched) if isinstance(sched, dict) else {},
         iteration=it if isinstance(it, int) and not isinstance(it, bool) else None,
         keys=tuple(str(k) for k in obj),
+        values={str(k): v for k, v in obj.items() if type(v) in (int, float)},
     )
 
 

@@ -1188,10 +1188,22 @@ def _prepare(
         chunks,
         model_config,
         config,
-        notes + fused_note,
+        notes + fused_note + _extra_state_note(ckpt.catalog),
         quantizer,
         _config_beside(ckpt, opts, out_format),
         opts.experts or "fused",
+    )
+
+
+def _extra_state_note(cat: Catalog) -> tuple[str, ...]:
+    """A note naming the modules' ``_extra_state`` items the export leaves out (Megatron's Transformer Engine
+    layers save one per module and shard: FP8 scaling state, no weights), which were left out without a word."""
+    keys = [k for k in cat.byte_items if k.rsplit(".", 1)[-1].split("/", 1)[0] == "_extra_state"]
+    if not keys:
+        return ()
+    return (
+        f"{len(keys)} module _extra_state item(s) not exported (e.g. {keys[0]}): a module's extra state "
+        "(Transformer Engine keeps its FP8 scaling state there), not weights; the HF files hold weights only",
     )
 
 

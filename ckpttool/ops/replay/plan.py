@@ -15,6 +15,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ckpttool.errors import (
@@ -394,9 +395,16 @@ def _check_arguments(
             "(a plain optimizer.state_dict()), so no state can be matched to a parameter"
         )
     if not cat.param_groups:
+        from ckpttool.format.storage import is_url
+        from ckpttool.model.beside import unpaired_optimizer
+
+        here = Path(str(cat.path))
+        opt = None if is_url(str(cat.path)) else unpaired_optimizer(here, here)  # NeMo's optim/ beside model/
         raise HyperparameterError(
             f"{cat.path}: the checkpoint holds no optimizer param groups; nothing to replay",
-            hint="replay-step needs a checkpoint saved with its optimizer: pass its optimizer checkpoint with "
+            hint=f"its optimizer folder {opt} lies beside it: pass the step directory {here.parent}, which holds both"
+            if opt is not None
+            else "replay-step needs a checkpoint saved with its optimizer: pass its optimizer checkpoint with "
             "`optimizer_dir`, or the folder holding both (`ckpttool inspect` shows what it holds)",
         )
     return rx

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any
 
 from ckpttool.engine.kernels import IEEE_BITS, float_values
@@ -25,6 +26,7 @@ from ckpttool.engine.stats import SlabStats
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.model.catalog import TensorEntry, match_filter
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
+from ckpttool.model.discovery import EPOCH_DIR, Located, step_of
 from ckpttool.ops.fields import PhaseFn, options_of, same_named
 from ckpttool.ops.stats.compute import (
     AdamHyper,
@@ -162,13 +164,41 @@ def _hyper(ckpt: Checkpoint, fqn: str, notes: dict[str, list[str]]) -> AdamHyper
     return AdamHyper(lr=lr, beta1=b1, beta2=b2, eps=eps, step=step)
 
 
-def _saved_step(ckpt: Checkpoint) -> int | None:
-    """The step the trainer saved (``train_state.step``, ``iteration``, ``global_step``, OLMo-core's
-    ``train/rankR.pt``: :func:`~ckpttool.model.counters.trainer_steps`) when its counters agree; else ``None``."""
+def _saved_step(ckpt: Checkpoint, located: Located) -> int | None:
+    """The step of the checkpoint: ``--step``'s on a run root; else the one the trainer saved
+    (``train_state.step``, ``iteration``, ``global_step``, OLMo-core's ``train/rankR.pt``:
+    :func:`~ckpttool.model.counters.trainer_steps`) when its counters agree; else the step the trainer named its
+    step directory by (verl's ``global_step_2/actor``, NeMo's ``epoch_0_step_2/model``, ``step-2``); else ``None``.
+    A directory named by an epoch (torchtune's ``dist_epoch_N``) names no step, with ``--step`` too."""
     from ckpttool.model.counters import trainer_steps
 
+    named, epoch = _named_step(located)
+    if located.step is not None and not epoch:
+        return located.step
     values = {c.value for c in trainer_steps(ckpt)}
-    return values.pop() if len(values) == 1 else None
+    if values:
+        return values.pop() if len(values) == 1 else None
+    return named
+
+
+def _named_step(located: Located) -> tuple[int | None, bool]:
+    """``(step, named by an epoch)`` of the nearest step-named directory from the checkpoint up to the directory
+    given (its parent when the checkpoint folder of a step directory is given itself: verl's ``actor/``)."""
+    from ckpttool.model.schemas import registry
+
+    given, q = PurePath(located.given), PurePath(located.model)
+    d = registry.derived()
+    if given == q and (
+        any(folder == q.name for folder, _ in d.step_folders) or any(p.model.match(q.name) for p in d.folder_pairs)
+    ):
+        given = q.parent
+    while q.is_relative_to(given):
+        if (s := step_of(q.name)) is not None:
+            return (None, True) if EPOCH_DIR.match(q.name) else (s, False)
+        if q == given or q == q.parent:
+            break
+        q = q.parent
+    return None, False
 
 
 def _step_value(ckpt: Checkpoint, key: str, entry: TensorEntry | None) -> float:
@@ -434,7 +464,7 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
     return CheckpointStats(
         path=str(ckpt.catalog.path),
         schema=ckpt.catalog.schema.id,
-        step=ckpt.located.step if ckpt.located.step is not None else _saved_step(ckpt),
+        step=_saved_step(ckpt, ckpt.located),
         tensors=tuple(rows),
         layers=_groups(rows, moments, layer_of),
         modules=_groups(rows, moments, module_of),

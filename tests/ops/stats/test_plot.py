@@ -55,7 +55,7 @@ def test_each_value_is_drawn_at_its_own_layer_when_a_checkpoint_lacks_a_layer(un
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    from ckpttool.ui.plot import _layer_lines
+    from ckpttool.ui.plot import _label, _layer_lines
 
     res = collect_stats(unfrozen, StatsOptions())
     first, second = res.checkpoints
@@ -72,7 +72,7 @@ def test_each_value_is_drawn_at_its_own_layer_when_a_checkpoint_lacks_a_layer(un
         plt.close(fig)
         for i, c in enumerate(res.checkpoints):
             want = {g.name: value(g) for g in c.layers if value(g) is not None}
-            assert drawn[f"#{i + 1} {Path(c.path).name}"] == pytest.approx(want), (i, drawn)
+            assert drawn[_label(res, i)] == pytest.approx(want), (i, drawn)
 
 
 def test_diff_plot_draws_the_layers_in_the_models_order(tmp_path: Path) -> None:

@@ -160,10 +160,17 @@ def test_relative_change_between_checkpoints_matches_torch(run3: list[Path], tmp
     assert all(ch.relative and ch.relative > 0 for ch in res.changes)
 
 
-def test_change_columns_say_what_they_count(run3: list[Path]) -> None:
+def test_change_columns_say_what_they_count(run3: list[Path], tmp_path: Path) -> None:
     """The change columns were headed ``Δ1→2``, ``Δ2→3`` (positions) over checkpoints named ``step-1``...: a reader
-    took them for steps. Without known steps they are ``#N`` (the Nth checkpoint given), and the title says so."""
+    took them for steps. Without known steps they are ``#N`` (the Nth checkpoint given), and the title says so;
+    directories named by their step (``step-3`` given itself) head them by those steps."""
+    import shutil
+
     res = runner.invoke(app, ["stats", *map(str, reversed(run3))], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.stderr
+    assert "Δ3→2" in res.stdout and "Δ2→1" in res.stdout and "consecutive checkpoints (steps)" in res.stdout
+    unnamed = [shutil.copytree(p, tmp_path / f"run-{c}") for p, c in zip(reversed(run3), "abc")]
+    res = runner.invoke(app, ["stats", *map(str, unnamed)], env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.stderr
     assert "between consecutive checkpoints (#N: the Nth checkpoint given)" in res.stdout, res.stdout
     assert "Δ#1→#2" in res.stdout and "Δ#2→#3" in res.stdout and "Δ1→2" not in res.stdout, res.stdout

@@ -34,6 +34,26 @@ def newer_step_incomplete(ctx: Context) -> Iterator[tuple[str, str]]:
         )
 
 
+@rule("R005")
+def latest_names_no_checkpoint(ctx: Context) -> Iterator[tuple[str, str]]:
+    """The run root given names a latest step (its ``latest`` file) that no checkpoint below it has, while the
+    checkpoint checked was chosen without it (its only one, or ``--step N``): ``--step latest`` is ``E205`` there."""
+    from ckpttool.errors import StepNotFoundError
+    from ckpttool.model.discovery import CheckpointSelection, locate
+
+    loc = ctx.ckpt.located
+    given = Path(loc.given)
+    if given == Path(loc.model) or not given.is_dir():
+        return
+    try:
+        locate(given, CheckpointSelection(step="latest"))
+    except StepNotFoundError as e:
+        if e.path is not None and Path(e.path).parent == given:  # the latest file's own complaint
+            yield str(e.path), e.message
+    except CkptError:
+        return  # another reason --step latest fails there: not this rule's
+
+
 def _optimizer_step(ctx: Context) -> Counter | None:
     """The largest saved optimizer ``step`` (parameters that missed gradients count fewer)."""
     best: Counter | None = None

@@ -138,9 +138,18 @@ def training_state_not_read(ctx: Context) -> Iterator[tuple[str | None, str]]:
     unread = ctx.ckpt.unread_beside()
     if unread:
         shown = ", ".join(unread[:6]) + (f" (+{len(unread) - 6} more)" if len(unread) > 6 else "")
+        from ckpttool.model.beside import unpaired_optimizer
+
+        model = Path(located.model)
+        opt = unpaired_optimizer(model, Path(located.given)) if located.optimizer is None else None
+        both = (
+            f"; {opt} is the optimizer folder of {model.name}/: open {model.parent} to read them together"
+            if opt is not None and opt in unread
+            else ""
+        )
         yield (
             None,
-            f"{located.given}: training state beside {Path(located.model).name}/ that ckpttool does not read: {shown}",
+            f"{located.given}: training state beside {model.name}/ that ckpttool does not read: {shown}{both}",
         )
 
 
