@@ -430,6 +430,11 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
         if s.experts and roles[k][1] == "weight"
     )
     updates = _updates(ckpt, moments, hypers, rows)
+    broken = [
+        fqn for fqn in moments if any(r.nonfinite for r in rows if r.fqn == fqn and r.role in ("exp_avg", "exp_avg_sq"))
+    ]
+    if broken:  # the figure covers the finite elements only; the next step writes NaN/Inf at the others
+        notes[NONFINITE_MOMENTS_NOTE] = broken
     read = ckpt.reader.bytes_read - before
     return CheckpointStats(
         path=str(ckpt.catalog.path),
@@ -448,6 +453,11 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
 
 #: Complex tensors (RoPE's ``freqs_cis``) are measured by their moduli ``|z|``: said, not passed off as their values.
 COMPLEX_NOTE = "complex tensors measured by their moduli |z| (mean and std are of |z|; abs max, L2 and zeros exact)"
+#: Parameters whose moments hold NaN/Inf: their update size is that of the finite elements only (a ``note:``).
+NONFINITE_MOMENTS_NOTE = (
+    "update size of the finite elements only: exp_avg or exp_avg_sq holds NaN/Inf "
+    "(the next step writes non-finite weights there; validate --deep: D001)"
+)
 #: Why per-expert norms are in stored order (a ``note:``).
 STORED_ORDER_NOTE = "per-expert norms in stored order (the EP layout is not known: declare it with `ckpttool stamp`)"
 
@@ -455,7 +465,11 @@ STORED_ORDER_NOTE = "per-expert norms in stored order (the EP layout is not know
 def note_line(note: str) -> str:
     """A checkpoint's note as a line for people: why no update size was computed, said as such (the notes of
     quantized weights and of experts in stored order are about the weights, not the update)."""
-    return note if note.startswith((QUANTIZED_NOTE, STORED_ORDER_NOTE, COMPLEX_NOTE)) else f"no update size: {note}"
+    return (
+        note
+        if note.startswith((QUANTIZED_NOTE, STORED_ORDER_NOTE, COMPLEX_NOTE, NONFINITE_MOMENTS_NOTE))
+        else f"no update size: {note}"
+    )
 
 
 def _true_order(

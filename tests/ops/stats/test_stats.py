@@ -197,6 +197,30 @@ def test_nan_and_inf_are_counted_and_left_out_of_the_sums(tmp_path: Path) -> Non
     assert layer.nonfinite == 3
 
 
+def test_update_size_of_moments_with_nan_says_it_covers_the_finite_elements(dense_ckpt: Path, tmp_path: Path) -> None:
+    """A NaN and an infinity in one parameter's exp_avg gave a finite update size without a word (the next step
+    writes NaN there); a note names the parameter, the figure is that of its finite elements."""
+    bad = copy_checkpoint(dense_ckpt, tmp_path / "bad")
+    fqn = "model.layers.1.mlp.up_proj.weight"
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        t.view(-1)[:2] = torch.tensor([math.nan, math.inf])
+        return t
+
+    damage.rewrite_tensor(bad, f"optimizer.state.{fqn}.exp_avg", poison)
+    c = collect_stats([bad], StatsOptions()).checkpoints[0]
+    (note,) = [n for n in c.notes if "finite elements only" in n]
+    assert note.endswith(f"1 parameter(s), e.g. {fqn}") and "D001" in note
+    u = next(u for u in c.updates if u.fqn == fqn)
+    assert math.isfinite(u.rms) and u.rms > 0
+    clean = collect_stats([dense_ckpt], StatsOptions()).checkpoints[0]
+    assert not any("finite elements only" in n for n in clean.notes)
+    res = runner.invoke(app, ["stats", str(bad)])
+    assert res.exit_code == 0
+    assert "note: " in res.stderr and "update size of the finite elements only" in res.stderr
+    assert "no update size: update size" not in res.stderr
+
+
 def test_groups_by_layer_and_module_type() -> None:
     assert layer_of("model.layers.12.mlp.experts.3.w1.weight") == "model.layers.12"
     assert module_of("model.layers.12.mlp.experts.3.w1.weight") == "model.layers.*.mlp.experts.*.w1.weight"
