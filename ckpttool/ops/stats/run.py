@@ -445,9 +445,27 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
         modules=_groups(rows, moments, module_of),
         experts=experts,
         updates=tuple(updates),
-        notes=tuple(f"{why}: {len(fqns)} parameter(s), e.g. {fqns[0]}" for why, fqns in notes.items()),
+        notes=tuple(f"{why}: {len(fqns)} parameter(s), e.g. {fqns[0]}" for why, fqns in notes.items())
+        + _newer_incomplete(ckpt),
         bytes_read=read,
         seconds=time.perf_counter() - t0,
+    )
+
+
+#: A run root's newer step whose save did not finish (validate's ``R001``): ``--step latest`` measured an older one.
+NEWER_INCOMPLETE_NOTE = "a newer step's save did not finish"
+
+
+def _newer_incomplete(ckpt: Checkpoint) -> tuple[str, ...]:
+    """The note naming the newest unfinished step newer than the one measured (``--step latest`` chose the newest
+    complete one), as ``replay-step`` and ``validate``'s ``R001`` name it; none otherwise."""
+    loc = ckpt.located
+    if not loc.newer_incomplete:
+        return ()
+    inc = loc.newer_incomplete[0]
+    return (
+        f"{NEWER_INCOMPLETE_NOTE}: step {inc.step} ({inc.path}: {inc.reason}) is newer than the measured step "
+        f"{loc.step}; `ckpttool validate` reports it (R001)",
     )
 
 
@@ -467,7 +485,9 @@ def note_line(note: str) -> str:
     quantized weights and of experts in stored order are about the weights, not the update)."""
     return (
         note
-        if note.startswith((QUANTIZED_NOTE, STORED_ORDER_NOTE, COMPLEX_NOTE, NONFINITE_MOMENTS_NOTE))
+        if note.startswith(
+            (QUANTIZED_NOTE, STORED_ORDER_NOTE, COMPLEX_NOTE, NONFINITE_MOMENTS_NOTE, NEWER_INCOMPLETE_NOTE)
+        )
         else f"no update size: {note}"
     )
 

@@ -221,6 +221,23 @@ def test_update_size_of_moments_with_nan_says_it_covers_the_finite_elements(dens
     assert "no update size: update size" not in res.stderr
 
 
+def test_step_latest_past_an_unfinished_newer_save_says_so(dense_ckpt: Path, tmp_path: Path) -> None:
+    """`stats RUN --step latest` measured step 1 while step 2's save had not finished, without a word (replay-step
+    and validate's R001 name it); a note now does, on stderr and in the JSON notes."""
+    copy_checkpoint(dense_ckpt, tmp_path / "run" / "step-1")
+    newer = copy_checkpoint(dense_ckpt, tmp_path / "run" / "step-2")
+    (newer / ".metadata").rename(newer / ".metadata.tmp")  # FileSystemWriter's name until every rank finished
+    res = runner.invoke(app, ["stats", str(tmp_path / "run"), "--step", "latest"])
+    assert res.exit_code == 0, res.output
+    assert "step-1 (torch-native, step 1)" in res.stdout
+    assert "a newer step's save did not finish: step 2" in res.stderr and "(R001)" in res.stderr
+    assert "no update size" not in res.stderr
+    doc = json.loads(runner.invoke(app, ["stats", str(tmp_path / "run"), "--step", "latest", "--json"]).stdout)
+    assert any("step 2" in n and ".metadata.tmp" in n for n in doc["checkpoints"][0]["notes"])
+    clean = json.loads(runner.invoke(app, ["stats", str(tmp_path / "run" / "step-1"), "--json"]).stdout)
+    assert not any("did not finish" in n for n in clean["checkpoints"][0]["notes"])
+
+
 def test_groups_by_layer_and_module_type() -> None:
     assert layer_of("model.layers.12.mlp.experts.3.w1.weight") == "model.layers.12"
     assert module_of("model.layers.12.mlp.experts.3.w1.weight") == "model.layers.*.mlp.experts.*.w1.weight"
