@@ -435,6 +435,9 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
     ]
     if broken:  # the figure covers the finite elements only; the next step writes NaN/Inf at the others
         notes[NONFINITE_MOMENTS_NOTE] = broken
+    made_up = [fqn for fqn in moments if hypers[fqn].step == 1 and _zero_moments(rows, fqn)]
+    if made_up:  # get_state_dict's zero-lr step before the first real one: its update size is no training step's
+        notes[SYNTHESIZED_NOTE] = made_up
     read = ckpt.reader.bytes_read - before
     return CheckpointStats(
         path=str(ckpt.catalog.path),
@@ -450,6 +453,19 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
         bytes_read=read,
         seconds=time.perf_counter() - t0,
     )
+
+
+#: Parameters whose state torch made up before the first step (``D005``): their update size is that of no real step.
+SYNTHESIZED_NOTE = (
+    "update size of no training step: step 1 with all-zero exp_avg and exp_avg_sq, state torch made up for an "
+    "optimizer that had not stepped (validate --deep: D005)"
+)
+
+
+def _zero_moments(rows: list[TensorValueStats], fqn: str) -> bool:
+    """``fqn``'s ``exp_avg`` and ``exp_avg_sq`` were both measured and are all zero."""
+    found = [r for r in rows if r.fqn == fqn and r.role in ("exp_avg", "exp_avg_sq")]
+    return len(found) == 2 and all(r.numel and r.zero_fraction == 1.0 for r in found)
 
 
 #: A run root's newer step whose save did not finish (validate's ``R001``): ``--step latest`` measured an older one.
@@ -480,16 +496,21 @@ NONFINITE_MOMENTS_NOTE = (
 STORED_ORDER_NOTE = "per-expert norms in stored order (the EP layout is not known: declare it with `ckpttool stamp`)"
 
 
+#: Notes that say what they are about themselves (the others say why a parameter has no update size).
+_SELF_SAID = (
+    QUANTIZED_NOTE,
+    STORED_ORDER_NOTE,
+    COMPLEX_NOTE,
+    NONFINITE_MOMENTS_NOTE,
+    NEWER_INCOMPLETE_NOTE,
+    SYNTHESIZED_NOTE,
+)
+
+
 def note_line(note: str) -> str:
     """A checkpoint's note as a line for people: why no update size was computed, said as such (the notes of
     quantized weights and of experts in stored order are about the weights, not the update)."""
-    return (
-        note
-        if note.startswith(
-            (QUANTIZED_NOTE, STORED_ORDER_NOTE, COMPLEX_NOTE, NONFINITE_MOMENTS_NOTE, NEWER_INCOMPLETE_NOTE)
-        )
-        else f"no update size: {note}"
-    )
+    return note if note.startswith(_SELF_SAID) else f"no update size: {note}"
 
 
 def _true_order(

@@ -238,6 +238,23 @@ def test_step_latest_past_an_unfinished_newer_save_says_so(dense_ckpt: Path, tmp
     assert not any("did not finish" in n for n in clean["checkpoints"][0]["notes"])
 
 
+def test_update_size_of_state_made_up_before_the_first_step_says_so(tmp_path: Path) -> None:
+    """A save before the first optimizer step (get_state_dict's zero-lr step: step 1, all-zero moments) had an
+    update rms of 0 without a word, as if a step had moved nothing; a note says it is no training step's (D005)."""
+    from tests.fixtures.builders import build_linear_stepped
+
+    for steps in (0, 1):
+        build_linear_stepped(tmp_path / f"s{steps}", lambda p: torch.optim.AdamW(p, lr=1e-2), steps=steps)
+    before, after = collect_stats([tmp_path / "s0", tmp_path / "s1"], StatsOptions()).checkpoints
+    (note,) = [n for n in before.notes if "no training step" in n]
+    assert "D005" in note and note.endswith("2 parameter(s), e.g. weight")
+    assert {u.rms for u in before.updates} == {0.0}
+    assert not any("no training step" in n for n in after.notes) and all(u.rms > 0 for u in after.updates)
+    res = runner.invoke(app, ["stats", str(tmp_path / "s0")])
+    assert res.exit_code == 0 and "note: " in res.stderr and "update size of no training step" in res.stderr
+    assert "no update size" not in res.stderr
+
+
 def test_groups_by_layer_and_module_type() -> None:
     assert layer_of("model.layers.12.mlp.experts.3.w1.weight") == "model.layers.12"
     assert module_of("model.layers.12.mlp.experts.3.w1.weight") == "model.layers.*.mlp.experts.*.w1.weight"
