@@ -429,15 +429,8 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
         for k, s in sums.items()
         if s.experts and roles[k][1] == "weight"
     )
+    _judge_moments(moments, hypers, rows, notes)
     updates = _updates(ckpt, moments, hypers, rows)
-    broken = [
-        fqn for fqn in moments if any(r.nonfinite for r in rows if r.fqn == fqn and r.role in ("exp_avg", "exp_avg_sq"))
-    ]
-    if broken:  # the figure covers the finite elements only; the next step writes NaN/Inf at the others
-        notes[NONFINITE_MOMENTS_NOTE] = broken
-    made_up = [fqn for fqn in moments if hypers[fqn].step == 1 and _zero_moments(rows, fqn)]
-    if made_up:  # get_state_dict's zero-lr step before the first real one: its update size is no training step's
-        notes[SYNTHESIZED_NOTE] = made_up
     read = ckpt.reader.bytes_read - before
     return CheckpointStats(
         path=str(ckpt.catalog.path),
@@ -460,6 +453,24 @@ SYNTHESIZED_NOTE = (
     "update size of no training step: step 1 with all-zero exp_avg and exp_avg_sq, state torch made up for an "
     "optimizer that had not stepped (validate --deep: D005)"
 )
+
+
+def _judge_moments(
+    moments: dict[str, Moments], hypers: dict[str, AdamHyper], rows: list[TensorValueStats], notes: dict[str, list[str]]
+) -> None:
+    """The update sizes that are no training step's, said in ``notes``: moments holding NaN/Inf (the size made
+    ``nan`` in ``moments``, as torch's next step there; the kernels read them as 0) and state torch made up before
+    the first step (``D005``)."""
+    broken = [
+        fqn for fqn in moments if any(r.nonfinite for r in rows if r.fqn == fqn and r.role in ("exp_avg", "exp_avg_sq"))
+    ]
+    for fqn in broken:
+        moments[fqn] = Moments(moments[fqn].numel, math.nan, math.nan)
+    if broken:
+        notes[NONFINITE_MOMENTS_NOTE] = broken
+    made_up = [fqn for fqn in moments if hypers[fqn].step == 1 and _zero_moments(rows, fqn)]
+    if made_up:  # get_state_dict's zero-lr step before the first real one
+        notes[SYNTHESIZED_NOTE] = made_up
 
 
 def _zero_moments(rows: list[TensorValueStats], fqn: str) -> bool:
@@ -487,9 +498,9 @@ def _newer_incomplete(ckpt: Checkpoint) -> tuple[str, ...]:
 
 #: Complex tensors (RoPE's ``freqs_cis``) are measured by their moduli ``|z|``: said, not passed off as their values.
 COMPLEX_NOTE = "complex tensors measured by their moduli |z| (mean and std are of |z|; abs max, L2 and zeros exact)"
-#: Parameters whose moments hold NaN/Inf: their update size is that of the finite elements only (a ``note:``).
+#: Parameters whose moments hold NaN/Inf: their update size is not a number, as torch's next step there (a ``note:``).
 NONFINITE_MOMENTS_NOTE = (
-    "update size of the finite elements only: exp_avg or exp_avg_sq holds NaN/Inf "
+    "update size nan: exp_avg or exp_avg_sq holds NaN/Inf "
     "(the next step writes non-finite weights there; validate --deep: D001)"
 )
 #: Why per-expert norms are in stored order (a ``note:``).

@@ -197,9 +197,11 @@ def test_nan_and_inf_are_counted_and_left_out_of_the_sums(tmp_path: Path) -> Non
     assert layer.nonfinite == 3
 
 
-def test_update_size_of_moments_with_nan_says_it_covers_the_finite_elements(dense_ckpt: Path, tmp_path: Path) -> None:
-    """A NaN and an infinity in one parameter's exp_avg gave a finite update size without a word (the next step
-    writes NaN there); a note names the parameter, the figure is that of its finite elements."""
+@pytest.mark.parametrize("field", ["exp_avg", "exp_avg_sq"])
+def test_update_size_of_moments_with_nan_is_nan(dense_ckpt: Path, tmp_path: Path, field: str) -> None:
+    """A NaN and an infinity in one parameter's exp_avg gave a finite update size without a word, and in its
+    exp_avg_sq a made-up one (the native kernel read them as 0: exp_avg / eps, rms 28 for a step of 1e-3); torch's
+    next step there is not finite: the size is nan (JSON null), for the layer too, and a note names the parameter."""
     bad = copy_checkpoint(dense_ckpt, tmp_path / "bad")
     fqn = "model.layers.1.mlp.up_proj.weight"
 
@@ -207,18 +209,22 @@ def test_update_size_of_moments_with_nan_says_it_covers_the_finite_elements(dens
         t.view(-1)[:2] = torch.tensor([math.nan, math.inf])
         return t
 
-    damage.rewrite_tensor(bad, f"optimizer.state.{fqn}.exp_avg", poison)
+    damage.rewrite_tensor(bad, f"optimizer.state.{fqn}.{field}", poison)
     c = collect_stats([bad], StatsOptions()).checkpoints[0]
-    (note,) = [n for n in c.notes if "finite elements only" in n]
+    (note,) = [n for n in c.notes if n.startswith("update size nan")]
     assert note.endswith(f"1 parameter(s), e.g. {fqn}") and "D001" in note
     u = next(u for u in c.updates if u.fqn == fqn)
-    assert math.isfinite(u.rms) and u.rms > 0
+    assert math.isnan(u.rms) and math.isnan(u.max) and u.to_dict()["rms"] is None
+    layer = next(g for g in c.layers if g.name == "model.layers.1")
+    assert layer.update_rms is not None and math.isnan(layer.update_rms)
+    others = [u for u in c.updates if u.fqn != fqn]
+    assert others and all(0 < u.rms < 1e-2 for u in others)
     clean = collect_stats([dense_ckpt], StatsOptions()).checkpoints[0]
-    assert not any("finite elements only" in n for n in clean.notes)
+    assert not any(n.startswith("update size nan") for n in clean.notes)
     res = runner.invoke(app, ["stats", str(bad)])
     assert res.exit_code == 0
-    assert "note: " in res.stderr and "update size of the finite elements only" in res.stderr
-    assert "no update size: update size" not in res.stderr
+    assert "note: " in res.stderr and "update size nan: exp_avg or exp_avg_sq holds NaN/Inf" in res.stderr
+    assert "no update size" not in res.stderr
 
 
 def test_step_latest_past_an_unfinished_newer_save_says_so(dense_ckpt: Path, tmp_path: Path) -> None:
