@@ -279,14 +279,16 @@ def diff_layers(res: DiffResult) -> list[tuple[str, float | None, float]]:
         if t.diff_l2 is not None and t.b_l2 is not None:
             a[0] += t.diff_l2 * t.diff_l2
             a[1] += t.b_l2 * t.b_l2
-        if t.rel_l2 is not None:
-            a[2] = max(a[2], t.rel_l2)
+        if t.rel_l2 is not None:  # a NaN stays NaN (max would drop it)
+            a[2] = math.nan if math.isnan(t.rel_l2) or math.isnan(a[2]) else max(a[2], t.rel_l2)
     return [(k, _over(v[0], v[1]), v[2]) for k, v in acc.items()]
 
 
 def _over(d2: float, b2: float) -> float | None:
     """``sqrt(d2 / b2)``; where ``||b|| = 0`` (a zero-initialised layer as the reference) ``inf`` if ``a`` differs,
-    ``None`` if it does not."""
+    ``None`` if it does not; ``nan`` where a NaN or infinity in ``a`` or ``b`` made either sum not a number."""
+    if math.isnan(d2) or math.isnan(b2):
+        return math.nan
     if b2 > 0:
         return math.sqrt(d2) / math.sqrt(b2)
     return None if d2 == 0 else math.inf
@@ -308,14 +310,17 @@ def write_diff_plot(res: DiffResult, path: Path) -> None:
     finite = [v for _, r, m in layers for v in (r, m) if v is not None and floor < v < math.inf]
     ceiling = 10 * max(finite, default=floor)
 
-    def y(v: float | None) -> float:
-        return ceiling if v == math.inf else max(v or 0.0, floor)
+    def y(v: float | None) -> float:  # NaN (a non-finite value in a or b) at the top too, marked apart
+        return ceiling if v is not None and (v == math.inf or math.isnan(v)) else max(v or 0.0, floor)
 
     ax1.plot(x, [y(r) for _, r, _ in layers], marker="o", markersize=3, label="layer ||a-b|| / ||b||")
     ax1.plot(x, [y(m) for _, _, m in layers], marker="x", markersize=3, linestyle=":", label="largest tensor")
     inf = [i for i, (_, r, m) in enumerate(layers) if math.inf in (r, m)]
     if inf:
         ax1.plot(inf, [ceiling] * len(inf), "r^", label="infinite: ||b|| = 0 where a differs")
+    nan = [i for i, (_, r, m) in enumerate(layers) if any(v is not None and math.isnan(v) for v in (r, m))]
+    if nan:
+        ax1.plot(nan, [ceiling] * len(nan), "mX", label="not a number: NaN or Inf in a or b")
     at = _every(len(layers), 64)
     ax1.set_xticks(at, [_plain(layers[i][0]) for i in at], rotation=90, fontsize=6)
     ax1.set_yscale("log")
@@ -323,12 +328,25 @@ def write_diff_plot(res: DiffResult, path: Path) -> None:
     ax1.set_ylabel("||a-b|| / ||b||", fontsize=8)
     ax1.set_title(f"relative L2 difference per layer (values <= {floor:g}: equal)", fontsize=9)
     ax1.legend(fontsize=7)
-    top = [t for t in res.tensors if t.rel_l2 is not None and t.rel_l2 > 0][:30]
+    _diff_bars(ax2, res, y)
+    fig.suptitle(f"a = {_plain(res.a.path)}\nb = {_plain(res.b.path)} (the reference)", fontsize=9)
+    _save(fig, plt, path, f"diff {res.a.path} {res.b.path}")
+
+
+def _diff_bars(ax2: Any, res: DiffResult, y: Any) -> None:
+    """The 30 tensors of ``res`` that differ most as bars at ``y(relative L2)``: those whose difference is not a
+    number (NaN or Inf in a or b) first, in purple; infinite ones (``||b|| = 0``) in red."""
+    nans = [t for t in res.tensors if t.rel_l2 is not None and math.isnan(t.rel_l2)]  # they differ most of all
+    top = (nans + [t for t in res.tensors if t.rel_l2 is not None and t.rel_l2 > 0])[:30]
     if top:
+        colour = {math.inf: "tab:red"}
         ax2.barh(
             range(len(top)),
             [y(t.rel_l2) for t in top],
-            color=["tab:red" if t.rel_l2 == math.inf else "tab:blue" for t in top],
+            color=[
+                "tab:purple" if t in nans else colour.get(t.rel_l2, "tab:blue")  # type: ignore[arg-type]
+                for t in top
+            ],
         )
         ax2.set_yticks(range(len(top)), [_plain(t.name) for t in top], fontsize=6)
         ax2.invert_yaxis()
@@ -337,6 +355,7 @@ def write_diff_plot(res: DiffResult, path: Path) -> None:
     else:
         ax2.text(0.5, 0.5, "every compared tensor is equal", ha="center", va="center", transform=ax2.transAxes)
         ax2.set_axis_off()
-    ax2.set_title("tensors that differ most (relative L2)", fontsize=9)
-    fig.suptitle(f"a = {_plain(res.a.path)}\nb = {_plain(res.b.path)} (the reference)", fontsize=9)
-    _save(fig, plt, path, f"diff {res.a.path} {res.b.path}")
+    ax2.set_title(
+        "tensors that differ most (relative L2)" + ("\npurple: not a number, NaN or Inf in a or b" if nans else ""),
+        fontsize=9,
+    )

@@ -459,6 +459,7 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
         for k, s in sums.items()
         if s.experts and roles[k][1] == "weight"
     )
+    _judge_moments(moments, hypers, rows, notes)
     updates = _updates(ckpt, moments, hypers, rows)
     read = ckpt.reader.bytes_read - before
     return CheckpointStats(
@@ -470,22 +471,87 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
         modules=_groups(rows, moments, module_of),
         experts=experts,
         updates=tuple(updates),
-        notes=tuple(f"{why}: {len(fqns)} parameter(s), e.g. {fqns[0]}" for why, fqns in notes.items()),
+        notes=tuple(f"{why}: {len(fqns)} parameter(s), e.g. {fqns[0]}" for why, fqns in notes.items())
+        + _newer_incomplete(ckpt),
         bytes_read=read,
         seconds=time.perf_counter() - t0,
     )
 
 
+#: Parameters whose state torch made up before the first step (``D005``): their update size is that of no real step.
+SYNTHESIZED_NOTE = (
+    "update size of no training step: step 1 with all-zero exp_avg and exp_avg_sq, state torch made up for an "
+    "optimizer that had not stepped (validate --deep: D005)"
+)
+
+
+def _judge_moments(
+    moments: dict[str, Moments], hypers: dict[str, AdamHyper], rows: list[TensorValueStats], notes: dict[str, list[str]]
+) -> None:
+    """The update sizes that are no training step's, said in ``notes``: moments holding NaN/Inf (the size made
+    ``nan`` in ``moments``, as torch's next step there; the kernels read them as 0) and state torch made up before
+    the first step (``D005``)."""
+    broken = [
+        fqn for fqn in moments if any(r.nonfinite for r in rows if r.fqn == fqn and r.role in ("exp_avg", "exp_avg_sq"))
+    ]
+    for fqn in broken:
+        moments[fqn] = Moments(moments[fqn].numel, math.nan, math.nan)
+    if broken:
+        notes[NONFINITE_MOMENTS_NOTE] = broken
+    made_up = [fqn for fqn in moments if hypers[fqn].step == 1 and _zero_moments(rows, fqn)]
+    if made_up:  # get_state_dict's zero-lr step before the first real one
+        notes[SYNTHESIZED_NOTE] = made_up
+
+
+def _zero_moments(rows: list[TensorValueStats], fqn: str) -> bool:
+    """``fqn``'s ``exp_avg`` and ``exp_avg_sq`` were both measured and are all zero."""
+    found = [r for r in rows if r.fqn == fqn and r.role in ("exp_avg", "exp_avg_sq")]
+    return len(found) == 2 and all(r.numel and r.zero_fraction == 1.0 for r in found)
+
+
+#: A run root's newer step whose save did not finish (validate's ``R001``): ``--step latest`` measured an older one.
+NEWER_INCOMPLETE_NOTE = "a newer step's save did not finish"
+
+
+def _newer_incomplete(ckpt: Checkpoint) -> tuple[str, ...]:
+    """The note naming the newest unfinished step newer than the one measured (``--step latest`` chose the newest
+    complete one), as ``replay-step`` and ``validate``'s ``R001`` name it; none otherwise."""
+    loc = ckpt.located
+    if not loc.newer_incomplete:
+        return ()
+    inc = loc.newer_incomplete[0]
+    return (
+        f"{NEWER_INCOMPLETE_NOTE}: step {inc.step} ({inc.path}: {inc.reason}) is newer than the measured step "
+        f"{loc.step}; `ckpttool validate` reports it (R001)",
+    )
+
+
 #: Complex tensors (RoPE's ``freqs_cis``) are measured by their moduli ``|z|``: said, not passed off as their values.
 COMPLEX_NOTE = "complex tensors measured by their moduli |z| (mean and std are of |z|; abs max, L2 and zeros exact)"
+#: Parameters whose moments hold NaN/Inf: their update size is not a number, as torch's next step there (a ``note:``).
+NONFINITE_MOMENTS_NOTE = (
+    "update size nan: exp_avg or exp_avg_sq holds NaN/Inf "
+    "(the next step writes non-finite weights there; validate --deep: D001)"
+)
 #: Why per-expert norms are in stored order (a ``note:``).
 STORED_ORDER_NOTE = "per-expert norms in stored order (the EP layout is not known: declare it with `ckpttool stamp`)"
+
+
+#: Notes that say what they are about themselves (the others say why a parameter has no update size).
+_SELF_SAID = (
+    QUANTIZED_NOTE,
+    STORED_ORDER_NOTE,
+    COMPLEX_NOTE,
+    NONFINITE_MOMENTS_NOTE,
+    NEWER_INCOMPLETE_NOTE,
+    SYNTHESIZED_NOTE,
+)
 
 
 def note_line(note: str) -> str:
     """A checkpoint's note as a line for people: why no update size was computed, said as such (the notes of
     quantized weights and of experts in stored order are about the weights, not the update)."""
-    return note if note.startswith((QUANTIZED_NOTE, STORED_ORDER_NOTE, COMPLEX_NOTE)) else f"no update size: {note}"
+    return note if note.startswith(_SELF_SAID) else f"no update size: {note}"
 
 
 def _true_order(

@@ -155,7 +155,8 @@ class Context:
     _optimized: set[str] = field(default_factory=set)
     _patterns: set[str] = field(default_factory=set)
     _layers: set[str | None] = field(default_factory=set)
-    _modules: set[str] = field(default_factory=set)
+    _modules: dict[str, set[str]] = field(default_factory=dict)
+    _names: set[str] = field(default_factory=set)
     _own_config: tuple[dict[str, Any] | None] | None = None
     _expert_state: dict[str, str | None] | None = None
 
@@ -274,8 +275,9 @@ class Context:
 
         - the tensor of the same name in another layer/expert is optimized *and* some tensor
           of its own layer is optimized (so the layer is not frozen), or
-        - its name is a parameter name (``weight``, ``bias``, fused expert weights) and
-          another tensor of the same module is optimized.
+        - its name is a parameter name (``weight``, ``bias``, fused expert weights) and another
+          tensor of the same module is optimized; not when that is only its ``bias`` and no tensor of
+          its name is optimized anywhere (bias-only training, BitFit, leaves every ``weight`` frozen).
 
         Frozen layers/modules, LoRA base weights and buffers (``inv_freq``,
         ``e_score_correction_bias``, 0-d scales) give no such evidence.
@@ -290,7 +292,11 @@ class Context:
             self._optimized = optimized
             self._patterns = {_INDEX_RE.sub(".#.", f) for f in optimized}
             self._layers = {_layer_of(f) for f in optimized} - {None}
-            self._modules = {f.rpartition(".")[0] for f in optimized}
+            self._modules = {}
+            for f in optimized:
+                module, _, name = f.rpartition(".")
+                self._modules.setdefault(module, set()).add(name)
+            self._names = {f.rpartition(".")[2] for f in optimized}
             self._params = {}
         if fqn in self._optimized:
             return False
@@ -298,7 +304,10 @@ class Context:
         if hit is None:
             layer = _layer_of(fqn)
             by_pattern = _INDEX_RE.sub(".#.", fqn) in self._patterns and layer is not None and layer in self._layers
-            by_module = fqn.rsplit(".", 1)[-1] in _PARAM_NAMES and fqn.rpartition(".")[0] in self._modules
+            module, _, name = fqn.rpartition(".")
+            by_module = name in _PARAM_NAMES and module in self._modules
+            if by_module and name not in self._names and self._modules[module] == {"bias"}:
+                by_module = False  # only biases trained, this name nowhere (every weight frozen: BitFit): frozen
             hit = self._params[fqn] = by_pattern or by_module
         return bool(hit)
 

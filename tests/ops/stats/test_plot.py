@@ -265,3 +265,26 @@ def test_two_runs_at_one_step_are_told_apart_in_the_legend(tmp_path: Path) -> No
     assert res.exit_code == 0, res.stderr
     texts = _svg_texts(out)
     assert "#1 runA/step-5 (step 5)" in texts and "#2 runB/step-5 (step 5)" in texts, texts
+
+
+def test_diff_plot_marks_nan_differences_as_not_a_number_not_equal(tmp_path: Path) -> None:
+    """diff A B with NaN/Inf in B: those layers were drawn as 'infinite: ||b|| = 0 where a differs' (||b|| was
+    NaN, not 0), their largest tensor at the floor (equal), and the bar panel said 'every compared tensor is
+    equal' though the text summary counted them as differing; they are now NaN, marked as not a number, and
+    listed first among the tensors that differ most."""
+    from ckpttool.ops.diff import DiffOptions, diff_checkpoints
+    from ckpttool.ui.plot import diff_layers, write_diff_plot
+
+    save_quiet({"model": {"layers.0.w": torch.ones(4), "layers.1.w": torch.ones(4)}}, tmp_path / "a")
+    nan = torch.tensor([1.0, math.nan, math.inf, 1.0])
+    save_quiet({"model": {"layers.0.w": torch.ones(4) * 2, "layers.1.w": nan}}, tmp_path / "b")
+    res = diff_checkpoints(str(tmp_path / "a"), str(tmp_path / "b"), DiffOptions())
+    got = {n: (r, m) for n, r, m in diff_layers(res)}
+    assert got["model.layers.0"] == (0.5, 0.5)
+    r, m = got["model.layers.1"]
+    assert r is not None and math.isnan(r) and math.isnan(m)
+    write_diff_plot(res, tmp_path / "d.svg")
+    texts = _svg_texts(tmp_path / "d.svg")
+    assert "not a number: NaN or Inf in a or b" in texts
+    assert "infinite: ||b|| = 0 where a differs" not in texts and "every compared tensor is equal" not in texts
+    assert "model.layers.1.w" in texts and "model.layers.0.w" in texts  # the bars' names (the x axis: layers)

@@ -204,6 +204,70 @@ def test_nan_and_inf_are_counted_and_left_out_of_the_sums(tmp_path: Path) -> Non
     assert layer.nonfinite == 3
 
 
+@pytest.mark.parametrize("field", ["exp_avg", "exp_avg_sq"])
+def test_update_size_of_moments_with_nan_is_nan(dense_ckpt: Path, tmp_path: Path, field: str) -> None:
+    """A NaN and an infinity in one parameter's exp_avg gave a finite update size without a word, and in its
+    exp_avg_sq a made-up one (the native kernel read them as 0: exp_avg / eps, rms 28 for a step of 1e-3); torch's
+    next step there is not finite: the size is nan (JSON null), for the layer too, and a note names the parameter."""
+    bad = copy_checkpoint(dense_ckpt, tmp_path / "bad")
+    fqn = "model.layers.1.mlp.up_proj.weight"
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        t.view(-1)[:2] = torch.tensor([math.nan, math.inf])
+        return t
+
+    damage.rewrite_tensor(bad, f"optimizer.state.{fqn}.{field}", poison)
+    c = collect_stats([bad], StatsOptions()).checkpoints[0]
+    (note,) = [n for n in c.notes if n.startswith("update size nan")]
+    assert note.endswith(f"1 parameter(s), e.g. {fqn}") and "D001" in note
+    u = next(u for u in c.updates if u.fqn == fqn)
+    assert math.isnan(u.rms) and math.isnan(u.max) and u.to_dict()["rms"] is None
+    layer = next(g for g in c.layers if g.name == "model.layers.1")
+    assert layer.update_rms is not None and math.isnan(layer.update_rms)
+    others = [u for u in c.updates if u.fqn != fqn]
+    assert others and all(0 < u.rms < 1e-2 for u in others)
+    clean = collect_stats([dense_ckpt], StatsOptions()).checkpoints[0]
+    assert not any(n.startswith("update size nan") for n in clean.notes)
+    res = runner.invoke(app, ["stats", str(bad)])
+    assert res.exit_code == 0
+    assert "note: " in res.stderr and "update size nan: exp_avg or exp_avg_sq holds NaN/Inf" in res.stderr
+    assert "no update size" not in res.stderr
+
+
+def test_step_latest_past_an_unfinished_newer_save_says_so(dense_ckpt: Path, tmp_path: Path) -> None:
+    """`stats RUN --step latest` measured step 1 while step 2's save had not finished, without a word (replay-step
+    and validate's R001 name it); a note now does, on stderr and in the JSON notes."""
+    copy_checkpoint(dense_ckpt, tmp_path / "run" / "step-1")
+    newer = copy_checkpoint(dense_ckpt, tmp_path / "run" / "step-2")
+    (newer / ".metadata").rename(newer / ".metadata.tmp")  # FileSystemWriter's name until every rank finished
+    res = runner.invoke(app, ["stats", str(tmp_path / "run"), "--step", "latest"])
+    assert res.exit_code == 0, res.output
+    assert "step-1 (torch-native, step 1)" in res.stdout
+    assert "a newer step's save did not finish: step 2" in res.stderr and "(R001)" in res.stderr
+    assert "no update size" not in res.stderr
+    doc = json.loads(runner.invoke(app, ["stats", str(tmp_path / "run"), "--step", "latest", "--json"]).stdout)
+    assert any("step 2" in n and ".metadata.tmp" in n for n in doc["checkpoints"][0]["notes"])
+    clean = json.loads(runner.invoke(app, ["stats", str(tmp_path / "run" / "step-1"), "--json"]).stdout)
+    assert not any("did not finish" in n for n in clean["checkpoints"][0]["notes"])
+
+
+def test_update_size_of_state_made_up_before_the_first_step_says_so(tmp_path: Path) -> None:
+    """A save before the first optimizer step (get_state_dict's zero-lr step: step 1, all-zero moments) had an
+    update rms of 0 without a word, as if a step had moved nothing; a note says it is no training step's (D005)."""
+    from tests.fixtures.builders import build_linear_stepped
+
+    for steps in (0, 1):
+        build_linear_stepped(tmp_path / f"s{steps}", lambda p: torch.optim.AdamW(p, lr=1e-2), steps=steps)
+    before, after = collect_stats([tmp_path / "s0", tmp_path / "s1"], StatsOptions()).checkpoints
+    (note,) = [n for n in before.notes if "no training step" in n]
+    assert "D005" in note and note.endswith("2 parameter(s), e.g. weight")
+    assert {u.rms for u in before.updates} == {0.0}
+    assert not any("no training step" in n for n in after.notes) and all(u.rms > 0 for u in after.updates)
+    res = runner.invoke(app, ["stats", str(tmp_path / "s0")])
+    assert res.exit_code == 0 and "note: " in res.stderr and "update size of no training step" in res.stderr
+    assert "no update size" not in res.stderr
+
+
 def test_groups_by_layer_and_module_type() -> None:
     assert layer_of("model.layers.12.mlp.experts.3.w1.weight") == "model.layers.12"
     assert module_of("model.layers.12.mlp.experts.3.w1.weight") == "model.layers.*.mlp.experts.*.w1.weight"

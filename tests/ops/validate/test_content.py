@@ -336,3 +336,26 @@ def test_upcycled_moe_whose_unrouted_experts_are_still_copies(tmp_path: Path, fu
         want = "model.layers.0.mlp.experts.#.weight: bitwise copies across experts: experts 0, 1"
     rc, doc = run(ck, "--deep")
     assert [f["message"] for f in findings(doc, "D009")] == [want], doc["findings"]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_frozen_upcycled_experts_in_a_trained_save_are_not_copies(tmp_path: Path, fused: bool) -> None:
+    """An upcycled MoE whose experts are frozen (only the router trains) a few steps in: the experts are still
+    the step-0 copies, with no optimizer state, as torch leaves a parameter without gradient. D009 called them
+    copies; it is silent now (experts with state copied: the test above)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": _Top1Moe(fused)})])})
+    moe = model["layers"][0]["mlp"]
+    moe.experts.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        moe(torch.randn(16, 6, generator=gen).abs()).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    assert not any("experts" in k for k in osd["state"]) and "layers.0.mlp.gate.weight" in osd["state"]
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "step-3"))
+    rc, doc = run(tmp_path / "step-3", "--deep", "--strict")
+    assert rc == 0 and not findings(doc, "D009"), doc["findings"]

@@ -403,6 +403,26 @@ def test_O002_param_group_entries_deleted_for_never_stepped_param(multi_optim_ck
     assert doc["findings"][0]["key"] == fqn and "reset" in doc["findings"][0]["message"]
 
 
+def test_O002_silent_on_bias_only_training(tmp_path: Path) -> None:
+    """BitFit (every weight frozen, only the biases trained, the optimizer over those) failed validate with one
+    O002 error per module ('its lr/weight_decay would reset'): a weight beside its trained bias counted as a
+    parameter that lost its group. A name optimized nowhere in the model is frozen; the check passes."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from tests.fixtures.builders import save_quiet, train_steps
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith("bias"))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    train_steps(model, opt, 3)
+    msd, osd = get_state_dict(model, opt)
+    save_quiet({"model": msd, "optimizer": osd}, tmp_path / "bitfit")
+    rc, doc, _ = run(tmp_path / "bitfit", "--deep", "--strict")
+    assert rc == 0 and not doc["findings"], doc["findings"]
+
+
 def test_O003_state_for_unknown_fqn(dense_ckpt: Path, copy_of) -> None:
     ck = copy_of(dense_ckpt)
     damage.rename_key(ck, f"optimizer.state.{Q}.step", "optimizer.state.model.layers.9.q.weight.step")

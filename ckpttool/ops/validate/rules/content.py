@@ -148,6 +148,8 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
         st = ctx.deep_result.stats.get(key)
         if not isinstance(meta, TensorMeta) or st is None or st.zero or not st.digests:
             continue
+        if key in ctx.cat.model and _frozen(ctx, key):
+            continue  # no expert of it ever got a gradient: an upcycled MoE's frozen experts are its step-0 copies
         if key in state and state[key] in flagged:
             continue  # the parameter's finding says it (a rank's slice written for all: its state too)
         e = expert_count(key, tuple(meta.size))
@@ -169,6 +171,14 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
             yield key, f"{key}: {n} of {e} expert slices are bitwise copies of another: {_describe(groups, 'expert')}"
 
 
+def _frozen(ctx: Context, key: str) -> bool:
+    """Model tensor ``key`` has no optimizer state while other parameters have some: frozen (``requires_grad``
+    off, or outside every param group), as torch saves no state for a parameter that never got a gradient."""
+    state = ctx.cat.optimizer_state
+    own = state.get(ctx.cat.fqn_of(key))
+    return (own is None or not own.fields) and any(ps.fields for ps in state.values())
+
+
 def _per_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
     by_pattern: dict[str, dict[int, str]] = defaultdict(dict)
     moments = _moment_keys(ctx)
@@ -181,6 +191,8 @@ def _per_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
         if m is not None and isinstance(entry, TensorEntry) and entry.numel > 0:
             by_pattern[key[: m.start()] + "#" + key[m.end() :]][int(m.group())] = key
     for pattern, keys in by_pattern.items():
+        if all(_frozen(ctx, k) for k in keys.values()):
+            continue  # frozen experts (no state, other parameters have some): never changed since step 0
         if any(k in moments for k in keys.values()):
             # experts that never got a gradient (no state, as torch leaves a parameter whose grad stays None, or
             # all-zero moments) keep their initial values: in an upcycled MoE the copies it made at step 0
