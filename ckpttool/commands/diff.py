@@ -114,7 +114,7 @@ DiffPlotOpt = Annotated[
         "--plot",
         metavar="FILE",
         help="Also draw the relative difference per layer and the tensors that differ most to FILE "
-        "(.png, .svg or a self-contained .html). Needs matplotlib: pip install 'ckpttool[plot]'.",
+        "(.png, .svg or a self-contained .html). Needs matplotlib: pip install 'matplotlib>=3.8'.",
         show_default=False,
     ),
 ]

@@ -40,7 +40,7 @@ StatsPlotOpt = Annotated[
         "--plot",
         metavar="FILE",
         help="Also draw per-layer norms (weights, moments, update size; experts as a heat map) to FILE "
-        "(.png, .svg or a self-contained .html). Needs matplotlib: pip install 'ckpttool[plot]'.",
+        "(.png, .svg or a self-contained .html). Needs matplotlib: pip install 'matplotlib>=3.8'.",
         show_default=False,
     ),
 ]

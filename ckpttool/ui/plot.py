@@ -41,7 +41,8 @@ def _pyplot() -> Any:
         import matplotlib
     except ImportError:
         raise UsageError(
-            "--plot needs matplotlib, which is not installed", hint="pip install 'ckpttool[plot]'"
+            "--plot needs matplotlib, which is not installed",
+            hint="pip install 'matplotlib>=3.8' (or pip install -e '.[plot]' in the ckpttool source folder)",
         ) from None
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt

@@ -348,7 +348,12 @@ def test_plot_refused_before_any_work(dense_ckpt: Path, tmp_path: Path) -> None:
         "main()\n"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 2 and "pip install 'ckpttool[plot]'" in p.stderr and "Traceback" not in p.stderr
+    assert (
+        p.returncode == 2
+        and "hint: pip install 'matplotlib>=3.8' (or pip install -e '.[plot]' in the ckpttool source folder)"
+        in p.stderr
+        and "Traceback" not in p.stderr
+    )
     assert not (tmp_path / "x.png").exists() and p.stdout == ""
 
 
