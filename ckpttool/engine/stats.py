@@ -531,8 +531,10 @@ def adam_sizes(
     ``exp_avg_sq`` bytes (the same number of values; non-finite ``m``, ``v`` read as 0; non-finite ``u``
     left out), natively: ``(count, sum u^2, max |u|)``, or ``None`` (not built, or working precisions
     that differ: the caller's numpy path). ``u`` in float32 for bfloat16/float16/float32 pairs (``eps_r``
-    rounded to float32, as numpy's in-place add does), float64 for float64 pairs, bit for bit numpy's;
-    ``sum u^2`` in float64, each square too (as numpy's :func:`sum_squares`: within a relative 1e-12).
+    rounded to float32, as numpy's in-place add does), float64 for float64 pairs, bit for bit numpy's where
+    ``m`` and ``v`` are finite (numpy's path leaves an element with a non-finite moment out; ``stats`` reports
+    such a parameter's size as ``nan`` either way); ``sum u^2`` in float64, each square too (as numpy's
+    :func:`sum_squares`: within a relative 1e-12).
     """
     k = _kernels()
     if k is None or (m_dtype == "float64") != (v_dtype == "float64"):
