@@ -39,6 +39,7 @@ __all__ = [
     "scale_grid",
     "scaled_pairs",
     "scheme_name",
+    "unclaimed_scales",
 ]
 
 FP8_SCALE_SUFFIX = "_scale_inv"
@@ -366,4 +367,60 @@ def scaled_pairs(
     for found in (compressed_tensors_fp8(tensors, config), per_tensor_fp8(tensors, config)):
         pairs += found[0]
         problems += found[1]
-    return pairs, problems
+    return pairs, problems + unclaimed_scales(tensors, config)
+
+
+def _quant_method(config: Mapping[str, Any] | None) -> str:
+    """How the config's ``quantization_config`` reads, for a message (``quant_method 'x'``, not an object)."""
+    qc = config.get("quantization_config") if isinstance(config, Mapping) else None
+    if not isinstance(qc, dict):
+        return f"config.json quantization_config is a {type(qc).__name__}, not an object"
+    qm = qc.get("quant_method")
+    if qm == "fp8" and qc.get("weight_block_size") is not None:
+        return (
+            f"config.json quantization_config is quant_method 'fp8' with weight_block_size "
+            f"{qc['weight_block_size']!r:.40} (block FP8, whose scales are x.weight_scale_inv)"
+        )
+    return f"config.json quantization_config's quant_method is {qm!r:.40}"
+
+
+def unclaimed_scales(
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]], config: Mapping[str, Any] | None
+) -> list[tuple[str, str]]:
+    """``(scale key, why)`` for an FP8 ``x.weight`` with an ``x.weight_scale`` under a ``quantization_config`` whose
+    conventions do not pair it (:func:`compressed_tensors_fp8`, :func:`per_tensor_fp8`), and, under a
+    ``quant_method`` ``fp8`` or ``compressed-tensors`` config, for an ``x.weight_scale`` without its weight.
+
+    Without this, such a weight (a ``weight_block_size`` of ``[128]`` beside per-tensor scales, ``quant_method``
+    ``FP8``, an e5m2 weight) would be read as its raw FP8 codes, the scale an unrelated tensor beside it. Without
+    a ``quantization_config`` nothing says the weight is quantized: it is read as stored.
+    """
+    qc = config.get("quantization_config") if isinstance(config, Mapping) else None
+    if qc is None:
+        return []
+    qm = qc.get("quant_method") if isinstance(qc, dict) else None
+    claimed: set[str] = set()
+    for found, unfit in (compressed_tensors_fp8(tensors, config), per_tensor_fp8(tensors, config)):
+        claimed |= {p.scale for p in found} | {k for k, _ in unfit}
+    problems: list[tuple[str, str]] = []
+    for skey in sorted(tensors):
+        if not skey.endswith(".weight" + CT_SCALE_SUFFIX) or skey in claimed:
+            continue
+        key = skey[: -len(CT_SCALE_SUFFIX)]
+        weight = tensors.get(key)
+        if weight is None:
+            if qm in ("fp8", "compressed-tensors"):
+                problems.append((skey, f"{skey}: an FP8 weight scale for a missing weight {key!r}"))
+            continue
+        dt, ws = weight
+        if not dt.startswith("float8_") or key + FP8_SCALE_SUFFIX in tensors:
+            continue  # a float weight's own scale (not quantized), or block FP8 (find_quantized's)
+        if dt != "float8_e4m3fn":
+            why = f"its weight {key!r} is {dt}, not float8_e4m3fn (the FP8 that vLLM and compressed-tensors scale)"
+        else:
+            why = (
+                f"no FP8 convention pairs it with its weight {key!r} {list(ws)}: {_quant_method(config)} (one scale "
+                "a weight: quant_method 'fp8' without weight_block_size, or compressed-tensors float-quantized)"
+            )
+        problems.append((skey, f"{skey}: {why}"))
+    return problems

@@ -33,6 +33,7 @@ from ckpttool.model.quantized import (
     per_tensor_fp8,
     scale_grid,
     scaled_pairs,
+    unclaimed_scales,
 )
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
@@ -82,6 +83,7 @@ def fp8_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
     yield from fused_problems
     yield from compressed_tensors_fp8(tensors, ctx.quant_config)[1]
     yield from per_tensor_fp8(tensors, ctx.quant_config)[1]
+    yield from unclaimed_scales(tensors, ctx.quant_config)
 
 
 def _pairs(ctx: Context) -> tuple[list[QuantPair], list[tuple[str, str]]]:

@@ -1,0 +1,109 @@
+"""Per-tensor FP8 folders damaged as a hostile author would (round 4, class "quantization_config and scales").
+
+Each folder is ``safetensors.torch.save_file`` of weights torch quantized itself (``q = (w / s).to(e4m3fn)``,
+one float32 ``x.weight_scale``), under the config vLLM's ``fp8`` convention or llm-compressor's compressed-tensors
+``strategy: tensor`` preset carries, then damaged: the config, the scales or the weights. Contract, for
+``inspect``, ``validate --strict --deep`` and ``import``: never ``E999`` or a traceback, the damage named by key
+(``M020`` / ``E612``), nothing written, the source unchanged; never an FP8 weight imported as its raw codes.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from ckpttool.cli.app import app
+
+runner = CliRunner()
+UP = "model.layers.0.mlp.up_proj"
+FP8: dict[str, Any] = {
+    "model_type": "llama",
+    "quantization_config": {"quant_method": "fp8", "activation_scheme": "static"},
+}
+CT: dict[str, Any] = {
+    "model_type": "llama",
+    "quantization_config": {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False},
+            }
+        },
+    },
+}
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 32, generator=g) * 0.05
+    s = w.abs().max() / 448
+    return {
+        f"{UP}.weight": (w / s).to(torch.float8_e4m3fn),
+        f"{UP}.weight_scale": s.reshape(()),
+        "model.norm.weight": torch.ones(32, dtype=torch.bfloat16),
+    }
+
+
+def _folder(tmp_path: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Path:
+    d = tmp_path / "src"
+    d.mkdir()
+    save_file(tensors, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def _digest(d: Path) -> str:
+    return hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sorted(d.iterdir()))).hexdigest()
+
+
+def _refused(d: Path, tmp_path: Path, key: str, want: str) -> None:
+    """inspect names the key as not pairing, validate fails M020 on it, import is E612 on it with nothing written."""
+    before = _digest(d)
+    doc = json.loads(runner.invoke(app, ["inspect", str(d), "--json"]).stdout)
+    assert key in [p["key"] for p in doc["quantized"]["problems"]], doc["quantized"]
+    res = runner.invoke(app, ["validate", str(d), "--strict", "--deep", "--json"])
+    assert res.exit_code == 1 and "Traceback" not in res.stderr, (res.stdout, res.stderr)
+    got = [(f["code"], f["key"]) for f in json.loads(res.stdout)["findings"] if f["code"].startswith("M02")]
+    assert ("M020", key) in got, got
+    out = tmp_path / "dcp"
+    res = runner.invoke(app, ["import", str(d), str(out), "--allow-mismatch", "missing,shape"])
+    assert res.exit_code == 2 and "Traceback" not in res.stderr, (res.stdout, res.stderr)
+    assert res.stderr.startswith(f"error: [E612] {key}: ") and want in res.stderr, res.stderr
+    assert not out.exists() and _digest(d) == before
+
+
+def _with_qc(base: dict[str, Any], **qc: Any) -> dict[str, Any]:
+    c = copy.deepcopy(base)
+    c["quantization_config"].update(qc)
+    return c
+
+
+@pytest.mark.parametrize(
+    ("config", "want"),
+    [
+        (_with_qc(FP8, weight_block_size=[128]), "with weight_block_size [128]"),
+        (_with_qc(FP8, weight_block_size=[0, 0]), "with weight_block_size [0, 0]"),
+        (_with_qc(FP8, weight_block_size=[True, True]), "with weight_block_size [True, True]"),
+        (_with_qc(FP8, weight_block_size="128"), "with weight_block_size '128'"),
+        (_with_qc(FP8, weight_block_size=[1, 2, 3]), "with weight_block_size [1, 2, 3]"),
+        (_with_qc(FP8, quant_method="FP8"), "quant_method is 'FP8'"),
+        (_with_qc(FP8, quant_method=["fp8"]), "quant_method is ['fp8']"),
+        ({"model_type": "llama", "quantization_config": "fp8"}, "quantization_config is a str, not an object"),
+    ],
+    ids=["wbs-len1", "wbs-zero", "wbs-bool", "wbs-str", "wbs-len3", "method-upper", "method-list", "qc-str"],
+)
+def test_per_tensor_scales_under_a_config_no_reader_pairs_are_refused(
+    tmp_path: Path, config: dict[str, Any], want: str
+) -> None:
+    """Before: inspect listed nothing, validate --strict --deep said OK and import wrote the FP8 codes as weights."""
+    _refused(_folder(tmp_path, _tensors(), config), tmp_path, f"{UP}.weight_scale", want)
