@@ -218,6 +218,8 @@ def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...
     """The FP8 scale grid of a weight ``[..., out, in]`` in ``block``: ``[..., ceil(out / B0), ceil(in / B1)]``
     (``[1, 1]`` for one scale per tensor, whose stored shape is ``[]`` or ``[1]``)."""
     *lead, out, inn = shape
+    if block == _PER_TENSOR:  # one scale, also of a weight with no rows
+        return (*lead, 1, 1)
     return (*lead, -(-out // block[0]), -(-inn // block[1]))
 
 
@@ -272,7 +274,7 @@ def compressed_tensors_fp8(
     Only under a config whose ``quantization_config.quant_method`` is ``compressed-tensors``; every
     ``float8_e4m3fn`` ``x.weight`` with an ``x.weight_scale`` (and no ``x.weight_scale_inv``) is one: a format
     other than ``float-quantized``, config groups that do not give one block, channel or tensor FP8 scheme
-    (:func:`compressed_tensors_block`), a scale that is not float32 of the shape that scheme gives, or an
+    (:func:`compressed_tensors_block`), a weight that is not 2-D, a scale that is not float32 of the shape that scheme gives, or an
     ``x.weight_zero_point`` (asymmetric) is a problem (never a weight imported as its raw FP8 bytes).
     """
     qc = (config or {}).get("quantization_config")
@@ -293,7 +295,9 @@ def compressed_tensors_fp8(
             continue
         sd, ss = tensors[skey]
         want = None if block is None or len(ws) != 2 else list(scale_grid(tuple(ws), block))
-        if qc.get("format") != "float-quantized":
+        if len(ws) != 2:
+            problems.append((skey, f"{skey}: its weight {key!r} is {list(ws)}, not 2-D ([out, in], a linear weight)"))
+        elif qc.get("format") != "float-quantized":
             why = f"config.json quantization_config is compressed-tensors format {str(qc.get('format'))[:40]!r}, "
             problems.append((skey, f"{skey}: {why}not float-quantized (FP8 weights times their scale)"))
         elif block is None:
@@ -328,7 +332,8 @@ def per_tensor_fp8(
     vLLM's ``Fp8Config`` reads and llm-compressor's / AutoFP8's per-tensor checkpoints carry): ``x.weight``
     ``float8_e4m3fn`` 2-D with ``x.weight_scale`` ``float32`` of one element (shape ``[]`` or ``[1]``), the
     multiplier vLLM's ``Fp8LinearMethod`` applies (``q * scale``); a block of the whole weight
-    (:data:`WHOLE_ROW` x :data:`WHOLE_ROW`). ``x.input_scale`` (the activations' scale) is left as stored.
+    (:data:`WHOLE_ROW` x :data:`WHOLE_ROW`). ``x.input_scale`` (the activations' scale) is left as stored. A scaled
+    weight that is not 2-D (0-d, 1-D, 3-D) is a problem.
     """
     qc = (config or {}).get("quantization_config")
     if not isinstance(qc, dict) or qc.get("quant_method") != "fp8" or qc.get("weight_block_size") is not None:
@@ -340,9 +345,12 @@ def per_tensor_fp8(
         skey = key + CT_SCALE_SUFFIX
         if not key.endswith(".weight") or dt != "float8_e4m3fn" or skey not in tensors:
             continue
-        if key + FP8_SCALE_SUFFIX in tensors or len(ws) != 2:
-            continue  # block FP8 (find_quantized's), or not a linear weight
+        if key + FP8_SCALE_SUFFIX in tensors:
+            continue  # block FP8 (find_quantized's)
         sd, ss = tensors[skey]
+        if len(ws) != 2:
+            problems.append((skey, f"{skey}: its weight {key!r} is {list(ws)}, not 2-D ([out, in], a linear weight)"))
+            continue
         if not _one_scale(sd, tuple(ss)):
             problems.append(
                 (skey, f"{skey}: {sd} {list(ss)}, but a per-tensor FP8 scale (quant_method fp8) is one float32")

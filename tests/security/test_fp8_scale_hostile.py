@@ -107,3 +107,32 @@ def test_per_tensor_scales_under_a_config_no_reader_pairs_are_refused(
 ) -> None:
     """Before: inspect listed nothing, validate --strict --deep said OK and import wrote the FP8 codes as weights."""
     _refused(_folder(tmp_path, _tensors(), config), tmp_path, f"{UP}.weight_scale", want)
+
+
+@pytest.mark.parametrize("config", [FP8, CT], ids=["fp8", "compressed-tensors"])
+@pytest.mark.parametrize("shape", [(), (8,), (2, 3, 4)], ids=["0-d", "1-d", "3-d"])
+def test_a_scaled_weight_that_is_not_2d_is_refused(
+    tmp_path: Path, config: dict[str, Any], shape: tuple[int, ...]
+) -> None:
+    """Before: compressed-tensors' 0-d/1-d weight was E999 (not enough values to unpack) in validate and import, its
+    3-D one E999 in validate (cannot reshape) and imported; vLLM's were skipped, imported as their raw codes."""
+    t = _tensors()
+    t["model.layers.0.mlp.z.weight"] = torch.full(shape, 0.5).to(torch.float8_e4m3fn)
+    t["model.layers.0.mlp.z.weight_scale"] = torch.tensor([0.25])
+    _refused(_folder(tmp_path, t, config), tmp_path, "model.layers.0.mlp.z.weight_scale", f"is {list(shape)}, not 2-D")
+
+
+@pytest.mark.parametrize("config", [FP8, CT], ids=["fp8", "compressed-tensors"])
+def test_an_fp8_weight_of_no_rows_with_its_one_scale(tmp_path: Path, config: dict[str, Any]) -> None:
+    """Before: validate --strict --deep was E999 (cannot reshape array of size 1 into shape (0,1)); one scale of an
+    empty weight is a grid of one block, as for any weight."""
+    t = _tensors()
+    t["model.layers.0.mlp.z.weight"] = torch.zeros(0, 32).to(torch.float8_e4m3fn)
+    t["model.layers.0.mlp.z.weight_scale"] = torch.tensor(0.25)
+    d = _folder(tmp_path, t, config)
+    res = runner.invoke(app, ["validate", str(d), "--strict", "--deep", "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["findings"] == [], (res.stdout, res.stderr)
+    res = runner.invoke(app, ["import", str(d), str(tmp_path / "dcp"), "--allow-mismatch", "missing,shape"])
+    assert res.exit_code == 0, res.stderr
+    res = runner.invoke(app, ["diff", str(d), str(tmp_path / "dcp"), "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["equal"] is True, (res.stdout, res.stderr)
