@@ -136,3 +136,23 @@ def test_an_fp8_weight_of_no_rows_with_its_one_scale(tmp_path: Path, config: dic
     assert res.exit_code == 0, res.stderr
     res = runner.invoke(app, ["diff", str(d), str(tmp_path / "dcp"), "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["equal"] is True, (res.stdout, res.stderr)
+
+
+@pytest.mark.parametrize(
+    "text", ['{"quantization_config": {"quant_method": "fp8",', "[1, 2]"], ids=["truncated", "list"]
+)
+def test_validate_fails_per_tensor_scales_beside_an_unreadable_config(tmp_path: Path, text: str) -> None:
+    """Before: validate --strict --deep said OK (the unreadable config.json counted as none, so nothing paired and
+    nothing was checked), while inspect and import refused the config (E100)."""
+    d = _folder(tmp_path, _tensors(), FP8)
+    (d / "config.json").write_text(text)
+    res = runner.invoke(app, ["validate", str(d), "--strict", "--deep", "--json"])
+    assert res.exit_code == 1, (res.stdout, res.stderr)
+    found = [(f["code"], f["key"], f["message"]) for f in json.loads(res.stdout)["findings"]]
+    assert [(c, k) for c, k, _ in found] == [("M020", f"{UP}.weight_scale")], found
+    assert "config.json, whose quantization_config says how, cannot be read: " in found[0][2], found
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"quantization_config": FP8["quantization_config"]}))
+    res = runner.invoke(app, ["validate", str(d), "--strict", "--deep", "--config", str(cfg), "--json"])
+    codes = [f["code"] for f in json.loads(res.stdout)["findings"]]
+    assert "M020" not in codes and "M021" not in codes, codes  # the config given: the pairs read and checked

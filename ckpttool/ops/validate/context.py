@@ -157,6 +157,7 @@ class Context:
     _layers: set[str | None] = field(default_factory=set)
     _modules: set[str] = field(default_factory=set)
     _own_config: tuple[dict[str, Any] | None] | None = None
+    _own_config_error: CkptError | None = None
     _expert_state: dict[str, str | None] | None = None
 
     # ------------------------------------------------------------------ shortcuts
@@ -182,9 +183,16 @@ class Context:
         if self._own_config is None:  # read once: the rules ask for it per scale tensor
             try:
                 self._own_config = (self.ckpt.own_hf_config(),)
-            except CkptError:
+            except CkptError as e:
                 self._own_config = (None,)
+                self._own_config_error = e
         return self._own_config[0]
+
+    @property
+    def own_config_error(self) -> CkptError | None:
+        """Why the checkpoint's own ``config.json`` could not be read (``None``: read, absent, or ``--config`` given)."""
+        _ = self.quant_config
+        return self._own_config_error
 
     @property
     def layout_error(self) -> CkptError | None:
