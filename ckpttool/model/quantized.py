@@ -401,11 +401,23 @@ def unclaimed_scales(
 
     Without this, such a weight (a ``weight_block_size`` of ``[128]`` beside per-tensor scales, ``quant_method``
     ``FP8``, an e5m2 weight) would be read as its raw FP8 codes, the scale an unrelated tensor beside it. Without
-    a ``quantization_config`` nothing says the weight is quantized: it is read as stored.
+    a ``quantization_config`` nothing says the weight is quantized: it is read as stored. With or without one, an FP8
+    weight with both an ``x.weight_scale`` and an ``x.weight_scale_inv`` is a problem: which multiplies is not known
+    (block FP8 would take the second, compressed-tensors and vLLM's per-tensor FP8 the first).
     """
+    both = [
+        (
+            k + CT_SCALE_SUFFIX,
+            f"{k}{CT_SCALE_SUFFIX}: {k!r} also has {k + FP8_SCALE_SUFFIX!r}: two scales of one FP8 "
+            "weight, and which one multiplies it is not known (block FP8 stores weight_scale_inv, compressed-tensors and "
+            "vLLM's per-tensor FP8 weight_scale)",
+        )
+        for k, (dt, _) in sorted(tensors.items())
+        if dt.startswith("float8_") and k + CT_SCALE_SUFFIX in tensors and k + FP8_SCALE_SUFFIX in tensors
+    ]
     qc = config.get("quantization_config") if isinstance(config, Mapping) else None
     if qc is None:
-        return []
+        return both
     qm = qc.get("quant_method") if isinstance(qc, dict) else None
     claimed: set[str] = set()
     for found, unfit in (compressed_tensors_fp8(tensors, config), per_tensor_fp8(tensors, config)):
@@ -431,4 +443,4 @@ def unclaimed_scales(
                 "a weight: quant_method 'fp8' without weight_block_size, or compressed-tensors float-quantized)"
             )
         problems.append((skey, f"{skey}: {why}"))
-    return problems
+    return both + problems

@@ -156,3 +156,12 @@ def test_validate_fails_per_tensor_scales_beside_an_unreadable_config(tmp_path: 
     res = runner.invoke(app, ["validate", str(d), "--strict", "--deep", "--config", str(cfg), "--json"])
     codes = [f["code"] for f in json.loads(res.stdout)["findings"]]
     assert "M020" not in codes and "M021" not in codes, codes  # the config given: the pairs read and checked
+
+
+@pytest.mark.parametrize("config", [FP8, CT], ids=["fp8", "compressed-tensors"])
+def test_an_fp8_weight_with_two_scales_is_refused(tmp_path: Path, config: dict[str, Any]) -> None:
+    """Before: validate --strict --deep said OK and import dequantized with weight_scale_inv on a 128x128 grid (the
+    block FP8 reading), leaving the weight_scale that compressed-tensors and vLLM multiply by as a stray tensor."""
+    t = _tensors()
+    t[f"{UP}.weight_scale_inv"] = torch.ones(1, 1)
+    _refused(_folder(tmp_path, t, config), tmp_path, f"{UP}.weight_scale", "two scales of one FP8 weight")
