@@ -792,7 +792,7 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
     if os.path.isfile(cfg):
         from ckpttool.model.hfconfig import read_hf_config
 
-        config = read_hf_config(cfg)
+        config = read_hf_config(ckpt.located.model)  # the directory: a config.json symlinked out of it is E101
     block = block_size(config)
     pairs, problems = scaled_pairs(tensors, config)
     if not pairs and not problems:

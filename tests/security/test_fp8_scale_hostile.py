@@ -165,3 +165,20 @@ def test_an_fp8_weight_with_two_scales_is_refused(tmp_path: Path, config: dict[s
     t = _tensors()
     t[f"{UP}.weight_scale_inv"] = torch.ones(1, 1)
     _refused(_folder(tmp_path, t, config), tmp_path, f"{UP}.weight_scale", "two scales of one FP8 weight")
+
+
+def test_a_config_symlinked_out_of_the_folder_is_not_read(tmp_path: Path) -> None:
+    """Before: import refused it (E101) while inspect, validate and diff read the outside file and took its
+    quantization_config (validate --strict --deep said OK); each now says E101 / counts it unreadable."""
+    d = _folder(tmp_path, _tensors(), FP8)
+    outside = tmp_path / "outside.json"
+    (d / "config.json").rename(outside)
+    (d / "config.json").symlink_to(outside)
+    for args in (["inspect", str(d)], ["diff", str(d), str(d)]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2 and res.stderr.startswith("error: [E101] "), (args, res.stdout, res.stderr)
+        assert "'config.json' resolves outside" in res.stderr, res.stderr
+    res = runner.invoke(app, ["validate", str(d), "--strict", "--deep", "--json"])
+    found = [(f["code"], f["key"], f["message"]) for f in json.loads(res.stdout)["findings"]]
+    assert res.exit_code == 1 and [(c, k) for c, k, _ in found] == [("M020", f"{UP}.weight_scale")], found
+    assert "resolves outside" in found[0][2], found
