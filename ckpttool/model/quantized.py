@@ -372,10 +372,11 @@ def scaled_pairs(
     :func:`block_size_problem` first where a wrong grid must not fall back to the default.
     """
     pairs, problems = find_quantized(tensors, block_size(config))
-    for found in (compressed_tensors_fp8(tensors, config), per_tensor_fp8(tensors, config)):
-        pairs += found[0]
-        problems += found[1]
-    return pairs, problems + unclaimed_scales(tensors, config)
+    found = [compressed_tensors_fp8(tensors, config), per_tensor_fp8(tensors, config)]
+    for more, unfit in found:
+        pairs += more
+        problems += unfit
+    return pairs, problems + unclaimed_scales(tensors, config, found)
 
 
 def _quant_method(config: Mapping[str, Any] | None) -> str:
@@ -393,7 +394,9 @@ def _quant_method(config: Mapping[str, Any] | None) -> str:
 
 
 def unclaimed_scales(
-    tensors: Mapping[str, tuple[str, tuple[int, ...]]], config: Mapping[str, Any] | None
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+    config: Mapping[str, Any] | None,
+    found: list[tuple[list[QuantPair], list[tuple[str, str]]]] | None = None,
 ) -> list[tuple[str, str]]:
     """``(scale key, why)`` for an FP8 ``x.weight`` with an ``x.weight_scale`` under a ``quantization_config`` whose
     conventions do not pair it (:func:`compressed_tensors_fp8`, :func:`per_tensor_fp8`), and, under a
@@ -403,7 +406,8 @@ def unclaimed_scales(
     ``FP8``, an e5m2 weight) would be read as its raw FP8 codes, the scale an unrelated tensor beside it. Without
     a ``quantization_config`` nothing says the weight is quantized: it is read as stored. With or without one, an FP8
     weight with both an ``x.weight_scale`` and an ``x.weight_scale_inv`` is a problem: which multiplies is not known
-    (block FP8 would take the second, compressed-tensors and vLLM's per-tensor FP8 the first).
+    (block FP8 would take the second, compressed-tensors and vLLM's per-tensor FP8 the first). ``found``: what
+    :func:`compressed_tensors_fp8` and :func:`per_tensor_fp8` returned for these tensors, when the caller has it.
     """
     both = [
         (
@@ -420,8 +424,8 @@ def unclaimed_scales(
         return both
     qm = qc.get("quant_method") if isinstance(qc, dict) else None
     claimed: set[str] = set()
-    for found, unfit in (compressed_tensors_fp8(tensors, config), per_tensor_fp8(tensors, config)):
-        claimed |= {p.scale for p in found} | {k for k, _ in unfit}
+    for paired, unfit in found or (compressed_tensors_fp8(tensors, config), per_tensor_fp8(tensors, config)):
+        claimed |= {p.scale for p in paired} | {k for k, _ in unfit}
     problems: list[tuple[str, str]] = []
     for skey in sorted(tensors):
         if not skey.endswith(".weight" + CT_SCALE_SUFFIX) or skey in claimed:

@@ -81,9 +81,10 @@ def fp8_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
             if key + _SUFFIX not in ctx.cat.model and key + "_scale" not in ctx.cat.model:
                 yield key, f"{key}: a float8_e4m3fn weight with no {key + _SUFFIX!r} (nor a per-tensor weight_scale)"
     yield from fused_problems
-    yield from compressed_tensors_fp8(tensors, ctx.quant_config)[1]
-    yield from per_tensor_fp8(tensors, ctx.quant_config)[1]
-    yield from unclaimed_scales(tensors, ctx.quant_config)
+    found = [compressed_tensors_fp8(tensors, ctx.quant_config), per_tensor_fp8(tensors, ctx.quant_config)]
+    for _, unfit in found:
+        yield from unfit
+    yield from unclaimed_scales(tensors, ctx.quant_config, found)
     yield from _scales_without_config(ctx, tensors)
 
 
