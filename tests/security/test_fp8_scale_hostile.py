@@ -182,3 +182,27 @@ def test_a_config_symlinked_out_of_the_folder_is_not_read(tmp_path: Path) -> Non
     found = [(f["code"], f["key"], f["message"]) for f in json.loads(res.stdout)["findings"]]
     assert res.exit_code == 1 and [(c, k) for c, k, _ in found] == [("M020", f"{UP}.weight_scale")], found
     assert "resolves outside" in found[0][2], found
+
+
+def test_serving_config_drops_an_fp8_quantization_config_without_fp8_weights() -> None:
+    """An FP8 base model's config given as --model-assets: without float8 tensors written its quantization_config
+    goes (vLLM and transformers would read BF16 weights as FP8 ones); with them it stays."""
+    from ckpttool.ops.export.serving import serving_config
+
+    qc = {"quant_method": "fp8", "weight_block_size": [64, 64]}
+    data = json.dumps(
+        {"model_type": "llama", "torch_dtype": "bfloat16", "tie_word_embeddings": False, "quantization_config": qc}
+    ).encode()
+    out, edits = serving_config(
+        data, "config.json", dtype="bfloat16", lm_head_written=True, embedding_written=True, fp8_written=False
+    )
+    assert edits == {"quantization_config": [qc, None]} and "quantization_config" not in json.loads(out)
+    assert serving_config(data, "config.json", dtype="bfloat16", lm_head_written=True, embedding_written=True) == (
+        data,
+        {},
+    )
+    other = data.replace(b'"fp8"', b'"bitsandbytes"')  # not FP8: left as given
+    assert (
+        serving_config(other, "c", dtype="bfloat16", lm_head_written=True, embedding_written=True, fp8_written=False)[1]
+        == {}
+    )
