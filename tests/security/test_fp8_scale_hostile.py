@@ -206,3 +206,14 @@ def test_serving_config_drops_an_fp8_quantization_config_without_fp8_weights() -
         serving_config(other, "c", dtype="bfloat16", lm_head_written=True, embedding_written=True, fp8_written=False)[1]
         == {}
     )
+
+
+def test_an_e5m2_weight_with_a_scale_is_named_by_inspect_and_diff(tmp_path: Path) -> None:
+    """Before: validate and import refused it (M020 / E612) while inspect said nothing of quantized weights
+    (--json quantized null) and diff compared it as stored without a note (their float8_e4m3fn/uint8 prefilter)."""
+    t = {f"{UP}.weight": torch.ones(4, 4).to(torch.float8_e5m2), f"{UP}.weight_scale": torch.tensor(0.5)}
+    d = _folder(tmp_path, t, FP8)
+    q = json.loads(runner.invoke(app, ["inspect", str(d), "--json"]).stdout)["quantized"]
+    assert q is not None and [p["key"] for p in q["problems"]] == [f"{UP}.weight_scale"], q
+    res = runner.invoke(app, ["diff", str(d), str(d), "--json"])
+    assert any("do not pair up" in n and "float8_e5m2" in n for n in json.loads(res.stdout)["notes"]), res.stdout
