@@ -217,3 +217,14 @@ def test_an_e5m2_weight_with_a_scale_is_named_by_inspect_and_diff(tmp_path: Path
     assert q is not None and [p["key"] for p in q["problems"]] == [f"{UP}.weight_scale"], q
     res = runner.invoke(app, ["diff", str(d), str(d), "--json"])
     assert any("do not pair up" in n and "float8_e5m2" in n for n in json.loads(res.stdout)["notes"]), res.stdout
+
+
+def test_import_warns_of_fp8_weights_with_scales_but_no_quantization_config(tmp_path: Path) -> None:
+    """Without a quantization_config the FP8 codes are imported as stored (docs/import.md), but before without a
+    word: ckpttool's own compressed-tensors export without --model-assets imported to FP8 codes, exit 0, silently."""
+    d = _folder(tmp_path, _tensors(), {"model_type": "llama"})
+    res = runner.invoke(app, ["import", str(d), str(tmp_path / "dcp"), "--allow-mismatch", "missing,shape", "--json"])
+    assert res.exit_code == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["dequantized"] is None
+    assert any(w.startswith(f"{UP}.weight: float8 weight(s) beside an x.weight_scale") for w in doc["warnings"]), doc
