@@ -237,7 +237,7 @@ class Checkpoint:
             return None
         from ckpttool.model.hfconfig import read_hf_config
 
-        return read_hf_config(Path(where) / "config.json")
+        return read_hf_config(Path(where))  # the directory: a config.json symlinked out of it is E101
 
     @property
     def closed(self) -> bool:

@@ -39,6 +39,7 @@ __all__ = [
     "scale_grid",
     "scaled_pairs",
     "scheme_name",
+    "unclaimed_scales",
 ]
 
 FP8_SCALE_SUFFIX = "_scale_inv"
@@ -217,6 +218,8 @@ def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...
     """The FP8 scale grid of a weight ``[..., out, in]`` in ``block``: ``[..., ceil(out / B0), ceil(in / B1)]``
     (``[1, 1]`` for one scale per tensor, whose stored shape is ``[]`` or ``[1]``)."""
     *lead, out, inn = shape
+    if block == _PER_TENSOR:  # one scale, also of a weight with no rows
+        return (*lead, 1, 1)
     return (*lead, -(-out // block[0]), -(-inn // block[1]))
 
 
@@ -271,7 +274,7 @@ def compressed_tensors_fp8(
     Only under a config whose ``quantization_config.quant_method`` is ``compressed-tensors``; every
     ``float8_e4m3fn`` ``x.weight`` with an ``x.weight_scale`` (and no ``x.weight_scale_inv``) is one: a format
     other than ``float-quantized``, config groups that do not give one block, channel or tensor FP8 scheme
-    (:func:`compressed_tensors_block`), a scale that is not float32 of the shape that scheme gives, or an
+    (:func:`compressed_tensors_block`), a weight that is not 2-D, a scale that is not float32 of the shape that scheme gives, or an
     ``x.weight_zero_point`` (asymmetric) is a problem (never a weight imported as its raw FP8 bytes).
     """
     qc = (config or {}).get("quantization_config")
@@ -292,7 +295,9 @@ def compressed_tensors_fp8(
             continue
         sd, ss = tensors[skey]
         want = None if block is None or len(ws) != 2 else list(scale_grid(tuple(ws), block))
-        if qc.get("format") != "float-quantized":
+        if len(ws) != 2:
+            problems.append((skey, f"{skey}: its weight {key!r} is {list(ws)}, not 2-D ([out, in], a linear weight)"))
+        elif qc.get("format") != "float-quantized":
             why = f"config.json quantization_config is compressed-tensors format {str(qc.get('format'))[:40]!r}, "
             problems.append((skey, f"{skey}: {why}not float-quantized (FP8 weights times their scale)"))
         elif block is None:
@@ -327,7 +332,8 @@ def per_tensor_fp8(
     vLLM's ``Fp8Config`` reads and llm-compressor's / AutoFP8's per-tensor checkpoints carry): ``x.weight``
     ``float8_e4m3fn`` 2-D with ``x.weight_scale`` ``float32`` of one element (shape ``[]`` or ``[1]``), the
     multiplier vLLM's ``Fp8LinearMethod`` applies (``q * scale``); a block of the whole weight
-    (:data:`WHOLE_ROW` x :data:`WHOLE_ROW`). ``x.input_scale`` (the activations' scale) is left as stored.
+    (:data:`WHOLE_ROW` x :data:`WHOLE_ROW`). ``x.input_scale`` (the activations' scale) is left as stored. A scaled
+    weight that is not 2-D (0-d, 1-D, 3-D) is a problem.
     """
     qc = (config or {}).get("quantization_config")
     if not isinstance(qc, dict) or qc.get("quant_method") != "fp8" or qc.get("weight_block_size") is not None:
@@ -339,9 +345,12 @@ def per_tensor_fp8(
         skey = key + CT_SCALE_SUFFIX
         if not key.endswith(".weight") or dt != "float8_e4m3fn" or skey not in tensors:
             continue
-        if key + FP8_SCALE_SUFFIX in tensors or len(ws) != 2:
-            continue  # block FP8 (find_quantized's), or not a linear weight
+        if key + FP8_SCALE_SUFFIX in tensors:
+            continue  # block FP8 (find_quantized's)
         sd, ss = tensors[skey]
+        if len(ws) != 2:
+            problems.append((skey, f"{skey}: its weight {key!r} is {list(ws)}, not 2-D ([out, in], a linear weight)"))
+            continue
         if not _one_scale(sd, tuple(ss)):
             problems.append(
                 (skey, f"{skey}: {sd} {list(ss)}, but a per-tensor FP8 scale (quant_method fp8) is one float32")
@@ -363,7 +372,79 @@ def scaled_pairs(
     :func:`block_size_problem` first where a wrong grid must not fall back to the default.
     """
     pairs, problems = find_quantized(tensors, block_size(config))
-    for found in (compressed_tensors_fp8(tensors, config), per_tensor_fp8(tensors, config)):
-        pairs += found[0]
-        problems += found[1]
-    return pairs, problems
+    found = [compressed_tensors_fp8(tensors, config), per_tensor_fp8(tensors, config)]
+    for more, unfit in found:
+        pairs += more
+        problems += unfit
+    return pairs, problems + unclaimed_scales(tensors, config, found)
+
+
+def _quant_method(config: Mapping[str, Any] | None) -> str:
+    """How the config's ``quantization_config`` reads, for a message (``quant_method 'x'``, not an object)."""
+    qc = config.get("quantization_config") if isinstance(config, Mapping) else None
+    if not isinstance(qc, dict):
+        return f"config.json quantization_config is a {type(qc).__name__}, not an object"
+    qm = qc.get("quant_method")
+    if qm == "fp8" and qc.get("weight_block_size") is not None:
+        return (
+            f"config.json quantization_config is quant_method 'fp8' with weight_block_size "
+            f"{qc['weight_block_size']!r:.40} (block FP8, whose scales are x.weight_scale_inv)"
+        )
+    return f"config.json quantization_config's quant_method is {qm!r:.40}"
+
+
+def unclaimed_scales(
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+    config: Mapping[str, Any] | None,
+    found: list[tuple[list[QuantPair], list[tuple[str, str]]]] | None = None,
+) -> list[tuple[str, str]]:
+    """``(scale key, why)`` for an FP8 ``x.weight`` with an ``x.weight_scale`` under a ``quantization_config`` whose
+    conventions do not pair it (:func:`compressed_tensors_fp8`, :func:`per_tensor_fp8`), and, under a
+    ``quant_method`` ``fp8`` or ``compressed-tensors`` config, for an ``x.weight_scale`` without its weight.
+
+    Without this, such a weight (a ``weight_block_size`` of ``[128]`` beside per-tensor scales, ``quant_method``
+    ``FP8``, an e5m2 weight) would be read as its raw FP8 codes, the scale an unrelated tensor beside it. Without
+    a ``quantization_config`` nothing says the weight is quantized: it is read as stored. With or without one, an FP8
+    weight with both an ``x.weight_scale`` and an ``x.weight_scale_inv`` is a problem: which multiplies is not known
+    (block FP8 would take the second, compressed-tensors and vLLM's per-tensor FP8 the first). ``found``: what
+    :func:`compressed_tensors_fp8` and :func:`per_tensor_fp8` returned for these tensors, when the caller has it.
+    """
+    both = [
+        (
+            k + CT_SCALE_SUFFIX,
+            f"{k}{CT_SCALE_SUFFIX}: {k!r} also has {k + FP8_SCALE_SUFFIX!r}: two scales of one FP8 "
+            "weight, and which one multiplies it is not known (block FP8 stores weight_scale_inv, compressed-tensors and "
+            "vLLM's per-tensor FP8 weight_scale)",
+        )
+        for k, (dt, _) in sorted(tensors.items())
+        if dt.startswith("float8_") and k + CT_SCALE_SUFFIX in tensors and k + FP8_SCALE_SUFFIX in tensors
+    ]
+    qc = config.get("quantization_config") if isinstance(config, Mapping) else None
+    if qc is None:
+        return both
+    qm = qc.get("quant_method") if isinstance(qc, dict) else None
+    claimed: set[str] = set()
+    for paired, unfit in found or (compressed_tensors_fp8(tensors, config), per_tensor_fp8(tensors, config)):
+        claimed |= {p.scale for p in paired} | {k for k, _ in unfit}
+    problems: list[tuple[str, str]] = []
+    for skey in sorted(tensors):
+        if not skey.endswith(".weight" + CT_SCALE_SUFFIX) or skey in claimed:
+            continue
+        key = skey[: -len(CT_SCALE_SUFFIX)]
+        weight = tensors.get(key)
+        if weight is None:
+            if qm in ("fp8", "compressed-tensors"):
+                problems.append((skey, f"{skey}: an FP8 weight scale for a missing weight {key!r}"))
+            continue
+        dt, ws = weight
+        if not dt.startswith("float8_") or key + FP8_SCALE_SUFFIX in tensors:
+            continue  # a float weight's own scale (not quantized), or block FP8 (find_quantized's)
+        if dt != "float8_e4m3fn":
+            why = f"its weight {key!r} is {dt}, not float8_e4m3fn (the FP8 that vLLM and compressed-tensors scale)"
+        else:
+            why = (
+                f"no FP8 convention pairs it with its weight {key!r} {list(ws)}: {_quant_method(config)} (one scale "
+                "a weight: quant_method 'fp8' without weight_block_size, or compressed-tensors float-quantized)"
+            )
+        problems.append((skey, f"{skey}: {why}"))
+    return both + problems

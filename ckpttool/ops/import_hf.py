@@ -1090,6 +1090,15 @@ def _dequantize_sources(
     from ckpttool.ops.import_quant import STAGED_PREFIX, plan_dequantize, read_scales
 
     plans, consumed = plan_dequantize(sources, config, opts.dtype)
+    raw = sorted(k for k, s in sources.items() if s.dtype.startswith("float8_") and k + "_scale" in sources)
+    raw = [k for k in raw if k not in plans]
+    if raw:  # no quantization_config (under one, plan_dequantize refused them): nothing says how they scale
+        more = f" (+{len(raw) - 1} more)" if len(raw) > 1 else ""
+        warnings.append(
+            f"{raw[0]}{more}: float8 weight(s) beside an x.weight_scale imported as their stored FP8 codes, unscaled: "
+            "the config has no quantization_config saying how they scale; pass `config` with the one they were "
+            "quantized with to dequantize them"
+        )
     if not plans:
         if opts.dtype is not None:
             warnings.append(f"`dtype` {opts.dtype} applies to quantized weights; the checkpoint has none")

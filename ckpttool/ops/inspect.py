@@ -800,7 +800,7 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
     pairs), ``None`` when there are none; the block size from a ``config.json`` beside the checkpoint, else 128."""
     from ckpttool.model.quantized import block_size, compressed_tensors_block, scaled_pairs, scheme_name
 
-    if {*map(_dtype, cat.model.values())}.isdisjoint(("float8_e4m3fn", "uint8", "float8_e8m0fnu")):
+    if {*map(_dtype, cat.model.values())}.isdisjoint(("float8_e4m3fn", "float8_e5m2", "uint8", "float8_e8m0fnu")):
         return None  # the dtypes first, in C: no row per tensor for a checkpoint without quantized weights
     tensors = {k: (t.dtype, tuple(t.shape)) for k, t in cat.model.items()}
     config = None
@@ -808,7 +808,7 @@ def _quantized(ckpt: Checkpoint, cat: Catalog) -> dict[str, Any] | None:
     if os.path.isfile(cfg):
         from ckpttool.model.hfconfig import read_hf_config
 
-        config = read_hf_config(cfg)
+        config = read_hf_config(ckpt.located.model)  # the directory: a config.json symlinked out of it is E101
     block = block_size(config)
     pairs, problems = scaled_pairs(tensors, config)
     if not pairs and not problems:

@@ -56,7 +56,7 @@ def dequantize_items(side: Side, items: list[Item], notes: list[str] | None = No
     """
     direct = {i.name: i for i in items if i.direct and i.dtype != "bytes"}
     tensors = {n: (i.dtype, tuple(i.shape)) for n, i in direct.items()}
-    if not any(d in ("float8_e4m3fn", "uint8") for d, _ in tensors.values()):
+    if not any(d in ("float8_e4m3fn", "float8_e5m2", "uint8") for d, _ in tensors.values()):
         return items, 0
     pairs, problems = scaled_pairs(tensors, _side_config(side))
     if problems and notes is not None:  # each problem names the grid or scheme it was checked against

@@ -1008,6 +1008,7 @@ def _serving_assets(
         lm_head_written=lm_head is not None and lm_head.out_key in names,
         embedding_written=embed is not None and embed.out_key in names,
         architecture=check.model_class if check is not None and check.checked else None,
+        fp8_written=any(e.dtype.startswith("float8_") for entries in plan.entries for e in entries),
     )
     return config, notes
 

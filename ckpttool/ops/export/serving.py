@@ -96,6 +96,7 @@ def serving_config(
     lm_head_written: bool,
     embedding_written: bool,
     architecture: str | None = None,
+    fp8_written: bool = True,
 ) -> tuple[bytes, dict[str, list[Any]]]:
     """``config.json`` bytes as they should be beside the written weights, and what was changed.
 
@@ -107,6 +108,9 @@ def serving_config(
         embedding_written: it wrote the input embedding.
         architecture: the model class the tensors were checked against (``None``: not checked), written as
             ``architectures`` when the config names none.
+        fp8_written: the export wrote float8 tensors; without them an FP8 ``quantization_config`` (``quant_method``
+            ``fp8`` or ``compressed-tensors``, e.g. an FP8 base model's config given as ``--model-assets``) is
+            removed: vLLM and transformers would read the written BF16/FP32 weights as FP8 ones and their scales.
 
     Returns:
         ``(bytes, edits)``: ``data`` itself when nothing changes (``edits`` ``{}``), else the edited
@@ -134,6 +138,10 @@ def serving_config(
             for key in ("torch_dtype", "dtype"):
                 if key in text:
                     put(text, key, dtype, "text_config.")
+    qc = doc.get("quantization_config")
+    if not fp8_written and isinstance(qc, dict) and qc.get("quant_method") in ("fp8", "compressed-tensors"):
+        edits["quantization_config"] = [qc, None]
+        del doc["quantization_config"]
     if architecture is not None and not doc.get("architectures"):
         put(doc, "architectures", [architecture])
     text = doc.get("text_config")

@@ -158,6 +158,7 @@ class Context:
     _modules: dict[str, set[str]] = field(default_factory=dict)
     _names: set[str] = field(default_factory=set)
     _own_config: tuple[dict[str, Any] | None] | None = None
+    _own_config_error: CkptError | None = None
     _expert_state: dict[str, str | None] | None = None
 
     # ------------------------------------------------------------------ shortcuts
@@ -183,9 +184,16 @@ class Context:
         if self._own_config is None:  # read once: the rules ask for it per scale tensor
             try:
                 self._own_config = (self.ckpt.own_hf_config(),)
-            except CkptError:
+            except CkptError as e:
                 self._own_config = (None,)
+                self._own_config_error = e
         return self._own_config[0]
+
+    @property
+    def own_config_error(self) -> CkptError | None:
+        """Why the checkpoint's own ``config.json`` could not be read (``None``: read, absent, or ``--config`` given)."""
+        _ = self.quant_config
+        return self._own_config_error
 
     @property
     def layout_error(self) -> CkptError | None:

@@ -571,3 +571,21 @@ def test_shared_expert_gate_stays_unquantized_by_default(tmp_path: Path) -> None
     assert shared.dtype == torch.float8_e4m3fn and "model.layers.0.mlp.shared_expert.up_proj.weight_scale_inv" in keys
     qc = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
     assert "model.layers.0.mlp.shared_expert_gate" in qc["modules_to_not_convert"]
+
+
+def test_export_drops_an_fp8_quantization_config_it_writes_no_fp8_for(sample_ckpt: Path, tmp_path: Path) -> None:
+    """Before: the --model-assets config of an FP8 base model (quant_method fp8, weight_block_size [64, 64]) was
+    copied beside the BF16 export, which vLLM and transformers then read as block FP8 weights without scales."""
+    import shutil
+
+    assets = tmp_path / "assets"
+    shutil.copytree(sample_ckpt / "model_assets", assets)
+    cfg = json.loads((assets / "config.json").read_text())
+    qc = {"quant_method": "fp8", "weight_block_size": [64, 64], "activation_scheme": "dynamic"}
+    (assets / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    res = runner.invoke(
+        app, ["export", str(sample_ckpt), str(tmp_path / "hf"), "--model-assets", str(assets), "--json"]
+    )
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout)["config_edits"]["quantization_config"] == [qc, None]
+    assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())

@@ -33,6 +33,7 @@ from ckpttool.model.quantized import (
     per_tensor_fp8,
     scale_grid,
     scaled_pairs,
+    unclaimed_scales,
 )
 from ckpttool.ops.validate.base import rule
 from ckpttool.ops.validate.context import Context
@@ -80,8 +81,33 @@ def fp8_scale_mismatch(ctx: Context) -> Iterator[tuple[str, str]]:
             if key + _SUFFIX not in ctx.cat.model and key + "_scale" not in ctx.cat.model:
                 yield key, f"{key}: a float8_e4m3fn weight with no {key + _SUFFIX!r} (nor a per-tensor weight_scale)"
     yield from fused_problems
-    yield from compressed_tensors_fp8(tensors, ctx.quant_config)[1]
-    yield from per_tensor_fp8(tensors, ctx.quant_config)[1]
+    found = [compressed_tensors_fp8(tensors, ctx.quant_config), per_tensor_fp8(tensors, ctx.quant_config)]
+    for _, unfit in found:
+        yield from unfit
+    yield from unclaimed_scales(tensors, ctx.quant_config, found)
+    yield from _scales_without_config(ctx, tensors)
+
+
+def _scales_without_config(ctx: Context, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> Iterator[tuple[str, str]]:
+    """One finding when the folder's own ``config.json`` cannot be read and float8 weights have an ``x.weight_scale``:
+    only its ``quantization_config`` says whether and how they scale (``import`` and ``inspect`` refuse the config)."""
+    err = ctx.own_config_error
+    if err is None:
+        return
+    scales = [
+        k
+        for k in sorted(tensors)
+        if k.endswith(".weight_scale")
+        and tensors.get(k[: -len("_scale")], ("",))[0].startswith("float8_")
+        and k[: -len("_scale")] + _SUFFIX not in tensors
+    ]
+    if scales:
+        more = f" (and {len(scales) - 1} more)" if len(scales) > 1 else ""
+        yield (
+            scales[0],
+            f"{scales[0]}{more}: scales a float8 weight, but the folder's config.json, whose quantization_config says "
+            f"how, cannot be read: {err.message}",
+        )
 
 
 def _pairs(ctx: Context) -> tuple[list[QuantPair], list[tuple[str, str]]]:
