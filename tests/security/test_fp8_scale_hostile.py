@@ -228,3 +228,23 @@ def test_import_warns_of_fp8_weights_with_scales_but_no_quantization_config(tmp_
     doc = json.loads(res.stdout)
     assert doc["dequantized"] is None
     assert any(w.startswith(f"{UP}.weight: float8 weight(s) beside an x.weight_scale") for w in doc["warnings"]), doc
+
+
+@pytest.mark.parametrize("config", [None, {"model_type": "llama"}], ids=["no-config", "config-without-qc"])
+def test_scaled_fp8_weights_without_a_quantization_config_are_m024(tmp_path: Path, config: Any) -> None:
+    """Nothing says how an ``x.weight_scale`` applies without a ``quantization_config``: validate warns (M024, which
+    ``--strict`` fails on), naming the scale, instead of an OK over the stored FP8 codes."""
+    d = tmp_path / "src"
+    d.mkdir()
+    save_file(_tensors(), str(d / "model.safetensors"))
+    if config is not None:
+        (d / "config.json").write_text(json.dumps(config))
+    res = runner.invoke(app, ["validate", str(d), "--strict", "--json"])
+    assert res.exit_code == 1, (res.stdout, res.stderr)
+    found = [f for f in json.loads(res.stdout)["findings"] if f["fails"]]
+    assert [(f["code"], f["key"]) for f in found] == [("M024", f"{UP}.weight_scale")], found
+    assert "no quantization_config says how the scale applies" in found[0]["message"]
+    # under its own quantization_config it is read as the convention says: no M024
+    (d / "config.json").write_text(json.dumps(FP8))
+    res = runner.invoke(app, ["validate", str(d), "--strict", "--deep", "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["findings"] == [], res.stdout

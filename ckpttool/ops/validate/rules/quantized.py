@@ -11,7 +11,8 @@ A ``x.weight_scale_inv`` (float32 ``[ceil(out / B), ceil(in / B)]``) scales the 
 With ``--deep``: ``M021`` reads the scales (a small fraction of the data; a weight again only
 where a scale is 0, to see that its block is all zero), ``M022`` takes the NaN-byte count of every
 ``float8_e4m3fn`` tensor from the deep pass (:mod:`ckpttool.ops.validate.deep`, one read of the
-weights). ``M023``: MXFP4 ``x_blocks`` / ``x_scales`` pairs (gpt-oss) that do not fit. compressed-tensors
+weights). ``M023``: MXFP4 ``x_blocks`` / ``x_scales`` pairs (gpt-oss) that do not fit. ``M024``: float8 weights with an
+``x.weight_scale`` and no ``quantization_config`` at all (nothing says how the scale applies). compressed-tensors
 FP8 ``x.weight_scale`` (under its ``quantization_config``) is checked as ``import`` checks it: ``M020`` its
 shape and scheme (:func:`~ckpttool.model.quantized.compressed_tensors_fp8`), ``M021`` its values; so is
 vLLM's per-tensor FP8 ``x.weight_scale`` (one float32 a weight under ``quant_method`` ``fp8`` without
@@ -206,6 +207,27 @@ def quant_scale_values(ctx: Context) -> Iterator[tuple[str, str]]:
         why = _fp8_scale_values(ctx, p) if p.kind != "mxfp4" else _mxfp4_scale_values(ctx, p)
         if why is not None:
             yield p.scale, why
+
+
+@rule("M024")
+def fp8_scales_unconfigured(ctx: Context) -> Iterator[tuple[str, str]]:
+    cfg = ctx.quant_config
+    if ctx.own_config_error is not None or (isinstance(cfg, dict) and cfg.get("quantization_config") is not None):
+        return  # read under its quantization_config (M020 / M021), or the unreadable config is M020's finding
+    where = "no config.json in the folder, no --config" if cfg is None else "the config has none"
+    tensors = {k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}
+    scaled = [
+        k
+        for k, (dt, _) in sorted(tensors.items())
+        if dt.startswith("float8_") and k + "_scale" in tensors and k + _SUFFIX not in tensors
+    ]
+    if scaled:
+        more = f" (and {len(scaled) - 1} more)" if len(scaled) > 1 else ""
+        yield (
+            scaled[0] + "_scale",
+            f"{scaled[0]}{more}: a float8 weight with an x.weight_scale, but no quantization_config says how the "
+            f"scale applies ({where}): read as its stored FP8 codes",
+        )
 
 
 @rule("M022")
