@@ -137,6 +137,10 @@ QUANT_FORMATS: dict[str, QuantFormat] = {
 }
 
 
+#: The largest ``--quantize-block``: ``weight_block_size`` is read into 32-bit integers (vLLM, C kernels).
+MAX_BLOCK = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     """``--quantize`` and its options.
@@ -172,6 +176,13 @@ class QuantSpec:
             )
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
             raise UsageError(f"`quantize_block` must be a positive integer, got {self.block!r}", param="quantize_block")
+        if self.block > MAX_BLOCK:  # written into config.json's weight_block_size: readers hold it in 32 bits
+            raise UsageError(
+                f"`quantize_block` {self.block} is larger than {MAX_BLOCK} (2^31 - 1)",
+                param="quantize_block",
+                hint="a block at least as large as the weights quantizes each weight with one scale; 128 is the "
+                "DeepSeek-V3 convention vLLM's kernels are tuned for",
+            )
         if self.channel and self.block != 128:  # a block size fp8-channel would not write: never taken silently
             raise UsageError(
                 f"`quantize_block` {self.block} sets the blocks of fp8-block; fp8-channel writes one scale per output row",

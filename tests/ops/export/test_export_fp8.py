@@ -324,6 +324,17 @@ def test_fp8_setting_without_quantize_is_refused(
     ]
 
 
+def test_a_block_size_beyond_32_bits_is_refused(master_ckpt: Path, tmp_path: Path) -> None:
+    """A --quantize-block past 2^31 - 1 was written into config.json's weight_block_size, which readers hold in
+    32-bit integers: E100 before anything is written."""
+    big = str(2**63)
+    res = runner.invoke(
+        app, ["export", str(master_ckpt), str(tmp_path / "o"), "--quantize", "fp8-block", "--quantize-block", big]
+    )
+    assert res.exit_code == 2 and not (tmp_path / "o").exists(), res.output
+    assert res.stderr.splitlines()[0] == f"error: [E100] --quantize-block {big} is larger than 2147483647 (2^31 - 1)"
+
+
 def test_nan_weight_refused_nothing_published(tmp_path: Path) -> None:
     w = torch.randn(40, 24)
     w[33, 5] = float("nan")
