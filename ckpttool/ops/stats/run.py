@@ -491,21 +491,22 @@ def _judge_moments(
     """The update sizes that are no training step's, said in ``notes``: moments holding NaN/Inf (the size made
     ``nan`` in ``moments``, as torch's next step there; the kernels read them as 0) and state torch made up before
     the first step (``D005``)."""
-    broken = [
-        fqn for fqn in moments if any(r.nonfinite for r in rows if r.fqn == fqn and r.role in ("exp_avg", "exp_avg_sq"))
-    ]
+    of: dict[str, list[TensorValueStats]] = {}  # each parameter's moment rows, in one pass over the rows
+    for r in rows:
+        if r.role in ("exp_avg", "exp_avg_sq") and r.fqn in moments:
+            of.setdefault(r.fqn, []).append(r)
+    broken = [fqn for fqn in moments if any(r.nonfinite for r in of.get(fqn, ()))]
     for fqn in broken:
         moments[fqn] = Moments(moments[fqn].numel, math.nan, math.nan)
     if broken:
         notes[NONFINITE_MOMENTS_NOTE] = broken
-    made_up = [fqn for fqn in moments if hypers[fqn].step == 1 and _zero_moments(rows, fqn)]
+    made_up = [fqn for fqn in moments if hypers[fqn].step == 1 and _zero_moments(of.get(fqn, []))]
     if made_up:  # get_state_dict's zero-lr step before the first real one
         notes[SYNTHESIZED_NOTE] = made_up
 
 
-def _zero_moments(rows: list[TensorValueStats], fqn: str) -> bool:
-    """``fqn``'s ``exp_avg`` and ``exp_avg_sq`` were both measured and are all zero."""
-    found = [r for r in rows if r.fqn == fqn and r.role in ("exp_avg", "exp_avg_sq")]
+def _zero_moments(found: list[TensorValueStats]) -> bool:
+    """A parameter's ``exp_avg`` and ``exp_avg_sq`` rows (``found``) were both measured and are all zero."""
     return len(found) == 2 and all(r.numel and r.zero_fraction == 1.0 for r in found)
 
 
