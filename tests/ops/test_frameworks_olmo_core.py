@@ -354,3 +354,72 @@ def test_manifest_covers_olmo_cores_metadata_json(olmo_root: Path, tmp_path: Pat
     assert [(f["key"], f["message"].split(":")[0]) for f in doc["findings"] if f["code"] == "S015"] == [
         (".metadata.json", "changed")
     ]
+
+
+def _olmo_core_model(config: object, state: dict) -> object:
+    """OLMo-core's own model of ``config`` (a ``TransformerConfig``) holding ``state``, for its forward."""
+    model = config.build(init_device="cpu")  # type: ignore[attr-defined]
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def _check_against_olmo_core(
+    out: Path, hf_config: object, olmo_config: object, state: dict, model_class: type, *, atol: float
+) -> None:
+    """The export in ``out`` holds what OLMo-core's own ``convert_state_to_hf`` makes of ``state`` (names and
+    bytes), and ``model_class`` loaded from it gives OLMo-core's logits (fp32, within ``atol``)."""
+    import torch
+    from olmo_core.nn.hf.convert import convert_state_to_hf
+    from safetensors.torch import load_file
+
+    got = load_file(out / "model.safetensors")
+    want = convert_state_to_hf(hf_config, state)  # type: ignore[arg-type]
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and got[k].equal(v), k
+    hf = model_class.from_pretrained(out, torch_dtype=torch.float32).eval()  # type: ignore[attr-defined]
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = _olmo_core_model(olmo_config, state)(ids).float()  # type: ignore[operator]
+        logits = hf(ids).logits.float()
+    assert ref.shape == logits.shape == (2, 16, 128)
+    assert (logits - ref).abs().max().item() <= atol, (logits - ref).abs().max().item()
+
+
+def test_export_as_llama_matches_olmo_core_converter_and_logits(olmo_root: Path, tmp_path: Path) -> None:
+    """The export of a llama_like OLMo-core model wrote its OLMo-core names (blocks.0.attention.w_q.weight, ...)
+    with a warning, which transformers cannot load. Given the model's Llama config.json (`--model-assets`) the
+    olmo-core-llama adapter is detected (or named with --adapter): the tensors are those of OLMo-core's own
+    convert_state_to_hf for model_type llama, bit for bit, and LlamaForCausalLM gives OLMo-core's logits."""
+    import torch
+    from olmo_core.nn.transformer import TransformerConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    olmo_config = TransformerConfig.llama_like(d_model=64, vocab_size=128, n_layers=2, n_heads=4)  # as the writer
+    block = olmo_config.build(init_device="cpu").blocks["0"]
+    hf_config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=block.feed_forward.hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=block.attention.n_heads,
+        num_key_value_heads=block.attention.n_kv_heads,
+        rope_theta=block.attention.rope.theta,
+        rms_norm_eps=block.feed_forward_norm.eps,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
+    assets = tmp_path / "assets"
+    hf_config.save_pretrained(assets)
+    state = torch.load(olmo_root / "expected.pt", weights_only=True)["model"]
+    res = runner.invoke(app, ["export", str(olmo_root / "run"), str(tmp_path / "hf"), "--model-assets", str(assets)])
+    assert res.exit_code == 0, res.stderr
+    assert "warning" not in res.stderr and "olmo-core-llama" in res.stdout
+    _check_against_olmo_core(tmp_path / "hf", hf_config, olmo_config, state, LlamaForCausalLM, atol=1e-5)
+    cli("export", str(olmo_root / "run"), str(tmp_path / "named"), "--adapter", "olmo-core-llama")
+    from safetensors.torch import load_file
+
+    assert (
+        load_file(tmp_path / "named" / "model.safetensors").keys()
+        == load_file(tmp_path / "hf" / "model.safetensors").keys()
+    )

@@ -1,0 +1,101 @@
+"""OLMo-core dense ``Transformer`` -> HF ``LlamaForCausalLM`` (export only).
+
+Key map as OLMo-core's own ``olmo_core/nn/hf/convert.py`` (``OLMO_CORE_TO_HF_WEIGHT_MAPPINGS``, with its
+``llama`` overrides in ``MODEL_TYPE_SPECIFIC_OLMO_CORE_TO_HF_TEMPLATE_MAPPINGS``). OLMo-core's RoPE pairs the
+two halves of a head as HF does (no row permutation; ``convert_state_to_hf`` copies ``w_q`` / ``w_k`` as
+stored). The two families have the same tensor names and differ in where the norms sit, which the keys do
+not show: a ``default`` block (``TransformerConfig.llama_like``: pre-norm) is Llama's
+``attention_norm -> input_layernorm``, ``feed_forward_norm -> post_attention_layernorm``; a
+``reordered_norm`` block (OLMo-2: post-norm, q/k norm over all heads) is Olmo2's ``attention_norm ->
+post_attention_layernorm``, ``feed_forward_norm -> post_feedforward_layernorm`` (no adapter here yet). So
+the adapter is not detected from the keys alone: the config's ``model_type`` (``llama``, the ``model_assets``
+config.json) or ``--adapter`` says so. A tensor Llama has no place for (MoE ``feed_forward_moe``, biases,
+Gemma-3's extra norms, q/k norms) is refused (E601), never dropped or renamed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckpttool.errors import ExportError
+from ckpttool.model.adapters.base import AdapterConfig, HFTensor, KeyMap, ModelAdapter, NativeTensor, Skip
+from ckpttool.model.adapters.registry import register_adapter
+
+__all__ = ["OlmoCoreLlama"]
+
+#: an OLMo-core block's fqn prefix ``blocks.<N>.`` (group ``layer``)
+_BLOCK = r"blocks\.(?P<layer>\d+)\."
+#: fragments every OLMo-core Transformer's fqns hold (what tells its names from another trainer's)
+_OLMO_CORE = (".attention.w_q.", "lm_head.w_out.")
+
+
+def _block(native: str, hf: str) -> KeyMap:
+    return KeyMap(_BLOCK + native.replace(".", r"\."), "model.layers.{layer}." + hf)
+
+
+#: the tensors both families have, as OLMo-core's ``OLMO_CORE_TO_HF_WEIGHT_MAPPINGS``
+_COMMON = (
+    KeyMap(r"embeddings\.weight", "model.embed_tokens.weight"),
+    _block("attention.w_q.weight", "self_attn.q_proj.weight"),
+    _block("attention.w_k.weight", "self_attn.k_proj.weight"),
+    _block("attention.w_v.weight", "self_attn.v_proj.weight"),
+    _block("attention.w_out.weight", "self_attn.o_proj.weight"),
+    _block("feed_forward.w1.weight", "mlp.gate_proj.weight"),
+    _block("feed_forward.w2.weight", "mlp.down_proj.weight"),
+    _block("feed_forward.w3.weight", "mlp.up_proj.weight"),
+    KeyMap(r"lm_head\.norm\.weight", "model.norm.weight"),
+    KeyMap(r"lm_head\.w_out\.weight", "lm_head.weight"),
+)
+
+
+class _OlmoCore(ModelAdapter):
+    """The shared detection and refusal; subclasses set :attr:`maps` and :attr:`hf_model_type`."""
+
+    naming = "unknown"
+    hf_model_type = ""
+    hf_class = ""
+
+    @classmethod
+    def detects(cls, evidence: Any) -> bool:
+        """OLMo-core's names (no naming ckpttool knows, ``.attention.w_q.`` and ``lm_head.w_out.``) and a config
+        whose ``model_type`` is :attr:`hf_model_type`: without a config the keys do not say where the norms sit."""
+        if evidence.naming != "unknown" or evidence.model_type != cls.hf_model_type:
+            return False
+        if not all(evidence.any_fqn_contains(f) for f in _OLMO_CORE):
+            return False
+        return not (cls.foreign and evidence.any_fqn_contains(*cls.foreign))
+
+    def to_hf(self, fqn: str, shape: tuple[int, ...], cfg: AdapterConfig) -> HFTensor | Skip | None:
+        """As :meth:`ModelAdapter.to_hf`; a tensor of no map is refused (an OLMo-core variant HF's class lacks).
+
+        Raises:
+            ExportError (E601): ``fqn`` has no place in HF's :attr:`hf_class`.
+        """
+        out = super().to_hf(fqn, shape, cfg)
+        if out is None:
+            raise ExportError(
+                f"{fqn}: OLMo-core tensor with no place in HF {self.hf_class} (adapter {self.name}); "
+                "the export would drop it",
+                fqn=fqn,
+                hint="this OLMo-core model is another variant (MoE, biases, other norms): export it without "
+                "`adapter` (raw OLMo-core names), or pick the adapter of its family",
+            )
+        return out
+
+    def from_hf(self, hf_key: str, shape: tuple[int, ...], cfg: AdapterConfig) -> list[NativeTensor] | Skip | None:
+        """Not an import target (export only)."""
+        return None
+
+
+@register_adapter
+class OlmoCoreLlama(_OlmoCore):
+    name = "olmo-core-llama"
+    description = "OLMo-core dense Transformer, default (pre-norm) block, as llama_like -> HF LlamaForCausalLM"
+    hf_model_type, hf_class = "llama", "LlamaForCausalLM"
+    foreign = (".attention.q_norm.", ".attention.k_norm.", ".feed_forward_moe.", ".post_attention_norm.")
+
+    maps = (
+        *_COMMON,
+        _block("attention_norm.weight", "input_layernorm.weight"),
+        _block("feed_forward_norm.weight", "post_attention_layernorm.weight"),
+    )
