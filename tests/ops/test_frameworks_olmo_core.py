@@ -392,11 +392,12 @@ def test_export_as_llama_matches_olmo_core_converter_and_logits(olmo_root: Path,
     olmo-core-llama adapter is detected (or named with --adapter): the tensors are those of OLMo-core's own
     convert_state_to_hf for model_type llama, bit for bit, and LlamaForCausalLM gives OLMo-core's logits."""
     import torch
-    from olmo_core.nn.transformer import TransformerConfig
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    olmo_config = TransformerConfig.llama_like(d_model=64, vocab_size=128, n_layers=2, n_heads=4)  # as the writer
-    block = olmo_config.build(init_device="cpu").blocks["0"]
+    from tests.fixtures.olmo_core_writer import model_config
+
+    olmo_config = model_config("llama")
+    block = olmo_config.build(init_device="cpu").blocks["0"]  # type: ignore[attr-defined]
     hf_config = LlamaConfig(
         vocab_size=128,
         hidden_size=64,
@@ -423,3 +424,48 @@ def test_export_as_llama_matches_olmo_core_converter_and_logits(olmo_root: Path,
         load_file(tmp_path / "named" / "model.safetensors").keys()
         == load_file(tmp_path / "hf" / "model.safetensors").keys()
     )
+
+
+@pytest.fixture(scope="module")
+def olmo2_root(fixture_root: Path) -> Path:
+    from tests.fixtures.writers import missing
+
+    why = missing("olmo_core.train.checkpoint", "olmo_core.nn.transformer")
+    if why:
+        pytest.skip(why)
+    from tests.fixtures.olmo_core_writer import build_olmo_core_olmo2
+
+    return cached_build(fixture_root, "writers_olmo_core_olmo2", build_olmo_core_olmo2)
+
+
+def test_export_as_olmo2_matches_olmo_core_converter_and_logits(olmo2_root: Path, tmp_path: Path) -> None:
+    """An OLMo-2 model (reordered_norm block: post-norms, q/k norm) saved by OLMo-core's Checkpointer was exported
+    under its OLMo-core names. With the config.json OLMo-core's own get_hf_config writes for it (Olmo2Config), the
+    olmo-core-olmo2 adapter is detected: attention_norm -> post_attention_layernorm, feed_forward_norm ->
+    post_feedforward_layernorm, q/k norms kept; the tensors are OLMo-core's convert_state_to_hf's bit for bit and
+    Olmo2ForCausalLM gives OLMo-core's logits. The Llama adapter, named on it, refuses its q_norm (E601)."""
+    import torch
+    from olmo_core.nn.hf.config import get_hf_config
+    from transformers import Olmo2ForCausalLM
+
+    from tests.fixtures.olmo_core_writer import model_config
+
+    olmo_config = model_config("olmo2")
+    hf_config = get_hf_config(olmo_config.build(init_device="cpu"))  # type: ignore[attr-defined]
+    assert hf_config.model_type == "olmo2"
+    hf_config.max_position_embeddings = 64  # get_hf_config's -1: unbounded
+    assets = tmp_path / "assets"
+    hf_config.save_pretrained(assets)
+    state = torch.load(olmo2_root / "expected.pt", weights_only=True)["model"]
+    res = runner.invoke(app, ["export", str(olmo2_root / "run"), str(tmp_path / "hf"), "--model-assets", str(assets)])
+    assert res.exit_code == 0, res.stderr
+    assert "warning" not in res.stderr and "olmo-core-olmo2" in res.stdout
+    _check_against_olmo_core(tmp_path / "hf", hf_config, olmo_config, state, Olmo2ForCausalLM, atol=1e-5)
+    # the keys alone do not say where the norms sit: no config, raw names and the warning (as before)
+    res = runner.invoke(app, ["export", str(olmo2_root / "run"), str(tmp_path / "raw")])
+    assert res.exit_code == 0 and "outside the HF naming were exported as their fqn" in res.stderr, res.stderr
+    res = runner.invoke(app, ["export", str(olmo2_root / "run"), str(tmp_path / "l"), "--adapter", "olmo-core-llama"])
+    assert res.exit_code == 2, res.output
+    err = res.stderr.splitlines()[0]
+    assert err.startswith("error: [E601] blocks.0.attention.q_norm.weight: OLMo-core tensor with no place in HF ")
+    assert not (tmp_path / "l").exists()

@@ -1,4 +1,4 @@
-"""OLMo-core dense ``Transformer`` -> HF ``LlamaForCausalLM`` (export only).
+"""OLMo-core dense ``Transformer`` -> HF ``LlamaForCausalLM`` / ``Olmo2ForCausalLM`` (export only).
 
 Key map as OLMo-core's own ``olmo_core/nn/hf/convert.py`` (``OLMO_CORE_TO_HF_WEIGHT_MAPPINGS``, with its
 ``llama`` overrides in ``MODEL_TYPE_SPECIFIC_OLMO_CORE_TO_HF_TEMPLATE_MAPPINGS``). OLMo-core's RoPE pairs the
@@ -7,10 +7,12 @@ stored). The two families have the same tensor names and differ in where the nor
 not show: a ``default`` block (``TransformerConfig.llama_like``: pre-norm) is Llama's
 ``attention_norm -> input_layernorm``, ``feed_forward_norm -> post_attention_layernorm``; a
 ``reordered_norm`` block (OLMo-2: post-norm, q/k norm over all heads) is Olmo2's ``attention_norm ->
-post_attention_layernorm``, ``feed_forward_norm -> post_feedforward_layernorm`` (no adapter here yet). So
-the adapter is not detected from the keys alone: the config's ``model_type`` (``llama``, the ``model_assets``
-config.json) or ``--adapter`` says so. A tensor Llama has no place for (MoE ``feed_forward_moe``, biases,
-Gemma-3's extra norms, q/k norms) is refused (E601), never dropped or renamed.
+post_attention_layernorm``, ``feed_forward_norm -> post_feedforward_layernorm`` (OLMo-core's default map, model
+type ``olmo2``, as its own ``get_hf_config`` names such a model). So neither is detected from the keys alone:
+the config's ``model_type`` (``llama`` / ``olmo2``, the ``model_assets`` config.json) or ``--adapter`` says
+which. A tensor the family has no place for (MoE ``feed_forward_moe``, biases, Gemma-3's extra norms, q/k
+norms under Llama, head-wise q/k norms under Olmo2) is refused (E601), never dropped or renamed; Olmo2 is
+detected only when the keys hold its q/k norms.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ckpttool.errors import ExportError
 from ckpttool.model.adapters.base import AdapterConfig, HFTensor, KeyMap, ModelAdapter, NativeTensor, Skip
 from ckpttool.model.adapters.registry import register_adapter
 
-__all__ = ["OlmoCoreLlama"]
+__all__ = ["OlmoCoreLlama", "OlmoCoreOlmo2"]
 
 #: an OLMo-core block's fqn prefix ``blocks.<N>.`` (group ``layer``)
 _BLOCK = r"blocks\.(?P<layer>\d+)\."
@@ -99,3 +101,43 @@ class OlmoCoreLlama(_OlmoCore):
         _block("attention_norm.weight", "input_layernorm.weight"),
         _block("feed_forward_norm.weight", "post_attention_layernorm.weight"),
     )
+
+
+@register_adapter
+class OlmoCoreOlmo2(_OlmoCore):
+    name = "olmo-core-olmo2"
+    description = "OLMo-core dense Transformer, reordered_norm (post-norm, q/k norm) block -> HF Olmo2ForCausalLM"
+    hf_model_type, hf_class = "olmo2", "Olmo2ForCausalLM"
+    foreign = (".feed_forward_moe.", ".post_attention_norm.")
+
+    maps = (
+        *_COMMON,
+        _block("attention_norm.weight", "post_attention_layernorm.weight"),
+        _block("feed_forward_norm.weight", "post_feedforward_layernorm.weight"),
+        _block("attention.q_norm.weight", "self_attn.q_norm.weight"),
+        _block("attention.k_norm.weight", "self_attn.k_norm.weight"),
+    )
+
+    @classmethod
+    def detects(cls, evidence: Any) -> bool:
+        """As :meth:`_OlmoCore.detects`, and the keys hold q/k norms (HF Olmo2 has them in every layer)."""
+        return super().detects(evidence) and bool(evidence.any_fqn_contains(".attention.q_norm."))
+
+    def to_hf(self, fqn: str, shape: tuple[int, ...], cfg: AdapterConfig) -> HFTensor | Skip | None:
+        """As :meth:`_OlmoCore.to_hf`; Olmo2's q/k norms span all heads (``[heads * head_dim]``): a head-wise one
+        (``use_head_qk_norm``, ``[head_dim]``) is refused.
+
+        Raises:
+            ExportError (E601): as there; a q/k norm whose length is not the config's heads times head_dim.
+        """
+        out = super().to_hf(fqn, shape, cfg)
+        if isinstance(out, HFTensor) and (".attention.q_norm." in fqn or ".attention.k_norm." in fqn):
+            heads = cfg.n_heads if ".q_norm." in fqn else cfg.n_kv_heads
+            if heads is not None and cfg.head_dim is not None and shape != (heads * cfg.head_dim,):
+                raise ExportError(
+                    f"{fqn}: shape {list(shape)} is not Olmo2's q/k norm over all heads "
+                    f"[{heads} * {cfg.head_dim}] (a head-wise q/k norm, use_head_qk_norm)",
+                    fqn=fqn,
+                    hint="HF Olmo2 normalizes q and k over all heads; this model has no HF Olmo2 equivalent",
+                )
+        return out

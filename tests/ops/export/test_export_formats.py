@@ -71,6 +71,16 @@ def test_adapters_detect_themselves() -> None:
         ("unknown", [*_OLMO_CORE, "blocks.0.attention.q_norm.weight"], {"model_type": "llama"}, None),
         ("unknown", [*_OLMO_CORE, "blocks.0.feed_forward_moe.router.weight"], {"model_type": "llama"}, None),
         ("unknown", ["x.weight"], {"model_type": "llama"}, None),
+        ("unknown", [*_OLMO_CORE, "blocks.0.attention.q_norm.weight"], {"model_type": "olmo2"}, "olmo-core-olmo2"),
+        ("unknown", _OLMO_CORE, {"model_type": "olmo2"}, None),
+        ("unknown", [*_OLMO_CORE, "blocks.0.attention.q_norm.weight"], None, None),
+        ("unknown", [*_OLMO_CORE, "blocks.0.attention.q_norm.weight"], {"model_type": "olmo3"}, None),
+        (
+            "unknown",
+            [*_OLMO_CORE, "blocks.0.attention.q_norm.weight", "blocks.0.feed_forward_moe.router.weight"],
+            {"model_type": "olmo2"},
+            None,
+        ),
     ]
     for naming, fqns, config, want in cases:
         got = detect_adapter(naming, fqns, config)
@@ -164,3 +174,20 @@ def test_olmo_core_llama_refuses_what_llama_has_no_place_for() -> None:
             ExportError, match=f"{re.escape(fqn)}: OLMo-core tensor with no place in HF LlamaForCausalLM"
         ):
             ad.to_hf(fqn, (64,), AdapterConfig())
+
+
+def test_olmo_core_olmo2_refuses_a_head_wise_qk_norm() -> None:
+    """Olmo2's q/k norms span all heads; OLMo-core's head-wise one (use_head_qk_norm, [head_dim]) is refused."""
+    from ckpttool.errors import ExportError
+    from ckpttool.model.adapters import AdapterConfig, HFTensor, get_adapter
+
+    ad = get_adapter("olmo-core-olmo2")
+    cfg = AdapterConfig.from_hf_config({"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64})
+    got = ad.to_hf("blocks.0.attention.k_norm.weight", (32,), cfg)
+    assert isinstance(got, HFTensor) and got.key == "model.layers.0.self_attn.k_norm.weight"
+    with pytest.raises(
+        ExportError, match=r"blocks\.0\.attention\.q_norm\.weight: shape \[16\] is not Olmo2's q/k norm"
+    ):
+        ad.to_hf("blocks.0.attention.q_norm.weight", (16,), cfg)
+    with pytest.raises(ExportError, match="no place in HF Olmo2ForCausalLM"):
+        ad.to_hf("blocks.0.feed_forward_moe.router.weight", (8, 64), cfg)
