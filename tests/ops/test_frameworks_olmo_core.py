@@ -469,3 +469,14 @@ def test_export_as_olmo2_matches_olmo_core_converter_and_logits(olmo2_root: Path
     err = res.stderr.splitlines()[0]
     assert err.startswith("error: [E601] blocks.0.attention.q_norm.weight: OLMo-core tensor with no place in HF ")
     assert not (tmp_path / "l").exists()
+
+
+def test_olmo2_adapter_named_on_a_llama_like_model_is_refused(olmo_root: Path, tmp_path: Path) -> None:
+    """`--adapter olmo-core-olmo2` on a llama_like model (no q/k norm) renamed every tensor into Olmo2's names
+    (its pre-norms as post-norms), exit 0: Olmo2ForCausalLM loads it with q/k norms of ones and other logits.
+    It is refused (E601) naming the missing q/k norm, nothing written."""
+    res = runner.invoke(app, ["export", str(olmo_root / "run"), str(tmp_path / "o"), "--adapter", "olmo-core-olmo2"])
+    assert res.exit_code == 2, res.output
+    err = res.stderr.splitlines()[0]
+    assert err.startswith("error: [E601] ") and ": adapter olmo-core-olmo2 does not fit: no OLMo-core q/k norm" in err
+    assert not (tmp_path / "o").exists()

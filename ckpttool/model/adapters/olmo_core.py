@@ -118,6 +118,15 @@ class OlmoCoreOlmo2(_OlmoCore):
         _block("attention.k_norm.weight", "self_attn.k_norm.weight"),
     )
 
+    def misfit(self, fqns: Any) -> str | None:
+        """Without q/k norms the model is not OLMo-2 (HF Olmo2 has them in every layer: it would load ones)."""
+        if any(".attention.q_norm." in f for f in fqns):
+            return None
+        return (
+            "no OLMo-core q/k norm (blocks.N.attention.q_norm.weight) among the model tensors: HF Olmo2ForCausalLM "
+            "has one in every layer, and its post-norm blocks are not this model's if it is llama_like"
+        )
+
     @classmethod
     def detects(cls, evidence: Any) -> bool:
         """As :meth:`_OlmoCore.detects`, and the keys hold q/k norms (HF Olmo2 has them in every layer)."""
