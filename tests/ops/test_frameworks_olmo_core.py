@@ -277,16 +277,19 @@ def test_olmo_storage_info_is_never_imported(olmo_root: Path) -> None:
 
 
 def test_export_of_non_hf_names_says_what_serving_needs(olmo_root: Path, tmp_path: Path) -> None:
-    """OLMo-core names have no adapter: the export writes them as they are and the warning says what a server
-    loading HF names needs (it was only a list of renames)."""
+    """Without a config the keys do not say which adapter fits (where the norms sit): the export writes OLMo-core
+    names as they are and the warning says what a server loading HF names needs (it was only a list of renames)
+    and how to pick the OLMo-core adapter (it named only the generic --adapter)."""
     res = runner.invoke(app, ["export", str(olmo_root / "run"), str(tmp_path / "hf")])
     assert res.exit_code == 0, res.stderr
     line = next(ln for ln in res.stderr.splitlines() if ln.startswith("warning: "))
     assert line.startswith("warning: 19 key(s) outside the HF naming were exported as their fqn: ")
     assert line.endswith(
         "; transformers and vLLM look for HF names (model.layers.N...): map these with --rules FILE.yaml "
-        "(https://github.com/ckpttool/ckpttool/tree/main/docs/export.md, 'Keys') or a model adapter (--adapter)"
-    )
+        "(https://github.com/ckpttool/ckpttool/tree/main/docs/export.md, 'Keys') or a model adapter (--adapter) "
+        "(OLMo-core: --model-assets with the model's HF config.json, model_type llama or olmo2, "
+        "picks olmo-core-llama or olmo-core-olmo2)"
+    ), line
 
 
 def test_manifest_covers_the_trainer_state_of_every_rank(olmo_root: Path, tmp_path: Path) -> None:
