@@ -483,3 +483,26 @@ def test_olmo2_adapter_named_on_a_llama_like_model_is_refused(olmo_root: Path, t
     err = res.stderr.splitlines()[0]
     assert err.startswith("error: [E601] ") and ": adapter olmo-core-olmo2 does not fit: no OLMo-core q/k norm" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_olmo_core_adapter_named_on_other_names_is_refused(tmp_path: Path) -> None:
+    """`--adapter olmo-core-llama` on a checkpoint of other names (HF's) said 'model.embed_tokens.weight: OLMo-core
+    tensor with no place in HF LlamaForCausalLM ... this OLMo-core model is another variant'; it says the tensors
+    are not an OLMo-core Transformer's (E601), nothing written."""
+    import torch
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file(
+        {"model.embed_tokens.weight": torch.zeros(4, 2), "lm_head.weight": torch.zeros(4, 2)}, hf / "model.safetensors"
+    )
+    for adapter in ("olmo-core-llama", "olmo-core-olmo2"):
+        res = runner.invoke(app, ["export", str(hf), str(tmp_path / "o"), "--adapter", adapter])
+        assert res.exit_code == 2, res.output
+        err = res.stderr.splitlines()[0]
+        assert err == (
+            f"error: [E601] {hf}: adapter {adapter} does not fit: the model tensors are not an OLMo-core "
+            "Transformer's (no blocks.N.attention.w_q.weight and lm_head.w_out.weight)"
+        ), err
+        assert not (tmp_path / "o").exists()

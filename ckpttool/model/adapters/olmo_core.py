@@ -67,6 +67,15 @@ class _OlmoCore(ModelAdapter):
             return False
         return not (cls.foreign and evidence.any_fqn_contains(*cls.foreign))
 
+    def misfit(self, fqns: Any) -> str | None:
+        """Names that are not OLMo-core's (no ``blocks.N.attention.w_q`` or ``lm_head.w_out``): another trainer's."""
+        if all(any(f in fqn for fqn in fqns) for f in _OLMO_CORE):
+            return None
+        return (
+            "the model tensors are not an OLMo-core Transformer's (no blocks.N.attention.w_q.weight and "
+            "lm_head.w_out.weight)"
+        )
+
     def to_hf(self, fqn: str, shape: tuple[int, ...], cfg: AdapterConfig) -> HFTensor | Skip | None:
         """As :meth:`ModelAdapter.to_hf`; a tensor of no map is refused (an OLMo-core variant HF's class lacks).
 
@@ -119,9 +128,11 @@ class OlmoCoreOlmo2(_OlmoCore):
     )
 
     def misfit(self, fqns: Any) -> str | None:
-        """Without q/k norms the model is not OLMo-2 (HF Olmo2 has them in every layer: it would load ones)."""
-        if any(".attention.q_norm." in f for f in fqns):
-            return None
+        """As :meth:`_OlmoCore.misfit`; without q/k norms the model is not OLMo-2 (HF Olmo2 has them in every
+        layer: it would load ones)."""
+        why = super().misfit(fqns)
+        if why is not None or any(".attention.q_norm." in f for f in fqns):
+            return why
         return (
             "no OLMo-core q/k norm (blocks.N.attention.q_norm.weight) among the model tensors: HF Olmo2ForCausalLM "
             "has one in every layer, and its post-norm blocks are not this model's if it is llama_like"
