@@ -277,16 +277,19 @@ def test_olmo_storage_info_is_never_imported(olmo_root: Path) -> None:
 
 
 def test_export_of_non_hf_names_says_what_serving_needs(olmo_root: Path, tmp_path: Path) -> None:
-    """OLMo-core names have no adapter: the export writes them as they are and the warning says what a server
-    loading HF names needs (it was only a list of renames)."""
+    """Without a config the keys do not say which adapter fits (where the norms sit): the export writes OLMo-core
+    names as they are and the warning says what a server loading HF names needs (it was only a list of renames)
+    and how to pick the OLMo-core adapter (it named only the generic --adapter)."""
     res = runner.invoke(app, ["export", str(olmo_root / "run"), str(tmp_path / "hf")])
     assert res.exit_code == 0, res.stderr
     line = next(ln for ln in res.stderr.splitlines() if ln.startswith("warning: "))
     assert line.startswith("warning: 19 key(s) outside the HF naming were exported as their fqn: ")
     assert line.endswith(
         "; transformers and vLLM look for HF names (model.layers.N...): map these with --rules FILE.yaml "
-        "(https://github.com/ckpttool/ckpttool/tree/main/docs/export.md, 'Keys') or a model adapter (--adapter)"
-    )
+        "(https://github.com/ckpttool/ckpttool/tree/main/docs/export.md, 'Keys') or a model adapter (--adapter) "
+        "(OLMo-core: --model-assets with the model's HF config.json, model_type llama or olmo2, "
+        "picks olmo-core-llama or olmo-core-olmo2)"
+    ), line
 
 
 def test_manifest_covers_the_trainer_state_of_every_rank(olmo_root: Path, tmp_path: Path) -> None:
@@ -354,3 +357,152 @@ def test_manifest_covers_olmo_cores_metadata_json(olmo_root: Path, tmp_path: Pat
     assert [(f["key"], f["message"].split(":")[0]) for f in doc["findings"] if f["code"] == "S015"] == [
         (".metadata.json", "changed")
     ]
+
+
+def _olmo_core_model(config: object, state: dict) -> object:
+    """OLMo-core's own model of ``config`` (a ``TransformerConfig``) holding ``state``, for its forward."""
+    model = config.build(init_device="cpu")  # type: ignore[attr-defined]
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def _check_against_olmo_core(
+    out: Path, hf_config: object, olmo_config: object, state: dict, model_class: type, *, atol: float
+) -> None:
+    """The export in ``out`` holds what OLMo-core's own ``convert_state_to_hf`` makes of ``state`` (names and
+    bytes), and ``model_class`` loaded from it gives OLMo-core's logits (fp32, within ``atol``)."""
+    import torch
+    from olmo_core.nn.hf.convert import convert_state_to_hf
+    from safetensors.torch import load_file
+
+    got = load_file(out / "model.safetensors")
+    want = convert_state_to_hf(hf_config, state)  # type: ignore[arg-type]
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and got[k].equal(v), k
+    hf = model_class.from_pretrained(out, torch_dtype=torch.float32).eval()  # type: ignore[attr-defined]
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = _olmo_core_model(olmo_config, state)(ids).float()  # type: ignore[operator]
+        logits = hf(ids).logits.float()
+    assert ref.shape == logits.shape == (2, 16, 128)
+    assert (logits - ref).abs().max().item() <= atol, (logits - ref).abs().max().item()
+
+
+def test_export_as_llama_matches_olmo_core_converter_and_logits(olmo_root: Path, tmp_path: Path) -> None:
+    """The export of a llama_like OLMo-core model wrote its OLMo-core names (blocks.0.attention.w_q.weight, ...)
+    with a warning, which transformers cannot load. Given the model's Llama config.json (`--model-assets`) the
+    olmo-core-llama adapter is detected (or named with --adapter): the tensors are those of OLMo-core's own
+    convert_state_to_hf for model_type llama, bit for bit, and LlamaForCausalLM gives OLMo-core's logits."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.fixtures.olmo_core_writer import model_config
+
+    olmo_config = model_config("llama")
+    block = olmo_config.build(init_device="cpu").blocks["0"]  # type: ignore[attr-defined]
+    hf_config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=block.feed_forward.hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=block.attention.n_heads,
+        num_key_value_heads=block.attention.n_kv_heads,
+        rope_theta=block.attention.rope.theta,
+        rms_norm_eps=block.feed_forward_norm.eps,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
+    assets = tmp_path / "assets"
+    hf_config.save_pretrained(assets)
+    state = torch.load(olmo_root / "expected.pt", weights_only=True)["model"]
+    res = runner.invoke(app, ["export", str(olmo_root / "run"), str(tmp_path / "hf"), "--model-assets", str(assets)])
+    assert res.exit_code == 0, res.stderr
+    assert "warning" not in res.stderr and "olmo-core-llama" in res.stdout
+    _check_against_olmo_core(tmp_path / "hf", hf_config, olmo_config, state, LlamaForCausalLM, atol=1e-5)
+    cli("export", str(olmo_root / "run"), str(tmp_path / "named"), "--adapter", "olmo-core-llama")
+    from safetensors.torch import load_file
+
+    assert (
+        load_file(tmp_path / "named" / "model.safetensors").keys()
+        == load_file(tmp_path / "hf" / "model.safetensors").keys()
+    )
+
+
+@pytest.fixture(scope="module")
+def olmo2_root(fixture_root: Path) -> Path:
+    from tests.fixtures.writers import missing
+
+    why = missing("olmo_core.train.checkpoint", "olmo_core.nn.transformer")
+    if why:
+        pytest.skip(why)
+    from tests.fixtures.olmo_core_writer import build_olmo_core_olmo2
+
+    return cached_build(fixture_root, "writers_olmo_core_olmo2", build_olmo_core_olmo2)
+
+
+def test_export_as_olmo2_matches_olmo_core_converter_and_logits(olmo2_root: Path, tmp_path: Path) -> None:
+    """An OLMo-2 model (reordered_norm block: post-norms, q/k norm) saved by OLMo-core's Checkpointer was exported
+    under its OLMo-core names. With the config.json OLMo-core's own get_hf_config writes for it (Olmo2Config), the
+    olmo-core-olmo2 adapter is detected: attention_norm -> post_attention_layernorm, feed_forward_norm ->
+    post_feedforward_layernorm, q/k norms kept; the tensors are OLMo-core's convert_state_to_hf's bit for bit and
+    Olmo2ForCausalLM gives OLMo-core's logits. The Llama adapter, named on it, refuses its q_norm (E601)."""
+    import torch
+    from olmo_core.nn.hf.config import get_hf_config
+    from transformers import Olmo2ForCausalLM
+
+    from tests.fixtures.olmo_core_writer import model_config
+
+    olmo_config = model_config("olmo2")
+    hf_config = get_hf_config(olmo_config.build(init_device="cpu"))  # type: ignore[attr-defined]
+    assert hf_config.model_type == "olmo2"
+    hf_config.max_position_embeddings = 64  # get_hf_config's -1: unbounded
+    assets = tmp_path / "assets"
+    hf_config.save_pretrained(assets)
+    state = torch.load(olmo2_root / "expected.pt", weights_only=True)["model"]
+    res = runner.invoke(app, ["export", str(olmo2_root / "run"), str(tmp_path / "hf"), "--model-assets", str(assets)])
+    assert res.exit_code == 0, res.stderr
+    assert "warning" not in res.stderr and "olmo-core-olmo2" in res.stdout
+    _check_against_olmo_core(tmp_path / "hf", hf_config, olmo_config, state, Olmo2ForCausalLM, atol=1e-5)
+    # the keys alone do not say where the norms sit: no config, raw names and the warning (as before)
+    res = runner.invoke(app, ["export", str(olmo2_root / "run"), str(tmp_path / "raw")])
+    assert res.exit_code == 0 and "outside the HF naming were exported as their fqn" in res.stderr, res.stderr
+    res = runner.invoke(app, ["export", str(olmo2_root / "run"), str(tmp_path / "l"), "--adapter", "olmo-core-llama"])
+    assert res.exit_code == 2, res.output
+    err = res.stderr.splitlines()[0]
+    assert err.startswith("error: [E601] blocks.0.attention.q_norm.weight: OLMo-core tensor with no place in HF ")
+    assert not (tmp_path / "l").exists()
+
+
+def test_olmo2_adapter_named_on_a_llama_like_model_is_refused(olmo_root: Path, tmp_path: Path) -> None:
+    """`--adapter olmo-core-olmo2` on a llama_like model (no q/k norm) renamed every tensor into Olmo2's names
+    (its pre-norms as post-norms), exit 0: Olmo2ForCausalLM loads it with q/k norms of ones and other logits.
+    It is refused (E601) naming the missing q/k norm, nothing written."""
+    res = runner.invoke(app, ["export", str(olmo_root / "run"), str(tmp_path / "o"), "--adapter", "olmo-core-olmo2"])
+    assert res.exit_code == 2, res.output
+    err = res.stderr.splitlines()[0]
+    assert err.startswith("error: [E601] ") and ": adapter olmo-core-olmo2 does not fit: no OLMo-core q/k norm" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_olmo_core_adapter_named_on_other_names_is_refused(tmp_path: Path) -> None:
+    """`--adapter olmo-core-llama` on a checkpoint of other names (HF's) said 'model.embed_tokens.weight: OLMo-core
+    tensor with no place in HF LlamaForCausalLM ... this OLMo-core model is another variant'; it says the tensors
+    are not an OLMo-core Transformer's (E601), nothing written."""
+    import torch
+    from safetensors.torch import save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file(
+        {"model.embed_tokens.weight": torch.zeros(4, 2), "lm_head.weight": torch.zeros(4, 2)}, hf / "model.safetensors"
+    )
+    for adapter in ("olmo-core-llama", "olmo-core-olmo2"):
+        res = runner.invoke(app, ["export", str(hf), str(tmp_path / "o"), "--adapter", adapter])
+        assert res.exit_code == 2, res.output
+        err = res.stderr.splitlines()[0]
+        assert err == (
+            f"error: [E601] {hf}: adapter {adapter} does not fit: the model tensors are not an OLMo-core "
+            "Transformer's (no blocks.N.attention.w_q.weight and lm_head.w_out.weight)"
+        ), err
+        assert not (tmp_path / "o").exists()

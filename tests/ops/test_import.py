@@ -619,7 +619,10 @@ def test_import_offers_only_the_adapters_it_writes_through() -> None:
     assert "torchtune-llama" not in imp.stdout
     exp = runner.invoke(app, ["export", "--help"], env=wide)
     assert exp.exit_code == 0, exp.output
-    assert "--adapter <torchtitan-llama3|torchtitan-qwen3|megatron-gpt|torchtune-llama|hf>" in exp.stdout, exp.stdout
+    assert (
+        "--adapter <torchtitan-llama3|torchtitan-qwen3|megatron-gpt|torchtune-llama|olmo-core-llama|olmo-core-olmo2|hf>"
+        in exp.stdout
+    ), exp.stdout
 
 
 @pytest.mark.parametrize("schema", ["torch-native", "torchtitan", "megatron"])

@@ -3,9 +3,9 @@
 Torch-free (names and shapes only; the export / import streaming path moves the bytes).
 Each adapter module registers its class (:func:`~.registry.register_adapter`) with its
 detection predicate (:meth:`ModelAdapter.detects`); :data:`ADAPTERS` holds them by name:
-``torchtitan-llama3``, ``torchtitan-qwen3``, ``hf`` (identity). Selected with
-``--adapter NAME`` or by :func:`detect_adapter` (the one adapter whose predicate claims
-the key schema's naming, the keys and the config's ``model_type``). See ``docs/export.md``
+``torchtitan-llama3``, ``torchtitan-qwen3``, ``megatron-gpt``, ``torchtune-llama``, ``olmo-core-llama``,
+``olmo-core-olmo2``, ``hf`` (identity). Selected with ``--adapter NAME`` or by :func:`detect_adapter` (the one
+adapter whose predicate claims the key schema's naming, the keys and the config's ``model_type``). See ``docs/export.md``
 ("Model adapters").
 
 Usage::
@@ -18,7 +18,7 @@ Usage::
 from __future__ import annotations
 
 # the built-in adapters register themselves on import, in the order ``--adapter`` lists them
-from ckpttool.model.adapters import llama3, qwen3, megatron, torchtune_llama, identity  # noqa: F401  # isort: skip
+from ckpttool.model.adapters import llama3, qwen3, megatron, torchtune_llama, olmo_core, identity  # noqa: F401  # isort: skip
 from ckpttool.model.adapters.base import (
     AdapterConfig,
     HFTensor,

@@ -276,6 +276,11 @@ class ModelAdapter:
             return False
         return not (cls.foreign and evidence.any_fqn_contains(*cls.foreign))
 
+    def misfit(self, fqns: Any) -> str | None:
+        """Why this adapter, named with ``--adapter``, cannot export a checkpoint of these model fqns as a whole
+        (a tensor every model of the HF family has is missing), or ``None`` (the default: per tensor only)."""
+        return None
+
     def _match(self, fqn: str) -> tuple[KeyMap, re.Match[str]] | None:
         for m in self.maps:
             hit = m._re.fullmatch(fqn)

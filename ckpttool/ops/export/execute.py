@@ -1612,11 +1612,18 @@ def export_adapter(cat: Catalog, opts: ExportOptions, model_config: dict[str, An
 
     Raises:
         UsageError: an unknown ``adapter`` name, or one given with the ``lora`` format.
+        ExportError (E601): the ``adapter`` named does not fit the model tensors as a whole (:meth:`ModelAdapter.misfit`).
     """
     out_format = get_format(opts.fmt)
     if opts.adapter is not None:
         ad = get_adapter(opts.adapter)
         out_format.check_model_adapter(ad)
+        why = ad.misfit(cat.param_fqns)
+        if why is not None:
+            raise ExportError(
+                f"{cat.path}: adapter {ad.name} does not fit: {why}",
+                hint="pick the adapter of the model's family (export --help lists them), or leave `adapter` out",
+            )
         return ad
     if not out_format.detects_model_adapter:
         return None

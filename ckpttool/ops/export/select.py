@@ -78,8 +78,15 @@ class RuleKeys:
             warnings.append(
                 f"{len(self.renamed)} key(s) outside the HF naming were exported as their fqn: {shown(self.renamed, 5)}"
                 f"; transformers and vLLM look for HF names (model.layers.N...): map these with `rules` FILE.yaml "
-                "(docs/export.md, 'Keys') or a model adapter (`adapter`)"
+                "(docs/export.md, 'Keys') or a model adapter (`adapter`)" + _OLMO_CORE_HINT.get(cat.schema.id, "")
             )
+
+
+#: what the raw-names warning adds for a key schema whose adapter a config picks (the keys alone do not)
+_OLMO_CORE_HINT = {
+    "olmo-core": " (OLMo-core: `model_assets` with the model's HF config.json, model_type llama or olmo2, "
+    "picks olmo-core-llama or olmo-core-olmo2)"
+}
 
 
 class AdapterKeys:

@@ -45,6 +45,10 @@ def test_the_cli_choices_and_help_are_the_registry() -> None:
     assert f"--adapter <{'|'.join(ADAPTERS)}>" in res.stdout
 
 
+#: an OLMo-core Transformer's fqns (``TransformerConfig.llama_like``)
+_OLMO_CORE = ["embeddings.weight", "blocks.0.attention.w_q.weight", "lm_head.norm.weight", "lm_head.w_out.weight"]
+
+
 def test_adapters_detect_themselves() -> None:
     # one predicate per adapter module, no chain: each case is claimed by at most one adapter
     cases: list[tuple[str, list[str], dict[str, Any] | None, str | None]] = [
@@ -60,6 +64,23 @@ def test_adapters_detect_themselves() -> None:
         ("torchtune", ["layers.0.attn.q_norm.weight"], None, None),
         ("torchtune", ["layers.0.attn.q_proj.weight"], {"model_type": "qwen3"}, None),
         ("megatron", ["decoder.layers.self_attention.linear_qkv.weight"], None, "megatron-gpt"),
+        # OLMo-core: the keys do not say where the norms sit (llama_like or OLMo-2's reordered_norm): a config does
+        ("unknown", _OLMO_CORE, {"model_type": "llama"}, "olmo-core-llama"),
+        ("unknown", _OLMO_CORE, None, None),
+        ("unknown", _OLMO_CORE, {"model_type": "gemma3_text"}, None),
+        ("unknown", [*_OLMO_CORE, "blocks.0.attention.q_norm.weight"], {"model_type": "llama"}, None),
+        ("unknown", [*_OLMO_CORE, "blocks.0.feed_forward_moe.router.weight"], {"model_type": "llama"}, None),
+        ("unknown", ["x.weight"], {"model_type": "llama"}, None),
+        ("unknown", [*_OLMO_CORE, "blocks.0.attention.q_norm.weight"], {"model_type": "olmo2"}, "olmo-core-olmo2"),
+        ("unknown", _OLMO_CORE, {"model_type": "olmo2"}, None),
+        ("unknown", [*_OLMO_CORE, "blocks.0.attention.q_norm.weight"], None, None),
+        ("unknown", [*_OLMO_CORE, "blocks.0.attention.q_norm.weight"], {"model_type": "olmo3"}, None),
+        (
+            "unknown",
+            [*_OLMO_CORE, "blocks.0.attention.q_norm.weight", "blocks.0.feed_forward_moe.router.weight"],
+            {"model_type": "olmo2"},
+            None,
+        ),
     ]
     for naming, fqns, config, want in cases:
         got = detect_adapter(naming, fqns, config)
@@ -134,3 +155,39 @@ def test_an_unregistered_format_is_a_usage_error(sample_ckpt: Path, tmp_path: Pa
 
     with pytest.raises(UsageError, match=r"`fmt` 'fp8' is not one of hf, lora, hf-merged"):
         export_checkpoint(sample_ckpt, tmp_path / "o", ExportOptions(fmt="fp8"))
+
+
+def test_olmo_core_llama_refuses_what_llama_has_no_place_for() -> None:
+    """An OLMo-core tensor LlamaForCausalLM lacks (q/k norm, MoE, a bias) is refused by name, never dropped."""
+    from ckpttool.errors import ExportError
+    from ckpttool.model.adapters import AdapterConfig, HFTensor, get_adapter
+
+    ad = get_adapter("olmo-core-llama")
+    got = ad.to_hf("blocks.1.attention_norm.weight", (64,), AdapterConfig())
+    assert isinstance(got, HFTensor) and got.key == "model.layers.1.input_layernorm.weight"
+    for fqn in (
+        "blocks.0.attention.q_norm.weight",
+        "blocks.0.feed_forward_moe.router.weight",
+        "blocks.0.attention.w_q.bias",
+    ):
+        with pytest.raises(
+            ExportError, match=f"{re.escape(fqn)}: OLMo-core tensor with no place in HF LlamaForCausalLM"
+        ):
+            ad.to_hf(fqn, (64,), AdapterConfig())
+
+
+def test_olmo_core_olmo2_refuses_a_head_wise_qk_norm() -> None:
+    """Olmo2's q/k norms span all heads; OLMo-core's head-wise one (use_head_qk_norm, [head_dim]) is refused."""
+    from ckpttool.errors import ExportError
+    from ckpttool.model.adapters import AdapterConfig, HFTensor, get_adapter
+
+    ad = get_adapter("olmo-core-olmo2")
+    cfg = AdapterConfig.from_hf_config({"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64})
+    got = ad.to_hf("blocks.0.attention.k_norm.weight", (32,), cfg)
+    assert isinstance(got, HFTensor) and got.key == "model.layers.0.self_attn.k_norm.weight"
+    with pytest.raises(
+        ExportError, match=r"blocks\.0\.attention\.q_norm\.weight: shape \[16\] is not Olmo2's q/k norm"
+    ):
+        ad.to_hf("blocks.0.attention.q_norm.weight", (16,), cfg)
+    with pytest.raises(ExportError, match="no place in HF Olmo2ForCausalLM"):
+        ad.to_hf("blocks.0.feed_forward_moe.router.weight", (8, 64), cfg)
