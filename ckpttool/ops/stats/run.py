@@ -834,7 +834,7 @@ def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str
             "different models? (the change is between checkpoints of one run)",
         )
     got = map_ordered(
-        lambda p: _pair_sums(a, p[1], b, p[2], p[3], stacked_prefix(a, p[0])),
+        lambda p: _pair_sums(a, p[1], b, p[2], p[3], _pair_stack(a, p[1], b, p[2], p[0])),
         pairs,
         workers=worker_count(opts.workers, max(1, len(pairs))),
     )
@@ -851,6 +851,16 @@ def _layer_changes(a: str, b: str, got: Iterable[list[tuple[str, float, float]]]
             acc[1] += a2
             acc[2] += 1
     return [LayerChange(a, b, layer, _relative(d2, a2), int(n)) for layer, (d2, a2, n) in per.items()]
+
+
+def _pair_stack(a: Checkpoint, ka: str, b: Checkpoint, kb: str, fqn: str) -> str | None:
+    """The stacked-layer prefix of a tensor compared per layer: stacked on both sides one layer per chunk (as each
+    side's rows are grouped, :func:`_split_layers`; no read of a whole tensor of several layers per chunk)."""
+    prefix = stacked_prefix(a, fqn)
+    ea, eb = a.catalog.model[ka], b.catalog.model[kb]
+    if prefix is None or not ea.shape or any(c.sizes[0] != 1 for c in (*ea.chunks, *eb.chunks)):
+        return None
+    return prefix
 
 
 def _relative(d2: float, a2: float) -> float:

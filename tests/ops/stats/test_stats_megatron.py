@@ -169,3 +169,29 @@ def test_plot_has_a_point_per_layer(tmp_path: Path) -> None:
     svg = out.read_text()
     assert "decoder.layers.0" in svg and "decoder.layers.1" in svg
     assert "decoder.layers.mlp" not in svg
+
+
+def test_stack_in_chunks_of_several_layers_is_grouped_whole(tmp_path: Path) -> None:
+    """A stacked tensor saved in chunks of several layers (torch's ``dcp.save`` of the state megatron's save holds,
+    loaded whole) is measured as one group, named in a note, never read whole for the change between steps."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    src = DATA / "dense1" / "iter_0000003"
+    state = {k: v for k, v in torch_state(src, tmp_path).items() if isinstance(v, torch.Tensor)}
+    out = tmp_path / "whole" / "iter_0000003"
+    dcp.save(state, checkpoint_id=str(out))
+    for name in ("common.pt", "metadata.json"):
+        shutil.copy(src / name, out / name)
+    r = runner.invoke(app, ["stats", "--json", str(out), str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    jsonschema.validate(doc, load_schema("stats"))
+    c = doc["checkpoints"][0]
+    assert c["schema"] == "megatron"
+    assert any(n.startswith("layers stacked in chunks of several layers") for n in c["notes"]), c["notes"]
+    names = [g["name"] for g in c["layers"]]
+    assert "decoder.layers.mlp.linear_fc1" in names and "decoder.layers.0" not in names
+    assert {ch["layer"] for ch in doc["changes"]} == set(names)
+    assert all(ch["relative"] == 0.0 for ch in doc["changes"])
