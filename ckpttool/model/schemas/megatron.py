@@ -45,6 +45,8 @@ COMMON_FILE = "common.pt"
 METADATA_JSON = "metadata.json"
 _STATE_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.state\.([A-Za-z_][A-Za-z0-9_]*)\.(.+)$")
 _EXPERTS = ".experts.experts."
+#: The fqn prefix of the parameters megatron stores with the layers stacked on dim 0.
+STACKED_PREFIX = "decoder.layers."
 
 
 #: Megatron's state field names that have a ckpttool name: ``fp32_param`` is the FP32 master
@@ -72,7 +74,7 @@ def chain_of(state_key: str) -> int:
 def per_layer_shape(fqn: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The parameter's own shape: without the stacked layer dim (``decoder.layers.``) and expert dim."""
     n = 0
-    if fqn.startswith("decoder.layers."):
+    if fqn.startswith(STACKED_PREFIX):
         n = 2 if _EXPERTS in fqn else 1
     return shape[n:]
 
@@ -252,6 +254,7 @@ SPEC = SchemaSpec(
     priority=40,
     split_state_key=split_state_key,
     files_read=(COMMON_FILE,),
+    stacked_layers=(STACKED_PREFIX,),
     doc_model="`<key>` (top level, layers stacked: `decoder.layers.<...> [L, ...]`)",
     doc_optimizer="`[chained_N.]optimizer.state.<field>.<key>` (field first); groups in `common.pt`",
     doc_written_by="megatron-core `dist_checkpointing.save` (`torch_dist`), Megatron-LM `iter_N/`",

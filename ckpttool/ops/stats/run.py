@@ -14,9 +14,9 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import PurePath
 from typing import Any
 
@@ -103,22 +103,64 @@ class _Work:
     entry: TensorEntry
     moment_key: str | None = None  # exp_avg_sq read with exp_avg ``key``
     hyper: AdamHyper | None = None
-    expert_dim: bool = False
+    expert_dim: int | None = None  # the experts' dim (``[E, ...]``: 0; stacked layers ``[L, E, ...]``: 1)
 
 
-def _is_expert(fqn: str, entry: TensorEntry) -> bool:
-    return len(entry.shape) == 3 and "expert" in fqn.lower() and entry.shape[0] > 1
+def stacked_prefix(ckpt: Checkpoint, fqn: str) -> str | None:
+    """The prefix of ``fqn`` under which its checkpoint's key schema stores every layer stacked on dim 0
+    (:attr:`~ckpttool.model.schemas.base.SchemaSpec.stacked_layers`: Megatron-core's ``decoder.layers.``), else ``None``."""
+    from ckpttool.model.schemas import registry
+
+    spec = registry.find(ckpt.catalog.schema.id)
+    if spec is None:
+        return None
+    return next((p for p in spec.stacked_layers if fqn.startswith(p)), None)
+
+
+#: Why a stacked tensor's layers are grouped together (its chunks hold several layers each).
+STACKED_CHUNKS_NOTE = "layers stacked in chunks of several layers each: measured together as one group"
+
+
+def _split_layers(
+    ckpt: Checkpoint, fqn: str, entry: TensorEntry, notes: dict[str, list[str]], stacked: dict[str, str], *keys: str
+) -> bool:
+    """Whether ``fqn``'s layers are stacked on dim 0 one per chunk (what megatron-core's ``ShardedTensor`` s with a
+    prepended layer axis save): each chunk's figures are then its layer's, from the one read; ``stacked[key]``
+    is set to the layers' prefix for each of ``keys``. A stacked tensor chunked otherwise is noted and grouped whole."""
+    prefix = stacked_prefix(ckpt, fqn)
+    if prefix is None or not entry.shape:
+        return False
+    if any(c.sizes[0] != 1 for c in entry.chunks):
+        said = notes.setdefault(STACKED_CHUNKS_NOTE, [])
+        if fqn not in said:
+            said.append(fqn)
+        return False
+    stacked.update(dict.fromkeys(keys, prefix))
+    return True
+
+
+def _expert_dim(ckpt: Checkpoint, fqn: str, entry: TensorEntry, role: str, split: bool) -> int | None:
+    """The dim of a model tensor's experts: ``[E, out, in]`` (dim 0), stacked layers ``[L, E, out, in]`` split one
+    layer per chunk (``split``: dim 1); ``None``: no per-expert norms."""
+    stored = stacked_prefix(ckpt, fqn) is not None
+    d = 1 if stored else 0
+    if role != "weight" or (stored and not split):
+        return None
+    if len(entry.shape) == 3 + d and "expert" in fqn.lower() and entry.shape[d] > 1:
+        return d
+    return None
 
 
 def _run_work(ckpt: Checkpoint, w: _Work) -> tuple[ValueSums, ValueSums | None, Moments | None]:
     reader = ckpt.reader
     chunk = w.entry.chunks[w.chunk_index]
     if w.moment_key is None:
-        if not w.expert_dim:
+        if w.expert_dim is None:
             return chunk_sums(reader, w.key, chunk), None, None
-        inner = math.prod(chunk.sizes[1:])
+        d = w.expert_dim
+        inner = math.prod(chunk.sizes[d + 1 :])
         experts: dict[int, float] = {}
-        sums = chunk_sums(reader, w.key, chunk, lambda _, sq, e0: expert_sums(experts, sq, e0, inner, chunk.offsets[0]))
+        sums = chunk_sums(reader, w.key, chunk, lambda _, sq, e0: expert_sums(experts, sq, e0, inner, chunk.offsets[d]))
         sums.experts = experts
         return sums, None, None
     v_chunk = ckpt.catalog.tensors[w.moment_key].chunks[w.chunk_index]
@@ -249,16 +291,18 @@ def quantized_keys(model: dict[str, TensorEntry]) -> dict[str, str]:
 
 def _plan(
     ckpt: Checkpoint, opts: StatsOptions, notes: dict[str, list[str]]
-) -> tuple[list[_Work], dict[str, tuple[str, str]]]:
-    """The chunks to read and, per key, ``(fqn, role)``."""
+) -> tuple[list[_Work], dict[str, tuple[str, str]], dict[str, str]]:
+    """The chunks to read, per key ``(fqn, role)``, and the keys whose layers are stacked one per chunk ->
+    their layers' prefix (:func:`_split_layers`)."""
     cat = ckpt.catalog
     work: list[_Work] = []
     roles: dict[str, tuple[str, str]] = {}
+    stacked: dict[str, str] = {}
 
     def add(key: str, fqn: str, role: str, entry: TensorEntry) -> None:
         ckpt.reader.check_tiled(key, ckpt.reader.tensor_meta(key))  # each chunk is measured on its own
         roles[key] = (fqn, role)
-        expert = _is_expert(fqn, entry)
+        expert = _expert_dim(ckpt, fqn, entry, role, _split_layers(ckpt, fqn, entry, notes, stacked, key))
         work.extend(_Work(key, i, entry, expert_dim=expert) for i in range(len(entry.chunks)))
 
     if cat.optimizer_state and opts.optimizer:
@@ -274,7 +318,7 @@ def _plan(
             continue
         add(key, fqn, "weight", entry)
     if not opts.optimizer:
-        return work, roles
+        return work, roles, stacked
     for fqn, ps in cat.optimizer_state.items():
         if not _selected(fqn, cat.state_key(fqn, ""), opts.filters):
             continue
@@ -289,11 +333,12 @@ def _plan(
             for moment in (m, v):
                 ckpt.reader.check_tiled(moment.key, ckpt.reader.tensor_meta(moment.key))
             roles[m.key], roles[v.key] = (fqn, "exp_avg"), (fqn, "exp_avg_sq")
+            _split_layers(ckpt, fqn, m, notes, stacked, m.key, v.key)
             hyper = _hyper(ckpt, fqn, notes)
             work.extend(_Work(m.key, i, m, moment_key=v.key, hyper=hyper) for i in range(len(m.chunks)))
         elif m is not None or v is not None:
             notes.setdefault("moments stored with different chunks (no update size)", []).append(fqn)
-    return work, roles
+    return work, roles, stacked
 
 
 #: A variance ``sum x^2 / n - mean^2`` below this fraction of ``sum x^2 / n`` (a spread under 1e-3 of the values'
@@ -384,26 +429,42 @@ class _Group:
 
 
 def _groups(
-    rows: list[TensorValueStats], updates: dict[str, Moments], by: Callable[[str], str]
+    rows: Iterable[TensorValueStats], updates: Iterable[tuple[str, Moments]], by: Callable[[TensorValueStats], str]
 ) -> tuple[GroupStats, ...]:
+    """The groups of ``rows`` named by ``by`` (in first-row order), with the update sizes ``(group, moments)``."""
     groups: dict[str, _Group] = {}
     for r in rows:
-        groups.setdefault(by(r.fqn), _Group()).add(r)
-    for fqn, u in updates.items():
-        groups.setdefault(by(fqn), _Group()).upd.merge(u)
+        groups.setdefault(by(r), _Group()).add(r)
+    for name, u in updates:
+        groups.setdefault(name, _Group()).upd.merge(u)
     return tuple(g.result(name) for name, g in groups.items())
+
+
+def _layer_rows(
+    rows: list[TensorValueStats], stacked: dict[str, str], slices: dict[tuple[str, int], TensorValueStats]
+) -> list[TensorValueStats]:
+    """The rows ``--by layer`` groups: each tensor's, a stacked one's replaced by its layers' (in layer order)."""
+    per_key: dict[str, list[TensorValueStats]] = {}
+    for (k, _), r in sorted(slices.items(), key=lambda kv: kv[0][1]):
+        per_key.setdefault(k, []).append(r)
+    out: list[TensorValueStats] = []
+    for r in rows:
+        out.extend(per_key.get(r.key, ()) if r.key in stacked else (r,))
+    return out
 
 
 def _updates(
     ckpt: Checkpoint, moments: dict[str, Moments], hypers: dict[str, AdamHyper], rows: list[TensorValueStats]
 ) -> list[UpdateStats]:
     weight_rms = {r.fqn: r.l2 / math.sqrt(r.numel) for r in rows if r.role == "weight" and r.numel}
+    layers = {r.fqn: r.layer for r in rows}
     out = []
     for fqn, u in moments.items():
         rms = math.sqrt(u.s2 / u.numel) if u.numel else math.nan
         w = weight_rms.get(fqn)
         h = hypers[fqn]
-        out.append(UpdateStats(fqn, layer_of(fqn), h.step, h.lr, u.numel, rms, u.max, (rms / w) if w else None))
+        layer = layers.get(fqn, layer_of(fqn))
+        out.append(UpdateStats(fqn, layer, h.step, h.lr, u.numel, rms, u.max, (rms / w) if w else None))
     return out
 
 
@@ -413,10 +474,68 @@ def _work_bytes(w: _Work) -> int:
     return e.chunks[w.chunk_index].numel * (e.nbytes // max(e.numel, 1)) * (2 if w.moment_key else 1)
 
 
+class _StackedLayers:
+    """The figures per layer of the tensors whose layers are stacked on dim 0 one per chunk (``stacked``: key ->
+    the layers' prefix): each chunk's figures are its layer's (the chunk's dim-0 offset), from the one read."""
+
+    def __init__(self, stacked: dict[str, str]) -> None:
+        self.stacked = stacked
+        self.sums: dict[tuple[str, int], ValueSums] = {}  # (key, layer index)
+        self.moments: dict[tuple[str, int], Moments] = {}  # (fqn, layer index)
+        self.prefix: dict[str, str] = {}  # fqn -> the layers' prefix
+
+    def add(self, w: _Work, fqn: str, a: ValueSums, b: ValueSums | None, u: Moments | None) -> None:
+        """Fold one work item's results (``a`` of ``w.key``, ``b`` of its ``exp_avg_sq``, ``u`` the update sizes)."""
+        if w.key not in self.stacked:
+            return
+        layer = w.entry.chunks[w.chunk_index].offsets[0]
+        self.sums.setdefault((w.key, layer), ValueSums()).merge(a)
+        if w.moment_key is not None and b is not None:
+            self.sums.setdefault((w.moment_key, layer), ValueSums()).merge(b)
+        if u is not None and w.hyper is not None:
+            self.moments.setdefault((fqn, layer), Moments()).merge(u)
+            self.prefix[fqn] = self.stacked[w.key]
+
+    def rows(
+        self, roles: dict[str, tuple[str, str]], entries: dict[str, TensorEntry]
+    ) -> dict[tuple[str, int], TensorValueStats]:
+        """Each stacked tensor's rows per layer (named ``decoder.layers.3``; their ``std`` from the one pass)."""
+        return {
+            (k, i): replace(_tensor_row(k, *roles[k], entries[k], s.acc, s.acc.std), layer=f"{self.stacked[k]}{i}")
+            for (k, i), s in self.sums.items()
+        }
+
+    def experts(self, roles: dict[str, tuple[str, str]], entries: dict[str, TensorEntry]) -> tuple[ExpertNorms, ...]:
+        """Per-expert norms per layer of the stacked expert weights ``[L, E, ...]`` (megatron's global expert
+        offsets: true order)."""
+        return tuple(
+            ExpertNorms(
+                k,
+                f"{self.stacked[k]}{i}",
+                module_of(roles[k][0]),
+                tuple(math.sqrt(s.experts.get(e, 0.0)) for e in range(entries[k].shape[1])),
+            )
+            for (k, i), s in sorted(self.sums.items(), key=lambda kv: kv[0][1])
+            if s.experts and roles[k][1] == "weight"
+        )
+
+    def updates(
+        self, moments: dict[str, Moments], slices: dict[tuple[str, int], TensorValueStats]
+    ) -> list[tuple[str, Moments]]:
+        """``(layer, update sizes)`` of every parameter: a stacked one's per layer (``nan`` in a layer whose moments
+        hold NaN/Inf, as a tensor's), any other's in :func:`layer_of` its fqn."""
+        for (_, i), r in slices.items():
+            if r.role in ("exp_avg", "exp_avg_sq") and r.nonfinite and (r.fqn, i) in self.moments:
+                self.moments[(r.fqn, i)] = Moments(self.moments[(r.fqn, i)].numel, math.nan, math.nan)
+        return [(layer_of(f), u) for f, u in moments.items() if f not in self.prefix] + [
+            (f"{self.prefix[f]}{i}", u) for (f, i), u in self.moments.items()
+        ]
+
+
 def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> CheckpointStats:
     t0 = time.perf_counter()
     notes: dict[str, list[str]] = {}
-    work, roles = _plan(ckpt, opts, notes)
+    work, roles, stacked = _plan(ckpt, opts, notes)
     if not work:
         raise _nothing_to_measure(ckpt, opts, notes)
     complex_keys = [k for k in roles if ckpt.catalog.tensors[k].dtype.startswith("complex")]
@@ -439,6 +558,7 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
     sums: dict[str, ValueSums] = {}
     moments: dict[str, Moments] = {}
     hypers: dict[str, AdamHyper] = {}
+    layers = _StackedLayers(stacked)
     for w, (a, b, u) in zip(work, results):
         sums.setdefault(w.key, ValueSums()).merge(a)
         if w.moment_key is not None and b is not None:
@@ -447,8 +567,11 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
             fqn = roles[w.key][0]
             moments.setdefault(fqn, Moments()).merge(u)
             hypers[fqn] = w.hyper
+        layers.add(w, roles[w.key][0], a, b, u)
     entries = ckpt.catalog.tensors
     rows = [_tensor_row(k, roles[k][0], roles[k][1], entries[k], s.acc, _std(ckpt, k, s.acc)) for k, s in sums.items()]
+    rows = [replace(r, layer=stacked[r.key] + "*") if r.key in stacked else r for r in rows]
+    slices = layers.rows(roles, entries)
     experts = tuple(
         ExpertNorms(
             k,
@@ -457,18 +580,19 @@ def _stats_one(ckpt: Checkpoint, opts: StatsOptions, progress: Progress) -> Chec
             _true_order(ckpt, k, tuple(math.sqrt(s.experts.get(e, 0.0)) for e in range(entries[k].shape[0])), notes),
         )
         for k, s in sums.items()
-        if s.experts and roles[k][1] == "weight"
-    )
+        if s.experts and roles[k][1] == "weight" and k not in stacked
+    ) + layers.experts(roles, entries)
     _judge_moments(moments, hypers, rows, notes)
     updates = _updates(ckpt, moments, hypers, rows)
+    layer_updates = layers.updates(moments, slices)
     read = ckpt.reader.bytes_read - before
     return CheckpointStats(
         path=str(ckpt.catalog.path),
         schema=ckpt.catalog.schema.id,
         step=_saved_step(ckpt, ckpt.located),
         tensors=tuple(rows),
-        layers=_groups(rows, moments, layer_of),
-        modules=_groups(rows, moments, module_of),
+        layers=_groups(_layer_rows(rows, stacked, slices), layer_updates, lambda r: r.layer),
+        modules=_groups(rows, ((module_of(f), u) for f, u in moments.items()), lambda r: module_of(r.fqn)),
         experts=experts,
         updates=tuple(updates),
         notes=tuple(f"{why}: {len(fqns)} parameter(s), e.g. {fqns[0]}" for why, fqns in notes.items())
@@ -590,36 +714,65 @@ def _expert_order(ckpt: Checkpoint, key: str, n: int) -> tuple[int, ...] | None:
 
 
 def _pair_sums(
-    a: Checkpoint, ka: str, b: Checkpoint, kb: str, orders: tuple[Any, Any] = (None, None)
-) -> tuple[float, float]:
-    """``(sum (b - a)^2, sum a^2)`` of one tensor of two checkpoints (float64); the first is NaN when
-    either side holds a NaN or infinity (a tensor that diverged has no finite change).
+    a: Checkpoint,
+    ka: str,
+    b: Checkpoint,
+    kb: str,
+    orders: tuple[Any, Any] = (None, None),
+    stacked: str | None = None,
+) -> list[tuple[str, float, float]]:
+    """``[(layer, sum (b - a)^2, sum a^2)]`` of one tensor of two checkpoints (float64); the first is NaN when
+    either side holds a NaN or infinity there (a tensor that diverged has no finite change). One entry, the
+    tensor's layer (:func:`layer_of`); a tensor whose layers are ``stacked`` on dim 0 under that prefix: one
+    per layer (``decoder.layers.3``), from the same read.
 
     ``orders``: each side's expert order (:func:`_expert_order`) where they differ: both tensors are
     then read whole and compared in true expert order.
     """
     ea, eb = a.catalog.model[ka], b.catalog.model[kb]
-    acc = [0.0, 0.0]
-    va, vb = ValueSums(), ValueSums()
-
-    def one(sa: tuple[Any, str], sb: tuple[Any, str]) -> None:
-        (x, sq), (y, _) = va.add_raw(*sa, slot=0), vb.add_raw(*sb, slot=1)
-        acc[0] += sum_squares(y - x)
-        acc[1] += float(sq.sum())
-
-    if ea.chunks == eb.chunks and orders == (None, None):
+    whole = layer_of(a.catalog.fqn_of(ka)) if stacked is None else None
+    if (
+        ea.chunks == eb.chunks
+        and orders == (None, None)
+        and (stacked is None or all(c.sizes[0] == 1 for c in ea.chunks))
+    ):
+        per: dict[str, list[float]] = {}
         for ca, cb in zip(ea.chunks, eb.chunks):
+            acc = per.setdefault(whole or f"{stacked}{ca.offsets[0]}", [0.0, 0.0, 0.0])
+            va, vb = ValueSums(), ValueSums()
+
+            def one(
+                sa: tuple[Any, str], sb: tuple[Any, str], acc: list[float] = acc, va: ValueSums = va, vb: ValueSums = vb
+            ) -> None:
+                (x, sq), (y, _) = va.add_raw(*sa, slot=0), vb.add_raw(*sb, slot=1)
+                acc[0] += sum_squares(y - x)
+                acc[1] += float(sq.sum())
+
             pair_slabs((a.reader, ka, ca), (b.reader, kb, cb), one)
-        return (math.nan if va.acc.nonfinite or vb.acc.nonfinite else acc[0]), acc[1]
+            acc[2] += va.acc.nonfinite + vb.acc.nonfinite
+        return [(layer, math.nan if bad else d2, a2) for layer, (d2, a2, bad) in per.items()]
 
     def values(c: Checkpoint, k: str, order: Any) -> Any:
         v = tensor_values(c.reader, k)
         return v if order is None else v.reshape(len(order), -1)[list(order)].reshape(-1)
 
-    x, _ = va.add_slice(values(a, ka, orders[0]), slot=0)
-    y, _ = vb.add_slice(values(b, kb, orders[1]), slot=1)
-    d = y - x
-    return (math.nan if va.acc.nonfinite or vb.acc.nonfinite else sum_squares(d)), sum_squares(x)
+    xs, ys = values(a, ka, orders[0]), values(b, kb, orders[1])
+    parts = (
+        [(whole, xs, ys)]
+        if whole is not None
+        else [
+            (f"{stacked}{i}", x, y)
+            for i, (x, y) in enumerate(zip(xs.reshape(ea.shape[0], -1), ys.reshape(ea.shape[0], -1)))
+        ]
+    )
+    out = []
+    for layer, xv, yv in parts:
+        va, vb = ValueSums(), ValueSums()
+        x, _ = va.add_slice(xv, slot=0)
+        y, _ = vb.add_slice(yv, slot=1)
+        d = y - x
+        out.append((layer, math.nan if va.acc.nonfinite or vb.acc.nonfinite else sum_squares(d), sum_squares(x)))
+    return out
 
 
 def _pair_orders(a: Checkpoint, ka: str, b: Checkpoint, kb: str, shape: tuple[int, ...]) -> tuple[Any, Any] | None:
@@ -682,17 +835,33 @@ def _changes(a: Checkpoint, b: Checkpoint, opts: StatsOptions, skipped: list[str
             "different models? (the change is between checkpoints of one run)",
         )
     got = map_ordered(
-        lambda p: _pair_sums(a, p[1], b, p[2], p[3]), pairs, workers=worker_count(opts.workers, max(1, len(pairs)))
+        lambda p: _pair_sums(a, p[1], b, p[2], p[3], _pair_stack(a, p[1], b, p[2], p[0])),
+        pairs,
+        workers=worker_count(opts.workers, max(1, len(pairs))),
     )
+    return _layer_changes(str(ca.path), str(cb.path), got)
+
+
+def _layer_changes(a: str, b: str, got: Iterable[list[tuple[str, float, float]]]) -> list[LayerChange]:
+    """The per-layer changes from :func:`_pair_sums` ' ``(layer, sum (b - a)^2, sum a^2)`` of each tensor pair."""
     per: dict[str, list[float]] = {}
-    for (fqn, _, _, _), (d2, a2) in zip(pairs, got):
-        acc = per.setdefault(layer_of(fqn), [0.0, 0.0, 0])
-        acc[0] += d2
-        acc[1] += a2
-        acc[2] += 1
-    return [
-        LayerChange(str(ca.path), str(cb.path), layer, _relative(d2, a2), int(n)) for layer, (d2, a2, n) in per.items()
-    ]
+    for layers in got:
+        for layer, d2, a2 in layers:
+            acc = per.setdefault(layer, [0.0, 0.0, 0])
+            acc[0] += d2
+            acc[1] += a2
+            acc[2] += 1
+    return [LayerChange(a, b, layer, _relative(d2, a2), int(n)) for layer, (d2, a2, n) in per.items()]
+
+
+def _pair_stack(a: Checkpoint, ka: str, b: Checkpoint, kb: str, fqn: str) -> str | None:
+    """The stacked-layer prefix of a tensor compared per layer: stacked on both sides one layer per chunk (as each
+    side's rows are grouped, :func:`_split_layers`; no read of a whole tensor of several layers per chunk)."""
+    prefix = stacked_prefix(a, fqn)
+    ea, eb = a.catalog.model[ka], b.catalog.model[kb]
+    if prefix is None or not ea.shape or any(c.sizes[0] != 1 for c in (*ea.chunks, *eb.chunks)):
+        return None
+    return prefix
 
 
 def _relative(d2: float, a2: float) -> float:

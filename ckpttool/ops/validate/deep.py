@@ -524,6 +524,20 @@ class _Digest:
         return self.runs
 
 
+def _contiguous_start(size: tuple[int, ...], chunk: ChunkMeta) -> int | None:
+    """The global flat index of the chunk's first element where the chunk is one contiguous run of the tensor's
+    C order (every dim before its last partial one of size 1, every dim after it complete), else ``None``."""
+    partial = [d for d in range(len(size)) if chunk.sizes[d] != size[d]]
+    j = partial[-1] if partial else 0
+    if any(chunk.sizes[d] != 1 for d in range(j)):
+        return None
+    start, stride = 0, 1
+    for d in reversed(range(len(size))):
+        start += chunk.offsets[d] * stride
+        stride *= size[d]
+    return start
+
+
 def _digest_plan(ctx: Context, key: str, meta: TensorMeta, chunk: ChunkMeta) -> _Digest | None:
     """A :class:`_Digest` for a floating model tensor's chunk that spans whole rows (of fused experts: whole
     rows of each expert's matrix, dims 2.. complete; also the master weight and moments of fused experts), else
@@ -537,6 +551,9 @@ def _digest_plan(ctx: Context, key: str, meta: TensorMeta, chunk: ChunkMeta) -> 
     row = meta.numel // meta.size[0] if meta.size[0] else 0
     e = expert_count(key, tuple(meta.size))
     if tuple(chunk.sizes[1:]) != tuple(meta.size[1:]) or any(chunk.offsets[1:]):
+        start = None if e else _contiguous_start(tuple(meta.size), chunk)
+        if start is not None:  # one contiguous run all the same (megatron's one-layer chunk of a half of fc1)
+            return _Digest(start, 0)
         if not e or tuple(chunk.sizes[2:]) != tuple(meta.size[2:]) or any(chunk.offsets[2:]):
             return None
         row2 = row // meta.size[1] if meta.size[1] else 0

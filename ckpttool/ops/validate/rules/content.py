@@ -212,21 +212,74 @@ def identical_expert_slices(ctx: Context) -> Iterator[tuple[str, str]]:
     yield from _per_expert_copies(ctx)
 
 
+#: A layer's member tensor: its key and, of a tensor with every layer stacked on dim 0, the layer's index there.
+_Member = tuple[str, int | None]
+
+
+def _stacked_prefixes(ctx: Context) -> tuple[str, ...]:
+    """The fqn prefixes under which the key schema stores every layer stacked on dim 0 (Megatron-core's
+    ``decoder.layers.``: :attr:`~ckpttool.model.schemas.base.SchemaSpec.stacked_layers`)."""
+    from ckpttool.model.schemas import registry
+
+    spec = registry.find(ctx.cat.schema.id)
+    return spec.stacked_layers if spec is not None else ()
+
+
+def _layer_members(ctx: Context) -> dict[str, dict[int, dict[str, _Member]]]:
+    """Layer prefix -> layer index -> the layer's tensors (relative name -> member): named ``...layers.N.<rel>``,
+    or (a stacked schema) the dim-0 slices of ``decoder.layers.<rel> [L, ...]``."""
+    stacked = _stacked_prefixes(ctx)
+    layers: dict[str, dict[int, dict[str, _Member]]] = defaultdict(lambda: defaultdict(dict))
+    for key, entry in ctx.cat.model.items():
+        if not isinstance(entry, TensorEntry):
+            continue
+        fqn = ctx.cat.fqn_of(key)
+        prefix = next((p for p in stacked if fqn.startswith(p)), None)
+        if prefix is not None and entry.shape:
+            for i in range(entry.shape[0]):
+                layers[prefix][i][fqn[len(prefix) :]] = (key, i)
+            continue
+        m = _LAYER_RE.search(key)
+        if m is not None:
+            layers[key[: m.start()]][int(m.group())][key[m.end() :]] = (key, None)
+    return layers
+
+
+def _member_digest(ctx: Context, member: _Member) -> Digest | None:
+    """The digest of a layer's tensor (:func:`_tensor_digest`), of a stacked one its layer's dim-0 slice (``None``
+    where its chunks' digests do not cover the slice, or it is all zero)."""
+    key, i = member
+    if i is None:
+        return _tensor_digest(ctx, key)
+    assert ctx.deep_result is not None
+    st = ctx.deep_result.stats.get(key)
+    shape = ctx.cat.model[key].shape
+    if st is None or not st.digests or not shape[0]:
+        return None
+    row = st.numel // shape[0]
+    if _zero_slice(ctx, key, i * row, row):
+        return None
+    return _slice_digest(st.digests, i * row, row)
+
+
+def _layer_dims(ctx: Context, member: _Member) -> int:
+    """The dims of a layer's tensor (a stacked one's without the layer dim)."""
+    key, i = member
+    return len(ctx.cat.model[key].shape) - (i is not None)
+
+
 @rule("D010")
 def identical_layers(ctx: Context) -> Iterator[tuple[str, str]]:
     if not _trained(ctx):
         return
-    layers: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
-    for key, entry in ctx.cat.model.items():
-        m = _LAYER_RE.search(key)
-        if m is not None and isinstance(entry, TensorEntry):
-            layers[key[: m.start()]][int(m.group())][key[m.end() :]] = key
+    layers = _layer_members(ctx)
+
     for prefix, by_index in layers.items():
         sig: dict[int, Any] = {}
         for i, members in by_index.items():
-            if not any(len(ctx.cat.model[k].shape) >= 2 for k in members.values()):
+            if not any(_layer_dims(ctx, k) >= 2 for k in members.values()):
                 continue
-            parts = tuple((rel, _tensor_digest(ctx, k)) for rel, k in sorted(members.items()))
+            parts = tuple((rel, _member_digest(ctx, k)) for rel, k in sorted(members.items()))
             sig[i] = parts if all(d is not None for _, d in parts) else None
         for g in filter(None, (_separate_parameters(ctx, by_index, g) for g in _groups(sig))):
             yield (
@@ -236,7 +289,7 @@ def identical_layers(ctx: Context) -> Iterator[tuple[str, str]]:
             )
 
 
-def _separate_parameters(ctx: Context, by_index: dict[int, dict[str, str]], group: list[int]) -> list[int] | None:
+def _separate_parameters(ctx: Context, by_index: dict[int, dict[str, _Member]], group: list[int]) -> list[int] | None:
     """The layers of ``group`` (bitwise identical) that are separate parameters, when two or more are; else ``None``.
 
     One module used at several depths (ALBERT-style sharing, ``nn.ModuleList([block] * n)``) is one set of
@@ -246,7 +299,7 @@ def _separate_parameters(ctx: Context, by_index: dict[int, dict[str, str]], grou
     state = ctx.cat.optimizer_state
 
     def stepped(i: int) -> bool:
-        return any((ps := state.get(ctx.cat.fqn_of(k))) is not None and ps.fields for k in by_index[i].values())
+        return any((ps := state.get(ctx.cat.fqn_of(k))) is not None and ps.fields for k, _ in by_index[i].values())
 
     own = [i for i in group if stepped(i)]
     if not own:
