@@ -150,7 +150,7 @@ def test_validate_fails_per_tensor_scales_beside_an_unreadable_config(tmp_path: 
     assert res.exit_code == 1, (res.stdout, res.stderr)
     found = [(f["code"], f["key"], f["message"]) for f in json.loads(res.stdout)["findings"]]
     assert [(c, k) for c, k, _ in found] == [("M020", f"{UP}.weight_scale")], found
-    assert "config.json, whose quantization_config says how, cannot be read: " in found[0][2], found
+    assert "no quantization_config says how: the folder's config.json cannot be read: " in found[0][2], found
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"quantization_config": FP8["quantization_config"]}))
     res = runner.invoke(app, ["validate", str(d), "--strict", "--deep", "--config", str(cfg), "--json"])
@@ -243,7 +243,7 @@ def test_scaled_fp8_weights_without_a_quantization_config_are_m024(tmp_path: Pat
     assert res.exit_code == 1, (res.stdout, res.stderr)
     found = [f for f in json.loads(res.stdout)["findings"] if f["fails"]]
     assert [(f["code"], f["key"]) for f in found] == [("M024", f"{UP}.weight_scale")], found
-    assert "no quantization_config says how the scale applies" in found[0]["message"]
+    assert "scales a float8 weight, but no quantization_config says how: " in found[0]["message"]
     # under its own quantization_config it is read as the convention says: no M024
     (d / "config.json").write_text(json.dumps(FP8))
     res = runner.invoke(app, ["validate", str(d), "--strict", "--deep", "--json"])

@@ -54,8 +54,7 @@ class _OlmoCore(ModelAdapter):
     """The shared detection and refusal; subclasses set :attr:`maps` and :attr:`hf_model_type`."""
 
     naming = "unknown"
-    hf_model_type = ""
-    hf_class = ""
+    hf_model_type, hf_class = "", ""  # the HF model type that picks the subclass, and the class it writes for
 
     @classmethod
     def detects(cls, evidence: Any) -> bool:

@@ -93,22 +93,29 @@ def _scales_without_config(ctx: Context, tensors: dict[str, tuple[str, tuple[int
     """One finding when the folder's own ``config.json`` cannot be read and float8 weights have an ``x.weight_scale``:
     only its ``quantization_config`` says whether and how they scale (``import`` and ``inspect`` refuse the config)."""
     err = ctx.own_config_error
-    if err is None:
-        return
-    scales = [
+    if err is not None:
+        yield from _one_finding(
+            _float8_weight_scales(tensors), f"the folder's config.json cannot be read: {err.message}"
+        )
+
+
+def _float8_weight_scales(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
+    """The ``x.weight_scale`` keys of float8 weights without an ``x.weight_scale_inv`` (not block FP8), sorted."""
+    return [
         k
         for k in sorted(tensors)
         if k.endswith(".weight_scale")
         and tensors.get(k[: -len("_scale")], ("",))[0].startswith("float8_")
         and k[: -len("_scale")] + _SUFFIX not in tensors
     ]
+
+
+def _one_finding(scales: list[str], why: str) -> Iterator[tuple[str, str]]:
+    """One finding for ``scales`` (the first named, the others counted): they scale float8 weights, and ``why``
+    nothing says how."""
     if scales:
         more = f" (and {len(scales) - 1} more)" if len(scales) > 1 else ""
-        yield (
-            scales[0],
-            f"{scales[0]}{more}: scales a float8 weight, but the folder's config.json, whose quantization_config says "
-            f"how, cannot be read: {err.message}",
-        )
+        yield scales[0], f"{scales[0]}{more}: scales a float8 weight, but no quantization_config says how: {why}"
 
 
 def _pairs(ctx: Context) -> tuple[list[QuantPair], list[tuple[str, str]]]:
@@ -216,18 +223,7 @@ def fp8_scales_unconfigured(ctx: Context) -> Iterator[tuple[str, str]]:
         return  # read under its quantization_config (M020 / M021), or the unreadable config is M020's finding
     where = "no config.json in the folder, no --config" if cfg is None else "the config has none"
     tensors = {k: (t.dtype, tuple(t.shape)) for k, t in ctx.cat.model.items()}
-    scaled = [
-        k
-        for k, (dt, _) in sorted(tensors.items())
-        if dt.startswith("float8_") and k + "_scale" in tensors and k + _SUFFIX not in tensors
-    ]
-    if scaled:
-        more = f" (and {len(scaled) - 1} more)" if len(scaled) > 1 else ""
-        yield (
-            scaled[0] + "_scale",
-            f"{scaled[0]}{more}: a float8 weight with an x.weight_scale, but no quantization_config says how the "
-            f"scale applies ({where}): read as its stored FP8 codes",
-        )
+    yield from _one_finding(_float8_weight_scales(tensors), f"{where}; the weights were read as their stored FP8 codes")
 
 
 @rule("M022")
