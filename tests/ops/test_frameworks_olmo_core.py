@@ -21,16 +21,21 @@ pytestmark = pytest.mark.slow  # a 2-rank gloo job of OLMo-core's trainer checkp
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def olmo_root(fixture_root: Path) -> Path:
+def _olmo_run(fixture_root: Path, name: str, builder: str) -> Path:
+    """The cached run ``name`` that OLMo-core's own save code writes (``olmo_core_writer.<builder>``); skipped where
+    OLMo-core is not installed."""
+    from tests.fixtures import olmo_core_writer
     from tests.fixtures.writers import missing
 
     why = missing("olmo_core.train.checkpoint", "olmo_core.nn.transformer")
     if why:
         pytest.skip(why)
-    from tests.fixtures.olmo_core_writer import build_olmo_core
+    return cached_build(fixture_root, name, getattr(olmo_core_writer, builder))
 
-    return cached_build(fixture_root, "writers_olmo_core", build_olmo_core)
+
+@pytest.fixture(scope="module")
+def olmo_root(fixture_root: Path) -> Path:
+    return _olmo_run(fixture_root, "writers_olmo_core", "build_olmo_core")
 
 
 def cli(*args: str, code: int = 0) -> str:
@@ -431,14 +436,7 @@ def test_export_as_llama_matches_olmo_core_converter_and_logits(olmo_root: Path,
 
 @pytest.fixture(scope="module")
 def olmo2_root(fixture_root: Path) -> Path:
-    from tests.fixtures.writers import missing
-
-    why = missing("olmo_core.train.checkpoint", "olmo_core.nn.transformer")
-    if why:
-        pytest.skip(why)
-    from tests.fixtures.olmo_core_writer import build_olmo_core_olmo2
-
-    return cached_build(fixture_root, "writers_olmo_core_olmo2", build_olmo_core_olmo2)
+    return _olmo_run(fixture_root, "writers_olmo_core_olmo2", "build_olmo_core_olmo2")
 
 
 def test_export_as_olmo2_matches_olmo_core_converter_and_logits(olmo2_root: Path, tmp_path: Path) -> None:
