@@ -142,13 +142,14 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
     assert ctx.deep_result is not None
     state = ctx.expert_state_keys()
     moments = _moment_keys(ctx)
+    any_state = _any_state(ctx)
     flagged: set[str] = set()
     for key in [*ctx.cat.model, *state]:
         meta = ctx.reader.metadata.entries.get(key)
         st = ctx.deep_result.stats.get(key)
         if not isinstance(meta, TensorMeta) or st is None or st.zero or not st.digests:
             continue
-        if key in ctx.cat.model and _frozen(ctx, key):
+        if key in ctx.cat.model and _frozen(ctx, key, any_state):
             continue  # no expert of it ever got a gradient: an upcycled MoE's frozen experts are its step-0 copies
         if key in state and state[key] in flagged:
             continue  # the parameter's finding says it (a rank's slice written for all: its state too)
@@ -171,17 +172,23 @@ def _fused_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
             yield key, f"{key}: {n} of {e} expert slices are bitwise copies of another: {_describe(groups, 'expert')}"
 
 
-def _frozen(ctx: Context, key: str) -> bool:
-    """Model tensor ``key`` has no optimizer state while other parameters have some: frozen (``requires_grad``
-    off, or outside every param group), as torch saves no state for a parameter that never got a gradient."""
-    state = ctx.cat.optimizer_state
-    own = state.get(ctx.cat.fqn_of(key))
-    return (own is None or not own.fields) and any(ps.fields for ps in state.values())
+def _frozen(ctx: Context, key: str, any_state: bool) -> bool:
+    """Model tensor ``key`` has no optimizer state while other parameters have some (``any_state``, computed once
+    per rule: :func:`_any_state`): frozen (``requires_grad`` off, or outside every param group), as torch saves no
+    state for a parameter that never got a gradient."""
+    own = ctx.cat.optimizer_state.get(ctx.cat.fqn_of(key))
+    return any_state and (own is None or not own.fields)
+
+
+def _any_state(ctx: Context) -> bool:
+    """Some parameter of the checkpoint has optimizer state fields."""
+    return any(ps.fields for ps in ctx.cat.optimizer_state.values())
 
 
 def _per_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
     by_pattern: dict[str, dict[int, str]] = defaultdict(dict)
     moments = _moment_keys(ctx)
+    any_state = _any_state(ctx)
 
     def never_stepped(key: str) -> bool:  # all-zero moments: no token was routed to it
         return all(_zero_slice(ctx, k, 0, 0) for k in moments[key])
@@ -191,7 +198,7 @@ def _per_expert_copies(ctx: Context) -> Iterator[tuple[str, str]]:
         if m is not None and isinstance(entry, TensorEntry) and entry.numel > 0:
             by_pattern[key[: m.start()] + "#" + key[m.end() :]][int(m.group())] = key
     for pattern, keys in by_pattern.items():
-        if all(_frozen(ctx, k) for k in keys.values()):
+        if all(_frozen(ctx, k, any_state) for k in keys.values()):
             continue  # frozen experts (no state, other parameters have some): never changed since step 0
         if any(k in moments for k in keys.values()):
             # experts that never got a gradient (no state, as torch leaves a parameter whose grad stays None, or
