@@ -38,6 +38,7 @@ from ckpttool.model.schemas.keyschema import SchemaOverride
 __all__ = [
     "EPOCH_DIR",
     "MAX_DEPTH",
+    "NEWER_INCOMPLETE",
     "CheckpointSelection",
     "IncompleteStep",
     "Located",
@@ -101,6 +102,10 @@ class CheckpointSelection:
         return cls(step, Path(optimizer_dir) if optimizer_dir is not None else None, schema)
 
 
+#: How :meth:`Located.newer_incomplete_note` begins (a run root's newer step whose save did not finish).
+NEWER_INCOMPLETE = "a newer step's save did not finish"
+
+
 @dataclass(frozen=True)
 class IncompleteStep:
     """A step directory below a run root whose save did not finish.
@@ -150,6 +155,24 @@ class Located:
             "how": self.how,
             "newer_incomplete": [i.to_dict() for i in self.newer_incomplete],
         }
+
+    def newer_incomplete_note(self, done: str) -> str | None:
+        """validate's ``R001`` in one line for a command that read the chosen step (``done``: ``exported``,
+        ``measured``, ...): the newest step above it whose save did not finish; ``None`` when there is none."""
+        if not self.newer_incomplete:
+            return None
+        inc = self.newer_incomplete[0]
+        return (
+            f"{NEWER_INCOMPLETE}: step {inc.step} ({inc.path}: {inc.reason}) is newer than the {done} step "
+            f"{self.step}; `ckpttool validate` reports it (R001)"
+        )
+
+    def chosen_note(self) -> str | None:
+        """The checkpoint folder chosen below the directory given and how (``--step latest: step 2 (...)``), for
+        the commands that do not name it otherwise; ``None`` when the directory given is the checkpoint."""
+        if self.model == self.given:
+            return None
+        return f"source {self.model} ({self.how})"
 
 
 def is_checkpoint_dir(path: Path) -> bool:

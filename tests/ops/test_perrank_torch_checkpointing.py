@@ -97,6 +97,32 @@ def test_run_root_skips_the_staging_dir_and_reports_it(tc_root: Path) -> None:
     assert res.exit_code == 2 and "E202" in res.output and "tmp_step-3" in res.output
 
 
+def test_export_of_the_run_root_names_the_step_it_exported_and_the_unfinished_newer_save(
+    tc_root: Path, tmp_path: Path
+) -> None:
+    """``export RUN`` below a staging dir of a failed save exports step-2; it said neither which step it had taken
+    nor that a newer save did not finish (validate's R001), and looked like the run's latest. The exported
+    tensors equal those of step-2 exported by name."""
+    import torch
+    from safetensors.torch import load_file
+
+    res = runner.invoke(app, ["export", str(tc_root / "w1"), str(tmp_path / "a"), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["warnings"] == [
+        f"a newer step's save did not finish: step 3 ({tc_root / 'w1' / 'tmp_step-3'}: torch-checkpointing's "
+        "staging files, not renamed) is newer than the exported step 2; `ckpttool validate` reports it (R001)"
+    ]
+    assert doc["notes"][0].startswith(f"source {tc_root / 'w1' / 'step-2'} (")
+    res = runner.invoke(app, ["export", str(tc_root / "w1" / "step-2"), str(tmp_path / "b"), "--json"])
+    assert res.exit_code == 0, res.output
+    assert not json.loads(res.stdout)["warnings"] and not any(
+        n.startswith("source ") for n in json.loads(res.stdout)["notes"]
+    )
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_metadata_version_1_0_reads_as_2_0(tc_root: Path) -> None:
     """w2v1: w2's metadata.pkl in the "1.0" form (the package's own from_dict reads it back equal,
     tests/fixtures/perrank.py); torch-checkpointing's own load of it is the reference."""

@@ -1058,9 +1058,8 @@ def _select(
     check_quantized_sources(
         str(ckpt.path), selected, opts.save_dtype, opts.quantize, opts.experts or _experts(opts), cat.model
     )
-    wrapped = _wrapper_kept(ckpt, selected)
-    if wrapped is not None:
-        warnings.append(wrapped)
+    # a schema override that keeps a wrapper's prefix; validate's R001 (the run's newest save did not finish)
+    warnings.extend(w for w in (_wrapper_kept(ckpt, selected), ckpt.located.newer_incomplete_note("exported")) if w)
     return model_adapter, selected, warnings, skipped
 
 
@@ -1189,7 +1188,7 @@ def _prepare(
         chunks,
         model_config,
         config,
-        notes + fused_note + _extra_state_note(ckpt.catalog),
+        tuple(n for n in [ckpt.located.chosen_note()] if n) + notes + fused_note + _extra_state_note(ckpt.catalog),
         quantizer,
         _config_beside(ckpt, opts, out_format),
         opts.experts or "fused",

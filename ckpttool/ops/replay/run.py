@@ -486,13 +486,9 @@ def _prepare(ckpt: Checkpoint, opts: ReplayOptions) -> _Prepared:
         **same_named(opts, "select", "filter_glob", "optimizer", "offload_patterns", "chunk_size", "head_dim"),
     )
     notes = list(plan.notes)
-    loc = ckpt.located
-    if loc.newer_incomplete:  # validate's R001: the run's newest save is broken, the replay proves an older one
-        inc = loc.newer_incomplete[0]
-        notes.append(
-            f"warning: step {inc.step} ({inc.path}) is newer than the replayed step {loc.step} but its save did not "
-            f"finish ({inc.reason}); `ckpttool validate` reports it (R001)"
-        )
+    newer = ckpt.located.newer_incomplete_note("replayed")
+    if newer:  # validate's R001: the run's newest save is broken, the replay proves an older one
+        notes.append(f"warning: {newer}")
     synth = synthesized_params(reader, cat, [p.fqn for p in plan.params if p.state])
     if synth:
         notes.append(

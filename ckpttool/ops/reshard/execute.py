@@ -646,6 +646,9 @@ def _result(
     for t in plan.tensors:
         kinds[t.kind] += 1
     warnings = _extra_state_warnings(cat, extra, origin_world(cat, layout), plan.world)
+    newer = ckpt.located.newer_incomplete_note("resharded")
+    if newer:  # validate's R001: the run's newest save did not finish, an older step was resharded
+        warnings.append(newer)
     return ReshardResult(
         source=str(src_p),
         target=str(dst_p),

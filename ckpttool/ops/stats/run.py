@@ -26,7 +26,7 @@ from ckpttool.engine.stats import SlabStats
 from ckpttool.errors import CkptError, UsageError
 from ckpttool.model.catalog import TensorEntry, match_filter
 from ckpttool.model.checkpoint import Checkpoint, CheckpointOrPath, OpenOptions, open_source
-from ckpttool.model.discovery import EPOCH_DIR, Located, step_of
+from ckpttool.model.discovery import EPOCH_DIR, NEWER_INCOMPLETE, Located, step_of
 from ckpttool.ops.fields import PhaseFn, options_of, same_named
 from ckpttool.ops.stats.compute import (
     AdamHyper,
@@ -635,20 +635,14 @@ def _zero_moments(found: list[TensorValueStats]) -> bool:
 
 
 #: A run root's newer step whose save did not finish (validate's ``R001``): ``--step latest`` measured an older one.
-NEWER_INCOMPLETE_NOTE = "a newer step's save did not finish"
+NEWER_INCOMPLETE_NOTE = NEWER_INCOMPLETE
 
 
 def _newer_incomplete(ckpt: Checkpoint) -> tuple[str, ...]:
     """The note naming the newest unfinished step newer than the one measured (``--step latest`` chose the newest
-    complete one), as ``replay-step`` and ``validate``'s ``R001`` name it; none otherwise."""
-    loc = ckpt.located
-    if not loc.newer_incomplete:
-        return ()
-    inc = loc.newer_incomplete[0]
-    return (
-        f"{NEWER_INCOMPLETE_NOTE}: step {inc.step} ({inc.path}: {inc.reason}) is newer than the measured step "
-        f"{loc.step}; `ckpttool validate` reports it (R001)",
-    )
+    complete one), as the other commands reading a step name it; none otherwise."""
+    note = ckpt.located.newer_incomplete_note("measured")
+    return (note,) if note else ()
 
 
 #: Complex tensors (RoPE's ``freqs_cis``) are measured by their moduli ``|z|``: said, not passed off as their values.

@@ -653,8 +653,8 @@ def test_a_newer_incomplete_step_of_the_run_root_is_named(full_fx: Path, tmp_pat
     assert doc["checkpoint"] == str(root / "step-3") and doc["ok"]
     incomplete = [n for n in doc["notes"] if "step 4" in n]
     assert incomplete == [
-        f"warning: step 4 ({root / 'step-4'}) is newer than the replayed step 3 but its save did not finish "
-        "(1 data file(s), .metadata.tmp, no .metadata); `ckpttool validate` reports it (R001)"
+        f"warning: a newer step's save did not finish: step 4 ({root / 'step-4'}: 1 data file(s), .metadata.tmp, "
+        "no .metadata) is newer than the replayed step 3; `ckpttool validate` reports it (R001)"
     ], doc["notes"]
 
 

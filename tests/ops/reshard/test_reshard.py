@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,29 @@ def test_cli_legacy_to_canonical_is_bitwise_the_true_model(ep_suite: Path, tmp_p
     assert sorted(p.name for p in out.iterdir()) == [".ckpttool-output.json", ".metadata"] + [
         f"__{r}_0.distcp" for r in range(4)
     ]
+
+
+def test_latest_step_below_an_unfinished_newer_save_is_resharded_with_a_warning(ep_suite: Path, tmp_path: Path) -> None:
+    """A run root whose newest step has torch's data files but no ``.metadata`` (a save cut short): ``--step
+    latest`` reshards the newest complete step, and the output says which and that the newer save did not finish
+    (validate's R001), as inspect, stats and replay-step do; it said nothing and looked like the run's latest."""
+    run = tmp_path / "run"
+    shutil.copytree(ep_suite / "legacy", run / "step-4")
+    shutil.copytree(ep_suite / "legacy", run / "step-6")
+    (run / "step-6" / ".metadata").unlink()
+    out = tmp_path / "out"
+    res = cli(run, out, "--step", "latest", "--to", "canonical", *DECL, "--with-optimizer")
+    assert res.exit_code == 0, res.stderr
+    assert f"source  {run / 'step-4'}:" in res.stdout
+    want = (
+        f"a newer step's save did not finish: step 6 ({run / 'step-6'}: 4 data file(s), no .metadata) is newer "
+        "than the resharded step 4; `ckpttool validate` reports it (R001)"
+    )
+    assert want in " ".join(res.stderr.split())
+    doc = json.loads(
+        cli(run, tmp_path / "o2", "--step", "latest", "--to", "canonical", *DECL, "--with-optimizer", "--json").stdout
+    )
+    assert doc["source"] == str(run / "step-4") and doc["warnings"] == [want]
 
 
 def test_output_chunks_and_files_match_a_real_canonical_save(ep_suite: Path, outputs: dict[str, Path]) -> None:
