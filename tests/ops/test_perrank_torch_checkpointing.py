@@ -123,6 +123,19 @@ def test_export_of_the_run_root_names_the_step_it_exported_and_the_unfinished_ne
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_diff_of_the_run_root_notes_the_unfinished_newer_save(tc_root: Path) -> None:
+    """``diff RUN --step latest`` compares step-2 below a failed save's staging dir: a note says the compared step
+    is not the run's newest (validate's R001); the step directory given itself has no such note."""
+    run = tc_root / "w1"
+    res = runner.invoke(app, ["diff", str(run), str(run / "step-2"), "--step", "latest", "--json"])
+    assert res.exit_code == 0, res.output
+    notes = [n for n in json.loads(res.stdout)["notes"] if "(R001)" in n]
+    assert notes == [
+        f"A: a newer step's save did not finish: step 3 ({run / 'tmp_step-3'}: torch-checkpointing's staging "
+        "files, not renamed) is newer than the compared step 2; `ckpttool validate` reports it (R001)"
+    ]
+
+
 def test_metadata_version_1_0_reads_as_2_0(tc_root: Path) -> None:
     """w2v1: w2's metadata.pkl in the "1.0" form (the package's own from_dict reads it back equal,
     tests/fixtures/perrank.py); torch-checkpointing's own load of it is the reference."""

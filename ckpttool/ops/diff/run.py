@@ -1264,6 +1264,7 @@ def _diff(
     _fail_closed(a, b, opts, tally, seen, kept, len(pairs) - sum(ib is None for _, ib in pairs))
     notes.extend(_cross_dtype_notes(tally.stats, opts))
     notes.extend(_beside_notes(a, b, opts))
+    notes.extend(_newer_incomplete_notes(a, b))
     seconds = time.perf_counter() - t0
     log.info("diff: %d compared (%d raw), %d differences in %.3f s", tally.compared, tally.raw, tally.count, seconds)
     return DiffResult(
@@ -1310,6 +1311,18 @@ def _files_beside(side: Side) -> dict[str, str] | None:
     out = {f["file"]: f"{f['size']}:{f['digest']}" for f in sidecar_digests(Path(reader.path), skip, "xxh3-128")}
     for f in training_state_digests(Path(side.ckpt.located.model), "xxh3-128"):
         out[f"../{f['file']}"] = f"{f['size']}:{f['digest']}"
+    return out
+
+
+def _newer_incomplete_notes(a: Side, b: Side) -> list[str]:
+    """A note per side opened below a run root whose newer step's save did not finish (validate's ``R001``): the
+    step compared is not the run's newest."""
+    out = []
+    for side in (a, b):
+        where = getattr(side.ckpt, "located", None)
+        note = where.newer_incomplete_note("compared") if where is not None else None
+        if note:
+            out.append(f"{side.label}: {note}")
     return out
 
 
